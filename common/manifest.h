@@ -1,0 +1,78 @@
+/* manifest.h - a Hugging Face checkpoint directory read into a model description.
+ *
+ * Reads config.json, model.safetensors or model.safetensors.index.json with its shards,
+ * and each safetensors header; checks every tensor against the configuration (names,
+ * shapes, dtypes, ranges inside the files) and lays the groups out for slots: each group's
+ * tensors are covered by read extents aligned to 4 KiB (what O_DIRECT needs), and each
+ * tensor records where it starts in the group's slot. Only the loader opens the files;
+ * the other services see the result in the weight ring.
+ *
+ *   char err[512];
+ *   struct manifest *m;
+ *   if (manifest_load("/models/llama", &m, err, sizeof(err)) != 0) { fprintf(stderr, "%s\n", err); ... }
+ *   ... m->cfg, m->groups[g], m->tensors[t], m->extents[e], m->files[i]
+ *   manifest_destroy(&m);
+ */
+#ifndef PIPELINE_MANIFEST_H
+#define PIPELINE_MANIFEST_H
+#include <limits.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/model.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MANIFEST_ALIGN 4096u /* O_DIRECT alignment for file offsets, lengths and buffers */
+
+/* One aligned read: [file_offset, file_offset + length) of file file_index lands at
+ * slot_offset in the group's slot. file_offset, length and slot_offset are multiples of
+ * MANIFEST_ALIGN; the last extent of a file may reach past its end (the read comes back short). */
+struct read_extent {
+	uint32_t group;
+	uint32_t file_index;
+	uint64_t file_offset;
+	uint64_t length;
+	uint64_t slot_offset;
+};
+
+struct manifest_file {
+	char path[PATH_MAX]; /* absolute or as given under the model directory */
+	uint64_t size;	     /* bytes */
+	uint64_t data_start; /* 8 + header length: where tensor offsets count from */
+};
+
+struct manifest {
+	struct model_config cfg;
+	uint32_t n_tensors, n_groups, n_extents, n_files;
+	struct tensor_desc *tensors;   /* n_tensors, grouped: a group's tensors are contiguous */
+	struct group_desc *groups;     /* n_groups, by group id */
+	struct read_extent *extents;   /* n_extents, grouped */
+	struct manifest_file *files;   /* n_files */
+	uint64_t class_bytes[CLASS_COUNT]; /* slot size of each class: the largest group in it */
+	uint64_t total_tensor_bytes;   /* sum of every tensor's nbytes */
+	uint64_t hash;		       /* over cfg and tensors (names, shapes, dtypes): HELLO checks it */
+	uint32_t weight_dtype;	       /* enum dtype of the matrices (the most common one) */
+};
+
+/* Loads the checkpoint in dir. Returns 0; on failure returns -errno (-ENOENT missing
+ * directory or file, -EINVAL corrupt or inconsistent, -ENOTSUP unsupported architecture or
+ * dtype, -ENOMEM) and writes a message naming the file and the problem into err. */
+int manifest_load(const char *dir, struct manifest **out, char *err, size_t errlen);
+
+/* Frees everything. Safe on NULL and twice; NULLs *m. */
+void manifest_destroy(struct manifest **m);
+
+/* Looks up the tensor of a role in a group: returns its index or -1. For ROLE_LM_HEAD with
+ * tied embeddings this is the embed group's tensor. */
+int manifest_find_tensor(const struct manifest *m, uint32_t group, enum tensor_role role);
+
+/* The same lookup over plain tables (what the runner has from the weight ring). */
+int model_find_tensor(const struct model_config *cfg, const struct tensor_desc *tensors,
+		      const struct group_desc *groups, uint32_t group, enum tensor_role role);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

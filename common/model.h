@@ -1,0 +1,146 @@
+/* model.h - the description of a model that every service shares: its configuration,
+ * its tensors and the weight groups they form. Plain data, no pointers, so these structs
+ * are copied as they are into the weight ring in shared memory, where the gpu-runner
+ * reads them (the runner never opens model files).
+ *
+ * Groups are the unit of weight movement, numbered in the order a forward pass visits them:
+ *   0            embed   (model.embed_tokens.weight)
+ *   1 + 2*l      attn(l) (input_layernorm, q_proj, k_proj, v_proj, o_proj of layer l)
+ *   2 + 2*l      ffn(l)  (post_attention_layernorm, gate_proj, up_proj, down_proj)
+ *   1 + 2*L      head    (model.norm, lm_head; with tied embeddings the head group holds only
+ *                         the norm and the lm_head role resolves to the embed group's tensor)
+ */
+#ifndef PIPELINE_MODEL_H
+#define PIPELINE_MODEL_H
+#include <stdint.h>
+
+#include "common/dtype.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MODEL_MAX_EOS 8
+#define TENSOR_NAME_MAX 96
+
+enum model_arch {
+	ARCH_LLAMA = 1,	  /* LlamaForCausalLM */
+	ARCH_MISTRAL = 2, /* MistralForCausalLM */
+};
+
+enum rope_scaling {
+	ROPE_SCALING_NONE = 0,
+	ROPE_SCALING_LINEAR = 1,
+	ROPE_SCALING_LLAMA3 = 2,
+};
+
+struct model_config {
+	uint32_t arch;		  /* enum model_arch */
+	uint32_t n_layers;
+	uint32_t dim;		  /* hidden_size */
+	uint32_t n_heads;	  /* num_attention_heads */
+	uint32_t n_kv_heads;	  /* num_key_value_heads (== n_heads without GQA) */
+	uint32_t head_dim;	  /* head_dim, or dim / n_heads */
+	uint32_t ffn_dim;	  /* intermediate_size */
+	uint32_t vocab_size;
+	uint32_t max_position;	  /* max_position_embeddings */
+	float rms_eps;		  /* rms_norm_eps */
+	float rope_theta;
+	uint32_t rope_scaling;	  /* enum rope_scaling */
+	float rope_factor;	  /* rope_scaling.factor */
+	float rope_low_freq_factor;
+	float rope_high_freq_factor;
+	uint32_t rope_original_max_position; /* rope_scaling.original_max_position_embeddings */
+	uint32_t tie_embeddings;  /* tie_word_embeddings */
+	int32_t bos_id;		  /* -1 when none */
+	uint32_t n_eos;
+	int32_t eos_ids[MODEL_MAX_EOS];
+	uint32_t sliding_window;  /* 0 when none (Mistral v0.1 sets 4096) */
+	uint32_t reserved[7];
+};
+
+enum tensor_role {
+	ROLE_EMBED = 0,	     /* (vocab, dim) */
+	ROLE_ATTN_NORM = 1,  /* (dim) */
+	ROLE_WQ = 2,	     /* (n_heads*head_dim, dim) */
+	ROLE_WK = 3,	     /* (n_kv_heads*head_dim, dim) */
+	ROLE_WV = 4,	     /* (n_kv_heads*head_dim, dim) */
+	ROLE_WO = 5,	     /* (dim, n_heads*head_dim) */
+	ROLE_FFN_NORM = 6,   /* (dim) */
+	ROLE_W_GATE = 7,     /* (ffn_dim, dim) */
+	ROLE_W_UP = 8,	     /* (ffn_dim, dim) */
+	ROLE_W_DOWN = 9,     /* (dim, ffn_dim) */
+	ROLE_FINAL_NORM = 10,/* (dim) */
+	ROLE_LM_HEAD = 11,   /* (vocab, dim) */
+	ROLE_COUNT = 12,
+};
+
+enum group_kind {
+	GROUP_EMBED = 0,
+	GROUP_ATTN = 1,
+	GROUP_FFN = 2,
+	GROUP_HEAD = 3,
+};
+
+/* Slot size classes: groups of one class share one slot size, so nothing fragments. */
+enum size_class {
+	CLASS_ATTN = 0,
+	CLASS_FFN = 1,
+	CLASS_GLOBAL = 2, /* embed and head */
+	CLASS_COUNT = 3,
+};
+
+struct tensor_desc {
+	char name[TENSOR_NAME_MAX]; /* as in the checkpoint, NUL-terminated */
+	uint32_t group;		    /* group id */
+	uint32_t role;		    /* enum tensor_role */
+	uint32_t dtype;		    /* enum dtype */
+	uint32_t ndim;		    /* 1 or 2 */
+	uint64_t shape[2];	    /* PyTorch order: (rows, cols), or (n, 0) */
+	uint64_t nbytes;
+	uint64_t slot_offset;	    /* where the first byte lies in its group's slot */
+	uint32_t file_index;	    /* which safetensors file (loader side) */
+	uint32_t reserved;
+	uint64_t file_offset;	    /* absolute offset of the first byte in that file */
+};
+
+struct group_desc {
+	uint32_t kind;	     /* enum group_kind */
+	uint32_t layer;	     /* layer index; 0 for embed and head */
+	uint32_t size_class; /* enum size_class */
+	uint32_t first_tensor;
+	uint32_t n_tensors;
+	uint32_t first_extent; /* read extents (manifest.h), loader side */
+	uint32_t n_extents;
+	uint32_t reserved;
+	uint64_t slot_bytes; /* bytes the group occupies in a slot */
+	uint64_t tensor_bytes; /* payload bytes (sum of nbytes), what a copy to the GPU moves */
+};
+
+static inline uint32_t model_n_groups(const struct model_config *c)
+{
+	return 2 + 2 * c->n_layers;
+}
+static inline uint32_t group_id_embed(void)
+{
+	return 0;
+}
+static inline uint32_t group_id_attn(uint32_t layer)
+{
+	return 1 + 2 * layer;
+}
+static inline uint32_t group_id_ffn(uint32_t layer)
+{
+	return 2 + 2 * layer;
+}
+static inline uint32_t group_id_head(const struct model_config *c)
+{
+	return 1 + 2 * c->n_layers;
+}
+
+const char *tensor_role_name(enum tensor_role r);
+const char *group_kind_name(enum group_kind k);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,191 @@
+/* protocol.h - the message catalogue: every control message any service sends or takes.
+ *
+ * The protocol is written once, here and in codec.c. A message on the wire is one ZeroMQ
+ * frame holding the msgpack array
+ *     [PROTO_VERSION, type, correlation id, {key: value, ...}]
+ * Keys are the small integers given below; values are unsigned or signed integers,
+ * float64, strings/binary, or arrays of unsigned integers. Message types and keys are
+ * numbered by hand and only ever appended; a number is never reused.
+ *
+ * Requests go from a DEALER to a service's ROUTER (<run-dir>/<service>.ctl); replies come
+ * back with the request's correlation id. A request may be answered by several replies (a
+ * stream: MSG_TOKEN... then MSG_GEN_DONE; MSG_W_GRANT once per group). Any request may be
+ * answered by MSG_ERROR instead. Notifications go out on PUB (<run-dir>/<service>.pub).
+ *
+ * Decoding (codec.c) rejects, with a message naming the problem: bytes that are not one
+ * complete msgpack value, trailing bytes, a wrong protocol version, an unknown type, a body
+ * that is not a map, duplicate keys, a value of the wrong kind, a missing required field,
+ * strings or arrays longer than the field allows, and containers whose declared length
+ * exceeds what the bytes could hold. Unknown keys inside a known message are skipped (a
+ * newer peer may append fields).
+ *
+ *   struct msg m;
+ *   msg_init(&m, MSG_KV_ALLOC, corr);
+ *   m.kv_alloc.count = 4;
+ *   rc = msg_encode(&m, &buf, &len);          // buf: malloc'd, caller frees
+ *   rc = msg_decode(buf, len, &out, err, sizeof(err));   ... msg_free(&out);
+ */
+#ifndef PIPELINE_PROTOCOL_H
+#define PIPELINE_PROTOCOL_H
+#include <stddef.h>
+#include <stdint.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PROTO_VERSION 1
+#define PROTO_MAX_MSG_BYTES (16u << 20)	/* ZMQ_MAXMSGSIZE on every socket */
+#define PROTO_MAX_ARRAY (1u << 20)	/* elements in any u64 array */
+#define PROTO_MAX_STR (1u << 20)	/* bytes in any string */
+#define PROTO_MAX_KEYS 64		/* entries in a body map */
+#define KV_EVENT_HANDLE_BYTES 64	/* sizeof(cudaIpcEventHandle_t) */
+
+enum msg_type {
+	/* generic, every service */
+	MSG_ERROR = 1,	     /* reply: code, text */
+	MSG_OK = 2,	     /* reply: nothing */
+	MSG_HELLO = 3,	     /* request: client, proto */
+	MSG_HELLO_REPLY = 4, /* reply: service, pid, epoch, layout, manifest_hash, shm_name, shm_size */
+	MSG_PING = 5,	     /* request -> MSG_OK */
+	MSG_STATS_GET = 6,   /* request -> MSG_STATS */
+	MSG_STATS = 7,	     /* reply or PUB: service, json (a JSON object of counters) */
+	MSG_SHUTDOWN = 8,    /* request: the service replies MSG_OK and exits cleanly */
+	MSG_HEARTBEAT = 9,   /* PUB: service, pid, epoch, seq, uptime_ms */
+
+	/* ssd-loader: the weight ring */
+	MSG_W_ACQUIRE = 20, /* request: groups, release -> one MSG_W_GRANT per group as it is READY */
+	MSG_W_GRANT = 21,   /* reply: group, slot, generation, offset, bytes */
+	MSG_W_RELEASE = 22, /* request: groups -> MSG_OK */
+
+	/* kv-store: the KV block pool */
+	MSG_KV_CONFIGURE = 40, /* request: block_bytes, manifest_hash -> MSG_KV_POOL */
+	MSG_KV_POOL = 41,      /* reply: shm_name, shm_size, n_blocks, block_bytes, epoch */
+	MSG_KV_ALLOC = 42,     /* request: count -> MSG_KV_BLOCKS (each block pinned for writing) */
+	MSG_KV_BLOCKS = 43,    /* reply: handles, offsets (bytes from the pool base) */
+	MSG_KV_COMMIT = 44,    /* request: handles, keys, events -> MSG_OK */
+	MSG_KV_FETCH = 45,     /* request: handles -> MSG_KV_BLOCKS (pinned until MSG_KV_UNPIN) */
+	MSG_KV_UNPIN = 46,     /* request: handles -> MSG_OK */
+	MSG_KV_FREE = 47,      /* request: handles -> MSG_OK */
+
+	/* gpu-runner: generation */
+	MSG_GENERATE = 60, /* request: tokens, max_new, temperature, top_k, top_p, seed, stop_ids
+			    *  -> MSG_TOKEN per token, then MSG_GEN_DONE (or MSG_ERROR) */
+	MSG_TOKEN = 61,	   /* reply: index, token */
+	MSG_GEN_DONE = 62, /* reply: n_prompt, n_generated, reason, prefill_ms, decode_ms */
+};
+
+/* Error codes carried in MSG_ERROR.code: a positive errno value. */
+
+struct u64_array {
+	uint64_t *v; /* decoded: owned by the msg (msg_free); encoding: borrowed */
+	uint32_t n;
+};
+
+struct bytes {
+	char *p;      /* decoded: owned, NUL-terminated copy; encoding: borrowed */
+	uint32_t len; /* bytes, without the NUL */
+};
+
+struct msg_error { int64_t code; struct bytes text; };
+struct msg_hello { struct bytes client; uint64_t proto; };
+struct msg_hello_reply {
+	struct bytes service;
+	uint64_t pid;
+	uint64_t epoch;	       /* random, new each time the service starts */
+	uint64_t layout;       /* the shared-memory layout version the service uses; 0 if none */
+	uint64_t manifest_hash;/* 0 when the service has no model */
+	struct bytes shm_name; /* empty when the service owns no object */
+	uint64_t shm_size;
+};
+struct msg_stats { struct bytes service; struct bytes json; };
+struct msg_heartbeat { struct bytes service; uint64_t pid, epoch, seq, uptime_ms; };
+struct msg_w_acquire {
+	struct u64_array groups;  /* group ids to acquire, in the order they will be used */
+	struct u64_array release; /* optional: group ids released at the same time */
+};
+struct msg_w_grant {
+	uint64_t group, slot, generation;
+	uint64_t offset; /* bytes from the ring base to the slot's data */
+	uint64_t bytes;	 /* the group's slot_bytes */
+};
+struct msg_w_release { struct u64_array groups; };
+struct msg_kv_configure { uint64_t block_bytes, manifest_hash; };
+struct msg_kv_pool {
+	struct bytes shm_name;
+	uint64_t shm_size, n_blocks, block_bytes, epoch;
+};
+struct msg_kv_alloc { uint64_t count; };
+struct msg_kv_blocks { struct u64_array handles, offsets; };
+struct msg_kv_commit {
+	struct u64_array handles;
+	struct u64_array keys; /* prefix-chain key per block, 0 when none */
+	struct bytes events;   /* n * KV_EVENT_HANDLE_BYTES CUDA IPC event handles; empty on the CPU path */
+};
+struct msg_kv_handles { struct u64_array handles; }; /* FETCH, UNPIN, FREE */
+struct msg_generate {
+	struct u64_array tokens;
+	uint64_t max_new;
+	double temperature; /* 0: greedy */
+	uint64_t top_k;	    /* 0: off */
+	double top_p;	    /* 1: off */
+	uint64_t seed;
+	struct u64_array stop_ids; /* optional; the model's eos ids are always stops */
+};
+struct msg_token { uint64_t index, token; };
+struct msg_gen_done {
+	uint64_t n_prompt, n_generated;
+	struct bytes reason; /* "length", "stop" */
+	double prefill_ms, decode_ms;
+};
+
+struct msg {
+	uint32_t type; /* enum msg_type */
+	uint64_t corr; /* correlation id: a reply carries its request's */
+	union {
+		struct msg_error error;
+		struct msg_hello hello;
+		struct msg_hello_reply hello_reply;
+		struct msg_stats stats;
+		struct msg_heartbeat heartbeat;
+		struct msg_w_acquire w_acquire;
+		struct msg_w_grant w_grant;
+		struct msg_w_release w_release;
+		struct msg_kv_configure kv_configure;
+		struct msg_kv_pool kv_pool;
+		struct msg_kv_alloc kv_alloc;
+		struct msg_kv_blocks kv_blocks;
+		struct msg_kv_commit kv_commit;
+		struct msg_kv_handles kv_handles;
+		struct msg_generate generate;
+		struct msg_token token;
+		struct msg_gen_done gen_done;
+	};
+};
+
+/* Zeroes m and sets type and correlation id. */
+void msg_init(struct msg *m, uint32_t type, uint64_t corr);
+
+/* Encodes m. On success *buf is a malloc'd buffer of *len bytes that the caller frees.
+ * Returns 0; -EINVAL for an unknown type or a field over its limit; -ENOMEM. */
+int msg_encode(const struct msg *m, void **buf, size_t *len);
+
+/* Decodes len bytes at buf into out. Strings and arrays in out are heap copies owned by out:
+ * release them with msg_free. Returns 0; -EBADMSG for anything malformed (err says what);
+ * -EPROTONOSUPPORT for another protocol version; -ENOMSG for an unknown type; -ENOMEM. On
+ * failure out holds nothing to free. */
+int msg_decode(const void *buf, size_t len, struct msg *out, char *err, size_t errlen);
+
+/* Frees the heap copies a decode made. Safe after msg_init and twice. Only for decoded
+ * messages: an encoded message's arrays are borrowed from the caller. */
+void msg_free(struct msg *m);
+
+/* "MSG_KV_ALLOC" style name, or "unknown". */
+const char *msg_type_name(uint32_t type);
+
+/* Builds an error reply in m (text is borrowed: keep it alive until the encode). */
+void msg_make_error(struct msg *m, uint64_t corr, int code, const char *text);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

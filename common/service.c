@@ -1,0 +1,364 @@
+#include "common/service.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/log.h"
+#include "common/util.h"
+
+#define SERVICE_MAX_FDS 8
+#define HEARTBEAT_MS 1000
+
+struct service {
+	char name[64];
+	char run_dir[256];
+	const struct service_ops *ops;
+	void *ctx;
+	void *zctx;
+	void *router;
+	void *pub;
+	uint64_t epoch;
+	uint64_t started_ns;
+	uint64_t last_tick_ns, last_beat_ns, beat_seq;
+	int tick_ms;
+	int n_fds;
+	int fds[SERVICE_MAX_FDS];
+	service_fd_fn fd_fns[SERVICE_MAX_FDS];
+	volatile bool stop;
+	enum service_stop_reason reason;
+};
+
+static volatile sig_atomic_t got_signal;
+
+static void on_signal(int sig)
+{
+	got_signal = sig;
+}
+
+int run_dir_default(const char *instance, char *buf, size_t len)
+{
+	const char *env = getenv("PIPELINE_RUN_DIR");
+	int n = env && *env ? snprintf(buf, len, "%s", env)
+			    : snprintf(buf, len, "/tmp/llmp-%u/%s", (unsigned)getuid(), instance);
+	return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
+}
+
+int run_dir_prepare(const char *dir)
+{
+	char path[512];
+	if (str_copy(path, sizeof(path), dir) != 0)
+		return -ENAMETOOLONG;
+	/* Parents: plain mkdir, keeping what exists. */
+	for (char *p = path + 1; *p; p++) {
+		if (*p != '/')
+			continue;
+		*p = 0;
+		if (mkdir(path, 0700) != 0 && errno != EEXIST) {
+			int rc = -errno;
+			log_error("cannot create %s: %s", path, strerror(errno));
+			return rc;
+		}
+		*p = '/';
+	}
+	if (mkdir(path, 0700) != 0 && errno != EEXIST) {
+		int rc = -errno;
+		log_error("cannot create run directory %s: %s", path, strerror(errno));
+		return rc;
+	}
+	struct stat st;
+	if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode)) {
+		log_error("run directory %s is not a directory", path);
+		return -ENOTDIR;
+	}
+	if (st.st_uid != getuid()) {
+		log_error("run directory %s belongs to uid %u, not to us", path, (unsigned)st.st_uid);
+		return -EPERM;
+	}
+	if ((st.st_mode & 0777) != 0700 && chmod(path, 0700) != 0) {
+		int rc = -errno;
+		log_error("cannot set mode 0700 on run directory %s: %s", path, strerror(errno));
+		return rc;
+	}
+	return 0;
+}
+
+struct service *service_create(const char *name, const char *run_dir, const struct service_ops *ops, void *ctx)
+{
+	struct service *s = calloc(1, sizeof(*s));
+	if (!s)
+		return NULL;
+	str_copy(s->name, sizeof(s->name), name);
+	if (str_copy(s->run_dir, sizeof(s->run_dir), run_dir) != 0) {
+		log_error("run directory path too long: %s", run_dir);
+		goto out_free;
+	}
+	s->ops = ops;
+	s->ctx = ctx;
+	s->epoch = random_u64();
+	s->started_ns = now_ns();
+	s->tick_ms = 100;
+	if (run_dir_prepare(run_dir) != 0)
+		goto out_free;
+	s->zctx = zmq_ctx_new();
+	if (!s->zctx)
+		goto out_free;
+	char ep[300];
+	if (bus_endpoint(run_dir, name, "ctl", ep, sizeof(ep)) != 0) {
+		log_error("socket path too long under %s (ipc paths hold at most 107 bytes)", run_dir);
+		goto out_ctx;
+	}
+	s->router = bus_bind_router(s->zctx, ep);
+	if (!s->router)
+		goto out_ctx;
+	bus_endpoint(run_dir, name, "pub", ep, sizeof(ep));
+	s->pub = bus_bind_pub(s->zctx, ep);
+	if (!s->pub)
+		goto out_router;
+	struct sigaction sa = {.sa_handler = on_signal};
+	sigemptyset(&sa.sa_mask);
+	sigaction(SIGINT, &sa, NULL);
+	sigaction(SIGTERM, &sa, NULL);
+	signal(SIGPIPE, SIG_IGN);
+	return s;
+
+out_router:
+	zmq_close(s->router);
+out_ctx:
+	zmq_ctx_term(s->zctx);
+out_free:
+	free(s);
+	return NULL;
+}
+
+static void unlink_endpoint(const struct service *s, const char *suffix)
+{
+	char path[512];
+	snprintf(path, sizeof(path), "%s/%s.%s", s->run_dir, s->name, suffix);
+	unlink(path);
+}
+
+void service_destroy(struct service **sp)
+{
+	if (!sp || !*sp)
+		return;
+	struct service *s = *sp;
+	if (s->pub)
+		zmq_close(s->pub);
+	if (s->router)
+		zmq_close(s->router);
+	if (s->zctx)
+		zmq_ctx_term(s->zctx);
+	/* Leave no socket file behind. */
+	unlink_endpoint(s, "ctl");
+	unlink_endpoint(s, "pub");
+	free(s);
+	*sp = NULL;
+}
+
+int service_add_fd(struct service *s, int fd, service_fd_fn fn)
+{
+	if (s->n_fds >= SERVICE_MAX_FDS)
+		return -ENOSPC;
+	s->fds[s->n_fds] = fd;
+	s->fd_fns[s->n_fds] = fn;
+	s->n_fds++;
+	return 0;
+}
+
+void service_set_tick(struct service *s, int tick_ms)
+{
+	s->tick_ms = tick_ms > 0 ? tick_ms : 100;
+}
+
+void service_stop(struct service *s)
+{
+	s->stop = true;
+}
+
+enum service_stop_reason service_stop_reason(const struct service *s)
+{
+	return s->reason;
+}
+
+int service_reply(struct service *s, const struct bus_peer *peer, const struct msg *m)
+{
+	int rc = bus_reply(s->router, peer, m);
+	if (rc)
+		log_warn("reply %s lost: %s", msg_type_name(m->type), strerror(-rc));
+	return rc;
+}
+
+int service_reply_error(struct service *s, const struct bus_peer *peer, uint64_t corr, int code, const char *text)
+{
+	return bus_reply_error(s->router, peer, corr, code, text);
+}
+
+int service_publish(struct service *s, const struct msg *m)
+{
+	return bus_publish(s->pub, m);
+}
+
+void *service_zmq_context(struct service *s)
+{
+	return s->zctx;
+}
+const char *service_name(const struct service *s)
+{
+	return s->name;
+}
+const char *service_run_dir(const struct service *s)
+{
+	return s->run_dir;
+}
+uint64_t service_epoch(const struct service *s)
+{
+	return s->epoch;
+}
+uint64_t service_uptime_ms(const struct service *s)
+{
+	return (now_ns() - s->started_ns) / 1000000ull;
+}
+
+static void handle_generic(struct service *s, const struct bus_peer *peer, const struct msg *req)
+{
+	struct msg rep;
+	char errtext[512];
+	switch (req->type) {
+	case MSG_HELLO:
+		if (req->hello.proto != PROTO_VERSION) {
+			snprintf(errtext, sizeof(errtext), "%s speaks protocol %d, the client %llu", s->name,
+				 PROTO_VERSION, (unsigned long long)req->hello.proto);
+			service_reply_error(s, peer, req->corr, EPROTONOSUPPORT, errtext);
+			return;
+		}
+		msg_init(&rep, MSG_HELLO_REPLY, req->corr);
+		rep.hello_reply.service.p = s->name;
+		rep.hello_reply.service.len = (uint32_t)strlen(s->name);
+		rep.hello_reply.pid = (uint64_t)getpid();
+		rep.hello_reply.epoch = s->epoch;
+		rep.hello_reply.shm_name.p = "";
+		if (s->ops->hello)
+			s->ops->hello(s->ctx, req, &rep.hello_reply);
+		rep.hello_reply.shm_name.len = (uint32_t)strlen(rep.hello_reply.shm_name.p);
+		service_reply(s, peer, &rep);
+		return;
+	case MSG_PING:
+		msg_init(&rep, MSG_OK, req->corr);
+		service_reply(s, peer, &rep);
+		return;
+	case MSG_STATS_GET: {
+		char *json = s->ops->stats ? s->ops->stats(s->ctx) : NULL;
+		msg_init(&rep, MSG_STATS, req->corr);
+		rep.stats.service.p = s->name;
+		rep.stats.service.len = (uint32_t)strlen(s->name);
+		rep.stats.json.p = json ? json : "{}";
+		rep.stats.json.len = (uint32_t)strlen(rep.stats.json.p);
+		service_reply(s, peer, &rep);
+		free(json);
+		return;
+	}
+	case MSG_SHUTDOWN:
+		log_info("shutdown requested");
+		msg_init(&rep, MSG_OK, req->corr);
+		service_reply(s, peer, &rep);
+		s->stop = true;
+		s->reason = SERVICE_STOP_SHUTDOWN;
+		return;
+	default:
+		break;
+	}
+	errtext[0] = 0;
+	int rc = s->ops->handle ? s->ops->handle(s->ctx, s, peer, req, errtext, sizeof(errtext)) : -ENOTSUP;
+	if (rc < 0) {
+		if (!errtext[0])
+			snprintf(errtext, sizeof(errtext), "%s does not handle %s", s->name, msg_type_name(req->type));
+		log_warn("%s from a client failed: %s", msg_type_name(req->type), errtext);
+		service_reply_error(s, peer, req->corr, -rc, errtext);
+	}
+}
+
+static void drain_router(struct service *s)
+{
+	for (int n = 0; n < 256; n++) {
+		struct bus_peer peer;
+		struct msg req;
+		uint64_t corr;
+		char err[512];
+		int rc = bus_recv_request(s->router, &peer, &req, &corr, err, sizeof(err));
+		if (rc == -EAGAIN || rc == -EINTR)
+			return;
+		if (rc) {
+			log_warn("rejected a request: %s", err);
+			if (peer.id_len)
+				service_reply_error(s, &peer, corr, -rc, err);
+			continue;
+		}
+		handle_generic(s, &peer, &req);
+		msg_free(&req);
+	}
+}
+
+static void heartbeat(struct service *s)
+{
+	struct msg m;
+	msg_init(&m, MSG_HEARTBEAT, 0);
+	m.heartbeat.service.p = s->name;
+	m.heartbeat.service.len = (uint32_t)strlen(s->name);
+	m.heartbeat.pid = (uint64_t)getpid();
+	m.heartbeat.epoch = s->epoch;
+	m.heartbeat.seq = ++s->beat_seq;
+	m.heartbeat.uptime_ms = service_uptime_ms(s);
+	bus_publish(s->pub, &m);
+}
+
+int service_poll_once(struct service *s, int timeout_ms)
+{
+	zmq_pollitem_t items[1 + SERVICE_MAX_FDS];
+	items[0] = (zmq_pollitem_t){.socket = s->router, .events = ZMQ_POLLIN};
+	for (int i = 0; i < s->n_fds; i++)
+		items[1 + i] = (zmq_pollitem_t){.fd = s->fds[i], .events = ZMQ_POLLIN};
+	int n = zmq_poll(items, 1 + s->n_fds, timeout_ms);
+	if (n < 0 && errno != EINTR)
+		log_warn("poll failed: %s", zmq_strerror(errno));
+	if (n > 0) {
+		for (int i = 0; i < s->n_fds; i++)
+			if (items[1 + i].revents & ZMQ_POLLIN)
+				s->fd_fns[i](s->ctx, s, s->fds[i]);
+		if (items[0].revents & ZMQ_POLLIN)
+			drain_router(s);
+	}
+	uint64_t now = now_ns();
+	if (now - s->last_tick_ns >= (uint64_t)s->tick_ms * 1000000ull) {
+		s->last_tick_ns = now;
+		if (s->ops->tick)
+			s->ops->tick(s->ctx, s);
+	}
+	if (now - s->last_beat_ns >= HEARTBEAT_MS * 1000000ull) {
+		s->last_beat_ns = now;
+		heartbeat(s);
+	}
+	if (got_signal) {
+		log_info("signal %d: stopping", (int)got_signal);
+		s->stop = true;
+		if (!s->reason)
+			s->reason = SERVICE_STOP_SIGNAL;
+	}
+	return s->stop ? 1 : 0;
+}
+
+int service_run(struct service *s)
+{
+	log_info("serving on %s/%s.ctl (pid %d)", s->run_dir, s->name, (int)getpid());
+	while (!s->stop)
+		service_poll_once(s, s->tick_ms);
+	if (s->ops->stopping)
+		s->ops->stopping(s->ctx, s);
+	return 0;
+}

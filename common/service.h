@@ -1,0 +1,92 @@
+/* service.h - the event loop every service runs: its ROUTER and PUB sockets, generic
+ * messages (HELLO, PING, STATS_GET, SHUTDOWN), heartbeats, extra file descriptors (an
+ * io_uring eventfd), periodic ticks and clean exit on SIGINT/SIGTERM.
+ *
+ *   struct service_ops ops = {.handle = my_handle, .hello = my_hello, .stats = my_stats};
+ *   struct service *s = service_create("kv-store", run_dir, &ops, me);
+ *   service_add_fd(s, ring_eventfd, my_on_fd);
+ *   rc = service_run(s);           // until SHUTDOWN or a signal
+ *   service_destroy(&s);
+ *
+ * A malformed or unknown request gets MSG_ERROR and a log line; the loop keeps serving.
+ * service_create makes the run directory (mode 0700) if needed and refuses one that another
+ * user owns or that others can read. */
+#ifndef PIPELINE_SERVICE_H
+#define PIPELINE_SERVICE_H
+#include <stdint.h>
+
+#include "common/bus.h"
+#include "common/protocol.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct service;
+
+struct service_ops {
+	/* A request of a type the loop does not handle itself. Reply through service_reply*
+	 * now or later (keep a copy of peer and corr). Return 0, or a negative errno to have the
+	 * loop reply MSG_ERROR with errtext (a message naming the problem). */
+	int (*handle)(void *ctx, struct service *s, const struct bus_peer *peer, const struct msg *req,
+		      char *errtext, size_t errlen);
+	/* Fills the service-specific HELLO fields (layout, manifest_hash, shm_name, shm_size);
+	 * req is the client's HELLO (req->hello.client names it). Strings must stay alive until
+	 * the reply is sent. May be NULL. */
+	void (*hello)(void *ctx, const struct msg *req, struct msg_hello_reply *reply);
+	/* Returns a malloc'd JSON object text of the service's counters. May be NULL. */
+	char *(*stats)(void *ctx);
+	/* Called about every tick_ms. May be NULL. */
+	void (*tick)(void *ctx, struct service *s);
+	/* Called when the loop is about to return (after SHUTDOWN or a signal). May be NULL. */
+	void (*stopping)(void *ctx, struct service *s);
+};
+
+typedef void (*service_fd_fn)(void *ctx, struct service *s, int fd);
+
+/* Prepares run_dir (0700), binds <run_dir>/<name>.ctl and .pub. Returns NULL after logging why. */
+struct service *service_create(const char *name, const char *run_dir, const struct service_ops *ops, void *ctx);
+void service_destroy(struct service **s);
+
+/* Adds a file descriptor to poll for reading; fn runs when it is readable. Returns 0 or -ENOSPC. */
+int service_add_fd(struct service *s, int fd, service_fd_fn fn);
+/* Sets the period of ops->tick and of heartbeats' check (default 100 ms). */
+void service_set_tick(struct service *s, int tick_ms);
+
+/* Runs until SHUTDOWN, SIGINT or SIGTERM, or service_stop. Returns 0. */
+int service_run(struct service *s);
+void service_stop(struct service *s);
+
+/* Why the loop stopped. MSG_SHUTDOWN means "stop and remove your shared state" (the
+ * supervisor's stop); a signal means "exit, and leave shared state for a successor to adopt"
+ * (the supervisor's restart; kill -9 leaves it too). */
+enum service_stop_reason { SERVICE_RUNNING = 0, SERVICE_STOP_SHUTDOWN = 1, SERVICE_STOP_SIGNAL = 2 };
+enum service_stop_reason service_stop_reason(const struct service *s);
+
+/* Polls the sockets once without blocking and handles what is waiting: a long computation
+ * calls this between steps so the service keeps answering. Returns 1 if a stop was asked. */
+int service_poll_once(struct service *s, int timeout_ms);
+
+int service_reply(struct service *s, const struct bus_peer *peer, const struct msg *m);
+int service_reply_error(struct service *s, const struct bus_peer *peer, uint64_t corr, int code, const char *text);
+int service_publish(struct service *s, const struct msg *m);
+
+void *service_zmq_context(struct service *s);
+const char *service_name(const struct service *s);
+const char *service_run_dir(const struct service *s);
+uint64_t service_epoch(const struct service *s);
+/* Milliseconds since the service started. */
+uint64_t service_uptime_ms(const struct service *s);
+
+/* Makes dir (and parents) with mode 0700, or checks an existing one: owned by us, a
+ * directory, not readable by others (fixed to 0700 if looser). Returns 0 or -errno with a
+ * logged reason. */
+int run_dir_prepare(const char *dir);
+
+/* The default run directory for an instance: $PIPELINE_RUN_DIR if set, else
+ * /tmp/llmp-<uid>/<instance>. */
+int run_dir_default(const char *instance, char *buf, size_t len);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,279 @@
+#include "common/shm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "common/util.h"
+
+struct shm_object {
+	char name[SHM_NAME_MAX];
+	void *base;
+	size_t size;
+};
+
+int shm_object_name(const char *instance, const char *object, char *buf, size_t len)
+{
+	int n = snprintf(buf, len, "/llmp-%u-%s-%s", (unsigned)getuid(), instance, object);
+	if (n < 0 || (size_t)n >= len || (size_t)n >= SHM_NAME_MAX)
+		return -ENAMETOOLONG;
+	return 0;
+}
+
+uint64_t process_start_time(int pid)
+{
+	char path[64], buf[1024];
+	snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return 0;
+	ssize_t n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return 0;
+	buf[n] = 0;
+	/* The command name may hold spaces and parentheses: fields start after the last ')'. */
+	char *p = strrchr(buf, ')');
+	if (!p)
+		return 0;
+	p++;
+	/* After ')' come fields 3..; starttime is field 22, i.e. the 20th from here. */
+	for (int field = 3; field < 22; field++) {
+		p = strchr(p + 1, ' ');
+		if (!p)
+			return 0;
+	}
+	return strtoull(p + 1, NULL, 10);
+}
+
+bool shm_owner_alive(const struct shm_header *h)
+{
+	int pid = atomic_load(&((struct shm_header *)h)->owner_pid);
+	if (!pid_alive(pid))
+		return false;
+	uint64_t st = process_start_time(pid);
+	return st == 0 || h->owner_start == 0 || st == h->owner_start;
+}
+
+static int map_fd(int fd, size_t size, bool writable, void **base)
+{
+	void *p = mmap(NULL, size, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
+	if (p == MAP_FAILED)
+		return -errno;
+	*base = p;
+	return 0;
+}
+
+static void header_init(struct shm_header *h, size_t size, uint32_t kind, uint32_t version)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	memset(h, 0, sizeof(*h));
+	h->magic = SHM_MAGIC;
+	h->kind = kind;
+	h->layout_version = version;
+	h->total_size = size;
+	h->instance_id = random_u64();
+	atomic_store(&h->owner_pid, (int32_t)getpid());
+	h->owner_start = process_start_time(getpid());
+	h->created_unix_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Looks at a leftover object: returns 1 if adoptable, 0 if it should be reclaimed, -EBUSY
+ * if its owner lives. A leftover too short to hold a header counts as dead. */
+static int inspect_leftover(const char *name, size_t size, uint32_t kind, uint32_t version)
+{
+	int fd = shm_open(name, O_RDONLY | O_CLOEXEC, 0);
+	if (fd < 0)
+		return errno == ENOENT ? 0 : -errno;
+	struct stat st;
+	int rc = 0;
+	if (fstat(fd, &st) != 0 || (size_t)st.st_size < sizeof(struct shm_header))
+		goto out_close;
+	struct shm_header h;
+	if (pread(fd, &h, sizeof(h), 0) != (ssize_t)sizeof(h))
+		goto out_close;
+	if (h.magic == SHM_MAGIC && shm_owner_alive(&h)) {
+		rc = -EBUSY;
+		log_error("shared-memory object %s is owned by the live process %d: stop that instance first "
+			  "(scripts/pipeline stop) or pick another --instance",
+			  name, (int)h.owner_pid);
+		goto out_close;
+	}
+	if (h.magic == SHM_MAGIC && h.kind == kind && h.layout_version == version && h.total_size == size &&
+	    (size_t)st.st_size == size && atomic_load(&h.ready))
+		rc = 1;
+out_close:
+	close(fd);
+	return rc;
+}
+
+int shm_object_create(const char *name, size_t size, uint32_t kind, uint32_t layout_version,
+		      enum shm_leftover policy, struct shm_object **out, bool *adopted)
+{
+	if (!name || name[0] != '/' || strchr(name + 1, '/') || strlen(name) >= SHM_NAME_MAX ||
+	    size < sizeof(struct shm_header))
+		return -EINVAL;
+	if (adopted)
+		*adopted = false;
+	struct shm_object *o = calloc(1, sizeof(*o));
+	if (!o)
+		return -ENOMEM;
+	str_copy(o->name, sizeof(o->name), name);
+	o->size = size;
+	int rc, fd = -1;
+
+	for (int attempt = 0; attempt < 3; attempt++) {
+		fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+		if (fd >= 0)
+			break;
+		if (errno != EEXIST) {
+			rc = -errno;
+			goto out_free;
+		}
+		rc = inspect_leftover(name, size, kind, layout_version);
+		if (rc < 0)
+			goto out_free;
+		if (rc == 1 && policy == SHM_ADOPT) {
+			fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
+			if (fd < 0) {
+				rc = -errno;
+				goto out_free;
+			}
+			rc = map_fd(fd, size, true, &o->base);
+			close(fd);
+			if (rc)
+				goto out_free;
+			struct shm_header *h = o->base;
+			atomic_store(&h->owner_pid, (int32_t)getpid());
+			h->owner_start = process_start_time(getpid());
+			h->adoptions++;
+			log_info("adopted shared-memory object %s left by a dead owner", name);
+			if (adopted)
+				*adopted = true;
+			*out = o;
+			return 0;
+		}
+		log_info("reclaiming shared-memory object %s left by a dead instance", name);
+		if (shm_unlink(name) != 0 && errno != ENOENT) {
+			rc = -errno;
+			goto out_free;
+		}
+	}
+	if (fd < 0) {
+		rc = -EEXIST;
+		goto out_free;
+	}
+	/* shm_open applies the umask; make the mode exactly 0600 whatever it is. */
+	if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)size) != 0) {
+		rc = -errno;
+		goto out_unlink;
+	}
+	rc = map_fd(fd, size, true, &o->base);
+	if (rc)
+		goto out_unlink;
+	close(fd);
+	header_init(o->base, size, kind, layout_version);
+	*out = o;
+	return 0;
+
+out_unlink:
+	close(fd);
+	shm_unlink(name);
+out_free:
+	free(o);
+	return rc;
+}
+
+int shm_object_attach(const char *name, uint32_t kind, uint32_t layout_version, bool writable,
+		      struct shm_object **out)
+{
+	int fd = shm_open(name, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC, 0);
+	if (fd < 0)
+		return -errno;
+	struct stat st;
+	int rc;
+	if (fstat(fd, &st) != 0) {
+		rc = -errno;
+		goto out_close;
+	}
+	if ((size_t)st.st_size < sizeof(struct shm_header)) {
+		rc = -EAGAIN; /* created but not sized yet */
+		goto out_close;
+	}
+	struct shm_object *o = calloc(1, sizeof(*o));
+	if (!o) {
+		rc = -ENOMEM;
+		goto out_close;
+	}
+	str_copy(o->name, sizeof(o->name), name);
+	o->size = (size_t)st.st_size;
+	rc = map_fd(fd, o->size, writable, &o->base);
+	if (rc) {
+		free(o);
+		goto out_close;
+	}
+	close(fd);
+	struct shm_header *h = o->base;
+	/* Pairs with the release store in shm_object_set_ready. */
+	if (!atomic_load_explicit(&h->ready, memory_order_acquire)) {
+		rc = -EAGAIN;
+		goto out_unmap;
+	}
+	if (h->magic != SHM_MAGIC || h->kind != kind || h->layout_version != layout_version ||
+	    h->total_size != o->size) {
+		rc = -EPROTO;
+		goto out_unmap;
+	}
+	*out = o;
+	return 0;
+
+out_unmap:
+	munmap(o->base, o->size);
+	free(o);
+	return rc;
+out_close:
+	close(fd);
+	return rc;
+}
+
+void *shm_object_base(const struct shm_object *o)
+{
+	return o->base;
+}
+
+size_t shm_object_size(const struct shm_object *o)
+{
+	return o->size;
+}
+
+const char *shm_object_get_name(const struct shm_object *o)
+{
+	return o->name;
+}
+
+void shm_object_set_ready(struct shm_object *o)
+{
+	struct shm_header *h = o->base;
+	atomic_store_explicit(&h->ready, 1, memory_order_release);
+}
+
+void shm_object_close(struct shm_object **op, bool unlink)
+{
+	if (!op || !*op)
+		return;
+	struct shm_object *o = *op;
+	if (o->base)
+		munmap(o->base, o->size);
+	if (unlink)
+		shm_unlink(o->name);
+	free(o);
+	*op = NULL;
+}

@@ -1,0 +1,157 @@
+#include "common/util.h"
+
+#include <errno.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+int parse_size(const char *text, uint64_t *out)
+{
+	if (!text || !*text)
+		return -EINVAL;
+	errno = 0;
+	char *end = NULL;
+	double v = strtod(text, &end);
+	if (errno || end == text || !(v >= 0) || isinf(v))
+		return -EINVAL;
+	while (*end == ' ')
+		end++;
+	static const struct {
+		const char *suffix;
+		double mult;
+	} units[] = {
+		{"", 1},		  {"B", 1},		    {"K", 1024.0},	      {"KiB", 1024.0},
+		{"KB", 1e3},		  {"M", 1048576.0},	    {"MiB", 1048576.0},	      {"MB", 1e6},
+		{"G", 1073741824.0},	  {"GiB", 1073741824.0},    {"GB", 1e9},	      {"T", 1099511627776.0},
+		{"TiB", 1099511627776.0}, {"TB", 1e12},
+	};
+	for (size_t i = 0; i < ARRAY_SIZE(units); i++) {
+		if (strcasecmp(end, units[i].suffix) == 0) {
+			double bytes = v * units[i].mult;
+			if (bytes >= 9.2e18)
+				return -ERANGE;
+			*out = (uint64_t)(bytes + 0.5);
+			return 0;
+		}
+	}
+	return -EINVAL;
+}
+
+char *format_size(uint64_t bytes, char *buf, size_t len)
+{
+	static const char *const names[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+	double v = (double)bytes;
+	int i = 0;
+	while (v >= 1024.0 && i < 4) {
+		v /= 1024.0;
+		i++;
+	}
+	if (i == 0)
+		snprintf(buf, len, "%llu B", (unsigned long long)bytes);
+	else
+		snprintf(buf, len, "%.2f %s", v, names[i]);
+	return buf;
+}
+
+uint64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+double now_s(void)
+{
+	return (double)now_ns() * 1e-9;
+}
+
+uint64_t fnv1a64(uint64_t h, const void *data, size_t len)
+{
+	const unsigned char *p = data;
+	for (size_t i = 0; i < len; i++) {
+		h ^= p[i];
+		h *= 0x100000001b3ull;
+	}
+	return h;
+}
+
+/* Slicing-by-8 CRC-32C tables, built once. */
+static uint32_t crc_table[8][256];
+static int crc_ready;
+
+static void crc_init(void)
+{
+	for (uint32_t i = 0; i < 256; i++) {
+		uint32_t c = i;
+		for (int k = 0; k < 8; k++)
+			c = (c >> 1) ^ (0x82f63b78u & (0u - (c & 1u)));
+		crc_table[0][i] = c;
+	}
+	for (uint32_t i = 0; i < 256; i++)
+		for (int t = 1; t < 8; t++)
+			crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xff];
+	__atomic_store_n(&crc_ready, 1, __ATOMIC_RELEASE);
+}
+
+uint32_t crc32c(uint32_t crc, const void *data, size_t len)
+{
+	if (!__atomic_load_n(&crc_ready, __ATOMIC_ACQUIRE))
+		crc_init(); /* idempotent: two racing threads write the same tables */
+	const unsigned char *p = data;
+	crc = ~crc;
+	while (len && ((uintptr_t)p & 7)) {
+		crc = (crc >> 8) ^ crc_table[0][(crc ^ *p++) & 0xff];
+		len--;
+	}
+	while (len >= 8) {
+		uint64_t w;
+		memcpy(&w, p, 8);
+		w ^= crc;
+		crc = crc_table[7][w & 0xff] ^ crc_table[6][(w >> 8) & 0xff] ^ crc_table[5][(w >> 16) & 0xff] ^
+		      crc_table[4][(w >> 24) & 0xff] ^ crc_table[3][(w >> 32) & 0xff] ^
+		      crc_table[2][(w >> 40) & 0xff] ^ crc_table[1][(w >> 48) & 0xff] ^ crc_table[0][w >> 56];
+		p += 8;
+		len -= 8;
+	}
+	while (len--)
+		crc = (crc >> 8) ^ crc_table[0][(crc ^ *p++) & 0xff];
+	return ~crc;
+}
+
+uint64_t random_u64(void)
+{
+	uint64_t v;
+	if (getrandom(&v, sizeof(v), 0) == (ssize_t)sizeof(v))
+		return v;
+	return now_ns() ^ ((uint64_t)getpid() << 32);
+}
+
+int pid_alive(int pid)
+{
+	if (pid <= 0)
+		return 0;
+	return kill(pid, 0) == 0 || errno == EPERM;
+}
+
+int str_has_prefix(const char *s, const char *prefix)
+{
+	return strncmp(s, prefix, strlen(prefix)) == 0;
+}
+
+int str_copy(char *dst, size_t len, const char *src)
+{
+	size_t n = strlen(src);
+	if (n >= len) {
+		memcpy(dst, src, len - 1);
+		dst[len - 1] = 0;
+		return -ENAMETOOLONG;
+	}
+	memcpy(dst, src, n + 1);
+	return 0;
+}

@@ -1,0 +1,46 @@
+/* util.h - small helpers every module needs: sizes, clocks, hashes, checksums.
+ *
+ * Sizes are written like "6GiB", "512MiB", "1.5GB", "4096" (bytes). */
+#ifndef PIPELINE_UTIL_H
+#define PIPELINE_UTIL_H
+#include <stddef.h>
+#include <stdint.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+#define ALIGN_UP(x, a) (((x) + ((a)-1)) & ~((__typeof__(x))(a)-1))
+#define CACHE_LINE 64
+
+/* Parses a byte size. Returns 0, or -EINVAL for text that is not a size, -ERANGE past 2^63. */
+int parse_size(const char *text, uint64_t *out);
+/* Formats bytes as "1.50 GiB" into buf. Returns buf. */
+char *format_size(uint64_t bytes, char *buf, size_t len);
+
+/* Monotonic clock in nanoseconds / seconds. */
+uint64_t now_ns(void);
+double now_s(void);
+
+/* FNV-1a 64 over bytes, continuing from h (start with FNV64_INIT). */
+#define FNV64_INIT 0xcbf29ce484222325ull
+uint64_t fnv1a64(uint64_t h, const void *data, size_t len);
+
+/* CRC-32C (Castagnoli) continuing from crc (start with 0). */
+uint32_t crc32c(uint32_t crc, const void *data, size_t len);
+
+/* A random 64-bit value from getrandom(2) (falls back to time and pid). */
+uint64_t random_u64(void);
+
+/* Is process pid alive (kill(pid, 0) succeeds or fails with EPERM)? */
+int pid_alive(int pid);
+
+/* Starts-with / copy helpers for bounded strings. */
+int str_has_prefix(const char *s, const char *prefix);
+/* Copies src (NUL-terminated) into dst of size len, always NUL-terminated. Returns -ENAMETOOLONG if cut. */
+int str_copy(char *dst, size_t len, const char *src);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

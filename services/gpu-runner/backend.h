@@ -1,0 +1,113 @@
+/* backend.h - the compute interface of the gpu-runner: one implementation per device.
+ *
+ * backend_ref.c is the plain C reference (float32 accumulation, any weight dtype), which
+ * runs the whole pipeline in CI and is the oracle for the CUDA backend (backend_cuda.cu).
+ * The engine (engine.c) drives a backend group by group, so the same forward pass works
+ * whether weights are all resident or streamed, and whether the KV of a layer fits the
+ * backend's KV arena or is brought in a few blocks at a time.
+ *
+ * One forward step processes a chunk of n tokens at positions pos0..pos0+n-1 (n = prompt
+ * chunk in prefill, 1 in decode):
+ *
+ *   be->ops->embed(be, &embed_w, tokens, n, pos0);
+ *   for each layer l:
+ *       be->ops->attn_begin(be, &attn_w[l], l, dst_block, dst_row);  // q,k,v; RoPE; new K,V into the arena
+ *       be->ops->attn_blocks(be, spans, n_spans);                       // as often as needed, any order
+ *       be->ops->attn_end(be, &attn_w[l]);                              // o_proj + residual
+ *       be->ops->ffn(be, &ffn_w[l]);                                    // norm, SwiGLU, residual
+ *   be->ops->logits(be, &head_w, out);                                  // final norm, lm_head, last token
+ *
+ * KV arena: the backend owns n_kv_blocks blocks of kv_block_bytes (device memory for CUDA).
+ * Block b holds block_tokens tokens of one layer: K as (block_tokens, n_kv_heads, head_dim)
+ * then V likewise, in kv_dtype. attn_blocks accumulates attention of the chunk's queries
+ * over the listed blocks with an online softmax (running max and sum per query and head),
+ * applying the causal mask from each span's positions, so a layer's context can be visited
+ * in pieces and the result is the same as one pass over all of it. Every block holding
+ * positions < pos0 + n must be visited exactly once between attn_begin and attn_end,
+ * including the blocks the chunk itself wrote.
+ *
+ * Errors: functions return 0 or a negative errno and leave a message in be (backend_error).
+ */
+#ifndef GPU_RUNNER_BACKEND_H
+#define GPU_RUNNER_BACKEND_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/dtype.h"
+#include "common/model.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct backend;
+
+struct backend_params {
+	uint32_t max_chunk;	 /* most tokens per forward step */
+	uint32_t block_tokens;	 /* tokens per KV block */
+	uint32_t n_kv_blocks;	 /* blocks in the KV arena */
+	uint32_t kv_dtype;	 /* enum dtype of K and V in the arena (DT_F32 on the C backend) */
+	uint32_t threads;	 /* CPU threads for the C backend (1: none) */
+};
+
+/* Weights of one group: pointers the backend can read (host memory for the C backend,
+ * device memory for CUDA), NULL for roles the group does not have. For the head group,
+ * t[ROLE_LM_HEAD] is the embedding table when embeddings are tied. */
+struct group_weights {
+	const void *t[ROLE_COUNT];
+	uint32_t dtype[ROLE_COUNT]; /* enum dtype of each tensor */
+};
+
+/* A run of positions held by one arena block: positions pos0 .. pos0+n_tokens-1 are rows
+ * 0 .. n_tokens-1 of block `block`. */
+struct kv_span {
+	uint32_t block;
+	uint32_t pos0;
+	uint32_t n_tokens;
+};
+
+struct backend_ops {
+	const char *name; /* "cpu", "cuda" */
+	/* Creates a backend for cfg. Returns 0 or -errno with a message in err. */
+	int (*create)(const struct model_config *cfg, const struct backend_params *p, struct backend **out,
+		      char *err, size_t errlen);
+	void (*destroy)(struct backend **be);
+
+	/* Bytes of one arena block for cfg and params (so the runner can size the arena). */
+	size_t (*kv_block_bytes)(const struct model_config *cfg, const struct backend_params *p);
+	/* Copies arena block b to / from host memory of kv_block_bytes (for the kv-store pool). */
+	int (*kv_to_host)(struct backend *be, uint32_t block, void *dst);
+	int (*kv_from_host)(struct backend *be, uint32_t block, const void *src);
+
+	/* Gathers the embeddings of tokens[0..n) into the hidden state; the chunk sits at pos0.
+	 * w->t[ROLE_EMBED] is host memory on every backend (one row per token is gathered). */
+	int (*embed)(struct backend *be, const struct group_weights *w, const int32_t *tokens, uint32_t n,
+		     uint32_t pos0);
+	/* RMSNorm, q/k/v projections, RoPE for the chunk; writes token i's K and V into row
+	 * dst_row[i] of arena block dst_block[i]; resets the attention accumulators. */
+	int (*attn_begin)(struct backend *be, const struct group_weights *w, uint32_t layer,
+			  const uint32_t *dst_block, const uint32_t *dst_row);
+	/* Accumulates attention over the spans (see above). */
+	int (*attn_blocks)(struct backend *be, const struct kv_span *spans, uint32_t n_spans);
+	/* Normalises the accumulators, applies o_proj and adds the residual. */
+	int (*attn_end)(struct backend *be, const struct group_weights *w);
+	/* post-attention RMSNorm, SwiGLU (down(silu(gate x) * up x)), residual add. */
+	int (*ffn)(struct backend *be, const struct group_weights *w);
+	/* Final RMSNorm and lm_head for the chunk's last token: out holds vocab_size floats
+	 * (host memory). */
+	int (*logits)(struct backend *be, const struct group_weights *w, float *out);
+
+	/* The last error message. */
+	const char *(*error)(struct backend *be);
+};
+
+/* The backends built into this binary. backend_find returns NULL for an unknown or
+ * unbuilt name ("cuda" where nvcc was absent). */
+extern const struct backend_ops backend_ref_ops;
+const struct backend_ops *backend_find(const char *name);
+/* "cuda" when the CUDA backend is built and a GPU is present, else "cpu". */
+const char *backend_default_name(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,40 @@
+/* sampler.h - picks the next token from logits: greedy, or seeded temperature / top-k /
+ * top-p sampling. The same seed and logits give the same tokens on every machine (the
+ * generator is xoshiro256** seeded through splitmix64; no libc rand).
+ *
+ *   struct sampler *s = sampler_create(&(struct sampler_params){.temperature = 0.8f, .top_k = 40,
+ *                                                              .top_p = 0.95f, .seed = 7}, vocab);
+ *   int32_t tok = sampler_pick(s, logits);      // logits: vocab floats; may be reordered scratch
+ *   sampler_destroy(&s);
+ *
+ * Order of operations (as in transformers' generate): temperature scaling, top-k, softmax,
+ * top-p (keep the smallest set of most likely tokens whose mass reaches top_p, at least one),
+ * draw. temperature <= 0 means greedy (argmax; the lowest id wins a tie). */
+#ifndef GPU_RUNNER_SAMPLER_H
+#define GPU_RUNNER_SAMPLER_H
+#include <stdint.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct sampler_params {
+	float temperature; /* <= 0: greedy */
+	uint32_t top_k;	   /* 0: off */
+	float top_p;	   /* >= 1 or <= 0: off */
+	uint64_t seed;
+};
+
+struct sampler;
+
+/* Returns NULL on allocation failure or vocab == 0. */
+struct sampler *sampler_create(const struct sampler_params *p, uint32_t vocab);
+void sampler_destroy(struct sampler **s);
+/* Returns the chosen token id. logits is not modified. */
+int32_t sampler_pick(struct sampler *s, const float *logits);
+/* Index of the largest value (lowest index on ties). */
+int32_t argmax_f32(const float *v, uint32_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
