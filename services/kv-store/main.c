@@ -1,0 +1,268 @@
+/* kv-store: the DRAM tier of the KV cache (a block pool in shared memory) with LRU spill to
+ * a file on disk. Flags in usage(); the messages it takes are MSG_KV_* in common/protocol.h.
+ *
+ * Start: the run directory is prepared, a pool left by a dead kv-store of the same instance
+ * is adopted (so a restart loses no block and the runner's handles stay valid), then the
+ * sockets are bound. Stop: MSG_SHUTDOWN removes the pool and the spill file; a signal leaves
+ * both for the next kv-store to adopt.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/config.h"
+#include "common/log.h"
+#include "common/service.h"
+#include "common/shm.h"
+#include "common/util.h"
+#include "services/kv-store/pool.h"
+#include "services/kv-store/spill.h"
+
+#define SERVICE_NAME "kv-store"
+
+struct kvsvc {
+	struct kvstore *kv;
+};
+
+static void set_bytes(struct bytes *b, const char *s)
+{
+	b->p = (char *)s;
+	b->len = (uint32_t)strlen(s);
+}
+
+static int reply_blocks(struct service *s, const struct bus_peer *peer, uint64_t corr, uint64_t *handles,
+			uint64_t *offsets, uint32_t n)
+{
+	struct msg rep;
+	msg_init(&rep, MSG_KV_BLOCKS, corr);
+	rep.kv_blocks.handles = (struct u64_array){.v = handles, .n = n};
+	rep.kv_blocks.offsets = (struct u64_array){.v = offsets, .n = n};
+	service_reply(s, peer, &rep);
+	return 0;
+}
+
+static int reply_ok(struct service *s, const struct bus_peer *peer, uint64_t corr)
+{
+	struct msg rep;
+	msg_init(&rep, MSG_OK, corr);
+	service_reply(s, peer, &rep);
+	return 0;
+}
+
+static int on_configure(struct kvsvc *k, struct service *s, const struct bus_peer *peer, const struct msg *req,
+			char *err, size_t errlen)
+{
+	int rc = kvstore_configure(k->kv, req->kv_configure.block_bytes, req->kv_configure.manifest_hash, err, errlen);
+	if (rc)
+		return rc;
+	struct kvstore_info info;
+	kvstore_info(k->kv, &info);
+	struct msg rep;
+	msg_init(&rep, MSG_KV_POOL, req->corr);
+	set_bytes(&rep.kv_pool.shm_name, info.shm_name);
+	rep.kv_pool.shm_size = info.shm_size;
+	rep.kv_pool.n_blocks = info.n_slots;
+	rep.kv_pool.block_bytes = info.block_bytes;
+	rep.kv_pool.epoch = info.epoch;
+	service_reply(s, peer, &rep);
+	return 0;
+}
+
+static int on_alloc(struct kvsvc *k, struct service *s, const struct bus_peer *peer, const struct msg *req,
+		    char *err, size_t errlen)
+{
+	uint64_t count = req->kv_alloc.count;
+	if (count == 0 || count > KVSTORE_MAX_REQUEST) {
+		snprintf(err, errlen, "ALLOC count %llu is out of range (1..%u per request)", (unsigned long long)count,
+			 KVSTORE_MAX_REQUEST);
+		return -EINVAL;
+	}
+	uint64_t *handles = malloc(sizeof(uint64_t) * count), *offsets = malloc(sizeof(uint64_t) * count);
+	int rc = -ENOMEM;
+	if (!handles || !offsets) {
+		snprintf(err, errlen, "out of memory allocating %llu blocks", (unsigned long long)count);
+		goto out_free;
+	}
+	rc = kvstore_alloc(k->kv, (uint32_t)count, handles, offsets, err, errlen);
+	if (rc == 0)
+		reply_blocks(s, peer, req->corr, handles, offsets, (uint32_t)count);
+out_free:
+	free(handles);
+	free(offsets);
+	return rc;
+}
+
+static int on_commit(struct kvsvc *k, struct service *s, const struct bus_peer *peer, const struct msg *req,
+		     char *err, size_t errlen)
+{
+	const struct msg_kv_commit *c = &req->kv_commit;
+	if (c->events.len) {
+		snprintf(err, errlen, "CUDA IPC events given but this kv-store has no CUDA (send ready flags instead)");
+		return -ENOTSUP;
+	}
+	if (c->keys.n && c->keys.n != c->handles.n) {
+		snprintf(err, errlen, "COMMIT gives %u keys for %u handles (give one per handle, or none)", c->keys.n,
+			 c->handles.n);
+		return -EINVAL;
+	}
+	int rc = kvstore_commit(k->kv, c->handles.v, c->keys.n ? c->keys.v : NULL, c->handles.n, err, errlen);
+	return rc ? rc : reply_ok(s, peer, req->corr);
+}
+
+static int on_fetch(struct kvsvc *k, struct service *s, const struct bus_peer *peer, const struct msg *req,
+		    char *err, size_t errlen)
+{
+	const struct u64_array *h = &req->kv_handles.handles;
+	uint64_t *offsets = malloc(sizeof(uint64_t) * (h->n ? h->n : 1));
+	if (!offsets) {
+		snprintf(err, errlen, "out of memory fetching %u blocks", h->n);
+		return -ENOMEM;
+	}
+	int rc = kvstore_fetch(k->kv, h->v, h->n, offsets, err, errlen);
+	if (rc == 0)
+		reply_blocks(s, peer, req->corr, h->v, offsets, h->n);
+	free(offsets);
+	return rc;
+}
+
+static int handle(void *ctx, struct service *s, const struct bus_peer *peer, const struct msg *req, char *err,
+		  size_t errlen)
+{
+	struct kvsvc *k = ctx;
+	int rc;
+	switch (req->type) {
+	case MSG_KV_CONFIGURE:
+		return on_configure(k, s, peer, req, err, errlen);
+	case MSG_KV_ALLOC:
+		return on_alloc(k, s, peer, req, err, errlen);
+	case MSG_KV_COMMIT:
+		return on_commit(k, s, peer, req, err, errlen);
+	case MSG_KV_FETCH:
+		return on_fetch(k, s, peer, req, err, errlen);
+	case MSG_KV_UNPIN:
+		rc = kvstore_unpin(k->kv, req->kv_handles.handles.v, req->kv_handles.handles.n, err, errlen);
+		return rc ? rc : reply_ok(s, peer, req->corr);
+	case MSG_KV_FREE:
+		rc = kvstore_free(k->kv, req->kv_handles.handles.v, req->kv_handles.handles.n, err, errlen);
+		return rc ? rc : reply_ok(s, peer, req->corr);
+	default:
+		snprintf(err, errlen, "kv-store does not handle %s", msg_type_name(req->type));
+		return -ENOTSUP;
+	}
+}
+
+static void hello(void *ctx, const struct msg *req, struct msg_hello_reply *reply)
+{
+	struct kvsvc *k = ctx;
+	struct kvstore_info info;
+	kvstore_info(k->kv, &info);
+	reply->layout = KVPOOL_LAYOUT_VERSION;
+	reply->shm_name.p = (char *)info.shm_name; /* lives as long as the kvstore */
+	reply->shm_size = info.shm_size;
+	reply->manifest_hash = info.manifest_hash;
+}
+
+static char *stats(void *ctx)
+{
+	struct kvsvc *k = ctx;
+	return kvstore_stats_json(k->kv);
+}
+
+int main(int argc, char **argv)
+{
+	char *instance = NULL, *run_dir = NULL, *spill_file = NULL, *level = NULL;
+	uint64_t dram_budget = 0, disk_budget = 0;
+	long io_depth = 0;
+	struct opt opts[] = {
+		{"instance", OPT_STRING, &instance, "default", "instance name (shared-memory and run-dir names)"},
+		{"run-dir", OPT_STRING, &run_dir, NULL,
+		 "directory of the sockets and the spill file (default /tmp/llmp-<uid>/<instance>)"},
+		{"kv-dram-budget", OPT_SIZE, &dram_budget, "1GiB", "shared memory for KV blocks"},
+		{"kv-disk-budget", OPT_SIZE, &disk_budget, "4GiB", "spill file space for KV blocks"},
+		{"spill-file", OPT_STRING, &spill_file, NULL, "spill file (default <run-dir>/kv-spill.bin)"},
+		{"io-depth", OPT_INT, &io_depth, "32", "io_uring queue depth of the spill file"},
+		{"log-level", OPT_STRING, &level, "info", "debug, info, warn or error"},
+		{0},
+	};
+	log_init(SERVICE_NAME);
+	int rc = config_parse(SERVICE_NAME, "the KV block pool in shared memory, spilled to disk with io_uring", opts,
+			      argc, argv, NULL, NULL);
+	if (rc > 0)
+		return 0;
+	if (rc < 0)
+		return 2;
+	enum log_level lv;
+	if (log_parse_level(level, &lv) != 0) {
+		fprintf(stderr, "%s: --log-level '%s' is not one of debug, info, warn, error\n", SERVICE_NAME, level);
+		return 2;
+	}
+	log_set_level(lv);
+	if (io_depth < 1 || io_depth > SPILL_MAX_IO_DEPTH) {
+		fprintf(stderr, "%s: --io-depth %ld is out of range (1..%d)\n", SERVICE_NAME, io_depth,
+			SPILL_MAX_IO_DEPTH);
+		return 2;
+	}
+	if (!*instance || strchr(instance, '/')) {
+		fprintf(stderr, "%s: --instance '%s' must be a non-empty name without '/'\n", SERVICE_NAME, instance);
+		return 2;
+	}
+
+	char run_buf[256], spill_buf[512], shm_name[SHM_NAME_MAX];
+	if (!run_dir || !*run_dir) {
+		if (run_dir_default(instance, run_buf, sizeof(run_buf)) != 0) {
+			log_error("the default run directory for instance %s is too long", instance);
+			return 1;
+		}
+		run_dir = run_buf;
+	}
+	if (!spill_file || !*spill_file) {
+		int n = snprintf(spill_buf, sizeof(spill_buf), "%s/kv-spill.bin", run_dir);
+		if (n < 0 || (size_t)n >= sizeof(spill_buf)) {
+			log_error("run directory path too long for the spill file: %s", run_dir);
+			return 1;
+		}
+		spill_file = spill_buf;
+	}
+	if (shm_object_name(instance, "kv", shm_name, sizeof(shm_name)) != 0) {
+		log_error("instance name %s is too long for a shared-memory name", instance);
+		return 1;
+	}
+	if (run_dir_prepare(run_dir) != 0)
+		return 1; /* logged */
+
+	struct kvsvc k = {0};
+	struct kvstore_config cfg = {.shm_name = shm_name,
+				     .spill_path = spill_file,
+				     .dram_budget = dram_budget,
+				     .disk_budget = disk_budget,
+				     .io_depth = (uint32_t)io_depth};
+	rc = kvstore_create(&cfg, &k.kv);
+	if (rc) {
+		log_error("cannot set up the kv-store: %s", strerror(-rc));
+		return 1;
+	}
+	/* Adopt before binding: a live kv-store of this instance keeps its sockets. */
+	char err[512] = "";
+	rc = kvstore_adopt(k.kv, err, sizeof(err));
+	if (rc < 0) {
+		log_error("%s", err);
+		kvstore_destroy(&k.kv, false);
+		return 1;
+	}
+	struct service_ops ops = {.handle = handle, .hello = hello, .stats = stats};
+	struct service *s = service_create(SERVICE_NAME, run_dir, &ops, &k);
+	if (!s) {
+		kvstore_destroy(&k.kv, false);
+		return 1; /* logged */
+	}
+	service_run(s);
+	bool remove = service_stop_reason(s) == SERVICE_STOP_SHUTDOWN;
+	if (remove)
+		log_info("shutting down: removing the KV pool and the spill file");
+	else
+		log_info("stopping: the KV pool and the spill file stay for the next kv-store to adopt");
+	kvstore_destroy(&k.kv, remove);
+	service_destroy(&s);
+	return 0;
+}

@@ -1,0 +1,844 @@
+/* Tests of the kv-store's pool module (services/kv-store/pool.c) through its API, with a real
+ * shared-memory object and a real spill file in a scratch directory. */
+#include <check.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/util.h"
+#include "services/kv-store/pool.h"
+#include "tests/unit/kv-store/kvtest.h"
+
+#define BB 8192ull /* block bytes in these tests */
+#define HASH 0x1234abcdull
+
+struct fx {
+	char dir[256];
+	char shm[64];
+	char spill[512];
+	struct kvstore *kv;
+	char err[512];
+};
+
+static struct kvstore *fx_store(struct fx *f, uint64_t dram_blocks, uint64_t disk_blocks)
+{
+	struct kvstore_config cfg = {.shm_name = f->shm,
+				     .spill_path = f->spill,
+				     .dram_budget = dram_blocks * BB,
+				     .disk_budget = disk_blocks * BB,
+				     .io_depth = 8};
+	struct kvstore *kv = NULL;
+	ck_assert_int_eq(kvstore_create(&cfg, &kv), 0);
+	return kv;
+}
+
+/* A scratch dir under parent, a unique pool name, and a configured store. */
+static void fx_open(struct fx *f, const char *parent, uint64_t dram_blocks, uint64_t disk_blocks)
+{
+	memset(f, 0, sizeof(*f));
+	kvt_mkdtemp(parent, f->dir, sizeof(f->dir));
+	kvt_shm_name(f->shm, sizeof(f->shm));
+	snprintf(f->spill, sizeof(f->spill), "%s/kv-spill.bin", f->dir);
+	f->kv = fx_store(f, dram_blocks, disk_blocks);
+	int rc = kvstore_configure(f->kv, BB, HASH, f->err, sizeof(f->err));
+	ck_assert_msg(rc == 0, "configure: %s", f->err);
+}
+
+static void fx_close(struct fx *f)
+{
+	kvstore_destroy(&f->kv, true);
+	kvstore_destroy(&f->kv, true); /* twice is safe */
+	ck_assert_int_eq(access(f->spill, F_OK), -1);
+	ck_assert_int_eq(shm_open(f->shm, O_RDONLY, 0), -1);
+	ck_assert_int_eq(errno, ENOENT);
+	rmdir(f->dir);
+}
+
+static struct kvpool_header *H(struct fx *f)
+{
+	return kvstore_header(f->kv);
+}
+
+static struct kvpool_handle *handle_of(struct fx *f, uint64_t hv)
+{
+	return &kvpool_handles(H(f))[kv_handle_index(hv)];
+}
+
+static struct kvpool_slot *slot_of(struct fx *f, uint64_t hv)
+{
+	struct kvpool_handle *hd = handle_of(f, hv);
+	ck_assert_uint_eq(hd->location, KVLOC_POOL);
+	return &kvpool_slots(H(f))[hd->where];
+}
+
+/* ALLOC one block, write seed into it, COMMIT it. */
+static uint64_t put_block(struct fx *f, uint64_t seed)
+{
+	uint64_t h, off;
+	int rc = kvstore_alloc(f->kv, 1, &h, &off, f->err, sizeof(f->err));
+	ck_assert_msg(rc == 0, "alloc: %s", f->err);
+	kvt_write_block(H(f), off, seed);
+	rc = kvstore_commit(f->kv, &h, &seed, 1, f->err, sizeof(f->err));
+	ck_assert_msg(rc == 0, "commit: %s", f->err);
+	return h;
+}
+
+/* FETCH one block, compare it with seed, UNPIN it. */
+static void check_block(struct fx *f, uint64_t h, uint64_t seed)
+{
+	uint64_t off;
+	int rc = kvstore_fetch(f->kv, &h, 1, &off, f->err, sizeof(f->err));
+	ck_assert_msg(rc == 0, "fetch 0x%llx: %s", (unsigned long long)h, f->err);
+	ck_assert_msg(kvt_check((char *)H(f) + off, BB, seed), "block 0x%llx read back different",
+		      (unsigned long long)h);
+	ck_assert_int_eq(kvstore_unpin(f->kv, &h, 1, f->err, sizeof(f->err)), 0);
+}
+
+static uint64_t stat_u64(struct fx *f, const char *key)
+{
+	char *text = kvstore_stats_json(f->kv);
+	ck_assert_ptr_nonnull(text);
+	json_error_t je;
+	json_t *o = json_loads(text, 0, &je);
+	ck_assert_ptr_nonnull(o);
+	json_t *v = json_object_get(o, key);
+	ck_assert_msg(v != NULL, "stats lack %s: %s", key, text);
+	uint64_t r = json_is_boolean(v) ? (uint64_t)json_is_true(v) : (uint64_t)json_integer_value(v);
+	json_decref(o);
+	free(text);
+	return r;
+}
+
+static void expect_err(struct fx *f, int rc, int want, const char *needle)
+{
+	ck_assert_msg(rc == want, "rc %d, wanted %d (%s)", rc, want, f->err);
+	ck_assert_msg(strstr(f->err, needle) != NULL, "error '%s' lacks '%s'", f->err, needle);
+}
+
+/* ---- round trip ---- */
+
+START_TEST(test_round_trip)
+{
+	struct fx f;
+	fx_open(&f, "/tmp", 8, 8);
+	uint64_t h[3], off[3], off2[3];
+	ck_assert_int_eq(kvstore_alloc(f.kv, 3, h, off, f.err, sizeof(f.err)), 0);
+	for (int i = 0; i < 3; i++) {
+		ck_assert_uint_eq(off[i] % 4096, 0);
+		ck_assert_uint_eq(handle_of(&f, h[i])->state, KVH_WRITING);
+		ck_assert_uint_eq(slot_of(&f, h[i])->pins, 1);
+		ck_assert_uint_eq(atomic_load(&slot_of(&f, h[i])->state), KVSLOT_WRITING);
+		kvt_write_block(H(&f), off[i], 100 + (uint64_t)i);
+	}
+	uint64_t keys[3] = {7, 8, 9};
+	ck_assert_int_eq(kvstore_commit(f.kv, h, keys, 3, f.err, sizeof(f.err)), 0);
+	for (int i = 0; i < 3; i++) {
+		struct kvpool_slot *sl = slot_of(&f, h[i]);
+		ck_assert_uint_eq(handle_of(&f, h[i])->state, KVH_COMMITTED);
+		ck_assert_uint_eq(handle_of(&f, h[i])->key, keys[i]);
+		ck_assert_uint_eq(handle_of(&f, h[i])->checksum, crc32c(0, (char *)H(&f) + off[i], BB));
+		ck_assert_uint_eq(sl->pins, 0);
+		ck_assert_uint_eq(atomic_load(&sl->ready), 0);
+	}
+	ck_assert_int_eq(kvstore_fetch(f.kv, h, 3, off2, f.err, sizeof(f.err)), 0);
+	for (int i = 0; i < 3; i++) {
+		ck_assert_uint_eq(off2[i], off[i]);
+		ck_assert(kvt_check((char *)H(&f) + off2[i], BB, 100 + (uint64_t)i));
+		ck_assert_uint_eq(slot_of(&f, h[i])->pins, 1);
+	}
+	ck_assert_int_eq(kvstore_unpin(f.kv, h, 3, f.err, sizeof(f.err)), 0);
+	ck_assert_int_eq(kvstore_free(f.kv, h, 3, f.err, sizeof(f.err)), 0);
+	ck_assert_uint_eq(stat_u64(&f, "allocs"), 3);
+	ck_assert_uint_eq(stat_u64(&f, "commits"), 3);
+	ck_assert_uint_eq(stat_u64(&f, "fetches"), 3);
+	ck_assert_uint_eq(stat_u64(&f, "fetches_from_disk"), 0);
+	ck_assert_uint_eq(stat_u64(&f, "frees"), 3);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 0);
+	ck_assert_uint_eq(stat_u64(&f, "pool_blocks"), 8);
+	ck_assert_uint_eq(stat_u64(&f, "block_bytes"), BB);
+	ck_assert_uint_eq(atomic_load(&H(&f)->store.slots_used), 0);
+	fx_close(&f);
+}
+END_TEST
+
+/* ---- validation ---- */
+
+START_TEST(test_configure_checks)
+{
+	struct fx f;
+	memset(&f, 0, sizeof(f));
+	kvt_mkdtemp("/tmp", f.dir, sizeof(f.dir));
+	kvt_shm_name(f.shm, sizeof(f.shm));
+	snprintf(f.spill, sizeof(f.spill), "%s/kv-spill.bin", f.dir);
+	f.kv = fx_store(&f, 4, 4);
+	uint64_t h, off;
+	expect_err(&f, kvstore_alloc(f.kv, 1, &h, &off, f.err, sizeof(f.err)), -EINVAL, "not configured");
+	expect_err(&f, kvstore_configure(f.kv, 0, HASH, f.err, sizeof(f.err)), -EINVAL, "multiple of 4096");
+	expect_err(&f, kvstore_configure(f.kv, 4096 + 512, HASH, f.err, sizeof(f.err)), -EINVAL, "multiple of 4096");
+	expect_err(&f, kvstore_configure(f.kv, 8 * BB, HASH, f.err, sizeof(f.err)), -EINVAL,
+		   "holds no block of 65536 bytes; need at least 65536");
+	ck_assert_ptr_null(H(&f));
+	ck_assert_int_eq(kvstore_configure(f.kv, BB, HASH, f.err, sizeof(f.err)), 0);
+	uint64_t epoch = H(&f)->pool_epoch;
+	struct kvstore_info info;
+	kvstore_info(f.kv, &info);
+	ck_assert(info.configured);
+	ck_assert_str_eq(info.shm_name, f.shm);
+	ck_assert_uint_eq(info.n_slots, 4);
+	ck_assert_uint_eq(info.n_spill_slots, 4);
+	ck_assert_uint_eq(info.epoch, epoch);
+
+	/* The same configuration keeps the pool; another one is refused while a block lives. */
+	h = put_block(&f, 1);
+	ck_assert_int_eq(kvstore_configure(f.kv, BB, HASH, f.err, sizeof(f.err)), 0);
+	ck_assert_uint_eq(H(&f)->pool_epoch, epoch);
+	expect_err(&f, kvstore_configure(f.kv, 2 * BB, HASH, f.err, sizeof(f.err)), -EBUSY, "1 live blocks");
+	expect_err(&f, kvstore_configure(f.kv, BB, HASH + 1, f.err, sizeof(f.err)), -EBUSY, "free them");
+	check_block(&f, h, 1);
+	ck_assert_int_eq(kvstore_free(f.kv, &h, 1, f.err, sizeof(f.err)), 0);
+	ck_assert_int_eq(kvstore_configure(f.kv, 2 * BB, HASH + 1, f.err, sizeof(f.err)), 0);
+	ck_assert_uint_ne(H(&f)->pool_epoch, epoch);
+	ck_assert_uint_eq(H(&f)->block_bytes, 2 * BB);
+	ck_assert_uint_eq(H(&f)->n_slots, 2);
+	ck_assert_uint_eq(H(&f)->manifest_hash, HASH + 1);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_commit_before_ready)
+{
+	struct fx f;
+	fx_open(&f, "/tmp", 4, 4);
+	uint64_t h[2], off[2];
+	ck_assert_int_eq(kvstore_alloc(f.kv, 2, h, off, f.err, sizeof(f.err)), 0);
+	kvt_write_block(H(&f), off[0], 1);
+	kvt_fill((char *)H(&f) + off[1], BB, 2); /* bytes there, ready not yet stored */
+	char want[64];
+	snprintf(want, sizeof(want), "block 0x%llx not ready: its copy has not completed", (unsigned long long)h[1]);
+	expect_err(&f, kvstore_commit(f.kv, h, NULL, 2, f.err, sizeof(f.err)), -EAGAIN, want);
+	/* No partial effect: the ready one is still being written. */
+	ck_assert_uint_eq(handle_of(&f, h[0])->state, KVH_WRITING);
+	ck_assert_uint_eq(slot_of(&f, h[0])->pins, 1);
+	ck_assert_uint_eq(stat_u64(&f, "commits"), 0);
+	kvt_write_block(H(&f), off[1], 2);
+	ck_assert_int_eq(kvstore_commit(f.kv, h, NULL, 2, f.err, sizeof(f.err)), 0);
+	check_block(&f, h[0], 1);
+	check_block(&f, h[1], 2);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_stale_and_invalid_handles)
+{
+	struct fx f;
+	fx_open(&f, "/tmp", 4, 4);
+	uint64_t h = put_block(&f, 5);
+	ck_assert_int_eq(kvstore_free(f.kv, &h, 1, f.err, sizeof(f.err)), 0);
+	char hex[32];
+	snprintf(hex, sizeof(hex), "0x%llx", (unsigned long long)h);
+	uint64_t off;
+	expect_err(&f, kvstore_fetch(f.kv, &h, 1, &off, f.err, sizeof(f.err)), -EINVAL, hex);
+	ck_assert_ptr_nonnull(strstr(f.err, "stale"));
+	/* Double free. */
+	expect_err(&f, kvstore_free(f.kv, &h, 1, f.err, sizeof(f.err)), -EINVAL, "stale");
+	expect_err(&f, kvstore_unpin(f.kv, &h, 1, f.err, sizeof(f.err)), -EINVAL, hex);
+	expect_err(&f, kvstore_commit(f.kv, &h, NULL, 1, f.err, sizeof(f.err)), -EINVAL, hex);
+	/* The index was reused with a new generation: the old value stays stale. */
+	uint64_t h2 = put_block(&f, 6);
+	ck_assert_uint_eq(kv_handle_index(h2), kv_handle_index(h));
+	ck_assert_uint_ne(h2, h);
+	expect_err(&f, kvstore_fetch(f.kv, &h, 1, &off, f.err, sizeof(f.err)), -EINVAL, "stale");
+	/* Out of range, never allocated, zero. */
+	uint64_t bad = kv_handle_make(1000, 1);
+	expect_err(&f, kvstore_free(f.kv, &bad, 1, f.err, sizeof(f.err)), -EINVAL, "past the pool's 8 handles");
+	bad = kv_handle_make(3, 1);
+	expect_err(&f, kvstore_free(f.kv, &bad, 1, f.err, sizeof(f.err)), -EINVAL, "not allocated");
+	bad = 0;
+	ck_assert_int_eq(kvstore_free(f.kv, &bad, 1, f.err, sizeof(f.err)), -EINVAL);
+	/* State errors. */
+	expect_err(&f, kvstore_commit(f.kv, &h2, NULL, 1, f.err, sizeof(f.err)), -EINVAL, "already committed");
+	expect_err(&f, kvstore_unpin(f.kv, &h2, 1, f.err, sizeof(f.err)), -EINVAL, "not pinned");
+	uint64_t w;
+	ck_assert_int_eq(kvstore_alloc(f.kv, 1, &w, &off, f.err, sizeof(f.err)), 0);
+	expect_err(&f, kvstore_fetch(f.kv, &w, 1, &off, f.err, sizeof(f.err)), -EINVAL, "still being written");
+	expect_err(&f, kvstore_unpin(f.kv, &w, 1, f.err, sizeof(f.err)), -EINVAL, "being written");
+	expect_err(&f, kvstore_alloc(f.kv, 0, &w, &off, f.err, sizeof(f.err)), -EINVAL, "at least 1");
+	uint64_t big[8];
+	expect_err(&f, kvstore_alloc(f.kv, 5, big, big, f.err, sizeof(f.err)), -ENOSPC, "exceeds the KV pool's 4");
+	/* A block being written can be freed, pin and all. */
+	ck_assert_int_eq(kvstore_free(f.kv, &w, 1, f.err, sizeof(f.err)), 0);
+	check_block(&f, h2, 6);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_all_or_nothing)
+{
+	struct fx f;
+	fx_open(&f, "/tmp", 4, 4);
+	uint64_t a = put_block(&f, 1), b = put_block(&f, 2);
+	uint64_t stale = a + 1; /* same index, wrong generation */
+	uint64_t req[3] = {a, b, stale}, off[3];
+	/* FREE with one bad handle frees nothing. */
+	expect_err(&f, kvstore_free(f.kv, req, 3, f.err, sizeof(f.err)), -EINVAL, "stale");
+	ck_assert_uint_eq(handle_of(&f, a)->state, KVH_COMMITTED);
+	ck_assert_uint_eq(handle_of(&f, b)->state, KVH_COMMITTED);
+	ck_assert_uint_eq(stat_u64(&f, "frees"), 0);
+	/* FETCH with one bad handle pins nothing. */
+	expect_err(&f, kvstore_fetch(f.kv, req, 3, off, f.err, sizeof(f.err)), -EINVAL, "stale");
+	ck_assert_uint_eq(slot_of(&f, a)->pins, 0);
+	ck_assert_uint_eq(slot_of(&f, b)->pins, 0);
+	/* A duplicate is refused, before anything changes. */
+	uint64_t dup[2] = {a, a};
+	expect_err(&f, kvstore_fetch(f.kv, dup, 2, off, f.err, sizeof(f.err)), -EINVAL, "appears twice");
+	ck_assert_uint_eq(slot_of(&f, a)->pins, 0);
+	expect_err(&f, kvstore_free(f.kv, dup, 2, f.err, sizeof(f.err)), -EINVAL, "appears twice");
+	/* UNPIN: one pinned, one not -> neither changes. */
+	ck_assert_int_eq(kvstore_fetch(f.kv, &a, 1, off, f.err, sizeof(f.err)), 0);
+	uint64_t ab[2] = {a, b};
+	expect_err(&f, kvstore_unpin(f.kv, ab, 2, f.err, sizeof(f.err)), -EINVAL, "not pinned");
+	ck_assert_uint_eq(slot_of(&f, a)->pins, 1);
+	/* COMMIT: one writing, one committed -> the writing one stays uncommitted. */
+	uint64_t w, woff;
+	ck_assert_int_eq(kvstore_alloc(f.kv, 1, &w, &woff, f.err, sizeof(f.err)), 0);
+	kvt_write_block(H(&f), woff, 3);
+	uint64_t wb[2] = {w, b};
+	expect_err(&f, kvstore_commit(f.kv, wb, NULL, 2, f.err, sizeof(f.err)), -EINVAL, "already committed");
+	ck_assert_uint_eq(handle_of(&f, w)->state, KVH_WRITING);
+	ck_assert_int_eq(kvstore_commit(f.kv, &w, NULL, 1, f.err, sizeof(f.err)), 0);
+	/* Freeing a pinned block works whatever the pins. */
+	ck_assert_int_eq(kvstore_free(f.kv, ab, 2, f.err, sizeof(f.err)), 0);
+	check_block(&f, w, 3);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 1);
+	fx_close(&f);
+}
+END_TEST
+
+/* ---- spill ---- */
+
+START_TEST(test_lru_spill_order)
+{
+	struct fx f;
+	fx_open(&f, "/tmp", 4, 12);
+	uint64_t h[12];
+	for (int i = 0; i < 12; i++) {
+		h[i] = put_block(&f, 1000 + (uint64_t)i);
+		/* After block i the pool holds the four most recent, the rest are spilled. */
+		for (int j = 0; j <= i; j++)
+			ck_assert_msg(handle_of(&f, h[j])->location == (j > i - 4 ? KVLOC_POOL : KVLOC_SPILL),
+				      "after block %d, block %d is in the wrong place", i, j);
+	}
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 8);
+	ck_assert_uint_eq(stat_u64(&f, "spill_used"), 8);
+	ck_assert_uint_eq(stat_u64(&f, "spill_bytes_written"), 8 * BB);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 4);
+
+	/* A fetch makes a block most recent: block 8 (the oldest in the pool) survives the next
+	 * spill, block 9 goes. */
+	check_block(&f, h[8], 1008);
+	uint64_t extra = put_block(&f, 2000);
+	ck_assert_uint_eq(handle_of(&f, h[8])->location, KVLOC_POOL);
+	ck_assert_uint_eq(handle_of(&f, h[9])->location, KVLOC_SPILL);
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 9);
+
+	/* Every block reads back equal, spilled or not (each read-back spills another). */
+	for (int i = 0; i < 12; i++)
+		check_block(&f, h[i], 1000 + (uint64_t)i);
+	check_block(&f, extra, 2000);
+	ck_assert_uint_eq(stat_u64(&f, "fetches"), 14);
+	uint64_t from_disk = stat_u64(&f, "fetches_from_disk");
+	ck_assert_uint_ge(from_disk, 9);
+	ck_assert_uint_eq(stat_u64(&f, "spill_bytes_read"), from_disk * BB);
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 9 + from_disk);
+	ck_assert_uint_eq(stat_u64(&f, "checksum_failures"), 0);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used") + stat_u64(&f, "spill_used"), 13);
+
+	/* A multi-block fetch of spilled blocks never evicts a block it names. */
+	uint64_t four[4] = {h[0], h[1], h[2], h[3]}, off[4];
+	ck_assert_int_eq(kvstore_fetch(f.kv, four, 4, off, f.err, sizeof(f.err)), 0);
+	for (int i = 0; i < 4; i++) {
+		ck_assert(kvt_check((char *)H(&f) + off[i], BB, 1000 + (uint64_t)i));
+		ck_assert_uint_eq(slot_of(&f, four[i])->pins, 1);
+	}
+	ck_assert_int_eq(kvstore_unpin(f.kv, four, 4, f.err, sizeof(f.err)), 0);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_pinned_never_evicted)
+{
+	struct fx f;
+	fx_open(&f, "/tmp", 4, 16);
+	uint64_t h[4];
+	for (int i = 0; i < 4; i++)
+		h[i] = put_block(&f, (uint64_t)i);
+	uint64_t off;
+	/* h[0] pinned, and made the least recently used of all. */
+	ck_assert_int_eq(kvstore_fetch(f.kv, &h[0], 1, &off, f.err, sizeof(f.err)), 0);
+	for (int i = 1; i < 4; i++)
+		check_block(&f, h[i], (uint64_t)i);
+	slot_of(&f, h[0])->last_use = 0;
+	for (int i = 0; i < 8; i++) {
+		put_block(&f, 100 + (uint64_t)i);
+		ck_assert_uint_eq(handle_of(&f, h[0])->location, KVLOC_POOL);
+	}
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 8);
+	ck_assert(kvt_check((char *)H(&f) + off, BB, 0));
+	ck_assert_int_eq(kvstore_unpin(f.kv, &h[0], 1, f.err, sizeof(f.err)), 0);
+	put_block(&f, 200);
+	ck_assert_uint_eq(handle_of(&f, h[0])->location, KVLOC_SPILL); /* unpinned: now it goes first */
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_all_pinned)
+{
+	struct fx f;
+	fx_open(&f, "/tmp", 4, 16);
+	uint64_t h[4], off[4], x;
+	ck_assert_int_eq(kvstore_alloc(f.kv, 4, h, off, f.err, sizeof(f.err)), 0);
+	/* Blocks being written are pinned. */
+	expect_err(&f, kvstore_alloc(f.kv, 1, &x, off, f.err, sizeof(f.err)), -ENOSPC,
+		   "KV pool full: 4 blocks, all pinned");
+	for (int i = 0; i < 4; i++)
+		kvt_write_block(H(&f), off[i], (uint64_t)i);
+	ck_assert_int_eq(kvstore_commit(f.kv, h, NULL, 4, f.err, sizeof(f.err)), 0);
+	ck_assert_int_eq(kvstore_fetch(f.kv, h, 4, off, f.err, sizeof(f.err)), 0);
+	/* Fetched blocks are pinned too. */
+	expect_err(&f, kvstore_alloc(f.kv, 1, &x, off, f.err, sizeof(f.err)), -ENOSPC, "all pinned");
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 0);
+	ck_assert_uint_eq(stat_u64(&f, "allocs"), 4);
+	/* Three unpinned: an ALLOC of 4 still does not fit, and changes nothing. */
+	ck_assert_int_eq(kvstore_unpin(f.kv, h, 3, f.err, sizeof(f.err)), 0);
+	uint64_t y[4];
+	expect_err(&f, kvstore_alloc(f.kv, 4, y, off, f.err, sizeof(f.err)), -ENOSPC, "3 evictable");
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 0);
+	ck_assert_int_eq(kvstore_alloc(f.kv, 3, y, off, f.err, sizeof(f.err)), 0);
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 3);
+	ck_assert_uint_eq(handle_of(&f, h[3])->location, KVLOC_POOL);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_disk_full)
+{
+	struct fx f;
+	fx_open(&f, "/tmp", 4, 2);
+	uint64_t h[6];
+	for (int i = 0; i < 6; i++)
+		h[i] = put_block(&f, (uint64_t)i);
+	ck_assert_uint_eq(stat_u64(&f, "spill_used"), 2);
+	uint64_t x, off;
+	expect_err(&f, kvstore_alloc(f.kv, 1, &x, &off, f.err, sizeof(f.err)), -ENOSPC, "--kv-disk-budget");
+	ck_assert_ptr_nonnull(strstr(f.err, f.spill));
+	ck_assert_uint_eq(stat_u64(&f, "allocs"), 6);
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 2);
+	for (int i = 2; i < 6; i++)
+		check_block(&f, h[i], (uint64_t)i);
+	/* Room comes back when a block goes. */
+	ck_assert_int_eq(kvstore_free(f.kv, &h[0], 1, f.err, sizeof(f.err)), 0);
+	put_block(&f, 9);
+	check_block(&f, h[1], 1);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_fetch_when_everything_is_full)
+{
+	/* Pool and spill file both full: a fetch of a spilled block still works, trading places
+	 * with the least recently used block. */
+	struct fx f;
+	fx_open(&f, "/tmp", 4, 4);
+	uint64_t h[8];
+	for (int i = 0; i < 8; i++)
+		h[i] = put_block(&f, 20 + (uint64_t)i);
+	ck_assert_uint_eq(stat_u64(&f, "spill_used"), 4);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 4);
+	for (int i = 0; i < 8; i++)
+		check_block(&f, h[i], 20 + (uint64_t)i);
+	ck_assert_uint_eq(stat_u64(&f, "fetches_from_disk"), 8);
+	ck_assert_uint_eq(stat_u64(&f, "spill_used"), 4);
+	/* Three spilled blocks in one request (h[0..3] were pushed out by h[4..7] coming back). */
+	uint64_t three[3] = {h[0], h[2], h[1]}, off[3];
+	for (int i = 0; i < 3; i++)
+		ck_assert_uint_eq(handle_of(&f, three[i])->location, KVLOC_SPILL);
+	ck_assert_int_eq(kvstore_fetch(f.kv, three, 3, off, f.err, sizeof(f.err)), 0);
+	ck_assert(kvt_check((char *)H(&f) + off[0], BB, 20));
+	ck_assert(kvt_check((char *)H(&f) + off[1], BB, 22));
+	ck_assert(kvt_check((char *)H(&f) + off[2], BB, 21));
+	/* Four pinned blocks cannot be served from a pool of four with one pinned already. */
+	uint64_t four[4] = {h[3], h[4], h[5], h[6]}, off4[4];
+	expect_err(&f, kvstore_fetch(f.kv, four, 4, off4, f.err, sizeof(f.err)), -ENOSPC, "KV pool full");
+	ck_assert_int_eq(kvstore_unpin(f.kv, three, 3, f.err, sizeof(f.err)), 0);
+	ck_assert_int_eq(kvstore_fetch(f.kv, four, 4, off4, f.err, sizeof(f.err)), 0);
+	for (int i = 0; i < 4; i++)
+		ck_assert(kvt_check((char *)H(&f) + off4[i], BB, 23 + (uint64_t)i));
+	ck_assert_uint_eq(stat_u64(&f, "checksum_failures"), 0);
+	ck_assert_uint_eq(stat_u64(&f, "spill_bytes_written"), stat_u64(&f, "spills") * BB);
+	fx_close(&f);
+}
+END_TEST
+
+/* ---- checksum ---- */
+
+START_TEST(test_checksum_mismatch)
+{
+	struct fx f;
+	fx_open(&f, "/tmp", 2, 8);
+	uint64_t h[4];
+	for (int i = 0; i < 4; i++)
+		h[i] = put_block(&f, 50 + (uint64_t)i);
+	ck_assert_uint_eq(handle_of(&f, h[0])->location, KVLOC_SPILL);
+	ck_assert_uint_eq(handle_of(&f, h[1])->location, KVLOC_SPILL);
+	/* Flip one byte of block 0 in the spill file. */
+	int fd = open(f.spill, O_RDWR);
+	ck_assert_int_ge(fd, 0);
+	off_t at = (off_t)(handle_of(&f, h[0])->where * BB + 100);
+	unsigned char c;
+	ck_assert_int_eq(pread(fd, &c, 1, at), 1);
+	c ^= 0x10;
+	ck_assert_int_eq(pwrite(fd, &c, 1, at), 1);
+	close(fd);
+
+	/* Fetch it together with a pooled block: EIO, and the pooled block is not left pinned. */
+	uint64_t req[2] = {h[3], h[0]}, off[2];
+	char want[96];
+	snprintf(want, sizeof(want), "checksum mismatch on KV block 0x%llx: dropped", (unsigned long long)h[0]);
+	expect_err(&f, kvstore_fetch(f.kv, req, 2, off, f.err, sizeof(f.err)), -EIO, want);
+	ck_assert_uint_eq(stat_u64(&f, "checksum_failures"), 1);
+	ck_assert_uint_eq(slot_of(&f, h[3])->pins, 0);
+	ck_assert_uint_eq(stat_u64(&f, "fetches"), 0);
+	/* The handle is gone. */
+	expect_err(&f, kvstore_fetch(f.kv, &h[0], 1, off, f.err, sizeof(f.err)), -EINVAL, "stale");
+	ck_assert_uint_eq(stat_u64(&f, "spill_used") + stat_u64(&f, "pool_used"), 3);
+	/* The pool still serves the others, spilled or not. */
+	for (int i = 1; i < 4; i++)
+		check_block(&f, h[i], 50 + (uint64_t)i);
+	ck_assert_uint_eq(stat_u64(&f, "checksum_failures"), 1);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_spill_file_short)
+{
+	/* A spill file cut short (someone truncated it): the read-back fails with EIO naming the
+	 * file and offset, the handle stays, nothing is pinned. */
+	struct fx f;
+	fx_open(&f, "/tmp", 2, 8);
+	uint64_t h[3];
+	for (int i = 0; i < 3; i++)
+		h[i] = put_block(&f, (uint64_t)i);
+	ck_assert_uint_eq(handle_of(&f, h[0])->location, KVLOC_SPILL);
+	/* A free pool slot, so the fetch spills nothing (which would write the file again). */
+	ck_assert_int_eq(kvstore_free(f.kv, &h[1], 1, f.err, sizeof(f.err)), 0);
+	ck_assert_int_eq(truncate(f.spill, 0), 0);
+	uint64_t off;
+	expect_err(&f, kvstore_fetch(f.kv, &h[0], 1, &off, f.err, sizeof(f.err)), -EIO, f.spill);
+	ck_assert_ptr_nonnull(strstr(f.err, "offset"));
+	ck_assert_uint_eq(handle_of(&f, h[0])->location, KVLOC_SPILL);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 1);
+	ck_assert_uint_eq(slot_of(&f, h[2])->pins, 0);
+	check_block(&f, h[2], 2);
+	fx_close(&f);
+}
+END_TEST
+
+/* ---- adoption ---- */
+
+struct crashed {
+	uint64_t h[8];
+	uint64_t epoch;
+	uint32_t spilling_slot, loading_slot;
+	uint64_t loading_handle;
+};
+
+/* In a child: build a pool of 6 blocks holding 8 (2 spilled), free one pooled block, and, with
+ * mid_io, leave one slot SPILLING and the free one LOADING as a crash mid-I/O would. Then
+ * _exit() without closing anything. */
+static void crash_child(struct fx *f, bool mid_io, struct crashed *out)
+{
+	int pfd[2];
+	ck_assert_int_eq(pipe(pfd), 0);
+	pid_t pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		close(pfd[0]);
+		struct crashed c = {0};
+		f->kv = fx_store(f, 6, 8);
+		if (kvstore_configure(f->kv, BB, HASH, f->err, sizeof(f->err)))
+			_exit(3);
+		for (int i = 0; i < 8; i++)
+			c.h[i] = put_block(f, 300 + (uint64_t)i);
+		c.epoch = H(f)->pool_epoch;
+		if (kvstore_free(f->kv, &c.h[7], 1, f->err, sizeof(f->err)))
+			_exit(4);
+		if (mid_io) {
+			struct kvpool_slot *slots = kvpool_slots(H(f));
+			c.spilling_slot = handle_of(f, c.h[3])->where;
+			atomic_store(&slots[c.spilling_slot].state, KVSLOT_SPILLING);
+			/* The slot block 7 left free. */
+			for (uint32_t s = 0; s < 6; s++)
+				if (atomic_load(&slots[s].state) == KVSLOT_FREE)
+					c.loading_slot = s;
+			c.loading_handle = c.h[0]; /* spilled */
+			atomic_store(&slots[c.loading_slot].state, KVSLOT_LOADING);
+			atomic_store(&slots[c.loading_slot].seq, 1);
+			slots[c.loading_slot].handle_index = kv_handle_index(c.h[0]);
+		}
+		if (write(pfd[1], &c, sizeof(c)) != (ssize_t)sizeof(c))
+			_exit(5);
+		_exit(0);
+	}
+	close(pfd[1]);
+	ck_assert_int_eq(read(pfd[0], out, sizeof(*out)), (ssize_t)sizeof(*out));
+	close(pfd[0]);
+	int status;
+	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+	ck_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+static void fx_names(struct fx *f)
+{
+	memset(f, 0, sizeof(*f));
+	kvt_mkdtemp("/tmp", f->dir, sizeof(f->dir));
+	kvt_shm_name(f->shm, sizeof(f->shm));
+	snprintf(f->spill, sizeof(f->spill), "%s/kv-spill.bin", f->dir);
+}
+
+START_TEST(test_adopt_after_crash)
+{
+	struct fx f;
+	fx_names(&f);
+	struct crashed c;
+	crash_child(&f, false, &c);
+	ck_assert_int_eq(access(f.spill, F_OK), 0);
+	/* A new instance with other budgets adopts the pool as it was. */
+	f.kv = fx_store(&f, 3, 3);
+	int rc = kvstore_adopt(f.kv, f.err, sizeof(f.err));
+	ck_assert_msg(rc == 1, "adopt: %d %s", rc, f.err);
+	ck_assert(kvstore_adopted(f.kv));
+	ck_assert_uint_eq(stat_u64(&f, "adopted"), 1);
+	ck_assert_uint_eq(H(&f)->pool_epoch, c.epoch);
+	ck_assert_uint_eq(H(&f)->n_slots, 6);
+	ck_assert_int_eq(atomic_load(&H(&f)->shm.owner_pid), getpid());
+	ck_assert_uint_eq(stat_u64(&f, "allocs"), 8); /* the counters live in the pool */
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 5);
+	ck_assert_uint_eq(stat_u64(&f, "spill_used"), 2);
+	expect_err(&f, kvstore_adopt(f.kv, f.err, sizeof(f.err)), -EALREADY, "already live");
+	/* The configure that follows a restart keeps it. */
+	ck_assert_int_eq(kvstore_configure(f.kv, BB, HASH, f.err, sizeof(f.err)), 0);
+	ck_assert_uint_eq(H(&f)->pool_epoch, c.epoch);
+	for (int i = 0; i < 7; i++)
+		check_block(&f, c.h[i], 300 + (uint64_t)i);
+	uint64_t off;
+	expect_err(&f, kvstore_fetch(f.kv, &c.h[7], 1, &off, f.err, sizeof(f.err)), -EINVAL, "stale");
+	/* New blocks get fresh handles beside the adopted ones. */
+	uint64_t n = put_block(&f, 999);
+	check_block(&f, n, 999);
+	check_block(&f, c.h[0], 300);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_adopt_recovers_mid_io)
+{
+	struct fx f;
+	fx_names(&f);
+	struct crashed c;
+	crash_child(&f, true, &c);
+	f.kv = fx_store(&f, 6, 8);
+	ck_assert_int_eq(kvstore_adopt(f.kv, f.err, sizeof(f.err)), 1);
+	struct kvpool_slot *slots = kvpool_slots(H(&f));
+	/* SPILLING -> COMMITTED, the handle still in the pool. */
+	ck_assert_uint_eq(atomic_load(&slots[c.spilling_slot].state), KVSLOT_COMMITTED);
+	ck_assert_uint_eq(handle_of(&f, c.h[3])->location, KVLOC_POOL);
+	ck_assert_uint_eq(handle_of(&f, c.h[3])->where, c.spilling_slot);
+	/* LOADING -> FREE, the handle still in the spill file. */
+	ck_assert_uint_eq(atomic_load(&slots[c.loading_slot].state), KVSLOT_FREE);
+	ck_assert_uint_eq(atomic_load(&slots[c.loading_slot].seq) % 2, 0);
+	ck_assert_uint_eq(slots[c.loading_slot].handle_index, KV_NONE);
+	ck_assert_uint_eq(handle_of(&f, c.loading_handle)->location, KVLOC_SPILL);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 5);
+	for (int i = 0; i < 7; i++)
+		check_block(&f, c.h[i], 300 + (uint64_t)i);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_adopt_at_configure)
+{
+	struct fx f;
+	fx_names(&f);
+	struct crashed c;
+	crash_child(&f, false, &c);
+	/* No kvstore_adopt: the configure with the same geometry and model adopts. */
+	f.kv = fx_store(&f, 6, 8);
+	ck_assert_int_eq(kvstore_configure(f.kv, BB, HASH, f.err, sizeof(f.err)), 0);
+	ck_assert(kvstore_adopted(f.kv));
+	ck_assert_uint_eq(H(&f)->pool_epoch, c.epoch);
+	for (int i = 0; i < 7; i++)
+		check_block(&f, c.h[i], 300 + (uint64_t)i);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_configure_replaces_other_model)
+{
+	struct fx f;
+	fx_names(&f);
+	struct crashed c;
+	crash_child(&f, false, &c);
+	/* Another model: the leftover is replaced, its handles are gone, the spill file emptied. */
+	f.kv = fx_store(&f, 6, 8);
+	ck_assert_int_eq(kvstore_configure(f.kv, BB, HASH + 1, f.err, sizeof(f.err)), 0);
+	ck_assert(!kvstore_adopted(f.kv));
+	ck_assert_uint_ne(H(&f)->pool_epoch, c.epoch);
+	ck_assert_uint_eq(stat_u64(&f, "allocs"), 0);
+	struct stat st;
+	ck_assert_int_eq(stat(f.spill, &st), 0);
+	ck_assert_int_eq(st.st_size, 0);
+	uint64_t off;
+	ck_assert_int_eq(kvstore_fetch(f.kv, &c.h[0], 1, &off, f.err, sizeof(f.err)), -EINVAL);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_adopt_refuses_live_owner)
+{
+	struct fx f;
+	fx_open(&f, "/tmp", 4, 4);
+	uint64_t h = put_block(&f, 1);
+	struct fx g = f;
+	g.kv = fx_store(&g, 4, 4);
+	expect_err(&g, kvstore_adopt(g.kv, g.err, sizeof(g.err)), -EBUSY, "live process");
+	expect_err(&g, kvstore_configure(g.kv, BB, HASH, g.err, sizeof(g.err)), -EBUSY, f.shm);
+	kvstore_destroy(&g.kv, false);
+	check_block(&f, h, 1);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_clean_stop_without_pool_removes_leftover)
+{
+	struct fx f;
+	fx_names(&f);
+	struct crashed c;
+	crash_child(&f, false, &c);
+	f.kv = fx_store(&f, 6, 8);
+	fx_close(&f); /* destroy with remove: the dead predecessor's pool and spill file go */
+}
+END_TEST
+
+/* ---- filesystems ---- */
+
+static bool fs_takes_o_direct(const char *dir)
+{
+	char p[512];
+	snprintf(p, sizeof(p), "%s/probe", dir);
+	int fd = open(p, O_RDWR | O_CREAT | O_DIRECT, 0600);
+	if (fd < 0) {
+		ck_assert_int_eq(errno, EINVAL);
+		return false;
+	}
+	close(fd);
+	unlink(p);
+	return true;
+}
+
+static void spill_through(const char *parent)
+{
+	struct fx f;
+	fx_open(&f, parent, 2, 6);
+	bool direct = fs_takes_o_direct(f.dir);
+	ck_assert_int_eq(kvstore_o_direct(f.kv), direct);
+	ck_assert_uint_eq(stat_u64(&f, "o_direct"), direct);
+	uint64_t h[6];
+	for (int i = 0; i < 6; i++)
+		h[i] = put_block(&f, 70 + (uint64_t)i);
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 4);
+	for (int i = 0; i < 6; i++)
+		check_block(&f, h[i], 70 + (uint64_t)i);
+	ck_assert_uint_ge(stat_u64(&f, "fetches_from_disk"), 4);
+	fx_close(&f);
+}
+
+START_TEST(test_spill_on_tmpfs)
+{
+	spill_through("/dev/shm");
+}
+END_TEST
+
+START_TEST(test_spill_on_tmp)
+{
+	spill_through("/tmp");
+}
+END_TEST
+
+static Suite *pool_suite(void)
+{
+	Suite *s = suite_create("kvstore_pool");
+	TCase *tc;
+	tc = tcase_create("round_trip");
+	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tcase_add_test(tc, test_round_trip);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("validation");
+	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tcase_add_test(tc, test_configure_checks);
+	tcase_add_test(tc, test_commit_before_ready);
+	tcase_add_test(tc, test_stale_and_invalid_handles);
+	tcase_add_test(tc, test_all_or_nothing);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("spill");
+	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tcase_add_test(tc, test_lru_spill_order);
+	tcase_add_test(tc, test_pinned_never_evicted);
+	tcase_add_test(tc, test_all_pinned);
+	tcase_add_test(tc, test_disk_full);
+	tcase_add_test(tc, test_fetch_when_everything_is_full);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("checksum");
+	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tcase_add_test(tc, test_checksum_mismatch);
+	tcase_add_test(tc, test_spill_file_short);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("adoption");
+	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tcase_add_test(tc, test_adopt_after_crash);
+	tcase_add_test(tc, test_adopt_recovers_mid_io);
+	tcase_add_test(tc, test_adopt_at_configure);
+	tcase_add_test(tc, test_configure_replaces_other_model);
+	tcase_add_test(tc, test_adopt_refuses_live_owner);
+	tcase_add_test(tc, test_clean_stop_without_pool_removes_leftover);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("filesystems");
+	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tcase_add_test(tc, test_spill_on_tmpfs);
+	tcase_add_test(tc, test_spill_on_tmp);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	kvt_runner_pid = (int)getpid();
+	SRunner *sr = srunner_create(pool_suite());
+	srunner_set_fork_status(sr, CK_FORK);
+	srunner_run_all(sr, CK_NORMAL);
+	int failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? 1 : 0;
+}
