@@ -26,7 +26,8 @@
  * positions < pos0 + n must be visited exactly once between attn_begin and attn_end,
  * including the blocks the chunk itself wrote.
  *
- * Errors: functions return 0 or a negative errno and leave a message in be (backend_error).
+ * Errors: functions return 0 or a negative errno and leave a message readable through
+ * ops->error(be).
  */
 #ifndef GPU_RUNNER_BACKEND_H
 #define GPU_RUNNER_BACKEND_H

@@ -4,7 +4,7 @@
  *
  *   struct sampler *s = sampler_create(&(struct sampler_params){.temperature = 0.8f, .top_k = 40,
  *                                                              .top_p = 0.95f, .seed = 7}, vocab);
- *   int32_t tok = sampler_pick(s, logits);      // logits: vocab floats; may be reordered scratch
+ *   int32_t tok = sampler_pick(s, logits);      // logits: vocab floats, left as they are
  *   sampler_destroy(&s);
  *
  * Order of operations (as in transformers' generate): temperature scaling, top-k, softmax,
