@@ -56,9 +56,11 @@ struct manifest {
 	uint32_t weight_dtype;	       /* enum dtype of the matrices (the most common one) */
 };
 
-/* Loads the checkpoint in dir. Returns 0; on failure returns -errno (-ENOENT missing
- * directory or file, -EINVAL corrupt or inconsistent, -ENOTSUP unsupported architecture or
- * dtype, -ENOMEM) and writes a message naming the file and the problem into err. */
+/* Loads the checkpoint in dir. Returns 0 and *out (owned by the caller: manifest_destroy);
+ * on failure returns -errno (-ENOENT missing directory or file, -ENOTDIR dir is not a
+ * directory, -EINVAL corrupt or inconsistent, -ENOTSUP unsupported architecture, feature or
+ * dtype, -ENOMEM, or the errno of a failed open/read) with *out NULL, and writes a message
+ * naming the file and the problem into err. */
 int manifest_load(const char *dir, struct manifest **out, char *err, size_t errlen);
 
 /* Frees everything. Safe on NULL and twice; NULLs *m. */
@@ -67,10 +69,6 @@ void manifest_destroy(struct manifest **m);
 /* Looks up the tensor of a role in a group: returns its index or -1. For ROLE_LM_HEAD with
  * tied embeddings this is the embed group's tensor. */
 int manifest_find_tensor(const struct manifest *m, uint32_t group, enum tensor_role role);
-
-/* The same lookup over plain tables (what the runner has from the weight ring). */
-int model_find_tensor(const struct model_config *cfg, const struct tensor_desc *tensors,
-		      const struct group_desc *groups, uint32_t group, enum tensor_role role);
 
 #ifdef __cplusplus
 }

@@ -12,6 +12,7 @@
  */
 #ifndef PIPELINE_MODEL_H
 #define PIPELINE_MODEL_H
+#include <stddef.h>
 #include <stdint.h>
 
 #include "common/dtype.h"
@@ -138,6 +139,25 @@ static inline uint32_t group_id_head(const struct model_config *c)
 }
 
 const char *tensor_role_name(enum tensor_role r);
+
+/* The shape config implies for a tensor of role r: writes ndim (1 or 2) and shape (PyTorch
+ * order). Returns 0, or -EINVAL for an unknown role. */
+int model_expected_shape(const struct model_config *cfg, enum tensor_role r, uint32_t *ndim, uint64_t shape[2]);
+
+/* The group a role belongs to in layer `layer` (ignored for embed and head roles). */
+uint32_t model_role_group(const struct model_config *cfg, enum tensor_role r, uint32_t layer);
+
+/* Checks a configuration's values for ranges and consistency (positive dims, heads divisible
+ * by kv heads, token ids inside the vocabulary, rope scaling parameters). Returns 0, or
+ * -EINVAL (-ENOTSUP for an unknown arch) with a message naming the config.json field.
+ * manifest_load runs it; so does the runner on the config it reads from the weight ring. */
+int model_config_check(const struct model_config *cfg, char *err, size_t errlen);
+
+/* Looks up the tensor of a role in a group over plain tables (the manifest's, or the copy
+ * the runner takes from the weight ring): returns its index or -1. For ROLE_LM_HEAD with tied
+ * embeddings this is the embed group's tensor. */
+int model_find_tensor(const struct model_config *cfg, const struct tensor_desc *tensors,
+		      const struct group_desc *groups, uint32_t group, enum tensor_role role);
 const char *group_kind_name(enum group_kind k);
 
 #ifdef __cplusplus

@@ -1,0 +1,1116 @@
+/* synthetic.c - random-weight checkpoints in the Hugging Face layout, written at disk speed.
+ *
+ * Values: a 65536-entry table holds the quantiles of N(0, SYNTH_INIT_STD) (and their bf16
+ * and f16 roundings); element i of a tensor takes the table entry picked by 16 bits of
+ * splitmix64(key + (i / 4) * golden), where key hashes the seed and the tensor name. That
+ * is stateless, so any range of any tensor can be filled on its own: the output does not
+ * depend on buffer sizes or sharding, and a 16-bit fill costs one hash per 4 elements.
+ *
+ * Layout: tensors are assigned to shards in the order transformers' state_dict lists them
+ * (embed, then per layer q, k, v, o, gate, up, down, the two norms, then norm, lm_head), and
+ * inside a file the safetensors library orders them by name, header and data alike. So
+ * "model.layers.10.*" comes before "model.layers.2.*" and a layer's norms sit after its MLP,
+ * as in a real checkpoint: readers must not assume a friendlier order.
+ *
+ * Writing: the calling thread fills 8 MiB buffers, a second thread write()s them, so filling
+ * and I/O overlap (the machine this runs on may have only 2 cores). */
+#include "common/synthetic.h"
+
+#include <assert.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/manifest.h"
+#include "common/util.h"
+
+#define TABLE_SIZE   65536
+#define GOLDEN	     0x9e3779b97f4a7c15ull
+#define BUF_BYTES    (8u << 20)
+#define DIRECT_ALIGN 4096u
+#define N_BUFS	     3
+#define INDEX_NAME   "model.safetensors.index.json"
+#define SINGLE_NAME  "model.safetensors"
+#define MAX_SHARDS   99999u /* the 5-digit file numbering */
+
+static int fail(char *err, size_t errlen, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+
+static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
+{
+	if (err && errlen) {
+		va_list ap;
+		va_start(ap, fmt);
+		vsnprintf(err, errlen, fmt, ap);
+		va_end(ap);
+	}
+	return rc;
+}
+
+/* ---- values ---- */
+
+static float table_f32[TABLE_SIZE];
+static uint16_t table_bf16[TABLE_SIZE];
+static uint16_t table_f16[TABLE_SIZE];
+static pthread_once_t table_once = PTHREAD_ONCE_INIT;
+
+/* Inverse of the standard normal CDF (P. J. Acklam's rational approximation, relative error
+ * below 1.2e-9: far finer than bf16 or f16 can show). */
+static double normal_quantile(double p)
+{
+	static const double a[] = {-3.969683028665376e+01, 2.209460984245205e+02,  -2.759285104469687e+02,
+				   1.383577518672690e+02,  -3.066479806614716e+01, 2.506628277459239e+00};
+	static const double b[] = {-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
+				   6.680131188771972e+01, -1.328068155288572e+01};
+	static const double c[] = {-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
+				   -2.549732539343734e+00, 4.374664141464968e+00,  2.938163982698783e+00};
+	static const double d[] = {7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
+				   3.754408661907416e+00};
+	const double lo = 0.02425;
+	if (p < lo) {
+		double q = sqrt(-2 * log(p));
+		return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+		       ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1);
+	}
+	if (p > 1 - lo) {
+		double q = sqrt(-2 * log(1 - p));
+		return -(((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+		       ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1);
+	}
+	double q = p - 0.5, r = q * q;
+	return (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q /
+	       (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1);
+}
+
+static void tables_init(void)
+{
+	/* The quantiles at the bin centres: a uniform index into the table draws N(0, std). */
+	for (int i = 0; i < TABLE_SIZE; i++) {
+		float v = (float)(SYNTH_INIT_STD * normal_quantile((i + 0.5) / TABLE_SIZE));
+		table_f32[i] = v;
+		table_bf16[i] = f32_to_bf16(v);
+		table_f16[i] = f32_to_f16(v);
+	}
+}
+
+static inline uint64_t mix64(uint64_t z)
+{
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+static uint64_t tensor_key(uint64_t seed, const char *name)
+{
+	return mix64(fnv1a64(FNV64_INIT, name, strlen(name)) ^ mix64(seed + GOLDEN));
+}
+
+static inline uint32_t elem_index(uint64_t key, uint64_t i)
+{
+	uint64_t r = mix64(key + ((i >> 2) + 1) * GOLDEN);
+	return (uint32_t)(r >> (16 * (i & 3))) & 0xffffu;
+}
+
+float synth_value(uint64_t seed, const char *name, bool is_norm, uint64_t i)
+{
+	pthread_once(&table_once, tables_init);
+	float v = table_f32[elem_index(tensor_key(seed, name), i)];
+	return is_norm ? 1.0f + v : v;
+}
+
+/* Stores element value v (already in float) as dtype dt at dst[i]. */
+static inline void store_elem(enum dtype dt, void *dst, uint64_t i, float v)
+{
+	if (dt == DT_F32)
+		((float *)dst)[i] = v;
+	else if (dt == DT_BF16)
+		((uint16_t *)dst)[i] = f32_to_bf16(v);
+	else
+		((uint16_t *)dst)[i] = f32_to_f16(v);
+}
+
+/* Fills elements [e0, e0 + n) of a tensor into dst (dst holds element e0 first). */
+static void fill_range(uint64_t key, bool norm, enum dtype dt, uint64_t e0, uint64_t n, void *dst)
+{
+	uint64_t i = 0;
+	if (norm) { /* dim elements per norm: not worth a fast path */
+		for (; i < n; i++)
+			store_elem(dt, dst, i, 1.0f + table_f32[elem_index(key, e0 + i)]);
+		return;
+	}
+	/* Up to the next multiple of 4, element by element; then 4 per hash; then the tail. */
+	for (; i < n && ((e0 + i) & 3); i++)
+		store_elem(dt, dst, i, table_f32[elem_index(key, e0 + i)]);
+	uint64_t blocks = (n - i) / 4;
+	uint64_t s = key + (((e0 + i) >> 2) + 1) * GOLDEN;
+	if (dt == DT_F32) {
+		float *o = (float *)dst + i;
+		for (uint64_t b = 0; b < blocks; b++, s += GOLDEN, o += 4) {
+			uint64_t r = mix64(s);
+			o[0] = table_f32[r & 0xffff];
+			o[1] = table_f32[(r >> 16) & 0xffff];
+			o[2] = table_f32[(r >> 32) & 0xffff];
+			o[3] = table_f32[r >> 48];
+		}
+	} else {
+		const uint16_t *tb = dt == DT_BF16 ? table_bf16 : table_f16;
+		uint16_t *o = (uint16_t *)dst + i;
+		for (uint64_t b = 0; b < blocks; b++, s += GOLDEN, o += 4) {
+			uint64_t r = mix64(s);
+			o[0] = tb[r & 0xffff];
+			o[1] = tb[(r >> 16) & 0xffff];
+			o[2] = tb[(r >> 32) & 0xffff];
+			o[3] = tb[r >> 48];
+		}
+	}
+	i += blocks * 4;
+	for (; i < n; i++)
+		store_elem(dt, dst, i, table_f32[elem_index(key, e0 + i)]);
+}
+
+/* ---- shapes ---- */
+
+static void llama3_rope(struct model_config *c)
+{
+	c->rope_theta = 500000.0f;
+	c->rope_scaling = ROPE_SCALING_LLAMA3;
+	c->rope_factor = 8.0f;
+	c->rope_low_freq_factor = 1.0f;
+	c->rope_high_freq_factor = 4.0f;
+	c->rope_original_max_position = 8192;
+}
+
+int synth_shape_config(const char *spec, struct model_config *c, char *err, size_t errlen)
+{
+	assert(spec && c);
+	memset(c, 0, sizeof(*c));
+	c->arch = ARCH_LLAMA;
+	c->rms_eps = 1e-5f;
+	llama3_rope(c);
+	if (!strcmp(spec, "tiny")) {
+		c->dim = 64;
+		c->n_layers = 2;
+		c->n_heads = 4;
+		c->n_kv_heads = 2;
+		c->head_dim = 16;
+		c->ffn_dim = 192;
+		c->vocab_size = 512;
+		c->max_position = 4096;
+		c->bos_id = 1;
+		c->n_eos = 1;
+		c->eos_ids[0] = 2;
+		return 0;
+	}
+	c->head_dim = 128;
+	c->n_kv_heads = 8;
+	c->vocab_size = 128256;
+	c->max_position = 131072;
+	c->bos_id = 128000;
+	c->n_eos = 3;
+	c->eos_ids[0] = 128001;
+	c->eos_ids[1] = 128008;
+	c->eos_ids[2] = 128009;
+	if (!strcmp(spec, "llama3-8b")) {
+		c->dim = 4096;
+		c->n_layers = 32;
+		c->n_heads = 32;
+		c->ffn_dim = 14336;
+		return 0;
+	}
+	if (!strncmp(spec, "llama3-70b", 10) && (spec[10] == 0 || spec[10] == ':')) {
+		c->dim = 8192;
+		c->n_layers = 80;
+		c->n_heads = 64;
+		c->ffn_dim = 28672;
+		if (spec[10] == ':') {
+			char *end = NULL;
+			errno = 0;
+			unsigned long l = strtoul(spec + 11, &end, 10);
+			if (errno || end == spec + 11 || *end || l < 1 || l > 80)
+				return fail(err, errlen, -EINVAL, "shape %s: the layer count must be 1..80", spec);
+			c->n_layers = (uint32_t)l;
+		}
+		return 0;
+	}
+	memset(c, 0, sizeof(*c));
+	return fail(err, errlen, -EINVAL,
+		    "unknown shape \"%s\" (known: tiny, llama3-8b, llama3-70b, llama3-70b:LAYERS)", spec);
+}
+
+int synth_parse_rope_scaling(const char *text, struct model_config *c, char *err, size_t errlen)
+{
+	c->rope_factor = 0;
+	c->rope_low_freq_factor = 0;
+	c->rope_high_freq_factor = 0;
+	c->rope_original_max_position = 0;
+	if (!strcmp(text, "none")) {
+		c->rope_scaling = ROPE_SCALING_NONE;
+		return 0;
+	}
+	if (!strcmp(text, "llama3")) {
+		float theta = c->rope_theta;
+		llama3_rope(c);
+		c->rope_theta = theta; /* only the scaling changes */
+		return 0;
+	}
+	if (!strncmp(text, "linear:", 7)) {
+		char *end = NULL;
+		errno = 0;
+		double f = strtod(text + 7, &end);
+		if (!errno && end != text + 7 && !*end && f > 0 && isfinite(f)) {
+			c->rope_scaling = ROPE_SCALING_LINEAR;
+			c->rope_factor = (float)f;
+			return 0;
+		}
+	}
+	return fail(err, errlen, -EINVAL, "rope scaling \"%s\" is not one of none, linear:FACTOR, llama3", text);
+}
+
+uint64_t synth_param_count(const struct model_config *c, bool tied)
+{
+	uint64_t d = c->dim, q = (uint64_t)c->n_heads * c->head_dim, kv = (uint64_t)c->n_kv_heads * c->head_dim;
+	uint64_t layer = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * c->ffn_dim;
+	uint64_t n = (uint64_t)c->vocab_size * d + c->n_layers * layer + d;
+	if (!tied && !c->tie_embeddings)
+		n += (uint64_t)c->vocab_size * d;
+	return n;
+}
+
+/* ---- planning ---- */
+
+struct stensor {
+	char name[TENSOR_NAME_MAX];
+	uint32_t ndim;
+	uint64_t shape[2];
+	uint64_t nelem, nbytes;
+	bool norm;
+	uint64_t key;
+	uint32_t file;
+	uint64_t begin; /* data offset inside its file */
+};
+
+struct plan {
+	struct stensor *t; /* state_dict order */
+	uint32_t n;
+	uint32_t n_files;
+	uint32_t *order;      /* per file, contiguous: tensor indices in name order */
+	uint32_t *file_first; /* n_files + 1 */
+	uint64_t *file_size;  /* per file */
+	char (*file_name)[64];
+	uint64_t tensor_bytes, file_bytes;
+};
+
+static void add_tensor(struct plan *p, const struct synth_options *o, const char *name, uint64_t rows, uint64_t cols)
+{
+	struct stensor *t = &p->t[p->n++];
+	str_copy(t->name, sizeof(t->name), name);
+	t->ndim = cols ? 2 : 1;
+	t->shape[0] = rows;
+	t->shape[1] = cols;
+	t->nelem = rows * (cols ? cols : 1);
+	t->nbytes = t->nelem * dtype_size(o->dtype);
+	t->norm = cols == 0;
+	t->key = tensor_key(o->seed, name);
+}
+
+static int cmp_by_name(const void *a, const void *b, void *arg)
+{
+	const struct stensor *t = arg;
+	return strcmp(t[*(const uint32_t *)a].name, t[*(const uint32_t *)b].name);
+}
+
+static void plan_free(struct plan *p)
+{
+	free(p->t);
+	free(p->order);
+	free(p->file_first);
+	free(p->file_size);
+	free(p->file_name);
+	memset(p, 0, sizeof(*p));
+}
+
+static int plan_build(struct plan *p, const struct model_config *c, const struct synth_options *o, bool tied, char *err,
+		      size_t errlen)
+{
+	memset(p, 0, sizeof(*p));
+	uint32_t cap = 3 + 9 * c->n_layers;
+	p->t = calloc(cap, sizeof(*p->t));
+	if (!p->t)
+		return fail(err, errlen, -ENOMEM, "out of memory planning %u tensors", cap);
+	uint64_t d = c->dim, q = (uint64_t)c->n_heads * c->head_dim, kv = (uint64_t)c->n_kv_heads * c->head_dim;
+	char name[TENSOR_NAME_MAX];
+	add_tensor(p, o, "model.embed_tokens.weight", c->vocab_size, d);
+	for (uint32_t l = 0; l < c->n_layers; l++) {
+		static const char *const attn[] = {"q", "k", "v", "o"};
+		static const char *const mlp[] = {"gate", "up", "down"};
+		for (int k = 0; k < 4; k++) {
+			snprintf(name, sizeof(name), "model.layers.%u.self_attn.%s_proj.weight", l, attn[k]);
+			add_tensor(p, o, name, k == 0 ? q : k == 3 ? d : kv, k == 3 ? q : d);
+		}
+		for (int k = 0; k < 3; k++) {
+			snprintf(name, sizeof(name), "model.layers.%u.mlp.%s_proj.weight", l, mlp[k]);
+			add_tensor(p, o, name, k == 2 ? d : c->ffn_dim, k == 2 ? c->ffn_dim : d);
+		}
+		snprintf(name, sizeof(name), "model.layers.%u.input_layernorm.weight", l);
+		add_tensor(p, o, name, d, 0);
+		snprintf(name, sizeof(name), "model.layers.%u.post_attention_layernorm.weight", l);
+		add_tensor(p, o, name, d, 0);
+	}
+	add_tensor(p, o, "model.norm.weight", d, 0);
+	if (!tied)
+		add_tensor(p, o, "lm_head.weight", c->vocab_size, d);
+	for (uint32_t i = 0; i < p->n; i++)
+		p->tensor_bytes += p->t[i].nbytes;
+
+	/* Shards, in state_dict order. */
+	if (o->shards) {
+		if (o->shards > p->n || o->shards > MAX_SHARDS)
+			return fail(err, errlen, -EINVAL, "cannot split %u tensors into %u shards", p->n, o->shards);
+		/* Cut where the running total passes each 1/shards of the bytes, keeping at least one
+		 * tensor for every shard still to come. */
+		uint32_t shard = 0, in_shard = 0;
+		uint64_t before = 0;
+		for (uint32_t i = 0; i < p->n; i++) {
+			struct stensor *t = &p->t[i];
+			bool must = p->n - i <= o->shards - 1 - shard;
+			bool past = (before + t->nbytes / 2) * (uint64_t)o->shards >=
+				    (uint64_t)(shard + 1) * p->tensor_bytes;
+			if (in_shard && shard + 1 < o->shards && (must || past)) {
+				shard++;
+				in_shard = 0;
+			}
+			t->file = shard;
+			in_shard++;
+			before += t->nbytes;
+		}
+		p->n_files = o->shards;
+	} else {
+		if (!o->shard_bytes)
+			return fail(err, errlen, -EINVAL, "shard size 0: give a size or a shard count");
+		/* transformers: a new shard when this tensor would push the current one past the limit. */
+		uint32_t shard = 0;
+		uint64_t acc = 0;
+		for (uint32_t i = 0; i < p->n; i++) {
+			struct stensor *t = &p->t[i];
+			if (acc && acc + t->nbytes > o->shard_bytes) {
+				shard++;
+				acc = 0;
+			}
+			t->file = shard;
+			acc += t->nbytes;
+		}
+		p->n_files = shard + 1;
+		if (p->n_files > MAX_SHARDS)
+			return fail(err, errlen, -EINVAL, "shard size %llu gives %u files, more than %u",
+				    (unsigned long long)o->shard_bytes, p->n_files, MAX_SHARDS);
+	}
+
+	p->order = calloc(p->n, sizeof(*p->order));
+	p->file_first = calloc(p->n_files + 1, sizeof(*p->file_first));
+	p->file_size = calloc(p->n_files, sizeof(*p->file_size));
+	p->file_name = calloc(p->n_files, sizeof(*p->file_name));
+	if (!p->order || !p->file_first || !p->file_size || !p->file_name)
+		return fail(err, errlen, -ENOMEM, "out of memory planning %u files", p->n_files);
+	/* State-dict order already groups by file (shards are contiguous runs); sort each by name. */
+	for (uint32_t i = 0; i < p->n; i++) {
+		p->order[i] = i;
+		p->file_first[p->t[i].file + 1] = i + 1;
+	}
+	for (uint32_t f = 0; f < p->n_files; f++) {
+		uint32_t a = p->file_first[f], b = p->file_first[f + 1];
+		qsort_r(p->order + a, b - a, sizeof(*p->order), cmp_by_name, p->t);
+		uint64_t off = 0;
+		for (uint32_t k = a; k < b; k++) {
+			p->t[p->order[k]].begin = off;
+			off += p->t[p->order[k]].nbytes;
+		}
+		if (p->n_files == 1)
+			snprintf(p->file_name[f], sizeof(p->file_name[f]), SINGLE_NAME);
+		else
+			snprintf(p->file_name[f], sizeof(p->file_name[f]), "model-%05u-of-%05u.safetensors", f + 1,
+				 p->n_files);
+	}
+	return 0;
+}
+
+/* ---- text building ---- */
+
+struct sbuf {
+	char *p;
+	size_t len, cap;
+	int oom;
+};
+
+static void sb_printf(struct sbuf *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void sb_printf(struct sbuf *s, const char *fmt, ...)
+{
+	if (s->oom)
+		return;
+	for (;;) {
+		va_list ap;
+		va_start(ap, fmt);
+		int n = vsnprintf(s->p ? s->p + s->len : NULL, s->p ? s->cap - s->len : 0, fmt, ap);
+		va_end(ap);
+		if (n < 0) {
+			s->oom = 1;
+			return;
+		}
+		if (s->p && s->len + (size_t)n < s->cap) {
+			s->len += (size_t)n;
+			return;
+		}
+		size_t cap = s->cap ? s->cap : 4096;
+		while (cap <= s->len + (size_t)n)
+			cap *= 2;
+		char *np = realloc(s->p, cap);
+		if (!np) {
+			s->oom = 1;
+			return;
+		}
+		s->p = np;
+		s->cap = cap;
+	}
+}
+
+/* The shortest decimal that reads back as the same float ("1e-05", not 9.99999975e-06), with a
+ * ".0" on whole numbers as Python writes floats. */
+static void fmt_float(char *buf, size_t len, float v)
+{
+	if (v == floorf(v) && fabsf(v) < 1e16f) {
+		snprintf(buf, len, "%.1f", (double)v);
+		return;
+	}
+	for (int prec = 1; prec <= 9; prec++) {
+		snprintf(buf, len, "%.*g", prec, (double)v);
+		if (strtof(buf, NULL) == v)
+			break;
+	}
+	if (!strpbrk(buf, ".eEn"))
+		strncat(buf, ".0", len - strlen(buf) - 1);
+}
+
+static void sb_float(struct sbuf *s, float v)
+{
+	char b[48];
+	fmt_float(b, sizeof(b), v);
+	sb_printf(s, "%s", b);
+}
+
+static const char *torch_dtype(enum dtype t)
+{
+	return t == DT_F32 ? "float32" : t == DT_F16 ? "float16" : "bfloat16";
+}
+
+static void build_config_json(struct sbuf *s, const struct model_config *c, const struct synth_options *o, bool tied)
+{
+	bool mistral = c->arch == ARCH_MISTRAL;
+	sb_printf(s, "{\n  \"architectures\": [\n    \"%s\"\n  ],\n",
+		  mistral ? "MistralForCausalLM" : "LlamaForCausalLM");
+	sb_printf(s, "  \"attention_bias\": false,\n  \"attention_dropout\": 0.0,\n");
+	if (c->bos_id >= 0)
+		sb_printf(s, "  \"bos_token_id\": %d,\n", c->bos_id);
+	else
+		sb_printf(s, "  \"bos_token_id\": null,\n");
+	if (c->n_eos == 0) {
+		sb_printf(s, "  \"eos_token_id\": null,\n");
+	} else if (c->n_eos == 1) {
+		sb_printf(s, "  \"eos_token_id\": %d,\n", c->eos_ids[0]);
+	} else {
+		sb_printf(s, "  \"eos_token_id\": [\n");
+		for (uint32_t i = 0; i < c->n_eos; i++)
+			sb_printf(s, "    %d%s\n", c->eos_ids[i], i + 1 < c->n_eos ? "," : "");
+		sb_printf(s, "  ],\n");
+	}
+	sb_printf(s, "  \"head_dim\": %u,\n  \"hidden_act\": \"silu\",\n  \"hidden_size\": %u,\n", c->head_dim, c->dim);
+	sb_printf(s, "  \"initializer_range\": 0.02,\n  \"intermediate_size\": %u,\n", c->ffn_dim);
+	sb_printf(s, "  \"max_position_embeddings\": %u,\n  \"mlp_bias\": false,\n", c->max_position);
+	sb_printf(s, "  \"model_type\": \"%s\",\n", mistral ? "mistral" : "llama");
+	sb_printf(s, "  \"num_attention_heads\": %u,\n  \"num_hidden_layers\": %u,\n  \"num_key_value_heads\": %u,\n",
+		  c->n_heads, c->n_layers, c->n_kv_heads);
+	sb_printf(s,
+		  "  \"pipeline_synthetic\": {\n    \"note\": \"random weights, not a trained model\",\n"
+		  "    \"seed\": %llu\n  },\n",
+		  (unsigned long long)o->seed);
+	sb_printf(s, "  \"pretraining_tp\": 1,\n  \"rms_norm_eps\": ");
+	sb_float(s, c->rms_eps);
+	sb_printf(s, ",\n  \"rope_scaling\": ");
+	if (c->rope_scaling == ROPE_SCALING_LLAMA3) {
+		sb_printf(s, "{\n    \"factor\": ");
+		sb_float(s, c->rope_factor);
+		sb_printf(s, ",\n    \"high_freq_factor\": ");
+		sb_float(s, c->rope_high_freq_factor);
+		sb_printf(s, ",\n    \"low_freq_factor\": ");
+		sb_float(s, c->rope_low_freq_factor);
+		sb_printf(s, ",\n    \"original_max_position_embeddings\": %u,\n    \"rope_type\": \"llama3\"\n  }",
+			  c->rope_original_max_position);
+	} else if (c->rope_scaling == ROPE_SCALING_LINEAR) {
+		sb_printf(s, "{\n    \"factor\": ");
+		sb_float(s, c->rope_factor);
+		sb_printf(s, ",\n    \"rope_type\": \"linear\"\n  }");
+	} else {
+		sb_printf(s, "null");
+	}
+	sb_printf(s, ",\n  \"rope_theta\": ");
+	sb_float(s, c->rope_theta);
+	if (c->sliding_window)
+		sb_printf(s, ",\n  \"sliding_window\": %u", c->sliding_window);
+	else
+		sb_printf(s, ",\n  \"sliding_window\": null");
+	sb_printf(s, ",\n  \"tie_word_embeddings\": %s,\n  \"torch_dtype\": \"%s\",\n", tied ? "true" : "false",
+		  torch_dtype(o->dtype));
+	sb_printf(s, "  \"use_cache\": true,\n  \"vocab_size\": %u\n}\n", c->vocab_size);
+}
+
+static void build_generation_json(struct sbuf *s, const struct model_config *c)
+{
+	sb_printf(s, "{\n");
+	if (c->bos_id >= 0)
+		sb_printf(s, "  \"bos_token_id\": %d,\n", c->bos_id);
+	sb_printf(s, "  \"do_sample\": true,\n  \"eos_token_id\": [");
+	for (uint32_t i = 0; i < c->n_eos; i++)
+		sb_printf(s, "%s%d", i ? ", " : "", c->eos_ids[i]);
+	sb_printf(s, "],\n  \"temperature\": 0.6,\n  \"top_p\": 0.9\n}\n");
+}
+
+static int cmp_name_ptr(const void *a, const void *b)
+{
+	return strcmp((*(const struct stensor *const *)a)->name, (*(const struct stensor *const *)b)->name);
+}
+
+static int build_index_json(struct sbuf *s, const struct plan *p)
+{
+	/* transformers sorts weight_map by name. */
+	const struct stensor **v = malloc(p->n * sizeof(*v));
+	if (!v)
+		return -ENOMEM;
+	for (uint32_t i = 0; i < p->n; i++)
+		v[i] = &p->t[i];
+	qsort(v, p->n, sizeof(*v), cmp_name_ptr);
+	sb_printf(s, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {\n",
+		  (unsigned long long)p->tensor_bytes);
+	for (uint32_t i = 0; i < p->n; i++)
+		sb_printf(s, "    \"%s\": \"%s\"%s\n", v[i]->name, p->file_name[v[i]->file], i + 1 < p->n ? "," : "");
+	sb_printf(s, "  }\n}\n");
+	free(v);
+	return 0;
+}
+
+/* The 8-byte length and the JSON header of file f, padded with spaces to a multiple of 8. */
+static void build_st_header(struct sbuf *s, const struct plan *p, uint32_t f, enum dtype dt)
+{
+	sb_printf(s, "%8s", ""); /* room for the length */
+	sb_printf(s, "{\"__metadata__\":{\"format\":\"pt\"}");
+	for (uint32_t k = p->file_first[f]; k < p->file_first[f + 1]; k++) {
+		const struct stensor *t = &p->t[p->order[k]];
+		sb_printf(s, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[%llu", t->name, dtype_name(dt),
+			  (unsigned long long)t->shape[0]);
+		if (t->ndim == 2)
+			sb_printf(s, ",%llu", (unsigned long long)t->shape[1]);
+		sb_printf(s, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)t->begin,
+			  (unsigned long long)(t->begin + t->nbytes));
+	}
+	sb_printf(s, "}");
+	while (!s->oom && (s->len - 8) % 8)
+		sb_printf(s, " ");
+	if (s->oom)
+		return;
+	uint64_t n = s->len - 8;
+	for (int i = 0; i < 8; i++)
+		s->p[i] = (char)(n >> (8 * i));
+}
+
+/* ---- files ---- */
+
+struct created {
+	char (*paths)[PATH_MAX];
+	uint32_t n, cap;
+};
+
+static int created_add(struct created *cr, const char *path)
+{
+	if (cr->n == cr->cap) {
+		uint32_t cap = cr->cap ? 2 * cr->cap : 16;
+		void *np = realloc(cr->paths, cap * sizeof(*cr->paths));
+		if (!np)
+			return -ENOMEM;
+		cr->paths = np;
+		cr->cap = cap;
+	}
+	str_copy(cr->paths[cr->n++], PATH_MAX, path);
+	return 0;
+}
+
+static int write_all(int fd, const void *buf, size_t len)
+{
+	const char *p = buf;
+	while (len) {
+		ssize_t n = write(fd, p, len);
+		if (n < 0) {
+			if (errno == EINTR)
+				continue;
+			return -errno;
+		}
+		if (n == 0)
+			return -EIO;
+		p += n;
+		len -= (size_t)n;
+	}
+	return 0;
+}
+
+static const char *why(int rc)
+{
+	return rc == -ENOSPC ? "no space left on device" : strerror(-rc);
+}
+
+static int write_small_file(const char *dir, const char *name, const struct sbuf *s, struct created *cr, char *err,
+			    size_t errlen)
+{
+	char path[PATH_MAX];
+	if (snprintf(path, sizeof(path), "%s/%s", dir, name) >= (int)sizeof(path))
+		return fail(err, errlen, -ENAMETOOLONG, "%s/%s: path too long", dir, name);
+	int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+	if (fd < 0)
+		return fail(err, errlen, -errno, "cannot create %s: %s", path, strerror(errno));
+	int rc = created_add(cr, path);
+	if (!rc)
+		rc = write_all(fd, s->p, s->len);
+	if (close(fd) != 0 && !rc)
+		rc = -errno;
+	if (rc)
+		return fail(err, errlen, rc, "writing %s: %s", path, why(rc));
+	return 0;
+}
+
+/* mkdir -p; records each directory it made in cr so a failure can remove them again. */
+static int make_dirs(const char *dir, struct created *dirs, char *err, size_t errlen)
+{
+	char path[PATH_MAX];
+	if (str_copy(path, sizeof(path), dir))
+		return fail(err, errlen, -ENAMETOOLONG, "%s: path too long", dir);
+	size_t n = strlen(path);
+	while (n > 1 && path[n - 1] == '/')
+		path[--n] = 0;
+	for (char *p = path + 1;; p++) {
+		if (*p != '/' && *p != 0)
+			continue;
+		char save = *p;
+		*p = 0;
+		if (mkdir(path, 0755) == 0) {
+			if (created_add(dirs, path))
+				return fail(err, errlen, -ENOMEM, "out of memory");
+		} else if (errno != EEXIST) {
+			return fail(err, errlen, -errno, "cannot create directory %s: %s", path, strerror(errno));
+		}
+		*p = save;
+		if (!save)
+			break;
+	}
+	struct stat st;
+	if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
+		return fail(err, errlen, -ENOTDIR, "%s exists and is not a directory", path);
+	return 0;
+}
+
+/* Removes weight files an earlier write left, so the directory holds one checkpoint. */
+static int remove_stale(const char *dir, char *err, size_t errlen)
+{
+	DIR *d = opendir(dir);
+	if (!d)
+		return fail(err, errlen, -errno, "cannot list %s: %s", dir, strerror(errno));
+	int rc = 0;
+	struct dirent *e;
+	while ((e = readdir(d))) {
+		unsigned a, b;
+		char tail[32];
+		bool stale =
+			!strcmp(e->d_name, SINGLE_NAME) || !strcmp(e->d_name, INDEX_NAME) ||
+			(sscanf(e->d_name, "model-%5u-of-%5u.%31s", &a, &b, tail) == 3 && !strcmp(tail, "safetensors"));
+		if (!stale)
+			continue;
+		char path[PATH_MAX];
+		snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+		if (unlink(path) != 0 && errno != ENOENT) {
+			rc = fail(err, errlen, -errno, "cannot remove the old %s: %s", path, strerror(errno));
+			break;
+		}
+	}
+	closedir(d);
+	return rc;
+}
+
+/* ---- the writer thread ---- */
+
+struct wbuf {
+	uint8_t *data;
+	size_t len;
+	int fd;
+	uint32_t file;
+};
+
+struct writer {
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	struct wbuf bufs[N_BUFS];
+	uint64_t submitted; /* buffers handed over; buffer k lives in bufs[k % N_BUFS] */
+	uint64_t done;	    /* buffers written (or dropped after an error) */
+	bool stop;
+	int err; /* first write error, -errno */
+	uint32_t err_file;
+	uint64_t written; /* bytes, read by the progress line */
+};
+
+/* Writes one buffer. With O_DIRECT on, every buffer but a file's last is a whole number of
+ * DIRECT_ALIGN blocks; the last one's tail goes through the page cache after O_DIRECT is
+ * switched off. A file system that refuses the direct write (EINVAL) gets a buffered one. */
+static int write_buffer(const struct wbuf *b)
+{
+	int fl = fcntl(b->fd, F_GETFL);
+	if (fl < 0)
+		return -errno;
+	size_t direct = fl & O_DIRECT ? b->len & ~(size_t)(DIRECT_ALIGN - 1) : 0;
+	int rc = direct ? write_all(b->fd, b->data, direct) : 0;
+	if (rc == -EINVAL && fcntl(b->fd, F_SETFL, fl & ~O_DIRECT) == 0) {
+		direct = 0;
+		rc = 0;
+	}
+	if (rc || direct == b->len)
+		return rc;
+	if ((fl & O_DIRECT) && fcntl(b->fd, F_SETFL, fl & ~O_DIRECT) != 0)
+		return -errno;
+	return write_all(b->fd, b->data + direct, b->len - direct);
+}
+
+static void *writer_main(void *arg)
+{
+	struct writer *w = arg;
+	pthread_mutex_lock(&w->mu);
+	for (;;) {
+		while (w->done == w->submitted && !w->stop)
+			pthread_cond_wait(&w->cv, &w->mu);
+		if (w->done == w->submitted)
+			break;
+		struct wbuf *b = &w->bufs[w->done % N_BUFS];
+		bool skip = w->err != 0; /* after an error the rest is dropped so the filler never waits */
+		pthread_mutex_unlock(&w->mu);
+		int rc = skip ? 0 : write_buffer(b);
+		pthread_mutex_lock(&w->mu);
+		if (rc && !w->err) {
+			w->err = rc;
+			w->err_file = b->file;
+		}
+		if (!rc && !skip)
+			w->written += b->len;
+		w->done++;
+		pthread_cond_broadcast(&w->cv);
+	}
+	pthread_mutex_unlock(&w->mu);
+	return NULL;
+}
+
+/* The filler's side: the buffer being filled and the bookkeeping for progress. */
+struct filler {
+	struct writer *w;
+	struct wbuf *cur;
+	int fd;
+	uint32_t file;
+	bool progress;
+	uint64_t total;
+	double t0, last_print;
+};
+
+/* Waits for a free buffer; returns the writer's error if one happened. */
+static int filler_acquire(struct filler *f)
+{
+	struct writer *w = f->w;
+	pthread_mutex_lock(&w->mu);
+	while (w->submitted - w->done >= N_BUFS && !w->err)
+		pthread_cond_wait(&w->cv, &w->mu);
+	int rc = w->err;
+	pthread_mutex_unlock(&w->mu);
+	if (rc)
+		return rc;
+	f->cur = &w->bufs[w->submitted % N_BUFS];
+	f->cur->len = 0;
+	f->cur->fd = f->fd;
+	f->cur->file = f->file;
+	return 0;
+}
+
+static void print_progress(struct filler *f, bool final)
+{
+	double now = now_s();
+	if (!f->progress || (!final && now - f->last_print < 1.0))
+		return;
+	f->last_print = now;
+	pthread_mutex_lock(&f->w->mu);
+	uint64_t wr = f->w->written;
+	pthread_mutex_unlock(&f->w->mu);
+	char a[32], b[32];
+	double dt = now - f->t0;
+	fprintf(stderr, "synthetic: wrote %s of %s, %.2f GB/s\n", format_size(wr, a, sizeof(a)),
+		format_size(f->total, b, sizeof(b)), dt > 0 ? (double)wr / dt / 1e9 : 0.0);
+}
+
+static int filler_submit(struct filler *f)
+{
+	if (!f->cur || f->cur->len == 0)
+		return 0;
+	struct writer *w = f->w;
+	pthread_mutex_lock(&w->mu);
+	w->submitted++;
+	pthread_cond_broadcast(&w->cv);
+	pthread_mutex_unlock(&w->mu);
+	f->cur = NULL;
+	print_progress(f, false);
+	return 0;
+}
+
+static int filler_space(struct filler *f, size_t *space)
+{
+	if (f->cur && f->cur->len == BUF_BYTES)
+		filler_submit(f);
+	if (!f->cur) {
+		int rc = filler_acquire(f);
+		if (rc)
+			return rc;
+	}
+	*space = BUF_BYTES - f->cur->len;
+	return 0;
+}
+
+static int filler_bytes(struct filler *f, const void *src, size_t len)
+{
+	const uint8_t *p = src;
+	while (len) {
+		size_t space;
+		int rc = filler_space(f, &space);
+		if (rc)
+			return rc;
+		size_t k = len < space ? len : space;
+		memcpy(f->cur->data + f->cur->len, p, k);
+		f->cur->len += k;
+		p += k;
+		len -= k;
+	}
+	return 0;
+}
+
+static int filler_tensor(struct filler *f, const struct stensor *t, enum dtype dt)
+{
+	size_t es = dtype_size(dt);
+	uint64_t e = 0;
+	while (e < t->nelem) {
+		size_t space;
+		int rc = filler_space(f, &space);
+		if (rc)
+			return rc;
+		uint64_t k = space / es;
+		if (k == 0) { /* a few bytes left (never with one dtype): hand the buffer over short */
+			filler_submit(f);
+			continue;
+		}
+		if (k > t->nelem - e)
+			k = t->nelem - e;
+		fill_range(t->key, t->norm, dt, e, k, f->cur->data + f->cur->len);
+		f->cur->len += k * es;
+		e += k;
+	}
+	return 0;
+}
+
+/* Waits until everything handed over is written; returns the writer's error. */
+static int filler_drain(struct filler *f)
+{
+	filler_submit(f);
+	struct writer *w = f->w;
+	pthread_mutex_lock(&w->mu);
+	while (w->done != w->submitted)
+		pthread_cond_wait(&w->cv, &w->mu);
+	int rc = w->err;
+	pthread_mutex_unlock(&w->mu);
+	return rc;
+}
+
+static int write_weights(const char *dir, const struct plan *p, const struct synth_options *o, struct created *cr,
+			 char *err, size_t errlen)
+{
+	int rc = 0;
+	struct writer w = {0};
+	struct sbuf hdr = {0};
+	for (int i = 0; i < N_BUFS; i++) {
+		if (posix_memalign((void **)&w.bufs[i].data, DIRECT_ALIGN, BUF_BYTES) != 0) {
+			w.bufs[i].data = NULL;
+			rc = fail(err, errlen, -ENOMEM, "out of memory for write buffers");
+			goto out_bufs;
+		}
+	}
+	pthread_mutex_init(&w.mu, NULL);
+	pthread_cond_init(&w.cv, NULL);
+	pthread_t th;
+	rc = -pthread_create(&th, NULL, writer_main, &w);
+	if (rc) {
+		fail(err, errlen, rc, "cannot start the writer thread: %s", strerror(-rc));
+		goto out_sync;
+	}
+	struct filler f = {.w = &w, .fd = -1, .progress = o->progress, .total = p->file_bytes, .t0 = now_s()};
+	f.last_print = f.t0;
+	char path[PATH_MAX];
+	for (uint32_t fi = 0; fi < p->n_files && !rc; fi++) {
+		snprintf(path, sizeof(path), "%s/%s", dir, p->file_name[fi]);
+		/* O_DIRECT: many GB through the page cache cost a copy and reclaim, and evict what
+		 * everyone else had cached; where the file system refuses it, buffered writes. */
+		f.fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
+		if (f.fd < 0 && errno == EINVAL)
+			f.fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+		if (f.fd < 0) {
+			rc = fail(err, errlen, -errno, "cannot create %s: %s", path, strerror(errno));
+			break;
+		}
+		f.file = fi;
+		rc = created_add(cr, path);
+		hdr.len = 0;
+		if (!rc)
+			build_st_header(&hdr, p, fi, o->dtype);
+		if (!rc && hdr.oom)
+			rc = -ENOMEM;
+		if (!rc)
+			rc = filler_bytes(&f, hdr.p, hdr.len);
+		for (uint32_t k = p->file_first[fi]; k < p->file_first[fi + 1] && !rc; k++)
+			rc = filler_tensor(&f, &p->t[p->order[k]], o->dtype);
+		int drc = filler_drain(&f); /* the fd must outlive every buffer that names it */
+		if (!rc)
+			rc = drc;
+		if (close(f.fd) != 0 && !rc)
+			rc = -errno;
+		f.fd = -1;
+		if (rc)
+			fail(err, errlen, rc, "writing %s: %s", path, why(rc));
+	}
+	if (!rc)
+		print_progress(&f, true);
+	pthread_mutex_lock(&w.mu);
+	w.stop = true;
+	pthread_cond_broadcast(&w.cv);
+	pthread_mutex_unlock(&w.mu);
+	pthread_join(th, NULL);
+out_sync:
+	pthread_cond_destroy(&w.cv);
+	pthread_mutex_destroy(&w.mu);
+out_bufs:
+	for (int i = 0; i < N_BUFS; i++)
+		free(w.bufs[i].data);
+	free(hdr.p);
+	return rc;
+}
+
+void synth_options_default(struct synth_options *o)
+{
+	memset(o, 0, sizeof(*o));
+	o->dtype = DT_BF16;
+	o->shard_bytes = SYNTH_DEFAULT_SHARD_BYTES;
+}
+
+int synth_write_stats(const char *dir, const struct model_config *cfg, const struct synth_options *o,
+		      struct synth_stats *stats, char *err, size_t errlen)
+{
+	assert(dir && cfg && o);
+	double t0 = now_s();
+	if ((unsigned)o->dtype >= DT_COUNT)
+		return fail(err, errlen, -EINVAL, "dtype %u is not one of BF16, F16, F32", (unsigned)o->dtype);
+	bool tied = o->tied || cfg->tie_embeddings;
+	struct model_config c = *cfg;
+	c.tie_embeddings = tied;
+	int rc = model_config_check(&c, err, errlen);
+	if (rc)
+		return rc;
+	pthread_once(&table_once, tables_init);
+
+	struct plan p;
+	struct created files = {0}, dirs = {0};
+	struct sbuf s = {0};
+	rc = plan_build(&p, &c, o, tied, err, errlen);
+	if (rc)
+		goto out_plan;
+	for (uint32_t f = 0; f < p.n_files; f++) {
+		struct sbuf h = {0};
+		build_st_header(&h, &p, f, o->dtype);
+		if (h.oom) {
+			free(h.p);
+			rc = fail(err, errlen, -ENOMEM, "out of memory building a header");
+			goto out_plan;
+		}
+		p.file_size[f] = h.len;
+		for (uint32_t k = p.file_first[f]; k < p.file_first[f + 1]; k++)
+			p.file_size[f] += p.t[p.order[k]].nbytes;
+		p.file_bytes += p.file_size[f];
+		free(h.p);
+	}
+
+	rc = make_dirs(dir, &dirs, err, errlen);
+	if (!rc)
+		rc = remove_stale(dir, err, errlen);
+	if (rc)
+		goto out_cleanup;
+	build_config_json(&s, &c, o, tied);
+	rc = s.oom ? fail(err, errlen, -ENOMEM, "out of memory")
+		   : write_small_file(dir, "config.json", &s, &files, err, errlen);
+	if (rc)
+		goto out_cleanup;
+	s.len = 0;
+	build_generation_json(&s, &c);
+	rc = s.oom ? fail(err, errlen, -ENOMEM, "out of memory")
+		   : write_small_file(dir, "generation_config.json", &s, &files, err, errlen);
+	if (rc)
+		goto out_cleanup;
+	if (p.n_files > 1) {
+		s.len = 0;
+		rc = build_index_json(&s, &p);
+		if (rc || s.oom)
+			rc = fail(err, errlen, -ENOMEM, "out of memory");
+		else
+			rc = write_small_file(dir, INDEX_NAME, &s, &files, err, errlen);
+		if (rc)
+			goto out_cleanup;
+	}
+	rc = write_weights(dir, &p, o, &files, err, errlen);
+	if (rc)
+		goto out_cleanup;
+	if (stats) {
+		memset(stats, 0, sizeof(*stats));
+		stats->params = synth_param_count(&c, tied);
+		stats->tensor_bytes = p.tensor_bytes;
+		stats->file_bytes = p.file_bytes;
+		stats->n_files = p.n_files;
+		stats->n_tensors = p.n;
+		stats->seconds = now_s() - t0;
+	}
+	goto out_plan;
+
+out_cleanup:
+	/* Leave nothing half-written behind: a partial checkpoint would look loadable. */
+	for (uint32_t i = files.n; i-- > 0;)
+		unlink(files.paths[i]);
+	for (uint32_t i = dirs.n; i-- > 0;)
+		rmdir(dirs.paths[i]);
+out_plan:
+	free(s.p);
+	free(files.paths);
+	free(dirs.paths);
+	plan_free(&p);
+	return rc;
+}
+
+int synth_write(const char *dir, const struct model_config *cfg, const struct synth_options *o, char *err,
+		size_t errlen)
+{
+	return synth_write_stats(dir, cfg, o, NULL, err, errlen);
+}

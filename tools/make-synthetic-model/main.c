@@ -1,0 +1,193 @@
+/* make-synthetic-model - writes a random-weight Llama/Mistral checkpoint in the Hugging Face
+ * layout, for tests and benchmarks without downloading a model.
+ *
+ *   make-synthetic-model --shape tiny --out /tmp/tiny
+ *   make-synthetic-model --shape llama3-8b --out /data/l8b     (16 GB; a progress line a second)
+ *   make-synthetic-model --shape llama3-70b:4 --layers 2 --dtype f16 --shards 3 --out /tmp/x
+ *
+ * Exit status: 0 written, 2 bad usage, 1 failure (message on stderr). */
+#include <errno.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/config.h"
+#include "common/synthetic.h"
+#include "common/util.h"
+
+#define PROG "make-synthetic-model"
+
+/* Applies an integer override: -1 (the flag's absence) leaves *dst. */
+static int override_u32(const char *flag, long v, long lo, long hi, uint32_t *dst)
+{
+	if (v == -1)
+		return 0;
+	if (v < lo || v > hi) {
+		fprintf(stderr, "%s: --%s %ld is out of range [%ld, %ld]\n", PROG, flag, v, lo, hi);
+		return -EINVAL;
+	}
+	*dst = (uint32_t)v;
+	return 0;
+}
+
+static void format_params(uint64_t n, char *buf, size_t len)
+{
+	if (n >= 1000000000ull)
+		snprintf(buf, len, "%.2fB", (double)n / 1e9);
+	else if (n >= 1000000ull)
+		snprintf(buf, len, "%.2fM", (double)n / 1e6);
+	else
+		snprintf(buf, len, "%llu", (unsigned long long)n);
+}
+
+int main(int argc, char **argv)
+{
+	char *shape = NULL, *out = NULL, *dtype_text = NULL, *rope = NULL, *arch = NULL;
+	long seed = 0, shards = 0, layers = -1, vocab = -1, dim = -1, heads = -1, kv_heads = -1, head_dim = -1,
+	     ffn = -1, sliding = -1;
+	uint64_t shard_size = 0;
+	bool tied = false, mha = false, force = false, quiet = false;
+	struct opt opts[] = {
+		{"shape", OPT_STRING, &shape, NULL, "tiny, llama3-8b, llama3-70b or llama3-70b:LAYERS (required)"},
+		{"out", OPT_STRING, &out, NULL, "directory to write the checkpoint into (required)"},
+		{"dtype", OPT_STRING, &dtype_text, "bf16", "element type: bf16, f16 or f32"},
+		{"seed", OPT_INT, &seed, "0", "random seed: the same seed writes the same bytes"},
+		{"shards", OPT_INT, &shards, "0", "number of safetensors files (0: split at --shard-size)"},
+		{"shard-size", OPT_SIZE, &shard_size, "5GB", "largest file when --shards is 0"},
+		{"tied", OPT_BOOL, &tied, NULL, "tie the output projection to the embedding (no lm_head)"},
+		{"layers", OPT_INT, &layers, NULL, "override: number of layers"},
+		{"vocab", OPT_INT, &vocab, NULL, "override: vocabulary size"},
+		{"dim", OPT_INT, &dim, NULL, "override: hidden size"},
+		{"heads", OPT_INT, &heads, NULL, "override: attention heads"},
+		{"kv-heads", OPT_INT, &kv_heads, NULL, "override: key/value heads"},
+		{"head-dim", OPT_INT, &head_dim, NULL, "override: head dimension (default: dim / heads)"},
+		{"ffn", OPT_INT, &ffn, NULL, "override: feed-forward (intermediate) size"},
+		{"mha", OPT_BOOL, &mha, NULL, "plain multi-head attention: kv heads = heads"},
+		{"rope-scaling", OPT_STRING, &rope, NULL, "override: none, linear:FACTOR or llama3"},
+		{"arch", OPT_STRING, &arch, NULL, "override: llama or mistral"},
+		{"sliding-window", OPT_INT, &sliding, NULL, "override: sliding window (0: none)"},
+		{"force", OPT_BOOL, &force, NULL, "write into a directory that already holds a checkpoint"},
+		{"quiet", OPT_BOOL, &quiet, NULL, "no progress lines (the summary line stays)"},
+		{0},
+	};
+	int rc = config_parse(PROG,
+			      "writes a random-weight Llama/Mistral checkpoint (config.json, safetensors) in the "
+			      "Hugging Face layout",
+			      opts, argc, argv, NULL, NULL);
+	if (rc > 0)
+		return 0;
+	if (rc < 0)
+		return 2;
+	if (!shape || !out) {
+		fprintf(stderr, "%s: --shape and --out are required (see --help)\n", PROG);
+		return 2;
+	}
+
+	char err[512];
+	struct model_config cfg;
+	if (synth_shape_config(shape, &cfg, err, sizeof(err)) != 0) {
+		fprintf(stderr, "%s: %s\n", PROG, err);
+		return 2;
+	}
+	struct synth_options o;
+	synth_options_default(&o);
+	if (!strcasecmp(dtype_text, "bf16") || !strcasecmp(dtype_text, "bfloat16")) {
+		o.dtype = DT_BF16;
+	} else if (!strcasecmp(dtype_text, "f16") || !strcasecmp(dtype_text, "fp16") ||
+		   !strcasecmp(dtype_text, "float16")) {
+		o.dtype = DT_F16;
+	} else if (!strcasecmp(dtype_text, "f32") || !strcasecmp(dtype_text, "fp32") ||
+		   !strcasecmp(dtype_text, "float32")) {
+		o.dtype = DT_F32;
+	} else {
+		fprintf(stderr, "%s: --dtype %s is not one of bf16, f16, f32\n", PROG, dtype_text);
+		return 2;
+	}
+	if (seed < 0 || shards < 0 || shards > 99999) {
+		fprintf(stderr, "%s: --seed must be >= 0 and --shards in [0, 99999]\n", PROG);
+		return 2;
+	}
+	o.seed = (uint64_t)seed;
+	o.shards = (uint32_t)shards;
+	o.shard_bytes = shard_size;
+	o.tied = tied;
+	o.progress = !quiet;
+
+	bool dims_changed = dim != -1 || heads != -1;
+	if (override_u32("layers", layers, 1, 1024, &cfg.n_layers) ||
+	    override_u32("vocab", vocab, 1, 1 << 24, &cfg.vocab_size) ||
+	    override_u32("dim", dim, 1, 1 << 17, &cfg.dim) || override_u32("heads", heads, 1, 1024, &cfg.n_heads) ||
+	    override_u32("kv-heads", kv_heads, 1, 1024, &cfg.n_kv_heads) ||
+	    override_u32("ffn", ffn, 1, 1 << 20, &cfg.ffn_dim) ||
+	    override_u32("sliding-window", sliding, 0, UINT32_MAX, &cfg.sliding_window))
+		return 2;
+	/* The presets have head_dim = dim / heads; keep that when dim or heads change. */
+	if (head_dim != -1) {
+		if (override_u32("head-dim", head_dim, 1, 1024, &cfg.head_dim))
+			return 2;
+	} else if (dims_changed) {
+		if (cfg.dim % cfg.n_heads) {
+			fprintf(stderr, "%s: --heads %u does not divide --dim %u (give --head-dim)\n", PROG,
+				cfg.n_heads, cfg.dim);
+			return 2;
+		}
+		cfg.head_dim = cfg.dim / cfg.n_heads;
+	}
+	if (mha)
+		cfg.n_kv_heads = cfg.n_heads;
+	if (vocab != -1) {
+		/* Keep the special tokens inside a smaller vocabulary. */
+		if (cfg.bos_id >= (int32_t)cfg.vocab_size)
+			cfg.bos_id = cfg.vocab_size > 1 ? 1 : 0;
+		for (uint32_t i = 0; i < cfg.n_eos; i++)
+			if (cfg.eos_ids[i] >= (int32_t)cfg.vocab_size)
+				cfg.eos_ids[i] = (int32_t)(cfg.vocab_size > 2 ? 2 + i % (cfg.vocab_size - 2) : 0);
+	}
+	if (rope && synth_parse_rope_scaling(rope, &cfg, err, sizeof(err)) != 0) {
+		fprintf(stderr, "%s: --rope-scaling: %s\n", PROG, err);
+		return 2;
+	}
+	if (arch) {
+		if (!strcmp(arch, "llama")) {
+			cfg.arch = ARCH_LLAMA;
+		} else if (!strcmp(arch, "mistral")) {
+			cfg.arch = ARCH_MISTRAL;
+		} else {
+			fprintf(stderr, "%s: --arch %s is not one of llama, mistral\n", PROG, arch);
+			return 2;
+		}
+	}
+	if (model_config_check(&cfg, err, sizeof(err)) != 0) {
+		fprintf(stderr, "%s: the shape with these overrides is invalid: %s\n", PROG, err);
+		return 2;
+	}
+
+	char path[4096];
+	snprintf(path, sizeof(path), "%s/config.json", out);
+	if (!force && access(path, F_OK) == 0) {
+		fprintf(stderr, "%s: %s already holds a checkpoint (config.json); pass --force to overwrite it\n", PROG,
+			out);
+		return 1;
+	}
+
+	struct synth_stats st;
+	rc = synth_write_stats(out, &cfg, &o, &st, err, sizeof(err));
+	if (rc) {
+		fprintf(stderr, "%s: %s\n", PROG, err);
+		return 1;
+	}
+	{
+		char params[32], bytes[32];
+		format_params(st.params, params, sizeof(params));
+		format_size(st.file_bytes, bytes, sizeof(bytes));
+		printf("%s: wrote %s to %s: %s parameters, %s %s, %s in %u file%s, %.2f s; the weights are random "
+		       "(seed %llu), not a trained model\n",
+		       PROG, shape, out, params, dtype_name(o.dtype), cfg.arch == ARCH_MISTRAL ? "mistral" : "llama",
+		       bytes, st.n_files, st.n_files == 1 ? "" : "s", st.seconds, (unsigned long long)o.seed);
+	}
+	return 0;
+}
