@@ -1,0 +1,164 @@
+#include "services/gpu-runner/engine.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct engine {
+	const struct model_config *cfg;
+	const struct backend_ops *ops;
+	struct backend *be;
+	struct weight_source *ws;
+	struct kv_cache *kv;
+	uint32_t max_chunk;
+	uint32_t *dst_block, *dst_row;
+	char error[768];
+};
+
+static int set_err(struct engine *e, int rc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int set_err(struct engine *e, int rc, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(e->error, sizeof(e->error), fmt, ap);
+	va_end(ap);
+	return rc;
+}
+
+int engine_create(const struct model_config *cfg, const struct backend_ops *ops, struct backend *be,
+		  struct weight_source *weights, struct kv_cache *kv, uint32_t max_chunk, struct engine **out,
+		  char *err, size_t errlen)
+{
+	if (!max_chunk) {
+		snprintf(err, errlen, "the prefill chunk must be at least one token");
+		return -EINVAL;
+	}
+	struct engine *e = calloc(1, sizeof(*e));
+	if (!e)
+		return -ENOMEM;
+	e->cfg = cfg;
+	e->ops = ops;
+	e->be = be;
+	e->ws = weights;
+	e->kv = kv;
+	e->max_chunk = max_chunk;
+	e->dst_block = calloc(max_chunk, sizeof(uint32_t));
+	e->dst_row = calloc(max_chunk, sizeof(uint32_t));
+	if (!e->dst_block || !e->dst_row) {
+		engine_destroy(&e);
+		snprintf(err, errlen, "out of memory");
+		return -ENOMEM;
+	}
+	*out = e;
+	return 0;
+}
+
+void engine_destroy(struct engine **ep)
+{
+	if (!ep || !*ep)
+		return;
+	free((*ep)->dst_block);
+	free((*ep)->dst_row);
+	free(*ep);
+	*ep = NULL;
+}
+
+uint32_t engine_max_chunk(const struct engine *e)
+{
+	return e->max_chunk;
+}
+const struct model_config *engine_config(const struct engine *e)
+{
+	return e->cfg;
+}
+struct kv_cache *engine_kv(struct engine *e)
+{
+	return e->kv;
+}
+struct weight_source *engine_weights(struct engine *e)
+{
+	return e->ws;
+}
+const char *engine_error(const struct engine *e)
+{
+	return e->error;
+}
+
+static int acquire(struct engine *e, uint32_t group, struct group_weights *w)
+{
+	int rc = e->ws->ops->acquire(e->ws, group, w);
+	if (rc)
+		return set_err(e, rc, "weights of group %u: %s", group, e->ws->error);
+	return 0;
+}
+
+static int release(struct engine *e, uint32_t group)
+{
+	int rc = e->ws->ops->release(e->ws, group);
+	if (rc)
+		return set_err(e, rc, "releasing group %u: %s", group, e->ws->error);
+	return 0;
+}
+
+#define BE_CHECK(call, what)                                                                   \
+	do {                                                                                   \
+		int rc_ = (call);                                                              \
+		if (rc_) {                                                                     \
+			set_err(e, rc_, "%s: %s", what, e->ops->error(e->be));                 \
+			release(e, group);                                                     \
+			return rc_;                                                            \
+		}                                                                              \
+	} while (0)
+
+#define KV_CHECK(call)                                                                         \
+	do {                                                                                   \
+		int rc_ = (call);                                                              \
+		if (rc_) {                                                                     \
+			set_err(e, rc_, "%s", kv_cache_error(e->kv));                          \
+			release(e, group);                                                     \
+			return rc_;                                                            \
+		}                                                                              \
+	} while (0)
+
+int engine_forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits)
+{
+	if (n == 0 || n > e->max_chunk)
+		return set_err(e, -EINVAL, "a step takes 1..%u tokens, not %u", e->max_chunk, n);
+	struct group_weights w;
+	uint32_t group = group_id_embed();
+	int rc = acquire(e, group, &w);
+	if (rc)
+		return rc;
+	BE_CHECK(e->ops->embed(e->be, &w, tokens, n, pos0), "embedding");
+	if ((rc = release(e, group)))
+		return rc;
+
+	for (uint32_t l = 0; l < e->cfg->n_layers; l++) {
+		group = group_id_attn(l);
+		if ((rc = acquire(e, group, &w)))
+			return rc;
+		KV_CHECK(kv_cache_prepare(e->kv, l, pos0, n, e->dst_block, e->dst_row));
+		BE_CHECK(e->ops->attn_begin(e->be, &w, l, e->dst_block, e->dst_row), "attention");
+		KV_CHECK(kv_cache_attend(e->kv, l, pos0 + n));
+		BE_CHECK(e->ops->attn_end(e->be, &w), "attention output");
+		KV_CHECK(kv_cache_finish_layer(e->kv, l, pos0, pos0 + n));
+		if ((rc = release(e, group)))
+			return rc;
+
+		group = group_id_ffn(l);
+		if ((rc = acquire(e, group, &w)))
+			return rc;
+		BE_CHECK(e->ops->ffn(e->be, &w), "feed-forward");
+		if ((rc = release(e, group)))
+			return rc;
+	}
+	if (!logits)
+		return 0;
+	group = group_id_head(e->cfg);
+	if ((rc = acquire(e, group, &w)))
+		return rc;
+	BE_CHECK(e->ops->logits(e->be, &w, logits), "logits");
+	return release(e, group);
+}

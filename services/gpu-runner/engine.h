@@ -1,0 +1,46 @@
+/* engine.h - one forward step over the model, group by group: the orchestration that is
+ * the same for every backend and every weight source.
+ *
+ *   struct engine *e;
+ *   rc = engine_create(cfg, ops, be, weights, kv, max_chunk, &e, err, sizeof(err));
+ *   rc = engine_forward(e, tokens, n, pos0, logits);   // logits: vocab floats, or NULL
+ *
+ * For each group it acquires the weights, computes, and releases them, so a weight source
+ * that streams groups sees exactly one acquire/release pair per group per step, in visit
+ * order (embed, attn 0, ffn 0, ..., head).
+ */
+#ifndef GPU_RUNNER_ENGINE_H
+#define GPU_RUNNER_ENGINE_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/kv_cache.h"
+#include "services/gpu-runner/weights.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct engine;
+
+/* Borrows every argument; they must outlive the engine. Returns 0 or -errno with err set. */
+int engine_create(const struct model_config *cfg, const struct backend_ops *ops, struct backend *be,
+		  struct weight_source *weights, struct kv_cache *kv, uint32_t max_chunk, struct engine **out,
+		  char *err, size_t errlen);
+void engine_destroy(struct engine **e);
+
+/* Runs tokens[0..n) at positions pos0.. through the model (n <= max_chunk). With logits
+ * non-NULL, writes the last token's vocab_size logits there. Returns 0 or -errno; the
+ * message is in engine_error(). */
+int engine_forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits);
+
+uint32_t engine_max_chunk(const struct engine *e);
+const struct model_config *engine_config(const struct engine *e);
+struct kv_cache *engine_kv(struct engine *e);
+struct weight_source *engine_weights(struct engine *e);
+const char *engine_error(const struct engine *e);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,100 @@
+#include "services/gpu-runner/generate.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "common/util.h"
+
+static bool is_stop(const struct model_config *cfg, const struct gen_params *p, int32_t tok)
+{
+	if (!p->ignore_eos)
+		for (uint32_t i = 0; i < cfg->n_eos; i++)
+			if (cfg->eos_ids[i] == tok)
+				return true;
+	for (uint32_t i = 0; i < p->n_stop; i++)
+		if (p->stop_ids[i] == tok)
+			return true;
+	return false;
+}
+
+int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uint32_t max_context,
+		 const struct gen_params *p, gen_emit_fn emit, void *ctx, struct gen_result *res, char *err,
+		 size_t errlen)
+{
+	const struct model_config *cfg = engine_config(e);
+	*res = (struct gen_result){.n_prompt = n_prompt, .reason = "length"};
+	if (n_prompt == 0) {
+		snprintf(err, errlen, "the prompt is empty: give at least one token");
+		return -EINVAL;
+	}
+	if (n_prompt >= max_context) {
+		snprintf(err, errlen, "the prompt has %u tokens; the context holds %u (--max-context)", n_prompt,
+			 max_context);
+		return -EINVAL;
+	}
+	for (uint32_t i = 0; i < n_prompt; i++) {
+		if (prompt[i] < 0 || (uint32_t)prompt[i] >= cfg->vocab_size) {
+			snprintf(err, errlen, "prompt token %u is %d, outside the vocabulary of %u", i, prompt[i],
+				 cfg->vocab_size);
+			return -EINVAL;
+		}
+	}
+	float *logits = malloc(sizeof(float) * cfg->vocab_size);
+	struct sampler *s = sampler_create(&p->sampling, cfg->vocab_size);
+	int rc = 0;
+	if (!logits || !s) {
+		snprintf(err, errlen, "out of memory");
+		rc = -ENOMEM;
+		goto out;
+	}
+	uint64_t t0 = now_ns();
+	uint32_t chunk = engine_max_chunk(e);
+	for (uint32_t pos = 0; pos < n_prompt; pos += chunk) {
+		uint32_t n = n_prompt - pos < chunk ? n_prompt - pos : chunk;
+		rc = engine_forward(e, prompt + pos, n, pos, pos + n == n_prompt ? logits : NULL);
+		if (rc) {
+			snprintf(err, errlen, "prefill: %s", engine_error(e));
+			goto out;
+		}
+	}
+	uint64_t t1 = now_ns();
+	res->prefill_ms = (double)(t1 - t0) / 1e6;
+	uint32_t pos = n_prompt;
+	while (res->n_generated < p->max_new) {
+		int32_t tok = sampler_pick(s, logits);
+		uint32_t index = res->n_generated++;
+		if (emit && emit(ctx, index, tok)) {
+			res->reason = "cancelled";
+			break;
+		}
+		if (is_stop(cfg, p, tok)) {
+			res->reason = "stop";
+			break;
+		}
+		if (res->n_generated == p->max_new)
+			break;
+		if (pos >= max_context) {
+			res->reason = "context";
+			break;
+		}
+		rc = engine_forward(e, &tok, 1, pos, logits);
+		if (rc) {
+			snprintf(err, errlen, "decode at position %u: %s", pos, engine_error(e));
+			goto out;
+		}
+		pos++;
+	}
+	res->decode_ms = (double)(now_ns() - t1) / 1e6;
+out:
+	{
+		int rrc = kv_cache_reset(engine_kv(e));
+		if (rrc && !rc) {
+			snprintf(err, errlen, "%s", kv_cache_error(engine_kv(e)));
+			rc = rrc;
+		}
+	}
+	sampler_destroy(&s);
+	free(logits);
+	return rc;
+}

@@ -1,0 +1,412 @@
+#include "services/gpu-runner/kv_cache.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NO_ARENA (-1)
+
+struct kv_entry {
+	int32_t arena;	   /* arena block holding it, NO_ARENA */
+	uint32_t filled;   /* positions written */
+	bool committed;	   /* a pool copy exists (handle valid) */
+	uint64_t handle;
+};
+
+struct arena_block {
+	int32_t layer; /* -1 when free */
+	int32_t index; /* block index within the layer */
+	bool busy;     /* in use by the current step: never evicted */
+};
+
+struct kv_cache {
+	struct kv_cache_params p;
+	const struct backend_ops *ops;
+	struct backend *be;
+	const struct kv_remote_ops *remote;
+	void *rctx;
+	uint32_t blocks_per_layer;
+	struct kv_entry *entries;   /* n_layers * blocks_per_layer */
+	struct arena_block *arena;  /* n_arena */
+	uint32_t n_free;
+	/* scratch for batches */
+	struct kv_span *spans;
+	uint64_t *handles;
+	void **ptrs;
+	uint32_t *idx;
+	struct kv_cache_stats stats;
+	char error[512];
+};
+
+static int set_err(struct kv_cache *kv, int rc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int set_err(struct kv_cache *kv, int rc, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(kv->error, sizeof(kv->error), fmt, ap);
+	va_end(ap);
+	return rc;
+}
+
+static struct kv_entry *entry(struct kv_cache *kv, uint32_t layer, uint32_t index)
+{
+	assert(layer < kv->p.n_layers && index < kv->blocks_per_layer);
+	return &kv->entries[(size_t)layer * kv->blocks_per_layer + index];
+}
+
+uint32_t kv_cache_min_blocks(uint32_t n_layers, uint32_t block_tokens, uint32_t max_chunk)
+{
+	/* A chunk of n tokens starting mid-block touches ceil(n / bt) + 1 blocks. */
+	return n_layers + (max_chunk + block_tokens - 1) / block_tokens + 2;
+}
+
+int kv_cache_create(const struct kv_cache_params *p, const struct backend_ops *ops, struct backend *be,
+		    const struct kv_remote_ops *remote, void *remote_ctx, struct kv_cache **out, char *err,
+		    size_t errlen)
+{
+	if (!p->n_layers || !p->block_tokens || !p->max_context || !p->max_chunk) {
+		snprintf(err, errlen, "KV cache parameters must be positive");
+		return -EINVAL;
+	}
+	uint32_t need = kv_cache_min_blocks(p->n_layers, p->block_tokens, p->max_chunk);
+	if (remote && p->n_arena < need) {
+		snprintf(err, errlen, "the KV arena holds %u blocks; at least %u are needed (one per layer, %u for a "
+			 "chunk of %u tokens, one to fetch through)",
+			 p->n_arena, need, need - p->n_layers - 1, p->max_chunk);
+		return -ENOSPC;
+	}
+	struct kv_cache *kv = calloc(1, sizeof(*kv));
+	if (!kv)
+		return -ENOMEM;
+	kv->p = *p;
+	kv->ops = ops;
+	kv->be = be;
+	kv->remote = remote;
+	kv->rctx = remote_ctx;
+	kv->blocks_per_layer = (p->max_context + p->block_tokens - 1) / p->block_tokens;
+	kv->entries = calloc((size_t)p->n_layers * kv->blocks_per_layer, sizeof(*kv->entries));
+	kv->arena = calloc(p->n_arena ? p->n_arena : 1, sizeof(*kv->arena));
+	kv->spans = calloc(kv->blocks_per_layer + 1, sizeof(*kv->spans));
+	kv->handles = calloc(kv->blocks_per_layer + 1, sizeof(*kv->handles));
+	kv->ptrs = calloc(kv->blocks_per_layer + 1, sizeof(*kv->ptrs));
+	kv->idx = calloc(kv->blocks_per_layer + 1, sizeof(*kv->idx));
+	if (!kv->entries || !kv->arena || !kv->spans || !kv->handles || !kv->ptrs || !kv->idx) {
+		kv_cache_destroy(&kv);
+		snprintf(err, errlen, "out of memory for the KV tables");
+		return -ENOMEM;
+	}
+	for (size_t i = 0; i < (size_t)p->n_layers * kv->blocks_per_layer; i++)
+		kv->entries[i].arena = NO_ARENA;
+	for (uint32_t i = 0; i < p->n_arena; i++)
+		kv->arena[i].layer = -1;
+	kv->n_free = p->n_arena;
+	*out = kv;
+	return 0;
+}
+
+void kv_cache_destroy(struct kv_cache **kvp)
+{
+	if (!kvp || !*kvp)
+		return;
+	struct kv_cache *kv = *kvp;
+	free(kv->entries);
+	free(kv->arena);
+	free(kv->spans);
+	free(kv->handles);
+	free(kv->ptrs);
+	free(kv->idx);
+	free(kv);
+	*kvp = NULL;
+}
+
+const char *kv_cache_error(const struct kv_cache *kv)
+{
+	return kv->error;
+}
+
+void kv_cache_get_stats(const struct kv_cache *kv, struct kv_cache_stats *st)
+{
+	*st = kv->stats;
+}
+
+/* How far ahead the layer's next use lies, seen from the layer being computed: the
+ * current layer itself comes back last (one full cycle later). */
+static uint32_t next_use_distance(const struct kv_cache *kv, uint32_t layer, uint32_t current)
+{
+	uint32_t d = (layer + kv->p.n_layers - current) % kv->p.n_layers;
+	return d == 0 ? kv->p.n_layers : d;
+}
+
+/* Takes an arena block for (layer, index): a free one, else the committed, idle block
+ * needed furthest ahead. Returns the arena index or -ENOSPC. */
+static int take_arena(struct kv_cache *kv, uint32_t current_layer, uint32_t layer, uint32_t index)
+{
+	int best = -1;
+	uint32_t best_d = 0;
+	for (uint32_t i = 0; i < kv->p.n_arena; i++) {
+		struct arena_block *a = &kv->arena[i];
+		if (a->layer < 0) {
+			best = (int)i;
+			break;
+		}
+		if (a->busy || !entry(kv, (uint32_t)a->layer, (uint32_t)a->index)->committed)
+			continue;
+		uint32_t d = next_use_distance(kv, (uint32_t)a->layer, current_layer);
+		if (best < 0 || d > best_d) {
+			best = (int)i;
+			best_d = d;
+		}
+	}
+	if (best < 0)
+		return set_err(kv, -ENOSPC,
+			       "KV arena of %u blocks is exhausted: every block holds unsaved KV or is in use "
+			       "(raise --kv-gpu-budget%s)",
+			       kv->p.n_arena, kv->remote ? "" : ", or run with a kv-store");
+	struct arena_block *a = &kv->arena[best];
+	if (a->layer >= 0) {
+		entry(kv, (uint32_t)a->layer, (uint32_t)a->index)->arena = NO_ARENA;
+		kv->stats.evicted++;
+	} else {
+		kv->n_free--;
+	}
+	a->layer = (int32_t)layer;
+	a->index = (int32_t)index;
+	a->busy = false;
+	entry(kv, layer, index)->arena = best;
+	return best;
+}
+
+int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_t n, uint32_t *dst_block,
+		     uint32_t *dst_row)
+{
+	if (n == 0 || n > kv->p.max_chunk || pos0 + n > kv->p.max_context)
+		return set_err(kv, -EINVAL, "chunk of %u tokens at position %u does not fit (chunk limit %u, context %u)",
+			       n, pos0, kv->p.max_chunk, kv->p.max_context);
+	const uint32_t bt = kv->p.block_tokens;
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t pos = pos0 + i;
+		uint32_t j = pos / bt;
+		struct kv_entry *e = entry(kv, layer, j);
+		if (e->committed)
+			return set_err(kv, -EINVAL, "layer %u block %u is already full and committed; position %u "
+				       "cannot be written again", layer, j, pos);
+		if (e->arena == NO_ARENA) {
+			if (e->filled)
+				return set_err(kv, -EIO, "layer %u block %u holds unsaved KV but left the arena", layer, j);
+			int a = take_arena(kv, layer, layer, j);
+			if (a < 0)
+				return a;
+		}
+		kv->arena[e->arena].busy = true;
+		dst_block[i] = (uint32_t)e->arena;
+		dst_row[i] = pos % bt;
+		if (pos % bt + 1 > e->filled)
+			e->filled = pos % bt + 1;
+	}
+	return 0;
+}
+
+static void clear_busy(struct kv_cache *kv)
+{
+	for (uint32_t i = 0; i < kv->p.n_arena; i++)
+		kv->arena[i].busy = false;
+}
+
+static int flush_spans(struct kv_cache *kv, uint32_t *n_spans)
+{
+	if (!*n_spans)
+		return 0;
+	int rc = kv->ops->attn_blocks(kv->be, kv->spans, *n_spans);
+	if (rc)
+		return set_err(kv, rc, "attention failed: %s", kv->ops->error(kv->be));
+	/* Visited blocks may now make room for the ones still to come, unless unsaved. */
+	for (uint32_t i = 0; i < *n_spans; i++)
+		kv->arena[kv->spans[i].block].busy = false;
+	*n_spans = 0;
+	return 0;
+}
+
+/* Arena blocks that could take a fetched block right now. */
+static uint32_t reusable_blocks(const struct kv_cache *kv)
+{
+	uint32_t n = 0;
+	for (uint32_t i = 0; i < kv->p.n_arena; i++) {
+		const struct arena_block *a = &kv->arena[i];
+		if (a->layer < 0)
+			n++;
+		else if (!a->busy && kv->entries[(size_t)a->layer * kv->blocks_per_layer + (size_t)a->index].committed)
+			n++;
+	}
+	return n;
+}
+
+int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
+{
+	const uint32_t bt = kv->p.block_tokens;
+	uint32_t n_blocks = (pos_end + bt - 1) / bt;
+	uint32_t n_spans = 0;
+	int rc = 0;
+	for (uint32_t j = 0; j < n_blocks;) {
+		struct kv_entry *e = entry(kv, layer, j);
+		uint32_t len = pos_end - j * bt < bt ? pos_end - j * bt : bt;
+		if (e->arena != NO_ARENA) {
+			kv->arena[e->arena].busy = true;
+			kv->spans[n_spans++] = (struct kv_span){.block = (uint32_t)e->arena, .pos0 = j * bt, .n_tokens = len};
+			j++;
+			continue;
+		}
+		if (!e->committed || !kv->remote) {
+			rc = set_err(kv, -EIO, "layer %u block %u is neither in the arena nor in the kv-store", layer, j);
+			goto out;
+		}
+		/* Visit what is resident so far, then bring back a run of missing blocks. */
+		rc = flush_spans(kv, &n_spans);
+		if (rc)
+			goto out;
+		uint32_t room = reusable_blocks(kv);
+		uint32_t cap = kv->remote->max_batch(kv->rctx);
+		if (room > cap)
+			room = cap;
+		uint32_t run = 0;
+		while (j + run < n_blocks && run < room) {
+			struct kv_entry *m = entry(kv, layer, j + run);
+			if (m->arena != NO_ARENA || !m->committed)
+				break;
+			kv->handles[run] = m->handle;
+			kv->idx[run] = j + run;
+			run++;
+		}
+		if (run == 0) {
+			rc = set_err(kv, -ENOSPC, "no arena block free to bring layer %u block %u back (arena %u blocks)",
+				     layer, j, kv->p.n_arena);
+			goto out;
+		}
+		rc = kv->remote->fetch(kv->rctx, run, kv->handles, kv->ptrs);
+		if (rc) {
+			set_err(kv, rc, "fetching %u KV blocks of layer %u from the kv-store failed: %s", run, layer,
+				kv->remote->error(kv->rctx));
+			goto out;
+		}
+		for (uint32_t r = 0; r < run && rc == 0; r++) {
+			int a = take_arena(kv, layer, layer, kv->idx[r]);
+			if (a < 0) {
+				rc = a;
+				break;
+			}
+			kv->arena[a].busy = true;
+			rc = kv->ops->kv_from_host(kv->be, (uint32_t)a, kv->ptrs[r]);
+			if (rc) {
+				set_err(kv, rc, "copying a KV block into the arena failed: %s", kv->ops->error(kv->be));
+				break;
+			}
+			uint32_t bj = kv->idx[r];
+			uint32_t blen = pos_end - bj * bt < bt ? pos_end - bj * bt : bt;
+			kv->spans[n_spans++] = (struct kv_span){.block = (uint32_t)a, .pos0 = bj * bt, .n_tokens = blen};
+			kv->stats.fetched++;
+		}
+		int urc = kv->remote->unpin(kv->rctx, run, kv->handles);
+		if (rc)
+			goto out;
+		if (urc) {
+			rc = set_err(kv, urc, "unpinning KV blocks failed: %s", kv->remote->error(kv->rctx));
+			goto out;
+		}
+		j += run;
+	}
+	rc = flush_spans(kv, &n_spans);
+out:
+	clear_busy(kv);
+	return rc;
+}
+
+/* Commits blocks idx[0..n) of a layer: pool blocks, copies, then the commit. */
+static int commit_batch(struct kv_cache *kv, uint32_t layer, const uint32_t *idx, uint32_t n)
+{
+	int rc = kv->remote->alloc(kv->rctx, n, kv->handles, kv->ptrs);
+	if (rc)
+		return set_err(kv, rc, "allocating %u KV blocks in the kv-store failed: %s", n,
+			       kv->remote->error(kv->rctx));
+	for (uint32_t i = 0; i < n; i++) {
+		rc = kv->ops->kv_to_host(kv->be, (uint32_t)entry(kv, layer, idx[i])->arena, kv->ptrs[i]);
+		if (rc) {
+			set_err(kv, rc, "copying a KV block out of the arena failed: %s", kv->ops->error(kv->be));
+			kv->remote->release(kv->rctx, n, kv->handles);
+			return rc;
+		}
+	}
+	rc = kv->remote->commit(kv->rctx, n, kv->handles, kv->ptrs);
+	if (rc) {
+		set_err(kv, rc, "committing %u KV blocks failed: %s", n, kv->remote->error(kv->rctx));
+		kv->remote->release(kv->rctx, n, kv->handles);
+		return rc;
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		struct kv_entry *e = entry(kv, layer, idx[i]);
+		e->committed = true;
+		e->handle = kv->handles[i];
+	}
+	kv->stats.committed += n;
+	return 0;
+}
+
+int kv_cache_finish_layer(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_t pos_end)
+{
+	if (!kv->remote)
+		return 0;
+	const uint32_t bt = kv->p.block_tokens;
+	uint32_t n = 0;
+	for (uint32_t j = pos0 / bt; j < (pos_end + bt - 1) / bt; j++) {
+		struct kv_entry *e = entry(kv, layer, j);
+		if (e->filled == bt && !e->committed && e->arena != NO_ARENA)
+			kv->idx[n++] = j;
+	}
+	uint32_t cap = kv->remote->max_batch(kv->rctx);
+	for (uint32_t done = 0; done < n;) {
+		uint32_t k = n - done < cap ? n - done : cap;
+		int rc = commit_batch(kv, layer, kv->idx + done, k);
+		if (rc)
+			return rc;
+		done += k;
+	}
+	return 0;
+}
+
+static void clear_tables(struct kv_cache *kv)
+{
+	for (size_t i = 0; i < (size_t)kv->p.n_layers * kv->blocks_per_layer; i++)
+		kv->entries[i] = (struct kv_entry){.arena = NO_ARENA};
+	for (uint32_t i = 0; i < kv->p.n_arena; i++)
+		kv->arena[i] = (struct arena_block){.layer = -1};
+	kv->n_free = kv->p.n_arena;
+}
+
+int kv_cache_reset(struct kv_cache *kv)
+{
+	int rc = 0;
+	if (kv->remote) {
+		for (uint32_t l = 0; l < kv->p.n_layers; l++) {
+			uint32_t n = 0;
+			for (uint32_t j = 0; j < kv->blocks_per_layer; j++) {
+				struct kv_entry *e = entry(kv, l, j);
+				if (e->committed)
+					kv->handles[n++] = e->handle;
+			}
+			if (n) {
+				int r = kv->remote->release(kv->rctx, n, kv->handles);
+				if (r && !rc)
+					rc = set_err(kv, r, "freeing KV blocks failed: %s", kv->remote->error(kv->rctx));
+			}
+		}
+	}
+	clear_tables(kv);
+	return rc;
+}
+
+void kv_cache_forget_remote(struct kv_cache *kv)
+{
+	clear_tables(kv);
+}

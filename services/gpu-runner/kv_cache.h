@@ -1,0 +1,91 @@
+/* kv_cache.h - the runner's KV blocks: an arena in the backend's memory (the GPU KV tier)
+ * under --kv-gpu-budget, with the kv-store pool behind it.
+ *
+ * Every layer's context is cut into blocks of block_tokens positions. A block the current
+ * chunk writes, and any block not yet full, always sits in the arena. When a block fills up
+ * it is committed to the kv-store (write-behind: copied into a pool block, then
+ * MSG_KV_COMMIT), after which its arena block may be reused. Attention visits a layer's
+ * blocks in position order; a block no longer in the arena is fetched back from the pool
+ * (which brings it back from the spill file if it went there) just before it is needed.
+ * Because the visit order never changes, the result is the same whatever the budget.
+ *
+ * Eviction picks the committed block whose layer is needed furthest in the future (layers
+ * are visited in a cycle), so the layers about to run keep their blocks.
+ *
+ * Without a remote (kv_remote == NULL: the in-process oracle) nothing is committed and the
+ * arena must hold the whole context; running out is an error.
+ *
+ *   kv_cache_prepare(kv, layer, pos0, n, dst_block, dst_row);   // before attn_begin
+ *   kv_cache_attend(kv, layer, pos0 + n);                      // between attn_begin and attn_end
+ *   kv_cache_finish_layer(kv, layer, pos0, pos0 + n);          // after attn_end
+ *   kv_cache_reset(kv);                                        // end of a sequence
+ */
+#ifndef GPU_RUNNER_KV_CACHE_H
+#define GPU_RUNNER_KV_CACHE_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "services/gpu-runner/backend.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The KV tier behind the arena: the kv-store pool. Every function returns 0 or -errno with
+ * a message available through error(). Pointers are host memory of block_bytes. */
+struct kv_remote_ops {
+	/* n new blocks, pinned for writing: handles and where to write them. */
+	int (*alloc)(void *ctx, uint32_t n, uint64_t *handles, void **ptrs);
+	/* The bytes of the n blocks at ptrs are in place: mark them complete and commit. */
+	int (*commit)(void *ctx, uint32_t n, const uint64_t *handles, void *const *ptrs);
+	/* Pins n committed blocks in host memory and says where they are. */
+	int (*fetch)(void *ctx, uint32_t n, const uint64_t *handles, void **ptrs);
+	int (*unpin)(void *ctx, uint32_t n, const uint64_t *handles);
+	int (*release)(void *ctx, uint32_t n, const uint64_t *handles); /* frees the blocks */
+	/* Most blocks one alloc or fetch may ask for (the pool's size). */
+	uint32_t (*max_batch)(void *ctx);
+	const char *(*error)(void *ctx);
+};
+
+struct kv_cache_params {
+	uint32_t n_layers;
+	uint32_t block_tokens;
+	uint32_t max_context; /* positions per sequence */
+	uint32_t max_chunk;   /* most tokens one forward step writes */
+	uint32_t n_arena;     /* blocks in the backend's arena */
+};
+
+struct kv_cache_stats {
+	uint64_t committed; /* blocks copied to the pool */
+	uint64_t fetched;   /* blocks copied back from the pool */
+	uint64_t evicted;   /* arena blocks reused for another block */
+};
+
+struct kv_cache;
+
+/* Fewest arena blocks that can run: one partial block per layer, the blocks one chunk
+ * writes, and one to bring blocks back through. */
+uint32_t kv_cache_min_blocks(uint32_t n_layers, uint32_t block_tokens, uint32_t max_chunk);
+
+/* Returns 0 or -errno with a message in err (-ENOSPC: n_arena below the minimum). The
+ * backend (be, ops) must have been created with n_kv_blocks >= p->n_arena. */
+int kv_cache_create(const struct kv_cache_params *p, const struct backend_ops *ops, struct backend *be,
+		    const struct kv_remote_ops *remote, void *remote_ctx, struct kv_cache **out, char *err,
+		    size_t errlen);
+void kv_cache_destroy(struct kv_cache **kv);
+
+int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_t n, uint32_t *dst_block,
+		     uint32_t *dst_row);
+int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end);
+int kv_cache_finish_layer(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_t pos_end);
+/* Frees every remote block and empties the arena. */
+int kv_cache_reset(struct kv_cache *kv);
+/* Forgets remote handles without freeing them (the kv-store lost its pool). */
+void kv_cache_forget_remote(struct kv_cache *kv);
+
+void kv_cache_get_stats(const struct kv_cache *kv, struct kv_cache_stats *st);
+const char *kv_cache_error(const struct kv_cache *kv);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

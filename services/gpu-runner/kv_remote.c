@@ -1,0 +1,236 @@
+#include "services/gpu-runner/kv_remote.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/shm.h"
+#include "common/util.h"
+
+static int set_err(struct kv_remote *kr, int rc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int set_err(struct kv_remote *kr, int rc, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(kr->error, sizeof(kr->error), fmt, ap);
+	va_end(ap);
+	return rc;
+}
+
+/* One request; the reply must be of type `want`. Returns 0 with rep to free, or -errno. */
+static int call(struct kv_remote *kr, struct msg *req, uint32_t want, struct msg *rep)
+{
+	if (!kr->h)
+		return set_err(kr, -ENOTCONN, "not connected to kv-store");
+	const char *what = msg_type_name(req->type);
+	int rc = rpc_call(kr->client, req, rep, kr->timeout_ms);
+	if (rc == -EREMOTEIO) {
+		int code = rep->error.code > 0 ? (int)rep->error.code : EIO;
+		set_err(kr, -code, "kv-store refused %s: %s", what, rep->error.text.p);
+		msg_free(rep);
+		return -code;
+	}
+	if (rc)
+		return set_err(kr, rc, "kv-store did not answer %s: %s", what, strerror(-rc));
+	if (rep->type != want) {
+		set_err(kr, -EPROTO, "kv-store answered %s with %s", what, msg_type_name(rep->type));
+		msg_free(rep);
+		return -EPROTO;
+	}
+	return 0;
+}
+
+/* Checks an offset from the pool: the start of a slot's data. Returns the slot or -1. */
+static int64_t slot_of(const struct kv_remote *kr, uint64_t offset)
+{
+	const struct kvpool_header *h = kr->h;
+	if (offset < h->data_off || (offset - h->data_off) % h->block_bytes)
+		return -1;
+	uint64_t slot = (offset - h->data_off) / h->block_bytes;
+	return slot < h->n_slots ? (int64_t)slot : -1;
+}
+
+static int blocks_reply(struct kv_remote *kr, const struct msg *rep, uint32_t n, const uint64_t *expect,
+			uint64_t *handles, void **ptrs)
+{
+	const struct msg_kv_blocks *b = &rep->kv_blocks;
+	if (b->handles.n != n || b->offsets.n != n)
+		return set_err(kr, -EPROTO, "kv-store sent %u blocks for %u asked", b->handles.n, n);
+	for (uint32_t i = 0; i < n; i++) {
+		int64_t slot = slot_of(kr, b->offsets.v[i]);
+		if (slot < 0)
+			return set_err(kr, -EPROTO, "kv-store sent offset %llu, not a pool block",
+				       (unsigned long long)b->offsets.v[i]);
+		if (expect && b->handles.v[i] != expect[i])
+			return set_err(kr, -EPROTO, "kv-store answered for block %llx instead of %llx",
+				       (unsigned long long)b->handles.v[i], (unsigned long long)expect[i]);
+		if (handles)
+			handles[i] = b->handles.v[i];
+		ptrs[i] = (char *)kr->h + b->offsets.v[i];
+	}
+	return 0;
+}
+
+static int op_alloc(void *ctx, uint32_t n, uint64_t *handles, void **ptrs)
+{
+	struct kv_remote *kr = ctx;
+	struct msg req, rep;
+	msg_init(&req, MSG_KV_ALLOC, 0);
+	req.kv_alloc.count = n;
+	int rc = call(kr, &req, MSG_KV_BLOCKS, &rep);
+	if (rc)
+		return rc;
+	rc = blocks_reply(kr, &rep, n, NULL, handles, ptrs);
+	msg_free(&rep);
+	return rc;
+}
+
+static int simple(struct kv_remote *kr, uint32_t type, uint32_t n, const uint64_t *handles)
+{
+	struct msg req, rep;
+	msg_init(&req, type, 0);
+	req.kv_handles.handles.v = (uint64_t *)handles;
+	req.kv_handles.handles.n = n;
+	int rc = call(kr, &req, MSG_OK, &rep);
+	if (rc == 0)
+		msg_free(&rep);
+	return rc;
+}
+
+static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const *ptrs)
+{
+	struct kv_remote *kr = ctx;
+	struct kvpool_slot *slots = kvpool_slots(kr->h);
+	for (uint32_t i = 0; i < n; i++) {
+		int64_t slot = slot_of(kr, (uint64_t)((char *)ptrs[i] - (char *)kr->h));
+		if (slot < 0)
+			return set_err(kr, -EINVAL, "block %u is not in the pool", i);
+		/* The copy is complete: pairs with kv-store's acquire load before it checksums. */
+		atomic_store_explicit(&slots[slot].ready, 1, memory_order_release);
+	}
+	atomic_fetch_add_explicit(&kr->h->runner.blocks_written, n, memory_order_relaxed);
+	struct msg req, rep;
+	msg_init(&req, MSG_KV_COMMIT, 0);
+	req.kv_commit.handles.v = (uint64_t *)handles;
+	req.kv_commit.handles.n = n;
+	int rc = call(kr, &req, MSG_OK, &rep);
+	if (rc == 0)
+		msg_free(&rep);
+	return rc;
+}
+
+static int op_fetch(void *ctx, uint32_t n, const uint64_t *handles, void **ptrs)
+{
+	struct kv_remote *kr = ctx;
+	struct msg req, rep;
+	msg_init(&req, MSG_KV_FETCH, 0);
+	req.kv_handles.handles.v = (uint64_t *)handles;
+	req.kv_handles.handles.n = n;
+	int rc = call(kr, &req, MSG_KV_BLOCKS, &rep);
+	if (rc)
+		return rc;
+	rc = blocks_reply(kr, &rep, n, handles, NULL, ptrs);
+	msg_free(&rep);
+	if (rc == 0)
+		atomic_fetch_add_explicit(&kr->h->runner.blocks_read, n, memory_order_relaxed);
+	return rc;
+}
+
+static int op_unpin(void *ctx, uint32_t n, const uint64_t *handles)
+{
+	return simple(ctx, MSG_KV_UNPIN, n, handles);
+}
+
+static int op_release(void *ctx, uint32_t n, const uint64_t *handles)
+{
+	return simple(ctx, MSG_KV_FREE, n, handles);
+}
+
+static uint32_t op_max_batch(void *ctx)
+{
+	const struct kv_remote *kr = ctx;
+	return kr->h && kr->h->n_slots ? kr->h->n_slots : 1;
+}
+
+static const char *op_error(void *ctx)
+{
+	return ((struct kv_remote *)ctx)->error;
+}
+
+const struct kv_remote_ops kv_remote_ops_pool = {
+	.alloc = op_alloc,
+	.commit = op_commit,
+	.fetch = op_fetch,
+	.unpin = op_unpin,
+	.release = op_release,
+	.max_batch = op_max_batch,
+	.error = op_error,
+};
+
+int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t block_bytes, uint64_t manifest_hash,
+		      int timeout_ms, bool *same_pool, char *err, size_t errlen)
+{
+	uint64_t old_epoch = kr->h ? kr->pool_epoch : 0;
+	bool had = kr->h != NULL;
+	kv_remote_disconnect(kr);
+	kr->client = client;
+	kr->timeout_ms = timeout_ms;
+	kr->block_bytes = block_bytes;
+	struct msg req, rep;
+	msg_init(&req, MSG_KV_CONFIGURE, 0);
+	req.kv_configure.block_bytes = block_bytes;
+	req.kv_configure.manifest_hash = manifest_hash;
+	int rc = rpc_call(client, &req, &rep, timeout_ms);
+	if (rc == -EREMOTEIO) {
+		snprintf(err, errlen, "kv-store refused the pool configuration: %s", rep.error.text.p);
+		rc = rep.error.code > 0 ? -(int)rep.error.code : -EIO;
+		msg_free(&rep);
+		return rc;
+	}
+	if (rc) {
+		snprintf(err, errlen, "kv-store did not answer the pool configuration: %s", strerror(-rc));
+		return rc;
+	}
+	if (rep.type != MSG_KV_POOL || rep.kv_pool.block_bytes != block_bytes || rep.kv_pool.n_blocks == 0) {
+		snprintf(err, errlen, "kv-store answered the pool configuration with a %s that does not match",
+			 msg_type_name(rep.type));
+		msg_free(&rep);
+		return -EPROTO;
+	}
+	rc = shm_object_attach(rep.kv_pool.shm_name.p, SHM_KIND_KV_POOL, KVPOOL_LAYOUT_VERSION, true, &kr->obj);
+	if (rc) {
+		snprintf(err, errlen, "cannot map the KV pool %s: %s", rep.kv_pool.shm_name.p, strerror(-rc));
+		msg_free(&rep);
+		return rc;
+	}
+	struct kvpool_header *h = shm_object_base(kr->obj);
+	size_t size = shm_object_size(kr->obj);
+	uint64_t data_end = h->data_off + (uint64_t)h->n_slots * h->block_bytes;
+	if (h->block_bytes != block_bytes || h->n_slots != rep.kv_pool.n_blocks || h->n_slots == 0 ||
+	    h->data_off < sizeof(*h) || h->data_off > size || data_end > size || data_end < h->data_off ||
+	    h->slots_off < sizeof(*h) || h->slots_off + (uint64_t)h->n_slots * sizeof(struct kvpool_slot) > size) {
+		snprintf(err, errlen, "the KV pool %s is laid out inconsistently", rep.kv_pool.shm_name.p);
+		msg_free(&rep);
+		shm_object_close(&kr->obj, false);
+		return -EPROTO;
+	}
+	kr->h = h;
+	kr->owner_pid = atomic_load(&h->shm.owner_pid);
+	kr->pool_epoch = rep.kv_pool.epoch;
+	if (same_pool)
+		*same_pool = had && old_epoch == kr->pool_epoch;
+	msg_free(&rep);
+	return 0;
+}
+
+void kv_remote_disconnect(struct kv_remote *kr)
+{
+	shm_object_close(&kr->obj, false);
+	kr->h = NULL;
+}
+
+bool kv_remote_owner_alive(const struct kv_remote *kr)
+{
+	return kr->h && atomic_load(&kr->h->shm.owner_pid) == kr->owner_pid && shm_owner_alive(&kr->h->shm);
+}

@@ -1,0 +1,50 @@
+/* kv_remote.h - the runner's side of the kv-store: the pool mapped in this process and the
+ * MSG_KV_* requests, packaged as the kv_remote_ops that kv_cache.c uses.
+ *
+ *   struct kv_remote kr = {0};
+ *   rc = kv_remote_connect(&kr, client, block_bytes, manifest_hash, timeout_ms, err, sizeof(err));
+ *   kv_cache_create(..., &kv_remote_ops_pool, &kr, ...);
+ *   if (!kv_remote_owner_alive(&kr)) ... kv-store restarted: connect again (same pool epoch: handles valid)
+ *   kv_remote_disconnect(&kr);
+ *
+ * Completion without CUDA: after copying a block into its pool slot, commit stores the slot's
+ * ready flag with release order before sending MSG_KV_COMMIT; kv-store loads it with acquire.
+ */
+#ifndef GPU_RUNNER_KV_REMOTE_H
+#define GPU_RUNNER_KV_REMOTE_H
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/bus.h"
+#include "common/kv_pool.h"
+#include "services/gpu-runner/kv_cache.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct kv_remote {
+	struct rpc_client *client; /* borrowed */
+	struct shm_object *obj;
+	struct kvpool_header *h;
+	int owner_pid;
+	uint64_t pool_epoch;
+	uint64_t block_bytes;
+	int timeout_ms;
+	char error[512];
+};
+
+extern const struct kv_remote_ops kv_remote_ops_pool;
+
+/* HELLO is the caller's business (rpc_wait_ready); this sends MSG_KV_CONFIGURE and maps
+ * the pool. Returns 0, or -errno with err set. *same_pool says whether the pool is the
+ * one this kv_remote had before (same epoch: the handles held stay valid). */
+int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t block_bytes, uint64_t manifest_hash,
+		      int timeout_ms, bool *same_pool, char *err, size_t errlen);
+void kv_remote_disconnect(struct kv_remote *kr);
+bool kv_remote_owner_alive(const struct kv_remote *kr);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

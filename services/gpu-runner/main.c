@@ -1,0 +1,499 @@
+/* gpu-runner: owns compute, the runner's KV arena, scheduling, sampling and the generate
+ * API. Weights come from the ssd-loader's ring, KV blocks go to and come from the kv-store
+ * pool; this process never opens a model file.
+ *
+ * Requests are queued and run one at a time (batch 1); while a request runs, the service
+ * keeps answering between tokens (HELLO, stats, more requests to queue). Before each request
+ * it checks that the ssd-loader and kv-store it mapped are still the live owners of their
+ * shared memory, and reconnects if one was restarted. */
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/bus.h"
+#include "common/config.h"
+#include "common/log.h"
+#include "common/service.h"
+#include "common/util.h"
+#include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/engine.h"
+#include "services/gpu-runner/generate.h"
+#include "services/gpu-runner/kv_cache.h"
+#include "services/gpu-runner/kv_remote.h"
+#include "services/gpu-runner/weights_ring.h"
+
+#define QUEUE_MAX 16
+#define CONNECT_TIMEOUT_MS 120000
+#define RECONNECT_TIMEOUT_MS 30000
+
+struct job {
+	struct bus_peer peer;
+	uint64_t corr;
+	int32_t *tokens;
+	uint32_t n_tokens;
+	int32_t *stop;
+	struct gen_params params;
+};
+
+struct runner {
+	/* options */
+	const char *instance, *run_dir, *backend_name, *log_level;
+	uint64_t gpu_budget, kv_gpu_budget;
+	long block_tokens, threads, max_context, prefill_chunk, timeout_ms;
+
+	void *zctx; /* for the clients of the other services */
+	struct rpc_client *loader_c, *kv_c;
+	struct ring_source *ring;
+	struct kv_remote kv;
+	bool loader_suspect, kv_suspect;
+	bool kv_connected; /* a pool was mapped before */
+
+	struct model_config cfg;
+	uint64_t manifest_hash;
+	const struct backend_ops *ops;
+	struct backend *be;
+	struct backend_params bp;
+	size_t arena_block_bytes;
+	uint64_t pool_block_bytes;
+	struct kv_cache *cache;
+	struct engine *engine;
+	struct service *svc;
+
+	struct job queue[QUEUE_MAX];
+	uint32_t q_head, q_len;
+	struct job *current;
+
+	/* counters */
+	uint64_t requests, prompt_tokens, tokens_generated, failures;
+	double prefill_ms, decode_ms, last_prefill_tok_s, last_decode_tok_s;
+};
+
+static void job_free(struct job *j)
+{
+	free(j->tokens);
+	free(j->stop);
+	j->tokens = NULL;
+	j->stop = NULL;
+}
+
+/* ---- connections ---- */
+
+static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t errlen)
+{
+	struct msg hello;
+	ring_source_destroy(&r->ring);
+	rpc_client_reset(r->loader_c);
+	int rc = rpc_wait_ready(r->loader_c, &hello, deadline_ms);
+	if (rc) {
+		snprintf(err, errlen, "ssd-loader did not answer at %s/ssd-loader.ctl within %d s", r->run_dir,
+			 deadline_ms / 1000);
+		if (rc == -EREMOTEIO)
+			msg_free(&hello);
+		return rc;
+	}
+	rc = ring_source_create(r->loader_c, &hello.hello_reply, (int)r->timeout_ms, &r->ring, err, errlen);
+	msg_free(&hello);
+	if (rc)
+		return rc;
+	if (r->manifest_hash && ring_source_manifest_hash(r->ring) != r->manifest_hash) {
+		snprintf(err, errlen, "ssd-loader now serves another model than the one this runner started with; "
+			 "restart gpu-runner");
+		ring_source_destroy(&r->ring);
+		return -EPROTO;
+	}
+	r->loader_suspect = false;
+	return 0;
+}
+
+static int connect_kv(struct runner *r, int deadline_ms, char *err, size_t errlen)
+{
+	struct msg hello;
+	rpc_client_reset(r->kv_c);
+	int rc = rpc_wait_ready(r->kv_c, &hello, deadline_ms);
+	if (rc) {
+		snprintf(err, errlen, "kv-store did not answer at %s/kv-store.ctl within %d s", r->run_dir,
+			 deadline_ms / 1000);
+		if (rc == -EREMOTEIO)
+			msg_free(&hello);
+		return rc;
+	}
+	msg_free(&hello);
+	bool same = false;
+	rc = kv_remote_connect(&r->kv, r->kv_c, r->pool_block_bytes, r->manifest_hash, (int)r->timeout_ms, &same, err,
+			       errlen);
+	if (rc)
+		return rc;
+	if (r->kv_connected && !same) {
+		log_warn("kv-store has a new pool: the blocks it held are gone");
+		kv_cache_forget_remote(r->cache);
+	}
+	r->kv_connected = true;
+	r->kv_suspect = false;
+	return 0;
+}
+
+/* Before a request: reconnect to a service that restarted or failed us. */
+static int ensure_connections(struct runner *r, char *err, size_t errlen)
+{
+	int rc;
+	if (r->loader_suspect || !r->ring || !ring_source_owner_alive(r->ring)) {
+		log_info("reconnecting to ssd-loader");
+		rc = connect_loader(r, RECONNECT_TIMEOUT_MS, err, errlen);
+		if (rc)
+			return rc;
+		engine_destroy(&r->engine);
+		rc = engine_create(&r->cfg, r->ops, r->be, ring_source_base(r->ring), r->cache, r->bp.max_chunk,
+				   &r->engine, err, errlen);
+		if (rc)
+			return rc;
+	}
+	if (r->kv_suspect || !kv_remote_owner_alive(&r->kv)) {
+		log_info("reconnecting to kv-store");
+		rc = connect_kv(r, RECONNECT_TIMEOUT_MS, err, errlen);
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
+/* ---- requests ---- */
+
+static int emit_token(void *ctx, uint32_t index, int32_t token)
+{
+	struct runner *r = ctx;
+	struct msg m;
+	msg_init(&m, MSG_TOKEN, r->current->corr);
+	m.token.index = index;
+	m.token.token = (uint64_t)token;
+	ring_source_count_token(r->ring);
+	if (service_reply(r->svc, &r->current->peer, &m) == -EHOSTUNREACH) {
+		log_warn("the client of request %llu went away: cancelling it", (unsigned long long)r->current->corr);
+		return 1;
+	}
+	/* Keep serving between tokens; a stop request ends the generation. */
+	return service_poll_once(r->svc, 0);
+}
+
+static void run_job(struct runner *r, struct job *j)
+{
+	char err[1024] = "";
+	struct gen_result res = {0};
+	r->current = j;
+	r->requests++;
+	int rc = ensure_connections(r, err, sizeof(err));
+	if (rc == 0) {
+		rc = generate_run(r->engine, j->tokens, j->n_tokens, (uint32_t)r->max_context, &j->params, emit_token, r,
+				  &res, err, sizeof(err));
+		int wrc = ring_source_base(r->ring)->ops->release_all(ring_source_base(r->ring));
+		if (wrc && !rc) {
+			snprintf(err, sizeof(err), "%s", ring_source_base(r->ring)->error);
+			rc = wrc;
+		}
+	}
+	if (rc) {
+		r->failures++;
+		/* Whatever failed, check both peers before the next request. */
+		r->loader_suspect = true;
+		r->kv_suspect = true;
+		log_error("request %llu failed: %s", (unsigned long long)j->corr, err);
+		service_reply_error(r->svc, &j->peer, j->corr, -rc, err);
+	} else {
+		struct msg m;
+		msg_init(&m, MSG_GEN_DONE, j->corr);
+		m.gen_done.n_prompt = res.n_prompt;
+		m.gen_done.n_generated = res.n_generated;
+		m.gen_done.reason.p = (char *)res.reason;
+		m.gen_done.reason.len = (uint32_t)strlen(res.reason);
+		m.gen_done.prefill_ms = res.prefill_ms;
+		m.gen_done.decode_ms = res.decode_ms;
+		service_reply(r->svc, &j->peer, &m);
+		r->prompt_tokens += res.n_prompt;
+		r->tokens_generated += res.n_generated;
+		r->prefill_ms += res.prefill_ms;
+		r->decode_ms += res.decode_ms;
+		r->last_prefill_tok_s = res.prefill_ms > 0 ? res.n_prompt / (res.prefill_ms / 1e3) : 0;
+		r->last_decode_tok_s =
+			res.decode_ms > 0 && res.n_generated > 1 ? (res.n_generated - 1) / (res.decode_ms / 1e3) : 0;
+		log_info("request %llu: %u prompt tokens, %u generated (%s), prefill %.1f tok/s, decode %.1f tok/s",
+			 (unsigned long long)j->corr, res.n_prompt, res.n_generated, res.reason, r->last_prefill_tok_s,
+			 r->last_decode_tok_s);
+	}
+	r->current = NULL;
+}
+
+static int queue_generate(struct runner *r, const struct bus_peer *peer, const struct msg *req, char *errtext,
+			  size_t errlen)
+{
+	const struct msg_generate *g = &req->generate;
+	if (r->q_len == QUEUE_MAX) {
+		snprintf(errtext, errlen, "the runner has %d requests queued; try again later", QUEUE_MAX);
+		return -EBUSY;
+	}
+	if (g->tokens.n == 0) {
+		snprintf(errtext, errlen, "the prompt is empty: give at least one token");
+		return -EINVAL;
+	}
+	if (g->max_new > (1u << 24)) {
+		snprintf(errtext, errlen, "max_new %llu is too large", (unsigned long long)g->max_new);
+		return -EINVAL;
+	}
+	if (!isfinite(g->temperature) || g->temperature < 0 || !isfinite(g->top_p) || g->top_p < 0 || g->top_p > 1) {
+		snprintf(errtext, errlen, "temperature must be >= 0 and top_p in [0, 1]");
+		return -EINVAL;
+	}
+	for (uint32_t i = 0; i < g->tokens.n; i++) {
+		if (g->tokens.v[i] >= r->cfg.vocab_size) {
+			snprintf(errtext, errlen, "prompt token %u is %llu, outside the vocabulary of %u", i,
+				 (unsigned long long)g->tokens.v[i], r->cfg.vocab_size);
+			return -EINVAL;
+		}
+	}
+	struct job *j = &r->queue[(r->q_head + r->q_len) % QUEUE_MAX];
+	memset(j, 0, sizeof(*j));
+	j->peer = *peer;
+	j->corr = req->corr;
+	j->n_tokens = g->tokens.n;
+	j->tokens = malloc(sizeof(int32_t) * g->tokens.n);
+	j->stop = malloc(sizeof(int32_t) * (g->stop_ids.n + 1));
+	if (!j->tokens || !j->stop) {
+		job_free(j);
+		snprintf(errtext, errlen, "out of memory");
+		return -ENOMEM;
+	}
+	for (uint32_t i = 0; i < g->tokens.n; i++)
+		j->tokens[i] = (int32_t)g->tokens.v[i];
+	for (uint32_t i = 0; i < g->stop_ids.n; i++)
+		j->stop[i] = g->stop_ids.v[i] > INT32_MAX ? -1 : (int32_t)g->stop_ids.v[i];
+	j->params = (struct gen_params){
+		.max_new = (uint32_t)g->max_new,
+		.sampling = {.temperature = (float)g->temperature, .top_k = g->top_k > UINT32_MAX ? 0 : (uint32_t)g->top_k,
+			     .top_p = g->top_p == 0 ? 1.0f : (float)g->top_p, .seed = g->seed},
+		.stop_ids = j->stop,
+		.n_stop = g->stop_ids.n,
+	};
+	r->q_len++;
+	return 0;
+}
+
+static int handle(void *ctx, struct service *s, const struct bus_peer *peer, const struct msg *req, char *errtext,
+		  size_t errlen)
+{
+	struct runner *r = ctx;
+	if (req->type == MSG_GENERATE)
+		return queue_generate(r, peer, req, errtext, errlen);
+	snprintf(errtext, errlen, "gpu-runner does not handle %s", msg_type_name(req->type));
+	return -ENOTSUP;
+}
+
+static char *stats(void *ctx)
+{
+	struct runner *r = ctx;
+	struct kv_cache_stats ks = {0};
+	if (r->cache)
+		kv_cache_get_stats(r->cache, &ks);
+	struct weight_source *ws = r->ring ? ring_source_base(r->ring) : NULL;
+	json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:b, "
+			      "s:I}",
+			      "backend", r->ops->name, "requests", (json_int_t)r->requests, "failures",
+			      (json_int_t)r->failures, "prompt_tokens", (json_int_t)r->prompt_tokens,
+			      "tokens_generated", (json_int_t)r->tokens_generated, "prefill_ms", r->prefill_ms,
+			      "decode_ms", r->decode_ms, "last_prefill_tok_s", r->last_prefill_tok_s,
+			      "last_decode_tok_s", r->last_decode_tok_s, "weight_bytes_acquired",
+			      (json_int_t)(ws ? ws->bytes_acquired : 0), "weight_acquires",
+			      (json_int_t)(ws ? ws->acquires : 0), "kv_blocks_committed", (json_int_t)ks.committed,
+			      "kv_blocks_fetched", (json_int_t)ks.fetched, "kv_gpu_blocks", (json_int_t)r->bp.n_kv_blocks,
+			      "kv_block_bytes", (json_int_t)r->arena_block_bytes, "queued", (json_int_t)r->q_len,
+			      "weights_all_resident", r->ring ? ring_source_all_resident(r->ring) : 0, "max_context",
+			      (json_int_t)r->max_context);
+	char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+	json_decref(o);
+	return text;
+}
+
+static void hello(void *ctx, const struct msg *req, struct msg_hello_reply *rep)
+{
+	struct runner *r = ctx;
+	rep->manifest_hash = r->manifest_hash;
+}
+
+static const struct service_ops runner_ops = {.handle = handle, .stats = stats, .hello = hello};
+
+/* ---- start ---- */
+
+static int setup(struct runner *r)
+{
+	char err[1024];
+	r->ops = backend_find(r->backend_name);
+	if (!r->ops) {
+		if (!strcmp(r->backend_name, "cuda"))
+			log_error("the cuda backend is not built into this gpu-runner (built without nvcc, or not yet "
+				  "available); use --backend cpu");
+		else
+			log_error("unknown backend '%s' (cpu or cuda)", r->backend_name);
+		return -EINVAL;
+	}
+	if (r->block_tokens < 1 || r->block_tokens > 4096 || r->prefill_chunk < 1 || r->prefill_chunk > 65536 ||
+	    r->threads < 1 || r->threads > 1024 || r->max_context < 0 || r->timeout_ms < 100) {
+		log_error("--kv-block-tokens (1..4096), --prefill-chunk (1..65536), --threads (1..1024), --max-context "
+			  "(>= 0) or --timeout-ms (>= 100) out of range");
+		return -EINVAL;
+	}
+	r->zctx = zmq_ctx_new();
+	r->loader_c = rpc_client_create(r->zctx, r->run_dir, "ssd-loader", "gpu-runner");
+	r->kv_c = rpc_client_create(r->zctx, r->run_dir, "kv-store", "gpu-runner");
+	if (!r->zctx || !r->loader_c || !r->kv_c) {
+		log_error("cannot create sockets under %s: %s", r->run_dir, strerror(errno));
+		return -EIO;
+	}
+	log_info("waiting for ssd-loader");
+	int rc = connect_loader(r, CONNECT_TIMEOUT_MS, err, sizeof(err));
+	if (rc) {
+		log_error("%s", err);
+		return rc;
+	}
+	r->cfg = *ring_source_base(r->ring)->cfg;
+	r->manifest_hash = ring_source_manifest_hash(r->ring);
+	if (r->max_context == 0)
+		r->max_context = r->cfg.max_position < 8192 ? r->cfg.max_position : 8192;
+	if ((uint64_t)r->max_context > r->cfg.max_position) {
+		log_warn("--max-context %ld exceeds the model's max_position_embeddings %u; using %u", r->max_context,
+			 r->cfg.max_position, r->cfg.max_position);
+		r->max_context = r->cfg.max_position;
+	}
+	r->bp = (struct backend_params){.max_chunk = (uint32_t)r->prefill_chunk,
+					.block_tokens = (uint32_t)r->block_tokens,
+					.kv_dtype = DT_F32,
+					.threads = (uint32_t)r->threads};
+	r->arena_block_bytes = r->ops->kv_block_bytes(&r->cfg, &r->bp);
+	r->pool_block_bytes = ALIGN_UP((uint64_t)r->arena_block_bytes, 4096);
+	uint32_t per_layer = (uint32_t)((r->max_context + r->block_tokens - 1) / r->block_tokens);
+	uint64_t all = (uint64_t)per_layer * r->cfg.n_layers;
+	uint64_t fit = r->kv_gpu_budget / r->arena_block_bytes;
+	uint32_t need = kv_cache_min_blocks(r->cfg.n_layers, (uint32_t)r->block_tokens, (uint32_t)r->prefill_chunk);
+	if (fit < need && fit < all) {
+		char have[32], want[32];
+		log_error("--kv-gpu-budget %s holds %llu KV blocks of %zu bytes; at least %u blocks (%s) are needed",
+			  format_size(r->kv_gpu_budget, have, sizeof(have)), (unsigned long long)fit,
+			  r->arena_block_bytes, need, format_size((uint64_t)need * r->arena_block_bytes, want, sizeof(want)));
+		return -ENOSPC;
+	}
+	r->bp.n_kv_blocks = (uint32_t)(fit < all ? fit : all);
+	if (strcmp(r->ops->name, "cpu") == 0 && r->gpu_budget)
+		log_info("--gpu-budget is not used by the cpu backend: it computes from the weight ring in place");
+	rc = r->ops->create(&r->cfg, &r->bp, &r->be, err, sizeof(err));
+	if (rc) {
+		log_error("backend %s: %s", r->ops->name, err);
+		return rc;
+	}
+	struct kv_cache_params kp = {.n_layers = r->cfg.n_layers, .block_tokens = (uint32_t)r->block_tokens,
+				     .max_context = (uint32_t)r->max_context, .max_chunk = (uint32_t)r->prefill_chunk,
+				     .n_arena = r->bp.n_kv_blocks};
+	rc = kv_cache_create(&kp, r->ops, r->be, &kv_remote_ops_pool, &r->kv, &r->cache, err, sizeof(err));
+	if (rc) {
+		log_error("%s", err);
+		return rc;
+	}
+	log_info("waiting for kv-store");
+	rc = connect_kv(r, CONNECT_TIMEOUT_MS, err, sizeof(err));
+	if (rc) {
+		log_error("%s", err);
+		return rc;
+	}
+	rc = engine_create(&r->cfg, r->ops, r->be, ring_source_base(r->ring), r->cache, r->bp.max_chunk, &r->engine,
+			   err, sizeof(err));
+	if (rc) {
+		log_error("%s", err);
+		return rc;
+	}
+	log_info("backend %s, %u layers, KV arena %u blocks of %zu bytes (%ld tokens each), context %ld", r->ops->name,
+		 r->cfg.n_layers, r->bp.n_kv_blocks, r->arena_block_bytes, r->block_tokens, r->max_context);
+	return 0;
+}
+
+static void teardown(struct runner *r)
+{
+	engine_destroy(&r->engine);
+	kv_cache_destroy(&r->cache);
+	if (r->ops && r->be)
+		r->ops->destroy(&r->be);
+	kv_remote_disconnect(&r->kv);
+	ring_source_destroy(&r->ring);
+	rpc_client_destroy(&r->loader_c);
+	rpc_client_destroy(&r->kv_c);
+	if (r->zctx)
+		zmq_ctx_term(r->zctx);
+	for (uint32_t i = 0; i < r->q_len; i++)
+		job_free(&r->queue[(r->q_head + i) % QUEUE_MAX]);
+	service_destroy(&r->svc);
+}
+
+int main(int argc, char **argv)
+{
+	struct runner r = {0};
+	char default_run_dir[256];
+	const struct opt opts[] = {
+		{"instance", OPT_STRING, &r.instance, "default", "instance name (shared-memory names, run directory)"},
+		{"run-dir", OPT_STRING, &r.run_dir, NULL, "run directory with the sockets (default /tmp/llmp-UID/INSTANCE)"},
+		{"backend", OPT_STRING, &r.backend_name, backend_default_name(), "compute backend: cpu or cuda"},
+		{"gpu-budget", OPT_SIZE, &r.gpu_budget, "0", "GPU memory for weights (cuda backend)"},
+		{"kv-gpu-budget", OPT_SIZE, &r.kv_gpu_budget, "1GiB", "memory for the runner's KV blocks"},
+		{"kv-block-tokens", OPT_INT, &r.block_tokens, "16", "tokens per KV block"},
+		{"max-context", OPT_INT, &r.max_context, "0", "positions per sequence (0: min(model, 8192))"},
+		{"prefill-chunk", OPT_INT, &r.prefill_chunk, "256", "most prompt tokens per forward step"},
+		{"threads", OPT_INT, &r.threads, "1", "CPU threads of the cpu backend"},
+		{"timeout-ms", OPT_INT, &r.timeout_ms, "60000", "how long to wait for a reply from another service"},
+		{"log-level", OPT_STRING, &r.log_level, "info", "debug, info, warn or error"},
+		{0},
+	};
+	int rc = config_parse("gpu-runner",
+			      "Computes the model: takes weights from the ssd-loader's ring, keeps KV in its arena and the "
+			      "kv-store, serves generate requests.",
+			      opts, argc, argv, NULL, NULL);
+	if (rc > 0)
+		return 0;
+	if (rc < 0)
+		return 2;
+	log_init("gpu-runner");
+	enum log_level lv;
+	if (log_parse_level(r.log_level, &lv) != 0) {
+		fprintf(stderr, "gpu-runner: --log-level '%s' is not debug, info, warn or error\n", r.log_level);
+		return 2;
+	}
+	log_set_level(lv);
+	if (!r.run_dir) {
+		if (run_dir_default(r.instance, default_run_dir, sizeof(default_run_dir)) != 0) {
+			fprintf(stderr, "gpu-runner: run directory path too long\n");
+			return 2;
+		}
+		r.run_dir = default_run_dir;
+	}
+	if (run_dir_prepare(r.run_dir) != 0)
+		return 1;
+	rc = setup(&r);
+	if (rc == 0) {
+		r.svc = service_create("gpu-runner", r.run_dir, &runner_ops, &r);
+		if (!r.svc)
+			rc = -EIO;
+	}
+	if (rc) {
+		teardown(&r);
+		return 1;
+	}
+	while (service_poll_once(r.svc, r.q_len ? 0 : 100) == 0) {
+		if (!r.q_len)
+			continue;
+		struct job *j = &r.queue[r.q_head];
+		run_job(&r, j);
+		job_free(j);
+		r.q_head = (r.q_head + 1) % QUEUE_MAX;
+		r.q_len--;
+	}
+	log_info("stopping");
+	teardown(&r);
+	return 0;
+}

@@ -1,0 +1,60 @@
+/* weights.h - where the engine gets a group's weights from.
+ *
+ * The engine calls acquire(g) right before it computes group g and release(g) right after.
+ * Two sources exist:
+ *  - the weight ring (weights_ring.c): the ssd-loader's shared-memory ring, through
+ *    MSG_W_ACQUIRE/GRANT/RELEASE; when every group is resident they are all acquired once
+ *    and per-token calls cost no message at all; otherwise releases are batched into the
+ *    next acquire so a token costs one round trip per streamed group.
+ *  - memory (tools/run-local): the whole checkpoint read into memory, for the in-process
+ *    oracle that integration tests compare the services against.
+ *
+ *   struct group_weights w;
+ *   rc = src->ops->acquire(src, g, &w);  ... compute ...;  src->ops->release(src, g);
+ */
+#ifndef GPU_RUNNER_WEIGHTS_H
+#define GPU_RUNNER_WEIGHTS_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/model.h"
+#include "services/gpu-runner/backend.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct weight_source;
+
+struct weight_source_ops {
+	/* Makes group g readable and fills w with pointers to its tensors (for the head group
+	 * with tied embeddings, t[ROLE_LM_HEAD] points at the embedding table, which the source
+	 * keeps available too). Blocks until the group is there. Returns 0 or -errno with a
+	 * message in the source (weight_source_error). */
+	int (*acquire)(struct weight_source *s, uint32_t group, struct group_weights *w);
+	/* The engine is done with group g for now. Returns 0 or -errno. */
+	int (*release)(struct weight_source *s, uint32_t group);
+	/* Hands every group back (end of a request, or before a reconnect). */
+	int (*release_all)(struct weight_source *s);
+};
+
+/* The common part of every source; implementations embed it first. */
+struct weight_source {
+	const struct weight_source_ops *ops;
+	const struct model_config *cfg;
+	const struct tensor_desc *tensors;
+	const struct group_desc *groups;
+	uint32_t n_tensors, n_groups;
+	uint64_t bytes_acquired; /* tensor bytes handed to the engine (what crosses to the device) */
+	uint64_t acquires;
+	char error[512];
+};
+
+/* Fills w from a group's base address (its slot data) using the tensor table. lm_head of
+ * the tied head group resolves through embed_base. */
+void weights_fill(const struct weight_source *s, uint32_t group, const void *base, const void *embed_base,
+		  struct group_weights *w);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

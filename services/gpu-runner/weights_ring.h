@@ -1,0 +1,46 @@
+/* weights_ring.h - the weight source over the ssd-loader's shared-memory ring.
+ *
+ *   struct ring_source *rs;
+ *   rc = ring_source_create(loader_client, &hello_reply, timeout_ms, &rs, err, sizeof(err));
+ *   struct weight_source *ws = ring_source_base(rs);   // give it to the engine
+ *   if (!ring_source_owner_alive(rs)) ... the loader restarted: destroy and create again
+ *   ring_source_destroy(&rs);
+ *
+ * At creation it maps the ring, copies and checks the loader's tables (config, tensors,
+ * groups: another process wrote them, so nothing is trusted unchecked), and acquires the
+ * groups it keeps for good: all of them when the loader holds the whole model, else the
+ * globals (embed and head). Streamed groups are acquired one at a time; a release is held
+ * back and sent with the next acquire, so a streamed group costs one round trip.
+ */
+#ifndef GPU_RUNNER_WEIGHTS_RING_H
+#define GPU_RUNNER_WEIGHTS_RING_H
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "common/bus.h"
+#include "services/gpu-runner/weights.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct ring_source;
+
+/* Borrows loader (it must outlive the source). hello is the loader's HELLO reply.
+ * Returns 0 or -errno with err set. */
+int ring_source_create(struct rpc_client *loader, const struct msg_hello_reply *hello, int timeout_ms,
+		       struct ring_source **out, char *err, size_t errlen);
+/* Releases every grant (best effort) and unmaps. Safe on NULL; NULLs *rs. */
+void ring_source_destroy(struct ring_source **rs);
+
+struct weight_source *ring_source_base(struct ring_source *rs);
+/* Is the process that laid out the ring still its live owner? */
+bool ring_source_owner_alive(const struct ring_source *rs);
+uint64_t ring_source_manifest_hash(const struct ring_source *rs);
+bool ring_source_all_resident(const struct ring_source *rs);
+/* Counts a computed token in the ring header (for inspection). */
+void ring_source_count_token(struct ring_source *rs);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,254 @@
+/* run-local: runs a checkpoint in one process, without any service: the whole model read
+ * into memory, the same engine, backend and sampler as the gpu-runner, the KV cache held
+ * entirely in the backend's arena. It is the oracle the integration tests compare the
+ * services with, and a quick way to try a model.
+ *
+ *   run-local --model DIR --tokens 1,2,3 -n 16 [--temperature T --top-k K --top-p P --seed S]
+ *
+ * Prints the generated ids on one line, separated by spaces (as `pipectl generate` does). */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/config.h"
+#include "common/log.h"
+#include "common/manifest.h"
+#include "common/util.h"
+#include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/engine.h"
+#include "services/gpu-runner/generate.h"
+#include "services/gpu-runner/kv_cache.h"
+#include "services/gpu-runner/weights.h"
+
+/* The whole checkpoint in memory, each group laid out as its slot would be in the ring. */
+struct memory_source {
+	struct weight_source base;
+	void **group_data; /* n_groups */
+};
+
+static int mem_acquire(struct weight_source *ws, uint32_t group, struct group_weights *w)
+{
+	struct memory_source *ms = (struct memory_source *)ws;
+	ws->bytes_acquired += ws->groups[group].tensor_bytes;
+	ws->acquires++;
+	weights_fill(ws, group, ms->group_data[group], ms->group_data[group_id_embed()], w);
+	return 0;
+}
+
+static int mem_release(struct weight_source *ws, uint32_t group)
+{
+	return 0;
+}
+
+static const struct weight_source_ops mem_ops = {.acquire = mem_acquire, .release = mem_release,
+						 .release_all = NULL};
+
+static int load_groups(const struct manifest *m, struct memory_source *ms)
+{
+	ms->group_data = calloc(m->n_groups, sizeof(void *));
+	if (!ms->group_data)
+		return -ENOMEM;
+	int fds[256];
+	if (m->n_files > 256) {
+		fprintf(stderr, "run-local: more than 256 files\n");
+		return -EINVAL;
+	}
+	for (uint32_t i = 0; i < m->n_files; i++) {
+		fds[i] = open(m->files[i].path, O_RDONLY | O_CLOEXEC);
+		if (fds[i] < 0) {
+			fprintf(stderr, "run-local: cannot open %s: %s\n", m->files[i].path, strerror(errno));
+			return -errno;
+		}
+	}
+	int rc = 0;
+	for (uint32_t g = 0; g < m->n_groups && !rc; g++) {
+		const struct group_desc *gd = &m->groups[g];
+		ms->group_data[g] = aligned_alloc(MANIFEST_ALIGN, ALIGN_UP(gd->slot_bytes, MANIFEST_ALIGN) + MANIFEST_ALIGN);
+		if (!ms->group_data[g]) {
+			rc = -ENOMEM;
+			break;
+		}
+		for (uint32_t e = 0; e < gd->n_extents; e++) {
+			const struct read_extent *x = &m->extents[gd->first_extent + e];
+			char *dst = (char *)ms->group_data[g] + x->slot_offset;
+			uint64_t done = 0;
+			while (done < x->length) {
+				ssize_t n = pread(fds[x->file_index], dst + done, x->length - done,
+						  (off_t)(x->file_offset + done));
+				if (n < 0) {
+					fprintf(stderr, "run-local: reading %s: %s\n", m->files[x->file_index].path,
+						strerror(errno));
+					rc = -EIO;
+					break;
+				}
+				if (n == 0)
+					break; /* end of file: the extent's tail lies past it */
+				done += (uint64_t)n;
+			}
+		}
+	}
+	for (uint32_t i = 0; i < m->n_files; i++)
+		close(fds[i]);
+	return rc;
+}
+
+/* Parses "1,2,3" into a fresh array. */
+static int parse_ids(const char *text, int32_t **out, uint32_t *n)
+{
+	uint32_t cap = 16, k = 0;
+	int32_t *v = malloc(cap * sizeof(int32_t));
+	const char *p = text;
+	while (v && *p) {
+		char *end;
+		errno = 0;
+		long x = strtol(p, &end, 10);
+		if (end == p || errno || x < 0 || x > INT32_MAX || (*end && *end != ',')) {
+			free(v);
+			return -EINVAL;
+		}
+		if (k == cap) {
+			cap *= 2;
+			int32_t *nv = realloc(v, cap * sizeof(int32_t));
+			if (!nv) {
+				free(v);
+				return -ENOMEM;
+			}
+			v = nv;
+		}
+		v[k++] = (int32_t)x;
+		p = *end ? end + 1 : end;
+	}
+	if (!v)
+		return -ENOMEM;
+	*out = v;
+	*n = k;
+	return 0;
+}
+
+static int print_token(void *ctx, uint32_t index, int32_t token)
+{
+	printf(index ? " %d" : "%d", token);
+	fflush(stdout);
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	const char *model = NULL, *tokens_text = NULL, *stop_text = NULL, *backend_name = "cpu";
+	long max_new = 16, top_k = 0, threads = 1, block_tokens = 16, chunk = 256, seed = 0;
+	double temperature = 0, top_p = 1;
+	bool stats = false;
+	const struct opt opts[] = {
+		{"model", OPT_STRING, &model, NULL, "checkpoint directory (required)"},
+		{"tokens", OPT_STRING, &tokens_text, NULL, "prompt token ids, comma separated (required)"},
+		{"max-new", OPT_INT, &max_new, "16", "tokens to generate (also -n)"},
+		{"temperature", OPT_DOUBLE, &temperature, "0", "sampling temperature; 0 is greedy"},
+		{"top-k", OPT_INT, &top_k, "0", "keep the k most likely tokens; 0 is off"},
+		{"top-p", OPT_DOUBLE, &top_p, "1", "keep the most likely tokens up to this mass; 1 is off"},
+		{"seed", OPT_INT, &seed, "0", "sampling seed"},
+		{"stop-ids", OPT_STRING, &stop_text, NULL, "extra stop token ids, comma separated"},
+		{"backend", OPT_STRING, &backend_name, "cpu", "compute backend"},
+		{"threads", OPT_INT, &threads, "1", "CPU threads of the cpu backend"},
+		{"kv-block-tokens", OPT_INT, &block_tokens, "16", "tokens per KV block"},
+		{"prefill-chunk", OPT_INT, &chunk, "256", "most prompt tokens per forward step"},
+		{"stats", OPT_BOOL, &stats, NULL, "print timings on stderr"},
+		{0},
+	};
+	/* "-n N" is the short form of --max-new. */
+	for (int i = 1; i < argc; i++)
+		if (!strcmp(argv[i], "-n"))
+			argv[i] = "--max-new";
+	int rc = config_parse("run-local",
+			      "Runs a checkpoint in one process without services (the oracle of the integration tests).",
+			      opts, argc, argv, NULL, NULL);
+	if (rc > 0)
+		return 0;
+	if (rc < 0)
+		return 2;
+	log_init("run-local");
+	if (!model || !tokens_text) {
+		fprintf(stderr, "run-local: --model and --tokens are required (see --help)\n");
+		return 2;
+	}
+	if (max_new < 0 || top_k < 0 || threads < 1 || block_tokens < 1 || chunk < 1) {
+		fprintf(stderr, "run-local: -n, --top-k, --threads, --kv-block-tokens, --prefill-chunk out of range\n");
+		return 2;
+	}
+	int32_t *prompt = NULL, *stop = NULL;
+	uint32_t n_prompt = 0, n_stop = 0;
+	if (parse_ids(tokens_text, &prompt, &n_prompt) != 0 || n_prompt == 0 ||
+	    (stop_text && parse_ids(stop_text, &stop, &n_stop) != 0)) {
+		fprintf(stderr, "run-local: token lists are non-negative integers separated by commas\n");
+		return 2;
+	}
+	const struct backend_ops *ops = backend_find(backend_name);
+	if (!ops) {
+		fprintf(stderr, "run-local: backend '%s' is not built in\n", backend_name);
+		return 2;
+	}
+	char err[1024];
+	struct manifest *m = NULL;
+	struct memory_source ms = {0};
+	struct backend *be = NULL;
+	struct kv_cache *kv = NULL;
+	struct engine *e = NULL;
+	rc = manifest_load(model, &m, err, sizeof(err));
+	if (rc) {
+		fprintf(stderr, "run-local: %s\n", err);
+		return 1;
+	}
+	if ((rc = load_groups(m, &ms)) != 0)
+		goto out;
+	ms.base = (struct weight_source){.ops = &mem_ops, .cfg = &m->cfg, .tensors = m->tensors, .groups = m->groups,
+					 .n_tensors = m->n_tensors, .n_groups = m->n_groups};
+	uint32_t max_context = n_prompt + (uint32_t)max_new + 1;
+	uint32_t per_layer = (max_context + (uint32_t)block_tokens - 1) / (uint32_t)block_tokens + 1;
+	struct backend_params bp = {.max_chunk = (uint32_t)chunk, .block_tokens = (uint32_t)block_tokens,
+				    .n_kv_blocks = per_layer * m->cfg.n_layers, .kv_dtype = DT_F32,
+				    .threads = (uint32_t)threads};
+	rc = ops->create(&m->cfg, &bp, &be, err, sizeof(err));
+	if (rc) {
+		fprintf(stderr, "run-local: backend: %s\n", err);
+		goto out;
+	}
+	struct kv_cache_params kp = {.n_layers = m->cfg.n_layers, .block_tokens = bp.block_tokens,
+				     .max_context = max_context, .max_chunk = bp.max_chunk, .n_arena = bp.n_kv_blocks};
+	rc = kv_cache_create(&kp, ops, be, NULL, NULL, &kv, err, sizeof(err));
+	if (rc == 0)
+		rc = engine_create(&m->cfg, ops, be, &ms.base, kv, bp.max_chunk, &e, err, sizeof(err));
+	if (rc) {
+		fprintf(stderr, "run-local: %s\n", err);
+		goto out;
+	}
+	struct gen_params gp = {.max_new = (uint32_t)max_new,
+				.sampling = {.temperature = (float)temperature, .top_k = (uint32_t)top_k,
+					     .top_p = (float)top_p, .seed = (uint64_t)seed},
+				.stop_ids = stop,
+				.n_stop = n_stop};
+	struct gen_result res;
+	rc = generate_run(e, prompt, n_prompt, max_context, &gp, print_token, NULL, &res, err, sizeof(err));
+	printf("\n");
+	if (rc) {
+		fprintf(stderr, "run-local: %s\n", err);
+		goto out;
+	}
+	if (stats)
+		fprintf(stderr, "run-local: %u prompt tokens, %u generated (%s); prefill %.1f ms, decode %.1f ms\n",
+			res.n_prompt, res.n_generated, res.reason, res.prefill_ms, res.decode_ms);
+out:
+	engine_destroy(&e);
+	kv_cache_destroy(&kv);
+	if (be)
+		ops->destroy(&be);
+	if (ms.group_data)
+		for (uint32_t g = 0; g < m->n_groups; g++)
+			free(ms.group_data[g]);
+	free(ms.group_data);
+	manifest_destroy(&m);
+	free(prompt);
+	free(stop);
+	return rc ? 1 : 0;
+}
