@@ -5,6 +5,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include "common/log.h"
@@ -28,6 +31,24 @@ static int set_common(void *s)
 	return 0;
 }
 
+/* ZeroMQ unlinks whatever file sits at an ipc path before it binds, so a second process
+ * binding the same endpoint would silently take it over from a live one (and remove it on
+ * exit). A file left by a dead process refuses connections and may be replaced; a live
+ * listener may not. */
+static bool ipc_in_use(const char *endpoint)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	if (!str_has_prefix(endpoint, "ipc://") || str_copy(sa.sun_path, sizeof(sa.sun_path), endpoint + 6) != 0)
+		return false; /* not ipc, or too long: zmq_bind reports it */
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return false;
+	/* non-blocking: a listener with a full backlog answers EAGAIN instead of making us wait */
+	bool live = connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 || errno == EAGAIN;
+	close(fd);
+	return live;
+}
+
 static void *bind_socket(void *ctx, int type, const char *endpoint)
 {
 	void *s = zmq_socket(ctx, type);
@@ -44,6 +65,12 @@ static void *bind_socket(void *ctx, int type, const char *endpoint)
 	if (type == ZMQ_PUB) {
 		int hwm = 1000;
 		zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+	}
+	if (ipc_in_use(endpoint)) {
+		log_error("cannot bind %s: a live process listens there (another instance of this service?)",
+			  endpoint);
+		errno = EADDRINUSE;
+		goto out_close;
 	}
 	if (zmq_bind(s, endpoint) != 0) {
 		log_error("cannot bind %s: %s", endpoint, zmq_strerror(errno));
@@ -134,10 +161,12 @@ int bus_recv_request(void *router, struct bus_peer *peer, struct msg *req, uint6
 	if (corr_out)
 		*corr_out = 0;
 	peer->id_len = 0;
+	memset(req, 0, sizeof(*req));
 	zmq_msg_init(&id);
 	if (zmq_msg_recv(&id, router, ZMQ_DONTWAIT) < 0) {
 		rc = -errno;
 		zmq_msg_close(&id);
+		snprintf(err, errlen, "receiving a request: %s", zmq_strerror(-rc));
 		return rc;
 	}
 	size_t idn = zmq_msg_size(&id);
@@ -155,6 +184,7 @@ int bus_recv_request(void *router, struct bus_peer *peer, struct msg *req, uint6
 	if (zmq_msg_recv(&body, router, 0) < 0) {
 		rc = -errno;
 		zmq_msg_close(&body);
+		snprintf(err, errlen, "receiving the body of a request: %s", zmq_strerror(-rc));
 		return rc == -EAGAIN ? -EBADMSG : rc;
 	}
 	if (zmq_msg_more(&body)) {
@@ -213,6 +243,7 @@ int bus_send(void *sock, const struct msg *m, int flags)
 
 int bus_recv(void *sock, struct msg *m, int timeout_ms, char *err, size_t errlen)
 {
+	memset(m, 0, sizeof(*m)); /* whatever happens, msg_free(m) is safe */
 	zmq_pollitem_t item = {.socket = sock, .events = ZMQ_POLLIN};
 	int n = zmq_poll(&item, 1, timeout_ms);
 	if (n < 0)
@@ -335,6 +366,7 @@ int rpc_send(struct rpc_client *c, struct msg *req, uint64_t *corr)
 int rpc_wait(struct rpc_client *c, uint64_t corr, struct msg *reply, int timeout_ms)
 {
 	uint64_t deadline = now_ns() + (uint64_t)(timeout_ms < 0 ? 0 : timeout_ms) * 1000000ull;
+	memset(reply, 0, sizeof(*reply)); /* msg_free(reply) is safe after any return */
 	for (;;) {
 		int left = -1;
 		if (timeout_ms >= 0) {
@@ -366,6 +398,7 @@ int rpc_wait(struct rpc_client *c, uint64_t corr, struct msg *reply, int timeout
 int rpc_call(struct rpc_client *c, struct msg *req, struct msg *reply, int timeout_ms)
 {
 	uint64_t corr;
+	memset(reply, 0, sizeof(*reply)); /* msg_free(reply) is safe after any return */
 	int rc = rpc_send(c, req, &corr);
 	if (rc)
 		return rc;
@@ -392,7 +425,10 @@ int rpc_wait_ready(struct rpc_client *c, struct msg *reply, int deadline_ms)
 	uint64_t deadline = now_ns() + (uint64_t)deadline_ms * 1000000ull;
 	int wait = 100;
 	for (;;) {
-		int rc = rpc_hello(c, reply, wait);
+		/* No try waits past the deadline. */
+		uint64_t now = now_ns();
+		int left = now >= deadline ? 0 : (int)((deadline - now) / 1000000ull);
+		int rc = rpc_hello(c, reply, wait < left ? wait : left);
 		if (rc == 0 || rc == -EREMOTEIO)
 			return rc;
 		if (now_ns() >= deadline)

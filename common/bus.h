@@ -38,7 +38,9 @@ struct bus_peer {
  * (an ipc path must fit in 107 bytes). */
 int bus_endpoint(const char *run_dir, const char *service, const char *suffix, char *buf, size_t len);
 
-/* Binds a ROUTER or PUB socket. Returns the socket or NULL (errno set; message logged). */
+/* Binds a ROUTER or PUB socket. Returns the socket or NULL (errno set; message logged).
+ * An ipc endpoint where a live process listens is refused with EADDRINUSE (ZeroMQ alone
+ * would take the path over); a socket file left by a dead process is replaced. */
 void *bus_bind_router(void *ctx, const char *endpoint);
 void *bus_bind_pub(void *ctx, const char *endpoint);
 /* Connects a SUB socket subscribed to everything. */
@@ -49,7 +51,9 @@ void *bus_connect_sub(void *ctx, const char *endpoint);
  * -EBADMSG/-ENOMSG/-EPROTONOSUPPORT with err set and peer filled when the bytes were not a
  * valid message (reply with bus_reply_error and keep serving); *corr_out (may be NULL)
  * receives the correlation id if one could be read, else 0. Frames other than
- * [identity][payload] are drained and reported as -EBADMSG. */
+ * [identity][payload] are drained and reported as -EBADMSG. Any other -errno comes from the
+ * socket (peer->id_len is 0 when not even the identity frame arrived). On every failure err
+ * says what happened and req holds nothing to free. */
 int bus_recv_request(void *router, struct bus_peer *peer, struct msg *req, uint64_t *corr_out, char *err,
 		     size_t errlen);
 
@@ -64,7 +68,8 @@ int bus_publish(void *pub, const struct msg *m);
 /* Sends m on a DEALER/PUB-style socket with no routing frame. Returns 0 or -errno. */
 int bus_send(void *sock, const struct msg *m, int flags);
 /* Receives one message on a DEALER/SUB with no routing frame, waiting up to timeout_ms (-1:
- * forever). Returns 0, -ETIMEDOUT, -EBADMSG (err set), -EINTR. */
+ * forever). Returns 0, -ETIMEDOUT, -EBADMSG (err set), -EINTR. m is zeroed first, so
+ * msg_free(m) is safe after any return. */
 int bus_recv(void *sock, struct msg *m, int timeout_ms, char *err, size_t errlen);
 
 /* ---- request/reply client over a DEALER ---- */
@@ -80,7 +85,8 @@ void rpc_client_destroy(struct rpc_client **c);
 /* Sends req (its corr is replaced by a fresh id) and waits up to timeout_ms for the reply
  * with that id, discarding stale replies. Returns 0 with reply filled (msg_free it);
  * -EREMOTEIO when the reply is MSG_ERROR (reply holds it: code and text); -ETIMEDOUT;
- * -EBADMSG when the reply could not be decoded; -errno from the socket. */
+ * -EBADMSG when the reply could not be decoded; -errno from the socket. After any return
+ * msg_free(reply) is safe (reply is zeroed first), as the example above does. */
 int rpc_call(struct rpc_client *c, struct msg *req, struct msg *reply, int timeout_ms);
 
 /* Sends req with a fresh id without waiting; returns the id through *corr. Then
@@ -96,7 +102,8 @@ int rpc_client_reset(struct rpc_client *c);
 int rpc_hello(struct rpc_client *c, struct msg *reply, int timeout_ms);
 
 /* Retries HELLO until it succeeds or deadline_ms passes; resets the socket between tries.
- * Returns 0 or -ETIMEDOUT. */
+ * Returns 0; -EREMOTEIO when the service answered HELLO with MSG_ERROR (another protocol
+ * version, say: retrying cannot help; reply holds the error); or -ETIMEDOUT. */
 int rpc_wait_ready(struct rpc_client *c, struct msg *reply, int deadline_ms);
 
 /* The underlying DEALER (to poll it) and the service name. */

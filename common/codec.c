@@ -93,7 +93,7 @@ static const struct field_desc f_kv_blocks[] = {
 static const struct field_desc f_kv_commit[] = {
 	FLD(1, F_U64_ARRAY, REQ, 1u << 20, kv_commit.handles),
 	FLD(2, F_U64_ARRAY, OPT, 1u << 20, kv_commit.keys),
-	FLD(3, F_BYTES, OPT, 1u << 22, kv_commit.events),
+	FLD(3, F_BYTES, OPT, PROTO_MAX_STR, kv_commit.events),
 };
 static const struct field_desc f_kv_handles[] = {
 	FLD(1, F_U64_ARRAY, REQ, 1u << 20, kv_handles.handles),
@@ -226,7 +226,8 @@ int msg_encode(const struct msg *m, void **buf, size_t *len)
 		rc = -EINVAL;
 	if (rc) {
 		msgpack_sbuffer_destroy(&sb);
-		return rc < 0 ? rc : -ENOMEM;
+		/* pack_field says -EINVAL; msgpack-c says -1 when the buffer cannot grow. */
+		return rc == -EINVAL ? rc : -ENOMEM;
 	}
 	*len = sb.size;
 	*buf = msgpack_sbuffer_release(&sb);

@@ -53,8 +53,11 @@ int run_dir_default(const char *instance, char *buf, size_t len)
 int run_dir_prepare(const char *dir)
 {
 	char path[512];
-	if (str_copy(path, sizeof(path), dir) != 0)
+	if (str_copy(path, sizeof(path), dir) != 0) {
+		log_error("run directory path too long (%zu bytes, at most %zu): %.64s...", strlen(dir),
+			  sizeof(path) - 1, dir);
 		return -ENAMETOOLONG;
+	}
 	/* Parents: plain mkdir, keeping what exists. */
 	for (char *p = path + 1; *p; p++) {
 		if (*p != '/')
@@ -294,6 +297,10 @@ static void drain_router(struct service *s)
 		int rc = bus_recv_request(s->router, &peer, &req, &corr, err, sizeof(err));
 		if (rc == -EAGAIN || rc == -EINTR)
 			return;
+		if (rc && !peer.id_len) { /* the socket failed, not a client: nobody to answer */
+			log_warn("receiving on %s.ctl failed: %s", s->name, err);
+			return;
+		}
 		if (rc) {
 			log_warn("rejected a request: %s", err);
 			if (peer.id_len)

@@ -1,7 +1,9 @@
 #include "common/util.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,7 +20,8 @@ int parse_size(const char *text, uint64_t *out)
 	errno = 0;
 	char *end = NULL;
 	double v = strtod(text, &end);
-	if (errno || end == text || !(v >= 0) || isinf(v))
+	/* "inf" and "nan" are not sizes; a number too large for a double ("1e400") is out of range. */
+	if (end == text || !(v >= 0) || (isinf(v) && errno != ERANGE))
 		return -EINVAL;
 	while (*end == ' ')
 		end++;
@@ -34,7 +37,7 @@ int parse_size(const char *text, uint64_t *out)
 	for (size_t i = 0; i < ARRAY_SIZE(units); i++) {
 		if (strcasecmp(end, units[i].suffix) == 0) {
 			double bytes = v * units[i].mult;
-			if (bytes >= 9.2e18)
+			if (!(bytes < 0x1p63)) /* 2^63 is exact in a double; below it the cast cannot overflow */
 				return -ERANGE;
 			*out = (uint64_t)(bytes + 0.5);
 			return 0;
@@ -81,9 +84,10 @@ uint64_t fnv1a64(uint64_t h, const void *data, size_t len)
 	return h;
 }
 
-/* Slicing-by-8 CRC-32C tables, built once. */
+/* Slicing-by-8 CRC-32C tables, built once (pthread_once: two threads filling the tables at
+ * the same time while a third reads them would be a data race, even writing equal values). */
 static uint32_t crc_table[8][256];
-static int crc_ready;
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
 
 static void crc_init(void)
 {
@@ -96,13 +100,13 @@ static void crc_init(void)
 	for (uint32_t i = 0; i < 256; i++)
 		for (int t = 1; t < 8; t++)
 			crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xff];
-	__atomic_store_n(&crc_ready, 1, __ATOMIC_RELEASE);
 }
 
 uint32_t crc32c(uint32_t crc, const void *data, size_t len)
 {
-	if (!__atomic_load_n(&crc_ready, __ATOMIC_ACQUIRE))
-		crc_init(); /* idempotent: two racing threads write the same tables */
+	int rc = pthread_once(&crc_once, crc_init);
+	assert(rc == 0);
+	(void)rc;
 	const unsigned char *p = data;
 	crc = ~crc;
 	while (len && ((uintptr_t)p & 7)) {
@@ -146,6 +150,7 @@ int str_has_prefix(const char *s, const char *prefix)
 
 int str_copy(char *dst, size_t len, const char *src)
 {
+	assert(len > 0); /* no room even for the NUL: a caller's mistake */
 	size_t n = strlen(src);
 	if (n >= len) {
 		memcpy(dst, src, len - 1);
