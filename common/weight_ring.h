@@ -80,6 +80,8 @@ struct wring_header {
 		_Atomic uint64_t grants;
 		_Atomic uint64_t releases;
 		_Atomic uint64_t waits;		/* acquires that had to wait for a read */
+		_Atomic uint64_t position;	/* group id the loader reads ahead of: the first group of
+						 * the latest acquire (added in layout 1, was padding) */
 	} loader;
 	/* Written by the runner only. */
 	alignas(64) struct {

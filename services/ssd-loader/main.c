@@ -1,0 +1,254 @@
+/* ssd-loader - reads a Hugging Face safetensors checkpoint into the weight ring in shared
+ * memory and lends its slots to the gpu-runner (MSG_W_ACQUIRE / MSG_W_GRANT / MSG_W_RELEASE).
+ *
+ *   ssd-loader --model /models/llama-3.1-8b --dram-budget 24GiB [--instance NAME] [--run-dir DIR]
+ *
+ * Start: the manifest (config.json and the safetensors headers), the plan (plan.h), the ring
+ * (ring.h, shared-memory object "weights" of the instance), then the service loop, which
+ * answers HELLO at once while the reads run on io_uring in the background. Exit: the ring is
+ * unlinked whatever the reason (a restarted loader lays it out anew; a runner keeps its old
+ * mapping until it attaches again). Never touches CUDA. */
+#include <assert.h>
+#include <errno.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/config.h"
+#include "common/log.h"
+#include "common/manifest.h"
+#include "common/service.h"
+#include "common/shm.h"
+#include "common/util.h"
+#include "common/weight_ring.h"
+#include "services/ssd-loader/loader.h"
+#include "services/ssd-loader/plan.h"
+#include "services/ssd-loader/reader.h"
+#include "services/ssd-loader/ring.h"
+
+#define SERVICE_NAME "ssd-loader"
+
+struct app {
+	struct service *svc;
+	struct loader *loader;
+	struct shm_object *ring;
+	const struct manifest *m;
+};
+
+static int send_grant(void *ctx, const struct bus_peer *peer, uint64_t corr, const struct msg_w_grant *g)
+{
+	struct app *a = ctx;
+	struct msg m;
+	msg_init(&m, MSG_W_GRANT, corr);
+	m.w_grant = *g;
+	return service_reply(a->svc, peer, &m);
+}
+
+static void send_fail(void *ctx, const struct bus_peer *peer, uint64_t corr, int code, const char *text)
+{
+	struct app *a = ctx;
+	service_reply_error(a->svc, peer, corr, code, text);
+}
+
+static int on_request(void *ctx, struct service *s, const struct bus_peer *peer, const struct msg *req, char *errtext,
+		      size_t errlen)
+{
+	struct app *a = ctx;
+	struct msg ok;
+	int rc;
+	switch (req->type) {
+	case MSG_W_ACQUIRE: {
+		const struct msg_w_acquire *q = &req->w_acquire;
+		rc = loader_acquire(a->loader, peer, req->corr, q->groups.v, q->groups.n, q->release.v, q->release.n,
+				    errtext, errlen);
+		if (rc)
+			return rc;
+		/* Grants answer the groups; an acquire of none (releases only) still gets a reply. */
+		if (q->groups.n == 0) {
+			msg_init(&ok, MSG_OK, req->corr);
+			service_reply(s, peer, &ok);
+		}
+		return 0;
+	}
+	case MSG_W_RELEASE:
+		rc = loader_release(a->loader, req->w_release.groups.v, req->w_release.groups.n, errtext, errlen);
+		if (rc)
+			return rc;
+		msg_init(&ok, MSG_OK, req->corr);
+		service_reply(s, peer, &ok);
+		return 0;
+	default:
+		snprintf(errtext, errlen, "%s does not handle %s", SERVICE_NAME, msg_type_name(req->type));
+		return -ENOTSUP;
+	}
+}
+
+static void on_hello(void *ctx, const struct msg *req, struct msg_hello_reply *reply)
+{
+	struct app *a = ctx;
+	const struct bytes *client = &req->hello.client;
+	if (client->len == strlen("gpu-runner") && !memcmp(client->p, "gpu-runner", client->len))
+		loader_drop_clients(a->loader);
+	reply->layout = WRING_LAYOUT_VERSION;
+	reply->manifest_hash = a->m->hash;
+	reply->shm_name.p = (char *)shm_object_get_name(a->ring);
+	reply->shm_size = shm_object_size(a->ring);
+}
+
+static char *on_stats(void *ctx)
+{
+	struct app *a = ctx;
+	return loader_stats_json(a->loader);
+}
+
+static void on_tick(void *ctx, struct service *s)
+{
+	struct app *a = ctx;
+	loader_tick(a->loader);
+}
+
+static void on_io(void *ctx, struct service *s, int fd)
+{
+	struct app *a = ctx;
+	loader_process_io(a->loader, false);
+}
+
+int main(int argc, char **argv)
+{
+	char *instance = NULL, *run_dir_flag = NULL, *model = NULL, *log_level = NULL;
+	uint64_t budget = 0, max_read = 0;
+	long io_depth = 0;
+	bool buffered = false;
+	struct opt opts[] = {
+		{"instance", OPT_STRING, &instance, "default", "instance name (shared-memory and run-directory names)"},
+		{"run-dir", OPT_STRING, &run_dir_flag, NULL, "directory of the control sockets (default "
+							     "$PIPELINE_RUN_DIR or /tmp/llmp-<uid>/<instance>)"},
+		{"model", OPT_STRING, &model, NULL, "Hugging Face checkpoint directory (required)"},
+		{"dram-budget", OPT_SIZE, &budget, "16GiB", "host memory for weight slots"},
+		{"io-depth", OPT_INT, &io_depth, "64", "reads in flight at most"},
+		{"max-read", OPT_SIZE, &max_read, "4MiB", "bytes per read (a multiple of 4 KiB)"},
+		{"buffered", OPT_BOOL, &buffered, NULL, "read through the page cache, never O_DIRECT"},
+		{"log-level", OPT_STRING, &log_level, NULL, "debug, info, warn or error (default info)"},
+		{0},
+	};
+	log_init(SERVICE_NAME);
+	int rc = config_parse(SERVICE_NAME, "reads a safetensors checkpoint into the shared-memory weight ring",
+			      opts, argc, argv, NULL, NULL);
+	if (rc > 0)
+		return 0;
+	if (rc < 0)
+		return 2;
+	if (log_level) {
+		enum log_level lv;
+		if (log_parse_level(log_level, &lv) != 0) {
+			fprintf(stderr, "%s: --log-level '%s' is not one of debug, info, warn, error\n", SERVICE_NAME,
+				log_level);
+			return 2;
+		}
+		log_set_level(lv);
+	}
+	if (!model || !*model) {
+		fprintf(stderr, "%s: --model is required (a Hugging Face checkpoint directory; see --help)\n",
+			SERVICE_NAME);
+		return 2;
+	}
+	if (io_depth < 1 || io_depth > (long)READER_MAX_DEPTH) {
+		fprintf(stderr, "%s: --io-depth %ld is out of range (1..%u)\n", SERVICE_NAME, io_depth,
+			READER_MAX_DEPTH);
+		return 2;
+	}
+	if (max_read < READER_ALIGN || max_read > READER_MAX_READ || max_read % READER_ALIGN) {
+		fprintf(stderr, "%s: --max-read %llu must be a multiple of %u bytes between 4KiB and 1GiB\n",
+			SERVICE_NAME, (unsigned long long)max_read, READER_ALIGN);
+		return 2;
+	}
+	char run_dir[256];
+	if (run_dir_flag && *run_dir_flag) {
+		if (str_copy(run_dir, sizeof(run_dir), run_dir_flag) != 0) {
+			fprintf(stderr, "%s: --run-dir is too long\n", SERVICE_NAME);
+			return 2;
+		}
+	} else if (run_dir_default(instance, run_dir, sizeof(run_dir)) != 0) {
+		fprintf(stderr, "%s: the run directory for instance '%s' is too long\n", SERVICE_NAME, instance);
+		return 2;
+	}
+
+	int status = 1;
+	char err[1024];
+	struct app app = {0};
+	struct manifest *m = NULL;
+	struct plan *plan = NULL;
+	char shm_name[SHM_NAME_MAX];
+
+	rc = manifest_load(model, &m, err, sizeof(err));
+	if (rc) {
+		log_error("cannot load the model in %s: %s", model, err);
+		goto out;
+	}
+	app.m = m;
+	char wsize[32];
+	log_info("model %s: %u layers, dim %u, %u groups of %u tensors in %u file%s, %s of weights, manifest hash "
+		 "%016llx",
+		 model, m->cfg.n_layers, m->cfg.dim, m->n_groups, m->n_tensors, m->n_files, m->n_files == 1 ? "" : "s",
+		 format_size(m->total_tensor_bytes, wsize, sizeof(wsize)), (unsigned long long)m->hash);
+
+	rc = plan_create(m, budget, &plan, err, sizeof(err));
+	if (rc) {
+		log_error("%s", err);
+		goto out_manifest;
+	}
+	plan_describe(plan, err, sizeof(err));
+	log_info("plan: %s", err);
+
+	if (shm_object_name(instance, "weights", shm_name, sizeof(shm_name)) != 0) {
+		log_error("the instance name '%s' is too long for a shared-memory name", instance);
+		goto out_plan;
+	}
+	rc = ring_create(shm_name, m, plan, &app.ring, err, sizeof(err));
+	if (rc) {
+		log_error("%s", err);
+		goto out_plan;
+	}
+	struct loader_params lp = {.m = m,
+				   .plan = plan,
+				   .ring = shm_object_base(app.ring),
+				   .ring_bytes = shm_object_size(app.ring),
+				   .io_depth = (uint32_t)io_depth,
+				   .max_read = max_read,
+				   .buffered = buffered};
+	struct loader_ops lops = {.grant = send_grant, .fail = send_fail};
+	rc = loader_create(&lp, &lops, &app, &app.loader, err, sizeof(err));
+	if (rc) {
+		log_error("%s", err);
+		goto out_ring;
+	}
+	char rsize[32];
+	log_info("weight ring %s: %s, reads %s (depth %ld, %llu KiB each)", shm_name,
+		 format_size(shm_object_size(app.ring), rsize, sizeof(rsize)),
+		 loader_o_direct(app.loader) ? "O_DIRECT" : "buffered", io_depth, (unsigned long long)(max_read >> 10));
+
+	struct service_ops sops = {.handle = on_request, .hello = on_hello, .stats = on_stats, .tick = on_tick};
+	app.svc = service_create(SERVICE_NAME, run_dir, &sops, &app);
+	if (!app.svc)
+		goto out_loader;
+	rc = service_add_fd(app.svc, loader_eventfd(app.loader), on_io);
+	assert(rc == 0);
+	loader_start(app.loader);
+	service_run(app.svc);
+	log_info("stopping (%s): removing the weight ring %s",
+		 service_stop_reason(app.svc) == SERVICE_STOP_SHUTDOWN ? "shutdown requested" : "signal", shm_name);
+	status = 0;
+
+	service_destroy(&app.svc);
+out_loader:
+	loader_destroy(&app.loader);
+out_ring:
+	shm_object_close(&app.ring, true);
+out_plan:
+	plan_destroy(&plan);
+out_manifest:
+	manifest_destroy(&m);
+out:
+	return status;
+}

@@ -1,0 +1,227 @@
+/* plan.c - slots per size class under the DRAM budget. See plan.h. */
+#include "services/ssd-loader/plan.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util.h"
+
+#define NO_GROUP UINT32_MAX
+
+struct plan {
+	bool all_resident;
+	uint64_t budget;	/* bytes */
+	uint32_t n_groups;
+	uint32_t n_slots;
+	uint64_t capacity[CLASS_COUNT];	 /* bytes per slot of the class */
+	uint32_t class_slots[CLASS_COUNT];
+	uint32_t streaming[CLASS_COUNT]; /* k per class */
+	uint64_t data_bytes;
+	uint64_t resident_bytes;
+	uint8_t *pinned;		 /* n_groups flags */
+	uint32_t *slot_class;		 /* n_slots */
+	uint32_t *slot_group;		 /* n_slots: dedicated group or NO_GROUP */
+};
+
+static const char *class_name(uint32_t c)
+{
+	static const char *const names[CLASS_COUNT] = {"attention", "FFN", "global"};
+	return c < CLASS_COUNT ? names[c] : "?";
+}
+
+int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **out, char *err, size_t errlen)
+{
+	if (!m || m->n_groups == 0 || !m->groups) {
+		snprintf(err, errlen, "the model has no weight groups to plan");
+		return -EINVAL;
+	}
+	for (uint32_t g = 0; g < m->n_groups; g++) {
+		if (m->groups[g].size_class >= CLASS_COUNT) {
+			snprintf(err, errlen, "group %u has size class %u, not one of the %d known", g,
+				 m->groups[g].size_class, CLASS_COUNT);
+			return -EINVAL;
+		}
+	}
+	struct plan *p = calloc(1, sizeof(*p));
+	if (!p)
+		goto out_nomem;
+	p->budget = dram_budget;
+	p->n_groups = m->n_groups;
+	for (int c = 0; c < CLASS_COUNT; c++)
+		p->capacity[c] = ALIGN_UP(m->class_bytes[c], (uint64_t)PLAN_SLOT_ALIGN);
+	for (uint32_t g = 0; g < m->n_groups; g++)
+		p->resident_bytes += p->capacity[m->groups[g].size_class];
+	p->pinned = calloc(m->n_groups, 1);
+	if (!p->pinned)
+		goto out_free;
+
+	uint64_t pinned_bytes = 0;
+	if (p->resident_bytes <= dram_budget) {
+		p->all_resident = true;
+		memset(p->pinned, 1, m->n_groups);
+		pinned_bytes = p->resident_bytes;
+	} else {
+		/* Pin the globals; everything else streams. */
+		for (uint32_t g = 0; g < m->n_groups; g++) {
+			uint32_t kind = m->groups[g].kind;
+			if (kind == GROUP_EMBED || kind == GROUP_HEAD) {
+				p->pinned[g] = 1;
+				pinned_bytes += p->capacity[m->groups[g].size_class];
+			}
+		}
+		uint64_t pair = p->capacity[CLASS_ATTN] + p->capacity[CLASS_FFN];
+		uint64_t rest = dram_budget > pinned_bytes ? dram_budget - pinned_bytes : 0;
+		uint64_t k = pair ? rest / pair : 0;
+		if (k > m->cfg.n_layers)
+			k = m->cfg.n_layers;
+		if (k == 0) {
+			char have[32], need[32];
+			uint64_t needed = pinned_bytes + pair;
+			snprintf(err, errlen,
+				 "--dram-budget %s is too small: the globals and one attention and one FFN group need at "
+				 "least %s (%llu bytes; the whole model resident needs %llu bytes)",
+				 format_size(dram_budget, have, sizeof(have)), format_size(needed, need, sizeof(need)),
+				 (unsigned long long)needed, (unsigned long long)p->resident_bytes);
+			plan_destroy(&p);
+			return -ENOSPC;
+		}
+		p->streaming[CLASS_ATTN] = (uint32_t)k;
+		p->streaming[CLASS_FFN] = (uint32_t)k;
+	}
+
+	uint32_t n_pinned = 0;
+	for (uint32_t g = 0; g < m->n_groups; g++)
+		n_pinned += p->pinned[g];
+	p->n_slots = n_pinned;
+	for (int c = 0; c < CLASS_COUNT; c++)
+		p->n_slots += p->streaming[c];
+	p->slot_class = calloc(p->n_slots, sizeof(*p->slot_class));
+	p->slot_group = calloc(p->n_slots, sizeof(*p->slot_group));
+	if (!p->slot_class || !p->slot_group)
+		goto out_free;
+	uint32_t s = 0;
+	for (uint32_t g = 0; g < m->n_groups; g++) {
+		if (!p->pinned[g])
+			continue;
+		p->slot_class[s] = m->groups[g].size_class;
+		p->slot_group[s] = g;
+		s++;
+	}
+	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
+		for (uint32_t i = 0; i < p->streaming[c]; i++) {
+			p->slot_class[s] = c;
+			p->slot_group[s] = NO_GROUP;
+			s++;
+		}
+	}
+	for (s = 0; s < p->n_slots; s++) {
+		p->class_slots[p->slot_class[s]]++;
+		p->data_bytes += p->capacity[p->slot_class[s]];
+	}
+	*out = p;
+	return 0;
+
+out_free:
+	plan_destroy(&p);
+out_nomem:
+	snprintf(err, errlen, "out of memory planning the weight ring");
+	return -ENOMEM;
+}
+
+void plan_destroy(struct plan **pp)
+{
+	if (!pp || !*pp)
+		return;
+	struct plan *p = *pp;
+	free(p->pinned);
+	free(p->slot_class);
+	free(p->slot_group);
+	free(p);
+	*pp = NULL;
+}
+
+bool plan_all_resident(const struct plan *p)
+{
+	return p->all_resident;
+}
+
+uint64_t plan_budget(const struct plan *p)
+{
+	return p->budget;
+}
+
+uint32_t plan_n_groups(const struct plan *p)
+{
+	return p->n_groups;
+}
+
+uint32_t plan_n_slots(const struct plan *p)
+{
+	return p->n_slots;
+}
+
+uint32_t plan_slot_class(const struct plan *p, uint32_t slot)
+{
+	return slot < p->n_slots ? p->slot_class[slot] : CLASS_COUNT;
+}
+
+uint32_t plan_slot_group(const struct plan *p, uint32_t slot)
+{
+	return slot < p->n_slots ? p->slot_group[slot] : NO_GROUP;
+}
+
+uint64_t plan_class_capacity(const struct plan *p, uint32_t cls)
+{
+	return cls < CLASS_COUNT ? p->capacity[cls] : 0;
+}
+
+uint32_t plan_class_slots(const struct plan *p, uint32_t cls)
+{
+	return cls < CLASS_COUNT ? p->class_slots[cls] : 0;
+}
+
+uint32_t plan_streaming_slots(const struct plan *p, uint32_t cls)
+{
+	return cls < CLASS_COUNT ? p->streaming[cls] : 0;
+}
+
+bool plan_group_pinned(const struct plan *p, uint32_t group)
+{
+	return group < p->n_groups && p->pinned[group];
+}
+
+uint64_t plan_data_bytes(const struct plan *p)
+{
+	return p->data_bytes;
+}
+
+uint64_t plan_resident_bytes(const struct plan *p)
+{
+	return p->resident_bytes;
+}
+
+void plan_describe(const struct plan *p, char *buf, size_t len)
+{
+	char used[32], budget[32], model[32];
+	format_size(p->data_bytes, used, sizeof(used));
+	format_size(p->budget, budget, sizeof(budget));
+	format_size(p->resident_bytes, model, sizeof(model));
+	size_t n = (size_t)snprintf(buf, len, "%s: %u slots (", p->all_resident ? "all resident" : "streaming",
+				    p->n_slots);
+	for (uint32_t c = 0; c < CLASS_COUNT && n < len; c++) {
+		char cap[32];
+		uint32_t pinned = p->class_slots[c] - p->streaming[c];
+		n += (size_t)snprintf(buf + n, len - n, "%s%s %u x %s", c ? ", " : "", class_name(c),
+				      p->class_slots[c], format_size(p->capacity[c], cap, sizeof(cap)));
+		if (n < len && p->class_slots[c])
+			n += (size_t)snprintf(buf + n, len - n, " %s",
+					      pinned == p->class_slots[c] ? "resident"
+					      : pinned == 0		  ? "streaming"
+									  : "mixed");
+	}
+	if (n < len)
+		snprintf(buf + n, len - n, "), %s of the %s budget; one slot per group would take %s", used, budget,
+			 model);
+}

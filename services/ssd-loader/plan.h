@@ -1,0 +1,71 @@
+/* plan.h - how the DRAM budget is spent: how many slots of each size class the weight ring
+ * gets, and which groups stay resident.
+ *
+ *   struct plan *p;
+ *   rc = plan_create(m, budget, &p, err, sizeof(err));   // -ENOSPC: budget too small, err says how much is needed
+ *   plan_describe(p, buf, sizeof(buf)); log_info("%s", buf);
+ *   for (s = 0; s < plan_n_slots(p); s++) ... plan_slot_class(p, s), plan_slot_group(p, s)
+ *   plan_destroy(&p);
+ *
+ * The rule today: if one slot per group fits the budget, every group is resident (read once
+ * at start). Otherwise the globals (embed, head) are pinned, one slot each, and the rest of
+ * the budget becomes k slots of each streaming class (attention, FFN) with
+ * k = floor(rest / (attn slot + ffn slot)), at most n_layers. A residency planner that pins
+ * some layers too (the budget spent where it saves the most reads per token) replaces this
+ * module's insides; its interface already speaks of pinned groups with their own slots plus
+ * streaming slots per class, so the ring and the loader need not change.
+ *
+ * Slots are numbered: pinned (dedicated) slots first, in group order, then the streaming
+ * slots class by class. Only slot data counts against the budget; the ring's header and
+ * tables come on top (kilobytes). */
+#ifndef SSD_LOADER_PLAN_H
+#define SSD_LOADER_PLAN_H
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/manifest.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PLAN_SLOT_ALIGN 4096u /* slot capacities and data offsets are multiples of this */
+
+struct plan;
+
+/* Plans m (borrowed: read during the call only) under dram_budget bytes. Returns 0 with
+ * *out owned by the caller; -ENOSPC when the budget cannot hold the globals and one slot of
+ * each streaming class (err: "--dram-budget X is too small: ... need at least Y");
+ * -EINVAL for a manifest without groups; -ENOMEM. */
+int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **out, char *err, size_t errlen);
+
+/* Safe on NULL and twice; NULLs *p. */
+void plan_destroy(struct plan **p);
+
+bool plan_all_resident(const struct plan *p);
+uint64_t plan_budget(const struct plan *p);
+uint32_t plan_n_groups(const struct plan *p);
+uint32_t plan_n_slots(const struct plan *p);
+/* enum size_class of a slot. */
+uint32_t plan_slot_class(const struct plan *p, uint32_t slot);
+/* The group a slot is dedicated to (a pinned group), or UINT32_MAX for a streaming slot. */
+uint32_t plan_slot_group(const struct plan *p, uint32_t slot);
+/* Bytes of one slot of a class (the class's largest group, rounded up to PLAN_SLOT_ALIGN). */
+uint64_t plan_class_capacity(const struct plan *p, uint32_t cls);
+/* Slots of a class, all of them / only the streaming ones (k). */
+uint32_t plan_class_slots(const struct plan *p, uint32_t cls);
+uint32_t plan_streaming_slots(const struct plan *p, uint32_t cls);
+/* Does group stay resident in a slot of its own? */
+bool plan_group_pinned(const struct plan *p, uint32_t group);
+/* Sum of every slot's capacity: the ring's data region. */
+uint64_t plan_data_bytes(const struct plan *p);
+/* What one slot per group would take (the all-resident size). */
+uint64_t plan_resident_bytes(const struct plan *p);
+
+/* One line for the log: mode, slots per class with their sizes, bytes used of the budget. */
+void plan_describe(const struct plan *p, char *buf, size_t len);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

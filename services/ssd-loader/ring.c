@@ -1,0 +1,120 @@
+/* ring.c - the weight ring's layout. See ring.h and common/weight_ring.h. */
+#include "services/ssd-loader/ring.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/util.h"
+
+struct ring_layout {
+	uint64_t tensors_off, groups_off, group_state_off, slots_off, data_off, total;
+};
+
+static void layout(const struct manifest *m, const struct plan *p, struct ring_layout *l)
+{
+	uint64_t off = ALIGN_UP((uint64_t)sizeof(struct wring_header), (uint64_t)CACHE_LINE);
+	l->tensors_off = off;
+	off = ALIGN_UP(off + (uint64_t)m->n_tensors * sizeof(struct tensor_desc), (uint64_t)CACHE_LINE);
+	l->groups_off = off;
+	off = ALIGN_UP(off + (uint64_t)m->n_groups * sizeof(struct group_desc), (uint64_t)CACHE_LINE);
+	l->group_state_off = off;
+	off = ALIGN_UP(off + (uint64_t)m->n_groups * sizeof(struct wring_group), (uint64_t)CACHE_LINE);
+	l->slots_off = off;
+	off += (uint64_t)plan_n_slots(p) * sizeof(struct wring_slot);
+	l->data_off = ALIGN_UP(off, (uint64_t)PLAN_SLOT_ALIGN);
+	l->total = l->data_off + plan_data_bytes(p);
+}
+
+uint64_t ring_memsize(const struct manifest *m, const struct plan *p)
+{
+	struct ring_layout l;
+	layout(m, p, &l);
+	return l.total;
+}
+
+void ring_init(void *mem, uint64_t size, const struct manifest *m, const struct plan *p)
+{
+	struct ring_layout l;
+	layout(m, p, &l);
+	assert(size >= l.total);
+	assert((uintptr_t)mem % PLAN_SLOT_ALIGN == 0);
+	assert(plan_n_groups(p) == m->n_groups);
+	struct wring_header *h = mem;
+	/* The shm_header belongs to shm.c; everything after it is ours. */
+	memset((char *)h + sizeof(h->shm), 0, l.data_off - sizeof(h->shm));
+	h->manifest_hash = m->hash;
+	h->cfg = m->cfg;
+	h->n_tensors = m->n_tensors;
+	h->n_groups = m->n_groups;
+	h->n_slots = plan_n_slots(p);
+	h->all_resident = plan_all_resident(p);
+	h->weight_dtype = m->weight_dtype;
+	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
+		h->class_bytes[c] = plan_class_capacity(p, c);
+		h->class_slots[c] = plan_class_slots(p, c);
+	}
+	h->tensors_off = l.tensors_off;
+	h->groups_off = l.groups_off;
+	h->group_state_off = l.group_state_off;
+	h->slots_off = l.slots_off;
+	h->data_off = l.data_off;
+	h->data_bytes = plan_data_bytes(p);
+	h->total_tensor_bytes = m->total_tensor_bytes;
+	memcpy(wring_tensors(h), m->tensors, (size_t)m->n_tensors * sizeof(struct tensor_desc));
+	memcpy(wring_groups(h), m->groups, (size_t)m->n_groups * sizeof(struct group_desc));
+
+	struct wring_group *gs = wring_group_state(h);
+	for (uint32_t g = 0; g < m->n_groups; g++) {
+		atomic_store(&gs[g].slot, WRING_NO_SLOT);
+		atomic_store(&gs[g].pinned, plan_group_pinned(p, g) ? 1u : 0u);
+		atomic_store(&gs[g].loads, 0);
+	}
+	struct wring_slot *slots = wring_slots(h);
+	uint64_t off = l.data_off;
+	for (uint32_t s = 0; s < plan_n_slots(p); s++) {
+		uint32_t c = plan_slot_class(p, s);
+		atomic_store(&slots[s].seq, 0);
+		atomic_store(&slots[s].state, WSLOT_EMPTY);
+		atomic_store(&slots[s].group, WRING_NO_GROUP);
+		atomic_store(&slots[s].refs, 0);
+		atomic_store(&slots[s].generation, 0);
+		slots[s].size_class = c;
+		slots[s].data_offset = off;
+		slots[s].capacity = plan_class_capacity(p, c);
+		off += slots[s].capacity;
+	}
+	atomic_store(&h->loader.position, 0);
+}
+
+int ring_create(const char *name, const struct manifest *m, const struct plan *p, struct shm_object **out,
+		char *err, size_t errlen)
+{
+	uint64_t size = ring_memsize(m, p);
+	if (size > SIZE_MAX) {
+		snprintf(err, errlen, "the weight ring of %llu bytes does not fit this address space",
+			 (unsigned long long)size);
+		return -EINVAL;
+	}
+	struct shm_object *o = NULL;
+	int rc = shm_object_create(name, (size_t)size, SHM_KIND_WEIGHT_RING, WRING_LAYOUT_VERSION, SHM_RECLAIM, &o,
+				   NULL);
+	if (rc) {
+		char sz[32];
+		if (rc == -EBUSY)
+			snprintf(err, errlen,
+				 "the weight ring %s belongs to a live process: another ssd-loader serves this instance "
+				 "(stop it, or pick another --instance)",
+				 name);
+		else
+			snprintf(err, errlen, "cannot create the weight ring %s of %s: %s", name,
+				 format_size(size, sz, sizeof(sz)), strerror(-rc));
+		return rc;
+	}
+	/* ftruncate gave zeroed pages and mmap a page-aligned base. */
+	ring_init(shm_object_base(o), size, m, p);
+	shm_object_set_ready(o);
+	*out = o;
+	return 0;
+}
