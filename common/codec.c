@@ -7,10 +7,10 @@
  * elements in total than any message holds, so no input can make the unpacker allocate
  * more than a small multiple of the input size. */
 #include "common/protocol.h"
+#include "common/util.h"
 
 #include <errno.h>
 #include <msgpack.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -338,18 +338,6 @@ static int scan_value(struct scan *s, int depth)
 
 /* ---- decoding ---- */
 
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-{
-	if (err && errlen) {
-		va_list ap;
-		va_start(ap, fmt);
-		vsnprintf(err, errlen, fmt, ap);
-		va_end(ap);
-	}
-	return rc;
-}
-
 static bool get_u64(const msgpack_object *o, uint64_t *v)
 {
 	if (o->type != MSGPACK_OBJECT_POSITIVE_INTEGER)
@@ -434,15 +422,15 @@ int msg_decode(const void *buf, size_t len, struct msg *out, char *err, size_t e
 {
 	memset(out, 0, sizeof(*out));
 	if (len == 0)
-		return fail(err, errlen, -EBADMSG, "empty message");
+		return errorf(err, errlen, -EBADMSG, "empty message");
 	if (len > PROTO_MAX_MSG_BYTES)
-		return fail(err, errlen, -EBADMSG, "message of %zu bytes exceeds the limit of %u", len,
+		return errorf(err, errlen, -EBADMSG, "message of %zu bytes exceeds the limit of %u", len,
 			    PROTO_MAX_MSG_BYTES);
 	struct scan s = {.p = buf, .end = (const uint8_t *)buf + len};
 	if (scan_value(&s, 0))
-		return fail(err, errlen, -EBADMSG, "malformed msgpack: %s", s.why);
+		return errorf(err, errlen, -EBADMSG, "malformed msgpack: %s", s.why);
 	if (s.p != s.end)
-		return fail(err, errlen, -EBADMSG, "%zu trailing bytes after the message", (size_t)(s.end - s.p));
+		return errorf(err, errlen, -EBADMSG, "%zu trailing bytes after the message", (size_t)(s.end - s.p));
 
 	msgpack_unpacked up;
 	msgpack_unpacked_init(&up);
@@ -450,40 +438,40 @@ int msg_decode(const void *buf, size_t len, struct msg *out, char *err, size_t e
 	int rc = 0;
 	msgpack_unpack_return ur = msgpack_unpack_next(&up, buf, len, &off);
 	if (ur != MSGPACK_UNPACK_SUCCESS || off != len) {
-		rc = fail(err, errlen, ur == MSGPACK_UNPACK_NOMEM_ERROR ? -ENOMEM : -EBADMSG,
+		rc = errorf(err, errlen, ur == MSGPACK_UNPACK_NOMEM_ERROR ? -ENOMEM : -EBADMSG,
 			  "msgpack could not unpack the message (%d)", (int)ur);
 		goto out;
 	}
 	const msgpack_object *root = &up.data;
 	if (root->type != MSGPACK_OBJECT_ARRAY || root->via.array.size != 4) {
-		rc = fail(err, errlen, -EBADMSG, "a message is an array of 4: [version, type, id, body]");
+		rc = errorf(err, errlen, -EBADMSG, "a message is an array of 4: [version, type, id, body]");
 		goto out;
 	}
 	const msgpack_object *el = root->via.array.ptr;
 	uint64_t version, type, corr;
 	if (!get_u64(&el[0], &version) || !get_u64(&el[1], &type) || !get_u64(&el[2], &corr)) {
-		rc = fail(err, errlen, -EBADMSG, "version, type and id must be unsigned integers");
+		rc = errorf(err, errlen, -EBADMSG, "version, type and id must be unsigned integers");
 		goto out;
 	}
 	if (version != PROTO_VERSION) {
-		rc = fail(err, errlen, -EPROTONOSUPPORT, "protocol version %llu, this side speaks %d",
+		rc = errorf(err, errlen, -EPROTONOSUPPORT, "protocol version %llu, this side speaks %d",
 			  (unsigned long long)version, PROTO_VERSION);
 		goto out;
 	}
 	const struct msg_desc *d = type <= UINT32_MAX ? find_desc((uint32_t)type) : NULL;
 	if (!d) {
-		rc = fail(err, errlen, -ENOMSG, "unknown message type %llu", (unsigned long long)type);
+		rc = errorf(err, errlen, -ENOMSG, "unknown message type %llu", (unsigned long long)type);
 		goto out;
 	}
 	out->type = (uint32_t)type;
 	out->corr = corr;
 	const msgpack_object *body = &el[3];
 	if (body->type != MSGPACK_OBJECT_MAP) {
-		rc = fail(err, errlen, -EBADMSG, "%s: body is not a map", d->name);
+		rc = errorf(err, errlen, -EBADMSG, "%s: body is not a map", d->name);
 		goto out;
 	}
 	if (body->via.map.size > PROTO_MAX_KEYS) {
-		rc = fail(err, errlen, -EBADMSG, "%s: body has %u keys, at most %d", d->name, body->via.map.size,
+		rc = errorf(err, errlen, -EBADMSG, "%s: body has %u keys, at most %d", d->name, body->via.map.size,
 			  PROTO_MAX_KEYS);
 		goto out;
 	}
@@ -492,11 +480,11 @@ int msg_decode(const void *buf, size_t len, struct msg *out, char *err, size_t e
 		const msgpack_object_kv *kv = &body->via.map.ptr[i];
 		uint64_t key;
 		if (!get_u64(&kv->key, &key) || key == 0 || key > 63) {
-			rc = fail(err, errlen, -EBADMSG, "%s: keys are integers 1..63", d->name);
+			rc = errorf(err, errlen, -EBADMSG, "%s: keys are integers 1..63", d->name);
 			goto out;
 		}
 		if (seen & (1ull << key)) {
-			rc = fail(err, errlen, -EBADMSG, "%s: key %llu appears twice", d->name,
+			rc = errorf(err, errlen, -EBADMSG, "%s: key %llu appears twice", d->name,
 				  (unsigned long long)key);
 			goto out;
 		}
@@ -509,21 +497,21 @@ int msg_decode(const void *buf, size_t len, struct msg *out, char *err, size_t e
 			continue; /* appended by a newer peer */
 		int frc = decode_field(f, &kv->val, out);
 		if (frc == -2) {
-			rc = fail(err, errlen, -EBADMSG, "%s: field %s longer than %u", d->name, f->name, f->max);
+			rc = errorf(err, errlen, -EBADMSG, "%s: field %s longer than %u", d->name, f->name, f->max);
 			goto out;
 		}
 		if (frc == -3) {
-			rc = fail(err, errlen, -ENOMEM, "out of memory");
+			rc = errorf(err, errlen, -ENOMEM, "out of memory");
 			goto out;
 		}
 		if (frc) {
-			rc = fail(err, errlen, -EBADMSG, "%s: field %s has the wrong type", d->name, f->name);
+			rc = errorf(err, errlen, -EBADMSG, "%s: field %s has the wrong type", d->name, f->name);
 			goto out;
 		}
 	}
 	for (size_t k = 0; k < d->n_fields; k++) {
 		if (d->fields[k].required && !(seen & (1ull << d->fields[k].key))) {
-			rc = fail(err, errlen, -EBADMSG, "%s: required field %s is missing", d->name,
+			rc = errorf(err, errlen, -EBADMSG, "%s: required field %s is missing", d->name,
 				  d->fields[k].name);
 			goto out;
 		}

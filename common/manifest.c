@@ -32,19 +32,6 @@
 #define INDEX_NAME	  "model.safetensors.index.json"
 #define SINGLE_NAME	  "model.safetensors"
 
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-{
-	if (err && errlen) {
-		va_list ap;
-		va_start(ap, fmt);
-		vsnprintf(err, errlen, fmt, ap);
-		va_end(ap);
-	}
-	return rc;
-}
-
 /* ---- configuration ---- */
 
 static const char *json_type_name(const json_t *v)
@@ -77,7 +64,7 @@ static int get_u32(const json_t *obj, const char *file, const char *key, bool re
 	const json_t *v = json_object_get(obj, key);
 	if (!v || json_is_null(v)) {
 		if (required)
-			return fail(err, errlen, -EINVAL, "%s: missing field %s", file, key);
+			return errorf(err, errlen, -EINVAL, "%s: missing field %s", file, key);
 		return 0;
 	}
 	/* Some exporters write integral values as reals (4096.0); accept those, nothing fractional. */
@@ -87,9 +74,9 @@ static int get_u32(const json_t *obj, const char *file, const char *key, bool re
 	else if (json_is_real(v) && floor(json_real_value(v)) == json_real_value(v))
 		d = json_real_value(v);
 	else
-		return fail(err, errlen, -EINVAL, "%s: %s must be an integer, got %s", file, key, json_type_name(v));
+		return errorf(err, errlen, -EINVAL, "%s: %s must be an integer, got %s", file, key, json_type_name(v));
 	if (d < lo || d > hi)
-		return fail(err, errlen, -EINVAL, "%s: %s must be in [%u, %u], got %.0f", file, key, lo, hi, d);
+		return errorf(err, errlen, -EINVAL, "%s: %s must be in [%u, %u], got %.0f", file, key, lo, hi, d);
 	*out = (uint32_t)d;
 	return 0;
 }
@@ -100,7 +87,7 @@ static int get_float(const json_t *obj, const char *file, const char *key, float
 	if (!v || json_is_null(v))
 		return 0;
 	if (!json_is_number(v))
-		return fail(err, errlen, -EINVAL, "%s: %s must be a number, got %s", file, key, json_type_name(v));
+		return errorf(err, errlen, -EINVAL, "%s: %s must be a number, got %s", file, key, json_type_name(v));
 	*out = (float)json_number_value(v);
 	return 0;
 }
@@ -112,7 +99,7 @@ static int get_bool(const json_t *obj, const char *file, const char *key, bool *
 	if (!v || json_is_null(v))
 		return 0;
 	if (!json_is_boolean(v))
-		return fail(err, errlen, -EINVAL, "%s: %s must be true or false, got %s", file, key, json_type_name(v));
+		return errorf(err, errlen, -EINVAL, "%s: %s must be true or false, got %s", file, key, json_type_name(v));
 	*out = json_is_true(v);
 	return 0;
 }
@@ -133,14 +120,14 @@ static int get_token_ids(const json_t *obj, const char *file, const char *key, i
 	if (json_is_array(v)) {
 		count = json_array_size(v);
 		if (count > max)
-			return fail(err, errlen, -EINVAL, "%s: %s lists %zu ids, at most %u are supported", file, key,
+			return errorf(err, errlen, -EINVAL, "%s: %s lists %zu ids, at most %u are supported", file, key,
 				    count, max);
 	}
 	for (size_t i = 0; i < count; i++) {
 		if (json_is_array(v))
 			one = json_array_get(v, i);
 		if (!json_is_integer(one) || json_integer_value(one) < 0 || json_integer_value(one) > INT32_MAX)
-			return fail(err, errlen, -EINVAL, "%s: %s must be a non-negative integer or a list of them",
+			return errorf(err, errlen, -EINVAL, "%s: %s must be a non-negative integer or a list of them",
 				    file, key);
 		ids[i] = (int32_t)json_integer_value(one);
 	}
@@ -156,14 +143,14 @@ static int parse_rope_scaling(const json_t *root, struct model_config *c, char *
 	if (!rs || json_is_null(rs))
 		return 0;
 	if (!json_is_object(rs))
-		return fail(err, errlen, -EINVAL, "%s: rope_scaling must be an object or null, got %s", file,
+		return errorf(err, errlen, -EINVAL, "%s: rope_scaling must be an object or null, got %s", file,
 			    json_type_name(rs));
 	/* Newer configs say rope_type, older ones type; some write both. */
 	const json_t *t = json_object_get(rs, "rope_type");
 	if (!t || json_is_null(t))
 		t = json_object_get(rs, "type");
 	if (!json_is_string(t))
-		return fail(err, errlen, -EINVAL, "%s: rope_scaling needs a rope_type (or type) string", file);
+		return errorf(err, errlen, -EINVAL, "%s: rope_scaling needs a rope_type (or type) string", file);
 	const char *type = json_string_value(t);
 	int rc;
 	if (!strcmp(type, "default"))
@@ -173,12 +160,12 @@ static int parse_rope_scaling(const json_t *root, struct model_config *c, char *
 	} else if (!strcmp(type, "llama3")) {
 		c->rope_scaling = ROPE_SCALING_LLAMA3;
 	} else {
-		return fail(err, errlen, -ENOTSUP,
+		return errorf(err, errlen, -ENOTSUP,
 			    "%s: rope_scaling type \"%s\" is not supported (supported: default, linear, llama3)", file,
 			    type);
 	}
 	if (!json_object_get(rs, "factor"))
-		return fail(err, errlen, -EINVAL, "%s: rope_scaling (%s) is missing factor", file, type);
+		return errorf(err, errlen, -EINVAL, "%s: rope_scaling (%s) is missing factor", file, type);
 	rc = get_float(rs, file, "factor", &c->rope_factor, err, errlen);
 	if (rc)
 		return rc;
@@ -187,7 +174,7 @@ static int parse_rope_scaling(const json_t *root, struct model_config *c, char *
 	static const char *const need[] = {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"};
 	for (size_t i = 0; i < ARRAY_SIZE(need); i++)
 		if (!json_object_get(rs, need[i]))
-			return fail(err, errlen, -EINVAL, "%s: rope_scaling (llama3) is missing %s", file, need[i]);
+			return errorf(err, errlen, -EINVAL, "%s: rope_scaling (llama3) is missing %s", file, need[i]);
 	rc = get_float(rs, file, "low_freq_factor", &c->rope_low_freq_factor, err, errlen);
 	if (!rc)
 		rc = get_float(rs, file, "high_freq_factor", &c->rope_high_freq_factor, err, errlen);
@@ -203,13 +190,13 @@ static int parse_arch(const json_t *root, struct model_config *c, char *err, siz
 	const char *name = NULL;
 	if (a && !json_is_null(a)) {
 		if (!json_is_array(a) || json_array_size(a) == 0 || !json_is_string(json_array_get(a, 0)))
-			return fail(err, errlen, -EINVAL, "config.json: architectures must be a list of names");
+			return errorf(err, errlen, -EINVAL, "config.json: architectures must be a list of names");
 		name = json_string_value(json_array_get(a, 0));
 	} else {
 		/* Old exports leave architectures out; model_type then says what it is. */
 		const json_t *mt = json_object_get(root, "model_type");
 		if (!json_is_string(mt))
-			return fail(err, errlen, -EINVAL, "config.json: missing field architectures (and model_type)");
+			return errorf(err, errlen, -EINVAL, "config.json: missing field architectures (and model_type)");
 		const char *s = json_string_value(mt);
 		name = !strcmp(s, "llama") ? "LlamaForCausalLM" : !strcmp(s, "mistral") ? "MistralForCausalLM" : s;
 	}
@@ -218,7 +205,7 @@ static int parse_arch(const json_t *root, struct model_config *c, char *err, siz
 	else if (!strcmp(name, "MistralForCausalLM"))
 		c->arch = ARCH_MISTRAL;
 	else
-		return fail(err, errlen, -ENOTSUP,
+		return errorf(err, errlen, -ENOTSUP,
 			    "config.json: architecture %s is not supported (supported: LlamaForCausalLM, "
 			    "MistralForCausalLM)",
 			    name);
@@ -235,16 +222,16 @@ static int check_unsupported(const json_t *root, char *err, size_t errlen)
 		if (rc)
 			return rc;
 		if (on)
-			return fail(err, errlen, -ENOTSUP, "config.json: %s true is not supported (no bias terms)",
+			return errorf(err, errlen, -ENOTSUP, "config.json: %s true is not supported (no bias terms)",
 				    flags[i]);
 	}
 	const json_t *act = json_object_get(root, "hidden_act");
 	if (act && json_is_string(act) && strcmp(json_string_value(act), "silu") != 0)
-		return fail(err, errlen, -ENOTSUP, "config.json: hidden_act %s is not supported (supported: silu)",
+		return errorf(err, errlen, -ENOTSUP, "config.json: hidden_act %s is not supported (supported: silu)",
 			    json_string_value(act));
 	const json_t *q = json_object_get(root, "quantization_config");
 	if (q && !json_is_null(q))
-		return fail(err, errlen, -ENOTSUP,
+		return errorf(err, errlen, -ENOTSUP,
 			    "config.json: quantized checkpoints (quantization_config) are not "
 			    "supported; use a BF16, F16 or F32 checkpoint");
 	return 0;
@@ -255,7 +242,7 @@ static int parse_config(const json_t *root, struct model_config *c, char *err, s
 	const char *f = "config.json";
 	int rc;
 	if (!json_is_object(root))
-		return fail(err, errlen, -EINVAL, "%s: the top level must be an object", f);
+		return errorf(err, errlen, -EINVAL, "%s: the top level must be an object", f);
 	memset(c, 0, sizeof(*c));
 	rc = parse_arch(root, c, err, errlen);
 	if (!rc)
@@ -303,7 +290,7 @@ static int parse_config(const json_t *root, struct model_config *c, char *err, s
 		return rc;
 	if (!c->head_dim) {
 		if (c->dim % c->n_heads)
-			return fail(err, errlen, -EINVAL,
+			return errorf(err, errlen, -EINVAL,
 				    "%s: num_attention_heads %u does not divide hidden_size %u (no head_dim)", f,
 				    c->n_heads, c->dim);
 		c->head_dim = c->dim / c->n_heads;
@@ -317,17 +304,17 @@ static int parse_generation_config(const char *dir, struct model_config *c, char
 	const char *f = "generation_config.json";
 	char path[PATH_MAX];
 	if (snprintf(path, sizeof(path), "%s/%s", dir, f) >= (int)sizeof(path))
-		return fail(err, errlen, -ENAMETOOLONG, "%s/%s: path too long", dir, f);
+		return errorf(err, errlen, -ENAMETOOLONG, "%s/%s: path too long", dir, f);
 	if (access(path, F_OK) != 0)
 		return 0;
 	json_error_t je;
 	json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
 	if (!root)
-		return fail(err, errlen, -EINVAL, "%s: bad JSON at line %d column %d: %s", path, je.line, je.column,
+		return errorf(err, errlen, -EINVAL, "%s: bad JSON at line %d column %d: %s", path, je.line, je.column,
 			    je.text);
 	int rc = 0;
 	if (!json_is_object(root)) {
-		rc = fail(err, errlen, -EINVAL, "%s: the top level must be an object", path);
+		rc = errorf(err, errlen, -EINVAL, "%s: the top level must be an object", path);
 		goto out_root;
 	}
 	int32_t bos[1];
@@ -474,18 +461,18 @@ static int read_index(struct loader *ld, const char *path)
 	json_error_t je;
 	json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
 	if (!root)
-		return fail(ld->err, ld->errlen, -EINVAL, "%s: bad JSON at line %d column %d: %s", path, je.line,
+		return errorf(ld->err, ld->errlen, -EINVAL, "%s: bad JSON at line %d column %d: %s", path, je.line,
 			    je.column, je.text);
 	int rc = 0;
 	json_t *wm = json_is_object(root) ? json_object_get(root, "weight_map") : NULL;
 	if (!json_is_object(wm)) {
-		rc = fail(ld->err, ld->errlen, -EINVAL, "%s: missing weight_map object", path);
+		rc = errorf(ld->err, ld->errlen, -EINVAL, "%s: missing weight_map object", path);
 		goto out_root;
 	}
 	size_t n = json_object_size(wm);
 	ld->file_names = calloc(n ? n : 1, sizeof(*ld->file_names));
 	if (!ld->file_names) {
-		rc = fail(ld->err, ld->errlen, -ENOMEM, "out of memory reading %s", path);
+		rc = errorf(ld->err, ld->errlen, -ENOMEM, "out of memory reading %s", path);
 		goto out_root;
 	}
 	const char *key;
@@ -493,7 +480,7 @@ static int read_index(struct loader *ld, const char *path)
 	/* Pass 1: the distinct file names. */
 	json_object_foreach(wm, key, val) {
 		if (!json_is_string(val) || !name_is_plain(json_string_value(val))) {
-			rc = fail(ld->err, ld->errlen, -EINVAL,
+			rc = errorf(ld->err, ld->errlen, -EINVAL,
 				  "%s: weight_map entry for %s must be a plain file name inside the model directory "
 				  "(no '/' or '..')",
 				  path, key);
@@ -503,13 +490,13 @@ static int read_index(struct loader *ld, const char *path)
 			continue;
 		ld->file_names[m->n_files] = strdup(json_string_value(val));
 		if (!ld->file_names[m->n_files]) {
-			rc = fail(ld->err, ld->errlen, -ENOMEM, "out of memory reading %s", path);
+			rc = errorf(ld->err, ld->errlen, -ENOMEM, "out of memory reading %s", path);
 			goto out_root;
 		}
 		m->n_files++;
 	}
 	if (m->n_files == 0) {
-		rc = fail(ld->err, ld->errlen, -EINVAL, "%s: weight_map is empty", path);
+		rc = errorf(ld->err, ld->errlen, -EINVAL, "%s: weight_map is empty", path);
 		goto out_root;
 	}
 	qsort(ld->file_names, m->n_files, sizeof(*ld->file_names), cmp_str);
@@ -518,7 +505,7 @@ static int read_index(struct loader *ld, const char *path)
 		uint32_t slot;
 		enum name_class nc = classify(&m->cfg, key, &slot);
 		if (nc == NAME_UNEXPECTED) {
-			rc = fail(ld->err, ld->errlen, -EINVAL, "%s: unexpected tensor %s (not part of a %u-layer %s)",
+			rc = errorf(ld->err, ld->errlen, -EINVAL, "%s: unexpected tensor %s (not part of a %u-layer %s)",
 				  path, key, m->cfg.n_layers, m->cfg.arch == ARCH_MISTRAL ? "Mistral" : "Llama");
 			goto out_root;
 		}
@@ -553,26 +540,26 @@ static int read_tensor_entry(struct loader *ld, uint32_t fi, const char *name, c
 	uint32_t slot = 0;
 	enum name_class nc = classify(&m->cfg, name, &slot);
 	if (nc == NAME_UNEXPECTED)
-		return fail(err, errlen, -EINVAL, "%s: unexpected tensor %s (not part of a %u-layer %s)", fname, name,
+		return errorf(err, errlen, -EINVAL, "%s: unexpected tensor %s (not part of a %u-layer %s)", fname, name,
 			    m->cfg.n_layers, m->cfg.arch == ARCH_MISTRAL ? "Mistral" : "Llama");
 	if (!json_is_object(e))
-		return fail(err, errlen, -EINVAL, "%s: header entry %s must be an object", fname, name);
+		return errorf(err, errlen, -EINVAL, "%s: header entry %s must be an object", fname, name);
 	const json_t *jd = json_object_get(e, "dtype"), *js = json_object_get(e, "shape");
 	const json_t *jo = json_object_get(e, "data_offsets");
 	if (!json_is_string(jd) || !json_is_array(js) || !jo)
-		return fail(err, errlen, -EINVAL, "%s: tensor %s needs dtype, shape and data_offsets", fname, name);
+		return errorf(err, errlen, -EINVAL, "%s: tensor %s needs dtype, shape and data_offsets", fname, name);
 	uint64_t begin, end;
 	if (parse_u64_pair(jo, &begin, &end))
-		return fail(err, errlen, -EINVAL,
+		return errorf(err, errlen, -EINVAL,
 			    "%s: tensor %s: data_offsets must be [begin, end], two non-negative "
 			    "integers",
 			    fname, name);
 	uint64_t data_len = mf->size - mf->data_start;
 	if (begin > end)
-		return fail(err, errlen, -EINVAL, "%s: tensor %s: data_offsets [%llu, %llu] end before they begin",
+		return errorf(err, errlen, -EINVAL, "%s: tensor %s: data_offsets [%llu, %llu] end before they begin",
 			    fname, name, (unsigned long long)begin, (unsigned long long)end);
 	if (end > data_len)
-		return fail(err, errlen, -EINVAL,
+		return errorf(err, errlen, -EINVAL,
 			    "%s: tensor %s: data_offsets [%llu, %llu] run past the end of the data (%llu bytes): the "
 			    "file is truncated or the header is corrupt",
 			    fname, name, (unsigned long long)begin, (unsigned long long)end,
@@ -583,25 +570,25 @@ static int read_tensor_entry(struct loader *ld, uint32_t fi, const char *name, c
 	enum dtype dt;
 	int rc = dtype_parse(json_string_value(jd), &dt);
 	if (rc == -ENOTSUP)
-		return fail(err, errlen, -ENOTSUP,
+		return errorf(err, errlen, -ENOTSUP,
 			    "%s: tensor %s has dtype %s, which is not supported (supported: BF16, F16, F32)", fname,
 			    name, json_string_value(jd));
 	if (rc)
-		return fail(err, errlen, -EINVAL, "%s: tensor %s has unknown dtype \"%s\"", fname, name,
+		return errorf(err, errlen, -EINVAL, "%s: tensor %s has unknown dtype \"%s\"", fname, name,
 			    json_string_value(jd));
 	uint64_t shape[8] = {0};
 	size_t ndim = json_array_size(js);
 	if (ndim > ARRAY_SIZE(shape))
-		return fail(err, errlen, -EINVAL, "%s: tensor %s has %zu dimensions", fname, name, ndim);
+		return errorf(err, errlen, -EINVAL, "%s: tensor %s has %zu dimensions", fname, name, ndim);
 	uint64_t count = 1;
 	for (size_t i = 0; i < ndim; i++) {
 		const json_t *d = json_array_get(js, i);
 		if (!json_is_integer(d) || json_integer_value(d) < 0 || json_integer_value(d) > (1ll << 40))
-			return fail(err, errlen, -EINVAL, "%s: tensor %s: shape must hold non-negative integers", fname,
+			return errorf(err, errlen, -EINVAL, "%s: tensor %s: shape must hold non-negative integers", fname,
 				    name);
 		shape[i] = (uint64_t)json_integer_value(d);
 		if (__builtin_mul_overflow(count, shape[i], &count))
-			return fail(err, errlen, -EINVAL, "%s: tensor %s: shape overflows", fname, name);
+			return errorf(err, errlen, -EINVAL, "%s: tensor %s: shape overflows", fname, name);
 	}
 	uint32_t role, group, want_ndim;
 	uint64_t want[2];
@@ -614,12 +601,12 @@ static int read_tensor_entry(struct loader *ld, uint32_t fi, const char *name, c
 		char got_s[128], want_s[64];
 		format_shape(got_s, sizeof(got_s), shape, (uint32_t)ndim);
 		format_shape(want_s, sizeof(want_s), want, want_ndim);
-		return fail(err, errlen, -EINVAL, "%s: tensor %s has shape %s, but config.json implies %s", fname, name,
+		return errorf(err, errlen, -EINVAL, "%s: tensor %s has shape %s, but config.json implies %s", fname, name,
 			    got_s, want_s);
 	}
 	uint64_t nbytes = count * dtype_size(dt);
 	if (end - begin != nbytes)
-		return fail(err, errlen, -EINVAL,
+		return errorf(err, errlen, -EINVAL,
 			    "%s: tensor %s: data_offsets [%llu, %llu] hold %llu bytes, but %s of shape [%llu%s] needs "
 			    "%llu",
 			    fname, name, (unsigned long long)begin, (unsigned long long)end,
@@ -628,13 +615,13 @@ static int read_tensor_entry(struct loader *ld, uint32_t fi, const char *name, c
 
 	if (ld->have_index) {
 		if (ld->index_file[slot] == NO_FILE)
-			return fail(err, errlen, -EINVAL, "%s holds tensor %s, which %s does not list", fname, name,
+			return errorf(err, errlen, -EINVAL, "%s holds tensor %s, which %s does not list", fname, name,
 				    INDEX_NAME);
 		if (ld->index_file[slot] != fi)
 			return 0; /* a stray copy: the index says where the tensor is */
 	}
 	if (ld->found[slot])
-		return fail(err, errlen, -EINVAL, "tensor %s appears twice", name); /* single file: JSON forbids it */
+		return errorf(err, errlen, -EINVAL, "tensor %s appears twice", name); /* single file: JSON forbids it */
 	struct tensor_desc *t = &m->tensors[slot];
 	memset(t, 0, sizeof(*t));
 	str_copy(t->name, sizeof(t->name), want_name);
@@ -665,22 +652,22 @@ static int read_safetensors(struct loader *ld, uint32_t fi)
 	int fd = open(mf->path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0) {
 		rc = -errno;
-		return fail(err, errlen, rc, "%s: cannot open: %s%s", mf->path, strerror(-rc),
+		return errorf(err, errlen, rc, "%s: cannot open: %s%s", mf->path, strerror(-rc),
 			    ld->have_index ? " (named in " INDEX_NAME ")" : "");
 	}
 	struct stat st;
 	if (fstat(fd, &st) != 0) {
-		rc = fail(err, errlen, -errno, "%s: stat: %s", mf->path, strerror(errno));
+		rc = errorf(err, errlen, -errno, "%s: stat: %s", mf->path, strerror(errno));
 		goto out_close;
 	}
 	if (!S_ISREG(st.st_mode)) {
-		rc = fail(err, errlen, -EINVAL, "%s: not a regular file", mf->path);
+		rc = errorf(err, errlen, -EINVAL, "%s: not a regular file", mf->path);
 		goto out_close;
 	}
 	mf->size = (uint64_t)st.st_size;
 	unsigned char lenbuf[8];
 	if (mf->size < 8 || pread(fd, lenbuf, 8, 0) != 8) {
-		rc = fail(err, errlen, -EINVAL, "%s: too short for a safetensors file (%llu bytes)", fname,
+		rc = errorf(err, errlen, -EINVAL, "%s: too short for a safetensors file (%llu bytes)", fname,
 			  (unsigned long long)mf->size);
 		goto out_close;
 	}
@@ -688,36 +675,36 @@ static int read_safetensors(struct loader *ld, uint32_t fi)
 	for (int i = 7; i >= 0; i--)
 		n = (n << 8) | lenbuf[i];
 	if (n == 0 || n > HEADER_MAX) {
-		rc = fail(err, errlen, -EINVAL, "%s: header length %llu is invalid (must be 1 .. 100 MiB)", fname,
+		rc = errorf(err, errlen, -EINVAL, "%s: header length %llu is invalid (must be 1 .. 100 MiB)", fname,
 			  (unsigned long long)n);
 		goto out_close;
 	}
 	if (8 + n > mf->size) {
-		rc = fail(err, errlen, -EINVAL, "%s: header length %llu runs past the end of the file (%llu bytes)",
+		rc = errorf(err, errlen, -EINVAL, "%s: header length %llu runs past the end of the file (%llu bytes)",
 			  fname, (unsigned long long)n, (unsigned long long)mf->size);
 		goto out_close;
 	}
 	mf->data_start = 8 + n;
 	hdr = malloc(n);
 	if (!hdr) {
-		rc = fail(err, errlen, -ENOMEM, "%s: out of memory for a %llu-byte header", fname,
+		rc = errorf(err, errlen, -ENOMEM, "%s: out of memory for a %llu-byte header", fname,
 			  (unsigned long long)n);
 		goto out_close;
 	}
 	ssize_t got = pread(fd, hdr, n, 8);
 	if (got != (ssize_t)n) {
-		rc = fail(err, errlen, got < 0 ? -errno : -EIO, "%s: reading the header: %s", fname,
+		rc = errorf(err, errlen, got < 0 ? -errno : -EIO, "%s: reading the header: %s", fname,
 			  got < 0 ? strerror(errno) : "short read");
 		goto out_free;
 	}
 	json_error_t je;
 	root = json_loadb(hdr, n, JSON_REJECT_DUPLICATES, &je);
 	if (!root) {
-		rc = fail(err, errlen, -EINVAL, "%s: bad JSON header at column %d: %s", fname, je.column, je.text);
+		rc = errorf(err, errlen, -EINVAL, "%s: bad JSON header at column %d: %s", fname, je.column, je.text);
 		goto out_free;
 	}
 	if (!json_is_object(root)) {
-		rc = fail(err, errlen, -EINVAL, "%s: the header must be a JSON object", fname);
+		rc = errorf(err, errlen, -EINVAL, "%s: the header must be a JSON object", fname);
 		goto out_json;
 	}
 	const char *key;
@@ -857,14 +844,14 @@ static int load_config(const char *dir, struct model_config *cfg, char *err, siz
 {
 	char path[PATH_MAX];
 	if (snprintf(path, sizeof(path), "%s/config.json", dir) >= (int)sizeof(path))
-		return fail(err, errlen, -ENAMETOOLONG, "%s: path too long", dir);
+		return errorf(err, errlen, -ENAMETOOLONG, "%s: path too long", dir);
 	if (access(path, F_OK) != 0)
-		return fail(err, errlen, -ENOENT, "%s: no such file (is %s a Hugging Face checkpoint directory?)", path,
+		return errorf(err, errlen, -ENOENT, "%s: no such file (is %s a Hugging Face checkpoint directory?)", path,
 			    dir);
 	json_error_t je;
 	json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
 	if (!root)
-		return fail(err, errlen, -EINVAL, "%s: bad JSON at line %d column %d: %s", path, je.line, je.column,
+		return errorf(err, errlen, -EINVAL, "%s: bad JSON at line %d column %d: %s", path, je.line, je.column,
 			    je.text);
 	int rc = parse_config(root, cfg, err, errlen);
 	json_decref(root);
@@ -882,15 +869,15 @@ int manifest_load(const char *dir, struct manifest **out, char *err, size_t errl
 	struct stat st;
 	if (stat(dir, &st) != 0) {
 		int e = errno;
-		return fail(err, errlen, -e, "model directory %s %s", dir,
+		return errorf(err, errlen, -e, "model directory %s %s", dir,
 			    e == ENOENT ? "does not exist" : strerror(e));
 	}
 	if (!S_ISDIR(st.st_mode))
-		return fail(err, errlen, -ENOTDIR, "model directory %s is not a directory", dir);
+		return errorf(err, errlen, -ENOTDIR, "model directory %s is not a directory", dir);
 
 	struct manifest *m = calloc(1, sizeof(*m));
 	if (!m)
-		return fail(err, errlen, -ENOMEM, "out of memory");
+		return errorf(err, errlen, -ENOMEM, "out of memory");
 	struct loader ld = {.dir = dir, .m = m, .err = err, .errlen = errlen};
 	int rc = load_config(dir, &m->cfg, err, errlen);
 	if (rc)
@@ -902,7 +889,7 @@ int manifest_load(const char *dir, struct manifest **out, char *err, size_t errl
 	ld.index_file = malloc(ns * sizeof(*ld.index_file));
 	ld.found = calloc(ns, sizeof(*ld.found));
 	if (!m->tensors || !ld.index_file || !ld.found) {
-		rc = fail(err, errlen, -ENOMEM, "out of memory");
+		rc = errorf(err, errlen, -ENOMEM, "out of memory");
 		goto out_free;
 	}
 	for (uint32_t s = 0; s < ns; s++)
@@ -910,7 +897,7 @@ int manifest_load(const char *dir, struct manifest **out, char *err, size_t errl
 
 	char path[PATH_MAX];
 	if (snprintf(path, sizeof(path), "%s/%s", dir, INDEX_NAME) >= (int)sizeof(path)) {
-		rc = fail(err, errlen, -ENAMETOOLONG, "%s: path too long", dir);
+		rc = errorf(err, errlen, -ENAMETOOLONG, "%s: path too long", dir);
 		goto out_free;
 	}
 	if (access(path, F_OK) == 0) {
@@ -921,13 +908,13 @@ int manifest_load(const char *dir, struct manifest **out, char *err, size_t errl
 	} else {
 		snprintf(path, sizeof(path), "%s/%s", dir, SINGLE_NAME);
 		if (access(path, F_OK) != 0) {
-			rc = fail(err, errlen, -ENOENT, "%s holds neither %s nor %s: no weights to load", dir,
+			rc = errorf(err, errlen, -ENOENT, "%s holds neither %s nor %s: no weights to load", dir,
 				  INDEX_NAME, SINGLE_NAME);
 			goto out_free;
 		}
 		ld.file_names = calloc(1, sizeof(*ld.file_names));
 		if (!ld.file_names || !(ld.file_names[0] = strdup(SINGLE_NAME))) {
-			rc = fail(err, errlen, -ENOMEM, "out of memory");
+			rc = errorf(err, errlen, -ENOMEM, "out of memory");
 			goto out_free;
 		}
 		m->n_files = 1;
@@ -935,13 +922,13 @@ int manifest_load(const char *dir, struct manifest **out, char *err, size_t errl
 
 	m->files = calloc(m->n_files, sizeof(*m->files));
 	if (!m->files) {
-		rc = fail(err, errlen, -ENOMEM, "out of memory");
+		rc = errorf(err, errlen, -ENOMEM, "out of memory");
 		goto out_free;
 	}
 	for (uint32_t i = 0; i < m->n_files; i++) {
 		if (snprintf(m->files[i].path, sizeof(m->files[i].path), "%s/%s", dir, ld.file_names[i]) >=
 		    (int)sizeof(m->files[i].path)) {
-			rc = fail(err, errlen, -ENAMETOOLONG, "%s/%s: path too long", dir, ld.file_names[i]);
+			rc = errorf(err, errlen, -ENAMETOOLONG, "%s/%s: path too long", dir, ld.file_names[i]);
 			goto out_free;
 		}
 		rc = read_safetensors(&ld, i);
@@ -955,16 +942,16 @@ int manifest_load(const char *dir, struct manifest **out, char *err, size_t errl
 		char name[TENSOR_NAME_MAX];
 		slot_info(&m->cfg, s, &role, &group, name, sizeof(name));
 		if (ld.have_index && ld.index_file[s] != NO_FILE)
-			rc = fail(err, errlen, -EINVAL, "%s puts tensor %s in %s, but that file does not hold it",
+			rc = errorf(err, errlen, -EINVAL, "%s puts tensor %s in %s, but that file does not hold it",
 				  INDEX_NAME, name, ld.file_names[ld.index_file[s]]);
 		else
-			rc = fail(err, errlen, -EINVAL, "missing tensor %s (config.json: %u layers, %s embeddings)",
+			rc = errorf(err, errlen, -EINVAL, "missing tensor %s (config.json: %u layers, %s embeddings)",
 				  name, m->cfg.n_layers, m->cfg.tie_embeddings ? "tied" : "untied");
 		goto out_free;
 	}
 	rc = build_layout(m);
 	if (rc) {
-		fail(err, errlen, rc, "out of memory laying out %s", dir);
+		errorf(err, errlen, rc, "out of memory laying out %s", dir);
 		goto out_free;
 	}
 	finish_summary(m);

@@ -3,20 +3,9 @@
 #include <assert.h>
 #include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 
 #include "common/util.h"
-
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-{
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(err, errlen, fmt, ap);
-	va_end(ap);
-	return rc;
-}
 
 static const char *const role_names[ROLE_COUNT] = {
 	"embed", "attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "final_norm", "lm_head",
@@ -110,7 +99,7 @@ int model_config_check(const struct model_config *c, char *err, size_t errlen)
 {
 	const char *f = "config.json";
 	if (c->arch != ARCH_LLAMA && c->arch != ARCH_MISTRAL)
-		return fail(err, errlen, -ENOTSUP, "%s: architecture %u is not supported", f, c->arch);
+		return errorf(err, errlen, -ENOTSUP, "%s: architecture %u is not supported", f, c->arch);
 	struct {
 		const char *name;
 		uint32_t v, lo, hi;
@@ -126,43 +115,43 @@ int model_config_check(const struct model_config *c, char *err, size_t errlen)
 	};
 	for (size_t i = 0; i < ARRAY_SIZE(r); i++)
 		if (r[i].v < r[i].lo || r[i].v > r[i].hi)
-			return fail(err, errlen, -EINVAL, "%s: %s %u is out of range [%u, %u]", f, r[i].name, r[i].v,
+			return errorf(err, errlen, -EINVAL, "%s: %s %u is out of range [%u, %u]", f, r[i].name, r[i].v,
 				    r[i].lo, r[i].hi);
 	if (c->n_kv_heads > c->n_heads || c->n_heads % c->n_kv_heads)
-		return fail(err, errlen, -EINVAL,
+		return errorf(err, errlen, -EINVAL,
 			    "%s: num_key_value_heads %u must divide num_attention_heads %u (grouped-query attention)",
 			    f, c->n_kv_heads, c->n_heads);
 	if (!(c->rms_eps > 0 && c->rms_eps < 1))
-		return fail(err, errlen, -EINVAL, "%s: rms_norm_eps %g must be in (0, 1)", f, (double)c->rms_eps);
+		return errorf(err, errlen, -EINVAL, "%s: rms_norm_eps %g must be in (0, 1)", f, (double)c->rms_eps);
 	if (!(c->rope_theta > 0 && isfinite(c->rope_theta)))
-		return fail(err, errlen, -EINVAL, "%s: rope_theta %g must be positive", f, (double)c->rope_theta);
+		return errorf(err, errlen, -EINVAL, "%s: rope_theta %g must be positive", f, (double)c->rope_theta);
 	if (c->rope_scaling > ROPE_SCALING_LLAMA3)
-		return fail(err, errlen, -EINVAL, "%s: rope_scaling kind %u is unknown", f, c->rope_scaling);
+		return errorf(err, errlen, -EINVAL, "%s: rope_scaling kind %u is unknown", f, c->rope_scaling);
 	if (c->rope_scaling != ROPE_SCALING_NONE && !(c->rope_factor > 0 && isfinite(c->rope_factor)))
-		return fail(err, errlen, -EINVAL, "%s: rope_scaling factor %g must be positive", f,
+		return errorf(err, errlen, -EINVAL, "%s: rope_scaling factor %g must be positive", f,
 			    (double)c->rope_factor);
 	if (c->rope_scaling == ROPE_SCALING_LLAMA3) {
 		/* HF divides by (high - low): equal factors would divide by zero. */
 		if (!(c->rope_low_freq_factor > 0 && c->rope_high_freq_factor > c->rope_low_freq_factor &&
 		      isfinite(c->rope_high_freq_factor)))
-			return fail(err, errlen, -EINVAL,
+			return errorf(err, errlen, -EINVAL,
 				    "%s: rope_scaling needs 0 < low_freq_factor (%g) < high_freq_factor (%g)", f,
 				    (double)c->rope_low_freq_factor, (double)c->rope_high_freq_factor);
 		if (c->rope_original_max_position < 1)
-			return fail(err, errlen, -EINVAL,
+			return errorf(err, errlen, -EINVAL,
 				    "%s: rope_scaling original_max_position_embeddings must be positive", f);
 	}
 	if (c->tie_embeddings > 1)
-		return fail(err, errlen, -EINVAL, "%s: tie_word_embeddings %u must be 0 or 1", f, c->tie_embeddings);
+		return errorf(err, errlen, -EINVAL, "%s: tie_word_embeddings %u must be 0 or 1", f, c->tie_embeddings);
 	if (c->bos_id < -1 || c->bos_id >= (int64_t)c->vocab_size)
-		return fail(err, errlen, -EINVAL, "%s: bos_token_id %d is outside the vocabulary (vocab_size %u)", f,
+		return errorf(err, errlen, -EINVAL, "%s: bos_token_id %d is outside the vocabulary (vocab_size %u)", f,
 			    c->bos_id, c->vocab_size);
 	if (c->n_eos > MODEL_MAX_EOS)
-		return fail(err, errlen, -EINVAL, "%s: eos_token_id lists %u ids, at most %u are supported", f,
+		return errorf(err, errlen, -EINVAL, "%s: eos_token_id lists %u ids, at most %u are supported", f,
 			    c->n_eos, MODEL_MAX_EOS);
 	for (uint32_t i = 0; i < c->n_eos; i++)
 		if (c->eos_ids[i] < 0 || c->eos_ids[i] >= (int64_t)c->vocab_size)
-			return fail(err, errlen, -EINVAL,
+			return errorf(err, errlen, -EINVAL,
 				    "%s: eos_token_id %d is outside the vocabulary (vocab_size %u)", f, c->eos_ids[i],
 				    c->vocab_size);
 	return 0;

@@ -41,19 +41,6 @@
 #define SINGLE_NAME  "model.safetensors"
 #define MAX_SHARDS   99999u /* the 5-digit file numbering */
 
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-{
-	if (err && errlen) {
-		va_list ap;
-		va_start(ap, fmt);
-		vsnprintf(err, errlen, fmt, ap);
-		va_end(ap);
-	}
-	return rc;
-}
-
 /* ---- values ---- */
 
 static float table_f32[TABLE_SIZE];
@@ -234,13 +221,13 @@ int synth_shape_config(const char *spec, struct model_config *c, char *err, size
 			errno = 0;
 			unsigned long l = strtoul(spec + 11, &end, 10);
 			if (errno || end == spec + 11 || *end || l < 1 || l > 80)
-				return fail(err, errlen, -EINVAL, "shape %s: the layer count must be 1..80", spec);
+				return errorf(err, errlen, -EINVAL, "shape %s: the layer count must be 1..80", spec);
 			c->n_layers = (uint32_t)l;
 		}
 		return 0;
 	}
 	memset(c, 0, sizeof(*c));
-	return fail(err, errlen, -EINVAL,
+	return errorf(err, errlen, -EINVAL,
 		    "unknown shape \"%s\" (known: tiny, llama3-8b, llama3-70b, llama3-70b:LAYERS)", spec);
 }
 
@@ -270,7 +257,7 @@ int synth_parse_rope_scaling(const char *text, struct model_config *c, char *err
 			return 0;
 		}
 	}
-	return fail(err, errlen, -EINVAL, "rope scaling \"%s\" is not one of none, linear:FACTOR, llama3", text);
+	return errorf(err, errlen, -EINVAL, "rope scaling \"%s\" is not one of none, linear:FACTOR, llama3", text);
 }
 
 uint64_t synth_param_count(const struct model_config *c, bool tied)
@@ -343,7 +330,7 @@ static int plan_build(struct plan *p, const struct model_config *c, const struct
 	uint32_t cap = 3 + 9 * c->n_layers;
 	p->t = calloc(cap, sizeof(*p->t));
 	if (!p->t)
-		return fail(err, errlen, -ENOMEM, "out of memory planning %u tensors", cap);
+		return errorf(err, errlen, -ENOMEM, "out of memory planning %u tensors", cap);
 	uint64_t d = c->dim, q = (uint64_t)c->n_heads * c->head_dim, kv = (uint64_t)c->n_kv_heads * c->head_dim;
 	char name[TENSOR_NAME_MAX];
 	add_tensor(p, o, "model.embed_tokens.weight", c->vocab_size, d);
@@ -372,7 +359,7 @@ static int plan_build(struct plan *p, const struct model_config *c, const struct
 	/* Shards, in state_dict order. */
 	if (o->shards) {
 		if (o->shards > p->n || o->shards > MAX_SHARDS)
-			return fail(err, errlen, -EINVAL, "cannot split %u tensors into %u shards", p->n, o->shards);
+			return errorf(err, errlen, -EINVAL, "cannot split %u tensors into %u shards", p->n, o->shards);
 		/* Cut where the running total passes each 1/shards of the bytes, keeping at least one
 		 * tensor for every shard still to come. */
 		uint32_t shard = 0, in_shard = 0;
@@ -393,7 +380,7 @@ static int plan_build(struct plan *p, const struct model_config *c, const struct
 		p->n_files = o->shards;
 	} else {
 		if (!o->shard_bytes)
-			return fail(err, errlen, -EINVAL, "shard size 0: give a size or a shard count");
+			return errorf(err, errlen, -EINVAL, "shard size 0: give a size or a shard count");
 		/* transformers: a new shard when this tensor would push the current one past the limit. */
 		uint32_t shard = 0;
 		uint64_t acc = 0;
@@ -408,7 +395,7 @@ static int plan_build(struct plan *p, const struct model_config *c, const struct
 		}
 		p->n_files = shard + 1;
 		if (p->n_files > MAX_SHARDS)
-			return fail(err, errlen, -EINVAL, "shard size %llu gives %u files, more than %u",
+			return errorf(err, errlen, -EINVAL, "shard size %llu gives %u files, more than %u",
 				    (unsigned long long)o->shard_bytes, p->n_files, MAX_SHARDS);
 	}
 
@@ -417,7 +404,7 @@ static int plan_build(struct plan *p, const struct model_config *c, const struct
 	p->file_size = calloc(p->n_files, sizeof(*p->file_size));
 	p->file_name = calloc(p->n_files, sizeof(*p->file_name));
 	if (!p->order || !p->file_first || !p->file_size || !p->file_name)
-		return fail(err, errlen, -ENOMEM, "out of memory planning %u files", p->n_files);
+		return errorf(err, errlen, -ENOMEM, "out of memory planning %u files", p->n_files);
 	/* State-dict order already groups by file (shards are contiguous runs); sort each by name. */
 	for (uint32_t i = 0; i < p->n; i++) {
 		p->order[i] = i;
@@ -676,17 +663,17 @@ static int write_small_file(const char *dir, const char *name, const struct sbuf
 {
 	char path[PATH_MAX];
 	if (snprintf(path, sizeof(path), "%s/%s", dir, name) >= (int)sizeof(path))
-		return fail(err, errlen, -ENAMETOOLONG, "%s/%s: path too long", dir, name);
+		return errorf(err, errlen, -ENAMETOOLONG, "%s/%s: path too long", dir, name);
 	int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
 	if (fd < 0)
-		return fail(err, errlen, -errno, "cannot create %s: %s", path, strerror(errno));
+		return errorf(err, errlen, -errno, "cannot create %s: %s", path, strerror(errno));
 	int rc = created_add(cr, path);
 	if (!rc)
 		rc = write_all(fd, s->p, s->len);
 	if (close(fd) != 0 && !rc)
 		rc = -errno;
 	if (rc)
-		return fail(err, errlen, rc, "writing %s: %s", path, why(rc));
+		return errorf(err, errlen, rc, "writing %s: %s", path, why(rc));
 	return 0;
 }
 
@@ -695,7 +682,7 @@ static int make_dirs(const char *dir, struct created *dirs, char *err, size_t er
 {
 	char path[PATH_MAX];
 	if (str_copy(path, sizeof(path), dir))
-		return fail(err, errlen, -ENAMETOOLONG, "%s: path too long", dir);
+		return errorf(err, errlen, -ENAMETOOLONG, "%s: path too long", dir);
 	size_t n = strlen(path);
 	while (n > 1 && path[n - 1] == '/')
 		path[--n] = 0;
@@ -706,9 +693,9 @@ static int make_dirs(const char *dir, struct created *dirs, char *err, size_t er
 		*p = 0;
 		if (mkdir(path, 0755) == 0) {
 			if (created_add(dirs, path))
-				return fail(err, errlen, -ENOMEM, "out of memory");
+				return errorf(err, errlen, -ENOMEM, "out of memory");
 		} else if (errno != EEXIST) {
-			return fail(err, errlen, -errno, "cannot create directory %s: %s", path, strerror(errno));
+			return errorf(err, errlen, -errno, "cannot create directory %s: %s", path, strerror(errno));
 		}
 		*p = save;
 		if (!save)
@@ -716,7 +703,7 @@ static int make_dirs(const char *dir, struct created *dirs, char *err, size_t er
 	}
 	struct stat st;
 	if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
-		return fail(err, errlen, -ENOTDIR, "%s exists and is not a directory", path);
+		return errorf(err, errlen, -ENOTDIR, "%s exists and is not a directory", path);
 	return 0;
 }
 
@@ -725,7 +712,7 @@ static int remove_stale(const char *dir, char *err, size_t errlen)
 {
 	DIR *d = opendir(dir);
 	if (!d)
-		return fail(err, errlen, -errno, "cannot list %s: %s", dir, strerror(errno));
+		return errorf(err, errlen, -errno, "cannot list %s: %s", dir, strerror(errno));
 	int rc = 0;
 	struct dirent *e;
 	while ((e = readdir(d))) {
@@ -739,7 +726,7 @@ static int remove_stale(const char *dir, char *err, size_t errlen)
 		char path[PATH_MAX];
 		snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
 		if (unlink(path) != 0 && errno != ENOENT) {
-			rc = fail(err, errlen, -errno, "cannot remove the old %s: %s", path, strerror(errno));
+			rc = errorf(err, errlen, -errno, "cannot remove the old %s: %s", path, strerror(errno));
 			break;
 		}
 	}
@@ -949,7 +936,7 @@ static int write_weights(const char *dir, const struct plan *p, const struct syn
 	for (int i = 0; i < N_BUFS; i++) {
 		if (posix_memalign((void **)&w.bufs[i].data, DIRECT_ALIGN, BUF_BYTES) != 0) {
 			w.bufs[i].data = NULL;
-			rc = fail(err, errlen, -ENOMEM, "out of memory for write buffers");
+			rc = errorf(err, errlen, -ENOMEM, "out of memory for write buffers");
 			goto out_bufs;
 		}
 	}
@@ -958,7 +945,7 @@ static int write_weights(const char *dir, const struct plan *p, const struct syn
 	pthread_t th;
 	rc = -pthread_create(&th, NULL, writer_main, &w);
 	if (rc) {
-		fail(err, errlen, rc, "cannot start the writer thread: %s", strerror(-rc));
+		errorf(err, errlen, rc, "cannot start the writer thread: %s", strerror(-rc));
 		goto out_sync;
 	}
 	struct filler f = {.w = &w, .fd = -1, .progress = o->progress, .total = p->file_bytes, .t0 = now_s()};
@@ -972,7 +959,7 @@ static int write_weights(const char *dir, const struct plan *p, const struct syn
 		if (f.fd < 0 && errno == EINVAL)
 			f.fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
 		if (f.fd < 0) {
-			rc = fail(err, errlen, -errno, "cannot create %s: %s", path, strerror(errno));
+			rc = errorf(err, errlen, -errno, "cannot create %s: %s", path, strerror(errno));
 			break;
 		}
 		f.file = fi;
@@ -993,7 +980,7 @@ static int write_weights(const char *dir, const struct plan *p, const struct syn
 			rc = -errno;
 		f.fd = -1;
 		if (rc)
-			fail(err, errlen, rc, "writing %s: %s", path, why(rc));
+			errorf(err, errlen, rc, "writing %s: %s", path, why(rc));
 	}
 	if (!rc)
 		print_progress(&f, true);
@@ -1025,7 +1012,7 @@ int synth_write_stats(const char *dir, const struct model_config *cfg, const str
 	assert(dir && cfg && o);
 	double t0 = now_s();
 	if ((unsigned)o->dtype >= DT_COUNT)
-		return fail(err, errlen, -EINVAL, "dtype %u is not one of BF16, F16, F32", (unsigned)o->dtype);
+		return errorf(err, errlen, -EINVAL, "dtype %u is not one of BF16, F16, F32", (unsigned)o->dtype);
 	bool tied = o->tied || cfg->tie_embeddings;
 	struct model_config c = *cfg;
 	c.tie_embeddings = tied;
@@ -1045,7 +1032,7 @@ int synth_write_stats(const char *dir, const struct model_config *cfg, const str
 		build_st_header(&h, &p, f, o->dtype);
 		if (h.oom) {
 			free(h.p);
-			rc = fail(err, errlen, -ENOMEM, "out of memory building a header");
+			rc = errorf(err, errlen, -ENOMEM, "out of memory building a header");
 			goto out_plan;
 		}
 		p.file_size[f] = h.len;
@@ -1061,13 +1048,13 @@ int synth_write_stats(const char *dir, const struct model_config *cfg, const str
 	if (rc)
 		goto out_cleanup;
 	build_config_json(&s, &c, o, tied);
-	rc = s.oom ? fail(err, errlen, -ENOMEM, "out of memory")
+	rc = s.oom ? errorf(err, errlen, -ENOMEM, "out of memory")
 		   : write_small_file(dir, "config.json", &s, &files, err, errlen);
 	if (rc)
 		goto out_cleanup;
 	s.len = 0;
 	build_generation_json(&s, &c);
-	rc = s.oom ? fail(err, errlen, -ENOMEM, "out of memory")
+	rc = s.oom ? errorf(err, errlen, -ENOMEM, "out of memory")
 		   : write_small_file(dir, "generation_config.json", &s, &files, err, errlen);
 	if (rc)
 		goto out_cleanup;
@@ -1075,7 +1062,7 @@ int synth_write_stats(const char *dir, const struct model_config *cfg, const str
 		s.len = 0;
 		rc = build_index_json(&s, &p);
 		if (rc || s.oom)
-			rc = fail(err, errlen, -ENOMEM, "out of memory");
+			rc = errorf(err, errlen, -ENOMEM, "out of memory");
 		else
 			rc = write_small_file(dir, INDEX_NAME, &s, &files, err, errlen);
 		if (rc)

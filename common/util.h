@@ -29,6 +29,10 @@ uint64_t fnv1a64(uint64_t h, const void *data, size_t len);
 /* CRC-32C (Castagnoli) continuing from crc (start with 0). */
 uint32_t crc32c(uint32_t crc, const void *data, size_t len);
 
+/* Formats a message into err (of errlen bytes) and returns rc: the one-line error path
+ * `return errorf(err, errlen, -EINVAL, "tensor %s: ...", name);`. */
+int errorf(char *err, size_t errlen, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+
 /* A random 64-bit value from getrandom(2) (falls back to time and pid). */
 uint64_t random_u64(void);
 

@@ -1,10 +1,14 @@
 #include "services/gpu-runner/engine.h"
 
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common/util.h"
+
+/* Records a message in the object and returns rc. */
+#define set_err(obj, rc, ...) errorf((obj)->error, sizeof((obj)->error), rc, __VA_ARGS__)
 
 struct engine {
 	const struct model_config *cfg;
@@ -16,16 +20,6 @@ struct engine {
 	uint32_t *dst_block, *dst_row;
 	char error[768];
 };
-
-static int set_err(struct engine *e, int rc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int set_err(struct engine *e, int rc, const char *fmt, ...)
-{
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(e->error, sizeof(e->error), fmt, ap);
-	va_end(ap);
-	return rc;
-}
 
 int engine_create(const struct model_config *cfg, const struct backend_ops *ops, struct backend *be,
 		  struct weight_source *weights, struct kv_cache *kv, uint32_t max_chunk, struct engine **out,

@@ -2,13 +2,17 @@
 
 #include <assert.h>
 #include <errno.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/util.h"
+
 #define NO_ARENA (-1)
+
+/* Records a message in the object and returns rc. */
+#define set_err(obj, rc, ...) errorf((obj)->error, sizeof((obj)->error), rc, __VA_ARGS__)
 
 struct kv_entry {
 	int32_t arena;	   /* arena block holding it, NO_ARENA */
@@ -41,16 +45,6 @@ struct kv_cache {
 	struct kv_cache_stats stats;
 	char error[512];
 };
-
-static int set_err(struct kv_cache *kv, int rc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int set_err(struct kv_cache *kv, int rc, const char *fmt, ...)
-{
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(kv->error, sizeof(kv->error), fmt, ap);
-	va_end(ap);
-	return rc;
-}
 
 static struct kv_entry *entry(struct kv_cache *kv, uint32_t layer, uint32_t index)
 {

@@ -1,22 +1,14 @@
 #include "services/gpu-runner/kv_remote.h"
 
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "common/shm.h"
 #include "common/util.h"
 
-static int set_err(struct kv_remote *kr, int rc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int set_err(struct kv_remote *kr, int rc, const char *fmt, ...)
-{
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(kr->error, sizeof(kr->error), fmt, ap);
-	va_end(ap);
-	return rc;
-}
+/* Records a message in the object and returns rc. */
+#define set_err(obj, rc, ...) errorf((obj)->error, sizeof((obj)->error), rc, __VA_ARGS__)
 
 /* One request; the reply must be of type `want`. Returns 0 with rep to free, or -errno. */
 static int call(struct kv_remote *kr, struct msg *req, uint32_t want, struct msg *rep)

@@ -1,7 +1,6 @@
 #include "services/gpu-runner/weights_ring.h"
 
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,28 +36,18 @@ struct ring_source {
 	uint32_t n_pending;
 };
 
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-{
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(err, errlen, fmt, ap);
-	va_end(ap);
-	return rc;
-}
-
 /* Checks the tables the loader laid out, against the object's size and the config. */
 static int check_tables(struct ring_source *rs, size_t size, char *err, size_t errlen)
 {
 	struct wring_header *h = rs->h;
 	char why[256];
 	if (model_config_check(&h->cfg, why, sizeof(why)) != 0)
-		return fail(err, errlen, -EPROTO, "the weight ring's model config is invalid: %s", why);
+		return errorf(err, errlen, -EPROTO, "the weight ring's model config is invalid: %s", why);
 	rs->cfg = h->cfg;
 	const struct model_config *c = &rs->cfg;
 	uint32_t nt = h->n_tensors, ng = h->n_groups, ns = h->n_slots;
 	if (ng != model_n_groups(c) || nt == 0 || nt > 16 * ng || ns == 0 || ns > ng)
-		return fail(err, errlen, -EPROTO, "the weight ring's table sizes are inconsistent (%u groups, %u tensors, "
+		return errorf(err, errlen, -EPROTO, "the weight ring's table sizes are inconsistent (%u groups, %u tensors, "
 			    "%u slots)", ng, nt, ns);
 	struct {
 		uint64_t off, bytes;
@@ -69,20 +58,20 @@ static int check_tables(struct ring_source *rs, size_t size, char *err, size_t e
 		      {h->data_off, h->data_bytes}};
 	for (size_t i = 0; i < ARRAY_SIZE(tables); i++)
 		if (tables[i].off < sizeof(*h) || tables[i].off > size || tables[i].bytes > size - tables[i].off)
-			return fail(err, errlen, -EPROTO, "the weight ring's table %zu lies outside the object", i);
+			return errorf(err, errlen, -EPROTO, "the weight ring's table %zu lies outside the object", i);
 	rs->tensors = malloc((size_t)nt * sizeof(struct tensor_desc));
 	rs->groups = malloc((size_t)ng * sizeof(struct group_desc));
 	rs->held = calloc(ng, sizeof(struct held));
 	rs->pending_release = calloc(ng, sizeof(uint64_t));
 	if (!rs->tensors || !rs->groups || !rs->held || !rs->pending_release)
-		return fail(err, errlen, -ENOMEM, "out of memory");
+		return errorf(err, errlen, -ENOMEM, "out of memory");
 	memcpy(rs->tensors, wring_tensors(h), (size_t)nt * sizeof(struct tensor_desc));
 	memcpy(rs->groups, wring_groups(h), (size_t)ng * sizeof(struct group_desc));
 	for (uint32_t g = 0; g < ng; g++) {
 		const struct group_desc *gd = &rs->groups[g];
 		if (gd->size_class >= CLASS_COUNT || gd->slot_bytes > h->class_bytes[gd->size_class] ||
 		    gd->first_tensor > nt || gd->n_tensors > nt - gd->first_tensor)
-			return fail(err, errlen, -EPROTO, "the weight ring's group %u is inconsistent", g);
+			return errorf(err, errlen, -EPROTO, "the weight ring's group %u is inconsistent", g);
 		bool seen[ROLE_COUNT] = {0};
 		for (uint32_t i = 0; i < gd->n_tensors; i++) {
 			const struct tensor_desc *t = &rs->tensors[gd->first_tensor + i];
@@ -94,7 +83,7 @@ static int check_tables(struct ring_source *rs, size_t size, char *err, size_t e
 			    t->nbytes != shape[0] * (nd == 2 ? shape[1] : 1) * dtype_size((enum dtype)t->dtype) ||
 			    t->slot_offset > gd->slot_bytes || t->nbytes > gd->slot_bytes - t->slot_offset ||
 			    model_role_group(c, (enum tensor_role)t->role, gd->layer) != g)
-				return fail(err, errlen, -EPROTO, "the weight ring's tensor %u (group %u) is inconsistent",
+				return errorf(err, errlen, -EPROTO, "the weight ring's tensor %u (group %u) is inconsistent",
 					    gd->first_tensor + i, g);
 			seen[t->role] = true;
 		}
@@ -115,10 +104,10 @@ static int take_grant(struct ring_source *rs, const struct msg *m, const bool *w
 	const struct msg_w_grant *gr = &m->w_grant;
 	struct wring_header *h = rs->h;
 	if (m->type != MSG_W_GRANT)
-		return fail(rs->base.error, sizeof(rs->base.error), -EPROTO, "the loader answered %s, not a grant",
+		return errorf(rs->base.error, sizeof(rs->base.error), -EPROTO, "the loader answered %s, not a grant",
 			    msg_type_name(m->type));
 	if (gr->group >= h->n_groups || !wanted[gr->group] || gr->slot >= h->n_slots)
-		return fail(rs->base.error, sizeof(rs->base.error), -EPROTO,
+		return errorf(rs->base.error, sizeof(rs->base.error), -EPROTO,
 			    "the loader granted group %llu slot %llu, which was not asked for or does not exist",
 			    (unsigned long long)gr->group, (unsigned long long)gr->slot);
 	struct wring_slot *s = &wring_slots(h)[gr->slot];
@@ -126,7 +115,7 @@ static int take_grant(struct ring_source *rs, const struct msg *m, const bool *w
 	if (gr->offset != s->data_offset || rs->groups[g].slot_bytes > s->capacity ||
 	    atomic_load_explicit(&s->group, memory_order_acquire) != g ||
 	    (atomic_load_explicit(&s->seq, memory_order_acquire) & 1u))
-		return fail(rs->base.error, sizeof(rs->base.error), -EPROTO,
+		return errorf(rs->base.error, sizeof(rs->base.error), -EPROTO,
 			    "the grant of group %u does not match slot %llu in the ring", g,
 			    (unsigned long long)gr->slot);
 	rs->held[g] = (struct held){.held = true, .slot = (uint32_t)gr->slot, .generation = gr->generation,
@@ -147,7 +136,7 @@ static int acquire_groups(struct ring_source *rs, const uint64_t *groups, uint32
 	uint64_t corr;
 	int rc = rpc_send(rs->loader, &req, &corr);
 	if (rc)
-		return fail(rs->base.error, sizeof(rs->base.error), rc, "cannot reach ssd-loader: %s", strerror(-rc));
+		return errorf(rs->base.error, sizeof(rs->base.error), rc, "cannot reach ssd-loader: %s", strerror(-rc));
 	rs->n_pending = 0;
 	bool *wanted = calloc(rs->h->n_groups, sizeof(bool));
 	if (!wanted)
@@ -157,14 +146,14 @@ static int acquire_groups(struct ring_source *rs, const uint64_t *groups, uint32
 	for (uint32_t got = 0; got < n; got++) {
 		rc = rpc_wait(rs->loader, corr, &rep, rs->timeout_ms);
 		if (rc == -EREMOTEIO) {
-			fail(rs->base.error, sizeof(rs->base.error), -(int)(rep.error.code ? rep.error.code : EIO),
+			errorf(rs->base.error, sizeof(rs->base.error), -(int)(rep.error.code ? rep.error.code : EIO),
 			     "ssd-loader: %s", rep.error.text.p);
 			rc = -(int)(rep.error.code ? rep.error.code : EIO);
 			msg_free(&rep);
 			break;
 		}
 		if (rc) {
-			fail(rs->base.error, sizeof(rs->base.error), rc, "no grant from ssd-loader: %s", strerror(-rc));
+			errorf(rs->base.error, sizeof(rs->base.error), rc, "no grant from ssd-loader: %s", strerror(-rc));
 			break;
 		}
 		rc = take_grant(rs, &rep, wanted);
@@ -182,7 +171,7 @@ static int ring_acquire(struct weight_source *ws, uint32_t group, struct group_w
 {
 	struct ring_source *rs = (struct ring_source *)ws;
 	if (group >= rs->h->n_groups)
-		return fail(ws->error, sizeof(ws->error), -EINVAL, "no group %u", group);
+		return errorf(ws->error, sizeof(ws->error), -EINVAL, "no group %u", group);
 	atomic_store_explicit(&rs->h->runner.position, group, memory_order_relaxed);
 	if (!rs->held[group].held) {
 		uint64_t g = group;
@@ -201,7 +190,7 @@ static int ring_release(struct weight_source *ws, uint32_t group)
 {
 	struct ring_source *rs = (struct ring_source *)ws;
 	if (group >= rs->h->n_groups || !rs->held[group].held)
-		return fail(ws->error, sizeof(ws->error), -EINVAL, "group %u is not held", group);
+		return errorf(ws->error, sizeof(ws->error), -EINVAL, "group %u is not held", group);
 	if (rs->held[group].permanent)
 		return 0;
 	rs->held[group].held = false;
@@ -219,9 +208,9 @@ static int send_release(struct ring_source *rs, uint64_t *groups, uint32_t n)
 	req.w_release.groups.n = n;
 	int rc = rpc_call(rs->loader, &req, &rep, rs->timeout_ms);
 	if (rc == -EREMOTEIO)
-		fail(rs->base.error, sizeof(rs->base.error), rc, "ssd-loader refused a release: %s", rep.error.text.p);
+		errorf(rs->base.error, sizeof(rs->base.error), rc, "ssd-loader refused a release: %s", rep.error.text.p);
 	else if (rc)
-		fail(rs->base.error, sizeof(rs->base.error), rc, "ssd-loader did not answer a release: %s",
+		errorf(rs->base.error, sizeof(rs->base.error), rc, "ssd-loader did not answer a release: %s",
 		     strerror(-rc));
 	if (rc == 0 || rc == -EREMOTEIO)
 		msg_free(&rep);
@@ -252,7 +241,7 @@ int ring_source_create(struct rpc_client *loader, const struct msg_hello_reply *
 		       struct ring_source **out, char *err, size_t errlen)
 {
 	if (hello->layout != WRING_LAYOUT_VERSION)
-		return fail(err, errlen, -EPROTO, "ssd-loader uses weight ring layout %llu, this runner %d",
+		return errorf(err, errlen, -EPROTO, "ssd-loader uses weight ring layout %llu, this runner %d",
 			    (unsigned long long)hello->layout, WRING_LAYOUT_VERSION);
 	struct ring_source *rs = calloc(1, sizeof(*rs));
 	if (!rs)
@@ -261,13 +250,13 @@ int ring_source_create(struct rpc_client *loader, const struct msg_hello_reply *
 	rs->timeout_ms = timeout_ms;
 	int rc = shm_object_attach(hello->shm_name.p, SHM_KIND_WEIGHT_RING, WRING_LAYOUT_VERSION, true, &rs->obj);
 	if (rc) {
-		fail(err, errlen, rc, "cannot map the weight ring %s: %s", hello->shm_name.p, strerror(-rc));
+		errorf(err, errlen, rc, "cannot map the weight ring %s: %s", hello->shm_name.p, strerror(-rc));
 		goto out_free;
 	}
 	rs->h = shm_object_base(rs->obj);
 	rs->owner_pid = atomic_load(&rs->h->shm.owner_pid);
 	if (rs->h->manifest_hash != hello->manifest_hash) {
-		rc = fail(err, errlen, -EPROTO, "the weight ring holds another model than ssd-loader announced");
+		rc = errorf(err, errlen, -EPROTO, "the weight ring holds another model than ssd-loader announced");
 		goto out_free;
 	}
 	rc = check_tables(rs, shm_object_size(rs->obj), err, errlen);
@@ -295,7 +284,7 @@ int ring_source_create(struct rpc_client *loader, const struct msg_hello_reply *
 	rc = acquire_groups(rs, keep, n);
 	free(keep);
 	if (rc) {
-		fail(err, errlen, rc, "%s", rs->base.error);
+		errorf(err, errlen, rc, "%s", rs->base.error);
 		goto out_free;
 	}
 	for (uint32_t g = 0; g < ng; g++)

@@ -68,7 +68,9 @@ struct server {
 static void reply(struct server *s, const struct bus_peer *peer, struct msg *m)
 {
 	int rc = bus_reply(s->router, peer, m);
-	ck_assert_msg(rc == 0, "server reply %s: %d", msg_type_name(m->type), rc);
+	/* A client that gave up and reset its socket (rpc_wait_ready retrying) is gone: that is
+	 * the service's normal lot, not a failure. */
+	ck_assert_msg(rc == 0 || rc == -EHOSTUNREACH, "server reply %s: %d", msg_type_name(m->type), rc);
 }
 
 static void serve_one(struct server *s, const struct bus_peer *peer, const struct msg *req)
