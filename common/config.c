@@ -2,15 +2,30 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/util.h"
 
-static void env_name(const char *name, char *buf, size_t len)
+/* Flags every binary shares take one environment name for all of them; the rest are named
+ * after the program, so two binaries' flags of the same name never collide. */
+static const char *const shared_names[] = {"instance", "run-dir", "log-level"};
+
+static void env_name(const char *prog, const char *name, char *buf, size_t len)
 {
 	size_t n = (size_t)snprintf(buf, len, "PIPELINE_");
+	bool shared = false;
+	for (size_t i = 0; i < sizeof(shared_names) / sizeof(shared_names[0]); i++)
+		shared = shared || !strcmp(name, shared_names[i]);
+	if (!shared) {
+		/* The program's first word: "pipectl generate" -> PIPECTL_. */
+		for (const char *p = prog; *p && *p != ' ' && n + 2 < len; p++)
+			buf[n++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
+		if (n + 1 < len)
+			buf[n++] = '_';
+	}
 	for (const char *p = name; *p && n + 1 < len; p++)
 		buf[n++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
 	buf[n] = 0;
@@ -72,7 +87,7 @@ void config_usage(const char *prog, const char *summary, const struct opt *opts)
 	       summary);
 	for (const struct opt *o = opts; o->name; o++) {
 		char env[96], flag[96];
-		env_name(o->name, env, sizeof(env));
+		env_name(prog, o->name, env, sizeof(env));
 		snprintf(flag, sizeof(flag), "--%s%s", o->name,
 			 o->kind == OPT_BOOL ? "" : o->kind == OPT_SIZE ? " SIZE" : " VALUE");
 		printf("  %-28s %s", flag, o->help);
@@ -92,7 +107,7 @@ int config_parse(const char *prog, const char *summary, const struct opt *opts, 
 		if (o->def && set_value(prog, o, o->def, "default") != 0)
 			return -EINVAL;
 		char env[96];
-		env_name(o->name, env, sizeof(env));
+		env_name(prog, o->name, env, sizeof(env));
 		const char *v = getenv(env);
 		if (v && *v) {
 			char src[128];

@@ -9,8 +9,11 @@
  *   if (rc > 0) return 0;      // --help was printed
  *   if (rc < 0) return 2;      // the message naming the bad flag was printed
  *
- * Precedence: a flag on the command line, else the environment variable PIPELINE_<NAME>
- * (upper case, '-' -> '_'), else the default. Flags are written --name VALUE or --name=VALUE;
+ * Precedence: a flag on the command line, else an environment variable, else the default.
+ * The variable is PIPELINE_<PROG>_<NAME> (upper case, '-' -> '_', PROG the program's first word:
+ * PIPELINE_SSD_LOADER_DRAM_BUDGET, PIPELINE_PIPECTL_TIMEOUT), except for the flags every
+ * binary shares, which are PIPELINE_INSTANCE, PIPELINE_RUN_DIR and PIPELINE_LOG_LEVEL; --help
+ * shows each flag's variable. Flags are written --name VALUE or --name=VALUE;
  * OPT_BOOL flags take no value (--name, or PIPELINE_NAME=1). */
 #ifndef PIPELINE_CONFIG_H
 #define PIPELINE_CONFIG_H

@@ -27,30 +27,41 @@ int shm_object_name(const char *instance, const char *object, char *buf, size_t 
 	return 0;
 }
 
-uint64_t process_start_time(int pid)
+/* Reads /proc/<pid>/stat: the state letter and the start time (clock ticks since boot).
+ * Returns 0, or -1 when the process does not exist or the file cannot be parsed. */
+static int read_proc_stat(int pid, char *state, uint64_t *start)
 {
 	char path[64], buf[1024];
 	snprintf(path, sizeof(path), "/proc/%d/stat", pid);
 	int fd = open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
-		return 0;
+		return -1;
 	ssize_t n = read(fd, buf, sizeof(buf) - 1);
 	close(fd);
 	if (n <= 0)
-		return 0;
+		return -1;
 	buf[n] = 0;
 	/* The command name may hold spaces and parentheses: fields start after the last ')'. */
 	char *p = strrchr(buf, ')');
-	if (!p)
-		return 0;
+	if (!p || p[1] != ' ' || !p[2])
+		return -1;
+	*state = p[2]; /* field 3 */
 	p++;
 	/* After ')' come fields 3..; starttime is field 22, i.e. the 20th from here. */
 	for (int field = 3; field < 22; field++) {
 		p = strchr(p + 1, ' ');
 		if (!p)
-			return 0;
+			return -1;
 	}
-	return strtoull(p + 1, NULL, 10);
+	*start = strtoull(p + 1, NULL, 10);
+	return 0;
+}
+
+uint64_t process_start_time(int pid)
+{
+	char state;
+	uint64_t start;
+	return read_proc_stat(pid, &state, &start) == 0 ? start : 0;
 }
 
 bool shm_owner_alive(const struct shm_header *h)
@@ -58,8 +69,14 @@ bool shm_owner_alive(const struct shm_header *h)
 	int pid = atomic_load(&((struct shm_header *)h)->owner_pid);
 	if (!pid_alive(pid))
 		return false;
-	uint64_t st = process_start_time(pid);
-	return st == 0 || h->owner_start == 0 || st == h->owner_start;
+	char state;
+	uint64_t start;
+	if (read_proc_stat(pid, &state, &start) != 0)
+		return true; /* no /proc: trust kill(pid, 0) */
+	/* An exited process that its parent has not reaped yet is a zombie: it owns nothing. */
+	if (state == 'Z' || state == 'X')
+		return false;
+	return h->owner_start == 0 || start == h->owner_start;
 }
 
 static int map_fd(int fd, size_t size, bool writable, void **base)

@@ -64,8 +64,8 @@ static int parse(struct values *v, char **errtext, char **positional, int *npos,
 
 static void clear_env(void)
 {
-	static const char *const names[] = {"PIPELINE_MODEL", "PIPELINE_DRAM_BUDGET", "PIPELINE_QUEUE_DEPTH",
-					    "PIPELINE_RATIO", "PIPELINE_VERBOSE", "PIPELINE_PINNED"};
+	static const char *const names[] = {"PIPELINE_PROG_MODEL", "PIPELINE_PROG_DRAM_BUDGET", "PIPELINE_PROG_QUEUE_DEPTH",
+					    "PIPELINE_PROG_RATIO", "PIPELINE_PROG_VERBOSE", "PIPELINE_PROG_PINNED"};
 	for (size_t i = 0; i < ARRAY_SIZE(names); i++)
 		unsetenv(names[i]);
 }
@@ -90,12 +90,12 @@ END_TEST
 START_TEST(test_environment)
 {
 	clear_env();
-	setenv("PIPELINE_MODEL", "/models/llama", 1);
-	setenv("PIPELINE_DRAM_BUDGET", "512MiB", 1); /* '-' becomes '_', upper case */
-	setenv("PIPELINE_QUEUE_DEPTH", "128", 1);
-	setenv("PIPELINE_RATIO", "0.25", 1);
-	setenv("PIPELINE_VERBOSE", "1", 1);
-	setenv("PIPELINE_PINNED", "false", 1);
+	setenv("PIPELINE_PROG_MODEL", "/models/llama", 1);
+	setenv("PIPELINE_PROG_DRAM_BUDGET", "512MiB", 1); /* '-' becomes '_', upper case */
+	setenv("PIPELINE_PROG_QUEUE_DEPTH", "128", 1);
+	setenv("PIPELINE_PROG_RATIO", "0.25", 1);
+	setenv("PIPELINE_PROG_VERBOSE", "1", 1);
+	setenv("PIPELINE_PROG_PINNED", "false", 1);
 	struct values v;
 	ck_assert_int_eq(parse(&v, NULL, NULL, NULL, NULL), 0);
 	ck_assert_str_eq(v.model, "/models/llama");
@@ -105,18 +105,40 @@ START_TEST(test_environment)
 	ck_assert(v.verbose);
 	ck_assert(!v.pinned);
 	/* An empty variable counts as unset. */
-	setenv("PIPELINE_QUEUE_DEPTH", "", 1);
+	setenv("PIPELINE_PROG_QUEUE_DEPTH", "", 1);
 	ck_assert_int_eq(parse(&v, NULL, NULL, NULL, NULL), 0);
 	ck_assert_int_eq(v.depth, 64);
+}
+END_TEST
+
+START_TEST(test_env_names)
+{
+	/* Shared flags have one name for every binary; the rest carry the program's first word,
+	 * so ssd-loader's --io-depth and kv-store's never read the same variable. */
+	const char *instance = NULL;
+	long depth = 0;
+	struct opt o[] = {
+		{"instance", OPT_STRING, &instance, "default", "instance"},
+		{"io-depth", OPT_INT, &depth, "1", "depth"},
+		{0},
+	};
+	char *argv[] = {"kv-store", NULL};
+	setenv("PIPELINE_INSTANCE", "blue", 1);
+	setenv("PIPELINE_IO_DEPTH", "7", 1);		/* no longer anyone's */
+	setenv("PIPELINE_SSD_LOADER_IO_DEPTH", "9", 1); /* the loader's, not kv-store's */
+	setenv("PIPELINE_KV_STORE_IO_DEPTH", "3", 1);
+	ck_assert_int_eq(config_parse("kv-store something", "", o, 1, argv, NULL, NULL), 0);
+	ck_assert_str_eq(instance, "blue");
+	ck_assert_int_eq(depth, 3);
 }
 END_TEST
 
 START_TEST(test_flag_beats_env)
 {
 	clear_env();
-	setenv("PIPELINE_DRAM_BUDGET", "512MiB", 1);
-	setenv("PIPELINE_MODEL", "/from/env", 1);
-	setenv("PIPELINE_PINNED", "1", 1);
+	setenv("PIPELINE_PROG_DRAM_BUDGET", "512MiB", 1);
+	setenv("PIPELINE_PROG_MODEL", "/from/env", 1);
+	setenv("PIPELINE_PROG_PINNED", "1", 1);
 	struct values v;
 	ck_assert_int_eq(parse(&v, NULL, NULL, NULL, "--dram-budget", "1GiB", "--model=/from/flag", "--pinned=0", NULL),
 			 0);
@@ -124,10 +146,10 @@ START_TEST(test_flag_beats_env)
 	ck_assert_str_eq(v.model, "/from/flag");
 	ck_assert(!v.pinned);
 	/* A bad environment value is reported even when a flag would override it: it is a mistake. */
-	setenv("PIPELINE_QUEUE_DEPTH", "many", 1);
+	setenv("PIPELINE_PROG_QUEUE_DEPTH", "many", 1);
 	char *err;
 	ck_assert_int_eq(parse(&v, &err, NULL, NULL, "--queue-depth", "8", NULL), -EINVAL);
-	ck_assert_ptr_nonnull(strstr(err, "PIPELINE_QUEUE_DEPTH"));
+	ck_assert_ptr_nonnull(strstr(err, "PIPELINE_PROG_QUEUE_DEPTH"));
 	ck_assert_ptr_nonnull(strstr(err, "many"));
 	free(err);
 }
@@ -169,7 +191,7 @@ START_TEST(test_bools)
 		snprintf(flag, sizeof(flag), "--pinned=%s", no[i]);
 		ck_assert_int_eq(parse(&v, NULL, NULL, NULL, flag, NULL), 0);
 		ck_assert_msg(!v.pinned, "%s", flag);
-		setenv("PIPELINE_VERBOSE", yes[i], 1);
+		setenv("PIPELINE_PROG_VERBOSE", yes[i], 1);
 		ck_assert_int_eq(parse(&v, NULL, NULL, NULL, NULL), 0);
 		ck_assert(v.verbose);
 	}
@@ -186,9 +208,9 @@ START_TEST(test_bools)
 	ck_assert_ptr_nonnull(strstr(err, "--verbose"));
 	ck_assert_ptr_nonnull(strstr(err, "maybe"));
 	free(err);
-	setenv("PIPELINE_PINNED", "sure", 1);
+	setenv("PIPELINE_PROG_PINNED", "sure", 1);
 	ck_assert_int_eq(parse(&v, &err, NULL, NULL, NULL), -EINVAL);
-	ck_assert_ptr_nonnull(strstr(err, "PIPELINE_PINNED"));
+	ck_assert_ptr_nonnull(strstr(err, "PIPELINE_PROG_PINNED"));
 	free(err);
 }
 END_TEST
@@ -259,7 +281,7 @@ START_TEST(test_help)
 	ck_assert_ptr_nonnull(strstr(out, "usage: prog"));
 	ck_assert_ptr_nonnull(strstr(out, "a test program"));
 	ck_assert_ptr_nonnull(strstr(out, "--dram-budget SIZE"));
-	ck_assert_ptr_nonnull(strstr(out, "PIPELINE_DRAM_BUDGET"));
+	ck_assert_ptr_nonnull(strstr(out, "PIPELINE_PROG_DRAM_BUDGET"));
 	ck_assert_ptr_nonnull(strstr(out, "(default 4GiB)"));
 	ck_assert_ptr_nonnull(strstr(out, "--help"));
 	free(out);
@@ -295,6 +317,7 @@ static Suite *config_suite(void)
 	TCase *tc = tcase_create("sources");
 	tcase_add_test(tc, test_defaults);
 	tcase_add_test(tc, test_environment);
+	tcase_add_test(tc, test_env_names);
 	tcase_add_test(tc, test_flag_beats_env);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("flags");

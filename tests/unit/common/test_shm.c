@@ -336,6 +336,44 @@ START_TEST(test_adopt_mismatch_reclaims)
 }
 END_TEST
 
+START_TEST(test_zombie_owner_counts_as_dead)
+{
+	/* An owner that exited but is not reaped yet (a zombie) owns nothing: its successor may
+	 * reclaim or adopt at once, without waiting for the parent to reap it. */
+	const char *name = test_name("zombie");
+	int p[2];
+	ck_assert_int_eq(pipe(p), 0);
+	pid_t child = fork();
+	ck_assert_int_ge(child, 0);
+	if (child == 0) {
+		struct shm_object *o = NULL;
+		int rc = shm_object_create(name, SIZE, SHM_KIND_TEST, VERSION, SHM_RECLAIM, &o, NULL);
+		if (rc == 0)
+			shm_object_set_ready(o);
+		char c = rc == 0 ? 'y' : 'n';
+		ssize_t w = write(p[1], &c, 1);
+		_exit(w == 1 ? 0 : 1);
+	}
+	close(p[1]);
+	char c = 0;
+	ck_assert_int_eq(read(p[0], &c, 1), 1);
+	close(p[0]);
+	ck_assert_int_eq(c, 'y');
+	/* Wait until the child has exited without reaping it. */
+	siginfo_t si;
+	ck_assert_int_eq(waitid(P_PID, (id_t)child, &si, WEXITED | WNOWAIT), 0);
+	ck_assert(pid_alive(child)); /* kill(pid, 0) still sees the zombie */
+	struct shm_object *o = NULL;
+	bool adopted = false;
+	ck_assert_int_eq(shm_object_create(name, SIZE, SHM_KIND_TEST, VERSION, SHM_ADOPT, &o, &adopted), 0);
+	ck_assert(adopted);
+	ck_assert_int_eq(hdr(o)->owner_pid, getpid());
+	shm_object_close(&o, true);
+	int st;
+	ck_assert_int_eq(waitpid(child, &st, 0), child);
+}
+END_TEST
+
 START_TEST(test_live_owner_refused)
 {
 	const char *name = test_name("live");
@@ -621,6 +659,7 @@ static Suite *shm_suite(void)
 	tcase_add_test(tc, test_reclaim_dead_owner);
 	tcase_add_test(tc, test_adopt_dead_owner);
 	tcase_add_test(tc, test_adopt_mismatch_reclaims);
+	tcase_add_test(tc, test_zombie_owner_counts_as_dead);
 	tcase_add_test(tc, test_live_owner_refused);
 	tcase_add_test(tc, test_pid_reuse_counts_as_dead);
 	tcase_add_test(tc, test_owner_alive);

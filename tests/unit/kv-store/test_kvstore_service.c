@@ -506,7 +506,7 @@ START_TEST(test_flags)
 	const char *help[] = {"--help", NULL};
 	ck_assert_int_eq(run_flags(v.dir, help, out, sizeof(out)), 0);
 	ck_assert_ptr_nonnull(strstr(out, "--kv-dram-budget"));
-	ck_assert_ptr_nonnull(strstr(out, "PIPELINE_SPILL_FILE"));
+	ck_assert_ptr_nonnull(strstr(out, "PIPELINE_KV_STORE_SPILL_FILE"));
 	const char *bogus[] = {"--bogus", NULL};
 	ck_assert_int_eq(run_flags(v.dir, bogus, out, sizeof(out)), 2);
 	ck_assert_ptr_nonnull(strstr(out, "--bogus"));

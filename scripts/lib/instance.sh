@@ -1,0 +1,175 @@
+# shellcheck shell=bash
+# instance.sh - sourced by scripts/pipeline: one instance's run directory and the service
+# processes in it (start in the background, find, wait for, stop).
+#
+#   instance_init NAME              # sets INSTANCE, RUN_DIR (does not create it)
+#   pid=$(svc_pid kv-store)         # the live kv-store of this instance, or status 1
+#   svc_launch kv-store ARGS...     # starts it detached; prints the pid
+#   svc_wait_ready kv-store PID     # 0 when it answers HELLO; else prints its log's tail
+#   svc_stop kv-store PID           # MSG_SHUTDOWN, wait, SIGKILL after a timeout
+#
+# Reads BIN_DIR (the built binaries). The files of an instance, all in RUN_DIR:
+#   <service>.pid  <service>.log  <service>.ctl/.pub (sockets)  start.args (for restart)
+
+# Start order; stop goes the other way (the runner first, it holds groups and blocks).
+SERVICES=(kv-store ssd-loader gpu-runner)
+# shellcheck disable=SC2034 # used by scripts/pipeline
+STOP_ORDER=(gpu-runner ssd-loader kv-store)
+
+die() {
+	echo "pipeline: $*" >&2
+	exit 1
+}
+
+warn() {
+	echo "pipeline: $*" >&2
+}
+
+instance_init() {
+	INSTANCE=$1
+	if [[ ! $INSTANCE =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*$ || ${#INSTANCE} -gt 40 ]]; then
+		die "instance name '$INSTANCE' must be 1-40 letters, digits, '_', '.' or '-' (starting with a letter or digit)"
+	fi
+	RUN_DIR=${PIPELINE_RUN_DIR:-/tmp/llmp-$(id -u)/$INSTANCE}
+}
+
+# Creates RUN_DIR and its parents with mode 0700.
+run_dir_prepare() {
+	(umask 077 && mkdir -p "$RUN_DIR") || die "cannot create run directory $RUN_DIR"
+	chmod 0700 "$RUN_DIR" || die "cannot set mode 0700 on run directory $RUN_DIR"
+}
+
+pipectl_run() {
+	"$BIN_DIR/pipectl" --instance "$INSTANCE" --run-dir "$RUN_DIR" "$@"
+}
+
+# Is PID a live process (not a zombie) running SERVICE for this run directory? Guards
+# against a stale pid file whose number now belongs to someone else.
+proc_is_service() {
+	local pid=$1 service=$2 comm state arg prev=""
+	[[ $pid =~ ^[0-9]+$ ]] || return 1
+	[[ -r /proc/$pid/comm ]] || return 1
+	comm=$(<"/proc/$pid/comm") 2>/dev/null || return 1
+	[[ $comm == "$service" ]] || return 1
+	state=$(sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$pid/stat" 2>/dev/null) || return 1
+	[[ $state != Z && $state != X ]] || return 1
+	local -a argv
+	mapfile -d '' argv <"/proc/$pid/cmdline" 2>/dev/null || return 1
+	for arg in "${argv[@]}"; do
+		[[ $prev == --run-dir && $arg == "$RUN_DIR" ]] && return 0
+		[[ $arg == "--run-dir=$RUN_DIR" ]] && return 0
+		prev=$arg
+	done
+	return 1
+}
+
+# Prints the pid of this instance's SERVICE if it is running.
+svc_pid() {
+	local service=$1 pid
+	[[ -f $RUN_DIR/$service.pid ]] || return 1
+	pid=$(<"$RUN_DIR/$service.pid")
+	proc_is_service "$pid" "$service" || return 1
+	printf '%s\n' "$pid"
+}
+
+# Waits up to SECONDS for PID to exit. Status 1 when it still runs then. An exited process
+# stays a zombie until its parent (often init, which may reap only now and then) collects it;
+# it is waited for a few seconds more, since a zombie still counts as the live owner of its
+# shared-memory objects and a successor started meanwhile would be refused.
+wait_exit() {
+	local pid=$1 seconds=$2 i state
+	for ((i = 0; i < seconds * 10; i++)); do
+		[[ -e /proc/$pid ]] || return 0
+		state=$(sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$pid/stat" 2>/dev/null || true)
+		[[ -n $state ]] || return 0
+		if [[ $state == Z || $state == X ]]; then
+			local k
+			for ((k = 0; k < 50; k++)); do
+				[[ -e /proc/$pid ]] || return 0
+				sleep 0.1
+			done
+			return 0
+		fi
+		sleep 0.1
+	done
+	return 1
+}
+
+# Starts SERVICE detached from this shell (its own session, stdin from /dev/null, output to
+# its log) with ARGS after --instance and --run-dir; writes and prints its pid.
+svc_launch() {
+	local service=$1
+	shift
+	local log=$RUN_DIR/$service.log
+	(umask 077 && : >>"$log")
+	printf '==== %s: %s started by scripts/pipeline\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$service" >>"$log"
+	# In a script without job control a background child is no process-group leader, so
+	# setsid makes the new session in place (no fork) and $! is the service's own pid.
+	setsid "$BIN_DIR/$service" --instance "$INSTANCE" --run-dir "$RUN_DIR" "$@" </dev/null >>"$log" 2>&1 &
+	local pid=$!
+	printf '%s\n' "$pid" >"$RUN_DIR/$service.pid"
+	printf '%s\n' "$pid"
+}
+
+# Prints the last lines of SERVICE's log, indented, on stderr.
+svc_log_tail() {
+	local service=$1 log=$RUN_DIR/$1.log
+	[[ -f $log ]] || return 0
+	echo "---- last lines of $log:" >&2
+	tail -n 20 "$log" | sed 's/^/  | /' >&2
+}
+
+# Waits until SERVICE (process PID) answers HELLO; prints "SERVICE ready (pid N)". On
+# failure prints why and the log's tail; status 1.
+svc_wait_ready() {
+	local service=$1 pid=$2
+	if pipectl_run wait-ready "$service" --pid "$pid" --timeout "${PIPELINE_READY_TIMEOUT:-600}"; then
+		return 0
+	fi
+	svc_log_tail "$service"
+	return 1
+}
+
+# Stops SERVICE (process PID): MSG_SHUTDOWN (it removes its shared state), SIGTERM if that
+# is not answered, SIGKILL when it has not exited after 10 s.
+svc_stop() {
+	local service=$1 pid=$2
+	if ! pipectl_run --timeout 5 shutdown "$service" >/dev/null 2>&1; then
+		kill -TERM "$pid" 2>/dev/null || true
+	fi
+	if ! wait_exit "$pid" 10; then
+		warn "$service (pid $pid) did not exit in 10 s; killing it"
+		kill -KILL "$pid" 2>/dev/null || true
+		wait_exit "$pid" 5 || warn "$service (pid $pid) survived SIGKILL"
+	fi
+}
+
+# Stops SERVICE with SIGTERM (it leaves its shared state for a successor), SIGKILL after 10 s.
+svc_terminate() {
+	local service=$1 pid=$2
+	kill -TERM "$pid" 2>/dev/null || true
+	if ! wait_exit "$pid" 10; then
+		warn "$service (pid $pid) did not exit in 10 s after SIGTERM; killing it"
+		kill -KILL "$pid" 2>/dev/null || true
+		wait_exit "$pid" 5 || warn "$service (pid $pid) survived SIGKILL"
+	fi
+}
+
+# Removes what a stopped instance leaves: pid files, sockets, start.args, a dead kv-store's
+# spill file and its shared-memory objects (/dev/shm/llmp-<uid>-<instance>-<object>). Logs stay.
+instance_cleanup() {
+	local service f prefix
+	for service in "${SERVICES[@]}"; do
+		rm -f "$RUN_DIR/$service.pid" "$RUN_DIR/$service.ctl" "$RUN_DIR/$service.pub"
+	done
+	# A dead kv-store's spill file at its default place (a live one removes it on MSG_SHUTDOWN).
+	rm -f "$RUN_DIR/start.args" "$RUN_DIR/kv-spill.bin"
+	prefix=/dev/shm/llmp-$(id -u)-$INSTANCE-
+	for f in "$prefix"*; do
+		[[ -e $f ]] || continue
+		# Object names hold no '-': a remainder with one belongs to an instance whose name
+		# starts like ours ("demo" must not take "demo-2"'s objects).
+		[[ ${f#"$prefix"} == *-* ]] && continue
+		rm -f "$f"
+	done
+}

@@ -1,0 +1,192 @@
+# shellcheck shell=bash
+# lib.sh - what the integration tests share. Each test script sources it, then calls
+# it_setup NAME: a fresh temp directory, an instance name and run directory of its own, a
+# tiny synthetic checkpoint, and a trap that stops the instance, checks that nothing was
+# left behind and removes the directory.
+#
+# ctest sets PIPELINE_BIN_DIR (the built binaries) and PIPELINE_SOURCE_DIR (the tree, for
+# scripts/pipeline). The tests never build: PIPELINE_SKIP_SETUP=1.
+set -euo pipefail
+
+: "${PIPELINE_BIN_DIR:?set PIPELINE_BIN_DIR to the bin directory of the build}"
+: "${PIPELINE_SOURCE_DIR:?set PIPELINE_SOURCE_DIR to the source tree}"
+
+# The binaries read PIPELINE_<FLAG> from the environment: a test sees none but its own.
+for _v in $(compgen -e); do
+	case $_v in
+	PIPELINE_BIN_DIR | PIPELINE_SOURCE_DIR) ;;
+	PIPELINE_*) unset "$_v" ;;
+	esac
+done
+unset _v
+export PIPELINE_BIN_DIR PIPELINE_SOURCE_DIR
+export PIPELINE_SKIP_SETUP=1
+ulimit -c 0
+
+BIN=$PIPELINE_BIN_DIR
+PIPELINE=$PIPELINE_SOURCE_DIR/scripts/pipeline
+PIPECTL=$BIN/pipectl
+IT_NAME=integration
+
+# A fixed 64-token prompt inside the tiny model's vocabulary (512).
+# shellcheck disable=SC2034 # used by the tests that source this file
+PROMPT=$(for ((i = 0; i < 64; i++)); do echo $(((i * 37 + 11) % 500 + 1)); done | paste -sd,)
+
+log() {
+	echo "[$IT_NAME] $*"
+}
+
+fail() {
+	echo "[$IT_NAME] FAIL: $*" >&2
+	exit 1
+}
+
+# expect_eq GOT WANT WHAT
+expect_eq() {
+	if [[ $1 != "$2" ]]; then
+		printf '[%s] FAIL: %s\n  got:  %s\n  want: %s\n' "$IT_NAME" "$3" "$1" "$2" >&2
+		exit 1
+	fi
+}
+
+# expect_grep PATTERN TEXT WHAT: TEXT matches the extended regular expression PATTERN.
+expect_grep() {
+	if ! grep -qE -- "$1" <<<"$2"; then
+		printf '[%s] FAIL: %s: no match for /%s/ in:\n%s\n' "$IT_NAME" "$3" "$1" "$2" >&2
+		exit 1
+	fi
+}
+
+# expect_words N TEXT WHAT: TEXT holds N whitespace-separated non-negative integers.
+expect_words() {
+	local n
+	n=$(wc -w <<<"$2")
+	((n == $1)) || fail "$3: $n tokens, expected $1: '$2'"
+	[[ $2 =~ ^[0-9]+( [0-9]+)*$ ]] || fail "$3: not a line of token ids: '$2'"
+}
+
+# expect_gt VALUE MIN WHAT: VALUE is an integer above MIN.
+expect_gt() {
+	[[ $1 =~ ^[0-9]+$ ]] || fail "$3: '$1' is not a count"
+	(($1 > $2)) || fail "$3: $1, want more than $2"
+}
+
+# Pids of the processes whose arguments hold the run directory exactly (our services).
+instance_pids() {
+	local f pid
+	for f in /proc/[0-9]*/cmdline; do
+		pid=${f#/proc/}
+		pid=${pid%/cmdline}
+		[[ $pid == "$$" ]] && continue
+		# The process may be gone by now: its cmdline then reads as nothing.
+		if { tr '\0' '\n' <"$f"; } 2>/dev/null | grep -qxF -- "$RUN_DIR"; then
+			printf '%s\n' "$pid"
+		fi
+	done
+}
+
+# The instance's shared-memory objects (/dev/shm/llmp-<uid>-<instance>-<object>).
+instance_shm() {
+	local f prefix
+	prefix=/dev/shm/llmp-$(id -u)-$INSTANCE-
+	for f in "$prefix"*; do
+		[[ -e $f && ${f#"$prefix"} != *-* ]] && printf '%s\n' "$f"
+	done
+	return 0
+}
+
+# Fails unless no process, shared-memory object, socket or pid file of the instance is left.
+# Zombies awaiting their reaper count as gone; a process gets a few seconds to exit.
+expect_nothing_left() {
+	local what=$1 pids i
+	for ((i = 0; i < 50; i++)); do
+		pids=$(instance_pids | while read -r p; do
+			state=$(sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$p/stat" 2>/dev/null || true)
+			[[ -n $state && $state != Z ]] && printf '%s ' "$p"
+		done)
+		[[ -z $pids ]] && break
+		sleep 0.1
+	done
+	[[ -z $pids ]] || fail "$what: processes of the instance still run: $pids"
+	local shm
+	shm=$(instance_shm)
+	[[ -z $shm ]] || fail "$what: shared-memory objects left: $shm"
+	local left
+	left=$(find "$RUN_DIR" -maxdepth 1 \( -name '*.ctl' -o -name '*.pub' -o -name '*.pid' -o -name start.args \) \
+		2>/dev/null || true)
+	[[ -z $left ]] || fail "$what: files left in the run directory: $left"
+}
+
+it_cleanup() {
+	local status=$?
+	set +e
+	"$PIPELINE" stop >/dev/null 2>&1
+	# Anything still running was started by this test: end it, and fail.
+	local p leftover
+	leftover=$(instance_pids | tr '\n' ' ')
+	for p in $leftover; do
+		kill -KILL "$p" 2>/dev/null
+	done
+	if [[ -n $leftover ]]; then
+		echo "[$IT_NAME] FAIL: processes left after stop: $leftover" >&2
+		status=1
+	fi
+	local f
+	for f in $(instance_shm); do
+		echo "[$IT_NAME] FAIL: shared-memory object left after stop: $f" >&2
+		rm -f "$f"
+		status=1
+	done
+	if ((status != 0)); then
+		for f in "$RUN_DIR"/*.log; do
+			[[ -f $f ]] || continue
+			echo "---- $f (last 30 lines)" >&2
+			tail -n 30 "$f" >&2
+		done
+	fi
+	rm -rf "$IT_TMP"
+	exit "$status"
+}
+
+# it_setup NAME: the temp directory IT_TMP, INSTANCE and RUN_DIR (exported for
+# scripts/pipeline and pipectl), MODEL (a tiny checkpoint) and the cleanup trap.
+it_setup() {
+	IT_NAME=$1
+	local b
+	for b in ssd-loader kv-store gpu-runner pipectl make-synthetic-model run-local; do
+		[[ -x $BIN/$b ]] || fail "$BIN/$b is not built"
+	done
+	IT_TMP=$(mktemp -d "/tmp/llmp-it-$IT_NAME.XXXXXX")
+	export PIPELINE_INSTANCE=it-$IT_NAME-$$
+	export PIPELINE_RUN_DIR=$IT_TMP/run
+	INSTANCE=$PIPELINE_INSTANCE
+	RUN_DIR=$PIPELINE_RUN_DIR
+	trap it_cleanup EXIT
+	trap 'exit 130' INT TERM
+	MODEL=$IT_TMP/model
+	"$BIN/make-synthetic-model" --shape tiny --out "$MODEL" --quiet
+}
+
+# run_local ARGS...: the oracle's tokens for the tiny model (run-local --model MODEL ...).
+run_local() {
+	"$BIN/run-local" --model "$MODEL" "$@"
+}
+
+# generate ARGS...: the instance's tokens (scripts/pipeline generate ...).
+generate() {
+	"$PIPELINE" generate "$@"
+}
+
+# stat_value SERVICE KEY: a number from the service's stats, or nothing.
+stat_value() {
+	"$PIPECTL" stats "$1" | sed -n "s/^ *\"$2\": *\([0-9.eE+-]*\).*/\1/p" | head -n 1
+}
+
+# model_bytes DIR: bytes of the checkpoint's safetensors files.
+model_bytes() {
+	local f total=0
+	for f in "$1"/*.safetensors; do
+		total=$((total + $(stat -c %s "$f")))
+	done
+	printf '%s\n' "$total"
+}

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# pipectl_cli: pipectl's argument checks and messages, with no service running.
+source "$(dirname "$0")/lib.sh"
+IT_NAME=pipectl_cli
+IT_TMP=$(mktemp -d /tmp/llmp-it-cli.XXXXXX)
+trap 'rm -rf "$IT_TMP"' EXIT
+export PIPELINE_RUN_DIR=$IT_TMP/run
+
+# expect_status STATUS PATTERN ARGS...: pipectl ARGS exits STATUS, printing PATTERN.
+expect_status() {
+	local want=$1 pattern=$2 out rc=0
+	shift 2
+	out=$("$PIPECTL" "$@" 2>&1) || rc=$?
+	((rc == want)) || fail "pipectl $*: exit status $rc, want $want: $out"
+	expect_grep "$pattern" "$out" "pipectl $*"
+}
+
+expect_status 0 "^usage: pipectl" --help
+expect_status 2 "^usage: pipectl"
+expect_status 0 "--tokens" generate --help
+expect_status 2 "unknown command 'frob'" frob
+expect_status 2 "unknown global flag '--bogus'" --bogus hello kv-store
+expect_status 2 "unknown service 'nope'" hello nope
+expect_status 2 "missing argument" stats
+expect_status 2 "unexpected argument 'extra'" ping kv-store extra
+expect_status 2 "--tokens is required" generate -n 4
+expect_status 2 "'x' is not a non-negative integer" generate --tokens 1,x,3
+expect_status 2 "'-1' is not a non-negative integer" generate --tokens 1,-1
+expect_status 2 "an empty element" generate --tokens 1,,3
+expect_status 2 "an empty element" generate --tokens 1,2,
+expect_status 2 "larger than" generate --tokens 99999999999
+expect_status 2 "-n must be at least 1" generate --tokens 1 -n 0
+expect_status 2 "not an integer" generate --tokens 1 -n many
+expect_status 2 "--top-p must be in" generate --tokens 1 --top-p 1.5
+expect_status 2 "--temperature must be" generate --tokens 1 --temperature -1
+expect_status 2 "--stop-ids: 'a' is not" generate --tokens 1 --stop-ids a
+expect_status 1 "gpu-runner of instance default is not running: no control socket" generate --tokens 1,2
+expect_status 1 "kv-store of instance default is not running" stats kv-store
+expect_status 1 "ssd-loader did not become ready in 1 s" wait-ready ssd-loader --timeout 1
+log "ok"

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# restart: each service restarted alone (SIGTERM, start again with the saved options) while
+# the others keep running; generation afterwards gives the same tokens as before.
+source "$(dirname "$0")/lib.sh"
+it_setup restart
+
+# Small KV tiers, so the kv-store that is restarted holds a pool worth adopting.
+"$PIPELINE" start --model "$MODEL" --kv-gpu-budget 32KiB --kv-dram-budget 32KiB --runner-opt=--prefill-chunk=16
+first=$(generate --tokens "$PROMPT" -n 64)
+expect_words 64 "$first" "tokens before any restart"
+expect_eq "$first" "$(run_local --tokens "$PROMPT" -n 64)" "tokens before any restart vs run-local"
+
+pid_of() { cat "$RUN_DIR/$1.pid"; }
+
+for service in kv-store ssd-loader gpu-runner; do
+	before=$(pid_of "$service")
+	others=$(for s in kv-store ssd-loader gpu-runner; do [[ $s == "$service" ]] || pid_of "$s"; done | tr '\n' ' ')
+	"$PIPELINE" restart "$service"
+	after=$(pid_of "$service")
+	[[ $after != "$before" ]] || fail "restart $service: the pid stayed $before"
+	[[ ! -e /proc/$before ]] || [[ $(sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$before/stat") == Z ]] ||
+		fail "restart $service: the old process $before still runs"
+	now=$(for s in kv-store ssd-loader gpu-runner; do [[ $s == "$service" ]] || pid_of "$s"; done | tr '\n' ' ')
+	expect_eq "$now" "$others" "pids of the other services across restart $service"
+	got=$(generate --tokens "$PROMPT" -n 64)
+	expect_eq "$got" "$first" "tokens after restart $service"
+	log "restart $service: pid $before -> $after, tokens unchanged"
+done
+"$PIPELINE" status >/dev/null || fail "status after the restarts does not report all services up"
+
+"$PIPELINE" stop
+expect_nothing_left "after stop"
+log "ok"

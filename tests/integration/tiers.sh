@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# tiers: budgets that make every tier work on the tiny model: the weights stream through a
+# DRAM ring smaller than the model, KV blocks leave the runner for kv-store and come back,
+# and kv-store spills them to disk. The tokens stay those of run-local.
+source "$(dirname "$0")/lib.sh"
+it_setup tiers
+
+bytes=$(model_bytes "$MODEL")
+# The smallest DRAM budget is the globals plus one attention and one FFN group, slots
+# aligned for O_DIRECT: ask the loader, whose refusal of a tiny budget says how much it
+# needs and how much the whole model takes. Half way between streams the layers.
+out=$("$PIPELINE" start --model "$MODEL" --dram-budget 4KiB 2>&1) && fail "start with a 4 KiB DRAM budget succeeded"
+need=$(sed -n 's/.*need at least [^(]*(\([0-9]*\) bytes.*/\1/p' <<<"$out" | head -n 1)
+whole=$(sed -n 's/.*whole model resident needs \([0-9]*\) bytes.*/\1/p' <<<"$out" | head -n 1)
+if [[ -n $need && -n $whole ]] && ((need < whole)); then
+	budget=$(((need + whole) / 2))
+else
+	log "could not read the minimum from the loader's message; using 85% of the model"
+	budget=$((bytes * 85 / 100))
+fi
+log "model $bytes bytes; DRAM budget $budget bytes (minimum ${need:-?}, all resident ${whole:-?})"
+
+# 32 KiB of runner KV holds 8 blocks of 16 tokens x 2 layers; 128 tokens need 16. A prompt
+# chunk of 16 keeps the runner's minimum (layers + chunk blocks + 2) under 8. The pool holds
+# 4 blocks of 4 KiB, fewer than one layer of the context: the rest spill to the file, and the
+# runner fetches in batches the pool can hold.
+"$PIPELINE" start --model "$MODEL" --dram-budget "$budget" --kv-gpu-budget 32KiB --kv-dram-budget 16KiB \
+	--runner-opt=--prefill-chunk=16
+
+want=$(run_local --tokens "$PROMPT" -n 64)
+got=$(generate --tokens "$PROMPT" -n 64)
+expect_words 64 "$got" "greedy tokens"
+expect_eq "$got" "$want" "greedy tokens with every tier at work vs run-local"
+sample=(--temperature 0.8 --top-k 40 --top-p 0.9 --seed 7)
+want=$(run_local --tokens "$PROMPT" -n 64 "${sample[@]}")
+got=$(generate --tokens "$PROMPT" -n 64 "${sample[@]}")
+expect_eq "$got" "$want" "sampled tokens with every tier at work vs run-local"
+log "tokens equal run-local"
+
+read_bytes=$(stat_value ssd-loader bytes_read)
+all_resident=$(stat_value ssd-loader all_resident)
+spills=$(stat_value kv-store spills)
+fetches=$(stat_value kv-store fetches)
+from_disk=$(stat_value kv-store fetches_from_disk)
+committed=$(stat_value gpu-runner kv_blocks_committed)
+log "bytes_read $read_bytes, spills $spills, fetches $fetches ($from_disk from disk), committed $committed"
+expect_gt "$read_bytes" "$bytes" "bytes the loader read vs the model's bytes (weights must stream)"
+[[ ${all_resident:-} != 1 ]] || fail "the loader reports all groups resident under a budget below the model"
+expect_gt "$spills" 0 "KV blocks kv-store spilled"
+expect_gt "$fetches" 0 "KV fetches kv-store served"
+expect_gt "$committed" 0 "KV blocks the runner committed"
+
+summary=$("$PIPECTL" summary)
+expect_grep 'SSD -> DRAM' "$summary" "pipectl summary"
+expect_grep 'KV cache' "$summary" "pipectl summary"
+
+"$PIPELINE" stop
+expect_nothing_left "after stop"
+log "ok"

@@ -1,0 +1,222 @@
+/* generate.c - pipectl generate: one MSG_GENERATE to gpu-runner, the streamed MSG_TOKEN
+ * replies printed as they arrive, MSG_GEN_DONE ends the line.
+ *
+ * The output is the generated ids on one line separated by spaces, the same as run-local
+ * prints, so that the two can be compared byte for byte. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util.h"
+#include "tools/pipectl/pipectl.h"
+
+#define GEN_SERVICE "gpu-runner"
+#define GEN_DEFAULT_TIMEOUT_S 600
+
+/* The arguments turned into a request; arrays owned here. */
+struct gen_args {
+	uint64_t *tokens, *stop_ids;
+	uint32_t n_tokens, n_stop_ids;
+	long max_new, top_k, seed;
+	double temperature, top_p;
+	bool stats;
+};
+
+/* -n N is the short form of --max-new N; config_parse knows only long flags. Returns a
+ * malloc'd copy of argv with "-n" replaced, or NULL. */
+static char **expand_short_flags(int argc, char **argv)
+{
+	static char max_new_flag[] = "--max-new";
+	char **out = calloc((size_t)argc + 1, sizeof(*out));
+	if (!out)
+		return NULL;
+	for (int i = 0; i < argc; i++)
+		out[i] = i > 0 && !strcmp(argv[i], "-n") ? max_new_flag : argv[i];
+	return out;
+}
+
+static int parse_args(int argc, char **argv, struct gen_args *a)
+{
+	const char *tokens = NULL, *stop_ids = NULL;
+	struct opt opts[] = {
+		{"tokens", OPT_STRING, &tokens, NULL, "prompt token ids, comma separated: 1,2,3 (required)"},
+		{"max-new", OPT_INT, &a->max_new, "16", "tokens to generate (short: -n N)"},
+		{"temperature", OPT_DOUBLE, &a->temperature, "0", "sampling temperature; 0 is greedy"},
+		{"top-k", OPT_INT, &a->top_k, "0", "sample among the k most likely tokens; 0 is off"},
+		{"top-p", OPT_DOUBLE, &a->top_p, "1", "sample within cumulative probability p; 1 is off"},
+		{"seed", OPT_INT, &a->seed, "0", "seed of the sampler"},
+		{"stop-ids", OPT_STRING, &stop_ids, NULL,
+		 "extra token ids that end generation, comma separated (the model's eos ids always do)"},
+		{"stats", OPT_BOOL, &a->stats, NULL, "print a timing line on stderr at the end"},
+		{0},
+	};
+	char **args = expand_short_flags(argc, argv);
+	if (!args) {
+		fprintf(stderr, "pipectl: out of memory\n");
+		return PIPECTL_EXIT_FAIL;
+	}
+	int rc = pipectl_parse("generate --tokens IDS [-n N]",
+			       "Generates tokens with gpu-runner and prints each id as it arrives, separated by spaces, "
+			       "then a newline.",
+			       opts, argc, args, NULL, 0, 0, NULL);
+	free(args);
+	if (rc)
+		return rc == 1 ? -1 : PIPECTL_EXIT_USAGE;
+
+	char err[256];
+	if (!tokens || !*tokens) {
+		fprintf(stderr, "pipectl: generate: --tokens is required (a comma-separated list like 1,2,3)\n");
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (pipectl_parse_ids(tokens, UINT32_MAX, &a->tokens, &a->n_tokens, err, sizeof(err)) != 0) {
+		fprintf(stderr, "pipectl: generate: --tokens: %s\n", err);
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (a->n_tokens > PROTO_MAX_ARRAY) {
+		fprintf(stderr, "pipectl: generate: --tokens holds %u ids, at most %u\n", a->n_tokens,
+			PROTO_MAX_ARRAY);
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (stop_ids && *stop_ids) {
+		if (pipectl_parse_ids(stop_ids, UINT32_MAX, &a->stop_ids, &a->n_stop_ids, err, sizeof(err)) != 0) {
+			fprintf(stderr, "pipectl: generate: --stop-ids: %s\n", err);
+			return PIPECTL_EXIT_USAGE;
+		}
+		if (a->n_stop_ids > 1024) {
+			fprintf(stderr, "pipectl: generate: --stop-ids holds %u ids, at most 1024\n", a->n_stop_ids);
+			return PIPECTL_EXIT_USAGE;
+		}
+	}
+	if (a->max_new < 1) {
+		fprintf(stderr, "pipectl: generate: -n must be at least 1, not %ld\n", a->max_new);
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (!(a->temperature >= 0) || a->temperature > 1e6) {
+		fprintf(stderr, "pipectl: generate: --temperature must be 0 (greedy) or positive, not %g\n",
+			a->temperature);
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (a->top_k < 0) {
+		fprintf(stderr, "pipectl: generate: --top-k must not be negative (0 is off), not %ld\n", a->top_k);
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (!(a->top_p > 0 && a->top_p <= 1)) {
+		fprintf(stderr, "pipectl: generate: --top-p must be in (0, 1] (1 is off), not %g\n", a->top_p);
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (a->seed < 0) {
+		fprintf(stderr, "pipectl: generate: --seed must not be negative, not %ld\n", a->seed);
+		return PIPECTL_EXIT_USAGE;
+	}
+	return 0;
+}
+
+static double per_second(uint64_t n, double ms)
+{
+	return ms > 0 ? (double)n * 1000.0 / ms : 0;
+}
+
+/* Reads the stream of replies to request corr until MSG_GEN_DONE or a failure. */
+static int read_stream(struct pipectl *p, struct rpc_client *c, uint64_t corr, const struct gen_args *a)
+{
+	int timeout_ms = pipectl_timeout_ms(p, GEN_DEFAULT_TIMEOUT_S);
+	uint64_t count = 0, t0 = now_ns();
+	struct msg rep;
+	for (;;) {
+		int rc = rpc_wait(c, corr, &rep, timeout_ms);
+		if (rc) {
+			if (count)
+				putchar('\n');
+			fflush(stdout);
+			if (rc == -ETIMEDOUT) {
+				fprintf(stderr, "pipectl: gpu-runner sent nothing for %d s (after %llu tokens)\n",
+					timeout_ms / 1000, (unsigned long long)count);
+				return PIPECTL_EXIT_FAIL;
+			}
+			return pipectl_rpc_failed(p, GEN_SERVICE, "GENERATE", rc, &rep);
+		}
+		if (rep.type == MSG_TOKEN) {
+			if (rep.token.index != count) {
+				putchar('\n');
+				fflush(stdout);
+				fprintf(stderr, "pipectl: gpu-runner sent token number %llu where %llu was due\n",
+					(unsigned long long)rep.token.index, (unsigned long long)count);
+				msg_free(&rep);
+				return PIPECTL_EXIT_FAIL;
+			}
+			printf(count ? " %llu" : "%llu", (unsigned long long)rep.token.token);
+			fflush(stdout);
+			count++;
+			msg_free(&rep);
+			continue;
+		}
+		if (rep.type != MSG_GEN_DONE) {
+			if (count)
+				putchar('\n');
+			fflush(stdout);
+			fprintf(stderr, "pipectl: gpu-runner answered GENERATE with %s\n", msg_type_name(rep.type));
+			msg_free(&rep);
+			return PIPECTL_EXIT_FAIL;
+		}
+		putchar('\n');
+		fflush(stdout);
+		const struct msg_gen_done *d = &rep.gen_done;
+		int status = PIPECTL_EXIT_OK;
+		if (d->n_generated != count) {
+			fprintf(stderr, "pipectl: gpu-runner reported %llu tokens generated but sent %llu\n",
+				(unsigned long long)d->n_generated, (unsigned long long)count);
+			status = PIPECTL_EXIT_FAIL;
+		}
+		if (a->stats)
+			fprintf(stderr,
+				"prompt %llu tokens: prefill %.1f ms (%.1f tok/s); generated %llu tokens (%s): decode "
+				"%.1f ms (%.1f tok/s); %.1f ms in all\n",
+				(unsigned long long)d->n_prompt, d->prefill_ms, per_second(d->n_prompt, d->prefill_ms),
+				(unsigned long long)d->n_generated, d->reason.p ? d->reason.p : "-", d->decode_ms,
+				per_second(d->n_generated, d->decode_ms), (double)(now_ns() - t0) / 1e6);
+		msg_free(&rep);
+		return status;
+	}
+}
+
+int cmd_generate(struct pipectl *p, int argc, char **argv)
+{
+	struct gen_args a = {0};
+	int status = parse_args(argc, argv, &a);
+	if (status) {
+		status = status < 0 ? PIPECTL_EXIT_OK : status;
+		goto out_free;
+	}
+	struct rpc_client *c = pipectl_connect(p, GEN_SERVICE);
+	if (!c) {
+		status = PIPECTL_EXIT_FAIL;
+		goto out_free;
+	}
+	struct msg req;
+	msg_init(&req, MSG_GENERATE, 0);
+	req.generate.tokens.v = a.tokens;
+	req.generate.tokens.n = a.n_tokens;
+	req.generate.max_new = (uint64_t)a.max_new;
+	req.generate.temperature = a.temperature;
+	req.generate.top_k = (uint64_t)a.top_k;
+	req.generate.top_p = a.top_p;
+	req.generate.seed = (uint64_t)a.seed;
+	req.generate.stop_ids.v = a.stop_ids;
+	req.generate.stop_ids.n = a.n_stop_ids;
+	uint64_t corr;
+	int rc = rpc_send(c, &req, &corr);
+	if (rc) {
+		fprintf(stderr, "pipectl: cannot send GENERATE to gpu-runner: %s\n",
+			rc == -ETIMEDOUT ? "its queue is full (is it running?)" : strerror(-rc));
+		status = PIPECTL_EXIT_FAIL;
+		goto out_client;
+	}
+	status = read_stream(p, c, corr, &a);
+out_client:
+	rpc_client_destroy(&c);
+out_free:
+	free(a.tokens);
+	free(a.stop_ids);
+	return status;
+}
