@@ -63,6 +63,7 @@ setup_packages() {
 # Configures BUILD_DIR once and builds it; quiet on success, the whole output on failure.
 setup_build() {
 	mkdir -p "$BUILD_DIR"
+	[[ -f $BUILD_DIR/CMakeCache.txt ]] || echo "setup: configuring and building in $BUILD_DIR (first time: a minute or so)" >&2
 	local log
 	log=$(mktemp)
 	# One build at a time in a build directory: two commands started together must not
