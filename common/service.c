@@ -323,6 +323,17 @@ static void heartbeat(struct service *s)
 	m.heartbeat.seq = ++s->beat_seq;
 	m.heartbeat.uptime_ms = service_uptime_ms(s);
 	bus_publish(s->pub, &m);
+	/* The counters go out with every beat, so a subscriber sees them without asking. */
+	char *json = s->ops->stats ? s->ops->stats(s->ctx) : NULL;
+	if (json) {
+		msg_init(&m, MSG_STATS, 0);
+		m.stats.service.p = s->name;
+		m.stats.service.len = (uint32_t)strlen(s->name);
+		m.stats.json.p = json;
+		m.stats.json.len = (uint32_t)strlen(json);
+		bus_publish(s->pub, &m);
+		free(json);
+	}
 }
 
 int service_poll_once(struct service *s, int timeout_ms)

@@ -8,6 +8,7 @@
  *   rc = service_run(s);           // until SHUTDOWN or a signal
  *   service_destroy(&s);
  *
+ * Every second the PUB socket carries MSG_HEARTBEAT and, when ops->stats is set, MSG_STATS.
  * A malformed or unknown request gets MSG_ERROR and a log line; the loop keeps serving.
  * service_create makes the run directory (mode 0700) if needed and refuses one that another
  * user owns or that others can read. */

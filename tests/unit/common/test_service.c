@@ -488,6 +488,15 @@ START_TEST(test_extra_fd_and_heartbeat)
 	ck_assert_uint_eq(beat.heartbeat.epoch, hello.hello_reply.epoch);
 	ck_assert_uint_ge(beat.heartbeat.seq, 1);
 	msg_free(&beat);
+	/* right behind it, the counters */
+	ck_assert_int_eq(bus_recv(sub, &beat, 10000, err, sizeof(err)), 0);
+	ck_assert_uint_eq(beat.type, MSG_STATS);
+	ck_assert_str_eq(beat.stats.service.p, SVC);
+	json_t *stats = json_loads(beat.stats.json.p, 0, NULL);
+	ck_assert_ptr_nonnull(stats);
+	ck_assert_ptr_nonnull(json_object_get(stats, "fd_events"));
+	json_decref(stats);
+	msg_free(&beat);
 	zmq_close(sub);
 	/* the extra descriptor: a write makes the service call its function */
 	ck_assert_int_eq(write(p[1], "x", 1), 1);
