@@ -55,7 +55,7 @@ static const struct field_desc f_hello_reply[] = {
 };
 static const struct field_desc f_stats[] = {
 	FLD(1, F_BYTES, REQ, 64, stats.service),
-	FLD(2, F_BYTES, REQ, 1u << 20, stats.json),
+	FLD(2, F_BYTES, REQ, PROTO_MAX_STR, stats.json),
 };
 static const struct field_desc f_heartbeat[] = {
 	FLD(1, F_BYTES, REQ, 64, heartbeat.service), FLD(2, F_U64, REQ, 0, heartbeat.pid),
@@ -99,14 +99,22 @@ static const struct field_desc f_kv_handles[] = {
 	FLD(1, F_U64_ARRAY, REQ, 1u << 20, kv_handles.handles),
 };
 static const struct field_desc f_generate[] = {
-	FLD(1, F_U64_ARRAY, REQ, 1u << 20, generate.tokens), FLD(2, F_U64, REQ, 0, generate.max_new),
+	FLD(1, F_U64_ARRAY, OPT, 1u << 20, generate.tokens), FLD(2, F_U64, REQ, 0, generate.max_new),
 	FLD(3, F_F64, OPT, 0, generate.temperature),	      FLD(4, F_U64, OPT, 0, generate.top_k),
 	FLD(5, F_F64, OPT, 0, generate.top_p),		      FLD(6, F_U64, OPT, 0, generate.seed),
-	FLD(7, F_U64_ARRAY, OPT, 1024, generate.stop_ids),
+	FLD(7, F_U64_ARRAY, OPT, 1024, generate.stop_ids),   FLD(8, F_BYTES, OPT, PROTO_MAX_STR, generate.prompt),
+	FLD(9, F_BYTES, OPT, PROTO_MAX_STR, generate.chat),   FLD(10, F_U64, OPT, 0, generate.flags),
+	FLD(11, F_F64, OPT, 0, generate.min_p),		      FLD(12, F_F64, OPT, 0, generate.repetition_penalty),
+	FLD(13, F_BYTES, OPT, 65536, generate.stop_strings),
 };
 static const struct field_desc f_token[] = {
 	FLD(1, F_U64, REQ, 0, token.index),
 	FLD(2, F_U64, REQ, 0, token.token),
+	FLD(3, F_BYTES, OPT, 65536, token.text),
+};
+static const struct field_desc f_logits[] = {
+	FLD(1, F_U64, REQ, 0, logits.position),
+	FLD(2, F_BYTES, REQ, PROTO_MAX_STR, logits.values),
 };
 static const struct field_desc f_gen_done[] = {
 	FLD(1, F_U64, REQ, 0, gen_done.n_prompt),   FLD(2, F_U64, REQ, 0, gen_done.n_generated),
@@ -140,6 +148,7 @@ static const struct msg_desc catalogue[] = {
 	DESC(MSG_GENERATE, f_generate),
 	DESC(MSG_TOKEN, f_token),
 	DESC(MSG_GEN_DONE, f_gen_done),
+	DESC(MSG_LOGITS, f_logits),
 };
 
 static const struct msg_desc *find_desc(uint32_t type)

@@ -36,7 +36,7 @@ extern "C" {
 #define PROTO_VERSION 1
 #define PROTO_MAX_MSG_BYTES (16u << 20)	/* ZMQ_MAXMSGSIZE on every socket */
 #define PROTO_MAX_ARRAY (1u << 20)	/* elements in any u64 array */
-#define PROTO_MAX_STR (1u << 20)	/* bytes in any string */
+#define PROTO_MAX_STR (4u << 20)	/* bytes in any string (a vocabulary's logits fit) */
 #define PROTO_MAX_KEYS 64		/* entries in a body map */
 #define KV_EVENT_HANDLE_BYTES 64	/* sizeof(cudaIpcEventHandle_t) */
 
@@ -68,10 +68,11 @@ enum msg_type {
 	MSG_KV_FREE = 47,      /* request: handles -> MSG_OK */
 
 	/* gpu-runner: generation */
-	MSG_GENERATE = 60, /* request: tokens, max_new, temperature, top_k, top_p, seed, stop_ids
-			    *  -> MSG_TOKEN per token, then MSG_GEN_DONE (or MSG_ERROR) */
-	MSG_TOKEN = 61,	   /* reply: index, token */
+	MSG_GENERATE = 60, /* request: tokens | prompt | chat, max_new, sampling, stops, flags
+			    *  -> [MSG_LOGITS] MSG_TOKEN per token, then MSG_GEN_DONE (or MSG_ERROR) */
+	MSG_TOKEN = 61,	   /* reply: index, token[, text] */
 	MSG_GEN_DONE = 62, /* reply: n_prompt, n_generated, reason, prefill_ms, decode_ms */
+	MSG_LOGITS = 63,   /* reply: position, values (float32 little-endian, vocab_size of them) */
 };
 
 /* Error codes carried in MSG_ERROR.code: a positive errno value. */
@@ -122,16 +123,39 @@ struct msg_kv_commit {
 	struct bytes events;   /* n * KV_EVENT_HANDLE_BYTES CUDA IPC event handles; empty on the CPU path */
 };
 struct msg_kv_handles { struct u64_array handles; }; /* FETCH, UNPIN, FREE */
+/* MSG_GENERATE.flags */
+enum gen_flags {
+	GEN_SPECIAL_AS_TEXT = 1u << 0, /* prompt: special-token text is plain text */
+	GEN_NO_BOS = 1u << 1,	       /* prompt: do not put the BOS token first */
+	GEN_TEXT = 1u << 2,	       /* each MSG_TOKEN carries the text it completes */
+	GEN_LOGITS = 1u << 3,	       /* send MSG_LOGITS for the last prompt position */
+	GEN_IGNORE_EOS = 1u << 4,      /* do not stop on the model's end-of-sequence ids */
+};
+
 struct msg_generate {
+	/* The prompt: exactly one of tokens, prompt (text) and chat. */
 	struct u64_array tokens;
 	uint64_t max_new;
 	double temperature; /* 0: greedy */
 	uint64_t top_k;	    /* 0: off */
-	double top_p;	    /* 1: off */
+	double top_p;	    /* 0 or 1: off */
 	uint64_t seed;
 	struct u64_array stop_ids; /* optional; the model's eos ids are always stops */
+	struct bytes prompt;	   /* UTF-8 text, tokenized by the runner with the model's tokenizer */
+	struct bytes chat;	   /* JSON array of {"role": ..., "content": ...}, in the model's chat format */
+	uint64_t flags;		   /* enum gen_flags */
+	double min_p;		   /* 0: off */
+	double repetition_penalty; /* 0 or 1: off */
+	struct bytes stop_strings; /* JSON array of strings; generation stops once the text holds one */
 };
-struct msg_token { uint64_t index, token; };
+struct msg_token {
+	uint64_t index, token;
+	struct bytes text; /* with GEN_TEXT: the UTF-8 this token completes (may be empty) */
+};
+struct msg_logits {
+	uint64_t position; /* the sequence position whose next-token distribution this is */
+	struct bytes values;
+};
 struct msg_gen_done {
 	uint64_t n_prompt, n_generated;
 	struct bytes reason; /* "length", "stop" */
@@ -159,6 +183,7 @@ struct msg {
 		struct msg_generate generate;
 		struct msg_token token;
 		struct msg_gen_done gen_done;
+		struct msg_logits logits;
 	};
 };
 

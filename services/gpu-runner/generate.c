@@ -42,8 +42,10 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 	}
 	float *logits = malloc(sizeof(float) * cfg->vocab_size);
 	struct sampler *s = sampler_create(&p->sampling, cfg->vocab_size);
+	bool penalty = p->repetition_penalty > 0 && p->repetition_penalty != 1.0f;
+	uint8_t *seen = penalty ? calloc(cfg->vocab_size, 1) : NULL; /* tokens in the sequence so far */
 	int rc = 0;
-	if (!logits || !s) {
+	if (!logits || !s || (penalty && !seen)) {
 		snprintf(err, errlen, "out of memory");
 		rc = -ENOMEM;
 		goto out;
@@ -60,12 +62,31 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 	}
 	uint64_t t1 = now_ns();
 	res->prefill_ms = (double)(t1 - t0) / 1e6;
+	if (p->on_logits && (rc = p->on_logits(ctx, n_prompt - 1, logits, cfg->vocab_size)) != 0) {
+		snprintf(err, errlen, "sending the prompt's logits failed");
+		goto out;
+	}
+	if (penalty)
+		for (uint32_t i = 0; i < n_prompt; i++)
+			seen[prompt[i]] = 1;
 	uint32_t pos = n_prompt;
 	while (res->n_generated < p->max_new) {
+		if (penalty)
+			for (uint32_t v = 0; v < cfg->vocab_size; v++)
+				if (seen[v])
+					logits[v] = logits[v] < 0 ? logits[v] * p->repetition_penalty
+								  : logits[v] / p->repetition_penalty;
 		int32_t tok = sampler_pick(s, logits);
 		uint32_t index = res->n_generated++;
-		if (emit && emit(ctx, index, tok)) {
+		if (penalty)
+			seen[tok] = 1;
+		enum gen_emit said = emit ? emit(ctx, index, tok) : GEN_CONTINUE;
+		if (said == GEN_CANCEL) {
 			res->reason = "cancelled";
+			break;
+		}
+		if (said == GEN_STOP_STRING) {
+			res->reason = "stop_string";
 			break;
 		}
 		if (is_stop(cfg, p, tok)) {
@@ -95,6 +116,7 @@ out:
 		}
 	}
 	sampler_destroy(&s);
+	free(seen);
 	free(logits);
 	return rc;
 }

@@ -3,7 +3,12 @@
  *
  * Stops: max_new tokens ("length"), a stop id — the model's end-of-sequence ids and the
  * request's own — ("stop"; the stop token is emitted, as transformers does), the context
- * full ("context"), or the emit callback asking to stop ("cancelled").
+ * full ("context"), the emit callback saying a stop string appeared ("stop_string") or that
+ * the client is gone ("cancelled").
+ *
+ * A repetition penalty (transformers' RepetitionPenaltyLogitsProcessor) applies before
+ * sampling, greedy included: the logit of every token already in the sequence (prompt and
+ * generated) is divided by the penalty if positive, multiplied by it if negative.
  */
 #ifndef GPU_RUNNER_GENERATE_H
 #define GPU_RUNNER_GENERATE_H
@@ -17,22 +22,33 @@
 extern "C" {
 #endif
 
+enum gen_emit {
+	GEN_CONTINUE = 0,
+	GEN_CANCEL = 1,	     /* the client is gone: reason "cancelled" */
+	GEN_STOP_STRING = 2, /* a stop string appeared: reason "stop_string" */
+};
+
+/* Called with each new token (index counts from 0). */
+typedef enum gen_emit (*gen_emit_fn)(void *ctx, uint32_t index, int32_t token);
+/* Called once with the logits of the last prompt position (vocab_size floats). Non-zero
+ * return: the request fails with that -errno. */
+typedef int (*gen_logits_fn)(void *ctx, uint32_t position, const float *logits, uint32_t n);
+
 struct gen_params {
 	uint32_t max_new;
 	struct sampler_params sampling;
-	const int32_t *stop_ids; /* extra stop ids, may be NULL */
+	float repetition_penalty; /* <= 0 or 1: off */
+	const int32_t *stop_ids;  /* extra stop ids, may be NULL */
 	uint32_t n_stop;
-	bool ignore_eos;	 /* do not stop on the model's eos ids */
+	bool ignore_eos;	  /* do not stop on the model's eos ids */
+	gen_logits_fn on_logits;  /* may be NULL */
 };
 
 struct gen_result {
 	uint32_t n_prompt, n_generated;
-	const char *reason; /* "length", "stop", "context", "cancelled" */
+	const char *reason; /* "length", "stop", "stop_string", "context", "cancelled" */
 	double prefill_ms, decode_ms;
 };
-
-/* Called with each new token (index counts from 0). Return non-zero to stop. */
-typedef int (*gen_emit_fn)(void *ctx, uint32_t index, int32_t token);
 
 /* Runs one sequence from position 0. The KV cache is reset at the end (also on failure).
  * Returns 0, or -errno with a message in err (bad prompt, a failed step). */

@@ -163,7 +163,7 @@ static int ensure_connections(struct runner *r, char *err, size_t errlen)
 
 /* ---- requests ---- */
 
-static int emit_token(void *ctx, uint32_t index, int32_t token)
+static enum gen_emit emit_token(void *ctx, uint32_t index, int32_t token)
 {
 	struct runner *r = ctx;
 	struct msg m;
@@ -173,10 +173,10 @@ static int emit_token(void *ctx, uint32_t index, int32_t token)
 	ring_source_count_token(r->ring);
 	if (service_reply(r->svc, &r->current->peer, &m) == -EHOSTUNREACH) {
 		log_warn("the client of request %llu went away: cancelling it", (unsigned long long)r->current->corr);
-		return 1;
+		return GEN_CANCEL;
 	}
 	/* Keep serving between tokens; a stop request ends the generation. */
-	return service_poll_once(r->svc, 0);
+	return service_poll_once(r->svc, 0) ? GEN_CANCEL : GEN_CONTINUE;
 }
 
 static void run_job(struct runner *r, struct job *j)
@@ -242,8 +242,11 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 		snprintf(errtext, errlen, "max_new %llu is too large", (unsigned long long)g->max_new);
 		return -EINVAL;
 	}
-	if (!isfinite(g->temperature) || g->temperature < 0 || !isfinite(g->top_p) || g->top_p < 0 || g->top_p > 1) {
-		snprintf(errtext, errlen, "temperature must be >= 0 and top_p in [0, 1]");
+	if (!isfinite(g->temperature) || g->temperature < 0 || !isfinite(g->top_p) || g->top_p < 0 || g->top_p > 1 ||
+	    !isfinite(g->min_p) || g->min_p < 0 || g->min_p > 1 || !isfinite(g->repetition_penalty) ||
+	    g->repetition_penalty < 0) {
+		snprintf(errtext, errlen,
+			 "temperature must be >= 0, top_p and min_p in [0, 1], repetition_penalty >= 0");
 		return -EINVAL;
 	}
 	for (uint32_t i = 0; i < g->tokens.n; i++) {
@@ -272,7 +275,9 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 	j->params = (struct gen_params){
 		.max_new = (uint32_t)g->max_new,
 		.sampling = {.temperature = (float)g->temperature, .top_k = g->top_k > UINT32_MAX ? 0 : (uint32_t)g->top_k,
-			     .top_p = g->top_p == 0 ? 1.0f : (float)g->top_p, .seed = g->seed},
+			     .top_p = g->top_p == 0 ? 1.0f : (float)g->top_p, .seed = g->seed, .min_p = (float)g->min_p},
+		.repetition_penalty = (float)g->repetition_penalty,
+		.ignore_eos = (g->flags & GEN_IGNORE_EOS) != 0,
 		.stop_ids = j->stop,
 		.n_stop = g->stop_ids.n,
 	};

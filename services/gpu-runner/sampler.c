@@ -239,11 +239,23 @@ int32_t sampler_pick(struct sampler *s, const float *logits)
 		sum = cum;
 	}
 
-	double target = uniform01(s->s) * sum, cum = 0;
-	for (uint32_t i = 0; i < n; i++) {
-		cum += z[s->idx[i]];
-		if (target < cum)
-			return s->idx[i];
+	/* min-p: weights are exp(z - zmax), so the likeliest weighs 1 and the bar is min_p itself. */
+	double floor_w = p->min_p > 0.0f ? (p->min_p < 1.0f ? (double)p->min_p : 1.0) : 0.0;
+	if (floor_w > 0) {
+		sum = 0;
+		for (uint32_t i = 0; i < n; i++)
+			if (z[s->idx[i]] >= floor_w)
+				sum += z[s->idx[i]];
 	}
-	return s->idx[n - 1]; /* target fell past the rounded total */
+	double target = uniform01(s->s) * sum, cum = 0;
+	int32_t last = s->idx[0];
+	for (uint32_t i = 0; i < n; i++) {
+		if (z[s->idx[i]] < floor_w)
+			continue;
+		last = s->idx[i];
+		cum += z[last];
+		if (target < cum)
+			return last;
+	}
+	return last; /* target fell past the rounded total */
 }

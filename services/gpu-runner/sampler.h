@@ -9,7 +9,8 @@
  *
  * Order of operations (as in transformers' generate): temperature scaling, top-k, softmax,
  * top-p (keep the smallest set of most likely tokens whose mass reaches top_p, at least one),
- * draw. temperature <= 0 means greedy (argmax; the lowest id wins a tie). */
+ * min-p (drop tokens less likely than min_p times the likeliest), draw. A repetition penalty
+ * is a logits processor that comes before all of this (generate.c applies it). temperature <= 0 means greedy (argmax; the lowest id wins a tie). */
 #ifndef GPU_RUNNER_SAMPLER_H
 #define GPU_RUNNER_SAMPLER_H
 #include <stdint.h>
@@ -22,6 +23,7 @@ struct sampler_params {
 	uint32_t top_k;	   /* 0: off */
 	float top_p;	   /* >= 1 or <= 0: off */
 	uint64_t seed;
+	float min_p;	   /* keep tokens at least min_p times as likely as the likeliest; <= 0: off */
 };
 
 struct sampler;

@@ -128,18 +128,18 @@ static int parse_ids(const char *text, int32_t **out, uint32_t *n)
 	return 0;
 }
 
-static int print_token(void *ctx, uint32_t index, int32_t token)
+static enum gen_emit print_token(void *ctx, uint32_t index, int32_t token)
 {
 	printf(index ? " %d" : "%d", token);
 	fflush(stdout);
-	return 0;
+	return GEN_CONTINUE;
 }
 
 int main(int argc, char **argv)
 {
 	const char *model = NULL, *tokens_text = NULL, *stop_text = NULL, *backend_name = "cpu";
 	long max_new = 16, top_k = 0, threads = 1, block_tokens = 16, chunk = 256, seed = 0;
-	double temperature = 0, top_p = 1;
+	double temperature = 0, top_p = 1, min_p = 0, repetition_penalty = 1;
 	bool stats = false;
 	const struct opt opts[] = {
 		{"model", OPT_STRING, &model, NULL, "checkpoint directory (required)"},
@@ -148,6 +148,8 @@ int main(int argc, char **argv)
 		{"temperature", OPT_DOUBLE, &temperature, "0", "sampling temperature; 0 is greedy"},
 		{"top-k", OPT_INT, &top_k, "0", "keep the k most likely tokens; 0 is off"},
 		{"top-p", OPT_DOUBLE, &top_p, "1", "keep the most likely tokens up to this mass; 1 is off"},
+		{"min-p", OPT_DOUBLE, &min_p, "0", "drop tokens less likely than this times the likeliest; 0 is off"},
+		{"repetition-penalty", OPT_DOUBLE, &repetition_penalty, "1", "penalty on tokens already seen; 1 is off"},
 		{"seed", OPT_INT, &seed, "0", "sampling seed"},
 		{"stop-ids", OPT_STRING, &stop_text, NULL, "extra stop token ids, comma separated"},
 		{"backend", OPT_STRING, &backend_name, "cpu", "compute backend"},
@@ -225,7 +227,8 @@ int main(int argc, char **argv)
 	}
 	struct gen_params gp = {.max_new = (uint32_t)max_new,
 				.sampling = {.temperature = (float)temperature, .top_k = (uint32_t)top_k,
-					     .top_p = (float)top_p, .seed = (uint64_t)seed},
+					     .top_p = (float)top_p, .seed = (uint64_t)seed, .min_p = (float)min_p},
+				.repetition_penalty = (float)repetition_penalty,
 				.stop_ids = stop,
 				.n_stop = n_stop};
 	struct gen_result res;

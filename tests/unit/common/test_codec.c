@@ -82,11 +82,17 @@ static const struct tfield t_kv_commit[] = {TF(1, T_ARRAY, true, PROTO_MAX_ARRAY
 					    TF(3, T_BYTES, false, PROTO_MAX_STR, kv_commit.events)};
 static const struct tfield t_kv_handles[] = {TF(1, T_ARRAY, true, PROTO_MAX_ARRAY, kv_handles.handles)};
 static const struct tfield t_generate[] = {
-	TF(1, T_ARRAY, true, PROTO_MAX_ARRAY, generate.tokens), TF(2, T_U64, true, 0, generate.max_new),
+	TF(1, T_ARRAY, false, PROTO_MAX_ARRAY, generate.tokens), TF(2, T_U64, true, 0, generate.max_new),
 	TF(3, T_F64, false, 0, generate.temperature), TF(4, T_U64, false, 0, generate.top_k),
 	TF(5, T_F64, false, 0, generate.top_p), TF(6, T_U64, false, 0, generate.seed),
-	TF(7, T_ARRAY, false, 1024, generate.stop_ids)};
-static const struct tfield t_token[] = {TF(1, T_U64, true, 0, token.index), TF(2, T_U64, true, 0, token.token)};
+	TF(7, T_ARRAY, false, 1024, generate.stop_ids), TF(8, T_BYTES, false, PROTO_MAX_STR, generate.prompt),
+	TF(9, T_BYTES, false, PROTO_MAX_STR, generate.chat), TF(10, T_U64, false, 0, generate.flags),
+	TF(11, T_F64, false, 0, generate.min_p), TF(12, T_F64, false, 0, generate.repetition_penalty),
+	TF(13, T_BYTES, false, 65536, generate.stop_strings)};
+static const struct tfield t_token[] = {TF(1, T_U64, true, 0, token.index), TF(2, T_U64, true, 0, token.token),
+					TF(3, T_BYTES, false, 65536, token.text)};
+static const struct tfield t_logits[] = {TF(1, T_U64, true, 0, logits.position),
+					 TF(2, T_BYTES, true, PROTO_MAX_STR, logits.values)};
 static const struct tfield t_gen_done[] = {
 	TF(1, T_U64, true, 0, gen_done.n_prompt), TF(2, T_U64, true, 0, gen_done.n_generated),
 	TF(3, T_BYTES, true, 64, gen_done.reason), TF(4, T_F64, true, 0, gen_done.prefill_ms),
@@ -118,6 +124,7 @@ static const struct tmsg contract[] = {
 	TM(MSG_GENERATE, t_generate),
 	TM(MSG_TOKEN, t_token),
 	TM(MSG_GEN_DONE, t_gen_done),
+	TM(MSG_LOGITS, t_logits),
 };
 #define N_TYPES ((int)ARRAY_SIZE(contract))
 

@@ -263,6 +263,33 @@ START_TEST(test_top_p_nucleus)
 }
 END_TEST
 
+START_TEST(test_min_p)
+{
+	/* Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.5 keeps what is at least 0.25 likely: {0, 1}. */
+	float l[4] = {logf(0.5f), logf(0.3f), logf(0.15f), logf(0.05f)};
+	struct sampler_params sp = {.temperature = 1.0f, .seed = 31, .min_p = 0.5f};
+	struct sampler *s = sampler_create(&sp, 4);
+	ck_assert_ptr_nonnull(s);
+	double p[4] = {0.5 / 0.8, 0.3 / 0.8, 0, 0};
+	check_frequencies(s, l, p, 4);
+	sampler_destroy(&s);
+	/* min_p 0.25 keeps {0, 1, 2} (0.15 >= 0.125), unsorted candidates included. */
+	sp.min_p = 0.25f;
+	sp.seed = 32;
+	s = sampler_create(&sp, 4);
+	double p3[4] = {0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0};
+	check_frequencies(s, l, p3, 4);
+	sampler_destroy(&s);
+	/* min_p of 1 or more keeps the likeliest alone; with top-k first, on what top-k left. */
+	sp.min_p = 2.0f;
+	sp.top_k = 3;
+	s = sampler_create(&sp, 4);
+	for (int i = 0; i < 200; i++)
+		ck_assert_int_eq(sampler_pick(s, l), 0);
+	sampler_destroy(&s);
+}
+END_TEST
+
 START_TEST(test_frequencies_temperature_one)
 {
 	double p[8];
@@ -333,6 +360,7 @@ int main(void)
 	tc = tcase_create("top_p");
 	tcase_add_test(tc, test_tiny_top_p_is_greedy);
 	tcase_add_test(tc, test_top_p_nucleus);
+	tcase_add_test(tc, test_min_p);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("distribution");
 	tcase_add_test(tc, test_frequencies_temperature_one);
