@@ -179,6 +179,19 @@ static enum gen_emit emit_token(void *ctx, uint32_t index, int32_t token)
 	return service_poll_once(r->svc, 0) ? GEN_CANCEL : GEN_CONTINUE;
 }
 
+/* GEN_LOGITS: the prompt's last-position logits go to the client before the first token. */
+static int send_logits(void *ctx, uint32_t position, const float *logits, uint32_t n)
+{
+	struct runner *r = ctx;
+	struct msg m;
+	msg_init(&m, MSG_LOGITS, r->current->corr);
+	m.logits.position = position;
+	m.logits.values.p = (char *)logits; /* float32 in host order: little-endian on every target */
+	m.logits.values.len = n * (uint32_t)sizeof(float);
+	int rc = service_reply(r->svc, &r->current->peer, &m);
+	return rc == -EHOSTUNREACH ? rc : 0;
+}
+
 static void run_job(struct runner *r, struct job *j)
 {
 	char err[1024] = "";
@@ -278,6 +291,7 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 			     .top_p = g->top_p == 0 ? 1.0f : (float)g->top_p, .seed = g->seed, .min_p = (float)g->min_p},
 		.repetition_penalty = (float)g->repetition_penalty,
 		.ignore_eos = (g->flags & GEN_IGNORE_EOS) != 0,
+		.on_logits = (g->flags & GEN_LOGITS) ? send_logits : NULL,
 		.stop_ids = j->stop,
 		.n_stop = g->stop_ids.n,
 	};
