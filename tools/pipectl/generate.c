@@ -2,11 +2,16 @@
  * replies printed as they arrive, MSG_GEN_DONE ends the line.
  *
  * The output is the generated ids on one line separated by spaces, the same as run-local
- * prints, so that the two can be compared byte for byte. */
+ * prints, so that the two can be compared byte for byte.
+ *
+ * --dump-logits FILE asks for MSG_LOGITS (GEN_LOGITS) and writes its values to FILE as they
+ * came: raw float32, little-endian, vocab_size of them, no header. Raw rather than text so
+ * that the fidelity test compares exactly what the runner computed. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/util.h"
 #include "tools/pipectl/pipectl.h"
@@ -20,7 +25,8 @@ struct gen_args {
 	uint32_t n_tokens, n_stop_ids;
 	long max_new, top_k, seed;
 	double temperature, top_p;
-	bool stats;
+	bool stats, ignore_eos;
+	const char *dump_logits; /* --dump-logits FILE (borrowed from argv); NULL: not asked */
 };
 
 /* -n N is the short form of --max-new N; config_parse knows only long flags. Returns a
@@ -49,6 +55,11 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 		{"stop-ids", OPT_STRING, &stop_ids, NULL,
 		 "extra token ids that end generation, comma separated (the model's eos ids always do)"},
 		{"stats", OPT_BOOL, &a->stats, NULL, "print a timing line on stderr at the end"},
+		{"ignore-eos", OPT_BOOL, &a->ignore_eos, NULL,
+		 "do not stop on the model's end-of-sequence ids (--stop-ids still stop)"},
+		{"dump-logits", OPT_STRING, &a->dump_logits, NULL,
+		 "write the logits of the prompt's last position to FILE: raw float32 little-endian, one per "
+		 "vocabulary entry, no header"},
 		{0},
 	};
 	char **args = expand_short_flags(argc, argv);
@@ -56,7 +67,7 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 		fprintf(stderr, "pipectl: out of memory\n");
 		return PIPECTL_EXIT_FAIL;
 	}
-	int rc = pipectl_parse("generate --tokens IDS [-n N]",
+	int rc = pipectl_parse("generate --tokens IDS [-n N] [--ignore-eos] [--dump-logits FILE]",
 			       "Generates tokens with gpu-runner and prints each id as it arrives, separated by spaces, "
 			       "then a newline.",
 			       opts, argc, args, NULL, 0, 0, NULL);
@@ -109,6 +120,42 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 		fprintf(stderr, "pipectl: generate: --seed must not be negative, not %ld\n", a->seed);
 		return PIPECTL_EXIT_USAGE;
 	}
+	if (a->dump_logits && !*a->dump_logits) {
+		fprintf(stderr, "pipectl: generate: --dump-logits needs a file name\n");
+		return PIPECTL_EXIT_USAGE;
+	}
+	return 0;
+}
+
+/* Checks a MSG_LOGITS reply against the request and writes its values to a->dump_logits.
+ * Returns 0, or PIPECTL_EXIT_FAIL after printing why. */
+static int write_logits(const struct gen_args *a, const struct msg_logits *l)
+{
+	if (l->position != a->n_tokens - 1) {
+		fprintf(stderr, "pipectl: gpu-runner sent the logits of position %llu, not of the prompt's last (%u)\n",
+			(unsigned long long)l->position, a->n_tokens - 1);
+		return PIPECTL_EXIT_FAIL;
+	}
+	if (l->values.len == 0 || l->values.len % sizeof(float)) {
+		fprintf(stderr, "pipectl: gpu-runner sent %u bytes of logits, not a positive multiple of 4\n",
+			l->values.len);
+		return PIPECTL_EXIT_FAIL;
+	}
+	FILE *f = fopen(a->dump_logits, "wb");
+	if (!f) {
+		fprintf(stderr, "pipectl: --dump-logits: cannot create %s: %s\n", a->dump_logits, strerror(errno));
+		return PIPECTL_EXIT_FAIL;
+	}
+	size_t done = fwrite(l->values.p, 1, l->values.len, f);
+	int werr = done == l->values.len ? 0 : errno;
+	if (fclose(f) != 0 && !werr)
+		werr = errno;
+	if (done != l->values.len || werr) {
+		fprintf(stderr, "pipectl: --dump-logits: cannot write %s: %s\n", a->dump_logits,
+			strerror(werr ? werr : EIO));
+		unlink(a->dump_logits);
+		return PIPECTL_EXIT_FAIL;
+	}
 	return 0;
 }
 
@@ -122,6 +169,7 @@ static int read_stream(struct pipectl *p, struct rpc_client *c, uint64_t corr, c
 {
 	int timeout_ms = pipectl_timeout_ms(p, GEN_DEFAULT_TIMEOUT_S);
 	uint64_t count = 0, t0 = now_ns();
+	bool have_logits = false;
 	struct msg rep;
 	for (;;) {
 		int rc = rpc_wait(c, corr, &rep, timeout_ms);
@@ -136,7 +184,21 @@ static int read_stream(struct pipectl *p, struct rpc_client *c, uint64_t corr, c
 			}
 			return pipectl_rpc_failed(p, GEN_SERVICE, "GENERATE", rc, &rep);
 		}
+		if (rep.type == MSG_LOGITS && a->dump_logits && !have_logits && count == 0) {
+			/* Asked for: one, before the first token. */
+			int status = write_logits(a, &rep.logits);
+			msg_free(&rep);
+			if (status)
+				return status;
+			have_logits = true;
+			continue;
+		}
 		if (rep.type == MSG_TOKEN) {
+			if (a->dump_logits && !have_logits) { /* so count is 0: nothing printed yet */
+				fprintf(stderr, "pipectl: gpu-runner sent a token before the logits asked for\n");
+				msg_free(&rep);
+				return PIPECTL_EXIT_FAIL;
+			}
 			if (rep.token.index != count) {
 				putchar('\n');
 				fflush(stdout);
@@ -163,6 +225,10 @@ static int read_stream(struct pipectl *p, struct rpc_client *c, uint64_t corr, c
 		fflush(stdout);
 		const struct msg_gen_done *d = &rep.gen_done;
 		int status = PIPECTL_EXIT_OK;
+		if (a->dump_logits && !have_logits) {
+			fprintf(stderr, "pipectl: gpu-runner finished without sending the logits asked for\n");
+			status = PIPECTL_EXIT_FAIL;
+		}
 		if (d->n_generated != count) {
 			fprintf(stderr, "pipectl: gpu-runner reported %llu tokens generated but sent %llu\n",
 				(unsigned long long)d->n_generated, (unsigned long long)count);
@@ -204,6 +270,7 @@ int cmd_generate(struct pipectl *p, int argc, char **argv)
 	req.generate.seed = (uint64_t)a.seed;
 	req.generate.stop_ids.v = a.stop_ids;
 	req.generate.stop_ids.n = a.n_stop_ids;
+	req.generate.flags = (a.ignore_eos ? GEN_IGNORE_EOS : 0) | (a.dump_logits ? GEN_LOGITS : 0);
 	uint64_t corr;
 	int rc = rpc_send(c, &req, &corr);
 	if (rc) {

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# fidelity: the C reference backend, through the whole pipeline (ssd-loader, kv-store,
+# gpu-runner, pipectl), computes what Hugging Face transformers computes. For every fixture in
+# tests/fixtures (made by scripts/fixtures from transformers, float32, eager attention):
+#   - rebuild its checkpoint with the recorded make-synthetic-model arguments and check that
+#     every file has the recorded sha256 (a mismatch means the generator changed);
+#   - start an instance on it, generate 32 greedy tokens with EOS ignored and the prompt's
+#     last-position logits dumped;
+#   - the logits: relative L2 error at most 1e-4; the tokens: identical for 32 steps, except
+#     after a step that is a near tie in the fixture (top-1/top-2 margin below 1e-4);
+#   - run-local (the same backend without services) must give the same tokens too;
+#   - stop the instance (in the background, while the next case runs): nothing left behind.
+# Every case runs and prints its measurements; the test fails at the end if one did not agree.
+source "$(dirname "$0")/lib.sh"
+it_setup fidelity
+
+COMPARE=${COMPARE_FIXTURE:?set COMPARE_FIXTURE to the compare_fixture binary of the build}
+[[ -x $COMPARE ]] || fail "$COMPARE is not built"
+FIXTURES=$PIPELINE_SOURCE_DIR/tests/fixtures
+shopt -s nullglob
+fixtures=("$FIXTURES"/*.json)
+((${#fixtures[@]} > 0)) || fail "no fixture in $FIXTURES (scripts/fixtures/remake.sh makes them)"
+
+# Each case has an instance of its own, stopped in the background while the next case runs:
+# a stop mostly waits for the exited services to be reaped, and one after another that would
+# be most of this test's time.
+BASE_INSTANCE=$INSTANCE
+started=()   # case numbers whose instance was started
+stoppers=()  # pids of the background stops
+
+# use_instance N: INSTANCE and RUN_DIR (and PIPELINE_INSTANCE, PIPELINE_RUN_DIR) of case N.
+# shellcheck disable=SC2034 # lib.sh's checks read INSTANCE and RUN_DIR
+use_instance() {
+	export PIPELINE_INSTANCE=$BASE_INSTANCE-$1 PIPELINE_RUN_DIR=$IT_TMP/run-$1
+	INSTANCE=$PIPELINE_INSTANCE
+	RUN_DIR=$PIPELINE_RUN_DIR
+}
+
+# stop_instance N: stops case N's instance in the background.
+stop_instance() {
+	(
+		use_instance "$1"
+		"$PIPELINE" stop >/dev/null 2>&1
+	) &
+	stoppers+=($!)
+}
+
+# On the way out (a failure): stop what still runs, kill what a stop left, then lib.sh's cleanup.
+fidelity_cleanup() {
+	local status=$? n p
+	set +e
+	wait "${stoppers[@]}" 2>/dev/null
+	stoppers=()
+	for n in "${started[@]}"; do
+		stop_instance "$n"
+	done
+	wait "${stoppers[@]}" 2>/dev/null
+	for n in "${started[@]}"; do
+		use_instance "$n"
+		for p in $(instance_pids); do
+			echo "[$IT_NAME] FAIL: a process of case instance $INSTANCE was left: $p" >&2
+			kill -KILL "$p" 2>/dev/null
+			status=1
+		done
+		for p in $(instance_shm); do
+			echo "[$IT_NAME] FAIL: shared memory of case instance $INSTANCE was left: $p" >&2
+			rm -f "$p"
+			status=1
+		done
+	done
+	# lib.sh's own instance, never started here, for it_cleanup.
+	export PIPELINE_INSTANCE=$BASE_INSTANCE PIPELINE_RUN_DIR=$IT_TMP/run
+	INSTANCE=$PIPELINE_INSTANCE
+	# shellcheck disable=SC2034 # it_cleanup reads it
+	RUN_DIR=$PIPELINE_RUN_DIR
+	(exit "$status")
+	it_cleanup
+}
+trap fidelity_cleanup EXIT
+
+failed=()
+# case_failed NAME WHY: notes a failure and goes on with the next case.
+case_failed() {
+	log "FAIL: $1: $2"
+	failed+=("$1")
+}
+
+n=0
+for fx in "${fixtures[@]}"; do
+	n=$((n + 1))
+	name=$(basename "$fx" .json)
+	dir=$IT_TMP/$name
+	mapfile -t args < <("$COMPARE" args "$fx")
+	((${#args[@]} > 0)) || fail "$fx: no generator arguments (see above)"
+
+	# The checkpoint, byte for byte the one the fixture was made from.
+	"$BIN/make-synthetic-model" "${args[@]}" --out "$dir" --quiet >/dev/null ||
+		fail "$name: make-synthetic-model ${args[*]} failed"
+	"$COMPARE" files "$fx" >"$IT_TMP/$name.sha256" || fail "$fx: no file list"
+	if ! sums=$(cd "$dir" && sha256sum --quiet -c "$IT_TMP/$name.sha256" 2>&1); then
+		case_failed "$name" "make-synthetic-model ${args[*]} no longer writes the checkpoint the fixture was made \
+from: the generator changed (${sums//$'\n'/; }); remake the fixtures (tests/fixtures/README.md)"
+		continue
+	fi
+	want_files=$(sed 's/^[0-9a-f]*  //' "$IT_TMP/$name.sha256" | sort)
+	got_files=$(find "$dir" -mindepth 1 -maxdepth 1 -printf '%f\n' | sort)
+	if [[ $got_files != "$want_files" ]]; then
+		case_failed "$name" "make-synthetic-model ${args[*]} writes the files ${got_files//$'\n'/ }, the fixture \
+lists ${want_files//$'\n'/ }: the generator changed; remake the fixtures (tests/fixtures/README.md)"
+		continue
+	fi
+	prompt=$("$COMPARE" prompt "$fx") || fail "$fx: no prompt"
+
+	# Through the services.
+	use_instance "$n"
+	started+=("$n")
+	"$PIPELINE" start --model "$dir" >/dev/null
+	logits=$IT_TMP/$name.logits
+	ok=1
+	if got=$("$PIPECTL" generate --tokens "$prompt" -n 32 --temperature 0 --ignore-eos --dump-logits "$logits"); then
+		"$COMPARE" logits "$fx" "$logits" | sed "s/^/[$IT_NAME] pipeline  /" || ok=0
+		"$COMPARE" tokens "$fx" "$got" | sed "s/^/[$IT_NAME] pipeline  /" || ok=0
+	else
+		log "FAIL: $name: pipectl generate failed"
+		ok=0
+	fi
+	stop_instance "$n"
+
+	# The same backend in one process: its tokens must agree too (it stops on EOS).
+	if local_got=$("$BIN/run-local" --model "$dir" --tokens "$prompt" -n 32); then
+		"$COMPARE" tokens "$fx" "$local_got" --eos-may-stop | sed "s/^/[$IT_NAME] run-local /" || ok=0
+	else
+		log "FAIL: $name: run-local failed"
+		ok=0
+	fi
+	((ok)) || case_failed "$name" "does not match its fixture $fx (above)"
+done
+
+# Every instance stopped, and left nothing behind.
+for p in "${stoppers[@]}"; do
+	wait "$p" || fail "a case instance did not stop cleanly (scripts/pipeline stop failed)"
+done
+stoppers=()
+for n in "${started[@]}"; do
+	use_instance "$n"
+	expect_nothing_left "case instance $INSTANCE after stop"
+done
+
+((${#failed[@]} == 0)) || fail "${#failed[@]} of ${#fixtures[@]} cases differ from transformers: ${failed[*]}"
+log "ok: ${#fixtures[@]} cases match transformers"
