@@ -50,6 +50,7 @@ int main(int argc, char **argv)
 	long seed = 0, shards = 0, layers = -1, vocab = -1, dim = -1, heads = -1, kv_heads = -1, head_dim = -1,
 	     ffn = -1, sliding = -1;
 	uint64_t shard_size = 0;
+	double rope_theta = 0;
 	bool tied = false, mha = false, force = false, quiet = false;
 	struct opt opts[] = {
 		{"shape", OPT_STRING, &shape, NULL, "tiny, llama3-8b, llama3-70b or llama3-70b:LAYERS (required)"},
@@ -68,6 +69,7 @@ int main(int argc, char **argv)
 		{"ffn", OPT_INT, &ffn, NULL, "override: feed-forward (intermediate) size"},
 		{"mha", OPT_BOOL, &mha, NULL, "plain multi-head attention: kv heads = heads"},
 		{"rope-scaling", OPT_STRING, &rope, NULL, "override: none, linear:FACTOR or llama3"},
+		{"rope-theta", OPT_DOUBLE, &rope_theta, NULL, "override: RoPE base (Llama 2: 10000)"},
 		{"arch", OPT_STRING, &arch, NULL, "override: llama or mistral"},
 		{"sliding-window", OPT_INT, &sliding, NULL, "override: sliding window (0: none)"},
 		{"force", OPT_BOOL, &force, NULL, "write into a directory that already holds a checkpoint"},
@@ -146,6 +148,13 @@ int main(int argc, char **argv)
 		for (uint32_t i = 0; i < cfg.n_eos; i++)
 			if (cfg.eos_ids[i] >= (int32_t)cfg.vocab_size)
 				cfg.eos_ids[i] = (int32_t)(cfg.vocab_size > 2 ? 2 + i % (cfg.vocab_size - 2) : 0);
+	}
+	if (rope_theta != 0) {
+		if (!(rope_theta > 0 && rope_theta < 1e12)) {
+			fprintf(stderr, "%s: --rope-theta %g must be positive\n", PROG, rope_theta);
+			return 2;
+		}
+		cfg.rope_theta = (float)rope_theta;
 	}
 	if (rope && synth_parse_rope_scaling(rope, &cfg, err, sizeof(err)) != 0) {
 		fprintf(stderr, "%s: --rope-scaling: %s\n", PROG, err);

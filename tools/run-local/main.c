@@ -140,7 +140,7 @@ int main(int argc, char **argv)
 	const char *model = NULL, *tokens_text = NULL, *stop_text = NULL, *backend_name = "cpu";
 	long max_new = 16, top_k = 0, threads = 1, block_tokens = 16, chunk = 256, seed = 0;
 	double temperature = 0, top_p = 1, min_p = 0, repetition_penalty = 1;
-	bool stats = false;
+	bool stats = false, ignore_eos = false;
 	const struct opt opts[] = {
 		{"model", OPT_STRING, &model, NULL, "checkpoint directory (required)"},
 		{"tokens", OPT_STRING, &tokens_text, NULL, "prompt token ids, comma separated (required)"},
@@ -156,6 +156,7 @@ int main(int argc, char **argv)
 		{"threads", OPT_INT, &threads, "1", "CPU threads of the cpu backend"},
 		{"kv-block-tokens", OPT_INT, &block_tokens, "16", "tokens per KV block"},
 		{"prefill-chunk", OPT_INT, &chunk, "256", "most prompt tokens per forward step"},
+		{"ignore-eos", OPT_BOOL, &ignore_eos, NULL, "do not stop on the model's end-of-sequence ids"},
 		{"stats", OPT_BOOL, &stats, NULL, "print timings on stderr"},
 		{0},
 	};
@@ -229,6 +230,7 @@ int main(int argc, char **argv)
 				.sampling = {.temperature = (float)temperature, .top_k = (uint32_t)top_k,
 					     .top_p = (float)top_p, .seed = (uint64_t)seed, .min_p = (float)min_p},
 				.repetition_penalty = (float)repetition_penalty,
+				.ignore_eos = ignore_eos,
 				.stop_ids = stop,
 				.n_stop = n_stop};
 	struct gen_result res;
