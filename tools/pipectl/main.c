@@ -18,6 +18,7 @@
 #include "common/log.h"
 #include "common/service.h"
 #include "common/util.h"
+#include "tools/pipectl/tokenize.h"
 #include "tools/pipectl/pipectl.h"
 
 const char *const pipectl_services[] = {"ssd-loader", "kv-store", "gpu-runner", NULL};
@@ -37,6 +38,8 @@ static const struct command commands[] = {
 	{"generate", cmd_generate, "generate --tokens IDS -n N   generate tokens with gpu-runner"},
 	{"summary", cmd_summary, "summary                 what moved through each tier (all services)"},
 	{"garbage", cmd_garbage, "garbage SERVICE         send malformed requests; check the service survives"},
+	{"tokenize", cmd_tokenize, "tokenize --tokenizer FILE    text on stdin -> token ids"},
+	{"detokenize", cmd_detokenize, "detokenize --tokenizer FILE  token ids on stdin -> text"},
 	{NULL, NULL, NULL},
 };
 
