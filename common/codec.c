@@ -119,7 +119,7 @@ static const struct field_desc f_logits[] = {
 static const struct field_desc f_gen_done[] = {
 	FLD(1, F_U64, REQ, 0, gen_done.n_prompt),   FLD(2, F_U64, REQ, 0, gen_done.n_generated),
 	FLD(3, F_BYTES, REQ, 64, gen_done.reason),  FLD(4, F_F64, REQ, 0, gen_done.prefill_ms),
-	FLD(5, F_F64, REQ, 0, gen_done.decode_ms),
+	FLD(5, F_F64, REQ, 0, gen_done.decode_ms), FLD(6, F_BYTES, OPT, 64, gen_done.text),
 };
 
 #define DESC(type, fields) {type, #type, fields, sizeof(fields) / sizeof(fields[0])}

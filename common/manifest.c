@@ -23,6 +23,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/tokenizer.h"
 #include "common/util.h"
 
 #define HEADER_MAX	  (100ull << 20) /* a safetensors header above this is corrupt, not big */
@@ -955,6 +956,9 @@ int manifest_load(const char *dir, struct manifest **out, char *err, size_t errl
 		goto out_free;
 	}
 	finish_summary(m);
+	snprintf(path, sizeof(path), "%s/tokenizer.json", dir);
+	if (access(path, F_OK) == 0 && (rc = manifest_attach_tokenizer(m, path, err, errlen)) != 0)
+		goto out_free;
 	loader_free(&ld);
 	*out = m;
 	return 0;
@@ -965,11 +969,67 @@ out_free:
 	return rc;
 }
 
+int manifest_attach_tokenizer(struct manifest *m, const char *path, char *err, size_t errlen)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return errorf(err, errlen, -errno, "tokenizer %s: %s", path, strerror(errno));
+	struct stat st;
+	char *data = NULL;
+	int rc = 0;
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+		rc = errorf(err, errlen, -EINVAL, "tokenizer %s is not a regular file", path);
+		goto out_close;
+	}
+	if (st.st_size > (off_t)(256u << 20)) {
+		rc = errorf(err, errlen, -EFBIG, "tokenizer %s is larger than 256 MiB", path);
+		goto out_close;
+	}
+	data = malloc((size_t)st.st_size + 1);
+	if (!data) {
+		rc = errorf(err, errlen, -ENOMEM, "out of memory");
+		goto out_close;
+	}
+	size_t done = 0;
+	while (done < (size_t)st.st_size) {
+		ssize_t n = pread(fd, data + done, (size_t)st.st_size - done, (off_t)done);
+		if (n <= 0) {
+			rc = errorf(err, errlen, n < 0 ? -errno : -EIO, "reading tokenizer %s: %s", path,
+				    n < 0 ? strerror(errno) : "short read");
+			goto out_close;
+		}
+		done += (size_t)n;
+	}
+	struct tokenizer *tok = NULL;
+	rc = tokenizer_load_buffer(path, data, done, &tok, err, errlen);
+	if (rc)
+		goto out_close;
+	uint32_t tv = tokenizer_vocab_size(tok);
+	tokenizer_destroy(&tok);
+	if (tv > m->cfg.vocab_size) {
+		rc = errorf(err, errlen, -EINVAL,
+			    "tokenizer %s defines ids up to %u, but config.json's vocab_size is %u: they belong to "
+			    "different models",
+			    path, tv - 1, m->cfg.vocab_size);
+		goto out_close;
+	}
+	free(m->tokenizer_json);
+	m->tokenizer_json = data;
+	m->tokenizer_bytes = done;
+	data = NULL;
+	str_copy(m->tokenizer_path, sizeof(m->tokenizer_path), path);
+out_close:
+	free(data);
+	close(fd);
+	return rc;
+}
+
 void manifest_destroy(struct manifest **mp)
 {
 	if (!mp || !*mp)
 		return;
 	struct manifest *m = *mp;
+	free(m->tokenizer_json);
 	free(m->tensors);
 	free(m->groups);
 	free(m->extents);

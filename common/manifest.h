@@ -1,7 +1,7 @@
 /* manifest.h - a Hugging Face checkpoint directory read into a model description.
  *
  * Reads config.json, model.safetensors or model.safetensors.index.json with its shards,
- * and each safetensors header; checks every tensor against the configuration (names,
+ * each safetensors header, and tokenizer.json when there is one; checks every tensor against the configuration (names,
  * shapes, dtypes, ranges inside the files) and lays the groups out for slots: each group's
  * tensors are covered by read extents aligned to 4 KiB (what O_DIRECT needs), and each
  * tensor records where it starts in the group's slot. Only the loader opens the files;
@@ -54,6 +54,9 @@ struct manifest {
 	uint64_t total_tensor_bytes;   /* sum of every tensor's nbytes */
 	uint64_t hash;		       /* over cfg and tensors (names, shapes, dtypes): HELLO checks it */
 	uint32_t weight_dtype;	       /* enum dtype of the matrices (the most common one) */
+	char *tokenizer_json;	       /* tokenizer.json as read (checked), NULL when the model has none */
+	uint64_t tokenizer_bytes;
+	char tokenizer_path[PATH_MAX];
 };
 
 /* Loads the checkpoint in dir. Returns 0 and *out (owned by the caller: manifest_destroy);
@@ -62,6 +65,12 @@ struct manifest {
  * dtype, -ENOMEM, or the errno of a failed open/read) with *out NULL, and writes a message
  * naming the file and the problem into err. */
 int manifest_load(const char *dir, struct manifest **out, char *err, size_t errlen);
+
+/* Reads a tokenizer.json for m (manifest_load does it for <dir>/tokenizer.json when that
+ * exists), checks that it loads and that every id it defines is inside config.json's
+ * vocab_size, and keeps its bytes in m (replacing any earlier ones). Returns 0, or -errno with a
+ * message naming the file and the problem (-EINVAL for a vocabulary that disagrees). */
+int manifest_attach_tokenizer(struct manifest *m, const char *path, char *err, size_t errlen);
 
 /* Frees everything. Safe on NULL and twice; NULLs *m. */
 void manifest_destroy(struct manifest **m);

@@ -158,8 +158,9 @@ struct msg_logits {
 };
 struct msg_gen_done {
 	uint64_t n_prompt, n_generated;
-	struct bytes reason; /* "length", "stop" */
+	struct bytes reason; /* "length", "stop", "stop_string", "context", "cancelled" */
 	double prefill_ms, decode_ms;
+	struct bytes text;   /* with GEN_TEXT: what the decoder held back until the end */
 };
 
 struct msg {

@@ -10,6 +10,13 @@
 /* Records a message in the object and returns rc. */
 #define set_err(obj, rc, ...) errorf((obj)->error, sizeof((obj)->error), rc, __VA_ARGS__)
 
+/* The errno an MSG_ERROR carries, if it is one (1..4095); EIO for anything else, so that a
+ * code that truncates to 0 in an int never reads as success. */
+static int reply_errno(const struct msg *rep)
+{
+	return rep->error.code > 0 && rep->error.code < 4096 ? (int)rep->error.code : EIO;
+}
+
 /* One request; the reply must be of type `want`. Returns 0 with rep to free, or -errno. */
 static int call(struct kv_remote *kr, struct msg *req, uint32_t want, struct msg *rep)
 {
@@ -18,7 +25,7 @@ static int call(struct kv_remote *kr, struct msg *req, uint32_t want, struct msg
 	const char *what = msg_type_name(req->type);
 	int rc = rpc_call(kr->client, req, rep, kr->timeout_ms);
 	if (rc == -EREMOTEIO) {
-		int code = rep->error.code > 0 ? (int)rep->error.code : EIO;
+		int code = reply_errno(rep);
 		set_err(kr, -code, "kv-store refused %s: %s", what, rep->error.text.p);
 		msg_free(rep);
 		return -code;
@@ -176,7 +183,7 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 	int rc = rpc_call(client, &req, &rep, timeout_ms);
 	if (rc == -EREMOTEIO) {
 		snprintf(err, errlen, "kv-store refused the pool configuration: %s", rep.error.text.p);
-		rc = rep.error.code > 0 ? -(int)rep.error.code : -EIO;
+		rc = -reply_errno(&rep);
 		msg_free(&rep);
 		return rc;
 	}

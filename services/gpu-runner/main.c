@@ -19,12 +19,14 @@
 #include "common/config.h"
 #include "common/log.h"
 #include "common/service.h"
+#include "common/tokenizer.h"
 #include "common/util.h"
 #include "services/gpu-runner/backend.h"
 #include "services/gpu-runner/engine.h"
 #include "services/gpu-runner/generate.h"
 #include "services/gpu-runner/kv_cache.h"
 #include "services/gpu-runner/kv_remote.h"
+#include "services/gpu-runner/text.h"
 #include "services/gpu-runner/weights_ring.h"
 
 #define QUEUE_MAX 16
@@ -34,10 +36,13 @@
 struct job {
 	struct bus_peer peer;
 	uint64_t corr;
-	int32_t *tokens;
+	int32_t *tokens; /* the prompt as ids, when the request gave ids */
 	uint32_t n_tokens;
-	int32_t *stop;
+	int32_t *stop;	 /* the request's stop ids, room for one more (a chat's end of turn) */
 	struct gen_params params;
+	uint64_t flags;	 /* enum gen_flags */
+	char *prompt, *chat, *stop_strings; /* owned copies, NULL when not given */
+	uint32_t prompt_len, chat_len, stop_strings_len;
 };
 
 struct runner {
@@ -55,6 +60,7 @@ struct runner {
 
 	struct model_config cfg;
 	uint64_t manifest_hash;
+	struct tokenizer *tok; /* from the ring; NULL when the model has no tokenizer.json */
 	const struct backend_ops *ops;
 	struct backend *be;
 	struct backend_params bp;
@@ -67,6 +73,7 @@ struct runner {
 	struct job queue[QUEUE_MAX];
 	uint32_t q_head, q_len;
 	struct job *current;
+	struct text_stream *ts; /* the current request's text, when it wants text or has stop strings */
 
 	/* counters */
 	uint64_t requests, prompt_tokens, tokens_generated, failures;
@@ -77,8 +84,24 @@ static void job_free(struct job *j)
 {
 	free(j->tokens);
 	free(j->stop);
-	j->tokens = NULL;
-	j->stop = NULL;
+	free(j->prompt);
+	free(j->chat);
+	free(j->stop_strings);
+	memset(j, 0, sizeof(*j));
+}
+
+/* A heap copy of a decoded string field (NULL when empty). Returns -ENOMEM or 0. */
+static int copy_bytes(const struct bytes *b, char **out, uint32_t *len)
+{
+	*out = NULL;
+	*len = 0;
+	if (!b->len)
+		return 0;
+	if (!(*out = malloc(b->len + 1)))
+		return -ENOMEM;
+	memcpy(*out, b->p, b->len + 1);
+	*len = b->len;
+	return 0;
 }
 
 /* ---- connections ---- */
@@ -100,6 +123,21 @@ static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t e
 	msg_free(&hello);
 	if (rc)
 		return rc;
+	tokenizer_destroy(&r->tok);
+	const char *tdata;
+	size_t tlen;
+	ring_source_tokenizer(r->ring, &tdata, &tlen);
+	if (tlen) {
+		char why[512];
+		rc = tokenizer_load_buffer("tokenizer.json (from the weight ring)", tdata, tlen, &r->tok, why, sizeof(why));
+		if (rc) {
+			snprintf(err, errlen, "the tokenizer the loader sent does not load: %s", why);
+			ring_source_destroy(&r->ring);
+			return rc;
+		}
+		log_info("tokenizer: %u ids, chat format %s", tokenizer_vocab_size(r->tok),
+			 chat_format_name(chat_format_of(r->tok)));
+	}
 	if (r->manifest_hash && ring_source_manifest_hash(r->ring) != r->manifest_hash) {
 		snprintf(err, errlen, "ssd-loader now serves another model than the one this runner started with; "
 			 "restart gpu-runner");
@@ -170,13 +208,24 @@ static enum gen_emit emit_token(void *ctx, uint32_t index, int32_t token)
 	msg_init(&m, MSG_TOKEN, r->current->corr);
 	m.token.index = index;
 	m.token.token = (uint64_t)token;
+	bool hit = false;
+	if (r->ts) {
+		const char *piece;
+		size_t len;
+		if (text_stream_push(r->ts, token, &piece, &len, &hit) == 0 && (r->current->flags & GEN_TEXT)) {
+			m.token.text.p = (char *)piece;
+			m.token.text.len = (uint32_t)len;
+		}
+	}
 	ring_source_count_token(r->ring);
 	if (service_reply(r->svc, &r->current->peer, &m) == -EHOSTUNREACH) {
 		log_warn("the client of request %llu went away: cancelling it", (unsigned long long)r->current->corr);
 		return GEN_CANCEL;
 	}
 	/* Keep serving between tokens; a stop request ends the generation. */
-	return service_poll_once(r->svc, 0) ? GEN_CANCEL : GEN_CONTINUE;
+	if (service_poll_once(r->svc, 0))
+		return GEN_CANCEL;
+	return hit ? GEN_STOP_STRING : GEN_CONTINUE;
 }
 
 /* GEN_LOGITS: the prompt's last-position logits go to the client before the first token. */
@@ -198,10 +247,34 @@ static void run_job(struct runner *r, struct job *j)
 	struct gen_result res = {0};
 	r->current = j;
 	r->requests++;
+	struct text_prompt tp = {.end_of_turn = -1};
+	const int32_t *prompt = j->tokens;
+	uint32_t n_prompt = j->n_tokens;
+	const char *tail = "";
+	size_t tail_len = 0;
 	int rc = ensure_connections(r, err, sizeof(err));
+	if (rc == 0 && !j->n_tokens) {
+		struct msg_generate g = {.prompt = {j->prompt, j->prompt_len}, .chat = {j->chat, j->chat_len},
+					 .flags = j->flags};
+		rc = text_prompt_build(r->tok, &r->cfg, &g, &tp, err, sizeof(err));
+		prompt = (const int32_t *)tp.ids.ids; /* ids < vocab_size < 2^31 */
+		n_prompt = (uint32_t)tp.ids.n;
+		if (rc == 0 && tp.end_of_turn >= 0)
+			j->stop[j->params.n_stop++] = tp.end_of_turn;
+	}
+	if (rc == 0 && ((j->flags & GEN_TEXT) || j->stop_strings_len)) {
+		if (!r->tok) {
+			rc = -ENOTSUP;
+			snprintf(err, sizeof(err), "the model has no tokenizer.json: no text output and no stop strings");
+		} else {
+			rc = text_stream_create(r->tok, j->stop_strings, j->stop_strings_len, &r->ts, err, sizeof(err));
+		}
+	}
 	if (rc == 0) {
-		rc = generate_run(r->engine, j->tokens, j->n_tokens, (uint32_t)r->max_context, &j->params, emit_token, r,
+		rc = generate_run(r->engine, prompt, n_prompt, (uint32_t)r->max_context, &j->params, emit_token, r,
 				  &res, err, sizeof(err));
+		if (rc == 0 && r->ts && (j->flags & GEN_TEXT))
+			text_stream_finish(r->ts, &tail, &tail_len);
 		int wrc = ring_source_base(r->ring)->ops->release_all(ring_source_base(r->ring));
 		if (wrc && !rc) {
 			snprintf(err, sizeof(err), "%s", ring_source_base(r->ring)->error);
@@ -224,6 +297,8 @@ static void run_job(struct runner *r, struct job *j)
 		m.gen_done.reason.len = (uint32_t)strlen(res.reason);
 		m.gen_done.prefill_ms = res.prefill_ms;
 		m.gen_done.decode_ms = res.decode_ms;
+		m.gen_done.text.p = (char *)tail;
+		m.gen_done.text.len = (uint32_t)tail_len;
 		service_reply(r->svc, &j->peer, &m);
 		r->prompt_tokens += res.n_prompt;
 		r->tokens_generated += res.n_generated;
@@ -236,6 +311,8 @@ static void run_job(struct runner *r, struct job *j)
 			 (unsigned long long)j->corr, res.n_prompt, res.n_generated, res.reason, r->last_prefill_tok_s,
 			 r->last_decode_tok_s);
 	}
+	text_prompt_free(&tp);
+	text_stream_destroy(&r->ts);
 	r->current = NULL;
 }
 
@@ -247,9 +324,14 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 		snprintf(errtext, errlen, "the runner has %d requests queued; try again later", QUEUE_MAX);
 		return -EBUSY;
 	}
-	if (g->tokens.n == 0) {
-		snprintf(errtext, errlen, "the prompt is empty: give at least one token");
+	if ((g->tokens.n > 0) + (g->prompt.len > 0) + (g->chat.len > 0) != 1) {
+		snprintf(errtext, errlen, "give the prompt one way: token ids, text (prompt) or chat messages");
 		return -EINVAL;
+	}
+	if ((g->prompt.len || g->chat.len || g->stop_strings.len || (g->flags & GEN_TEXT)) && !r->tok) {
+		snprintf(errtext, errlen, "the model has no tokenizer.json, so the runner takes token ids only and "
+			 "returns ids only (start the loader with --tokenizer FILE)");
+		return -ENOTSUP;
 	}
 	if (g->max_new > (1u << 24)) {
 		snprintf(errtext, errlen, "max_new %llu is too large", (unsigned long long)g->max_new);
@@ -274,9 +356,12 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 	j->peer = *peer;
 	j->corr = req->corr;
 	j->n_tokens = g->tokens.n;
-	j->tokens = malloc(sizeof(int32_t) * g->tokens.n);
+	j->flags = g->flags;
+	j->tokens = malloc(sizeof(int32_t) * (g->tokens.n + 1));
 	j->stop = malloc(sizeof(int32_t) * (g->stop_ids.n + 1));
-	if (!j->tokens || !j->stop) {
+	if (!j->tokens || !j->stop || copy_bytes(&g->prompt, &j->prompt, &j->prompt_len) ||
+	    copy_bytes(&g->chat, &j->chat, &j->chat_len) ||
+	    copy_bytes(&g->stop_strings, &j->stop_strings, &j->stop_strings_len)) {
 		job_free(j);
 		snprintf(errtext, errlen, "out of memory");
 		return -ENOMEM;
@@ -329,6 +414,10 @@ static char *stats(void *ctx)
 			      "kv_block_bytes", (json_int_t)r->arena_block_bytes, "queued", (json_int_t)r->q_len,
 			      "weights_all_resident", r->ring ? ring_source_all_resident(r->ring) : 0, "max_context",
 			      (json_int_t)r->max_context);
+	if (o) {
+		json_object_set_new(o, "tokenizer", json_boolean(r->tok != NULL));
+		json_object_set_new(o, "chat_format", json_string(chat_format_name(chat_format_of(r->tok))));
+	}
 	char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
 	json_decref(o);
 	return text;
@@ -442,6 +531,7 @@ static void teardown(struct runner *r)
 		r->ops->destroy(&r->be);
 	kv_remote_disconnect(&r->kv);
 	ring_source_destroy(&r->ring);
+	tokenizer_destroy(&r->tok);
 	rpc_client_destroy(&r->loader_c);
 	rpc_client_destroy(&r->kv_c);
 	if (r->zctx)

@@ -36,6 +36,13 @@ struct ring_source {
 	uint32_t n_pending;
 };
 
+/* The errno an MSG_ERROR carries, if it is one (1..4095); EIO for anything else, so that a
+ * code that truncates to 0 in an int never reads as success. */
+static int reply_errno(const struct msg *rep)
+{
+	return rep->error.code > 0 && rep->error.code < 4096 ? (int)rep->error.code : EIO;
+}
+
 /* Checks the tables the loader laid out, against the object's size and the config. */
 static int check_tables(struct ring_source *rs, size_t size, char *err, size_t errlen)
 {
@@ -55,6 +62,7 @@ static int check_tables(struct ring_source *rs, size_t size, char *err, size_t e
 		      {h->groups_off, (uint64_t)ng * sizeof(struct group_desc)},
 		      {h->group_state_off, (uint64_t)ng * sizeof(struct wring_group)},
 		      {h->slots_off, (uint64_t)ns * sizeof(struct wring_slot)},
+		      {h->tokenizer_bytes ? h->tokenizer_off : sizeof(*h), h->tokenizer_bytes},
 		      {h->data_off, h->data_bytes}};
 	for (size_t i = 0; i < ARRAY_SIZE(tables); i++)
 		if (tables[i].off < sizeof(*h) || tables[i].off > size || tables[i].bytes > size - tables[i].off)
@@ -112,7 +120,10 @@ static int take_grant(struct ring_source *rs, const struct msg *m, const bool *w
 			    (unsigned long long)gr->group, (unsigned long long)gr->slot);
 	struct wring_slot *s = &wring_slots(h)[gr->slot];
 	uint32_t g = (uint32_t)gr->group;
-	if (gr->offset != s->data_offset || rs->groups[g].slot_bytes > s->capacity ||
+	/* The slot's data must lie inside the object: the engine reads it in place. */
+	uint64_t size = shm_object_size(rs->obj);
+	if (gr->offset != s->data_offset || gr->offset < h->data_off || gr->offset > size ||
+	    rs->groups[g].slot_bytes > size - gr->offset || rs->groups[g].slot_bytes > s->capacity ||
 	    atomic_load_explicit(&s->group, memory_order_acquire) != g ||
 	    (atomic_load_explicit(&s->seq, memory_order_acquire) & 1u))
 		return errorf(rs->base.error, sizeof(rs->base.error), -EPROTO,
@@ -146,9 +157,8 @@ static int acquire_groups(struct ring_source *rs, const uint64_t *groups, uint32
 	for (uint32_t got = 0; got < n; got++) {
 		rc = rpc_wait(rs->loader, corr, &rep, rs->timeout_ms);
 		if (rc == -EREMOTEIO) {
-			errorf(rs->base.error, sizeof(rs->base.error), -(int)(rep.error.code ? rep.error.code : EIO),
-			     "ssd-loader: %s", rep.error.text.p);
-			rc = -(int)(rep.error.code ? rep.error.code : EIO);
+			rc = errorf(rs->base.error, sizeof(rs->base.error), -reply_errno(&rep), "ssd-loader: %s",
+				    rep.error.text.p);
 			msg_free(&rep);
 			break;
 		}
@@ -343,6 +353,12 @@ uint64_t ring_source_manifest_hash(const struct ring_source *rs)
 bool ring_source_all_resident(const struct ring_source *rs)
 {
 	return rs->all_resident;
+}
+
+void ring_source_tokenizer(const struct ring_source *rs, const char **data, size_t *len)
+{
+	*data = rs->h->tokenizer_bytes ? (const char *)rs->h + rs->h->tokenizer_off : NULL;
+	*len = (size_t)rs->h->tokenizer_bytes;
 }
 
 void ring_source_count_token(struct ring_source *rs)

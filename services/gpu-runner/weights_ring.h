@@ -37,6 +37,9 @@ struct weight_source *ring_source_base(struct ring_source *rs);
 bool ring_source_owner_alive(const struct ring_source *rs);
 uint64_t ring_source_manifest_hash(const struct ring_source *rs);
 bool ring_source_all_resident(const struct ring_source *rs);
+/* The tokenizer.json the loader put in the ring: *data and *len (NULL/0 when the model has none).
+ * The bytes stay valid while the source lives. */
+void ring_source_tokenizer(const struct ring_source *rs, const char **data, size_t *len);
 /* Counts a computed token in the ring header (for inspection). */
 void ring_source_count_token(struct ring_source *rs);
 

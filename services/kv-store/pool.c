@@ -319,14 +319,22 @@ static int recover_tables(struct kvstore *kv)
 	uint64_t bb = h->block_bytes;
 	uint64_t file_size = spill_file_size(kv->spill);
 	uint32_t *owner = malloc(sizeof(uint32_t) * h->n_slots);
+	uint32_t *named = malloc(sizeof(uint32_t) * h->n_handles); /* per handle: the one slot in use naming it */
 	uint8_t *spill_busy = calloc(h->n_spill_slots ? h->n_spill_slots : 1, 1);
 	int rc = 0;
-	if (!owner || !spill_busy) {
+	if (!owner || !named || !spill_busy) {
 		rc = -ENOMEM;
 		goto out_free;
 	}
-	for (uint32_t s = 0; s < h->n_slots; s++)
+	for (uint32_t i = 0; i < h->n_handles; i++)
+		named[i] = KV_NONE;
+	for (uint32_t s = 0; s < h->n_slots; s++) {
+		uint32_t i = kv->slots[s].handle_index;
 		owner[s] = KV_NONE;
+		if (i >= h->n_handles || atomic_load(&kv->slots[s].state) == KVSLOT_FREE)
+			continue;
+		named[i] = named[i] == KV_NONE ? s : KV_NONE - 1; /* two slots name it: neither counts */
+	}
 	uint32_t live = 0, spilled = 0, recovered = 0;
 	for (uint32_t i = 0; i < h->n_handles; i++) {
 		struct kvpool_handle *hd = &kv->handles[i];
@@ -341,8 +349,22 @@ static int recover_tables(struct kvstore *kv)
 			continue;
 		}
 		if (hd->location == KVLOC_POOL) {
-			if (hd->where >= h->n_slots || owner[hd->where] != KV_NONE) {
-				drop_handle(kv, i, "its pool slot is out of range or taken by another block");
+			/* A kill -9 between the two stores that move a handle between the pool and
+			 * the spill file leaves "pool" with a spill slot's index, which may be another
+			 * block's pool slot: a handle claims only the slot in use that names it (the
+			 * SPILLING or LOADING one when it was moving), never one that names another. */
+			if (hd->where >= h->n_slots || named[i] != hd->where) {
+				uint32_t s = named[i];
+				if (s >= h->n_slots) {
+					drop_handle(kv, i, "no pool slot holds it");
+					continue;
+				}
+				log_info("adopted KV pool %s: block 0x%llx was moving: it stays in pool slot %u",
+					 kv->shm_name, (unsigned long long)handle_value(kv, i), s);
+				hd->where = s;
+			}
+			if (owner[hd->where] != KV_NONE) {
+				drop_handle(kv, i, "its pool slot is taken by another block");
 				continue;
 			}
 			owner[hd->where] = i;
@@ -415,6 +437,7 @@ static int recover_tables(struct kvstore *kv)
 		 kv->shm_name, live, spilled, recovered);
 out_free:
 	free(owner);
+	free(named);
 	free(spill_busy);
 	return rc;
 }
@@ -796,6 +819,9 @@ static int make_room(struct kvstore *kv, uint32_t need, uint32_t exclude_stamp, 
 		 * them): recover_tables frees a SPILLING slot whose handle points into the file. */
 		struct kvpool_handle *hd = &kv->handles[sl->handle_index];
 		hd->where = ios[k].slot;
+		/* Kept in this order for a crash (not for another thread): "pool" with a spill
+		 * index is recovered from the SPILLING slot that names the handle. */
+		atomic_signal_fence(memory_order_seq_cst);
 		hd->location = KVLOC_SPILL;
 		slot_release(kv, s);
 		atomic_fetch_add(&h->store.spills, 1);
@@ -977,8 +1003,13 @@ static int load_batch(struct kvstore *kv, const uint64_t *handles, const uint32_
 		 * recover_tables keeps a LOADING slot whose handle points at it. */
 		sl->pins = 1;
 		sl->last_use = ++kv->tick;
-		hd->where = s;
+		/* Location first, then where, in this order for a crash: "pool" with the spill
+		 * index is recovered from the LOADING slot that names the handle, while "spill"
+		 * with a pool index would point into the wrong spill slot. */
+		atomic_signal_fence(memory_order_seq_cst);
 		hd->location = KVLOC_POOL;
+		atomic_signal_fence(memory_order_seq_cst);
+		hd->where = s;
 		atomic_store(&sl->state, KVSLOT_COMMITTED);
 		atomic_fetch_add(&sl->seq, 1);
 		kv->free_spill[kv->n_free_spill++] = j;
@@ -1046,6 +1077,7 @@ static int swap_in(struct kvstore *kv, const uint64_t *handles, uint32_t pos, ui
 	hd->location = KVLOC_NONE;
 	atomic_thread_fence(memory_order_release);
 	victim->where = j;
+	atomic_signal_fence(memory_order_seq_cst); /* as in make_room */
 	victim->location = KVLOC_SPILL;
 	atomic_fetch_add(&h->store.spills, 1);
 	atomic_fetch_add(&h->store.spill_bytes_written, h->block_bytes);

@@ -116,7 +116,7 @@ static void on_io(void *ctx, struct service *s, int fd)
 
 int main(int argc, char **argv)
 {
-	char *instance = NULL, *run_dir_flag = NULL, *model = NULL, *log_level = NULL;
+	char *instance = NULL, *run_dir_flag = NULL, *model = NULL, *tokenizer = NULL, *log_level = NULL;
 	uint64_t budget = 0, max_read = 0;
 	long io_depth = 0;
 	bool buffered = false;
@@ -125,6 +125,7 @@ int main(int argc, char **argv)
 		{"run-dir", OPT_STRING, &run_dir_flag, NULL, "directory of the control sockets (default "
 							     "$PIPELINE_RUN_DIR or /tmp/llmp-<uid>/<instance>)"},
 		{"model", OPT_STRING, &model, NULL, "Hugging Face checkpoint directory (required)"},
+		{"tokenizer", OPT_STRING, &tokenizer, NULL, "tokenizer.json to use instead of the model's own"},
 		{"dram-budget", OPT_SIZE, &budget, "16GiB", "host memory for weight slots"},
 		{"io-depth", OPT_INT, &io_depth, "64", "reads in flight at most"},
 		{"max-read", OPT_SIZE, &max_read, "4MiB", "bytes per read (a multiple of 4 KiB)"},
@@ -192,6 +193,19 @@ int main(int argc, char **argv)
 		 "%016llx",
 		 model, m->cfg.n_layers, m->cfg.dim, m->n_groups, m->n_tensors, m->n_files, m->n_files == 1 ? "" : "s",
 		 format_size(m->total_tensor_bytes, wsize, sizeof(wsize)), (unsigned long long)m->hash);
+
+	if (tokenizer && *tokenizer) {
+		rc = manifest_attach_tokenizer(m, tokenizer, err, sizeof(err));
+		if (rc) {
+			log_error("%s", err);
+			goto out_manifest;
+		}
+	}
+	if (m->tokenizer_bytes)
+		log_info("tokenizer %s (%llu bytes) goes to the runner with the weights", m->tokenizer_path,
+			 (unsigned long long)m->tokenizer_bytes);
+	else
+		log_info("no tokenizer.json: the runner takes token ids only");
 
 	rc = plan_create(m, budget, &plan, err, sizeof(err));
 	if (rc) {

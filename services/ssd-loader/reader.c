@@ -56,6 +56,7 @@ struct piece {
 	uint64_t rel;	    /* offset of the piece inside the request */
 	uint32_t len;	    /* bytes */
 	uint32_t done;	    /* bytes already read (a short read resubmits the rest) */
+	bool direct;	    /* last issued on an O_DIRECT descriptor */
 };
 
 struct reader {
@@ -234,6 +235,7 @@ static void prep_piece(struct reader *r, struct piece *pc)
 	/* At most depth pieces exist and the SQ has depth entries: there is always room. */
 	assert(sqe);
 	uint64_t at = pc->rel + pc->done;
+	pc->direct = r->files[q->file].direct;
 	io_uring_prep_read(sqe, r->files[q->file].fd, q->dst + at, pc->len - pc->done, q->offset + at);
 	io_uring_sqe_set_data(sqe, pc);
 	/* Issue from io-wq workers, not inline in io_uring_enter: an O_DIRECT read pins its
@@ -373,8 +375,10 @@ static void on_cqe(struct reader *r, struct piece *pc, int res)
 	if (res < 0) {
 		if (res == -EAGAIN || res == -EINTR) {
 			piece_retry(r, pc);
-		} else if (res == -EINVAL && f->direct && !r->closing) {
-			int rc = fall_back_to_buffered(f);
+		} else if (res == -EINVAL && pc->direct && !r->closing) {
+			/* The other pieces in flight on the O_DIRECT descriptor come back refused
+			 * too, after the first one switched the file: they only need a retry. */
+			int rc = f->direct ? fall_back_to_buffered(f) : 0;
 			if (rc)
 				piece_failed(r, pc, rc);
 			else

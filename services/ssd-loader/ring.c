@@ -9,7 +9,7 @@
 #include "common/util.h"
 
 struct ring_layout {
-	uint64_t tensors_off, groups_off, group_state_off, slots_off, data_off, total;
+	uint64_t tensors_off, groups_off, group_state_off, slots_off, tokenizer_off, data_off, total;
 };
 
 static void layout(const struct manifest *m, const struct plan *p, struct ring_layout *l)
@@ -23,6 +23,8 @@ static void layout(const struct manifest *m, const struct plan *p, struct ring_l
 	off = ALIGN_UP(off + (uint64_t)m->n_groups * sizeof(struct wring_group), (uint64_t)CACHE_LINE);
 	l->slots_off = off;
 	off += (uint64_t)plan_n_slots(p) * sizeof(struct wring_slot);
+	l->tokenizer_off = ALIGN_UP(off, (uint64_t)CACHE_LINE);
+	off = l->tokenizer_off + m->tokenizer_bytes;
 	l->data_off = ALIGN_UP(off, (uint64_t)PLAN_SLOT_ALIGN);
 	l->total = l->data_off + plan_data_bytes(p);
 }
@@ -61,6 +63,10 @@ void ring_init(void *mem, uint64_t size, const struct manifest *m, const struct 
 	h->slots_off = l.slots_off;
 	h->data_off = l.data_off;
 	h->data_bytes = plan_data_bytes(p);
+	h->tokenizer_off = m->tokenizer_bytes ? l.tokenizer_off : 0;
+	h->tokenizer_bytes = m->tokenizer_bytes;
+	if (m->tokenizer_bytes)
+		memcpy((char *)h + l.tokenizer_off, m->tokenizer_json, m->tokenizer_bytes);
 	h->total_tensor_bytes = m->total_tensor_bytes;
 	memcpy(wring_tensors(h), m->tensors, (size_t)m->n_tensors * sizeof(struct tensor_desc));
 	memcpy(wring_groups(h), m->groups, (size_t)m->n_groups * sizeof(struct group_desc));

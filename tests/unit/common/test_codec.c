@@ -96,7 +96,7 @@ static const struct tfield t_logits[] = {TF(1, T_U64, true, 0, logits.position),
 static const struct tfield t_gen_done[] = {
 	TF(1, T_U64, true, 0, gen_done.n_prompt), TF(2, T_U64, true, 0, gen_done.n_generated),
 	TF(3, T_BYTES, true, 64, gen_done.reason), TF(4, T_F64, true, 0, gen_done.prefill_ms),
-	TF(5, T_F64, true, 0, gen_done.decode_ms)};
+	TF(5, T_F64, true, 0, gen_done.decode_ms), TF(6, T_BYTES, false, 64, gen_done.text)};
 
 #define TM(type, fields) {type, #type, fields, ARRAY_SIZE(fields)}
 #define TM0(type) {type, #type, NULL, 0}

@@ -673,6 +673,84 @@ START_TEST(test_adopt_recovers_mid_io)
 }
 END_TEST
 
+/* Maps the pool a crashed child left (to forge what a kill -9 at another point leaves). */
+static struct kvpool_header *map_leftover(struct fx *f, size_t *size)
+{
+	int fd = shm_open(f->shm, O_RDWR, 0);
+	ck_assert_int_ge(fd, 0);
+	struct stat st;
+	ck_assert_int_eq(fstat(fd, &st), 0);
+	void *p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	ck_assert_ptr_ne(p, MAP_FAILED);
+	close(fd);
+	*size = (size_t)st.st_size;
+	return p;
+}
+
+START_TEST(test_adopt_recovers_torn_handle_moves)
+{
+	struct fx f;
+	fx_names(&f);
+	struct crashed c;
+	crash_child(&f, false, &c);
+	size_t size;
+	struct kvpool_header *h = map_leftover(&f, &size);
+	struct kvpool_handle *hd = kvpool_handles(h);
+	struct kvpool_slot *slots = kvpool_slots(h);
+	/* A kill -9 between the stores that move a handle leaves it saying "pool" with the index
+	 * of a spill slot, which may be another block's pool slot. (1) make_room: a pooled block
+	 * being spilled (its slot SPILLING), its handle naming the pool slot of a block with a
+	 * higher index. */
+	int lo = -1, hi = -1, sp = -1;
+	for (int i = 0; i < 7; i++) {
+		uint32_t idx = kv_handle_index(c.h[i]);
+		if (hd[idx].location == KVLOC_POOL) {
+			if (lo < 0 || idx < kv_handle_index(c.h[lo]))
+				lo = i;
+			if (hi < 0 || idx > kv_handle_index(c.h[hi]))
+				hi = i;
+		} else if (sp < 0) {
+			sp = i;
+		}
+	}
+	ck_assert(lo >= 0 && hi >= 0 && lo != hi && sp >= 0);
+	struct kvpool_handle *a = &hd[kv_handle_index(c.h[lo])];
+	uint32_t a_slot = a->where;
+	atomic_store(&slots[a_slot].state, KVSLOT_SPILLING);
+	a->where = hd[kv_handle_index(c.h[hi])].where;
+	/* (2) load_batch: a spilled block read back and checked into the free slot (LOADING,
+	 * seq odd), its handle already saying "pool" but still naming its spill slot, which is
+	 * another block's pool slot. */
+	uint32_t free_slot = UINT32_MAX;
+	for (uint32_t s = 0; s < h->n_slots; s++)
+		if (atomic_load(&slots[s].state) == KVSLOT_FREE)
+			free_slot = s;
+	ck_assert_uint_ne(free_slot, UINT32_MAX);
+	struct kvpool_handle *b = &hd[kv_handle_index(c.h[sp])];
+	ck_assert_uint_lt(b->where, h->n_slots);
+	ck_assert_uint_ne(atomic_load(&slots[b->where].state), KVSLOT_FREE);
+	atomic_store(&slots[free_slot].seq, 1);
+	slots[free_slot].handle_index = kv_handle_index(c.h[sp]);
+	atomic_store(&slots[free_slot].state, KVSLOT_LOADING);
+	kvt_fill((char *)h + h->data_off + (uint64_t)free_slot * h->block_bytes, h->block_bytes, 300 + (uint64_t)sp);
+	b->location = KVLOC_POOL;
+	munmap(h, size);
+
+	f.kv = fx_store(&f, 6, 8);
+	ck_assert_int_eq(kvstore_adopt(f.kv, f.err, sizeof(f.err)), 1);
+	/* The torn ones stay in the slots that name them, and no block is lost for another's
+	 * torn move. */
+	ck_assert_uint_eq(handle_of(&f, c.h[lo])->where, a_slot);
+	ck_assert_uint_eq(atomic_load(&kvpool_slots(H(&f))[a_slot].state), KVSLOT_COMMITTED);
+	ck_assert_uint_eq(handle_of(&f, c.h[sp])->where, free_slot);
+	ck_assert_uint_eq(atomic_load(&kvpool_slots(H(&f))[free_slot].seq) % 2, 0);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 6);
+	for (int i = 0; i < 7; i++)
+		check_block(&f, c.h[i], 300 + (uint64_t)i);
+	fx_close(&f);
+}
+END_TEST
+
 START_TEST(test_adopt_at_configure)
 {
 	struct fx f;
@@ -818,6 +896,7 @@ static Suite *pool_suite(void)
 	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
 	tcase_add_test(tc, test_adopt_after_crash);
 	tcase_add_test(tc, test_adopt_recovers_mid_io);
+	tcase_add_test(tc, test_adopt_recovers_torn_handle_moves);
 	tcase_add_test(tc, test_adopt_at_configure);
 	tcase_add_test(tc, test_configure_replaces_other_model);
 	tcase_add_test(tc, test_adopt_refuses_live_owner);

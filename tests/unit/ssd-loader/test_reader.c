@@ -10,11 +10,28 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+#include <liburing.h>
+
 static int fake_refuse_direct; /* open() with O_DIRECT fails with EINVAL while set */
+static int fake_refuse_direct_reads; /* reads on an O_DIRECT descriptor fail with EINVAL while set */
 static int fake_open_calls;
 static int fake_open(const char *path, int flags);
 #define READER_OPEN(path, flags) fake_open(path, flags)
+/* liburing.h is in: reader.c's include of it is a no-op, and its reads go through this. */
+static void fake_prep_read(struct io_uring_sqe *sqe, int fd, void *buf, unsigned nbytes, __u64 offset);
+#define io_uring_prep_read fake_prep_read
 #include "services/ssd-loader/reader.c"
+#undef io_uring_prep_read
+
+/* A file system that takes open(O_DIRECT) and refuses the reads (EINVAL): an invalid I/O
+ * priority class makes io_uring fail the read of an O_DIRECT descriptor with EINVAL. */
+static void fake_prep_read(struct io_uring_sqe *sqe, int fd, void *buf, unsigned nbytes, __u64 offset)
+{
+	io_uring_prep_read(sqe, fd, buf, nbytes, offset);
+	if (fake_refuse_direct_reads && (fcntl(fd, F_GETFL) & O_DIRECT))
+		sqe->ioprio = 7 << 13; /* IOPRIO_PRIO_VALUE(7, 0): no such class */
+}
 
 #include "tests/unit/ssd-loader/loader_test_util.h"
 
@@ -201,6 +218,32 @@ START_TEST(fallback_when_direct_refused)
 }
 END_TEST
 
+START_TEST(fallback_when_direct_reads_refused)
+{
+	/* Open takes O_DIRECT, the reads are refused: every piece in flight on the O_DIRECT
+	 * descriptor comes back EINVAL, not only the first; all are read again buffered. */
+	fake_refuse_direct_reads = 1;
+	char *dir = th_tmpdir("/tmp");
+	char *model = lt_make_model(dir, 2);
+	struct manifest *m = lt_load(model);
+	struct done_log d = {0};
+	struct reader *r = open_reader(m, 16, 4096, false, &d);
+	ck_assert(reader_file_direct(r, 0));
+	struct group_bufs b = alloc_bufs(m);
+	uint32_t failed = read_all(r, m, &b, &d);
+	ck_assert_msg(failed == 0, "%u reads failed, the last: %s", failed, d.text);
+	check_all(m, &b);
+	ck_assert(!reader_file_direct(r, 0));
+	reader_destroy(&r);
+	free_bufs(&b);
+	free(d.seen);
+	manifest_destroy(&m);
+	th_rmtree(dir);
+	free(model);
+	free(dir);
+}
+END_TEST
+
 START_TEST(truncated_file_fails_cleanly)
 {
 	char *dir = th_tmpdir("/tmp");
@@ -329,6 +372,7 @@ static Suite *reader_suite(void)
 	tc = tcase_create("buffered");
 	tcase_add_test(tc, buffered_flag_on_dev_shm);
 	tcase_add_test(tc, fallback_when_direct_refused);
+	tcase_add_test(tc, fallback_when_direct_reads_refused);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("errors");
 	tcase_add_test(tc, truncated_file_fails_cleanly);

@@ -1,0 +1,315 @@
+#include "services/gpu-runner/text.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util.h"
+
+enum chat_format chat_format_of(const struct tokenizer *tok)
+{
+	if (!tok)
+		return CHAT_NONE;
+	if (tokenizer_token_to_id(tok, "<|start_header_id|>") >= 0 && tokenizer_token_to_id(tok, "<|end_header_id|>") >= 0 &&
+	    tokenizer_token_to_id(tok, "<|eot_id|>") >= 0)
+		return CHAT_LLAMA3;
+	if (tokenizer_token_to_id(tok, "<|im_start|>") >= 0 && tokenizer_token_to_id(tok, "<|im_end|>") >= 0)
+		return CHAT_CHATML;
+	return CHAT_NONE;
+}
+
+const char *chat_format_name(enum chat_format f)
+{
+	return f == CHAT_LLAMA3 ? "llama3" : f == CHAT_CHATML ? "chatml" : "none";
+}
+
+void text_prompt_free(struct text_prompt *tp)
+{
+	tok_ids_free(&tp->ids);
+}
+
+static int push_id(struct tok_ids *v, int32_t id)
+{
+	if (v->n == v->cap) {
+		size_t cap = v->cap ? v->cap * 2 : 64;
+		uint32_t *n = realloc(v->ids, cap * sizeof(uint32_t));
+		if (!n)
+			return -ENOMEM;
+		v->ids = n;
+		v->cap = cap;
+	}
+	v->ids[v->n++] = (uint32_t)id;
+	return 0;
+}
+
+static int encode(const struct tokenizer *tok, const char *text, size_t len, unsigned flags, struct tok_ids *out,
+		  char *err, size_t errlen)
+{
+	int rc = tokenizer_encode(tok, text, len, flags, out);
+	if (rc == -EILSEQ)
+		return errorf(err, errlen, -EINVAL, "the text holds a character the tokenizer cannot spell");
+	if (rc)
+		return errorf(err, errlen, rc, "tokenizing the prompt failed: %s", strerror(-rc));
+	return 0;
+}
+
+/* Trims ASCII whitespace at both ends, as Jinja's trim does for the text the templates use. */
+static void trim(const char **s, size_t *len)
+{
+	while (*len && strchr(" \t\n\r\f\v", (*s)[0])) {
+		(*s)++;
+		(*len)--;
+	}
+	while (*len && strchr(" \t\n\r\f\v", (*s)[*len - 1]))
+		(*len)--;
+}
+
+static int render_chat(const struct tokenizer *tok, const struct model_config *cfg, const char *json, size_t len,
+		       unsigned flags, struct text_prompt *out, char *err, size_t errlen)
+{
+	enum chat_format f = chat_format_of(tok);
+	if (f == CHAT_NONE)
+		return errorf(err, errlen, -EINVAL,
+			      "this model's tokenizer has neither Llama 3 header tokens nor ChatML tokens: it has no chat "
+			      "format; send a plain prompt");
+	json_error_t jerr;
+	json_t *msgs = json_loadb(json, len, 0, &jerr);
+	if (!msgs || !json_is_array(msgs) || json_array_size(msgs) == 0) {
+		json_decref(msgs);
+		return errorf(err, errlen, -EINVAL, "chat must be a non-empty JSON array of {\"role\", \"content\"}%s%s",
+			      msgs ? "" : ": ", msgs ? "" : jerr.text);
+	}
+	int rc = 0;
+	char *buf = NULL;
+	size_t bufcap = 0;
+	if (f == CHAT_LLAMA3) {
+		int32_t bos = cfg->bos_id >= 0 ? cfg->bos_id : tokenizer_bos(tok);
+		if (bos >= 0)
+			rc = push_id(&out->ids, bos);
+	}
+	int32_t start = f == CHAT_LLAMA3 ? tokenizer_token_to_id(tok, "<|start_header_id|>")
+					 : tokenizer_token_to_id(tok, "<|im_start|>");
+	int32_t mid = f == CHAT_LLAMA3 ? tokenizer_token_to_id(tok, "<|end_header_id|>") : -1;
+	int32_t end = f == CHAT_LLAMA3 ? tokenizer_token_to_id(tok, "<|eot_id|>") : tokenizer_token_to_id(tok, "<|im_end|>");
+	out->end_of_turn = end;
+	size_t n = json_array_size(msgs);
+	for (size_t i = 0; i <= n && rc == 0; i++) {
+		const char *role = "assistant", *content = NULL;
+		size_t content_len = 0;
+		if (i < n) { /* i == n: the header the model answers after */
+			json_t *m = json_array_get(msgs, i);
+			json_t *r = json_object_get(m, "role"), *c = json_object_get(m, "content");
+			if (!json_is_object(m) || !json_is_string(r) || !json_is_string(c) || !json_string_length(r)) {
+				rc = errorf(err, errlen, -EINVAL, "chat message %zu needs a \"role\" and a \"content\" string", i);
+				break;
+			}
+			role = json_string_value(r);
+			content = json_string_value(c);
+			content_len = json_string_length(c);
+			if (strlen(role) > 64 || strchr(role, '<') || strchr(role, '\n')) {
+				rc = errorf(err, errlen, -EINVAL, "chat message %zu has an invalid role", i);
+				break;
+			}
+		}
+		/* The text between special tokens: role, separator, content, as one piece each. */
+		size_t need = strlen(role) + content_len + 8;
+		if (need > bufcap) {
+			char *nb = realloc(buf, need);
+			if (!nb) {
+				rc = errorf(err, errlen, -ENOMEM, "out of memory");
+				break;
+			}
+			buf = nb;
+			bufcap = need;
+		}
+		if (content && f == CHAT_LLAMA3)
+			trim(&content, &content_len); /* Meta's template trims; ChatML templates do not */
+		if ((rc = push_id(&out->ids, start)) != 0)
+			break;
+		if (f == CHAT_LLAMA3) {
+			/* Roles are plain text; content may hold special-token text (parsed unless asked not to). */
+			rc = encode(tok, role, strlen(role), TOK_SPECIAL_AS_TEXT, &out->ids, err, errlen);
+			rc = rc ? rc : push_id(&out->ids, mid);
+			size_t k = (size_t)snprintf(buf, bufcap, "\n\n");
+			if (content) {
+				memcpy(buf + k, content, content_len);
+				k += content_len;
+			}
+			rc = rc ? rc : encode(tok, buf, k, flags, &out->ids, err, errlen);
+			if (!rc && content)
+				rc = push_id(&out->ids, end);
+		} else {
+			size_t k = (size_t)snprintf(buf, bufcap, "%s\n", role);
+			if (content) {
+				memcpy(buf + k, content, content_len);
+				k += content_len;
+			}
+			rc = encode(tok, buf, k, flags, &out->ids, err, errlen);
+			if (!rc && content) {
+				rc = push_id(&out->ids, end);
+				rc = rc ? rc : encode(tok, "\n", 1, flags, &out->ids, err, errlen);
+			}
+		}
+		if (rc == -ENOMEM)
+			errorf(err, errlen, -ENOMEM, "out of memory");
+	}
+	free(buf);
+	json_decref(msgs);
+	return rc;
+}
+
+int text_prompt_build(const struct tokenizer *tok, const struct model_config *cfg, const struct msg_generate *g,
+		      struct text_prompt *out, char *err, size_t errlen)
+{
+	memset(out, 0, sizeof(*out));
+	out->end_of_turn = -1;
+	if (!tok)
+		return errorf(err, errlen, -ENOTSUP,
+			      "the model has no tokenizer.json, so the runner takes token ids only (or start the loader "
+			      "with --tokenizer FILE)");
+	unsigned flags = (g->flags & GEN_SPECIAL_AS_TEXT) ? TOK_SPECIAL_AS_TEXT : 0;
+	int rc;
+	if (g->chat.len) {
+		rc = render_chat(tok, cfg, g->chat.p, g->chat.len, flags, out, err, errlen);
+	} else {
+		rc = 0;
+		if (!(g->flags & GEN_NO_BOS)) {
+			int32_t bos = cfg->bos_id >= 0 ? cfg->bos_id : tokenizer_bos(tok);
+			if (bos < 0)
+				rc = errorf(err, errlen, -EINVAL,
+					    "the model names no BOS token; send the prompt with GEN_NO_BOS (--no-bos)");
+			else
+				rc = push_id(&out->ids, bos);
+		}
+		if (!rc)
+			rc = encode(tok, g->prompt.p, g->prompt.len, flags, &out->ids, err, errlen);
+	}
+	if (!rc && out->ids.n == 0)
+		rc = errorf(err, errlen, -EINVAL, "the prompt is empty");
+	for (size_t i = 0; !rc && i < out->ids.n; i++)
+		if (out->ids.ids[i] >= cfg->vocab_size)
+			rc = errorf(err, errlen, -EINVAL, "the tokenizer gave id %u, outside the model's vocabulary of %u",
+				    out->ids.ids[i], cfg->vocab_size);
+	if (rc)
+		text_prompt_free(out);
+	return rc;
+}
+
+struct text_stream {
+	struct tok_decoder *dec;
+	char *stops[TEXT_MAX_STOP_STRINGS];
+	size_t stop_len[TEXT_MAX_STOP_STRINGS];
+	size_t n_stops, longest;
+	char *text; /* the generated text so far (only kept when there are stops) */
+	size_t len, cap;
+};
+
+int text_stream_create(const struct tokenizer *tok, const char *stop_json, size_t stop_len, struct text_stream **out,
+		       char *err, size_t errlen)
+{
+	struct text_stream *ts = calloc(1, sizeof(*ts));
+	if (!ts)
+		return errorf(err, errlen, -ENOMEM, "out of memory");
+	int rc = 0;
+	if (stop_json && stop_len) {
+		json_error_t jerr;
+		json_t *a = json_loadb(stop_json, stop_len, 0, &jerr);
+		if (!json_is_array(a) || json_array_size(a) > TEXT_MAX_STOP_STRINGS) {
+			rc = errorf(err, errlen, -EINVAL, "stop_strings must be a JSON array of at most %d strings",
+				    TEXT_MAX_STOP_STRINGS);
+		}
+		for (size_t i = 0; !rc && i < json_array_size(a); i++) {
+			json_t *s = json_array_get(a, i);
+			size_t n = json_string_length(s);
+			if (!json_is_string(s) || n == 0 || n > TEXT_MAX_STOP_BYTES) {
+				rc = errorf(err, errlen, -EINVAL, "stop string %zu must be a string of 1..%d bytes", i,
+					    TEXT_MAX_STOP_BYTES);
+				break;
+			}
+			ts->stops[i] = malloc(n);
+			if (!ts->stops[i]) {
+				rc = errorf(err, errlen, -ENOMEM, "out of memory");
+				break;
+			}
+			memcpy(ts->stops[i], json_string_value(s), n);
+			ts->stop_len[i] = n;
+			ts->n_stops = i + 1;
+			if (n > ts->longest)
+				ts->longest = n;
+		}
+		json_decref(a);
+	}
+	if (!rc && tok && !(ts->dec = tok_decoder_create(tok, 0)))
+		rc = errorf(err, errlen, -ENOMEM, "out of memory");
+	if (rc) {
+		text_stream_destroy(&ts);
+		return rc;
+	}
+	*out = ts;
+	return 0;
+}
+
+void text_stream_destroy(struct text_stream **tsp)
+{
+	if (!tsp || !*tsp)
+		return;
+	struct text_stream *ts = *tsp;
+	tok_decoder_destroy(&ts->dec);
+	for (size_t i = 0; i < ts->n_stops; i++)
+		free(ts->stops[i]);
+	free(ts->text);
+	free(ts);
+	*tsp = NULL;
+}
+
+bool text_stream_has_stops(const struct text_stream *ts)
+{
+	return ts->n_stops > 0;
+}
+
+static bool find(const char *hay, size_t n, const char *needle, size_t m)
+{
+	for (size_t i = 0; i + m <= n; i++)
+		if (!memcmp(hay + i, needle, m))
+			return true;
+	return false;
+}
+
+int text_stream_push(struct text_stream *ts, int32_t id, const char **piece, size_t *len, bool *hit)
+{
+	*piece = "";
+	*len = 0;
+	*hit = false;
+	if (!ts->dec)
+		return 0;
+	int rc = tok_decoder_feed(ts->dec, (uint32_t)id, piece, len);
+	if (rc || !ts->n_stops || !*len)
+		return rc;
+	if (ts->len + *len > ts->cap) {
+		size_t cap = ts->cap ? ts->cap : 256;
+		while (cap < ts->len + *len)
+			cap *= 2;
+		char *n = realloc(ts->text, cap);
+		if (!n)
+			return -ENOMEM;
+		ts->text = n;
+		ts->cap = cap;
+	}
+	size_t before = ts->len;
+	memcpy(ts->text + ts->len, *piece, *len);
+	ts->len += *len;
+	/* Only a match that ends in the new bytes is new. */
+	size_t from = before + 1 > ts->longest ? before + 1 - ts->longest : 0;
+	for (size_t i = 0; i < ts->n_stops && !*hit; i++)
+		*hit = find(ts->text + from, ts->len - from, ts->stops[i], ts->stop_len[i]);
+	return 0;
+}
+
+int text_stream_finish(struct text_stream *ts, const char **tail, size_t *len)
+{
+	*tail = "";
+	*len = 0;
+	return ts->dec ? tok_decoder_flush(ts->dec, tail, len) : 0;
+}

@@ -1,0 +1,409 @@
+/* test_remote.c - the runner's side of the other services (weights_ring.c, kv_remote.c)
+ * against a scripted peer: a thread that binds the service's socket and answers the way a
+ * broken or hostile ssd-loader or kv-store might. The shared memory is real: a weight ring
+ * laid out by the loader's own ring.c, a KV pool by the kv-store's pool.c.
+ *
+ * Everything a peer says is checked: an error whose code does not fit an errno must not
+ * read as success, and a grant must not point the runner outside the ring it mapped. */
+#include <check.h>
+#include <dirent.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/bus.h"
+#include "common/kv_pool.h"
+#include "common/log.h"
+#include "common/shm.h"
+#include "common/weight_ring.h"
+#include "services/gpu-runner/kv_remote.h"
+#include "services/gpu-runner/weights_ring.h"
+#include "services/kv-store/pool.h"
+#include "services/ssd-loader/plan.h"
+#include "services/ssd-loader/ring.h"
+#include "tests/unit/ssd-loader/loader_test_util.h"
+
+#define TIMEOUT_MS 5000
+#define BIG_CODE (1ll << 32) /* (int) of it is 0 */
+
+/* Every name a test makes starts "rt-<runner pid>-", so the unchecked teardown (which runs in
+ * the runner even when a forked test failed half-way) removes what a test left behind. */
+static int runner_pid;
+
+static char *scratch_dir(void)
+{
+	char *dir = malloc(64);
+	ck_assert_ptr_nonnull(dir);
+	snprintf(dir, 64, "/tmp/rt-%d-XXXXXX", runner_pid);
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	return dir;
+}
+
+static void shm_name_for(char *buf, size_t len, const char *what)
+{
+	snprintf(buf, len, "/rt-%d-%d-%s", runner_pid, (int)getpid(), what);
+}
+
+static void sweep(const char *dir, const char *prefix)
+{
+	DIR *d = opendir(dir);
+	if (!d)
+		return;
+	struct dirent *e;
+	while ((e = readdir(d))) {
+		char path[512];
+		if (strncmp(e->d_name, prefix, strlen(prefix)) != 0 ||
+		    snprintf(path, sizeof(path), "%s/%s", dir, e->d_name) >= (int)sizeof(path))
+			continue;
+		th_rmtree(path);
+	}
+	closedir(d);
+}
+
+static void sweep_all(void)
+{
+	char prefix[32];
+	snprintf(prefix, sizeof(prefix), "rt-%d-", runner_pid);
+	sweep("/tmp", prefix);
+	sweep("/dev/shm", prefix);
+}
+
+/* ---- the scripted peer ---- */
+
+struct peer {
+	void *zctx, *router;
+	pthread_t thread;
+	atomic_bool stop;
+	/* the script, set before start */
+	int64_t error_code;	    /* non-zero: answer every request but HELLO with MSG_ERROR{code} */
+	struct wring_header *ring;  /* ssd-loader: grants point at the slots that hold each group */
+	const struct kvstore *kv;   /* kv-store: MSG_KV_CONFIGURE answers with this pool */
+	atomic_uint requests;
+};
+
+static void peer_answer(struct peer *p, const struct bus_peer *who, const struct msg *req)
+{
+	struct msg rep;
+	if (req->type == MSG_HELLO) {
+		msg_init(&rep, MSG_HELLO_REPLY, req->corr);
+		rep.hello_reply.service = (struct bytes){.p = "peer", .len = 4};
+		rep.hello_reply.shm_name = (struct bytes){.p = "", .len = 0};
+		bus_reply(p->router, who, &rep);
+		return;
+	}
+	switch (req->type) {
+	case MSG_W_ACQUIRE: {
+		struct wring_slot *slots = wring_slots(p->ring);
+		for (uint32_t i = 0; i < req->w_acquire.groups.n; i++) {
+			uint64_t g = req->w_acquire.groups.v[i];
+			for (uint32_t s = 0; s < p->ring->n_slots; s++) {
+				if (atomic_load(&slots[s].group) != g)
+					continue;
+				msg_init(&rep, MSG_W_GRANT, req->corr);
+				rep.w_grant = (struct msg_w_grant){.group = g,
+								   .slot = s,
+								   .generation = atomic_load(&slots[s].generation),
+								   .offset = slots[s].data_offset,
+								   .bytes = wring_groups(p->ring)[g].slot_bytes};
+				bus_reply(p->router, who, &rep);
+				break;
+			}
+		}
+		return;
+	}
+	case MSG_KV_CONFIGURE: {
+		struct kvstore_info info;
+		kvstore_info(p->kv, &info);
+		msg_init(&rep, MSG_KV_POOL, req->corr);
+		rep.kv_pool.shm_name = (struct bytes){.p = (char *)info.shm_name, .len = (uint32_t)strlen(info.shm_name)};
+		rep.kv_pool.shm_size = info.shm_size;
+		rep.kv_pool.n_blocks = info.n_slots;
+		rep.kv_pool.block_bytes = info.block_bytes;
+		rep.kv_pool.epoch = info.epoch;
+		bus_reply(p->router, who, &rep);
+		return;
+	}
+	default:
+		msg_init(&rep, MSG_OK, req->corr);
+		bus_reply(p->router, who, &rep);
+	}
+}
+
+static void *peer_main(void *arg)
+{
+	struct peer *p = arg;
+	while (!atomic_load(&p->stop)) {
+		zmq_pollitem_t it = {.socket = p->router, .events = ZMQ_POLLIN};
+		if (zmq_poll(&it, 1, 20) <= 0)
+			continue;
+		struct bus_peer who;
+		struct msg req;
+		char err[256];
+		if (bus_recv_request(p->router, &who, &req, NULL, err, sizeof(err)) != 0)
+			continue;
+		atomic_fetch_add(&p->requests, 1);
+		if (req.type != MSG_HELLO && p->error_code) {
+			/* By hand: bus_reply_error takes an int, the wire an int64. */
+			struct msg rep;
+			msg_init(&rep, MSG_ERROR, req.corr);
+			rep.error.code = p->error_code;
+			rep.error.text = (struct bytes){.p = "scripted failure", .len = 16};
+			bus_reply(p->router, &who, &rep);
+		} else {
+			peer_answer(p, &who, &req);
+		}
+		msg_free(&req);
+	}
+	return NULL;
+}
+
+static void peer_start(struct peer *p, const char *dir, const char *service)
+{
+	char ep[300];
+	ck_assert_int_eq(bus_endpoint(dir, service, "ctl", ep, sizeof(ep)), 0);
+	p->zctx = zmq_ctx_new();
+	ck_assert_ptr_nonnull(p->zctx);
+	p->router = bus_bind_router(p->zctx, ep);
+	ck_assert_ptr_nonnull(p->router);
+	ck_assert_int_eq(pthread_create(&p->thread, NULL, peer_main, p), 0);
+}
+
+static void peer_stop(struct peer *p)
+{
+	atomic_store(&p->stop, true);
+	pthread_join(p->thread, NULL);
+	zmq_close(p->router);
+	zmq_ctx_term(p->zctx);
+}
+
+/* ---- a weight ring as the ssd-loader lays it out, every group in its slot ---- */
+
+struct ring_fx {
+	char *dir, *model;
+	struct manifest *m;
+	struct plan *plan;
+	struct shm_object *obj;
+	struct wring_header *h;
+	char name[SHM_NAME_MAX];
+};
+
+static void ring_fx_open(struct ring_fx *f)
+{
+	memset(f, 0, sizeof(*f));
+	f->dir = scratch_dir();
+	f->model = lt_make_model(f->dir, 2);
+	f->m = lt_load(f->model);
+	char err[512];
+	ck_assert_msg(plan_create(f->m, 1ull << 40, &f->plan, err, sizeof(err)) == 0, "%s", err);
+	ck_assert(plan_all_resident(f->plan));
+	shm_name_for(f->name, sizeof(f->name), "ring");
+	ck_assert_msg(ring_create(f->name, f->m, f->plan, &f->obj, err, sizeof(err)) == 0, "%s", err);
+	f->h = shm_object_base(f->obj);
+	struct wring_slot *slots = wring_slots(f->h);
+	/* Loaded, as far as anyone reading the tables can tell (seq even, READY). */
+	for (uint32_t s = 0; s < f->h->n_slots; s++) {
+		atomic_store(&slots[s].group, plan_slot_group(f->plan, s));
+		atomic_store(&slots[s].state, WSLOT_READY);
+		atomic_store(&slots[s].generation, 1);
+	}
+}
+
+static void ring_fx_close(struct ring_fx *f)
+{
+	shm_object_close(&f->obj, true);
+	plan_destroy(&f->plan);
+	manifest_destroy(&f->m);
+	th_rmtree(f->dir);
+	free(f->model);
+	free(f->dir);
+}
+
+static struct msg_hello_reply ring_hello(struct ring_fx *f)
+{
+	return (struct msg_hello_reply){.layout = WRING_LAYOUT_VERSION,
+					.manifest_hash = f->h->manifest_hash,
+					.shm_name = {.p = f->name, .len = (uint32_t)strlen(f->name)}};
+}
+
+START_TEST(ring_source_takes_a_good_loader)
+{
+	/* The control case: the same script with honest answers works. */
+	struct ring_fx f;
+	ring_fx_open(&f);
+	struct peer p = {.ring = f.h};
+	peer_start(&p, f.dir, "ssd-loader");
+	void *zctx = zmq_ctx_new();
+	struct rpc_client *c = rpc_client_create(zctx, f.dir, "ssd-loader", "gpu-runner");
+	ck_assert_ptr_nonnull(c);
+	struct msg_hello_reply hello = ring_hello(&f);
+	struct ring_source *rs = NULL;
+	char err[512] = "";
+	int rc = ring_source_create(c, &hello, TIMEOUT_MS, &rs, err, sizeof(err));
+	ck_assert_msg(rc == 0, "ring_source_create: %s", err);
+	struct weight_source *ws = ring_source_base(rs);
+	struct group_weights w;
+	ck_assert_int_eq(ws->ops->acquire(ws, 1, &w), 0);
+	ck_assert_int_eq(ws->ops->release(ws, 1), 0);
+	ring_source_destroy(&rs);
+	rpc_client_destroy(&c);
+	zmq_ctx_term(zctx);
+	peer_stop(&p);
+	ring_fx_close(&f);
+}
+END_TEST
+
+START_TEST(ring_source_refuses_an_error_code_beyond_int)
+{
+	/* MSG_ERROR{code = 2^32}: (int) of it is 0, which must not read as "granted". */
+	struct ring_fx f;
+	ring_fx_open(&f);
+	struct peer p = {.ring = f.h, .error_code = BIG_CODE};
+	peer_start(&p, f.dir, "ssd-loader");
+	void *zctx = zmq_ctx_new();
+	struct rpc_client *c = rpc_client_create(zctx, f.dir, "ssd-loader", "gpu-runner");
+	struct msg_hello_reply hello = ring_hello(&f);
+	struct ring_source *rs = NULL;
+	char err[512] = "";
+	int rc = ring_source_create(c, &hello, TIMEOUT_MS, &rs, err, sizeof(err));
+	ck_assert_msg(rc < 0 && rs == NULL, "a refused acquire made a ring source (rc %d)", rc);
+	ck_assert_msg(strstr(err, "scripted failure") != NULL, "the error says what the loader said: %s", err);
+	rpc_client_destroy(&c);
+	zmq_ctx_term(zctx);
+	peer_stop(&p);
+	ring_fx_close(&f);
+}
+END_TEST
+
+START_TEST(ring_source_refuses_a_grant_outside_the_ring)
+{
+	/* The loader's slot table says a slot's data lies past the end of the object, and the
+	 * grant agrees: the runner must not take it (it would read outside its mapping). */
+	struct ring_fx f;
+	ring_fx_open(&f);
+	struct wring_slot *slots = wring_slots(f.h);
+	slots[1].data_offset = shm_object_size(f.obj);
+	struct peer p = {.ring = f.h};
+	peer_start(&p, f.dir, "ssd-loader");
+	void *zctx = zmq_ctx_new();
+	struct rpc_client *c = rpc_client_create(zctx, f.dir, "ssd-loader", "gpu-runner");
+	struct msg_hello_reply hello = ring_hello(&f);
+	struct ring_source *rs = NULL;
+	char err[512] = "";
+	int rc = ring_source_create(c, &hello, TIMEOUT_MS, &rs, err, sizeof(err));
+	ck_assert_msg(rc == -EPROTO && rs == NULL, "a grant outside the ring was taken (rc %d)", rc);
+	ck_assert_msg(strstr(err, "slot 1") != NULL, "the error names the slot: %s", err);
+	rpc_client_destroy(&c);
+	zmq_ctx_term(zctx);
+	peer_stop(&p);
+	ring_fx_close(&f);
+}
+END_TEST
+
+/* ---- the KV pool ---- */
+
+struct pool_fx {
+	char *dir;
+	char shm[64], spill[512];
+	struct kvstore *kv;
+};
+
+static void pool_fx_open(struct pool_fx *f)
+{
+	memset(f, 0, sizeof(*f));
+	f->dir = scratch_dir();
+	shm_name_for(f->shm, sizeof(f->shm), "kv");
+	snprintf(f->spill, sizeof(f->spill), "%s/kv-spill.bin", f->dir);
+	struct kvstore_config cfg = {.shm_name = f->shm, .spill_path = f->spill, .dram_budget = 4 * 4096,
+				     .disk_budget = 4 * 4096, .io_depth = 4};
+	ck_assert_int_eq(kvstore_create(&cfg, &f->kv), 0);
+	char err[512];
+	ck_assert_msg(kvstore_configure(f->kv, 4096, 77, err, sizeof(err)) == 0, "%s", err);
+}
+
+static void pool_fx_close(struct pool_fx *f)
+{
+	kvstore_destroy(&f->kv, true);
+	th_rmtree(f->dir);
+	free(f->dir);
+}
+
+START_TEST(kv_connect_refuses_an_error_code_beyond_int)
+{
+	struct pool_fx f;
+	pool_fx_open(&f);
+	struct peer p = {.kv = f.kv, .error_code = BIG_CODE};
+	peer_start(&p, f.dir, "kv-store");
+	void *zctx = zmq_ctx_new();
+	struct rpc_client *c = rpc_client_create(zctx, f.dir, "kv-store", "gpu-runner");
+	struct kv_remote kr = {0};
+	char err[512] = "";
+	bool same = true;
+	int rc = kv_remote_connect(&kr, c, 4096, 77, TIMEOUT_MS, &same, err, sizeof(err));
+	ck_assert_msg(rc < 0, "a refused configure read as connected (rc %d)", rc);
+	ck_assert(!kv_remote_owner_alive(&kr));
+	kv_remote_disconnect(&kr);
+	rpc_client_destroy(&c);
+	zmq_ctx_term(zctx);
+	peer_stop(&p);
+	pool_fx_close(&f);
+}
+END_TEST
+
+START_TEST(kv_ops_refuse_an_error_code_beyond_int)
+{
+	struct pool_fx f;
+	pool_fx_open(&f);
+	struct peer p = {.kv = f.kv};
+	peer_start(&p, f.dir, "kv-store");
+	void *zctx = zmq_ctx_new();
+	struct rpc_client *c = rpc_client_create(zctx, f.dir, "kv-store", "gpu-runner");
+	struct kv_remote kr = {0};
+	char err[512] = "";
+	int rc = kv_remote_connect(&kr, c, 4096, 77, TIMEOUT_MS, NULL, err, sizeof(err));
+	ck_assert_msg(rc == 0, "connect: %s", err);
+	/* From here on every request is refused with a code beyond int. */
+	peer_stop(&p);
+	struct peer q = {.kv = f.kv, .error_code = BIG_CODE};
+	peer_start(&q, f.dir, "kv-store");
+	uint64_t h = kv_handle_make(0, 1);
+	rc = kv_remote_ops_pool.unpin(&kr, 1, &h);
+	ck_assert_msg(rc < 0, "a refused unpin read as done (rc %d)", rc);
+	ck_assert_ptr_nonnull(strstr(kv_remote_ops_pool.error(&kr), "scripted failure"));
+	rc = kv_remote_ops_pool.release(&kr, 1, &h);
+	ck_assert_msg(rc < 0, "a refused free read as done (rc %d)", rc);
+	kv_remote_disconnect(&kr);
+	rpc_client_destroy(&c);
+	zmq_ctx_term(zctx);
+	peer_stop(&q);
+	pool_fx_close(&f);
+}
+END_TEST
+
+static Suite *remote_suite(void)
+{
+	Suite *s = suite_create("runner_remote");
+	TCase *tc = tcase_create("weight_ring");
+	tcase_add_unchecked_fixture(tc, NULL, sweep_all);
+	tcase_add_test(tc, ring_source_takes_a_good_loader);
+	tcase_add_test(tc, ring_source_refuses_an_error_code_beyond_int);
+	tcase_add_test(tc, ring_source_refuses_a_grant_outside_the_ring);
+	suite_add_tcase(s, tc);
+	tc = tcase_create("kv_pool");
+	tcase_add_unchecked_fixture(tc, NULL, sweep_all);
+	tcase_add_test(tc, kv_connect_refuses_an_error_code_beyond_int);
+	tcase_add_test(tc, kv_ops_refuse_an_error_code_beyond_int);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	runner_pid = (int)getpid();
+	log_set_level(LOG_ERROR);
+	return th_run(remote_suite());
+}
