@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/shm.h"
@@ -56,19 +57,30 @@ static int blocks_reply(struct kv_remote *kr, const struct msg *rep, uint32_t n,
 	const struct msg_kv_blocks *b = &rep->kv_blocks;
 	if (b->handles.n != n || b->offsets.n != n)
 		return set_err(kr, -EPROTO, "kv-store sent %u blocks for %u asked", b->handles.n, n);
-	for (uint32_t i = 0; i < n; i++) {
+	/* Two blocks in one slot would overwrite each other: every slot once. */
+	uint8_t *seen = calloc(kr->h->n_slots / 8 + 1, 1);
+	if (!seen)
+		return set_err(kr, -ENOMEM, "out of memory");
+	int rc = 0;
+	for (uint32_t i = 0; i < n && !rc; i++) {
 		int64_t slot = slot_of(kr, b->offsets.v[i]);
-		if (slot < 0)
-			return set_err(kr, -EPROTO, "kv-store sent offset %llu, not a pool block",
-				       (unsigned long long)b->offsets.v[i]);
-		if (expect && b->handles.v[i] != expect[i])
-			return set_err(kr, -EPROTO, "kv-store answered for block %llx instead of %llx",
-				       (unsigned long long)b->handles.v[i], (unsigned long long)expect[i]);
-		if (handles)
-			handles[i] = b->handles.v[i];
-		ptrs[i] = (char *)kr->h + b->offsets.v[i];
+		if (slot < 0) {
+			rc = set_err(kr, -EPROTO, "kv-store sent offset %llu, not a pool block",
+				     (unsigned long long)b->offsets.v[i]);
+		} else if (seen[slot / 8] & (1u << (slot % 8))) {
+			rc = set_err(kr, -EPROTO, "kv-store sent pool block %lld twice in one reply", (long long)slot);
+		} else if (expect && b->handles.v[i] != expect[i]) {
+			rc = set_err(kr, -EPROTO, "kv-store answered for block %llx instead of %llx",
+				     (unsigned long long)b->handles.v[i], (unsigned long long)expect[i]);
+		} else {
+			seen[slot / 8] |= (uint8_t)(1u << (slot % 8));
+			if (handles)
+				handles[i] = b->handles.v[i];
+			ptrs[i] = (char *)kr->h + b->offsets.v[i];
+		}
 	}
-	return 0;
+	free(seen);
+	return rc;
 }
 
 static int op_alloc(void *ctx, uint32_t n, uint64_t *handles, void **ptrs)

@@ -275,7 +275,9 @@ static void run_job(struct runner *r, struct job *j)
 				  &res, err, sizeof(err));
 		if (rc == 0 && r->ts && (j->flags & GEN_TEXT))
 			text_stream_finish(r->ts, &tail, &tail_len);
-		int wrc = ring_source_base(r->ring)->ops->release_all(ring_source_base(r->ring));
+		/* Hand streamed groups back; a dead loader would only make the client wait a timeout. */
+		int wrc = ring_source_owner_alive(r->ring) ? ring_source_base(r->ring)->ops->release_all(ring_source_base(r->ring))
+							   : 0;
 		if (wrc && !rc) {
 			snprintf(err, sizeof(err), "%s", ring_source_base(r->ring)->error);
 			rc = wrc;
@@ -536,8 +538,12 @@ static void teardown(struct runner *r)
 	rpc_client_destroy(&r->kv_c);
 	if (r->zctx)
 		zmq_ctx_term(r->zctx);
-	for (uint32_t i = 0; i < r->q_len; i++)
-		job_free(&r->queue[(r->q_head + i) % QUEUE_MAX]);
+	for (uint32_t i = 0; i < r->q_len; i++) {
+		struct job *j = &r->queue[(r->q_head + i) % QUEUE_MAX];
+		if (r->svc)
+			service_reply_error(r->svc, &j->peer, j->corr, ESHUTDOWN, "gpu-runner is stopping: request not run");
+		job_free(j);
+	}
 	service_destroy(&r->svc);
 }
 

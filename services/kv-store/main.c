@@ -155,6 +155,14 @@ static int handle(void *ctx, struct service *s, const struct bus_peer *peer, con
 static void hello(void *ctx, const struct msg *req, struct msg_hello_reply *reply)
 {
 	struct kvsvc *k = ctx;
+	/* A runner says HELLO only when it (re)connects, between requests, holding no block: the
+	 * blocks still live were left by one that died or lost a reply. (Prefix reuse will keep
+	 * committed blocks with a key here.) */
+	if (req->hello.client.len && !strcmp(req->hello.client.p, "gpu-runner")) {
+		uint32_t n = kvstore_free_all(k->kv);
+		if (n)
+			log_info("a gpu-runner said HELLO: freed %u blocks an earlier runner left", n);
+	}
 	struct kvstore_info info;
 	kvstore_info(k->kv, &info);
 	reply->layout = KVPOOL_LAYOUT_VERSION;

@@ -1253,6 +1253,27 @@ int kvstore_free(struct kvstore *kv, const uint64_t *handles, uint32_t n, char *
 	return 0;
 }
 
+uint32_t kvstore_free_all(struct kvstore *kv)
+{
+	if (!kv->h)
+		return 0;
+	uint32_t n = 0;
+	for (uint32_t idx = 0; idx < kv->h->n_handles; idx++) {
+		struct kvpool_handle *hd = &kv->handles[idx];
+		if (hd->state == KVH_FREE)
+			continue;
+		if (hd->location == KVLOC_POOL)
+			slot_release(kv, hd->where);
+		else if (hd->location == KVLOC_SPILL)
+			kv->free_spill[kv->n_free_spill++] = hd->where;
+		handle_release(kv, idx);
+		n++;
+	}
+	atomic_fetch_add(&kv->h->store.frees, n);
+	publish_usage(kv);
+	return n;
+}
+
 /* ---- stats ---- */
 
 static int set_u64(json_t *o, const char *key, uint64_t v)

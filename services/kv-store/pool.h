@@ -122,6 +122,10 @@ int kvstore_unpin(struct kvstore *kv, const uint64_t *handles, uint32_t n, char 
  * slot it held; the handle values go stale. Returns 0 or -EINVAL. */
 int kvstore_free(struct kvstore *kv, const uint64_t *handles, uint32_t n, char *err, size_t errlen);
 
+/* Frees every live handle, pinned or not (a runner that (re)connects holds none: whatever is
+ * left belongs to one that died or lost a reply). Returns how many were freed. */
+uint32_t kvstore_free_all(struct kvstore *kv);
+
 /* The counters as a JSON object (malloc'd: the caller frees), or NULL without memory. */
 char *kvstore_stats_json(const struct kvstore *kv);
 

@@ -634,6 +634,10 @@ bool loader_io_busy(const struct loader *l)
 
 void loader_tick(struct loader *l)
 {
+	/* A submission the kernel refused for the moment (EAGAIN/EBUSY) with nothing in flight
+	 * gives no completion to wake the loop: retry it from the tick. */
+	if (loader_io_busy(l))
+		loader_process_io(l, false);
 	if (!l->initial_active)
 		return;
 	uint64_t now = now_ns();

@@ -121,16 +121,21 @@ static int open_file(struct rfile *f, bool buffered, char *err, size_t errlen)
 }
 
 /* A read on an O_DIRECT descriptor failed with EINVAL: some file systems accept the open and
- * refuse the read. Reopen buffered; the old descriptor can close at once because io_uring
- * holds its own reference to the file of every read in flight. */
+ * refuse the read. Reopen buffered under the same descriptor number (dup2): reads prepared on
+ * that number but not yet submitted then go to the buffered file, and the number is never free
+ * for another thread to reuse. io_uring holds its own reference to the file of reads in flight. */
 static int fall_back_to_buffered(struct rfile *f)
 {
 	int fd = READER_OPEN(f->path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
 		return -errno;
 	log_warn("%s: an O_DIRECT read was refused (EINVAL); reading this file through the page cache", f->path);
-	close(f->fd);
-	f->fd = fd;
+	if (dup3(fd, f->fd, O_CLOEXEC) < 0) {
+		int rc = -errno;
+		close(fd);
+		return rc;
+	}
+	close(fd);
 	f->direct = false;
 	return 0;
 }

@@ -410,6 +410,25 @@ START_TEST(test_protocol_round_trip)
 	call_ok(&v, &req);
 	check_blocks(&v, pool, many, 6, 100);
 
+	/* A runner that (re)connects holds nothing: what is still live (here, 12 committed blocks
+	 * and one left half-written) belonged to one that died, and is freed. */
+	msg_init(&req, MSG_KV_ALLOC, 0);
+	req.kv_alloc.count = 1;
+	call(&v, &req, &rep, MSG_KV_BLOCKS);
+	msg_free(&rep);
+	struct rpc_client *runner = rpc_client_create(v.zctx, v.dir, "kv-store", "gpu-runner");
+	ck_assert_ptr_nonnull(runner);
+	ck_assert_int_eq(rpc_hello(runner, &rep, 5000), 0);
+	msg_free(&rep);
+	rpc_client_destroy(&runner);
+	st = get_stats(&v);
+	ck_assert_int_eq(jint(st, "live_handles"), 0);
+	ck_assert_int_eq(jint(st, "pool_used"), 0);
+	ck_assert_int_eq(jint(st, "spill_used"), 0);
+	json_decref(st);
+	handles_req(&req, MSG_KV_FETCH, many, 1);
+	call_error(&v, &req, EINVAL, "stale");
+
 	shm_object_close(&o, false);
 	msg_init(&req, MSG_SHUTDOWN, 0);
 	call_ok(&v, &req);
