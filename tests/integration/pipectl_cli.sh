@@ -23,7 +23,7 @@ expect_status 2 "unknown global flag '--bogus'" --bogus hello kv-store
 expect_status 2 "unknown service 'nope'" hello nope
 expect_status 2 "missing argument" stats
 expect_status 2 "unexpected argument 'extra'" ping kv-store extra
-expect_status 2 "--tokens is required" generate -n 4
+expect_status 2 "give the prompt one way" generate -n 4
 expect_status 2 "'x' is not a non-negative integer" generate --tokens 1,x,3
 expect_status 2 "'-1' is not a non-negative integer" generate --tokens 1,-1
 expect_status 2 "an empty element" generate --tokens 1,,3

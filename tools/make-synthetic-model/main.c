@@ -46,9 +46,9 @@ static void format_params(uint64_t n, char *buf, size_t len)
 
 int main(int argc, char **argv)
 {
-	char *shape = NULL, *out = NULL, *dtype_text = NULL, *rope = NULL, *arch = NULL;
+	char *shape = NULL, *out = NULL, *dtype_text = NULL, *rope = NULL, *arch = NULL, *eos = NULL;
 	long seed = 0, shards = 0, layers = -1, vocab = -1, dim = -1, heads = -1, kv_heads = -1, head_dim = -1,
-	     ffn = -1, sliding = -1;
+	     ffn = -1, sliding = -1, bos = -2;
 	uint64_t shard_size = 0;
 	double rope_theta = 0;
 	bool tied = false, mha = false, force = false, quiet = false;
@@ -70,6 +70,8 @@ int main(int argc, char **argv)
 		{"mha", OPT_BOOL, &mha, NULL, "plain multi-head attention: kv heads = heads"},
 		{"rope-scaling", OPT_STRING, &rope, NULL, "override: none, linear:FACTOR or llama3"},
 		{"rope-theta", OPT_DOUBLE, &rope_theta, NULL, "override: RoPE base (Llama 2: 10000)"},
+		{"bos", OPT_INT, &bos, NULL, "override: BOS token id (-1: none)"},
+		{"eos", OPT_STRING, &eos, NULL, "override: EOS token ids, comma separated (Llama 3: 128001,128008,128009)"},
 		{"arch", OPT_STRING, &arch, NULL, "override: llama or mistral"},
 		{"sliding-window", OPT_INT, &sliding, NULL, "override: sliding window (0: none)"},
 		{"force", OPT_BOOL, &force, NULL, "write into a directory that already holds a checkpoint"},
@@ -148,6 +150,28 @@ int main(int argc, char **argv)
 		for (uint32_t i = 0; i < cfg.n_eos; i++)
 			if (cfg.eos_ids[i] >= (int32_t)cfg.vocab_size)
 				cfg.eos_ids[i] = (int32_t)(cfg.vocab_size > 2 ? 2 + i % (cfg.vocab_size - 2) : 0);
+	}
+	if (bos != -2) {
+		if (bos < -1 || bos >= (long)cfg.vocab_size) {
+			fprintf(stderr, "%s: --bos %ld is outside the vocabulary of %u\n", PROG, bos, cfg.vocab_size);
+			return 2;
+		}
+		cfg.bos_id = (int32_t)bos;
+	}
+	if (eos) {
+		cfg.n_eos = 0;
+		for (char *p = eos; *p;) {
+			char *end;
+			long v = strtol(p, &end, 10);
+			if (end == p || v < 0 || v >= (long)cfg.vocab_size || cfg.n_eos == MODEL_MAX_EOS ||
+			    (*end && *end != ',')) {
+				fprintf(stderr, "%s: --eos takes up to %d ids inside the vocabulary, comma separated\n", PROG,
+					MODEL_MAX_EOS);
+				return 2;
+			}
+			cfg.eos_ids[cfg.n_eos++] = (int32_t)v;
+			p = *end ? end + 1 : end;
+		}
 	}
 	if (rope_theta != 0) {
 		if (!(rope_theta > 0 && rope_theta < 1e12)) {

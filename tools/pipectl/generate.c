@@ -1,13 +1,16 @@
 /* generate.c - pipectl generate: one MSG_GENERATE to gpu-runner, the streamed MSG_TOKEN
  * replies printed as they arrive, MSG_GEN_DONE ends the line.
  *
- * The output is the generated ids on one line separated by spaces, the same as run-local
- * prints, so that the two can be compared byte for byte.
+ * With --tokens the output is the generated ids on one line separated by spaces, the same as
+ * run-local prints, so that the two can be compared byte for byte. With --prompt or --chat
+ * the runner tokenizes with the model's tokenizer and the output is the generated text as it
+ * comes (--ids prints the ids instead).
  *
  * --dump-logits FILE asks for MSG_LOGITS (GEN_LOGITS) and writes its values to FILE as they
  * came: raw float32, little-endian, vocab_size of them, no header. Raw rather than text so
  * that the fidelity test compares exactly what the runner computed. */
 #include <errno.h>
+#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,26 +22,56 @@
 #define GEN_SERVICE "gpu-runner"
 #define GEN_DEFAULT_TIMEOUT_S 600
 
-/* The arguments turned into a request; arrays owned here. */
+#define GEN_MAX_STOPS 16
+
+/* The arguments turned into a request; arrays and JSON texts owned here. */
 struct gen_args {
 	uint64_t *tokens, *stop_ids;
 	uint32_t n_tokens, n_stop_ids;
 	long max_new, top_k, seed;
-	double temperature, top_p;
-	bool stats, ignore_eos;
+	double temperature, top_p, min_p, repetition_penalty;
+	bool stats, ignore_eos, special_as_text, no_bos, print_ids;
 	const char *dump_logits; /* --dump-logits FILE (borrowed from argv); NULL: not asked */
+	const char *prompt, *chat, *system; /* borrowed from argv */
+	const char *stops[GEN_MAX_STOPS];   /* --stop, as often as given */
+	int n_stops;
+	char *chat_json, *stops_json;	    /* built from the above */
+	bool text;			    /* a text prompt: print text */
 };
 
-/* -n N is the short form of --max-new N; config_parse knows only long flags. Returns a
- * malloc'd copy of argv with "-n" replaced, or NULL. */
-static char **expand_short_flags(int argc, char **argv)
+/* -n N is the short form of --max-new N; config_parse knows only long flags, and takes each
+ * flag once, so the repeatable --stop is collected here. Returns a malloc'd copy of argv with
+ * "-n" replaced and the --stop flags taken out (*argc_out), or NULL. */
+static char **expand_short_flags(int argc, char **argv, int *argc_out, struct gen_args *a, int *bad)
 {
 	static char max_new_flag[] = "--max-new";
 	char **out = calloc((size_t)argc + 1, sizeof(*out));
 	if (!out)
 		return NULL;
-	for (int i = 0; i < argc; i++)
-		out[i] = i > 0 && !strcmp(argv[i], "-n") ? max_new_flag : argv[i];
+	int n = 0;
+	*bad = 0;
+	for (int i = 0; i < argc; i++) {
+		const char *v = NULL;
+		if (i > 0 && !strcmp(argv[i], "--stop")) {
+			if (i + 1 >= argc) {
+				*bad = 1;
+				break;
+			}
+			v = argv[++i];
+		} else if (i > 0 && !strncmp(argv[i], "--stop=", 7)) {
+			v = argv[i] + 7;
+		}
+		if (v) {
+			if (a->n_stops == GEN_MAX_STOPS || !*v) {
+				*bad = 2;
+				break;
+			}
+			a->stops[a->n_stops++] = v;
+			continue;
+		}
+		out[n++] = i > 0 && !strcmp(argv[i], "-n") ? max_new_flag : argv[i];
+	}
+	*argc_out = n;
 	return out;
 }
 
@@ -46,12 +79,22 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 {
 	const char *tokens = NULL, *stop_ids = NULL;
 	struct opt opts[] = {
-		{"tokens", OPT_STRING, &tokens, NULL, "prompt token ids, comma separated: 1,2,3 (required)"},
+		{"tokens", OPT_STRING, &tokens, NULL, "prompt token ids, comma separated: 1,2,3"},
+		{"prompt", OPT_STRING, &a->prompt, NULL, "prompt text (the runner tokenizes it, BOS first)"},
+		{"chat", OPT_STRING, &a->chat, NULL, "a user message, in the model's chat format"},
+		{"system", OPT_STRING, &a->system, NULL, "with --chat: a system message before it"},
+		{"special-as-text", OPT_BOOL, &a->special_as_text, NULL,
+		 "special-token text in --prompt/--chat is plain text, not special tokens"},
+		{"no-bos", OPT_BOOL, &a->no_bos, NULL, "with --prompt: no BOS token first"},
+		{"ids", OPT_BOOL, &a->print_ids, NULL, "with --prompt/--chat: print token ids, not text"},
 		{"max-new", OPT_INT, &a->max_new, "16", "tokens to generate (short: -n N)"},
 		{"temperature", OPT_DOUBLE, &a->temperature, "0", "sampling temperature; 0 is greedy"},
 		{"top-k", OPT_INT, &a->top_k, "0", "sample among the k most likely tokens; 0 is off"},
 		{"top-p", OPT_DOUBLE, &a->top_p, "1", "sample within cumulative probability p; 1 is off"},
 		{"seed", OPT_INT, &a->seed, "0", "seed of the sampler"},
+		{"min-p", OPT_DOUBLE, &a->min_p, "0", "drop tokens less likely than p times the likeliest; 0 is off"},
+		{"repetition-penalty", OPT_DOUBLE, &a->repetition_penalty, "1",
+		 "divide the logits of tokens already in the text by this (1 is off)"},
 		{"stop-ids", OPT_STRING, &stop_ids, NULL,
 		 "extra token ids that end generation, comma separated (the model's eos ids always do)"},
 		{"stats", OPT_BOOL, &a->stats, NULL, "print a timing line on stderr at the end"},
@@ -62,24 +105,69 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 		 "vocabulary entry, no header"},
 		{0},
 	};
-	char **args = expand_short_flags(argc, argv);
+	int nargs, bad;
+	char **args = expand_short_flags(argc, argv, &nargs, a, &bad);
 	if (!args) {
 		fprintf(stderr, "pipectl: out of memory\n");
 		return PIPECTL_EXIT_FAIL;
 	}
-	int rc = pipectl_parse("generate --tokens IDS [-n N] [--ignore-eos] [--dump-logits FILE]",
-			       "Generates tokens with gpu-runner and prints each id as it arrives, separated by spaces, "
-			       "then a newline.",
-			       opts, argc, args, NULL, 0, 0, NULL);
+	if (bad) {
+		free(args);
+		fprintf(stderr, bad == 1 ? "pipectl: generate: --stop needs a string\n"
+					 : "pipectl: generate: --stop takes a non-empty string, at most %d times\n",
+			GEN_MAX_STOPS);
+		return PIPECTL_EXIT_USAGE;
+	}
+	int rc = pipectl_parse("generate (--tokens IDS | --prompt TEXT | --chat TEXT) [-n N] [--stop STR]... [options]",
+			       "Generates with gpu-runner. With --tokens it prints each id as it arrives, separated by "
+			       "spaces; with --prompt or --chat the text as it arrives. Either way a newline ends it. "
+			       "--stop STR (repeatable, up to 16) ends generation once the text holds STR.",
+			       opts, nargs, args, NULL, 0, 0, NULL);
 	free(args);
 	if (rc)
 		return rc == 1 ? -1 : PIPECTL_EXIT_USAGE;
 
 	char err[256];
-	if (!tokens || !*tokens) {
-		fprintf(stderr, "pipectl: generate: --tokens is required (a comma-separated list like 1,2,3)\n");
+	int ways = (tokens && *tokens) + (a->prompt && *a->prompt) + (a->chat && *a->chat);
+	if (ways != 1) {
+		fprintf(stderr, "pipectl: generate: give the prompt one way: --tokens 1,2,3, --prompt TEXT or --chat "
+				"TEXT\n");
 		return PIPECTL_EXIT_USAGE;
 	}
+	if (a->system && !a->chat) {
+		fprintf(stderr, "pipectl: generate: --system goes with --chat\n");
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (!(a->min_p >= 0 && a->min_p <= 1) || !(a->repetition_penalty > 0 && a->repetition_penalty < 1e6)) {
+		fprintf(stderr, "pipectl: generate: --min-p must be in [0, 1] and --repetition-penalty positive\n");
+		return PIPECTL_EXIT_USAGE;
+	}
+	a->text = !tokens || !*tokens;
+	if (a->chat) {
+		json_t *msgs = json_array();
+		if (a->system)
+			json_array_append_new(msgs, json_pack("{s:s, s:s}", "role", "system", "content", a->system));
+		json_array_append_new(msgs, json_pack("{s:s, s:s}", "role", "user", "content", a->chat));
+		a->chat_json = json_dumps(msgs, JSON_COMPACT);
+		json_decref(msgs);
+	}
+	if (a->n_stops) {
+		json_t *st = json_array();
+		for (int i = 0; i < a->n_stops; i++)
+			json_array_append_new(st, json_string(a->stops[i]));
+		a->stops_json = json_dumps(st, JSON_COMPACT);
+		json_decref(st);
+		if (!a->stops_json) {
+			fprintf(stderr, "pipectl: generate: --stop strings must be UTF-8\n");
+			return PIPECTL_EXIT_USAGE;
+		}
+	}
+	if ((a->chat && !a->chat_json)) {
+		fprintf(stderr, "pipectl: generate: --chat and --system must be UTF-8 text\n");
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (a->text)
+		return 0;
 	if (pipectl_parse_ids(tokens, UINT32_MAX, &a->tokens, &a->n_tokens, err, sizeof(err)) != 0) {
 		fprintf(stderr, "pipectl: generate: --tokens: %s\n", err);
 		return PIPECTL_EXIT_USAGE;
@@ -131,7 +219,7 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
  * Returns 0, or PIPECTL_EXIT_FAIL after printing why. */
 static int write_logits(const struct gen_args *a, const struct msg_logits *l)
 {
-	if (l->position != a->n_tokens - 1) {
+	if (a->n_tokens && l->position != a->n_tokens - 1) {
 		fprintf(stderr, "pipectl: gpu-runner sent the logits of position %llu, not of the prompt's last (%u)\n",
 			(unsigned long long)l->position, a->n_tokens - 1);
 		return PIPECTL_EXIT_FAIL;
@@ -207,7 +295,10 @@ static int read_stream(struct pipectl *p, struct rpc_client *c, uint64_t corr, c
 				msg_free(&rep);
 				return PIPECTL_EXIT_FAIL;
 			}
-			printf(count ? " %llu" : "%llu", (unsigned long long)rep.token.token);
+			if (a->text && !a->print_ids)
+				fwrite(rep.token.text.p ? rep.token.text.p : "", 1, rep.token.text.len, stdout);
+			else
+				printf(count ? " %llu" : "%llu", (unsigned long long)rep.token.token);
 			fflush(stdout);
 			count++;
 			msg_free(&rep);
@@ -221,6 +312,8 @@ static int read_stream(struct pipectl *p, struct rpc_client *c, uint64_t corr, c
 			msg_free(&rep);
 			return PIPECTL_EXIT_FAIL;
 		}
+		if (a->text && !a->print_ids && rep.gen_done.text.len)
+			fwrite(rep.gen_done.text.p, 1, rep.gen_done.text.len, stdout);
 		putchar('\n');
 		fflush(stdout);
 		const struct msg_gen_done *d = &rep.gen_done;
@@ -270,7 +363,23 @@ int cmd_generate(struct pipectl *p, int argc, char **argv)
 	req.generate.seed = (uint64_t)a.seed;
 	req.generate.stop_ids.v = a.stop_ids;
 	req.generate.stop_ids.n = a.n_stop_ids;
-	req.generate.flags = (a.ignore_eos ? GEN_IGNORE_EOS : 0) | (a.dump_logits ? GEN_LOGITS : 0);
+	req.generate.min_p = a.min_p;
+	req.generate.repetition_penalty = a.repetition_penalty;
+	if (a.prompt) {
+		req.generate.prompt.p = (char *)a.prompt;
+		req.generate.prompt.len = (uint32_t)strlen(a.prompt);
+	}
+	if (a.chat_json) {
+		req.generate.chat.p = a.chat_json;
+		req.generate.chat.len = (uint32_t)strlen(a.chat_json);
+	}
+	if (a.stops_json) {
+		req.generate.stop_strings.p = a.stops_json;
+		req.generate.stop_strings.len = (uint32_t)strlen(a.stops_json);
+	}
+	req.generate.flags = (a.ignore_eos ? GEN_IGNORE_EOS : 0) | (a.dump_logits ? GEN_LOGITS : 0) |
+			     (a.special_as_text ? GEN_SPECIAL_AS_TEXT : 0) | (a.no_bos ? GEN_NO_BOS : 0) |
+			     (a.text && !a.print_ids ? GEN_TEXT : 0);
 	uint64_t corr;
 	int rc = rpc_send(c, &req, &corr);
 	if (rc) {
@@ -285,5 +394,7 @@ out_client:
 out_free:
 	free(a.tokens);
 	free(a.stop_ids);
+	free(a.chat_json);
+	free(a.stops_json);
 	return status;
 }

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# text: a synthetic model with the Llama 3 vocabulary and its real tokenizer.json. The runner
+# tokenizes --prompt (BOS first) and --chat (the Llama 3 header format) exactly as the tokenizer
+# does outside it, prints the generated text, stops on stop strings; the same seed gives the
+# same text. A tokenizer that disagrees with config.json's vocabulary is refused at start.
+source "$(dirname "$0")/lib.sh"
+it_setup text
+
+TOKENIZER=$PIPELINE_SOURCE_DIR/tests/data/llama3-tokenizer/tokenizer.json
+L3=$IT_TMP/llama3-shaped
+"$BIN/make-synthetic-model" --shape tiny --vocab 128256 --bos 128000 --eos 128001,128008,128009 --out "$L3" --quiet
+cp "$TOKENIZER" "$L3/"
+tok() { printf '%s' "$1" | "$PIPECTL" tokenize --tokenizer "$TOKENIZER" "${@:2}"; }
+ids_csv() { tr ' ' ',' <<<"$1"; }
+
+"$PIPELINE" start --model "$L3"
+expect_grep '"tokenizer": true' "$("$PIPECTL" stats gpu-runner)" "runner stats"
+expect_grep '"chat_format": "llama3"' "$("$PIPECTL" stats gpu-runner)" "runner stats"
+
+# --prompt: BOS, then the tokenizer's ids; the continuation equals run-local on those ids.
+text="The capital of France is"
+prompt_ids=$(tok "$text" --bos)
+expect_grep '^128000 ' "$prompt_ids" "tokenize --bos"
+want=$("$BIN/run-local" --model "$L3" --tokens "$(ids_csv "$prompt_ids")" -n 16)
+got=$(generate --prompt "$text" -n 16 --ids)
+expect_eq "$got" "$want" "--prompt ids vs run-local on the tokenized prompt"
+# ... and the text printed is the detokenized ids.
+got_text=$(generate --prompt "$text" -n 16)
+want_text=$(printf '%s' "$want" | "$PIPECTL" detokenize --tokenizer "$TOKENIZER")
+expect_eq "$got_text" "$want_text" "--prompt text vs detokenize of the same ids"
+log "prompt: ids and text agree with the tokenizer and run-local"
+
+# --chat: the Llama 3 header format, built from special tokens, then the assistant header.
+chat_text=$'<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHello there<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+chat_ids=$(tok "$chat_text")
+want=$("$BIN/run-local" --model "$L3" --tokens "$(ids_csv "$chat_ids")" -n 16 --stop-ids 128009)
+got=$(generate --chat "  Hello there " --system "Be brief." -n 16 --ids)
+expect_eq "$got" "$want" "--chat ids vs run-local on the Llama 3 template"
+log "chat: the prompt is the Llama 3 header format"
+
+# Seeded sampling gives the same text twice.
+a=$(generate --prompt "Once upon a time" -n 24 --temperature 0.9 --top-k 50 --min-p 0.05 --repetition-penalty 1.2 --seed 5)
+b=$(generate --prompt "Once upon a time" -n 24 --temperature 0.9 --top-k 50 --min-p 0.05 --repetition-penalty 1.2 --seed 5)
+expect_eq "$b" "$a" "seeded text twice"
+[[ -n $a ]] || fail "sampled text is empty"
+
+# Stop strings: take a piece of the greedy text; generation ends once it appears.
+full=$(generate --prompt "$text" -n 16)
+stop=${full:3:2}
+[[ -n $stop ]] || fail "no text to take a stop string from"
+out=$(generate --prompt "$text" -n 16 --stop "$stop" --stats 2>&1 >"$IT_TMP/stop.out")
+expect_grep 'stop_string' "$out" "generate --stop stats"
+stopped=$(cat "$IT_TMP/stop.out")
+[[ $stopped == *"$stop"* ]] || fail "the output '$stopped' does not hold the stop string '$stop'"
+((${#stopped} <= ${#full})) || fail "stopping made the output longer"
+log "stop string '$stop': stopped after '$stopped'"
+
+# Text requests to a model without a tokenizer are refused with a clear message.
+"$PIPELINE" stop
+"$PIPELINE" start --model "$MODEL"
+err=$(generate --prompt "hi" -n 2 2>&1) && fail "--prompt without a tokenizer succeeded"
+expect_grep 'no tokenizer.json' "$err" "--prompt on a model without tokenizer"
+"$PIPELINE" stop
+
+# A tokenizer whose ids exceed config.json's vocab_size (512) is refused at start.
+cp "$TOKENIZER" "$MODEL/"
+err=$("$PIPELINE" start --model "$MODEL" 2>&1) && fail "start with a mismatched tokenizer succeeded"
+expect_grep "vocab_size is 512" "$err" "start with a tokenizer of another model"
+expect_nothing_left "after the refused start"
+log "ok"
