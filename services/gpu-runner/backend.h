@@ -17,6 +17,11 @@
  *       be->ops->ffn(be, &ffn_w[l]);                                    // norm, SwiGLU, residual
  *   be->ops->logits(be, &head_w, out);                                  // final norm, lm_head, last token
  *
+ * Weights: t[] points at memory the backend computes from: the weight ring's host memory for
+ * the C backend; device memory of the GPU weight window for CUDA, except t[ROLE_EMBED], which
+ * is always host memory (rows are gathered on the host and copied up, so the embedding table
+ * needs no GPU memory).
+ *
  * KV arena: the backend owns n_kv_blocks blocks of kv_block_bytes (device memory for CUDA).
  * Block b holds block_tokens tokens of one layer: K as (block_tokens, n_kv_heads, head_dim)
  * then V likewise, in kv_dtype. attn_blocks accumulates attention of the chunk's queries
@@ -96,6 +101,14 @@ struct backend_ops {
 	/* Final RMSNorm and lm_head for the chunk's last token: out holds vocab_size floats
 	 * (host memory). */
 	int (*logits)(struct backend *be, const struct group_weights *w, float *out);
+	/* Optional (NULL where the backend has none): the same, but only the id of the largest
+	 * logit (lowest id on ties) comes back to the host: greedy decoding without moving the
+	 * vocabulary across the bus. */
+	int (*logits_argmax)(struct backend *be, const struct group_weights *w, int32_t *token);
+
+	/* The device stream compute runs on (a cudaStream_t for CUDA), NULL on the C backend. The
+	 * GPU weight window orders its copies against it with events. */
+	void *(*stream)(struct backend *be);
 
 	/* The last error message. */
 	const char *(*error)(struct backend *be);

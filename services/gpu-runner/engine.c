@@ -1,5 +1,7 @@
 #include "services/gpu-runner/engine.h"
 
+#include "services/gpu-runner/sampler.h"
+
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +20,7 @@ struct engine {
 	struct kv_cache *kv;
 	uint32_t max_chunk;
 	uint32_t *dst_block, *dst_row;
+	float *scratch; /* logits, for greedy steps on a backend without logits_argmax */
 	char error[768];
 };
 
@@ -53,6 +56,7 @@ void engine_destroy(struct engine **ep)
 {
 	if (!ep || !*ep)
 		return;
+	free((*ep)->scratch);
 	free((*ep)->dst_block);
 	free((*ep)->dst_row);
 	free(*ep);
@@ -116,7 +120,19 @@ static int release(struct engine *e, uint32_t group)
 		}                                                                              \
 	} while (0)
 
+static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits, int32_t *argmax);
+
 int engine_forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits)
+{
+	return forward(e, tokens, n, pos0, logits, NULL);
+}
+
+int engine_forward_greedy(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, int32_t *token)
+{
+	return forward(e, tokens, n, pos0, NULL, token);
+}
+
+static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits, int32_t *argmax)
 {
 	if (n == 0 || n > e->max_chunk)
 		return set_err(e, -EINVAL, "a step takes 1..%u tokens, not %u", e->max_chunk, n);
@@ -148,11 +164,22 @@ int engine_forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 		if ((rc = release(e, group)))
 			return rc;
 	}
-	if (!logits)
+	if (!logits && !argmax)
 		return 0;
 	group = group_id_head(e->cfg);
 	if ((rc = acquire(e, group, &w)))
 		return rc;
-	BE_CHECK(e->ops->logits(e->be, &w, logits), "logits");
+	if (logits) {
+		BE_CHECK(e->ops->logits(e->be, &w, logits), "logits");
+	} else if (e->ops->logits_argmax) {
+		BE_CHECK(e->ops->logits_argmax(e->be, &w, argmax), "logits");
+	} else {
+		if (!e->scratch && !(e->scratch = malloc(sizeof(float) * e->cfg->vocab_size))) {
+			release(e, group);
+			return set_err(e, -ENOMEM, "out of memory");
+		}
+		BE_CHECK(e->ops->logits(e->be, &w, e->scratch), "logits");
+		*argmax = argmax_f32(e->scratch, e->cfg->vocab_size);
+	}
 	return release(e, group);
 }

@@ -34,6 +34,10 @@ void engine_destroy(struct engine **e);
  * message is in engine_error(). */
 int engine_forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits);
 
+/* The same, for greedy decoding: only the id of the largest logit comes back (computed on the
+ * device where the backend can, so the vocabulary never crosses the bus). */
+int engine_forward_greedy(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, int32_t *token);
+
 uint32_t engine_max_chunk(const struct engine *e);
 const struct model_config *engine_config(const struct engine *e);
 struct kv_cache *engine_kv(struct engine *e);

@@ -69,6 +69,10 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 	if (penalty)
 		for (uint32_t i = 0; i < n_prompt; i++)
 			seen[prompt[i]] = 1;
+	/* Greedy without a penalty needs only the best id each step: the backend finds it where the
+	 * logits are (on the GPU, the vocabulary then never crosses the bus). */
+	bool greedy = !(p->sampling.temperature > 0) && !penalty;
+	int32_t next = -1;
 	uint32_t pos = n_prompt;
 	while (res->n_generated < p->max_new) {
 		if (penalty)
@@ -76,7 +80,8 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 				if (seen[v])
 					logits[v] = logits[v] < 0 ? logits[v] * p->repetition_penalty
 								  : logits[v] / p->repetition_penalty;
-		int32_t tok = sampler_pick(s, logits);
+		int32_t tok = next >= 0 ? next : sampler_pick(s, logits);
+		next = -1;
 		uint32_t index = res->n_generated++;
 		if (penalty)
 			seen[tok] = 1;
@@ -99,7 +104,7 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 			res->reason = "context";
 			break;
 		}
-		rc = engine_forward(e, &tok, 1, pos, logits);
+		rc = greedy ? engine_forward_greedy(e, &tok, 1, pos, &next) : engine_forward(e, &tok, 1, pos, logits);
 		if (rc) {
 			snprintf(err, errlen, "decode at position %u: %s", pos, engine_error(e));
 			goto out;

@@ -28,6 +28,9 @@
 #include "services/gpu-runner/kv_remote.h"
 #include "services/gpu-runner/text.h"
 #include "services/gpu-runner/weights_ring.h"
+#ifdef PIPELINE_HAVE_CUDA
+#include "services/gpu-runner/gpu_window.h"
+#endif
 
 #define QUEUE_MAX 16
 #define CONNECT_TIMEOUT_MS 120000
@@ -47,13 +50,17 @@ struct job {
 
 struct runner {
 	/* options */
-	const char *instance, *run_dir, *backend_name, *log_level;
+	const char *instance, *run_dir, *backend_name, *log_level, *kv_dtype_name;
 	uint64_t gpu_budget, kv_gpu_budget;
-	long block_tokens, threads, max_context, prefill_chunk, timeout_ms;
+	long block_tokens, threads, max_context, prefill_chunk, timeout_ms, prefetch_depth;
+	bool strict, profile_copies;
 
 	void *zctx; /* for the clients of the other services */
 	struct rpc_client *loader_c, *kv_c;
 	struct ring_source *ring;
+#ifdef PIPELINE_HAVE_CUDA
+	struct gpu_window *win; /* the GPU tier of weights, with the cuda backend */
+#endif
 	struct kv_remote kv;
 	bool loader_suspect, kv_suspect;
 	bool kv_connected; /* a pool was mapped before */
@@ -106,9 +113,49 @@ static int copy_bytes(const struct bytes *b, char **out, uint32_t *len)
 
 /* ---- connections ---- */
 
+/* The weight source the engine computes from: the GPU window over the ring, or the ring. */
+static struct weight_source *weights(struct runner *r)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	if (r->win)
+		return gpu_window_base(r->win);
+#endif
+	return ring_source_base(r->ring);
+}
+
+/* With a device backend, the GPU window over the ring (nothing to do on the C backend). */
+static int make_window(struct runner *r, char *err, size_t errlen)
+{
+	void *stream = r->ops->stream ? r->ops->stream(r->be) : NULL;
+	if (!stream)
+		return 0;
+#ifdef PIPELINE_HAVE_CUDA
+	struct gpu_window_params wp = {.gpu_budget = r->gpu_budget, .depth = (uint32_t)r->prefetch_depth,
+				       .strict = r->strict, .time_copies = r->profile_copies};
+	int rc = gpu_window_create(r->ring, stream, &wp, &r->win, err, errlen);
+	if (rc)
+		return rc;
+	char line[512];
+	gpu_window_describe(r->win, line, sizeof(line));
+	log_info("%s", line);
+	return 0;
+#else
+	snprintf(err, errlen, "a device backend without CUDA support in this build");
+	return -ENOTSUP;
+#endif
+}
+
+static void drop_window(struct runner *r)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	gpu_window_destroy(&r->win);
+#endif
+}
+
 static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t errlen)
 {
 	struct msg hello;
+	drop_window(r); /* it pins and reads the ring: it goes first */
 	ring_source_destroy(&r->ring);
 	rpc_client_reset(r->loader_c);
 	int rc = rpc_wait_ready(r->loader_c, &hello, deadline_ms);
@@ -184,9 +231,11 @@ static int ensure_connections(struct runner *r, char *err, size_t errlen)
 		rc = connect_loader(r, RECONNECT_TIMEOUT_MS, err, errlen);
 		if (rc)
 			return rc;
+		if ((rc = make_window(r, err, errlen)) != 0)
+			return rc;
 		engine_destroy(&r->engine);
-		rc = engine_create(&r->cfg, r->ops, r->be, ring_source_base(r->ring), r->cache, r->bp.max_chunk,
-				   &r->engine, err, errlen);
+		rc = engine_create(&r->cfg, r->ops, r->be, weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
+				   errlen);
 		if (rc)
 			return rc;
 	}
@@ -276,10 +325,9 @@ static void run_job(struct runner *r, struct job *j)
 		if (rc == 0 && r->ts && (j->flags & GEN_TEXT))
 			text_stream_finish(r->ts, &tail, &tail_len);
 		/* Hand streamed groups back; a dead loader would only make the client wait a timeout. */
-		int wrc = ring_source_owner_alive(r->ring) ? ring_source_base(r->ring)->ops->release_all(ring_source_base(r->ring))
-							   : 0;
+		int wrc = ring_source_owner_alive(r->ring) ? weights(r)->ops->release_all(weights(r)) : 0;
 		if (wrc && !rc) {
-			snprintf(err, sizeof(err), "%s", ring_source_base(r->ring)->error);
+			snprintf(err, sizeof(err), "%s", weights(r)->error);
 			rc = wrc;
 		}
 	}
@@ -402,7 +450,7 @@ static char *stats(void *ctx)
 	struct kv_cache_stats ks = {0};
 	if (r->cache)
 		kv_cache_get_stats(r->cache, &ks);
-	struct weight_source *ws = r->ring ? ring_source_base(r->ring) : NULL;
+	struct weight_source *ws = r->ring ? weights(r) : NULL;
 	json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:b, "
 			      "s:I}",
 			      "backend", r->ops->name, "requests", (json_int_t)r->requests, "failures",
@@ -416,6 +464,22 @@ static char *stats(void *ctx)
 			      "kv_block_bytes", (json_int_t)r->arena_block_bytes, "queued", (json_int_t)r->q_len,
 			      "weights_all_resident", r->ring ? ring_source_all_resident(r->ring) : 0, "max_context",
 			      (json_int_t)r->max_context);
+#ifdef PIPELINE_HAVE_CUDA
+	if (o && r->win) {
+		struct gpu_window_stats ws2;
+		gpu_window_stats(r->win, &ws2);
+		json_t *g = json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:i, s:f, s:f, s:I}", "resident_groups",
+				      (json_int_t)ws2.resident_groups, "streamed_groups", (json_int_t)ws2.streamed_groups,
+				      "resident_bytes", (json_int_t)ws2.resident_bytes, "window_bytes",
+				      (json_int_t)ws2.window_bytes, "streamed_bytes_per_token",
+				      (json_int_t)ws2.streamed_bytes_per_token, "bytes_h2d", (json_int_t)ws2.bytes_h2d,
+				      "copies", (json_int_t)ws2.copies, "late_copies", (json_int_t)ws2.late_copies, "depth",
+				      (int)ws2.depth, "h2d_bytes_per_s", ws2.h2d_bytes_per_s, "copy_ms", ws2.copy_ms,
+				      "timed_copies", (json_int_t)ws2.timed_copies);
+		if (g)
+			json_object_set_new(o, "gpu_window", g);
+	}
+#endif
 	if (o) {
 		json_object_set_new(o, "tokenizer", json_boolean(r->tok != NULL));
 		json_object_set_new(o, "chat_format", json_string(chat_format_name(chat_format_of(r->tok))));
@@ -475,9 +539,20 @@ static int setup(struct runner *r)
 			 r->cfg.max_position, r->cfg.max_position);
 		r->max_context = r->cfg.max_position;
 	}
+	enum dtype kv_dtype;
+	if (!r->kv_dtype_name || !*r->kv_dtype_name)
+		kv_dtype = strcmp(r->ops->name, "cpu") ? DT_BF16 : DT_F32;
+	else if (!strcmp(r->kv_dtype_name, "f32"))
+		kv_dtype = DT_F32;
+	else if (!strcmp(r->kv_dtype_name, "bf16"))
+		kv_dtype = DT_BF16;
+	else {
+		log_error("--kv-dtype '%s' is not f32 or bf16", r->kv_dtype_name);
+		return -EINVAL;
+	}
 	r->bp = (struct backend_params){.max_chunk = (uint32_t)r->prefill_chunk,
 					.block_tokens = (uint32_t)r->block_tokens,
-					.kv_dtype = DT_F32,
+					.kv_dtype = kv_dtype,
 					.threads = (uint32_t)r->threads};
 	r->arena_block_bytes = r->ops->kv_block_bytes(&r->cfg, &r->bp);
 	r->pool_block_bytes = ALIGN_UP((uint64_t)r->arena_block_bytes, 4096);
@@ -493,11 +568,18 @@ static int setup(struct runner *r)
 		return -ENOSPC;
 	}
 	r->bp.n_kv_blocks = (uint32_t)(fit < all ? fit : all);
-	if (strcmp(r->ops->name, "cpu") == 0 && r->gpu_budget)
-		log_info("--gpu-budget is not used by the cpu backend: it computes from the weight ring in place");
 	rc = r->ops->create(&r->cfg, &r->bp, &r->be, err, sizeof(err));
 	if (rc) {
 		log_error("backend %s: %s", r->ops->name, err);
+		return rc;
+	}
+	if (r->prefetch_depth < 1 || r->prefetch_depth > 64) {
+		log_error("--prefetch-depth %ld is out of range (1..64)", r->prefetch_depth);
+		return -EINVAL;
+	}
+	rc = make_window(r, err, sizeof(err));
+	if (rc) {
+		log_error("%s", err);
 		return rc;
 	}
 	struct kv_cache_params kp = {.n_layers = r->cfg.n_layers, .block_tokens = (uint32_t)r->block_tokens,
@@ -514,8 +596,8 @@ static int setup(struct runner *r)
 		log_error("%s", err);
 		return rc;
 	}
-	rc = engine_create(&r->cfg, r->ops, r->be, ring_source_base(r->ring), r->cache, r->bp.max_chunk, &r->engine,
-			   err, sizeof(err));
+	rc = engine_create(&r->cfg, r->ops, r->be, weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
+			   sizeof(err));
 	if (rc) {
 		log_error("%s", err);
 		return rc;
@@ -532,6 +614,7 @@ static void teardown(struct runner *r)
 	if (r->ops && r->be)
 		r->ops->destroy(&r->be);
 	kv_remote_disconnect(&r->kv);
+	drop_window(r);
 	ring_source_destroy(&r->ring);
 	tokenizer_destroy(&r->tok);
 	rpc_client_destroy(&r->loader_c);
@@ -555,7 +638,12 @@ int main(int argc, char **argv)
 		{"instance", OPT_STRING, &r.instance, "default", "instance name (shared-memory names, run directory)"},
 		{"run-dir", OPT_STRING, &r.run_dir, NULL, "run directory with the sockets (default /tmp/llmp-UID/INSTANCE)"},
 		{"backend", OPT_STRING, &r.backend_name, backend_default_name(), "compute backend: cpu or cuda"},
-		{"gpu-budget", OPT_SIZE, &r.gpu_budget, "0", "GPU memory for weights (cuda backend)"},
+		{"gpu-budget", OPT_SIZE, &r.gpu_budget, "6GiB", "GPU memory for weights (cuda backend; the cpu backend computes from the ring in place)"},
+		{"prefetch-depth", OPT_INT, &r.prefetch_depth, "2",
+		 "device slots per streamed group class: copies run this far ahead of compute"},
+		{"strict", OPT_BOOL, &r.strict, NULL, "check the GPU window's invariants at every step"},
+		{"profile-copies", OPT_BOOL, &r.profile_copies, NULL, "time every weight copy (stats: gpu_window.copy_ms)"},
+		{"kv-dtype", OPT_STRING, &r.kv_dtype_name, NULL, "KV element type: f32 or bf16 (default: f32 on cpu, bf16 on cuda)"},
 		{"kv-gpu-budget", OPT_SIZE, &r.kv_gpu_budget, "1GiB", "memory for the runner's KV blocks"},
 		{"kv-block-tokens", OPT_INT, &r.block_tokens, "16", "tokens per KV block"},
 		{"max-context", OPT_INT, &r.max_context, "0", "positions per sequence (0: min(model, 8192))"},

@@ -355,6 +355,19 @@ bool ring_source_all_resident(const struct ring_source *rs)
 	return rs->all_resident;
 }
 
+const void *ring_source_group_base(const struct ring_source *rs, uint32_t group)
+{
+	if (group >= rs->h->n_groups || !rs->held[group].held)
+		return NULL;
+	return (const char *)rs->h + rs->held[group].offset;
+}
+
+void ring_source_mapping(const struct ring_source *rs, void **base, size_t *size)
+{
+	*base = rs->h;
+	*size = shm_object_size(rs->obj);
+}
+
 void ring_source_tokenizer(const struct ring_source *rs, const char **data, size_t *len)
 {
 	*data = rs->h->tokenizer_bytes ? (const char *)rs->h + rs->h->tokenizer_off : NULL;

@@ -37,6 +37,11 @@ struct weight_source *ring_source_base(struct ring_source *rs);
 bool ring_source_owner_alive(const struct ring_source *rs);
 uint64_t ring_source_manifest_hash(const struct ring_source *rs);
 bool ring_source_all_resident(const struct ring_source *rs);
+/* Host address of the slot holding group g, which must be held (acquired). Tensors lie at
+ * their slot_offset from it; the group's slot_bytes are contiguous from there. */
+const void *ring_source_group_base(const struct ring_source *rs, uint32_t group);
+/* The whole mapping (to pin it for DMA). */
+void ring_source_mapping(const struct ring_source *rs, void **base, size_t *size);
 /* The tokenizer.json the loader put in the ring: *data and *len (NULL/0 when the model has none).
  * The bytes stay valid while the source lives. */
 void ring_source_tokenizer(const struct ring_source *rs, const char **data, size_t *len);

@@ -1,0 +1,666 @@
+/* gpu_window.c - the GPU tier of weights. See gpu_window.h. C over the CUDA runtime API. */
+#include "services/gpu-runner/gpu_window.h"
+
+#include <cuda_runtime_api.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+
+#define NO_SLOT UINT32_MAX
+#define NO_GROUP UINT32_MAX
+
+struct gslot {
+	uint32_t group;		   /* occupant, NO_GROUP */
+	uint32_t size_class;
+	void *dev;		   /* device memory of the slot */
+	cudaEvent_t compute_done;  /* recorded on the compute stream when the occupant is released */
+	bool compute_recorded;	   /* compute_done has been recorded at least once */
+	cudaEvent_t t0, t1;	   /* timing of the last copy into the slot (time_copies) */
+	bool timed;		   /* t0/t1 hold a copy not yet added to copy_ms */
+};
+
+struct gent {
+	uint8_t state;	   /* enum gwin_state */
+	bool resident;	   /* held for good */
+	bool in_use;	   /* acquired by the engine, not yet released */
+	bool host_held;	   /* a ring grant held for a copy whose completion is not yet seen */
+	uint32_t slot;	   /* streaming slot, NO_SLOT */
+	void *dev;	   /* device base of the group's bytes, NULL when not on the device */
+	cudaEvent_t h2d;   /* recorded on the copy stream after the group's copy */
+};
+
+struct gpu_window {
+	struct weight_source base; /* first: the engine's view */
+	struct ring_source *ring;
+	struct weight_source *rs;
+	cudaStream_t compute, copy;
+	void *pinned_base;	   /* the ring mapping registered with cudaHostRegister, or NULL */
+	void *resident_mem;	   /* one allocation for every resident group */
+	void *window_mem;	   /* one allocation for the streaming slots */
+	struct gent *g;		   /* n_groups */
+	struct gslot *slots;
+	uint32_t n_slots;
+	uint32_t depth[CLASS_COUNT];
+	uint32_t first_slot[CLASS_COUNT];
+	uint32_t *order[CLASS_COUNT]; /* streamed groups of a class in visit order */
+	uint32_t m[CLASS_COUNT];
+	uint64_t issued[CLASS_COUNT], consumed[CLASS_COUNT];
+	bool strict, time_copies;
+	struct gpu_window_stats st;
+	uint32_t embed_group, head_group;
+	bool tied;
+};
+
+#define CUDA_TRY(call, what)                                                                       \
+	do {                                                                                       \
+		cudaError_t e_ = (call);                                                           \
+		if (e_ != cudaSuccess)                                                             \
+			return errorf(w->base.error, sizeof(w->base.error), -EIO, "%s: %s (%s)", what, \
+				      cudaGetErrorString(e_), #call);                              \
+	} while (0)
+
+static const char *state_name(uint8_t s)
+{
+	static const char *const n[] = {"ABSENT", "INFLIGHT", "RESIDENT", "RETIRING"};
+	return s < 4 ? n[s] : "?";
+}
+
+/* The one place states change: only the edges of the state machine are legal. */
+static int set_state(struct gpu_window *w, uint32_t g, uint8_t to)
+{
+	uint8_t from = w->g[g].state;
+	bool ok = (from == GWIN_ABSENT && to == GWIN_INFLIGHT) || (from == GWIN_INFLIGHT && to == GWIN_RESIDENT) ||
+		  (from == GWIN_INFLIGHT && to == GWIN_RETIRING) || (from == GWIN_RESIDENT && to == GWIN_RETIRING) ||
+		  (from == GWIN_RETIRING && to == GWIN_ABSENT);
+	if (!ok)
+		return errorf(w->base.error, sizeof(w->base.error), -EFAULT,
+			      "weight window: group %u may not go from %s to %s", g, state_name(from), state_name(to));
+	w->g[g].state = to;
+	return 0;
+}
+
+int64_t gpu_window_plan(const struct model_config *cfg, const struct group_desc *groups, uint32_t n_groups,
+			uint64_t budget, uint32_t depth, bool *resident, uint64_t *need, char *err, size_t errlen)
+{
+	uint32_t L = cfg->n_layers;
+	uint64_t globals = groups[group_id_head(cfg)].slot_bytes + (cfg->tie_embeddings ? groups[0].slot_bytes : 0);
+	uint64_t a = 0, f = 0;
+	for (uint32_t l = 0; l < L; l++) {
+		if (groups[group_id_attn(l)].slot_bytes > a)
+			a = groups[group_id_attn(l)].slot_bytes;
+		if (groups[group_id_ffn(l)].slot_bytes > f)
+			f = groups[group_id_ffn(l)].slot_bytes;
+	}
+	if (depth < 1)
+		depth = 1;
+	/* A class streams through depth slots only if more than depth of its groups stream. */
+	uint64_t best = 0;
+	int64_t best_na = -1, best_nf = -1;
+	for (uint32_t na = 0; na <= L; na++) {
+		for (int64_t nf = L; nf >= 0; nf--) {
+			uint32_t sa = L - na, sf = L - (uint32_t)nf;
+			uint64_t win = (sa ? (uint64_t)(sa < depth ? sa : depth) * a : 0) +
+				       (sf ? (uint64_t)(sf < depth ? sf : depth) * f : 0);
+			uint64_t res = (uint64_t)na * a + (uint64_t)nf * f;
+			if (globals + res + win > budget)
+				continue;
+			if (best_na < 0 || res > best) {
+				best = res;
+				best_na = na;
+				best_nf = nf;
+			}
+			break; /* the largest nf for this na */
+		}
+	}
+	*need = globals + (uint64_t)depth * (a + f);
+	if (best_na < 0) {
+		char b[32], n[32];
+		return errorf(err, errlen, -ENOSPC,
+			      "--gpu-budget %s is too small: the head group%s and %u slot%s of each streamed layer group "
+			      "need %s",
+			      format_size(budget, b, sizeof(b)), cfg->tie_embeddings ? " with the tied embedding" : "",
+			      depth, depth == 1 ? "" : "s", format_size(*need, n, sizeof(n)));
+	}
+	memset(resident, 0, n_groups * sizeof(bool));
+	resident[group_id_head(cfg)] = true;
+	int64_t streamed = 0;
+	for (uint32_t l = 0; l < L; l++) {
+		resident[group_id_attn(l)] = l < (uint32_t)best_na;
+		resident[group_id_ffn(l)] = l < (uint32_t)best_nf;
+		if (!resident[group_id_attn(l)])
+			streamed += (int64_t)groups[group_id_attn(l)].slot_bytes;
+		if (!resident[group_id_ffn(l)])
+			streamed += (int64_t)groups[group_id_ffn(l)].slot_bytes;
+	}
+	return streamed;
+}
+
+/* Host copies whose completion is now visible hand their ring grant back. Never blocks. */
+static int poll_copies(struct gpu_window *w)
+{
+	for (uint32_t g = 0; g < w->base.n_groups; g++) {
+		struct gent *e = &w->g[g];
+		if (e->state != GWIN_INFLIGHT)
+			continue;
+		cudaError_t q = cudaEventQuery(e->h2d);
+		if (q == cudaErrorNotReady)
+			continue;
+		if (q != cudaSuccess)
+			return errorf(w->base.error, sizeof(w->base.error), -EIO, "copy of group %u failed: %s", g,
+				      cudaGetErrorString(q));
+		int rc = set_state(w, g, GWIN_RESIDENT);
+		if (rc)
+			return rc;
+		if (e->host_held) {
+			e->host_held = false;
+			rc = w->rs->ops->release(w->rs, g);
+			if (rc)
+				return errorf(w->base.error, sizeof(w->base.error), rc, "%s", w->rs->error);
+		}
+	}
+	return 0;
+}
+
+static void collect_timing(struct gpu_window *w, struct gslot *s)
+{
+	if (!s->timed)
+		return;
+	float ms = 0;
+	if (cudaEventElapsedTime(&ms, s->t0, s->t1) == cudaSuccess) {
+		w->st.copy_ms += ms;
+		w->st.timed_copies++;
+	}
+	s->timed = false;
+}
+
+/* Issues the next copy of class c: group order[c][issued % m] into slot issued % depth. */
+static int issue_next(struct gpu_window *w, uint32_t c)
+{
+	uint64_t k = w->issued[c];
+	uint32_t h = w->order[c][k % w->m[c]];
+	struct gslot *s = &w->slots[w->first_slot[c] + (uint32_t)(k % w->depth[c])];
+	struct gent *e = &w->g[h];
+	int rc;
+	if (e->state != GWIN_ABSENT)
+		return errorf(w->base.error, sizeof(w->base.error), -EFAULT,
+			      "weight window: group %u is due for a copy but is %s", h, state_name(e->state));
+	if (s->group != NO_GROUP) {
+		struct gent *o = &w->g[s->group];
+		if (o->in_use)
+			return errorf(w->base.error, sizeof(w->base.error), -EFAULT,
+				      "weight window: slot of group %u reused while in use", s->group);
+		if (o->state == GWIN_INFLIGHT && o->host_held) {
+			/* Its copy ran long ago (the group was computed since): this returns at once. */
+			CUDA_TRY(cudaEventSynchronize(o->h2d), "waiting for an old copy");
+			if ((rc = poll_copies(w)))
+				return rc;
+		}
+		if ((rc = set_state(w, s->group, GWIN_RETIRING)) || (rc = set_state(w, s->group, GWIN_ABSENT)))
+			return rc;
+		o->slot = NO_SLOT;
+		o->dev = NULL;
+		s->group = NO_GROUP;
+	}
+	struct group_weights hw;
+	rc = w->rs->ops->acquire(w->rs, h, &hw); /* the host bytes; may wait for the loader's read */
+	if (rc)
+		return errorf(w->base.error, sizeof(w->base.error), rc, "%s", w->rs->error);
+	const void *src = ring_source_group_base(w->ring, h);
+	uint64_t bytes = w->base.groups[h].slot_bytes;
+	/* The slot's last occupant must be done before its bytes are overwritten. */
+	if (s->compute_recorded)
+		CUDA_TRY(cudaStreamWaitEvent(w->copy, s->compute_done, 0), "ordering a copy after compute");
+	if (w->time_copies) {
+		collect_timing(w, s);
+		CUDA_TRY(cudaEventRecord(s->t0, w->copy), "timing a copy");
+	}
+	CUDA_TRY(cudaMemcpyAsync(s->dev, src, bytes, cudaMemcpyHostToDevice, w->copy), "copying a weight group");
+	if (w->time_copies) {
+		CUDA_TRY(cudaEventRecord(s->t1, w->copy), "timing a copy");
+		s->timed = true;
+	}
+	CUDA_TRY(cudaEventRecord(e->h2d, w->copy), "recording a copy");
+	if ((rc = set_state(w, h, GWIN_INFLIGHT)))
+		return rc;
+	e->slot = (uint32_t)(s - w->slots);
+	e->dev = s->dev;
+	e->host_held = true;
+	s->group = h;
+	w->issued[c]++;
+	w->st.bytes_h2d += bytes;
+	w->st.copies++;
+	return 0;
+}
+
+/* Keeps depth copies ahead of compute in every streamed class. */
+static int top_up(struct gpu_window *w)
+{
+	for (uint32_t c = 0; c < CLASS_COUNT; c++)
+		while (w->m[c] && w->issued[c] < w->consumed[c] + w->depth[c]) {
+			int rc = issue_next(w, c);
+			if (rc)
+				return rc;
+		}
+	return 0;
+}
+
+int gpu_window_check(const struct gpu_window *w, char *err, size_t errlen)
+{
+	for (uint32_t s = 0; s < w->n_slots; s++) {
+		uint32_t g = w->slots[s].group;
+		if (g == NO_GROUP)
+			continue;
+		if (g >= w->base.n_groups || w->g[g].slot != s || w->g[g].resident)
+			return errorf(err, errlen, -EFAULT, "slot %u names group %u, which does not name it back", s, g);
+	}
+	for (uint32_t g = 0; g < w->base.n_groups; g++) {
+		const struct gent *e = &w->g[g];
+		if (e->resident && e->state != GWIN_RESIDENT && g != w->embed_group)
+			return errorf(err, errlen, -EFAULT, "resident group %u is %s", g, state_name(e->state));
+		if (e->state == GWIN_RETIRING)
+			return errorf(err, errlen, -EFAULT, "group %u left RETIRING half done", g);
+		if (!e->resident && e->slot != NO_SLOT && w->slots[e->slot].group != g)
+			return errorf(err, errlen, -EFAULT, "group %u names slot %u, which holds %u", g, e->slot,
+				      w->slots[e->slot].group);
+		if (!e->resident && (e->state == GWIN_ABSENT) != (e->slot == NO_SLOT))
+			return errorf(err, errlen, -EFAULT, "group %u is %s with%s a slot", g, state_name(e->state),
+				      e->slot == NO_SLOT ? "out" : "");
+		if (e->in_use && !e->resident && e->state == GWIN_ABSENT)
+			return errorf(err, errlen, -EFAULT, "group %u is in use but ABSENT", g);
+		if (e->host_held && e->state != GWIN_INFLIGHT)
+			return errorf(err, errlen, -EFAULT, "group %u holds a ring grant while %s", g, state_name(e->state));
+	}
+	for (uint32_t c = 0; c < CLASS_COUNT; c++)
+		if (w->m[c] && (w->issued[c] < w->consumed[c] || w->issued[c] > w->consumed[c] + w->depth[c]))
+			return errorf(err, errlen, -EFAULT, "class %u: %llu copies issued, %llu consumed, depth %u", c,
+				      (unsigned long long)w->issued[c], (unsigned long long)w->consumed[c], w->depth[c]);
+	return 0;
+}
+
+static int strict_check(struct gpu_window *w)
+{
+	if (!w->strict)
+		return 0;
+	char why[256];
+	int rc = gpu_window_check(w, why, sizeof(why));
+	if (rc) {
+		log_error("--strict: %s", why);
+		return errorf(w->base.error, sizeof(w->base.error), rc, "--strict: %s", why);
+	}
+	return 0;
+}
+
+static int win_acquire(struct weight_source *ws, uint32_t group, struct group_weights *gw)
+{
+	struct gpu_window *w = (struct gpu_window *)ws;
+	if (group >= ws->n_groups)
+		return errorf(ws->error, sizeof(ws->error), -EINVAL, "no group %u", group);
+	struct gent *e = &w->g[group];
+	int rc;
+	if (group == w->embed_group) {
+		/* The embedding stays in host memory: the backend gathers rows there. */
+		rc = w->rs->ops->acquire(w->rs, group, gw);
+		if (rc)
+			return errorf(ws->error, sizeof(ws->error), rc, "%s", w->rs->error);
+		e->in_use = true;
+		ws->acquires++;
+		return 0;
+	}
+	if ((rc = poll_copies(w)))
+		return rc;
+	if (!e->resident) {
+		uint32_t c = ws->groups[group].size_class;
+		if (w->m[c] == 0 || w->order[c][w->consumed[c] % w->m[c]] != group)
+			return errorf(ws->error, sizeof(ws->error), -EPROTO,
+				      "weight window: group %u acquired out of visit order", group);
+		if (e->state == GWIN_ABSENT) { /* not copied ahead: only at the very start */
+			w->st.late_copies++;
+			if ((rc = top_up(w)))
+				return rc;
+		}
+		if (e->state != GWIN_INFLIGHT && e->state != GWIN_RESIDENT)
+			return errorf(ws->error, sizeof(ws->error), -EFAULT, "weight window: group %u is %s at use",
+				      group, state_name(e->state));
+		/* Compute waits for the copy on the GPU, not here. */
+		cudaError_t ce = cudaStreamWaitEvent(w->compute, e->h2d, 0);
+		if (ce != cudaSuccess)
+			return errorf(ws->error, sizeof(ws->error), -EIO, "ordering compute after a copy: %s",
+				      cudaGetErrorString(ce));
+		ws->bytes_acquired += ws->groups[group].tensor_bytes;
+	}
+	e->in_use = true;
+	ws->acquires++;
+	weights_fill(ws, group, e->dev, w->tied ? w->g[w->embed_group].dev : NULL, gw);
+	return strict_check(w);
+}
+
+static int win_release(struct weight_source *ws, uint32_t group)
+{
+	struct gpu_window *w = (struct gpu_window *)ws;
+	if (group >= ws->n_groups || !w->g[group].in_use)
+		return errorf(ws->error, sizeof(ws->error), -EINVAL, "group %u is not in use", group);
+	struct gent *e = &w->g[group];
+	e->in_use = false;
+	if (group == w->embed_group) {
+		int rc = w->rs->ops->release(w->rs, group);
+		return rc ? errorf(ws->error, sizeof(ws->error), rc, "%s", w->rs->error) : 0;
+	}
+	if (e->resident)
+		return strict_check(w);
+	struct gslot *s = &w->slots[e->slot];
+	cudaError_t ce = cudaEventRecord(s->compute_done, w->compute);
+	if (ce != cudaSuccess)
+		return errorf(ws->error, sizeof(ws->error), -EIO, "recording compute done: %s", cudaGetErrorString(ce));
+	s->compute_recorded = true;
+	w->consumed[ws->groups[group].size_class]++;
+	int rc = top_up(w);
+	return rc ? rc : strict_check(w);
+}
+
+static int win_release_all(struct weight_source *ws)
+{
+	/* End of a request, not the token path: let the copies in flight finish so that every
+	 * host slot they read can go back to the loader (a slot must never be refilled while a
+	 * copy still reads it). The copied groups stay valid on the device for the next request. */
+	struct gpu_window *w = (struct gpu_window *)ws;
+	cudaError_t ce = cudaStreamSynchronize(w->copy);
+	if (ce != cudaSuccess)
+		return errorf(ws->error, sizeof(ws->error), -EIO, "finishing weight copies: %s", cudaGetErrorString(ce));
+	int rc = poll_copies(w);
+	if (!rc)
+		rc = w->rs->ops->release_all(w->rs);
+	return rc ? errorf(ws->error, sizeof(ws->error), rc, "%s", w->rs->error) : 0;
+}
+
+static const struct weight_source_ops window_ops = {
+	.acquire = win_acquire,
+	.release = win_release,
+	.release_all = win_release_all,
+};
+
+static int measure_h2d(struct gpu_window *w, double *bps)
+{
+	const size_t bytes = 64u << 20;
+	void *host = NULL, *dev = NULL;
+	cudaEvent_t a = NULL, b = NULL;
+	int rc = 0;
+	if (cudaMallocHost(&host, bytes) != cudaSuccess || cudaMalloc(&dev, bytes) != cudaSuccess ||
+	    cudaEventCreate(&a) != cudaSuccess || cudaEventCreate(&b) != cudaSuccess) {
+		rc = errorf(w->base.error, sizeof(w->base.error), -ENOMEM, "no memory to measure H2D bandwidth");
+		goto out;
+	}
+	memset(host, 1, bytes);
+	float ms = 0;
+	for (int rep = 0; rep < 2 && rc == 0; rep++) { /* the first warms up */
+		cudaEventRecord(a, w->copy);
+		for (int i = 0; i < 4; i++)
+			cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, w->copy);
+		cudaEventRecord(b, w->copy);
+		if (cudaEventSynchronize(b) != cudaSuccess || cudaEventElapsedTime(&ms, a, b) != cudaSuccess)
+			rc = errorf(w->base.error, sizeof(w->base.error), -EIO, "measuring H2D bandwidth failed");
+	}
+	*bps = ms > 0 ? 4.0 * (double)bytes / (ms * 1e-3) : 0;
+out:
+	if (a)
+		cudaEventDestroy(a);
+	if (b)
+		cudaEventDestroy(b);
+	cudaFree(dev);
+	cudaFreeHost(host);
+	return rc;
+}
+
+void gpu_window_destroy(struct gpu_window **wp)
+{
+	if (!wp || !*wp)
+		return;
+	struct gpu_window *w = *wp;
+	if (w->copy)
+		cudaStreamSynchronize(w->copy);
+	if (w->g) {
+		for (uint32_t g = 0; g < w->base.n_groups; g++) {
+			if (w->g[g].host_held && w->rs)
+				w->rs->ops->release(w->rs, g);
+			if (w->g[g].h2d)
+				cudaEventDestroy(w->g[g].h2d);
+		}
+	}
+	for (uint32_t s = 0; s < w->n_slots; s++) {
+		if (w->slots[s].compute_done)
+			cudaEventDestroy(w->slots[s].compute_done);
+		if (w->slots[s].t0)
+			cudaEventDestroy(w->slots[s].t0);
+		if (w->slots[s].t1)
+			cudaEventDestroy(w->slots[s].t1);
+	}
+	if (w->copy)
+		cudaStreamDestroy(w->copy);
+	cudaFree(w->resident_mem);
+	cudaFree(w->window_mem);
+	if (w->pinned_base)
+		cudaHostUnregister(w->pinned_base);
+	for (uint32_t c = 0; c < CLASS_COUNT; c++)
+		free(w->order[c]);
+	free(w->slots);
+	free(w->g);
+	free(w);
+	*wp = NULL;
+}
+
+#define CREATE_TRY(call, what)                                                                     \
+	do {                                                                                       \
+		cudaError_t e_ = (call);                                                           \
+		if (e_ != cudaSuccess) {                                                           \
+			rc = errorf(err, errlen, e_ == cudaErrorMemoryAllocation ? -ENOMEM : -EIO,    \
+				    "%s: %s", what, cudaGetErrorString(e_));                       \
+			goto out_fail;                                                             \
+		}                                                                                  \
+	} while (0)
+
+int gpu_window_create(struct ring_source *ring, void *stream, const struct gpu_window_params *p,
+		      struct gpu_window **out, char *err, size_t errlen)
+{
+	struct weight_source *rs = ring_source_base(ring);
+	const struct model_config *cfg = rs->cfg;
+	uint32_t ng = rs->n_groups;
+	struct gpu_window *w = calloc(1, sizeof(*w));
+	bool *resident = calloc(ng, sizeof(bool));
+	int rc = 0;
+	if (!w || !resident) {
+		free(w);
+		free(resident);
+		return errorf(err, errlen, -ENOMEM, "out of memory");
+	}
+	w->base = *rs; /* config, tables */
+	w->base.ops = &window_ops;
+	w->base.bytes_acquired = w->base.acquires = 0;
+	w->ring = ring;
+	w->rs = rs;
+	w->compute = (cudaStream_t)stream;
+	w->strict = p->strict;
+	w->time_copies = p->time_copies;
+	w->embed_group = group_id_embed();
+	w->head_group = group_id_head(cfg);
+	w->tied = cfg->tie_embeddings != 0;
+	uint32_t depth = p->depth ? p->depth : 2;
+
+	uint64_t need;
+	int64_t streamed = gpu_window_plan(cfg, rs->groups, ng, p->gpu_budget, depth, resident, &need, err, errlen);
+	if (streamed < 0) {
+		rc = (int)streamed;
+		goto out_fail;
+	}
+	w->g = calloc(ng, sizeof(struct gent));
+	if (!w->g) {
+		rc = errorf(err, errlen, -ENOMEM, "out of memory");
+		goto out_fail;
+	}
+	int lo, hi;
+	CREATE_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi), "reading stream priorities");
+	/* Weight copies are the critical path: the highest priority. */
+	CREATE_TRY(cudaStreamCreateWithPriority(&w->copy, cudaStreamNonBlocking, hi), "creating the copy stream");
+	for (uint32_t g = 0; g < ng; g++) {
+		w->g[g].slot = NO_SLOT;
+		CREATE_TRY(cudaEventCreateWithFlags(&w->g[g].h2d, cudaEventDisableTiming), "creating events");
+	}
+
+	/* Pin the ring once: DMA from pinned memory runs at the link's rate (ARCHITECTURE.md). */
+	void *rbase;
+	size_t rsize;
+	ring_source_mapping(ring, &rbase, &rsize);
+	if (cudaHostRegister(rbase, rsize, cudaHostRegisterDefault) == cudaSuccess) {
+		w->pinned_base = rbase;
+	} else {
+		cudaGetLastError();
+		log_warn("cannot pin the weight ring (%zu bytes): copies will run from pageable memory, far slower",
+			 rsize);
+	}
+
+	/* Resident groups: one allocation, copied now. */
+	uint64_t res_bytes = 0;
+	for (uint32_t g = 0; g < ng; g++) {
+		bool keep = resident[g] || (w->tied && g == w->embed_group);
+		if (keep)
+			res_bytes += ALIGN_UP(rs->groups[g].slot_bytes, 256);
+	}
+	CREATE_TRY(cudaMalloc(&w->resident_mem, res_bytes ? res_bytes : 256), "allocating resident weights");
+	uint64_t off = 0;
+	for (uint32_t g = 0; g < ng; g++) {
+		bool keep = resident[g] || (w->tied && g == w->embed_group);
+		if (g == w->embed_group)
+			w->g[g].resident = true; /* host side: always available */
+		if (!keep)
+			continue;
+		struct group_weights hw;
+		rc = rs->ops->acquire(rs, g, &hw);
+		if (rc) {
+			errorf(err, errlen, rc, "%s", rs->error);
+			goto out_fail;
+		}
+		w->g[g].dev = (char *)w->resident_mem + off;
+		CREATE_TRY(cudaMemcpyAsync(w->g[g].dev, ring_source_group_base(ring, g), rs->groups[g].slot_bytes,
+					   cudaMemcpyHostToDevice, w->copy),
+			   "copying resident weights");
+		CREATE_TRY(cudaStreamSynchronize(w->copy), "copying resident weights");
+		rs->ops->release(rs, g);
+		off += ALIGN_UP(rs->groups[g].slot_bytes, 256);
+		w->g[g].resident = true;
+		if (g != w->embed_group)
+			w->g[g].state = GWIN_RESIDENT;
+		w->st.resident_groups++;
+	}
+	w->st.resident_bytes = res_bytes;
+
+	/* Streaming classes: visit order and slots. */
+	uint64_t win_bytes = 0;
+	uint32_t n_slots = 0;
+	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
+		w->order[c] = calloc(ng, sizeof(uint32_t));
+		if (!w->order[c]) {
+			rc = errorf(err, errlen, -ENOMEM, "out of memory");
+			goto out_fail;
+		}
+		for (uint32_t g = 0; g < ng; g++)
+			if (!w->g[g].resident && rs->groups[g].size_class == c)
+				w->order[c][w->m[c]++] = g;
+		w->depth[c] = w->m[c] < depth ? w->m[c] : depth;
+		w->first_slot[c] = n_slots;
+		n_slots += w->depth[c];
+		uint64_t cls = 0;
+		for (uint32_t i = 0; i < w->m[c]; i++)
+			if (rs->groups[w->order[c][i]].slot_bytes > cls)
+				cls = rs->groups[w->order[c][i]].slot_bytes;
+		win_bytes += (uint64_t)w->depth[c] * ALIGN_UP(cls, 256);
+		w->st.streamed_groups += w->m[c];
+	}
+	w->n_slots = n_slots;
+	w->slots = calloc(n_slots ? n_slots : 1, sizeof(struct gslot));
+	if (!w->slots) {
+		rc = errorf(err, errlen, -ENOMEM, "out of memory");
+		goto out_fail;
+	}
+	if (win_bytes)
+		CREATE_TRY(cudaMalloc(&w->window_mem, win_bytes), "allocating the streaming window");
+	off = 0;
+	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
+		uint64_t cls = 0;
+		for (uint32_t i = 0; i < w->m[c]; i++)
+			if (rs->groups[w->order[c][i]].slot_bytes > cls)
+				cls = rs->groups[w->order[c][i]].slot_bytes;
+		for (uint32_t i = 0; i < w->depth[c]; i++) {
+			struct gslot *s = &w->slots[w->first_slot[c] + i];
+			s->group = NO_GROUP;
+			s->size_class = c;
+			s->dev = (char *)w->window_mem + off;
+			off += ALIGN_UP(cls, 256);
+			CREATE_TRY(cudaEventCreateWithFlags(&s->compute_done, cudaEventDisableTiming), "creating events");
+			CREATE_TRY(cudaEventCreate(&s->t0), "creating events");
+			CREATE_TRY(cudaEventCreate(&s->t1), "creating events");
+		}
+	}
+	w->st.window_bytes = win_bytes;
+	w->st.streamed_bytes_per_token = (uint64_t)streamed;
+	w->st.depth = depth;
+	w->st.h2d_bytes_per_s = p->h2d_bytes_per_s;
+	if (w->st.h2d_bytes_per_s <= 0) {
+		rc = measure_h2d(w, &w->st.h2d_bytes_per_s);
+		if (rc) {
+			errorf(err, errlen, rc, "%s", w->base.error);
+			goto out_fail;
+		}
+	}
+	/* Start copying the first streamed groups now. */
+	rc = top_up(w);
+	if (rc) {
+		errorf(err, errlen, rc, "%s", w->base.error);
+		goto out_fail;
+	}
+	free(resident);
+	*out = w;
+	return 0;
+
+out_fail:
+	free(resident);
+	gpu_window_destroy(&w);
+	return rc ? rc : -EIO;
+}
+
+struct weight_source *gpu_window_base(struct gpu_window *w)
+{
+	return &w->base;
+}
+
+void gpu_window_stats(struct gpu_window *w, struct gpu_window_stats *st)
+{
+	if (w->time_copies)
+		for (uint32_t s = 0; s < w->n_slots; s++)
+			if (w->slots[s].timed && cudaEventQuery(w->slots[s].t1) == cudaSuccess)
+				collect_timing(w, &w->slots[s]);
+	*st = w->st;
+}
+
+void gpu_window_reset_timing(struct gpu_window *w)
+{
+	for (uint32_t s = 0; s < w->n_slots; s++)
+		w->slots[s].timed = false;
+	w->st.copy_ms = 0;
+	w->st.timed_copies = 0;
+}
+
+void gpu_window_describe(const struct gpu_window *w, char *buf, size_t len)
+{
+	char r[32], win[32], s[32];
+	double ms = w->st.h2d_bytes_per_s > 0 ? (double)w->st.streamed_bytes_per_token / w->st.h2d_bytes_per_s * 1e3 : 0;
+	snprintf(buf, len,
+		 "GPU weights: %llu groups resident (%s), %llu streamed through %u slot%s per class (%s); %s cross "
+		 "PCIe per decode token: at the measured %.1f GB/s that is %.1f ms/token, the bound if copies "
+		 "overlap compute (the PCIe link binds)",
+		 (unsigned long long)w->st.resident_groups, format_size(w->st.resident_bytes, r, sizeof(r)),
+		 (unsigned long long)w->st.streamed_groups, w->st.depth, w->st.depth == 1 ? "" : "s",
+		 format_size(w->st.window_bytes, win, sizeof(win)),
+		 format_size(w->st.streamed_bytes_per_token, s, sizeof(s)), w->st.h2d_bytes_per_s / 1e9, ms);
+}
