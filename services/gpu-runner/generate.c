@@ -69,6 +69,8 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 	if (penalty)
 		for (uint32_t i = 0; i < n_prompt; i++)
 			seen[prompt[i]] = 1;
+	if (p->on_decode)
+		p->on_decode(ctx);
 	/* Greedy without a penalty needs only the best id each step: the backend finds it where the
 	 * logits are (on the GPU, the vocabulary then never crosses the bus). */
 	bool greedy = !(p->sampling.temperature > 0) && !penalty;

@@ -42,6 +42,7 @@ struct gen_params {
 	uint32_t n_stop;
 	bool ignore_eos;	  /* do not stop on the model's eos ids */
 	gen_logits_fn on_logits;  /* may be NULL */
+	void (*on_decode)(void *ctx); /* may be NULL: called once, when prefill is done */
 };
 
 struct gen_result {

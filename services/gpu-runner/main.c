@@ -290,6 +290,16 @@ static int send_logits(void *ctx, uint32_t position, const float *logits, uint32
 	return rc == -EHOSTUNREACH ? rc : 0;
 }
 
+/* Prefill is done: weight-copy timing from here on measures decode alone. */
+static void decode_starts(void *ctx)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	struct runner *r = ctx;
+	if (r->win)
+		gpu_window_reset_timing(r->win);
+#endif
+}
+
 static void run_job(struct runner *r, struct job *j)
 {
 	char err[1024] = "";
@@ -427,6 +437,7 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 		.repetition_penalty = (float)g->repetition_penalty,
 		.ignore_eos = (g->flags & GEN_IGNORE_EOS) != 0,
 		.on_logits = (g->flags & GEN_LOGITS) ? send_logits : NULL,
+		.on_decode = decode_starts,
 		.stop_ids = j->stop,
 		.n_stop = g->stop_ids.n,
 	};

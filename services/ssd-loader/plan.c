@@ -63,7 +63,10 @@ int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **ou
 		memset(p->pinned, 1, m->n_groups);
 		pinned_bytes = p->resident_bytes;
 	} else {
-		/* Pin the globals; everything else streams. */
+		/* Pin the globals; then as many layer groups as the budget allows beside a streaming
+		 * window of PLAN_STREAM_SLOTS slots per class: every pinned group is one read less per
+		 * token. Layers are pinned from the last one down, because the GPU window keeps the
+		 * first layers on the device: what the GPU streams is what DRAM should hold. */
 		for (uint32_t g = 0; g < m->n_groups; g++) {
 			uint32_t kind = m->groups[g].kind;
 			if (kind == GROUP_EMBED || kind == GROUP_HEAD) {
@@ -71,14 +74,35 @@ int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **ou
 				pinned_bytes += p->capacity[m->groups[g].size_class];
 			}
 		}
-		uint64_t pair = p->capacity[CLASS_ATTN] + p->capacity[CLASS_FFN];
+		uint64_t a = p->capacity[CLASS_ATTN], f = p->capacity[CLASS_FFN];
+		uint32_t L = m->cfg.n_layers;
 		uint64_t rest = dram_budget > pinned_bytes ? dram_budget - pinned_bytes : 0;
-		uint64_t k = pair ? rest / pair : 0;
-		if (k > m->cfg.n_layers)
-			k = m->cfg.n_layers;
-		if (k == 0) {
+		int64_t best_na = -1, best_nf = -1, best_ka = 0, best_kf = 0;
+		uint64_t best = 0;
+		/* The deepest window that fits first (reads overlap), then the most pinned bytes. */
+		for (uint32_t k = PLAN_STREAM_SLOTS; k >= 1 && best_na < 0; k--) {
+			for (uint32_t na = 0; na <= L; na++) {
+				for (int64_t nf = L; nf >= 0; nf--) {
+					uint32_t sa = L - na, sf = L - (uint32_t)nf;
+					uint64_t ka = sa < k ? sa : k, kf = sf < k ? sf : k;
+					uint64_t bytes = (uint64_t)na * a + (uint64_t)nf * f + ka * a + kf * f;
+					if (bytes > rest)
+						continue;
+					uint64_t res = (uint64_t)na * a + (uint64_t)nf * f;
+					if (best_na < 0 || res > best) {
+						best = res;
+						best_na = na;
+						best_nf = nf;
+						best_ka = (int64_t)ka;
+						best_kf = (int64_t)kf;
+					}
+					break;
+				}
+			}
+		}
+		if (best_na < 0) {
 			char have[32], need[32];
-			uint64_t needed = pinned_bytes + pair;
+			uint64_t needed = pinned_bytes + a + f;
 			snprintf(err, errlen,
 				 "--dram-budget %s is too small: the globals and one attention and one FFN group need at "
 				 "least %s (%llu bytes; the whole model resident needs %llu bytes)",
@@ -87,8 +111,16 @@ int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **ou
 			plan_destroy(&p);
 			return -ENOSPC;
 		}
-		p->streaming[CLASS_ATTN] = (uint32_t)k;
-		p->streaming[CLASS_FFN] = (uint32_t)k;
+		for (uint32_t i = 0; i < (uint32_t)best_na; i++) {
+			p->pinned[group_id_attn(L - 1 - i)] = 1;
+			pinned_bytes += a;
+		}
+		for (uint32_t i = 0; i < (uint32_t)best_nf; i++) {
+			p->pinned[group_id_ffn(L - 1 - i)] = 1;
+			pinned_bytes += f;
+		}
+		p->streaming[CLASS_ATTN] = (uint32_t)best_ka;
+		p->streaming[CLASS_FFN] = (uint32_t)best_kf;
 	}
 
 	uint32_t n_pinned = 0;

@@ -7,13 +7,12 @@
  *   for (s = 0; s < plan_n_slots(p); s++) ... plan_slot_class(p, s), plan_slot_group(p, s)
  *   plan_destroy(&p);
  *
- * The rule today: if one slot per group fits the budget, every group is resident (read once
- * at start). Otherwise the globals (embed, head) are pinned, one slot each, and the rest of
- * the budget becomes k slots of each streaming class (attention, FFN) with
- * k = floor(rest / (attn slot + ffn slot)), at most n_layers. A residency planner that pins
- * some layers too (the budget spent where it saves the most reads per token) replaces this
- * module's insides; its interface already speaks of pinned groups with their own slots plus
- * streaming slots per class, so the ring and the loader need not change.
+ * The rule: if one slot per group fits the budget, every group is resident (read once at
+ * start). Otherwise the globals (embed, head) are pinned, one slot each; then the budget buys a
+ * streaming window of up to PLAN_STREAM_SLOTS slots per layer class (attention, FFN; fewer when
+ * the budget is tight, at least one) and, with what is left, as many pinned layer groups as fit,
+ * chosen to pin the most bytes: each pinned group is a read less per token. Layers are pinned
+ * from the last one down, since the GPU window keeps the first layers on the device.
  *
  * Slots are numbered: pinned (dedicated) slots first, in group order, then the streaming
  * slots class by class. Only slot data counts against the budget; the ring's header and
@@ -30,6 +29,7 @@ extern "C" {
 #endif
 
 #define PLAN_SLOT_ALIGN 4096u /* slot capacities and data offsets are multiples of this */
+#define PLAN_STREAM_SLOTS 3u  /* streaming slots per class when the budget allows: reads run ahead */
 
 struct plan;
 

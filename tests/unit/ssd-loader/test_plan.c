@@ -1,5 +1,5 @@
 /* test_plan.c - plan.c: all resident when the budget holds one slot per group; k streaming
- * slots per class otherwise; a budget too small names the size it needs. The manifests are
+ * streaming slots and pinned layers otherwise (checked against trying every choice); a budget too small names the size it needs. The manifests are
  * built by hand (plain tables): the plan reads only groups, class sizes and the layer count. */
 #include <check.h>
 #include <errno.h>
@@ -82,29 +82,61 @@ START_TEST(all_resident_when_it_fits)
 }
 END_TEST
 
-static void check_streaming(struct fake *f, uint64_t budget, uint32_t k)
+/* What the plan should be, found by trying everything: the deepest streaming window (up to
+ * PLAN_STREAM_SLOTS per class) that fits, then the most pinned layer bytes. */
+static void expected(uint32_t L, uint64_t budget, uint32_t *na, uint32_t *nf, uint32_t *ka, uint32_t *kf)
 {
+	uint64_t rest = budget - 2 * GLOBAL_B, best = 0;
+	bool found = false;
+	for (uint32_t k = PLAN_STREAM_SLOTS; k >= 1 && !found; k--)
+		for (uint32_t a = 0; a <= L; a++)
+			for (uint32_t f = 0; f <= L; f++) {
+				uint32_t wa = L - a < k ? L - a : k, wf = L - f < k ? L - f : k;
+				uint64_t bytes = (a + wa) * ATTN_B + (f + wf) * FFN_B, res = a * ATTN_B + f * FFN_B;
+				if (bytes <= rest && (!found || res > best)) {
+					found = true;
+					best = res;
+					*na = a;
+					*nf = f;
+					*ka = wa;
+					*kf = wf;
+				}
+			}
+	ck_assert(found);
+}
+
+static void check_streaming(struct fake *f, uint64_t budget)
+{
+	uint32_t L = f->m.cfg.n_layers, na = 0, nf = 0, ka = 0, kf = 0;
+	expected(L, budget, &na, &nf, &ka, &kf);
 	struct plan *p = NULL;
 	char err[256];
 	ck_assert_int_eq(plan_create(&f->m, budget, &p, err, sizeof(err)), 0);
-	ck_assert(!plan_all_resident(p));
-	ck_assert_uint_eq(plan_streaming_slots(p, CLASS_ATTN), k);
-	ck_assert_uint_eq(plan_streaming_slots(p, CLASS_FFN), k);
+	ck_assert_msg(!plan_all_resident(p), "budget %llu of %llu: all resident", (unsigned long long)budget,
+		      (unsigned long long)resident_bytes(L));
+	ck_assert_uint_eq(plan_streaming_slots(p, CLASS_ATTN), ka);
+	ck_assert_uint_eq(plan_streaming_slots(p, CLASS_FFN), kf);
 	ck_assert_uint_eq(plan_streaming_slots(p, CLASS_GLOBAL), 0);
-	ck_assert_uint_eq(plan_class_slots(p, CLASS_ATTN), k);
-	ck_assert_uint_eq(plan_class_slots(p, CLASS_FFN), k);
+	ck_assert_uint_eq(plan_class_slots(p, CLASS_ATTN), ka + na);
+	ck_assert_uint_eq(plan_class_slots(p, CLASS_FFN), kf + nf);
 	ck_assert_uint_eq(plan_class_slots(p, CLASS_GLOBAL), 2);
-	ck_assert_uint_eq(plan_n_slots(p), 2 + 2 * k);
-	ck_assert_uint_eq(plan_data_bytes(p), 2 * GLOBAL_B + k * (ATTN_B + FFN_B));
+	ck_assert_uint_eq(plan_data_bytes(p), 2 * GLOBAL_B + (ka + na) * ATTN_B + (kf + nf) * FFN_B);
 	ck_assert_uint_le(plan_data_bytes(p), budget);
-	/* Only the globals are pinned, each in a slot of its own, numbered first. */
-	for (uint32_t g = 0; g < f->m.n_groups; g++)
-		ck_assert_int_eq(plan_group_pinned(p, g), g == 0 || g == f->m.n_groups - 1);
-	ck_assert_uint_eq(plan_slot_group(p, 0), 0);
-	ck_assert_uint_eq(plan_slot_group(p, 1), f->m.n_groups - 1);
-	for (uint32_t s = 2; s < plan_n_slots(p); s++) {
+	/* The globals, and the last na attention and nf FFN layers, are pinned, each in a slot of
+	 * its own numbered first; the streaming slots follow, class by class. */
+	uint32_t pinned = 0;
+	for (uint32_t g = 0; g < f->m.n_groups; g++) {
+		const struct group_desc *gd = &f->groups[g];
+		bool want = gd->size_class == CLASS_GLOBAL || (gd->kind == GROUP_ATTN && gd->layer >= L - na) ||
+			    (gd->kind == GROUP_FFN && gd->layer >= L - nf);
+		ck_assert_msg(plan_group_pinned(p, g) == want, "budget %llu: group %u pinned %d", (unsigned long long)budget,
+			      g, plan_group_pinned(p, g));
+		if (want)
+			ck_assert_uint_eq(plan_slot_group(p, pinned++), g);
+	}
+	for (uint32_t s = pinned; s < plan_n_slots(p); s++) {
 		ck_assert_uint_eq(plan_slot_group(p, s), UINT32_MAX);
-		ck_assert_uint_eq(plan_slot_class(p, s), s < 2 + k ? CLASS_ATTN : CLASS_FFN);
+		ck_assert_uint_eq(plan_slot_class(p, s), s < pinned + ka ? CLASS_ATTN : CLASS_FFN);
 	}
 	char line[512];
 	plan_describe(p, line, sizeof(line));
@@ -115,12 +147,23 @@ static void check_streaming(struct fake *f, uint64_t budget, uint32_t k)
 START_TEST(streaming_slot_counts)
 {
 	struct fake f;
-	fake_init(&f, 4);
+	fake_init(&f, 8);
 	uint64_t pair = ATTN_B + FFN_B, globals = 2 * GLOBAL_B;
-	check_streaming(&f, globals + pair, 1);
-	check_streaming(&f, globals + 2 * pair - 1, 1); /* floor */
-	check_streaming(&f, globals + 2 * pair, 2);
-	check_streaming(&f, resident_bytes(4) - 1, 3);	/* one byte short of all resident */
+	/* Just the minimum: one slot per class, nothing pinned. */
+	check_streaming(&f, globals + pair);
+	/* Room for a deeper window comes first. */
+	check_streaming(&f, globals + 3 * pair);
+	/* Then pinned layers from the last one down. */
+	check_streaming(&f, globals + 3 * pair + FFN_B);
+	check_streaming(&f, globals + 3 * pair + ATTN_B + FFN_B);
+	/* Every budget up to one byte short of all resident agrees with trying everything. */
+	for (uint64_t b = globals + pair; b < resident_bytes(8); b += 4096)
+		check_streaming(&f, b);
+	check_streaming(&f, resident_bytes(8) - 1);
+	/* Four layers, too. */
+	fake_init(&f, 4);
+	for (uint64_t b = globals + pair; b < resident_bytes(4); b += 1024)
+		check_streaming(&f, b);
 }
 END_TEST
 

@@ -1,0 +1,190 @@
+/* bench-limits: measures, on this machine and now, the limits the benchmark compares against:
+ *   - pinned host-to-device bandwidth (cudaMemcpyAsync from cudaMallocHost memory),
+ *   - disk read bandwidth of a file with O_DIRECT and io_uring (4 MiB reads, 64 in flight),
+ *   - the bf16 GEMM rate of cuBLAS at a prefill shape (float32 accumulation).
+ * Prints one JSON object on stdout:
+ *   {"h2d_bytes_per_s":..., "disk_bytes_per_s":..., "gemm_flops_per_s":..., ...}
+ *
+ *   bench-limits [--file PATH] [--disk-bytes SIZE] [--m 512 --n 14336 --k 4096]
+ */
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <liburing.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/config.h"
+#include "common/util.h"
+
+#define CHECK_CUDA(call)                                                                                  \
+	do {                                                                                              \
+		cudaError_t e_ = (call);                                                                  \
+		if (e_ != cudaSuccess) {                                                                  \
+			fprintf(stderr, "bench-limits: %s: %s\n", #call, cudaGetErrorString(e_));          \
+			exit(1);                                                                          \
+		}                                                                                         \
+	} while (0)
+
+static double h2d(size_t bytes, int reps)
+{
+	void *host, *dev;
+	CHECK_CUDA(cudaMallocHost(&host, bytes));
+	CHECK_CUDA(cudaMalloc(&dev, bytes));
+	memset(host, 7, bytes);
+	cudaStream_t s;
+	cudaEvent_t a, b;
+	CHECK_CUDA(cudaStreamCreate(&s));
+	CHECK_CUDA(cudaEventCreate(&a));
+	CHECK_CUDA(cudaEventCreate(&b));
+	CHECK_CUDA(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s)); /* warm up */
+	CHECK_CUDA(cudaEventRecord(a, s));
+	for (int i = 0; i < reps; i++)
+		CHECK_CUDA(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s));
+	CHECK_CUDA(cudaEventRecord(b, s));
+	CHECK_CUDA(cudaEventSynchronize(b));
+	float ms;
+	CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+	cudaFree(dev);
+	cudaFreeHost(host);
+	cudaStreamDestroy(s);
+	return (double)bytes * reps / (ms * 1e-3);
+}
+
+/* Reads up to `limit` bytes of path with O_DIRECT, 4 MiB per read, `depth` in flight. */
+static double disk(const char *path, uint64_t limit, unsigned depth, uint64_t *read_out)
+{
+	int fd = open(path, O_RDONLY | O_DIRECT);
+	if (fd < 0) {
+		fprintf(stderr, "bench-limits: cannot open %s with O_DIRECT: %s\n", path, strerror(errno));
+		exit(1);
+	}
+	struct stat st;
+	fstat(fd, &st);
+	uint64_t size = (uint64_t)st.st_size & ~(uint64_t)4095;
+	if (size > limit)
+		size = limit;
+	const size_t chunk = 4u << 20;
+	struct io_uring ring;
+	if (io_uring_queue_init(depth, &ring, 0) != 0) {
+		fprintf(stderr, "bench-limits: io_uring_queue_init failed\n");
+		exit(1);
+	}
+	char *buf;
+	if (posix_memalign((void **)&buf, 4096, chunk * depth) != 0)
+		exit(1);
+	uint64_t next = 0, done = 0;
+	unsigned inflight = 0;
+	uint64_t t0 = now_ns();
+	while (done < size) {
+		while (inflight < depth && next < size) {
+			struct io_uring_sqe *sqe = io_uring_get_sqe(&ring);
+			size_t len = size - next < chunk ? size - next : chunk;
+			io_uring_prep_read(sqe, fd, buf + (size_t)(inflight % depth) * chunk, (unsigned)len, next);
+			next += len;
+			inflight++;
+		}
+		io_uring_submit(&ring);
+		struct io_uring_cqe *cqe;
+		if (io_uring_wait_cqe(&ring, &cqe) != 0)
+			exit(1);
+		if (cqe->res <= 0) {
+			fprintf(stderr, "bench-limits: read failed: %s\n", strerror(-cqe->res));
+			exit(1);
+		}
+		done += (uint64_t)cqe->res;
+		inflight--;
+		io_uring_cqe_seen(&ring, cqe);
+	}
+	double secs = (double)(now_ns() - t0) * 1e-9;
+	io_uring_queue_exit(&ring);
+	free(buf);
+	close(fd);
+	*read_out = done;
+	return (double)done / secs;
+}
+
+static double gemm(int m, int n, int k)
+{
+	/* C (n x m) = W (n x k) X (k x m): the runner's orientation, tokens m, outputs n. */
+	void *w, *x, *c;
+	CHECK_CUDA(cudaMalloc(&w, (size_t)n * k * 2));
+	CHECK_CUDA(cudaMalloc(&x, (size_t)k * m * 2));
+	CHECK_CUDA(cudaMalloc(&c, (size_t)n * m * 4));
+	/* Non-zero data: zeros can run faster than real data. */
+	uint16_t *h = malloc((size_t)n * k * 2);
+	for (size_t i = 0; i < (size_t)n * k; i++)
+		h[i] = (uint16_t)(0x3c00 + (random_u64() & 0x1ff)); /* bf16 values around 0.01 .. 0.03 */
+	CHECK_CUDA(cudaMemcpy(w, h, (size_t)n * k * 2, cudaMemcpyHostToDevice));
+	CHECK_CUDA(cudaMemcpy(x, h, (size_t)k * m * 2, cudaMemcpyHostToDevice));
+	free(h);
+	cublasHandle_t hd;
+	if (cublasCreate(&hd) != CUBLAS_STATUS_SUCCESS)
+		exit(1);
+	float one = 1, zero = 0;
+	cudaEvent_t a, b;
+	CHECK_CUDA(cudaEventCreate(&a));
+	CHECK_CUDA(cudaEventCreate(&b));
+	for (int i = 0; i < 3; i++)
+		cublasGemmEx(hd, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, x, CUDA_R_16BF, k, &zero, c,
+			     CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+	const int reps = 20;
+	CHECK_CUDA(cudaEventRecord(a, 0));
+	for (int i = 0; i < reps; i++)
+		if (cublasGemmEx(hd, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, x, CUDA_R_16BF, k, &zero,
+				 c, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+			fprintf(stderr, "bench-limits: cublasGemmEx failed\n");
+			exit(1);
+		}
+	CHECK_CUDA(cudaEventRecord(b, 0));
+	CHECK_CUDA(cudaEventSynchronize(b));
+	float ms;
+	CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+	cublasDestroy(hd);
+	cudaFree(w);
+	cudaFree(x);
+	cudaFree(c);
+	return 2.0 * m * n * k * reps / (ms * 1e-3);
+}
+
+int main(int argc, char **argv)
+{
+	const char *file = NULL;
+	uint64_t disk_bytes = 0;
+	long m = 512, n = 14336, k = 4096;
+	const struct opt opts[] = {
+		{"file", OPT_STRING, &file, NULL, "a large file to read for the disk bandwidth (skipped without)"},
+		{"disk-bytes", OPT_SIZE, &disk_bytes, "8GiB", "read at most this much of it"},
+		{"m", OPT_INT, &m, "512", "GEMM: tokens"},
+		{"n", OPT_INT, &n, "14336", "GEMM: output features"},
+		{"k", OPT_INT, &k, "4096", "GEMM: input features"},
+		{0},
+	};
+	int rc = config_parse("bench-limits", "Measures pinned H2D bandwidth, O_DIRECT disk bandwidth and the bf16 GEMM rate.",
+			      opts, argc, argv, NULL, NULL);
+	if (rc > 0)
+		return 0;
+	if (rc < 0)
+		return 2;
+	int ndev = 0;
+	if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+		fprintf(stderr, "bench-limits: no GPU\n");
+		return 77;
+	}
+	double h = h2d(1u << 30, 8);
+	double g = gemm((int)m, (int)n, (int)k);
+	double d = 0;
+	uint64_t dread = 0;
+	if (file) {
+		/* Cold pages: O_DIRECT bypasses the page cache anyway. */
+		d = disk(file, disk_bytes, 64, &dread);
+	}
+	printf("{\"h2d_bytes_per_s\": %.0f, \"gemm_flops_per_s\": %.0f, \"gemm_shape\": [%ld, %ld, %ld], "
+	       "\"disk_bytes_per_s\": %.0f, \"disk_bytes_read\": %llu}\n",
+	       h, g, m, n, k, d, (unsigned long long)dread);
+	return 0;
+}
