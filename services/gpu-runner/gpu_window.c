@@ -205,6 +205,28 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 		o->dev = NULL;
 		s->group = NO_GROUP;
 	}
+	/* The loader streams this class through a few slots: never ask for another group while we
+	 * hold grants on all of them (it could not load it). Only where DRAM streams, i.e. where the
+	 * disk binds anyway, can this wait for a copy. */
+	if (!ring_source_group_pinned(w->ring, h)) {
+		uint32_t limit = ring_source_streaming_slots(w->ring, c);
+		for (;;) {
+			uint32_t held = 0, oldest = NO_GROUP;
+			for (uint32_t i = 0; i < w->m[c]; i++) {
+				uint32_t q = w->order[c][(w->issued[c] + i) % w->m[c]];
+				if (w->g[q].host_held && !ring_source_group_pinned(w->ring, q)) {
+					held++;
+					if (oldest == NO_GROUP)
+						oldest = q;
+				}
+			}
+			if (held < limit || oldest == NO_GROUP)
+				break;
+			CUDA_TRY(cudaEventSynchronize(w->g[oldest].h2d), "waiting for a copy to free a DRAM slot");
+			if ((rc = poll_copies(w)))
+				return rc;
+		}
+	}
 	struct group_weights hw;
 	rc = w->rs->ops->acquire(w->rs, h, &hw); /* the host bytes; may wait for the loader's read */
 	if (rc)

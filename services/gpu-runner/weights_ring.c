@@ -362,6 +362,26 @@ const void *ring_source_group_base(const struct ring_source *rs, uint32_t group)
 	return (const char *)rs->h + rs->held[group].offset;
 }
 
+uint32_t ring_source_streaming_slots(const struct ring_source *rs, uint32_t c)
+{
+	if (rs->all_resident || c >= CLASS_COUNT)
+		return UINT32_MAX;
+	uint32_t pinned = 0;
+	const struct wring_group *gs = wring_group_state(rs->h);
+	for (uint32_t g = 0; g < rs->h->n_groups; g++)
+		if (rs->groups[g].size_class == c && atomic_load_explicit(&gs[g].pinned, memory_order_relaxed))
+			pinned++;
+	uint32_t slots = rs->h->class_slots[c];
+	return slots > pinned ? slots - pinned : 0;
+}
+
+bool ring_source_group_pinned(const struct ring_source *rs, uint32_t g)
+{
+	if (rs->all_resident)
+		return true;
+	return g < rs->h->n_groups && atomic_load_explicit(&wring_group_state(rs->h)[g].pinned, memory_order_relaxed);
+}
+
 void ring_source_mapping(const struct ring_source *rs, void **base, size_t *size)
 {
 	*base = rs->h;

@@ -40,6 +40,12 @@ bool ring_source_all_resident(const struct ring_source *rs);
 /* Host address of the slot holding group g, which must be held (acquired). Tensors lie at
  * their slot_offset from it; the group's slot_bytes are contiguous from there. */
 const void *ring_source_group_base(const struct ring_source *rs, uint32_t group);
+/* How many groups of size class c the loader can hold at once beyond the ones it keeps
+ * pinned: the grants a client may hold of streamed groups of that class without starving the
+ * loader. UINT32_MAX when every group is resident. */
+uint32_t ring_source_streaming_slots(const struct ring_source *rs, uint32_t c);
+/* Is group g held by the loader for good (pinned, or the whole model resident)? */
+bool ring_source_group_pinned(const struct ring_source *rs, uint32_t g);
 /* The whole mapping (to pin it for DMA). */
 void ring_source_mapping(const struct ring_source *rs, void **base, size_t *size);
 /* The tokenizer.json the loader put in the ring: *data and *len (NULL/0 when the model has none).
