@@ -1,0 +1,249 @@
+/* test_gpu_window.c - the GPU weight window against a real ssd-loader (label gpu; skips
+ * without a GPU): with budgets that keep some groups resident and stream the rest, several
+ * passes of acquire/release in visit order hand the engine device memory that holds exactly
+ * the checkpoint's bytes, the state table stays consistent (strict mode checks it at every
+ * call), streamed bytes per pass are what the plan says, and a budget below the minimum is
+ * refused naming the size it needs. The DRAM tier streams too in one case, so the window's
+ * grants and the loader's slots interlock. */
+#include <check.h>
+#include <cuda_runtime_api.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/bus.h"
+#include "common/manifest.h"
+#include "common/synthetic.h"
+#include "common/util.h"
+#include "services/gpu-runner/gpu_window.h"
+
+struct fixture {
+	char dir[256], model[300], run[300], instance[64], log[300];
+	pid_t loader;
+	void *zctx;
+	struct rpc_client *client;
+	struct ring_source *ring;
+	struct manifest *m;
+	cudaStream_t stream;
+};
+
+static void start(struct fixture *f, const char *dram_budget)
+{
+	memset(f, 0, sizeof(*f));
+	snprintf(f->dir, sizeof(f->dir), "/tmp/llmp-gwt-XXXXXX");
+	ck_assert_ptr_nonnull(mkdtemp(f->dir));
+	snprintf(f->model, sizeof(f->model), "%s/model", f->dir);
+	snprintf(f->run, sizeof(f->run), "%s/run", f->dir);
+	snprintf(f->log, sizeof(f->log), "%s/loader.log", f->dir);
+	snprintf(f->instance, sizeof(f->instance), "gwt%d", (int)getpid());
+	/* Four layers, so there is something to keep and something to stream. */
+	struct model_config cfg;
+	char err[512];
+	ck_assert_int_eq(synth_shape_config("tiny", &cfg, err, sizeof(err)), 0);
+	cfg.n_layers = 4;
+	struct synth_options o;
+	synth_options_default(&o);
+	o.seed = 3;
+	ck_assert_msg(synth_write(f->model, &cfg, &o, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(manifest_load(f->model, &f->m, err, sizeof(err)) == 0, "%s", err);
+
+	const char *bin = getenv("PIPELINE_BIN_DIR");
+	ck_assert_msg(bin && *bin, "PIPELINE_BIN_DIR is not set (run through ctest)");
+	char path[512];
+	snprintf(path, sizeof(path), "%s/ssd-loader", bin);
+	fflush(NULL);
+	f->loader = fork();
+	ck_assert_int_ge(f->loader, 0);
+	if (f->loader == 0) {
+		int fd = open(f->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+		dup2(fd, 1);
+		dup2(fd, 2);
+		execl(path, path, "--model", f->model, "--run-dir", f->run, "--instance", f->instance, "--dram-budget",
+		      dram_budget, (char *)NULL);
+		_exit(127);
+	}
+	f->zctx = zmq_ctx_new();
+	f->client = rpc_client_create(f->zctx, f->run, "ssd-loader", "gpu-runner");
+	ck_assert_ptr_nonnull(f->client);
+	struct msg hello;
+	ck_assert_msg(rpc_wait_ready(f->client, &hello, 20000) == 0, "ssd-loader did not answer (log %s)", f->log);
+	int rc = ring_source_create(f->client, &hello.hello_reply, 20000, &f->ring, err, sizeof(err));
+	msg_free(&hello);
+	ck_assert_msg(rc == 0, "ring: %s", err);
+	ck_assert_int_eq(cudaStreamCreate(&f->stream), cudaSuccess);
+}
+
+static void stop(struct fixture *f)
+{
+	ring_source_destroy(&f->ring);
+	rpc_client_destroy(&f->client);
+	zmq_ctx_term(f->zctx);
+	kill(f->loader, SIGTERM);
+	waitpid(f->loader, NULL, 0);
+	cudaStreamDestroy(f->stream);
+	manifest_destroy(&f->m);
+	char cmd[400];
+	snprintf(cmd, sizeof(cmd), "rm -rf %s", f->dir);
+	ck_assert_int_eq(system(cmd), 0);
+}
+
+/* The bytes of tensor t as the checkpoint file holds them. */
+static void *file_bytes(const struct manifest *m, const struct tensor_desc *t)
+{
+	void *buf = malloc(t->nbytes);
+	int fd = open(m->files[t->file_index].path, O_RDONLY);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(pread(fd, buf, t->nbytes, (off_t)t->file_offset), (ssize_t)t->nbytes);
+	close(fd);
+	return buf;
+}
+
+/* One pass in visit order, as the engine makes it; every tensor checked on the device. */
+static void pass(struct fixture *f, struct gpu_window *w)
+{
+	struct weight_source *ws = gpu_window_base(w);
+	for (uint32_t g = 0; g < f->m->n_groups; g++) {
+		struct group_weights gw;
+		ck_assert_msg(ws->ops->acquire(ws, g, &gw) == 0, "acquire %u: %s", g, ws->error);
+		const struct group_desc *gd = &f->m->groups[g];
+		for (uint32_t i = 0; i < gd->n_tensors; i++) {
+			const struct tensor_desc *t = &f->m->tensors[gd->first_tensor + i];
+			void *want = file_bytes(f->m, t), *got = malloc(t->nbytes);
+			if (g == group_id_embed()) {
+				memcpy(got, gw.t[t->role], t->nbytes); /* host memory by contract */
+			} else {
+				/* Read it the way compute does: on the compute stream, after the wait. */
+				ck_assert_int_eq(cudaMemcpyAsync(got, gw.t[t->role], t->nbytes, cudaMemcpyDeviceToHost,
+								 f->stream),
+						 cudaSuccess);
+				ck_assert_int_eq(cudaStreamSynchronize(f->stream), cudaSuccess);
+			}
+			ck_assert_msg(memcmp(got, want, t->nbytes) == 0, "group %u tensor %s differs on the device", g,
+				      t->name);
+			free(want);
+			free(got);
+		}
+		ck_assert_msg(ws->ops->release(ws, g) == 0, "release %u: %s", g, ws->error);
+		char why[256];
+		ck_assert_msg(gpu_window_check(w, why, sizeof(why)) == 0, "%s", why);
+	}
+}
+
+static int have_gpu(void)
+{
+	int n = 0;
+	return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+static void run_case(const char *dram_budget, uint64_t gpu_budget, uint32_t depth, bool expect_streaming)
+{
+	struct fixture f;
+	start(&f, dram_budget);
+	struct gpu_window_params p = {.gpu_budget = gpu_budget, .depth = depth, .strict = true, .time_copies = true,
+				      .h2d_bytes_per_s = 0};
+	struct gpu_window *w = NULL;
+	char err[512];
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	struct gpu_window_stats st;
+	gpu_window_stats(w, &st);
+	ck_assert_int_eq(st.streamed_groups > 0, expect_streaming);
+	ck_assert(st.h2d_bytes_per_s > 0);
+	uint64_t before = st.bytes_h2d;
+	for (int i = 0; i < 4; i++)
+		pass(&f, w);
+	gpu_window_stats(w, &st);
+	if (expect_streaming) {
+		/* Every streamed group crossed once per pass (the first depth copies of pass 0 were
+		 * issued at create, the next pass's first ones already during the last). */
+		uint64_t moved = st.bytes_h2d - before, per = st.streamed_bytes_per_token;
+		ck_assert_msg(moved >= 3 * per && moved <= 5 * per, "moved %llu for %llu per pass",
+			      (unsigned long long)moved, (unsigned long long)per);
+		ck_assert_uint_gt(st.timed_copies, 0);
+		ck_assert(st.copy_ms > 0);
+	}
+	struct weight_source *ws = gpu_window_base(w);
+	ck_assert_int_eq(ws->ops->release_all(ws), 0);
+	/* Out of visit order is refused, not silently served: the last FFN group streams in both
+	 * streaming cases and is never the next one due after whole passes. */
+	if (expect_streaming) {
+		struct group_weights gw;
+		ck_assert_int_eq(ws->ops->acquire(ws, group_id_ffn(f.m->cfg.n_layers - 1), &gw), -EPROTO);
+	}
+	gpu_window_destroy(&w);
+	stop(&f);
+}
+
+START_TEST(test_all_resident)
+{
+	run_case("1GiB", 1ull << 30, 2, false);
+}
+END_TEST
+
+START_TEST(test_streaming_depth_2)
+{
+	/* The head, one resident FFN group maybe, and two slots per streamed class. */
+	struct fixture f;
+	start(&f, "1GiB");
+	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
+	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
+	stop(&f);
+	run_case("1GiB", head + 2 * (a + ff) + ff, 2, true);
+}
+END_TEST
+
+START_TEST(test_streaming_depth_1_dram_streams)
+{
+	/* The DRAM tier streams as well: the window's grants must leave the loader room. */
+	struct fixture f;
+	start(&f, "1GiB");
+	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
+	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
+	uint64_t globals = f.m->class_bytes[CLASS_GLOBAL] * 2;
+	stop(&f);
+	char dram[64];
+	snprintf(dram, sizeof(dram), "%llu", (unsigned long long)(globals + 2 * (a + ff)));
+	run_case(dram, head + a + ff, 1, true);
+}
+END_TEST
+
+START_TEST(test_budget_too_small)
+{
+	struct fixture f;
+	start(&f, "1GiB");
+	struct gpu_window_params p = {.gpu_budget = 4096, .depth = 2, .strict = true};
+	struct gpu_window *w = NULL;
+	char err[512];
+	ck_assert_int_eq(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)), -ENOSPC);
+	ck_assert_msg(strstr(err, "--gpu-budget") && strstr(err, "need"), "%s", err);
+	stop(&f);
+}
+END_TEST
+
+int main(void)
+{
+	if (!have_gpu()) {
+		printf("no GPU: skipped\n");
+		return 77;
+	}
+	Suite *s = suite_create("gpu_window");
+	TCase *tc = tcase_create("window");
+	tcase_set_timeout(tc, 120);
+	tcase_add_test(tc, test_all_resident);
+	tcase_add_test(tc, test_streaming_depth_2);
+	tcase_add_test(tc, test_streaming_depth_1_dram_streams);
+	tcase_add_test(tc, test_budget_too_small);
+	suite_add_tcase(s, tc);
+	SRunner *sr = srunner_create(s);
+	/* CUDA contexts do not survive fork: run in this process. */
+	srunner_set_fork_status(sr, CK_NOFORK);
+	srunner_run_all(sr, CK_NORMAL);
+	int failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
