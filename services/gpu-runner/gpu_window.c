@@ -53,7 +53,48 @@ struct gpu_window {
 	struct gpu_window_stats st;
 	uint32_t embed_group, head_group;
 	bool tied;
+	/* Device layout: each tensor at a 256-byte boundary (the kernels' vector loads need 16,
+	 * and a checkpoint guarantees only 8), so a group's device bytes differ from its slot. */
+	uint64_t *dev_off;   /* n_tensors: offset of the tensor in its group's device memory */
+	uint64_t *dev_bytes; /* n_groups */
 };
+
+#define DEV_ALIGN 256u
+
+/* Copies group g's tensors from its host slot to dev, each at its device offset. */
+static int copy_group(struct gpu_window *w, uint32_t g, void *dev, const void *host, cudaStream_t s)
+{
+	const struct group_desc *gd = &w->base.groups[g];
+	for (uint32_t i = 0; i < gd->n_tensors; i++) {
+		const struct tensor_desc *t = &w->base.tensors[gd->first_tensor + i];
+		cudaError_t e = cudaMemcpyAsync((char *)dev + w->dev_off[gd->first_tensor + i],
+						(const char *)host + t->slot_offset, t->nbytes, cudaMemcpyHostToDevice, s);
+		if (e != cudaSuccess)
+			return errorf(w->base.error, sizeof(w->base.error), -EIO, "copying group %u: %s", g,
+				      cudaGetErrorString(e));
+	}
+	return 0;
+}
+
+/* group_weights of group g at device address dev (lm_head of a tied head: the embedding copy). */
+static void fill_device(const struct gpu_window *w, uint32_t g, void *dev, struct group_weights *gw)
+{
+	memset(gw, 0, sizeof(*gw));
+	const struct group_desc *gd = &w->base.groups[g];
+	for (uint32_t i = 0; i < gd->n_tensors; i++) {
+		const struct tensor_desc *t = &w->base.tensors[gd->first_tensor + i];
+		gw->t[t->role] = (const char *)dev + w->dev_off[gd->first_tensor + i];
+		gw->dtype[t->role] = t->dtype;
+	}
+	if (gd->kind == GROUP_HEAD && !gw->t[ROLE_LM_HEAD]) {
+		int ti = model_find_tensor(w->base.cfg, w->base.tensors, w->base.groups, g, ROLE_LM_HEAD);
+		const struct gent *e = &w->g[w->embed_group];
+		if (ti >= 0 && e->dev) {
+			gw->t[ROLE_LM_HEAD] = (const char *)e->dev + w->dev_off[ti];
+			gw->dtype[ROLE_LM_HEAD] = w->base.tensors[ti].dtype;
+		}
+	}
+}
 
 #define CUDA_TRY(call, what)                                                                       \
 	do {                                                                                       \
@@ -232,7 +273,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	if (rc)
 		return errorf(w->base.error, sizeof(w->base.error), rc, "%s", w->rs->error);
 	const void *src = ring_source_group_base(w->ring, h);
-	uint64_t bytes = w->base.groups[h].slot_bytes;
+	uint64_t bytes = w->base.groups[h].tensor_bytes;
 	/* The slot's last occupant must be done before its bytes are overwritten. */
 	if (s->compute_recorded)
 		CUDA_TRY(cudaStreamWaitEvent(w->copy, s->compute_done, 0), "ordering a copy after compute");
@@ -240,7 +281,8 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 		collect_timing(w, s);
 		CUDA_TRY(cudaEventRecord(s->t0, w->copy), "timing a copy");
 	}
-	CUDA_TRY(cudaMemcpyAsync(s->dev, src, bytes, cudaMemcpyHostToDevice, w->copy), "copying a weight group");
+	if ((rc = copy_group(w, h, s->dev, src, w->copy)))
+		return rc;
 	if (w->time_copies) {
 		CUDA_TRY(cudaEventRecord(s->t1, w->copy), "timing a copy");
 		s->timed = true;
@@ -356,7 +398,7 @@ static int win_acquire(struct weight_source *ws, uint32_t group, struct group_we
 	}
 	e->in_use = true;
 	ws->acquires++;
-	weights_fill(ws, group, e->dev, w->tied ? w->g[w->embed_group].dev : NULL, gw);
+	fill_device(w, group, e->dev, gw);
 	return strict_check(w);
 }
 
@@ -469,6 +511,8 @@ void gpu_window_destroy(struct gpu_window **wp)
 		free(w->order[c]);
 	free(w->slots);
 	free(w->g);
+	free(w->dev_off);
+	free(w->dev_bytes);
 	free(w);
 	*wp = NULL;
 }
@@ -510,8 +554,30 @@ int gpu_window_create(struct ring_source *ring, void *stream, const struct gpu_w
 	w->tied = cfg->tie_embeddings != 0;
 	uint32_t depth = p->depth ? p->depth : 2;
 
+	/* The device layout of every group, and the group table the plan sees with device sizes. */
+	w->dev_off = calloc(rs->n_tensors, sizeof(uint64_t));
+	w->dev_bytes = calloc(ng, sizeof(uint64_t));
+	struct group_desc *dgroups = calloc(ng, sizeof(struct group_desc));
+	if (!w->dev_off || !w->dev_bytes || !dgroups) {
+		free(dgroups);
+		rc = errorf(err, errlen, -ENOMEM, "out of memory");
+		goto out_fail;
+	}
+	for (uint32_t g = 0; g < ng; g++) {
+		const struct group_desc *gd = &rs->groups[g];
+		uint64_t off = 0;
+		for (uint32_t i = 0; i < gd->n_tensors; i++) {
+			w->dev_off[gd->first_tensor + i] = off;
+			off = ALIGN_UP(off + rs->tensors[gd->first_tensor + i].nbytes, (uint64_t)DEV_ALIGN);
+		}
+		w->dev_bytes[g] = off;
+		dgroups[g] = *gd;
+		dgroups[g].slot_bytes = off;
+	}
+
 	uint64_t need;
-	int64_t streamed = gpu_window_plan(cfg, rs->groups, ng, p->gpu_budget, depth, resident, &need, err, errlen);
+	int64_t streamed = gpu_window_plan(cfg, dgroups, ng, p->gpu_budget, depth, resident, &need, err, errlen);
+	free(dgroups);
 	if (streamed < 0) {
 		rc = (int)streamed;
 		goto out_fail;
@@ -547,7 +613,7 @@ int gpu_window_create(struct ring_source *ring, void *stream, const struct gpu_w
 	for (uint32_t g = 0; g < ng; g++) {
 		bool keep = resident[g] || (w->tied && g == w->embed_group);
 		if (keep)
-			res_bytes += ALIGN_UP(rs->groups[g].slot_bytes, 256);
+			res_bytes += w->dev_bytes[g];
 	}
 	CREATE_TRY(cudaMalloc(&w->resident_mem, res_bytes ? res_bytes : 256), "allocating resident weights");
 	uint64_t off = 0;
@@ -564,12 +630,14 @@ int gpu_window_create(struct ring_source *ring, void *stream, const struct gpu_w
 			goto out_fail;
 		}
 		w->g[g].dev = (char *)w->resident_mem + off;
-		CREATE_TRY(cudaMemcpyAsync(w->g[g].dev, ring_source_group_base(ring, g), rs->groups[g].slot_bytes,
-					   cudaMemcpyHostToDevice, w->copy),
-			   "copying resident weights");
+		rc = copy_group(w, g, w->g[g].dev, ring_source_group_base(ring, g), w->copy);
+		if (rc) {
+			errorf(err, errlen, rc, "%s", w->base.error);
+			goto out_fail;
+		}
 		CREATE_TRY(cudaStreamSynchronize(w->copy), "copying resident weights");
 		rs->ops->release(rs, g);
-		off += ALIGN_UP(rs->groups[g].slot_bytes, 256);
+		off += w->dev_bytes[g];
 		w->g[g].resident = true;
 		if (g != w->embed_group)
 			w->g[g].state = GWIN_RESIDENT;
@@ -594,9 +662,9 @@ int gpu_window_create(struct ring_source *ring, void *stream, const struct gpu_w
 		n_slots += w->depth[c];
 		uint64_t cls = 0;
 		for (uint32_t i = 0; i < w->m[c]; i++)
-			if (rs->groups[w->order[c][i]].slot_bytes > cls)
-				cls = rs->groups[w->order[c][i]].slot_bytes;
-		win_bytes += (uint64_t)w->depth[c] * ALIGN_UP(cls, 256);
+			if (w->dev_bytes[w->order[c][i]] > cls)
+				cls = w->dev_bytes[w->order[c][i]];
+		win_bytes += (uint64_t)w->depth[c] * cls;
 		w->st.streamed_groups += w->m[c];
 	}
 	w->n_slots = n_slots;
@@ -611,21 +679,26 @@ int gpu_window_create(struct ring_source *ring, void *stream, const struct gpu_w
 	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
 		uint64_t cls = 0;
 		for (uint32_t i = 0; i < w->m[c]; i++)
-			if (rs->groups[w->order[c][i]].slot_bytes > cls)
-				cls = rs->groups[w->order[c][i]].slot_bytes;
+			if (w->dev_bytes[w->order[c][i]] > cls)
+				cls = w->dev_bytes[w->order[c][i]];
 		for (uint32_t i = 0; i < w->depth[c]; i++) {
 			struct gslot *s = &w->slots[w->first_slot[c] + i];
 			s->group = NO_GROUP;
 			s->size_class = c;
 			s->dev = (char *)w->window_mem + off;
-			off += ALIGN_UP(cls, 256);
+			off += cls;
 			CREATE_TRY(cudaEventCreateWithFlags(&s->compute_done, cudaEventDisableTiming), "creating events");
 			CREATE_TRY(cudaEventCreate(&s->t0), "creating events");
 			CREATE_TRY(cudaEventCreate(&s->t1), "creating events");
 		}
 	}
 	w->st.window_bytes = win_bytes;
-	w->st.streamed_bytes_per_token = (uint64_t)streamed;
+	/* What crosses PCIe per decode token: the tensor bytes of the streamed groups (the plan
+	 * counted device bytes, alignment padding included). */
+	(void)streamed;
+	for (uint32_t g = 0; g < ng; g++)
+		if (!w->g[g].resident)
+			w->st.streamed_bytes_per_token += rs->groups[g].tensor_bytes;
 	w->st.depth = depth;
 	w->st.h2d_bytes_per_s = p->h2d_bytes_per_s;
 	if (w->st.h2d_bytes_per_s <= 0) {

@@ -1,0 +1,1239 @@
+/* test_cuda_backend.c - the CUDA backend against the C reference backend (LABELS gpu).
+ *
+ * Small random models (normal weights of std 0.02, norms 1 + small noise) are built on the host;
+ * the C reference runs on the host copies, the CUDA backend on device copies (the embedding
+ * table stays host memory, as backend.h says; with tied embeddings the head's lm_head is a
+ * device copy of it). Both are driven as the engine drives them (embed; per layer attn_begin,
+ * attn_blocks, attn_end, ffn; logits), with KV blocks managed here, and the logits of every
+ * step are compared by relative L2 error: F32 weights and F32 KV within 1e-4, 16-bit weights
+ * and BF16 KV within 2e-2 (PIPELINE_TEST_VERBOSE=1 prints each error measured).
+ *
+ * The perf case times a Llama-3-8B-shaped model with random BF16 weights on the device (no
+ * reference): decode ms/token with all weights resident and prefill tokens/s for 512-token
+ * chunks, for each decode and attention path. It prints, asserts nothing, and is skipped where
+ * the GPU lacks the memory or with PIPELINE_TEST_SKIP_PERF=1 (the sanitizer runs). With
+ * PIPELINE_TEST_PERF_PROFILE=decode (or prefill) it runs one such step alone between
+ * cudaProfilerStart and cudaProfilerStop, for ncu --profile-from-start off.
+ *
+ * Without a GPU the program exits 77 (ctest: skipped). CUDA is never touched by the parent
+ * process before fork: each test's child initialises it on its own. */
+#include <check.h>
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cuda_profiler_api.h>
+#include <cuda_runtime_api.h>
+
+#include "common/dtype.h"
+#include "common/model.h"
+#include "services/gpu-runner/backend.h"
+
+#define TOL_F32 1e-4  /* F32 weights, F32 KV: relative L2 error of the logits */
+#define TOL_16 2e-2   /* BF16/F16 weights, BF16 or F32 KV */
+#define MAX_CTX 640   /* positions a test sequence may use */
+#define MAX_ALLOCS 512
+
+/* ---- deterministic random numbers -------------------------------------------------------- */
+
+static uint64_t rng_state;
+
+static uint64_t rng_next(void)
+{
+	uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+static double rng_uniform(void)
+{
+	return ((double)(rng_next() >> 11) + 0.5) * 0x1.0p-53; /* (0, 1) */
+}
+
+static double rng_normal(void)
+{
+	return sqrt(-2.0 * log(rng_uniform())) * cos(2.0 * M_PI * rng_uniform());
+}
+
+static bool verbose(void)
+{
+	const char *v = getenv("PIPELINE_TEST_VERBOSE");
+	return v && *v == '1';
+}
+
+static void report(const char *what, double err)
+{
+	if (verbose())
+		fprintf(stderr, "test_cuda_backend: %-52s relative L2 error %.3e\n", what, err);
+}
+
+#define CUDA_OK(call)                                                                              \
+	do {                                                                                       \
+		cudaError_t e_ = (call);                                                           \
+		ck_assert_msg(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));         \
+	} while (0)
+
+/* ---- test models -------------------------------------------------------------------------- */
+
+/* Host weights for the reference (h_*) and device copies for CUDA (d_*); the embed group is
+ * host memory for both. */
+struct tmodel {
+	struct model_config cfg;
+	enum dtype wt;
+	struct group_weights embed_w, h_head, d_head;
+	struct group_weights *h_attn, *h_ffn, *d_attn, *d_ffn; /* (n_layers) */
+	void *allocs[MAX_ALLOCS];
+	uint32_t n_allocs;
+	void *dallocs[MAX_ALLOCS];
+	uint32_t n_dallocs;
+};
+
+static void *track(struct tmodel *m, void *p)
+{
+	ck_assert_ptr_nonnull(p);
+	ck_assert_uint_lt(m->n_allocs, MAX_ALLOCS);
+	m->allocs[m->n_allocs++] = p;
+	return p;
+}
+
+static void *upload(struct tmodel *m, const void *src, size_t bytes)
+{
+	void *d = NULL;
+	CUDA_OK(cudaMalloc(&d, bytes));
+	CUDA_OK(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice));
+	ck_assert_uint_lt(m->n_dallocs, MAX_ALLOCS);
+	m->dallocs[m->n_dallocs++] = d;
+	return d;
+}
+
+/* A tensor of n values mean + std * N(0,1) in the model's dtype: host copy into h->t[role],
+ * device copy into d->t[role] (d NULL: host only). */
+static void *tensor(struct tmodel *m, size_t n, double mean, double std, struct group_weights *h,
+		    struct group_weights *d, enum tensor_role role)
+{
+	void *enc = track(m, malloc(n * dtype_size(m->wt)));
+	for (size_t i = 0; i < n; i++) {
+		float f = (float)(mean + std * rng_normal());
+		if (m->wt == DT_F32)
+			((float *)enc)[i] = f;
+		else if (m->wt == DT_BF16)
+			((uint16_t *)enc)[i] = f32_to_bf16(f);
+		else
+			((uint16_t *)enc)[i] = f32_to_f16(f);
+	}
+	h->t[role] = enc;
+	h->dtype[role] = m->wt;
+	if (d) {
+		d->t[role] = upload(m, enc, n * dtype_size(m->wt));
+		d->dtype[role] = m->wt;
+	}
+	return enc;
+}
+
+static struct model_config base_cfg(void)
+{
+	struct model_config c = {
+		.arch = ARCH_LLAMA, .n_layers = 2, .dim = 64, .n_heads = 4, .n_kv_heads = 2, .head_dim = 16,
+		.ffn_dim = 192, .vocab_size = 512, .max_position = 131072, .rms_eps = 1e-5f, .rope_theta = 10000.0f,
+		.rope_scaling = ROPE_SCALING_NONE, .bos_id = -1,
+	};
+	return c;
+}
+
+static struct tmodel *model_new(const struct model_config *cfg, enum dtype wt, uint64_t seed)
+{
+	struct tmodel *m = calloc(1, sizeof(*m));
+	ck_assert_ptr_nonnull(m);
+	m->cfg = *cfg;
+	m->wt = wt;
+	rng_state = seed;
+	const struct model_config *c = &m->cfg;
+	size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
+	m->h_attn = track(m, calloc(c->n_layers, sizeof(*m->h_attn)));
+	m->h_ffn = track(m, calloc(c->n_layers, sizeof(*m->h_ffn)));
+	m->d_attn = track(m, calloc(c->n_layers, sizeof(*m->d_attn)));
+	m->d_ffn = track(m, calloc(c->n_layers, sizeof(*m->d_ffn)));
+	void *embed = tensor(m, (size_t)c->vocab_size * c->dim, 0, 0.02, &m->embed_w, NULL, ROLE_EMBED);
+	for (uint32_t l = 0; l < c->n_layers; l++) {
+		struct group_weights *ha = &m->h_attn[l], *hf = &m->h_ffn[l], *da = &m->d_attn[l], *df = &m->d_ffn[l];
+		tensor(m, c->dim, 1.0, 0.1, ha, da, ROLE_ATTN_NORM);
+		tensor(m, qd * c->dim, 0, 0.02, ha, da, ROLE_WQ);
+		tensor(m, kvd * c->dim, 0, 0.02, ha, da, ROLE_WK);
+		tensor(m, kvd * c->dim, 0, 0.02, ha, da, ROLE_WV);
+		tensor(m, (size_t)c->dim * qd, 0, 0.02, ha, da, ROLE_WO);
+		tensor(m, c->dim, 1.0, 0.1, hf, df, ROLE_FFN_NORM);
+		tensor(m, (size_t)c->ffn_dim * c->dim, 0, 0.02, hf, df, ROLE_W_GATE);
+		tensor(m, (size_t)c->ffn_dim * c->dim, 0, 0.02, hf, df, ROLE_W_UP);
+		tensor(m, (size_t)c->dim * c->ffn_dim, 0, 0.02, hf, df, ROLE_W_DOWN);
+	}
+	tensor(m, c->dim, 1.0, 0.1, &m->h_head, &m->d_head, ROLE_FINAL_NORM);
+	if (c->tie_embeddings) {
+		/* The head's lm_head is the embed table: host for the reference, a device copy for CUDA. */
+		size_t bytes = (size_t)c->vocab_size * c->dim * dtype_size(wt);
+		m->h_head.t[ROLE_LM_HEAD] = embed;
+		m->h_head.dtype[ROLE_LM_HEAD] = wt;
+		m->d_head.t[ROLE_LM_HEAD] = upload(m, embed, bytes);
+		m->d_head.dtype[ROLE_LM_HEAD] = wt;
+	} else {
+		tensor(m, (size_t)c->vocab_size * c->dim, 0, 0.02, &m->h_head, &m->d_head, ROLE_LM_HEAD);
+	}
+	return m;
+}
+
+static void model_free(struct tmodel **mp)
+{
+	struct tmodel *m = *mp;
+	for (uint32_t i = 0; i < m->n_allocs; i++)
+		free(m->allocs[i]);
+	for (uint32_t i = 0; i < m->n_dallocs; i++)
+		CUDA_OK(cudaFree(m->dallocs[i]));
+	free(m);
+	*mp = NULL;
+}
+
+static void make_prompt(int32_t *tok, uint32_t n, uint32_t vocab, uint64_t seed)
+{
+	rng_state = seed;
+	for (uint32_t i = 0; i < n; i++)
+		tok[i] = (int32_t)(rng_next() % vocab);
+}
+
+/* ---- driving a backend like the engine ---------------------------------------------------- */
+
+enum span_mode {
+	SPANS_IN_ORDER = 0, /* one attn_blocks call, blocks in position order */
+	SPANS_REVERSE = 1,  /* one attn_blocks call per block, last block first */
+	SPANS_PIECES = 2,   /* odd blocks in one call, then even blocks in another */
+};
+
+struct runner {
+	const struct backend_ops *ops;
+	struct backend *be;
+	struct backend_params p;
+	const struct tmodel *m;
+	bool device;	/* device weights (CUDA) or host weights (reference) */
+	uint32_t base;	/* first position of the sequence */
+	uint32_t bpl;	/* blocks per layer */
+};
+
+static const struct backend_ops *cuda_ops(void)
+{
+	const struct backend_ops *ops = backend_find("cuda");
+	ck_assert_ptr_nonnull(ops);
+	return ops;
+}
+
+static struct backend_params params(uint32_t max_chunk, uint32_t block_tokens, enum dtype kv)
+{
+	return (struct backend_params){.max_chunk = max_chunk, .block_tokens = block_tokens,
+				       .kv_dtype = kv, .threads = 1};
+}
+
+/* p.n_kv_blocks is set here: MAX_CTX positions per layer. */
+static void runner_open(struct runner *r, const struct backend_ops *ops, const struct tmodel *m,
+			struct backend_params p, uint32_t base)
+{
+	char err[400] = "";
+	r->ops = ops;
+	r->m = m;
+	r->device = ops != &backend_ref_ops;
+	r->base = base;
+	r->bpl = (MAX_CTX + p.block_tokens - 1) / p.block_tokens;
+	p.n_kv_blocks = m->cfg.n_layers * r->bpl;
+	r->p = p;
+	int rc = ops->create(&m->cfg, &p, &r->be, err, sizeof(err));
+	ck_assert_msg(rc == 0, "%s create: %d %s", ops->name, rc, err);
+}
+
+static void runner_close(struct runner *r)
+{
+	r->ops->destroy(&r->be);
+	ck_assert_ptr_null(r->be);
+	r->ops->destroy(&r->be); /* safe twice */
+}
+
+#define CHECK_RC(r, expr)                                                                         \
+	do {                                                                                      \
+		int rc_ = (expr);                                                                 \
+		ck_assert_msg(rc_ == 0, "%s: %s: %d %s", (r)->ops->name, #expr, rc_,               \
+			      (r)->ops->error((r)->be));                                          \
+	} while (0)
+
+static uint32_t block_of(const struct runner *r, uint32_t layer, uint32_t pos)
+{
+	return layer * r->bpl + (pos - r->base) / r->p.block_tokens;
+}
+
+/* One forward step over tokens[0..n) at positions pos.. ; logits (or, with argmax, the id of
+ * the largest through logits_argmax) of the last token. */
+static void runner_step(struct runner *r, const int32_t *tok, uint32_t n, uint32_t pos, enum span_mode mode,
+			float *logits, int32_t *argmax)
+{
+	const struct tmodel *m = r->m;
+	uint32_t bt = r->p.block_tokens, dst_block[MAX_CTX], dst_row[MAX_CTX];
+	struct kv_span spans[MAX_CTX], part[MAX_CTX];
+	ck_assert_uint_le(pos + n - r->base, MAX_CTX);
+	CHECK_RC(r, r->ops->embed(r->be, &m->embed_w, tok, n, pos));
+	for (uint32_t l = 0; l < m->cfg.n_layers; l++) {
+		for (uint32_t i = 0; i < n; i++) {
+			dst_block[i] = block_of(r, l, pos + i);
+			dst_row[i] = (pos + i - r->base) % bt;
+		}
+		const struct group_weights *aw = r->device ? &m->d_attn[l] : &m->h_attn[l];
+		const struct group_weights *fw = r->device ? &m->d_ffn[l] : &m->h_ffn[l];
+		CHECK_RC(r, r->ops->attn_begin(r->be, aw, l, dst_block, dst_row));
+		uint32_t end = pos + n - r->base, ns = 0;
+		for (uint32_t b = 0; b * bt < end; b++) {
+			uint32_t cnt = end - b * bt < bt ? end - b * bt : bt;
+			spans[ns++] = (struct kv_span){.block = l * r->bpl + b, .pos0 = r->base + b * bt, .n_tokens = cnt};
+		}
+		if (mode == SPANS_IN_ORDER) {
+			CHECK_RC(r, r->ops->attn_blocks(r->be, spans, ns));
+		} else if (mode == SPANS_REVERSE) {
+			for (uint32_t s = ns; s-- > 0;)
+				CHECK_RC(r, r->ops->attn_blocks(r->be, &spans[s], 1));
+		} else {
+			for (uint32_t pass = 0; pass < 2; pass++) {
+				uint32_t np = 0;
+				for (uint32_t s = pass == 0 ? 1 : 0; s < ns; s += 2)
+					part[np++] = spans[s];
+				CHECK_RC(r, r->ops->attn_blocks(r->be, part, np));
+			}
+		}
+		CHECK_RC(r, r->ops->attn_end(r->be, aw));
+		CHECK_RC(r, r->ops->ffn(r->be, fw));
+	}
+	const struct group_weights *hw = r->device ? &m->d_head : &m->h_head;
+	if (argmax)
+		CHECK_RC(r, r->ops->logits_argmax(r->be, hw, argmax));
+	else
+		CHECK_RC(r, r->ops->logits(r->be, hw, logits));
+}
+
+static double rel_l2(const float *a, const float *ref, uint32_t n)
+{
+	double num = 0, den = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		ck_assert_msg(isfinite(a[i]), "logit %u is %g", i, (double)a[i]);
+		num += ((double)a[i] - ref[i]) * ((double)a[i] - ref[i]);
+		den += (double)ref[i] * ref[i];
+	}
+	return sqrt(num / den);
+}
+
+/* Lowest id on ties, as logits_argmax promises. */
+static int32_t host_argmax(const float *v, uint32_t n)
+{
+	int32_t best = 0;
+	for (uint32_t i = 1; i < n; i++)
+		if (v[i] > v[best])
+			best = (int32_t)i;
+	return best;
+}
+
+struct schedule {
+	uint32_t base;	      /* first position */
+	uint32_t prompt;      /* prompt tokens */
+	uint32_t chunk;	      /* prefill chunk (0: the whole prompt) */
+	uint32_t decode;      /* tokens decoded one at a time after the prompt */
+	enum span_mode prefill_mode, decode_mode;
+	uint32_t block_tokens;
+};
+
+static const struct schedule DEFAULT_SCHED = {.base = 0, .prompt = 45, .chunk = 16, .decode = 4,
+					      .prefill_mode = SPANS_IN_ORDER, .decode_mode = SPANS_PIECES,
+					      .block_tokens = 16};
+
+/* Runs the schedule on the reference (F32 KV) and on CUDA (kv), comparing the logits of every
+ * step; returns the largest relative L2 error. */
+static double compare(const struct tmodel *m, enum dtype kv, const struct schedule *s, const char *what)
+{
+	uint32_t total = s->prompt + s->decode, vocab = m->cfg.vocab_size;
+	uint32_t chunk = s->chunk ? s->chunk : s->prompt;
+	int32_t *tok = malloc(total * sizeof(int32_t));
+	float *want = malloc(vocab * sizeof(float)), *got = malloc(vocab * sizeof(float));
+	ck_assert(tok && want && got);
+	make_prompt(tok, total, vocab, 99);
+	struct runner ref, cu;
+	runner_open(&ref, &backend_ref_ops, m, params(chunk, s->block_tokens, DT_F32), s->base);
+	runner_open(&cu, cuda_ops(), m, params(chunk, s->block_tokens, kv), s->base);
+	double worst = 0;
+	for (uint32_t i = 0; i < total;) {
+		uint32_t n = i < s->prompt ? (s->prompt - i < chunk ? s->prompt - i : chunk) : 1;
+		enum span_mode mode = i < s->prompt ? s->prefill_mode : s->decode_mode;
+		runner_step(&ref, tok + i, n, s->base + i, mode, want, NULL);
+		runner_step(&cu, tok + i, n, s->base + i, mode, got, NULL);
+		double e = rel_l2(got, want, vocab);
+		if (e > worst)
+			worst = e;
+		i += n;
+	}
+	char line[160];
+	snprintf(line, sizeof(line), "%s, kv %s", what, dtype_name(kv));
+	report(line, worst);
+	runner_close(&ref);
+	runner_close(&cu);
+	free(tok);
+	free(want);
+	free(got);
+	return worst;
+}
+
+static void check_f32(const struct model_config *c, const struct schedule *s, const char *what)
+{
+	struct tmodel *m = model_new(c, DT_F32, 1234);
+	double e = compare(m, DT_F32, s, what);
+	ck_assert_msg(e < TOL_F32, "%s: relative L2 error %.3e against the reference (F32 weights and KV)", what, e);
+	model_free(&m);
+}
+
+/* ---- F32 weights and KV: the same numbers as the reference ---------------------------- */
+
+START_TEST(test_gqa_f32)
+{
+	struct model_config c = base_cfg();
+	check_f32(&c, &DEFAULT_SCHED, "gqa f32");
+}
+END_TEST
+
+START_TEST(test_mha_f32)
+{
+	struct model_config c = base_cfg();
+	c.n_kv_heads = c.n_heads;
+	check_f32(&c, &DEFAULT_SCHED, "mha f32");
+}
+END_TEST
+
+START_TEST(test_head_dim_not_dim_over_heads)
+{
+	struct model_config c = base_cfg();
+	c.head_dim = 24; /* q_proj (96, 64), o_proj (64, 96) */
+	check_f32(&c, &DEFAULT_SCHED, "head_dim 24, dim 64, 4 heads");
+	c.head_dim = 128; /* wider heads than the model: two 64-dim lanes' worth */
+	c.n_kv_heads = 1;
+	check_f32(&c, &DEFAULT_SCHED, "head_dim 128, one kv head");
+}
+END_TEST
+
+START_TEST(test_tied_embeddings)
+{
+	struct model_config c = base_cfg();
+	c.tie_embeddings = 1;
+	check_f32(&c, &DEFAULT_SCHED, "tied embeddings");
+}
+END_TEST
+
+START_TEST(test_rope_llama3)
+{
+	struct model_config c = base_cfg();
+	c.rope_scaling = ROPE_SCALING_LLAMA3;
+	c.rope_factor = 8;
+	c.rope_low_freq_factor = 1;
+	c.rope_high_freq_factor = 4;
+	c.rope_original_max_position = 64;
+	check_f32(&c, &DEFAULT_SCHED, "llama3 rope scaling");
+	c.rope_scaling = ROPE_SCALING_LINEAR;
+	check_f32(&c, &DEFAULT_SCHED, "linear rope scaling");
+}
+END_TEST
+
+/* Llama 3.1's RoPE parameters at positions near 120000: the float32 angle matters there. */
+START_TEST(test_long_positions)
+{
+	struct model_config c = base_cfg();
+	c.head_dim = 32;
+	c.rope_theta = 500000.0f;
+	c.rope_scaling = ROPE_SCALING_LLAMA3;
+	c.rope_factor = 8;
+	c.rope_low_freq_factor = 1;
+	c.rope_high_freq_factor = 4;
+	c.rope_original_max_position = 8192;
+	struct schedule s = DEFAULT_SCHED;
+	s.base = 120000;
+	check_f32(&c, &s, "positions from 120000, llama3.1 rope");
+	s.base = 131072 - 64;
+	s.prompt = 50;
+	check_f32(&c, &s, "positions up to 131071");
+}
+END_TEST
+
+START_TEST(test_sliding_window)
+{
+	struct model_config c = base_cfg();
+	c.arch = ARCH_MISTRAL;
+	c.sliding_window = 8;
+	check_f32(&c, &DEFAULT_SCHED, "sliding window 8");
+	c.sliding_window = 40;
+	struct schedule s = DEFAULT_SCHED;
+	s.prompt = 300;
+	s.chunk = 64;
+	s.decode_mode = SPANS_IN_ORDER;
+	check_f32(&c, &s, "sliding window 40, 300 tokens");
+}
+END_TEST
+
+/* Long enough that decode splits the key range over blocks (and a small prefill chunk too). */
+START_TEST(test_split_attention)
+{
+	struct model_config c = base_cfg();
+	struct schedule s = DEFAULT_SCHED;
+	s.prompt = 520;
+	s.chunk = 64;
+	s.decode = 3;
+	s.decode_mode = SPANS_IN_ORDER;
+	check_f32(&c, &s, "520 tokens, split decode");
+	s.prompt = 528;
+	s.chunk = 8; /* 8-token chunks at long context: split prefill */
+	s.decode = 2;
+	s.prefill_mode = SPANS_IN_ORDER;
+	s.decode_mode = SPANS_REVERSE;
+	check_f32(&c, &s, "528 tokens in 8-token chunks, decode reversed");
+	s.prompt = 300;
+	s.chunk = 0;
+	s.decode = 3;
+	s.block_tokens = 5; /* spans shorter than a tile, tiles across spans */
+	s.decode_mode = SPANS_PIECES;
+	check_f32(&c, &s, "block_tokens 5, 300 tokens, pieces");
+}
+END_TEST
+
+/* ---- 16-bit weights, BF16 KV ---------------------------------------------------------------- */
+
+static void check_16(enum dtype wt, enum dtype kv, bool gemv, const char *what)
+{
+	setenv("PIPELINE_CUDA_GEMV", gemv ? "1" : "0", 1);
+	struct model_config c = base_cfg();
+	c.rope_theta = 500000.0f;
+	c.rope_scaling = ROPE_SCALING_LLAMA3;
+	c.rope_factor = 8;
+	c.rope_low_freq_factor = 1;
+	c.rope_high_freq_factor = 4;
+	c.rope_original_max_position = 8192;
+	c.dim = 256;
+	c.ffn_dim = 512;
+	c.head_dim = 64;
+	struct tmodel *m = model_new(&c, wt, 4321);
+	struct schedule s = DEFAULT_SCHED;
+	s.prompt = 100;
+	s.chunk = 32;
+	s.decode = 6;
+	char line[128];
+	snprintf(line, sizeof(line), "%s (%s)", what, gemv ? "gemv" : "cublas");
+	double e = compare(m, kv, &s, line);
+	ck_assert_msg(e < TOL_16, "%s: relative L2 error %.3e against the reference", line, e);
+	fprintf(stderr, "test_cuda_backend: %s, KV %s: relative L2 error %.3e\n", line, dtype_name(kv), e);
+	model_free(&m);
+	unsetenv("PIPELINE_CUDA_GEMV");
+}
+
+START_TEST(test_bf16)
+{
+	check_16(DT_BF16, DT_BF16, true, "bf16 weights");
+	check_16(DT_BF16, DT_BF16, false, "bf16 weights");
+	check_16(DT_BF16, DT_F32, true, "bf16 weights");
+}
+END_TEST
+
+START_TEST(test_f16)
+{
+	check_16(DT_F16, DT_BF16, true, "f16 weights");
+	check_16(DT_F16, DT_F32, false, "f16 weights");
+}
+END_TEST
+
+/* Decode through the GEMV kernel (one or two rows per warp) and through cuBLAS: the two GEMV
+ * variants sum in the same order (bit-identical logits); cuBLAS sums in another order, which
+ * flips the 16-bit rounding of some activations: close, not equal. */
+START_TEST(test_gemv_matches_cublas)
+{
+	struct model_config c = base_cfg();
+	c.dim = 256;
+	c.ffn_dim = 768;
+	c.head_dim = 64;
+	struct tmodel *m = model_new(&c, DT_BF16, 55);
+	int32_t tok[40];
+	make_prompt(tok, 40, c.vocab_size, 7);
+	float *a = malloc(c.vocab_size * sizeof(float)), *b = malloc(c.vocab_size * sizeof(float));
+	float *d = malloc(c.vocab_size * sizeof(float));
+	ck_assert(a && b && d);
+	static const char *const modes[3] = {"1", "0", "2"};
+	struct runner r[3];
+	for (int i = 0; i < 3; i++) {
+		setenv("PIPELINE_CUDA_GEMV", modes[i], 1);
+		runner_open(&r[i], cuda_ops(), m, params(32, 16, DT_BF16), 0);
+		runner_step(&r[i], tok, 32, 0, SPANS_IN_ORDER, a, NULL);
+	}
+	unsetenv("PIPELINE_CUDA_GEMV");
+	double worst = 0;
+	for (uint32_t p = 32; p < 40; p++) {
+		runner_step(&r[0], tok + p, 1, p, SPANS_IN_ORDER, a, NULL);
+		runner_step(&r[1], tok + p, 1, p, SPANS_IN_ORDER, b, NULL);
+		runner_step(&r[2], tok + p, 1, p, SPANS_IN_ORDER, d, NULL);
+		ck_assert_msg(!memcmp(a, d, c.vocab_size * sizeof(float)), "gemv 1 and 2 rows per warp differ at %u", p);
+		double e = rel_l2(a, b, c.vocab_size);
+		worst = e > worst ? e : worst;
+	}
+	report("decode: gemv vs cublas, bf16", worst);
+	ck_assert_msg(worst < 1e-2, "gemv and cublas decode differ by %.3e", worst);
+	for (int i = 0; i < 3; i++)
+		runner_close(&r[i]);
+	free(a);
+	free(b);
+	free(d);
+	model_free(&m);
+}
+END_TEST
+
+/* Prefill attention on the tensor cores (BF16 KV, head_dim 64 or 128, 64 or more queries per
+ * KV head in a chunk) and on the CUDA cores: both against the reference, and against each
+ * other (they differ by the rounding of the softmax weights to bf16). */
+static void check_attn_paths(uint32_t hd, uint32_t kv_heads, uint32_t chunk, uint32_t window, const char *what)
+{
+	struct model_config c = base_cfg();
+	c.dim = 256;
+	c.ffn_dim = 512;
+	c.n_heads = 8;
+	c.n_kv_heads = kv_heads;
+	c.head_dim = hd;
+	c.sliding_window = window;
+	c.arch = window ? ARCH_MISTRAL : ARCH_LLAMA;
+	struct tmodel *m = model_new(&c, DT_BF16, 777 + hd);
+	struct schedule s = DEFAULT_SCHED;
+	s.prompt = 200;
+	s.chunk = chunk;
+	s.decode = 2;
+	s.prefill_mode = SPANS_PIECES;
+	char line[160];
+	double e[2];
+	for (int i = 0; i < 2; i++) {
+		setenv("PIPELINE_CUDA_ATTN", i ? "simple" : "mma", 1);
+		snprintf(line, sizeof(line), "%s, %s attention", what, i ? "simple" : "tensor-core");
+		e[i] = compare(m, DT_BF16, &s, line);
+		fprintf(stderr, "test_cuda_backend: %s: relative L2 error %.3e\n", line, e[i]);
+		ck_assert_msg(e[i] < TOL_16, "%s: relative L2 error %.3e against the reference", line, e[i]);
+	}
+	unsetenv("PIPELINE_CUDA_ATTN");
+	model_free(&m);
+}
+
+START_TEST(test_attention_paths)
+{
+	check_attn_paths(128, 2, 64, 0, "head_dim 128, gqa 4, chunks of 64");
+	check_attn_paths(128, 2, 16, 0, "head_dim 128, gqa 4, chunks of 16 (split)");
+	check_attn_paths(64, 4, 96, 50, "head_dim 64, gqa 2, window 50");
+	check_attn_paths(128, 8, 100, 0, "head_dim 128, mha, chunks of 100");
+}
+END_TEST
+
+/* ---- logits_argmax ------------------------------------------------------------------------ */
+
+START_TEST(test_argmax)
+{
+	struct model_config c = base_cfg();
+	struct tmodel *m = model_new(&c, DT_BF16, 66);
+	int32_t tok[60];
+	make_prompt(tok, 60, c.vocab_size, 8);
+	float *lg = malloc(c.vocab_size * sizeof(float));
+	ck_assert_ptr_nonnull(lg);
+	struct runner r, g;
+	runner_open(&r, cuda_ops(), m, params(32, 16, DT_BF16), 0);
+	runner_open(&g, cuda_ops(), m, params(32, 16, DT_BF16), 0);
+	/* The same steps on two backends: one returns the logits, the other only the argmax. */
+	for (uint32_t p = 0; p < 60;) {
+		uint32_t n = p < 32 ? 32 : 1;
+		int32_t id = -1;
+		runner_step(&r, tok + p, n, p, SPANS_IN_ORDER, lg, NULL);
+		runner_step(&g, tok + p, n, p, SPANS_IN_ORDER, NULL, &id);
+		ck_assert_int_eq(id, host_argmax(lg, c.vocab_size));
+		p += n;
+	}
+	runner_close(&r);
+	runner_close(&g);
+
+	/* Ties: an lm_head whose rows are all one row but row 0, which is zero: every logit but
+	 * the first is the same number, so the answer is 0 or 1 (lowest id of the tie). */
+	size_t row = (size_t)c.dim * dtype_size(DT_BF16);
+	char *head = malloc(row * c.vocab_size);
+	ck_assert_ptr_nonnull(head);
+	const char *src = m->h_head.t[ROLE_LM_HEAD];
+	memset(head, 0, row);
+	for (uint32_t v = 1; v < c.vocab_size; v++)
+		memcpy(head + v * row, src + row, row);
+	struct tmodel *mt = model_new(&c, DT_BF16, 66);
+	mt->d_head.t[ROLE_LM_HEAD] = upload(mt, head, row * c.vocab_size);
+	runner_open(&r, cuda_ops(), mt, params(32, 16, DT_BF16), 0);
+	runner_open(&g, cuda_ops(), mt, params(32, 16, DT_BF16), 0);
+	for (uint32_t p = 0; p < 36;) {
+		uint32_t n = p < 32 ? 32 : 1;
+		int32_t id = -1;
+		runner_step(&r, tok + p, n, p, SPANS_IN_ORDER, lg, NULL);
+		runner_step(&g, tok + p, n, p, SPANS_IN_ORDER, NULL, &id);
+		ck_assert(lg[1] == lg[c.vocab_size - 1]);
+		ck_assert_int_eq(id, lg[1] > 0 ? 1 : 0);
+		p += n;
+	}
+	runner_close(&r);
+	runner_close(&g);
+	free(head);
+	free(lg);
+	model_free(&mt);
+	model_free(&m);
+}
+END_TEST
+
+/* ---- the KV arena ----------------------------------------------------------------------- */
+
+START_TEST(test_kv_block_bytes)
+{
+	struct model_config c = base_cfg();
+	struct backend_params p = params(16, 16, DT_BF16);
+	ck_assert_uint_eq(cuda_ops()->kv_block_bytes(&c, &p), 2u * 16 * 2 * 16 * 2);
+	p.kv_dtype = DT_F32;
+	ck_assert_uint_eq(cuda_ops()->kv_block_bytes(&c, &p), 2u * 16 * 2 * 16 * 4);
+}
+END_TEST
+
+/* Prefill on one backend, move every block through host memory into a fresh one, decode the
+ * next tokens on both: the same logits, bit for bit. Then a block moved to another index. */
+START_TEST(test_kv_host_roundtrip)
+{
+	struct model_config c = base_cfg();
+	struct tmodel *m = model_new(&c, DT_BF16, 21);
+	uint32_t n = 38;
+	int32_t tok[40];
+	make_prompt(tok, 40, c.vocab_size, 22);
+	float *la = malloc(c.vocab_size * sizeof(float)), *lb = malloc(c.vocab_size * sizeof(float));
+	ck_assert(la && lb);
+	struct runner a, b;
+	runner_open(&a, cuda_ops(), m, params(64, 16, DT_BF16), 0);
+	runner_open(&b, cuda_ops(), m, params(64, 16, DT_BF16), 0);
+	runner_step(&a, tok, n, 0, SPANS_IN_ORDER, la, NULL);
+	size_t bytes = a.ops->kv_block_bytes(&c, &a.p);
+	char *buf = malloc(bytes), *back = malloc(bytes);
+	ck_assert(buf && back);
+	for (uint32_t blk = 0; blk < a.p.n_kv_blocks; blk++) {
+		CHECK_RC(&a, a.ops->kv_to_host(a.be, blk, buf));
+		CHECK_RC(&b, b.ops->kv_from_host(b.be, blk, buf));
+		CHECK_RC(&b, b.ops->kv_to_host(b.be, blk, back));
+		ck_assert_int_eq(memcmp(buf, back, bytes), 0);
+	}
+	for (uint32_t p = n; p < 40; p++) {
+		runner_step(&a, tok + p, 1, p, SPANS_IN_ORDER, la, NULL);
+		runner_step(&b, tok + p, 1, p, SPANS_IN_ORDER, lb, NULL);
+		ck_assert_int_eq(memcmp(la, lb, c.vocab_size * sizeof(float)), 0);
+	}
+	ck_assert_int_eq(a.ops->kv_to_host(a.be, a.p.n_kv_blocks, buf), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(a.ops->error(a.be), "outside the arena"));
+	ck_assert_int_eq(b.ops->kv_from_host(b.be, b.p.n_kv_blocks, buf), -EINVAL);
+	free(buf);
+	free(back);
+	runner_close(&a);
+	runner_close(&b);
+	free(la);
+	free(lb);
+	model_free(&m);
+}
+END_TEST
+
+/* ---- errors ----------------------------------------------------------------------------- */
+
+START_TEST(test_bad_config_rejected)
+{
+	const struct backend_ops *ops = cuda_ops();
+	struct model_config c = base_cfg();
+	struct backend_params p = params(16, 16, DT_F16);
+	p.n_kv_blocks = 8;
+	struct backend *be = (struct backend *)(uintptr_t)1; /* create must set NULL on failure */
+	char err[400] = "";
+	ck_assert_int_eq(ops->create(&c, &p, &be, err, sizeof(err)), -ENOTSUP);
+	ck_assert_ptr_null(be);
+	ck_assert_msg(strstr(err, "kv_dtype F16") != NULL, "message: %s", err);
+	p.kv_dtype = DT_BF16;
+	c.head_dim = 20;
+	ck_assert_int_eq(ops->create(&c, &p, &be, err, sizeof(err)), -ENOTSUP);
+	ck_assert_msg(strstr(err, "head_dim 20") != NULL, "message: %s", err);
+	c = base_cfg();
+	c.n_kv_heads = 3;
+	ck_assert_int_eq(ops->create(&c, &p, &be, err, sizeof(err)), -EINVAL);
+	ck_assert_msg(strstr(err, "not a multiple of 3 kv heads") != NULL, "message: %s", err);
+	c = base_cfg();
+	p.block_tokens = 0;
+	ck_assert_int_eq(ops->create(&c, &p, &be, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_null(be);
+}
+END_TEST
+
+START_TEST(test_bad_calls_rejected)
+{
+	struct model_config c = base_cfg();
+	struct tmodel *m = model_new(&c, DT_BF16, 4);
+	struct runner r;
+	runner_open(&r, cuda_ops(), m, params(16, 16, DT_BF16), 0);
+	uint32_t blk = 0, row = 0;
+	struct kv_span sp = {.block = 0, .pos0 = 0, .n_tokens = 1};
+	float *lg = malloc(c.vocab_size * sizeof(float));
+	ck_assert_ptr_nonnull(lg);
+	/* Out of order. */
+	ck_assert_int_eq(r.ops->attn_begin(r.be, &m->d_attn[0], 0, &blk, &row), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(r.ops->error(r.be), "before embed"));
+	ck_assert_int_eq(r.ops->attn_blocks(r.be, &sp, 1), -EINVAL);
+	ck_assert_int_eq(r.ops->logits(r.be, &m->d_head, lg), -EINVAL);
+	/* Tokens. */
+	int32_t bad[] = {1, 2, 512};
+	ck_assert_int_eq(r.ops->embed(r.be, &m->embed_w, bad, 3, 0), -EINVAL);
+	ck_assert_msg(strstr(r.ops->error(r.be), "token id 512") != NULL, "message: %s", r.ops->error(r.be));
+	ck_assert_int_eq(r.ops->embed(r.be, &m->embed_w, bad, 17, 0), -EINVAL); /* > max_chunk */
+	int32_t tok[] = {7};
+	CHECK_RC(&r, r.ops->embed(r.be, &m->embed_w, tok, 1, 0));
+	/* A destination outside the arena, a missing tensor, mixed dtypes. */
+	blk = r.p.n_kv_blocks;
+	ck_assert_int_eq(r.ops->attn_begin(r.be, &m->d_attn[0], 0, &blk, &row), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(r.ops->error(r.be), "outside the arena"));
+	blk = 0;
+	struct group_weights w = m->d_attn[0];
+	w.t[ROLE_WK] = NULL;
+	ck_assert_int_eq(r.ops->attn_begin(r.be, &w, 0, &blk, &row), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(r.ops->error(r.be), "no wk tensor"));
+	w = m->d_attn[0];
+	w.dtype[ROLE_WV] = DT_F16;
+	ck_assert_int_eq(r.ops->attn_begin(r.be, &w, 0, &blk, &row), -ENOTSUP);
+	ck_assert_ptr_nonnull(strstr(r.ops->error(r.be), "mixed matrix dtypes"));
+	CHECK_RC(&r, r.ops->attn_begin(r.be, &m->d_attn[0], 0, &blk, &row));
+	/* Bad spans; then attn_end without the query's own block: found on the GPU, reported by
+	 * the next logits. */
+	struct kv_span badsp = {.block = r.p.n_kv_blocks, .pos0 = 0, .n_tokens = 1};
+	ck_assert_int_eq(r.ops->attn_blocks(r.be, &badsp, 1), -EINVAL);
+	badsp = (struct kv_span){.block = 0, .pos0 = 0, .n_tokens = r.p.block_tokens + 1};
+	ck_assert_int_eq(r.ops->attn_blocks(r.be, &badsp, 1), -EINVAL);
+	ck_assert_int_eq(r.ops->ffn(r.be, &m->d_ffn[0]), -EINVAL);
+	CHECK_RC(&r, r.ops->attn_end(r.be, &m->d_attn[0]));
+	CHECK_RC(&r, r.ops->ffn(r.be, &m->d_ffn[0]));
+	ck_assert_int_eq(r.ops->logits(r.be, &m->d_head, lg), -EINVAL);
+	ck_assert_msg(strstr(r.ops->error(r.be), "saw no keys") && strstr(r.ops->error(r.be), "layer 0"),
+		      "message: %s", r.ops->error(r.be));
+	/* Reported once: the backend goes on. */
+	CHECK_RC(&r, r.ops->logits(r.be, &m->d_head, lg));
+	free(lg);
+	runner_close(&r);
+	model_free(&m);
+}
+END_TEST
+
+START_TEST(test_registry)
+{
+	const struct backend_ops *ops = backend_find("cuda");
+	ck_assert_ptr_nonnull(ops);
+	ck_assert_str_eq(ops->name, "cuda");
+	ck_assert_ptr_nonnull(ops->logits_argmax);
+	ck_assert_ptr_nonnull(ops->stream);
+	ck_assert_str_eq(backend_default_name(), "cuda"); /* this test runs only with a GPU */
+	struct model_config c = base_cfg();
+	struct backend_params p = params(4, 16, DT_BF16);
+	p.n_kv_blocks = 4;
+	struct backend *be = NULL;
+	char err[400] = "";
+	ck_assert_int_eq(ops->create(&c, &p, &be, err, sizeof(err)), 0);
+	ck_assert_ptr_nonnull(ops->stream(be));
+	ops->destroy(&be);
+}
+END_TEST
+
+/* ---- timing on a Llama-3-8B shape ------------------------------------------------------- */
+
+static double now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+struct big {
+	struct model_config cfg;
+	struct group_weights embed, head, *attn, *ffn;
+	void *pool;	  /* device: all matrices and norms */
+	void *embed_host; /* the embedding table */
+	size_t weight_bytes; /* bytes a decode step reads (all but the embedding table) */
+};
+
+/* Random BF16 weights, ~N(0, 0.02)-sized uniform values (not zeros, which run faster than
+ * real data): 64 MiB generated on the host, replicated over the device tensors. */
+static void big_new(struct big *b)
+{
+	struct model_config c = {
+		.arch = ARCH_LLAMA, .n_layers = 32, .dim = 4096, .n_heads = 32, .n_kv_heads = 8, .head_dim = 128,
+		.ffn_dim = 14336, .vocab_size = 128256, .max_position = 131072, .rms_eps = 1e-5f,
+		.rope_theta = 500000.0f, .rope_scaling = ROPE_SCALING_LLAMA3, .rope_factor = 8,
+		.rope_low_freq_factor = 1, .rope_high_freq_factor = 4, .rope_original_max_position = 8192,
+		.bos_id = -1,
+	};
+	b->cfg = c;
+	size_t dim = c.dim, qd = (size_t)c.n_heads * c.head_dim, kvd = (size_t)c.n_kv_heads * c.head_dim;
+	size_t per_layer = (dim + qd * dim + 2 * kvd * dim + dim * qd) + (dim + 3 * (size_t)c.ffn_dim * dim);
+	size_t elems = per_layer * c.n_layers + dim + (size_t)c.vocab_size * dim;
+	b->weight_bytes = elems * 2;
+	CUDA_OK(cudaMalloc(&b->pool, b->weight_bytes));
+	size_t chunk = 32u << 20; /* elements */
+	uint16_t *h = malloc(chunk * 2);
+	ck_assert_ptr_nonnull(h);
+	rng_state = 17;
+	for (size_t i = 0; i < chunk; i++)
+		h[i] = f32_to_bf16((float)((rng_uniform() - 0.5) * 0.07));
+	CUDA_OK(cudaMemcpy(b->pool, h, chunk * 2, cudaMemcpyHostToDevice));
+	for (size_t off = chunk; off < elems; off += chunk) {
+		size_t n = elems - off < chunk ? elems - off : chunk;
+		CUDA_OK(cudaMemcpy((uint16_t *)b->pool + off, b->pool, n * 2, cudaMemcpyDeviceToDevice));
+	}
+	/* Norm weights near 1. */
+	for (size_t i = 0; i < dim; i++)
+		h[i] = f32_to_bf16((float)(1.0 + 0.1 * (rng_uniform() - 0.5)));
+	b->attn = calloc(c.n_layers, sizeof(*b->attn));
+	b->ffn = calloc(c.n_layers, sizeof(*b->ffn));
+	ck_assert(b->attn && b->ffn);
+	uint16_t *p = b->pool;
+#define TAKE(gw, role, count)                                                   \
+	do {                                                                    \
+		(gw)->t[role] = p;                                              \
+		(gw)->dtype[role] = DT_BF16;                                    \
+		p += (count);                                                   \
+	} while (0)
+	for (uint32_t l = 0; l < c.n_layers; l++) {
+		CUDA_OK(cudaMemcpy(p, h, dim * 2, cudaMemcpyHostToDevice));
+		TAKE(&b->attn[l], ROLE_ATTN_NORM, dim);
+		TAKE(&b->attn[l], ROLE_WQ, qd * dim);
+		TAKE(&b->attn[l], ROLE_WK, kvd * dim);
+		TAKE(&b->attn[l], ROLE_WV, kvd * dim);
+		TAKE(&b->attn[l], ROLE_WO, dim * qd);
+		CUDA_OK(cudaMemcpy(p, h, dim * 2, cudaMemcpyHostToDevice));
+		TAKE(&b->ffn[l], ROLE_FFN_NORM, dim);
+		TAKE(&b->ffn[l], ROLE_W_GATE, (size_t)c.ffn_dim * dim);
+		TAKE(&b->ffn[l], ROLE_W_UP, (size_t)c.ffn_dim * dim);
+		TAKE(&b->ffn[l], ROLE_W_DOWN, dim * c.ffn_dim);
+	}
+	CUDA_OK(cudaMemcpy(p, h, dim * 2, cudaMemcpyHostToDevice));
+	TAKE(&b->head, ROLE_FINAL_NORM, dim);
+	TAKE(&b->head, ROLE_LM_HEAD, (size_t)c.vocab_size * dim);
+#undef TAKE
+	ck_assert(p == (uint16_t *)b->pool + elems);
+	/* The embedding table (host): the random chunk repeated. */
+	size_t eb = (size_t)c.vocab_size * dim;
+	b->embed_host = malloc(eb * 2);
+	ck_assert_ptr_nonnull(b->embed_host);
+	for (size_t off = 0; off < eb; off += chunk)
+		memcpy((uint16_t *)b->embed_host + off, h, (eb - off < chunk ? eb - off : chunk) * 2);
+	b->embed.t[ROLE_EMBED] = b->embed_host;
+	b->embed.dtype[ROLE_EMBED] = DT_BF16;
+	free(h);
+	CUDA_OK(cudaDeviceSynchronize());
+}
+
+static void big_free(struct big *b)
+{
+	CUDA_OK(cudaFree(b->pool));
+	free(b->embed_host);
+	free(b->attn);
+	free(b->ffn);
+}
+
+#define PERF_CTX 4224
+#define PERF_CHUNK 512
+
+struct perf_run {
+	const struct big *b;
+	const struct backend_ops *ops;
+	struct backend *be;
+	uint32_t bt, bpl;
+	int32_t *tok;
+	struct kv_span *spans;
+	uint32_t *dst_block, *dst_row;
+};
+
+/* A backend for the 8B shape with PIPELINE_CUDA_GEMV / PIPELINE_CUDA_ATTN set as given. */
+static void perf_open(struct perf_run *r, const struct big *b, const char *gemv, const char *attn)
+{
+	const struct model_config *c = &b->cfg;
+	r->b = b;
+	r->ops = cuda_ops();
+	r->bt = 16;
+	r->bpl = PERF_CTX / r->bt;
+	struct backend_params p = params(PERF_CHUNK, r->bt, DT_BF16);
+	p.n_kv_blocks = c->n_layers * r->bpl;
+	setenv("PIPELINE_CUDA_GEMV", gemv, 1);
+	setenv("PIPELINE_CUDA_ATTN", attn, 1);
+	char err[400] = "";
+	int rc = r->ops->create(c, &p, &r->be, err, sizeof(err));
+	unsetenv("PIPELINE_CUDA_GEMV");
+	unsetenv("PIPELINE_CUDA_ATTN");
+	ck_assert_msg(rc == 0, "create: %s", err);
+	r->tok = malloc(PERF_CTX * sizeof(int32_t));
+	r->spans = malloc(r->bpl * sizeof(*r->spans));
+	r->dst_block = malloc(PERF_CHUNK * sizeof(uint32_t));
+	r->dst_row = malloc(PERF_CHUNK * sizeof(uint32_t));
+	ck_assert(r->tok && r->spans && r->dst_block && r->dst_row);
+	make_prompt(r->tok, PERF_CTX, c->vocab_size, 3);
+}
+
+static void perf_close(struct perf_run *r)
+{
+	r->ops->destroy(&r->be);
+	free(r->tok);
+	free(r->spans);
+	free(r->dst_block);
+	free(r->dst_row);
+}
+
+static double enqueue_ms; /* host time of the last perf_step until logits_argmax */
+
+/* One step as the engine runs it, spans in order from position 0; returns the argmax. */
+static int32_t perf_step(struct perf_run *r, uint32_t n, uint32_t pos)
+{
+	const struct big *b = r->b;
+	const struct backend_ops *ops = r->ops;
+	struct backend *be = r->be;
+	uint32_t bt = r->bt;
+	int32_t id = -1;
+	double t0 = now_ms();
+	int rc = ops->embed(be, &b->embed, r->tok + pos, n, pos);
+	ck_assert_msg(rc == 0, "embed: %s", ops->error(be));
+	for (uint32_t l = 0; l < b->cfg.n_layers; l++) {
+		for (uint32_t i = 0; i < n; i++) {
+			r->dst_block[i] = l * r->bpl + (pos + i) / bt;
+			r->dst_row[i] = (pos + i) % bt;
+		}
+		rc = ops->attn_begin(be, &b->attn[l], l, r->dst_block, r->dst_row);
+		ck_assert_msg(rc == 0, "attn_begin: %s", ops->error(be));
+		uint32_t end = pos + n, ns = 0;
+		for (uint32_t k = 0; k * bt < end; k++)
+			r->spans[ns++] = (struct kv_span){.block = l * r->bpl + k, .pos0 = k * bt,
+							  .n_tokens = end - k * bt < bt ? end - k * bt : bt};
+		rc = ops->attn_blocks(be, r->spans, ns);
+		ck_assert_msg(rc == 0, "attn_blocks: %s", ops->error(be));
+		rc = ops->attn_end(be, &b->attn[l]);
+		ck_assert_msg(rc == 0, "attn_end: %s", ops->error(be));
+		rc = ops->ffn(be, &b->ffn[l]);
+		ck_assert_msg(rc == 0, "ffn: %s", ops->error(be));
+	}
+	enqueue_ms = now_ms() - t0;
+	rc = ops->logits_argmax(be, &b->head, &id);
+	ck_assert_msg(rc == 0, "logits_argmax: %s", ops->error(be));
+	return id;
+}
+
+/* Median ms of nd decode steps from *pos on (advanced); the median host enqueue time too. */
+static double perf_decode(struct perf_run *r, uint32_t *pos, uint32_t nd, double *enqueue)
+{
+	double d[64], q[64];
+	ck_assert_uint_le(nd, 64);
+	for (uint32_t i = 0; i < nd; i++, (*pos)++) {
+		double t0 = now_ms();
+		perf_step(r, 1, *pos);
+		d[i] = now_ms() - t0;
+		q[i] = enqueue_ms;
+	}
+	qsort(d, nd, sizeof(double), cmp_double);
+	qsort(q, nd, sizeof(double), cmp_double);
+	*enqueue = q[nd / 2];
+	return d[nd / 2];
+}
+
+/* Prefill a 512-token chunk at 0, decode 16 tokens (~context 528), time lm_head alone; with
+ * long_ctx, prefill on to ~4k in 512-token chunks and decode 32 more. */
+static void big_run(const struct big *b, const char *gemv, const char *attn, bool long_ctx)
+{
+	struct perf_run r;
+	perf_open(&r, b, gemv, attn);
+	const struct model_config *c = &b->cfg;
+	char how[64];
+	snprintf(how, sizeof(how), "gemv %s, attention %s", gemv, attn);
+
+	/* Warm-up: one chunk and a few decode steps, then start over at position 0. */
+	perf_step(&r, PERF_CHUNK, 0);
+	for (uint32_t i = 0; i < 3; i++)
+		perf_step(&r, 1, PERF_CHUNK + i);
+
+	double pf[3];
+	for (int i = 0; i < 3; i++) {
+		double t0 = now_ms();
+		perf_step(&r, PERF_CHUNK, 0);
+		pf[i] = now_ms() - t0;
+	}
+	qsort(pf, 3, sizeof(double), cmp_double);
+	fprintf(stderr, "perf (%s): prefill 512 tokens at position 0: %.2f ms, %.0f tokens/s\n", how, pf[1],
+		PERF_CHUNK / pf[1] * 1e3);
+	uint32_t pos = PERF_CHUNK;
+	double enq, dt = perf_decode(&r, &pos, 16, &enq);
+	fprintf(stderr, "perf (%s): decode at context ~%u: median %.3f ms/token, %.0f GB/s of weights; host enqueue "
+		"%.3f ms\n", how, pos, dt, b->weight_bytes / (dt * 1e-3) / 1e9, enq);
+	/* lm_head alone (final norm, one GEMV over 1 GB, argmax): the matrix-vector bandwidth. */
+	double lm[16];
+	for (int i = 0; i < 16; i++) {
+		int32_t id;
+		double t0 = now_ms();
+		int rc = r.ops->logits_argmax(r.be, &b->head, &id);
+		ck_assert_msg(rc == 0, "logits_argmax: %s", r.ops->error(r.be));
+		lm[i] = now_ms() - t0;
+	}
+	qsort(lm, 16, sizeof(double), cmp_double);
+	fprintf(stderr, "perf (%s): lm_head alone: %.3f ms, %.0f GB/s\n", how, lm[8],
+		(double)c->vocab_size * c->dim * 2 / (lm[8] * 1e-3) / 1e9);
+	if (long_ctx) {
+		double tot = 0;
+		uint32_t chunks = 0;
+		while (pos + PERF_CHUNK + 40 <= PERF_CTX) {
+			double t0 = now_ms();
+			perf_step(&r, PERF_CHUNK, pos);
+			tot += now_ms() - t0;
+			pos += PERF_CHUNK;
+			chunks++;
+		}
+		fprintf(stderr, "perf (%s): prefill %u more 512-token chunks up to position %u: %.2f ms each, %.0f "
+			"tokens/s\n", how, chunks, pos, tot / chunks, PERF_CHUNK * chunks / tot * 1e3);
+		dt = perf_decode(&r, &pos, 32, &enq);
+		fprintf(stderr, "perf (%s): decode at context ~%u: median %.3f ms/token; host enqueue %.3f ms\n", how, pos,
+			dt, enq);
+	}
+	perf_close(&r);
+}
+
+/* One decode step or one 512-token prefill chunk (at context ~512) alone in the profiler's
+ * window, after a warm-up. */
+static void big_profile(const struct big *b, const char *what)
+{
+	struct perf_run r;
+	perf_open(&r, b, "", "");
+	perf_step(&r, PERF_CHUNK, 0);
+	for (uint32_t i = 0; i < 3; i++)
+		perf_step(&r, 1, PERF_CHUNK + i);
+	bool decode = !strcmp(what, "decode");
+	CUDA_OK(cudaProfilerStart());
+	perf_step(&r, decode ? 1 : PERF_CHUNK, PERF_CHUNK + 3);
+	CUDA_OK(cudaProfilerStop());
+	fprintf(stderr, "perf: profiled one %s step\n", decode ? "decode" : "512-token prefill");
+	perf_close(&r);
+}
+
+START_TEST(test_perf_llama3_8b)
+{
+	const char *skip = getenv("PIPELINE_TEST_SKIP_PERF");
+	if (skip && *skip == '1')
+		return;
+	size_t free_b = 0, total_b = 0;
+	CUDA_OK(cudaMemGetInfo(&free_b, &total_b));
+	if (free_b < (18ull << 30)) {
+		fprintf(stderr, "perf: skipped: %.1f GiB free on the GPU, the 8B shape needs ~18\n",
+			free_b / (double)(1ull << 30));
+		return;
+	}
+	struct big b;
+	memset(&b, 0, sizeof(b));
+	big_new(&b);
+	const char *prof = getenv("PIPELINE_TEST_PERF_PROFILE");
+	if (prof && *prof) {
+		big_profile(&b, prof);
+		big_free(&b);
+		return;
+	}
+	fprintf(stderr, "perf: Llama-3-8B shape, BF16 weights resident (%.2f GB read per decode step), BF16 KV, "
+		"16-token blocks\n", b.weight_bytes / 1e9);
+	big_run(&b, "1", "mma", true);
+	big_run(&b, "2", "mma", false);
+	big_run(&b, "0", "mma", false);
+	big_run(&b, "1", "simple", false);
+	big_free(&b);
+}
+END_TEST
+
+static Suite *cuda_suite(void)
+{
+	Suite *s = suite_create("backend_cuda");
+	TCase *tc = tcase_create("f32");
+	tcase_set_timeout(tc, 120);
+	tcase_add_test(tc, test_gqa_f32);
+	tcase_add_test(tc, test_mha_f32);
+	tcase_add_test(tc, test_head_dim_not_dim_over_heads);
+	tcase_add_test(tc, test_tied_embeddings);
+	tcase_add_test(tc, test_rope_llama3);
+	tcase_add_test(tc, test_long_positions);
+	tcase_add_test(tc, test_sliding_window);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("split_attention");
+	tcase_set_timeout(tc, 120);
+	tcase_add_test(tc, test_split_attention);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("half");
+	tcase_set_timeout(tc, 120);
+	tcase_add_test(tc, test_bf16);
+	tcase_add_test(tc, test_f16);
+	tcase_add_test(tc, test_gemv_matches_cublas);
+	tcase_add_test(tc, test_attention_paths);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("argmax");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_argmax);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("kv_arena");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_kv_block_bytes);
+	tcase_add_test(tc, test_kv_host_roundtrip);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("errors");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_bad_config_rejected);
+	tcase_add_test(tc, test_bad_calls_rejected);
+	tcase_add_test(tc, test_registry);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("perf");
+	tcase_set_timeout(tc, 300);
+	tcase_add_test(tc, test_perf_llama3_8b);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+/* Asks a child process whether a GPU is there, so this process has not initialised CUDA when
+ * Check forks the tests. */
+static bool have_gpu(void)
+{
+	pid_t pid = fork();
+	if (pid < 0)
+		return false;
+	if (pid == 0) {
+		int count = 0;
+		_exit(cudaGetDeviceCount(&count) == cudaSuccess && count > 0 ? 0 : 1);
+	}
+	int status = 0;
+	if (waitpid(pid, &status, 0) != pid)
+		return false;
+	return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+int main(void)
+{
+	if (!have_gpu()) {
+		fprintf(stderr, "test_cuda_backend: no CUDA device: skipped\n");
+		return 77;
+	}
+	SRunner *sr = srunner_create(cuda_suite());
+	/* Fork mode unless CK_FORK=no (the sanitizer runs). */
+	srunner_run_all(sr, CK_NORMAL);
+	int failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
