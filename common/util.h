@@ -26,8 +26,10 @@ double now_s(void);
 #define FNV64_INIT 0xcbf29ce484222325ull
 uint64_t fnv1a64(uint64_t h, const void *data, size_t len);
 
-/* CRC-32C (Castagnoli) continuing from crc (start with 0). */
+/* CRC-32C (Castagnoli) continuing from crc (start with 0): in hardware where the CPU has it
+ * (SSE4.2), else crc32c_portable, the table version that every machine runs. */
 uint32_t crc32c(uint32_t crc, const void *data, size_t len);
+uint32_t crc32c_portable(uint32_t crc, const void *data, size_t len);
 
 /* Formats a message into err (of errlen bytes) and returns rc: the one-line error path
  * `return errorf(err, errlen, -EINVAL, "tensor %s: ...", name);`. */

@@ -99,9 +99,15 @@ svc_launch() {
 	local log=$RUN_DIR/$service.log
 	(umask 077 && : >>"$log")
 	printf '==== %s: %s started by scripts/pipeline\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$service" >>"$log"
+	# PIPELINE_WRAP_GPU_RUNNER="compute-sanitizer --tool memcheck" (and _SSD_LOADER, _KV_STORE)
+	# runs the service under a tool; the pid is then the tool's, which stops the service with it.
+	local wrap_var=PIPELINE_WRAP_${service//-/_}
+	wrap_var=${wrap_var^^}
+	local -a wrap=()
+	[[ -n ${!wrap_var:-} ]] && read -r -a wrap <<<"${!wrap_var}"
 	# In a script without job control a background child is no process-group leader, so
 	# setsid makes the new session in place (no fork) and $! is the service's own pid.
-	setsid "$BIN_DIR/$service" --instance "$INSTANCE" --run-dir "$RUN_DIR" "$@" </dev/null >>"$log" 2>&1 &
+	setsid "${wrap[@]}" "$BIN_DIR/$service" --instance "$INSTANCE" --run-dir "$RUN_DIR" "$@" </dev/null >>"$log" 2>&1 &
 	local pid=$!
 	printf '%s\n' "$pid" >"$RUN_DIR/$service.pid"
 	printf '%s\n' "$pid"

@@ -112,6 +112,15 @@ struct backend_ops {
 
 	/* The last error message. */
 	const char *(*error)(struct backend *be);
+
+	/* Optional (NULL: the runner calls kv_to_host per block): copies n arena blocks to host
+	 * buffers of kv_block_bytes and returns once all of them are complete: one wait for the
+	 * batch instead of one per block. */
+	int (*kv_to_host_n)(struct backend *be, uint32_t n, const uint32_t *blocks, void *const *dsts);
+	/* Optional: page-lock host memory the backend will copy to and from (the KV pool), so its
+	 * copies run at the link's speed; unpin_host before that memory is unmapped. */
+	int (*pin_host)(struct backend *be, void *p, size_t bytes);
+	void (*unpin_host)(struct backend *be, void *p);
 };
 
 /* The backends built into this binary. backend_find returns NULL for an unknown or

@@ -1302,6 +1302,34 @@ static int cuda_kv_to_host(struct backend *be, uint32_t block, void *dst)
 	return 0;
 }
 
+/* The batch of a layer's commit: every copy queued behind the compute that wrote the blocks,
+ * then one wait. */
+static int cuda_kv_to_host_n(struct backend *be, uint32_t n, const uint32_t *blocks, void *const *dsts)
+{
+	size_t bytes = be->block_elems * be->kv_esize;
+	for (uint32_t i = 0; i < n; i++) {
+		if (blocks[i] >= be->p.n_kv_blocks)
+			return fail(be, -EINVAL, "cuda backend: kv_to_host_n: block %u is outside the arena of %u blocks",
+				    blocks[i], be->p.n_kv_blocks);
+		CUDA_TRY(be, "cudaMemcpyAsync (kv_to_host_n)",
+			 cudaMemcpyAsync(dsts[i], (char *)be->arena + blocks[i] * bytes, bytes, cudaMemcpyDeviceToHost,
+					 be->stream));
+	}
+	CUDA_TRY(be, "cudaStreamSynchronize (kv_to_host_n)", cudaStreamSynchronize(be->stream));
+	return 0;
+}
+
+static int cuda_pin_host(struct backend *be, void *p, size_t bytes)
+{
+	CUDA_TRY(be, "cudaHostRegister", cudaHostRegister(p, bytes, cudaHostRegisterDefault));
+	return 0;
+}
+
+static void cuda_unpin_host(struct backend *be, void *p)
+{
+	cudaHostUnregister(p);
+}
+
 static int cuda_kv_from_host(struct backend *be, uint32_t block, const void *src)
 {
 	if (block >= be->p.n_kv_blocks)
@@ -2037,5 +2065,8 @@ const struct backend_ops backend_cuda_ops = {
 	cuda_logits_argmax,	/* logits_argmax */
 	cuda_stream,		/* stream */
 	cuda_error,		/* error */
+	cuda_kv_to_host_n,	/* kv_to_host_n */
+	cuda_pin_host,		/* pin_host */
+	cuda_unpin_host,	/* unpin_host */
 };
 }

@@ -42,6 +42,7 @@ struct kv_cache {
 	uint64_t *handles;
 	void **ptrs;
 	uint32_t *idx;
+	uint32_t *arena_idx;
 	struct kv_cache_stats stats;
 	char error[512];
 };
@@ -88,7 +89,8 @@ int kv_cache_create(const struct kv_cache_params *p, const struct backend_ops *o
 	kv->handles = calloc(kv->blocks_per_layer + 1, sizeof(*kv->handles));
 	kv->ptrs = calloc(kv->blocks_per_layer + 1, sizeof(*kv->ptrs));
 	kv->idx = calloc(kv->blocks_per_layer + 1, sizeof(*kv->idx));
-	if (!kv->entries || !kv->arena || !kv->spans || !kv->handles || !kv->ptrs || !kv->idx) {
+	kv->arena_idx = calloc(kv->blocks_per_layer + 1, sizeof(*kv->arena_idx));
+	if (!kv->entries || !kv->arena || !kv->spans || !kv->handles || !kv->ptrs || !kv->idx || !kv->arena_idx) {
 		kv_cache_destroy(&kv);
 		snprintf(err, errlen, "out of memory for the KV tables");
 		return -ENOMEM;
@@ -113,6 +115,7 @@ void kv_cache_destroy(struct kv_cache **kvp)
 	free(kv->handles);
 	free(kv->ptrs);
 	free(kv->idx);
+	free(kv->arena_idx);
 	free(kv);
 	*kvp = NULL;
 }
@@ -324,13 +327,18 @@ static int commit_batch(struct kv_cache *kv, uint32_t layer, const uint32_t *idx
 	if (rc)
 		return set_err(kv, rc, "allocating %u KV blocks in the kv-store failed: %s", n,
 			       kv->remote->error(kv->rctx));
-	for (uint32_t i = 0; i < n; i++) {
-		rc = kv->ops->kv_to_host(kv->be, (uint32_t)entry(kv, layer, idx[i])->arena, kv->ptrs[i]);
-		if (rc) {
-			set_err(kv, rc, "copying a KV block out of the arena failed: %s", kv->ops->error(kv->be));
-			kv->remote->release(kv->rctx, n, kv->handles);
-			return rc;
-		}
+	if (kv->ops->kv_to_host_n) {
+		for (uint32_t i = 0; i < n; i++)
+			kv->arena_idx[i] = (uint32_t)entry(kv, layer, idx[i])->arena;
+		rc = kv->ops->kv_to_host_n(kv->be, n, kv->arena_idx, kv->ptrs);
+	} else {
+		for (uint32_t i = 0; i < n && rc == 0; i++)
+			rc = kv->ops->kv_to_host(kv->be, (uint32_t)entry(kv, layer, idx[i])->arena, kv->ptrs[i]);
+	}
+	if (rc) {
+		set_err(kv, rc, "copying KV blocks out of the arena failed: %s", kv->ops->error(kv->be));
+		kv->remote->release(kv->rctx, n, kv->handles);
+		return rc;
 	}
 	rc = kv->remote->commit(kv->rctx, n, kv->handles, kv->ptrs);
 	if (rc) {

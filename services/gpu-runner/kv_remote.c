@@ -18,11 +18,38 @@ static int reply_errno(const struct msg *rep)
 	return rep->error.code > 0 && rep->error.code < 4096 ? (int)rep->error.code : EIO;
 }
 
+/* Reads the replies of the commits sent so far. Returns 0, or the first refusal. */
+static int drain(struct kv_remote *kr)
+{
+	int rc = 0;
+	for (uint32_t i = 0; i < kr->n_pending; i++) {
+		struct msg rep;
+		int r = rpc_wait(kr->client, kr->pending[i], &rep, kr->timeout_ms);
+		if (r == -EREMOTEIO) {
+			if (!rc)
+				rc = set_err(kr, reply_errno(&rep), "kv-store refused a commit: %s", rep.error.text.p);
+			msg_free(&rep);
+		} else if (r) {
+			if (!rc)
+				rc = set_err(kr, r, "kv-store did not answer a commit: %s", strerror(-r));
+		} else {
+			if (rep.type != MSG_OK && !rc)
+				rc = set_err(kr, -EPROTO, "kv-store answered a commit with %s", msg_type_name(rep.type));
+			msg_free(&rep);
+		}
+	}
+	kr->n_pending = 0;
+	return rc;
+}
+
 /* One request; the reply must be of type `want`. Returns 0 with rep to free, or -errno. */
 static int call(struct kv_remote *kr, struct msg *req, uint32_t want, struct msg *rep)
 {
 	if (!kr->h)
 		return set_err(kr, -ENOTCONN, "not connected to kv-store");
+	int prc = drain(kr);
+	if (prc)
+		return prc;
 	const char *what = msg_type_name(req->type);
 	int rc = rpc_call(kr->client, req, rep, kr->timeout_ms);
 	if (rc == -EREMOTEIO) {
@@ -121,14 +148,22 @@ static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const
 		atomic_store_explicit(&slots[slot].ready, 1, memory_order_release);
 	}
 	atomic_fetch_add_explicit(&kr->h->runner.blocks_written, n, memory_order_relaxed);
-	struct msg req, rep;
+	if (kr->n_pending == sizeof(kr->pending) / sizeof(kr->pending[0])) {
+		int rc = drain(kr);
+		if (rc)
+			return rc;
+	}
+	struct msg req;
 	msg_init(&req, MSG_KV_COMMIT, 0);
 	req.kv_commit.handles.v = (uint64_t *)handles;
 	req.kv_commit.handles.n = n;
-	int rc = call(kr, &req, MSG_OK, &rep);
-	if (rc == 0)
-		msg_free(&rep);
-	return rc;
+	/* Write-behind: the reply is read before the next request (see kv_remote.h). */
+	uint64_t corr;
+	int rc = rpc_send(kr->client, &req, &corr);
+	if (rc)
+		return set_err(kr, rc, "cannot send a commit to kv-store: %s", strerror(-rc));
+	kr->pending[kr->n_pending++] = corr;
+	return 0;
 }
 
 static int op_fetch(void *ctx, uint32_t n, const uint64_t *handles, void **ptrs)
@@ -237,6 +272,7 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 
 void kv_remote_disconnect(struct kv_remote *kr)
 {
+	kr->n_pending = 0;
 	shm_object_close(&kr->obj, false);
 	kr->h = NULL;
 }

@@ -9,6 +9,10 @@
  *
  * Completion without CUDA: after copying a block into its pool slot, commit stores the slot's
  * ready flag with release order before sending MSG_KV_COMMIT; kv-store loads it with acquire.
+ *
+ * Commits are write-behind: commit sends MSG_KV_COMMIT and returns; its reply is collected
+ * before the next request to the kv-store (replies come in order), so the kv-store checksums
+ * while the runner computes. A refused commit surfaces as the error of that next request.
  */
 #ifndef GPU_RUNNER_KV_REMOTE_H
 #define GPU_RUNNER_KV_REMOTE_H
@@ -31,6 +35,8 @@ struct kv_remote {
 	uint64_t pool_epoch;
 	uint64_t block_bytes;
 	int timeout_ms;
+	uint64_t pending[64]; /* correlation ids of commits whose replies are not yet read */
+	uint32_t n_pending;
 	char error[512];
 };
 

@@ -19,6 +19,7 @@
 #include "common/config.h"
 #include "common/log.h"
 #include "common/service.h"
+#include "common/shm.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
 #include "services/gpu-runner/backend.h"
@@ -62,6 +63,7 @@ struct runner {
 	struct gpu_window *win; /* the GPU tier of weights, with the cuda backend */
 #endif
 	struct kv_remote kv;
+	void *pool_pinned; /* the KV pool mapping, page-locked for the backend's copies */
 	bool loader_suspect, kv_suspect;
 	bool kv_connected; /* a pool was mapped before */
 
@@ -195,9 +197,30 @@ static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t e
 	return 0;
 }
 
+/* Page-locks the KV pool for a device backend (copies then run at the link's speed and
+ * asynchronously); undone before the pool is unmapped. */
+static void pin_pool(struct runner *r)
+{
+	if (!r->ops->pin_host || !r->kv.obj)
+		return;
+	void *base = shm_object_base(r->kv.obj);
+	if (r->ops->pin_host(r->be, base, shm_object_size(r->kv.obj)) == 0)
+		r->pool_pinned = base;
+	else
+		log_warn("cannot pin the KV pool: %s (its copies run from pageable memory)", r->ops->error(r->be));
+}
+
+static void unpin_pool(struct runner *r)
+{
+	if (r->pool_pinned && r->ops->unpin_host)
+		r->ops->unpin_host(r->be, r->pool_pinned);
+	r->pool_pinned = NULL;
+}
+
 static int connect_kv(struct runner *r, int deadline_ms, char *err, size_t errlen)
 {
 	struct msg hello;
+	unpin_pool(r);
 	rpc_client_reset(r->kv_c);
 	int rc = rpc_wait_ready(r->kv_c, &hello, deadline_ms);
 	if (rc) {
@@ -213,6 +236,7 @@ static int connect_kv(struct runner *r, int deadline_ms, char *err, size_t errle
 			       errlen);
 	if (rc)
 		return rc;
+	pin_pool(r);
 	if (r->kv_connected && !same) {
 		log_warn("kv-store has a new pool: the blocks it held are gone");
 		kv_cache_forget_remote(r->cache);
@@ -624,6 +648,7 @@ static void teardown(struct runner *r)
 	kv_cache_destroy(&r->cache);
 	if (r->ops && r->be)
 		r->ops->destroy(&r->be);
+	unpin_pool(r);
 	kv_remote_disconnect(&r->kv);
 	drop_window(r);
 	ring_source_destroy(&r->ring);
