@@ -139,8 +139,11 @@ svc_stop() {
 	if ! pipectl_run --timeout 5 shutdown "$service" >/dev/null 2>&1; then
 		kill -TERM "$pid" 2>/dev/null || true
 	fi
-	if ! wait_exit "$pid" 10; then
-		warn "$service (pid $pid) did not exit in 10 s; killing it"
+	# PIPELINE_STOP_TIMEOUT: seconds a service may take to exit (a sanitizer writing its
+	# report needs longer than the default 10).
+	local t=${PIPELINE_STOP_TIMEOUT:-10}
+	if ! wait_exit "$pid" "$t"; then
+		warn "$service (pid $pid) did not exit in $t s; killing it"
 		kill -KILL "$pid" 2>/dev/null || true
 		wait_exit "$pid" 5 || warn "$service (pid $pid) survived SIGKILL"
 	fi

@@ -225,7 +225,11 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	uint32_t h = w->order[c][k % w->m[c]];
 	struct gslot *s = &w->slots[w->first_slot[c] + (uint32_t)(k % w->depth[c])];
 	struct gent *e = &w->g[h];
-	int rc;
+	/* Hand back the host slots of copies already done first: the release then rides on the
+	 * acquire below, and the loader can read ahead while we wait for this group. */
+	int rc = poll_copies(w);
+	if (rc)
+		return rc;
 	if (e->state != GWIN_ABSENT)
 		return errorf(w->base.error, sizeof(w->base.error), -EFAULT,
 			      "weight window: group %u is due for a copy but is %s", h, state_name(e->state));

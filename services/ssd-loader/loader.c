@@ -187,7 +187,8 @@ int loader_create(const struct loader_params *p, const struct loader_ops *ops, v
 	for (uint32_t i = 0; i < p->m->n_files; i++)
 		paths[i] = p->m->files[i].path;
 	struct reader_params rp = {.n_files = p->m->n_files, .paths = paths, .queue_depth = p->io_depth,
-				   .max_read = p->max_read, .buffered = p->buffered};
+				   .max_read = p->max_read, .buffered = p->buffered,
+				   .inline_issue = p->inline_issue};
 	rc = reader_create(&rp, on_read_done, l, &l->reader, err, errlen);
 	free(paths);
 	if (rc)

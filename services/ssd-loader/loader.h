@@ -57,6 +57,7 @@ struct loader_params {
 	uint32_t io_depth;	   /* reads in flight at most */
 	uint64_t max_read;	   /* bytes per read (multiple of 4 KiB) */
 	bool buffered;		   /* never O_DIRECT */
+	bool inline_issue;	   /* reads issued inline, not from io-wq workers (reader.h) */
 };
 
 /* Opens the model's files (reader.h) and checks that every extent fits its slot. Returns 0

@@ -21,10 +21,7 @@
 #define READER_OPEN(path, flags) open(path, flags)
 #endif
 
-/* Flags of every read: IOSQE_ASYNC (see prep_piece). A benchmark builds with 0 to compare. */
-#ifndef READER_SQE_FLAGS
-#define READER_SQE_FLAGS IOSQE_ASYNC
-#endif
+
 
 #define NO_EOF UINT64_MAX
 
@@ -66,6 +63,7 @@ struct reader {
 	void *ctx;
 	uint32_t depth;
 	uint64_t max_read;
+	bool inline_issue;
 	uint32_t n_files;
 	struct rfile *files;
 
@@ -160,6 +158,7 @@ int reader_create(const struct reader_params *p, reader_done_fn done, void *ctx,
 	r->ctx = ctx;
 	r->depth = p->queue_depth;
 	r->max_read = p->max_read;
+	r->inline_issue = p->inline_issue;
 	r->efd = -1;
 	r->files = calloc(p->n_files, sizeof(*r->files));
 	r->pieces = calloc(p->queue_depth, sizeof(*r->pieces));
@@ -250,7 +249,7 @@ static void prep_piece(struct reader *r, struct piece *pc)
 	 * first fill ran at 1.67 GB/s; from the workers, 3.4 ms and 1.78 GB/s; once the pages
 	 * exist both read 1.8 GB/s. On the 2-core dev VM a HELLO during a 3.6 GiB fill waited up
 	 * to 1.8 s inline and 66 ms with workers. */
-	io_uring_sqe_set_flags(sqe, READER_SQE_FLAGS);
+	io_uring_sqe_set_flags(sqe, r->inline_issue ? 0 : IOSQE_ASYNC);
 	r->unsubmitted++;
 }
 
