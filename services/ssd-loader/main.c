@@ -119,7 +119,7 @@ int main(int argc, char **argv)
 	char *instance = NULL, *run_dir_flag = NULL, *model = NULL, *tokenizer = NULL, *log_level = NULL;
 	uint64_t budget = 0, max_read = 0;
 	long io_depth = 0;
-	bool buffered = false, inline_issue = false;
+	bool buffered = false, io_async = false;
 	struct opt opts[] = {
 		{"instance", OPT_STRING, &instance, "default", "instance name (shared-memory and run-directory names)"},
 		{"run-dir", OPT_STRING, &run_dir_flag, NULL, "directory of the control sockets (default "
@@ -130,8 +130,8 @@ int main(int argc, char **argv)
 		{"io-depth", OPT_INT, &io_depth, "64", "reads in flight at most"},
 		{"max-read", OPT_SIZE, &max_read, "4MiB", "bytes per read (a multiple of 4 KiB)"},
 		{"buffered", OPT_BOOL, &buffered, NULL, "read through the page cache, never O_DIRECT"},
-		{"io-inline", OPT_BOOL, &inline_issue, NULL,
-		 "issue reads inline in io_uring_enter rather than from io_uring's workers"},
+		{"io-async", OPT_BOOL, &io_async, NULL,
+		 "issue reads from io_uring's worker threads instead of inline (slower here; see ring.c)"},
 		{"log-level", OPT_STRING, &log_level, NULL, "debug, info, warn or error (default info)"},
 		{0},
 	};
@@ -233,7 +233,7 @@ int main(int argc, char **argv)
 				   .io_depth = (uint32_t)io_depth,
 				   .max_read = max_read,
 				   .buffered = buffered,
-				   .inline_issue = inline_issue};
+				   .inline_issue = !io_async};
 	struct loader_ops lops = {.grant = send_grant, .fail = send_fail};
 	rc = loader_create(&lp, &lops, &app, &app.loader, err, sizeof(err));
 	if (rc) {

@@ -43,7 +43,8 @@ struct reader_params {
 	uint32_t queue_depth;	  /* pieces in flight at most, 1..READER_MAX_DEPTH */
 	uint64_t max_read;	  /* bytes per piece: a multiple of READER_ALIGN, up to READER_MAX_READ */
 	bool buffered;		  /* never use O_DIRECT */
-	bool inline_issue;	  /* issue reads inside io_uring_enter instead of from io-wq workers */
+	bool inline_issue;	  /* issue reads inside io_uring_enter (into memory whose pages exist)
+				   * instead of from io-wq workers */
 };
 
 /* Completion of one request. rc is 0 or a negative errno; text (NULL on success) names the

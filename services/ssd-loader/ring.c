@@ -5,8 +5,14 @@
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 
+#include "common/log.h"
 #include "common/util.h"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
 
 struct ring_layout {
 	uint64_t tensors_off, groups_off, group_state_off, slots_off, tokenizer_off, data_off, total;
@@ -118,7 +124,20 @@ int ring_create(const char *name, const struct manifest *m, const struct plan *p
 				 format_size(size, sz, sizeof(sz)), strerror(-rc));
 		return rc;
 	}
-	/* ftruncate gave zeroed pages and mmap a page-aligned base. */
+	/* ftruncate gave zeroed pages and mmap a page-aligned base. Fault every page in now, once:
+	 * an O_DIRECT read into a page that does not exist yet faults it in inside the submitting
+	 * call, which stalls the loop and slows the first fill; with the pages there, reads can be
+	 * issued inline, which reads faster than through io_uring's workers (measured on the lent
+	 * H100 machine: 1.93 against 1.60 GB/s into a 4 GiB buffer, 4 MiB reads, 64 in flight). */
+	uint64_t t0 = now_ns();
+	if (madvise(shm_object_base(o), size, MADV_POPULATE_WRITE) != 0) {
+		/* Kernels before 5.14: touch each page. */
+		for (uint64_t off = 0; off < size; off += 4096)
+			((volatile char *)shm_object_base(o))[off] = 0;
+	}
+	if (size > (1ull << 30))
+		log_info("weight ring: %.1f GiB of pages faulted in in %.2f s", (double)size / (1u << 30),
+			 (double)(now_ns() - t0) * 1e-9);
 	ring_init(shm_object_base(o), size, m, p);
 	shm_object_set_ready(o);
 	*out = o;
