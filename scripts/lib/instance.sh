@@ -50,17 +50,20 @@ proc_is_service() {
 	[[ $pid =~ ^[0-9]+$ ]] || return 1
 	[[ -r /proc/$pid/comm ]] || return 1
 	comm=$(<"/proc/$pid/comm") 2>/dev/null || return 1
-	[[ $comm == "$service" ]] || return 1
 	state=$(sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$pid/stat" 2>/dev/null) || return 1
 	[[ $state != Z && $state != X ]] || return 1
 	local -a argv
 	mapfile -d '' argv <"/proc/$pid/cmdline" 2>/dev/null || return 1
+	# The service itself, or a tool it runs under (PIPELINE_WRAP_*) whose arguments run it.
+	local runs=0 ours=0
+	[[ $comm == "$service" ]] && runs=1
 	for arg in "${argv[@]}"; do
-		[[ $prev == --run-dir && $arg == "$RUN_DIR" ]] && return 0
-		[[ $arg == "--run-dir=$RUN_DIR" ]] && return 0
+		[[ ${arg##*/} == "$service" ]] && runs=1
+		[[ $prev == --run-dir && $arg == "$RUN_DIR" ]] && ours=1
+		[[ $arg == "--run-dir=$RUN_DIR" ]] && ours=1
 		prev=$arg
 	done
-	return 1
+	((runs && ours))
 }
 
 # Prints the pid of this instance's SERVICE if it is running.
