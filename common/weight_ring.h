@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define WRING_LAYOUT_VERSION 2
+#define WRING_LAYOUT_VERSION 3
 #define WRING_NO_GROUP UINT32_MAX
 #define WRING_NO_SLOT UINT32_MAX
 
@@ -93,6 +93,12 @@ struct wring_header {
 		_Atomic uint64_t tokens;	/* tokens computed */
 		_Atomic uint64_t bytes_acquired;/* group bytes granted to the runner (what crosses to it) */
 	} runner;
+	/* Written by the loader before the ring is ready: what the DRAM tier's plan costs, for the
+	 * runner's prediction of the time per token. */
+	alignas(64) struct {
+		uint64_t disk_bytes_per_token; /* read from disk per pass over the model; 0 when resident */
+		uint64_t disk_bytes_per_s;     /* measured at start (or given with --disk-bytes-per-s) */
+	} plan;
 };
 
 static inline struct tensor_desc *wring_tensors(struct wring_header *h)

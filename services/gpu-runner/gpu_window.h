@@ -44,6 +44,7 @@ struct gpu_window_params {
 	bool strict;	     /* check every invariant on every call */
 	bool time_copies;    /* record timing events around each copy (for the benchmark) */
 	double h2d_bytes_per_s; /* 0: measure at create */
+	uint32_t copy_streams;	/* H2D concurrency: copies go round-robin over this many streams (1..4) */
 };
 
 enum gwin_state {
@@ -64,6 +65,7 @@ struct gpu_window_stats {
 	double h2d_bytes_per_s;		 /* measured (or given) */
 	double copy_ms;			 /* with time_copies: device time spent copying, since reset */
 	uint64_t timed_copies;
+	uint32_t copy_streams;
 };
 
 struct gpu_window;

@@ -53,7 +53,10 @@ struct runner {
 	/* options */
 	const char *instance, *run_dir, *backend_name, *log_level, *kv_dtype_name;
 	uint64_t gpu_budget, kv_gpu_budget;
-	long block_tokens, threads, max_context, prefill_chunk, timeout_ms, prefetch_depth;
+	long block_tokens, threads, max_context, prefill_chunk, timeout_ms, prefetch_depth, copy_streams;
+	uint64_t h2d_bps, hbm_bps;
+	double predicted_ms;	/* per decode token, from the plans of both tiers */
+	const char *binding;	/* which limit the prediction says binds */
 	bool strict, profile_copies;
 
 	void *zctx; /* for the clients of the other services */
@@ -125,6 +128,42 @@ static struct weight_source *weights(struct runner *r)
 	return ring_source_base(r->ring);
 }
 
+#ifdef PIPELINE_HAVE_CUDA
+/* The time a decode token should take under the plans of both tiers: the most of the bytes
+ * that cross PCIe over the H2D bandwidth, the bytes read from disk over the disk's bandwidth,
+ * and every weight byte read from GPU memory once over its bandwidth. */
+static void predict(struct runner *r)
+{
+	struct gpu_window_stats st;
+	gpu_window_stats(r->win, &st);
+	uint64_t disk_bytes, disk_bps;
+	ring_source_disk_plan(r->ring, &disk_bytes, &disk_bps);
+	const struct weight_source *ws = ring_source_base(r->ring);
+	uint64_t weights = 0;
+	for (uint32_t g = 1; g < ws->n_groups; g++) /* the embedding is read one row a token, on the host */
+		weights += ws->groups[g].tensor_bytes;
+	double pcie = st.h2d_bytes_per_s > 0 ? (double)st.streamed_bytes_per_token / st.h2d_bytes_per_s * 1e3 : 0;
+	double disk = disk_bytes && disk_bps ? (double)disk_bytes / (double)disk_bps * 1e3 : 0;
+	double hbm = r->hbm_bps ? (double)weights / (double)r->hbm_bps * 1e3 : 0;
+	r->predicted_ms = pcie;
+	r->binding = "the PCIe link";
+	if (disk > r->predicted_ms) {
+		r->predicted_ms = disk;
+		r->binding = "the disk";
+	}
+	if (hbm > r->predicted_ms) {
+		r->predicted_ms = hbm;
+		r->binding = "GPU memory bandwidth";
+	}
+	char a[32], b[32], c[32];
+	log_info("per decode token: %s over PCIe (%.1f ms at %.1f GB/s), %s from disk (%.1f ms at %.2f GB/s), %s from "
+		 "GPU memory (%.1f ms at %.1f TB/s): predicted %.1f ms/token; %s binds",
+		 format_size(st.streamed_bytes_per_token, a, sizeof(a)), pcie, st.h2d_bytes_per_s / 1e9,
+		 format_size(disk_bytes, b, sizeof(b)), disk, (double)disk_bps / 1e9, format_size(weights, c, sizeof(c)), hbm,
+		 (double)r->hbm_bps / 1e12, r->predicted_ms, r->binding);
+}
+#endif
+
 /* With a device backend, the GPU window over the ring (nothing to do on the C backend). */
 static int make_window(struct runner *r, char *err, size_t errlen)
 {
@@ -133,13 +172,15 @@ static int make_window(struct runner *r, char *err, size_t errlen)
 		return 0;
 #ifdef PIPELINE_HAVE_CUDA
 	struct gpu_window_params wp = {.gpu_budget = r->gpu_budget, .depth = (uint32_t)r->prefetch_depth,
-				       .strict = r->strict, .time_copies = r->profile_copies};
+				       .strict = r->strict, .time_copies = r->profile_copies,
+				       .h2d_bytes_per_s = (double)r->h2d_bps, .copy_streams = (uint32_t)r->copy_streams};
 	int rc = gpu_window_create(r->ring, stream, &wp, &r->win, err, errlen);
 	if (rc)
 		return rc;
 	char line[512];
 	gpu_window_describe(r->win, line, sizeof(line));
 	log_info("%s", line);
+	predict(r);
 	return 0;
 #else
 	snprintf(err, errlen, "a device backend without CUDA support in this build");
@@ -503,6 +544,8 @@ static char *stats(void *ctx)
 	if (o && r->win) {
 		struct gpu_window_stats ws2;
 		gpu_window_stats(r->win, &ws2);
+		json_object_set_new(o, "predicted_ms_per_token", json_real(r->predicted_ms));
+		json_object_set_new(o, "binding", json_string(r->binding ? r->binding : ""));
 		json_t *g = json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:i, s:f, s:f, s:I}", "resident_groups",
 				      (json_int_t)ws2.resident_groups, "streamed_groups", (json_int_t)ws2.streamed_groups,
 				      "resident_bytes", (json_int_t)ws2.resident_bytes, "window_bytes",
@@ -608,8 +651,8 @@ static int setup(struct runner *r)
 		log_error("backend %s: %s", r->ops->name, err);
 		return rc;
 	}
-	if (r->prefetch_depth < 1 || r->prefetch_depth > 64) {
-		log_error("--prefetch-depth %ld is out of range (1..64)", r->prefetch_depth);
+	if (r->prefetch_depth < 1 || r->prefetch_depth > 64 || r->copy_streams < 1 || r->copy_streams > 4) {
+		log_error("--prefetch-depth (1..64) or --copy-streams (1..4) out of range");
 		return -EINVAL;
 	}
 	rc = make_window(r, err, sizeof(err));
@@ -677,6 +720,9 @@ int main(int argc, char **argv)
 		{"gpu-budget", OPT_SIZE, &r.gpu_budget, "6GiB", "GPU memory for weights (cuda backend; the cpu backend computes from the ring in place)"},
 		{"prefetch-depth", OPT_INT, &r.prefetch_depth, "2",
 		 "device slots per streamed group class: copies run this far ahead of compute"},
+		{"copy-streams", OPT_INT, &r.copy_streams, "1", "H2D concurrency: weight copies spread over this many streams (1..4)"},
+		{"h2d-bytes-per-s", OPT_SIZE, &r.h2d_bps, "0", "host-to-device bandwidth for the plan (0: measure at start)"},
+		{"hbm-bytes-per-s", OPT_SIZE, &r.hbm_bps, "2.7TB", "GPU memory bandwidth the prediction assumes for reading weights"},
 		{"strict", OPT_BOOL, &r.strict, NULL, "check the GPU window's invariants at every step"},
 		{"profile-copies", OPT_BOOL, &r.profile_copies, NULL, "time every weight copy (stats: gpu_window.copy_ms)"},
 		{"kv-dtype", OPT_STRING, &r.kv_dtype_name, NULL, "KV element type: f32 or bf16 (default: f32 on cpu, bf16 on cuda)"},

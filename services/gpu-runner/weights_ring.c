@@ -382,6 +382,12 @@ bool ring_source_group_pinned(const struct ring_source *rs, uint32_t g)
 	return g < rs->h->n_groups && atomic_load_explicit(&wring_group_state(rs->h)[g].pinned, memory_order_relaxed);
 }
 
+void ring_source_disk_plan(const struct ring_source *rs, uint64_t *bytes_per_token, uint64_t *bytes_per_s)
+{
+	*bytes_per_token = rs->h->plan.disk_bytes_per_token;
+	*bytes_per_s = rs->h->plan.disk_bytes_per_s;
+}
+
 void ring_source_mapping(const struct ring_source *rs, void **base, size_t *size)
 {
 	*base = rs->h;

@@ -46,6 +46,9 @@ const void *ring_source_group_base(const struct ring_source *rs, uint32_t group)
 uint32_t ring_source_streaming_slots(const struct ring_source *rs, uint32_t c);
 /* Is group g held by the loader for good (pinned, or the whole model resident)? */
 bool ring_source_group_pinned(const struct ring_source *rs, uint32_t g);
+/* The DRAM tier's cost per token as the loader planned and measured it: bytes read from disk
+ * per pass over the model (0 when everything is resident) and the disk's bandwidth (0 unknown). */
+void ring_source_disk_plan(const struct ring_source *rs, uint64_t *bytes_per_token, uint64_t *bytes_per_s);
 /* The whole mapping (to pin it for DMA). */
 void ring_source_mapping(const struct ring_source *rs, void **base, size_t *size);
 /* The tokenizer.json the loader put in the ring: *data and *len (NULL/0 when the model has none).

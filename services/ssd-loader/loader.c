@@ -686,13 +686,8 @@ char *loader_stats_json(const struct loader *l)
 	if (!o)
 		return NULL;
 	uint32_t waiting = l->n_w;
-	/* What a decode token reads from disk once the resident groups are in: every group that is
-	 * not pinned, once per pass over the model. */
-	uint64_t per_token = 0;
-	if (!plan_all_resident(l->plan))
-		for (uint32_t g = 0; g < l->n_groups; g++)
-			if (!plan_group_pinned(l->plan, g))
-				per_token += l->m->groups[g].slot_bytes;
+	/* What a decode token reads from disk once the resident groups are in. */
+	uint64_t per_token = plan_disk_bytes_per_pass(l->plan, l->m);
 	struct {
 		const char *key;
 		json_t *v;

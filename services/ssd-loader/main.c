@@ -22,6 +22,7 @@
 #include "common/shm.h"
 #include "common/util.h"
 #include "common/weight_ring.h"
+#include "services/ssd-loader/calibrate.h"
 #include "services/ssd-loader/loader.h"
 #include "services/ssd-loader/plan.h"
 #include "services/ssd-loader/reader.h"
@@ -120,6 +121,7 @@ int main(int argc, char **argv)
 	uint64_t budget = 0, max_read = 0;
 	long io_depth = 0;
 	bool buffered = false, io_async = false;
+	uint64_t disk_bps = 0;
 	struct opt opts[] = {
 		{"instance", OPT_STRING, &instance, "default", "instance name (shared-memory and run-directory names)"},
 		{"run-dir", OPT_STRING, &run_dir_flag, NULL, "directory of the control sockets (default "
@@ -130,6 +132,8 @@ int main(int argc, char **argv)
 		{"io-depth", OPT_INT, &io_depth, "64", "reads in flight at most"},
 		{"max-read", OPT_SIZE, &max_read, "4MiB", "bytes per read (a multiple of 4 KiB)"},
 		{"buffered", OPT_BOOL, &buffered, NULL, "read through the page cache, never O_DIRECT"},
+		{"disk-bytes-per-s", OPT_SIZE, &disk_bps, "0",
+		 "the disk's read bandwidth for the plan's prediction (0: measure at start, a fraction of a second)"},
 		{"io-async", OPT_BOOL, &io_async, NULL,
 		 "issue reads from io_uring's worker threads instead of inline (slower here; see ring.c)"},
 		{"log-level", OPT_STRING, &log_level, NULL, "debug, info, warn or error (default info)"},
@@ -226,6 +230,35 @@ int main(int argc, char **argv)
 		log_error("%s", err);
 		goto out_plan;
 	}
+	/* What the DRAM tier costs per token, for the runner's prediction: the bytes that stream,
+	 * and the disk's bandwidth, measured now (into the ring's data region, which the loads
+	 * overwrite next) unless given. */
+	struct wring_header *rh = shm_object_base(app.ring);
+	rh->plan.disk_bytes_per_token = plan_disk_bytes_per_pass(plan, m);
+	if (!disk_bps && !buffered) {
+		double bps = 0;
+		uint32_t big = 0;
+		for (uint32_t i = 1; i < m->n_files; i++)
+			if (m->files[i].size > m->files[big].size)
+				big = i;
+		char why[512] = "";
+		int crc = calibrate_disk(m->files[big].path, (char *)rh + rh->data_off, rh->data_bytes, 256u << 20,
+					 (unsigned)io_depth, &bps, why, sizeof(why));
+		if (crc == 0) {
+			disk_bps = (uint64_t)bps;
+			char b[32];
+			log_info("disk: %.2f GB/s measured on %s (%s read)%s%s", bps / 1e9, m->files[big].path,
+				 format_size(m->files[big].size < (256u << 20) ? m->files[big].size : (256u << 20), b,
+					     sizeof(b)),
+				 why[0] ? "; " : "", why);
+		} else if (crc == -ERANGE) {
+			log_info("%s", why);
+		} else {
+			log_warn("%s", why);
+		}
+	}
+	rh->plan.disk_bytes_per_s = disk_bps;
+
 	struct loader_params lp = {.m = m,
 				   .plan = plan,
 				   .ring = shm_object_base(app.ring),

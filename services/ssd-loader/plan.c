@@ -162,6 +162,16 @@ out_nomem:
 	return -ENOMEM;
 }
 
+uint64_t plan_disk_bytes_per_pass(const struct plan *p, const struct manifest *m)
+{
+	uint64_t n = 0;
+	if (!p->all_resident)
+		for (uint32_t g = 0; g < p->n_groups; g++)
+			if (!p->pinned[g])
+				n += m->groups[g].slot_bytes;
+	return n;
+}
+
 void plan_destroy(struct plan **pp)
 {
 	if (!pp || !*pp)

@@ -57,6 +57,9 @@ uint32_t plan_class_slots(const struct plan *p, uint32_t cls);
 uint32_t plan_streaming_slots(const struct plan *p, uint32_t cls);
 /* Does group stay resident in a slot of its own? */
 bool plan_group_pinned(const struct plan *p, uint32_t group);
+/* Bytes read from disk per pass over the model once the pinned groups are in: the groups that
+ * stream (0 when everything is resident). m is the manifest the plan was made from. */
+uint64_t plan_disk_bytes_per_pass(const struct plan *p, const struct manifest *m);
 /* Sum of every slot's capacity: the ring's data region. */
 uint64_t plan_data_bytes(const struct plan *p);
 /* What one slot per group would take (the all-resident size). */
