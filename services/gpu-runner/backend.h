@@ -121,6 +121,16 @@ struct backend_ops {
 	 * copies run at the link's speed; unpin_host before that memory is unmapped. */
 	int (*pin_host)(struct backend *be, void *p, size_t bytes);
 	void (*unpin_host)(struct backend *be, void *p);
+
+	/* Optional: like logits, then a draw where the logits are, so only the token id crosses
+	 * the bus. z = logits / temperature; top_k keeps the tokens whose z is at least the k-th
+	 * largest (ties at the boundary all stay); weights exp(z - max z); top_p keeps the tokens
+	 * whose weight is at least the largest threshold that still leaves top_p of the mass;
+	 * min_p keeps weights of at least min_p; then the token where the running sum of kept
+	 * weights, in id order, passes u (in [0, 1)) times their total. (0 / >= 1 switch a filter
+	 * off as in sampler.h; the same distribution as the sampler, drawn another way.) */
+	int (*logits_sample)(struct backend *be, const struct group_weights *w, float temperature, uint32_t top_k,
+			     float top_p, float min_p, double u, int32_t *token);
 };
 
 /* The backends built into this binary. backend_find returns NULL for an unknown or

@@ -421,6 +421,163 @@ __global__ void __launch_bounds__(1024) argmax_kernel(const float *v, uint32_t n
 	}
 }
 
+
+/* ---- sampling (one block) ---------------------------------------------------------------- */
+
+/* Floats to unsigned integers in the same order (for bisection over the bits). */
+__device__ __forceinline__ uint32_t ord_of(float f)
+{
+	uint32_t u = __float_as_uint(f);
+	return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float float_of(uint32_t o)
+{
+	return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+}
+
+/* Block-wide sum of a double (blockDim.x == 1024). */
+__device__ double block_sum(double v, double *sh)
+{
+	for (int o = 16; o > 0; o >>= 1)
+		v += __shfl_xor_sync(0xffffffffu, v, o);
+	__syncthreads();
+	if (threadIdx.x % 32 == 0)
+		sh[threadIdx.x / 32] = v;
+	__syncthreads();
+	if (threadIdx.x < 32) {
+		v = sh[threadIdx.x];
+		for (int o = 16; o > 0; o >>= 1)
+			v += __shfl_xor_sync(0xffffffffu, v, o);
+		if (threadIdx.x == 0)
+			sh[0] = v;
+	}
+	__syncthreads();
+	double r = sh[0];
+	__syncthreads();
+	return r;
+}
+
+/* Logits in v (n of them) to one sampled token (semantics: backend.h, logits_sample). */
+__global__ void __launch_bounds__(1024) sample_kernel(const float *v, uint32_t n, float inv_t, uint32_t top_k,
+							float top_p, float min_p, double u, struct dev_status *st)
+{
+	__shared__ double sh[32];
+	__shared__ double pre[1024];
+	const uint32_t T = blockDim.x, t = threadIdx.x;
+	if (t == 0)
+		st->token = -1; /* set below by the one thread whose run holds the draw */
+	/* max of z */
+	float mx = -INFINITY;
+	for (uint32_t i = t; i < n; i += T) {
+		float z = v[i] * inv_t;
+		if (z > mx)
+			mx = z;
+	}
+	for (int o = 16; o > 0; o >>= 1)
+		mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+	__shared__ float shm[32];
+	if (t % 32 == 0)
+		shm[t / 32] = mx;
+	__syncthreads();
+	if (t == 0) {
+		for (uint32_t w = 1; w < T / 32; w++)
+			shm[0] = fmaxf(shm[0], shm[w]);
+	}
+	__syncthreads();
+	mx = shm[0];
+	if (!(mx > -INFINITY)) { /* every logit is -inf or NaN */
+		if (t == 0)
+			st->token = 0;
+		return;
+	}
+	/* top-k: the largest z threshold with at least k values at or above it (exact, by bits). */
+	uint32_t zlo = 0; /* ord of the threshold; 0 keeps everything */
+	if (top_k > 0 && top_k < n) {
+		uint32_t lo = 0, hi = ord_of(mx); /* invariant: count(>= float_of(lo)) >= k */
+		while (lo < hi) {
+			uint32_t mid = lo + (hi - lo + 1) / 2;
+			float th = float_of(mid);
+			double c = 0;
+			for (uint32_t i = t; i < n; i += T)
+				c += v[i] * inv_t >= th ? 1.0 : 0.0;
+			if (block_sum(c, sh) >= (double)top_k)
+				lo = mid;
+			else
+				hi = mid - 1;
+		}
+		zlo = lo;
+	}
+	const float zth = zlo ? float_of(zlo) : -INFINITY;
+#define WEIGHT(i) (v[(i)] * inv_t >= zth && !isnan(v[(i)]) ? expf(v[(i)] * inv_t - mx) : 0.0f)
+	/* top-p: the largest weight threshold whose kept mass still reaches top_p of the total. */
+	float wth = 0.0f;
+	if (top_p > 0.0f && top_p < 1.0f) {
+		double tot = 0;
+		for (uint32_t i = t; i < n; i += T)
+			tot += WEIGHT(i);
+		double need = (double)top_p * block_sum(tot, sh);
+		uint32_t lo = 0, hi = ord_of(1.0f); /* weights lie in [0, 1] */
+		while (lo < hi) {
+			uint32_t mid = lo + (hi - lo + 1) / 2;
+			float th = float_of(mid);
+			double m = 0;
+			for (uint32_t i = t; i < n; i += T) {
+				float w = WEIGHT(i);
+				m += w >= th ? w : 0.0f;
+			}
+			if (block_sum(m, sh) >= need)
+				lo = mid;
+			else
+				hi = mid - 1;
+		}
+		wth = float_of(lo);
+		if (wth < 0.0f)
+			wth = 0.0f;
+	}
+	if (min_p > 0.0f)
+		wth = fmaxf(wth, fminf(min_p, 1.0f));
+	/* The draw: each thread owns a contiguous run of ids; prefix sums across the block. */
+	uint32_t per = (n + T - 1) / T, a = t * per, b = a + per < n ? a + per : n;
+	double mine = 0;
+	int32_t last = -1;
+	for (uint32_t i = a; i < b; i++) {
+		float w = WEIGHT(i);
+		if (w > 0.0f && w >= wth) {
+			mine += w;
+			last = (int32_t)i;
+		}
+	}
+	pre[t] = mine;
+	__syncthreads();
+	if (t == 0) {
+		double run = 0;
+		for (uint32_t i = 0; i < T; i++) {
+			double x = pre[i];
+			pre[i] = run;
+			run += x;
+		}
+		sh[0] = run;
+	}
+	__syncthreads();
+	double total = sh[0], target = u * total;
+	if (mine > 0 && target >= pre[t] && (target < pre[t] + mine || (t == T - 1 || pre[t] + mine >= total))) {
+		double run = pre[t];
+		int32_t pick = last;
+		for (uint32_t i = a; i < b; i++) {
+			float w = WEIGHT(i);
+			if (w > 0.0f && w >= wth) {
+				run += w;
+				if (target < run) {
+					pick = (int32_t)i;
+					break;
+				}
+			}
+		}
+		st->token = pick;
+	}
+#undef WEIGHT
+}
+
 /* ---- GEMV (one token) ------------------------------------------------------------------- */
 
 enum gemv_mode {
@@ -1743,6 +1900,28 @@ static int cuda_logits_argmax(struct backend *be, const struct group_weights *w,
 	return 0;
 }
 
+static int cuda_logits_sample(struct backend *be, const struct group_weights *w, float temperature, uint32_t top_k,
+			      float top_p, float min_p, double u, int32_t *token)
+{
+	assert(w && token);
+	if (!(temperature > 0.0f) || !(u >= 0.0 && u < 1.0))
+		return fail(be, -EINVAL, "cuda backend: logits_sample needs temperature > 0 and u in [0, 1)");
+	int rc = head(be, w, "logits_sample");
+	if (rc)
+		return rc;
+	be->h_status->token = -1;
+	sample_kernel<<<1, 1024, 0, be->stream>>>(be->logits, be->cfg.vocab_size, 1.0f / temperature, top_k, top_p,
+						 min_p, u, be->status);
+	LAUNCHED(be, "sample_kernel");
+	rc = finish_step(be, "logits_sample");
+	if (rc)
+		return rc;
+	*token = be->h_status->token;
+	if (*token < 0 || (uint32_t)*token >= be->cfg.vocab_size)
+		return fail(be, -EIO, "cuda backend: the sampler chose no token");
+	return 0;
+}
+
 static void *cuda_stream(struct backend *be)
 {
 	return (void *)be->stream;
@@ -2068,5 +2247,6 @@ const struct backend_ops backend_cuda_ops = {
 	cuda_kv_to_host_n,	/* kv_to_host_n */
 	cuda_pin_host,		/* pin_host */
 	cuda_unpin_host,	/* unpin_host */
+	cuda_logits_sample,	/* logits_sample */
 };
 }

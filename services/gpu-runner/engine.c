@@ -120,19 +120,34 @@ static int release(struct engine *e, uint32_t group)
 		}                                                                              \
 	} while (0)
 
-static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits, int32_t *argmax);
+static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits, int32_t *argmax,
+		   const struct sampler_params *sp, double u);
 
 int engine_forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits)
 {
-	return forward(e, tokens, n, pos0, logits, NULL);
+	return forward(e, tokens, n, pos0, logits, NULL, NULL, 0);
 }
 
 int engine_forward_greedy(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, int32_t *token)
 {
-	return forward(e, tokens, n, pos0, NULL, token);
+	return forward(e, tokens, n, pos0, NULL, token, NULL, 0);
 }
 
-static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits, int32_t *argmax)
+bool engine_samples_on_device(const struct engine *e)
+{
+	return e->ops->logits_sample != NULL;
+}
+
+int engine_forward_sample(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0,
+			  const struct sampler_params *sp, double u, int32_t *token)
+{
+	if (!e->ops->logits_sample)
+		return set_err(e, -ENOTSUP, "the %s backend does not sample on the device", e->ops->name);
+	return forward(e, tokens, n, pos0, NULL, token, sp, u);
+}
+
+static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits, int32_t *argmax,
+		   const struct sampler_params *sp, double u)
 {
 	if (n == 0 || n > e->max_chunk)
 		return set_err(e, -EINVAL, "a step takes 1..%u tokens, not %u", e->max_chunk, n);
@@ -171,6 +186,9 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 		return rc;
 	if (logits) {
 		BE_CHECK(e->ops->logits(e->be, &w, logits), "logits");
+	} else if (sp) {
+		BE_CHECK(e->ops->logits_sample(e->be, &w, sp->temperature, sp->top_k, sp->top_p, sp->min_p, u, argmax),
+			 "sampling");
 	} else if (e->ops->logits_argmax) {
 		BE_CHECK(e->ops->logits_argmax(e->be, &w, argmax), "logits");
 	} else {

@@ -11,11 +11,13 @@
  */
 #ifndef GPU_RUNNER_ENGINE_H
 #define GPU_RUNNER_ENGINE_H
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "services/gpu-runner/backend.h"
 #include "services/gpu-runner/kv_cache.h"
+#include "services/gpu-runner/sampler.h"
 #include "services/gpu-runner/weights.h"
 #ifdef __cplusplus
 extern "C" {
@@ -37,6 +39,13 @@ int engine_forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 /* The same, for greedy decoding: only the id of the largest logit comes back (computed on the
  * device where the backend can, so the vocabulary never crosses the bus). */
 int engine_forward_greedy(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, int32_t *token);
+
+/* The same, drawing the next token where the logits are (backend.h, logits_sample) with the
+ * uniform u. Returns -ENOTSUP when the backend cannot (the caller samples on the host). */
+int engine_forward_sample(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0,
+			  const struct sampler_params *sp, double u, int32_t *token);
+/* Can the backend draw tokens itself? */
+bool engine_samples_on_device(const struct engine *e);
 
 uint32_t engine_max_chunk(const struct engine *e);
 const struct model_config *engine_config(const struct engine *e);

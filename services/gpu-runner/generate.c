@@ -74,6 +74,8 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 	/* Greedy without a penalty needs only the best id each step: the backend finds it where the
 	 * logits are (on the GPU, the vocabulary then never crosses the bus). */
 	bool greedy = !(p->sampling.temperature > 0) && !penalty;
+	/* Sampling without a penalty can draw on the device too, with a uniform from our generator. */
+	bool device_draw = !greedy && !penalty && engine_samples_on_device(e);
 	int32_t next = -1;
 	uint32_t pos = n_prompt;
 	while (res->n_generated < p->max_new) {
@@ -106,7 +108,12 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 			res->reason = "context";
 			break;
 		}
-		rc = greedy ? engine_forward_greedy(e, &tok, 1, pos, &next) : engine_forward(e, &tok, 1, pos, logits);
+		if (greedy)
+			rc = engine_forward_greedy(e, &tok, 1, pos, &next);
+		else if (device_draw)
+			rc = engine_forward_sample(e, &tok, 1, pos, &p->sampling, sampler_next_uniform(s), &next);
+		else
+			rc = engine_forward(e, &tok, 1, pos, logits);
 		if (rc) {
 			snprintf(err, errlen, "decode at position %u: %s", pos, engine_error(e));
 			goto out;

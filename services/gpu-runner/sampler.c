@@ -86,6 +86,16 @@ void sampler_destroy(struct sampler **sp)
 	*sp = NULL;
 }
 
+double sampler_next_uniform(struct sampler *s)
+{
+	return uniform01(s->s);
+}
+
+const struct sampler_params *sampler_params_of(const struct sampler *s)
+{
+	return &s->p;
+}
+
 int32_t argmax_f32(const float *v, uint32_t n)
 {
 	int32_t best = -1;

@@ -33,6 +33,11 @@ struct sampler *sampler_create(const struct sampler_params *p, uint32_t vocab);
 void sampler_destroy(struct sampler **s);
 /* Returns the chosen token id. logits is not modified. */
 int32_t sampler_pick(struct sampler *s, const float *logits);
+/* The next uniform draw in [0, 1) from s's generator: what sampler_pick would use, for a
+ * backend that draws where the logits are (backend.h, logits_sample). */
+double sampler_next_uniform(struct sampler *s);
+const struct sampler_params *sampler_params_of(const struct sampler *s);
+
 /* Index of the largest value (lowest index on ties). */
 int32_t argmax_f32(const float *v, uint32_t n);
 

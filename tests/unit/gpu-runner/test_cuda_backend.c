@@ -688,6 +688,129 @@ START_TEST(test_argmax)
 }
 END_TEST
 
+
+/* ---- sampling on the device ---------------------------------------------------------------- */
+
+static int cmp_float_desc(const void *a, const void *b)
+{
+	float x = *(const float *)a, y = *(const float *)b;
+	return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* The semantics of backend.h's logits_sample on the host: returns the token for u, and in
+ * *slack the distance from target to the nearest running-sum boundary (relative to the total),
+ * so a disagreement that float rounding can explain is told apart from a wrong answer. */
+static int32_t host_sample(const float *lg, uint32_t n, float temp, uint32_t k, float top_p, float min_p, double u,
+			   double *slack)
+{
+	float inv_t = 1.0f / temp, mx = -INFINITY;
+	float *z = malloc(n * sizeof(float)), *srt = malloc(n * sizeof(float));
+	for (uint32_t i = 0; i < n; i++) {
+		z[i] = lg[i] * inv_t;
+		mx = fmaxf(mx, z[i]);
+	}
+	float zth = -INFINITY;
+	if (k > 0 && k < n) {
+		memcpy(srt, z, n * sizeof(float));
+		qsort(srt, n, sizeof(float), cmp_float_desc);
+		zth = srt[k - 1];
+	}
+	double tot = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		z[i] = z[i] >= zth ? expf(z[i] - mx) : 0.0f; /* now the weights */
+		tot += z[i];
+	}
+	float wth = 0.0f;
+	if (top_p > 0.0f && top_p < 1.0f) {
+		memcpy(srt, z, n * sizeof(float));
+		qsort(srt, n, sizeof(float), cmp_float_desc);
+		double need = (double)top_p * tot, run = 0;
+		for (uint32_t i = 0; i < n; i++) {
+			run += srt[i];
+			if (run >= need) {
+				wth = srt[i];
+				break;
+			}
+		}
+	}
+	if (min_p > 0.0f)
+		wth = fmaxf(wth, fminf(min_p, 1.0f));
+	double kept = 0;
+	for (uint32_t i = 0; i < n; i++)
+		if (z[i] > 0.0f && z[i] >= wth)
+			kept += z[i];
+	double target = u * kept, run = 0;
+	int32_t pick = -1;
+	*slack = 1.0;
+	for (uint32_t i = 0; i < n; i++) {
+		if (!(z[i] > 0.0f && z[i] >= wth))
+			continue;
+		double before = run;
+		run += z[i];
+		double d = fmin(fabs(target - before), fabs(run - target)) / kept;
+		if (pick < 0 && target < run) {
+			pick = (int32_t)i;
+			*slack = d;
+		}
+	}
+	free(z);
+	free(srt);
+	return pick;
+}
+
+START_TEST(test_sampling_on_device)
+{
+	struct model_config c = base_cfg();
+	struct tmodel *m = model_new(&c, DT_F32, 67);
+	int32_t tok[40];
+	make_prompt(tok, 40, c.vocab_size, 9);
+	float *lg = malloc(c.vocab_size * sizeof(float));
+	ck_assert_ptr_nonnull(lg);
+	struct runner r;
+	runner_open(&r, cuda_ops(), m, params(40, 16, DT_F32), 0);
+	runner_step(&r, tok, 40, 0, SPANS_IN_ORDER, lg, NULL);
+	/* Flatter logits make the filters matter: scale them up so a few tokens dominate. */
+	static const struct {
+		float t;
+		uint32_t k;
+		float p, mp;
+	} cases[] = {{1.0f, 0, 1.0f, 0}, {0.05f, 40, 1.0f, 0}, {0.05f, 0, 0.9f, 0}, {0.05f, 0, 1.0f, 0.05f},
+		     {0.04f, 50, 0.95f, 0.02f}, {0.02f, 1, 1.0f, 0}};
+	uint32_t checked = 0, near = 0;
+	for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
+		for (int j = 0; j < 200; j++) {
+			double u = (j + 0.37) / 200.0, slack;
+			int32_t want = host_sample(lg, c.vocab_size, cases[ci].t, cases[ci].k, cases[ci].p, cases[ci].mp, u,
+						   &slack);
+			int32_t got = -1;
+			CHECK_RC(&r, r.ops->logits_sample(r.be, &m->d_head, cases[ci].t, cases[ci].k, cases[ci].p,
+							   cases[ci].mp, u, &got));
+			ck_assert(got >= 0 && (uint32_t)got < c.vocab_size);
+			if (got != want) {
+				/* Only a draw right at a boundary may differ (exp and sums round differently). */
+				ck_assert_msg(slack < 1e-4, "case %zu u %.4f: device %d, host %d (slack %.2g)", ci, u, got,
+					      want, slack);
+				near++;
+			}
+			checked++;
+		}
+	}
+	/* top_k 1 is greedy. */
+	int32_t g = -1;
+	CHECK_RC(&r, r.ops->logits_sample(r.be, &m->d_head, 1.0f, 1, 1.0f, 0, 0.999, &g));
+	ck_assert_int_eq(g, host_argmax(lg, c.vocab_size));
+	/* Bad arguments are refused. */
+	ck_assert_int_eq(r.ops->logits_sample(r.be, &m->d_head, 0.0f, 0, 1.0f, 0, 0.5, &g), -EINVAL);
+	ck_assert_int_eq(r.ops->logits_sample(r.be, &m->d_head, 1.0f, 0, 1.0f, 0, 1.0, &g), -EINVAL);
+	if (verbose())
+		printf("sampling on the device: %u draws agree with the host (%u at a rounding boundary)\n", checked - near,
+		       near);
+	runner_close(&r);
+	free(lg);
+	model_free(&m);
+}
+END_TEST
+
 /* ---- the KV arena ----------------------------------------------------------------------- */
 
 START_TEST(test_kv_block_bytes)
@@ -1185,6 +1308,7 @@ static Suite *cuda_suite(void)
 	tc = tcase_create("argmax");
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_argmax);
+	tcase_add_test(tc, test_sampling_on_device);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("kv_arena");
