@@ -131,7 +131,18 @@ struct backend_ops {
 	 * off as in sampler.h; the same distribution as the sampler, drawn another way.) */
 	int (*logits_sample)(struct backend *be, const struct group_weights *w, float temperature, uint32_t top_k,
 			     float top_p, float min_p, double u, int32_t *token);
+
+	/* Optional: kv_to_host_n without waiting. The copies are queued behind the compute that
+	 * wrote the blocks, then an interprocess event is recorded after them and its handle
+	 * (KV_EVENT_HANDLE_BYTES) written to event_handle: whoever waits on it (the kv-store) knows
+	 * the bytes are in host memory; later work that reuses the blocks is ordered after the
+	 * copies on the device. A small set of events is re-recorded round-robin: a handle stays
+	 * meaningful for at least the next KV_EVENTS_IN_FLIGHT calls. */
+	int (*kv_to_host_async)(struct backend *be, uint32_t n, const uint32_t *blocks, void *const *dsts,
+				void *event_handle);
 };
+
+#define KV_EVENTS_IN_FLIGHT 64 /* commits a runner may have unanswered (kv_remote.h) */
 
 /* The backends built into this binary. backend_find returns NULL for an unknown or
  * unbuilt name ("cuda" where nvcc was absent). */

@@ -45,6 +45,7 @@
  *
  * Not thread-safe: one thread drives a backend. The device is the one current at create.
  */
+#include "common/protocol.h"
 #include "services/gpu-runner/backend.h"
 
 #include <assert.h>
@@ -1476,6 +1477,39 @@ static int cuda_kv_to_host_n(struct backend *be, uint32_t n, const uint32_t *blo
 	return 0;
 }
 
+/* Interprocess events for the KV write-behind, created on first use and re-recorded
+ * round-robin (ARCHITECTURE.md: re-record rather than recreate; the importer keeps them). */
+#define KV_IPC_EVENTS (2 * KV_EVENTS_IN_FLIGHT)
+static cudaEvent_t kv_ipc_event[KV_IPC_EVENTS];
+static cudaIpcEventHandle_t kv_ipc_handle[KV_IPC_EVENTS];
+static uint32_t kv_ipc_next;
+
+static int cuda_kv_to_host_async(struct backend *be, uint32_t n, const uint32_t *blocks, void *const *dsts,
+				 void *event_handle)
+{
+	size_t bytes = be->block_elems * be->kv_esize;
+	for (uint32_t i = 0; i < n; i++) {
+		if (blocks[i] >= be->p.n_kv_blocks)
+			return fail(be, -EINVAL, "cuda backend: kv_to_host_async: block %u is outside the arena of %u blocks",
+				    blocks[i], be->p.n_kv_blocks);
+		/* On the compute stream: behind the attention that wrote the block, ahead of anything
+		 * that reuses it. */
+		CUDA_TRY(be, "cudaMemcpyAsync (kv_to_host_async)",
+			 cudaMemcpyAsync(dsts[i], (char *)be->arena + blocks[i] * bytes, bytes, cudaMemcpyDeviceToHost,
+					 be->stream));
+	}
+	uint32_t k = kv_ipc_next++ % KV_IPC_EVENTS;
+	if (!kv_ipc_event[k]) {
+		CUDA_TRY(be, "cudaEventCreateWithFlags (interprocess)",
+			 cudaEventCreateWithFlags(&kv_ipc_event[k], cudaEventInterprocess | cudaEventDisableTiming));
+		CUDA_TRY(be, "cudaIpcGetEventHandle", cudaIpcGetEventHandle(&kv_ipc_handle[k], kv_ipc_event[k]));
+	}
+	CUDA_TRY(be, "cudaEventRecord (kv write-behind)", cudaEventRecord(kv_ipc_event[k], be->stream));
+	static_assert(sizeof(cudaIpcEventHandle_t) == KV_EVENT_HANDLE_BYTES, "an IPC event handle is 64 bytes");
+	memcpy(event_handle, &kv_ipc_handle[k], KV_EVENT_HANDLE_BYTES);
+	return 0;
+}
+
 static int cuda_pin_host(struct backend *be, void *p, size_t bytes)
 {
 	CUDA_TRY(be, "cudaHostRegister", cudaHostRegister(p, bytes, cudaHostRegisterDefault));
@@ -2248,5 +2282,6 @@ const struct backend_ops backend_cuda_ops = {
 	cuda_pin_host,		/* pin_host */
 	cuda_unpin_host,	/* unpin_host */
 	cuda_logits_sample,	/* logits_sample */
+	cuda_kv_to_host_async,	/* kv_to_host_async */
 };
 }

@@ -1,5 +1,7 @@
 #include "services/gpu-runner/kv_cache.h"
 
+#include "common/protocol.h"
+
 #include <assert.h>
 #include <errno.h>
 #include <stdbool.h>
@@ -327,10 +329,14 @@ static int commit_batch(struct kv_cache *kv, uint32_t layer, const uint32_t *idx
 	if (rc)
 		return set_err(kv, rc, "allocating %u KV blocks in the kv-store failed: %s", n,
 			       kv->remote->error(kv->rctx));
-	if (kv->ops->kv_to_host_n) {
+	unsigned char event[KV_EVENT_HANDLE_BYTES];
+	bool async = kv->ops->kv_to_host_async != NULL;
+	if (async || kv->ops->kv_to_host_n) {
 		for (uint32_t i = 0; i < n; i++)
 			kv->arena_idx[i] = (uint32_t)entry(kv, layer, idx[i])->arena;
-		rc = kv->ops->kv_to_host_n(kv->be, n, kv->arena_idx, kv->ptrs);
+		/* Write-behind: with an async copy, nobody here waits for it (the kv-store does). */
+		rc = async ? kv->ops->kv_to_host_async(kv->be, n, kv->arena_idx, kv->ptrs, event)
+			   : kv->ops->kv_to_host_n(kv->be, n, kv->arena_idx, kv->ptrs);
 	} else {
 		for (uint32_t i = 0; i < n && rc == 0; i++)
 			rc = kv->ops->kv_to_host(kv->be, (uint32_t)entry(kv, layer, idx[i])->arena, kv->ptrs[i]);
@@ -340,7 +346,7 @@ static int commit_batch(struct kv_cache *kv, uint32_t layer, const uint32_t *idx
 		kv->remote->release(kv->rctx, n, kv->handles);
 		return rc;
 	}
-	rc = kv->remote->commit(kv->rctx, n, kv->handles, kv->ptrs);
+	rc = kv->remote->commit(kv->rctx, n, kv->handles, kv->ptrs, async ? event : NULL);
 	if (rc) {
 		set_err(kv, rc, "committing %u KV blocks failed: %s", n, kv->remote->error(kv->rctx));
 		kv->remote->release(kv->rctx, n, kv->handles);

@@ -35,8 +35,9 @@ extern "C" {
 struct kv_remote_ops {
 	/* n new blocks, pinned for writing: handles and where to write them. */
 	int (*alloc)(void *ctx, uint32_t n, uint64_t *handles, void **ptrs);
-	/* The bytes of the n blocks at ptrs are in place: mark them complete and commit. */
-	int (*commit)(void *ctx, uint32_t n, const uint64_t *handles, void *const *ptrs);
+	/* Commits n blocks whose bytes are at ptrs: in place already (event NULL), or once the CUDA
+	 * IPC event whose handle (KV_EVENT_HANDLE_BYTES) is at event completes. */
+	int (*commit)(void *ctx, uint32_t n, const uint64_t *handles, void *const *ptrs, const void *event);
 	/* Pins n committed blocks in host memory and says where they are. */
 	int (*fetch)(void *ctx, uint32_t n, const uint64_t *handles, void **ptrs);
 	int (*unpin)(void *ctx, uint32_t n, const uint64_t *handles);

@@ -136,7 +136,7 @@ static int simple(struct kv_remote *kr, uint32_t type, uint32_t n, const uint64_
 	return rc;
 }
 
-static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const *ptrs)
+static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const *ptrs, const void *event)
 {
 	struct kv_remote *kr = ctx;
 	struct kvpool_slot *slots = kvpool_slots(kr->h);
@@ -144,8 +144,10 @@ static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const
 		int64_t slot = slot_of(kr, (uint64_t)((char *)ptrs[i] - (char *)kr->h));
 		if (slot < 0)
 			return set_err(kr, -EINVAL, "block %u is not in the pool", i);
-		/* The copy is complete: pairs with kv-store's acquire load before it checksums. */
-		atomic_store_explicit(&slots[slot].ready, 1, memory_order_release);
+		/* The copy is complete: pairs with kv-store's acquire load before it checksums. With
+		 * an event, the copy may still run: the kv-store waits on the event instead. */
+		if (!event)
+			atomic_store_explicit(&slots[slot].ready, 1, memory_order_release);
 	}
 	atomic_fetch_add_explicit(&kr->h->runner.blocks_written, n, memory_order_relaxed);
 	if (kr->n_pending == sizeof(kr->pending) / sizeof(kr->pending[0])) {
@@ -157,9 +159,20 @@ static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const
 	msg_init(&req, MSG_KV_COMMIT, 0);
 	req.kv_commit.handles.v = (uint64_t *)handles;
 	req.kv_commit.handles.n = n;
+	char *events = NULL;
+	if (event) { /* one event for the batch: its handle once per block, as the message wants */
+		events = malloc((size_t)n * KV_EVENT_HANDLE_BYTES);
+		if (!events)
+			return set_err(kr, -ENOMEM, "out of memory");
+		for (uint32_t i = 0; i < n; i++)
+			memcpy(events + (size_t)i * KV_EVENT_HANDLE_BYTES, event, KV_EVENT_HANDLE_BYTES);
+		req.kv_commit.events.p = events;
+		req.kv_commit.events.len = n * KV_EVENT_HANDLE_BYTES;
+	}
 	/* Write-behind: the reply is read before the next request (see kv_remote.h). */
 	uint64_t corr;
 	int rc = rpc_send(kr->client, &req, &corr);
+	free(events);
 	if (rc)
 		return set_err(kr, rc, "cannot send a commit to kv-store: %s", strerror(-rc));
 	kr->pending[kr->n_pending++] = corr;

@@ -9,6 +9,9 @@
  *
  * Completion without CUDA: after copying a block into its pool slot, commit stores the slot's
  * ready flag with release order before sending MSG_KV_COMMIT; kv-store loads it with acquire.
+ * With CUDA the copy is asynchronous and commit carries its IPC event's handle instead; the
+ * kv-store waits on it. At most KV_EVENTS_IN_FLIGHT commits are unanswered, so the backend's
+ * round-robin events are never re-recorded while the kv-store may still wait on them.
  *
  * Commits are write-behind: commit sends MSG_KV_COMMIT and returns; its reply is collected
  * before the next request to the kv-store (replies come in order), so the kv-store checksums
@@ -22,6 +25,7 @@
 
 #include "common/bus.h"
 #include "common/kv_pool.h"
+#include "services/gpu-runner/backend.h"
 #include "services/gpu-runner/kv_cache.h"
 #ifdef __cplusplus
 extern "C" {
@@ -35,7 +39,7 @@ struct kv_remote {
 	uint64_t pool_epoch;
 	uint64_t block_bytes;
 	int timeout_ms;
-	uint64_t pending[64]; /* correlation ids of commits whose replies are not yet read */
+	uint64_t pending[KV_EVENTS_IN_FLIGHT]; /* commits whose replies are not yet read */
 	uint32_t n_pending;
 	char error[512];
 };

@@ -16,6 +16,7 @@
 #include "common/service.h"
 #include "common/shm.h"
 #include "common/util.h"
+#include "services/kv-store/events.h"
 #include "services/kv-store/pool.h"
 #include "services/kv-store/spill.h"
 
@@ -23,6 +24,7 @@
 
 struct kvsvc {
 	struct kvstore *kv;
+	struct kv_events *events; /* the runner's copy completions (CUDA IPC events) */
 };
 
 static void set_bytes(struct bytes *b, const char *s)
@@ -98,8 +100,24 @@ static int on_commit(struct kvsvc *k, struct service *s, const struct bus_peer *
 {
 	const struct msg_kv_commit *c = &req->kv_commit;
 	if (c->events.len) {
-		snprintf(err, errlen, "CUDA IPC events given but this kv-store has no CUDA (send ready flags instead)");
-		return -ENOTSUP;
+		/* The runner's copies completing: wait on their events here (never the runner), then
+		 * the bytes are real. Blocks of one batch share an event: wait once per distinct one. */
+		if (c->events.len != (uint64_t)c->handles.n * KV_EVENT_HANDLE_BYTES) {
+			snprintf(err, errlen, "COMMIT gives %u bytes of events for %u handles (%d per handle)", c->events.len,
+				 c->handles.n, KV_EVENT_HANDLE_BYTES);
+			return -EINVAL;
+		}
+		for (uint32_t i = 0; i < c->handles.n; i++) {
+			const char *h = c->events.p + (size_t)i * KV_EVENT_HANDLE_BYTES;
+			if (i && !memcmp(h, h - KV_EVENT_HANDLE_BYTES, KV_EVENT_HANDLE_BYTES))
+				continue;
+			int rc = kv_events_wait(k->events, h, err, errlen);
+			if (rc)
+				return rc;
+		}
+		int rc = kvstore_mark_ready(k->kv, c->handles.v, c->handles.n, err, errlen);
+		if (rc)
+			return rc;
 	}
 	if (c->keys.n && c->keys.n != c->handles.n) {
 		snprintf(err, errlen, "COMMIT gives %u keys for %u handles (give one per handle, or none)", c->keys.n,
@@ -258,9 +276,11 @@ int main(int argc, char **argv)
 		kvstore_destroy(&k.kv, false);
 		return 1;
 	}
+	k.events = kv_events_create();
 	struct service_ops ops = {.handle = handle, .hello = hello, .stats = stats};
-	struct service *s = service_create(SERVICE_NAME, run_dir, &ops, &k);
+	struct service *s = k.events ? service_create(SERVICE_NAME, run_dir, &ops, &k) : NULL;
 	if (!s) {
+		kv_events_destroy(&k.events);
 		kvstore_destroy(&k.kv, false);
 		return 1; /* logged */
 	}
@@ -271,6 +291,7 @@ int main(int argc, char **argv)
 	else
 		log_info("stopping: the KV pool and the spill file stay for the next kv-store to adopt");
 	kvstore_destroy(&k.kv, remove);
+	kv_events_destroy(&k.events);
 	service_destroy(&s);
 	return 0;
 }

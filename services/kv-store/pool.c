@@ -897,6 +897,29 @@ int kvstore_alloc(struct kvstore *kv, uint32_t count, uint64_t *handles, uint64_
 	return 0;
 }
 
+int kvstore_mark_ready(struct kvstore *kv, const uint64_t *handles, uint32_t n, char *err, size_t errlen)
+{
+	if (!kv->h)
+		return not_configured(kv, err, errlen);
+	int rc = check_count(n, err, errlen);
+	if (rc)
+		return rc;
+	uint32_t stamp = next_stamp(kv);
+	for (uint32_t i = 0; i < n; i++) {
+		int64_t idx = check_handle(kv, handles[i], stamp, err, errlen);
+		if (idx < 0)
+			return (int)idx;
+		if (kv->handles[idx].state != KVH_WRITING) {
+			snprintf(err, errlen, "handle 0x%llx is not being written", (unsigned long long)handles[i]);
+			return -EINVAL;
+		}
+	}
+	for (uint32_t i = 0; i < n; i++)
+		atomic_store_explicit(&kv->slots[kv->handles[kv_handle_index(handles[i])].where].ready, 1,
+				      memory_order_release);
+	return 0;
+}
+
 int kvstore_commit(struct kvstore *kv, const uint64_t *handles, const uint64_t *keys, uint32_t n, char *err,
 		   size_t errlen)
 {

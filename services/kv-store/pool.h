@@ -108,6 +108,11 @@ int kvstore_alloc(struct kvstore *kv, uint32_t count, uint64_t *handles, uint64_
 int kvstore_commit(struct kvstore *kv, const uint64_t *handles, const uint64_t *keys, uint32_t n, char *err,
 		   size_t errlen);
 
+/* The copies into the slots of handles[0..n) are known complete (the kv-store waited on their
+ * CUDA IPC events): stores their ready flags, as the runner does on the CPU path. Every handle
+ * must be WRITING. Returns 0 or -EINVAL naming the handle. */
+int kvstore_mark_ready(struct kvstore *kv, const uint64_t *handles, uint32_t n, char *err, size_t errlen);
+
 /* MSG_KV_FETCH: each handle COMMITTED; pins each (reading spilled ones back into slots,
  * which may spill others, never one this request names) and fills offsets[n]. Returns 0;
  * -EINVAL; -ENOSPC; -EIO: a read-back failed or a checksum did not match (such a block is

@@ -4,12 +4,16 @@
 # and kv-store spills them to disk. The tokens stay those of run-local.
 source "$(dirname "$0")/lib.sh"
 it_setup tiers
+# TIERS_BACKEND=cuda (on a GPU host) runs the services on the CUDA backend: KV commits then
+# carry CUDA IPC events, and the reference is the same backend with every budget large (the
+# C oracle computes in float32, the GPU in bf16).
+BACKEND=${TIERS_BACKEND:-cpu}
 
 bytes=$(model_bytes "$MODEL")
 # The smallest DRAM budget is the globals plus one attention and one FFN group, slots
 # aligned for O_DIRECT: ask the loader, whose refusal of a tiny budget says how much it
 # needs and how much the whole model takes. Half way between streams the layers.
-out=$("$PIPELINE" start --model "$MODEL" --dram-budget 4KiB 2>&1) && fail "start with a 4 KiB DRAM budget succeeded"
+out=$("$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --dram-budget 4KiB 2>&1) && fail "start with a 4 KiB DRAM budget succeeded"
 need=$(sed -n 's/.*need at least [^(]*(\([0-9]*\) bytes.*/\1/p' <<<"$out" | head -n 1)
 whole=$(sed -n 's/.*whole model resident needs \([0-9]*\) bytes.*/\1/p' <<<"$out" | head -n 1)
 if [[ -n $need && -n $whole ]] && ((need < whole)); then
@@ -24,18 +28,31 @@ log "model $bytes bytes; DRAM budget $budget bytes (minimum ${need:-?}, all resi
 # chunk of 16 keeps the runner's minimum (layers + chunk blocks + 2) under 8. The pool holds
 # 4 blocks of 4 KiB, fewer than one layer of the context: the rest spill to the file, and the
 # runner fetches in batches the pool can hold.
-"$PIPELINE" start --model "$MODEL" --dram-budget "$budget" --kv-gpu-budget 32KiB --kv-dram-budget 16KiB \
+"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --dram-budget "$budget" --kv-gpu-budget 32KiB --kv-dram-budget 16KiB \
 	--runner-opt=--prefill-chunk=16
 
-want=$(run_local --tokens "$PROMPT" -n 64)
+sample=(--temperature 0.8 --top-k 40 --top-p 0.9 --seed 7)
+if [[ $BACKEND != cpu ]]; then
+	# The reference: the same backend, nothing constrained.
+	"$PIPELINE" stop
+	"$PIPELINE" start --model "$MODEL" --backend "$BACKEND"
+	want_greedy=$(generate --tokens "$PROMPT" -n 64)
+	want_sampled=$(generate --tokens "$PROMPT" -n 64 "${sample[@]}")
+	"$PIPELINE" stop
+	"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --dram-budget "$budget" --kv-gpu-budget 32KiB \
+		--kv-dram-budget 16KiB --runner-opt=--prefill-chunk=16
+else
+	want_greedy=$(run_local --tokens "$PROMPT" -n 64)
+	want_sampled=$(run_local --tokens "$PROMPT" -n 64 "${sample[@]}")
+fi
+want=$want_greedy
 got=$(generate --tokens "$PROMPT" -n 64)
 expect_words 64 "$got" "greedy tokens"
 expect_eq "$got" "$want" "greedy tokens with every tier at work vs run-local"
-sample=(--temperature 0.8 --top-k 40 --top-p 0.9 --seed 7)
-want=$(run_local --tokens "$PROMPT" -n 64 "${sample[@]}")
+want=$want_sampled
 got=$(generate --tokens "$PROMPT" -n 64 "${sample[@]}")
 expect_eq "$got" "$want" "sampled tokens with every tier at work vs run-local"
-log "tokens equal run-local"
+log "tokens equal the reference ($BACKEND)"
 
 read_bytes=$(stat_value ssd-loader bytes_read)
 all_resident=$(stat_value ssd-loader all_resident)

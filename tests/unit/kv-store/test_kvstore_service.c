@@ -364,7 +364,15 @@ START_TEST(test_protocol_round_trip)
 	req.kv_commit.handles = (struct u64_array){.v = h, .n = 2};
 	char ev[2 * KV_EVENT_HANDLE_BYTES] = {0};
 	req.kv_commit.events = (struct bytes){.p = ev, .len = sizeof(ev)};
-	call_error(&v, &req, ENOTSUP, "CUDA IPC events given but this kv-store has no CUDA");
+	/* Events without the means to wait on them: no CUDA in this build, or no GPU here. */
+#ifdef PIPELINE_HAVE_CUDA
+	call_error(&v, &req, ENODEV, "no GPU");
+#else
+	call_error(&v, &req, ENOTSUP, "built without CUDA");
+#endif
+	/* ... and a wrong number of event bytes is malformed either way. */
+	req.kv_commit.events = (struct bytes){.p = ev, .len = KV_EVENT_HANDLE_BYTES};
+	call_error(&v, &req, EINVAL, "bytes of events");
 	uint64_t keys[1] = {42};
 	req.kv_commit.events = (struct bytes){0};
 	req.kv_commit.keys = (struct u64_array){.v = keys, .n = 1};
