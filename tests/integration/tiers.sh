@@ -39,7 +39,8 @@ if [[ $BACKEND != cpu ]]; then
 	want_greedy=$(generate --tokens "$PROMPT" -n 64)
 	want_sampled=$(generate --tokens "$PROMPT" -n 64 "${sample[@]}")
 	"$PIPELINE" stop
-	"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --dram-budget "$budget" --kv-gpu-budget 32KiB \
+	# bf16 KV blocks are half the size: half the budget holds the same 8 blocks.
+	"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --dram-budget "$budget" --kv-gpu-budget 16KiB \
 		--kv-dram-budget 16KiB --runner-opt=--prefill-chunk=16
 else
 	want_greedy=$(run_local --tokens "$PROMPT" -n 64)
