@@ -47,6 +47,7 @@
  */
 #include "common/protocol.h"
 #include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/rope.h"
 
 #include <assert.h>
 #include <errno.h>
@@ -2008,43 +2009,6 @@ static void cuda_destroy(struct backend **bep)
 	*bep = NULL;
 }
 
-/* inv_freq[i] for i in [0, head_dim/2) as backend_ref.c's rope_inv_freq computes it (the same
- * float32 steps, so the bits agree with the reference and transformers); see there for the
- * reasoning. The parameters were checked by check_config. */
-static void rope_inv_freq(const struct model_config *cfg, float *inv)
-{
-	uint32_t hd = cfg->head_dim;
-	float theta = cfg->rope_theta;
-	for (uint32_t i = 0; i < hd / 2; i++) {
-		float e = (float)(2 * i) / (float)hd;
-		inv[i] = 1.0f / powf(theta, e);
-	}
-	if (cfg->rope_scaling == ROPE_SCALING_NONE)
-		return;
-	float factor = cfg->rope_factor;
-	if (cfg->rope_scaling == ROPE_SCALING_LINEAR) {
-		for (uint32_t i = 0; i < hd / 2; i++)
-			inv[i] = inv[i] / factor;
-		return;
-	}
-	float low = cfg->rope_low_freq_factor, high = cfg->rope_high_freq_factor;
-	float orig = (float)cfg->rope_original_max_position;
-	float low_wavelen = (float)((double)cfg->rope_original_max_position / (double)low);
-	float high_wavelen = (float)((double)cfg->rope_original_max_position / (double)high);
-	float band = (float)((double)high - (double)low);
-	float two_pi = (float)(2.0 * M_PI);
-	for (uint32_t i = 0; i < hd / 2; i++) {
-		float f = inv[i];
-		float wavelen = (1.0f / f) * two_pi;
-		float scaled = wavelen > low_wavelen ? f / factor : f;
-		if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) {
-			float smooth = ((1.0f / wavelen) * orig - low) / band;
-			scaled = (1.0f - smooth) * scaled / factor + smooth * scaled;
-		}
-		inv[i] = scaled;
-	}
-}
-
 static int check_config(const struct model_config *c, const struct backend_params *p, char *err, size_t errlen)
 {
 	if (!c->n_layers || !c->dim || !c->n_heads || !c->n_kv_heads || !c->head_dim || !c->ffn_dim ||
@@ -2179,7 +2143,11 @@ static int create_device(struct backend *be)
 	float *inv = (float *)malloc(c->head_dim / 2 * sizeof(float));
 	if (!inv)
 		return fail(be, -ENOMEM, "cuda backend: out of memory for RoPE frequencies");
-	rope_inv_freq(c, inv);
+	char why[256];
+	if (rope_inv_freq(c, inv, why, sizeof(why)) != 0) {
+		free(inv);
+		return fail(be, -EINVAL, "cuda backend: %s", why);
+	}
 	cudaError_t e = cudaMemcpy(be->inv_freq, inv, c->head_dim / 2 * sizeof(float), cudaMemcpyHostToDevice);
 	free(inv);
 	if (e != cudaSuccess)
