@@ -278,6 +278,7 @@ struct rpc_client {
 	char service[64];
 	char self[64];
 	uint64_t next_corr;
+	uint64_t session;
 };
 
 static int client_open(struct rpc_client *c)
@@ -405,6 +406,11 @@ int rpc_call(struct rpc_client *c, struct msg *req, struct msg *reply, int timeo
 	return rpc_wait(c, corr, reply, timeout_ms);
 }
 
+void rpc_client_set_session(struct rpc_client *c, uint64_t session)
+{
+	c->session = session;
+}
+
 int rpc_hello(struct rpc_client *c, struct msg *reply, int timeout_ms)
 {
 	struct msg req;
@@ -412,6 +418,7 @@ int rpc_hello(struct rpc_client *c, struct msg *reply, int timeout_ms)
 	req.hello.client.p = c->self;
 	req.hello.client.len = (uint32_t)strlen(c->self);
 	req.hello.proto = PROTO_VERSION;
+	req.hello.session = c->session;
 	int rc = rpc_call(c, &req, reply, timeout_ms);
 	if (rc == 0 && reply->type != MSG_HELLO_REPLY) {
 		msg_free(reply);

@@ -46,6 +46,7 @@ static const struct field_desc f_error[] = {
 static const struct field_desc f_hello[] = {
 	FLD(1, F_BYTES, REQ, 64, hello.client),
 	FLD(2, F_U64, REQ, 0, hello.proto),
+	FLD(3, F_U64, OPT, 0, hello.session),
 };
 static const struct field_desc f_hello_reply[] = {
 	FLD(1, F_BYTES, REQ, 64, hello_reply.service),  FLD(2, F_U64, REQ, 0, hello_reply.pid),
@@ -98,6 +99,9 @@ static const struct field_desc f_kv_commit[] = {
 static const struct field_desc f_kv_handles[] = {
 	FLD(1, F_U64_ARRAY, REQ, 1u << 20, kv_handles.handles),
 };
+static const struct field_desc f_kv_lookup[] = {
+	FLD(1, F_U64_ARRAY, REQ, 1u << 20, kv_lookup.keys),
+};
 static const struct field_desc f_generate[] = {
 	FLD(1, F_U64_ARRAY, OPT, 1u << 20, generate.tokens), FLD(2, F_U64, REQ, 0, generate.max_new),
 	FLD(3, F_F64, OPT, 0, generate.temperature),	      FLD(4, F_U64, OPT, 0, generate.top_k),
@@ -145,6 +149,8 @@ static const struct msg_desc catalogue[] = {
 	DESC(MSG_KV_FETCH, f_kv_handles),
 	DESC(MSG_KV_UNPIN, f_kv_handles),
 	DESC(MSG_KV_FREE, f_kv_handles),
+	DESC(MSG_KV_LOOKUP, f_kv_lookup),
+	DESC0(MSG_KV_UNPIN_ALL),
 	DESC(MSG_GENERATE, f_generate),
 	DESC(MSG_TOKEN, f_token),
 	DESC(MSG_GEN_DONE, f_gen_done),

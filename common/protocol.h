@@ -65,7 +65,10 @@ enum msg_type {
 	MSG_KV_COMMIT = 44,    /* request: handles, keys, events -> MSG_OK */
 	MSG_KV_FETCH = 45,     /* request: handles -> MSG_KV_BLOCKS (pinned until MSG_KV_UNPIN) */
 	MSG_KV_UNPIN = 46,     /* request: handles -> MSG_OK */
-	MSG_KV_FREE = 47,      /* request: handles -> MSG_OK */
+	MSG_KV_FREE = 47,      /* request: handles -> MSG_OK (a block with a key stays cached: see LOOKUP) */
+	MSG_KV_LOOKUP = 48,    /* request: keys -> MSG_KV_BLOCKS: handles (0 = not cached), offsets (0); each
+				*  hit is referenced by the caller until it sends MSG_KV_FREE for it */
+	MSG_KV_UNPIN_ALL = 49, /* request -> MSG_OK: drops every pin (a runner that reconnects holds none) */
 
 	/* gpu-runner: generation */
 	MSG_GENERATE = 60, /* request: tokens | prompt | chat, max_new, sampling, stops, flags
@@ -88,7 +91,12 @@ struct bytes {
 };
 
 struct msg_error { int64_t code; struct bytes text; };
-struct msg_hello { struct bytes client; uint64_t proto; };
+struct msg_hello {
+	struct bytes client;
+	uint64_t proto;
+	uint64_t session; /* optional: random per client process; the same session reconnecting keeps
+			   * what it holds, a new one from the same client name replaces it */
+};
 struct msg_hello_reply {
 	struct bytes service;
 	uint64_t pid;
@@ -123,6 +131,7 @@ struct msg_kv_commit {
 	struct bytes events;   /* n * KV_EVENT_HANDLE_BYTES CUDA IPC event handles; empty on the CPU path */
 };
 struct msg_kv_handles { struct u64_array handles; }; /* FETCH, UNPIN, FREE */
+struct msg_kv_lookup { struct u64_array keys; };
 /* MSG_GENERATE.flags */
 enum gen_flags {
 	GEN_SPECIAL_AS_TEXT = 1u << 0, /* prompt: special-token text is plain text */
@@ -181,6 +190,7 @@ struct msg {
 		struct msg_kv_blocks kv_blocks;
 		struct msg_kv_commit kv_commit;
 		struct msg_kv_handles kv_handles;
+		struct msg_kv_lookup kv_lookup;
 		struct msg_generate generate;
 		struct msg_token token;
 		struct msg_gen_done gen_done;

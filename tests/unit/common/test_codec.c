@@ -50,7 +50,9 @@ struct tmsg {
 #define TF(key, kind, req, max, member) {key, kind, req, max, offsetof(struct msg, member), #member}
 
 static const struct tfield t_error[] = {TF(1, T_I64, true, 0, error.code), TF(2, T_BYTES, true, 4096, error.text)};
-static const struct tfield t_hello[] = {TF(1, T_BYTES, true, 64, hello.client), TF(2, T_U64, true, 0, hello.proto)};
+static const struct tfield t_hello[] = {TF(1, T_BYTES, true, 64, hello.client), TF(2, T_U64, true, 0, hello.proto),
+					TF(3, T_U64, false, 0, hello.session)};
+static const struct tfield t_kv_lookup[] = {TF(1, T_ARRAY, true, PROTO_MAX_ARRAY, kv_lookup.keys)};
 static const struct tfield t_hello_reply[] = {
 	TF(1, T_BYTES, true, 64, hello_reply.service), TF(2, T_U64, true, 0, hello_reply.pid),
 	TF(3, T_U64, true, 0, hello_reply.epoch),	 TF(4, T_U64, true, 0, hello_reply.layout),
@@ -121,6 +123,8 @@ static const struct tmsg contract[] = {
 	TM(MSG_KV_FETCH, t_kv_handles),
 	TM(MSG_KV_UNPIN, t_kv_handles),
 	TM(MSG_KV_FREE, t_kv_handles),
+	TM(MSG_KV_LOOKUP, t_kv_lookup),
+	TM0(MSG_KV_UNPIN_ALL),
 	TM(MSG_GENERATE, t_generate),
 	TM(MSG_TOKEN, t_token),
 	TM(MSG_GEN_DONE, t_gen_done),
