@@ -3,7 +3,9 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "common/log.h"
 #include "common/util.h"
 
 static bool is_stop(const struct model_config *cfg, const struct gen_params *p, int32_t tok)
@@ -16,6 +18,60 @@ static bool is_stop(const struct model_config *cfg, const struct gen_params *p, 
 		if (p->stop_ids[i] == tok)
 			return true;
 	return false;
+}
+
+/* Computes the KV of seq[from, upto) without logits, as the first pass did: prompt positions
+ * in chunks on the same grid (multiples of the chunk size, ending at the prompt's end),
+ * generated positions one at a time, so that a rebuilt cache holds the same values. */
+static int catch_up(struct engine *e, const int32_t *seq, uint32_t from, uint32_t upto, uint32_t n_prompt)
+{
+	uint32_t chunk = engine_max_chunk(e);
+	for (uint32_t pos = from; pos < upto;) {
+		uint32_t end = pos + 1;
+		if (pos < n_prompt) {
+			end = (pos / chunk + 1) * chunk;
+			if (end > n_prompt)
+				end = n_prompt;
+		}
+		if (end > upto)
+			end = upto;
+		int rc = engine_forward(e, seq + pos, end - pos, pos, NULL);
+		if (rc)
+			return rc;
+		pos = end;
+	}
+	return 0;
+}
+
+/* A step failed because the kv-store failed a request (it dropped a block that failed its
+ * checksum, or it restarted). Lets the caller reconnect, then rebuilds the KV of seq[0, upto):
+ * the prefix the store still holds comes back, the rest is computed again. Returns 0 (retry
+ * the step) or -errno with err set. */
+static int rebuild(struct engine *e, const struct gen_params *p, void *ctx, const int32_t *seq, uint32_t upto,
+		   uint32_t n_prompt, uint32_t *attempts, char *err, size_t errlen)
+{
+	struct kv_cache *kv = engine_kv(e);
+	for (;;) {
+		if (++*attempts > GEN_MAX_REBUILDS) {
+			snprintf(err, errlen, "the KV cache failed %u times in one request; last: %s", GEN_MAX_REBUILDS,
+				 kv_cache_error(kv));
+			return -EIO;
+		}
+		log_warn("rebuilding the KV cache of %u positions: %s", upto, kv_cache_error(kv));
+		int rc = p->on_kv_failure ? p->on_kv_failure(ctx, err, errlen) : 0;
+		if (rc)
+			return rc;
+		if ((rc = kv_cache_recover(kv)) == 0) {
+			int restored = kv_cache_restore_prefix(kv, upto + 1);
+			rc = restored < 0 ? restored : catch_up(e, seq, (uint32_t)restored, upto, n_prompt);
+			if (rc == 0)
+				return 0;
+		}
+		if (!kv_cache_remote_failed(kv)) {
+			snprintf(err, errlen, "rebuilding the KV cache: %s", engine_error(e));
+			return rc;
+		}
+	}
 }
 
 int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uint32_t max_context,
@@ -44,21 +100,50 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 	struct sampler *s = sampler_create(&p->sampling, cfg->vocab_size);
 	bool penalty = p->repetition_penalty > 0 && p->repetition_penalty != 1.0f;
 	uint8_t *seen = penalty ? calloc(cfg->vocab_size, 1) : NULL; /* tokens in the sequence so far */
+	/* The sequence so far (prompt, then each token as it is fed back): names KV blocks. */
+	uint64_t cap = (uint64_t)n_prompt + p->max_new + 1 < max_context ? (uint64_t)n_prompt + p->max_new + 1
+									  : max_context;
+	int32_t *seq = malloc(sizeof(int32_t) * (cap > n_prompt ? cap : n_prompt));
+	uint32_t seq_n = n_prompt, attempts = 0;
+	struct kv_cache *kv = engine_kv(e);
 	int rc = 0;
-	if (!logits || !s || (penalty && !seen)) {
+	if (!logits || !s || (penalty && !seen) || !seq) {
 		snprintf(err, errlen, "out of memory");
 		rc = -ENOMEM;
 		goto out;
 	}
+	memcpy(seq, prompt, sizeof(int32_t) * n_prompt);
+	if (p->kv_seed)
+		kv_cache_set_sequence(kv, seq, &seq_n, p->kv_seed);
 	uint64_t t0 = now_ns();
 	uint32_t chunk = engine_max_chunk(e);
-	for (uint32_t pos = 0; pos < n_prompt; pos += chunk) {
-		uint32_t n = n_prompt - pos < chunk ? n_prompt - pos : chunk;
-		rc = engine_forward(e, prompt + pos, n, pos, pos + n == n_prompt ? logits : NULL);
+	/* Positions whose KV the store already holds (an earlier request with the same start). */
+	int restored;
+	while ((restored = p->kv_seed ? kv_cache_restore_prefix(kv, n_prompt) : 0) < 0) {
+		if (!kv_cache_remote_failed(kv)) {
+			rc = restored;
+			snprintf(err, errlen, "%s", kv_cache_error(kv));
+			goto out;
+		}
+		if ((rc = rebuild(e, p, ctx, seq, 0, n_prompt, &attempts, err, errlen)) != 0)
+			goto out;
+	}
+	res->n_restored = (uint32_t)restored;
+	for (uint32_t pos = (uint32_t)restored; pos < n_prompt;) {
+		/* The same chunk grid as a cold run: the values do not depend on what was reused. */
+		uint32_t end = (pos / chunk + 1) * chunk < n_prompt ? (pos / chunk + 1) * chunk : n_prompt;
+		rc = engine_forward(e, prompt + pos, end - pos, pos, end == n_prompt ? logits : NULL);
+		if (rc && kv_cache_remote_failed(kv)) {
+			rc = rebuild(e, p, ctx, seq, pos, n_prompt, &attempts, err, errlen);
+			if (rc)
+				goto out;
+			continue;
+		}
 		if (rc) {
 			snprintf(err, errlen, "prefill: %s", engine_error(e));
 			goto out;
 		}
+		pos = end;
 	}
 	uint64_t t1 = now_ns();
 	res->prefill_ms = (double)(t1 - t0) / 1e6;
@@ -108,12 +193,21 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 			res->reason = "context";
 			break;
 		}
-		if (greedy)
-			rc = engine_forward_greedy(e, &tok, 1, pos, &next);
-		else if (device_draw)
-			rc = engine_forward_sample(e, &tok, 1, pos, &p->sampling, sampler_next_uniform(s), &next);
-		else
-			rc = engine_forward(e, &tok, 1, pos, logits);
+		seq[seq_n++] = tok; /* pos == seq_n - 1 */
+		float u = device_draw ? sampler_next_uniform(s) : 0;
+		for (;;) {
+			if (greedy)
+				rc = engine_forward_greedy(e, &tok, 1, pos, &next);
+			else if (device_draw)
+				rc = engine_forward_sample(e, &tok, 1, pos, &p->sampling, u, &next);
+			else
+				rc = engine_forward(e, &tok, 1, pos, logits);
+			if (!rc || !kv_cache_remote_failed(kv))
+				break;
+			/* The same step again on a rebuilt cache, with the same draw. */
+			if ((rc = rebuild(e, p, ctx, seq, pos, n_prompt, &attempts, err, errlen)) != 0)
+				goto out;
+		}
 		if (rc) {
 			snprintf(err, errlen, "decode at position %u: %s", pos, engine_error(e));
 			goto out;
@@ -122,6 +216,7 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 	}
 	res->decode_ms = (double)(now_ns() - t1) / 1e6;
 out:
+	res->n_rebuilds = attempts;
 	{
 		int rrc = kv_cache_reset(engine_kv(e));
 		if (rrc && !rc) {
@@ -130,6 +225,7 @@ out:
 		}
 	}
 	sampler_destroy(&s);
+	free(seq);
 	free(seen);
 	free(logits);
 	return rc;

@@ -9,6 +9,13 @@
  * A repetition penalty (transformers' RepetitionPenaltyLogitsProcessor) applies before
  * sampling, greedy included: the logit of every token already in the sequence (prompt and
  * generated) is divided by the penalty if positive, multiplied by it if negative.
+ *
+ * KV blocks are named after the sequence (kv_seed != 0): the prompt's longest prefix that the
+ * kv-store holds is restored rather than computed. When the store fails a request in the middle
+ * (a block failed its checksum and was dropped, the kv-store restarted), on_kv_failure lets the
+ * caller reconnect, the cache is rebuilt (what the store still holds, the rest computed on the
+ * same chunk grid as before) and the step runs again: the tokens are those of an undisturbed
+ * run. After GEN_MAX_REBUILDS the request fails.
  */
 #ifndef GPU_RUNNER_GENERATE_H
 #define GPU_RUNNER_GENERATE_H
@@ -34,6 +41,8 @@ typedef enum gen_emit (*gen_emit_fn)(void *ctx, uint32_t index, int32_t token);
  * return: the request fails with that -errno. */
 typedef int (*gen_logits_fn)(void *ctx, uint32_t position, const float *logits, uint32_t n);
 
+#define GEN_MAX_REBUILDS 8
+
 struct gen_params {
 	uint32_t max_new;
 	struct sampler_params sampling;
@@ -43,12 +52,18 @@ struct gen_params {
 	bool ignore_eos;	  /* do not stop on the model's eos ids */
 	gen_logits_fn on_logits;  /* may be NULL */
 	void (*on_decode)(void *ctx); /* may be NULL: called once, when prefill is done */
+	/* May be NULL: a request to the kv-store failed; reconnect if it restarted. Non-zero
+	 * return: the request fails with that -errno (err set). */
+	int (*on_kv_failure)(void *ctx, char *err, size_t errlen);
+	uint64_t kv_seed;	  /* names the model and KV format in block keys; 0: no keys, no reuse */
 };
 
 struct gen_result {
 	uint32_t n_prompt, n_generated;
 	const char *reason; /* "length", "stop", "stop_string", "context", "cancelled" */
 	double prefill_ms, decode_ms;
+	uint32_t n_restored; /* prompt positions restored from the kv-store, not computed */
+	uint32_t n_rebuilds; /* times the KV cache was rebuilt after the kv-store failed a request */
 };
 
 /* Runs one sequence from position 0. The KV cache is reset at the end (also on failure).

@@ -1,6 +1,7 @@
 #include "services/gpu-runner/kv_cache.h"
 
 #include "common/protocol.h"
+#include "common/util.h"
 
 #include <assert.h>
 #include <errno.h>
@@ -15,6 +16,8 @@
 
 /* Records a message in the object and returns rc. */
 #define set_err(obj, rc, ...) errorf((obj)->error, sizeof((obj)->error), rc, __VA_ARGS__)
+/* The same for a failed request to the store: remembered, so the caller can tell it apart. */
+#define remote_err(kv, rc, ...) ((kv)->remote_failed = true, set_err(kv, rc, __VA_ARGS__))
 
 struct kv_entry {
 	int32_t arena;	   /* arena block holding it, NO_ARENA */
@@ -46,6 +49,13 @@ struct kv_cache {
 	uint32_t *idx;
 	uint32_t *arena_idx;
 	struct kv_cache_stats stats;
+	/* The sequence, for keys. */
+	const int32_t *seq;
+	const uint32_t *seq_n;
+	uint64_t seed;
+	uint64_t *chain;	/* chain[j]: hash of tokens [0, (j+1) * block_tokens), when known */
+	uint32_t chain_known;	/* chain[0 .. chain_known) are computed */
+	bool remote_failed;	/* a request to the store failed since the last reset */
 	char error[512];
 };
 
@@ -92,7 +102,9 @@ int kv_cache_create(const struct kv_cache_params *p, const struct backend_ops *o
 	kv->ptrs = calloc(kv->blocks_per_layer + 1, sizeof(*kv->ptrs));
 	kv->idx = calloc(kv->blocks_per_layer + 1, sizeof(*kv->idx));
 	kv->arena_idx = calloc(kv->blocks_per_layer + 1, sizeof(*kv->arena_idx));
-	if (!kv->entries || !kv->arena || !kv->spans || !kv->handles || !kv->ptrs || !kv->idx || !kv->arena_idx) {
+	kv->chain = calloc(kv->blocks_per_layer + 1, sizeof(*kv->chain));
+	if (!kv->entries || !kv->arena || !kv->spans || !kv->handles || !kv->ptrs || !kv->idx || !kv->arena_idx ||
+	    !kv->chain) {
 		kv_cache_destroy(&kv);
 		snprintf(err, errlen, "out of memory for the KV tables");
 		return -ENOMEM;
@@ -118,6 +130,7 @@ void kv_cache_destroy(struct kv_cache **kvp)
 	free(kv->ptrs);
 	free(kv->idx);
 	free(kv->arena_idx);
+	free(kv->chain);
 	free(kv);
 	*kvp = NULL;
 }
@@ -286,7 +299,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		}
 		rc = kv->remote->fetch(kv->rctx, run, kv->handles, kv->ptrs);
 		if (rc) {
-			set_err(kv, rc, "fetching %u KV blocks of layer %u from the kv-store failed: %s", run, layer,
+			remote_err(kv, rc, "fetching %u KV blocks of layer %u from the kv-store failed: %s", run, layer,
 				kv->remote->error(kv->rctx));
 			goto out;
 		}
@@ -311,7 +324,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		if (rc)
 			goto out;
 		if (urc) {
-			rc = set_err(kv, urc, "unpinning KV blocks failed: %s", kv->remote->error(kv->rctx));
+			rc = remote_err(kv, urc, "unpinning KV blocks failed: %s", kv->remote->error(kv->rctx));
 			goto out;
 		}
 		j += run;
@@ -322,12 +335,39 @@ out:
 	return rc;
 }
 
+void kv_cache_set_sequence(struct kv_cache *kv, const int32_t *tokens, const uint32_t *n, uint64_t seed)
+{
+	kv->seq = tokens;
+	kv->seq_n = n;
+	kv->seed = seed;
+	kv->chain_known = 0;
+}
+
+/* The key of block j of a layer, 0 when the sequence does not cover the block (or no sequence
+ * was given): FNV-1a over the chain of the previous block and this block's token ids, then the
+ * layer; never 0 otherwise. */
+static uint64_t block_key(struct kv_cache *kv, uint32_t layer, uint32_t j)
+{
+	const uint32_t bt = kv->p.block_tokens;
+	if (!kv->seq || !kv->seq_n || (uint64_t)(j + 1) * bt > *kv->seq_n || j >= kv->blocks_per_layer)
+		return 0;
+	while (kv->chain_known <= j) {
+		uint32_t b = kv->chain_known;
+		uint64_t h = b ? kv->chain[b - 1] : fnv1a64(FNV64_INIT, &kv->seed, sizeof(kv->seed));
+		h = fnv1a64(h, kv->seq + (size_t)b * bt, sizeof(int32_t) * bt);
+		kv->chain[b] = h;
+		kv->chain_known++;
+	}
+	uint64_t k = fnv1a64(kv->chain[j], &layer, sizeof(layer));
+	return k ? k : 1;
+}
+
 /* Commits blocks idx[0..n) of a layer: pool blocks, copies, then the commit. */
 static int commit_batch(struct kv_cache *kv, uint32_t layer, const uint32_t *idx, uint32_t n)
 {
 	int rc = kv->remote->alloc(kv->rctx, n, kv->handles, kv->ptrs);
 	if (rc)
-		return set_err(kv, rc, "allocating %u KV blocks in the kv-store failed: %s", n,
+		return remote_err(kv, rc, "allocating %u KV blocks in the kv-store failed: %s", n,
 			       kv->remote->error(kv->rctx));
 	unsigned char event[KV_EVENT_HANDLE_BYTES];
 	bool async = kv->ops->kv_to_host_async != NULL;
@@ -346,9 +386,12 @@ static int commit_batch(struct kv_cache *kv, uint32_t layer, const uint32_t *idx
 		kv->remote->release(kv->rctx, n, kv->handles);
 		return rc;
 	}
-	rc = kv->remote->commit(kv->rctx, n, kv->handles, kv->ptrs, async ? event : NULL);
+	uint64_t keys[n ? n : 1];
+	for (uint32_t i = 0; i < n; i++)
+		keys[i] = block_key(kv, layer, idx[i]);
+	rc = kv->remote->commit(kv->rctx, n, kv->handles, kv->ptrs, keys, async ? event : NULL);
 	if (rc) {
-		set_err(kv, rc, "committing %u KV blocks failed: %s", n, kv->remote->error(kv->rctx));
+		remote_err(kv, rc, "committing %u KV blocks failed: %s", n, kv->remote->error(kv->rctx));
 		kv->remote->release(kv->rctx, n, kv->handles);
 		return rc;
 	}
@@ -403,14 +446,99 @@ int kv_cache_reset(struct kv_cache *kv)
 				if (e->committed)
 					kv->handles[n++] = e->handle;
 			}
-			if (n) {
-				int r = kv->remote->release(kv->rctx, n, kv->handles);
-				if (r && !rc)
-					rc = set_err(kv, r, "freeing KV blocks failed: %s", kv->remote->error(kv->rctx));
+			if (!n || kv->remote->release(kv->rctx, n, kv->handles) == 0)
+				continue;
+			/* All or nothing failed, most likely on a block the store dropped after a bad
+			 * checksum: hand the others back one by one. */
+			for (uint32_t i = 0; i < n; i++) {
+				int r = kv->remote->release(kv->rctx, 1, kv->handles + i);
+				if (r && r != -EINVAL && !rc)
+					rc = remote_err(kv, r, "freeing KV blocks failed: %s", kv->remote->error(kv->rctx));
 			}
 		}
 	}
 	clear_tables(kv);
+	kv->chain_known = 0;
+	kv->remote_failed = false;
+	return rc;
+}
+
+bool kv_cache_remote_failed(const struct kv_cache *kv)
+{
+	return kv->remote_failed;
+}
+
+int kv_cache_recover(struct kv_cache *kv)
+{
+	/* A failed fetch may leave blocks pinned for us; nothing of ours is pinned between steps. */
+	if (kv->remote && kv->remote->unpin_all) {
+		int r = kv->remote->unpin_all(kv->rctx);
+		if (r && r != -ENOTSUP)
+			return remote_err(kv, r, "dropping our pins failed: %s", kv->remote->error(kv->rctx));
+	}
+	kv->stats.recoveries++;
+	return kv_cache_reset(kv);
+}
+
+int kv_cache_restore_prefix(struct kv_cache *kv, uint32_t n_prompt)
+{
+	const uint32_t bt = kv->p.block_tokens, L = kv->p.n_layers;
+	if (!kv->remote || !kv->remote->lookup || !kv->seq || n_prompt < 2)
+		return 0;
+	uint32_t nb = (n_prompt - 1) / bt; /* full blocks before the last prompt position */
+	if (nb > kv->blocks_per_layer)
+		nb = kv->blocks_per_layer;
+	if (nb == 0)
+		return 0;
+	uint64_t *keys = malloc(sizeof(uint64_t) * nb * L), *hits = calloc((size_t)nb * L, sizeof(uint64_t));
+	if (!keys || !hits) {
+		free(keys);
+		free(hits);
+		return set_err(kv, -ENOMEM, "out of memory");
+	}
+	for (uint32_t j = 0; j < nb; j++)
+		for (uint32_t l = 0; l < L; l++)
+			keys[(size_t)j * L + l] = block_key(kv, l, j);
+	kv->stats.prefix_lookups++;
+	int rc = kv->remote->lookup(kv->rctx, nb * L, keys, hits);
+	if (rc == -ENOTSUP) { /* a store without prefix reuse */
+		rc = 0;
+		goto out;
+	}
+	if (rc) {
+		remote_err(kv, rc, "looking up cached KV blocks failed: %s", kv->remote->error(kv->rctx));
+		goto out;
+	}
+	/* The longest prefix of blocks every layer has. */
+	uint32_t use = 0;
+	while (use < nb) {
+		bool all = true;
+		for (uint32_t l = 0; l < L && all; l++)
+			all = hits[(size_t)use * L + l] != 0;
+		if (!all)
+			break;
+		use++;
+	}
+	for (uint32_t j = 0; j < use; j++)
+		for (uint32_t l = 0; l < L; l++) {
+			struct kv_entry *e = entry(kv, l, j);
+			*e = (struct kv_entry){.arena = NO_ARENA, .filled = bt, .committed = true,
+					       .handle = hits[(size_t)j * L + l]};
+		}
+	/* The hits past the prefix are no use: hand their references back. */
+	uint32_t extra = 0;
+	for (size_t i = (size_t)use * L; i < (size_t)nb * L; i++)
+		if (hits[i])
+			hits[extra++] = hits[i];
+	if (extra && (rc = kv->remote->release(kv->rctx, extra, hits)) != 0) {
+		remote_err(kv, rc, "handing back cached KV blocks failed: %s", kv->remote->error(kv->rctx));
+		goto out;
+	}
+	kv->stats.prefix_positions += (uint64_t)use * bt;
+	rc = (int)(use * bt);
+out:
+	free(keys);
+	free(hits);
 	return rc;
 }
 

@@ -15,6 +15,14 @@
  * Without a remote (kv_remote == NULL: the in-process oracle) nothing is committed and the
  * arena must hold the whole context; running out is an error.
  *
+ * Prefix reuse: every full block is named by a key, a hash chain over the sequence's token ids
+ * up to the block's end (seeded with the model's manifest hash) and the layer; the key goes with
+ * the commit. A new sequence whose prompt starts like an earlier one asks the store for those
+ * keys (kv_cache_restore_prefix) and computes only what follows the longest prefix every layer
+ * has: the blocks come back from whichever tier holds them, the same bytes as computed.
+ *
+ *   kv_cache_set_sequence(kv, tokens, &n);                      // the sequence so far (grows)
+ *   reused = kv_cache_restore_prefix(kv, n_prompt);             // positions not to compute
  *   kv_cache_prepare(kv, layer, pos0, n, dst_block, dst_row);   // before attn_begin
  *   kv_cache_attend(kv, layer, pos0 + n);                      // between attn_begin and attn_end
  *   kv_cache_finish_layer(kv, layer, pos0, pos0 + n);          // after attn_end
@@ -22,6 +30,7 @@
  */
 #ifndef GPU_RUNNER_KV_CACHE_H
 #define GPU_RUNNER_KV_CACHE_H
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -36,12 +45,19 @@ struct kv_remote_ops {
 	/* n new blocks, pinned for writing: handles and where to write them. */
 	int (*alloc)(void *ctx, uint32_t n, uint64_t *handles, void **ptrs);
 	/* Commits n blocks whose bytes are at ptrs: in place already (event NULL), or once the CUDA
-	 * IPC event whose handle (KV_EVENT_HANDLE_BYTES) is at event completes. */
-	int (*commit)(void *ctx, uint32_t n, const uint64_t *handles, void *const *ptrs, const void *event);
+	 * IPC event whose handle (KV_EVENT_HANDLE_BYTES) is at event completes. keys[i] names
+	 * block i for prefix reuse (0: unnamed). */
+	int (*commit)(void *ctx, uint32_t n, const uint64_t *handles, void *const *ptrs, const uint64_t *keys,
+		      const void *event);
 	/* Pins n committed blocks in host memory and says where they are. */
 	int (*fetch)(void *ctx, uint32_t n, const uint64_t *handles, void **ptrs);
 	int (*unpin)(void *ctx, uint32_t n, const uint64_t *handles);
-	int (*release)(void *ctx, uint32_t n, const uint64_t *handles); /* frees the blocks */
+	int (*release)(void *ctx, uint32_t n, const uint64_t *handles); /* drops our reference */
+	/* Looks up committed blocks by key: handles[i] is the block with keys[i], referenced for
+	 * us, or 0 when the store has none. May be NULL (no prefix reuse). */
+	int (*lookup)(void *ctx, uint32_t n, const uint64_t *keys, uint64_t *handles);
+	/* Drops every pin the store holds for us. May be NULL. */
+	int (*unpin_all)(void *ctx);
 	/* Most blocks one alloc or fetch may ask for (the pool's size). */
 	uint32_t (*max_batch)(void *ctx);
 	const char *(*error)(void *ctx);
@@ -59,6 +75,9 @@ struct kv_cache_stats {
 	uint64_t committed; /* blocks copied to the pool */
 	uint64_t fetched;   /* blocks copied back from the pool */
 	uint64_t evicted;   /* arena blocks reused for another block */
+	uint64_t prefix_positions; /* positions restored from the store instead of computed */
+	uint64_t prefix_lookups;   /* sequences that asked */
+	uint64_t recoveries;	   /* times the KV was rebuilt after the store failed a request */
 };
 
 struct kv_cache;
@@ -78,8 +97,25 @@ int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_
 		     uint32_t *dst_row);
 int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end);
 int kv_cache_finish_layer(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_t pos_end);
-/* Frees every remote block and empties the arena. */
+/* The token ids of the sequence: *n of them at tokens (both may grow; read when keys are
+ * needed). seed names the model (its manifest hash), so keys of two models never meet. */
+void kv_cache_set_sequence(struct kv_cache *kv, const int32_t *tokens, const uint32_t *n, uint64_t seed);
+
+/* Restores the longest prefix of the sequence's first n_prompt - 1 positions whose blocks the
+ * store holds for every layer (at least one prompt position is always left to compute, for its
+ * logits). Returns the positions restored (a multiple of block_tokens, 0 when none or without a
+ * store that looks up), or -errno. The arena must be empty (a fresh sequence). */
+int kv_cache_restore_prefix(struct kv_cache *kv, uint32_t n_prompt);
+
+/* Drops our reference to every remote block and empties the arena. A block the store no
+ * longer knows (dropped after a failed checksum) is skipped. */
 int kv_cache_reset(struct kv_cache *kv);
+/* Whether a request to the store failed since the last reset (the error says which). */
+bool kv_cache_remote_failed(const struct kv_cache *kv);
+/* After such a failure (the store dropped a block that failed its checksum, or restarted and
+ * the caller reconnected): drops our pins and our references, empties the arena. The caller
+ * then restores the prefix the store still has and computes the rest again. */
+int kv_cache_recover(struct kv_cache *kv);
 /* Forgets remote handles without freeing them (the kv-store lost its pool). */
 void kv_cache_forget_remote(struct kv_cache *kv);
 

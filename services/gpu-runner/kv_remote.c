@@ -18,20 +18,47 @@ static int reply_errno(const struct msg *rep)
 	return rep->error.code > 0 && rep->error.code < 4096 ? (int)rep->error.code : EIO;
 }
 
+/* Waits for the reply to corr in slices, so that a kv-store that died (its pool's owner is
+ * gone) is noticed at once rather than after the whole timeout. Returns as rpc_wait, or
+ * -ECONNRESET when the owner died. */
+static int wait_reply(struct kv_remote *kr, uint64_t corr, struct msg *rep)
+{
+	const int slice = 100;
+	for (int waited = 0;;) {
+		int step = kr->timeout_ms - waited < slice ? kr->timeout_ms - waited : slice;
+		int rc = rpc_wait(kr->client, corr, rep, step > 0 ? step : 0);
+		if (rc != -ETIMEDOUT) {
+			if (rc && rc != -EREMOTEIO)
+				kr->lost = true;
+			return rc;
+		}
+		waited += step;
+		if (!kv_remote_owner_alive(kr) || waited >= kr->timeout_ms) {
+			kr->lost = true;
+			return kv_remote_owner_alive(kr) ? -ETIMEDOUT : -ECONNRESET;
+		}
+	}
+}
+
+static const char *wait_error(int rc)
+{
+	return rc == -ECONNRESET ? "the kv-store process died" : strerror(-rc);
+}
+
 /* Reads the replies of the commits sent so far. Returns 0, or the first refusal. */
 static int drain(struct kv_remote *kr)
 {
 	int rc = 0;
 	for (uint32_t i = 0; i < kr->n_pending; i++) {
 		struct msg rep;
-		int r = rpc_wait(kr->client, kr->pending[i], &rep, kr->timeout_ms);
+		int r = wait_reply(kr, kr->pending[i], &rep);
 		if (r == -EREMOTEIO) {
 			if (!rc)
 				rc = set_err(kr, reply_errno(&rep), "kv-store refused a commit: %s", rep.error.text.p);
 			msg_free(&rep);
 		} else if (r) {
 			if (!rc)
-				rc = set_err(kr, r, "kv-store did not answer a commit: %s", strerror(-r));
+				rc = set_err(kr, r, "kv-store did not answer a commit: %s", wait_error(r));
 		} else {
 			if (rep.type != MSG_OK && !rc)
 				rc = set_err(kr, -EPROTO, "kv-store answered a commit with %s", msg_type_name(rep.type));
@@ -51,7 +78,13 @@ static int call(struct kv_remote *kr, struct msg *req, uint32_t want, struct msg
 	if (prc)
 		return prc;
 	const char *what = msg_type_name(req->type);
-	int rc = rpc_call(kr->client, req, rep, kr->timeout_ms);
+	uint64_t corr;
+	int rc = rpc_send(kr->client, req, &corr);
+	if (rc) {
+		kr->lost = true;
+		return set_err(kr, rc, "cannot send %s to kv-store: %s", what, strerror(-rc));
+	}
+	rc = wait_reply(kr, corr, rep);
 	if (rc == -EREMOTEIO) {
 		int code = reply_errno(rep);
 		set_err(kr, -code, "kv-store refused %s: %s", what, rep->error.text.p);
@@ -59,7 +92,7 @@ static int call(struct kv_remote *kr, struct msg *req, uint32_t want, struct msg
 		return -code;
 	}
 	if (rc)
-		return set_err(kr, rc, "kv-store did not answer %s: %s", what, strerror(-rc));
+		return set_err(kr, rc, "kv-store did not answer %s: %s", what, wait_error(rc));
 	if (rep->type != want) {
 		set_err(kr, -EPROTO, "kv-store answered %s with %s", what, msg_type_name(rep->type));
 		msg_free(rep);
@@ -136,7 +169,8 @@ static int simple(struct kv_remote *kr, uint32_t type, uint32_t n, const uint64_
 	return rc;
 }
 
-static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const *ptrs, const void *event)
+static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const *ptrs, const uint64_t *keys,
+		     const void *event)
 {
 	struct kv_remote *kr = ctx;
 	struct kvpool_slot *slots = kvpool_slots(kr->h);
@@ -159,6 +193,10 @@ static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const
 	msg_init(&req, MSG_KV_COMMIT, 0);
 	req.kv_commit.handles.v = (uint64_t *)handles;
 	req.kv_commit.handles.n = n;
+	if (keys) {
+		req.kv_commit.keys.v = (uint64_t *)keys;
+		req.kv_commit.keys.n = n;
+	}
 	char *events = NULL;
 	if (event) { /* one event for the batch: its handle once per block, as the message wants */
 		events = malloc((size_t)n * KV_EVENT_HANDLE_BYTES);
@@ -173,8 +211,10 @@ static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const
 	uint64_t corr;
 	int rc = rpc_send(kr->client, &req, &corr);
 	free(events);
-	if (rc)
+	if (rc) {
+		kr->lost = true;
 		return set_err(kr, rc, "cannot send a commit to kv-store: %s", strerror(-rc));
+	}
 	kr->pending[kr->n_pending++] = corr;
 	return 0;
 }
@@ -206,6 +246,39 @@ static int op_release(void *ctx, uint32_t n, const uint64_t *handles)
 	return simple(ctx, MSG_KV_FREE, n, handles);
 }
 
+static int op_lookup(void *ctx, uint32_t n, const uint64_t *keys, uint64_t *handles)
+{
+	struct kv_remote *kr = ctx;
+	struct msg req, rep;
+	msg_init(&req, MSG_KV_LOOKUP, 0);
+	req.kv_lookup.keys.v = (uint64_t *)keys;
+	req.kv_lookup.keys.n = n;
+	int rc = call(kr, &req, MSG_KV_BLOCKS, &rep);
+	if (rc)
+		return rc;
+	const struct msg_kv_blocks *b = &rep.kv_blocks;
+	if (b->handles.n != n) {
+		rc = set_err(kr, -EPROTO, "kv-store answered a lookup of %u keys with %u handles", n, b->handles.n);
+	} else {
+		/* A hit is a block we now hold a reference to: the same handle twice would be two
+		 * references to one block, which the caller cannot tell apart; refuse it. */
+		for (uint32_t i = 0; i < n && !rc; i++) {
+			handles[i] = b->handles.v[i];
+			for (uint32_t j = 0; j < i && !rc && handles[i]; j++)
+				if (handles[j] == handles[i])
+					rc = set_err(kr, -EPROTO, "kv-store answered two keys with block %llx",
+						     (unsigned long long)handles[i]);
+		}
+	}
+	msg_free(&rep);
+	return rc;
+}
+
+static int op_unpin_all(void *ctx)
+{
+	return simple(ctx, MSG_KV_UNPIN_ALL, 0, NULL);
+}
+
 static uint32_t op_max_batch(void *ctx)
 {
 	const struct kv_remote *kr = ctx;
@@ -223,6 +296,8 @@ const struct kv_remote_ops kv_remote_ops_pool = {
 	.fetch = op_fetch,
 	.unpin = op_unpin,
 	.release = op_release,
+	.lookup = op_lookup,
+	.unpin_all = op_unpin_all,
 	.max_batch = op_max_batch,
 	.error = op_error,
 };
@@ -275,6 +350,7 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 		return -EPROTO;
 	}
 	kr->h = h;
+	kr->lost = false;
 	kr->owner_pid = atomic_load(&h->shm.owner_pid);
 	kr->pool_epoch = rep.kv_pool.epoch;
 	if (same_pool)
@@ -293,4 +369,9 @@ void kv_remote_disconnect(struct kv_remote *kr)
 bool kv_remote_owner_alive(const struct kv_remote *kr)
 {
 	return kr->h && atomic_load(&kr->h->shm.owner_pid) == kr->owner_pid && shm_owner_alive(&kr->h->shm);
+}
+
+bool kv_remote_lost(const struct kv_remote *kr)
+{
+	return !kr->h || kr->lost || !kv_remote_owner_alive(kr);
 }

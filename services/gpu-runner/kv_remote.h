@@ -41,6 +41,7 @@ struct kv_remote {
 	int timeout_ms;
 	uint64_t pending[KV_EVENTS_IN_FLIGHT]; /* commits whose replies are not yet read */
 	uint32_t n_pending;
+	bool lost; /* a request went unanswered (timeout, the process died): reconnect before trusting it */
 	char error[512];
 };
 
@@ -53,6 +54,9 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 		      int timeout_ms, bool *same_pool, char *err, size_t errlen);
 void kv_remote_disconnect(struct kv_remote *kr);
 bool kv_remote_owner_alive(const struct kv_remote *kr);
+/* Whether the connection needs kv_remote_connect again: the pool's owner is gone, or a request
+ * went unanswered. A refusal (MSG_ERROR) leaves the connection good. */
+bool kv_remote_lost(const struct kv_remote *kr);
 
 #ifdef __cplusplus
 }

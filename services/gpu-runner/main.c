@@ -72,6 +72,7 @@ struct runner {
 
 	struct model_config cfg;
 	uint64_t manifest_hash;
+	uint64_t kv_seed; /* names model, backend and KV format in KV block keys */
 	struct tokenizer *tok; /* from the ring; NULL when the model has no tokenizer.json */
 	const struct backend_ops *ops;
 	struct backend *be;
@@ -287,6 +288,36 @@ static int connect_kv(struct runner *r, int deadline_ms, char *err, size_t errle
 	return 0;
 }
 
+/* A request to the kv-store failed in the middle of a generation. If the connection is gone
+ * (the kv-store died or restarted), reconnect, waiting up to RECONNECT_TIMEOUT_MS for it to
+ * come back, while serving our own socket so that heartbeats go on and a stop is heard. */
+static int kv_failure(void *ctx, char *err, size_t errlen)
+{
+	struct runner *r = ctx;
+	if (!kv_remote_lost(&r->kv))
+		return 0; /* it answered, with a refusal (a dropped block, say): nothing to reconnect */
+	log_warn("kv-store connection lost in the middle of a request: reconnecting");
+	uint64_t deadline = now_ns() + (uint64_t)RECONNECT_TIMEOUT_MS * 1000000ull;
+	for (;;) {
+		int rc = connect_kv(r, 250, err, errlen);
+		if (rc == 0) {
+			log_info("kv-store is back: rebuilding the KV of the request in flight");
+			return 0;
+		}
+		if (rc != -ETIMEDOUT)
+			return rc;
+		if (now_ns() >= deadline) {
+			snprintf(err, errlen, "kv-store did not come back at %s/kv-store.ctl within %d s", r->run_dir,
+				 RECONNECT_TIMEOUT_MS / 1000);
+			return rc;
+		}
+		if (service_poll_once(r->svc, 0)) {
+			snprintf(err, errlen, "gpu-runner is stopping");
+			return -ECANCELED;
+		}
+	}
+}
+
 /* Before a request: reconnect to a service that restarted or failed us. */
 static int ensure_connections(struct runner *r, char *err, size_t errlen)
 {
@@ -304,7 +335,7 @@ static int ensure_connections(struct runner *r, char *err, size_t errlen)
 		if (rc)
 			return rc;
 	}
-	if (r->kv_suspect || !kv_remote_owner_alive(&r->kv)) {
+	if (r->kv_suspect || kv_remote_lost(&r->kv)) {
 		log_info("reconnecting to kv-store");
 		rc = connect_kv(r, RECONNECT_TIMEOUT_MS, err, errlen);
 		if (rc)
@@ -432,9 +463,10 @@ static void run_job(struct runner *r, struct job *j)
 		r->last_prefill_tok_s = res.prefill_ms > 0 ? res.n_prompt / (res.prefill_ms / 1e3) : 0;
 		r->last_decode_tok_s =
 			res.decode_ms > 0 && res.n_generated > 1 ? (res.n_generated - 1) / (res.decode_ms / 1e3) : 0;
-		log_info("request %llu: %u prompt tokens, %u generated (%s), prefill %.1f tok/s, decode %.1f tok/s",
-			 (unsigned long long)j->corr, res.n_prompt, res.n_generated, res.reason, r->last_prefill_tok_s,
-			 r->last_decode_tok_s);
+		log_info("request %llu: %u prompt tokens (%u restored from the kv-store), %u generated (%s), prefill "
+			 "%.1f tok/s, decode %.1f tok/s%s",
+			 (unsigned long long)j->corr, res.n_prompt, res.n_restored, res.n_generated, res.reason,
+			 r->last_prefill_tok_s, r->last_decode_tok_s, res.n_rebuilds ? ", KV rebuilt after a kv-store failure" : "");
 	}
 	text_prompt_free(&tp);
 	text_stream_destroy(&r->ts);
@@ -503,6 +535,8 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 		.ignore_eos = (g->flags & GEN_IGNORE_EOS) != 0,
 		.on_logits = (g->flags & GEN_LOGITS) ? send_logits : NULL,
 		.on_decode = decode_starts,
+		.on_kv_failure = kv_failure,
+		.kv_seed = r->kv_seed,
 		.stop_ids = j->stop,
 		.n_stop = g->stop_ids.n,
 	};
@@ -540,6 +574,11 @@ static char *stats(void *ctx)
 			      "kv_block_bytes", (json_int_t)r->arena_block_bytes, "queued", (json_int_t)r->q_len,
 			      "weights_all_resident", r->ring ? ring_source_all_resident(r->ring) : 0, "max_context",
 			      (json_int_t)r->max_context);
+	if (o) {
+		json_object_set_new(o, "kv_prefix_lookups", json_integer((json_int_t)ks.prefix_lookups));
+		json_object_set_new(o, "kv_prefix_positions", json_integer((json_int_t)ks.prefix_positions));
+		json_object_set_new(o, "kv_rebuilds", json_integer((json_int_t)ks.recoveries));
+	}
 #ifdef PIPELINE_HAVE_CUDA
 	if (o && r->win) {
 		struct gpu_window_stats ws2;
@@ -602,6 +641,11 @@ static int setup(struct runner *r)
 		log_error("cannot create sockets under %s: %s", r->run_dir, strerror(errno));
 		return -EIO;
 	}
+	/* One session for this process: a service that sees it again after a reconnect knows the
+	 * blocks and slots it holds are still ours. */
+	uint64_t session = random_u64() | 1;
+	rpc_client_set_session(r->loader_c, session);
+	rpc_client_set_session(r->kv_c, session);
 	log_info("waiting for ssd-loader");
 	int rc = connect_loader(r, CONNECT_TIMEOUT_MS, err, sizeof(err));
 	if (rc) {
@@ -634,6 +678,13 @@ static int setup(struct runner *r)
 					.threads = (uint32_t)r->threads};
 	r->arena_block_bytes = r->ops->kv_block_bytes(&r->cfg, &r->bp);
 	r->pool_block_bytes = ALIGN_UP((uint64_t)r->arena_block_bytes, 4096);
+	/* Blocks are reused only by a runner that would compute the same bytes: same model, same
+	 * backend, same KV element type and block size. */
+	r->kv_seed = fnv1a64(FNV64_INIT, &r->manifest_hash, sizeof(r->manifest_hash));
+	r->kv_seed = fnv1a64(r->kv_seed, r->ops->name, strlen(r->ops->name));
+	r->kv_seed = fnv1a64(r->kv_seed, &r->bp.kv_dtype, sizeof(r->bp.kv_dtype));
+	r->kv_seed = fnv1a64(r->kv_seed, &r->bp.block_tokens, sizeof(r->bp.block_tokens));
+	r->kv_seed |= 1;
 	uint32_t per_layer = (uint32_t)((r->max_context + r->block_tokens - 1) / r->block_tokens);
 	uint64_t all = (uint64_t)per_layer * r->cfg.n_layers;
 	uint64_t fit = r->kv_gpu_budget / r->arena_block_bytes;
