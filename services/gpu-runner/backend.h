@@ -140,6 +140,9 @@ struct backend_ops {
 	 * meaningful for at least the next KV_EVENTS_IN_FLIGHT calls. */
 	int (*kv_to_host_async)(struct backend *be, uint32_t n, const uint32_t *blocks, void *const *dsts,
 				void *event_handle);
+	/* Optional (NULL: kv_from_host per block): copies n host buffers into arena blocks and
+	 * returns once all are complete (the host buffers may be reused): one wait per batch. */
+	int (*kv_from_host_n)(struct backend *be, uint32_t n, const uint32_t *blocks, const void *const *srcs);
 };
 
 #define KV_EVENTS_IN_FLIGHT 64 /* commits a runner may have unanswered (kv_remote.h) */

@@ -1534,6 +1534,23 @@ static int cuda_kv_from_host(struct backend *be, uint32_t block, const void *src
 	return 0;
 }
 
+/* A run of blocks fetched from the pool: every copy queued, then one wait (a wait per block
+ * costs more than a small block's copy). */
+static int cuda_kv_from_host_n(struct backend *be, uint32_t n, const uint32_t *blocks, const void *const *srcs)
+{
+	size_t bytes = be->block_elems * be->kv_esize;
+	for (uint32_t i = 0; i < n; i++) {
+		if (blocks[i] >= be->p.n_kv_blocks)
+			return fail(be, -EINVAL, "cuda backend: kv_from_host_n: block %u is outside the arena of %u blocks",
+				    blocks[i], be->p.n_kv_blocks);
+		CUDA_TRY(be, "cudaMemcpyAsync (kv_from_host_n)",
+			 cudaMemcpyAsync((char *)be->arena + blocks[i] * bytes, srcs[i], bytes, cudaMemcpyHostToDevice,
+					 be->stream));
+	}
+	CUDA_TRY(be, "cudaStreamSynchronize (kv_from_host_n)", cudaStreamSynchronize(be->stream));
+	return 0;
+}
+
 static int cuda_embed(struct backend *be, const struct group_weights *w, const int32_t *tokens, uint32_t n,
 		      uint32_t pos0)
 {
@@ -2251,5 +2268,6 @@ const struct backend_ops backend_cuda_ops = {
 	cuda_unpin_host,	/* unpin_host */
 	cuda_logits_sample,	/* logits_sample */
 	cuda_kv_to_host_async,	/* kv_to_host_async */
+	cuda_kv_from_host_n,	/* kv_from_host_n */
 };
 }

@@ -48,6 +48,7 @@ struct kv_cache {
 	void **ptrs;
 	uint32_t *idx;
 	uint32_t *arena_idx;
+	uint32_t *dst; /* arena blocks of a fetched run */
 	struct kv_cache_stats stats;
 	/* The sequence, for keys. */
 	const int32_t *seq;
@@ -103,8 +104,9 @@ int kv_cache_create(const struct kv_cache_params *p, const struct backend_ops *o
 	kv->idx = calloc(kv->blocks_per_layer + 1, sizeof(*kv->idx));
 	kv->arena_idx = calloc(kv->blocks_per_layer + 1, sizeof(*kv->arena_idx));
 	kv->chain = calloc(kv->blocks_per_layer + 1, sizeof(*kv->chain));
+	kv->dst = calloc(kv->blocks_per_layer + 1, sizeof(*kv->dst));
 	if (!kv->entries || !kv->arena || !kv->spans || !kv->handles || !kv->ptrs || !kv->idx || !kv->arena_idx ||
-	    !kv->chain) {
+	    !kv->chain || !kv->dst) {
 		kv_cache_destroy(&kv);
 		snprintf(err, errlen, "out of memory for the KV tables");
 		return -ENOMEM;
@@ -131,6 +133,7 @@ void kv_cache_destroy(struct kv_cache **kvp)
 	free(kv->idx);
 	free(kv->arena_idx);
 	free(kv->chain);
+	free(kv->dst);
 	free(kv);
 	*kvp = NULL;
 }
@@ -303,21 +306,37 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 				kv->remote->error(kv->rctx));
 			goto out;
 		}
-		for (uint32_t r = 0; r < run && rc == 0; r++) {
-			int a = take_arena(kv, layer, layer, kv->idx[r]);
+		/* Arena blocks for the whole run (busy, so none evicts another), then the copies. */
+		uint32_t taken = 0;
+		for (; taken < run; taken++) {
+			int a = take_arena(kv, layer, layer, kv->idx[taken]);
 			if (a < 0) {
 				rc = a;
 				break;
 			}
 			kv->arena[a].busy = true;
-			rc = kv->ops->kv_from_host(kv->be, (uint32_t)a, kv->ptrs[r]);
-			if (rc) {
-				set_err(kv, rc, "copying a KV block into the arena failed: %s", kv->ops->error(kv->be));
-				break;
+			kv->dst[taken] = (uint32_t)a;
+		}
+		if (rc == 0 && kv->ops->kv_from_host_n) {
+			rc = kv->ops->kv_from_host_n(kv->be, run, kv->dst, (const void *const *)kv->ptrs);
+		} else {
+			for (uint32_t r = 0; r < run && rc == 0; r++)
+				rc = kv->ops->kv_from_host(kv->be, kv->dst[r], kv->ptrs[r]);
+		}
+		if (rc) {
+			/* The blocks taken hold nothing valid: forget they were here. */
+			for (uint32_t r = 0; r < taken; r++) {
+				entry(kv, layer, kv->idx[r])->arena = NO_ARENA;
+				kv->arena[kv->dst[r]] = (struct arena_block){.layer = -1};
+				kv->n_free++;
 			}
+			if (rc != -ENOSPC)
+				set_err(kv, rc, "copying KV blocks into the arena failed: %s", kv->ops->error(kv->be));
+		}
+		for (uint32_t r = 0; r < run && rc == 0; r++) {
 			uint32_t bj = kv->idx[r];
 			uint32_t blen = pos_end - bj * bt < bt ? pos_end - bj * bt : bt;
-			kv->spans[n_spans++] = (struct kv_span){.block = (uint32_t)a, .pos0 = bj * bt, .n_tokens = blen};
+			kv->spans[n_spans++] = (struct kv_span){.block = kv->dst[r], .pos0 = bj * bt, .n_tokens = blen};
 			kv->stats.fetched++;
 		}
 		int urc = kv->remote->unpin(kv->rctx, run, kv->handles);
