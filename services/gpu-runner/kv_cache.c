@@ -24,12 +24,16 @@ struct kv_entry {
 	uint32_t filled;   /* positions written */
 	bool committed;	   /* a pool copy exists (handle valid) */
 	uint64_t handle;
+	uint64_t key;	   /* its prefix key once committed, 0 when unnamed */
 };
 
 struct arena_block {
 	int32_t layer; /* -1 when free */
 	int32_t index; /* block index within the layer */
 	bool busy;     /* in use by the current step: never evicted */
+	/* The prefix key of the committed block it holds or, once free, last held: a later
+	 * sequence that restores that key finds the bytes here and copies nothing. */
+	uint64_t key;
 };
 
 struct kv_cache {
@@ -49,6 +53,7 @@ struct kv_cache {
 	uint32_t *idx;
 	uint32_t *arena_idx;
 	uint32_t *dst; /* arena blocks of a fetched run */
+	uint64_t *keys;
 	struct kv_cache_stats stats;
 	/* The sequence, for keys. */
 	const int32_t *seq;
@@ -105,8 +110,9 @@ int kv_cache_create(const struct kv_cache_params *p, const struct backend_ops *o
 	kv->arena_idx = calloc(kv->blocks_per_layer + 1, sizeof(*kv->arena_idx));
 	kv->chain = calloc(kv->blocks_per_layer + 1, sizeof(*kv->chain));
 	kv->dst = calloc(kv->blocks_per_layer + 1, sizeof(*kv->dst));
+	kv->keys = calloc(kv->blocks_per_layer + 1, sizeof(*kv->keys));
 	if (!kv->entries || !kv->arena || !kv->spans || !kv->handles || !kv->ptrs || !kv->idx || !kv->arena_idx ||
-	    !kv->chain || !kv->dst) {
+	    !kv->chain || !kv->dst || !kv->keys) {
 		kv_cache_destroy(&kv);
 		snprintf(err, errlen, "out of memory for the KV tables");
 		return -ENOMEM;
@@ -134,6 +140,7 @@ void kv_cache_destroy(struct kv_cache **kvp)
 	free(kv->arena_idx);
 	free(kv->chain);
 	free(kv->dst);
+	free(kv->keys);
 	free(kv);
 	*kvp = NULL;
 }
@@ -160,13 +167,18 @@ static uint32_t next_use_distance(const struct kv_cache *kv, uint32_t layer, uin
  * needed furthest ahead. Returns the arena index or -ENOSPC. */
 static int take_arena(struct kv_cache *kv, uint32_t current_layer, uint32_t layer, uint32_t index)
 {
-	int best = -1;
+	int best = -1, remembered = -1;
 	uint32_t best_d = 0;
 	for (uint32_t i = 0; i < kv->p.n_arena; i++) {
 		struct arena_block *a = &kv->arena[i];
 		if (a->layer < 0) {
-			best = (int)i;
-			break;
+			if (!a->key) {
+				best = (int)i;
+				break;
+			}
+			if (remembered < 0) /* free, but a later sequence may want its bytes */
+				remembered = (int)i;
+			continue;
 		}
 		if (a->busy || !entry(kv, (uint32_t)a->layer, (uint32_t)a->index)->committed)
 			continue;
@@ -176,6 +188,8 @@ static int take_arena(struct kv_cache *kv, uint32_t current_layer, uint32_t laye
 			best_d = d;
 		}
 	}
+	if (remembered >= 0 && (best < 0 || kv->arena[best].layer >= 0))
+		best = remembered;
 	if (best < 0)
 		return set_err(kv, -ENOSPC,
 			       "KV arena of %u blocks is exhausted: every block holds unsaved KV or is in use "
@@ -191,6 +205,7 @@ static int take_arena(struct kv_cache *kv, uint32_t current_layer, uint32_t laye
 	a->layer = (int32_t)layer;
 	a->index = (int32_t)index;
 	a->busy = false;
+	a->key = 0;
 	entry(kv, layer, index)->arena = best;
 	return best;
 }
@@ -335,6 +350,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		}
 		for (uint32_t r = 0; r < run && rc == 0; r++) {
 			uint32_t bj = kv->idx[r];
+			kv->arena[kv->dst[r]].key = entry(kv, layer, bj)->key;
 			uint32_t blen = pos_end - bj * bt < bt ? pos_end - bj * bt : bt;
 			kv->spans[n_spans++] = (struct kv_span){.block = kv->dst[r], .pos0 = bj * bt, .n_tokens = blen};
 			kv->stats.fetched++;
@@ -405,7 +421,7 @@ static int commit_batch(struct kv_cache *kv, uint32_t layer, const uint32_t *idx
 		kv->remote->release(kv->rctx, n, kv->handles);
 		return rc;
 	}
-	uint64_t keys[n ? n : 1];
+	uint64_t *keys = kv->keys;
 	for (uint32_t i = 0; i < n; i++)
 		keys[i] = block_key(kv, layer, idx[i]);
 	rc = kv->remote->commit(kv->rctx, n, kv->handles, kv->ptrs, keys, async ? event : NULL);
@@ -418,6 +434,8 @@ static int commit_batch(struct kv_cache *kv, uint32_t layer, const uint32_t *idx
 		struct kv_entry *e = entry(kv, layer, idx[i]);
 		e->committed = true;
 		e->handle = kv->handles[i];
+		e->key = keys[i];
+		kv->arena[e->arena].key = keys[i];
 	}
 	kv->stats.committed += n;
 	return 0;
@@ -445,12 +463,18 @@ int kv_cache_finish_layer(struct kv_cache *kv, uint32_t layer, uint32_t pos0, ui
 	return 0;
 }
 
-static void clear_tables(struct kv_cache *kv)
+/* Empties the tables. Arena blocks keep the key of the committed block they held (forget:
+ * drop those too, the bytes may no longer match a key the store hands out). */
+static void clear_tables(struct kv_cache *kv, bool forget)
 {
+	for (uint32_t i = 0; i < kv->p.n_arena; i++) {
+		struct arena_block *a = &kv->arena[i];
+		bool keep = !forget && a->layer >= 0 && a->key &&
+			    entry(kv, (uint32_t)a->layer, (uint32_t)a->index)->committed;
+		*a = (struct arena_block){.layer = -1, .index = -1, .key = keep ? a->key : 0};
+	}
 	for (size_t i = 0; i < (size_t)kv->p.n_layers * kv->blocks_per_layer; i++)
 		kv->entries[i] = (struct kv_entry){.arena = NO_ARENA};
-	for (uint32_t i = 0; i < kv->p.n_arena; i++)
-		kv->arena[i] = (struct arena_block){.layer = -1};
 	kv->n_free = kv->p.n_arena;
 }
 
@@ -476,7 +500,7 @@ int kv_cache_reset(struct kv_cache *kv)
 			}
 		}
 	}
-	clear_tables(kv);
+	clear_tables(kv, false);
 	kv->chain_known = 0;
 	kv->remote_failed = false;
 	return rc;
@@ -497,6 +521,12 @@ int kv_cache_recover(struct kv_cache *kv)
 	}
 	kv->stats.recoveries++;
 	return kv_cache_reset(kv);
+}
+
+static int cmp_keyed(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
 }
 
 int kv_cache_restore_prefix(struct kv_cache *kv, uint32_t n_prompt)
@@ -538,12 +568,34 @@ int kv_cache_restore_prefix(struct kv_cache *kv, uint32_t n_prompt)
 			break;
 		use++;
 	}
+	/* Free arena blocks that still hold a key's bytes, sorted by key: those restored blocks
+	 * need no copy at all. */
+	struct keyed { uint64_t key; uint32_t block; } *held = malloc(sizeof(*held) * (kv->p.n_arena + 1));
+	uint32_t n_held = 0;
+	if (!held) {
+		rc = set_err(kv, -ENOMEM, "out of memory");
+		goto out;
+	}
+	for (uint32_t i = 0; i < kv->p.n_arena; i++)
+		if (kv->arena[i].layer < 0 && kv->arena[i].key)
+			held[n_held++] = (struct keyed){kv->arena[i].key, i};
+	qsort(held, n_held, sizeof(*held), cmp_keyed);
 	for (uint32_t j = 0; j < use; j++)
 		for (uint32_t l = 0; l < L; l++) {
 			struct kv_entry *e = entry(kv, l, j);
+			uint64_t key = keys[(size_t)j * L + l];
 			*e = (struct kv_entry){.arena = NO_ARENA, .filled = bt, .committed = true,
-					       .handle = hits[(size_t)j * L + l]};
+					       .handle = hits[(size_t)j * L + l], .key = key};
+			struct keyed want = {key, 0}, *f = bsearch(&want, held, n_held, sizeof(*held), cmp_keyed);
+			if (f && kv->arena[f->block].layer < 0 && kv->arena[f->block].key == key) {
+				kv->arena[f->block] = (struct arena_block){.layer = (int32_t)l, .index = (int32_t)j,
+									   .key = key};
+				e->arena = (int32_t)f->block;
+				kv->n_free--;
+				kv->stats.prefix_on_gpu++;
+			}
 		}
+	free(held);
 	/* The hits past the prefix are no use: hand their references back. */
 	uint32_t extra = 0;
 	for (size_t i = (size_t)use * L; i < (size_t)nb * L; i++)
@@ -563,5 +615,5 @@ out:
 
 void kv_cache_forget_remote(struct kv_cache *kv)
 {
-	clear_tables(kv);
+	clear_tables(kv, true);
 }

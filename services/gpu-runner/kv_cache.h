@@ -19,7 +19,9 @@
  * up to the block's end (seeded with the model's manifest hash) and the layer; the key goes with
  * the commit. A new sequence whose prompt starts like an earlier one asks the store for those
  * keys (kv_cache_restore_prefix) and computes only what follows the longest prefix every layer
- * has: the blocks come back from whichever tier holds them, the same bytes as computed.
+ * has: the blocks come back from whichever tier holds them, the same bytes as computed. The
+ * arena is the first of those tiers: a free arena block remembers the key of the committed
+ * block it last held, and a restored block found there is used in place.
  *
  *   kv_cache_set_sequence(kv, tokens, &n);                      // the sequence so far (grows)
  *   reused = kv_cache_restore_prefix(kv, n_prompt);             // positions not to compute
@@ -77,6 +79,7 @@ struct kv_cache_stats {
 	uint64_t evicted;   /* arena blocks reused for another block */
 	uint64_t prefix_positions; /* positions restored from the store instead of computed */
 	uint64_t prefix_lookups;   /* sequences that asked */
+	uint64_t prefix_on_gpu;	   /* restored blocks still in the arena: no copy needed */
 	uint64_t recoveries;	   /* times the KV was rebuilt after the store failed a request */
 };
 

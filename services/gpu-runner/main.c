@@ -577,6 +577,7 @@ static char *stats(void *ctx)
 	if (o) {
 		json_object_set_new(o, "kv_prefix_lookups", json_integer((json_int_t)ks.prefix_lookups));
 		json_object_set_new(o, "kv_prefix_positions", json_integer((json_int_t)ks.prefix_positions));
+		json_object_set_new(o, "kv_prefix_blocks_on_gpu", json_integer((json_int_t)ks.prefix_on_gpu));
 		json_object_set_new(o, "kv_rebuilds", json_integer((json_int_t)ks.recoveries));
 	}
 #ifdef PIPELINE_HAVE_CUDA
