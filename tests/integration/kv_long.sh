@@ -13,7 +13,9 @@ expect_words 511 "$want" "run-local tokens"
 
 "$PIPELINE" start --model "$MODEL" --backend cpu --kv-gpu-budget 64KiB --kv-dram-budget 256KiB \
 	--runner-opt=--prefill-chunk=64
-got=$(generate --tokens "$PROMPT_LONG" -n 511 --ignore-eos)
+# The prompt from a file (--tokens @FILE), as a prompt too long for one argument would come.
+printf '%s\n' "$PROMPT_LONG" >"$IT_TMP/prompt.ids"
+got=$(generate --tokens "@$IT_TMP/prompt.ids" -n 511 --ignore-eos)
 expect_eq "$got" "$want" "4K-token context through the runner's 16 blocks, a pool of 64 and the spill file vs run-local"
 
 fetched=$(stat_value gpu-runner kv_blocks_fetched)

@@ -75,11 +75,38 @@ static char **expand_short_flags(int argc, char **argv, int *argc_out, struct ge
 	return out;
 }
 
+/* Reads a whole text file of at most max bytes into a NUL-terminated heap buffer. Returns 0
+ * or -errno (-EFBIG when larger). */
+static int read_text_file(const char *path, size_t max, char **out, size_t *len)
+{
+	FILE *f = fopen(path, "rb");
+	if (!f)
+		return -errno;
+	char *buf = malloc(max + 1);
+	if (!buf) {
+		fclose(f);
+		return -ENOMEM;
+	}
+	size_t n = fread(buf, 1, max + 1, f);
+	int rc = ferror(f) ? -EIO : n > max ? -EFBIG : 0;
+	fclose(f);
+	if (rc) {
+		free(buf);
+		return rc;
+	}
+	buf[n] = 0;
+	*out = buf;
+	*len = n;
+	return 0;
+}
+
 static int parse_args(int argc, char **argv, struct gen_args *a)
 {
 	const char *tokens = NULL, *stop_ids = NULL;
 	struct opt opts[] = {
-		{"tokens", OPT_STRING, &tokens, NULL, "prompt token ids, comma separated: 1,2,3"},
+		{"tokens", OPT_STRING, &tokens, NULL,
+		 "prompt token ids, comma separated: 1,2,3; @FILE reads them from FILE (for prompts too long "
+		 "for one argument)"},
 		{"prompt", OPT_STRING, &a->prompt, NULL, "prompt text (the runner tokenizes it, BOS first)"},
 		{"chat", OPT_STRING, &a->chat, NULL, "a user message, in the model's chat format"},
 		{"system", OPT_STRING, &a->system, NULL, "with --chat: a system message before it"},
@@ -168,7 +195,21 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 	}
 	if (a->text)
 		return 0;
-	if (pipectl_parse_ids(tokens, UINT32_MAX, &a->tokens, &a->n_tokens, err, sizeof(err)) != 0) {
+	char *from_file = NULL;
+	if (tokens[0] == '@') {
+		size_t len = 0;
+		int frc = read_text_file(tokens + 1, 64u << 20, &from_file, &len);
+		if (frc) {
+			fprintf(stderr, "pipectl: generate: --tokens %s: %s\n", tokens, strerror(-frc));
+			return PIPECTL_EXIT_USAGE;
+		}
+		while (len && (from_file[len - 1] == '\n' || from_file[len - 1] == ' ' || from_file[len - 1] == '\r'))
+			from_file[--len] = 0;
+		tokens = from_file;
+	}
+	int prc = pipectl_parse_ids(tokens, UINT32_MAX, &a->tokens, &a->n_tokens, err, sizeof(err));
+	free(from_file);
+	if (prc != 0) {
 		fprintf(stderr, "pipectl: generate: --tokens: %s\n", err);
 		return PIPECTL_EXIT_USAGE;
 	}
