@@ -13,6 +13,11 @@
  * slot tables live here, not in kv-store's private memory, so a restarted kv-store adopts
  * the pool (SHM_ADOPT) with nothing lost and the runner's handles stay valid.
  *
+ * References and the prefix cache: each live handle counts the references the runner holds
+ * (ALLOC and each MSG_KV_LOOKUP hit take one, MSG_KV_FREE drops one). A committed block with a
+ * key whose last reference went stays *cached*: committed, evictable, found by MSG_KV_LOOKUP
+ * until the kv-store needs its room. The counts live here so that an adopted pool keeps them.
+ *
  * Completion of a write: the runner copies a block into its pool slot and then makes the
  * copy's completion known. With CUDA this is an IPC event whose handle travels in
  * MSG_KV_COMMIT; without it, the runner stores ready = 1 in the slot (release order) before
@@ -31,7 +36,7 @@
 extern "C" {
 #endif
 
-#define KVPOOL_LAYOUT_VERSION 1
+#define KVPOOL_LAYOUT_VERSION 2 /* 2: handle refs and last_use, runner_session, cache counters */
 #define KV_NONE UINT32_MAX
 
 static inline uint64_t kv_handle_make(uint32_t index, uint32_t generation)
@@ -86,9 +91,11 @@ struct kvpool_handle {
 	uint32_t location;   /* enum kv_location */
 	uint32_t where;	     /* pool slot or spill slot */
 	uint32_t checksum;   /* CRC-32C of the block bytes, set at commit */
-	uint32_t reserved;
+	uint32_t refs;	     /* references the runner holds; 0 while cached (committed, key != 0) */
 	uint64_t key;	     /* prefix-chain key given at commit, 0 when none */
+	uint64_t last_use;   /* kv-store's tick at the last alloc/commit/fetch/lookup: LRU order in any tier */
 };
+_Static_assert(sizeof(struct kvpool_handle) == 40, "handle table entry");
 
 struct kvpool_header {
 	struct shm_header shm;
@@ -100,6 +107,7 @@ struct kvpool_header {
 	uint32_t reserved0;
 	uint64_t slots_off, handles_off, data_off; /* from the base */
 	uint64_t pool_epoch;	/* new each time the pool is (re)configured */
+	uint64_t runner_session; /* the session of the last gpu-runner HELLO (0: none yet, or one without) */
 
 	/* Written by kv-store only. */
 	alignas(64) struct {
@@ -110,6 +118,8 @@ struct kvpool_header {
 		_Atomic uint64_t spill_bytes_written, spill_bytes_read;
 		_Atomic uint64_t checksum_failures;
 		_Atomic uint64_t slots_used, spill_used;
+		_Atomic uint64_t prefix_hits, prefix_misses; /* MSG_KV_LOOKUP keys found / not found */
+		_Atomic uint64_t cache_drops;		      /* cached blocks freed to make room */
 	} store;
 	/* Written by the runner only. */
 	alignas(64) struct {

@@ -1,10 +1,13 @@
 /* kv-store: the DRAM tier of the KV cache (a block pool in shared memory) with LRU spill to
- * a file on disk. Flags in usage(); the messages it takes are MSG_KV_* in common/protocol.h.
+ * a file on disk and a prefix cache (committed keyed blocks outlive their last reference and
+ * are found by MSG_KV_LOOKUP). Flags in usage(); the messages it takes are MSG_KV_* in
+ * common/protocol.h.
  *
  * Start: the run directory is prepared, a pool left by a dead kv-store of the same instance
  * is adopted (so a restart loses no block and the runner's handles stay valid), then the
- * sockets are bound. Stop: MSG_SHUTDOWN removes the pool and the spill file; a signal leaves
- * both for the next kv-store to adopt.
+ * sockets are bound. Stop: MSG_SHUTDOWN removes the pool and the spill file (with
+ * --persist-dir: keeps the spill file and its index, with the cached blocks, for the next
+ * kv-store to load at CONFIGURE); a signal leaves both for the next kv-store to adopt.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -144,6 +147,26 @@ static int on_fetch(struct kvsvc *k, struct service *s, const struct bus_peer *p
 	return rc;
 }
 
+static int on_lookup(struct kvsvc *k, struct service *s, const struct bus_peer *peer, const struct msg *req,
+		     char *err, size_t errlen)
+{
+	const struct u64_array *keys = &req->kv_lookup.keys;
+	uint64_t *handles = malloc(sizeof(uint64_t) * (keys->n ? keys->n : 1));
+	uint64_t *offsets = calloc(keys->n ? keys->n : 1, sizeof(uint64_t)); /* the runner FETCHes what it uses */
+	int rc = -ENOMEM;
+	if (!handles || !offsets) {
+		snprintf(err, errlen, "out of memory looking up %u keys", keys->n);
+		goto out_free;
+	}
+	rc = kvstore_lookup(k->kv, keys->v, keys->n, handles, err, errlen);
+	if (rc == 0)
+		reply_blocks(s, peer, req->corr, handles, offsets, keys->n);
+out_free:
+	free(handles);
+	free(offsets);
+	return rc;
+}
+
 static int handle(void *ctx, struct service *s, const struct bus_peer *peer, const struct msg *req, char *err,
 		  size_t errlen)
 {
@@ -164,6 +187,14 @@ static int handle(void *ctx, struct service *s, const struct bus_peer *peer, con
 	case MSG_KV_FREE:
 		rc = kvstore_free(k->kv, req->kv_handles.handles.v, req->kv_handles.handles.n, err, errlen);
 		return rc ? rc : reply_ok(s, peer, req->corr);
+	case MSG_KV_LOOKUP:
+		return on_lookup(k, s, peer, req, err, errlen);
+	case MSG_KV_UNPIN_ALL: {
+		uint64_t pins = kvstore_unpin_all(k->kv);
+		if (pins)
+			log_info("UNPIN_ALL: dropped %llu pins", (unsigned long long)pins);
+		return reply_ok(s, peer, req->corr);
+	}
 	default:
 		snprintf(err, errlen, "kv-store does not handle %s", msg_type_name(req->type));
 		return -ENOTSUP;
@@ -173,13 +204,20 @@ static int handle(void *ctx, struct service *s, const struct bus_peer *peer, con
 static void hello(void *ctx, const struct msg *req, struct msg_hello_reply *reply)
 {
 	struct kvsvc *k = ctx;
-	/* A runner says HELLO only when it (re)connects, between requests, holding no block: the
-	 * blocks still live were left by one that died or lost a reply. (Prefix reuse will keep
-	 * committed blocks with a key here.) */
+	/* A runner says HELLO when it (re)connects. With the session of the last runner it is the
+	 * same process reconnecting (perhaps mid-request): it keeps its blocks. Another session is
+	 * a new runner: whatever the old one held is let go (keyed blocks stay cached). */
 	if (req->hello.client.len && !strcmp(req->hello.client.p, "gpu-runner")) {
-		uint32_t n = kvstore_free_all(k->kv);
-		if (n)
-			log_info("a gpu-runner said HELLO: freed %u blocks an earlier runner left", n);
+		struct kvstore_hello r;
+		kvstore_runner_hello(k->kv, req->hello.session, &r);
+		if (r.kept)
+			log_info("the gpu-runner of session %016llx reconnected: its blocks are kept",
+				 (unsigned long long)req->hello.session);
+		else if (!r.pending && (r.freed || r.cached || r.pins))
+			log_info("a new gpu-runner (session %016llx) said HELLO: freed %u blocks the earlier one left "
+				 "(%u being written), kept %u as cached, dropped %llu pins",
+				 (unsigned long long)req->hello.session, r.freed, r.writing, r.cached,
+				 (unsigned long long)r.pins);
 	}
 	struct kvstore_info info;
 	kvstore_info(k->kv, &info);
@@ -197,7 +235,7 @@ static char *stats(void *ctx)
 
 int main(int argc, char **argv)
 {
-	char *instance = NULL, *run_dir = NULL, *spill_file = NULL, *level = NULL;
+	char *instance = NULL, *run_dir = NULL, *spill_file = NULL, *persist_dir = NULL, *level = NULL;
 	uint64_t dram_budget = 0, disk_budget = 0;
 	long io_depth = 0;
 	struct opt opts[] = {
@@ -207,6 +245,9 @@ int main(int argc, char **argv)
 		{"kv-dram-budget", OPT_SIZE, &dram_budget, "1GiB", "shared memory for KV blocks"},
 		{"kv-disk-budget", OPT_SIZE, &disk_budget, "4GiB", "spill file space for KV blocks"},
 		{"spill-file", OPT_STRING, &spill_file, NULL, "spill file (default <run-dir>/kv-spill.bin)"},
+		{"persist-dir", OPT_STRING, &persist_dir, NULL,
+		 "keep the spill file and its index (kv-spill.bin, kv-spill.idx) here across clean stops, so "
+		 "cached KV blocks outlive the kv-store (instead of --spill-file)"},
 		{"io-depth", OPT_INT, &io_depth, "32", "io_uring queue depth of the spill file"},
 		{"log-level", OPT_STRING, &level, "info", "debug, info, warn or error"},
 		{0},
@@ -234,7 +275,23 @@ int main(int argc, char **argv)
 		return 2;
 	}
 
-	char run_buf[256], spill_buf[512], shm_name[SHM_NAME_MAX];
+	if (persist_dir && *persist_dir && spill_file && *spill_file) {
+		fprintf(stderr, "%s: --persist-dir places the spill file itself; give it or --spill-file, not both\n",
+			SERVICE_NAME);
+		return 2;
+	}
+	char run_buf[256], spill_buf[512], index_buf[512], shm_name[SHM_NAME_MAX];
+	const char *index_file = NULL;
+	if (persist_dir && *persist_dir) {
+		int n = snprintf(spill_buf, sizeof(spill_buf), "%s/kv-spill.bin", persist_dir);
+		int m = snprintf(index_buf, sizeof(index_buf), "%s/kv-spill.idx", persist_dir);
+		if (n < 0 || (size_t)n >= sizeof(spill_buf) || m < 0 || (size_t)m >= sizeof(index_buf)) {
+			log_error("--persist-dir path too long: %s", persist_dir);
+			return 1;
+		}
+		spill_file = spill_buf;
+		index_file = index_buf;
+	}
 	if (!run_dir || !*run_dir) {
 		if (run_dir_default(instance, run_buf, sizeof(run_buf)) != 0) {
 			log_error("the default run directory for instance %s is too long", instance);
@@ -256,10 +313,13 @@ int main(int argc, char **argv)
 	}
 	if (run_dir_prepare(run_dir) != 0)
 		return 1; /* logged */
+	if (index_file && run_dir_prepare(persist_dir) != 0)
+		return 1; /* logged */
 
 	struct kvsvc k = {0};
 	struct kvstore_config cfg = {.shm_name = shm_name,
 				     .spill_path = spill_file,
+				     .index_path = index_file,
 				     .dram_budget = dram_budget,
 				     .disk_budget = disk_budget,
 				     .io_depth = (uint32_t)io_depth};
@@ -286,7 +346,9 @@ int main(int argc, char **argv)
 	}
 	service_run(s);
 	bool remove = service_stop_reason(s) == SERVICE_STOP_SHUTDOWN;
-	if (remove)
+	if (remove && index_file)
+		log_info("shutting down: removing the KV pool; the spill file and its index stay in %s", persist_dir);
+	else if (remove)
 		log_info("shutting down: removing the KV pool and the spill file");
 	else
 		log_info("stopping: the KV pool and the spill file stay for the next kv-store to adopt");

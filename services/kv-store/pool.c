@@ -13,6 +13,8 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "services/kv-store/keymap.h"
+#include "services/kv-store/kvindex.h"
 #include "services/kv-store/spill.h"
 
 /* Offsets and sizes of one pool geometry. */
@@ -25,8 +27,15 @@ struct layout {
 struct kvstore {
 	char shm_name[SHM_NAME_MAX];
 	char spill_path[512];
+	char index_path[512]; /* "" without persistence */
+	bool persistent;
 	uint64_t dram_budget, disk_budget;
 	uint32_t io_depth;
+	/* The last gpu-runner session this process saw (session_known), carried into a pool made
+	 * later (a reconfigure); session_pending: it came while no pool was live, so it is
+	 * compared with the session of a pool adopted later. */
+	bool session_known, session_pending;
+	uint64_t session;
 
 	/* The live pool; all NULL before configure/adopt. */
 	struct shm_object *shm;
@@ -34,6 +43,8 @@ struct kvstore {
 	struct kvpool_slot *slots;
 	struct kvpool_handle *handles;
 	struct spill *spill;
+	struct kvindex *index; /* with persistence */
+	bool index_failed;     /* a record write failed (logged once; the stop rewrites the index) */
 	bool adopted;
 	uint64_t tick; /* LRU clock: slot.last_use values come from here */
 
@@ -46,6 +57,8 @@ struct kvstore {
 	uint32_t *mark;
 	uint32_t stamp;
 	void *bounce; /* one block, 4 KiB aligned, for swap_in; allocated on first use */
+	struct keymap *keys; /* the prefix index: key -> the handle of the committed block with it */
+	uint8_t *recorded;   /* per spill slot: its index record is in use (persistence only) */
 };
 
 /* ---- geometry ---- */
@@ -104,10 +117,12 @@ int kvstore_create(const struct kvstore_config *cfg, struct kvstore **out)
 	if (!kv)
 		return -ENOMEM;
 	if (str_copy(kv->shm_name, sizeof(kv->shm_name), cfg->shm_name) != 0 ||
-	    str_copy(kv->spill_path, sizeof(kv->spill_path), cfg->spill_path) != 0) {
+	    str_copy(kv->spill_path, sizeof(kv->spill_path), cfg->spill_path) != 0 ||
+	    (cfg->index_path && str_copy(kv->index_path, sizeof(kv->index_path), cfg->index_path) != 0)) {
 		free(kv);
 		return -EINVAL;
 	}
+	kv->persistent = cfg->index_path != NULL;
 	kv->dram_budget = cfg->dram_budget;
 	kv->disk_budget = cfg->disk_budget;
 	kv->io_depth = cfg->io_depth;
@@ -122,7 +137,10 @@ static void private_free(struct kvstore *kv)
 	free(kv->free_handles);
 	free(kv->mark);
 	free(kv->bounce);
+	free(kv->recorded);
+	keymap_destroy(&kv->keys);
 	kv->bounce = NULL;
+	kv->recorded = NULL;
 	kv->free_slots = kv->free_spill = kv->free_handles = kv->mark = NULL;
 	kv->n_free_slots = kv->n_free_spill = kv->n_free_handles = 0;
 	kv->stamp = 0;
@@ -134,17 +152,22 @@ static int private_alloc(struct kvstore *kv, const struct layout *l)
 	kv->free_spill = malloc(sizeof(uint32_t) * (l->n_spill ? l->n_spill : 1));
 	kv->free_handles = malloc(sizeof(uint32_t) * l->n_handles);
 	kv->mark = calloc(l->n_handles, sizeof(uint32_t));
-	if (!kv->free_slots || !kv->free_spill || !kv->free_handles || !kv->mark) {
+	kv->keys = keymap_create(l->n_handles);
+	kv->recorded = calloc(l->n_spill ? l->n_spill : 1, 1);
+	if (!kv->free_slots || !kv->free_spill || !kv->free_handles || !kv->mark || !kv->keys || !kv->recorded) {
 		private_free(kv);
 		return -ENOMEM;
 	}
 	return 0;
 }
 
-/* Unmaps the pool and closes the spill file; with remove, unlinks and deletes both. */
+/* Unmaps the pool and closes the spill file (and index); with remove, unlinks the pool and
+ * deletes the spill file, unless it persists. */
 static void pool_close(struct kvstore *kv, bool remove)
 {
-	spill_close(&kv->spill, remove);
+	spill_close(&kv->spill, remove && !kv->persistent);
+	kvindex_close(&kv->index);
+	kv->index_failed = false;
 	shm_object_close(&kv->shm, remove);
 	kv->h = NULL;
 	kv->slots = NULL;
@@ -155,7 +178,8 @@ static void pool_close(struct kvstore *kv, bool remove)
 }
 
 /* A clean stop with no live pool still leaves nothing behind: a dead predecessor's pool that
- * was not adopted goes, with the spill file that belonged to it. A live owner's stays. */
+ * was not adopted goes, with the spill file that belonged to it (unless it persists: its index
+ * still describes it). A live owner's stays. */
 static void remove_leftover(struct kvstore *kv)
 {
 	int fd = shm_open(kv->shm_name, O_RDONLY | O_CLOEXEC, 0);
@@ -168,14 +192,19 @@ static void remove_leftover(struct kvstore *kv)
 	if (!dead)
 		return;
 	shm_unlink(kv->shm_name);
-	unlink(kv->spill_path);
+	if (!kv->persistent)
+		unlink(kv->spill_path);
 }
+
+static void persist_at_stop(struct kvstore *kv);
 
 void kvstore_destroy(struct kvstore **kvp, bool remove)
 {
 	if (!kvp || !*kvp)
 		return;
 	struct kvstore *kv = *kvp;
+	if (kv->h && remove && kv->persistent)
+		persist_at_stop(kv);
 	if (kv->h)
 		pool_close(kv, remove);
 	else if (remove)
@@ -208,6 +237,8 @@ static int rebuild_free_lists(struct kvstore *kv)
 			kv->free_handles[kv->n_free_handles++] = i;
 		else if (hd->location == KVLOC_SPILL)
 			spill_busy[hd->where] = 1;
+		if (hd->state != KVH_FREE && hd->last_use > kv->tick)
+			kv->tick = hd->last_use;
 	}
 	kv->n_free_slots = 0;
 	for (uint32_t s = h->n_slots; s-- > 0;) {
@@ -241,19 +272,101 @@ static void slot_release(struct kvstore *kv, uint32_t s)
 	kv->free_slots[kv->n_free_slots++] = s;
 }
 
-/* Retires a handle: its value goes stale (generation bump; 0 is never a live generation). */
+/* Retires a handle: its value goes stale (generation bump; 0 is never a live generation), and
+ * its key leaves the prefix index if the index named it. */
 static void handle_release(struct kvstore *kv, uint32_t idx)
 {
 	struct kvpool_handle *hd = &kv->handles[idx];
+	if (hd->key && keymap_get(kv->keys, hd->key) == idx)
+		keymap_del(kv->keys, hd->key);
 	hd->state = KVH_FREE;
 	hd->location = KVLOC_NONE;
 	hd->where = 0;
 	hd->checksum = 0;
+	hd->refs = 0;
 	hd->key = 0;
+	hd->last_use = 0;
 	hd->generation++;
 	if (hd->generation == 0)
 		hd->generation = 1;
 	kv->free_handles[kv->n_free_handles++] = idx;
+}
+
+/* Is idx the block the prefix index names for its key? Only such a block can be cached. */
+static bool indexed(const struct kvstore *kv, uint32_t idx)
+{
+	const struct kvpool_handle *hd = &kv->handles[idx];
+	return hd->state == KVH_COMMITTED && hd->key && keymap_get(kv->keys, hd->key) == idx;
+}
+
+/* Cached: committed, indexed, no reference. Evictable, droppable, found by LOOKUP. */
+static bool cached(const struct kvstore *kv, uint32_t idx)
+{
+	return kv->handles[idx].refs == 0 && indexed(kv, idx);
+}
+
+/* A use of block idx: most recently used in whichever tier it is. */
+static void touch(struct kvstore *kv, uint32_t idx)
+{
+	struct kvpool_handle *hd = &kv->handles[idx];
+	hd->last_use = ++kv->tick;
+	if (hd->location == KVLOC_POOL)
+		kv->slots[hd->where].last_use = hd->last_use;
+}
+
+/* ---- the on-disk index (persistence only) ---- */
+
+static void index_failed(struct kvstore *kv, uint32_t j, int rc)
+{
+	if (!kv->index_failed)
+		log_warn("cannot write record %u of spill index %s: %s (further failures not logged; the index is "
+			 "rewritten whole at a clean stop, and checksums guard every read)", j, kvindex_path(kv->index),
+			 strerror(-rc));
+	kv->index_failed = true;
+}
+
+/* Spill slot j now holds block idx, whose bytes have landed: a keyed block gets a record, and
+ * a slot whose record said otherwise is cleared. */
+static void index_put(struct kvstore *kv, uint32_t j, uint32_t idx)
+{
+	if (!kv->index)
+		return;
+	const struct kvpool_handle *hd = &kv->handles[idx];
+	int rc = 0;
+	if (indexed(kv, idx)) {
+		struct kvindex_record r = {.in_use = 1, .checksum = hd->checksum, .key = hd->key,
+					   .last_use = hd->last_use};
+		rc = kvindex_set(kv->index, j, &r);
+		kv->recorded[j] = 1;
+	} else if (kv->recorded[j]) {
+		rc = kvindex_clear(kv->index, j);
+		kv->recorded[j] = 0;
+	}
+	if (rc)
+		index_failed(kv, j, rc);
+}
+
+/* Spill slot j goes back to the free list, its record cleared first. */
+static void spill_slot_free(struct kvstore *kv, uint32_t j)
+{
+	if (kv->index && kv->recorded[j]) {
+		int rc = kvindex_clear(kv->index, j);
+		if (rc)
+			index_failed(kv, j, rc);
+		kv->recorded[j] = 0;
+	}
+	kv->free_spill[kv->n_free_spill++] = j;
+}
+
+/* Frees block idx with the pool slot or spill slot it holds, whatever its pins and refs. */
+static void block_retire(struct kvstore *kv, uint32_t idx)
+{
+	struct kvpool_handle *hd = &kv->handles[idx];
+	if (hd->location == KVLOC_POOL)
+		slot_release(kv, hd->where);
+	else if (hd->location == KVLOC_SPILL)
+		spill_slot_free(kv, hd->where);
+	handle_release(kv, idx);
 }
 
 static uint32_t next_stamp(struct kvstore *kv)
@@ -302,6 +415,10 @@ static void drop_handle(struct kvstore *kv, uint32_t idx, const char *why)
 	hd->state = KVH_FREE;
 	hd->location = KVLOC_NONE;
 	hd->where = 0;
+	hd->checksum = 0;
+	hd->refs = 0;
+	hd->key = 0;
+	hd->last_use = 0;
 	hd->generation++;
 	if (hd->generation == 0)
 		hd->generation = 1;
@@ -442,6 +559,95 @@ out_free:
 	return rc;
 }
 
+/* As drop_handle, after recover_tables: the pool slot the handle held is freed too. */
+static void adopt_drop(struct kvstore *kv, uint32_t idx, const char *why)
+{
+	struct kvpool_handle *hd = &kv->handles[idx];
+	if (hd->location == KVLOC_POOL)
+		slot_reset(&kv->slots[hd->where]);
+	drop_handle(kv, idx, why);
+}
+
+/* After recover_tables: references agree with the states, and the prefix index is rebuilt. A
+ * block being written holds its ALLOC reference; a committed block without a reference must
+ * have a key (it is cached). Of two committed blocks with one key (the older one still
+ * referenced when the newer committed), the index names the more recently used; the other,
+ * if unreferenced, goes. */
+static void adopt_refs(struct kvstore *kv)
+{
+	keymap_clear(kv->keys);
+	for (uint32_t i = 0; i < kv->h->n_handles; i++) {
+		struct kvpool_handle *hd = &kv->handles[i];
+		if (hd->state == KVH_FREE)
+			continue;
+		if (hd->state == KVH_WRITING && hd->refs == 0) {
+			adopt_drop(kv, i, "being written but holding no reference");
+			continue;
+		}
+		if (hd->state != KVH_COMMITTED || hd->key == 0) {
+			if (hd->refs == 0)
+				adopt_drop(kv, i, "committed without a key or a reference");
+			continue;
+		}
+		uint32_t o = keymap_get(kv->keys, hd->key);
+		if (o == KV_NONE) {
+			keymap_put(kv->keys, hd->key, i);
+			continue;
+		}
+		uint32_t win = hd->last_use >= kv->handles[o].last_use ? i : o, lose = win == i ? o : i;
+		keymap_put(kv->keys, hd->key, win);
+		if (kv->handles[lose].refs == 0)
+			adopt_drop(kv, lose, "another block has its key and was used later");
+	}
+}
+
+/* Rewrites the whole index from the handle table: a record for each indexed block in the
+ * spill file. Returns 0 or -errno (err says why). */
+static int index_rewrite(struct kvstore *kv, char *err, size_t errlen)
+{
+	struct kvpool_header *h = kv->h;
+	struct kvindex_geometry g = {.block_bytes = h->block_bytes, .manifest_hash = h->manifest_hash,
+				     .n_slots = h->n_spill_slots};
+	struct kvindex_record *recs = calloc(g.n_slots ? g.n_slots : 1, sizeof(*recs));
+	if (!recs)
+		return errorf(err, errlen, -ENOMEM, "out of memory writing spill index %s", kv->index_path);
+	memset(kv->recorded, 0, g.n_slots);
+	for (uint32_t i = 0; i < h->n_handles; i++) {
+		const struct kvpool_handle *hd = &kv->handles[i];
+		if (hd->location != KVLOC_SPILL || !indexed(kv, i))
+			continue;
+		recs[hd->where] = (struct kvindex_record){.in_use = 1, .checksum = hd->checksum, .key = hd->key,
+							  .last_use = hd->last_use};
+		kv->recorded[hd->where] = 1;
+	}
+	int rc = kvindex_write_all(kv->index, &g, recs, err, errlen);
+	if (rc == 0)
+		kv->index_failed = false;
+	free(recs);
+	return rc;
+}
+
+static void reset_refs(struct kvstore *kv, struct kvstore_hello *out);
+
+/* A pool went live: an adopted one compares the session of a gpu-runner that said HELLO while
+ * there was no pool with its own; a new one takes the last session seen (the runner that
+ * asked for a reconfigure still holds what it holds). */
+static void session_on_live(struct kvstore *kv)
+{
+	bool pending = kv->session_pending;
+	kv->session_pending = false;
+	if (!kv->session_known || (kv->adopted && !pending))
+		return;
+	if (kv->adopted && (kv->session == 0 || kv->session != kv->h->runner_session)) {
+		struct kvstore_hello r;
+		reset_refs(kv, &r);
+		log_info("the gpu-runner that said HELLO before the pool was adopted is a new one: freed %u blocks "
+			 "(%u being written), kept %u cached, dropped %llu pins", r.freed, r.writing, r.cached,
+			 (unsigned long long)r.pins);
+	}
+	kv->h->runner_session = kv->session;
+}
+
 /* Takes over a mapped, adopted object whose header matches l. On failure the object is
  * closed without unlinking (it stays for a later try) and no pool is live. */
 static int adopt_object(struct kvstore *kv, struct shm_object **op, const struct layout *l, char *err,
@@ -463,13 +669,25 @@ static int adopt_object(struct kvstore *kv, struct shm_object **op, const struct
 	if (rc)
 		goto out_close;
 	rc = recover_tables(kv);
-	if (rc == 0)
+	if (rc == 0) {
+		adopt_refs(kv);
 		rc = rebuild_free_lists(kv);
+	}
 	if (rc) {
 		snprintf(err, errlen, "out of memory adopting KV pool %s", kv->shm_name);
 		goto out_close;
 	}
+	if (kv->persistent) {
+		/* The pool is the truth: the index is made to match it (a crash between a spill and
+		 * its record, say). */
+		rc = kvindex_open(kv->index_path, &kv->index, err, errlen);
+		if (rc == 0)
+			rc = index_rewrite(kv, err, errlen);
+		if (rc)
+			goto out_close;
+	}
 	kv->adopted = true;
+	session_on_live(kv);
 	return 0;
 
 out_close:
@@ -477,33 +695,126 @@ out_close:
 	return rc;
 }
 
-/* Lays out a new object (mapped at *op, not adopted). */
+/* A fresh pool loads the records of a matching index: each becomes a cached block in the
+ * spill file (no reference, generation 1). A record past the end of the spill file is
+ * skipped; of two with one key the more recently used wins. Returns how many were loaded. */
+static uint32_t load_cached(struct kvstore *kv, const struct kvindex_record *recs)
+{
+	struct kvpool_header *h = kv->h;
+	uint64_t file_size = spill_file_size(kv->spill);
+	uint32_t n = 0, past = 0, dup = 0;
+	for (uint32_t j = 0; j < h->n_spill_slots; j++) {
+		const struct kvindex_record *r = &recs[j];
+		if (r->in_use != 1)
+			continue;
+		if (((uint64_t)j + 1) * h->block_bytes > file_size) {
+			past++;
+			continue;
+		}
+		uint32_t idx = keymap_get(kv->keys, r->key);
+		if (idx != KV_NONE) {
+			dup++;
+			if (kv->handles[idx].last_use >= r->last_use)
+				continue;
+		} else {
+			idx = n++;
+		}
+		struct kvpool_handle *hd = &kv->handles[idx];
+		hd->state = KVH_COMMITTED;
+		hd->location = KVLOC_SPILL;
+		hd->where = j;
+		hd->checksum = r->checksum;
+		hd->refs = 0;
+		hd->key = r->key;
+		hd->last_use = r->last_use;
+		keymap_put(kv->keys, r->key, idx);
+	}
+	log_info("spill index %s: %u cached blocks loaded from %s%s", kv->index_path, n, kv->spill_path,
+		 past || dup ? " (records skipped: see below)" : "");
+	if (past)
+		log_warn("spill index %s: %u records name slots past the end of %s: skipped", kv->index_path, past,
+			 kv->spill_path);
+	if (dup)
+		log_warn("spill index %s: %u records repeat another's key: the less recently used skipped",
+			 kv->index_path, dup);
+	return n;
+}
+
+/* Persistence: opens the index and reads it for geometry l. Returns 1 with recs filled when it
+ * matches, 0 when it was discarded (and reset for l: the caller truncates the spill file), or
+ * -errno (err says why). */
+static int index_load(struct kvstore *kv, const struct layout *l, uint64_t manifest_hash, struct kvindex_record *recs,
+		      char *err, size_t errlen)
+{
+	int rc = kvindex_open(kv->index_path, &kv->index, err, errlen);
+	if (rc)
+		return rc;
+	struct kvindex_geometry g = {.block_bytes = l->block_bytes, .manifest_hash = manifest_hash,
+				     .n_slots = l->n_spill};
+	char why[512];
+	uint32_t bad = 0;
+	int loaded = kvindex_load(kv->index, &g, recs, &bad, why, sizeof(why));
+	if (loaded == 1) {
+		if (bad)
+			log_warn("spill index %s: %u records are corrupt (checksum mismatch): their blocks are dropped",
+				 kv->index_path, bad);
+		return 1;
+	}
+	if (why[0])
+		log_warn("spill index %s discarded: %s; spill file %s truncated", kv->index_path, why, kv->spill_path);
+	rc = kvindex_reset(kv->index, &g, err, errlen);
+	return rc ? rc : 0;
+}
+
+/* Lays out a new object (mapped at *op, not adopted); with persistence, loads a matching index. */
 static int init_object(struct kvstore *kv, struct shm_object **op, const struct layout *l, uint64_t manifest_hash,
 		       char *err, size_t errlen)
 {
 	kv->shm = *op;
 	*op = NULL;
 	kv->h = shm_object_base(kv->shm);
+	struct kvindex_record *recs = NULL;
+	int loaded = 0;
 	int rc = private_alloc(kv, l);
+	if (rc == 0 && kv->persistent && !(recs = calloc(l->n_spill ? l->n_spill : 1, sizeof(*recs))))
+		rc = -ENOMEM;
 	if (rc) {
 		snprintf(err, errlen, "out of memory creating KV pool %s", kv->shm_name);
 		goto out_unlink;
 	}
-	rc = spill_open(kv->spill_path, l->block_bytes, l->n_spill ? l->n_spill : 1, kv->io_depth, SPILL_TRUNCATE,
-			&kv->spill, err, errlen);
+	if (kv->persistent) {
+		loaded = index_load(kv, l, manifest_hash, recs, err, errlen);
+		if (loaded < 0) {
+			rc = loaded;
+			goto out_unlink;
+		}
+	}
+	rc = spill_open(kv->spill_path, l->block_bytes, l->n_spill ? l->n_spill : 1, kv->io_depth,
+			loaded ? SPILL_KEEP : SPILL_TRUNCATE, &kv->spill, err, errlen);
 	if (rc)
 		goto out_unlink;
 	layout_init(kv, l, manifest_hash);
+	if (loaded)
+		load_cached(kv, recs);
 	rc = rebuild_free_lists(kv);
 	if (rc) {
 		snprintf(err, errlen, "out of memory creating KV pool %s", kv->shm_name);
 		goto out_unlink;
 	}
+	if (loaded) {
+		/* Records skipped at load leave the file. */
+		rc = index_rewrite(kv, err, errlen);
+		if (rc)
+			goto out_unlink;
+	}
 	shm_object_set_ready(kv->shm);
 	kv->adopted = false;
+	session_on_live(kv);
+	free(recs);
 	return 0;
 
 out_unlink:
+	free(recs);
 	pool_close(kv, true);
 	return rc;
 }
@@ -608,16 +919,22 @@ int kvstore_configure(struct kvstore *kv, uint64_t block_bytes, uint64_t manifes
 		struct kvpool_header *h = kv->h;
 		if (h->block_bytes == block_bytes && h->manifest_hash == manifest_hash)
 			return 0;
-		uint32_t live = h->n_handles - kv->n_free_handles;
+		uint32_t live = 0;
+		for (uint32_t i = 0; i < h->n_handles; i++) {
+			const struct kvpool_handle *hd = &kv->handles[i];
+			live += hd->state == KVH_WRITING || (hd->state == KVH_COMMITTED && hd->refs);
+		}
 		if (live) {
-			snprintf(err, errlen, "the KV pool holds %u live blocks of %llu bytes for model %016llx; free "
-				 "them before configuring blocks of %llu bytes for model %016llx", live,
+			snprintf(err, errlen, "the KV pool holds %u live blocks (referenced or being written) of %llu "
+				 "bytes for model %016llx; free them before configuring blocks of %llu bytes for model "
+				 "%016llx", live,
 				 (unsigned long long)h->block_bytes, (unsigned long long)h->manifest_hash,
 				 (unsigned long long)block_bytes, (unsigned long long)manifest_hash);
 			return -EBUSY;
 		}
-		log_info("reconfiguring the KV pool: blocks of %llu bytes for model %016llx",
-			 (unsigned long long)block_bytes, (unsigned long long)manifest_hash);
+		log_info("reconfiguring the KV pool: blocks of %llu bytes for model %016llx; %u cached blocks dropped",
+			 (unsigned long long)block_bytes, (unsigned long long)manifest_hash,
+			 h->n_handles - kv->n_free_handles);
 		/* Keep the spill file: it is truncated when reopened below. */
 		spill_close(&kv->spill, false);
 		pool_close(kv, true);
@@ -680,6 +997,11 @@ bool kvstore_o_direct(const struct kvstore *kv)
 	return kv->spill && spill_o_direct(kv->spill);
 }
 
+bool kvstore_persistent(const struct kvstore *kv)
+{
+	return kv->persistent;
+}
+
 /* ---- request validation ---- */
 
 static int not_configured(const struct kvstore *kv, char *err, size_t errlen)
@@ -728,9 +1050,10 @@ static int64_t check_handle(struct kvstore *kv, uint64_t hv, uint32_t stamp, cha
 
 /* ---- eviction ---- */
 
+/* An LRU candidate: a pool slot (victims) or a handle index (cached blocks in the spill file). */
 struct victim {
 	uint64_t last_use;
-	uint32_t slot;
+	uint32_t id;
 };
 
 static int victim_cmp(const void *a, const void *b)
@@ -738,7 +1061,7 @@ static int victim_cmp(const void *a, const void *b)
 	const struct victim *x = a, *y = b;
 	if (x->last_use != y->last_use)
 		return x->last_use < y->last_use ? -1 : 1;
-	return x->slot < y->slot ? -1 : x->slot > y->slot;
+	return x->id < y->id ? -1 : x->id > y->id;
 }
 
 /* Fills v (n_slots entries) with the evictable slots, least recently used first: COMMITTED,
@@ -753,7 +1076,7 @@ static uint32_t collect_victims(struct kvstore *kv, uint32_t exclude_stamp, stru
 			continue;
 		if (exclude_stamp && kv->mark[sl->handle_index] == exclude_stamp)
 			continue;
-		v[nv++] = (struct victim){.last_use = sl->last_use, .slot = s};
+		v[nv++] = (struct victim){.last_use = sl->last_use, .id = s};
 	}
 	qsort(v, nv, sizeof(*v), victim_cmp);
 	return nv;
@@ -769,17 +1092,84 @@ static int pool_full(struct kvstore *kv, uint32_t evictable, uint32_t asked, cha
 	return -ENOSPC;
 }
 
+/* Reorders v[0..n) so that v[0..k) are its k least recently used, in order (a quickselect,
+ * then a sort of those k only: with the disk full, each ALLOC drops a few of what may be tens
+ * of thousands of cached blocks). */
+static void lru_first(struct victim *v, uint32_t n, uint32_t k)
+{
+	if (k > 0 && k < n) {
+		int64_t lo = 0, hi = (int64_t)n - 1, t = (int64_t)k - 1;
+		while (lo < hi) {
+			struct victim p = v[lo + (hi - lo) / 2];
+			int64_t i = lo, j = hi;
+			while (i <= j) {
+				while (victim_cmp(&v[i], &p) < 0)
+					i++;
+				while (victim_cmp(&v[j], &p) > 0)
+					j--;
+				if (i <= j) {
+					struct victim x = v[i];
+					v[i++] = v[j];
+					v[j--] = x;
+				}
+			}
+			if (t <= j)
+				hi = j;
+			else if (t >= i)
+				lo = i;
+			else
+				break;
+		}
+		n = k;
+	}
+	qsort(v, n, sizeof(*v), victim_cmp);
+}
+
+/* Fills d (n_spill_slots entries) with the cached blocks in the spill file (handle indexes),
+ * leaving out those the current request names (exclude_stamp); the `want` least recently used
+ * come first, in order. Returns how many there are. */
+static uint32_t collect_spilled_cached(struct kvstore *kv, uint32_t exclude_stamp, uint32_t want, struct victim *d)
+{
+	uint32_t n = 0;
+	for (uint32_t i = 0; i < kv->h->n_handles; i++) {
+		const struct kvpool_handle *hd = &kv->handles[i];
+		if (hd->location != KVLOC_SPILL || !cached(kv, i))
+			continue;
+		if (exclude_stamp && kv->mark[i] == exclude_stamp)
+			continue;
+		d[n++] = (struct victim){.last_use = hd->last_use, .id = i};
+	}
+	lru_first(d, n, want);
+	return n;
+}
+
+/* Frees a cached block to make room. */
+static void drop_cached(struct kvstore *kv, uint32_t idx)
+{
+	const struct kvpool_handle *hd = &kv->handles[idx];
+	log_debug("dropping cached KV block 0x%llx (key %016llx, %s) to make room",
+		  (unsigned long long)handle_value(kv, idx), (unsigned long long)hd->key,
+		  hd->location == KVLOC_SPILL ? "in the spill file" : "in the pool");
+	block_retire(kv, idx);
+	atomic_fetch_add(&kv->h->store.cache_drops, 1);
+}
+
 /* Frees `need` slots by spilling the least-recently-used evictable blocks (see
- * collect_victims) in one io_uring batch. Returns 0; -ENOSPC (not enough evictable blocks or
- * spill slots; nothing changed); -EIO (the blocks whose writes succeeded are spilled, the
- * others stay in the pool); -ENOMEM. */
+ * collect_victims) in one io_uring batch. When the spill file lacks free slots, cached blocks
+ * make room: the least recently used in the spill file are dropped first, then (when that is
+ * not enough) the least recently used cached ones among the pool's victims are dropped
+ * instead of spilled. The plan is checked whole before anything changes. Returns 0; -ENOSPC
+ * (not enough evictable blocks, or spill slots even after every drop; nothing changed); -EIO
+ * (the drops stand, the blocks whose writes succeeded are spilled, the others stay in the
+ * pool); -ENOMEM. */
 static int make_room(struct kvstore *kv, uint32_t need, uint32_t exclude_stamp, uint32_t asked, char *err,
 		     size_t errlen)
 {
 	struct kvpool_header *h = kv->h;
 	struct victim *v = malloc(sizeof(*v) * h->n_slots);
+	struct victim *sd = NULL;
 	struct spill_io *ios = malloc(sizeof(*ios) * need);
-	int rc;
+	int rc = 0;
 	if (!v || !ios) {
 		snprintf(err, errlen, "out of memory spilling %u blocks", need);
 		rc = -ENOMEM;
@@ -790,25 +1180,60 @@ static int make_room(struct kvstore *kv, uint32_t need, uint32_t exclude_stamp, 
 		rc = pool_full(kv, nv, asked, err, errlen);
 		goto out_free;
 	}
-	if (kv->n_free_spill < need) {
-		char a[32];
-		snprintf(err, errlen, "spill file %s full: %u of %u blocks of %llu bytes in use, %u more needed; raise "
-			 "--kv-disk-budget (now %s)", kv->spill_path, h->n_spill_slots - kv->n_free_spill,
-			 h->n_spill_slots, (unsigned long long)h->block_bytes, need,
-			 format_size(kv->disk_budget, a, sizeof(a)));
-		rc = -ENOSPC;
-		goto out_free;
+	uint32_t lack = need > kv->n_free_spill ? need - kv->n_free_spill : 0;
+	uint32_t n_sd = 0, n_pd = 0; /* cached blocks to drop from the spill file, from the pool */
+	if (lack) {
+		sd = malloc(sizeof(*sd) * (h->n_spill_slots ? h->n_spill_slots : 1));
+		if (!sd) {
+			snprintf(err, errlen, "out of memory spilling %u blocks", need);
+			rc = -ENOMEM;
+			goto out_free;
+		}
+		uint32_t avail = collect_spilled_cached(kv, exclude_stamp, lack, sd);
+		n_sd = lack < avail ? lack : avail;
+		n_pd = lack - n_sd;
+		uint32_t nc = 0;
+		for (uint32_t k = 0; k < nv && nc < n_pd; k++)
+			nc += cached(kv, kv->slots[v[k].id].handle_index);
+		if (nc < n_pd) {
+			char a[32];
+			snprintf(err, errlen, "spill file %s full: %u of %u blocks of %llu bytes in use, %u more "
+				 "needed, and %u cached blocks to drop (the rest are referenced); raise "
+				 "--kv-disk-budget (now %s)",
+				 kv->spill_path, h->n_spill_slots - kv->n_free_spill, h->n_spill_slots,
+				 (unsigned long long)h->block_bytes, need, n_sd + nc,
+				 format_size(kv->disk_budget, a, sizeof(a)));
+			rc = -ENOSPC;
+			goto out_free;
+		}
 	}
-	for (uint32_t k = 0; k < need; k++) {
-		uint32_t s = v[k].slot;
+	for (uint32_t k = 0; k < n_sd; k++)
+		drop_cached(kv, sd[k].id);
+	/* The pool's victims: drop the n_pd least recently used cached ones, keep the rest in
+	 * order (compacted to the front of v) and spill the first need - n_pd of them. */
+	uint32_t m = 0;
+	for (uint32_t k = 0, dropped = 0; k < nv; k++) {
+		uint32_t idx = kv->slots[v[k].id].handle_index;
+		if (dropped < n_pd && cached(kv, idx)) {
+			drop_cached(kv, idx);
+			dropped++;
+			continue;
+		}
+		v[m++] = v[k];
+	}
+	uint32_t n_sp = need - n_pd;
+	assert(m >= n_sp && kv->n_free_spill >= n_sp);
+	for (uint32_t k = 0; k < n_sp; k++) {
+		uint32_t s = v[k].id;
 		/* SPILLING before the write: a crash from here on recovers the slot as COMMITTED. */
 		atomic_store(&kv->slots[s].state, KVSLOT_SPILLING);
 		ios[k] = (struct spill_io){.buf = slot_data(kv, s), .slot = kv->free_spill[--kv->n_free_spill],
 					   .write = true};
 	}
-	rc = spill_run(kv->spill, ios, need, err, errlen);
-	for (uint32_t k = 0; k < need; k++) {
-		uint32_t s = v[k].slot;
+	if (n_sp)
+		rc = spill_run(kv->spill, ios, n_sp, err, errlen);
+	for (uint32_t k = 0; k < n_sp; k++) {
+		uint32_t s = v[k].id;
 		struct kvpool_slot *sl = &kv->slots[s];
 		if (ios[k].res) {
 			atomic_store(&sl->state, KVSLOT_COMMITTED);
@@ -817,19 +1242,22 @@ static int make_room(struct kvstore *kv, uint32_t need, uint32_t exclude_stamp, 
 		}
 		/* The handle moves first, the slot frees after (slot_release's atomic store orders
 		 * them): recover_tables frees a SPILLING slot whose handle points into the file. */
-		struct kvpool_handle *hd = &kv->handles[sl->handle_index];
+		uint32_t idx = sl->handle_index;
+		struct kvpool_handle *hd = &kv->handles[idx];
 		hd->where = ios[k].slot;
 		/* Kept in this order for a crash (not for another thread): "pool" with a spill
 		 * index is recovered from the SPILLING slot that names the handle. */
 		atomic_signal_fence(memory_order_seq_cst);
 		hd->location = KVLOC_SPILL;
 		slot_release(kv, s);
+		index_put(kv, ios[k].slot, idx); /* after the bytes landed */
 		atomic_fetch_add(&h->store.spills, 1);
 		atomic_fetch_add(&h->store.spill_bytes_written, h->block_bytes);
 	}
 	publish_usage(kv);
 out_free:
 	free(ios);
+	free(sd);
 	free(v);
 	return rc;
 }
@@ -843,8 +1271,8 @@ static int checksum_failed(struct kvstore *kv, uint32_t idx, uint32_t j, uint32_
 		  (unsigned long long)j * kv->h->block_bytes, crc, kv->handles[idx].checksum);
 	atomic_fetch_add(&kv->h->store.checksum_failures, 1);
 	snprintf(err, errlen, "checksum mismatch on KV block 0x%llx: dropped", (unsigned long long)hv);
-	handle_release(kv, idx);
-	kv->free_spill[kv->n_free_spill++] = j;
+	assert(kv->handles[idx].location == KVLOC_SPILL && kv->handles[idx].where == j);
+	block_retire(kv, idx);
 	return -EIO;
 }
 
@@ -883,11 +1311,12 @@ int kvstore_alloc(struct kvstore *kv, uint32_t count, uint64_t *handles, uint64_
 		hd->where = s;
 		hd->checksum = 0;
 		hd->key = 0;
+		hd->refs = 1;
 		struct kvpool_slot *sl = &kv->slots[s];
 		atomic_store_explicit(&sl->ready, 0, memory_order_relaxed);
 		sl->pins = 1;
 		sl->handle_index = idx;
-		sl->last_use = ++kv->tick;
+		touch(kv, idx);
 		atomic_store(&sl->state, KVSLOT_WRITING);
 		handles[i] = kv_handle_make(idx, hd->generation);
 		offsets[i] = slot_data_offset(kv, s);
@@ -909,14 +1338,12 @@ int kvstore_mark_ready(struct kvstore *kv, const uint64_t *handles, uint32_t n, 
 		int64_t idx = check_handle(kv, handles[i], stamp, err, errlen);
 		if (idx < 0)
 			return (int)idx;
-		if (kv->handles[idx].state != KVH_WRITING) {
-			snprintf(err, errlen, "handle 0x%llx is not being written", (unsigned long long)handles[i]);
-			return -EINVAL;
-		}
 	}
-	for (uint32_t i = 0; i < n; i++)
-		atomic_store_explicit(&kv->slots[kv->handles[kv_handle_index(handles[i])].where].ready, 1,
-				      memory_order_release);
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvpool_handle *hd = &kv->handles[kv_handle_index(handles[i])];
+		if (hd->state == KVH_WRITING)
+			atomic_store_explicit(&kv->slots[hd->where].ready, 1, memory_order_release);
+	}
 	return 0;
 }
 
@@ -934,22 +1361,30 @@ int kvstore_commit(struct kvstore *kv, const uint64_t *handles, const uint64_t *
 		if (idx < 0)
 			return (int)idx;
 		const struct kvpool_handle *hd = &kv->handles[idx];
-		if (hd->state != KVH_WRITING) {
-			snprintf(err, errlen, "handle 0x%llx is already committed", (unsigned long long)handles[i]);
+		uint64_t key = keys ? keys[i] : 0;
+		if (hd->state != KVH_WRITING && hd->key != key) {
+			snprintf(err, errlen, "handle 0x%llx is already committed with key %016llx; this commit gives "
+				 "key %016llx", (unsigned long long)handles[i], (unsigned long long)hd->key,
+				 (unsigned long long)key);
 			return -EINVAL;
 		}
 	}
 	for (uint32_t i = 0; i < n; i++) {
 		const struct kvpool_handle *hd = &kv->handles[kv_handle_index(handles[i])];
 		/* Pairs with the runner's release store of ready after its copy into the slot. */
-		if (!atomic_load_explicit(&kv->slots[hd->where].ready, memory_order_acquire)) {
+		if (hd->state == KVH_WRITING &&
+		    !atomic_load_explicit(&kv->slots[hd->where].ready, memory_order_acquire)) {
 			snprintf(err, errlen, "block 0x%llx not ready: its copy has not completed",
 				 (unsigned long long)handles[i]);
 			return -EAGAIN;
 		}
 	}
+	uint32_t done = 0;
 	for (uint32_t i = 0; i < n; i++) {
-		struct kvpool_handle *hd = &kv->handles[kv_handle_index(handles[i])];
+		uint32_t idx = kv_handle_index(handles[i]);
+		struct kvpool_handle *hd = &kv->handles[idx];
+		if (hd->state != KVH_WRITING)
+			continue; /* resent: committed already with this key */
 		struct kvpool_slot *sl = &kv->slots[hd->where];
 		hd->checksum = crc32c(0, slot_data(kv, hd->where), kv->h->block_bytes);
 		hd->key = keys ? keys[i] : 0;
@@ -958,9 +1393,27 @@ int kvstore_commit(struct kvstore *kv, const uint64_t *handles, const uint64_t *
 		if (sl->pins)
 			sl->pins--;
 		atomic_store_explicit(&sl->ready, 0, memory_order_relaxed);
-		sl->last_use = ++kv->tick;
+		touch(kv, idx);
+		done++;
+		if (!hd->key)
+			continue;
+		/* The newest block with a key is the one LOOKUP finds. The one it replaces goes now
+		 * when nothing references it, else at its last FREE (it is no longer indexed). */
+		uint32_t old = keymap_get(kv->keys, hd->key);
+		keymap_put(kv->keys, hd->key, idx);
+		if (old == KV_NONE)
+			continue;
+		if (kv->handles[old].refs == 0) {
+			log_debug("KV block 0x%llx replaces cached block 0x%llx of key %016llx",
+				  (unsigned long long)handles[i], (unsigned long long)handle_value(kv, old),
+				  (unsigned long long)hd->key);
+			block_retire(kv, old);
+		} else if (kv->handles[old].location == KVLOC_SPILL) {
+			index_put(kv, kv->handles[old].where, old); /* no longer indexed: its record goes */
+		}
 	}
-	atomic_fetch_add(&kv->h->store.commits, n);
+	atomic_fetch_add(&kv->h->store.commits, done);
+	publish_usage(kv);
 	return 0;
 }
 
@@ -1025,7 +1478,7 @@ static int load_batch(struct kvstore *kv, const uint64_t *handles, const uint32_
 		/* Pinned before the handle moves, the handle before the slot turns COMMITTED:
 		 * recover_tables keeps a LOADING slot whose handle points at it. */
 		sl->pins = 1;
-		sl->last_use = ++kv->tick;
+		sl->last_use = hd->last_use = ++kv->tick;
 		/* Location first, then where, in this order for a crash: "pool" with the spill
 		 * index is recovered from the LOADING slot that names the handle, while "spill"
 		 * with a pool index would point into the wrong spill slot. */
@@ -1035,7 +1488,7 @@ static int load_batch(struct kvstore *kv, const uint64_t *handles, const uint32_
 		hd->where = s;
 		atomic_store(&sl->state, KVSLOT_COMMITTED);
 		atomic_fetch_add(&sl->seq, 1);
-		kv->free_spill[kv->n_free_spill++] = j;
+		spill_slot_free(kv, j);
 		offsets[i] = slot_data_offset(kv, s);
 	}
 out_free:
@@ -1069,9 +1522,10 @@ static int swap_in(struct kvstore *kv, const uint64_t *handles, uint32_t pos, ui
 		rc = pool_full(kv, 0, 1, err, errlen);
 		goto out_free;
 	}
-	uint32_t s = v[0].slot;
+	uint32_t s = v[0].id;
 	struct kvpool_slot *sl = &kv->slots[s];
-	struct kvpool_handle *victim = &kv->handles[sl->handle_index];
+	uint32_t victim_idx = sl->handle_index;
+	struct kvpool_handle *victim = &kv->handles[victim_idx];
 
 	struct spill_io io = {.buf = kv->bounce, .slot = j, .write = false};
 	rc = spill_run(kv->spill, &io, 1, err, errlen);
@@ -1102,6 +1556,7 @@ static int swap_in(struct kvstore *kv, const uint64_t *handles, uint32_t pos, ui
 	victim->where = j;
 	atomic_signal_fence(memory_order_seq_cst); /* as in make_room */
 	victim->location = KVLOC_SPILL;
+	index_put(kv, j, victim_idx);
 	atomic_fetch_add(&h->store.spills, 1);
 	atomic_fetch_add(&h->store.spill_bytes_written, h->block_bytes);
 	atomic_fetch_add(&sl->seq, 1);
@@ -1110,7 +1565,7 @@ static int swap_in(struct kvstore *kv, const uint64_t *handles, uint32_t pos, ui
 	atomic_store(&sl->state, KVSLOT_LOADING);
 	memcpy(slot_data(kv, s), kv->bounce, h->block_bytes);
 	sl->pins = 1;
-	sl->last_use = ++kv->tick;
+	sl->last_use = hd->last_use = ++kv->tick;
 	atomic_thread_fence(memory_order_release);
 	hd->where = s;
 	hd->location = KVLOC_POOL;
@@ -1141,6 +1596,11 @@ int kvstore_fetch(struct kvstore *kv, const uint64_t *handles, uint32_t n, uint6
 		if (hd->state != KVH_COMMITTED) {
 			snprintf(err, errlen, "handle 0x%llx is not committed: it is still being written",
 				 (unsigned long long)handles[i]);
+			return -EINVAL;
+		}
+		if (hd->refs == 0) {
+			snprintf(err, errlen, "handle 0x%llx holds no reference: the block is cached (MSG_KV_LOOKUP "
+				 "takes a reference)", (unsigned long long)handles[i]);
 			return -EINVAL;
 		}
 		if (hd->location == KVLOC_SPILL)
@@ -1174,9 +1634,8 @@ int kvstore_fetch(struct kvstore *kv, const uint64_t *handles, uint32_t n, uint6
 			loads[k++] = i;
 			continue;
 		}
-		struct kvpool_slot *sl = &kv->slots[hd->where];
-		sl->pins++;
-		sl->last_use = ++kv->tick;
+		kv->slots[hd->where].pins++;
+		touch(kv, kv_handle_index(handles[i]));
 		offsets[i] = slot_data_offset(kv, hd->where);
 	}
 	/* Read the rest back in rounds: each spills as many victims as there are free spill
@@ -1261,40 +1720,197 @@ int kvstore_free(struct kvstore *kv, const uint64_t *handles, uint32_t n, char *
 		int64_t idx = check_handle(kv, handles[i], stamp, err, errlen);
 		if (idx < 0)
 			return (int)idx;
+		if (kv->handles[idx].refs == 0) {
+			snprintf(err, errlen, "handle 0x%llx holds no reference to free: the block is cached",
+				 (unsigned long long)handles[i]);
+			return -EINVAL;
+		}
 	}
 	for (uint32_t i = 0; i < n; i++) {
 		uint32_t idx = kv_handle_index(handles[i]);
 		struct kvpool_handle *hd = &kv->handles[idx];
+		if (--hd->refs)
+			continue;
+		if (!indexed(kv, idx)) {
+			block_retire(kv, idx);
+			continue;
+		}
+		/* Cached: nobody holds it, so nobody holds a pin on it either. */
 		if (hd->location == KVLOC_POOL)
-			slot_release(kv, hd->where);
-		else if (hd->location == KVLOC_SPILL)
-			kv->free_spill[kv->n_free_spill++] = hd->where;
-		handle_release(kv, idx);
+			kv->slots[hd->where].pins = 0;
 	}
 	atomic_fetch_add(&kv->h->store.frees, n);
 	publish_usage(kv);
 	return 0;
 }
 
-uint32_t kvstore_free_all(struct kvstore *kv)
+int kvstore_lookup(struct kvstore *kv, const uint64_t *keys, uint32_t n, uint64_t *handles, char *err,
+		   size_t errlen)
+{
+	if (!kv->h)
+		return not_configured(kv, err, errlen);
+	int rc = check_count(n, err, errlen);
+	if (rc)
+		return rc;
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t idx = keymap_get(kv->keys, keys[i]);
+		if (idx != KV_NONE && kv->handles[idx].refs > UINT32_MAX - n) {
+			snprintf(err, errlen, "block 0x%llx of key %016llx holds %u references: no more can be taken",
+				 (unsigned long long)handle_value(kv, idx), (unsigned long long)keys[i],
+				 kv->handles[idx].refs);
+			return -EINVAL;
+		}
+	}
+	uint64_t hits = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t idx = keymap_get(kv->keys, keys[i]);
+		if (idx == KV_NONE) {
+			handles[i] = 0;
+			continue;
+		}
+		kv->handles[idx].refs++;
+		touch(kv, idx);
+		handles[i] = handle_value(kv, idx);
+		hits++;
+	}
+	atomic_fetch_add(&kv->h->store.prefix_hits, hits);
+	atomic_fetch_add(&kv->h->store.prefix_misses, n - hits);
+	return 0;
+}
+
+uint64_t kvstore_unpin_all(struct kvstore *kv)
 {
 	if (!kv->h)
 		return 0;
-	uint32_t n = 0;
+	uint64_t pins = 0;
+	for (uint32_t s = 0; s < kv->h->n_slots; s++) {
+		pins += kv->slots[s].pins;
+		kv->slots[s].pins = 0;
+	}
+	return pins;
+}
+
+/* Every reference and pin goes: what a new runner does not hold. */
+static void reset_refs(struct kvstore *kv, struct kvstore_hello *out)
+{
+	memset(out, 0, sizeof(*out));
+	out->pins = kvstore_unpin_all(kv);
 	for (uint32_t idx = 0; idx < kv->h->n_handles; idx++) {
 		struct kvpool_handle *hd = &kv->handles[idx];
 		if (hd->state == KVH_FREE)
 			continue;
-		if (hd->location == KVLOC_POOL)
-			slot_release(kv, hd->where);
-		else if (hd->location == KVLOC_SPILL)
-			kv->free_spill[kv->n_free_spill++] = hd->where;
-		handle_release(kv, idx);
-		n++;
+		hd->refs = 0;
+		if (indexed(kv, idx)) {
+			out->cached++;
+			continue;
+		}
+		out->writing += hd->state == KVH_WRITING;
+		out->freed++;
+		block_retire(kv, idx);
 	}
-	atomic_fetch_add(&kv->h->store.frees, n);
 	publish_usage(kv);
-	return n;
+}
+
+void kvstore_runner_hello(struct kvstore *kv, uint64_t session, struct kvstore_hello *out)
+{
+	memset(out, 0, sizeof(*out));
+	kv->session = session;
+	kv->session_known = true;
+	if (!kv->h) {
+		kv->session_pending = true;
+		out->pending = true;
+		return;
+	}
+	if (session != 0 && session == kv->h->runner_session) {
+		out->kept = true;
+		return;
+	}
+	reset_refs(kv, out);
+	kv->h->runner_session = session;
+}
+
+/* ---- persistence at a clean stop ---- */
+
+static int victim_cmp_recent(const void *a, const void *b)
+{
+	return -victim_cmp(a, b);
+}
+
+/* The spill file keeps the most recently used keyed blocks it can hold, wherever they are
+ * now: pool blocks among them are written into spill slots that no kept block holds, then the
+ * index is rewritten whole and both files synced. The pool is about to be unlinked, so its
+ * tables are changed only as far as index_rewrite reads them. */
+static void persist_at_stop(struct kvstore *kv)
+{
+	struct kvpool_header *h = kv->h;
+	uint32_t n_spill = h->n_spill_slots, nc = 0, written = 0, failed = 0, kept = 0;
+	struct victim *c = malloc(sizeof(*c) * h->n_handles);
+	uint8_t *busy = calloc(n_spill ? n_spill : 1, 1);
+	struct spill_io *ios = malloc(sizeof(*ios) * (n_spill ? n_spill : 1));
+	uint32_t *who = malloc(sizeof(uint32_t) * (n_spill ? n_spill : 1));
+	char err[512] = "";
+	if (!c || !busy || !ios || !who) {
+		log_error("out of memory persisting the KV cache: spill index %s left as it was", kv->index_path);
+		goto out_free;
+	}
+	for (uint32_t i = 0; i < h->n_handles; i++)
+		if (indexed(kv, i) && (kv->handles[i].location == KVLOC_POOL || kv->handles[i].location == KVLOC_SPILL))
+			c[nc++] = (struct victim){.last_use = kv->handles[i].last_use, .id = i};
+	qsort(c, nc, sizeof(*c), victim_cmp_recent);
+	uint32_t keep = nc < n_spill ? nc : n_spill;
+	/* Blocks beyond what the disk holds lose their place, in either tier. */
+	for (uint32_t k = keep; k < nc; k++) {
+		struct kvpool_handle *hd = &kv->handles[c[k].id];
+		if (hd->location == KVLOC_SPILL)
+			hd->location = KVLOC_NONE;
+	}
+	for (uint32_t k = 0; k < keep; k++) {
+		const struct kvpool_handle *hd = &kv->handles[c[k].id];
+		if (hd->location == KVLOC_SPILL)
+			busy[hd->where] = 1;
+	}
+	uint32_t n_io = 0, j = 0;
+	for (uint32_t k = 0; k < keep; k++) {
+		const struct kvpool_handle *hd = &kv->handles[c[k].id];
+		if (hd->location != KVLOC_POOL)
+			continue;
+		while (busy[j])
+			j++;
+		busy[j] = 1;
+		ios[n_io] = (struct spill_io){.buf = slot_data(kv, hd->where), .slot = j, .write = true};
+		who[n_io++] = c[k].id;
+	}
+	if (n_io && spill_run(kv->spill, ios, n_io, err, sizeof(err)) != 0)
+		log_warn("persisting the KV cache: %s", err);
+	for (uint32_t k = 0; k < n_io; k++) {
+		struct kvpool_handle *hd = &kv->handles[who[k]];
+		if (ios[k].res) {
+			failed++;
+			continue;
+		}
+		hd->location = KVLOC_SPILL;
+		hd->where = ios[k].slot;
+		written++;
+	}
+	kept = keep - failed;
+	if (index_rewrite(kv, err, sizeof(err)) != 0) {
+		log_error("persisting the KV cache: %s", err);
+		goto out_free;
+	}
+	int rc = spill_sync(kv->spill);
+	if (rc == 0)
+		rc = kvindex_sync(kv->index);
+	if (rc)
+		log_warn("persisting the KV cache: cannot sync %s or %s: %s", kv->spill_path, kv->index_path,
+			 strerror(-rc));
+	log_info("KV cache persisted in %s: %u cached blocks (%u written from the pool now%s), %u not kept (the "
+		 "disk budget holds %u)", kv->spill_path, kept, written, failed ? ", some writes failed" : "",
+		 nc - keep, n_spill);
+out_free:
+	free(c);
+	free(busy);
+	free(ios);
+	free(who);
 }
 
 /* ---- stats ---- */
@@ -1327,9 +1943,21 @@ char *kvstore_stats_json(const struct kvstore *kv)
 	rc |= set_u64(o, "spill_bytes_read", STORE(spill_bytes_read));
 	rc |= set_u64(o, "checksum_failures", STORE(checksum_failures));
 	rc |= set_u64(o, "live_handles", h ? h->n_handles - kv->n_free_handles : 0);
+	rc |= set_u64(o, "prefix_hits", STORE(prefix_hits));
+	rc |= set_u64(o, "prefix_misses", STORE(prefix_misses));
+	rc |= set_u64(o, "cache_drops", STORE(cache_drops));
+	uint64_t n_cached = 0, n_referenced = 0;
+	for (uint32_t i = 0; h && i < h->n_handles; i++) {
+		const struct kvpool_handle *hd = &kv->handles[i];
+		n_cached += hd->state == KVH_COMMITTED && hd->refs == 0;
+		n_referenced += hd->state != KVH_FREE && hd->refs > 0;
+	}
+	rc |= set_u64(o, "cached_blocks", n_cached);
+	rc |= set_u64(o, "referenced_blocks", n_referenced);
 #undef STORE
 	rc |= json_object_set_new(o, "o_direct", json_boolean(kvstore_o_direct(kv)));
 	rc |= json_object_set_new(o, "adopted", json_boolean(kv->adopted));
+	rc |= json_object_set_new(o, "persistent", json_boolean(kv->persistent));
 	rc |= json_object_set_new(o, "configured", json_boolean(h != NULL));
 	char *text = rc ? NULL : json_dumps(o, JSON_COMPACT);
 	json_decref(o);

@@ -130,6 +130,11 @@ uint64_t spill_file_size(const struct spill *sp)
 	return fstat(sp->fd, &st) == 0 ? (uint64_t)st.st_size : 0;
 }
 
+int spill_sync(struct spill *sp)
+{
+	return fdatasync(sp->fd) == 0 ? 0 : -errno;
+}
+
 uint64_t spill_slot_offset(const struct spill *sp, uint32_t slot)
 {
 	return (uint64_t)slot * sp->block_bytes;

@@ -62,6 +62,8 @@ bool spill_o_direct(const struct spill *sp);
 const char *spill_path(const struct spill *sp);
 /* The file's current size in bytes (0 if it cannot be read). */
 uint64_t spill_file_size(const struct spill *sp);
+/* fdatasync: what was written survives a power loss. Returns 0 or -errno. */
+int spill_sync(struct spill *sp);
 /* Byte offset of slot in the file. */
 uint64_t spill_slot_offset(const struct spill *sp, uint32_t slot);
 

@@ -98,11 +98,17 @@ static void svc_names(struct svc *v)
 	ck_assert_ptr_nonnull(v->zctx);
 }
 
-static void svc_start(struct svc *v)
+/* Starts kv-store with the test's budgets and extra flags (NULL-terminated; may be NULL),
+ * its output to log (NULL: inherited), and waits for HELLO. */
+static void svc_start_with(struct svc *v, const char *const *extra, const char *log)
 {
-	const char *args[] = {"--instance", v->instance, "--run-dir", v->dir, "--kv-dram-budget", "64KiB",
-			      "--kv-disk-budget", "256KiB", "--io-depth", "4", "--log-level", "warn", NULL};
-	v->pid = spawn(NULL, args);
+	const char *args[32] = {"--instance", v->instance, "--run-dir", v->dir, "--kv-dram-budget", "64KiB",
+				"--kv-disk-budget", "256KiB", "--io-depth", "4", "--log-level", "warn"};
+	int n = 12;
+	for (int i = 0; extra && extra[i] && n < 31; i++)
+		args[n++] = extra[i];
+	args[n] = NULL;
+	v->pid = spawn(log, args);
 	v->c = rpc_client_create(v->zctx, v->dir, "kv-store", "test");
 	ck_assert_ptr_nonnull(v->c);
 	struct msg rep;
@@ -113,6 +119,11 @@ static void svc_start(struct svc *v)
 	ck_assert_uint_eq(rep.hello_reply.pid, (uint64_t)v->pid);
 	ck_assert_uint_eq(rep.hello_reply.layout, KVPOOL_LAYOUT_VERSION);
 	msg_free(&rep);
+}
+
+static void svc_start(struct svc *v)
+{
+	svc_start_with(v, NULL, NULL);
 }
 
 static void svc_finish(struct svc *v)
@@ -202,6 +213,82 @@ static void put_blocks(struct svc *v, struct kvpool_header *pool, uint64_t *h, u
 	msg_init(&req, MSG_KV_COMMIT, 0);
 	req.kv_commit.handles = (struct u64_array){.v = h, .n = n};
 	call_ok(v, &req);
+}
+
+/* As put_blocks, committing with keys key0.. */
+static void put_keyed_blocks(struct svc *v, struct kvpool_header *pool, uint64_t *h, uint32_t n, uint64_t seed0,
+			     uint64_t key0)
+{
+	struct msg req, rep;
+	uint64_t keys[64];
+	ck_assert_uint_le(n, 64);
+	msg_init(&req, MSG_KV_ALLOC, 0);
+	req.kv_alloc.count = n;
+	call(v, &req, &rep, MSG_KV_BLOCKS);
+	for (uint32_t i = 0; i < n; i++) {
+		h[i] = rep.kv_blocks.handles.v[i];
+		keys[i] = key0 + i;
+		kvt_write_block(pool, rep.kv_blocks.offsets.v[i], seed0 + i);
+	}
+	msg_free(&rep);
+	msg_init(&req, MSG_KV_COMMIT, 0);
+	req.kv_commit.handles = (struct u64_array){.v = h, .n = n};
+	req.kv_commit.keys = (struct u64_array){.v = keys, .n = n};
+	call_ok(v, &req);
+}
+
+/* LOOKUP keys key0..key0+n-1 into h (0 for a miss). */
+static void lookup_keys(struct svc *v, uint64_t *h, uint32_t n, uint64_t key0)
+{
+	struct msg req, rep;
+	uint64_t keys[64];
+	ck_assert_uint_le(n, 64);
+	for (uint32_t i = 0; i < n; i++)
+		keys[i] = key0 + i;
+	msg_init(&req, MSG_KV_LOOKUP, 0);
+	req.kv_lookup.keys = (struct u64_array){.v = keys, .n = n};
+	call(v, &req, &rep, MSG_KV_BLOCKS);
+	ck_assert_uint_eq(rep.kv_blocks.handles.n, n);
+	for (uint32_t i = 0; i < n; i++) {
+		h[i] = rep.kv_blocks.handles.v[i];
+		ck_assert_uint_eq(rep.kv_blocks.offsets.v[i], 0);
+	}
+	msg_free(&rep);
+}
+
+static void free_blocks(struct svc *v, uint64_t *h, uint32_t n)
+{
+	struct msg req;
+	handles_req(&req, MSG_KV_FREE, h, n);
+	call_ok(v, &req);
+}
+
+static struct rpc_client *runner_hello(struct svc *v, uint64_t session)
+{
+	struct rpc_client *r = rpc_client_create(v->zctx, v->dir, "kv-store", "gpu-runner");
+	ck_assert_ptr_nonnull(r);
+	rpc_client_set_session(r, session);
+	struct msg rep;
+	ck_assert_int_eq(rpc_hello(r, &rep, 5000), 0);
+	msg_free(&rep);
+	return r;
+}
+
+static void shutdown_svc(struct svc *v)
+{
+	struct msg req;
+	msg_init(&req, MSG_SHUTDOWN, 0);
+	call_ok(v, &req);
+	ck_assert_int_eq(wait_exit(v->pid), 0);
+	rpc_client_destroy(&v->c);
+	ck_assert_int_eq(shm_open(v->shm, O_RDONLY, 0), -1);
+}
+
+static struct kvpool_header *map_pool(struct svc *v, struct shm_object **o)
+{
+	*o = NULL;
+	ck_assert_int_eq(shm_object_attach(v->shm, SHM_KIND_KV_POOL, KVPOOL_LAYOUT_VERSION, true, o), 0);
+	return shm_object_base(*o);
 }
 
 /* Fetches n blocks, compares them with seeds seed0.., unpins them. */
@@ -383,11 +470,29 @@ START_TEST(test_protocol_round_trip)
 	ck_assert_uint_eq(ht[kv_handle_index(h[1])].key, 43);
 
 	check_blocks(&v, pool, h, 2, 10);
+	/* A resent commit (its reply lost) is answered OK. */
+	call_ok(&v, &req);
 	handles_req(&req, MSG_KV_FREE, h, 2);
 	call_ok(&v, &req);
+	/* Keyed: cached, so a second FREE finds no reference. */
 	char hex[32];
 	snprintf(hex, sizeof(hex), "0x%llx", (unsigned long long)h[0]);
 	call_error(&v, &req, EINVAL, hex);
+	uint64_t lk[3] = {43, 44, 42};
+	msg_init(&req, MSG_KV_LOOKUP, 0);
+	req.kv_lookup.keys = (struct u64_array){.v = lk, .n = 3};
+	call(&v, &req, &rep, MSG_KV_BLOCKS);
+	ck_assert_uint_eq(rep.kv_blocks.handles.n, 3);
+	ck_assert_uint_eq(rep.kv_blocks.offsets.n, 3);
+	ck_assert_uint_eq(rep.kv_blocks.handles.v[0], h[1]);
+	ck_assert_uint_eq(rep.kv_blocks.handles.v[1], 0);
+	ck_assert_uint_eq(rep.kv_blocks.handles.v[2], h[0]);
+	for (int i = 0; i < 3; i++)
+		ck_assert_uint_eq(rep.kv_blocks.offsets.v[i], 0);
+	msg_free(&rep);
+	check_blocks(&v, pool, h, 2, 10);
+	handles_req(&req, MSG_KV_FREE, h, 2);
+	call_ok(&v, &req);
 
 	/* Enough blocks to spill some, all read back through the socket. */
 	uint64_t many[12];
@@ -399,8 +504,14 @@ START_TEST(test_protocol_round_trip)
 	json_t *st = get_stats(&v);
 	ck_assert_int_eq(jint(st, "allocs"), 14);
 	ck_assert_int_eq(jint(st, "commits"), 14);
-	ck_assert_int_eq(jint(st, "fetches"), 14);
-	ck_assert_int_eq(jint(st, "frees"), 2);
+	ck_assert_int_eq(jint(st, "fetches"), 16);
+	ck_assert_int_eq(jint(st, "frees"), 4);
+	ck_assert_int_eq(jint(st, "prefix_hits"), 2);
+	ck_assert_int_eq(jint(st, "prefix_misses"), 1);
+	ck_assert_int_eq(jint(st, "cached_blocks"), 2);
+	ck_assert_int_eq(jint(st, "referenced_blocks"), 12);
+	ck_assert_int_eq(jint(st, "cache_drops"), 0);
+	ck_assert_int_eq(jint(st, "persistent"), 0);
 	ck_assert_int_ge(jint(st, "spills"), 4);
 	ck_assert_int_ge(jint(st, "fetches_from_disk"), 4);
 	ck_assert_int_eq(jint(st, "pool_blocks"), 8);
@@ -418,8 +529,18 @@ START_TEST(test_protocol_round_trip)
 	call_ok(&v, &req);
 	check_blocks(&v, pool, many, 6, 100);
 
-	/* A runner that (re)connects holds nothing: what is still live (here, 12 committed blocks
-	 * and one left half-written) belonged to one that died, and is freed. */
+	/* UNPIN_ALL drops every pin, here one FETCH left behind. */
+	handles_req(&req, MSG_KV_FETCH, many, 1);
+	call(&v, &req, &rep, MSG_KV_BLOCKS);
+	msg_free(&rep);
+	msg_init(&req, MSG_KV_UNPIN_ALL, 0);
+	call_ok(&v, &req);
+	handles_req(&req, MSG_KV_UNPIN, many, 1);
+	call_error(&v, &req, EINVAL, "not pinned");
+
+	/* A new runner (no session) holds nothing: what is still live (here, 12 committed blocks
+	 * and one left half-written) belonged to one that died, and is freed; the two cached
+	 * blocks stay. */
 	msg_init(&req, MSG_KV_ALLOC, 0);
 	req.kv_alloc.count = 1;
 	call(&v, &req, &rep, MSG_KV_BLOCKS);
@@ -430,9 +551,10 @@ START_TEST(test_protocol_round_trip)
 	msg_free(&rep);
 	rpc_client_destroy(&runner);
 	st = get_stats(&v);
-	ck_assert_int_eq(jint(st, "live_handles"), 0);
-	ck_assert_int_eq(jint(st, "pool_used"), 0);
-	ck_assert_int_eq(jint(st, "spill_used"), 0);
+	ck_assert_int_eq(jint(st, "live_handles"), 2);
+	ck_assert_int_eq(jint(st, "cached_blocks"), 2);
+	ck_assert_int_eq(jint(st, "referenced_blocks"), 0);
+	ck_assert_int_eq(jint(st, "pool_used") + jint(st, "spill_used"), 2);
 	json_decref(st);
 	handles_req(&req, MSG_KV_FETCH, many, 1);
 	call_error(&v, &req, EINVAL, "stale");
@@ -534,6 +656,8 @@ START_TEST(test_flags)
 	ck_assert_int_eq(run_flags(v.dir, help, out, sizeof(out)), 0);
 	ck_assert_ptr_nonnull(strstr(out, "--kv-dram-budget"));
 	ck_assert_ptr_nonnull(strstr(out, "PIPELINE_KV_STORE_SPILL_FILE"));
+	ck_assert_ptr_nonnull(strstr(out, "--persist-dir"));
+	ck_assert_ptr_nonnull(strstr(out, "PIPELINE_KV_STORE_PERSIST_DIR"));
 	const char *bogus[] = {"--bogus", NULL};
 	ck_assert_int_eq(run_flags(v.dir, bogus, out, sizeof(out)), 2);
 	ck_assert_ptr_nonnull(strstr(out, "--bogus"));
@@ -557,6 +681,177 @@ START_TEST(test_flags)
 }
 END_TEST
 
+START_TEST(test_sessions_survive_restart)
+{
+	struct svc v;
+	svc_names(&v);
+	svc_start(&v);
+	struct msg req, rep;
+	configure(&v, BB, &rep);
+	msg_free(&rep);
+	struct shm_object *o;
+	struct kvpool_header *pool = map_pool(&v, &o);
+	struct rpc_client *runner = runner_hello(&v, 0x5e551);
+	uint64_t h[4], k[2];
+	put_blocks(&v, pool, h, 4, 700);
+	put_keyed_blocks(&v, pool, k, 2, 800, 0x900);
+	/* The runner reconnects (same session): it keeps its blocks. */
+	rpc_client_destroy(&runner);
+	runner = runner_hello(&v, 0x5e551);
+	check_blocks(&v, pool, h, 4, 700);
+	/* The kv-store restarts (a signal): the pool, the references and the session are adopted. */
+	ck_assert_int_eq(kill(v.pid, SIGTERM), 0);
+	ck_assert_int_eq(wait_exit(v.pid), 0);
+	rpc_client_destroy(&v.c);
+	svc_start(&v);
+	rpc_client_destroy(&runner);
+	runner = runner_hello(&v, 0x5e551);
+	check_blocks(&v, pool, h, 4, 700);
+	check_blocks(&v, pool, k, 2, 800);
+	json_t *st = get_stats(&v);
+	ck_assert_int_eq(jint(st, "adopted"), 1);
+	ck_assert_int_eq(jint(st, "referenced_blocks"), 6);
+	json_decref(st);
+	/* A new runner: the unkeyed blocks go, the keyed ones stay cached. */
+	rpc_client_destroy(&runner);
+	runner = runner_hello(&v, 0x5e552);
+	rpc_client_destroy(&runner);
+	handles_req(&req, MSG_KV_FETCH, h, 1);
+	call_error(&v, &req, EINVAL, "stale");
+	st = get_stats(&v);
+	ck_assert_int_eq(jint(st, "live_handles"), 2);
+	ck_assert_int_eq(jint(st, "cached_blocks"), 2);
+	json_decref(st);
+	uint64_t got[2];
+	lookup_keys(&v, got, 2, 0x900);
+	ck_assert_uint_eq(got[0], k[0]);
+	ck_assert_uint_eq(got[1], k[1]);
+	check_blocks(&v, pool, k, 2, 800);
+	shm_object_close(&o, false);
+	shutdown_svc(&v);
+	svc_finish(&v);
+}
+END_TEST
+
+/* Does the file at path contain needle? */
+static bool file_has(const char *path, const char *needle)
+{
+	char buf[16384];
+	FILE *f = fopen(path, "r");
+	ck_assert_ptr_nonnull(f);
+	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+	buf[n] = 0;
+	fclose(f);
+	return strstr(buf, needle) != NULL;
+}
+
+START_TEST(test_persist_across_shutdown)
+{
+	struct svc v;
+	svc_names(&v);
+	char pdir[300], idx[600], log[512];
+	snprintf(pdir, sizeof(pdir), "%s/persist", v.dir);
+	snprintf(v.spill, sizeof(v.spill), "%s/kv-spill.bin", pdir);
+	snprintf(idx, sizeof(idx), "%s/kv-spill.idx", pdir);
+	snprintf(log, sizeof(log), "%s/kv.log", v.dir);
+	const char *persist[] = {"--persist-dir", pdir, NULL};
+	svc_start_with(&v, persist, NULL);
+	struct msg req, rep;
+	configure(&v, BB, &rep);
+	msg_free(&rep);
+	struct shm_object *o;
+	struct kvpool_header *pool = map_pool(&v, &o);
+	/* 12 keyed blocks through a pool of 8: some spilled, some in the pool at the stop. */
+	uint64_t h[12], got[13];
+	put_keyed_blocks(&v, pool, h, 6, 1000, 0xa000);
+	free_blocks(&v, h, 6);
+	put_keyed_blocks(&v, pool, h + 6, 6, 1006, 0xa006);
+	free_blocks(&v, h + 6, 6);
+	json_t *st = get_stats(&v);
+	ck_assert_int_eq(jint(st, "persistent"), 1);
+	ck_assert_int_eq(jint(st, "cached_blocks"), 12);
+	json_decref(st);
+	shm_object_close(&o, false);
+	shutdown_svc(&v);
+	ck_assert_int_eq(access(v.spill, F_OK), 0);
+	ck_assert_int_eq(access(idx, F_OK), 0);
+
+	/* A new kv-store: CONFIGURE loads the index, LOOKUP hits, FETCH returns the same bytes. */
+	svc_start_with(&v, persist, NULL);
+	configure(&v, BB, &rep);
+	msg_free(&rep);
+	pool = map_pool(&v, &o);
+	lookup_keys(&v, got, 13, 0xa000);
+	for (int i = 0; i < 12; i++)
+		ck_assert_msg(got[i] != 0, "key %d missed after the restart", i);
+	ck_assert_uint_eq(got[12], 0);
+	for (int i = 0; i < 12; i++)
+		check_blocks(&v, pool, &got[i], 1, 1000 + (uint64_t)i);
+	st = get_stats(&v);
+	ck_assert_int_eq(jint(st, "prefix_hits"), 12);
+	ck_assert_int_eq(jint(st, "prefix_misses"), 1);
+	ck_assert_int_eq(jint(st, "fetches_from_disk"), 12);
+	ck_assert_int_eq(jint(st, "checksum_failures"), 0);
+	json_decref(st);
+	free_blocks(&v, got, 12);
+	shm_object_close(&o, false);
+	shutdown_svc(&v);
+
+	/* A flipped byte in the persisted spill file: caught at FETCH (EIO), the block dropped. */
+	svc_start_with(&v, persist, NULL);
+	configure(&v, BB, &rep);
+	msg_free(&rep);
+	pool = map_pool(&v, &o);
+	lookup_keys(&v, got, 12, 0xa000);
+	struct kvpool_handle *ht = kvpool_handles(pool);
+	const struct kvpool_handle *bad = &ht[kv_handle_index(got[5])];
+	ck_assert_uint_eq(bad->location, KVLOC_SPILL);
+	int fd = open(v.spill, O_RDWR);
+	ck_assert_int_ge(fd, 0);
+	off_t at = (off_t)bad->where * BB + 4000;
+	unsigned char c;
+	ck_assert_int_eq(pread(fd, &c, 1, at), 1);
+	c ^= 0x01;
+	ck_assert_int_eq(pwrite(fd, &c, 1, at), 1);
+	close(fd);
+	handles_req(&req, MSG_KV_FETCH, &got[5], 1);
+	call_error(&v, &req, EIO, "checksum mismatch");
+	st = get_stats(&v);
+	ck_assert_int_eq(jint(st, "checksum_failures"), 1);
+	ck_assert_int_eq(jint(st, "cached_blocks"), 0);
+	ck_assert_int_eq(jint(st, "referenced_blocks"), 11);
+	json_decref(st);
+	uint64_t again;
+	lookup_keys(&v, &again, 1, 0xa005);
+	ck_assert_uint_eq(again, 0);
+	check_blocks(&v, pool, &got[6], 1, 1006);
+	shm_object_close(&o, false);
+	shutdown_svc(&v);
+
+	/* A kv-store with another disk budget: the index does not match, is discarded with a
+	 * log line, and the spill file is truncated. */
+	const char *other[] = {"--persist-dir", pdir, "--kv-disk-budget", "128KiB", "--log-level", "info", NULL};
+	svc_start_with(&v, other, log);
+	configure(&v, BB, &rep);
+	msg_free(&rep);
+	lookup_keys(&v, got, 12, 0xa000);
+	for (int i = 0; i < 12; i++)
+		ck_assert_uint_eq(got[i], 0);
+	struct stat sst;
+	ck_assert_int_eq(stat(v.spill, &sst), 0);
+	ck_assert_int_eq(sst.st_size, 0);
+	ck_assert_msg(file_has(log, "discarded"), "no log line about the discarded index");
+	shutdown_svc(&v);
+
+	/* --persist-dir and --spill-file exclude each other. */
+	char out[4096];
+	const char *both[] = {"--persist-dir", pdir, "--spill-file", v.spill, NULL};
+	ck_assert_int_eq(run_flags(v.dir, both, out, sizeof(out)), 2);
+	ck_assert_ptr_nonnull(strstr(out, "--persist-dir"));
+	svc_finish(&v);
+}
+END_TEST
+
 static Suite *service_suite(void)
 {
 	Suite *s = suite_create("kvstore_service");
@@ -570,6 +865,18 @@ static Suite *service_suite(void)
 	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_restart_adopts);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("sessions");
+	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_sessions_survive_restart);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("persistence");
+	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_persist_across_shutdown);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("flags");

@@ -136,6 +136,7 @@ START_TEST(test_keep_and_truncate)
 	struct sfx f;
 	sfx_open(&f, "/tmp", 8, 8, 8);
 	write_read(&f, 2, 0);
+	ck_assert_int_eq(spill_sync(f.sp), 0);
 	spill_close(&f.sp, false);
 	/* Reopened for an adopted pool: the bytes are still there. */
 	ck_assert_int_eq(spill_open(f.path, BB, 8, 8, SPILL_KEEP, &f.sp, f.err, sizeof(f.err)), 0);
