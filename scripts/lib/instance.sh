@@ -1,15 +1,17 @@
 # shellcheck shell=bash
-# instance.sh - sourced by scripts/pipeline: one instance's run directory and the service
-# processes in it (start in the background, find, wait for, stop).
+# instance.sh - sourced by scripts/pipeline: one instance's run directory, its supervisor and the
+# service processes in it (find, talk to, stop, clean up after).
 #
-#   instance_init NAME              # sets INSTANCE, RUN_DIR (does not create it)
+#   instance_init NAME              # sets INSTANCE, RUN_DIR (absolute; does not create it)
+#   pid=$(supervisor_pid)           # the live pipeline-supervisor of this instance, or status 1
+#   supervisor_run status --json    # pipeline-supervisor COMMAND --run-dir RUN_DIR ...
 #   pid=$(svc_pid kv-store)         # the live kv-store of this instance, or status 1
-#   svc_launch kv-store ARGS...     # starts it detached; prints the pid
-#   svc_wait_ready kv-store PID     # 0 when it answers HELLO; else prints its log's tail
-#   svc_stop kv-store PID           # MSG_SHUTDOWN, wait, SIGKILL after a timeout
+#   svc_stop kv-store PID           # MSG_SHUTDOWN, wait, SIGKILL after a timeout (no supervisor)
 #
 # Reads BIN_DIR (the built binaries). The files of an instance, all in RUN_DIR:
-#   <service>.pid  <service>.log  <service>.ctl/.pub (sockets)  start.args (for restart)
+#   supervisor.pid  supervisor.log  supervisor.ctl/.pub (its sockets)
+#   <service>.pid  <service>.log  <service>.ctl/.pub  <service>.restart (a restart asked for)
+#   start.args (the options of start, a record)
 
 # Start order; stop goes the other way (the runner first, it holds groups and blocks).
 SERVICES=(kv-store ssd-loader gpu-runner)
@@ -31,6 +33,8 @@ instance_init() {
 		die "instance name '$INSTANCE' must be 1-40 letters, digits, '_', '.' or '-' (starting with a letter or digit)"
 	fi
 	RUN_DIR=${PIPELINE_RUN_DIR:-/tmp/llmp-$(id -u)/$INSTANCE}
+	# The supervisor leaves its working directory and hands RUN_DIR to the services: absolute.
+	[[ $RUN_DIR == /* ]] || RUN_DIR=$PWD/$RUN_DIR
 }
 
 # Creates RUN_DIR and its parents with mode 0700.
@@ -66,6 +70,22 @@ proc_is_service() {
 	((runs && ours))
 }
 
+# Prints the pid of this instance's supervisor if it is running.
+supervisor_pid() {
+	local pid
+	[[ -f $RUN_DIR/supervisor.pid ]] || return 1
+	pid=$(<"$RUN_DIR/supervisor.pid")
+	proc_is_service "$pid" pipeline-supervisor || return 1
+	printf '%s\n' "$pid"
+}
+
+# pipeline-supervisor COMMAND [ARGS] for this instance (status, wait, shutdown, restart).
+supervisor_run() {
+	local cmd=$1
+	shift
+	"$BIN_DIR/pipeline-supervisor" "$cmd" --run-dir "$RUN_DIR" "$@"
+}
+
 # Prints the pid of this instance's SERVICE if it is running.
 svc_pid() {
 	local service=$1 pid
@@ -94,29 +114,7 @@ wait_exit() {
 	return 1
 }
 
-# Starts SERVICE detached from this shell (its own session, stdin from /dev/null, output to
-# its log) with ARGS after --instance and --run-dir; writes and prints its pid.
-svc_launch() {
-	local service=$1
-	shift
-	local log=$RUN_DIR/$service.log
-	(umask 077 && : >>"$log")
-	printf '==== %s: %s started by scripts/pipeline\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$service" >>"$log"
-	# PIPELINE_WRAP_GPU_RUNNER="compute-sanitizer --tool memcheck" (and _SSD_LOADER, _KV_STORE)
-	# runs the service under a tool; the pid is then the tool's, which stops the service with it.
-	local wrap_var=PIPELINE_WRAP_${service//-/_}
-	wrap_var=${wrap_var^^}
-	local -a wrap=()
-	[[ -n ${!wrap_var:-} ]] && read -r -a wrap <<<"${!wrap_var}"
-	# In a script without job control a background child is no process-group leader, so
-	# setsid makes the new session in place (no fork) and $! is the service's own pid.
-	setsid "${wrap[@]}" "$BIN_DIR/$service" --instance "$INSTANCE" --run-dir "$RUN_DIR" "$@" </dev/null >>"$log" 2>&1 &
-	local pid=$!
-	printf '%s\n' "$pid" >"$RUN_DIR/$service.pid"
-	printf '%s\n' "$pid"
-}
-
-# Prints the last lines of SERVICE's log, indented, on stderr.
+# Prints the last lines of SERVICE's log (or the supervisor's), indented, on stderr.
 svc_log_tail() {
 	local service=$1 log=$RUN_DIR/$1.log
 	[[ -f $log ]] || return 0
@@ -124,19 +122,9 @@ svc_log_tail() {
 	tail -n 20 "$log" | sed 's/^/  | /' >&2
 }
 
-# Waits until SERVICE (process PID) answers HELLO; prints "SERVICE ready (pid N)". On
-# failure prints why and the log's tail; status 1.
-svc_wait_ready() {
-	local service=$1 pid=$2
-	if pipectl_run wait-ready "$service" --pid "$pid" --timeout "${PIPELINE_READY_TIMEOUT:-600}"; then
-		return 0
-	fi
-	svc_log_tail "$service"
-	return 1
-}
-
-# Stops SERVICE (process PID): MSG_SHUTDOWN (it removes its shared state), SIGTERM if that
-# is not answered, SIGKILL when it has not exited after 10 s.
+# Stops SERVICE (process PID) without the supervisor (it was killed, or the service was started
+# by hand): MSG_SHUTDOWN (it removes its shared state), SIGTERM if that is not answered, SIGKILL
+# when it has not exited after 10 s.
 svc_stop() {
 	local service=$1 pid=$2
 	if ! pipectl_run --timeout 5 shutdown "$service" >/dev/null 2>&1; then
@@ -152,23 +140,14 @@ svc_stop() {
 	fi
 }
 
-# Stops SERVICE with SIGTERM (it leaves its shared state for a successor), SIGKILL after 10 s.
-svc_terminate() {
-	local service=$1 pid=$2
-	kill -TERM "$pid" 2>/dev/null || true
-	if ! wait_exit "$pid" 10; then
-		warn "$service (pid $pid) did not exit in 10 s after SIGTERM; killing it"
-		kill -KILL "$pid" 2>/dev/null || true
-		wait_exit "$pid" 5 || warn "$service (pid $pid) survived SIGKILL"
-	fi
-}
-
-# Removes what a stopped instance leaves: pid files, sockets, start.args, a dead kv-store's
-# spill file and its shared-memory objects (/dev/shm/llmp-<uid>-<instance>-<object>). Logs stay.
+# Removes what a stopped instance leaves: pid files, sockets, restart markers, start.args, a dead
+# kv-store's spill file and its shared-memory objects (/dev/shm/llmp-<uid>-<instance>-<object>).
+# Logs stay.
 instance_cleanup() {
 	local service f prefix
-	for service in "${SERVICES[@]}"; do
-		rm -f "$RUN_DIR/$service.pid" "$RUN_DIR/$service.ctl" "$RUN_DIR/$service.pub"
+	for service in supervisor "${SERVICES[@]}"; do
+		rm -f "$RUN_DIR/$service.pid" "$RUN_DIR/$service.pid.tmp" "$RUN_DIR/$service.ctl" "$RUN_DIR/$service.pub" \
+			"$RUN_DIR/$service.restart"
 	done
 	# A dead kv-store's spill file at its default place (a live one removes it on MSG_SHUTDOWN).
 	rm -f "$RUN_DIR/start.args" "$RUN_DIR/kv-spill.bin"

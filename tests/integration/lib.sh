@@ -95,7 +95,8 @@ instance_shm() {
 	return 0
 }
 
-# Fails unless no process, shared-memory object, socket or pid file of the instance is left.
+# Fails unless no process (the supervisor included), shared-memory object, socket, pid file or
+# restart marker of the instance is left.
 # Zombies awaiting their reaper count as gone; a process gets a few seconds to exit.
 expect_nothing_left() {
 	local what=$1 pids i
@@ -112,8 +113,8 @@ expect_nothing_left() {
 	shm=$(instance_shm)
 	[[ -z $shm ]] || fail "$what: shared-memory objects left: $shm"
 	local left
-	left=$(find "$RUN_DIR" -maxdepth 1 \( -name '*.ctl' -o -name '*.pub' -o -name '*.pid' -o -name start.args \) \
-		2>/dev/null || true)
+	left=$(find "$RUN_DIR" -maxdepth 1 \( -name '*.ctl' -o -name '*.pub' -o -name '*.pid' -o -name '*.pid.tmp' \
+		-o -name '*.restart' -o -name start.args \) 2>/dev/null || true)
 	[[ -z $left ]] || fail "$what: files left in the run directory: $left"
 }
 
@@ -153,7 +154,7 @@ it_cleanup() {
 it_setup() {
 	IT_NAME=$1
 	local b
-	for b in ssd-loader kv-store gpu-runner pipectl make-synthetic-model run-local; do
+	for b in ssd-loader kv-store gpu-runner pipeline-supervisor pipectl make-synthetic-model run-local; do
 		[[ -x $BIN/$b ]] || fail "$BIN/$b is not built"
 	done
 	IT_TMP=$(mktemp -d "/tmp/llmp-it-$IT_NAME.XXXXXX")
@@ -189,4 +190,44 @@ model_bytes() {
 		total=$((total + $(stat -c %s "$f")))
 	done
 	printf '%s\n' "$total"
+}
+
+# sup_field SERVICE KEY: KEY of SERVICE in the supervisor's status (JSON text: a string keeps its
+# quotes; null is null), or nothing when the supervisor does not answer.
+sup_field() {
+	{ "$BIN/pipeline-supervisor" status --json 2>/dev/null || true; } |
+		awk -v svc="    \"$1\": {" -v key="      \"$2\": " '
+			$0 == svc { inside = 1; next }
+			inside && /^    }/ { exit }
+			inside && index($0, key) == 1 { v = substr($0, length(key) + 1); sub(/,$/, "", v); print v; exit }'
+}
+
+# wait_until SECONDS WHAT COMMAND...: runs COMMAND every 0.1 s until it succeeds; fails naming
+# WHAT when SECONDS pass first (a bound on a hang of the test, not a measurement).
+wait_until() {
+	local seconds=$1 what=$2 i
+	shift 2
+	for ((i = 0; i < seconds * 10; i++)); do
+		"$@" && return 0
+		sleep 0.1
+	done
+	fail "$what: not within $seconds s"
+}
+
+# restarted SERVICE OLD_PID: SERVICE is up again in a process other than OLD_PID.
+restarted() {
+	local pid
+	pid=$(sup_field "$1" pid)
+	[[ $(sup_field "$1" state) == '"up"' && -n $pid && $pid != null && $pid != "$2" ]]
+}
+
+# sup_argv SERVICE: the command line the supervisor runs SERVICE with, one word a line.
+sup_argv() {
+	{ "$BIN/pipeline-supervisor" status --json 2>/dev/null || true; } |
+		awk -v svc="    \"$1\": {" '
+			$0 == svc { inside = 1; next }
+			inside && /^    }/ { exit }
+			inside && /^      "argv": \[/ { words = 1; next }
+			words && /^      \]/ { exit }
+			words { sub(/^ */, ""); sub(/,$/, ""); print }'
 }
