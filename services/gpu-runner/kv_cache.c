@@ -53,6 +53,7 @@ struct kv_cache {
 	uint32_t *idx;
 	uint32_t *arena_idx;
 	uint32_t *dst; /* arena blocks of a fetched run */
+	uint32_t *victims, *rank_count; /* take_arena_n's scratch */
 	uint64_t *keys;
 	struct kv_cache_stats stats;
 	/* The sequence, for keys. */
@@ -111,8 +112,10 @@ int kv_cache_create(const struct kv_cache_params *p, const struct backend_ops *o
 	kv->chain = calloc(kv->blocks_per_layer + 1, sizeof(*kv->chain));
 	kv->dst = calloc(kv->blocks_per_layer + 1, sizeof(*kv->dst));
 	kv->keys = calloc(kv->blocks_per_layer + 1, sizeof(*kv->keys));
+	kv->victims = calloc(kv->blocks_per_layer + 1, sizeof(*kv->victims));
+	kv->rank_count = calloc(p->n_layers + 4, sizeof(*kv->rank_count));
 	if (!kv->entries || !kv->arena || !kv->spans || !kv->handles || !kv->ptrs || !kv->idx || !kv->arena_idx ||
-	    !kv->chain || !kv->dst || !kv->keys) {
+	    !kv->chain || !kv->dst || !kv->keys || !kv->victims || !kv->rank_count) {
 		kv_cache_destroy(&kv);
 		snprintf(err, errlen, "out of memory for the KV tables");
 		return -ENOMEM;
@@ -141,6 +144,8 @@ void kv_cache_destroy(struct kv_cache **kvp)
 	free(kv->chain);
 	free(kv->dst);
 	free(kv->keys);
+	free(kv->victims);
+	free(kv->rank_count);
 	free(kv);
 	*kvp = NULL;
 }
@@ -155,59 +160,94 @@ void kv_cache_get_stats(const struct kv_cache *kv, struct kv_cache_stats *st)
 	*st = kv->stats;
 }
 
-/* How far ahead the layer's next use lies, seen from the layer being computed: the
- * current layer itself comes back last (one full cycle later). */
-static uint32_t next_use_distance(const struct kv_cache *kv, uint32_t layer, uint32_t current)
+/* How much an arena block is worth giving up while `current` is being computed and its blocks
+ * below `visit` have been attended (higher: give it up sooner); -1 when it cannot go at all.
+ *   free, no remembered key          n_layers + 2
+ *   free, remembering a cached key   n_layers + 1
+ *   committed, idle: the layer whose next use lies furthest ahead first: the current layer's
+ *   blocks already attended (n_layers: next used one full cycle later), then the other layers
+ *   by distance (1 .. n_layers - 1); the current layer's blocks still to attend last (0).
+ * Unsaved (uncommitted) and busy blocks cannot go. */
+static int victim_rank(const struct kv_cache *kv, const struct arena_block *a, uint32_t current, uint32_t visit)
 {
-	uint32_t d = (layer + kv->p.n_layers - current) % kv->p.n_layers;
-	return d == 0 ? kv->p.n_layers : d;
+	const uint32_t L = kv->p.n_layers;
+	if (a->layer < 0)
+		return a->key ? (int)L + 1 : (int)L + 2;
+	if (a->busy || !kv->entries[(size_t)a->layer * kv->blocks_per_layer + (size_t)a->index].committed)
+		return -1;
+	if ((uint32_t)a->layer == current)
+		return (uint32_t)a->index < visit ? (int)L : 0;
+	return (int)(((uint32_t)a->layer + L - current) % L);
 }
 
-/* Takes an arena block for (layer, index): a free one, else the committed, idle block
- * needed furthest ahead. Returns the arena index or -ENOSPC. */
-static int take_arena(struct kv_cache *kv, uint32_t current_layer, uint32_t layer, uint32_t index)
+/* Arena blocks that could take another block right now. */
+static uint32_t arena_room(const struct kv_cache *kv, uint32_t current, uint32_t visit)
 {
-	int best = -1, remembered = -1;
-	uint32_t best_d = 0;
-	for (uint32_t i = 0; i < kv->p.n_arena; i++) {
-		struct arena_block *a = &kv->arena[i];
-		if (a->layer < 0) {
-			if (!a->key) {
-				best = (int)i;
-				break;
-			}
-			if (remembered < 0) /* free, but a later sequence may want its bytes */
-				remembered = (int)i;
-			continue;
-		}
-		if (a->busy || !entry(kv, (uint32_t)a->layer, (uint32_t)a->index)->committed)
-			continue;
-		uint32_t d = next_use_distance(kv, (uint32_t)a->layer, current_layer);
-		if (best < 0 || d > best_d) {
-			best = (int)i;
-			best_d = d;
-		}
-	}
-	if (remembered >= 0 && (best < 0 || kv->arena[best].layer >= 0))
-		best = remembered;
-	if (best < 0)
-		return set_err(kv, -ENOSPC,
-			       "KV arena of %u blocks is exhausted: every block holds unsaved KV or is in use "
-			       "(raise --kv-gpu-budget%s)",
-			       kv->p.n_arena, kv->remote ? "" : ", or run with a kv-store");
-	struct arena_block *a = &kv->arena[best];
+	uint32_t n = 0;
+	for (uint32_t i = 0; i < kv->p.n_arena; i++)
+		n += victim_rank(kv, &kv->arena[i], current, visit) >= 0;
+	return n;
+}
+
+/* Gives arena block b to (layer, index), evicting what it held (committed: it can come back). */
+static void assign_arena(struct kv_cache *kv, uint32_t b, uint32_t layer, uint32_t index)
+{
+	struct arena_block *a = &kv->arena[b];
 	if (a->layer >= 0) {
 		entry(kv, (uint32_t)a->layer, (uint32_t)a->index)->arena = NO_ARENA;
 		kv->stats.evicted++;
 	} else {
 		kv->n_free--;
 	}
-	a->layer = (int32_t)layer;
-	a->index = (int32_t)index;
-	a->busy = false;
-	a->key = 0;
-	entry(kv, layer, index)->arena = best;
-	return best;
+	*a = (struct arena_block){.layer = (int32_t)layer, .index = (int32_t)index};
+	entry(kv, layer, index)->arena = (int32_t)b;
+}
+
+/* Takes arena blocks for blocks idx[0..n) of `layer` (blocks below `visit` attended this step),
+ * best victims first, in one pass over the arena; out[i] receives the block for idx[i], marked
+ * busy. Returns 0 or -ENOSPC (nothing taken). */
+static int take_arena_n(struct kv_cache *kv, uint32_t layer, uint32_t visit, const uint32_t *idx, uint32_t n,
+			uint32_t *out)
+{
+	const uint32_t top = kv->p.n_layers + 2;
+	uint32_t *count = kv->rank_count; /* top + 2 buckets */
+	memset(count, 0, sizeof(*count) * (top + 2));
+	for (uint32_t i = 0; i < kv->p.n_arena; i++) {
+		int r = victim_rank(kv, &kv->arena[i], layer, visit);
+		if (r >= 0)
+			count[r]++;
+	}
+	/* Which ranks to take from: the highest until n are covered. */
+	uint32_t have = 0;
+	int lowest = (int)top;
+	for (; lowest >= 0 && have < n; lowest--)
+		have += count[lowest];
+	lowest++;
+	if (have < n)
+		return set_err(kv, -ENOSPC,
+			       "KV arena of %u blocks is exhausted: every block holds unsaved KV or is in use "
+			       "(raise --kv-gpu-budget%s)",
+			       kv->p.n_arena, kv->remote ? "" : ", or run with a kv-store");
+	/* From the lowest rank used, only as many as still needed after the higher ranks. */
+	uint32_t above = have - count[lowest], from_lowest = n - above, k = 0;
+	for (uint32_t i = 0; i < kv->p.n_arena && k < n; i++) {
+		int r = victim_rank(kv, &kv->arena[i], layer, visit);
+		if (r < lowest)
+			continue;
+		if (r == lowest) {
+			if (!from_lowest)
+				continue;
+			from_lowest--;
+		}
+		kv->victims[k++] = i;
+	}
+	assert(k == n);
+	for (uint32_t i = 0; i < n; i++) {
+		assign_arena(kv, kv->victims[i], layer, idx[i]);
+		kv->arena[kv->victims[i]].busy = true;
+		out[i] = kv->victims[i];
+	}
+	return 0;
 }
 
 int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_t n, uint32_t *dst_block,
@@ -227,9 +267,10 @@ int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_
 		if (e->arena == NO_ARENA) {
 			if (e->filled)
 				return set_err(kv, -EIO, "layer %u block %u holds unsaved KV but left the arena", layer, j);
-			int a = take_arena(kv, layer, layer, j);
-			if (a < 0)
-				return a;
+			uint32_t a;
+			int trc = take_arena_n(kv, layer, 0, &j, 1, &a);
+			if (trc < 0)
+				return trc;
 		}
 		kv->arena[e->arena].busy = true;
 		dst_block[i] = (uint32_t)e->arena;
@@ -260,20 +301,6 @@ static int flush_spans(struct kv_cache *kv, uint32_t *n_spans)
 	return 0;
 }
 
-/* Arena blocks that could take a fetched block right now. */
-static uint32_t reusable_blocks(const struct kv_cache *kv)
-{
-	uint32_t n = 0;
-	for (uint32_t i = 0; i < kv->p.n_arena; i++) {
-		const struct arena_block *a = &kv->arena[i];
-		if (a->layer < 0)
-			n++;
-		else if (!a->busy && kv->entries[(size_t)a->layer * kv->blocks_per_layer + (size_t)a->index].committed)
-			n++;
-	}
-	return n;
-}
-
 int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 {
 	const uint32_t bt = kv->p.block_tokens;
@@ -297,7 +324,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		rc = flush_spans(kv, &n_spans);
 		if (rc)
 			goto out;
-		uint32_t room = reusable_blocks(kv);
+		uint32_t room = arena_room(kv, layer, j);
 		uint32_t cap = kv->remote->max_batch(kv->rctx);
 		if (room > cap)
 			room = cap;
@@ -315,23 +342,18 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 				     layer, j, kv->p.n_arena);
 			goto out;
 		}
+		uint64_t t0 = now_ns();
 		rc = kv->remote->fetch(kv->rctx, run, kv->handles, kv->ptrs);
+		uint64_t t1 = now_ns();
+		kv->stats.fetch_ns += t1 - t0;
 		if (rc) {
 			remote_err(kv, rc, "fetching %u KV blocks of layer %u from the kv-store failed: %s", run, layer,
 				kv->remote->error(kv->rctx));
 			goto out;
 		}
 		/* Arena blocks for the whole run (busy, so none evicts another), then the copies. */
-		uint32_t taken = 0;
-		for (; taken < run; taken++) {
-			int a = take_arena(kv, layer, layer, kv->idx[taken]);
-			if (a < 0) {
-				rc = a;
-				break;
-			}
-			kv->arena[a].busy = true;
-			kv->dst[taken] = (uint32_t)a;
-		}
+		rc = take_arena_n(kv, layer, j, kv->idx, run, kv->dst);
+		uint32_t taken = rc ? 0 : run;
 		if (rc == 0 && kv->ops->kv_from_host_n) {
 			rc = kv->ops->kv_from_host_n(kv->be, run, kv->dst, (const void *const *)kv->ptrs);
 		} else {
@@ -348,6 +370,8 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 			if (rc != -ENOSPC)
 				set_err(kv, rc, "copying KV blocks into the arena failed: %s", kv->ops->error(kv->be));
 		}
+		kv->stats.copy_ns += now_ns() - t1;
+		kv->stats.fetch_runs++;
 		for (uint32_t r = 0; r < run && rc == 0; r++) {
 			uint32_t bj = kv->idx[r];
 			kv->arena[kv->dst[r]].key = entry(kv, layer, bj)->key;

@@ -81,6 +81,9 @@ struct kv_cache_stats {
 	uint64_t prefix_lookups;   /* sequences that asked */
 	uint64_t prefix_on_gpu;	   /* restored blocks still in the arena: no copy needed */
 	uint64_t recoveries;	   /* times the KV was rebuilt after the store failed a request */
+	uint64_t fetch_runs;	   /* runs of blocks fetched (one request and one wait each) */
+	uint64_t fetch_ns;	   /* in those requests */
+	uint64_t copy_ns;	   /* in their copies into the arena (queued and waited for) */
 };
 
 struct kv_cache;

@@ -54,14 +54,16 @@ static int drain(struct kv_remote *kr)
 		int r = wait_reply(kr, kr->pending[i], &rep);
 		if (r == -EREMOTEIO) {
 			if (!rc)
-				rc = set_err(kr, reply_errno(&rep), "kv-store refused a commit: %s", rep.error.text.p);
+				rc = set_err(kr, -reply_errno(&rep), "kv-store refused a commit or unpin: %s",
+					     rep.error.text.p);
 			msg_free(&rep);
 		} else if (r) {
 			if (!rc)
-				rc = set_err(kr, r, "kv-store did not answer a commit: %s", wait_error(r));
+				rc = set_err(kr, r, "kv-store did not answer a commit or unpin: %s", wait_error(r));
 		} else {
 			if (rep.type != MSG_OK && !rc)
-				rc = set_err(kr, -EPROTO, "kv-store answered a commit with %s", msg_type_name(rep.type));
+				rc = set_err(kr, -EPROTO, "kv-store answered a commit or unpin with %s",
+					     msg_type_name(rep.type));
 			msg_free(&rep);
 		}
 	}
@@ -236,9 +238,30 @@ static int op_fetch(void *ctx, uint32_t n, const uint64_t *handles, void **ptrs)
 	return rc;
 }
 
+/* Write-behind like a commit: the blocks were copied out already, nothing here waits for the
+ * kv-store to note it; a refusal surfaces as the error of the next request. */
 static int op_unpin(void *ctx, uint32_t n, const uint64_t *handles)
 {
-	return simple(ctx, MSG_KV_UNPIN, n, handles);
+	struct kv_remote *kr = ctx;
+	if (!kr->h)
+		return set_err(kr, -ENOTCONN, "not connected to kv-store");
+	if (kr->n_pending == sizeof(kr->pending) / sizeof(kr->pending[0])) {
+		int rc = drain(kr);
+		if (rc)
+			return rc;
+	}
+	struct msg req;
+	msg_init(&req, MSG_KV_UNPIN, 0);
+	req.kv_handles.handles.v = (uint64_t *)handles;
+	req.kv_handles.handles.n = n;
+	uint64_t corr;
+	int rc = rpc_send(kr->client, &req, &corr);
+	if (rc) {
+		kr->lost = true;
+		return set_err(kr, rc, "cannot send an unpin to kv-store: %s", strerror(-rc));
+	}
+	kr->pending[kr->n_pending++] = corr;
+	return 0;
 }
 
 static int op_release(void *ctx, uint32_t n, const uint64_t *handles)

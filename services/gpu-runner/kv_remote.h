@@ -13,9 +13,10 @@
  * kv-store waits on it. At most KV_EVENTS_IN_FLIGHT commits are unanswered, so the backend's
  * round-robin events are never re-recorded while the kv-store may still wait on them.
  *
- * Commits are write-behind: commit sends MSG_KV_COMMIT and returns; its reply is collected
- * before the next request to the kv-store (replies come in order), so the kv-store checksums
- * while the runner computes. A refused commit surfaces as the error of that next request.
+ * Commits and unpins are write-behind: commit sends MSG_KV_COMMIT (unpin MSG_KV_UNPIN) and
+ * returns; its reply is collected before the next request to the kv-store (replies come in
+ * order), so the kv-store checksums while the runner computes. A refusal surfaces as the error
+ * of that next request.
  */
 #ifndef GPU_RUNNER_KV_REMOTE_H
 #define GPU_RUNNER_KV_REMOTE_H

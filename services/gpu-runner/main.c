@@ -579,6 +579,9 @@ static char *stats(void *ctx)
 		json_object_set_new(o, "kv_prefix_positions", json_integer((json_int_t)ks.prefix_positions));
 		json_object_set_new(o, "kv_prefix_blocks_on_gpu", json_integer((json_int_t)ks.prefix_on_gpu));
 		json_object_set_new(o, "kv_rebuilds", json_integer((json_int_t)ks.recoveries));
+		json_object_set_new(o, "kv_fetch_runs", json_integer((json_int_t)ks.fetch_runs));
+		json_object_set_new(o, "kv_fetch_request_ms", json_real((double)ks.fetch_ns / 1e6));
+		json_object_set_new(o, "kv_fetch_copy_ms", json_real((double)ks.copy_ns / 1e6));
 	}
 #ifdef PIPELINE_HAVE_CUDA
 	if (o && r->win) {
