@@ -143,6 +143,16 @@ struct backend_ops {
 	/* Optional (NULL: kv_from_host per block): copies n host buffers into arena blocks and
 	 * returns once all are complete (the host buffers may be reused): one wait per batch. */
 	int (*kv_from_host_n)(struct backend *be, uint32_t n, const uint32_t *blocks, const void *const *srcs);
+
+	/* Optional, both or neither (the KV read-ahead, kv_cache.h): queues copies of n host buffers
+	 * into arena blocks on the KV H2D stream, behind every compute queued so far (so the blocks'
+	 * earlier readers are done before they are overwritten), and returns at once; slot (0 or 1)
+	 * names the batch to wait for. Several calls may share a slot: a wait covers all of them.
+	 * The host buffers must stay as they are until kv_prefetch_wait(slot) returns; nothing may
+	 * read the blocks before it does. The C backend copies at once and waits for nothing. */
+	int (*kv_prefetch_n)(struct backend *be, uint32_t n, const uint32_t *blocks, const void *const *srcs,
+			     uint32_t slot);
+	int (*kv_prefetch_wait)(struct backend *be, uint32_t slot);
 };
 
 #define KV_EVENTS_IN_FLIGHT 64 /* commits a runner may have unanswered (kv_remote.h) */

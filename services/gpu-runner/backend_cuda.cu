@@ -112,6 +112,9 @@ struct backend {
 	int device;
 	int sm_count;
 	cudaStream_t stream;
+	cudaStream_t kv_h2d;	/* the KV read-ahead's copies (kv_prefetch_n), made on first use */
+	cudaEvent_t kv_order;	/* recorded on stream: what the read-ahead's copies wait for */
+	cudaEvent_t kv_done[2];	/* recorded on kv_h2d per slot */
 	cublasHandle_t blas;
 	void *blas_ws;		/* cuBLAS workspace, BLAS_WORKSPACE bytes */
 	int gemv_rows;		/* decode through the GEMV kernel with this many rows per warp (0: cuBLAS) */
@@ -1551,6 +1554,47 @@ static int cuda_kv_from_host_n(struct backend *be, uint32_t n, const uint32_t *b
 	return 0;
 }
 
+/* The KV read-ahead: copies on a stream of their own, so they run while the compute stream
+ * attends the layer before. They start behind everything queued on the compute stream so far:
+ * the attention that last read a block they overwrite, and the write-behind copy that saved it. */
+static int cuda_kv_prefetch_n(struct backend *be, uint32_t n, const uint32_t *blocks, const void *const *srcs,
+			      uint32_t slot)
+{
+	if (slot > 1)
+		return fail(be, -EINVAL, "cuda backend: kv_prefetch_n: slot %u (0 or 1)", slot);
+	if (!be->kv_h2d) {
+		CUDA_TRY(be, "cudaStreamCreateWithFlags (KV H2D)", cudaStreamCreateWithFlags(&be->kv_h2d, cudaStreamNonBlocking));
+		CUDA_TRY(be, "cudaEventCreateWithFlags (KV order)",
+			 cudaEventCreateWithFlags(&be->kv_order, cudaEventDisableTiming));
+		for (int i = 0; i < 2; i++)
+			CUDA_TRY(be, "cudaEventCreateWithFlags (KV read-ahead)",
+				 cudaEventCreateWithFlags(&be->kv_done[i], cudaEventDisableTiming));
+	}
+	size_t bytes = be->block_elems * be->kv_esize;
+	for (uint32_t i = 0; i < n; i++)
+		if (blocks[i] >= be->p.n_kv_blocks)
+			return fail(be, -EINVAL, "cuda backend: kv_prefetch_n: block %u is outside the arena of %u blocks",
+				    blocks[i], be->p.n_kv_blocks);
+	CUDA_TRY(be, "cudaEventRecord (KV order)", cudaEventRecord(be->kv_order, be->stream));
+	CUDA_TRY(be, "cudaStreamWaitEvent (KV H2D)", cudaStreamWaitEvent(be->kv_h2d, be->kv_order, 0));
+	for (uint32_t i = 0; i < n; i++)
+		CUDA_TRY(be, "cudaMemcpyAsync (kv_prefetch_n)",
+			 cudaMemcpyAsync((char *)be->arena + blocks[i] * bytes, srcs[i], bytes, cudaMemcpyHostToDevice,
+					 be->kv_h2d));
+	CUDA_TRY(be, "cudaEventRecord (KV read-ahead)", cudaEventRecord(be->kv_done[slot], be->kv_h2d));
+	return 0;
+}
+
+static int cuda_kv_prefetch_wait(struct backend *be, uint32_t slot)
+{
+	if (slot > 1)
+		return fail(be, -EINVAL, "cuda backend: kv_prefetch_wait: slot %u (0 or 1)", slot);
+	if (!be->kv_h2d)
+		return 0;
+	CUDA_TRY(be, "cudaEventSynchronize (KV read-ahead)", cudaEventSynchronize(be->kv_done[slot]));
+	return 0;
+}
+
 static int cuda_embed(struct backend *be, const struct group_weights *w, const int32_t *tokens, uint32_t n,
 		      uint32_t pos0)
 {
@@ -2020,6 +2064,13 @@ static void cuda_destroy(struct backend **bep)
 	cudaFreeHost(be->up.host);
 	for (uint32_t i = 0; i < be->up.n_events; i++)
 		cudaEventDestroy(be->up.ev[i]);
+	if (be->kv_h2d) {
+		cudaStreamSynchronize(be->kv_h2d);
+		cudaStreamDestroy(be->kv_h2d);
+		cudaEventDestroy(be->kv_order);
+		cudaEventDestroy(be->kv_done[0]);
+		cudaEventDestroy(be->kv_done[1]);
+	}
 	if (be->stream)
 		cudaStreamDestroy(be->stream);
 	free(be);
@@ -2269,5 +2320,7 @@ const struct backend_ops backend_cuda_ops = {
 	cuda_logits_sample,	/* logits_sample */
 	cuda_kv_to_host_async,	/* kv_to_host_async */
 	cuda_kv_from_host_n,	/* kv_from_host_n */
+	cuda_kv_prefetch_n,	/* kv_prefetch_n */
+	cuda_kv_prefetch_wait,	/* kv_prefetch_wait */
 };
 }

@@ -457,6 +457,26 @@ static int ref_kv_from_host(struct backend *be, uint32_t block, const void *src)
 	return 0;
 }
 
+/* The read-ahead on the C backend: the copies happen now, so there is nothing to wait for. */
+static int ref_kv_prefetch_n(struct backend *be, uint32_t n, const uint32_t *blocks, const void *const *srcs,
+			     uint32_t slot)
+{
+	(void)slot;
+	for (uint32_t i = 0; i < n; i++) {
+		int rc = ref_kv_from_host(be, blocks[i], srcs[i]);
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
+static int ref_kv_prefetch_wait(struct backend *be, uint32_t slot)
+{
+	(void)be;
+	(void)slot;
+	return 0;
+}
+
 static int ref_embed(struct backend *be, const struct group_weights *w, const int32_t *tokens, uint32_t n,
 		     uint32_t pos0)
 {
@@ -811,6 +831,8 @@ const struct backend_ops backend_ref_ops = {
 	.kv_block_bytes = ref_kv_block_bytes,
 	.kv_to_host = ref_kv_to_host,
 	.kv_from_host = ref_kv_from_host,
+	.kv_prefetch_n = ref_kv_prefetch_n,
+	.kv_prefetch_wait = ref_kv_prefetch_wait,
 	.embed = ref_embed,
 	.attn_begin = ref_attn_begin,
 	.attn_blocks = ref_attn_blocks,

@@ -31,9 +31,20 @@ struct arena_block {
 	int32_t layer; /* -1 when free */
 	int32_t index; /* block index within the layer */
 	bool busy;     /* in use by the current step: never evicted */
+	bool incoming; /* a read-ahead copy lands here and the layer has not been attended: kept */
 	/* The prefix key of the committed block it holds or, once free, last held: a later
 	 * sequence that restores that key finds the bytes here and copies nothing. */
 	uint64_t key;
+};
+
+/* One read-ahead in flight: the blocks of a layer coming back from the pool on the backend's
+ * KV H2D stream, and the pins held on their pool blocks until the copies are done. */
+struct kv_readahead {
+	bool active;
+	uint32_t layer;
+	uint32_t n;
+	uint64_t *handles; /* blocks_per_layer of them */
+	uint32_t *blocks;  /* the arena blocks they land in */
 };
 
 struct kv_cache {
@@ -63,6 +74,8 @@ struct kv_cache {
 	uint64_t *chain;	/* chain[j]: hash of tokens [0, (j+1) * block_tokens), when known */
 	uint32_t chain_known;	/* chain[0 .. chain_known) are computed */
 	bool remote_failed;	/* a request to the store failed since the last reset */
+	bool readahead;		/* the backend copies on a stream of its own and there is a store */
+	struct kv_readahead ra[2];
 	char error[512];
 };
 
@@ -114,7 +127,12 @@ int kv_cache_create(const struct kv_cache_params *p, const struct backend_ops *o
 	kv->keys = calloc(kv->blocks_per_layer + 1, sizeof(*kv->keys));
 	kv->victims = calloc(kv->blocks_per_layer + 1, sizeof(*kv->victims));
 	kv->rank_count = calloc(p->n_layers + 4, sizeof(*kv->rank_count));
-	if (!kv->entries || !kv->arena || !kv->spans || !kv->handles || !kv->ptrs || !kv->idx || !kv->arena_idx ||
+	for (int s = 0; s < 2; s++) {
+		kv->ra[s].handles = calloc(kv->blocks_per_layer + 1, sizeof(uint64_t));
+		kv->ra[s].blocks = calloc(kv->blocks_per_layer + 1, sizeof(uint32_t));
+	}
+	if (!kv->ra[0].handles || !kv->ra[1].handles || !kv->ra[0].blocks || !kv->ra[1].blocks ||
+	    !kv->entries || !kv->arena || !kv->spans || !kv->handles || !kv->ptrs || !kv->idx || !kv->arena_idx ||
 	    !kv->chain || !kv->dst || !kv->keys || !kv->victims || !kv->rank_count) {
 		kv_cache_destroy(&kv);
 		snprintf(err, errlen, "out of memory for the KV tables");
@@ -125,6 +143,7 @@ int kv_cache_create(const struct kv_cache_params *p, const struct backend_ops *o
 	for (uint32_t i = 0; i < p->n_arena; i++)
 		kv->arena[i].layer = -1;
 	kv->n_free = p->n_arena;
+	kv->readahead = remote && ops->kv_prefetch_n && ops->kv_prefetch_wait && p->n_layers > 1;
 	*out = kv;
 	return 0;
 }
@@ -146,6 +165,10 @@ void kv_cache_destroy(struct kv_cache **kvp)
 	free(kv->keys);
 	free(kv->victims);
 	free(kv->rank_count);
+	for (int s = 0; s < 2; s++) {
+		free(kv->ra[s].handles);
+		free(kv->ra[s].blocks);
+	}
 	free(kv);
 	*kvp = NULL;
 }
@@ -160,6 +183,27 @@ void kv_cache_get_stats(const struct kv_cache *kv, struct kv_cache_stats *st)
 	*st = kv->stats;
 }
 
+void kv_cache_usage(const struct kv_cache *kv, uint32_t *arena_used, uint32_t *arena_per_layer,
+		    uint32_t *store_per_layer)
+{
+	uint32_t used = 0;
+	for (uint32_t i = 0; i < kv->p.n_arena; i++)
+		used += kv->arena[i].layer >= 0;
+	*arena_used = used;
+	for (uint32_t l = 0; l < kv->p.n_layers; l++) {
+		uint32_t a = 0, s = 0;
+		const struct kv_entry *e = &kv->entries[(size_t)l * kv->blocks_per_layer];
+		for (uint32_t i = 0; i < kv->blocks_per_layer; i++) {
+			a += e[i].arena != NO_ARENA;
+			s += e[i].arena == NO_ARENA && e[i].committed;
+		}
+		if (arena_per_layer)
+			arena_per_layer[l] = a;
+		if (store_per_layer)
+			store_per_layer[l] = s;
+	}
+}
+
 /* How much an arena block is worth giving up while `current` is being computed and its blocks
  * below `visit` have been attended (higher: give it up sooner); -1 when it cannot go at all.
  *   free, no remembered key          n_layers + 2
@@ -167,13 +211,16 @@ void kv_cache_get_stats(const struct kv_cache *kv, struct kv_cache_stats *st)
  *   committed, idle: the layer whose next use lies furthest ahead first: the current layer's
  *   blocks already attended (n_layers: next used one full cycle later), then the other layers
  *   by distance (1 .. n_layers - 1); the current layer's blocks still to attend last (0).
- * Unsaved (uncommitted) and busy blocks cannot go. */
-static int victim_rank(const struct kv_cache *kv, const struct arena_block *a, uint32_t current, uint32_t visit)
+ * Unsaved (uncommitted), busy and incoming blocks cannot go, nor blocks of the layers keep_a and
+ * keep_b (-1: none; the read-ahead keeps the layer being attended and the one it brings in). */
+static int victim_rank(const struct kv_cache *kv, const struct arena_block *a, uint32_t current, uint32_t visit,
+		       int32_t keep_a, int32_t keep_b)
 {
 	const uint32_t L = kv->p.n_layers;
 	if (a->layer < 0)
 		return a->key ? (int)L + 1 : (int)L + 2;
-	if (a->busy || !kv->entries[(size_t)a->layer * kv->blocks_per_layer + (size_t)a->index].committed)
+	if (a->busy || a->incoming || a->layer == keep_a || a->layer == keep_b ||
+	    !kv->entries[(size_t)a->layer * kv->blocks_per_layer + (size_t)a->index].committed)
 		return -1;
 	if ((uint32_t)a->layer == current)
 		return (uint32_t)a->index < visit ? (int)L : 0;
@@ -181,11 +228,12 @@ static int victim_rank(const struct kv_cache *kv, const struct arena_block *a, u
 }
 
 /* Arena blocks that could take another block right now. */
-static uint32_t arena_room(const struct kv_cache *kv, uint32_t current, uint32_t visit)
+static uint32_t arena_room(const struct kv_cache *kv, uint32_t current, uint32_t visit, int32_t keep_a,
+			   int32_t keep_b)
 {
 	uint32_t n = 0;
 	for (uint32_t i = 0; i < kv->p.n_arena; i++)
-		n += victim_rank(kv, &kv->arena[i], current, visit) >= 0;
+		n += victim_rank(kv, &kv->arena[i], current, visit, keep_a, keep_b) >= 0;
 	return n;
 }
 
@@ -203,17 +251,18 @@ static void assign_arena(struct kv_cache *kv, uint32_t b, uint32_t layer, uint32
 	entry(kv, layer, index)->arena = (int32_t)b;
 }
 
-/* Takes arena blocks for blocks idx[0..n) of `layer` (blocks below `visit` attended this step),
- * best victims first, in one pass over the arena; out[i] receives the block for idx[i], marked
- * busy. Returns 0 or -ENOSPC (nothing taken). */
-static int take_arena_n(struct kv_cache *kv, uint32_t layer, uint32_t visit, const uint32_t *idx, uint32_t n,
-			uint32_t *out)
+/* Takes arena blocks for blocks idx[0..n) of `target`, best victims first while `layer` is
+ * computed (its blocks below `visit` attended this step; keep_a, keep_b as in victim_rank), in
+ * one pass over the arena; out[i] receives the block for idx[i], marked busy. Returns 0 or
+ * -ENOSPC (nothing taken). */
+static int take_arena_for(struct kv_cache *kv, uint32_t layer, uint32_t visit, int32_t keep_a, int32_t keep_b,
+			  uint32_t target, const uint32_t *idx, uint32_t n, uint32_t *out)
 {
 	const uint32_t top = kv->p.n_layers + 2;
 	uint32_t *count = kv->rank_count; /* top + 2 buckets */
 	memset(count, 0, sizeof(*count) * (top + 2));
 	for (uint32_t i = 0; i < kv->p.n_arena; i++) {
-		int r = victim_rank(kv, &kv->arena[i], layer, visit);
+		int r = victim_rank(kv, &kv->arena[i], layer, visit, keep_a, keep_b);
 		if (r >= 0)
 			count[r]++;
 	}
@@ -231,7 +280,7 @@ static int take_arena_n(struct kv_cache *kv, uint32_t layer, uint32_t visit, con
 	/* From the lowest rank used, only as many as still needed after the higher ranks. */
 	uint32_t above = have - count[lowest], from_lowest = n - above, k = 0;
 	for (uint32_t i = 0; i < kv->p.n_arena && k < n; i++) {
-		int r = victim_rank(kv, &kv->arena[i], layer, visit);
+		int r = victim_rank(kv, &kv->arena[i], layer, visit, keep_a, keep_b);
 		if (r < lowest)
 			continue;
 		if (r == lowest) {
@@ -243,11 +292,173 @@ static int take_arena_n(struct kv_cache *kv, uint32_t layer, uint32_t visit, con
 	}
 	assert(k == n);
 	for (uint32_t i = 0; i < n; i++) {
-		assign_arena(kv, kv->victims[i], layer, idx[i]);
+		assign_arena(kv, kv->victims[i], target, idx[i]);
 		kv->arena[kv->victims[i]].busy = true;
 		out[i] = kv->victims[i];
 	}
 	return 0;
+}
+
+/* take_arena_for `layer` itself. */
+static int take_arena_n(struct kv_cache *kv, uint32_t layer, uint32_t visit, const uint32_t *idx, uint32_t n,
+			uint32_t *out)
+{
+	return take_arena_for(kv, layer, visit, -1, -1, layer, idx, n, out);
+}
+
+/* Hands arena block b back as free (it holds nothing valid). */
+static void drop_arena(struct kv_cache *kv, uint32_t b)
+{
+	struct arena_block *a = &kv->arena[b];
+	if (a->layer >= 0) {
+		entry(kv, (uint32_t)a->layer, (uint32_t)a->index)->arena = NO_ARENA;
+		kv->n_free++;
+	}
+	*a = (struct arena_block){.layer = -1, .index = -1};
+}
+
+/* The read-ahead of slot s is done: waits for its copies, then (unpin) lets the store have the
+ * pool blocks back. On a failed wait the blocks hold nothing valid and leave the arena. */
+static int readahead_finish(struct kv_cache *kv, int s, bool unpin)
+{
+	struct kv_readahead *r = &kv->ra[s];
+	if (!r->active)
+		return 0;
+	r->active = false;
+	uint64_t t0 = now_ns();
+	int rc = kv->ops->kv_prefetch_wait(kv->be, (uint32_t)s);
+	kv->stats.readahead_wait_ns += now_ns() - t0;
+	for (uint32_t i = 0; i < r->n; i++) {
+		struct arena_block *a = &kv->arena[r->blocks[i]];
+		a->incoming = false;
+		if (rc && a->layer == (int32_t)r->layer)
+			drop_arena(kv, r->blocks[i]);
+	}
+	if (rc)
+		set_err(kv, rc, "copying KV blocks of layer %u into the arena failed: %s", r->layer, kv->ops->error(kv->be));
+	if (unpin && r->n) {
+		int urc = kv->remote->unpin(kv->rctx, r->n, r->handles);
+		if (urc && !rc)
+			rc = remote_err(kv, urc, "unpinning KV blocks failed: %s", kv->remote->error(kv->rctx));
+	}
+	r->n = 0;
+	return rc;
+}
+
+/* Starts bringing back the blocks of layer `next` that only the store holds, while `layer` is
+ * attended up to pos_end: pins them in the pool, takes arena blocks for them (never the blocks
+ * of `layer` or `next`), and queues the copies on the backend's KV H2D stream, so they run
+ * while the compute stream works through `layer`. It leaves room for what `layer` must still
+ * bring back itself and for the blocks the next chunk writes; what does not fit comes back
+ * when `next` is attended, as without a read-ahead. Returns 0 or -errno. */
+static int readahead_start(struct kv_cache *kv, uint32_t layer, uint32_t next, uint32_t pos_end)
+{
+	const uint32_t bt = kv->p.block_tokens;
+	int s = !kv->ra[0].active ? 0 : !kv->ra[1].active ? 1 : -1;
+	if (s < 0)
+		return 0;
+	uint32_t n_blocks = (pos_end + bt - 1) / bt;
+	if (n_blocks > kv->blocks_per_layer)
+		n_blocks = kv->blocks_per_layer;
+	uint32_t missing = 0, wanted = 0;
+	for (uint32_t j = 0; j < n_blocks; j++) {
+		const struct kv_entry *e = entry(kv, layer, j), *f = entry(kv, next, j);
+		missing += e->arena == NO_ARENA && e->committed;
+		wanted += f->arena == NO_ARENA && f->committed;
+	}
+	if (!wanted)
+		return 0;
+	uint32_t reserve = missing + 2 * ((kv->p.max_chunk + bt - 1) / bt + 2);
+	uint32_t room = arena_room(kv, layer, 0, (int32_t)layer, (int32_t)next);
+	if (room <= reserve)
+		return 0;
+	room -= reserve;
+	uint32_t cap = kv->remote->max_batch(kv->rctx);
+	struct kv_readahead *r = &kv->ra[s];
+	r->layer = next;
+	r->n = 0;
+	for (uint32_t j = 0; j < n_blocks && room;) {
+		uint32_t run = 0;
+		for (; j < n_blocks && run < room && run < cap; j++) {
+			const struct kv_entry *f = entry(kv, next, j);
+			if (f->arena == NO_ARENA && f->committed) {
+				kv->idx[run] = j;
+				kv->handles[run] = f->handle;
+				run++;
+			}
+		}
+		if (!run)
+			break;
+		uint64_t t0 = now_ns();
+		int rc = kv->remote->fetch(kv->rctx, run, kv->handles, kv->ptrs);
+		kv->stats.fetch_ns += now_ns() - t0;
+		if (rc)
+			return remote_err(kv, rc, "fetching %u KV blocks of layer %u from the kv-store failed: %s", run, next,
+					  kv->remote->error(kv->rctx));
+		rc = take_arena_for(kv, layer, 0, (int32_t)layer, (int32_t)next, next, kv->idx, run, kv->dst);
+		if (rc == 0)
+			rc = kv->ops->kv_prefetch_n(kv->be, run, kv->dst, (const void *const *)kv->ptrs, (uint32_t)s);
+		if (rc) {
+			/* Nothing of this batch landed (or it may not have): undo it, keep what came before. */
+			bool taken = entry(kv, next, kv->idx[0])->arena != NO_ARENA;
+			for (uint32_t i = 0; i < run && taken; i++)
+				drop_arena(kv, kv->dst[i]);
+			kv->remote->unpin(kv->rctx, run, kv->handles);
+			if (rc == -ENOSPC) /* the room was counted: cannot happen; go on without */
+				break;
+			return set_err(kv, rc, "copying KV blocks into the arena failed: %s", kv->ops->error(kv->be));
+		}
+		for (uint32_t i = 0; i < run; i++) {
+			struct arena_block *a = &kv->arena[kv->dst[i]];
+			a->incoming = true;
+			a->busy = false;
+			a->key = entry(kv, next, kv->idx[i])->key;
+			r->handles[r->n] = kv->handles[i];
+			r->blocks[r->n] = kv->dst[i];
+			r->n++;
+		}
+		r->active = true;
+		room -= run;
+		kv->stats.readahead_blocks += run;
+		kv->stats.fetched += run;
+	}
+	return 0;
+}
+
+/* Before attending `layer`: read-aheads for other layers are finished (a step that stopped
+ * early left them), the next layer's is started, then this layer's is waited for. */
+static int readahead_step(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
+{
+	int rc = 0;
+	for (int s = 0; s < 2 && rc == 0; s++)
+		if (kv->ra[s].active && kv->ra[s].layer != layer)
+			rc = readahead_finish(kv, s, true);
+	if (rc == 0)
+		rc = readahead_start(kv, layer, (layer + 1) % kv->p.n_layers, pos_end);
+	for (int s = 0; s < 2; s++)
+		if (kv->ra[s].active && kv->ra[s].layer == layer) {
+			int frc = readahead_finish(kv, s, true);
+			if (frc && !rc)
+				rc = frc;
+		}
+	return rc;
+}
+
+/* Waits for every read-ahead; unpin: hands their pins back (else the caller drops all pins). */
+static int readahead_drain(struct kv_cache *kv, bool unpin)
+{
+	int rc = 0;
+	for (int s = 0; s < 2; s++) {
+		int r = readahead_finish(kv, s, unpin);
+		if (r && !rc)
+			rc = r;
+	}
+	return rc;
+}
+
+int kv_cache_quiesce(struct kv_cache *kv)
+{
+	return kv ? readahead_drain(kv, false) : 0;
 }
 
 int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_t n, uint32_t *dst_block,
@@ -307,6 +518,8 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 	uint32_t n_blocks = (pos_end + bt - 1) / bt;
 	uint32_t n_spans = 0;
 	int rc = 0;
+	if (kv->readahead && (rc = readahead_step(kv, layer, pos_end)) != 0)
+		goto out;
 	for (uint32_t j = 0; j < n_blocks;) {
 		struct kv_entry *e = entry(kv, layer, j);
 		uint32_t len = pos_end - j * bt < bt ? pos_end - j * bt : bt;
@@ -324,7 +537,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		rc = flush_spans(kv, &n_spans);
 		if (rc)
 			goto out;
-		uint32_t room = arena_room(kv, layer, j);
+		uint32_t room = arena_room(kv, layer, j, -1, -1);
 		uint32_t cap = kv->remote->max_batch(kv->rctx);
 		if (room > cap)
 			room = cap;
@@ -504,7 +717,7 @@ static void clear_tables(struct kv_cache *kv, bool forget)
 
 int kv_cache_reset(struct kv_cache *kv)
 {
-	int rc = 0;
+	int rc = kv->readahead ? readahead_drain(kv, true) : 0;
 	if (kv->remote) {
 		for (uint32_t l = 0; l < kv->p.n_layers; l++) {
 			uint32_t n = 0;
@@ -537,7 +750,10 @@ bool kv_cache_remote_failed(const struct kv_cache *kv)
 
 int kv_cache_recover(struct kv_cache *kv)
 {
-	/* A failed fetch may leave blocks pinned for us; nothing of ours is pinned between steps. */
+	/* A failed fetch may leave blocks pinned for us, and so may a read-ahead: its copies are
+	 * waited for, and unpin_all drops its pins with the rest. */
+	if (kv->readahead)
+		readahead_drain(kv, false);
 	if (kv->remote && kv->remote->unpin_all) {
 		int r = kv->remote->unpin_all(kv->rctx);
 		if (r && r != -ENOTSUP)
@@ -639,5 +855,7 @@ out:
 
 void kv_cache_forget_remote(struct kv_cache *kv)
 {
+	if (kv->readahead)
+		readahead_drain(kv, false);
 	clear_tables(kv, true);
 }

@@ -6,8 +6,17 @@
  * it is committed to the kv-store (write-behind: copied into a pool block, then
  * MSG_KV_COMMIT), after which its arena block may be reused. Attention visits a layer's
  * blocks in position order; a block no longer in the arena is fetched back from the pool
- * (which brings it back from the spill file if it went there) just before it is needed.
+ * (which brings it back from the spill file if it went there) before it is needed.
  * Because the visit order never changes, the result is the same whatever the budget.
+ *
+ * Read-ahead (where the backend has kv_prefetch_n: the CUDA backend's KV H2D stream; the C
+ * backend copies at once): when a layer is attended, the blocks of the next layer (the first
+ * layer after the last one: the next step's) that only the store holds are pinned in the pool
+ * and their copies queued on that stream, so they move while the compute stream works through
+ * this layer; the next layer waits for them, then unpins. It takes arena blocks only from other
+ * layers and leaves room for what the current layer and the next chunk still need; blocks it
+ * could not place come back synchronously when their layer is attended. Its blocks cannot be
+ * evicted before their layer ran.
  *
  * Eviction picks the committed block whose layer is needed furthest in the future (layers
  * are visited in a cycle), so the layers about to run keep their blocks.
@@ -84,6 +93,8 @@ struct kv_cache_stats {
 	uint64_t fetch_runs;	   /* runs of blocks fetched (one request and one wait each) */
 	uint64_t fetch_ns;	   /* in those requests */
 	uint64_t copy_ns;	   /* in their copies into the arena (queued and waited for) */
+	uint64_t readahead_blocks;  /* of fetched: brought back by the read-ahead */
+	uint64_t readahead_wait_ns; /* waiting for the read-ahead's copies */
 };
 
 struct kv_cache;
@@ -122,10 +133,19 @@ bool kv_cache_remote_failed(const struct kv_cache *kv);
  * the caller reconnected): drops our pins and our references, empties the arena. The caller
  * then restores the prefix the store still has and computes the rest again. */
 int kv_cache_recover(struct kv_cache *kv);
+/* Waits for the read-ahead's copies out of the pool and forgets their pins (the caller drops
+ * them with the store's unpin_all, or the store is gone): before the pool is unmapped or
+ * unregistered. Returns 0 or -errno. NULL is allowed. */
+int kv_cache_quiesce(struct kv_cache *kv);
 /* Forgets remote handles without freeing them (the kv-store lost its pool). */
 void kv_cache_forget_remote(struct kv_cache *kv);
 
 void kv_cache_get_stats(const struct kv_cache *kv, struct kv_cache_stats *st);
+/* For inspection (stats, once a second): arena blocks in use, and per layer (arrays of
+ * n_layers; either may be NULL) the sequence's blocks in the arena and those held only by the
+ * store. O(n_arena + n_layers * blocks per layer). */
+void kv_cache_usage(const struct kv_cache *kv, uint32_t *arena_used, uint32_t *arena_per_layer,
+		    uint32_t *store_per_layer);
 const char *kv_cache_error(const struct kv_cache *kv);
 
 #ifdef __cplusplus

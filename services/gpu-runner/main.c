@@ -254,6 +254,7 @@ static void pin_pool(struct runner *r)
 
 static void unpin_pool(struct runner *r)
 {
+	kv_cache_quiesce(r->cache); /* no read-ahead copy may still read the pool */
 	if (r->pool_pinned && r->ops->unpin_host)
 		r->ops->unpin_host(r->be, r->pool_pinned);
 	r->pool_pinned = NULL;
@@ -582,6 +583,8 @@ static char *stats(void *ctx)
 		json_object_set_new(o, "kv_fetch_runs", json_integer((json_int_t)ks.fetch_runs));
 		json_object_set_new(o, "kv_fetch_request_ms", json_real((double)ks.fetch_ns / 1e6));
 		json_object_set_new(o, "kv_fetch_copy_ms", json_real((double)ks.copy_ns / 1e6));
+		json_object_set_new(o, "kv_readahead_blocks", json_integer((json_int_t)ks.readahead_blocks));
+		json_object_set_new(o, "kv_readahead_wait_ms", json_real((double)ks.readahead_wait_ns / 1e6));
 	}
 #ifdef PIPELINE_HAVE_CUDA
 	if (o && r->win) {
