@@ -9,13 +9,23 @@ it_setup kv_readahead
 MODEL6=$IT_TMP/model6
 "$BIN/make-synthetic-model" --shape tiny --layers 6 --out "$MODEL6" --quiet
 PROMPT_1K=$(for ((i = 0; i < 1000; i++)); do echo $(((i * 53 + 7) % 500 + 1)); done | paste -sd,)
-want=$("$BIN/run-local" --model "$MODEL6" --tokens "$PROMPT_1K" -n 100 --ignore-eos)
-expect_words 100 "$want" "run-local tokens"
+# READAHEAD_BACKEND=cuda (on a GPU host): the reference is the same backend with the whole
+# context in its arena.
+BACKEND=${READAHEAD_BACKEND:-cpu}
+if [[ $BACKEND == cpu ]]; then
+	want=$("$BIN/run-local" --model "$MODEL6" --tokens "$PROMPT_1K" -n 100 --ignore-eos)
+else
+	"$PIPELINE" start --model "$MODEL6" --backend "$BACKEND" --kv-gpu-budget 64MiB
+	want=$(generate --tokens "$PROMPT_1K" -n 100 --ignore-eos)
+	"$PIPELINE" stop
+fi
+expect_words 100 "$want" "reference tokens"
 
-# 1 MiB of arena: 256 blocks of 16 positions for 6 x 69 blocks of context.
-"$PIPELINE" start --model "$MODEL6" --backend cpu --kv-gpu-budget 1MiB
+# 1 MiB of arena (f32: 256 blocks of 16 positions; smaller blocks on the GPU: more of them)
+# for 6 layers of 1100 positions: the next layer comes back while one is attended.
+"$PIPELINE" start --model "$MODEL6" --backend "$BACKEND" --kv-gpu-budget "${READAHEAD_BUDGET:-1MiB}"
 got=$(generate --tokens "$PROMPT_1K" -n 100 --ignore-eos)
-expect_eq "$got" "$want" "1100 positions of 6 layers through a 256-block arena with read-ahead vs run-local"
+expect_eq "$got" "$want" "1100 positions of 6 layers through a small arena with read-ahead vs the whole context in the arena"
 
 fetched=$(stat_value gpu-runner kv_blocks_fetched)
 ahead=$(stat_value gpu-runner kv_readahead_blocks)
