@@ -1,10 +1,13 @@
 /* backend_cuda.cu - the CUDA backend ("cuda"): the forward pass of backend_ref.c on one GPU.
  *
  * Same math and the same call sequence as the C reference (backend.h), which is its oracle
- * (tests/unit/gpu-runner/test_cuda_backend.c). All work of a forward step is queued on one
- * compute stream (stream()); nothing waits for the GPU on the token path except where the host
- * must see a result: logits / logits_argmax (their device-to-host copy) and, for now,
- * kv_to_host / kv_from_host.
+ * (tests/unit/gpu-runner/test_cuda_backend.c). All compute of a forward step is queued on one
+ * compute stream (stream()); the KV copies have two streams of their own: the write-behind to
+ * the pool (kv_to_host_async, lowest priority) and the read-ahead from it (kv_prefetch_n), each
+ * ordered against the compute stream with events. Nothing waits for the GPU on the token path
+ * except where the host must see a result: logits / logits_argmax (their device-to-host copy),
+ * the read-ahead's slot (kv_prefetch_wait) and the synchronous kv_to_host(_n) /
+ * kv_from_host(_n).
  *
  * Precision. The residual stream, RMSNorm, RoPE, the softmax and SiLU * up are float32; the
  * normed activations become the weight dtype (BF16, F16; float32 for F32 weights) as inputs of
@@ -115,6 +118,12 @@ struct backend {
 	cudaStream_t kv_h2d;	/* the KV read-ahead's copies (kv_prefetch_n), made on first use */
 	cudaEvent_t kv_order;	/* recorded on stream: what the read-ahead's copies wait for */
 	cudaEvent_t kv_done[2];	/* recorded on kv_h2d per slot */
+	cudaStream_t kv_d2h;	/* the KV write-behind's copies (kv_to_host_async), lowest priority, made on first use */
+	cudaEvent_t kv_d2h_order; /* recorded on stream: what the write-behind's copies wait for */
+	int32_t *kv_d2h_ev;	/* per arena block: the interprocess event after its last write-behind copy that
+				 * the compute stream has not been made to wait for, or -1 */
+	uint64_t *kv_d2h_seq;	/* per arena block: that copy's batch number (the latest one covers the rest) */
+	uint64_t kv_d2h_batches;
 	cublasHandle_t blas;
 	void *blas_ws;		/* cuBLAS workspace, BLAS_WORKSPACE bytes */
 	int gemv_rows;		/* decode through the GEMV kernel with this many rows per warp (0: cuBLAS) */
@@ -1488,27 +1497,73 @@ static cudaEvent_t kv_ipc_event[KV_IPC_EVENTS];
 static cudaIpcEventHandle_t kv_ipc_handle[KV_IPC_EVENTS];
 static uint32_t kv_ipc_next;
 
+/* Before the compute stream writes arena blocks (new rows, copies from the pool) or orders the
+ * read-ahead behind itself: it waits for the write-behind copies still reading those blocks.
+ * One wait covers them all (the copies are in order on one stream). */
+static int kv_d2h_guard(struct backend *be, uint32_t n, const uint32_t *blocks)
+{
+	if (!be->kv_d2h_ev)
+		return 0;
+	uint64_t best = 0;
+	int32_t ev = -1;
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t b = blocks[i];
+		if (b >= be->p.n_kv_blocks || be->kv_d2h_ev[b] < 0)
+			continue;
+		if (be->kv_d2h_seq[b] >= best) {
+			best = be->kv_d2h_seq[b];
+			ev = be->kv_d2h_ev[b];
+		}
+		be->kv_d2h_ev[b] = -1;
+	}
+	if (ev >= 0)
+		CUDA_TRY(be, "cudaStreamWaitEvent (KV write-behind)", cudaStreamWaitEvent(be->stream, kv_ipc_event[ev], 0));
+	return 0;
+}
+
+/* The write-behind: copies on a low-priority stream of their own, behind the compute that wrote
+ * the blocks; the compute stream goes on, and waits for them only where it reuses one of the
+ * blocks (kv_d2h_guard). The interprocess event after them goes to the kv-store. */
 static int cuda_kv_to_host_async(struct backend *be, uint32_t n, const uint32_t *blocks, void *const *dsts,
 				 void *event_handle)
 {
 	size_t bytes = be->block_elems * be->kv_esize;
-	for (uint32_t i = 0; i < n; i++) {
+	for (uint32_t i = 0; i < n; i++)
 		if (blocks[i] >= be->p.n_kv_blocks)
 			return fail(be, -EINVAL, "cuda backend: kv_to_host_async: block %u is outside the arena of %u blocks",
 				    blocks[i], be->p.n_kv_blocks);
-		/* On the compute stream: behind the attention that wrote the block, ahead of anything
-		 * that reuses it. */
+	if (!be->kv_d2h) {
+		int least = 0, greatest = 0;
+		CUDA_TRY(be, "cudaDeviceGetStreamPriorityRange", cudaDeviceGetStreamPriorityRange(&least, &greatest));
+		CUDA_TRY(be, "cudaStreamCreateWithPriority (KV D2H)",
+			 cudaStreamCreateWithPriority(&be->kv_d2h, cudaStreamNonBlocking, least));
+		CUDA_TRY(be, "cudaEventCreateWithFlags (KV D2H order)",
+			 cudaEventCreateWithFlags(&be->kv_d2h_order, cudaEventDisableTiming));
+		be->kv_d2h_ev = (int32_t *)malloc(sizeof(int32_t) * be->p.n_kv_blocks);
+		be->kv_d2h_seq = (uint64_t *)calloc(be->p.n_kv_blocks, sizeof(uint64_t));
+		if (!be->kv_d2h_ev || !be->kv_d2h_seq)
+			return fail(be, -ENOMEM, "cuda backend: out of memory for the write-behind's table");
+		for (uint32_t b = 0; b < be->p.n_kv_blocks; b++)
+			be->kv_d2h_ev[b] = -1;
+	}
+	CUDA_TRY(be, "cudaEventRecord (KV D2H order)", cudaEventRecord(be->kv_d2h_order, be->stream));
+	CUDA_TRY(be, "cudaStreamWaitEvent (KV D2H)", cudaStreamWaitEvent(be->kv_d2h, be->kv_d2h_order, 0));
+	for (uint32_t i = 0; i < n; i++)
 		CUDA_TRY(be, "cudaMemcpyAsync (kv_to_host_async)",
 			 cudaMemcpyAsync(dsts[i], (char *)be->arena + blocks[i] * bytes, bytes, cudaMemcpyDeviceToHost,
-					 be->stream));
-	}
+					 be->kv_d2h));
 	uint32_t k = kv_ipc_next++ % KV_IPC_EVENTS;
 	if (!kv_ipc_event[k]) {
 		CUDA_TRY(be, "cudaEventCreateWithFlags (interprocess)",
 			 cudaEventCreateWithFlags(&kv_ipc_event[k], cudaEventInterprocess | cudaEventDisableTiming));
 		CUDA_TRY(be, "cudaIpcGetEventHandle", cudaIpcGetEventHandle(&kv_ipc_handle[k], kv_ipc_event[k]));
 	}
-	CUDA_TRY(be, "cudaEventRecord (kv write-behind)", cudaEventRecord(kv_ipc_event[k], be->stream));
+	CUDA_TRY(be, "cudaEventRecord (kv write-behind)", cudaEventRecord(kv_ipc_event[k], be->kv_d2h));
+	be->kv_d2h_batches++;
+	for (uint32_t i = 0; i < n; i++) {
+		be->kv_d2h_ev[blocks[i]] = (int32_t)k;
+		be->kv_d2h_seq[blocks[i]] = be->kv_d2h_batches;
+	}
 	static_assert(sizeof(cudaIpcEventHandle_t) == KV_EVENT_HANDLE_BYTES, "an IPC event handle is 64 bytes");
 	memcpy(event_handle, &kv_ipc_handle[k], KV_EVENT_HANDLE_BYTES);
 	return 0;
@@ -1531,6 +1586,9 @@ static int cuda_kv_from_host(struct backend *be, uint32_t block, const void *src
 		return fail(be, -EINVAL, "cuda backend: kv_from_host: block %u is outside the arena of %u blocks",
 			    block, be->p.n_kv_blocks);
 	size_t bytes = be->block_elems * be->kv_esize;
+	int grc = kv_d2h_guard(be, 1, &block);
+	if (grc)
+		return grc;
 	CUDA_TRY(be, "cudaMemcpyAsync (kv_from_host)",
 		 cudaMemcpyAsync((char *)be->arena + block * bytes, src, bytes, cudaMemcpyHostToDevice, be->stream));
 	CUDA_TRY(be, "cudaStreamSynchronize (kv_from_host)", cudaStreamSynchronize(be->stream));
@@ -1546,6 +1604,9 @@ static int cuda_kv_from_host_n(struct backend *be, uint32_t n, const uint32_t *b
 		if (blocks[i] >= be->p.n_kv_blocks)
 			return fail(be, -EINVAL, "cuda backend: kv_from_host_n: block %u is outside the arena of %u blocks",
 				    blocks[i], be->p.n_kv_blocks);
+		int grc = kv_d2h_guard(be, 1, &blocks[i]);
+		if (grc)
+			return grc;
 		CUDA_TRY(be, "cudaMemcpyAsync (kv_from_host_n)",
 			 cudaMemcpyAsync((char *)be->arena + blocks[i] * bytes, srcs[i], bytes, cudaMemcpyHostToDevice,
 					 be->stream));
@@ -1575,6 +1636,9 @@ static int cuda_kv_prefetch_n(struct backend *be, uint32_t n, const uint32_t *bl
 		if (blocks[i] >= be->p.n_kv_blocks)
 			return fail(be, -EINVAL, "cuda backend: kv_prefetch_n: block %u is outside the arena of %u blocks",
 				    blocks[i], be->p.n_kv_blocks);
+	int grc = kv_d2h_guard(be, n, blocks);
+	if (grc)
+		return grc;
 	CUDA_TRY(be, "cudaEventRecord (KV order)", cudaEventRecord(be->kv_order, be->stream));
 	CUDA_TRY(be, "cudaStreamWaitEvent (KV H2D)", cudaStreamWaitEvent(be->kv_h2d, be->kv_order, 0));
 	for (uint32_t i = 0; i < n; i++)
@@ -1668,6 +1732,8 @@ static int cuda_attn_begin(struct backend *be, const struct group_weights *w, ui
 			return fail(be, -EINVAL, "cuda backend: attn_begin(layer %u): token %u goes to block %u row %u, "
 				    "outside the arena (%u blocks of %u rows)", layer, t, dst_block[t], dst_row[t],
 				    be->p.n_kv_blocks, be->p.block_tokens);
+	if ((rc = kv_d2h_guard(be, n, dst_block)) != 0)
+		return rc;
 
 	/* Destinations up first: (2, n) blocks then rows. */
 	char *h;
@@ -2064,6 +2130,13 @@ static void cuda_destroy(struct backend **bep)
 	cudaFreeHost(be->up.host);
 	for (uint32_t i = 0; i < be->up.n_events; i++)
 		cudaEventDestroy(be->up.ev[i]);
+	if (be->kv_d2h) {
+		cudaStreamSynchronize(be->kv_d2h);
+		cudaStreamDestroy(be->kv_d2h);
+		cudaEventDestroy(be->kv_d2h_order);
+	}
+	free(be->kv_d2h_ev);
+	free(be->kv_d2h_seq);
 	if (be->kv_h2d) {
 		cudaStreamSynchronize(be->kv_h2d);
 		cudaStreamDestroy(be->kv_h2d);
