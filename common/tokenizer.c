@@ -627,7 +627,10 @@ static int compile_pattern(struct loader *L, const char *where, const char *pat,
 		return LERR(L, -ENOMEM, "%s: out of memory", L->name);
 	int code;
 	PCRE2_SIZE off;
-	uint32_t opts = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+	/* PCRE2_LITERAL refuses PCRE2_UCP (pcre2_compile fails with "invalid option bits"); a
+	 * literal has no \w or \d for it to change anyway. \C (one code unit) could end a match
+	 * inside a character, and matching on from there under PCRE2_NO_UTF_CHECK is undefined. */
+	uint32_t opts = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP | PCRE2_NEVER_BACKSLASH_C);
 	pcre2_code *re = pcre2_compile((PCRE2_SPTR)(literal ? pat : translated), tn, opts, &code, &off, NULL);
 	free(translated);
 	if (!re) {
@@ -1864,15 +1867,20 @@ static int bpe_word(struct enc *e, const uint8_t *s, size_t len)
 			return ids_push(e->out, (uint32_t)id);
 	}
 
-	/* At most one symbol per byte: a byte-level byte, a character, a fallback byte, an unk. */
-	if (len > INT32_MAX || len > SIZE_MAX / sizeof(struct sym))
+	/* At most one symbol per byte: a byte-level byte, a character, a fallback byte, an unk;
+	 * but in a byte-level file with byte fallback a byte whose mapped character is not in the
+	 * vocab falls back to the bytes of that character, up to 2 (bl_len). */
+	if (len > INT32_MAX)
 		return -ENOMEM;
-	if (e->sym_cap < len) {
-		struct sym *p = realloc(e->sym, len * sizeof(*p));
+	size_t max_syms = t->byte_level && t->byte_fallback ? 2 * len : len;
+	if (max_syms > INT32_MAX || max_syms > SIZE_MAX / sizeof(struct sym))
+		return -ENOMEM;
+	if (e->sym_cap < max_syms) {
+		struct sym *p = realloc(e->sym, max_syms * sizeof(*p));
 		if (!p)
 			return -ENOMEM;
 		e->sym = p;
-		e->sym_cap = len;
+		e->sym_cap = max_syms;
 	}
 	size_t n = 0;
 	bool prev_unk = false;

@@ -995,6 +995,22 @@ START_TEST(test_byte_level_gpt2)
 	t = load_doc_ok(byte_level_doc(false));
 	EXPECT_IDS(t, "Hello world", 0, 259, 256, 'w', 262, 'l', 'd');
 	tokenizer_destroy(&t);
+	/* A Split by a literal ({"String": " "}): the spaces are pre-tokens of their own. */
+	json_t *doc = byte_level_doc(false);
+	json_object_set_new(doc, "pre_tokenizer",
+			    json_pack("{s:s, s:[{s:s, s:{s:s}, s:s}, {s:s, s:b, s:b}]}", "type", "Sequence",
+				      "pretokenizers", "type", "Split", "pattern", "String", " ", "behavior", "Isolated",
+				      "type", "ByteLevel", "add_prefix_space", 0, "use_regex", 0));
+	t = load_doc_ok(doc);
+	EXPECT_IDS(t, "Hello world", 0, 260, ' ', 'w', 262, 'l', 'd');
+	tokenizer_destroy(&t);
+	/* Byte fallback in a byte-level file: a byte whose mapped character (space: U+0120) is not in
+	 * the vocab falls back to that character's two UTF-8 bytes, more symbols than input bytes. */
+	t = load_doc_ok(json_pack("{s:{s:s}, s:{s:s, s:b, s:{s:i, s:i, s:i}, s:[]}}", "pre_tokenizer", "type",
+				  "ByteLevel", "model", "type", "BPE", "byte_fallback", 1, "vocab", "a", 0, "<0xC4>", 1,
+				  "<0xA0>", 2, "merges"));
+	EXPECT_IDS(t, "a  a", 0, 1, 2, 0, 1, 2, 1, 2, 0);
+	tokenizer_destroy(&t);
 }
 END_TEST
 
@@ -1130,6 +1146,12 @@ START_TEST(test_bad_files)
 	doc = json_of(SP_LEGACY_JSON);
 	json_object_set_new(doc, "pre_tokenizer", json_pack("{s:s, s:{s:s}, s:s, s:b}", "type", "Split", "pattern",
 							    "Regex", "(unclosed", "behavior", "Isolated", "invert", 0));
+	expect_bad(doc, -EINVAL, "does not compile");
+
+	/* \C matches one byte of a character: refused, matching on from inside a character is undefined. */
+	doc = json_of(SP_LEGACY_JSON);
+	json_object_set_new(doc, "pre_tokenizer", json_pack("{s:s, s:{s:s}, s:s}", "type", "Split", "pattern", "Regex",
+							    "a|\\C", "behavior", "Isolated"));
 	expect_bad(doc, -EINVAL, "does not compile");
 
 	doc = json_of(SP_LEGACY_JSON);
