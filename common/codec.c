@@ -63,6 +63,16 @@ static const struct field_desc f_heartbeat[] = {
 	FLD(3, F_U64, REQ, 0, heartbeat.epoch),      FLD(4, F_U64, REQ, 0, heartbeat.seq),
 	FLD(5, F_U64, REQ, 0, heartbeat.uptime_ms),
 };
+static const struct field_desc f_config_get[] = {
+	FLD(1, F_BYTES, OPT, 16384, config_get.keys),
+};
+static const struct field_desc f_config[] = {
+	FLD(1, F_BYTES, REQ, 64, config.service),
+	FLD(2, F_BYTES, REQ, 1u << 18, config.json),
+};
+static const struct field_desc f_config_set[] = {
+	FLD(1, F_BYTES, REQ, 65536, config_set.settings),
+};
 static const struct field_desc f_w_acquire[] = {
 	FLD(1, F_U64_ARRAY, REQ, 65536, w_acquire.groups),
 	FLD(2, F_U64_ARRAY, OPT, 65536, w_acquire.release),
@@ -138,6 +148,9 @@ static const struct msg_desc catalogue[] = {
 	DESC(MSG_STATS, f_stats),
 	DESC0(MSG_SHUTDOWN),
 	DESC(MSG_HEARTBEAT, f_heartbeat),
+	DESC(MSG_CONFIG_GET, f_config_get),
+	DESC(MSG_CONFIG, f_config),
+	DESC(MSG_CONFIG_SET, f_config_set),
 	DESC(MSG_W_ACQUIRE, f_w_acquire),
 	DESC(MSG_W_GRANT, f_w_grant),
 	DESC(MSG_W_RELEASE, f_w_release),

@@ -51,6 +51,10 @@ enum msg_type {
 	MSG_STATS = 7,	     /* reply or PUB: service, json (a JSON object of counters) */
 	MSG_SHUTDOWN = 8,    /* request: the service replies MSG_OK and exits cleanly */
 	MSG_HEARTBEAT = 9,   /* PUB: service, pid, epoch, seq, uptime_ms */
+	MSG_CONFIG_GET = 13, /* request: keys (optional) -> MSG_CONFIG: the service's parameters (common/tunable.h) */
+	MSG_CONFIG = 14,     /* reply: service, json (an object: name -> {value, text, type, tunable, ...}) */
+	MSG_CONFIG_SET = 15, /* request: settings -> MSG_CONFIG (the new values of the keys set), or MSG_ERROR
+			      * naming the key and why; all or nothing */
 
 	/* ssd-loader: the weight ring */
 	MSG_W_ACQUIRE = 20, /* request: groups, release -> one MSG_W_GRANT per group as it is READY */
@@ -108,6 +112,18 @@ struct msg_hello_reply {
 };
 struct msg_stats { struct bytes service; struct bytes json; };
 struct msg_heartbeat { struct bytes service; uint64_t pid, epoch, seq, uptime_ms; };
+/* Live tuning. Lists travel as JSON text (as generate.stop_strings does); the service checks
+ * the structure, the counts and each name's and value's length (common/tunable.c). */
+struct msg_config_get {
+	struct bytes keys; /* optional: a JSON array of parameter names; empty: every parameter */
+};
+struct msg_config {
+	struct bytes service;
+	struct bytes json; /* a JSON object: name -> {value, text, type, tunable, min, max, values, description} */
+};
+struct msg_config_set {
+	struct bytes settings; /* a JSON object: name -> value (a string, as typed: "512MiB", "debug", "8") */
+};
 struct msg_w_acquire {
 	struct u64_array groups;  /* group ids to acquire, in the order they will be used */
 	struct u64_array release; /* optional: group ids released at the same time */
@@ -181,6 +197,9 @@ struct msg {
 		struct msg_hello_reply hello_reply;
 		struct msg_stats stats;
 		struct msg_heartbeat heartbeat;
+		struct msg_config_get config_get;
+		struct msg_config config;
+		struct msg_config_set config_set;
 		struct msg_w_acquire w_acquire;
 		struct msg_w_grant w_grant;
 		struct msg_w_release w_release;

@@ -11,6 +11,7 @@
 #include <zmq.h>
 
 #include "common/log.h"
+#include "common/tunable.h"
 #include "common/util.h"
 
 #define SERVICE_MAX_FDS 8
@@ -33,6 +34,7 @@ struct service {
 	service_fd_fn fd_fns[SERVICE_MAX_FDS];
 	volatile bool stop;
 	enum service_stop_reason reason;
+	struct tunables *tunables; /* live tuning: MSG_CONFIG_GET / MSG_CONFIG_SET */
 };
 
 static volatile sig_atomic_t got_signal;
@@ -92,6 +94,26 @@ int run_dir_prepare(const char *dir)
 	return 0;
 }
 
+/* log-level: every service's, tunable at run time. */
+static const char *const log_level_names[] = {"debug", "info", "warn", "error", NULL};
+
+static void log_level_get(void *ctx, struct tunable_value *v)
+{
+	(void)ctx;
+	v->i = (int64_t)log_get_level();
+	v->s = log_level_names[v->i];
+}
+
+static int log_level_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	(void)ctx;
+	(void)why;
+	(void)whylen;
+	if (apply)
+		log_set_level((enum log_level)v->i);
+	return 0;
+}
+
 struct service *service_create(const char *name, const char *run_dir, const struct service_ops *ops, void *ctx)
 {
 	struct service *s = calloc(1, sizeof(*s));
@@ -107,6 +129,15 @@ struct service *service_create(const char *name, const char *run_dir, const stru
 	s->epoch = random_u64();
 	s->started_ns = now_ns();
 	s->tick_ms = 100;
+	s->tunables = tunables_create(s->name);
+	struct tunable level = {.name = "log-level",
+				.help = "the least severe records logged: debug, info, warn or error",
+				.type = TUNABLE_ENUM,
+				.values = log_level_names,
+				.get = log_level_get,
+				.set = log_level_set};
+	if (!s->tunables || tunables_add(s->tunables, &level) != 0)
+		goto out_free;
 	if (run_dir_prepare(run_dir) != 0)
 		goto out_free;
 	s->zctx = zmq_ctx_new();
@@ -136,6 +167,7 @@ out_router:
 out_ctx:
 	zmq_ctx_term(s->zctx);
 out_free:
+	tunables_destroy(&s->tunables);
 	free(s);
 	return NULL;
 }
@@ -161,6 +193,7 @@ void service_destroy(struct service **sp)
 	/* Leave no socket file behind. */
 	unlink_endpoint(s, "ctl");
 	unlink_endpoint(s, "pub");
+	tunables_destroy(&s->tunables);
 	free(s);
 	*sp = NULL;
 }
@@ -229,6 +262,54 @@ uint64_t service_uptime_ms(const struct service *s)
 	return (now_ns() - s->started_ns) / 1000000ull;
 }
 
+int service_add_tunable(struct service *s, const struct tunable *t)
+{
+	int rc = tunables_add(s->tunables, t);
+	if (rc)
+		log_error("cannot register the tunable parameter %s: %s", t && t->name ? t->name : "(no name)",
+			  strerror(-rc));
+	return rc;
+}
+
+int service_add_fixed(struct service *s, const char *name, enum tunable_type type, const char *value,
+		      const char *help)
+{
+	int rc = tunables_add_fixed(s->tunables, name, type, value, help);
+	if (rc)
+		log_error("cannot register the parameter %s: %s", name ? name : "(no name)", strerror(-rc));
+	return rc;
+}
+
+struct tunables *service_tunables(struct service *s)
+{
+	return s->tunables;
+}
+
+/* MSG_CONFIG_GET and MSG_CONFIG_SET: the registry does the work; the answer is MSG_CONFIG. */
+static void handle_config(struct service *s, const struct bus_peer *peer, const struct msg *req)
+{
+	char why[4096];
+	int rc = 0;
+	char *json = req->type == MSG_CONFIG_GET
+			     ? tunables_get_json(s->tunables, req->config_get.keys.p, req->config_get.keys.len, &rc, why,
+						 sizeof(why))
+			     : tunables_set_json(s->tunables, req->config_set.settings.p, req->config_set.settings.len,
+						 &rc, why, sizeof(why));
+	if (!json) {
+		log_warn("%s refused: %s", msg_type_name(req->type), why);
+		service_reply_error(s, peer, req->corr, rc ? -rc : EINVAL, why);
+		return;
+	}
+	struct msg rep;
+	msg_init(&rep, MSG_CONFIG, req->corr);
+	rep.config.service.p = s->name;
+	rep.config.service.len = (uint32_t)strlen(s->name);
+	rep.config.json.p = json;
+	rep.config.json.len = (uint32_t)strlen(json);
+	service_reply(s, peer, &rep);
+	free(json);
+}
+
 static void handle_generic(struct service *s, const struct bus_peer *peer, const struct msg *req)
 {
 	struct msg rep;
@@ -267,6 +348,10 @@ static void handle_generic(struct service *s, const struct bus_peer *peer, const
 		free(json);
 		return;
 	}
+	case MSG_CONFIG_GET:
+	case MSG_CONFIG_SET:
+		handle_config(s, peer, req);
+		return;
 	case MSG_SHUTDOWN:
 		log_info("shutdown requested");
 		msg_init(&rep, MSG_OK, req->corr);
@@ -362,13 +447,30 @@ int service_poll_once(struct service *s, int timeout_ms)
 		s->last_beat_ns = now;
 		heartbeat(s);
 	}
-	if (got_signal) {
-		log_info("signal %d: stopping", (int)got_signal);
+	/* Taken once: the stop it causes stays in s->stop, and a later service in this process (a
+	 * test's) must not see an old signal as its own. */
+	int sig = got_signal;
+	if (sig) {
+		got_signal = 0;
+		log_info("signal %d: stopping", sig);
 		s->stop = true;
 		if (!s->reason)
 			s->reason = SERVICE_STOP_SIGNAL;
 	}
 	return s->stop ? 1 : 0;
+}
+
+/* ---- heartbeats from long work (service_beat) ---- */
+
+void service_beat(struct service *s)
+{
+	if (!s)
+		return;
+	uint64_t now = now_ns();
+	if (now - s->last_beat_ns >= HEARTBEAT_MS * 1000000ull) {
+		s->last_beat_ns = now;
+		heartbeat(s);
+	}
 }
 
 int service_run(struct service *s)

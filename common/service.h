@@ -9,15 +9,18 @@
  *   service_destroy(&s);
  *
  * Every second the PUB socket carries MSG_HEARTBEAT and, when ops->stats is set, MSG_STATS.
+ * MSG_CONFIG_GET / MSG_CONFIG_SET read and change the parameters registered with
+ * service_add_tunable / service_add_fixed (live tuning; log-level is always there).
  * A malformed or unknown request gets MSG_ERROR and a log line; the loop keeps serving.
- * service_create makes the run directory (mode 0700) if needed and refuses one that another
- * user owns or that others can read. */
+ * service_create makes the run directory (mode 0700) if needed, refuses one that another user
+ * owns, and sets one that group or others may use to 0700 (run_dir_prepare). */
 #ifndef PIPELINE_SERVICE_H
 #define PIPELINE_SERVICE_H
 #include <stdint.h>
 
 #include "common/bus.h"
 #include "common/protocol.h"
+#include "common/tunable.h"
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -66,6 +69,19 @@ enum service_stop_reason service_stop_reason(const struct service *s);
 /* Polls the sockets once without blocking and handles what is waiting: a long computation
  * calls this between steps so the service keeps answering. Returns 1 if a stop was asked. */
 int service_poll_once(struct service *s, int timeout_ms);
+
+/* Publishes MSG_HEARTBEAT (and the stats with it) if one is due, and nothing else: no socket
+ * is read, no request handled. For long work that cannot serve requests (a forward step, a
+ * wait on another service), so that the supervisor keeps hearing the service. Safe on NULL. */
+void service_beat(struct service *s);
+
+/* Live tuning (common/tunable.h): parameters the loop serves through MSG_CONFIG_GET and
+ * MSG_CONFIG_SET. service_create registers log-level (every service's, tunable); a service adds
+ * its own after service_create, before service_run. Each returns 0 or a negative errno (logged). */
+int service_add_tunable(struct service *s, const struct tunable *t);
+int service_add_fixed(struct service *s, const char *name, enum tunable_type type, const char *value,
+		      const char *help);
+struct tunables *service_tunables(struct service *s);
 
 int service_reply(struct service *s, const struct bus_peer *peer, const struct msg *m);
 int service_reply_error(struct service *s, const struct bus_peer *peer, uint64_t corr, int code, const char *text);

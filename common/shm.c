@@ -64,9 +64,8 @@ uint64_t process_start_time(int pid)
 	return read_proc_stat(pid, &state, &start) == 0 ? start : 0;
 }
 
-bool shm_owner_alive(const struct shm_header *h)
+bool process_alive(int pid, uint64_t start_time)
 {
-	int pid = atomic_load(&((struct shm_header *)h)->owner_pid);
 	if (!pid_alive(pid))
 		return false;
 	char state;
@@ -76,7 +75,12 @@ bool shm_owner_alive(const struct shm_header *h)
 	/* An exited process that its parent has not reaped yet is a zombie: it owns nothing. */
 	if (state == 'Z' || state == 'X')
 		return false;
-	return h->owner_start == 0 || start == h->owner_start;
+	return start_time == 0 || start == start_time;
+}
+
+bool shm_owner_alive(const struct shm_header *h)
+{
+	return process_alive(atomic_load(&((struct shm_header *)h)->owner_pid), h->owner_start);
 }
 
 static int map_fd(int fd, size_t size, bool writable, void **base)

@@ -93,6 +93,9 @@ bool shm_owner_alive(const struct shm_header *h);
 
 /* Start time of pid in clock ticks since boot (/proc/pid/stat field 22), 0 if unknown. */
 uint64_t process_start_time(int pid);
+/* Is pid a live process (not a zombie) that started at start_time (process_start_time; 0: at
+ * any time, which does not guard against the pid's reuse)? */
+bool process_alive(int pid, uint64_t start_time);
 
 #ifdef __cplusplus
 }

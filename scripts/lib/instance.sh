@@ -140,11 +140,32 @@ svc_stop() {
 	fi
 }
 
+# Prints the pid of the live process that owns the shared-memory object FILE, if one does:
+# common/shm.h's header holds the magic at byte 0, owner_pid (int32) at byte 32 and owner_start
+# (uint64, clock ticks since boot, /proc/PID/stat's field 22, which guards against a reused pid)
+# at byte 40. A zombie owns nothing. Status 1 when no live process owns it.
+shm_live_owner() {
+	local f=$1 magic pid start stat state
+	local -a fields
+	magic=$(od -An -t x8 -N 8 "$f" 2>/dev/null | tr -d ' ') || return 1
+	[[ $magic == 4d485350504c4c4c ]] || return 1
+	pid=$(od -An -t d4 -j 32 -N 4 "$f" 2>/dev/null | tr -d ' ') || return 1
+	start=$(od -An -t u8 -j 40 -N 8 "$f" 2>/dev/null | tr -d ' ') || return 1
+	[[ $pid =~ ^[0-9]+$ && $start =~ ^[0-9]+$ ]] && ((pid > 0)) || return 1
+	stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
+	read -r -a fields <<<"${stat##*) }"
+	state=${fields[0]:-}
+	[[ -n $state && $state != Z && $state != X ]] || return 1
+	[[ $start == 0 || ${fields[19]:-} == "$start" ]] || return 1
+	printf '%s\n' "$pid"
+}
+
 # Removes what a stopped instance leaves: pid files, sockets, restart markers, start.args, a dead
-# kv-store's spill file and its shared-memory objects (/dev/shm/llmp-<uid>-<instance>-<object>).
-# Logs stay.
+# kv-store's spill file and its shared-memory objects (/dev/shm/llmp-<uid>-<instance>-<object>),
+# except one a live process owns: that belongs to another instance of the same name (in another
+# run directory), whose start this may be cleaning up after. Logs stay.
 instance_cleanup() {
-	local service f prefix
+	local service f prefix owner
 	for service in supervisor "${SERVICES[@]}"; do
 		rm -f "$RUN_DIR/$service.pid" "$RUN_DIR/$service.pid.tmp" "$RUN_DIR/$service.ctl" "$RUN_DIR/$service.pub" \
 			"$RUN_DIR/$service.restart"
@@ -157,6 +178,10 @@ instance_cleanup() {
 		# Object names hold no '-': a remainder with one belongs to an instance whose name
 		# starts like ours ("demo" must not take "demo-2"'s objects).
 		[[ ${f#"$prefix"} == *-* ]] && continue
+		if owner=$(shm_live_owner "$f"); then
+			warn "left $f: the live process $owner owns it (an instance $INSTANCE with another run directory?)"
+			continue
+		fi
 		rm -f "$f"
 	done
 }

@@ -22,6 +22,8 @@ struct engine {
 	uint32_t *dst_block, *dst_row;
 	float *scratch; /* logits, for greedy steps on a backend without logits_argmax */
 	char error[768];
+	void (*progress)(void *ctx); /* engine_set_progress: once per layer */
+	void *progress_ctx;
 };
 
 int engine_create(const struct model_config *cfg, const struct backend_ops *ops, struct backend *be,
@@ -75,6 +77,12 @@ struct kv_cache *engine_kv(struct engine *e)
 {
 	return e->kv;
 }
+void engine_set_progress(struct engine *e, void (*fn)(void *ctx), void *ctx)
+{
+	e->progress = fn;
+	e->progress_ctx = ctx;
+}
+
 struct weight_source *engine_weights(struct engine *e)
 {
 	return e->ws;
@@ -161,6 +169,8 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 		return rc;
 
 	for (uint32_t l = 0; l < e->cfg->n_layers; l++) {
+		if (e->progress)
+			e->progress(e->progress_ctx);
 		group = group_id_attn(l);
 		if ((rc = acquire(e, group, &w)))
 			return rc;

@@ -51,6 +51,9 @@ uint32_t engine_max_chunk(const struct engine *e);
 const struct model_config *engine_config(const struct engine *e);
 struct kv_cache *engine_kv(struct engine *e);
 struct weight_source *engine_weights(struct engine *e);
+/* fn(ctx) is called once per layer of every step (the runner beats its heartbeat there: a step
+ * over a large model takes long). NULL: none. */
+void engine_set_progress(struct engine *e, void (*fn)(void *ctx), void *ctx);
 const char *engine_error(const struct engine *e);
 
 #ifdef __cplusplus

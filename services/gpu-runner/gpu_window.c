@@ -758,6 +758,14 @@ void gpu_window_stats(struct gpu_window *w, struct gpu_window_stats *st)
 	*st = w->st;
 }
 
+enum gwin_state gpu_window_group_state(const struct gpu_window *w, uint32_t g, bool *resident)
+{
+	bool in = g < w->base.n_groups;
+	if (resident)
+		*resident = in && w->g[g].resident;
+	return in ? (enum gwin_state)w->g[g].state : GWIN_ABSENT;
+}
+
 void gpu_window_reset_timing(struct gpu_window *w)
 {
 	for (uint32_t s = 0; s < w->n_slots; s++)

@@ -81,6 +81,9 @@ void gpu_window_destroy(struct gpu_window **w);
 
 struct weight_source *gpu_window_base(struct gpu_window *w);
 void gpu_window_stats(struct gpu_window *w, struct gpu_window_stats *st);
+/* For inspection: group g's state (enum gwin_state; GWIN_ABSENT for g out of range) and
+ * whether it is held on the device for good (*resident, may be NULL). */
+enum gwin_state gpu_window_group_state(const struct gpu_window *w, uint32_t g, bool *resident);
 /* Starts a new period for copy timing (the benchmark calls it between prefill and decode). */
 void gpu_window_reset_timing(struct gpu_window *w);
 /* A line saying what the plan is and what it predicts per decode token. */

@@ -37,6 +37,8 @@ static int wait_reply(struct kv_remote *kr, uint64_t corr, struct msg *rep)
 			kr->lost = true;
 			return kv_remote_owner_alive(kr) ? -ETIMEDOUT : -ECONNRESET;
 		}
+		if (kr->wait_hook)
+			kr->wait_hook(kr->wait_ctx);
 	}
 }
 
@@ -305,7 +307,8 @@ static int op_unpin_all(void *ctx)
 static uint32_t op_max_batch(void *ctx)
 {
 	const struct kv_remote *kr = ctx;
-	return kr->h && kr->h->n_slots ? kr->h->n_slots : 1;
+	uint32_t n = kr->h && kr->h->n_slots ? kr->h->n_slots : 1;
+	return kr->max_batch && kr->max_batch < n ? kr->max_batch : n;
 }
 
 static const char *op_error(void *ctx)

@@ -40,10 +40,15 @@ struct kv_remote {
 	uint64_t pool_epoch;
 	uint64_t block_bytes;
 	int timeout_ms;
+	uint32_t max_batch; /* blocks per ALLOC/FETCH at most; 0: as many as the pool holds (live tuning) */
 	uint64_t pending[KV_EVENTS_IN_FLIGHT]; /* commits whose replies are not yet read */
 	uint32_t n_pending;
 	bool lost; /* a request went unanswered (timeout, the process died): reconnect before trusting it */
 	char error[512];
+	/* Called every 100 ms while a reply is awaited (the runner beats its heartbeat); may be
+	 * NULL. Set by the owner; kv_remote_connect keeps it. */
+	void (*wait_hook)(void *ctx);
+	void *wait_ctx;
 };
 
 extern const struct kv_remote_ops kv_remote_ops_pool;

@@ -22,6 +22,7 @@
 #include "common/shm.h"
 #include "common/tokenizer.h"
 #include "common/util.h"
+#include "common/weight_ring.h"
 #include "services/gpu-runner/backend.h"
 #include "services/gpu-runner/engine.h"
 #include "services/gpu-runner/generate.h"
@@ -54,6 +55,8 @@ struct runner {
 	const char *instance, *run_dir, *backend_name, *log_level, *kv_dtype_name;
 	uint64_t gpu_budget, kv_gpu_budget;
 	long block_tokens, threads, max_context, prefill_chunk, timeout_ms, prefetch_depth, copy_streams;
+	/* live tuning: the start values bound what a tune may set; max_queued caps the queue */
+	long start_timeout_ms, start_max_context, max_queued;
 	uint64_t h2d_bps, hbm_bps;
 	double predicted_ms;	/* per decode token, from the plans of both tiers */
 	const char *binding;	/* which limit the prediction says binds */
@@ -196,6 +199,14 @@ static void drop_window(struct runner *r)
 #endif
 }
 
+/* Long work (a forward step, per layer; a wait on a peer, every 100 ms) keeps the heartbeat
+ * going: the supervisor then tells a runner at work from a stopped one. */
+static void beat(void *ctx)
+{
+	struct runner *r = ctx;
+	service_beat(r->svc);
+}
+
 static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t errlen)
 {
 	struct msg hello;
@@ -214,6 +225,7 @@ static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t e
 	msg_free(&hello);
 	if (rc)
 		return rc;
+	ring_source_set_wait_hook(r->ring, beat, r);
 	tokenizer_destroy(&r->tok);
 	const char *tdata;
 	size_t tlen;
@@ -237,6 +249,27 @@ static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t e
 	}
 	r->loader_suspect = false;
 	return 0;
+}
+
+/* connect_loader in short tries until deadline_ms pass, beating between them. A loader that went
+ * away while the runner took its ring (it died after HELLO; a successor comes) is tried again
+ * too, rather than failing a request, or the runner's start. */
+static int connect_loader_retry(struct runner *r, int deadline_ms, char *err, size_t errlen)
+{
+	uint64_t deadline = now_ns() + (uint64_t)deadline_ms * 1000000ull;
+	int rc;
+	while ((rc = connect_loader(r, 500, err, errlen)) != 0 && now_ns() < deadline &&
+	       (rc == -ETIMEDOUT || rc == -ECONNRESET || rc == -ENOENT || rc == -EAGAIN)) {
+		if (rc != -ETIMEDOUT) {
+			log_warn("ssd-loader went away while the runner connected (%s): trying again", err);
+			usleep(50 * 1000);
+		}
+		beat(r);
+	}
+	if (rc == -ETIMEDOUT)
+		snprintf(err, errlen, "ssd-loader did not answer at %s/ssd-loader.ctl within %d s", r->run_dir,
+			 deadline_ms / 1000);
+	return rc;
 }
 
 /* Page-locks the KV pool for a device backend (copies then run at the link's speed and
@@ -323,9 +356,11 @@ static int kv_failure(void *ctx, char *err, size_t errlen)
 static int ensure_connections(struct runner *r, char *err, size_t errlen)
 {
 	int rc;
-	if (r->loader_suspect || !r->ring || !ring_source_owner_alive(r->ring)) {
+	/* A source that moved to a new loader in the middle of a step still maps the old ring (and a
+	 * GPU window registered it): start over from the new loader. */
+	if (r->loader_suspect || !r->ring || !ring_source_owner_alive(r->ring) || ring_source_reconnected(r->ring)) {
 		log_info("reconnecting to ssd-loader");
-		rc = connect_loader(r, RECONNECT_TIMEOUT_MS, err, errlen);
+		rc = connect_loader_retry(r, RECONNECT_TIMEOUT_MS, err, errlen);
 		if (rc)
 			return rc;
 		if ((rc = make_window(r, err, errlen)) != 0)
@@ -335,10 +370,16 @@ static int ensure_connections(struct runner *r, char *err, size_t errlen)
 				   errlen);
 		if (rc)
 			return rc;
+		engine_set_progress(r->engine, beat, r);
 	}
 	if (r->kv_suspect || kv_remote_lost(&r->kv)) {
 		log_info("reconnecting to kv-store");
-		rc = connect_kv(r, RECONNECT_TIMEOUT_MS, err, errlen);
+		uint64_t deadline = now_ns() + (uint64_t)RECONNECT_TIMEOUT_MS * 1000000ull;
+		while ((rc = connect_kv(r, 500, err, errlen)) == -ETIMEDOUT && now_ns() < deadline)
+			beat(r);
+		if (rc == -ETIMEDOUT)
+			snprintf(err, errlen, "kv-store did not answer at %s/kv-store.ctl within %d s", r->run_dir,
+				 RECONNECT_TIMEOUT_MS / 1000);
 		if (rc)
 			return rc;
 	}
@@ -478,8 +519,8 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 			  size_t errlen)
 {
 	const struct msg_generate *g = &req->generate;
-	if (r->q_len == QUEUE_MAX) {
-		snprintf(errtext, errlen, "the runner has %d requests queued; try again later", QUEUE_MAX);
+	if (r->q_len >= QUEUE_MAX || (r->max_queued && r->q_len >= (uint32_t)r->max_queued)) {
+		snprintf(errtext, errlen, "the runner has %u requests queued; try again later", r->q_len);
 		return -EBUSY;
 	}
 	if ((g->tokens.n > 0) + (g->prompt.len > 0) + (g->chat.len > 0) != 1) {
@@ -555,6 +596,105 @@ static int handle(void *ctx, struct service *s, const struct bus_peer *peer, con
 	return -ENOTSUP;
 }
 
+/* ---- what pipeline-inspect shows (built with the stats, once a second; nothing on the token path) ---- */
+
+/* The runner's view of weight group g: on the device (cuda: G held for good, W in a window
+ * slot, C copying in, T retiring), else in the loader's ring (H granted to the runner, R ready,
+ * L loading, E empty). */
+static char group_letter(struct runner *r, struct wring_header *h, uint32_t g)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	if (r->win) {
+		bool for_good;
+		switch (gpu_window_group_state(r->win, g, &for_good)) {
+		case GWIN_RESIDENT:
+			return for_good ? 'G' : 'W';
+		case GWIN_INFLIGHT:
+			return 'C';
+		case GWIN_RETIRING:
+			return 'T';
+		default:
+			break;
+		}
+	}
+#endif
+	if (g >= h->n_groups)
+		return '?';
+	uint32_t s = atomic_load_explicit(&wring_group_state(h)[g].slot, memory_order_relaxed);
+	if (s >= h->n_slots)
+		return 'E';
+	struct wring_slot *sl = &wring_slots(h)[s];
+	if (atomic_load_explicit(&sl->group, memory_order_relaxed) != g)
+		return 'E';
+	switch (atomic_load_explicit(&sl->state, memory_order_relaxed)) {
+	case WSLOT_READY:
+		return atomic_load_explicit(&sl->refs, memory_order_relaxed) ? 'H' : 'R';
+	case WSLOT_LOADING:
+		return 'L';
+	default:
+		return 'E';
+	}
+}
+
+/* busy, tokens_computed and tokens_per_s (over the last second or more), weight_groups
+ * (embed, head, and per layer the attn and ffn letters), copy_queue, KV blocks per layer. */
+static void inspect_stats(struct runner *r, json_t *o)
+{
+	static uint64_t last_tokens, last_ns;
+	static double rate;
+	void *base = NULL;
+	size_t size = 0;
+	if (r->ring)
+		ring_source_mapping(r->ring, &base, &size);
+	struct wring_header *h = base;
+	uint64_t tokens = h ? atomic_load_explicit(&h->runner.tokens, memory_order_relaxed) : 0, now = now_ns();
+	if (!last_ns || tokens < last_tokens) { /* the first call, or a new ring */
+		last_ns = now;
+		last_tokens = tokens;
+		rate = 0;
+	} else if (now - last_ns >= 900000000ull) {
+		rate = (double)(tokens - last_tokens) / ((double)(now - last_ns) / 1e9);
+		last_ns = now;
+		last_tokens = tokens;
+	}
+	json_object_set_new(o, "busy", json_boolean(r->current != NULL));
+	json_object_set_new(o, "tokens_computed", json_integer((json_int_t)tokens));
+	json_object_set_new(o, "tokens_per_s", json_real(rate));
+	uint32_t n_layers = r->cfg.n_layers;
+	if (h) {
+		json_t *layers = json_array();
+		uint32_t held = 0, copying = 0;
+		for (uint32_t g = 0; g < h->n_groups; g++) {
+			char c = group_letter(r, h, g);
+			held += c == 'H';
+			copying += c == 'C';
+		}
+		for (uint32_t l = 0; layers && l < n_layers; l++) {
+			char pair[3] = {group_letter(r, h, group_id_attn(l)), group_letter(r, h, group_id_ffn(l)), 0};
+			json_array_append_new(layers, json_string(pair));
+		}
+		char embed[2] = {group_letter(r, h, group_id_embed()), 0};
+		char head[2] = {group_letter(r, h, group_id_head(&r->cfg)), 0};
+		json_object_set_new(o, "weight_groups", json_pack("{s:s, s:s, s:o*}", "embed", embed, "head", head,
+								  "layers", layers));
+		json_object_set_new(o, "copy_queue", json_pack("{s:i, s:i}", "weights_h2d_in_flight", (int)copying,
+							       "weight_grants_held", (int)held));
+	}
+	uint32_t *per_layer = r->cache && n_layers ? calloc(2 * (size_t)n_layers, sizeof(uint32_t)) : NULL;
+	if (per_layer) {
+		uint32_t used;
+		kv_cache_usage(r->cache, &used, per_layer, per_layer + n_layers);
+		json_t *gpu = json_array(), *store = json_array();
+		for (uint32_t l = 0; gpu && store && l < n_layers; l++) {
+			json_array_append_new(gpu, json_integer(per_layer[l]));
+			json_array_append_new(store, json_integer(per_layer[n_layers + l]));
+		}
+		json_object_set_new(o, "kv_gpu_blocks_used", json_integer(used));
+		json_object_set_new(o, "kv_layers", json_pack("{s:o*, s:o*}", "gpu", gpu, "store", store));
+		free(per_layer);
+	}
+}
+
 static char *stats(void *ctx)
 {
 	struct runner *r = ctx;
@@ -604,6 +744,8 @@ static char *stats(void *ctx)
 			json_object_set_new(o, "gpu_window", g);
 	}
 #endif
+	if (o)
+		inspect_stats(r, o);
 	if (o) {
 		json_object_set_new(o, "tokenizer", json_boolean(r->tok != NULL));
 		json_object_set_new(o, "chat_format", json_string(chat_format_name(chat_format_of(r->tok))));
@@ -620,6 +762,122 @@ static void hello(void *ctx, const struct msg *req, struct msg_hello_reply *rep)
 }
 
 static const struct service_ops runner_ops = {.handle = handle, .stats = stats, .hello = hello};
+
+/* ---- live tuning ---- */
+
+static void timeout_get(void *ctx, struct tunable_value *v)
+{
+	v->i = ((struct runner *)ctx)->timeout_ms;
+}
+
+/* The loader's and the kv-store's clients wait this long from their next request on. */
+static int timeout_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	struct runner *r = ctx;
+	if (!apply)
+		return 0;
+	r->timeout_ms = v->i;
+	r->kv.timeout_ms = (int)v->i;
+	if (r->ring)
+		ring_source_set_timeout(r->ring, (int)v->i);
+	return 0;
+}
+
+static void max_context_get(void *ctx, struct tunable_value *v)
+{
+	v->i = ((struct runner *)ctx)->max_context;
+}
+
+/* Requests started from now on; the one running keeps its limit. */
+static int max_context_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	if (apply)
+		((struct runner *)ctx)->max_context = v->i;
+	return 0;
+}
+
+static void fetch_batch_get(void *ctx, struct tunable_value *v)
+{
+	v->i = ((struct runner *)ctx)->kv.max_batch;
+}
+
+/* The next ALLOC or FETCH, also in the middle of a request (the values do not depend on it). */
+static int fetch_batch_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	if (apply)
+		((struct runner *)ctx)->kv.max_batch = (uint32_t)v->i;
+	return 0;
+}
+
+static void max_queued_get(void *ctx, struct tunable_value *v)
+{
+	v->i = ((struct runner *)ctx)->max_queued;
+}
+
+/* New requests past it are refused (EBUSY); those queued stay. */
+static int max_queued_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	if (apply)
+		((struct runner *)ctx)->max_queued = v->i;
+	return 0;
+}
+
+static void add_fixed_long(struct service *s, const char *name, enum tunable_type type, long long v, const char *help)
+{
+	char num[32];
+	snprintf(num, sizeof(num), "%lld", v);
+	service_add_fixed(s, name, type, num, help);
+}
+
+static void register_tunables(struct runner *r)
+{
+	struct service *s = r->svc;
+	r->start_timeout_ms = r->timeout_ms;
+	r->start_max_context = r->max_context;
+	r->max_queued = QUEUE_MAX;
+	struct tunable t[] = {
+		{.name = "timeout-ms",
+		 .help = "how long to wait for a reply from ssd-loader or kv-store (at most the value at start: the "
+			 "supervisor's peer grace follows it)",
+		 .type = TUNABLE_INT, .min = 100, .max = r->start_timeout_ms, .get = timeout_get, .set = timeout_set},
+		{.name = "max-context",
+		 .help = "positions per sequence, for requests started from now on (at most the value at start: the "
+			 "KV tables are sized for it)",
+		 .type = TUNABLE_INT, .min = 2, .max = r->start_max_context, .get = max_context_get,
+		 .set = max_context_set},
+		{.name = "kv-fetch-batch",
+		 .help = "KV blocks per kv-store ALLOC or FETCH at most (0: as many as the pool holds); smaller batches "
+			 "make more requests, the values stay the same",
+		 .type = TUNABLE_INT, .min = 0, .max = 65536, .get = fetch_batch_get, .set = fetch_batch_set},
+		{.name = "max-queued",
+		 .help = "generate requests queued at most; more are refused with EBUSY",
+		 .type = TUNABLE_INT, .min = 1, .max = QUEUE_MAX, .get = max_queued_get, .set = max_queued_set},
+	};
+	for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++) {
+		t[i].ctx = r;
+		service_add_tunable(s, &t[i]);
+	}
+	service_add_fixed(s, "backend", TUNABLE_STRING, r->ops->name, "the compute backend");
+	add_fixed_long(s, "gpu-budget", TUNABLE_BYTES, (long long)r->gpu_budget, "GPU memory for weights (cuda)");
+	add_fixed_long(s, "prefetch-depth", TUNABLE_INT, r->prefetch_depth,
+		       "device slots per streamed group class (cuda): allocated at start");
+	add_fixed_long(s, "copy-streams", TUNABLE_INT, r->copy_streams, "H2D copy streams (cuda): created at start");
+	add_fixed_long(s, "h2d-bytes-per-s", TUNABLE_BYTES, (long long)r->h2d_bps, "H2D bandwidth of the plan");
+	add_fixed_long(s, "hbm-bytes-per-s", TUNABLE_BYTES, (long long)r->hbm_bps, "GPU memory bandwidth of the plan");
+	service_add_fixed(s, "strict", TUNABLE_BOOL, r->strict ? "true" : "false", "check the GPU window's invariants");
+	service_add_fixed(s, "profile-copies", TUNABLE_BOOL, r->profile_copies ? "true" : "false",
+			  "time every weight copy");
+	service_add_fixed(s, "kv-dtype", TUNABLE_STRING, r->bp.kv_dtype == DT_F32 ? "f32" : "bf16",
+			  "the KV element type");
+	add_fixed_long(s, "kv-gpu-budget", TUNABLE_BYTES, (long long)r->kv_gpu_budget,
+		       "memory for the runner's KV blocks: the arena is laid out at start");
+	add_fixed_long(s, "kv-block-tokens", TUNABLE_INT, r->block_tokens, "tokens per KV block (names cached blocks)");
+	add_fixed_long(s, "prefill-chunk", TUNABLE_INT, r->prefill_chunk,
+		       "most prompt tokens per forward step (the chunk grid keeps reused prefixes exact)");
+	add_fixed_long(s, "threads", TUNABLE_INT, r->threads, "CPU threads of the cpu backend: started at start");
+	service_add_fixed(s, "instance", TUNABLE_STRING, r->instance, "the instance name");
+	service_add_fixed(s, "run-dir", TUNABLE_STRING, r->run_dir, "the run directory");
+}
 
 /* ---- start ---- */
 
@@ -654,7 +912,7 @@ static int setup(struct runner *r)
 	rpc_client_set_session(r->loader_c, session);
 	rpc_client_set_session(r->kv_c, session);
 	log_info("waiting for ssd-loader");
-	int rc = connect_loader(r, CONNECT_TIMEOUT_MS, err, sizeof(err));
+	int rc = connect_loader_retry(r, CONNECT_TIMEOUT_MS, err, sizeof(err));
 	if (rc) {
 		log_error("%s", err);
 		return rc;
@@ -726,6 +984,8 @@ static int setup(struct runner *r)
 		log_error("%s", err);
 		return rc;
 	}
+	r->kv.wait_hook = beat;
+	r->kv.wait_ctx = r;
 	log_info("waiting for kv-store");
 	rc = connect_kv(r, CONNECT_TIMEOUT_MS, err, sizeof(err));
 	if (rc) {
@@ -738,6 +998,7 @@ static int setup(struct runner *r)
 		log_error("%s", err);
 		return rc;
 	}
+	engine_set_progress(r->engine, beat, r);
 	log_info("backend %s, %u layers, KV arena %u blocks of %zu bytes (%ld tokens each), context %ld", r->ops->name,
 		 r->cfg.n_layers, r->bp.n_kv_blocks, r->arena_block_bytes, r->block_tokens, r->max_context);
 	return 0;
@@ -822,6 +1083,8 @@ int main(int argc, char **argv)
 		r.svc = service_create("gpu-runner", r.run_dir, &runner_ops, &r);
 		if (!r.svc)
 			rc = -EIO;
+		else
+			register_tunables(&r);
 	}
 	if (rc) {
 		teardown(&r);

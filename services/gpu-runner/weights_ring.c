@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "common/manifest.h"
@@ -11,12 +12,24 @@
 #include "common/util.h"
 #include "common/weight_ring.h"
 
+/* How long a step waits for a loader that went away to come back, in slices of WAIT_SLICE_MS
+ * (the liveness of the loader is checked, and the wait hook called, between slices). */
+#define RECONNECT_MS 30000
+#define WAIT_SLICE_MS 100
+/* Loaders that may go away within one step before it fails; rings of gone loaders kept mapped
+ * until the source is destroyed (the runner does so at the next request). */
+#define RECONNECT_TRIES 8
+#define RETIRED_MAX 8
+
 struct held {
 	bool held;	 /* we hold a grant */
-	bool permanent;	 /* acquired for good at creation */
+	bool permanent;	 /* acquired for good (at creation, or again after a reconnect) */
+	bool stale;	 /* granted by a loader that has gone since: never released to its successor */
 	uint32_t slot;
 	uint64_t generation;
-	uint64_t offset; /* slot data offset from the base */
+	uint64_t epoch;	 /* HELLO epoch of the loader that granted it */
+	char *map;	 /* the ring mapping the grant points into (the gone loader's stays mapped) */
+	uint64_t offset; /* slot data offset from map */
 };
 
 struct ring_source {
@@ -34,6 +47,12 @@ struct ring_source {
 	struct held *held;	   /* n_groups */
 	uint64_t *pending_release; /* groups released, not yet told to the loader */
 	uint32_t n_pending;
+	uint64_t epoch;		   /* HELLO epoch of the loader the current grants come from */
+	struct shm_object *retired[RETIRED_MAX]; /* rings of loaders that went away, still mapped */
+	uint32_t n_retired;
+	uint32_t reconnects;
+	void (*wait_hook)(void *ctx);
+	void *wait_ctx;
 };
 
 /* The errno an MSG_ERROR carries, if it is one (1..4095); EIO for anything else, so that a
@@ -130,14 +149,39 @@ static int take_grant(struct ring_source *rs, const struct msg *m, const bool *w
 			    "the grant of group %u does not match slot %llu in the ring", g,
 			    (unsigned long long)gr->slot);
 	rs->held[g] = (struct held){.held = true, .slot = (uint32_t)gr->slot, .generation = gr->generation,
-				    .offset = gr->offset};
+				    .epoch = rs->epoch, .map = (char *)rs->h, .offset = gr->offset};
 	count_grant(rs, g);
 	return 0;
+}
+
+/* Waits for the reply to corr in slices: a loader that died is noticed at once rather than after
+ * the whole timeout, and the wait hook runs (the runner's heartbeat). Returns as rpc_wait, or
+ * -ECONNRESET when the loader that laid out the ring is gone. */
+static int wait_reply(struct ring_source *rs, uint64_t corr, struct msg *rep)
+{
+	for (int waited = 0;;) {
+		int step = rs->timeout_ms - waited < WAIT_SLICE_MS ? rs->timeout_ms - waited : WAIT_SLICE_MS;
+		int rc = rpc_wait(rs->loader, corr, rep, step > 0 ? step : 0);
+		if (rc != -ETIMEDOUT)
+			return rc;
+		waited += step;
+		if (!ring_source_owner_alive(rs))
+			return -ECONNRESET;
+		if (waited >= rs->timeout_ms)
+			return -ETIMEDOUT;
+		if (rs->wait_hook)
+			rs->wait_hook(rs->wait_ctx);
+	}
 }
 
 /* Sends one ACQUIRE for groups[0..n) (with the pending releases) and collects the grants. */
 static int acquire_groups(struct ring_source *rs, const uint64_t *groups, uint32_t n)
 {
+	/* A successor of a loader that went away would be sent releases of grants it never made
+	 * (and refuse the whole acquire): look first. */
+	if (!ring_source_owner_alive(rs))
+		return errorf(rs->base.error, sizeof(rs->base.error), -ECONNRESET,
+			      "ssd-loader (pid %d) went away", rs->owner_pid);
 	struct msg req, rep;
 	msg_init(&req, MSG_W_ACQUIRE, 0);
 	req.w_acquire.groups.v = (uint64_t *)groups;
@@ -155,7 +199,7 @@ static int acquire_groups(struct ring_source *rs, const uint64_t *groups, uint32
 	for (uint32_t i = 0; i < n; i++)
 		wanted[groups[i]] = true;
 	for (uint32_t got = 0; got < n; got++) {
-		rc = rpc_wait(rs->loader, corr, &rep, rs->timeout_ms);
+		rc = wait_reply(rs, corr, &rep);
 		if (rc == -EREMOTEIO) {
 			rc = errorf(rs->base.error, sizeof(rs->base.error), -reply_errno(&rep), "ssd-loader: %s",
 				    rep.error.text.p);
@@ -163,7 +207,8 @@ static int acquire_groups(struct ring_source *rs, const uint64_t *groups, uint32
 			break;
 		}
 		if (rc) {
-			errorf(rs->base.error, sizeof(rs->base.error), rc, "no grant from ssd-loader: %s", strerror(-rc));
+			errorf(rs->base.error, sizeof(rs->base.error), rc, "no grant from ssd-loader: %s",
+			       rc == -ECONNRESET ? "its process died" : strerror(-rc));
 			break;
 		}
 		rc = take_grant(rs, &rep, wanted);
@@ -177,30 +222,50 @@ static int acquire_groups(struct ring_source *rs, const uint64_t *groups, uint32
 	return rc;
 }
 
+static int reconnect(struct ring_source *rs);
+
 static int ring_acquire(struct weight_source *ws, uint32_t group, struct group_weights *w)
 {
 	struct ring_source *rs = (struct ring_source *)ws;
-	if (group >= rs->h->n_groups)
+	if (group >= rs->base.n_groups)
 		return errorf(ws->error, sizeof(ws->error), -EINVAL, "no group %u", group);
-	atomic_store_explicit(&rs->h->runner.position, group, memory_order_relaxed);
-	if (!rs->held[group].held) {
-		uint64_t g = group;
-		int rc = acquire_groups(rs, &g, 1);
-		if (rc)
+	for (uint32_t attempt = 0;; attempt++) {
+		atomic_store_explicit(&rs->h->runner.position, group, memory_order_relaxed);
+		struct held *hd = &rs->held[group];
+		int rc = 0;
+		if (!hd->held || hd->stale) {
+			uint64_t g = group;
+			rc = acquire_groups(rs, &g, 1);
+		} else if (!hd->permanent) {
+			count_grant(rs, group);
+		}
+		if (rc == 0)
+			break;
+		/* The loader is there: it refused, or did not answer in time. */
+		if (ring_source_owner_alive(rs))
 			return rc;
-	} else if (!rs->held[group].permanent) {
-		count_grant(rs, group);
+		/* It went away (killed, restarted): its successor serves the same bytes. Drop what the
+		 * gone one granted, say HELLO to the new one and ask again; the step goes on. */
+		if (attempt == RECONNECT_TRIES)
+			return errorf(ws->error, sizeof(ws->error), -ECONNRESET,
+				      "ssd-loader went away %d times during one step", RECONNECT_TRIES);
+		if ((rc = reconnect(rs)) != 0)
+			return rc;
 	}
-	const struct held *e = &rs->held[group_id_embed()];
-	weights_fill(ws, group, (char *)rs->h + rs->held[group].offset, e->held ? (char *)rs->h + e->offset : NULL, w);
+	const struct held *hd = &rs->held[group], *e = &rs->held[group_id_embed()];
+	weights_fill(ws, group, hd->map + hd->offset, e->held ? e->map + e->offset : NULL, w);
 	return 0;
 }
 
 static int ring_release(struct weight_source *ws, uint32_t group)
 {
 	struct ring_source *rs = (struct ring_source *)ws;
-	if (group >= rs->h->n_groups || !rs->held[group].held)
+	if (group >= rs->base.n_groups || !rs->held[group].held)
 		return errorf(ws->error, sizeof(ws->error), -EINVAL, "group %u is not held", group);
+	if (rs->held[group].stale) { /* its loader is gone, and the successor never granted it */
+		rs->held[group].held = rs->held[group].stale = false;
+		return 0;
+	}
 	if (rs->held[group].permanent)
 		return 0;
 	rs->held[group].held = false;
@@ -230,8 +295,10 @@ static int send_release(struct ring_source *rs, uint64_t *groups, uint32_t n)
 static int ring_release_all(struct weight_source *ws)
 {
 	struct ring_source *rs = (struct ring_source *)ws;
-	for (uint32_t g = 0; g < rs->h->n_groups; g++) {
-		if (rs->held[g].held && !rs->held[g].permanent) {
+	for (uint32_t g = 0; g < rs->base.n_groups; g++) {
+		if (rs->held[g].held && rs->held[g].stale) {
+			rs->held[g].held = rs->held[g].stale = false;
+		} else if (rs->held[g].held && !rs->held[g].permanent) {
 			rs->held[g].held = false;
 			rs->pending_release[rs->n_pending++] = g;
 		}
@@ -247,72 +314,203 @@ static const struct weight_source_ops ring_ops = {
 	.release_all = ring_release_all,
 };
 
-int ring_source_create(struct rpc_client *loader, const struct msg_hello_reply *hello, int timeout_ms,
-		       struct ring_source **out, char *err, size_t errlen)
+/* Maps the ring a HELLO reply names and checks its tables into rs (tensors, groups, held,
+ * pending_release allocated; free them with free_tables). */
+static int open_ring(struct ring_source *rs, const struct msg_hello_reply *hello, char *err, size_t errlen)
 {
 	if (hello->layout != WRING_LAYOUT_VERSION)
 		return errorf(err, errlen, -EPROTO, "ssd-loader uses weight ring layout %llu, this runner %d",
-			    (unsigned long long)hello->layout, WRING_LAYOUT_VERSION);
+			      (unsigned long long)hello->layout, WRING_LAYOUT_VERSION);
+	int rc = shm_object_attach(hello->shm_name.p, SHM_KIND_WEIGHT_RING, WRING_LAYOUT_VERSION, true, &rs->obj);
+	if (rc)
+		return errorf(err, errlen, rc, "cannot map the weight ring %s: %s", hello->shm_name.p, strerror(-rc));
+	rs->h = shm_object_base(rs->obj);
+	rs->owner_pid = atomic_load(&rs->h->shm.owner_pid);
+	rs->epoch = hello->epoch;
+	if (rs->h->manifest_hash != hello->manifest_hash)
+		return errorf(err, errlen, -EPROTO, "the weight ring holds another model than ssd-loader announced");
+	rc = check_tables(rs, shm_object_size(rs->obj), err, errlen);
+	if (rc)
+		return rc;
+	rs->manifest_hash = rs->h->manifest_hash;
+	rs->all_resident = rs->h->all_resident != 0;
+	return 0;
+}
+
+static void free_tables(struct ring_source *rs)
+{
+	free(rs->tensors);
+	free(rs->groups);
+	free(rs->held);
+	free(rs->pending_release);
+	rs->tensors = NULL;
+	rs->groups = NULL;
+	rs->held = NULL;
+	rs->pending_release = NULL;
+}
+
+/* Acquires the groups kept for good: all when resident, else the globals (embed, head). */
+static int acquire_keep(struct ring_source *rs)
+{
+	uint32_t ng = rs->base.n_groups, n = 0;
+	uint64_t *keep = calloc(ng, sizeof(uint64_t));
+	if (!keep)
+		return errorf(rs->base.error, sizeof(rs->base.error), -ENOMEM, "out of memory");
+	for (uint32_t g = 0; g < ng; g++)
+		if (rs->all_resident || rs->groups[g].kind == GROUP_EMBED || rs->groups[g].kind == GROUP_HEAD)
+			keep[n++] = g;
+	int rc = acquire_groups(rs, keep, n);
+	for (uint32_t i = 0; i < n && rc == 0; i++)
+		rs->held[keep[i]].permanent = true;
+	free(keep);
+	return rc;
+}
+
+int ring_source_create(struct rpc_client *loader, const struct msg_hello_reply *hello, int timeout_ms,
+		       struct ring_source **out, char *err, size_t errlen)
+{
 	struct ring_source *rs = calloc(1, sizeof(*rs));
 	if (!rs)
 		return -ENOMEM;
 	rs->loader = loader;
 	rs->timeout_ms = timeout_ms;
-	int rc = shm_object_attach(hello->shm_name.p, SHM_KIND_WEIGHT_RING, WRING_LAYOUT_VERSION, true, &rs->obj);
-	if (rc) {
-		errorf(err, errlen, rc, "cannot map the weight ring %s: %s", hello->shm_name.p, strerror(-rc));
-		goto out_free;
-	}
-	rs->h = shm_object_base(rs->obj);
-	rs->owner_pid = atomic_load(&rs->h->shm.owner_pid);
-	if (rs->h->manifest_hash != hello->manifest_hash) {
-		rc = errorf(err, errlen, -EPROTO, "the weight ring holds another model than ssd-loader announced");
-		goto out_free;
-	}
-	rc = check_tables(rs, shm_object_size(rs->obj), err, errlen);
+	int rc = open_ring(rs, hello, err, errlen);
 	if (rc)
 		goto out_free;
-	rs->manifest_hash = rs->h->manifest_hash;
-	rs->all_resident = rs->h->all_resident != 0;
 	rs->base.ops = &ring_ops;
 	rs->base.cfg = &rs->cfg;
 	rs->base.tensors = rs->tensors;
 	rs->base.groups = rs->groups;
 	rs->base.n_tensors = rs->h->n_tensors;
 	rs->base.n_groups = rs->h->n_groups;
-
-	/* Groups kept for good: all when resident, else the globals. */
-	uint32_t ng = rs->h->n_groups, n = 0;
-	uint64_t *keep = calloc(ng, sizeof(uint64_t));
-	if (!keep) {
-		rc = -ENOMEM;
-		goto out_free;
-	}
-	for (uint32_t g = 0; g < ng; g++)
-		if (rs->all_resident || rs->groups[g].kind == GROUP_EMBED || rs->groups[g].kind == GROUP_HEAD)
-			keep[n++] = g;
-	rc = acquire_groups(rs, keep, n);
-	free(keep);
+	rc = acquire_keep(rs);
 	if (rc) {
 		errorf(err, errlen, rc, "%s", rs->base.error);
 		goto out_free;
 	}
-	for (uint32_t g = 0; g < ng; g++)
-		if (rs->held[g].held)
-			rs->held[g].permanent = true;
-	log_info("weight ring %s: %u groups, %s", hello->shm_name.p, ng,
+	log_info("weight ring %s: %u groups, %s", hello->shm_name.p, rs->base.n_groups,
 		 rs->all_resident ? "all resident" : "globals resident, layers streamed");
 	*out = rs;
 	return 0;
 
 out_free:
 	shm_object_close(&rs->obj, false);
-	free(rs->tensors);
-	free(rs->groups);
-	free(rs->held);
-	free(rs->pending_release);
+	free_tables(rs);
 	free(rs);
 	return rc;
+}
+
+/* Does the ring t (a successor's) describe the model exactly as rs does: the same tensors at the
+ * same places in their slots? The engine computes from rs's tables. */
+static int same_layout(const struct ring_source *rs, const struct ring_source *t, char *err, size_t errlen)
+{
+	if (t->manifest_hash != rs->manifest_hash || t->h->n_tensors != rs->base.n_tensors ||
+	    t->h->n_groups != rs->base.n_groups)
+		return errorf(err, errlen, -EPROTO, "ssd-loader came back with another model");
+	for (uint32_t i = 0; i < rs->base.n_tensors; i++) {
+		const struct tensor_desc *a = &rs->tensors[i], *b = &t->tensors[i];
+		if (a->group != b->group || a->role != b->role || a->dtype != b->dtype || a->ndim != b->ndim ||
+		    a->shape[0] != b->shape[0] || a->shape[1] != b->shape[1] || a->nbytes != b->nbytes ||
+		    a->slot_offset != b->slot_offset)
+			return errorf(err, errlen, -EPROTO, "ssd-loader came back with tensor %u laid out otherwise", i);
+	}
+	for (uint32_t g = 0; g < rs->base.n_groups; g++) {
+		const struct group_desc *a = &rs->groups[g], *b = &t->groups[g];
+		if (a->kind != b->kind || a->layer != b->layer || a->size_class != b->size_class ||
+		    a->first_tensor != b->first_tensor || a->n_tensors != b->n_tensors ||
+		    a->slot_bytes != b->slot_bytes || a->tensor_bytes != b->tensor_bytes)
+			return errorf(err, errlen, -EPROTO, "ssd-loader came back with group %u laid out otherwise", g);
+	}
+	return 0;
+}
+
+/* One try at taking the ring of the loader that now answers: HELLO (the loader drops every
+ * grant an earlier HELLO's runner held), map its ring, check it holds the same layout, switch
+ * to it (the old mapping is kept: stale grants still point into it), acquire the groups kept
+ * for good. Returns 0; -ETIMEDOUT, -ENOENT, -EAGAIN or -ECONNRESET when trying again may help
+ * (no answer yet, the ring not there yet, the new loader gone too); another -errno otherwise. */
+static int take_new_ring(struct ring_source *rs, char *err, size_t errlen)
+{
+	struct msg hello;
+	rpc_client_reset(rs->loader); /* replies meant for the old socket are dropped with it */
+	int rc = rpc_hello(rs->loader, &hello, 250);
+	if (rc == -EREMOTEIO) {
+		errorf(err, errlen, -EPROTO, "ssd-loader refused HELLO: %s", hello.error.text.p);
+		msg_free(&hello);
+		return -EPROTO;
+	}
+	if (rc)
+		return errorf(err, errlen, -ETIMEDOUT, "no ssd-loader answers HELLO");
+	if (rs->n_retired == RETIRED_MAX) {
+		msg_free(&hello);
+		return errorf(err, errlen, -EMFILE, "ssd-loader went away %d times in one request", RETIRED_MAX);
+	}
+	struct ring_source t = {.loader = rs->loader, .timeout_ms = rs->timeout_ms};
+	rc = open_ring(&t, &hello.hello_reply, err, errlen);
+	msg_free(&hello);
+	if (rc == 0)
+		rc = same_layout(rs, &t, err, errlen);
+	free_tables(&t);
+	if (rc) {
+		shm_object_close(&t.obj, false);
+		return rc;
+	}
+	/* Every grant so far came from a loader that is gone now (or from this one before our HELLO,
+	 * which dropped it): none is released to the new one. */
+	for (uint32_t g = 0; g < rs->base.n_groups; g++) {
+		rs->held[g].stale = rs->held[g].held;
+		rs->held[g].permanent = false;
+	}
+	rs->n_pending = 0;
+	rs->retired[rs->n_retired++] = rs->obj;
+	rs->obj = t.obj;
+	rs->h = t.h;
+	rs->owner_pid = t.owner_pid;
+	rs->epoch = t.epoch;
+	rs->all_resident = t.all_resident;
+	rc = acquire_keep(rs);
+	if (rc)
+		errorf(err, errlen, rc, "%s", rs->base.error);
+	return rc;
+}
+
+/* The loader went away in the middle of a step. Its grants are dropped without a release (its
+ * successor never made them), and the new loader's ring is taken; the caller asks again for
+ * what the step needs. Waits up to RECONNECT_MS for a loader to answer. Returns 0 or -errno with
+ * the source's error set. */
+static int reconnect(struct ring_source *rs)
+{
+	int old_pid = rs->owner_pid;
+	uint32_t dropped = 0;
+	for (uint32_t g = 0; g < rs->base.n_groups; g++)
+		dropped += rs->held[g].held && !rs->held[g].stale && rs->held[g].epoch == rs->epoch;
+	log_warn("ssd-loader (pid %d) went away in the middle of a step (%s): dropping the %u grants it made, "
+		 "reconnecting",
+		 old_pid, rs->base.error, dropped);
+	char err[512] = "";
+	uint64_t deadline = now_ns() + (uint64_t)RECONNECT_MS * 1000000ull;
+	for (;;) {
+		int rc = take_new_ring(rs, err, sizeof(err));
+		if (rc == 0)
+			break;
+		if (rc != -ETIMEDOUT && rc != -ENOENT && rc != -EAGAIN && rc != -ECONNRESET)
+			return errorf(rs->base.error, sizeof(rs->base.error), rc,
+				      "ssd-loader (pid %d) went away in the middle of a step; taking over from its "
+				      "successor failed: %s",
+				      old_pid, err);
+		if (now_ns() >= deadline)
+			return errorf(rs->base.error, sizeof(rs->base.error), rc,
+				      "ssd-loader (pid %d) went away and no loader took over within %d s: %s", old_pid,
+				      RECONNECT_MS / 1000, err);
+		if (rs->wait_hook)
+			rs->wait_hook(rs->wait_ctx);
+		if (rc != -ETIMEDOUT) /* a HELLO try waits by itself */
+			usleep(50 * 1000);
+	}
+	rs->reconnects++;
+	log_info("ssd-loader is back (pid %d, epoch %016llx, ring %s): the step goes on", rs->owner_pid,
+		 (unsigned long long)rs->epoch, shm_object_get_name(rs->obj));
+	return 0;
 }
 
 void ring_source_destroy(struct ring_source **rsp)
@@ -321,18 +519,28 @@ void ring_source_destroy(struct ring_source **rsp)
 		return;
 	struct ring_source *rs = *rsp;
 	if (ring_source_owner_alive(rs)) {
-		for (uint32_t g = 0; g < rs->h->n_groups; g++)
+		for (uint32_t g = 0; g < rs->base.n_groups; g++)
 			if (rs->held[g].held)
 				rs->held[g].permanent = false;
 		ring_release_all(&rs->base);
 	}
 	shm_object_close(&rs->obj, false);
-	free(rs->tensors);
-	free(rs->groups);
-	free(rs->held);
-	free(rs->pending_release);
+	for (uint32_t i = 0; i < rs->n_retired; i++)
+		shm_object_close(&rs->retired[i], false);
+	free_tables(rs);
 	free(rs);
 	*rsp = NULL;
+}
+
+void ring_source_set_wait_hook(struct ring_source *rs, void (*fn)(void *ctx), void *ctx)
+{
+	rs->wait_hook = fn;
+	rs->wait_ctx = ctx;
+}
+
+bool ring_source_reconnected(const struct ring_source *rs)
+{
+	return rs->reconnects > 0;
 }
 
 struct weight_source *ring_source_base(struct ring_source *rs)
@@ -357,9 +565,9 @@ bool ring_source_all_resident(const struct ring_source *rs)
 
 const void *ring_source_group_base(const struct ring_source *rs, uint32_t group)
 {
-	if (group >= rs->h->n_groups || !rs->held[group].held)
+	if (group >= rs->base.n_groups || !rs->held[group].held)
 		return NULL;
-	return (const char *)rs->h + rs->held[group].offset;
+	return rs->held[group].map + rs->held[group].offset;
 }
 
 uint32_t ring_source_streaming_slots(const struct ring_source *rs, uint32_t c)
@@ -403,4 +611,9 @@ void ring_source_tokenizer(const struct ring_source *rs, const char **data, size
 void ring_source_count_token(struct ring_source *rs)
 {
 	atomic_fetch_add_explicit(&rs->h->runner.tokens, 1, memory_order_relaxed);
+}
+
+void ring_source_set_timeout(struct ring_source *rs, int timeout_ms)
+{
+	rs->timeout_ms = timeout_ms;
 }

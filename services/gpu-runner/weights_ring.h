@@ -11,6 +11,18 @@
  * groups it keeps for good: all of them when the loader holds the whole model, else the
  * globals (embed and head). Streamed groups are acquired one at a time; a release is held
  * back and sent with the next acquire, so a streamed group costs one round trip.
+ *
+ * The loader going away in the middle of a step (kill -9, a restart) is survived: every grant
+ * records the loader (HELLO epoch, ring mapping) it came from. Before each acquire, and every
+ * 100 ms while waiting for a grant, the source checks that the process that laid out the ring
+ * is alive. When it is not, the grants it made are dropped without a release (its successor
+ * never made them; releasing them is refused), the source says HELLO to the loader that now
+ * answers (waiting up to 30 s), maps its ring, checks that it lays the model out the same way,
+ * acquires the groups kept for good again and asks again for the group the step needs. The
+ * bytes are the checkpoint's either way, so the step finishes with the same result. The gone
+ * loader's ring stays mapped until the source is destroyed (stale grants and a GPU window's
+ * registration point into it): ring_source_reconnected() tells the caller to make a new
+ * source at the next request.
  */
 #ifndef GPU_RUNNER_WEIGHTS_RING_H
 #define GPU_RUNNER_WEIGHTS_RING_H
@@ -33,6 +45,12 @@ int ring_source_create(struct rpc_client *loader, const struct msg_hello_reply *
 void ring_source_destroy(struct ring_source **rs);
 
 struct weight_source *ring_source_base(struct ring_source *rs);
+/* Called every 100 ms while the source waits for the loader (a grant, a loader to come back):
+ * the runner beats its heartbeat there. */
+void ring_source_set_wait_hook(struct ring_source *rs, void (*fn)(void *ctx), void *ctx);
+/* Did the source move to a new loader in the middle of a step? Its old rings are still mapped:
+ * destroy it and create a new one when convenient (between requests). */
+bool ring_source_reconnected(const struct ring_source *rs);
 /* Is the process that laid out the ring still its live owner? */
 bool ring_source_owner_alive(const struct ring_source *rs);
 uint64_t ring_source_manifest_hash(const struct ring_source *rs);
@@ -56,6 +74,8 @@ void ring_source_mapping(const struct ring_source *rs, void **base, size_t *size
 void ring_source_tokenizer(const struct ring_source *rs, const char **data, size_t *len);
 /* Counts a computed token in the ring header (for inspection). */
 void ring_source_count_token(struct ring_source *rs);
+/* How long to wait for the loader's replies from now on (live tuning of --timeout-ms). */
+void ring_source_set_timeout(struct ring_source *rs, int timeout_ms);
 
 #ifdef __cplusplus
 }

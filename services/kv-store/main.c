@@ -233,6 +233,89 @@ static char *stats(void *ctx)
 	return kvstore_stats_json(k->kv);
 }
 
+static void tick(void *ctx, struct service *s)
+{
+	struct kvsvc *k = ctx;
+	kvstore_enforce_budgets(k->kv); /* a lowered DRAM budget: spill down to it */
+}
+
+/* ---- live tuning ---- */
+
+static void dram_range(void *ctx, int64_t *min, int64_t *max)
+{
+	uint64_t a, b;
+	kvstore_dram_range(((struct kvsvc *)ctx)->kv, &a, &b);
+	*min = (int64_t)a;
+	*max = (int64_t)b;
+}
+
+static void dram_get(void *ctx, struct tunable_value *v)
+{
+	v->i = (int64_t)kvstore_dram_budget(((struct kvsvc *)ctx)->kv);
+}
+
+static int dram_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	return kvstore_set_dram_budget(((struct kvsvc *)ctx)->kv, (uint64_t)v->i, apply, why, whylen);
+}
+
+static void disk_range(void *ctx, int64_t *min, int64_t *max)
+{
+	uint64_t a, b;
+	kvstore_disk_range(((struct kvsvc *)ctx)->kv, &a, &b);
+	*min = (int64_t)a;
+	*max = (int64_t)b;
+}
+
+static void disk_get(void *ctx, struct tunable_value *v)
+{
+	v->i = (int64_t)kvstore_disk_budget(((struct kvsvc *)ctx)->kv);
+}
+
+static int disk_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	return kvstore_set_disk_budget(((struct kvsvc *)ctx)->kv, (uint64_t)v->i, apply, why, whylen);
+}
+
+static void io_get(void *ctx, struct tunable_value *v)
+{
+	v->i = kvstore_io_limit(((struct kvsvc *)ctx)->kv);
+}
+
+static int io_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	int rc = apply ? kvstore_set_io_limit(((struct kvsvc *)ctx)->kv, (uint32_t)v->i) : 0;
+	if (rc)
+		snprintf(why, whylen, "the spill file refused a depth of %lld", (long long)v->i);
+	return rc;
+}
+
+static void register_tunables(struct service *s, struct kvsvc *k, const char *instance, const char *run_dir,
+			      const char *spill_file, const char *persist_dir)
+{
+	struct tunable dram = {.name = "kv-dram-budget",
+			       .help = "KV blocks the shared-memory pool holds; lowering it spills the least recently "
+				       "used down to it (at most the pool laid out at start)",
+			       .type = TUNABLE_BYTES, .range = dram_range, .get = dram_get, .set = dram_set, .ctx = k};
+	struct tunable disk = {.name = "kv-disk-budget",
+			       .help = "KV blocks the spill file may hold (not below what it holds now; at most the file "
+				       "laid out at start)",
+			       .type = TUNABLE_BYTES, .range = disk_range, .get = disk_get, .set = disk_set, .ctx = k};
+	struct tunable io = {.name = "io-depth",
+			     .help = "spill-file reads and writes in flight at most (a cap under the io_uring depth set "
+				     "at start)",
+			     .type = TUNABLE_INT, .min = 1, .max = kvstore_io_depth(k->kv), .get = io_get, .set = io_set,
+			     .ctx = k};
+	service_add_tunable(s, &dram);
+	service_add_tunable(s, &disk);
+	service_add_tunable(s, &io);
+	service_add_fixed(s, "spill-file", TUNABLE_STRING, spill_file, "the spill file");
+	service_add_fixed(s, "persist-dir", TUNABLE_STRING, persist_dir ? persist_dir : "",
+			  "where the spill file and its index outlive a clean stop");
+	service_add_fixed(s, "instance", TUNABLE_STRING, instance, "the instance name");
+	service_add_fixed(s, "run-dir", TUNABLE_STRING, run_dir, "the run directory");
+}
+
 int main(int argc, char **argv)
 {
 	char *instance = NULL, *run_dir = NULL, *spill_file = NULL, *persist_dir = NULL, *level = NULL;
@@ -337,13 +420,14 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	k.events = kv_events_create();
-	struct service_ops ops = {.handle = handle, .hello = hello, .stats = stats};
+	struct service_ops ops = {.handle = handle, .hello = hello, .stats = stats, .tick = tick};
 	struct service *s = k.events ? service_create(SERVICE_NAME, run_dir, &ops, &k) : NULL;
 	if (!s) {
 		kv_events_destroy(&k.events);
 		kvstore_destroy(&k.kv, false);
 		return 1; /* logged */
 	}
+	register_tunables(s, &k, instance, run_dir, spill_file, index_file ? persist_dir : NULL);
 	service_run(s);
 	bool remove = service_stop_reason(s) == SERVICE_STOP_SHUTDOWN;
 	if (remove && index_file)

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "common/log.h"
+#include "common/tunable.h"
 #include "common/util.h"
 #include "services/kv-store/keymap.h"
 #include "services/kv-store/kvindex.h"
@@ -31,6 +32,13 @@ struct kvstore {
 	bool persistent;
 	uint64_t dram_budget, disk_budget;
 	uint32_t io_depth;
+	/* Live tuning: the budgets now (at most the ones the pool was laid out for: free slots past
+	 * them are parked, out of circulation) and the spill file's transfers in flight. */
+	uint64_t dram_limit, disk_limit;
+	uint32_t io_limit;
+	bool dram_tuned, disk_tuned; /* a tune set the limit: until then the pool's own size rules */
+	uint64_t enforce_after_ns; /* a spill down to the DRAM budget failed: try again after this */
+	bool enforce_warned;
 	/* The last gpu-runner session this process saw (session_known), carried into a pool made
 	 * later (a reconfigure); session_pending: it came while no pool was live, so it is
 	 * compared with the session of a pool adopted later. */
@@ -52,6 +60,8 @@ struct kvstore {
 	uint32_t *free_slots, n_free_slots;
 	uint32_t *free_spill, n_free_spill;
 	uint32_t *free_handles, n_free_handles;
+	uint32_t *parked_slots, n_parked_slots; /* free, but past the DRAM budget now */
+	uint32_t *parked_spill, n_parked_spill; /* free, but past the disk budget now */
 	/* Per handle: the stamp of the last request that named it, so one pass finds duplicates
 	 * and keeps a fetch from evicting the blocks it is fetching. */
 	uint32_t *mark;
@@ -126,6 +136,9 @@ int kvstore_create(const struct kvstore_config *cfg, struct kvstore **out)
 	kv->dram_budget = cfg->dram_budget;
 	kv->disk_budget = cfg->disk_budget;
 	kv->io_depth = cfg->io_depth;
+	kv->dram_limit = cfg->dram_budget;
+	kv->disk_limit = cfg->disk_budget;
+	kv->io_limit = cfg->io_depth;
 	*out = kv;
 	return 0;
 }
@@ -138,9 +151,13 @@ static void private_free(struct kvstore *kv)
 	free(kv->mark);
 	free(kv->bounce);
 	free(kv->recorded);
+	free(kv->parked_slots);
+	free(kv->parked_spill);
 	keymap_destroy(&kv->keys);
 	kv->bounce = NULL;
 	kv->recorded = NULL;
+	kv->parked_slots = kv->parked_spill = NULL;
+	kv->n_parked_slots = kv->n_parked_spill = 0;
 	kv->free_slots = kv->free_spill = kv->free_handles = kv->mark = NULL;
 	kv->n_free_slots = kv->n_free_spill = kv->n_free_handles = 0;
 	kv->stamp = 0;
@@ -154,7 +171,11 @@ static int private_alloc(struct kvstore *kv, const struct layout *l)
 	kv->mark = calloc(l->n_handles, sizeof(uint32_t));
 	kv->keys = keymap_create(l->n_handles);
 	kv->recorded = calloc(l->n_spill ? l->n_spill : 1, 1);
-	if (!kv->free_slots || !kv->free_spill || !kv->free_handles || !kv->mark || !kv->keys || !kv->recorded) {
+	kv->parked_slots = malloc(sizeof(uint32_t) * l->n_slots);
+	kv->parked_spill = malloc(sizeof(uint32_t) * (l->n_spill ? l->n_spill : 1));
+	kv->n_parked_slots = kv->n_parked_spill = 0;
+	if (!kv->free_slots || !kv->free_spill || !kv->free_handles || !kv->mark || !kv->keys || !kv->recorded ||
+	    !kv->parked_slots || !kv->parked_spill) {
 		private_free(kv);
 		return -ENOMEM;
 	}
@@ -217,8 +238,9 @@ void kvstore_destroy(struct kvstore **kvp, bool remove)
 
 static void publish_usage(struct kvstore *kv)
 {
-	atomic_store(&kv->h->store.slots_used, (uint64_t)(kv->h->n_slots - kv->n_free_slots));
-	atomic_store(&kv->h->store.spill_used, (uint64_t)(kv->h->n_spill_slots - kv->n_free_spill));
+	atomic_store(&kv->h->store.slots_used, (uint64_t)(kv->h->n_slots - kv->n_free_slots - kv->n_parked_slots));
+	atomic_store(&kv->h->store.spill_used,
+		     (uint64_t)(kv->h->n_spill_slots - kv->n_free_spill - kv->n_parked_spill));
 }
 
 /* Rebuilds the private stacks from the shared tables (pushed from the top index down so the
@@ -241,6 +263,7 @@ static int rebuild_free_lists(struct kvstore *kv)
 			kv->tick = hd->last_use;
 	}
 	kv->n_free_slots = 0;
+	kv->n_parked_slots = kv->n_parked_spill = 0; /* parked again at the next park() */
 	for (uint32_t s = h->n_slots; s-- > 0;) {
 		struct kvpool_slot *sl = &kv->slots[s];
 		if (atomic_load(&sl->state) == KVSLOT_FREE)
@@ -270,6 +293,57 @@ static void slot_release(struct kvstore *kv, uint32_t s)
 {
 	slot_reset(&kv->slots[s]);
 	kv->free_slots[kv->n_free_slots++] = s;
+}
+
+/* ---- the budgets now (live tuning) ---- */
+
+/* Pool blocks the DRAM budget allows now (at least one), spill blocks the disk budget allows. */
+static uint32_t slot_cap(const struct kvstore *kv)
+{
+	if (!kv->dram_tuned)
+		return kv->h->n_slots;
+	uint64_t b = kv->dram_limit / kv->h->block_bytes;
+	if (b < 1)
+		b = 1;
+	return b < kv->h->n_slots ? (uint32_t)b : kv->h->n_slots;
+}
+
+static uint32_t spill_cap(const struct kvstore *kv)
+{
+	if (!kv->disk_tuned)
+		return kv->h->n_spill_slots;
+	uint64_t b = kv->disk_limit / kv->h->block_bytes;
+	return b < kv->h->n_spill_slots ? (uint32_t)b : kv->h->n_spill_slots;
+}
+
+/* Free pool and spill slots past the budgets leave circulation (parked); parked ones come back
+ * when a budget rose. Only free slots move: the blocks over a lowered DRAM budget are spilled by
+ * kvstore_enforce_budgets. Without a tune nothing is ever parked. */
+static void park(struct kvstore *kv)
+{
+	if (!kv->h || !(kv->dram_tuned || kv->disk_tuned))
+		return;
+	uint32_t want = kv->h->n_slots - slot_cap(kv);
+	while (kv->n_parked_slots > want)
+		kv->free_slots[kv->n_free_slots++] = kv->parked_slots[--kv->n_parked_slots];
+	while (kv->n_parked_slots < want && kv->n_free_slots > 0)
+		kv->parked_slots[kv->n_parked_slots++] = kv->free_slots[--kv->n_free_slots];
+	want = kv->h->n_spill_slots - spill_cap(kv);
+	while (kv->n_parked_spill > want)
+		kv->free_spill[kv->n_free_spill++] = kv->parked_spill[--kv->n_parked_spill];
+	while (kv->n_parked_spill < want && kv->n_free_spill > 0)
+		kv->parked_spill[kv->n_parked_spill++] = kv->free_spill[--kv->n_free_spill];
+	publish_usage(kv);
+}
+
+/* A request needs more pool slots at once than the lowered budget leaves (the runner fetches up to
+ * the pool's laid-out size): lend it up to n parked slots, as the pool laid out at start would
+ * have had them. The next enforcement spills back down. */
+static void unpark_slots(struct kvstore *kv, uint32_t n)
+{
+	while (n-- > 0 && kv->n_parked_slots > 0)
+		kv->free_slots[kv->n_free_slots++] = kv->parked_slots[--kv->n_parked_slots];
+	publish_usage(kv);
 }
 
 /* Retires a handle: its value goes stale (generation bump; 0 is never a live generation), and
@@ -668,6 +742,7 @@ static int adopt_object(struct kvstore *kv, struct shm_object **op, const struct
 			&kv->spill, err, errlen);
 	if (rc)
 		goto out_close;
+	spill_set_limit(kv->spill, kv->io_limit);
 	rc = recover_tables(kv);
 	if (rc == 0) {
 		adopt_refs(kv);
@@ -793,6 +868,7 @@ static int init_object(struct kvstore *kv, struct shm_object **op, const struct 
 			loaded ? SPILL_KEEP : SPILL_TRUNCATE, &kv->spill, err, errlen);
 	if (rc)
 		goto out_unlink;
+	spill_set_limit(kv->spill, kv->io_limit);
 	layout_init(kv, l, manifest_hash);
 	if (loaded)
 		load_cached(kv, recs);
@@ -1200,9 +1276,9 @@ static int make_room(struct kvstore *kv, uint32_t need, uint32_t exclude_stamp, 
 			snprintf(err, errlen, "spill file %s full: %u of %u blocks of %llu bytes in use, %u more "
 				 "needed, and %u cached blocks to drop (the rest are referenced); raise "
 				 "--kv-disk-budget (now %s)",
-				 kv->spill_path, h->n_spill_slots - kv->n_free_spill, h->n_spill_slots,
-				 (unsigned long long)h->block_bytes, need, n_sd + nc,
-				 format_size(kv->disk_budget, a, sizeof(a)));
+				 kv->spill_path, h->n_spill_slots - kv->n_free_spill - kv->n_parked_spill,
+				 h->n_spill_slots - kv->n_parked_spill, (unsigned long long)h->block_bytes, need, n_sd + nc,
+				 format_size(kv->disk_limit, a, sizeof(a)));
 			rc = -ENOSPC;
 			goto out_free;
 		}
@@ -1296,8 +1372,13 @@ int kvstore_alloc(struct kvstore *kv, uint32_t count, uint64_t *handles, uint64_
 			 count, h->n_slots);
 		return -ENOSPC;
 	}
+	park(kv);
 	if (count > kv->n_free_slots) {
 		rc = make_room(kv, count - kv->n_free_slots, 0, count, err, errlen);
+		if (rc == -ENOSPC && kv->n_parked_slots) {
+			unpark_slots(kv, count - kv->n_free_slots);
+			rc = count > kv->n_free_slots ? make_room(kv, count - kv->n_free_slots, 0, count, err, errlen) : 0;
+		}
 		if (rc)
 			return rc;
 	}
@@ -1612,6 +1693,7 @@ int kvstore_fetch(struct kvstore *kv, const uint64_t *handles, uint32_t n, uint6
 		snprintf(err, errlen, "out of memory fetching %u blocks", n);
 		return -ENOMEM;
 	}
+	park(kv);
 	if (n_load > kv->n_free_slots) {
 		/* All or nothing: the room must exist before anything moves. */
 		v = malloc(sizeof(*v) * h->n_slots);
@@ -1621,6 +1703,8 @@ int kvstore_fetch(struct kvstore *kv, const uint64_t *handles, uint32_t n, uint6
 			goto out_free;
 		}
 		uint32_t nv = collect_victims(kv, stamp, v);
+		if (nv + kv->n_free_slots < n_load)
+			unpark_slots(kv, n_load - nv - kv->n_free_slots);
 		if (nv + kv->n_free_slots < n_load) {
 			rc = pool_full(kv, nv, n_load, err, errlen);
 			goto out_free;
@@ -1913,6 +1997,172 @@ out_free:
 	free(who);
 }
 
+/* ---- live tuning ---- */
+
+#define ENFORCE_BATCH 256 /* blocks spilled per enforcement: the loop stays responsive */
+
+/* Pool slots whose block cannot leave now: being written, pinned, or in the middle of I/O. */
+static uint32_t unspillable_slots(const struct kvstore *kv)
+{
+	uint32_t n = 0;
+	for (uint32_t s = 0; s < kv->h->n_slots; s++) {
+		uint32_t st = atomic_load(&kv->slots[s].state);
+		n += st != KVSLOT_FREE && (st != KVSLOT_COMMITTED || kv->slots[s].pins != 0);
+	}
+	return n;
+}
+
+static uint32_t cached_blocks(const struct kvstore *kv)
+{
+	uint32_t n = 0;
+	for (uint32_t i = 0; i < kv->h->n_handles; i++)
+		n += cached(kv, i);
+	return n;
+}
+
+static uint32_t pool_used(const struct kvstore *kv)
+{
+	return kv->h->n_slots - kv->n_free_slots - kv->n_parked_slots;
+}
+
+void kvstore_enforce_budgets(struct kvstore *kv)
+{
+	if (!kv->h || !(kv->dram_tuned || kv->disk_tuned))
+		return; /* nothing tuned: the pool as laid out */
+	park(kv);
+	uint32_t cap = slot_cap(kv), used = pool_used(kv);
+	if (used <= cap) {
+		if (kv->enforce_warned)
+			log_info("kv-dram-budget: the pool holds %u blocks, within the budget of %u", used, cap);
+		kv->enforce_warned = false;
+		return;
+	}
+	uint64_t now = now_ns();
+	if (now < kv->enforce_after_ns)
+		return;
+	uint32_t need = used - cap, evictable = 0;
+	for (uint32_t s = 0; s < kv->h->n_slots; s++)
+		evictable += atomic_load(&kv->slots[s].state) == KVSLOT_COMMITTED && kv->slots[s].pins == 0;
+	if (need > evictable)
+		need = evictable; /* the rest is pinned now: spilled once released */
+	if (need > ENFORCE_BATCH)
+		need = ENFORCE_BATCH;
+	if (need == 0)
+		return;
+	char err[512];
+	int rc = make_room(kv, need, 0, need, err, sizeof(err));
+	if (rc) {
+		if (!kv->enforce_warned)
+			log_warn("kv-dram-budget: cannot spill the pool down to its budget of %u blocks now (%u in use): "
+				 "%s; trying again every second", cap, used, err);
+		kv->enforce_warned = true;
+		kv->enforce_after_ns = now + 1000000000ull;
+		return;
+	}
+	log_debug("kv-dram-budget: spilled %u blocks toward the budget of %u", need, cap);
+	park(kv);
+	if (pool_used(kv) <= cap)
+		log_info("kv-dram-budget: spilled down to the budget: %u blocks in the pool (at most %u)", pool_used(kv),
+			 cap);
+}
+
+void kvstore_dram_range(const struct kvstore *kv, uint64_t *min, uint64_t *max)
+{
+	*min = kv->h ? kv->h->block_bytes : 4096;
+	*max = kv->h ? (uint64_t)kv->h->n_slots * kv->h->block_bytes : kv->dram_budget;
+}
+
+void kvstore_disk_range(const struct kvstore *kv, uint64_t *min, uint64_t *max)
+{
+	*min = 0;
+	*max = kv->h ? (uint64_t)kv->h->n_spill_slots * kv->h->block_bytes : kv->disk_budget;
+}
+
+uint64_t kvstore_dram_budget(const struct kvstore *kv)
+{
+	return kv->dram_tuned || !kv->h ? kv->dram_limit : (uint64_t)kv->h->n_slots * kv->h->block_bytes;
+}
+
+uint64_t kvstore_disk_budget(const struct kvstore *kv)
+{
+	return kv->disk_tuned || !kv->h ? kv->disk_limit : (uint64_t)kv->h->n_spill_slots * kv->h->block_bytes;
+}
+
+int kvstore_set_dram_budget(struct kvstore *kv, uint64_t bytes, bool apply, char *why, size_t whylen)
+{
+	char a[32], b[32], c[32];
+	if (kv->h) {
+		uint64_t bb = kv->h->block_bytes;
+		uint32_t cap = (uint32_t)(bytes / bb);
+		if (cap == 0)
+			return errorf(why, whylen, -ERANGE, "%s holds no KV block of %s",
+				      tunable_format_bytes((int64_t)bytes, a, sizeof(a)),
+				      tunable_format_bytes((int64_t)bb, b, sizeof(b)));
+		uint32_t pinned = unspillable_slots(kv), used = pool_used(kv);
+		if (cap < pinned)
+			return errorf(why, whylen, -EBUSY,
+				      "%s is below the %s the runner holds pinned or is writing in the pool (%u blocks); "
+				      "try again between requests",
+				      tunable_format_bytes((int64_t)bytes, a, sizeof(a)),
+				      tunable_format_bytes((int64_t)(pinned * bb), b, sizeof(b)), pinned);
+		uint32_t over = used > cap ? used - cap : 0, cached_n = cached_blocks(kv);
+		if (over > kv->n_free_spill + cached_n)
+			return errorf(why, whylen, -ENOSPC,
+				      "spilling down to %s moves %u blocks to the spill file, which has room for %u (kv-disk-budget "
+				      "%s) and %u cached blocks to drop",
+				      tunable_format_bytes((int64_t)bytes, a, sizeof(a)), over, kv->n_free_spill,
+				      tunable_format_bytes((int64_t)kvstore_disk_budget(kv), c, sizeof(c)), cached_n);
+	}
+	if (!apply)
+		return 0;
+	kv->dram_limit = bytes;
+	kv->dram_tuned = true;
+	kv->enforce_after_ns = 0;
+	kv->enforce_warned = false;
+	kvstore_enforce_budgets(kv); /* the first batch now, the rest on the next ticks */
+	return 0;
+}
+
+int kvstore_set_disk_budget(struct kvstore *kv, uint64_t bytes, bool apply, char *why, size_t whylen)
+{
+	char a[32], b[32];
+	if (kv->h) {
+		uint64_t bb = kv->h->block_bytes;
+		uint32_t used = kv->h->n_spill_slots - kv->n_free_spill - kv->n_parked_spill;
+		if (bytes / bb < used)
+			return errorf(why, whylen, -EBUSY, "%s is below the %s already in use in the spill file (%u blocks)",
+				      tunable_format_bytes((int64_t)bytes, a, sizeof(a)),
+				      tunable_format_bytes((int64_t)(used * bb), b, sizeof(b)), used);
+	}
+	if (!apply)
+		return 0;
+	kv->disk_limit = bytes;
+	kv->disk_tuned = true;
+	kv->enforce_after_ns = 0;
+	park(kv);
+	return 0;
+}
+
+uint32_t kvstore_io_depth(const struct kvstore *kv)
+{
+	return kv->io_depth;
+}
+
+uint32_t kvstore_io_limit(const struct kvstore *kv)
+{
+	return kv->io_limit;
+}
+
+int kvstore_set_io_limit(struct kvstore *kv, uint32_t n)
+{
+	if (n < 1 || n > kv->io_depth)
+		return -EINVAL;
+	kv->io_limit = n;
+	if (kv->spill)
+		spill_set_limit(kv->spill, n);
+	return 0;
+}
+
 /* ---- stats ---- */
 
 static int set_u64(json_t *o, const char *key, uint64_t v)
@@ -1954,6 +2204,29 @@ char *kvstore_stats_json(const struct kvstore *kv)
 	}
 	rc |= set_u64(o, "cached_blocks", n_cached);
 	rc |= set_u64(o, "referenced_blocks", n_referenced);
+	rc |= set_u64(o, "dram_budget", kvstore_dram_budget(kv));
+	rc |= set_u64(o, "disk_budget", kvstore_disk_budget(kv));
+	rc |= set_u64(o, "pool_limit_blocks", h ? slot_cap(kv) : 0);
+	rc |= set_u64(o, "spill_limit_blocks", h ? spill_cap(kv) : 0);
+	rc |= set_u64(o, "spill_io_depth", kv->io_limit);
+	/* Pool blocks by state (for pipeline-inspect): one pass over the slot table. Spills and
+	 * read-backs run inside a request, so between requests the queues read 0; an outside
+	 * reader of the pool's slot table sees them in flight. */
+	uint64_t by_state[KVSLOT_LOADING + 1] = {0}, pinned = 0;
+	for (uint32_t s = 0; h && s < h->n_slots; s++) {
+		uint32_t st = atomic_load_explicit(&kv->slots[s].state, memory_order_relaxed);
+		by_state[st <= KVSLOT_LOADING ? st : KVSLOT_FREE]++;
+		pinned += kv->slots[s].pins > 0;
+	}
+	rc |= json_object_set_new(o, "blocks_by_state",
+				  json_pack("{s:I, s:I, s:I, s:I, s:I}", "free", (json_int_t)by_state[KVSLOT_FREE],
+					    "writing", (json_int_t)by_state[KVSLOT_WRITING], "committed",
+					    (json_int_t)by_state[KVSLOT_COMMITTED], "spilling",
+					    (json_int_t)by_state[KVSLOT_SPILLING], "loading",
+					    (json_int_t)by_state[KVSLOT_LOADING]));
+	rc |= set_u64(o, "pinned_blocks", pinned);
+	rc |= set_u64(o, "spill_queue", by_state[KVSLOT_SPILLING]);
+	rc |= set_u64(o, "fetch_queue", by_state[KVSLOT_LOADING]);
 #undef STORE
 	rc |= json_object_set_new(o, "o_direct", json_boolean(kvstore_o_direct(kv)));
 	rc |= json_object_set_new(o, "adopted", json_boolean(kv->adopted));

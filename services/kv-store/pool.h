@@ -184,6 +184,27 @@ struct kvstore_hello {
  * the same way when one is adopted or made. */
 void kvstore_runner_hello(struct kvstore *kv, uint64_t session, struct kvstore_hello *out);
 
+/* Live tuning. The DRAM and disk budgets can be lowered at run time (and raised back, up to what
+ * the pool and the spill file were laid out for: before configure, the budgets given at create).
+ * Free slots past a budget are parked (out of circulation); blocks over a lowered DRAM budget are
+ * spilled (least recently used first, at most 256 per call) by kvstore_enforce_budgets, which the
+ * setter calls once and the service's tick after that. A single request that needs more pool
+ * slots at once than the budget leaves still gets them (as the laid-out pool would have): they
+ * are spilled back afterwards. A set checks first (apply false) and refuses: a DRAM budget below
+ * the blocks pinned or being written (-EBUSY), or whose spill the spill file has no room for
+ * (-ENOSPC); a disk budget below the spill slots in use (-EBUSY). Without a tune, nothing
+ * changes. The io limit caps the spill file's transfers in flight (1..io_depth). */
+void kvstore_dram_range(const struct kvstore *kv, uint64_t *min, uint64_t *max);
+void kvstore_disk_range(const struct kvstore *kv, uint64_t *min, uint64_t *max);
+uint64_t kvstore_dram_budget(const struct kvstore *kv);
+uint64_t kvstore_disk_budget(const struct kvstore *kv);
+int kvstore_set_dram_budget(struct kvstore *kv, uint64_t bytes, bool apply, char *why, size_t whylen);
+int kvstore_set_disk_budget(struct kvstore *kv, uint64_t bytes, bool apply, char *why, size_t whylen);
+void kvstore_enforce_budgets(struct kvstore *kv);
+uint32_t kvstore_io_depth(const struct kvstore *kv);
+uint32_t kvstore_io_limit(const struct kvstore *kv);
+int kvstore_set_io_limit(struct kvstore *kv, uint32_t n);
+
 /* The counters as a JSON object (prefix_hits, prefix_misses, cached_blocks, referenced_blocks,
  * cache_drops and persistent among them; malloc'd: the caller frees), or NULL without memory. */
 char *kvstore_stats_json(const struct kvstore *kv);

@@ -26,6 +26,7 @@ struct spill {
 	uint64_t block_bytes;
 	uint32_t n_slots;
 	uint32_t depth;
+	uint32_t limit; /* transfers in flight at most now: 1..depth (live tuning) */
 	bool broken; /* the ring failed: entries may be stuck in it */
 	struct io_uring ring;
 };
@@ -71,6 +72,7 @@ int spill_open(const char *path, uint64_t block_bytes, uint32_t n_slots, uint32_
 	sp->block_bytes = block_bytes;
 	sp->n_slots = n_slots;
 	sp->depth = io_depth;
+	sp->limit = io_depth;
 	rc = open_file(path, mode, &sp->o_direct);
 	if (rc < 0) {
 		snprintf(err, errlen, "cannot open spill file %s: %s", path, strerror(-rc));
@@ -169,7 +171,7 @@ int spill_run(struct spill *sp, struct spill_io *ios, uint32_t n, char *err, siz
 	}
 	while (done < n) {
 		/* Fill the queue up to the depth, then submit the batch with one system call. */
-		while (prepped < n && prepped - done < sp->depth) {
+		while (prepped < n && prepped - done < sp->limit) {
 			struct io_uring_sqe *sqe = io_uring_get_sqe(&sp->ring);
 			if (!sqe)
 				break;
@@ -224,4 +226,12 @@ out_fail_all:
 	for (uint32_t i = 0; i < n; i++)
 		ios[i].res = -EIO;
 	return rc;
+}
+
+int spill_set_limit(struct spill *sp, uint32_t limit)
+{
+	if (limit < 1 || limit > sp->depth)
+		return -EINVAL;
+	sp->limit = limit;
+	return 0;
 }

@@ -57,6 +57,10 @@ void spill_close(struct spill **sp, bool remove);
  * and each res is -EIO). */
 int spill_run(struct spill *sp, struct spill_io *ios, uint32_t n, char *err, size_t errlen);
 
+/* Live tuning: spill_run keeps at most limit transfers in flight from its next call on
+ * (1..io_depth). Returns 0 or -EINVAL. */
+int spill_set_limit(struct spill *sp, uint32_t limit);
+
 /* Was the file opened with O_DIRECT? */
 bool spill_o_direct(const struct spill *sp);
 const char *spill_path(const struct spill *sp);

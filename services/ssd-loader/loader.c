@@ -63,6 +63,7 @@ struct loader {
 	uint32_t position;
 	bool need_schedule;
 	bool has_streaming;
+	uint32_t read_ahead, read_ahead_max; /* groups per class read ahead of the position (live tuning) */
 
 	uint64_t groups_loaded, grants, releases, waits;
 
@@ -175,6 +176,10 @@ int loader_create(const struct loader_params *p, const struct loader_ops *ops, v
 	}
 	for (uint32_t g = 0; g < l->n_groups; g++)
 		l->lg[g].slot = NO_SLOT;
+	for (uint32_t c = 0; c < CLASS_COUNT; c++)
+		if (plan_streaming_slots(p->plan, c) > l->read_ahead_max)
+			l->read_ahead_max = plan_streaming_slots(p->plan, c);
+	l->read_ahead = l->read_ahead_max;
 	rc = check_and_measure(l, err, errlen);
 	if (rc)
 		goto out_free;
@@ -419,6 +424,8 @@ static void mark_window(struct loader *l)
 		l->lg[g].window = false;
 	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
 		uint32_t k = plan_streaming_slots(l->plan, c), n = 0;
+		if (k > l->read_ahead)
+			k = l->read_ahead;
 		for (uint32_t d = 0; d < l->n_groups && n < k; d++) {
 			uint32_t g = (l->position + d) % l->n_groups;
 			if (l->m->groups[g].size_class != c || plan_group_pinned(l->plan, g))
@@ -660,6 +667,40 @@ void loader_tick(struct loader *l)
 		 (double)l->initial_bytes / (1024.0 * 1024 * 1024), secs > 0 ? (double)done / secs * 1e-9 : 0.0);
 }
 
+uint32_t loader_read_ahead(const struct loader *l)
+{
+	return l->read_ahead;
+}
+
+uint32_t loader_read_ahead_max(const struct loader *l)
+{
+	return l->read_ahead_max;
+}
+
+void loader_set_read_ahead(struct loader *l, uint32_t groups)
+{
+	l->read_ahead = groups < l->read_ahead_max ? groups : l->read_ahead_max;
+	schedule(l); /* a wider window starts its reads now */
+}
+
+uint32_t loader_io_limit(const struct loader *l)
+{
+	return reader_limit(l->reader);
+}
+
+uint32_t loader_io_depth(const struct loader *l)
+{
+	return reader_depth(l->reader);
+}
+
+int loader_set_io_limit(struct loader *l, uint32_t reads)
+{
+	int rc = reader_set_limit(l->reader, reads);
+	if (rc == 0)
+		sync_counters(l);
+	return rc;
+}
+
 uint32_t loader_waiters(const struct loader *l)
 {
 	return l->n_w;
@@ -713,6 +754,8 @@ char *loader_stats_json(const struct loader *l)
 		{"waiting", json_integer(waiting)},
 		{"position", json_integer(l->position)},
 		{"o_direct", json_boolean(st.direct_files > 0)},
+		{"read_ahead", json_integer(l->read_ahead)},
+		{"io_depth_limit", json_integer(reader_limit(l->reader))},
 		{"disk_read_seconds", json_real(secs)},
 		{"disk_bytes_per_s", json_real(secs > 0 ? (double)st.bytes_read / secs : 0.0)},
 	};
@@ -721,6 +764,19 @@ char *loader_stats_json(const struct loader *l)
 	/* set_new takes each value, also when it fails; a NULL value (ENOMEM) fails the call. */
 	for (size_t i = 0; i < ARRAY_SIZE(kv); i++)
 		ok = json_object_set_new(o, kv[i].key, kv[i].v) == 0 && ok;
+	/* Slots by state (for pipeline-inspect): one pass over the slot table, once a second. A
+	 * READY slot with grants outstanding is "held" (by the runner), not "ready". */
+	uint32_t by_state[4] = {0};
+	for (uint32_t s = 0; s < l->n_slots; s++) {
+		uint32_t state = atomic_load_explicit(&l->slots[s].state, memory_order_relaxed);
+		if (state == WSLOT_READY && atomic_load_explicit(&l->slots[s].refs, memory_order_relaxed))
+			state = 3;
+		by_state[state < 3 ? state : 3]++;
+	}
+	ok = json_object_set_new(o, "slots_by_state",
+				 json_pack("{s:i, s:i, s:i, s:i}", "empty", (int)by_state[WSLOT_EMPTY], "loading",
+					   (int)by_state[WSLOT_LOADING], "ready", (int)by_state[WSLOT_READY], "held",
+					   (int)by_state[3])) == 0 && ok;
 	if (ok)
 		text = json_dumps(o, JSON_COMPACT);
 	json_decref(o);

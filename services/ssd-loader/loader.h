@@ -100,6 +100,18 @@ bool loader_io_busy(const struct loader *l);
 /* Logs progress of the initial load about once a second, and its end. Call from the tick. */
 void loader_tick(struct loader *l);
 
+/* Live tuning. Read-ahead: how many groups of each streaming class are read ahead of the position
+ * (the window above), at most read_ahead_max (the streaming slots of the largest class; the
+ * default: every streaming slot). A smaller window reads later and evicts sooner; set takes
+ * effect at once (a wider window starts its reads). The io limit caps the reads in flight
+ * (1..the io_uring depth given at create; reader_set_limit). */
+uint32_t loader_read_ahead(const struct loader *l);
+uint32_t loader_read_ahead_max(const struct loader *l);
+void loader_set_read_ahead(struct loader *l, uint32_t groups);
+uint32_t loader_io_limit(const struct loader *l);
+uint32_t loader_io_depth(const struct loader *l);
+int loader_set_io_limit(struct loader *l, uint32_t reads);
+
 /* Waiting acquires (one per group asked for and not yet granted). */
 uint32_t loader_waiters(const struct loader *l);
 

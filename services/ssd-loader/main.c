@@ -115,6 +115,57 @@ static void on_io(void *ctx, struct service *s, int fd)
 	loader_process_io(a->loader, false);
 }
 
+/* ---- live tuning ---- */
+
+static void read_ahead_get(void *ctx, struct tunable_value *v)
+{
+	v->i = loader_read_ahead(((struct app *)ctx)->loader);
+}
+
+static int read_ahead_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	if (apply)
+		loader_set_read_ahead(((struct app *)ctx)->loader, (uint32_t)v->i);
+	return 0;
+}
+
+static void io_depth_get(void *ctx, struct tunable_value *v)
+{
+	v->i = loader_io_limit(((struct app *)ctx)->loader);
+}
+
+static int io_depth_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	struct app *a = ctx;
+	if (!apply)
+		return 0;
+	int rc = loader_set_io_limit(a->loader, (uint32_t)v->i);
+	if (rc)
+		snprintf(why, whylen, "the reader refused a limit of %lld", (long long)v->i);
+	return rc;
+}
+
+/* What can change while the loader serves (the fixed parameters are added by main). */
+static void register_tunables(struct app *a)
+{
+	uint32_t ra_max = loader_read_ahead_max(a->loader);
+	struct tunable ra = {.name = "read-ahead",
+			     .help = "groups of each streaming class read ahead of the runner (default: every "
+				     "streaming slot); fewer read later and evict sooner",
+			     .type = TUNABLE_INT, .min = 0, .max = ra_max, .get = read_ahead_get,
+			     .set = read_ahead_set, .ctx = a};
+	if (ra_max)
+		service_add_tunable(a->svc, &ra);
+	else
+		service_add_fixed(a->svc, "read-ahead", TUNABLE_INT, "0",
+				  "every group is resident in the DRAM budget: nothing streams, nothing is read ahead");
+	struct tunable io = {.name = "io-depth",
+			     .help = "reads in flight at most (a cap under the io_uring depth set at start)",
+			     .type = TUNABLE_INT, .min = 1, .max = loader_io_depth(a->loader), .get = io_depth_get,
+			     .set = io_depth_set, .ctx = a};
+	service_add_tunable(a->svc, &io);
+}
+
 int main(int argc, char **argv)
 {
 	char *instance = NULL, *run_dir_flag = NULL, *model = NULL, *tokenizer = NULL, *log_level = NULL;
@@ -284,6 +335,27 @@ int main(int argc, char **argv)
 		goto out_loader;
 	rc = service_add_fd(app.svc, loader_eventfd(app.loader), on_io);
 	assert(rc == 0);
+	register_tunables(&app);
+	{
+		char num[4][32];
+		snprintf(num[0], sizeof(num[0]), "%llu", (unsigned long long)budget);
+		snprintf(num[1], sizeof(num[1]), "%llu", (unsigned long long)max_read);
+		snprintf(num[2], sizeof(num[2]), "%llu", (unsigned long long)disk_bps);
+		service_add_fixed(app.svc, "model", TUNABLE_STRING, model, "the checkpoint directory");
+		service_add_fixed(app.svc, "tokenizer", TUNABLE_STRING, m->tokenizer_bytes ? m->tokenizer_path : "",
+				  "the tokenizer.json handed to the runner");
+		service_add_fixed(app.svc, "dram-budget", TUNABLE_BYTES, num[0],
+				  "host memory for weight slots: the ring is laid out for it at start");
+		service_add_fixed(app.svc, "max-read", TUNABLE_BYTES, num[1], "bytes per read");
+		service_add_fixed(app.svc, "buffered", TUNABLE_BOOL, buffered ? "true" : "false",
+				  "read through the page cache, never O_DIRECT");
+		service_add_fixed(app.svc, "disk-bytes-per-s", TUNABLE_BYTES, num[2],
+				  "the disk bandwidth of the plan's prediction (0: not measured)");
+		service_add_fixed(app.svc, "io-async", TUNABLE_BOOL, io_async ? "true" : "false",
+				  "reads issued from io_uring's worker threads");
+		service_add_fixed(app.svc, "instance", TUNABLE_STRING, instance, "the instance name");
+		service_add_fixed(app.svc, "run-dir", TUNABLE_STRING, run_dir, "the run directory");
+	}
 	loader_start(app.loader);
 	service_run(app.svc);
 	log_info("stopping (%s): removing the weight ring %s",

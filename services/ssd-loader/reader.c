@@ -62,6 +62,7 @@ struct reader {
 	reader_done_fn done;
 	void *ctx;
 	uint32_t depth;
+	uint32_t limit;		   /* pieces in flight at most now: 1..depth (live tuning) */
 	uint64_t max_read;
 	bool inline_issue;
 	uint32_t n_files;
@@ -157,6 +158,7 @@ int reader_create(const struct reader_params *p, reader_done_fn done, void *ctx,
 	r->done = done;
 	r->ctx = ctx;
 	r->depth = p->queue_depth;
+	r->limit = p->queue_depth;
 	r->max_read = p->max_read;
 	r->inline_issue = p->inline_issue;
 	r->efd = -1;
@@ -259,7 +261,7 @@ static void submit_pending(struct reader *r)
 		r->retry_len--;
 		prep_piece(r, pc);
 	}
-	while (r->free_pieces && r->q_head) {
+	while (r->free_pieces && r->q_head && r->outstanding < r->limit) {
 		struct request *q = r->q_head;
 		struct piece *pc = r->free_pieces;
 		r->free_pieces = pc->next;
@@ -461,6 +463,25 @@ void reader_get_stats(const struct reader *r, struct reader_stats *st)
 	st->n_files = r->n_files;
 	for (uint32_t i = 0; i < r->n_files; i++)
 		st->direct_files += r->files[i].direct;
+}
+
+int reader_set_limit(struct reader *r, uint32_t limit)
+{
+	if (limit < 1 || limit > r->depth)
+		return -EINVAL;
+	r->limit = limit;
+	submit_pending(r); /* a higher limit: queued pieces may go now */
+	return 0;
+}
+
+uint32_t reader_limit(const struct reader *r)
+{
+	return r->limit;
+}
+
+uint32_t reader_depth(const struct reader *r)
+{
+	return r->depth;
 }
 
 bool reader_file_direct(const struct reader *r, uint32_t file)

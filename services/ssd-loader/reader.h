@@ -96,6 +96,12 @@ bool reader_idle(const struct reader *r);
 
 void reader_get_stats(const struct reader *r, struct reader_stats *st);
 
+/* Live tuning: at most limit pieces in flight from now on (1..queue_depth; pieces already in
+ * flight finish). Returns 0 or -EINVAL. reader_limit: the limit now; reader_depth: queue_depth. */
+int reader_set_limit(struct reader *r, uint32_t limit);
+uint32_t reader_limit(const struct reader *r);
+uint32_t reader_depth(const struct reader *r);
+
 /* Whether file is read with O_DIRECT now. */
 bool reader_file_direct(const struct reader *r, uint32_t file);
 

@@ -45,6 +45,8 @@ misses=$(stat_value kv-store prefix_misses)
 log "restored positions: $p1 then $p2; kv-store prefix hits $hits, misses $misses"
 expect_gt "$hits" 0 "kv-store prefix hits"
 expect_gt "$misses" 0 "kv-store prefix misses (A's first lookup found nothing)"
+status=$("$PIPELINE" status)
+expect_grep "KV prefix cache +$hits hits, $misses misses" "$status" "status shows the prefix cache's hits and misses"
 summary=$("$PIPECTL" summary)
 expect_grep 'prefix' "$summary" "pipectl summary shows prefix reuse"
 

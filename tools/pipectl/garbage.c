@@ -354,6 +354,45 @@ static void generic_cases(struct garbage *g)
 	}
 	r.corr = corr;
 	RUN("a HEARTBEAT sent as a request", rc);
+
+	/* Live tuning: well-formed messages whose JSON is not what the service takes. */
+	static const struct {
+		uint32_t type;
+		const char *json, *name;
+	} config[] = {
+		{MSG_CONFIG_SET, "not json", "CONFIG_SET of text that is not JSON"},
+		{MSG_CONFIG_SET, "[\"log-level\", \"debug\"]", "CONFIG_SET of an array"},
+		{MSG_CONFIG_SET, "{}", "CONFIG_SET of nothing"},
+		{MSG_CONFIG_SET, "{\"log-level\": {\"x\": 1}}", "CONFIG_SET of an object value"},
+		{MSG_CONFIG_SET, "{\"log-level\": \"debug\", \"log-level\": \"info\"}", "CONFIG_SET of a key twice"},
+		{MSG_CONFIG_SET, "{\"no-such-key\": \"1\"}", "CONFIG_SET of an unknown key"},
+		{MSG_CONFIG_SET, "{\"log-level\": \"loud\"}", "CONFIG_SET of a bad value"},
+		{MSG_CONFIG_SET, "{\"instance\": \"other\"}", "CONFIG_SET of a fixed key"},
+		{MSG_CONFIG_GET, "{\"log-level\": 1}", "CONFIG_GET of an object"},
+		{MSG_CONFIG_GET, "[\"no-such-key\"]", "CONFIG_GET of an unknown key"},
+		{MSG_CONFIG_GET, "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]"
+				 "]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]",
+		 "CONFIG_GET of nested arrays"},
+	};
+	for (size_t i = 0; i < ARRAY_SIZE(config); i++) {
+		pk = start(g, &r, &corr);
+		rc = pack_head(&pk, PROTO_VERSION, config[i].type, corr);
+		rc = rc ? rc : msgpack_pack_map(&pk, 1);
+		rc = rc ? rc : msgpack_pack_uint8(&pk, 1);
+		rc = rc ? rc : pack_str(&pk, config[i].json);
+		r.corr = corr;
+		RUN(config[i].name, rc);
+	}
+	/* the value of a key far past its limit: the codec refuses it */
+	pk = start(g, &r, &corr);
+	rc = pack_head(&pk, PROTO_VERSION, MSG_CONFIG_SET, corr);
+	rc = rc ? rc : msgpack_pack_map(&pk, 1);
+	rc = rc ? rc : msgpack_pack_uint8(&pk, 1);
+	rc = rc ? rc : msgpack_pack_str(&pk, 70000);
+	for (int i = 0; !rc && i < 70000 / 10; i++)
+		rc = msgpack_pack_str_body(&pk, "0123456789", 10);
+	r.corr = corr;
+	RUN("CONFIG_SET of 70000 bytes", rc);
 }
 
 /* Well-formed requests naming things that do not exist, per service. */

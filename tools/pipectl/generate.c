@@ -8,7 +8,15 @@
  *
  * --dump-logits FILE asks for MSG_LOGITS (GEN_LOGITS) and writes its values to FILE as they
  * came: raw float32, little-endian, vocab_size of them, no header. Raw rather than text so
- * that the fidelity test compares exactly what the runner computed. */
+ * that the fidelity test compares exactly what the runner computed.
+ *
+ * The runner dying in the middle of a request (kill -9, a crash, killed as hung) is reported,
+ * not waited out: ZeroMQ does not tell a client that its peer died, so generate first asks the
+ * runner for HELLO (its pid; waiting for a runner that is being restarted to answer), and while
+ * it waits for the next reply it checks every 250 ms that this process still lives. When it is
+ * gone: "gpu-runner went away during the request (pid N): ...", exit status 1, and nothing is
+ * retried (the tokens printed so far stay on stdout); the supervisor starts a new runner, which
+ * serves the request when it is sent again. */
 #include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -16,6 +24,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/shm.h"
 #include "common/util.h"
 #include "tools/pipectl/pipectl.h"
 
@@ -23,6 +32,14 @@
 #define GEN_DEFAULT_TIMEOUT_S 600
 
 #define GEN_MAX_STOPS 16
+/* How often the runner's process is looked at while a reply is awaited. */
+#define GEN_LIVENESS_MS 250
+
+/* The process serving the request, from its HELLO reply. */
+struct runner_proc {
+	int pid;
+	uint64_t start; /* process_start_time; 0: unknown */
+};
 
 /* The arguments turned into a request; arrays and JSON texts owned here. */
 struct gen_args {
@@ -293,19 +310,49 @@ static double per_second(uint64_t n, double ms)
 	return ms > 0 ? (double)n * 1000.0 / ms : 0;
 }
 
+/* rpc_wait in slices of GEN_LIVENESS_MS, looking at the runner's process between them.
+ * Returns as rpc_wait, or -ECONNRESET when the process is gone (after a last look for replies it
+ * sent before it died). */
+static int wait_reply(struct rpc_client *c, uint64_t corr, struct msg *rep, int timeout_ms,
+		      const struct runner_proc *rp)
+{
+	for (int waited = 0;;) {
+		int step = timeout_ms - waited < GEN_LIVENESS_MS ? timeout_ms - waited : GEN_LIVENESS_MS;
+		int rc = rpc_wait(c, corr, rep, step > 0 ? step : 0);
+		if (rc != -ETIMEDOUT)
+			return rc;
+		waited += step;
+		if (rp->pid > 0 && !process_alive(rp->pid, rp->start)) {
+			rc = rpc_wait(c, corr, rep, 100);
+			return rc == -ETIMEDOUT ? -ECONNRESET : rc;
+		}
+		if (waited >= timeout_ms)
+			return -ETIMEDOUT;
+	}
+}
+
 /* Reads the stream of replies to request corr until MSG_GEN_DONE or a failure. */
-static int read_stream(struct pipectl *p, struct rpc_client *c, uint64_t corr, const struct gen_args *a)
+static int read_stream(struct pipectl *p, struct rpc_client *c, uint64_t corr, const struct gen_args *a,
+		       const struct runner_proc *rp)
 {
 	int timeout_ms = pipectl_timeout_ms(p, GEN_DEFAULT_TIMEOUT_S);
 	uint64_t count = 0, t0 = now_ns();
 	bool have_logits = false;
 	struct msg rep;
 	for (;;) {
-		int rc = rpc_wait(c, corr, &rep, timeout_ms);
+		int rc = wait_reply(c, corr, &rep, timeout_ms, rp);
 		if (rc) {
 			if (count)
 				putchar('\n');
 			fflush(stdout);
+			if (rc == -ECONNRESET) {
+				fprintf(stderr,
+					"pipectl: gpu-runner went away during the request (pid %d): it exited or was "
+					"killed after sending %llu token%s; its supervisor starts it again (scripts/pipeline "
+					"status), then send the request again\n",
+					rp->pid, (unsigned long long)count, count == 1 ? "" : "s");
+				return PIPECTL_EXIT_FAIL;
+			}
 			if (rc == -ETIMEDOUT) {
 				fprintf(stderr, "pipectl: gpu-runner sent nothing for %d s (after %llu tokens)\n",
 					timeout_ms / 1000, (unsigned long long)count);
@@ -393,6 +440,24 @@ int cmd_generate(struct pipectl *p, int argc, char **argv)
 		status = PIPECTL_EXIT_FAIL;
 		goto out_free;
 	}
+	/* Which process serves us (a runner being restarted is waited for). */
+	struct msg hello;
+	int rc = rpc_wait_ready(c, &hello, pipectl_timeout_ms(p, GEN_DEFAULT_TIMEOUT_S));
+	if (rc == -ETIMEDOUT) {
+		fprintf(stderr, "pipectl: gpu-runner did not answer HELLO in %d s (run dir %s; see scripts/pipeline status)\n",
+			pipectl_timeout_ms(p, GEN_DEFAULT_TIMEOUT_S) / 1000, p->run_dir);
+		status = PIPECTL_EXIT_FAIL;
+		goto out_client;
+	}
+	if (rc) {
+		status = pipectl_rpc_failed(p, GEN_SERVICE, "HELLO", rc, &hello);
+		goto out_client;
+	}
+	struct runner_proc rp = {.pid = hello.hello_reply.pid > 0 && hello.hello_reply.pid < INT32_MAX
+						? (int)hello.hello_reply.pid
+						: 0};
+	rp.start = rp.pid ? process_start_time(rp.pid) : 0;
+	msg_free(&hello);
 	struct msg req;
 	msg_init(&req, MSG_GENERATE, 0);
 	req.generate.tokens.v = a.tokens;
@@ -422,14 +487,14 @@ int cmd_generate(struct pipectl *p, int argc, char **argv)
 			     (a.special_as_text ? GEN_SPECIAL_AS_TEXT : 0) | (a.no_bos ? GEN_NO_BOS : 0) |
 			     (a.text && !a.print_ids ? GEN_TEXT : 0);
 	uint64_t corr;
-	int rc = rpc_send(c, &req, &corr);
+	rc = rpc_send(c, &req, &corr);
 	if (rc) {
 		fprintf(stderr, "pipectl: cannot send GENERATE to gpu-runner: %s\n",
 			rc == -ETIMEDOUT ? "its queue is full (is it running?)" : strerror(-rc));
 		status = PIPECTL_EXIT_FAIL;
 		goto out_client;
 	}
-	status = read_stream(p, c, corr, &a);
+	status = read_stream(p, c, corr, &a, &rp);
 out_client:
 	rpc_client_destroy(&c);
 out_free:

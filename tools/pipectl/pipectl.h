@@ -69,5 +69,7 @@ int cmd_shutdown(struct pipectl *p, int argc, char **argv);
 int cmd_generate(struct pipectl *p, int argc, char **argv);
 int cmd_summary(struct pipectl *p, int argc, char **argv);
 int cmd_garbage(struct pipectl *p, int argc, char **argv);
+int cmd_get(struct pipectl *p, int argc, char **argv);
+int cmd_tune(struct pipectl *p, int argc, char **argv);
 
 #endif

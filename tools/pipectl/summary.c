@@ -131,6 +131,11 @@ int cmd_summary(struct pipectl *p, int argc, char **argv)
 	       "KV cache", fmt_count(gr, "kv_blocks_committed", a, sizeof(a)), fmt_count(kv, "spills", b, sizeof(b)),
 	       fmt_size(kv, "spill_bytes_written", c, sizeof(c)), fmt_count(gr, "kv_blocks_fetched", d, sizeof(d)),
 	       fmt_count(kv, "fetches_from_disk", e, sizeof(e)), fmt_count(kv, "pool_blocks", f, sizeof(f)));
+	printf("%-22s %s hits, %s misses (blocks looked up by key), %s blocks cached; the runner restored %s "
+	       "positions in %s lookups (%s blocks still on its GPU)\n",
+	       "KV prefix cache", fmt_count(kv, "prefix_hits", a, sizeof(a)), fmt_count(kv, "prefix_misses", b, sizeof(b)),
+	       fmt_count(kv, "cached_blocks", c, sizeof(c)), fmt_count(gr, "kv_prefix_positions", d, sizeof(d)),
+	       fmt_count(gr, "kv_prefix_lookups", e, sizeof(e)), fmt_count(gr, "kv_prefix_blocks_on_gpu", f, sizeof(f)));
 	char g[32], h[32];
 	printf("%-22s prefill %s (%s prompt tokens), decode %s (%s tokens generated), %s requests\n", "compute",
 	       fmt_rate(gr, "last_prefill_tok_s", a, sizeof(a)), fmt_count(gr, "prompt_tokens", b, sizeof(b)),

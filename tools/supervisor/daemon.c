@@ -510,9 +510,10 @@ static void reap_children(struct sup *sup)
 
 /* ---- readiness and heartbeats ---- */
 
-/* gpu-runner waits for a peer that went away up to its own --timeout-ms, without heartbeats: it is
- * not judged hung while kv-store or ssd-loader is down after having been up, nor for peer_grace_ms
- * after both answer again. */
+/* gpu-runner waits for a peer that went away up to its own --timeout-ms (it beats meanwhile, with
+ * service_beat; the grace stays for a runner that is silent anyway): it is not judged hung while
+ * kv-store or ssd-loader is down after having been up, nor for peer_grace_ms after both answer
+ * again. */
 static void runner_peer_down(struct sup *sup)
 {
 	sup->s[SUP_GPU_RUNNER].grace_until_ns = UINT64_MAX;

@@ -64,6 +64,10 @@ static const struct tfield t_heartbeat[] = {
 	TF(1, T_BYTES, true, 64, heartbeat.service), TF(2, T_U64, true, 0, heartbeat.pid),
 	TF(3, T_U64, true, 0, heartbeat.epoch), TF(4, T_U64, true, 0, heartbeat.seq),
 	TF(5, T_U64, true, 0, heartbeat.uptime_ms)};
+static const struct tfield t_config_get[] = {TF(1, T_BYTES, false, 16384, config_get.keys)};
+static const struct tfield t_config[] = {TF(1, T_BYTES, true, 64, config.service),
+					 TF(2, T_BYTES, true, 1u << 18, config.json)};
+static const struct tfield t_config_set[] = {TF(1, T_BYTES, true, 65536, config_set.settings)};
 static const struct tfield t_w_acquire[] = {TF(1, T_ARRAY, true, 65536, w_acquire.groups),
 					    TF(2, T_ARRAY, false, 65536, w_acquire.release)};
 static const struct tfield t_w_grant[] = {TF(1, T_U64, true, 0, w_grant.group), TF(2, T_U64, true, 0, w_grant.slot),
@@ -129,6 +133,10 @@ static const struct tmsg contract[] = {
 	TM(MSG_TOKEN, t_token),
 	TM(MSG_GEN_DONE, t_gen_done),
 	TM(MSG_LOGITS, t_logits),
+	/* appended: the indexes above are used by test_out_of_memory */
+	TM(MSG_CONFIG_GET, t_config_get),
+	TM(MSG_CONFIG, t_config),
+	TM(MSG_CONFIG_SET, t_config_set),
 };
 #define N_TYPES ((int)ARRAY_SIZE(contract))
 
@@ -565,6 +573,94 @@ START_TEST(test_make_error_and_init)
 	msg_free(&m);
 	msg_init(&m, 12345, 1);
 	msg_free(&m);
+}
+END_TEST
+
+START_TEST(test_config_messages)
+{
+	/* Live tuning: the lists travel as JSON text; the codec checks kinds and lengths. */
+	struct msg m, out;
+	void *buf;
+	size_t len;
+	const char *settings = "{\"kv-dram-budget\": \"512MiB\", \"log-level\": \"debug\"}";
+	msg_init(&m, MSG_CONFIG_SET, 5);
+	m.config_set.settings.p = (char *)settings;
+	m.config_set.settings.len = (uint32_t)strlen(settings);
+	ck_assert_int_eq(msg_encode(&m, &buf, &len), 0);
+	decode_ok(buf, len, &out, "CONFIG_SET");
+	ck_assert_uint_eq(out.type, MSG_CONFIG_SET);
+	ck_assert_str_eq(out.config_set.settings.p, settings);
+	msg_free(&out);
+	free(buf);
+	/* CONFIG_GET without keys: every parameter */
+	msg_init(&m, MSG_CONFIG_GET, 6);
+	ck_assert_int_eq(msg_encode(&m, &buf, &len), 0);
+	decode_ok(buf, len, &out, "CONFIG_GET");
+	ck_assert_uint_eq(out.config_get.keys.len, 0);
+	msg_free(&out);
+	free(buf);
+	msg_init(&m, MSG_CONFIG, 6);
+	m.config.service.p = "kv-store";
+	m.config.service.len = 8;
+	m.config.json.p = "{}";
+	m.config.json.len = 2;
+	ck_assert_int_eq(msg_encode(&m, &buf, &len), 0);
+	decode_ok(buf, len, &out, "CONFIG");
+	ck_assert_str_eq(out.config.service.p, "kv-store");
+	ck_assert_str_eq(out.config.json.p, "{}");
+	msg_free(&out);
+	free(buf);
+	/* over the limits: settings past 64 KiB, keys past 16 KiB, a service name past 64 bytes */
+	char *big = malloc(65537);
+	ck_assert_ptr_nonnull(big);
+	memset(big, 'x', 65537);
+	msg_init(&m, MSG_CONFIG_SET, 7);
+	m.config_set.settings.p = big;
+	m.config_set.settings.len = 65537;
+	ck_assert_int_eq(msg_encode(&m, &buf, &len), -EINVAL);
+	msg_init(&m, MSG_CONFIG_GET, 7);
+	m.config_get.keys.p = big;
+	m.config_get.keys.len = 16385;
+	ck_assert_int_eq(msg_encode(&m, &buf, &len), -EINVAL);
+	msg_init(&m, MSG_CONFIG, 7);
+	m.config.service.p = big;
+	m.config.service.len = 65;
+	m.config.json.p = "{}";
+	m.config.json.len = 2;
+	ck_assert_int_eq(msg_encode(&m, &buf, &len), -EINVAL);
+	/* ... and the decoder refuses what a peer packed past them, or of the wrong kind */
+	struct pk k;
+	pk_init(&k);
+	msgpack_pack_array(&k.p, 4);
+	msgpack_pack_uint32(&k.p, PROTO_VERSION);
+	msgpack_pack_uint32(&k.p, MSG_CONFIG_SET);
+	msgpack_pack_uint64(&k.p, 8);
+	msgpack_pack_map(&k.p, 1);
+	msgpack_pack_uint8(&k.p, 1);
+	msgpack_pack_str(&k.p, 65537);
+	msgpack_pack_str_body(&k.p, big, 65537);
+	expect_reject(k.sb.data, k.sb.size, -EBADMSG, "longer than 65536", "settings of 65537 bytes");
+	pk_free(&k);
+	pk_init(&k);
+	msgpack_pack_array(&k.p, 4);
+	msgpack_pack_uint32(&k.p, PROTO_VERSION);
+	msgpack_pack_uint32(&k.p, MSG_CONFIG_GET);
+	msgpack_pack_uint64(&k.p, 9);
+	msgpack_pack_map(&k.p, 1);
+	msgpack_pack_uint8(&k.p, 1);
+	msgpack_pack_array(&k.p, 1); /* keys as a msgpack array: the wrong kind */
+	msgpack_pack_uint8(&k.p, 1);
+	expect_reject(k.sb.data, k.sb.size, -EBADMSG, "wrong type", "keys as an array");
+	pk_free(&k);
+	pk_init(&k);
+	msgpack_pack_array(&k.p, 4);
+	msgpack_pack_uint32(&k.p, PROTO_VERSION);
+	msgpack_pack_uint32(&k.p, MSG_CONFIG_SET);
+	msgpack_pack_uint64(&k.p, 10);
+	msgpack_pack_map(&k.p, 0);
+	expect_reject(k.sb.data, k.sb.size, -EBADMSG, "settings is missing", "CONFIG_SET without settings");
+	pk_free(&k);
+	free(big);
 }
 END_TEST
 
@@ -1274,6 +1370,7 @@ static Suite *codec_suite(void)
 	tcase_add_test(tc, test_alternative_encodings);
 	tcase_add_test(tc, test_unknown_keys_skipped);
 	tcase_add_test(tc, test_make_error_and_init);
+	tcase_add_test(tc, test_config_messages);
 	tcase_add_test(tc, test_encode_refuses);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("reject");

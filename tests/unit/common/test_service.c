@@ -553,6 +553,50 @@ START_TEST(test_sigterm)
 }
 END_TEST
 
+START_TEST(test_beat_and_signal)
+{
+	/* In this process: service_beat publishes a heartbeat when one is due and nothing else; a
+	 * signal stops the service whose poll takes it, and only that one. */
+	struct svc_state st = {.fd = -1};
+	struct service *s = service_create(SVC, run_dir, &ops, &st);
+	ck_assert_ptr_nonnull(s);
+	if (!ctx)
+		ctx = zmq_ctx_new();
+	char ep[600], err[256];
+	ck_assert_int_eq(bus_endpoint(run_dir, SVC, "pub", ep, sizeof(ep)), 0);
+	void *sub = bus_connect_sub(ctx, ep);
+	ck_assert_ptr_nonnull(sub);
+	usleep(200 * 1000); /* the subscription reaches the PUB socket */
+	service_beat(s);     /* none yet: due at once */
+	struct msg m;
+	ck_assert_int_eq(bus_recv(sub, &m, 5000, err, sizeof(err)), 0);
+	ck_assert_uint_eq(m.type, MSG_HEARTBEAT);
+	ck_assert_uint_eq(m.heartbeat.seq, 1);
+	ck_assert_uint_eq(m.heartbeat.epoch, service_epoch(s));
+	msg_free(&m);
+	ck_assert_int_eq(bus_recv(sub, &m, 5000, err, sizeof(err)), 0); /* the counters with it */
+	ck_assert_uint_eq(m.type, MSG_STATS);
+	msg_free(&m);
+	service_beat(s); /* the next is a period away */
+	ck_assert_int_eq(bus_recv(sub, &m, 300, err, sizeof(err)), -ETIMEDOUT);
+	ck_assert_int_eq(st.handled + st.ticks, 0); /* it neither read a socket nor ticked */
+	service_beat(NULL);
+	zmq_close(sub);
+
+	ck_assert_int_eq(raise(SIGTERM), 0);
+	ck_assert_int_eq(service_poll_once(s, 0), 1);
+	ck_assert_int_eq(service_stop_reason(s), SERVICE_STOP_SIGNAL);
+	ck_assert_int_eq(service_poll_once(s, 0), 1); /* it stays stopped */
+	service_destroy(&s);
+	/* A service made afterwards in this process does not take the old signal for its own. */
+	s = service_create(SVC, run_dir, &ops, &st);
+	ck_assert_ptr_nonnull(s);
+	ck_assert_int_eq(service_poll_once(s, 0), 0);
+	ck_assert_int_eq(service_stop_reason(s), SERVICE_RUNNING);
+	service_destroy(&s);
+}
+END_TEST
+
 START_TEST(test_second_instance_refused)
 {
 	/* A second service of the same name in the same run directory must not take the
@@ -680,6 +724,7 @@ static Suite *service_suite(void)
 	tcase_add_checked_fixture(tc, setup, teardown);
 	tcase_add_test(tc, test_shutdown);
 	tcase_add_test(tc, test_sigterm);
+	tcase_add_test(tc, test_beat_and_signal);
 	tcase_add_test(tc, test_second_instance_refused);
 	tcase_set_timeout(tc, 30);
 	suite_add_tcase(s, tc);

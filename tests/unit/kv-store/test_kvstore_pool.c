@@ -503,6 +503,122 @@ START_TEST(test_disk_full)
 }
 END_TEST
 
+/* ---- live tuning: the budgets lowered and raised at run time ---- */
+
+START_TEST(test_tuned_budgets)
+{
+	struct fx f;
+	fx_open(&f, "/tmp", 8, 16);
+	uint64_t lo, hi;
+	kvstore_dram_range(f.kv, &lo, &hi);
+	ck_assert_uint_eq(lo, BB);
+	ck_assert_uint_eq(hi, 8 * BB);
+	ck_assert_uint_eq(kvstore_dram_budget(f.kv), 8 * BB);
+	uint64_t h[8];
+	for (int i = 0; i < 8; i++)
+		h[i] = put_block(&f, 500 + (uint64_t)i);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 8);
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 0);
+	/* Pinned blocks cannot leave: a budget below them is refused, and nothing changes. */
+	uint64_t off[8];
+	ck_assert_int_eq(kvstore_fetch(f.kv, h, 3, off, f.err, sizeof(f.err)), 0);
+	expect_err(&f, kvstore_set_dram_budget(f.kv, 2 * BB, false, f.err, sizeof(f.err)), -EBUSY,
+		   "is below the 24KiB the runner holds pinned");
+	ck_assert_uint_eq(kvstore_dram_budget(f.kv), 8 * BB);
+	ck_assert_int_eq(kvstore_unpin(f.kv, h, 3, f.err, sizeof(f.err)), 0);
+	/* Lowered to 3 blocks: the 5 least recently used are spilled at once. */
+	ck_assert_int_eq(kvstore_set_dram_budget(f.kv, 3 * BB, false, f.err, sizeof(f.err)), 0);
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 0); /* a check changes nothing */
+	ck_assert_int_eq(kvstore_set_dram_budget(f.kv, 3 * BB, true, f.err, sizeof(f.err)), 0);
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 5);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 3);
+	ck_assert_uint_eq(stat_u64(&f, "pool_limit_blocks"), 3);
+	ck_assert_uint_eq(stat_u64(&f, "dram_budget"), 3 * BB);
+	for (int i = 3; i < 8; i++) /* h[0..2] were fetched last: they stayed */
+		ck_assert_uint_eq(handle_of(&f, h[i])->location, KVLOC_SPILL);
+	/* New blocks stay within it: each spills another. */
+	uint64_t x = put_block(&f, 900);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 3);
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 6);
+	/* A fetch of more than the budget at once still works (the pool laid out holds it); the
+	 * next enforcement spills back down. Every block reads back equal. */
+	uint64_t five[5] = {h[3], h[4], h[5], h[6], h[7]};
+	ck_assert_int_eq(kvstore_fetch(f.kv, five, 5, off, f.err, sizeof(f.err)), 0);
+	for (int i = 0; i < 5; i++)
+		ck_assert(kvt_check((char *)H(&f) + off[i], BB, 503 + (uint64_t)i));
+	ck_assert_uint_ge(stat_u64(&f, "pool_used"), 5);
+	ck_assert_int_eq(kvstore_unpin(f.kv, five, 5, f.err, sizeof(f.err)), 0);
+	kvstore_enforce_budgets(f.kv);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 3);
+	for (int i = 0; i < 8; i++)
+		check_block(&f, h[i], 500 + (uint64_t)i);
+	check_block(&f, x, 900);
+	kvstore_enforce_budgets(f.kv);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 3);
+	/* The disk budget: not below what the spill file holds, nor above what was laid out. */
+	uint64_t spilled = stat_u64(&f, "spill_used");
+	ck_assert_uint_eq(spilled, 6);
+	expect_err(&f, kvstore_set_disk_budget(f.kv, 5 * BB, false, f.err, sizeof(f.err)), -EBUSY,
+		   "is below the 48KiB already in use in the spill file (6 blocks)");
+	kvstore_disk_range(f.kv, &lo, &hi);
+	ck_assert_uint_eq(hi, 16 * BB);
+	ck_assert_int_eq(kvstore_set_disk_budget(f.kv, 6 * BB, true, f.err, sizeof(f.err)), 0);
+	ck_assert_uint_eq(stat_u64(&f, "spill_limit_blocks"), 6);
+	/* The spill file is full now: a DRAM budget whose spill has no room is refused. */
+	expect_err(&f, kvstore_set_dram_budget(f.kv, 1 * BB, false, f.err, sizeof(f.err)), -ENOSPC,
+		   "moves 2 blocks to the spill file, which has room for 0");
+	/* An ALLOC that cannot spill borrows a slot past the DRAM budget rather than fail (the pool
+	 * laid out holds it); the budget is reached again once the spill file has room. */
+	put_block(&f, 901);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 4);
+	kvstore_enforce_budgets(f.kv);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 4);
+	ck_assert_int_eq(kvstore_set_disk_budget(f.kv, 16 * BB, true, f.err, sizeof(f.err)), 0);
+	kvstore_enforce_budgets(f.kv);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 3);
+	/* Raised back: the pool as laid out. */
+	ck_assert_int_eq(kvstore_set_dram_budget(f.kv, 8 * BB, true, f.err, sizeof(f.err)), 0);
+	ck_assert_uint_eq(stat_u64(&f, "pool_limit_blocks"), 8);
+	uint64_t spills = stat_u64(&f, "spills");
+	for (int i = 0; i < 5; i++)
+		put_block(&f, 700 + (uint64_t)i);
+	ck_assert_uint_eq(stat_u64(&f, "spills"), spills); /* 3 + 5 fit the pool again */
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 8);
+	/* The io limit: 1..the depth given at create. */
+	ck_assert_uint_eq(kvstore_io_depth(f.kv), 8);
+	ck_assert_int_eq(kvstore_set_io_limit(f.kv, 0), -EINVAL);
+	ck_assert_int_eq(kvstore_set_io_limit(f.kv, 9), -EINVAL);
+	ck_assert_int_eq(kvstore_set_io_limit(f.kv, 1), 0);
+	put_block(&f, 800); /* spills through a depth of 1 */
+	check_block(&f, h[7], 507);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(test_tuned_budget_before_configure)
+{
+	struct fx f;
+	memset(&f, 0, sizeof(f));
+	kvt_mkdtemp("/tmp", f.dir, sizeof(f.dir));
+	kvt_shm_name(f.shm, sizeof(f.shm));
+	snprintf(f.spill, sizeof(f.spill), "%s/kv-spill.bin", f.dir);
+	f.kv = fx_store(&f, 8, 8);
+	uint64_t lo, hi;
+	kvstore_dram_range(f.kv, &lo, &hi);
+	ck_assert_uint_eq(hi, 8 * BB);
+	/* No pool yet: the budget is taken as it is and applies to the pool configure lays out. */
+	ck_assert_int_eq(kvstore_set_dram_budget(f.kv, 2 * BB, true, f.err, sizeof(f.err)), 0);
+	ck_assert_int_eq(kvstore_configure(f.kv, BB, HASH, f.err, sizeof(f.err)), 0);
+	ck_assert_uint_eq(stat_u64(&f, "pool_blocks"), 8);
+	ck_assert_uint_eq(stat_u64(&f, "pool_limit_blocks"), 2);
+	for (int i = 0; i < 4; i++)
+		put_block(&f, (uint64_t)i);
+	ck_assert_uint_eq(stat_u64(&f, "pool_used"), 2);
+	ck_assert_uint_eq(stat_u64(&f, "spills"), 2);
+	fx_close(&f);
+}
+END_TEST
+
 START_TEST(test_fetch_when_everything_is_full)
 {
 	/* Pool and spill file both full: a fetch of a spilled block still works, trading places
@@ -1837,6 +1953,8 @@ static Suite *pool_suite(void)
 	tcase_add_test(tc, test_all_pinned);
 	tcase_add_test(tc, test_disk_full);
 	tcase_add_test(tc, test_fetch_when_everything_is_full);
+	tcase_add_test(tc, test_tuned_budgets);
+	tcase_add_test(tc, test_tuned_budget_before_configure);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("checksum");

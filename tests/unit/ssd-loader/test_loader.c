@@ -269,6 +269,31 @@ START_TEST(read_ahead_keeps_a_paused_runner_fed)
 }
 END_TEST
 
+START_TEST(read_ahead_and_io_limit_tuned)
+{
+	/* Live tuning: no read-ahead and one read in flight still serve every cycle right; the
+	 * runner then waits for groups read-ahead would have had ready. */
+	struct fixture *fx = fx_open("/tmp", 4, 2, false);
+	ck_assert_uint_eq(loader_read_ahead_max(fx->l), 2);
+	ck_assert_uint_eq(loader_read_ahead(fx->l), 2);
+	loader_set_read_ahead(fx->l, 9);
+	ck_assert_uint_eq(loader_read_ahead(fx->l), 2); /* past the streaming slots: clamped */
+	loader_set_read_ahead(fx->l, 0);
+	ck_assert_uint_eq(loader_read_ahead(fx->l), 0);
+	ck_assert_int_eq(loader_set_io_limit(fx->l, 0), -EINVAL);
+	ck_assert_int_eq(loader_set_io_limit(fx->l, loader_io_depth(fx->l) + 1), -EINVAL);
+	ck_assert_int_eq(loader_set_io_limit(fx->l, 1), 0);
+	ck_assert_uint_eq(loader_io_limit(fx->l), 1);
+	run_cycles(fx, 3);
+	ck_assert_uint_gt(fx->h->loader.waits, 0);
+	char *json = loader_stats_json(fx->l);
+	ck_assert_ptr_nonnull(strstr(json, "\"read_ahead\":0"));
+	ck_assert_ptr_nonnull(strstr(json, "\"io_depth_limit\":1"));
+	free(json);
+	fx_close(fx);
+}
+END_TEST
+
 START_TEST(stream_k1_buffered)
 {
 	struct fixture *fx = fx_open("/dev/shm", 3, 1, true);
@@ -529,6 +554,7 @@ static Suite *loader_suite(void)
 	tcase_add_test(tc, stream_k1_three_cycles);
 	tcase_add_test(tc, stream_k2_three_cycles);
 	tcase_add_test(tc, read_ahead_keeps_a_paused_runner_fed);
+	tcase_add_test(tc, read_ahead_and_io_limit_tuned);
 	tcase_add_test(tc, stream_k1_buffered);
 	tcase_add_test(tc, all_resident_three_cycles);
 	tcase_add_test(tc, acquire_ahead_then_release);

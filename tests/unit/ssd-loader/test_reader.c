@@ -196,6 +196,53 @@ START_TEST(direct_reads_match_file)
 }
 END_TEST
 
+START_TEST(limit_caps_reads_in_flight)
+{
+	/* Live tuning: a limit under the queue depth caps the pieces in flight; raising it lets the
+	 * queued ones go. The bytes are right either way. */
+	char *dir = th_tmpdir("/tmp");
+	char *model = lt_make_model(dir, 2);
+	struct manifest *m = lt_load(model);
+	struct done_log d = {0};
+	struct reader *r = open_reader(m, 16, 4096, false, &d);
+	ck_assert_uint_eq(reader_depth(r), 16);
+	ck_assert_uint_eq(reader_limit(r), 16);
+	ck_assert_int_eq(reader_set_limit(r, 0), -EINVAL);
+	ck_assert_int_eq(reader_set_limit(r, 17), -EINVAL);
+	ck_assert_int_eq(reader_set_limit(r, 2), 0);
+	struct group_bufs b = alloc_bufs(m);
+	d.seen = calloc(m->n_extents, 1);
+	for (uint32_t e = 0; e < m->n_extents; e++) {
+		const struct read_extent *x = &m->extents[e];
+		ck_assert_int_eq(reader_read(r, x->file_index, x->file_offset, x->length, extent_need(m, e),
+					     (char *)b.buf[x->group] + x->slot_offset, e),
+				 0);
+	}
+	struct reader_stats st;
+	reader_get_stats(r, &st);
+	ck_assert_uint_le(st.in_flight, 2);
+	ck_assert_uint_gt(st.queued, 0);
+	for (int i = 0; d.n < m->n_extents / 2; i++) {
+		ck_assert_int_ge(reader_process(r, true), 0);
+		reader_get_stats(r, &st);
+		ck_assert_uint_le(st.in_flight, 2);
+	}
+	ck_assert_int_eq(reader_set_limit(r, 16), 0);
+	while (d.n < m->n_extents)
+		ck_assert_int_ge(reader_process(r, true), 0);
+	ck_assert(reader_idle(r));
+	ck_assert_uint_eq(d.n_failed, 0);
+	check_all(m, &b);
+	reader_destroy(&r);
+	free_bufs(&b);
+	free(d.seen);
+	manifest_destroy(&m);
+	th_rmtree(dir);
+	free(model);
+	free(dir);
+}
+END_TEST
+
 START_TEST(direct_small_pieces_shallow_queue)
 {
 	/* 4 KiB pieces, two in flight: requests wait in the queue and split into many reads. */
@@ -368,6 +415,7 @@ static Suite *reader_suite(void)
 	TCase *tc = tcase_create("direct");
 	tcase_add_test(tc, direct_reads_match_file);
 	tcase_add_test(tc, direct_small_pieces_shallow_queue);
+	tcase_add_test(tc, limit_caps_reads_in_flight);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("buffered");
 	tcase_add_test(tc, buffered_flag_on_dev_shm);
