@@ -50,6 +50,22 @@ expect_grep "KV prefix cache +$hits hits, $misses misses" "$status" "status show
 summary=$("$PIPECTL" summary)
 expect_grep 'prefix' "$summary" "pipectl summary shows prefix reuse"
 
+# --kv-persist-dir: the cached blocks outlive a stop; a new instance restores A's prompt from
+# the spill file through the index, with the tokens of a cold run.
+"$PIPELINE" stop
+persist=$IT_TMP/kv-persist
+"$PIPELINE" start --model "$MODEL" --backend cpu --kv-persist-dir "$persist"
+got=$(generate --tokens "$A" -n 32 --ignore-eos)
+expect_eq "$got" "$want_a" "request A with a persist dir"
+"$PIPELINE" stop
+[[ -s $persist/kv-spill.bin && -s $persist/kv-spill.idx ]] || fail "the persist dir holds no spill file and index after stop"
+"$PIPELINE" start --model "$MODEL" --backend cpu --kv-persist-dir "$persist"
+got=$(generate --tokens "$A" -n 32 --ignore-eos)
+expect_eq "$got" "$want_a" "request A again after a stop and a start"
+p3=$(stat_value gpu-runner kv_prefix_positions)
+log "after a stop and a start with --kv-persist-dir: $p3 positions restored"
+expect_gt "$p3" 255 "positions restored from the persist dir"
+
 # A cold run of B on a fresh instance gives the same tokens as the warm one.
 "$PIPELINE" stop
 "$PIPELINE" start --model "$MODEL" --backend cpu
