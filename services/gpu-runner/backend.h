@@ -153,6 +153,10 @@ struct backend_ops {
 	int (*kv_prefetch_n)(struct backend *be, uint32_t n, const uint32_t *blocks, const void *const *srcs,
 			     uint32_t slot);
 	int (*kv_prefetch_wait)(struct backend *be, uint32_t slot);
+	/* Optional: waits until no KV copy (write-behind, read-ahead, or one a failed call left
+	 * queued) touches host memory any more: before pool blocks a copy may still use are handed
+	 * back, and before the pool is unregistered or unmapped. */
+	int (*kv_sync)(struct backend *be);
 };
 
 #define KV_EVENTS_IN_FLIGHT 64 /* commits a runner may have unanswered (kv_remote.h) */

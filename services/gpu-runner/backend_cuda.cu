@@ -1649,6 +1649,16 @@ static int cuda_kv_prefetch_n(struct backend *be, uint32_t n, const uint32_t *bl
 	return 0;
 }
 
+static int cuda_kv_sync(struct backend *be)
+{
+	CUDA_TRY(be, "cudaStreamSynchronize (KV sync)", cudaStreamSynchronize(be->stream));
+	if (be->kv_d2h)
+		CUDA_TRY(be, "cudaStreamSynchronize (KV D2H)", cudaStreamSynchronize(be->kv_d2h));
+	if (be->kv_h2d)
+		CUDA_TRY(be, "cudaStreamSynchronize (KV H2D)", cudaStreamSynchronize(be->kv_h2d));
+	return 0;
+}
+
 static int cuda_kv_prefetch_wait(struct backend *be, uint32_t slot)
 {
 	if (slot > 1)
@@ -2395,5 +2405,6 @@ const struct backend_ops backend_cuda_ops = {
 	cuda_kv_from_host_n,	/* kv_from_host_n */
 	cuda_kv_prefetch_n,	/* kv_prefetch_n */
 	cuda_kv_prefetch_wait,	/* kv_prefetch_wait */
+	cuda_kv_sync,		/* kv_sync */
 };
 }

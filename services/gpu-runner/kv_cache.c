@@ -306,6 +306,14 @@ static int take_arena_n(struct kv_cache *kv, uint32_t layer, uint32_t visit, con
 	return take_arena_for(kv, layer, visit, -1, -1, layer, idx, n, out);
 }
 
+/* Waits for every KV copy of the backend (kv_sync); a failure is the backend's, reported by
+ * whatever runs next. */
+static void kv_sync(struct kv_cache *kv)
+{
+	if (kv->ops->kv_sync)
+		kv->ops->kv_sync(kv->be);
+}
+
 /* Hands arena block b back as free (it holds nothing valid). */
 static void drop_arena(struct kv_cache *kv, uint32_t b)
 {
@@ -403,6 +411,7 @@ static int readahead_start(struct kv_cache *kv, uint32_t layer, uint32_t next, u
 			bool taken = entry(kv, next, kv->idx[0])->arena != NO_ARENA;
 			for (uint32_t i = 0; i < run && taken; i++)
 				drop_arena(kv, kv->dst[i]);
+			kv_sync(kv); /* copies a failed call left queued still read the pool blocks */
 			kv->remote->unpin(kv->rctx, run, kv->handles);
 			if (rc == -ENOSPC) /* the room was counted: cannot happen; go on without */
 				break;
@@ -458,7 +467,11 @@ static int readahead_drain(struct kv_cache *kv, bool unpin)
 
 int kv_cache_quiesce(struct kv_cache *kv)
 {
-	return kv ? readahead_drain(kv, false) : 0;
+	if (!kv)
+		return 0;
+	int rc = readahead_drain(kv, false);
+	kv_sync(kv);
+	return rc;
 }
 
 int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_t n, uint32_t *dst_block,
@@ -580,8 +593,10 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 				kv->arena[kv->dst[r]] = (struct arena_block){.layer = -1};
 				kv->n_free++;
 			}
-			if (rc != -ENOSPC)
+			if (rc != -ENOSPC) {
 				set_err(kv, rc, "copying KV blocks into the arena failed: %s", kv->ops->error(kv->be));
+				kv_sync(kv); /* before the unpin below: copies may still read the pool */
+			}
 		}
 		kv->stats.copy_ns += now_ns() - t1;
 		kv->stats.fetch_runs++;
@@ -655,6 +670,7 @@ static int commit_batch(struct kv_cache *kv, uint32_t layer, const uint32_t *idx
 	}
 	if (rc) {
 		set_err(kv, rc, "copying KV blocks out of the arena failed: %s", kv->ops->error(kv->be));
+		kv_sync(kv); /* some copies may be queued: the pool blocks go back once none runs */
 		kv->remote->release(kv->rctx, n, kv->handles);
 		return rc;
 	}
@@ -664,6 +680,7 @@ static int commit_batch(struct kv_cache *kv, uint32_t layer, const uint32_t *idx
 	rc = kv->remote->commit(kv->rctx, n, kv->handles, kv->ptrs, keys, async ? event : NULL);
 	if (rc) {
 		remote_err(kv, rc, "committing %u KV blocks failed: %s", n, kv->remote->error(kv->rctx));
+		kv_sync(kv); /* the write-behind may still be writing those pool blocks */
 		kv->remote->release(kv->rctx, n, kv->handles);
 		return rc;
 	}

@@ -474,6 +474,13 @@ static void run_job(struct runner *r, struct job *j)
 			text_stream_finish(r->ts, &tail, &tail_len);
 		/* Hand streamed groups back; a dead loader would only make the client wait a timeout. */
 		int wrc = ring_source_owner_alive(r->ring) ? weights(r)->ops->release_all(weights(r)) : 0;
+		if (wrc && !ring_source_owner_alive(r->ring)) {
+			/* It died between the check and the release: what we held died with it. */
+			log_warn("ssd-loader went away while the request's weights were handed back: %s",
+				 weights(r)->error);
+			r->loader_suspect = true;
+			wrc = 0;
+		}
 		if (wrc && !rc) {
 			snprintf(err, sizeof(err), "%s", weights(r)->error);
 			rc = wrc;
