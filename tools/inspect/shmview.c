@@ -280,6 +280,29 @@ static int ring_read(const struct shm_view *v, struct ring_snap *rs, char *why, 
 	return 0;
 }
 
+/* Runs read(v, snap) with SIGBUS caught: an object truncated or replaced under the mapping
+ * fails the read (-EFAULT, and the view is closed) instead of killing the inspector. */
+typedef int (*snap_read_fn)(const struct shm_view *v, void *snap, char *why, size_t whylen);
+
+static int read_guarded(struct shm_view *v, snap_read_fn read, void *snap, char *why, size_t whylen)
+{
+	int rc;
+	bus_armed = 1;
+	if (sigsetjmp(bus_env, 1) == 0)
+		rc = read(v, snap, why, whylen);
+	else
+		rc = errorf(why, whylen, -EFAULT, "the object went away while being read");
+	bus_armed = 0;
+	if (rc == -EFAULT)
+		shm_view_close(v);
+	return rc;
+}
+
+static int ring_read_any(const struct shm_view *v, void *snap, char *why, size_t whylen)
+{
+	return ring_read(v, snap, why, whylen);
+}
+
 json_t *shm_view_ring(struct shm_view *v)
 {
 	char why[256];
@@ -287,15 +310,7 @@ json_t *shm_view_ring(struct shm_view *v)
 		return section_absent(v, why, NULL);
 	static struct ring_snap rs;
 	memset(&rs.hdr, 0, sizeof(rs.hdr));
-	int rc;
-	bus_armed = 1;
-	if (sigsetjmp(bus_env, 1) == 0)
-		rc = ring_read(v, &rs, why, sizeof(why));
-	else
-		rc = errorf(why, sizeof(why), -EFAULT, "the object went away while being read");
-	bus_armed = 0;
-	if (rc == -EFAULT)
-		shm_view_close(v);
+	int rc = read_guarded(v, ring_read_any, &rs, why, sizeof(why));
 	if (rc)
 		return section_absent(v, why, rc == -EFAULT ? NULL : &rs.hdr);
 
@@ -403,6 +418,11 @@ static int pool_read(const struct shm_view *v, struct pool_snap *ps, char *why, 
 	return 0;
 }
 
+static int pool_read_any(const struct shm_view *v, void *snap, char *why, size_t whylen)
+{
+	return pool_read(v, snap, why, whylen);
+}
+
 json_t *shm_view_pool(struct shm_view *v)
 {
 	char why[256];
@@ -410,15 +430,7 @@ json_t *shm_view_pool(struct shm_view *v)
 		return section_absent(v, why, NULL);
 	static struct pool_snap ps;
 	memset(&ps.hdr, 0, sizeof(ps.hdr));
-	int rc;
-	bus_armed = 1;
-	if (sigsetjmp(bus_env, 1) == 0)
-		rc = pool_read(v, &ps, why, sizeof(why));
-	else
-		rc = errorf(why, sizeof(why), -EFAULT, "the object went away while being read");
-	bus_armed = 0;
-	if (rc == -EFAULT)
-		shm_view_close(v);
+	int rc = read_guarded(v, pool_read_any, &ps, why, sizeof(why));
 	if (rc)
 		return section_absent(v, why, rc == -EFAULT ? NULL : &ps.hdr);
 

@@ -96,6 +96,18 @@ struct rpc_client *pipectl_connect(struct pipectl *p, const char *service)
 	return c;
 }
 
+json_t *pipectl_json_object(const char *service, const char *what, const char *text, size_t len)
+{
+	json_error_t jerr;
+	json_t *j = json_loadb(text, len, 0, &jerr);
+	if (j && json_is_object(j))
+		return j;
+	fprintf(stderr, "pipectl: %s sent %s that are not a JSON object (%s)\n", service, what,
+		j ? "another JSON value" : jerr.text);
+	json_decref(j);
+	return NULL;
+}
+
 int pipectl_rpc_failed(const struct pipectl *p, const char *service, const char *what, int rc, struct msg *rep)
 {
 	switch (rc) {
@@ -413,14 +425,9 @@ int cmd_stats(struct pipectl *p, int argc, char **argv)
 	}
 	if (!same_service(service, &rep.stats.service, "STATS_GET"))
 		goto out_reply;
-	json_error_t jerr;
-	json_t *j = json_loadb(rep.stats.json.p, rep.stats.json.len, 0, &jerr);
-	if (!j || !json_is_object(j)) {
-		fprintf(stderr, "pipectl: %s sent stats that are not a JSON object (%s)\n", service,
-			j ? "another JSON value" : jerr.text);
-		json_decref(j);
+	json_t *j = pipectl_json_object(service, "stats", rep.stats.json.p, rep.stats.json.len);
+	if (!j)
 		goto out_reply;
-	}
 	char *text = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
 	json_decref(j);
 	if (!text) {

@@ -14,6 +14,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include <jansson.h>
+
 #include "common/bus.h"
 #include "common/config.h"
 #include "common/protocol.h"
@@ -49,6 +51,10 @@ struct rpc_client *pipectl_connect(struct pipectl *p, const char *service);
 /* Prints why a call to service failed: rc from rpc_call/rpc_wait, rep the MSG_ERROR reply
  * when rc is -EREMOTEIO (freed here). what names the request. Returns PIPECTL_EXIT_FAIL. */
 int pipectl_rpc_failed(const struct pipectl *p, const char *service, const char *what, int rc, struct msg *rep);
+
+/* Parses text (len bytes from service, `what` names it: "stats", "parameters") as a JSON object.
+ * Returns the object, or NULL after printing why. */
+json_t *pipectl_json_object(const char *service, const char *what, const char *text, size_t len);
 
 /* Parses a subcommand's flags: usage is "pipectl <usage>", summary one paragraph. With
  * n_pos_min/max the count of positional arguments is checked (pos holds them; it must have

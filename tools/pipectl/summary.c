@@ -33,14 +33,7 @@ static json_t *fetch_stats(struct pipectl *p, const char *service)
 			who);
 		goto out_reply;
 	}
-	json_error_t jerr;
-	j = json_loadb(rep.stats.json.p, rep.stats.json.len, 0, &jerr);
-	if (!j || !json_is_object(j)) {
-		fprintf(stderr, "pipectl: %s sent stats that are not a JSON object (%s)\n", service,
-			j ? "another JSON value" : jerr.text);
-		json_decref(j);
-		j = NULL;
-	}
+	j = pipectl_json_object(service, "stats", rep.stats.json.p, rep.stats.json.len);
 out_reply:
 	msg_free(&rep);
 out_client:

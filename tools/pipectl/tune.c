@@ -54,14 +54,9 @@ static int config_call(struct pipectl *p, const char *service, struct msg *req, 
 			rep.config.service.p ? rep.config.service.p : "");
 		goto out_reply;
 	}
-	json_error_t jerr;
-	json_t *j = json_loadb(rep.config.json.p, rep.config.json.len, 0, &jerr);
-	if (!j || !json_is_object(j)) {
-		fprintf(stderr, "pipectl: %s sent parameters that are not a JSON object (%s)\n", service,
-			j ? "another JSON value" : jerr.text);
-		json_decref(j);
+	json_t *j = pipectl_json_object(service, "parameters", rep.config.json.p, rep.config.json.len);
+	if (!j)
 		goto out_reply;
-	}
 	if (as_json) {
 		char *text = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
 		if (text)
