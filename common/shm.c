@@ -71,7 +71,8 @@ bool process_alive(int pid, uint64_t start_time)
 	char state;
 	uint64_t start;
 	if (read_proc_stat(pid, &state, &start) != 0)
-		return true; /* no /proc: trust kill(pid, 0) */
+		/* No /proc, or the process exited after kill(pid, 0): ask kill again. */
+		return pid_alive(pid);
 	/* An exited process that its parent has not reaped yet is a zombie: it owns nothing. */
 	if (state == 'Z' || state == 'X')
 		return false;

@@ -11,10 +11,20 @@
  * that the fidelity test compares exactly what the runner computed.
  *
  * The runner dying in the middle of a request (kill -9, a crash, killed as hung) is reported,
- * not waited out: ZeroMQ does not tell a client that its peer died, so generate first asks the
- * runner for HELLO (its pid; waiting for a runner that is being restarted to answer), and while
- * it waits for the next reply it checks every 250 ms that this process still lives. When it is
- * gone: "gpu-runner went away during the request (pid N): ...", exit status 1, and nothing is
+ * not waited out. ZeroMQ does not tell a client that its peer died, so generate judges it from
+ * the runner's heartbeats (MSG_HEARTBEAT on gpu-runner.pub, every second, during long work too):
+ * it asks the runner for HELLO (its pid and epoch; waiting for a runner that is being restarted
+ * to answer), subscribes to its heartbeats, sends GENERATE and right after it a second HELLO, the
+ * probe. The probe travels behind the GENERATE on the same connection, so the runner that answers
+ * it (its epoch) holds the request. The request is lost when that runner goes quiet for
+ * GEN_SILENT_MS, when a heartbeat of a newer runner arrives (another epoch: the old process is
+ * gone), or, as a fast path, when its process is seen gone (only where that is reliable: the pid
+ * names, in our pid namespace, the process listening on the run dir's socket, with the start time
+ * read then). When the HELLO's runner is gone before the probe was answered (it restarted between
+ * HELLO and GENERATE, say), the request may sit queued for its successor: generate keeps waiting
+ * while a successor beats, sending more probes; the successor answering the first probe holds the
+ * request, a later probe answered first proves it was lost with the old one. When the request is
+ * lost: "gpu-runner went away during the request (pid N): ...", exit status 1, and nothing is
  * retried (the tokens printed so far stay on stdout); the supervisor starts a new runner, which
  * serves the request when it is sent again. */
 #include <errno.h>
@@ -22,8 +32,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
+#include <zmq.h>
 
+#include "common/log.h"
 #include "common/shm.h"
 #include "common/util.h"
 #include "tools/pipectl/pipectl.h"
@@ -32,14 +46,268 @@
 #define GEN_DEFAULT_TIMEOUT_S 600
 
 #define GEN_MAX_STOPS 16
-/* How often the runner's process is looked at while a reply is awaited. */
+/* How often the runner's process is looked at (the fast path) while a reply is awaited. */
 #define GEN_LIVENESS_MS 250
+/* Silence after which the runner that may hold the request counts as gone: five heartbeat
+ * periods (services beat every second; the runner also while it computes or waits on peers). */
+#define GEN_SILENT_MS 5000
+/* While it is not known which runner holds the request, a HELLO probe at most this often. */
+#define GEN_PROBE_MS 1000
+#define GEN_MAX_PROBES 16
+#define GEN_MAX_SEEN 8
+/* A last look for replies a runner sent before it went away. */
+#define GEN_LAST_LOOK_MS 100
 
-/* The process serving the request, from its HELLO reply. */
-struct runner_proc {
-	int pid;
-	uint64_t start; /* process_start_time; 0: unknown */
+/* Who holds the request, and the signs of its life (see the top of this file). */
+struct runner_watch {
+	struct rpc_client *c;
+	void *sub;	       /* SUB on gpu-runner.pub; NULL: no heartbeats (the fast path only) */
+	uint64_t corr;	       /* the GENERATE's */
+	int hello_pid;	       /* the HELLO's runner, in its own pid namespace */
+	uint64_t hello_epoch;  /* and its epoch */
+	uint64_t start;	       /* hello_pid's start time where the fast path is reliable; else 0 */
+	bool known;	       /* the runner holding the request is known (the first probe answered): */
+	uint64_t epoch;	       /* its epoch */
+	int pid;	       /* its pid, for the message */
+	bool hello_gone;       /* while !known: the HELLO's runner is gone (a successor beat, or its pid) */
+	uint64_t seen[GEN_MAX_SEEN]; /* epochs that beat while !known: none is newer than `epoch` */
+	int n_seen;
+	uint64_t probes[GEN_MAX_PROBES]; /* the HELLO probes sent after GENERATE, in order */
+	int n_probes;
+	bool first_probe;      /* probes[0] went right behind the GENERATE */
+	uint64_t last_life_ns; /* last sign of life of a runner that may hold the request */
+	uint64_t last_probe_ns, last_pid_ns;
+	bool lost;
 };
+
+/* The pid, in our pid namespace, of the process listening on the unix socket at path; 0 when
+ * none listens or it is not visible here (another pid namespace: the kernel says 0). The
+ * connection is closed at once (bus.c's ipc_in_use looks the same way). */
+static int listener_pid(const char *path)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	if (str_copy(sa.sun_path, sizeof(sa.sun_path), path) != 0)
+		return 0;
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return 0;
+	int pid = 0;
+	struct ucred cr;
+	socklen_t len = sizeof(cr);
+	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+	    getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0 && len == sizeof(cr))
+		pid = cr.pid;
+	close(fd);
+	return pid;
+}
+
+/* After the HELLO: the fast path, where reliable, and the subscription to the heartbeats (before
+ * GENERATE is sent, after the HELLO, so that no heartbeat of a runner older than the HELLO's
+ * can arrive). */
+static void watch_open(struct runner_watch *w, struct pipectl *p, struct rpc_client *c, const struct msg_hello_reply *h)
+{
+	w->c = c;
+	w->hello_pid = h->pid > 0 && h->pid < INT32_MAX ? (int)h->pid : 0;
+	w->pid = w->hello_pid;
+	w->hello_epoch = h->epoch;
+	w->seen[w->n_seen++] = h->epoch;
+	char ep[300];
+	if (bus_endpoint(p->run_dir, GEN_SERVICE, "pub", ep, sizeof(ep)) != 0)
+		return;
+	/* The pid is worth watching only if it names the runner here: in our pid namespace, the
+	 * process that listens on the run dir's socket, alive from before to after its start time
+	 * was read (a runner gone meanwhile leaves the fast path off; the heartbeats remain). */
+	if (w->hello_pid) {
+		uint64_t s1 = process_start_time(w->hello_pid);
+		int lp = s1 ? listener_pid(ep + strlen("ipc://")) : 0;
+		uint64_t s2 = lp == w->hello_pid ? process_start_time(w->hello_pid) : 0;
+		w->start = s1 && s1 == s2 ? s1 : 0;
+	}
+	w->sub = bus_connect_sub(p->zctx, ep);
+	if (!w->sub)
+		log_warn("cannot subscribe to %s: %s (watching the runner's pid only)", ep, strerror(errno));
+}
+
+static void watch_close(struct runner_watch *w)
+{
+	if (w->sub)
+		zmq_close(w->sub);
+	w->sub = NULL;
+}
+
+static void watch_lost(struct runner_watch *w, const char *why)
+{
+	if (!w->lost)
+		log_debug("the request is lost: %s", why);
+	w->lost = true;
+}
+
+/* Sends a HELLO probe on the request's connection. */
+static void send_probe(struct runner_watch *w)
+{
+	w->last_probe_ns = now_ns();
+	if (w->n_probes == GEN_MAX_PROBES)
+		return;
+	static const char self[] = "pipectl";
+	struct msg req;
+	msg_init(&req, MSG_HELLO, 0);
+	req.hello.client.p = (char *)self;
+	req.hello.client.len = (uint32_t)strlen(self);
+	req.hello.proto = PROTO_VERSION;
+	uint64_t corr;
+	if (rpc_send(w->c, &req, &corr) == 0)
+		w->probes[w->n_probes++] = corr;
+}
+
+/* Right after GENERATE: the probe that tells who got it. */
+static void watch_sent(struct runner_watch *w, uint64_t corr)
+{
+	w->corr = corr;
+	send_probe(w);
+	w->first_probe = w->n_probes == 1;
+	w->last_life_ns = now_ns();
+	w->last_pid_ns = w->last_life_ns;
+}
+
+static void on_probe_reply(struct runner_watch *w, int i, const struct msg *rep)
+{
+	if (w->known || !w->first_probe)
+		return;
+	if (i > 0) {
+		/* A later probe answered before the first: the first, and the GENERATE before it, went
+		 * to a runner that is gone. */
+		watch_lost(w, "a later probe was answered first");
+		return;
+	}
+	w->known = true;
+	w->last_life_ns = now_ns();
+	if (rep->type != MSG_HELLO_REPLY) { /* an error reply: the runner answering holds it */
+		w->epoch = w->hello_gone ? w->seen[w->n_seen - 1] : w->hello_epoch;
+		w->pid = 0;
+	} else {
+		w->epoch = rep->hello_reply.epoch;
+		w->pid = rep->hello_reply.pid < INT32_MAX ? (int)rep->hello_reply.pid : 0;
+	}
+	if (w->epoch != w->hello_epoch)
+		w->start = 0; /* the fast path watches the HELLO's process */
+	else if (w->hello_gone)
+		watch_lost(w, "the runner holding the request was already seen gone");
+}
+
+static void on_beat(struct runner_watch *w, const struct msg_heartbeat *hb)
+{
+	if (hb->service.len != strlen(GEN_SERVICE) || memcmp(hb->service.p, GEN_SERVICE, hb->service.len))
+		return;
+	uint64_t x = hb->epoch;
+	if (w->known) {
+		if (x == w->epoch) {
+			w->last_life_ns = now_ns();
+			return;
+		}
+		for (int i = 0; i < w->n_seen; i++)
+			if (x == w->seen[i])
+				return; /* older than the runner holding the request, a late beat */
+		watch_lost(w, "a newer runner beats");
+		return;
+	}
+	if (x == w->hello_epoch) {
+		if (!w->hello_gone)
+			w->last_life_ns = now_ns();
+		return;
+	}
+	/* A successor of the HELLO's runner: that one is gone. The request went with it, or waits
+	 * for this one (it was sent while the runner restarted): the probes tell. */
+	bool fresh = true;
+	for (int i = 0; i < w->n_seen && fresh; i++)
+		fresh = x != w->seen[i];
+	if (fresh && w->n_seen < GEN_MAX_SEEN)
+		w->seen[w->n_seen++] = x;
+	if (fresh)
+		send_probe(w);
+	w->hello_gone = true;
+	w->last_life_ns = now_ns();
+}
+
+/* What time alone tells: the fast path, the silence, the probes due. */
+static void watch_tick(struct runner_watch *w)
+{
+	uint64_t now = now_ns();
+	bool watching_hello = w->known ? w->epoch == w->hello_epoch : !w->hello_gone;
+	if (w->start && watching_hello && now - w->last_pid_ns >= GEN_LIVENESS_MS * 1000000ull) {
+		w->last_pid_ns = now;
+		if (!process_alive(w->hello_pid, w->start)) {
+			w->start = 0;
+			if (w->known) {
+				watch_lost(w, "its process is gone");
+			} else {
+				w->hello_gone = true;
+				w->last_life_ns = now; /* a successor may be starting: give it time */
+				send_probe(w);
+			}
+		}
+	}
+	if (!w->known && w->hello_gone && w->first_probe && now - w->last_probe_ns >= GEN_PROBE_MS * 1000000ull)
+		send_probe(w);
+	if (w->sub && now - w->last_life_ns >= GEN_SILENT_MS * 1000000ull)
+		watch_lost(w, "no heartbeat");
+}
+
+/* Waits up to timeout_ms for the next reply to the GENERATE, reading heartbeats and probe
+ * replies meanwhile. Returns as rpc_wait, or -ECONNRESET when the runner holding the request is
+ * gone (after a last look for replies it sent before). */
+static int watch_wait(struct runner_watch *w, struct msg *rep, int timeout_ms)
+{
+	uint64_t now = now_ns(), deadline = now + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000000ull;
+	uint64_t last_look = w->lost ? now + GEN_LAST_LOOK_MS * 1000000ull : 0;
+	void *dealer = rpc_client_socket(w->c);
+	char err[256];
+	memset(rep, 0, sizeof(*rep)); /* msg_free(rep) is safe after any return */
+	for (;;) {
+		for (;;) {
+			int rc = bus_recv(dealer, rep, 0, err, sizeof(err));
+			if (rc == -ETIMEDOUT)
+				break;
+			if (rc == -EINTR)
+				continue;
+			if (rc == -EBADMSG || rc == -ENOMSG || rc == -EPROTONOSUPPORT) {
+				log_warn("bad reply from %s: %s", GEN_SERVICE, err);
+				return -EBADMSG;
+			}
+			if (rc)
+				return rc;
+			if (rep->corr == w->corr) {
+				w->last_life_ns = now_ns();
+				return rep->type == MSG_ERROR ? -EREMOTEIO : 0;
+			}
+			for (int i = 0; i < w->n_probes; i++)
+				if (rep->corr == w->probes[i])
+					on_probe_reply(w, i, rep);
+			msg_free(rep);
+			memset(rep, 0, sizeof(*rep));
+		}
+		for (int n = 0; w->sub && n < 1000; n++) {
+			struct msg m;
+			int rc = bus_recv(w->sub, &m, 0, err, sizeof(err));
+			if (rc == 0 && m.type == MSG_HEARTBEAT)
+				on_beat(w, &m.heartbeat);
+			msg_free(&m);
+			if (rc == -ETIMEDOUT || (rc && rc != -EINTR && rc != -EBADMSG && rc != -ENOMSG &&
+						 rc != -EPROTONOSUPPORT))
+				break;
+		}
+		watch_tick(w);
+		now = now_ns();
+		if (w->lost && !last_look)
+			last_look = now + GEN_LAST_LOOK_MS * 1000000ull;
+		uint64_t until = last_look ? last_look : deadline;
+		if (now >= until)
+			return last_look ? -ECONNRESET : -ETIMEDOUT;
+		uint64_t left_ms = (until - now + 999999) / 1000000ull;
+		zmq_pollitem_t items[2] = {{.socket = dealer, .events = ZMQ_POLLIN},
+					   {.socket = w->sub, .events = ZMQ_POLLIN}};
+		zmq_poll(items, w->sub ? 2 : 1, left_ms < GEN_LIVENESS_MS ? (long)left_ms : GEN_LIVENESS_MS);
+	}
+}
 
 /* The arguments turned into a request; arrays and JSON texts owned here. */
 struct gen_args {
@@ -310,37 +578,15 @@ static double per_second(uint64_t n, double ms)
 	return ms > 0 ? (double)n * 1000.0 / ms : 0;
 }
 
-/* rpc_wait in slices of GEN_LIVENESS_MS, looking at the runner's process between them.
- * Returns as rpc_wait, or -ECONNRESET when the process is gone (after a last look for replies it
- * sent before it died). */
-static int wait_reply(struct rpc_client *c, uint64_t corr, struct msg *rep, int timeout_ms,
-		      const struct runner_proc *rp)
-{
-	for (int waited = 0;;) {
-		int step = timeout_ms - waited < GEN_LIVENESS_MS ? timeout_ms - waited : GEN_LIVENESS_MS;
-		int rc = rpc_wait(c, corr, rep, step > 0 ? step : 0);
-		if (rc != -ETIMEDOUT)
-			return rc;
-		waited += step;
-		if (rp->pid > 0 && !process_alive(rp->pid, rp->start)) {
-			rc = rpc_wait(c, corr, rep, 100);
-			return rc == -ETIMEDOUT ? -ECONNRESET : rc;
-		}
-		if (waited >= timeout_ms)
-			return -ETIMEDOUT;
-	}
-}
-
-/* Reads the stream of replies to request corr until MSG_GEN_DONE or a failure. */
-static int read_stream(struct pipectl *p, struct rpc_client *c, uint64_t corr, const struct gen_args *a,
-		       const struct runner_proc *rp)
+/* Reads the stream of replies to the request until MSG_GEN_DONE or a failure. */
+static int read_stream(struct pipectl *p, struct runner_watch *w, const struct gen_args *a)
 {
 	int timeout_ms = pipectl_timeout_ms(p, GEN_DEFAULT_TIMEOUT_S);
 	uint64_t count = 0, t0 = now_ns();
 	bool have_logits = false;
 	struct msg rep;
 	for (;;) {
-		int rc = wait_reply(c, corr, &rep, timeout_ms, rp);
+		int rc = watch_wait(w, &rep, timeout_ms);
 		if (rc) {
 			if (count)
 				putchar('\n');
@@ -350,7 +596,7 @@ static int read_stream(struct pipectl *p, struct rpc_client *c, uint64_t corr, c
 					"pipectl: gpu-runner went away during the request (pid %d): it exited or was "
 					"killed after sending %llu token%s; its supervisor starts it again (scripts/pipeline "
 					"status), then send the request again\n",
-					rp->pid, (unsigned long long)count, count == 1 ? "" : "s");
+					w->pid, (unsigned long long)count, count == 1 ? "" : "s");
 				return PIPECTL_EXIT_FAIL;
 			}
 			if (rc == -ETIMEDOUT) {
@@ -430,6 +676,7 @@ static int read_stream(struct pipectl *p, struct rpc_client *c, uint64_t corr, c
 int cmd_generate(struct pipectl *p, int argc, char **argv)
 {
 	struct gen_args a = {0};
+	struct runner_watch w = {0};
 	int status = parse_args(argc, argv, &a);
 	if (status) {
 		status = status < 0 ? PIPECTL_EXIT_OK : status;
@@ -440,7 +687,7 @@ int cmd_generate(struct pipectl *p, int argc, char **argv)
 		status = PIPECTL_EXIT_FAIL;
 		goto out_free;
 	}
-	/* Which process serves us (a runner being restarted is waited for). */
+	/* Which runner serves us (a runner being restarted is waited for). */
 	struct msg hello;
 	int rc = rpc_wait_ready(c, &hello, pipectl_timeout_ms(p, GEN_DEFAULT_TIMEOUT_S));
 	if (rc == -ETIMEDOUT) {
@@ -453,10 +700,7 @@ int cmd_generate(struct pipectl *p, int argc, char **argv)
 		status = pipectl_rpc_failed(p, GEN_SERVICE, "HELLO", rc, &hello);
 		goto out_client;
 	}
-	struct runner_proc rp = {.pid = hello.hello_reply.pid > 0 && hello.hello_reply.pid < INT32_MAX
-						? (int)hello.hello_reply.pid
-						: 0};
-	rp.start = rp.pid ? process_start_time(rp.pid) : 0;
+	watch_open(&w, p, c, &hello.hello_reply);
 	msg_free(&hello);
 	struct msg req;
 	msg_init(&req, MSG_GENERATE, 0);
@@ -494,8 +738,10 @@ int cmd_generate(struct pipectl *p, int argc, char **argv)
 		status = PIPECTL_EXIT_FAIL;
 		goto out_client;
 	}
-	status = read_stream(p, c, corr, &a, &rp);
+	watch_sent(&w, corr);
+	status = read_stream(p, &w, &a);
 out_client:
+	watch_close(&w);
 	rpc_client_destroy(&c);
 out_free:
 	free(a.tokens);
