@@ -421,6 +421,20 @@ static void heartbeat(struct service *s)
 	}
 }
 
+/* Taken once: the stop it causes stays in s->stop, and a later service in this process (a
+ * test's) must not see an old signal as its own. */
+static void take_signal(struct service *s)
+{
+	int sig = got_signal;
+	if (sig) {
+		got_signal = 0;
+		log_info("signal %d: stopping", sig);
+		s->stop = true;
+		if (!s->reason)
+			s->reason = SERVICE_STOP_SIGNAL;
+	}
+}
+
 int service_poll_once(struct service *s, int timeout_ms)
 {
 	zmq_pollitem_t items[1 + SERVICE_MAX_FDS];
@@ -447,16 +461,7 @@ int service_poll_once(struct service *s, int timeout_ms)
 		s->last_beat_ns = now;
 		heartbeat(s);
 	}
-	/* Taken once: the stop it causes stays in s->stop, and a later service in this process (a
-	 * test's) must not see an old signal as its own. */
-	int sig = got_signal;
-	if (sig) {
-		got_signal = 0;
-		log_info("signal %d: stopping", sig);
-		s->stop = true;
-		if (!s->reason)
-			s->reason = SERVICE_STOP_SIGNAL;
-	}
+	take_signal(s);
 	return s->stop ? 1 : 0;
 }
 
@@ -471,6 +476,14 @@ void service_beat(struct service *s)
 		s->last_beat_ns = now;
 		heartbeat(s);
 	}
+}
+
+bool service_stop_requested(struct service *s)
+{
+	if (!s)
+		return false;
+	take_signal(s);
+	return s->stop;
 }
 
 int service_run(struct service *s)

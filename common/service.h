@@ -16,6 +16,7 @@
  * owns, and sets one that group or others may use to 0700 (run_dir_prepare). */
 #ifndef PIPELINE_SERVICE_H
 #define PIPELINE_SERVICE_H
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "common/bus.h"
@@ -74,6 +75,12 @@ int service_poll_once(struct service *s, int timeout_ms);
  * is read, no request handled. For long work that cannot serve requests (a forward step, a
  * wait on another service), so that the supervisor keeps hearing the service. Safe on NULL. */
 void service_beat(struct service *s);
+
+/* Has a stop been asked for: SIGINT or SIGTERM received (taken as service_poll_once takes it:
+ * the loop then stops, for a signal's reason), or a stop already recorded? Reads no socket. For
+ * long waits on another service that only beat (service_beat), so that they give up at once
+ * when the service is told to stop. False on NULL. */
+bool service_stop_requested(struct service *s);
 
 /* Live tuning (common/tunable.h): parameters the loop serves through MSG_CONFIG_GET and
  * MSG_CONFIG_SET. service_create registers log-level (every service's, tunable); a service adds

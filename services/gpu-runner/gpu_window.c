@@ -12,6 +12,9 @@
 
 #define NO_SLOT UINT32_MAX
 #define NO_GROUP UINT32_MAX
+/* Ring mappings page-locked at once: the current one and those of loaders that went away whose
+ * copies are still in flight (weights_ring.c keeps at most 8 of those). */
+#define PINNED_MAX 16
 
 struct gslot {
 	uint32_t group;		   /* occupant, NO_GROUP */
@@ -28,6 +31,7 @@ struct gent {
 	bool resident;	   /* held for good */
 	bool in_use;	   /* acquired by the engine, not yet released */
 	bool host_held;	   /* a ring grant held for a copy whose completion is not yet seen */
+	uint32_t host_gen; /* with host_held: the ring mapping the copy reads (ring_source_generation) */
 	uint32_t slot;	   /* streaming slot, NO_SLOT */
 	void *dev;	   /* device base of the group's bytes, NULL when not on the device */
 	cudaEvent_t h2d;   /* recorded on the copy stream after the group's copy */
@@ -40,7 +44,8 @@ struct gpu_window {
 	cudaStream_t compute, copy; /* copy: the first of the copy streams (start-up work) */
 	cudaStream_t copies[4];
 	uint32_t n_copies;
-	void *pinned_base;	   /* the ring mapping registered with cudaHostRegister, or NULL */
+	void *pinned[PINNED_MAX];  /* ring mappings registered with cudaHostRegister */
+	uint32_t n_pinned;
 	void *resident_mem;	   /* one allocation for every resident group */
 	void *window_mem;	   /* one allocation for the streaming slots */
 	struct gent *g;		   /* n_groups */
@@ -182,6 +187,61 @@ int64_t gpu_window_plan(const struct model_config *cfg, const struct group_desc 
 	return streamed;
 }
 
+/* Page-locks a ring mapping: DMA from pinned memory runs at the link's rate (ARCHITECTURE.md).
+ * Failing that, copies from it run from pageable memory (slower, and synchronous). */
+static void pin_mapping(struct gpu_window *w, void *base, size_t size)
+{
+	if (w->n_pinned < PINNED_MAX && cudaHostRegister(base, size, cudaHostRegisterDefault) == cudaSuccess) {
+		w->pinned[w->n_pinned++] = base;
+		return;
+	}
+	cudaGetLastError();
+	log_warn("cannot pin the weight ring (%zu bytes): copies will run from pageable memory, far slower", size);
+}
+
+/* Undoes pin_mapping (nothing if base was not pinned). No copy from it may be in flight. */
+static void unpin_mapping(struct gpu_window *w, void *base)
+{
+	for (uint32_t i = 0; i < w->n_pinned; i++) {
+		if (w->pinned[i] != base)
+			continue;
+		cudaError_t e = cudaHostUnregister(base);
+		if (e != cudaSuccess) {
+			cudaGetLastError();
+			log_warn("cannot unpin a weight ring mapping: %s", cudaGetErrorString(e));
+		}
+		w->pinned[i] = w->pinned[--w->n_pinned];
+		return;
+	}
+}
+
+/* Mapping hooks of the ring (weights_ring.h): the ring of a loader that took over in the middle
+ * of a step is pinned at once, and a gone loader's ring is unpinned before it is unmapped. */
+static void on_ring_mapped(void *ctx, void *base, size_t size)
+{
+	pin_mapping(ctx, base, size);
+}
+
+static void on_ring_unmapping(void *ctx, void *base, size_t size)
+{
+	(void)size;
+	unpin_mapping(ctx, base);
+}
+
+/* Rings of loaders that went away are unmapped (unpinned first, by the hook) as soon as no copy
+ * of ours reads one: every copy issued from an older mapping than the current one has been seen
+ * complete (its host grant handed back). Copies issued since read the current mapping. */
+static void trim_retired(struct gpu_window *w)
+{
+	if (!ring_source_n_retired(w->ring))
+		return;
+	uint32_t gen = ring_source_generation(w->ring);
+	for (uint32_t g = 0; g < w->base.n_groups; g++)
+		if (w->g[g].host_held && w->g[g].host_gen != gen)
+			return;
+	ring_source_trim_retired(w->ring);
+}
+
 /* Host copies whose completion is now visible hand their ring grant back. Never blocks. */
 static int poll_copies(struct gpu_window *w)
 {
@@ -205,6 +265,7 @@ static int poll_copies(struct gpu_window *w)
 				return errorf(w->base.error, sizeof(w->base.error), rc, "%s", w->rs->error);
 		}
 	}
+	trim_retired(w);
 	return 0;
 }
 
@@ -302,6 +363,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	e->slot = (uint32_t)(s - w->slots);
 	e->dev = s->dev;
 	e->host_held = true;
+	e->host_gen = ring_source_generation(w->ring); /* src lies in the mapping of the acquire */
 	s->group = h;
 	w->issued[c]++;
 	w->st.bytes_h2d += bytes;
@@ -495,6 +557,8 @@ void gpu_window_destroy(struct gpu_window **wp)
 	if (!wp || !*wp)
 		return;
 	struct gpu_window *w = *wp;
+	if (w->ring)
+		ring_source_set_mapping_hooks(w->ring, NULL, NULL, NULL);
 	for (uint32_t i = 0; i < w->n_copies; i++)
 		cudaStreamSynchronize(w->copies[i]);
 	if (w->g) {
@@ -517,8 +581,8 @@ void gpu_window_destroy(struct gpu_window **wp)
 		cudaStreamDestroy(w->copies[i]);
 	cudaFree(w->resident_mem);
 	cudaFree(w->window_mem);
-	if (w->pinned_base)
-		cudaHostUnregister(w->pinned_base);
+	while (w->n_pinned)
+		unpin_mapping(w, w->pinned[w->n_pinned - 1]);
 	for (uint32_t c = 0; c < CLASS_COUNT; c++)
 		free(w->order[c]);
 	free(w->slots);
@@ -616,17 +680,14 @@ int gpu_window_create(struct ring_source *ring, void *stream, const struct gpu_w
 		CREATE_TRY(cudaEventCreateWithFlags(&w->g[g].h2d, cudaEventDisableTiming), "creating events");
 	}
 
-	/* Pin the ring once: DMA from pinned memory runs at the link's rate (ARCHITECTURE.md). */
+	/* Pin the ring: DMA from pinned memory runs at the link's rate (ARCHITECTURE.md). The ring
+	 * of a loader that takes over in the middle of a step is pinned when it is mapped, and a gone
+	 * loader's ring is unpinned before the source unmaps it (the hooks, trim_retired). */
 	void *rbase;
 	size_t rsize;
 	ring_source_mapping(ring, &rbase, &rsize);
-	if (cudaHostRegister(rbase, rsize, cudaHostRegisterDefault) == cudaSuccess) {
-		w->pinned_base = rbase;
-	} else {
-		cudaGetLastError();
-		log_warn("cannot pin the weight ring (%zu bytes): copies will run from pageable memory, far slower",
-			 rsize);
-	}
+	pin_mapping(w, rbase, rsize);
+	ring_source_set_mapping_hooks(ring, on_ring_mapped, on_ring_unmapping, w);
 
 	/* Resident groups: one allocation, copied now. */
 	uint64_t res_bytes = 0;

@@ -207,6 +207,18 @@ static void beat(void *ctx)
 	service_beat(r->svc);
 }
 
+/* A wait on a peer beats too, and gives up when the runner is told to stop (SIGTERM, SIGINT):
+ * `pipeline stop` during a peer's outage then ends the request at once instead of waiting out
+ * the 30 s and meeting the supervisor's SIGKILL. */
+static bool wait_beat(void *ctx)
+{
+	struct runner *r = ctx;
+	service_beat(r->svc);
+	return service_stop_requested(r->svc);
+}
+
+#define STOPPING_MSG "gpu-runner is stopping"
+
 static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t errlen)
 {
 	struct msg hello;
@@ -225,7 +237,7 @@ static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t e
 	msg_free(&hello);
 	if (rc)
 		return rc;
-	ring_source_set_wait_hook(r->ring, beat, r);
+	ring_source_set_wait_hook(r->ring, wait_beat, r);
 	tokenizer_destroy(&r->tok);
 	const char *tdata;
 	size_t tlen;
@@ -264,7 +276,10 @@ static int connect_loader_retry(struct runner *r, int deadline_ms, char *err, si
 			log_warn("ssd-loader went away while the runner connected (%s): trying again", err);
 			usleep(50 * 1000);
 		}
-		beat(r);
+		if (wait_beat(r)) {
+			snprintf(err, errlen, STOPPING_MSG " (while waiting for ssd-loader)");
+			return -ECANCELED;
+		}
 	}
 	if (rc == -ETIMEDOUT)
 		snprintf(err, errlen, "ssd-loader did not answer at %s/ssd-loader.ctl within %d s", r->run_dir,
@@ -346,7 +361,7 @@ static int kv_failure(void *ctx, char *err, size_t errlen)
 			return rc;
 		}
 		if (service_poll_once(r->svc, 0)) {
-			snprintf(err, errlen, "gpu-runner is stopping");
+			snprintf(err, errlen, STOPPING_MSG);
 			return -ECANCELED;
 		}
 	}
@@ -375,8 +390,12 @@ static int ensure_connections(struct runner *r, char *err, size_t errlen)
 	if (r->kv_suspect || kv_remote_lost(&r->kv)) {
 		log_info("reconnecting to kv-store");
 		uint64_t deadline = now_ns() + (uint64_t)RECONNECT_TIMEOUT_MS * 1000000ull;
-		while ((rc = connect_kv(r, 500, err, errlen)) == -ETIMEDOUT && now_ns() < deadline)
-			beat(r);
+		while ((rc = connect_kv(r, 500, err, errlen)) == -ETIMEDOUT && now_ns() < deadline) {
+			if (wait_beat(r)) {
+				snprintf(err, errlen, STOPPING_MSG " (while waiting for kv-store)");
+				return -ECANCELED;
+			}
+		}
 		if (rc == -ETIMEDOUT)
 			snprintf(err, errlen, "kv-store did not answer at %s/kv-store.ctl within %d s", r->run_dir,
 				 RECONNECT_TIMEOUT_MS / 1000);
@@ -387,6 +406,20 @@ static int ensure_connections(struct runner *r, char *err, size_t errlen)
 }
 
 /* ---- requests ---- */
+
+/* A step is over (a token came out of it): without a GPU window nothing reads the weight ring
+ * between steps, so the ring of a loader that went away in the middle of a step is unmapped now;
+ * its tmpfs pages go with the last mapping, and the new loader needs them. With a window, the
+ * window unmaps it once its copies from it have completed. */
+static void trim_retired(struct runner *r)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	if (r->win)
+		return;
+#endif
+	if (r->ring && ring_source_n_retired(r->ring))
+		ring_source_trim_retired(r->ring);
+}
 
 static enum gen_emit emit_token(void *ctx, uint32_t index, int32_t token)
 {
@@ -405,6 +438,7 @@ static enum gen_emit emit_token(void *ctx, uint32_t index, int32_t token)
 		}
 	}
 	ring_source_count_token(r->ring);
+	trim_retired(r);
 	if (service_reply(r->svc, &r->current->peer, &m) == -EHOSTUNREACH) {
 		log_warn("the client of request %llu went away: cancelling it", (unsigned long long)r->current->corr);
 		return GEN_CANCEL;
@@ -472,8 +506,10 @@ static void run_job(struct runner *r, struct job *j)
 				  &res, err, sizeof(err));
 		if (rc == 0 && r->ts && (j->flags & GEN_TEXT))
 			text_stream_finish(r->ts, &tail, &tail_len);
-		/* Hand streamed groups back; a dead loader would only make the client wait a timeout. */
-		int wrc = ring_source_owner_alive(r->ring) ? weights(r)->ops->release_all(weights(r)) : 0;
+		/* Hand streamed groups back; a dead loader would only make the client wait a timeout, and
+		 * a runner that stops needs not (the loader drops them at the next runner's HELLO). */
+		bool stopping = rc == -ECANCELED && service_stop_requested(r->svc);
+		int wrc = !stopping && ring_source_owner_alive(r->ring) ? weights(r)->ops->release_all(weights(r)) : 0;
 		if (wrc && !ring_source_owner_alive(r->ring)) {
 			/* It died between the check and the release: what we held died with it. */
 			log_warn("ssd-loader went away while the request's weights were handed back: %s",

@@ -16,8 +16,8 @@
  * (the liveness of the loader is checked, and the wait hook called, between slices). */
 #define RECONNECT_MS 30000
 #define WAIT_SLICE_MS 100
-/* Loaders that may go away within one step before it fails; rings of gone loaders kept mapped
- * until the source is destroyed (the runner does so at the next request). */
+/* Loaders that may go away within one step before it fails; rings of gone loaders mapped at
+ * once (a retired ring is unmapped by ring_source_trim_retired once nothing reads it). */
 #define RECONNECT_TRIES 8
 #define RETIRED_MAX 8
 
@@ -51,8 +51,11 @@ struct ring_source {
 	struct shm_object *retired[RETIRED_MAX]; /* rings of loaders that went away, still mapped */
 	uint32_t n_retired;
 	uint32_t reconnects;
-	void (*wait_hook)(void *ctx);
+	bool (*wait_hook)(void *ctx);
 	void *wait_ctx;
+	void (*on_map)(void *ctx, void *base, size_t size);   /* a new ring was mapped (reconnect) */
+	void (*on_unmap)(void *ctx, void *base, size_t size); /* a retired ring is about to be unmapped */
+	void *map_ctx;
 };
 
 /* The errno an MSG_ERROR carries, if it is one (1..4095); EIO for anything else, so that a
@@ -169,8 +172,8 @@ static int wait_reply(struct ring_source *rs, uint64_t corr, struct msg *rep)
 			return -ECONNRESET;
 		if (waited >= rs->timeout_ms)
 			return -ETIMEDOUT;
-		if (rs->wait_hook)
-			rs->wait_hook(rs->wait_ctx);
+		if (rs->wait_hook && rs->wait_hook(rs->wait_ctx))
+			return -ECANCELED;
 	}
 }
 
@@ -208,7 +211,9 @@ static int acquire_groups(struct ring_source *rs, const uint64_t *groups, uint32
 		}
 		if (rc) {
 			errorf(rs->base.error, sizeof(rs->base.error), rc, "no grant from ssd-loader: %s",
-			       rc == -ECONNRESET ? "its process died" : strerror(-rc));
+			       rc == -ECONNRESET ? "its process died"
+			       : rc == -ECANCELED ? "gpu-runner is stopping"
+						   : strerror(-rc));
 			break;
 		}
 		rc = take_grant(rs, &rep, wanted);
@@ -241,8 +246,11 @@ static int ring_acquire(struct weight_source *ws, uint32_t group, struct group_w
 		}
 		if (rc == 0)
 			break;
-		/* The loader is there: it refused, or did not answer in time. */
-		if (ring_source_owner_alive(rs))
+		/* The loader is there: it refused, or did not answer in time; or the runner is stopping.
+		 * -ECONNRESET means a liveness check already found it gone: a second look at a process
+		 * being torn down may answer otherwise, and reconnecting to a live loader is safe (its
+		 * HELLO drops our grants, which we then hold as stale). */
+		if (rc == -ECANCELED || (rc != -ECONNRESET && ring_source_owner_alive(rs)))
 			return rc;
 		/* It went away (killed, restarted): its successor serves the same bytes. Drop what the
 		 * gone one granted, say HELLO to the new one and ask again; the step goes on. */
@@ -468,6 +476,9 @@ static int take_new_ring(struct ring_source *rs, char *err, size_t errlen)
 	rs->owner_pid = t.owner_pid;
 	rs->epoch = t.epoch;
 	rs->all_resident = t.all_resident;
+	rs->reconnects++; /* grants from here on point into the new mapping (ring_source_generation) */
+	if (rs->on_map) /* a GPU window page-locks it, as it did the first one */
+		rs->on_map(rs->map_ctx, rs->h, shm_object_size(rs->obj));
 	rc = acquire_keep(rs);
 	if (rc)
 		errorf(err, errlen, rc, "%s", rs->base.error);
@@ -490,6 +501,10 @@ static int reconnect(struct ring_source *rs)
 	char err[512] = "";
 	uint64_t deadline = now_ns() + (uint64_t)RECONNECT_MS * 1000000ull;
 	for (;;) {
+		if (rs->wait_hook && rs->wait_hook(rs->wait_ctx))
+			return errorf(rs->base.error, sizeof(rs->base.error), -ECANCELED,
+				      "ssd-loader (pid %d) went away in the middle of a step, and gpu-runner is stopping",
+				      old_pid);
 		int rc = take_new_ring(rs, err, sizeof(err));
 		if (rc == 0)
 			break;
@@ -502,12 +517,9 @@ static int reconnect(struct ring_source *rs)
 			return errorf(rs->base.error, sizeof(rs->base.error), rc,
 				      "ssd-loader (pid %d) went away and no loader took over within %d s: %s", old_pid,
 				      RECONNECT_MS / 1000, err);
-		if (rs->wait_hook)
-			rs->wait_hook(rs->wait_ctx);
 		if (rc != -ETIMEDOUT) /* a HELLO try waits by itself */
 			usleep(50 * 1000);
 	}
-	rs->reconnects++;
 	log_info("ssd-loader is back (pid %d, epoch %016llx, ring %s): the step goes on", rs->owner_pid,
 		 (unsigned long long)rs->epoch, shm_object_get_name(rs->obj));
 	return 0;
@@ -532,10 +544,57 @@ void ring_source_destroy(struct ring_source **rsp)
 	*rsp = NULL;
 }
 
-void ring_source_set_wait_hook(struct ring_source *rs, void (*fn)(void *ctx), void *ctx)
+void ring_source_set_wait_hook(struct ring_source *rs, bool (*fn)(void *ctx), void *ctx)
 {
 	rs->wait_hook = fn;
 	rs->wait_ctx = ctx;
+}
+
+void ring_source_set_mapping_hooks(struct ring_source *rs, void (*on_map)(void *ctx, void *base, size_t size),
+				   void (*on_unmap)(void *ctx, void *base, size_t size), void *ctx)
+{
+	rs->on_map = on_map;
+	rs->on_unmap = on_unmap;
+	rs->map_ctx = ctx;
+}
+
+uint32_t ring_source_generation(const struct ring_source *rs)
+{
+	return rs->reconnects;
+}
+
+uint32_t ring_source_n_retired(const struct ring_source *rs)
+{
+	return rs->n_retired;
+}
+
+uint32_t ring_source_trim_retired(struct ring_source *rs)
+{
+	uint32_t kept = 0, unmapped = 0;
+	for (uint32_t i = 0; i < rs->n_retired; i++) {
+		struct shm_object *o = rs->retired[i];
+		const char *base = shm_object_base(o);
+		size_t size = shm_object_size(o);
+		/* A stale grant still points into it: whoever holds it may still read it. */
+		uint32_t refs = 0;
+		for (uint32_t g = 0; g < rs->base.n_groups; g++)
+			refs += rs->held[g].held && rs->held[g].stale && rs->held[g].map >= base &&
+				rs->held[g].map < base + size;
+		if (refs) {
+			rs->retired[kept++] = o;
+			continue;
+		}
+		if (rs->on_unmap)
+			rs->on_unmap(rs->map_ctx, (void *)base, size);
+		log_info("unmapped the weight ring of the ssd-loader that went away (%s, %zu bytes)",
+			 shm_object_get_name(o), size);
+		shm_object_close(&o, false);
+		unmapped++;
+	}
+	for (uint32_t i = kept; i < rs->n_retired; i++)
+		rs->retired[i] = NULL;
+	rs->n_retired = kept;
+	return unmapped;
 }
 
 bool ring_source_reconnected(const struct ring_source *rs)

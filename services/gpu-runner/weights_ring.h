@@ -19,10 +19,15 @@
  * never made them; releasing them is refused), the source says HELLO to the loader that now
  * answers (waiting up to 30 s), maps its ring, checks that it lays the model out the same way,
  * acquires the groups kept for good again and asks again for the group the step needs. The
- * bytes are the checkpoint's either way, so the step finishes with the same result. The gone
- * loader's ring stays mapped until the source is destroyed (stale grants and a GPU window's
- * registration point into it): ring_source_reconnected() tells the caller to make a new
- * source at the next request.
+ * bytes are the checkpoint's either way, so the step finishes with the same result.
+ *
+ * The gone loader's ring (unlinked, but its tmpfs pages are freed only when the last mapping
+ * goes) stays mapped only while something may still read it: the caller unmaps it with
+ * ring_source_trim_retired() once nothing it holds reads it any more (the runner: at the end of
+ * a step on the CPU path; the GPU window: once its copies from it have completed). A retired
+ * ring that a stale grant still points into is kept. Mapping hooks let a GPU window page-lock a
+ * new ring when it is mapped and undo that before a retired one is unmapped.
+ * ring_source_reconnected() still tells the caller to make a new source at the next request.
  */
 #ifndef GPU_RUNNER_WEIGHTS_RING_H
 #define GPU_RUNNER_WEIGHTS_RING_H
@@ -46,10 +51,26 @@ void ring_source_destroy(struct ring_source **rs);
 
 struct weight_source *ring_source_base(struct ring_source *rs);
 /* Called every 100 ms while the source waits for the loader (a grant, a loader to come back):
- * the runner beats its heartbeat there. */
-void ring_source_set_wait_hook(struct ring_source *rs, void (*fn)(void *ctx), void *ctx);
-/* Did the source move to a new loader in the middle of a step? Its old rings are still mapped:
- * destroy it and create a new one when convenient (between requests). */
+ * the runner beats its heartbeat there. Returning true gives the wait up (the runner is
+ * stopping): the acquire fails with -ECANCELED. */
+void ring_source_set_wait_hook(struct ring_source *rs, bool (*fn)(void *ctx), void *ctx);
+/* on_map(ctx, base, size) runs when the source maps the ring of a loader that took over in the
+ * middle of a step (before grants from it are used); on_unmap(ctx, base, size) runs right before
+ * ring_source_trim_retired unmaps a retired ring. NULLs clear them. The GPU window sets them
+ * (cudaHostRegister / cudaHostUnregister) and clears them when destroyed. */
+void ring_source_set_mapping_hooks(struct ring_source *rs, void (*on_map)(void *ctx, void *base, size_t size),
+				   void (*on_unmap)(void *ctx, void *base, size_t size), void *ctx);
+/* The mapping grants come from: 0 at creation, +1 at each move to a new loader's ring. Right
+ * after a successful acquire, the group's bytes lie in the mapping of this generation. */
+uint32_t ring_source_generation(const struct ring_source *rs);
+/* Rings of gone loaders still mapped. */
+uint32_t ring_source_n_retired(const struct ring_source *rs);
+/* Unmaps every retired ring that no stale grant points into (on_unmap first). The caller
+ * vouches that nothing it does reads a retired ring except through grants it still holds: no
+ * computation and no copy in flight from it. Returns how many were unmapped. */
+uint32_t ring_source_trim_retired(struct ring_source *rs);
+/* Did the source move to a new loader in the middle of a step? Destroy it and create a new one
+ * when convenient (between requests): a fresh source and GPU window for the new loader. */
 bool ring_source_reconnected(const struct ring_source *rs);
 /* Is the process that laid out the ring still its live owner? */
 bool ring_source_owner_alive(const struct ring_source *rs);

@@ -76,6 +76,12 @@ for s in "${SERVICES[@]}"; do
 	base_restarts[$s]=$(sup_field "$s" restarts)
 done
 
+# rings_mapped PID: how many weight rings (distinct shared-memory files named *-weights, unlinked
+# ones included) the process maps.
+rings_mapped() {
+	awk '$6 ~ /-weights/ {print $5}' "/proc/$1/maps" 2>/dev/null | sort -u | wc -l
+}
+
 # all_up: the supervisor sees every service up (answering HELLO).
 all_up() {
 	local s
@@ -134,6 +140,16 @@ for ((k = 0; k < ${#schedule[@]}; k++)); do
 		failures+=("$what: no answer within $HANG_S s (a hang)")
 	elif ((rc == 0)) && [[ $tokens == "$want" ]]; then
 		exact[$s]=$((exact[$s] + 1))
+		# A loader that went away in the middle of a step leaves its ring to the runner only
+		# until the step is over: its tmpfs pages must go before the next loader faults in its
+		# own (a budget above half of /dev/shm would kill that one with SIGBUS). The runner may
+		# still map the ring of a loader that died after its last acquire (the current one, until
+		# the next request), never two.
+		if [[ $s == ssd-loader ]]; then
+			runner=$(sup_field gpu-runner pid)
+			rings=$(rings_mapped "$runner")
+			((rings <= 1)) || failures+=("$what: the runner (pid $runner) still maps $rings weight rings after the generation: $(grep -- -weights "/proc/$runner/maps" | head -c 600)")
+		fi
 	elif ((rc == 0)); then
 		wrong[$s]=$((wrong[$s] + 1))
 		failures+=("$what: wrong tokens: '$tokens', want '$want'")

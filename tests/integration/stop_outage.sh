@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# stop_outage: `pipeline stop` while gpu-runner waits for a peer that is down. The runner waits
+# up to 30 s for ssd-loader to come back, beating its heartbeat; it cannot answer MSG_SHUTDOWN
+# there, so the supervisor sends SIGTERM after 5 s, and the wait must give up at once: the
+# request ends with an error naming the stop and the runner exits, before the stop timeout's
+# SIGKILL (10 s). ssd-loader is kept down by a long restart backoff (the supervisor would
+# otherwise start it again at once).
+source "$(dirname "$0")/lib.sh"
+it_setup stop_outage
+
+"$PIPELINE" start --model "$MODEL" --supervisor-opt=--backoff-min-ms=60000 \
+	--supervisor-opt=--backoff-max-ms=60000 >/dev/null
+expect_words 8 "$(generate --tokens "$PROMPT" -n 8)" "generation before the outage"
+
+loader=$(sup_field ssd-loader pid)
+runner=$(sup_field gpu-runner pid)
+[[ $loader =~ ^[0-9]+$ && $runner =~ ^[0-9]+$ ]] || fail "no pids in the supervisor's status: '$loader' '$runner'"
+kill -KILL "$loader"
+# The runner finds the loader gone before the next request and waits for it to come back.
+generate --tokens "$PROMPT" -n 8 >"$IT_TMP/gen.out" 2>"$IT_TMP/gen.err" &
+gen=$!
+waiting() { grep -q 'reconnecting to ssd-loader' "$RUN_DIR/gpu-runner.log"; }
+wait_until 20 "the runner waiting for ssd-loader" waiting
+sleep 0.5
+
+t0=$(date +%s%3N)
+"$PIPELINE" stop >/dev/null
+t1=$(date +%s%3N)
+rc=0
+wait "$gen" || rc=$?
+((rc == 1)) || fail "the request in flight at stop: exit status $rc, want 1 ($(head -c 300 "$IT_TMP/gen.err"))"
+expect_grep 'gpu-runner is stopping' "$(cat "$IT_TMP/gen.err")" "the error of the request in flight at stop"
+if grep -q 'gpu-runner (pid [0-9]*) did not exit in' "$RUN_DIR/supervisor.log"; then
+	fail "gpu-runner needed SIGKILL to stop while it waited for ssd-loader: $(grep 'did not exit' "$RUN_DIR/supervisor.log")"
+fi
+expect_grep 'signal 15: stopping' "$(cat "$RUN_DIR/gpu-runner.log")" "the runner's log"
+expect_nothing_left "after stop during the outage"
+log "stop during an ssd-loader outage took $((t1 - t0)) ms, no SIGKILL"
+log "ok"
