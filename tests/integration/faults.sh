@@ -26,6 +26,12 @@ SEED=${FAULTS_SEED:-$((($(date +%s%N) / 1000) % 1000000))}
 KILLS=${FAULTS_KILLS:-20}
 N=${FAULTS_TOKENS:-96}
 HANG_S=${FAULTS_HANG_S:-45}
+# FAULTS_BACKEND=cuda (on a GPU host) runs the runner on the CUDA backend, its weights streamed
+# through a GPU window of FAULTS_GPU_BUDGET when given; the reference tokens are then an
+# unfaulted generation of the same instance.
+BACKEND=${FAULTS_BACKEND:-cpu}
+gpu_opts=()
+[[ -n ${FAULTS_GPU_BUDGET:-} ]] && gpu_opts+=(--gpu-budget "$FAULTS_GPU_BUDGET")
 [[ $SEED =~ ^[0-9]+$ && $KILLS =~ ^[0-9]+$ && $N =~ ^[0-9]+$ && $HANG_S =~ ^[0-9]+$ ]] ||
 	fail "FAULTS_SEED, FAULTS_KILLS, FAULTS_TOKENS and FAULTS_HANG_S must be non-negative integers"
 RANDOM=$SEED
@@ -42,15 +48,20 @@ budget=$(((need + whole) / 2))
 
 # Restarts at once and never given up (the test restarts each service KILLS times); a known disk
 # speed, so a restarted loader does not measure it again.
-"$PIPELINE" start --model "$MODEL" --backend cpu --dram-budget "$budget" --kv-gpu-budget 32KiB \
+"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" ${gpu_opts[@]+"${gpu_opts[@]}"} --dram-budget "$budget" --kv-gpu-budget 32KiB \
 	--kv-dram-budget 16KiB --runner-opt=--prefill-chunk=16 --loader-opt=--disk-bytes-per-s=1GB \
 	--supervisor-opt=--backoff-min-ms=50 --supervisor-opt=--backoff-max-ms=100 \
 	--supervisor-opt=--burst-limit=63 --supervisor-opt=--burst-window-s=1 >/dev/null
 
 greedy=()
 sampled=(--temperature 0.8 --top-k 40 --seed 7)
-want_greedy=$(run_local --tokens "$PROMPT" -n "$N" --ignore-eos)
-want_sampled=$(run_local --tokens "$PROMPT" -n "$N" --ignore-eos "${sampled[@]}")
+if [[ $BACKEND == cpu ]]; then
+	want_greedy=$(run_local --tokens "$PROMPT" -n "$N" --ignore-eos)
+	want_sampled=$(run_local --tokens "$PROMPT" -n "$N" --ignore-eos "${sampled[@]}")
+else
+	want_greedy=$(generate --tokens "$PROMPT" -n "$N" --ignore-eos)
+	want_sampled=$(generate --tokens "$PROMPT" -n "$N" --ignore-eos "${sampled[@]}")
+fi
 expect_words "$N" "$want_greedy" "run-local tokens"
 
 # The length of an unfaulted generation (the shorter of two) bounds the random delays.
