@@ -37,14 +37,18 @@ static int wait_reply(struct kv_remote *kr, uint64_t corr, struct msg *rep)
 			kr->lost = true;
 			return kv_remote_owner_alive(kr) ? -ETIMEDOUT : -ECONNRESET;
 		}
-		if (kr->wait_hook)
-			kr->wait_hook(kr->wait_ctx);
+		if (kr->wait_hook && kr->wait_hook(kr->wait_ctx)) {
+			kr->lost = true; /* the reply may still come: it must not be taken for another's */
+			return -ECANCELED;
+		}
 	}
 }
 
 static const char *wait_error(int rc)
 {
-	return rc == -ECONNRESET ? "the kv-store process died" : strerror(-rc);
+	return rc == -ECONNRESET ? "the kv-store process died"
+	       : rc == -ECANCELED ? "gpu-runner is stopping"
+				  : strerror(-rc);
 }
 
 /* Reads the replies of the commits sent so far. Returns 0, or the first refusal. */

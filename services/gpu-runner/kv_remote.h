@@ -45,9 +45,10 @@ struct kv_remote {
 	uint32_t n_pending;
 	bool lost; /* a request went unanswered (timeout, the process died): reconnect before trusting it */
 	char error[512];
-	/* Called every 100 ms while a reply is awaited (the runner beats its heartbeat); may be
-	 * NULL. Set by the owner; kv_remote_connect keeps it. */
-	void (*wait_hook)(void *ctx);
+	/* Called every 100 ms while a reply is awaited (the runner beats its heartbeat); true gives
+	 * the wait up (the runner is stopping): the request fails with -ECANCELED and the connection
+	 * counts as lost. May be NULL. Set by the owner; kv_remote_connect keeps it. */
+	bool (*wait_hook)(void *ctx);
 	void *wait_ctx;
 };
 

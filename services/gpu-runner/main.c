@@ -1027,7 +1027,7 @@ static int setup(struct runner *r)
 		log_error("%s", err);
 		return rc;
 	}
-	r->kv.wait_hook = beat;
+	r->kv.wait_hook = wait_beat;
 	r->kv.wait_ctx = r;
 	log_info("waiting for kv-store");
 	rc = connect_kv(r, CONNECT_TIMEOUT_MS, err, sizeof(err));

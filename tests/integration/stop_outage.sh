@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# stop_outage: `pipeline stop` while gpu-runner waits for a peer that is down. The runner waits
+# stop_outage: `pipeline stop` while gpu-runner waits for a peer that is down (ssd-loader
+# killed), or alive and silent (kv-store stopped). The runner waits
 # up to 30 s for ssd-loader to come back, beating its heartbeat; it cannot answer MSG_SHUTDOWN
 # there, so the supervisor sends SIGTERM after 5 s, and the wait must give up at once: the
 # request ends with an error naming the stop and the runner exits, before the stop timeout's
@@ -36,4 +37,27 @@ fi
 expect_grep 'signal 15: stopping' "$(cat "$RUN_DIR/gpu-runner.log")" "the runner's log"
 expect_nothing_left "after stop during the outage"
 log "stop during an ssd-loader outage took $((t1 - t0)) ms, no SIGKILL"
+
+# The same for a kv-store that is alive but does not answer (stopped, with hang detection off):
+# the runner's wait for its reply beats, and gives up at the stop's SIGTERM.
+"$PIPELINE" start --model "$MODEL" --supervisor-opt=--hang-periods=0 >/dev/null
+kv=$(sup_field kv-store pid)
+[[ $kv =~ ^[0-9]+$ ]] || fail "no kv-store pid in the supervisor's status: '$kv'"
+kill -STOP "$kv"
+generate --tokens "$PROMPT" -n 8 >"$IT_TMP/gen.out" 2>"$IT_TMP/gen.err" &
+gen=$!
+sleep 1
+"$PIPELINE" stop >/dev/null &
+stopper=$!
+rc=0
+wait "$gen" || rc=$?
+kill -CONT "$kv" 2>/dev/null || true # let it hear its own stop
+wait "$stopper" || fail "stop during a kv-store outage failed"
+((rc == 1)) || fail "the request waiting on a stopped kv-store at stop: exit status $rc, want 1 ($(head -c 300 "$IT_TMP/gen.err"))"
+expect_grep 'gpu-runner is stopping' "$(cat "$IT_TMP/gen.err")" "the error of the request waiting on kv-store at stop"
+if grep -q 'gpu-runner (pid [0-9]*) did not exit in' "$RUN_DIR/supervisor.log"; then
+	fail "gpu-runner needed SIGKILL to stop while it waited for kv-store: $(grep 'did not exit' "$RUN_DIR/supervisor.log")"
+fi
+expect_nothing_left "after stop during a kv-store outage"
+log "stop while the runner waited on a stopped kv-store: the request failed with the stop, no SIGKILL"
 log "ok"
