@@ -367,6 +367,20 @@ static int kv_failure(void *ctx, char *err, size_t errlen)
 	}
 }
 
+/* Idle, and the loader went away: its ring goes now (the window's registration of it first),
+ * so its shared memory is free for the loader that replaces it, which faults in a ring of its
+ * own; the next request connects to that one (ensure_connections). */
+static void release_dead_loader(struct runner *r)
+{
+	if (!r->ring || ring_source_owner_alive(r->ring))
+		return;
+	log_warn("ssd-loader went away while idle: unmapped its weight ring; the next request connects to "
+		 "its successor");
+	drop_window(r);
+	ring_source_destroy(&r->ring);
+	r->loader_suspect = true;
+}
+
 /* Before a request: reconnect to a service that restarted or failed us. */
 static int ensure_connections(struct runner *r, char *err, size_t errlen)
 {
@@ -1134,8 +1148,10 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	while (service_poll_once(r.svc, r.q_len ? 0 : 100) == 0) {
-		if (!r.q_len)
+		if (!r.q_len) {
+			release_dead_loader(&r);
 			continue;
+		}
 		struct job *j = &r.queue[r.q_head];
 		run_job(&r, j);
 		job_free(j);

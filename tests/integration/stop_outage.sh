@@ -17,6 +17,13 @@ loader=$(sup_field ssd-loader pid)
 runner=$(sup_field gpu-runner pid)
 [[ $loader =~ ^[0-9]+$ && $runner =~ ^[0-9]+$ ]] || fail "no pids in the supervisor's status: '$loader' '$runner'"
 kill -KILL "$loader"
+# Idle, the runner lets the dead loader's ring go at once (its tmpfs pages are freed for the
+# successor): no mapping of a deleted weight ring stays in the runner.
+released() { grep -q 'went away while idle: unmapped its weight ring' "$RUN_DIR/gpu-runner.log"; }
+wait_until 5 "the runner letting the dead loader's ring go" released
+if grep -q -- '-weights' "/proc/$runner/maps"; then
+	fail "the runner still maps the dead loader's ring: $(grep -- '-weights' "/proc/$runner/maps" | head -n 2)"
+fi
 # The runner finds the loader gone before the next request and waits for it to come back.
 generate --tokens "$PROMPT" -n 8 >"$IT_TMP/gen.out" 2>"$IT_TMP/gen.err" &
 gen=$!
