@@ -37,14 +37,27 @@ static int set_common(void *s)
  * listener may not. */
 static bool ipc_in_use(const char *endpoint)
 {
+	/* not ipc, or a path too long: zmq_bind reports it */
+	return str_has_prefix(endpoint, "ipc://") && bus_unix_listener(endpoint + 6, NULL);
+}
+
+bool bus_unix_listener(const char *path, int *pid)
+{
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	if (!str_has_prefix(endpoint, "ipc://") || str_copy(sa.sun_path, sizeof(sa.sun_path), endpoint + 6) != 0)
-		return false; /* not ipc, or too long: zmq_bind reports it */
+	if (pid)
+		*pid = 0;
+	if (str_copy(sa.sun_path, sizeof(sa.sun_path), path) != 0)
+		return false;
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return false;
 	/* non-blocking: a listener with a full backlog answers EAGAIN instead of making us wait */
-	bool live = connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 || errno == EAGAIN;
+	bool connected = connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+	bool live = connected || errno == EAGAIN;
+	struct ucred cr;
+	socklen_t len = sizeof(cr);
+	if (pid && connected && getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0 && len == sizeof(cr))
+		*pid = cr.pid;
 	close(fd);
 	return live;
 }

@@ -19,6 +19,7 @@
 #ifndef PIPELINE_BUS_H
 #define PIPELINE_BUS_H
 #include <stddef.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "common/protocol.h"
@@ -37,6 +38,11 @@ struct bus_peer {
 /* Builds "ipc://<run_dir>/<service>.<suffix>" ("ctl" or "pub"). Returns 0 or -ENAMETOOLONG
  * (an ipc path must fit in 107 bytes). */
 int bus_endpoint(const char *run_dir, const char *service, const char *suffix, char *buf, size_t len);
+
+/* Connects to the unix socket at path and hangs up at once: true when a process listens there
+ * (one with a full backlog too). pid (may be NULL) receives the listener's pid in our pid
+ * namespace, 0 when unknown (not connected, or another namespace: the kernel says 0). */
+bool bus_unix_listener(const char *path, int *pid);
 
 /* Binds a ROUTER or PUB socket. Returns the socket or NULL (errno set; message logged).
  * An ipc endpoint where a live process listens is refused with EADDRINUSE (ZeroMQ alone

@@ -161,6 +161,12 @@ struct backend_ops {
 
 #define KV_EVENTS_IN_FLIGHT 64 /* commits a runner may have unanswered (kv_remote.h) */
 
+/* The checks every backend's create makes first: no zero size, heads a multiple of kv heads, a
+ * finite rms_norm_eps >= 0, positive chunk, block and arena sizes. name ("cpu", "cuda") starts
+ * the message. Returns 0 or -EINVAL with the message in err. */
+int backend_check_config(const char *name, const struct model_config *c, const struct backend_params *p, char *err,
+			 size_t errlen);
+
 /* The backends built into this binary. backend_find returns NULL for an unknown or
  * unbuilt name ("cuda" where nvcc was absent). */
 extern const struct backend_ops backend_ref_ops;

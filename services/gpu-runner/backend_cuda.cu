@@ -787,6 +787,20 @@ static size_t attn_smem_bytes(uint32_t hd, size_t esize, uint32_t nw)
 	       ATTN_TILE * hd * esize + (size_t)nw * hd * sizeof(float);
 }
 
+/* The span holding key k: prefix[s] <= k < prefix[s + 1] (a binary search over the spans). */
+static __device__ __forceinline__ uint32_t span_of_key(const attn_args &a, uint32_t k)
+{
+	uint32_t lo = 0, hi = a.n_spans;
+	while (hi - lo > 1) {
+		uint32_t mid = (lo + hi) / 2;
+		if (a.prefix[mid] <= k)
+			lo = mid;
+		else
+			hi = mid;
+	}
+	return lo;
+}
+
 /* grid (n_kv_heads * qtiles, splits), blockDim.x / 32 warps. Block (g, qt) serves the queries
  * (token t, head g * group + j) numbered t * group + j in [qt * warps, (qt + 1) * warps), one
  * warp each; split s covers flattened keys [s * keys_per_split, (s + 1) * keys_per_split). Lane
@@ -838,18 +852,8 @@ template <typename KT> __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) at
 			}
 		}
 	}
-	if (threadIdx.x == 0) {
-		/* The span holding key k0: prefix[s] <= k0 < prefix[s + 1]. */
-		uint32_t lo = 0, hi = a.n_spans;
-		while (hi - lo > 1) {
-			uint32_t mid = (lo + hi) / 2;
-			if (a.prefix[mid] <= k0)
-				lo = mid;
-			else
-				hi = mid;
-		}
-		s_cursor = lo;
-	}
+	if (threadIdx.x == 0)
+		s_cursor = span_of_key(a, k0);
 	__syncthreads();
 
 	for (uint32_t kb = k0; kb < k1; kb += ATTN_TILE) {
@@ -1077,17 +1081,8 @@ template <int HD> __global__ void __launch_bounds__(128) attn_mma_kernel(const a
 			o[dt][2 * r + 1] = v.y;
 		}
 
-	if (threadIdx.x == 0) {
-		uint32_t lo = 0, hi = a.n_spans;
-		while (hi - lo > 1) {
-			uint32_t mid = (lo + hi) / 2;
-			if (a.prefix[mid] <= k0)
-				lo = mid;
-			else
-				hi = mid;
-		}
-		s_cursor = lo;
-	}
+	if (threadIdx.x == 0)
+		s_cursor = span_of_key(a, k0);
 	__syncthreads();
 
 	for (uint32_t kb = k0; kb < k1; kb += MMA_KEYS) {
@@ -2162,27 +2157,13 @@ static void cuda_destroy(struct backend **bep)
 
 static int check_config(const struct model_config *c, const struct backend_params *p, char *err, size_t errlen)
 {
-	if (!c->n_layers || !c->dim || !c->n_heads || !c->n_kv_heads || !c->head_dim || !c->ffn_dim ||
-	    !c->vocab_size) {
-		snprintf(err, errlen,
-			 "cuda backend: model config has a zero size (layers %u, dim %u, heads %u, kv heads %u, "
-			 "head_dim %u, ffn %u, vocab %u)", c->n_layers, c->dim, c->n_heads, c->n_kv_heads, c->head_dim,
-			 c->ffn_dim, c->vocab_size);
-		return -EINVAL;
-	}
-	if (c->n_heads % c->n_kv_heads) {
-		snprintf(err, errlen, "cuda backend: %u attention heads are not a multiple of %u kv heads", c->n_heads,
-			 c->n_kv_heads);
-		return -EINVAL;
-	}
+	int rc = backend_check_config("cuda", c, p, err, errlen);
+	if (rc)
+		return rc;
 	if (c->head_dim % 8 || c->head_dim > MAX_HEAD_DIM) {
 		snprintf(err, errlen, "cuda backend: head_dim %u is not supported: the attention kernel takes multiples "
 			 "of 8 up to %u", c->head_dim, MAX_HEAD_DIM);
 		return -ENOTSUP;
-	}
-	if (!(c->rms_eps >= 0.0f) || !isfinite(c->rms_eps)) {
-		snprintf(err, errlen, "cuda backend: rms_norm_eps %g is not a finite number >= 0", (double)c->rms_eps);
-		return -EINVAL;
 	}
 	if (!(c->rope_theta > 1.0f) || !isfinite(c->rope_theta)) {
 		snprintf(err, errlen, "cuda backend: rope_theta %g is not a finite number > 1", (double)c->rope_theta);
@@ -2207,11 +2188,6 @@ static int check_config(const struct model_config *c, const struct backend_param
 			snprintf(err, errlen, "cuda backend: unknown rope_scaling type %u", c->rope_scaling);
 			return -EINVAL;
 		}
-	}
-	if (!p->max_chunk || !p->block_tokens || !p->n_kv_blocks) {
-		snprintf(err, errlen, "cuda backend: max_chunk %u, block_tokens %u and n_kv_blocks %u must all be > 0",
-			 p->max_chunk, p->block_tokens, p->n_kv_blocks);
-		return -EINVAL;
 	}
 	if (p->kv_dtype != DT_BF16 && p->kv_dtype != DT_F32) {
 		snprintf(err, errlen, "cuda backend: kv_dtype %s is not supported: the KV arena holds BF16 or F32",

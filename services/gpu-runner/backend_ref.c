@@ -705,30 +705,11 @@ static void ref_destroy(struct backend **bep)
 
 static int check_config(const struct model_config *c, const struct backend_params *p, char *err, size_t errlen)
 {
-	if (!c->n_layers || !c->dim || !c->n_heads || !c->n_kv_heads || !c->head_dim || !c->ffn_dim ||
-	    !c->vocab_size) {
-		snprintf(err, errlen,
-			 "cpu backend: model config has a zero size (layers %u, dim %u, heads %u, kv heads %u, "
-			 "head_dim %u, ffn %u, vocab %u)", c->n_layers, c->dim, c->n_heads, c->n_kv_heads, c->head_dim,
-			 c->ffn_dim, c->vocab_size);
-		return -EINVAL;
-	}
-	if (c->n_heads % c->n_kv_heads) {
-		snprintf(err, errlen, "cpu backend: %u attention heads are not a multiple of %u kv heads", c->n_heads,
-			 c->n_kv_heads);
-		return -EINVAL;
-	}
+	int rc = backend_check_config("cpu", c, p, err, errlen);
+	if (rc)
+		return rc;
 	if (c->head_dim % 2) {
 		snprintf(err, errlen, "cpu backend: head_dim %u is odd: RoPE rotates pairs", c->head_dim);
-		return -EINVAL;
-	}
-	if (!(c->rms_eps >= 0.0f) || !isfinite(c->rms_eps)) {
-		snprintf(err, errlen, "cpu backend: rms_norm_eps %g is not a finite number >= 0", (double)c->rms_eps);
-		return -EINVAL;
-	}
-	if (!p->max_chunk || !p->block_tokens || !p->n_kv_blocks) {
-		snprintf(err, errlen, "cpu backend: max_chunk %u, block_tokens %u and n_kv_blocks %u must all be > 0",
-			 p->max_chunk, p->block_tokens, p->n_kv_blocks);
 		return -EINVAL;
 	}
 	if (p->kv_dtype != DT_F32) {

@@ -1124,6 +1124,29 @@ static int64_t check_handle(struct kvstore *kv, uint64_t hv, uint32_t stamp, cha
 	return idx;
 }
 
+/* The checks every request on handles starts with: a configured pool, a count within limits,
+ * and handles that are valid, allocated and each named once. stamp (may be NULL) receives the
+ * request's stamp: kv->mark[index] == stamp for the handles it names. Returns 0 or -errno (err
+ * says why). */
+static int check_handles(struct kvstore *kv, const uint64_t *handles, uint32_t n, uint32_t *stamp, char *err,
+			 size_t errlen)
+{
+	if (!kv->h)
+		return not_configured(kv, err, errlen);
+	int rc = check_count(n, err, errlen);
+	if (rc)
+		return rc;
+	uint32_t st = next_stamp(kv);
+	for (uint32_t i = 0; i < n; i++) {
+		int64_t idx = check_handle(kv, handles[i], st, err, errlen);
+		if (idx < 0)
+			return (int)idx;
+	}
+	if (stamp)
+		*stamp = st;
+	return 0;
+}
+
 /* ---- eviction ---- */
 
 /* An LRU candidate: a pool slot (victims) or a handle index (cached blocks in the spill file). */
@@ -1409,17 +1432,9 @@ int kvstore_alloc(struct kvstore *kv, uint32_t count, uint64_t *handles, uint64_
 
 int kvstore_mark_ready(struct kvstore *kv, const uint64_t *handles, uint32_t n, char *err, size_t errlen)
 {
-	if (!kv->h)
-		return not_configured(kv, err, errlen);
-	int rc = check_count(n, err, errlen);
+	int rc = check_handles(kv, handles, n, NULL, err, errlen);
 	if (rc)
 		return rc;
-	uint32_t stamp = next_stamp(kv);
-	for (uint32_t i = 0; i < n; i++) {
-		int64_t idx = check_handle(kv, handles[i], stamp, err, errlen);
-		if (idx < 0)
-			return (int)idx;
-	}
 	for (uint32_t i = 0; i < n; i++) {
 		const struct kvpool_handle *hd = &kv->handles[kv_handle_index(handles[i])];
 		if (hd->state == KVH_WRITING)
@@ -1431,16 +1446,11 @@ int kvstore_mark_ready(struct kvstore *kv, const uint64_t *handles, uint32_t n, 
 int kvstore_commit(struct kvstore *kv, const uint64_t *handles, const uint64_t *keys, uint32_t n, char *err,
 		   size_t errlen)
 {
-	if (!kv->h)
-		return not_configured(kv, err, errlen);
-	int rc = check_count(n, err, errlen);
+	int rc = check_handles(kv, handles, n, NULL, err, errlen);
 	if (rc)
 		return rc;
-	uint32_t stamp = next_stamp(kv);
 	for (uint32_t i = 0; i < n; i++) {
-		int64_t idx = check_handle(kv, handles[i], stamp, err, errlen);
-		if (idx < 0)
-			return (int)idx;
+		uint32_t idx = kv_handle_index(handles[i]);
 		const struct kvpool_handle *hd = &kv->handles[idx];
 		uint64_t key = keys ? keys[i] : 0;
 		if (hd->state != KVH_WRITING && hd->key != key) {
@@ -1661,18 +1671,14 @@ out_free:
 int kvstore_fetch(struct kvstore *kv, const uint64_t *handles, uint32_t n, uint64_t *offsets, char *err,
 		  size_t errlen)
 {
-	if (!kv->h)
-		return not_configured(kv, err, errlen);
-	struct kvpool_header *h = kv->h;
-	int rc = check_count(n, err, errlen);
+	uint32_t stamp;
+	int rc = check_handles(kv, handles, n, &stamp, err, errlen);
 	if (rc)
 		return rc;
-	uint32_t stamp = next_stamp(kv);
+	struct kvpool_header *h = kv->h;
 	uint32_t n_load = 0;
 	for (uint32_t i = 0; i < n; i++) {
-		int64_t idx = check_handle(kv, handles[i], stamp, err, errlen);
-		if (idx < 0)
-			return (int)idx;
+		uint32_t idx = kv_handle_index(handles[i]);
 		const struct kvpool_handle *hd = &kv->handles[idx];
 		if (hd->state != KVH_COMMITTED) {
 			snprintf(err, errlen, "handle 0x%llx is not committed: it is still being written",
@@ -1765,16 +1771,11 @@ out_free:
 
 int kvstore_unpin(struct kvstore *kv, const uint64_t *handles, uint32_t n, char *err, size_t errlen)
 {
-	if (!kv->h)
-		return not_configured(kv, err, errlen);
-	int rc = check_count(n, err, errlen);
+	int rc = check_handles(kv, handles, n, NULL, err, errlen);
 	if (rc)
 		return rc;
-	uint32_t stamp = next_stamp(kv);
 	for (uint32_t i = 0; i < n; i++) {
-		int64_t idx = check_handle(kv, handles[i], stamp, err, errlen);
-		if (idx < 0)
-			return (int)idx;
+		uint32_t idx = kv_handle_index(handles[i]);
 		const struct kvpool_handle *hd = &kv->handles[idx];
 		if (hd->state != KVH_COMMITTED) {
 			snprintf(err, errlen, "handle 0x%llx is being written: commit or free it, not unpin",
@@ -1794,16 +1795,11 @@ int kvstore_unpin(struct kvstore *kv, const uint64_t *handles, uint32_t n, char 
 
 int kvstore_free(struct kvstore *kv, const uint64_t *handles, uint32_t n, char *err, size_t errlen)
 {
-	if (!kv->h)
-		return not_configured(kv, err, errlen);
-	int rc = check_count(n, err, errlen);
+	int rc = check_handles(kv, handles, n, NULL, err, errlen);
 	if (rc)
 		return rc;
-	uint32_t stamp = next_stamp(kv);
 	for (uint32_t i = 0; i < n; i++) {
-		int64_t idx = check_handle(kv, handles[i], stamp, err, errlen);
-		if (idx < 0)
-			return (int)idx;
+		uint32_t idx = kv_handle_index(handles[i]);
 		if (kv->handles[idx].refs == 0) {
 			snprintf(err, errlen, "handle 0x%llx holds no reference to free: the block is cached",
 				 (unsigned long long)handles[i]);

@@ -32,8 +32,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -80,27 +78,6 @@ struct runner_watch {
 	bool lost;
 };
 
-/* The pid, in our pid namespace, of the process listening on the unix socket at path; 0 when
- * none listens or it is not visible here (another pid namespace: the kernel says 0). The
- * connection is closed at once (bus.c's ipc_in_use looks the same way). */
-static int listener_pid(const char *path)
-{
-	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	if (str_copy(sa.sun_path, sizeof(sa.sun_path), path) != 0)
-		return 0;
-	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-	if (fd < 0)
-		return 0;
-	int pid = 0;
-	struct ucred cr;
-	socklen_t len = sizeof(cr);
-	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
-	    getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0 && len == sizeof(cr))
-		pid = cr.pid;
-	close(fd);
-	return pid;
-}
-
 /* After the HELLO: the fast path, where reliable, and the subscription to the heartbeats (before
  * GENERATE is sent, after the HELLO, so that no heartbeat of a runner older than the HELLO's
  * can arrive). */
@@ -119,7 +96,9 @@ static void watch_open(struct runner_watch *w, struct pipectl *p, struct rpc_cli
 	 * was read (a runner gone meanwhile leaves the fast path off; the heartbeats remain). */
 	if (w->hello_pid) {
 		uint64_t s1 = process_start_time(w->hello_pid);
-		int lp = s1 ? listener_pid(ep + strlen("ipc://")) : 0;
+		int lp = 0;
+		if (s1)
+			bus_unix_listener(ep + strlen("ipc://"), &lp);
 		uint64_t s2 = lp == w->hello_pid ? process_start_time(w->hello_pid) : 0;
 		w->start = s1 && s1 == s2 ? s1 : 0;
 	}

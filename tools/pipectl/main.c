@@ -221,7 +221,7 @@ static int parse_service_arg(const char *usage_text, const char *summary, int ar
 }
 
 /* Checks that a reply naming a service names the one asked. */
-static bool same_service(const char *asked, const struct bytes *named, const char *what)
+bool pipectl_same_service(const char *asked, const struct bytes *named, const char *what)
 {
 	if (named->p && !strcmp(named->p, asked))
 		return true;
@@ -247,7 +247,7 @@ int cmd_hello(struct pipectl *p, int argc, char **argv)
 		goto out_client;
 	}
 	const struct msg_hello_reply *h = &rep.hello_reply;
-	if (!same_service(service, &h->service, "HELLO"))
+	if (!pipectl_same_service(service, &h->service, "HELLO"))
 		goto out_reply;
 	char size[32];
 	printf("service        %s\n", h->service.p);
@@ -391,7 +391,7 @@ int cmd_wait_ready(struct pipectl *p, int argc, char **argv)
 			goto out_client;
 		}
 	}
-	if (same_service(service, &rep.hello_reply.service, "HELLO")) {
+	if (pipectl_same_service(service, &rep.hello_reply.service, "HELLO")) {
 		printf("%s ready (pid %llu)\n", service, (unsigned long long)rep.hello_reply.pid);
 		status = PIPECTL_EXIT_OK;
 	}
@@ -423,7 +423,7 @@ int cmd_stats(struct pipectl *p, int argc, char **argv)
 		fprintf(stderr, "pipectl: %s answered STATS_GET with %s\n", service, msg_type_name(rep.type));
 		goto out_reply;
 	}
-	if (!same_service(service, &rep.stats.service, "STATS_GET"))
+	if (!pipectl_same_service(service, &rep.stats.service, "STATS_GET"))
 		goto out_reply;
 	json_t *j = pipectl_json_object(service, "stats", rep.stats.json.p, rep.stats.json.len);
 	if (!j)

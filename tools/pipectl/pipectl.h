@@ -52,6 +52,9 @@ struct rpc_client *pipectl_connect(struct pipectl *p, const char *service);
  * when rc is -EREMOTEIO (freed here). what names the request. Returns PIPECTL_EXIT_FAIL. */
 int pipectl_rpc_failed(const struct pipectl *p, const char *service, const char *what, int rc, struct msg *rep);
 
+/* Whether the service that answered `what` named itself `asked`; prints why not. */
+bool pipectl_same_service(const char *asked, const struct bytes *named, const char *what);
+
 /* Parses text (len bytes from service, `what` names it: "stats", "parameters") as a JSON object.
  * Returns the object, or NULL after printing why. */
 json_t *pipectl_json_object(const char *service, const char *what, const char *text, size_t len);

@@ -49,11 +49,8 @@ static int config_call(struct pipectl *p, const char *service, struct msg *req, 
 			msg_type_name(rep.type));
 		goto out_reply;
 	}
-	if (!rep.config.service.p || strcmp(rep.config.service.p, service) != 0) {
-		fprintf(stderr, "pipectl: the %s socket answered %s as '%s'\n", service, what,
-			rep.config.service.p ? rep.config.service.p : "");
+	if (!pipectl_same_service(service, &rep.config.service, what))
 		goto out_reply;
-	}
 	json_t *j = pipectl_json_object(service, "parameters", rep.config.json.p, rep.config.json.len);
 	if (!j)
 		goto out_reply;
