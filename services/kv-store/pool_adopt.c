@@ -19,17 +19,7 @@ static void drop_handle(struct kvstore *kv, uint32_t idx, const char *why)
 {
 	log_warn("adopted KV pool %s: dropping block 0x%llx: %s", kv->shm_name,
 		 (unsigned long long)handle_value(kv, idx), why);
-	struct kvpool_handle *hd = &kv->handles[idx];
-	hd->state = KVH_FREE;
-	hd->location = KVLOC_NONE;
-	hd->where = 0;
-	hd->checksum = 0;
-	hd->refs = 0;
-	hd->key = 0;
-	hd->last_use = 0;
-	hd->generation++;
-	if (hd->generation == 0)
-		hd->generation = 1;
+	kvs_handle_reset(&kv->handles[idx]);
 }
 
 /* Makes an adopted pool's tables consistent. The handle table is the truth (a handle names

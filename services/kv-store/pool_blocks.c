@@ -66,13 +66,9 @@ void kvs_slot_release(struct kvstore *kv, uint32_t s)
 	kv->free_slots[kv->n_free_slots++] = s;
 }
 
-/* Retires a handle: its value goes stale (generation bump; 0 is never a live generation), and
- * its key leaves the prefix index if the index named it. */
-static void handle_release(struct kvstore *kv, uint32_t idx)
+/* A handle back to FREE: its value goes stale (generation bump; 0 is never a live generation). */
+void kvs_handle_reset(struct kvpool_handle *hd)
 {
-	struct kvpool_handle *hd = &kv->handles[idx];
-	if (hd->key && keymap_get(kv->keys, hd->key) == idx)
-		keymap_del(kv->keys, hd->key);
 	hd->state = KVH_FREE;
 	hd->location = KVLOC_NONE;
 	hd->where = 0;
@@ -83,6 +79,16 @@ static void handle_release(struct kvstore *kv, uint32_t idx)
 	hd->generation++;
 	if (hd->generation == 0)
 		hd->generation = 1;
+}
+
+/* Retires a handle to the free list: its value goes stale, and its key leaves the prefix index
+ * if the index named it. */
+static void handle_release(struct kvstore *kv, uint32_t idx)
+{
+	struct kvpool_handle *hd = &kv->handles[idx];
+	if (hd->key && keymap_get(kv->keys, hd->key) == idx)
+		keymap_del(kv->keys, hd->key);
+	kvs_handle_reset(hd);
 	kv->free_handles[kv->n_free_handles++] = idx;
 }
 

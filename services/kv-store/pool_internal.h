@@ -120,6 +120,8 @@ int kvs_rebuild_free_lists(struct kvstore *kv);
 void kvs_slot_reset(struct kvpool_slot *sl);
 /* Frees pool slot s to the free list. */
 void kvs_slot_release(struct kvstore *kv, uint32_t s);
+/* A handle's fields cleared and its generation bumped: its value goes stale. */
+void kvs_handle_reset(struct kvpool_handle *hd);
 /* Is idx the block the prefix index names for its key? Only such a block can be cached. */
 bool kvs_indexed(const struct kvstore *kv, uint32_t idx);
 /* Cached: committed, indexed, no reference. Evictable, droppable, found by LOOKUP. */
