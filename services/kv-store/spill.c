@@ -12,12 +12,7 @@
 
 #include "common/log.h"
 #include "common/util.h"
-
-/* Tests define SPILL_OPEN before including this file to inject open(2) failures (the
- * buffered fallback cannot be reached on a filesystem that takes O_DIRECT). */
-#ifndef SPILL_OPEN
-#define SPILL_OPEN open
-#endif
+#include "services/kv-store/spill_internal.h"
 
 struct spill {
 	char path[512];
@@ -31,10 +26,10 @@ struct spill {
 	struct io_uring ring;
 };
 
-static int open_file(const char *path, enum spill_open_mode mode, bool *o_direct)
+static int open_file(spill_open_fn open_fn, const char *path, enum spill_open_mode mode, bool *o_direct)
 {
 	int flags = O_RDWR | O_CREAT | O_CLOEXEC | (mode == SPILL_TRUNCATE ? O_TRUNC : 0);
-	int fd = SPILL_OPEN(path, flags | O_DIRECT, 0600);
+	int fd = open_fn(path, flags | O_DIRECT, 0600);
 	if (fd >= 0) {
 		*o_direct = true;
 		return fd;
@@ -42,15 +37,26 @@ static int open_file(const char *path, enum spill_open_mode mode, bool *o_direct
 	if (errno != EINVAL)
 		return -errno;
 	/* The filesystem does not do direct I/O: the page cache is the price of working at all. */
-	fd = SPILL_OPEN(path, flags, 0600);
+	fd = open_fn(path, flags, 0600);
 	if (fd < 0)
 		return -errno;
 	*o_direct = false;
 	return fd;
 }
 
+static int sys_open(const char *path, int flags, mode_t mode)
+{
+	return open(path, flags, mode);
+}
+
 int spill_open(const char *path, uint64_t block_bytes, uint32_t n_slots, uint32_t io_depth,
 	       enum spill_open_mode mode, struct spill **out, char *err, size_t errlen)
+{
+	return spill_open_with(sys_open, path, block_bytes, n_slots, io_depth, mode, out, err, errlen);
+}
+
+int spill_open_with(spill_open_fn open_fn, const char *path, uint64_t block_bytes, uint32_t n_slots,
+		    uint32_t io_depth, enum spill_open_mode mode, struct spill **out, char *err, size_t errlen)
 {
 	assert(block_bytes > 0 && block_bytes % 4096 == 0);
 	if (io_depth == 0 || io_depth > SPILL_MAX_IO_DEPTH) {
@@ -73,7 +79,7 @@ int spill_open(const char *path, uint64_t block_bytes, uint32_t n_slots, uint32_
 	sp->n_slots = n_slots;
 	sp->depth = io_depth;
 	sp->limit = io_depth;
-	rc = open_file(path, mode, &sp->o_direct);
+	rc = open_file(open_fn, path, mode, &sp->o_direct);
 	if (rc < 0) {
 		snprintf(err, errlen, "cannot open spill file %s: %s", path, strerror(-rc));
 		goto out_free;

@@ -1,6 +1,6 @@
-/* Tests of the spill file (services/kv-store/spill.c), included here so that open(2) can be
- * wrapped: the buffered fallback is only reached where O_DIRECT is refused, which this
- * machine's filesystems may not do. */
+/* Tests of the spill file (services/kv-store/spill.c), opened through spill_open_with
+ * (spill_internal.h) so that open(2) can be wrapped: the buffered fallback is only reached where
+ * O_DIRECT is refused, which this machine's filesystems may not do. */
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -30,8 +30,7 @@ static int fake_open(const char *path, int flags, mode_t mode)
 	return open(path, flags, mode);
 }
 
-#define SPILL_OPEN fake_open
-#include "services/kv-store/spill.c"
+#include "services/kv-store/spill_internal.h"
 
 #include "tests/unit/kv-store/kvtest.h"
 
@@ -50,7 +49,7 @@ static void sfx_open(struct sfx *f, const char *parent, uint32_t slots, uint32_t
 	memset(f, 0, sizeof(*f));
 	kvt_mkdtemp(parent, f->dir, sizeof(f->dir));
 	snprintf(f->path, sizeof(f->path), "%s/spill.bin", f->dir);
-	int rc = spill_open(f->path, BB, slots, depth, SPILL_TRUNCATE, &f->sp, f->err, sizeof(f->err));
+	int rc = spill_open_with(fake_open, f->path, BB, slots, depth, SPILL_TRUNCATE, &f->sp, f->err, sizeof(f->err));
 	ck_assert_msg(rc == 0, "spill_open: %s", f->err);
 	ck_assert_int_eq(posix_memalign(&f->buf, 4096, (size_t)BB * nbuf), 0);
 }
