@@ -23,10 +23,11 @@ static void drop_handle(struct kvstore *kv, uint32_t idx, const char *why)
 }
 
 /* Makes an adopted pool's tables consistent. The handle table is the truth (a handle names
- * where its bytes are); slots agree with it or are freed. The write orders in kvs_make_room,
- * load_batch and swap_in keep every crash point recoverable: a slot is marked SPILLING or
- * LOADING before its I/O, and the handle moves only after the I/O (and, for a load, the
- * checksum) succeeded; what cannot be recovered is dropped, never served wrong.
+ * where its bytes are); slots agree with it or are freed. The write orders in kvs_make_room
+ * (pool_evict.c), load_batch and swap_in (pool_fetch.c) keep every crash point recoverable: a
+ * slot is marked SPILLING or LOADING before its I/O, and the handle moves only after the I/O
+ * (and, for a load, the checksum) succeeded; what cannot be recovered is dropped, never served
+ * wrong.
  * Returns 0 or -ENOMEM. */
 static int recover_tables(struct kvstore *kv)
 {
