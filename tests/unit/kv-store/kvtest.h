@@ -85,6 +85,28 @@ static inline void kvt_sweep_all(void)
 	kvt_sweep("/dev/shm", prefix);
 }
 
+/* A tcase of s named name, with kvt_sweep_all as its unchecked teardown. */
+static inline TCase *kvt_tcase(Suite *s, const char *name)
+{
+	TCase *tc = tcase_create(name);
+	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	suite_add_tcase(s, tc);
+	return tc;
+}
+
+/* The main() of a kv-store test: runs s, each test in a process of its own (a crash fails one
+ * test, not the run). Returns main's exit status. */
+static inline int kvt_main(Suite *s)
+{
+	kvt_runner_pid = (int)getpid();
+	SRunner *sr = srunner_create(s);
+	srunner_set_fork_status(sr, CK_FORK);
+	srunner_run_all(sr, CK_NORMAL);
+	int failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? 1 : 0;
+}
+
 /* Deterministic block contents: block `seed`, bytes [0, len). */
 static inline void kvt_fill(void *p, size_t len, uint64_t seed)
 {

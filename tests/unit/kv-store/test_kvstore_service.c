@@ -855,45 +855,29 @@ END_TEST
 static Suite *service_suite(void)
 {
 	Suite *s = suite_create("kvstore_service");
-	TCase *tc = tcase_create("protocol");
-	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	TCase *tc = kvt_tcase(s, "protocol");
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_protocol_round_trip);
-	suite_add_tcase(s, tc);
 
-	tc = tcase_create("restart");
-	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tc = kvt_tcase(s, "restart");
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_restart_adopts);
-	suite_add_tcase(s, tc);
 
-	tc = tcase_create("sessions");
-	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tc = kvt_tcase(s, "sessions");
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_sessions_survive_restart);
-	suite_add_tcase(s, tc);
 
-	tc = tcase_create("persistence");
-	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tc = kvt_tcase(s, "persistence");
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_persist_across_shutdown);
-	suite_add_tcase(s, tc);
 
-	tc = tcase_create("flags");
-	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tc = kvt_tcase(s, "flags");
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_flags);
-	suite_add_tcase(s, tc);
 	return s;
 }
 
 int main(void)
 {
-	kvt_runner_pid = (int)getpid();
-	SRunner *sr = srunner_create(service_suite());
-	srunner_set_fork_status(sr, CK_FORK);
-	srunner_run_all(sr, CK_NORMAL);
-	int failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed ? 1 : 0;
+	return kvt_main(service_suite());
 }

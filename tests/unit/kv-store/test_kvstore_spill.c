@@ -205,34 +205,22 @@ END_TEST
 static Suite *spill_suite(void)
 {
 	Suite *s = suite_create("kvstore_spill");
-	TCase *tc = tcase_create("io");
-	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	TCase *tc = kvt_tcase(s, "io");
 	tcase_add_test(tc, test_round_trip_deeper_than_ring);
 	tcase_add_test(tc, test_keep_and_truncate);
-	suite_add_tcase(s, tc);
 
-	tc = tcase_create("open");
-	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tc = kvt_tcase(s, "open");
 	tcase_add_test(tc, test_buffered_fallback);
 	tcase_add_test(tc, test_direct_where_possible);
 	tcase_add_test(tc, test_open_errors);
-	suite_add_tcase(s, tc);
 
-	tc = tcase_create("errors");
-	tcase_add_unchecked_fixture(tc, NULL, kvt_sweep_all);
+	tc = kvt_tcase(s, "errors");
 	tcase_add_test(tc, test_short_read_is_eio);
 	tcase_add_test(tc, test_failed_write_is_eio);
-	suite_add_tcase(s, tc);
 	return s;
 }
 
 int main(void)
 {
-	kvt_runner_pid = (int)getpid();
-	SRunner *sr = srunner_create(spill_suite());
-	srunner_set_fork_status(sr, CK_FORK);
-	srunner_run_all(sr, CK_NORMAL);
-	int failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed ? 1 : 0;
+	return kvt_main(spill_suite());
 }
