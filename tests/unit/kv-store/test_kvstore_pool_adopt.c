@@ -77,6 +77,17 @@ END_TEST
 
 /* ---- adoption ---- */
 
+/* The parent's side of a child that writes len bytes of its result into pfd[1] and exits 0. */
+static void child_result(pid_t pid, int pfd[2], void *out, size_t len)
+{
+	close(pfd[1]);
+	ck_assert_int_eq(read(pfd[0], out, len), (ssize_t)len);
+	close(pfd[0]);
+	int status;
+	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+	ck_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
 struct crashed {
 	uint64_t h[8];
 	uint64_t epoch;
@@ -121,12 +132,7 @@ static void crash_child(struct fx *f, bool mid_io, struct crashed *out)
 			_exit(5);
 		_exit(0);
 	}
-	close(pfd[1]);
-	ck_assert_int_eq(read(pfd[0], out, sizeof(*out)), (ssize_t)sizeof(*out));
-	close(pfd[0]);
-	int status;
-	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
-	ck_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+	child_result(pid, pfd, out, sizeof(*out));
 }
 
 START_TEST(test_adopt_after_crash)
@@ -296,12 +302,7 @@ static void session_child(struct fx *f, uint64_t session, struct sess_crash *out
 			_exit(5);
 		_exit(0);
 	}
-	close(pfd[1]);
-	ck_assert_int_eq(read(pfd[0], out, sizeof(*out)), (ssize_t)sizeof(*out));
-	close(pfd[0]);
-	int status;
-	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
-	ck_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+	child_result(pid, pfd, out, sizeof(*out));
 }
 
 START_TEST(test_session_across_adoption)
