@@ -146,13 +146,11 @@ static int setup(struct runner *r)
 		log_error("%s", err);
 		return rc;
 	}
-	rc = engine_create(&r->cfg, r->ops, r->be, runner_weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
-			   sizeof(err));
+	rc = runner_make_engine(r, err, sizeof(err));
 	if (rc) {
 		log_error("%s", err);
 		return rc;
 	}
-	engine_set_progress(r->engine, runner_beat, r);
 	log_info("backend %s, %u layers, KV arena %u blocks of %zu bytes (%ld tokens each), context %ld", r->ops->name,
 		 r->cfg.n_layers, r->bp.n_kv_blocks, r->arena_block_bytes, r->block_tokens, r->max_context);
 	return 0;

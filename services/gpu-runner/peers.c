@@ -102,7 +102,7 @@ void runner_drop_window(struct runner *r)
 
 /* Long work (a forward step, per layer; a wait on a peer, every 100 ms) keeps the heartbeat
  * going: the supervisor then tells a runner at work from a stopped one. */
-void runner_beat(void *ctx)
+static void beat(void *ctx)
 {
 	struct runner *r = ctx;
 	service_beat(r->svc);
@@ -120,20 +120,61 @@ bool runner_wait_beat(void *ctx)
 
 #define STOPPING_MSG "gpu-runner is stopping"
 
+static void no_answer(struct runner *r, const char *peer, int deadline_ms, char *err, size_t errlen)
+{
+	snprintf(err, errlen, "%s did not answer at %s/%s.ctl within %d s", peer, r->run_dir, peer, deadline_ms / 1000);
+}
+
+/* HELLO to peer over client c, afresh (the client reset first), waiting up to deadline_ms.
+ * Returns 0 with the reply in *hello (the caller frees it with msg_free), or the error of
+ * rpc_wait_ready with nothing to free. */
+static int hello_peer(struct runner *r, struct rpc_client *c, const char *peer, int deadline_ms, struct msg *hello,
+		      char *err, size_t errlen)
+{
+	rpc_client_reset(c);
+	int rc = rpc_wait_ready(c, hello, deadline_ms);
+	if (rc) {
+		no_answer(r, peer, deadline_ms, err, errlen);
+		if (rc == -EREMOTEIO)
+			msg_free(hello);
+	}
+	return rc;
+}
+
+typedef int (*connect_fn)(struct runner *r, int deadline_ms, char *err, size_t errlen);
+
+/* connect in short tries until deadline_ms pass, beating between them; gives up at a stop
+ * (-ECANCELED). With gone_too, a peer that went away while the runner connected (-ECONNRESET,
+ * -ENOENT, -EAGAIN: it died after HELLO; a successor comes) is tried again too. */
+static int connect_retry(struct runner *r, connect_fn connect, const char *peer, bool gone_too, int deadline_ms,
+			 char *err, size_t errlen)
+{
+	uint64_t deadline = now_ns() + (uint64_t)deadline_ms * 1000000ull;
+	int rc;
+	while ((rc = connect(r, 500, err, errlen)) != 0 && now_ns() < deadline &&
+	       (rc == -ETIMEDOUT || (gone_too && (rc == -ECONNRESET || rc == -ENOENT || rc == -EAGAIN)))) {
+		if (rc != -ETIMEDOUT) {
+			log_warn("%s went away while the runner connected (%s): trying again", peer, err);
+			usleep(50 * 1000);
+		}
+		if (runner_wait_beat(r)) {
+			snprintf(err, errlen, STOPPING_MSG " (while waiting for %s)", peer);
+			return -ECANCELED;
+		}
+	}
+	if (rc == -ETIMEDOUT)
+		no_answer(r, peer, deadline_ms, err, errlen);
+	return rc;
+}
+
 static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t errlen)
 {
 	struct msg hello;
 	runner_drop_window(r); /* it pins and reads the ring: it goes first */
 	ring_source_destroy(&r->ring);
-	rpc_client_reset(r->loader_c);
-	int rc = rpc_wait_ready(r->loader_c, &hello, deadline_ms);
-	if (rc) {
-		snprintf(err, errlen, "ssd-loader did not answer at %s/ssd-loader.ctl within %d s", r->run_dir,
-			 deadline_ms / 1000);
-		if (rc == -EREMOTEIO)
-			msg_free(&hello);
+	int rc = hello_peer(r, r->loader_c, "ssd-loader", deadline_ms, &hello, err, errlen);
+	if (rc)
 		return rc;
-	}
 	rc = ring_source_create(r->loader_c, &hello.hello_reply, (int)r->timeout_ms, &r->ring, err, errlen);
 	msg_free(&hello);
 	if (rc)
@@ -169,23 +210,7 @@ static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t e
  * too, rather than failing a request, or the runner's start. */
 int runner_connect_loader_retry(struct runner *r, int deadline_ms, char *err, size_t errlen)
 {
-	uint64_t deadline = now_ns() + (uint64_t)deadline_ms * 1000000ull;
-	int rc;
-	while ((rc = connect_loader(r, 500, err, errlen)) != 0 && now_ns() < deadline &&
-	       (rc == -ETIMEDOUT || rc == -ECONNRESET || rc == -ENOENT || rc == -EAGAIN)) {
-		if (rc != -ETIMEDOUT) {
-			log_warn("ssd-loader went away while the runner connected (%s): trying again", err);
-			usleep(50 * 1000);
-		}
-		if (runner_wait_beat(r)) {
-			snprintf(err, errlen, STOPPING_MSG " (while waiting for ssd-loader)");
-			return -ECANCELED;
-		}
-	}
-	if (rc == -ETIMEDOUT)
-		snprintf(err, errlen, "ssd-loader did not answer at %s/ssd-loader.ctl within %d s", r->run_dir,
-			 deadline_ms / 1000);
-	return rc;
+	return connect_retry(r, connect_loader, "ssd-loader", true, deadline_ms, err, errlen);
 }
 
 /* Page-locks the KV pool for a device backend (copies then run at the link's speed and
@@ -213,15 +238,9 @@ int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errle
 {
 	struct msg hello;
 	runner_unpin_pool(r);
-	rpc_client_reset(r->kv_c);
-	int rc = rpc_wait_ready(r->kv_c, &hello, deadline_ms);
-	if (rc) {
-		snprintf(err, errlen, "kv-store did not answer at %s/kv-store.ctl within %d s", r->run_dir,
-			 deadline_ms / 1000);
-		if (rc == -EREMOTEIO)
-			msg_free(&hello);
+	int rc = hello_peer(r, r->kv_c, "kv-store", deadline_ms, &hello, err, errlen);
+	if (rc)
 		return rc;
-	}
 	msg_free(&hello);
 	bool same = false;
 	rc = kv_remote_connect(&r->kv, r->kv_c, r->pool_block_bytes, r->manifest_hash, (int)r->timeout_ms, &same, err,
@@ -282,6 +301,18 @@ void runner_release_dead_loader(struct runner *r)
 	r->loader_suspect = true;
 }
 
+/* The engine over the weight source as it is now (a new ring, a new window): the one before goes. */
+int runner_make_engine(struct runner *r, char *err, size_t errlen)
+{
+	engine_destroy(&r->engine);
+	int rc = engine_create(&r->cfg, r->ops, r->be, runner_weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
+			       errlen);
+	if (rc)
+		return rc;
+	engine_set_progress(r->engine, beat, r);
+	return 0;
+}
+
 /* Before a request: reconnect to a service that restarted or failed us. */
 int runner_ensure_connections(struct runner *r, char *err, size_t errlen)
 {
@@ -295,25 +326,12 @@ int runner_ensure_connections(struct runner *r, char *err, size_t errlen)
 			return rc;
 		if ((rc = runner_make_window(r, err, errlen)) != 0)
 			return rc;
-		engine_destroy(&r->engine);
-		rc = engine_create(&r->cfg, r->ops, r->be, runner_weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
-				   errlen);
-		if (rc)
+		if ((rc = runner_make_engine(r, err, errlen)) != 0)
 			return rc;
-		engine_set_progress(r->engine, runner_beat, r);
 	}
 	if (r->kv_suspect || kv_remote_lost(&r->kv)) {
 		log_info("reconnecting to kv-store");
-		uint64_t deadline = now_ns() + (uint64_t)RECONNECT_TIMEOUT_MS * 1000000ull;
-		while ((rc = runner_connect_kv(r, 500, err, errlen)) == -ETIMEDOUT && now_ns() < deadline) {
-			if (runner_wait_beat(r)) {
-				snprintf(err, errlen, STOPPING_MSG " (while waiting for kv-store)");
-				return -ECANCELED;
-			}
-		}
-		if (rc == -ETIMEDOUT)
-			snprintf(err, errlen, "kv-store did not answer at %s/kv-store.ctl within %d s", r->run_dir,
-				 RECONNECT_TIMEOUT_MS / 1000);
+		rc = connect_retry(r, runner_connect_kv, "kv-store", false, RECONNECT_TIMEOUT_MS, err, errlen);
 		if (rc)
 			return rc;
 	}

@@ -87,12 +87,13 @@ struct weight_source *runner_weights(struct runner *r);
 /* With a device backend, the GPU window over the ring (nothing to do on the C backend). */
 int runner_make_window(struct runner *r, char *err, size_t errlen);
 void runner_drop_window(struct runner *r);
-/* Progress hooks: beat keeps the heartbeat going; wait_beat also returns true at a stop. */
-void runner_beat(void *ctx);
+/* A wait on a peer's hook: keeps the heartbeat going; true when the runner is told to stop. */
 bool runner_wait_beat(void *ctx);
 int runner_connect_loader_retry(struct runner *r, int deadline_ms, char *err, size_t errlen);
 int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errlen);
 void runner_unpin_pool(struct runner *r);
+/* The engine over the weight source as it is now; the one before (if any) goes. */
+int runner_make_engine(struct runner *r, char *err, size_t errlen);
 /* gen_params.on_kv_failure: reconnects to a kv-store that went away in the middle of a request. */
 int runner_kv_failure(void *ctx, char *err, size_t errlen);
 void runner_release_dead_loader(struct runner *r);
