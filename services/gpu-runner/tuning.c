@@ -25,16 +25,18 @@ static int timeout_set(void *ctx, const struct tunable_value *v, bool apply, cha
 	return 0;
 }
 
-static void max_context_get(void *ctx, struct tunable_value *v)
+/* A long of struct runner (ctx points at it) that takes effect where it is next read:
+ * max-context for requests started from now on (the one running keeps its limit), max-queued
+ * for new requests (those past it are refused with EBUSY; those queued stay). */
+static void long_get(void *ctx, struct tunable_value *v)
 {
-	v->i = ((struct runner *)ctx)->max_context;
+	v->i = *(const long *)ctx;
 }
 
-/* Requests started from now on; the one running keeps its limit. */
-static int max_context_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+static int long_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
 {
 	if (apply)
-		((struct runner *)ctx)->max_context = v->i;
+		*(long *)ctx = v->i;
 	return 0;
 }
 
@@ -48,19 +50,6 @@ static int fetch_batch_set(void *ctx, const struct tunable_value *v, bool apply,
 {
 	if (apply)
 		((struct runner *)ctx)->kv.max_batch = (uint32_t)v->i;
-	return 0;
-}
-
-static void max_queued_get(void *ctx, struct tunable_value *v)
-{
-	v->i = ((struct runner *)ctx)->max_queued;
-}
-
-/* New requests past it are refused (EBUSY); those queued stay. */
-static int max_queued_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
-{
-	if (apply)
-		((struct runner *)ctx)->max_queued = v->i;
 	return 0;
 }
 
@@ -85,18 +74,20 @@ void runner_register_tunables(struct runner *r)
 		{.name = "max-context",
 		 .help = "positions per sequence, for requests started from now on (at most the value at start: the "
 			 "KV tables are sized for it)",
-		 .type = TUNABLE_INT, .min = 2, .max = r->start_max_context, .get = max_context_get,
-		 .set = max_context_set},
+		 .type = TUNABLE_INT, .min = 2, .max = r->start_max_context, .get = long_get, .set = long_set,
+		 .ctx = &r->max_context},
 		{.name = "kv-fetch-batch",
 		 .help = "KV blocks per kv-store ALLOC or FETCH at most (0: as many as the pool holds); smaller batches "
 			 "make more requests, the values stay the same",
 		 .type = TUNABLE_INT, .min = 0, .max = 65536, .get = fetch_batch_get, .set = fetch_batch_set},
 		{.name = "max-queued",
 		 .help = "generate requests queued at most; more are refused with EBUSY",
-		 .type = TUNABLE_INT, .min = 1, .max = QUEUE_MAX, .get = max_queued_get, .set = max_queued_set},
+		 .type = TUNABLE_INT, .min = 1, .max = QUEUE_MAX, .get = long_get, .set = long_set,
+		 .ctx = &r->max_queued},
 	};
 	for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++) {
-		t[i].ctx = r;
+		if (!t[i].ctx)
+			t[i].ctx = r;
 		service_add_tunable(s, &t[i]);
 	}
 	service_add_fixed(s, "backend", TUNABLE_STRING, r->ops->name, "the compute backend");
