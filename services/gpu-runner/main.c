@@ -171,12 +171,7 @@ static void teardown(struct runner *r)
 	rpc_client_destroy(&r->kv_c);
 	if (r->zctx)
 		zmq_ctx_term(r->zctx);
-	for (uint32_t i = 0; i < r->q_len; i++) {
-		struct job *j = &r->queue[(r->q_head + i) % QUEUE_MAX];
-		if (r->svc)
-			service_reply_error(r->svc, &j->peer, j->corr, ESHUTDOWN, "gpu-runner is stopping: request not run");
-		runner_job_free(j);
-	}
+	runner_drop_queued(r);
 	service_destroy(&r->svc);
 }
 
@@ -247,11 +242,7 @@ int main(int argc, char **argv)
 			runner_release_dead_loader(&r);
 			continue;
 		}
-		struct job *j = &r.queue[r.q_head];
-		runner_run_job(&r, j);
-		runner_job_free(j);
-		r.q_head = (r.q_head + 1) % QUEUE_MAX;
-		r.q_len--;
+		runner_run_next(&r);
 	}
 	log_info("stopping");
 	teardown(&r);

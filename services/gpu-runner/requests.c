@@ -2,6 +2,7 @@
  * or the max-queued tunable), then run one at a time: the prompt built (ids, text or chat), the
  * generation run with its tokens, logits and text streamed back, the weights handed back, and
  * MSG_GEN_DONE or the error sent. Between tokens the service keeps answering. */
+#include <assert.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -17,7 +18,7 @@
 #include "services/gpu-runner/gpu_window.h"
 #endif
 
-void runner_job_free(struct job *j)
+static void job_free(struct job *j)
 {
 	free(j->tokens);
 	free(j->stop);
@@ -106,7 +107,7 @@ static void decode_starts(void *ctx)
 #endif
 }
 
-void runner_run_job(struct runner *r, struct job *j)
+static void run_job(struct runner *r, struct job *j)
 {
 	char err[1024] = "";
 	struct gen_result res = {0};
@@ -238,7 +239,7 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 	if (!j->tokens || !j->stop || copy_bytes(&g->prompt, &j->prompt, &j->prompt_len) ||
 	    copy_bytes(&g->chat, &j->chat, &j->chat_len) ||
 	    copy_bytes(&g->stop_strings, &j->stop_strings, &j->stop_strings_len)) {
-		runner_job_free(j);
+		job_free(j);
 		snprintf(errtext, errlen, "out of memory");
 		return -ENOMEM;
 	}
@@ -261,6 +262,27 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 	};
 	r->q_len++;
 	return 0;
+}
+
+void runner_run_next(struct runner *r)
+{
+	assert(r->q_len > 0);
+	struct job *j = &r->queue[r->q_head];
+	run_job(r, j);
+	job_free(j);
+	r->q_head = (r->q_head + 1) % QUEUE_MAX;
+	r->q_len--;
+}
+
+void runner_drop_queued(struct runner *r)
+{
+	for (uint32_t i = 0; i < r->q_len; i++) {
+		struct job *j = &r->queue[(r->q_head + i) % QUEUE_MAX];
+		if (r->svc)
+			service_reply_error(r->svc, &j->peer, j->corr, ESHUTDOWN, "gpu-runner is stopping: request not run");
+		job_free(j);
+	}
+	r->q_len = 0;
 }
 
 int runner_handle(void *ctx, struct service *s, const struct bus_peer *peer, const struct msg *req, char *errtext,

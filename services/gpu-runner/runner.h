@@ -100,8 +100,11 @@ void runner_release_dead_loader(struct runner *r);
 int runner_ensure_connections(struct runner *r, char *err, size_t errlen);
 
 /* requests.c */
-void runner_job_free(struct job *j);
-void runner_run_job(struct runner *r, struct job *j);
+/* Runs the request at the head of the queue (one is queued), replies, and takes it off. */
+void runner_run_next(struct runner *r);
+/* At a stop: each request still queued is answered ESHUTDOWN (with a service to answer from) and
+ * freed; the queue is then empty. */
+void runner_drop_queued(struct runner *r);
 /* service_ops.handle: queues MSG_GENERATE. */
 int runner_handle(void *ctx, struct service *s, const struct bus_peer *peer, const struct msg *req, char *errtext,
 		  size_t errlen);
