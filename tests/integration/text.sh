@@ -54,6 +54,13 @@ stopped=$(cat "$IT_TMP/stop.out")
 [[ $stopped == *"$stop"* ]] || fail "the output '$stopped' does not hold the stop string '$stop'"
 ((${#stopped} <= ${#full})) || fail "stopping made the output longer"
 log "stop string '$stop': stopped after '$stopped'"
+# --stats --json: the same timings as one JSON object, alone on the last line of stderr; the text
+# on stdout is as without it.
+out=$(generate --prompt "$text" -n 16 --stop "$stop" --stats --json 2>&1 >"$IT_TMP/stop.json.out")
+expect_eq "$(cat "$IT_TMP/stop.json.out")" "$stopped" "generate --stop --stats --json: the text"
+num='[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?'
+expect_grep "^\{\"prompt_tokens\":[0-9]+,\"prefill_ms\":$num,\"prefill_tok_s\":$num,\"tokens_generated\":[0-9]+,\"reason\":\"stop_string\",\"decode_ms\":$num,\"decode_tok_s\":$num,\"total_ms\":$num\}\$" \
+	"$(tail -n 1 <<<"$out")" "generate --stop --stats --json"
 
 # Text requests to a model without a tokenizer are refused with a clear message.
 "$PIPELINE" stop

@@ -6,6 +6,11 @@
  * the runner tokenizes with the model's tokenizer and the output is the generated text as it
  * comes (--ids prints the ids instead).
  *
+ * --stats prints a timing line on stderr at the end; with --json the same numbers go to stderr
+ * as one JSON object on one line instead (for scripts), printed by print_stats. --json alone
+ * does nothing: it is not refused, as PIPELINE_PIPECTL_JSON (set for `pipectl get`, say) would
+ * otherwise break every generate.
+ *
  * --dump-logits FILE asks for MSG_LOGITS (GEN_LOGITS) and writes its values to FILE as they
  * came: raw float32, little-endian, vocab_size of them, no header. Raw rather than text so
  * that the fidelity test compares exactly what the runner computed.
@@ -294,7 +299,7 @@ struct gen_args {
 	uint32_t n_tokens, n_stop_ids;
 	long max_new, top_k, seed;
 	double temperature, top_p, min_p, repetition_penalty;
-	bool stats, ignore_eos, special_as_text, no_bos, print_ids;
+	bool stats, stats_json, ignore_eos, special_as_text, no_bos, print_ids;
 	const char *dump_logits; /* --dump-logits FILE (borrowed from argv); NULL: not asked */
 	const char *prompt, *chat, *system; /* borrowed from argv */
 	const char *stops[GEN_MAX_STOPS];   /* --stop, as often as given */
@@ -389,6 +394,9 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 		{"stop-ids", OPT_STRING, &stop_ids, NULL,
 		 "extra token ids that end generation, comma separated (the model's eos ids always do)"},
 		{"stats", OPT_BOOL, &a->stats, NULL, "print a timing line on stderr at the end"},
+		{"json", OPT_BOOL, &a->stats_json, NULL,
+		 "with --stats: print the timings as one JSON object on one line of stderr instead (prompt_tokens, "
+		 "prefill_ms, prefill_tok_s, tokens_generated, reason, decode_ms, decode_tok_s, total_ms)"},
 		{"ignore-eos", OPT_BOOL, &a->ignore_eos, NULL,
 		 "do not stop on the model's end-of-sequence ids (--stop-ids still stop)"},
 		{"dump-logits", OPT_STRING, &a->dump_logits, NULL,
@@ -557,6 +565,36 @@ static double per_second(uint64_t n, double ms)
 	return ms > 0 ? (double)n * 1000.0 / ms : 0;
 }
 
+/* --stats: the request's timings on stderr, as a line or (--json) as a JSON object. Returns
+ * PIPECTL_EXIT_OK, or PIPECTL_EXIT_FAIL after printing why. */
+static int print_stats(const struct gen_args *a, const struct msg_gen_done *d, double total_ms)
+{
+	const char *reason = d->reason.p ? d->reason.p : "-";
+	double prefill_tok_s = per_second(d->n_prompt, d->prefill_ms);
+	double decode_tok_s = per_second(d->n_generated, d->decode_ms);
+	if (!a->stats_json) {
+		fprintf(stderr,
+			"prompt %llu tokens: prefill %.1f ms (%.1f tok/s); generated %llu tokens (%s): decode %.1f ms "
+			"(%.1f tok/s); %.1f ms in all\n",
+			(unsigned long long)d->n_prompt, d->prefill_ms, prefill_tok_s, (unsigned long long)d->n_generated,
+			reason, d->decode_ms, decode_tok_s, total_ms);
+		return PIPECTL_EXIT_OK;
+	}
+	json_t *o = json_pack("{s:I, s:f, s:f, s:I, s:s, s:f, s:f, s:f}", "prompt_tokens", (json_int_t)d->n_prompt,
+			      "prefill_ms", d->prefill_ms, "prefill_tok_s", prefill_tok_s, "tokens_generated",
+			      (json_int_t)d->n_generated, "reason", reason, "decode_ms", d->decode_ms, "decode_tok_s",
+			      decode_tok_s, "total_ms", total_ms);
+	char *text = o ? json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
+	json_decref(o);
+	if (!text) {
+		fprintf(stderr, "pipectl: generate: cannot write the timings as JSON (reason '%s')\n", reason);
+		return PIPECTL_EXIT_FAIL;
+	}
+	fprintf(stderr, "%s\n", text);
+	free(text);
+	return PIPECTL_EXIT_OK;
+}
+
 /* Reads the stream of replies to the request until MSG_GEN_DONE or a failure. */
 static int read_stream(struct pipectl *p, struct runner_watch *w, const struct gen_args *a)
 {
@@ -640,13 +678,8 @@ static int read_stream(struct pipectl *p, struct runner_watch *w, const struct g
 				(unsigned long long)d->n_generated, (unsigned long long)count);
 			status = PIPECTL_EXIT_FAIL;
 		}
-		if (a->stats)
-			fprintf(stderr,
-				"prompt %llu tokens: prefill %.1f ms (%.1f tok/s); generated %llu tokens (%s): decode "
-				"%.1f ms (%.1f tok/s); %.1f ms in all\n",
-				(unsigned long long)d->n_prompt, d->prefill_ms, per_second(d->n_prompt, d->prefill_ms),
-				(unsigned long long)d->n_generated, d->reason.p ? d->reason.p : "-", d->decode_ms,
-				per_second(d->n_generated, d->decode_ms), (double)(now_ns() - t0) / 1e6);
+		if (a->stats && print_stats(a, d, (double)(now_ns() - t0) / 1e6) != PIPECTL_EXIT_OK)
+			status = PIPECTL_EXIT_FAIL;
 		msg_free(&rep);
 		return status;
 	}

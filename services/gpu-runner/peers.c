@@ -1,0 +1,339 @@
+/* peers.c - the gpu-runner's connections to its peers: the ssd-loader (its weight ring, the
+ * tokenizer it sends, the GPU window over the ring with a device backend, the decode-time
+ * prediction) and the kv-store (its pool, page-locked for a device backend). Connects at start,
+ * reconnects before a request to a peer that restarted or failed us, and in the middle of a
+ * request to a kv-store that went away. Every wait on a peer beats and gives up at a stop. */
+#include <errno.h>
+#include <stdio.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "common/service.h"
+#include "common/shm.h"
+#include "common/tokenizer.h"
+#include "common/util.h"
+#include "services/gpu-runner/engine.h"
+#include "services/gpu-runner/kv_cache.h"
+#include "services/gpu-runner/runner.h"
+#include "services/gpu-runner/text.h"
+#include "services/gpu-runner/weights_ring.h"
+#ifdef PIPELINE_HAVE_CUDA
+#include "services/gpu-runner/gpu_window.h"
+#endif
+
+#define RECONNECT_TIMEOUT_MS 30000
+
+/* The weight source the engine computes from: the GPU window over the ring, or the ring. */
+struct weight_source *runner_weights(struct runner *r)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	if (r->win)
+		return gpu_window_base(r->win);
+#endif
+	return ring_source_base(r->ring);
+}
+
+#ifdef PIPELINE_HAVE_CUDA
+/* The time a decode token should take under the plans of both tiers: the most of the bytes
+ * that cross PCIe over the H2D bandwidth, the bytes read from disk over the disk's bandwidth,
+ * and every weight byte read from GPU memory once over its bandwidth. */
+static void predict(struct runner *r)
+{
+	struct gpu_window_stats st;
+	gpu_window_stats(r->win, &st);
+	uint64_t disk_bytes, disk_bps;
+	ring_source_disk_plan(r->ring, &disk_bytes, &disk_bps);
+	const struct weight_source *ws = ring_source_base(r->ring);
+	uint64_t weights = 0;
+	for (uint32_t g = 1; g < ws->n_groups; g++) /* the embedding is read one row a token, on the host */
+		weights += ws->groups[g].tensor_bytes;
+	double pcie = st.h2d_bytes_per_s > 0 ? (double)st.streamed_bytes_per_token / st.h2d_bytes_per_s * 1e3 : 0;
+	double disk = disk_bytes && disk_bps ? (double)disk_bytes / (double)disk_bps * 1e3 : 0;
+	double hbm = r->hbm_bps ? (double)weights / (double)r->hbm_bps * 1e3 : 0;
+	r->predicted_ms = pcie;
+	r->binding = "the PCIe link";
+	if (disk > r->predicted_ms) {
+		r->predicted_ms = disk;
+		r->binding = "the disk";
+	}
+	if (hbm > r->predicted_ms) {
+		r->predicted_ms = hbm;
+		r->binding = "GPU memory bandwidth";
+	}
+	char a[32], b[32], c[32];
+	log_info("per decode token: %s over PCIe (%.1f ms at %.1f GB/s), %s from disk (%.1f ms at %.2f GB/s), %s from "
+		 "GPU memory (%.1f ms at %.1f TB/s): predicted %.1f ms/token; %s binds",
+		 format_size(st.streamed_bytes_per_token, a, sizeof(a)), pcie, st.h2d_bytes_per_s / 1e9,
+		 format_size(disk_bytes, b, sizeof(b)), disk, (double)disk_bps / 1e9, format_size(weights, c, sizeof(c)), hbm,
+		 (double)r->hbm_bps / 1e12, r->predicted_ms, r->binding);
+}
+#endif
+
+/* With a device backend, the GPU window over the ring (nothing to do on the C backend). */
+int runner_make_window(struct runner *r, char *err, size_t errlen)
+{
+	void *stream = r->ops->stream ? r->ops->stream(r->be) : NULL;
+	if (!stream)
+		return 0;
+#ifdef PIPELINE_HAVE_CUDA
+	struct gpu_window_params wp = {.gpu_budget = r->gpu_budget, .depth = (uint32_t)r->prefetch_depth,
+				       .strict = r->strict, .time_copies = r->profile_copies,
+				       .h2d_bytes_per_s = (double)r->h2d_bps, .copy_streams = (uint32_t)r->copy_streams};
+	int rc = gpu_window_create(r->ring, stream, &wp, &r->win, err, errlen);
+	if (rc)
+		return rc;
+	char line[512];
+	gpu_window_describe(r->win, line, sizeof(line));
+	log_info("%s", line);
+	predict(r);
+	return 0;
+#else
+	snprintf(err, errlen, "a device backend without CUDA support in this build");
+	return -ENOTSUP;
+#endif
+}
+
+void runner_drop_window(struct runner *r)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	gpu_window_destroy(&r->win);
+#endif
+}
+
+/* Long work (a forward step, per layer; a wait on a peer, every 100 ms) keeps the heartbeat
+ * going: the supervisor then tells a runner at work from a stopped one. */
+static void beat(void *ctx)
+{
+	struct runner *r = ctx;
+	service_beat(r->svc);
+}
+
+/* A wait on a peer beats too, and gives up when the runner is told to stop (SIGTERM, SIGINT):
+ * `pipeline stop` during a peer's outage then ends the request at once instead of waiting out
+ * the 30 s and meeting the supervisor's SIGKILL. */
+bool runner_wait_beat(void *ctx)
+{
+	struct runner *r = ctx;
+	service_beat(r->svc);
+	return service_stop_requested(r->svc);
+}
+
+#define STOPPING_MSG "gpu-runner is stopping"
+
+static void no_answer(struct runner *r, const char *peer, int deadline_ms, char *err, size_t errlen)
+{
+	snprintf(err, errlen, "%s did not answer at %s/%s.ctl within %d s", peer, r->run_dir, peer, deadline_ms / 1000);
+}
+
+/* HELLO to peer over client c, afresh (the client reset first), waiting up to deadline_ms.
+ * Returns 0 with the reply in *hello (the caller frees it with msg_free), or the error of
+ * rpc_wait_ready with nothing to free. */
+static int hello_peer(struct runner *r, struct rpc_client *c, const char *peer, int deadline_ms, struct msg *hello,
+		      char *err, size_t errlen)
+{
+	rpc_client_reset(c);
+	int rc = rpc_wait_ready(c, hello, deadline_ms);
+	if (rc) {
+		no_answer(r, peer, deadline_ms, err, errlen);
+		if (rc == -EREMOTEIO)
+			msg_free(hello);
+	}
+	return rc;
+}
+
+typedef int (*connect_fn)(struct runner *r, int deadline_ms, char *err, size_t errlen);
+
+/* connect in short tries until deadline_ms pass, beating between them; gives up at a stop
+ * (-ECANCELED). With gone_too, a peer that went away while the runner connected (-ECONNRESET,
+ * -ENOENT, -EAGAIN: it died after HELLO; a successor comes) is tried again too. */
+static int connect_retry(struct runner *r, connect_fn connect, const char *peer, bool gone_too, int deadline_ms,
+			 char *err, size_t errlen)
+{
+	uint64_t deadline = now_ns() + (uint64_t)deadline_ms * 1000000ull;
+	int rc;
+	while ((rc = connect(r, 500, err, errlen)) != 0 && now_ns() < deadline &&
+	       (rc == -ETIMEDOUT || (gone_too && (rc == -ECONNRESET || rc == -ENOENT || rc == -EAGAIN)))) {
+		if (rc != -ETIMEDOUT) {
+			log_warn("%s went away while the runner connected (%s): trying again", peer, err);
+			usleep(50 * 1000);
+		}
+		if (runner_wait_beat(r)) {
+			snprintf(err, errlen, STOPPING_MSG " (while waiting for %s)", peer);
+			return -ECANCELED;
+		}
+	}
+	if (rc == -ETIMEDOUT)
+		no_answer(r, peer, deadline_ms, err, errlen);
+	return rc;
+}
+
+static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t errlen)
+{
+	struct msg hello;
+	runner_drop_window(r); /* it pins and reads the ring: it goes first */
+	ring_source_destroy(&r->ring);
+	int rc = hello_peer(r, r->loader_c, "ssd-loader", deadline_ms, &hello, err, errlen);
+	if (rc)
+		return rc;
+	rc = ring_source_create(r->loader_c, &hello.hello_reply, (int)r->timeout_ms, &r->ring, err, errlen);
+	msg_free(&hello);
+	if (rc)
+		return rc;
+	ring_source_set_wait_hook(r->ring, runner_wait_beat, r);
+	tokenizer_destroy(&r->tok);
+	const char *tdata;
+	size_t tlen;
+	ring_source_tokenizer(r->ring, &tdata, &tlen);
+	if (tlen) {
+		char why[512];
+		rc = tokenizer_load_buffer("tokenizer.json (from the weight ring)", tdata, tlen, &r->tok, why, sizeof(why));
+		if (rc) {
+			snprintf(err, errlen, "the tokenizer the loader sent does not load: %s", why);
+			ring_source_destroy(&r->ring);
+			return rc;
+		}
+		log_info("tokenizer: %u ids, chat format %s", tokenizer_vocab_size(r->tok),
+			 chat_format_name(chat_format_of(r->tok)));
+	}
+	if (r->manifest_hash && ring_source_manifest_hash(r->ring) != r->manifest_hash) {
+		snprintf(err, errlen, "ssd-loader now serves another model than the one this runner started with; "
+			 "restart gpu-runner");
+		ring_source_destroy(&r->ring);
+		return -EPROTO;
+	}
+	r->loader_suspect = false;
+	return 0;
+}
+
+/* connect_loader in short tries until deadline_ms pass, beating between them. A loader that went
+ * away while the runner took its ring (it died after HELLO; a successor comes) is tried again
+ * too, rather than failing a request, or the runner's start. */
+int runner_connect_loader_retry(struct runner *r, int deadline_ms, char *err, size_t errlen)
+{
+	return connect_retry(r, connect_loader, "ssd-loader", true, deadline_ms, err, errlen);
+}
+
+/* Page-locks the KV pool for a device backend (copies then run at the link's speed and
+ * asynchronously); undone before the pool is unmapped. */
+static void pin_pool(struct runner *r)
+{
+	if (!r->ops->pin_host || !r->kv.obj)
+		return;
+	void *base = shm_object_base(r->kv.obj);
+	if (r->ops->pin_host(r->be, base, shm_object_size(r->kv.obj)) == 0)
+		r->pool_pinned = base;
+	else
+		log_warn("cannot pin the KV pool: %s (its copies run from pageable memory)", r->ops->error(r->be));
+}
+
+void runner_unpin_pool(struct runner *r)
+{
+	kv_cache_quiesce(r->cache); /* no read-ahead copy may still read the pool */
+	if (r->pool_pinned && r->ops->unpin_host)
+		r->ops->unpin_host(r->be, r->pool_pinned);
+	r->pool_pinned = NULL;
+}
+
+int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errlen)
+{
+	struct msg hello;
+	runner_unpin_pool(r);
+	int rc = hello_peer(r, r->kv_c, "kv-store", deadline_ms, &hello, err, errlen);
+	if (rc)
+		return rc;
+	msg_free(&hello);
+	bool same = false;
+	rc = kv_remote_connect(&r->kv, r->kv_c, r->pool_block_bytes, r->manifest_hash, (int)r->timeout_ms, &same, err,
+			       errlen);
+	if (rc)
+		return rc;
+	pin_pool(r);
+	if (r->kv_connected && !same) {
+		log_warn("kv-store has a new pool: the blocks it held are gone");
+		kv_cache_forget_remote(r->cache);
+	}
+	r->kv_connected = true;
+	r->kv_suspect = false;
+	return 0;
+}
+
+/* A request to the kv-store failed in the middle of a generation. If the connection is gone
+ * (the kv-store died or restarted), reconnect, waiting up to RECONNECT_TIMEOUT_MS for it to
+ * come back, while serving our own socket so that heartbeats go on and a stop is heard. */
+int runner_kv_failure(void *ctx, char *err, size_t errlen)
+{
+	struct runner *r = ctx;
+	if (!kv_remote_lost(&r->kv))
+		return 0; /* it answered, with a refusal (a dropped block, say): nothing to reconnect */
+	log_warn("kv-store connection lost in the middle of a request: reconnecting");
+	uint64_t deadline = now_ns() + (uint64_t)RECONNECT_TIMEOUT_MS * 1000000ull;
+	for (;;) {
+		int rc = runner_connect_kv(r, 250, err, errlen);
+		if (rc == 0) {
+			log_info("kv-store is back: rebuilding the KV of the request in flight");
+			return 0;
+		}
+		if (rc != -ETIMEDOUT)
+			return rc;
+		if (now_ns() >= deadline) {
+			snprintf(err, errlen, "kv-store did not come back at %s/kv-store.ctl within %d s", r->run_dir,
+				 RECONNECT_TIMEOUT_MS / 1000);
+			return rc;
+		}
+		if (service_poll_once(r->svc, 0)) {
+			snprintf(err, errlen, STOPPING_MSG);
+			return -ECANCELED;
+		}
+	}
+}
+
+/* Idle, and the loader went away: its ring goes now (the window's registration of it first),
+ * so its shared memory is free for the loader that replaces it, which faults in a ring of its
+ * own; the next request connects to that one (runner_ensure_connections). */
+void runner_release_dead_loader(struct runner *r)
+{
+	if (!r->ring || ring_source_owner_alive(r->ring))
+		return;
+	log_warn("ssd-loader went away while idle: unmapped its weight ring; the next request connects to "
+		 "its successor");
+	runner_drop_window(r);
+	ring_source_destroy(&r->ring);
+	r->loader_suspect = true;
+}
+
+/* The engine over the weight source as it is now (a new ring, a new window): the one before goes. */
+int runner_make_engine(struct runner *r, char *err, size_t errlen)
+{
+	engine_destroy(&r->engine);
+	int rc = engine_create(&r->cfg, r->ops, r->be, runner_weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
+			       errlen);
+	if (rc)
+		return rc;
+	engine_set_progress(r->engine, beat, r);
+	return 0;
+}
+
+/* Before a request: reconnect to a service that restarted or failed us. */
+int runner_ensure_connections(struct runner *r, char *err, size_t errlen)
+{
+	int rc;
+	/* A source that moved to a new loader in the middle of a step still maps the old ring (and a
+	 * GPU window registered it): start over from the new loader. */
+	if (r->loader_suspect || !r->ring || !ring_source_owner_alive(r->ring) || ring_source_reconnected(r->ring)) {
+		log_info("reconnecting to ssd-loader");
+		rc = runner_connect_loader_retry(r, RECONNECT_TIMEOUT_MS, err, errlen);
+		if (rc)
+			return rc;
+		if ((rc = runner_make_window(r, err, errlen)) != 0)
+			return rc;
+		if ((rc = runner_make_engine(r, err, errlen)) != 0)
+			return rc;
+	}
+	if (r->kv_suspect || kv_remote_lost(&r->kv)) {
+		log_info("reconnecting to kv-store");
+		rc = connect_retry(r, runner_connect_kv, "kv-store", false, RECONNECT_TIMEOUT_MS, err, errlen);
+		if (rc)
+			return rc;
+	}
+	return 0;
+}

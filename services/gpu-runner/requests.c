@@ -1,0 +1,296 @@
+/* requests.c - the gpu-runner's requests: MSG_GENERATE checked and queued (at most QUEUE_MAX,
+ * or the max-queued tunable), then run one at a time: the prompt built (ids, text or chat), the
+ * generation run with its tokens, logits and text streamed back, the weights handed back, and
+ * MSG_GEN_DONE or the error sent. Between tokens the service keeps answering. */
+#include <assert.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/service.h"
+#include "services/gpu-runner/runner.h"
+#include "services/gpu-runner/text.h"
+#include "services/gpu-runner/weights_ring.h"
+#ifdef PIPELINE_HAVE_CUDA
+#include "services/gpu-runner/gpu_window.h"
+#endif
+
+static void job_free(struct job *j)
+{
+	free(j->tokens);
+	free(j->stop);
+	free(j->prompt);
+	free(j->chat);
+	free(j->stop_strings);
+	memset(j, 0, sizeof(*j));
+}
+
+/* A heap copy of a decoded string field (NULL when empty). Returns -ENOMEM or 0. */
+static int copy_bytes(const struct bytes *b, char **out, uint32_t *len)
+{
+	*out = NULL;
+	*len = 0;
+	if (!b->len)
+		return 0;
+	if (!(*out = malloc(b->len + 1)))
+		return -ENOMEM;
+	memcpy(*out, b->p, b->len + 1);
+	*len = b->len;
+	return 0;
+}
+
+/* A step is over (a token came out of it): without a GPU window nothing reads the weight ring
+ * between steps, so the ring of a loader that went away in the middle of a step is unmapped now;
+ * its tmpfs pages go with the last mapping, and the new loader needs them. With a window, the
+ * window unmaps it once its copies from it have completed. */
+static void trim_retired(struct runner *r)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	if (r->win)
+		return;
+#endif
+	if (r->ring && ring_source_n_retired(r->ring))
+		ring_source_trim_retired(r->ring);
+}
+
+static enum gen_emit emit_token(void *ctx, uint32_t index, int32_t token)
+{
+	struct runner *r = ctx;
+	struct msg m;
+	msg_init(&m, MSG_TOKEN, r->current->corr);
+	m.token.index = index;
+	m.token.token = (uint64_t)token;
+	bool hit = false;
+	if (r->ts) {
+		const char *piece;
+		size_t len;
+		if (text_stream_push(r->ts, token, &piece, &len, &hit) == 0 && (r->current->flags & GEN_TEXT)) {
+			m.token.text.p = (char *)piece;
+			m.token.text.len = (uint32_t)len;
+		}
+	}
+	ring_source_count_token(r->ring);
+	trim_retired(r);
+	if (service_reply(r->svc, &r->current->peer, &m) == -EHOSTUNREACH) {
+		log_warn("the client of request %llu went away: cancelling it", (unsigned long long)r->current->corr);
+		return GEN_CANCEL;
+	}
+	/* Keep serving between tokens; a stop request ends the generation. */
+	if (service_poll_once(r->svc, 0))
+		return GEN_CANCEL;
+	return hit ? GEN_STOP_STRING : GEN_CONTINUE;
+}
+
+/* GEN_LOGITS: the prompt's last-position logits go to the client before the first token. */
+static int send_logits(void *ctx, uint32_t position, const float *logits, uint32_t n)
+{
+	struct runner *r = ctx;
+	struct msg m;
+	msg_init(&m, MSG_LOGITS, r->current->corr);
+	m.logits.position = position;
+	m.logits.values.p = (char *)logits; /* float32 in host order: little-endian on every target */
+	m.logits.values.len = n * (uint32_t)sizeof(float);
+	int rc = service_reply(r->svc, &r->current->peer, &m);
+	return rc == -EHOSTUNREACH ? rc : 0;
+}
+
+/* Prefill is done: weight-copy timing from here on measures decode alone. */
+static void decode_starts(void *ctx)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	struct runner *r = ctx;
+	if (r->win)
+		gpu_window_reset_timing(r->win);
+#endif
+}
+
+static void run_job(struct runner *r, struct job *j)
+{
+	char err[1024] = "";
+	struct gen_result res = {0};
+	r->current = j;
+	r->requests++;
+	struct text_prompt tp = {.end_of_turn = -1};
+	const int32_t *prompt = j->tokens;
+	uint32_t n_prompt = j->n_tokens;
+	const char *tail = "";
+	size_t tail_len = 0;
+	int rc = runner_ensure_connections(r, err, sizeof(err));
+	if (rc == 0 && !j->n_tokens) {
+		struct msg_generate g = {.prompt = {j->prompt, j->prompt_len}, .chat = {j->chat, j->chat_len},
+					 .flags = j->flags};
+		rc = text_prompt_build(r->tok, &r->cfg, &g, &tp, err, sizeof(err));
+		prompt = (const int32_t *)tp.ids.ids; /* ids < vocab_size < 2^31 */
+		n_prompt = (uint32_t)tp.ids.n;
+		if (rc == 0 && tp.end_of_turn >= 0)
+			j->stop[j->params.n_stop++] = tp.end_of_turn;
+	}
+	if (rc == 0 && ((j->flags & GEN_TEXT) || j->stop_strings_len)) {
+		if (!r->tok) {
+			rc = -ENOTSUP;
+			snprintf(err, sizeof(err), "the model has no tokenizer.json: no text output and no stop strings");
+		} else {
+			rc = text_stream_create(r->tok, j->stop_strings, j->stop_strings_len, &r->ts, err, sizeof(err));
+		}
+	}
+	if (rc == 0) {
+		rc = generate_run(r->engine, prompt, n_prompt, (uint32_t)r->max_context, &j->params, emit_token, r,
+				  &res, err, sizeof(err));
+		if (rc == 0 && r->ts && (j->flags & GEN_TEXT))
+			text_stream_finish(r->ts, &tail, &tail_len);
+		/* Hand streamed groups back; a dead loader would only make the client wait a timeout, and
+		 * a runner that stops needs not (the loader drops them at the next runner's HELLO). */
+		bool stopping = rc == -ECANCELED && service_stop_requested(r->svc);
+		int wrc = !stopping && ring_source_owner_alive(r->ring) ? runner_weights(r)->ops->release_all(runner_weights(r)) : 0;
+		if (wrc && !ring_source_owner_alive(r->ring)) {
+			/* It died between the check and the release: what we held died with it. */
+			log_warn("ssd-loader went away while the request's weights were handed back: %s",
+				 runner_weights(r)->error);
+			r->loader_suspect = true;
+			wrc = 0;
+		}
+		if (wrc && !rc) {
+			snprintf(err, sizeof(err), "%s", runner_weights(r)->error);
+			rc = wrc;
+		}
+	}
+	if (rc) {
+		r->failures++;
+		/* Whatever failed, check both peers before the next request. */
+		r->loader_suspect = true;
+		r->kv_suspect = true;
+		log_error("request %llu failed: %s", (unsigned long long)j->corr, err);
+		service_reply_error(r->svc, &j->peer, j->corr, -rc, err);
+	} else {
+		struct msg m;
+		msg_init(&m, MSG_GEN_DONE, j->corr);
+		m.gen_done.n_prompt = res.n_prompt;
+		m.gen_done.n_generated = res.n_generated;
+		m.gen_done.reason.p = (char *)res.reason;
+		m.gen_done.reason.len = (uint32_t)strlen(res.reason);
+		m.gen_done.prefill_ms = res.prefill_ms;
+		m.gen_done.decode_ms = res.decode_ms;
+		m.gen_done.text.p = (char *)tail;
+		m.gen_done.text.len = (uint32_t)tail_len;
+		service_reply(r->svc, &j->peer, &m);
+		r->prompt_tokens += res.n_prompt;
+		r->tokens_generated += res.n_generated;
+		r->prefill_ms += res.prefill_ms;
+		r->decode_ms += res.decode_ms;
+		r->last_prefill_tok_s = res.prefill_ms > 0 ? res.n_prompt / (res.prefill_ms / 1e3) : 0;
+		r->last_decode_tok_s =
+			res.decode_ms > 0 && res.n_generated > 1 ? (res.n_generated - 1) / (res.decode_ms / 1e3) : 0;
+		log_info("request %llu: %u prompt tokens (%u restored from the kv-store), %u generated (%s), prefill "
+			 "%.1f tok/s, decode %.1f tok/s%s",
+			 (unsigned long long)j->corr, res.n_prompt, res.n_restored, res.n_generated, res.reason,
+			 r->last_prefill_tok_s, r->last_decode_tok_s, res.n_rebuilds ? ", KV rebuilt after a kv-store failure" : "");
+	}
+	text_prompt_free(&tp);
+	text_stream_destroy(&r->ts);
+	r->current = NULL;
+}
+
+static int queue_generate(struct runner *r, const struct bus_peer *peer, const struct msg *req, char *errtext,
+			  size_t errlen)
+{
+	const struct msg_generate *g = &req->generate;
+	if (r->q_len >= QUEUE_MAX || (r->max_queued && r->q_len >= (uint32_t)r->max_queued)) {
+		snprintf(errtext, errlen, "the runner has %u requests queued; try again later", r->q_len);
+		return -EBUSY;
+	}
+	if ((g->tokens.n > 0) + (g->prompt.len > 0) + (g->chat.len > 0) != 1) {
+		snprintf(errtext, errlen, "give the prompt one way: token ids, text (prompt) or chat messages");
+		return -EINVAL;
+	}
+	if ((g->prompt.len || g->chat.len || g->stop_strings.len || (g->flags & GEN_TEXT)) && !r->tok) {
+		snprintf(errtext, errlen, "the model has no tokenizer.json, so the runner takes token ids only and "
+			 "returns ids only (start the loader with --tokenizer FILE)");
+		return -ENOTSUP;
+	}
+	if (g->max_new > (1u << 24)) {
+		snprintf(errtext, errlen, "max_new %llu is too large", (unsigned long long)g->max_new);
+		return -EINVAL;
+	}
+	if (!isfinite(g->temperature) || g->temperature < 0 || !isfinite(g->top_p) || g->top_p < 0 || g->top_p > 1 ||
+	    !isfinite(g->min_p) || g->min_p < 0 || g->min_p > 1 || !isfinite(g->repetition_penalty) ||
+	    g->repetition_penalty < 0) {
+		snprintf(errtext, errlen,
+			 "temperature must be >= 0, top_p and min_p in [0, 1], repetition_penalty >= 0");
+		return -EINVAL;
+	}
+	for (uint32_t i = 0; i < g->tokens.n; i++) {
+		if (g->tokens.v[i] >= r->cfg.vocab_size) {
+			snprintf(errtext, errlen, "prompt token %u is %llu, outside the vocabulary of %u", i,
+				 (unsigned long long)g->tokens.v[i], r->cfg.vocab_size);
+			return -EINVAL;
+		}
+	}
+	struct job *j = &r->queue[(r->q_head + r->q_len) % QUEUE_MAX];
+	memset(j, 0, sizeof(*j));
+	j->peer = *peer;
+	j->corr = req->corr;
+	j->n_tokens = g->tokens.n;
+	j->flags = g->flags;
+	j->tokens = malloc(sizeof(int32_t) * (g->tokens.n + 1));
+	j->stop = malloc(sizeof(int32_t) * (g->stop_ids.n + 1));
+	if (!j->tokens || !j->stop || copy_bytes(&g->prompt, &j->prompt, &j->prompt_len) ||
+	    copy_bytes(&g->chat, &j->chat, &j->chat_len) ||
+	    copy_bytes(&g->stop_strings, &j->stop_strings, &j->stop_strings_len)) {
+		job_free(j);
+		snprintf(errtext, errlen, "out of memory");
+		return -ENOMEM;
+	}
+	for (uint32_t i = 0; i < g->tokens.n; i++)
+		j->tokens[i] = (int32_t)g->tokens.v[i];
+	for (uint32_t i = 0; i < g->stop_ids.n; i++)
+		j->stop[i] = g->stop_ids.v[i] > INT32_MAX ? -1 : (int32_t)g->stop_ids.v[i];
+	j->params = (struct gen_params){
+		.max_new = (uint32_t)g->max_new,
+		.sampling = {.temperature = (float)g->temperature, .top_k = g->top_k > UINT32_MAX ? 0 : (uint32_t)g->top_k,
+			     .top_p = g->top_p == 0 ? 1.0f : (float)g->top_p, .seed = g->seed, .min_p = (float)g->min_p},
+		.repetition_penalty = (float)g->repetition_penalty,
+		.ignore_eos = (g->flags & GEN_IGNORE_EOS) != 0,
+		.on_logits = (g->flags & GEN_LOGITS) ? send_logits : NULL,
+		.on_decode = decode_starts,
+		.on_kv_failure = runner_kv_failure,
+		.kv_seed = r->kv_seed,
+		.stop_ids = j->stop,
+		.n_stop = g->stop_ids.n,
+	};
+	r->q_len++;
+	return 0;
+}
+
+void runner_run_next(struct runner *r)
+{
+	assert(r->q_len > 0);
+	struct job *j = &r->queue[r->q_head];
+	run_job(r, j);
+	job_free(j);
+	r->q_head = (r->q_head + 1) % QUEUE_MAX;
+	r->q_len--;
+}
+
+void runner_drop_queued(struct runner *r)
+{
+	for (uint32_t i = 0; i < r->q_len; i++) {
+		struct job *j = &r->queue[(r->q_head + i) % QUEUE_MAX];
+		if (r->svc)
+			service_reply_error(r->svc, &j->peer, j->corr, ESHUTDOWN, "gpu-runner is stopping: request not run");
+		job_free(j);
+	}
+	r->q_len = 0;
+}
+
+int runner_handle(void *ctx, struct service *s, const struct bus_peer *peer, const struct msg *req, char *errtext,
+		  size_t errlen)
+{
+	struct runner *r = ctx;
+	if (req->type == MSG_GENERATE)
+		return queue_generate(r, peer, req, errtext, errlen);
+	snprintf(errtext, errlen, "gpu-runner does not handle %s", msg_type_name(req->type));
+	return -ENOTSUP;
+}

@@ -1,0 +1,119 @@
+/* runner.h - what the parts of the gpu-runner executable share (internal: not part of runner_core).
+ * struct runner is the one process-wide state: options, the peers' clients and mappings, the
+ * backend, KV cache and engine, the request queue and the counters. Each part works on it:
+ *   peers.c     the ssd-loader and kv-store: connect, reconnect, the weight source, KV pool pinning
+ *   requests.c  the queue, running a generate job, its replies
+ *   stats.c     the stats JSON, with what pipeline-inspect shows
+ *   tuning.c    the live tunables and the fixed values `pipectl tune` lists
+ *   main.c      flags, start, the main loop and teardown
+ * Functions return 0 or -errno and write a message into err where they take one. */
+#ifndef GPU_RUNNER_RUNNER_H
+#define GPU_RUNNER_RUNNER_H
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/bus.h"
+#include "common/model.h"
+#include "common/protocol.h"
+#include "common/service.h"
+#include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/generate.h"
+#include "services/gpu-runner/kv_remote.h"
+
+#define QUEUE_MAX 16
+
+struct job {
+	struct bus_peer peer;
+	uint64_t corr;
+	int32_t *tokens; /* the prompt as ids, when the request gave ids */
+	uint32_t n_tokens;
+	int32_t *stop;	 /* the request's stop ids, room for one more (a chat's end of turn) */
+	struct gen_params params;
+	uint64_t flags;	 /* enum gen_flags */
+	char *prompt, *chat, *stop_strings; /* owned copies, NULL when not given */
+	uint32_t prompt_len, chat_len, stop_strings_len;
+};
+
+struct runner {
+	/* options */
+	const char *instance, *run_dir, *backend_name, *log_level, *kv_dtype_name;
+	uint64_t gpu_budget, kv_gpu_budget;
+	long block_tokens, threads, max_context, prefill_chunk, timeout_ms, prefetch_depth, copy_streams;
+	/* live tuning: the start values bound what a tune may set; max_queued caps the queue */
+	long start_timeout_ms, start_max_context, max_queued;
+	uint64_t h2d_bps, hbm_bps;
+	double predicted_ms;	/* per decode token, from the plans of both tiers */
+	const char *binding;	/* which limit the prediction says binds */
+	bool strict, profile_copies;
+
+	void *zctx; /* for the clients of the other services */
+	struct rpc_client *loader_c, *kv_c;
+	struct ring_source *ring;
+#ifdef PIPELINE_HAVE_CUDA
+	struct gpu_window *win; /* the GPU tier of weights, with the cuda backend */
+#endif
+	struct kv_remote kv;
+	void *pool_pinned; /* the KV pool mapping, page-locked for the backend's copies */
+	bool loader_suspect, kv_suspect;
+	bool kv_connected; /* a pool was mapped before */
+
+	struct model_config cfg;
+	uint64_t manifest_hash;
+	uint64_t kv_seed; /* names model, backend and KV format in KV block keys */
+	struct tokenizer *tok; /* from the ring; NULL when the model has no tokenizer.json */
+	const struct backend_ops *ops;
+	struct backend *be;
+	struct backend_params bp;
+	size_t arena_block_bytes;
+	uint64_t pool_block_bytes;
+	struct kv_cache *cache;
+	struct engine *engine;
+	struct service *svc;
+
+	struct job queue[QUEUE_MAX];
+	uint32_t q_head, q_len;
+	struct job *current;
+	struct text_stream *ts; /* the current request's text, when it wants text or has stop strings */
+
+	/* counters */
+	uint64_t requests, prompt_tokens, tokens_generated, failures;
+	double prefill_ms, decode_ms, last_prefill_tok_s, last_decode_tok_s;
+};
+
+/* peers.c */
+/* The weight source the engine computes from: the GPU window over the ring, or the ring. */
+struct weight_source *runner_weights(struct runner *r);
+/* With a device backend, the GPU window over the ring (nothing to do on the C backend). */
+int runner_make_window(struct runner *r, char *err, size_t errlen);
+void runner_drop_window(struct runner *r);
+/* A wait on a peer's hook: keeps the heartbeat going; true when the runner is told to stop. */
+bool runner_wait_beat(void *ctx);
+int runner_connect_loader_retry(struct runner *r, int deadline_ms, char *err, size_t errlen);
+int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errlen);
+void runner_unpin_pool(struct runner *r);
+/* The engine over the weight source as it is now; the one before (if any) goes. */
+int runner_make_engine(struct runner *r, char *err, size_t errlen);
+/* gen_params.on_kv_failure: reconnects to a kv-store that went away in the middle of a request. */
+int runner_kv_failure(void *ctx, char *err, size_t errlen);
+void runner_release_dead_loader(struct runner *r);
+int runner_ensure_connections(struct runner *r, char *err, size_t errlen);
+
+/* requests.c */
+/* Runs the request at the head of the queue (one is queued), replies, and takes it off. */
+void runner_run_next(struct runner *r);
+/* At a stop: each request still queued is answered ESHUTDOWN (with a service to answer from) and
+ * freed; the queue is then empty. */
+void runner_drop_queued(struct runner *r);
+/* service_ops.handle: queues MSG_GENERATE. */
+int runner_handle(void *ctx, struct service *s, const struct bus_peer *peer, const struct msg *req, char *errtext,
+		  size_t errlen);
+
+/* stats.c */
+/* service_ops.stats: the stats as compact JSON (malloc'd; the caller frees it), NULL without memory. */
+char *runner_stats(void *ctx);
+
+/* tuning.c */
+void runner_register_tunables(struct runner *r);
+
+#endif

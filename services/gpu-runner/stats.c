@@ -1,0 +1,176 @@
+/* stats.c - the gpu-runner's stats (service_ops.stats, built once a second; nothing on the token
+ * path): counters of requests and tokens, the KV cache's and the weight window's numbers, and
+ * what pipeline-inspect shows (the state of every weight group, the copy queue, KV blocks per
+ * layer). */
+#include <jansson.h>
+#include <stdlib.h>
+
+#include "common/tokenizer.h"
+#include "common/util.h"
+#include "common/weight_ring.h"
+#include "services/gpu-runner/kv_cache.h"
+#include "services/gpu-runner/runner.h"
+#include "services/gpu-runner/text.h"
+#include "services/gpu-runner/weights_ring.h"
+#ifdef PIPELINE_HAVE_CUDA
+#include "services/gpu-runner/gpu_window.h"
+#endif
+
+/* ---- what pipeline-inspect shows (built with the stats, once a second; nothing on the token path) ---- */
+
+/* The runner's view of weight group g: on the device (cuda: G held for good, W in a window
+ * slot, C copying in, T retiring), else in the loader's ring (H granted to the runner, R ready,
+ * L loading, E empty). */
+static char group_letter(struct runner *r, struct wring_header *h, uint32_t g)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	if (r->win) {
+		bool for_good;
+		switch (gpu_window_group_state(r->win, g, &for_good)) {
+		case GWIN_RESIDENT:
+			return for_good ? 'G' : 'W';
+		case GWIN_INFLIGHT:
+			return 'C';
+		case GWIN_RETIRING:
+			return 'T';
+		default:
+			break;
+		}
+	}
+#endif
+	if (g >= h->n_groups)
+		return '?';
+	uint32_t s = atomic_load_explicit(&wring_group_state(h)[g].slot, memory_order_relaxed);
+	if (s >= h->n_slots)
+		return 'E';
+	struct wring_slot *sl = &wring_slots(h)[s];
+	if (atomic_load_explicit(&sl->group, memory_order_relaxed) != g)
+		return 'E';
+	switch (atomic_load_explicit(&sl->state, memory_order_relaxed)) {
+	case WSLOT_READY:
+		return atomic_load_explicit(&sl->refs, memory_order_relaxed) ? 'H' : 'R';
+	case WSLOT_LOADING:
+		return 'L';
+	default:
+		return 'E';
+	}
+}
+
+/* busy, tokens_computed and tokens_per_s (over the last second or more), weight_groups
+ * (embed, head, and per layer the attn and ffn letters), copy_queue, KV blocks per layer. */
+static void inspect_stats(struct runner *r, json_t *o)
+{
+	static uint64_t last_tokens, last_ns;
+	static double rate;
+	void *base = NULL;
+	size_t size = 0;
+	if (r->ring)
+		ring_source_mapping(r->ring, &base, &size);
+	struct wring_header *h = base;
+	uint64_t tokens = h ? atomic_load_explicit(&h->runner.tokens, memory_order_relaxed) : 0, now = now_ns();
+	if (!last_ns || tokens < last_tokens) { /* the first call, or a new ring */
+		last_ns = now;
+		last_tokens = tokens;
+		rate = 0;
+	} else if (now - last_ns >= 900000000ull) {
+		rate = (double)(tokens - last_tokens) / ((double)(now - last_ns) / 1e9);
+		last_ns = now;
+		last_tokens = tokens;
+	}
+	json_object_set_new(o, "busy", json_boolean(r->current != NULL));
+	json_object_set_new(o, "tokens_computed", json_integer((json_int_t)tokens));
+	json_object_set_new(o, "tokens_per_s", json_real(rate));
+	uint32_t n_layers = r->cfg.n_layers;
+	if (h) {
+		json_t *layers = json_array();
+		uint32_t held = 0, copying = 0;
+		for (uint32_t g = 0; g < h->n_groups; g++) {
+			char c = group_letter(r, h, g);
+			held += c == 'H';
+			copying += c == 'C';
+		}
+		for (uint32_t l = 0; layers && l < n_layers; l++) {
+			char pair[3] = {group_letter(r, h, group_id_attn(l)), group_letter(r, h, group_id_ffn(l)), 0};
+			json_array_append_new(layers, json_string(pair));
+		}
+		char embed[2] = {group_letter(r, h, group_id_embed()), 0};
+		char head[2] = {group_letter(r, h, group_id_head(&r->cfg)), 0};
+		json_object_set_new(o, "weight_groups", json_pack("{s:s, s:s, s:o*}", "embed", embed, "head", head,
+								  "layers", layers));
+		json_object_set_new(o, "copy_queue", json_pack("{s:i, s:i}", "weights_h2d_in_flight", (int)copying,
+							       "weight_grants_held", (int)held));
+	}
+	uint32_t *per_layer = r->cache && n_layers ? calloc(2 * (size_t)n_layers, sizeof(uint32_t)) : NULL;
+	if (per_layer) {
+		uint32_t used;
+		kv_cache_usage(r->cache, &used, per_layer, per_layer + n_layers);
+		json_t *gpu = json_array(), *store = json_array();
+		for (uint32_t l = 0; gpu && store && l < n_layers; l++) {
+			json_array_append_new(gpu, json_integer(per_layer[l]));
+			json_array_append_new(store, json_integer(per_layer[n_layers + l]));
+		}
+		json_object_set_new(o, "kv_gpu_blocks_used", json_integer(used));
+		json_object_set_new(o, "kv_layers", json_pack("{s:o*, s:o*}", "gpu", gpu, "store", store));
+		free(per_layer);
+	}
+}
+
+char *runner_stats(void *ctx)
+{
+	struct runner *r = ctx;
+	struct kv_cache_stats ks = {0};
+	if (r->cache)
+		kv_cache_get_stats(r->cache, &ks);
+	struct weight_source *ws = r->ring ? runner_weights(r) : NULL;
+	json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:b, "
+			      "s:I}",
+			      "backend", r->ops->name, "requests", (json_int_t)r->requests, "failures",
+			      (json_int_t)r->failures, "prompt_tokens", (json_int_t)r->prompt_tokens,
+			      "tokens_generated", (json_int_t)r->tokens_generated, "prefill_ms", r->prefill_ms,
+			      "decode_ms", r->decode_ms, "last_prefill_tok_s", r->last_prefill_tok_s,
+			      "last_decode_tok_s", r->last_decode_tok_s, "weight_bytes_acquired",
+			      (json_int_t)(ws ? ws->bytes_acquired : 0), "weight_acquires",
+			      (json_int_t)(ws ? ws->acquires : 0), "kv_blocks_committed", (json_int_t)ks.committed,
+			      "kv_blocks_fetched", (json_int_t)ks.fetched, "kv_gpu_blocks", (json_int_t)r->bp.n_kv_blocks,
+			      "kv_block_bytes", (json_int_t)r->arena_block_bytes, "queued", (json_int_t)r->q_len,
+			      "weights_all_resident", r->ring ? ring_source_all_resident(r->ring) : 0, "max_context",
+			      (json_int_t)r->max_context);
+	if (o) {
+		json_object_set_new(o, "kv_prefix_lookups", json_integer((json_int_t)ks.prefix_lookups));
+		json_object_set_new(o, "kv_prefix_positions", json_integer((json_int_t)ks.prefix_positions));
+		json_object_set_new(o, "kv_prefix_blocks_on_gpu", json_integer((json_int_t)ks.prefix_on_gpu));
+		json_object_set_new(o, "kv_rebuilds", json_integer((json_int_t)ks.recoveries));
+		json_object_set_new(o, "kv_fetch_runs", json_integer((json_int_t)ks.fetch_runs));
+		json_object_set_new(o, "kv_fetch_request_ms", json_real((double)ks.fetch_ns / 1e6));
+		json_object_set_new(o, "kv_fetch_copy_ms", json_real((double)ks.copy_ns / 1e6));
+		json_object_set_new(o, "kv_readahead_blocks", json_integer((json_int_t)ks.readahead_blocks));
+		json_object_set_new(o, "kv_readahead_wait_ms", json_real((double)ks.readahead_wait_ns / 1e6));
+	}
+#ifdef PIPELINE_HAVE_CUDA
+	if (o && r->win) {
+		struct gpu_window_stats ws2;
+		gpu_window_stats(r->win, &ws2);
+		json_object_set_new(o, "predicted_ms_per_token", json_real(r->predicted_ms));
+		json_object_set_new(o, "binding", json_string(r->binding ? r->binding : ""));
+		json_t *g = json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:i, s:f, s:f, s:I}", "resident_groups",
+				      (json_int_t)ws2.resident_groups, "streamed_groups", (json_int_t)ws2.streamed_groups,
+				      "resident_bytes", (json_int_t)ws2.resident_bytes, "window_bytes",
+				      (json_int_t)ws2.window_bytes, "streamed_bytes_per_token",
+				      (json_int_t)ws2.streamed_bytes_per_token, "bytes_h2d", (json_int_t)ws2.bytes_h2d,
+				      "copies", (json_int_t)ws2.copies, "late_copies", (json_int_t)ws2.late_copies, "depth",
+				      (int)ws2.depth, "h2d_bytes_per_s", ws2.h2d_bytes_per_s, "copy_ms", ws2.copy_ms,
+				      "timed_copies", (json_int_t)ws2.timed_copies);
+		if (g)
+			json_object_set_new(o, "gpu_window", g);
+	}
+#endif
+	if (o)
+		inspect_stats(r, o);
+	if (o) {
+		json_object_set_new(o, "tokenizer", json_boolean(r->tok != NULL));
+		json_object_set_new(o, "chat_format", json_string(chat_format_name(chat_format_of(r->tok))));
+	}
+	char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+	json_decref(o);
+	return text;
+}

@@ -1,0 +1,113 @@
+/* tuning.c - the gpu-runner's live tuning (`pipectl tune`): the tunables a running runner
+ * takes, bounded by their values at start, and the fixed values it lists beside them. */
+#include <stdio.h>
+
+#include "common/service.h"
+#include "common/tunable.h"
+#include "services/gpu-runner/runner.h"
+#include "services/gpu-runner/weights_ring.h"
+
+static void timeout_get(void *ctx, struct tunable_value *v)
+{
+	v->i = ((struct runner *)ctx)->timeout_ms;
+}
+
+/* The loader's and the kv-store's clients wait this long from their next request on. */
+static int timeout_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	struct runner *r = ctx;
+	if (!apply)
+		return 0;
+	r->timeout_ms = v->i;
+	r->kv.timeout_ms = (int)v->i;
+	if (r->ring)
+		ring_source_set_timeout(r->ring, (int)v->i);
+	return 0;
+}
+
+/* A long of struct runner (ctx points at it) that takes effect where it is next read:
+ * max-context for requests started from now on (the one running keeps its limit), max-queued
+ * for new requests (those past it are refused with EBUSY; those queued stay). */
+static void long_get(void *ctx, struct tunable_value *v)
+{
+	v->i = *(const long *)ctx;
+}
+
+static int long_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	if (apply)
+		*(long *)ctx = v->i;
+	return 0;
+}
+
+static void fetch_batch_get(void *ctx, struct tunable_value *v)
+{
+	v->i = ((struct runner *)ctx)->kv.max_batch;
+}
+
+/* The next ALLOC or FETCH, also in the middle of a request (the values do not depend on it). */
+static int fetch_batch_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	if (apply)
+		((struct runner *)ctx)->kv.max_batch = (uint32_t)v->i;
+	return 0;
+}
+
+static void add_fixed_long(struct service *s, const char *name, enum tunable_type type, long long v, const char *help)
+{
+	char num[32];
+	snprintf(num, sizeof(num), "%lld", v);
+	service_add_fixed(s, name, type, num, help);
+}
+
+void runner_register_tunables(struct runner *r)
+{
+	struct service *s = r->svc;
+	r->start_timeout_ms = r->timeout_ms;
+	r->start_max_context = r->max_context;
+	r->max_queued = QUEUE_MAX;
+	struct tunable t[] = {
+		{.name = "timeout-ms",
+		 .help = "how long to wait for a reply from ssd-loader or kv-store (at most the value at start: the "
+			 "supervisor's peer grace follows it)",
+		 .type = TUNABLE_INT, .min = 100, .max = r->start_timeout_ms, .get = timeout_get, .set = timeout_set},
+		{.name = "max-context",
+		 .help = "positions per sequence, for requests started from now on (at most the value at start: the "
+			 "KV tables are sized for it)",
+		 .type = TUNABLE_INT, .min = 2, .max = r->start_max_context, .get = long_get, .set = long_set,
+		 .ctx = &r->max_context},
+		{.name = "kv-fetch-batch",
+		 .help = "KV blocks per kv-store ALLOC or FETCH at most (0: as many as the pool holds); smaller batches "
+			 "make more requests, the values stay the same",
+		 .type = TUNABLE_INT, .min = 0, .max = 65536, .get = fetch_batch_get, .set = fetch_batch_set},
+		{.name = "max-queued",
+		 .help = "generate requests queued at most; more are refused with EBUSY",
+		 .type = TUNABLE_INT, .min = 1, .max = QUEUE_MAX, .get = long_get, .set = long_set,
+		 .ctx = &r->max_queued},
+	};
+	for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++) {
+		if (!t[i].ctx)
+			t[i].ctx = r;
+		service_add_tunable(s, &t[i]);
+	}
+	service_add_fixed(s, "backend", TUNABLE_STRING, r->ops->name, "the compute backend");
+	add_fixed_long(s, "gpu-budget", TUNABLE_BYTES, (long long)r->gpu_budget, "GPU memory for weights (cuda)");
+	add_fixed_long(s, "prefetch-depth", TUNABLE_INT, r->prefetch_depth,
+		       "device slots per streamed group class (cuda): allocated at start");
+	add_fixed_long(s, "copy-streams", TUNABLE_INT, r->copy_streams, "H2D copy streams (cuda): created at start");
+	add_fixed_long(s, "h2d-bytes-per-s", TUNABLE_BYTES, (long long)r->h2d_bps, "H2D bandwidth of the plan");
+	add_fixed_long(s, "hbm-bytes-per-s", TUNABLE_BYTES, (long long)r->hbm_bps, "GPU memory bandwidth of the plan");
+	service_add_fixed(s, "strict", TUNABLE_BOOL, r->strict ? "true" : "false", "check the GPU window's invariants");
+	service_add_fixed(s, "profile-copies", TUNABLE_BOOL, r->profile_copies ? "true" : "false",
+			  "time every weight copy");
+	service_add_fixed(s, "kv-dtype", TUNABLE_STRING, r->bp.kv_dtype == DT_F32 ? "f32" : "bf16",
+			  "the KV element type");
+	add_fixed_long(s, "kv-gpu-budget", TUNABLE_BYTES, (long long)r->kv_gpu_budget,
+		       "memory for the runner's KV blocks: the arena is laid out at start");
+	add_fixed_long(s, "kv-block-tokens", TUNABLE_INT, r->block_tokens, "tokens per KV block (names cached blocks)");
+	add_fixed_long(s, "prefill-chunk", TUNABLE_INT, r->prefill_chunk,
+		       "most prompt tokens per forward step (the chunk grid keeps reused prefixes exact)");
+	add_fixed_long(s, "threads", TUNABLE_INT, r->threads, "CPU threads of the cpu backend: started at start");
+	service_add_fixed(s, "instance", TUNABLE_STRING, r->instance, "the instance name");
+	service_add_fixed(s, "run-dir", TUNABLE_STRING, r->run_dir, "the run directory");
+}
