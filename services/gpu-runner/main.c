@@ -77,7 +77,6 @@ struct runner {
 	uint64_t manifest_hash;
 	uint64_t kv_seed; /* names model, backend and KV format in KV block keys */
 	struct tokenizer *tok; /* from the ring; NULL when the model has no tokenizer.json */
-	const struct backend_ops *ops;
 	struct backend *be;
 	struct backend_params bp;
 	size_t arena_block_bytes;
@@ -171,7 +170,7 @@ static void predict(struct runner *r)
 /* With a device backend, the GPU window over the ring (nothing to do on the C backend). */
 static int make_window(struct runner *r, char *err, size_t errlen)
 {
-	void *stream = r->ops->stream ? r->ops->stream(r->be) : NULL;
+	struct CUstream_st *stream = backend_cuda_stream(r->be);
 	if (!stream)
 		return 0;
 #ifdef PIPELINE_HAVE_CUDA
@@ -291,20 +290,20 @@ static int connect_loader_retry(struct runner *r, int deadline_ms, char *err, si
  * asynchronously); undone before the pool is unmapped. */
 static void pin_pool(struct runner *r)
 {
-	if (!r->ops->pin_host || !r->kv.obj)
+	if (!r->kv.obj)
 		return;
 	void *base = shm_object_base(r->kv.obj);
-	if (r->ops->pin_host(r->be, base, shm_object_size(r->kv.obj)) == 0)
+	if (backend_pin_host(r->be, base, shm_object_size(r->kv.obj)) == 0)
 		r->pool_pinned = base;
 	else
-		log_warn("cannot pin the KV pool: %s (its copies run from pageable memory)", r->ops->error(r->be));
+		log_warn("cannot pin the KV pool: %s (its copies run from pageable memory)", backend_error(r->be));
 }
 
 static void unpin_pool(struct runner *r)
 {
 	kv_cache_quiesce(r->cache); /* no read-ahead copy may still read the pool */
-	if (r->pool_pinned && r->ops->unpin_host)
-		r->ops->unpin_host(r->be, r->pool_pinned);
+	if (r->pool_pinned)
+		backend_unpin_host(r->be, r->pool_pinned);
 	r->pool_pinned = NULL;
 }
 
@@ -395,7 +394,7 @@ static int ensure_connections(struct runner *r, char *err, size_t errlen)
 		if ((rc = make_window(r, err, errlen)) != 0)
 			return rc;
 		engine_destroy(&r->engine);
-		rc = engine_create(&r->cfg, r->ops, r->be, weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
+		rc = engine_create(&r->cfg, r->be, weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
 				   errlen);
 		if (rc)
 			return rc;
@@ -761,7 +760,7 @@ static char *stats(void *ctx)
 	struct weight_source *ws = r->ring ? weights(r) : NULL;
 	json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:b, "
 			      "s:I}",
-			      "backend", r->ops->name, "requests", (json_int_t)r->requests, "failures",
+			      "backend", r->backend_name, "requests", (json_int_t)r->requests, "failures",
 			      (json_int_t)r->failures, "prompt_tokens", (json_int_t)r->prompt_tokens,
 			      "tokens_generated", (json_int_t)r->tokens_generated, "prefill_ms", r->prefill_ms,
 			      "decode_ms", r->decode_ms, "last_prefill_tok_s", r->last_prefill_tok_s,
@@ -914,7 +913,7 @@ static void register_tunables(struct runner *r)
 		t[i].ctx = r;
 		service_add_tunable(s, &t[i]);
 	}
-	service_add_fixed(s, "backend", TUNABLE_STRING, r->ops->name, "the compute backend");
+	service_add_fixed(s, "backend", TUNABLE_STRING, r->backend_name, "the compute backend");
 	add_fixed_long(s, "gpu-budget", TUNABLE_BYTES, (long long)r->gpu_budget, "GPU memory for weights (cuda)");
 	add_fixed_long(s, "prefetch-depth", TUNABLE_INT, r->prefetch_depth,
 		       "device slots per streamed group class (cuda): allocated at start");
@@ -941,8 +940,7 @@ static void register_tunables(struct runner *r)
 static int setup(struct runner *r)
 {
 	char err[1024];
-	r->ops = backend_find(r->backend_name);
-	if (!r->ops) {
+	if (!backend_known(r->backend_name)) {
 		if (!strcmp(r->backend_name, "cuda"))
 			log_error("the cuda backend is not built into this gpu-runner (built without nvcc, or not yet "
 				  "available); use --backend cpu");
@@ -985,7 +983,7 @@ static int setup(struct runner *r)
 	}
 	enum dtype kv_dtype;
 	if (!r->kv_dtype_name || !*r->kv_dtype_name)
-		kv_dtype = strcmp(r->ops->name, "cpu") ? DT_BF16 : DT_F32;
+		kv_dtype = strcmp(r->backend_name, "cpu") ? DT_BF16 : DT_F32;
 	else if (!strcmp(r->kv_dtype_name, "f32"))
 		kv_dtype = DT_F32;
 	else if (!strcmp(r->kv_dtype_name, "bf16"))
@@ -998,12 +996,12 @@ static int setup(struct runner *r)
 					.block_tokens = (uint32_t)r->block_tokens,
 					.kv_dtype = kv_dtype,
 					.threads = (uint32_t)r->threads};
-	r->arena_block_bytes = r->ops->kv_block_bytes(&r->cfg, &r->bp);
+	r->arena_block_bytes = backend_kv_block_bytes(r->backend_name, &r->cfg, &r->bp);
 	r->pool_block_bytes = ALIGN_UP((uint64_t)r->arena_block_bytes, 4096);
 	/* Blocks are reused only by a runner that would compute the same bytes: same model, same
 	 * backend, same KV element type and block size. */
 	r->kv_seed = fnv1a64(FNV64_INIT, &r->manifest_hash, sizeof(r->manifest_hash));
-	r->kv_seed = fnv1a64(r->kv_seed, r->ops->name, strlen(r->ops->name));
+	r->kv_seed = fnv1a64(r->kv_seed, r->backend_name, strlen(r->backend_name));
 	r->kv_seed = fnv1a64(r->kv_seed, &r->bp.kv_dtype, sizeof(r->bp.kv_dtype));
 	r->kv_seed = fnv1a64(r->kv_seed, &r->bp.block_tokens, sizeof(r->bp.block_tokens));
 	r->kv_seed |= 1;
@@ -1019,9 +1017,9 @@ static int setup(struct runner *r)
 		return -ENOSPC;
 	}
 	r->bp.n_kv_blocks = (uint32_t)(fit < all ? fit : all);
-	rc = r->ops->create(&r->cfg, &r->bp, &r->be, err, sizeof(err));
+	rc = backend_create(r->backend_name, &r->cfg, &r->bp, &r->be, err, sizeof(err));
 	if (rc) {
-		log_error("backend %s: %s", r->ops->name, err);
+		log_error("backend %s: %s", r->backend_name, err);
 		return rc;
 	}
 	if (r->prefetch_depth < 1 || r->prefetch_depth > 64 || r->copy_streams < 1 || r->copy_streams > 4) {
@@ -1036,7 +1034,7 @@ static int setup(struct runner *r)
 	struct kv_cache_params kp = {.n_layers = r->cfg.n_layers, .block_tokens = (uint32_t)r->block_tokens,
 				     .max_context = (uint32_t)r->max_context, .max_chunk = (uint32_t)r->prefill_chunk,
 				     .n_arena = r->bp.n_kv_blocks};
-	rc = kv_cache_create(&kp, r->ops, r->be, &kv_remote_ops_pool, &r->kv, &r->cache, err, sizeof(err));
+	rc = kv_cache_create(&kp, r->be, &kv_remote_ops_pool, &r->kv, &r->cache, err, sizeof(err));
 	if (rc) {
 		log_error("%s", err);
 		return rc;
@@ -1049,14 +1047,14 @@ static int setup(struct runner *r)
 		log_error("%s", err);
 		return rc;
 	}
-	rc = engine_create(&r->cfg, r->ops, r->be, weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
+	rc = engine_create(&r->cfg, r->be, weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
 			   sizeof(err));
 	if (rc) {
 		log_error("%s", err);
 		return rc;
 	}
 	engine_set_progress(r->engine, beat, r);
-	log_info("backend %s, %u layers, KV arena %u blocks of %zu bytes (%ld tokens each), context %ld", r->ops->name,
+	log_info("backend %s, %u layers, KV arena %u blocks of %zu bytes (%ld tokens each), context %ld", r->backend_name,
 		 r->cfg.n_layers, r->bp.n_kv_blocks, r->arena_block_bytes, r->block_tokens, r->max_context);
 	return 0;
 }
@@ -1065,8 +1063,7 @@ static void teardown(struct runner *r)
 {
 	engine_destroy(&r->engine);
 	kv_cache_destroy(&r->cache);
-	if (r->ops && r->be)
-		r->ops->destroy(&r->be);
+	backend_destroy(&r->be);
 	unpin_pool(r);
 	kv_remote_disconnect(&r->kv);
 	drop_window(r);
