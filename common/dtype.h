@@ -18,10 +18,31 @@ enum dtype {
 	DT_COUNT = 3,
 };
 
-/* Bytes per element. */
+/* Bytes per element of a format stored element by element (every format today). */
 static inline size_t dtype_size(enum dtype t)
 {
 	return t == DT_F32 ? 4 : 2;
+}
+
+/* Elements per block: the unit a format stores (1 for F32, F16 and BF16; block-quantized
+ * formats store 32 or 256 elements together). A row holds whole blocks. */
+static inline uint32_t dtype_block_elems(enum dtype t)
+{
+	(void)t;
+	return 1;
+}
+
+/* Bytes of one block. */
+static inline size_t dtype_block_bytes(enum dtype t)
+{
+	return dtype_size(t);
+}
+
+/* Bytes of n elements stored in format t (n a multiple of dtype_block_elems). Use this, not
+ * n * dtype_size, for rows and tensors: it stays right for block formats. */
+static inline uint64_t dtype_row_bytes(enum dtype t, uint64_t n)
+{
+	return n / dtype_block_elems(t) * dtype_block_bytes(t);
 }
 
 /* "F32", "F16", "BF16" (the safetensors spelling). */

@@ -1,66 +1,128 @@
-/* backend.h - the compute interface of the gpu-runner: one implementation per device.
+/* backend.h - the compute interface of the gpu-runner: one implementation per device, driven
+ * through one front (backend.c) that checks every call and fills in what an implementation
+ * leaves out.
  *
- * backend_ref.c is the plain C reference (float32 accumulation, any weight dtype), which
- * runs the whole pipeline in CI and is the oracle for the CUDA backend (backend_cuda.cu).
- * The engine (engine.c) drives a backend group by group, so the same forward pass works
- * whether weights are all resident or streamed, and whether the KV of a layer fits the
- * backend's KV arena or is brought in a few blocks at a time.
+ * Two implementations exist: the plain C reference ("cpu", cpu/backend_ref.c: float32
+ * accumulation, any weight format), which runs the whole pipeline in CI and is the oracle for
+ * the CUDA backend ("cuda", cuda/). The engine (engine.c) drives a backend group by group, so
+ * the same forward pass works whether weights are all resident or streamed, and whether the KV
+ * of a layer fits the backend's KV arena or is brought in a few blocks at a time.
  *
- * One forward step processes a chunk of n tokens at positions pos0..pos0+n-1 (n = prompt
- * chunk in prefill, 1 in decode):
+ * The interface has two parts:
+ *  - compute: one forward step over a batch of tokens, group by group;
+ *  - KV copies: arena blocks to and from host memory (the kv-store pool), synchronous, behind
+ *    the compute (write-behind) or ahead of it (read-ahead).
  *
- *   be->ops->embed(be, &embed_w, tokens, n, pos0);
+ * One forward step processes a batch of n tokens (n = prompt chunk in prefill, 1 in decode).
+ * Each token carries its position and the sequence it belongs to (struct backend_batch); today
+ * a batch holds one sequence at consecutive positions, which the front checks:
+ *
+ *   backend_embed(be, &embed_w, &batch);
  *   for each layer l:
- *       be->ops->attn_begin(be, &attn_w[l], l, dst_block, dst_row);  // q,k,v; RoPE; new K,V into the arena
- *       be->ops->attn_blocks(be, spans, n_spans);                       // as often as needed, any order
- *       be->ops->attn_end(be, &attn_w[l]);                              // o_proj + residual
- *       be->ops->ffn(be, &ffn_w[l]);                                    // norm, SwiGLU, residual
- *   be->ops->logits(be, &head_w, out);                                  // final norm, lm_head, last token
+ *       backend_attn_begin(be, &attn_w[l], l, dst_block, dst_row);  // q,k,v; RoPE; new K,V into the arena
+ *       backend_attn_blocks(be, spans, n_spans);                       // as often as needed, any order
+ *       backend_attn_end(be, &attn_w[l]);                              // o_proj + residual
+ *       backend_ffn(be, &ffn_w[l]);                                    // norm, SwiGLU, residual
+ *   backend_logits(be, &head_w, out);                                  // final norm, lm_head, last token
  *
- * Weights: t[] points at memory the backend computes from: the weight ring's host memory for
- * the C backend; device memory of the GPU weight window for CUDA, except t[ROLE_EMBED], which
- * is always host memory (rows are gathered on the host and copied up, so the embedding table
- * needs no GPU memory).
+ * Weights: a struct weight_tensor per role says where the tensor's bytes can be read (host
+ * memory, device memory or both), its format and its shape. A backend reads its own place
+ * (backend_weight_place: host for the C backend, the GPU weight window's device memory for
+ * CUDA), except the embedding table, which is always read on the host (rows are gathered there
+ * and copied up, so the table needs no GPU memory).
  *
- * KV arena: the backend owns n_kv_blocks blocks of kv_block_bytes (device memory for CUDA).
- * Block b holds block_tokens tokens of one layer: K as (block_tokens, n_kv_heads, head_dim)
- * then V likewise, in kv_dtype. attn_blocks accumulates attention of the chunk's queries
- * over the listed blocks with an online softmax (running max and sum per query and head),
- * applying the causal mask from each span's positions, so a layer's context can be visited
- * in pieces and the result is the same as one pass over all of it. Every block holding
- * positions < pos0 + n must be visited exactly once between attn_begin and attn_end,
- * including the blocks the chunk itself wrote.
+ * KV arena: the backend owns n_kv_blocks blocks of backend_kv_block_bytes (device memory for
+ * CUDA). Block b holds block_tokens tokens of one layer: K as (block_tokens, n_kv_heads,
+ * head_dim) then V likewise, in kv_dtype. attn_blocks accumulates attention of the batch's
+ * queries over the listed blocks with an online softmax (running max and sum per query and
+ * head), applying the causal mask from each span's positions, so a layer's context can be
+ * visited in pieces and the result is the same as one pass over all of it. Every block holding
+ * positions < pos0 + n must be visited exactly once between attn_begin and attn_end, including
+ * the blocks the batch itself wrote.
  *
  * Errors: functions return 0 or a negative errno and leave a message readable through
- * ops->error(be).
+ * backend_error(). Calls out of order (attn_begin before embed, ...) and arguments out of range
+ * are refused with -EINVAL before the implementation sees them.
  */
 #ifndef GPU_RUNNER_BACKEND_H
 #define GPU_RUNNER_BACKEND_H
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "common/dtype.h"
 #include "common/model.h"
+#include "services/gpu-runner/sampler.h"
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 struct backend;
+/* The CUDA runtime's stream type (cudaStream_t is a pointer to it), named here so that C code
+ * without the CUDA headers can hold one. */
+struct CUstream_st;
+
+/* Matrix-vector kernel for decode steps on the CUDA backend (comparisons and benchmarks). */
+enum backend_gemv {
+	BACKEND_GEMV_DEFAULT = 0, /* the backend's choice (one row per warp on CUDA) */
+	BACKEND_GEMV_CUBLAS = 1,  /* no GEMV kernel: cuBLAS for decode too */
+	BACKEND_GEMV_ROWS1 = 2,	  /* the GEMV kernel, one weight row per warp */
+	BACKEND_GEMV_ROWS2 = 3,	  /* the GEMV kernel, two rows per warp */
+};
+
+/* Attention of prefill chunks on the CUDA backend. */
+enum backend_attn {
+	BACKEND_ATTN_DEFAULT = 0, /* tensor cores where they apply (BF16 KV, head_dim 64 or 128) */
+	BACKEND_ATTN_SIMPLE = 1,  /* the CUDA-core kernel for every chunk */
+};
 
 struct backend_params {
 	uint32_t max_chunk;	 /* most tokens per forward step */
 	uint32_t block_tokens;	 /* tokens per KV block */
 	uint32_t n_kv_blocks;	 /* blocks in the KV arena */
 	uint32_t kv_dtype;	 /* enum dtype of K and V in the arena (DT_F32 on the C backend) */
-	uint32_t threads;	 /* CPU threads for the C backend (1: none) */
+	uint32_t threads;	 /* CPU threads for the C backend (0 or 1: none) */
+	uint32_t gemv;		 /* enum backend_gemv */
+	uint32_t attn;		 /* enum backend_attn */
 };
 
-/* Weights of one group: pointers the backend can read (host memory for the C backend,
- * device memory for CUDA), NULL for roles the group does not have. For the head group,
- * t[ROLE_LM_HEAD] is the embedding table when embeddings are tied. */
+/* Where a weight tensor's bytes can be read. */
+enum weight_place {
+	PLACE_HOST = 0,	  /* host memory: the weight ring (shared memory) or a copy in this process */
+	PLACE_DEVICE = 1, /* device memory of the backend: the GPU weight window */
+	PLACE_COUNT = 2,
+};
+
+/* One weight tensor as a backend reads it: `rows` rows of `cols` elements each, stored in
+ * `format`, each row row_bytes after the one before (block formats store whole blocks of
+ * dtype_block_elems elements). A vector (a norm weight) is one row. A slice holds rows
+ * [row0, row0 + rows) of the checkpoint's tensor; today every tensor is whole (row0 = 0). */
+struct weight_tensor {
+	const void *data[PLACE_COUNT]; /* row row0's first byte where it can be read, NULL where not */
+	uint32_t format;	       /* enum dtype */
+	uint32_t row0;		       /* first row held */
+	uint32_t rows;		       /* rows held; 0: the group has no such tensor */
+	uint32_t cols;		       /* elements per row */
+	uint64_t row_bytes;	       /* bytes from one row to the next */
+};
+
+/* Weights of one group, by role; roles the group does not have have rows == 0. For the head
+ * group, t[ROLE_LM_HEAD] is the embedding table when embeddings are tied. */
 struct group_weights {
-	const void *t[ROLE_COUNT];
-	uint32_t dtype[ROLE_COUNT]; /* enum dtype of each tensor */
+	struct weight_tensor t[ROLE_COUNT];
+};
+
+/* Describes a whole tensor of `format` and shape (rows, cols) at data in place. */
+void weight_tensor_set(struct weight_tensor *t, enum weight_place place, const void *data, enum dtype format,
+		       uint32_t rows, uint32_t cols);
+
+/* The tokens of one forward step: token i is tokens[i] at position pos[i] of sequence seq[i].
+ * Today: one sequence (seq[i] == seq[0]) at consecutive positions (pos[i] == pos[0] + i). */
+struct backend_batch {
+	uint32_t n;
+	const int32_t *tokens;	/* (n) token ids */
+	const uint32_t *pos;	/* (n) positions */
+	const uint32_t *seq;	/* (n) sequence ids */
 };
 
 /* A run of positions held by one arena block: positions pos0 .. pos0+n_tokens-1 are rows
@@ -71,108 +133,105 @@ struct kv_span {
 	uint32_t n_tokens;
 };
 
-struct backend_ops {
-	const char *name; /* "cpu", "cuda" */
-	/* Creates a backend for cfg. Returns 0 or -errno with a message in err. */
-	int (*create)(const struct model_config *cfg, const struct backend_params *p, struct backend **out,
-		      char *err, size_t errlen);
-	void (*destroy)(struct backend **be);
-
-	/* Bytes of one arena block for cfg and params (so the runner can size the arena). */
-	size_t (*kv_block_bytes)(const struct model_config *cfg, const struct backend_params *p);
-	/* Copies arena block b to / from host memory of kv_block_bytes (for the kv-store pool). */
-	int (*kv_to_host)(struct backend *be, uint32_t block, void *dst);
-	int (*kv_from_host)(struct backend *be, uint32_t block, const void *src);
-
-	/* Gathers the embeddings of tokens[0..n) into the hidden state; the chunk sits at pos0.
-	 * w->t[ROLE_EMBED] is host memory on every backend (one row per token is gathered). */
-	int (*embed)(struct backend *be, const struct group_weights *w, const int32_t *tokens, uint32_t n,
-		     uint32_t pos0);
-	/* RMSNorm, q/k/v projections, RoPE for the chunk; writes token i's K and V into row
-	 * dst_row[i] of arena block dst_block[i]; resets the attention accumulators. */
-	int (*attn_begin)(struct backend *be, const struct group_weights *w, uint32_t layer,
-			  const uint32_t *dst_block, const uint32_t *dst_row);
-	/* Accumulates attention over the spans (see above). */
-	int (*attn_blocks)(struct backend *be, const struct kv_span *spans, uint32_t n_spans);
-	/* Normalises the accumulators, applies o_proj and adds the residual. */
-	int (*attn_end)(struct backend *be, const struct group_weights *w);
-	/* post-attention RMSNorm, SwiGLU (down(silu(gate x) * up x)), residual add. */
-	int (*ffn)(struct backend *be, const struct group_weights *w);
-	/* Final RMSNorm and lm_head for the chunk's last token: out holds vocab_size floats
-	 * (host memory). */
-	int (*logits)(struct backend *be, const struct group_weights *w, float *out);
-	/* Optional (NULL where the backend has none): the same, but only the id of the largest
-	 * logit (lowest id on ties) comes back to the host: greedy decoding without moving the
-	 * vocabulary across the bus. */
-	int (*logits_argmax)(struct backend *be, const struct group_weights *w, int32_t *token);
-
-	/* The device stream compute runs on (a cudaStream_t for CUDA), NULL on the C backend. The
-	 * GPU weight window orders its copies against it with events. */
-	void *(*stream)(struct backend *be);
-
-	/* The last error message. */
-	const char *(*error)(struct backend *be);
-
-	/* Optional (NULL: the runner calls kv_to_host per block): copies n arena blocks to host
-	 * buffers of kv_block_bytes and returns once all of them are complete: one wait for the
-	 * batch instead of one per block. */
-	int (*kv_to_host_n)(struct backend *be, uint32_t n, const uint32_t *blocks, void *const *dsts);
-	/* Optional: page-lock host memory the backend will copy to and from (the KV pool), so its
-	 * copies run at the link's speed; unpin_host before that memory is unmapped. */
-	int (*pin_host)(struct backend *be, void *p, size_t bytes);
-	void (*unpin_host)(struct backend *be, void *p);
-
-	/* Optional: like logits, then a draw where the logits are, so only the token id crosses
-	 * the bus. z = logits / temperature; top_k keeps the tokens whose z is at least the k-th
-	 * largest (ties at the boundary all stay); weights exp(z - max z); top_p keeps the tokens
-	 * whose weight is at least the largest threshold that still leaves top_p of the mass;
-	 * min_p keeps weights of at least min_p; then the token where the running sum of kept
-	 * weights, in id order, passes u (in [0, 1)) times their total. (0 / >= 1 switch a filter
-	 * off as in sampler.h; the same distribution as the sampler, drawn another way.) */
-	int (*logits_sample)(struct backend *be, const struct group_weights *w, float temperature, uint32_t top_k,
-			     float top_p, float min_p, double u, int32_t *token);
-
-	/* Optional: kv_to_host_n without waiting. The copies are queued behind the compute that
-	 * wrote the blocks, then an interprocess event is recorded after them and its handle
-	 * (KV_EVENT_HANDLE_BYTES) written to event_handle: whoever waits on it (the kv-store) knows
-	 * the bytes are in host memory; later work that reuses the blocks is ordered after the
-	 * copies on the device. A small set of events is re-recorded round-robin: a handle stays
-	 * meaningful for at least the next KV_EVENTS_IN_FLIGHT calls. */
-	int (*kv_to_host_async)(struct backend *be, uint32_t n, const uint32_t *blocks, void *const *dsts,
-				void *event_handle);
-	/* Optional (NULL: kv_from_host per block): copies n host buffers into arena blocks and
-	 * returns once all are complete (the host buffers may be reused): one wait per batch. */
-	int (*kv_from_host_n)(struct backend *be, uint32_t n, const uint32_t *blocks, const void *const *srcs);
-
-	/* Optional, both or neither (the KV read-ahead, kv_cache.h): queues copies of n host buffers
-	 * into arena blocks on the KV H2D stream, behind every compute queued so far (so the blocks'
-	 * earlier readers are done before they are overwritten), and returns at once; slot (0 or 1)
-	 * names the batch to wait for. Several calls may share a slot: a wait covers all of them.
-	 * The host buffers must stay as they are until kv_prefetch_wait(slot) returns; nothing may
-	 * read the blocks before it does. The C backend copies at once and waits for nothing. */
-	int (*kv_prefetch_n)(struct backend *be, uint32_t n, const uint32_t *blocks, const void *const *srcs,
-			     uint32_t slot);
-	int (*kv_prefetch_wait)(struct backend *be, uint32_t slot);
-	/* Optional: waits until no KV copy (write-behind, read-ahead, or one a failed call left
-	 * queued) touches host memory any more: before pool blocks a copy may still use are handed
-	 * back, and before the pool is unregistered or unmapped. */
-	int (*kv_sync)(struct backend *be);
-};
-
 #define KV_EVENTS_IN_FLIGHT 64 /* commits a runner may have unanswered (kv_remote.h) */
+#define BACKEND_EVENT_BYTES 64 /* an interprocess event handle (kv_write_behind) */
 
-/* The checks every backend's create makes first: no zero size, heads a multiple of kv heads, a
- * finite rms_norm_eps >= 0, positive chunk, block and arena sizes. name ("cpu", "cuda") starts
- * the message. Returns 0 or -EINVAL with the message in err. */
-int backend_check_config(const char *name, const struct model_config *c, const struct backend_params *p, char *err,
-			 size_t errlen);
+/* ---- creating one ---------------------------------------------------------------------- */
 
-/* The backends built into this binary. backend_find returns NULL for an unknown or
- * unbuilt name ("cuda" where nvcc was absent). */
-extern const struct backend_ops backend_ref_ops;
-const struct backend_ops *backend_find(const char *name);
+/* The backends built into this binary, by name ("cpu", "cuda"). backend_known is false for an
+ * unknown name and for "cuda" where nvcc was absent at build time. */
+bool backend_known(const char *name);
 /* "cuda" when the CUDA backend is built and a GPU is present, else "cpu". */
 const char *backend_default_name(void);
+/* Bytes of one arena block of backend `name` for cfg and p (so the runner can size the arena
+ * before it creates the backend); 0 for an unknown name. */
+size_t backend_kv_block_bytes(const char *name, const struct model_config *cfg, const struct backend_params *p);
+
+/* Creates backend `name` for cfg (copied). Returns 0 with *out owned by the caller
+ * (backend_destroy), or -errno with *out NULL and a message in err: -ENOENT for a backend this
+ * binary does not have, -EINVAL / -ENOTSUP for a configuration it cannot compute, -ENOMEM. */
+int backend_create(const char *name, const struct model_config *cfg, const struct backend_params *p,
+		   struct backend **out, char *err, size_t errlen);
+/* Frees the backend (waiting for its device work first); NULLs *be; safe on NULL and twice. */
+void backend_destroy(struct backend **be);
+
+const char *backend_name(const struct backend *be);
+/* The last error message. */
+const char *backend_error(const struct backend *be);
+/* Where this backend reads weights other than the embedding table. */
+enum weight_place backend_weight_place(const struct backend *be);
+/* The CUDA stream compute runs on; NULL on the C backend. The GPU weight window orders its
+ * copies against it with events. */
+struct CUstream_st *backend_cuda_stream(const struct backend *be);
+
+/* ---- compute --------------------------------------------------------------------------- */
+
+/* Gathers the embeddings of the batch's tokens into the hidden state. w->t[ROLE_EMBED] is read
+ * on the host on every backend (one row per token is gathered). */
+int backend_embed(struct backend *be, const struct group_weights *w, const struct backend_batch *b);
+/* RMSNorm, q/k/v projections, RoPE for the batch; writes token i's K and V into row dst_row[i]
+ * of arena block dst_block[i]; resets the attention accumulators. */
+int backend_attn_begin(struct backend *be, const struct group_weights *w, uint32_t layer, const uint32_t *dst_block,
+		       const uint32_t *dst_row);
+/* Accumulates attention over the spans (see above). */
+int backend_attn_blocks(struct backend *be, const struct kv_span *spans, uint32_t n_spans);
+/* Normalises the accumulators, applies o_proj and adds the residual. */
+int backend_attn_end(struct backend *be, const struct group_weights *w);
+/* post-attention RMSNorm, SwiGLU (down(silu(gate x) * up x)), residual add. */
+int backend_ffn(struct backend *be, const struct group_weights *w);
+/* Final RMSNorm and lm_head for the batch's last token: out holds vocab_size floats (host
+ * memory). */
+int backend_logits(struct backend *be, const struct group_weights *w, float *out);
+/* The same, but only the id of the largest logit (lowest id on ties) comes back to the host:
+ * computed on the device where the backend can, so the vocabulary does not cross the bus. */
+int backend_logits_argmax(struct backend *be, const struct group_weights *w, int32_t *token);
+/* Can the backend draw tokens where the logits are (backend_logits_sample)? */
+bool backend_samples_on_device(const struct backend *be);
+/* Like logits, then a draw where the logits are, so only the token id crosses the bus.
+ * z = logits / sp->temperature; top_k keeps the tokens whose z is at least the k-th largest
+ * (ties at the boundary all stay); weights exp(z - max z); top_p keeps the tokens whose weight
+ * is at least the largest threshold that still leaves top_p of the mass; min_p keeps weights
+ * of at least min_p; then the token where the running sum of kept weights, in id order, passes
+ * u (in [0, 1)) times their total. (0 / >= 1 switch a filter off as in sampler.h; the same
+ * distribution as the sampler, drawn another way.) -ENOTSUP where the backend cannot. */
+int backend_logits_sample(struct backend *be, const struct group_weights *w, const struct sampler_params *sp,
+			  double u, int32_t *token);
+
+/* ---- KV copies ------------------------------------------------------------------------- */
+
+/* Copies n arena blocks to host buffers of backend_kv_block_bytes; returns once all are
+ * complete. */
+int backend_kv_to_host(struct backend *be, uint32_t n, const uint32_t *blocks, void *const *dsts);
+/* Copies n host buffers into arena blocks; returns once all are complete (the host buffers may
+ * be reused). */
+int backend_kv_from_host(struct backend *be, uint32_t n, const uint32_t *blocks, const void *const *srcs);
+/* The write-behind: backend_kv_to_host without waiting where the backend can. The copies are
+ * queued behind the compute that wrote the blocks, then an interprocess event is recorded after
+ * them and its handle (BACKEND_EVENT_BYTES) written to event_handle: whoever waits on it (the
+ * kv-store) knows the bytes are in host memory; later work that reuses the blocks is ordered
+ * after the copies on the device. A small set of events is re-recorded round-robin: a handle
+ * stays meaningful for at least the next KV_EVENTS_IN_FLIGHT calls. Returns 1 when an event
+ * was recorded, 0 when the copies are complete on return (no event: the C backend), -errno. */
+int backend_kv_write_behind(struct backend *be, uint32_t n, const uint32_t *blocks, void *const *dsts,
+			    void *event_handle);
+/* The read-ahead (kv_cache.h): queues copies of n host buffers into arena blocks behind every
+ * compute queued so far (so the blocks' earlier readers are done before they are overwritten),
+ * and returns at once; slot (0 or 1) names the batch to wait for. Several calls may share a
+ * slot: a wait covers all of them. The host buffers must stay as they are until
+ * backend_kv_prefetch_wait(slot) returns; nothing may read the blocks before it does. A backend
+ * without a copy engine copies at once and waits for nothing. */
+int backend_kv_prefetch(struct backend *be, uint32_t n, const uint32_t *blocks, const void *const *srcs,
+			uint32_t slot);
+int backend_kv_prefetch_wait(struct backend *be, uint32_t slot);
+/* Waits until no KV copy (write-behind, read-ahead, or one a failed call left queued) touches
+ * host memory any more: before pool blocks a copy may still use are handed back, and before
+ * the pool is unregistered or unmapped. */
+int backend_kv_sync(struct backend *be);
+/* Page-locks host memory the backend will copy to and from (the KV pool), so its copies run at
+ * the link's speed (nothing to do on the C backend); unpin_host before that memory is
+ * unmapped. */
+int backend_pin_host(struct backend *be, void *p, size_t bytes);
+void backend_unpin_host(struct backend *be, void *p);
 
 #ifdef __cplusplus
 }

@@ -14,19 +14,18 @@
 
 struct engine {
 	const struct model_config *cfg;
-	const struct backend_ops *ops;
 	struct backend *be;
 	struct weight_source *ws;
 	struct kv_cache *kv;
 	uint32_t max_chunk;
-	uint32_t *dst_block, *dst_row;
-	float *scratch; /* logits, for greedy steps on a backend without logits_argmax */
+	uint32_t *dst_block, *dst_row;	/* (max_chunk) where each token's K and V go */
+	uint32_t *pos, *seq;		/* (max_chunk) each token's position and sequence */
 	char error[768];
 	void (*progress)(void *ctx); /* engine_set_progress: once per layer */
 	void *progress_ctx;
 };
 
-int engine_create(const struct model_config *cfg, const struct backend_ops *ops, struct backend *be,
+int engine_create(const struct model_config *cfg, struct backend *be,
 		  struct weight_source *weights, struct kv_cache *kv, uint32_t max_chunk, struct engine **out,
 		  char *err, size_t errlen)
 {
@@ -38,14 +37,15 @@ int engine_create(const struct model_config *cfg, const struct backend_ops *ops,
 	if (!e)
 		return -ENOMEM;
 	e->cfg = cfg;
-	e->ops = ops;
 	e->be = be;
 	e->ws = weights;
 	e->kv = kv;
 	e->max_chunk = max_chunk;
 	e->dst_block = calloc(max_chunk, sizeof(uint32_t));
 	e->dst_row = calloc(max_chunk, sizeof(uint32_t));
-	if (!e->dst_block || !e->dst_row) {
+	e->pos = calloc(max_chunk, sizeof(uint32_t));
+	e->seq = calloc(max_chunk, sizeof(uint32_t));
+	if (!e->dst_block || !e->dst_row || !e->pos || !e->seq) {
 		engine_destroy(&e);
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
@@ -58,7 +58,8 @@ void engine_destroy(struct engine **ep)
 {
 	if (!ep || !*ep)
 		return;
-	free((*ep)->scratch);
+	free((*ep)->pos);
+	free((*ep)->seq);
 	free((*ep)->dst_block);
 	free((*ep)->dst_row);
 	free(*ep);
@@ -112,7 +113,7 @@ static int release(struct engine *e, uint32_t group)
 	do {                                                                                   \
 		int rc_ = (call);                                                              \
 		if (rc_) {                                                                     \
-			set_err(e, rc_, "%s: %s", what, e->ops->error(e->be));                 \
+			set_err(e, rc_, "%s: %s", what, backend_error(e->be));                  \
 			release(e, group);                                                     \
 			return rc_;                                                            \
 		}                                                                              \
@@ -143,14 +144,14 @@ int engine_forward_greedy(struct engine *e, const int32_t *tokens, uint32_t n, u
 
 bool engine_samples_on_device(const struct engine *e)
 {
-	return e->ops->logits_sample != NULL;
+	return backend_samples_on_device(e->be);
 }
 
 int engine_forward_sample(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0,
 			  const struct sampler_params *sp, double u, int32_t *token)
 {
-	if (!e->ops->logits_sample)
-		return set_err(e, -ENOTSUP, "the %s backend does not sample on the device", e->ops->name);
+	if (!backend_samples_on_device(e->be))
+		return set_err(e, -ENOTSUP, "the %s backend does not sample on the device", backend_name(e->be));
 	return forward(e, tokens, n, pos0, NULL, token, sp, u);
 }
 
@@ -164,7 +165,13 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 	int rc = acquire(e, group, &w);
 	if (rc)
 		return rc;
-	BE_CHECK(e->ops->embed(e->be, &w, tokens, n, pos0), "embedding");
+	/* One sequence for now: consecutive positions, sequence 0. */
+	for (uint32_t i = 0; i < n; i++) {
+		e->pos[i] = pos0 + i;
+		e->seq[i] = 0;
+	}
+	struct backend_batch batch = {.n = n, .tokens = tokens, .pos = e->pos, .seq = e->seq};
+	BE_CHECK(backend_embed(e->be, &w, &batch), "embedding");
 	if ((rc = release(e, group)))
 		return rc;
 
@@ -175,9 +182,9 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 		if ((rc = acquire(e, group, &w)))
 			return rc;
 		KV_CHECK(kv_cache_prepare(e->kv, l, pos0, n, e->dst_block, e->dst_row));
-		BE_CHECK(e->ops->attn_begin(e->be, &w, l, e->dst_block, e->dst_row), "attention");
+		BE_CHECK(backend_attn_begin(e->be, &w, l, e->dst_block, e->dst_row), "attention");
 		KV_CHECK(kv_cache_attend(e->kv, l, pos0 + n));
-		BE_CHECK(e->ops->attn_end(e->be, &w), "attention output");
+		BE_CHECK(backend_attn_end(e->be, &w), "attention output");
 		KV_CHECK(kv_cache_finish_layer(e->kv, l, pos0, pos0 + n));
 		if ((rc = release(e, group)))
 			return rc;
@@ -185,7 +192,7 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 		group = group_id_ffn(l);
 		if ((rc = acquire(e, group, &w)))
 			return rc;
-		BE_CHECK(e->ops->ffn(e->be, &w), "feed-forward");
+		BE_CHECK(backend_ffn(e->be, &w), "feed-forward");
 		if ((rc = release(e, group)))
 			return rc;
 	}
@@ -194,20 +201,11 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 	group = group_id_head(e->cfg);
 	if ((rc = acquire(e, group, &w)))
 		return rc;
-	if (logits) {
-		BE_CHECK(e->ops->logits(e->be, &w, logits), "logits");
-	} else if (sp) {
-		BE_CHECK(e->ops->logits_sample(e->be, &w, sp->temperature, sp->top_k, sp->top_p, sp->min_p, u, argmax),
-			 "sampling");
-	} else if (e->ops->logits_argmax) {
-		BE_CHECK(e->ops->logits_argmax(e->be, &w, argmax), "logits");
-	} else {
-		if (!e->scratch && !(e->scratch = malloc(sizeof(float) * e->cfg->vocab_size))) {
-			release(e, group);
-			return set_err(e, -ENOMEM, "out of memory");
-		}
-		BE_CHECK(e->ops->logits(e->be, &w, e->scratch), "logits");
-		*argmax = argmax_f32(e->scratch, e->cfg->vocab_size);
-	}
+	if (logits)
+		BE_CHECK(backend_logits(e->be, &w, logits), "logits");
+	else if (sp)
+		BE_CHECK(backend_logits_sample(e->be, &w, sp, u, argmax), "sampling");
+	else
+		BE_CHECK(backend_logits_argmax(e->be, &w, argmax), "logits");
 	return release(e, group);
 }

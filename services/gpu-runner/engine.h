@@ -2,7 +2,7 @@
  * the same for every backend and every weight source.
  *
  *   struct engine *e;
- *   rc = engine_create(cfg, ops, be, weights, kv, max_chunk, &e, err, sizeof(err));
+ *   rc = engine_create(cfg, be, weights, kv, max_chunk, &e, err, sizeof(err));
  *   rc = engine_forward(e, tokens, n, pos0, logits);   // logits: vocab floats, or NULL
  *
  * For each group it acquires the weights, computes, and releases them, so a weight source
@@ -26,7 +26,7 @@ extern "C" {
 struct engine;
 
 /* Borrows every argument; they must outlive the engine. Returns 0 or -errno with err set. */
-int engine_create(const struct model_config *cfg, const struct backend_ops *ops, struct backend *be,
+int engine_create(const struct model_config *cfg, struct backend *be,
 		  struct weight_source *weights, struct kv_cache *kv, uint32_t max_chunk, struct engine **out,
 		  char *err, size_t errlen);
 void engine_destroy(struct engine **e);

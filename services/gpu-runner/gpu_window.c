@@ -86,21 +86,7 @@ static int copy_group(struct gpu_window *w, uint32_t g, void *dev, const void *h
 /* group_weights of group g at device address dev (lm_head of a tied head: the embedding copy). */
 static void fill_device(const struct gpu_window *w, uint32_t g, void *dev, struct group_weights *gw)
 {
-	memset(gw, 0, sizeof(*gw));
-	const struct group_desc *gd = &w->base.groups[g];
-	for (uint32_t i = 0; i < gd->n_tensors; i++) {
-		const struct tensor_desc *t = &w->base.tensors[gd->first_tensor + i];
-		gw->t[t->role] = (const char *)dev + w->dev_off[gd->first_tensor + i];
-		gw->dtype[t->role] = t->dtype;
-	}
-	if (gd->kind == GROUP_HEAD && !gw->t[ROLE_LM_HEAD]) {
-		int ti = model_find_tensor(w->base.cfg, w->base.tensors, w->base.groups, g, ROLE_LM_HEAD);
-		const struct gent *e = &w->g[w->embed_group];
-		if (ti >= 0 && e->dev) {
-			gw->t[ROLE_LM_HEAD] = (const char *)e->dev + w->dev_off[ti];
-			gw->dtype[ROLE_LM_HEAD] = w->base.tensors[ti].dtype;
-		}
-	}
+	weights_fill_at(&w->base, g, PLACE_DEVICE, dev, w->dev_off, w->g[w->embed_group].dev, gw);
 }
 
 #define CUDA_TRY(call, what)                                                                       \
@@ -603,7 +589,7 @@ void gpu_window_destroy(struct gpu_window **wp)
 		}                                                                                  \
 	} while (0)
 
-int gpu_window_create(struct ring_source *ring, void *stream, const struct gpu_window_params *p,
+int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, const struct gpu_window_params *p,
 		      struct gpu_window **out, char *err, size_t errlen)
 {
 	struct weight_source *rs = ring_source_base(ring);
@@ -622,7 +608,7 @@ int gpu_window_create(struct ring_source *ring, void *stream, const struct gpu_w
 	w->base.bytes_acquired = w->base.acquires = 0;
 	w->ring = ring;
 	w->rs = rs;
-	w->compute = (cudaStream_t)stream;
+	w->compute = stream;
 	w->strict = p->strict;
 	w->time_copies = p->time_copies;
 	w->embed_group = group_id_embed();

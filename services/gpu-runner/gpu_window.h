@@ -75,7 +75,7 @@ struct gpu_window;
  * resident groups (waiting for them: this is start-up, not the token path) and measures H2D
  * bandwidth unless given. Returns 0, -ENOSPC when the budget cannot hold the head group and one
  * slot of each streamed class (err says how much is needed), other -errno with err set. */
-int gpu_window_create(struct ring_source *ring, void *stream, const struct gpu_window_params *p,
+int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, const struct gpu_window_params *p,
 		      struct gpu_window **out, char *err, size_t errlen);
 void gpu_window_destroy(struct gpu_window **w);
 

@@ -49,7 +49,6 @@ struct kv_readahead {
 
 struct kv_cache {
 	struct kv_cache_params p;
-	const struct backend_ops *ops;
 	struct backend *be;
 	const struct kv_remote_ops *remote;
 	void *rctx;
@@ -91,7 +90,7 @@ uint32_t kv_cache_min_blocks(uint32_t n_layers, uint32_t block_tokens, uint32_t 
 	return n_layers + (max_chunk + block_tokens - 1) / block_tokens + 2;
 }
 
-int kv_cache_create(const struct kv_cache_params *p, const struct backend_ops *ops, struct backend *be,
+int kv_cache_create(const struct kv_cache_params *p, struct backend *be,
 		    const struct kv_remote_ops *remote, void *remote_ctx, struct kv_cache **out, char *err,
 		    size_t errlen)
 {
@@ -110,7 +109,6 @@ int kv_cache_create(const struct kv_cache_params *p, const struct backend_ops *o
 	if (!kv)
 		return -ENOMEM;
 	kv->p = *p;
-	kv->ops = ops;
 	kv->be = be;
 	kv->remote = remote;
 	kv->rctx = remote_ctx;
@@ -143,7 +141,7 @@ int kv_cache_create(const struct kv_cache_params *p, const struct backend_ops *o
 	for (uint32_t i = 0; i < p->n_arena; i++)
 		kv->arena[i].layer = -1;
 	kv->n_free = p->n_arena;
-	kv->readahead = remote && ops->kv_prefetch_n && ops->kv_prefetch_wait && p->n_layers > 1;
+	kv->readahead = remote && p->n_layers > 1;
 	*out = kv;
 	return 0;
 }
@@ -310,8 +308,7 @@ static int take_arena_n(struct kv_cache *kv, uint32_t layer, uint32_t visit, con
  * whatever runs next. */
 static void kv_sync(struct kv_cache *kv)
 {
-	if (kv->ops->kv_sync)
-		kv->ops->kv_sync(kv->be);
+	backend_kv_sync(kv->be);
 }
 
 /* Hands arena block b back as free (it holds nothing valid). */
@@ -334,7 +331,7 @@ static int readahead_finish(struct kv_cache *kv, int s, bool unpin)
 		return 0;
 	r->active = false;
 	uint64_t t0 = now_ns();
-	int rc = kv->ops->kv_prefetch_wait(kv->be, (uint32_t)s);
+	int rc = backend_kv_prefetch_wait(kv->be, (uint32_t)s);
 	kv->stats.readahead_wait_ns += now_ns() - t0;
 	for (uint32_t i = 0; i < r->n; i++) {
 		struct arena_block *a = &kv->arena[r->blocks[i]];
@@ -343,7 +340,7 @@ static int readahead_finish(struct kv_cache *kv, int s, bool unpin)
 			drop_arena(kv, r->blocks[i]);
 	}
 	if (rc)
-		set_err(kv, rc, "copying KV blocks of layer %u into the arena failed: %s", r->layer, kv->ops->error(kv->be));
+		set_err(kv, rc, "copying KV blocks of layer %u into the arena failed: %s", r->layer, backend_error(kv->be));
 	if (unpin && r->n) {
 		int urc = kv->remote->unpin(kv->rctx, r->n, r->handles);
 		if (urc && !rc)
@@ -405,7 +402,7 @@ static int readahead_start(struct kv_cache *kv, uint32_t layer, uint32_t next, u
 					  kv->remote->error(kv->rctx));
 		rc = take_arena_for(kv, layer, 0, (int32_t)layer, (int32_t)next, next, kv->idx, run, kv->dst);
 		if (rc == 0)
-			rc = kv->ops->kv_prefetch_n(kv->be, run, kv->dst, (const void *const *)kv->ptrs, (uint32_t)s);
+			rc = backend_kv_prefetch(kv->be, run, kv->dst, (const void *const *)kv->ptrs, (uint32_t)s);
 		if (rc) {
 			/* Nothing of this batch landed (or it may not have): undo it, keep what came before. */
 			bool taken = entry(kv, next, kv->idx[0])->arena != NO_ARENA;
@@ -415,7 +412,7 @@ static int readahead_start(struct kv_cache *kv, uint32_t layer, uint32_t next, u
 			kv->remote->unpin(kv->rctx, run, kv->handles);
 			if (rc == -ENOSPC) /* the room was counted: cannot happen; go on without */
 				break;
-			return set_err(kv, rc, "copying KV blocks into the arena failed: %s", kv->ops->error(kv->be));
+			return set_err(kv, rc, "copying KV blocks into the arena failed: %s", backend_error(kv->be));
 		}
 		for (uint32_t i = 0; i < run; i++) {
 			struct arena_block *a = &kv->arena[kv->dst[i]];
@@ -515,9 +512,9 @@ static int flush_spans(struct kv_cache *kv, uint32_t *n_spans)
 {
 	if (!*n_spans)
 		return 0;
-	int rc = kv->ops->attn_blocks(kv->be, kv->spans, *n_spans);
+	int rc = backend_attn_blocks(kv->be, kv->spans, *n_spans);
 	if (rc)
-		return set_err(kv, rc, "attention failed: %s", kv->ops->error(kv->be));
+		return set_err(kv, rc, "attention failed: %s", backend_error(kv->be));
 	/* Visited blocks may now make room for the ones still to come, unless unsaved. */
 	for (uint32_t i = 0; i < *n_spans; i++)
 		kv->arena[kv->spans[i].block].busy = false;
@@ -580,12 +577,8 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		/* Arena blocks for the whole run (busy, so none evicts another), then the copies. */
 		rc = take_arena_n(kv, layer, j, kv->idx, run, kv->dst);
 		uint32_t taken = rc ? 0 : run;
-		if (rc == 0 && kv->ops->kv_from_host_n) {
-			rc = kv->ops->kv_from_host_n(kv->be, run, kv->dst, (const void *const *)kv->ptrs);
-		} else {
-			for (uint32_t r = 0; r < run && rc == 0; r++)
-				rc = kv->ops->kv_from_host(kv->be, kv->dst[r], kv->ptrs[r]);
-		}
+		if (rc == 0)
+			rc = backend_kv_from_host(kv->be, run, kv->dst, (const void *const *)kv->ptrs);
 		if (rc) {
 			/* The blocks taken hold nothing valid: forget they were here. */
 			for (uint32_t r = 0; r < taken; r++) {
@@ -594,7 +587,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 				kv->n_free++;
 			}
 			if (rc != -ENOSPC) {
-				set_err(kv, rc, "copying KV blocks into the arena failed: %s", kv->ops->error(kv->be));
+				set_err(kv, rc, "copying KV blocks into the arena failed: %s", backend_error(kv->be));
 				kv_sync(kv); /* before the unpin below: copies may still read the pool */
 			}
 		}
@@ -656,20 +649,17 @@ static int commit_batch(struct kv_cache *kv, uint32_t layer, const uint32_t *idx
 	if (rc)
 		return remote_err(kv, rc, "allocating %u KV blocks in the kv-store failed: %s", n,
 			       kv->remote->error(kv->rctx));
-	unsigned char event[KV_EVENT_HANDLE_BYTES];
-	bool async = kv->ops->kv_to_host_async != NULL;
-	if (async || kv->ops->kv_to_host_n) {
-		for (uint32_t i = 0; i < n; i++)
-			kv->arena_idx[i] = (uint32_t)entry(kv, layer, idx[i])->arena;
-		/* Write-behind: with an async copy, nobody here waits for it (the kv-store does). */
-		rc = async ? kv->ops->kv_to_host_async(kv->be, n, kv->arena_idx, kv->ptrs, event)
-			   : kv->ops->kv_to_host_n(kv->be, n, kv->arena_idx, kv->ptrs);
-	} else {
-		for (uint32_t i = 0; i < n && rc == 0; i++)
-			rc = kv->ops->kv_to_host(kv->be, (uint32_t)entry(kv, layer, idx[i])->arena, kv->ptrs[i]);
-	}
+	unsigned char event[BACKEND_EVENT_BYTES];
+	for (uint32_t i = 0; i < n; i++)
+		kv->arena_idx[i] = (uint32_t)entry(kv, layer, idx[i])->arena;
+	/* Write-behind: where the backend records an event, nobody here waits for the copies (the
+	 * kv-store does). */
+	rc = backend_kv_write_behind(kv->be, n, kv->arena_idx, kv->ptrs, event);
+	bool async = rc == 1;
+	if (async)
+		rc = 0;
 	if (rc) {
-		set_err(kv, rc, "copying KV blocks out of the arena failed: %s", kv->ops->error(kv->be));
+		set_err(kv, rc, "copying KV blocks out of the arena failed: %s", backend_error(kv->be));
 		kv_sync(kv); /* some copies may be queued: the pool blocks go back once none runs */
 		kv->remote->release(kv->rctx, n, kv->handles);
 		return rc;

@@ -104,8 +104,8 @@ struct kv_cache;
 uint32_t kv_cache_min_blocks(uint32_t n_layers, uint32_t block_tokens, uint32_t max_chunk);
 
 /* Returns 0 or -errno with a message in err (-ENOSPC: n_arena below the minimum). The
- * backend (be, ops) must have been created with n_kv_blocks >= p->n_arena. */
-int kv_cache_create(const struct kv_cache_params *p, const struct backend_ops *ops, struct backend *be,
+ * backend be must have been created with n_kv_blocks >= p->n_arena. */
+int kv_cache_create(const struct kv_cache_params *p, struct backend *be,
 		    const struct kv_remote_ops *remote, void *remote_ctx, struct kv_cache **out, char *err,
 		    size_t errlen);
 void kv_cache_destroy(struct kv_cache **kv);

@@ -38,8 +38,7 @@ static const struct service_ops runner_ops = {.handle = runner_handle, .stats = 
 static int setup(struct runner *r)
 {
 	char err[1024];
-	r->ops = backend_find(r->backend_name);
-	if (!r->ops) {
+	if (!backend_known(r->backend_name)) {
 		if (!strcmp(r->backend_name, "cuda"))
 			log_error("the cuda backend is not built into this gpu-runner (built without nvcc, or not yet "
 				  "available); use --backend cpu");
@@ -82,7 +81,7 @@ static int setup(struct runner *r)
 	}
 	enum dtype kv_dtype;
 	if (!r->kv_dtype_name || !*r->kv_dtype_name)
-		kv_dtype = strcmp(r->ops->name, "cpu") ? DT_BF16 : DT_F32;
+		kv_dtype = strcmp(r->backend_name, "cpu") ? DT_BF16 : DT_F32;
 	else if (!strcmp(r->kv_dtype_name, "f32"))
 		kv_dtype = DT_F32;
 	else if (!strcmp(r->kv_dtype_name, "bf16"))
@@ -95,12 +94,12 @@ static int setup(struct runner *r)
 					.block_tokens = (uint32_t)r->block_tokens,
 					.kv_dtype = kv_dtype,
 					.threads = (uint32_t)r->threads};
-	r->arena_block_bytes = r->ops->kv_block_bytes(&r->cfg, &r->bp);
+	r->arena_block_bytes = backend_kv_block_bytes(r->backend_name, &r->cfg, &r->bp);
 	r->pool_block_bytes = ALIGN_UP((uint64_t)r->arena_block_bytes, 4096);
 	/* Blocks are reused only by a runner that would compute the same bytes: same model, same
 	 * backend, same KV element type and block size. */
 	r->kv_seed = fnv1a64(FNV64_INIT, &r->manifest_hash, sizeof(r->manifest_hash));
-	r->kv_seed = fnv1a64(r->kv_seed, r->ops->name, strlen(r->ops->name));
+	r->kv_seed = fnv1a64(r->kv_seed, r->backend_name, strlen(r->backend_name));
 	r->kv_seed = fnv1a64(r->kv_seed, &r->bp.kv_dtype, sizeof(r->bp.kv_dtype));
 	r->kv_seed = fnv1a64(r->kv_seed, &r->bp.block_tokens, sizeof(r->bp.block_tokens));
 	r->kv_seed |= 1;
@@ -116,9 +115,9 @@ static int setup(struct runner *r)
 		return -ENOSPC;
 	}
 	r->bp.n_kv_blocks = (uint32_t)(fit < all ? fit : all);
-	rc = r->ops->create(&r->cfg, &r->bp, &r->be, err, sizeof(err));
+	rc = backend_create(r->backend_name, &r->cfg, &r->bp, &r->be, err, sizeof(err));
 	if (rc) {
-		log_error("backend %s: %s", r->ops->name, err);
+		log_error("backend %s: %s", r->backend_name, err);
 		return rc;
 	}
 	if (r->prefetch_depth < 1 || r->prefetch_depth > 64 || r->copy_streams < 1 || r->copy_streams > 4) {
@@ -133,7 +132,7 @@ static int setup(struct runner *r)
 	struct kv_cache_params kp = {.n_layers = r->cfg.n_layers, .block_tokens = (uint32_t)r->block_tokens,
 				     .max_context = (uint32_t)r->max_context, .max_chunk = (uint32_t)r->prefill_chunk,
 				     .n_arena = r->bp.n_kv_blocks};
-	rc = kv_cache_create(&kp, r->ops, r->be, &kv_remote_ops_pool, &r->kv, &r->cache, err, sizeof(err));
+	rc = kv_cache_create(&kp, r->be, &kv_remote_ops_pool, &r->kv, &r->cache, err, sizeof(err));
 	if (rc) {
 		log_error("%s", err);
 		return rc;
@@ -151,7 +150,7 @@ static int setup(struct runner *r)
 		log_error("%s", err);
 		return rc;
 	}
-	log_info("backend %s, %u layers, KV arena %u blocks of %zu bytes (%ld tokens each), context %ld", r->ops->name,
+	log_info("backend %s, %u layers, KV arena %u blocks of %zu bytes (%ld tokens each), context %ld", r->backend_name,
 		 r->cfg.n_layers, r->bp.n_kv_blocks, r->arena_block_bytes, r->block_tokens, r->max_context);
 	return 0;
 }
@@ -160,8 +159,7 @@ static void teardown(struct runner *r)
 {
 	engine_destroy(&r->engine);
 	kv_cache_destroy(&r->cache);
-	if (r->ops && r->be)
-		r->ops->destroy(&r->be);
+	backend_destroy(&r->be);
 	runner_unpin_pool(r);
 	kv_remote_disconnect(&r->kv);
 	runner_drop_window(r);

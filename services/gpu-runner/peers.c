@@ -72,7 +72,7 @@ static void predict(struct runner *r)
 /* With a device backend, the GPU window over the ring (nothing to do on the C backend). */
 int runner_make_window(struct runner *r, char *err, size_t errlen)
 {
-	void *stream = r->ops->stream ? r->ops->stream(r->be) : NULL;
+	struct CUstream_st *stream = backend_cuda_stream(r->be);
 	if (!stream)
 		return 0;
 #ifdef PIPELINE_HAVE_CUDA
@@ -217,20 +217,20 @@ int runner_connect_loader_retry(struct runner *r, int deadline_ms, char *err, si
  * asynchronously); undone before the pool is unmapped. */
 static void pin_pool(struct runner *r)
 {
-	if (!r->ops->pin_host || !r->kv.obj)
+	if (!r->kv.obj)
 		return;
 	void *base = shm_object_base(r->kv.obj);
-	if (r->ops->pin_host(r->be, base, shm_object_size(r->kv.obj)) == 0)
+	if (backend_pin_host(r->be, base, shm_object_size(r->kv.obj)) == 0)
 		r->pool_pinned = base;
 	else
-		log_warn("cannot pin the KV pool: %s (its copies run from pageable memory)", r->ops->error(r->be));
+		log_warn("cannot pin the KV pool: %s (its copies run from pageable memory)", backend_error(r->be));
 }
 
 void runner_unpin_pool(struct runner *r)
 {
 	kv_cache_quiesce(r->cache); /* no read-ahead copy may still read the pool */
-	if (r->pool_pinned && r->ops->unpin_host)
-		r->ops->unpin_host(r->be, r->pool_pinned);
+	if (r->pool_pinned)
+		backend_unpin_host(r->be, r->pool_pinned);
 	r->pool_pinned = NULL;
 }
 
@@ -305,7 +305,7 @@ void runner_release_dead_loader(struct runner *r)
 int runner_make_engine(struct runner *r, char *err, size_t errlen)
 {
 	engine_destroy(&r->engine);
-	int rc = engine_create(&r->cfg, r->ops, r->be, runner_weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
+	int rc = engine_create(&r->cfg, r->be, runner_weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
 			       errlen);
 	if (rc)
 		return rc;

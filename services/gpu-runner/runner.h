@@ -62,7 +62,6 @@ struct runner {
 	uint64_t manifest_hash;
 	uint64_t kv_seed; /* names model, backend and KV format in KV block keys */
 	struct tokenizer *tok; /* from the ring; NULL when the model has no tokenizer.json */
-	const struct backend_ops *ops;
 	struct backend *be;
 	struct backend_params bp;
 	size_t arena_block_bytes;

@@ -124,7 +124,7 @@ char *runner_stats(void *ctx)
 	struct weight_source *ws = r->ring ? runner_weights(r) : NULL;
 	json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:b, "
 			      "s:I}",
-			      "backend", r->ops->name, "requests", (json_int_t)r->requests, "failures",
+			      "backend", r->backend_name, "requests", (json_int_t)r->requests, "failures",
 			      (json_int_t)r->failures, "prompt_tokens", (json_int_t)r->prompt_tokens,
 			      "tokens_generated", (json_int_t)r->tokens_generated, "prefill_ms", r->prefill_ms,
 			      "decode_ms", r->decode_ms, "last_prefill_tok_s", r->last_prefill_tok_s,

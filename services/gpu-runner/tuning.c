@@ -90,7 +90,7 @@ void runner_register_tunables(struct runner *r)
 			t[i].ctx = r;
 		service_add_tunable(s, &t[i]);
 	}
-	service_add_fixed(s, "backend", TUNABLE_STRING, r->ops->name, "the compute backend");
+	service_add_fixed(s, "backend", TUNABLE_STRING, r->backend_name, "the compute backend");
 	add_fixed_long(s, "gpu-budget", TUNABLE_BYTES, (long long)r->gpu_budget, "GPU memory for weights (cuda)");
 	add_fixed_long(s, "prefetch-depth", TUNABLE_INT, r->prefetch_depth,
 		       "device slots per streamed group class (cuda): allocated at start");

@@ -4,21 +4,36 @@
 
 #include "common/manifest.h"
 
-void weights_fill(const struct weight_source *s, uint32_t group, const void *base, const void *embed_base,
-		  struct group_weights *w)
+void weight_tensor_from_desc(struct weight_tensor *wt, const struct tensor_desc *t, enum weight_place place,
+			     const void *data)
+{
+	uint32_t rows = t->ndim == 1 ? 1 : (uint32_t)t->shape[0];
+	uint32_t cols = (uint32_t)(t->ndim == 1 ? t->shape[0] : t->shape[1]);
+	weight_tensor_set(wt, place, data, (enum dtype)t->dtype, rows, cols);
+}
+
+void weights_fill_at(const struct weight_source *s, uint32_t group, enum weight_place place, const void *base,
+		     const uint64_t *offsets, const void *embed_base, struct group_weights *w)
 {
 	memset(w, 0, sizeof(*w));
 	const struct group_desc *g = &s->groups[group];
 	for (uint32_t i = 0; i < g->n_tensors; i++) {
-		const struct tensor_desc *t = &s->tensors[g->first_tensor + i];
-		w->t[t->role] = (const char *)base + t->slot_offset;
-		w->dtype[t->role] = t->dtype;
+		uint32_t ti = g->first_tensor + i;
+		const struct tensor_desc *t = &s->tensors[ti];
+		weight_tensor_from_desc(&w->t[t->role], t, place,
+					(const char *)base + (offsets ? offsets[ti] : t->slot_offset));
 	}
-	if (g->kind == GROUP_HEAD && !w->t[ROLE_LM_HEAD]) {
+	if (g->kind == GROUP_HEAD && !w->t[ROLE_LM_HEAD].rows) {
 		int ti = model_find_tensor(s->cfg, s->tensors, s->groups, group, ROLE_LM_HEAD);
-		if (ti >= 0 && embed_base) {
-			w->t[ROLE_LM_HEAD] = (const char *)embed_base + s->tensors[ti].slot_offset;
-			w->dtype[ROLE_LM_HEAD] = s->tensors[ti].dtype;
-		}
+		if (ti >= 0 && embed_base)
+			weight_tensor_from_desc(&w->t[ROLE_LM_HEAD], &s->tensors[ti], place,
+						(const char *)embed_base +
+							(offsets ? offsets[ti] : s->tensors[ti].slot_offset));
 	}
+}
+
+void weights_fill(const struct weight_source *s, uint32_t group, const void *base, const void *embed_base,
+		  struct group_weights *w)
+{
+	weights_fill_at(s, group, PLACE_HOST, base, NULL, embed_base, w);
 }

@@ -49,8 +49,17 @@ struct weight_source {
 	char error[512];
 };
 
-/* Fills w from a group's base address (its slot data) using the tensor table. lm_head of
- * the tied head group resolves through embed_base. */
+/* Describes tensor t (format and shape from the manifest's table) at data in place. */
+void weight_tensor_from_desc(struct weight_tensor *wt, const struct tensor_desc *t, enum weight_place place,
+			     const void *data);
+
+/* Fills w from a group's base address in place: tensor i lies at base + offsets[i] (offsets
+ * indexed by tensor, NULL: the tensors' slot_offset). lm_head of the tied head group resolves
+ * through embed_base, the embed group's base. */
+void weights_fill_at(const struct weight_source *s, uint32_t group, enum weight_place place, const void *base,
+		     const uint64_t *offsets, const void *embed_base, struct group_weights *w);
+
+/* weights_fill_at in host memory at the tensors' slot offsets (the weight ring's layout). */
 void weights_fill(const struct weight_source *s, uint32_t group, const void *base, const void *embed_base,
 		  struct group_weights *w);
 

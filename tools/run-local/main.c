@@ -187,8 +187,7 @@ int main(int argc, char **argv)
 		fprintf(stderr, "run-local: token lists are non-negative integers separated by commas\n");
 		return 2;
 	}
-	const struct backend_ops *ops = backend_find(backend_name);
-	if (!ops) {
+	if (!backend_known(backend_name)) {
 		fprintf(stderr, "run-local: backend '%s' is not built in\n", backend_name);
 		return 2;
 	}
@@ -212,16 +211,16 @@ int main(int argc, char **argv)
 	struct backend_params bp = {.max_chunk = (uint32_t)chunk, .block_tokens = (uint32_t)block_tokens,
 				    .n_kv_blocks = per_layer * m->cfg.n_layers, .kv_dtype = DT_F32,
 				    .threads = (uint32_t)threads};
-	rc = ops->create(&m->cfg, &bp, &be, err, sizeof(err));
+	rc = backend_create(backend_name, &m->cfg, &bp, &be, err, sizeof(err));
 	if (rc) {
 		fprintf(stderr, "run-local: backend: %s\n", err);
 		goto out;
 	}
 	struct kv_cache_params kp = {.n_layers = m->cfg.n_layers, .block_tokens = bp.block_tokens,
 				     .max_context = max_context, .max_chunk = bp.max_chunk, .n_arena = bp.n_kv_blocks};
-	rc = kv_cache_create(&kp, ops, be, NULL, NULL, &kv, err, sizeof(err));
+	rc = kv_cache_create(&kp, be, NULL, NULL, &kv, err, sizeof(err));
 	if (rc == 0)
-		rc = engine_create(&m->cfg, ops, be, &ms.base, kv, bp.max_chunk, &e, err, sizeof(err));
+		rc = engine_create(&m->cfg, be, &ms.base, kv, bp.max_chunk, &e, err, sizeof(err));
 	if (rc) {
 		fprintf(stderr, "run-local: %s\n", err);
 		goto out;
@@ -247,7 +246,7 @@ out:
 	engine_destroy(&e);
 	kv_cache_destroy(&kv);
 	if (be)
-		ops->destroy(&be);
+		backend_destroy(&be);
 	if (ms.group_data)
 		for (uint32_t g = 0; g < m->n_groups; g++)
 			free(ms.group_data[g]);

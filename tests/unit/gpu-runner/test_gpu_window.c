@@ -116,10 +116,13 @@ static void pass(struct fixture *f, struct gpu_window *w)
 			const struct tensor_desc *t = &f->m->tensors[gd->first_tensor + i];
 			void *want = file_bytes(f->m, t), *got = malloc(t->nbytes);
 			if (g == group_id_embed()) {
-				memcpy(got, gw.t[t->role], t->nbytes); /* host memory by contract */
+				ck_assert_ptr_null(gw.t[t->role].data[PLACE_DEVICE]);
+				memcpy(got, gw.t[t->role].data[PLACE_HOST], t->nbytes); /* host memory by contract */
 			} else {
 				/* Read it the way compute does: on the compute stream, after the wait. */
-				ck_assert_int_eq(cudaMemcpyAsync(got, gw.t[t->role], t->nbytes, cudaMemcpyDeviceToHost,
+				ck_assert_ptr_nonnull(gw.t[t->role].data[PLACE_DEVICE]);
+				ck_assert_int_eq(cudaMemcpyAsync(got, gw.t[t->role].data[PLACE_DEVICE], t->nbytes,
+								 cudaMemcpyDeviceToHost,
 								 f->stream),
 						 cudaSuccess);
 				ck_assert_int_eq(cudaStreamSynchronize(f->stream), cudaSuccess);

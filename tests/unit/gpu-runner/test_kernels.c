@@ -1,7 +1,7 @@
 /* test_kernels.c - the C reference backend against a naive double-precision Llama forward.
  *
  * The test builds small random models in memory (normal weights of std 0.02, norms 1 + small
- * noise), runs them through backend_ref_ops exactly as the engine will (embed, per layer
+ * noise), runs them through the "cpu" backend exactly as the engine will (embed, per layer
  * attn_begin / attn_blocks / attn_end / ffn, logits; KV blocks managed here: block index =
  * layer * blocks_per_layer + position / block_tokens), and compares the logits of the last
  * position with a plain double-precision forward over the same weights (full causal attention
@@ -86,8 +86,12 @@ static float *tensor(struct tmodel *m, size_t n, double mean, double std, struct
 			((uint16_t *)enc)[i] = f32_to_f16(f);
 	}
 	dtype_to_f32(m->wt, enc, val, n);
-	gw->t[role] = enc;
-	gw->dtype[role] = m->wt;
+	uint32_t ndim;
+	uint64_t shape[2];
+	ck_assert_int_eq(model_expected_shape(&m->cfg, role, &ndim, shape), 0);
+	ck_assert_uint_eq(ndim == 1 ? shape[0] : shape[0] * shape[1], n);
+	weight_tensor_set(&gw->t[role], PLACE_HOST, enc, m->wt, ndim == 1 ? 1 : (uint32_t)shape[0],
+			  (uint32_t)(ndim == 1 ? shape[0] : shape[1]));
 	return val;
 }
 
@@ -132,7 +136,6 @@ static struct tmodel *model_new(const struct model_config *cfg, enum dtype wt, u
 		/* What the engine does with tied embeddings: the head's lm_head is the embed table. */
 		m->lm_head = m->embed;
 		m->head_w.t[ROLE_LM_HEAD] = m->embed_w.t[ROLE_EMBED];
-		m->head_w.dtype[ROLE_LM_HEAD] = m->embed_w.dtype[ROLE_EMBED];
 	} else {
 		m->lm_head = tensor(m, (size_t)c->vocab_size * c->dim, 0, 0.02, &m->head_w, ROLE_LM_HEAD);
 	}
@@ -311,7 +314,6 @@ enum span_mode {
 };
 
 struct runner {
-	const struct backend_ops *ops;
 	struct backend *be;
 	struct backend_params p;
 	uint32_t bpl; /* blocks per layer */
@@ -326,25 +328,48 @@ static struct backend_params default_params(void)
 static void runner_open(struct runner *r, const struct tmodel *m, struct backend_params p)
 {
 	char err[256] = "";
-	r->ops = &backend_ref_ops;
 	r->bpl = (MAX_PROMPT + p.block_tokens - 1) / p.block_tokens;
 	p.n_kv_blocks = m->cfg.n_layers * r->bpl;
 	r->p = p;
-	int rc = r->ops->create(&m->cfg, &p, &r->be, err, sizeof(err));
+	int rc = backend_create("cpu", &m->cfg, &p, &r->be, err, sizeof(err));
 	ck_assert_msg(rc == 0, "create: %d %s", rc, err);
 }
 
 static void runner_close(struct runner *r)
 {
-	r->ops->destroy(&r->be);
+	backend_destroy(&r->be);
 	ck_assert_ptr_null(r->be);
-	r->ops->destroy(&r->be); /* safe twice */
+	backend_destroy(&r->be); /* safe twice */
+}
+
+/* embed of tokens[0..n) at consecutive positions from pos0, one sequence (as the engine). */
+static int embed(struct backend *be, const struct group_weights *w, const int32_t *tok, uint32_t n, uint32_t pos0)
+{
+	uint32_t pos[MAX_PROMPT + 1], seq[MAX_PROMPT + 1];
+	ck_assert_uint_le(n, MAX_PROMPT + 1);
+	for (uint32_t i = 0; i < n; i++) {
+		pos[i] = pos0 + i;
+		seq[i] = 0;
+	}
+	struct backend_batch b = {.n = n, .tokens = tok, .pos = pos, .seq = seq};
+	return backend_embed(be, w, &b);
+}
+
+/* One arena block to and from host memory. */
+static int kv_out(struct backend *be, uint32_t block, void *dst)
+{
+	return backend_kv_to_host(be, 1, &block, &dst);
+}
+
+static int kv_in(struct backend *be, uint32_t block, const void *src)
+{
+	return backend_kv_from_host(be, 1, &block, &src);
 }
 
 #define CHECK_RC(r, expr)                                                                         \
 	do {                                                                                      \
 		int rc_ = (expr);                                                                 \
-		ck_assert_msg(rc_ == 0, "%s: %d %s", #expr, rc_, (r)->ops->error((r)->be));       \
+		ck_assert_msg(rc_ == 0, "%s: %d %s", #expr, rc_, backend_error((r)->be));       \
 	} while (0)
 
 /* One forward step over tokens[0..n) at positions pos0.., as the engine runs it. */
@@ -354,35 +379,35 @@ static void runner_step(struct runner *r, const struct tmodel *m, const int32_t 
 	uint32_t bt = r->p.block_tokens, dst_block[MAX_PROMPT], dst_row[MAX_PROMPT];
 	struct kv_span spans[MAX_PROMPT], part[MAX_PROMPT];
 	ck_assert_uint_le(pos0 + n, MAX_PROMPT);
-	CHECK_RC(r, r->ops->embed(r->be, &m->embed_w, tok, n, pos0));
+	CHECK_RC(r, embed(r->be, &m->embed_w, tok, n, pos0));
 	for (uint32_t l = 0; l < m->cfg.n_layers; l++) {
 		for (uint32_t i = 0; i < n; i++) {
 			dst_block[i] = l * r->bpl + (pos0 + i) / bt;
 			dst_row[i] = (pos0 + i) % bt;
 		}
-		CHECK_RC(r, r->ops->attn_begin(r->be, &m->attn_w[l], l, dst_block, dst_row));
+		CHECK_RC(r, backend_attn_begin(r->be, &m->attn_w[l], l, dst_block, dst_row));
 		uint32_t end = pos0 + n, ns = 0;
 		for (uint32_t b = 0; b * bt < end; b++) {
 			uint32_t cnt = end - b * bt < bt ? end - b * bt : bt;
 			spans[ns++] = (struct kv_span){.block = l * r->bpl + b, .pos0 = b * bt, .n_tokens = cnt};
 		}
 		if (mode == SPANS_IN_ORDER) {
-			CHECK_RC(r, r->ops->attn_blocks(r->be, spans, ns));
+			CHECK_RC(r, backend_attn_blocks(r->be, spans, ns));
 		} else if (mode == SPANS_REVERSE) {
 			for (uint32_t s = ns; s-- > 0;)
-				CHECK_RC(r, r->ops->attn_blocks(r->be, &spans[s], 1));
+				CHECK_RC(r, backend_attn_blocks(r->be, &spans[s], 1));
 		} else {
 			for (uint32_t pass = 0; pass < 2; pass++) {
 				uint32_t np = 0;
 				for (uint32_t s = pass == 0 ? 1 : 0; s < ns; s += 2)
 					part[np++] = spans[s];
-				CHECK_RC(r, r->ops->attn_blocks(r->be, part, np));
+				CHECK_RC(r, backend_attn_blocks(r->be, part, np));
 			}
 		}
-		CHECK_RC(r, r->ops->attn_end(r->be, &m->attn_w[l]));
-		CHECK_RC(r, r->ops->ffn(r->be, &m->ffn_w[l]));
+		CHECK_RC(r, backend_attn_end(r->be, &m->attn_w[l]));
+		CHECK_RC(r, backend_ffn(r->be, &m->ffn_w[l]));
 	}
-	CHECK_RC(r, r->ops->logits(r->be, &m->head_w, logits));
+	CHECK_RC(r, backend_logits(r->be, &m->head_w, logits));
 }
 
 /* Runs tokens[0..n) in chunks of `chunk` tokens (0: one chunk); logits of the last step. */
@@ -660,14 +685,14 @@ START_TEST(test_threads_bit_identical)
 		runner_step(&r3, m, tok + pos, 1, pos, SPANS_IN_ORDER, l3);
 		ck_assert_msg(!memcmp(l1, l3, c.vocab_size * sizeof(float)), "logits differ at position %u", pos);
 	}
-	size_t bytes = r1.ops->kv_block_bytes(&c, &r1.p);
+	size_t bytes = backend_kv_block_bytes("cpu", &c, &r1.p);
 	char *b1 = malloc(bytes), *b3 = malloc(bytes);
 	ck_assert(b1 && b3);
 	uint32_t used = (n + r1.p.block_tokens - 1) / r1.p.block_tokens;
 	for (uint32_t l = 0; l < c.n_layers; l++) {
 		for (uint32_t b = 0; b < used; b++) {
-			CHECK_RC(&r1, r1.ops->kv_to_host(r1.be, l * r1.bpl + b, b1));
-			CHECK_RC(&r3, r3.ops->kv_to_host(r3.be, l * r3.bpl + b, b3));
+			CHECK_RC(&r1, kv_out(r1.be, l * r1.bpl + b, b1));
+			CHECK_RC(&r3, kv_out(r3.be, l * r3.bpl + b, b3));
 			/* A partly filled last block holds unwritten rows: compare the written ones. */
 			uint32_t rows = n - b * r1.p.block_tokens < r1.p.block_tokens ? n - b * r1.p.block_tokens
 										       : r1.p.block_tokens;
@@ -692,7 +717,7 @@ START_TEST(test_kv_block_bytes)
 {
 	struct model_config c = base_cfg();
 	struct backend_params p = default_params();
-	ck_assert_uint_eq(backend_ref_ops.kv_block_bytes(&c, &p), 2u * 16 * 2 * 16 * 4);
+	ck_assert_uint_eq(backend_kv_block_bytes("cpu", &c, &p), 2u * 16 * 2 * 16 * 4);
 }
 END_TEST
 
@@ -712,12 +737,12 @@ START_TEST(test_kv_host_roundtrip)
 	runner_open(&a, m, default_params());
 	runner_open(&b, m, default_params());
 	runner_step(&a, m, tok, n - 1, 0, SPANS_IN_ORDER, la);
-	size_t bytes = a.ops->kv_block_bytes(&c, &a.p);
+	size_t bytes = backend_kv_block_bytes("cpu", &c, &a.p);
 	char *buf = malloc(bytes);
 	ck_assert_ptr_nonnull(buf);
 	for (uint32_t blk = 0; blk < a.p.n_kv_blocks; blk++) {
-		CHECK_RC(&a, a.ops->kv_to_host(a.be, blk, buf));
-		CHECK_RC(&b, b.ops->kv_from_host(b.be, blk, buf));
+		CHECK_RC(&a, kv_out(a.be, blk, buf));
+		CHECK_RC(&b, kv_in(b.be, blk, buf));
 	}
 	runner_step(&a, m, tok + n - 1, 1, n - 1, SPANS_IN_ORDER, la);
 	runner_step(&b, m, tok + n - 1, 1, n - 1, SPANS_IN_ORDER, lb);
@@ -726,9 +751,9 @@ START_TEST(test_kv_host_roundtrip)
 	double err = rel_l2_fd(lb, want, c.vocab_size);
 	report("restored KV, decode", err);
 	ck_assert_msg(err < TOL, "decode after restore: %.3e", err);
-	ck_assert_int_eq(a.ops->kv_to_host(a.be, a.p.n_kv_blocks, buf), -EINVAL);
-	ck_assert_ptr_nonnull(strstr(a.ops->error(a.be), "outside the arena"));
-	ck_assert_int_eq(b.ops->kv_from_host(b.be, b.p.n_kv_blocks, buf), -EINVAL);
+	ck_assert_int_eq(kv_out(a.be, a.p.n_kv_blocks, buf), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(backend_error(a.be), "outside the arena"));
+	ck_assert_int_eq(kv_in(b.be, b.p.n_kv_blocks, buf), -EINVAL);
 	free(buf);
 	runner_close(&a);
 	runner_close(&b);
@@ -748,15 +773,15 @@ START_TEST(test_bad_token_rejected)
 	struct runner r;
 	runner_open(&r, m, default_params());
 	int32_t bad[] = {1, 2, 512};
-	ck_assert_int_eq(r.ops->embed(r.be, &m->embed_w, bad, 3, 0), -EINVAL);
-	const char *msg = r.ops->error(r.be);
+	ck_assert_int_eq(embed(r.be, &m->embed_w, bad, 3, 0), -EINVAL);
+	const char *msg = backend_error(r.be);
 	ck_assert_msg(strstr(msg, "token id 512") && strstr(msg, "vocabulary"), "message: %s", msg);
 	int32_t neg[] = {-1};
-	ck_assert_int_eq(r.ops->embed(r.be, &m->embed_w, neg, 1, 0), -EINVAL);
-	ck_assert_ptr_nonnull(strstr(r.ops->error(r.be), "token id -1"));
+	ck_assert_int_eq(embed(r.be, &m->embed_w, neg, 1, 0), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(backend_error(r.be), "token id -1"));
 	int32_t ok[] = {1};
-	ck_assert_int_eq(r.ops->embed(r.be, &m->embed_w, ok, 0, 0), -EINVAL);		      /* empty chunk */
-	ck_assert_int_eq(r.ops->embed(r.be, &m->embed_w, ok, MAX_PROMPT + 1, 0), -EINVAL); /* > max_chunk */
+	ck_assert_int_eq(embed(r.be, &m->embed_w, ok, 0, 0), -EINVAL);		      /* empty chunk */
+	ck_assert_int_eq(embed(r.be, &m->embed_w, ok, MAX_PROMPT + 1, 0), -EINVAL); /* > max_chunk */
 	runner_close(&r);
 	model_free(&m);
 }
@@ -770,7 +795,7 @@ START_TEST(test_kv_dtype_bf16_rejected)
 	p.kv_dtype = DT_BF16;
 	struct backend *be = (struct backend *)(uintptr_t)1; /* create must set NULL on failure */
 	char err[256] = "";
-	int rc = backend_ref_ops.create(&c, &p, &be, err, sizeof(err));
+	int rc = backend_create("cpu", &c, &p, &be, err, sizeof(err));
 	ck_assert_int_eq(rc, -ENOTSUP);
 	ck_assert_ptr_null(be);
 	ck_assert_msg(strstr(err, "kv_dtype BF16") != NULL, "message: %s", err);
@@ -785,7 +810,7 @@ START_TEST(test_bad_config_rejected)
 	char err[256] = "";
 	struct model_config c = base_cfg();
 	c.n_kv_heads = 3;
-	ck_assert_int_eq(backend_ref_ops.create(&c, &p, &be, err, sizeof(err)), -EINVAL);
+	ck_assert_int_eq(backend_create("cpu", &c, &p, &be, err, sizeof(err)), -EINVAL);
 	ck_assert_msg(strstr(err, "not a multiple of 3 kv heads") != NULL, "message: %s", err);
 	c = base_cfg();
 	c.rope_scaling = ROPE_SCALING_LLAMA3;
@@ -793,11 +818,11 @@ START_TEST(test_bad_config_rejected)
 	c.rope_low_freq_factor = 4;
 	c.rope_high_freq_factor = 1;
 	c.rope_original_max_position = 8192;
-	ck_assert_int_eq(backend_ref_ops.create(&c, &p, &be, err, sizeof(err)), -EINVAL);
+	ck_assert_int_eq(backend_create("cpu", &c, &p, &be, err, sizeof(err)), -EINVAL);
 	ck_assert_msg(strstr(err, "llama3 rope_scaling") != NULL, "message: %s", err);
 	c = base_cfg();
 	p.block_tokens = 0;
-	ck_assert_int_eq(backend_ref_ops.create(&c, &p, &be, err, sizeof(err)), -EINVAL);
+	ck_assert_int_eq(backend_create("cpu", &c, &p, &be, err, sizeof(err)), -EINVAL);
 	ck_assert_ptr_null(be);
 }
 END_TEST
@@ -811,34 +836,34 @@ START_TEST(test_bad_calls_rejected)
 	uint32_t blk = 0, row = 0;
 	struct kv_span sp = {.block = 0, .pos0 = 0, .n_tokens = 1};
 	/* Out of order. */
-	ck_assert_int_eq(r.ops->attn_begin(r.be, &m->attn_w[0], 0, &blk, &row), -EINVAL);
-	ck_assert_ptr_nonnull(strstr(r.ops->error(r.be), "before embed"));
-	ck_assert_int_eq(r.ops->attn_blocks(r.be, &sp, 1), -EINVAL);
+	ck_assert_int_eq(backend_attn_begin(r.be, &m->attn_w[0], 0, &blk, &row), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(backend_error(r.be), "before embed"));
+	ck_assert_int_eq(backend_attn_blocks(r.be, &sp, 1), -EINVAL);
 	int32_t tok[] = {7};
-	CHECK_RC(&r, r.ops->embed(r.be, &m->embed_w, tok, 1, 0));
+	CHECK_RC(&r, embed(r.be, &m->embed_w, tok, 1, 0));
 	/* A destination outside the arena. */
 	blk = r.p.n_kv_blocks;
-	ck_assert_int_eq(r.ops->attn_begin(r.be, &m->attn_w[0], 0, &blk, &row), -EINVAL);
-	ck_assert_ptr_nonnull(strstr(r.ops->error(r.be), "outside the arena"));
+	ck_assert_int_eq(backend_attn_begin(r.be, &m->attn_w[0], 0, &blk, &row), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(backend_error(r.be), "outside the arena"));
 	blk = 0;
 	row = r.p.block_tokens;
-	ck_assert_int_eq(r.ops->attn_begin(r.be, &m->attn_w[0], 0, &blk, &row), -EINVAL);
+	ck_assert_int_eq(backend_attn_begin(r.be, &m->attn_w[0], 0, &blk, &row), -EINVAL);
 	row = 0;
 	/* A missing tensor. */
 	struct group_weights w = m->attn_w[0];
-	w.t[ROLE_WK] = NULL;
-	ck_assert_int_eq(r.ops->attn_begin(r.be, &w, 0, &blk, &row), -EINVAL);
-	ck_assert_ptr_nonnull(strstr(r.ops->error(r.be), "no wk tensor"));
-	ck_assert_int_eq(r.ops->attn_begin(r.be, &m->attn_w[0], c.n_layers, &blk, &row), -EINVAL);
-	CHECK_RC(&r, r.ops->attn_begin(r.be, &m->attn_w[0], 0, &blk, &row));
+	w.t[ROLE_WK].data[PLACE_HOST] = NULL;
+	ck_assert_int_eq(backend_attn_begin(r.be, &w, 0, &blk, &row), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(backend_error(r.be), "no wk tensor"));
+	ck_assert_int_eq(backend_attn_begin(r.be, &m->attn_w[0], c.n_layers, &blk, &row), -EINVAL);
+	CHECK_RC(&r, backend_attn_begin(r.be, &m->attn_w[0], 0, &blk, &row));
 	/* Bad spans, then attn_end without the query's own block. */
 	struct kv_span bad = {.block = r.p.n_kv_blocks, .pos0 = 0, .n_tokens = 1};
-	ck_assert_int_eq(r.ops->attn_blocks(r.be, &bad, 1), -EINVAL);
+	ck_assert_int_eq(backend_attn_blocks(r.be, &bad, 1), -EINVAL);
 	bad = (struct kv_span){.block = 0, .pos0 = 0, .n_tokens = r.p.block_tokens + 1};
-	ck_assert_int_eq(r.ops->attn_blocks(r.be, &bad, 1), -EINVAL);
-	ck_assert_int_eq(r.ops->ffn(r.be, &m->ffn_w[0]), -EINVAL);
-	ck_assert_int_eq(r.ops->attn_end(r.be, &m->attn_w[0]), -EINVAL);
-	ck_assert_ptr_nonnull(strstr(r.ops->error(r.be), "saw no keys"));
+	ck_assert_int_eq(backend_attn_blocks(r.be, &bad, 1), -EINVAL);
+	ck_assert_int_eq(backend_ffn(r.be, &m->ffn_w[0]), -EINVAL);
+	ck_assert_int_eq(backend_attn_end(r.be, &m->attn_w[0]), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(backend_error(r.be), "saw no keys"));
 	runner_close(&r);
 	model_free(&m);
 }
@@ -846,14 +871,28 @@ END_TEST
 
 START_TEST(test_registry)
 {
-	ck_assert_ptr_eq(backend_find("cpu"), &backend_ref_ops);
-	ck_assert_str_eq(backend_ref_ops.name, "cpu");
-	ck_assert_ptr_null(backend_find("tpu"));
-	ck_assert_ptr_null(backend_find(""));
+	ck_assert(backend_known("cpu"));
+	ck_assert(!backend_known("tpu"));
+	ck_assert(!backend_known(""));
+	ck_assert(!backend_known(NULL));
 #ifndef PIPELINE_HAVE_CUDA
-	ck_assert_ptr_null(backend_find("cuda"));
+	ck_assert(!backend_known("cuda"));
 #endif
-	ck_assert_ptr_nonnull(backend_find(backend_default_name()));
+	ck_assert(backend_known(backend_default_name()));
+	struct model_config c = base_cfg();
+	struct backend_params p = default_params();
+	p.n_kv_blocks = 8;
+	struct backend *be = NULL;
+	char err[256] = "";
+	ck_assert_int_eq(backend_create("tpu", &c, &p, &be, err, sizeof(err)), -ENOENT);
+	ck_assert_ptr_null(be);
+	ck_assert_msg(strstr(err, "'tpu'") != NULL, "message: %s", err);
+	ck_assert_int_eq(backend_create("cpu", &c, &p, &be, err, sizeof(err)), 0);
+	ck_assert_str_eq(backend_name(be), "cpu");
+	ck_assert_int_eq(backend_weight_place(be), PLACE_HOST);
+	ck_assert_ptr_null(backend_cuda_stream(be));
+	ck_assert(!backend_samples_on_device(be));
+	backend_destroy(&be);
 }
 END_TEST
 

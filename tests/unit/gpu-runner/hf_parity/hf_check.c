@@ -1,11 +1,31 @@
 /* hf_check.c CASE_DIR - runs one dump of hf_ref.py through the C reference backend, as one
- * chunk and token by token, and compares with the logits transformers computed. Includes
- * backend_ref.c to compare its RoPE table bit for bit with transformers' inv_freq.
+ * chunk and token by token, and compares with the logits transformers computed, and its RoPE
+ * table (rope.h) bit for bit with transformers' inv_freq.
  * Exits 0 when the logits agree (relative L2 < 1e-5) and the table is bit-identical, 1 if not,
  * 2 on a broken dump. Built and run by run.sh. */
-#include "services/gpu-runner/backend_ref.c"
+#include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/rope.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ERR_MAX 512
 
 #define PARITY_TOL 1e-5
+
+/* Tensor role r of the model at data, in dtype wt, with the shape the config gives it. */
+static void set_tensor(const struct model_config *c, struct group_weights *g, enum tensor_role r, const void *data,
+		       uint32_t wt)
+{
+	uint32_t ndim;
+	uint64_t shape[2];
+	model_expected_shape(c, r, &ndim, shape);
+	weight_tensor_set(&g->t[r], PLACE_HOST, data, (enum dtype)wt, ndim == 1 ? 1 : (uint32_t)shape[0],
+			  (uint32_t)(ndim == 1 ? shape[0] : shape[1]));
+}
 
 static void *load(const char *dir, const char *name, size_t bytes)
 {
@@ -69,8 +89,8 @@ static int run(const struct model_config *c, const struct group_weights *ew, con
 	struct backend_params p = {.max_chunk = step, .block_tokens = bt, .n_kv_blocks = c->n_layers * bpl,
 				   .kv_dtype = DT_F32, .threads = 2};
 	struct backend *be;
-	char err[REF_ERR_MAX];
-	int rc = backend_ref_ops.create(c, &p, &be, err, sizeof(err));
+	char err[ERR_MAX];
+	int rc = backend_create("cpu", c, &p, &be, err, sizeof(err));
 	if (rc) {
 		fprintf(stderr, "hf_check: %s\n", err);
 		return rc;
@@ -78,7 +98,13 @@ static int run(const struct model_config *c, const struct group_weights *ew, con
 	for (uint32_t s = 0; s < n && !rc; s += step) {
 		uint32_t cnt = s + step <= n ? step : n - s, db[256], dr[256], ns = 0, end = s + cnt;
 		struct kv_span sp[16];
-		rc = backend_ref_ops.embed(be, ew, tok + s, cnt, pos0 + s);
+		uint32_t pos[256], seq[256];
+		for (uint32_t i = 0; i < cnt; i++) {
+			pos[i] = pos0 + s + i;
+			seq[i] = 0;
+		}
+		struct backend_batch batch = {.n = cnt, .tokens = tok + s, .pos = pos, .seq = seq};
+		rc = backend_embed(be, ew, &batch);
 		for (uint32_t l = 0; l < c->n_layers && !rc; l++) {
 			for (uint32_t i = 0; i < cnt; i++) {
 				db[i] = l * bpl + (s + i) / bt;
@@ -88,16 +114,16 @@ static int run(const struct model_config *c, const struct group_weights *ew, con
 			for (uint32_t b = 0; b * bt < end; b++)
 				sp[ns++] = (struct kv_span){.block = l * bpl + b, .pos0 = pos0 + b * bt,
 							    .n_tokens = end - b * bt < bt ? end - b * bt : bt};
-			rc = backend_ref_ops.attn_begin(be, &aw[l], l, db, dr);
-			rc = rc ? rc : backend_ref_ops.attn_blocks(be, sp, ns);
-			rc = rc ? rc : backend_ref_ops.attn_end(be, &aw[l]);
-			rc = rc ? rc : backend_ref_ops.ffn(be, &fw[l]);
+			rc = backend_attn_begin(be, &aw[l], l, db, dr);
+			rc = rc ? rc : backend_attn_blocks(be, sp, ns);
+			rc = rc ? rc : backend_attn_end(be, &aw[l]);
+			rc = rc ? rc : backend_ffn(be, &fw[l]);
 		}
-		rc = rc ? rc : backend_ref_ops.logits(be, hw, logits);
+		rc = rc ? rc : backend_logits(be, hw, logits);
 	}
 	if (rc)
-		fprintf(stderr, "hf_check: %s\n", backend_ref_ops.error(be));
-	backend_ref_ops.destroy(&be);
+		fprintf(stderr, "hf_check: %s\n", backend_error(be));
+	backend_destroy(&be);
 	return rc;
 }
 
@@ -118,7 +144,7 @@ int main(int argc, char **argv)
 	size_t qd = (size_t)c.n_heads * c.head_dim, kvd = (size_t)c.n_kv_heads * c.head_dim;
 	uint32_t half = c.head_dim / 2;
 	float *hf_inv = load(dir, "inv_freq", half * sizeof(float)), *ours = calloc(half, sizeof(float));
-	char err[REF_ERR_MAX];
+	char err[ERR_MAX];
 	if (rope_inv_freq(&c, ours, err, sizeof(err))) {
 		fprintf(stderr, "hf_check: %s\n", err);
 		return 2;
@@ -129,12 +155,11 @@ int main(int argc, char **argv)
 
 	struct group_weights ew = {0}, hw = {0};
 	struct group_weights *aw = calloc(c.n_layers, sizeof(*aw)), *fw = calloc(c.n_layers, sizeof(*fw));
-	for (int r = 0; r < ROLE_COUNT; r++)
-		ew.dtype[r] = hw.dtype[r] = wt;
-	ew.t[ROLE_EMBED] = load(dir, "model.embed_tokens.weight", (size_t)c.vocab_size * c.dim * es);
-	hw.t[ROLE_FINAL_NORM] = load(dir, "model.norm.weight", c.dim * es);
-	hw.t[ROLE_LM_HEAD] = c.tie_embeddings ? ew.t[ROLE_EMBED]
-					      : load(dir, "lm_head.weight", (size_t)c.vocab_size * c.dim * es);
+	void *embed = load(dir, "model.embed_tokens.weight", (size_t)c.vocab_size * c.dim * es);
+	set_tensor(&c, &ew, ROLE_EMBED, embed, wt);
+	set_tensor(&c, &hw, ROLE_FINAL_NORM, load(dir, "model.norm.weight", c.dim * es), wt);
+	set_tensor(&c, &hw, ROLE_LM_HEAD,
+		   c.tie_embeddings ? embed : load(dir, "lm_head.weight", (size_t)c.vocab_size * c.dim * es), wt);
 	static const struct {
 		enum tensor_role role;
 		const char *suffix;
@@ -146,8 +171,6 @@ int main(int argc, char **argv)
 		{ROLE_W_DOWN, "mlp.down_proj.weight"},
 	};
 	for (uint32_t l = 0; l < c.n_layers; l++) {
-		for (int r = 0; r < ROLE_COUNT; r++)
-			aw[l].dtype[r] = fw[l].dtype[r] = wt;
 		for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
 			enum tensor_role r = names[i].role;
 			size_t elems = r == ROLE_ATTN_NORM || r == ROLE_FFN_NORM ? c.dim
@@ -157,7 +180,7 @@ int main(int argc, char **argv)
 			char nm[128];
 			snprintf(nm, sizeof(nm), "model.layers.%u.%s", l, names[i].suffix);
 			struct group_weights *g = r >= ROLE_FFN_NORM ? &fw[l] : &aw[l];
-			g->t[r] = load(dir, nm, elems * es);
+			set_tensor(&c, g, r, load(dir, nm, elems * es), wt);
 		}
 	}
 	int32_t *tok = load(dir, "tokens", n * sizeof(int32_t));

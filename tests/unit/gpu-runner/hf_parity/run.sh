@@ -15,8 +15,10 @@ if ! python3 -c 'import torch, transformers' 2>/dev/null; then
 fi
 work=$(mktemp -d /tmp/hf_parity.XXXXXX)
 trap 'rm -rf "$work"' EXIT
+rt=$root/services/gpu-runner
 gcc -O2 -std=c11 -D_GNU_SOURCE -Wall -Wextra -I"$root" "$here/hf_check.c" "$root/common/dtype.c" \
-	"$root/common/model.c" -o "$work/hf_check" -lm -lpthread
+	"$root/common/model.c" "$root/common/util.c" "$rt/backend.c" "$rt/cpu/backend_ref.c" "$rt/cpu/kernels.c" "$rt/cpu/pool.c" \
+	"$rt/rope.c" "$rt/sampler.c" -o "$work/hf_check" -lm -lpthread
 if ! python3 "$here/hf_ref.py" "$work/cases" > "$work/hf_ref.log" 2>&1; then
 	cat "$work/hf_ref.log"
 	echo "hf_parity: hf_ref.py failed"

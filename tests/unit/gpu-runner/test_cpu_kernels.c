@@ -1,9 +1,14 @@
-/* test_ref_internals.c - the kernels of the C reference backend (RMSNorm, RoPE table and
- * rotation, SiLU, dot product, thread pool) against double-precision versions. Includes
- * backend_ref.c to reach its static functions, so it links pipeline_common, not runner_core. */
-#include "services/gpu-runner/backend_ref.c"
+/* test_cpu_kernels.c - the kernels of the C reference backend (RMSNorm, RoPE table and
+ * rotation, SiLU, dot product) against double-precision versions, and the CPU worker pool. */
+#include "services/gpu-runner/cpu/kernels.h"
+#include "services/gpu-runner/cpu/pool.h"
+#include "services/gpu-runner/rope.h"
 
 #include <check.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 static uint64_t rng_state = 42;
 
@@ -54,9 +59,9 @@ START_TEST(test_rmsnorm)
 	double r = 1.0 / sqrt(ss / DIM + 1e-5);
 	for (int pass = 0; pass < 2; pass++) {
 		if (pass == 0)
-			rmsnorm(out, x, wf, DT_F32, DIM, 1e-5f);
+			cpu_rmsnorm(out, x, wf, DT_F32, DIM, 1e-5f);
 		else
-			rmsnorm(out, x, wb, DT_BF16, DIM, 1e-5f);
+			cpu_rmsnorm(out, x, wb, DT_BF16, DIM, 1e-5f);
 		for (int i = 0; i < DIM; i++) {
 			double w = pass == 0 ? wf[i] : bf16_to_f32(wb[i]);
 			double want = w * x[i] * r;
@@ -73,7 +78,7 @@ START_TEST(test_silu)
 	for (int i = -4000; i <= 4000; i++) {
 		float g = (float)i / 100.0f;
 		double want = (double)g / (1.0 + exp(-(double)g));
-		float got = silu_mul(g, 1.0f);
+		float got = cpu_silu_mul(g, 1.0f);
 		if (want == 0)
 			ck_assert(got == 0);
 		else
@@ -81,7 +86,7 @@ START_TEST(test_silu)
 				      (double)got, want);
 		float u = (float)rng_normal();
 		double want_mul = want * u;
-		got = silu_mul(g, u);
+		got = cpu_silu_mul(g, u);
 		if (want_mul != 0)
 			ck_assert_msg(rel_diff(got, want_mul) <= 0x1.0p-23, "silu(%g) * %g", (double)g, (double)u);
 	}
@@ -99,10 +104,10 @@ START_TEST(test_dot)
 		exact += (long double)a[i] * b[i];
 		mag += fabsl((long double)a[i] * b[i]);
 	}
-	double got = dot_f32(a, b, N);
+	double got = cpu_dot_f32(a, b, N);
 	ck_assert_msg(fabsl(got - exact) / mag < 1e-14, "dot error %.3Le", fabsl(got - exact) / mag);
-	ck_assert(dot_f32(a, b, 0) == 0);
-	ck_assert(dot_f32(a, b, 3) == (double)a[0] * b[0] + (double)a[1] * b[1] + (double)a[2] * b[2]);
+	ck_assert(cpu_dot_f32(a, b, 0) == 0);
+	ck_assert(cpu_dot_f32(a, b, 3) == (double)a[0] * b[0] + (double)a[1] * b[1] + (double)a[2] * b[2]);
 }
 END_TEST
 
@@ -203,8 +208,8 @@ START_TEST(test_rope_rotation)
 		x0[i] = (float)rng_normal();
 	for (uint32_t pos = 0; pos < 64; pos += 7) {
 		memcpy(x, x0, sizeof(x));
-		rope_cos_sin(inv, 64, pos, cs, sn);
-		rope_apply(x, cs, sn, 64);
+		cpu_rope_cos_sin(inv, 64, pos, cs, sn);
+		cpu_rope_apply(x, cs, sn, 64);
 		for (int i = 0; i < 64; i++) {
 			double a = (double)pos * inv[i];
 			double w1 = x0[i] * cos(a) - x0[i + 64] * sin(a), w2 = x0[i + 64] * cos(a) + x0[i] * sin(a);
@@ -216,7 +221,7 @@ START_TEST(test_rope_rotation)
 	}
 	/* The angle is the float32 product pos * inv_freq, as transformers has it: at i = 0 the
 	 * frequency is exactly 1, so the angle of position 100000 is exactly 100000. */
-	rope_cos_sin(inv, 64, 100000, cs, sn);
+	cpu_rope_cos_sin(inv, 64, 100000, cs, sn);
 	ck_assert(cs[0] == (float)cos(100000.0));
 	ck_assert(sn[0] == (float)sin(100000.0));
 	ck_assert(cs[5] == (float)cos((double)(100000.0f * inv[5])));
@@ -225,7 +230,7 @@ END_TEST
 
 static uint32_t hits[1000], owner[1000];
 
-static void count_items(struct backend *be, const void *job, uint32_t tid, uint32_t begin, uint32_t end)
+static void count_items(const void *job, uint32_t tid, uint32_t begin, uint32_t end)
 {
 	for (uint32_t i = begin; i < end; i++) {
 		hits[i]++;
@@ -235,38 +240,32 @@ static void count_items(struct backend *be, const void *job, uint32_t tid, uint3
 
 START_TEST(test_pool_covers_every_item_once)
 {
-	struct model_config c = llama31_cfg();
-	c.dim = 64;
-	c.n_heads = 4;
-	c.n_kv_heads = 2;
-	c.head_dim = 16;
-	c.ffn_dim = 128;
-	c.vocab_size = 100;
-	struct backend_params p = {.max_chunk = 4, .block_tokens = 8, .n_kv_blocks = 2, .kv_dtype = DT_F32,
-				   .threads = 3};
-	struct backend *be = NULL;
+	struct cpu_pool *pool = NULL;
 	char err[256] = "";
-	ck_assert_int_eq(ref_create(&c, &p, &be, err, sizeof(err)), 0);
-	ck_assert_uint_eq(be->n_workers, 2);
+	ck_assert_int_eq(cpu_pool_create(3, &pool, err, sizeof(err)), 0);
+	ck_assert_uint_eq(cpu_pool_threads(pool), 3);
 	for (uint32_t total = 0; total <= 1000; total += 97) {
 		memset(hits, 0, sizeof(hits));
 		for (int rep = 0; rep < 3; rep++)
-			run_parallel(be, count_items, NULL, total);
+			cpu_pool_run(pool, count_items, NULL, total);
 		for (uint32_t i = 0; i < total; i++) {
 			ck_assert_uint_eq(hits[i], 3);
 			uint32_t b, e;
-			job_range(total, 3, owner[i], &b, &e);
+			cpu_pool_range(total, 3, owner[i], &b, &e);
 			ck_assert(i >= b && i < e);
 		}
 	}
-	ref_destroy(&be);
-	ck_assert_ptr_null(be);
+	cpu_pool_destroy(&pool);
+	ck_assert_ptr_null(pool);
+	cpu_pool_destroy(&pool); /* safe twice */
+	ck_assert_int_eq(cpu_pool_create(CPU_POOL_MAX_THREADS + 1, &pool, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_null(pool);
 }
 END_TEST
 
 int main(void)
 {
-	Suite *s = suite_create("backend_ref_internals");
+	Suite *s = suite_create("cpu_kernels");
 	TCase *tc = tcase_create("kernels");
 	tcase_add_test(tc, test_rmsnorm);
 	tcase_add_test(tc, test_silu);

@@ -1,0 +1,483 @@
+/* backend.c - the front of every backend (backend.h): the checks a call gets before an
+ * implementation sees it (the order of a forward step's calls, ranges of layers, arena blocks
+ * and token ids, the weights a call needs), and the defaults for what an implementation leaves
+ * out (backend_impl.h). Both backends share these checks, so their messages are the same.
+ */
+#include "services/gpu-runner/backend_impl.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef PIPELINE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#define BACKEND_ERR_MAX 512
+
+/* Where a forward step stands: the order of calls backend.h prescribes. */
+enum phase {
+	PHASE_IDLE = 0,	 /* no batch embedded yet */
+	PHASE_READY = 1, /* hidden state holds a batch: attn_begin, ffn or logits may follow */
+	PHASE_ATTN = 2,	 /* between attn_begin and attn_end */
+};
+
+struct backend {
+	const struct backend_impl *impl;
+	struct backend_dev *dev;
+	struct model_config cfg;
+	struct backend_params p;
+	enum phase phase;
+	uint32_t n;	  /* tokens of the batch in flight */
+	uint32_t pos0;	  /* position of its first token */
+	uint32_t layer;	  /* between attn_begin and attn_end */
+	float *logits;	  /* (vocab_size) for logits_argmax on a backend without its own */
+	char err[BACKEND_ERR_MAX];
+};
+
+__attribute__((format(printf, 3, 4))) static int fail(struct backend *be, int rc, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	int k = snprintf(be->err, sizeof(be->err), "%s backend: ", be->impl->name);
+	if (k < 0 || (size_t)k >= sizeof(be->err))
+		k = 0;
+	vsnprintf(be->err + k, sizeof(be->err) - (size_t)k, fmt, ap);
+	va_end(ap);
+	return rc;
+}
+
+/* An implementation's call returned rc: keep its message. */
+static int impl_rc(struct backend *be, int rc)
+{
+	if (rc < 0)
+		snprintf(be->err, sizeof(be->err), "%s", be->impl->error(be->dev));
+	return rc;
+}
+
+void weight_tensor_set(struct weight_tensor *t, enum weight_place place, const void *data, enum dtype format,
+		       uint32_t rows, uint32_t cols)
+{
+	memset(t, 0, sizeof(*t));
+	t->data[place] = data;
+	t->format = format;
+	t->rows = rows;
+	t->cols = cols;
+	t->row_bytes = dtype_row_bytes(format, cols);
+}
+
+/* ---- registry and creation ------------------------------------------------------------- */
+
+const struct backend_impl *backend_impl_find(const char *name)
+{
+	if (!name)
+		return NULL;
+	if (!strcmp(name, backend_ref_impl.name))
+		return &backend_ref_impl;
+#ifdef PIPELINE_HAVE_CUDA
+	if (!strcmp(name, backend_cuda_impl.name))
+		return &backend_cuda_impl;
+#endif
+	/* Without nvcc "cuda" is an unbuilt backend and gets NULL, like any unknown name. */
+	return NULL;
+}
+
+const char *backend_default_name(void)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	/* No driver, no device, or a driver too old for the runtime: all mean the C backend. */
+	int count = 0;
+	if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0)
+		return backend_cuda_impl.name;
+	cudaGetLastError(); /* the failure is not sticky: leave no error behind for later calls */
+#endif
+	return backend_ref_impl.name;
+}
+
+bool backend_known(const char *name)
+{
+	return backend_impl_find(name) != NULL;
+}
+
+size_t backend_kv_block_bytes(const char *name, const struct model_config *cfg, const struct backend_params *p)
+{
+	const struct backend_impl *impl = backend_impl_find(name);
+	return impl ? impl->kv->block_bytes(cfg, p) : 0;
+}
+
+int backend_check_config(const char *name, const struct model_config *c, const struct backend_params *p, char *err,
+			 size_t errlen)
+{
+	if (!c->n_layers || !c->dim || !c->n_heads || !c->n_kv_heads || !c->head_dim || !c->ffn_dim ||
+	    !c->vocab_size) {
+		snprintf(err, errlen,
+			 "%s backend: model config has a zero size (layers %u, dim %u, heads %u, kv heads %u, "
+			 "head_dim %u, ffn %u, vocab %u)", name, c->n_layers, c->dim, c->n_heads, c->n_kv_heads,
+			 c->head_dim, c->ffn_dim, c->vocab_size);
+		return -EINVAL;
+	}
+	if (c->n_heads % c->n_kv_heads) {
+		snprintf(err, errlen, "%s backend: %u attention heads are not a multiple of %u kv heads", name,
+			 c->n_heads, c->n_kv_heads);
+		return -EINVAL;
+	}
+	if (!(c->rms_eps >= 0.0f) || !isfinite(c->rms_eps)) {
+		snprintf(err, errlen, "%s backend: rms_norm_eps %g is not a finite number >= 0", name, (double)c->rms_eps);
+		return -EINVAL;
+	}
+	if (!p->max_chunk || !p->block_tokens || !p->n_kv_blocks) {
+		snprintf(err, errlen, "%s backend: max_chunk %u, block_tokens %u and n_kv_blocks %u must all be > 0",
+			 name, p->max_chunk, p->block_tokens, p->n_kv_blocks);
+		return -EINVAL;
+	}
+	if (p->gemv > BACKEND_GEMV_ROWS2 || p->attn > BACKEND_ATTN_SIMPLE) {
+		snprintf(err, errlen, "%s backend: unknown kernel choice (gemv %u, attn %u)", name, p->gemv, p->attn);
+		return -EINVAL;
+	}
+	return 0;
+}
+
+int backend_create(const char *name, const struct model_config *cfg, const struct backend_params *p,
+		   struct backend **out, char *err, size_t errlen)
+{
+	assert(cfg && p && out && err);
+	*out = NULL;
+	const struct backend_impl *impl = backend_impl_find(name);
+	if (!impl) {
+		snprintf(err, errlen, "backend '%s' is not built into this binary", name ? name : "(none)");
+		return -ENOENT;
+	}
+	int rc = backend_check_config(impl->name, cfg, p, err, errlen);
+	if (rc)
+		return rc;
+	struct backend *be = calloc(1, sizeof(*be));
+	if (!be) {
+		snprintf(err, errlen, "%s backend: out of memory for the backend state", impl->name);
+		return -ENOMEM;
+	}
+	be->impl = impl;
+	be->cfg = *cfg;
+	be->p = *p;
+	rc = impl->create(cfg, p, &be->dev, err, errlen);
+	if (rc) {
+		free(be);
+		return rc;
+	}
+	*out = be;
+	return 0;
+}
+
+void backend_destroy(struct backend **bep)
+{
+	if (!bep || !*bep)
+		return;
+	struct backend *be = *bep;
+	be->impl->destroy(&be->dev);
+	free(be->logits);
+	free(be);
+	*bep = NULL;
+}
+
+const char *backend_name(const struct backend *be)
+{
+	return be->impl->name;
+}
+
+const char *backend_error(const struct backend *be)
+{
+	return be->err;
+}
+
+enum weight_place backend_weight_place(const struct backend *be)
+{
+	return be->impl->place;
+}
+
+struct CUstream_st *backend_cuda_stream(const struct backend *be)
+{
+	return be->impl->cuda_stream ? be->impl->cuda_stream(be->dev) : NULL;
+}
+
+/* ---- checks of a forward step ---------------------------------------------------------- */
+
+/* The tensors of `roles` are there, in a known format, readable where the backend reads them
+ * (the embedding table: on the host). */
+static int check_roles(struct backend *be, const struct group_weights *w, const enum tensor_role *roles, uint32_t n,
+		       const char *what)
+{
+	for (uint32_t i = 0; i < n; i++) {
+		enum tensor_role r = roles[i];
+		const struct weight_tensor *t = &w->t[r];
+		enum weight_place place = r == ROLE_EMBED ? PLACE_HOST : be->impl->place;
+		if (!t->rows || !t->data[place])
+			return fail(be, -EINVAL, "%s: weights have no %s tensor%s", what, tensor_role_name(r),
+				    t->rows ? place == PLACE_HOST ? " in host memory" : " in device memory" : "");
+		if (t->format >= DT_COUNT)
+			return fail(be, -EINVAL, "%s: %s tensor has unknown dtype %u", what, tensor_role_name(r),
+				    t->format);
+		uint32_t ndim;
+		uint64_t shape[2];
+		int rc = model_expected_shape(&be->cfg, r, &ndim, shape);
+		assert(rc == 0);
+		uint64_t rows = ndim == 1 ? 1 : shape[0], cols = ndim == 1 ? shape[0] : shape[1];
+		if (t->row0 != 0 || t->rows != rows || t->cols != cols || t->row_bytes != dtype_row_bytes(t->format, cols))
+			return fail(be, -EINVAL,
+				    "%s: %s tensor holds rows %u..%u of %u elements (%llu bytes each); the model's is "
+				    "(%llu, %llu) in %s", what, tensor_role_name(r), t->row0, t->row0 + t->rows, t->cols,
+				    (unsigned long long)t->row_bytes, (unsigned long long)rows, (unsigned long long)cols,
+				    dtype_name((enum dtype)t->format));
+	}
+	return 0;
+}
+
+static const char *phase_text(enum phase ph, const char *attn)
+{
+	return ph == PHASE_IDLE ? "before embed" : attn;
+}
+
+/* ---- compute ----------------------------------------------------------------------------- */
+
+int backend_embed(struct backend *be, const struct group_weights *w, const struct backend_batch *b)
+{
+	static const enum tensor_role roles[] = {ROLE_EMBED};
+	assert(w && b && (b->n == 0 || (b->tokens && b->pos && b->seq)));
+	int rc = check_roles(be, w, roles, 1, "embed");
+	if (rc)
+		return rc;
+	uint32_t n = b->n;
+	if (n == 0 || n > be->p.max_chunk)
+		return fail(be, -EINVAL, "embed: chunk of %u tokens (must be 1..%u, max_chunk)", n, be->p.max_chunk);
+	uint32_t pos0 = b->pos[0];
+	if ((uint64_t)pos0 + n > UINT32_MAX)
+		return fail(be, -EINVAL, "embed: positions %u..%u overflow 32 bits", pos0, pos0 + (n - 1));
+	for (uint32_t t = 0; t < n; t++) {
+		if (b->tokens[t] < 0 || (uint32_t)b->tokens[t] >= be->cfg.vocab_size)
+			return fail(be, -EINVAL, "embed: token id %d at chunk index %u is outside the vocabulary (0..%u)",
+				    b->tokens[t], t, be->cfg.vocab_size - 1);
+		if (b->seq[t] != b->seq[0] || b->pos[t] != pos0 + t)
+			return fail(be, -ENOTSUP,
+				    "embed: token %u is at position %u of sequence %u: a batch holds one sequence at "
+				    "consecutive positions (%u from %u)", t, b->pos[t], b->seq[t], b->seq[0], pos0);
+	}
+	rc = be->impl->compute->embed(be->dev, w, b);
+	if (rc)
+		return impl_rc(be, rc);
+	be->n = n;
+	be->pos0 = pos0;
+	be->phase = PHASE_READY;
+	return 0;
+}
+
+int backend_attn_begin(struct backend *be, const struct group_weights *w, uint32_t layer, const uint32_t *dst_block,
+		       const uint32_t *dst_row)
+{
+	static const enum tensor_role roles[] = {ROLE_ATTN_NORM, ROLE_WQ, ROLE_WK, ROLE_WV, ROLE_WO};
+	assert(w && dst_block && dst_row);
+	/* The call order is checked in release builds too: a wrong order from the engine would
+	 * otherwise compute silently wrong tokens. */
+	if (be->phase != PHASE_READY)
+		return fail(be, -EINVAL, "attn_begin(layer %u) called %s", layer,
+			    phase_text(be->phase, "before attn_end of the previous layer"));
+	if (layer >= be->cfg.n_layers)
+		return fail(be, -EINVAL, "attn_begin: layer %u of a %u-layer model", layer, be->cfg.n_layers);
+	int rc = check_roles(be, w, roles, 5, "attention");
+	if (rc)
+		return rc;
+	for (uint32_t t = 0; t < be->n; t++)
+		if (dst_block[t] >= be->p.n_kv_blocks || dst_row[t] >= be->p.block_tokens)
+			return fail(be, -EINVAL, "attn_begin(layer %u): token %u goes to block %u row %u, outside the "
+				    "arena (%u blocks of %u rows)", layer, t, dst_block[t], dst_row[t], be->p.n_kv_blocks,
+				    be->p.block_tokens);
+	rc = be->impl->compute->attn_begin(be->dev, w, layer, dst_block, dst_row);
+	if (rc)
+		return impl_rc(be, rc);
+	be->layer = layer;
+	be->phase = PHASE_ATTN;
+	return 0;
+}
+
+int backend_attn_blocks(struct backend *be, const struct kv_span *spans, uint32_t n_spans)
+{
+	assert(spans || n_spans == 0);
+	if (be->phase != PHASE_ATTN)
+		return fail(be, -EINVAL, "attn_blocks called outside attn_begin .. attn_end");
+	for (uint32_t s = 0; s < n_spans; s++) {
+		const struct kv_span *sp = &spans[s];
+		if (sp->block >= be->p.n_kv_blocks || sp->n_tokens == 0 || sp->n_tokens > be->p.block_tokens ||
+		    (uint64_t)sp->pos0 + sp->n_tokens > UINT32_MAX)
+			return fail(be, -EINVAL,
+				    "attn_blocks(layer %u): span %u (block %u, positions from %u, %u tokens) does not fit "
+				    "the arena (%u blocks of %u rows)", be->layer, s, sp->block, sp->pos0, sp->n_tokens,
+				    be->p.n_kv_blocks, be->p.block_tokens);
+	}
+	if (n_spans == 0)
+		return 0;
+	return impl_rc(be, be->impl->compute->attn_blocks(be->dev, spans, n_spans));
+}
+
+int backend_attn_end(struct backend *be, const struct group_weights *w)
+{
+	static const enum tensor_role roles[] = {ROLE_WO};
+	assert(w);
+	if (be->phase != PHASE_ATTN)
+		return fail(be, -EINVAL, "attn_end called without attn_begin");
+	int rc = check_roles(be, w, roles, 1, "attention");
+	if (rc)
+		return rc;
+	rc = be->impl->compute->attn_end(be->dev, w);
+	if (rc)
+		return impl_rc(be, rc);
+	be->phase = PHASE_READY;
+	return 0;
+}
+
+int backend_ffn(struct backend *be, const struct group_weights *w)
+{
+	static const enum tensor_role roles[] = {ROLE_FFN_NORM, ROLE_W_GATE, ROLE_W_UP, ROLE_W_DOWN};
+	assert(w);
+	if (be->phase != PHASE_READY)
+		return fail(be, -EINVAL, "ffn called %s", phase_text(be->phase, "between attn_begin and attn_end"));
+	int rc = check_roles(be, w, roles, 4, "ffn");
+	if (rc)
+		return rc;
+	return impl_rc(be, be->impl->compute->ffn(be->dev, w));
+}
+
+/* What every head call checks first. */
+static int head_check(struct backend *be, const struct group_weights *w, const char *what)
+{
+	static const enum tensor_role roles[] = {ROLE_FINAL_NORM, ROLE_LM_HEAD};
+	if (be->phase != PHASE_READY)
+		return fail(be, -EINVAL, "%s called %s", what, phase_text(be->phase, "between attn_begin and attn_end"));
+	return check_roles(be, w, roles, 2, "head");
+}
+
+int backend_logits(struct backend *be, const struct group_weights *w, float *out)
+{
+	assert(w && out);
+	int rc = head_check(be, w, "logits");
+	if (rc)
+		return rc;
+	return impl_rc(be, be->impl->compute->logits(be->dev, w, out));
+}
+
+int backend_logits_argmax(struct backend *be, const struct group_weights *w, int32_t *token)
+{
+	assert(w && token);
+	int rc = head_check(be, w, "logits_argmax");
+	if (rc)
+		return rc;
+	if (be->impl->compute->logits_argmax)
+		return impl_rc(be, be->impl->compute->logits_argmax(be->dev, w, token));
+	if (!be->logits && !(be->logits = malloc(sizeof(float) * be->cfg.vocab_size)))
+		return fail(be, -ENOMEM, "logits_argmax: out of memory for the logits");
+	rc = be->impl->compute->logits(be->dev, w, be->logits);
+	if (rc)
+		return impl_rc(be, rc);
+	*token = argmax_f32(be->logits, be->cfg.vocab_size);
+	return 0;
+}
+
+bool backend_samples_on_device(const struct backend *be)
+{
+	return be->impl->compute->logits_sample != NULL;
+}
+
+int backend_logits_sample(struct backend *be, const struct group_weights *w, const struct sampler_params *sp,
+			  double u, int32_t *token)
+{
+	assert(w && sp && token);
+	if (!be->impl->compute->logits_sample)
+		return fail(be, -ENOTSUP, "logits_sample: this backend does not sample on the device");
+	int rc = head_check(be, w, "logits_sample");
+	if (rc)
+		return rc;
+	if (!(sp->temperature > 0.0f) || !(u >= 0.0 && u < 1.0))
+		return fail(be, -EINVAL, "logits_sample needs temperature > 0 and u in [0, 1)");
+	rc = be->impl->compute->logits_sample(be->dev, w, sp, u, token);
+	if (rc)
+		return impl_rc(be, rc);
+	if (*token < 0 || (uint32_t)*token >= be->cfg.vocab_size)
+		return fail(be, -EIO, "the sampler chose no token");
+	return 0;
+}
+
+/* ---- KV copies --------------------------------------------------------------------------- */
+
+static int check_blocks(struct backend *be, uint32_t n, const uint32_t *blocks, const char *what)
+{
+	assert(blocks || n == 0);
+	for (uint32_t i = 0; i < n; i++)
+		if (blocks[i] >= be->p.n_kv_blocks)
+			return fail(be, -EINVAL, "%s: block %u is outside the arena of %u blocks", what, blocks[i],
+				    be->p.n_kv_blocks);
+	return 0;
+}
+
+int backend_kv_to_host(struct backend *be, uint32_t n, const uint32_t *blocks, void *const *dsts)
+{
+	int rc = check_blocks(be, n, blocks, "kv_to_host");
+	if (rc || n == 0)
+		return rc;
+	return impl_rc(be, be->impl->kv->to_host(be->dev, n, blocks, dsts));
+}
+
+int backend_kv_from_host(struct backend *be, uint32_t n, const uint32_t *blocks, const void *const *srcs)
+{
+	int rc = check_blocks(be, n, blocks, "kv_from_host");
+	if (rc || n == 0)
+		return rc;
+	return impl_rc(be, be->impl->kv->from_host(be->dev, n, blocks, srcs));
+}
+
+int backend_kv_write_behind(struct backend *be, uint32_t n, const uint32_t *blocks, void *const *dsts,
+			    void *event_handle)
+{
+	int rc = check_blocks(be, n, blocks, "kv_write_behind");
+	if (rc)
+		return rc;
+	if (!be->impl->kv->write_behind)
+		return n ? impl_rc(be, be->impl->kv->to_host(be->dev, n, blocks, dsts)) : 0;
+	return impl_rc(be, be->impl->kv->write_behind(be->dev, n, blocks, dsts, event_handle));
+}
+
+int backend_kv_prefetch(struct backend *be, uint32_t n, const uint32_t *blocks, const void *const *srcs, uint32_t slot)
+{
+	if (slot > 1)
+		return fail(be, -EINVAL, "kv_prefetch: slot %u (0 or 1)", slot);
+	int rc = check_blocks(be, n, blocks, "kv_prefetch");
+	if (rc || n == 0)
+		return rc;
+	if (!be->impl->kv->prefetch)
+		return impl_rc(be, be->impl->kv->from_host(be->dev, n, blocks, srcs));
+	return impl_rc(be, be->impl->kv->prefetch(be->dev, n, blocks, srcs, slot));
+}
+
+int backend_kv_prefetch_wait(struct backend *be, uint32_t slot)
+{
+	if (slot > 1)
+		return fail(be, -EINVAL, "kv_prefetch_wait: slot %u (0 or 1)", slot);
+	if (!be->impl->kv->prefetch_wait)
+		return 0;
+	return impl_rc(be, be->impl->kv->prefetch_wait(be->dev, slot));
+}
+
+int backend_kv_sync(struct backend *be)
+{
+	return be->impl->kv->sync ? impl_rc(be, be->impl->kv->sync(be->dev)) : 0;
+}
+
+int backend_pin_host(struct backend *be, void *p, size_t bytes)
+{
+	return be->impl->kv->pin_host ? impl_rc(be, be->impl->kv->pin_host(be->dev, p, bytes)) : 0;
+}
+
+void backend_unpin_host(struct backend *be, void *p)
+{
+	if (be->impl->kv->unpin_host)
+		be->impl->kv->unpin_host(be->dev, p);
+}

@@ -1,0 +1,87 @@
+/* backend_impl.h - what a backend implementation provides to the front (backend.c).
+ *
+ * An implementation defines its own `struct backend_dev` (the device state) and three tables:
+ * compute, KV copies, and the impl itself. The front calls them only with arguments it has
+ * checked (the call order of a forward step, layer and arena ranges, roles present in the
+ * weights, readable at the implementation's place, token ids inside the vocabulary), so an
+ * implementation checks only what is its own (a kernel's limits, a dtype it cannot mix).
+ * Entries marked optional may be NULL: the front fills in a default once, at create, and
+ * callers never see the difference.
+ *
+ * Every function returns 0 or -errno with a message in the device's error buffer (error()),
+ * which starts with the backend's name ("cuda backend: ...").
+ */
+#ifndef GPU_RUNNER_BACKEND_IMPL_H
+#define GPU_RUNNER_BACKEND_IMPL_H
+#include "services/gpu-runner/backend.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct backend_dev;
+
+struct backend_compute_ops {
+	int (*embed)(struct backend_dev *d, const struct group_weights *w, const struct backend_batch *b);
+	int (*attn_begin)(struct backend_dev *d, const struct group_weights *w, uint32_t layer,
+			  const uint32_t *dst_block, const uint32_t *dst_row);
+	int (*attn_blocks)(struct backend_dev *d, const struct kv_span *spans, uint32_t n_spans);
+	int (*attn_end)(struct backend_dev *d, const struct group_weights *w);
+	int (*ffn)(struct backend_dev *d, const struct group_weights *w);
+	int (*logits)(struct backend_dev *d, const struct group_weights *w, float *out);
+	/* Optional: default logits into a host buffer, then argmax_f32 there. */
+	int (*logits_argmax)(struct backend_dev *d, const struct group_weights *w, int32_t *token);
+	/* Optional: default -ENOTSUP (the runner samples on the host). */
+	int (*logits_sample)(struct backend_dev *d, const struct group_weights *w, const struct sampler_params *sp,
+			     double u, int32_t *token);
+};
+
+struct backend_kv_ops {
+	size_t (*block_bytes)(const struct model_config *cfg, const struct backend_params *p);
+	int (*to_host)(struct backend_dev *d, uint32_t n, const uint32_t *blocks, void *const *dsts);
+	int (*from_host)(struct backend_dev *d, uint32_t n, const uint32_t *blocks, const void *const *srcs);
+	/* Optional: default to_host, returning 0 (no event). */
+	int (*write_behind)(struct backend_dev *d, uint32_t n, const uint32_t *blocks, void *const *dsts,
+			    void *event_handle);
+	/* Optional, both or neither: default from_host now, and nothing to wait for. */
+	int (*prefetch)(struct backend_dev *d, uint32_t n, const uint32_t *blocks, const void *const *srcs,
+			uint32_t slot);
+	int (*prefetch_wait)(struct backend_dev *d, uint32_t slot);
+	/* Optional: default nothing to wait for. */
+	int (*sync)(struct backend_dev *d);
+	/* Optional, both or neither: default nothing to pin. */
+	int (*pin_host)(struct backend_dev *d, void *p, size_t bytes);
+	void (*unpin_host)(struct backend_dev *d, void *p);
+};
+
+struct backend_impl {
+	const char *name;	  /* "cpu", "cuda" */
+	enum weight_place place;  /* where it reads weights (the embedding table aside: host) */
+	/* Creates the device state for cfg and p (checked by backend_check_config first).
+	 * Returns 0 or -errno with a message in err. */
+	int (*create)(const struct model_config *cfg, const struct backend_params *p, struct backend_dev **out,
+		      char *err, size_t errlen);
+	void (*destroy)(struct backend_dev **d);
+	const char *(*error)(struct backend_dev *d);
+	/* Optional: NULL on a backend without a CUDA stream. */
+	struct CUstream_st *(*cuda_stream)(struct backend_dev *d);
+	const struct backend_compute_ops *compute;
+	const struct backend_kv_ops *kv;
+};
+
+/* The implementations built into this binary (backend_registry.c lists them). */
+extern const struct backend_impl backend_ref_impl;
+#ifdef PIPELINE_HAVE_CUDA
+extern const struct backend_impl backend_cuda_impl;
+#endif
+const struct backend_impl *backend_impl_find(const char *name);
+
+/* The checks every backend's create gets first: no zero size, heads a multiple of kv heads, a
+ * finite rms_norm_eps >= 0, positive chunk, block and arena sizes. name ("cpu", "cuda") starts
+ * the message. Returns 0 or -EINVAL with the message in err. */
+int backend_check_config(const char *name, const struct model_config *c, const struct backend_params *p, char *err,
+			 size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

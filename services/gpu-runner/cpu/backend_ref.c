@@ -1,0 +1,524 @@
+/* backend_ref.c - the C reference backend ("cpu"): the Llama forward pass as Hugging Face
+ * transformers' LlamaForCausalLM computes it in float32, driven through backend.h.
+ *
+ * Numerics. Activations, the KV arena and every value handed between steps are float32,
+ * rounded where transformers rounds (after each projection, RMSNorm, RoPE, SiLU, residual
+ * add). Inside a dot product the float32 products are exact in double, and the sums run in
+ * double: the result is then the float32 rounding of a nearly exact value, so the error
+ * against transformers is transformers' own float32 summation error and not twice that.
+ * This backend is the oracle the CUDA backend is checked against, and over 80 layers of an
+ * 8192-wide model a float32 running sum (error ~ sqrt(n) * 2^-24 per dot) would eat a good
+ * part of the 1e-4 logits tolerance by itself. The online softmax (running max, sum and
+ * accumulator) is kept in double for the same reason: contexts reach tens of thousands of keys.
+ *
+ * RoPE frequencies follow the order of float32 tensor operations of transformers'
+ * _compute_default_rope_parameters / _compute_llama3_parameters (see rope_inv_freq), and the
+ * angle is the float32 product inv_freq * pos as in LlamaRotaryEmbedding.forward, so long
+ * positions rotate by the same angles as transformers. tests/unit/gpu-runner/hf_parity checks
+ * this against transformers itself: inv_freq bit-identical, logits within 1e-6 relative L2
+ * (positions up to 120000, llama3 and linear scaling, GQA, tied embeddings, sliding window).
+ *
+ * Threads: matrix products are split over output rows and attention over (token, head)
+ * pairs among a persistent pool. Each output is computed by one thread with the same code in
+ * the same order, so the results are bit-identical for any thread count.
+ */
+#include "services/gpu-runner/backend_impl.h"
+#include "services/gpu-runner/cpu/kernels.h"
+#include "services/gpu-runner/cpu/pool.h"
+#include "services/gpu-runner/rope.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define REF_MAX_THREADS 256
+#define REF_ERR_MAX 320
+
+struct backend_dev {
+	struct model_config cfg;
+	struct backend_params p;
+	char err[REF_ERR_MAX];
+
+	uint32_t q_dim;	      /* n_heads * head_dim */
+	uint32_t kv_dim;      /* n_kv_heads * head_dim */
+	uint32_t max_in;      /* widest matrix input: max(dim, q_dim, ffn_dim) */
+	size_t block_floats;  /* floats in one arena block: K then V, (block_tokens, n_kv_heads, head_dim) each */
+	float *arena;	      /* (n_kv_blocks, block_floats) */
+	float *inv_freq;      /* (head_dim / 2) RoPE inverse frequencies, scaling applied */
+
+	/* The batch in flight (backend.c has checked the call order). */
+	uint32_t n;	      /* tokens in the chunk */
+	uint32_t pos0;	      /* position of its first token */
+	uint32_t layer;	      /* layer between attn_begin and attn_end */
+
+	float *x;	      /* (max_chunk, dim) residual stream */
+	float *xn;	      /* (max_chunk, dim) RMSNorm output, input of the projections */
+	float *q;	      /* (max_chunk, q_dim) queries after RoPE */
+	float *k, *v;	      /* (max_chunk, kv_dim) new keys (after RoPE) and values */
+	float *att;	      /* (max_chunk, q_dim) normalised attention output, input of o_proj */
+	double *acc;	      /* (max_chunk, n_heads, head_dim) softmax-weighted sum of V */
+	double *m;	      /* (max_chunk, n_heads) running max of the scores */
+	double *l;	      /* (max_chunk, n_heads) running sum of exp(score - m) */
+	float *gate, *up;     /* (max_chunk, ffn_dim) */
+	float *rope_cs;	      /* (head_dim / 2) cos, then (head_dim / 2) sin, of one position */
+	float *rows;	      /* (threads, max_in) one weight row widened to float32, per thread */
+	double *scores;	      /* (threads, block_tokens) attention scores of one span, per thread */
+
+	uint32_t threads;      /* of the pool: the caller and threads - 1 workers */
+	struct cpu_pool *pool;
+};
+
+__attribute__((format(printf, 3, 4))) static int fail(struct backend_dev *be, int rc, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(be->err, sizeof(be->err), fmt, ap);
+	va_end(ap);
+	return rc;
+}
+
+/* ---- matrix products -------------------------------------------------------------------- */
+
+/* out[t][o] = sum_i W[o][i] x[t][i] for t < n, over up to three matrices sharing the input x
+ * (q/k/v, gate/up), numbered as one row space so one parallel job covers them all. */
+struct mm_part {
+	const struct weight_tensor *w; /* (rows, in), read on the host */
+	float *out;	  /* (n, rows) */
+};
+
+struct mm_job {
+	struct backend_dev *be;
+	const float *x;	  /* (n, in) */
+	uint32_t in;
+	uint32_t n;
+	bool add;	  /* out += result (residual), else out = result */
+	uint32_t n_parts;
+	struct mm_part part[3];
+};
+
+static void mm_rows(const void *arg, uint32_t tid, uint32_t begin, uint32_t end)
+{
+	const struct mm_job *j = arg;
+	float *buf = j->be->rows + (size_t)tid * j->be->max_in;
+	uint32_t base = 0, pi = 0;
+	for (uint32_t r = begin; r < end; r++) {
+		while (r >= base + j->part[pi].w->rows)
+			base += j->part[pi++].w->rows;
+		const struct mm_part *pt = &j->part[pi];
+		const struct weight_tensor *w = pt->w;
+		uint32_t o = r - base;
+		const char *src = (const char *)w->data[PLACE_HOST] + (size_t)o * w->row_bytes;
+		const float *row;
+		/* Widen the row once; every token of the chunk reuses it. */
+		if (w->format == DT_F32) {
+			row = (const float *)src;
+		} else {
+			dtype_to_f32((enum dtype)w->format, src, buf, j->in);
+			row = buf;
+		}
+		for (uint32_t t = 0; t < j->n; t++) {
+			float y = (float)cpu_dot_f32(row, j->x + (size_t)t * j->in, j->in);
+			float *dst = pt->out + (size_t)t * w->rows + o;
+			*dst = j->add ? *dst + y : y;
+		}
+	}
+}
+
+static void matmul(struct backend_dev *be, struct mm_job *j)
+{
+	uint32_t total = 0;
+	for (uint32_t i = 0; i < j->n_parts; i++)
+		total += j->part[i].w->rows;
+	j->be = be;
+	cpu_pool_run(be->pool, mm_rows, j, total);
+}
+
+/* ---- attention -------------------------------------------------------------------------- */
+
+struct attn_job {
+	struct backend_dev *be;
+	const struct kv_span *spans;
+	uint32_t n_spans;
+};
+
+/* One item is (token t, head h): folds every span into that pair's running max m, sum l and
+ * accumulator, a block at a time: scores of the span's visible keys, the new max, one rescale
+ * of the old state, then the span's weighted values. */
+static void attn_items(const void *arg, uint32_t tid, uint32_t begin, uint32_t end)
+{
+	const struct attn_job *j = arg;
+	struct backend_dev *be = j->be;
+	const struct model_config *c = &be->cfg;
+	uint32_t hd = c->head_dim, nh = c->n_heads, group = c->n_heads / c->n_kv_heads;
+	uint32_t window = c->sliding_window;
+	double scale = 1.0 / sqrt((double)hd);
+	double *sc = be->scores + (size_t)tid * be->p.block_tokens;
+
+	for (uint32_t item = begin; item < end; item++) {
+		uint32_t t = item / nh, h = item % nh, g = h / group;
+		uint32_t qpos = be->pos0 + t;
+		const float *q = be->q + (size_t)t * be->q_dim + (size_t)h * hd;
+		double *acc = be->acc + (size_t)item * hd;
+		double *m = &be->m[item], *l = &be->l[item];
+		/* Keys visible to qpos: kpos <= qpos and, with a window, qpos - kpos < window. */
+		uint32_t first = window && qpos >= window ? qpos - window + 1 : 0;
+
+		for (uint32_t s = 0; s < j->n_spans; s++) {
+			const struct kv_span *sp = &j->spans[s];
+			if (sp->pos0 > qpos || sp->pos0 + sp->n_tokens <= first)
+				continue;
+			uint32_t lo = first > sp->pos0 ? first - sp->pos0 : 0;
+			uint32_t hi = qpos - sp->pos0 + 1;
+			if (hi > sp->n_tokens)
+				hi = sp->n_tokens;
+			const float *kb = be->arena + (size_t)sp->block * be->block_floats + (size_t)g * hd;
+			const float *vb = kb + (size_t)be->p.block_tokens * be->kv_dim;
+
+			double smax = -INFINITY;
+			for (uint32_t r = lo; r < hi; r++) {
+				sc[r] = cpu_dot_f32(q, kb + (size_t)r * be->kv_dim, hd) * scale;
+				if (sc[r] > smax)
+					smax = sc[r];
+			}
+			double mnew = smax > *m ? smax : *m;
+			if (mnew != *m) {
+				/* *m = -inf on the first span: exp(-inf) = 0 clears nothing that is set. */
+				double corr = exp(*m - mnew);
+				*l *= corr;
+				for (uint32_t d = 0; d < hd; d++)
+					acc[d] *= corr;
+				*m = mnew;
+			}
+			for (uint32_t r = lo; r < hi; r++) {
+				double pr = exp(sc[r] - mnew);
+				const float *vr = vb + (size_t)r * be->kv_dim;
+				*l += pr;
+				for (uint32_t d = 0; d < hd; d++)
+					acc[d] += pr * vr[d];
+			}
+		}
+	}
+}
+
+/* ---- operations ------------------------------------------------------------------------- */
+
+/* backend.c has checked the call order, the ranges and that every tensor used is there. */
+
+static size_t ref_kv_block_bytes(const struct model_config *cfg, const struct backend_params *p)
+{
+	/* K and V in float32: the only kv_dtype this backend stores. */
+	return 2 * (size_t)p->block_tokens * cfg->n_kv_heads * cfg->head_dim * sizeof(float);
+}
+
+static int ref_kv_to_host(struct backend_dev *be, uint32_t n, const uint32_t *blocks, void *const *dsts)
+{
+	for (uint32_t i = 0; i < n; i++)
+		memcpy(dsts[i], be->arena + (size_t)blocks[i] * be->block_floats, be->block_floats * sizeof(float));
+	return 0;
+}
+
+/* Also the read-ahead on this backend (backend.c's default): the copies happen now, so there
+ * is nothing to wait for. */
+static int ref_kv_from_host(struct backend_dev *be, uint32_t n, const uint32_t *blocks, const void *const *srcs)
+{
+	for (uint32_t i = 0; i < n; i++)
+		memcpy(be->arena + (size_t)blocks[i] * be->block_floats, srcs[i], be->block_floats * sizeof(float));
+	return 0;
+}
+
+/* The tensor of role r, read on the host. */
+static const void *host(const struct group_weights *w, enum tensor_role r)
+{
+	return w->t[r].data[PLACE_HOST];
+}
+
+static void rmsnorm_rows(struct backend_dev *be, const struct weight_tensor *w, uint32_t n)
+{
+	const struct model_config *c = &be->cfg;
+	for (uint32_t t = 0; t < n; t++)
+		cpu_rmsnorm(be->xn + (size_t)t * c->dim, be->x + (size_t)t * c->dim, w->data[PLACE_HOST], w->format, c->dim,
+			c->rms_eps);
+}
+
+static int ref_embed(struct backend_dev *be, const struct group_weights *w, const struct backend_batch *b)
+{
+	uint32_t dim = be->cfg.dim;
+	const struct weight_tensor *e = &w->t[ROLE_EMBED];
+	for (uint32_t t = 0; t < b->n; t++) {
+		const char *row = (const char *)host(w, ROLE_EMBED) + (size_t)b->tokens[t] * e->row_bytes;
+		dtype_to_f32((enum dtype)e->format, row, be->x + (size_t)t * dim, dim);
+	}
+	be->n = b->n;
+	be->pos0 = b->pos[0];
+	return 0;
+}
+
+static int ref_attn_begin(struct backend_dev *be, const struct group_weights *w, uint32_t layer,
+			  const uint32_t *dst_block, const uint32_t *dst_row)
+{
+	const struct model_config *c = &be->cfg;
+	uint32_t n = be->n, hd = c->head_dim, half = hd / 2;
+
+	rmsnorm_rows(be, &w->t[ROLE_ATTN_NORM], n);
+	struct mm_job j = {
+		.x = be->xn, .in = c->dim, .n = n, .n_parts = 3,
+		.part = {{&w->t[ROLE_WQ], be->q}, {&w->t[ROLE_WK], be->k}, {&w->t[ROLE_WV], be->v}},
+	};
+	matmul(be, &j);
+
+	float *cs = be->rope_cs, *sn = be->rope_cs + half;
+	for (uint32_t t = 0; t < n; t++) {
+		cpu_rope_cos_sin(be->inv_freq, half, be->pos0 + t, cs, sn);
+		for (uint32_t h = 0; h < c->n_heads; h++)
+			cpu_rope_apply(be->q + (size_t)t * be->q_dim + (size_t)h * hd, cs, sn, half);
+		for (uint32_t h = 0; h < c->n_kv_heads; h++)
+			cpu_rope_apply(be->k + (size_t)t * be->kv_dim + (size_t)h * hd, cs, sn, half);
+		float *kdst = be->arena + (size_t)dst_block[t] * be->block_floats + (size_t)dst_row[t] * be->kv_dim;
+		float *vdst = kdst + (size_t)be->p.block_tokens * be->kv_dim;
+		memcpy(kdst, be->k + (size_t)t * be->kv_dim, be->kv_dim * sizeof(float));
+		memcpy(vdst, be->v + (size_t)t * be->kv_dim, be->kv_dim * sizeof(float));
+	}
+
+	size_t pairs = (size_t)n * c->n_heads;
+	for (size_t i = 0; i < pairs; i++) {
+		be->m[i] = -INFINITY;
+		be->l[i] = 0;
+	}
+	memset(be->acc, 0, pairs * hd * sizeof(double));
+	be->layer = layer;
+	return 0;
+}
+
+static int ref_attn_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans)
+{
+	struct attn_job j = {.be = be, .spans = spans, .n_spans = n_spans};
+	cpu_pool_run(be->pool, attn_items, &j, be->n * be->cfg.n_heads);
+	return 0;
+}
+
+static int ref_attn_end(struct backend_dev *be, const struct group_weights *w)
+{
+	const struct model_config *c = &be->cfg;
+	uint32_t hd = c->head_dim;
+	size_t pairs = (size_t)be->n * c->n_heads;
+	for (size_t i = 0; i < pairs; i++) {
+		/* Every query sees at least its own key; no weight means its block was not visited. */
+		if (!(be->l[i] > 0))
+			return fail(be, -EINVAL,
+				    "cpu backend: attn_end(layer %u): the query at position %u saw no keys: the spans did "
+				    "not cover its own position", be->layer, be->pos0 + (uint32_t)(i / c->n_heads));
+		double inv_l = 1.0 / be->l[i];
+		/* (token, head) pair i is token i / n_heads, head i % n_heads: att is laid out the same. */
+		for (uint32_t d = 0; d < hd; d++)
+			be->att[i * hd + d] = (float)(be->acc[i * hd + d] * inv_l);
+	}
+	struct mm_job j = {
+		.x = be->att, .in = be->q_dim, .n = be->n, .add = true, .n_parts = 1,
+		.part = {{&w->t[ROLE_WO], be->x}},
+	};
+	matmul(be, &j);
+	return 0;
+}
+
+static int ref_ffn(struct backend_dev *be, const struct group_weights *w)
+{
+	const struct model_config *c = &be->cfg;
+	uint32_t n = be->n;
+	rmsnorm_rows(be, &w->t[ROLE_FFN_NORM], n);
+	struct mm_job j = {
+		.x = be->xn, .in = c->dim, .n = n, .n_parts = 2,
+		.part = {{&w->t[ROLE_W_GATE], be->gate}, {&w->t[ROLE_W_UP], be->up}},
+	};
+	matmul(be, &j);
+	size_t cnt = (size_t)n * c->ffn_dim;
+	for (size_t i = 0; i < cnt; i++)
+		be->gate[i] = cpu_silu_mul(be->gate[i], be->up[i]);
+	struct mm_job jd = {
+		.x = be->gate, .in = c->ffn_dim, .n = n, .add = true, .n_parts = 1,
+		.part = {{&w->t[ROLE_W_DOWN], be->x}},
+	};
+	matmul(be, &jd);
+	return 0;
+}
+
+static int ref_logits(struct backend_dev *be, const struct group_weights *w, float *out)
+{
+	const struct model_config *c = &be->cfg;
+	const struct weight_tensor *nw = &w->t[ROLE_FINAL_NORM];
+	cpu_rmsnorm(be->xn, be->x + (size_t)(be->n - 1) * c->dim, nw->data[PLACE_HOST], nw->format, c->dim, c->rms_eps);
+	struct mm_job j = {
+		.x = be->xn, .in = c->dim, .n = 1, .n_parts = 1,
+		.part = {{&w->t[ROLE_LM_HEAD], out}},
+	};
+	matmul(be, &j);
+	return 0;
+}
+
+static const char *ref_error(struct backend_dev *be)
+{
+	return be->err;
+}
+
+/* ---- create / destroy ------------------------------------------------------------------- */
+
+/* Joins the pool and frees everything; NULLs *bep; safe on NULL and twice. */
+static void ref_destroy(struct backend_dev **bep)
+{
+	struct backend_dev *be = *bep;
+	if (!be)
+		return;
+	cpu_pool_destroy(&be->pool);
+	free(be->arena);
+	free(be->inv_freq);
+	free(be->x);
+	free(be->xn);
+	free(be->q);
+	free(be->k);
+	free(be->v);
+	free(be->att);
+	free(be->acc);
+	free(be->m);
+	free(be->l);
+	free(be->gate);
+	free(be->up);
+	free(be->rope_cs);
+	free(be->rows);
+	free(be->scores);
+	free(be);
+	*bep = NULL;
+}
+
+/* What this backend adds to backend_check_config, which the front has run. */
+static int check_config(const struct model_config *c, const struct backend_params *p, char *err, size_t errlen)
+{
+	if (c->head_dim % 2) {
+		snprintf(err, errlen, "cpu backend: head_dim %u is odd: RoPE rotates pairs", c->head_dim);
+		return -EINVAL;
+	}
+	if (p->kv_dtype != DT_F32) {
+		snprintf(err, errlen, "cpu backend: kv_dtype %s is not supported: the C reference keeps the KV cache "
+			 "in F32 only", dtype_name((enum dtype)p->kv_dtype));
+		return -ENOTSUP;
+	}
+	if (p->threads > REF_MAX_THREADS) {
+		snprintf(err, errlen, "cpu backend: %u threads requested, at most %u", p->threads, REF_MAX_THREADS);
+		return -EINVAL;
+	}
+	return 0;
+}
+
+/* calloc of a * b elements of size es, NULL on overflow. */
+static void *alloc_array(size_t a, size_t b, size_t es)
+{
+	size_t n;
+	if (__builtin_mul_overflow(a, b, &n))
+		return NULL;
+	return calloc(n ? n : 1, es);
+}
+
+/* On success *out is a new backend the caller owns (ref_destroy); on failure *out is NULL and
+ * err names the problem. cfg and p are copied. */
+static int ref_create(const struct model_config *cfg, const struct backend_params *p, struct backend_dev **out,
+		      char *err, size_t errlen)
+{
+	assert(cfg && p && out && err);
+	*out = NULL;
+	int rc = check_config(cfg, p, err, errlen);
+	if (rc)
+		return rc;
+	struct backend_dev *be = calloc(1, sizeof(*be));
+	if (!be) {
+		snprintf(err, errlen, "cpu backend: out of memory for the backend state");
+		return -ENOMEM;
+	}
+	be->cfg = *cfg;
+	be->p = *p;
+	be->threads = p->threads ? p->threads : 1;
+	be->q_dim = cfg->n_heads * cfg->head_dim;
+	be->kv_dim = cfg->n_kv_heads * cfg->head_dim;
+	be->max_in = cfg->dim;
+	if (be->q_dim > be->max_in)
+		be->max_in = be->q_dim;
+	if (cfg->ffn_dim > be->max_in)
+		be->max_in = cfg->ffn_dim;
+	be->block_floats = 2 * (size_t)p->block_tokens * be->kv_dim;
+
+	size_t mc = p->max_chunk, pairs = mc * cfg->n_heads;
+	be->inv_freq = alloc_array(cfg->head_dim / 2, 1, sizeof(float));
+	be->x = alloc_array(mc, cfg->dim, sizeof(float));
+	be->xn = alloc_array(mc, cfg->dim, sizeof(float));
+	be->q = alloc_array(mc, be->q_dim, sizeof(float));
+	be->k = alloc_array(mc, be->kv_dim, sizeof(float));
+	be->v = alloc_array(mc, be->kv_dim, sizeof(float));
+	be->att = alloc_array(mc, be->q_dim, sizeof(float));
+	be->acc = alloc_array(pairs, cfg->head_dim, sizeof(double));
+	be->m = alloc_array(pairs, 1, sizeof(double));
+	be->l = alloc_array(pairs, 1, sizeof(double));
+	be->gate = alloc_array(mc, cfg->ffn_dim, sizeof(float));
+	be->up = alloc_array(mc, cfg->ffn_dim, sizeof(float));
+	be->rope_cs = alloc_array(cfg->head_dim, 1, sizeof(float));
+	be->rows = alloc_array(be->threads, be->max_in, sizeof(float));
+	be->scores = alloc_array(be->threads, p->block_tokens, sizeof(double));
+	if (!be->inv_freq || !be->x || !be->xn || !be->q || !be->k || !be->v || !be->att || !be->acc || !be->m ||
+	    !be->l || !be->gate || !be->up || !be->rope_cs || !be->rows || !be->scores) {
+		snprintf(err, errlen, "cpu backend: out of memory for the buffers of %u-token chunks", p->max_chunk);
+		rc = -ENOMEM;
+		goto out_destroy;
+	}
+	/* The arena is not zeroed: every row is written (attn_begin, kv_from_host) before it is read. */
+	size_t arena_floats;
+	if (__builtin_mul_overflow((size_t)p->n_kv_blocks, be->block_floats, &arena_floats) ||
+	    arena_floats > SIZE_MAX / sizeof(float) || !(be->arena = malloc(arena_floats * sizeof(float)))) {
+		snprintf(err, errlen, "cpu backend: cannot allocate the KV arena of %u blocks of %zu bytes",
+			 p->n_kv_blocks, be->block_floats * sizeof(float));
+		rc = -ENOMEM;
+		goto out_destroy;
+	}
+	rc = rope_inv_freq(cfg, be->inv_freq, err, errlen);
+	if (rc)
+		goto out_destroy;
+	char why[200];
+	rc = cpu_pool_create(be->threads, &be->pool, why, sizeof(why));
+	if (rc) {
+		snprintf(err, errlen, "cpu backend: %s", why);
+		goto out_destroy;
+	}
+	*out = be;
+	return 0;
+
+out_destroy:
+	ref_destroy(&be);
+	return rc;
+}
+
+static const struct backend_compute_ops ref_compute = {
+	.embed = ref_embed,
+	.attn_begin = ref_attn_begin,
+	.attn_blocks = ref_attn_blocks,
+	.attn_end = ref_attn_end,
+	.ffn = ref_ffn,
+	.logits = ref_logits,
+	/* logits_argmax: the front's (logits, then argmax on the host); no logits_sample. */
+};
+
+static const struct backend_kv_ops ref_kv = {
+	.block_bytes = ref_kv_block_bytes,
+	.to_host = ref_kv_to_host,
+	.from_host = ref_kv_from_host,
+	/* The rest are the front's defaults: copies happen at once, nothing to wait for or pin. */
+};
+
+const struct backend_impl backend_ref_impl = {
+	.name = "cpu",
+	.place = PLACE_HOST,
+	.create = ref_create,
+	.destroy = ref_destroy,
+	.error = ref_error,
+	.compute = &ref_compute,
+	.kv = &ref_kv,
+};

@@ -1,0 +1,62 @@
+/* kernels.c - the C reference's scalar kernels (kernels.h): numerics as kernels.h describes. */
+#include "services/gpu-runner/cpu/kernels.h"
+
+#include <math.h>
+
+/* sum a[i] * b[i] in double: float products are exact in double; four partial sums in a fixed
+ * order let the compiler pipeline them without changing the result from run to run. */
+double cpu_dot_f32(const float *a, const float *b, uint32_t n)
+{
+	double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+	uint32_t i = 0;
+	for (; i + 4 <= n; i += 4) {
+		s0 += (double)a[i] * b[i];
+		s1 += (double)a[i + 1] * b[i + 1];
+		s2 += (double)a[i + 2] * b[i + 2];
+		s3 += (double)a[i + 3] * b[i + 3];
+	}
+	for (; i < n; i++)
+		s0 += (double)a[i] * b[i];
+	return (s0 + s1) + (s2 + s3);
+}
+
+/* transformers LlamaRMSNorm in float32: variance = mean(x^2); x * rsqrt(variance + eps), then
+ * weight * that. The mean is taken in double and rounded; the rest rounds as torch does. */
+void cpu_rmsnorm(float *out, const float *x, const void *w, uint32_t wt, uint32_t dim, float eps)
+{
+	double ss = 0;
+	for (uint32_t i = 0; i < dim; i++)
+		ss += (double)x[i] * x[i];
+	float var = (float)(ss / dim);
+	float r = 1.0f / sqrtf(var + eps);
+	for (uint32_t i = 0; i < dim; i++)
+		out[i] = dtype_get_f32((enum dtype)wt, w, i) * (x[i] * r);
+}
+
+/* silu(g) * u as torch: silu rounded to float32, then the float32 product. */
+float cpu_silu_mul(float g, float u)
+{
+	float s = (float)((double)g / (1.0 + exp(-(double)g)));
+	return s * u;
+}
+
+/* cos and sin of position pos for each frequency: the angle is the float32 product, as
+ * transformers' freqs = inv_freq.float() @ pos.float(); cos/sin of that float angle. */
+void cpu_rope_cos_sin(const float *inv, uint32_t half, uint32_t pos, float *cs, float *sn)
+{
+	for (uint32_t i = 0; i < half; i++) {
+		float angle = (float)pos * inv[i];
+		cs[i] = (float)cos((double)angle);
+		sn[i] = (float)sin((double)angle);
+	}
+}
+
+/* rotate_half layout (not interleaved): the pair is (x[i], x[i + hd/2]). */
+void cpu_rope_apply(float *x, const float *cs, const float *sn, uint32_t half)
+{
+	for (uint32_t i = 0; i < half; i++) {
+		float x1 = x[i], x2 = x[i + half];
+		x[i] = x1 * cs[i] - x2 * sn[i];
+		x[i + half] = x2 * cs[i] + x1 * sn[i];
+	}
+}

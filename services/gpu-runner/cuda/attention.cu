@@ -1,0 +1,410 @@
+/* attention.cu - attention of the batch's queries over KV spans (backend.h, attn_blocks):
+ * running (max, sum, weighted V) state per (token, query head), kept in device memory between
+ * calls, so spans may come in any order and in pieces. A block serves queries that share one
+ * KV head (GQA) and stages the keys (K and V) a tile at a time in shared memory; tiles no query
+ * of the block may see (causal mask, sliding window) are skipped. Few queries (decode, small
+ * chunks): one warp per query scores 32 keys at a time (one key per lane) with an online
+ * softmax on the CUDA cores (attn_kernel). Many queries with a BF16 arena and head_dim 64 or
+ * 128 (prefill): 64 queries per block on the tensor cores (attention_mma.cu;
+ * backend_params.attn = BACKEND_ATTN_SIMPLE turns it off). With few blocks the key range is
+ * split across blocks and a second kernel merges the pieces into the running state. */
+#include "services/gpu-runner/cuda/attention.cuh"
+#include "services/gpu-runner/cuda/cuda_internal.h"
+#include "services/gpu-runner/cuda/device.cuh"
+
+#include <string.h>
+
+/* Scores of one staged key row against the warp's query (both in shared memory). */
+static __device__ __forceinline__ float qk_dot(const float *q, const unsigned char *krow, uint32_t hd, __nv_bfloat16)
+{
+	const uint4 *k = (const uint4 *)krow;
+	const float4 *qv = (const float4 *)q;
+	float s0 = 0, s1 = 0;
+	for (uint32_t c = 0; c < hd / 8; c++) {
+		uint4 kv = k[c];
+		float4 qa = qv[2 * c], qb = qv[2 * c + 1];
+		const __nv_bfloat162 *kp = reinterpret_cast<const __nv_bfloat162 *>(&kv);
+		float2 k0 = to_f32x2(kp[0]), k1 = to_f32x2(kp[1]), k2 = to_f32x2(kp[2]), k3 = to_f32x2(kp[3]);
+		s0 = fmaf(qa.x, k0.x, s0);
+		s1 = fmaf(qa.y, k0.y, s1);
+		s0 = fmaf(qa.z, k1.x, s0);
+		s1 = fmaf(qa.w, k1.y, s1);
+		s0 = fmaf(qb.x, k2.x, s0);
+		s1 = fmaf(qb.y, k2.y, s1);
+		s0 = fmaf(qb.z, k3.x, s0);
+		s1 = fmaf(qb.w, k3.y, s1);
+	}
+	return s0 + s1;
+}
+
+static __device__ __forceinline__ float qk_dot(const float *q, const unsigned char *krow, uint32_t hd, float)
+{
+	const float4 *k = (const float4 *)krow;
+	const float4 *qv = (const float4 *)q;
+	float s0 = 0, s1 = 0;
+	for (uint32_t c = 0; c < hd / 4; c++) {
+		float4 kv = k[c], qa = qv[c];
+		s0 = fmaf(qa.x, kv.x, s0);
+		s1 = fmaf(qa.y, kv.y, s1);
+		s0 = fmaf(qa.z, kv.z, s0);
+		s1 = fmaf(qa.w, kv.w, s1);
+	}
+	return s0 + s1;
+}
+
+static __device__ __forceinline__ float2 v_pair(const unsigned char *vrow, uint32_t d, __nv_bfloat16)
+{
+	return to_f32x2(*(const __nv_bfloat162 *)(vrow + d * 2));
+}
+
+static __device__ __forceinline__ float2 v_pair(const unsigned char *vrow, uint32_t d, float)
+{
+	return *(const float2 *)(vrow + d * 4);
+}
+
+size_t attn_smem_bytes(uint32_t hd, size_t esize, uint32_t nw)
+{
+	return ATTN_TILE * (sizeof(uint64_t) + sizeof(uint32_t)) + ATTN_TILE * (hd * esize + 16) +
+	       ATTN_TILE * hd * esize + (size_t)nw * hd * sizeof(float);
+}
+
+/* grid (n_kv_heads * qtiles, splits), blockDim.x / 32 warps. Block (g, qt) serves the queries
+ * (token t, head g * group + j) numbered t * group + j in [qt * warps, (qt + 1) * warps), one
+ * warp each; split s covers flattened keys [s * keys_per_split, (s + 1) * keys_per_split). Lane
+ * d of a warp holds dims 2d, 2d + 1 of each 64 of the accumulator. */
+template <typename KT> __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const attn_args a)
+{
+	extern __shared__ __align__(16) unsigned char smem[];
+	__shared__ uint32_t s_cursor;
+	__shared__ int s_any;
+	const uint32_t nw = blockDim.x / 32, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+	const uint32_t g = blockIdx.x / a.qtiles, qt = blockIdx.x % a.qtiles, split = blockIdx.y;
+	const uint32_t hd = a.head_dim, pairs_g = a.n * a.group;
+	const size_t krow_bytes = hd * sizeof(KT) + 16, vrow_bytes = hd * sizeof(KT); /* +16: no bank conflicts */
+
+	uint64_t *koff = (uint64_t *)smem;			/* (TILE) element offset of each key's K row */
+	uint32_t *kpos = (uint32_t *)(koff + ATTN_TILE);	/* (TILE) its position, UINT32_MAX: none */
+	unsigned char *ks = (unsigned char *)(kpos + ATTN_TILE); /* (TILE, krow_bytes) */
+	unsigned char *vs = ks + ATTN_TILE * krow_bytes;	/* (TILE, vrow_bytes) */
+	float *qs = (float *)(vs + ATTN_TILE * vrow_bytes);	/* (warps, hd) */
+
+	const uint32_t k0 = split * a.keys_per_split;
+	const uint32_t k1 = min(k0 + a.keys_per_split, a.total_keys);
+	/* The block's queries: for the tile skip test. */
+	const uint32_t lp0 = qt * nw, lp1 = min(lp0 + nw, pairs_g);
+	const uint32_t qlo = a.pos0 + lp0 / a.group, qhi = a.pos0 + (lp1 - 1) / a.group;
+
+	const uint32_t lp = lp0 + w;
+	const bool active = lp < pairs_g;
+	const uint32_t t = active ? lp / a.group : 0, h = g * a.group + (active ? lp % a.group : 0);
+	const uint32_t qpos = a.pos0 + t;
+	const size_t pair = (size_t)t * a.n_heads + h;
+	float *qw = qs + (size_t)w * hd;
+	float m = -INFINITY, l = 0.0f;
+	float2 acc[MAX_HEAD_DIM / 64];
+#pragma unroll
+	for (int j = 0; j < MAX_HEAD_DIM / 64; j++)
+		acc[j] = make_float2(0.0f, 0.0f);
+	if (active) {
+		for (uint32_t d = lane; d < hd; d += 32)
+			qw[d] = a.q[(size_t)t * a.q_ld + (size_t)h * hd + d];
+		if (!a.pm) {
+			m = a.m[pair];
+			l = a.l[pair];
+#pragma unroll
+			for (int j = 0; j < MAX_HEAD_DIM / 64; j++) {
+				uint32_t d = 64 * j + 2 * lane;
+				if (d < hd)
+					acc[j] = *(const float2 *)(a.acc + pair * hd + d);
+			}
+		}
+	}
+	if (threadIdx.x == 0)
+		s_cursor = span_of_key(a, k0);
+	__syncthreads();
+
+	for (uint32_t kb = k0; kb < k1; kb += ATTN_TILE) {
+		if (w == 0) {
+			uint32_t key = kb + lane, pos = UINT32_MAX, s = s_cursor;
+			uint64_t off = 0;
+			if (key < k1) {
+				while (key >= a.prefix[s + 1])
+					s++;
+				struct kv_span sp = a.spans[s];
+				uint32_t r = key - a.prefix[s];
+				pos = sp.pos0 + r;
+				off = sp.block * a.block_elems + (uint64_t)r * a.kv_dim + (uint64_t)g * hd;
+			}
+			koff[lane] = off;
+			kpos[lane] = pos;
+			bool any = pos != UINT32_MAX && pos <= qhi && (a.window == 0 || (uint64_t)pos + a.window > qlo);
+			unsigned ballot = __ballot_sync(0xffffffffu, any);
+			uint32_t last = min(31u, k1 - 1 - kb);
+			uint32_t next = __shfl_sync(0xffffffffu, s, last);
+			__syncwarp();
+			if (lane == 0) {
+				s_any = ballot != 0;
+				s_cursor = next;
+			}
+		}
+		__syncthreads();
+		const bool any = s_any;
+		if (any) {
+			const uint32_t vecs = (uint32_t)(vrow_bytes / 16);
+			for (uint32_t i = threadIdx.x; i < ATTN_TILE * vecs; i += blockDim.x) {
+				uint32_t r = i / vecs, c = i % vecs;
+				if (kpos[r] == UINT32_MAX)
+					continue;
+				const KT *kr = (const KT *)a.arena + koff[r];
+				const KT *vr = kr + (size_t)a.block_tokens * a.kv_dim;
+				*(uint4 *)(ks + r * krow_bytes + c * 16) = ((const uint4 *)kr)[c];
+				*(uint4 *)(vs + r * vrow_bytes + c * 16) = ((const uint4 *)vr)[c];
+			}
+		}
+		__syncthreads();
+		if (any && active) {
+			uint32_t pos = kpos[lane];
+			bool vis = pos <= qpos && (a.window == 0 || qpos - pos < a.window);
+			float sc = -INFINITY;
+			if (vis)
+				sc = qk_dot(qw, ks + lane * krow_bytes, hd, KT()) * a.scale;
+			float tmax = warp_max(sc);
+			if (tmax != -INFINITY) {
+				float mnew = fmaxf(m, tmax);
+				float corr = expf(m - mnew); /* m = -inf at first: 0 */
+				float pr = vis ? expf(sc - mnew) : 0.0f;
+				l = l * corr + warp_sum(pr);
+#pragma unroll
+				for (int j = 0; j < MAX_HEAD_DIM / 64; j++) {
+					acc[j].x *= corr;
+					acc[j].y *= corr;
+				}
+				for (uint32_t r = 0; r < ATTN_TILE; r++) {
+					float pj = __shfl_sync(0xffffffffu, pr, r);
+					if (pj == 0.0f)
+						continue;
+					const unsigned char *vrow = vs + r * vrow_bytes;
+#pragma unroll
+					for (int j = 0; j < MAX_HEAD_DIM / 64; j++) {
+						uint32_t d = 64 * j + 2 * lane;
+						if (d < hd) {
+							float2 v = v_pair(vrow, d, KT());
+							acc[j].x = fmaf(pj, v.x, acc[j].x);
+							acc[j].y = fmaf(pj, v.y, acc[j].y);
+						}
+					}
+				}
+				m = mnew;
+			}
+		}
+		__syncthreads();
+	}
+
+	if (!active)
+		return;
+	float *om = a.m, *ol = a.l, *oacc = a.acc;
+	size_t slot = pair;
+	if (a.pm) {
+		om = a.pm;
+		ol = a.pl;
+		oacc = a.pacc;
+		slot = (size_t)split * a.n * a.n_heads + pair;
+	}
+	if (lane == 0) {
+		om[slot] = m;
+		ol[slot] = l;
+	}
+#pragma unroll
+	for (int j = 0; j < MAX_HEAD_DIM / 64; j++) {
+		uint32_t d = 64 * j + 2 * lane;
+		if (d < hd)
+			*(float2 *)(oacc + slot * hd + d) = acc[j];
+	}
+}
+
+/* Folds the splits' partial states into the running state: one block per (token, head). */
+__global__ void __launch_bounds__(64) attn_combine_kernel(float *m, float *l, float *acc, const float *pm,
+							  const float *pl, const float *pacc, uint32_t pairs,
+							  uint32_t splits, uint32_t hd)
+{
+	const uint32_t pair = blockIdx.x;
+	float M = m[pair], mx = M;
+	for (uint32_t s = 0; s < splits; s++)
+		mx = fmaxf(mx, pm[(size_t)s * pairs + pair]);
+	if (mx == -INFINITY)
+		return; /* nothing seen yet, nothing new */
+	float wM = M == -INFINITY ? 0.0f : expf(M - mx);
+	for (uint32_t d = threadIdx.x; d < hd; d += blockDim.x) {
+		float v = acc[(size_t)pair * hd + d] * wM;
+		for (uint32_t s = 0; s < splits; s++) {
+			float ms = pm[(size_t)s * pairs + pair];
+			if (ms != -INFINITY)
+				v = fmaf(pacc[((size_t)s * pairs + pair) * hd + d], expf(ms - mx), v);
+		}
+		acc[(size_t)pair * hd + d] = v;
+	}
+	__syncthreads(); /* every thread has read m[pair] before it changes */
+	if (threadIdx.x == 0) {
+		float L = l[pair] * wM;
+		for (uint32_t s = 0; s < splits; s++) {
+			float ms = pm[(size_t)s * pairs + pair];
+			if (ms != -INFINITY)
+				L = fmaf(pl[(size_t)s * pairs + pair], expf(ms - mx), L);
+		}
+		m[pair] = mx;
+		l[pair] = L;
+	}
+}
+/* ---- host ---------------------------------------------------------------------------------- */
+
+cudaError_t attn_allow_smem(uint32_t kv_dtype, size_t bytes)
+{
+	if (kv_dtype == DT_BF16)
+		return cudaFuncSetAttribute(attn_kernel<__nv_bfloat16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+					    (int)bytes);
+	return cudaFuncSetAttribute(attn_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}
+
+int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans)
+{
+	const struct model_config *c = &be->cfg;
+	uint64_t total = 0;
+	for (uint32_t s = 0; s < n_spans; s++)
+		total += spans[s].n_tokens;
+	if (total > UINT32_MAX - 2 * ATTN_TILE)
+		return cuda_failf(be, -EINVAL, "cuda backend: attn_blocks(layer %u): %llu keys in one call, at most %u",
+			    be->layer, (unsigned long long)total, UINT32_MAX - 2 * ATTN_TILE);
+
+	/* Spans then their key offsets, one copy up; the device buffer grows in stream order. */
+	size_t sbytes = ((size_t)n_spans * sizeof(struct kv_span) + 15) / 16 * 16;
+	size_t bytes = sbytes + ((size_t)n_spans + 1) * sizeof(uint32_t);
+	if (bytes > be->spanbuf_bytes) {
+		size_t cap = bytes > 2 * be->spanbuf_bytes ? bytes : 2 * be->spanbuf_bytes;
+		void *nb = NULL;
+		CUDA_TRY(be, "cudaMallocAsync (span list)", cudaMallocAsync(&nb, cap, be->stream));
+		CUDA_TRY(be, "cudaFreeAsync (span list)", cudaFreeAsync(be->spanbuf, be->stream));
+		be->spanbuf = nb;
+		be->spanbuf_bytes = cap;
+	}
+	char *h;
+	size_t off;
+	int rc = up_alloc(be, bytes, &h, &off);
+	if (rc)
+		return rc;
+	memcpy(h, spans, (size_t)n_spans * sizeof(struct kv_span));
+	uint32_t *prefix = (uint32_t *)(h + sbytes), acc = 0;
+	for (uint32_t s = 0; s < n_spans; s++) {
+		prefix[s] = acc;
+		acc += spans[s].n_tokens;
+	}
+	prefix[n_spans] = acc;
+	CUDA_TRY(be, "cudaMemcpyAsync (span list)",
+		 cudaMemcpyAsync(be->spanbuf, h, bytes, cudaMemcpyHostToDevice, be->stream));
+	rc = up_commit(be, off, bytes);
+	if (rc)
+		return rc;
+
+	/* Blocks: one per (kv head, group of queries); split the keys when that leaves the GPU
+	 * mostly idle (decode). Many queries per KV head (prefill) take the tensor cores. */
+	uint32_t group = c->n_heads / c->n_kv_heads, pairs_g = be->n * group, hd = c->head_dim;
+	bool mma = be->attn_mma && be->p.kv_dtype == DT_BF16 && (hd == 64 || hd == 128) && pairs_g >= MMA_ROWS;
+	uint32_t nw = pairs_g < ATTN_MAX_WARPS ? pairs_g : ATTN_MAX_WARPS;
+	uint32_t rows = mma ? MMA_ROWS : nw, tile = mma ? MMA_KEYS : ATTN_TILE;
+	uint32_t qtiles = (pairs_g + rows - 1) / rows, base = c->n_kv_heads * qtiles;
+	uint32_t pairs = be->n * c->n_heads, tiles = (uint32_t)((total + tile - 1) / tile);
+	uint32_t splits = (ATTN_BLOCKS_PER_SM * (uint32_t)be->sm_count + base - 1) / base;
+	if (splits > tiles)
+		splits = tiles;
+	if (splits > ATTN_MAX_SPLITS)
+		splits = ATTN_MAX_SPLITS;
+	if (splits > be->part_cap / pairs)
+		splits = be->part_cap / pairs;
+	if (splits < 1)
+		splits = 1;
+	uint32_t kps = (tiles + splits - 1) / splits * tile;
+	splits = (uint32_t)((total + kps - 1) / kps);
+
+	attn_args a;
+	a.q = be->qkv;
+	a.q_ld = be->qkv_ld;
+	a.arena = be->arena;
+	a.block_elems = be->block_elems;
+	a.block_tokens = be->p.block_tokens;
+	a.kv_dim = be->kv_dim;
+	a.spans = (const struct kv_span *)be->spanbuf;
+	a.prefix = (const uint32_t *)((const char *)be->spanbuf + sbytes);
+	a.n_spans = n_spans;
+	a.total_keys = (uint32_t)total;
+	a.keys_per_split = kps;
+	a.n = be->n;
+	a.pos0 = be->pos0;
+	a.n_heads = c->n_heads;
+	a.group = group;
+	a.head_dim = hd;
+	a.window = c->sliding_window;
+	a.qtiles = qtiles;
+	a.scale = be->scale;
+	a.m = be->st_m;
+	a.l = be->st_l;
+	a.acc = be->st_acc;
+	a.pm = splits > 1 ? be->pm : NULL;
+	a.pl = be->pl;
+	a.pacc = be->pacc;
+	dim3 grid(base, splits);
+	if (mma) {
+		attn_mma_launch(hd, a, grid, be->stream);
+		LAUNCHED(be, "attn_mma_kernel");
+	} else {
+		size_t smem = attn_smem_bytes(hd, be->kv_esize, nw);
+		if (be->p.kv_dtype == DT_BF16)
+			attn_kernel<__nv_bfloat16><<<grid, nw * 32, smem, be->stream>>>(a);
+		else
+			attn_kernel<float><<<grid, nw * 32, smem, be->stream>>>(a);
+		LAUNCHED(be, "attn_kernel");
+	}
+	if (splits > 1) {
+		attn_combine_kernel<<<pairs, 64, 0, be->stream>>>(be->st_m, be->st_l, be->st_acc, be->pm, be->pl,
+								  be->pacc, pairs, splits, hd);
+		LAUNCHED(be, "attn_combine_kernel");
+	}
+	return 0;
+}
+
+/* attn_end: att = acc / l per (token, head), in the dtype of o_proj. A query with no weight saw
+ * no keys (its own block was not visited): flagged for the host, output 0. */
+template <typename TO>
+__global__ void __launch_bounds__(512) attn_out_kernel(const float *l, const float *acc, uint32_t n_heads,
+							uint32_t hd, TO *out, struct dev_status *st, uint32_t layer,
+							uint32_t pos0)
+{
+	const uint32_t t = blockIdx.x;
+	const size_t base = (size_t)t * n_heads * hd;
+	for (uint32_t i = threadIdx.x; i < n_heads * hd; i += blockDim.x) {
+		float lv = l[(size_t)t * n_heads + i / hd];
+		float v = 0.0f;
+		if (lv > 0.0f) {
+			v = acc[base + i] / lv;
+		} else if (atomicCAS(&st->err, 0, 1) == 0) {
+			st->err_layer = layer;
+			st->err_pos = pos0 + t;
+		}
+		out[base + i] = from_f32<TO>(v);
+	}
+}
+
+void attn_out_launch(uint32_t ot, const struct backend_dev *be, cudaStream_t s)
+{
+	const struct model_config *c = &be->cfg;
+	uint32_t n = be->n;
+	unsigned threads = small_grid(n) ? 512 : 128;
+	if (ot == DT_BF16)
+		attn_out_kernel<__nv_bfloat16><<<n, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
+								     (__nv_bfloat16 *)be->xa, be->status, be->layer,
+								     be->pos0);
+	else if (ot == DT_F16)
+		attn_out_kernel<__half><<<n, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
+							      (__half *)be->xa, be->status, be->layer, be->pos0);
+	else
+		attn_out_kernel<float><<<n, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
+							     (float *)be->xa, be->status, be->layer, be->pos0);
+}

@@ -1,0 +1,20 @@
+/* attention.cuh - device code both attention kernels (attention.cu, attention_mma.cu) share. */
+#ifndef GPU_RUNNER_CUDA_ATTENTION_CUH
+#define GPU_RUNNER_CUDA_ATTENTION_CUH
+#include "services/gpu-runner/cuda/cuda_internal.h"
+
+/* The span holding key k: prefix[s] <= k < prefix[s + 1] (a binary search over the spans). */
+static __device__ __forceinline__ uint32_t span_of_key(const attn_args &a, uint32_t k)
+{
+	uint32_t lo = 0, hi = a.n_spans;
+	while (hi - lo > 1) {
+		uint32_t mid = (lo + hi) / 2;
+		if (a.prefix[mid] <= k)
+			lo = mid;
+		else
+			hi = mid;
+	}
+	return lo;
+}
+
+#endif

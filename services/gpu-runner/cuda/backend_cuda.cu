@@ -1,0 +1,587 @@
+/* backend_cuda.cu - the CUDA backend ("cuda"): the forward pass of cpu/backend_ref.c on one GPU,
+ * the operations of backend_impl.h; the kernels and the copies live beside it by concern
+ * (cuda_internal.h lists the files).
+ *
+ * Same math and the same call sequence as the C reference (backend.h), which is its oracle
+ * (tests/unit/gpu-runner/test_cuda_backend.c). All compute of a forward step is queued on one
+ * compute stream (stream()); the KV copies have two streams of their own: the write-behind to
+ * the pool (kv_write_behind, lowest priority) and the read-ahead from it (kv_prefetch), each
+ * ordered against the compute stream with events. Nothing waits for the GPU on the token path
+ * except where the host must see a result: logits / logits_argmax (their device-to-host copy),
+ * the read-ahead's slot (kv_prefetch_wait) and the synchronous kv_to_host /
+ * kv_from_host (kv_copy.cu).
+ *
+ * Precision. The residual stream, RMSNorm, RoPE, the softmax and SiLU * up are float32; the
+ * normed activations become the weight dtype (BF16, F16; float32 for F32 weights) as inputs of
+ * the matrix products, which accumulate in float32 and write float32 (cuBLAS with
+ * CUBLAS_COMPUTE_32F; CUBLAS_COMPUTE_32F_PEDANTIC for F32 weights, so no TF32). The KV arena
+ * holds K and V in BF16 (what the runner uses on a GPU) or F32 (for exact comparisons). RoPE
+ * uses the reference's float32 inverse frequencies (computed on the host by the same steps)
+ * and the float32 angle pos * inv_freq, with cos and sin in double as the reference takes them.
+ *
+ * Matrix products. Weights are row-major (out, in): y = W x. In cuBLAS's column-major terms
+ * Y^T (out x n) = op(A) B with A = W seen as (in x out), op = transpose, B = X^T (in x n). One
+ * token (decode) goes through a GEMV kernel of our own instead (BF16/F16 weights): each warp
+ * streams one weight row with 16-byte loads, several in flight, and the kernel fuses what
+ * follows the product (the residual add of o_proj and down_proj; SiLU(gate) * up, written in
+ * the weight dtype). backend_params.gemv = BACKEND_GEMV_CUBLAS sends decode through cuBLAS too,
+ * BACKEND_GEMV_ROWS2 runs two rows per warp (for comparisons: on an H100 one row per warp was the
+ * fastest).
+ *
+ * Attention. attn_blocks folds the listed spans into running (max, sum, weighted V) state per
+ * (token, query head), kept in device memory between calls, so spans may come in any order and
+ * in pieces. A block serves queries that share one KV head (GQA) and stages the keys (K and V)
+ * a tile at a time in shared memory; tiles no query of the block may see (causal mask, sliding
+ * window) are skipped. Few queries (decode, small chunks): one warp per query scores 32 keys at
+ * a time (one key per lane) with an online softmax on the CUDA cores (attn_kernel). Many
+ * queries with a BF16 arena and head_dim 64 or 128 (prefill): 64 queries per block on the
+ * tensor cores (attn_mma_kernel; backend_params.attn = BACKEND_ATTN_SIMPLE turns it off). With few blocks the
+ * key range is split across blocks and a second kernel merges the pieces into the running
+ * state.
+ *
+ * Host staging. Token rows of the embedding table (host memory), destination rows and spans go
+ * up from a pinned ring buffer with cudaMemcpyAsync on the compute stream; each upload records
+ * an event, and a region of the ring is rewritten only once the event of the copy that last
+ * read it has completed (normally long done: the host waits only when it runs a full ring
+ * ahead of the GPU).
+ *
+ * Errors detected on the device (a query that saw no keys at attn_end) cannot be returned by
+ * the asynchronous op: a device flag records the first one and the next logits or
+ * logits_argmax fails with its message.
+ *
+ * Not thread-safe: one thread drives a backend. The device is the one current at create.
+ */
+#include "services/gpu-runner/cuda/cuda_internal.h"
+
+#include <assert.h>
+#include <math.h>
+#include <stdarg.h>
+
+#include "services/gpu-runner/rope.h"
+
+int cuda_failf(struct backend_dev *be, int rc, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(be->err, sizeof(be->err), fmt, ap);
+	va_end(ap);
+	return rc;
+}
+
+int cuda_fail(struct backend_dev *be, cudaError_t e, const char *what)
+{
+	int rc = e == cudaErrorMemoryAllocation ? -ENOMEM : -EIO;
+	return cuda_failf(be, rc, "cuda backend: %s failed: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+int blas_fail(struct backend_dev *be, cublasStatus_t st, const char *what)
+{
+	return cuda_failf(be, -EIO, "cuda backend: %s failed: %s", what, cublasGetStatusString(st));
+}
+
+/* ---- operations ------------------------------------------------------------------------- */
+
+/* backend.c has checked the call order, the ranges, and that every tensor used is there in
+ * device memory (the embedding table in host memory). */
+
+/* The tensor of role r in device memory. */
+static const void *dev(const struct group_weights *w, enum tensor_role r)
+{
+	return w->t[r].data[PLACE_DEVICE];
+}
+
+static uint32_t fmt(const struct group_weights *w, enum tensor_role r)
+{
+	return w->t[r].format;
+}
+
+/* The matrices of one product chain share a dtype (the activations are converted once). */
+static int check_same_dtype(struct backend_dev *be, const struct group_weights *w, const enum tensor_role *roles,
+			    uint32_t n, const char *what)
+{
+	for (uint32_t i = 1; i < n; i++)
+		if (fmt(w, roles[i]) != fmt(w, roles[0]))
+			return cuda_failf(be, -ENOTSUP, "cuda backend: %s: %s is %s but %s is %s: mixed matrix dtypes are "
+					  "not supported", what, tensor_role_name(roles[i]),
+					  dtype_name((enum dtype)fmt(w, roles[i])), tensor_role_name(roles[0]),
+					  dtype_name((enum dtype)fmt(w, roles[0])));
+	return 0;
+}
+
+static int cuda_embed(struct backend_dev *be, const struct group_weights *w, const struct backend_batch *b)
+{
+	uint32_t n = b->n;
+	const struct weight_tensor *e = &w->t[ROLE_EMBED];
+	/* Gather the rows on the host (the table is host memory), one copy up, widen on the GPU. */
+	size_t row = e->row_bytes, bytes = row * n;
+	char *h;
+	size_t off;
+	int rc = up_alloc(be, bytes, &h, &off);
+	if (rc)
+		return rc;
+	for (uint32_t t = 0; t < n; t++)
+		memcpy(h + t * row, (const char *)e->data[PLACE_HOST] + (size_t)b->tokens[t] * row, row);
+	CUDA_TRY(be, "cudaMemcpyAsync (embedding rows)",
+		 cudaMemcpyAsync(be->xa, h, bytes, cudaMemcpyHostToDevice, be->stream));
+	rc = up_commit(be, off, bytes);
+	if (rc)
+		return rc;
+	embed_launch(e->format, be->xa, be->x, (size_t)n * be->cfg.dim, be->stream);
+	LAUNCHED(be, "embed_kernel");
+	be->n = n;
+	be->pos0 = b->pos[0];
+	return 0;
+}
+
+static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w, uint32_t layer,
+			   const uint32_t *dst_block, const uint32_t *dst_row)
+{
+	static const enum tensor_role mats[] = {ROLE_WQ, ROLE_WK, ROLE_WV, ROLE_WO};
+	const struct model_config *c = &be->cfg;
+	uint32_t n = be->n;
+	int rc = check_same_dtype(be, w, mats, 4, "attention");
+	if (rc)
+		return rc;
+	if ((rc = kv_d2h_guard(be, n, dst_block)) != 0)
+		return rc;
+
+	/* Destinations up first: (2, n) blocks then rows. */
+	char *h;
+	size_t off, bytes = 2 * (size_t)n * sizeof(uint32_t);
+	rc = up_alloc(be, bytes, &h, &off);
+	if (rc)
+		return rc;
+	memcpy(h, dst_block, n * sizeof(uint32_t));
+	memcpy(h + n * sizeof(uint32_t), dst_row, n * sizeof(uint32_t));
+	CUDA_TRY(be, "cudaMemcpyAsync (KV destinations)",
+		 cudaMemcpyAsync(be->dst, h, bytes, cudaMemcpyHostToDevice, be->stream));
+	rc = up_commit(be, off, bytes);
+	if (rc)
+		return rc;
+
+	uint32_t wt = fmt(w, ROLE_WQ);
+	rc = rmsnorm(be, dev(w, ROLE_ATTN_NORM), fmt(w, ROLE_ATTN_NORM), 0, n, wt);
+	if (rc)
+		return rc;
+	struct mm_part parts[3] = {
+		{dev(w, ROLE_WQ), be->q_dim, be->qkv},
+		{dev(w, ROLE_WK), be->kv_dim, be->qkv + be->q_dim},
+		{dev(w, ROLE_WV), be->kv_dim, be->qkv + be->q_dim + be->kv_dim},
+	};
+	rc = matmul(be, wt, be->xa, c->dim, n, parts, 3, be->qkv_ld, false, "q/k/v projections");
+	if (rc)
+		return rc;
+
+	rope_args ra;
+	ra.qkv = be->qkv;
+	ra.ld = be->qkv_ld;
+	ra.inv_freq = be->inv_freq;
+	ra.dst = be->dst;
+	ra.arena = be->arena;
+	ra.block_elems = be->block_elems;
+	ra.block_tokens = be->p.block_tokens;
+	ra.n_heads = c->n_heads;
+	ra.n_kv_heads = c->n_kv_heads;
+	ra.head_dim = c->head_dim;
+	ra.pos0 = be->pos0;
+	ra.n = n;
+	ra.m = be->st_m;
+	ra.l = be->st_l;
+	ra.acc = be->st_acc;
+	rope_launch(be->p.kv_dtype, ra, be->stream);
+	LAUNCHED(be, "rope_kernel");
+	be->layer = layer;
+	be->attn_wt = wt;
+	return 0;
+}
+
+static int cuda_attn_end(struct backend_dev *be, const struct group_weights *w)
+{
+	const struct model_config *c = &be->cfg;
+	uint32_t wt = fmt(w, ROLE_WO);
+	if (wt != be->attn_wt)
+		return cuda_failf(be, -ENOTSUP, "cuda backend: attn_end: wo is %s but wq was %s: mixed matrix dtypes are "
+				  "not supported", dtype_name((enum dtype)wt), dtype_name((enum dtype)be->attn_wt));
+	attn_out_launch(wt, be, be->stream);
+	LAUNCHED(be, "attn_out_kernel");
+	struct mm_part part = {dev(w, ROLE_WO), c->dim, be->x};
+	return matmul(be, wt, be->xa, be->q_dim, be->n, &part, 1, c->dim, true, "o_proj");
+}
+
+static int cuda_ffn(struct backend_dev *be, const struct group_weights *w)
+{
+	static const enum tensor_role mats[] = {ROLE_W_GATE, ROLE_W_UP, ROLE_W_DOWN};
+	const struct model_config *c = &be->cfg;
+	uint32_t n = be->n, ffn = c->ffn_dim;
+	int rc = check_same_dtype(be, w, mats, 3, "ffn");
+	if (rc)
+		return rc;
+	uint32_t wt = fmt(w, ROLE_W_GATE);
+	rc = rmsnorm(be, dev(w, ROLE_FFN_NORM), fmt(w, ROLE_FFN_NORM), 0, n, wt);
+	if (rc)
+		return rc;
+	struct mm_part gu[2] = {{dev(w, ROLE_W_GATE), ffn, be->gu}, {dev(w, ROLE_W_UP), ffn, be->gu + ffn}};
+	if (n == 1 && gemv_fits(be, wt, c->dim, gu, 2)) {
+		gemv_args g;
+		memset(&g, 0, sizeof(g));
+		g.w[0] = gu[0].w;
+		g.w[1] = gu[1].w;
+		g.total = ffn;
+		g.in8 = c->dim / 8;
+		g.x = be->xa;
+		g.act = be->xb;
+		gemv_launch(wt, be->gemv_rows, g, GEMV_SWIGLU, be->stream);
+		LAUNCHED(be, "gemv_kernel (gate/up)");
+	} else {
+		for (uint32_t i = 0; i < 2; i++) {
+			rc = gemm(be, wt, &gu[i], be->xa, c->dim, n, 2 * ffn, false, i ? "up_proj" : "gate_proj");
+			if (rc)
+				return rc;
+		}
+		silu_mul_launch(wt, be->gu, ffn, (size_t)n * ffn, be->xb, be->stream);
+		LAUNCHED(be, "silu_mul_kernel");
+	}
+	struct mm_part down = {dev(w, ROLE_W_DOWN), c->dim, be->x};
+	return matmul(be, wt, be->xb, ffn, n, &down, 1, c->dim, true, "down_proj");
+}
+
+static int cuda_attn_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans)
+{
+	return attention_blocks(be, spans, n_spans);
+}
+
+/* Final norm of the batch's last token and lm_head into be->logits (queued, not waited for). */
+static int head(struct backend_dev *be, const struct group_weights *w)
+{
+	const struct model_config *c = &be->cfg;
+	uint32_t wt = fmt(w, ROLE_LM_HEAD);
+	int rc = rmsnorm(be, dev(w, ROLE_FINAL_NORM), fmt(w, ROLE_FINAL_NORM), be->n - 1, 1, wt);
+	if (rc)
+		return rc;
+	struct mm_part part = {dev(w, ROLE_LM_HEAD), c->vocab_size, be->logits};
+	return matmul(be, wt, be->xa, c->dim, 1, &part, 1, c->vocab_size, false, "lm_head");
+}
+
+/* After the result's copy was queued: wait for it and report what the kernels flagged. */
+static int finish_step(struct backend_dev *be, const char *what)
+{
+	CUDA_TRY(be, "cudaMemcpyAsync (status)",
+		 cudaMemcpyAsync(be->h_status, be->status, sizeof(*be->status), cudaMemcpyDeviceToHost, be->stream));
+	CUDA_TRY(be, "cudaStreamSynchronize (logits)", cudaStreamSynchronize(be->stream));
+	if (be->h_status->err) {
+		struct dev_status st = *be->h_status;
+		CUDA_TRY(be, "cudaMemsetAsync (status)", cudaMemsetAsync(be->status, 0, sizeof(*be->status), be->stream));
+		return cuda_failf(be, -EINVAL,
+				  "cuda backend: %s: in layer %u the query at position %u saw no keys: the spans did not "
+				  "cover its own position (found by attn_end on the GPU, reported here)", what,
+				  st.err_layer, st.err_pos);
+	}
+	return 0;
+}
+
+static int cuda_logits(struct backend_dev *be, const struct group_weights *w, float *out)
+{
+	int rc = head(be, w);
+	if (rc)
+		return rc;
+	CUDA_TRY(be, "cudaMemcpyAsync (logits)",
+		 cudaMemcpyAsync(out, be->logits, be->cfg.vocab_size * sizeof(float), cudaMemcpyDeviceToHost,
+				 be->stream));
+	return finish_step(be, "logits");
+}
+
+static int cuda_logits_argmax(struct backend_dev *be, const struct group_weights *w, int32_t *token)
+{
+	int rc = head(be, w);
+	if (rc)
+		return rc;
+	argmax_launch(be->logits, be->cfg.vocab_size, be->status, be->stream);
+	LAUNCHED(be, "argmax_kernel");
+	rc = finish_step(be, "logits_argmax");
+	if (rc)
+		return rc;
+	*token = be->h_status->token;
+	return 0;
+}
+
+static int cuda_logits_sample(struct backend_dev *be, const struct group_weights *w, const struct sampler_params *sp,
+			      double u, int32_t *token)
+{
+	int rc = head(be, w);
+	if (rc)
+		return rc;
+	be->h_status->token = -1;
+	sample_launch(be->logits, be->cfg.vocab_size, 1.0f / sp->temperature, sp->top_k, sp->top_p, sp->min_p, u,
+		      be->status, be->stream);
+	LAUNCHED(be, "sample_kernel");
+	rc = finish_step(be, "logits_sample");
+	if (rc)
+		return rc;
+	*token = be->h_status->token;
+	return 0;
+}
+
+static struct CUstream_st *cuda_stream(struct backend_dev *be)
+{
+	return be->stream;
+}
+
+static const char *cuda_error(struct backend_dev *be)
+{
+	return be->err;
+}
+
+/* ---- create / destroy ------------------------------------------------------------------- */
+
+/* Waits for queued work, frees everything; NULLs *bep; safe on NULL and twice, and on a
+ * partly created backend. */
+static void cuda_destroy(struct backend_dev **bep)
+{
+	struct backend_dev *be = *bep;
+	if (!be)
+		return;
+	if (be->spanbuf)
+		cudaFreeAsync(be->spanbuf, be->stream); /* allocated stream-ordered */
+	if (be->stream)
+		cudaStreamSynchronize(be->stream);
+	if (be->blas)
+		cublasDestroy(be->blas);
+	cudaFree(be->blas_ws);
+	cudaFree(be->arena);
+	cudaFree(be->inv_freq);
+	cudaFree(be->x);
+	cudaFree(be->xa);
+	cudaFree(be->xb);
+	cudaFree(be->qkv);
+	cudaFree(be->gu);
+	cudaFree(be->logits);
+	cudaFree(be->st_m);
+	cudaFree(be->st_l);
+	cudaFree(be->st_acc);
+	cudaFree(be->pm);
+	cudaFree(be->pl);
+	cudaFree(be->pacc);
+	cudaFree(be->dst);
+	cudaFree(be->status);
+	cudaFreeHost(be->h_status);
+	cudaFreeHost(be->up.host);
+	for (uint32_t i = 0; i < be->up.n_events; i++)
+		cudaEventDestroy(be->up.ev[i]);
+	kv_copy_destroy(be);
+	if (be->stream)
+		cudaStreamDestroy(be->stream);
+	free(be);
+	*bep = NULL;
+}
+
+/* What this backend adds to backend_check_config, which the front has run. */
+static int check_config(const struct model_config *c, const struct backend_params *p, char *err, size_t errlen)
+{
+	if (c->head_dim % 8 || c->head_dim > MAX_HEAD_DIM) {
+		snprintf(err, errlen, "cuda backend: head_dim %u is not supported: the attention kernel takes multiples "
+			 "of 8 up to %u", c->head_dim, MAX_HEAD_DIM);
+		return -ENOTSUP;
+	}
+	if (!(c->rope_theta > 1.0f) || !isfinite(c->rope_theta)) {
+		snprintf(err, errlen, "cuda backend: rope_theta %g is not a finite number > 1", (double)c->rope_theta);
+		return -EINVAL;
+	}
+	if (c->rope_scaling != ROPE_SCALING_NONE) {
+		if (!(c->rope_factor > 0.0f) || !isfinite(c->rope_factor)) {
+			snprintf(err, errlen, "cuda backend: rope_scaling factor %g is not a finite number > 0",
+				 (double)c->rope_factor);
+			return -EINVAL;
+		}
+		if (c->rope_scaling == ROPE_SCALING_LLAMA3) {
+			float low = c->rope_low_freq_factor, high = c->rope_high_freq_factor;
+			if (!(low > 0.0f) || !(high > low) || !isfinite(high) || c->rope_original_max_position == 0) {
+				snprintf(err, errlen,
+					 "cuda backend: llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor "
+					 "and original_max_position_embeddings > 0 (got low %g, high %g, original %u)",
+					 (double)low, (double)high, c->rope_original_max_position);
+				return -EINVAL;
+			}
+		} else if (c->rope_scaling != ROPE_SCALING_LINEAR) {
+			snprintf(err, errlen, "cuda backend: unknown rope_scaling type %u", c->rope_scaling);
+			return -EINVAL;
+		}
+	}
+	if (p->kv_dtype != DT_BF16 && p->kv_dtype != DT_F32) {
+		snprintf(err, errlen, "cuda backend: kv_dtype %s is not supported: the KV arena holds BF16 or F32",
+			 p->kv_dtype < DT_COUNT ? dtype_name((enum dtype)p->kv_dtype) : "(unknown)");
+		return -ENOTSUP;
+	}
+	return 0;
+}
+
+/* cudaMalloc of a * b elements of es bytes into *p; -ENOMEM with a message naming what. */
+static int dev_alloc(struct backend_dev *be, void **p, size_t a, size_t b, size_t es, const char *what)
+{
+	size_t n;
+	if (__builtin_mul_overflow(a, b, &n) || __builtin_mul_overflow(n, es, &n))
+		return cuda_failf(be, -ENOMEM, "cuda backend: %s: %zu x %zu elements overflow", what, a, b);
+	cudaError_t e = cudaMalloc(p, n ? n : 1);
+	if (e != cudaSuccess) {
+		*p = NULL;
+		cudaGetLastError(); /* not sticky: clear it */
+		return cuda_failf(be, -ENOMEM, "cuda backend: cudaMalloc of %zu bytes for %s failed: %s", n, what,
+			    cudaGetErrorString(e));
+	}
+	return 0;
+}
+
+static int create_device(struct backend_dev *be)
+{
+	const struct model_config *c = &be->cfg;
+	const struct backend_params *p = &be->p;
+	CUDA_TRY(be, "cudaGetDevice", cudaGetDevice(&be->device));
+	CUDA_TRY(be, "cudaDeviceGetAttribute (multiprocessors)",
+		 cudaDeviceGetAttribute(&be->sm_count, cudaDevAttrMultiProcessorCount, be->device));
+	/* Priority 0 is the default; non-blocking: the legacy default stream does not order
+	 * against it (the weight window orders its copies with events). */
+	CUDA_TRY(be, "cudaStreamCreateWithPriority",
+		 cudaStreamCreateWithPriority(&be->stream, cudaStreamNonBlocking, 0));
+	cublasStatus_t bs = cublasCreate(&be->blas);
+	if (bs != CUBLAS_STATUS_SUCCESS) {
+		be->blas = NULL;
+		return blas_fail(be, bs, "cublasCreate");
+	}
+	if ((bs = cublasSetStream(be->blas, be->stream)) != CUBLAS_STATUS_SUCCESS)
+		return blas_fail(be, bs, "cublasSetStream");
+	if ((bs = cublasSetMathMode(be->blas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS)
+		return blas_fail(be, bs, "cublasSetMathMode");
+	int rc = dev_alloc(be, &be->blas_ws, BLAS_WORKSPACE, 1, 1, "the cuBLAS workspace");
+	if (rc)
+		return rc;
+	if ((bs = cublasSetWorkspace(be->blas, be->blas_ws, BLAS_WORKSPACE)) != CUBLAS_STATUS_SUCCESS)
+		return blas_fail(be, bs, "cublasSetWorkspace");
+
+	size_t mc = p->max_chunk, pairs = mc * c->n_heads;
+	size_t arena_elems;
+	if (__builtin_mul_overflow((size_t)p->n_kv_blocks, be->block_elems, &arena_elems))
+		return cuda_failf(be, -ENOMEM, "cuda backend: a KV arena of %u blocks overflows", p->n_kv_blocks);
+	if ((rc = dev_alloc(be, &be->arena, arena_elems, 1, be->kv_esize, "the KV arena")) ||
+	    (rc = dev_alloc(be, (void **)&be->inv_freq, c->head_dim / 2, 1, sizeof(float), "RoPE frequencies")) ||
+	    (rc = dev_alloc(be, (void **)&be->x, mc, c->dim, sizeof(float), "the residual stream")) ||
+	    (rc = dev_alloc(be, &be->xa, mc, be->max_in, sizeof(float), "matrix inputs")) ||
+	    (rc = dev_alloc(be, &be->xb, mc, c->ffn_dim, sizeof(float), "the SwiGLU output")) ||
+	    (rc = dev_alloc(be, (void **)&be->qkv, mc, be->qkv_ld, sizeof(float), "q/k/v")) ||
+	    (rc = dev_alloc(be, (void **)&be->gu, mc, 2 * (size_t)c->ffn_dim, sizeof(float), "gate/up")) ||
+	    (rc = dev_alloc(be, (void **)&be->logits, c->vocab_size, 1, sizeof(float), "logits")) ||
+	    (rc = dev_alloc(be, (void **)&be->st_m, pairs, 1, sizeof(float), "attention state")) ||
+	    (rc = dev_alloc(be, (void **)&be->st_l, pairs, 1, sizeof(float), "attention state")) ||
+	    (rc = dev_alloc(be, (void **)&be->st_acc, pairs, c->head_dim, sizeof(float), "attention state")))
+		return rc;
+	be->part_cap = c->n_heads * ATTN_MAX_SPLITS;
+	if ((rc = dev_alloc(be, (void **)&be->pm, be->part_cap, 1, sizeof(float), "split attention")) ||
+	    (rc = dev_alloc(be, (void **)&be->pl, be->part_cap, 1, sizeof(float), "split attention")) ||
+	    (rc = dev_alloc(be, (void **)&be->pacc, be->part_cap, c->head_dim, sizeof(float), "split attention")) ||
+	    (rc = dev_alloc(be, (void **)&be->dst, 2 * mc, 1, sizeof(uint32_t), "KV destinations")) ||
+	    (rc = dev_alloc(be, (void **)&be->status, 1, 1, sizeof(struct dev_status), "the status word")))
+		return rc;
+	/* Stream-ordered, as its replacements when a call brings more spans (cuda_attn_blocks). */
+	be->spanbuf_bytes = ((size_t)p->n_kv_blocks + 1) * (sizeof(struct kv_span) + sizeof(uint32_t)) + 16;
+	CUDA_TRY(be, "cudaMallocAsync (span list)", cudaMallocAsync(&be->spanbuf, be->spanbuf_bytes, be->stream));
+	CUDA_TRY(be, "cudaMemset (status)", cudaMemset(be->status, 0, sizeof(*be->status)));
+
+	float *inv = (float *)malloc(c->head_dim / 2 * sizeof(float));
+	if (!inv)
+		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for RoPE frequencies");
+	char why[256];
+	if (rope_inv_freq(c, inv, why, sizeof(why)) != 0) {
+		free(inv);
+		return cuda_failf(be, -EINVAL, "cuda backend: %s", why);
+	}
+	cudaError_t e = cudaMemcpy(be->inv_freq, inv, c->head_dim / 2 * sizeof(float), cudaMemcpyHostToDevice);
+	free(inv);
+	if (e != cudaSuccess)
+		return cuda_fail(be, e, "cudaMemcpy (RoPE frequencies)");
+
+	/* Staging ring: two chunks of embedding rows at the widest dtype, plus room for the small
+	 * uploads of a few steps. */
+	be->up.cap = 2 * mc * c->dim * sizeof(float) + (1u << 20);
+	CUDA_TRY(be, "cudaMallocHost (staging ring)", cudaMallocHost((void **)&be->up.host, be->up.cap));
+	CUDA_TRY(be, "cudaMallocHost (status)", cudaMallocHost((void **)&be->h_status, sizeof(*be->h_status)));
+	for (uint32_t i = 0; i < UPLOAD_EVENTS; i++) {
+		CUDA_TRY(be, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&be->up.ev[i], cudaEventDisableTiming));
+		be->up.n_events++;
+	}
+
+	be->attn_smem_max = attn_smem_bytes(c->head_dim, be->kv_esize, ATTN_MAX_WARPS);
+	int smem_optin = 0;
+	CUDA_TRY(be, "cudaDeviceGetAttribute (shared memory)",
+		 cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, be->device));
+	if (be->attn_smem_max > (size_t)smem_optin)
+		return cuda_failf(be, -ENOTSUP, "cuda backend: attention needs %zu bytes of shared memory, the device has %d",
+			    be->attn_smem_max, smem_optin);
+	CUDA_TRY(be, "cudaFuncSetAttribute (attention)", attn_allow_smem(p->kv_dtype, be->attn_smem_max));
+	return 0;
+}
+
+/* On success *out is a new backend the caller owns (cuda_destroy); on failure *out is NULL and
+ * err names the problem. cfg and p are copied. Uses the current device. */
+static int cuda_create(const struct model_config *cfg, const struct backend_params *p, struct backend_dev **out,
+		       char *err, size_t errlen)
+{
+	assert(cfg && p && out && err);
+	*out = NULL;
+	int rc = check_config(cfg, p, err, errlen);
+	if (rc)
+		return rc;
+	struct backend_dev *be = (struct backend_dev *)calloc(1, sizeof(*be));
+	if (!be) {
+		snprintf(err, errlen, "cuda backend: out of memory for the backend state");
+		return -ENOMEM;
+	}
+	be->cfg = *cfg;
+	be->p = *p;
+	be->q_dim = cfg->n_heads * cfg->head_dim;
+	be->kv_dim = cfg->n_kv_heads * cfg->head_dim;
+	be->qkv_ld = be->q_dim + 2 * be->kv_dim;
+	be->max_in = cfg->dim;
+	if (be->q_dim > be->max_in)
+		be->max_in = be->q_dim;
+	if (cfg->ffn_dim > be->max_in)
+		be->max_in = cfg->ffn_dim;
+	be->kv_esize = dtype_size((enum dtype)p->kv_dtype);
+	be->block_elems = 2 * (size_t)p->block_tokens * be->kv_dim;
+	be->scale = (float)(1.0 / sqrt((double)cfg->head_dim));
+	/* Kernel choices for comparisons (the test checks and times each path). */
+	be->gemv_rows = p->gemv == BACKEND_GEMV_CUBLAS ? 0 : p->gemv == BACKEND_GEMV_ROWS2 ? 2 : GEMV_DEFAULT_ROWS;
+	be->attn_mma = p->attn != BACKEND_ATTN_SIMPLE;
+
+	rc = create_device(be);
+	if (rc) {
+		snprintf(err, errlen, "%s", be->err);
+		cuda_destroy(&be);
+		return rc;
+	}
+	*out = be;
+	return 0;
+}
+
+/* In the order of the structs (C++17 has no designated initializers). */
+static const struct backend_compute_ops cuda_compute = {
+	cuda_embed,		/* embed */
+	cuda_attn_begin,	/* attn_begin */
+	cuda_attn_blocks,	/* attn_blocks */
+	cuda_attn_end,		/* attn_end */
+	cuda_ffn,		/* ffn */
+	cuda_logits,		/* logits */
+	cuda_logits_argmax,	/* logits_argmax */
+	cuda_logits_sample,	/* logits_sample */
+};
+
+extern "C" {
+extern const struct backend_impl backend_cuda_impl;
+const struct backend_impl backend_cuda_impl = {
+	"cuda",			/* name */
+	PLACE_DEVICE,		/* place */
+	cuda_create,		/* create */
+	cuda_destroy,		/* destroy */
+	cuda_error,		/* error */
+	cuda_stream,		/* cuda_stream */
+	&cuda_compute,		/* compute */
+	&cuda_kv_ops,		/* kv */
+};
+}

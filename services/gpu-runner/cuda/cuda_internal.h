@@ -1,0 +1,259 @@
+/* cuda_internal.h - what the files of the CUDA backend share: the device state, the error
+ * helpers, the argument blocks of the kernels and the host-side launchers, one per kernel
+ * family. Included by the .cu files of this folder only.
+ *
+ *   backend_cuda.cu   the operations of a forward step, create and destroy
+ *   staging.cu        the pinned upload ring (token rows, KV destinations, spans)
+ *   matmul.cu         matrix products: cuBLAS GEMM, and the GEMV kernel for one token (gemv.cu)
+ *   norm_rope.cu      embedding widening, RMSNorm, RoPE and the KV row writes, SiLU * up
+ *   attention.cu      attention over KV spans on the CUDA cores, the split merge, attn_end's output
+ *   attention_mma.cu  prefill attention on the tensor cores (BF16 KV)
+ *   sampling.cu       argmax and the sampler on the device
+ *   kv_copy.cu        KV arena copies to and from host memory, write-behind and read-ahead streams
+ */
+#ifndef GPU_RUNNER_CUDA_INTERNAL_H
+#define GPU_RUNNER_CUDA_INTERNAL_H
+#include "services/gpu-runner/backend_impl.h"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CUDA_ERR_MAX 400
+#define ATTN_TILE 32		/* keys staged in shared memory at a time: one per lane */
+#define ATTN_MAX_WARPS 16	/* queries (warps) per attention block */
+#define ATTN_MAX_SPLITS 64	/* key-range splits of one attn_blocks call */
+#define ATTN_BLOCKS_PER_SM 4	/* splitting the keys aims at this many blocks per multiprocessor */
+#define MMA_ROWS 64		/* tensor-core attention: queries per block, 16 per warp */
+#define MMA_KEYS 64		/* tensor-core attention: keys per staged tile */
+#define MAX_HEAD_DIM 256	/* per-lane accumulators: 2 dims per lane per 64 */
+#define GEMV_WARPS 8		/* warps per GEMV block */
+#define GEMV_UNROLL 4		/* 16-byte loads in flight per row and lane */
+#define GEMV_DEFAULT_ROWS 1	/* rows per warp unless backend_params.gemv says otherwise */
+#define UPLOAD_EVENTS 128	/* uploads in flight in the staging ring */
+#define UPLOAD_ALIGN 256
+#define BLAS_WORKSPACE (32u << 20) /* what cuBLAS asks for on Hopper */
+
+/* What device kernels report to the host; read back with the logits. */
+struct dev_status {
+	int32_t token;	   /* logits_argmax's result */
+	int32_t err;	   /* 1: a query saw no keys */
+	uint32_t err_layer;
+	uint32_t err_pos;
+};
+
+/* Pinned host memory that uploads are staged in, reused as a ring (see the header comment). */
+struct upload_ring {
+	char *host;	    /* pinned, cap bytes */
+	size_t cap;
+	size_t head;	    /* where the next region starts */
+	cudaEvent_t ev[UPLOAD_EVENTS];
+	size_t beg[UPLOAD_EVENTS], end[UPLOAD_EVENTS]; /* region each pending event guards */
+	uint32_t first, count;			       /* pending events, oldest first */
+	uint32_t n_events;			       /* events created (destroy) */
+};
+
+struct backend_dev {
+	struct model_config cfg;
+	struct backend_params p;
+	char err[CUDA_ERR_MAX];
+
+	int device;
+	int sm_count;
+	cudaStream_t stream;
+	cudaStream_t kv_h2d;	/* the KV read-ahead's copies (kv_prefetch_n), made on first use */
+	cudaEvent_t kv_order;	/* recorded on stream: what the read-ahead's copies wait for */
+	cudaEvent_t kv_done[2];	/* recorded on kv_h2d per slot */
+	cudaStream_t kv_d2h;	/* the KV write-behind's copies (kv_to_host_async), lowest priority, made on first use */
+	cudaEvent_t kv_d2h_order; /* recorded on stream: what the write-behind's copies wait for */
+	int32_t *kv_d2h_ev;	/* per arena block: the interprocess event after its last write-behind copy that
+				 * the compute stream has not been made to wait for, or -1 */
+	uint64_t *kv_d2h_seq;	/* per arena block: that copy's batch number (the latest one covers the rest) */
+	uint64_t kv_d2h_batches;
+	cublasHandle_t blas;
+	void *blas_ws;		/* cuBLAS workspace, BLAS_WORKSPACE bytes */
+	int gemv_rows;		/* decode through the GEMV kernel with this many rows per warp (0: cuBLAS) */
+	bool attn_mma;		/* prefill attention on tensor cores where it applies */
+
+	uint32_t q_dim;		/* n_heads * head_dim */
+	uint32_t kv_dim;	/* n_kv_heads * head_dim */
+	uint32_t qkv_ld;	/* q_dim + 2 * kv_dim: a token's row of qkv */
+	uint32_t max_in;	/* widest matrix input: max(dim, q_dim, ffn_dim) */
+	size_t kv_esize;	/* bytes of one K or V element */
+	size_t block_elems;	/* elements of one arena block: K then V, (block_tokens, n_kv_heads, head_dim) each */
+	size_t attn_smem_max;	/* dynamic shared memory of the largest attention block */
+	float scale;		/* 1 / sqrt(head_dim) */
+
+	/* Device memory. */
+	void *arena;		/* (n_kv_blocks, block_elems) in kv_dtype */
+	float *inv_freq;	/* (head_dim / 2) RoPE inverse frequencies, scaling applied */
+	float *x;		/* (max_chunk, dim) residual stream */
+	void *xa;		/* (max_chunk, max_in) matrix input in the weight dtype; embed's raw rows */
+	void *xb;		/* (max_chunk, ffn_dim) SiLU(gate) * up in the weight dtype */
+	float *qkv;		/* (max_chunk, qkv_ld) q (RoPE'd in place), k, v */
+	float *gu;		/* (max_chunk, 2 * ffn_dim) gate then up (cuBLAS path) */
+	float *logits;		/* (vocab_size) */
+	float *st_m, *st_l;	/* (max_chunk, n_heads) running max and sum of the softmax */
+	float *st_acc;		/* (max_chunk, n_heads, head_dim) running weighted sum of V */
+	float *pm, *pl, *pacc;	/* partial states of split attention: part_cap pairs (and head_dim) */
+	uint32_t part_cap;	/* (split, token, head) triples the partial buffers hold */
+	uint32_t *dst;		/* (2, max_chunk) destination blocks, then rows */
+	void *spanbuf;		/* spans, then their key offsets (prefix sums) */
+	size_t spanbuf_bytes;
+	struct dev_status *status;
+
+	struct dev_status *h_status; /* pinned */
+	struct upload_ring up;
+
+	/* The batch in flight (backend.c has checked the call order). */
+	uint32_t n;		/* tokens in the chunk */
+	uint32_t pos0;		/* position of its first token */
+	uint32_t layer;		/* layer between attn_begin and attn_end */
+	uint32_t attn_wt;	/* dtype of the attention matrices of that layer */
+};
+
+/* ---- errors ------------------------------------------------------------------------------ */
+
+/* Records a message (it starts with "cuda backend: ") and returns rc. */
+__attribute__((format(printf, 3, 4))) int cuda_failf(struct backend_dev *be, int rc, const char *fmt, ...);
+/* A failed CUDA runtime call: -ENOMEM for allocations, -EIO for the rest. */
+int cuda_fail(struct backend_dev *be, cudaError_t e, const char *what);
+int blas_fail(struct backend_dev *be, cublasStatus_t st, const char *what);
+
+#define CUDA_TRY(be, what, call)                                  \
+	do {                                                      \
+		cudaError_t e_ = (call);                          \
+		if (e_ != cudaSuccess)                            \
+			return cuda_fail((be), e_, (what));       \
+	} while (0)
+
+/* After a kernel launch: a bad configuration shows here; faults show at the next sync. */
+#define LAUNCHED(be, what) CUDA_TRY(be, "launch of " what, cudaGetLastError())
+
+/* A kernel of one block per token runs few blocks in decode: give each block more threads. */
+static inline bool small_grid(uint32_t blocks)
+{
+	return blocks < 32;
+}
+
+static inline unsigned grid_for(size_t count, unsigned threads)
+{
+	size_t b = (count + threads - 1) / threads;
+	return b > 4096 ? 4096 : (unsigned)(b ? b : 1);
+}
+
+/* ---- staging.cu ---------------------------------------------------------------------------- */
+
+/* A region of `size` bytes of the pinned ring that no pending copy reads; *off is where it
+ * starts. Follow with up_commit once the copies reading it are queued. */
+int up_alloc(struct backend_dev *be, size_t size, char **out, size_t *off);
+/* Marks [off, off + size) busy until the copies queued so far have run. */
+int up_commit(struct backend_dev *be, size_t off, size_t size);
+
+/* ---- matmul.cu, gemv.cu -------------------------------------------------------------------- */
+
+enum gemv_mode {
+	GEMV_STORE = 0,	  /* out[part][o] = y */
+	GEMV_ADD = 1,	  /* out[0][o] += y (residual) */
+	GEMV_SWIGLU = 2,  /* act[o] = silu(W0 x) * (W1 x), in the weight dtype */
+};
+
+struct gemv_args {
+	const void *w[3];	/* (rows[p], in) row-major */
+	float *out[3];
+	uint32_t rows[3];
+	uint32_t total;		/* rows over all parts (SWIGLU: rows of one) */
+	uint32_t in8;		/* in / 8: 16-byte chunks per row */
+	const void *x;		/* (in) in the weight dtype */
+	void *act;		/* SWIGLU output */
+};
+
+struct mm_part {
+	const void *w;	/* (rows, in) row-major, device memory */
+	uint32_t rows;
+	float *out;	/* (n, ldc) token-major float32 */
+};
+
+/* Can the GEMV kernel take this product: one token, 16-bit weights, 16-byte rows and pointers? */
+bool gemv_fits(const struct backend_dev *be, uint32_t wt, uint32_t in, const struct mm_part *parts, uint32_t np);
+/* Launches the GEMV kernel (gemv.cu) for weights of dtype wt with rows_per_warp rows per warp. */
+void gemv_launch(uint32_t wt, int rows_per_warp, const gemv_args &g, int mode, cudaStream_t s);
+/* One cuBLAS product: pt->out (n, ldc) (+)= x (n, in) W^T, all in dtype wt but the float32 out. */
+int gemm(struct backend_dev *be, uint32_t wt, const struct mm_part *pt, const void *x, uint32_t in, uint32_t n,
+	 uint32_t ldc, bool add, const char *what);
+/* out_p[t] (+)= W_p x[t] for the parts, x (n, in) in dtype wt (device memory). */
+int matmul(struct backend_dev *be, uint32_t wt, const void *x, uint32_t in, uint32_t n, const struct mm_part *parts,
+	   uint32_t np, uint32_t ldc, bool add, const char *what);
+
+/* ---- norm_rope.cu -------------------------------------------------------------------------- */
+
+struct rope_args {
+	float *qkv;		/* (n, ld): q, k, v of each token */
+	uint32_t ld;
+	const float *inv_freq;
+	const uint32_t *dst;	/* (2, n): blocks, then rows */
+	void *arena;
+	uint64_t block_elems;
+	uint32_t block_tokens, n_heads, n_kv_heads, head_dim, pos0, n;
+	float *m, *l, *acc;	/* running attention state, reset here */
+};
+
+/* RMSNorm of rows [row0, row0 + rows) of be->x into be->xa (from its start) in dtype ot. */
+int rmsnorm(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, uint32_t rows, uint32_t ot);
+/* Gathered embedding rows raw (count elements of dtype dt) widened into x. */
+void embed_launch(uint32_t dt, const void *raw, float *x, size_t count, cudaStream_t s);
+/* RoPE, the K and V rows into the arena (kv_dtype), accumulators reset: one block per token. */
+void rope_launch(uint32_t kv_dtype, const rope_args &a, cudaStream_t s);
+/* SiLU(gate) * up of the cuBLAS path ((n, 2 * ffn) float32) into out in dtype ot. */
+void silu_mul_launch(uint32_t ot, const float *gu, uint32_t ffn, size_t count, void *out, cudaStream_t s);
+
+/* ---- attention.cu, attention_mma.cu -------------------------------------------------------- */
+
+struct attn_args {
+	const float *q;		/* qkv: token t's query heads at t * q_ld */
+	uint32_t q_ld;
+	const void *arena;
+	uint64_t block_elems;
+	uint32_t block_tokens, kv_dim;
+	const struct kv_span *spans;
+	const uint32_t *prefix;	/* (n_spans + 1) key offset of each span in the flattened key list */
+	uint32_t n_spans, total_keys, keys_per_split;
+	uint32_t n, pos0, n_heads, group, head_dim, window, qtiles;
+	float scale;
+	float *m, *l, *acc;	/* running state (token, head) */
+	float *pm, *pl, *pacc;	/* partial state (split, token, head), NULL with one split */
+};
+
+/* Bytes of dynamic shared memory of an attention block of nw warps. */
+size_t attn_smem_bytes(uint32_t hd, size_t esize, uint32_t nw);
+/* Lets the attention kernel of kv_dtype use `bytes` of dynamic shared memory. */
+cudaError_t attn_allow_smem(uint32_t kv_dtype, size_t bytes);
+/* attn_blocks: the spans up, the key range split over blocks, the kernels queued. */
+int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans);
+/* attn_end's first half: att = acc / l per (token, head) into be->xa in dtype ot. */
+void attn_out_launch(uint32_t ot, const struct backend_dev *be, cudaStream_t s);
+/* The tensor-core kernel for head_dim hd (64 or 128). */
+void attn_mma_launch(uint32_t hd, const attn_args &a, dim3 grid, cudaStream_t s);
+
+/* ---- sampling.cu --------------------------------------------------------------------------- */
+
+void argmax_launch(const float *v, uint32_t n, struct dev_status *st, cudaStream_t s);
+void sample_launch(const float *v, uint32_t n, float inv_t, uint32_t top_k, float top_p, float min_p, double u,
+		   struct dev_status *st, cudaStream_t s);
+
+/* ---- kv_copy.cu ---------------------------------------------------------------------------- */
+
+/* Before the compute stream writes arena blocks: waits (on the device) for the write-behind
+ * copies still reading them. */
+int kv_d2h_guard(struct backend_dev *be, uint32_t n, const uint32_t *blocks);
+/* Frees the KV copy streams and tables (destroy). */
+void kv_copy_destroy(struct backend_dev *be);
+extern const struct backend_kv_ops cuda_kv_ops;
+
+#endif

@@ -1,0 +1,87 @@
+/* device.cuh - device helpers the kernels share: conversions between float32 and the 16-bit
+ * types, element reads of any enum dtype, warp reductions, SiLU as the reference rounds it. */
+#ifndef GPU_RUNNER_CUDA_DEVICE_CUH
+#define GPU_RUNNER_CUDA_DEVICE_CUH
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "common/dtype.h"
+
+template <typename T> static __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v)
+{
+	return v;
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v)
+{
+	return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_f32<__half>(float v)
+{
+	return __float2half_rn(v);
+}
+
+static __device__ __forceinline__ float to_f32(float v)
+{
+	return v;
+}
+static __device__ __forceinline__ float to_f32(__nv_bfloat16 v)
+{
+	return __bfloat162float(v);
+}
+static __device__ __forceinline__ float to_f32(__half v)
+{
+	return __half2float(v);
+}
+
+static __device__ __forceinline__ float2 to_f32x2(__nv_bfloat162 v)
+{
+	return __bfloat1622float2(v);
+}
+static __device__ __forceinline__ float2 to_f32x2(__half2 v)
+{
+	return __half22float2(v);
+}
+
+/* The pair type of a 16-bit element type. */
+template <typename T> struct pair_of;
+template <> struct pair_of<__nv_bfloat16> {
+	typedef __nv_bfloat162 type;
+};
+template <> struct pair_of<__half> {
+	typedef __half2 type;
+};
+
+/* Element i of a vector of any enum dtype (norm weights), as float32. */
+static __device__ __forceinline__ float load_any(const void *p, uint32_t dt, size_t i)
+{
+	if (dt == DT_BF16)
+		return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+	if (dt == DT_F16)
+		return __half2float(((const __half *)p)[i]);
+	return ((const float *)p)[i];
+}
+
+static __device__ __forceinline__ float warp_sum(float v)
+{
+	for (int o = 16; o > 0; o >>= 1)
+		v += __shfl_xor_sync(0xffffffffu, v, o);
+	return v;
+}
+
+static __device__ __forceinline__ float warp_max(float v)
+{
+	for (int o = 16; o > 0; o >>= 1)
+		v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+	return v;
+}
+
+/* silu(g) * u as the reference: silu in double rounded to float32, then the float32 product. */
+static __device__ __forceinline__ float silu_mul(float g, float u)
+{
+	float s = (float)((double)g / (1.0 + exp(-(double)g)));
+	return __fmul_rn(s, u);
+}
+
+#endif

@@ -1,0 +1,143 @@
+/* norm_rope.cu - the CUDA backend's element-wise kernels: embedding rows widened into the
+ * residual stream, RMSNorm into the matrix input dtype, RoPE with the K and V rows written into
+ * the arena, and SiLU(gate) * up for the cuBLAS path. Numerics as the C reference rounds
+ * (backend_cuda.cu's header says how). */
+#include "services/gpu-runner/cuda/cuda_internal.h"
+#include "services/gpu-runner/cuda/device.cuh"
+
+/* Embedding rows (already gathered, in the table's dtype) to the float32 residual stream. */
+template <typename TI> __global__ void embed_kernel(const TI *raw, float *x, size_t count)
+{
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x)
+		x[i] = to_f32(raw[i]);
+}
+
+/* One block per token: out = w * (x * rsqrt(mean(x^2) + eps)) as transformers' LlamaRMSNorm in
+ * float32, the mean taken in double as the reference does; out in the matrix input dtype. */
+template <typename TO>
+__global__ void __launch_bounds__(1024) rmsnorm_kernel(const float *x, const void *w, uint32_t wt, uint32_t dim,
+							float eps, TO *out)
+{
+	__shared__ double part[32];
+	const float *xr = x + (size_t)blockIdx.x * dim;
+	TO *orow = out + (size_t)blockIdx.x * dim;
+	double ss = 0;
+	for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x)
+		ss += (double)xr[i] * xr[i];
+	for (int o = 16; o > 0; o >>= 1)
+		ss += __shfl_xor_sync(0xffffffffu, ss, o);
+	if (threadIdx.x % 32 == 0)
+		part[threadIdx.x / 32] = ss;
+	__syncthreads();
+	double tot = 0;
+	for (uint32_t i = 0; i < blockDim.x / 32; i++)
+		tot += part[i];
+	float var = (float)(tot / dim);
+	float r = 1.0f / sqrtf(var + eps); /* IEEE division and square root (no fast math) */
+	for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x)
+		orow[i] = from_f32<TO>(__fmul_rn(load_any(w, wt, i), __fmul_rn(xr[i], r)));
+}
+/* One block per token: RoPE on q (in place) and k, k and v into their arena row, and the
+ * token's attention accumulators reset. cos and sin of the float32 angle in double, rounded
+ * to float32, and rotate_half with unfused float32 products, as the reference. */
+template <typename KT> __global__ void __launch_bounds__(512) rope_kernel(const rope_args a)
+{
+	__shared__ float cs[MAX_HEAD_DIM / 2], sn[MAX_HEAD_DIM / 2];
+	const uint32_t t = blockIdx.x, hd = a.head_dim, half = hd / 2;
+	const uint32_t pos = a.pos0 + t, kv_dim = a.n_kv_heads * hd;
+	for (uint32_t j = threadIdx.x; j < half; j += blockDim.x) {
+		float angle = __fmul_rn(__uint2float_rn(pos), a.inv_freq[j]);
+		double s, c;
+		sincos((double)angle, &s, &c);
+		cs[j] = (float)c;
+		sn[j] = (float)s;
+	}
+	__syncthreads();
+	float *q = a.qkv + (size_t)t * a.ld, *k = q + (size_t)a.n_heads * hd, *v = k + kv_dim;
+	for (uint32_t i = threadIdx.x; i < a.n_heads * half; i += blockDim.x) {
+		uint32_t h = i / half, j = i % half;
+		float *qh = q + (size_t)h * hd;
+		float x1 = qh[j], x2 = qh[j + half];
+		qh[j] = __fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j]));
+		qh[j + half] = __fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j]));
+	}
+	KT *kd = (KT *)a.arena + a.dst[t] * a.block_elems + (size_t)a.dst[a.n + t] * kv_dim;
+	KT *vd = kd + (size_t)a.block_tokens * kv_dim;
+	for (uint32_t i = threadIdx.x; i < a.n_kv_heads * half; i += blockDim.x) {
+		uint32_t h = i / half, j = i % half;
+		const float *kh = k + (size_t)h * hd;
+		float x1 = kh[j], x2 = kh[j + half];
+		kd[h * hd + j] = from_f32<KT>(__fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j])));
+		kd[h * hd + j + half] = from_f32<KT>(__fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j])));
+	}
+	for (uint32_t i = threadIdx.x; i < kv_dim; i += blockDim.x)
+		vd[i] = from_f32<KT>(v[i]);
+	size_t p0 = (size_t)t * a.n_heads;
+	for (uint32_t i = threadIdx.x; i < a.n_heads; i += blockDim.x) {
+		a.m[p0 + i] = -INFINITY;
+		a.l[p0 + i] = 0.0f;
+	}
+	for (uint32_t i = threadIdx.x; i < a.n_heads * hd; i += blockDim.x)
+		a.acc[p0 * hd + i] = 0.0f;
+}
+
+/* SiLU(gate) * up from the float32 products of the cuBLAS path ((n, 2 * ffn): gate, then up). */
+template <typename TO> __global__ void silu_mul_kernel(const float *gu, uint32_t ffn, size_t count, TO *out)
+{
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x) {
+		size_t t = i / ffn, o = i % ffn;
+		const float *row = gu + t * 2 * ffn;
+		out[i] = from_f32<TO>(silu_mul(row[o], row[ffn + o]));
+	}
+}
+/* ---- launchers ---------------------------------------------------------------------------- */
+
+void embed_launch(uint32_t dt, const void *raw, float *x, size_t count, cudaStream_t s)
+{
+	unsigned grid = grid_for(count, 256);
+	if (dt == DT_BF16)
+		embed_kernel<__nv_bfloat16><<<grid, 256, 0, s>>>((const __nv_bfloat16 *)raw, x, count);
+	else if (dt == DT_F16)
+		embed_kernel<__half><<<grid, 256, 0, s>>>((const __half *)raw, x, count);
+	else
+		embed_kernel<float><<<grid, 256, 0, s>>>((const float *)raw, x, count);
+}
+
+void rope_launch(uint32_t kv_dtype, const rope_args &a, cudaStream_t s)
+{
+	unsigned threads = small_grid(a.n) ? 512 : 128;
+	if (kv_dtype == DT_BF16)
+		rope_kernel<__nv_bfloat16><<<a.n, threads, 0, s>>>(a);
+	else
+		rope_kernel<float><<<a.n, threads, 0, s>>>(a);
+}
+
+void silu_mul_launch(uint32_t ot, const float *gu, uint32_t ffn, size_t count, void *out, cudaStream_t s)
+{
+	unsigned grid = grid_for(count, 256);
+	if (ot == DT_BF16)
+		silu_mul_kernel<__nv_bfloat16><<<grid, 256, 0, s>>>(gu, ffn, count, (__nv_bfloat16 *)out);
+	else if (ot == DT_F16)
+		silu_mul_kernel<__half><<<grid, 256, 0, s>>>(gu, ffn, count, (__half *)out);
+	else
+		silu_mul_kernel<float><<<grid, 256, 0, s>>>(gu, ffn, count, (float *)out);
+}
+
+/* RMSNorm of rows [row0, row0 + rows) of x into be->xa (from its start) in dtype ot. */
+int rmsnorm(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, uint32_t rows, uint32_t ot)
+{
+	const float *x = be->x + (size_t)row0 * be->cfg.dim;
+	uint32_t dim = be->cfg.dim;
+	float eps = be->cfg.rms_eps;
+	unsigned threads = small_grid(rows) ? 1024 : 256;
+	if (ot == DT_BF16)
+		rmsnorm_kernel<__nv_bfloat16><<<rows, threads, 0, be->stream>>>(x, w, wt, dim, eps,
+										(__nv_bfloat16 *)be->xa);
+	else if (ot == DT_F16)
+		rmsnorm_kernel<__half><<<rows, threads, 0, be->stream>>>(x, w, wt, dim, eps, (__half *)be->xa);
+	else
+		rmsnorm_kernel<float><<<rows, threads, 0, be->stream>>>(x, w, wt, dim, eps, (float *)be->xa);
+	LAUNCHED(be, "rmsnorm_kernel");
+	return 0;
+}
+

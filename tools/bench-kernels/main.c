@@ -1,0 +1,412 @@
+/* bench-kernels: the CUDA backend's kernels on a Llama-3-8B shape with every weight resident
+ * (random BF16 weights in device memory, no services): prefill of 512-token chunks and decode
+ * ms/token at a short and a ~4K context, lm_head alone (the matrix-vector bandwidth), for each
+ * decode and attention path (backend_params.gemv, .attn). Prints a line per measurement on
+ * stderr and one JSON object per path on stdout. A benchmark, not a test: it asserts nothing
+ * about speed.
+ *
+ *   bench-kernels                       # every path; the first also at ~4K context
+ *   bench-kernels --quick               # the default path only
+ *   bench-kernels --profile decode      # one decode step (or prefill) alone between
+ *                                       # cudaProfilerStart/Stop: ncu --profile-from-start off
+ */
+#include <cuda_profiler_api.h>
+#include <cuda_runtime_api.h>
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/config.h"
+#include "common/dtype.h"
+#include "common/model.h"
+#include "services/gpu-runner/backend.h"
+
+#define CHECK(cond, ...)                                                                           \
+	do {                                                                                       \
+		if (!(cond)) {                                                                     \
+			fprintf(stderr, "bench-kernels: " __VA_ARGS__);                            \
+			fputc('\n', stderr);                                                       \
+			exit(1);                                                                   \
+		}                                                                                  \
+	} while (0)
+
+#define CUDA_OK(call)                                                                              \
+	do {                                                                                       \
+		cudaError_t e_ = (call);                                                           \
+		CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                 \
+	} while (0)
+
+#define PERF_CTX 4224
+#define PERF_CHUNK 512
+
+static uint64_t rng_state;
+
+static uint64_t rng_next(void)
+{
+	uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+static double rng_uniform(void)
+{
+	return ((double)(rng_next() >> 11) + 0.5) * 0x1.0p-53; /* (0, 1) */
+}
+
+static double now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+static const char *gemv_name(uint32_t g)
+{
+	return g == BACKEND_GEMV_CUBLAS ? "cublas" : g == BACKEND_GEMV_ROWS2 ? "2 rows/warp" : "1 row/warp";
+}
+
+/* Role r of the 8B shape as BF16 at data in place. */
+static void set_bf16(const struct model_config *c, struct group_weights *g, enum tensor_role r, enum weight_place place,
+		     const void *data)
+{
+	uint32_t ndim;
+	uint64_t shape[2];
+	model_expected_shape(c, r, &ndim, shape);
+	weight_tensor_set(&g->t[r], place, data, DT_BF16, ndim == 1 ? 1 : (uint32_t)shape[0],
+			  (uint32_t)(ndim == 1 ? shape[0] : shape[1]));
+}
+
+struct big {
+	struct model_config cfg;
+	struct group_weights embed, head, *attn, *ffn;
+	void *pool;	  /* device: all matrices and norms */
+	void *embed_host; /* the embedding table */
+	size_t weight_bytes; /* bytes a decode step reads (all but the embedding table) */
+};
+
+/* Random BF16 weights, ~N(0, 0.02)-sized uniform values (not zeros, which run faster than
+ * real data): 64 MiB generated on the host, replicated over the device tensors. */
+static void big_new(struct big *b)
+{
+	struct model_config c = {
+		.arch = ARCH_LLAMA, .n_layers = 32, .dim = 4096, .n_heads = 32, .n_kv_heads = 8, .head_dim = 128,
+		.ffn_dim = 14336, .vocab_size = 128256, .max_position = 131072, .rms_eps = 1e-5f,
+		.rope_theta = 500000.0f, .rope_scaling = ROPE_SCALING_LLAMA3, .rope_factor = 8,
+		.rope_low_freq_factor = 1, .rope_high_freq_factor = 4, .rope_original_max_position = 8192,
+		.bos_id = -1,
+	};
+	b->cfg = c;
+	size_t dim = c.dim, qd = (size_t)c.n_heads * c.head_dim, kvd = (size_t)c.n_kv_heads * c.head_dim;
+	size_t per_layer = (dim + qd * dim + 2 * kvd * dim + dim * qd) + (dim + 3 * (size_t)c.ffn_dim * dim);
+	size_t elems = per_layer * c.n_layers + dim + (size_t)c.vocab_size * dim;
+	b->weight_bytes = elems * 2;
+	CUDA_OK(cudaMalloc(&b->pool, b->weight_bytes));
+	size_t chunk = 32u << 20; /* elements */
+	uint16_t *h = malloc(chunk * 2);
+	CHECK(h != NULL, "out of memory");
+	rng_state = 17;
+	for (size_t i = 0; i < chunk; i++)
+		h[i] = f32_to_bf16((float)((rng_uniform() - 0.5) * 0.07));
+	CUDA_OK(cudaMemcpy(b->pool, h, chunk * 2, cudaMemcpyHostToDevice));
+	for (size_t off = chunk; off < elems; off += chunk) {
+		size_t n = elems - off < chunk ? elems - off : chunk;
+		CUDA_OK(cudaMemcpy((uint16_t *)b->pool + off, b->pool, n * 2, cudaMemcpyDeviceToDevice));
+	}
+	/* Norm weights near 1. */
+	for (size_t i = 0; i < dim; i++)
+		h[i] = f32_to_bf16((float)(1.0 + 0.1 * (rng_uniform() - 0.5)));
+	b->attn = calloc(c.n_layers, sizeof(*b->attn));
+	b->ffn = calloc(c.n_layers, sizeof(*b->ffn));
+	CHECK(b->attn && b->ffn, "out of memory");
+	uint16_t *p = b->pool;
+#define TAKE(gw, role, count)                                                   \
+	do {                                                                    \
+		set_bf16(&b->cfg, (gw), role, PLACE_DEVICE, p);                 \
+		p += (count);                                                   \
+	} while (0)
+	for (uint32_t l = 0; l < c.n_layers; l++) {
+		CUDA_OK(cudaMemcpy(p, h, dim * 2, cudaMemcpyHostToDevice));
+		TAKE(&b->attn[l], ROLE_ATTN_NORM, dim);
+		TAKE(&b->attn[l], ROLE_WQ, qd * dim);
+		TAKE(&b->attn[l], ROLE_WK, kvd * dim);
+		TAKE(&b->attn[l], ROLE_WV, kvd * dim);
+		TAKE(&b->attn[l], ROLE_WO, dim * qd);
+		CUDA_OK(cudaMemcpy(p, h, dim * 2, cudaMemcpyHostToDevice));
+		TAKE(&b->ffn[l], ROLE_FFN_NORM, dim);
+		TAKE(&b->ffn[l], ROLE_W_GATE, (size_t)c.ffn_dim * dim);
+		TAKE(&b->ffn[l], ROLE_W_UP, (size_t)c.ffn_dim * dim);
+		TAKE(&b->ffn[l], ROLE_W_DOWN, dim * c.ffn_dim);
+	}
+	CUDA_OK(cudaMemcpy(p, h, dim * 2, cudaMemcpyHostToDevice));
+	TAKE(&b->head, ROLE_FINAL_NORM, dim);
+	TAKE(&b->head, ROLE_LM_HEAD, (size_t)c.vocab_size * dim);
+#undef TAKE
+	CHECK(p == (uint16_t *)b->pool + elems, "weights laid out wrongly");
+	/* The embedding table (host): the random chunk repeated. */
+	size_t eb = (size_t)c.vocab_size * dim;
+	b->embed_host = malloc(eb * 2);
+	CHECK(b->embed_host != NULL, "out of memory");
+	for (size_t off = 0; off < eb; off += chunk)
+		memcpy((uint16_t *)b->embed_host + off, h, (eb - off < chunk ? eb - off : chunk) * 2);
+	set_bf16(&b->cfg, &b->embed, ROLE_EMBED, PLACE_HOST, b->embed_host);
+	free(h);
+	CUDA_OK(cudaDeviceSynchronize());
+}
+
+static void big_free(struct big *b)
+{
+	CUDA_OK(cudaFree(b->pool));
+	free(b->embed_host);
+	free(b->attn);
+	free(b->ffn);
+}
+
+struct perf_run {
+	const struct big *b;
+	struct backend *be;
+	uint32_t bt, bpl;
+	int32_t *tok;
+	uint32_t *pos, *seq;
+	struct kv_span *spans;
+	uint32_t *dst_block, *dst_row;
+};
+
+/* A backend for the 8B shape with the kernel choices given. */
+static void perf_open(struct perf_run *r, const struct big *b, uint32_t gemv, uint32_t attn)
+{
+	const struct model_config *c = &b->cfg;
+	r->b = b;
+	r->bt = 16;
+	r->bpl = PERF_CTX / r->bt;
+	struct backend_params p = {.max_chunk = PERF_CHUNK, .block_tokens = r->bt, .n_kv_blocks = c->n_layers * r->bpl,
+				   .kv_dtype = DT_BF16, .threads = 1, .gemv = gemv, .attn = attn};
+	char err[400] = "";
+	int rc = backend_create("cuda", c, &p, &r->be, err, sizeof(err));
+	CHECK(rc == 0, "create: %s", err);
+	r->tok = malloc(PERF_CTX * sizeof(int32_t));
+	r->pos = malloc(PERF_CHUNK * sizeof(uint32_t));
+	r->seq = malloc(PERF_CHUNK * sizeof(uint32_t));
+	r->spans = malloc(r->bpl * sizeof(*r->spans));
+	r->dst_block = malloc(PERF_CHUNK * sizeof(uint32_t));
+	r->dst_row = malloc(PERF_CHUNK * sizeof(uint32_t));
+	CHECK(r->tok && r->pos && r->seq && r->spans && r->dst_block && r->dst_row, "out of memory");
+	rng_state = 3;
+	for (uint32_t i = 0; i < PERF_CTX; i++)
+		r->tok[i] = (int32_t)(rng_next() % c->vocab_size);
+}
+
+static void perf_close(struct perf_run *r)
+{
+	backend_destroy(&r->be);
+	free(r->tok);
+	free(r->pos);
+	free(r->seq);
+	free(r->spans);
+	free(r->dst_block);
+	free(r->dst_row);
+}
+
+static double enqueue_ms; /* host time of the last perf_step until logits_argmax */
+
+/* One step as the engine runs it, spans in order from position 0; returns the argmax. */
+static int32_t perf_step(struct perf_run *r, uint32_t n, uint32_t pos)
+{
+	const struct big *b = r->b;
+	struct backend *be = r->be;
+	uint32_t bt = r->bt;
+	int32_t id = -1;
+	double t0 = now_ms();
+	for (uint32_t i = 0; i < n; i++) {
+		r->pos[i] = pos + i;
+		r->seq[i] = 0;
+	}
+	struct backend_batch batch = {.n = n, .tokens = r->tok + pos, .pos = r->pos, .seq = r->seq};
+	int rc = backend_embed(be, &b->embed, &batch);
+	CHECK(rc == 0, "embed: %s", backend_error(be));
+	for (uint32_t l = 0; l < b->cfg.n_layers; l++) {
+		for (uint32_t i = 0; i < n; i++) {
+			r->dst_block[i] = l * r->bpl + (pos + i) / bt;
+			r->dst_row[i] = (pos + i) % bt;
+		}
+		rc = backend_attn_begin(be, &b->attn[l], l, r->dst_block, r->dst_row);
+		CHECK(rc == 0, "attn_begin: %s", backend_error(be));
+		uint32_t end = pos + n, ns = 0;
+		for (uint32_t k = 0; k * bt < end; k++)
+			r->spans[ns++] = (struct kv_span){.block = l * r->bpl + k, .pos0 = k * bt,
+							  .n_tokens = end - k * bt < bt ? end - k * bt : bt};
+		rc = backend_attn_blocks(be, r->spans, ns);
+		CHECK(rc == 0, "attn_blocks: %s", backend_error(be));
+		rc = backend_attn_end(be, &b->attn[l]);
+		CHECK(rc == 0, "attn_end: %s", backend_error(be));
+		rc = backend_ffn(be, &b->ffn[l]);
+		CHECK(rc == 0, "ffn: %s", backend_error(be));
+	}
+	enqueue_ms = now_ms() - t0;
+	rc = backend_logits_argmax(be, &b->head, &id);
+	CHECK(rc == 0, "logits_argmax: %s", backend_error(be));
+	return id;
+}
+
+/* Median ms of nd decode steps from *pos on (advanced); the median host enqueue time too. */
+static double perf_decode(struct perf_run *r, uint32_t *pos, uint32_t nd, double *enqueue)
+{
+	double d[64], q[64];
+	CHECK(nd <= 64, "at most 64 steps");
+	for (uint32_t i = 0; i < nd; i++, (*pos)++) {
+		double t0 = now_ms();
+		perf_step(r, 1, *pos);
+		d[i] = now_ms() - t0;
+		q[i] = enqueue_ms;
+	}
+	qsort(d, nd, sizeof(double), cmp_double);
+	qsort(q, nd, sizeof(double), cmp_double);
+	*enqueue = q[nd / 2];
+	return d[nd / 2];
+}
+
+/* Prefill a 512-token chunk at 0, decode 16 tokens (~context 528), time lm_head alone; with
+ * long_ctx, prefill on to ~4k in 512-token chunks and decode 32 more. */
+static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long_ctx, FILE *json)
+{
+	struct perf_run r;
+	perf_open(&r, b, gemv, attn);
+	const struct model_config *c = &b->cfg;
+	char how[64];
+	snprintf(how, sizeof(how), "gemv %s, attention %s", gemv_name(gemv), attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma");
+
+	/* Warm-up: one chunk and a few decode steps, then start over at position 0. */
+	perf_step(&r, PERF_CHUNK, 0);
+	for (uint32_t i = 0; i < 3; i++)
+		perf_step(&r, 1, PERF_CHUNK + i);
+
+	double pf[3];
+	for (int i = 0; i < 3; i++) {
+		double t0 = now_ms();
+		perf_step(&r, PERF_CHUNK, 0);
+		pf[i] = now_ms() - t0;
+	}
+	qsort(pf, 3, sizeof(double), cmp_double);
+	fprintf(stderr, "perf (%s): prefill 512 tokens at position 0: %.2f ms, %.0f tokens/s\n", how, pf[1],
+		PERF_CHUNK / pf[1] * 1e3);
+	uint32_t pos = PERF_CHUNK;
+	double enq, dt = perf_decode(&r, &pos, 16, &enq), dt_short = dt, enq_short = enq;
+	fprintf(stderr, "perf (%s): decode at context ~%u: median %.3f ms/token, %.0f GB/s of weights; host enqueue "
+		"%.3f ms\n", how, pos, dt, b->weight_bytes / (dt * 1e-3) / 1e9, enq);
+	/* lm_head alone (final norm, one GEMV over 1 GB, argmax): the matrix-vector bandwidth. */
+	double lm[16];
+	for (int i = 0; i < 16; i++) {
+		int32_t id;
+		double t0 = now_ms();
+		int rc = backend_logits_argmax(r.be, &b->head, &id);
+		CHECK(rc == 0, "logits_argmax: %s", backend_error(r.be));
+		lm[i] = now_ms() - t0;
+	}
+	qsort(lm, 16, sizeof(double), cmp_double);
+	fprintf(stderr, "perf (%s): lm_head alone: %.3f ms, %.0f GB/s\n", how, lm[8],
+		(double)c->vocab_size * c->dim * 2 / (lm[8] * 1e-3) / 1e9);
+	double chunk_ms = 0, dt_long = 0;
+	uint32_t ctx_long = 0;
+	if (long_ctx) {
+		double tot = 0;
+		uint32_t chunks = 0;
+		while (pos + PERF_CHUNK + 40 <= PERF_CTX) {
+			double t0 = now_ms();
+			perf_step(&r, PERF_CHUNK, pos);
+			tot += now_ms() - t0;
+			pos += PERF_CHUNK;
+			chunks++;
+		}
+		fprintf(stderr, "perf (%s): prefill %u more 512-token chunks up to position %u: %.2f ms each, %.0f "
+			"tokens/s\n", how, chunks, pos, tot / chunks, PERF_CHUNK * chunks / tot * 1e3);
+		dt_long = perf_decode(&r, &pos, 32, &enq);
+		fprintf(stderr, "perf (%s): decode at context ~%u: median %.3f ms/token; host enqueue %.3f ms\n", how, pos,
+			dt_long, enq);
+		chunk_ms = tot / chunks;
+		ctx_long = pos;
+	}
+	fprintf(json,
+		"{\"gemv\": \"%s\", \"attention\": \"%s\", \"prefill_512_ms\": %.4f, \"decode_ms\": %.4f, "
+		"\"decode_context\": %u, \"enqueue_ms\": %.4f, \"weight_bytes\": %zu, \"lm_head_ms\": %.4f, "
+		"\"prefill_512_long_ms\": %.4f, \"decode_long_ms\": %.4f, \"decode_long_context\": %u}\n",
+		gemv_name(gemv), attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma", pf[1], dt_short, PERF_CHUNK + 16,
+		enq_short, b->weight_bytes, lm[8], chunk_ms, dt_long, ctx_long);
+	fflush(json);
+	perf_close(&r);
+}
+
+/* One decode step or one 512-token prefill chunk (at context ~512) alone in the profiler's
+ * window, after a warm-up. */
+static void big_profile(const struct big *b, const char *what)
+{
+	struct perf_run r;
+	perf_open(&r, b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT);
+	perf_step(&r, PERF_CHUNK, 0);
+	for (uint32_t i = 0; i < 3; i++)
+		perf_step(&r, 1, PERF_CHUNK + i);
+	bool decode = !strcmp(what, "decode");
+	CUDA_OK(cudaProfilerStart());
+	perf_step(&r, decode ? 1 : PERF_CHUNK, PERF_CHUNK + 3);
+	CUDA_OK(cudaProfilerStop());
+	fprintf(stderr, "perf: profiled one %s step\n", decode ? "decode" : "512-token prefill");
+	perf_close(&r);
+}
+
+int main(int argc, char **argv)
+{
+	bool quick = false;
+	char *profile = NULL;
+	struct opt opts[] = {
+		{"quick", OPT_BOOL, &quick, NULL, "the default decode and attention path only, no ~4K context"},
+		{"profile", OPT_STRING, &profile, NULL,
+		 "decode or prefill: one such step alone between cudaProfilerStart and cudaProfilerStop"},
+		{0},
+	};
+	int rc = config_parse("bench-kernels",
+			      "times the CUDA backend's kernels on a Llama-3-8B shape, every weight resident", opts,
+			      argc, argv, NULL, NULL);
+	if (rc > 0)
+		return 0;
+	if (rc < 0)
+		return 2;
+	if (profile && strcmp(profile, "decode") && strcmp(profile, "prefill")) {
+		fprintf(stderr, "bench-kernels: --profile takes decode or prefill, not '%s'\n", profile);
+		return 2;
+	}
+	size_t free_b = 0, total_b = 0;
+	CUDA_OK(cudaMemGetInfo(&free_b, &total_b));
+	if (free_b < (18ull << 30)) {
+		fprintf(stderr, "bench-kernels: %.1f GiB free on the GPU, the 8B shape needs ~18\n",
+			free_b / (double)(1ull << 30));
+		return 1;
+	}
+	struct big b;
+	memset(&b, 0, sizeof(b));
+	big_new(&b);
+	if (profile) {
+		big_profile(&b, profile);
+		big_free(&b);
+		return 0;
+	}
+	fprintf(stderr, "perf: Llama-3-8B shape, BF16 weights resident (%.2f GB read per decode step), BF16 KV, "
+		"16-token blocks\n", b.weight_bytes / 1e9);
+	big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, !quick, stdout);
+	if (!quick) {
+		big_run(&b, BACKEND_GEMV_ROWS2, BACKEND_ATTN_DEFAULT, false, stdout);
+		big_run(&b, BACKEND_GEMV_CUBLAS, BACKEND_ATTN_DEFAULT, false, stdout);
+		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_SIMPLE, false, stdout);
+	}
+	big_free(&b);
+	return 0;
+}
