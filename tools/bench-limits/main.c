@@ -1,11 +1,13 @@
 /* bench-limits: measures, on this machine and now, the limits the benchmark compares against:
  *   - pinned host-to-device bandwidth (cudaMemcpyAsync from cudaMallocHost memory),
+ *   - device memory (HBM) bandwidth: a read kernel, and a device-to-device copy counted as read
+ *     plus write; the bound is the better of the two (hbm.cu says why the read is what counts),
  *   - disk read bandwidth of a file with O_DIRECT and io_uring (4 MiB reads, 64 in flight),
  *   - the bf16 GEMM rate of cuBLAS at a prefill shape (float32 accumulation).
  * Prints one JSON object on stdout:
- *   {"h2d_bytes_per_s":..., "disk_bytes_per_s":..., "gemm_flops_per_s":..., ...}
+ *   {"h2d_bytes_per_s":..., "hbm_bytes_per_s":..., "disk_bytes_per_s":..., "gemm_flops_per_s":..., ...}
  *
- *   bench-limits [--file PATH] [--disk-bytes SIZE] [--m 512 --n 14336 --k 4096]
+ *   bench-limits [--file PATH] [--disk-bytes SIZE] [--hbm-bytes SIZE] [--m 512 --n 14336 --k 4096]
  */
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -21,6 +23,7 @@
 
 #include "common/config.h"
 #include "common/util.h"
+#include "hbm.h"
 
 #define CHECK_CUDA(call)                                                                                  \
 	do {                                                                                              \
@@ -169,12 +172,14 @@ static double disk(const char *path, uint64_t limit, unsigned depth, uint64_t *r
 int main(int argc, char **argv)
 {
 	const char *file = NULL;
-	uint64_t disk_bytes = 0;
+	uint64_t disk_bytes = 0, hbm_bytes = 0;
 	bool matrix = false;
 	long m = 512, n = 14336, k = 4096;
 	const struct opt opts[] = {
 		{"file", OPT_STRING, &file, NULL, "a large file to read for the disk bandwidth (skipped without)"},
 		{"disk-bytes", OPT_SIZE, &disk_bytes, "8GiB", "read at most this much of it"},
+		{"hbm-bytes", OPT_SIZE, &hbm_bytes, "2GiB",
+		 "HBM: the buffer read (and copied, into a second one); far larger than L2"},
 		{"m", OPT_INT, &m, "512", "GEMM: tokens"},
 		{"n", OPT_INT, &n, "14336", "GEMM: output features"},
 		{"k", OPT_INT, &k, "4096", "GEMM: input features"},
@@ -182,7 +187,8 @@ int main(int argc, char **argv)
 		 "also read the file the loader's way: into a large buffer, inline or from io_uring's workers, 4 or 16 MiB"},
 		{0},
 	};
-	int rc = config_parse("bench-limits", "Measures pinned H2D bandwidth, O_DIRECT disk bandwidth and the bf16 GEMM rate.",
+	int rc = config_parse("bench-limits",
+			      "Measures pinned H2D bandwidth, HBM bandwidth, O_DIRECT disk bandwidth and the bf16 GEMM rate.",
 			      opts, argc, argv, NULL, NULL);
 	if (rc > 0)
 		return 0;
@@ -194,6 +200,9 @@ int main(int argc, char **argv)
 		return 77;
 	}
 	double h = h2d(1u << 30, 8);
+	double hr = hbm_read((size_t)hbm_bytes, 10), hc = hbm_copy((size_t)hbm_bytes, 10);
+	if (hr < 0 || hc < 0)
+		return 1;
 	double g = gemm((int)m, (int)n, (int)k);
 	double d = 0;
 	uint64_t dread = 0;
@@ -201,9 +210,10 @@ int main(int argc, char **argv)
 		/* Cold pages: O_DIRECT bypasses the page cache anyway. */
 		d = disk(file, disk_bytes, 64, &dread);
 	}
-	printf("{\"h2d_bytes_per_s\": %.0f, \"gemm_flops_per_s\": %.0f, \"gemm_shape\": [%ld, %ld, %ld], "
-	       "\"disk_bytes_per_s\": %.0f, \"disk_bytes_read\": %llu",
-	       h, g, m, n, k, d, (unsigned long long)dread);
+	printf("{\"h2d_bytes_per_s\": %.0f, \"hbm_bytes_per_s\": %.0f, \"hbm_read_bytes_per_s\": %.0f, "
+	       "\"hbm_copy_bytes_per_s\": %.0f, \"hbm_buffer_bytes\": %llu, \"gemm_flops_per_s\": %.0f, "
+	       "\"gemm_shape\": [%ld, %ld, %ld], \"disk_bytes_per_s\": %.0f, \"disk_bytes_read\": %llu",
+	       h, hr > hc ? hr : hc, hr, hc, (unsigned long long)hbm_bytes, g, m, n, k, d, (unsigned long long)dread);
 	if (file && matrix) {
 		static const struct {
 			const char *name;

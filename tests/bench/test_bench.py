@@ -1,0 +1,395 @@
+#!/usr/bin/env python3
+"""test_bench - the parts of scripts/bench that need no GPU: the statistics parser, the
+checkpoint reader (against make-synthetic-model where the build has it), the log readers, the
+command line, and the table from a recorded results folder (sample/).
+
+sample/ holds limits.json and SCENARIO.record.json files as a run writes them; expected-table.md
+is the table `scripts/bench --replay sample` must print after its title. Its S1, S3, K1 and K2 rows
+are what the bash version of scripts/bench printed for the same numbers (its decode_ms being the
+decode loop's total: here decode_ms x (generated_tokens - 1)).
+
+    python3 -B tests/bench/test_bench.py        (ctest: bench_script, label unit)
+"""
+import importlib.machinery
+import importlib.util
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.environ.get("PIPELINE_SOURCE_DIR", os.path.dirname(os.path.dirname(HERE)))
+SCRIPT = os.path.join(SOURCE, "scripts", "bench")
+SAMPLE = os.path.join(HERE, "sample")
+
+sys.dont_write_bytecode = True
+_loader = importlib.machinery.SourceFileLoader("bench", SCRIPT)
+_spec = importlib.util.spec_from_loader("bench", _loader)
+bench = importlib.util.module_from_spec(_spec)
+_loader.exec_module(bench)
+
+
+def write_safetensors(path, tensors):
+    """tensors: name -> (shape, bytes per element); the data is zeros."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (shape, esize) in tensors.items():
+        n = esize
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": "BF16" if esize == 2 else "F32", "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + bytes(offset))
+
+
+def llama_tensors(vocab, dim, layers, ffn, kv_dim, tied):
+    t = {"model.embed_tokens.weight": ([vocab, dim], 2), "model.norm.weight": ([dim], 2)}
+    if not tied:
+        t["lm_head.weight"] = ([vocab, dim], 2)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t.update({p + "self_attn.q_proj.weight": ([dim, dim], 2), p + "self_attn.k_proj.weight": ([kv_dim, dim], 2),
+                  p + "self_attn.v_proj.weight": ([kv_dim, dim], 2), p + "self_attn.o_proj.weight": ([dim, dim], 2),
+                  p + "mlp.gate_proj.weight": ([ffn, dim], 2), p + "mlp.up_proj.weight": ([ffn, dim], 2),
+                  p + "mlp.down_proj.weight": ([dim, ffn], 2), p + "input_layernorm.weight": ([dim], 2),
+                  p + "post_attention_layernorm.weight": ([dim], 2)})
+    return t
+
+
+def config_params(c):
+    """The parameter count a Llama config.json implies (lm_head when untied)."""
+    d, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    q, kv, f = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd, c["intermediate_size"]
+    layer = d * q + 2 * d * kv + q * d + 3 * d * f + 2 * d
+    heads = 1 if c.get("tie_word_embeddings") else 2
+    return heads * c["vocab_size"] * d + c["num_hidden_layers"] * layer + d
+
+
+class GenStats(unittest.TestCase):
+    def test_object_after_tokens(self):
+        out = "17 42 99 7\n" + json.dumps({"prompt_tokens": 512, "prefill_ms": 192.3, "generated_tokens": 4,
+                                           "decode_ms": 185.9, "reason": "length"}) + "\n"
+        g = bench.parse_gen_stats(out)
+        self.assertEqual(g["prompt_tokens"], 512)
+        self.assertEqual(bench.decode_per_token_ms(g), 185.9)
+        self.assertAlmostEqual(bench.decode_total_ms(g), 185.9 * 3)
+
+    def test_total_when_given(self):
+        g = {"prompt_tokens": 1, "prefill_ms": 1, "generated_tokens": 5, "decode_ms": 2.0, "decode_total_ms": 8.5}
+        self.assertEqual(bench.decode_total_ms(g), 8.5)
+
+    def test_text_holding_braces(self):
+        # Text output may hold a "{": the last line that is a whole object counts.
+        out = "a {b} {\n{\"prompt_tokens\": 3, \"prefill_ms\": 1.5, \"generated_tokens\": 2, \"decode_ms\": 4}\n"
+        self.assertEqual(bench.parse_gen_stats(out)["decode_ms"], 4)
+
+    def test_missing_key(self):
+        with self.assertRaisesRegex(bench.BenchError, "decode_ms"):
+            bench.parse_gen_stats('1 2\n{"prompt_tokens": 3, "prefill_ms": 1.5, "generated_tokens": 2}\n')
+
+    def test_not_a_number(self):
+        with self.assertRaisesRegex(bench.BenchError, "prefill_ms"):
+            bench.parse_gen_stats('{"prompt_tokens": 3, "prefill_ms": "1.5", "generated_tokens": 2, "decode_ms": 1}')
+        with self.assertRaisesRegex(bench.BenchError, "generated_tokens"):
+            bench.parse_gen_stats('{"prompt_tokens": 3, "prefill_ms": 1, "generated_tokens": true, "decode_ms": 1}')
+
+    def test_no_object(self):
+        with self.assertRaisesRegex(bench.BenchError, "no statistics"):
+            bench.parse_gen_stats("1 2 3\nprompt 3 tokens: prefill 1.0 ms\n")
+
+
+class Checkpoint(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.dir = self.tmp.name
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def write(self, tied, shards=2):
+        t = llama_tensors(vocab=1000, dim=64, layers=3, ffn=128, kv_dim=32, tied=tied)
+        names = sorted(t)
+        for s in range(shards):
+            write_safetensors(os.path.join(self.dir, f"model-{s + 1:05d}-of-{shards:05d}.safetensors"),
+                              {n: t[n] for n in names[s::shards]})
+        with open(os.path.join(self.dir, "config.json"), "w") as f:
+            json.dump({"vocab_size": 1000, "tie_word_embeddings": tied}, f)
+        return t
+
+    def test_untied(self):
+        self.write(tied=False)
+        w = bench.checkpoint_weights(self.dir)
+        layer = 64 * 64 * 2 + 32 * 64 * 2 + 3 * 128 * 64
+        self.assertEqual(w["params"], 2 * 1000 * 64 + 3 * (layer + 2 * 64) + 64)
+        self.assertEqual(w["matrix_params"], 1000 * 64 + 3 * layer)
+        self.assertEqual(w["weight_bytes"], 2 * w["params"])
+        # One embedding row, not the table.
+        self.assertEqual(w["bytes_per_token"], w["weight_bytes"] - 2 * 1000 * 64 + 2 * 64)
+        self.assertFalse(w["tied_embeddings"])
+        self.assertEqual((w["files"], w["tensors"]), (2, 3 + 3 * 9))
+
+    def test_tied(self):
+        self.write(tied=True, shards=1)
+        w = bench.checkpoint_weights(self.dir)
+        layer = 64 * 64 * 2 + 32 * 64 * 2 + 3 * 128 * 64
+        self.assertEqual(w["params"], 1000 * 64 + 3 * (layer + 2 * 64) + 64)
+        self.assertEqual(w["matrix_params"], 1000 * 64 + 3 * layer)  # the embedding is the head
+        self.assertEqual(w["bytes_per_token"], w["weight_bytes"])
+        self.assertTrue(w["tied_embeddings"])
+
+    def test_bad_header(self):
+        self.write(tied=False, shards=1)
+        with open(os.path.join(self.dir, "model-00001-of-00001.safetensors"), "wb") as f:
+            f.write(b"\x01\x02")
+        with self.assertRaises(bench.BenchError):
+            bench.checkpoint_weights(self.dir)
+
+    def test_synthetic_model(self):
+        tool = os.path.join(os.environ.get("PIPELINE_BIN_DIR", ""), "make-synthetic-model")
+        if not os.access(tool, os.X_OK):
+            self.skipTest("make-synthetic-model not built (PIPELINE_BIN_DIR)")
+        for extra in ([], ["--tied"]):
+            out = os.path.join(self.dir, "m" + "".join(extra))
+            said = subprocess.run([tool, "--shape", "tiny", "--shards", "2", "--out", out, "--quiet", *extra],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=True).stdout
+            with open(os.path.join(out, "config.json")) as f:
+                c = json.load(f)
+            w = bench.checkpoint_weights(out)
+            self.assertEqual(w["params"], config_params(c))
+            self.assertIn(f" {w['params']} parameters", said)
+            self.assertEqual(w["weight_bytes"], 2 * w["params"])
+
+
+class Logs(unittest.TestCase):
+    def test_strict(self):
+        text = "x\n[err] --strict: group 3 late\nfine\n[err] --strict: again\n"
+        self.assertEqual(bench.count_strict(text), 2)
+        self.assertEqual(bench.count_strict(""), 0)
+
+    def test_memcheck(self):
+        text = "========= COMPUTE-SANITIZER\nsomething\n========= ERROR SUMMARY: 0 errors\n"
+        self.assertEqual(bench.sanitizer_summary("memcheck", text), "ERROR SUMMARY: 0 errors")
+        self.assertEqual(bench.sanitizer_summary("memcheck", "nothing"), "")
+
+    def test_racecheck(self):
+        text = ("========= Warning: Race reported between Write access at nvjet_sm90_x+0x10\n"
+                "========= Warning: Race reported between Write access at attention_kernel+0x20\n"
+                "========= Warning: Race reported between Read access at nvjet_sm90_y+0x30\n"
+                "========= RACECHECK SUMMARY: 3 hazards displayed (0 errors, 3 warnings)\n")
+        self.assertEqual(bench.sanitizer_summary("racecheck", text),
+                         "RACECHECK SUMMARY: 3 hazards displayed (0 errors, 3 warnings); "
+                         "hazards in the project's kernels: 1 (cuBLAS nvjet: 2)")
+        self.assertEqual(bench.sanitizer_summary("racecheck", ""),
+                         "no summary; hazards in the project's kernels: 0 (cuBLAS nvjet: 0)")
+
+
+class Prompts(unittest.TestCase):
+    def test_ids(self):
+        self.assertEqual(bench.prompt_ids(3, 128256), [513, 8432, 16351])
+        self.assertEqual(bench.spread_ids(2, 1), [8432, 16351])
+        a, b = bench.k2_prompts()
+        self.assertEqual((len(a), len(b)), (8256, 8256))
+        self.assertEqual(a[:8192], b[:8192])
+        self.assertNotEqual(a[8192:], b[8192:])
+
+
+class Table(unittest.TestCase):
+    def test_replay(self):
+        got = bench.replay(SAMPLE, set(bench.SCENARIOS)).splitlines()
+        with open(os.path.join(SAMPLE, "expected-table.md")) as f:
+            want = f.read().splitlines()
+        self.assertEqual(got[0], f"bench replay of {SAMPLE}")
+        self.assertEqual(got[1:], want)
+
+    def test_s2_bound_is_measured(self):
+        with open(os.path.join(SAMPLE, "limits.json")) as f:
+            lim = json.load(f)
+        with open(os.path.join(SAMPLE, "S2.record.json")) as f:
+            rec = json.load(f)
+        one = bench.rows_s2(rec, lim)[0]
+        lim["hbm_bytes_per_s"] /= 2
+        half = bench.rows_s2(rec, lim)[0]
+        self.assertIn("4.97 ms/token (15.01 GB/token at 3.02 TB/s HBM) | 1.47 |", one)
+        self.assertIn("9.94 ms/token (15.01 GB/token at 1.51 TB/s HBM) | 0.74 |", half)
+
+    def test_failed_rows(self):
+        lim = {}
+        self.assertEqual(bench.rows_s1({"failed": True}, lim), ["| S1 | failed (see logs) | - | - | - |"])
+        self.assertEqual(bench.rows_k2({"failed": True}, lim), ["| K2 | failed (see logs) | - | - | - |"])
+        self.assertEqual(bench.rows_check({"failed": True}, lim), [
+            "| compute-sanitizer memcheck | failed (see logs) | - | - | 0 errors |",
+            "| compute-sanitizer racecheck | failed (see logs) | - | - | 0 errors |",
+            "| --strict S1 | failed (see logs) | - | - | none |"])
+        self.assertEqual(bench.rows_s3({"gen": {}, "disk_bytes_per_token": 1, "strict_violations": 3, "failed": True}, lim),
+                         ["| S3 | failed (see logs) | - | - | - |"])
+        self.assertEqual(bench.strict_row("--strict S3", 3), "| --strict S3 | 3 violation lines | - | - | none |")
+
+
+class CommandLine(unittest.TestCase):
+    def run_bench(self, *args):
+        return subprocess.run([sys.executable, "-B", SCRIPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+
+    def test_help(self):
+        p = self.run_bench("--help")
+        self.assertEqual(p.returncode, 0)
+        for word in ("--scenarios", "--work", "--quick", "--replay", "S1, S2, S3, CHECK, K1, K2"):
+            self.assertIn(word, p.stdout)
+
+    def test_replay_some(self):
+        p = self.run_bench("--replay", SAMPLE, "--scenarios", "S2,K1")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        rows = [line for line in p.stdout.splitlines() if line.startswith("| S") or line.startswith("| K")]
+        self.assertEqual([r.split(" ")[1] for r in rows], ["S2", "K1"])
+
+    def test_unknown(self):
+        self.assertEqual(self.run_bench("--scenarios", "S1,S9").returncode, 2)
+        self.assertEqual(self.run_bench("--frobnicate").returncode, 2)
+        self.assertEqual(self.run_bench("--replay", os.path.join(SAMPLE, "nothing-here")).returncode, 1)
+
+
+FAKE_PIPECTL = r"""
+import json, os, sys
+run = os.environ["PIPELINE_RUN_DIR"]
+state = os.path.join(run, "fetched")
+with open(os.path.join(run, "calls"), "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\n")
+if sys.argv[1] == "generate":
+    a = sys.argv
+    tokens, n = a[a.index("--tokens") + 1], int(a[a.index("-n") + 1])
+    ids = open(tokens[1:]).read() if tokens.startswith("@") else tokens
+    if "long" in tokens and os.path.exists(state):  # a long context fetches KV blocks
+        fetched = int(open(state).read()) + (7 if n == 1 else 7 + 100 * (n - 1))
+        open(state, "w").write(str(fetched))
+    print(" ".join(str(i) for i in range(n)))
+    if "--stats" in a and "--json" in a:
+        print(json.dumps({"prompt_tokens": len(ids.split(",")), "prefill_ms": 20.0 + n, "generated_tokens": n,
+                          "decode_ms": 4.0, "reason": "length"}))
+    print("prompt ...: prefill ... (text on stderr)", file=sys.stderr)
+elif sys.argv[1:] == ["stats", "gpu-runner"]:
+    if not os.path.exists(state):
+        open(state, "w").write("0")
+    print(json.dumps({"kv_blocks_fetched": int(open(state).read()), "kv_block_bytes": 1048576,
+                      "kv_prefix_positions": 8192, "kv_prefix_blocks_on_gpu": 1024,
+                      "gpu_window": {"streamed_bytes_per_token": 2000000000, "copy_ms": 50.0}}, indent=2))
+elif sys.argv[1:] == ["stats", "ssd-loader"]:
+    print(json.dumps({"disk_bytes_per_token": 3000000000}))
+elif sys.argv[1:] == ["stats", "kv-store"]:
+    print("{}")
+else:
+    sys.exit(2)
+"""
+
+FAKE_PIPELINE = r"""
+import os, sys
+run = os.environ["PIPELINE_RUN_DIR"]
+if sys.argv[1] == "start":
+    if os.environ.get("FAKE_START_FAILS") == os.environ["PIPELINE_INSTANCE"]:
+        print("start failed on purpose")
+        sys.exit(1)
+    os.makedirs(run, exist_ok=True)
+    for name in ("calls", "fetched"):
+        if os.path.exists(os.path.join(run, name)):
+            os.remove(os.path.join(run, name))
+    with open(os.path.join(run, "gpu-runner.log"), "w") as f:
+        f.write("runner up\n")
+        if "--runner-opt=--strict" in sys.argv and "S3" in os.environ["PIPELINE_INSTANCE"]:
+            f.write("[err] --strict: group late\n")
+        if os.environ.get("PIPELINE_WRAP_GPU_RUNNER"):
+            f.write("========= ERROR SUMMARY: 0 errors\n")
+    with open(os.path.join(run, "start-args"), "w") as f:
+        f.write(" ".join(sys.argv[1:]) + " " + os.environ.get("PIPELINE_READY_TIMEOUT", "") + "\n")
+"""
+
+
+class RunWithFakes(unittest.TestCase):
+    """The scenarios' steps, with stand-ins for scripts/pipeline and pipectl (a GPU run's
+    commands, in order, and what they print)."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        t = self.tmp.name
+        self.b = bench.Bench(t, os.path.join(t, "work"), quick=True)
+        for name, text in (("pipectl", FAKE_PIPECTL), ("pipeline", FAKE_PIPELINE)):
+            path = os.path.join(t, name)
+            with open(path, "w") as f:
+                f.write(f"#!{sys.executable}\n{text}")
+            os.chmod(path, 0o755)
+        self.b.pipectl, self.b.pipeline, self.b.bin = os.path.join(t, "pipectl"), os.path.join(t, "pipeline"), t
+        self.m8 = os.path.join(self.b.work, "llama3-8b")
+        for d in (self.m8, os.path.join(self.b.work, "llama3-8b-4l")):
+            os.makedirs(d)
+            write_safetensors(os.path.join(d, "model.safetensors"),
+                              llama_tensors(vocab=2000, dim=64, layers=2, ffn=128, kv_dim=32, tied=False))
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump({"vocab_size": 2000}, f)
+            open(os.path.join(d, ".complete"), "w").close()
+        self.lim = {"h2d_bytes_per_s": 50e9, "hbm_bytes_per_s": 3e12, "disk_bytes_per_s": 2e9, "gemm_flops_per_s": 600e12}
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def calls(self, name):
+        with open(os.path.join(self.b.work, f"run-{name}", "calls")) as f:
+            return f.read().splitlines()
+
+    def test_s1_s2_s3(self):
+        rec = self.b.run_s1(self.m8)
+        self.assertEqual(rec["gen"]["generated_tokens"], 16)
+        self.assertEqual((rec["streamed_bytes_per_token"], rec["copy_ms"]), (2000000000, 50.0))
+        self.assertEqual(rec["weights"]["vocab_size"], 2000)
+        calls = self.calls("S1")
+        self.assertTrue(calls[0].startswith("generate --tokens 513,") and calls[0].endswith(" -n 2 --ignore-eos"))
+        self.assertEqual(calls[1:], ["stats ssd-loader", calls[2], "stats gpu-runner", "stats ssd-loader"])
+        self.assertTrue(calls[2].endswith(" -n 16 --ignore-eos --stats --json"))
+        with open(os.path.join(self.b.work, "run-S1", "start-args")) as f:
+            self.assertIn("--gpu-budget 6GiB --dram-budget 64GiB --runner-opt=--prefill-chunk=512", f.read())
+        for name in ("S1.gen", "S1.tokens", "S1.runner.json", "S1.loader0.json", "S1.loader.json", "S1.gpu-runner.log"):
+            self.assertTrue(os.path.exists(self.b.res(name)), name)
+        self.assertIn("| S1 decode (8B, --gpu-budget 6GiB) | 4.0 ms/token | 40.0 ms/token", bench.rows_s1(rec, self.lim)[0])
+        rec = self.b.run_s2(self.m8)
+        self.assertIn("| S2 decode (8B, all resident) | 4.00 ms/token |", bench.rows_s2(rec, self.lim)[0])
+        rec = self.b.run_s3(self.m8)
+        self.assertEqual((rec["disk_bytes_per_token"], rec["strict_violations"]), (3000000000, 1))
+        self.assertEqual(bench.rows_s3(rec, self.lim)[0], "| --strict S3 | 1 violation lines | - | - | none |")
+
+    def test_check(self):
+        rec = self.b.run_check(self.m8)
+        self.assertEqual(rec, {"sanitizers": {"memcheck": "ERROR SUMMARY: 0 errors", "racecheck":
+                                              "ERROR SUMMARY: 0 errors; hazards in the project's kernels: 0 (cuBLAS nvjet: 0)"},
+                               "strict_violations": 0})
+
+    def test_k1(self):
+        rec = self.b.run_k1(self.m8)
+        self.assertEqual(rec["new_tokens"], 8)
+        # Counted from the first stats call on; one token fetches 7, nine fetch 7 + 800.
+        self.assertEqual(rec["fetched"], [0, 7, 814])
+        self.assertEqual(rec["short"]["prompt_tokens"], 512)
+        self.assertEqual(rec["long"]["prompt_tokens"], 32768 - 8 - 1)
+        row = bench.rows_k1(rec, self.lim)[0]
+        self.assertIn("4.0 ms weights + 0.10 GB KV/token", row)  # 800 blocks / 8 tokens x 1 MiB
+        for name in ("K1.runner.json", "K1.kv.json", "K1.gpu-runner.log"):
+            self.assertTrue(os.path.exists(self.b.res(name)), name)
+
+    def test_k2(self):
+        rec = self.b.run_k2(self.m8)
+        self.assertEqual((rec["cold"]["prompt_tokens"], rec["warm"]["prompt_tokens"]), (8256, 8256))
+        self.assertGreater(rec["wall_cold_ms"], 0)
+        self.assertIn("8192 positions restored, 1024 blocks still on the GPU", bench.rows_k2(rec, self.lim)[0])
+
+    def test_start_fails(self):
+        os.environ["FAKE_START_FAILS"] = "bench-S1"
+        try:
+            self.assertEqual(self.b.run_s1(self.m8), {"failed": True})
+        finally:
+            del os.environ["FAKE_START_FAILS"]
+        with open(self.b.res("S1.start")) as f:
+            self.assertIn("start failed on purpose", f.read())
+
+
+if __name__ == "__main__":
+    unittest.main()
