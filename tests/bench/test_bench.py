@@ -6,7 +6,7 @@ command line, and the table from a recorded results folder (sample/).
 sample/ holds limits.json and SCENARIO.record.json files as a run writes them; expected-table.md
 is the table `scripts/bench --replay sample` must print after its title. Its S1, S3, K1 and K2 rows
 are what the bash version of scripts/bench printed for the same numbers (its decode_ms being the
-decode loop's total: here decode_ms x (generated_tokens - 1)).
+decode loop's total, as pipectl prints it: here decode_ms x (generated_tokens - 1)).
 
     python3 -B tests/bench/test_bench.py        (ctest: bench_script, label unit)
 """
@@ -70,13 +70,15 @@ def config_params(c):
 
 
 class GenStats(unittest.TestCase):
-    def test_object_after_tokens(self):
-        out = "17 42 99 7\n" + json.dumps({"prompt_tokens": 512, "prefill_ms": 192.3, "generated_tokens": 4,
-                                           "decode_ms": 185.9, "reason": "length"}) + "\n"
-        g = bench.parse_gen_stats(out)
+    def test_object_on_stderr(self):
+        err = "warming up\n" + json.dumps({"prompt_tokens": 512, "prefill_ms": 192.3, "prefill_tok_s": 2662.5,
+                                            "tokens_generated": 4, "reason": "length", "decode_ms": 557.7,
+                                            "decode_tok_s": 7.2, "total_ms": 760.0}) + "\n"
+        g = bench.parse_gen_stats(err)
         self.assertEqual(g["prompt_tokens"], 512)
-        self.assertEqual(bench.decode_per_token_ms(g), 185.9)
-        self.assertAlmostEqual(bench.decode_total_ms(g), 185.9 * 3)
+        self.assertEqual(g["generated_tokens"], 4)
+        self.assertAlmostEqual(bench.decode_per_token_ms(g), 185.9)
+        self.assertAlmostEqual(bench.decode_total_ms(g), 557.7)
 
     def test_total_when_given(self):
         g = {"prompt_tokens": 1, "prefill_ms": 1, "generated_tokens": 5, "decode_ms": 2.0, "decode_total_ms": 8.5}
@@ -84,18 +86,18 @@ class GenStats(unittest.TestCase):
 
     def test_text_holding_braces(self):
         # Text output may hold a "{": the last line that is a whole object counts.
-        out = "a {b} {\n{\"prompt_tokens\": 3, \"prefill_ms\": 1.5, \"generated_tokens\": 2, \"decode_ms\": 4}\n"
+        out = "a {b} {\n{\"prompt_tokens\": 3, \"prefill_ms\": 1.5, \"tokens_generated\": 2, \"decode_ms\": 4}\n"
         self.assertEqual(bench.parse_gen_stats(out)["decode_ms"], 4)
 
     def test_missing_key(self):
         with self.assertRaisesRegex(bench.BenchError, "decode_ms"):
-            bench.parse_gen_stats('1 2\n{"prompt_tokens": 3, "prefill_ms": 1.5, "generated_tokens": 2}\n')
+            bench.parse_gen_stats('1 2\n{"prompt_tokens": 3, "prefill_ms": 1.5, "tokens_generated": 2}\n')
 
     def test_not_a_number(self):
         with self.assertRaisesRegex(bench.BenchError, "prefill_ms"):
-            bench.parse_gen_stats('{"prompt_tokens": 3, "prefill_ms": "1.5", "generated_tokens": 2, "decode_ms": 1}')
-        with self.assertRaisesRegex(bench.BenchError, "generated_tokens"):
-            bench.parse_gen_stats('{"prompt_tokens": 3, "prefill_ms": 1, "generated_tokens": true, "decode_ms": 1}')
+            bench.parse_gen_stats('{"prompt_tokens": 3, "prefill_ms": "1.5", "tokens_generated": 2, "decode_ms": 1}')
+        with self.assertRaisesRegex(bench.BenchError, "tokens_generated"):
+            bench.parse_gen_stats('{"prompt_tokens": 3, "prefill_ms": 1, "tokens_generated": true, "decode_ms": 1}')
 
     def test_no_object(self):
         with self.assertRaisesRegex(bench.BenchError, "no statistics"):
@@ -267,9 +269,10 @@ if sys.argv[1] == "generate":
         open(state, "w").write(str(fetched))
     print(" ".join(str(i) for i in range(n)))
     if "--stats" in a and "--json" in a:
-        print(json.dumps({"prompt_tokens": len(ids.split(",")), "prefill_ms": 20.0 + n, "generated_tokens": n,
-                          "decode_ms": 4.0, "reason": "length"}))
-    print("prompt ...: prefill ... (text on stderr)", file=sys.stderr)
+        print(json.dumps({"prompt_tokens": len(ids.split(",")), "prefill_ms": 20.0 + n, "tokens_generated": n,
+                          "reason": "length", "decode_ms": 4.0 * (n - 1)}), file=sys.stderr)
+    elif "--stats" in a:
+        print("prompt ...: prefill ... (text on stderr)", file=sys.stderr)
 elif sys.argv[1:] == ["stats", "gpu-runner"]:
     if not os.path.exists(state):
         open(state, "w").write("0")
