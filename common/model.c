@@ -16,6 +16,40 @@ const char *tensor_role_name(enum tensor_role r)
 	return (unsigned)r < ROLE_COUNT ? role_names[r] : "?";
 }
 
+int model_groups_check(const struct model_config *c, const struct group_desc *groups, uint32_t n, char *err,
+		       size_t errlen)
+{
+	if (n < 2 || groups[0].kind != GROUP_EMBED || groups[n - 1].kind != GROUP_HEAD)
+		return errorf(err, errlen, -EINVAL, "the group table (%u groups) does not open with the embedding and end "
+			      "with the head", n);
+	uint32_t layer = 0, in_layer = 0; /* groups seen of layer `layer` (0: none yet) */
+	for (uint32_t g = 1; g + 1 < n; g++) {
+		const struct group_desc *d = &groups[g];
+		if (d->kind >= GROUP_KIND_COUNT || d->size_class >= CLASS_COUNT)
+			return errorf(err, errlen, -EINVAL, "group %u has an unknown kind %u or size class %u", g, d->kind,
+				      d->size_class);
+		if (d->kind == GROUP_EMBED || d->kind == GROUP_HEAD)
+			return errorf(err, errlen, -EINVAL, "group %u is a %s group inside the layers", g,
+				      group_kind_name((enum group_kind)d->kind));
+		if (d->kind == GROUP_ATTN) {
+			if (in_layer == 1 || d->layer != (in_layer ? layer + 1 : layer))
+				return errorf(err, errlen, -EINVAL, "group %u opens layer %u out of order (after layer "
+					      "%u, %u group(s) of it)", g, d->layer, layer, in_layer);
+			layer = d->layer;
+			in_layer = 1;
+		} else {
+			if (!in_layer || d->layer != layer)
+				return errorf(err, errlen, -EINVAL, "group %u (%s of layer %u) does not follow its layer's "
+					      "attention", g, group_kind_name((enum group_kind)d->kind), d->layer);
+			in_layer++;
+		}
+	}
+	if (in_layer < 2 || layer + 1 != c->n_layers)
+		return errorf(err, errlen, -EINVAL, "the group table ends after layer %u (%u group(s) of it); the model "
+			      "has %u layers", layer, in_layer, c->n_layers);
+	return 0;
+}
+
 const char *group_kind_name(enum group_kind k)
 {
 	switch (k) {
@@ -27,6 +61,8 @@ const char *group_kind_name(enum group_kind k)
 		return "ffn";
 	case GROUP_HEAD:
 		return "head";
+	case GROUP_KIND_COUNT:
+		break;
 	}
 	return "?";
 }

@@ -3,12 +3,18 @@
  * are copied as they are into the weight ring in shared memory, where the gpu-runner
  * reads them (the runner never opens model files).
  *
- * Groups are the unit of weight movement, numbered in the order a forward pass visits them:
+ * Groups are the unit of weight movement. The group table (struct group_desc, in the manifest
+ * and in the weight ring) is the description of a model's forward pass: groups are numbered in
+ * the order a forward pass visits them, and each group's kind says what is computed with it
+ * (model_groups_check states the rules). The engine walks the table, so a model whose layers
+ * hold other groups (experts, slices of a tensor) adds kinds, not formulas. The dense Llama
+ * layout that manifest_load builds today is
  *   0            embed   (model.embed_tokens.weight)
  *   1 + 2*l      attn(l) (input_layernorm, q_proj, k_proj, v_proj, o_proj of layer l)
  *   2 + 2*l      ffn(l)  (post_attention_layernorm, gate_proj, up_proj, down_proj)
  *   1 + 2*L      head    (model.norm, lm_head; with tied embeddings the head group holds only
  *                         the norm and the lm_head role resolves to the embed group's tensor)
+ * and the group_id_* helpers below number it (the planners of the dense layout use them).
  */
 #ifndef PIPELINE_MODEL_H
 #define PIPELINE_MODEL_H
@@ -75,11 +81,13 @@ enum tensor_role {
 	ROLE_COUNT = 12,
 };
 
+/* What the engine computes with a group (only appended to). */
 enum group_kind {
-	GROUP_EMBED = 0,
-	GROUP_ATTN = 1,
-	GROUP_FFN = 2,
-	GROUP_HEAD = 3,
+	GROUP_EMBED = 0, /* the embedding table: gathers the batch's rows */
+	GROUP_ATTN = 1,	 /* a layer's attention: norm, q/k/v, RoPE, KV, o_proj, residual */
+	GROUP_FFN = 2,	 /* a layer's dense feed-forward: norm, SwiGLU, residual */
+	GROUP_HEAD = 3,	 /* the final norm and lm_head */
+	GROUP_KIND_COUNT = 4,
 };
 
 /* Slot size classes: groups of one class share one slot size, so nothing fragments. */
@@ -152,6 +160,13 @@ uint32_t model_role_group(const struct model_config *cfg, enum tensor_role r, ui
  * -EINVAL (-ENOTSUP for an unknown arch) with a message naming the config.json field.
  * manifest_load runs it; so does the runner on the config it reads from the weight ring. */
 int model_config_check(const struct model_config *cfg, char *err, size_t errlen);
+
+/* Checks that a group table is a forward pass the engine can walk: the embed group first, the
+ * head group last, every layer 0..n_layers-1 in order, each opening with its attention group
+ * and followed by at least one group of its own (its FFN), known kinds and size classes.
+ * Returns 0 or -EINVAL with a message naming the group. */
+int model_groups_check(const struct model_config *cfg, const struct group_desc *groups, uint32_t n_groups, char *err,
+		       size_t errlen);
 
 /* Looks up the tensor of a role in a group over plain tables (the manifest's, or the copy
  * the runner takes from the weight ring): returns its index or -1. For ROLE_LM_HEAD with tied

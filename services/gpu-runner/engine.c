@@ -33,6 +33,9 @@ int engine_create(const struct model_config *cfg, struct backend *be,
 		snprintf(err, errlen, "the prefill chunk must be at least one token");
 		return -EINVAL;
 	}
+	int rc = model_groups_check(cfg, weights->groups, weights->n_groups, err, errlen);
+	if (rc)
+		return rc;
 	struct engine *e = calloc(1, sizeof(*e));
 	if (!e)
 		return -ENOMEM;
@@ -160,52 +163,52 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 {
 	if (n == 0 || n > e->max_chunk)
 		return set_err(e, -EINVAL, "a step takes 1..%u tokens, not %u", e->max_chunk, n);
-	struct group_weights w;
-	uint32_t group = group_id_embed();
-	int rc = acquire(e, group, &w);
-	if (rc)
-		return rc;
 	/* One sequence for now: consecutive positions, sequence 0. */
 	for (uint32_t i = 0; i < n; i++) {
 		e->pos[i] = pos0 + i;
 		e->seq[i] = 0;
 	}
 	struct backend_batch batch = {.n = n, .tokens = tokens, .pos = e->pos, .seq = e->seq};
-	BE_CHECK(backend_embed(e->be, &w, &batch), "embedding");
-	if ((rc = release(e, group)))
-		return rc;
-
-	for (uint32_t l = 0; l < e->cfg->n_layers; l++) {
-		if (e->progress)
+	/* The groups in the table's order (model.h): what each one computes is its kind's. */
+	const struct group_desc *groups = e->ws->groups;
+	for (uint32_t group = 0; group < e->ws->n_groups; group++) {
+		uint32_t kind = groups[group].kind, l = groups[group].layer;
+		if (kind == GROUP_HEAD && !logits && !argmax)
+			break; /* a prefill chunk before the last: no output wanted */
+		if (kind == GROUP_ATTN && e->progress)
 			e->progress(e->progress_ctx);
-		group = group_id_attn(l);
-		if ((rc = acquire(e, group, &w)))
+		struct group_weights w;
+		int rc = acquire(e, group, &w);
+		if (rc)
 			return rc;
-		KV_CHECK(kv_cache_prepare(e->kv, l, pos0, n, e->dst_block, e->dst_row));
-		BE_CHECK(backend_attn_begin(e->be, &w, l, e->dst_block, e->dst_row), "attention");
-		KV_CHECK(kv_cache_attend(e->kv, l, pos0 + n));
-		BE_CHECK(backend_attn_end(e->be, &w), "attention output");
-		KV_CHECK(kv_cache_finish_layer(e->kv, l, pos0, pos0 + n));
-		if ((rc = release(e, group)))
-			return rc;
-
-		group = group_id_ffn(l);
-		if ((rc = acquire(e, group, &w)))
-			return rc;
-		BE_CHECK(backend_ffn(e->be, &w), "feed-forward");
+		switch (kind) {
+		case GROUP_EMBED:
+			BE_CHECK(backend_embed(e->be, &w, &batch), "embedding");
+			break;
+		case GROUP_ATTN:
+			KV_CHECK(kv_cache_prepare(e->kv, l, pos0, n, e->dst_block, e->dst_row));
+			BE_CHECK(backend_attn_begin(e->be, &w, l, e->dst_block, e->dst_row), "attention");
+			KV_CHECK(kv_cache_attend(e->kv, l, pos0 + n));
+			BE_CHECK(backend_attn_end(e->be, &w), "attention output");
+			KV_CHECK(kv_cache_finish_layer(e->kv, l, pos0, pos0 + n));
+			break;
+		case GROUP_FFN:
+			BE_CHECK(backend_ffn(e->be, &w), "feed-forward");
+			break;
+		case GROUP_HEAD:
+			if (logits)
+				BE_CHECK(backend_logits(e->be, &w, logits), "logits");
+			else if (sp)
+				BE_CHECK(backend_logits_sample(e->be, &w, sp, u, argmax), "sampling");
+			else
+				BE_CHECK(backend_logits_argmax(e->be, &w, argmax), "logits");
+			break;
+		default:
+			release(e, group);
+			return set_err(e, -EPROTO, "group %u is of kind %u, which this engine does not compute", group, kind);
+		}
 		if ((rc = release(e, group)))
 			return rc;
 	}
-	if (!logits && !argmax)
-		return 0;
-	group = group_id_head(e->cfg);
-	if ((rc = acquire(e, group, &w)))
-		return rc;
-	if (logits)
-		BE_CHECK(backend_logits(e->be, &w, logits), "logits");
-	else if (sp)
-		BE_CHECK(backend_logits_sample(e->be, &w, sp, u, argmax), "sampling");
-	else
-		BE_CHECK(backend_logits_argmax(e->be, &w, argmax), "logits");
-	return release(e, group);
+	return 0;
 }

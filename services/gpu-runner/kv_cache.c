@@ -13,8 +13,6 @@
 /* The backend's write-behind event is what MSG_KV_COMMIT carries to the kv-store. */
 _Static_assert(BACKEND_EVENT_BYTES == KV_EVENT_HANDLE_BYTES, "a KV event handle has one size everywhere");
 
-#include "common/util.h"
-
 #define NO_ARENA (-1)
 
 /* Records a message in the object and returns rc. */

@@ -97,6 +97,8 @@ static int check_tables(struct ring_source *rs, size_t size, char *err, size_t e
 		return errorf(err, errlen, -ENOMEM, "out of memory");
 	memcpy(rs->tensors, wring_tensors(h), (size_t)nt * sizeof(struct tensor_desc));
 	memcpy(rs->groups, wring_groups(h), (size_t)ng * sizeof(struct group_desc));
+	if (model_groups_check(c, rs->groups, ng, why, sizeof(why)))
+		return errorf(err, errlen, -EPROTO, "the weight ring's groups: %s", why);
 	for (uint32_t g = 0; g < ng; g++) {
 		const struct group_desc *gd = &rs->groups[g];
 		if (gd->size_class >= CLASS_COUNT || gd->slot_bytes > h->class_bytes[gd->size_class] ||
