@@ -112,7 +112,8 @@ static int check_tables(struct ring_source *rs, size_t size, char *err, size_t e
 			if (t->role >= ROLE_COUNT || seen[t->role] || t->group != g || t->dtype >= DT_COUNT ||
 			    model_expected_shape(c, (enum tensor_role)t->role, &nd, shape) != 0 || t->ndim != nd ||
 			    t->shape[0] != shape[0] || (nd == 2 && t->shape[1] != shape[1]) ||
-			    t->nbytes != shape[0] * (nd == 2 ? shape[1] : 1) * dtype_size((enum dtype)t->dtype) ||
+			    t->nbytes != (nd == 2 ? shape[0] : 1) *
+						 dtype_row_bytes((enum dtype)t->dtype, nd == 2 ? shape[1] : shape[0]) ||
 			    t->slot_offset > gd->slot_bytes || t->nbytes > gd->slot_bytes - t->slot_offset ||
 			    model_role_group(c, (enum tensor_role)t->role, gd->layer) != g)
 				return errorf(err, errlen, -EPROTO, "the weight ring's tensor %u (group %u) is inconsistent",
