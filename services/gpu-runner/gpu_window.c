@@ -173,7 +173,7 @@ int64_t gpu_window_plan(const struct model_config *cfg, const struct group_desc 
 	return streamed;
 }
 
-/* Page-locks a ring mapping: DMA from pinned memory runs at the link's rate (ARCHITECTURE.md).
+/* Page-locks a ring mapping: DMA from pinned memory runs at the link's rate (docs/architecture.md).
  * Failing that, copies from it run from pageable memory (slower, and synchronous). */
 static void pin_mapping(struct gpu_window *w, void *base, size_t size)
 {
@@ -666,7 +666,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		CREATE_TRY(cudaEventCreateWithFlags(&w->g[g].h2d, cudaEventDisableTiming), "creating events");
 	}
 
-	/* Pin the ring: DMA from pinned memory runs at the link's rate (ARCHITECTURE.md). The ring
+	/* Pin the ring: DMA from pinned memory runs at the link's rate (docs/architecture.md). The ring
 	 * of a loader that takes over in the middle of a step is pinned when it is mapped, and a gone
 	 * loader's ring is unpinned before the source unmaps it (the hooks, trim_retired). */
 	void *rbase;

@@ -9,7 +9,7 @@
  *
  * Streamed groups of a class are copied in visit order, copy k into slot k % depth, so the
  * copy for a group can start as soon as the group `depth` places before it in that class has
- * been computed. All ordering is on the GPU (ARCHITECTURE.md, weight path 4):
+ * been computed. All ordering is on the GPU (docs/architecture.md, weight path 4):
  *  - the compute stream waits on a group's H2D event before using it (cudaStreamWaitEvent);
  *  - a copy into a slot waits on the compute-done event of the slot's previous occupant;
  *  - a host ring slot goes back to the loader only once its H2D event has completed, noticed

@@ -3,7 +3,7 @@
  * With a device backend the runner copies a finished KV block into its pool slot
  * asynchronously and records an interprocess event after the copy; the event's handle travels
  * in MSG_KV_COMMIT. The kv-store waits on that event (the runner never does) before it treats
- * the bytes as real and checksums them (ARCHITECTURE.md, KV path). Events are opened once and
+ * the bytes as real and checksums them (docs/architecture.md, KV path). Events are opened once and
  * kept: the runner re-records the same few events rather than creating new ones.
  *
  *   struct kv_events *ev = kv_events_create();

@@ -1,5 +1,5 @@
 /* calibrate.h - the disk's read bandwidth, measured at start so the runner can predict how
- * long a token takes when the DRAM tier streams (ARCHITECTURE.md: limits to measure against).
+ * long a token takes when the DRAM tier streams (docs/architecture.md: limits to measure against).
  *
  *   double bps;
  *   rc = calibrate_disk(path, buf, buf_bytes, 256u << 20, 64, &bps, err, sizeof(err));

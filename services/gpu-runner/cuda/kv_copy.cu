@@ -29,7 +29,7 @@ static int cuda_kv_to_host(struct backend_dev *be, uint32_t n, const uint32_t *b
 }
 
 /* Interprocess events for the KV write-behind, created on first use and re-recorded
- * round-robin (ARCHITECTURE.md: re-record rather than recreate; the importer keeps them). */
+ * round-robin (docs/architecture.md, KV path: re-record rather than recreate; the importer keeps them). */
 #define KV_IPC_EVENTS (2 * KV_EVENTS_IN_FLIGHT)
 static cudaEvent_t kv_ipc_event[KV_IPC_EVENTS];
 static cudaIpcEventHandle_t kv_ipc_handle[KV_IPC_EVENTS];
