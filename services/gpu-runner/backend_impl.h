@@ -68,7 +68,7 @@ struct backend_impl {
 	const struct backend_kv_ops *kv;
 };
 
-/* The implementations built into this binary (backend_registry.c lists them). */
+/* The implementations built into this binary (backend.c looks them up by name). */
 extern const struct backend_impl backend_ref_impl;
 #ifdef PIPELINE_HAVE_CUDA
 extern const struct backend_impl backend_cuda_impl;
