@@ -14,6 +14,7 @@
 #include <zmq.h>
 
 #include "common/bus.h"
+#include "common/proc.h"
 #include "common/util.h"
 #include "tools/supervisor/supervisor.h"
 
@@ -267,7 +268,7 @@ static void report_failed(const char *run_dir, const char *name, json_t *o)
 /* The supervisor is gone or stuck: says so with the end of its log. */
 static void report_supervisor_lost(const char *run_dir, int pid, const char *err)
 {
-	if (pid && !sup_process_running(pid))
+	if (pid && !proc_running(pid))
 		fprintf(stderr, "pipeline-supervisor: the supervisor (pid %d) exited\n", pid);
 	else
 		fprintf(stderr, "pipeline-supervisor: %s\n", err);
@@ -288,7 +289,7 @@ int sup_client_wait(const char *run_dir, long timeout_s)
 		int rc;
 		json_t *j = fetch_status(&k, CALL_TIMEOUT_MS, &rc, err, sizeof(err));
 		if (!j) {
-			if ((pid && !sup_process_running(pid)) || ++missed >= MAX_MISSED_CALLS || rc == -EBADMSG) {
+			if ((pid && !proc_running(pid)) || ++missed >= MAX_MISSED_CALLS || rc == -EBADMSG) {
 				report_supervisor_lost(run_dir, pid, err);
 				break;
 			}
@@ -331,7 +332,7 @@ int sup_client_wait(const char *run_dir, long timeout_s)
 int sup_client_shutdown(const char *run_dir, long timeout_s)
 {
 	int pid = read_pid_file(run_dir);
-	if (!pid || !sup_process_running(pid)) {
+	if (!pid || !proc_running(pid)) {
 		fprintf(stderr, "pipeline-supervisor: no supervisor runs in %s\n", run_dir);
 		return SUP_EXIT_FAIL;
 	}
@@ -351,7 +352,7 @@ int sup_client_shutdown(const char *run_dir, long timeout_s)
 	msg_free(&rep);
 	conn_close(&k);
 	uint64_t deadline = now_ns() + (uint64_t)timeout_s * 1000000000ull;
-	while (sup_process_running(pid)) {
+	while (proc_running(pid)) {
 		if (now_ns() > deadline) {
 			fprintf(stderr, "pipeline-supervisor: the supervisor (pid %d) did not exit in %ld s\n", pid,
 				timeout_s);
@@ -401,7 +402,7 @@ int sup_client_restart(const char *run_dir, const char *service, long timeout_s)
 		bool taken = access(marker, F_OK) != 0;
 		j = fetch_status(&k, CALL_TIMEOUT_MS, &rc, err, sizeof(err));
 		if (!j) {
-			if (!sup_process_running(sup_pid) || ++missed >= MAX_MISSED_CALLS || rc == -EBADMSG) {
+			if (!proc_running(sup_pid) || ++missed >= MAX_MISSED_CALLS || rc == -EBADMSG) {
 				report_supervisor_lost(run_dir, sup_pid, err);
 				break;
 			}

@@ -40,6 +40,7 @@
 
 #include "common/bus.h"
 #include "common/log.h"
+#include "common/proc.h"
 #include "common/service.h"
 #include "common/util.h"
 #include "tools/supervisor/supervisor.h"
@@ -144,53 +145,6 @@ void sup_config_defaults(struct sup_config *cfg)
 		.ready_timeout_s = 600,
 		.stop_timeout_s = 10,
 	};
-}
-
-bool sup_process_running(int pid)
-{
-	if (pid <= 0 || !pid_alive(pid))
-		return false;
-	char path[64], buf[512];
-	snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-	FILE *f = fopen(path, "r");
-	if (!f)
-		return true; /* alive by kill(0); no procfs to say more */
-	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-	fclose(f);
-	buf[n] = 0;
-	const char *close_paren = strrchr(buf, ')');
-	return !(close_paren && close_paren[1] == ' ' && (close_paren[2] == 'Z' || close_paren[2] == 'X'));
-}
-
-/* Reads the state letter, process group and CPU ticks (user + system) of pid from /proc.
- * Returns 0, or -ENOENT when the process is gone. */
-static int proc_sample(int pid, char *state, int *pgrp, uint64_t *ticks)
-{
-	char path[64], buf[1024];
-	snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-	FILE *f = fopen(path, "r");
-	if (!f)
-		return -ENOENT;
-	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-	fclose(f);
-	buf[n] = 0;
-	/* The command name may hold spaces and parentheses: the fields start after the last ')'. */
-	const char *p = strrchr(buf, ')');
-	if (!p)
-		return -ENOENT;
-	char st;
-	int ppid, grp;
-	unsigned long long utime, stime;
-	if (sscanf(p + 1, " %c %d %d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &st, &ppid, &grp, &utime, &stime) !=
-	    5)
-		return -ENOENT;
-	if (state)
-		*state = st;
-	if (pgrp)
-		*pgrp = grp;
-	if (ticks)
-		*ticks = utime + stime;
-	return 0;
 }
 
 static double ns_to_s(uint64_t ns)
@@ -537,8 +491,8 @@ static void svc_mark_up(struct sup *sup, struct svc *v, const struct msg_hello_r
 	/* The hang clock starts now: the first heartbeat is due within a period. */
 	v->last_beat_ns = now;
 	v->check_ns = now;
-	v->cpu_mark = 0;
-	proc_sample(v->service_pid, NULL, NULL, &v->cpu_mark);
+	struct proc_info pi;
+	v->cpu_mark = proc_read(v->service_pid, &pi) == 0 ? pi.cpu_ticks : 0;
 	v->busy = false;
 	log_info("%s is up (pid %d%s, epoch %016llx) after %.2f s", v->name, v->pid, v->wrapped ? ", under a wrapper" : "",
 		 (unsigned long long)v->epoch, ns_to_s(now - v->started_ns));
@@ -553,8 +507,8 @@ static bool hello_from_ours(const struct svc *v, int pid)
 {
 	if (pid == v->pid)
 		return true;
-	int pgrp = 0;
-	return v->wrapped && proc_sample(pid, NULL, &pgrp, NULL) == 0 && pgrp == v->pid;
+	struct proc_info pi;
+	return v->wrapped && proc_read(pid, &pi) == 0 && pi.pgrp == v->pid;
 }
 
 static void svc_check_ready(struct sup *sup, struct svc *v, uint64_t now)
@@ -635,7 +589,9 @@ static void on_heartbeat(struct sup *sup, const struct msg_heartbeat *hb, uint64
 	v->check_ns = now;
 	v->beats++;
 	v->busy = false;
-	proc_sample(v->service_pid, NULL, NULL, &v->cpu_mark);
+	struct proc_info pi;
+	if (proc_read(v->service_pid, &pi) == 0)
+		v->cpu_mark = pi.cpu_ticks;
 }
 
 static void drain_heartbeats(struct sup *sup, uint64_t now)
@@ -677,11 +633,12 @@ static void svc_check_hang(struct sup *sup, struct svc *v, uint64_t now)
 		return;
 	if (v->id == SUP_GPU_RUNNER && now < v->grace_until_ns)
 		return;
-	char st = 0;
-	uint64_t ticks = 0;
+	struct proc_info pi;
 	int pid = v->service_pid > 0 ? v->service_pid : v->pid;
-	if (proc_sample(pid, &st, NULL, &ticks) != 0 && proc_sample(v->pid, &st, NULL, &ticks) != 0)
+	if (proc_read(pid, &pi) != 0 && proc_read(v->pid, &pi) != 0)
 		return; /* gone: its exit is reaped next */
+	char st = pi.state;
+	uint64_t ticks = pi.cpu_ticks;
 	const char *how;
 	if (st == 'T' || st == 't') {
 		how = "its process is stopped";

@@ -93,7 +93,4 @@ int sup_client_restart(const char *run_dir, const char *service, long timeout_s)
 /* Prints the last lines of <run_dir>/<name>.log on stderr, indented ("  | "). */
 void sup_print_log_tail(const char *run_dir, const char *name, int lines);
 
-/* Is pid a live process, not a zombie? */
-bool sup_process_running(int pid);
-
 #endif
