@@ -33,6 +33,12 @@
 #define SUP_EXIT_OK 0
 #define SUP_EXIT_FAIL 1
 #define SUP_EXIT_USAGE 2
+/* The stop ladder, for each service in turn (the supervisor's stop, and the stop of services that
+ * run without one): MSG_SHUTDOWN (the service removes its shared state and exits); SIGTERM when
+ * that is not acknowledged within SUP_SHUTDOWN_ANSWER_MS; SIGKILL when it has not exited after
+ * the stop timeout (--stop-timeout-s, PIPELINE_STOP_TIMEOUT in scripts/pipeline). */
+#define SUP_SHUTDOWN_ANSWER_MS 5000
+#define SUP_STOP_TIMEOUT_S 10 /* the stop timeout's default */
 /* The name the supervisor's sockets, pid file and log carry in the run directory. */
 #define SUP_NAME "supervisor"
 #define SUP_MAX_WORDS 256 /* words per service command line (arguments or wrapper) */
@@ -41,6 +47,12 @@
  * the other way. */
 enum sup_service { SUP_KV_STORE = 0, SUP_SSD_LOADER = 1, SUP_GPU_RUNNER = 2 };
 extern const char *const sup_service_names[SUP_N_SERVICES];
+
+/* The k-th service to stop (k = 0 .. SUP_N_SERVICES - 1): the start order reversed. */
+static inline int sup_stop_order(int k)
+{
+	return SUP_N_SERVICES - 1 - k;
+}
 
 /* Returns the index of name in sup_service_names, or -1. */
 int sup_service_index(const char *name);
