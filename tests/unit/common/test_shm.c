@@ -462,6 +462,42 @@ START_TEST(test_owner_alive)
 }
 END_TEST
 
+START_TEST(test_object_owner)
+{
+	/* Owned by us, alive: 1 and our pid. */
+	const char *name = test_name("owner");
+	struct shm_object *o = NULL;
+	ck_assert_int_eq(shm_object_create(name, SIZE, SHM_KIND_TEST, VERSION, SHM_RECLAIM, &o, NULL), 0);
+	int owner = 0;
+	ck_assert_int_eq(shm_object_owner(name, &owner), 1);
+	ck_assert_int_eq(owner, getpid());
+	/* Another start time under our pid: not ours any more. */
+	hdr(o)->owner_start += 1;
+	owner = -1;
+	ck_assert_int_eq(shm_object_owner(name, &owner), 0);
+	ck_assert_int_eq(owner, -1); /* untouched */
+	shm_object_close(&o, true);
+	/* Left by a dead owner. */
+	const char *dead = test_name("owner-dead");
+	leave_dead_object(dead, SIZE, SHM_KIND_TEST, VERSION, SHM_RECLAIM, true, "x");
+	ck_assert_int_eq(shm_object_owner(dead, &owner), 0);
+	/* Not one of ours: too short for a header, or another magic. */
+	const char *foreign = test_name("owner-foreign");
+	int fd = shm_open(foreign, O_CREAT | O_EXCL | O_RDWR, 0600);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(shm_object_owner(foreign, &owner), 0);
+	struct shm_header h;
+	memset(&h, 0, sizeof(h));
+	h.magic = SHM_MAGIC ^ 1;
+	atomic_store(&h.owner_pid, (int32_t)getpid());
+	ck_assert_int_eq(pwrite(fd, &h, sizeof(h), 0), (ssize_t)sizeof(h));
+	close(fd);
+	ck_assert_int_eq(shm_object_owner(foreign, &owner), 0);
+	/* No such object. */
+	ck_assert_int_eq(shm_object_owner(test_name("owner-none"), &owner), -ENOENT);
+}
+END_TEST
+
 /* ---- attach ---- */
 
 START_TEST(test_attach)
@@ -663,6 +699,7 @@ static Suite *shm_suite(void)
 	tcase_add_test(tc, test_live_owner_refused);
 	tcase_add_test(tc, test_pid_reuse_counts_as_dead);
 	tcase_add_test(tc, test_owner_alive);
+	tcase_add_test(tc, test_object_owner);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("attach");
 	tcase_add_unchecked_fixture(tc, setup_runner, teardown_runner);
