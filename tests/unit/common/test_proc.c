@@ -88,6 +88,8 @@ START_TEST(test_read_self)
 	ck_assert_uint_eq(pi.start_ticks, start_field(getpid()));
 	ck_assert_uint_ne(pi.start_ticks, 0);
 	ck_assert_uint_eq(process_start_time(getpid()), pi.start_ticks);
+	ck_assert_uint_eq(process_start_time(getpid()), pi.start_ticks); /* stable */
+	ck_assert_uint_le(process_start_time(1), pi.start_ticks);
 	/* It burns CPU time: the ticks grow. */
 	uint64_t before = pi.cpu_ticks;
 	long hz = sysconf(_SC_CLK_TCK);
@@ -133,6 +135,7 @@ START_TEST(test_comm_with_parentheses)
 	ck_assert_int_eq(pi.ppid, getpid());
 	ck_assert_int_eq(pi.pgrp, getpgrp());
 	ck_assert_uint_eq(pi.start_ticks, start_field(child));
+	ck_assert_uint_eq(process_start_time(child), start_field(child));
 	ck_assert_uint_ge(pi.start_ticks, process_start_time(getpid()));
 	wait_state(child, "S"); /* in pause() */
 	reap(child);

@@ -1,4 +1,5 @@
-/* test_shm.c - common/shm.c: owned shared-memory objects, their leftovers, and attaching.
+/* test_shm.c - common/shm.c: owned shared-memory objects, their leftovers, their owners, and
+ * attaching (the owner's start time is common/proc.c's: test_proc.c).
  *
  * Every object is named "/llmp-test-<runner pid>-<tag>" so parallel runs never collide; the
  * runner process removes every such name after each test case, whatever the tests did. */
@@ -11,7 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -621,63 +621,6 @@ START_TEST(test_object_name)
 }
 END_TEST
 
-/* Field 22 of /proc/<pid>/stat read independently of shm.c. */
-static unsigned long long start_field(pid_t pid)
-{
-	char path[64], buf[2048];
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	FILE *f = fopen(path, "r");
-	ck_assert_ptr_nonnull(f);
-	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-	fclose(f);
-	buf[n] = 0;
-	char *p = strrchr(buf, ')');
-	ck_assert_ptr_nonnull(p);
-	unsigned long long v = 0;
-	/* fields 3..22 after ") " */
-	int got = sscanf(p + 2, "%*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %llu",
-			 &v);
-	ck_assert_int_eq(got, 1);
-	return v;
-}
-
-START_TEST(test_process_start_time)
-{
-	uint64_t me = process_start_time(getpid());
-	ck_assert_uint_ne(me, 0);
-	ck_assert_uint_eq(me, start_field(getpid()));
-	ck_assert_uint_eq(process_start_time(getpid()), me); /* stable */
-	ck_assert_uint_le(process_start_time(1), me);
-	ck_assert_uint_eq(process_start_time(0), 0);
-	ck_assert_uint_eq(process_start_time(-5), 0);
-	ck_assert_uint_eq(process_start_time(0x3fffffff), 0); /* past pid_max */
-	/* A command name with spaces and parentheses does not shift the fields. */
-	int p[2];
-	ck_assert_int_eq(pipe(p), 0);
-	pid_t child = fork();
-	ck_assert_int_ge(child, 0);
-	if (child == 0) {
-		prctl(PR_SET_NAME, "a) b (c) 1 2 3");
-		char c = 1;
-		ssize_t w = write(p[1], &c, 1);
-		(void)w;
-		for (;;)
-			pause();
-	}
-	close(p[1]);
-	char c;
-	ck_assert_int_eq(read(p[0], &c, 1), 1);
-	close(p[0]);
-	uint64_t theirs = process_start_time(child);
-	unsigned long long want = start_field(child);
-	kill(child, SIGKILL);
-	int st;
-	waitpid(child, &st, 0);
-	ck_assert_uint_eq(theirs, want);
-	ck_assert_uint_ge(theirs, me);
-}
-END_TEST
-
 static Suite *shm_suite(void)
 {
 	Suite *s = suite_create("shm");
@@ -712,7 +655,6 @@ static Suite *shm_suite(void)
 	tcase_add_unchecked_fixture(tc, setup_runner, teardown_runner);
 	tcase_add_checked_fixture(tc, setup, teardown);
 	tcase_add_test(tc, test_object_name);
-	tcase_add_test(tc, test_process_start_time);
 	suite_add_tcase(s, tc);
 	return s;
 }
