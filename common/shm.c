@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "common/log.h"
+#include "common/proc.h"
 #include "common/util.h"
 
 struct shm_object {
@@ -25,58 +26,6 @@ int shm_object_name(const char *instance, const char *object, char *buf, size_t 
 	if (n < 0 || (size_t)n >= len || (size_t)n >= SHM_NAME_MAX)
 		return -ENAMETOOLONG;
 	return 0;
-}
-
-/* Reads /proc/<pid>/stat: the state letter and the start time (clock ticks since boot).
- * Returns 0, or -1 when the process does not exist or the file cannot be parsed. */
-static int read_proc_stat(int pid, char *state, uint64_t *start)
-{
-	char path[64], buf[1024];
-	snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0)
-		return -1;
-	ssize_t n = read(fd, buf, sizeof(buf) - 1);
-	close(fd);
-	if (n <= 0)
-		return -1;
-	buf[n] = 0;
-	/* The command name may hold spaces and parentheses: fields start after the last ')'. */
-	char *p = strrchr(buf, ')');
-	if (!p || p[1] != ' ' || !p[2])
-		return -1;
-	*state = p[2]; /* field 3 */
-	p++;
-	/* After ')' come fields 3..; starttime is field 22, i.e. the 20th from here. */
-	for (int field = 3; field < 22; field++) {
-		p = strchr(p + 1, ' ');
-		if (!p)
-			return -1;
-	}
-	*start = strtoull(p + 1, NULL, 10);
-	return 0;
-}
-
-uint64_t process_start_time(int pid)
-{
-	char state;
-	uint64_t start;
-	return read_proc_stat(pid, &state, &start) == 0 ? start : 0;
-}
-
-bool process_alive(int pid, uint64_t start_time)
-{
-	if (!pid_alive(pid))
-		return false;
-	char state;
-	uint64_t start;
-	if (read_proc_stat(pid, &state, &start) != 0)
-		/* No /proc, or the process exited after kill(pid, 0): ask kill again. */
-		return pid_alive(pid);
-	/* An exited process that its parent has not reaped yet is a zombie: it owns nothing. */
-	if (state == 'Z' || state == 'X')
-		return false;
-	return start_time == 0 || start == start_time;
 }
 
 bool shm_owner_alive(const struct shm_header *h)
@@ -108,6 +57,33 @@ static void header_init(struct shm_header *h, size_t size, uint32_t kind, uint32
 	h->created_unix_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* Reads the header of the object open on fd into *h and its size into *size. Returns 1, or 0
+ * when the object is too short to hold one (created, not sized yet). */
+static int read_header(int fd, struct shm_header *h, size_t *size)
+{
+	struct stat st;
+	if (fstat(fd, &st) != 0 || (size_t)st.st_size < sizeof(*h))
+		return 0;
+	if (pread(fd, h, sizeof(*h), 0) != (ssize_t)sizeof(*h))
+		return 0;
+	*size = (size_t)st.st_size;
+	return 1;
+}
+
+int shm_object_owner(const char *name, int *owner_pid)
+{
+	int fd = shm_open(name, O_RDONLY | O_CLOEXEC, 0);
+	if (fd < 0)
+		return -errno;
+	struct shm_header h;
+	size_t size;
+	int rc = read_header(fd, &h, &size) && h.magic == SHM_MAGIC && shm_owner_alive(&h);
+	if (rc)
+		*owner_pid = (int)atomic_load(&h.owner_pid);
+	close(fd);
+	return rc;
+}
+
 /* Looks at a leftover object: returns 1 if adoptable, 0 if it should be reclaimed, -EBUSY
  * if its owner lives. A leftover too short to hold a header counts as dead. */
 static int inspect_leftover(const char *name, size_t size, uint32_t kind, uint32_t version)
@@ -115,12 +91,10 @@ static int inspect_leftover(const char *name, size_t size, uint32_t kind, uint32
 	int fd = shm_open(name, O_RDONLY | O_CLOEXEC, 0);
 	if (fd < 0)
 		return errno == ENOENT ? 0 : -errno;
-	struct stat st;
 	int rc = 0;
-	if (fstat(fd, &st) != 0 || (size_t)st.st_size < sizeof(struct shm_header))
-		goto out_close;
 	struct shm_header h;
-	if (pread(fd, &h, sizeof(h), 0) != (ssize_t)sizeof(h))
+	size_t st_size;
+	if (!read_header(fd, &h, &st_size))
 		goto out_close;
 	if (h.magic == SHM_MAGIC && shm_owner_alive(&h)) {
 		rc = -EBUSY;
@@ -130,7 +104,7 @@ static int inspect_leftover(const char *name, size_t size, uint32_t kind, uint32
 		goto out_close;
 	}
 	if (h.magic == SHM_MAGIC && h.kind == kind && h.layout_version == version && h.total_size == size &&
-	    (size_t)st.st_size == size && atomic_load(&h.ready))
+	    st_size == size && atomic_load(&h.ready))
 		rc = 1;
 out_close:
 	close(fd);

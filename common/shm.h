@@ -25,6 +25,8 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include "common/proc.h" /* process_start_time, process_alive: the owner fields */
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -91,11 +93,11 @@ void shm_object_close(struct shm_object **o, bool unlink);
 /* Does the process recorded in h own the object still (alive and same start time)? */
 bool shm_owner_alive(const struct shm_header *h);
 
-/* Start time of pid in clock ticks since boot (/proc/pid/stat field 22), 0 if unknown. */
-uint64_t process_start_time(int pid);
-/* Is pid a live process (not a zombie) that started at start_time (process_start_time; 0: at
- * any time, which does not guard against the pid's reuse)? */
-bool process_alive(int pid, uint64_t start_time);
+/* Reads the header of the object name ("/llmp-...", as shm_open names it) to say who owns it.
+ * Returns 1 with *owner_pid set when a live process does (shm_owner_alive); 0 when none does (a
+ * dead owner, or no header of ours: too short, another magic); -errno when it cannot be opened
+ * (-ENOENT: no such object). */
+int shm_object_owner(const char *name, int *owner_pid);
 
 #ifdef __cplusplus
 }

@@ -85,6 +85,19 @@ instance_pids() {
 	done
 }
 
+# proc_state PID: the state letter of PID in /proc/PID/stat (R, S, D, T, Z, ...), nothing when
+# there is no such process. The command name may hold ") ": the state follows the last one.
+proc_state() {
+	sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$1/stat" 2>/dev/null || true
+}
+
+# proc_gone PID: PID has exited (no such process, or a zombie waiting for its reaper).
+proc_gone() {
+	local state
+	state=$(proc_state "$1")
+	[[ -z $state || $state == Z || $state == X ]]
+}
+
 # The instance's shared-memory objects (/dev/shm/llmp-<uid>-<instance>-<object>).
 instance_shm() {
 	local f prefix
@@ -102,8 +115,7 @@ expect_nothing_left() {
 	local what=$1 pids i
 	for ((i = 0; i < 50; i++)); do
 		pids=$(instance_pids | while read -r p; do
-			state=$(sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$p/stat" 2>/dev/null || true)
-			[[ -n $state && $state != Z ]] && printf '%s ' "$p"
+			proc_gone "$p" || printf '%s ' "$p"
 		done)
 		[[ -z $pids ]] && break
 		sleep 0.1

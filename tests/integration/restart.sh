@@ -18,8 +18,7 @@ for service in kv-store ssd-loader gpu-runner; do
 	"$PIPELINE" restart "$service"
 	after=$(pid_of "$service")
 	[[ $after != "$before" ]] || fail "restart $service: the pid stayed $before"
-	[[ ! -e /proc/$before ]] || [[ $(sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$before/stat") == Z ]] ||
-		fail "restart $service: the old process $before still runs"
+	proc_gone "$before" || fail "restart $service: the old process $before still runs"
 	now=$(for s in kv-store ssd-loader gpu-runner; do [[ $s == "$service" ]] || pid_of "$s"; done | tr '\n' ' ')
 	expect_eq "$now" "$others" "pids of the other services across restart $service"
 	got=$(generate --tokens "$PROMPT" -n 64)

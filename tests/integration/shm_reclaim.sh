@@ -24,10 +24,9 @@ pids=("$sup")
 for s in kv-store ssd-loader gpu-runner; do pids+=("$(cat "$RUN_DIR/$s.pid")"); done
 kill -KILL "${pids[@]}"
 dead() {
-	local p state
+	local p
 	for p in "${pids[@]}"; do
-		state=$(sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$p/stat" 2>/dev/null || true)
-		[[ -z $state || $state == Z || $state == X ]] || return 1
+		proc_gone "$p" || return 1
 	done
 }
 wait_until 10 "the instance's processes gone after kill -9" dead

@@ -29,7 +29,10 @@ generate --tokens "$PROMPT" -n 8 >"$IT_TMP/gen.out" 2>"$IT_TMP/gen.err" &
 gen=$!
 waiting() { grep -q 'reconnecting to ssd-loader' "$RUN_DIR/gpu-runner.log"; }
 wait_until 20 "the runner waiting for ssd-loader" waiting
-sleep 0.5
+# In its wait, beating: a heartbeat after it began to wait.
+beats=$(sup_field gpu-runner heartbeats)
+beat_since() { (($(sup_field gpu-runner heartbeats) > beats)); }
+wait_until 5 "a heartbeat of the runner while it waits for ssd-loader" beat_since
 
 t0=$(date +%s%3N)
 "$PIPELINE" stop >/dev/null
@@ -53,7 +56,10 @@ kv=$(sup_field kv-store pid)
 kill -STOP "$kv"
 generate --tokens "$PROMPT" -n 8 >"$IT_TMP/gen.out" 2>"$IT_TMP/gen.err" &
 gen=$!
-sleep 1
+# The runner took the request (it says busy in the stats it publishes with each beat) and so
+# waits for the stopped kv-store's reply.
+runner_busy() { "$BIN/pipeline-inspect" gpu-runner --once --json 2>/dev/null | grep -q '"busy": true'; }
+wait_until 20 "the runner busy with the request while kv-store is stopped" runner_busy
 "$PIPELINE" stop >/dev/null &
 stopper=$!
 rc=0

@@ -66,21 +66,37 @@ runner=$(sup_field gpu-runner pid)
 runner_restarts=$(sup_field gpu-runner restarts)
 generate --tokens "$PROMPT" -n $N --ignore-eos >"$IT_TMP/long.out" 2>"$IT_TMP/long.err" &
 gen=$!
-sleep 0.3
+# Under way: its first token out, the runner streaming the weights of the next ones.
+under_way() { [[ -s $IT_TMP/long.out ]] || ! kill -0 "$gen" 2>/dev/null; }
+wait_until 30 "the first token of the generation of $N tokens" under_way
 kill -0 "$gen" 2>/dev/null || fail "the generation of $N tokens ended before ssd-loader could be stopped"
 kill -STOP "$loader"
-sleep 0.2
+loader_stopped() { [[ $(proc_state "$loader") == T ]]; }
+wait_until 5 "ssd-loader stopped by SIGSTOP" loader_stopped
+# The runner, blocked on the stopped loader, computes no token and still beats: two of its beats
+# (a period apart at least) with the token count unchanged since before the first. A token in
+# flight at SIGSTOP starts the count over. Within 3 s: the loader is found hung 4 periods after
+# its last beat, which came at most a period before SIGSTOP.
 beats0=$(sup_field gpu-runner heartbeats)
 tokens0=$(wc -w <"$IT_TMP/long.out")
-sleep 1.8
+blocked_beating() {
+	local beats tokens
+	beats=$(sup_field gpu-runner heartbeats)
+	tokens=$(wc -w <"$IT_TMP/long.out")
+	if ((tokens != tokens0)); then
+		beats0=$beats tokens0=$tokens
+		return 1
+	fi
+	((beats >= beats0 + 2))
+}
+wait_until 3 "two heartbeats of the runner without a token while ssd-loader is stopped" blocked_beating
 beats1=$(sup_field gpu-runner heartbeats)
 health=$(sup_field gpu-runner health)
 tokens1=$(wc -w <"$IT_TMP/long.out")
 kill -0 "$gen" 2>/dev/null || fail "the generation ended while ssd-loader was stopped"
 ((tokens0 == tokens1 && tokens0 < N)) ||
 	fail "the runner was not blocked on the stopped ssd-loader ($tokens0 then $tokens1 tokens of $N)"
-[[ $(sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$loader/stat" 2>/dev/null) == T ]] ||
-	fail "ssd-loader was not stopped any more when the runner's beats were counted"
+loader_stopped || fail "ssd-loader was not stopped any more when the runner's beats were counted"
 expect_gt "$beats1" "$beats0" "the runner's heartbeats while it waits for the stopped ssd-loader"
 expect_eq "$health" '"ok"' "the runner's health while it waits for the stopped ssd-loader"
 wait_until 30 "ssd-loader found hung and restarted after SIGSTOP mid-generation" restarted ssd-loader "$loader"

@@ -51,8 +51,7 @@ grep -q 'kv-store (pid [0-9]*) was killed by signal 9' "$RUN_DIR/supervisor.log"
 # The supervisor killed: its services go on; status says they are not supervised; stop cleans up.
 sup=$(cat "$RUN_DIR/supervisor.pid")
 kill -KILL "$sup"
-gone() { [[ ! -e /proc/$1 || $(sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$1/stat" 2>/dev/null) == Z ]]; }
-wait_until 10 "the supervisor gone after kill -9" gone "$sup"
+wait_until 10 "the supervisor gone after kill -9" proc_gone "$sup"
 rc=0
 out=$("$PIPELINE" status 2>&1) || rc=$?
 ((rc == 1)) || fail "status without a supervisor: exit status $rc, want 1"

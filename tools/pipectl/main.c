@@ -16,6 +16,7 @@
 #include <zmq.h>
 
 #include "common/log.h"
+#include "common/proc.h"
 #include "common/service.h"
 #include "common/util.h"
 #include "tools/pipectl/tokenize.h"
@@ -320,23 +321,6 @@ int cmd_shutdown(struct pipectl *p, int argc, char **argv)
 	return rc;
 }
 
-/* Is pid a live process (not a zombie waiting to be reaped)? */
-static bool process_running(int pid)
-{
-	if (!pid_alive(pid))
-		return false;
-	char path[64], buf[512];
-	snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-	FILE *f = fopen(path, "r");
-	if (!f)
-		return true; /* alive by kill(0); no procfs to say more */
-	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-	fclose(f);
-	buf[n] = 0;
-	const char *close_paren = strrchr(buf, ')');
-	return !(close_paren && close_paren[1] == ' ' && (close_paren[2] == 'Z' || close_paren[2] == 'X'));
-}
-
 int cmd_wait_ready(struct pipectl *p, int argc, char **argv)
 {
 	long timeout_s = p->timeout_s >= 0 ? p->timeout_s : 30;
@@ -382,7 +366,7 @@ int cmd_wait_ready(struct pipectl *p, int argc, char **argv)
 			pipectl_rpc_failed(p, service, "HELLO", rc, &rep);
 			goto out_client;
 		}
-		if (pid && !process_running((int)pid)) {
+		if (pid && !proc_running((int)pid)) {
 			fprintf(stderr, "pipectl: %s (pid %ld) exited before it became ready\n", service, pid);
 			goto out_client;
 		}

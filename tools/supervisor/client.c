@@ -14,6 +14,7 @@
 #include <zmq.h>
 
 #include "common/bus.h"
+#include "common/proc.h"
 #include "common/util.h"
 #include "tools/supervisor/supervisor.h"
 
@@ -54,11 +55,10 @@ static void conn_close(struct conn *k)
 	k->zctx = NULL;
 }
 
-/* The supervisor's pid from <run-dir>/supervisor.pid, or 0. */
-static int read_pid_file(const char *run_dir)
+int sup_read_pid_file(const char *run_dir, const char *name)
 {
 	char path[PATH_MAX], buf[32];
-	snprintf(path, sizeof(path), "%s/%s.pid", run_dir, SUP_NAME);
+	snprintf(path, sizeof(path), "%s/%s.pid", run_dir, name);
 	FILE *f = fopen(path, "r");
 	if (!f)
 		return 0;
@@ -176,7 +176,7 @@ void sup_print_log_tail(const char *run_dir, const char *name, int lines)
 	}
 }
 
-static void format_duration(double s, char *buf, size_t len)
+void sup_format_duration(double s, char *buf, size_t len)
 {
 	long t = (long)s;
 	if (t >= 86400)
@@ -230,7 +230,7 @@ int sup_client_status(const char *run_dir, bool json, long timeout_s)
 	} else {
 		json_t *me = json_object_get(j, "supervisor");
 		char up[32];
-		format_duration(json_number_value(json_object_get(me, "uptime_s")), up, sizeof(up));
+		sup_format_duration(json_number_value(json_object_get(me, "uptime_s")), up, sizeof(up));
 		printf("instance %s, run dir %s\n", str_field(me, "instance", "?"), str_field(me, "run_dir", "?"));
 		printf("supervisor pid %lld, %s, up %s (heartbeat %lld ms, hung after %lld ms, at most %lld restarts "
 		       "in %lld s)\n",
@@ -244,7 +244,7 @@ int sup_client_status(const char *run_dir, bool json, long timeout_s)
 			if (json_is_integer(json_object_get(o, "pid")))
 				snprintf(pid, sizeof(pid), "%lld", int_field(o, "pid", 0));
 			if (json_is_number(json_object_get(o, "uptime_s")))
-				format_duration(json_number_value(json_object_get(o, "uptime_s")), uptime, sizeof(uptime));
+				sup_format_duration(json_number_value(json_object_get(o, "uptime_s")), uptime, sizeof(uptime));
 			printf("%-11s %-8s %-10s %-7s %-9s %-8lld %-20s %s\n", sup_service_names[i], pid,
 			       str_field(o, "state", "?"), str_field(o, "health", "?"), uptime, int_field(o, "restarts", 0),
 			       str_field(o, "last_exit", "-"), str_field(o, "last_error", "-"));
@@ -267,7 +267,7 @@ static void report_failed(const char *run_dir, const char *name, json_t *o)
 /* The supervisor is gone or stuck: says so with the end of its log. */
 static void report_supervisor_lost(const char *run_dir, int pid, const char *err)
 {
-	if (pid && !sup_process_running(pid))
+	if (pid && !proc_running(pid))
 		fprintf(stderr, "pipeline-supervisor: the supervisor (pid %d) exited\n", pid);
 	else
 		fprintf(stderr, "pipeline-supervisor: %s\n", err);
@@ -279,7 +279,7 @@ int sup_client_wait(const char *run_dir, long timeout_s)
 	struct conn k;
 	if (conn_open(&k, run_dir) != 0)
 		return SUP_EXIT_FAIL;
-	int pid = read_pid_file(run_dir);
+	int pid = sup_read_pid_file(run_dir, SUP_NAME);
 	uint64_t deadline = timeout_s > 0 ? now_ns() + (uint64_t)timeout_s * 1000000000ull : 0;
 	bool announced[SUP_N_SERVICES] = {false};
 	int missed = 0, status = SUP_EXIT_FAIL;
@@ -288,7 +288,7 @@ int sup_client_wait(const char *run_dir, long timeout_s)
 		int rc;
 		json_t *j = fetch_status(&k, CALL_TIMEOUT_MS, &rc, err, sizeof(err));
 		if (!j) {
-			if ((pid && !sup_process_running(pid)) || ++missed >= MAX_MISSED_CALLS || rc == -EBADMSG) {
+			if ((pid && !proc_running(pid)) || ++missed >= MAX_MISSED_CALLS || rc == -EBADMSG) {
 				report_supervisor_lost(run_dir, pid, err);
 				break;
 			}
@@ -328,37 +328,74 @@ int sup_client_wait(const char *run_dir, long timeout_s)
 	return status;
 }
 
-int sup_client_shutdown(const char *run_dir, long timeout_s)
+int sup_ask_shutdown(const char *run_dir, const char *name, int timeout_ms, char *err, size_t errlen)
 {
-	int pid = read_pid_file(run_dir);
-	if (!pid || !sup_process_running(pid)) {
-		fprintf(stderr, "pipeline-supervisor: no supervisor runs in %s\n", run_dir);
-		return SUP_EXIT_FAIL;
+	char path[PATH_MAX];
+	struct stat st;
+	snprintf(path, sizeof(path), "%s/%s.ctl", run_dir, name);
+	if (stat(path, &st) != 0)
+		return errorf(err, errlen, -ENOENT, "no socket %s", path);
+	void *zctx = zmq_ctx_new();
+	if (!zctx)
+		return errorf(err, errlen, -ENOMEM, "cannot create a ZeroMQ context: %s", strerror(errno));
+	int rc;
+	struct rpc_client *c = rpc_client_create(zctx, run_dir, name, "pipeline-supervisor");
+	if (!c) {
+		rc = errorf(err, errlen, -errno, "cannot open a client of %s: %s", name, strerror(errno));
+		goto out_ctx;
 	}
-	struct conn k;
-	if (conn_open(&k, run_dir) != 0)
-		return SUP_EXIT_FAIL;
 	struct msg req, rep;
 	msg_init(&req, MSG_SHUTDOWN, 0);
-	int rc = rpc_call(k.c, &req, &rep, CALL_TIMEOUT_MS);
-	if (rc || rep.type != MSG_OK) {
+	rc = rpc_call(c, &req, &rep, timeout_ms);
+	if (rc)
+		errorf(err, errlen, rc, "%s", strerror(-rc));
+	else if (rep.type != MSG_OK)
+		rc = errorf(err, errlen, -EBADMSG, "%s", msg_type_name(rep.type));
+	msg_free(&rep);
+	rpc_client_destroy(&c);
+out_ctx:
+	zmq_ctx_term(zctx);
+	return rc;
+}
+
+bool sup_wait_exit(int pid, long timeout_ms)
+{
+	uint64_t deadline = now_ns() + (uint64_t)timeout_ms * 1000000ull;
+	while (proc_running(pid)) {
+		if (now_ns() > deadline)
+			return false;
+		sleep_ms(50);
+	}
+	return true;
+}
+
+int sup_client_stop_supervisor(const char *run_dir, int pid, long timeout_s)
+{
+	char err[256];
+	int rc = sup_ask_shutdown(run_dir, SUP_NAME, CALL_TIMEOUT_MS, err, sizeof(err));
+	if (rc) {
 		/* SIGTERM makes the same orderly stop. */
 		fprintf(stderr, "pipeline-supervisor: the supervisor (pid %d) did not acknowledge MSG_SHUTDOWN (%s): "
 				"sending SIGTERM\n",
-			pid, rc ? strerror(-rc) : msg_type_name(rep.type));
+			pid, err);
 		kill(pid, SIGTERM);
 	}
-	msg_free(&rep);
-	conn_close(&k);
-	uint64_t deadline = now_ns() + (uint64_t)timeout_s * 1000000000ull;
-	while (sup_process_running(pid)) {
-		if (now_ns() > deadline) {
-			fprintf(stderr, "pipeline-supervisor: the supervisor (pid %d) did not exit in %ld s\n", pid,
-				timeout_s);
-			return SUP_EXIT_FAIL;
-		}
-		sleep_ms(50);
+	if (!sup_wait_exit(pid, timeout_s * 1000)) {
+		fprintf(stderr, "pipeline-supervisor: the supervisor (pid %d) did not exit in %ld s\n", pid, timeout_s);
+		return -ETIMEDOUT;
 	}
+	return 0;
+}
+
+int sup_client_shutdown(const char *run_dir, long timeout_s)
+{
+	int pid = sup_read_pid_file(run_dir, SUP_NAME);
+	if (!pid || !proc_running(pid)) {
+		fprintf(stderr, "pipeline-supervisor: no supervisor runs in %s\n", run_dir);
+		return SUP_EXIT_FAIL;
+	}
+	if (sup_client_stop_supervisor(run_dir, pid, timeout_s) != 0)
+		return SUP_EXIT_FAIL;
 	printf("supervisor (pid %d) stopped the services and exited\n", pid);
 	return SUP_EXIT_OK;
 }
@@ -401,7 +438,7 @@ int sup_client_restart(const char *run_dir, const char *service, long timeout_s)
 		bool taken = access(marker, F_OK) != 0;
 		j = fetch_status(&k, CALL_TIMEOUT_MS, &rc, err, sizeof(err));
 		if (!j) {
-			if (!sup_process_running(sup_pid) || ++missed >= MAX_MISSED_CALLS || rc == -EBADMSG) {
+			if (!proc_running(sup_pid) || ++missed >= MAX_MISSED_CALLS || rc == -EBADMSG) {
 				report_supervisor_lost(run_dir, sup_pid, err);
 				break;
 			}

@@ -2,6 +2,7 @@
  *
  *   pipeline-supervisor [run] --instance NAME --run-dir DIR --bin-dir DIR [options] [service words]
  *   pipeline-supervisor status [--json] | wait | shutdown | restart SERVICE   [--run-dir DIR] [--timeout S]
+ *   pipeline-supervisor pids [NAME] | ps | stop | cleanup | services          [--run-dir DIR]
  *
  * scripts/pipeline runs it; supervisor.h describes what it does. Exit status: 0 success, 1
  * failure, 2 bad usage. */
@@ -25,6 +26,9 @@ static void usage(FILE *f)
 		"       pipeline-supervisor wait [--timeout S] [--run-dir DIR] [--instance NAME]\n"
 		"       pipeline-supervisor shutdown [--timeout S] [--run-dir DIR] [--instance NAME]\n"
 		"       pipeline-supervisor restart SERVICE [--timeout S] [--run-dir DIR] [--instance NAME]\n"
+		"       pipeline-supervisor pids [NAME] | ps | cleanup   [--run-dir DIR] [--instance NAME]\n"
+		"       pipeline-supervisor stop [--stop-timeout-s S] [--run-dir DIR] [--instance NAME]\n"
+		"       pipeline-supervisor services\n"
 		"\n"
 		"run (the default): becomes a daemon (its own session, log DIR/supervisor.log, pid in\n"
 		"DIR/supervisor.pid, socket DIR/supervisor.ctl) that starts kv-store and ssd-loader, then\n"
@@ -59,6 +63,19 @@ static void usage(FILE *f)
 		"(1 when one failed: its error and log); shutdown stops the instance and waits for the\n"
 		"supervisor to exit; restart asks for a restart of one service (SIGTERM, then the same\n"
 		"command line; not counted toward the burst limit) and waits until it is up again.\n"
+		"\n"
+		"The instance seen from outside, with or without a supervisor (a pid file counts when its\n"
+		"process runs that program with --run-dir DIR): pids prints \"NAME PID\" for each live\n"
+		"process of the instance, the supervisor first, then the services in start order (with NAME:\n"
+		"supervisor or a service, only its pid; exit 1 when none runs); ps prints each service's pid\n"
+		"file, whether that process runs, whether it answers HELLO and its uptime; stop stops whatever\n"
+		"runs: the supervisor (shutdown, waiting 3 x S + 20 s, then SIGKILL), then each service left\n"
+		"running without it, gpu-runner first: MSG_SHUTDOWN, SIGTERM when not acknowledged in 5 s,\n"
+		"SIGKILL when it has not exited after --stop-timeout-s (default 10); then cleanup, and prints\n"
+		"the name of each process that was running (exit 1 when one survived SIGKILL); cleanup removes\n"
+		"the pid files, sockets, restart markers, start.args, a dead kv-store's kv-spill.bin and the\n"
+		"instance's shared-memory objects that no live process owns (logs stay); services prints the\n"
+		"services in start order.\n"
 		"\n"
 		"exit status: 0 success, 1 failure, 2 bad usage\n");
 }
@@ -212,32 +229,71 @@ static int parse_run(int argc, char **argv, struct sup_config *cfg)
 	return 0;
 }
 
-/* The client commands: COMMAND [SERVICE] with --run-dir, --instance, --timeout (and --json). */
-static int client_main(const char *cmd, int argc, char **argv)
+/* The commands other than run: what each takes besides --instance and --run-dir. */
+struct client_command {
+	const char *name;
+	int n_args;	   /* positional arguments: at most this many */
+	bool arg_required; /* ... and exactly that many */
+	bool timeout, json, stop_timeout;
+	const char *summary;
+};
+
+static const struct client_command client_commands[] = {
+	{"status", 0, false, true, true, false, "Talks to the instance's supervisor (see pipeline-supervisor --help)."},
+	{"wait", 0, false, true, false, false, "Talks to the instance's supervisor (see pipeline-supervisor --help)."},
+	{"shutdown", 0, false, true, false, false, "Talks to the instance's supervisor (see pipeline-supervisor --help)."},
+	{"restart", 1, true, true, false, false, "Talks to the instance's supervisor (see pipeline-supervisor --help)."},
+	{"pids", 1, false, false, false, false,
+	 "Prints the live processes of the instance (see pipeline-supervisor --help)."},
+	{"ps", 0, false, false, false, false,
+	 "Prints the instance's services seen from outside (see pipeline-supervisor --help)."},
+	{"stop", 0, false, false, false, true,
+	 "Stops whatever runs of the instance and cleans up after it (see pipeline-supervisor --help)."},
+	{"cleanup", 0, false, false, false, false,
+	 "Removes what a stopped instance left behind (see pipeline-supervisor --help)."},
+	{"services", 0, false, false, false, false, "Prints the services in start order."},
+};
+
+static const struct client_command *client_command(const char *name)
 {
-	const char *instance = NULL, *run_dir = NULL;
-	long timeout_s = 0;
+	for (size_t i = 0; i < ARRAY_SIZE(client_commands); i++)
+		if (!strcmp(name, client_commands[i].name))
+			return &client_commands[i];
+	return NULL;
+}
+
+/* A client command: COMMAND [ARG] with --run-dir, --instance and what the command takes. */
+static int client_main(const struct client_command *c, int argc, char **argv)
+{
+	const char *cmd = c->name, *instance = NULL, *run_dir = NULL;
+	long timeout_s = 0, stop_timeout_s = SUP_STOP_TIMEOUT_S;
 	bool json = false;
-	bool is_status = !strcmp(cmd, "status"), is_restart = !strcmp(cmd, "restart");
-	struct opt opts[] = {
-		{"instance", OPT_STRING, &instance, "default", "the instance (its run directory by default)"},
-		{"run-dir", OPT_STRING, &run_dir, NULL, "the run directory (default /tmp/llmp-UID/INSTANCE)"},
-		{"timeout", OPT_INT, &timeout_s, "0",
-		 "seconds to wait (status: for the answer, default 5; wait: 0 = while the supervisor lives; "
-		 "shutdown: default 60; restart: default 660)"},
-		{is_status ? "json" : NULL, OPT_BOOL, &json, NULL, "print the supervisor's JSON"},
-		{0},
-	};
+	struct opt opts[6];
+	int n_opts = 0;
+	opts[n_opts++] = (struct opt){"instance", OPT_STRING, &instance, "default",
+				      "the instance (its run directory by default)"};
+	opts[n_opts++] = (struct opt){"run-dir", OPT_STRING, &run_dir, NULL,
+				      "the run directory (default /tmp/llmp-UID/INSTANCE)"};
+	if (c->timeout)
+		opts[n_opts++] = (struct opt){"timeout", OPT_INT, &timeout_s, "0",
+					      "seconds to wait (status: for the answer, default 5; wait: 0 = while the "
+					      "supervisor lives; shutdown: default 60; restart: default 660)"};
+	if (c->json)
+		opts[n_opts++] = (struct opt){"json", OPT_BOOL, &json, NULL, "print the supervisor's JSON"};
+	if (c->stop_timeout)
+		opts[n_opts++] = (struct opt){"stop-timeout-s", OPT_INT, &stop_timeout_s, NULL,
+					      "seconds a service may take to exit once asked to stop, before SIGKILL "
+					      "(default 10)"};
+	opts[n_opts] = (struct opt){0};
 	char prog[64];
 	snprintf(prog, sizeof(prog), "pipeline-supervisor %s", cmd);
 	char **pos = calloc((size_t)argc + 1, sizeof(*pos));
 	if (!pos)
 		return SUP_EXIT_FAIL;
 	int n_pos = 0;
-	int rc = config_parse(prog, "Talks to the instance's supervisor (see pipeline-supervisor --help).", opts, argc,
-			      argv, pos, &n_pos);
-	const char *service = n_pos > 0 ? pos[0] : NULL;
-	char *extra = n_pos > (is_restart ? 1 : 0) ? pos[is_restart ? 1 : 0] : NULL;
+	int rc = config_parse(prog, c->summary, opts, argc, argv, pos, &n_pos);
+	const char *arg = c->n_args && n_pos > 0 ? pos[0] : NULL;
+	char *extra = n_pos > c->n_args ? pos[c->n_args] : NULL;
 	free(pos);
 	if (rc > 0)
 		return SUP_EXIT_OK;
@@ -245,10 +301,14 @@ static int client_main(const char *cmd, int argc, char **argv)
 		return SUP_EXIT_USAGE;
 	if (extra)
 		return usage_error("%s: unexpected argument '%s'", cmd, extra);
-	if (is_restart && (!service || sup_service_index(service) < 0))
+	if (!strcmp(cmd, "restart") && (!arg || sup_service_index(arg) < 0))
 		return usage_error("restart takes one service: kv-store, ssd-loader or gpu-runner");
+	if (!strcmp(cmd, "pids") && arg && strcmp(arg, SUP_NAME) != 0 && sup_service_index(arg) < 0)
+		return usage_error("pids: '%s' is not supervisor, kv-store, ssd-loader or gpu-runner", arg);
 	if (timeout_s < 0)
 		return usage_error("--timeout must not be negative");
+	if (stop_timeout_s < 0 || stop_timeout_s > 3600)
+		return usage_error("--stop-timeout-s must be in 0..3600, not %ld", stop_timeout_s);
 	char dir[256];
 	if (run_dir && *run_dir) {
 		if (str_copy(dir, sizeof(dir), run_dir) != 0)
@@ -256,13 +316,25 @@ static int client_main(const char *cmd, int argc, char **argv)
 	} else if (run_dir_default(instance, dir, sizeof(dir)) != 0) {
 		return usage_error("run directory path for instance %s too long", instance);
 	}
-	if (is_status)
+	if (!strcmp(cmd, "status"))
 		return sup_client_status(dir, json, timeout_s);
 	if (!strcmp(cmd, "wait"))
 		return sup_client_wait(dir, timeout_s);
 	if (!strcmp(cmd, "shutdown"))
 		return sup_client_shutdown(dir, timeout_s ? timeout_s : 60);
-	return sup_client_restart(dir, service, timeout_s ? timeout_s : 660);
+	if (!strcmp(cmd, "restart"))
+		return sup_client_restart(dir, arg, timeout_s ? timeout_s : 660);
+	if (!strcmp(cmd, "pids"))
+		return sup_instance_pids(dir, arg);
+	if (!strcmp(cmd, "ps"))
+		return sup_instance_ps(dir);
+	if (!strcmp(cmd, "stop"))
+		return sup_instance_stop(instance, dir, stop_timeout_s);
+	if (!strcmp(cmd, "cleanup"))
+		return sup_instance_cleanup(instance, dir);
+	for (int i = 0; i < SUP_N_SERVICES; i++) /* services */
+		printf("%s\n", sup_service_names[i]);
+	return SUP_EXIT_OK;
 }
 
 int main(int argc, char **argv)
@@ -270,9 +342,9 @@ int main(int argc, char **argv)
 	log_init("pipeline-supervisor");
 	if (argc >= 2) {
 		const char *cmd = argv[1];
-		if (!strcmp(cmd, "status") || !strcmp(cmd, "wait") || !strcmp(cmd, "shutdown") ||
-		    !strcmp(cmd, "restart"))
-			return client_main(cmd, argc - 1, argv + 1);
+		const struct client_command *c = client_command(cmd);
+		if (c)
+			return client_main(c, argc - 1, argv + 1);
 		if (!strcmp(cmd, "run")) {
 			argc--;
 			argv++;

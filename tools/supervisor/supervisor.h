@@ -9,6 +9,9 @@
  *   rc = sup_client_shutdown(run_dir, timeout_s);
  *   rc = sup_client_restart(run_dir, "kv-store", timeout_s);
  *
+ *   rc = sup_instance_pids(run_dir, NULL);                  // the instance seen from outside, with
+ *   rc = sup_instance_stop(instance, run_dir, 10);          // or without a supervisor
+ *
  * The supervisor speaks the project's protocol (common/protocol.h) through common/service.h's
  * loop: MSG_HELLO, MSG_PING, MSG_STATS_GET (-> MSG_STATS, the JSON below) and MSG_SHUTDOWN (stop
  * the services, then exit). A restart of one service is asked for with a marker file,
@@ -27,12 +30,19 @@
 #ifndef PIPELINE_SUPERVISOR_H
 #define PIPELINE_SUPERVISOR_H
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define SUP_N_SERVICES 3
 #define SUP_EXIT_OK 0
 #define SUP_EXIT_FAIL 1
 #define SUP_EXIT_USAGE 2
+/* The stop ladder, for each service in turn (the supervisor's stop, and the stop of services that
+ * run without one): MSG_SHUTDOWN (the service removes its shared state and exits); SIGTERM when
+ * that is not acknowledged within SUP_SHUTDOWN_ANSWER_MS; SIGKILL when it has not exited after
+ * the stop timeout (--stop-timeout-s, PIPELINE_STOP_TIMEOUT in scripts/pipeline). */
+#define SUP_SHUTDOWN_ANSWER_MS 5000
+#define SUP_STOP_TIMEOUT_S 10 /* the stop timeout's default */
 /* The name the supervisor's sockets, pid file and log carry in the run directory. */
 #define SUP_NAME "supervisor"
 #define SUP_MAX_WORDS 256 /* words per service command line (arguments or wrapper) */
@@ -41,6 +51,12 @@
  * the other way. */
 enum sup_service { SUP_KV_STORE = 0, SUP_SSD_LOADER = 1, SUP_GPU_RUNNER = 2 };
 extern const char *const sup_service_names[SUP_N_SERVICES];
+
+/* The k-th service to stop (k = 0 .. SUP_N_SERVICES - 1): the start order reversed. */
+static inline int sup_stop_order(int k)
+{
+	return SUP_N_SERVICES - 1 - k;
+}
 
 /* Returns the index of name in sup_service_names, or -1. */
 int sup_service_index(const char *name);
@@ -88,12 +104,45 @@ int sup_client_shutdown(const char *run_dir, long timeout_s);
 /* Asks for a restart of service (the marker file) and waits until it is up again. */
 int sup_client_restart(const char *run_dir, const char *service, long timeout_s);
 
+/* ---- the instance seen from outside (instance.c): each prints what it found, returns an exit status ---- */
+
+/* Prints "NAME PID" for each live process of the instance, the supervisor first, then the
+ * services in start order (with name, only that one's pid). 0 when one was found, 1 when none. */
+int sup_instance_pids(const char *run_dir, const char *name);
+/* Prints each service's pid file, whether that process runs the service, whether the service
+ * answers HELLO and how long it has run: a table for when no supervisor answers. 0 when one of
+ * them runs, 1 when none does. */
+int sup_instance_ps(const char *run_dir);
+/* Stops the instance, whatever runs of it: the supervisor (sup_client_stop_supervisor, waiting
+ * 3 x stop_timeout_s + 20 s, SIGKILL after that), then each service still running without one,
+ * in stop order, down the stop ladder; a service's socket without its pid file gets MSG_SHUTDOWN.
+ * Then sup_instance_cleanup. Prints the name of each process it found running, one a line (the
+ * supervisor and what it supervised, then what ran without it). 0, or 1 when one survived SIGKILL. */
+int sup_instance_stop(const char *instance, const char *run_dir, long stop_timeout_s);
+/* Removes what a stopped instance leaves in run_dir: pid files, sockets, restart markers,
+ * start.args, a dead kv-store's kv-spill.bin; and its shared-memory objects
+ * (/dev/shm/llmp-<uid>-<instance>-<object>), except one a live process owns (common/shm.h's
+ * header names it): that is another instance of the same name in another run directory, whose
+ * objects a failed start must not take away. Logs stay. Returns 0. */
+int sup_instance_cleanup(const char *instance, const char *run_dir);
+
 /* ---- shared by both sides ---- */
 
 /* Prints the last lines of <run_dir>/<name>.log on stderr, indented ("  | "). */
 void sup_print_log_tail(const char *run_dir, const char *name, int lines);
 
-/* Is pid a live process, not a zombie? */
-bool sup_process_running(int pid);
+/* Formats seconds as "45s", "3m10s", "2h05m09s" or "1d02h05m". */
+void sup_format_duration(double s, char *buf, size_t len);
+/* The pid in <run_dir>/<name>.pid (name: SUP_NAME or a service), 0 when there is none. */
+int sup_read_pid_file(const char *run_dir, const char *name);
+/* Sends MSG_SHUTDOWN to <run_dir>/<name>.ctl and waits up to timeout_ms for MSG_OK. Returns 0, or
+ * -ENOENT (no socket), -ETIMEDOUT, -EBADMSG (another answer) or another -errno, saying which in
+ * err. */
+int sup_ask_shutdown(const char *run_dir, const char *name, int timeout_ms, char *err, size_t errlen);
+/* Waits up to timeout_ms for pid to exit (a zombie has). Returns true once it has. */
+bool sup_wait_exit(int pid, long timeout_ms);
+/* Stops the supervisor pid of run_dir: MSG_SHUTDOWN, SIGTERM when that is not acknowledged, then
+ * waits up to timeout_s for it to exit. Prints only what went wrong. Returns 0 or -ETIMEDOUT. */
+int sup_client_stop_supervisor(const char *run_dir, int pid, long timeout_s);
 
 #endif

@@ -1,4 +1,5 @@
-/* test_shm.c - common/shm.c: owned shared-memory objects, their leftovers, and attaching.
+/* test_shm.c - common/shm.c: owned shared-memory objects, their leftovers, their owners, and
+ * attaching (the owner's start time is common/proc.c's: test_proc.c).
  *
  * Every object is named "/llmp-test-<runner pid>-<tag>" so parallel runs never collide; the
  * runner process removes every such name after each test case, whatever the tests did. */
@@ -11,7 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -462,6 +462,42 @@ START_TEST(test_owner_alive)
 }
 END_TEST
 
+START_TEST(test_object_owner)
+{
+	/* Owned by us, alive: 1 and our pid. */
+	const char *name = test_name("owner");
+	struct shm_object *o = NULL;
+	ck_assert_int_eq(shm_object_create(name, SIZE, SHM_KIND_TEST, VERSION, SHM_RECLAIM, &o, NULL), 0);
+	int owner = 0;
+	ck_assert_int_eq(shm_object_owner(name, &owner), 1);
+	ck_assert_int_eq(owner, getpid());
+	/* Another start time under our pid: not ours any more. */
+	hdr(o)->owner_start += 1;
+	owner = -1;
+	ck_assert_int_eq(shm_object_owner(name, &owner), 0);
+	ck_assert_int_eq(owner, -1); /* untouched */
+	shm_object_close(&o, true);
+	/* Left by a dead owner. */
+	const char *dead = test_name("owner-dead");
+	leave_dead_object(dead, SIZE, SHM_KIND_TEST, VERSION, SHM_RECLAIM, true, "x");
+	ck_assert_int_eq(shm_object_owner(dead, &owner), 0);
+	/* Not one of ours: too short for a header, or another magic. */
+	const char *foreign = test_name("owner-foreign");
+	int fd = shm_open(foreign, O_CREAT | O_EXCL | O_RDWR, 0600);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(shm_object_owner(foreign, &owner), 0);
+	struct shm_header h;
+	memset(&h, 0, sizeof(h));
+	h.magic = SHM_MAGIC ^ 1;
+	atomic_store(&h.owner_pid, (int32_t)getpid());
+	ck_assert_int_eq(pwrite(fd, &h, sizeof(h), 0), (ssize_t)sizeof(h));
+	close(fd);
+	ck_assert_int_eq(shm_object_owner(foreign, &owner), 0);
+	/* No such object. */
+	ck_assert_int_eq(shm_object_owner(test_name("owner-none"), &owner), -ENOENT);
+}
+END_TEST
+
 /* ---- attach ---- */
 
 START_TEST(test_attach)
@@ -585,63 +621,6 @@ START_TEST(test_object_name)
 }
 END_TEST
 
-/* Field 22 of /proc/<pid>/stat read independently of shm.c. */
-static unsigned long long start_field(pid_t pid)
-{
-	char path[64], buf[2048];
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	FILE *f = fopen(path, "r");
-	ck_assert_ptr_nonnull(f);
-	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-	fclose(f);
-	buf[n] = 0;
-	char *p = strrchr(buf, ')');
-	ck_assert_ptr_nonnull(p);
-	unsigned long long v = 0;
-	/* fields 3..22 after ") " */
-	int got = sscanf(p + 2, "%*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %llu",
-			 &v);
-	ck_assert_int_eq(got, 1);
-	return v;
-}
-
-START_TEST(test_process_start_time)
-{
-	uint64_t me = process_start_time(getpid());
-	ck_assert_uint_ne(me, 0);
-	ck_assert_uint_eq(me, start_field(getpid()));
-	ck_assert_uint_eq(process_start_time(getpid()), me); /* stable */
-	ck_assert_uint_le(process_start_time(1), me);
-	ck_assert_uint_eq(process_start_time(0), 0);
-	ck_assert_uint_eq(process_start_time(-5), 0);
-	ck_assert_uint_eq(process_start_time(0x3fffffff), 0); /* past pid_max */
-	/* A command name with spaces and parentheses does not shift the fields. */
-	int p[2];
-	ck_assert_int_eq(pipe(p), 0);
-	pid_t child = fork();
-	ck_assert_int_ge(child, 0);
-	if (child == 0) {
-		prctl(PR_SET_NAME, "a) b (c) 1 2 3");
-		char c = 1;
-		ssize_t w = write(p[1], &c, 1);
-		(void)w;
-		for (;;)
-			pause();
-	}
-	close(p[1]);
-	char c;
-	ck_assert_int_eq(read(p[0], &c, 1), 1);
-	close(p[0]);
-	uint64_t theirs = process_start_time(child);
-	unsigned long long want = start_field(child);
-	kill(child, SIGKILL);
-	int st;
-	waitpid(child, &st, 0);
-	ck_assert_uint_eq(theirs, want);
-	ck_assert_uint_ge(theirs, me);
-}
-END_TEST
-
 static Suite *shm_suite(void)
 {
 	Suite *s = suite_create("shm");
@@ -663,6 +642,7 @@ static Suite *shm_suite(void)
 	tcase_add_test(tc, test_live_owner_refused);
 	tcase_add_test(tc, test_pid_reuse_counts_as_dead);
 	tcase_add_test(tc, test_owner_alive);
+	tcase_add_test(tc, test_object_owner);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("attach");
 	tcase_add_unchecked_fixture(tc, setup_runner, teardown_runner);
@@ -675,7 +655,6 @@ static Suite *shm_suite(void)
 	tcase_add_unchecked_fixture(tc, setup_runner, teardown_runner);
 	tcase_add_checked_fixture(tc, setup, teardown);
 	tcase_add_test(tc, test_object_name);
-	tcase_add_test(tc, test_process_start_time);
 	suite_add_tcase(s, tc);
 	return s;
 }

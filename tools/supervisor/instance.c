@@ -1,0 +1,271 @@
+/* instance.c - an instance seen from outside, with or without its supervisor: which of its
+ * processes live (the pid files checked against /proc), stopping whatever runs of it, and
+ * removing what it leaves behind. The commands pids, ps, stop and cleanup; scripts/pipeline runs
+ * them rather than looking at /proc and /dev/shm itself. */
+#include <dirent.h>
+#include <errno.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/bus.h"
+#include "common/proc.h"
+#include "common/shm.h"
+#include "common/util.h"
+#include "tools/supervisor/supervisor.h"
+
+#define HELLO_TIMEOUT_MS 2000	 /* ps: a service that does not answer HELLO in this is "no" */
+#define STRAY_SHUTDOWN_MS 2000	 /* stop: MSG_SHUTDOWN to a socket without a pid file of ours */
+#define KILL_WAIT_MS 5000	 /* after SIGKILL: how long to wait for the exit */
+#define CMDLINE_MAX (128 * 1024) /* bytes of a command line looked at */
+
+/* The program a process of the instance runs: the service, or pipeline-supervisor. */
+static const char *program_of(const char *name)
+{
+	return strcmp(name, SUP_NAME) ? name : "pipeline-supervisor";
+}
+
+/* Is pid a live process (not a zombie) that runs program for run_dir? program is its command
+ * name or the last part of one of its words (under a wrapper of PIPELINE_WRAP_*, the word that
+ * runs it), and "--run-dir run_dir" or "--run-dir=run_dir" is among its words. This guards
+ * against a stale pid file whose number now belongs to another process. */
+static bool runs_for(int pid, const char *program, const char *run_dir)
+{
+	struct proc_info pi;
+	if (proc_read(pid, &pi) != 0 || pi.state == 'Z' || pi.state == 'X')
+		return false;
+	char *buf = malloc(CMDLINE_MAX + 1);
+	if (!buf)
+		return false;
+	size_t n;
+	int rc = proc_cmdline(pid, buf, CMDLINE_MAX, &n);
+	bool runs = !strcmp(pi.comm, program), ours = false;
+	if (rc == 0 || rc == -E2BIG) {
+		buf[n] = 0; /* a line cut short ends in a whole word */
+		const char *prev = "";
+		for (const char *w = buf; w < buf + n; w += strlen(w) + 1) {
+			const char *slash = strrchr(w, '/');
+			runs = runs || !strcmp(slash ? slash + 1 : w, program);
+			ours = ours || (!strcmp(prev, "--run-dir") && !strcmp(w, run_dir)) ||
+			       (str_has_prefix(w, "--run-dir=") && !strcmp(w + strlen("--run-dir="), run_dir));
+			prev = w;
+		}
+	}
+	free(buf);
+	return runs && ours;
+}
+
+/* The pid of name (SUP_NAME or a service) if its pid file names a live process that runs it for
+ * run_dir, else 0. */
+static int live_pid(const char *run_dir, const char *name)
+{
+	int pid = sup_read_pid_file(run_dir, name);
+	return pid && runs_for(pid, program_of(name), run_dir) ? pid : 0;
+}
+
+int sup_instance_pids(const char *run_dir, const char *name)
+{
+	int found = 0;
+	for (int i = -1; i < SUP_N_SERVICES; i++) {
+		const char *n = i < 0 ? SUP_NAME : sup_service_names[i];
+		if (name && strcmp(name, n) != 0)
+			continue;
+		int pid = live_pid(run_dir, n);
+		if (!pid)
+			continue;
+		found++;
+		if (name)
+			printf("%d\n", pid);
+		else
+			printf("%s %d\n", n, pid);
+	}
+	return found ? SUP_EXIT_OK : SUP_EXIT_FAIL;
+}
+
+/* Does name answer HELLO (as itself) on its socket in run_dir? */
+static bool answers_hello(void *zctx, const char *run_dir, const char *name)
+{
+	char path[PATH_MAX];
+	struct stat st;
+	snprintf(path, sizeof(path), "%s/%s.ctl", run_dir, name);
+	if (stat(path, &st) != 0 || !S_ISSOCK(st.st_mode))
+		return false;
+	struct rpc_client *c = rpc_client_create(zctx, run_dir, name, "pipeline-supervisor");
+	if (!c)
+		return false;
+	struct msg rep;
+	bool ok = rpc_hello(c, &rep, HELLO_TIMEOUT_MS) == 0;
+	if (ok) {
+		ok = rep.hello_reply.service.p && !strcmp(rep.hello_reply.service.p, name);
+		msg_free(&rep);
+	}
+	rpc_client_destroy(&c);
+	return ok;
+}
+
+/* The first line of <run_dir>/<name>.pid as it is written (it may not be a number), or "-". */
+static void pid_file_text(const char *run_dir, const char *name, char *buf, size_t len)
+{
+	char path[PATH_MAX];
+	snprintf(path, sizeof(path), "%s/%s.pid", run_dir, name);
+	FILE *f = fopen(path, "r");
+	if (!f || !fgets(buf, (int)len, f))
+		str_copy(buf, len, f ? "" : "-");
+	if (f)
+		fclose(f);
+	buf[strcspn(buf, "\n")] = 0;
+}
+
+int sup_instance_ps(const char *run_dir)
+{
+	void *zctx = zmq_ctx_new();
+	if (!zctx) {
+		fprintf(stderr, "pipeline-supervisor: cannot create a ZeroMQ context: %s\n", strerror(errno));
+		return SUP_EXIT_FAIL;
+	}
+	int running = 0;
+	printf("%-12s %-8s %-8s %-6s %s\n", "service", "pid", "process", "HELLO", "uptime");
+	for (int i = 0; i < SUP_N_SERVICES; i++) {
+		const char *name = sup_service_names[i];
+		char text[32], uptime[32] = "-";
+		pid_file_text(run_dir, name, text, sizeof(text));
+		const char *process = strcmp(text, "-") ? "dead" : "-";
+		int pid = live_pid(run_dir, name);
+		struct proc_info pi;
+		if (pid) {
+			process = "alive";
+			running++;
+			if (proc_read(pid, &pi) == 0)
+				sup_format_duration((double)proc_age_ms(&pi) / 1000.0, uptime, sizeof(uptime));
+		}
+		printf("%-12s %-8s %-8s %-6s %s\n", name, text, process, answers_hello(zctx, run_dir, name) ? "yes" : "no",
+		       uptime);
+		fflush(stdout);
+	}
+	zmq_ctx_term(zctx);
+	return running ? SUP_EXIT_OK : SUP_EXIT_FAIL;
+}
+
+/* Sends SIGKILL to pid (name's process) and waits for it to go. Returns 0, or -1 after saying
+ * that it survived. */
+static int kill_and_wait(const char *name, int pid)
+{
+	kill(pid, SIGKILL);
+	if (sup_wait_exit(pid, KILL_WAIT_MS))
+		return 0;
+	fprintf(stderr, "pipeline-supervisor: %s (pid %d) survived SIGKILL\n", name, pid);
+	return -1;
+}
+
+/* The stop ladder (supervisor.h) for a service that runs without a supervisor (it was killed, or
+ * the service was started by hand): MSG_SHUTDOWN (it removes its shared state), SIGTERM if that
+ * is not acknowledged, SIGKILL when it has not exited after stop_timeout_s. The signals go to the
+ * process alone: a service started by hand may share its group with others. */
+static int stop_unsupervised(const char *run_dir, const char *name, int pid, long stop_timeout_s)
+{
+	char err[256];
+	if (sup_ask_shutdown(run_dir, name, SUP_SHUTDOWN_ANSWER_MS, err, sizeof(err)) != 0)
+		kill(pid, SIGTERM);
+	if (sup_wait_exit(pid, stop_timeout_s * 1000))
+		return 0;
+	fprintf(stderr, "pipeline-supervisor: %s (pid %d) did not exit in %ld s; killing it\n", name, pid,
+		stop_timeout_s);
+	return kill_and_wait(name, pid);
+}
+
+static void print_name(const char *name)
+{
+	printf("%s\n", name);
+	fflush(stdout);
+}
+
+int sup_instance_stop(const char *instance, const char *run_dir, long stop_timeout_s)
+{
+	int status = SUP_EXIT_OK;
+	int sup_pid = live_pid(run_dir, SUP_NAME);
+	if (sup_pid) {
+		print_name(SUP_NAME);
+		for (int i = 0; i < SUP_N_SERVICES; i++)
+			if (live_pid(run_dir, sup_service_names[i]))
+				print_name(sup_service_names[i]);
+		/* Each service its stop timeout, one after the other, and some to spare. */
+		if (sup_client_stop_supervisor(run_dir, sup_pid, 3 * stop_timeout_s + 20) != 0) {
+			fprintf(stderr, "pipeline-supervisor: the supervisor (pid %d) did not stop the instance in time; "
+					"killing it\n",
+				sup_pid);
+			if (kill_and_wait("the supervisor", sup_pid) != 0)
+				status = SUP_EXIT_FAIL;
+		}
+	}
+	/* What runs without it: none, unless it was killed (its services, reparented, go on). */
+	for (int k = 0; k < SUP_N_SERVICES; k++) {
+		const char *name = sup_service_names[sup_stop_order(k)];
+		int pid = live_pid(run_dir, name);
+		char path[PATH_MAX], err[256];
+		struct stat st;
+		snprintf(path, sizeof(path), "%s/%s.ctl", run_dir, name);
+		if (pid) {
+			print_name(name);
+			if (stop_unsupervised(run_dir, name, pid, stop_timeout_s) != 0)
+				status = SUP_EXIT_FAIL;
+		} else if (stat(path, &st) == 0 && S_ISSOCK(st.st_mode) &&
+			   sup_ask_shutdown(run_dir, name, STRAY_SHUTDOWN_MS, err, sizeof(err)) == 0) {
+			/* A socket but no pid file of ours: a service started by hand (or a stale socket,
+			 * which does not answer). */
+			print_name(name);
+		}
+	}
+	sup_instance_cleanup(instance, run_dir);
+	return status;
+}
+
+int sup_instance_cleanup(const char *instance, const char *run_dir)
+{
+	static const char *const suffixes[] = {"pid", "pid.tmp", "ctl", "pub", "restart"};
+	char path[PATH_MAX];
+	for (int i = -1; i < SUP_N_SERVICES; i++) {
+		for (size_t k = 0; k < ARRAY_SIZE(suffixes); k++) {
+			snprintf(path, sizeof(path), "%s/%s.%s", run_dir, i < 0 ? SUP_NAME : sup_service_names[i],
+				 suffixes[k]);
+			unlink(path);
+		}
+	}
+	/* A dead kv-store's spill file at its default place (a live one removes it on MSG_SHUTDOWN). */
+	snprintf(path, sizeof(path), "%s/start.args", run_dir);
+	unlink(path);
+	snprintf(path, sizeof(path), "%s/kv-spill.bin", run_dir);
+	unlink(path);
+
+	char prefix[SHM_NAME_MAX];
+	if (shm_object_name(instance, "", prefix, sizeof(prefix)) != 0)
+		return SUP_EXIT_OK; /* no object of an instance of that name fits a name either */
+	DIR *d = opendir("/dev/shm");
+	if (!d)
+		return SUP_EXIT_OK;
+	struct dirent *e;
+	while ((e = readdir(d)) != NULL) {
+		/* Object names hold no '-': a remainder with one belongs to an instance whose name
+		 * starts like ours ("demo" must not take "demo-2"'s objects). */
+		if (!str_has_prefix(e->d_name, prefix + 1) || strchr(e->d_name + strlen(prefix + 1), '-'))
+			continue;
+		char name[SHM_NAME_MAX + 256];
+		snprintf(name, sizeof(name), "/%s", e->d_name);
+		int owner = 0;
+		if (shm_object_owner(name, &owner) == 1) {
+			fprintf(stderr,
+				"pipeline-supervisor: left /dev/shm%s: the live process %d owns it (an instance %s with "
+				"another run directory?)\n",
+				name, owner, instance);
+			continue;
+		}
+		shm_unlink(name);
+	}
+	closedir(d);
+	return SUP_EXIT_OK;
+}
