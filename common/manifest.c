@@ -23,7 +23,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 #include "common/util.h"
 
 #define HEADER_MAX	  (100ull << 20) /* a safetensors header above this is corrupt, not big */

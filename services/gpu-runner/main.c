@@ -20,7 +20,7 @@
 #include "common/log.h"
 #include "common/service.h"
 #include "common/shm.h"
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 #include "common/util.h"
 #include "common/weight_ring.h"
 #include "services/gpu-runner/backend.h"

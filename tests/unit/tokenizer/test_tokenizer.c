@@ -1,4 +1,4 @@
-/* test_tokenizer.c - common/tokenizer against the Llama 3 tokenizer.json and llama.cpp's test
+/* test_tokenizer.c - common/tokenizer/ against the Llama 3 tokenizer.json and llama.cpp's test
  * vectors for it, the SentencePiece-style fixtures (data/sp-*, written by make_sp_fixtures.py,
  * expectations worked out by hand below), variants of both made by editing the JSON, round
  * trips over random text, the streaming decoder, invalid UTF-8 and bad files; and vectors that
@@ -17,7 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 #include "common/util.h"
 
 #ifndef TOK_TEST_LLAMA3_DIR
