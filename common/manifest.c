@@ -23,7 +23,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "common/tokenizer/tokenizer.h"
+#include "common/tokenizer/ids.h"
 #include "common/util.h"
 
 #define HEADER_MAX	  (100ull << 20) /* a safetensors header above this is corrupt, not big */
@@ -1000,12 +1000,10 @@ int manifest_attach_tokenizer(struct manifest *m, const char *path, char *err, s
 		}
 		done += (size_t)n;
 	}
-	struct tokenizer *tok = NULL;
-	rc = tokenizer_load_buffer(path, data, done, &tok, err, errlen);
+	uint32_t tv;
+	rc = tokenizer_ids_scan(path, data, done, &tv, err, errlen);
 	if (rc)
 		goto out_close;
-	uint32_t tv = tokenizer_vocab_size(tok);
-	tokenizer_destroy(&tok);
 	if (tv > m->cfg.vocab_size) {
 		rc = errorf(err, errlen, -EINVAL,
 			    "tokenizer %s defines ids up to %u, but config.json's vocab_size is %u: they belong to "

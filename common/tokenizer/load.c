@@ -15,30 +15,6 @@
 
 /* ---- JSON fields ---- */
 
-const char *tok_json_kind(const json_t *v)
-{
-	if (!v)
-		return "missing";
-	switch (json_typeof(v)) {
-	case JSON_OBJECT:
-		return "an object";
-	case JSON_ARRAY:
-		return "a list";
-	case JSON_STRING:
-		return "a string";
-	case JSON_INTEGER:
-		return "an integer";
-	case JSON_REAL:
-		return "a real number";
-	case JSON_TRUE:
-	case JSON_FALSE:
-		return "a boolean";
-	case JSON_NULL:
-		return "null";
-	}
-	return "?";
-}
-
 /* A boolean field: absent or null leaves *out (the default). */
 int tok_get_bool(struct loader *L, const json_t *obj, const char *where, const char *key, bool *out)
 {

@@ -30,6 +30,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/tokenizer/ids.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/util.h"
 
@@ -209,9 +210,8 @@ struct loader {
 
 #define LERR(L, rc, ...) errorf((L)->err, (L)->errlen, (rc), __VA_ARGS__)
 
-/* The JSON field readers (load.c): each returns 0 or -errno with a message naming the file,
- * where (the path of obj in the document) and key. */
-const char *tok_json_kind(const json_t *v);
+/* The JSON field readers (load.c; tok_json_kind and tok_json_id are ids.h's): each returns 0 or
+ * -errno with a message naming the file, where (the path of obj in the document) and key. */
 int tok_get_bool(struct loader *L, const json_t *obj, const char *where, const char *key, bool *out);
 int tok_get_str(struct loader *L, const json_t *obj, const char *where, const char *key, bool required,
 		const char **out, size_t *len);

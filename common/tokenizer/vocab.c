@@ -99,15 +99,7 @@ int tok_arena_add(struct loader *L, const char *s, size_t n, uint32_t *off)
 /* An id field of a vocab or added_tokens entry. */
 static int get_id(struct loader *L, const json_t *v, const char *what, const char *piece, uint32_t *id)
 {
-	if (!json_is_integer(v))
-		return LERR(L, -EINVAL, "%s: %s '%s' has an id that is %s, not an integer", L->name, what, piece,
-			    tok_json_kind(v));
-	json_int_t x = json_integer_value(v);
-	if (x < 0 || x > TOK_MAX_ID)
-		return LERR(L, -EINVAL, "%s: %s '%s' has id %lld, outside [0, %u]", L->name, what, piece,
-			    (long long)x, TOK_MAX_ID);
-	*id = (uint32_t)x;
-	return 0;
+	return tok_json_id(L->name, v, what, piece, id, L->err, L->errlen);
 }
 
 static int build_vocab_hash(struct loader *L, uint32_t n_vocab)
