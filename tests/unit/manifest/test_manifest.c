@@ -21,7 +21,7 @@
 #include <unistd.h>
 
 #include "common/manifest.h"
-#include "common/synthetic.h"
+#include "tools/make-synthetic-model/synthetic.h"
 
 /* ---- helpers ---- */
 
