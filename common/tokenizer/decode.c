@@ -11,6 +11,11 @@
 
 /* ---- the decoder's steps ---- */
 
+static int sequence_item(struct loader *L, const json_t *d, const char *where, void *fused)
+{
+	return tok_parse_decoder(L, d, where, fused);
+}
+
 int tok_parse_decoder(struct loader *L, const json_t *d, const char *where, bool *fused)
 {
 	struct tokenizer *t = L->t;
@@ -20,20 +25,8 @@ int tok_parse_decoder(struct loader *L, const json_t *d, const char *where, bool
 	int rc = tok_get_type(L, d, where, &type);
 	if (rc)
 		return rc;
-	if (!strcmp(type, "Sequence")) {
-		const json_t *list = json_object_get(d, "decoders");
-		if (!json_is_array(list))
-			return LERR(L, -EINVAL, "%s: %s.decoders must be a list, got %s", L->name, where,
-				    tok_json_kind(list));
-		for (size_t i = 0; i < json_array_size(list); i++) {
-			char w[64];
-			snprintf(w, sizeof(w), "%s.decoders[%zu]", where, i);
-			rc = tok_parse_decoder(L, json_array_get(list, i), w, fused);
-			if (rc)
-				return rc;
-		}
-		return 0;
-	}
+	if (!strcmp(type, "Sequence"))
+		return tok_parse_sequence(L, d, where, "decoders", sequence_item, fused);
 	if (!strcmp(type, "Fuse")) {
 		/* Concatenation, which the stream does anyway; it matters for what follows (below). */
 		*fused = true;

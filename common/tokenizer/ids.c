@@ -82,7 +82,8 @@ int tokenizer_ids_scan(const char *name, const char *data, size_t size, uint32_t
 		goto out_json;
 	}
 	if (!json_is_object(model)) {
-		rc = errorf(err, errlen, -EINVAL, "%s: \"model\" must be an object, got %s", name, tok_json_kind(model));
+		rc = errorf(err, errlen, -EINVAL, "%s: \"model\" must be an object, got %s", name,
+			    tok_json_kind(model));
 		goto out_json;
 	}
 	if (!json_is_object(vocab)) {
@@ -95,7 +96,8 @@ int tokenizer_ids_scan(const char *name, const char *data, size_t size, uint32_t
 		goto out_json;
 	}
 	if (added && !json_is_null(added) && !json_is_array(added)) {
-		rc = errorf(err, errlen, -EINVAL, "%s: added_tokens must be a list, got %s", name, tok_json_kind(added));
+		rc = errorf(err, errlen, -EINVAL, "%s: added_tokens must be a list, got %s", name,
+			    tok_json_kind(added));
 		goto out_json;
 	}
 	uint32_t max_id = 0, id;

@@ -74,6 +74,24 @@ int tok_get_string_pattern(struct loader *L, const json_t *obj, const char *wher
 	return 0;
 }
 
+/* A Sequence step: obj.key must be a list, and parse(L, item, "where.key[i]", arg) takes each item
+ * in turn; the first failure ends it. */
+int tok_parse_sequence(struct loader *L, const json_t *obj, const char *where, const char *key,
+		       tok_step_parser parse, void *arg)
+{
+	const json_t *list = json_object_get(obj, key);
+	if (!json_is_array(list))
+		return LERR(L, -EINVAL, "%s: %s.%s must be a list, got %s", L->name, where, key, tok_json_kind(list));
+	for (size_t i = 0; i < json_array_size(list); i++) {
+		char w[64];
+		snprintf(w, sizeof(w), "%s.%s[%zu]", where, key, i);
+		int rc = parse(L, json_array_get(list, i), w, arg);
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
 char *tok_dup_bytes(const char *s, size_t n)
 {
 	char *p = tok_malloc(n + 1);

@@ -7,6 +7,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+static int sequence_item(struct loader *L, const json_t *n, const char *where, void *arg)
+{
+	(void)arg;
+	return tok_parse_normalizer(L, n, where);
+}
+
 int tok_parse_normalizer(struct loader *L, const json_t *n, const char *where)
 {
 	struct tokenizer *t = L->t;
@@ -16,20 +22,8 @@ int tok_parse_normalizer(struct loader *L, const json_t *n, const char *where)
 	int rc = tok_get_type(L, n, where, &type);
 	if (rc)
 		return rc;
-	if (!strcmp(type, "Sequence")) {
-		const json_t *list = json_object_get(n, "normalizers");
-		if (!json_is_array(list))
-			return LERR(L, -EINVAL, "%s: %s.normalizers must be a list, got %s", L->name, where,
-				    tok_json_kind(list));
-		for (size_t i = 0; i < json_array_size(list); i++) {
-			char w[64];
-			snprintf(w, sizeof(w), "%s.normalizers[%zu]", where, i);
-			rc = tok_parse_normalizer(L, json_array_get(list, i), w);
-			if (rc)
-				return rc;
-		}
-		return 0;
-	}
+	if (!strcmp(type, "Sequence"))
+		return tok_parse_sequence(L, n, where, "normalizers", sequence_item, NULL);
 	if (strcmp(type, "Prepend") && strcmp(type, "Replace"))
 		return LERR(L, -ENOTSUP,
 			    "%s: normalizer type %s is not supported (Prepend, Replace with a String pattern, or a "

@@ -118,6 +118,12 @@ int tok_compile_pattern(struct loader *L, const char *where, const char *pat, si
 	return 0;
 }
 
+static int sequence_item(struct loader *L, const json_t *p, const char *where, void *arg)
+{
+	(void)arg;
+	return tok_parse_pretok(L, p, where);
+}
+
 int tok_parse_pretok(struct loader *L, const json_t *p, const char *where)
 {
 	struct tokenizer *t = L->t;
@@ -127,20 +133,8 @@ int tok_parse_pretok(struct loader *L, const json_t *p, const char *where)
 	int rc = tok_get_type(L, p, where, &type);
 	if (rc)
 		return rc;
-	if (!strcmp(type, "Sequence")) {
-		const json_t *list = json_object_get(p, "pretokenizers");
-		if (!json_is_array(list))
-			return LERR(L, -EINVAL, "%s: %s.pretokenizers must be a list, got %s", L->name, where,
-				    tok_json_kind(list));
-		for (size_t i = 0; i < json_array_size(list); i++) {
-			char w[64];
-			snprintf(w, sizeof(w), "%s.pretokenizers[%zu]", where, i);
-			rc = tok_parse_pretok(L, json_array_get(list, i), w);
-			if (rc)
-				return rc;
-		}
-		return 0;
-	}
+	if (!strcmp(type, "Sequence"))
+		return tok_parse_sequence(L, p, where, "pretokenizers", sequence_item, NULL);
 	if (strcmp(type, "Split") && strcmp(type, "ByteLevel") && strcmp(type, "Metaspace"))
 		return LERR(L, -ENOTSUP,
 			    "%s: pre_tokenizer type %s is not supported (Split, ByteLevel, Metaspace, or a Sequence of "

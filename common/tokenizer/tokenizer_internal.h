@@ -222,6 +222,11 @@ int tok_get_char(struct loader *L, const json_t *obj, const char *where, const c
 int tok_get_prepend(struct loader *L, const json_t *obj, const char *where, enum prepend_scheme *out);
 /* A malloc'd NUL-terminated copy of s[0..n), or NULL. */
 char *tok_dup_bytes(const char *s, size_t n);
+/* One step of a normalizer, pre-tokenizer or decoder Sequence (arg: the parser's own). */
+typedef int (*tok_step_parser)(struct loader *L, const json_t *step, const char *where, void *arg);
+/* obj.key, a list of steps, each parsed by parse (load.c). */
+int tok_parse_sequence(struct loader *L, const json_t *obj, const char *where, const char *key,
+		       tok_step_parser parse, void *arg);
 
 /* The model: vocab, added tokens, merges, unk and byte fallback (vocab.c). */
 int tok_load_model(struct loader *L, const json_t *root);

@@ -2,7 +2,6 @@
 #include "tests/unit/manifest/manifest_test_util.h"
 
 #include <fcntl.h>
-#include <ftw.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,16 +9,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "tests/unit/common/test_helpers.h"
+
 char case_root[64]; /* per tcase, made and removed by the parent: cleaned even after a failure */
 char tmp_root[128]; /* per test, inside case_root */
-
-static int rm_one(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-	(void)st;
-	(void)flag;
-	(void)ftw;
-	return remove(path);
-}
 
 void case_setup(void)
 {
@@ -30,7 +23,7 @@ void case_setup(void)
 
 void case_teardown(void)
 {
-	nftw(case_root, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+	th_rmtree(case_root);
 }
 
 void setup(void)
@@ -41,7 +34,7 @@ void setup(void)
 
 void teardown(void)
 {
-	nftw(tmp_root, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+	th_rmtree(tmp_root);
 }
 
 /* A path under this test's directory. Returns a static buffer, one of 64 used in turn: enough

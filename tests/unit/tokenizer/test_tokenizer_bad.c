@@ -192,5 +192,5 @@ int main(void)
 	tcase_add_checked_fixture(tc, tmp_setup, tmp_teardown);
 	tcase_add_test(tc, test_bad_files);
 	suite_add_tcase(s, tc);
-	return run_suite(s);
+	return th_run(s);
 }

@@ -172,5 +172,5 @@ int main(void)
 	tcase_add_test(tc, test_ids_other_parts);
 	tcase_add_test(tc, test_ids_refused);
 	suite_add_tcase(s, tc);
-	return run_suite(s);
+	return th_run(s);
 }

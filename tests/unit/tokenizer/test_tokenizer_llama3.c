@@ -146,7 +146,7 @@ START_TEST(test_llama3_round_trip)
 	rng_state = 0x9E3779B97F4A7C15ull;
 	for (int i = 0; i < 3000; i++) {
 		size_t n = random_text(buf, 64, true);
-		CHECK(valid_utf8(buf, n), "the generator made invalid UTF-8");
+		TH_CHECK(valid_utf8(buf, n), "the generator made invalid UTF-8");
 		expect_round_trip(llama3, buf, n, 0, 0);
 		expect_round_trip(llama3, buf, n, TOK_SPECIAL_AS_TEXT, 0);
 	}
@@ -164,10 +164,10 @@ static void check_stream(const struct tokenizer *t, const uint32_t *ids, size_t 
 	const char *s;
 	size_t len;
 	for (size_t i = 0; i < n; i++) {
-		CHECK(tok_decoder_feed(d, ids[i], &s, &len) == 0, "feed %u", ids[i]);
-		CHECK(valid_utf8(s, len), "chunk %zu (id %u) is not whole UTF-8", i, ids[i]);
-		CHECK(!memmem(s, len, "\xef\xbf\xbd", 3), "chunk %zu (id %u) has U+FFFD", i, ids[i]);
-		CHECK(got + len <= want_len, "more output than the text");
+		TH_CHECK(tok_decoder_feed(d, ids[i], &s, &len) == 0, "feed %u", ids[i]);
+		TH_CHECK(valid_utf8(s, len), "chunk %zu (id %u) is not whole UTF-8", i, ids[i]);
+		TH_CHECK(!memmem(s, len, "\xef\xbf\xbd", 3), "chunk %zu (id %u) has U+FFFD", i, ids[i]);
+		TH_CHECK(got + len <= want_len, "more output than the text");
 		memcpy(all + got, s, len);
 		got += len;
 	}
@@ -311,5 +311,5 @@ int main(void)
 	tcase_add_test(tc, test_llama3_invalid_utf8);
 	tcase_add_test(tc, test_llama3_large);
 	suite_add_tcase(s, tc);
-	return run_suite(s);
+	return th_run(s);
 }

@@ -329,5 +329,5 @@ int main(void)
 	tcase_add_test(tc, test_sp_variants);
 	tcase_add_test(tc, test_byte_level_gpt2);
 	suite_add_tcase(s, tc);
-	return run_suite(s);
+	return th_run(s);
 }

@@ -2,21 +2,12 @@
 #include "tests/unit/tokenizer/tokenizer_test_util.h"
 
 #include <errno.h>
-#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
 char tmp_root[64];
-
-static int rm_one(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-	(void)st;
-	(void)flag;
-	(void)ftw;
-	return remove(path);
-}
 
 void tmp_setup(void)
 {
@@ -26,7 +17,7 @@ void tmp_setup(void)
 
 void tmp_teardown(void)
 {
-	nftw(tmp_root, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+	th_rmtree(tmp_root);
 }
 
 char *read_all(const char *path, size_t *len)
@@ -172,7 +163,7 @@ void expect_round_trip(const struct tokenizer *t, const char *text, size_t len, 
 {
 	struct tok_ids ids = {0};
 	int rc = tokenizer_encode(t, text, len, enc_flags, &ids);
-	CHECK(rc == 0, "encode of %zu bytes: %d", len, rc);
+	TH_CHECK(rc == 0, "encode of %zu bytes: %d", len, rc);
 	size_t dl;
 	char *back = decode_ok(t, ids.ids, ids.n, dec_flags, &dl);
 	if (dl != len || memcmp(back, text, len)) {
@@ -360,7 +351,7 @@ void check_hf_vectors(const struct tokenizer *t, const char *path)
 		for (size_t k = 0; k < n; k++)
 			want[k] = (uint32_t)json_integer_value(json_array_get(jids, k));
 		struct tok_ids got = {0};
-		CHECK(tokenizer_encode(t, json_string_value(text), json_string_length(text), 0, &got) == 0,
+		TH_CHECK(tokenizer_encode(t, json_string_value(text), json_string_length(text), 0, &got) == 0,
 		      "%s case %zu: encode failed", path, i);
 		if (got.n != n || memcmp(got.ids, want, n * sizeof(*want))) {
 			char *g = ids_text(got.ids, got.n), *w = ids_text(want, n);
@@ -371,7 +362,7 @@ void check_hf_vectors(const struct tokenizer *t, const char *path)
 			const json_t *dec = json_object_get(c, keys[skip]);
 			size_t len;
 			char *back = decode_ok(t, want, n, skip ? TOK_SKIP_SPECIAL : 0, &len);
-			CHECK(len == json_string_length(dec) && !memcmp(back, json_string_value(dec), len),
+			TH_CHECK(len == json_string_length(dec) && !memcmp(back, json_string_value(dec), len),
 			      "%s case %zu: %s gives '%s', want '%s'", path, i, keys[skip], back, json_string_value(dec));
 			free(back);
 		}
@@ -379,14 +370,4 @@ void check_hf_vectors(const struct tokenizer *t, const char *path)
 		free(want);
 	}
 	json_decref(cases);
-}
-
-int run_suite(Suite *s)
-{
-	SRunner *sr = srunner_create(s);
-	srunner_set_fork_status(sr, CK_FORK);
-	srunner_run_all(sr, CK_NORMAL);
-	int failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
 }

@@ -7,7 +7,7 @@
  *   EXPECT_DECODE(t, 0, "Hello world", 285, 290);
  *   expect_bad(doc, -EINVAL, "model.vocab");                  // doc: a json_t, consumed
  *
- * Each program links tokenizer_test_util.c. */
+ * Each program links tokenizer_test_util.c; test_helpers.h gives TH_CHECK and th_run. */
 #ifndef TOKENIZER_TEST_UTIL_H
 #define TOKENIZER_TEST_UTIL_H
 #include <check.h>
@@ -18,6 +18,7 @@
 
 #include "common/tokenizer/tokenizer.h"
 #include "common/util.h"
+#include "tests/unit/common/test_helpers.h"
 
 #ifndef TOK_TEST_LLAMA3_DIR
 #error "TOK_TEST_LLAMA3_DIR must name tests/data/llama3-tokenizer"
@@ -29,14 +30,6 @@
 #define LLAMA3_JSON	TOK_TEST_LLAMA3_DIR "/tokenizer.json"
 #define SP_LEGACY_JSON	TOK_TEST_FIXTURE_DIR "/sp-legacy/tokenizer.json"
 #define SP_META_JSON	TOK_TEST_FIXTURE_DIR "/sp-metaspace/tokenizer.json"
-
-/* Like ck_assert_msg for loops: only calls into Check on failure (a passing ck_assert costs a
- * write in fork mode). */
-#define CHECK(cond, ...)                            \
-	do {                                        \
-		if (!(cond))                        \
-			ck_abort_msg(__VA_ARGS__);  \
-	} while (0)
 
 extern char tmp_root[64]; /* per test (tmp_setup) */
 /* A deterministic generator's state (xorshift64*, rnd): seed it, so a failure reproduces. */
@@ -91,9 +84,6 @@ size_t random_text(char *buf, unsigned max_units, bool specials);
  * make_hf_vectors.js there): each text's ids, and the text those ids decode to with and without
  * skipping special tokens. */
 void check_hf_vectors(const struct tokenizer *t, const char *path);
-
-/* Runs s in fork mode; the exit status for main. */
-int run_suite(Suite *s);
 
 #define EXPECT_IDS(t, text, flags, ...)                                                     \
 	do {                                                                                \
