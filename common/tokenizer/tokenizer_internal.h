@@ -52,7 +52,7 @@ struct buf {
 	size_t len, cap;
 };
 
-/* Room for extra more bytes; buf_put appends n bytes. Return 0 or -ENOMEM (b unchanged). */
+/* Room for extra more bytes; tok_buf_put appends n bytes. Return 0 or -ENOMEM (b unchanged). */
 int tok_buf_reserve(struct buf *b, size_t extra);
 int tok_buf_put(struct buf *b, const void *p, size_t n);
 /* Frees b->p and zeroes *b. */
@@ -234,12 +234,14 @@ int tok_load_model(struct loader *L, const json_t *root);
 int tok_arena_add(struct loader *L, const char *s, size_t n, uint32_t *off);
 /* bos_id and eos_id from the post_processor and the usual names (vocab.c); cannot fail. */
 void tok_find_bos_eos(struct tokenizer *t, const json_t *root);
+/* The normalizer (normalize.c) and pre-tokenizer (pretokenize.c) steps, parsed into L->t. */
 int tok_parse_normalizer(struct loader *L, const json_t *n, const char *where);
 int tok_parse_pretok(struct loader *L, const json_t *p, const char *where);
 /* Compiles a split pattern (pretokenize.c); where names it in messages. */
 int tok_compile_pattern(struct loader *L, const char *where, const char *pat, size_t n, bool literal,
 			pcre2_code **out);
-/* fused: a Fuse step came before (the decoder steps after it see the whole text). */
+/* The decoder steps (decode.c); fused: a Fuse step came before (the steps after it see the
+ * whole text). */
 int tok_parse_decoder(struct loader *L, const json_t *d, const char *where, bool *fused);
 /* Each entry's decoded bytes, appended to the arena (decode.c). */
 int tok_precompute_decoded(struct loader *L);
