@@ -67,9 +67,12 @@ struct manifest {
 int manifest_load(const char *dir, struct manifest **out, char *err, size_t errlen);
 
 /* Reads a tokenizer.json for m (manifest_load does it for <dir>/tokenizer.json when that
- * exists), checks that it loads and that every id it defines is inside config.json's
- * vocab_size, and keeps its bytes in m (replacing any earlier ones). Returns 0, or -errno with a
- * message naming the file and the problem (-EINVAL for a vocabulary that disagrees). */
+ * exists), checks its ids (tokenizer_ids_scan, common/tokenizer/ids.h: JSON with a vocab, every
+ * id an integer) and that every id it defines is inside config.json's vocab_size, and keeps its
+ * bytes in m (replacing any earlier ones). The rest of the file (merges, normalizer, ...) is the
+ * runner's to check: it loads the tokenizer at its start. Returns 0, or -errno with a message
+ * naming the file and the problem (-EINVAL for a file whose ids do not read, or a vocabulary
+ * that disagrees). */
 int manifest_attach_tokenizer(struct manifest *m, const char *path, char *err, size_t errlen);
 
 /* Frees everything. Safe on NULL and twice; NULLs *m. */

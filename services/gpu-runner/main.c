@@ -18,7 +18,7 @@
 #include "common/config.h"
 #include "common/log.h"
 #include "common/service.h"
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 #include "common/util.h"
 #include "services/gpu-runner/engine.h"
 #include "services/gpu-runner/kv_cache.h"

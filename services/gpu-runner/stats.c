@@ -5,7 +5,7 @@
 #include <jansson.h>
 #include <stdlib.h>
 
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 #include "common/util.h"
 #include "common/weight_ring.h"
 #include "services/gpu-runner/kv_cache.h"

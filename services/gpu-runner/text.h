@@ -27,7 +27,7 @@
 
 #include "common/model.h"
 #include "common/protocol.h"
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 #ifdef __cplusplus
 extern "C" {
 #endif

@@ -1,4 +1,4 @@
-/* fuzz_tokenizer.c - libFuzzer harness for the tokenizer.json loader (common/tokenizer.c).
+/* fuzz_tokenizer.c - libFuzzer harness for the tokenizer.json loader (common/tokenizer/).
  *
  * The input is a tokenizer.json, optionally followed by a NUL byte and a text (a raw NUL cannot
  * occur in JSON, so the first one ends the document). tokenizer_load_buffer must take any bytes
@@ -30,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

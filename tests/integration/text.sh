@@ -2,7 +2,8 @@
 # text: a synthetic model with the Llama 3 vocabulary and its real tokenizer.json. The runner
 # tokenizes --prompt (BOS first) and --chat (the Llama 3 header format) exactly as the tokenizer
 # does outside it, prints the generated text, stops on stop strings; the same seed gives the
-# same text. A tokenizer that disagrees with config.json's vocabulary is refused at start.
+# same text. A tokenizer that disagrees with config.json's vocabulary, or that does not load, is
+# refused at start.
 source "$(dirname "$0")/lib.sh"
 it_setup text
 
@@ -74,4 +75,12 @@ cp "$TOKENIZER" "$MODEL/"
 err=$("$PIPELINE" start --model "$MODEL" 2>&1) && fail "start with a mismatched tokenizer succeeded"
 expect_grep "vocab_size is 512" "$err" "start with a tokenizer of another model"
 expect_nothing_left "after the refused start"
+
+# A tokenizer whose ids fit but which does not load is refused at start too: the loader reads
+# only its ids, the runner loads it whole when it starts.
+printf '%s' '{"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []},
+ "pre_tokenizer": {"type": "Whitespace"}}' >"$MODEL/tokenizer.json"
+err=$("$PIPELINE" start --model "$MODEL" 2>&1) && fail "start with a tokenizer that does not load succeeded"
+expect_grep "pre_tokenizer type Whitespace is not supported" "$err" "start with a tokenizer that does not load"
+expect_nothing_left "after the second refused start"
 log "ok"

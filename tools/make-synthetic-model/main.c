@@ -16,8 +16,8 @@
 #include <unistd.h>
 
 #include "common/config.h"
-#include "common/synthetic.h"
 #include "common/util.h"
+#include "tools/make-synthetic-model/synthetic.h"
 
 #define PROG "make-synthetic-model"
 

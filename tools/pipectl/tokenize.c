@@ -9,7 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "common/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 #include "tools/pipectl/pipectl.h"
 
 /* Loads the tokenizer named by --tokenizer. Returns NULL after printing why. */

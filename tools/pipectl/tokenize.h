@@ -1,5 +1,5 @@
 /* tokenize.h - pipectl tokenize / detokenize: text to token ids and back with a checkpoint's
- * tokenizer.json (common/tokenizer.h), no service involved.
+ * tokenizer.json (common/tokenizer/tokenizer.h), no service involved.
  *
  *   printf '%s' "Hello world" | pipectl tokenize --tokenizer /models/llama   # 9906 1917
  *   echo "9906 1917" | pipectl detokenize --tokenizer /models/llama          # Hello world

@@ -19,9 +19,9 @@
 
 #include "common/bus.h"
 #include "common/manifest.h"
-#include "common/synthetic.h"
 #include "common/util.h"
 #include "services/gpu-runner/gpu_window.h"
+#include "tools/make-synthetic-model/synthetic.h"
 
 struct fixture {
 	char dir[256], model[300], run[300], instance[64], log[300];

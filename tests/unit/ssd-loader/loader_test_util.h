@@ -17,8 +17,8 @@
 #include <unistd.h>
 
 #include "common/manifest.h"
-#include "common/synthetic.h"
 #include "tests/unit/common/test_helpers.h"
+#include "tools/make-synthetic-model/synthetic.h"
 
 /* Writes the "tiny" shape with n_layers layers into <dir>/model. Returns the malloc'd path. */
 static inline char *lt_make_model(const char *dir, uint32_t n_layers)

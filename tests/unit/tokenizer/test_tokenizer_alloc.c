@@ -1,16 +1,15 @@
-/* test_tokenizer_alloc.c - every allocation of common/tokenizer.c failing in turn: loading,
- * encoding and decoding must return -ENOMEM (or succeed) and leave nothing behind (run it in
- * the sanitizer build: LeakSanitizer fails a forked test that leaks).
+/* test_tokenizer_alloc.c - every allocation of the tokenizer (common/tokenizer/) failing in turn:
+ * loading, encoding and decoding must return -ENOMEM (or succeed) and leave nothing behind (run it
+ * in the sanitizer build: LeakSanitizer fails a forked test that leaks).
  *
- * The test includes tokenizer.c with malloc, calloc and realloc routed through counters; the
- * N-th call fails, for N = 0, 1, 2, ... until a run makes no failing call. jansson and PCRE2
- * allocate on their own and are not failed here. */
+ * The tokenizer allocates through tok_malloc, tok_calloc and tok_realloc (tokenizer_internal.h),
+ * defined weak in alloc.c: this program defines its own, routed through counters; the N-th call
+ * fails, for N = 0, 1, 2, ... until a run makes no failing call. jansson and PCRE2 allocate on
+ * their own and are not failed here. */
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -19,6 +18,8 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include "common/tokenizer/tokenizer_internal.h"
 
 static long fail_at = -1; /* the call that fails, -1: none */
 static long n_calls;	  /* calls since the counter was reset */
@@ -33,28 +34,21 @@ static bool fail_now(void)
 	return false;
 }
 
-static void *t_malloc(size_t n)
+/* In place of alloc.c's. */
+void *tok_malloc(size_t n)
 {
 	return fail_now() ? NULL : malloc(n);
 }
 
-static void *t_calloc(size_t n, size_t size)
+void *tok_calloc(size_t n, size_t size)
 {
 	return fail_now() ? NULL : calloc(n, size);
 }
 
-static void *t_realloc(void *p, size_t n)
+void *tok_realloc(void *p, size_t n)
 {
 	return fail_now() ? NULL : realloc(p, n);
 }
-
-#define malloc t_malloc
-#define calloc t_calloc
-#define realloc t_realloc
-#include "common/tokenizer.c"
-#undef malloc
-#undef calloc
-#undef realloc
 
 #define SP_LEGACY_JSON TOK_TEST_FIXTURE_DIR "/sp-legacy/tokenizer.json"
 #define SP_META_JSON   TOK_TEST_FIXTURE_DIR "/sp-metaspace/tokenizer.json"
@@ -77,7 +71,7 @@ static void write_byte_level(void)
 	for (unsigned b = 0; b < 256; b++) {
 		bool keep = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
 		uint8_t s[8] = {0};
-		utf8_put(keep ? b : next++, s);
+		tok_utf8_put(keep ? b : next++, s);
 		json_object_set_new(vocab, (const char *)s, json_integer(b));
 	}
 	json_object_set_new(vocab, "He", json_integer(256));

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the SentencePiece-style tokenizer.json fixtures of test_tokenizer.c (run once; the
+"""Writes the SentencePiece-style tokenizer.json fixtures of test_tokenizer_sp.c (run once; the
 JSON files are checked in, the tests never run this).
 
 One small vocabulary in two layouts:

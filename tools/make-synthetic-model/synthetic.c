@@ -1,4 +1,5 @@
-/* synthetic.c - random-weight checkpoints in the Hugging Face layout, written at disk speed.
+/* synthetic.c - what a synthetic checkpoint holds: its values, its shapes, the plan of its
+ * files, and the text of its JSON files (synthetic_write.c writes them).
  *
  * Values: a 65536-entry table holds the quantiles of N(0, SYNTH_INIT_STD) (and their bf16
  * and f16 roundings); element i of a tensor takes the table entry picked by 16 bits of
@@ -10,36 +11,23 @@
  * (embed, then per layer q, k, v, o, gate, up, down, the two norms, then norm, lm_head), and
  * inside a file the safetensors library orders them by name, header and data alike. So
  * "model.layers.10.*" comes before "model.layers.2.*" and a layer's norms sit after its MLP,
- * as in a real checkpoint: readers must not assume a friendlier order.
- *
- * Writing: the calling thread fills 8 MiB buffers, a second thread write()s them, so filling
- * and I/O overlap (the machine this runs on may have only 2 cores). */
-#include "common/synthetic.h"
+ * as in a real checkpoint: readers must not assume a friendlier order. */
+#include "tools/make-synthetic-model/synthetic_internal.h"
 
 #include <assert.h>
-#include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
-#include "common/manifest.h"
 #include "common/util.h"
 
-#define TABLE_SIZE   65536
-#define GOLDEN	     0x9e3779b97f4a7c15ull
-#define BUF_BYTES    (8u << 20)
-#define DIRECT_ALIGN 4096u
-#define N_BUFS	     3
-#define INDEX_NAME   "model.safetensors.index.json"
-#define SINGLE_NAME  "model.safetensors"
-#define MAX_SHARDS   99999u /* the 5-digit file numbering */
+#define TABLE_SIZE 65536
+#define GOLDEN	   0x9e3779b97f4a7c15ull
+#define MAX_SHARDS 99999u /* the 5-digit file numbering */
 
 /* ---- values ---- */
 
@@ -87,6 +75,11 @@ static void tables_init(void)
 	}
 }
 
+void syn_values_init(void)
+{
+	pthread_once(&table_once, tables_init);
+}
+
 static inline uint64_t mix64(uint64_t z)
 {
 	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -124,7 +117,7 @@ static inline void store_elem(enum dtype dt, void *dst, uint64_t i, float v)
 }
 
 /* Fills elements [e0, e0 + n) of a tensor into dst (dst holds element e0 first). */
-static void fill_range(uint64_t key, bool norm, enum dtype dt, uint64_t e0, uint64_t n, void *dst)
+void syn_fill_range(uint64_t key, bool norm, enum dtype dt, uint64_t e0, uint64_t n, void *dst)
 {
 	uint64_t i = 0;
 	if (norm) { /* dim elements per norm: not worth a fast path */
@@ -272,28 +265,6 @@ uint64_t synth_param_count(const struct model_config *c, bool tied)
 
 /* ---- planning ---- */
 
-struct stensor {
-	char name[TENSOR_NAME_MAX];
-	uint32_t ndim;
-	uint64_t shape[2];
-	uint64_t nelem, nbytes;
-	bool norm;
-	uint64_t key;
-	uint32_t file;
-	uint64_t begin; /* data offset inside its file */
-};
-
-struct plan {
-	struct stensor *t; /* state_dict order */
-	uint32_t n;
-	uint32_t n_files;
-	uint32_t *order;      /* per file, contiguous: tensor indices in name order */
-	uint32_t *file_first; /* n_files + 1 */
-	uint64_t *file_size;  /* per file */
-	char (*file_name)[64];
-	uint64_t tensor_bytes, file_bytes;
-};
-
 static void add_tensor(struct plan *p, const struct synth_options *o, const char *name, uint64_t rows, uint64_t cols)
 {
 	struct stensor *t = &p->t[p->n++];
@@ -313,7 +284,7 @@ static int cmp_by_name(const void *a, const void *b, void *arg)
 	return strcmp(t[*(const uint32_t *)a].name, t[*(const uint32_t *)b].name);
 }
 
-static void plan_free(struct plan *p)
+void syn_plan_free(struct plan *p)
 {
 	free(p->t);
 	free(p->order);
@@ -323,8 +294,8 @@ static void plan_free(struct plan *p)
 	memset(p, 0, sizeof(*p));
 }
 
-static int plan_build(struct plan *p, const struct model_config *c, const struct synth_options *o, bool tied, char *err,
-		      size_t errlen)
+int syn_plan_build(struct plan *p, const struct model_config *c, const struct synth_options *o, bool tied, char *err,
+		   size_t errlen)
 {
 	memset(p, 0, sizeof(*p));
 	uint32_t cap = 3 + 9 * c->n_layers;
@@ -429,12 +400,6 @@ static int plan_build(struct plan *p, const struct model_config *c, const struct
 
 /* ---- text building ---- */
 
-struct sbuf {
-	char *p;
-	size_t len, cap;
-	int oom;
-};
-
 static void sb_printf(struct sbuf *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 static void sb_printf(struct sbuf *s, const char *fmt, ...)
@@ -496,7 +461,7 @@ static const char *torch_dtype(enum dtype t)
 	return t == DT_F32 ? "float32" : t == DT_F16 ? "float16" : "bfloat16";
 }
 
-static void build_config_json(struct sbuf *s, const struct model_config *c, const struct synth_options *o, bool tied)
+void syn_build_config_json(struct sbuf *s, const struct model_config *c, const struct synth_options *o, bool tied)
 {
 	bool mistral = c->arch == ARCH_MISTRAL;
 	sb_printf(s, "{\n  \"architectures\": [\n    \"%s\"\n  ],\n",
@@ -556,7 +521,7 @@ static void build_config_json(struct sbuf *s, const struct model_config *c, cons
 	sb_printf(s, "  \"use_cache\": true,\n  \"vocab_size\": %u\n}\n", c->vocab_size);
 }
 
-static void build_generation_json(struct sbuf *s, const struct model_config *c)
+void syn_build_generation_json(struct sbuf *s, const struct model_config *c)
 {
 	sb_printf(s, "{\n");
 	if (c->bos_id >= 0)
@@ -572,7 +537,7 @@ static int cmp_name_ptr(const void *a, const void *b)
 	return strcmp((*(const struct stensor *const *)a)->name, (*(const struct stensor *const *)b)->name);
 }
 
-static int build_index_json(struct sbuf *s, const struct plan *p)
+int syn_build_index_json(struct sbuf *s, const struct plan *p)
 {
 	/* transformers sorts weight_map by name. */
 	const struct stensor **v = malloc(p->n * sizeof(*v));
@@ -591,7 +556,7 @@ static int build_index_json(struct sbuf *s, const struct plan *p)
 }
 
 /* The 8-byte length and the JSON header of file f, padded with spaces to a multiple of 8. */
-static void build_st_header(struct sbuf *s, const struct plan *p, uint32_t f, enum dtype dt)
+void syn_build_st_header(struct sbuf *s, const struct plan *p, uint32_t f, enum dtype dt)
 {
 	sb_printf(s, "%8s", ""); /* room for the length */
 	sb_printf(s, "{\"__metadata__\":{\"format\":\"pt\"}");
@@ -612,492 +577,4 @@ static void build_st_header(struct sbuf *s, const struct plan *p, uint32_t f, en
 	uint64_t n = s->len - 8;
 	for (int i = 0; i < 8; i++)
 		s->p[i] = (char)(n >> (8 * i));
-}
-
-/* ---- files ---- */
-
-struct created {
-	char (*paths)[PATH_MAX];
-	uint32_t n, cap;
-};
-
-static int created_add(struct created *cr, const char *path)
-{
-	if (cr->n == cr->cap) {
-		uint32_t cap = cr->cap ? 2 * cr->cap : 16;
-		void *np = realloc(cr->paths, cap * sizeof(*cr->paths));
-		if (!np)
-			return -ENOMEM;
-		cr->paths = np;
-		cr->cap = cap;
-	}
-	str_copy(cr->paths[cr->n++], PATH_MAX, path);
-	return 0;
-}
-
-static int write_all(int fd, const void *buf, size_t len)
-{
-	const char *p = buf;
-	while (len) {
-		ssize_t n = write(fd, p, len);
-		if (n < 0) {
-			if (errno == EINTR)
-				continue;
-			return -errno;
-		}
-		if (n == 0)
-			return -EIO;
-		p += n;
-		len -= (size_t)n;
-	}
-	return 0;
-}
-
-static const char *why(int rc)
-{
-	return rc == -ENOSPC ? "no space left on device" : strerror(-rc);
-}
-
-static int write_small_file(const char *dir, const char *name, const struct sbuf *s, struct created *cr, char *err,
-			    size_t errlen)
-{
-	char path[PATH_MAX];
-	if (snprintf(path, sizeof(path), "%s/%s", dir, name) >= (int)sizeof(path))
-		return errorf(err, errlen, -ENAMETOOLONG, "%s/%s: path too long", dir, name);
-	int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-	if (fd < 0)
-		return errorf(err, errlen, -errno, "cannot create %s: %s", path, strerror(errno));
-	int rc = created_add(cr, path);
-	if (!rc)
-		rc = write_all(fd, s->p, s->len);
-	if (close(fd) != 0 && !rc)
-		rc = -errno;
-	if (rc)
-		return errorf(err, errlen, rc, "writing %s: %s", path, why(rc));
-	return 0;
-}
-
-/* mkdir -p; records each directory it made in cr so a failure can remove them again. */
-static int make_dirs(const char *dir, struct created *dirs, char *err, size_t errlen)
-{
-	char path[PATH_MAX];
-	if (str_copy(path, sizeof(path), dir))
-		return errorf(err, errlen, -ENAMETOOLONG, "%s: path too long", dir);
-	size_t n = strlen(path);
-	while (n > 1 && path[n - 1] == '/')
-		path[--n] = 0;
-	for (char *p = path + 1;; p++) {
-		if (*p != '/' && *p != 0)
-			continue;
-		char save = *p;
-		*p = 0;
-		if (mkdir(path, 0755) == 0) {
-			if (created_add(dirs, path))
-				return errorf(err, errlen, -ENOMEM, "out of memory");
-		} else if (errno != EEXIST) {
-			return errorf(err, errlen, -errno, "cannot create directory %s: %s", path, strerror(errno));
-		}
-		*p = save;
-		if (!save)
-			break;
-	}
-	struct stat st;
-	if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
-		return errorf(err, errlen, -ENOTDIR, "%s exists and is not a directory", path);
-	return 0;
-}
-
-/* Removes weight files an earlier write left, so the directory holds one checkpoint. */
-static int remove_stale(const char *dir, char *err, size_t errlen)
-{
-	DIR *d = opendir(dir);
-	if (!d)
-		return errorf(err, errlen, -errno, "cannot list %s: %s", dir, strerror(errno));
-	int rc = 0;
-	struct dirent *e;
-	while ((e = readdir(d))) {
-		unsigned a, b;
-		char tail[32];
-		bool stale =
-			!strcmp(e->d_name, SINGLE_NAME) || !strcmp(e->d_name, INDEX_NAME) ||
-			(sscanf(e->d_name, "model-%5u-of-%5u.%31s", &a, &b, tail) == 3 && !strcmp(tail, "safetensors"));
-		if (!stale)
-			continue;
-		char path[PATH_MAX];
-		snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
-		if (unlink(path) != 0 && errno != ENOENT) {
-			rc = errorf(err, errlen, -errno, "cannot remove the old %s: %s", path, strerror(errno));
-			break;
-		}
-	}
-	closedir(d);
-	return rc;
-}
-
-/* ---- the writer thread ---- */
-
-struct wbuf {
-	uint8_t *data;
-	size_t len;
-	int fd;
-	uint32_t file;
-};
-
-struct writer {
-	pthread_mutex_t mu;
-	pthread_cond_t cv;
-	struct wbuf bufs[N_BUFS];
-	uint64_t submitted; /* buffers handed over; buffer k lives in bufs[k % N_BUFS] */
-	uint64_t done;	    /* buffers written (or dropped after an error) */
-	bool stop;
-	int err; /* first write error, -errno */
-	uint32_t err_file;
-	uint64_t written; /* bytes, read by the progress line */
-};
-
-/* Writes one buffer. With O_DIRECT on, every buffer but a file's last is a whole number of
- * DIRECT_ALIGN blocks; the last one's tail goes through the page cache after O_DIRECT is
- * switched off. A file system that refuses the direct write (EINVAL) gets a buffered one. */
-static int write_buffer(const struct wbuf *b)
-{
-	int fl = fcntl(b->fd, F_GETFL);
-	if (fl < 0)
-		return -errno;
-	size_t direct = fl & O_DIRECT ? b->len & ~(size_t)(DIRECT_ALIGN - 1) : 0;
-	int rc = direct ? write_all(b->fd, b->data, direct) : 0;
-	if (rc == -EINVAL && fcntl(b->fd, F_SETFL, fl & ~O_DIRECT) == 0) {
-		direct = 0;
-		rc = 0;
-	}
-	if (rc || direct == b->len)
-		return rc;
-	if ((fl & O_DIRECT) && fcntl(b->fd, F_SETFL, fl & ~O_DIRECT) != 0)
-		return -errno;
-	return write_all(b->fd, b->data + direct, b->len - direct);
-}
-
-static void *writer_main(void *arg)
-{
-	struct writer *w = arg;
-	pthread_mutex_lock(&w->mu);
-	for (;;) {
-		while (w->done == w->submitted && !w->stop)
-			pthread_cond_wait(&w->cv, &w->mu);
-		if (w->done == w->submitted)
-			break;
-		struct wbuf *b = &w->bufs[w->done % N_BUFS];
-		bool skip = w->err != 0; /* after an error the rest is dropped so the filler never waits */
-		pthread_mutex_unlock(&w->mu);
-		int rc = skip ? 0 : write_buffer(b);
-		pthread_mutex_lock(&w->mu);
-		if (rc && !w->err) {
-			w->err = rc;
-			w->err_file = b->file;
-		}
-		if (!rc && !skip)
-			w->written += b->len;
-		w->done++;
-		pthread_cond_broadcast(&w->cv);
-	}
-	pthread_mutex_unlock(&w->mu);
-	return NULL;
-}
-
-/* The filler's side: the buffer being filled and the bookkeeping for progress. */
-struct filler {
-	struct writer *w;
-	struct wbuf *cur;
-	int fd;
-	uint32_t file;
-	bool progress;
-	uint64_t total;
-	double t0, last_print;
-};
-
-/* Waits for a free buffer; returns the writer's error if one happened. */
-static int filler_acquire(struct filler *f)
-{
-	struct writer *w = f->w;
-	pthread_mutex_lock(&w->mu);
-	while (w->submitted - w->done >= N_BUFS && !w->err)
-		pthread_cond_wait(&w->cv, &w->mu);
-	int rc = w->err;
-	pthread_mutex_unlock(&w->mu);
-	if (rc)
-		return rc;
-	f->cur = &w->bufs[w->submitted % N_BUFS];
-	f->cur->len = 0;
-	f->cur->fd = f->fd;
-	f->cur->file = f->file;
-	return 0;
-}
-
-static void print_progress(struct filler *f, bool final)
-{
-	double now = now_s();
-	if (!f->progress || (!final && now - f->last_print < 1.0))
-		return;
-	f->last_print = now;
-	pthread_mutex_lock(&f->w->mu);
-	uint64_t wr = f->w->written;
-	pthread_mutex_unlock(&f->w->mu);
-	char a[32], b[32];
-	double dt = now - f->t0;
-	fprintf(stderr, "synthetic: wrote %s of %s, %.2f GB/s\n", format_size(wr, a, sizeof(a)),
-		format_size(f->total, b, sizeof(b)), dt > 0 ? (double)wr / dt / 1e9 : 0.0);
-}
-
-static int filler_submit(struct filler *f)
-{
-	if (!f->cur || f->cur->len == 0)
-		return 0;
-	struct writer *w = f->w;
-	pthread_mutex_lock(&w->mu);
-	w->submitted++;
-	pthread_cond_broadcast(&w->cv);
-	pthread_mutex_unlock(&w->mu);
-	f->cur = NULL;
-	print_progress(f, false);
-	return 0;
-}
-
-static int filler_space(struct filler *f, size_t *space)
-{
-	if (f->cur && f->cur->len == BUF_BYTES)
-		filler_submit(f);
-	if (!f->cur) {
-		int rc = filler_acquire(f);
-		if (rc)
-			return rc;
-	}
-	*space = BUF_BYTES - f->cur->len;
-	return 0;
-}
-
-static int filler_bytes(struct filler *f, const void *src, size_t len)
-{
-	const uint8_t *p = src;
-	while (len) {
-		size_t space;
-		int rc = filler_space(f, &space);
-		if (rc)
-			return rc;
-		size_t k = len < space ? len : space;
-		memcpy(f->cur->data + f->cur->len, p, k);
-		f->cur->len += k;
-		p += k;
-		len -= k;
-	}
-	return 0;
-}
-
-static int filler_tensor(struct filler *f, const struct stensor *t, enum dtype dt)
-{
-	size_t es = dtype_size(dt);
-	uint64_t e = 0;
-	while (e < t->nelem) {
-		size_t space;
-		int rc = filler_space(f, &space);
-		if (rc)
-			return rc;
-		uint64_t k = space / es;
-		if (k == 0) { /* a few bytes left (never with one dtype): hand the buffer over short */
-			filler_submit(f);
-			continue;
-		}
-		if (k > t->nelem - e)
-			k = t->nelem - e;
-		fill_range(t->key, t->norm, dt, e, k, f->cur->data + f->cur->len);
-		f->cur->len += k * es;
-		e += k;
-	}
-	return 0;
-}
-
-/* Waits until everything handed over is written; returns the writer's error. */
-static int filler_drain(struct filler *f)
-{
-	filler_submit(f);
-	struct writer *w = f->w;
-	pthread_mutex_lock(&w->mu);
-	while (w->done != w->submitted)
-		pthread_cond_wait(&w->cv, &w->mu);
-	int rc = w->err;
-	pthread_mutex_unlock(&w->mu);
-	return rc;
-}
-
-static int write_weights(const char *dir, const struct plan *p, const struct synth_options *o, struct created *cr,
-			 char *err, size_t errlen)
-{
-	int rc = 0;
-	struct writer w = {0};
-	struct sbuf hdr = {0};
-	for (int i = 0; i < N_BUFS; i++) {
-		if (posix_memalign((void **)&w.bufs[i].data, DIRECT_ALIGN, BUF_BYTES) != 0) {
-			w.bufs[i].data = NULL;
-			rc = errorf(err, errlen, -ENOMEM, "out of memory for write buffers");
-			goto out_bufs;
-		}
-	}
-	pthread_mutex_init(&w.mu, NULL);
-	pthread_cond_init(&w.cv, NULL);
-	pthread_t th;
-	rc = -pthread_create(&th, NULL, writer_main, &w);
-	if (rc) {
-		errorf(err, errlen, rc, "cannot start the writer thread: %s", strerror(-rc));
-		goto out_sync;
-	}
-	struct filler f = {.w = &w, .fd = -1, .progress = o->progress, .total = p->file_bytes, .t0 = now_s()};
-	f.last_print = f.t0;
-	char path[PATH_MAX];
-	for (uint32_t fi = 0; fi < p->n_files && !rc; fi++) {
-		snprintf(path, sizeof(path), "%s/%s", dir, p->file_name[fi]);
-		/* O_DIRECT: many GB through the page cache cost a copy and reclaim, and evict what
-		 * everyone else had cached; where the file system refuses it, buffered writes. */
-		f.fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
-		if (f.fd < 0 && errno == EINVAL)
-			f.fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-		if (f.fd < 0) {
-			rc = errorf(err, errlen, -errno, "cannot create %s: %s", path, strerror(errno));
-			break;
-		}
-		f.file = fi;
-		rc = created_add(cr, path);
-		hdr.len = 0;
-		if (!rc)
-			build_st_header(&hdr, p, fi, o->dtype);
-		if (!rc && hdr.oom)
-			rc = -ENOMEM;
-		if (!rc)
-			rc = filler_bytes(&f, hdr.p, hdr.len);
-		for (uint32_t k = p->file_first[fi]; k < p->file_first[fi + 1] && !rc; k++)
-			rc = filler_tensor(&f, &p->t[p->order[k]], o->dtype);
-		int drc = filler_drain(&f); /* the fd must outlive every buffer that names it */
-		if (!rc)
-			rc = drc;
-		if (close(f.fd) != 0 && !rc)
-			rc = -errno;
-		f.fd = -1;
-		if (rc)
-			errorf(err, errlen, rc, "writing %s: %s", path, why(rc));
-	}
-	if (!rc)
-		print_progress(&f, true);
-	pthread_mutex_lock(&w.mu);
-	w.stop = true;
-	pthread_cond_broadcast(&w.cv);
-	pthread_mutex_unlock(&w.mu);
-	pthread_join(th, NULL);
-out_sync:
-	pthread_cond_destroy(&w.cv);
-	pthread_mutex_destroy(&w.mu);
-out_bufs:
-	for (int i = 0; i < N_BUFS; i++)
-		free(w.bufs[i].data);
-	free(hdr.p);
-	return rc;
-}
-
-void synth_options_default(struct synth_options *o)
-{
-	memset(o, 0, sizeof(*o));
-	o->dtype = DT_BF16;
-	o->shard_bytes = SYNTH_DEFAULT_SHARD_BYTES;
-}
-
-int synth_write_stats(const char *dir, const struct model_config *cfg, const struct synth_options *o,
-		      struct synth_stats *stats, char *err, size_t errlen)
-{
-	assert(dir && cfg && o);
-	double t0 = now_s();
-	if ((unsigned)o->dtype >= DT_COUNT)
-		return errorf(err, errlen, -EINVAL, "dtype %u is not one of BF16, F16, F32", (unsigned)o->dtype);
-	bool tied = o->tied || cfg->tie_embeddings;
-	struct model_config c = *cfg;
-	c.tie_embeddings = tied;
-	int rc = model_config_check(&c, err, errlen);
-	if (rc)
-		return rc;
-	pthread_once(&table_once, tables_init);
-
-	struct plan p;
-	struct created files = {0}, dirs = {0};
-	struct sbuf s = {0};
-	rc = plan_build(&p, &c, o, tied, err, errlen);
-	if (rc)
-		goto out_plan;
-	for (uint32_t f = 0; f < p.n_files; f++) {
-		struct sbuf h = {0};
-		build_st_header(&h, &p, f, o->dtype);
-		if (h.oom) {
-			free(h.p);
-			rc = errorf(err, errlen, -ENOMEM, "out of memory building a header");
-			goto out_plan;
-		}
-		p.file_size[f] = h.len;
-		for (uint32_t k = p.file_first[f]; k < p.file_first[f + 1]; k++)
-			p.file_size[f] += p.t[p.order[k]].nbytes;
-		p.file_bytes += p.file_size[f];
-		free(h.p);
-	}
-
-	rc = make_dirs(dir, &dirs, err, errlen);
-	if (!rc)
-		rc = remove_stale(dir, err, errlen);
-	if (rc)
-		goto out_cleanup;
-	build_config_json(&s, &c, o, tied);
-	rc = s.oom ? errorf(err, errlen, -ENOMEM, "out of memory")
-		   : write_small_file(dir, "config.json", &s, &files, err, errlen);
-	if (rc)
-		goto out_cleanup;
-	s.len = 0;
-	build_generation_json(&s, &c);
-	rc = s.oom ? errorf(err, errlen, -ENOMEM, "out of memory")
-		   : write_small_file(dir, "generation_config.json", &s, &files, err, errlen);
-	if (rc)
-		goto out_cleanup;
-	if (p.n_files > 1) {
-		s.len = 0;
-		rc = build_index_json(&s, &p);
-		if (rc || s.oom)
-			rc = errorf(err, errlen, -ENOMEM, "out of memory");
-		else
-			rc = write_small_file(dir, INDEX_NAME, &s, &files, err, errlen);
-		if (rc)
-			goto out_cleanup;
-	}
-	rc = write_weights(dir, &p, o, &files, err, errlen);
-	if (rc)
-		goto out_cleanup;
-	if (stats) {
-		memset(stats, 0, sizeof(*stats));
-		stats->params = synth_param_count(&c, tied);
-		stats->tensor_bytes = p.tensor_bytes;
-		stats->file_bytes = p.file_bytes;
-		stats->n_files = p.n_files;
-		stats->n_tensors = p.n;
-		stats->seconds = now_s() - t0;
-	}
-	goto out_plan;
-
-out_cleanup:
-	/* Leave nothing half-written behind: a partial checkpoint would look loadable. */
-	for (uint32_t i = files.n; i-- > 0;)
-		unlink(files.paths[i]);
-	for (uint32_t i = dirs.n; i-- > 0;)
-		rmdir(dirs.paths[i]);
-out_plan:
-	free(s.p);
-	free(files.paths);
-	free(dirs.paths);
-	plan_free(&p);
-	return rc;
-}
-
-int synth_write(const char *dir, const struct model_config *cfg, const struct synth_options *o, char *err,
-		size_t errlen)
-{
-	return synth_write_stats(dir, cfg, o, NULL, err, errlen);
 }
