@@ -298,9 +298,7 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 		acc += spans[s].n_tokens;
 	}
 	prefix[n_spans] = acc;
-	CUDA_TRY(be, "cudaMemcpyAsync (span list)",
-		 cudaMemcpyAsync(be->spanbuf, h, bytes, cudaMemcpyHostToDevice, be->stream));
-	rc = up_commit(be, off, bytes);
+	rc = up_send(be, be->spanbuf, h, off, bytes, "cudaMemcpyAsync (span list)");
 	if (rc)
 		return rc;
 

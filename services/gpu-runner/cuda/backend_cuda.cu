@@ -121,9 +121,7 @@ static int cuda_embed(struct backend_dev *be, const struct group_weights *w, con
 		return rc;
 	for (uint32_t t = 0; t < n; t++)
 		memcpy(h + t * row, (const char *)e->data[PLACE_HOST] + (size_t)b->tokens[t] * row, row);
-	CUDA_TRY(be, "cudaMemcpyAsync (embedding rows)",
-		 cudaMemcpyAsync(be->xa, h, bytes, cudaMemcpyHostToDevice, be->stream));
-	rc = up_commit(be, off, bytes);
+	rc = up_send(be, be->xa, h, off, bytes, "cudaMemcpyAsync (embedding rows)");
 	if (rc)
 		return rc;
 	embed_launch(e->format, be->xa, be->x, (size_t)n * be->cfg.dim, be->stream);
@@ -153,9 +151,7 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 		return rc;
 	memcpy(h, dst_block, n * sizeof(uint32_t));
 	memcpy(h + n * sizeof(uint32_t), dst_row, n * sizeof(uint32_t));
-	CUDA_TRY(be, "cudaMemcpyAsync (KV destinations)",
-		 cudaMemcpyAsync(be->dst, h, bytes, cudaMemcpyHostToDevice, be->stream));
-	rc = up_commit(be, off, bytes);
+	rc = up_send(be, be->dst, h, off, bytes, "cudaMemcpyAsync (KV destinations)");
 	if (rc)
 		return rc;
 

@@ -151,10 +151,11 @@ static inline unsigned grid_for(size_t count, unsigned threads)
 /* ---- staging.cu ---------------------------------------------------------------------------- */
 
 /* A region of `size` bytes of the pinned ring that no pending copy reads; *off is where it
- * starts. Follow with up_commit once the copies reading it are queued. */
+ * starts. Fill it, then up_send it. */
 int up_alloc(struct backend_dev *be, size_t size, char **out, size_t *off);
-/* Marks [off, off + size) busy until the copies queued so far have run. */
-int up_commit(struct backend_dev *be, size_t off, size_t size);
+/* Copies the region up to dst on the compute stream and marks it busy until the copy has run
+ * (what: the copy's name in a message). */
+int up_send(struct backend_dev *be, void *dst, const char *h, size_t off, size_t size, const char *what);
 
 /* ---- matmul.cu, gemv.cu -------------------------------------------------------------------- */
 

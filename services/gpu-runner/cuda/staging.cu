@@ -59,8 +59,11 @@ int up_alloc(struct backend_dev *be, size_t size, char **out, size_t *off)
 	return 0;
 }
 
-int up_commit(struct backend_dev *be, size_t off, size_t size)
+int up_send(struct backend_dev *be, void *dst, const char *h, size_t off, size_t size, const char *what)
 {
+	cudaError_t e = cudaMemcpyAsync(dst, h, size, cudaMemcpyHostToDevice, be->stream);
+	if (e != cudaSuccess)
+		return cuda_fail(be, e, what);
 	struct upload_ring *u = &be->up;
 	assert(u->count < UPLOAD_EVENTS);
 	uint32_t i = (u->first + u->count) % UPLOAD_EVENTS;
