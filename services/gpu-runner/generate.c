@@ -74,6 +74,29 @@ static int rebuild(struct engine *e, const struct gen_params *p, void *ctx, cons
 	}
 }
 
+/* The end of a request: our references to the store's blocks go back. If the store went away
+ * just now, a request that has produced every token waits for it (on_kv_failure) and hands them
+ * back to its successor, which adopted them; a request that failed leaves the reconnect to the
+ * next one. Whatever happens, the cache is empty afterwards. With request_ok, a failure's
+ * message goes to err. */
+static int end_sequence(struct kv_cache *kv, const struct gen_params *p, void *ctx, bool request_ok, char *err,
+			size_t errlen)
+{
+	int rc = kv_cache_reset(kv);
+	if (rc && request_ok && p->on_kv_failure) {
+		char why[256];
+		log_warn("handing the request's KV blocks back: %s", kv_cache_error(kv));
+		if (p->on_kv_failure(ctx, why, sizeof(why)) == 0)
+			rc = kv_cache_recover(kv);
+	}
+	if (rc) {
+		if (request_ok)
+			snprintf(err, errlen, "%s", kv_cache_error(kv));
+		kv_cache_forget_remote(kv);
+	}
+	return rc;
+}
+
 int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uint32_t max_context,
 		 const struct gen_params *p, gen_emit_fn emit, void *ctx, struct gen_result *res, char *err,
 		 size_t errlen)
@@ -218,11 +241,9 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 out:
 	res->n_rebuilds = attempts;
 	{
-		int rrc = kv_cache_reset(engine_kv(e));
-		if (rrc && !rc) {
-			snprintf(err, errlen, "%s", kv_cache_error(engine_kv(e)));
+		int rrc = end_sequence(engine_kv(e), p, ctx, rc == 0, err, errlen);
+		if (rrc && !rc)
 			rc = rrc;
-		}
 	}
 	sampler_destroy(&s);
 	free(seq);

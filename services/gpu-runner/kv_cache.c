@@ -725,7 +725,7 @@ static void clear_tables(struct kv_cache *kv, bool forget)
 
 int kv_cache_reset(struct kv_cache *kv)
 {
-	int rc = kv->readahead ? readahead_drain(kv, true) : 0;
+	int rc = kv->readahead ? readahead_drain(kv, true) : 0, frc = 0;
 	if (kv->remote) {
 		for (uint32_t l = 0; l < kv->p.n_layers; l++) {
 			uint32_t n = 0;
@@ -740,11 +740,13 @@ int kv_cache_reset(struct kv_cache *kv)
 			 * checksum: hand the others back one by one. */
 			for (uint32_t i = 0; i < n; i++) {
 				int r = kv->remote->release(kv->rctx, 1, kv->handles + i);
-				if (r && r != -EINVAL && !rc)
-					rc = remote_err(kv, r, "freeing KV blocks failed: %s", kv->remote->error(kv->rctx));
+				if (r && r != -EINVAL && !frc)
+					frc = remote_err(kv, r, "freeing KV blocks failed: %s", kv->remote->error(kv->rctx));
 			}
 		}
 	}
+	if (frc)
+		return frc; /* the tables stay: kv_cache_recover hands the blocks back after a reconnect */
 	clear_tables(kv, false);
 	kv->chain_known = 0;
 	kv->remote_failed = false;
@@ -866,4 +868,6 @@ void kv_cache_forget_remote(struct kv_cache *kv)
 	if (kv->readahead)
 		readahead_drain(kv, false);
 	clear_tables(kv, true);
+	kv->chain_known = 0;
+	kv->remote_failed = false;
 }

@@ -125,7 +125,10 @@ void kv_cache_set_sequence(struct kv_cache *kv, const int32_t *tokens, const uin
 int kv_cache_restore_prefix(struct kv_cache *kv, uint32_t n_prompt);
 
 /* Drops our reference to every remote block and empties the arena. A block the store no
- * longer knows (dropped after a failed checksum) is skipped. */
+ * longer knows (dropped after a failed checksum) is skipped. When the store cannot be told
+ * (it went away), nothing is forgotten and kv_cache_remote_failed() is true: after the caller
+ * reconnected, kv_cache_recover hands the blocks back (a store that restarted adopted them);
+ * kv_cache_forget_remote gives up on them. */
 int kv_cache_reset(struct kv_cache *kv);
 /* Whether a request to the store failed since the last reset (the error says which). */
 bool kv_cache_remote_failed(const struct kv_cache *kv);
@@ -137,7 +140,8 @@ int kv_cache_recover(struct kv_cache *kv);
  * them with the store's unpin_all, or the store is gone): before the pool is unmapped or
  * unregistered. Returns 0 or -errno. NULL is allowed. */
 int kv_cache_quiesce(struct kv_cache *kv);
-/* Forgets remote handles without freeing them (the kv-store lost its pool). */
+/* Forgets remote handles without freeing them (the kv-store lost its pool, or cannot be told):
+ * an empty cache, as after kv_cache_reset. */
 void kv_cache_forget_remote(struct kv_cache *kv);
 
 void kv_cache_get_stats(const struct kv_cache *kv, struct kv_cache_stats *st);

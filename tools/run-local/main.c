@@ -7,11 +7,9 @@
  *
  * Prints the generated ids on one line, separated by spaces (as `pipectl generate` does). */
 #include <errno.h>
-#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "common/config.h"
 #include "common/log.h"
@@ -22,78 +20,7 @@
 #include "services/gpu-runner/generate.h"
 #include "services/gpu-runner/kv_cache.h"
 #include "services/gpu-runner/weights.h"
-
-/* The whole checkpoint in memory, each group laid out as its slot would be in the ring. */
-struct memory_source {
-	struct weight_source base;
-	void **group_data; /* n_groups */
-};
-
-static int mem_acquire(struct weight_source *ws, uint32_t group, struct group_weights *w)
-{
-	struct memory_source *ms = (struct memory_source *)ws;
-	ws->bytes_acquired += ws->groups[group].tensor_bytes;
-	ws->acquires++;
-	weights_fill(ws, group, ms->group_data[group], ms->group_data[group_id_embed()], w);
-	return 0;
-}
-
-static int mem_release(struct weight_source *ws, uint32_t group)
-{
-	return 0;
-}
-
-static const struct weight_source_ops mem_ops = {.acquire = mem_acquire, .release = mem_release,
-						 .release_all = NULL};
-
-static int load_groups(const struct manifest *m, struct memory_source *ms)
-{
-	ms->group_data = calloc(m->n_groups, sizeof(void *));
-	if (!ms->group_data)
-		return -ENOMEM;
-	int fds[256];
-	if (m->n_files > 256) {
-		fprintf(stderr, "run-local: more than 256 files\n");
-		return -EINVAL;
-	}
-	for (uint32_t i = 0; i < m->n_files; i++) {
-		fds[i] = open(m->files[i].path, O_RDONLY | O_CLOEXEC);
-		if (fds[i] < 0) {
-			fprintf(stderr, "run-local: cannot open %s: %s\n", m->files[i].path, strerror(errno));
-			return -errno;
-		}
-	}
-	int rc = 0;
-	for (uint32_t g = 0; g < m->n_groups && !rc; g++) {
-		const struct group_desc *gd = &m->groups[g];
-		ms->group_data[g] = aligned_alloc(MANIFEST_ALIGN, ALIGN_UP(gd->slot_bytes, MANIFEST_ALIGN) + MANIFEST_ALIGN);
-		if (!ms->group_data[g]) {
-			rc = -ENOMEM;
-			break;
-		}
-		for (uint32_t e = 0; e < gd->n_extents; e++) {
-			const struct read_extent *x = &m->extents[gd->first_extent + e];
-			char *dst = (char *)ms->group_data[g] + x->slot_offset;
-			uint64_t done = 0;
-			while (done < x->length) {
-				ssize_t n = pread(fds[x->file_index], dst + done, x->length - done,
-						  (off_t)(x->file_offset + done));
-				if (n < 0) {
-					fprintf(stderr, "run-local: reading %s: %s\n", m->files[x->file_index].path,
-						strerror(errno));
-					rc = -EIO;
-					break;
-				}
-				if (n == 0)
-					break; /* end of file: the extent's tail lies past it */
-				done += (uint64_t)n;
-			}
-		}
-	}
-	for (uint32_t i = 0; i < m->n_files; i++)
-		close(fds[i]);
-	return rc;
-}
+#include "tools/run-local/memory_source.h"
 
 /* Parses "1,2,3" into a fresh array. */
 static int parse_ids(const char *text, int32_t **out, uint32_t *n)
@@ -193,7 +120,7 @@ int main(int argc, char **argv)
 	}
 	char err[1024];
 	struct manifest *m = NULL;
-	struct memory_source ms = {0};
+	struct memory_source *ms = NULL;
 	struct backend *be = NULL;
 	struct kv_cache *kv = NULL;
 	struct engine *e = NULL;
@@ -202,10 +129,10 @@ int main(int argc, char **argv)
 		fprintf(stderr, "run-local: %s\n", err);
 		return 1;
 	}
-	if ((rc = load_groups(m, &ms)) != 0)
+	if ((rc = memory_source_create(m, &ms, err, sizeof(err))) != 0) {
+		fprintf(stderr, "run-local: %s\n", err);
 		goto out;
-	ms.base = (struct weight_source){.ops = &mem_ops, .cfg = &m->cfg, .tensors = m->tensors, .groups = m->groups,
-					 .n_tensors = m->n_tensors, .n_groups = m->n_groups};
+	}
 	uint32_t max_context = n_prompt + (uint32_t)max_new + 1;
 	uint32_t per_layer = (max_context + (uint32_t)block_tokens - 1) / (uint32_t)block_tokens + 1;
 	struct backend_params bp = {.max_chunk = (uint32_t)chunk, .block_tokens = (uint32_t)block_tokens,
@@ -220,7 +147,7 @@ int main(int argc, char **argv)
 				     .max_context = max_context, .max_chunk = bp.max_chunk, .n_arena = bp.n_kv_blocks};
 	rc = kv_cache_create(&kp, be, NULL, NULL, &kv, err, sizeof(err));
 	if (rc == 0)
-		rc = engine_create(&m->cfg, be, &ms.base, kv, bp.max_chunk, &e, err, sizeof(err));
+		rc = engine_create(&m->cfg, be, memory_source_base(ms), kv, bp.max_chunk, &e, err, sizeof(err));
 	if (rc) {
 		fprintf(stderr, "run-local: %s\n", err);
 		goto out;
@@ -247,10 +174,7 @@ out:
 	kv_cache_destroy(&kv);
 	if (be)
 		backend_destroy(&be);
-	if (ms.group_data)
-		for (uint32_t g = 0; g < m->n_groups; g++)
-			free(ms.group_data[g]);
-	free(ms.group_data);
+	memory_source_destroy(&ms);
 	manifest_destroy(&m);
 	free(prompt);
 	free(stop);

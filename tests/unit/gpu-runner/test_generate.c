@@ -1,0 +1,297 @@
+/* test_generate.c - the generation loop (generate.c) against a KV store that goes away at the
+ * worst moment: after the last token, while the request hands its KV blocks back.
+ *
+ * The model is the tiny synthetic checkpoint, computed by the C backend from memory
+ * (tools/run-local's memory source); the KV tier behind the arena is a store in this process
+ * (struct kv_remote_ops) that can die on its n-th MSG_KV_FREE and come back with its blocks
+ * adopted, as the kv-store does after a kill. A request that has produced every token must
+ * survive that: it waits for the store (on_kv_failure), hands the blocks to its successor and
+ * succeeds; a store that does not come back fails the request with a message, and the next
+ * request starts from an empty cache. */
+#include <check.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/manifest.h"
+#include "common/util.h"
+#include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/engine.h"
+#include "services/gpu-runner/generate.h"
+#include "services/gpu-runner/kv_cache.h"
+#include "tests/unit/common/test_helpers.h"
+#include "tools/make-synthetic-model/synthetic.h"
+#include "tools/run-local/memory_source.h"
+
+#define STORE_BLOCKS 512
+#define PROMPT 40
+#define NEW 40
+
+/* ---- a KV store in this process -------------------------------------------------------- */
+
+struct store {
+	size_t block_bytes;
+	char *mem;			/* STORE_BLOCKS * block_bytes */
+	uint32_t used;			/* blocks handed out so far (never reused) */
+	uint32_t refs[STORE_BLOCKS];	/* references held for the runner */
+	uint32_t pins[STORE_BLOCKS];
+	bool dead;			/* every request fails as to a process that died */
+	uint32_t die_at_release;	/* the n-th release kills it (0: never) */
+	uint32_t releases;
+	bool comes_back;		/* on_kv_failure finds it restarted (its pool adopted) */
+	uint32_t reconnects;
+	char err[128];
+};
+
+static int dead(struct store *s)
+{
+	snprintf(s->err, sizeof(s->err), "kv-store did not answer: the kv-store process died");
+	return -EPIPE;
+}
+
+/* Handles are index + 1, so 0 is never one. */
+static int check(struct store *s, uint32_t n, const uint64_t *h)
+{
+	for (uint32_t i = 0; i < n; i++)
+		if (h[i] == 0 || h[i] > s->used || !s->refs[h[i] - 1]) {
+			snprintf(s->err, sizeof(s->err), "no block %llu", (unsigned long long)h[i]);
+			return -EINVAL;
+		}
+	return 0;
+}
+
+static int st_alloc(void *ctx, uint32_t n, uint64_t *handles, void **ptrs)
+{
+	struct store *s = ctx;
+	if (s->dead)
+		return dead(s);
+	if (s->used + n > STORE_BLOCKS) {
+		snprintf(s->err, sizeof(s->err), "the store is full");
+		return -ENOSPC;
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t b = s->used++;
+		s->refs[b] = 1;
+		handles[i] = b + 1;
+		ptrs[i] = s->mem + (size_t)b * s->block_bytes;
+	}
+	return 0;
+}
+
+static int st_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const *ptrs, const uint64_t *keys,
+		     const void *event)
+{
+	struct store *s = ctx;
+	return s->dead ? dead(s) : check(s, n, handles);
+}
+
+static int st_fetch(void *ctx, uint32_t n, const uint64_t *handles, void **ptrs)
+{
+	struct store *s = ctx;
+	int rc = s->dead ? dead(s) : check(s, n, handles);
+	for (uint32_t i = 0; i < n && !rc; i++) {
+		s->pins[handles[i] - 1]++;
+		ptrs[i] = s->mem + (size_t)(handles[i] - 1) * s->block_bytes;
+	}
+	return rc;
+}
+
+static int st_unpin(void *ctx, uint32_t n, const uint64_t *handles)
+{
+	struct store *s = ctx;
+	int rc = s->dead ? dead(s) : check(s, n, handles);
+	for (uint32_t i = 0; i < n && !rc; i++)
+		if (s->pins[handles[i] - 1])
+			s->pins[handles[i] - 1]--;
+	return rc;
+}
+
+static int st_release(void *ctx, uint32_t n, const uint64_t *handles)
+{
+	struct store *s = ctx;
+	if (!s->dead && ++s->releases == s->die_at_release)
+		s->dead = true;
+	int rc = s->dead ? dead(s) : check(s, n, handles);
+	for (uint32_t i = 0; i < n && !rc; i++)
+		s->refs[handles[i] - 1]--;
+	return rc;
+}
+
+static int st_unpin_all(void *ctx)
+{
+	struct store *s = ctx;
+	if (s->dead)
+		return dead(s);
+	memset(s->pins, 0, sizeof(s->pins));
+	return 0;
+}
+
+static uint32_t st_max_batch(void *ctx)
+{
+	return STORE_BLOCKS;
+}
+
+static const char *st_error(void *ctx)
+{
+	return ((struct store *)ctx)->err;
+}
+
+static const struct kv_remote_ops store_ops = {
+	.alloc = st_alloc, .commit = st_commit, .fetch = st_fetch, .unpin = st_unpin, .release = st_release,
+	.unpin_all = st_unpin_all, .max_batch = st_max_batch, .error = st_error,
+};
+
+static uint32_t refs_held(const struct store *s)
+{
+	uint32_t n = 0;
+	for (uint32_t b = 0; b < s->used; b++)
+		n += s->refs[b];
+	return n;
+}
+
+/* The runner's side of a lost store (requests.c's runner_kv_failure): reconnect if it died. */
+static int reconnect(void *ctx, char *err, size_t errlen)
+{
+	struct store *s = ctx;
+	if (!s->dead)
+		return 0;
+	if (!s->comes_back)
+		return errorf(err, errlen, -ETIMEDOUT, "kv-store did not come back");
+	s->dead = false; /* restarted: it adopted its pool, references and all */
+	s->reconnects++;
+	return 0;
+}
+
+/* ---- the model and the request ------------------------------------------------------------ */
+
+struct fixture {
+	char dir[64];
+	struct manifest *m;
+	struct memory_source *ms;
+	struct backend *be;
+	struct kv_cache *kv;
+	struct engine *e;
+	struct store st;
+	int32_t prompt[PROMPT];
+	int32_t out[NEW];
+};
+
+static struct fixture fx;
+
+static void setup(void)
+{
+	char err[512] = "";
+	memset(&fx, 0, sizeof(fx));
+	snprintf(fx.dir, sizeof(fx.dir), "/tmp/test_generate.XXXXXX");
+	ck_assert_ptr_nonnull(mkdtemp(fx.dir));
+	struct model_config cfg;
+	ck_assert_int_eq(synth_shape_config("tiny", &cfg, err, sizeof(err)), 0);
+	struct synth_options so;
+	synth_options_default(&so);
+	so.dtype = DT_F32;
+	ck_assert_msg(synth_write(fx.dir, &cfg, &so, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(manifest_load(fx.dir, &fx.m, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(memory_source_create(fx.m, &fx.ms, err, sizeof(err)) == 0, "%s", err);
+	uint32_t ctx = PROMPT + NEW + 1, bt = 16, per_layer = ctx / bt + 2;
+	struct backend_params bp = {.max_chunk = 16, .block_tokens = bt, .n_kv_blocks = per_layer * fx.m->cfg.n_layers,
+				    .kv_dtype = DT_F32, .threads = 1};
+	ck_assert_msg(backend_create("cpu", &fx.m->cfg, &bp, &fx.be, err, sizeof(err)) == 0, "%s", err);
+	fx.st.block_bytes = backend_kv_block_bytes("cpu", &fx.m->cfg, &bp);
+	fx.st.mem = malloc(STORE_BLOCKS * fx.st.block_bytes);
+	ck_assert_ptr_nonnull(fx.st.mem);
+	struct kv_cache_params kp = {.n_layers = fx.m->cfg.n_layers, .block_tokens = bt, .max_context = ctx,
+				     .max_chunk = bp.max_chunk, .n_arena = bp.n_kv_blocks};
+	ck_assert_msg(kv_cache_create(&kp, fx.be, &store_ops, &fx.st, &fx.kv, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(engine_create(&fx.m->cfg, fx.be, memory_source_base(fx.ms), fx.kv, bp.max_chunk, &fx.e, err,
+				    sizeof(err)) == 0, "%s", err);
+	for (uint32_t i = 0; i < PROMPT; i++)
+		fx.prompt[i] = (int32_t)((i * 37 + 11) % 500 + 1);
+}
+
+static void teardown(void)
+{
+	engine_destroy(&fx.e);
+	kv_cache_destroy(&fx.kv);
+	backend_destroy(&fx.be);
+	memory_source_destroy(&fx.ms);
+	manifest_destroy(&fx.m);
+	free(fx.st.mem);
+	th_rmtree(fx.dir);
+}
+
+static enum gen_emit keep(void *ctx, uint32_t index, int32_t token)
+{
+	if (index < NEW)
+		fx.out[index] = token;
+	return GEN_CONTINUE;
+}
+
+/* A greedy request of NEW tokens; its tokens land in fx.out. */
+static int request(char *err, size_t errlen)
+{
+	struct gen_params gp = {.max_new = NEW, .ignore_eos = true, .on_kv_failure = reconnect};
+	struct gen_result res;
+	memset(fx.out, 0xff, sizeof(fx.out));
+	int rc = generate_run(fx.e, fx.prompt, PROMPT, PROMPT + NEW + 1, &gp, keep, &fx.st, &res, err, errlen);
+	if (rc == 0)
+		ck_assert_uint_eq(res.n_generated, NEW);
+	return rc;
+}
+
+START_TEST(test_store_dies_while_blocks_go_back)
+{
+	char err[512] = "";
+	int32_t want[NEW];
+	ck_assert_msg(request(err, sizeof(err)) == 0, "%s", err);
+	memcpy(want, fx.out, sizeof(want));
+	ck_assert_uint_gt(fx.st.used, 0); /* blocks went to the store */
+	ck_assert_uint_eq(refs_held(&fx.st), 0);
+
+	/* It dies at the first hand-back of the next request and comes back: the request succeeds,
+	 * and the successor gets every reference back. */
+	fx.st.releases = 0;
+	fx.st.die_at_release = 1;
+	fx.st.comes_back = true;
+	ck_assert_msg(request(err, sizeof(err)) == 0, "a request that produced every token failed: %s", err);
+	ck_assert_int_eq(memcmp(fx.out, want, sizeof(want)), 0);
+	ck_assert_uint_eq(fx.st.reconnects, 1);
+	ck_assert_msg(refs_held(&fx.st) == 0, "%u references left in the store", refs_held(&fx.st));
+}
+END_TEST
+
+START_TEST(test_store_that_stays_away_fails_the_request)
+{
+	char err[512] = "";
+	int32_t want[NEW];
+	ck_assert_msg(request(err, sizeof(err)) == 0, "%s", err);
+	memcpy(want, fx.out, sizeof(want));
+	fx.st.releases = 0;
+	fx.st.die_at_release = 1;
+	fx.st.comes_back = false;
+	ck_assert_int_ne(request(err, sizeof(err)), 0);
+	ck_assert_msg(strstr(err, "freeing KV blocks failed") && strstr(err, "died"), "message: %s", err);
+	/* The cache forgot what the store could not be told; the next request starts afresh. */
+	fx.st.dead = false;
+	fx.st.die_at_release = 0;
+	ck_assert_msg(request(err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(memcmp(fx.out, want, sizeof(want)), 0);
+}
+END_TEST
+
+static Suite *generate_suite(void)
+{
+	Suite *s = suite_create("generate");
+	TCase *tc = tcase_create("kv_store_lost");
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_store_dies_while_blocks_go_back);
+	tcase_add_test(tc, test_store_that_stays_away_fails_the_request);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	return th_run(generate_suite());
+}
