@@ -8,10 +8,29 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "common/protocol.h"
 #include "common/util.h"
 #include "tests/unit/common/codec_test_util.h"
+#include "tests/unit/common/test_helpers.h"
+
+/* A checked fixture: it runs in each test's forked process, whose CPU time starts at zero. */
+static void limit_cpu(void)
+{
+	struct rlimit rl = {.rlim_cur = CODEC_TEST_CPU_S, .rlim_max = CODEC_TEST_CPU_S + 1};
+	int rc = setrlimit(RLIMIT_CPU, &rl);
+	ck_assert_msg(rc == 0, "setrlimit(RLIMIT_CPU): %d", rc);
+}
+
+int codec_run(TCase *tc)
+{
+	tcase_set_timeout(tc, 0); /* no wall-clock limit */
+	tcase_add_checked_fixture(tc, limit_cpu, NULL);
+	Suite *s = suite_create("codec");
+	suite_add_tcase(s, tc);
+	return th_run(s);
+}
 
 /* ---- the wire contract ---- */
 

@@ -13,6 +13,7 @@
  *   arena_free(&a); */
 #ifndef CODEC_TEST_UTIL_H
 #define CODEC_TEST_UTIL_H
+#include <check.h>
 #include <msgpack.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -28,6 +29,16 @@
 #define UNDER_ASAN 1
 #endif
 #endif
+
+/* Runs tc, the program's one test case, in a suite "codec" in fork mode and returns the exit
+ * status for ctest. Each test is bounded by the CPU time its process uses (CODEC_TEST_CPU_S,
+ * RLIMIT_CPU: a runaway loop ends with SIGXCPU) in place of Check's wall-clock timeout (4 s by
+ * default). These tests compute and never wait for anything: on a loaded machine they take
+ * longer without doing more, and a wall-clock limit failed them (test_reject_over_limit packs
+ * and decodes arrays of 2^20 elements, under a second of CPU, and took over 4 s with the suite
+ * running -j4 on two busy cores). ctest's TIMEOUT still bounds the program's wall time. */
+#define CODEC_TEST_CPU_S 20
+int codec_run(TCase *tc);
 
 /* ---- the wire contract ---- */
 

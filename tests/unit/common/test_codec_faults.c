@@ -107,16 +107,9 @@ START_TEST(test_out_of_memory)
 }
 END_TEST
 
-static Suite *codec_suite(void)
-{
-	Suite *s = suite_create("codec");
-	TCase *tc = tcase_create("faults");
-	tcase_add_test(tc, test_out_of_memory);
-	suite_add_tcase(s, tc);
-	return s;
-}
-
 int main(void)
 {
-	return th_run(codec_suite());
+	TCase *tc = tcase_create("faults");
+	tcase_add_test(tc, test_out_of_memory);
+	return codec_run(tc);
 }

@@ -139,17 +139,9 @@ START_TEST(test_fuzz)
 }
 END_TEST
 
-static Suite *codec_suite(void)
-{
-	Suite *s = suite_create("codec");
-	TCase *tc = tcase_create("fuzz");
-	tcase_add_test(tc, test_fuzz);
-	tcase_set_timeout(tc, 60);
-	suite_add_tcase(s, tc);
-	return s;
-}
-
 int main(void)
 {
-	return th_run(codec_suite());
+	TCase *tc = tcase_create("fuzz");
+	tcase_add_test(tc, test_fuzz);
+	return codec_run(tc);
 }

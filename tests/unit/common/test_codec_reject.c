@@ -442,9 +442,8 @@ START_TEST(test_reject_nesting_and_reserved)
 }
 END_TEST
 
-static Suite *codec_suite(void)
+int main(void)
 {
-	Suite *s = suite_create("codec");
 	TCase *tc = tcase_create("reject");
 	tcase_add_test(tc, test_reject_framing);
 	tcase_add_test(tc, test_reject_truncations);
@@ -455,11 +454,5 @@ static Suite *codec_suite(void)
 	tcase_add_test(tc, test_reject_over_limit);
 	tcase_add_test(tc, test_reject_huge_claims);
 	tcase_add_test(tc, test_reject_nesting_and_reserved);
-	suite_add_tcase(s, tc);
-	return s;
-}
-
-int main(void)
-{
-	return th_run(codec_suite());
+	return codec_run(tc);
 }

@@ -349,9 +349,8 @@ START_TEST(test_encode_refuses)
 }
 END_TEST
 
-static Suite *codec_suite(void)
+int main(void)
 {
-	Suite *s = suite_create("codec");
 	TCase *tc = tcase_create("round_trip");
 	tcase_add_test(tc, test_catalogue_complete);
 	tcase_add_loop_test(tc, test_round_trip, 0, N_TYPES);
@@ -361,11 +360,5 @@ static Suite *codec_suite(void)
 	tcase_add_test(tc, test_make_error_and_init);
 	tcase_add_test(tc, test_config_messages);
 	tcase_add_test(tc, test_encode_refuses);
-	suite_add_tcase(s, tc);
-	return s;
-}
-
-int main(void)
-{
-	return th_run(codec_suite());
+	return codec_run(tc);
 }
