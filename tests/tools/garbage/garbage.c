@@ -621,7 +621,6 @@ int main(int argc, char **argv)
 		.next_corr = 1000,
 		.timeout_ms = (int)(timeout_s * 1000),
 	};
-	rc = -ENOMEM;
 	g.zctx = zmq_ctx_new();
 	if (!g.zctx) {
 		fprintf(stderr, PROG ": cannot create a ZeroMQ context: %s\n", strerror(errno));
@@ -629,7 +628,8 @@ int main(int argc, char **argv)
 	}
 	struct rpc_client *c = rpc_client_create(g.zctx, run_dir, service, PROG);
 	if (!c) {
-		fprintf(stderr, PROG ": cannot open a client of %s at %s: %s\n", service, path, strerror(errno));
+		rc = errno ? -errno : -EIO;
+		fprintf(stderr, PROG ": cannot open a client of %s at %s: %s\n", service, path, strerror(-rc));
 		goto out_ctx;
 	}
 	rc = run_battery(&g, c, run_dir);
