@@ -1,6 +1,7 @@
 /* reader.c - io_uring reads of file ranges, split into pieces, O_DIRECT with a buffered
  * fallback per file. See reader.h. */
 #include "services/ssd-loader/reader.h"
+#include "services/ssd-loader/reader_internal.h"
 
 #include <assert.h>
 #include <errno.h>
@@ -16,12 +17,14 @@
 #include "common/log.h"
 #include "common/util.h"
 
-/* Tests replace open() to see the fallback on file systems that do take O_DIRECT. */
-#ifndef READER_OPEN
-#define READER_OPEN(path, flags) open(path, flags)
-#endif
+/* Tests replace open() and the preparation of reads to see the fallback on file systems that
+ * do take O_DIRECT (reader_internal.h); the service leaves both NULL. */
+struct reader_hooks reader_hooks;
 
-
+static int open_path(const char *path, int flags)
+{
+	return reader_hooks.open_file ? reader_hooks.open_file(path, flags) : open(path, flags);
+}
 
 #define NO_EOF UINT64_MAX
 
@@ -97,7 +100,7 @@ static uint64_t pieces_of(const struct reader *r, uint64_t bytes)
 static int open_file(struct rfile *f, bool buffered, char *err, size_t errlen)
 {
 	if (!buffered) {
-		f->fd = READER_OPEN(f->path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+		f->fd = open_path(f->path, O_RDONLY | O_CLOEXEC | O_DIRECT);
 		if (f->fd >= 0) {
 			f->direct = true;
 			return 0;
@@ -109,7 +112,7 @@ static int open_file(struct rfile *f, bool buffered, char *err, size_t errlen)
 		}
 		log_info("%s: the file system refuses O_DIRECT; reading this file through the page cache", f->path);
 	}
-	f->fd = READER_OPEN(f->path, O_RDONLY | O_CLOEXEC);
+	f->fd = open_path(f->path, O_RDONLY | O_CLOEXEC);
 	if (f->fd < 0) {
 		int rc = -errno;
 		snprintf(err, errlen, "cannot open %s: %s", f->path, strerror(errno));
@@ -125,7 +128,7 @@ static int open_file(struct rfile *f, bool buffered, char *err, size_t errlen)
  * for another thread to reuse. io_uring holds its own reference to the file of reads in flight. */
 static int fall_back_to_buffered(struct rfile *f)
 {
-	int fd = READER_OPEN(f->path, O_RDONLY | O_CLOEXEC);
+	int fd = open_path(f->path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
 		return -errno;
 	log_warn("%s: an O_DIRECT read was refused (EINVAL); reading this file through the page cache", f->path);
@@ -242,7 +245,10 @@ static void prep_piece(struct reader *r, struct piece *pc)
 	assert(sqe);
 	uint64_t at = pc->rel + pc->done;
 	pc->direct = r->files[q->file].direct;
-	io_uring_prep_read(sqe, r->files[q->file].fd, q->dst + at, pc->len - pc->done, q->offset + at);
+	if (reader_hooks.prep_read)
+		reader_hooks.prep_read(sqe, r->files[q->file].fd, q->dst + at, pc->len - pc->done, q->offset + at);
+	else
+		io_uring_prep_read(sqe, r->files[q->file].fd, q->dst + at, pc->len - pc->done, q->offset + at);
 	io_uring_sqe_set_data(sqe, pc);
 	/* Inline (the loader's default) or from io-wq workers. An O_DIRECT read pins its buffer,
 	 * and the first read into a fresh page faults it in inside the submitting call: inline

@@ -38,7 +38,6 @@ static const struct command commands[] = {
 	{"shutdown", cmd_shutdown, "shutdown SERVICE        stop the service and remove its shared state"},
 	{"generate", cmd_generate, "generate --tokens IDS -n N   generate tokens with gpu-runner"},
 	{"summary", cmd_summary, "summary                 what moved through each tier (all services)"},
-	{"garbage", cmd_garbage, "garbage SERVICE         send malformed requests; check the service survives"},
 	{"get", cmd_get, "get SERVICE [KEY...]    the service's parameters: value, tunable or fixed, range (--json)"},
 	{"tune", cmd_tune, "tune SERVICE KEY=VALUE...  change parameters of a running service at once"},
 	{"tokenize", cmd_tokenize, "tokenize --tokenizer FILE    text on stdin -> token ids"},

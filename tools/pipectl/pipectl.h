@@ -77,7 +77,6 @@ int cmd_stats(struct pipectl *p, int argc, char **argv);
 int cmd_shutdown(struct pipectl *p, int argc, char **argv);
 int cmd_generate(struct pipectl *p, int argc, char **argv);
 int cmd_summary(struct pipectl *p, int argc, char **argv);
-int cmd_garbage(struct pipectl *p, int argc, char **argv);
 int cmd_get(struct pipectl *p, int argc, char **argv);
 int cmd_tune(struct pipectl *p, int argc, char **argv);
 

@@ -553,6 +553,39 @@ START_TEST(test_sigterm)
 }
 END_TEST
 
+/* A SUB socket receives only what is published after its subscription has reached the PUB
+ * socket (ZeroMQ's slow joiner). Publishes probes (MSG_PING, corr 1, 2, ...) on s's PUB socket
+ * until sub receives one, then takes the probes still on their way up to the last one sent:
+ * from then on sub receives what s publishes and nothing is queued before it. Fails the test
+ * when no probe arrives within 5 s. */
+static void wait_subscribed(struct service *s, void *sub)
+{
+	char err[256];
+	struct msg m;
+	uint64_t sent = 0, got = 0;
+	uint64_t deadline = now_ns() + 5000000000ull;
+	while (!got) {
+		ck_assert_msg(now_ns() < deadline, "no probe of %llu published reached the subscriber in 5 s",
+			      (unsigned long long)sent);
+		struct msg probe;
+		msg_init(&probe, MSG_PING, ++sent);
+		ck_assert_int_eq(service_publish(s, &probe), 0);
+		int rc = bus_recv(sub, &m, 20, err, sizeof(err));
+		if (rc == -ETIMEDOUT)
+			continue;
+		ck_assert_msg(rc == 0, "bus_recv on the subscriber: %d (%s)", rc, err);
+		ck_assert_uint_eq(m.type, MSG_PING);
+		got = m.corr;
+		msg_free(&m);
+	}
+	while (got < sent) {
+		ck_assert_int_eq(bus_recv(sub, &m, 5000, err, sizeof(err)), 0);
+		ck_assert_uint_eq(m.type, MSG_PING);
+		got = m.corr;
+		msg_free(&m);
+	}
+}
+
 START_TEST(test_beat_and_signal)
 {
 	/* In this process: service_beat publishes a heartbeat when one is due and nothing else; a
@@ -566,8 +599,8 @@ START_TEST(test_beat_and_signal)
 	ck_assert_int_eq(bus_endpoint(run_dir, SVC, "pub", ep, sizeof(ep)), 0);
 	void *sub = bus_connect_sub(ctx, ep);
 	ck_assert_ptr_nonnull(sub);
-	usleep(200 * 1000); /* the subscription reaches the PUB socket */
-	service_beat(s);     /* none yet: due at once */
+	wait_subscribed(s, sub);
+	service_beat(s); /* none yet: due at once */
 	struct msg m;
 	ck_assert_int_eq(bus_recv(sub, &m, 5000, err, sizeof(err)), 0);
 	ck_assert_uint_eq(m.type, MSG_HEARTBEAT);

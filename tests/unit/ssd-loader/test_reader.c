@@ -1,8 +1,8 @@
 /* test_reader.c - reader.c: extents of a synthetic checkpoint read into memory match the
  * file, with O_DIRECT and buffered; a truncated file fails cleanly.
  *
- * Includes reader.c to replace open() (READER_OPEN) and see the buffered fallback, which
- * this kernel's tmpfs would not show (it takes O_DIRECT since Linux 6.6). */
+ * Replaces open() and the preparation of reads through reader_internal.h to see the buffered
+ * fallback, which this kernel's tmpfs would not show (it takes O_DIRECT since Linux 6.6). */
 #include <errno.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -13,16 +13,14 @@
 #include <fcntl.h>
 #include <liburing.h>
 
+#include "common/util.h"
+#include "services/ssd-loader/reader.h"
+#include "services/ssd-loader/reader_internal.h"
+#include "tests/unit/ssd-loader/loader_test_util.h"
+
 static int fake_refuse_direct; /* open() with O_DIRECT fails with EINVAL while set */
 static int fake_refuse_direct_reads; /* reads on an O_DIRECT descriptor fail with EINVAL while set */
 static int fake_open_calls;
-static int fake_open(const char *path, int flags);
-#define READER_OPEN(path, flags) fake_open(path, flags)
-/* liburing.h is in: reader.c's include of it is a no-op, and its reads go through this. */
-static void fake_prep_read(struct io_uring_sqe *sqe, int fd, void *buf, unsigned nbytes, __u64 offset);
-#define io_uring_prep_read fake_prep_read
-#include "services/ssd-loader/reader.c"
-#undef io_uring_prep_read
 
 /* A file system that takes open(O_DIRECT) and refuses the reads (EINVAL): an invalid I/O
  * priority class makes io_uring fail the read of an O_DIRECT descriptor with EINVAL. */
@@ -32,8 +30,6 @@ static void fake_prep_read(struct io_uring_sqe *sqe, int fd, void *buf, unsigned
 	if (fake_refuse_direct_reads && (fcntl(fd, F_GETFL) & O_DIRECT))
 		sqe->ioprio = 7 << 13; /* IOPRIO_PRIO_VALUE(7, 0): no such class */
 }
-
-#include "tests/unit/ssd-loader/loader_test_util.h"
 
 static int fake_open(const char *path, int flags)
 {
@@ -433,5 +429,8 @@ static Suite *reader_suite(void)
 
 int main(void)
 {
+	/* Every reader of this program opens and reads through the fakes (each test a fork). */
+	reader_hooks.open_file = fake_open;
+	reader_hooks.prep_read = fake_prep_read;
 	return th_run(reader_suite());
 }

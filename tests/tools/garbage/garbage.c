@@ -1,7 +1,10 @@
-/* garbage.c - pipectl garbage SERVICE: a battery of malformed and nonsensical requests sent
- * to a service's control socket, for tests. Each must be answered with MSG_ERROR (where a
- * reply is expected at all); then a PING on a fresh socket must still be answered. Exit 0
- * only if every case behaved and the service still serves.
+/* garbage.c - pipeline-garbage SERVICE: a test tool (tests/integration/garbage.sh runs it), not
+ * part of the product. It sends a battery of malformed and nonsensical requests to a service's
+ * control socket. Each must be answered with MSG_ERROR (where a reply is expected at all); then
+ * a PING on a fresh socket must still be answered. Exit 0 only if every case behaved and the
+ * service still serves; 1 otherwise; 2 on bad usage.
+ *
+ *   pipeline-garbage [--instance NAME] [--run-dir DIR] [--timeout SEC] [--seed N] SERVICE
  *
  * The requests are written byte by byte with msgpack-c, not with the codec, because the
  * codec refuses to write most of them. */
@@ -10,15 +13,26 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <zmq.h>
 
+#include "common/bus.h"
+#include "common/config.h"
+#include "common/log.h"
+#include "common/protocol.h"
+#include "common/service.h"
 #include "common/util.h"
-#include "tools/pipectl/pipectl.h"
+
+#define PROG "pipeline-garbage"
+#define EXIT_OK 0
+#define EXIT_FAIL 1
+#define EXIT_USAGE 2
+#define DEFAULT_TIMEOUT_S 10 /* seconds to wait for each reply */
 
 #define BAD_ID (1ull << 40) /* a group, block or token id no service has */
 
 struct garbage {
-	struct pipectl *p;
+	void *zctx;
 	const char *service;
 	void *sock;
 	char endpoint[300];
@@ -48,7 +62,7 @@ static uint64_t next_random(struct garbage *g)
 
 static int open_socket(struct garbage *g)
 {
-	g->sock = zmq_socket(g->p->zctx, ZMQ_DEALER);
+	g->sock = zmq_socket(g->zctx, ZMQ_DEALER);
 	if (!g->sock)
 		return -errno;
 	int64_t max = PROTO_MAX_MSG_BYTES;
@@ -229,7 +243,7 @@ static void generic_cases(struct garbage *g)
 	rc = pack_head(&pk, PROTO_VERSION, MSG_HELLO, corr);
 	rc = rc ? rc : msgpack_pack_map(&pk, 2);
 	rc = rc ? rc : msgpack_pack_uint8(&pk, 1);
-	rc = rc ? rc : pack_str(&pk, "pipectl-garbage");
+	rc = rc ? rc : pack_str(&pk, PROG);
 	rc = rc ? rc : msgpack_pack_uint8(&pk, 2);
 	rc = rc ? rc : msgpack_pack_uint64(&pk, PROTO_VERSION);
 	r.body.size /= 2;
@@ -257,7 +271,7 @@ static void generic_cases(struct garbage *g)
 	rc = pack_head(&pk, PROTO_VERSION, MSG_HELLO, corr);
 	rc = rc ? rc : msgpack_pack_map(&pk, 2);
 	rc = rc ? rc : msgpack_pack_uint8(&pk, 1);
-	rc = rc ? rc : pack_str(&pk, "pipectl-garbage");
+	rc = rc ? rc : pack_str(&pk, PROG);
 	rc = rc ? rc : msgpack_pack_uint8(&pk, 2);
 	rc = rc ? rc : msgpack_pack_uint64(&pk, PROTO_VERSION + 41);
 	r.corr = corr;
@@ -347,7 +361,7 @@ static void generic_cases(struct garbage *g)
 	rc = pack_head(&pk, PROTO_VERSION, MSG_HEARTBEAT, corr);
 	rc = rc ? rc : msgpack_pack_map(&pk, 5);
 	rc = rc ? rc : msgpack_pack_uint8(&pk, 1);
-	rc = rc ? rc : pack_str(&pk, "pipectl");
+	rc = rc ? rc : pack_str(&pk, PROG);
 	for (uint8_t k = 2; !rc && k <= 5; k++) {
 		rc = msgpack_pack_uint8(&pk, k);
 		rc = rc ? rc : msgpack_pack_uint64(&pk, 1);
@@ -493,74 +507,134 @@ static void disconnect_cases(struct garbage *g)
 	}
 }
 
-int cmd_garbage(struct pipectl *p, int argc, char **argv)
+/* Prints why a call to service failed: rc from rpc_call, rep the MSG_ERROR reply when rc is
+ * -EREMOTEIO (freed here). */
+static void rpc_failed(const char *service, const char *what, int rc, struct msg *rep, int timeout_ms)
 {
-	long seed = 1;
-	struct opt opts[] = {
-		{"seed", OPT_INT, &seed, NULL, "seed of the random bytes (default 1)"},
-		{0},
-	};
-	char **pos = calloc((size_t)argc + 1, sizeof(*pos));
-	if (!pos)
-		return PIPECTL_EXIT_FAIL;
-	int rc = pipectl_parse("garbage SERVICE",
-			       "Sends malformed requests to the service's control socket, checks each is answered with "
-			       "MSG_ERROR, then that the service still answers PING. For tests.",
-			       opts, argc, argv, pos, 1, 1, NULL);
-	const char *service = pos[0];
-	free(pos);
-	if (rc)
-		return rc == 1 ? PIPECTL_EXIT_OK : PIPECTL_EXIT_USAGE;
-	if (!pipectl_check_service(service))
-		return PIPECTL_EXIT_USAGE;
+	if (rc == -EREMOTEIO) {
+		fprintf(stderr, PROG ": %s: %s\n", service, rep->error.text.p ? rep->error.text.p : "(no text)");
+		msg_free(rep);
+	} else if (rc == -ETIMEDOUT) {
+		fprintf(stderr, PROG ": %s did not answer %s in %d s\n", service, what, timeout_ms / 1000);
+	} else {
+		fprintf(stderr, PROG ": %s %s failed: %s\n", service, what, strerror(-rc));
+	}
+}
 
-	struct garbage g = {
-		.p = p,
-		.service = service,
-		.rng = (uint64_t)seed * 0x9e3779b97f4a7c15ull + 1,
-		.next_corr = 1000,
-		.timeout_ms = pipectl_timeout_ms(p, PIPECTL_DEFAULT_TIMEOUT_S),
-	};
-	struct rpc_client *c = pipectl_connect(p, service);
-	if (!c)
-		return PIPECTL_EXIT_FAIL;
+/* The battery against service, through a client c of it; the verdict is a fresh client's PING.
+ * Returns 0 when every case behaved and the service still answers. */
+static int run_battery(struct garbage *g, struct rpc_client *c, const char *run_dir)
+{
 	/* The service must answer before the battery, or its failures would mean nothing. */
 	struct msg rep;
-	rc = rpc_hello(c, &rep, g.timeout_ms);
+	int rc = rpc_hello(c, &rep, g->timeout_ms);
 	if (rc) {
-		pipectl_rpc_failed(p, service, "HELLO", rc, &rep);
-		goto out_client;
+		rpc_failed(g->service, "HELLO", rc, &rep, g->timeout_ms);
+		return rc;
 	}
 	msg_free(&rep);
-	if (bus_endpoint(p->run_dir, service, "ctl", g.endpoint, sizeof(g.endpoint)) != 0 || open_socket(&g) != 0) {
-		fprintf(stderr, "pipectl: cannot open a socket to %s in %s\n", service, p->run_dir);
-		rc = -EIO;
-		goto out_client;
+	if (bus_endpoint(run_dir, g->service, "ctl", g->endpoint, sizeof(g->endpoint)) != 0 || open_socket(g) != 0) {
+		fprintf(stderr, PROG ": cannot open a socket to %s in %s\n", g->service, run_dir);
+		return -EIO;
 	}
-	generic_cases(&g);
-	service_cases(&g);
-	disconnect_cases(&g);
-	close_socket(&g);
+	generic_cases(g);
+	service_cases(g);
+	disconnect_cases(g);
+	close_socket(g);
 
-	/* The verdict: a fresh client's PING. */
 	struct msg req;
 	msg_init(&req, MSG_PING, 0);
 	rpc_client_reset(c);
-	rc = rpc_call(c, &req, &rep, g.timeout_ms);
+	rc = rpc_call(c, &req, &rep, g->timeout_ms);
 	if (rc) {
-		pipectl_rpc_failed(p, service, "PING after the battery", rc, &rep);
-		goto out_client;
+		rpc_failed(g->service, "PING after the battery", rc, &rep, g->timeout_ms);
+		return rc;
 	}
 	if (rep.type != MSG_OK) {
-		fprintf(stderr, "pipectl: %s answered PING with %s\n", service, msg_type_name(rep.type));
+		fprintf(stderr, PROG ": %s answered PING with %s\n", g->service, msg_type_name(rep.type));
 		msg_free(&rep);
-		rc = -EBADMSG;
-		goto out_client;
+		return -EBADMSG;
 	}
 	msg_free(&rep);
-	printf("%s still answers after %d malformed requests (%d handled wrongly)\n", service, g.cases, g.failures);
-	rc = g.failures ? -EPROTO : 0;
-out_client:
+	printf("%s still answers after %d malformed requests (%d handled wrongly)\n", g->service, g->cases,
+	       g->failures);
+	return g->failures ? -EPROTO : 0;
+}
+
+int main(int argc, char **argv)
+{
+	const char *instance = NULL, *run_dir_flag = NULL;
+	long timeout_s = DEFAULT_TIMEOUT_S, seed = 1;
+	struct opt opts[] = {
+		{"instance", OPT_STRING, &instance, "default", "the instance to talk to"},
+		{"run-dir", OPT_STRING, &run_dir_flag, NULL,
+		 "its run directory (default /tmp/llmp-<uid>/<instance>)"},
+		{"timeout", OPT_INT, &timeout_s, NULL, "seconds to wait for each reply (default 10)"},
+		{"seed", OPT_INT, &seed, NULL, "seed of the random bytes (default 1)"},
+		{0},
+	};
+	log_init(PROG);
+	char **pos = calloc((size_t)argc + 1, sizeof(*pos));
+	if (!pos)
+		return EXIT_FAIL;
+	int n_pos = 0;
+	int rc = config_parse(PROG " SERVICE",
+			      "Sends malformed requests to the control socket of SERVICE (ssd-loader, kv-store or "
+			      "gpu-runner), checks each is answered with MSG_ERROR, then that the service still "
+			      "answers PING. A test tool.",
+			      opts, argc, argv, pos, &n_pos);
+	const char *service = pos[0];
+	free(pos);
+	if (rc)
+		return rc > 0 ? EXIT_OK : EXIT_USAGE;
+	if (n_pos != 1) {
+		fprintf(stderr, PROG ": %s (usage: " PROG " [flags] SERVICE; --help for the flags)\n",
+			n_pos ? "one service only" : "missing the service");
+		return EXIT_USAGE;
+	}
+	if (strcmp(service, "ssd-loader") && strcmp(service, "kv-store") && strcmp(service, "gpu-runner")) {
+		fprintf(stderr, PROG ": unknown service '%s' (one of: ssd-loader, kv-store, gpu-runner)\n", service);
+		return EXIT_USAGE;
+	}
+	if (timeout_s < 0 || timeout_s > 86400) {
+		fprintf(stderr, PROG ": --timeout must be 0..86400 seconds\n");
+		return EXIT_USAGE;
+	}
+	char run_dir[256];
+	if (run_dir_flag && *run_dir_flag ? str_copy(run_dir, sizeof(run_dir), run_dir_flag) != 0
+					  : run_dir_default(instance, run_dir, sizeof(run_dir)) != 0) {
+		fprintf(stderr, PROG ": the run directory's path is too long\n");
+		return EXIT_USAGE;
+	}
+	/* A missing socket is reported at once instead of after a timeout. */
+	char path[512];
+	struct stat st;
+	snprintf(path, sizeof(path), "%s/%s.ctl", run_dir, service);
+	if (stat(path, &st) != 0) {
+		fprintf(stderr, PROG ": %s is not running: no control socket %s\n", service, path);
+		return EXIT_FAIL;
+	}
+
+	struct garbage g = {
+		.service = service,
+		.rng = (uint64_t)seed * 0x9e3779b97f4a7c15ull + 1,
+		.next_corr = 1000,
+		.timeout_ms = (int)(timeout_s * 1000),
+	};
+	g.zctx = zmq_ctx_new();
+	if (!g.zctx) {
+		fprintf(stderr, PROG ": cannot create a ZeroMQ context: %s\n", strerror(errno));
+		return EXIT_FAIL;
+	}
+	struct rpc_client *c = rpc_client_create(g.zctx, run_dir, service, PROG);
+	if (!c) {
+		rc = errno ? -errno : -EIO;
+		fprintf(stderr, PROG ": cannot open a client of %s at %s: %s\n", service, path, strerror(-rc));
+		goto out_ctx;
+	}
+	rc = run_battery(&g, c, run_dir);
 	rpc_client_destroy(&c);
-	return rc ? PIPECTL_EXIT_FAIL : PIPECTL_EXIT_OK;
+out_ctx:
+	zmq_ctx_term(g.zctx);
+	return rc ? EXIT_FAIL : EXIT_OK;
 }
