@@ -3,6 +3,7 @@
 #include "services/gpu-runner/cpu/kernels.h"
 #include "services/gpu-runner/cpu/pool.h"
 #include "services/gpu-runner/rope.h"
+#include "tests/unit/common/test_helpers.h"
 
 #include <check.h>
 #include <errno.h>
@@ -281,10 +282,5 @@ int main(void)
 	tcase_add_test(tc, test_pool_covers_every_item_once);
 	suite_add_tcase(s, tc);
 
-	SRunner *sr = srunner_create(s);
-	srunner_set_fork_status(sr, CK_FORK);
-	srunner_run_all(sr, CK_NORMAL);
-	int failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+	return th_run(s);
 }
