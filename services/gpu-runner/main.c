@@ -158,9 +158,9 @@ static int setup(struct runner *r)
 static void teardown(struct runner *r)
 {
 	engine_destroy(&r->engine);
+	runner_unpin_pool(r); /* the backend that pinned the pool unpins it, before it goes */
 	kv_cache_destroy(&r->cache);
 	backend_destroy(&r->be);
-	runner_unpin_pool(r);
 	kv_remote_disconnect(&r->kv);
 	runner_drop_window(r);
 	ring_source_destroy(&r->ring);

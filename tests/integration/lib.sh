@@ -144,6 +144,13 @@ it_cleanup() {
 		echo "[$IT_NAME] FAIL: processes left after stop: $leftover" >&2
 		status=1
 	fi
+	# A service that crashed (a stop included) fails the test, whatever else it checked.
+	local crashed
+	crashed=$(grep -E 'by signal [0-9]+ \((SIGSEGV|SIGABRT|SIGBUS|SIGILL|SIGFPE)\)' "$RUN_DIR/supervisor.log" 2>/dev/null)
+	if [[ -n $crashed ]]; then
+		echo "[$IT_NAME] FAIL: a service crashed: $crashed" >&2
+		status=1
+	fi
 	local f
 	for f in $(instance_shm); do
 		echo "[$IT_NAME] FAIL: shared-memory object left after stop: $f" >&2
