@@ -12,29 +12,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/tokenizer/ids.h"
 #include "common/util.h"
-
-static const char *json_type_name(const json_t *v)
-{
-	switch (json_typeof(v)) {
-	case JSON_OBJECT:
-		return "an object";
-	case JSON_ARRAY:
-		return "a list";
-	case JSON_STRING:
-		return "a string";
-	case JSON_INTEGER:
-		return "an integer";
-	case JSON_REAL:
-		return "a real number";
-	case JSON_TRUE:
-	case JSON_FALSE:
-		return "a boolean";
-	case JSON_NULL:
-		return "null";
-	}
-	return "?";
-}
 
 /* Reads integer field key of obj into *out, checked against [lo, hi]. Absent or null: with
  * required an error, else *out is left as it is. */
@@ -54,7 +33,7 @@ static int get_u32(const json_t *obj, const char *file, const char *key, bool re
 	else if (json_is_real(v) && floor(json_real_value(v)) == json_real_value(v))
 		d = json_real_value(v);
 	else
-		return errorf(err, errlen, -EINVAL, "%s: %s must be an integer, got %s", file, key, json_type_name(v));
+		return errorf(err, errlen, -EINVAL, "%s: %s must be an integer, got %s", file, key, tok_json_kind(v));
 	if (d < lo || d > hi)
 		return errorf(err, errlen, -EINVAL, "%s: %s must be in [%u, %u], got %.0f", file, key, lo, hi, d);
 	*out = (uint32_t)d;
@@ -67,7 +46,7 @@ static int get_float(const json_t *obj, const char *file, const char *key, float
 	if (!v || json_is_null(v))
 		return 0;
 	if (!json_is_number(v))
-		return errorf(err, errlen, -EINVAL, "%s: %s must be a number, got %s", file, key, json_type_name(v));
+		return errorf(err, errlen, -EINVAL, "%s: %s must be a number, got %s", file, key, tok_json_kind(v));
 	*out = (float)json_number_value(v);
 	return 0;
 }
@@ -79,7 +58,7 @@ static int get_bool(const json_t *obj, const char *file, const char *key, bool *
 	if (!v || json_is_null(v))
 		return 0;
 	if (!json_is_boolean(v))
-		return errorf(err, errlen, -EINVAL, "%s: %s must be true or false, got %s", file, key, json_type_name(v));
+		return errorf(err, errlen, -EINVAL, "%s: %s must be true or false, got %s", file, key, tok_json_kind(v));
 	*out = json_is_true(v);
 	return 0;
 }
@@ -124,7 +103,7 @@ static int parse_rope_scaling(const json_t *root, struct model_config *c, char *
 		return 0;
 	if (!json_is_object(rs))
 		return errorf(err, errlen, -EINVAL, "%s: rope_scaling must be an object or null, got %s", file,
-			    json_type_name(rs));
+			    tok_json_kind(rs));
 	/* Newer configs say rope_type, older ones type; some write both. */
 	const json_t *t = json_object_get(rs, "rope_type");
 	if (!t || json_is_null(t))

@@ -36,6 +36,7 @@ struct backend {
 	uint32_t pos0;	  /* position of its first token */
 	uint32_t layer;	  /* between attn_begin and attn_end */
 	float *logits;	  /* (vocab_size) for logits_argmax on a backend without its own */
+	uint32_t rows[ROLE_COUNT], cols[ROLE_COUNT]; /* each role's shape in this model (a vector: one row) */
 	char err[BACKEND_ERR_MAX];
 };
 
@@ -162,6 +163,15 @@ int backend_create(const char *name, const struct model_config *cfg, const struc
 	be->impl = impl;
 	be->cfg = *cfg;
 	be->p = *p;
+	for (uint32_t r = 0; r < ROLE_COUNT; r++) {
+		uint32_t ndim;
+		uint64_t shape[2];
+		int src = model_expected_shape(cfg, (enum tensor_role)r, &ndim, shape);
+		assert(src == 0);
+		(void)src;
+		be->rows[r] = ndim == 1 ? 1 : (uint32_t)shape[0];
+		be->cols[r] = (uint32_t)(ndim == 1 ? shape[0] : shape[1]);
+	}
 	rc = impl->create(cfg, p, &be->dev, err, errlen);
 	if (rc) {
 		free(be);
@@ -219,16 +229,12 @@ static int check_roles(struct backend *be, const struct group_weights *w, const 
 		if (t->format >= DT_COUNT)
 			return fail(be, -EINVAL, "%s: %s tensor has unknown dtype %u", what, tensor_role_name(r),
 				    t->format);
-		uint32_t ndim;
-		uint64_t shape[2];
-		int rc = model_expected_shape(&be->cfg, r, &ndim, shape);
-		assert(rc == 0);
-		uint64_t rows = ndim == 1 ? 1 : shape[0], cols = ndim == 1 ? shape[0] : shape[1];
+		uint32_t rows = be->rows[r], cols = be->cols[r];
 		if (t->row0 != 0 || t->rows != rows || t->cols != cols || t->row_bytes != dtype_row_bytes(t->format, cols))
 			return fail(be, -EINVAL,
 				    "%s: %s tensor holds rows %u..%u of %u elements (%llu bytes each); the model's is "
-				    "(%llu, %llu) in %s", what, tensor_role_name(r), t->row0, t->row0 + t->rows, t->cols,
-				    (unsigned long long)t->row_bytes, (unsigned long long)rows, (unsigned long long)cols,
+				    "(%u, %u) in %s", what, tensor_role_name(r), t->row0, t->row0 + t->rows, t->cols,
+				    (unsigned long long)t->row_bytes, rows, cols,
 				    dtype_name((enum dtype)t->format));
 	}
 	return 0;
