@@ -1,9 +1,11 @@
 #include "common/dtype.h"
 
+#include "common/quant.h"
+
 #include <errno.h>
 #include <string.h>
 
-static const char *const names[DT_COUNT] = {"F32", "F16", "BF16"};
+static const char *const names[DT_COUNT] = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"};
 
 const char *dtype_name(enum dtype t)
 {
@@ -12,7 +14,7 @@ const char *dtype_name(enum dtype t)
 
 int dtype_parse(const char *text, enum dtype *out)
 {
-	for (int i = 0; i < DT_COUNT; i++) {
+	for (int i = 0; i < DT_ELEMENT_COUNT; i++) {
 		if (!strcmp(text, names[i])) {
 			*out = (enum dtype)i;
 			return 0;
@@ -89,9 +91,11 @@ void dtype_to_f32(enum dtype t, const void *src, float *dst, size_t n)
 		const uint16_t *s = src;
 		for (size_t i = 0; i < n; i++)
 			dst[i] = bf16_to_f32(s[i]);
-	} else {
+	} else if (t == DT_F16) {
 		const uint16_t *s = src;
 		for (size_t i = 0; i < n; i++)
 			dst[i] = f16_to_f32(s[i]);
+	} else {
+		quant_dequantize(t, src, dst, n);
 	}
 }

@@ -1,4 +1,9 @@
-/* dtype.h - the element types a checkpoint may store, and conversions to float32.
+/* dtype.h - the weight formats a checkpoint may store, and conversions to float32.
+ *
+ * Element formats (F32, F16, BF16) store each value on its own; block formats (GGUF's Q8_0,
+ * Q4_0, Q4_K, Q5_K, Q6_K) store a fixed number of values together with their scales, byte for
+ * byte as ggml lays them out (common/quant.h has the layouts, the dequantizers and the
+ * quantizers). A row of a matrix holds whole blocks, so sizes go through dtype_row_bytes.
  *
  * Conversions are exact (bf16 and fp16 widen to float32 without rounding); the narrowing
  * conversions round to nearest even, as PyTorch does. */
@@ -15,27 +20,61 @@ enum dtype {
 	DT_F32 = 0,
 	DT_F16 = 1,
 	DT_BF16 = 2,
-	DT_COUNT = 3,
+	DT_Q8_0 = 3, /* 32 values: f16 scale, 32 x int8 (34 bytes) */
+	DT_Q4_0 = 4, /* 32 values: f16 scale, 32 x 4 bits, offset 8 (18 bytes) */
+	DT_Q4_K = 5, /* 256 values: f16 d, dmin, 8 x 6-bit scales and mins, 256 x 4 bits (144 bytes) */
+	DT_Q5_K = 6, /* 256 values: as Q4_K plus a fifth bit per value (176 bytes) */
+	DT_Q6_K = 7, /* 256 values: 16 x int8 scales, 256 x 6 bits, f16 d (210 bytes) */
+	DT_COUNT = 8,
+	DT_ELEMENT_COUNT = 3, /* formats below this store element by element */
 };
 
-/* Bytes per element of a format stored element by element (every format today). */
-static inline size_t dtype_size(enum dtype t)
+/* Is t stored element by element (F32, F16, BF16)? */
+static inline int dtype_is_element(enum dtype t)
 {
-	return t == DT_F32 ? 4 : 2;
+	return (unsigned)t < DT_ELEMENT_COUNT;
 }
 
-/* Elements per block: the unit a format stores (1 for F32, F16 and BF16; block-quantized
- * formats store 32 or 256 elements together). A row holds whole blocks. */
+/* Bytes per element of an element format; 0 for a block format (use dtype_row_bytes). */
+static inline size_t dtype_size(enum dtype t)
+{
+	return t == DT_F32 ? 4 : dtype_is_element(t) ? 2 : 0;
+}
+
+/* Elements per block: the unit a format stores (1 for F32, F16 and BF16; Q8_0 and Q4_0 store 32
+ * values together, the K formats 256). A row holds whole blocks. */
 static inline uint32_t dtype_block_elems(enum dtype t)
 {
-	(void)t;
-	return 1;
+	switch (t) {
+	case DT_Q8_0:
+	case DT_Q4_0:
+		return 32;
+	case DT_Q4_K:
+	case DT_Q5_K:
+	case DT_Q6_K:
+		return 256;
+	default:
+		return 1;
+	}
 }
 
 /* Bytes of one block. */
 static inline size_t dtype_block_bytes(enum dtype t)
 {
-	return dtype_size(t);
+	switch (t) {
+	case DT_Q8_0:
+		return 34;
+	case DT_Q4_0:
+		return 18;
+	case DT_Q4_K:
+		return 144;
+	case DT_Q5_K:
+		return 176;
+	case DT_Q6_K:
+		return 210;
+	default:
+		return dtype_size(t);
+	}
 }
 
 /* Bytes of n elements stored in format t (n a multiple of dtype_block_elems). Use this, not
@@ -45,9 +84,15 @@ static inline uint64_t dtype_row_bytes(enum dtype t, uint64_t n)
 	return n / dtype_block_elems(t) * dtype_block_bytes(t);
 }
 
-/* "F32", "F16", "BF16" (the safetensors spelling). */
+/* Bits a format spends per value, scales included (16 for BF16, 8.5 for Q8_0, 4.5 for Q4_K). */
+static inline double dtype_bits_per_value(enum dtype t)
+{
+	return 8.0 * (double)dtype_block_bytes(t) / dtype_block_elems(t);
+}
+
+/* "F32", "F16", "BF16" (the safetensors spelling), "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K" (ggml's). */
 const char *dtype_name(enum dtype t);
-/* Parses a safetensors dtype string. Returns 0 or -ENOTSUP for a type we do not compute in
+/* Parses a safetensors dtype string (element formats only). Returns 0 or -ENOTSUP for a type we do not compute in
  * (I8, F64, F8_E4M3, ...), -EINVAL for unknown text. */
 int dtype_parse(const char *text, enum dtype *out);
 
@@ -72,9 +117,10 @@ static inline uint16_t f32_to_bf16(float f)
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
 
-/* Widens n elements of type t at src to float32 at dst. */
+/* Widens n elements of type t at src to float32 at dst. For a block format src is the first
+ * block and n a multiple of dtype_block_elems (quant_dequantize, common/quant.h). */
 void dtype_to_f32(enum dtype t, const void *src, float *dst, size_t n);
-/* Reads element i of type t at src as float32. */
+/* Reads element i of an element format at src as float32. */
 static inline float dtype_get_f32(enum dtype t, const void *src, size_t i)
 {
 	if (t == DT_BF16)

@@ -177,6 +177,8 @@ int model_config_check(const struct model_config *c, char *err, size_t errlen)
 			return errorf(err, errlen, -EINVAL,
 				    "%s: rope_scaling original_max_position_embeddings must be positive", f);
 	}
+	if (c->rope_layout > ROPE_ADJACENT)
+		return errorf(err, errlen, -EINVAL, "%s: rope layout %u is unknown", f, c->rope_layout);
 	if (c->tie_embeddings > 1)
 		return errorf(err, errlen, -EINVAL, "%s: tie_word_embeddings %u must be 0 or 1", f, c->tie_embeddings);
 	if (c->bos_id < -1 || c->bos_id >= (int64_t)c->vocab_size)

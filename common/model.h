@@ -40,6 +40,16 @@ enum rope_scaling {
 	ROPE_SCALING_LLAMA3 = 2,
 };
 
+/* Which dimensions of a head RoPE rotates together. Hugging Face checkpoints pair dimension i with
+ * i + head_dim/2 (rotate_half); GGUF files store the rows of wq and wk permuted so that pairs are
+ * adjacent (2i, 2i+1), the order llama.cpp's RoPE expects. Rotating adjacent pairs of the permuted
+ * rows computes the same attention scores as rotating halves of the original ones (q.k is a sum
+ * over pairs, and both q and k are permuted alike), so the stored bytes are used as they are. */
+enum rope_layout {
+	ROPE_HALVES = 0,   /* (i, i + head_dim/2), frequency i: Hugging Face */
+	ROPE_ADJACENT = 1, /* (2i, 2i + 1), frequency i: GGUF */
+};
+
 struct model_config {
 	uint32_t arch;		  /* enum model_arch */
 	uint32_t n_layers;
@@ -62,7 +72,8 @@ struct model_config {
 	uint32_t n_eos;
 	int32_t eos_ids[MODEL_MAX_EOS];
 	uint32_t sliding_window;  /* 0 when none (Mistral v0.1 sets 4096) */
-	uint32_t reserved[7];
+	uint32_t rope_layout;	  /* enum rope_layout: how the rows of wq and wk pair up for RoPE */
+	uint32_t reserved[6];
 };
 
 enum tensor_role {
