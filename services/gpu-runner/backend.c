@@ -230,6 +230,14 @@ static int check_roles(struct backend *be, const struct group_weights *w, const 
 			return fail(be, -EINVAL, "%s: %s tensor has unknown dtype %u", what, tensor_role_name(r),
 				    t->format);
 		uint32_t rows = be->rows[r], cols = be->cols[r];
+		bool vector = r == ROLE_ATTN_NORM || r == ROLE_FFN_NORM || r == ROLE_FINAL_NORM;
+		if (vector && !dtype_is_element((enum dtype)t->format))
+			return fail(be, -ENOTSUP, "%s: %s tensor is %s: norm weights must be F32, F16 or BF16", what,
+				    tensor_role_name(r), dtype_name((enum dtype)t->format));
+		if (cols % dtype_block_elems((enum dtype)t->format))
+			return fail(be, -EINVAL, "%s: %s tensor has %u columns, not a multiple of the %u values of a %s block",
+				    what, tensor_role_name(r), cols, dtype_block_elems((enum dtype)t->format),
+				    dtype_name((enum dtype)t->format));
 		if (t->row0 != 0 || t->rows != rows || t->cols != cols || t->row_bytes != dtype_row_bytes(t->format, cols))
 			return fail(be, -EINVAL,
 				    "%s: %s tensor holds rows %u..%u of %u elements (%llu bytes each); the model's is "

@@ -60,3 +60,13 @@ void cpu_rope_apply(float *x, const float *cs, const float *sn, uint32_t half)
 		x[i + half] = x2 * cs[i] + x1 * sn[i];
 	}
 }
+
+/* GGUF's layout: the pair is (x[2i], x[2i + 1]), with the same arithmetic per pair. */
+void cpu_rope_apply_adjacent(float *x, const float *cs, const float *sn, uint32_t half)
+{
+	for (uint32_t i = 0; i < half; i++) {
+		float x1 = x[2 * i], x2 = x[2 * i + 1];
+		x[2 * i] = x1 * cs[i] - x2 * sn[i];
+		x[2 * i + 1] = x2 * cs[i] + x1 * sn[i];
+	}
+}

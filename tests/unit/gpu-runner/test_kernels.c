@@ -162,7 +162,8 @@ static void make_prompt(int32_t *tok, uint32_t n, uint32_t vocab, uint64_t seed)
 
 enum ref_bug {
 	BUG_NONE = 0,
-	BUG_ROPE_INTERLEAVED, /* rotate pairs (2i, 2i+1) instead of (i, i + hd/2) */
+	BUG_ROPE_INTERLEAVED, /* rotate pairs (2i, 2i+1) instead of (i, i + hd/2): with cfg.rope_layout
+			       * ROPE_ADJACENT this is not a bug but what GGUF's layout asks for */
 	BUG_GQA_MODULO,	      /* query head h reads kv head h % n_kv_heads instead of h / group */
 	BUG_NO_CAUSAL_MASK,   /* every query sees every key */
 };
@@ -452,7 +453,8 @@ static void report(const char *what, double err)
 
 /* Builds a model of cfg in dtype wt, runs a 37-token prompt (more than two 16-token blocks) as
  * one chunk and compares with the double reference. */
-static double check_against_reference(const struct model_config *cfg, enum dtype wt, const char *what)
+static double check_against_reference_as(const struct model_config *cfg, enum dtype wt, enum ref_bug as,
+					const char *what)
 {
 	struct tmodel *m = model_new(cfg, wt, 1234);
 	uint32_t n = 37;
@@ -462,7 +464,7 @@ static double check_against_reference(const struct model_config *cfg, enum dtype
 	double *want = calloc(cfg->vocab_size, sizeof(double));
 	ck_assert(got && want);
 	run_prompt(m, default_params(), tok, n, 0, SPANS_IN_ORDER, got);
-	ref_forward(m, tok, n, BUG_NONE, want);
+	ref_forward(m, tok, n, as, want);
 	double err = rel_l2_fd(got, want, cfg->vocab_size);
 	report(what, err);
 	ck_assert_msg(err < TOL, "%s: relative L2 error %.3e against the double reference", what, err);
@@ -470,6 +472,11 @@ static double check_against_reference(const struct model_config *cfg, enum dtype
 	free(want);
 	model_free(&m);
 	return err;
+}
+
+static double check_against_reference(const struct model_config *cfg, enum dtype wt, const char *what)
+{
+	return check_against_reference_as(cfg, wt, BUG_NONE, what);
 }
 
 /* ---- forward against the reference ------------------------------------------------------ */
@@ -562,6 +569,59 @@ START_TEST(test_sliding_window)
 	c.arch = ARCH_MISTRAL;
 	c.sliding_window = 8; /* the 37-token prompt sees only its last 8 keys */
 	check_against_reference(&c, DT_F32, "sliding window 8");
+}
+END_TEST
+
+/* GGUF's RoPE layout: pairs (2i, 2i+1). The reference's "interleaved" variant is that layout. */
+START_TEST(test_rope_adjacent)
+{
+	struct model_config c = base_cfg();
+	c.rope_layout = ROPE_ADJACENT;
+	check_against_reference_as(&c, DT_F32, BUG_ROPE_INTERLEAVED, "rope layout adjacent");
+}
+END_TEST
+
+/* GGUF stores the rows of wq and wk permuted (within each head, row j*2+k holds the original row
+ * k*hd/2+j) and rotates adjacent pairs: the same function as the original rows with halves. */
+START_TEST(test_rope_adjacent_permuted_rows_same_function)
+{
+	struct model_config c = base_cfg();
+	struct tmodel *m = model_new(&c, DT_F32, 4321);
+	uint32_t n = 37, hd = c.head_dim, dim = c.dim;
+	int32_t tok[MAX_PROMPT];
+	make_prompt(tok, n, c.vocab_size, 7);
+	float *want = calloc(c.vocab_size, sizeof(float)), *got = calloc(c.vocab_size, sizeof(float));
+	ck_assert(want && got);
+	run_prompt(m, default_params(), tok, n, 0, SPANS_IN_ORDER, want);
+	for (uint32_t l = 0; l < c.n_layers; l++) {
+		for (int which = 0; which < 2; which++) {
+			uint32_t heads = which ? c.n_kv_heads : c.n_heads;
+			/* The backend's F32 bytes (the reference's copy is not used again). */
+			const struct weight_tensor *t = &m->attn_w[l].t[which ? ROLE_WK : ROLE_WQ];
+			float *orig = malloc((size_t)heads * hd * dim * sizeof(float));
+			ck_assert_ptr_nonnull(orig);
+			memcpy(orig, t->data[PLACE_HOST], (size_t)heads * hd * dim * sizeof(float));
+			for (uint32_t h = 0; h < heads; h++)
+				for (uint32_t j = 0; j < hd / 2; j++)
+					for (uint32_t k = 0; k < 2; k++)
+						memcpy((float *)t->data[PLACE_HOST] + ((size_t)h * hd + j * 2 + k) * dim,
+						       orig + ((size_t)h * hd + k * (hd / 2) + j) * dim, dim * sizeof(float));
+			free(orig);
+		}
+	}
+	m->cfg.rope_layout = ROPE_ADJACENT;
+	run_prompt(m, default_params(), tok, n, 0, SPANS_IN_ORDER, got);
+	double err = rel_l2_ff(got, want, c.vocab_size);
+	report("permuted rows, adjacent rope", err);
+	ck_assert_msg(err < TOL, "permuted wq/wk with adjacent RoPE: relative L2 %.3e from the original", err);
+	/* ... and the layout matters: the permuted rows with halves RoPE are another function. */
+	m->cfg.rope_layout = ROPE_HALVES;
+	run_prompt(m, default_params(), tok, n, 0, SPANS_IN_ORDER, got);
+	err = rel_l2_ff(got, want, c.vocab_size);
+	ck_assert_msg(err > 100 * TOL, "permuted rows with halves RoPE: error %.3e is not far off", err);
+	free(want);
+	free(got);
+	model_free(&m);
 }
 END_TEST
 
@@ -912,6 +972,8 @@ static Suite *kernels_suite(void)
 	tcase_add_test(tc, test_f16);
 	tcase_add_test(tc, test_sliding_window);
 	tcase_add_test(tc, test_reference_detects_bugs);
+	tcase_add_test(tc, test_rope_adjacent);
+	tcase_add_test(tc, test_rope_adjacent_permuted_rows_same_function);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("chunking");
