@@ -177,7 +177,7 @@ int main(int argc, char **argv)
 		{"instance", OPT_STRING, &instance, "default", "instance name (shared-memory and run-directory names)"},
 		{"run-dir", OPT_STRING, &run_dir_flag, NULL, "directory of the control sockets (default "
 							     "$PIPELINE_RUN_DIR or /tmp/llmp-<uid>/<instance>)"},
-		{"model", OPT_STRING, &model, NULL, "Hugging Face checkpoint directory (required)"},
+		{"model", OPT_STRING, &model, NULL, "the checkpoint: a Hugging Face directory or a GGUF file (required)"},
 		{"tokenizer", OPT_STRING, &tokenizer, NULL, "tokenizer.json to use instead of the model's own"},
 		{"dram-budget", OPT_SIZE, &budget, "16GiB", "host memory for weight slots"},
 		{"io-depth", OPT_INT, &io_depth, "64", "reads in flight at most"},
@@ -207,7 +207,7 @@ int main(int argc, char **argv)
 		log_set_level(lv);
 	}
 	if (!model || !*model) {
-		fprintf(stderr, "%s: --model is required (a Hugging Face checkpoint directory; see --help)\n",
+		fprintf(stderr, "%s: --model is required (a Hugging Face checkpoint directory or a GGUF file; see --help)\n",
 			SERVICE_NAME);
 		return 2;
 	}
@@ -341,7 +341,7 @@ int main(int argc, char **argv)
 		snprintf(num[0], sizeof(num[0]), "%llu", (unsigned long long)budget);
 		snprintf(num[1], sizeof(num[1]), "%llu", (unsigned long long)max_read);
 		snprintf(num[2], sizeof(num[2]), "%llu", (unsigned long long)disk_bps);
-		service_add_fixed(app.svc, "model", TUNABLE_STRING, model, "the checkpoint directory");
+		service_add_fixed(app.svc, "model", TUNABLE_STRING, model, "the checkpoint (directory or GGUF file)");
 		service_add_fixed(app.svc, "tokenizer", TUNABLE_STRING, m->tokenizer_bytes ? m->tokenizer_path : "",
 				  "the tokenizer.json handed to the runner");
 		service_add_fixed(app.svc, "dram-budget", TUNABLE_BYTES, num[0],

@@ -69,7 +69,7 @@ int main(int argc, char **argv)
 	double temperature = 0, top_p = 1, min_p = 0, repetition_penalty = 1;
 	bool stats = false, ignore_eos = false;
 	const struct opt opts[] = {
-		{"model", OPT_STRING, &model, NULL, "checkpoint directory (required)"},
+		{"model", OPT_STRING, &model, NULL, "checkpoint: a Hugging Face directory or a GGUF file (required)"},
 		{"tokens", OPT_STRING, &tokens_text, NULL, "prompt token ids, comma separated (required)"},
 		{"max-new", OPT_INT, &max_new, "16", "tokens to generate (also -n)"},
 		{"temperature", OPT_DOUBLE, &temperature, "0", "sampling temperature; 0 is greedy"},
