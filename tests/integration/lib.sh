@@ -193,6 +193,22 @@ run_local() {
 }
 
 # generate ARGS...: the instance's tokens (scripts/pipeline generate ...).
+# expect_start_fails WHAT PATTERN ARGS...: scripts/pipeline start ARGS fails with PATTERN.
+expect_start_fails() {
+	local what=$1 pattern=$2 out rc=0
+	shift 2
+	out=$("$PIPELINE" start "$@" 2>&1) || rc=$?
+	((rc != 0)) || fail "$what: start succeeded"
+	((rc < 128)) || fail "$what: start died of signal $((rc - 128))"
+	expect_grep "$pattern" "$out" "$what: the message"
+	local crash='Segmentation|core dumped|Aborted|AddressSanitizer|runtime error'
+	if grep -sqE "$crash" - "$RUN_DIR"/*.log <<<"$out"; then
+		fail "$what: a crash was reported: $(grep -shE "$crash" - "$RUN_DIR"/*.log <<<"$out")"
+	fi
+	expect_nothing_left "$what"
+	log "$what: refused: $(grep -E "$pattern" <<<"$out" | head -n 1)"
+}
+
 generate() {
 	"$PIPELINE" generate "$@"
 }

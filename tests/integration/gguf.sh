@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# gguf: GGUF checkpoints through the whole pipeline on the C reference backend.
+#   - fidelity: a fixture's checkpoint converted to GGUF by make-synthetic-model (the same
+#     values, wq/wk rows in GGUF's order) computes what transformers computed on the original:
+#     F32 and F16 within the fixture bound 1e-4 and the same greedy tokens; Q8_0 within 2e-2;
+#     Q4_K_M within GGUF_Q4_K_M_MAX (below: why that bound); quantized cases compare tokens up to
+#     the first step whose margin in the fixture is within twice the measured logits error;
+#   - the services and run-local give the same tokens on every file;
+#   - a split set (three files) gives the tokens of the single file;
+#   - the tokenizer and chat template from the file alone: --prompt and --chat work and agree
+#     with the Llama 3 tokenizer.json the file was written from;
+#   - a truncated file and a file that is not GGUF are refused at start with a message.
+source "$(dirname "$0")/lib.sh"
+it_setup gguf
+
+COMPARE=${COMPARE_FIXTURE:?set COMPARE_FIXTURE to the compare_fixture binary of the build}
+[[ -x $COMPARE ]] || fail "$COMPARE is not built"
+FIXTURES=$PIPELINE_SOURCE_DIR/tests/fixtures
+# Q4_K_M keeps 4.5-6.5 bits per weight; on the wide-gqa4 model (3 layers, random N(0, 0.02)
+# weights) its logits land 5-6e-2 from the unquantized ones (measured, tests/fixtures/README.md):
+# the bound leaves room for a quantizer change, not for a broken format (which is off by ~1).
+GGUF_Q4_K_M_MAX=${GGUF_Q4_K_M_MAX:-0.15}
+
+failed=()
+case_failed() {
+	log "FAIL: $1: $2"
+	failed+=("$1")
+}
+
+# gguf_case NAME FIXTURE TYPE REL_L2_MAX [make-synthetic-model args...]: writes the fixture's
+# checkpoint as GGUF of TYPE, starts an instance on it, compares with the fixture; prints the
+# tokens it generated on stdout (for a later comparison).
+gguf_case() {
+	local name=$1 fx=$FIXTURES/$2.json type=$3 bound=$4
+	shift 4
+	local out=$IT_TMP/$name
+	mapfile -t args < <("$COMPARE" args "$fx")
+	((${#args[@]} > 0)) || fail "$fx: no generator arguments"
+	mkdir -p "$out"
+	"$BIN/make-synthetic-model" "${args[@]}" --format gguf --type "$type" "$@" --out "$out" --quiet >/dev/null ||
+		fail "$name: make-synthetic-model ${args[*]} --format gguf --type $type $* failed"
+	local prompt logits=$IT_TMP/$name.logits got line ok=1
+	prompt=$("$COMPARE" prompt "$fx") || fail "$fx: no prompt"
+	"$PIPELINE" start --model "$out" --backend cpu >/dev/null || fail "$name: start failed"
+	if got=$("$PIPECTL" generate --tokens "$prompt" -n 32 --temperature 0 --ignore-eos --dump-logits "$logits"); then
+		line=$(FIDELITY_REL_L2_MAX=$bound "$COMPARE" logits "$fx" "$logits") || ok=0
+		log "$name ($type) pipeline  $line"
+		local margin=1e-4
+		if [[ $bound != 1e-4 ]]; then
+			local max_abs
+			max_abs=$(sed -n 's/.*max |diff| \([0-9.e+-]*\) .*/\1/p' <<<"$line")
+			margin=$(awk -v m="${max_abs:-0.05}" 'BEGIN { print 2 * m }')
+		fi
+		FIDELITY_TIE_MARGIN=$margin "$COMPARE" tokens "$fx" "$got" | sed "s/^/[$IT_NAME] $name pipeline  /" >&2 ||
+			ok=0
+	else
+		ok=0
+		log "FAIL: $name: pipectl generate failed"
+	fi
+	"$PIPELINE" stop >/dev/null || fail "$name: stop failed"
+	expect_nothing_left "$name after stop"
+	local local_got
+	if local_got=$("$BIN/run-local" --model "$out" --tokens "$prompt" -n 32 --ignore-eos); then
+		[[ $local_got == "$got" ]] || {
+			ok=0
+			log "FAIL: $name: run-local gave '$local_got', the services '$got'"
+		}
+	else
+		ok=0
+		log "FAIL: $name: run-local failed"
+	fi
+	((ok)) || case_failed "$name" "does not match its fixture $fx (above)"
+	printf '%s\n' "$got"
+}
+
+gguf_case f32 f32-vocab1024 f32 1e-4 >/dev/null
+gguf_case f16 fp16 f16 1e-4 >/dev/null
+q8=$(gguf_case q8_0 wide-gqa4 q8_0 2e-2)
+gguf_case q4_k_m wide-gqa4 q4_k_m "$GGUF_Q4_K_M_MAX" >/dev/null
+
+# A split set of three files: the tokens of the single file (the same bytes, other files).
+mapfile -t args < <("$COMPARE" args "$FIXTURES/wide-gqa4.json")
+split=$IT_TMP/split
+"$BIN/make-synthetic-model" "${args[@]}" --format gguf --type q8_0 --shards 3 --out "$split" --quiet >/dev/null ||
+	fail "make-synthetic-model --shards 3 failed"
+first=$(find "$split" -name '*-00001-of-00003.gguf')
+[[ -n $first ]] || fail "no first file of the split set in $split: $(ls "$split")"
+prompt=$("$COMPARE" prompt "$FIXTURES/wide-gqa4.json")
+"$PIPELINE" start --model "$first" --backend cpu >/dev/null || fail "start on a split set failed"
+got=$("$PIPECTL" generate --tokens "$prompt" -n 32 --temperature 0 --ignore-eos) || fail "generate on the split set"
+expect_eq "$got" "$q8" "the split set's tokens vs the single file's"
+"$PIPELINE" stop >/dev/null
+log "split set of 3 files: the single file's tokens"
+
+# The tokenizer and the chat template from the file alone.
+TOKENIZER=$PIPELINE_SOURCE_DIR/tests/data/llama3-tokenizer/tokenizer.json
+chat=$IT_TMP/chat.gguf
+"$BIN/make-synthetic-model" --shape tiny --vocab 128256 --bos 128000 --eos 128001,128008,128009 --format gguf \
+	--type q8_0 --tokenizer "$TOKENIZER" --out "$chat" --quiet >/dev/null || fail "make-synthetic-model --tokenizer"
+tok() { printf '%s' "$1" | "$PIPECTL" tokenize --tokenizer "$TOKENIZER" "${@:2}"; }
+ids_csv() { tr ' ' ',' <<<"$1"; }
+"$PIPELINE" start --model "$chat" --backend cpu >/dev/null || fail "start on a GGUF with a tokenizer failed"
+stats=$("$PIPECTL" stats gpu-runner)
+expect_grep '"tokenizer": true' "$stats" "runner stats"
+expect_grep '"chat_format": "llama3"' "$stats" "runner stats"
+text="The capital of France is"
+prompt_ids=$(tok "$text" --bos)
+want=$("$BIN/run-local" --model "$chat" --tokens "$(ids_csv "$prompt_ids")" -n 16)
+got=$(generate --prompt "$text" -n 16 --ids)
+expect_eq "$got" "$want" "--prompt ids (tokenizer from the GGUF) vs run-local on tokenizer.json's ids"
+chat_text=$'<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHello there<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+chat_ids=$(tok "$chat_text")
+want=$("$BIN/run-local" --model "$chat" --tokens "$(ids_csv "$chat_ids")" -n 16 --stop-ids 128009)
+got=$(generate --chat "Hello there" --system "Be brief." -n 16 --ids)
+expect_eq "$got" "$want" "--chat ids vs run-local on the Llama 3 template"
+text_out=$(generate --chat "Hello there" -n 8)
+[[ -n $text_out ]] || fail "--chat printed no text"
+"$PIPELINE" stop >/dev/null
+log "tokenizer and chat from the GGUF file: ok"
+
+# Refusals at start: a truncated file, and a file that is not GGUF.
+bad=$IT_TMP/bad
+mkdir -p "$bad"
+head -c 100000 "$chat" >"$bad/truncated.gguf"
+expect_start_fails "truncated GGUF" "truncated.gguf" --model "$bad/truncated.gguf" --backend cpu
+printf 'not a gguf file at all, just text\n' >"$bad/text.gguf"
+expect_start_fails "not GGUF" "text.gguf" --model "$bad/text.gguf" --backend cpu
+
+((${#failed[@]} == 0)) || fail "${#failed[@]} GGUF cases differ from their fixtures: ${failed[*]}"
+log "ok"
