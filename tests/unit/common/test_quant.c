@@ -134,11 +134,14 @@ START_TEST(test_dequantize_matches_gguf_py)
 	/* the blocks where the file has them (24 bytes in: aligned for every block struct) */
 	quant_dequantize(t, fx.blocks, got, fx.n);
 	check_bits(t, &fx, got, "aligned");
-	/* one byte off: the path that copies each block out first */
-	memcpy(shifted + 1, fx.blocks, bytes);
-	memset(got, 0xff, fx.n * sizeof(float));
-	quant_dequantize(t, shifted + 1, got, fx.n);
-	check_bits(t, &fx, got, "unaligned");
+	/* one byte off: the path that copies each block out first (block formats take any
+	 * alignment; element formats are read as arrays of their type) */
+	if (!dtype_is_element(t)) {
+		memcpy(shifted + 1, fx.blocks, bytes);
+		memset(got, 0xff, fx.n * sizeof(float));
+		quant_dequantize(t, shifted + 1, got, fx.n);
+		check_bits(t, &fx, got, "unaligned");
+	}
 	/* through dtype_to_f32, as the loader reads tensors */
 	memset(got, 0xff, fx.n * sizeof(float));
 	dtype_to_f32(t, fx.blocks, got, fx.n);
