@@ -341,8 +341,8 @@ START_TEST(test_quantize_extremes)
 			amax = fmaxf(amax, fabsf(x[i]));
 			ymax = fmaxf(ymax, fabsf(y[i]));
 		}
-		ck_assert_msg(ymax <= 2 * amax + 1e-7f, "%s: values of scale %g decode up to %g", dtype_name(t), tiny[k],
-			      ymax);
+		ck_assert_msg(ymax <= 2 * amax + 1e-7f, "%s: values of scale %g decode up to %g", dtype_name(t),
+			      tiny[k], ymax);
 	}
 	const float huge[] = {1e4f, 6e4f, 1e6f, 1e8f, 1e12f, 3e38f};
 	for (size_t k = 0; k < sizeof(huge) / sizeof(huge[0]); k++) {
@@ -379,8 +379,8 @@ START_TEST(test_quantize_non_finite)
 	round_trip(t, x, y, QK_K);
 	check_finite(t, y, QK_K, "NaN among the values");
 	const double e = rel_rms(x, y, QK_K);
-	ck_assert_msg(e < 1.5 * bounds[_i].gauss, "%s: NaN spoils its block: error %.4f%% (%.4f%% without)", dtype_name(t),
-		      100 * e, 100 * e0);
+	ck_assert_msg(e < 1.5 * bounds[_i].gauss, "%s: NaN spoils its block: error %.4f%% (%.4f%% without)",
+		      dtype_name(t), 100 * e, 100 * e0);
 	const float bad[] = {INFINITY, -INFINITY, NAN};
 	for (size_t k = 0; k < 3; k++) {
 		fill(x, bad[k]);
@@ -410,8 +410,8 @@ START_TEST(test_quantize_bounds_and_alignment)
 	quant_quantize(t, x, a + 16, N);
 	quant_quantize(t, x, b + 17, N);
 	for (int i = 0; i < 16; i++)
-		ck_assert_msg(a[i] == 0xa5 && a[16 + bytes + i] == 0xa5, "%s: wrote outside its %zu bytes", dtype_name(t),
-			      bytes);
+		ck_assert_msg(a[i] == 0xa5 && a[16 + bytes + i] == 0xa5, "%s: wrote outside its %zu bytes",
+			      dtype_name(t), bytes);
 	ck_assert_msg(!memcmp(a + 16, b + 17, bytes), "%s: output depends on the destination's alignment",
 		      dtype_name(t));
 	free(a);
