@@ -1,5 +1,6 @@
 /* quant.h - the block formats of GGUF files: their layouts, byte for byte as ggml stores them,
- * and the dequantizers that turn blocks into float32 exactly as the format defines.
+ * the dequantizers that turn blocks into float32 exactly as the format defines (quant.c), and
+ * the quantizers that make blocks from float32 (quantize.c).
  *
  * A block holds dtype_block_elems(t) values (32 for Q8_0 and Q4_0, 256 for the K formats) in
  * dtype_block_bytes(t) bytes. Scales are IEEE half precision. The dequantizers compute in
@@ -9,6 +10,7 @@
  *
  *   float row[4096];
  *   quant_dequantize(DT_Q4_K, blocks, row, 4096);   // 16 blocks of 144 bytes
+ *   quant_quantize(DT_Q4_K, row, blocks, 4096);     // and back
  */
 #ifndef PIPELINE_QUANT_H
 #define PIPELINE_QUANT_H
@@ -84,6 +86,17 @@ static inline void quant_scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint
 /* Dequantizes n values (a multiple of dtype_block_elems(t)) of format t, blocks at src (any
  * alignment), into dst. Element formats widen as dtype_to_f32 does. */
 void quant_dequantize(enum dtype t, const void *src, float *dst, size_t n);
+
+/* Quantizes n float32 values at src (n a multiple of dtype_block_elems(t)) into format t at dst
+ * (dtype_row_bytes(t, n) bytes, any alignment, not overlapping src). F32 copies; F16 and BF16
+ * round to nearest even (f32_to_f16, f32_to_bf16: F16 gives infinity from 65520 on, as IEEE
+ * conversion does). The
+ * block formats search each block's scales for a small error, weighted toward its large values
+ * as llama.cpp's reference quantizers are (quantize.c says how, per format). A block decodes to
+ * finite values whatever the input: values past +-1e8 are clipped and NaN is read as 0. The
+ * result depends only on the input (the same bytes on every machine). Thread-safe; no
+ * allocation. */
+void quant_quantize(enum dtype t, const float *src, void *dst, size_t n);
 
 #ifdef __cplusplus
 }
