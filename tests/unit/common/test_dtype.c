@@ -288,11 +288,25 @@ END_TEST
 
 START_TEST(test_dtype_names)
 {
-	for (int t = 0; t < DT_COUNT; t++) {
+	for (int t = 0; t < DT_ELEMENT_COUNT; t++) {
 		enum dtype back = DT_COUNT;
 		ck_assert_int_eq(dtype_parse(dtype_name((enum dtype)t), &back), 0);
 		ck_assert_int_eq(back, t);
 	}
+	/* The GGUF block formats have names but are no safetensors dtype. */
+	static const char *const blocks[] = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"};
+	for (int t = DT_ELEMENT_COUNT; t < DT_COUNT; t++) {
+		ck_assert_str_eq(dtype_name((enum dtype)t), blocks[t - DT_ELEMENT_COUNT]);
+		enum dtype back = DT_COUNT;
+		ck_assert_int_eq(dtype_parse(dtype_name((enum dtype)t), &back), -EINVAL);
+		ck_assert_int_eq(back, DT_COUNT);
+		ck_assert(!dtype_is_element((enum dtype)t));
+		ck_assert_uint_eq(dtype_size((enum dtype)t), 0);
+	}
+	ck_assert_uint_eq(dtype_row_bytes(DT_Q4_K, 4096), 16 * 144);
+	ck_assert_uint_eq(dtype_row_bytes(DT_Q8_0, 96), 3 * 34);
+	ck_assert_uint_eq(dtype_row_bytes(DT_Q6_K, 512), 2 * 210);
+	ck_assert_uint_eq(dtype_row_bytes(DT_BF16, 100), 200);
 	ck_assert_str_eq(dtype_name(DT_F32), "F32");
 	ck_assert_str_eq(dtype_name(DT_F16), "F16");
 	ck_assert_str_eq(dtype_name(DT_BF16), "BF16");
