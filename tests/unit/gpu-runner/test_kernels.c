@@ -16,6 +16,7 @@
 
 #include "common/dtype.h"
 #include "common/model.h"
+#include "common/quant.h"
 #include "services/gpu-runner/backend.h"
 
 #define TOL 1e-5 /* relative L2 error of the logits */
@@ -74,23 +75,20 @@ static void *track(struct tmodel *m, void *p)
 static float *tensor(struct tmodel *m, size_t n, double mean, double std, struct group_weights *gw,
 		     enum tensor_role role)
 {
-	float *val = track(m, malloc(n * sizeof(float)));
-	void *enc = track(m, malloc(n * dtype_size(m->wt)));
-	for (size_t i = 0; i < n; i++) {
-		float f = (float)(mean + std * rng_normal());
-		if (m->wt == DT_F32)
-			((float *)enc)[i] = f;
-		else if (m->wt == DT_BF16)
-			((uint16_t *)enc)[i] = f32_to_bf16(f);
-		else
-			((uint16_t *)enc)[i] = f32_to_f16(f);
-	}
-	dtype_to_f32(m->wt, enc, val, n);
 	uint32_t ndim;
 	uint64_t shape[2];
 	ck_assert_int_eq(model_expected_shape(&m->cfg, role, &ndim, shape), 0);
 	ck_assert_uint_eq(ndim == 1 ? shape[0] : shape[0] * shape[1], n);
-	weight_tensor_set(&gw->t[role], PLACE_HOST, enc, m->wt, ndim == 1 ? 1 : (uint32_t)shape[0],
+	/* Norm vectors stay F32 in a model of block-format matrices, as in a GGUF file. */
+	enum dtype wt = ndim == 1 && !dtype_is_element(m->wt) ? DT_F32 : m->wt;
+	float *val = track(m, malloc(n * sizeof(float)));
+	float *raw = track(m, malloc(n * sizeof(float)));
+	void *enc = track(m, malloc(dtype_row_bytes(wt, n)));
+	for (size_t i = 0; i < n; i++)
+		raw[i] = (float)(mean + std * rng_normal());
+	quant_quantize(wt, raw, enc, n);
+	dtype_to_f32(wt, enc, val, n);
+	weight_tensor_set(&gw->t[role], PLACE_HOST, enc, wt, ndim == 1 ? 1 : (uint32_t)shape[0],
 			  (uint32_t)(ndim == 1 ? shape[0] : shape[1]));
 	return val;
 }
@@ -572,6 +570,27 @@ START_TEST(test_sliding_window)
 }
 END_TEST
 
+/* Matrices in GGUF block formats: the C reference dequantizes each row exactly, so the result is
+ * that of the dequantized weights (the double reference runs on those). 256 columns and more:
+ * every matrix holds whole K blocks. */
+START_TEST(test_block_formats)
+{
+	static const enum dtype types[] = {DT_Q8_0, DT_Q4_0, DT_Q4_K, DT_Q5_K, DT_Q6_K};
+	struct model_config c = base_cfg();
+	c.dim = 256;
+	c.n_heads = 4;
+	c.n_kv_heads = 2;
+	c.head_dim = 64;
+	c.ffn_dim = 512;
+	c.n_layers = 1;
+	for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+		char what[64];
+		snprintf(what, sizeof(what), "%s weights", dtype_name(types[i]));
+		check_against_reference(&c, types[i], what);
+	}
+}
+END_TEST
+
 /* GGUF's RoPE layout: pairs (2i, 2i+1). The reference's "interleaved" variant is that layout. */
 START_TEST(test_rope_adjacent)
 {
@@ -973,6 +992,7 @@ static Suite *kernels_suite(void)
 	tcase_add_test(tc, test_sliding_window);
 	tcase_add_test(tc, test_reference_detects_bugs);
 	tcase_add_test(tc, test_rope_adjacent);
+	tcase_add_test(tc, test_block_formats);
 	tcase_add_test(tc, test_rope_adjacent_permuted_rows_same_function);
 	suite_add_tcase(s, tc);
 
