@@ -418,7 +418,7 @@ int synth_write_stats(const char *dir, const struct model_config *cfg, const str
 {
 	assert(dir && cfg && o);
 	double t0 = now_s();
-	if ((unsigned)o->dtype >= DT_COUNT)
+	if (!dtype_is_element(o->dtype)) /* safetensors holds element formats only */
 		return errorf(err, errlen, -EINVAL, "dtype %u is not one of BF16, F16, F32", (unsigned)o->dtype);
 	bool tied = o->tied || cfg->tie_embeddings;
 	struct model_config c = *cfg;
