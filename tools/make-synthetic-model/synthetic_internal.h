@@ -1,7 +1,9 @@
-/* synthetic_internal.h - what synthetic.c (values, shapes, the plan, the JSON text) and
- * synthetic_write.c (the files) share. Not for use outside this folder. */
+/* synthetic_internal.h - what synthetic.c (values, shapes, the plan, the JSON text),
+ * synthetic_write.c (the safetensors files) and synthetic_files.c (what both writers do with
+ * files) share. Not for use outside this folder. */
 #ifndef PIPELINE_SYNTHETIC_INTERNAL_H
 #define PIPELINE_SYNTHETIC_INTERNAL_H
+#include <limits.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -65,5 +67,37 @@ void syn_build_config_json(struct sbuf *s, const struct model_config *c, const s
 void syn_build_generation_json(struct sbuf *s, const struct model_config *c);
 int syn_build_index_json(struct sbuf *s, const struct plan *p);
 void syn_build_st_header(struct sbuf *s, const struct plan *p, uint32_t f, enum dtype dt);
+
+/* ---- files (synthetic_files.c) ---- */
+
+#define SYN_DIRECT_ALIGN 4096u /* O_DIRECT buffers, offsets and lengths are multiples of this */
+
+/* Paths a write created, removed again when it fails. */
+struct created {
+	char (*paths)[PATH_MAX];
+	uint32_t n, cap;
+};
+
+/* Appends path; 0 or -ENOMEM. */
+int syn_created_add(struct created *cr, const char *path);
+/* Unlinks the files, then removes the directories, newest first. */
+void syn_created_remove(struct created *files, struct created *dirs);
+/* write() until len bytes are written; 0 or -errno. */
+int syn_write_all(int fd, const void *buf, size_t len);
+/* The words for a -errno in messages ("no space left on device"). */
+const char *syn_why(int rc);
+/* Writes dir/name with the text of s and records it in cr; 0 or -errno with a message. */
+int syn_write_small_file(const char *dir, const char *name, const struct sbuf *s, struct created *cr, char *err,
+			 size_t errlen);
+/* mkdir -p; records each directory it made in dirs. 0 or -errno with a message. */
+int syn_make_dirs(const char *dir, struct created *dirs, char *err, size_t errlen);
+/* Creates (truncates) a weight file for writing, with O_DIRECT where the file system takes it.
+ * Returns the descriptor or -errno. */
+int syn_open_weights(const char *path);
+/* Writes len bytes of buf (SYN_DIRECT_ALIGN-aligned) at fd's position. With O_DIRECT on, the
+ * whole SYN_DIRECT_ALIGN blocks go direct and a tail (a file's last bytes) through the page cache
+ * after O_DIRECT is switched off; a file system that refuses the direct write (EINVAL) gets a
+ * buffered one. 0 or -errno. */
+int syn_write_direct(int fd, const void *buf, size_t len);
 
 #endif

@@ -1,4 +1,5 @@
-/* synthetic_write.c - synth_write: the checkpoint's directory and files, written at disk speed.
+/* synthetic_write.c - synth_write: the checkpoint's directory and files, written at disk speed
+ * (the safetensors layout; synthetic_gguf_write.c writes GGUF files).
  *
  * The calling thread fills 8 MiB buffers, a second thread write()s them, so filling and I/O
  * overlap (the machine this runs on may have only 2 cores). A failure removes what was written. */
@@ -18,101 +19,9 @@
 #include "common/util.h"
 
 #define BUF_BYTES    (8u << 20)
-#define DIRECT_ALIGN 4096u
 #define N_BUFS	     3
 
 /* ---- files ---- */
-
-struct created {
-	char (*paths)[PATH_MAX];
-	uint32_t n, cap;
-};
-
-static int created_add(struct created *cr, const char *path)
-{
-	if (cr->n == cr->cap) {
-		uint32_t cap = cr->cap ? 2 * cr->cap : 16;
-		void *np = realloc(cr->paths, cap * sizeof(*cr->paths));
-		if (!np)
-			return -ENOMEM;
-		cr->paths = np;
-		cr->cap = cap;
-	}
-	str_copy(cr->paths[cr->n++], PATH_MAX, path);
-	return 0;
-}
-
-static int write_all(int fd, const void *buf, size_t len)
-{
-	const char *p = buf;
-	while (len) {
-		ssize_t n = write(fd, p, len);
-		if (n < 0) {
-			if (errno == EINTR)
-				continue;
-			return -errno;
-		}
-		if (n == 0)
-			return -EIO;
-		p += n;
-		len -= (size_t)n;
-	}
-	return 0;
-}
-
-static const char *why(int rc)
-{
-	return rc == -ENOSPC ? "no space left on device" : strerror(-rc);
-}
-
-static int write_small_file(const char *dir, const char *name, const struct sbuf *s, struct created *cr, char *err,
-			    size_t errlen)
-{
-	char path[PATH_MAX];
-	if (snprintf(path, sizeof(path), "%s/%s", dir, name) >= (int)sizeof(path))
-		return errorf(err, errlen, -ENAMETOOLONG, "%s/%s: path too long", dir, name);
-	int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-	if (fd < 0)
-		return errorf(err, errlen, -errno, "cannot create %s: %s", path, strerror(errno));
-	int rc = created_add(cr, path);
-	if (!rc)
-		rc = write_all(fd, s->p, s->len);
-	if (close(fd) != 0 && !rc)
-		rc = -errno;
-	if (rc)
-		return errorf(err, errlen, rc, "writing %s: %s", path, why(rc));
-	return 0;
-}
-
-/* mkdir -p; records each directory it made in cr so a failure can remove them again. */
-static int make_dirs(const char *dir, struct created *dirs, char *err, size_t errlen)
-{
-	char path[PATH_MAX];
-	if (str_copy(path, sizeof(path), dir))
-		return errorf(err, errlen, -ENAMETOOLONG, "%s: path too long", dir);
-	size_t n = strlen(path);
-	while (n > 1 && path[n - 1] == '/')
-		path[--n] = 0;
-	for (char *p = path + 1;; p++) {
-		if (*p != '/' && *p != 0)
-			continue;
-		char save = *p;
-		*p = 0;
-		if (mkdir(path, 0755) == 0) {
-			if (created_add(dirs, path))
-				return errorf(err, errlen, -ENOMEM, "out of memory");
-		} else if (errno != EEXIST) {
-			return errorf(err, errlen, -errno, "cannot create directory %s: %s", path, strerror(errno));
-		}
-		*p = save;
-		if (!save)
-			break;
-	}
-	struct stat st;
-	if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
-		return errorf(err, errlen, -ENOTDIR, "%s exists and is not a directory", path);
-	return 0;
-}
 
 /* Removes weight files an earlier write left, so the directory holds one checkpoint. */
 static int remove_stale(const char *dir, char *err, size_t errlen)
@@ -162,27 +71,6 @@ struct writer {
 	uint64_t written; /* bytes, read by the progress line */
 };
 
-/* Writes one buffer. With O_DIRECT on, every buffer but a file's last is a whole number of
- * DIRECT_ALIGN blocks; the last one's tail goes through the page cache after O_DIRECT is
- * switched off. A file system that refuses the direct write (EINVAL) gets a buffered one. */
-static int write_buffer(const struct wbuf *b)
-{
-	int fl = fcntl(b->fd, F_GETFL);
-	if (fl < 0)
-		return -errno;
-	size_t direct = fl & O_DIRECT ? b->len & ~(size_t)(DIRECT_ALIGN - 1) : 0;
-	int rc = direct ? write_all(b->fd, b->data, direct) : 0;
-	if (rc == -EINVAL && fcntl(b->fd, F_SETFL, fl & ~O_DIRECT) == 0) {
-		direct = 0;
-		rc = 0;
-	}
-	if (rc || direct == b->len)
-		return rc;
-	if ((fl & O_DIRECT) && fcntl(b->fd, F_SETFL, fl & ~O_DIRECT) != 0)
-		return -errno;
-	return write_all(b->fd, b->data + direct, b->len - direct);
-}
-
 static void *writer_main(void *arg)
 {
 	struct writer *w = arg;
@@ -195,7 +83,7 @@ static void *writer_main(void *arg)
 		struct wbuf *b = &w->bufs[w->done % N_BUFS];
 		bool skip = w->err != 0; /* after an error the rest is dropped so the filler never waits */
 		pthread_mutex_unlock(&w->mu);
-		int rc = skip ? 0 : write_buffer(b);
+		int rc = skip ? 0 : syn_write_direct(b->fd, b->data, b->len);
 		pthread_mutex_lock(&w->mu);
 		if (rc && !w->err) {
 			w->err = rc;
@@ -341,7 +229,7 @@ static int write_weights(const char *dir, const struct plan *p, const struct syn
 	struct writer w = {0};
 	struct sbuf hdr = {0};
 	for (int i = 0; i < N_BUFS; i++) {
-		if (posix_memalign((void **)&w.bufs[i].data, DIRECT_ALIGN, BUF_BYTES) != 0) {
+		if (posix_memalign((void **)&w.bufs[i].data, SYN_DIRECT_ALIGN, BUF_BYTES) != 0) {
 			w.bufs[i].data = NULL;
 			rc = errorf(err, errlen, -ENOMEM, "out of memory for write buffers");
 			goto out_bufs;
@@ -360,17 +248,13 @@ static int write_weights(const char *dir, const struct plan *p, const struct syn
 	char path[PATH_MAX];
 	for (uint32_t fi = 0; fi < p->n_files && !rc; fi++) {
 		snprintf(path, sizeof(path), "%s/%s", dir, p->file_name[fi]);
-		/* O_DIRECT: many GB through the page cache cost a copy and reclaim, and evict what
-		 * everyone else had cached; where the file system refuses it, buffered writes. */
-		f.fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
-		if (f.fd < 0 && errno == EINVAL)
-			f.fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+		f.fd = syn_open_weights(path);
 		if (f.fd < 0) {
-			rc = errorf(err, errlen, -errno, "cannot create %s: %s", path, strerror(errno));
+			rc = errorf(err, errlen, f.fd, "cannot create %s: %s", path, strerror(-f.fd));
 			break;
 		}
 		f.file = fi;
-		rc = created_add(cr, path);
+		rc = syn_created_add(cr, path);
 		hdr.len = 0;
 		if (!rc)
 			syn_build_st_header(&hdr, p, fi, o->dtype);
@@ -387,7 +271,7 @@ static int write_weights(const char *dir, const struct plan *p, const struct syn
 			rc = -errno;
 		f.fd = -1;
 		if (rc)
-			errorf(err, errlen, rc, "writing %s: %s", path, why(rc));
+			errorf(err, errlen, rc, "writing %s: %s", path, syn_why(rc));
 	}
 	if (!rc)
 		print_progress(&f, true);
@@ -449,20 +333,20 @@ int synth_write_stats(const char *dir, const struct model_config *cfg, const str
 		free(h.p);
 	}
 
-	rc = make_dirs(dir, &dirs, err, errlen);
+	rc = syn_make_dirs(dir, &dirs, err, errlen);
 	if (!rc)
 		rc = remove_stale(dir, err, errlen);
 	if (rc)
 		goto out_cleanup;
 	syn_build_config_json(&s, &c, o, tied);
 	rc = s.oom ? errorf(err, errlen, -ENOMEM, "out of memory")
-		   : write_small_file(dir, "config.json", &s, &files, err, errlen);
+		   : syn_write_small_file(dir, "config.json", &s, &files, err, errlen);
 	if (rc)
 		goto out_cleanup;
 	s.len = 0;
 	syn_build_generation_json(&s, &c);
 	rc = s.oom ? errorf(err, errlen, -ENOMEM, "out of memory")
-		   : write_small_file(dir, "generation_config.json", &s, &files, err, errlen);
+		   : syn_write_small_file(dir, "generation_config.json", &s, &files, err, errlen);
 	if (rc)
 		goto out_cleanup;
 	if (p.n_files > 1) {
@@ -471,7 +355,7 @@ int synth_write_stats(const char *dir, const struct model_config *cfg, const str
 		if (rc || s.oom)
 			rc = errorf(err, errlen, -ENOMEM, "out of memory");
 		else
-			rc = write_small_file(dir, INDEX_NAME, &s, &files, err, errlen);
+			rc = syn_write_small_file(dir, INDEX_NAME, &s, &files, err, errlen);
 		if (rc)
 			goto out_cleanup;
 	}
@@ -491,10 +375,7 @@ int synth_write_stats(const char *dir, const struct model_config *cfg, const str
 
 out_cleanup:
 	/* Leave nothing half-written behind: a partial checkpoint would look loadable. */
-	for (uint32_t i = files.n; i-- > 0;)
-		unlink(files.paths[i]);
-	for (uint32_t i = dirs.n; i-- > 0;)
-		rmdir(dirs.paths[i]);
+	syn_created_remove(&files, &dirs);
 out_plan:
 	free(s.p);
 	free(files.paths);
