@@ -34,6 +34,8 @@
 static float table_f32[TABLE_SIZE];
 static uint16_t table_bf16[TABLE_SIZE];
 static uint16_t table_f16[TABLE_SIZE];
+static float table_bf16_f32[TABLE_SIZE]; /* table_bf16 and table_f16 widened again */
+static float table_f16_f32[TABLE_SIZE];
 static pthread_once_t table_once = PTHREAD_ONCE_INIT;
 
 /* Inverse of the standard normal CDF (P. J. Acklam's rational approximation, relative error
@@ -72,6 +74,8 @@ static void tables_init(void)
 		table_f32[i] = v;
 		table_bf16[i] = f32_to_bf16(v);
 		table_f16[i] = f32_to_f16(v);
+		table_bf16_f32[i] = bf16_to_f32(table_bf16[i]);
+		table_f16_f32[i] = f16_to_f32(table_f16[i]);
 	}
 }
 
@@ -153,6 +157,43 @@ void syn_fill_range(uint64_t key, bool norm, enum dtype dt, uint64_t e0, uint64_
 	i += blocks * 4;
 	for (; i < n; i++)
 		store_elem(dt, dst, i, table_f32[elem_index(key, e0 + i)]);
+}
+
+/* v rounded to dt (an element format) and widened again. */
+static inline float round_to(enum dtype dt, float v)
+{
+	return dt == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : dt == DT_F16 ? f16_to_f32(f32_to_f16(v)) : v;
+}
+
+void syn_fill_f32(uint64_t key, bool norm, enum dtype round, uint64_t e0, uint64_t n, float *dst)
+{
+	uint64_t i = 0;
+	if (norm) {
+		for (; i < n; i++)
+			dst[i] = round_to(round, 1.0f + table_f32[elem_index(key, e0 + i)]);
+		return;
+	}
+	const float *tb = round == DT_BF16 ? table_bf16_f32 : round == DT_F16 ? table_f16_f32 : table_f32;
+	for (; i < n && ((e0 + i) & 3); i++)
+		dst[i] = tb[elem_index(key, e0 + i)];
+	uint64_t blocks = (n - i) / 4;
+	uint64_t s = key + (((e0 + i) >> 2) + 1) * GOLDEN;
+	float *o = dst + i;
+	for (uint64_t b = 0; b < blocks; b++, s += GOLDEN, o += 4) {
+		uint64_t r = mix64(s);
+		o[0] = tb[r & 0xffff];
+		o[1] = tb[(r >> 16) & 0xffff];
+		o[2] = tb[(r >> 32) & 0xffff];
+		o[3] = tb[r >> 48];
+	}
+	i += blocks * 4;
+	for (; i < n; i++)
+		dst[i] = tb[elem_index(key, e0 + i)];
+}
+
+uint64_t syn_tensor_key(uint64_t seed, const char *name)
+{
+	return tensor_key(seed, name);
 }
 
 /* ---- shapes ---- */
@@ -430,6 +471,26 @@ static void sb_printf(struct sbuf *s, const char *fmt, ...)
 		s->p = np;
 		s->cap = cap;
 	}
+}
+
+void syn_sb_put(struct sbuf *s, const void *p, size_t n)
+{
+	if (s->oom)
+		return;
+	if (s->len + n > s->cap) {
+		size_t cap = s->cap ? s->cap : 4096;
+		while (cap < s->len + n)
+			cap *= 2;
+		char *np = realloc(s->p, cap);
+		if (!np) {
+			s->oom = 1;
+			return;
+		}
+		s->p = np;
+		s->cap = cap;
+	}
+	memcpy(s->p + s->len, p, n);
+	s->len += n;
 }
 
 /* The shortest decimal that reads back as the same float ("1e-05", not 9.99999975e-06), with a

@@ -295,6 +295,8 @@ void synth_options_default(struct synth_options *o)
 	memset(o, 0, sizeof(*o));
 	o->dtype = DT_BF16;
 	o->shard_bytes = SYNTH_DEFAULT_SHARD_BYTES;
+	o->format = SYNTH_SAFETENSORS;
+	o->gguf_type = SYNTH_GGUF_BF16;
 }
 
 int synth_write_stats(const char *dir, const struct model_config *cfg, const struct synth_options *o,
@@ -302,14 +304,20 @@ int synth_write_stats(const char *dir, const struct model_config *cfg, const str
 {
 	assert(dir && cfg && o);
 	double t0 = now_s();
-	if (!dtype_is_element(o->dtype)) /* safetensors holds element formats only */
+	if (!dtype_is_element(o->dtype)) /* safetensors holds element formats only; GGUF rounds to one */
 		return errorf(err, errlen, -EINVAL, "dtype %u is not one of BF16, F16, F32", (unsigned)o->dtype);
+	if (o->format != SYNTH_SAFETENSORS && o->format != SYNTH_GGUF)
+		return errorf(err, errlen, -EINVAL, "format %u is neither safetensors nor GGUF", o->format);
+	if (o->format == SYNTH_SAFETENSORS && o->tokenizer)
+		return errorf(err, errlen, -EINVAL, "a tokenizer (%s) is embedded in GGUF files only", o->tokenizer);
 	bool tied = o->tied || cfg->tie_embeddings;
 	struct model_config c = *cfg;
 	c.tie_embeddings = tied;
 	int rc = model_config_check(&c, err, errlen);
 	if (rc)
 		return rc;
+	if (o->format == SYNTH_GGUF)
+		return syn_gguf_write(dir, &c, o, tied, stats, err, errlen);
 	syn_values_init();
 
 	struct plan p;
