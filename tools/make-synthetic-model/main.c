@@ -1,9 +1,17 @@
 /* make-synthetic-model - writes a random-weight Llama/Mistral checkpoint in the Hugging Face
- * layout, for tests and benchmarks without downloading a model.
+ * layout or as GGUF files, for tests and benchmarks without downloading a model.
  *
  *   make-synthetic-model --shape tiny --out /tmp/tiny
  *   make-synthetic-model --shape llama3-8b --out /data/l8b     (16 GB; a progress line a second)
  *   make-synthetic-model --shape llama3-70b:4 --layers 2 --dtype f16 --shards 3 --out /tmp/x
+ *   make-synthetic-model --shape llama3-8b --format gguf --type q4_k_m \
+ *       --tokenizer tokenizer.json --out /data/l8b-q4_k_m.gguf   (4.9 GB, quantized on every core)
+ *   make-synthetic-model --shape tiny --format gguf --type q8_0 --shards 2 --out /tmp/g
+ *                                       (/tmp/g/model-00001-of-00002.gguf, model-00002-of-00002.gguf)
+ *
+ * GGUF files hold what llama.cpp's convert_hf_to_gguf.py (and llama-quantize, for the quantized
+ * types) makes of the safetensors checkpoint of the same arguments: its values rounded to --dtype,
+ * then stored in the --type's tensor types.
  *
  * Exit status: 0 written, 2 bad usage, 1 failure (message on stderr). */
 #include <errno.h>
@@ -47,6 +55,8 @@ static void format_params(uint64_t n, char *buf, size_t len)
 int main(int argc, char **argv)
 {
 	char *shape = NULL, *out = NULL, *dtype_text = NULL, *rope = NULL, *arch = NULL, *eos = NULL;
+	char *format = NULL, *type = NULL, *tokenizer = NULL;
+	long threads = 0;
 	long seed = 0, shards = 0, layers = -1, vocab = -1, dim = -1, heads = -1, kv_heads = -1, head_dim = -1,
 	     ffn = -1, sliding = -1, bos = -2;
 	uint64_t shard_size = 0;
@@ -54,11 +64,23 @@ int main(int argc, char **argv)
 	bool tied = false, mha = false, force = false, quiet = false;
 	struct opt opts[] = {
 		{"shape", OPT_STRING, &shape, NULL, "tiny, llama3-8b, llama3-70b or llama3-70b:LAYERS (required)"},
-		{"out", OPT_STRING, &out, NULL, "directory to write the checkpoint into (required)"},
-		{"dtype", OPT_STRING, &dtype_text, "bf16", "element type: bf16, f16 or f32"},
+		{"out", OPT_STRING, &out, NULL,
+		 "directory to write the checkpoint into; GGUF: the file if it ends in .gguf, else a directory "
+		 "for model.gguf (required)"},
+		{"format", OPT_STRING, &format, "safetensors", "safetensors (the Hugging Face layout) or gguf"},
+		{"type", OPT_STRING, &type, NULL,
+		 "GGUF tensor types: f32, f16, bf16, q8_0, q4_0, q6_k, or llama.cpp's mixes q4_k_m, q5_k_m "
+		 "(default bf16)"},
+		{"tokenizer", OPT_STRING, &tokenizer, NULL,
+		 "GGUF: a Hugging Face tokenizer.json (Llama 3's) to embed; without it the file holds no vocabulary"},
+		{"dtype", OPT_STRING, &dtype_text, "bf16",
+		 "element type: bf16, f16 or f32 (GGUF: the values are rounded to it before they are converted)"},
 		{"seed", OPT_INT, &seed, "0", "random seed: the same seed writes the same bytes"},
-		{"shards", OPT_INT, &shards, "0", "number of safetensors files (0: split at --shard-size)"},
-		{"shard-size", OPT_SIZE, &shard_size, "5GB", "largest file when --shards is 0"},
+		{"shards", OPT_INT, &shards, "0",
+		 "number of weight files (0: safetensors split at --shard-size, GGUF one file; GGUF sets are "
+		 "model-0000i-of-0000n.gguf as gguf-split names them)"},
+		{"shard-size", OPT_SIZE, &shard_size, "5GB", "largest safetensors file when --shards is 0"},
+		{"threads", OPT_INT, &threads, "0", "GGUF: threads converting and quantizing (0: one per CPU)"},
 		{"tied", OPT_BOOL, &tied, NULL, "tie the output projection to the embedding (no lm_head)"},
 		{"layers", OPT_INT, &layers, NULL, "override: number of layers"},
 		{"vocab", OPT_INT, &vocab, NULL, "override: vocabulary size"},
@@ -80,7 +102,7 @@ int main(int argc, char **argv)
 	};
 	int rc = config_parse(PROG,
 			      "writes a random-weight Llama/Mistral checkpoint (config.json, safetensors) in the "
-			      "Hugging Face layout",
+			      "Hugging Face layout, or as GGUF files",
 			      opts, argc, argv, NULL, NULL);
 	if (rc > 0)
 		return 0;
@@ -111,10 +133,30 @@ int main(int argc, char **argv)
 		fprintf(stderr, "%s: --dtype %s is not one of bf16, f16, f32\n", PROG, dtype_text);
 		return 2;
 	}
-	if (seed < 0 || shards < 0 || shards > 99999) {
-		fprintf(stderr, "%s: --seed must be >= 0 and --shards in [0, 99999]\n", PROG);
+	if (!strcasecmp(format, "gguf")) {
+		o.format = SYNTH_GGUF;
+	} else if (strcasecmp(format, "safetensors")) {
+		fprintf(stderr, "%s: --format %s is neither safetensors nor gguf\n", PROG, format);
 		return 2;
 	}
+	if (o.format != SYNTH_GGUF && (type || tokenizer)) {
+		fprintf(stderr, "%s: --%s is for GGUF files: give --format gguf\n", PROG, type ? "type" : "tokenizer");
+		return 2;
+	}
+	enum synth_gguf_type gt = SYNTH_GGUF_BF16;
+	if (type && synth_parse_gguf_type(type, &gt) != 0) {
+		fprintf(stderr, "%s: --type %s is not one of f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k\n", PROG,
+			type);
+		return 2;
+	}
+	o.gguf_type = gt;
+	o.tokenizer = tokenizer;
+	o.name = shape;
+	if (seed < 0 || shards < 0 || shards > 99999 || threads < 0 || threads > 1024) {
+		fprintf(stderr, "%s: --seed must be >= 0, --shards in [0, 99999], --threads in [0, 1024]\n", PROG);
+		return 2;
+	}
+	o.threads = (uint32_t)threads;
 	o.seed = (uint64_t)seed;
 	o.shards = (uint32_t)shards;
 	o.shard_bytes = shard_size;
@@ -200,11 +242,23 @@ int main(int argc, char **argv)
 	}
 
 	char path[4096];
-	snprintf(path, sizeof(path), "%s/config.json", out);
-	if (!force && access(path, F_OK) == 0) {
-		fprintf(stderr, "%s: %s already holds a checkpoint (config.json); pass --force to overwrite it\n", PROG,
-			out);
-		return 1;
+	if (o.format == SYNTH_GGUF) {
+		if (synth_gguf_path(out, 0, o.shards ? o.shards : 1, path, sizeof(path)) != 0) {
+			fprintf(stderr, "%s: --out %s: path too long\n", PROG, out);
+			return 2;
+		}
+		if (!force && access(path, F_OK) == 0) {
+			fprintf(stderr, "%s: %s exists; pass --force to overwrite it\n", PROG, path);
+			return 1;
+		}
+	} else {
+		snprintf(path, sizeof(path), "%s/config.json", out);
+		if (!force && access(path, F_OK) == 0) {
+			fprintf(stderr,
+				"%s: %s already holds a checkpoint (config.json); pass --force to overwrite it\n", PROG,
+				out);
+			return 1;
+		}
 	}
 
 	struct synth_stats st;
@@ -214,13 +268,19 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	{
-		char params[32], bytes[32];
+		char params[32], bytes[32], kind[64];
 		format_params(st.params, params, sizeof(params));
 		format_size(st.file_bytes, bytes, sizeof(bytes));
-		printf("%s: wrote %s to %s: %s parameters, %s %s, %s in %u file%s, %.2f s; the weights are random "
-		       "(seed %llu), not a trained model\n",
-		       PROG, shape, out, params, dtype_name(o.dtype), cfg.arch == ARCH_MISTRAL ? "mistral" : "llama",
-		       bytes, st.n_files, st.n_files == 1 ? "" : "s", st.seconds, (unsigned long long)o.seed);
+		if (o.format == SYNTH_GGUF)
+			snprintf(kind, sizeof(kind), "GGUF %s (from %s)", synth_gguf_type_name(gt),
+				 dtype_name(o.dtype));
+		else
+			snprintf(kind, sizeof(kind), "%s", dtype_name(o.dtype));
+		double gbps = st.seconds > 0 ? (double)st.file_bytes / st.seconds / 1e9 : 0.0;
+		printf("%s: wrote %s to %s: %s parameters, %s %s, %s in %u file%s, %.2f s (%.2f GB/s); the weights are "
+		       "random (seed %llu), not a trained model\n",
+		       PROG, shape, out, params, kind, cfg.arch == ARCH_MISTRAL ? "mistral" : "llama", bytes,
+		       st.n_files, st.n_files == 1 ? "" : "s", st.seconds, gbps, (unsigned long long)o.seed);
 	}
 	return 0;
 }
