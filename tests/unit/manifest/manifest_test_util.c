@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "tests/unit/common/test_helpers.h"
@@ -378,4 +379,49 @@ int run_cases(const char *suite, const struct test_case *cases, size_t n)
 	int failed = srunner_ntests_failed(sr);
 	srunner_free(sr);
 	return failed ? 1 : 0;
+}
+
+int run_tool(const char *const *args, char *err, size_t errlen)
+{
+	/* ctest says where the binaries are; run by hand, they sit in ../bin next to tests/. */
+	const char *bin = getenv("PIPELINE_BIN_DIR");
+	char exe[600], self[400];
+	if (bin) {
+		snprintf(exe, sizeof(exe), "%s/make-synthetic-model", bin);
+	} else {
+		ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+		ck_assert_int_gt(n, 0);
+		self[n] = 0;
+		*strrchr(self, '/') = 0;
+		snprintf(exe, sizeof(exe), "%s/../bin/make-synthetic-model", self);
+	}
+	const char *errpath = tpath("tool-stderr.txt");
+	pid_t pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		char *argv[48];
+		int n = 0;
+		argv[n++] = exe;
+		for (; args[n - 1] && n < 47; n++)
+			argv[n] = (char *)args[n - 1];
+		argv[n] = NULL;
+		int null = open("/dev/null", O_WRONLY);
+		int efd = open(errpath, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+		dup2(null, 1);
+		dup2(efd >= 0 ? efd : null, 2);
+		execv(exe, argv);
+		_exit(127);
+	}
+	int st;
+	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+	ck_assert(WIFEXITED(st));
+	ck_assert_msg(WEXITSTATUS(st) != 127, "cannot run %s", exe);
+	if (err && errlen) {
+		size_t len = 0;
+		char *text = read_file(errpath, &len);
+		snprintf(err, errlen, "%.*s", (int)len, text);
+		free(text);
+	}
+	unlink(errpath);
+	return WEXITSTATUS(st);
 }

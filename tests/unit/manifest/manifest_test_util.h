@@ -81,6 +81,10 @@ struct tensor_patch {
 void patch_tensor(json_t *hdr, const void *arg);
 void tensor_patch(const char *dir, const char *file, struct tensor_patch p);
 
+/* Runs make-synthetic-model with args (NULL-terminated, at most 46) and returns its exit status;
+ * what it printed on stderr goes into err (NULL: dropped). */
+int run_tool(const char *const *args, char *err, size_t errlen);
+
 /* The bytes of tensor t as its file holds them. */
 void *tensor_bytes(const struct manifest *m, const struct tensor_desc *t);
 /* Tensor idx has this name, role and shape (c 0 for a vector), and the bytes that go with it. */

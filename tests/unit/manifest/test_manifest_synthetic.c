@@ -3,14 +3,12 @@
  * tool; what it writes is read back with manifest_load. */
 #include <check.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "tests/unit/manifest/manifest_test_util.h"
@@ -161,54 +159,22 @@ START_TEST(test_write_failure_cleans_up)
 }
 END_TEST
 
-/* Runs the tool with args; returns its exit status. */
-static int run_tool(const char *const *args)
+static int tool(const char *const *args)
 {
-	/* ctest says where the binaries are; run by hand, they sit in ../bin next to tests/. */
-	const char *bin = getenv("PIPELINE_BIN_DIR");
-	char exe[600], self[400];
-	if (bin) {
-		snprintf(exe, sizeof(exe), "%s/make-synthetic-model", bin);
-	} else {
-		ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-		ck_assert_int_gt(n, 0);
-		self[n] = 0;
-		*strrchr(self, '/') = 0;
-		snprintf(exe, sizeof(exe), "%s/../bin/make-synthetic-model", self);
-	}
-	pid_t pid = fork();
-	ck_assert_int_ge(pid, 0);
-	if (pid == 0) {
-		char *argv[32];
-		int n = 0;
-		argv[n++] = exe;
-		for (; args[n - 1]; n++)
-			argv[n] = (char *)args[n - 1];
-		argv[n] = NULL;
-		int null = open("/dev/null", O_WRONLY);
-		dup2(null, 1);
-		dup2(null, 2);
-		execv(exe, argv);
-		_exit(127);
-	}
-	int st;
-	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
-	ck_assert(WIFEXITED(st));
-	ck_assert_msg(WEXITSTATUS(st) != 127, "cannot run %s", exe);
-	return WEXITSTATUS(st);
+	return run_tool(args, NULL, 0);
 }
 
 START_TEST(test_tool)
 {
 	const char *out = tpath("tool");
-	ck_assert_int_eq(run_tool((const char *[]){"--help", NULL}), 0);
-	ck_assert_int_eq(run_tool((const char *[]){NULL}), 2);
-	ck_assert_int_eq(run_tool((const char *[]){"--shape", "gpt2", "--out", out, NULL}), 2);
-	ck_assert_int_eq(run_tool((const char *[]){"--shape", "tiny", "--out", out, "--dtype", "i8", NULL}), 2);
-	ck_assert_int_eq(run_tool((const char *[]){"--shape", "tiny", "--out", out, "--kv-heads", "3", NULL}), 2);
-	ck_assert_int_eq(run_tool((const char *[]){"--shape", "tiny", "--out", out, "--bogus", NULL}), 2);
-	ck_assert_int_eq(run_tool((const char *[]){"--shape", "tiny", "--out", out, "--quiet", NULL}), 0);
-	ck_assert_int_eq(run_tool((const char *[]){"--shape", "tiny", "--out", out, NULL}), 1); /* exists */
+	ck_assert_int_eq(tool((const char *[]){"--help", NULL}), 0);
+	ck_assert_int_eq(tool((const char *[]){NULL}), 2);
+	ck_assert_int_eq(tool((const char *[]){"--shape", "gpt2", "--out", out, NULL}), 2);
+	ck_assert_int_eq(tool((const char *[]){"--shape", "tiny", "--out", out, "--dtype", "i8", NULL}), 2);
+	ck_assert_int_eq(tool((const char *[]){"--shape", "tiny", "--out", out, "--kv-heads", "3", NULL}), 2);
+	ck_assert_int_eq(tool((const char *[]){"--shape", "tiny", "--out", out, "--bogus", NULL}), 2);
+	ck_assert_int_eq(tool((const char *[]){"--shape", "tiny", "--out", out, "--quiet", NULL}), 0);
+	ck_assert_int_eq(tool((const char *[]){"--shape", "tiny", "--out", out, NULL}), 1); /* exists */
 	/* Every override at once, over an existing checkpoint. */
 	/* clang-format off */
 	const char *const all[] = {"--shape", "llama3-70b:2", "--out", out, "--force", "--quiet", "--dim", "128",
@@ -216,7 +182,7 @@ START_TEST(test_tool)
 				   "--arch", "mistral", "--rope-scaling", "linear:2", "--tied", "--dtype", "f16",
 				   "--shards", "2", "--seed", "7", NULL};
 	/* clang-format on */
-	ck_assert_int_eq(run_tool(all), 0);
+	ck_assert_int_eq(tool(all), 0);
 	struct manifest *m = load_ok(out);
 	ck_assert_uint_eq(m->cfg.arch, ARCH_MISTRAL);
 	ck_assert_uint_eq(m->cfg.n_layers, 3);
