@@ -99,10 +99,16 @@ START_TEST(test_row_bytes)
 	ck_assert_uint_eq(dtype_row_bytes(DT_F32, 4096), 16384);
 	ck_assert_uint_eq(dtype_row_bytes(DT_BF16, 4096), 8192);
 	ck_assert_uint_eq(dtype_row_bytes(DT_F16, 14336), 28672);
-	for (int t = 0; t < DT_COUNT; t++) {
+	for (int t = 0; t < DT_ELEMENT_COUNT; t++) {
 		ck_assert_uint_eq(dtype_block_elems((enum dtype)t), 1);
 		ck_assert_uint_eq(dtype_row_bytes((enum dtype)t, 1), dtype_size((enum dtype)t));
 	}
+	/* Block formats: whole blocks per row (a 4096-wide row of Q4_K is 16 blocks of 144 bytes). */
+	ck_assert_uint_eq(dtype_row_bytes(DT_Q4_K, 4096), 2304);
+	ck_assert_uint_eq(dtype_row_bytes(DT_Q5_K, 4096), 2816);
+	ck_assert_uint_eq(dtype_row_bytes(DT_Q6_K, 4096), 3360);
+	ck_assert_uint_eq(dtype_row_bytes(DT_Q8_0, 4096), 4352);
+	ck_assert_uint_eq(dtype_row_bytes(DT_Q4_0, 4096), 2304);
 }
 END_TEST
 
