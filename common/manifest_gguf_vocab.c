@@ -3,7 +3,8 @@
  * the runner gets a GGUF model's tokenizer the way it gets a checkpoint's tokenizer.json.
  *
  * tokenizer.ggml.model "gpt2" (byte-level BPE): tokens, token_type and merges. Tokens of type 3
- * (control) become special added tokens, type 4 (user defined) added tokens, the others the vocab;
+ * (control) and 2 (unknown) become special added tokens, type 4 (user defined) added tokens (what
+ * llama.cpp splits out of the text before it tokenizes), the others the vocab;
  * the merges stay in their order. The pre-tokenizer comes from tokenizer.ggml.pre: "llama-bpe"
  * (Llama 3) is the Split regex and ByteLevel of Llama 3's tokenizer.json with ignore_merges (what
  * llama.cpp does for it), "smaug-bpe" the same regex without ignore_merges, "gpt-2" ByteLevel with
@@ -13,8 +14,9 @@
  * Hugging Face's converter makes of a SentencePiece model (Llama 2's tokenizer.json): every token
  * in the vocab, control and user-defined ones also added tokens; merges made from the scores (each
  * normal token split in two normal tokens at every character boundary, ranked by the token's
- * score, best first, ties by id); byte fallback when there are byte tokens (<0xNN>), unk_token
- * from tokenizer.ggml.unknown_token_id; the legacy normalizer (Prepend "▁" unless
+ * score, best first, ties by id; only normal tokens, and pieces up to 1 KiB); byte fallback when
+ * there are byte tokens (<0xNN>); unk_token from tokenizer.ggml.unknown_token_id, else the first
+ * token of type 2 (unknown); the legacy normalizer (Prepend "▁" unless
  * tokenizer.ggml.add_space_prefix is false, spaces to "▁") and its decoder.
  *
  * Both: a TemplateProcessing post_processor that puts the BOS token first unless
@@ -172,7 +174,7 @@ static int vocab_add(struct conv *c, uint64_t id)
 	return set_new(c, c->vocab, s, json_integer(id));
 }
 
-/* A control or user-defined token into added_tokens. */
+/* A control, unknown or user-defined token into added_tokens (special unless user-defined). */
 static int added_add(struct conv *c, uint64_t id, json_t *seen)
 {
 	const char *s = c->tok[id].s;
@@ -182,8 +184,9 @@ static int added_add(struct conv *c, uint64_t id, json_t *seen)
 	int rc = set_new(c, seen, s, json_integer(id));
 	if (rc)
 		return rc;
-	json_t *a = json_pack("{s:I, s:s, s:b, s:b, s:b, s:b, s:b}", "id", (json_int_t)id, "content", s, "single_word",
-			      0, "lstrip", 0, "rstrip", 0, "normalized", 0, "special", type_of(c, id) == TT_CONTROL);
+	json_t *a =
+	    json_pack("{s:I, s:s, s:b, s:b, s:b, s:b, s:b}", "id", (json_int_t)id, "content", s, "single_word", 0,
+		      "lstrip", 0, "rstrip", 0, "normalized", 0, "special", type_of(c, id) != TT_USER_DEFINED);
 	if (!a || json_array_append_new(c->added, a))
 		return oom(c);
 	return 0;
@@ -198,7 +201,8 @@ static int split_tokens(struct conv *c, bool in_vocab_too)
 	int rc = 0;
 	for (uint64_t id = 0; id < c->n && !rc; id++) {
 		int32_t t = type_of(c, id);
-		bool added = t == TT_CONTROL || t == TT_USER_DEFINED;
+		/* What llama.cpp splits out of text before tokenizing: control, user-defined and unknown. */
+		bool added = t == TT_CONTROL || t == TT_USER_DEFINED || t == TT_UNKNOWN;
 		if (!added || in_vocab_too)
 			rc = vocab_add(c, id);
 		if (!rc && added)
@@ -411,6 +415,9 @@ static int sp_model(struct conv *c, json_t *root)
 			return give_up(c, "no tokenizer: tokenizer.ggml.unknown_token_id %u is not a token", unk_id);
 		unk = c->tok[unk_id].s;
 	}
+	for (uint64_t id = 0; id < c->n && !unk; id++) /* without the key: the token of type unknown */
+		if (type_of(c, id) == TT_UNKNOWN)
+			unk = c->tok[id].s;
 	int rc = split_tokens(c, true);
 	if (!rc)
 		rc = sp_merges(c, score);

@@ -484,6 +484,7 @@ int gw_tokenizer_from_hf(struct gw *w, const char *path, const char *model, cons
 	json_t *merges = json_object_get(json_object_get(root, "model"), "merges");
 	json_t *added = json_object_get(root, "added_tokens");
 	bool sp = !strcmp(model, "llama");
+	const char *unk = json_string_value(json_object_get(json_object_get(root, "model"), "unk_token"));
 	size_t n = 0;
 	const char *key;
 	json_t *val;
@@ -530,6 +531,8 @@ int gw_tokenizer_from_hf(struct gw *w, const char *path, const char *model, cons
 		}
 		tok[id] = json_string_value(json_object_get(a, "content"));
 		type[id] = json_is_true(json_object_get(a, "special")) ? 3 : 4;
+		if (unk && !strcmp(tok[id], unk))
+			type[id] = 2; /* llama.cpp's UNKNOWN */
 	}
 	for (size_t id = 0; id < n; id++)
 		if (!tok[id]) {

@@ -137,8 +137,8 @@ void gw_tiny_llama_tensors(struct gw *w, const struct gw_llama *o, uint32_t firs
 uint32_t gw_tiny_llama_n_tensors(const struct gw_llama *o);
 
 /* The tokenizer.ggml.* keys of a Hugging Face tokenizer.json (path): tokens (vocab and added
- * tokens by id), token_type (3 for special added tokens, 4 for the others, 6 for <0xNN> pieces of
- * model "llama", 1 else), merges for "gpt2", scores for "llama" (made so that the merges'
+ * tokens by id), token_type (2 for the model's unk_token, 3 for other special added tokens, 4 for
+ * the others, 6 for <0xNN> pieces of model "llama", 1 else), merges for "gpt2", scores for "llama" (made so that the merges'
  * order comes out of them: a merge's result scores -rank, other tokens below every merge), the
  * BOS/EOS ids given (-1: none). cut > 0 keeps the vocab ids below cut and the merges among them
  * and renumbers the added tokens from cut (at most n_added of them). pre may be NULL. Returns 0,

@@ -175,7 +175,8 @@ START_TEST(test_sentencepiece)
 	check_hf_vectors(t, TOK_TEST_FIXTURE_DIR "/hf-vectors/sp-legacy.json");
 	tokenizer_destroy(&t);
 	free(json);
-	/* Without the space prefix: " world" and "world" no longer agree on the first piece. */
+	/* Without the space prefix: " world" and "world" no longer agree on the first piece. Without
+	 * unknown_token_id: the token of type unknown is unk_token. */
 	w = gw_new();
 	ck_assert_int_eq(gw_tokenizer_from_hf(w, SP_LEGACY_JSON, "llama", NULL, 0, 0, 1, 2), 0);
 	gw_bool(w, "tokenizer.ggml.add_space_prefix", false);
@@ -183,6 +184,7 @@ START_TEST(test_sentencepiece)
 	ck_assert_int_eq(gw_write(w, path), 0);
 	gw_free(&w);
 	json = convert_ok(path, &len);
+	ck_assert_ptr_nonnull(strstr(json, "\"unk_token\":\"<unk>\""));
 	t = load_json(json, len);
 	ck_assert_int_eq(tokenizer_bos(t), -1); /* add_bos_token false */
 	struct tok_ids a = {0}, b = {0};
