@@ -1,6 +1,7 @@
-/* manifest.c - reads a Hugging Face Llama/Mistral checkpoint directory into a manifest: the parts
- * in order (manifest_internal.h says which file does what), the tokenizer.json that goes with
- * it, and the manifest's lifetime. */
+/* manifest.c - reads a checkpoint into a manifest: which kind path is (a Hugging Face Llama/Mistral
+ * directory, a GGUF file or a directory holding one), the Hugging Face parts in order
+ * (manifest_internal.h says which file does what; manifest_gguf.c reads GGUF), the tokenizer.json
+ * that goes with it, and the manifest's lifetime. */
 #include "common/manifest_internal.h"
 
 #include <assert.h>
@@ -12,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/gguf.h"
 #include "common/tokenizer/ids.h"
 #include "common/util.h"
 
@@ -25,6 +27,30 @@ static void loader_free(struct loader *ld)
 	free(ld->found);
 }
 
+/* A GGUF checkpoint: the file at path, or the one a directory without safetensors holds. */
+static int load_gguf(const char *path, struct manifest **out, char *err, size_t errlen)
+{
+	struct manifest *m = calloc(1, sizeof(*m));
+	if (!m)
+		return errorf(err, errlen, -ENOMEM, "out of memory");
+	int rc = mf_load_gguf(m, path, err, errlen);
+	if (rc)
+		manifest_destroy(&m);
+	*out = m;
+	return rc;
+}
+
+/* Does dir hold a safetensors checkpoint? */
+static bool has_safetensors(const char *dir)
+{
+	char path[PATH_MAX];
+	snprintf(path, sizeof(path), "%s/%s", dir, INDEX_NAME);
+	if (access(path, F_OK) == 0)
+		return true;
+	snprintf(path, sizeof(path), "%s/%s", dir, SINGLE_NAME);
+	return access(path, F_OK) == 0;
+}
+
 int manifest_load(const char *dir, struct manifest **out, char *err, size_t errlen)
 {
 	assert(dir && out);
@@ -35,8 +61,24 @@ int manifest_load(const char *dir, struct manifest **out, char *err, size_t errl
 		return errorf(err, errlen, -e, "model directory %s %s", dir,
 			    e == ENOENT ? "does not exist" : strerror(e));
 	}
-	if (!S_ISDIR(st.st_mode))
-		return errorf(err, errlen, -ENOTDIR, "model directory %s is not a directory", dir);
+	if (!S_ISDIR(st.st_mode)) {
+		int probe = gguf_probe(dir);
+		if (probe == 1)
+			return load_gguf(dir, out, err, errlen);
+		if (probe < 0)
+			return errorf(err, errlen, probe, "model file %s: %s", dir, strerror(-probe));
+		return errorf(err, errlen, -ENOTDIR,
+			      "model path %s is not a directory and not a GGUF file (it does not start with \"GGUF\")",
+			      dir);
+	}
+	if (!has_safetensors(dir)) {
+		char path[PATH_MAX];
+		int found = mf_find_gguf(dir, path, sizeof(path), err, errlen);
+		if (found < 0)
+			return found;
+		if (found)
+			return load_gguf(path, out, err, errlen);
+	}
 
 	struct manifest *m = calloc(1, sizeof(*m));
 	if (!m)
@@ -162,25 +204,38 @@ int manifest_attach_tokenizer(struct manifest *m, const char *path, char *err, s
 		}
 		done += (size_t)n;
 	}
-	uint32_t tv;
-	rc = tokenizer_ids_scan(path, data, done, &tv, err, errlen);
-	if (rc)
-		goto out_close;
-	if (tv > m->cfg.vocab_size) {
-		rc = errorf(err, errlen, -EINVAL,
-			    "tokenizer %s defines ids up to %u, but config.json's vocab_size is %u: they belong to "
-			    "different models",
-			    path, tv - 1, m->cfg.vocab_size);
-		goto out_close;
-	}
-	free(m->tokenizer_json);
-	m->tokenizer_json = data;
-	m->tokenizer_bytes = done;
-	data = NULL;
-	str_copy(m->tokenizer_path, sizeof(m->tokenizer_path), path);
+	data[done] = 0;
+	rc = mf_attach_tokenizer_bytes(m, path, "the model's", &data, done, err, errlen);
 out_close:
 	free(data);
 	close(fd);
+	return rc;
+}
+
+int mf_attach_tokenizer_bytes(struct manifest *m, const char *name, const char *vocab_from, char **data, size_t len,
+			      char *err, size_t errlen)
+{
+	char *d = *data;
+	*data = NULL;
+	uint32_t tv;
+	int rc = tokenizer_ids_scan(name, d, len, &tv, err, errlen);
+	if (rc)
+		goto out_free;
+	if (tv > m->cfg.vocab_size) {
+		rc = errorf(err, errlen, -EINVAL,
+			    "tokenizer %s defines ids up to %u, but %s vocab_size is %u: they belong to different "
+			    "models",
+			    name, tv - 1, vocab_from, m->cfg.vocab_size);
+		goto out_free;
+	}
+	free(m->tokenizer_json);
+	m->tokenizer_json = d;
+	m->tokenizer_bytes = len;
+	d = NULL;
+	str_copy(m->tokenizer_path, sizeof(m->tokenizer_path), name);
+	m->tokenizer_note[0] = 0;
+out_free:
+	free(d);
 	return rc;
 }
 
@@ -190,6 +245,7 @@ void manifest_destroy(struct manifest **mp)
 		return;
 	struct manifest *m = *mp;
 	free(m->tokenizer_json);
+	free(m->chat_template);
 	free(m->tensors);
 	free(m->groups);
 	free(m->extents);

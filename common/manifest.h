@@ -1,8 +1,13 @@
-/* manifest.h - a Hugging Face checkpoint directory read into a model description.
+/* manifest.h - a checkpoint read into a model description: a Hugging Face checkpoint directory or
+ * a GGUF file.
  *
- * Reads config.json, model.safetensors or model.safetensors.index.json with its shards,
- * each safetensors header, and tokenizer.json when there is one; checks every tensor against the configuration (names,
- * shapes, dtypes, ranges inside the files) and lays the groups out for slots: each group's
+ * A Hugging Face directory: config.json, model.safetensors or model.safetensors.index.json with
+ * its shards, each safetensors header, and tokenizer.json when there is one. A GGUF file (or a
+ * split set of them, or a directory holding one and no safetensors checkpoint): its metadata
+ * gives the configuration and the tokenizer (converted to tokenizer.json text), its tensor table
+ * the tensors (manifest_gguf.c says what is accepted). Either way every tensor is checked against
+ * the configuration (names, shapes, dtypes, ranges inside the files) and the groups are laid out
+ * for slots: each group's
  * tensors are covered by read extents aligned to 4 KiB (what O_DIRECT needs), and each
  * tensor records where it starts in the group's slot. Only the loader opens the files;
  * the other services see the result in the weight ring.
@@ -40,7 +45,8 @@ struct read_extent {
 struct manifest_file {
 	char path[PATH_MAX]; /* absolute or as given under the model directory */
 	uint64_t size;	     /* bytes */
-	uint64_t data_start; /* 8 + header length: where tensor offsets count from */
+	uint64_t data_start; /* where tensor offsets count from: safetensors 8 + header length, GGUF the
+				data section's start */
 };
 
 struct manifest {
@@ -54,22 +60,29 @@ struct manifest {
 	uint64_t total_tensor_bytes;   /* sum of every tensor's nbytes */
 	uint64_t hash;		       /* over cfg and tensors (names, shapes, dtypes): HELLO checks it */
 	uint32_t weight_dtype;	       /* enum dtype of the matrices (the most common one) */
-	char *tokenizer_json;	       /* tokenizer.json as read (checked), NULL when the model has none */
+	char *tokenizer_json;	       /* tokenizer.json as read (checked), NULL when the model has none; for
+					  a GGUF file the text made from its tokenizer.ggml.* keys */
 	uint64_t tokenizer_bytes;
-	char tokenizer_path[PATH_MAX];
+	char tokenizer_path[PATH_MAX]; /* the tokenizer.json, or the GGUF file its text came from */
+	char tokenizer_note[256];      /* a warning about the tokenizer, "" when none: why a GGUF file's could
+					  not be converted (the model then runs on token ids only) */
+	char *chat_template;	       /* a GGUF file's tokenizer.chat_template (Jinja text), else NULL */
 };
 
-/* Loads the checkpoint in dir. Returns 0 and *out (owned by the caller: manifest_destroy);
- * on failure returns -errno (-ENOENT missing directory or file, -ENOTDIR dir is not a
- * directory, -EINVAL corrupt or inconsistent, -ENOTSUP unsupported architecture, feature or
- * dtype, -ENOMEM, or the errno of a failed open/read) with *out NULL, and writes a message
- * naming the file and the problem into err. */
-int manifest_load(const char *dir, struct manifest **out, char *err, size_t errlen);
+/* Loads the checkpoint at path: a Hugging Face checkpoint directory; a GGUF file (recognised by
+ * its first bytes, whatever its name); a file of a split set named <prefix>-NNNNN-of-MMMMM.gguf
+ * (every file of the set is read, from the same directory); or a directory without
+ * model.safetensors(.index.json) that holds one .gguf file or one split set. Returns 0 and *out
+ * (owned by the caller: manifest_destroy); on failure returns -errno (-ENOENT missing directory or
+ * file, -ENOTDIR path is a file but not a GGUF file, -EINVAL corrupt or inconsistent, -ENOTSUP
+ * unsupported architecture, feature or dtype, -ENOMEM, or the errno of a failed open/read) with
+ * *out NULL, and writes a message naming the file and the problem into err. */
+int manifest_load(const char *path, struct manifest **out, char *err, size_t errlen);
 
 /* Reads a tokenizer.json for m (manifest_load does it for <dir>/tokenizer.json when that
  * exists), checks its ids (tokenizer_ids_scan, common/tokenizer/ids.h: JSON with a vocab, every
- * id an integer) and that every id it defines is inside config.json's vocab_size, and keeps its
- * bytes in m (replacing any earlier ones). The rest of the file (merges, normalizer, ...) is the
+ * id an integer) and that every id it defines is inside the model's vocab_size, and keeps its
+ * bytes in m (replacing any earlier ones, and clearing tokenizer_note). The rest of the file (merges, normalizer, ...) is the
  * runner's to check: it loads the tokenizer at its start. Returns 0, or -errno with a message
  * naming the file and the problem (-EINVAL for a file whose ids do not read, or a vocabulary
  * that disagrees). */

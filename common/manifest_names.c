@@ -1,4 +1,5 @@
-/* manifest_names.c - checkpoint tensor names and the canonical slots of the tensor table. */
+/* manifest_names.c - checkpoint tensor names (Hugging Face's and GGUF's) and the canonical slots
+ * of the tensor table. */
 #include "common/manifest_internal.h"
 
 #include <stdio.h>
@@ -41,6 +42,28 @@ void mf_slot_info(const struct model_config *c, uint32_t s, uint32_t *role, uint
 	}
 }
 
+/* For "<prefix><layer>.<rest>" with a layer of c: the layer in *l and a pointer to rest; else NULL.
+ * Strict decimal: no sign, no leading zero, so every layer has exactly one spelling. */
+static const char *layer_rest(const struct model_config *c, const char *name, const char *prefix, uint32_t *l)
+{
+	size_t n = strlen(prefix);
+	if (strncmp(name, prefix, n) != 0)
+		return NULL;
+	const char *p = name + n;
+	if (*p < '0' || *p > '9' || (p[0] == '0' && p[1] != '.'))
+		return NULL;
+	uint64_t v = 0;
+	while (*p >= '0' && *p <= '9') {
+		v = v * 10 + (uint64_t)(*p++ - '0');
+		if (v > UINT32_MAX)
+			return NULL;
+	}
+	if (*p++ != '.' || v >= c->n_layers)
+		return NULL;
+	*l = (uint32_t)v;
+	return p;
+}
+
 /* Maps a checkpoint tensor name to its slot. */
 enum name_class mf_classify(const struct model_config *c, const char *name, uint32_t *slot)
 {
@@ -58,26 +81,63 @@ enum name_class mf_classify(const struct model_config *c, const char *name, uint
 		*slot = 2 + LAYER_ROLES * c->n_layers;
 		return NAME_SLOT;
 	}
-	static const char prefix[] = "model.layers.";
-	if (strncmp(name, prefix, sizeof(prefix) - 1) != 0)
-		return NAME_UNEXPECTED;
-	const char *p = name + sizeof(prefix) - 1;
-	/* Strict decimal: no sign, no leading zero, so every layer has exactly one spelling. */
-	if (*p < '0' || *p > '9' || (p[0] == '0' && p[1] != '.'))
-		return NAME_UNEXPECTED;
-	uint64_t l = 0;
-	while (*p >= '0' && *p <= '9') {
-		l = l * 10 + (uint64_t)(*p++ - '0');
-		if (l > UINT32_MAX)
-			return NAME_UNEXPECTED;
-	}
-	if (*p++ != '.' || l >= c->n_layers)
+	uint32_t l;
+	const char *p = layer_rest(c, name, "model.layers.", &l);
+	if (!p)
 		return NAME_UNEXPECTED;
 	if (!strcmp(p, "self_attn.rotary_emb.inv_freq"))
 		return NAME_IGNORE; /* old exports saved the RoPE table; it is recomputed from the config */
 	for (uint32_t k = 0; k < LAYER_ROLES; k++) {
 		if (!strcmp(p, layer_suffix[k])) {
-			*slot = 1 + LAYER_ROLES * (uint32_t)l + k;
+			*slot = 1 + LAYER_ROLES * l + k;
+			return NAME_SLOT;
+		}
+	}
+	return NAME_UNEXPECTED;
+}
+
+/* llama.cpp's names, in the order of layer_suffix. */
+static const char *const gguf_layer_suffix[LAYER_ROLES] = {
+	"attn_norm.weight", "attn_q.weight",   "attn_k.weight", "attn_v.weight",   "attn_output.weight",
+	"ffn_norm.weight",  "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+};
+
+void mf_slot_name_gguf(const struct model_config *c, uint32_t s, char *name, size_t len)
+{
+	uint32_t head0 = 1 + LAYER_ROLES * c->n_layers;
+	if (s == 0)
+		snprintf(name, len, "token_embd.weight");
+	else if (s < head0)
+		snprintf(name, len, "blk.%u.%s", (s - 1) / LAYER_ROLES, gguf_layer_suffix[(s - 1) % LAYER_ROLES]);
+	else if (s == head0)
+		snprintf(name, len, "output_norm.weight");
+	else
+		snprintf(name, len, "output.weight");
+}
+
+enum name_class mf_classify_gguf(const struct model_config *c, const char *name, uint32_t *slot)
+{
+	if (!strcmp(name, "token_embd.weight")) {
+		*slot = 0;
+		return NAME_SLOT;
+	}
+	if (!strcmp(name, "output_norm.weight")) {
+		*slot = 1 + LAYER_ROLES * c->n_layers;
+		return NAME_SLOT;
+	}
+	if (!strcmp(name, "output.weight")) {
+		if (c->tie_embeddings)
+			return NAME_IGNORE;
+		*slot = 2 + LAYER_ROLES * c->n_layers;
+		return NAME_SLOT;
+	}
+	uint32_t l;
+	const char *p = layer_rest(c, name, "blk.", &l);
+	if (!p)
+		return NAME_UNEXPECTED;
+	for (uint32_t k = 0; k < LAYER_ROLES; k++) {
+		if (!strcmp(p, gguf_layer_suffix[k])) {
+			*slot = 1 + LAYER_ROLES * l + k;
 			return NAME_SLOT;
 		}
 	}

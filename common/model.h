@@ -118,7 +118,7 @@ struct tensor_desc {
 	uint64_t shape[2];	    /* PyTorch order: (rows, cols), or (n, 0) */
 	uint64_t nbytes;
 	uint64_t slot_offset;	    /* where the first byte lies in its group's slot */
-	uint32_t file_index;	    /* which safetensors file (loader side) */
+	uint32_t file_index;	    /* which checkpoint file (manifest.files; loader side) */
 	uint32_t reserved;
 	uint64_t file_offset;	    /* absolute offset of the first byte in that file */
 };

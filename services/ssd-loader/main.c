@@ -1,13 +1,14 @@
-/* ssd-loader - reads a Hugging Face safetensors checkpoint into the weight ring in shared
- * memory and lends its slots to the gpu-runner (MSG_W_ACQUIRE / MSG_W_GRANT / MSG_W_RELEASE).
+/* ssd-loader - reads a checkpoint (a Hugging Face safetensors directory or a GGUF file) into the
+ * weight ring in shared memory and lends its slots to the gpu-runner (MSG_W_ACQUIRE / MSG_W_GRANT
+ * / MSG_W_RELEASE).
  *
  *   ssd-loader --model /models/llama-3.1-8b --dram-budget 24GiB [--instance NAME] [--run-dir DIR]
  *
- * Start: the manifest (config.json and the safetensors headers), the plan (plan.h), the ring
- * (ring.h, shared-memory object "weights" of the instance), then the service loop, which
- * answers HELLO at once while the reads run on io_uring in the background. Exit: the ring is
- * unlinked whatever the reason (a restarted loader lays it out anew; a runner keeps its old
- * mapping until it attaches again). Never touches CUDA. */
+ * Start: the manifest (config.json and the safetensors headers, or the GGUF header), the plan
+ * (plan.h), the ring (ring.h, shared-memory object "weights" of the instance), then the service
+ * loop, which answers HELLO at once while the reads run on io_uring in the background. Exit: the
+ * ring is unlinked whatever the reason (a restarted loader lays it out anew; a runner keeps its
+ * old mapping until it attaches again). Never touches CUDA. */
 #include <assert.h>
 #include <errno.h>
 #include <stdbool.h>
@@ -177,7 +178,8 @@ int main(int argc, char **argv)
 		{"instance", OPT_STRING, &instance, "default", "instance name (shared-memory and run-directory names)"},
 		{"run-dir", OPT_STRING, &run_dir_flag, NULL, "directory of the control sockets (default "
 							     "$PIPELINE_RUN_DIR or /tmp/llmp-<uid>/<instance>)"},
-		{"model", OPT_STRING, &model, NULL, "the checkpoint: a Hugging Face directory or a GGUF file (required)"},
+		{"model", OPT_STRING, &model, NULL,
+		 "Hugging Face checkpoint directory, or a GGUF file (the first of a split set) (required)"},
 		{"tokenizer", OPT_STRING, &tokenizer, NULL, "tokenizer.json to use instead of the model's own"},
 		{"dram-budget", OPT_SIZE, &budget, "16GiB", "host memory for weight slots"},
 		{"io-depth", OPT_INT, &io_depth, "64", "reads in flight at most"},
@@ -191,7 +193,7 @@ int main(int argc, char **argv)
 		{0},
 	};
 	log_init(SERVICE_NAME);
-	int rc = config_parse(SERVICE_NAME, "reads a safetensors checkpoint into the shared-memory weight ring",
+	int rc = config_parse(SERVICE_NAME, "reads a safetensors or GGUF checkpoint into the shared-memory weight ring",
 			      opts, argc, argv, NULL, NULL);
 	if (rc > 0)
 		return 0;
@@ -207,8 +209,8 @@ int main(int argc, char **argv)
 		log_set_level(lv);
 	}
 	if (!model || !*model) {
-		fprintf(stderr, "%s: --model is required (a Hugging Face checkpoint directory or a GGUF file; see --help)\n",
-			SERVICE_NAME);
+		fprintf(stderr, "%s: --model is required (a Hugging Face checkpoint directory or a GGUF file; see "
+			"--help)\n", SERVICE_NAME);
 		return 2;
 	}
 	if (io_depth < 1 || io_depth > (long)READER_MAX_DEPTH) {
@@ -261,6 +263,8 @@ int main(int argc, char **argv)
 	if (m->tokenizer_bytes)
 		log_info("tokenizer %s (%llu bytes) goes to the runner with the weights", m->tokenizer_path,
 			 (unsigned long long)m->tokenizer_bytes);
+	else if (m->tokenizer_note[0])
+		log_warn("%s", m->tokenizer_note);
 	else
 		log_info("no tokenizer.json: the runner takes token ids only");
 

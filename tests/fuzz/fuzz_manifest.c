@@ -9,7 +9,9 @@
  * makes a directory instead. OPTION sizes a
  * safetensors file: its bytes are the 8-byte header length, the JSON header and whatever data
  * follows; "fit" extends the file (sparse) to exactly 8 + header length + the largest data_offsets
- * end the header names, "short" to one byte less, "long" to 4 KiB more. Without OPTION the file is
+ * end the header names, "short" to one byte less, "long" to 4 KiB more. A GGUF file (its bytes
+ * start with "GGUF") is sized the same way by the data its tensor table names, read with
+ * gguf_open from the file extended to 1 GiB. Without OPTION the file is
  * the bytes as given.
  *
  *   @@@@ config.json
@@ -38,7 +40,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/gguf.h"
 #include "common/manifest.h"
+#include "tests/fuzz/manifest_check.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -95,6 +99,26 @@ static bool name_ok(const char *s, size_t n)
 			return false;
 	}
 	return true;
+}
+
+/* The file size "fit" means for the GGUF file at path (n bytes), or 0 when its header does not
+ * read even with room for every tensor. */
+static uint64_t gguf_fit_size(int fd, const char *path, size_t n)
+{
+	CHECK(ftruncate(fd, 1ll << 30) == 0, "ftruncate %s: %m", path);
+	struct gguf *g;
+	char err[256];
+	uint64_t end = 0;
+	if (gguf_open(path, &g, err, sizeof(err)) == 0) {
+		for (uint64_t i = 0; i < gguf_n_tensors(g); i++) {
+			const struct gguf_tensor *t = gguf_tensor(g, i);
+			if (gguf_data_start(g) + t->offset + t->nbytes > end)
+				end = gguf_data_start(g) + t->offset + t->nbytes;
+		}
+		gguf_close(&g);
+	}
+	CHECK(ftruncate(fd, (off_t)n) == 0, "ftruncate %s: %m", path);
+	return end > n ? end : 0;
 }
 
 /* The file size "fit" means for a safetensors file of these bytes, or 0 when there is none. */
@@ -156,7 +180,7 @@ static void write_file(const char *name, size_t name_len, const char *opt, size_
 	}
 	uint64_t want = 0;
 	if (opt_len) {
-		uint64_t fit = fit_size(p, n);
+		uint64_t fit = n >= 4 && !memcmp(p, "GGUF", 4) ? gguf_fit_size(fd, path, n) : fit_size(p, n);
 		if (fit && opt_len == 3 && !memcmp(opt, "fit", 3))
 			want = fit;
 		else if (fit && opt_len == 5 && !memcmp(opt, "short", 5))
@@ -197,66 +221,6 @@ static void write_sections(const uint8_t *d, size_t size)
 		write_file(name, name_len, opt, opt_len, d + body, end - body);
 		pos = next;
 	}
-}
-
-/* manifest.h's promises about a loaded manifest. */
-static void check_manifest(const struct manifest *m)
-{
-	CHECK(m->n_files >= 1 && m->n_tensors >= 1 && m->n_groups >= 1, "empty manifest");
-	CHECK(m->n_groups == model_n_groups(&m->cfg), "%u groups, the config makes %u", m->n_groups,
-	      model_n_groups(&m->cfg));
-	uint64_t total = 0;
-	for (uint32_t i = 0; i < m->n_tensors; i++) {
-		const struct tensor_desc *t = &m->tensors[i];
-		CHECK(t->file_index < m->n_files, "tensor %s in file %u of %u", t->name, t->file_index, m->n_files);
-		const struct manifest_file *f = &m->files[t->file_index];
-		CHECK(t->file_offset >= f->data_start && t->file_offset <= f->size && t->nbytes <= f->size - t->file_offset,
-		      "tensor %s: [%llu, +%llu) outside %s (%llu bytes, data at %llu)", t->name,
-		      (unsigned long long)t->file_offset, (unsigned long long)t->nbytes, f->path,
-		      (unsigned long long)f->size, (unsigned long long)f->data_start);
-		CHECK(t->group < m->n_groups, "tensor %s in group %u", t->name, t->group);
-		const struct group_desc *g = &m->groups[t->group];
-		CHECK(i >= g->first_tensor && i < g->first_tensor + g->n_tensors, "tensor %u outside its group's run", i);
-		CHECK(t->slot_offset + t->nbytes <= g->slot_bytes, "tensor %s: slot [%llu, +%llu) past the group's %llu bytes",
-		      t->name, (unsigned long long)t->slot_offset, (unsigned long long)t->nbytes,
-		      (unsigned long long)g->slot_bytes);
-		/* The extent that lands at the tensor's slot offset must hold its bytes at that spot. */
-		bool covered = false;
-		for (uint32_t e = g->first_extent; e < g->first_extent + g->n_extents; e++) {
-			const struct read_extent *x = &m->extents[e];
-			if (x->file_index == t->file_index && t->file_offset >= x->file_offset &&
-			    t->file_offset + t->nbytes <= x->file_offset + x->length &&
-			    t->slot_offset == x->slot_offset + (t->file_offset - x->file_offset))
-				covered = true;
-		}
-		CHECK(covered, "tensor %s is not covered by an extent of its group", t->name);
-		total += t->nbytes;
-	}
-	CHECK(total == m->total_tensor_bytes, "total_tensor_bytes %llu, tensors add up to %llu",
-	      (unsigned long long)m->total_tensor_bytes, (unsigned long long)total);
-	CHECK(m->n_extents <= m->n_tensors, "%u extents for %u tensors", m->n_extents, m->n_tensors);
-	for (uint32_t e = 0; e < m->n_extents; e++) {
-		const struct read_extent *x = &m->extents[e];
-		CHECK(x->group < m->n_groups && x->file_index < m->n_files, "extent %u: group %u, file %u", e, x->group,
-		      x->file_index);
-		CHECK(x->file_offset % MANIFEST_ALIGN == 0 && x->length % MANIFEST_ALIGN == 0 &&
-			      x->slot_offset % MANIFEST_ALIGN == 0 && x->length > 0,
-		      "extent %u not aligned", e);
-		const struct group_desc *g = &m->groups[x->group];
-		CHECK(e >= g->first_extent && e < g->first_extent + g->n_extents, "extent %u outside its group's run", e);
-		CHECK(x->slot_offset + x->length <= g->slot_bytes, "extent %u past its group's slot", e);
-		CHECK(g->slot_bytes <= m->class_bytes[g->size_class], "group %u larger than its class", x->group);
-	}
-	for (uint32_t g = 0; g < m->n_groups; g++)
-		for (int r = 0; r < ROLE_COUNT; r++) {
-			int t = manifest_find_tensor(m, g, (enum tensor_role)r);
-			CHECK(t < (int)m->n_tensors, "manifest_find_tensor gave %d", t);
-			if (t >= 0)
-				CHECK(m->tensors[t].role == (uint32_t)r || (r == ROLE_LM_HEAD && m->cfg.tie_embeddings),
-				      "manifest_find_tensor(%u, %d) gave a tensor of role %u", g, r, m->tensors[t].role);
-		}
-	CHECK((m->tokenizer_json != NULL) == (m->tokenizer_bytes > 0), "tokenizer_json %p, %llu bytes",
-	      (void *)m->tokenizer_json, (unsigned long long)m->tokenizer_bytes);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """make-corpus.py - writes the seed corpora of tests/fuzz (docs/fuzzing.md).
 
-    tests/fuzz/make-corpus.py --fuzz-build build-fuzz --bin build/bin
+    tests/fuzz/make-corpus.py --fuzz-build build-fuzz --bin build/bin [codec tokenizer gguf manifest]
 
 - corpus/codec: every message type, from make_codec_seeds (built in the fuzz build directory).
 - corpus/tokenizer: small tokenizer.json files: a cut of the Llama 3 tokenizer
@@ -11,7 +11,10 @@
 - corpus/manifest: checkpoint directories in fuzz_manifest's text form ("@@@@ NAME [OPTION]"
   sections): config.json, generation_config.json, safetensors headers and the index of the tiny
   synthetic checkpoints that make-synthetic-model writes (bf16, f32 sharded and tied, f16
-  Mistral), one with the small tokenizer.json, and near-valid ones.
+  Mistral), one with the small tokenizer.json, near-valid ones, and a directory holding a GGUF
+  header.
+- corpus/gguf: GGUF headers from make_gguf_seeds (built in the fuzz build directory): the tiny
+  Llama in several types, with tokenizers, with llama3 RoPE scaling, and refused ones.
 
 Files of the corpora are named by content (what libFuzzer itself does), except the hand-named
 regression inputs (regress-*), which this script leaves alone.
@@ -58,6 +61,18 @@ def codec(fuzz_build):
         for f in sorted(os.listdir(tmp)):
             with open(os.path.join(tmp, f), "rb") as fh:
                 put(d, fh.read(), "seed-" + f)
+    finally:
+        shutil.rmtree(tmp)
+
+
+def gguf(fuzz_build):
+    d = clear("gguf")
+    tmp = tempfile.mkdtemp()
+    try:
+        subprocess.run([os.path.join(fuzz_build, "fuzz", "make_gguf_seeds"), ROOT, tmp], check=True)
+        for f in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, f), "rb") as fh:
+                put(d, fh.read(), f)
     finally:
         shutil.rmtree(tmp)
 
@@ -213,6 +228,9 @@ def manifest(bin_dir):
         # An index naming a file that is a directory, and a file that is not there.
         idx = [f for f in checkpoint(bin_dir, os.path.join(tmp, "sh2"), "--shards", "2") if f[0].endswith(".json")]
         put(d, sections(idx + [("model-00001-of-00002.safetensors/", "", b"")]))
+        # A directory holding one GGUF file and no safetensors checkpoint (corpus/gguf first).
+        with open(os.path.join(CORPUS, "gguf", "seed-tiny-q8_0-tied"), "rb") as f:
+            put(d, sections([("tiny.gguf", "fit", f.read())]))
     finally:
         shutil.rmtree(tmp)
 
@@ -223,10 +241,17 @@ def main():
                     help="the PIPELINE_FUZZ build directory (for make_codec_seeds)")
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "bin"),
                     help="bin directory of the main build (for make-synthetic-model)")
+    ap.add_argument("targets", nargs="*", default=["codec", "tokenizer", "gguf", "manifest"],
+                    help="the corpora to write (default: all)")
     a = ap.parse_args()
-    codec(a.fuzz_build)
-    tokenizer()
-    manifest(a.bin)
+    if "codec" in a.targets:
+        codec(a.fuzz_build)
+    if "tokenizer" in a.targets:
+        tokenizer()
+    if "gguf" in a.targets:
+        gguf(a.fuzz_build)
+    if "manifest" in a.targets:
+        manifest(a.bin)
     total = sum(os.path.getsize(p) for p in glob.glob(os.path.join(CORPUS, "*", "*")))
     print(f"make-corpus: {total} bytes in {CORPUS}", file=sys.stderr)
 
