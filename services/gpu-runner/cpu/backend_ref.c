@@ -272,12 +272,14 @@ static int ref_attn_begin(struct backend_dev *be, const struct group_weights *w,
 	matmul(be, &j);
 
 	float *cs = be->rope_cs, *sn = be->rope_cs + half;
+	void (*rope)(float *, const float *, const float *, uint32_t) =
+		c->rope_layout == ROPE_ADJACENT ? cpu_rope_apply_adjacent : cpu_rope_apply;
 	for (uint32_t t = 0; t < n; t++) {
 		cpu_rope_cos_sin(be->inv_freq, half, be->pos0 + t, cs, sn);
 		for (uint32_t h = 0; h < c->n_heads; h++)
-			cpu_rope_apply(be->q + (size_t)t * be->q_dim + (size_t)h * hd, cs, sn, half);
+			rope(be->q + (size_t)t * be->q_dim + (size_t)h * hd, cs, sn, half);
 		for (uint32_t h = 0; h < c->n_kv_heads; h++)
-			cpu_rope_apply(be->k + (size_t)t * be->kv_dim + (size_t)h * hd, cs, sn, half);
+			rope(be->k + (size_t)t * be->kv_dim + (size_t)h * hd, cs, sn, half);
 		float *kdst = be->arena + (size_t)dst_block[t] * be->block_floats + (size_t)dst_row[t] * be->kv_dim;
 		float *vdst = kdst + (size_t)be->p.block_tokens * be->kv_dim;
 		memcpy(kdst, be->k + (size_t)t * be->kv_dim, be->kv_dim * sizeof(float));

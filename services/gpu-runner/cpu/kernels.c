@@ -51,6 +51,16 @@ void cpu_rope_cos_sin(const float *inv, uint32_t half, uint32_t pos, float *cs, 
 	}
 }
 
+/* Adjacent pairs (x[2i], x[2i + 1]), rounded as cpu_rope_apply. */
+void cpu_rope_apply_adjacent(float *x, const float *cs, const float *sn, uint32_t half)
+{
+	for (uint32_t i = 0; i < half; i++) {
+		float x1 = x[2 * i], x2 = x[2 * i + 1];
+		x[2 * i] = x1 * cs[i] - x2 * sn[i];
+		x[2 * i + 1] = x2 * cs[i] + x1 * sn[i];
+	}
+}
+
 /* rotate_half layout (not interleaved): the pair is (x[i], x[i + hd/2]). */
 void cpu_rope_apply(float *x, const float *cs, const float *sn, uint32_t half)
 {

@@ -22,6 +22,8 @@ float cpu_silu_mul(float g, float u);
 void cpu_rope_cos_sin(const float *inv, uint32_t half, uint32_t pos, float *cs, float *sn);
 /* Rotates one head of 2 * half dimensions in rotate_half layout: pairs (x[i], x[i + half]). */
 void cpu_rope_apply(float *x, const float *cs, const float *sn, uint32_t half);
+/* The same rotation with adjacent pairs (x[2i], x[2i + 1]) (ROPE_ADJACENT: GGUF's wq/wk rows). */
+void cpu_rope_apply_adjacent(float *x, const float *cs, const float *sn, uint32_t half);
 
 #ifdef __cplusplus
 }
