@@ -599,7 +599,8 @@ static void launch_f(struct backend_dev *be, const qgemv_args &a, int mode, uint
 bool qgemv_fits(const struct backend_dev *be, uint32_t fmt, uint32_t in, uint32_t n, const struct mm_part *parts,
 		uint32_t np)
 {
-	if (!be->gemv_rows || n == 0 || n > QGEMV_MAX_TOKENS || in % dtype_block_elems((enum dtype)fmt))
+	if (!be->gemv_rows || !be->qgemv_ok || n == 0 || n > QGEMV_MAX_TOKENS ||
+	    in % dtype_block_elems((enum dtype)fmt))
 		return false;
 	/* Q4_K and Q5_K are read with 16-byte loads; the others need their 2-byte scales aligned. */
 	uintptr_t align = fmt == DT_Q4_K || fmt == DT_Q5_K ? 16 : 2;
