@@ -3,13 +3,15 @@
  * or SiLU(gate) * up for one token. The weights cross the memory bus once, as quantized bytes.
  *
  * Work. A block of QG_WARPS warps computes one output row per warp (row group = QG_WARPS rows)
- * and walks row groups grid-stride, so x, staged once, serves every group a block takes. A warp
- * walks its row in steps of S values: per step each lane takes 32 (Q8_0, Q4_0: one block per
- * lane) or 64 values (K formats: a quarter of a 256-value block per lane, four lanes a block),
- * loads its block bytes (16-byte loads for Q4_K / Q5_K, whose blocks are 16-byte multiples;
- * aligned words shifted into place for the 2-byte aligned Q8_0, Q4_0 and Q6_K), two steps'
- * loads in flight before the arithmetic, then unpacks quants with bit operations and
- * accumulates in float32; a warp-shuffle sum ends the row.
+ * and walks row groups grid-stride (the grid is what fits the GPU at once), so x, staged once,
+ * serves every group a block takes. A warp walks its row in steps of S values: per step each
+ * lane takes 32 (Q8_0, Q4_0: one block per lane) or 64 values (K formats: a quarter of a
+ * 256-value block per lane, four lanes a block), loads its block bytes (16-byte loads for Q4_K /
+ * Q5_K, whose blocks are 16-byte multiples; aligned words shifted into place for the 2-byte
+ * aligned Q8_0, Q4_0 and Q6_K), unpacks quants with bit operations and accumulates in float32;
+ * a warp-shuffle sum ends the row. The (row, step) items of a warp form one stream, the next
+ * item's loads issued before the current one's arithmetic, across rows too (SwiGLU's items
+ * alternate gate and up); the first row's bytes are prefetched into L2 while x is staged.
  *
  * Quants to floats. A quant q of b bits is written into the top mantissa bits of 1.0f with one
  * byte permute: f = 1 + q / 2^b exactly. Then sum q x = 2^b (sum f x - sum x), and the sums of x
@@ -402,96 +404,173 @@ static __device__ __forceinline__ void prefetch_l2(const uint8_t *p, uint64_t by
 		asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
 }
 
-template <int F, int NT, int MODE> __global__ void __launch_bounds__(QG_THREADS) qgemv_kernel(const qgemv_args a)
-{
-	typedef qg<F> T;
-	typedef typename T::data D;
-	extern __shared__ float4 qg_smem[];
-	const uint32_t wid = threadIdx.x / 32, lane = threadIdx.x % 32, lx = lane & 7, j = lane % T::LPB;
-	const uint32_t ts = a.tile_steps, ntiles = (a.steps + ts - 1) / ts;
-	const uint32_t xstride = ts * 32 * T::PPL, mstride = ts * 32; /* float4 per token */
-	float4 *xs = qg_smem, *xsum = qg_smem + NT * xstride;
-	bool staged = false;
-	for (uint32_t rg = blockIdx.x; rg < a.groups; rg += gridDim.x) {
-		const uint32_t r = rg * QG_WARPS + wid;
-		const bool live = r < a.total;
-		uint32_t p = 0, o = live ? r : 0;
+/* The row a warp computes in row group rg: part p, row o of it, its bytes (row2: up's row of
+ * SwiGLU). False past the last row. */
+template <int MODE> struct qg_row {
+	uint32_t rg, p, o;
+	const uint8_t *row, *row2;
+
+	__device__ __forceinline__ bool at(const qgemv_args &a, uint32_t group, uint32_t wid)
+	{
+		rg = group;
+		const uint32_t r = group * QG_WARPS + wid;
+		if (group >= a.groups || r >= a.total)
+			return false;
+		p = 0;
+		o = r;
 		if (MODE != GEMV_SWIGLU)
 			while (p < 2 && o >= a.rows[p])
 				o -= a.rows[p++];
 		/* Branches, not a.w[p]: a run-time index into the parameters would copy them to
 		 * local memory. */
 		const uint8_t *wp = p == 0 ? a.w[0] : p == 1 ? a.w[1] : a.w[2];
-		const uint8_t *row = wp + (size_t)o * a.row_bytes;
-		const uint8_t *row2 = MODE == GEMV_SWIGLU ? a.w[1] + (size_t)o * a.row_bytes : row;
-		if (!staged && live) {
-			/* The first row's bytes start coming while x is staged. */
-			prefetch_l2(row, a.row_bytes, lane);
-			if (MODE == GEMV_SWIGLU)
-				prefetch_l2(row2, a.row_bytes, lane);
-		}
-		float acc[NT], acc2[NT];
+		row = wp + (size_t)o * a.row_bytes;
+		row2 = MODE == GEMV_SWIGLU ? a.w[1] + (size_t)o * a.row_bytes : row;
+		return true;
+	}
+};
+
+/* Lane 0 writes the row's results (the warp's sums of acc): store, residual add or SwiGLU. */
+template <int NT, int MODE>
+static __device__ __forceinline__ void qg_finish(const qgemv_args &a, uint32_t p, uint32_t o, uint32_t lane,
+						 float *acc, float *acc2)
+{
 #pragma unroll
-		for (int t = 0; t < NT; t++)
-			acc[t] = acc2[t] = 0.0f;
+	for (int t = 0; t < NT; t++) {
+		const float y = warp_sum(acc[t]);
+		const float u = MODE == GEMV_SWIGLU ? warp_sum(acc2[t]) : 0.0f;
+		acc[t] = acc2[t] = 0.0f;
+		if (lane == 0 && (uint32_t)t < a.n) {
+			float *dst = p == 0 ? a.out[0] : p == 1 ? a.out[1] : a.out[2];
+			if (MODE == GEMV_STORE)
+				dst[(size_t)t * a.ldc + o] = y;
+			else if (MODE == GEMV_ADD)
+				a.out[0][(size_t)t * a.ldc + o] = __fadd_rn(a.out[0][(size_t)t * a.ldc + o], y);
+			else
+				a.act[o] = __float2bfloat16_rn(silu_mul(y, u));
+		}
+	}
+}
+
+/* Items of a row: its steps, and for SwiGLU gate's and up's steps in turn (item k is step k / 2 of
+ * gate for even k, of up for odd k), so a warp holds the bytes of two items, not four. */
+template <int MODE> static __device__ __forceinline__ uint32_t qg_items(const qgemv_args &a)
+{
+	return MODE == GEMV_SWIGLU ? 2 * a.steps : a.steps;
+}
+
+/* The block bytes a lane reads for item k of a row. */
+template <int F, int MODE>
+static __device__ __forceinline__ void qg_load(const qgemv_args &a, const qg_row<MODE> &w, uint32_t k, uint32_t lane,
+					       typename qg<F>::data &d)
+{
+	typedef qg<F> T;
+	const uint32_t s = MODE == GEMV_SWIGLU ? k >> 1 : k;
+	const uint32_t b = s * T::BPS + lane / T::LPB;
+	const uint8_t *row = MODE == GEMV_SWIGLU && (k & 1) ? w.row2 : w.row;
+	if (b < a.nb)
+		T::load(row + (size_t)b * T::BB, lane % T::LPB, d);
+}
+
+/* Adds a lane's share of item k (its step staged as tile step sl) to acc (up's items to acc2). */
+template <int F, int NT, int MODE>
+static __device__ __forceinline__ void qg_dot(const qgemv_args &a, uint32_t k, uint32_t sl, uint32_t lane,
+					      const typename qg<F>::data &d, const float4 *xs, const float4 *xsum,
+					      uint32_t xstride, uint32_t mstride, float *acc, float *acc2)
+{
+	typedef qg<F> T;
+	const uint32_t s = MODE == GEMV_SWIGLU ? k >> 1 : k;
+	const uint32_t b = s * T::BPS + lane / T::LPB;
+	if (b < a.nb) {
+		const float4 *x0 = xs + ((size_t)sl * 32 + lane) * T::PPL, *m0 = xsum + sl * 32 + lane;
+		T::template dot<NT>(d, lane % T::LPB, x0, xstride, m0, mstride, lane & 7,
+				    MODE == GEMV_SWIGLU && (k & 1) ? acc2 : acc);
+	}
+}
+
+/* One stage of a warp's stream of (row, item) pairs when x is staged whole: loads the item after
+ * the current one into nd, then computes the current one from cd, finishing its row after its
+ * last item, and moves on. False when no item follows. Called with the buffers swapped in turn,
+ * so one item's loads are in flight while another's arithmetic runs, across rows too. */
+template <int F, int NT, int MODE>
+static __device__ __forceinline__ bool qg_stream(const qgemv_args &a, qg_row<MODE> &cur, uint32_t &k, uint32_t wid,
+						 uint32_t lane, const typename qg<F>::data &cd,
+						 typename qg<F>::data &nd, const float4 *xs, const float4 *xsum,
+						 uint32_t xstride, uint32_t mstride, float *acc, float *acc2)
+{
+	const uint32_t items = qg_items<MODE>(a);
+	qg_row<MODE> nxt = cur;
+	uint32_t nk = k + 1;
+	bool more = true;
+	if (nk == items) {
+		nk = 0;
+		more = nxt.at(a, cur.rg + gridDim.x, wid);
+	}
+	if (more)
+		qg_load<F, MODE>(a, nxt, nk, lane, nd);
+	qg_dot<F, NT, MODE>(a, k, MODE == GEMV_SWIGLU ? k >> 1 : k, lane, cd, xs, xsum, xstride, mstride, acc, acc2);
+	if (k + 1 == items)
+		qg_finish<NT, MODE>(a, cur.p, cur.o, lane, acc, acc2);
+	cur = nxt;
+	k = nk;
+	return more;
+}
+
+template <int F, int NT, int MODE> __global__ void __launch_bounds__(QG_THREADS) qgemv_kernel(const qgemv_args a)
+{
+	typedef qg<F> T;
+	typedef typename T::data D;
+	extern __shared__ float4 qg_smem[];
+	const uint32_t wid = threadIdx.x / 32, lane = threadIdx.x % 32;
+	const uint32_t ts = a.tile_steps, ntiles = (a.steps + ts - 1) / ts;
+	const uint32_t xstride = ts * 32 * T::PPL, mstride = ts * 32; /* float4 per token */
+	float4 *xs = qg_smem, *xsum = qg_smem + NT * xstride;
+	float acc[NT], acc2[NT];
+#pragma unroll
+	for (int t = 0; t < NT; t++)
+		acc[t] = acc2[t] = 0.0f;
+	qg_row<MODE> cur;
+	bool live = cur.at(a, blockIdx.x, wid);
+	if (live) {
+		/* The first row's bytes start coming while x is staged. */
+		prefetch_l2(cur.row, a.row_bytes, lane);
+		if (MODE == GEMV_SWIGLU)
+			prefetch_l2(cur.row2, a.row_bytes, lane);
+	}
+
+	if (ntiles == 1) {
+		/* x staged once serves every row the block takes: each warp streams its items. */
+		qg_stage<F, NT>(xs, xsum, a, 0, ts);
+		if (!live)
+			return; /* no barrier follows */
+		D d0, d1;
+		uint32_t k = 0;
+		qg_load<F, MODE>(a, cur, 0, lane, d0);
+		while (qg_stream<F, NT, MODE>(a, cur, k, wid, lane, d0, d1, xs, xsum, xstride, mstride, acc, acc2) &&
+		       qg_stream<F, NT, MODE>(a, cur, k, wid, lane, d1, d0, xs, xsum, xstride, mstride, acc, acc2))
+			;
+		return;
+	}
+
+	/* x wider than a block's shared memory: row group by row group, tile by tile (every warp
+	 * of the block takes part in each staging, rows or not). */
+	for (uint32_t rg = blockIdx.x; rg < a.groups; rg += gridDim.x) {
+		live = cur.at(a, rg, wid);
 		for (uint32_t tile = 0; tile < ntiles; tile++) {
-			if (!staged || ntiles > 1) {
-				__syncthreads(); /* every warp is done with the tile staged before */
-				qg_stage<F, NT>(xs, xsum, a, tile, ts);
-				staged = true;
-			}
+			__syncthreads(); /* every warp is done with the tile staged before */
+			qg_stage<F, NT>(xs, xsum, a, tile, ts);
 			if (!live)
 				continue;
 			const uint32_t s0 = tile * ts, cnt = min(ts, a.steps - s0);
-			uint32_t sl = 0;
-			/* Two steps' loads in flight before their arithmetic; SwiGLU reads two rows per
-			 * step already (and would hold four blocks' bytes in registers). */
-			if (MODE != GEMV_SWIGLU) {
-				for (; sl + 1 < cnt; sl += 2) {
-					const uint32_t b0 = (s0 + sl) * T::BPS + lane / T::LPB, b1 = b0 + T::BPS;
-					const bool k0 = b0 < a.nb, k1 = b1 < a.nb;
-					D d0, d1;
-					if (k0)
-						T::load(row + (size_t)b0 * T::BB, j, d0);
-					if (k1)
-						T::load(row + (size_t)b1 * T::BB, j, d1);
-					const float4 *x0 = xs + ((size_t)sl * 32 + lane) * T::PPL;
-					const float4 *m0 = xsum + sl * 32 + lane;
-					if (k0)
-						T::template dot<NT>(d0, j, x0, xstride, m0, mstride, lx, acc);
-					if (k1)
-						T::template dot<NT>(d1, j, x0 + 32 * T::PPL, xstride, m0 + 32, mstride, lx, acc);
-				}
-			}
-			for (; sl < cnt; sl++) {
-				const uint32_t b0 = (s0 + sl) * T::BPS + lane / T::LPB;
-				if (b0 < a.nb) {
-					D d0, e0;
-					T::load(row + (size_t)b0 * T::BB, j, d0);
-					if (MODE == GEMV_SWIGLU)
-						T::load(row2 + (size_t)b0 * T::BB, j, e0);
-					const float4 *x0 = xs + ((size_t)sl * 32 + lane) * T::PPL;
-					const float4 *m0 = xsum + sl * 32 + lane;
-					T::template dot<NT>(d0, j, x0, xstride, m0, mstride, lx, acc);
-					if (MODE == GEMV_SWIGLU)
-						T::template dot<NT>(e0, j, x0, xstride, m0, mstride, lx, acc2);
-				}
+			const uint32_t per = MODE == GEMV_SWIGLU ? 2 : 1; /* items per step */
+			for (uint32_t k = s0 * per; k < (s0 + cnt) * per; k++) {
+				D d0;
+				qg_load<F, MODE>(a, cur, k, lane, d0);
+				qg_dot<F, NT, MODE>(a, k, k / per - s0, lane, d0, xs, xsum, xstride, mstride, acc, acc2);
 			}
 		}
-#pragma unroll
-		for (int t = 0; t < NT; t++) {
-			const float y = warp_sum(acc[t]);
-			const float u = MODE == GEMV_SWIGLU ? warp_sum(acc2[t]) : 0.0f;
-			if (lane == 0 && live && (uint32_t)t < a.n) {
-				float *dst = p == 0 ? a.out[0] : p == 1 ? a.out[1] : a.out[2];
-				if (MODE == GEMV_STORE)
-					dst[(size_t)t * a.ldc + o] = y;
-				else if (MODE == GEMV_ADD)
-					a.out[0][(size_t)t * a.ldc + o] = __fadd_rn(a.out[0][(size_t)t * a.ldc + o], y);
-				else
-					a.act[o] = __float2bfloat16_rn(silu_mul(y, u));
-			}
-		}
+		if (live)
+			qg_finish<NT, MODE>(a, cur.p, cur.o, lane, acc, acc2);
 	}
 }
 
