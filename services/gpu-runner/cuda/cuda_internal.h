@@ -41,13 +41,15 @@
 #define GEMV_WARPS 8		/* warps per GEMV block */
 #define GEMV_UNROLL 4		/* 16-byte loads in flight per row and lane */
 #define GEMV_DEFAULT_ROWS 1	/* rows per warp unless backend_params.gemv says otherwise */
-/* Products of at most this many tokens with block-quantized weights read the blocks in place
- * (gemv_quant.cu); larger ones dequantize to BF16 and use cuBLAS. The fused kernel reads the
- * weights once for all its tokens and costs a permute and n FMAs per weight; dequantizing costs
- * a write and a read of 2 bytes per weight on top of the quantized read (~6x the bytes of
- * Q4_K), so the kernel wins up to dozens of tokens: 8 keeps its per-token registers and
- * staged x small (a prompt's tail chunk, not prefill, is what lands between). */
-#define QGEMV_MAX_TOKENS 8
+/* Products of at most QGEMV_MAX_TOKENS tokens with block-quantized weights read the blocks in
+ * place (gemv_quant.cu), QG_MAX_NT tokens per pass; larger ones dequantize to BF16 and use
+ * cuBLAS. A pass reads the weights once for its tokens and costs a permute and NT FMAs per
+ * weight (for 8 tokens about 11 instructions a weight: ~3 ms for an 8B model on an H100, compute
+ * bound); dequantizing writes and reads 2 bytes per weight on top of the quantized read (~12 ms
+ * for the same model before cuBLAS's own work), so passes win up to about 32 tokens. 16 stays
+ * well inside that; what lands between is a prompt's tail chunk, prefill proper is far above. */
+#define QGEMV_MAX_TOKENS 16
+#define QG_MAX_NT 8		/* tokens of one quantized GEMV pass (its per-token registers) */
 #define QG_WARPS 8		/* warps (output rows) per block of the quantized GEMV */
 #define QG_SMEM_MAX (72u * 1024) /* shared memory of one quantized GEMV block: staged x */
 #define QG_OCC_CACHE 32		/* (kernel, shared memory) pairs whose occupancy a backend remembers */

@@ -691,7 +691,7 @@ bool qgemv_fits(const struct backend_dev *be, uint32_t fmt, uint32_t in, uint32_
 
 void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode, cudaStream_t s)
 {
-	assert(a.n >= 1 && a.n <= QGEMV_MAX_TOKENS && (mode != GEMV_SWIGLU || a.n == 1));
+	assert(a.n >= 1 && a.n <= QG_MAX_NT && (mode != GEMV_SWIGLU || a.n == 1));
 	const uint32_t nt = a.n == 1 ? 1 : a.n == 2 ? 2 : a.n <= 4 ? 4 : 8;
 	const uint32_t sv = step_values(fmt);
 	a.nb = a.in / dtype_block_elems((enum dtype)fmt);

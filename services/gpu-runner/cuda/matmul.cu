@@ -75,21 +75,24 @@ static int matmul_quant(struct backend_dev *be, uint32_t fmt, const void *x, uin
 			const struct mm_part *parts, uint32_t np, uint32_t ldc, bool add, const char *what)
 {
 	if (qgemv_fits(be, fmt, in, n, parts, np)) {
-		qgemv_args g;
-		memset(&g, 0, sizeof(g));
-		for (uint32_t i = 0; i < np; i++) {
-			g.w[i] = (const uint8_t *)parts[i].w;
-			g.out[i] = parts[i].out;
-			g.rows[i] = parts[i].rows;
-			g.total += parts[i].rows;
+		/* Passes of up to QG_MAX_NT tokens, each reading the weights once. */
+		for (uint32_t t0 = 0; t0 < n; t0 += QG_MAX_NT) {
+			qgemv_args g;
+			memset(&g, 0, sizeof(g));
+			for (uint32_t i = 0; i < np; i++) {
+				g.w[i] = (const uint8_t *)parts[i].w;
+				g.out[i] = parts[i].out + (size_t)t0 * ldc;
+				g.rows[i] = parts[i].rows;
+				g.total += parts[i].rows;
+			}
+			g.row_bytes = parts[0].row_bytes;
+			g.in = in;
+			g.n = n - t0 < QG_MAX_NT ? n - t0 : QG_MAX_NT;
+			g.ldc = ldc;
+			g.x = (const __nv_bfloat16 *)x + (size_t)t0 * in;
+			qgemv_launch(be, fmt, g, add ? GEMV_ADD : GEMV_STORE, be->stream);
+			LAUNCHED(be, "qgemv_kernel");
 		}
-		g.row_bytes = parts[0].row_bytes;
-		g.in = in;
-		g.n = n;
-		g.ldc = ldc;
-		g.x = (const __nv_bfloat16 *)x;
-		qgemv_launch(be, fmt, g, add ? GEMV_ADD : GEMV_STORE, be->stream);
-		LAUNCHED(be, "qgemv_kernel");
 		return 0;
 	}
 	/* Rows dequantized into the scratch a chunk at a time, each chunk one GEMM. */

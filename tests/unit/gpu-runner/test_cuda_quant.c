@@ -6,7 +6,8 @@
  * quant_dequantize (common/quant.h) and sums in double.
  *
  *  - products (cuda_test.h's hook, the backend's own dispatch): decode (1, 3, 5, 8 tokens: the
- *    fused GEMV), prefill (37, 300 tokens: dequantization to BF16 and cuBLAS in row chunks), the
+ *    fused GEMV; 12 and 16: two passes of it), prefill (20, 37, 300 tokens: dequantization to
+ *    BF16 and cuBLAS in row chunks), the
  *    GEMV switched off (BACKEND_GEMV_CUBLAS), odd row counts, widths of 256 k (96 for the 32-value
  *    formats), a width that takes several tiles of staged x, a tensor 2 bytes off alignment.
  *    Against the exact product (float32 x): relative L2 <= 1e-2, because the backend rounds x to
@@ -318,7 +319,7 @@ static void check_product(struct backend *be, const struct qmat *m, uint32_t n, 
 	free(addend);
 }
 
-/* Every shape of one format on the default backend (GEMV up to 8 tokens) and on one with the
+/* Every shape of one format on the default backend (GEMV up to 16 tokens) and on one with the
  * GEMV off. */
 static void check_format(enum dtype f)
 {
@@ -335,8 +336,8 @@ static void check_format(enum dtype f)
 	const uint32_t widths[] = {narrow, 2304, 20480};
 	for (size_t i = 0; i < 3; i++) {
 		qmat_new(&m, f, 1003, widths[i], 0, 11 + i);
-		static const uint32_t ns[] = {1, 3, 5, 8};
-		for (size_t k = 0; k < 4; k++) {
+		static const uint32_t ns[] = {1, 3, 5, 8, 12, 16};
+		for (size_t k = 0; k < 6; k++) {
 			if (widths[i] == 20480 && ns[k] > 3)
 				continue;
 			snprintf(what, sizeof(what), "%s 1003 x %u, %u tokens", dtype_name(f), widths[i], ns[k]);
@@ -361,8 +362,12 @@ static void check_format(enum dtype f)
 	check_product(be, &m, 37, CUDA_TEST_STORE, PATH_DEQUANT, what);
 	snprintf(what, sizeof(what), "%s 4100 x 2304, 37 tokens, add", dtype_name(f));
 	check_product(be, &m, 37, CUDA_TEST_ADD, PATH_DEQUANT, what);
-	snprintf(what, sizeof(what), "%s 4100 x 2304, 9 tokens, swiglu", dtype_name(f));
-	check_product(be, &m, 9, CUDA_TEST_SWIGLU, PATH_DEQUANT, what);
+	snprintf(what, sizeof(what), "%s 4100 x 2304, 9 tokens, swiglu (two passes)", dtype_name(f));
+	check_product(be, &m, 9, CUDA_TEST_SWIGLU, PATH_GEMV, what);
+	snprintf(what, sizeof(what), "%s 4100 x 2304, 20 tokens, swiglu", dtype_name(f));
+	check_product(be, &m, 20, CUDA_TEST_SWIGLU, PATH_DEQUANT, what);
+	snprintf(what, sizeof(what), "%s 4100 x 2304, 11 tokens, add (two passes)", dtype_name(f));
+	check_product(be, &m, 11, CUDA_TEST_ADD, PATH_GEMV, what);
 	qmat_free(&m);
 	qmat_new(&m, f, 1003, narrow, 0, 22);
 	snprintf(what, sizeof(what), "%s 1003 x %u, 300 tokens", dtype_name(f), narrow);
@@ -553,15 +558,17 @@ static void step(struct backend *be, const struct qmodel *m, bool device, const 
 	CHECK_RC(be, backend_logits(be, device ? &m->d_head : &m->h_head, logits));
 }
 
-#define PROMPT 37  /* chunks of 16, 16 (dequantize + cuBLAS) and 5 (the GEMV for 5 tokens) */
+#define PROMPT 37  /* chunks of 24 (dequantize + cuBLAS) and 13 (two GEMV passes: 8 and 5 tokens) */
+#define CHUNK 24
 #define DECODE 4   /* one token at a time (the GEMV, SwiGLU fused where gate and up agree) */
 #define STEPS (PROMPT + DECODE)
+#define RUNS (2 + DECODE) /* forward steps of the schedule */
 
 /* The logits of every step of the schedule on backend `name` (cuda: device weights). */
 static float *run_schedule(const char *name, const struct qmodel *m)
 {
 	uint32_t vocab = m->cfg.vocab_size;
-	struct backend *be = open_backend(name, &m->cfg, 16, BACKEND_GEMV_DEFAULT);
+	struct backend *be = open_backend(name, &m->cfg, CHUNK, BACKEND_GEMV_DEFAULT);
 	int32_t tok[STEPS];
 	rng_state = 77;
 	for (uint32_t i = 0; i < STEPS; i++)
@@ -570,11 +577,11 @@ static float *run_schedule(const char *name, const struct qmodel *m)
 	ck_assert_ptr_nonnull(out);
 	uint32_t k = 0;
 	for (uint32_t i = 0; i < STEPS; k++) {
-		uint32_t n = i < PROMPT ? (PROMPT - i < 16 ? PROMPT - i : 16) : 1;
+		uint32_t n = i < PROMPT ? (PROMPT - i < CHUNK ? PROMPT - i : CHUNK) : 1;
 		step(be, m, strcmp(name, "cpu") != 0, tok + i, n, i, out + (size_t)k * vocab);
 		i += n;
 	}
-	ck_assert_uint_eq(k, 3 + DECODE);
+	ck_assert_uint_eq(k, RUNS);
 	backend_destroy(&be);
 	return out;
 }
@@ -583,7 +590,7 @@ static float *run_schedule(const char *name, const struct qmodel *m)
 static double worst_step(const float *a, const float *ref, uint32_t vocab)
 {
 	double worst = 0;
-	for (uint32_t k = 0; k < 3 + DECODE; k++) {
+	for (uint32_t k = 0; k < RUNS; k++) {
 		double e = rel_l2(a + (size_t)k * vocab, ref + (size_t)k * vocab, vocab);
 		worst = e > worst ? e : worst;
 	}
