@@ -81,8 +81,10 @@ static int cmp_double(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
-static const char *gemv_name(uint32_t g)
+static const char *gemv_name(uint32_t g, bool quant)
 {
+	if (quant)
+		return g == BACKEND_GEMV_CUBLAS ? "dequantize + cublas" : "quantized gemv";
 	return g == BACKEND_GEMV_CUBLAS ? "cublas" : g == BACKEND_GEMV_ROWS2 ? "2 rows/warp" : "1 row/warp";
 }
 
@@ -105,6 +107,7 @@ struct big {
 	size_t weight_bytes; /* bytes a decode step reads (all but the embedding table) */
 	size_t head_bytes;   /* of lm_head */
 	const char *weights; /* "BF16", "Q4_K_M" */
+	bool quant;	     /* block formats */
 };
 
 static struct model_config llama3_8b(void)
@@ -226,6 +229,7 @@ static void big_new_quant(struct big *b)
 	struct model_config c = llama3_8b();
 	b->cfg = c;
 	b->weights = "Q4_K_M";
+	b->quant = true;
 	const uint32_t dim = c.dim, qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim, ffn = c.ffn_dim;
 	b->attn = calloc(c.n_layers, sizeof(*b->attn));
 	b->ffn = calloc(c.n_layers, sizeof(*b->ffn));
@@ -426,7 +430,7 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 	struct perf_run r;
 	perf_open(&r, b, gemv, attn);
 	char how[96];
-	snprintf(how, sizeof(how), "%s, gemv %s, attention %s", b->weights, gemv_name(gemv),
+	snprintf(how, sizeof(how), "%s, gemv %s, attention %s", b->weights, gemv_name(gemv, b->quant),
 		 attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma");
 
 	/* Warm-up: one chunk and a few decode steps, then start over at position 0. */
@@ -487,7 +491,7 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 		"\"hbm_read_bytes_per_s\": %.4g, \"hbm_bound_ms\": %.4f, \"decode_over_bound\": %.3f, "
 		"\"lm_head_ms\": %.4f, \"prefill_512_long_ms\": %.4f, \"decode_long_ms\": %.4f, "
 		"\"decode_long_context\": %u}\n",
-		b->weights, gemv_name(gemv), attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma", pf[1], dt_short,
+		b->weights, gemv_name(gemv, b->quant), attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma", pf[1], dt_short,
 		PERF_CHUNK + 16, enq_short, b->weight_bytes, hbm_read_rate, bound_ms, dt_short / bound_ms, lm[8],
 		chunk_ms, dt_long, ctx_long);
 	fflush(json);
