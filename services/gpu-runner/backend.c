@@ -135,6 +135,10 @@ int backend_check_config(const char *name, const struct model_config *c, const s
 			 name, p->max_chunk, p->block_tokens, p->n_kv_blocks);
 		return -EINVAL;
 	}
+	if (c->rope_layout > ROPE_ADJACENT) {
+		snprintf(err, errlen, "%s backend: rope layout %u is unknown", name, c->rope_layout);
+		return -EINVAL;
+	}
 	if (p->gemv > BACKEND_GEMV_ROWS2 || p->attn > BACKEND_ATTN_SIMPLE) {
 		snprintf(err, errlen, "%s backend: unknown kernel choice (gemv %u, attn %u)", name, p->gemv, p->attn);
 		return -EINVAL;
@@ -192,6 +196,16 @@ void backend_destroy(struct backend **bep)
 	*bep = NULL;
 }
 
+const struct backend_impl *backend_impl_of(const struct backend *be)
+{
+	return be->impl;
+}
+
+struct backend_dev *backend_dev_of(struct backend *be)
+{
+	return be->dev;
+}
+
 const char *backend_name(const struct backend *be)
 {
 	return be->impl->name;
@@ -215,7 +229,8 @@ struct CUstream_st *backend_cuda_stream(const struct backend *be)
 /* ---- checks of a forward step ---------------------------------------------------------- */
 
 /* The tensors of `roles` are there, in a known format, readable where the backend reads them
- * (the embedding table: on the host). */
+ * (the embedding table: on the host). Matrices may be stored in a block format (whole blocks per
+ * row); norm vectors are read element by element, so they must be F32, F16 or BF16. */
 static int check_roles(struct backend *be, const struct group_weights *w, const enum tensor_role *roles, uint32_t n,
 		       const char *what)
 {
@@ -229,16 +244,16 @@ static int check_roles(struct backend *be, const struct group_weights *w, const 
 		if (t->format >= DT_COUNT)
 			return fail(be, -EINVAL, "%s: %s tensor has unknown dtype %u", what, tensor_role_name(r),
 				    t->format);
-		uint32_t rows = be->rows[r], cols = be->cols[r];
+		enum dtype f = (enum dtype)t->format;
 		bool vector = r == ROLE_ATTN_NORM || r == ROLE_FFN_NORM || r == ROLE_FINAL_NORM;
-		if (vector && !dtype_is_element((enum dtype)t->format))
-			return fail(be, -ENOTSUP, "%s: %s tensor is %s: norm weights must be F32, F16 or BF16", what,
-				    tensor_role_name(r), dtype_name((enum dtype)t->format));
-		if (cols % dtype_block_elems((enum dtype)t->format))
-			return fail(be, -EINVAL, "%s: %s tensor has %u columns, not a multiple of the %u values of a %s block",
-				    what, tensor_role_name(r), cols, dtype_block_elems((enum dtype)t->format),
-				    dtype_name((enum dtype)t->format));
-		if (t->row0 != 0 || t->rows != rows || t->cols != cols || t->row_bytes != dtype_row_bytes(t->format, cols))
+		if (vector && !dtype_is_element(f))
+			return fail(be, -EINVAL, "%s: %s tensor is %s: norm weights must be F32, F16 or BF16", what,
+				    tensor_role_name(r), dtype_name(f));
+		uint32_t rows = be->rows[r], cols = be->cols[r];
+		if (t->cols % dtype_block_elems(f))
+			return fail(be, -EINVAL, "%s: %s tensor has rows of %u elements, not whole %s blocks of %u", what,
+				    tensor_role_name(r), t->cols, dtype_name(f), dtype_block_elems(f));
+		if (t->row0 != 0 || t->rows != rows || t->cols != cols || t->row_bytes != dtype_row_bytes(f, cols))
 			return fail(be, -EINVAL,
 				    "%s: %s tensor holds rows %u..%u of %u elements (%llu bytes each); the model's is "
 				    "(%u, %u) in %s", what, tensor_role_name(r), t->row0, t->row0 + t->rows, t->cols,

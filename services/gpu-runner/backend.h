@@ -62,7 +62,9 @@ struct backend;
  * without the CUDA headers can hold one. */
 struct CUstream_st;
 
-/* Matrix-vector kernel for decode steps on the CUDA backend (comparisons and benchmarks). */
+/* Matrix-vector kernel for decode steps on the CUDA backend (comparisons and benchmarks).
+ * Block-quantized weights (GGUF) have a GEMV of their own for up to a few tokens; every choice
+ * but BACKEND_GEMV_CUBLAS uses it, which dequantizes to BF16 for cuBLAS instead. */
 enum backend_gemv {
 	BACKEND_GEMV_DEFAULT = 0, /* the backend's choice (one row per warp on CUDA) */
 	BACKEND_GEMV_CUBLAS = 1,  /* no GEMV kernel: cuBLAS for decode too */

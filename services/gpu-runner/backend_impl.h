@@ -74,6 +74,10 @@ extern const struct backend_impl backend_ref_impl;
 extern const struct backend_impl backend_cuda_impl;
 #endif
 const struct backend_impl *backend_impl_find(const char *name);
+/* The implementation and device state behind a backend (for an implementation's test hooks,
+ * e.g. cuda/cuda_test.h); the backend keeps both. */
+const struct backend_impl *backend_impl_of(const struct backend *be);
+struct backend_dev *backend_dev_of(struct backend *be);
 
 /* The checks every backend's create gets first: no zero size, heads a multiple of kv heads, a
  * finite rms_norm_eps >= 0, positive chunk, block and arena sizes. name ("cpu", "cuda") starts

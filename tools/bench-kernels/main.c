@@ -5,8 +5,16 @@
  * stderr and one JSON object per path on stdout. A benchmark, not a test: it asserts nothing
  * about speed.
  *
+ * --quant runs the same shape in GGUF's Q4_K_M mix instead (random valid blocks: Q4_K, with
+ * Q6_K for wv and down_proj of the layers llama.cpp gives more bits, and for lm_head; F32 norms;
+ * a Q4_K embedding table on the host), decoding through the quantized GEMV (and, without
+ * --quick, through dequantization and cuBLAS). Every JSON object carries the HBM bound of its
+ * decode step: the bytes the step reads over the device memory's read rate measured first
+ * (bench-limits' read kernel).
+ *
  *   bench-kernels                       # every path; the first also at ~4K context
  *   bench-kernels --quick               # the default path only
+ *   bench-kernels --quant [--quick]     # Q4_K_M weights
  *   bench-kernels --profile decode      # one decode step (or prefill) alone between
  *                                       # cudaProfilerStart/Stop: ncu --profile-from-start off
  */
@@ -25,6 +33,7 @@
 #include "common/dtype.h"
 #include "common/model.h"
 #include "services/gpu-runner/backend.h"
+#include "tools/bench-limits/hbm.h"
 
 #define CHECK(cond, ...)                                                                           \
 	do {                                                                                       \
@@ -72,8 +81,10 @@ static int cmp_double(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
-static const char *gemv_name(uint32_t g)
+static const char *gemv_name(uint32_t g, bool quant)
 {
+	if (quant)
+		return g == BACKEND_GEMV_CUBLAS ? "dequantize + cublas" : "quantized gemv";
 	return g == BACKEND_GEMV_CUBLAS ? "cublas" : g == BACKEND_GEMV_ROWS2 ? "2 rows/warp" : "1 row/warp";
 }
 
@@ -94,11 +105,12 @@ struct big {
 	void *pool;	  /* device: all matrices and norms */
 	void *embed_host; /* the embedding table */
 	size_t weight_bytes; /* bytes a decode step reads (all but the embedding table) */
+	size_t head_bytes;   /* of lm_head */
+	const char *weights; /* "BF16", "Q4_K_M" */
+	bool quant;	     /* block formats */
 };
 
-/* Random BF16 weights, ~N(0, 0.02)-sized uniform values (not zeros, which run faster than
- * real data): 64 MiB generated on the host, replicated over the device tensors. */
-static void big_new(struct big *b)
+static struct model_config llama3_8b(void)
 {
 	struct model_config c = {
 		.arch = ARCH_LLAMA, .n_layers = 32, .dim = 4096, .n_heads = 32, .n_kv_heads = 8, .head_dim = 128,
@@ -107,7 +119,16 @@ static void big_new(struct big *b)
 		.rope_low_freq_factor = 1, .rope_high_freq_factor = 4, .rope_original_max_position = 8192,
 		.bos_id = -1,
 	};
+	return c;
+}
+
+/* Random BF16 weights, ~N(0, 0.02)-sized uniform values (not zeros, which run faster than
+ * real data): 64 MiB generated on the host, replicated over the device tensors. */
+static void big_new(struct big *b)
+{
+	struct model_config c = llama3_8b();
 	b->cfg = c;
+	b->weights = "BF16";
 	size_t dim = c.dim, qd = (size_t)c.n_heads * c.head_dim, kvd = (size_t)c.n_kv_heads * c.head_dim;
 	size_t per_layer = (dim + qd * dim + 2 * kvd * dim + dim * qd) + (dim + 3 * (size_t)c.ffn_dim * dim);
 	size_t elems = per_layer * c.n_layers + dim + (size_t)c.vocab_size * dim;
@@ -152,6 +173,7 @@ static void big_new(struct big *b)
 	CUDA_OK(cudaMemcpy(p, h, dim * 2, cudaMemcpyHostToDevice));
 	TAKE(&b->head, ROLE_FINAL_NORM, dim);
 	TAKE(&b->head, ROLE_LM_HEAD, (size_t)c.vocab_size * dim);
+	b->head_bytes = (size_t)c.vocab_size * dim * 2;
 #undef TAKE
 	CHECK(p == (uint16_t *)b->pool + elems, "weights laid out wrongly");
 	/* The embedding table (host): the random chunk repeated. */
@@ -162,6 +184,129 @@ static void big_new(struct big *b)
 		memcpy((uint16_t *)b->embed_host + off, h, (eb - off < chunk ? eb - off : chunk) * 2);
 	set_bf16(&b->cfg, &b->embed, ROLE_EMBED, PLACE_HOST, b->embed_host);
 	free(h);
+	CUDA_OK(cudaDeviceSynchronize());
+}
+
+/* ---- the Q4_K_M mix -------------------------------------------------------------------------- */
+
+static void put_f16(uint8_t *p, float v)
+{
+	uint16_t h = f32_to_f16(v);
+	memcpy(p, &h, 2);
+}
+
+/* `bytes` (whole blocks) of random valid blocks of format f, values within about +-0.05: random
+ * quants and scales, f16 scales set so no value is NaN or huge. */
+static uint8_t *random_blocks(enum dtype f, size_t bytes)
+{
+	uint8_t *h = malloc(bytes);
+	CHECK(h != NULL, "out of memory");
+	for (size_t i = 0; i < bytes; i++)
+		h[i] = (uint8_t)(rng_next() >> 56);
+	size_t bb = dtype_block_bytes(f);
+	for (size_t off = 0; off + bb <= bytes; off += bb) {
+		float u = (float)(0.5 + 0.5 * rng_uniform());
+		if (f == DT_Q4_K) {
+			put_f16(h + off, u * 0.05f / 945);
+			put_f16(h + off + 2, u * 0.05f / 126);
+		} else {
+			put_f16(h + off + 208, u * 0.05f / 4096); /* Q6_K */
+		}
+	}
+	return h;
+}
+
+/* llama.cpp's use_more_bits: the layers whose wv and ffn_down a Q4_K_M file stores in Q6_K. */
+static bool more_bits(uint32_t i, uint32_t n)
+{
+	return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;
+}
+
+/* The 8B shape in the Q4_K_M mix: every tensor at a 256-byte aligned offset of one pool, filled
+ * by copies of a random chunk of its format (8 MiB rounded to whole blocks). */
+static void big_new_quant(struct big *b)
+{
+	struct model_config c = llama3_8b();
+	b->cfg = c;
+	b->weights = "Q4_K_M";
+	b->quant = true;
+	const uint32_t dim = c.dim, qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim, ffn = c.ffn_dim;
+	b->attn = calloc(c.n_layers, sizeof(*b->attn));
+	b->ffn = calloc(c.n_layers, sizeof(*b->ffn));
+	CHECK(b->attn && b->ffn, "out of memory");
+	struct plan {
+		struct group_weights *g;
+		enum tensor_role r;
+		enum dtype f;
+		uint32_t rows, cols;
+		size_t off;
+	} *pl = calloc(9 * c.n_layers + 2, sizeof(*pl));
+	CHECK(pl != NULL, "out of memory");
+	uint32_t np = 0;
+	for (uint32_t l = 0; l < c.n_layers; l++) {
+		enum dtype hi = more_bits(l, c.n_layers) ? DT_Q6_K : DT_Q4_K;
+		struct group_weights *a = &b->attn[l], *f = &b->ffn[l];
+		pl[np++] = (struct plan){a, ROLE_ATTN_NORM, DT_F32, 1, dim, 0};
+		pl[np++] = (struct plan){a, ROLE_WQ, DT_Q4_K, qd, dim, 0};
+		pl[np++] = (struct plan){a, ROLE_WK, DT_Q4_K, kvd, dim, 0};
+		pl[np++] = (struct plan){a, ROLE_WV, hi, kvd, dim, 0};
+		pl[np++] = (struct plan){a, ROLE_WO, DT_Q4_K, dim, qd, 0};
+		pl[np++] = (struct plan){f, ROLE_FFN_NORM, DT_F32, 1, dim, 0};
+		pl[np++] = (struct plan){f, ROLE_W_GATE, DT_Q4_K, ffn, dim, 0};
+		pl[np++] = (struct plan){f, ROLE_W_UP, DT_Q4_K, ffn, dim, 0};
+		pl[np++] = (struct plan){f, ROLE_W_DOWN, hi, dim, ffn, 0};
+	}
+	pl[np++] = (struct plan){&b->head, ROLE_FINAL_NORM, DT_F32, 1, dim, 0};
+	pl[np++] = (struct plan){&b->head, ROLE_LM_HEAD, DT_Q6_K, c.vocab_size, dim, 0};
+	size_t total = 0;
+	b->weight_bytes = 0;
+	for (uint32_t i = 0; i < np; i++) {
+		size_t bytes = (size_t)pl[i].rows * dtype_row_bytes(pl[i].f, pl[i].cols);
+		pl[i].off = total;
+		total += (bytes + 255) / 256 * 256;
+		b->weight_bytes += bytes;
+	}
+	b->head_bytes = (size_t)c.vocab_size * dtype_row_bytes(DT_Q6_K, dim);
+	CUDA_OK(cudaMalloc(&b->pool, total));
+	rng_state = 17;
+	const size_t target = 8u << 20;
+	uint8_t *chunk[2] = {random_blocks(DT_Q4_K, target / 144 * 144), random_blocks(DT_Q6_K, target / 210 * 210)};
+	size_t chunk_bytes[2] = {target / 144 * 144, target / 210 * 210};
+	float *norm = malloc(dim * sizeof(float));
+	CHECK(norm != NULL, "out of memory");
+	for (uint32_t i = 0; i < dim; i++)
+		norm[i] = (float)(1.0 + 0.1 * (rng_uniform() - 0.5));
+	void *dchunk[2];
+	for (int k = 0; k < 2; k++) {
+		CUDA_OK(cudaMalloc(&dchunk[k], chunk_bytes[k]));
+		CUDA_OK(cudaMemcpy(dchunk[k], chunk[k], chunk_bytes[k], cudaMemcpyHostToDevice));
+	}
+	for (uint32_t i = 0; i < np; i++) {
+		char *dst = (char *)b->pool + pl[i].off;
+		size_t bytes = (size_t)pl[i].rows * dtype_row_bytes(pl[i].f, pl[i].cols);
+		if (pl[i].f == DT_F32) {
+			CUDA_OK(cudaMemcpy(dst, norm, bytes, cudaMemcpyHostToDevice));
+		} else {
+			int k = pl[i].f == DT_Q6_K;
+			for (size_t o = 0; o < bytes; o += chunk_bytes[k])
+				CUDA_OK(cudaMemcpy(dst + o, dchunk[k], bytes - o < chunk_bytes[k] ? bytes - o : chunk_bytes[k],
+						   cudaMemcpyDeviceToDevice));
+		}
+		weight_tensor_set(&pl[i].g->t[pl[i].r], PLACE_DEVICE, dst, pl[i].f, pl[i].rows, pl[i].cols);
+	}
+	/* The embedding table (host): Q4_K blocks, the chunk repeated. */
+	size_t eb = (size_t)c.vocab_size * dtype_row_bytes(DT_Q4_K, dim);
+	b->embed_host = malloc(eb);
+	CHECK(b->embed_host != NULL, "out of memory");
+	for (size_t o = 0; o < eb; o += chunk_bytes[0])
+		memcpy((char *)b->embed_host + o, chunk[0], eb - o < chunk_bytes[0] ? eb - o : chunk_bytes[0]);
+	weight_tensor_set(&b->embed.t[ROLE_EMBED], PLACE_HOST, b->embed_host, DT_Q4_K, c.vocab_size, dim);
+	for (int k = 0; k < 2; k++) {
+		CUDA_OK(cudaFree(dchunk[k]));
+		free(chunk[k]);
+	}
+	free(norm);
+	free(pl);
 	CUDA_OK(cudaDeviceSynchronize());
 }
 
@@ -276,15 +421,17 @@ static double perf_decode(struct perf_run *r, uint32_t *pos, uint32_t nd, double
 	return d[nd / 2];
 }
 
+static double hbm_read_rate; /* bytes/s, measured at start */
+
 /* Prefill a 512-token chunk at 0, decode 16 tokens (~context 528), time lm_head alone; with
  * long_ctx, prefill on to ~4k in 512-token chunks and decode 32 more. */
 static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long_ctx, FILE *json)
 {
 	struct perf_run r;
 	perf_open(&r, b, gemv, attn);
-	const struct model_config *c = &b->cfg;
-	char how[64];
-	snprintf(how, sizeof(how), "gemv %s, attention %s", gemv_name(gemv), attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma");
+	char how[96];
+	snprintf(how, sizeof(how), "%s, gemv %s, attention %s", b->weights, gemv_name(gemv, b->quant),
+		 attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma");
 
 	/* Warm-up: one chunk and a few decode steps, then start over at position 0. */
 	perf_step(&r, PERF_CHUNK, 0);
@@ -302,8 +449,10 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 		PERF_CHUNK / pf[1] * 1e3);
 	uint32_t pos = PERF_CHUNK;
 	double enq, dt = perf_decode(&r, &pos, 16, &enq), dt_short = dt, enq_short = enq;
-	fprintf(stderr, "perf (%s): decode at context ~%u: median %.3f ms/token, %.0f GB/s of weights; host enqueue "
-		"%.3f ms\n", how, pos, dt, b->weight_bytes / (dt * 1e-3) / 1e9, enq);
+	const double bound_ms = b->weight_bytes / hbm_read_rate * 1e3;
+	fprintf(stderr, "perf (%s): decode at context ~%u: median %.3f ms/token, %.0f GB/s of weights, %.2fx the HBM "
+		"bound of %.3f ms; host enqueue %.3f ms\n", how, pos, dt, b->weight_bytes / (dt * 1e-3) / 1e9,
+		dt / bound_ms, bound_ms, enq);
 	/* lm_head alone (final norm, one GEMV over 1 GB, argmax): the matrix-vector bandwidth. */
 	double lm[16];
 	for (int i = 0; i < 16; i++) {
@@ -315,7 +464,7 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 	}
 	qsort(lm, 16, sizeof(double), cmp_double);
 	fprintf(stderr, "perf (%s): lm_head alone: %.3f ms, %.0f GB/s\n", how, lm[8],
-		(double)c->vocab_size * c->dim * 2 / (lm[8] * 1e-3) / 1e9);
+		(double)b->head_bytes / (lm[8] * 1e-3) / 1e9);
 	double chunk_ms = 0, dt_long = 0;
 	uint32_t ctx_long = 0;
 	if (long_ctx) {
@@ -337,11 +486,14 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 		ctx_long = pos;
 	}
 	fprintf(json,
-		"{\"gemv\": \"%s\", \"attention\": \"%s\", \"prefill_512_ms\": %.4f, \"decode_ms\": %.4f, "
-		"\"decode_context\": %u, \"enqueue_ms\": %.4f, \"weight_bytes\": %zu, \"lm_head_ms\": %.4f, "
-		"\"prefill_512_long_ms\": %.4f, \"decode_long_ms\": %.4f, \"decode_long_context\": %u}\n",
-		gemv_name(gemv), attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma", pf[1], dt_short, PERF_CHUNK + 16,
-		enq_short, b->weight_bytes, lm[8], chunk_ms, dt_long, ctx_long);
+		"{\"weights\": \"%s\", \"gemv\": \"%s\", \"attention\": \"%s\", \"prefill_512_ms\": %.4f, "
+		"\"decode_ms\": %.4f, \"decode_context\": %u, \"enqueue_ms\": %.4f, \"weight_bytes\": %zu, "
+		"\"hbm_read_bytes_per_s\": %.4g, \"hbm_bound_ms\": %.4f, \"decode_over_bound\": %.3f, "
+		"\"lm_head_ms\": %.4f, \"prefill_512_long_ms\": %.4f, \"decode_long_ms\": %.4f, "
+		"\"decode_long_context\": %u}\n",
+		b->weights, gemv_name(gemv, b->quant), attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma", pf[1], dt_short,
+		PERF_CHUNK + 16, enq_short, b->weight_bytes, hbm_read_rate, bound_ms, dt_short / bound_ms, lm[8],
+		chunk_ms, dt_long, ctx_long);
 	fflush(json);
 	perf_close(&r);
 }
@@ -365,10 +517,11 @@ static void big_profile(const struct big *b, const char *what)
 
 int main(int argc, char **argv)
 {
-	bool quick = false;
+	bool quick = false, quant = false;
 	char *profile = NULL;
 	struct opt opts[] = {
 		{"quick", OPT_BOOL, &quick, NULL, "the default decode and attention path only, no ~4K context"},
+		{"quant", OPT_BOOL, &quant, NULL, "GGUF Q4_K_M weights (Q4_K and Q6_K blocks) instead of BF16"},
 		{"profile", OPT_STRING, &profile, NULL,
 		 "decode or prefill: one such step alone between cudaProfilerStart and cudaProfilerStop"},
 		{0},
@@ -391,9 +544,25 @@ int main(int argc, char **argv)
 			free_b / (double)(1ull << 30));
 		return 1;
 	}
+	/* The bound every decode step is set against: how fast device memory delivers reads. */
+	hbm_read_rate = hbm_read((size_t)2 << 30, 10);
+	CHECK(hbm_read_rate > 0, "the HBM read measurement failed");
+	fprintf(stderr, "perf: HBM read %.2f TB/s\n", hbm_read_rate / 1e12);
 	struct big b;
 	memset(&b, 0, sizeof(b));
-	big_new(&b);
+	if (quant)
+		big_new_quant(&b);
+	else
+		big_new(&b);
+	if (quant && !profile) {
+		fprintf(stderr, "perf: Llama-3-8B shape, Q4_K_M weights resident (%.2f GB read per decode step), BF16 "
+			"KV, 16-token blocks\n", b.weight_bytes / 1e9);
+		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, !quick, stdout);
+		if (!quick)
+			big_run(&b, BACKEND_GEMV_CUBLAS, BACKEND_ATTN_DEFAULT, false, stdout);
+		big_free(&b);
+		return 0;
+	}
 	if (profile) {
 		big_profile(&b, profile);
 		big_free(&b);

@@ -12,9 +12,12 @@
  * kv_from_host (kv_copy.cu).
  *
  * Precision. The residual stream, RMSNorm, RoPE, the softmax and SiLU * up are float32; the
- * normed activations become the weight dtype (BF16, F16; float32 for F32 weights) as inputs of
- * the matrix products, which accumulate in float32 and write float32 (cuBLAS with
- * CUBLAS_COMPUTE_32F; CUBLAS_COMPUTE_32F_PEDANTIC for F32 weights, so no TF32). The KV arena
+ * normed activations become the activation dtype of the weights (BF16, F16; float32 for F32
+ * weights; BF16 for GGUF's block formats) as inputs of the matrix products, which accumulate in
+ * float32 and write float32 (cuBLAS with CUBLAS_COMPUTE_32F; CUBLAS_COMPUTE_32F_PEDANTIC for F32
+ * weights, so no TF32). The matrices of a chain (q/k/v and o_proj; gate/up and down; lm_head)
+ * may differ in format where they take one activation dtype: a Q4_K_M layer mixes Q4_K and Q6_K,
+ * and a block format may sit beside BF16. The KV arena
  * holds K and V in BF16 (what the runner uses on a GPU) or F32 (for exact comparisons). RoPE
  * uses the reference's float32 inverse frequencies (computed on the host by the same steps)
  * and the float32 angle pos * inv_freq, with cos and sin in double as the reference takes them.
@@ -26,7 +29,9 @@
  * follows the product (the residual add of o_proj and down_proj; SiLU(gate) * up, written in
  * the weight dtype). backend_params.gemv = BACKEND_GEMV_CUBLAS sends decode through cuBLAS too,
  * BACKEND_GEMV_ROWS2 runs two rows per warp (for comparisons: on an H100 one row per warp was the
- * fastest).
+ * fastest). Block-quantized weights are read as stored: up to QGEMV_MAX_TOKENS tokens by a
+ * GEMV of their own (gemv_quant.cu), more by dequantizing row chunks to BF16 for cuBLAS
+ * (matmul.cu); BACKEND_GEMV_CUBLAS sends every quantized product the second way.
  *
  * Attention. attn_blocks folds the listed spans into running (max, sum, weighted V) state per
  * (token, query head), kept in device memory between calls, so spans may come in any order and
@@ -95,17 +100,27 @@ static uint32_t fmt(const struct group_weights *w, enum tensor_role r)
 	return w->t[r].format;
 }
 
-/* The matrices of one product chain share a dtype (the activations are converted once). */
-static int check_same_dtype(struct backend_dev *be, const struct group_weights *w, const enum tensor_role *roles,
-			    uint32_t n, const char *what)
+/* The matrices of one product chain take one activation dtype (the activations are converted
+ * once): formats may mix where they agree on it (act_dtype). Writes it to *at. */
+static int check_chain(struct backend_dev *be, const struct group_weights *w, const enum tensor_role *roles,
+		       uint32_t n, const char *what, uint32_t *at)
 {
+	*at = act_dtype(fmt(w, roles[0]));
 	for (uint32_t i = 1; i < n; i++)
-		if (fmt(w, roles[i]) != fmt(w, roles[0]))
+		if (act_dtype(fmt(w, roles[i])) != *at)
 			return cuda_failf(be, -ENOTSUP, "cuda backend: %s: %s is %s but %s is %s: mixed matrix dtypes are "
-					  "not supported", what, tensor_role_name(roles[i]),
+					  "not supported unless they take the same activations (F32, F16, or BF16 "
+					  "with the block formats)", what, tensor_role_name(roles[i]),
 					  dtype_name((enum dtype)fmt(w, roles[i])), tensor_role_name(roles[0]),
 					  dtype_name((enum dtype)fmt(w, roles[0])));
 	return 0;
+}
+
+/* Role r's matrix as a part of a product: rows of it into out. */
+static struct mm_part part(const struct group_weights *w, enum tensor_role r, uint32_t rows, float *out)
+{
+	struct mm_part p = {dev(w, r), rows, out, fmt(w, r), w->t[r].row_bytes};
+	return p;
 }
 
 static int cuda_embed(struct backend_dev *be, const struct group_weights *w, const struct backend_batch *b)
@@ -124,8 +139,14 @@ static int cuda_embed(struct backend_dev *be, const struct group_weights *w, con
 	rc = up_send(be, be->xa, h, off, bytes, "cudaMemcpyAsync (embedding rows)");
 	if (rc)
 		return rc;
-	embed_launch(e->format, be->xa, be->x, (size_t)n * be->cfg.dim, be->stream);
-	LAUNCHED(be, "embed_kernel");
+	if (dtype_is_element((enum dtype)e->format)) {
+		embed_launch(e->format, be->xa, be->x, (size_t)n * be->cfg.dim, be->stream);
+		LAUNCHED(be, "embed_kernel");
+	} else {
+		/* Quantized rows as gathered: row_bytes apart, each the float32 the C dequantizer gives. */
+		dequant_launch(e->format, be->xa, row, n, be->cfg.dim, be->x, DT_F32, be->stream);
+		LAUNCHED(be, "dequant_kernel (embedding rows)");
+	}
 	be->n = n;
 	be->pos0 = b->pos[0];
 	return 0;
@@ -136,8 +157,8 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 {
 	static const enum tensor_role mats[] = {ROLE_WQ, ROLE_WK, ROLE_WV, ROLE_WO};
 	const struct model_config *c = &be->cfg;
-	uint32_t n = be->n;
-	int rc = check_same_dtype(be, w, mats, 4, "attention");
+	uint32_t n = be->n, at;
+	int rc = check_chain(be, w, mats, 4, "attention", &at);
 	if (rc)
 		return rc;
 	if ((rc = kv_d2h_guard(be, n, dst_block)) != 0)
@@ -155,16 +176,15 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 	if (rc)
 		return rc;
 
-	uint32_t wt = fmt(w, ROLE_WQ);
-	rc = rmsnorm(be, dev(w, ROLE_ATTN_NORM), fmt(w, ROLE_ATTN_NORM), 0, n, wt);
+	rc = rmsnorm(be, dev(w, ROLE_ATTN_NORM), fmt(w, ROLE_ATTN_NORM), 0, n, at);
 	if (rc)
 		return rc;
 	struct mm_part parts[3] = {
-		{dev(w, ROLE_WQ), be->q_dim, be->qkv},
-		{dev(w, ROLE_WK), be->kv_dim, be->qkv + be->q_dim},
-		{dev(w, ROLE_WV), be->kv_dim, be->qkv + be->q_dim + be->kv_dim},
+		part(w, ROLE_WQ, be->q_dim, be->qkv),
+		part(w, ROLE_WK, be->kv_dim, be->qkv + be->q_dim),
+		part(w, ROLE_WV, be->kv_dim, be->qkv + be->q_dim + be->kv_dim),
 	};
-	rc = matmul(be, wt, be->xa, c->dim, n, parts, 3, be->qkv_ld, false, "q/k/v projections");
+	rc = matmul(be, at, be->xa, c->dim, n, parts, 3, be->qkv_ld, false, "q/k/v projections");
 	if (rc)
 		return rc;
 
@@ -181,64 +201,49 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 	ra.head_dim = c->head_dim;
 	ra.pos0 = be->pos0;
 	ra.n = n;
+	ra.adjacent = c->rope_layout == ROPE_ADJACENT;
 	ra.m = be->st_m;
 	ra.l = be->st_l;
 	ra.acc = be->st_acc;
 	rope_launch(be->p.kv_dtype, ra, be->stream);
 	LAUNCHED(be, "rope_kernel");
 	be->layer = layer;
-	be->attn_wt = wt;
+	be->attn_act = at;
 	return 0;
 }
 
 static int cuda_attn_end(struct backend_dev *be, const struct group_weights *w)
 {
 	const struct model_config *c = &be->cfg;
-	uint32_t wt = fmt(w, ROLE_WO);
-	if (wt != be->attn_wt)
-		return cuda_failf(be, -ENOTSUP, "cuda backend: attn_end: wo is %s but wq was %s: mixed matrix dtypes are "
-				  "not supported", dtype_name((enum dtype)wt), dtype_name((enum dtype)be->attn_wt));
-	attn_out_launch(wt, be, be->stream);
+	uint32_t wt = fmt(w, ROLE_WO), at = act_dtype(wt);
+	if (at != be->attn_act)
+		return cuda_failf(be, -ENOTSUP, "cuda backend: attn_end: wo is %s (%s activations) but attn_begin's "
+				  "matrices took %s activations: mixed matrix dtypes are not supported",
+				  dtype_name((enum dtype)wt), dtype_name((enum dtype)at),
+				  dtype_name((enum dtype)be->attn_act));
+	attn_out_launch(at, be, be->stream);
 	LAUNCHED(be, "attn_out_kernel");
-	struct mm_part part = {dev(w, ROLE_WO), c->dim, be->x};
-	return matmul(be, wt, be->xa, be->q_dim, be->n, &part, 1, c->dim, true, "o_proj");
+	struct mm_part o = part(w, ROLE_WO, c->dim, be->x);
+	return matmul(be, at, be->xa, be->q_dim, be->n, &o, 1, c->dim, true, "o_proj");
 }
 
 static int cuda_ffn(struct backend_dev *be, const struct group_weights *w)
 {
 	static const enum tensor_role mats[] = {ROLE_W_GATE, ROLE_W_UP, ROLE_W_DOWN};
 	const struct model_config *c = &be->cfg;
-	uint32_t n = be->n, ffn = c->ffn_dim;
-	int rc = check_same_dtype(be, w, mats, 3, "ffn");
+	uint32_t n = be->n, ffn = c->ffn_dim, at;
+	int rc = check_chain(be, w, mats, 3, "ffn", &at);
 	if (rc)
 		return rc;
-	uint32_t wt = fmt(w, ROLE_W_GATE);
-	rc = rmsnorm(be, dev(w, ROLE_FFN_NORM), fmt(w, ROLE_FFN_NORM), 0, n, wt);
+	rc = rmsnorm(be, dev(w, ROLE_FFN_NORM), fmt(w, ROLE_FFN_NORM), 0, n, at);
 	if (rc)
 		return rc;
-	struct mm_part gu[2] = {{dev(w, ROLE_W_GATE), ffn, be->gu}, {dev(w, ROLE_W_UP), ffn, be->gu + ffn}};
-	if (n == 1 && gemv_fits(be, wt, c->dim, gu, 2)) {
-		gemv_args g;
-		memset(&g, 0, sizeof(g));
-		g.w[0] = gu[0].w;
-		g.w[1] = gu[1].w;
-		g.total = ffn;
-		g.in8 = c->dim / 8;
-		g.x = be->xa;
-		g.act = be->xb;
-		gemv_launch(wt, be->gemv_rows, g, GEMV_SWIGLU, be->stream);
-		LAUNCHED(be, "gemv_kernel (gate/up)");
-	} else {
-		for (uint32_t i = 0; i < 2; i++) {
-			rc = gemm(be, wt, &gu[i], be->xa, c->dim, n, 2 * ffn, false, i ? "up_proj" : "gate_proj");
-			if (rc)
-				return rc;
-		}
-		silu_mul_launch(wt, be->gu, ffn, (size_t)n * ffn, be->xb, be->stream);
-		LAUNCHED(be, "silu_mul_kernel");
-	}
-	struct mm_part down = {dev(w, ROLE_W_DOWN), c->dim, be->x};
-	return matmul(be, wt, be->xb, ffn, n, &down, 1, c->dim, true, "down_proj");
+	struct mm_part gu[2] = {part(w, ROLE_W_GATE, ffn, be->gu), part(w, ROLE_W_UP, ffn, be->gu + ffn)};
+	rc = swiglu_product(be, at, gu, be->xa, c->dim, n, be->xb, "gate/up_proj");
+	if (rc)
+		return rc;
+	struct mm_part down = part(w, ROLE_W_DOWN, c->dim, be->x);
+	return matmul(be, at, be->xb, ffn, n, &down, 1, c->dim, true, "down_proj");
 }
 
 static int cuda_attn_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans)
@@ -250,12 +255,12 @@ static int cuda_attn_blocks(struct backend_dev *be, const struct kv_span *spans,
 static int head(struct backend_dev *be, const struct group_weights *w)
 {
 	const struct model_config *c = &be->cfg;
-	uint32_t wt = fmt(w, ROLE_LM_HEAD);
-	int rc = rmsnorm(be, dev(w, ROLE_FINAL_NORM), fmt(w, ROLE_FINAL_NORM), be->n - 1, 1, wt);
+	uint32_t at = act_dtype(fmt(w, ROLE_LM_HEAD));
+	int rc = rmsnorm(be, dev(w, ROLE_FINAL_NORM), fmt(w, ROLE_FINAL_NORM), be->n - 1, 1, at);
 	if (rc)
 		return rc;
-	struct mm_part part = {dev(w, ROLE_LM_HEAD), c->vocab_size, be->logits};
-	return matmul(be, wt, be->xa, c->dim, 1, &part, 1, c->vocab_size, false, "lm_head");
+	struct mm_part lm = part(w, ROLE_LM_HEAD, c->vocab_size, be->logits);
+	return matmul(be, at, be->xa, c->dim, 1, &lm, 1, c->vocab_size, false, "lm_head");
 }
 
 /* After the result's copy was queued: wait for it and report what the kernels flagged. */
@@ -348,6 +353,7 @@ static void cuda_destroy(struct backend_dev **bep)
 	cudaFree(be->x);
 	cudaFree(be->xa);
 	cudaFree(be->xb);
+	cudaFree(be->qscratch);
 	cudaFree(be->qkv);
 	cudaFree(be->gu);
 	cudaFree(be->logits);
@@ -468,6 +474,19 @@ static int create_device(struct backend_dev *be)
 	    (rc = dev_alloc(be, (void **)&be->st_l, pairs, 1, sizeof(float), "attention state")) ||
 	    (rc = dev_alloc(be, (void **)&be->st_acc, pairs, c->head_dim, sizeof(float), "attention state")))
 		return rc;
+	/* The dequantization scratch of prefill products with block-quantized weights: the largest
+	 * matrix of a layer (gate/up/down of a Llama), capped; lm_head goes through in row chunks.
+	 * At least one row of the widest input. */
+	size_t big = (size_t)be->q_dim * c->dim;
+	if ((size_t)be->kv_dim * c->dim > big)
+		big = (size_t)be->kv_dim * c->dim;
+	if ((size_t)c->ffn_dim * c->dim > big)
+		big = (size_t)c->ffn_dim * c->dim;
+	be->qscratch_elems = big < QSCRATCH_MAX_ELEMS ? big : QSCRATCH_MAX_ELEMS;
+	if (be->qscratch_elems < be->max_in)
+		be->qscratch_elems = be->max_in;
+	if ((rc = dev_alloc(be, &be->qscratch, be->qscratch_elems, 1, 2, "the dequantization scratch")))
+		return rc;
 	be->part_cap = c->n_heads * ATTN_MAX_SPLITS;
 	if ((rc = dev_alloc(be, (void **)&be->pm, be->part_cap, 1, sizeof(float), "split attention")) ||
 	    (rc = dev_alloc(be, (void **)&be->pl, be->part_cap, 1, sizeof(float), "split attention")) ||
@@ -511,6 +530,10 @@ static int create_device(struct backend_dev *be)
 		return cuda_failf(be, -ENOTSUP, "cuda backend: attention needs %zu bytes of shared memory, the device has %d",
 			    be->attn_smem_max, smem_optin);
 	CUDA_TRY(be, "cudaFuncSetAttribute (attention)", attn_allow_smem(p->kv_dtype, be->attn_smem_max));
+	/* Without the shared memory the quantized GEMV stages x in, such products dequantize. */
+	be->qgemv_ok = (size_t)smem_optin >= QG_SMEM_MAX;
+	if (be->qgemv_ok)
+		CUDA_TRY(be, "cudaFuncSetAttribute (quantized GEMV)", qgemv_init());
 	return 0;
 }
 

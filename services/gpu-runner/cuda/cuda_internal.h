@@ -4,7 +4,12 @@
  *
  *   backend_cuda.cu   the operations of a forward step, create and destroy
  *   staging.cu        the pinned upload ring (token rows, KV destinations, spans)
- *   matmul.cu         matrix products: cuBLAS GEMM, and the GEMV kernel for one token (gemv.cu)
+ *   matmul.cu         matrix products: cuBLAS GEMM, and the GEMV kernel for one token (gemv.cu);
+ *                     block-quantized weights: the fused GEMV of a few tokens (gemv_quant.cu), or
+ *                     rows dequantized to BF16 (dequant.cu) and cuBLAS, a row chunk at a time
+ *   gemv_quant.cu     decode products reading GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) in place
+ *   dequant.cu        GGUF blocks to BF16 (prefill's scratch) or float32 (embedding rows)
+ *   quant.cuh         device reads and exact dequantization of the block formats
  *   norm_rope.cu      embedding widening, RMSNorm, RoPE and the KV row writes, SiLU * up
  *   attention.cu      attention over KV spans on the CUDA cores, the split merge, attn_end's output
  *   attention_mma.cu  prefill attention on the tensor cores (BF16 KV)
@@ -36,6 +41,21 @@
 #define GEMV_WARPS 8		/* warps per GEMV block */
 #define GEMV_UNROLL 4		/* 16-byte loads in flight per row and lane */
 #define GEMV_DEFAULT_ROWS 1	/* rows per warp unless backend_params.gemv says otherwise */
+/* Products of at most QGEMV_MAX_TOKENS tokens with block-quantized weights read the blocks in
+ * place (gemv_quant.cu), QG_MAX_NT tokens per pass; larger ones dequantize to BF16 and use
+ * cuBLAS. A pass reads the weights once for its tokens and costs a permute and NT FMAs per
+ * weight (for 8 tokens about 11 instructions a weight: ~3 ms for an 8B model on an H100, compute
+ * bound); dequantizing writes and reads 2 bytes per weight on top of the quantized read (~12 ms
+ * for the same model before cuBLAS's own work), so passes win up to about 32 tokens. 16 stays
+ * well inside that; what lands between is a prompt's tail chunk, prefill proper is far above. */
+#define QGEMV_MAX_TOKENS 16
+#define QG_MAX_NT 8		/* tokens of one quantized GEMV pass (its per-token registers) */
+#define QG_WARPS 8		/* warps (output rows) per block of the quantized GEMV */
+#define QG_SMEM_MAX (72u * 1024) /* shared memory of one quantized GEMV block: staged x */
+#define QG_OCC_CACHE 32		/* (kernel, shared memory) pairs whose occupancy a backend remembers */
+/* The dequantization scratch holds the largest matrix of a layer, at most this many BF16
+ * elements (128 MiB); lm_head and larger matrices go through it a row chunk at a time. */
+#define QSCRATCH_MAX_ELEMS ((size_t)64 << 20)
 #define UPLOAD_EVENTS 128	/* uploads in flight in the staging ring */
 #define UPLOAD_ALIGN 256
 #define BLAS_WORKSPACE (32u << 20) /* what cuBLAS asks for on Hopper */
@@ -79,6 +99,13 @@ struct backend_dev {
 	cublasHandle_t blas;
 	void *blas_ws;		/* cuBLAS workspace, BLAS_WORKSPACE bytes */
 	int gemv_rows;		/* decode through the GEMV kernel with this many rows per warp (0: cuBLAS) */
+	bool qgemv_ok;		/* the device gives the quantized GEMV its shared memory (QG_SMEM_MAX) */
+	struct {
+		const void *fn;
+		size_t smem;
+		uint32_t blocks;	/* resident per multiprocessor */
+	} qg_occ[QG_OCC_CACHE];	/* gemv_quant.cu's grid sizes */
+	uint32_t qg_occ_n;
 	bool attn_mma;		/* prefill attention on tensor cores where it applies */
 
 	uint32_t q_dim;		/* n_heads * head_dim */
@@ -94,8 +121,10 @@ struct backend_dev {
 	void *arena;		/* (n_kv_blocks, block_elems) in kv_dtype */
 	float *inv_freq;	/* (head_dim / 2) RoPE inverse frequencies, scaling applied */
 	float *x;		/* (max_chunk, dim) residual stream */
-	void *xa;		/* (max_chunk, max_in) matrix input in the weight dtype; embed's raw rows */
-	void *xb;		/* (max_chunk, ffn_dim) SiLU(gate) * up in the weight dtype */
+	void *xa;		/* (max_chunk, max_in) matrix input in the activation dtype; embed's raw rows */
+	void *xb;		/* (max_chunk, ffn_dim) SiLU(gate) * up in the activation dtype */
+	void *qscratch;		/* (qscratch_elems) BF16: rows of a quantized matrix, dequantized */
+	size_t qscratch_elems;
 	float *qkv;		/* (max_chunk, qkv_ld) q (RoPE'd in place), k, v */
 	float *gu;		/* (max_chunk, 2 * ffn_dim) gate then up (cuBLAS path) */
 	float *logits;		/* (vocab_size) */
@@ -115,7 +144,7 @@ struct backend_dev {
 	uint32_t n;		/* tokens in the chunk */
 	uint32_t pos0;		/* position of its first token */
 	uint32_t layer;		/* layer between attn_begin and attn_end */
-	uint32_t attn_wt;	/* dtype of the attention matrices of that layer */
+	uint32_t attn_act;	/* activation dtype of the attention matrices of that layer */
 };
 
 /* ---- errors ------------------------------------------------------------------------------ */
@@ -162,8 +191,16 @@ int up_send(struct backend_dev *be, void *dst, const char *h, size_t off, size_t
 enum gemv_mode {
 	GEMV_STORE = 0,	  /* out[part][o] = y */
 	GEMV_ADD = 1,	  /* out[0][o] += y (residual) */
-	GEMV_SWIGLU = 2,  /* act[o] = silu(W0 x) * (W1 x), in the weight dtype */
+	GEMV_SWIGLU = 2,  /* act[o] = silu(W0 x) * (W1 x), in the activation dtype */
 };
+
+/* The activation dtype of a weight format: a block format multiplies BF16 activations (cuBLAS
+ * takes the dequantized BF16 rows with them), an element format its own dtype. The matrices of
+ * one product chain must agree on it. */
+static inline uint32_t act_dtype(uint32_t fmt)
+{
+	return dtype_is_element((enum dtype)fmt) ? fmt : (uint32_t)DT_BF16;
+}
 
 struct gemv_args {
 	const void *w[3];	/* (rows[p], in) row-major */
@@ -179,18 +216,53 @@ struct mm_part {
 	const void *w;	/* (rows, in) row-major, device memory */
 	uint32_t rows;
 	float *out;	/* (n, ldc) token-major float32 */
+	uint32_t format;   /* enum dtype of w */
+	uint64_t row_bytes; /* bytes from one row of w to the next */
+};
+
+struct qgemv_args {
+	const uint8_t *w[3];	/* (rows[p], in) in one block format, row_bytes per row, device memory */
+	float *out[3];		/* (n, ldc) token-major: out[p][t * ldc + o] */
+	uint32_t rows[3];
+	uint32_t total;		/* rows over all parts (SWIGLU: rows of one) */
+	uint64_t row_bytes;
+	uint32_t in, n, ldc;
+	const __nv_bfloat16 *x;	/* (n, in) */
+	__nv_bfloat16 *act;	/* SWIGLU output (rows of one part) */
+	/* Filled in by qgemv_launch: */
+	uint32_t nb;		/* blocks per row */
+	uint32_t steps;		/* warp steps per row */
+	uint32_t tile_steps;	/* steps of x staged in shared memory at a time */
+	uint32_t groups;	/* row groups (QG_WARPS rows each) */
 };
 
 /* Can the GEMV kernel take this product: one token, 16-bit weights, 16-byte rows and pointers? */
 bool gemv_fits(const struct backend_dev *be, uint32_t wt, uint32_t in, const struct mm_part *parts, uint32_t np);
 /* Launches the GEMV kernel (gemv.cu) for weights of dtype wt with rows_per_warp rows per warp. */
 void gemv_launch(uint32_t wt, int rows_per_warp, const gemv_args &g, int mode, cudaStream_t s);
+/* Lets the quantized GEMV kernels use QG_SMEM_MAX bytes of shared memory (create). */
+cudaError_t qgemv_init(void);
+/* Can the quantized GEMV take this product: n <= QGEMV_MAX_TOKENS tokens, the GEMV on
+ * (backend_params.gemv), whole blocks per row, tensors aligned for the format's loads? */
+bool qgemv_fits(const struct backend_dev *be, uint32_t fmt, uint32_t in, uint32_t n, const struct mm_part *parts,
+		uint32_t np);
+/* Launches the quantized GEMV (gemv_quant.cu) for block format fmt; fills a's launch fields. */
+void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode, cudaStream_t s);
+/* Dequantizes rows [0, rows) of a block-format matrix (row_bytes apart, device memory) into out
+ * (rows, cols) in dtype ot: DT_BF16 or DT_F32 (dequant.cu). */
+void dequant_launch(uint32_t fmt, const void *src, uint64_t row_bytes, uint32_t rows, uint32_t cols, void *out,
+		    uint32_t ot, cudaStream_t s);
 /* One cuBLAS product: pt->out (n, ldc) (+)= x (n, in) W^T, all in dtype wt but the float32 out. */
 int gemm(struct backend_dev *be, uint32_t wt, const struct mm_part *pt, const void *x, uint32_t in, uint32_t n,
 	 uint32_t ldc, bool add, const char *what);
-/* out_p[t] (+)= W_p x[t] for the parts, x (n, in) in dtype wt (device memory). */
-int matmul(struct backend_dev *be, uint32_t wt, const void *x, uint32_t in, uint32_t n, const struct mm_part *parts,
+/* out_p[t] (+)= W_p x[t] for the parts, x (n, in) in activation dtype at (device memory). Parts
+ * may differ in format where their activation dtype is at (parts of one format go together). */
+int matmul(struct backend_dev *be, uint32_t at, const void *x, uint32_t in, uint32_t n, const struct mm_part *parts,
 	   uint32_t np, uint32_t ldc, bool add, const char *what);
+/* act (n, rows) in dtype at = SiLU(gate x) * (up x) for gu = {gate, up} (rows each, outs at
+ * gu[0].out and gu[0].out + rows of a (n, 2 * rows) float32 buffer the unfused path uses). */
+int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[2], const void *x, uint32_t in,
+		   uint32_t n, void *act, const char *what);
 
 /* ---- norm_rope.cu -------------------------------------------------------------------------- */
 
@@ -202,12 +274,14 @@ struct rope_args {
 	void *arena;
 	uint64_t block_elems;
 	uint32_t block_tokens, n_heads, n_kv_heads, head_dim, pos0, n;
+	uint32_t adjacent;	/* cfg.rope_layout == ROPE_ADJACENT: pairs (2i, 2i + 1), else (i, i + hd/2) */
 	float *m, *l, *acc;	/* running attention state, reset here */
 };
 
 /* RMSNorm of rows [row0, row0 + rows) of be->x into be->xa (from its start) in dtype ot. */
 int rmsnorm(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, uint32_t rows, uint32_t ot);
-/* Gathered embedding rows raw (count elements of dtype dt) widened into x. */
+/* Gathered embedding rows raw (count elements of element dtype dt) widened into x (block
+ * formats: dequant_launch). */
 void embed_launch(uint32_t dt, const void *raw, float *x, size_t count, cudaStream_t s);
 /* RoPE, the K and V rows into the arena (kv_dtype), accumulators reset: one block per token. */
 void rope_launch(uint32_t kv_dtype, const rope_args &a, cudaStream_t s);

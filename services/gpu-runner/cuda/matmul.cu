@@ -3,7 +3,12 @@
  * transpose, B = X^T (in x n). One token (decode) goes through the GEMV kernel (gemv.cu)
  * instead where it applies (BF16/F16 weights, backend_params.gemv not BACKEND_GEMV_CUBLAS).
  * The products accumulate in float32 (CUBLAS_COMPUTE_32F; _PEDANTIC for F32 weights, so no
- * TF32) and write float32. */
+ * TF32) and write float32.
+ *
+ * Block-quantized weights (GGUF) take BF16 activations. Up to QGEMV_MAX_TOKENS tokens read the
+ * blocks in place (gemv_quant.cu); more tokens (prefill) dequantize a chunk of rows into the BF16
+ * scratch (dequant.cu) and multiply it with cuBLAS on the tensor cores, chunk after chunk, so the
+ * scratch stays the size of a layer's largest matrix while lm_head passes through it too. */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 
 #include <assert.h>
@@ -38,10 +43,10 @@ int gemm(struct backend_dev *be, uint32_t wt, const struct mm_part *pt, const vo
 	return 0;
 }
 
-int matmul(struct backend_dev *be, uint32_t wt, const void *x, uint32_t in, uint32_t n, const struct mm_part *parts,
-		  uint32_t np, uint32_t ldc, bool add, const char *what)
+/* Parts in element format wt (== the activation dtype). */
+static int matmul_element(struct backend_dev *be, uint32_t wt, const void *x, uint32_t in, uint32_t n,
+			  const struct mm_part *parts, uint32_t np, uint32_t ldc, bool add, const char *what)
 {
-	assert(np >= 1 && np <= 3 && (!add || np == 1));
 	if (n == 1 && gemv_fits(be, wt, in, parts, np)) {
 		gemv_args g;
 		memset(&g, 0, sizeof(g));
@@ -62,5 +67,117 @@ int matmul(struct backend_dev *be, uint32_t wt, const void *x, uint32_t in, uint
 		if (rc)
 			return rc;
 	}
+	return 0;
+}
+
+/* Parts in block format fmt, x in BF16. */
+static int matmul_quant(struct backend_dev *be, uint32_t fmt, const void *x, uint32_t in, uint32_t n,
+			const struct mm_part *parts, uint32_t np, uint32_t ldc, bool add, const char *what)
+{
+	if (qgemv_fits(be, fmt, in, n, parts, np)) {
+		/* Passes of up to QG_MAX_NT tokens, each reading the weights once. */
+		for (uint32_t t0 = 0; t0 < n; t0 += QG_MAX_NT) {
+			qgemv_args g;
+			memset(&g, 0, sizeof(g));
+			for (uint32_t i = 0; i < np; i++) {
+				g.w[i] = (const uint8_t *)parts[i].w;
+				g.out[i] = parts[i].out + (size_t)t0 * ldc;
+				g.rows[i] = parts[i].rows;
+				g.total += parts[i].rows;
+			}
+			g.row_bytes = parts[0].row_bytes;
+			g.in = in;
+			g.n = n - t0 < QG_MAX_NT ? n - t0 : QG_MAX_NT;
+			g.ldc = ldc;
+			g.x = (const __nv_bfloat16 *)x + (size_t)t0 * in;
+			qgemv_launch(be, fmt, g, add ? GEMV_ADD : GEMV_STORE, be->stream);
+			LAUNCHED(be, "qgemv_kernel");
+		}
+		return 0;
+	}
+	/* Rows dequantized into the scratch a chunk at a time, each chunk one GEMM. */
+	uint32_t chunk = be->qscratch_elems / in < UINT32_MAX ? (uint32_t)(be->qscratch_elems / in) : UINT32_MAX;
+	if (chunk >= 64)
+		chunk &= ~63u; /* chunks of whole tiles, outputs aligned */
+	if (chunk == 0)
+		return cuda_failf(be, -ENOTSUP, "cuda backend: %s: rows of %u values do not fit the dequantization "
+				  "scratch of %zu values", what, in, be->qscratch_elems);
+	for (uint32_t i = 0; i < np; i++) {
+		const struct mm_part *pt = &parts[i];
+		for (uint64_t r0 = 0; r0 < pt->rows; r0 += chunk) {
+			uint32_t nr = pt->rows - r0 < chunk ? (uint32_t)(pt->rows - r0) : chunk;
+			dequant_launch(fmt, (const char *)pt->w + (uint64_t)r0 * pt->row_bytes, pt->row_bytes, nr, in,
+				       be->qscratch, DT_BF16, be->stream);
+			LAUNCHED(be, "dequant_kernel");
+			struct mm_part sub = {be->qscratch, nr, pt->out + r0, DT_BF16, (uint64_t)in * 2};
+			int rc = gemm(be, DT_BF16, &sub, x, in, n, ldc, add, what);
+			if (rc)
+				return rc;
+		}
+	}
+	return 0;
+}
+
+int matmul(struct backend_dev *be, uint32_t at, const void *x, uint32_t in, uint32_t n, const struct mm_part *parts,
+	   uint32_t np, uint32_t ldc, bool add, const char *what)
+{
+	assert(np >= 1 && np <= 3 && (!add || np == 1));
+	/* Runs of parts in one format go together (q/k/v of a Q4_K_M layer: Q4_K, Q4_K, Q6_K). */
+	for (uint32_t i = 0; i < np;) {
+		uint32_t j = i + 1;
+		while (j < np && parts[j].format == parts[i].format)
+			j++;
+		uint32_t f = parts[i].format;
+		assert(act_dtype(f) == at);
+		int rc = dtype_is_element((enum dtype)f) ? matmul_element(be, f, x, in, n, parts + i, j - i, ldc, add, what)
+							  : matmul_quant(be, f, x, in, n, parts + i, j - i, ldc, add, what);
+		if (rc)
+			return rc;
+		i = j;
+	}
+	return 0;
+}
+
+int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[2], const void *x, uint32_t in,
+		   uint32_t n, void *act, const char *what)
+{
+	const uint32_t f = gu[0].format, rows = gu[0].rows;
+	assert(gu[1].rows == rows && gu[1].out == gu[0].out + rows);
+	/* SiLU(gate) * up fused into the GEMV where gate and up share a format. */
+	const bool same = gu[1].format == f;
+	if (same && n == 1 && !dtype_is_element((enum dtype)f) && qgemv_fits(be, f, in, n, gu, 2)) {
+		qgemv_args g;
+		memset(&g, 0, sizeof(g));
+		g.w[0] = (const uint8_t *)gu[0].w;
+		g.w[1] = (const uint8_t *)gu[1].w;
+		g.rows[0] = g.rows[1] = rows;
+		g.total = rows;
+		g.row_bytes = gu[0].row_bytes;
+		g.in = in;
+		g.n = 1;
+		g.x = (const __nv_bfloat16 *)x;
+		g.act = (__nv_bfloat16 *)act;
+		qgemv_launch(be, f, g, GEMV_SWIGLU, be->stream);
+		LAUNCHED(be, "qgemv_kernel (gate/up)");
+		return 0;
+	}
+	if (same && n == 1 && dtype_is_element((enum dtype)f) && gemv_fits(be, f, in, gu, 2)) {
+		gemv_args g;
+		memset(&g, 0, sizeof(g));
+		g.w[0] = gu[0].w;
+		g.w[1] = gu[1].w;
+		g.total = rows;
+		g.in8 = in / 8;
+		g.x = x;
+		g.act = act;
+		gemv_launch(f, be->gemv_rows, g, GEMV_SWIGLU, be->stream);
+		LAUNCHED(be, "gemv_kernel (gate/up)");
+		return 0;
+	}
+	int rc = matmul(be, at, x, in, n, gu, 2, 2 * rows, false, what);
+	if (rc)
+		return rc;
+	silu_mul_launch(at, gu[0].out, rows, (size_t)n * rows, act, be->stream);
+	LAUNCHED(be, "silu_mul_kernel");
 	return 0;
 }

@@ -39,7 +39,9 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(const float *x, const voi
 }
 /* One block per token: RoPE on q (in place) and k, k and v into their arena row, and the
  * token's attention accumulators reset. cos and sin of the float32 angle in double, rounded
- * to float32, and rotate_half with unfused float32 products, as the reference. */
+ * to float32, and rotate_half with unfused float32 products, as the reference. Pair j (rotated
+ * by inv_freq[j]) is dimensions (j, j + hd/2) of a head, or (2j, 2j + 1) with a.adjacent
+ * (ROPE_ADJACENT: GGUF's row order of wq and wk). */
 template <typename KT> __global__ void __launch_bounds__(512) rope_kernel(const rope_args a)
 {
 	__shared__ float cs[MAX_HEAD_DIM / 2], sn[MAX_HEAD_DIM / 2];
@@ -54,21 +56,23 @@ template <typename KT> __global__ void __launch_bounds__(512) rope_kernel(const 
 	}
 	__syncthreads();
 	float *q = a.qkv + (size_t)t * a.ld, *k = q + (size_t)a.n_heads * hd, *v = k + kv_dim;
+	/* The two dimensions of pair j within a head. */
+	const uint32_t step1 = a.adjacent ? 2 : 1, off2 = a.adjacent ? 1 : half;
 	for (uint32_t i = threadIdx.x; i < a.n_heads * half; i += blockDim.x) {
-		uint32_t h = i / half, j = i % half;
+		uint32_t h = i / half, j = i % half, d1 = j * step1, d2 = d1 + off2;
 		float *qh = q + (size_t)h * hd;
-		float x1 = qh[j], x2 = qh[j + half];
-		qh[j] = __fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j]));
-		qh[j + half] = __fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j]));
+		float x1 = qh[d1], x2 = qh[d2];
+		qh[d1] = __fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j]));
+		qh[d2] = __fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j]));
 	}
 	KT *kd = (KT *)a.arena + a.dst[t] * a.block_elems + (size_t)a.dst[a.n + t] * kv_dim;
 	KT *vd = kd + (size_t)a.block_tokens * kv_dim;
 	for (uint32_t i = threadIdx.x; i < a.n_kv_heads * half; i += blockDim.x) {
-		uint32_t h = i / half, j = i % half;
+		uint32_t h = i / half, j = i % half, d1 = j * step1, d2 = d1 + off2;
 		const float *kh = k + (size_t)h * hd;
-		float x1 = kh[j], x2 = kh[j + half];
-		kd[h * hd + j] = from_f32<KT>(__fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j])));
-		kd[h * hd + j + half] = from_f32<KT>(__fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j])));
+		float x1 = kh[d1], x2 = kh[d2];
+		kd[h * hd + d1] = from_f32<KT>(__fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j])));
+		kd[h * hd + d2] = from_f32<KT>(__fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j])));
 	}
 	for (uint32_t i = threadIdx.x; i < kv_dim; i += blockDim.x)
 		vd[i] = from_f32<KT>(v[i]);

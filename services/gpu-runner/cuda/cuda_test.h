@@ -1,0 +1,42 @@
+/* cuda_test.h - test hooks into the CUDA backend, for tests/unit/gpu-runner/test_cuda_quant.c:
+ * one matrix product through the backend's own dispatch (the kernels a forward step uses for
+ * that format and token count: the quantized GEMV, or dequantization and cuBLAS), and a read of
+ * the residual stream after embed. C callable; built with the CUDA backend only. */
+#ifndef GPU_RUNNER_CUDA_TEST_H
+#define GPU_RUNNER_CUDA_TEST_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "services/gpu-runner/backend.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum cuda_test_mode {
+	CUDA_TEST_STORE = 0,  /* out[t][o] = W0[o] . x[t] */
+	CUDA_TEST_ADD = 1,    /* out[t][o] += W0[o] . x[t] */
+	CUDA_TEST_SWIGLU = 2, /* out[t][o] = silu(W0[o] . x[t]) * (W1[o] . x[t]), in the activation dtype */
+};
+
+struct cuda_test_product {
+	uint32_t format;   /* enum dtype of W0 and W1 */
+	const void *w[2];  /* device memory: (rows, cols) each, dtype_row_bytes(format, cols) per row; w[1] for SwiGLU */
+	uint32_t rows, cols;
+	uint32_t n;	   /* tokens */
+	uint32_t mode;	   /* enum cuda_test_mode */
+	const float *x;	   /* host (n, cols): rounded to the activation dtype as the backend rounds its inputs */
+	float *out;	   /* host (n, rows): the result (ADD: also the addend) */
+};
+
+/* Runs the product on be's compute stream with buffers of its own and waits for it. be must be
+ * a "cuda" backend. Returns 0, or -EINVAL (another backend, zero sizes), -ENOMEM, -EIO, -ENOTSUP
+ * with a message in err. */
+int cuda_test_matmul(struct backend *be, const struct cuda_test_product *t, char *err, size_t errlen);
+/* Copies rows [0, n) of the residual stream (n x dim float32, what embed wrote) to host out
+ * and waits. Returns 0 or -EINVAL / -EIO with a message in err. */
+int cuda_test_residual(struct backend *be, float *out, uint32_t n, char *err, size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

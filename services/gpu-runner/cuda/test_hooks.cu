@@ -1,0 +1,129 @@
+/* test_hooks.cu - the CUDA backend's test hooks (cuda_test.h): a product through matmul() /
+ * swiglu_product() with buffers of the hook's own, and a read of the residual stream. */
+#include "services/gpu-runner/cuda/cuda_internal.h"
+#include "services/gpu-runner/cuda/cuda_test.h"
+
+/* The cuda device state behind be, or NULL with a message. */
+static struct backend_dev *cuda_dev(struct backend *be, char *err, size_t errlen)
+{
+	if (backend_impl_of(be) != &backend_cuda_impl) {
+		snprintf(err, errlen, "test hook: backend '%s' is not the cuda backend", backend_name(be));
+		return NULL;
+	}
+	return backend_dev_of(be);
+}
+
+/* x (count floats) rounded to dtype at into dst. */
+static void to_act(uint32_t at, const float *x, size_t count, void *dst)
+{
+	for (size_t i = 0; i < count; i++) {
+		if (at == DT_F32)
+			((float *)dst)[i] = x[i];
+		else if (at == DT_BF16)
+			((uint16_t *)dst)[i] = f32_to_bf16(x[i]);
+		else
+			((uint16_t *)dst)[i] = f32_to_f16(x[i]);
+	}
+}
+
+static int product(struct backend_dev *be, const struct cuda_test_product *t, void *dx, float *dout, void *dact)
+{
+	const uint32_t at = act_dtype(t->format);
+	const uint64_t rb = dtype_row_bytes((enum dtype)t->format, t->cols);
+	if (t->mode == CUDA_TEST_SWIGLU) {
+		struct mm_part gu[2] = {{t->w[0], t->rows, dout, t->format, rb},
+					{t->w[1], t->rows, dout + t->rows, t->format, rb}};
+		return swiglu_product(be, at, gu, dx, t->cols, t->n, dact, "test gate/up");
+	}
+	struct mm_part p = {t->w[0], t->rows, dout, t->format, rb};
+	return matmul(be, at, dx, t->cols, t->n, &p, 1, t->rows, t->mode == CUDA_TEST_ADD, "test product");
+}
+
+int cuda_test_matmul(struct backend *bk, const struct cuda_test_product *t, char *err, size_t errlen)
+{
+	struct backend_dev *be = cuda_dev(bk, err, errlen);
+	if (!be)
+		return -EINVAL;
+	if (!t->rows || !t->cols || !t->n || t->format >= DT_COUNT || t->mode > CUDA_TEST_SWIGLU ||
+	    t->cols % dtype_block_elems((enum dtype)t->format)) {
+		snprintf(err, errlen, "test hook: bad product (%u x %u of format %u, %u tokens, mode %u)", t->rows, t->cols,
+			 t->format, t->n, t->mode);
+		return -EINVAL;
+	}
+	const uint32_t at = act_dtype(t->format);
+	const size_t es = dtype_size((enum dtype)at), nx = (size_t)t->n * t->cols, no = (size_t)t->n * t->rows;
+	const bool sw = t->mode == CUDA_TEST_SWIGLU;
+	void *hx = malloc(nx * es), *hact = malloc(no * es), *dx = NULL, *dact = NULL;
+	float *dout = NULL;
+	int rc = -ENOMEM;
+	if (!hx || !hact) {
+		snprintf(err, errlen, "test hook: out of host memory");
+		goto out;
+	}
+	to_act(at, t->x, nx, hx);
+	rc = -EIO;
+	if (cudaMalloc(&dx, nx * es) != cudaSuccess ||
+	    cudaMalloc((void **)&dout, no * (sw ? 2 : 1) * sizeof(float)) != cudaSuccess ||
+	    cudaMalloc(&dact, no * es) != cudaSuccess) {
+		snprintf(err, errlen, "test hook: cudaMalloc failed");
+		goto out;
+	}
+	if (cudaMemcpyAsync(dx, hx, nx * es, cudaMemcpyHostToDevice, be->stream) != cudaSuccess ||
+	    (t->mode == CUDA_TEST_ADD &&
+	     cudaMemcpyAsync(dout, t->out, no * sizeof(float), cudaMemcpyHostToDevice, be->stream) != cudaSuccess)) {
+		snprintf(err, errlen, "test hook: upload failed");
+		goto out;
+	}
+	rc = product(be, t, dx, dout, dact);
+	if (rc) {
+		snprintf(err, errlen, "%s", be->err);
+		goto out;
+	}
+	rc = -EIO;
+	cudaError_t e;
+	if (sw) {
+		e = cudaMemcpyAsync(hact, dact, no * es, cudaMemcpyDeviceToHost, be->stream);
+		if (e == cudaSuccess)
+			e = cudaStreamSynchronize(be->stream);
+		if (e == cudaSuccess)
+			for (size_t i = 0; i < no; i++)
+				t->out[i] = dtype_get_f32((enum dtype)at, hact, i);
+	} else {
+		e = cudaMemcpyAsync(t->out, dout, no * sizeof(float), cudaMemcpyDeviceToHost, be->stream);
+		if (e == cudaSuccess)
+			e = cudaStreamSynchronize(be->stream);
+	}
+	if (e != cudaSuccess) {
+		snprintf(err, errlen, "test hook: the product failed on the device: %s", cudaGetErrorString(e));
+		goto out;
+	}
+	rc = 0;
+out:
+	cudaStreamSynchronize(be->stream);
+	cudaFree(dx);
+	cudaFree(dout);
+	cudaFree(dact);
+	free(hx);
+	free(hact);
+	return rc;
+}
+
+int cuda_test_residual(struct backend *bk, float *out, uint32_t n, char *err, size_t errlen)
+{
+	struct backend_dev *be = cuda_dev(bk, err, errlen);
+	if (!be)
+		return -EINVAL;
+	if (n > be->p.max_chunk) {
+		snprintf(err, errlen, "test hook: %u rows of the residual stream, it holds %u", n, be->p.max_chunk);
+		return -EINVAL;
+	}
+	cudaError_t e = cudaMemcpyAsync(out, be->x, (size_t)n * be->cfg.dim * sizeof(float), cudaMemcpyDeviceToHost,
+					be->stream);
+	if (e == cudaSuccess)
+		e = cudaStreamSynchronize(be->stream);
+	if (e != cudaSuccess) {
+		snprintf(err, errlen, "test hook: reading the residual stream failed: %s", cudaGetErrorString(e));
+		return -EIO;
+	}
+	return 0;
+}
