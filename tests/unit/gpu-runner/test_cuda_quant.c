@@ -49,7 +49,11 @@
 #define TOL_SAME 1e-4	 /* against a reference rounding as the backend does */
 #define TOL_SWIGLU 4e-3	 /* SwiGLU's BF16 output against a reference rounding as the backend does */
 #define TOL_FORWARD 2e-2 /* logits of a forward pass, BF16 activations and KV */
-#define TOL_PERMUTED 1e-3 /* ROPE_ADJACENT on permuted rows against ROPE_HALVES */
+/* ROPE_ADJACENT on permuted rows against ROPE_HALVES. The C reference gives the same logits to
+ * the bit. The CUDA backend sums q.k over a head in another order when the rows are permuted, and
+ * a 1e-7 change can flip the BF16 rounding of an activation (2^-9 relative): over this small
+ * model that measures 2.3e-3 (H100). Ignoring the layout moves the logits by 0.6. */
+#define TOL_PERMUTED 1e-2
 #define MAX_ALLOCS 256
 #define MAX_CTX 64
 
