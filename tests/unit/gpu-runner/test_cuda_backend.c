@@ -29,43 +29,16 @@
 #include "common/dtype.h"
 #include "common/model.h"
 #include "services/gpu-runner/backend.h"
+#include "tests/unit/gpu-runner/runner_test_util.h"
 
 #define TOL_F32 1e-4  /* F32 weights, F32 KV: relative L2 error of the logits */
 #define TOL_16 2e-2   /* BF16/F16 weights, BF16 or F32 KV */
 #define MAX_CTX 640   /* positions a test sequence may use */
 #define MAX_ALLOCS 512
 
-/* ---- deterministic random numbers -------------------------------------------------------- */
-
-static uint64_t rng_state;
-
-static uint64_t rng_next(void)
-{
-	uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
-static double rng_uniform(void)
-{
-	return ((double)(rng_next() >> 11) + 0.5) * 0x1.0p-53; /* (0, 1) */
-}
-
-static double rng_normal(void)
-{
-	return sqrt(-2.0 * log(rng_uniform())) * cos(2.0 * M_PI * rng_uniform());
-}
-
-static bool verbose(void)
-{
-	const char *v = getenv("PIPELINE_TEST_VERBOSE");
-	return v && *v == '1';
-}
-
 static void report(const char *what, double err)
 {
-	if (verbose())
+	if (test_verbose())
 		fprintf(stderr, "test_cuda_backend: %-52s relative L2 error %.3e\n", what, err);
 }
 
@@ -830,7 +803,7 @@ START_TEST(test_sampling_on_device)
 	/* Bad arguments are refused. */
 	ck_assert_int_eq(sample(r.be, &m->d_head, 0.0f, 0, 1.0f, 0, 0.5, &g), -EINVAL);
 	ck_assert_int_eq(sample(r.be, &m->d_head, 1.0f, 0, 1.0f, 0, 1.0, &g), -EINVAL);
-	if (verbose())
+	if (test_verbose())
 		printf("sampling on the device: %u draws agree with the host (%u at a rounding boundary)\n", checked - near,
 		       near);
 	runner_close(&r);

@@ -43,6 +43,7 @@
 #include "common/model.h"
 #include "common/quant.h"
 #include "services/gpu-runner/backend.h"
+#include "tests/unit/gpu-runner/runner_test_util.h"
 #include "services/gpu-runner/cuda/cuda_test.h"
 
 #define TOL_EXACT 1e-2	 /* against float32 x and exact weights */
@@ -60,37 +61,9 @@
 static const enum dtype FORMATS[] = {DT_Q8_0, DT_Q4_0, DT_Q4_K, DT_Q5_K, DT_Q6_K};
 #define N_FORMATS (sizeof(FORMATS) / sizeof(FORMATS[0]))
 
-/* ---- deterministic random numbers -------------------------------------------------------- */
-
-static uint64_t rng_state;
-
-static uint64_t rng_next(void)
-{
-	uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
-static double rng_uniform(void)
-{
-	return ((double)(rng_next() >> 11) + 0.5) * 0x1.0p-53; /* (0, 1) */
-}
-
-static double rng_normal(void)
-{
-	return sqrt(-2.0 * log(rng_uniform())) * cos(2.0 * M_PI * rng_uniform());
-}
-
-static bool verbose(void)
-{
-	const char *v = getenv("PIPELINE_TEST_VERBOSE");
-	return v && *v == '1';
-}
-
 static void report(const char *what, double err)
 {
-	if (verbose())
+	if (test_verbose())
 		fprintf(stderr, "test_cuda_quant: %-70s relative L2 error %.3e\n", what, err);
 }
 

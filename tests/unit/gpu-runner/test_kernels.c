@@ -18,31 +18,10 @@
 #include "common/model.h"
 #include "common/quant.h"
 #include "services/gpu-runner/backend.h"
+#include "tests/unit/gpu-runner/runner_test_util.h"
 
 #define TOL 1e-5 /* relative L2 error of the logits */
 #define MAX_PROMPT 64
-
-/* ---- deterministic random numbers -------------------------------------------------------- */
-
-static uint64_t rng_state;
-
-static uint64_t rng_next(void)
-{
-	uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
-static double rng_uniform(void)
-{
-	return ((double)(rng_next() >> 11) + 0.5) * 0x1.0p-53; /* (0, 1) */
-}
-
-static double rng_normal(void)
-{
-	return sqrt(-2.0 * log(rng_uniform())) * cos(2.0 * M_PI * rng_uniform());
-}
 
 /* ---- test models -------------------------------------------------------------------------- */
 
@@ -444,8 +423,7 @@ static double rel_l2_ff(const float *a, const float *b, uint32_t n)
 
 static void report(const char *what, double err)
 {
-	const char *v = getenv("PIPELINE_TEST_VERBOSE");
-	if (v && *v == '1')
+	if (test_verbose())
 		fprintf(stderr, "test_kernels: %-34s relative L2 error %.3e\n", what, err);
 }
 

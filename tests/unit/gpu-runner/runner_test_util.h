@@ -1,0 +1,40 @@
+/* runner_test_util.h - what the gpu-runner's backend tests share: a deterministic random number
+ * generator (splitmix64; seed it by setting rng_state) and PIPELINE_TEST_VERBOSE.
+ * Header-only: each test is one program, with its own generator state. */
+#ifndef PIPELINE_RUNNER_TEST_UTIL_H
+#define PIPELINE_RUNNER_TEST_UTIL_H
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static uint64_t rng_state;
+
+static inline uint64_t rng_next(void)
+{
+	uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+/* Uniform in (0, 1). */
+static inline double rng_uniform(void)
+{
+	return ((double)(rng_next() >> 11) + 0.5) * 0x1.0p-53;
+}
+
+/* Standard normal (Box-Muller). */
+static inline double rng_normal(void)
+{
+	return sqrt(-2.0 * log(rng_uniform())) * cos(2.0 * M_PI * rng_uniform());
+}
+
+/* PIPELINE_TEST_VERBOSE=1: print the errors measured. */
+static inline bool test_verbose(void)
+{
+	const char *v = getenv("PIPELINE_TEST_VERBOSE");
+	return v && *v == '1';
+}
+
+#endif
