@@ -131,7 +131,7 @@ static void run_job(struct runner *r, struct job *j)
 	if (rc == 0 && ((j->flags & GEN_TEXT) || j->stop_strings_len)) {
 		if (!r->tok) {
 			rc = -ENOTSUP;
-			snprintf(err, sizeof(err), "the model has no tokenizer.json: no text output and no stop strings");
+			snprintf(err, sizeof(err), "the model has no tokenizer (no tokenizer.json, nor one in its GGUF file): no text output and no stop strings");
 		} else {
 			rc = text_stream_create(r->tok, j->stop_strings, j->stop_strings_len, &r->ts, err, sizeof(err));
 		}
@@ -206,7 +206,7 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 		return -EINVAL;
 	}
 	if ((g->prompt.len || g->chat.len || g->stop_strings.len || (g->flags & GEN_TEXT)) && !r->tok) {
-		snprintf(errtext, errlen, "the model has no tokenizer.json, so the runner takes token ids only and "
+		snprintf(errtext, errlen, "the model has no tokenizer (no tokenizer.json, nor one in its GGUF file), so the runner takes token ids only and "
 			 "returns ids only (start the loader with --tokenizer FILE)");
 		return -ENOTSUP;
 	}

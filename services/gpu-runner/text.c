@@ -167,7 +167,7 @@ int text_prompt_build(const struct tokenizer *tok, const struct model_config *cf
 	out->end_of_turn = -1;
 	if (!tok)
 		return errorf(err, errlen, -ENOTSUP,
-			      "the model has no tokenizer.json, so the runner takes token ids only (or start the loader "
+			      "the model has no tokenizer (no tokenizer.json, nor one in its GGUF file), so the runner takes token ids only (or start the loader "
 			      "with --tokenizer FILE)");
 	unsigned flags = (g->flags & GEN_SPECIAL_AS_TEXT) ? TOK_SPECIAL_AS_TEXT : 0;
 	int rc;
