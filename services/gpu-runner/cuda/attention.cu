@@ -222,35 +222,58 @@ template <typename KT> __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) at
 	}
 }
 
-/* Folds the splits' partial states into the running state: one block per (token, head). */
-__global__ void __launch_bounds__(64) attn_combine_kernel(float *m, float *l, float *acc, const float *pm,
-							  const float *pl, const float *pacc, uint32_t pairs,
-							  uint32_t splits, uint32_t hd)
+/* Folds the splits' partial states into the running state: one block per (token, head), a
+ * thread per dimension. The splits' maxima, sums and weights exp(m_s - max) are read and computed
+ * once per block, in parallel, into shared memory; each dimension then reads its splits'
+ * accumulators as independent loads and folds them in split order (the same float32 operations,
+ * in the same order, as a serial merge). */
+#define COMBINE_THREADS 128
+static_assert(ATTN_MAX_SPLITS <= COMBINE_THREADS, "one thread per split reads its state");
+__global__ void __launch_bounds__(COMBINE_THREADS) attn_combine_kernel(float *m, float *l, float *acc, const float *pm,
+								       const float *pl, const float *pacc,
+								       uint32_t pairs, uint32_t splits, uint32_t hd)
 {
-	const uint32_t pair = blockIdx.x;
-	float M = m[pair], mx = M;
+	__shared__ float sm[ATTN_MAX_SPLITS], sw[ATTN_MAX_SPLITS], sl[ATTN_MAX_SPLITS];
+	const uint32_t pair = blockIdx.x, t = threadIdx.x;
+	const float M = m[pair];
+	if (t < splits) {
+		sm[t] = pm[(size_t)t * pairs + pair];
+		sl[t] = pl[(size_t)t * pairs + pair];
+	}
+	__syncthreads();
+	float mx = M;
 	for (uint32_t s = 0; s < splits; s++)
-		mx = fmaxf(mx, pm[(size_t)s * pairs + pair]);
+		mx = fmaxf(mx, sm[s]);
 	if (mx == -INFINITY)
-		return; /* nothing seen yet, nothing new */
-	float wM = M == -INFINITY ? 0.0f : expf(M - mx);
-	for (uint32_t d = threadIdx.x; d < hd; d += blockDim.x) {
+		return; /* nothing seen yet, nothing new (the same for every thread) */
+	const float wM = M == -INFINITY ? 0.0f : expf(M - mx);
+	if (t < splits)
+		sw[t] = sm[t] != -INFINITY ? expf(sm[t] - mx) : 0.0f;
+	__syncthreads(); /* also: every thread has read m[pair] before it changes */
+	for (uint32_t d = t; d < hd; d += blockDim.x) {
 		float v = acc[(size_t)pair * hd + d] * wM;
-		for (uint32_t s = 0; s < splits; s++) {
-			float ms = pm[(size_t)s * pairs + pair];
-			if (ms != -INFINITY)
-				v = fmaf(pacc[((size_t)s * pairs + pair) * hd + d], expf(ms - mx), v);
+		const float *pa = pacc + (size_t)pair * hd + d;
+		uint32_t s = 0;
+		for (; s + 8 <= splits; s += 8) {
+			float pv[8];
+#pragma unroll
+			for (uint32_t i = 0; i < 8; i++)
+				pv[i] = pa[(size_t)(s + i) * pairs * hd];
+#pragma unroll
+			for (uint32_t i = 0; i < 8; i++)
+				if (sm[s + i] != -INFINITY)
+					v = fmaf(pv[i], sw[s + i], v);
 		}
+		for (; s < splits; s++)
+			if (sm[s] != -INFINITY)
+				v = fmaf(pa[(size_t)s * pairs * hd], sw[s], v);
 		acc[(size_t)pair * hd + d] = v;
 	}
-	__syncthreads(); /* every thread has read m[pair] before it changes */
-	if (threadIdx.x == 0) {
+	if (t == 0) {
 		float L = l[pair] * wM;
-		for (uint32_t s = 0; s < splits; s++) {
-			float ms = pm[(size_t)s * pairs + pair];
-			if (ms != -INFINITY)
-				L = fmaf(pl[(size_t)s * pairs + pair], expf(ms - mx), L);
-		}
+		for (uint32_t s = 0; s < splits; s++)
+			if (sm[s] != -INFINITY)
+				L = fmaf(sl[s], sw[s], L);
 		m[pair] = mx;
 		l[pair] = L;
 	}
@@ -361,8 +384,8 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 		LAUNCHED(be, "attn_kernel");
 	}
 	if (splits > 1) {
-		attn_combine_kernel<<<pairs, 64, 0, be->stream>>>(be->st_m, be->st_l, be->st_acc, be->pm, be->pl,
-								  be->pacc, pairs, splits, hd);
+		attn_combine_kernel<<<pairs, COMBINE_THREADS, 0, be->stream>>>(be->st_m, be->st_l, be->st_acc, be->pm,
+									       be->pl, be->pacc, pairs, splits, hd);
 		LAUNCHED(be, "attn_combine_kernel");
 	}
 	return 0;
