@@ -392,15 +392,16 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 }
 
 /* attn_end: att = acc / l per (token, head), in the dtype of o_proj. A query with no weight saw
- * no keys (its own block was not visited): flagged for the host, output 0. */
+ * no keys (its own block was not visited): flagged for the host, output 0. Grid (n, slices):
+ * the slices of a block row share a token's values. */
 template <typename TO>
-__global__ void __launch_bounds__(512) attn_out_kernel(const float *l, const float *acc, uint32_t n_heads,
+__global__ void __launch_bounds__(256) attn_out_kernel(const float *l, const float *acc, uint32_t n_heads,
 							uint32_t hd, TO *out, struct dev_status *st, uint32_t layer,
 							uint32_t pos0)
 {
 	const uint32_t t = blockIdx.x;
 	const size_t base = (size_t)t * n_heads * hd;
-	for (uint32_t i = threadIdx.x; i < n_heads * hd; i += blockDim.x) {
+	for (uint32_t i = blockIdx.y * blockDim.x + threadIdx.x; i < n_heads * hd; i += gridDim.y * blockDim.x) {
 		float lv = l[(size_t)t * n_heads + i / hd];
 		float v = 0.0f;
 		if (lv > 0.0f) {
@@ -416,16 +417,18 @@ __global__ void __launch_bounds__(512) attn_out_kernel(const float *l, const flo
 void attn_out_launch(uint32_t ot, const struct backend_dev *be, cudaStream_t s)
 {
 	const struct model_config *c = &be->cfg;
-	uint32_t n = be->n;
-	unsigned threads = small_grid(n) ? 512 : 128;
+	const uint32_t n = be->n, q_dim = c->n_heads * c->head_dim;
+	/* Few tokens (decode): a block per 256 values of a token, not one block for all of them. */
+	const unsigned threads = small_grid(n) ? 256 : 128;
+	const dim3 grid(n, small_grid(n) ? (q_dim + threads - 1) / threads : 1);
 	if (ot == DT_BF16)
-		attn_out_kernel<__nv_bfloat16><<<n, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
+		attn_out_kernel<__nv_bfloat16><<<grid, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
 								     (__nv_bfloat16 *)be->xa, be->status, be->layer,
 								     be->pos0);
 	else if (ot == DT_F16)
-		attn_out_kernel<__half><<<n, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
+		attn_out_kernel<__half><<<grid, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
 							      (__half *)be->xa, be->status, be->layer, be->pos0);
 	else
-		attn_out_kernel<float><<<n, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
+		attn_out_kernel<float><<<grid, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
 							     (float *)be->xa, be->status, be->layer, be->pos0);
 }
