@@ -504,9 +504,13 @@ template <int MODE> struct qg_cursor {
 };
 
 /* Buffers of item bytes a warp holds when x is staged whole: the loads of D - 1 items are in
- * flight while one item's arithmetic runs. */
+ * flight while one item's arithmetic runs. Decode (one token) takes three: a row of 4096 values is
+ * two items, so two buffers left one item (1152 bytes of Q4_K per warp) in flight, too few to
+ * cover the memory latency at the occupancy the registers allow; the third buffer costs 5 to 20
+ * registers (the format's item bytes). More tokens take two (their accumulators need the
+ * registers). */
 template <int NT> struct qg_depth {
-	static constexpr int D = 2;
+	static constexpr int D = NT == 1 ? 3 : 2;
 };
 
 /* One stage of a warp's stream when x is staged whole: loads the item at cursor ld into nd (and
