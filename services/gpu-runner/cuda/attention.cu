@@ -222,35 +222,58 @@ template <typename KT> __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) at
 	}
 }
 
-/* Folds the splits' partial states into the running state: one block per (token, head). */
-__global__ void __launch_bounds__(64) attn_combine_kernel(float *m, float *l, float *acc, const float *pm,
-							  const float *pl, const float *pacc, uint32_t pairs,
-							  uint32_t splits, uint32_t hd)
+/* Folds the splits' partial states into the running state: one block per (token, head), a
+ * thread per dimension. The splits' maxima, sums and weights exp(m_s - max) are read and computed
+ * once per block, in parallel, into shared memory; each dimension then reads its splits'
+ * accumulators as independent loads and folds them in split order (the same float32 operations,
+ * in the same order, as a serial merge). */
+#define COMBINE_THREADS 128
+static_assert(ATTN_MAX_SPLITS <= COMBINE_THREADS, "one thread per split reads its state");
+__global__ void __launch_bounds__(COMBINE_THREADS) attn_combine_kernel(float *m, float *l, float *acc, const float *pm,
+								       const float *pl, const float *pacc,
+								       uint32_t pairs, uint32_t splits, uint32_t hd)
 {
-	const uint32_t pair = blockIdx.x;
-	float M = m[pair], mx = M;
+	__shared__ float sm[ATTN_MAX_SPLITS], sw[ATTN_MAX_SPLITS], sl[ATTN_MAX_SPLITS];
+	const uint32_t pair = blockIdx.x, t = threadIdx.x;
+	const float M = m[pair];
+	if (t < splits) {
+		sm[t] = pm[(size_t)t * pairs + pair];
+		sl[t] = pl[(size_t)t * pairs + pair];
+	}
+	__syncthreads();
+	float mx = M;
 	for (uint32_t s = 0; s < splits; s++)
-		mx = fmaxf(mx, pm[(size_t)s * pairs + pair]);
+		mx = fmaxf(mx, sm[s]);
 	if (mx == -INFINITY)
-		return; /* nothing seen yet, nothing new */
-	float wM = M == -INFINITY ? 0.0f : expf(M - mx);
-	for (uint32_t d = threadIdx.x; d < hd; d += blockDim.x) {
+		return; /* nothing seen yet, nothing new (the same for every thread) */
+	const float wM = M == -INFINITY ? 0.0f : expf(M - mx);
+	if (t < splits)
+		sw[t] = sm[t] != -INFINITY ? expf(sm[t] - mx) : 0.0f;
+	__syncthreads(); /* also: every thread has read m[pair] before it changes */
+	for (uint32_t d = t; d < hd; d += blockDim.x) {
 		float v = acc[(size_t)pair * hd + d] * wM;
-		for (uint32_t s = 0; s < splits; s++) {
-			float ms = pm[(size_t)s * pairs + pair];
-			if (ms != -INFINITY)
-				v = fmaf(pacc[((size_t)s * pairs + pair) * hd + d], expf(ms - mx), v);
+		const float *pa = pacc + (size_t)pair * hd + d;
+		uint32_t s = 0;
+		for (; s + 8 <= splits; s += 8) {
+			float pv[8];
+#pragma unroll
+			for (uint32_t i = 0; i < 8; i++)
+				pv[i] = pa[(size_t)(s + i) * pairs * hd];
+#pragma unroll
+			for (uint32_t i = 0; i < 8; i++)
+				if (sm[s + i] != -INFINITY)
+					v = fmaf(pv[i], sw[s + i], v);
 		}
+		for (; s < splits; s++)
+			if (sm[s] != -INFINITY)
+				v = fmaf(pa[(size_t)s * pairs * hd], sw[s], v);
 		acc[(size_t)pair * hd + d] = v;
 	}
-	__syncthreads(); /* every thread has read m[pair] before it changes */
-	if (threadIdx.x == 0) {
+	if (t == 0) {
 		float L = l[pair] * wM;
-		for (uint32_t s = 0; s < splits; s++) {
-			float ms = pm[(size_t)s * pairs + pair];
-			if (ms != -INFINITY)
-				L = fmaf(pl[(size_t)s * pairs + pair], expf(ms - mx), L);
-		}
+		for (uint32_t s = 0; s < splits; s++)
+			if (sm[s] != -INFINITY)
+				L = fmaf(sl[s], sw[s], L);
 		m[pair] = mx;
 		l[pair] = L;
 	}
@@ -361,23 +384,24 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 		LAUNCHED(be, "attn_kernel");
 	}
 	if (splits > 1) {
-		attn_combine_kernel<<<pairs, 64, 0, be->stream>>>(be->st_m, be->st_l, be->st_acc, be->pm, be->pl,
-								  be->pacc, pairs, splits, hd);
+		attn_combine_kernel<<<pairs, COMBINE_THREADS, 0, be->stream>>>(be->st_m, be->st_l, be->st_acc, be->pm,
+									       be->pl, be->pacc, pairs, splits, hd);
 		LAUNCHED(be, "attn_combine_kernel");
 	}
 	return 0;
 }
 
 /* attn_end: att = acc / l per (token, head), in the dtype of o_proj. A query with no weight saw
- * no keys (its own block was not visited): flagged for the host, output 0. */
+ * no keys (its own block was not visited): flagged for the host, output 0. Grid (n, slices):
+ * the slices of a block row share a token's values. */
 template <typename TO>
-__global__ void __launch_bounds__(512) attn_out_kernel(const float *l, const float *acc, uint32_t n_heads,
+__global__ void __launch_bounds__(256) attn_out_kernel(const float *l, const float *acc, uint32_t n_heads,
 							uint32_t hd, TO *out, struct dev_status *st, uint32_t layer,
 							uint32_t pos0)
 {
 	const uint32_t t = blockIdx.x;
 	const size_t base = (size_t)t * n_heads * hd;
-	for (uint32_t i = threadIdx.x; i < n_heads * hd; i += blockDim.x) {
+	for (uint32_t i = blockIdx.y * blockDim.x + threadIdx.x; i < n_heads * hd; i += gridDim.y * blockDim.x) {
 		float lv = l[(size_t)t * n_heads + i / hd];
 		float v = 0.0f;
 		if (lv > 0.0f) {
@@ -393,16 +417,18 @@ __global__ void __launch_bounds__(512) attn_out_kernel(const float *l, const flo
 void attn_out_launch(uint32_t ot, const struct backend_dev *be, cudaStream_t s)
 {
 	const struct model_config *c = &be->cfg;
-	uint32_t n = be->n;
-	unsigned threads = small_grid(n) ? 512 : 128;
+	const uint32_t n = be->n, q_dim = c->n_heads * c->head_dim;
+	/* Few tokens (decode): a block per 256 values of a token, not one block for all of them. */
+	const unsigned threads = small_grid(n) ? 256 : 128;
+	const dim3 grid(n, small_grid(n) ? (q_dim + threads - 1) / threads : 1);
 	if (ot == DT_BF16)
-		attn_out_kernel<__nv_bfloat16><<<n, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
+		attn_out_kernel<__nv_bfloat16><<<grid, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
 								     (__nv_bfloat16 *)be->xa, be->status, be->layer,
 								     be->pos0);
 	else if (ot == DT_F16)
-		attn_out_kernel<__half><<<n, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
+		attn_out_kernel<__half><<<grid, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
 							      (__half *)be->xa, be->status, be->layer, be->pos0);
 	else
-		attn_out_kernel<float><<<n, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
+		attn_out_kernel<float><<<grid, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
 							     (float *)be->xa, be->status, be->layer, be->pos0);
 }

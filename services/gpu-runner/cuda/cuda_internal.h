@@ -66,6 +66,8 @@ struct dev_status {
 	int32_t err;	   /* 1: a query saw no keys */
 	uint32_t err_layer;
 	uint32_t err_pos;
+	unsigned long long best; /* logits_argmax's blocks: their largest key so far, 0 between calls */
+	uint32_t done;		 /* logits_argmax's blocks that have folded theirs in, 0 between calls */
 };
 
 /* Pinned host memory that uploads are staged in, reused as a ring (see the header comment). */

@@ -488,32 +488,51 @@ static __device__ __forceinline__ void qg_dot(const qgemv_args &a, uint32_t k, u
 	}
 }
 
-/* One stage of a warp's stream of (row, item) pairs when x is staged whole: loads the item after
- * the current one into nd, then computes the current one from cd, finishing its row after its
- * last item, and moves on. False when no item follows. Called with the buffers swapped in turn,
- * so one item's loads are in flight while another's arithmetic runs, across rows too. */
+/* A place in a warp's stream of (row, item) pairs: the row, its item k; live until the rows end. */
+template <int MODE> struct qg_cursor {
+	qg_row<MODE> r;
+	uint32_t k;
+	bool live;
+
+	__device__ __forceinline__ void next(const qgemv_args &a, uint32_t wid)
+	{
+		if (++k == qg_items<MODE>(a)) {
+			k = 0;
+			live = r.at(a, r.rg + gridDim.x, wid);
+		}
+	}
+};
+
+/* Buffers of item bytes a warp holds when x is staged whole: the loads of D - 1 items are in
+ * flight while one item's arithmetic runs. Decode (one token) takes three: a row of 4096 values is
+ * two items, so two buffers left one item (1152 bytes of Q4_K per warp) in flight, too few to
+ * cover the memory latency at the occupancy the registers allow; the third buffer costs 5 to 20
+ * registers (the format's item bytes). More tokens take two (their accumulators need the
+ * registers). */
+template <int NT> struct qg_depth {
+	static constexpr int D = NT == 1 ? 3 : 2;
+};
+
+/* One stage of a warp's stream when x is staged whole: loads the item at cursor ld into nd (and
+ * moves ld on), then computes the item at cursor at from cd, finishing its row after its last
+ * item, and moves on. False when no item follows. Called with the buffers in turn, so the loads
+ * of the next items are in flight while one item's arithmetic runs, across rows too. */
 template <int F, int NT, int MODE>
-static __device__ __forceinline__ bool qg_stream(const qgemv_args &a, qg_row<MODE> &cur, uint32_t &k, uint32_t wid,
-						 uint32_t lane, const typename qg<F>::data &cd,
+static __device__ __forceinline__ bool qg_stream(const qgemv_args &a, qg_cursor<MODE> &at, qg_cursor<MODE> &ld,
+						 uint32_t wid, uint32_t lane, const typename qg<F>::data &cd,
 						 typename qg<F>::data &nd, const float4 *xs, const float4 *xsum,
 						 uint32_t xstride, uint32_t mstride, float *acc, float *acc2)
 {
-	const uint32_t items = qg_items<MODE>(a);
-	qg_row<MODE> nxt = cur;
-	uint32_t nk = k + 1;
-	bool more = true;
-	if (nk == items) {
-		nk = 0;
-		more = nxt.at(a, cur.rg + gridDim.x, wid);
+	if (ld.live) {
+		qg_load<F, MODE>(a, ld.r, ld.k, lane, nd);
+		ld.next(a, wid);
 	}
-	if (more)
-		qg_load<F, MODE>(a, nxt, nk, lane, nd);
+	const uint32_t k = at.k;
 	qg_dot<F, NT, MODE>(a, k, MODE == GEMV_SWIGLU ? k >> 1 : k, lane, cd, xs, xsum, xstride, mstride, acc, acc2);
-	if (k + 1 == items)
-		qg_finish<NT, MODE>(a, cur.p, cur.o, lane, acc, acc2);
-	cur = nxt;
-	k = nk;
-	return more;
+	if (k + 1 == qg_items<MODE>(a))
+		qg_finish<NT, MODE>(a, at.r.p, at.r.o, lane, acc, acc2);
+	at.next(a, wid);
+	return at.live;
 }
 
 template <int F, int NT, int MODE> __global__ void __launch_bounds__(QG_THREADS) qgemv_kernel(const qgemv_args a)
@@ -539,16 +558,31 @@ template <int F, int NT, int MODE> __global__ void __launch_bounds__(QG_THREADS)
 	}
 
 	if (ntiles == 1) {
-		/* x staged once serves every row the block takes: each warp streams its items. */
+		/* x staged once serves every row the block takes: each warp streams its items, the
+		 * first ones loaded into registers before x is staged. */
+		qg_cursor<MODE> at = {cur, 0, live}, ld = at;
+		D d0, d1, d2;
+		if (ld.live) {
+			qg_load<F, MODE>(a, ld.r, ld.k, lane, d0);
+			ld.next(a, wid);
+		}
+		if (qg_depth<NT>::D == 3 && ld.live) {
+			qg_load<F, MODE>(a, ld.r, ld.k, lane, d1);
+			ld.next(a, wid);
+		}
 		qg_stage<F, NT>(xs, xsum, a, 0, ts);
 		if (!live)
 			return; /* no barrier follows */
-		D d0, d1;
-		uint32_t k = 0;
-		qg_load<F, MODE>(a, cur, 0, lane, d0);
-		while (qg_stream<F, NT, MODE>(a, cur, k, wid, lane, d0, d1, xs, xsum, xstride, mstride, acc, acc2) &&
-		       qg_stream<F, NT, MODE>(a, cur, k, wid, lane, d1, d0, xs, xsum, xstride, mstride, acc, acc2))
-			;
+		if (qg_depth<NT>::D == 3) {
+			while (qg_stream<F, NT, MODE>(a, at, ld, wid, lane, d0, d2, xs, xsum, xstride, mstride, acc, acc2) &&
+			       qg_stream<F, NT, MODE>(a, at, ld, wid, lane, d1, d0, xs, xsum, xstride, mstride, acc, acc2) &&
+			       qg_stream<F, NT, MODE>(a, at, ld, wid, lane, d2, d1, xs, xsum, xstride, mstride, acc, acc2))
+				;
+		} else {
+			while (qg_stream<F, NT, MODE>(a, at, ld, wid, lane, d0, d1, xs, xsum, xstride, mstride, acc, acc2) &&
+			       qg_stream<F, NT, MODE>(a, at, ld, wid, lane, d1, d0, xs, xsum, xstride, mstride, acc, acc2))
+				;
+		}
 		return;
 	}
 

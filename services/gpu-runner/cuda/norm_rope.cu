@@ -29,20 +29,23 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(const float *x, const voi
 	if (threadIdx.x % 32 == 0)
 		part[threadIdx.x / 32] = ss;
 	__syncthreads();
-	double tot = 0;
-	for (uint32_t i = 0; i < blockDim.x / 32; i++)
-		tot += part[i];
+	/* Every warp folds the warps' sums by shuffles (not a serial loop in each thread). */
+	const uint32_t lane = threadIdx.x % 32;
+	double tot = lane < blockDim.x / 32 ? part[lane] : 0.0;
+	for (int o = 16; o > 0; o >>= 1)
+		tot += __shfl_xor_sync(0xffffffffu, tot, o);
 	float var = (float)(tot / dim);
 	float r = 1.0f / sqrtf(var + eps); /* IEEE division and square root (no fast math) */
 	for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x)
 		orow[i] = from_f32<TO>(__fmul_rn(load_any(w, wt, i), __fmul_rn(xr[i], r)));
 }
-/* One block per token: RoPE on q (in place) and k, k and v into their arena row, and the
- * token's attention accumulators reset. cos and sin of the float32 angle in double, rounded
+/* Grid (n, slices): RoPE on q (in place) and k, k and v into their arena row, and the token's
+ * attention accumulators reset; the slices of a token split its work (each computes the token's
+ * angles). cos and sin of the float32 angle in double, rounded
  * to float32, and rotate_half with unfused float32 products, as the reference. Pair j (rotated
  * by inv_freq[j]) is dimensions (j, j + hd/2) of a head, or (2j, 2j + 1) with a.adjacent
  * (ROPE_ADJACENT: GGUF's row order of wq and wk). */
-template <typename KT> __global__ void __launch_bounds__(512) rope_kernel(const rope_args a)
+template <typename KT> __global__ void __launch_bounds__(256) rope_kernel(const rope_args a)
 {
 	__shared__ float cs[MAX_HEAD_DIM / 2], sn[MAX_HEAD_DIM / 2];
 	const uint32_t t = blockIdx.x, hd = a.head_dim, half = hd / 2;
@@ -58,7 +61,8 @@ template <typename KT> __global__ void __launch_bounds__(512) rope_kernel(const 
 	float *q = a.qkv + (size_t)t * a.ld, *k = q + (size_t)a.n_heads * hd, *v = k + kv_dim;
 	/* The two dimensions of pair j within a head. */
 	const uint32_t step1 = a.adjacent ? 2 : 1, off2 = a.adjacent ? 1 : half;
-	for (uint32_t i = threadIdx.x; i < a.n_heads * half; i += blockDim.x) {
+	const uint32_t i0 = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
+	for (uint32_t i = i0; i < a.n_heads * half; i += stride) {
 		uint32_t h = i / half, j = i % half, d1 = j * step1, d2 = d1 + off2;
 		float *qh = q + (size_t)h * hd;
 		float x1 = qh[d1], x2 = qh[d2];
@@ -67,21 +71,21 @@ template <typename KT> __global__ void __launch_bounds__(512) rope_kernel(const 
 	}
 	KT *kd = (KT *)a.arena + a.dst[t] * a.block_elems + (size_t)a.dst[a.n + t] * kv_dim;
 	KT *vd = kd + (size_t)a.block_tokens * kv_dim;
-	for (uint32_t i = threadIdx.x; i < a.n_kv_heads * half; i += blockDim.x) {
+	for (uint32_t i = i0; i < a.n_kv_heads * half; i += stride) {
 		uint32_t h = i / half, j = i % half, d1 = j * step1, d2 = d1 + off2;
 		const float *kh = k + (size_t)h * hd;
 		float x1 = kh[d1], x2 = kh[d2];
 		kd[h * hd + d1] = from_f32<KT>(__fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j])));
 		kd[h * hd + d2] = from_f32<KT>(__fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j])));
 	}
-	for (uint32_t i = threadIdx.x; i < kv_dim; i += blockDim.x)
+	for (uint32_t i = i0; i < kv_dim; i += stride)
 		vd[i] = from_f32<KT>(v[i]);
 	size_t p0 = (size_t)t * a.n_heads;
-	for (uint32_t i = threadIdx.x; i < a.n_heads; i += blockDim.x) {
+	for (uint32_t i = i0; i < a.n_heads; i += stride) {
 		a.m[p0 + i] = -INFINITY;
 		a.l[p0 + i] = 0.0f;
 	}
-	for (uint32_t i = threadIdx.x; i < a.n_heads * hd; i += blockDim.x)
+	for (uint32_t i = i0; i < a.n_heads * hd; i += stride)
 		a.acc[p0 * hd + i] = 0.0f;
 }
 
@@ -109,11 +113,13 @@ void embed_launch(uint32_t dt, const void *raw, float *x, size_t count, cudaStre
 
 void rope_launch(uint32_t kv_dtype, const rope_args &a, cudaStream_t s)
 {
-	unsigned threads = small_grid(a.n) ? 512 : 128;
+	/* Few tokens (decode): 8 blocks of 256 threads per token, not one block for all of it. */
+	const unsigned threads = small_grid(a.n) ? 256 : 128;
+	const dim3 grid(a.n, small_grid(a.n) ? 8 : 1);
 	if (kv_dtype == DT_BF16)
-		rope_kernel<__nv_bfloat16><<<a.n, threads, 0, s>>>(a);
+		rope_kernel<__nv_bfloat16><<<grid, threads, 0, s>>>(a);
 	else
-		rope_kernel<float><<<a.n, threads, 0, s>>>(a);
+		rope_kernel<float><<<grid, threads, 0, s>>>(a);
 }
 
 void silu_mul_launch(uint32_t ot, const float *gu, uint32_t ffn, size_t count, void *out, cudaStream_t s)

@@ -1,47 +1,56 @@
 /* sampling.cu - the last step of a decode token on the device: the argmax of the logits, or a
  * draw with temperature, top-k, top-p and min-p (semantics: backend.h, backend_logits_sample),
- * so only a token id crosses the bus. One block of 1024 threads each. */
+ * so only a token id crosses the bus. The argmax runs on many blocks, the sampler on one block of
+ * 1024 threads. */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"
 
 
-/* The id of the largest value, lowest id on ties; NaN loses to everything. One block. */
-__global__ void __launch_bounds__(1024) argmax_kernel(const float *v, uint32_t n, struct dev_status *st)
+/* The id of the largest value, lowest id on ties; NaN loses to everything (all NaN: 0). Many
+ * blocks: a value and its id packed into one key whose unsigned order is that order (the value's
+ * bits ordered as integers, -0 as +0, then ~id; NaN is key 0), each block's largest key folded
+ * into st->best with an atomic maximum; the last block to finish (st->done counts them) writes the
+ * token and resets both for the next call. */
+#define ARGMAX_THREADS 256
+#define ARGMAX_BLOCKS 128
+
+static __device__ __forceinline__ unsigned long long argmax_key(float x, uint32_t i)
 {
-	__shared__ float bv[32];
-	__shared__ uint32_t bi[32];
-	float best = -INFINITY;
-	uint32_t idx = UINT32_MAX;
-	for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
-		float x = v[i];
-		if (idx == UINT32_MAX ? !isnan(x) : x > best) {
-			best = x;
-			idx = i;
-		}
-	}
-	for (int o = 16; o > 0; o >>= 1) {
-		float ob = __shfl_xor_sync(0xffffffffu, best, o);
-		uint32_t oi = __shfl_xor_sync(0xffffffffu, idx, o);
-		if (oi != UINT32_MAX && (idx == UINT32_MAX || ob > best || (ob == best && oi < idx))) {
-			best = ob;
-			idx = oi;
-		}
-	}
-	if (threadIdx.x % 32 == 0) {
-		bv[threadIdx.x / 32] = best;
-		bi[threadIdx.x / 32] = idx;
-	}
+	if (isnan(x))
+		return 0;
+	uint32_t u = x == 0.0f ? 0u : __float_as_uint(x);
+	u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+	return (unsigned long long)u << 32 | (uint32_t)~i;
+}
+
+static __device__ __forceinline__ unsigned long long max_u64(unsigned long long a, unsigned long long b)
+{
+	return a > b ? a : b;
+}
+
+__global__ void __launch_bounds__(ARGMAX_THREADS) argmax_kernel(const float *v, uint32_t n, struct dev_status *st)
+{
+	__shared__ unsigned long long wk[ARGMAX_THREADS / 32];
+	unsigned long long k = 0;
+	for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+		k = max_u64(k, argmax_key(v[i], i));
+	for (int o = 16; o > 0; o >>= 1)
+		k = max_u64(k, __shfl_xor_sync(0xffffffffu, k, o));
+	if (threadIdx.x % 32 == 0)
+		wk[threadIdx.x / 32] = k;
 	__syncthreads();
 	if (threadIdx.x == 0) {
 		for (uint32_t w = 1; w < blockDim.x / 32; w++)
-			if (bi[w] != UINT32_MAX && (idx == UINT32_MAX || bv[w] > best || (bv[w] == best && bi[w] < idx))) {
-				best = bv[w];
-				idx = bi[w];
-			}
-		st->token = idx == UINT32_MAX ? 0 : (int32_t)idx;
+			k = max_u64(k, wk[w]);
+		atomicMax(&st->best, k);
+		__threadfence(); /* the maximum lands before the count says so */
+		if (atomicAdd(&st->done, 1u) == gridDim.x - 1) {
+			const unsigned long long b = atomicExch(&st->best, 0ull);
+			st->token = b ? (int32_t)~(uint32_t)b : 0;
+			st->done = 0;
+		}
 	}
 }
-
 
 /* ---- sampling (one block) ---------------------------------------------------------------- */
 
@@ -200,7 +209,7 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float *v, uint32_t n
 }
 void argmax_launch(const float *v, uint32_t n, struct dev_status *st, cudaStream_t s)
 {
-	argmax_kernel<<<1, 1024, 0, s>>>(v, n, st);
+	argmax_kernel<<<ARGMAX_BLOCKS, ARGMAX_THREADS, 0, s>>>(v, n, st);
 }
 
 void sample_launch(const float *v, uint32_t n, float inv_t, uint32_t top_k, float top_p, float min_p, double u,
