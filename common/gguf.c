@@ -547,12 +547,11 @@ static int check_tensor_data(const struct gguf *g, const struct gguf_tensor *t, 
 			      t->name, t->offset, g->alignment);
 	if (g->data_start > g->size || t->offset > g->size - g->data_start ||
 	    t->nbytes > g->size - g->data_start - t->offset) {
-		uint64_t b = g->data_start + t->offset, e = b + t->nbytes; /* both below 2^65: shown as they wrap */
 		return errorf(err, errlen, -EINVAL,
-			      "%s: tensor %s: its data [%" PRIu64 ", %" PRIu64
-			      ") runs past the end of the file (%" PRIu64
+			      "%s: tensor %s: its %" PRIu64 " bytes at offset %" PRIu64 " of the data section (which starts "
+			      "at byte %" PRIu64 ") run past the end of the file (%" PRIu64
 			      " bytes): the file is truncated or the tensor table is corrupt",
-			      g->path, t->name, b, e, g->size);
+			      g->path, t->name, t->nbytes, t->offset, g->data_start, g->size);
 	}
 	return 0;
 }

@@ -411,6 +411,27 @@ static int read_special_ids(const struct gguf *g, struct model_config *c, char *
 		if (rc && !seen)
 			c->eos_ids[c->n_eos++] = id;
 	}
+	/* Converted files often name one EOS id only (a Llama 3.1 Instruct file: <|eot_id|>), where
+	 * the Hugging Face checkpoint's generation_config.json lists every end of generation. Like
+	 * llama.cpp, the end-of-turn tokens are also found by their text. */
+	static const char *const eog_text[] = {"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>",
+					       "<|end|>", "<end_of_turn>", "<|endoftext|>"};
+	const struct gguf_str *tok;
+	uint64_t n_tok;
+	if (gguf_get_str_array(g, "tokenizer.ggml.tokens", &tok, &n_tok, err, errlen) == 0) {
+		for (uint64_t i = 0; i < n_tok && i < c->vocab_size && c->n_eos < MODEL_MAX_EOS; i++) {
+			bool eog = false;
+			for (size_t k = 0; k < ARRAY_SIZE(eog_text) && !eog; k++)
+				eog = tok[i].len == strlen(eog_text[k]) && !memcmp(tok[i].s, eog_text[k], tok[i].len);
+			bool seen = false;
+			for (uint32_t j = 0; j < c->n_eos; j++)
+				seen |= c->eos_ids[j] == (int32_t)i;
+			if (eog && !seen)
+				c->eos_ids[c->n_eos++] = (int32_t)i;
+		}
+	}
+	if (errlen)
+		err[0] = '\0'; /* a file without a token list is no error here */
 	return 0;
 }
 

@@ -281,8 +281,10 @@ static int gpt2_model(struct conv *c, json_t *root)
 		return give_up(c, "no tokenizer: %s", why);
 	json_t *pt;
 	bool ignore_merges = false;
-	if (pre && (!strcmp(pre, "llama-bpe") || !strcmp(pre, "smaug-bpe"))) {
-		ignore_merges = !strcmp(pre, "llama-bpe");
+	/* llama.cpp reads "llama3" and "llama-v3" as "llama-bpe". */
+	bool llama3 = pre && (!strcmp(pre, "llama-bpe") || !strcmp(pre, "llama3") || !strcmp(pre, "llama-v3"));
+	if (llama3 || (pre && !strcmp(pre, "smaug-bpe"))) {
+		ignore_merges = llama3;
 		pt = json_pack("{s:s, s:[{s:s, s:{s:s}, s:s, s:b}, {s:s, s:b, s:b, s:b}]}", "type", "Sequence",
 			       "pretokenizers", "type", "Split", "pattern", "Regex", llama3_pattern, "behavior",
 			       "Isolated", "invert", 0, "type", "ByteLevel", "add_prefix_space", 0, "trim_offsets", 1,
@@ -292,8 +294,8 @@ static int gpt2_model(struct conv *c, json_t *root)
 			       "use_regex", 1);
 	} else {
 		return give_up(c,
-			       "no tokenizer: tokenizer.ggml.pre \"%.40s\" is not supported (supported: llama-bpe, "
-			       "smaug-bpe, gpt-2)",
+			       "no tokenizer: tokenizer.ggml.pre \"%.40s\" is not supported (supported: llama-bpe (llama3, "
+			       "llama-v3), smaug-bpe, gpt-2)",
 			       pre ? pre : "(none)");
 	}
 	int rc = set_new(c, root, "pre_tokenizer", pt);

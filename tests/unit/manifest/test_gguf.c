@@ -321,9 +321,9 @@ START_TEST(test_bad_header)
 	at[0] = pos_off, at[1] = 16;
 	bytes_fail(w, set_u64_at, at, -EINVAL, "offset 16 is not a multiple of the alignment 32");
 	at[1] = 1024;
-	bytes_fail(w, set_u64_at, at, -EINVAL, "runs past the end of the file");
+	bytes_fail(w, set_u64_at, at, -EINVAL, "run past the end of the file");
 	at[1] = UINT64_MAX - 31;
-	bytes_fail(w, set_u64_at, at, -EINVAL, "runs past the end of the file");
+	bytes_fail(w, set_u64_at, at, -EINVAL, "run past the end of the file");
 	gw_free(&w);
 }
 END_TEST

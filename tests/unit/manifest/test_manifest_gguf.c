@@ -166,6 +166,27 @@ START_TEST(test_tied_and_defaults)
 	ck_assert_str_eq(m->chat_template, "{{ messages }}");
 	manifest_destroy(&m);
 	gw_free(&w);
+	/* The end-of-turn tokens are also found by their text, as llama.cpp finds them: a converted
+	 * Llama 3.1 Instruct file names <|eot_id|> as its EOS id and nothing else. */
+	w = gw_new();
+	gw_tiny_llama(w, &(struct gw_llama){.type = GW_F32});
+	static char names[512][16];
+	const char *tokens[512];
+	for (int i = 0; i < 512; i++) {
+		snprintf(names[i], sizeof(names[i]), "t%d", i);
+		tokens[i] = names[i];
+	}
+	tokens[7] = "<|eot_id|>";
+	tokens[9] = "<|eom_id|>";
+	tokens[11] = "<|eot_id|x"; /* not the text */
+	gw_arr_str(w, "tokenizer.ggml.tokens", tokens, NULL, 512);
+	m = load_ok(write_w(w, "eog.gguf"));
+	ck_assert_uint_eq(m->cfg.n_eos, 3);
+	ck_assert_int_eq(m->cfg.eos_ids[0], 2);
+	ck_assert_int_eq(m->cfg.eos_ids[1], 7);
+	ck_assert_int_eq(m->cfg.eos_ids[2], 9);
+	manifest_destroy(&m);
+	gw_free(&w);
 	/* No special ids at all. */
 	w = gw_new();
 	gw_tiny_llama(w, &(struct gw_llama){.no_tokens_meta = true});
@@ -507,7 +528,7 @@ START_TEST(test_corrupt)
 	write_file(tpath("cut.gguf"), b, 300);
 	load_fails(tpath("cut.gguf"), -EINVAL, "truncated");
 	write_file(tpath("short.gguf"), b, len - 100);
-	load_fails(tpath("short.gguf"), -EINVAL, "output.weight: its data [");
+	load_fails(tpath("short.gguf"), -EINVAL, "output.weight: its 131072 bytes at offset");
 	/* An absurd string length: the first key's. */
 	b[24] = 0xff, b[25] = 0xff, b[26] = 0xff, b[27] = 0x7f;
 	write_file(tpath("strlen.gguf"), b, len);

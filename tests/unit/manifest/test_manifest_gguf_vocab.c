@@ -300,7 +300,7 @@ static void expect_note(const char *path, const char *word)
 START_TEST(test_no_tokenizer)
 {
 	expect_note(write_model_with_vocab("qwen.gguf", "qwen2", NULL),
-		    "tokenizer.ggml.pre \"qwen2\" is not supported (supported: llama-bpe, smaug-bpe, gpt-2)");
+		    "tokenizer.ggml.pre \"qwen2\" is not supported (supported: llama-bpe (llama3, llama-v3), smaug-bpe, gpt-2)");
 	expect_note(write_model_with_vocab("nopre.gguf", NULL, NULL), "tokenizer.ggml.pre \"(none)\"");
 	struct gw *w = gw_new();
 	gw_tiny_llama(w, &(struct gw_llama){.type = GW_F32});
