@@ -166,6 +166,29 @@ class Checkpoint(unittest.TestCase):
             self.assertEqual(w["weight_bytes"], 2 * w["params"])
 
 
+    def test_synthetic_gguf(self):
+        """A GGUF file's bytes per token come from its header: the same parameters as the
+        safetensors checkpoint of the same arguments, Q8_0 matrices at 34 bytes per 32 values,
+        F32 norms; a split set reads as the one file."""
+        tool = os.path.join(os.environ.get("PIPELINE_BIN_DIR", ""), "make-synthetic-model")
+        if not os.access(tool, os.X_OK):
+            self.skipTest("make-synthetic-model not built (PIPELINE_BIN_DIR)")
+        st = os.path.join(self.dir, "st")
+        subprocess.run([tool, "--shape", "tiny", "--out", st, "--quiet"], check=True, stdout=subprocess.DEVNULL)
+        want = bench.checkpoint_weights(st)
+        for shards in ("0", "2"):
+            out = os.path.join(self.dir, f"g{shards}")
+            subprocess.run([tool, "--shape", "tiny", "--format", "gguf", "--type", "q8_0", "--shards", shards,
+                            "--out", out, "--quiet"], check=True, stdout=subprocess.DEVNULL)
+            w = bench.checkpoint_weights(out)
+            self.assertEqual(w["params"], want["params"])
+            self.assertEqual(w["matrix_params"], want["matrix_params"])
+            norms = 64 * (2 * 2 + 1)  # tiny: dim 64, 2 layers
+            self.assertEqual(w["weight_bytes"], (w["params"] - norms) // 32 * 34 + 4 * norms)
+            self.assertEqual(w["vocab_size"], 512)
+            self.assertFalse(w["tied_embeddings"])
+
+
 class Logs(unittest.TestCase):
     def test_strict(self):
         text = "x\n[err] --strict: group 3 late\nfine\n[err] --strict: again\n"
