@@ -70,6 +70,8 @@ enum backend_gemv {
 	BACKEND_GEMV_CUBLAS = 1,  /* no GEMV kernel: cuBLAS for decode too */
 	BACKEND_GEMV_ROWS1 = 2,	  /* the GEMV kernel, one weight row per warp */
 	BACKEND_GEMV_ROWS2 = 3,	  /* the GEMV kernel, two rows per warp */
+	BACKEND_GEMV_DP4A = 4,	  /* as DEFAULT, but one-token products with Q4_K, Q6_K or Q8_0 weights take x
+				   * quantized to int8 per 32 values (integer dot products) */
 };
 
 /* Attention of prefill chunks on the CUDA backend. */

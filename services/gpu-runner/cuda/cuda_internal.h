@@ -9,6 +9,7 @@
  *                     rows dequantized to BF16 (dequant.cu) and cuBLAS, a row chunk at a time
  *   gemv_quant.cu     decode products reading GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) in place
  *   dequant.cu        GGUF blocks to BF16 (prefill's scratch) or float32 (embedding rows)
+ *   gemv_dp4a.cuh     the one-token integer path of gemv_quant.cu (x as int8, __dp4a): Q4_K, Q6_K, Q8_0
  *   quant.cuh         device reads and exact dequantization of the block formats
  *   norm_rope.cu      embedding widening, RMSNorm, RoPE and the KV row writes, SiLU * up
  *   attention.cu      attention over KV spans on the CUDA cores, the split merge, attn_end's output
@@ -102,6 +103,7 @@ struct backend_dev {
 	void *blas_ws;		/* cuBLAS workspace, BLAS_WORKSPACE bytes */
 	int gemv_rows;		/* decode through the GEMV kernel with this many rows per warp (0: cuBLAS) */
 	bool qgemv_ok;		/* the device gives the quantized GEMV its shared memory (QG_SMEM_MAX) */
+	bool qgemv_dp4a;	/* one-token quantized products take x as int8 (integer dot products) */
 	struct {
 		const void *fn;
 		size_t smem;

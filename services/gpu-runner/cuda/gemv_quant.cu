@@ -608,6 +608,8 @@ template <int F, int NT, int MODE> __global__ void __launch_bounds__(QG_THREADS)
 	}
 }
 
+#include "services/gpu-runner/cuda/gemv_dp4a.cuh"
+
 /* ---- launchers ---------------------------------------------------------------------------- */
 
 static uint32_t ppl_of(uint32_t fmt)
@@ -646,11 +648,25 @@ template <int F> static cudaError_t allow_f(void)
 	return cudaSuccess;
 }
 
+template <int F> static cudaError_t allow_dq(void)
+{
+	cudaError_t e;
+	if ((e = cudaFuncSetAttribute(dq_kernel<F, GEMV_STORE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+				      (int)QG_SMEM_MAX)) ||
+	    (e = cudaFuncSetAttribute(dq_kernel<F, GEMV_ADD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+				      (int)QG_SMEM_MAX)) ||
+	    (e = cudaFuncSetAttribute(dq_kernel<F, GEMV_SWIGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+				      (int)QG_SMEM_MAX)))
+		return e;
+	return cudaSuccess;
+}
+
 cudaError_t qgemv_init(void)
 {
 	cudaError_t e;
 	if ((e = allow_f<DT_Q8_0>()) || (e = allow_f<DT_Q4_0>()) || (e = allow_f<DT_Q4_K>()) ||
-	    (e = allow_f<DT_Q5_K>()) || (e = allow_f<DT_Q6_K>()))
+	    (e = allow_f<DT_Q5_K>()) || (e = allow_f<DT_Q6_K>()) || (e = allow_dq<DT_Q8_0>()) ||
+	    (e = allow_dq<DT_Q4_K>()) || (e = allow_dq<DT_Q6_K>()))
 		return e;
 	return cudaSuccess;
 }
@@ -723,6 +739,33 @@ bool qgemv_fits(const struct backend_dev *be, uint32_t fmt, uint32_t in, uint32_
 	return true;
 }
 
+template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const qgemv_args &a, cudaStream_t s)
+{
+	const size_t smem = dq_smem(a.in);
+	const void *fn = (const void *)dq_kernel<F, MODE>;
+	const uint32_t cap = (uint32_t)be->sm_count * resident_blocks(be, fn, smem);
+	const unsigned grid = a.groups < cap ? a.groups : cap;
+	dq_kernel<F, MODE><<<grid, QG_THREADS, smem, s>>>(a);
+}
+
+template <int F> static void launch_dq(struct backend_dev *be, const qgemv_args &a, int mode, cudaStream_t s)
+{
+	if (mode == GEMV_SWIGLU)
+		launch_dq_k<F, GEMV_SWIGLU>(be, a, s);
+	else if (mode == GEMV_ADD)
+		launch_dq_k<F, GEMV_ADD>(be, a, s);
+	else
+		launch_dq_k<F, GEMV_STORE>(be, a, s);
+}
+
+/* Does the product take the integer path: one token, the backend's choice, a format it has, x
+ * staged whole in shared memory and 16-byte aligned? */
+static bool dq_takes(const struct backend_dev *be, uint32_t fmt, const qgemv_args &a)
+{
+	return be->qgemv_dp4a && a.n == 1 && (fmt == DT_Q4_K || fmt == DT_Q6_K || fmt == DT_Q8_0) &&
+	       dq_smem(a.in) <= QG_SMEM_MAX && (uintptr_t)a.x % 16 == 0;
+}
+
 void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode, cudaStream_t s)
 {
 	assert(a.n >= 1 && a.n <= QG_MAX_NT && (mode != GEMV_SWIGLU || a.n == 1));
@@ -731,6 +774,16 @@ void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode,
 	a.nb = a.in / dtype_block_elems((enum dtype)fmt);
 	a.steps = (a.in + sv - 1) / sv;
 	a.groups = (a.total + QG_WARPS - 1) / QG_WARPS;
+	if (dq_takes(be, fmt, a)) {
+		a.tile_steps = a.steps;
+		if (fmt == DT_Q4_K)
+			launch_dq<DT_Q4_K>(be, a, mode, s);
+		else if (fmt == DT_Q6_K)
+			launch_dq<DT_Q6_K>(be, a, mode, s);
+		else
+			launch_dq<DT_Q8_0>(be, a, mode, s);
+		return;
+	}
 	uint32_t ts = (uint32_t)(QG_SMEM_MAX / (nt * step_smem(fmt)));
 	a.tile_steps = ts < 1 ? 1 : ts > a.steps ? a.steps : ts;
 	const size_t smem = nt * a.tile_steps * step_smem(fmt);

@@ -15,6 +15,11 @@
  *    too: two independent 2^-9 roundings per term give ~3e-3 on a dot product. Against a reference
  *    that rounds the same way (x to BF16; for the dequantizing path the weights too): <= 1e-4,
  *    only float32 summation being left (SwiGLU: <= 4e-3, its output is BF16).
+ *  - the same one-token products on a backend with the integer path (BACKEND_GEMV_DP4A): x is
+ *    quantized to int8 per 32 values (up to 0.4% of a group's largest value per value), still
+ *    within 1e-2 of the exact product, and within 1e-4 of a reference that quantizes x the same
+ *    way and takes the exact weights; the formats without the path, and 3 tokens, keep the float
+ *    GEMV's bounds. The forward passes run with it too (logits within 2e-2).
  *  - a forward pass of a tiny model with mixed formats as a Q4_K_M file mixes them (Q4_K with a
  *    Q6_K wv and down_proj, a BF16 matrix in a chain, gate and up in different formats), both
  *    RoPE layouts, head_dim 64 and 128, tied embeddings: logits within 2e-2 (as BF16 weights) of
@@ -234,7 +239,30 @@ static void ref_product(const float *w, uint32_t rows, uint32_t cols, const floa
 enum path {
 	PATH_GEMV = 0,	  /* the fused quantized GEMV */
 	PATH_DEQUANT = 1, /* dequantization to BF16, cuBLAS */
+	PATH_DP4A = 2,	  /* the fused GEMV with x quantized to int8 (BACKEND_GEMV_DP4A, one token) */
 };
+
+static const char *path_name(enum path p)
+{
+	return p == PATH_GEMV ? "gemv" : p == PATH_DP4A ? "gemv, int8 x" : "dequant+cublas";
+}
+
+/* x (n rows of cols, cols a multiple of 32) as the integer path reads it: per 32 values,
+ * d = amax / 127, q = rint(x * (1 / d)) (half to even) clamped to +-127, read back as q d. */
+static void quantize_x_q8(const float *x, size_t count, float *out)
+{
+	for (size_t g = 0; g < count; g += 32) {
+		float amax = 0.0f;
+		for (size_t i = g; i < g + 32; i++)
+			amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+		const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+		for (size_t i = g; i < g + 32; i++) {
+			float q = rintf(x[i] * id);
+			q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+			out[i] = (float)((double)q * d);
+		}
+	}
+}
 
 /* One product of m with n random tokens on be, expected to take `path`; checks both bounds. */
 static void check_product(struct backend *be, const struct qmat *m, uint32_t n, enum cuda_test_mode mode,
@@ -259,7 +287,16 @@ static void check_product(struct backend *be, const struct qmat *m, uint32_t n, 
 	ck_assert_msg(rc == 0, "%s: %d %s", what, rc, err);
 	/* The exact product, and the one rounded as the path rounds. */
 	ref_product(m->wf, m->rows, m->cols, x, n, exact);
-	ref_product(path == PATH_GEMV ? m->wf : m->wb, m->rows, m->cols, xb, n, same);
+	if (path == PATH_DP4A) {
+		/* The exact weights against x as the integer path quantizes it. */
+		float *xq = malloc(nx * sizeof(float));
+		ck_assert(xq && m->cols % 32 == 0);
+		quantize_x_q8(xb, nx, xq);
+		ref_product(m->wf, m->rows, m->cols, xq, n, same);
+		free(xq);
+	} else {
+		ref_product(path == PATH_GEMV ? m->wf : m->wb, m->rows, m->cols, xb, n, same);
+	}
 	double tol_same = TOL_SAME;
 	if (mode == CUDA_TEST_ADD) {
 		for (size_t i = 0; i < no; i++) {
@@ -280,14 +317,14 @@ static void check_product(struct backend *be, const struct qmat *m, uint32_t n, 
 	char line[200];
 	snprintf(line, sizeof(line), "%s: exact", what);
 	report(line, e1);
-	snprintf(line, sizeof(line), "%s: as rounded (%s)", what, path == PATH_GEMV ? "gemv" : "dequant+cublas");
+	snprintf(line, sizeof(line), "%s: as rounded (%s)", what, path_name(path));
 	report(line, e2);
 	ck_assert_msg(e1 <= TOL_EXACT, "%s: relative L2 error %.3e against the exact product (bound %g)", what, e1,
 		      TOL_EXACT);
 	ck_assert_msg(e2 <= tol_same,
 		      "%s: relative L2 error %.3e against the reference rounded as the %s path rounds (bound %g): "
 		      "wrong values, or the product took the other path", what, e2,
-		      path == PATH_GEMV ? "fused GEMV" : "dequantize + cuBLAS", tol_same);
+		      path_name(path), tol_same);
 	free(x);
 	free(xb);
 	free(got);
@@ -365,6 +402,50 @@ static void check_format(enum dtype f)
 	backend_destroy(&be);
 	backend_destroy(&bc);
 }
+
+/* One-token products on a backend with the integer path (BACKEND_GEMV_DP4A): Q4_K, Q6_K and Q8_0
+ * take it, the other formats and more tokens keep the float GEMV. */
+static void check_format_dp4a(enum dtype f)
+{
+	struct model_config c = small_cfg();
+	struct backend *bd = open_backend("cuda", &c, 16, BACKEND_GEMV_DP4A);
+	const bool dp = f == DT_Q4_K || f == DT_Q6_K || f == DT_Q8_0;
+	const enum path one = dp ? PATH_DP4A : PATH_GEMV;
+	uint32_t narrow = dtype_block_elems(f) == 32 ? 96 : 256;
+	char what[160];
+	struct qmat m;
+
+	const uint32_t widths[] = {narrow, 2304, 20480};
+	for (size_t i = 0; i < 3; i++) {
+		qmat_new(&m, f, 1003, widths[i], 0, 31 + i);
+		snprintf(what, sizeof(what), "%s 1003 x %u, 1 token, dp4a", dtype_name(f), widths[i]);
+		check_product(bd, &m, 1, CUDA_TEST_STORE, one, what);
+		snprintf(what, sizeof(what), "%s 1003 x %u, 3 tokens, dp4a backend", dtype_name(f), widths[i]);
+		check_product(bd, &m, 3, CUDA_TEST_STORE, PATH_GEMV, what);
+		qmat_free(&m);
+	}
+	qmat_new(&m, f, 4100, 2304, 0, 41);
+	snprintf(what, sizeof(what), "%s 4100 x 2304, 1 token, add, dp4a", dtype_name(f));
+	check_product(bd, &m, 1, CUDA_TEST_ADD, one, what);
+	snprintf(what, sizeof(what), "%s 4100 x 2304, 1 token, swiglu, dp4a", dtype_name(f));
+	check_product(bd, &m, 1, CUDA_TEST_SWIGLU, one, what);
+	snprintf(what, sizeof(what), "%s 4100 x 2304, 3 tokens, swiglu, dp4a backend", dtype_name(f));
+	check_product(bd, &m, 3, CUDA_TEST_SWIGLU, PATH_GEMV, what);
+	qmat_free(&m);
+	/* 2 bytes past alignment: Q8_0 and Q6_K keep the integer path, Q4_K dequantizes. */
+	qmat_new(&m, f, 1003, 2304, 2, 42);
+	bool a16 = f == DT_Q4_K || f == DT_Q5_K;
+	snprintf(what, sizeof(what), "%s 1003 x 2304 at +2 bytes, 1 token, dp4a", dtype_name(f));
+	check_product(bd, &m, 1, CUDA_TEST_STORE, a16 ? PATH_DEQUANT : one, what);
+	qmat_free(&m);
+	backend_destroy(&bd);
+}
+
+START_TEST(test_products_dp4a)
+{
+	check_format_dp4a(FORMATS[_i]);
+}
+END_TEST
 
 START_TEST(test_products)
 {
@@ -542,10 +623,10 @@ static void step(struct backend *be, const struct qmodel *m, bool device, const 
 #define RUNS (2 + DECODE) /* forward steps of the schedule */
 
 /* The logits of every step of the schedule on backend `name` (cuda: device weights). */
-static float *run_schedule(const char *name, const struct qmodel *m)
+static float *run_schedule(const char *name, const struct qmodel *m, uint32_t gemv)
 {
 	uint32_t vocab = m->cfg.vocab_size;
-	struct backend *be = open_backend(name, &m->cfg, CHUNK, BACKEND_GEMV_DEFAULT);
+	struct backend *be = open_backend(name, &m->cfg, CHUNK, gemv);
 	int32_t tok[STEPS];
 	rng_state = 77;
 	for (uint32_t i = 0; i < STEPS; i++)
@@ -581,13 +662,21 @@ static void check_forward(uint32_t head_dim, uint32_t layout, bool tied, const c
 	c.rope_layout = layout;
 	c.tie_embeddings = tied;
 	struct qmodel *m = qmodel_new(&c, tied ? DT_Q8_0 : DT_Q4_K, DT_Q6_K, false, 4242 + head_dim);
-	float *want = run_schedule("cpu", m), *got = run_schedule("cuda", m);
+	float *want = run_schedule("cpu", m, BACKEND_GEMV_DEFAULT), *got = run_schedule("cuda", m, BACKEND_GEMV_DEFAULT);
 	double e = worst_step(got, want, c.vocab_size);
 	char line[200];
 	snprintf(line, sizeof(line), "forward, %s", what);
 	report(line, e);
 	ck_assert_msg(e <= TOL_FORWARD, "forward pass, %s: relative L2 error %.3e of the logits against the C "
 		      "reference (bound %g)", what, e, TOL_FORWARD);
+	/* The same with one-token products on the integer path (x as int8). */
+	float *got_dp = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+	e = worst_step(got_dp, want, c.vocab_size);
+	snprintf(line, sizeof(line), "forward, %s, dp4a", what);
+	report(line, e);
+	ck_assert_msg(e <= TOL_FORWARD, "forward pass, %s, dp4a: relative L2 error %.3e of the logits against the C "
+		      "reference (bound %g)", what, e, TOL_FORWARD);
+	free(got_dp);
 	free(want);
 	free(got);
 	qmodel_free(&m);
@@ -622,10 +711,10 @@ START_TEST(test_adjacent_is_permuted_halves)
 			struct qmodel *orig = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 99 + hd);
 			struct qmodel *perm = qmodel_new(&c, DT_Q4_K, DT_Q6_K, true, 99 + hd);
 			perm->cfg.rope_layout = ROPE_ADJACENT;
-			float *halves = run_schedule(names[b], orig), *adjacent = run_schedule(names[b], perm);
+			float *halves = run_schedule(names[b], orig, BACKEND_GEMV_DEFAULT), *adjacent = run_schedule(names[b], perm, BACKEND_GEMV_DEFAULT);
 			double e = worst_step(adjacent, halves, c.vocab_size);
 			orig->cfg.rope_layout = ROPE_ADJACENT;
-			float *wrong = run_schedule(names[b], orig);
+			float *wrong = run_schedule(names[b], orig, BACKEND_GEMV_DEFAULT);
 			double d = worst_step(wrong, halves, c.vocab_size);
 			char line[200];
 			snprintf(line, sizeof(line), "%s, head_dim %u: adjacent on permuted rows vs halves", names[b], hd);
@@ -748,6 +837,7 @@ static Suite *quant_suite(void)
 	TCase *tc = tcase_create("products");
 	tcase_set_timeout(tc, 300);
 	tcase_add_loop_test(tc, test_products, 0, (int)N_FORMATS);
+	tcase_add_loop_test(tc, test_products_dp4a, 0, (int)N_FORMATS);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("forward");

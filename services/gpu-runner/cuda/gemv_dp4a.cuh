@@ -1,0 +1,274 @@
+/* gemv_dp4a.cuh - the one-token products of gemv_quant.cu with integer dot products (included by
+ * gemv_quant.cu after its row and stream helpers, which it shares): Q4_K, Q6_K and Q8_0 weights
+ * against x quantized to 8 bits, so four weights cost one __dp4a and a mask or two instead of a
+ * float conversion and a fused multiply-add each.
+ *
+ * x. Each block quantizes the bf16 row x (in values) into shared memory when it starts: per
+ * 32-value group g, d_g = amax / 127 (amax: the largest |x| of the group), q = rint(x * (1 / d_g))
+ * (round half to even, IEEE reciprocal and product, clamped to +-127), and s_g = d_g * sum q. x is
+ * then read back as q d_g: up to half a step d_g off per value (0.4% of the group's largest). The
+ * int8 values lie in 16-byte chunks (chunk k: values 16 k ..), stored at chunk dq_phys<F>(k), a
+ * permutation within each 128 bytes that makes the 16-byte reads of the 8 lanes of an access
+ * phase hit 8 different bank groups; d and s are two float arrays of in / 32 entries.
+ *
+ * Weights. The lanes take the blocks as the float path does (qg<F>::load, its lane geometry):
+ * - Q4_K, lane g of a block: sub-blocks 2g (low nibbles of qs words 0-7) and 2g + 1 (high ones),
+ *   dot = d sc (d_x sum q x_q) - dmin m s_x per sub-block;
+ * - Q6_K, lane j: 4 runs of 16 values, each with one scale, each half of one group of x;
+ *   q - 32 per byte is (q + 0x60) ^ 0x80 (no carry: q < 64);
+ * - Q8_0, one lane a block: d d_x sum q x_q. */
+
+/* Shared memory of x for a row of `in` values: in int8 values, then d and s (in / 32 floats each). */
+static inline size_t dq_smem(uint32_t in)
+{
+	return (size_t)in + (size_t)in / 32 * 8;
+}
+
+/* Where chunk k of x lies. Reads: Q4_K lane L (of a step) reads chunks 4L + c, Q6_K lane L =
+ * 4 b + j chunks 16 b + 8 (j >> 1) + (j & 1) + 2 r, Q8_0 lane L chunks 2 L + c; the bits of the
+ * lane that the low 3 bits of k do not vary over are folded into them. */
+template <int F> static __device__ __forceinline__ uint32_t dq_phys(uint32_t k)
+{
+	if (F == DT_Q8_0)
+		return k ^ ((k >> 3) & 1);
+	if (F == DT_Q6_K)
+		return k ^ (((k >> 3) & 3) << 1);
+	return k ^ ((k >> 3) & 3); /* Q4_K */
+}
+
+/* Four int8 of x packed from four ints in -127..127. */
+static __device__ __forceinline__ uint32_t pack_i8(int a, int b, int c, int d)
+{
+	return __byte_perm(__byte_perm((uint32_t)a, (uint32_t)b, 0x0040), __byte_perm((uint32_t)c, (uint32_t)d, 0x0040),
+			   0x5410);
+}
+
+/* Quantizes x (in values, bf16, 16-byte aligned) into xq (int8, dq_phys order), xd and xs. Every
+ * thread of the block calls it; ends with a barrier. A thread takes 8 values, 4 threads a group. */
+template <int F>
+static __device__ void dq_stage(const __nv_bfloat16 *x, uint32_t in, uint8_t *xq, float *xd, float *xs)
+{
+	const uint32_t n8 = in / 8;
+	constexpr uint32_t U = 2; /* 16-byte loads in flight per thread */
+	for (uint32_t base = 0; base < n8; base += U * QG_THREADS) {
+		uint4 r[U];
+#pragma unroll
+		for (uint32_t u = 0; u < U; u++) {
+			const uint32_t i = base + u * QG_THREADS + threadIdx.x;
+			r[u] = i < n8 ? __ldg((const uint4 *)x + i) : make_uint4(0, 0, 0, 0);
+		}
+#pragma unroll
+		for (uint32_t u = 0; u < U; u++) {
+			const uint32_t i = base + u * QG_THREADS + threadIdx.x;
+			float f[8];
+			const uint32_t w[4] = {r[u].x, r[u].y, r[u].z, r[u].w};
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				f[2 * e] = __uint_as_float(w[e] << 16);
+				f[2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
+			}
+			float amax = 0.0f;
+#pragma unroll
+			for (int e = 0; e < 8; e++)
+				amax = fmaxf(amax, fabsf(f[e]));
+			/* The 4 threads of a group are lanes 4m..4m+3 of one warp (n8 is a multiple of 4,
+			 * so they are in range together). */
+			amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+			amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+			const float d = __fdiv_rn(amax, 127.0f);
+			const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
+			int q[8], sum = 0;
+#pragma unroll
+			for (int e = 0; e < 8; e++) {
+				q[e] = min(127, max(-127, __float2int_rn(__fmul_rn(f[e], id))));
+				sum += q[e];
+			}
+			sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+			sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+			if (i < n8) {
+				const uint32_t v0 = 8 * i, k = v0 >> 4;
+				uint2 *dst = (uint2 *)(xq + 16 * dq_phys<F>(k) + (v0 & 8));
+				*dst = make_uint2(pack_i8(q[0], q[1], q[2], q[3]), pack_i8(q[4], q[5], q[6], q[7]));
+				if ((threadIdx.x & 3) == 0) {
+					xd[v0 >> 5] = d;
+					xs[v0 >> 5] = __fmul_rn(d, (float)sum);
+				}
+			}
+		}
+	}
+	__syncthreads();
+}
+
+/* The 16 int8 of x in chunk k. */
+template <int F> static __device__ __forceinline__ uint4 dq_chunk(const uint8_t *xq, uint32_t k)
+{
+	return ((const uint4 *)xq)[dq_phys<F>(k)];
+}
+
+template <int F> struct dq;
+
+template <> struct dq<DT_Q4_K> {
+	/* Block b (of the row), lane g of it. */
+	static __device__ __forceinline__ float dot(const qg<DT_Q4_K>::data &v, uint32_t b, uint32_t g,
+						    const uint8_t *xq, const float *xd, const float *xs)
+	{
+		const uint32_t k0 = 16 * b + 4 * g; /* values 64 g ..: chunks k0 .. k0 + 3 */
+		const uint4 c0 = dq_chunk<DT_Q4_K>(xq, k0), c1 = dq_chunk<DT_Q4_K>(xq, k0 + 1);
+		const uint4 c2 = dq_chunk<DT_Q4_K>(xq, k0 + 2), c3 = dq_chunk<DT_Q4_K>(xq, k0 + 3);
+		const uint32_t xl[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+		const uint32_t xh[8] = {c2.x, c2.y, c2.z, c2.w, c3.x, c3.y, c3.z, c3.w};
+		int lo = 0, hi = 0;
+#pragma unroll
+		for (int i = 0; i < 8; i++) {
+			lo = __dp4a((int)(v.q[i] & 0x0F0F0F0Fu), (int)xl[i], lo);
+			hi = __dp4a((int)((v.q[i] >> 4) & 0x0F0F0F0Fu), (int)xh[i], hi);
+		}
+		uint32_t sc0, m0, sc1, m1;
+		k4_scales(v.h, g, sc0, m0, sc1, m1);
+		const float d = f16_bits(v.h[0]), dmin = f16_bits(v.h[0] >> 16);
+		const float2 dx = *(const float2 *)(xd + 8 * b + 2 * g), sx = *(const float2 *)(xs + 8 * b + 2 * g);
+		const float a = fmaf((float)((int)sc0 * lo), dx.x, (float)((int)sc1 * hi) * dx.y);
+		const float m = fmaf((float)m0, sx.x, (float)m1 * sx.y);
+		return fmaf(d, a, -dmin * m);
+	}
+};
+
+template <> struct dq<DT_Q6_K> {
+	/* The bytes q - 32 of run r's word: 4 bits of ql (a for runs 0, 2; b for 1, 3; low nibbles
+	 * for runs 0, 1) | 2 bits of qh (bits 2r, 2r + 1) << 4. */
+	static __device__ __forceinline__ int q6(uint32_t r, uint32_t a, uint32_t b, uint32_t h)
+	{
+		uint32_t q;
+		switch (r) {
+		case 0:
+			q = (a & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u);
+			break;
+		case 1:
+			q = (b & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u);
+			break;
+		case 2:
+			q = ((a >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u);
+			break;
+		default:
+			q = ((b >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u);
+			break;
+		}
+		return (int)((q + 0x60606060u) ^ 0x80808080u);
+	}
+	/* Block b, lane j: run r holds values 128 nh + 32 r + 16 (j & 1) + 0..15 (nh = j >> 1), chunk
+	 * 16 b + 8 nh + 2 r + (j & 1), group 8 b + 4 nh + r, scale scales[8 nh + (j & 1) + 2 r]. */
+	static __device__ __forceinline__ float dot(const qg<DT_Q6_K>::data &v, uint32_t b, uint32_t j,
+						    const uint8_t *xq, const float *xd, const float *)
+	{
+		const uint32_t nh = j >> 1, hj = j & 1, k0 = 16 * b + 8 * nh + hj;
+		const float4 dx = *(const float4 *)(xd + 8 * b + 4 * nh);
+		const float dxr[4] = {dx.x, dx.y, dx.z, dx.w};
+		float y = 0.0f;
+#pragma unroll
+		for (uint32_t r = 0; r < 4; r++) {
+			const uint4 c = dq_chunk<DT_Q6_K>(xq, k0 + 2 * r);
+			int s = __dp4a(q6(r, v.a[0], v.b[0], v.h[0]), (int)c.x, 0);
+			s = __dp4a(q6(r, v.a[1], v.b[1], v.h[1]), (int)c.y, s);
+			s = __dp4a(q6(r, v.a[2], v.b[2], v.h[2]), (int)c.z, s);
+			s = __dp4a(q6(r, v.a[3], v.b[3], v.h[3]), (int)c.w, s);
+			const uint32_t i = hj + 2 * r;
+			const int sc = (int)(int8_t)((v.sw[i >> 2] >> (8 * (i & 3))) & 0xFF);
+			y = fmaf((float)(sc * s), dxr[r], y);
+		}
+		return v.d * y;
+	}
+};
+
+template <> struct dq<DT_Q8_0> {
+	/* Block b (one lane): chunks 2b, 2b + 1, group b. */
+	static __device__ __forceinline__ float dot(const qg<DT_Q8_0>::data &v, uint32_t b, uint32_t,
+						    const uint8_t *xq, const float *xd, const float *)
+	{
+		const uint4 c0 = dq_chunk<DT_Q8_0>(xq, 2 * b), c1 = dq_chunk<DT_Q8_0>(xq, 2 * b + 1);
+		int s = __dp4a((int)v.q[0], (int)c0.x, 0);
+		s = __dp4a((int)v.q[1], (int)c0.y, s);
+		s = __dp4a((int)v.q[2], (int)c0.z, s);
+		s = __dp4a((int)v.q[3], (int)c0.w, s);
+		s = __dp4a((int)v.q[4], (int)c1.x, s);
+		s = __dp4a((int)v.q[5], (int)c1.y, s);
+		s = __dp4a((int)v.q[6], (int)c1.z, s);
+		s = __dp4a((int)v.q[7], (int)c1.w, s);
+		return v.d * ((float)s * xd[b]);
+	}
+};
+
+/* Adds a lane's share of item k to acc (up's items to acc2). */
+template <int F, int MODE>
+static __device__ __forceinline__ void dq_item(const qgemv_args &a, uint32_t k, uint32_t lane,
+					       const typename qg<F>::data &d, const uint8_t *xq, const float *xd,
+					       const float *xs, float *acc, float *acc2)
+{
+	typedef qg<F> T;
+	const uint32_t s = MODE == GEMV_SWIGLU ? k >> 1 : k;
+	const uint32_t b = s * T::BPS + lane / T::LPB;
+	if (b < a.nb) {
+		const float y = dq<F>::dot(d, b, lane % T::LPB, xq, xd, xs);
+		if (MODE == GEMV_SWIGLU && (k & 1))
+			acc2[0] += y;
+		else
+			acc[0] += y;
+	}
+}
+
+/* One stage of a warp's stream (qg_stream's order): loads the item at ld into nd, computes the
+ * item at `at` from cd. False when no item follows. */
+template <int F, int MODE>
+static __device__ __forceinline__ bool dq_stream(const qgemv_args &a, qg_cursor<MODE> &at, qg_cursor<MODE> &ld,
+						 uint32_t wid, uint32_t lane, const typename qg<F>::data &cd,
+						 typename qg<F>::data &nd, const uint8_t *xq, const float *xd,
+						 const float *xs, float *acc, float *acc2)
+{
+	if (ld.live) {
+		qg_load<F, MODE>(a, ld.r, ld.k, lane, nd);
+		ld.next(a, wid);
+	}
+	const uint32_t k = at.k;
+	dq_item<F, MODE>(a, k, lane, cd, xq, xd, xs, acc, acc2);
+	if (k + 1 == qg_items<MODE>(a))
+		qg_finish<1, MODE>(a, at.r.p, at.r.o, lane, acc, acc2);
+	at.next(a, wid);
+	return at.live;
+}
+
+/* Blocks per multiprocessor the registers are capped for: 4 blocks of 256 threads (64 registers)
+ * where the three buffers fit them without spills (Q8_0; Q4_K but SwiGLU), else 3 (85 registers). */
+template <int F, int MODE> struct dq_occ {
+	static constexpr int MIN_BLOCKS = F == DT_Q8_0 || (F == DT_Q4_K && MODE != GEMV_SWIGLU) ? 4 : 3;
+};
+
+/* One token, x staged whole as int8 (dq_smem(in) bytes of shared memory), three item buffers a warp. */
+template <int F, int MODE>
+__global__ void __launch_bounds__(QG_THREADS, (dq_occ<F, MODE>::MIN_BLOCKS)) dq_kernel(const qgemv_args a)
+{
+	typedef typename qg<F>::data D;
+	extern __shared__ uint4 dq_smem_buf[];
+	uint8_t *xq = (uint8_t *)dq_smem_buf;
+	float *xd = (float *)(xq + a.in), *xs = xd + a.in / 32;
+	const uint32_t wid = threadIdx.x / 32, lane = threadIdx.x % 32;
+	float acc[1] = {0.0f}, acc2[1] = {0.0f};
+	qg_row<MODE> cur;
+	const bool live = cur.at(a, blockIdx.x, wid);
+	qg_cursor<MODE> at = {cur, 0, live}, ld = at;
+	D d0, d1, d2;
+	/* The first two items' loads are in flight while x is quantized. */
+	if (ld.live) {
+		qg_load<F, MODE>(a, ld.r, ld.k, lane, d0);
+		ld.next(a, wid);
+	}
+	if (ld.live) {
+		qg_load<F, MODE>(a, ld.r, ld.k, lane, d1);
+		ld.next(a, wid);
+	}
+	dq_stage<F>(a.x, a.in, xq, xd, xs);
+	if (!live)
+		return;
+	while (dq_stream<F, MODE>(a, at, ld, wid, lane, d0, d2, xq, xd, xs, acc, acc2) &&
+	       dq_stream<F, MODE>(a, at, ld, wid, lane, d1, d0, xq, xd, xs, acc, acc2) &&
+	       dq_stream<F, MODE>(a, at, ld, wid, lane, d2, d1, xq, xd, xs, acc, acc2))
+		;
+}
