@@ -66,12 +66,13 @@ struct CUstream_st;
  * Block-quantized weights (GGUF) have a GEMV of their own for up to a few tokens; every choice
  * but BACKEND_GEMV_CUBLAS uses it, which dequantizes to BF16 for cuBLAS instead. */
 enum backend_gemv {
-	BACKEND_GEMV_DEFAULT = 0, /* the backend's choice (one row per warp on CUDA) */
+	BACKEND_GEMV_DEFAULT = 0, /* the backend's choice (CUDA: one row per warp; one-token products of
+				   * Q4_K, Q6_K, Q8_0 weights with x quantized to int8, as BACKEND_GEMV_DP4A) */
 	BACKEND_GEMV_CUBLAS = 1,  /* no GEMV kernel: cuBLAS for decode too */
-	BACKEND_GEMV_ROWS1 = 2,	  /* the GEMV kernel, one weight row per warp */
-	BACKEND_GEMV_ROWS2 = 3,	  /* the GEMV kernel, two rows per warp */
-	BACKEND_GEMV_DP4A = 4,	  /* as DEFAULT, but one-token products with Q4_K, Q6_K or Q8_0 weights take x
-				   * quantized to int8 per 32 values (integer dot products) */
+	BACKEND_GEMV_ROWS1 = 2,	  /* the GEMV kernel, one weight row per warp; quantized weights with float x */
+	BACKEND_GEMV_ROWS2 = 3,	  /* the GEMV kernel, two rows per warp; quantized weights with float x */
+	BACKEND_GEMV_DP4A = 4,	  /* one-token products with Q4_K, Q6_K or Q8_0 weights take x quantized to
+				   * int8 per 32 values (integer dot products) */
 };
 
 /* Attention of prefill chunks on the CUDA backend. */

@@ -84,9 +84,9 @@ static int cmp_double(const void *a, const void *b)
 static const char *gemv_name(uint32_t g, bool quant)
 {
 	if (quant)
-		return g == BACKEND_GEMV_CUBLAS ? "dequantize + cublas"
-		       : g == BACKEND_GEMV_DP4A ? "quantized gemv, int8 x (dp4a)"
-						: "quantized gemv";
+		return g == BACKEND_GEMV_CUBLAS			       ? "dequantize + cublas"
+		       : g == BACKEND_GEMV_ROWS1 || g == BACKEND_GEMV_ROWS2 ? "quantized gemv, float x"
+									   : "quantized gemv, int8 x (dp4a)";
 	return g == BACKEND_GEMV_CUBLAS ? "cublas" : g == BACKEND_GEMV_ROWS2 ? "2 rows/warp" : "1 row/warp";
 }
 
@@ -560,7 +560,7 @@ int main(int argc, char **argv)
 		fprintf(stderr, "perf: Llama-3-8B shape, Q4_K_M weights resident (%.2f GB read per decode step), BF16 "
 			"KV, 16-token blocks\n", b.weight_bytes / 1e9);
 		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, !quick, stdout);
-		big_run(&b, BACKEND_GEMV_DP4A, BACKEND_ATTN_DEFAULT, !quick, stdout);
+		big_run(&b, BACKEND_GEMV_ROWS1, BACKEND_ATTN_DEFAULT, !quick, stdout);
 		if (!quick)
 			big_run(&b, BACKEND_GEMV_CUBLAS, BACKEND_ATTN_DEFAULT, false, stdout);
 		big_free(&b);

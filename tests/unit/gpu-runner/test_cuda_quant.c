@@ -338,7 +338,7 @@ static void check_product(struct backend *be, const struct qmat *m, uint32_t n, 
 static void check_format(enum dtype f)
 {
 	struct model_config c = small_cfg();
-	struct backend *be = open_backend("cuda", &c, 16, BACKEND_GEMV_DEFAULT);
+	struct backend *be = open_backend("cuda", &c, 16, BACKEND_GEMV_ROWS1);
 	struct backend *bc = open_backend("cuda", &c, 16, BACKEND_GEMV_CUBLAS);
 	bool small_blocks = dtype_block_elems(f) == 32;
 	uint32_t narrow = small_blocks ? 96 : 256;
@@ -662,7 +662,7 @@ static void check_forward(uint32_t head_dim, uint32_t layout, bool tied, const c
 	c.rope_layout = layout;
 	c.tie_embeddings = tied;
 	struct qmodel *m = qmodel_new(&c, tied ? DT_Q8_0 : DT_Q4_K, DT_Q6_K, false, 4242 + head_dim);
-	float *want = run_schedule("cpu", m, BACKEND_GEMV_DEFAULT), *got = run_schedule("cuda", m, BACKEND_GEMV_DEFAULT);
+	float *want = run_schedule("cpu", m, BACKEND_GEMV_DEFAULT), *got = run_schedule("cuda", m, BACKEND_GEMV_ROWS1);
 	double e = worst_step(got, want, c.vocab_size);
 	char line[200];
 	snprintf(line, sizeof(line), "forward, %s", what);
@@ -711,10 +711,10 @@ START_TEST(test_adjacent_is_permuted_halves)
 			struct qmodel *orig = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 99 + hd);
 			struct qmodel *perm = qmodel_new(&c, DT_Q4_K, DT_Q6_K, true, 99 + hd);
 			perm->cfg.rope_layout = ROPE_ADJACENT;
-			float *halves = run_schedule(names[b], orig, BACKEND_GEMV_DEFAULT), *adjacent = run_schedule(names[b], perm, BACKEND_GEMV_DEFAULT);
+			float *halves = run_schedule(names[b], orig, BACKEND_GEMV_ROWS1), *adjacent = run_schedule(names[b], perm, BACKEND_GEMV_ROWS1);
 			double e = worst_step(adjacent, halves, c.vocab_size);
 			orig->cfg.rope_layout = ROPE_ADJACENT;
-			float *wrong = run_schedule(names[b], orig, BACKEND_GEMV_DEFAULT);
+			float *wrong = run_schedule(names[b], orig, BACKEND_GEMV_ROWS1);
 			double d = worst_step(wrong, halves, c.vocab_size);
 			char line[200];
 			snprintf(line, sizeof(line), "%s, head_dim %u: adjacent on permuted rows vs halves", names[b], hd);
@@ -749,7 +749,7 @@ START_TEST(test_embedding_exact)
 		struct group_weights w;
 		memset(&w, 0, sizeof(w));
 		weight_tensor_set(&w.t[ROLE_EMBED], PLACE_HOST, table, f, c.vocab_size, c.dim);
-		struct backend *be = open_backend("cuda", &c, 16, BACKEND_GEMV_DEFAULT);
+		struct backend *be = open_backend("cuda", &c, 16, BACKEND_GEMV_ROWS1);
 		uint32_t pos[7], seq[7];
 		for (uint32_t i = 0; i < 7; i++) {
 			pos[i] = i;
@@ -780,7 +780,7 @@ START_TEST(test_refusals)
 {
 	struct model_config c = small_cfg();
 	struct qmodel *m = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 5);
-	struct backend *be = open_backend("cuda", &c, 16, BACKEND_GEMV_DEFAULT);
+	struct backend *be = open_backend("cuda", &c, 16, BACKEND_GEMV_ROWS1);
 	int32_t tok[1] = {3};
 	uint32_t pos[1] = {0}, seq[1] = {0}, blk = 0, row = 0;
 	struct backend_batch b = {.n = 1, .tokens = tok, .pos = pos, .seq = seq};
@@ -808,7 +808,7 @@ START_TEST(test_refusals)
 	c.n_heads = 2;
 	c.n_kv_heads = 1;
 	c.head_dim = 48;
-	be = open_backend("cuda", &c, 16, BACKEND_GEMV_DEFAULT);
+	be = open_backend("cuda", &c, 16, BACKEND_GEMV_ROWS1);
 	struct qmodel *mm = calloc(1, sizeof(*mm));
 	ck_assert_ptr_nonnull(mm);
 	mm->cfg = c;
