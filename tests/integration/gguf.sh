@@ -133,6 +133,9 @@ expect_eq "$got" "$want" "--chat ids vs run-local on the Llama 3 template"
 text_out=$(generate --chat "Hello there" -n 8)
 [[ -n $text_out ]] || fail "--chat printed no text"
 "$PIPELINE" stop >/dev/null
+# pipectl tokenize reads the tokenizer a GGUF file carries, as the runner does.
+from_gguf=$(printf '%s' "$text" | "$PIPECTL" tokenize --tokenizer "$chat" --bos)
+expect_eq "$from_gguf" "$prompt_ids" "pipectl tokenize --tokenizer FILE.gguf vs tokenizer.json"
 log "tokenizer and chat from the GGUF file: ok"
 
 # Refusals at start: a truncated file, and a file that is not GGUF.

@@ -1,6 +1,7 @@
 /* tokenize.c - pipectl tokenize and detokenize (see tokenize.h). */
 #include "tools/pipectl/tokenize.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -9,19 +10,71 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/manifest.h"
 #include "common/tokenizer/tokenizer.h"
 #include "tools/pipectl/pipectl.h"
 
-/* Loads the tokenizer named by --tokenizer. Returns NULL after printing why. */
+/* A GGUF file (by its magic), or a directory with no tokenizer.json that holds a .gguf file. */
+static bool is_gguf_checkpoint(const char *path)
+{
+	struct stat st;
+	if (stat(path, &st) != 0)
+		return false;
+	if (S_ISREG(st.st_mode)) {
+		char magic[4] = {0};
+		FILE *f = fopen(path, "rb");
+		bool gguf = f && fread(magic, 1, 4, f) == 4 && !memcmp(magic, "GGUF", 4);
+		if (f)
+			fclose(f);
+		return gguf;
+	}
+	if (!S_ISDIR(st.st_mode))
+		return false;
+	char p[4096];
+	snprintf(p, sizeof(p), "%s/tokenizer.json", path);
+	if (access(p, F_OK) == 0)
+		return false;
+	DIR *d = opendir(path);
+	bool gguf = false;
+	struct dirent *e;
+	while (d && !gguf && (e = readdir(d)) != NULL) {
+		size_t l = strlen(e->d_name);
+		gguf = l > 5 && !strcmp(e->d_name + l - 5, ".gguf");
+	}
+	if (d)
+		closedir(d);
+	return gguf;
+}
+
+/* Loads the tokenizer named by --tokenizer (a tokenizer.json, a checkpoint directory, or a GGUF
+ * file). Returns NULL after printing why. */
 static struct tokenizer *load_tokenizer(const char *cmd, const char *path)
 {
 	char err[512];
 	struct tokenizer *t;
 	if (!path || !*path) {
-		fprintf(stderr, "pipectl: %s: --tokenizer FILE is required (a tokenizer.json, or the checkpoint "
+		fprintf(stderr, "pipectl: %s: --tokenizer FILE is required (a tokenizer.json, a GGUF file, or the checkpoint "
 				"directory that holds one)\n",
 			cmd);
 		return NULL;
+	}
+	if (is_gguf_checkpoint(path)) {
+		/* The tokenizer a GGUF file carries, made into tokenizer.json text as the loader makes it. */
+		struct manifest *m;
+		int rc = manifest_load(path, &m, err, sizeof(err));
+		if (rc == 0 && !m->tokenizer_json) {
+			snprintf(err, sizeof(err), "%s carries no tokenizer the pipeline reads%s%s", path,
+				 m->tokenizer_note[0] ? ": " : "", m->tokenizer_note);
+			rc = -ENOENT;
+		}
+		if (rc == 0)
+			rc = tokenizer_load_buffer(path, m->tokenizer_json, m->tokenizer_bytes, &t, err, sizeof(err));
+		manifest_destroy(&m);
+		if (rc != 0) {
+			fprintf(stderr, "pipectl: %s: %s\n", cmd, err);
+			return NULL;
+		}
+		return t;
 	}
 	if (tokenizer_load(path, &t, err, sizeof(err)) != 0) {
 		fprintf(stderr, "pipectl: %s: %s\n", cmd, err);
@@ -72,7 +125,7 @@ int cmd_tokenize(struct pipectl *p, int argc, char **argv)
 	bool bos = false, as_text = false;
 	struct opt opts[] = {
 		{"tokenizer", OPT_STRING, &path, NULL,
-		 "the checkpoint's tokenizer.json, or its directory (required)"},
+		 "the checkpoint's tokenizer.json, its directory, or a GGUF file (required)"},
 		{"bos", OPT_BOOL, &bos, NULL, "put the BOS id first"},
 		{"special-as-text", OPT_BOOL, &as_text, NULL,
 		 "read special-token text such as <|eot_id|> as plain text (default: as the special token)"},
@@ -162,7 +215,7 @@ int cmd_detokenize(struct pipectl *p, int argc, char **argv)
 	bool skip_special = false, raw = false;
 	struct opt opts[] = {
 		{"tokenizer", OPT_STRING, &path, NULL,
-		 "the checkpoint's tokenizer.json, or its directory (required)"},
+		 "the checkpoint's tokenizer.json, its directory, or a GGUF file (required)"},
 		{"skip-special", OPT_BOOL, &skip_special, NULL, "leave special tokens out (default: their text)"},
 		{"raw", OPT_BOOL, &raw, NULL, "write bytes that are not valid UTF-8 as they are (default: U+FFFD)"},
 		{0},

@@ -711,7 +711,8 @@ START_TEST(test_adjacent_is_permuted_halves)
 			struct qmodel *orig = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 99 + hd);
 			struct qmodel *perm = qmodel_new(&c, DT_Q4_K, DT_Q6_K, true, 99 + hd);
 			perm->cfg.rope_layout = ROPE_ADJACENT;
-			float *halves = run_schedule(names[b], orig, BACKEND_GEMV_ROWS1), *adjacent = run_schedule(names[b], perm, BACKEND_GEMV_ROWS1);
+			float *halves = run_schedule(names[b], orig, BACKEND_GEMV_ROWS1);
+			float *adjacent = run_schedule(names[b], perm, BACKEND_GEMV_ROWS1);
 			double e = worst_step(adjacent, halves, c.vocab_size);
 			orig->cfg.rope_layout = ROPE_ADJACENT;
 			float *wrong = run_schedule(names[b], orig, BACKEND_GEMV_ROWS1);
