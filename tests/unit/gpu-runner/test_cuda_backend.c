@@ -29,6 +29,7 @@
 #include "common/dtype.h"
 #include "common/model.h"
 #include "services/gpu-runner/backend.h"
+#include "tests/unit/gpu-runner/cuda_test_util.h"
 #include "tests/unit/gpu-runner/runner_test_util.h"
 
 #define TOL_F32 1e-4  /* F32 weights, F32 KV: relative L2 error of the logits */
@@ -41,12 +42,6 @@ static void report(const char *what, double err)
 	if (test_verbose())
 		fprintf(stderr, "test_cuda_backend: %-52s relative L2 error %.3e\n", what, err);
 }
-
-#define CUDA_OK(call)                                                                              \
-	do {                                                                                       \
-		cudaError_t e_ = (call);                                                           \
-		ck_assert_msg(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));         \
-	} while (0)
 
 /* ---- test models -------------------------------------------------------------------------- */
 
@@ -1014,23 +1009,6 @@ static Suite *cuda_suite(void)
 	suite_add_tcase(s, tc);
 
 	return s;
-}
-
-/* Asks a child process whether a GPU is there, so this process has not initialised CUDA when
- * Check forks the tests. */
-static bool have_gpu(void)
-{
-	pid_t pid = fork();
-	if (pid < 0)
-		return false;
-	if (pid == 0) {
-		int count = 0;
-		_exit(cudaGetDeviceCount(&count) == cudaSuccess && count > 0 ? 0 : 1);
-	}
-	int status = 0;
-	if (waitpid(pid, &status, 0) != pid)
-		return false;
-	return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
 int main(void)

@@ -48,6 +48,7 @@
 #include "common/model.h"
 #include "common/quant.h"
 #include "services/gpu-runner/backend.h"
+#include "tests/unit/gpu-runner/cuda_test_util.h"
 #include "tests/unit/gpu-runner/runner_test_util.h"
 #include "services/gpu-runner/cuda/cuda_test.h"
 
@@ -71,12 +72,6 @@ static void report(const char *what, double err)
 	if (test_verbose())
 		fprintf(stderr, "test_cuda_quant: %-70s relative L2 error %.3e\n", what, err);
 }
-
-#define CUDA_OK(call)                                                                              \
-	do {                                                                                       \
-		cudaError_t e_ = (call);                                                           \
-		ck_assert_msg(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));         \
-	} while (0)
 
 static double rel_l2(const float *a, const float *ref, size_t n)
 {
@@ -858,23 +853,6 @@ static Suite *quant_suite(void)
 	tcase_add_test(tc, test_refusals);
 	suite_add_tcase(s, tc);
 	return s;
-}
-
-/* Asks a child process whether a GPU is there, so this process has not initialised CUDA when
- * Check forks the tests. */
-static bool have_gpu(void)
-{
-	pid_t pid = fork();
-	if (pid < 0)
-		return false;
-	if (pid == 0) {
-		int count = 0;
-		_exit(cudaGetDeviceCount(&count) == cudaSuccess && count > 0 ? 0 : 1);
-	}
-	int status = 0;
-	if (waitpid(pid, &status, 0) != pid)
-		return false;
-	return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
 int main(void)
