@@ -84,12 +84,6 @@ static inline uint64_t dtype_row_bytes(enum dtype t, uint64_t n)
 	return n / dtype_block_elems(t) * dtype_block_bytes(t);
 }
 
-/* Bits a format spends per value, scales included (16 for BF16, 8.5 for Q8_0, 4.5 for Q4_K). */
-static inline double dtype_bits_per_value(enum dtype t)
-{
-	return 8.0 * (double)dtype_block_bytes(t) / dtype_block_elems(t);
-}
-
 /* "F32", "F16", "BF16" (the safetensors spelling), "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K" (ggml's). */
 const char *dtype_name(enum dtype t);
 /* Parses a safetensors dtype string (element formats only). Returns 0 or -ENOTSUP for a type we do not compute in
