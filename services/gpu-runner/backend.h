@@ -81,6 +81,15 @@ enum backend_attn {
 	BACKEND_ATTN_SIMPLE = 1,  /* the CUDA-core kernel for every chunk */
 };
 
+/* How the CUDA backend chains the kernels of a step (comparisons and benchmarks). */
+enum backend_fuse {
+	BACKEND_FUSE_DEFAULT = 0, /* kernels launch with programmatic dependent launch (each may start as
+				   * the one before ends), and one-token integer products compute their x
+				   * (RMSNorm, attention output) while staging it instead of after a kernel of
+				   * its own */
+	BACKEND_FUSE_NONE = 1,	  /* every kernel alone, after the one before has ended */
+};
+
 struct backend_params {
 	uint32_t max_chunk;	 /* most tokens per forward step */
 	uint32_t block_tokens;	 /* tokens per KV block */
@@ -89,6 +98,7 @@ struct backend_params {
 	uint32_t threads;	 /* CPU threads for the C backend (0 or 1: none) */
 	uint32_t gemv;		 /* enum backend_gemv */
 	uint32_t attn;		 /* enum backend_attn */
+	uint32_t fuse;		 /* enum backend_fuse */
 };
 
 /* Where a weight tensor's bytes can be read. */

@@ -330,6 +330,9 @@ struct perf_run {
 	uint32_t *dst_block, *dst_row;
 };
 
+/* enum backend_fuse of the runs: how kernels are chained (big_run sets it). */
+static uint32_t bench_fuse = BACKEND_FUSE_DEFAULT;
+
 /* A backend for the 8B shape with the kernel choices given. */
 static void perf_open(struct perf_run *r, const struct big *b, uint32_t gemv, uint32_t attn)
 {
@@ -338,7 +341,8 @@ static void perf_open(struct perf_run *r, const struct big *b, uint32_t gemv, ui
 	r->bt = 16;
 	r->bpl = PERF_CTX / r->bt;
 	struct backend_params p = {.max_chunk = PERF_CHUNK, .block_tokens = r->bt, .n_kv_blocks = c->n_layers * r->bpl,
-				   .kv_dtype = DT_BF16, .threads = 1, .gemv = gemv, .attn = attn};
+				   .kv_dtype = DT_BF16, .threads = 1, .gemv = gemv, .attn = attn,
+				   .fuse = bench_fuse};
 	char err[400] = "";
 	int rc = backend_create("cuda", c, &p, &r->be, err, sizeof(err));
 	CHECK(rc == 0, "create: %s", err);
@@ -431,9 +435,9 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 {
 	struct perf_run r;
 	perf_open(&r, b, gemv, attn);
-	char how[96];
-	snprintf(how, sizeof(how), "%s, gemv %s, attention %s", b->weights, gemv_name(gemv, b->quant),
-		 attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma");
+	char how[128];
+	snprintf(how, sizeof(how), "%s, gemv %s, attention %s%s", b->weights, gemv_name(gemv, b->quant),
+		 attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma", bench_fuse == BACKEND_FUSE_NONE ? ", kernels unfused" : "");
 
 	/* Warm-up: one chunk and a few decode steps, then start over at position 0. */
 	perf_step(&r, PERF_CHUNK, 0);
@@ -488,12 +492,13 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 		ctx_long = pos;
 	}
 	fprintf(json,
-		"{\"weights\": \"%s\", \"gemv\": \"%s\", \"attention\": \"%s\", \"prefill_512_ms\": %.4f, "
+		"{\"weights\": \"%s\", \"gemv\": \"%s\", \"attention\": \"%s\", \"fused\": %s, \"prefill_512_ms\": %.4f, "
 		"\"decode_ms\": %.4f, \"decode_context\": %u, \"enqueue_ms\": %.4f, \"weight_bytes\": %zu, "
 		"\"hbm_read_bytes_per_s\": %.4g, \"hbm_bound_ms\": %.4f, \"decode_over_bound\": %.3f, "
 		"\"lm_head_ms\": %.4f, \"prefill_512_long_ms\": %.4f, \"decode_long_ms\": %.4f, "
 		"\"decode_long_context\": %u}\n",
-		b->weights, gemv_name(gemv, b->quant), attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma", pf[1], dt_short,
+		b->weights, gemv_name(gemv, b->quant), attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma",
+		bench_fuse == BACKEND_FUSE_NONE ? "false" : "true", pf[1], dt_short,
 		PERF_CHUNK + 16, enq_short, b->weight_bytes, hbm_read_rate, bound_ms, dt_short / bound_ms, lm[8],
 		chunk_ms, dt_long, ctx_long);
 	fflush(json);
@@ -560,6 +565,9 @@ int main(int argc, char **argv)
 		fprintf(stderr, "perf: Llama-3-8B shape, Q4_K_M weights resident (%.2f GB read per decode step), BF16 "
 			"KV, 16-token blocks\n", b.weight_bytes / 1e9);
 		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, !quick, stdout);
+		bench_fuse = BACKEND_FUSE_NONE;
+		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, false, stdout);
+		bench_fuse = BACKEND_FUSE_DEFAULT;
 		big_run(&b, BACKEND_GEMV_ROWS1, BACKEND_ATTN_DEFAULT, !quick, stdout);
 		if (!quick)
 			big_run(&b, BACKEND_GEMV_CUBLAS, BACKEND_ATTN_DEFAULT, false, stdout);
@@ -574,6 +582,9 @@ int main(int argc, char **argv)
 	fprintf(stderr, "perf: Llama-3-8B shape, BF16 weights resident (%.2f GB read per decode step), BF16 KV, "
 		"16-token blocks\n", b.weight_bytes / 1e9);
 	big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, !quick, stdout);
+	bench_fuse = BACKEND_FUSE_NONE;
+	big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, false, stdout);
+	bench_fuse = BACKEND_FUSE_DEFAULT;
 	if (!quick) {
 		big_run(&b, BACKEND_GEMV_ROWS2, BACKEND_ATTN_DEFAULT, false, stdout);
 		big_run(&b, BACKEND_GEMV_CUBLAS, BACKEND_ATTN_DEFAULT, false, stdout);

@@ -72,7 +72,8 @@ size_t attn_smem_bytes(uint32_t hd, size_t esize, uint32_t nw)
  * (token t, head g * group + j) numbered t * group + j in [qt * warps, (qt + 1) * warps), one
  * warp each; split s covers flattened keys [s * keys_per_split, (s + 1) * keys_per_split). Lane
  * d of a warp holds dims 2d, 2d + 1 of each 64 of the accumulator. */
-template <typename KT> __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const attn_args a)
+template <typename KT>
+__global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_constant__ attn_args a)
 {
 	extern __shared__ __align__(16) unsigned char smem[];
 	__shared__ uint32_t s_cursor;
@@ -88,6 +89,11 @@ template <typename KT> __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) at
 	unsigned char *vs = ks + ATTN_TILE * krow_bytes;	/* (TILE, vrow_bytes) */
 	float *qs = (float *)(vs + ATTN_TILE * vrow_bytes);	/* (warps, hd) */
 
+	/* The span list: in the parameters (decode) or uploaded. */
+	const struct kv_span *spans = a.inline_spans ? a.span_in : a.spans;
+	const uint32_t *prefix = a.inline_spans ? a.prefix_in : a.prefix;
+	grid_launch_next();
+	grid_wait();
 	const uint32_t k0 = split * a.keys_per_split;
 	const uint32_t k1 = min(k0 + a.keys_per_split, a.total_keys);
 	/* The block's queries: for the tile skip test. */
@@ -120,7 +126,7 @@ template <typename KT> __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) at
 		}
 	}
 	if (threadIdx.x == 0)
-		s_cursor = span_of_key(a, k0);
+		s_cursor = span_of_key(prefix, a.n_spans, k0);
 	__syncthreads();
 
 	for (uint32_t kb = k0; kb < k1; kb += ATTN_TILE) {
@@ -128,10 +134,10 @@ template <typename KT> __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) at
 			uint32_t key = kb + lane, pos = UINT32_MAX, s = s_cursor;
 			uint64_t off = 0;
 			if (key < k1) {
-				while (key >= a.prefix[s + 1])
+				while (key >= prefix[s + 1])
 					s++;
-				struct kv_span sp = a.spans[s];
-				uint32_t r = key - a.prefix[s];
+				struct kv_span sp = spans[s];
+				uint32_t r = key - prefix[s];
 				pos = sp.pos0 + r;
 				off = sp.block * a.block_elems + (uint64_t)r * a.kv_dim + (uint64_t)g * hd;
 			}
@@ -235,6 +241,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS) attn_combine_kernel(float *m,
 {
 	__shared__ float sm[ATTN_MAX_SPLITS], sw[ATTN_MAX_SPLITS], sl[ATTN_MAX_SPLITS];
 	const uint32_t pair = blockIdx.x, t = threadIdx.x;
+	grid_launch_next();
+	grid_wait();
 	const float M = m[pair];
 	if (t < splits) {
 		sm[t] = pm[(size_t)t * pairs + pair];
@@ -288,17 +296,10 @@ cudaError_t attn_allow_smem(uint32_t kv_dtype, size_t bytes)
 	return cudaFuncSetAttribute(attn_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
 }
 
-int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans)
+/* Spans then their key offsets, one copy up into be->spanbuf (which grows in stream order);
+ * points a's spans and prefix at them. */
+static int upload_spans(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans, attn_args *a)
 {
-	const struct model_config *c = &be->cfg;
-	uint64_t total = 0;
-	for (uint32_t s = 0; s < n_spans; s++)
-		total += spans[s].n_tokens;
-	if (total > UINT32_MAX - 2 * ATTN_TILE)
-		return cuda_failf(be, -EINVAL, "cuda backend: attn_blocks(layer %u): %llu keys in one call, at most %u",
-			    be->layer, (unsigned long long)total, UINT32_MAX - 2 * ATTN_TILE);
-
-	/* Spans then their key offsets, one copy up; the device buffer grows in stream order. */
 	size_t sbytes = ((size_t)n_spans * sizeof(struct kv_span) + 15) / 16 * 16;
 	size_t bytes = sbytes + ((size_t)n_spans + 1) * sizeof(uint32_t);
 	if (bytes > be->spanbuf_bytes) {
@@ -324,11 +325,45 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 	rc = up_send(be, be->spanbuf, h, off, bytes, "cudaMemcpyAsync (span list)");
 	if (rc)
 		return rc;
+	a->spans = (const struct kv_span *)be->spanbuf;
+	a->prefix = (const uint32_t *)((const char *)be->spanbuf + sbytes);
+	return 0;
+}
+
+int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans)
+{
+	const struct model_config *c = &be->cfg;
+	uint64_t total = 0;
+	for (uint32_t s = 0; s < n_spans; s++)
+		total += spans[s].n_tokens;
+	if (total > UINT32_MAX - 2 * ATTN_TILE)
+		return cuda_failf(be, -EINVAL, "cuda backend: attn_blocks(layer %u): %llu keys in one call, at most %u",
+			    be->layer, (unsigned long long)total, UINT32_MAX - 2 * ATTN_TILE);
 
 	/* Blocks: one per (kv head, group of queries); split the keys when that leaves the GPU
 	 * mostly idle (decode). Many queries per KV head (prefill) take the tensor cores. */
 	uint32_t group = c->n_heads / c->n_kv_heads, pairs_g = be->n * group, hd = c->head_dim;
 	bool mma = be->attn_mma && be->p.kv_dtype == DT_BF16 && (hd == 64 || hd == 128) && pairs_g >= MMA_ROWS;
+
+	attn_args a;
+	a.inline_spans = !mma && n_spans <= ATTN_INLINE_SPANS;
+	if (a.inline_spans) {
+		/* The spans and their key offsets travel in the kernel's parameters. */
+		memcpy(a.span_in, spans, (size_t)n_spans * sizeof(struct kv_span));
+		uint32_t acc = 0;
+		for (uint32_t s = 0; s < n_spans; s++) {
+			a.prefix_in[s] = acc;
+			acc += spans[s].n_tokens;
+		}
+		a.prefix_in[n_spans] = acc;
+		a.spans = NULL;
+		a.prefix = NULL;
+	} else {
+		int rc = upload_spans(be, spans, n_spans, &a);
+		if (rc)
+			return rc;
+	}
+
 	uint32_t nw = pairs_g < ATTN_MAX_WARPS ? pairs_g : ATTN_MAX_WARPS;
 	uint32_t rows = mma ? MMA_ROWS : nw, tile = mma ? MMA_KEYS : ATTN_TILE;
 	uint32_t qtiles = (pairs_g + rows - 1) / rows, base = c->n_kv_heads * qtiles;
@@ -345,15 +380,12 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 	uint32_t kps = (tiles + splits - 1) / splits * tile;
 	splits = (uint32_t)((total + kps - 1) / kps);
 
-	attn_args a;
 	a.q = be->qkv;
 	a.q_ld = be->qkv_ld;
 	a.arena = be->arena;
 	a.block_elems = be->block_elems;
 	a.block_tokens = be->p.block_tokens;
 	a.kv_dim = be->kv_dim;
-	a.spans = (const struct kv_span *)be->spanbuf;
-	a.prefix = (const uint32_t *)((const char *)be->spanbuf + sbytes);
 	a.n_spans = n_spans;
 	a.total_keys = (uint32_t)total;
 	a.keys_per_split = kps;
@@ -378,14 +410,15 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 	} else {
 		size_t smem = attn_smem_bytes(hd, be->kv_esize, nw);
 		if (be->p.kv_dtype == DT_BF16)
-			attn_kernel<__nv_bfloat16><<<grid, nw * 32, smem, be->stream>>>(a);
+			launch_k(be->pdl, attn_kernel<__nv_bfloat16>, grid, nw * 32, smem, be->stream, a);
 		else
-			attn_kernel<float><<<grid, nw * 32, smem, be->stream>>>(a);
+			launch_k(be->pdl, attn_kernel<float>, grid, nw * 32, smem, be->stream, a);
 		LAUNCHED(be, "attn_kernel");
 	}
 	if (splits > 1) {
-		attn_combine_kernel<<<pairs, COMBINE_THREADS, 0, be->stream>>>(be->st_m, be->st_l, be->st_acc, be->pm,
-									       be->pl, be->pacc, pairs, splits, hd);
+		launch_k(be->pdl, attn_combine_kernel, pairs, COMBINE_THREADS, 0, be->stream, be->st_m, be->st_l,
+			 be->st_acc, (const float *)be->pm, (const float *)be->pl, (const float *)be->pacc, pairs, splits,
+			 hd);
 		LAUNCHED(be, "attn_combine_kernel");
 	}
 	return 0;
@@ -401,6 +434,8 @@ __global__ void __launch_bounds__(256) attn_out_kernel(const float *l, const flo
 {
 	const uint32_t t = blockIdx.x;
 	const size_t base = (size_t)t * n_heads * hd;
+	grid_launch_next();
+	grid_wait();
 	for (uint32_t i = blockIdx.y * blockDim.x + threadIdx.x; i < n_heads * hd; i += gridDim.y * blockDim.x) {
 		float lv = l[(size_t)t * n_heads + i / hd];
 		float v = 0.0f;
@@ -421,14 +456,14 @@ void attn_out_launch(uint32_t ot, const struct backend_dev *be, cudaStream_t s)
 	/* Few tokens (decode): a block per 256 values of a token, not one block for all of them. */
 	const unsigned threads = small_grid(n) ? 256 : 128;
 	const dim3 grid(n, small_grid(n) ? (q_dim + threads - 1) / threads : 1);
+	const float *l = be->st_l, *acc = be->st_acc;
 	if (ot == DT_BF16)
-		attn_out_kernel<__nv_bfloat16><<<grid, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
-								     (__nv_bfloat16 *)be->xa, be->status, be->layer,
-								     be->pos0);
+		launch_k(be->pdl, attn_out_kernel<__nv_bfloat16>, grid, threads, 0, s, l, acc, c->n_heads, c->head_dim,
+			 (__nv_bfloat16 *)be->xa, be->status, be->layer, be->pos0);
 	else if (ot == DT_F16)
-		attn_out_kernel<__half><<<grid, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
-							      (__half *)be->xa, be->status, be->layer, be->pos0);
+		launch_k(be->pdl, attn_out_kernel<__half>, grid, threads, 0, s, l, acc, c->n_heads, c->head_dim,
+			 (__half *)be->xa, be->status, be->layer, be->pos0);
 	else
-		attn_out_kernel<float><<<grid, threads, 0, s>>>(be->st_l, be->st_acc, c->n_heads, c->head_dim,
-							     (float *)be->xa, be->status, be->layer, be->pos0);
+		launch_k(be->pdl, attn_out_kernel<float>, grid, threads, 0, s, l, acc, c->n_heads, c->head_dim,
+			 (float *)be->xa, be->status, be->layer, be->pos0);
 }

@@ -4,12 +4,12 @@
 #include "services/gpu-runner/cuda/cuda_internal.h"
 
 /* The span holding key k: prefix[s] <= k < prefix[s + 1] (a binary search over the spans). */
-static __device__ __forceinline__ uint32_t span_of_key(const attn_args &a, uint32_t k)
+static __device__ __forceinline__ uint32_t span_of_key(const uint32_t *prefix, uint32_t n_spans, uint32_t k)
 {
-	uint32_t lo = 0, hi = a.n_spans;
+	uint32_t lo = 0, hi = n_spans;
 	while (hi - lo > 1) {
 		uint32_t mid = (lo + hi) / 2;
-		if (a.prefix[mid] <= k)
+		if (prefix[mid] <= k)
 			lo = mid;
 		else
 			hi = mid;

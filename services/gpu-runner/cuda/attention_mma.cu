@@ -97,7 +97,7 @@ template <int HD> __global__ void __launch_bounds__(128) attn_mma_kernel(const a
 		}
 
 	if (threadIdx.x == 0)
-		s_cursor = span_of_key(a, k0);
+		s_cursor = span_of_key(a.prefix, a.n_spans, k0);
 	__syncthreads();
 
 	for (uint32_t kb = k0; kb < k1; kb += MMA_KEYS) {

@@ -60,6 +60,11 @@
 #define UPLOAD_EVENTS 128	/* uploads in flight in the staging ring */
 #define UPLOAD_ALIGN 256
 #define BLAS_WORKSPACE (32u << 20) /* what cuBLAS asks for on Hopper */
+/* Small per-layer lists travel in the kernel's parameters instead of an upload (a copy on the
+ * compute stream between two kernels): the KV destinations of up to ROPE_INLINE_TOKENS tokens and
+ * up to ATTN_INLINE_SPANS spans of the CUDA-core attention (decode: 2048 keys in 16-token blocks). */
+#define ROPE_INLINE_TOKENS 8
+#define ATTN_INLINE_SPANS 128
 
 /* What device kernels report to the host; read back with the logits. */
 struct dev_status {
@@ -111,6 +116,8 @@ struct backend_dev {
 	} qg_occ[QG_OCC_CACHE];	/* gemv_quant.cu's grid sizes */
 	uint32_t qg_occ_n;
 	bool attn_mma;		/* prefill attention on tensor cores where it applies */
+	bool pdl;		/* kernels of a step launch with programmatic dependent launch (launch_k) */
+	bool fuse_x;		/* one-token integer products compute their x while staging it (struct xsrc) */
 
 	uint32_t q_dim;		/* n_heads * head_dim */
 	uint32_t kv_dim;	/* n_kv_heads * head_dim */
@@ -169,6 +176,26 @@ int blas_fail(struct backend_dev *be, cublasStatus_t st, const char *what);
 /* After a kernel launch: a bad configuration shows here; faults show at the next sync. */
 #define LAUNCHED(be, what) CUDA_TRY(be, "launch of " what, cudaGetLastError())
 
+/* Launches kernel k, with programmatic dependent launch where pdl is set (device.cuh's grid_wait
+ * says what the kernel must do then). Errors show through cudaGetLastError (LAUNCHED). */
+template <typename... KP, typename... A>
+static inline void launch_k(bool pdl, void (*k)(KP...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+			    A... args)
+{
+	cudaLaunchConfig_t cfg = {};
+	cudaLaunchAttribute at[1];
+	at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+	at[0].val.programmaticStreamSerializationAllowed = 1;
+	cfg.gridDim = grid;
+	cfg.blockDim = block;
+	cfg.dynamicSmemBytes = smem;
+	cfg.stream = s;
+	cfg.attrs = at;
+	cfg.numAttrs = pdl ? 1 : 0;
+	cudaError_t e = cudaLaunchKernelEx(&cfg, k, args...);
+	(void)e; /* also returned by cudaGetLastError */
+}
+
 /* A kernel of one block per token runs few blocks in decode: give each block more threads. */
 static inline bool small_grid(uint32_t blocks)
 {
@@ -224,6 +251,28 @@ struct mm_part {
 	uint64_t row_bytes; /* bytes from one row of w to the next */
 };
 
+/* Where the one-token integer path (gemv_dp4a.cuh) takes its x from: the BF16 activations, or
+ * values it computes while staging x, so the kernel that would have written them is not
+ * launched. Each value is what that kernel writes: rounded to BF16, then quantized to int8. */
+enum xsrc_kind {
+	XSRC_ACT = 0,  /* qgemv_args.x */
+	XSRC_NORM = 1, /* RMSNorm of the residual row res with weight norm_w (rmsnorm_kernel) */
+	XSRC_ATTN = 2, /* acc / l of each head, the attention output (attn_out_kernel); a head with
+			* l == 0 saw no keys: 0, and flagged in st as attn_out_kernel does */
+};
+
+struct xsrc {
+	uint32_t kind;		/* enum xsrc_kind */
+	const float *res;	/* XSRC_NORM: (in) float32 residual row */
+	const void *norm_w;	/* XSRC_NORM: (in) in dtype norm_wt */
+	uint32_t norm_wt;
+	float eps;
+	const float *l, *acc;	/* XSRC_ATTN: (in / head_dim) sums, (in) weighted sums */
+	uint32_t head_dim;
+	struct dev_status *st;
+	uint32_t layer, pos0;
+};
+
 struct qgemv_args {
 	const uint8_t *w[3];	/* (rows[p], in) in one block format, row_bytes per row, device memory */
 	float *out[3];		/* (n, ldc) token-major: out[p][t * ldc + o] */
@@ -233,6 +282,7 @@ struct qgemv_args {
 	uint32_t in, n, ldc;
 	const __nv_bfloat16 *x;	/* (n, in) */
 	__nv_bfloat16 *act;	/* SWIGLU output (rows of one part) */
+	struct xsrc src;	/* the integer path's x: x itself unless src.kind says otherwise */
 	/* Filled in by qgemv_launch: */
 	uint32_t nb;		/* blocks per row */
 	uint32_t steps;		/* warp steps per row */
@@ -243,13 +293,16 @@ struct qgemv_args {
 /* Can the GEMV kernel take this product: one token, 16-bit weights, 16-byte rows and pointers? */
 bool gemv_fits(const struct backend_dev *be, uint32_t wt, uint32_t in, const struct mm_part *parts, uint32_t np);
 /* Launches the GEMV kernel (gemv.cu) for weights of dtype wt with rows_per_warp rows per warp. */
-void gemv_launch(uint32_t wt, int rows_per_warp, const gemv_args &g, int mode, cudaStream_t s);
+void gemv_launch(uint32_t wt, int rows_per_warp, const gemv_args &g, int mode, bool pdl, cudaStream_t s);
 /* Lets the quantized GEMV kernels use QG_SMEM_MAX bytes of shared memory (create). */
 cudaError_t qgemv_init(void);
 /* Can the quantized GEMV take this product: n <= QGEMV_MAX_TOKENS tokens, the GEMV on
  * (backend_params.gemv), whole blocks per row, tensors aligned for the format's loads? */
 bool qgemv_fits(const struct backend_dev *be, uint32_t fmt, uint32_t in, uint32_t n, const struct mm_part *parts,
 		uint32_t np);
+/* Would a one-token product of these parts (each part's format its own) take the integer path
+ * for every part, so that x can come from a struct xsrc? */
+bool qgemv_fuses_x(const struct backend_dev *be, uint32_t in, const struct mm_part *parts, uint32_t np);
 /* Launches the quantized GEMV (gemv_quant.cu) for block format fmt; fills a's launch fields. */
 void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode, cudaStream_t s);
 /* Dequantizes rows [0, rows) of a block-format matrix (row_bytes apart, device memory) into out
@@ -260,13 +313,15 @@ void dequant_launch(uint32_t fmt, const void *src, uint64_t row_bytes, uint32_t 
 int gemm(struct backend_dev *be, uint32_t wt, const struct mm_part *pt, const void *x, uint32_t in, uint32_t n,
 	 uint32_t ldc, bool add, const char *what);
 /* out_p[t] (+)= W_p x[t] for the parts, x (n, in) in activation dtype at (device memory). Parts
- * may differ in format where their activation dtype is at (parts of one format go together). */
-int matmul(struct backend_dev *be, uint32_t at, const void *x, uint32_t in, uint32_t n, const struct mm_part *parts,
-	   uint32_t np, uint32_t ldc, bool add, const char *what);
+ * may differ in format where their activation dtype is at (parts of one format go together).
+ * src: NULL, or where x comes from when qgemv_fuses_x said yes (x is then not read). */
+int matmul(struct backend_dev *be, uint32_t at, const void *x, const struct xsrc *src, uint32_t in, uint32_t n,
+	   const struct mm_part *parts, uint32_t np, uint32_t ldc, bool add, const char *what);
 /* act (n, rows) in dtype at = SiLU(gate x) * (up x) for gu = {gate, up} (rows each, outs at
- * gu[0].out and gu[0].out + rows of a (n, 2 * rows) float32 buffer the unfused path uses). */
-int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[2], const void *x, uint32_t in,
-		   uint32_t n, void *act, const char *what);
+ * gu[0].out and gu[0].out + rows of a (n, 2 * rows) float32 buffer the unfused path uses); src as
+ * matmul's. */
+int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[2], const void *x,
+		   const struct xsrc *src, uint32_t in, uint32_t n, void *act, const char *what);
 
 /* ---- norm_rope.cu -------------------------------------------------------------------------- */
 
@@ -274,7 +329,8 @@ struct rope_args {
 	float *qkv;		/* (n, ld): q, k, v of each token */
 	uint32_t ld;
 	const float *inv_freq;
-	const uint32_t *dst;	/* (2, n): blocks, then rows */
+	const uint32_t *dst;	/* (2, n): blocks, then rows (device memory), unless n <= ROPE_INLINE_TOKENS: */
+	uint32_t dst_in[2 * ROPE_INLINE_TOKENS]; /* the same, (2, n), in the parameters */
 	void *arena;
 	uint64_t block_elems;
 	uint32_t block_tokens, n_heads, n_kv_heads, head_dim, pos0, n;
@@ -288,7 +344,7 @@ int rmsnorm(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, u
  * formats: dequant_launch). */
 void embed_launch(uint32_t dt, const void *raw, float *x, size_t count, cudaStream_t s);
 /* RoPE, the K and V rows into the arena (kv_dtype), accumulators reset: one block per token. */
-void rope_launch(uint32_t kv_dtype, const rope_args &a, cudaStream_t s);
+void rope_launch(uint32_t kv_dtype, const rope_args &a, bool pdl, cudaStream_t s);
 /* SiLU(gate) * up of the cuBLAS path ((n, 2 * ffn) float32) into out in dtype ot. */
 void silu_mul_launch(uint32_t ot, const float *gu, uint32_t ffn, size_t count, void *out, cudaStream_t s);
 
@@ -302,6 +358,9 @@ struct attn_args {
 	uint32_t block_tokens, kv_dim;
 	const struct kv_span *spans;
 	const uint32_t *prefix;	/* (n_spans + 1) key offset of each span in the flattened key list */
+	uint32_t inline_spans;	/* 1: spans and prefix are the copies below (attn_kernel only) */
+	struct kv_span span_in[ATTN_INLINE_SPANS];
+	uint32_t prefix_in[ATTN_INLINE_SPANS + 1];
 	uint32_t n_spans, total_keys, keys_per_split;
 	uint32_t n, pos0, n_heads, group, head_dim, window, qtiles;
 	float scale;

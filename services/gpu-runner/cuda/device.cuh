@@ -77,6 +77,23 @@ static __device__ __forceinline__ float warp_max(float v)
 	return v;
 }
 
+/* Programmatic dependent launch (sm_90; launch_k in cuda_internal.h). A kernel launched with it
+ * may start while the kernel before it in the stream still runs: grid_wait() blocks until that
+ * kernel has completed and its writes are visible, so a kernel calls it before it reads anything
+ * an earlier kernel wrote and before it writes anything an earlier kernel reads; what comes before
+ * it may only read what no kernel of the step writes (weights). grid_launch_next() lets the next
+ * kernel in the stream launch (its blocks start as resources free up, then wait in grid_wait).
+ * Both are no-ops for a kernel launched without the attribute. */
+static __device__ __forceinline__ void grid_wait(void)
+{
+	asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+static __device__ __forceinline__ void grid_launch_next(void)
+{
+	asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 /* silu(g) * u as the reference: silu in double rounded to float32, then the float32 product. */
 static __device__ __forceinline__ float silu_mul(float g, float u)
 {

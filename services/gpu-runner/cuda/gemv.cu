@@ -37,6 +37,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(const gemv_args a
 {
 	const uint32_t warp = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
 	const uint32_t row0 = warp * R;
+	grid_launch_next();
 	if (row0 >= a.total)
 		return;
 	const uint32_t in8 = a.in8;
@@ -59,6 +60,14 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(const gemv_args a
 		dst[r] = p == 0 ? a.out[0] : p == 1 ? a.out[1] : a.out[2];
 		orow[r] = o;
 	}
+	/* The first bytes of the rows come into L2 while the kernel before finishes. */
+#pragma unroll
+	for (int r = 0; r < R; r++) {
+		asm volatile("prefetch.global.L2 [%0];" ::"l"(wr[r] + lane * 4));
+		if (MODE == GEMV_SWIGLU)
+			asm volatile("prefetch.global.L2 [%0];" ::"l"(ur[r] + lane * 4));
+	}
+	grid_wait();
 	const uint4 *x = (const uint4 *)a.x;
 	float s[R][2], u[R][2];
 #pragma unroll
@@ -110,21 +119,22 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(const gemv_args a
 	}
 }
 
-template <typename T, int R> static void gemv_launch_r(const gemv_args &g, int mode, cudaStream_t s)
+template <typename T, int R> static void gemv_launch_r(const gemv_args &g, int mode, bool pdl, cudaStream_t s)
 {
 	uint32_t blocks = (g.total + GEMV_WARPS * R - 1) / (GEMV_WARPS * R);
 	if (mode == GEMV_STORE)
-		gemv_kernel<T, GEMV_STORE, R><<<blocks, GEMV_WARPS * 32, 0, s>>>(g);
+		launch_k(pdl, gemv_kernel<T, GEMV_STORE, R>, blocks, GEMV_WARPS * 32, 0, s, g);
 	else if (mode == GEMV_ADD)
-		gemv_kernel<T, GEMV_ADD, R><<<blocks, GEMV_WARPS * 32, 0, s>>>(g);
+		launch_k(pdl, gemv_kernel<T, GEMV_ADD, R>, blocks, GEMV_WARPS * 32, 0, s, g);
 	else
-		gemv_kernel<T, GEMV_SWIGLU, R><<<blocks, GEMV_WARPS * 32, 0, s>>>(g);
+		launch_k(pdl, gemv_kernel<T, GEMV_SWIGLU, R>, blocks, GEMV_WARPS * 32, 0, s, g);
 }
 
-void gemv_launch(uint32_t wt, int rows_per_warp, const gemv_args &g, int mode, cudaStream_t s)
+void gemv_launch(uint32_t wt, int rows_per_warp, const gemv_args &g, int mode, bool pdl, cudaStream_t s)
 {
 	if (wt == DT_BF16)
-		rows_per_warp == 2 ? gemv_launch_r<__nv_bfloat16, 2>(g, mode, s) : gemv_launch_r<__nv_bfloat16, 1>(g, mode, s);
+		rows_per_warp == 2 ? gemv_launch_r<__nv_bfloat16, 2>(g, mode, pdl, s)
+				   : gemv_launch_r<__nv_bfloat16, 1>(g, mode, pdl, s);
 	else
-		rows_per_warp == 2 ? gemv_launch_r<__half, 2>(g, mode, s) : gemv_launch_r<__half, 1>(g, mode, s);
+		rows_per_warp == 2 ? gemv_launch_r<__half, 2>(g, mode, pdl, s) : gemv_launch_r<__half, 1>(g, mode, pdl, s);
 }

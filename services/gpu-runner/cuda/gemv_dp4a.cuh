@@ -3,7 +3,9 @@
  * against x quantized to 8 bits, so four weights cost one __dp4a and a mask or two instead of a
  * float conversion and a fused multiply-add each.
  *
- * x. Each block quantizes the bf16 row x (in values) into shared memory when it starts: per
+ * x. Each block quantizes the bf16 row x (in values) into shared memory when it starts (x as
+ * qgemv_args.src says: the BF16 activations, or the RMSNorm of the residual row or the attention
+ * output computed on the way and rounded to BF16 as their own kernels round them): per
  * 32-value group g, d_g = amax / 127 (amax: the largest |x| of the group), q = rint(x * (1 / d_g))
  * (round half to even, IEEE reciprocal and product, clamped to +-127), and s_g = d_g * sum q. x is
  * then read back as q d_g: up to half a step d_g off per value (0.4% of the group's largest). The
@@ -43,30 +45,98 @@ static __device__ __forceinline__ uint32_t pack_i8(int a, int b, int c, int d)
 			   0x5410);
 }
 
-/* Quantizes x (in values, bf16, 16-byte aligned) into xq (int8, dq_phys order), xd and xs. Every
- * thread of the block calls it; ends with a barrier. A thread takes 8 values, 4 threads a group. */
-template <int F>
-static __device__ void dq_stage(const __nv_bfloat16 *x, uint32_t in, uint8_t *xq, float *xd, float *xs)
+/* XSRC_NORM's scale 1 / sqrt(mean(res^2) + eps), the mean taken in double as rmsnorm_kernel
+ * takes it; the same in every thread (and every block: the sums run in one fixed order). */
+static __device__ float dq_norm_scale(const qgemv_args &a)
 {
-	const uint32_t n8 = in / 8;
+	__shared__ double part[QG_WARPS];
+	const float4 *res = (const float4 *)a.src.res;
+	double ss = 0;
+	for (uint32_t i = threadIdx.x; i < a.in / 4; i += QG_THREADS) {
+		const float4 v = res[i];
+		ss += (double)v.x * v.x;
+		ss += (double)v.y * v.y;
+		ss += (double)v.z * v.z;
+		ss += (double)v.w * v.w;
+	}
+	for (int o = 16; o > 0; o >>= 1)
+		ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+	if (threadIdx.x % 32 == 0)
+		part[threadIdx.x / 32] = ss;
+	__syncthreads();
+	double tot = 0;
+#pragma unroll
+	for (uint32_t w = 0; w < QG_WARPS; w++)
+		tot += part[w];
+	const float var = (float)(tot / a.in);
+	return 1.0f / sqrtf(var + a.src.eps); /* IEEE division and square root (no fast math) */
+}
+
+/* Values 8 i .. 8 i + 7 of x as the product takes them (a.src): BF16 values as float32. r is
+ * XSRC_NORM's scale. */
+static __device__ __forceinline__ void dq_x8(const qgemv_args &a, uint32_t i, float r, float f[8])
+{
+	if (a.src.kind == XSRC_ACT) {
+		const uint4 raw = __ldg((const uint4 *)a.x + i);
+		const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+		for (int e = 0; e < 4; e++) {
+			f[2 * e] = __uint_as_float(w[e] << 16);
+			f[2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
+		}
+		return;
+	}
+	float v[8];
+	if (a.src.kind == XSRC_NORM) {
+		/* rmsnorm_kernel's value: w * (x * r), unfused float32 products. */
+		const float4 x0 = ((const float4 *)a.src.res)[2 * i], x1 = ((const float4 *)a.src.res)[2 * i + 1];
+		const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+		for (int e = 0; e < 8; e++)
+			v[e] = __fmul_rn(load_any(a.src.norm_w, a.src.norm_wt, 8 * i + e), __fmul_rn(xv[e], r));
+	} else {
+		/* attn_out_kernel's value: acc / l of the head (8 values never straddle two heads:
+		 * head_dim is a multiple of 8). */
+		const float4 c0 = ((const float4 *)a.src.acc)[2 * i], c1 = ((const float4 *)a.src.acc)[2 * i + 1];
+		const float cv[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+		const float l = a.src.l[8 * i / a.src.head_dim];
+#pragma unroll
+		for (int e = 0; e < 8; e++)
+			v[e] = l > 0.0f ? cv[e] / l : 0.0f;
+		if (!(l > 0.0f) && blockIdx.x == 0 && atomicCAS(&a.src.st->err, 0, 1) == 0) {
+			a.src.st->err_layer = a.src.layer;
+			a.src.st->err_pos = a.src.pos0;
+		}
+	}
+#pragma unroll
+	for (int e = 0; e < 8; e++)
+		f[e] = __bfloat162float(__float2bfloat16_rn(v[e]));
+}
+
+/* Quantizes x (a.in values, as a.src says; 16-byte aligned) into xq (int8, dq_phys order), xd and
+ * xs. Every thread of the block calls it; ends with a barrier. A thread takes 8 values, 4 threads
+ * a group. */
+template <int F> static __device__ void dq_stage(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
+{
+	const uint32_t n8 = a.in / 8;
+	const float r = a.src.kind == XSRC_NORM ? dq_norm_scale(a) : 1.0f;
 	constexpr uint32_t U = 2; /* 16-byte loads in flight per thread */
 	for (uint32_t base = 0; base < n8; base += U * QG_THREADS) {
-		uint4 r[U];
+		float fu[U][8];
 #pragma unroll
 		for (uint32_t u = 0; u < U; u++) {
 			const uint32_t i = base + u * QG_THREADS + threadIdx.x;
-			r[u] = i < n8 ? __ldg((const uint4 *)x + i) : make_uint4(0, 0, 0, 0);
+			if (i < n8)
+				dq_x8(a, i, r, fu[u]);
+			else
+#pragma unroll
+				for (int e = 0; e < 8; e++)
+					fu[u][e] = 0.0f;
 		}
 #pragma unroll
 		for (uint32_t u = 0; u < U; u++) {
 			const uint32_t i = base + u * QG_THREADS + threadIdx.x;
-			float f[8];
-			const uint32_t w[4] = {r[u].x, r[u].y, r[u].z, r[u].w};
-#pragma unroll
-			for (int e = 0; e < 4; e++) {
-				f[2 * e] = __uint_as_float(w[e] << 16);
-				f[2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
-			}
+			const float *f = fu[u];
 			float amax = 0.0f;
 #pragma unroll
 			for (int e = 0; e < 8; e++)
@@ -255,7 +325,15 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_occ<F, MODE>::MIN_BLOCKS)) dq_
 	const bool live = cur.at(a, blockIdx.x, wid);
 	qg_cursor<MODE> at = {cur, 0, live}, ld = at;
 	D d0, d1, d2;
-	/* The first two items' loads are in flight while x is quantized. */
+	grid_launch_next();
+	if (live) {
+		/* The first row's bytes (up to 8 KiB) start coming into L2 as well. */
+		prefetch_l2(cur.row, a.row_bytes, lane);
+		if (MODE == GEMV_SWIGLU)
+			prefetch_l2(cur.row2, a.row_bytes, lane);
+	}
+	/* The first two items' loads are in flight while the kernel before finishes and x is
+	 * quantized. */
 	if (ld.live) {
 		qg_load<F, MODE>(a, ld.r, ld.k, lane, d0);
 		ld.next(a, wid);
@@ -264,7 +342,8 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_occ<F, MODE>::MIN_BLOCKS)) dq_
 		qg_load<F, MODE>(a, ld.r, ld.k, lane, d1);
 		ld.next(a, wid);
 	}
-	dq_stage<F>(a.x, a.in, xq, xd, xs);
+	grid_wait();
+	dq_stage<F>(a, xq, xd, xs);
 	if (!live)
 		return;
 	while (dq_stream<F, MODE>(a, at, ld, wid, lane, d0, d2, xq, xd, xs, acc, acc2) &&

@@ -550,6 +550,7 @@ template <int F, int NT, int MODE> __global__ void __launch_bounds__(QG_THREADS)
 		acc[t] = acc2[t] = 0.0f;
 	qg_row<MODE> cur;
 	bool live = cur.at(a, blockIdx.x, wid);
+	grid_launch_next();
 	if (live) {
 		/* The first row's bytes start coming while x is staged. */
 		prefetch_l2(cur.row, a.row_bytes, lane);
@@ -570,6 +571,7 @@ template <int F, int NT, int MODE> __global__ void __launch_bounds__(QG_THREADS)
 			qg_load<F, MODE>(a, ld.r, ld.k, lane, d1);
 			ld.next(a, wid);
 		}
+		grid_wait();
 		qg_stage<F, NT>(xs, xsum, a, 0, ts);
 		if (!live)
 			return; /* no barrier follows */
@@ -588,6 +590,7 @@ template <int F, int NT, int MODE> __global__ void __launch_bounds__(QG_THREADS)
 
 	/* x wider than a block's shared memory: row group by row group, tile by tile (every warp
 	 * of the block takes part in each staging, rows or not). */
+	grid_wait();
 	for (uint32_t rg = blockIdx.x; rg < a.groups; rg += gridDim.x) {
 		live = cur.at(a, rg, wid);
 		for (uint32_t tile = 0; tile < ntiles; tile++) {
@@ -698,7 +701,7 @@ static void launch_k(struct backend_dev *be, const qgemv_args &a, size_t smem, c
 	const void *fn = (const void *)qgemv_kernel<F, NT, MODE>;
 	const uint32_t cap = (uint32_t)be->sm_count * resident_blocks(be, fn, smem);
 	const unsigned grid = a.groups < cap ? a.groups : cap;
-	qgemv_kernel<F, NT, MODE><<<grid, QG_THREADS, smem, s>>>(a);
+	launch_k(be->pdl, qgemv_kernel<F, NT, MODE>, grid, QG_THREADS, smem, s, a);
 }
 
 template <int F, int NT>
@@ -745,7 +748,7 @@ template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const
 	const void *fn = (const void *)dq_kernel<F, MODE>;
 	const uint32_t cap = (uint32_t)be->sm_count * resident_blocks(be, fn, smem);
 	const unsigned grid = a.groups < cap ? a.groups : cap;
-	dq_kernel<F, MODE><<<grid, QG_THREADS, smem, s>>>(a);
+	launch_k(be->pdl, dq_kernel<F, MODE>, grid, QG_THREADS, smem, s, a);
 }
 
 template <int F> static void launch_dq(struct backend_dev *be, const qgemv_args &a, int mode, cudaStream_t s)
@@ -766,6 +769,18 @@ static bool dq_takes(const struct backend_dev *be, uint32_t fmt, const qgemv_arg
 	       dq_smem(a.in) <= QG_SMEM_MAX && (uintptr_t)a.x % 16 == 0;
 }
 
+bool qgemv_fuses_x(const struct backend_dev *be, uint32_t in, const struct mm_part *parts, uint32_t np)
+{
+	if (!be->fuse_x || !be->qgemv_dp4a || in % 8 || dq_smem(in) > QG_SMEM_MAX)
+		return false;
+	for (uint32_t i = 0; i < np; i++) {
+		const uint32_t f = parts[i].format;
+		if ((f != DT_Q4_K && f != DT_Q6_K && f != DT_Q8_0) || !qgemv_fits(be, f, in, 1, parts + i, 1))
+			return false;
+	}
+	return true;
+}
+
 void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode, cudaStream_t s)
 {
 	assert(a.n >= 1 && a.n <= QG_MAX_NT && (mode != GEMV_SWIGLU || a.n == 1));
@@ -774,6 +789,7 @@ void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode,
 	a.nb = a.in / dtype_block_elems((enum dtype)fmt);
 	a.steps = (a.in + sv - 1) / sv;
 	a.groups = (a.total + QG_WARPS - 1) / QG_WARPS;
+	assert(a.src.kind == XSRC_ACT || dq_takes(be, fmt, a));
 	if (dq_takes(be, fmt, a)) {
 		a.tile_steps = a.steps;
 		if (fmt == DT_Q4_K)

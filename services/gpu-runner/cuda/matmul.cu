@@ -58,7 +58,7 @@ static int matmul_element(struct backend_dev *be, uint32_t wt, const void *x, ui
 		}
 		g.in8 = in / 8;
 		g.x = x;
-		gemv_launch(wt, be->gemv_rows, g, add ? GEMV_ADD : GEMV_STORE, be->stream);
+		gemv_launch(wt, be->gemv_rows, g, add ? GEMV_ADD : GEMV_STORE, be->pdl, be->stream);
 		LAUNCHED(be, "gemv_kernel");
 		return 0;
 	}
@@ -70,9 +70,9 @@ static int matmul_element(struct backend_dev *be, uint32_t wt, const void *x, ui
 	return 0;
 }
 
-/* Parts in block format fmt, x in BF16. */
-static int matmul_quant(struct backend_dev *be, uint32_t fmt, const void *x, uint32_t in, uint32_t n,
-			const struct mm_part *parts, uint32_t np, uint32_t ldc, bool add, const char *what)
+/* Parts in block format fmt, x in BF16 (or from src: one token, the integer path). */
+static int matmul_quant(struct backend_dev *be, uint32_t fmt, const void *x, const struct xsrc *src, uint32_t in,
+			uint32_t n, const struct mm_part *parts, uint32_t np, uint32_t ldc, bool add, const char *what)
 {
 	if (qgemv_fits(be, fmt, in, n, parts, np)) {
 		/* Passes of up to QG_MAX_NT tokens, each reading the weights once. */
@@ -90,11 +90,14 @@ static int matmul_quant(struct backend_dev *be, uint32_t fmt, const void *x, uin
 			g.n = n - t0 < QG_MAX_NT ? n - t0 : QG_MAX_NT;
 			g.ldc = ldc;
 			g.x = (const __nv_bfloat16 *)x + (size_t)t0 * in;
+			if (src)
+				g.src = *src;
 			qgemv_launch(be, fmt, g, add ? GEMV_ADD : GEMV_STORE, be->stream);
 			LAUNCHED(be, "qgemv_kernel");
 		}
 		return 0;
 	}
+	assert(!src);
 	/* Rows dequantized into the scratch a chunk at a time, each chunk one GEMM. */
 	uint32_t chunk = be->qscratch_elems / in < UINT32_MAX ? (uint32_t)(be->qscratch_elems / in) : UINT32_MAX;
 	if (chunk >= 64)
@@ -118,10 +121,13 @@ static int matmul_quant(struct backend_dev *be, uint32_t fmt, const void *x, uin
 	return 0;
 }
 
-int matmul(struct backend_dev *be, uint32_t at, const void *x, uint32_t in, uint32_t n, const struct mm_part *parts,
-	   uint32_t np, uint32_t ldc, bool add, const char *what)
+int matmul(struct backend_dev *be, uint32_t at, const void *x, const struct xsrc *src, uint32_t in, uint32_t n,
+	   const struct mm_part *parts, uint32_t np, uint32_t ldc, bool add, const char *what)
 {
 	assert(np >= 1 && np <= 3 && (!add || np == 1));
+	assert(!src || src->kind == XSRC_ACT || (n == 1 && qgemv_fuses_x(be, in, parts, np)));
+	if (src && src->kind == XSRC_ACT)
+		src = NULL;
 	/* Runs of parts in one format go together (q/k/v of a Q4_K_M layer: Q4_K, Q4_K, Q6_K). */
 	for (uint32_t i = 0; i < np;) {
 		uint32_t j = i + 1;
@@ -129,8 +135,9 @@ int matmul(struct backend_dev *be, uint32_t at, const void *x, uint32_t in, uint
 			j++;
 		uint32_t f = parts[i].format;
 		assert(act_dtype(f) == at);
-		int rc = dtype_is_element((enum dtype)f) ? matmul_element(be, f, x, in, n, parts + i, j - i, ldc, add, what)
-							  : matmul_quant(be, f, x, in, n, parts + i, j - i, ldc, add, what);
+		int rc = dtype_is_element((enum dtype)f)
+				 ? matmul_element(be, f, x, in, n, parts + i, j - i, ldc, add, what)
+				 : matmul_quant(be, f, x, src, in, n, parts + i, j - i, ldc, add, what);
 		if (rc)
 			return rc;
 		i = j;
@@ -138,10 +145,11 @@ int matmul(struct backend_dev *be, uint32_t at, const void *x, uint32_t in, uint
 	return 0;
 }
 
-int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[2], const void *x, uint32_t in,
-		   uint32_t n, void *act, const char *what)
+int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[2], const void *x,
+		   const struct xsrc *src, uint32_t in, uint32_t n, void *act, const char *what)
 {
 	const uint32_t f = gu[0].format, rows = gu[0].rows;
+	assert(!src || src->kind == XSRC_ACT || (n == 1 && gu[1].format == f && qgemv_fuses_x(be, in, gu, 2)));
 	assert(gu[1].rows == rows && gu[1].out == gu[0].out + rows);
 	/* SiLU(gate) * up fused into the GEMV where gate and up share a format. */
 	const bool same = gu[1].format == f;
@@ -157,6 +165,8 @@ int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[
 		g.n = 1;
 		g.x = (const __nv_bfloat16 *)x;
 		g.act = (__nv_bfloat16 *)act;
+		if (src)
+			g.src = *src;
 		qgemv_launch(be, f, g, GEMV_SWIGLU, be->stream);
 		LAUNCHED(be, "qgemv_kernel (gate/up)");
 		return 0;
@@ -170,11 +180,11 @@ int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[
 		g.in8 = in / 8;
 		g.x = x;
 		g.act = act;
-		gemv_launch(f, be->gemv_rows, g, GEMV_SWIGLU, be->stream);
+		gemv_launch(f, be->gemv_rows, g, GEMV_SWIGLU, be->pdl, be->stream);
 		LAUNCHED(be, "gemv_kernel (gate/up)");
 		return 0;
 	}
-	int rc = matmul(be, at, x, in, n, gu, 2, 2 * rows, false, what);
+	int rc = matmul(be, at, x, NULL, in, n, gu, 2, 2 * rows, false, what);
 	if (rc)
 		return rc;
 	silu_mul_launch(at, gu[0].out, rows, (size_t)n * rows, act, be->stream);

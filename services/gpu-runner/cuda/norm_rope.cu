@@ -21,6 +21,8 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(const float *x, const voi
 	__shared__ double part[32];
 	const float *xr = x + (size_t)blockIdx.x * dim;
 	TO *orow = out + (size_t)blockIdx.x * dim;
+	grid_launch_next();
+	grid_wait();
 	double ss = 0;
 	for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x)
 		ss += (double)xr[i] * xr[i];
@@ -45,11 +47,13 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(const float *x, const voi
  * to float32, and rotate_half with unfused float32 products, as the reference. Pair j (rotated
  * by inv_freq[j]) is dimensions (j, j + hd/2) of a head, or (2j, 2j + 1) with a.adjacent
  * (ROPE_ADJACENT: GGUF's row order of wq and wk). */
-template <typename KT> __global__ void __launch_bounds__(256) rope_kernel(const rope_args a)
+template <typename KT> __global__ void __launch_bounds__(256) rope_kernel(const __grid_constant__ rope_args a)
 {
 	__shared__ float cs[MAX_HEAD_DIM / 2], sn[MAX_HEAD_DIM / 2];
 	const uint32_t t = blockIdx.x, hd = a.head_dim, half = hd / 2;
 	const uint32_t pos = a.pos0 + t, kv_dim = a.n_kv_heads * hd;
+	const uint32_t *dst = a.n <= ROPE_INLINE_TOKENS ? a.dst_in : a.dst;
+	grid_launch_next();
 	for (uint32_t j = threadIdx.x; j < half; j += blockDim.x) {
 		float angle = __fmul_rn(__uint2float_rn(pos), a.inv_freq[j]);
 		double s, c;
@@ -58,6 +62,7 @@ template <typename KT> __global__ void __launch_bounds__(256) rope_kernel(const 
 		sn[j] = (float)s;
 	}
 	__syncthreads();
+	grid_wait();
 	float *q = a.qkv + (size_t)t * a.ld, *k = q + (size_t)a.n_heads * hd, *v = k + kv_dim;
 	/* The two dimensions of pair j within a head. */
 	const uint32_t step1 = a.adjacent ? 2 : 1, off2 = a.adjacent ? 1 : half;
@@ -69,7 +74,7 @@ template <typename KT> __global__ void __launch_bounds__(256) rope_kernel(const 
 		qh[d1] = __fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j]));
 		qh[d2] = __fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j]));
 	}
-	KT *kd = (KT *)a.arena + a.dst[t] * a.block_elems + (size_t)a.dst[a.n + t] * kv_dim;
+	KT *kd = (KT *)a.arena + dst[t] * a.block_elems + (size_t)dst[a.n + t] * kv_dim;
 	KT *vd = kd + (size_t)a.block_tokens * kv_dim;
 	for (uint32_t i = i0; i < a.n_kv_heads * half; i += stride) {
 		uint32_t h = i / half, j = i % half, d1 = j * step1, d2 = d1 + off2;
@@ -111,15 +116,15 @@ void embed_launch(uint32_t dt, const void *raw, float *x, size_t count, cudaStre
 		embed_kernel<float><<<grid, 256, 0, s>>>((const float *)raw, x, count);
 }
 
-void rope_launch(uint32_t kv_dtype, const rope_args &a, cudaStream_t s)
+void rope_launch(uint32_t kv_dtype, const rope_args &a, bool pdl, cudaStream_t s)
 {
 	/* Few tokens (decode): 8 blocks of 256 threads per token, not one block for all of it. */
 	const unsigned threads = small_grid(a.n) ? 256 : 128;
 	const dim3 grid(a.n, small_grid(a.n) ? 8 : 1);
 	if (kv_dtype == DT_BF16)
-		rope_kernel<__nv_bfloat16><<<grid, threads, 0, s>>>(a);
+		launch_k(pdl, rope_kernel<__nv_bfloat16>, grid, threads, 0, s, a);
 	else
-		rope_kernel<float><<<grid, threads, 0, s>>>(a);
+		launch_k(pdl, rope_kernel<float>, grid, threads, 0, s, a);
 }
 
 void silu_mul_launch(uint32_t ot, const float *gu, uint32_t ffn, size_t count, void *out, cudaStream_t s)
@@ -141,12 +146,14 @@ int rmsnorm(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, u
 	float eps = be->cfg.rms_eps;
 	unsigned threads = small_grid(rows) ? 1024 : 256;
 	if (ot == DT_BF16)
-		rmsnorm_kernel<__nv_bfloat16><<<rows, threads, 0, be->stream>>>(x, w, wt, dim, eps,
-										(__nv_bfloat16 *)be->xa);
+		launch_k(be->pdl, rmsnorm_kernel<__nv_bfloat16>, rows, threads, 0, be->stream, x, w, wt, dim, eps,
+			 (__nv_bfloat16 *)be->xa);
 	else if (ot == DT_F16)
-		rmsnorm_kernel<__half><<<rows, threads, 0, be->stream>>>(x, w, wt, dim, eps, (__half *)be->xa);
+		launch_k(be->pdl, rmsnorm_kernel<__half>, rows, threads, 0, be->stream, x, w, wt, dim, eps,
+			 (__half *)be->xa);
 	else
-		rmsnorm_kernel<float><<<rows, threads, 0, be->stream>>>(x, w, wt, dim, eps, (float *)be->xa);
+		launch_k(be->pdl, rmsnorm_kernel<float>, rows, threads, 0, be->stream, x, w, wt, dim, eps,
+			 (float *)be->xa);
 	LAUNCHED(be, "rmsnorm_kernel");
 	return 0;
 }

@@ -33,10 +33,10 @@ static int product(struct backend_dev *be, const struct cuda_test_product *t, vo
 	if (t->mode == CUDA_TEST_SWIGLU) {
 		struct mm_part gu[2] = {{t->w[0], t->rows, dout, t->format, rb},
 					{t->w[1], t->rows, dout + t->rows, t->format, rb}};
-		return swiglu_product(be, at, gu, dx, t->cols, t->n, dact, "test gate/up");
+		return swiglu_product(be, at, gu, dx, NULL, t->cols, t->n, dact, "test gate/up");
 	}
 	struct mm_part p = {t->w[0], t->rows, dout, t->format, rb};
-	return matmul(be, at, dx, t->cols, t->n, &p, 1, t->rows, t->mode == CUDA_TEST_ADD, "test product");
+	return matmul(be, at, dx, NULL, t->cols, t->n, &p, 1, t->rows, t->mode == CUDA_TEST_ADD, "test product");
 }
 
 int cuda_test_matmul(struct backend *bk, const struct cuda_test_product *t, char *err, size_t errlen)

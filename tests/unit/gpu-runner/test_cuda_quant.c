@@ -56,6 +56,7 @@
 #define TOL_SAME 1e-4	 /* against a reference rounding as the backend does */
 #define TOL_SWIGLU 4e-3	 /* SwiGLU's BF16 output against a reference rounding as the backend does */
 #define TOL_FORWARD 2e-2 /* logits of a forward pass, BF16 activations and KV */
+#define TOL_FUSED 1e-3	 /* the same pass with and without the fused kernels (backend_fuse) */
 /* ROPE_ADJACENT on permuted rows against ROPE_HALVES. The C reference gives the same logits to
  * the bit. The CUDA backend sums q.k over a head in another order when the rows are permuted, and
  * a 1e-7 change can flip the BF16 rounding of an activation (2^-9 relative): over this small
@@ -167,11 +168,15 @@ static struct model_config small_cfg(void)
 	return c;
 }
 
+/* enum backend_fuse of the backends open_backend makes. */
+static uint32_t open_fuse = BACKEND_FUSE_DEFAULT;
+
 static struct backend *open_backend(const char *name, const struct model_config *c, uint32_t max_chunk,
 				    uint32_t gemv)
 {
 	struct backend_params p = {.max_chunk = max_chunk, .block_tokens = 16, .n_kv_blocks = 2 * (MAX_CTX / 16 + 1),
-				   .kv_dtype = strcmp(name, "cpu") ? DT_BF16 : DT_F32, .threads = 1, .gemv = gemv};
+				   .kv_dtype = strcmp(name, "cpu") ? DT_BF16 : DT_F32, .threads = 1, .gemv = gemv,
+				   .fuse = open_fuse};
 	struct backend *be = NULL;
 	char err[400] = "";
 	int rc = backend_create(name, c, &p, &be, err, sizeof(err));
@@ -671,6 +676,17 @@ static void check_forward(uint32_t head_dim, uint32_t layout, bool tied, const c
 	report(line, e);
 	ck_assert_msg(e <= TOL_FORWARD, "forward pass, %s, dp4a: relative L2 error %.3e of the logits against the C "
 		      "reference (bound %g)", what, e, TOL_FORWARD);
+	/* Every kernel alone (no programmatic dependent launch; RMSNorm and the attention output by
+	 * kernels of their own): the same values up to the order of the norm's double sum. */
+	open_fuse = BACKEND_FUSE_NONE;
+	float *got_plain = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+	open_fuse = BACKEND_FUSE_DEFAULT;
+	e = worst_step(got_dp, got_plain, c.vocab_size);
+	snprintf(line, sizeof(line), "forward, %s, dp4a fused vs unfused", what);
+	report(line, e);
+	ck_assert_msg(e <= TOL_FUSED, "forward pass, %s, dp4a: fused kernels differ from unfused ones by %.3e (bound "
+		      "%g)", what, e, TOL_FUSED);
+	free(got_plain);
 	free(got_dp);
 	free(want);
 	free(got);
