@@ -46,18 +46,28 @@ static __device__ __forceinline__ uint32_t pack_i8(int a, int b, int c, int d)
 }
 
 /* XSRC_NORM's scale 1 / sqrt(mean(res^2) + eps), the mean taken in double as rmsnorm_kernel
- * takes it; the same in every thread (and every block: the sums run in one fixed order). */
-static __device__ float dq_norm_scale(const qgemv_args &a)
+ * takes it; the same in every thread (and every block: the sums run in one fixed order). The
+ * loads of U float4 per thread are in flight at once. */
+template <uint32_t U> static __device__ float dq_norm_scale(const qgemv_args &a)
 {
 	__shared__ double part[QG_WARPS];
 	const float4 *res = (const float4 *)a.src.res;
+	const uint32_t n4 = a.in / 4;
 	double ss = 0;
-	for (uint32_t i = threadIdx.x; i < a.in / 4; i += QG_THREADS) {
-		const float4 v = res[i];
-		ss += (double)v.x * v.x;
-		ss += (double)v.y * v.y;
-		ss += (double)v.z * v.z;
-		ss += (double)v.w * v.w;
+	for (uint32_t base = 0; base < n4; base += U * QG_THREADS) {
+		float4 v[U];
+#pragma unroll
+		for (uint32_t u = 0; u < U; u++) {
+			const uint32_t i = base + u * QG_THREADS + threadIdx.x;
+			v[u] = i < n4 ? res[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+		}
+#pragma unroll
+		for (uint32_t u = 0; u < U; u++) {
+			ss += (double)v[u].x * v[u].x;
+			ss += (double)v[u].y * v[u].y;
+			ss += (double)v[u].z * v[u].z;
+			ss += (double)v[u].w * v[u].w;
+		}
 	}
 	for (int o = 16; o > 0; o >>= 1)
 		ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
@@ -72,38 +82,72 @@ static __device__ float dq_norm_scale(const qgemv_args &a)
 	return 1.0f / sqrtf(var + a.src.eps); /* IEEE division and square root (no fast math) */
 }
 
-/* Values 8 i .. 8 i + 7 of x as the product takes them (a.src): BF16 values as float32. r is
- * XSRC_NORM's scale. */
-static __device__ __forceinline__ void dq_x8(const qgemv_args &a, uint32_t i, float r, float f[8])
+/* The raw bytes of values 8 i .. 8 i + 7 of x (dq_raw), loaded together for several i before any
+ * is converted (dq_x8), so their loads are in flight at once. */
+struct dq_raw {
+	uint4 a, b; /* ACT: a = 8 BF16 values; NORM: res; ATTN: acc */
+	uint4 w0, w1; /* NORM: the norm weights (F32: w0, w1; BF16, F16: w0) */
+	float l;      /* ATTN: the head's sum */
+};
+
+template <int K> static __device__ __forceinline__ void dq_load8(const qgemv_args &a, uint32_t i, dq_raw &r)
 {
-	if (a.src.kind == XSRC_ACT) {
-		const uint4 raw = __ldg((const uint4 *)a.x + i);
-		const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-		for (int e = 0; e < 4; e++) {
-			f[2 * e] = __uint_as_float(w[e] << 16);
-			f[2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
-		}
+	if (K == XSRC_ACT) {
+		r.a = __ldg((const uint4 *)a.x + i);
 		return;
 	}
-	float v[8];
-	if (a.src.kind == XSRC_NORM) {
-		/* rmsnorm_kernel's value: w * (x * r), unfused float32 products. */
-		const float4 x0 = ((const float4 *)a.src.res)[2 * i], x1 = ((const float4 *)a.src.res)[2 * i + 1];
-		const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+	const uint4 *v = (const uint4 *)(K == XSRC_NORM ? a.src.res : a.src.acc);
+	r.a = v[2 * i];
+	r.b = v[2 * i + 1];
+	if (K == XSRC_ATTN) {
+		r.l = a.src.l[8 * i / a.src.head_dim];
+	} else if (a.src.norm_wt == DT_F32) {
+		r.w0 = __ldg((const uint4 *)a.src.norm_w + 2 * i);
+		r.w1 = __ldg((const uint4 *)a.src.norm_w + 2 * i + 1);
+	} else {
+		r.w0 = __ldg((const uint4 *)a.src.norm_w + i);
+	}
+}
+
+/* Element e of 8 BF16 or F16 values packed in a uint4, as float32. */
+static __device__ __forceinline__ float half8(const uint4 &q, int e, bool bf16)
+{
+	const uint32_t w = e < 2 ? q.x : e < 4 ? q.y : e < 6 ? q.z : q.w;
+	const uint32_t h = (e & 1) ? w >> 16 : w & 0xFFFFu;
+	return bf16 ? __uint_as_float(h << 16) : __half2float(__ushort_as_half((unsigned short)h));
+}
+
+/* Values 8 i .. 8 i + 7 of x as the product takes them (a.src), from their raw bytes: BF16 values
+ * as float32. r is XSRC_NORM's scale. */
+template <int K>
+static __device__ __forceinline__ void dq_x8(const qgemv_args &a, const dq_raw &raw, float r, float f[8])
+{
+	if (K == XSRC_ACT) {
 #pragma unroll
 		for (int e = 0; e < 8; e++)
-			v[e] = __fmul_rn(load_any(a.src.norm_w, a.src.norm_wt, 8 * i + e), __fmul_rn(xv[e], r));
+			f[e] = half8(raw.a, e, true);
+		return;
+	}
+	const float xv[8] = {__uint_as_float(raw.a.x), __uint_as_float(raw.a.y), __uint_as_float(raw.a.z),
+			     __uint_as_float(raw.a.w), __uint_as_float(raw.b.x), __uint_as_float(raw.b.y),
+			     __uint_as_float(raw.b.z), __uint_as_float(raw.b.w)};
+	float v[8];
+	if (K == XSRC_NORM) {
+		/* rmsnorm_kernel's value: w * (x * r), unfused float32 products. */
+		const uint32_t wf[8] = {raw.w0.x, raw.w0.y, raw.w0.z, raw.w0.w, raw.w1.x, raw.w1.y, raw.w1.z, raw.w1.w};
+#pragma unroll
+		for (int e = 0; e < 8; e++) {
+			const float w = a.src.norm_wt == DT_F32 ? __uint_as_float(wf[e])
+								: half8(raw.w0, e, a.src.norm_wt == DT_BF16);
+			v[e] = __fmul_rn(w, __fmul_rn(xv[e], r));
+		}
 	} else {
 		/* attn_out_kernel's value: acc / l of the head (8 values never straddle two heads:
 		 * head_dim is a multiple of 8). */
-		const float4 c0 = ((const float4 *)a.src.acc)[2 * i], c1 = ((const float4 *)a.src.acc)[2 * i + 1];
-		const float cv[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-		const float l = a.src.l[8 * i / a.src.head_dim];
 #pragma unroll
 		for (int e = 0; e < 8; e++)
-			v[e] = l > 0.0f ? cv[e] / l : 0.0f;
-		if (!(l > 0.0f) && blockIdx.x == 0 && atomicCAS(&a.src.st->err, 0, 1) == 0) {
+			v[e] = raw.l > 0.0f ? xv[e] / raw.l : 0.0f;
+		if (!(raw.l > 0.0f) && blockIdx.x == 0 && atomicCAS(&a.src.st->err, 0, 1) == 0) {
 			a.src.st->err_layer = a.src.layer;
 			a.src.st->err_pos = a.src.pos0;
 		}
@@ -113,30 +157,34 @@ static __device__ __forceinline__ void dq_x8(const qgemv_args &a, uint32_t i, fl
 		f[e] = __bfloat162float(__float2bfloat16_rn(v[e]));
 }
 
-/* Quantizes x (a.in values, as a.src says; 16-byte aligned) into xq (int8, dq_phys order), xd and
- * xs. Every thread of the block calls it; ends with a barrier. A thread takes 8 values, 4 threads
- * a group. */
-template <int F> static __device__ void dq_stage(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
+/* Quantizes x (a.in values, from source K = a.src.kind; 16-byte aligned) into xq (int8, dq_phys
+ * order), xd and xs. Every thread of the block calls it. A thread takes 8 values, 4 threads a
+ * group; the loads of U such chunks per thread are issued before any is converted (U: what the
+ * registers allow beside the kernel's item buffers). */
+template <int F, int K, uint32_t U>
+static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
 {
 	const uint32_t n8 = a.in / 8;
-	const float r = a.src.kind == XSRC_NORM ? dq_norm_scale(a) : 1.0f;
-	constexpr uint32_t U = 2; /* 16-byte loads in flight per thread */
+	const float r = K == XSRC_NORM ? dq_norm_scale<2 * U>(a) : 1.0f;
 	for (uint32_t base = 0; base < n8; base += U * QG_THREADS) {
-		float fu[U][8];
+		dq_raw raw[U];
 #pragma unroll
 		for (uint32_t u = 0; u < U; u++) {
 			const uint32_t i = base + u * QG_THREADS + threadIdx.x;
 			if (i < n8)
-				dq_x8(a, i, r, fu[u]);
-			else
-#pragma unroll
-				for (int e = 0; e < 8; e++)
-					fu[u][e] = 0.0f;
+				dq_load8<K>(a, i, raw[u]);
 		}
 #pragma unroll
 		for (uint32_t u = 0; u < U; u++) {
 			const uint32_t i = base + u * QG_THREADS + threadIdx.x;
-			const float *f = fu[u];
+			/* Past the end (n8 is a multiple of 4, so a group's 4 threads agree): zeros. */
+			float f[8];
+			if (i < n8)
+				dq_x8<K>(a, raw[u], r, f);
+			else
+#pragma unroll
+				for (int e = 0; e < 8; e++)
+					f[e] = 0.0f;
 			float amax = 0.0f;
 #pragma unroll
 			for (int e = 0; e < 8; e++)
@@ -166,6 +214,20 @@ template <int F> static __device__ void dq_stage(const qgemv_args &a, uint8_t *x
 			}
 		}
 	}
+}
+
+/* dq_stage_k for a.src.kind; ends with a barrier. */
+template <int F> static __device__ void dq_stage(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
+{
+	/* Q6_K's item buffers take the most registers (80 without spills at 3 blocks a
+	 * multiprocessor): fewer loads in flight there. */
+	constexpr uint32_t UA = F == DT_Q6_K ? 2 : 4, UN = F == DT_Q6_K ? 1 : 2;
+	if (a.src.kind == XSRC_NORM)
+		dq_stage_k<F, XSRC_NORM, UN>(a, xq, xd, xs);
+	else if (a.src.kind == XSRC_ATTN)
+		dq_stage_k<F, XSRC_ATTN, UN>(a, xq, xd, xs);
+	else
+		dq_stage_k<F, XSRC_ACT, UA>(a, xq, xd, xs);
 	__syncthreads();
 }
 
@@ -332,8 +394,12 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_occ<F, MODE>::MIN_BLOCKS)) dq_
 		if (MODE == GEMV_SWIGLU)
 			prefetch_l2(cur.row2, a.row_bytes, lane);
 	}
-	/* The first two items' loads are in flight while the kernel before finishes and x is
-	 * quantized. */
+	/* x is quantized with the registers to itself (its loads in flight together); the first
+	 * items' bytes come from L2 after it. */
+	grid_wait();
+	dq_stage<F>(a, xq, xd, xs);
+	if (!live)
+		return;
 	if (ld.live) {
 		qg_load<F, MODE>(a, ld.r, ld.k, lane, d0);
 		ld.next(a, wid);
@@ -342,10 +408,6 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_occ<F, MODE>::MIN_BLOCKS)) dq_
 		qg_load<F, MODE>(a, ld.r, ld.k, lane, d1);
 		ld.next(a, wid);
 	}
-	grid_wait();
-	dq_stage<F>(a, xq, xd, xs);
-	if (!live)
-		return;
 	while (dq_stream<F, MODE>(a, at, ld, wid, lane, d0, d2, xq, xd, xs, acc, acc2) &&
 	       dq_stream<F, MODE>(a, at, ld, wid, lane, d1, d0, xq, xd, xs, acc, acc2) &&
 	       dq_stream<F, MODE>(a, at, ld, wid, lane, d2, d1, xq, xd, xs, acc, acc2))
