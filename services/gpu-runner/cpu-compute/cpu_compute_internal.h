@@ -2,6 +2,7 @@
  * public side): the prepared vector's layout and the kernel tables.
  *
  *   vec.c            cpu_vec: preparation of x per weight format
+ *   vec_avx512.c     the same preparation with AVX-512F, x86-64 only
  *   matvec.c         the front: argument checks, path choice (CPU features), SwiGLU
  *   matvec_scalar.c  the plain C kernels (every machine)
  *   matvec_avx512.c  F32, F16 (AVX-512F) and BF16 (AVX512-BF16) kernels, x86-64 only
@@ -39,10 +40,19 @@ struct cpu_vec {
 	int8_t *q;        /* block formats: (npad) int8 codes of x */
 	float *d;         /* block formats: (npad / 32) the scale of each group of 32 */
 	float *s;         /* block formats: (npad / 32) d * (sum of the group's q), for the K formats' mins */
-	int32_t *init;    /* Q8_0, Q4_0, Q6_K: (npad / 4) where each int32 lane of vpdpbusd (4 values)
+	int32_t *init;    /* block formats: (npad / 4) where each int32 lane of vpdpbusd (4 values)
 			   * starts: minus the weight code offset times the sum of q over the group (Q8_0:
-			   * 128, Q4_0: 8) or 16-value run (Q6_K: 32), in the run's first lane, else 0 */
+			   * 128, Q4_0: 8) or 16-value run (Q6_K: 32), in the run's first lane, else 0 (all
+			   * 0 for Q4_K and Q5_K) */
+	int32_t *sum16;   /* block formats: (npad / 16) the sum of q over each run of 16 values */
 };
+
+#if defined(__x86_64__)
+/* The preparation with AVX-512F (vec_avx512.c), the same bits as vec.c's loops: q, d and sum16
+ * of ngroups groups of 32 values; x rounded to bf16. */
+void cc_avx512_quantize(const float *x, uint32_t ngroups, int8_t *q, float *d, int32_t *sum16);
+void cc_avx512_to_bf16(const float *x, uint32_t n, uint16_t *out);
+#endif
 
 /* Rows [0, rows) of the product, as above. */
 typedef void (*cc_kernel)(const struct cpu_vec *x, const uint8_t *w, uint64_t row_bytes, uint32_t rows, float *y);

@@ -1,6 +1,7 @@
 /* vec.c - x prepared for the CPU products (cpu_compute.h): float32 for F32/F16 weights, bf16 for
  * BF16, int8 groups for the block formats, laid out as cpu_compute_internal.h's struct cpu_vec
- * says. Plain C, the same on every path, so a vector serves the SIMD and the plain kernels alike. */
+ * says. The conversions run in plain C here or with AVX-512F (vec_avx512.c) to the same bits, so a
+ * vector serves the SIMD and the plain kernels alike. */
 #include "services/gpu-runner/cpu-compute/cpu_compute_internal.h"
 
 #include <errno.h>
@@ -21,8 +22,9 @@ static size_t vec_bytes(enum dtype t, uint32_t npad)
 		return align_up((size_t)npad * 4);
 	if (t == DT_BF16)
 		return align_up((size_t)npad * 2);
-	/* q, d, s, init */
-	return align_up(npad) + 2 * align_up((size_t)npad / CC_GROUP * 4) + align_up((size_t)npad);
+	/* q, d, s, init, sum16 */
+	return align_up(npad) + 2 * align_up((size_t)npad / CC_GROUP * 4) + align_up((size_t)npad) +
+	       align_up((size_t)npad / 4);
 }
 
 static int vec_reserve(struct cpu_vec *v, size_t bytes, char *err, size_t errlen)
@@ -87,32 +89,35 @@ float cpu_vec_value(const struct cpu_vec *v, uint32_t i)
 	return (float)v->q[i] * v->d[i / CC_GROUP];
 }
 
-/* One group of 32 values into int8 as the GPU's dq_stage: d = amax / 127 and q = rint(x * (1 / d))
+/* Groups of 32 values into int8 as the GPU's dq_stage: d = amax / 127 and q = rint(x * (1 / d))
  * in float32 (IEEE division and reciprocal, round half to even), clamped to +-127; NaN gives 0
- * (fmaxf skips it in amax). Returns the sum of q; *d_out is d. */
-static int32_t quantize_group(const float *x, int8_t *q, float *d_out)
+ * (fmaxf skips it in amax). Writes q, d and the sums of q over each half (sum16). */
+static void quantize_groups(const float *x, uint32_t ngroups, int8_t *q, float *d, int32_t *sum16)
 {
-	float amax = 0.0f;
-	for (int i = 0; i < CC_GROUP; i++)
-		amax = fmaxf(amax, fabsf(x[i]));
-	const float d = amax / 127.0f;
-	const float id = d > 0.0f ? 1.0f / d : 0.0f;
-	int32_t sum = 0;
-	for (int i = 0; i < CC_GROUP; i++) {
-		float t = rintf(x[i] * id);
-		int v = t != t ? 0 : t > 127.0f ? 127 : t < -127.0f ? -127 : (int)t;
-		q[i] = (int8_t)v;
-		sum += v;
+	for (uint32_t g = 0; g < ngroups; g++, x += CC_GROUP, q += CC_GROUP) {
+		float amax = 0.0f;
+		for (int i = 0; i < CC_GROUP; i++)
+			amax = fmaxf(amax, fabsf(x[i]));
+		const float dg = amax / 127.0f;
+		const float id = dg > 0.0f ? 1.0f / dg : 0.0f;
+		int32_t sum[2] = {0, 0};
+		for (int i = 0; i < CC_GROUP; i++) {
+			float t = rintf(x[i] * id);
+			int v = t != t ? 0 : t > 127.0f ? 127 : t < -127.0f ? -127 : (int)t;
+			q[i] = (int8_t)v;
+			sum[i / 16] += v;
+		}
+		d[g] = dg;
+		sum16[2 * g] = sum[0];
+		sum16[2 * g + 1] = sum[1];
 	}
-	*d_out = d;
-	return sum;
 }
 
-/* The int8 form: codes, scales, the K formats' d * sum q and the vpdpbusd start of the formats
- * whose weight codes carry an offset (cpu_compute_internal.h, init). */
+/* The int8 form: codes, scales, run sums, the K formats' d * sum q and the vpdpbusd start of the
+ * formats whose weight codes carry an offset (cpu_compute_internal.h, init). */
 static void prepare_int8(struct cpu_vec *v, const float *x)
 {
-	const uint32_t n = v->n, npad = v->npad;
+	const uint32_t n = v->n, npad = v->npad, ng = n / CC_GROUP;
 	uint8_t *p = v->buf;
 	v->q = (int8_t *)p;
 	p += align_up(npad);
@@ -121,25 +126,29 @@ static void prepare_int8(struct cpu_vec *v, const float *x)
 	v->s = (float *)p;
 	p += align_up((size_t)npad / CC_GROUP * 4);
 	v->init = (int32_t *)p;
-	memset(v->q, 0, npad);
+	p += align_up(npad);
+	v->sum16 = (int32_t *)p;
+	memset(v->q + n, 0, npad - n);
 	memset(v->init, 0, npad);
-	for (uint32_t g = 0; g < npad / CC_GROUP; g++) {
+	for (uint32_t g = ng; g < npad / CC_GROUP; g++) {
 		v->d[g] = 0.0f;
 		v->s[g] = 0.0f;
+		v->sum16[2 * g] = v->sum16[2 * g + 1] = 0;
 	}
-	for (uint32_t g = 0; g < n / CC_GROUP; g++) {
-		const uint32_t i0 = g * CC_GROUP;
-		int32_t sum = quantize_group(x + i0, v->q + i0, &v->d[g]);
-		v->s[g] = v->d[g] * (float)sum;
+#if defined(__x86_64__)
+	if (cpu_compute_isa() & CPU_ISA_AVX512F)
+		cc_avx512_quantize(x, ng, v->q, v->d, v->sum16);
+	else
+#endif
+		quantize_groups(x, ng, v->q, v->d, v->sum16);
+	for (uint32_t g = 0; g < ng; g++) {
+		const int32_t s0 = v->sum16[2 * g], s1 = v->sum16[2 * g + 1];
+		v->s[g] = v->d[g] * (float)(s0 + s1);
 		if (v->wfmt == DT_Q8_0 || v->wfmt == DT_Q4_0) {
-			v->init[i0 / 4] = -(v->wfmt == DT_Q8_0 ? 128 : 8) * sum;
+			v->init[8 * g] = -(v->wfmt == DT_Q8_0 ? 128 : 8) * (s0 + s1);
 		} else if (v->wfmt == DT_Q6_K) {
-			for (uint32_t h = 0; h < 2; h++) {
-				int32_t s16 = 0;
-				for (uint32_t i = 0; i < 16; i++)
-					s16 += v->q[i0 + 16 * h + i];
-				v->init[(i0 + 16 * h) / 4] = -32 * s16;
-			}
+			v->init[8 * g] = -32 * s0;
+			v->init[8 * g + 4] = -32 * s1;
 		}
 	}
 }
@@ -151,7 +160,7 @@ int cpu_vec_prepare(struct cpu_vec *v, enum dtype wfmt, const float *x, uint32_t
 	v->bf = NULL;
 	v->q = NULL;
 	v->d = v->s = NULL;
-	v->init = NULL;
+	v->init = v->sum16 = NULL;
 	if ((unsigned)wfmt >= DT_COUNT)
 		return errorf(err, errlen, -EINVAL, "cpu vector: unknown weight format %u", (unsigned)wfmt);
 	const uint32_t blk = dtype_block_elems(wfmt);
@@ -173,8 +182,13 @@ int cpu_vec_prepare(struct cpu_vec *v, enum dtype wfmt, const float *x, uint32_t
 		memset(v->f + n, 0, (size_t)(npad - n) * 4);
 	} else if (wfmt == DT_BF16) {
 		v->bf = v->buf;
-		for (uint32_t i = 0; i < n; i++)
-			v->bf[i] = f32_to_bf16(x[i]);
+#if defined(__x86_64__)
+		if (cpu_compute_isa() & CPU_ISA_AVX512F)
+			cc_avx512_to_bf16(x, n, v->bf);
+		else
+#endif
+			for (uint32_t i = 0; i < n; i++)
+				v->bf[i] = f32_to_bf16(x[i]);
 		memset(v->bf + n, 0, (size_t)(npad - n) * 2);
 	} else {
 		prepare_int8(v, x);

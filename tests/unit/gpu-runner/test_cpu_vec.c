@@ -71,11 +71,14 @@ START_TEST(test_prepare_forms)
 	struct cpu_vec *v = NULL;
 	ck_assert_int_eq(cpu_vec_create(0, &v, err, sizeof(err)), 0);
 	ck_assert_uint_eq(cpu_vec_len(v), 0);
-	for (int t = 0; t < DT_COUNT; t++) {
-		for (uint32_t n = dtype_block_elems(t); n <= N; n *= 2) {
-			ck_assert_msg(cpu_vec_prepare(v, (enum dtype)t, x, n, err, sizeof(err)) == 0, "%s n=%u: %s",
-				      dtype_name(t), n, err);
-			check_vec(v, (enum dtype)t, x, n);
+	for (int path = 0; path < 2; path++) {
+		cpu_compute_force_isa(path ? CPU_ISA_SCALAR : CPU_ISA_ALL);
+		for (int t = 0; t < DT_COUNT; t++) {
+			for (uint32_t n = dtype_block_elems(t); n <= N; n *= 2) {
+				ck_assert_msg(cpu_vec_prepare(v, (enum dtype)t, x, n, err, sizeof(err)) == 0, "%s n=%u: %s",
+					      dtype_name(t), n, err);
+				check_vec(v, (enum dtype)t, x, n);
+			}
 		}
 	}
 	cpu_vec_destroy(&v);
@@ -102,16 +105,36 @@ START_TEST(test_prepare_edges)
 	char err[256];
 	struct cpu_vec *v;
 	ck_assert_int_eq(cpu_vec_create(32, &v, err, sizeof(err)), 0);
-	ck_assert_int_eq(cpu_vec_prepare(v, DT_Q8_0, x, 32, err, sizeof(err)), 0);
-	for (int i = 0; i < 9; i++)
-		ck_assert_msg(cpu_vec_value(v, (uint32_t)i) == want[i], "value %d: %g, want %g", i,
-			      (double)cpu_vec_value(v, (uint32_t)i), (double)want[i]);
-	/* infinity: d = inf, 1 / d = 0, every code 0 (as the GPU's) */
-	x[8] = INFINITY;
-	ck_assert_int_eq(cpu_vec_prepare(v, DT_Q4_K, x, 32, err, sizeof(err)), -EINVAL); /* 32 < a K block */
-	ck_assert_int_eq(cpu_vec_prepare(v, DT_Q4_0, x, 32, err, sizeof(err)), 0);
-	for (int i = 0; i < 8; i++)
-		ck_assert(isnan(cpu_vec_value(v, (uint32_t)i)) || cpu_vec_value(v, (uint32_t)i) == 0.0f);
+	for (int path = 0; path < 2; path++) {
+		cpu_compute_force_isa(path ? CPU_ISA_SCALAR : CPU_ISA_ALL);
+		x[8] = NAN;
+		ck_assert_int_eq(cpu_vec_prepare(v, DT_Q8_0, x, 32, err, sizeof(err)), 0);
+		for (int i = 0; i < 9; i++)
+			ck_assert_msg(cpu_vec_value(v, (uint32_t)i) == want[i], "path %d value %d: %g, want %g", path, i,
+				      (double)cpu_vec_value(v, (uint32_t)i), (double)want[i]);
+		/* bf16: ties to even, NaN stays NaN */
+		const float b[3] = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, NAN};
+		float xb[16] = {b[0], b[1], b[2]};
+		ck_assert_int_eq(cpu_vec_prepare(v, DT_BF16, xb, 16, err, sizeof(err)), 0);
+		ck_assert_float_eq(cpu_vec_value(v, 0), 1.0f);
+		ck_assert_float_eq(cpu_vec_value(v, 1), 1.0f + 4 * 0x1p-8f);
+		ck_assert(isnan(cpu_vec_value(v, 2)));
+		/* infinity: d = inf, 1 / d = 0: every code 0 (x' is 0 * inf) */
+		x[8] = INFINITY;
+		ck_assert_int_eq(cpu_vec_prepare(v, DT_Q4_K, x, 32, err, sizeof(err)), -EINVAL); /* 32 < a K block */
+		ck_assert_int_eq(cpu_vec_prepare(v, DT_Q4_0, x, 32, err, sizeof(err)), 0);
+		for (int i = 0; i < 32; i++)
+			ck_assert(isnan(cpu_vec_value(v, (uint32_t)i)));
+		/* subnormal amax: 1 / d overflows to infinity, nonzero values clamp to +-127, zeros stay 0 */
+		float xs[32] = {1e-40f, -1e-40f, 5e-41f, 0.0f, -1e-45f};
+		ck_assert_int_eq(cpu_vec_prepare(v, DT_Q8_0, xs, 32, err, sizeof(err)), 0);
+		const float dsub = 1e-40f / 127.0f;
+		ck_assert_float_eq(cpu_vec_value(v, 0), 127 * dsub);
+		ck_assert_float_eq(cpu_vec_value(v, 1), -127 * dsub);
+		ck_assert_float_eq(cpu_vec_value(v, 2), 127 * dsub);
+		ck_assert_float_eq(cpu_vec_value(v, 3), 0.0f);
+		ck_assert_float_eq(cpu_vec_value(v, 4), -127 * dsub);
+	}
 	cpu_vec_destroy(&v);
 }
 END_TEST
@@ -156,12 +179,15 @@ START_TEST(test_prepare_grows)
 	struct cpu_vec *v;
 	ck_assert_int_eq(cpu_vec_create(64, &v, err, sizeof(err)), 0);
 	const uint32_t lens[] = {64, 4096, 256, 2048, 32};
-	for (int t = 0; t < DT_COUNT; t++) {
-		for (size_t k = 0; k < sizeof(lens) / sizeof(lens[0]); k++) {
-			if (lens[k] % dtype_block_elems(t))
-				continue;
-			ck_assert_int_eq(cpu_vec_prepare(v, (enum dtype)t, x, lens[k], err, sizeof(err)), 0);
-			check_vec(v, (enum dtype)t, x, lens[k]);
+	for (int path = 0; path < 2; path++) {
+		cpu_compute_force_isa(path ? CPU_ISA_SCALAR : CPU_ISA_ALL);
+		for (int t = 0; t < DT_COUNT; t++) {
+			for (size_t k = 0; k < sizeof(lens) / sizeof(lens[0]); k++) {
+				if (lens[k] % dtype_block_elems(t))
+					continue;
+				ck_assert_int_eq(cpu_vec_prepare(v, (enum dtype)t, x, lens[k], err, sizeof(err)), 0);
+				check_vec(v, (enum dtype)t, x, lens[k]);
+			}
 		}
 	}
 	cpu_vec_destroy(&v);
