@@ -25,6 +25,18 @@ extern "C" {
 #define CC_PAD 64   /* values: x is zero-padded to a multiple of this (a VNNI step is 64 int8) */
 #define CC_GROUP 32 /* values per int8 group of x (one scale d) */
 #define CC_MAX_N (1u << 30) /* values of x at most (its sizes stay far from overflow) */
+/* Bytes ahead of the current column that the SIMD kernels prefetch in each row they read: the
+ * hardware prefetchers follow a few streams, and a kernel reads four rows at once. */
+#ifndef CC_PF_AHEAD
+#define CC_PF_AHEAD 1024
+#endif
+
+/* Prefetches the line CC_PF_AHEAD bytes past p into all cache levels (nothing when it is 0). */
+static inline void cc_prefetch(const void *p)
+{
+	if (CC_PF_AHEAD)
+		__builtin_prefetch((const char *)p + CC_PF_AHEAD, 0, 3);
+}
 
 /* The layout of a prepared x. Which arrays are set depends on the format (the others are NULL);
  * each is zero past n up to npad, so kernels may read whole registers. */

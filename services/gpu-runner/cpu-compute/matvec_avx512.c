@@ -17,10 +17,6 @@
 #define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define INLINE static inline __attribute__((always_inline))
 
-/* Bytes ahead of the current column that the loops prefetch in each row: the hardware prefetcher
- * follows a few streams at most, and a thread reads R at once. */
-#define PF_AHEAD 1024
-
 TARGET_F INLINE void f32_rows(const struct cpu_vec *x, const uint8_t *w, uint64_t rb, float *y, const int R)
 {
 	const uint32_t n = x->n, nf = n & ~15u;
@@ -31,7 +27,7 @@ TARGET_F INLINE void f32_rows(const struct cpu_vec *x, const uint8_t *w, uint64_
 		const __m512 xv = _mm512_load_ps(x->f + c);
 		for (int k = 0; k < R; k++) {
 			const uint8_t *p = w + k * rb + 4 * (size_t)c;
-			_mm_prefetch((const char *)p + PF_AHEAD, _MM_HINT_T0);
+			cc_prefetch(p);
 			acc[k] = _mm512_fmadd_ps(_mm512_loadu_ps(p), xv, acc[k]);
 		}
 	}
@@ -55,7 +51,7 @@ TARGET_F INLINE void f16_rows(const struct cpu_vec *x, const uint8_t *w, uint64_
 		const __m512 xv = _mm512_load_ps(x->f + c);
 		for (int k = 0; k < R; k++) {
 			const uint8_t *p = w + k * rb + 2 * (size_t)c;
-			_mm_prefetch((const char *)p + PF_AHEAD, _MM_HINT_T0);
+			cc_prefetch(p);
 			const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 			acc[k] = _mm512_fmadd_ps(wv, xv, acc[k]);
 		}
@@ -82,7 +78,7 @@ TARGET_BF16 INLINE void bf16_rows(const struct cpu_vec *x, const uint8_t *w, uin
 		const __m512bh xv = (__m512bh)_mm512_load_si512(x->bf + c);
 		for (int k = 0; k < R; k++) {
 			const uint8_t *p = w + k * rb + 2 * (size_t)c;
-			_mm_prefetch((const char *)p + PF_AHEAD, _MM_HINT_T0);
+			cc_prefetch(p);
 			acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)_mm512_loadu_si512(p), xv);
 		}
 	}

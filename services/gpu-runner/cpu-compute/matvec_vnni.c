@@ -29,9 +29,6 @@
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define INLINE static inline __attribute__((always_inline))
 
-/* Bytes ahead of the current block that each row prefetches (see matvec_avx512.c). */
-#define PF_AHEAD 1024
-
 /* The float32 scales of two 32-value blocks a and b of a row: d_a d_x[a] on lanes 0..7 and
  * d_b d_x[b] on lanes 8..15 (b's half 0 when there is no block b). */
 TARGET INLINE __m512 pair_scales(uint16_t da, uint16_t db, const float *dx)
@@ -62,7 +59,8 @@ TARGET INLINE void q8_0_pair(const struct cpu_vec *x, const uint8_t *w, uint64_t
 	const __m512i flip = _mm512_set1_epi8((char)0x80);
 	for (int k = 0; k < R; k++) {
 		const uint8_t *blk = w + k * rb + (size_t)b * 34;
-		_mm_prefetch((const char *)blk + PF_AHEAD, _MM_HINT_T0);
+		cc_prefetch(blk);
+		cc_prefetch(blk + 64);
 		const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 2));
 		const __m256i hi = two ? _mm256_loadu_si256((const __m256i *)(blk + 36)) : _mm256_set1_epi8((char)0x80);
 		const __m512i wv = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
@@ -101,7 +99,7 @@ TARGET INLINE void q4_0_pair(const struct cpu_vec *x, const uint8_t *w, uint64_t
 	const __m512i low4 = _mm512_set1_epi8(0x0F);
 	for (int k = 0; k < R; k++) {
 		const uint8_t *blk = w + k * rb + (size_t)b * 18;
-		_mm_prefetch((const char *)blk + PF_AHEAD, _MM_HINT_T0);
+		cc_prefetch(blk);
 		const __m128i qa = _mm_loadu_si128((const __m128i *)(blk + 2));
 		const __m128i qb = two ? _mm_loadu_si128((const __m128i *)(blk + 20)) : _mm_setzero_si128();
 		const __m256i ab = _mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1);
@@ -151,10 +149,10 @@ TARGET INLINE void k4_rows(const struct cpu_vec *x, const uint8_t *w, uint64_t r
 		const int8_t *xq = x->q + (size_t)b * QK_K;
 		for (int k = 0; k < R; k++) {
 			const uint8_t *blk = w + k * rb + (size_t)b * bsize;
-			_mm_prefetch((const char *)blk + PF_AHEAD, _MM_HINT_T0);
-			_mm_prefetch((const char *)blk + PF_AHEAD + 64, _MM_HINT_T0);
+			cc_prefetch(blk);
+			cc_prefetch(blk + 64);
 			if (bsize > 128)
-				_mm_prefetch((const char *)blk + PF_AHEAD + 128, _MM_HINT_T0);
+				cc_prefetch(blk + 128);
 			const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)cc_u32(blk))); /* d, dmin */
 			uint64_t sc, m;
 			cc_k4_scales(blk + 4, &sc, &m);
@@ -211,10 +209,10 @@ TARGET INLINE void q6_k_rows(const struct cpu_vec *x, const uint8_t *w, uint64_t
 		const int32_t *xi = x->init + (size_t)b * (QK_K / 4);
 		for (int k = 0; k < R; k++) {
 			const uint8_t *blk = w + k * rb + (size_t)b * sizeof(struct block_q6_K);
-			_mm_prefetch((const char *)blk + PF_AHEAD, _MM_HINT_T0);
-			_mm_prefetch((const char *)blk + PF_AHEAD + 64, _MM_HINT_T0);
-			_mm_prefetch((const char *)blk + PF_AHEAD + 128, _MM_HINT_T0);
-			_mm_prefetch((const char *)blk + PF_AHEAD + 192, _MM_HINT_T0);
+			cc_prefetch(blk);
+			cc_prefetch(blk + 64);
+			cc_prefetch(blk + 128);
+			cc_prefetch(blk + 192);
 			const float d = _cvtsh_ss(cc_u16(blk + offsetof(struct block_q6_K, d)));
 			const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + offsetof(struct block_q6_K, scales)));
 			const __m512 coef =
