@@ -38,7 +38,8 @@ static struct mat make_mat(enum dtype t, uint32_t rows, uint32_t cols, uint32_t 
 	m.buf = malloc(rows * m.row_bytes + misalign + 1);
 	m.deq = malloc((size_t)rows * cols * sizeof(float));
 	float *src = malloc((size_t)cols * sizeof(float));
-	ck_assert(m.buf && m.deq && src);
+	void *aligned = malloc(m.row_bytes); /* dtype_to_f32 reads element formats aligned */
+	ck_assert(m.buf && m.deq && src && aligned);
 	memset(m.buf, 0xA5, rows * m.row_bytes + misalign + 1);
 	m.w = m.buf + misalign;
 	for (uint32_t r = 0; r < rows; r++) {
@@ -46,8 +47,10 @@ static struct mat make_mat(enum dtype t, uint32_t rows, uint32_t cols, uint32_t 
 		for (uint32_t c = 0; c < cols; c++)
 			src[c] = (float)(scale * rng_normal());
 		quant_quantize(t, src, m.buf + misalign + r * m.row_bytes, cols);
-		quant_dequantize(t, m.w + r * m.row_bytes, m.deq + (size_t)r * cols, cols);
+		memcpy(aligned, m.w + r * m.row_bytes, m.row_bytes);
+		quant_dequantize(t, aligned, m.deq + (size_t)r * cols, cols);
 	}
+	free(aligned);
 	free(src);
 	return m;
 }
