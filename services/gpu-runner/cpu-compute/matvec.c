@@ -14,6 +14,10 @@
 #include "common/util.h"
 #include "services/gpu-runner/cpu/kernels.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 static unsigned isa_supported;          /* written once, under isa_once */
 static _Atomic unsigned isa_in_use;     /* what the products use: supported & the forced mask */
@@ -22,9 +26,12 @@ static unsigned detect(void)
 {
 #if defined(__x86_64__)
 	__builtin_cpu_init();
-	/* __builtin_cpu_supports checks the OS saves the AVX-512 state too (XCR0). */
+	/* __builtin_cpu_supports checks the OS saves the AVX-512 state too (XCR0). F16C is read from
+	 * CPUID itself: not every compiler's __builtin_cpu_supports knows it. */
+	unsigned a, b, c, d;
+	const int f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
 	if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
-	    !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("f16c") || !__builtin_cpu_supports("fma"))
+	    !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("fma") || !f16c)
 		return CPU_ISA_SCALAR;
 	unsigned isa = CPU_ISA_AVX512F;
 	if (__builtin_cpu_supports("avx512bf16"))
