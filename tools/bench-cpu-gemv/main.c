@@ -139,10 +139,10 @@ int main(int argc, char **argv)
 	uint32_t rows = 8192, cols = 8192, repeats = 10, threads = (uint32_t)sysconf(_SC_NPROCESSORS_ONLN);
 	int scalar = 0;
 	static const struct option opts[] = {
-		{"format", required_argument, NULL, 'f'}, {"rows", required_argument, NULL, 'r'},
-		{"cols", required_argument, NULL, 'c'},	  {"threads", required_argument, NULL, 't'},
+		{"format", required_argument, NULL, 'f'},  {"rows", required_argument, NULL, 'r'},
+		{"cols", required_argument, NULL, 'c'},    {"threads", required_argument, NULL, 't'},
 		{"repeats", required_argument, NULL, 'n'}, {"scalar", no_argument, NULL, 's'},
-		{"help", no_argument, NULL, 'h'},	  {NULL, 0, NULL, 0},
+		{"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
 	};
 	int o;
 	while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -192,8 +192,8 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	if (cols % dtype_block_elems(t)) {
-		fprintf(stderr, "bench-cpu-gemv: --cols %u is not a multiple of %s's block of %u\n", cols, dtype_name(t),
-			dtype_block_elems(t));
+		fprintf(stderr, "bench-cpu-gemv: --cols %u is not a multiple of %s's block of %u\n", cols,
+			dtype_name(t), dtype_block_elems(t));
 		return 2;
 	}
 	if (scalar)

@@ -43,8 +43,8 @@ extern "C" {
 
 /* Instruction-set extensions the kernels may use, as flags (cpu_compute_isa). */
 enum cpu_isa {
-	CPU_ISA_SCALAR = 0,           /* none: the plain C path for every format */
-	CPU_ISA_AVX512F = 1u << 0,    /* F32, F16: AVX-512 F, BW, VL and F16C */
+	CPU_ISA_SCALAR = 0,            /* none: the plain C path for every format */
+	CPU_ISA_AVX512F = 1u << 0,     /* F32, F16: AVX-512 F, BW, VL and F16C */
 	CPU_ISA_AVX512_BF16 = 1u << 1, /* BF16: the above and AVX512-BF16 */
 	CPU_ISA_AVX512_VNNI = 1u << 2, /* block formats: AVX-512 F, BW, VL, F16C and AVX512-VNNI */
 	CPU_ISA_ALL = 0x7,

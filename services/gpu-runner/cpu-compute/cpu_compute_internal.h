@@ -21,9 +21,9 @@
 extern "C" {
 #endif
 
-#define CC_ALIGN 64 /* bytes: every buffer of a vector, one cache line and one AVX-512 register */
-#define CC_PAD 64   /* values: x is zero-padded to a multiple of this (a VNNI step is 64 int8) */
-#define CC_GROUP 32 /* values per int8 group of x (one scale d) */
+#define CC_ALIGN 64         /* bytes: every buffer of a vector, one cache line and one AVX-512 register */
+#define CC_PAD 64           /* values: x is zero-padded to a multiple of this (a VNNI step is 64 int8) */
+#define CC_GROUP 32         /* values per int8 group of x (one scale d) */
 #define CC_MAX_N (1u << 30) /* values of x at most (its sizes stay far from overflow) */
 /* Bytes ahead of the current column that the SIMD kernels prefetch in each row they read: the
  * hardware prefetchers follow a few streams, and a kernel reads four rows at once. */
@@ -41,22 +41,22 @@ static inline void cc_prefetch(const void *p)
 /* The layout of a prepared x. Which arrays are set depends on the format (the others are NULL);
  * each is zero past n up to npad, so kernels may read whole registers. */
 struct cpu_vec {
-	int ready;        /* a prepare succeeded, for format wfmt */
-	enum dtype wfmt;  /* the weight format x was prepared for */
-	uint32_t n;       /* values */
-	uint32_t npad;    /* n rounded up to CC_PAD */
-	size_t cap;       /* bytes at buf */
-	void *buf;        /* CC_ALIGN-aligned, holds the arrays below */
-	float *f;         /* F32, F16: (npad) x */
-	uint16_t *bf;     /* BF16: (npad) x rounded to bf16 */
-	int8_t *q;        /* block formats: (npad) int8 codes of x */
-	float *d;         /* block formats: (npad / 32) the scale of each group of 32 */
-	float *s;         /* block formats: (npad / 32) d * (sum of the group's q), for the K formats' mins */
-	int32_t *init;    /* block formats: (npad / 4) where each int32 lane of vpdpbusd (4 values)
+	int ready;       /* a prepare succeeded, for format wfmt */
+	enum dtype wfmt; /* the weight format x was prepared for */
+	uint32_t n;      /* values */
+	uint32_t npad;   /* n rounded up to CC_PAD */
+	size_t cap;      /* bytes at buf */
+	void *buf;       /* CC_ALIGN-aligned, holds the arrays below */
+	float *f;        /* F32, F16: (npad) x */
+	uint16_t *bf;    /* BF16: (npad) x rounded to bf16 */
+	int8_t *q;       /* block formats: (npad) int8 codes of x */
+	float *d;        /* block formats: (npad / 32) the scale of each group of 32 */
+	float *s;        /* block formats: (npad / 32) d * (sum of the group's q), for the K formats' mins */
+	int32_t *init;   /* block formats: (npad / 4) where each int32 lane of vpdpbusd (4 values)
 			   * starts: minus the weight code offset times the sum of q over the group (Q8_0:
 			   * 128, Q4_0: 8) or 16-value run (Q6_K: 32), in the run's first lane, else 0 (all
 			   * 0 for Q4_K and Q5_K) */
-	int32_t *sum16;   /* block formats: (npad / 16) the sum of q over each run of 16 values */
+	int32_t *sum16;  /* block formats: (npad / 16) the sum of q over each run of 16 values */
 };
 
 #if defined(__x86_64__)

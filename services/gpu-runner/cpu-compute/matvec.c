@@ -19,8 +19,8 @@
 #endif
 
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
-static unsigned isa_supported;          /* written once, under isa_once */
-static _Atomic unsigned isa_in_use;     /* what the products use: supported & the forced mask */
+static unsigned isa_supported;      /* written once, under isa_once */
+static _Atomic unsigned isa_in_use; /* what the products use: supported & the forced mask */
 
 static unsigned detect(void)
 {
@@ -101,7 +101,7 @@ static cc_kernel pick(enum dtype t)
 {
 #if defined(__x86_64__)
 	static const cc_kernel simd[DT_COUNT] = {
-		[DT_F32] = cc_avx512_f32,  [DT_F16] = cc_avx512_f16,	[DT_BF16] = cc_avx512_bf16,
+		[DT_F32] = cc_avx512_f32, [DT_F16] = cc_avx512_f16, [DT_BF16] = cc_avx512_bf16,
 		[DT_Q8_0] = cc_vnni_q8_0, [DT_Q4_0] = cc_vnni_q4_0, [DT_Q4_K] = cc_vnni_q4_k,
 		[DT_Q5_K] = cc_vnni_q5_k, [DT_Q6_K] = cc_vnni_q6_k,
 	};
@@ -127,16 +127,17 @@ static int check(const struct cpu_vec *x, enum dtype wfmt, uint64_t row_bytes, u
 	if (r0 > r1)
 		return errorf(err, errlen, -EINVAL, "cpu product: rows [%u, %u) run backwards", r0, r1);
 	if (c1 < c0 || c1 - c0 != x->n)
-		return errorf(err, errlen, -EINVAL, "cpu product: columns [%u, %u) of %s weights for x of %u values", c0,
-			      c1, name, x->n);
+		return errorf(err, errlen, -EINVAL, "cpu product: columns [%u, %u) of %s weights for x of %u values",
+			      c0, c1, name, x->n);
 	const uint32_t blk = dtype_block_elems(wfmt);
 	if (c0 % blk || c1 % blk)
 		return errorf(err, errlen, -EINVAL,
-			      "cpu product: columns [%u, %u) of %s weights do not start and end on a block of %u", c0, c1,
-			      name, blk);
+			      "cpu product: columns [%u, %u) of %s weights do not start and end on a block of %u", c0,
+			      c1, name, blk);
 	if (dtype_row_bytes(wfmt, c1) > row_bytes)
-		return errorf(err, errlen, -EINVAL, "cpu product: columns up to %u of %s take %llu bytes, rows are %llu apart",
-			      c1, name, (unsigned long long)dtype_row_bytes(wfmt, c1), (unsigned long long)row_bytes);
+		return errorf(err, errlen, -EINVAL,
+			      "cpu product: columns up to %u of %s take %llu bytes, rows are %llu apart", c1, name,
+			      (unsigned long long)dtype_row_bytes(wfmt, c1), (unsigned long long)row_bytes);
 	if (r1 && row_bytes > UINT64_MAX / r1)
 		return errorf(err, errlen, -EINVAL, "cpu product: %u rows of %llu bytes overflow", r1,
 			      (unsigned long long)row_bytes);

@@ -132,8 +132,9 @@ static void scalar_q4_k(const struct cpu_vec *x, const uint8_t *w, uint64_t row_
 		float acc[4] = {0};
 		for (uint32_t b = 0; b < nb; b++) {
 			const uint8_t *blk = row + (size_t)b * sizeof(struct block_q4_K);
-			acc[b & 3] += k4_block(x, 8 * b, cc_u16(blk), cc_u16(blk + 2), blk + offsetof(struct block_q4_K, scales),
-					       NULL, blk + offsetof(struct block_q4_K, qs));
+			acc[b & 3] += k4_block(x, 8 * b, cc_u16(blk), cc_u16(blk + 2),
+					       blk + offsetof(struct block_q4_K, scales), NULL,
+					       blk + offsetof(struct block_q4_K, qs));
 		}
 		y[r] = sum4(acc);
 	}
@@ -147,8 +148,9 @@ static void scalar_q5_k(const struct cpu_vec *x, const uint8_t *w, uint64_t row_
 		float acc[4] = {0};
 		for (uint32_t b = 0; b < nb; b++) {
 			const uint8_t *blk = row + (size_t)b * sizeof(struct block_q5_K);
-			acc[b & 3] += k4_block(x, 8 * b, cc_u16(blk), cc_u16(blk + 2), blk + offsetof(struct block_q5_K, scales),
-					       blk + offsetof(struct block_q5_K, qh), blk + offsetof(struct block_q5_K, qs));
+			acc[b & 3] += k4_block(
+				x, 8 * b, cc_u16(blk), cc_u16(blk + 2), blk + offsetof(struct block_q5_K, scales),
+				blk + offsetof(struct block_q5_K, qh), blk + offsetof(struct block_q5_K, qs));
 		}
 		y[r] = sum4(acc);
 	}
@@ -170,13 +172,15 @@ static void scalar_q6_k(const struct cpu_vec *x, const uint8_t *w, uint64_t row_
 			float a = 0.0f;
 			for (uint32_t k = 0; k < 16; k++) {
 				const uint32_t h = k / 8, v0 = 16 * (k % 8); /* value v0 + i of half h */
-				const uint32_t part = v0 / 32;                /* 0..3: which of dq_q6_k's q1..q4 */
+				const uint32_t part = v0 / 32;               /* 0..3: which of dq_q6_k's q1..q4 */
 				const uint8_t *l = ql + 64 * h + (part & 1) * 32 + v0 % 32;
 				const uint8_t *hh = qh + 32 * h + v0 % 32;
 				const int8_t *qx = x->q + (size_t)b * QK_K + 128 * h + v0;
 				int32_t s = 0;
 				for (int i = 0; i < 16; i++) {
-					int q = ((part < 2 ? l[i] & 0x0F : l[i] >> 4) | (((hh[i] >> (2 * part)) & 3) << 4)) - 32;
+					int q = ((part < 2 ? l[i] & 0x0F : l[i] >> 4) |
+						 (((hh[i] >> (2 * part)) & 3) << 4)) -
+						32;
 					s += q * qx[i];
 				}
 				a += (float)(sc[k] * s) * x->d[(b * QK_K + 128 * h + v0) / CC_GROUP];
@@ -188,6 +192,6 @@ static void scalar_q6_k(const struct cpu_vec *x, const uint8_t *w, uint64_t row_
 }
 
 const cc_kernel cc_scalar_kernels[DT_COUNT] = {
-	[DT_F32] = scalar_f32,	 [DT_F16] = scalar_f16,	  [DT_BF16] = scalar_bf16, [DT_Q8_0] = scalar_q8_0,
+	[DT_F32] = scalar_f32,   [DT_F16] = scalar_f16,   [DT_BF16] = scalar_bf16, [DT_Q8_0] = scalar_q8_0,
 	[DT_Q4_0] = scalar_q4_0, [DT_Q4_K] = scalar_q4_k, [DT_Q5_K] = scalar_q5_k, [DT_Q6_K] = scalar_q6_k,
 };

@@ -139,8 +139,8 @@ TARGET INLINE void q4_0_rows(const struct cpu_vec *x, const uint8_t *w, uint64_t
 
 /* Rows of Q4_K (hq == 0) or Q5_K (hq == 1) blocks of bsize bytes: qs at qs_off, Q5_K's qh at
  * qh_off. acc gathers d sc_j d_x q.x per lane, macc dmin m_j s_x per sub-block. */
-TARGET INLINE void k4_rows(const struct cpu_vec *x, const uint8_t *w, uint64_t rb, float *y, const int R,
-			   const int hq, const size_t bsize, const size_t qs_off, const size_t qh_off)
+TARGET INLINE void k4_rows(const struct cpu_vec *x, const uint8_t *w, uint64_t rb, float *y, const int R, const int hq,
+			   const size_t bsize, const size_t qs_off, const size_t qh_off)
 {
 	const uint32_t nb = x->n / QK_K;
 	const __m512i nib_shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
@@ -179,19 +179,22 @@ TARGET INLINE void k4_rows(const struct cpu_vec *x, const uint8_t *w, uint64_t r
 			UNROLL
 			for (int j = 0; j < 4; j++) {
 				const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + qs_off + 32 * j));
-				__m512i wv = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(q), nib_shift), low4);
+				__m512i wv =
+					_mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(q), nib_shift), low4);
 				if (hq) {
 					/* the fifth bit: qh bit 2j for values 0..31 of the 64, 2j + 1 for 32..63 */
-					const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * j))),
-									       _mm256_set1_epi8((char)(2 << (2 * j))), 1);
+					const __m512i bit =
+						_mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * j))),
+								   _mm256_set1_epi8((char)(2 << (2 * j))), 1);
 					wv = _mm512_mask_add_epi8(wv, _mm512_test_epi8_mask(qhb, bit), wv, five);
 				}
-				const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv,
-								      _mm512_load_si512(xq + 64 * j));
-				const __m512i idx = _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
-								     2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j, 2 * j, 2 * j,
-								     2 * j, 2 * j, 2 * j, 2 * j, 2 * j);
-				acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, coef), acc[k]);
+				const __m512i p =
+					_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_load_si512(xq + 64 * j));
+				const __m512i idx = _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+								     2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j,
+								     2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j);
+				acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, coef),
+							 acc[k]);
 			}
 		}
 	}
@@ -218,7 +221,8 @@ TARGET INLINE void q6_k_rows(const struct cpu_vec *x, const uint8_t *w, uint64_t
 		acc[k] = _mm512_setzero_ps();
 	for (uint32_t b = 0; b < nb; b++) {
 		/* d_x of each run (a group is two runs) */
-		const __m512 dx = _mm512_permutexvar_ps(pair, _mm512_castps256_ps512(_mm256_load_ps(x->d + 8 * (size_t)b)));
+		const __m512 dx =
+			_mm512_permutexvar_ps(pair, _mm512_castps256_ps512(_mm256_load_ps(x->d + 8 * (size_t)b)));
 		const int8_t *xq = x->q + (size_t)b * QK_K;
 		const int32_t *xi = x->init + (size_t)b * (QK_K / 4);
 		UNROLL
@@ -229,14 +233,15 @@ TARGET INLINE void q6_k_rows(const struct cpu_vec *x, const uint8_t *w, uint64_t
 			cc_prefetch(blk + 128);
 			cc_prefetch(blk + 192);
 			const float d = _cvtsh_ss(cc_u16(blk + offsetof(struct block_q6_K, d)));
-			const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + offsetof(struct block_q6_K, scales)));
-			const __m512 coef =
-				_mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)), dx), _mm512_set1_ps(d));
+			const __m128i sc8 =
+				_mm_loadu_si128((const __m128i *)(blk + offsetof(struct block_q6_K, scales)));
+			const __m512 coef = _mm512_mul_ps(
+				_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)), dx), _mm512_set1_ps(d));
 			UNROLL
 			for (int h = 0; h < 2; h++) {
 				const __m512i ql = _mm512_loadu_si512(blk + offsetof(struct block_q6_K, ql) + 64 * h);
-				const __m512i qh = _mm512_broadcast_i64x4(
-					_mm256_loadu_si256((const __m256i *)(blk + offsetof(struct block_q6_K, qh) + 32 * h)));
+				const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+					(const __m256i *)(blk + offsetof(struct block_q6_K, qh) + 32 * h)));
 				UNROLL
 				for (int part = 0; part < 2; part++) {
 					const int ch = 2 * h + part; /* values 64 ch .. of the block, runs 4 ch .. */
@@ -251,12 +256,12 @@ TARGET INLINE void q6_k_rows(const struct cpu_vec *x, const uint8_t *w, uint64_t
 					const __m512i wv = _mm512_or_si512(lo, hb);
 					const __m512i p = _mm512_dpbusd_epi32(_mm512_load_si512(xi + 16 * ch), wv,
 									      _mm512_load_si512(xq + 64 * ch));
-					const __m512i idx = _mm512_set_epi32(4 * ch + 3, 4 * ch + 3, 4 * ch + 3, 4 * ch + 3,
-									     4 * ch + 2, 4 * ch + 2, 4 * ch + 2, 4 * ch + 2,
-									     4 * ch + 1, 4 * ch + 1, 4 * ch + 1, 4 * ch + 1,
-									     4 * ch, 4 * ch, 4 * ch, 4 * ch);
-					acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, coef),
-								 acc[k]);
+					const __m512i idx = _mm512_set_epi32(
+						4 * ch + 3, 4 * ch + 3, 4 * ch + 3, 4 * ch + 3, 4 * ch + 2, 4 * ch + 2,
+						4 * ch + 2, 4 * ch + 2, 4 * ch + 1, 4 * ch + 1, 4 * ch + 1, 4 * ch + 1,
+						4 * ch, 4 * ch, 4 * ch, 4 * ch);
+					acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+								 _mm512_permutexvar_ps(idx, coef), acc[k]);
 				}
 			}
 		}
@@ -267,30 +272,30 @@ TARGET INLINE void q6_k_rows(const struct cpu_vec *x, const uint8_t *w, uint64_t
 }
 
 /* Four rows at a time, then one. */
-#define ROWS_ENTRY(name, call)                                                                               \
-	TARGET void name(const struct cpu_vec *x, const uint8_t *w, uint64_t row_bytes, uint32_t rows, float *y) \
-	{                                                                                                    \
-		uint32_t r = 0;                                                                              \
-		for (; r + 4 <= rows; r += 4) {                                                              \
-			const uint8_t *wr = w + r * row_bytes;                                               \
-			float *yr = y + r;                                                                   \
-			const int R = 4;                                                                     \
-			call;                                                                                \
-		}                                                                                            \
-		for (; r < rows; r++) {                                                                      \
-			const uint8_t *wr = w + r * row_bytes;                                               \
-			float *yr = y + r;                                                                   \
-			const int R = 1;                                                                     \
-			call;                                                                                \
-		}                                                                                            \
+#define ROWS_ENTRY(name, call)                                                                                         \
+	TARGET void name(const struct cpu_vec *x, const uint8_t *w, uint64_t row_bytes, uint32_t rows, float *y)       \
+	{                                                                                                              \
+		uint32_t r = 0;                                                                                        \
+		for (; r + 4 <= rows; r += 4) {                                                                        \
+			const uint8_t *wr = w + r * row_bytes;                                                         \
+			float *yr = y + r;                                                                             \
+			const int R = 4;                                                                               \
+			call;                                                                                          \
+		}                                                                                                      \
+		for (; r < rows; r++) {                                                                                \
+			const uint8_t *wr = w + r * row_bytes;                                                         \
+			float *yr = y + r;                                                                             \
+			const int R = 1;                                                                               \
+			call;                                                                                          \
+		}                                                                                                      \
 	}
 
 ROWS_ENTRY(cc_vnni_q8_0, q8_0_rows(x, wr, row_bytes, yr, R))
 ROWS_ENTRY(cc_vnni_q4_0, q4_0_rows(x, wr, row_bytes, yr, R))
-ROWS_ENTRY(cc_vnni_q4_k, k4_rows(x, wr, row_bytes, yr, R, 0, sizeof(struct block_q4_K),
-				 offsetof(struct block_q4_K, qs), 0))
-ROWS_ENTRY(cc_vnni_q5_k, k4_rows(x, wr, row_bytes, yr, R, 1, sizeof(struct block_q5_K),
-				 offsetof(struct block_q5_K, qs), offsetof(struct block_q5_K, qh)))
+ROWS_ENTRY(cc_vnni_q4_k,
+	   k4_rows(x, wr, row_bytes, yr, R, 0, sizeof(struct block_q4_K), offsetof(struct block_q4_K, qs), 0))
+ROWS_ENTRY(cc_vnni_q5_k, k4_rows(x, wr, row_bytes, yr, R, 1, sizeof(struct block_q5_K), offsetof(struct block_q5_K, qs),
+				 offsetof(struct block_q5_K, qh)))
 ROWS_ENTRY(cc_vnni_q6_k, q6_k_rows(x, wr, row_bytes, yr, R))
 
 #endif

@@ -48,7 +48,8 @@ int cpu_vec_create(uint32_t max_n, struct cpu_vec **out, char *err, size_t errle
 		return errorf(err, errlen, -ENOMEM, "cpu vector: out of memory");
 	if (max_n > CC_MAX_N) {
 		free(v);
-		return errorf(err, errlen, -EINVAL, "cpu vector: room for %u values asked (at most %u)", max_n, CC_MAX_N);
+		return errorf(err, errlen, -EINVAL, "cpu vector: room for %u values asked (at most %u)", max_n,
+			      CC_MAX_N);
 	}
 	if (max_n) {
 		uint64_t npad = ((uint64_t)max_n + CC_PAD - 1) / CC_PAD * CC_PAD;
@@ -167,8 +168,9 @@ int cpu_vec_prepare(struct cpu_vec *v, enum dtype wfmt, const float *x, uint32_t
 	if (n > CC_MAX_N)
 		return errorf(err, errlen, -EINVAL, "cpu vector: %u values (at most %u)", n, CC_MAX_N);
 	if (n == 0 || n % blk)
-		return errorf(err, errlen, -EINVAL, "cpu vector: %u values for %s weights (need a positive multiple of %u)",
-			      n, dtype_name(wfmt), blk);
+		return errorf(err, errlen, -EINVAL,
+			      "cpu vector: %u values for %s weights (need a positive multiple of %u)", n,
+			      dtype_name(wfmt), blk);
 	const uint64_t npad = ((uint64_t)n + CC_PAD - 1) / CC_PAD * CC_PAD;
 	int rc = vec_reserve(v, vec_bytes(wfmt, (uint32_t)npad), err, errlen);
 	if (rc)

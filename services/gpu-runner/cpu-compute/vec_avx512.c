@@ -26,8 +26,10 @@ TARGET void cc_avx512_quantize(const float *x, uint32_t ngroups, int8_t *q, floa
 		__m512 ta = _mm512_mul_ps(a, id), tb = _mm512_mul_ps(b, id);
 		ta = _mm512_min_ps(hi, _mm512_max_ps(lo, ta));
 		tb = _mm512_min_ps(hi, _mm512_max_ps(lo, tb));
-		const __m512i ia = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(ta, ta, _CMP_ORD_Q), _mm512_cvtps_epi32(ta));
-		const __m512i ib = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(tb, tb, _CMP_ORD_Q), _mm512_cvtps_epi32(tb));
+		const __m512i ia =
+			_mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(ta, ta, _CMP_ORD_Q), _mm512_cvtps_epi32(ta));
+		const __m512i ib =
+			_mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(tb, tb, _CMP_ORD_Q), _mm512_cvtps_epi32(tb));
 		_mm_storeu_si128((__m128i *)(q + 32 * (size_t)g), _mm512_cvtepi32_epi8(ia));
 		_mm_storeu_si128((__m128i *)(q + 32 * (size_t)g + 16), _mm512_cvtepi32_epi8(ib));
 		d[g] = dg;
@@ -45,7 +47,8 @@ TARGET void cc_avx512_to_bf16(const float *x, uint32_t n, uint16_t *out)
 		const __m512 v = _mm512_loadu_ps(x + i);
 		const __m512i u = _mm512_castps_si512(v);
 		const __m512i up = _mm512_srli_epi32(u, 16);
-		__m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), _mm512_and_si512(up, one)), 16);
+		__m512i r =
+			_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), _mm512_and_si512(up, one)), 16);
 		r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(up, quiet));
 		_mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(r));
 	}

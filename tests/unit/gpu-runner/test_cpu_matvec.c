@@ -111,8 +111,9 @@ static void check_product(const struct mat *m, uint32_t r0, uint32_t r1, uint32_
 			}
 		}
 		const double got = y[r - r0], tight = 1e-5 * mag + 1e-30;
-		TH_CHECK(fabs(got - ref) <= tight, "%s (%s) row %u of [%u, %u), cols [%u, %u): %.9g vs %.9g (sum |wx| %.3g)",
-			 dtype_name(m->t), cpu_compute_path(m->t), r, r0, r1, c0, c1, got, ref, mag);
+		TH_CHECK(fabs(got - ref) <= tight,
+			 "%s (%s) row %u of [%u, %u), cols [%u, %u): %.9g vs %.9g (sum |wx| %.3g)", dtype_name(m->t),
+			 cpu_compute_path(m->t), r, r0, r1, c0, c1, got, ref, mag);
 		TH_CHECK(fabs(got - ref_x) <= qerr + tight, "%s (%s) row %u vs float x: %.9g vs %.9g, bound %.3g",
 			 dtype_name(m->t), cpu_compute_path(m->t), r, got, ref_x, qerr + tight);
 		if (mag > 0) {
@@ -125,8 +126,8 @@ static void check_product(const struct mat *m, uint32_t r0, uint32_t r1, uint32_
 	for (uint32_t r = r0; r < r1; r++) {
 		float one;
 		ck_assert_int_eq(cpu_matvec(v, m->w, m->t, m->row_bytes, r, r + 1, c0, c1, &one, err, sizeof(err)), 0);
-		TH_CHECK(memcmp(&one, &y[r - r0], 4) == 0, "%s row %u alone: %.9g, with others %.9g", dtype_name(m->t), r,
-			 (double)one, (double)y[r - r0]);
+		TH_CHECK(memcmp(&one, &y[r - r0], 4) == 0, "%s row %u alone: %.9g, with others %.9g", dtype_name(m->t),
+			 r, (double)one, (double)y[r - r0]);
 	}
 	free(y);
 	free(x);
@@ -159,7 +160,8 @@ static void check_format(enum dtype t, struct errs *e)
 		}
 		for (uint32_t cr = 0; cr < nranges; cr++)
 			for (uint32_t rr = 0; rr < 4; rr++)
-				check_product(&m, row_ranges[rr][0], row_ranges[rr][1], col_ranges[cr][0], col_ranges[cr][1], e);
+				check_product(&m, row_ranges[rr][0], row_ranges[rr][1], col_ranges[cr][0],
+					      col_ranges[cr][1], e);
 		free_mat(&m);
 	}
 	/* long rows: many steps of every loop */
@@ -188,8 +190,8 @@ START_TEST(test_format)
 		if (have_simd)
 			printf("%-5s simd:  vs x' %.2e, vs float x %.2e (bound %.2e) of sum |W x'|\n", dtype_name(t),
 			       simd.tight, simd.loose, simd.loose_bound);
-		printf("%-5s plain: vs x' %.2e, vs float x %.2e (bound %.2e) of sum |W x'|\n", dtype_name(t), plain.tight,
-		       plain.loose, plain.loose_bound);
+		printf("%-5s plain: vs x' %.2e, vs float x %.2e (bound %.2e) of sum |W x'|\n", dtype_name(t),
+		       plain.tight, plain.loose, plain.loose_bound);
 	}
 }
 END_TEST
@@ -228,12 +230,12 @@ START_TEST(test_swiglu)
 }
 END_TEST
 
-#define REFUSED(call, text)                                                                   \
-	do {                                                                                  \
-		err[0] = 0;                                                                   \
-		ck_assert_int_eq((call), -EINVAL);                                            \
-		ck_assert_msg(strstr(err, (text)) != NULL, "'%s' lacks '%s'", err, (text));   \
-		ck_assert_float_eq(y[0], -1.0f);                                              \
+#define REFUSED(call, text)                                                                                            \
+	do {                                                                                                           \
+		err[0] = 0;                                                                                            \
+		ck_assert_int_eq((call), -EINVAL);                                                                     \
+		ck_assert_msg(strstr(err, (text)) != NULL, "'%s' lacks '%s'", err, (text));                            \
+		ck_assert_float_eq(y[0], -1.0f);                                                                       \
 	} while (0)
 
 START_TEST(test_refuses)
@@ -245,12 +247,14 @@ START_TEST(test_refuses)
 	ck_assert_int_eq(cpu_vec_create(0, &v, err, sizeof(err)), 0);
 	REFUSED(cpu_matvec(v, w, DT_F32, 64, 0, 1, 0, 16, y, err, sizeof(err)), "not prepared");
 	ck_assert_int_eq(cpu_vec_prepare(v, DT_Q4_K, x, 256, err, sizeof(err)), 0);
-	REFUSED(cpu_matvec(v, w, DT_Q5_K, 176, 0, 1, 0, 256, y, err, sizeof(err)), "prepared for Q4_K weights, not Q5_K");
+	REFUSED(cpu_matvec(v, w, DT_Q5_K, 176, 0, 1, 0, 256, y, err, sizeof(err)),
+		"prepared for Q4_K weights, not Q5_K");
 	REFUSED(cpu_matvec(v, w, DT_COUNT, 176, 0, 1, 0, 256, y, err, sizeof(err)), "unknown weight format");
 	REFUSED(cpu_matvec(v, w, DT_Q4_K, 144, 2, 1, 0, 256, y, err, sizeof(err)), "rows [2, 1) run backwards");
 	REFUSED(cpu_matvec(v, w, DT_Q4_K, 288, 0, 1, 0, 512, y, err, sizeof(err)), "for x of 256 values");
 	REFUSED(cpu_matvec(v, w, DT_Q4_K, 288, 0, 1, 128, 384, y, err, sizeof(err)), "block of 256");
-	REFUSED(cpu_matvec(v, w, DT_Q4_K, 143, 0, 1, 0, 256, y, err, sizeof(err)), "take 144 bytes, rows are 143 apart");
+	REFUSED(cpu_matvec(v, w, DT_Q4_K, 143, 0, 1, 0, 256, y, err, sizeof(err)),
+		"take 144 bytes, rows are 143 apart");
 	REFUSED(cpu_matvec(v, w, DT_Q4_K, 287, 0, 1, 256, 512, y, err, sizeof(err)), "take 288 bytes");
 	REFUSED(cpu_matvec(v, w, DT_Q4_K, UINT64_MAX / 2, 0, 3, 0, 256, y, err, sizeof(err)), "overflow");
 	REFUSED(cpu_swiglu(v, w, w, DT_Q6_K, 210, 0, 1, 0, 256, y, err, sizeof(err)), "not Q6_K");

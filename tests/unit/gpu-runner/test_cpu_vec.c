@@ -75,8 +75,8 @@ START_TEST(test_prepare_forms)
 		cpu_compute_force_isa(path ? CPU_ISA_SCALAR : CPU_ISA_ALL);
 		for (int t = 0; t < DT_COUNT; t++) {
 			for (uint32_t n = dtype_block_elems(t); n <= N; n *= 2) {
-				ck_assert_msg(cpu_vec_prepare(v, (enum dtype)t, x, n, err, sizeof(err)) == 0, "%s n=%u: %s",
-					      dtype_name(t), n, err);
+				ck_assert_msg(cpu_vec_prepare(v, (enum dtype)t, x, n, err, sizeof(err)) == 0,
+					      "%s n=%u: %s", dtype_name(t), n, err);
 				check_vec(v, (enum dtype)t, x, n);
 			}
 		}
@@ -110,8 +110,8 @@ START_TEST(test_prepare_edges)
 		x[8] = NAN;
 		ck_assert_int_eq(cpu_vec_prepare(v, DT_Q8_0, x, 32, err, sizeof(err)), 0);
 		for (int i = 0; i < 9; i++)
-			ck_assert_msg(cpu_vec_value(v, (uint32_t)i) == want[i], "path %d value %d: %g, want %g", path, i,
-				      (double)cpu_vec_value(v, (uint32_t)i), (double)want[i]);
+			ck_assert_msg(cpu_vec_value(v, (uint32_t)i) == want[i], "path %d value %d: %g, want %g", path,
+				      i, (double)cpu_vec_value(v, (uint32_t)i), (double)want[i]);
 		/* bf16: ties to even, NaN stays NaN */
 		const float b[3] = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, NAN};
 		float xb[16] = {b[0], b[1], b[2]};
@@ -209,7 +209,8 @@ START_TEST(test_paths)
 	ck_assert_str_eq(cpu_compute_path(DT_F16), have & CPU_ISA_AVX512F ? "avx512f" : "scalar");
 	ck_assert_str_eq(cpu_compute_path(DT_BF16), have & CPU_ISA_AVX512_BF16 ? "avx512-bf16" : "scalar");
 	for (int t = DT_Q8_0; t < DT_COUNT; t++)
-		ck_assert_str_eq(cpu_compute_path((enum dtype)t), have & CPU_ISA_AVX512_VNNI ? "avx512-vnni" : "scalar");
+		ck_assert_str_eq(cpu_compute_path((enum dtype)t),
+				 have & CPU_ISA_AVX512_VNNI ? "avx512-vnni" : "scalar");
 	/* a mask narrows to what the CPU has */
 	ck_assert_uint_eq(cpu_compute_force_isa(CPU_ISA_AVX512_VNNI), have & CPU_ISA_AVX512_VNNI);
 	ck_assert_str_eq(cpu_compute_path(DT_BF16), "scalar");
