@@ -23,9 +23,10 @@
  *
  * Paths. Each format has a plain C path that every machine runs and, on x86-64, an AVX-512 path
  * chosen at run time from the CPU's features: F32/F16 with AVX-512F ("avx512f"), BF16 with
- * AVX512-BF16's vdpbf16ps ("avx512-bf16"), the block formats with AVX512-VNNI's vpdpbusd
- * ("avx512-vnni"). The binary is built for any x86-64 (the SIMD code is compiled per function);
- * other architectures build the plain path only. PIPELINE_CPU_ISA=scalar in the environment, or
+ * AVX512-BF16's vdpbf16ps ("avx512-bf16"; it reads subnormal bf16 values, below 1.2e-38, as
+ * zero), the block formats with AVX512-VNNI's vpdpbusd ("avx512-vnni"). The binary is built for
+ * any x86-64 (the SIMD code is compiled per function); other architectures build the plain path
+ * only. PIPELINE_CPU_ISA=scalar in the environment, or
  * cpu_compute_force_isa(CPU_ISA_SCALAR), makes every product take the plain path.
  *
  * Threads: a product over many rows is split by the caller, each thread calling cpu_matvec on
