@@ -1,0 +1,278 @@
+/* bench-cpu-gemv: the CPU products of cpu-compute/ (cpu_compute.h) timed over a matrix larger
+ * than the caches, on N threads of the CPU worker pool (each a contiguous range of rows, as the
+ * runner splits its CPU share), in GB/s of weight bytes read. The number to hold it against is
+ * the machine's read bandwidth: the same rows read on the same threads with nothing computed,
+ * measured in the same run and printed beside it.
+ *
+ *   bench-cpu-gemv [--format BF16] [--rows 8192] [--cols 8192] [--threads N] [--repeats 10] [--scalar]
+ *
+ * The weights are random: 64 distinct rows of Gaussian values quantized with quant_quantize,
+ * repeated to fill the matrix (the K formats' quantizer is too slow to make every row; every byte
+ * is still read from memory). x is Gaussian; its preparation (one thread) is timed on its own. */
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/quant.h"
+#include "services/gpu-runner/cpu-compute/cpu_compute.h"
+#include "services/gpu-runner/cpu/pool.h"
+
+#define DISTINCT_ROWS 64
+
+struct job {
+	const struct cpu_vec *x;
+	const uint8_t *w;
+	enum dtype t;
+	uint64_t row_bytes;
+	uint32_t cols;
+	float *y;
+	int failed; /* a thread's product failed (it cannot print from there) */
+};
+
+static void run_rows(const void *arg, uint32_t tid, uint32_t begin, uint32_t end)
+{
+	struct job *j = (struct job *)arg;
+	char err[256];
+	if (cpu_matvec(j->x, j->w, j->t, j->row_bytes, begin, end, 0, j->cols, j->y + begin, err, sizeof(err)))
+		j->failed = 1;
+}
+
+/* The bound: the same rows read and nothing computed, four rows at a time as the kernels read
+ * them, with the same prefetch (eight 64-bit words a row and step, folded with xor so the reads
+ * cannot be dropped). */
+struct read_job {
+	const uint8_t *w;
+	uint64_t row_bytes;
+	uint64_t sink[CPU_POOL_MAX_THREADS];
+};
+
+static uint64_t read_span(const uint8_t *p, uint64_t stride, int nrows, uint64_t len)
+{
+	uint64_t a[8] = {0};
+	for (uint64_t o = 0; o + 64 <= len; o += 64)
+		for (int k = 0; k < nrows; k++) {
+			const uint8_t *q = p + k * stride + o;
+			__builtin_prefetch(q + 1024); /* as the kernels (CC_PF_AHEAD) */
+			for (int i = 0; i < 8; i++) {
+				uint64_t v;
+				memcpy(&v, q + 8 * i, 8);
+				a[i] ^= v;
+			}
+		}
+	return a[0] ^ a[1] ^ a[2] ^ a[3] ^ a[4] ^ a[5] ^ a[6] ^ a[7];
+}
+
+static void read_rows(const void *arg, uint32_t tid, uint32_t begin, uint32_t end)
+{
+	struct read_job *j = (struct read_job *)arg;
+	uint64_t h = 0;
+	uint32_t r = begin;
+	for (; r + 4 <= end; r += 4)
+		h ^= read_span(j->w + r * j->row_bytes, j->row_bytes, 4, j->row_bytes);
+	for (; r < end; r++)
+		h ^= read_span(j->w + r * j->row_bytes, j->row_bytes, 1, j->row_bytes);
+	j->sink[tid] = h;
+}
+
+static double now_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static uint64_t rng = 0x243f6a8885a308d3ull;
+
+static double normal(void)
+{
+	uint64_t a = (rng += 0x9e3779b97f4a7c15ull), b = (rng += 0x9e3779b97f4a7c15ull);
+	a = (a ^ (a >> 30)) * 0xbf58476d1ce4e5b9ull;
+	a ^= a >> 31;
+	b = (b ^ (b >> 30)) * 0xbf58476d1ce4e5b9ull;
+	b ^= b >> 31;
+	const double u = ((double)(a >> 11) + 0.5) * 0x1.0p-53, v = ((double)(b >> 11) + 0.5) * 0x1.0p-53;
+	return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	const double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+static void usage(FILE *f)
+{
+	fprintf(f, "usage: bench-cpu-gemv [options]\n"
+		   "  --format F    weight format: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q5_K Q6_K (default BF16)\n"
+		   "  --rows N      rows of the matrix (default 8192)\n"
+		   "  --cols N      columns, a multiple of the format's block (default 8192)\n"
+		   "  --threads N   threads, the caller included (default: the CPUs online)\n"
+		   "  --repeats N   timed products after one warm-up (default 10)\n"
+		   "  --scalar      the plain C path (PIPELINE_CPU_ISA=scalar does the same)\n"
+		   "  --help        this text\n"
+		   "Prints the path, the matrix size, the best and median time of one product with the\n"
+		   "weight bytes read per second, and the best rate of plainly reading the same bytes.\n");
+}
+
+static int parse_u32(const char *opt, const char *text, uint32_t min, uint32_t *out)
+{
+	char *end;
+	errno = 0;
+	unsigned long v = strtoul(text, &end, 10);
+	if (errno || *end || end == text || v < min || v > UINT32_MAX) {
+		fprintf(stderr, "bench-cpu-gemv: %s %s: expected a number >= %u\n", opt, text, min);
+		return -1;
+	}
+	*out = (uint32_t)v;
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	enum dtype t = DT_BF16;
+	uint32_t rows = 8192, cols = 8192, repeats = 10, threads = (uint32_t)sysconf(_SC_NPROCESSORS_ONLN);
+	int scalar = 0;
+	static const struct option opts[] = {
+		{"format", required_argument, NULL, 'f'},  {"rows", required_argument, NULL, 'r'},
+		{"cols", required_argument, NULL, 'c'},    {"threads", required_argument, NULL, 't'},
+		{"repeats", required_argument, NULL, 'n'}, {"scalar", no_argument, NULL, 's'},
+		{"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
+	};
+	int o;
+	while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+		switch (o) {
+		case 'f': {
+			int found = 0;
+			for (int i = 0; i < DT_COUNT && !found; i++)
+				if (strcasecmp(optarg, dtype_name((enum dtype)i)) == 0) {
+					t = (enum dtype)i;
+					found = 1;
+				}
+			if (!found) {
+				fprintf(stderr, "bench-cpu-gemv: --format %s: unknown (see --help)\n", optarg);
+				return 2;
+			}
+			break;
+		}
+		case 'r':
+			if (parse_u32("--rows", optarg, 1, &rows))
+				return 2;
+			break;
+		case 'c':
+			if (parse_u32("--cols", optarg, 1, &cols))
+				return 2;
+			break;
+		case 't':
+			if (parse_u32("--threads", optarg, 1, &threads))
+				return 2;
+			break;
+		case 'n':
+			if (parse_u32("--repeats", optarg, 1, &repeats))
+				return 2;
+			break;
+		case 's':
+			scalar = 1;
+			break;
+		case 'h':
+			usage(stdout);
+			return 0;
+		default:
+			usage(stderr);
+			return 2;
+		}
+	}
+	if (optind < argc) {
+		fprintf(stderr, "bench-cpu-gemv: unexpected argument %s\n", argv[optind]);
+		return 2;
+	}
+	if (cols % dtype_block_elems(t)) {
+		fprintf(stderr, "bench-cpu-gemv: --cols %u is not a multiple of %s's block of %u\n", cols,
+			dtype_name(t), dtype_block_elems(t));
+		return 2;
+	}
+	if (scalar)
+		cpu_compute_force_isa(CPU_ISA_SCALAR);
+
+	const uint64_t row_bytes = dtype_row_bytes(t, cols), bytes = row_bytes * rows;
+	uint8_t *w = aligned_alloc(2u << 20, (bytes + (2u << 20) - 1) / (2u << 20) * (2u << 20));
+	float *src = malloc((size_t)cols * sizeof(float)), *x = malloc((size_t)cols * sizeof(float));
+	float *y = malloc((size_t)rows * sizeof(float));
+	if (!w || !src || !x || !y) {
+		fprintf(stderr, "bench-cpu-gemv: cannot allocate %.1f MB of weights\n", (double)bytes / 1e6);
+		return 1;
+	}
+	for (uint32_t r = 0; r < rows && r < DISTINCT_ROWS; r++) {
+		for (uint32_t c = 0; c < cols; c++)
+			src[c] = (float)(0.02 * normal());
+		quant_quantize(t, src, w + r * row_bytes, cols);
+	}
+	for (uint32_t r = DISTINCT_ROWS; r < rows; r++)
+		memcpy(w + r * row_bytes, w + (r % DISTINCT_ROWS) * row_bytes, row_bytes);
+	for (uint32_t c = 0; c < cols; c++)
+		x[c] = (float)normal();
+
+	char err[256];
+	struct cpu_vec *xv = NULL;
+	struct cpu_pool *pool = NULL;
+	int rc = cpu_vec_create(cols, &xv, err, sizeof(err));
+	if (!rc)
+		rc = cpu_pool_create(threads, &pool, err, sizeof(err));
+	double t0, prep_s = 1e30; /* the best of repeats + 1 preparations, the first warming the buffers */
+	for (uint32_t i = 0; i <= repeats && !rc; i++) {
+		t0 = now_s();
+		rc = cpu_vec_prepare(xv, t, x, cols, err, sizeof(err));
+		if (now_s() - t0 < prep_s)
+			prep_s = now_s() - t0;
+	}
+	if (!rc)
+		rc = cpu_matvec(xv, w, t, row_bytes, 0, 1, 0, cols, y, err, sizeof(err)); /* the arguments, once */
+	if (rc) {
+		fprintf(stderr, "bench-cpu-gemv: %s\n", err);
+		return 1;
+	}
+	struct job job = {.x = xv, .w = w, .t = t, .row_bytes = row_bytes, .cols = cols, .y = y};
+	cpu_pool_run(pool, run_rows, &job, rows); /* warm-up: page faults, caches */
+	double *times = malloc(repeats * sizeof(double));
+	if (!times)
+		return 1;
+	for (uint32_t i = 0; i < repeats; i++) {
+		t0 = now_s();
+		cpu_pool_run(pool, run_rows, &job, rows);
+		times[i] = now_s() - t0;
+	}
+	if (job.failed) {
+		fprintf(stderr, "bench-cpu-gemv: a product failed\n");
+		return 1;
+	}
+	qsort(times, repeats, sizeof(double), cmp_double);
+	const double best = times[0], med = times[repeats / 2];
+	static struct read_job rj;
+	rj.w = w;
+	rj.row_bytes = row_bytes;
+	double read_best = 1e30;
+	for (uint32_t i = 0; i < repeats; i++) {
+		t0 = now_s();
+		cpu_pool_run(pool, read_rows, &rj, rows);
+		if (now_s() - t0 < read_best)
+			read_best = now_s() - t0;
+	}
+	printf("%s %s: %u x %u (%.1f MB), %u threads: best %.3f ms (%.2f GB/s), median %.3f ms (%.2f GB/s); "
+	       "reading the same bytes: %.2f GB/s; x prepared in %.1f us\n",
+	       dtype_name(t), cpu_compute_path(t), rows, cols, (double)bytes / 1e6, cpu_pool_threads(pool), best * 1e3,
+	       (double)bytes / best / 1e9, med * 1e3, (double)bytes / med / 1e9, (double)bytes / read_best / 1e9,
+	       prep_s * 1e6);
+	free(times);
+	cpu_pool_destroy(&pool);
+	cpu_vec_destroy(&xv);
+	free(w);
+	free(src);
+	free(x);
+	free(y);
+	return 0;
+}
