@@ -1,0 +1,160 @@
+/* cpu_handoff.h - a CUDA stream hands work to the CPU task pool (cpu-compute/task_pool.h) and
+ * waits for the result on the GPU: the stream copies an activation down into pinned memory, a
+ * job of the pool computes from it into a pinned partial result, and the stream, later, waits for
+ * the job and copies the result up, where a kernel adds it. No host thread synchronises with the
+ * stream on the way.
+ *
+ *   struct cpu_handoff_params hp = {.mode = CPU_HANDOFF_MEMOPS, .max_in_bytes = 16384,
+ *                                   .max_out_bytes = 16384};
+ *   rc = cpu_handoff_create(pool, stream, &hp, &h, err, sizeof(err));   // -ENOTSUP: try HOSTFUNC
+ *   per layer, on the stream's own thread:
+ *     struct cpu_handoff_job job = {.fn = ffn_rows, .user = &layer, .n_parts = 16,
+ *                                   .in_bytes = 16384, .out_bytes = 16384};
+ *     cpu_handoff_submit(h, d_x, &job, &seq, err, sizeof(err));   // D2H x, then the CPU starts
+ *     ...queue the GPU's own share of the layer on the stream...
+ *     cpu_handoff_wait(h, seq, d_partial, err, sizeof(err));      // GPU waits, then H2D
+ *     ...a kernel adds d_partial...
+ *   at the end of the step, once the host has synchronised for its own reasons (the token):
+ *     rc = cpu_handoff_check(h, err, sizeof(err));   // a failed job fails the request here
+ *
+ * Handoffs are numbered 1, 2, ... (seq); handoff seq uses the pinned pair of slot seq & 1, so the
+ * next one can be submitted (its D2H queued) before this one is waited for: at most two are
+ * between submit and wait at any time, and waits come in submit order.
+ *
+ * Two mechanisms (docs/design.md, "CPU compute pool and the handoff"):
+ *  - CPU_HANDOFF_HOSTFUNC: after the D2H copy, cudaLaunchHostFunc runs a host function that
+ *    submits the job; the wait is a second host function that returns once the job's completion
+ *    word shows seq (it spins spin_us, then sleeps on a futex), holding back the stream behind it.
+ *    The D2H bytes are visible to the host function because its start "has the same effect as
+ *    synchronizing an event recorded in the same stream immediately prior to the function"
+ *    (cudaLaunchHostFunc), and to the workers through the queue's release/acquire.
+ *  - CPU_HANDOFF_MEMOPS: no host thread blocks inside a CUDA callback. After the D2H copy the
+ *    stream writes seq into a word of mapped pinned memory (cuStreamWriteValue32, default flags:
+ *    a memory fence before the write, "similar semantics to __threadfence_system() but scoped to
+ *    the stream" (cuda.h), so the copied bytes are visible before the word); a dispatcher thread
+ *    polls that word and submits the job; the job's completion stores seq into another mapped
+ *    word with release order, and the stream waits on it with cuStreamWaitValue32
+ *    (CU_STREAM_WAIT_VALUE_GEQ, a cyclic >= on numbers that only grow, so no word is ever reset).
+ *    The dispatcher polls only while a handoff is submitted and not yet triggered (plus spin_us),
+ *    and sleeps otherwise. Needs the stream memory operations of the driver (v2, CUDA 12+) on
+ *    host memory; cpu_handoff_create probes them on the stream and refuses with -ENOTSUP.
+ *
+ * Errors: a job that fails still completes (the stream never hangs on it); its message is kept,
+ * and cpu_handoff_check returns it. A CUDA call that fails in submit or wait leaves the handoff
+ * broken: that call and every later one return -EIO with the first message.
+ *
+ * Threads: submit, wait, check and stats are called from one thread, the one that drives the
+ * stream (check may also be called from another thread while nothing is submitted). The pool
+ * must outlive the handoff; destroy the handoff first.
+ */
+#ifndef GPU_RUNNER_CPU_HANDOFF_H
+#define GPU_RUNNER_CPU_HANDOFF_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#include "services/gpu-runner/cpu-compute/task_pool.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CPU_HANDOFF_ERR_MAX 512
+
+enum cpu_handoff_mode {
+	CPU_HANDOFF_HOSTFUNC = 0,
+	CPU_HANDOFF_MEMOPS = 1,
+};
+
+/* What a part function of a handoff's job sees. The pointers are pinned host memory. */
+struct cpu_handoff_task {
+	const void *in;	  /* the activation the stream copied down, in_bytes */
+	void *out;	  /* the partial result the stream copies up, out_bytes */
+	size_t in_bytes;
+	size_t out_bytes;
+	uint64_t seq;	  /* this handoff's number */
+	uint32_t slot;	  /* seq & 1: which pinned pair */
+	void *user;	  /* cpu_handoff_job.user */
+};
+
+/* Runs part `part` of `n_parts` of a handoff's job (task_part_range splits rows). Returns 0 or
+ * -errno with a message in err. */
+typedef int (*cpu_handoff_fn)(const struct cpu_handoff_task *t, uint32_t part, uint32_t n_parts, char *err,
+			      size_t errlen);
+
+struct cpu_handoff_job {
+	cpu_handoff_fn fn;
+	void *user;
+	uint32_t n_parts;  /* 1..TASK_POOL_MAX_PARTS (0: the job does nothing, the handoff still runs) */
+	size_t in_bytes;   /* <= max_in_bytes; 0 copies nothing down */
+	size_t out_bytes;  /* <= max_out_bytes; 0 copies nothing up */
+};
+
+struct cpu_handoff_params {
+	enum cpu_handoff_mode mode;
+	size_t max_in_bytes;  /* per slot */
+	size_t max_out_bytes; /* per slot */
+	uint32_t ring;	      /* handoffs the host may submit ahead of the CPU before submit waits
+			       * for the oldest job (a power of two >= 2; 0: 64) */
+	uint32_t spin_us;     /* a waiting host thread polls this long before it sleeps (0: 0) */
+	int dispatcher_cpu;   /* memops: pin the dispatcher to this CPU; -1 (or any negative): don't */
+};
+
+struct cpu_handoff_stats {
+	enum cpu_handoff_mode mode;
+	uint64_t submitted;  /* handoffs queued on the stream */
+	uint64_t waited;     /* waits queued */
+	uint64_t dispatched; /* jobs handed to the pool (the stream reached them) */
+	uint64_t failed;     /* jobs that failed */
+	uint64_t ring_waits; /* submits that waited for the job a ring behind */
+};
+
+struct cpu_handoff;
+
+/* "hostfunc" / "memops". */
+const char *cpu_handoff_mode_name(enum cpu_handoff_mode mode);
+/* Parses "hostfunc" or "memops". Returns 0, or -EINVAL with a message in err. */
+int cpu_handoff_parse_mode(const char *text, enum cpu_handoff_mode *out, char *err, size_t errlen);
+
+/* Whether device can run CPU_HANDOFF_MEMOPS, before any stream is made: a driver of CUDA 12 or
+ * later (the v2 stream memory operations), the device able to map host memory, and the driver
+ * entry points found. Returns 0, or -ENOTSUP / -EIO with the reason in err. Touches CUDA (makes
+ * the primary context current). */
+int cpu_handoff_memops_supported(int device, char *err, size_t errlen);
+
+/* Makes a handoff for `stream` (of the current device) onto `pool`: pinned buffers for two
+ * slots, the completion words, the descriptor ring; for memops also the dispatcher thread, and a
+ * probe of a write and a wait on the stream (synchronised: create is not on the token path).
+ * Returns 0 and the handoff in *out (the caller owns it), or -EINVAL (a mode, size or ring it
+ * cannot take), -ENOTSUP (memops not available here: the message says why), -ENOMEM, -EIO (a
+ * CUDA call failed), with the message in err ("cpu handoff: ..."). */
+int cpu_handoff_create(struct task_pool *pool, cudaStream_t stream, const struct cpu_handoff_params *params,
+		       struct cpu_handoff **out, char *err, size_t errlen);
+/* Synchronises the stream, stops the dispatcher, waits for every job handed to the pool, frees
+ * everything; NULLs *h; safe on NULL and twice. */
+void cpu_handoff_destroy(struct cpu_handoff **h);
+
+/* Queues on the stream: the copy of job->in_bytes from d_in (device memory) into this handoff's
+ * pinned slot, then the job's start. *seq gets the handoff's number, for cpu_handoff_wait. If the
+ * host is `ring` handoffs ahead of the CPU it first waits for the job a ring behind (counted in
+ * ring_waits). Returns 0, or -EIO (a CUDA call failed: the handoff is broken) with the message in
+ * err. Submitting a third handoff before the first is waited for, or a job out of bounds, is a
+ * programmer error (asserted). */
+int cpu_handoff_submit(struct cpu_handoff *h, const void *d_in, const struct cpu_handoff_job *job, uint64_t *seq,
+		       char *err, size_t errlen);
+/* Queues on the stream: a wait for handoff seq's job, then the copy of its out_bytes into d_out
+ * (device memory). Returns 0, or -EIO as submit. seq must be the oldest handoff submitted and not
+ * waited for (asserted). */
+int cpu_handoff_wait(struct cpu_handoff *h, uint64_t seq, void *d_out, char *err, size_t errlen);
+/* The first failure since the last check: returns 0, or the failed job's -errno with "cpu
+ * handoff: handoff N: part P of M: ..." in err, and forgets it (the count in stats stays). Call
+ * it once the stream has passed the waits of the step (after the host's synchronisation). A
+ * broken handoff returns -EIO with its first message every time. */
+int cpu_handoff_check(struct cpu_handoff *h, char *err, size_t errlen);
+void cpu_handoff_get_stats(const struct cpu_handoff *h, struct cpu_handoff_stats *out);
+enum cpu_handoff_mode cpu_handoff_mode(const struct cpu_handoff *h);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
