@@ -72,7 +72,10 @@ enum backend_gemv {
 	BACKEND_GEMV_ROWS1 = 2,	  /* the GEMV kernel, one weight row per warp; quantized weights with float x */
 	BACKEND_GEMV_ROWS2 = 3,	  /* the GEMV kernel, two rows per warp; quantized weights with float x */
 	BACKEND_GEMV_DP4A = 4,	  /* one-token products with Q4_K, Q6_K or Q8_0 weights take x quantized to
-				   * int8 per 32 values (integer dot products) */
+				   * int8 per 32 values (integer dot products), the weights copied through
+				   * shared memory several items ahead (cp.async) where 16-byte aligned */
+	BACKEND_GEMV_DP4A_REGS = 5, /* the same integer products with the weights loaded into registers
+				     * (two items ahead per warp) */
 };
 
 /* Attention of prefill chunks on the CUDA backend. */

@@ -86,6 +86,7 @@ static const char *gemv_name(uint32_t g, bool quant)
 	if (quant)
 		return g == BACKEND_GEMV_CUBLAS			       ? "dequantize + cublas"
 		       : g == BACKEND_GEMV_ROWS1 || g == BACKEND_GEMV_ROWS2 ? "quantized gemv, float x"
+		       : g == BACKEND_GEMV_DP4A_REGS			       ? "quantized gemv, int8 x (dp4a), weights via registers"
 									   : "quantized gemv, int8 x (dp4a)";
 	return g == BACKEND_GEMV_CUBLAS ? "cublas" : g == BACKEND_GEMV_ROWS2 ? "2 rows/warp" : "1 row/warp";
 }
@@ -565,6 +566,7 @@ int main(int argc, char **argv)
 		fprintf(stderr, "perf: Llama-3-8B shape, Q4_K_M weights resident (%.2f GB read per decode step), BF16 "
 			"KV, 16-token blocks\n", b.weight_bytes / 1e9);
 		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, !quick, stdout);
+		big_run(&b, BACKEND_GEMV_DP4A_REGS, BACKEND_ATTN_DEFAULT, false, stdout);
 		bench_fuse = BACKEND_FUSE_NONE;
 		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, false, stdout);
 		bench_fuse = BACKEND_FUSE_DEFAULT;

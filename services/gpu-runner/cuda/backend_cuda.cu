@@ -52,7 +52,8 @@
  * (device.cuh's grid_wait says what may come before the wait). One-token products on the integer
  * path compute their x as they stage it: q/k/v and gate/up the RMSNorm of the residual stream,
  * o_proj the attention output (struct xsrc), so those kernels are not launched; on an H100, Q4_K_M
- * 8B decode 3.89 -> 3.32 ms/token. Decode's KV destinations and spans (up to ROPE_INLINE_TOKENS
+ * 8B decode 3.89 -> 3.32 ms/token. The integer path copies the weights through shared memory,
+ * three items ahead per warp (cp.async, dq_sm_kernel): 3.42 -> 3.02 ms/token. Decode's KV destinations and spans (up to ROPE_INLINE_TOKENS
  * and ATTN_INLINE_SPANS) go in the kernels' parameters, not in copies between kernels.
  *
  * Host staging. Token rows of the embedding table (host memory), destination rows and spans go
@@ -622,7 +623,9 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->gemv_rows = p->gemv == BACKEND_GEMV_CUBLAS ? 0 : p->gemv == BACKEND_GEMV_ROWS2 ? 2 : GEMV_DEFAULT_ROWS;
 	/* One-token quantized products take the integer path unless a float GEMV is asked for
 	 * (ROWS1, ROWS2) or cuBLAS (an H100, Q4_K_M 8B: 1.4x faster than the float path). */
-	be->qgemv_dp4a = p->gemv == BACKEND_GEMV_DEFAULT || p->gemv == BACKEND_GEMV_DP4A;
+	be->qgemv_dp4a = p->gemv == BACKEND_GEMV_DEFAULT || p->gemv == BACKEND_GEMV_DP4A ||
+			 p->gemv == BACKEND_GEMV_DP4A_REGS;
+	be->dq_sm = be->qgemv_dp4a && p->gemv != BACKEND_GEMV_DP4A_REGS;
 	be->attn_mma = p->attn != BACKEND_ATTN_SIMPLE;
 	be->fuse_x = p->fuse == BACKEND_FUSE_DEFAULT;
 

@@ -53,6 +53,7 @@
 #define QG_MAX_NT 8		/* tokens of one quantized GEMV pass (its per-token registers) */
 #define QG_WARPS 8		/* warps (output rows) per block of the quantized GEMV */
 #define QG_SMEM_MAX (72u * 1024) /* shared memory of one quantized GEMV block: staged x */
+#define DQ_SM_SMEM_MAX (112u * 1024) /* the integer path through shared memory: x and the weight stages */
 #define QG_OCC_CACHE 32		/* (kernel, shared memory) pairs whose occupancy a backend remembers */
 /* The dequantization scratch holds the largest matrix of a layer, at most this many BF16
  * elements (128 MiB); lm_head and larger matrices go through it a row chunk at a time. */
@@ -109,6 +110,7 @@ struct backend_dev {
 	int gemv_rows;		/* decode through the GEMV kernel with this many rows per warp (0: cuBLAS) */
 	bool qgemv_ok;		/* the device gives the quantized GEMV its shared memory (QG_SMEM_MAX) */
 	bool qgemv_dp4a;	/* one-token quantized products take x as int8 (integer dot products) */
+	bool dq_sm;		/* ... with the weights through shared memory (cp.async) where aligned */
 	struct {
 		const void *fn;
 		size_t smem;

@@ -21,7 +21,7 @@
  * - Q8_0, one lane a block: d d_x sum q x_q. */
 
 /* Shared memory of x for a row of `in` values: in int8 values, then d and s (in / 32 floats each). */
-static inline size_t dq_smem(uint32_t in)
+static inline __host__ __device__ size_t dq_smem(uint32_t in)
 {
 	return (size_t)in + (size_t)in / 32 * 8;
 }
@@ -412,4 +412,189 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_occ<F, MODE>::MIN_BLOCKS)) dq_
 	       dq_stream<F, MODE>(a, at, ld, wid, lane, d1, d0, xq, xd, xs, acc, acc2) &&
 	       dq_stream<F, MODE>(a, at, ld, wid, lane, d2, d1, xq, xd, xs, acc, acc2))
 		;
+}
+
+/* ---- the weights through shared memory (cp.async) -------------------------------------------
+ *
+ * dq_kernel holds three items' bytes per warp in registers, which caps a multiprocessor at 3-4
+ * blocks and a warp at two items in flight. dq_sm_kernel copies each item's bytes (one step of
+ * the row: BPS blocks, contiguous in memory) into a ring of DQ_STAGES stages of its warp in shared
+ * memory with cp.async, DQ_STAGES - 1 items ahead of the one it computes, so the bytes in flight
+ * cost no registers; a lane then reads its share of the item from shared memory as dq_kernel reads
+ * it from global memory. Taken where rows and tensors are 16-byte aligned (cp.async copies 16
+ * bytes from 16-byte aligned addresses; an item's last chunk past the tensor's bytes is zero-filled,
+ * never read). */
+
+#define DQ_STAGES 4
+
+/* Shared-memory reads at the alignment quant.cuh's global reads handle (the stage keeps a step's
+ * bytes at their offsets from the step's 16-byte aligned start). */
+template <int NW> static __device__ __forceinline__ void sm_words(const uint8_t *p, uint32_t (&w)[NW])
+{
+	const uintptr_t a = (uintptr_t)p;
+	const uint32_t *q = (const uint32_t *)(a & ~(uintptr_t)3);
+	const uint32_t sh = (uint32_t)(a & 3) * 8;
+	uint32_t r[NW + 1];
+#pragma unroll
+	for (int i = 0; i < NW; i++)
+		r[i] = q[i];
+	r[NW] = *(const uint32_t *)((a + 4 * NW - 1) & ~(uintptr_t)3);
+#pragma unroll
+	for (int i = 0; i < NW; i++)
+		w[i] = __funnelshift_r(r[i], r[i + 1], sh);
+}
+
+static __device__ __forceinline__ void sm16(const uint8_t *p, uint32_t *w)
+{
+	const uint4 v = *(const uint4 *)p;
+	w[0] = v.x;
+	w[1] = v.y;
+	w[2] = v.z;
+	w[3] = v.w;
+}
+
+/* A lane's share of block blk (in shared memory), as qg<F>::load reads it from global memory. */
+template <int F> struct sq;
+template <> struct sq<DT_Q4_K> {
+	static __device__ __forceinline__ void load(const uint8_t *b, uint32_t g, qg<DT_Q4_K>::data &v)
+	{
+		sm16(b, v.h);
+		sm16(b + 16 + 32 * g, v.q);
+		sm16(b + 32 + 32 * g, v.q + 4);
+	}
+};
+template <> struct sq<DT_Q6_K> {
+	static __device__ __forceinline__ void load(const uint8_t *blk, uint32_t j, qg<DT_Q6_K>::data &v)
+	{
+		const uint32_t nh = j >> 1, l0 = 16 * (j & 1);
+		sm_words<4>(blk + 64 * nh + l0, v.a);
+		sm_words<4>(blk + 64 * nh + 32 + l0, v.b);
+		sm_words<4>(blk + 128 + 32 * nh + l0, v.h);
+		sm_words<2>(blk + 192 + 8 * nh, v.sw);
+		v.d = __half2float(__ushort_as_half(*(const unsigned short *)(blk + 208)));
+	}
+};
+template <> struct sq<DT_Q8_0> {
+	static __device__ __forceinline__ void load(const uint8_t *b, uint32_t, qg<DT_Q8_0>::data &v)
+	{
+		sm_words<8>(b + 2, v.q);
+		v.d = __half2float(__ushort_as_half(*(const unsigned short *)b));
+	}
+};
+
+/* Bytes of one stage: a step's blocks, rounded up to 16. */
+template <int F> struct dq_stage_bytes {
+	static constexpr uint32_t V = (qg<F>::BPS * qg<F>::BB + 15) / 16 * 16;
+};
+
+static inline size_t dq_sm_smem(uint32_t fmt, uint32_t in)
+{
+	const uint32_t sb = fmt == DT_Q4_K ? dq_stage_bytes<DT_Q4_K>::V
+			    : fmt == DT_Q6_K ? dq_stage_bytes<DT_Q6_K>::V
+					     : dq_stage_bytes<DT_Q8_0>::V;
+	return dq_smem(in) + (size_t)QG_WARPS * DQ_STAGES * sb;
+}
+
+static __device__ __forceinline__ void cp_async16(uint8_t *dst, const uint8_t *src, uint32_t src_bytes)
+{
+	const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+	asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
+}
+
+static __device__ __forceinline__ void cp_async_commit(void)
+{
+	asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int N> static __device__ __forceinline__ void cp_async_wait(void)
+{
+	asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+/* The warp copies item k of its row (cursor c) into stage st; commits a group even without an item,
+ * so that every lane's group count stays in step. */
+template <int F, int MODE>
+static __device__ __forceinline__ void dq_sm_issue(const qgemv_args &a, const qg_cursor<MODE> &c, uint8_t *st,
+						   uint32_t lane)
+{
+	typedef qg<F> T;
+	if (c.live) {
+		const uint32_t s = MODE == GEMV_SWIGLU ? c.k >> 1 : c.k;
+		const uint32_t b0 = s * T::BPS, nblk = min(T::BPS, a.nb - b0);
+		const uint32_t bytes = nblk * T::BB;
+		const uint8_t *src = (MODE == GEMV_SWIGLU && (c.k & 1) ? c.r.row2 : c.r.row) + (size_t)b0 * T::BB;
+		for (uint32_t off = 16 * lane; off < bytes; off += 16 * 32)
+			cp_async16(st + off, src + off, min(16u, bytes - off));
+	}
+	cp_async_commit();
+}
+
+/* Adds a lane's share of item k (its bytes in stage st) to acc (up's items to acc2). */
+template <int F, int MODE>
+static __device__ __forceinline__ void dq_sm_item(const qgemv_args &a, uint32_t k, uint32_t lane, const uint8_t *st,
+						  const uint8_t *xq, const float *xd, const float *xs, float *acc,
+						  float *acc2)
+{
+	typedef qg<F> T;
+	const uint32_t s = MODE == GEMV_SWIGLU ? k >> 1 : k;
+	const uint32_t j = lane / T::LPB, b = s * T::BPS + j;
+	if (b < a.nb) {
+		typename T::data d;
+		sq<F>::load(st + j * T::BB, lane % T::LPB, d);
+		const float y = dq<F>::dot(d, b, lane % T::LPB, xq, xd, xs);
+		if (MODE == GEMV_SWIGLU && (k & 1))
+			acc2[0] += y;
+		else
+			acc[0] += y;
+	}
+}
+
+/* 4 blocks a multiprocessor (64 registers) but Q4_K's SwiGLU, whose x staging needs more (3). */
+template <int F, int MODE> struct dq_sm_occ {
+	static constexpr int MIN_BLOCKS = F == DT_Q4_K && MODE == GEMV_SWIGLU ? 3 : 4;
+};
+
+template <int F, int MODE>
+__global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) dq_sm_kernel(const qgemv_args a)
+{
+	constexpr uint32_t SB = dq_stage_bytes<F>::V;
+	extern __shared__ uint4 dq_smem_buf[];
+	uint8_t *xq = (uint8_t *)dq_smem_buf;
+	float *xd = (float *)(xq + a.in), *xs = xd + a.in / 32;
+	const uint32_t wid = threadIdx.x / 32, lane = threadIdx.x % 32;
+	uint8_t *ring = (uint8_t *)dq_smem_buf + dq_smem(a.in) + (size_t)wid * DQ_STAGES * SB;
+	float acc[1] = {0.0f}, acc2[1] = {0.0f};
+	qg_row<MODE> cur;
+	const bool live = cur.at(a, blockIdx.x, wid);
+	qg_cursor<MODE> at = {cur, 0, live}, ld = at;
+	grid_launch_next();
+	/* The first DQ_STAGES - 1 items start coming before the kernel before has finished: weights
+	 * are what no kernel of the step writes. */
+#pragma unroll
+	for (uint32_t i = 0; i < DQ_STAGES - 1; i++) {
+		dq_sm_issue<F, MODE>(a, ld, ring + i * SB, lane);
+		if (ld.live)
+			ld.next(a, wid);
+	}
+	grid_wait();
+	dq_stage<F>(a, xq, xd, xs);
+	if (!live) {
+		cp_async_wait<0>();
+		return;
+	}
+	for (uint32_t i = 0;; i++) {
+		cp_async_wait<DQ_STAGES - 2>(); /* item i's bytes (this lane's copies) have landed */
+		__syncwarp();			/* ... and every lane's; stage i - 1 is read by all */
+		dq_sm_issue<F, MODE>(a, ld, ring + ((i + DQ_STAGES - 1) % DQ_STAGES) * SB, lane);
+		if (ld.live)
+			ld.next(a, wid);
+		const uint32_t k = at.k;
+		dq_sm_item<F, MODE>(a, k, lane, ring + (i % DQ_STAGES) * SB, xq, xd, xs, acc, acc2);
+		if (k + 1 == qg_items<MODE>(a))
+			qg_finish<1, MODE>(a, at.r.p, at.r.o, lane, acc, acc2);
+		at.next(a, wid);
+		if (!at.live)
+			break;
+	}
+	cp_async_wait<0>();
 }

@@ -654,6 +654,13 @@ template <int F> static cudaError_t allow_f(void)
 template <int F> static cudaError_t allow_dq(void)
 {
 	cudaError_t e;
+	if ((e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_STORE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+				      (int)DQ_SM_SMEM_MAX)) ||
+	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_ADD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+				      (int)DQ_SM_SMEM_MAX)) ||
+	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_SWIGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+				      (int)DQ_SM_SMEM_MAX)))
+		return e;
 	if ((e = cudaFuncSetAttribute(dq_kernel<F, GEMV_STORE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
 				      (int)QG_SMEM_MAX)) ||
 	    (e = cudaFuncSetAttribute(dq_kernel<F, GEMV_ADD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -744,6 +751,17 @@ bool qgemv_fits(const struct backend_dev *be, uint32_t fmt, uint32_t in, uint32_
 
 template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const qgemv_args &a, cudaStream_t s)
 {
+	const size_t ssm = dq_sm_smem(F, a.in);
+	bool sm = be->dq_sm && ssm <= DQ_SM_SMEM_MAX && a.row_bytes % 16 == 0;
+	for (uint32_t i = 0; i < 3 && sm; i++)
+		sm = (uintptr_t)a.w[i] % 16 == 0;
+	if (sm) {
+		const void *fn = (const void *)dq_sm_kernel<F, MODE>;
+		const uint32_t cap = (uint32_t)be->sm_count * resident_blocks(be, fn, ssm);
+		const unsigned grid = a.groups < cap ? a.groups : cap;
+		launch_k(be->pdl, dq_sm_kernel<F, MODE>, grid, QG_THREADS, ssm, s, a);
+		return;
+	}
 	const size_t smem = dq_smem(a.in);
 	const void *fn = (const void *)dq_kernel<F, MODE>;
 	const uint32_t cap = (uint32_t)be->sm_count * resident_blocks(be, fn, smem);

@@ -403,12 +403,13 @@ static void check_format(enum dtype f)
 	backend_destroy(&bc);
 }
 
-/* One-token products on a backend with the integer path (BACKEND_GEMV_DP4A): Q4_K, Q6_K and Q8_0
- * take it, the other formats and more tokens keep the float GEMV. */
-static void check_format_dp4a(enum dtype f)
+/* One-token products on a backend with the integer path (gemv: BACKEND_GEMV_DP4A, the weights
+ * through shared memory where rows are 16-byte aligned, or BACKEND_GEMV_DP4A_REGS): Q4_K, Q6_K
+ * and Q8_0 take it, the other formats and more tokens keep the float GEMV. */
+static void check_format_dp4a_with(enum dtype f, uint32_t gemv)
 {
 	struct model_config c = small_cfg();
-	struct backend *bd = open_backend("cuda", &c, 16, BACKEND_GEMV_DP4A);
+	struct backend *bd = open_backend("cuda", &c, 16, gemv);
 	const bool dp = f == DT_Q4_K || f == DT_Q6_K || f == DT_Q8_0;
 	const enum path one = dp ? PATH_DP4A : PATH_GEMV;
 	uint32_t narrow = dtype_block_elems(f) == 32 ? 96 : 256;
@@ -443,7 +444,8 @@ static void check_format_dp4a(enum dtype f)
 
 START_TEST(test_products_dp4a)
 {
-	check_format_dp4a(FORMATS[_i]);
+	check_format_dp4a_with(FORMATS[_i], BACKEND_GEMV_DP4A);
+	check_format_dp4a_with(FORMATS[_i], BACKEND_GEMV_DP4A_REGS);
 }
 END_TEST
 
