@@ -7,7 +7,8 @@
  * softmax on the CUDA cores (attn_kernel). Many queries with a BF16 arena and head_dim 64 or
  * 128 (prefill): 64 queries per block on the tensor cores (attention_mma.cu;
  * backend_params.attn = BACKEND_ATTN_SIMPLE turns it off). With few blocks the key range is
- * split across blocks and a second kernel merges the pieces into the running state. */
+ * split across blocks and the pieces are merged into the running state: by the last block of each
+ * column to finish (CUDA cores, backend_params.fuse default), else by a second kernel. */
 #include "services/gpu-runner/cuda/attention.cuh"
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"
@@ -66,6 +67,50 @@ size_t attn_smem_bytes(uint32_t hd, size_t esize, uint32_t nw)
 {
 	return ATTN_TILE * (sizeof(uint64_t) + sizeof(uint32_t)) + ATTN_TILE * (hd * esize + 16) +
 	       ATTN_TILE * hd * esize + (size_t)nw * hd * sizeof(float);
+}
+
+/* Folds the splits' partial states of one (token, head) pair into its running state: one warp,
+ * lane d holding dims 2d, 2d + 1 of each 64; the partials (written by other blocks) read past L1. */
+static __device__ __noinline__ void merge_splits(const attn_args &a, size_t pair, uint32_t splits, uint32_t lane)
+{
+	const size_t pairs = (size_t)a.n * a.n_heads;
+	const uint32_t hd = a.head_dim;
+	const float M = a.m[pair];
+	float mx = M;
+	for (uint32_t s = 0; s < splits; s++)
+		mx = fmaxf(mx, __ldcg(a.pm + s * pairs + pair));
+	if (mx == -INFINITY)
+		return; /* nothing seen yet, nothing new */
+	const float wM = M == -INFINITY ? 0.0f : expf(M - mx);
+#pragma unroll
+	for (int j = 0; j < MAX_HEAD_DIM / 64; j++) {
+		const uint32_t d = 64 * j + 2 * lane;
+		if (d >= hd)
+			continue;
+		float2 v = *(const float2 *)(a.acc + pair * hd + d);
+		v.x *= wM;
+		v.y *= wM;
+		for (uint32_t s = 0; s < splits; s++) {
+			const float ms = __ldcg(a.pm + s * pairs + pair);
+			if (ms == -INFINITY)
+				continue;
+			const float w = expf(ms - mx);
+			const float2 pv = __ldcg((const float2 *)(a.pacc + (s * pairs + pair) * hd + d));
+			v.x = fmaf(pv.x, w, v.x);
+			v.y = fmaf(pv.y, w, v.y);
+		}
+		*(float2 *)(a.acc + pair * hd + d) = v;
+	}
+	if (lane == 0) {
+		float L = a.l[pair] * wM;
+		for (uint32_t s = 0; s < splits; s++) {
+			const float ms = __ldcg(a.pm + s * pairs + pair);
+			if (ms != -INFINITY)
+				L = fmaf(__ldcg(a.pl + s * pairs + pair), expf(ms - mx), L);
+		}
+		a.m[pair] = mx;
+		a.l[pair] = L;
+	}
 }
 
 /* grid (n_kv_heads * qtiles, splits), blockDim.x / 32 warps. Block (g, qt) serves the queries
@@ -206,8 +251,6 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 		__syncthreads();
 	}
 
-	if (!active)
-		return;
 	float *om = a.m, *ol = a.l, *oacc = a.acc;
 	size_t slot = pair;
 	if (a.pm) {
@@ -216,16 +259,36 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 		oacc = a.pacc;
 		slot = (size_t)split * a.n * a.n_heads + pair;
 	}
-	if (lane == 0) {
-		om[slot] = m;
-		ol[slot] = l;
-	}
+	if (active) {
+		if (lane == 0) {
+			om[slot] = m;
+			ol[slot] = l;
+		}
 #pragma unroll
-	for (int j = 0; j < MAX_HEAD_DIM / 64; j++) {
-		uint32_t d = 64 * j + 2 * lane;
-		if (d < hd)
-			*(float2 *)(oacc + slot * hd + d) = acc[j];
+		for (int j = 0; j < MAX_HEAD_DIM / 64; j++) {
+			uint32_t d = 64 * j + 2 * lane;
+			if (d < hd)
+				*(float2 *)(oacc + slot * hd + d) = acc[j];
+		}
 	}
+	if (!a.pm || !a.merge_count)
+		return; /* one split, or attn_combine_kernel merges */
+	/* The last split block of this (kv head, query tile) to finish merges every split's state
+	 * into the running state, as attn_combine_kernel would (the same operations in the same
+	 * order), and resets the block's counter for the next call. */
+	__shared__ uint32_t s_last;
+	__threadfence();
+	__syncthreads();
+	if (threadIdx.x == 0)
+		s_last = atomicAdd(&a.merge_count[blockIdx.x], 1u) == gridDim.y - 1;
+	__syncthreads();
+	if (!s_last)
+		return;
+	__threadfence();
+	if (threadIdx.x == 0)
+		a.merge_count[blockIdx.x] = 0;
+	if (active)
+		merge_splits(a, pair, gridDim.y, lane);
 }
 
 /* Folds the splits' partial states into the running state: one block per (token, head), a
@@ -401,6 +464,8 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 	a.l = be->st_l;
 	a.acc = be->st_acc;
 	a.pm = splits > 1 ? be->pm : NULL;
+	/* Decode on the CUDA cores: the last split block merges (no second kernel). */
+	a.merge_count = !mma && splits > 1 && be->fuse_x && base <= be->attn_count_n ? be->attn_count : NULL;
 	a.pl = be->pl;
 	a.pacc = be->pacc;
 	dim3 grid(base, splits);
@@ -415,7 +480,7 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 			launch_k(be->pdl, attn_kernel<float>, grid, nw * 32, smem, be->stream, a);
 		LAUNCHED(be, "attn_kernel");
 	}
-	if (splits > 1) {
+	if (splits > 1 && !a.merge_count) {
 		launch_k(be->pdl, attn_combine_kernel, pairs, COMBINE_THREADS, 0, be->stream, be->st_m, be->st_l,
 			 be->st_acc, (const float *)be->pm, (const float *)be->pl, (const float *)be->pacc, pairs, splits,
 			 hd);

@@ -53,8 +53,9 @@
  * path compute their x as they stage it: q/k/v and gate/up the RMSNorm of the residual stream,
  * o_proj the attention output (struct xsrc), so those kernels are not launched; on an H100, Q4_K_M
  * 8B decode 3.89 -> 3.32 ms/token. The integer path copies the weights through shared memory,
- * three items ahead per warp (cp.async, dq_sm_kernel): 3.42 -> 3.02 ms/token. Decode's KV destinations and spans (up to ROPE_INLINE_TOKENS
- * and ATTN_INLINE_SPANS) go in the kernels' parameters, not in copies between kernels.
+ * three items ahead per warp (cp.async, dq_sm_kernel): 3.42 -> 3.02 ms/token. Decode's KV
+ * destinations and spans (up to ROPE_INLINE_TOKENS and ATTN_INLINE_SPANS) go in the kernels'
+ * parameters, not in copies between kernels; split attention's last block merges the splits.
  *
  * Host staging. Token rows of the embedding table (host memory), destination rows and spans go
  * up from a pinned ring buffer with cudaMemcpyAsync on the compute stream; each upload records
@@ -413,6 +414,7 @@ static void cuda_destroy(struct backend_dev **bep)
 	cudaFree(be->pl);
 	cudaFree(be->pacc);
 	cudaFree(be->dst);
+	cudaFree(be->attn_count);
 	cudaFree(be->status);
 	cudaFreeHost(be->h_status);
 	cudaFreeHost(be->up.host);
@@ -541,12 +543,17 @@ static int create_device(struct backend_dev *be)
 	    (rc = dev_alloc(be, (void **)&be->pl, be->part_cap, 1, sizeof(float), "split attention")) ||
 	    (rc = dev_alloc(be, (void **)&be->pacc, be->part_cap, c->head_dim, sizeof(float), "split attention")) ||
 	    (rc = dev_alloc(be, (void **)&be->dst, 2 * mc, 1, sizeof(uint32_t), "KV destinations")) ||
+	    (rc = dev_alloc(be, (void **)&be->attn_count, ATTN_MERGE_COUNTERS, 1, sizeof(uint32_t),
+			    "attention merge counters")) ||
 	    (rc = dev_alloc(be, (void **)&be->status, 1, 1, sizeof(struct dev_status), "the status word")))
 		return rc;
 	/* Stream-ordered, as its replacements when a call brings more spans (cuda_attn_blocks). */
 	be->spanbuf_bytes = ((size_t)p->n_kv_blocks + 1) * (sizeof(struct kv_span) + sizeof(uint32_t)) + 16;
 	CUDA_TRY(be, "cudaMallocAsync (span list)", cudaMallocAsync(&be->spanbuf, be->spanbuf_bytes, be->stream));
 	CUDA_TRY(be, "cudaMemset (status)", cudaMemset(be->status, 0, sizeof(*be->status)));
+	CUDA_TRY(be, "cudaMemset (attention merge counters)",
+		 cudaMemset(be->attn_count, 0, ATTN_MERGE_COUNTERS * sizeof(uint32_t)));
+	be->attn_count_n = ATTN_MERGE_COUNTERS;
 
 	float *inv = (float *)malloc(c->head_dim / 2 * sizeof(float));
 	if (!inv)

@@ -36,6 +36,7 @@
 #define ATTN_MAX_WARPS 16	/* queries (warps) per attention block */
 #define ATTN_MAX_SPLITS 64	/* key-range splits of one attn_blocks call */
 #define ATTN_BLOCKS_PER_SM 4	/* splitting the keys aims at this many blocks per multiprocessor */
+#define ATTN_MERGE_COUNTERS 1024 /* split attention merged by its last block up to this many block columns */
 #define MMA_ROWS 64		/* tensor-core attention: queries per block, 16 per warp */
 #define MMA_KEYS 64		/* tensor-core attention: keys per staged tile */
 #define MAX_HEAD_DIM 256	/* per-lane accumulators: 2 dims per lane per 64 */
@@ -145,6 +146,8 @@ struct backend_dev {
 	float *st_acc;		/* (max_chunk, n_heads, head_dim) running weighted sum of V */
 	float *pm, *pl, *pacc;	/* partial states of split attention: part_cap pairs (and head_dim) */
 	uint32_t part_cap;	/* (split, token, head) triples the partial buffers hold */
+	uint32_t *attn_count;	/* (attn_count_n) split attention's merge counters, zeroed at create */
+	uint32_t attn_count_n;
 	uint32_t *dst;		/* (2, max_chunk) destination blocks, then rows */
 	void *spanbuf;		/* spans, then their key offsets (prefix sums) */
 	size_t spanbuf_bytes;
@@ -368,6 +371,7 @@ struct attn_args {
 	float scale;
 	float *m, *l, *acc;	/* running state (token, head) */
 	float *pm, *pl, *pacc;	/* partial state (split, token, head), NULL with one split */
+	uint32_t *merge_count;	/* per block column: splits done, 0 between calls; NULL: attn_combine_kernel merges */
 };
 
 /* Bytes of dynamic shared memory of an attention block of nw warps. */

@@ -428,22 +428,7 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_occ<F, MODE>::MIN_BLOCKS)) dq_
 #define DQ_STAGES 4
 
 /* Shared-memory reads at the alignment quant.cuh's global reads handle (the stage keeps a step's
- * bytes at their offsets from the step's 16-byte aligned start). */
-template <int NW> static __device__ __forceinline__ void sm_words(const uint8_t *p, uint32_t (&w)[NW])
-{
-	const uintptr_t a = (uintptr_t)p;
-	const uint32_t *q = (const uint32_t *)(a & ~(uintptr_t)3);
-	const uint32_t sh = (uint32_t)(a & 3) * 8;
-	uint32_t r[NW + 1];
-#pragma unroll
-	for (int i = 0; i < NW; i++)
-		r[i] = q[i];
-	r[NW] = *(const uint32_t *)((a + 4 * NW - 1) & ~(uintptr_t)3);
-#pragma unroll
-	for (int i = 0; i < NW; i++)
-		w[i] = __funnelshift_r(r[i], r[i + 1], sh);
-}
-
+ * bytes at their offsets from the step's 16-byte aligned start): ld_words<NW, true>, and 16 bytes. */
 static __device__ __forceinline__ void sm16(const uint8_t *p, uint32_t *w)
 {
 	const uint4 v = *(const uint4 *)p;
@@ -467,17 +452,17 @@ template <> struct sq<DT_Q6_K> {
 	static __device__ __forceinline__ void load(const uint8_t *blk, uint32_t j, qg<DT_Q6_K>::data &v)
 	{
 		const uint32_t nh = j >> 1, l0 = 16 * (j & 1);
-		sm_words<4>(blk + 64 * nh + l0, v.a);
-		sm_words<4>(blk + 64 * nh + 32 + l0, v.b);
-		sm_words<4>(blk + 128 + 32 * nh + l0, v.h);
-		sm_words<2>(blk + 192 + 8 * nh, v.sw);
+		ld_words<4, true>(blk + 64 * nh + l0, v.a);
+		ld_words<4, true>(blk + 64 * nh + 32 + l0, v.b);
+		ld_words<4, true>(blk + 128 + 32 * nh + l0, v.h);
+		ld_words<2, true>(blk + 192 + 8 * nh, v.sw);
 		v.d = __half2float(__ushort_as_half(*(const unsigned short *)(blk + 208)));
 	}
 };
 template <> struct sq<DT_Q8_0> {
 	static __device__ __forceinline__ void load(const uint8_t *b, uint32_t, qg<DT_Q8_0>::data &v)
 	{
-		sm_words<8>(b + 2, v.q);
+		ld_words<8, true>(b + 2, v.q);
 		v.d = __half2float(__ushort_as_half(*(const unsigned short *)b));
 	}
 };

@@ -17,17 +17,20 @@
 
 /* NW little-endian words of the bytes [p, p + 4 * NW), p of any alignment: aligned words are
  * loaded (the last one is the word holding byte p + 4 * NW - 1, so nothing past the field is
- * read) and funnel-shifted into place. */
-template <int NW> static __device__ __forceinline__ void ld_words(const uint8_t *p, uint32_t (&w)[NW])
+ * read) and funnel-shifted into place. SHARED: p is in shared memory (plain loads), else global
+ * memory (read-only loads). */
+template <int NW, bool SHARED = false>
+static __device__ __forceinline__ void ld_words(const uint8_t *p, uint32_t (&w)[NW])
 {
 	const uintptr_t a = (uintptr_t)p;
 	const uint32_t *q = (const uint32_t *)(a & ~(uintptr_t)3);
 	const uint32_t sh = (uint32_t)(a & 3) * 8;
+	const uint32_t *last = (const uint32_t *)((a + 4 * NW - 1) & ~(uintptr_t)3);
 	uint32_t r[NW + 1];
 #pragma unroll
 	for (int i = 0; i < NW; i++)
-		r[i] = __ldg(q + i);
-	r[NW] = __ldg((const uint32_t *)((a + 4 * NW - 1) & ~(uintptr_t)3));
+		r[i] = SHARED ? q[i] : __ldg(q + i);
+	r[NW] = SHARED ? *last : __ldg(last);
 #pragma unroll
 	for (int i = 0; i < NW; i++)
 		w[i] = __funnelshift_r(r[i], r[i + 1], sh);
