@@ -280,6 +280,8 @@ static int cuda_ffn(struct backend_dev *be, const struct group_weights *w)
 	static const enum tensor_role mats[] = {ROLE_W_GATE, ROLE_W_UP, ROLE_W_DOWN};
 	const struct model_config *c = &be->cfg;
 	uint32_t n = be->n, ffn = c->ffn_dim, at;
+	if (w->split.where != FFN_SPLIT_NONE)
+		return cuda_failf(be, -ENOTSUP, "cuda backend: ffn: split FFNs are not supported yet");
 	int rc = check_chain(be, w, mats, 3, "ffn", &at);
 	if (rc)
 		return rc;
