@@ -281,7 +281,7 @@ static int cuda_ffn(struct backend_dev *be, const struct group_weights *w)
 	const struct model_config *c = &be->cfg;
 	uint32_t n = be->n, ffn = c->ffn_dim, at;
 	if (w->split.where != FFN_SPLIT_NONE)
-		return cuda_failf(be, -ENOTSUP, "cuda backend: ffn: split FFNs are not supported yet");
+		return ffn_split_compute(be, w);
 	int rc = check_chain(be, w, mats, 3, "ffn", &at);
 	if (rc)
 		return rc;
@@ -319,6 +319,9 @@ static int finish_step(struct backend_dev *be, const char *what)
 	CUDA_TRY(be, "cudaMemcpyAsync (status)",
 		 cudaMemcpyAsync(be->h_status, be->status, sizeof(*be->status), cudaMemcpyDeviceToHost, be->stream));
 	CUDA_TRY(be, "cudaStreamSynchronize (logits)", cudaStreamSynchronize(be->stream));
+	int rc = ffn_split_check(be);
+	if (rc)
+		return rc;
 	if (be->h_status->err) {
 		struct dev_status st = *be->h_status;
 		CUDA_TRY(be, "cudaMemsetAsync (status)", cudaMemsetAsync(be->status, 0, sizeof(*be->status), be->stream));
@@ -391,6 +394,7 @@ static void cuda_destroy(struct backend_dev **bep)
 	struct backend_dev *be = *bep;
 	if (!be)
 		return;
+	ffn_split_teardown(be);
 	if (be->spanbuf)
 		cudaFreeAsync(be->spanbuf, be->stream); /* allocated stream-ordered */
 	if (be->stream)
@@ -629,6 +633,8 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->fuse_x = p->fuse == BACKEND_FUSE_DEFAULT;
 
 	rc = create_device(be);
+	if (rc == 0)
+		rc = ffn_split_setup(be);
 	if (rc) {
 		snprintf(err, errlen, "%s", be->err);
 		cuda_destroy(&be);
