@@ -48,7 +48,8 @@ int ffn_share_create(uint32_t dim, uint32_t ffn_dim, uint32_t max_tokens, uint32
 	fs->ps = calloc(threads, sizeof(*fs->ps));
 	int rc = 0;
 	if (!fs->h || !fs->ps) {
-		rc = errorf(err, errlen, -ENOMEM, "cpu share: out of memory for %u tokens of %u rows", max_tokens, ffn_dim);
+		rc = errorf(err, errlen, -ENOMEM, "cpu share: out of memory for %u tokens of %u rows", max_tokens,
+			    ffn_dim);
 		goto out_destroy;
 	}
 	for (uint32_t i = 0; i < threads; i++) {
@@ -56,10 +57,12 @@ int ffn_share_create(uint32_t dim, uint32_t ffn_dim, uint32_t max_tokens, uint32
 		p->xf = calloc(dim, sizeof(float));
 		p->tmp = calloc(ffn_dim, sizeof(float));
 		if (!p->xf || !p->tmp) {
-			rc = errorf(err, errlen, -ENOMEM, "cpu share: out of memory for the scratch of %u threads", threads);
+			rc = errorf(err, errlen, -ENOMEM, "cpu share: out of memory for the scratch of %u threads",
+				    threads);
 			goto out_destroy;
 		}
-		if ((rc = cpu_vec_create(dim, &p->xg, err, errlen)) || (rc = cpu_vec_create(dim, &p->xu, err, errlen)) ||
+		if ((rc = cpu_vec_create(dim, &p->xg, err, errlen)) ||
+		    (rc = cpu_vec_create(dim, &p->xu, err, errlen)) ||
 		    (rc = cpu_vec_create(ffn_dim, &p->xh, err, errlen)))
 			goto out_destroy;
 	}
@@ -142,14 +145,15 @@ static int swiglu_rows(struct ffn_share *fs, const struct ffn_share_job *job, st
 		if (rc)
 			return rc;
 		if (fused) {
-			rc = cpu_swiglu(ps->xg, job->gate.data, job->up.data, gf, job->gate.row_bytes, b, e, 0, dim, h + b, err,
-					errlen);
+			rc = cpu_swiglu(ps->xg, job->gate.data, job->up.data, gf, job->gate.row_bytes, b, e, 0, dim,
+					h + b, err, errlen);
 		} else {
 			/* Gate and up in different formats (or strides): two products, then SiLU * up. */
 			if ((rc = cpu_vec_prepare(ps->xu, uf, ps->xf, dim, err, errlen)) ||
 			    (rc = cpu_matvec(ps->xg, job->gate.data, gf, job->gate.row_bytes, b, e, 0, dim, h + b, err,
 					     errlen)) ||
-			    (rc = cpu_matvec(ps->xu, job->up.data, uf, job->up.row_bytes, b, e, 0, dim, ps->tmp, err, errlen)))
+			    (rc = cpu_matvec(ps->xu, job->up.data, uf, job->up.row_bytes, b, e, 0, dim, ps->tmp, err,
+					     errlen)))
 				return rc;
 			for (uint32_t i = b; i < e; i++)
 				h[i] = cpu_silu_mul(h[i], ps->tmp[i - b]);

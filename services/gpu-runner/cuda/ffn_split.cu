@@ -143,7 +143,8 @@ static int check_compact(struct backend_dev *be, const struct weight_tensor *t, 
 /* SwiGLU over `rows` intermediate rows of gate and up (device memory), then down's matching
  * columns added into x. */
 static int device_share(struct backend_dev *be, uint32_t at, const struct weight_tensor *gate,
-			const struct weight_tensor *up, const struct weight_tensor *down, uint32_t rows, const char *what)
+			const struct weight_tensor *up, const struct weight_tensor *down, uint32_t rows,
+			const char *what)
 {
 	int rc;
 	if ((rc = check_compact(be, gate, what)) || (rc = check_compact(be, up, what)) ||

@@ -154,7 +154,8 @@ static void dev_slice(struct tmodel *m, const struct weight_tensor *h, uint32_t 
 	uint64_t w = dtype_row_bytes(f, cols);
 	void *d = dev_alloc(m, w * rows);
 	if (rows && cols)
-		CUDA_OK(cudaMemcpy2D(d, w, (const char *)h->data[PLACE_HOST] + r0 * h->row_bytes + dtype_row_bytes(f, c0),
+		CUDA_OK(cudaMemcpy2D(d, w,
+				     (const char *)h->data[PLACE_HOST] + r0 * h->row_bytes + dtype_row_bytes(f, c0),
 				     h->row_bytes, w, rows, cudaMemcpyHostToDevice));
 	weight_tensor_set(out, PLACE_DEVICE, d, f, rows, cols);
 	out->row0 = r0;
@@ -384,7 +385,8 @@ START_TEST(test_cpu_share_failure)
 	int32_t tok[4] = {3, 9, 27, 81};
 	char err[256] = "";
 	RUN_OK(&cu, run_step(&cu, tok, 1, 0, out));
-	ck_assert_msg(cuda_test_fail_cpu_share(cu.be, 2, err, sizeof(err)) == 0, "%s", err); /* layer 1 of the next step */
+	/* The second job from now: layer 1 of the next step. */
+	ck_assert_msg(cuda_test_fail_cpu_share(cu.be, 2, err, sizeof(err)) == 0, "%s", err);
 	int rc = run_step(&cu, tok + 1, 1, 1, out);
 	ck_assert_int_eq(rc, -EIO);
 	ck_assert_msg(strstr(backend_error(cu.be), "CPU share failed") && strstr(backend_error(cu.be), "injected"),
