@@ -498,6 +498,14 @@ int backend_logits_sample(struct backend *be, const struct group_weights *w, con
 	return 0;
 }
 
+void backend_get_cpu_share_stats(struct backend *be, struct backend_cpu_share_stats *out)
+{
+	memset(out, 0, sizeof(*out));
+	snprintf(out->handoff, sizeof(out->handoff), "none");
+	if (be->impl->compute->cpu_share_stats)
+		be->impl->compute->cpu_share_stats(be->dev, out);
+}
+
 /* ---- KV copies --------------------------------------------------------------------------- */
 
 static int check_blocks(struct backend *be, uint32_t n, const uint32_t *blocks, const char *what)

@@ -276,6 +276,21 @@ bool backend_samples_on_device(const struct backend *be);
 int backend_logits_sample(struct backend *be, const struct group_weights *w, const struct sampler_params *sp,
 			  double u, int32_t *token);
 
+/* What the CPU share of split FFNs has done since the backend was made (all zero without one). */
+struct backend_cpu_share_stats {
+	char handoff[16];    /* how it is handed over: "memops", "hostfunc" (CUDA), "direct" (the C backend), "none" */
+	uint64_t jobs;	     /* CPU shares computed (a failed one included) */
+	uint64_t failed;     /* of which failed */
+	uint64_t bytes;	     /* weight bytes they read */
+	double cpu_ms;	     /* their time on the CPU, first part's start to last part's end, summed */
+	uint64_t timed;	     /* split FFNs timed on the CUDA stream (one in a few) */
+	double stream_ms;    /* those FFNs' time on the stream, from x's copy down to the partial's add, summed */
+	double wait_ms;	     /* of which the stream waited for the CPU and its result's copy up, summed */
+};
+
+/* Fills out (zeros and "none" where the backend has no CPU share). Never fails. */
+void backend_get_cpu_share_stats(struct backend *be, struct backend_cpu_share_stats *out);
+
 /* ---- KV copies ------------------------------------------------------------------------- */
 
 /* Copies n arena blocks to host buffers of backend_kv_block_bytes; returns once all are

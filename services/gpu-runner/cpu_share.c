@@ -62,6 +62,7 @@ static int plan_cpu_backend(struct runner *r, char *err, size_t errlen)
 	free(ly);
 	if (rc)
 		return rc;
+	r->cpu_split_bytes = plan.cpu_bytes;
 	char b[32];
 	log_info("cpu share: the cpu backend computes rows [r, %u) of %u FFNs (r %u..%u) with cpu-compute on %u "
 		 "threads in decode steps: %s a token", c->ffn_dim, plan.split_layers, plan.r_min, plan.r_max,

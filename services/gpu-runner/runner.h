@@ -53,6 +53,7 @@ struct runner {
 	uint32_t cpu_handoff;			     /* enum backend_cpu_handoff */
 	struct task_pool *cpu_pool;		     /* the CPU share's workers; NULL: no CPU share */
 	uint32_t *cpu_split_r;			     /* the C backend with a fixed share: r per layer (engine) */
+	uint64_t cpu_split_bytes;		     /* ... and the weight bytes its CPU shares read per token */
 
 	void *zctx; /* for the clients of the other services */
 	struct rpc_client *loader_c, *kv_c;

@@ -46,6 +46,14 @@ for share in 0.5 1; do
 	expect_eq "$got" "$want" "greedy tokens at --cpu-share $share vs the whole FFN"
 	expect_eq "$("$PIPECTL" get gpu-runner cpu-share | awk '{print $3}')" "$(printf '%.2f' "$share")" \
 		"pipectl get gpu-runner cpu-share"
+	# What the CPU did is visible: the runner's stats, status and inspect.
+	stats=$("$PIPECTL" stats gpu-runner)
+	jobs=$(sed -n '/"cpu_share"/,/}/s/^ *"jobs": *\([0-9]*\).*/\1/p' <<<"$stats" | head -n 1)
+	expect_gt "${jobs:-}" 0 "CPU share jobs in the runner's stats"
+	expect_grep '"split_ffns": 2' "$stats" "the split in force in the runner's stats"
+	expect_grep '"jobs_failed": 0' "$stats" "failed CPU shares in the runner's stats"
+	expect_grep "^CPU share +$(printf '%.2f' "$share"), 2 FFNs split" "$("$PIPELINE" status 2>&1)" "pipeline status"
+	expect_grep "cpu +share $(printf '%.2f' "$share"): 2 FFNs split" "$("$PIPELINE" inspect --once)" "pipeline inspect"
 	"$PIPELINE" stop
 	log "--cpu-share $share: tokens equal the whole FFN's"
 done
@@ -55,6 +63,7 @@ if [[ $BACKEND == cpu ]]; then
 	"$PIPELINE" start --model "$MODEL" >/dev/null
 	expect_grep "auto splits no FFN on the cpu backend" "$(cat "$RUN_DIR/gpu-runner.log")" "the runner's log at auto"
 	expect_words 8 "$(generate --tokens "$PROMPT" -n 8)" "tokens at auto"
+	expect_grep "cpu +share off: no FFN split" "$("$PIPELINE" inspect --once)" "pipeline inspect at auto"
 	"$PIPELINE" stop
 fi
 log "ok"

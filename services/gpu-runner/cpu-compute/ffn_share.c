@@ -25,6 +25,7 @@ struct part_scratch {
 
 struct ffn_share {
 	uint32_t dim, ffn_dim, max_tokens, threads;
+	uint64_t jobs, bytes, ns;    /* ffn_share_stats (atomic) */
 	float *h;		     /* (max_tokens, ffn_dim) the SwiGLU output, rounded to act */
 	struct part_scratch *ps;     /* (threads) */
 };
@@ -189,6 +190,8 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 	assert(n_parts == 2 * P && part < n_parts);
 	(void)n_parts;
 	int rc = 0;
+	uint64_t zero = 0, t = now_ns();
+	__atomic_compare_exchange_n(&job->t0_ns, &zero, t, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
 	if (part < P) {
 		if (job->n == 0 || job->n > fs->max_tokens || job->rows > fs->ffn_dim ||
 		    (job->act != DT_F32 && job->act != DT_BF16 && job->act != DT_F16))
@@ -215,9 +218,27 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 			sched_yield();
 		}
 	}
-	if (job->n == 0 || job->n > fs->max_tokens || job->rows > fs->ffn_dim)
-		return 0; /* the first phase reported it */
-	uint32_t b, e;
-	range(fs->dim, P, part - P, &b, &e);
-	return b < e ? down_rows(fs, job, &fs->ps[part - P], y, b, e, err, errlen) : 0;
+	if (job->n > 0 && job->n <= fs->max_tokens && job->rows <= fs->ffn_dim) { /* else the first phase said so */
+		uint32_t b, e;
+		range(fs->dim, P, part - P, &b, &e);
+		if (b < e)
+			rc = down_rows(fs, job, &fs->ps[part - P], y, b, e, err, errlen);
+	}
+	if (__atomic_add_fetch(&job->phase2_done, 1, __ATOMIC_ACQ_REL) == P) {
+		/* The job's last part: what it read, and how long it took. */
+		const enum dtype df = (enum dtype)job->down.format;
+		uint64_t share = job->rows * (job->gate.row_bytes + job->up.row_bytes) +
+				 fs->dim * dtype_row_bytes(df, job->rows), bytes = job->n * share;
+		__atomic_add_fetch(&fs->jobs, 1, __ATOMIC_RELAXED);
+		__atomic_add_fetch(&fs->bytes, bytes, __ATOMIC_RELAXED);
+		__atomic_add_fetch(&fs->ns, now_ns() - __atomic_load_n(&job->t0_ns, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+	}
+	return rc;
+}
+
+void ffn_share_get_stats(const struct ffn_share *fs, struct ffn_share_stats *out)
+{
+	out->jobs = __atomic_load_n(&fs->jobs, __ATOMIC_RELAXED);
+	out->bytes = __atomic_load_n(&fs->bytes, __ATOMIC_RELAXED);
+	out->ns = __atomic_load_n(&fs->ns, __ATOMIC_RELAXED);
 }

@@ -52,6 +52,15 @@ struct ffn_share_job {
 	uint32_t n;	       /* tokens */
 	uint32_t act;	       /* enum dtype of x, and what h is rounded to (DT_F32: not rounded) */
 	uint32_t phase1_done;  /* parts of the first phase finished (atomic; the second waits for P) */
+	uint32_t phase2_done;  /* parts of the second phase finished (atomic; the last one counts the job) */
+	uint64_t t0_ns;	       /* when the first part started (atomic, 0 until then) */
+};
+
+/* What the jobs of an ffn_share did, all time (counted by the part that finishes a job last). */
+struct ffn_share_stats {
+	uint64_t jobs;	 /* jobs finished, failed ones included */
+	uint64_t bytes;	 /* weight bytes they read */
+	uint64_t ns;	 /* their time, from the first part's start to the last part's end, summed */
 };
 
 struct ffn_share;
@@ -75,6 +84,8 @@ void ffn_share_job_init(struct ffn_share_job *job, const struct ffn_share_mat *g
  * when a prepared vector cannot grow. */
 int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *x, float *y, uint32_t part,
 		   uint32_t n_parts, char *err, size_t errlen);
+/* A snapshot of the counters (any thread). */
+void ffn_share_get_stats(const struct ffn_share *fs, struct ffn_share_stats *out);
 
 #ifdef __cplusplus
 }

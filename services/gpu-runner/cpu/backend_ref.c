@@ -93,6 +93,7 @@ struct backend_dev {
 	struct ffn_share_job share_job;
 	float *share_y;	       /* (FFN_SPLIT_MAX_TOKENS, dim) the share's partial hidden vectors */
 	uint32_t share_done, share_waiters, share_seq; /* the job's completion word, its sleepers, the last value */
+	uint64_t share_failed;	/* CPU shares that failed */
 };
 
 __attribute__((format(printf, 3, 4))) static int fail(struct backend_dev *be, int rc, const char *fmt, ...)
@@ -411,8 +412,10 @@ static int ref_ffn(struct backend_dev *be, const struct group_weights *w)
 		return 0;
 	}
 	task_word_wait(&be->share_done, &be->share_waiters, be->share_seq, 50, 0);
-	if (job.rc)
+	if (job.rc) {
+		be->share_failed++;
 		return fail(be, job.rc, "cpu backend: ffn: the CPU share failed: %s", job.err);
+	}
 	size_t cnt = (size_t)be->n * c->dim;
 	for (size_t i = 0; i < cnt; i++)
 		be->x[i] += be->share_y[i];
@@ -430,6 +433,19 @@ static int ref_logits(struct backend_dev *be, const struct group_weights *w, flo
 	};
 	matmul(be, &j);
 	return 0;
+}
+
+static void ref_cpu_share_stats(struct backend_dev *be, struct backend_cpu_share_stats *out)
+{
+	if (!be->share)
+		return;
+	struct ffn_share_stats st;
+	ffn_share_get_stats(be->share, &st);
+	snprintf(out->handoff, sizeof(out->handoff), "direct");
+	out->jobs = st.jobs;
+	out->failed = be->share_failed;
+	out->bytes = st.bytes;
+	out->cpu_ms = (double)st.ns / 1e6;
 }
 
 static const char *ref_error(struct backend_dev *be)
@@ -590,6 +606,7 @@ static const struct backend_compute_ops ref_compute = {
 	.ffn = ref_ffn,
 	.logits = ref_logits,
 	/* logits_argmax: the front's (logits, then argmax on the host); no logits_sample. */
+	.cpu_share_stats = ref_cpu_share_stats,
 };
 
 static const struct backend_kv_ops ref_kv = {

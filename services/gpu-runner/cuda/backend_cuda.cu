@@ -654,6 +654,7 @@ static const struct backend_compute_ops cuda_compute = {
 	cuda_logits,		/* logits */
 	cuda_logits_argmax,	/* logits_argmax */
 	cuda_logits_sample,	/* logits_sample */
+	ffn_split_stats,	/* cpu_share_stats */
 };
 
 extern "C" {

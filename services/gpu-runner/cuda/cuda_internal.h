@@ -165,6 +165,11 @@ struct backend_dev {
 	uint64_t split_n;		/* jobs handed over so far */
 	float *partial;			/* (FFN_SPLIT_MAX_TOKENS, dim) the CPU share's result, device memory */
 	uint64_t split_fail_at;		/* test hook: the job of this number (split_n after it) fails; 0 none */
+	cudaEvent_t split_ev[3];	/* one split FFN in a few, timed: before x's copy down, after the GPU's
+					 * share, after the partial's add */
+	bool split_ev_pending;		/* recorded, not yet read */
+	uint64_t split_timed;
+	double split_stream_ms, split_wait_ms;
 };
 
 /* ---- errors ------------------------------------------------------------------------------ */
@@ -407,8 +412,8 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w);
 /* After the host synchronised with the stream: a CPU share that failed since the last check
  * fails the step here (-errno, message in be->err). */
 int ffn_split_check(struct backend_dev *be);
-/* "memops", "hostfunc", or "none" without a handoff. */
-const char *ffn_split_handoff_mode(const struct backend_dev *be);
+/* The CPU share's counters (backend_get_cpu_share_stats). */
+void ffn_split_stats(struct backend_dev *be, struct backend_cpu_share_stats *out);
 
 /* ---- kv_copy.cu ---------------------------------------------------------------------------- */
 

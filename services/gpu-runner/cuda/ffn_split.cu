@@ -29,6 +29,7 @@
 #define HANDOFF_RING 64u
 #define SPLIT_JOBS (2 * HANDOFF_RING)
 #define HANDOFF_SPIN_US 50u
+#define TIME_EVERY 8u /* one split FFN in this many is timed on the stream */
 
 struct split_job {
 	struct backend_dev *be;
@@ -94,12 +95,17 @@ int ffn_split_setup(struct backend_dev *be)
 	}
 	if (rc)
 		return cuda_failf(be, rc, "cuda backend: %s", msg);
+	for (int i = 0; i < 3; i++)
+		CUDA_TRY(be, "cudaEventCreate (timing the CPU share)", cudaEventCreate(&be->split_ev[i]));
 	return 0;
 }
 
 void ffn_split_teardown(struct backend_dev *be)
 {
 	cpu_handoff_destroy(&be->handoff); /* waits for the jobs it handed over, before their scratch goes */
+	for (int i = 0; i < 3; i++)
+		if (be->split_ev[i])
+			cudaEventDestroy(be->split_ev[i]);
 	ffn_share_destroy(&be->share);
 	free(be->split_jobs);
 	be->split_jobs = NULL;
@@ -116,9 +122,38 @@ int ffn_split_check(struct backend_dev *be)
 	return rc ? cuda_failf(be, rc, "cuda backend: ffn: the CPU share failed: %s", msg) : 0;
 }
 
-const char *ffn_split_handoff_mode(const struct backend_dev *be)
+/* The timed split FFN's events, once the stream has passed them. Never waits. */
+static void harvest(struct backend_dev *be)
 {
-	return be->handoff ? cpu_handoff_mode_name(cpu_handoff_mode(be->handoff)) : "none";
+	if (!be->split_ev_pending || cudaEventQuery(be->split_ev[2]) != cudaSuccess)
+		return;
+	float all = 0, wait = 0;
+	if (cudaEventElapsedTime(&all, be->split_ev[0], be->split_ev[2]) == cudaSuccess &&
+	    cudaEventElapsedTime(&wait, be->split_ev[1], be->split_ev[2]) == cudaSuccess) {
+		be->split_stream_ms += all;
+		be->split_wait_ms += wait;
+		be->split_timed++;
+	}
+	be->split_ev_pending = false;
+}
+
+void ffn_split_stats(struct backend_dev *be, struct backend_cpu_share_stats *out)
+{
+	if (!be->handoff)
+		return;
+	harvest(be);
+	struct ffn_share_stats ss;
+	ffn_share_get_stats(be->share, &ss);
+	struct cpu_handoff_stats hs;
+	cpu_handoff_get_stats(be->handoff, &hs);
+	snprintf(out->handoff, sizeof(out->handoff), "%s", cpu_handoff_mode_name(hs.mode));
+	out->jobs = ss.jobs;
+	out->failed = hs.failed;
+	out->bytes = ss.bytes;
+	out->cpu_ms = (double)ss.ns / 1e6;
+	out->timed = be->split_timed;
+	out->stream_ms = be->split_stream_ms;
+	out->wait_ms = be->split_wait_ms;
 }
 
 /* A matrix of a share in device memory as a part of a product into out. */
@@ -183,7 +218,13 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w)
 		return rc;
 	uint64_t seq = 0;
 	char msg[CPU_HANDOFF_ERR_MAX];
+	bool timed = false;
 	if (s->where == FFN_SPLIT_CPU) {
+		harvest(be);
+		if (!be->split_ev_pending && be->split_n % TIME_EVERY == 0) {
+			timed = true;
+			CUDA_TRY(be, "cudaEventRecord (timing the CPU share)", cudaEventRecord(be->split_ev[0], be->stream));
+		}
 		struct split_job *sj = &be->split_jobs[be->split_n % SPLIT_JOBS];
 		struct ffn_share_mat g = host_mat(&s->gate), u = host_mat(&s->up), d = host_mat(&s->down);
 		sj->be = be;
@@ -206,11 +247,17 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w)
 		return rc;
 	if (s->where == FFN_SPLIT_BACKEND)
 		return device_share(be, at, &s->gate, &s->up, &s->down, rest, "ffn (second share)");
+	if (timed)
+		CUDA_TRY(be, "cudaEventRecord (timing the CPU share)", cudaEventRecord(be->split_ev[1], be->stream));
 	rc = cpu_handoff_wait(be->handoff, seq, be->partial, msg, sizeof(msg));
 	if (rc)
 		return cuda_failf(be, rc, "cuda backend: ffn: %s", msg);
 	size_t count = (size_t)n * c->dim;
 	add_kernel<<<grid_for(count, 256), 256, 0, be->stream>>>(be->x, be->partial, count);
 	LAUNCHED(be, "add_kernel (CPU share)");
+	if (timed) {
+		CUDA_TRY(be, "cudaEventRecord (timing the CPU share)", cudaEventRecord(be->split_ev[2], be->stream));
+		be->split_ev_pending = true;
+	}
 	return 0;
 }
