@@ -249,6 +249,12 @@ char *runner_stats(void *ctx)
 			json_object_set_new(g, "prefill_copies", json_integer((json_int_t)ws2.side_copies));
 			json_object_set_new(g, "prefill_copy_bytes_h2d", json_integer((json_int_t)ws2.side_bytes_h2d));
 			json_object_set_new(g, "cpu_shares", json_integer((json_int_t)ws2.cpu_shares));
+			json_t *rates = json_object();
+			for (uint32_t f = 0; rates && f < DT_COUNT; f++)
+				if (gpu_window_cpu_rate(r->win, (enum dtype)f) > 0)
+					json_object_set_new(rates, dtype_name((enum dtype)f),
+							    json_real(gpu_window_cpu_rate(r->win, (enum dtype)f)));
+			json_object_set_new(g, "cpu_bytes_per_s", rates ? rates : json_null());
 			json_object_set_new(o, "gpu_window", g);
 		}
 	}
