@@ -40,7 +40,7 @@ for share in 0.5 1; do
 	if [[ $BACKEND == cpu ]]; then
 		expect_grep "computes rows \[r, 192\) of 2 FFNs" "$runner_log" "the C backend's split at --cpu-share $share"
 	else
-		expect_grep "2 FFN groups split with the CPU" "$runner_log" "the window's split at --cpu-share $share"
+		expect_grep "[1-9][0-9]* FFN groups split with the CPU" "$runner_log" "the window's split at --cpu-share $share"
 	fi
 	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
 	expect_eq "$got" "$want" "greedy tokens at --cpu-share $share vs the whole FFN"
@@ -50,10 +50,12 @@ for share in 0.5 1; do
 	stats=$("$PIPECTL" stats gpu-runner)
 	jobs=$(sed -n '/"cpu_share"/,/}/s/^ *"jobs": *\([0-9]*\).*/\1/p' <<<"$stats" | head -n 1)
 	expect_gt "${jobs:-}" 0 "CPU share jobs in the runner's stats"
-	expect_grep '"split_ffns": 2' "$stats" "the split in force in the runner's stats"
+	expect_grep '"split_ffns": [1-9]' "$stats" "the split in force in the runner's stats"
 	expect_grep '"jobs_failed": 0' "$stats" "failed CPU shares in the runner's stats"
-	expect_grep "^CPU share +$(printf '%.2f' "$share"), 2 FFNs split" "$("$PIPELINE" status 2>&1)" "pipeline status"
-	expect_grep "cpu +share $(printf '%.2f' "$share"): 2 FFNs split" "$("$PIPELINE" inspect --once)" "pipeline inspect"
+	expect_grep "^CPU share +$(printf '%.2f' "$share"), [1-9][0-9]* FFNs split" "$("$PIPELINE" status 2>&1)" \
+		"pipeline status"
+	expect_grep "cpu +share $(printf '%.2f' "$share"): [1-9][0-9]* FFNs split" "$("$PIPELINE" inspect --once)" \
+		"pipeline inspect"
 	"$PIPELINE" stop
 	log "--cpu-share $share: tokens equal the whole FFN's"
 done
