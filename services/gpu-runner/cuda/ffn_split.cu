@@ -165,12 +165,14 @@ static struct mm_part mat(const struct weight_tensor *t, uint32_t rows, float *o
 
 /* cuBLAS and the GEMV of the element formats read rows `in` elements apart: such a share's
  * matrices must be compact on the device (the GPU window copies them so). */
-static int check_compact(struct backend_dev *be, const struct weight_tensor *t, const char *what)
+static int check_compact(struct backend_dev *be, const struct weight_tensor *t, enum tensor_role role,
+			 const char *which)
 {
 	if (!dtype_is_element((enum dtype)t->format) || t->row_bytes == dtype_row_bytes((enum dtype)t->format, t->cols))
 		return 0;
-	return cuda_failf(be, -ENOTSUP, "cuda backend: ffn: %s rows are %llu bytes apart, not %llu: device shares of "
-			  "%s matrices must be compact", what, (unsigned long long)t->row_bytes,
+	return cuda_failf(be, -ENOTSUP, "cuda backend: ffn: the %s share's %s rows are %llu bytes apart, not %llu: "
+			  "device shares of %s matrices must be compact", which, tensor_role_name(role),
+			  (unsigned long long)t->row_bytes,
 			  (unsigned long long)dtype_row_bytes((enum dtype)t->format, t->cols),
 			  dtype_name((enum dtype)t->format));
 }
@@ -181,12 +183,8 @@ static int device_share(struct backend_dev *be, uint32_t at, const struct weight
 			const struct weight_tensor *up, const struct weight_tensor *down, uint32_t rows,
 			const char *what)
 {
-	int rc;
-	if ((rc = check_compact(be, gate, what)) || (rc = check_compact(be, up, what)) ||
-	    (rc = check_compact(be, down, what)))
-		return rc;
 	struct mm_part gu[2] = {mat(gate, rows, be->gu), mat(up, rows, be->gu + rows)};
-	rc = swiglu_product(be, at, gu, be->xa, NULL, be->cfg.dim, be->n, be->xb, what);
+	int rc = swiglu_product(be, at, gu, be->xa, NULL, be->cfg.dim, be->n, be->xb, what);
 	if (rc)
 		return rc;
 	struct mm_part d = mat(down, be->cfg.dim, be->x);
@@ -212,8 +210,21 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w)
 	if (s->where == FFN_SPLIT_CPU && !be->handoff)
 		return cuda_failf(be, -ENOTSUP, "cuda backend: ffn: a CPU share, but the backend has no handoff to the "
 				  "CPU pool");
+	/* Everything that can be refused is, before anything is queued. */
+	int rc = 0;
+	const struct weight_tensor *first[3] = {&w->t[ROLE_W_GATE], &w->t[ROLE_W_UP], &w->t[ROLE_W_DOWN]};
+	const struct weight_tensor *second[3] = {&s->gate, &s->up, &s->down};
+	static const enum tensor_role roles[3] = {ROLE_W_GATE, ROLE_W_UP, ROLE_W_DOWN};
+	for (int i = 0; i < 3 && !rc; i++) {
+		if (r)
+			rc = check_compact(be, first[i], roles[i], "first");
+		if (!rc && s->where == FFN_SPLIT_BACKEND)
+			rc = check_compact(be, second[i], roles[i], "second");
+	}
+	if (rc)
+		return rc;
 	const struct weight_tensor *norm = &w->t[ROLE_FFN_NORM];
-	int rc = rmsnorm(be, norm->data[PLACE_DEVICE], norm->format, 0, n, at);
+	rc = rmsnorm(be, norm->data[PLACE_DEVICE], norm->format, 0, n, at);
 	if (rc)
 		return rc;
 	uint64_t seq = 0;
@@ -242,11 +253,15 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w)
 			return cuda_failf(be, rc, "cuda backend: ffn: %s", msg);
 		be->split_n++;
 	}
-	if (r && (rc = device_share(be, at, &w->t[ROLE_W_GATE], &w->t[ROLE_W_UP], &w->t[ROLE_W_DOWN], r,
-				    "ffn (first share)")))
+	if (r && (rc = device_share(be, at, first[0], first[1], first[2], r, "ffn (first share)"))) {
+		/* The handoff's waits come in order: this one is queued all the same, so the next layer's
+		 * submit and wait still pair up; the step fails with the first error. */
+		if (s->where == FFN_SPLIT_CPU)
+			(void)cpu_handoff_wait(be->handoff, seq, be->partial, msg, sizeof(msg));
 		return rc;
+	}
 	if (s->where == FFN_SPLIT_BACKEND)
-		return device_share(be, at, &s->gate, &s->up, &s->down, rest, "ffn (second share)");
+		return device_share(be, at, second[0], second[1], second[2], rest, "ffn (second share)");
 	if (timed)
 		CUDA_TRY(be, "cudaEventRecord (timing the CPU share)", cudaEventRecord(be->split_ev[1], be->stream));
 	rc = cpu_handoff_wait(be->handoff, seq, be->partial, msg, sizeof(msg));
