@@ -229,38 +229,97 @@ struct CUstream_st *backend_cuda_stream(const struct backend *be)
 
 /* ---- checks of a forward step ---------------------------------------------------------- */
 
-/* The tensors of `roles` are there, in a known format, readable where the backend reads them
- * (the embedding table: on the host). Matrices may be stored in a block format (whole blocks per
- * row); norm vectors are read element by element, so they must be F32, F16 or BF16. */
+/* Tensor t of role r is there, in a known format, readable at place, holding rows [row0, row0 +
+ * rows) and columns [col0, col0 + cols) of the checkpoint's tensor, in whole blocks, each row at
+ * least its columns' bytes long (compact: exactly). Matrices may be stored in a block format
+ * (whole blocks per row); norm vectors are read element by element, so they must be F32, F16 or
+ * BF16. `which` names a share ("" for a whole tensor). */
+static int check_tensor(struct backend *be, const struct weight_tensor *t, enum tensor_role r, enum weight_place place,
+			uint32_t row0, uint32_t rows, uint32_t col0, uint32_t cols, bool compact, const char *what,
+			const char *which)
+{
+	if (!t->rows || !t->data[place])
+		return fail(be, -EINVAL, "%s: weights have no %s%s tensor%s", what, which, tensor_role_name(r),
+			    t->rows ? place == PLACE_HOST ? " in host memory" : " in device memory" : "");
+	if (t->format >= DT_COUNT)
+		return fail(be, -EINVAL, "%s: %s%s tensor has unknown dtype %u", what, which, tensor_role_name(r),
+			    t->format);
+	enum dtype f = (enum dtype)t->format;
+	bool vector = r == ROLE_ATTN_NORM || r == ROLE_FFN_NORM || r == ROLE_FINAL_NORM;
+	if (vector && !dtype_is_element(f))
+		return fail(be, -EINVAL, "%s: %s tensor is %s: norm weights must be F32, F16 or BF16", what,
+			    tensor_role_name(r), dtype_name(f));
+	uint32_t blk = dtype_block_elems(f);
+	if (t->cols % blk || t->col0 % blk)
+		return fail(be, -EINVAL, "%s: %s%s tensor has rows of %u elements from column %u, not whole %s blocks "
+			    "of %u", what, which, tensor_role_name(r), t->cols, t->col0, dtype_name(f), blk);
+	uint64_t need = dtype_row_bytes(f, t->cols);
+	if (t->row0 != row0 || t->rows != rows || t->col0 != col0 || t->cols != cols ||
+	    (compact ? t->row_bytes != need : t->row_bytes < need))
+		return fail(be, -EINVAL,
+			    "%s: %s%s tensor holds rows %u..%u, columns %u..%u (%llu bytes a row); expected rows %u..%u, "
+			    "columns %u..%u in %s (%s%llu bytes a row)", what, which, tensor_role_name(r), t->row0,
+			    t->row0 + t->rows, t->col0, t->col0 + t->cols, (unsigned long long)t->row_bytes, row0,
+			    row0 + rows, col0, col0 + cols, dtype_name(f), compact ? "" : "at least ",
+			    (unsigned long long)need);
+	return 0;
+}
+
+/* The tensors of `roles` are there and whole, readable where the backend reads them (the
+ * embedding table: on the host). */
 static int check_roles(struct backend *be, const struct group_weights *w, const enum tensor_role *roles, uint32_t n,
 		       const char *what)
 {
 	for (uint32_t i = 0; i < n; i++) {
 		enum tensor_role r = roles[i];
-		const struct weight_tensor *t = &w->t[r];
 		enum weight_place place = r == ROLE_EMBED ? PLACE_HOST : be->impl->place;
-		if (!t->rows || !t->data[place])
-			return fail(be, -EINVAL, "%s: weights have no %s tensor%s", what, tensor_role_name(r),
-				    t->rows ? place == PLACE_HOST ? " in host memory" : " in device memory" : "");
-		if (t->format >= DT_COUNT)
-			return fail(be, -EINVAL, "%s: %s tensor has unknown dtype %u", what, tensor_role_name(r),
-				    t->format);
-		enum dtype f = (enum dtype)t->format;
-		bool vector = r == ROLE_ATTN_NORM || r == ROLE_FFN_NORM || r == ROLE_FINAL_NORM;
-		if (vector && !dtype_is_element(f))
-			return fail(be, -EINVAL, "%s: %s tensor is %s: norm weights must be F32, F16 or BF16", what,
-				    tensor_role_name(r), dtype_name(f));
-		uint32_t rows = be->rows[r], cols = be->cols[r];
-		if (t->cols % dtype_block_elems(f))
-			return fail(be, -EINVAL, "%s: %s tensor has rows of %u elements, not whole %s blocks of %u", what,
-				    tensor_role_name(r), t->cols, dtype_name(f), dtype_block_elems(f));
-		if (t->row0 != 0 || t->rows != rows || t->cols != cols || t->row_bytes != dtype_row_bytes(f, cols))
-			return fail(be, -EINVAL,
-				    "%s: %s tensor holds rows %u..%u of %u elements (%llu bytes each); the model's is "
-				    "(%u, %u) in %s", what, tensor_role_name(r), t->row0, t->row0 + t->rows, t->cols,
-				    (unsigned long long)t->row_bytes, rows, cols,
-				    dtype_name((enum dtype)t->format));
+		int rc = check_tensor(be, &w->t[r], r, place, 0, be->rows[r], 0, be->cols[r], true, what, "");
+		if (rc)
+			return rc;
 	}
+	return 0;
+}
+
+/* The shares of a split FFN (struct ffn_split) and the step it is asked for. */
+static int check_split(struct backend *be, const struct group_weights *w)
+{
+	const struct ffn_split *s = &w->split;
+	uint32_t ffn = be->cfg.ffn_dim, dim = be->cfg.dim, r = s->r;
+	if (s->where != FFN_SPLIT_CPU && s->where != FFN_SPLIT_BACKEND)
+		return fail(be, -EINVAL, "ffn: unknown split %u", s->where);
+	if (s->where == FFN_SPLIT_CPU) {
+		if (!be->p.cpu_pool)
+			return fail(be, -ENOTSUP, "ffn: a CPU share needs a CPU pool (backend_params.cpu_pool), and this "
+				    "backend was made without one");
+		if (be->n > FFN_SPLIT_MAX_TOKENS)
+			return fail(be, -EINVAL, "ffn: a CPU share of a %u-token step (at most %u)", be->n,
+				    FFN_SPLIT_MAX_TOKENS);
+	}
+	if (s->down.format >= DT_COUNT)
+		return fail(be, -EINVAL, "ffn: the second share's down tensor has unknown dtype %u", s->down.format);
+	uint32_t unit = ffn_split_unit((enum dtype)s->down.format);
+	if (r >= ffn || r % unit)
+		return fail(be, -EINVAL, "ffn: split at intermediate row %u of %u: it must be below %u and a multiple of "
+			    "%u (%s down_proj)", r, ffn, ffn, unit, dtype_name((enum dtype)s->down.format));
+	enum weight_place rest = s->where == FFN_SPLIT_CPU ? PLACE_HOST : be->impl->place;
+	int rc;
+	if ((rc = check_tensor(be, &s->gate, ROLE_W_GATE, rest, r, ffn - r, 0, dim, false, "ffn", "second share's ")) ||
+	    (rc = check_tensor(be, &s->up, ROLE_W_UP, rest, r, ffn - r, 0, dim, false, "ffn", "second share's ")) ||
+	    (rc = check_tensor(be, &s->down, ROLE_W_DOWN, rest, 0, dim, r, ffn - r, false, "ffn", "second share's ")))
+		return rc;
+	if (r == 0)
+		return 0;
+	const struct weight_tensor *g = &w->t[ROLE_W_GATE], *u = &w->t[ROLE_W_UP], *d = &w->t[ROLE_W_DOWN];
+	enum weight_place own = be->impl->place;
+	if ((rc = check_tensor(be, g, ROLE_W_GATE, own, 0, r, 0, dim, false, "ffn", "first share's ")) ||
+	    (rc = check_tensor(be, u, ROLE_W_UP, own, 0, r, 0, dim, false, "ffn", "first share's ")) ||
+	    (rc = check_tensor(be, d, ROLE_W_DOWN, own, 0, dim, 0, r, false, "ffn", "first share's ")))
+		return rc;
+	if (g->format != s->gate.format || u->format != s->up.format || d->format != s->down.format)
+		return fail(be, -EINVAL, "ffn: the shares of a split FFN differ in format (gate %s/%s, up %s/%s, down "
+			    "%s/%s)", dtype_name((enum dtype)g->format), dtype_name((enum dtype)s->gate.format),
+			    dtype_name((enum dtype)u->format), dtype_name((enum dtype)s->up.format),
+			    dtype_name((enum dtype)d->format), dtype_name((enum dtype)s->down.format));
 	return 0;
 }
 
@@ -371,7 +430,10 @@ int backend_ffn(struct backend *be, const struct group_weights *w)
 	assert(w);
 	if (be->phase != PHASE_READY)
 		return fail(be, -EINVAL, "ffn called %s", phase_text(be->phase, "between attn_begin and attn_end"));
-	int rc = check_roles(be, w, roles, 4, "ffn");
+	/* A split FFN's norm is whole; its matrices are shares. */
+	int rc = check_roles(be, w, roles, w->split.where == FFN_SPLIT_NONE ? 4 : 1, "ffn");
+	if (rc == 0 && w->split.where != FFN_SPLIT_NONE)
+		rc = check_split(be, w);
 	if (rc)
 		return rc;
 	return impl_rc(be, be->impl->compute->ffn(be->dev, w));
@@ -434,6 +496,14 @@ int backend_logits_sample(struct backend *be, const struct group_weights *w, con
 	if (*token < 0 || (uint32_t)*token >= be->cfg.vocab_size)
 		return fail(be, -EIO, "the sampler chose no token");
 	return 0;
+}
+
+void backend_get_cpu_share_stats(struct backend *be, struct backend_cpu_share_stats *out)
+{
+	memset(out, 0, sizeof(*out));
+	snprintf(out->handoff, sizeof(out->handoff), "none");
+	if (be->impl->compute->cpu_share_stats)
+		be->impl->compute->cpu_share_stats(be->dev, out);
 }
 
 /* ---- KV copies --------------------------------------------------------------------------- */

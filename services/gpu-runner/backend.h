@@ -23,6 +23,7 @@
  *       backend_attn_blocks(be, spans, n_spans);                       // as often as needed, any order
  *       backend_attn_end(be, &attn_w[l]);                              // o_proj + residual
  *       backend_ffn(be, &ffn_w[l]);                                    // norm, SwiGLU, residual
+ *                                                 // (ffn_w[l].split: in two shares, one maybe on the CPU)
  *   backend_logits(be, &head_w, out);                                  // final norm, lm_head, last token
  *
  * Weights: a struct weight_tensor per role says where the tensor's bytes can be read (host
@@ -93,6 +94,16 @@ enum backend_fuse {
 	BACKEND_FUSE_NONE = 1,	  /* every kernel alone, after the one before has ended */
 };
 
+/* How the CUDA backend's stream hands the CPU share of a split FFN to the pool
+ * (cuda/cpu_handoff.h): stream memory operations, or host functions. */
+enum backend_cpu_handoff {
+	BACKEND_HANDOFF_DEFAULT = 0,  /* memops where the driver and device have them, else hostfunc */
+	BACKEND_HANDOFF_HOSTFUNC = 1, /* cudaLaunchHostFunc */
+	BACKEND_HANDOFF_MEMOPS = 2,   /* cuStreamWriteValue32 / cuStreamWaitValue32; refused where missing */
+};
+
+struct task_pool; /* cpu-compute/task_pool.h */
+
 struct backend_params {
 	uint32_t max_chunk;	 /* most tokens per forward step */
 	uint32_t block_tokens;	 /* tokens per KV block */
@@ -102,6 +113,11 @@ struct backend_params {
 	uint32_t gemv;		 /* enum backend_gemv */
 	uint32_t attn;		 /* enum backend_attn */
 	uint32_t fuse;		 /* enum backend_fuse */
+	/* The CPU share of split FFNs (FFN_SPLIT_CPU): the pool it runs on (borrowed: it must outlive
+	 * the backend; NULL: no CPU share, such a split is refused) and, on the CUDA backend, how the
+	 * stream hands it over (enum backend_cpu_handoff). */
+	struct task_pool *cpu_pool;
+	uint32_t cpu_handoff;
 };
 
 /* Where a weight tensor's bytes can be read. */
@@ -114,21 +130,65 @@ enum weight_place {
 /* One weight tensor as a backend reads it: `rows` rows of `cols` elements each, stored in
  * `format`, each row row_bytes after the one before (block formats store whole blocks of
  * dtype_block_elems elements). A vector (a norm weight) is one row. A slice holds rows
- * [row0, row0 + rows) of the checkpoint's tensor; today every tensor is whole (row0 = 0). */
+ * [row0, row0 + rows) and columns [col0, col0 + cols) of the checkpoint's tensor (col0 a multiple
+ * of the format's block); a whole tensor has row0 = col0 = 0. Only the shares of a split FFN
+ * (struct ffn_split) are slices. */
 struct weight_tensor {
-	const void *data[PLACE_COUNT]; /* row row0's first byte where it can be read, NULL where not */
+	const void *data[PLACE_COUNT]; /* element (row0, col0)'s first byte where it can be read, NULL where not */
 	uint32_t format;	       /* enum dtype */
 	uint32_t row0;		       /* first row held */
 	uint32_t rows;		       /* rows held; 0: the group has no such tensor */
+	uint32_t col0;		       /* first column held */
 	uint32_t cols;		       /* elements per row */
-	uint64_t row_bytes;	       /* bytes from one row to the next */
+	uint64_t row_bytes;	       /* bytes from one row to the next (>= the bytes of cols elements) */
+};
+
+/* Where the second share of a split FFN is computed (struct ffn_split). */
+enum ffn_split_where {
+	FFN_SPLIT_NONE = 0,    /* no split: the group's gate, up and down are whole */
+	FFN_SPLIT_CPU = 1,     /* on the CPU task pool (backend_params.cpu_pool), from host memory in place, while
+				* the backend computes the first share (decode steps) */
+	FFN_SPLIT_BACKEND = 2, /* by the backend itself, from its own place, after the first share (prefill of a
+				* layer whose second share has a copy on the device) */
+};
+
+/* Tokens a step may have for its FFN to be split with FFN_SPLIT_CPU (the CPU computes one product per
+ * token: past a few tokens it is slower than copying the rows over). */
+#define FFN_SPLIT_MAX_TOKENS 16
+
+/* An FFN computed in two shares along the intermediate dimension ffn_dim. The group's own gate,
+ * up and down (group_weights.t) hold the first share, intermediate rows [0, r): gate and up rows
+ * [0, r) (rows = r), down's columns [0, r) (cols = r). The tensors here hold the second, [r,
+ * ffn_dim): gate and up rows [r, ffn_dim) (row0 = r), down's columns [r, ffn_dim) (col0 = r). As
+ * down(silu(gate x) * up x) sums over the intermediate dimension, the FFN is the sum of the two
+ * shares' down products, each added into the residual stream. r is a multiple of
+ * ffn_split_unit(down's format), below ffn_dim; r = 0 gives the whole FFN to the second share (the
+ * group's gate, up and down are then not read, and may be absent). Both shares have the same
+ * formats; the second is read at the backend's place (FFN_SPLIT_BACKEND) or in host memory
+ * (FFN_SPLIT_CPU). */
+struct ffn_split {
+	uint32_t where;		     /* enum ffn_split_where */
+	uint32_t r;		     /* intermediate rows of the first share */
+	struct weight_tensor gate;   /* rows [r, ffn_dim) */
+	struct weight_tensor up;     /* rows [r, ffn_dim) */
+	struct weight_tensor down;   /* columns [r, ffn_dim) of every row */
 };
 
 /* Weights of one group, by role; roles the group does not have have rows == 0. For the head
- * group, t[ROLE_LM_HEAD] is the embedding table when embeddings are tied. */
+ * group, t[ROLE_LM_HEAD] is the embedding table when embeddings are tied. An FFN group's split
+ * says whether its FFN is computed in two shares (where FFN_SPLIT_NONE: not). */
 struct group_weights {
 	struct weight_tensor t[ROLE_COUNT];
+	struct ffn_split split;
 };
+
+/* What r of a split FFN must be a multiple of, for a down projection in format `down`: its block
+ * (256 for the K formats, 32 for Q8_0 and Q4_0), 64 for the element formats (rows of 16-byte
+ * multiples for the GPU's loads). */
+static inline uint32_t ffn_split_unit(enum dtype down)
+{
+	return dtype_is_element(down) ? 64u : dtype_block_elems(down);
+}
 
 /* Describes a whole tensor of `format` and shape (rows, cols) at data in place. */
 void weight_tensor_set(struct weight_tensor *t, enum weight_place place, const void *data, enum dtype format,
@@ -195,7 +255,11 @@ int backend_attn_begin(struct backend *be, const struct group_weights *w, uint32
 int backend_attn_blocks(struct backend *be, const struct kv_span *spans, uint32_t n_spans);
 /* Normalises the accumulators, applies o_proj and adds the residual. */
 int backend_attn_end(struct backend *be, const struct group_weights *w);
-/* post-attention RMSNorm, SwiGLU (down(silu(gate x) * up x)), residual add. */
+/* post-attention RMSNorm, SwiGLU (down(silu(gate x) * up x)), residual add. With w->split.where
+ * set, the FFN is computed in two shares (struct ffn_split): FFN_SPLIT_CPU needs a step of at most
+ * FFN_SPLIT_MAX_TOKENS tokens and backend_params.cpu_pool. A failure of the CPU's share shows
+ * here on the C backend, and at the step's end (logits) on CUDA, which does not wait for it on
+ * the host. */
 int backend_ffn(struct backend *be, const struct group_weights *w);
 /* Final RMSNorm and lm_head for the batch's last token: out holds vocab_size floats (host
  * memory). */
@@ -214,6 +278,21 @@ bool backend_samples_on_device(const struct backend *be);
  * distribution as the sampler, drawn another way.) -ENOTSUP where the backend cannot. */
 int backend_logits_sample(struct backend *be, const struct group_weights *w, const struct sampler_params *sp,
 			  double u, int32_t *token);
+
+/* What the CPU share of split FFNs has done since the backend was made (all zero without one). */
+struct backend_cpu_share_stats {
+	char handoff[16];    /* how it is handed over: "memops", "hostfunc" (CUDA), "direct" (the C backend), "none" */
+	uint64_t jobs;	     /* CPU shares computed (a failed one included) */
+	uint64_t failed;     /* of which failed */
+	uint64_t bytes;	     /* weight bytes they read */
+	double cpu_ms;	     /* their time on the CPU, first part's start to last part's end, summed */
+	uint64_t timed;	     /* split FFNs timed on the CUDA stream (one in a few) */
+	double stream_ms;    /* those FFNs' time on the stream, from x's copy down to the partial's add, summed */
+	double wait_ms;	     /* of which the stream waited for the CPU and its result's copy up, summed */
+};
+
+/* Fills out (zeros and "none" where the backend has no CPU share). Never fails. */
+void backend_get_cpu_share_stats(struct backend *be, struct backend_cpu_share_stats *out);
 
 /* ---- KV copies ------------------------------------------------------------------------- */
 

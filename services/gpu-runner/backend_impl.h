@@ -33,6 +33,8 @@ struct backend_compute_ops {
 	/* Optional: default -ENOTSUP (the runner samples on the host). */
 	int (*logits_sample)(struct backend_dev *d, const struct group_weights *w, const struct sampler_params *sp,
 			     double u, int32_t *token);
+	/* Optional: default zeros and "none" (no CPU share). */
+	void (*cpu_share_stats)(struct backend_dev *d, struct backend_cpu_share_stats *out);
 };
 
 struct backend_kv_ops {

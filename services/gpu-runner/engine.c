@@ -1,3 +1,4 @@
+/* engine.c - one forward step over the model, group by group (engine.h). */
 #include "services/gpu-runner/engine.h"
 
 #include "services/gpu-runner/sampler.h"
@@ -23,6 +24,8 @@ struct engine {
 	char error[768];
 	void (*progress)(void *ctx); /* engine_set_progress: once per layer */
 	void *progress_ctx;
+	uint32_t *split_r;		/* (n_layers) engine_set_ffn_split, NULL: none */
+	uint32_t split_max_tokens;
 };
 
 int engine_create(const struct model_config *cfg, struct backend *be,
@@ -65,6 +68,7 @@ void engine_destroy(struct engine **ep)
 	free((*ep)->seq);
 	free((*ep)->dst_block);
 	free((*ep)->dst_row);
+	free((*ep)->split_r);
 	free(*ep);
 	*ep = NULL;
 }
@@ -85,6 +89,36 @@ void engine_set_progress(struct engine *e, void (*fn)(void *ctx), void *ctx)
 {
 	e->progress = fn;
 	e->progress_ctx = ctx;
+}
+
+int engine_set_ffn_split(struct engine *e, const uint32_t *r, uint32_t max_tokens, char *err, size_t errlen)
+{
+	free(e->split_r);
+	e->split_r = NULL;
+	if (!r)
+		return 0;
+	if (backend_weight_place(e->be) != PLACE_HOST)
+		return errorf(err, errlen, -ENOTSUP, "the engine splits FFNs only for a backend that reads weights in host "
+			      "memory (the %s backend reads device memory: its weight window splits)", backend_name(e->be));
+	if (max_tokens < 1 || max_tokens > FFN_SPLIT_MAX_TOKENS)
+		return errorf(err, errlen, -EINVAL, "a split FFN's CPU share takes steps of 1..%u tokens, not %u",
+			      FFN_SPLIT_MAX_TOKENS, max_tokens);
+	const struct model_config *c = e->cfg;
+	for (uint32_t l = 0; l < c->n_layers; l++) {
+		int ti = model_find_tensor(c, e->ws->tensors, e->ws->groups, group_id_ffn(l), ROLE_W_DOWN);
+		if (r[l] >= c->ffn_dim)
+			continue;
+		uint32_t unit = ti >= 0 ? ffn_split_unit((enum dtype)e->ws->tensors[ti].dtype) : 0;
+		if (!unit || r[l] % unit)
+			return errorf(err, errlen, -EINVAL, "layer %u: the FFN cannot be split at row %u (a multiple of %u "
+				      "below %u)", l, r[l], unit, c->ffn_dim);
+	}
+	e->split_r = malloc(c->n_layers * sizeof(uint32_t));
+	if (!e->split_r)
+		return errorf(err, errlen, -ENOMEM, "out of memory");
+	memcpy(e->split_r, r, c->n_layers * sizeof(uint32_t));
+	e->split_max_tokens = max_tokens;
+	return 0;
 }
 
 struct weight_source *engine_weights(struct engine *e)
@@ -169,6 +203,7 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 		e->seq[i] = 0;
 	}
 	struct backend_batch batch = {.n = n, .tokens = tokens, .pos = e->pos, .seq = e->seq};
+	e->ws->step_tokens = n;
 	/* The groups in the table's order (model.h): what each one computes is its kind's. */
 	const struct group_desc *groups = e->ws->groups;
 	for (uint32_t group = 0; group < e->ws->n_groups; group++) {
@@ -193,6 +228,9 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 			KV_CHECK(kv_cache_finish_layer(e->kv, l, pos0, pos0 + n));
 			break;
 		case GROUP_FFN:
+			if (e->split_r && e->split_r[l] < e->cfg->ffn_dim && n <= e->split_max_tokens &&
+			    w.split.where == FFN_SPLIT_NONE)
+				weights_split_ffn(&w, e->split_r[l], FFN_SPLIT_CPU);
 			BE_CHECK(backend_ffn(e->be, &w), "feed-forward");
 			break;
 		case GROUP_HEAD:

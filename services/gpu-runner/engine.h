@@ -51,6 +51,14 @@ uint32_t engine_max_chunk(const struct engine *e);
 const struct model_config *engine_config(const struct engine *e);
 struct kv_cache *engine_kv(struct engine *e);
 struct weight_source *engine_weights(struct engine *e);
+/* Splits the FFN of every layer l with r[l] < ffn_dim (n_layers values; a multiple of
+ * ffn_split_unit of its down_proj's format) at r[l] for steps of at most max_tokens tokens
+ * (<= FFN_SPLIT_MAX_TOKENS), the second share on the CPU (backend.h, FFN_SPLIT_CPU), where the
+ * weight source hands the group over whole; NULL r: no split (the default). Only for a backend
+ * that reads weights in host memory (the C backend; with CUDA the GPU window splits). Returns 0,
+ * or -EINVAL / -ENOTSUP / -ENOMEM with a message in err. */
+int engine_set_ffn_split(struct engine *e, const uint32_t *r, uint32_t max_tokens, char *err, size_t errlen);
+
 /* fn(ctx) is called once per layer of every step (the runner beats its heartbeat there: a step
  * over a large model takes long). NULL: none. */
 void engine_set_progress(struct engine *e, void (*fn)(void *ctx), void *ctx);

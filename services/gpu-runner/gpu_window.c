@@ -1,5 +1,5 @@
 /* gpu_window.c - the GPU tier of weights. See gpu_window.h. C over the CUDA runtime API. */
-#include "services/gpu-runner/gpu_window.h"
+#include "services/gpu-runner/gpu_window_internal.h"
 
 #include <cuda_runtime_api.h>
 #include <errno.h>
@@ -10,83 +10,19 @@
 #include "common/log.h"
 #include "common/util.h"
 
-#define NO_SLOT UINT32_MAX
-#define NO_GROUP UINT32_MAX
-/* Ring mappings page-locked at once: the current one and those of loaders that went away whose
- * copies are still in flight (weights_ring.c keeps at most 8 of those). */
-#define PINNED_MAX 16
-
-struct gslot {
-	uint32_t group;		   /* occupant, NO_GROUP */
-	uint32_t size_class;
-	void *dev;		   /* device memory of the slot */
-	cudaEvent_t compute_done;  /* recorded on the compute stream when the occupant is released */
-	bool compute_recorded;	   /* compute_done has been recorded at least once */
-	cudaEvent_t t0, t1;	   /* timing of the last copy into the slot (time_copies) */
-	bool timed;		   /* t0/t1 hold a copy not yet added to copy_ms */
-};
-
-struct gent {
-	uint8_t state;	   /* enum gwin_state */
-	bool resident;	   /* held for good */
-	bool in_use;	   /* acquired by the engine, not yet released */
-	bool host_held;	   /* a ring grant held for a copy whose completion is not yet seen */
-	uint32_t host_gen; /* with host_held: the ring mapping the copy reads (ring_source_generation) */
-	uint32_t slot;	   /* streaming slot, NO_SLOT */
-	void *dev;	   /* device base of the group's bytes, NULL when not on the device */
-	cudaEvent_t h2d;   /* recorded on the copy stream after the group's copy */
-};
-
-struct gpu_window {
-	struct weight_source base; /* first: the engine's view */
-	struct ring_source *ring;
-	struct weight_source *rs;
-	cudaStream_t compute, copy; /* copy: the first of the copy streams (start-up work) */
-	cudaStream_t copies[4];
-	uint32_t n_copies;
-	void *pinned[PINNED_MAX];  /* ring mappings registered with cudaHostRegister */
-	uint32_t n_pinned;
-	void *resident_mem;	   /* one allocation for every resident group */
-	void *window_mem;	   /* one allocation for the streaming slots */
-	struct gent *g;		   /* n_groups */
-	struct gslot *slots;
-	uint32_t n_slots;
-	uint32_t depth[CLASS_COUNT];
-	uint32_t first_slot[CLASS_COUNT];
-	uint32_t *order[CLASS_COUNT]; /* streamed groups of a class in visit order */
-	uint32_t m[CLASS_COUNT];
-	uint64_t issued[CLASS_COUNT], consumed[CLASS_COUNT];
-	bool strict, time_copies;
-	struct gpu_window_stats st;
-	uint32_t embed_group, head_group;
-	bool tied;
-	/* Device layout: each tensor at a 256-byte boundary (the kernels' vector loads need 16,
-	 * and a checkpoint guarantees only 8), so a group's device bytes differ from its slot. */
-	uint64_t *dev_off;   /* n_tensors: offset of the tensor in its group's device memory */
-	uint64_t *dev_bytes; /* n_groups */
-};
-
-#define DEV_ALIGN 256u
-
-/* Copies group g's tensors from its host slot to dev, each at its device offset. */
+/* Copies group g's tensors (a split FFN: its device share) from its host slot to dev, each at its
+ * device offset. */
 static int copy_group(struct gpu_window *w, uint32_t g, void *dev, const void *host, cudaStream_t s)
 {
-	const struct group_desc *gd = &w->base.groups[g];
-	for (uint32_t i = 0; i < gd->n_tensors; i++) {
-		const struct tensor_desc *t = &w->base.tensors[gd->first_tensor + i];
-		cudaError_t e = cudaMemcpyAsync((char *)dev + w->dev_off[gd->first_tensor + i],
-						(const char *)host + t->slot_offset, t->nbytes, cudaMemcpyHostToDevice, s);
-		if (e != cudaSuccess)
-			return errorf(w->base.error, sizeof(w->base.error), -EIO, "copying group %u: %s", g,
-				      cudaGetErrorString(e));
-	}
-	return 0;
+	return gw_copy_pieces(w, g, false, dev, w->dev_off, host, s);
 }
 
-/* group_weights of group g at device address dev (lm_head of a tied head: the embedding copy). */
-static void fill_device(const struct gpu_window *w, uint32_t g, void *dev, struct group_weights *gw)
+/* group_weights of group g at device address dev (lm_head of a tied head: the embedding copy; a
+ * split FFN: its shares). */
+static int fill_device(struct gpu_window *w, uint32_t g, void *dev, struct group_weights *gw)
 {
 	weights_fill_at(&w->base, g, PLACE_DEVICE, dev, w->dev_off, w->g[w->embed_group].dev, gw);
+	return gw_split_fill(w, g, gw);
 }
 
 #define CUDA_TRY(call, what)                                                                       \
@@ -219,7 +155,7 @@ static void on_ring_unmapping(void *ctx, void *base, size_t size)
  * complete (its host grant handed back). Copies issued since read the current mapping. */
 static void trim_retired(struct gpu_window *w)
 {
-	if (!ring_source_n_retired(w->ring))
+	if (!ring_source_n_retired(w->ring) || gw_split_reads_ring(w))
 		return;
 	uint32_t gen = ring_source_generation(w->ring);
 	for (uint32_t g = 0; g < w->base.n_groups; g++)
@@ -326,7 +262,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	if (rc)
 		return errorf(w->base.error, sizeof(w->base.error), rc, "%s", w->rs->error);
 	const void *src = ring_source_group_base(w->ring, h);
-	uint64_t bytes = w->base.groups[h].tensor_bytes;
+	uint64_t bytes = w->copy_bytes[h];
 	/* Copies go round-robin over the copy streams (--copy-streams); every ordering is by
 	 * events, so it does not matter which stream carries which copy. */
 	cudaStream_t cs = w->copies[w->st.copies % w->n_copies];
@@ -451,12 +387,12 @@ static int win_acquire(struct weight_source *ws, uint32_t group, struct group_we
 		if (ce != cudaSuccess)
 			return errorf(ws->error, sizeof(ws->error), -EIO, "ordering compute after a copy: %s",
 				      cudaGetErrorString(ce));
-		ws->bytes_acquired += ws->groups[group].tensor_bytes;
+		ws->bytes_acquired += w->copy_bytes[group];
 	}
 	e->in_use = true;
 	ws->acquires++;
-	fill_device(w, group, e->dev, gw);
-	return strict_check(w);
+	int frc = fill_device(w, group, e->dev, gw);
+	return frc ? frc : strict_check(w);
 }
 
 static int win_release(struct weight_source *ws, uint32_t group)
@@ -470,6 +406,9 @@ static int win_release(struct weight_source *ws, uint32_t group)
 		int rc = w->rs->ops->release(w->rs, group);
 		return rc ? errorf(ws->error, sizeof(ws->error), rc, "%s", w->rs->error) : 0;
 	}
+	int src = gw_split_release(w, group);
+	if (src)
+		return src;
 	if (e->resident)
 		return strict_check(w);
 	struct gslot *s = &w->slots[e->slot];
@@ -563,6 +502,7 @@ void gpu_window_destroy(struct gpu_window **wp)
 		if (w->slots[s].t1)
 			cudaEventDestroy(w->slots[s].t1);
 	}
+	gw_split_destroy(w); /* waits for its copies */
 	for (uint32_t i = 0; i < w->n_copies; i++)
 		cudaStreamDestroy(w->copies[i]);
 	cudaFree(w->resident_mem);
@@ -575,8 +515,48 @@ void gpu_window_destroy(struct gpu_window **wp)
 	free(w->g);
 	free(w->dev_off);
 	free(w->dev_bytes);
+	free(w->copy_bytes);
+	free(w->split_r);
+	free(w->split_r_layer);
+	free(w->side_off);
 	free(w);
 	*wp = NULL;
+}
+
+/* Each group's device layout (w->dev_off, dev_bytes) and copy size (copy_bytes) from the pieces its
+ * copies take: every tensor at a DEV_ALIGN boundary. */
+static void layout(struct gpu_window *w)
+{
+	for (uint32_t g = 0; g < w->base.n_groups; g++) {
+		const struct group_desc *gd = &w->base.groups[g];
+		uint64_t off = 0, bytes = 0;
+		for (uint32_t i = 0; i < gd->n_tensors; i++) {
+			struct gw_piece pc = gw_piece(w, g, gd->first_tensor + i, false);
+			w->dev_off[gd->first_tensor + i] = off;
+			off = ALIGN_UP(off + pc.width * pc.height, (uint64_t)DEV_ALIGN);
+			bytes += pc.width * pc.height;
+		}
+		w->dev_bytes[g] = off;
+		w->copy_bytes[g] = bytes;
+	}
+}
+
+/* Device bytes the streaming slots take: per size class, depth slots (fewer if fewer groups stream)
+ * of its largest streamed group. */
+static uint64_t window_bytes(const struct gpu_window *w, uint32_t depth)
+{
+	uint64_t total = 0;
+	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
+		uint64_t cls = 0, m = 0;
+		for (uint32_t g = 0; g < w->base.n_groups; g++) {
+			if (w->g[g].resident || w->base.groups[g].size_class != c)
+				continue;
+			m++;
+			cls = w->dev_bytes[g] > cls ? w->dev_bytes[g] : cls;
+		}
+		total += (m < depth ? m : depth) * cls;
+	}
+	return total;
 }
 
 #define CREATE_TRY(call, what)                                                                     \
@@ -616,25 +596,23 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	w->tied = cfg->tie_embeddings != 0;
 	uint32_t depth = p->depth ? p->depth : 2;
 
-	/* The device layout of every group, and the group table the plan sees with device sizes. */
+	/* The device layout of every group whole, and the group table the plan sees with device sizes. */
 	w->dev_off = calloc(rs->n_tensors, sizeof(uint64_t));
 	w->dev_bytes = calloc(ng, sizeof(uint64_t));
+	w->copy_bytes = calloc(ng, sizeof(uint64_t));
+	w->split_r = calloc(ng, sizeof(uint32_t));
 	struct group_desc *dgroups = calloc(ng, sizeof(struct group_desc));
-	if (!w->dev_off || !w->dev_bytes || !dgroups) {
+	if (!w->dev_off || !w->dev_bytes || !w->copy_bytes || !w->split_r || !dgroups) {
 		free(dgroups);
 		rc = errorf(err, errlen, -ENOMEM, "out of memory");
 		goto out_fail;
 	}
+	for (uint32_t g = 0; g < ng; g++)
+		w->split_r[g] = cfg->ffn_dim;
+	layout(w);
 	for (uint32_t g = 0; g < ng; g++) {
-		const struct group_desc *gd = &rs->groups[g];
-		uint64_t off = 0;
-		for (uint32_t i = 0; i < gd->n_tensors; i++) {
-			w->dev_off[gd->first_tensor + i] = off;
-			off = ALIGN_UP(off + rs->tensors[gd->first_tensor + i].nbytes, (uint64_t)DEV_ALIGN);
-		}
-		w->dev_bytes[g] = off;
-		dgroups[g] = *gd;
-		dgroups[g].slot_bytes = off;
+		dgroups[g] = rs->groups[g];
+		dgroups[g].slot_bytes = w->dev_bytes[g];
 	}
 
 	uint64_t need;
@@ -675,6 +653,22 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	pin_mapping(w, rbase, rsize);
 	ring_source_set_mapping_hooks(ring, on_ring_mapped, on_ring_unmapping, w);
 
+	/* The split of streamed FFNs with the CPU (it needs the H2D rate), then the layout again: a
+	 * split FFN keeps only its device share on the device. */
+	w->st.h2d_bytes_per_s = p->h2d_bytes_per_s;
+	if (w->st.h2d_bytes_per_s <= 0) {
+		rc = measure_h2d(w, &w->st.h2d_bytes_per_s);
+		if (rc) {
+			errorf(err, errlen, rc, "%s", w->base.error);
+			goto out_fail;
+		}
+	}
+	if ((rc = gw_split_plan(w, resident, p, err, errlen)) != 0)
+		goto out_fail;
+	layout(w);
+	if ((rc = gw_split_create(w, err, errlen)) != 0)
+		goto out_fail;
+
 	/* Resident groups: one allocation, copied now. */
 	uint64_t res_bytes = 0;
 	for (uint32_t g = 0; g < ng; g++) {
@@ -711,6 +705,17 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		w->st.resident_groups++;
 	}
 	w->st.resident_bytes = res_bytes;
+
+	/* The split's prefill buffer comes on top of the slots. Where the slots do not shrink enough to
+	 * make room for it (streamed FFNs that do not split keep their class's slots whole), nothing
+	 * splits: the budget is what the user gave. */
+	if (w->st.side_bytes && res_bytes + window_bytes(w, depth) + w->st.side_bytes > p->gpu_budget) {
+		char b[32];
+		log_warn("cpu share: the prefill copy of a split FFN's CPU rows (%s) does not fit --gpu-budget beside "
+			 "the slots: no FFN splits", format_size(w->st.side_bytes, b, sizeof(b)));
+		gw_split_cancel(w);
+		layout(w);
+	}
 
 	/* Streaming classes: visit order and slots. */
 	uint64_t win_bytes = 0;
@@ -760,21 +765,13 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		}
 	}
 	w->st.window_bytes = win_bytes;
-	/* What crosses PCIe per decode token: the tensor bytes of the streamed groups (the plan
+	/* What crosses PCIe per decode token: the bytes copies of the streamed groups move (the plan
 	 * counted device bytes, alignment padding included). */
 	(void)streamed;
 	for (uint32_t g = 0; g < ng; g++)
 		if (!w->g[g].resident)
-			w->st.streamed_bytes_per_token += rs->groups[g].tensor_bytes;
+			w->st.streamed_bytes_per_token += w->copy_bytes[g];
 	w->st.depth = depth;
-	w->st.h2d_bytes_per_s = p->h2d_bytes_per_s;
-	if (w->st.h2d_bytes_per_s <= 0) {
-		rc = measure_h2d(w, &w->st.h2d_bytes_per_s);
-		if (rc) {
-			errorf(err, errlen, rc, "%s", w->base.error);
-			goto out_fail;
-		}
-	}
 	/* Start copying the first streamed groups now. */
 	rc = top_up(w);
 	if (rc) {
@@ -832,4 +829,7 @@ void gpu_window_describe(const struct gpu_window *w, char *buf, size_t len)
 		 (unsigned long long)w->st.streamed_groups, w->st.depth, w->st.depth == 1 ? "" : "s",
 		 format_size(w->st.window_bytes, win, sizeof(win)),
 		 format_size(w->st.streamed_bytes_per_token, s, sizeof(s)), ms, w->st.h2d_bytes_per_s / 1e9);
+	size_t k = strlen(buf);
+	if (k < len)
+		gw_split_describe(w, buf + k, len - k);
 }

@@ -16,6 +16,16 @@
  *    with cudaEventQuery on later calls, never by blocking.
  * Nothing here synchronises the host with the device.
  *
+ * Split FFNs (--cpu-share; split_plan.h): a streamed FFN group whose host bytes stay in DRAM (pinned
+ * by the loader) may be computed in two shares (backend.h, struct ffn_split). The window then copies
+ * only the first share: gate and up rows [0, r) and down's columns [0, r) of every row (one 2D
+ * copy from the ring's full rows), so its slots and the bytes that cross PCIe shrink; the rows the
+ * CPU takes never cross. In a decode step (at most plan.max_tokens tokens) the engine gets the
+ * second share in place in the ring, for the CPU (FFN_SPLIT_CPU). A prefill step needs the whole
+ * FFN on the GPU: the second share is copied into one more device buffer (sized for the largest),
+ * ahead of use where it can (at the release of the split FFN before it in the step) and waited
+ * for on the GPU, and the backend computes both shares (FFN_SPLIT_BACKEND).
+ *
  * Each group has one state: ABSENT -> INFLIGHT (copy issued) -> RESIDENT (copy seen complete)
  * -> RETIRING (its slot chosen for the next copy; the copy waits on its compute) -> ABSENT.
  * Transitions are checked; with strict on, every call also checks the invariants of the whole
@@ -32,6 +42,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "services/gpu-runner/split_plan.h"
 #include "services/gpu-runner/weights.h"
 #include "services/gpu-runner/weights_ring.h"
 #ifdef __cplusplus
@@ -45,6 +56,8 @@ struct gpu_window_params {
 	bool time_copies;    /* record timing events around each copy (for the benchmark) */
 	double h2d_bytes_per_s; /* 0: measure at create */
 	uint32_t copy_streams;	/* H2D concurrency: copies go round-robin over this many streams (1..4) */
+	struct cpu_share_policy cpu_share; /* which streamed FFNs split with the CPU (mode off: none) */
+	struct task_pool *cpu_pool;	   /* where the CPU's rates are measured (auto); NULL: no split */
 };
 
 enum gwin_state {
@@ -66,6 +79,16 @@ struct gpu_window_stats {
 	double copy_ms;			 /* with time_copies: device time spent copying, since reset */
 	uint64_t timed_copies;
 	uint32_t copy_streams;
+	/* Split FFNs. */
+	uint32_t split_groups;		 /* FFN groups computed with the CPU in decode */
+	uint32_t split_r_min, split_r_max; /* their r (ffn_dim when none) */
+	uint32_t split_max_tokens;	 /* steps of at most this many tokens give the CPU its share */
+	double cpu_share;		 /* the share of the rows the plan aimed at */
+	uint64_t cpu_bytes_per_token;	 /* weight bytes the CPU reads per decode token */
+	double pcie_ms, cpu_ms;		 /* the plan's times per decode token: the copies, the CPU */
+	uint64_t side_bytes;		 /* device bytes of the prefill copy of a split FFN's CPU rows */
+	uint64_t side_copies, side_bytes_h2d; /* such copies (prefill steps) and their bytes, all time */
+	uint64_t cpu_shares;		 /* FFNs handed over with a CPU share, all time */
 };
 
 struct gpu_window;
@@ -88,6 +111,10 @@ enum gwin_state gpu_window_group_state(const struct gpu_window *w, uint32_t g, b
 void gpu_window_reset_timing(struct gpu_window *w);
 /* A line saying what the plan is and what it predicts per decode token. */
 void gpu_window_describe(const struct gpu_window *w, char *buf, size_t len);
+/* r of group g's FFN split (backend.h, struct ffn_split); ffn_dim when it does not split. */
+uint32_t gpu_window_split_r(const struct gpu_window *w, uint32_t g);
+/* The CPU's product rate the plan measured for weight format f (bytes a second; 0: not measured). */
+double gpu_window_cpu_rate(const struct gpu_window *w, enum dtype f);
 
 /* Checks every invariant of the state table; returns 0 or -EFAULT with err saying which broke. */
 int gpu_window_check(const struct gpu_window *w, char *err, size_t errlen);

@@ -11,6 +11,7 @@
  * the main loop and teardown. The parts it starts are in runner.h. */
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <zmq.h>
 
@@ -20,6 +21,7 @@
 #include "common/service.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/util.h"
+#include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/engine.h"
 #include "services/gpu-runner/kv_cache.h"
 #include "services/gpu-runner/runner.h"
@@ -90,10 +92,17 @@ static int setup(struct runner *r)
 		log_error("--kv-dtype '%s' is not f32 or bf16", r->kv_dtype_name);
 		return -EINVAL;
 	}
+	rc = runner_setup_cpu_share(r, err, sizeof(err));
+	if (rc) {
+		log_error("%s", err);
+		return rc;
+	}
 	r->bp = (struct backend_params){.max_chunk = (uint32_t)r->prefill_chunk,
 					.block_tokens = (uint32_t)r->block_tokens,
 					.kv_dtype = kv_dtype,
-					.threads = (uint32_t)r->threads};
+					.threads = (uint32_t)r->threads,
+					.cpu_pool = r->cpu_pool,
+					.cpu_handoff = r->cpu_handoff};
 	r->arena_block_bytes = backend_kv_block_bytes(r->backend_name, &r->cfg, &r->bp);
 	r->pool_block_bytes = ALIGN_UP((uint64_t)r->arena_block_bytes, 4096);
 	/* Blocks are reused only by a runner that would compute the same bytes: same model, same
@@ -163,6 +172,8 @@ static void teardown(struct runner *r)
 	backend_destroy(&r->be);
 	kv_remote_disconnect(&r->kv);
 	runner_drop_window(r);
+	task_pool_destroy(&r->cpu_pool); /* after the backend and the window that used it */
+	free(r->cpu_split_r);
 	ring_source_destroy(&r->ring);
 	tokenizer_destroy(&r->tok);
 	rpc_client_destroy(&r->loader_c);
@@ -195,6 +206,16 @@ int main(int argc, char **argv)
 		{"max-context", OPT_INT, &r.max_context, "0", "positions per sequence (0: min(model, 8192))"},
 		{"prefill-chunk", OPT_INT, &r.prefill_chunk, "256", "most prompt tokens per forward step"},
 		{"threads", OPT_INT, &r.threads, "1", "CPU threads of the cpu backend"},
+		{"cpu-share", OPT_STRING, &r.cpu_share_arg, "auto",
+		 "the CPU's part of each streamed layer's FFN (rows of gate/up, columns of down, read in place in DRAM): "
+		 "auto (cuda: where the CPU and the copies over PCIe finish together; cpu: none), 0 (none), or a "
+		 "fraction in (0, 1] of every FFN that may split (cuda: streamed and held in DRAM by the loader; "
+		 "cpu: all). Decode steps only: prefill copies the CPU's rows up"},
+		{"cpu-threads", OPT_INT, &r.cpu_threads, "0",
+		 "worker threads of the CPU share, pinned to a CPU each (0: one per CPU the runner may use, but one)"},
+		{"cpu-handoff", OPT_STRING, &r.cpu_handoff_arg, "auto",
+		 "how the cuda stream hands the CPU its share: memops (stream memory operations), hostfunc "
+		 "(cudaLaunchHostFunc) or auto (memops where the driver has them)"},
 		{"timeout-ms", OPT_INT, &r.timeout_ms, "60000", "how long to wait for a reply from another service"},
 		{"log-level", OPT_STRING, &r.log_level, "info", "debug, info, warn or error"},
 		{0},
@@ -214,6 +235,11 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	log_set_level(lv);
+	char flag_err[256];
+	if (runner_parse_cpu_flags(&r, flag_err, sizeof(flag_err)) != 0) {
+		fprintf(stderr, "gpu-runner: %s\n", flag_err);
+		return 2;
+	}
 	if (!r.run_dir) {
 		if (run_dir_default(r.instance, default_run_dir, sizeof(default_run_dir)) != 0) {
 			fprintf(stderr, "gpu-runner: run directory path too long\n");

@@ -35,8 +35,9 @@ struct weight_source *runner_weights(struct runner *r)
 
 #ifdef PIPELINE_HAVE_CUDA
 /* The time a decode token should take under the plans of both tiers: the most of the bytes
- * that cross PCIe over the H2D bandwidth, the bytes read from disk over the disk's bandwidth,
- * and every weight byte read from GPU memory once over its bandwidth. */
+ * that cross PCIe over the H2D bandwidth, the CPU's shares of split FFNs at its measured rates
+ * (with a handoff each), the bytes read from disk over the disk's bandwidth, and every weight byte
+ * the GPU reads (the CPU's shares aside) once over GPU memory's bandwidth. */
 static void predict(struct runner *r)
 {
 	struct gpu_window_stats st;
@@ -47,11 +48,16 @@ static void predict(struct runner *r)
 	uint64_t weights = 0;
 	for (uint32_t g = 1; g < ws->n_groups; g++) /* the embedding is read one row a token, on the host */
 		weights += ws->groups[g].tensor_bytes;
+	weights -= st.cpu_bytes_per_token;
 	double pcie = st.h2d_bytes_per_s > 0 ? (double)st.streamed_bytes_per_token / st.h2d_bytes_per_s * 1e3 : 0;
 	double disk = disk_bytes && disk_bps ? (double)disk_bytes / (double)disk_bps * 1e3 : 0;
 	double hbm = r->hbm_bps ? (double)weights / (double)r->hbm_bps * 1e3 : 0;
 	r->predicted_ms = pcie;
 	r->binding = "the PCIe link";
+	if (st.cpu_ms > r->predicted_ms) {
+		r->predicted_ms = st.cpu_ms;
+		r->binding = "the CPU share";
+	}
 	if (disk > r->predicted_ms) {
 		r->predicted_ms = disk;
 		r->binding = "the disk";
@@ -60,10 +66,11 @@ static void predict(struct runner *r)
 		r->predicted_ms = hbm;
 		r->binding = "GPU memory bandwidth";
 	}
-	char a[32], b[32], c[32];
-	log_info("per decode token: %s over PCIe (%.1f ms at %.1f GB/s), %s from disk (%.1f ms at %.2f GB/s), %s from "
-		 "GPU memory (%.1f ms at %.1f TB/s): predicted %.1f ms/token; %s binds",
-		 format_size(st.streamed_bytes_per_token, a, sizeof(a)), pcie, st.h2d_bytes_per_s / 1e9,
+	char a[32], b[32], c[32], d[32];
+	log_info("per decode token: %s over PCIe (%.1f ms at %.1f GB/s), %s on the CPU (%.1f ms, %u split FFNs), %s "
+		 "from disk (%.1f ms at %.2f GB/s), %s from GPU memory (%.1f ms at %.1f TB/s): predicted %.1f ms/token; "
+		 "%s binds", format_size(st.streamed_bytes_per_token, a, sizeof(a)), pcie, st.h2d_bytes_per_s / 1e9,
+		 format_size(st.cpu_bytes_per_token, d, sizeof(d)), st.cpu_ms, st.split_groups,
 		 format_size(disk_bytes, b, sizeof(b)), disk, (double)disk_bps / 1e9, format_size(weights, c, sizeof(c)), hbm,
 		 (double)r->hbm_bps / 1e12, r->predicted_ms, r->binding);
 }
@@ -78,7 +85,8 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 #ifdef PIPELINE_HAVE_CUDA
 	struct gpu_window_params wp = {.gpu_budget = r->gpu_budget, .depth = (uint32_t)r->prefetch_depth,
 				       .strict = r->strict, .time_copies = r->profile_copies,
-				       .h2d_bytes_per_s = (double)r->h2d_bps, .copy_streams = (uint32_t)r->copy_streams};
+				       .h2d_bytes_per_s = (double)r->h2d_bps, .copy_streams = (uint32_t)r->copy_streams,
+				       .cpu_share = r->cpu_share, .cpu_pool = r->cpu_pool};
 	int rc = gpu_window_create(r->ring, stream, &wp, &r->win, err, errlen);
 	if (rc)
 		return rc;
@@ -310,6 +318,8 @@ int runner_make_engine(struct runner *r, char *err, size_t errlen)
 	if (rc)
 		return rc;
 	engine_set_progress(r->engine, beat, r);
+	if (r->cpu_split_r)
+		return engine_set_ffn_split(r->engine, r->cpu_split_r, 1, err, errlen);
 	return 0;
 }
 

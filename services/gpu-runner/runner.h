@@ -20,6 +20,7 @@
 #include "services/gpu-runner/backend.h"
 #include "services/gpu-runner/generate.h"
 #include "services/gpu-runner/kv_remote.h"
+#include "services/gpu-runner/split_plan.h"
 
 #define QUEUE_MAX 16
 
@@ -46,6 +47,13 @@ struct runner {
 	double predicted_ms;	/* per decode token, from the plans of both tiers */
 	const char *binding;	/* which limit the prediction says binds */
 	bool strict, profile_copies;
+	const char *cpu_share_arg, *cpu_handoff_arg; /* --cpu-share, --cpu-handoff as given */
+	long cpu_threads;			     /* --cpu-threads (0: one per CPU allowed, but one) */
+	struct cpu_share_policy cpu_share;	     /* --cpu-share parsed */
+	uint32_t cpu_handoff;			     /* enum backend_cpu_handoff */
+	struct task_pool *cpu_pool;		     /* the CPU share's workers; NULL: no CPU share */
+	uint32_t *cpu_split_r;			     /* the C backend with a fixed share: r per layer (engine) */
+	uint64_t cpu_split_bytes;		     /* ... and the weight bytes its CPU shares read per token */
 
 	void *zctx; /* for the clients of the other services */
 	struct rpc_client *loader_c, *kv_c;
@@ -91,8 +99,16 @@ bool runner_wait_beat(void *ctx);
 int runner_connect_loader_retry(struct runner *r, int deadline_ms, char *err, size_t errlen);
 int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errlen);
 void runner_unpin_pool(struct runner *r);
-/* The engine over the weight source as it is now; the one before (if any) goes. */
+/* The engine over the weight source as it is now; the one before (if any) goes. With the C backend
+ * and a fixed --cpu-share, every FFN splits with the CPU in decode steps. */
 int runner_make_engine(struct runner *r, char *err, size_t errlen);
+/* Parses --cpu-share, --cpu-threads and --cpu-handoff into r. Returns 0, or -EINVAL with a message
+ * in err naming the flag and the value. */
+int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen);
+/* With a CPU share in force: the task pool of its workers (r->cpu_pool), and with the C backend and
+ * a fixed share, each layer's split (r->cpu_split_r). Call once the ring (the model) is known and
+ * before the backend is made. Returns 0 or -errno with err set. */
+int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen);
 /* gen_params.on_kv_failure: reconnects to a kv-store that went away in the middle of a request. */
 int runner_kv_failure(void *ctx, char *err, size_t errlen);
 void runner_release_dead_loader(struct runner *r);

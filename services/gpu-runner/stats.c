@@ -1,13 +1,15 @@
 /* stats.c - the gpu-runner's stats (service_ops.stats, built once a second; nothing on the token
- * path): counters of requests and tokens, the KV cache's and the weight window's numbers, and
- * what pipeline-inspect shows (the state of every weight group, the copy queue, KV blocks per
- * layer). */
+ * path): counters of requests and tokens, the KV cache's and the weight window's numbers, the CPU
+ * share of split FFNs (its pool, the split in force, what it computed, its times), and what
+ * pipeline-inspect shows (the state of every weight group, the copy queue, KV blocks per layer). */
 #include <jansson.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common/tokenizer/tokenizer.h"
 #include "common/util.h"
 #include "common/weight_ring.h"
+#include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/kv_cache.h"
 #include "services/gpu-runner/runner.h"
 #include "services/gpu-runner/text.h"
@@ -115,6 +117,86 @@ static void inspect_stats(struct runner *r, json_t *o)
 	}
 }
 
+/* "cpu_share": the policy and the split in force, the pool (queue depth, tasks), what the CPU
+ * computed (jobs, bytes, per token) and how long it took (its jobs on the CPU, the split FFNs on the
+ * stream, the handoff's part of that). Averages are per job / per timed FFN; 0 before any. */
+static json_t *cpu_share_stats(struct runner *r)
+{
+	char policy[32];
+	json_t *o = json_object();
+	if (!o)
+		return NULL;
+	json_object_set_new(o, "policy", json_string(cpu_share_text(&r->cpu_share, policy, sizeof(policy))));
+	uint32_t split = 0, r_min = r->cfg.ffn_dim, r_max = r->cfg.ffn_dim, max_tokens = 0;
+	uint64_t planned = 0;
+	double planned_ms = 0;
+#ifdef PIPELINE_HAVE_CUDA
+	if (r->win) {
+		struct gpu_window_stats ws;
+		gpu_window_stats(r->win, &ws);
+		split = ws.split_groups;
+		r_min = ws.split_r_min;
+		r_max = ws.split_r_max;
+		max_tokens = ws.split_max_tokens;
+		planned = ws.cpu_bytes_per_token;
+		planned_ms = ws.cpu_ms;
+	}
+#endif
+	if (r->cpu_split_r) {
+		r_min = r_max = r->cfg.ffn_dim;
+		for (uint32_t l = 0; l < r->cfg.n_layers; l++) {
+			if (r->cpu_split_r[l] >= r->cfg.ffn_dim)
+				continue;
+			split++;
+			r_min = r->cpu_split_r[l] < r_min ? r->cpu_split_r[l] : r_min;
+			r_max = split == 1 || r->cpu_split_r[l] > r_max ? r->cpu_split_r[l] : r_max;
+		}
+		max_tokens = 1;
+		planned = r->cpu_split_bytes;
+	}
+	json_object_set_new(o, "split_ffns", json_integer(split));
+	json_object_set_new(o, "r_min", json_integer(r_min));
+	json_object_set_new(o, "r_max", json_integer(r_max));
+	json_object_set_new(o, "ffn_dim", json_integer(r->cfg.ffn_dim));
+	json_object_set_new(o, "max_tokens", json_integer(max_tokens));
+	json_object_set_new(o, "planned_bytes_per_token", json_integer((json_int_t)planned));
+	json_object_set_new(o, "planned_ms_per_token", json_real(planned_ms));
+	if (r->cpu_pool) {
+		struct task_pool_stats ps;
+		task_pool_get_stats(r->cpu_pool, &ps);
+		json_object_set_new(o, "threads", json_integer(ps.threads));
+		json_object_set_new(o, "queue_depth", json_integer(ps.queue_depth));
+		json_object_set_new(o, "queue_high_water", json_integer(ps.queue_high_water));
+		json_object_set_new(o, "tasks_submitted", json_integer((json_int_t)ps.jobs_submitted));
+		json_object_set_new(o, "tasks_done", json_integer((json_int_t)ps.jobs_done));
+		json_object_set_new(o, "tasks_failed", json_integer((json_int_t)ps.jobs_failed));
+		json_object_set_new(o, "parts_run", json_integer((json_int_t)ps.parts_run));
+		json_object_set_new(o, "busy_ms", json_real((double)ps.busy_ns / 1e6));
+	}
+	struct backend_cpu_share_stats bs;
+	if (r->be)
+		backend_get_cpu_share_stats(r->be, &bs);
+	else
+		memset(&bs, 0, sizeof(bs));
+	double job_us = bs.jobs ? bs.cpu_ms * 1e3 / (double)bs.jobs : 0;
+	double ffn_us = bs.timed ? bs.stream_ms * 1e3 / (double)bs.timed : 0;
+	json_object_set_new(o, "handoff", json_string(bs.handoff[0] ? bs.handoff : "none"));
+	json_object_set_new(o, "jobs", json_integer((json_int_t)bs.jobs));
+	json_object_set_new(o, "jobs_failed", json_integer((json_int_t)bs.failed));
+	json_object_set_new(o, "bytes", json_integer((json_int_t)bs.bytes));
+	/* A decode token runs one job per split FFN. */
+	json_object_set_new(o, "bytes_per_token",
+			    json_integer(bs.jobs && split ? (json_int_t)(bs.bytes / bs.jobs * split) : 0));
+	json_object_set_new(o, "cpu_job_us", json_real(job_us));
+	json_object_set_new(o, "timed_ffns", json_integer((json_int_t)bs.timed));
+	json_object_set_new(o, "stream_ffn_us", json_real(ffn_us));
+	json_object_set_new(o, "stream_wait_us", json_real(bs.timed ? bs.wait_ms * 1e3 / (double)bs.timed : 0));
+	/* The split FFN's time on the stream beyond its CPU job: when the CPU binds, the handoff's own
+	 * cost both ways (x's copy down, the dispatch, the wait's end, the copy up, the add). */
+	json_object_set_new(o, "handoff_us", json_real(bs.timed && ffn_us > job_us ? ffn_us - job_us : 0));
+	return o;
+}
+
 char *runner_stats(void *ctx)
 {
 	struct runner *r = ctx;
@@ -160,10 +242,25 @@ char *runner_stats(void *ctx)
 				      "copies", (json_int_t)ws2.copies, "late_copies", (json_int_t)ws2.late_copies, "depth",
 				      (int)ws2.depth, "h2d_bytes_per_s", ws2.h2d_bytes_per_s, "copy_ms", ws2.copy_ms,
 				      "timed_copies", (json_int_t)ws2.timed_copies);
-		if (g)
+		if (g) {
+			json_object_set_new(g, "split_groups", json_integer(ws2.split_groups));
+			json_object_set_new(g, "cpu_bytes_per_token", json_integer((json_int_t)ws2.cpu_bytes_per_token));
+			json_object_set_new(g, "prefill_copy_bytes", json_integer((json_int_t)ws2.side_bytes));
+			json_object_set_new(g, "prefill_copies", json_integer((json_int_t)ws2.side_copies));
+			json_object_set_new(g, "prefill_copy_bytes_h2d", json_integer((json_int_t)ws2.side_bytes_h2d));
+			json_object_set_new(g, "cpu_shares", json_integer((json_int_t)ws2.cpu_shares));
+			json_t *rates = json_object();
+			for (uint32_t f = 0; rates && f < DT_COUNT; f++)
+				if (gpu_window_cpu_rate(r->win, (enum dtype)f) > 0)
+					json_object_set_new(rates, dtype_name((enum dtype)f),
+							    json_real(gpu_window_cpu_rate(r->win, (enum dtype)f)));
+			json_object_set_new(g, "cpu_bytes_per_s", rates ? rates : json_null());
 			json_object_set_new(o, "gpu_window", g);
+		}
 	}
 #endif
+	if (o)
+		json_object_set_new(o, "cpu_share", cpu_share_stats(r));
 	if (o)
 		inspect_stats(r, o);
 	if (o) {

@@ -108,6 +108,13 @@ void runner_register_tunables(struct runner *r)
 	add_fixed_long(s, "prefill-chunk", TUNABLE_INT, r->prefill_chunk,
 		       "most prompt tokens per forward step (the chunk grid keeps reused prefixes exact)");
 	add_fixed_long(s, "threads", TUNABLE_INT, r->threads, "CPU threads of the cpu backend: started at start");
+	char share[32];
+	service_add_fixed(s, "cpu-share", TUNABLE_STRING, cpu_share_text(&r->cpu_share, share, sizeof(share)),
+			  "the CPU's part of each streamed FFN (off, auto or a fraction): planned at start");
+	add_fixed_long(s, "cpu-threads", TUNABLE_INT, r->cpu_threads,
+		       "worker threads of the CPU share (0: one per CPU allowed, but one): started at start");
+	service_add_fixed(s, "cpu-handoff", TUNABLE_STRING, r->cpu_handoff_arg ? r->cpu_handoff_arg : "auto",
+			  "how the cuda stream hands the CPU its share: set up at start");
 	service_add_fixed(s, "instance", TUNABLE_STRING, r->instance, "the instance name");
 	service_add_fixed(s, "run-dir", TUNABLE_STRING, r->run_dir, "the run directory");
 }

@@ -1,3 +1,5 @@
+/* weights.c - describing a group's tensors where a weight source holds them (weights.h), and the
+ * views of a split FFN's two shares. */
 #include "services/gpu-runner/weights.h"
 
 #include <string.h>
@@ -36,4 +38,40 @@ void weights_fill(const struct weight_source *s, uint32_t group, const void *bas
 		  struct group_weights *w)
 {
 	weights_fill_at(s, group, PLACE_HOST, base, NULL, embed_base, w);
+}
+
+void weight_tensor_rows(const struct weight_tensor *t, uint32_t r0, uint32_t n, struct weight_tensor *out)
+{
+	*out = *t;
+	for (uint32_t p = 0; p < PLACE_COUNT; p++)
+		if (t->data[p])
+			out->data[p] = (const char *)t->data[p] + (uint64_t)r0 * t->row_bytes;
+	out->row0 = t->row0 + r0;
+	out->rows = n;
+}
+
+void weight_tensor_cols(const struct weight_tensor *t, uint32_t c0, uint32_t n, struct weight_tensor *out)
+{
+	*out = *t;
+	for (uint32_t p = 0; p < PLACE_COUNT; p++)
+		if (t->data[p])
+			out->data[p] = (const char *)t->data[p] + dtype_row_bytes((enum dtype)t->format, c0);
+	out->col0 = t->col0 + c0;
+	out->cols = n;
+}
+
+void weights_split_ffn(struct group_weights *w, uint32_t r, enum ffn_split_where where)
+{
+	struct weight_tensor *g = &w->t[ROLE_W_GATE], *u = &w->t[ROLE_W_UP], *d = &w->t[ROLE_W_DOWN];
+	uint32_t ffn = g->rows;
+	struct ffn_split *s = &w->split;
+	memset(s, 0, sizeof(*s));
+	s->where = where;
+	s->r = r;
+	weight_tensor_rows(g, r, ffn - r, &s->gate);
+	weight_tensor_rows(u, r, ffn - r, &s->up);
+	weight_tensor_cols(d, r, ffn - r, &s->down);
+	weight_tensor_rows(g, 0, r, g);
+	weight_tensor_rows(u, 0, r, u);
+	weight_tensor_cols(d, 0, r, d);
 }

@@ -46,6 +46,8 @@ struct weight_source {
 	uint32_t n_tensors, n_groups;
 	uint64_t bytes_acquired; /* tensor bytes handed to the engine (what crosses to the device) */
 	uint64_t acquires;
+	uint32_t step_tokens;	 /* tokens of the step the engine is computing (it sets this before the
+				  * step's first acquire): a source that splits FFNs chooses by it */
 	char error[512];
 };
 
@@ -58,6 +60,16 @@ void weight_tensor_from_desc(struct weight_tensor *wt, const struct tensor_desc 
  * through embed_base, the embed group's base. */
 void weights_fill_at(const struct weight_source *s, uint32_t group, enum weight_place place, const void *base,
 		     const uint64_t *offsets, const void *embed_base, struct group_weights *w);
+
+/* Rows [r0, r0 + n) of the whole tensor t (at every place it has), into out. */
+void weight_tensor_rows(const struct weight_tensor *t, uint32_t r0, uint32_t n, struct weight_tensor *out);
+/* Columns [c0, c0 + n) of every row of the whole tensor t (c0 on a block boundary), into out: rows
+ * keep t's row_bytes. */
+void weight_tensor_cols(const struct weight_tensor *t, uint32_t c0, uint32_t n, struct weight_tensor *out);
+/* Splits the whole FFN of w in two shares at intermediate row r (0 <= r < ffn_dim, a multiple of
+ * ffn_split_unit; backend.h, struct ffn_split): w's gate, up and down become the first share, read
+ * in place (down keeps its row_bytes), w->split the second, at the same places, computed `where`. */
+void weights_split_ffn(struct group_weights *w, uint32_t r, enum ffn_split_where where);
 
 /* weights_fill_at in host memory at the tensors' slot offsets (the weight ring's layout). */
 void weights_fill(const struct weight_source *s, uint32_t group, const void *base, const void *embed_base,

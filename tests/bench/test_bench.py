@@ -241,6 +241,22 @@ class Table(unittest.TestCase):
         self.assertIn("4.97 ms/token (15.01 GB/token at 3.02 TB/s HBM) | 1.47 |", one)
         self.assertIn("9.94 ms/token (15.01 GB/token at 1.51 TB/s HBM) | 0.74 |", half)
 
+    def test_split_rows(self):
+        """P1's rows from a made-up record: the limit is the unsplit bytes over H2D plus the CPU's rate."""
+        lim = {"h2d_bytes_per_s": 50e9}
+        cs = {"split_ffns": 12, "r_min": 5120, "r_max": 5120, "ffn_dim": 14336, "cpu_job_us": 900.0,
+              "handoff_us": 25.0, "handoff": "memops"}
+        rec = {"whole": {"gen": {"decode_ms": 200.0}, "streamed_bytes_per_token": 10e9},
+               "split": {"gen": {"decode_ms": 100.0}, "streamed_bytes_per_token": 6e9, "cpu_bytes_per_token": 4e9,
+                         "cpu_bytes_per_s": 50e9, "cpu_share": cs}}
+        rows = bench.ROWS["P1"](rec, lim)
+        self.assertIn("| 100.0 ms/token | 100.0 ms/token (10.00 GB/token at 50.0 GB/s H2D + 50.0 GB/s CPU) | 1.000 |",
+                      rows[0])
+        self.assertIn("12 FFNs split at r 5120..5120 of 14336", rows[0])
+        self.assertIn("| 2.00x | - | - | >= 1.8x |", rows[1])
+        rec["split"]["failed"] = True
+        self.assertEqual(bench.ROWS["P1"](rec, lim), ["| P1 | failed (see logs) | - | - | - |"])
+
     def test_failed_rows(self):
         lim = {}
         self.assertEqual(bench.rows_s1({"failed": True}, lim), ["| S1 | failed (see logs) | - | - | - |"])
@@ -262,7 +278,7 @@ class CommandLine(unittest.TestCase):
     def test_help(self):
         p = self.run_bench("--help")
         self.assertEqual(p.returncode, 0)
-        for word in ("--scenarios", "--work", "--quick", "--replay", "S1, S2, S3, Q1, Q2, Q3, CHECK"):
+        for word in ("--scenarios", "--work", "--quick", "--replay", "S1, S2, S3, Q1, Q2, Q3, P1, P2,"):
             self.assertIn(word, p.stdout)
 
     def test_replay_some(self):

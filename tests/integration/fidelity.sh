@@ -19,6 +19,9 @@ COMPARE=${COMPARE_FIXTURE:?set COMPARE_FIXTURE to the compare_fixture binary of 
 # issue's bf16 bounds: relative L2 2e-2, tokens compared up to the first step whose margin in the
 # fixture is within twice the measured logits error. The default is the C reference, at 1e-4.
 BACKEND=${FIDELITY_BACKEND:-cpu}
+# FIDELITY_START_OPTS: more flags for scripts/pipeline start, e.g. on CUDA a GPU budget that streams
+# the layers and a forced split with the CPU: "--gpu-budget 1MiB --cpu-share 0.5".
+read -r -a START_OPTS <<<"${FIDELITY_START_OPTS:-}"
 if [[ $BACKEND != cpu ]]; then
 	export FIDELITY_REL_L2_MAX=2e-2
 fi
@@ -121,7 +124,7 @@ lists ${want_files//$'\n'/ }: the generator changed; remake the fixtures (tests/
 	# Through the services.
 	use_instance "$n"
 	started+=("$n")
-	"$PIPELINE" start --model "$dir" --backend "$BACKEND" >/dev/null
+	"$PIPELINE" start --model "$dir" --backend "$BACKEND" ${START_OPTS[@]+"${START_OPTS[@]}"} >/dev/null
 	logits=$IT_TMP/$name.logits
 	ok=1
 	if got=$("$PIPECTL" generate --tokens "$prompt" -n 32 --temperature 0 --ignore-eos --dump-logits "$logits"); then

@@ -8,12 +8,14 @@ it_setup tiers
 # carry CUDA IPC events, and the reference is the same backend with every budget large (the
 # C oracle computes in float32, the GPU in bf16).
 BACKEND=${TIERS_BACKEND:-cpu}
+# The reference's tokens and these must be equal, so no FFN splits with the CPU here (its products
+# sum in another order than the GPU's): --cpu-share 0 (integration_cpu_share and fidelity check it).
 
 bytes=$(model_bytes "$MODEL")
 # The smallest DRAM budget is the globals plus one attention and one FFN group, slots
 # aligned for O_DIRECT: ask the loader, whose refusal of a tiny budget says how much it
 # needs and how much the whole model takes. Half way between streams the layers.
-out=$("$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --dram-budget 4KiB 2>&1) && fail "start with a 4 KiB DRAM budget succeeded"
+out=$("$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --cpu-share 0 --dram-budget 4KiB 2>&1) && fail "start with a 4 KiB DRAM budget succeeded"
 need=$(sed -n 's/.*need at least [^(]*(\([0-9]*\) bytes.*/\1/p' <<<"$out" | head -n 1)
 whole=$(sed -n 's/.*whole model resident needs \([0-9]*\) bytes.*/\1/p' <<<"$out" | head -n 1)
 if [[ -n $need && -n $whole ]] && ((need < whole)); then
@@ -28,19 +30,19 @@ log "model $bytes bytes; DRAM budget $budget bytes (minimum ${need:-?}, all resi
 # chunk of 16 keeps the runner's minimum (layers + chunk blocks + 2) under 8. The pool holds
 # 4 blocks of 4 KiB, fewer than one layer of the context: the rest spill to the file, and the
 # runner fetches in batches the pool can hold.
-"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --dram-budget "$budget" --kv-gpu-budget 32KiB --kv-dram-budget 16KiB \
+"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --cpu-share 0 --dram-budget "$budget" --kv-gpu-budget 32KiB --kv-dram-budget 16KiB \
 	--runner-opt=--prefill-chunk=16
 
 sample=(--temperature 0.8 --top-k 40 --top-p 0.9 --seed 7)
 if [[ $BACKEND != cpu ]]; then
 	# The reference: the same backend, nothing constrained.
 	"$PIPELINE" stop
-	"$PIPELINE" start --model "$MODEL" --backend "$BACKEND"
+	"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --cpu-share 0
 	want_greedy=$(generate --tokens "$PROMPT" -n 64)
 	want_sampled=$(generate --tokens "$PROMPT" -n 64 "${sample[@]}")
 	"$PIPELINE" stop
 	# bf16 KV blocks are half the size: half the budget holds the same 8 blocks.
-	"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --dram-budget "$budget" --kv-gpu-budget 16KiB \
+	"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --cpu-share 0 --dram-budget "$budget" --kv-gpu-budget 16KiB \
 		--kv-dram-budget 16KiB --runner-opt=--prefill-chunk=16
 else
 	want_greedy=$(run_local --tokens "$PROMPT" -n 64)

@@ -282,6 +282,21 @@ static void render_runner(struct out *o, json_t *svc)
 	     "requests, %.1f ms copies)",
 	     count(cq, "weights_h2d_in_flight"), count(cq, "weight_grants_held"), count(st, "kv_fetch_runs"),
 	     jnum(st, "kv_fetch_request_ms", 0), jnum(st, "kv_fetch_copy_ms", 0));
+	json_t *cs = jobj(st, "cpu_share");
+	if (cs && jnum(cs, "split_ffns", 0) > 0) {
+		char rs[48];
+		snprintf(rs, sizeof(rs), jnum(cs, "r_min", 0) == jnum(cs, "r_max", 0) ? "%.0f" : "%.0f..%.0f",
+			 jnum(cs, "r_min", 0), jnum(cs, "r_max", 0));
+		line(o, "  cpu    share %s: %s FFNs split at r %s of %s (steps of <= %s tokens), %s threads via %s; queue "
+		     "%s (most %s), %s tasks; %s jobs, %s a token; job %.0f us, FFN on the stream %.0f us (waited %.0f), "
+		     "handoff %.0f us",
+		     jstr(cs, "policy", "-"), count(cs, "split_ffns"), rs, count(cs, "ffn_dim"), count(cs, "max_tokens"),
+		     count(cs, "threads"), jstr(cs, "handoff", "-"), count(cs, "queue_depth"), count(cs, "queue_high_water"),
+		     count(cs, "tasks_done"), count(cs, "jobs"), size(cs, "bytes_per_token"), jnum(cs, "cpu_job_us", 0),
+		     jnum(cs, "stream_ffn_us", 0), jnum(cs, "stream_wait_us", 0), jnum(cs, "handoff_us", 0));
+	} else if (cs) {
+		line(o, "  cpu    share %s: no FFN split", jstr(cs, "policy", "-"));
+	}
 	json_t *pb = jobj(pool, "blocks");
 	char pool_used[64] = "-";
 	if (pb)

@@ -134,6 +134,16 @@ int cmd_summary(struct pipectl *p, int argc, char **argv)
 	       fmt_rate(gr, "last_prefill_tok_s", a, sizeof(a)), fmt_count(gr, "prompt_tokens", b, sizeof(b)),
 	       fmt_rate(gr, "last_decode_tok_s", g, sizeof(g)), fmt_count(gr, "tokens_generated", h, sizeof(h)),
 	       fmt_count(gr, "requests", c, sizeof(c)));
+	json_t *cs = gr ? json_object_get(gr, "cpu_share") : NULL;
+	if (json_is_object(cs)) {
+		char fl[32];
+		printf("%-22s %s, %s FFNs split (r %s..%s of %s), %s jobs on %s threads (%s), %s read (%s a token), "
+		       "%s failed\n", "CPU share", fmt_string(cs, "policy"), fmt_count(cs, "split_ffns", a, sizeof(a)),
+		       fmt_count(cs, "r_min", b, sizeof(b)), fmt_count(cs, "r_max", c, sizeof(c)),
+		       fmt_count(cs, "ffn_dim", d, sizeof(d)), fmt_count(cs, "jobs", e, sizeof(e)),
+		       fmt_count(cs, "threads", f, sizeof(f)), fmt_string(cs, "handoff"), fmt_size(cs, "bytes", g, sizeof(g)),
+		       fmt_size(cs, "bytes_per_token", h, sizeof(h)), fmt_count(cs, "jobs_failed", fl, sizeof(fl)));
+	}
 	int status = ld && kv && gr ? PIPECTL_EXIT_OK : PIPECTL_EXIT_FAIL;
 	json_decref(ld);
 	json_decref(kv);

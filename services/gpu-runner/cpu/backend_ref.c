@@ -26,8 +26,17 @@
  * Threads: matrix products are split over output rows and attention over (token, head)
  * pairs among a persistent pool. Each output is computed by one thread with the same code in
  * the same order, so the results are bit-identical for any thread count.
+ *
+ * A split FFN (backend.h, struct ffn_split) computes its first share with the code above; the
+ * second too for FFN_SPLIT_BACKEND, and for FFN_SPLIT_CPU through cpu-compute (ffn_share.h, with
+ * the float32 normed x as its activation: nothing rounded to BF16) on the task pool of
+ * backend_params.cpu_pool, submitted before the first share is computed and waited for after,
+ * then added into the residual stream: the order of the CUDA backend's additions. So CI runs the
+ * split, and its CPU products are those the CUDA backend's CPU share runs.
  */
 #include "services/gpu-runner/backend_impl.h"
+#include "services/gpu-runner/cpu-compute/ffn_share.h"
+#include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/cpu/kernels.h"
 #include "services/gpu-runner/cpu/pool.h"
 #include "services/gpu-runner/rope.h"
@@ -40,6 +49,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common/util.h"
 
 #define REF_MAX_THREADS 256
 #define REF_ERR_MAX 320
@@ -76,6 +87,13 @@ struct backend_dev {
 
 	uint32_t threads;      /* of the pool: the caller and threads - 1 workers */
 	struct cpu_pool *pool;
+
+	/* The CPU share of split FFNs (with backend_params.cpu_pool). */
+	struct ffn_share *share;
+	struct ffn_share_job share_job;
+	float *share_y;	       /* (FFN_SPLIT_MAX_TOKENS, dim) the share's partial hidden vectors */
+	uint32_t share_done, share_waiters, share_seq; /* the job's completion word, its sleepers, the last value */
+	uint64_t share_failed;	/* CPU shares that failed */
 };
 
 __attribute__((format(printf, 3, 4))) static int fail(struct backend_dev *be, int rc, const char *fmt, ...)
@@ -332,24 +350,75 @@ static int ref_attn_end(struct backend_dev *be, const struct group_weights *w)
 	return 0;
 }
 
-static int ref_ffn(struct backend_dev *be, const struct group_weights *w)
+/* down(silu(gate x) * up x) of one share (or the whole FFN) added into x: gate and up hold `rows`
+ * rows, down as many columns from its data pointer. */
+static void ffn_share_ref(struct backend_dev *be, const struct weight_tensor *gate, const struct weight_tensor *up,
+			  const struct weight_tensor *down, uint32_t rows)
 {
 	const struct model_config *c = &be->cfg;
 	uint32_t n = be->n;
-	rmsnorm_rows(be, &w->t[ROLE_FFN_NORM], n);
 	struct mm_job j = {
 		.x = be->xn, .in = c->dim, .n = n, .n_parts = 2,
-		.part = {{&w->t[ROLE_W_GATE], be->gate}, {&w->t[ROLE_W_UP], be->up}},
+		.part = {{gate, be->gate}, {up, be->up}},
 	};
 	matmul(be, &j);
-	size_t cnt = (size_t)n * c->ffn_dim;
+	size_t cnt = (size_t)n * rows;
 	for (size_t i = 0; i < cnt; i++)
 		be->gate[i] = cpu_silu_mul(be->gate[i], be->up[i]);
 	struct mm_job jd = {
-		.x = be->gate, .in = c->ffn_dim, .n = n, .add = true, .n_parts = 1,
-		.part = {{&w->t[ROLE_W_DOWN], be->x}},
+		.x = be->gate, .in = rows, .n = n, .add = true, .n_parts = 1,
+		.part = {{down, be->x}},
 	};
 	matmul(be, &jd);
+}
+
+/* A part of the CPU share's job (task_pool.h): the share computes from be->xn into be->share_y. */
+static int share_part(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
+{
+	struct backend_dev *be = arg;
+	return ffn_share_part(be->share, &be->share_job, be->xn, be->share_y, part, n_parts, err, errlen);
+}
+
+static struct ffn_share_mat share_mat(const struct weight_tensor *t)
+{
+	return (struct ffn_share_mat){.data = t->data[PLACE_HOST], .format = t->format, .row_bytes = t->row_bytes};
+}
+
+static int ref_ffn(struct backend_dev *be, const struct group_weights *w)
+{
+	const struct model_config *c = &be->cfg;
+	const struct ffn_split *s = &w->split;
+	rmsnorm_rows(be, &w->t[ROLE_FFN_NORM], be->n);
+	if (s->where == FFN_SPLIT_NONE) {
+		ffn_share_ref(be, &w->t[ROLE_W_GATE], &w->t[ROLE_W_UP], &w->t[ROLE_W_DOWN], c->ffn_dim);
+		return 0;
+	}
+	uint32_t rest = c->ffn_dim - s->r;
+	struct task_job job = {0};
+	if (s->where == FFN_SPLIT_CPU) {
+		if (!be->share)
+			return fail(be, -ENOTSUP, "cpu backend: ffn: a CPU share, but no CPU pool was given at create");
+		/* The CPU's share first, so it runs while this thread computes the first share. */
+		struct ffn_share_mat g = share_mat(&s->gate), u = share_mat(&s->up), d = share_mat(&s->down);
+		ffn_share_job_init(&be->share_job, &g, &u, &d, rest, be->n, DT_F32);
+		task_job_init(&job, share_part, be, ffn_share_parts(be->share), &be->share_done, ++be->share_seq);
+		job.done_waiters = &be->share_waiters;
+		task_pool_submit(be->p.cpu_pool, &job); /* -ESHUTDOWN completes the job with its error */
+	}
+	if (s->r)
+		ffn_share_ref(be, &w->t[ROLE_W_GATE], &w->t[ROLE_W_UP], &w->t[ROLE_W_DOWN], s->r);
+	if (s->where == FFN_SPLIT_BACKEND) {
+		ffn_share_ref(be, &s->gate, &s->up, &s->down, rest);
+		return 0;
+	}
+	task_word_wait(&be->share_done, &be->share_waiters, be->share_seq, 50, 0);
+	if (job.rc) {
+		be->share_failed++;
+		return fail(be, job.rc, "cpu backend: ffn: the CPU share failed: %s", job.err);
+	}
+	size_t cnt = (size_t)be->n * c->dim;
+	for (size_t i = 0; i < cnt; i++)
+		be->x[i] += be->share_y[i];
 	return 0;
 }
 
@@ -366,6 +435,19 @@ static int ref_logits(struct backend_dev *be, const struct group_weights *w, flo
 	return 0;
 }
 
+static void ref_cpu_share_stats(struct backend_dev *be, struct backend_cpu_share_stats *out)
+{
+	if (!be->share)
+		return;
+	struct ffn_share_stats st;
+	ffn_share_get_stats(be->share, &st);
+	snprintf(out->handoff, sizeof(out->handoff), "direct");
+	out->jobs = st.jobs;
+	out->failed = be->share_failed;
+	out->bytes = st.bytes;
+	out->cpu_ms = (double)st.ns / 1e6;
+}
+
 static const char *ref_error(struct backend_dev *be)
 {
 	return be->err;
@@ -380,6 +462,8 @@ static void ref_destroy(struct backend_dev **bep)
 	if (!be)
 		return;
 	cpu_pool_destroy(&be->pool);
+	ffn_share_destroy(&be->share);
+	free(be->share_y);
 	free(be->arena);
 	free(be->inv_freq);
 	free(be->x);
@@ -495,6 +579,17 @@ static int ref_create(const struct model_config *cfg, const struct backend_param
 		snprintf(err, errlen, "cpu backend: %s", why);
 		goto out_destroy;
 	}
+	if (p->cpu_pool) {
+		uint32_t t = task_pool_threads(p->cpu_pool);
+		rc = ffn_share_create(cfg->dim, cfg->ffn_dim, FFN_SPLIT_MAX_TOKENS,
+				      t < FFN_SHARE_MAX_THREADS ? t : FFN_SHARE_MAX_THREADS, &be->share, why, sizeof(why));
+		if (rc == 0 && !(be->share_y = alloc_array(FFN_SPLIT_MAX_TOKENS, cfg->dim, sizeof(float))))
+			rc = errorf(why, sizeof(why), -ENOMEM, "out of memory for the CPU share's output");
+		if (rc) {
+			snprintf(err, errlen, "cpu backend: %s", why);
+			goto out_destroy;
+		}
+	}
 	*out = be;
 	return 0;
 
@@ -511,6 +606,7 @@ static const struct backend_compute_ops ref_compute = {
 	.ffn = ref_ffn,
 	.logits = ref_logits,
 	/* logits_argmax: the front's (logits, then argmax on the host); no logits_sample. */
+	.cpu_share_stats = ref_cpu_share_stats,
 };
 
 static const struct backend_kv_ops ref_kv = {

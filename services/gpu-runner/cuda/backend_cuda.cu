@@ -282,6 +282,8 @@ static int cuda_ffn(struct backend_dev *be, const struct group_weights *w)
 	static const enum tensor_role mats[] = {ROLE_W_GATE, ROLE_W_UP, ROLE_W_DOWN};
 	const struct model_config *c = &be->cfg;
 	uint32_t n = be->n, ffn = c->ffn_dim, at;
+	if (w->split.where != FFN_SPLIT_NONE)
+		return ffn_split_compute(be, w);
 	int rc = check_chain(be, w, mats, 3, "ffn", &at);
 	if (rc)
 		return rc;
@@ -319,6 +321,9 @@ static int finish_step(struct backend_dev *be, const char *what)
 	CUDA_TRY(be, "cudaMemcpyAsync (status)",
 		 cudaMemcpyAsync(be->h_status, be->status, sizeof(*be->status), cudaMemcpyDeviceToHost, be->stream));
 	CUDA_TRY(be, "cudaStreamSynchronize (logits)", cudaStreamSynchronize(be->stream));
+	int rc = ffn_split_check(be);
+	if (rc)
+		return rc;
 	if (be->h_status->err) {
 		struct dev_status st = *be->h_status;
 		CUDA_TRY(be, "cudaMemsetAsync (status)", cudaMemsetAsync(be->status, 0, sizeof(*be->status), be->stream));
@@ -391,6 +396,7 @@ static void cuda_destroy(struct backend_dev **bep)
 	struct backend_dev *be = *bep;
 	if (!be)
 		return;
+	ffn_split_teardown(be);
 	if (be->spanbuf)
 		cudaFreeAsync(be->spanbuf, be->stream); /* allocated stream-ordered */
 	if (be->stream)
@@ -637,6 +643,8 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->fuse_x = p->fuse == BACKEND_FUSE_DEFAULT;
 
 	rc = create_device(be);
+	if (rc == 0)
+		rc = ffn_split_setup(be);
 	if (rc) {
 		snprintf(err, errlen, "%s", be->err);
 		cuda_destroy(&be);
@@ -656,6 +664,7 @@ static const struct backend_compute_ops cuda_compute = {
 	cuda_logits,		/* logits */
 	cuda_logits_argmax,	/* logits_argmax */
 	cuda_logits_sample,	/* logits_sample */
+	ffn_split_stats,	/* cpu_share_stats */
 };
 
 extern "C" {

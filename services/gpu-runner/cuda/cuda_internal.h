@@ -16,6 +16,7 @@
  *   attention_mma.cu  prefill attention on the tensor cores (BF16 KV)
  *   sampling.cu       argmax and the sampler on the device
  *   kv_copy.cu        KV arena copies to and from host memory, write-behind and read-ahead streams
+ *   ffn_split.cu      a split FFN: the shares on the GPU, the CPU's share handed to the task pool
  */
 #ifndef GPU_RUNNER_CUDA_INTERNAL_H
 #define GPU_RUNNER_CUDA_INTERNAL_H
@@ -161,6 +162,19 @@ struct backend_dev {
 	uint32_t pos0;		/* position of its first token */
 	uint32_t layer;		/* layer between attn_begin and attn_end */
 	uint32_t attn_act;	/* activation dtype of the attention matrices of that layer */
+
+	/* The CPU share of split FFNs (ffn_split.cu), with backend_params.cpu_pool. */
+	struct cpu_handoff *handoff;	/* the stream's handoff to the pool */
+	struct ffn_share *share;	/* the jobs' scratch */
+	struct split_job *split_jobs;	/* ring of the jobs handed over */
+	uint64_t split_n;		/* jobs handed over so far */
+	float *partial;			/* (FFN_SPLIT_MAX_TOKENS, dim) the CPU share's result, device memory */
+	uint64_t split_fail_at;		/* test hook: the job of this number (split_n after it) fails; 0 none */
+	cudaEvent_t split_ev[3];	/* one split FFN in a few, timed: before x's copy down, after the GPU's
+					 * share, after the partial's add */
+	bool split_ev_pending;		/* recorded, not yet read */
+	uint64_t split_timed;
+	double split_stream_ms, split_wait_ms;
 };
 
 /* ---- errors ------------------------------------------------------------------------------ */
@@ -390,6 +404,22 @@ void attn_mma_launch(uint32_t hd, const attn_args &a, dim3 grid, cudaStream_t s)
 void argmax_launch(const float *v, uint32_t n, struct dev_status *st, cudaStream_t s);
 void sample_launch(const float *v, uint32_t n, float inv_t, uint32_t top_k, float top_p, float min_p, double u,
 		   struct dev_status *st, cudaStream_t s);
+
+/* ---- ffn_split.cu -------------------------------------------------------------------------- */
+
+/* With backend_params.cpu_pool: the scratch, the result buffer and the handoff (memops, falling
+ * back to hostfunc where the default is asked and memops are missing). Returns 0 or -errno with
+ * the message in be->err. */
+int ffn_split_setup(struct backend_dev *be);
+/* Undoes ffn_split_setup (the handoff first: it waits for its jobs); safe on a partial setup. */
+void ffn_split_teardown(struct backend_dev *be);
+/* The ffn of a split group (w->split.where set): queued on the stream, nothing waited for. */
+int ffn_split_compute(struct backend_dev *be, const struct group_weights *w);
+/* After the host synchronised with the stream: a CPU share that failed since the last check
+ * fails the step here (-errno, message in be->err). */
+int ffn_split_check(struct backend_dev *be);
+/* The CPU share's counters (backend_get_cpu_share_stats). */
+void ffn_split_stats(struct backend_dev *be, struct backend_cpu_share_stats *out);
 
 /* ---- kv_copy.cu ---------------------------------------------------------------------------- */
 

@@ -1,7 +1,8 @@
 /* cuda_test.h - test hooks into the CUDA backend, for tests/unit/gpu-runner/test_cuda_quant.c:
  * one matrix product through the backend's own dispatch (the kernels a forward step uses for
  * that format and token count: the quantized GEMV, or dequantization and cuBLAS), and a read of
- * the residual stream after embed. C callable; built with the CUDA backend only. */
+ * the residual stream after embed; for test_cuda_ffn_split.c, a failure of the CPU share. C
+ * callable; built with the CUDA backend only. */
 #ifndef GPU_RUNNER_CUDA_TEST_H
 #define GPU_RUNNER_CUDA_TEST_H
 #include <stddef.h>
@@ -35,6 +36,10 @@ int cuda_test_matmul(struct backend *be, const struct cuda_test_product *t, char
 /* Copies rows [0, n) of the residual stream (n x dim float32, what embed wrote) to host out
  * and waits. Returns 0 or -EINVAL / -EIO with a message in err. */
 int cuda_test_residual(struct backend *be, float *out, uint32_t n, char *err, size_t errlen);
+/* The nth job of a split FFN's CPU share from now on (1: the next; 0: none) fails its first part
+ * with -EIO "an injected failure". Returns 0, or -EINVAL (not a cuda backend, or one without a CPU
+ * share) with a message in err. */
+int cuda_test_fail_cpu_share(struct backend *be, uint32_t nth, char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,6 @@
 /* test_hooks.cu - the CUDA backend's test hooks (cuda_test.h): a product through matmul() /
- * swiglu_product() with buffers of the hook's own, and a read of the residual stream. */
+ * swiglu_product() with buffers of the hook's own, a read of the residual stream, and a failure
+ * injected into the CPU share of a split FFN. */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/cuda_test.h"
 
@@ -125,5 +126,18 @@ int cuda_test_residual(struct backend *bk, float *out, uint32_t n, char *err, si
 		snprintf(err, errlen, "test hook: reading the residual stream failed: %s", cudaGetErrorString(e));
 		return -EIO;
 	}
+	return 0;
+}
+
+int cuda_test_fail_cpu_share(struct backend *bk, uint32_t nth, char *err, size_t errlen)
+{
+	struct backend_dev *be = cuda_dev(bk, err, errlen);
+	if (!be)
+		return -EINVAL;
+	if (!be->handoff) {
+		snprintf(err, errlen, "test hook: the backend has no CPU share (no backend_params.cpu_pool)");
+		return -EINVAL;
+	}
+	be->split_fail_at = nth ? be->split_n + nth : 0;
 	return 0;
 }

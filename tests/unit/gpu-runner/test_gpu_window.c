@@ -4,7 +4,10 @@
  * the checkpoint's bytes, the state table stays consistent (strict mode checks it at every
  * call), streamed bytes per pass are what the plan says, and a budget below the minimum is
  * refused naming the size it needs. The DRAM tier streams too in one case, so the window's
- * grants and the loader's slots interlock. */
+ * grants and the loader's slots interlock. With --cpu-share 0.5 the streamed FFNs split: the
+ * device holds exactly their first share (gate and up rows [0, r), down's columns [0, r) of every
+ * row), a decode step gets the second share in place in the ring, a prefill step gets its copy on
+ * the device, and fewer bytes cross per pass. */
 #include <check.h>
 #include <cuda_runtime_api.h>
 #include <errno.h>
@@ -20,6 +23,7 @@
 #include "common/bus.h"
 #include "common/manifest.h"
 #include "common/util.h"
+#include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/gpu_window.h"
 #include "tools/make-synthetic-model/synthetic.h"
 
@@ -138,6 +142,87 @@ static void pass(struct fixture *f, struct gpu_window *w)
 	}
 }
 
+/* rows x width bytes at src (pitch apart) in device memory, against want (pitch apart too). */
+static void expect_rows(const void *dev, uint64_t dev_pitch, const char *want, uint64_t want_pitch, uint64_t width,
+			uint32_t rows, cudaStream_t s, const char *what, uint32_t g)
+{
+	if (!rows || !width)
+		return;
+	char *got = malloc(width * rows);
+	ck_assert_ptr_nonnull(got);
+	ck_assert_int_eq(cudaMemcpy2DAsync(got, width, dev, dev_pitch, width, rows, cudaMemcpyDeviceToHost, s),
+			 cudaSuccess);
+	ck_assert_int_eq(cudaStreamSynchronize(s), cudaSuccess);
+	for (uint32_t r = 0; r < rows; r++)
+		ck_assert_msg(memcmp(got + r * width, want + r * want_pitch, width) == 0, "group %u: %s, row %u differs", g,
+			      what, r);
+	free(got);
+}
+
+/* One pass of `tokens`-token steps over a window whose streamed FFNs split: the shares hold the
+ * checkpoint's rows where the split says, on the device or in host memory. */
+static void pass_split(struct fixture *f, struct gpu_window *w, uint32_t tokens, uint32_t *split_seen)
+{
+	struct weight_source *ws = gpu_window_base(w);
+	const uint32_t ffn = f->m->cfg.ffn_dim;
+	ws->step_tokens = tokens;
+	for (uint32_t g = 0; g < f->m->n_groups; g++) {
+		struct group_weights gw;
+		ck_assert_msg(ws->ops->acquire(ws, g, &gw) == 0, "acquire %u: %s", g, ws->error);
+		uint32_t r = gpu_window_split_r(w, g);
+		if (f->m->groups[g].kind != GROUP_FFN || r >= ffn) {
+			ck_assert_uint_eq(gw.split.where, FFN_SPLIT_NONE);
+			ck_assert_int_eq(ws->ops->release(ws, g), 0);
+			continue;
+		}
+		(*split_seen)++;
+		ck_assert_uint_eq(gw.split.r, r);
+		ck_assert_uint_eq(gw.split.where, tokens == 1 ? FFN_SPLIT_CPU : FFN_SPLIT_BACKEND);
+		enum weight_place rest = tokens == 1 ? PLACE_HOST : PLACE_DEVICE;
+		static const enum tensor_role mats[3] = {ROLE_W_GATE, ROLE_W_UP, ROLE_W_DOWN};
+		const struct weight_tensor *second[3] = {&gw.split.gate, &gw.split.up, &gw.split.down};
+		for (int i = 0; i < 3; i++) {
+			int ti = model_find_tensor(&f->m->cfg, f->m->tensors, f->m->groups, g, mats[i]);
+			ck_assert_int_ge(ti, 0);
+			const struct tensor_desc *t = &f->m->tensors[ti];
+			enum dtype fmt = (enum dtype)t->dtype;
+			char *want = file_bytes(f->m, t);
+			uint64_t full = dtype_row_bytes(fmt, t->shape[1]);
+			const struct weight_tensor *a = &gw.t[mats[i]], *b = second[i];
+			if (mats[i] == ROLE_W_DOWN) {
+				ck_assert_uint_eq(a->cols, r);
+				ck_assert_uint_eq(b->col0, r);
+				ck_assert_uint_eq(b->cols, ffn - r);
+				expect_rows(a->data[PLACE_DEVICE], a->row_bytes, want, full, dtype_row_bytes(fmt, r),
+					    (uint32_t)t->shape[0], f->stream, "down's first share", g);
+				const char *wb = want + dtype_row_bytes(fmt, r);
+				if (rest == PLACE_HOST)
+					for (uint32_t row = 0; row < t->shape[0]; row++)
+						ck_assert(memcmp((const char *)b->data[PLACE_HOST] + row * b->row_bytes,
+								 wb + row * full, dtype_row_bytes(fmt, ffn - r)) == 0);
+				else
+					expect_rows(b->data[PLACE_DEVICE], b->row_bytes, wb, full,
+						    dtype_row_bytes(fmt, ffn - r), (uint32_t)t->shape[0], f->stream,
+						    "down's second share", g);
+			} else {
+				ck_assert_uint_eq(a->rows, r);
+				ck_assert_uint_eq(b->row0, r);
+				ck_assert_uint_eq(b->rows, ffn - r);
+				expect_rows(a->data[PLACE_DEVICE], full, want, full, full, r, f->stream, "first share", g);
+				if (rest == PLACE_HOST)
+					ck_assert(memcmp(b->data[PLACE_HOST], want + r * full, (ffn - r) * full) == 0);
+				else
+					expect_rows(b->data[PLACE_DEVICE], full, want + r * full, full, full, ffn - r,
+						    f->stream, "second share", g);
+			}
+			free(want);
+		}
+		ck_assert_msg(ws->ops->release(ws, g) == 0, "release %u: %s", g, ws->error);
+		char why[256];
+		ck_assert_msg(gpu_window_check(w, why, sizeof(why)) == 0, "%s", why);
+	}
+}
+
 static int have_gpu(void)
 {
 	int n = 0;
@@ -215,6 +300,61 @@ START_TEST(test_streaming_depth_1_dram_streams)
 }
 END_TEST
 
+START_TEST(test_split_ffn)
+{
+	struct fixture f;
+	start(&f, "1GiB"); /* every group stays in DRAM: every streamed FFN may split */
+	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
+	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
+	char err[512];
+	struct task_pool *pool = NULL;
+	struct task_pool_config pc;
+	task_pool_config_default(&pc);
+	pc.threads = 2;
+	pc.pin = false;
+	ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
+	struct gpu_window_params p = {.gpu_budget = head + 2 * (a + ff) + ff, .depth = 2, .strict = true,
+				      .cpu_pool = pool};
+	ck_assert_int_eq(cpu_share_parse("0.5", &p.cpu_share, err, sizeof(err)), 0);
+	struct gpu_window *w = NULL, *whole = NULL;
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	struct gpu_window_stats st, st0;
+	gpu_window_stats(w, &st);
+	ck_assert_uint_gt(st.split_groups, 0);
+	ck_assert_uint_lt(st.split_r_max, f.m->cfg.ffn_dim);
+	ck_assert_uint_gt(st.cpu_bytes_per_token, 0);
+	ck_assert_uint_gt(st.side_bytes, 0);
+	char line[1024];
+	gpu_window_describe(w, line, sizeof(line));
+	ck_assert_msg(strstr(line, "split with the CPU"), "%s", line);
+	uint32_t seen = 0;
+	for (int i = 0; i < 3; i++) {
+		pass_split(&f, w, 1, &seen);	/* decode */
+		/* prefill: the CPU rows copied up */
+		pass_split(&f, w, FFN_SPLIT_MAX_TOKENS + 1, &seen);
+		pass_split(&f, w, FFN_SPLIT_MAX_TOKENS + 1, &seen);
+	}
+	ck_assert_uint_eq(seen, 9 * st.split_groups);
+	gpu_window_stats(w, &st);
+	ck_assert_uint_gt(st.side_copies, 0);
+	ck_assert_uint_gt(st.cpu_shares, 0);
+	struct weight_source *ws = gpu_window_base(w);
+	ck_assert_int_eq(ws->ops->release_all(ws), 0);
+	gpu_window_destroy(&w);
+	/* The same budget unsplit: more crosses per token, and the slots are larger. */
+	p.cpu_share.mode = CPU_SHARE_OFF;
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &whole, err, sizeof(err)) == 0, "%s", err);
+	gpu_window_stats(whole, &st0);
+	ck_assert_uint_eq(st0.split_groups, 0);
+	ck_assert_uint_eq(st0.streamed_groups, st.streamed_groups);
+	ck_assert_uint_eq(st0.streamed_bytes_per_token, st.streamed_bytes_per_token + st.cpu_bytes_per_token);
+	ck_assert_uint_gt(st0.window_bytes, st.window_bytes);
+	gpu_window_destroy(&whole);
+	task_pool_destroy(&pool);
+	stop(&f);
+}
+END_TEST
+
 START_TEST(test_budget_too_small)
 {
 	struct fixture f;
@@ -241,6 +381,7 @@ int main(void)
 	tcase_add_test(tc, test_streaming_depth_2);
 	tcase_add_test(tc, test_streaming_depth_1_dram_streams);
 	tcase_add_test(tc, test_budget_too_small);
+	tcase_add_test(tc, test_split_ffn);
 	suite_add_tcase(s, tc);
 	SRunner *sr = srunner_create(s);
 	/* CUDA contexts do not survive fork: run in this process. */

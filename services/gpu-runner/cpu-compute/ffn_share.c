@@ -1,0 +1,244 @@
+/* ffn_share.c - the CPU's share of a split FFN as a two-phase job of the task pool. See
+ * ffn_share.h. */
+#include "services/gpu-runner/cpu-compute/ffn_share.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <sched.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util.h"
+#include "services/gpu-runner/cpu-compute/cpu_compute.h"
+#include "services/gpu-runner/cpu/kernels.h"
+
+#define SPINS_BEFORE_YIELD 4096u
+
+/* What one part of a phase keeps between jobs. */
+struct part_scratch {
+	struct cpu_vec *xg, *xu; /* x prepared for gate's and up's formats (xu: when they differ) */
+	struct cpu_vec *xh;	 /* h prepared for down's format */
+	float *xf;		 /* (dim) x of one token widened */
+	float *tmp;		 /* (ffn_dim) up's products, when gate's and up's formats or strides differ */
+};
+
+struct ffn_share {
+	uint32_t dim, ffn_dim, max_tokens, threads;
+	uint64_t jobs, bytes, ns;    /* ffn_share_stats (atomic) */
+	float *h;		     /* (max_tokens, ffn_dim) the SwiGLU output, rounded to act */
+	struct part_scratch *ps;     /* (threads) */
+};
+
+int ffn_share_create(uint32_t dim, uint32_t ffn_dim, uint32_t max_tokens, uint32_t threads, struct ffn_share **out,
+		     char *err, size_t errlen)
+{
+	*out = NULL;
+	if (!dim || !ffn_dim || !max_tokens || max_tokens > 1024 || !threads || threads > FFN_SHARE_MAX_THREADS)
+		return errorf(err, errlen, -EINVAL,
+			      "cpu share: dim %u, ffn_dim %u, %u tokens, %u threads (threads 1..%u, tokens 1..1024)", dim,
+			      ffn_dim, max_tokens, threads, FFN_SHARE_MAX_THREADS);
+	struct ffn_share *fs = calloc(1, sizeof(*fs));
+	if (!fs)
+		return errorf(err, errlen, -ENOMEM, "cpu share: out of memory");
+	fs->dim = dim;
+	fs->ffn_dim = ffn_dim;
+	fs->max_tokens = max_tokens;
+	fs->threads = threads;
+	fs->h = calloc((size_t)max_tokens * ffn_dim, sizeof(float));
+	fs->ps = calloc(threads, sizeof(*fs->ps));
+	int rc = 0;
+	if (!fs->h || !fs->ps) {
+		rc = errorf(err, errlen, -ENOMEM, "cpu share: out of memory for %u tokens of %u rows", max_tokens,
+			    ffn_dim);
+		goto out_destroy;
+	}
+	for (uint32_t i = 0; i < threads; i++) {
+		struct part_scratch *p = &fs->ps[i];
+		p->xf = calloc(dim, sizeof(float));
+		p->tmp = calloc(ffn_dim, sizeof(float));
+		if (!p->xf || !p->tmp) {
+			rc = errorf(err, errlen, -ENOMEM, "cpu share: out of memory for the scratch of %u threads",
+				    threads);
+			goto out_destroy;
+		}
+		if ((rc = cpu_vec_create(dim, &p->xg, err, errlen)) ||
+		    (rc = cpu_vec_create(dim, &p->xu, err, errlen)) ||
+		    (rc = cpu_vec_create(ffn_dim, &p->xh, err, errlen)))
+			goto out_destroy;
+	}
+	*out = fs;
+	return 0;
+
+out_destroy:
+	ffn_share_destroy(&fs);
+	return rc;
+}
+
+void ffn_share_destroy(struct ffn_share **fsp)
+{
+	if (!fsp || !*fsp)
+		return;
+	struct ffn_share *fs = *fsp;
+	for (uint32_t i = 0; fs->ps && i < fs->threads; i++) {
+		cpu_vec_destroy(&fs->ps[i].xg);
+		cpu_vec_destroy(&fs->ps[i].xu);
+		cpu_vec_destroy(&fs->ps[i].xh);
+		free(fs->ps[i].xf);
+		free(fs->ps[i].tmp);
+	}
+	free(fs->ps);
+	free(fs->h);
+	free(fs);
+	*fsp = NULL;
+}
+
+uint32_t ffn_share_parts(const struct ffn_share *fs)
+{
+	return 2 * fs->threads;
+}
+
+void ffn_share_job_init(struct ffn_share_job *job, const struct ffn_share_mat *gate, const struct ffn_share_mat *up,
+			const struct ffn_share_mat *down, uint32_t rows, uint32_t n, enum dtype act)
+{
+	memset(job, 0, sizeof(*job));
+	job->gate = *gate;
+	job->up = *up;
+	job->down = *down;
+	job->rows = rows;
+	job->n = n;
+	job->act = act;
+}
+
+/* Rows [*b, *e) of total for part p of n: contiguous, in order, sizes differing by at most one. */
+static void range(uint32_t total, uint32_t n, uint32_t p, uint32_t *b, uint32_t *e)
+{
+	*b = (uint32_t)((uint64_t)total * p / n);
+	*e = (uint32_t)((uint64_t)total * (p + 1) / n);
+}
+
+/* v rounded to dtype act and widened back (what the GPU's activation of that dtype holds). */
+static inline float round_act(uint32_t act, float v)
+{
+	if (act == DT_BF16)
+		return bf16_to_f32(f32_to_bf16(v));
+	if (act == DT_F16)
+		return f16_to_f32(f32_to_f16(v));
+	return v;
+}
+
+static size_t act_size(uint32_t act)
+{
+	return act == DT_F32 ? 4 : 2;
+}
+
+/* The first phase: h over rows [b, e) of the share for every token. */
+static int swiglu_rows(struct ffn_share *fs, const struct ffn_share_job *job, struct part_scratch *ps, const void *x,
+		       uint32_t b, uint32_t e, char *err, size_t errlen)
+{
+	const uint32_t dim = fs->dim;
+	const enum dtype gf = (enum dtype)job->gate.format, uf = (enum dtype)job->up.format;
+	const bool fused = gf == uf && job->gate.row_bytes == job->up.row_bytes;
+	for (uint32_t t = 0; t < job->n; t++) {
+		float *h = fs->h + (size_t)t * fs->ffn_dim;
+		dtype_to_f32((enum dtype)job->act, (const char *)x + (size_t)t * dim * act_size(job->act), ps->xf, dim);
+		int rc = cpu_vec_prepare(ps->xg, gf, ps->xf, dim, err, errlen);
+		if (rc)
+			return rc;
+		if (fused) {
+			rc = cpu_swiglu(ps->xg, job->gate.data, job->up.data, gf, job->gate.row_bytes, b, e, 0, dim,
+					h + b, err, errlen);
+		} else {
+			/* Gate and up in different formats (or strides): two products, then SiLU * up. */
+			if ((rc = cpu_vec_prepare(ps->xu, uf, ps->xf, dim, err, errlen)) ||
+			    (rc = cpu_matvec(ps->xg, job->gate.data, gf, job->gate.row_bytes, b, e, 0, dim, h + b, err,
+					     errlen)) ||
+			    (rc = cpu_matvec(ps->xu, job->up.data, uf, job->up.row_bytes, b, e, 0, dim, ps->tmp, err,
+					     errlen)))
+				return rc;
+			for (uint32_t i = b; i < e; i++)
+				h[i] = cpu_silu_mul(h[i], ps->tmp[i - b]);
+		}
+		if (rc)
+			return rc;
+		for (uint32_t i = b; i < e; i++)
+			h[i] = round_act(job->act, h[i]);
+	}
+	return 0;
+}
+
+/* The second phase: y over rows [b, e) of down for every token. */
+static int down_rows(struct ffn_share *fs, const struct ffn_share_job *job, struct part_scratch *ps, float *y,
+		     uint32_t b, uint32_t e, char *err, size_t errlen)
+{
+	const enum dtype df = (enum dtype)job->down.format;
+	for (uint32_t t = 0; t < job->n; t++) {
+		int rc = cpu_vec_prepare(ps->xh, df, fs->h + (size_t)t * fs->ffn_dim, job->rows, err, errlen);
+		if (rc == 0)
+			rc = cpu_matvec(ps->xh, job->down.data, df, job->down.row_bytes, b, e, 0, job->rows,
+					y + (size_t)t * fs->dim + b, err, errlen);
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
+int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *x, float *y, uint32_t part,
+		   uint32_t n_parts, char *err, size_t errlen)
+{
+	const uint32_t P = fs->threads;
+	assert(n_parts == 2 * P && part < n_parts);
+	(void)n_parts;
+	int rc = 0;
+	uint64_t zero = 0, t = now_ns();
+	__atomic_compare_exchange_n(&job->t0_ns, &zero, t, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+	if (part < P) {
+		if (job->n == 0 || job->n > fs->max_tokens || job->rows > fs->ffn_dim ||
+		    (job->act != DT_F32 && job->act != DT_BF16 && job->act != DT_F16))
+			rc = errorf(err, errlen, -EINVAL, "cpu share: %u tokens of %u rows in %s (at most %u tokens of %u "
+				    "rows; activations F32, BF16 or F16)", job->n, job->rows,
+				    job->act < DT_COUNT ? dtype_name((enum dtype)job->act) : "?", fs->max_tokens,
+				    fs->ffn_dim);
+		uint32_t b, e;
+		range(job->rows, P, part, &b, &e);
+		if (rc == 0 && b < e)
+			rc = swiglu_rows(fs, job, &fs->ps[part], x, b, e, err, errlen);
+		/* Release: this part's rows of h before the count (pairs with the acquire below). A failed
+		 * part counts too, so the second phase never waits for ever. */
+		__atomic_add_fetch(&job->phase1_done, 1, __ATOMIC_RELEASE);
+		return rc;
+	}
+	uint32_t spins = 0;
+	while (__atomic_load_n(&job->phase1_done, __ATOMIC_ACQUIRE) < P) {
+		if (++spins < SPINS_BEFORE_YIELD) {
+#if defined(__x86_64__) || defined(__i386__)
+			__builtin_ia32_pause();
+#endif
+		} else {
+			sched_yield();
+		}
+	}
+	if (job->n > 0 && job->n <= fs->max_tokens && job->rows <= fs->ffn_dim) { /* else the first phase said so */
+		uint32_t b, e;
+		range(fs->dim, P, part - P, &b, &e);
+		if (b < e)
+			rc = down_rows(fs, job, &fs->ps[part - P], y, b, e, err, errlen);
+	}
+	if (__atomic_add_fetch(&job->phase2_done, 1, __ATOMIC_ACQ_REL) == P) {
+		/* The job's last part: what it read, and how long it took. */
+		const enum dtype df = (enum dtype)job->down.format;
+		uint64_t share = job->rows * (job->gate.row_bytes + job->up.row_bytes) +
+				 fs->dim * dtype_row_bytes(df, job->rows), bytes = job->n * share;
+		__atomic_add_fetch(&fs->jobs, 1, __ATOMIC_RELAXED);
+		__atomic_add_fetch(&fs->bytes, bytes, __ATOMIC_RELAXED);
+		__atomic_add_fetch(&fs->ns, now_ns() - __atomic_load_n(&job->t0_ns, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+	}
+	return rc;
+}
+
+void ffn_share_get_stats(const struct ffn_share *fs, struct ffn_share_stats *out)
+{
+	out->jobs = __atomic_load_n(&fs->jobs, __ATOMIC_RELAXED);
+	out->bytes = __atomic_load_n(&fs->bytes, __ATOMIC_RELAXED);
+	out->ns = __atomic_load_n(&fs->ns, __ATOMIC_RELAXED);
+}

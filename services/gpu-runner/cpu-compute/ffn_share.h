@@ -1,0 +1,93 @@
+/* ffn_share.h - the CPU's share of a split FFN (services/gpu-runner/backend.h, struct ffn_split)
+ * as a job of the task pool: rows [r, ffn_dim) of gate and up and columns [r, ffn_dim) of down,
+ * read in place from host memory, for the n tokens of a decode step, into a partial hidden vector
+ * per token that the caller adds into the residual stream.
+ *
+ *   struct ffn_share *fs;
+ *   rc = ffn_share_create(dim, ffn_dim, task_pool_threads(pool), &fs, err, sizeof(err));
+ *   per step:
+ *     struct ffn_share_job job;
+ *     ffn_share_job_init(&job, &gate, &up, &down, ffn_dim - r, n, DT_BF16);
+ *     a task_job of ffn_share_parts(fs) parts whose part p calls
+ *       ffn_share_part(fs, &job, x, y, p, n_parts, err, errlen);   // x (n, dim) in act; y (n, dim) float
+ *   ffn_share_destroy(&fs);
+ *
+ * What is computed, per token t: x' = x[t] as float (x is stored in `act`, the dtype the GPU's
+ * products take: BF16, F16 or F32), h[i] = silu(gate_i . x') * (up_i . x') over the share's rows
+ * i (cpu_swiglu, x' prepared for gate's and up's formats as cpu_compute.h says), h rounded to
+ * act (as the GPU rounds its SwiGLU output before down), then y[t][o] = down_o[r..ffn) . h (x
+ * prepared for down's format). y is the share's contribution only: the caller adds it.
+ *
+ * The job runs in two phases over 2P parts (P = the threads given at create): parts [0, P) the
+ * SwiGLU rows, parts [P, 2P) the rows of down, each of those waiting (spinning, then yielding)
+ * until every part of the first phase has finished. That wait cannot deadlock on the task pool:
+ * its queue hands parts out in FIFO order (task_queue.h), so when a part of the second phase is
+ * taken every part of the first has already been taken by a running thread, and those wait for
+ * nothing. One job at a time per ffn_share (the parts share its scratch); a failed part of the
+ * first phase still counts as finished, and its error is the job's.
+ */
+#ifndef GPU_RUNNER_FFN_SHARE_H
+#define GPU_RUNNER_FFN_SHARE_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/dtype.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FFN_SHARE_MAX_THREADS 256
+
+/* One matrix of the share in host memory: its first row (gate, up: intermediate row r) or, for
+ * down, row 0 at column r; rows row_bytes apart. */
+struct ffn_share_mat {
+	const void *data;
+	uint32_t format;    /* enum dtype */
+	uint64_t row_bytes;
+};
+
+struct ffn_share_job {
+	struct ffn_share_mat gate, up, down;
+	uint32_t rows;	       /* intermediate rows of the share: ffn_dim - r */
+	uint32_t n;	       /* tokens */
+	uint32_t act;	       /* enum dtype of x, and what h is rounded to (DT_F32: not rounded) */
+	uint32_t phase1_done;  /* parts of the first phase finished (atomic; the second waits for P) */
+	uint32_t phase2_done;  /* parts of the second phase finished (atomic; the last one counts the job) */
+	uint64_t t0_ns;	       /* when the first part started (atomic, 0 until then) */
+};
+
+/* What the jobs of an ffn_share did, all time (counted by the part that finishes a job last). */
+struct ffn_share_stats {
+	uint64_t jobs;	 /* jobs finished, failed ones included */
+	uint64_t bytes;	 /* weight bytes they read */
+	uint64_t ns;	 /* their time, from the first part's start to the last part's end, summed */
+};
+
+struct ffn_share;
+
+/* Scratch for products of x of dim values and shares of up to ffn_dim rows, for tokens of up to
+ * max_tokens, computed by `threads` threads (1..FFN_SHARE_MAX_THREADS). Returns 0 and the object
+ * in *out (the caller owns it), or -EINVAL / -ENOMEM with a message in err ("cpu share: ..."). */
+int ffn_share_create(uint32_t dim, uint32_t ffn_dim, uint32_t max_tokens, uint32_t threads, struct ffn_share **out,
+		     char *err, size_t errlen);
+/* Frees it; NULLs *fs; safe on NULL and twice. No job may be running. */
+void ffn_share_destroy(struct ffn_share **fs);
+/* The parts a job has: twice the threads given at create. */
+uint32_t ffn_share_parts(const struct ffn_share *fs);
+
+/* Sets job up for a share of `rows` intermediate rows of the matrices given, n tokens, x in act. */
+void ffn_share_job_init(struct ffn_share_job *job, const struct ffn_share_mat *gate, const struct ffn_share_mat *up,
+			const struct ffn_share_mat *down, uint32_t rows, uint32_t n, enum dtype act);
+/* Runs part `part` of n_parts (which must be ffn_share_parts(fs)) of job: x (n, dim) in job->act,
+ * y (n, dim) float32 written by the second phase. Returns 0, or -EINVAL with a message in err
+ * for a job that does not fit fs (tokens, rows, act) or a product the CPU kernels refuse, -ENOMEM
+ * when a prepared vector cannot grow. */
+int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *x, float *y, uint32_t part,
+		   uint32_t n_parts, char *err, size_t errlen);
+/* A snapshot of the counters (any thread). */
+void ffn_share_get_stats(const struct ffn_share *fs, struct ffn_share_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,98 @@
+/* cpu_share.c - the gpu-runner's CPU share of streamed FFNs (--cpu-share, --cpu-threads,
+ * --cpu-handoff): the flags, the task pool of its workers, and with the C backend and a fixed share
+ * the split of every FFN (the GPU window plans the CUDA backend's: gpu_window.h). */
+#include <errno.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "services/gpu-runner/cpu-compute/task_pool.h"
+#include "services/gpu-runner/runner.h"
+#include "services/gpu-runner/weights_ring.h"
+
+int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
+{
+	int rc = cpu_share_parse(r->cpu_share_arg, &r->cpu_share, err, errlen);
+	if (rc)
+		return rc;
+	if (r->cpu_threads < 0 || r->cpu_threads > TASK_POOL_MAX_THREADS)
+		return errorf(err, errlen, -EINVAL,
+			      "--cpu-threads %ld is out of range: 0 (one per CPU the runner may use, but one) to %u",
+			      r->cpu_threads, TASK_POOL_MAX_THREADS);
+	const char *h = r->cpu_handoff_arg ? r->cpu_handoff_arg : "auto";
+	if (!strcmp(h, "auto"))
+		r->cpu_handoff = BACKEND_HANDOFF_DEFAULT;
+	else if (!strcmp(h, "memops"))
+		r->cpu_handoff = BACKEND_HANDOFF_MEMOPS;
+	else if (!strcmp(h, "hostfunc"))
+		r->cpu_handoff = BACKEND_HANDOFF_HOSTFUNC;
+	else
+		return errorf(err, errlen, -EINVAL, "--cpu-handoff '%s' is not auto, memops or hostfunc", h);
+	return 0;
+}
+
+/* The C backend with a fixed share: every FFN splits, at the same fraction of its rows. */
+static int plan_cpu_backend(struct runner *r, char *err, size_t errlen)
+{
+	const struct weight_source *ws = ring_source_base(r->ring);
+	const struct model_config *c = &r->cfg;
+	static const enum tensor_role mats[3] = {ROLE_W_GATE, ROLE_W_UP, ROLE_W_DOWN};
+	struct split_layer *ly = calloc(c->n_layers, sizeof(*ly));
+	r->cpu_split_r = calloc(c->n_layers, sizeof(uint32_t));
+	if (!ly || !r->cpu_split_r) {
+		free(ly);
+		return errorf(err, errlen, -ENOMEM, "out of memory");
+	}
+	for (uint32_t l = 0; l < c->n_layers; l++) {
+		ly[l].eligible = true;
+		for (int i = 0; i < 3; i++) {
+			int ti = model_find_tensor(c, ws->tensors, ws->groups, group_id_ffn(l), mats[i]);
+			ly[l].eligible = ly[l].eligible && ti >= 0 && ws->tensors[ti].dtype < DT_COUNT;
+			ly[l].format[i] = ti >= 0 ? ws->tensors[ti].dtype : DT_COUNT;
+			ly[l].bytes[i] = ti >= 0 ? ws->tensors[ti].nbytes : 0;
+		}
+		if (ly[l].eligible && c->ffn_dim % ffn_split_unit((enum dtype)ly[l].format[2]))
+			ly[l].eligible = false;
+	}
+	struct split_plan plan = {.r = r->cpu_split_r};
+	int rc = split_plan_choose(c, ly, 0, 0, &r->cpu_share, &plan, err, errlen);
+	free(ly);
+	if (rc)
+		return rc;
+	r->cpu_split_bytes = plan.cpu_bytes;
+	char b[32];
+	log_info("cpu share: the cpu backend computes rows [r, %u) of %u FFNs (r %u..%u) with cpu-compute on %u "
+		 "threads in decode steps: %s a token", c->ffn_dim, plan.split_layers, plan.r_min, plan.r_max,
+		 task_pool_threads(r->cpu_pool), format_size(plan.cpu_bytes, b, sizeof(b)));
+	return 0;
+}
+
+int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen)
+{
+	bool cpu_backend = !strcmp(r->backend_name, "cpu");
+	if (r->cpu_share.mode == CPU_SHARE_AUTO && cpu_backend) {
+		/* Nothing streams to a GPU: the C backend computes every layer on the CPU already. */
+		log_info("cpu share: auto splits no FFN on the cpu backend (a fraction in --cpu-share does)");
+		r->cpu_share.mode = CPU_SHARE_OFF;
+	}
+	if (r->cpu_share.mode == CPU_SHARE_OFF)
+		return 0;
+	cpu_set_t set;
+	uint32_t allowed = sched_getaffinity(0, sizeof(set), &set) == 0 ? (uint32_t)CPU_COUNT(&set) : 1;
+	struct task_pool_config pc;
+	task_pool_config_default(&pc);
+	/* The first CPU allowed stays with the runner's own thread (it drives the stream). */
+	pc.cpu_offset = allowed > 1 ? 1 : 0;
+	pc.threads = r->cpu_threads ? (uint32_t)r->cpu_threads : allowed > 1 ? allowed - 1 : 1;
+	char why[256];
+	int rc = task_pool_create(&pc, &r->cpu_pool, why, sizeof(why));
+	if (rc)
+		return errorf(err, errlen, rc, "cpu share: %s", why);
+	char share[32];
+	log_info("cpu share %s: %u worker threads, %u CPUs allowed",
+		 cpu_share_text(&r->cpu_share, share, sizeof(share)), task_pool_threads(r->cpu_pool), allowed);
+	return cpu_backend ? plan_cpu_backend(r, err, errlen) : 0;
+}

@@ -1,0 +1,134 @@
+/* gpu_window_internal.h - what the parts of the GPU window share (gpu_window.h is the public
+ * side): the window's state and the split of streamed FFNs between the GPU and the CPU.
+ *
+ *   gpu_window.c        the window: plan, slots, copies ahead of compute, states, stats
+ *   gpu_window_split.c  the split FFNs: the plan (split_plan.h) with the CPU's rates measured on
+ *                       the ring, the device share's copies, the views handed to the engine, and
+ *                       the prefill copy of the CPU's rows
+ * C over the CUDA runtime API. */
+#ifndef GPU_RUNNER_GPU_WINDOW_INTERNAL_H
+#define GPU_RUNNER_GPU_WINDOW_INTERNAL_H
+#include <cuda_runtime_api.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "services/gpu-runner/gpu_window.h"
+#include "services/gpu-runner/split_plan.h"
+
+#define NO_SLOT UINT32_MAX
+#define NO_GROUP UINT32_MAX
+/* Ring mappings page-locked at once: the current one and those of loaders that went away whose
+ * copies are still in flight (weights_ring.c keeps at most 8 of those). */
+#define PINNED_MAX 16
+
+struct gslot {
+	uint32_t group;		   /* occupant, NO_GROUP */
+	uint32_t size_class;
+	void *dev;		   /* device memory of the slot */
+	cudaEvent_t compute_done;  /* recorded on the compute stream when the occupant is released */
+	bool compute_recorded;	   /* compute_done has been recorded at least once */
+	cudaEvent_t t0, t1;	   /* timing of the last copy into the slot (time_copies) */
+	bool timed;		   /* t0/t1 hold a copy not yet added to copy_ms */
+};
+
+struct gent {
+	uint8_t state;	   /* enum gwin_state */
+	bool resident;	   /* held for good */
+	bool in_use;	   /* acquired by the engine, not yet released */
+	bool host_held;	   /* a ring grant held for a copy whose completion is not yet seen */
+	uint32_t host_gen; /* with host_held: the ring mapping the copy reads (ring_source_generation) */
+	uint32_t slot;	   /* streaming slot, NO_SLOT */
+	void *dev;	   /* device base of the group's bytes, NULL when not on the device */
+	cudaEvent_t h2d;   /* recorded on the copy stream after the group's copy */
+};
+
+struct gpu_window {
+	struct weight_source base; /* first: the engine's view */
+	struct ring_source *ring;
+	struct weight_source *rs;
+	cudaStream_t compute, copy; /* copy: the first of the copy streams (start-up work) */
+	cudaStream_t copies[4];
+	uint32_t n_copies;
+	void *pinned[PINNED_MAX];  /* ring mappings registered with cudaHostRegister */
+	uint32_t n_pinned;
+	void *resident_mem;	   /* one allocation for every resident group */
+	void *window_mem;	   /* one allocation for the streaming slots */
+	struct gent *g;		   /* n_groups */
+	struct gslot *slots;
+	uint32_t n_slots;
+	uint32_t depth[CLASS_COUNT];
+	uint32_t first_slot[CLASS_COUNT];
+	uint32_t *order[CLASS_COUNT]; /* streamed groups of a class in visit order */
+	uint32_t m[CLASS_COUNT];
+	uint64_t issued[CLASS_COUNT], consumed[CLASS_COUNT];
+	bool strict, time_copies;
+	struct gpu_window_stats st;
+	uint32_t embed_group, head_group;
+	bool tied;
+	/* Device layout: each tensor at a 256-byte boundary (the kernels' vector loads need 16,
+	 * and a checkpoint guarantees only 8), so a group's device bytes differ from its slot. */
+	uint64_t *dev_off;   /* n_tensors: offset of the tensor in its group's device memory */
+	uint64_t *dev_bytes; /* n_groups */
+	uint64_t *copy_bytes; /* n_groups: what a copy of the group moves (a split FFN: its device share) */
+
+	/* Split FFNs (gpu_window_split.c). */
+	uint32_t *split_r;	   /* n_groups: r of a split FFN group; ffn_dim for every other group */
+	uint32_t *split_r_layer;   /* n_layers: the plan's r per layer */
+	struct split_plan plan;	   /* plan.r is split_r_layer */
+	double cpu_rate[DT_COUNT]; /* the CPU's measured product rates (auto) */
+	void *side_mem;		   /* the CPU rows of one split FFN, for a prefill step */
+	uint64_t *side_off;	   /* n_tensors: offset of a split FFN tensor's rest in side_mem */
+	cudaStream_t side_stream;  /* their copies */
+	uint32_t side_group;	   /* whose rows side_mem holds (or is receiving), NO_GROUP */
+	uint32_t side_user;	   /* the group computing from side_mem now, NO_GROUP */
+	cudaEvent_t side_h2d;	   /* after the last copy into side_mem */
+	cudaEvent_t side_done;	   /* on the compute stream after the last group that read side_mem */
+	bool side_recorded;	   /* side_done has been recorded */
+	cudaEvent_t cpu_done;	   /* on the compute stream after the last FFN whose CPU share read the ring */
+	bool cpu_recorded;
+};
+
+#define DEV_ALIGN 256u
+
+
+/* ---- gpu_window_split.c ---- */
+
+/* What a copy of tensor ti of group g takes from the group's host slot: height rows of width bytes,
+ * spitch apart, from src_off. rest false: what goes to the group's device memory (all of a tensor,
+ * or the first share of a split FFN's matrices); true: the second share of a split FFN's matrices
+ * (width 0 for every other tensor). */
+struct gw_piece {
+	uint64_t src_off, width, height, spitch;
+};
+struct gw_piece gw_piece(const struct gpu_window *w, uint32_t g, uint32_t ti, bool rest);
+/* Queues the copies of group g's pieces (rest as gw_piece) from host (its slot) to dev, tensor ti
+ * at off[ti], on s. Returns 0 or -EIO with the message in w->base.error. */
+int gw_copy_pieces(struct gpu_window *w, uint32_t g, bool rest, void *dev, const uint64_t *off, const void *host,
+		   cudaStream_t s);
+/* Plans the split once the resident groups are known (resident[g]) and the H2D rate measured:
+ * which streamed FFNs split and where (w->split_r, w->plan), with the CPU's rates measured on
+ * p->cpu_pool for auto. Sets every split_r to ffn_dim when nothing splits. Returns 0 or -errno with
+ * err set. */
+int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_window_params *p, char *err,
+		  size_t errlen);
+/* The device memory, stream and events of the prefill copy, sized for the split groups (after
+ * gw_split_plan). Returns 0 or -errno with err set. */
+int gw_split_create(struct gpu_window *w, char *err, size_t errlen);
+void gw_split_destroy(struct gpu_window *w);
+/* Splits nothing after all (the prefill buffer does not fit the budget): every split_r back to
+ * ffn_dim, the buffer freed, the plan's numbers those of no split. The caller lays out again. */
+void gw_split_cancel(struct gpu_window *w);
+/* Group g was filled with whole tensors at its device memory: for a split FFN, the first share's
+ * shapes, and the second share: host memory in place for a decode step (steps of at most
+ * plan.max_tokens tokens: FFN_SPLIT_CPU), else its copy in side_mem (FFN_SPLIT_BACKEND; the copy
+ * issued now if it was not ahead, and the compute stream made to wait for it). Returns 0 or -EIO. */
+int gw_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw);
+/* Group g was computed: what read the ring or side_mem is recorded; in a prefill step the next split
+ * FFN's rows start copying into side_mem. Returns 0 or -EIO. */
+int gw_split_release(struct gpu_window *w, uint32_t g);
+/* Might the CPU share or a prefill copy still read a ring mapping (so a retired one stays mapped)? */
+bool gw_split_reads_ring(const struct gpu_window *w);
+/* What the split plan is, appended to gpu_window_describe's line ("" when nothing splits). */
+void gw_split_describe(const struct gpu_window *w, char *buf, size_t len);
+
+#endif

@@ -1,0 +1,366 @@
+/* gpu_window_split.c - the GPU window's part of split FFNs (gpu_window.h says what they are): the
+ * plan with the CPU's rates measured on the ring, the pieces a copy takes, the views handed to the
+ * engine, and the prefill copy of a split FFN's CPU rows. C over the CUDA runtime API.
+ *
+ * Only FFN groups whose host bytes stay in DRAM for good (ring_source_group_pinned) split: the CPU
+ * and the prefill copies read them at any time, with no grant to hold, and the loader's streaming
+ * slots are not held up. A retired ring (a loader that went away) stays mapped while a CPU share
+ * or a prefill copy issued from it may still read it (gw_split_reads_ring). */
+#include "services/gpu-runner/gpu_window_internal.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/util.h"
+
+#define SPLIT_TRY(call, what)                                                                              \
+	do {                                                                                               \
+		cudaError_t e_ = (call);                                                                   \
+		if (e_ != cudaSuccess)                                                                     \
+			return errorf(w->base.error, sizeof(w->base.error), -EIO, "%s: %s", what,           \
+				      cudaGetErrorString(e_));                                             \
+	} while (0)
+
+static bool is_split(const struct gpu_window *w, uint32_t g)
+{
+	return w->split_r && w->split_r[g] < w->base.cfg->ffn_dim;
+}
+
+struct gw_piece gw_piece(const struct gpu_window *w, uint32_t g, uint32_t ti, bool rest)
+{
+	const struct tensor_desc *t = &w->base.tensors[ti];
+	struct gw_piece pc = {t->slot_offset, t->nbytes, 1, t->nbytes};
+	bool mat = t->role == ROLE_W_GATE || t->role == ROLE_W_UP || t->role == ROLE_W_DOWN;
+	if (!is_split(w, g) || !mat) {
+		if (rest)
+			pc.width = 0;
+		return pc;
+	}
+	const uint32_t ffn = w->base.cfg->ffn_dim, r = w->split_r[g];
+	const uint32_t a = rest ? r : 0, n = rest ? ffn - r : r;
+	const enum dtype f = (enum dtype)t->dtype;
+	const uint64_t full = dtype_row_bytes(f, t->shape[1]);
+	if (t->role == ROLE_W_DOWN) {
+		/* Columns [a, a + n) of every row: whole blocks, contiguous within a row. */
+		pc.src_off += dtype_row_bytes(f, a);
+		pc.width = dtype_row_bytes(f, n);
+		pc.height = t->shape[0];
+		pc.spitch = full;
+	} else {
+		pc.src_off += a * full;
+		pc.width = n * full;
+		pc.spitch = pc.width;
+	}
+	return pc;
+}
+
+int gw_copy_pieces(struct gpu_window *w, uint32_t g, bool rest, void *dev, const uint64_t *off, const void *host,
+		   cudaStream_t s)
+{
+	const struct group_desc *gd = &w->base.groups[g];
+	for (uint32_t i = 0; i < gd->n_tensors; i++) {
+		uint32_t ti = gd->first_tensor + i;
+		struct gw_piece pc = gw_piece(w, g, ti, rest);
+		if (!pc.width || !pc.height)
+			continue;
+		char *dst = (char *)dev + off[ti];
+		const char *src = (const char *)host + pc.src_off;
+		cudaError_t e = pc.height == 1 ? cudaMemcpyAsync(dst, src, pc.width, cudaMemcpyHostToDevice, s)
+					       : cudaMemcpy2DAsync(dst, pc.width, src, pc.spitch, pc.width, pc.height,
+								   cudaMemcpyHostToDevice, s);
+		if (e != cudaSuccess)
+			return errorf(w->base.error, sizeof(w->base.error), -EIO, "copying %s of group %u: %s",
+				      rest ? "the CPU rows" : "tensors", g, cudaGetErrorString(e));
+	}
+	return 0;
+}
+
+/* ---- the plan ---- */
+
+/* Tensor of role r in group g, or NULL. */
+static const struct tensor_desc *find(const struct gpu_window *w, uint32_t g, enum tensor_role r)
+{
+	int ti = model_find_tensor(w->base.cfg, w->base.tensors, w->base.groups, g, r);
+	return ti >= 0 ? &w->base.tensors[ti] : NULL;
+}
+
+int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_window_params *p, char *err,
+		  size_t errlen)
+{
+	static const enum tensor_role mats[3] = {ROLE_W_GATE, ROLE_W_UP, ROLE_W_DOWN};
+	const struct model_config *cfg = w->base.cfg;
+	const uint32_t L = cfg->n_layers, ng = w->base.n_groups;
+	struct cpu_share_policy pol = p->cpu_share;
+	const bool on = pol.mode != CPU_SHARE_OFF && p->cpu_pool;
+	struct split_layer *ly = calloc(L, sizeof(*ly));
+	struct split_sample *samples = calloc(3 * (size_t)L, sizeof(*samples));
+	w->split_r_layer = calloc(L, sizeof(uint32_t));
+	int rc = 0;
+	if (!ly || !samples || !w->split_r_layer) {
+		rc = errorf(err, errlen, -ENOMEM, "out of memory");
+		goto out;
+	}
+	uint32_t ns = 0, n_elig = 0;
+	for (uint32_t l = 0; l < L; l++) {
+		uint32_t g = group_id_ffn(l);
+		const struct tensor_desc *t[3] = {find(w, g, mats[0]), find(w, g, mats[1]), find(w, g, mats[2])};
+		bool ok = on && !resident[g] && ring_source_group_pinned(w->ring, g) && t[0] && t[1] && t[2];
+		for (int i = 0; ok && i < 3; i++)
+			ok = t[i]->dtype < DT_COUNT && t[i]->ndim == 2;
+		if (ok)
+			ok = cfg->ffn_dim % ffn_split_unit((enum dtype)t[2]->dtype) == 0;
+		ly[l].eligible = ok;
+		n_elig += ok;
+		for (int i = 0; i < 3; i++) {
+			ly[l].format[i] = t[i] ? t[i]->dtype : DT_COUNT;
+			ly[l].bytes[i] = t[i] ? t[i]->nbytes : 0;
+			if (ok)
+				samples[ns++] = (struct split_sample){
+					.data = (const char *)ring_source_group_base(w->ring, g) + t[i]->slot_offset,
+					.format = t[i]->dtype, .rows = (uint32_t)t[i]->shape[0],
+					.cols = (uint32_t)t[i]->shape[1],
+					.row_bytes = dtype_row_bytes((enum dtype)t[i]->dtype, t[i]->shape[1])};
+		}
+	}
+	uint64_t other = 0;
+	for (uint32_t g = 0; g < ng; g++)
+		if (!resident[g] && g != w->embed_group &&
+		    !(w->base.groups[g].kind == GROUP_FFN && ly[w->base.groups[g].layer].eligible))
+			other += w->base.groups[g].tensor_bytes;
+	if (n_elig) { /* auto chooses by them; a fixed share gets its prediction and its token limit */
+		uint64_t t0 = now_ns();
+		rc = split_calibrate(p->cpu_pool, samples, ns, SPLIT_CALIBRATE_BYTES, pol.cpu_bytes_per_s, err, errlen);
+		if (rc)
+			goto out;
+		log_info("cpu share: measured the CPU's products in %.0f ms", (double)(now_ns() - t0) / 1e6);
+	}
+	memcpy(w->cpu_rate, pol.cpu_bytes_per_s, sizeof(w->cpu_rate));
+	w->plan.r = w->split_r_layer;
+	rc = split_plan_choose(cfg, ly, other, w->st.h2d_bytes_per_s, &pol, &w->plan, err, errlen);
+	if (rc)
+		goto out;
+	for (uint32_t l = 0; l < L; l++)
+		w->split_r[group_id_ffn(l)] = w->split_r_layer[l];
+	w->st.split_groups = w->plan.split_layers;
+	w->st.split_r_min = w->plan.r_min;
+	w->st.split_r_max = w->plan.r_max;
+	w->st.split_max_tokens = w->plan.max_tokens;
+	w->st.cpu_share = w->plan.share;
+	w->st.cpu_bytes_per_token = w->plan.cpu_bytes;
+	w->st.pcie_ms = w->plan.pcie_s * 1e3;
+	w->st.cpu_ms = w->plan.cpu_s * 1e3;
+out:
+	free(ly);
+	free(samples);
+	return rc;
+}
+
+int gw_split_create(struct gpu_window *w, char *err, size_t errlen)
+{
+	w->side_group = w->side_user = NO_GROUP;
+	if (!w->plan.split_layers)
+		return 0;
+	w->side_off = calloc(w->base.n_tensors, sizeof(uint64_t));
+	if (!w->side_off)
+		return errorf(err, errlen, -ENOMEM, "out of memory");
+	uint64_t most = 0;
+	for (uint32_t g = 0; g < w->base.n_groups; g++) {
+		if (!is_split(w, g))
+			continue;
+		const struct group_desc *gd = &w->base.groups[g];
+		uint64_t off = 0;
+		for (uint32_t i = 0; i < gd->n_tensors; i++) {
+			struct gw_piece pc = gw_piece(w, g, gd->first_tensor + i, true);
+			w->side_off[gd->first_tensor + i] = off;
+			off = ALIGN_UP(off + pc.width * pc.height, (uint64_t)DEV_ALIGN);
+		}
+		most = off > most ? off : most;
+	}
+	int lo, hi;
+	cudaError_t e = cudaDeviceGetStreamPriorityRange(&lo, &hi);
+	if (e == cudaSuccess)
+		e = cudaStreamCreateWithPriority(&w->side_stream, cudaStreamNonBlocking, hi);
+	if (e == cudaSuccess)
+		e = cudaEventCreateWithFlags(&w->side_h2d, cudaEventDisableTiming);
+	if (e == cudaSuccess)
+		e = cudaEventCreateWithFlags(&w->side_done, cudaEventDisableTiming);
+	if (e == cudaSuccess)
+		e = cudaEventCreateWithFlags(&w->cpu_done, cudaEventDisableTiming);
+	if (e == cudaSuccess)
+		e = cudaMalloc(&w->side_mem, most ? most : DEV_ALIGN);
+	if (e != cudaSuccess) {
+		char b[32];
+		return errorf(err, errlen, e == cudaErrorMemoryAllocation ? -ENOMEM : -EIO,
+			      "the prefill copy of a split FFN's CPU rows (%s): %s", format_size(most, b, sizeof(b)),
+			      cudaGetErrorString(e));
+	}
+	w->st.side_bytes = most;
+	return 0;
+}
+
+void gw_split_destroy(struct gpu_window *w)
+{
+	if (w->side_stream) {
+		cudaStreamSynchronize(w->side_stream);
+		cudaStreamDestroy(w->side_stream);
+		w->side_stream = NULL;
+	}
+	if (w->side_h2d)
+		cudaEventDestroy(w->side_h2d);
+	if (w->side_done)
+		cudaEventDestroy(w->side_done);
+	if (w->cpu_done)
+		cudaEventDestroy(w->cpu_done);
+	w->side_h2d = w->side_done = w->cpu_done = NULL;
+	cudaFree(w->side_mem);
+	w->side_mem = NULL;
+}
+
+void gw_split_cancel(struct gpu_window *w)
+{
+	gw_split_destroy(w);
+	for (uint32_t g = 0; g < w->base.n_groups; g++)
+		w->split_r[g] = w->base.cfg->ffn_dim;
+	for (uint32_t l = 0; l < w->base.cfg->n_layers; l++)
+		w->split_r_layer[l] = w->base.cfg->ffn_dim;
+	w->plan.pcie_bytes += w->plan.cpu_bytes;
+	w->plan.pcie_s = w->st.h2d_bytes_per_s > 0 ? (double)w->plan.pcie_bytes / w->st.h2d_bytes_per_s : 0;
+	w->plan.cpu_bytes = 0;
+	w->plan.cpu_s = 0;
+	w->plan.split_layers = 0;
+	w->plan.r_min = w->plan.r_max = w->base.cfg->ffn_dim;
+	w->st.split_groups = 0;
+	w->st.split_r_min = w->st.split_r_max = w->base.cfg->ffn_dim;
+	w->st.cpu_bytes_per_token = 0;
+	w->st.pcie_ms = w->plan.pcie_s * 1e3;
+	w->st.cpu_ms = 0;
+	w->st.side_bytes = 0;
+}
+
+/* ---- the token path ---- */
+
+/* Queues the copy of group g's CPU rows into side_mem, behind the compute that last read it. */
+static int issue_side(struct gpu_window *w, uint32_t g)
+{
+	if (w->side_recorded)
+		SPLIT_TRY(cudaStreamWaitEvent(w->side_stream, w->side_done, 0),
+			  "ordering a prefill copy after compute");
+	int rc = gw_copy_pieces(w, g, true, w->side_mem, w->side_off, ring_source_group_base(w->ring, g),
+				w->side_stream);
+	if (rc)
+		return rc;
+	SPLIT_TRY(cudaEventRecord(w->side_h2d, w->side_stream), "recording a prefill copy");
+	w->side_group = g;
+	w->st.side_copies++;
+	w->st.side_bytes_h2d += w->base.groups[g].tensor_bytes - w->copy_bytes[g];
+	return 0;
+}
+
+int gw_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw)
+{
+	if (!is_split(w, g))
+		return 0;
+	const uint32_t ffn = w->base.cfg->ffn_dim, r = w->split_r[g];
+	struct weight_tensor *gt = &gw->t[ROLE_W_GATE], *ut = &gw->t[ROLE_W_UP], *dt = &gw->t[ROLE_W_DOWN];
+	gt->rows = ut->rows = r;
+	dt->cols = r;
+	dt->row_bytes = dtype_row_bytes((enum dtype)dt->format, r);
+	if (w->base.step_tokens <= w->plan.max_tokens) {
+		/* Decode: the CPU reads the rest in place (a pinned group: always there). */
+		struct group_weights hw;
+		weights_fill(&w->base, g, ring_source_group_base(w->ring, g), NULL, &hw);
+		weights_split_ffn(&hw, r, FFN_SPLIT_CPU);
+		gw->split = hw.split;
+		w->st.cpu_shares++;
+		return 0;
+	}
+	/* Prefill: the rest from side_mem, copied now unless it came ahead. */
+	if (w->side_group != g) {
+		int rc = issue_side(w, g);
+		if (rc)
+			return rc;
+	}
+	SPLIT_TRY(cudaStreamWaitEvent(w->compute, w->side_h2d, 0), "ordering compute after a prefill copy");
+	struct ffn_split *s = &gw->split;
+	memset(s, 0, sizeof(*s));
+	s->where = FFN_SPLIT_BACKEND;
+	s->r = r;
+	const struct tensor_desc *tg = find(w, g, ROLE_W_GATE), *tu = find(w, g, ROLE_W_UP);
+	const struct tensor_desc *td = find(w, g, ROLE_W_DOWN);
+	const char *base = w->side_mem;
+	weight_tensor_from_desc(&s->gate, tg, PLACE_DEVICE, base + w->side_off[tg - w->base.tensors]);
+	weight_tensor_from_desc(&s->up, tu, PLACE_DEVICE, base + w->side_off[tu - w->base.tensors]);
+	weight_tensor_from_desc(&s->down, td, PLACE_DEVICE, base + w->side_off[td - w->base.tensors]);
+	s->gate.row0 = s->up.row0 = r;
+	s->gate.rows = s->up.rows = ffn - r;
+	s->down.col0 = r;
+	s->down.cols = ffn - r;
+	s->down.row_bytes = dtype_row_bytes((enum dtype)td->dtype, ffn - r);
+	w->side_user = g;
+	return 0;
+}
+
+int gw_split_release(struct gpu_window *w, uint32_t g)
+{
+	if (!is_split(w, g))
+		return 0;
+	if (w->side_user != g) {
+		SPLIT_TRY(cudaEventRecord(w->cpu_done, w->compute), "recording the CPU share's end");
+		w->cpu_recorded = true;
+		return 0;
+	}
+	SPLIT_TRY(cudaEventRecord(w->side_done, w->compute), "recording a prefill copy's use");
+	w->side_recorded = true;
+	w->side_user = NO_GROUP;
+	/* The next split FFN of this step starts copying now, during the layers between. */
+	for (uint32_t n = g + 1; n < w->base.n_groups; n++)
+		if (is_split(w, n))
+			return issue_side(w, n);
+	return 0;
+}
+
+bool gw_split_reads_ring(const struct gpu_window *w)
+{
+	if (w->cpu_recorded && cudaEventQuery(w->cpu_done) == cudaErrorNotReady)
+		return true;
+	return w->side_group != NO_GROUP && cudaEventQuery(w->side_h2d) == cudaErrorNotReady;
+}
+
+/* ---- what it says ---- */
+
+void gw_split_describe(const struct gpu_window *w, char *buf, size_t len)
+{
+	if (!w->plan.split_layers) {
+		snprintf(buf, len, "; no FFN splits with the CPU");
+		return;
+	}
+	char cpu[32], side[32], rates[160] = "";
+	size_t k = 0;
+	for (uint32_t f = 0; f < DT_COUNT && k < sizeof(rates); f++)
+		if (w->cpu_rate[f] > 0)
+			k += (size_t)snprintf(rates + k, sizeof(rates) - k, "%s%s %.1f GB/s", k ? ", " : " (measured: ",
+					      dtype_name((enum dtype)f), w->cpu_rate[f] / 1e9);
+	if (k && k + 1 < sizeof(rates))
+		strcat(rates, ")");
+	snprintf(buf, len,
+		 "; %u FFN groups split with the CPU at r %u..%u of %u (%.0f%% of their rows on the CPU): %s read by "
+		 "the CPU per decode token, %.1f ms%s; steps of up to %u token%s use it, longer ones copy the CPU "
+		 "rows up (%s buffer)", w->plan.split_layers, w->plan.r_min, w->plan.r_max, w->base.cfg->ffn_dim,
+		 100.0 * (1.0 - (double)(w->plan.r_min + w->plan.r_max) / 2 / w->base.cfg->ffn_dim),
+		 format_size(w->plan.cpu_bytes, cpu, sizeof(cpu)), w->plan.cpu_s * 1e3, rates, w->plan.max_tokens,
+		 w->plan.max_tokens == 1 ? "" : "s", format_size(w->st.side_bytes, side, sizeof(side)));
+}
+
+uint32_t gpu_window_split_r(const struct gpu_window *w, uint32_t g)
+{
+	return g < w->base.n_groups && w->split_r ? w->split_r[g] : w->base.cfg->ffn_dim;
+}
+
+double gpu_window_cpu_rate(const struct gpu_window *w, enum dtype f)
+{
+	return (unsigned)f < DT_COUNT ? w->cpu_rate[f] : 0;
+}

@@ -1,0 +1,266 @@
+/* split_plan.c - the policy, calibration and choice of the CPU's share of streamed FFNs. See
+ * split_plan.h. */
+#include "services/gpu-runner/split_plan.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util.h"
+#include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/cpu-compute/cpu_compute.h"
+#include "services/gpu-runner/cpu-compute/task_pool.h"
+
+#define CAL_ROWS 64 /* rows per product of the calibration (a part's output on its stack) */
+
+int cpu_share_parse(const char *text, struct cpu_share_policy *p, char *err, size_t errlen)
+{
+	memset(p, 0, sizeof(*p));
+	if (!text || !*text)
+		return errorf(err, errlen, -EINVAL, "--cpu-share needs a value: auto, 0 or a fraction in (0, 1]");
+	if (!strcmp(text, "auto")) {
+		p->mode = CPU_SHARE_AUTO;
+		return 0;
+	}
+	char *end = NULL;
+	errno = 0;
+	double f = strtod(text, &end);
+	if (errno || end == text || *end || !isfinite(f) || f < 0 || f > 1)
+		return errorf(err, errlen, -EINVAL,
+			      "--cpu-share '%s' is not auto, 0 or a fraction in (0, 1] (the CPU's part of each streamed "
+			      "FFN)", text);
+	p->mode = f == 0 ? CPU_SHARE_OFF : CPU_SHARE_FIXED;
+	p->fraction = f;
+	return 0;
+}
+
+const char *cpu_share_text(const struct cpu_share_policy *p, char *buf, size_t len)
+{
+	if (p->mode == CPU_SHARE_AUTO)
+		snprintf(buf, len, "auto");
+	else if (p->mode == CPU_SHARE_FIXED)
+		snprintf(buf, len, "%.2f", p->fraction);
+	else
+		snprintf(buf, len, "off");
+	return buf;
+}
+
+/* ---- calibration ---- */
+
+/* The rows of one format the timed job multiplies: rows [0, rows[i]) of samples sel[i]. */
+struct cal_job {
+	const struct split_sample *samples;
+	const uint32_t *sel, *rows;
+	uint32_t n_sel;
+	uint64_t total_rows;
+	uint32_t format;
+	struct cpu_vec **x; /* one per part */
+	const float *xs;    /* (max cols) the vector */
+};
+
+static int cal_part(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
+{
+	struct cal_job *j = arg;
+	uint64_t b = j->total_rows * part / n_parts, e = j->total_rows * (part + 1) / n_parts, base = 0;
+	float y[CAL_ROWS];
+	uint32_t prepared = 0;
+	for (uint32_t i = 0; i < j->n_sel && base < e; base += j->rows[i], i++) {
+		uint64_t lo = b > base ? b - base : 0, hi = e - base < j->rows[i] ? e - base : j->rows[i];
+		if (lo >= hi)
+			continue;
+		const struct split_sample *s = &j->samples[j->sel[i]];
+		if (prepared != s->cols) {
+			int rc = cpu_vec_prepare(j->x[part], (enum dtype)s->format, j->xs, s->cols, err, errlen);
+			if (rc)
+				return rc;
+			prepared = s->cols;
+		}
+		for (uint64_t r = lo; r < hi; r += CAL_ROWS) {
+			uint32_t r1 = (uint32_t)(hi - r < CAL_ROWS ? hi : r + CAL_ROWS);
+			int rc = cpu_matvec(j->x[part], s->data, (enum dtype)s->format, s->row_bytes, (uint32_t)r, r1,
+					    0, s->cols, y, err, errlen);
+			if (rc)
+				return rc;
+		}
+	}
+	return 0;
+}
+
+/* Runs the job on the pool and waits; its time in *ns. */
+static int cal_run(struct task_pool *pool, struct cal_job *j, uint32_t parts, uint64_t *ns, char *err, size_t errlen)
+{
+	static uint32_t done, waiters, seq; /* long-lived words (task_pool.h); calibration runs on one thread */
+	struct task_job tj;
+	task_job_init(&tj, cal_part, j, parts, &done, ++seq);
+	tj.done_waiters = &waiters;
+	uint64_t t0 = now_ns();
+	task_pool_submit(pool, &tj);
+	task_word_wait(&done, &waiters, seq, 50, 0);
+	*ns = now_ns() - t0;
+	if (tj.rc)
+		return errorf(err, errlen, tj.rc, "cpu share calibration: %s", tj.err);
+	return 0;
+}
+
+int split_calibrate(struct task_pool *pool, const struct split_sample *samples, uint32_t n, uint64_t budget,
+		    double rates[DT_COUNT], char *err, size_t errlen)
+{
+	uint32_t parts = task_pool_threads(pool), max_cols = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		if (samples[i].format >= DT_COUNT)
+			return errorf(err, errlen, -EINVAL, "cpu share calibration: sample %u has unknown format %u", i,
+				      samples[i].format);
+		max_cols = samples[i].cols > max_cols ? samples[i].cols : max_cols;
+	}
+	uint32_t *sel = calloc(n ? n : 1, sizeof(uint32_t)), *rows = calloc(n ? n : 1, sizeof(uint32_t));
+	float *xs = calloc(max_cols ? max_cols : 1, sizeof(float));
+	struct cpu_vec **x = calloc(parts, sizeof(*x));
+	int rc = 0;
+	if (!sel || !rows || !xs || !x) {
+		rc = errorf(err, errlen, -ENOMEM, "cpu share calibration: out of memory");
+		goto out;
+	}
+	for (uint32_t i = 0; i < max_cols; i++)
+		xs[i] = (float)((i * 2654435761u >> 16) % 2001) / 1000.0f - 1.0f;
+	for (uint32_t p = 0; p < parts && rc == 0; p++)
+		rc = cpu_vec_create(max_cols, &x[p], err, errlen);
+	for (uint32_t f = 0; f < DT_COUNT && rc == 0; f++) {
+		struct cal_job j = {.samples = samples, .sel = sel, .rows = rows, .format = f, .x = x, .xs = xs};
+		uint64_t bytes = 0;
+		for (uint32_t i = 0; i < n && bytes < budget; i++) {
+			const struct split_sample *s = &samples[i];
+			if (s->format != f || !s->rows || !s->row_bytes)
+				continue;
+			uint64_t take = (budget - bytes) / s->row_bytes;
+			if (take == 0)
+				take = 1;
+			if (take > s->rows)
+				take = s->rows;
+			sel[j.n_sel] = i;
+			rows[j.n_sel++] = (uint32_t)take;
+			j.total_rows += take;
+			bytes += take * dtype_row_bytes((enum dtype)f, s->cols);
+		}
+		if (!j.n_sel)
+			continue;
+		uint64_t ns = 0;
+		rc = cal_run(pool, &j, parts, &ns, err, errlen); /* warms up */
+		if (rc == 0)
+			rc = cal_run(pool, &j, parts, &ns, err, errlen);
+		if (rc)
+			break;
+		rates[f] = (double)bytes / ((double)(ns ? ns : 1) * 1e-9);
+	}
+out:
+	for (uint32_t p = 0; x && p < parts; p++)
+		cpu_vec_destroy(&x[p]);
+	free(x);
+	free(xs);
+	free(sel);
+	free(rows);
+	return rc;
+}
+
+/* ---- the choice ---- */
+
+/* Seconds the CPU takes for a whole FFN of layer l (all its rows), from the rates. */
+static double cpu_time(const struct split_layer *l, const double *rates)
+{
+	double t = 0;
+	for (int i = 0; i < 3; i++)
+		t += rates[l->format[i]] > 0 ? (double)l->bytes[i] / rates[l->format[i]] : INFINITY;
+	return t;
+}
+
+int split_plan_choose(const struct model_config *cfg, const struct split_layer *layers, uint64_t other_streamed,
+		      double h2d_bps, const struct cpu_share_policy *pol, struct split_plan *plan, char *err,
+		      size_t errlen)
+{
+	const uint32_t L = cfg->n_layers, ffn = cfg->ffn_dim;
+	const double handoff = pol->handoff_s > 0 ? pol->handoff_s : SPLIT_HANDOFF_S;
+	uint32_t *r = plan->r;
+	memset(plan, 0, sizeof(*plan));
+	plan->r = r;
+	plan->max_tokens = 1;
+	uint64_t split_bytes = 0, pcie = other_streamed;
+	uint32_t n_elig = 0;
+	double cpu_all = 0; /* the eligible FFNs whole on the CPU */
+	for (uint32_t l = 0; l < L; l++) {
+		r[l] = ffn;
+		uint64_t b = layers[l].bytes[0] + layers[l].bytes[1] + layers[l].bytes[2];
+		if (pol->mode == CPU_SHARE_OFF || !layers[l].eligible) {
+			pcie += layers[l].eligible ? b : 0;
+			continue;
+		}
+		n_elig++;
+		split_bytes += b;
+		if (layers[l].format[2] >= DT_COUNT)
+			return errorf(err, errlen, -EINVAL, "cpu share: layer %u's down_proj has unknown format %u", l,
+				      layers[l].format[2]);
+		if (pol->mode == CPU_SHARE_AUTO) {
+			double t = cpu_time(&layers[l], pol->cpu_bytes_per_s);
+			const uint32_t *f = layers[l].format;
+			if (!isfinite(t))
+				return errorf(err, errlen, -EINVAL,
+					      "cpu share: auto needs the CPU's rate for %s, %s and %s (layer %u): not "
+					      "measured", dtype_name((enum dtype)f[0]), dtype_name((enum dtype)f[1]),
+					      dtype_name((enum dtype)f[2]), l);
+			cpu_all += t;
+		}
+	}
+	double s = 0;
+	if (n_elig && pol->mode == CPU_SHARE_FIXED) {
+		s = pol->fraction;
+	} else if (n_elig && pol->mode == CPU_SHARE_AUTO) {
+		if (!(h2d_bps > 0))
+			return errorf(err, errlen, -EINVAL, "cpu share: auto needs the measured H2D rate");
+		double p_all = (double)(other_streamed + split_bytes) / h2d_bps; /* nothing split */
+		s = (p_all - n_elig * handoff) / ((double)split_bytes / h2d_bps + cpu_all);
+		s = s < 0 ? 0 : s > 1 ? 1 : s;
+	}
+	plan->share = s;
+	plan->r_min = ffn;
+	double cpu_s = 0, rate_min = INFINITY;
+	for (uint32_t l = 0; l < L && n_elig; l++) {
+		const struct split_layer *ly = &layers[l];
+		if (!ly->eligible)
+			continue;
+		uint64_t b = ly->bytes[0] + ly->bytes[1] + ly->bytes[2];
+		uint32_t unit = ffn_split_unit((enum dtype)ly->format[2]);
+		uint32_t units = ffn / unit, cpu_units = (uint32_t)lround(s * units);
+		if (pol->mode == CPU_SHARE_FIXED && cpu_units == 0)
+			cpu_units = 1; /* a share was asked for: at least one unit */
+		if (cpu_units > units)
+			cpu_units = units;
+		if (cpu_units == 0 || ffn % unit) {
+			pcie += b;
+			continue;
+		}
+		r[l] = ffn - cpu_units * unit;
+		/* Every matrix of the FFN splits in proportion: rows of gate and up, whole blocks of down's rows. */
+		uint64_t cpu_b = (uint64_t)((double)b * (ffn - r[l]) / ffn + 0.5);
+		plan->cpu_bytes += cpu_b;
+		pcie += b - cpu_b;
+		plan->split_layers++;
+		plan->r_min = r[l] < plan->r_min ? r[l] : plan->r_min;
+		plan->r_max = r[l] > plan->r_max ? r[l] : plan->r_max;
+		double t = cpu_time(ly, pol->cpu_bytes_per_s);
+		if (isfinite(t)) {
+			cpu_s += t * (ffn - r[l]) / ffn + handoff;
+			double rate = (double)b / t;
+			rate_min = rate < rate_min ? rate : rate_min;
+		}
+	}
+	if (!plan->split_layers)
+		plan->r_min = plan->r_max = ffn;
+	plan->pcie_bytes = pcie;
+	plan->pcie_s = h2d_bps > 0 ? (double)pcie / h2d_bps : 0;
+	plan->cpu_s = cpu_s;
+	if (h2d_bps > 0 && isfinite(rate_min)) {
+		double n = floor(rate_min / h2d_bps);
+		plan->max_tokens = n < 1 ? 1 : n > FFN_SPLIT_MAX_TOKENS ? FFN_SPLIT_MAX_TOKENS : (uint32_t)n;
+	}
+	return 0;
+}

@@ -1,0 +1,109 @@
+/* split_plan.h - how much of each streamed layer's FFN the CPU computes (backend.h, struct
+ * ffn_split): the policy of --cpu-share, the CPU's product rate per weight format measured at start
+ * (split_calibrate), and the choice of the split row r of every FFN (split_plan_choose). Plain C,
+ * no CUDA: the GPU window plans with it, the runner with the C backend too, CI tests it.
+ *
+ *   struct cpu_share_policy pol;
+ *   rc = cpu_share_parse("auto", &pol, err, sizeof(err));
+ *   rc = split_calibrate(pool, samples, n, SPLIT_CALIBRATE_BYTES, pol.cpu_bytes_per_s, err, sizeof(err));
+ *   struct split_plan plan = {.r = r_per_layer};
+ *   rc = split_plan_choose(cfg, layers, other_streamed, h2d_bps, &pol, &plan, err, sizeof(err));
+ *
+ * The model of a decode token (auto): every streamed byte crosses PCIe at the measured H2D rate,
+ * while the CPU reads its share of each split FFN at the rate measured for the format, plus one
+ * handoff per split layer; the GPU's own compute is not the limit when weights stream. Both sides
+ * work at once (the copies run ahead of compute by the window's depth; the stream waits for the
+ * CPU only at the end of each FFN), so a token takes the longer of the two: auto gives every
+ * eligible FFN the same share s, the one where both are equal,
+ *   s = (P - L h) / (F / h2d + C),   P: the streamed bytes over h2d, F: the split FFNs' bytes,
+ *                                    C: those bytes' time on the CPU, L: split layers, h: a handoff,
+ * clamped to [0, 1] and rounded per layer to the unit of its down_proj (ffn_split_unit). The CPU
+ * and DMA read the same DRAM, so the rates measured alone are an upper bound; the runner logs the
+ * prediction beside the measured decode time. Steps of many tokens (prefill) do not split on the
+ * CPU, which runs one product per token: up to max_tokens, the CPU share of n tokens takes no
+ * longer than copying those rows over PCIe once (n <= CPU rate / H2D rate, at least 1).
+ */
+#ifndef GPU_RUNNER_SPLIT_PLAN_H
+#define GPU_RUNNER_SPLIT_PLAN_H
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/dtype.h"
+#include "common/model.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SPLIT_HANDOFF_S 20e-6		     /* what the plan counts per handoff (a split layer, a token) */
+#define SPLIT_CALIBRATE_BYTES (256ull << 20) /* weight bytes split_calibrate reads per format, at most */
+
+enum cpu_share_mode {
+	CPU_SHARE_OFF = 0,   /* "0": no FFN is split */
+	CPU_SHARE_AUTO = 1,  /* "auto": the share where the CPU and the copies finish together */
+	CPU_SHARE_FIXED = 2, /* a fraction: the CPU takes that part of every eligible FFN's rows */
+};
+
+struct cpu_share_policy {
+	uint32_t mode;			  /* enum cpu_share_mode */
+	double fraction;		  /* CPU_SHARE_FIXED: (0, 1] */
+	double cpu_bytes_per_s[DT_COUNT]; /* the CPU's product rate per weight format, bytes of weights a second
+					   * (split_calibrate; 0: not measured) */
+	double handoff_s;		  /* per handoff; 0: SPLIT_HANDOFF_S */
+};
+
+/* Parses --cpu-share: "auto", "0" (off) or a fraction in (0, 1] ("0.5", "1"). Sets p (rates 0).
+ * Returns 0, or -EINVAL with a message in err naming the value. */
+int cpu_share_parse(const char *text, struct cpu_share_policy *p, char *err, size_t errlen);
+/* "off", "auto" or "0.50" into buf. */
+const char *cpu_share_text(const struct cpu_share_policy *p, char *buf, size_t len);
+
+/* A matrix the calibration multiplies: rows of cols elements in format, row_bytes apart, in host
+ * memory (the weight ring: what the CPU share reads). */
+struct split_sample {
+	const void *data;
+	uint32_t format; /* enum dtype */
+	uint32_t rows, cols;
+	uint64_t row_bytes;
+};
+
+struct task_pool;
+/* Measures the CPU's product rate of every format among the samples on pool: up to budget bytes of
+ * that format's rows, multiplied by a vector as the CPU share multiplies (cpu_compute.h), split
+ * among the pool's threads; the first pass warms (page tables, sleeping workers), the second is
+ * timed. rates[f] gets bytes of weights a second for each format f seen (others are left as they
+ * are). Returns 0, or -EINVAL (a sample the kernels refuse) / -ENOMEM with a message in err. */
+int split_calibrate(struct task_pool *pool, const struct split_sample *samples, uint32_t n, uint64_t budget,
+		    double rates[DT_COUNT], char *err, size_t errlen);
+
+/* One layer's FFN as the plan sees it. */
+struct split_layer {
+	bool eligible;	     /* it may split: it streams to the GPU and its host bytes stay in DRAM */
+	uint32_t format[3];  /* enum dtype of gate, up, down */
+	uint64_t bytes[3];   /* tensor bytes of gate, up, down */
+};
+
+struct split_plan {
+	uint32_t *r;	       /* (n_layers), the caller's: r of each FFN; ffn_dim where it does not split */
+	uint32_t split_layers; /* FFNs that split */
+	uint32_t r_min, r_max; /* over the split FFNs */
+	double share;	       /* the share s the plan aimed at (the CPU's part of the rows) */
+	uint64_t pcie_bytes;   /* per decode token: every streamed byte that still crosses PCIe */
+	uint64_t cpu_bytes;    /* per decode token: what the CPU reads */
+	double pcie_s, cpu_s;  /* per decode token: the copies at the H2D rate, the CPU's shares (+ handoffs) */
+	uint32_t max_tokens;   /* steps of at most this many tokens take the CPU share */
+};
+
+/* Chooses r for every layer of cfg (layers: n_layers entries) under the policy: other_streamed is
+ * what else crosses PCIe per decode token (attention groups, FFNs that do not split), h2d_bps the
+ * measured H2D rate. Off, or no eligible layer: nothing splits (r = ffn_dim everywhere, the times
+ * still predicted). Auto needs the rate of every format of the eligible FFNs and h2d_bps > 0.
+ * Returns 0, or -EINVAL with a message in err (a rate missing, a format without a unit). */
+int split_plan_choose(const struct model_config *cfg, const struct split_layer *layers, uint64_t other_streamed,
+		      double h2d_bps, const struct cpu_share_policy *pol, struct split_plan *plan, char *err,
+		      size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

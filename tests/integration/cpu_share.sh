@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# cpu_share: the runner's --cpu-share, --cpu-threads and --cpu-handoff through scripts/pipeline.
+# Bad values are refused at start with a message naming the flag. On the C backend a fraction
+# splits every FFN (the CPU's rows computed by cpu-compute on the task pool in decode steps):
+# with F32 weights (cpu-compute sums in float32, the reference in double) the greedy tokens are
+# run-local's, at half the rows and with all of them on the CPU; the plan is logged, the stats and
+# `pipectl get` show it. auto splits nothing on the C backend (nothing streams to a GPU).
+# CPU_SHARE_BACKEND=cuda (on a GPU host) runs the same on the CUDA backend with a GPU budget that
+# streams the layers, against the same backend without a split.
+source "$(dirname "$0")/lib.sh"
+it_setup cpu_share
+BACKEND=${CPU_SHARE_BACKEND:-cpu}
+
+expect_start_fails "--cpu-share 1.5" "cpu-share '1.5' is not auto, 0 or a fraction" --model "$MODEL" \
+	--cpu-share 1.5
+expect_start_fails "--cpu-share half" "cpu-share 'half' is not auto" --model "$MODEL" --cpu-share half
+expect_start_fails "--cpu-threads -1" "cpu-threads -1 is out of range" --model "$MODEL" --cpu-threads -1
+expect_start_fails "--cpu-handoff sometimes" "cpu-handoff 'sometimes' is not auto, memops or hostfunc" \
+	--model "$MODEL" --runner-opt=--cpu-handoff=sometimes
+
+F32=$IT_TMP/model-f32
+"$BIN/make-synthetic-model" --shape tiny --dtype f32 --out "$F32" --quiet
+budget=()
+if [[ $BACKEND != cpu ]]; then
+	# The head and one slot of each streamed class: every layer streams, so every FFN may split.
+	budget=(--gpu-budget 600KiB)
+	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share 0 >/dev/null
+	want=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
+	"$PIPELINE" stop
+else
+	want=$(run_local --model "$F32" --tokens "$PROMPT" -n 32 --ignore-eos 2>/dev/null)
+fi
+expect_words 32 "$want" "reference tokens"
+
+for share in 0.5 1; do
+	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share "$share" --cpu-threads 2 \
+		--runner-opt=--prefill-chunk=16 >/dev/null
+	runner_log=$(cat "$RUN_DIR/gpu-runner.log")
+	expect_grep "cpu share $(printf '%.2f' "$share"): 2 worker threads" "$runner_log" "the runner's log at --cpu-share $share"
+	if [[ $BACKEND == cpu ]]; then
+		expect_grep "computes rows \[r, 192\) of 2 FFNs" "$runner_log" "the C backend's split at --cpu-share $share"
+	else
+		expect_grep "[1-9][0-9]* FFN groups split with the CPU" "$runner_log" "the window's split at --cpu-share $share"
+	fi
+	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
+	expect_eq "$got" "$want" "greedy tokens at --cpu-share $share vs the whole FFN"
+	expect_eq "$("$PIPECTL" get gpu-runner cpu-share | awk '{print $3}')" "$(printf '%.2f' "$share")" \
+		"pipectl get gpu-runner cpu-share"
+	# What the CPU did is visible: the runner's stats, status and inspect.
+	stats=$("$PIPECTL" stats gpu-runner)
+	jobs=$(sed -n '/"cpu_share"/,/}/s/^ *"jobs": *\([0-9]*\).*/\1/p' <<<"$stats" | head -n 1)
+	expect_gt "${jobs:-}" 0 "CPU share jobs in the runner's stats"
+	expect_grep '"split_ffns": [1-9]' "$stats" "the split in force in the runner's stats"
+	expect_grep '"jobs_failed": 0' "$stats" "failed CPU shares in the runner's stats"
+	expect_grep "^CPU share +$(printf '%.2f' "$share"), [1-9][0-9]* FFNs split" "$("$PIPELINE" status 2>&1)" \
+		"pipeline status"
+	expect_grep "cpu +share $(printf '%.2f' "$share"): [1-9][0-9]* FFNs split" "$("$PIPELINE" inspect --once)" \
+		"pipeline inspect"
+	"$PIPELINE" stop
+	log "--cpu-share $share: tokens equal the whole FFN's"
+done
+
+# auto on the C backend: nothing splits, no pool.
+if [[ $BACKEND == cpu ]]; then
+	"$PIPELINE" start --model "$MODEL" >/dev/null
+	expect_grep "auto splits no FFN on the cpu backend" "$(cat "$RUN_DIR/gpu-runner.log")" "the runner's log at auto"
+	expect_words 8 "$(generate --tokens "$PROMPT" -n 8)" "tokens at auto"
+	expect_grep "cpu +share off: no FFN split" "$("$PIPELINE" inspect --once)" "pipeline inspect at auto"
+	"$PIPELINE" stop
+fi
+log "ok"

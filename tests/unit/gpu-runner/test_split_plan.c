@@ -1,0 +1,201 @@
+/* test_split_plan.c - the planning of split FFNs (split_plan.h): --cpu-share's values, the choice
+ * of r (off, a fraction, auto's balance of the CPU against PCIe, ineligible layers, rounding to
+ * the unit of down's format, the steps that take the CPU share) and the calibration of the CPU's
+ * product rates on a task pool. */
+#include <check.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/dtype.h"
+#include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/cpu-compute/task_pool.h"
+#include "services/gpu-runner/split_plan.h"
+#include "tests/unit/common/test_helpers.h"
+
+#define L 4
+#define FFN 14336
+#define DIM 4096
+
+static struct model_config cfg(void)
+{
+	return (struct model_config){.n_layers = L, .dim = DIM, .ffn_dim = FFN};
+}
+
+/* Llama-3-8B-shaped BF16 FFNs: gate, up and down 117 MB each. */
+static void layers(struct split_layer *ly, enum dtype down)
+{
+	for (uint32_t l = 0; l < L; l++) {
+		ly[l].eligible = true;
+		ly[l].format[0] = ly[l].format[1] = DT_BF16;
+		ly[l].format[2] = down;
+		for (int i = 0; i < 3; i++) {
+			uint32_t rows = i == 2 ? DIM : FFN, cols = i == 2 ? FFN : DIM;
+			ly[l].bytes[i] = dtype_row_bytes((enum dtype)ly[l].format[i], cols) * rows;
+		}
+	}
+}
+
+START_TEST(test_parse)
+{
+	struct cpu_share_policy p;
+	char err[256], buf[32];
+	ck_assert_int_eq(cpu_share_parse("auto", &p, err, sizeof(err)), 0);
+	ck_assert_uint_eq(p.mode, CPU_SHARE_AUTO);
+	ck_assert_str_eq(cpu_share_text(&p, buf, sizeof(buf)), "auto");
+	ck_assert_int_eq(cpu_share_parse("0", &p, err, sizeof(err)), 0);
+	ck_assert_uint_eq(p.mode, CPU_SHARE_OFF);
+	ck_assert_str_eq(cpu_share_text(&p, buf, sizeof(buf)), "off");
+	ck_assert_int_eq(cpu_share_parse("0.25", &p, err, sizeof(err)), 0);
+	ck_assert_uint_eq(p.mode, CPU_SHARE_FIXED);
+	ck_assert(p.fraction == 0.25);
+	ck_assert_str_eq(cpu_share_text(&p, buf, sizeof(buf)), "0.25");
+	ck_assert_int_eq(cpu_share_parse("1", &p, err, sizeof(err)), 0);
+	ck_assert(p.fraction == 1);
+	static const char *const bad[] = {"", "1.5", "-0.1", "half", "0.5x", "nan", "inf", "AUTO"};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		ck_assert_int_eq(cpu_share_parse(bad[i], &p, err, sizeof(err)), -EINVAL);
+		ck_assert_msg(strstr(err, "--cpu-share"), "message for '%s': %s", bad[i], err);
+	}
+	ck_assert_int_eq(cpu_share_parse(NULL, &p, err, sizeof(err)), -EINVAL);
+}
+END_TEST
+
+START_TEST(test_off_and_fixed)
+{
+	struct model_config c = cfg();
+	struct split_layer ly[L];
+	layers(ly, DT_BF16);
+	uint32_t r[L];
+	struct split_plan plan = {.r = r};
+	struct cpu_share_policy pol;
+	char err[256];
+	uint64_t ffn_bytes = ly[0].bytes[0] * 3;
+
+	ck_assert_int_eq(cpu_share_parse("0", &pol, err, sizeof(err)), 0);
+	ck_assert_int_eq(split_plan_choose(&c, ly, 1000, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	for (uint32_t l = 0; l < L; l++)
+		ck_assert_uint_eq(r[l], FFN);
+	ck_assert_uint_eq(plan.split_layers, 0);
+	ck_assert_uint_eq(plan.pcie_bytes, 1000 + L * ffn_bytes);
+	ck_assert_uint_eq(plan.cpu_bytes, 0);
+
+	ck_assert_int_eq(cpu_share_parse("0.5", &pol, err, sizeof(err)), 0);
+	ly[1].eligible = false; /* streams from disk, say: stays whole (and counted by the caller) */
+	ck_assert_int_eq(split_plan_choose(&c, ly, 1000, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	ck_assert_uint_eq(plan.split_layers, L - 1);
+	ck_assert_uint_eq(r[1], FFN);
+	for (uint32_t l = 0; l < L; l++)
+		if (l != 1)
+			ck_assert_uint_eq(r[l], FFN / 2 / 64 * 64 + (FFN / 2 % 64 >= 32 ? 64 : 0));
+	ck_assert_uint_eq(plan.r_min, plan.r_max);
+	ck_assert_uint_eq(plan.cpu_bytes + plan.pcie_bytes, 1000 + (L - 1) * ffn_bytes);
+	ck_assert(fabs((double)plan.cpu_bytes - (L - 1) * ffn_bytes / 2.0) < (L - 1) * ffn_bytes * 0.01);
+	ck_assert_uint_eq(plan.max_tokens, 1); /* no rates: one token */
+
+	/* All of it on the CPU; and a tiny fraction still takes one unit (256 for a Q6_K down). */
+	ck_assert_int_eq(cpu_share_parse("1", &pol, err, sizeof(err)), 0);
+	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	ck_assert_uint_eq(r[0], 0);
+	ck_assert_uint_eq(plan.pcie_bytes, 0);
+	layers(ly, DT_Q6_K);
+	ck_assert_int_eq(cpu_share_parse("0.001", &pol, err, sizeof(err)), 0);
+	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	ck_assert_uint_eq(r[0], FFN - 256);
+	ck_assert_uint_eq(r[0] % ffn_split_unit(DT_Q6_K), 0);
+}
+END_TEST
+
+/* auto: the share where the copies and the CPU finish together. */
+START_TEST(test_auto_balance)
+{
+	struct model_config c = cfg();
+	struct split_layer ly[L];
+	layers(ly, DT_BF16);
+	uint32_t r[L];
+	struct split_plan plan = {.r = r};
+	struct cpu_share_policy pol;
+	char err[256];
+	ck_assert_int_eq(cpu_share_parse("auto", &pol, err, sizeof(err)), 0);
+	/* No rate measured: refused, naming the format. */
+	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 50e9, &pol, &plan, err, sizeof(err)), -EINVAL);
+	ck_assert_msg(strstr(err, "BF16"), "message: %s", err);
+	pol.cpu_bytes_per_s[DT_BF16] = 80e9;
+	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 0, &pol, &plan, err, sizeof(err)), -EINVAL);
+	/* PCIe 50 GB/s, CPU 80 GB/s, no other bytes: s = 80 / 130 less the handoffs' part. */
+	uint64_t other = 200000000;
+	ck_assert_int_eq(split_plan_choose(&c, ly, other, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	ck_assert_uint_eq(plan.split_layers, L);
+	double want = ((double)(other + L * ly[0].bytes[0] * 3) / 50e9 - L * SPLIT_HANDOFF_S) /
+		      ((double)(L * ly[0].bytes[0] * 3) * (1 / 50e9 + 1 / 80e9));
+	ck_assert_msg(fabs(plan.share - want) < 1e-9, "share %.6f, want %.6f", plan.share, want);
+	ck_assert_msg(fabs(plan.pcie_s - plan.cpu_s) < 0.02 * plan.pcie_s, "pcie %.3f ms, cpu %.3f ms", plan.pcie_s * 1e3,
+		      plan.cpu_s * 1e3);
+	ck_assert_uint_eq(r[0] % 64, 0);
+	ck_assert_uint_eq(plan.max_tokens, 1); /* 80 / 50 */
+	/* A CPU far faster than the link: everything on the CPU; and more tokens per step. */
+	pol.cpu_bytes_per_s[DT_BF16] = 1000e9;
+	ck_assert_int_eq(split_plan_choose(&c, ly, other * 50, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	ck_assert_uint_eq(r[0], 0);
+	ck_assert_uint_eq(plan.max_tokens, FFN_SPLIT_MAX_TOKENS);
+	/* A CPU so slow that its share rounds to no unit of rows: nothing splits. */
+	pol.cpu_bytes_per_s[DT_BF16] = 1e6;
+	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	ck_assert_uint_eq(plan.split_layers, 0);
+	ck_assert_uint_eq(r[0], FFN);
+}
+END_TEST
+
+START_TEST(test_calibrate)
+{
+	char err[256];
+	struct task_pool *pool = NULL;
+	struct task_pool_config pc;
+	task_pool_config_default(&pc);
+	pc.threads = 2;
+	pc.pin = false;
+	ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
+	uint32_t rows = 512, cols = 256;
+	uint16_t *bf = calloc((size_t)rows * cols, 2);
+	uint8_t *q = calloc(rows, dtype_row_bytes(DT_Q8_0, cols));
+	ck_assert(bf && q);
+	for (size_t i = 0; i < (size_t)rows * cols; i++)
+		bf[i] = f32_to_bf16((float)(i % 7) - 3);
+	struct split_sample s[2] = {
+		{.data = bf, .format = DT_BF16, .rows = rows, .cols = cols, .row_bytes = dtype_row_bytes(DT_BF16, cols)},
+		{.data = q, .format = DT_Q8_0, .rows = rows, .cols = cols, .row_bytes = dtype_row_bytes(DT_Q8_0, cols)},
+	};
+	double rates[DT_COUNT] = {0};
+	rates[DT_F16] = 123; /* not among the samples: left alone */
+	ck_assert_msg(split_calibrate(pool, s, 2, 1 << 20, rates, err, sizeof(err)) == 0, "%s", err);
+	ck_assert(rates[DT_BF16] > 0 && isfinite(rates[DT_BF16]));
+	ck_assert(rates[DT_Q8_0] > 0 && isfinite(rates[DT_Q8_0]));
+	ck_assert(rates[DT_F16] == 123);
+	ck_assert(rates[DT_F32] == 0);
+	/* A sample the kernels refuse (rows shorter than their columns): the message names it. */
+	s[0].row_bytes = 16;
+	ck_assert_int_eq(split_calibrate(pool, s, 1, 1 << 20, rates, err, sizeof(err)), -EINVAL);
+	ck_assert_msg(strstr(err, "calibration"), "message: %s", err);
+	free(bf);
+	free(q);
+	task_pool_destroy(&pool);
+}
+END_TEST
+
+static Suite *plan_suite(void)
+{
+	Suite *s = suite_create("split_plan");
+	TCase *tc = tcase_create("plan");
+	tcase_add_test(tc, test_parse);
+	tcase_add_test(tc, test_off_and_fixed);
+	tcase_add_test(tc, test_auto_balance);
+	tcase_add_test(tc, test_calibrate);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	return th_run(plan_suite());
+}
