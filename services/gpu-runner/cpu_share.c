@@ -84,9 +84,12 @@ int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen)
 	uint32_t allowed = sched_getaffinity(0, sizeof(set), &set) == 0 ? (uint32_t)CPU_COUNT(&set) : 1;
 	struct task_pool_config pc;
 	task_pool_config_default(&pc);
-	/* The first CPU allowed stays with the runner's own thread (it drives the stream). */
-	pc.cpu_offset = allowed > 1 ? 1 : 0;
-	pc.threads = r->cpu_threads ? (uint32_t)r->cpu_threads : allowed > 1 ? allowed - 1 : 1;
+	/* The first CPU allowed stays with the runner's own thread (it drives the stream), the second
+	 * with the handoff's dispatcher on the CUDA backend (it spins while a handoff is in flight): a
+	 * worker sharing a CPU with either is preempted and holds up its job. */
+	const uint32_t keep = cpu_backend ? 1 : 2;
+	pc.cpu_offset = allowed > keep ? keep : 0;
+	pc.threads = r->cpu_threads ? (uint32_t)r->cpu_threads : allowed > keep ? allowed - keep : 1;
 	char why[256];
 	int rc = task_pool_create(&pc, &r->cpu_pool, why, sizeof(why));
 	if (rc)

@@ -19,11 +19,14 @@ expect_start_fails "--cpu-handoff sometimes" "cpu-handoff 'sometimes' is not aut
 	--model "$MODEL" --runner-opt=--cpu-handoff=sometimes
 
 F32=$IT_TMP/model-f32
-"$BIN/make-synthetic-model" --shape tiny --dtype f32 --out "$F32" --quiet
+# Four layers: with two, the head and two slots of each streamed class hold the whole model, and a
+# budget that streams cannot exist.
+"$BIN/make-synthetic-model" --shape tiny --layers 4 --dtype f32 --out "$F32" --quiet
 budget=()
 if [[ $BACKEND != cpu ]]; then
-	# The head and one slot of each streamed class: every layer streams, so every FFN may split.
-	budget=(--gpu-budget 600KiB)
+	# The head (128.25 KiB) and two slots of each streamed class (attention 48.25 KiB, FFN 144.25
+	# KiB): every layer streams, so every FFN may split.
+	budget=(--gpu-budget 520KiB)
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share 0 >/dev/null
 	want=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
 	"$PIPELINE" stop
@@ -38,7 +41,7 @@ for share in 0.5 1; do
 	runner_log=$(cat "$RUN_DIR/gpu-runner.log")
 	expect_grep "cpu share $(printf '%.2f' "$share"): 2 worker threads" "$runner_log" "the runner's log at --cpu-share $share"
 	if [[ $BACKEND == cpu ]]; then
-		expect_grep "computes rows \[r, 192\) of 2 FFNs" "$runner_log" "the C backend's split at --cpu-share $share"
+		expect_grep "computes rows \[r, 192\) of 4 FFNs" "$runner_log" "the C backend's split at --cpu-share $share"
 	else
 		expect_grep "[1-9][0-9]* FFN groups split with the CPU" "$runner_log" "the window's split at --cpu-share $share"
 	fi

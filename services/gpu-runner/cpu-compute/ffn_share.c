@@ -25,9 +25,12 @@ struct part_scratch {
 
 struct ffn_share {
 	uint32_t dim, ffn_dim, max_tokens, threads;
+	uint32_t parts; /* of each phase: FFN_SHARE_PARTS_PER_THREAD a thread, so that a worker the OS
+			 * preempts (the runner's own threads, the loader's, share the CPUs) delays one
+			 * small part, which the others make up for, not a thread's whole share */
 	uint64_t jobs, bytes, ns;    /* ffn_share_stats (atomic) */
 	float *h;		     /* (max_tokens, ffn_dim) the SwiGLU output, rounded to act */
-	struct part_scratch *ps;     /* (threads) */
+	struct part_scratch *ps;     /* (parts) */
 };
 
 int ffn_share_create(uint32_t dim, uint32_t ffn_dim, uint32_t max_tokens, uint32_t threads, struct ffn_share **out,
@@ -45,15 +48,16 @@ int ffn_share_create(uint32_t dim, uint32_t ffn_dim, uint32_t max_tokens, uint32
 	fs->ffn_dim = ffn_dim;
 	fs->max_tokens = max_tokens;
 	fs->threads = threads;
+	fs->parts = threads * FFN_SHARE_PARTS_PER_THREAD;
 	fs->h = calloc((size_t)max_tokens * ffn_dim, sizeof(float));
-	fs->ps = calloc(threads, sizeof(*fs->ps));
+	fs->ps = calloc(fs->parts, sizeof(*fs->ps));
 	int rc = 0;
 	if (!fs->h || !fs->ps) {
 		rc = errorf(err, errlen, -ENOMEM, "cpu share: out of memory for %u tokens of %u rows", max_tokens,
 			    ffn_dim);
 		goto out_destroy;
 	}
-	for (uint32_t i = 0; i < threads; i++) {
+	for (uint32_t i = 0; i < fs->parts; i++) {
 		struct part_scratch *p = &fs->ps[i];
 		p->xf = calloc(dim, sizeof(float));
 		p->tmp = calloc(ffn_dim, sizeof(float));
@@ -80,7 +84,7 @@ void ffn_share_destroy(struct ffn_share **fsp)
 	if (!fsp || !*fsp)
 		return;
 	struct ffn_share *fs = *fsp;
-	for (uint32_t i = 0; fs->ps && i < fs->threads; i++) {
+	for (uint32_t i = 0; fs->ps && i < fs->parts; i++) {
 		cpu_vec_destroy(&fs->ps[i].xg);
 		cpu_vec_destroy(&fs->ps[i].xu);
 		cpu_vec_destroy(&fs->ps[i].xh);
@@ -95,7 +99,7 @@ void ffn_share_destroy(struct ffn_share **fsp)
 
 uint32_t ffn_share_parts(const struct ffn_share *fs)
 {
-	return 2 * fs->threads;
+	return 2 * fs->parts;
 }
 
 void ffn_share_job_init(struct ffn_share_job *job, const struct ffn_share_mat *gate, const struct ffn_share_mat *up,
@@ -186,7 +190,7 @@ static int down_rows(struct ffn_share *fs, const struct ffn_share_job *job, stru
 int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *x, float *y, uint32_t part,
 		   uint32_t n_parts, char *err, size_t errlen)
 {
-	const uint32_t P = fs->threads;
+	const uint32_t P = fs->parts;
 	assert(n_parts == 2 * P && part < n_parts);
 	(void)n_parts;
 	int rc = 0;

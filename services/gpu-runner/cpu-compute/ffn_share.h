@@ -18,7 +18,8 @@
  * act (as the GPU rounds its SwiGLU output before down), then y[t][o] = down_o[r..ffn) . h (x
  * prepared for down's format). y is the share's contribution only: the caller adds it.
  *
- * The job runs in two phases over 2P parts (P = the threads given at create): parts [0, P) the
+ * The job runs in two phases over 2P parts (P = FFN_SHARE_PARTS_PER_THREAD times the threads given
+ * at create, so that a preempted worker delays a small part): parts [0, P) the
  * SwiGLU rows, parts [P, 2P) the rows of down, each of those waiting (spinning, then yielding)
  * until every part of the first phase has finished. That wait cannot deadlock on the task pool:
  * its queue hands parts out in FIFO order (task_queue.h), so when a part of the second phase is
@@ -37,6 +38,7 @@ extern "C" {
 #endif
 
 #define FFN_SHARE_MAX_THREADS 256
+#define FFN_SHARE_PARTS_PER_THREAD 4 /* parts of each phase per thread (dynamic balance) */
 
 /* One matrix of the share in host memory: its first row (gate, up: intermediate row r) or, for
  * down, row 0 at column r; rows row_bytes apart. */
@@ -72,7 +74,7 @@ int ffn_share_create(uint32_t dim, uint32_t ffn_dim, uint32_t max_tokens, uint32
 		     char *err, size_t errlen);
 /* Frees it; NULLs *fs; safe on NULL and twice. No job may be running. */
 void ffn_share_destroy(struct ffn_share **fs);
-/* The parts a job has: twice the threads given at create. */
+/* The parts a job has: 2 FFN_SHARE_PARTS_PER_THREAD times the threads given at create. */
 uint32_t ffn_share_parts(const struct ffn_share *fs);
 
 /* Sets job up for a share of `rows` intermediate rows of the matrices given, n tokens, x in act. */

@@ -25,6 +25,7 @@
 #include "services/gpu-runner/cpu-compute/ffn_share.h"
 #include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/cuda/cpu_handoff.h"
+#include <sched.h>
 
 #define HANDOFF_RING 64u
 #define SPLIT_JOBS (2 * HANDOFF_RING)
@@ -57,6 +58,27 @@ static int split_part(const struct cpu_handoff_task *t, uint32_t part, uint32_t 
 	return ffn_share_part(sj->be->share, &sj->job, t->in, (float *)t->out, part, n_parts, err, errlen);
 }
 
+/* A CPU for the memops dispatcher (which spins while a handoff is in flight): the second CPU this
+ * thread may use that no worker of the pool is pinned to (the first is left to the runner's own
+ * thread, which drives the stream), or -1 (unpinned). */
+static int dispatcher_cpu(const struct task_pool *pool)
+{
+	cpu_set_t set;
+	if (sched_getaffinity(0, sizeof(set), &set) != 0)
+		return -1;
+	int seen = 0;
+	for (int c = 0; c < CPU_SETSIZE; c++) {
+		if (!CPU_ISSET(c, &set))
+			continue;
+		bool taken = false;
+		for (uint32_t i = 0; i < task_pool_threads(pool) && !taken; i++)
+			taken = task_pool_worker_cpu(pool, i) == c;
+		if (!taken && seen++ == 1)
+			return c;
+	}
+	return -1;
+}
+
 int ffn_split_setup(struct backend_dev *be)
 {
 	const struct backend_params *p = &be->p;
@@ -85,7 +107,7 @@ int ffn_split_setup(struct backend_dev *be)
 	hp.max_out_bytes = bytes;
 	hp.ring = HANDOFF_RING;
 	hp.spin_us = HANDOFF_SPIN_US;
-	hp.dispatcher_cpu = -1;
+	hp.dispatcher_cpu = dispatcher_cpu(p->cpu_pool);
 	hp.mode = p->cpu_handoff == BACKEND_HANDOFF_HOSTFUNC ? CPU_HANDOFF_HOSTFUNC : CPU_HANDOFF_MEMOPS;
 	rc = cpu_handoff_create(p->cpu_pool, be->stream, &hp, &be->handoff, msg, sizeof(msg));
 	if (rc == -ENOTSUP && p->cpu_handoff == BACKEND_HANDOFF_DEFAULT) {

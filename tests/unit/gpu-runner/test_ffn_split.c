@@ -391,16 +391,17 @@ START_TEST(test_share_job_failure)
 	ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
 	struct ffn_share *fs = NULL;
 	ck_assert_msg(ffn_share_create(64, 192, 4, 2, &fs, err, sizeof(err)) == 0, "%s", err);
-	ck_assert_uint_eq(ffn_share_parts(fs), 4);
+	const uint32_t np = ffn_share_parts(fs), P = np / 2;
+	ck_assert_uint_eq(np, 2 * 2 * FFN_SHARE_PARTS_PER_THREAD);
 	static float w[192 * 64], x[64], y[64];
 	struct ffn_share_mat m = {.data = w, .format = DT_F32, .row_bytes = 64 * sizeof(float)};
 	struct ffn_share_mat down = {.data = w, .format = DT_F32, .row_bytes = 192 * sizeof(float)};
 	struct ffn_share_job job;
 	ffn_share_job_init(&job, &m, &m, &down, 192, 1, DT_Q8_0); /* activations cannot be Q8_0 */
 	int rc = 0;
-	for (uint32_t p = 0; p < 4; p++) { /* in order, as the pool hands them out */
-		int prc = ffn_share_part(fs, &job, x, y, p, 4, err, sizeof(err));
-		if (p < 2)
+	for (uint32_t p = 0; p < np; p++) { /* in order, as the pool hands them out */
+		int prc = ffn_share_part(fs, &job, x, y, p, np, err, sizeof(err));
+		if (p < P)
 			ck_assert_int_eq(prc, -EINVAL);
 		rc = rc ? rc : prc;
 	}
@@ -413,8 +414,8 @@ START_TEST(test_share_job_failure)
 	for (uint32_t i = 0; i < 64; i++)
 		x[i] = (float)rng_normal();
 	ffn_share_job_init(&job, &m, &m, &down, 192, 1, DT_F32);
-	for (uint32_t p = 0; p < 4; p++)
-		ck_assert_msg(ffn_share_part(fs, &job, x, y, p, 4, err, sizeof(err)) == 0, "%s", err);
+	for (uint32_t p = 0; p < np; p++)
+		ck_assert_msg(ffn_share_part(fs, &job, x, y, p, np, err, sizeof(err)) == 0, "%s", err);
 	for (uint32_t o = 0; o < 64; o++) {
 		double acc = 0;
 		for (uint32_t i = 0; i < 192; i++) {
