@@ -18,8 +18,9 @@
  *   s = (P - L h) / (F / h2d + C),   P: the streamed bytes over h2d, F: the split FFNs' bytes,
  *                                    C: those bytes' time on the CPU, L: split layers, h: a handoff,
  * clamped to [0, 1] and rounded per layer to the unit of its down_proj (ffn_split_unit). The CPU
- * and DMA read the same DRAM, so the rates measured alone are an upper bound; the runner logs the
- * prediction beside the measured decode time. Steps of many tokens (prefill) do not split on the
+ * and DMA read the same DRAM: the GPU window measures the CPU's rates while H2D copies run (alone
+ * they are far higher than beside the copies), and the runner logs the prediction beside the
+ * measured decode time. Steps of many tokens (prefill) do not split on the
  * CPU, which runs one product per token: up to max_tokens, the CPU share of n tokens takes no
  * longer than copying those rows over PCIe once (n <= CPU rate / H2D rate, at least 1).
  */
