@@ -63,6 +63,8 @@ struct task_pool {
 	_Atomic uint64_t parts_inline; /* parts run by submitters (queue full) */
 	_Atomic uint64_t inline_busy_ns;
 	_Atomic uint64_t parts_cancelled;
+	/* Completions between their word's store and their last touch of the words (task_pool_quiesce). */
+	alignas(CACHE_LINE) _Atomic uint32_t completing;
 };
 
 static inline void cpu_relax(void)
@@ -133,12 +135,22 @@ static void job_complete(struct task_pool *p, struct task_job *job)
 	atomic_fetch_add_explicit(&p->jobs_done, 1, memory_order_relaxed);
 	if (failed)
 		atomic_fetch_add_explicit(&p->jobs_failed, 1, memory_order_relaxed);
+	/* Counted before the store: whoever sees the value and then reads `completing` as 0 knows
+	 * this thread is done with the words (task_pool_quiesce). */
+	atomic_fetch_add_explicit(&p->completing, 1, memory_order_seq_cst);
 	/* Release: the parts' outputs, rc and err before the value (pairs with the acquire load of
 	 * whoever waits, or with a GPU's poll of the word). Sequentially consistent, with the load
 	 * of the waiter count below, against task_word_wait's announce-then-recheck. */
 	__atomic_store_n(word, value, __ATOMIC_SEQ_CST);
 	if (waiters && __atomic_load_n(waiters, __ATOMIC_SEQ_CST) != 0)
 		futex_wake(word, INT_MAX);
+	atomic_fetch_sub_explicit(&p->completing, 1, memory_order_release);
+}
+
+void task_pool_quiesce(struct task_pool *p)
+{
+	while (atomic_load_explicit(&p->completing, memory_order_acquire) != 0)
+		sched_yield();
 }
 
 static void finish_part(struct task_pool *p, struct task_job *job)
@@ -449,7 +461,7 @@ int task_pool_submit(struct task_pool *p, struct task_job *job)
 int task_word_wait(uint32_t *word, uint32_t *waiters, uint32_t target, uint32_t spin_us, uint64_t timeout_ns)
 {
 	uint64_t start = now_ns();
-	uint64_t deadline = timeout_ns ? start + timeout_ns : UINT64_MAX;
+	uint64_t deadline = timeout_ns && timeout_ns < UINT64_MAX - start ? start + timeout_ns : UINT64_MAX;
 	uint64_t spin_end = start + (uint64_t)spin_us * 1000u;
 	for (uint32_t i = 0;; i++) {
 		if (word_reached(__atomic_load_n(word, __ATOMIC_ACQUIRE), target))

@@ -32,14 +32,14 @@
  * until its own fit.
  *
  * Destroy stops the workers after the parts they are running; parts still queued are failed with
- * "task pool: stopped before part P of N ran" and their jobs completed (the words stored), and a
+ * "part P of N: task pool: stopped before the part ran" and their jobs completed (the words stored), and a
  * job submitted after destroy began is failed the same way. Destroy joins every thread.
  *
  * The job is the submitter's memory: it must stay valid, and unchanged, until its done word shows
  * done_value; the pool touches neither the job nor its hook's data after that store. The words
- * are not the job's: done_word and done_waiters must stay valid until the pool is destroyed,
- * because the completing thread reads the waiter count, and may wake sleepers on the word, just
- * after its store (make them long-lived signals, reused from job to job, as cpu_handoff does).
+ * are not the job's: the completing thread reads the waiter count, and may wake sleepers on the
+ * word, just after its store, so done_word and done_waiters must stay valid until the pool is
+ * destroyed, or until task_pool_quiesce returns after the last of their jobs was seen done.
  * Words shared with other threads or a GPU (done_word, done_waiters) are plain uint32_t accessed
  * with the compiler's __atomic builtins, so this header serves C and the C++ of nvcc alike.
  */
@@ -126,6 +126,9 @@ int task_pool_create(const struct task_pool_config *cfg, struct task_pool **out,
  * may submit concurrently with destroy, and nothing may after it returned. */
 void task_pool_destroy(struct task_pool **pool);
 /* Workers started. */
+/* Returns once no completing thread still reads or wakes a done word: after the waiter has seen
+ * its last job's word, its words may be freed while the pool lives on. */
+void task_pool_quiesce(struct task_pool *pool);
 uint32_t task_pool_threads(const struct task_pool *pool);
 /* The CPU worker i is pinned to, or -1 (pinning off, or it failed). */
 int task_pool_worker_cpu(const struct task_pool *pool, uint32_t i);

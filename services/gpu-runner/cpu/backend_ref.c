@@ -462,6 +462,10 @@ static void ref_destroy(struct backend_dev **bep)
 	if (!be)
 		return;
 	cpu_pool_destroy(&be->pool);
+	/* The task pool outlives this backend: the thread that completed the last CPU share may
+	 * still read share_waiters, which is freed with be. */
+	if (be->p.cpu_pool)
+		task_pool_quiesce(be->p.cpu_pool);
 	ffn_share_destroy(&be->share);
 	free(be->share_y);
 	free(be->arena);

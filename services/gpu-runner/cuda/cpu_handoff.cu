@@ -42,6 +42,7 @@
 #define WORDS_BYTES 4096
 #define SLOT_ALIGN 4096
 #define RING_POLL_NS 1000000u /* a submit waiting for the ring checks the stream this often */
+#define DISPATCH_CHECK_NS 10000000u /* a trigger this late: the dispatcher asks the stream once a ms */
 /* The driver API version whose entry points are asked for: the v2 stream memory operations (the
  * only ones from CUDA 12 on; the v1 ones needed a kernel module parameter). */
 #define DRIVER_API_VERSION 12000
@@ -261,7 +262,7 @@ static void *dispatcher_main(void *arg)
 				 h->dispatcher_cpu, strerror(e));
 	}
 	uint32_t next = 1; /* the next seq to dispatch */
-	uint64_t idle_since = now_ns();
+	uint64_t idle_since = now_ns(), last_check = 0;
 	for (;;) {
 		if (__atomic_load_n(&h->stop, __ATOMIC_ACQUIRE))
 			break;
@@ -293,10 +294,23 @@ static void *dispatcher_main(void *arg)
 			next++;
 			any = true;
 		}
-		if (any)
+		if (any) {
 			idle_since = now_ns();
-		else
-			cpu_relax();
+			continue;
+		}
+		cpu_relax();
+		/* Published, not triggered: the stream is behind (it may be a step behind the host), or
+		 * it has failed and will never write the trigger. Past a while, ask it once a
+		 * millisecond; a failed stream gets this thread asleep between looks, not spinning. */
+		const uint64_t t = now_ns();
+		if (t - idle_since > DISPATCH_CHECK_NS && t - last_check > 1000000u) {
+			last_check = t;
+			const cudaError_t e = cudaStreamQuery(h->stream);
+			if (e != cudaSuccess && e != cudaErrorNotReady) {
+				const struct timespec ms = {0, 1000000};
+				nanosleep(&ms, NULL);
+			}
+		}
 	}
 	return NULL;
 }
@@ -508,6 +522,9 @@ void cpu_handoff_destroy(struct cpu_handoff **hp)
 			task_word_wait(&dw->value, &dw->waiters, s, 0, 0);
 		}
 	}
+	/* The thread that stored the last word may still read the waiter count beside it. */
+	if (h->pool)
+		task_pool_quiesce(h->pool);
 	if (h->words)
 		cudaFreeHost(h->words);
 	if (h->pinned)

@@ -25,6 +25,7 @@
 #include "services/gpu-runner/cpu-compute/ffn_share.h"
 #include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/cuda/cpu_handoff.h"
+#include <assert.h>
 #include <sched.h>
 
 #define HANDOFF_RING 64u
@@ -270,6 +271,12 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w)
 		hj.n_parts = ffn_share_parts(be->share);
 		hj.in_bytes = (size_t)n * c->dim * dtype_size((enum dtype)at);
 		hj.out_bytes = (size_t)n * c->dim * sizeof(float);
+#ifndef NDEBUG
+		/* One job at a time: every job shares be->share's scratch (see the top of this file). */
+		struct cpu_handoff_stats hs;
+		cpu_handoff_get_stats(be->handoff, &hs);
+		assert(hs.submitted == hs.waited);
+#endif
 		rc = cpu_handoff_submit(be->handoff, be->xa, &hj, &seq, msg, sizeof(msg));
 		if (rc)
 			return cuda_failf(be, rc, "cuda backend: ffn: %s", msg);
@@ -284,9 +291,11 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w)
 	}
 	if (s->where == FFN_SPLIT_BACKEND)
 		return device_share(be, at, second[0], second[1], second[2], rest, "ffn (second share)");
-	if (timed)
-		CUDA_TRY(be, "cudaEventRecord (timing the CPU share)", cudaEventRecord(be->split_ev[1], be->stream));
+	/* The wait is queued even when the event fails, so that submits and waits stay paired. */
+	const cudaError_t ev = timed ? cudaEventRecord(be->split_ev[1], be->stream) : cudaSuccess;
 	rc = cpu_handoff_wait(be->handoff, seq, be->partial, msg, sizeof(msg));
+	if (ev != cudaSuccess)
+		return cuda_fail(be, ev, "cudaEventRecord (timing the CPU share)");
 	if (rc)
 		return cuda_failf(be, rc, "cuda backend: ffn: %s", msg);
 	size_t count = (size_t)n * c->dim;
