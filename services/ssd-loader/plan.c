@@ -27,7 +27,7 @@ struct plan {
 
 static const char *class_name(uint32_t c)
 {
-	static const char *const names[CLASS_COUNT] = {"attention", "FFN", "global"};
+	static const char *const names[CLASS_COUNT] = {"attention", "FFN", "global", "expert"};
 	return c < CLASS_COUNT ? names[c] : "?";
 }
 

@@ -487,6 +487,11 @@ static void ref_destroy(struct backend_dev **bep)
 /* What this backend adds to backend_check_config, which the front has run. */
 static int check_config(const struct model_config *c, const struct backend_params *p, char *err, size_t errlen)
 {
+	if ((c->flags & MODEL_QK_NORM) || c->n_experts) {
+		snprintf(err, errlen, "cpu backend: the %s architecture is not computed yet (q/k norms, "
+			 "mixture-of-experts layers)", model_arch_name(c->arch));
+		return -ENOTSUP;
+	}
 	if (c->head_dim % 2) {
 		snprintf(err, errlen, "cpu backend: head_dim %u is odd: RoPE rotates pairs", c->head_dim);
 		return -EINVAL;
