@@ -79,7 +79,9 @@ int main(int argc, char **argv)
 	double rope_theta = 0;
 	bool tied = false, mha = false, force = false, quiet = false, no_norm_topk = false;
 	struct opt opts[] = {
-		{"shape", OPT_STRING, &shape, NULL, "tiny, qwen3-tiny, mixtral-tiny, qwen3-moe-tiny, llama3-8b, llama3-70b[:LAYERS], mixtral-8x7b[:LAYERS], qwen3-30b-a3b[:LAYERS] (required)"},
+		{"shape", OPT_STRING, &shape, NULL,
+		 "tiny, qwen3-tiny, mixtral-tiny, qwen3-moe-tiny, llama3-8b, llama3-70b[:LAYERS], mixtral-8x7b[:LAYERS], "
+		 "qwen3-30b-a3b[:LAYERS] (required)"},
 		{"out", OPT_STRING, &out, NULL,
 		 "directory to write the checkpoint into; GGUF: the file if it ends in .gguf, else a directory "
 		 "for model.gguf (required)"},

@@ -136,15 +136,14 @@ static void check_model(const struct manifest *m)
 			ck_assert_uint_eq(g->expert, e);
 			ck_assert_uint_eq(g->n_tensors, 3);
 			ck_assert_uint_eq(g->tensor_bytes, 3 * (uint64_t)c->dim * c->expert_ffn_dim * 2);
+			/* Mixtral: w1 gate, w3 up, w2 down. */
 			char s[96];
-			snprintf(s, sizeof(s), mixtral ? "block_sparse_moe.experts.%u.w1.weight" : "mlp.experts.%u.gate_proj.weight",
-				 e);
+			const char *pre = mixtral ? "block_sparse_moe" : "mlp";
+			snprintf(s, sizeof(s), "%s.experts.%u.%s.weight", pre, e, mixtral ? "w1" : "gate_proj");
 			check_layer_tensor(m, ge, l, ROLE_EXPERT_GATE, s, c->expert_ffn_dim, c->dim);
-			snprintf(s, sizeof(s), mixtral ? "block_sparse_moe.experts.%u.w3.weight" : "mlp.experts.%u.up_proj.weight",
-				 e);
+			snprintf(s, sizeof(s), "%s.experts.%u.%s.weight", pre, e, mixtral ? "w3" : "up_proj");
 			check_layer_tensor(m, ge, l, ROLE_EXPERT_UP, s, c->expert_ffn_dim, c->dim);
-			snprintf(s, sizeof(s),
-				 mixtral ? "block_sparse_moe.experts.%u.w2.weight" : "mlp.experts.%u.down_proj.weight", e);
+			snprintf(s, sizeof(s), "%s.experts.%u.%s.weight", pre, e, mixtral ? "w2" : "down_proj");
 			check_layer_tensor(m, ge, l, ROLE_EXPERT_DOWN, s, c->dim, c->expert_ffn_dim);
 			ck_assert_int_eq(manifest_find_tensor(m, ge, ROLE_W_GATE), -1);
 		}
