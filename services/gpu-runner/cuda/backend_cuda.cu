@@ -670,6 +670,9 @@ static const struct backend_compute_ops cuda_compute = {
 	cuda_logits_argmax,	/* logits_argmax */
 	cuda_logits_sample,	/* logits_sample */
 	ffn_split_stats,	/* cpu_share_stats */
+	NULL,			/* moe_route: mixture-of-experts layers are refused at create */
+	NULL,			/* moe_expert */
+	NULL,			/* moe_end */
 };
 
 extern "C" {
