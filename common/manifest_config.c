@@ -157,18 +157,31 @@ static int parse_arch(const json_t *root, struct model_config *c, char *err, siz
 		if (!json_is_string(mt))
 			return errorf(err, errlen, -EINVAL, "config.json: missing field architectures (and model_type)");
 		const char *s = json_string_value(mt);
-		name = !strcmp(s, "llama") ? "LlamaForCausalLM" : !strcmp(s, "mistral") ? "MistralForCausalLM" : s;
+		name = !strcmp(s, "llama")	? "LlamaForCausalLM"
+		       : !strcmp(s, "mistral")	? "MistralForCausalLM"
+		       : !strcmp(s, "qwen3")	? "Qwen3ForCausalLM"
+		       : !strcmp(s, "mixtral")	? "MixtralForCausalLM"
+		       : !strcmp(s, "qwen3_moe") ? "Qwen3MoeForCausalLM"
+						: s;
 	}
-	if (!strcmp(name, "LlamaForCausalLM"))
-		c->arch = ARCH_LLAMA;
-	else if (!strcmp(name, "MistralForCausalLM"))
-		c->arch = ARCH_MISTRAL;
-	else
-		return errorf(err, errlen, -ENOTSUP,
-			    "config.json: architecture %s is not supported (supported: LlamaForCausalLM, "
-			    "MistralForCausalLM)",
-			    name);
-	return 0;
+	static const struct {
+		const char *name;
+		uint32_t arch;
+	} known[] = {
+		{"LlamaForCausalLM", ARCH_LLAMA},     {"MistralForCausalLM", ARCH_MISTRAL},
+		{"Qwen3ForCausalLM", ARCH_QWEN3},     {"MixtralForCausalLM", ARCH_MIXTRAL},
+		{"Qwen3MoeForCausalLM", ARCH_QWEN3_MOE},
+	};
+	for (size_t i = 0; i < ARRAY_SIZE(known); i++) {
+		if (!strcmp(name, known[i].name)) {
+			c->arch = known[i].arch;
+			return 0;
+		}
+	}
+	return errorf(err, errlen, -ENOTSUP,
+		      "config.json: architecture %s is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
+		      "Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM)",
+		      name);
 }
 
 /* Features these architectures may switch on that the compute path does not implement. */
@@ -194,6 +207,65 @@ static int check_unsupported(const json_t *root, char *err, size_t errlen)
 			    "config.json: quantized checkpoints (quantization_config) are not "
 			    "supported; use a BF16, F16 or F32 checkpoint");
 	return 0;
+}
+
+/* What the Qwen3 and mixture-of-experts architectures add: q/k norms, the experts and their
+ * routing, and the variants refused (sliding windows on Qwen3, dense layers between sparse ones). */
+static int parse_arch_extras(const json_t *root, struct model_config *c, char *err, size_t errlen)
+{
+	const char *f = "config.json";
+	int rc = 0;
+	if (c->arch == ARCH_QWEN3 || c->arch == ARCH_QWEN3_MOE) {
+		c->flags |= MODEL_QK_NORM;
+		bool sw = false;
+		rc = get_bool(root, f, "use_sliding_window", &sw, err, errlen);
+		if (rc)
+			return rc;
+		if (sw)
+			return errorf(err, errlen, -ENOTSUP,
+				      "%s: use_sliding_window true is not supported for Qwen3 (layers past "
+				      "max_window_layers would attend through a window)", f);
+		/* transformers keeps sliding_window only with use_sliding_window; it means nothing here. */
+		c->sliding_window = 0;
+	}
+	if (c->arch == ARCH_MIXTRAL) {
+		rc = get_u32(root, f, "num_local_experts", true, 1, MODEL_MAX_EXPERTS, &c->n_experts, err, errlen);
+		if (!rc)
+			rc = get_u32(root, f, "num_experts_per_tok", true, 1, MODEL_MAX_EXPERTS, &c->n_experts_used, err,
+				     errlen);
+		c->expert_ffn_dim = c->ffn_dim;
+		c->flags |= MODEL_NORM_TOPK; /* softmax over the top-k logits */
+	} else if (c->arch == ARCH_QWEN3_MOE) {
+		rc = get_u32(root, f, "num_experts", true, 1, MODEL_MAX_EXPERTS, &c->n_experts, err, errlen);
+		if (!rc)
+			rc = get_u32(root, f, "num_experts_per_tok", true, 1, MODEL_MAX_EXPERTS, &c->n_experts_used, err,
+				     errlen);
+		if (!rc)
+			rc = get_u32(root, f, "moe_intermediate_size", true, 1, UINT32_MAX, &c->expert_ffn_dim, err,
+				     errlen);
+		bool norm = false; /* Qwen3MoeConfig's default */
+		if (!rc)
+			rc = get_bool(root, f, "norm_topk_prob", &norm, err, errlen);
+		if (norm)
+			c->flags |= MODEL_NORM_TOPK;
+		uint32_t step = 1;
+		if (!rc)
+			rc = get_u32(root, f, "decoder_sparse_step", false, 0, UINT32_MAX, &step, err, errlen);
+		if (!rc && step != 1)
+			rc = errorf(err, errlen, -ENOTSUP,
+				    "%s: decoder_sparse_step %u is not supported (only 1: every layer a mixture of "
+				    "experts)", f, step);
+		const json_t *mlp_only = json_object_get(root, "mlp_only_layers");
+		if (!rc && mlp_only && !json_is_null(mlp_only) &&
+		    (!json_is_array(mlp_only) || json_array_size(mlp_only) != 0))
+			rc = errorf(err, errlen, -ENOTSUP,
+				    "%s: mlp_only_layers is not supported (only an empty list: every layer a mixture "
+				    "of experts)", f);
+	}
+	if (!rc && c->n_experts && c->n_experts_used > c->n_experts)
+		rc = errorf(err, errlen, -EINVAL, "%s: num_experts_per_tok %u exceeds the number of experts %u", f,
+			    c->n_experts_used, c->n_experts);
+	return rc;
 }
 
 static int parse_config(const json_t *root, struct model_config *c, char *err, size_t errlen)
@@ -245,6 +317,8 @@ static int parse_config(const json_t *root, struct model_config *c, char *err, s
 	c->bos_id = n_bos ? bos[0] : -1;
 	if (!rc)
 		rc = get_token_ids(root, f, "eos_token_id", c->eos_ids, &c->n_eos, MODEL_MAX_EOS, err, errlen);
+	if (!rc)
+		rc = parse_arch_extras(root, c, err, errlen);
 	if (rc)
 		return rc;
 	if (!c->head_dim) {

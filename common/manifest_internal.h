@@ -9,8 +9,9 @@
  * its tokenizer.ggml.* keys become tokenizer.json text (manifest_gguf_vocab.c).
  *
  * The tensor table is indexed by a canonical slot from the start (manifest_names.c): slot 0 is
- * the embedding, then 9 slots per layer (attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up,
- * w_down), then the final norm and, when untied, lm_head. That is group order then role order,
+ * the embedding, then the slots of each layer (attn_norm, wq, wk, wv, wo, with Qwen3's q_norm and
+ * k_norm; then ffn_norm, w_gate, w_up, w_down, or for a mixture of experts ffn_norm, the router and
+ * each expert's gate, up and down), then the final norm and, when untied, lm_head. That is group order then role order,
  * which is the order the manifest publishes, so no sort is needed afterwards. */
 #ifndef PIPELINE_MANIFEST_INTERNAL_H
 #define PIPELINE_MANIFEST_INTERNAL_H
@@ -20,7 +21,7 @@
 
 #include "common/manifest.h"
 
-#define LAYER_ROLES 9 /* tensors per layer: 5 attention + 4 feed-forward */
+#define LAYER_ROLES 9 /* tensors per dense Llama layer: 5 attention + 4 feed-forward (GGUF's layout) */
 #define INDEX_NAME  "model.safetensors.index.json"
 #define SINGLE_NAME "model.safetensors"
 

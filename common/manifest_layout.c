@@ -11,7 +11,7 @@
 #include "common/util.h"
 
 #define MERGE_GAP	  (64ull << 10) /* reading a gap this small costs less than another request */
-#define GROUP_MAX_TENSORS 8	       /* attn holds 5, the most of any group */
+#define GROUP_MAX_TENSORS 8	       /* attn holds 5 (7 with q/k norms), the most of any group */
 
 /* Sorts idx[0..n) by (file, offset): the order the disk wants to be read in. */
 static void sort_by_position(const struct tensor_desc *t, uint32_t *idx, uint32_t n)
@@ -52,9 +52,12 @@ int mf_build_layout(struct manifest *m)
 			g->kind = GROUP_HEAD;
 			g->size_class = CLASS_GLOBAL;
 		} else {
-			g->kind = gi % 2 ? GROUP_ATTN : GROUP_FFN;
-			g->layer = (gi - 1) / 2;
-			g->size_class = gi % 2 ? CLASS_ATTN : CLASS_FFN;
+			/* In a layer: attn, then the FFN (or the router), then the experts (model.h). */
+			uint32_t k = (gi - 1) % model_layer_groups(c);
+			g->layer = (gi - 1) / model_layer_groups(c);
+			g->kind = k == 0 ? GROUP_ATTN : k == 1 ? (c->n_experts ? GROUP_MOE : GROUP_FFN) : GROUP_EXPERT;
+			g->size_class = k == 0 ? CLASS_ATTN : k == 1 ? CLASS_FFN : CLASS_EXPERT;
+			g->expert = k >= 2 ? k - 2 : 0;
 		}
 		assert(g->n_tensors >= 1 && g->n_tensors <= GROUP_MAX_TENSORS);
 		uint32_t idx[GROUP_MAX_TENSORS];

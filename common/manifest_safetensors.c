@@ -87,7 +87,7 @@ int mf_read_index(struct loader *ld, const char *path)
 		enum name_class nc = mf_classify(&m->cfg, key, &slot);
 		if (nc == NAME_UNEXPECTED) {
 			rc = errorf(ld->err, ld->errlen, -EINVAL, "%s: unexpected tensor %s (not part of a %u-layer %s)",
-				  path, key, m->cfg.n_layers, m->cfg.arch == ARCH_MISTRAL ? "Mistral" : "Llama");
+				  path, key, m->cfg.n_layers, model_arch_name(m->cfg.arch));
 			goto out_root;
 		}
 		if (nc == NAME_SLOT)
@@ -122,7 +122,7 @@ static int read_tensor_entry(struct loader *ld, uint32_t fi, const char *name, c
 	enum name_class nc = mf_classify(&m->cfg, name, &slot);
 	if (nc == NAME_UNEXPECTED)
 		return errorf(err, errlen, -EINVAL, "%s: unexpected tensor %s (not part of a %u-layer %s)", fname, name,
-			    m->cfg.n_layers, m->cfg.arch == ARCH_MISTRAL ? "Mistral" : "Llama");
+			    m->cfg.n_layers, model_arch_name(m->cfg.arch));
 	if (!json_is_object(e))
 		return errorf(err, errlen, -EINVAL, "%s: header entry %s must be an object", fname, name);
 	const json_t *jd = json_object_get(e, "dtype"), *js = json_object_get(e, "shape");

@@ -3,17 +3,26 @@
 #include <assert.h>
 #include <errno.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 
 #include "common/util.h"
 
 static const char *const role_names[ROLE_COUNT] = {
-	"embed", "attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "final_norm", "lm_head",
+	"embed",      "attn_norm", "wq",	  "wk",	       "wv",	      "wo",
+	"ffn_norm",   "w_gate",	   "w_up",	  "w_down",    "final_norm",  "lm_head",
+	"q_norm",     "k_norm",	   "router",	  "expert_gate", "expert_up", "expert_down",
 };
 
 const char *tensor_role_name(enum tensor_role r)
 {
 	return (unsigned)r < ROLE_COUNT ? role_names[r] : "?";
+}
+
+const char *model_arch_name(uint32_t arch)
+{
+	static const char *const names[] = {"?", "Llama", "Mistral", "Qwen3", "Mixtral", "Qwen3-MoE"};
+	return arch < ARRAY_SIZE(names) ? names[arch] : "?";
 }
 
 int model_groups_check(const struct model_config *c, const struct group_desc *groups, uint32_t n, char *err,
@@ -41,6 +50,9 @@ int model_groups_check(const struct model_config *c, const struct group_desc *gr
 			if (!in_layer || d->layer != layer)
 				return errorf(err, errlen, -EINVAL, "group %u (%s of layer %u) does not follow its layer's "
 					      "attention", g, group_kind_name((enum group_kind)d->kind), d->layer);
+			if (d->kind == GROUP_EXPERT && (d->expert >= c->n_experts || in_layer < 2))
+				return errorf(err, errlen, -EINVAL, "group %u (expert %u of layer %u) is not an expert of a "
+					      "mixture-of-experts layer after its router", g, d->expert, d->layer);
 			in_layer++;
 		}
 	}
@@ -61,6 +73,10 @@ const char *group_kind_name(enum group_kind k)
 		return "ffn";
 	case GROUP_HEAD:
 		return "head";
+	case GROUP_MOE:
+		return "moe";
+	case GROUP_EXPERT:
+		return "expert";
 	case GROUP_KIND_COUNT:
 		break;
 	}
@@ -106,13 +122,32 @@ int model_expected_shape(const struct model_config *c, enum tensor_role r, uint3
 		shape[0] = c->dim;
 		shape[1] = c->ffn_dim;
 		return 0;
+	case ROLE_Q_NORM:
+	case ROLE_K_NORM:
+		*ndim = 1;
+		shape[0] = c->head_dim;
+		shape[1] = 0;
+		return 0;
+	case ROLE_ROUTER:
+		shape[0] = c->n_experts;
+		shape[1] = c->dim;
+		return 0;
+	case ROLE_EXPERT_GATE:
+	case ROLE_EXPERT_UP:
+		shape[0] = c->expert_ffn_dim;
+		shape[1] = c->dim;
+		return 0;
+	case ROLE_EXPERT_DOWN:
+		shape[0] = c->dim;
+		shape[1] = c->expert_ffn_dim;
+		return 0;
 	case ROLE_COUNT:
 		break;
 	}
 	return -EINVAL;
 }
 
-uint32_t model_role_group(const struct model_config *c, enum tensor_role r, uint32_t layer)
+uint32_t model_role_group(const struct model_config *c, enum tensor_role r, uint32_t layer, uint32_t expert)
 {
 	switch (r) {
 	case ROLE_EMBED:
@@ -125,17 +160,42 @@ uint32_t model_role_group(const struct model_config *c, enum tensor_role r, uint
 	case ROLE_WK:
 	case ROLE_WV:
 	case ROLE_WO:
-		return group_id_attn(layer);
+	case ROLE_Q_NORM:
+	case ROLE_K_NORM:
+		return model_group_attn(c, layer);
+	case ROLE_EXPERT_GATE:
+	case ROLE_EXPERT_UP:
+	case ROLE_EXPERT_DOWN:
+		return model_group_expert(c, layer, expert);
 	default:
-		return group_id_ffn(layer);
+		return model_group_ffn(c, layer);
 	}
 }
 
 int model_config_check(const struct model_config *c, char *err, size_t errlen)
 {
 	const char *f = "config.json";
-	if (c->arch != ARCH_LLAMA && c->arch != ARCH_MISTRAL)
+	if (c->arch < ARCH_LLAMA || c->arch > ARCH_QWEN3_MOE)
 		return errorf(err, errlen, -ENOTSUP, "%s: architecture %u is not supported", f, c->arch);
+	bool moe = c->arch == ARCH_MIXTRAL || c->arch == ARCH_QWEN3_MOE;
+	bool qwen3 = c->arch == ARCH_QWEN3 || c->arch == ARCH_QWEN3_MOE;
+	if (c->flags & ~(MODEL_QK_NORM | MODEL_NORM_TOPK))
+		return errorf(err, errlen, -EINVAL, "%s: unknown model flags %#x", f, c->flags);
+	if (!!(c->flags & MODEL_QK_NORM) != qwen3)
+		return errorf(err, errlen, -EINVAL, "%s: q/k norms go with the Qwen3 architectures only", f);
+	if (!moe && (c->n_experts || c->n_experts_used || c->expert_ffn_dim || (c->flags & MODEL_NORM_TOPK)))
+		return errorf(err, errlen, -EINVAL, "%s: a dense architecture has no experts", f);
+	if (moe) {
+		if (c->n_experts < 1 || c->n_experts > MODEL_MAX_EXPERTS)
+			return errorf(err, errlen, -EINVAL, "%s: the number of experts %u is out of range [1, %u]", f,
+				      c->n_experts, MODEL_MAX_EXPERTS);
+		if (c->n_experts_used < 1 || c->n_experts_used > c->n_experts)
+			return errorf(err, errlen, -EINVAL, "%s: num_experts_per_tok %u must be in [1, %u] (the number "
+				      "of experts)", f, c->n_experts_used, c->n_experts);
+		if (c->expert_ffn_dim < 1 || c->expert_ffn_dim > (1u << 20))
+			return errorf(err, errlen, -EINVAL, "%s: the experts' intermediate size %u is out of range [1, "
+				      "%u]", f, c->expert_ffn_dim, 1u << 20);
+	}
 	struct {
 		const char *name;
 		uint32_t v, lo, hi;

@@ -15,6 +15,11 @@
  *   1 + 2*L      head    (model.norm, lm_head; with tied embeddings the head group holds only
  *                         the norm and the lm_head role resolves to the embed group's tensor)
  * and the group_id_* helpers below number it (the planners of the dense layout use them).
+ * A mixture-of-experts model (n_experts > 0) has 2 + n_experts groups per layer instead of 2:
+ *   attn(l), moe(l) (post_attention_layernorm and the router), then expert(l, e) for e = 0..E-1
+ *   (that expert's gate, up and down projections; group_desc.expert says which), each expert a
+ *   unit of residency of its own (CLASS_EXPERT).
+ * model_group_attn/ffn/expert number either layout; group_id_attn/ffn only the dense one.
  */
 #ifndef PIPELINE_MODEL_H
 #define PIPELINE_MODEL_H
@@ -32,7 +37,16 @@ extern "C" {
 enum model_arch {
 	ARCH_LLAMA = 1,	  /* LlamaForCausalLM */
 	ARCH_MISTRAL = 2, /* MistralForCausalLM */
+	ARCH_QWEN3 = 3,	  /* Qwen3ForCausalLM: q_norm and k_norm per head before RoPE */
+	ARCH_MIXTRAL = 4, /* MixtralForCausalLM: every layer's FFN a sparse mixture of experts */
+	ARCH_QWEN3_MOE = 5, /* Qwen3MoeForCausalLM: Qwen3 attention, sparse mixture-of-experts FFNs */
 };
+
+/* model_config.flags */
+#define MODEL_QK_NORM	    1u /* RMSNorm over each head of q and k (q_norm, k_norm) before RoPE */
+#define MODEL_NORM_TOPK	    2u /* the chosen experts' weights renormalised to sum to 1 */
+#define MODEL_MAX_EXPERTS   512u
+
 
 enum rope_scaling {
 	ROPE_SCALING_NONE = 0,
@@ -73,7 +87,15 @@ struct model_config {
 	int32_t eos_ids[MODEL_MAX_EOS];
 	uint32_t sliding_window;  /* 0 when none (Mistral v0.1 sets 4096) */
 	uint32_t rope_layout;	  /* enum rope_layout: how the rows of wq and wk pair up for RoPE */
-	uint32_t reserved[6];
+	/* Mixture of experts (0 when dense). Routing: softmax over all n_experts router logits (float32),
+	 * the n_experts_used largest kept, renormalised when MODEL_NORM_TOPK (always for Mixtral, whose
+	 * softmax over the top-k logits is the same thing), each chosen expert's SwiGLU weighted by its
+	 * probability and summed. */
+	uint32_t n_experts;	  /* num_local_experts (Mixtral), num_experts (Qwen3-MoE) */
+	uint32_t n_experts_used;  /* num_experts_per_tok */
+	uint32_t expert_ffn_dim;  /* intermediate size of one expert (Qwen3-MoE: moe_intermediate_size) */
+	uint32_t flags;		  /* MODEL_QK_NORM, MODEL_NORM_TOPK */
+	uint32_t reserved[2];
 };
 
 enum tensor_role {
@@ -89,7 +111,13 @@ enum tensor_role {
 	ROLE_W_DOWN = 9,     /* (dim, ffn_dim) */
 	ROLE_FINAL_NORM = 10,/* (dim) */
 	ROLE_LM_HEAD = 11,   /* (vocab, dim) */
-	ROLE_COUNT = 12,
+	ROLE_Q_NORM = 12,    /* (head_dim): Qwen3's RMSNorm weight over each query head */
+	ROLE_K_NORM = 13,    /* (head_dim): the same over each key head */
+	ROLE_ROUTER = 14,    /* (n_experts, dim): the router of a mixture-of-experts layer */
+	ROLE_EXPERT_GATE = 15, /* (expert_ffn_dim, dim): one expert's gate projection */
+	ROLE_EXPERT_UP = 16,   /* (expert_ffn_dim, dim) */
+	ROLE_EXPERT_DOWN = 17, /* (dim, expert_ffn_dim) */
+	ROLE_COUNT = 18,
 };
 
 /* What the engine computes with a group (only appended to). */
@@ -98,7 +126,9 @@ enum group_kind {
 	GROUP_ATTN = 1,	 /* a layer's attention: norm, q/k/v, RoPE, KV, o_proj, residual */
 	GROUP_FFN = 2,	 /* a layer's dense feed-forward: norm, SwiGLU, residual */
 	GROUP_HEAD = 3,	 /* the final norm and lm_head */
-	GROUP_KIND_COUNT = 4,
+	GROUP_MOE = 4,	 /* a mixture-of-experts layer's norm and router: routes the batch's tokens */
+	GROUP_EXPERT = 5, /* one expert of that layer: its SwiGLU over the tokens routed to it */
+	GROUP_KIND_COUNT = 6,
 };
 
 /* Slot size classes: groups of one class share one slot size, so nothing fragments. */
@@ -106,7 +136,8 @@ enum size_class {
 	CLASS_ATTN = 0,
 	CLASS_FFN = 1,
 	CLASS_GLOBAL = 2, /* embed and head */
-	CLASS_COUNT = 3,
+	CLASS_EXPERT = 3, /* one expert of a mixture-of-experts layer (the router goes with CLASS_FFN) */
+	CLASS_COUNT = 4,
 };
 
 struct tensor_desc {
@@ -131,14 +162,34 @@ struct group_desc {
 	uint32_t n_tensors;
 	uint32_t first_extent; /* read extents (manifest.h), loader side */
 	uint32_t n_extents;
-	uint32_t reserved;
+	uint32_t expert;     /* GROUP_EXPERT: the expert's index in its layer; else 0 */
 	uint64_t slot_bytes; /* bytes the group occupies in a slot */
 	uint64_t tensor_bytes; /* payload bytes (sum of nbytes), what a copy to the GPU moves */
 };
 
+/* Groups per layer: 2 (attn, ffn), or 2 + n_experts (attn, moe, the experts). */
+static inline uint32_t model_layer_groups(const struct model_config *c)
+{
+	return 2 + c->n_experts;
+}
 static inline uint32_t model_n_groups(const struct model_config *c)
 {
-	return 2 + 2 * c->n_layers;
+	return 2 + model_layer_groups(c) * c->n_layers;
+}
+/* The attention group of layer l, in either layout. */
+static inline uint32_t model_group_attn(const struct model_config *c, uint32_t l)
+{
+	return 1 + model_layer_groups(c) * l;
+}
+/* Layer l's FFN group: the dense FFN, or the router group (GROUP_MOE) of a mixture of experts. */
+static inline uint32_t model_group_ffn(const struct model_config *c, uint32_t l)
+{
+	return 2 + model_layer_groups(c) * l;
+}
+/* Expert e of layer l (a mixture-of-experts model only). */
+static inline uint32_t model_group_expert(const struct model_config *c, uint32_t l, uint32_t e)
+{
+	return 3 + model_layer_groups(c) * l + e;
 }
 static inline uint32_t group_id_embed(void)
 {
@@ -154,17 +205,21 @@ static inline uint32_t group_id_ffn(uint32_t layer)
 }
 static inline uint32_t group_id_head(const struct model_config *c)
 {
-	return 1 + 2 * c->n_layers;
+	return 1 + model_layer_groups(c) * c->n_layers;
 }
 
 const char *tensor_role_name(enum tensor_role r);
+/* A readable name of an architecture ("Llama", "Mistral", "Qwen3", "Mixtral", "Qwen3-MoE"), "?" for an
+ * unknown one. */
+const char *model_arch_name(uint32_t arch);
 
 /* The shape config implies for a tensor of role r: writes ndim (1 or 2) and shape (PyTorch
  * order). Returns 0, or -EINVAL for an unknown role. */
 int model_expected_shape(const struct model_config *cfg, enum tensor_role r, uint32_t *ndim, uint64_t shape[2]);
 
-/* The group a role belongs to in layer `layer` (ignored for embed and head roles). */
-uint32_t model_role_group(const struct model_config *cfg, enum tensor_role r, uint32_t layer);
+/* The group a role belongs to in layer `layer` (ignored for embed and head roles); expert names the
+ * expert for the ROLE_EXPERT_* roles (ignored for the others). */
+uint32_t model_role_group(const struct model_config *cfg, enum tensor_role r, uint32_t layer, uint32_t expert);
 
 /* Checks a configuration's values for ranges and consistency (positive dims, heads divisible
  * by kv heads, token ids inside the vocabulary, rope scaling parameters). Returns 0, or

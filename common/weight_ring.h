@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define WRING_LAYOUT_VERSION 3
+#define WRING_LAYOUT_VERSION 4
 #define WRING_NO_GROUP UINT32_MAX
 #define WRING_NO_SLOT UINT32_MAX
 

@@ -24,6 +24,7 @@ enum phase {
 	PHASE_IDLE = 0,	 /* no batch embedded yet */
 	PHASE_READY = 1, /* hidden state holds a batch: attn_begin, ffn or logits may follow */
 	PHASE_ATTN = 2,	 /* between attn_begin and attn_end */
+	PHASE_MOE = 3,	 /* between moe_route and moe_end */
 };
 
 struct backend {
@@ -35,6 +36,7 @@ struct backend {
 	uint32_t n;	  /* tokens of the batch in flight */
 	uint32_t pos0;	  /* position of its first token */
 	uint32_t layer;	  /* between attn_begin and attn_end */
+	uint32_t next_expert; /* between moe_route and moe_end: the lowest expert moe_expert may take */
 	float *logits;	  /* (vocab_size) for logits_argmax on a backend without its own */
 	uint32_t rows[ROLE_COUNT], cols[ROLE_COUNT]; /* each role's shape in this model (a vector: one row) */
 	char err[BACKEND_ERR_MAX];
@@ -245,7 +247,8 @@ static int check_tensor(struct backend *be, const struct weight_tensor *t, enum 
 		return fail(be, -EINVAL, "%s: %s%s tensor has unknown dtype %u", what, which, tensor_role_name(r),
 			    t->format);
 	enum dtype f = (enum dtype)t->format;
-	bool vector = r == ROLE_ATTN_NORM || r == ROLE_FFN_NORM || r == ROLE_FINAL_NORM;
+	bool vector = r == ROLE_ATTN_NORM || r == ROLE_FFN_NORM || r == ROLE_FINAL_NORM || r == ROLE_Q_NORM ||
+		      r == ROLE_K_NORM;
 	if (vector && !dtype_is_element(f))
 		return fail(be, -EINVAL, "%s: %s tensor is %s: norm weights must be F32, F16 or BF16", what,
 			    tensor_role_name(r), dtype_name(f));
@@ -325,7 +328,7 @@ static int check_split(struct backend *be, const struct group_weights *w)
 
 static const char *phase_text(enum phase ph, const char *attn)
 {
-	return ph == PHASE_IDLE ? "before embed" : attn;
+	return ph == PHASE_IDLE ? "before embed" : ph == PHASE_MOE ? "between moe_route and moe_end" : attn;
 }
 
 /* ---- compute ----------------------------------------------------------------------------- */
@@ -364,7 +367,8 @@ int backend_embed(struct backend *be, const struct group_weights *w, const struc
 int backend_attn_begin(struct backend *be, const struct group_weights *w, uint32_t layer, const uint32_t *dst_block,
 		       const uint32_t *dst_row)
 {
-	static const enum tensor_role roles[] = {ROLE_ATTN_NORM, ROLE_WQ, ROLE_WK, ROLE_WV, ROLE_WO};
+	static const enum tensor_role roles[] = {ROLE_ATTN_NORM, ROLE_WQ, ROLE_WK, ROLE_WV, ROLE_WO, ROLE_Q_NORM,
+						 ROLE_K_NORM};
 	assert(w && dst_block && dst_row);
 	/* The call order is checked in release builds too: a wrong order from the engine would
 	 * otherwise compute silently wrong tokens. */
@@ -373,7 +377,7 @@ int backend_attn_begin(struct backend *be, const struct group_weights *w, uint32
 			    phase_text(be->phase, "before attn_end of the previous layer"));
 	if (layer >= be->cfg.n_layers)
 		return fail(be, -EINVAL, "attn_begin: layer %u of a %u-layer model", layer, be->cfg.n_layers);
-	int rc = check_roles(be, w, roles, 5, "attention");
+	int rc = check_roles(be, w, roles, (be->cfg.flags & MODEL_QK_NORM) ? 7 : 5, "attention");
 	if (rc)
 		return rc;
 	for (uint32_t t = 0; t < be->n; t++)
@@ -430,6 +434,9 @@ int backend_ffn(struct backend *be, const struct group_weights *w)
 	assert(w);
 	if (be->phase != PHASE_READY)
 		return fail(be, -EINVAL, "ffn called %s", phase_text(be->phase, "between attn_begin and attn_end"));
+	if (be->cfg.n_experts)
+		return fail(be, -EINVAL, "ffn called on a mixture-of-experts model (its layers take moe_route, "
+			    "moe_expert and moe_end)");
 	/* A split FFN's norm is whole; its matrices are shares. */
 	int rc = check_roles(be, w, roles, w->split.where == FFN_SPLIT_NONE ? 4 : 1, "ffn");
 	if (rc == 0 && w->split.where != FFN_SPLIT_NONE)
@@ -437,6 +444,57 @@ int backend_ffn(struct backend *be, const struct group_weights *w)
 	if (rc)
 		return rc;
 	return impl_rc(be, be->impl->compute->ffn(be->dev, w));
+}
+
+int backend_moe_route(struct backend *be, const struct group_weights *w)
+{
+	static const enum tensor_role roles[] = {ROLE_FFN_NORM, ROLE_ROUTER};
+	assert(w);
+	if (be->phase != PHASE_READY)
+		return fail(be, -EINVAL, "moe_route called %s", phase_text(be->phase, "between attn_begin and attn_end"));
+	if (!be->cfg.n_experts)
+		return fail(be, -EINVAL, "moe_route called on a dense model");
+	if (!be->impl->compute->moe_route)
+		return fail(be, -ENOTSUP, "mixture-of-experts layers are not computed on this backend");
+	int rc = check_roles(be, w, roles, 2, "moe");
+	if (rc)
+		return rc;
+	rc = be->impl->compute->moe_route(be->dev, w);
+	if (rc)
+		return impl_rc(be, rc);
+	be->next_expert = 0;
+	be->phase = PHASE_MOE;
+	return 0;
+}
+
+int backend_moe_expert(struct backend *be, const struct group_weights *w, uint32_t expert)
+{
+	static const enum tensor_role roles[] = {ROLE_EXPERT_GATE, ROLE_EXPERT_UP, ROLE_EXPERT_DOWN};
+	assert(w);
+	if (be->phase != PHASE_MOE)
+		return fail(be, -EINVAL, "moe_expert(%u) called outside moe_route .. moe_end", expert);
+	if (expert >= be->cfg.n_experts || expert < be->next_expert)
+		return fail(be, -EINVAL, "moe_expert(%u): experts come in increasing order, each once, below %u (next: "
+			    "%u or later)", expert, be->cfg.n_experts, be->next_expert);
+	int rc = check_roles(be, w, roles, 3, "expert");
+	if (rc)
+		return rc;
+	rc = be->impl->compute->moe_expert(be->dev, w, expert);
+	if (rc)
+		return impl_rc(be, rc);
+	be->next_expert = expert + 1;
+	return 0;
+}
+
+int backend_moe_end(struct backend *be)
+{
+	if (be->phase != PHASE_MOE)
+		return fail(be, -EINVAL, "moe_end called without moe_route");
+	int rc = be->impl->compute->moe_end(be->dev);
+	if (rc)
+		return impl_rc(be, rc);
+	be->phase = PHASE_READY;
+	return 0;
 }
 
 /* What every head call checks first. */

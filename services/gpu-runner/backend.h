@@ -24,6 +24,10 @@
  *       backend_attn_end(be, &attn_w[l]);                              // o_proj + residual
  *       backend_ffn(be, &ffn_w[l]);                                    // norm, SwiGLU, residual
  *                                                 // (ffn_w[l].split: in two shares, one maybe on the CPU)
+ *       or, for a mixture-of-experts layer (model.h: a moe group, then one group per expert):
+ *       backend_moe_route(be, &moe_w[l]);                              // norm, router, top-k per token
+ *       backend_moe_expert(be, &expert_w[l][e], e);                    // for experts in increasing order
+ *       backend_moe_end(be);                                           // the weighted sum into the residual
  *   backend_logits(be, &head_w, out);                                  // final norm, lm_head, last token
  *
  * Weights: a struct weight_tensor per role says where the tensor's bytes can be read (host
@@ -255,6 +259,15 @@ int backend_attn_begin(struct backend *be, const struct group_weights *w, uint32
 int backend_attn_blocks(struct backend *be, const struct kv_span *spans, uint32_t n_spans);
 /* Normalises the accumulators, applies o_proj and adds the residual. */
 int backend_attn_end(struct backend *be, const struct group_weights *w);
+/* A mixture-of-experts layer (cfg.n_experts > 0), after attn_end: RMSNorm (ROLE_FFN_NORM), the router
+ * logits (ROLE_ROUTER) and each token's experts and weights (model.h says how), and clears the sum. */
+int backend_moe_route(struct backend *be, const struct group_weights *w);
+/* Expert `expert` of that layer (ROLE_EXPERT_GATE/UP/DOWN): its SwiGLU over the tokens routed to it,
+ * each weighted and added into the layer's sum. Experts come in increasing order (the order of the
+ * sum); an expert no token chose may be left out, and costs nothing when given. */
+int backend_moe_expert(struct backend *be, const struct group_weights *w, uint32_t expert);
+/* Adds the layer's sum into the residual stream. */
+int backend_moe_end(struct backend *be);
 /* post-attention RMSNorm, SwiGLU (down(silu(gate x) * up x)), residual add. With w->split.where
  * set, the FFN is computed in two shares (struct ffn_split): FFN_SPLIT_CPU needs a step of at most
  * FFN_SPLIT_MAX_TOKENS tokens and backend_params.cpu_pool. A failure of the CPU's share shows

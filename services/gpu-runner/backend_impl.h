@@ -35,6 +35,11 @@ struct backend_compute_ops {
 			     double u, int32_t *token);
 	/* Optional: default zeros and "none" (no CPU share). */
 	void (*cpu_share_stats)(struct backend_dev *d, struct backend_cpu_share_stats *out);
+	/* Optional, all three or none: default -ENOTSUP (the backend computes no mixture-of-experts
+	 * layers). */
+	int (*moe_route)(struct backend_dev *d, const struct group_weights *w);
+	int (*moe_expert)(struct backend_dev *d, const struct group_weights *w, uint32_t expert);
+	int (*moe_end)(struct backend_dev *d);
 };
 
 struct backend_kv_ops {

@@ -233,6 +233,16 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 				weights_split_ffn(&w, e->split_r[l], FFN_SPLIT_CPU);
 			BE_CHECK(backend_ffn(e->be, &w), "feed-forward");
 			break;
+		case GROUP_MOE:
+			BE_CHECK(backend_moe_route(e->be, &w), "router");
+			break;
+		case GROUP_EXPERT:
+			BE_CHECK(backend_moe_expert(e->be, &w, groups[group].expert), "expert");
+			/* The layer's last expert group: its sum goes into the residual stream. */
+			if (group + 1 == e->ws->n_groups || groups[group + 1].kind != GROUP_EXPERT ||
+			    groups[group + 1].layer != l)
+				BE_CHECK(backend_moe_end(e->be), "experts");
+			break;
 		case GROUP_HEAD:
 			if (logits)
 				BE_CHECK(backend_logits(e->be, &w, logits), "logits");

@@ -92,7 +92,9 @@ static void inspect_stats(struct runner *r, json_t *o)
 			copying += c == 'C';
 		}
 		for (uint32_t l = 0; layers && l < n_layers; l++) {
-			char pair[3] = {group_letter(r, h, group_id_attn(l)), group_letter(r, h, group_id_ffn(l)), 0};
+			/* A mixture-of-experts layer shows its attention and its router group. */
+			char pair[3] = {group_letter(r, h, model_group_attn(&r->cfg, l)),
+					group_letter(r, h, model_group_ffn(&r->cfg, l)), 0};
 			json_array_append_new(layers, json_string(pair));
 		}
 		char embed[2] = {group_letter(r, h, group_id_embed()), 0};

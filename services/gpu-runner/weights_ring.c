@@ -115,7 +115,7 @@ static int check_tables(struct ring_source *rs, size_t size, char *err, size_t e
 			    t->nbytes != (nd == 2 ? shape[0] : 1) *
 						 dtype_row_bytes((enum dtype)t->dtype, nd == 2 ? shape[1] : shape[0]) ||
 			    t->slot_offset > gd->slot_bytes || t->nbytes > gd->slot_bytes - t->slot_offset ||
-			    model_role_group(c, (enum tensor_role)t->role, gd->layer) != g)
+			    model_role_group(c, (enum tensor_role)t->role, gd->layer, gd->expert) != g)
 				return errorf(err, errlen, -EPROTO, "the weight ring's tensor %u (group %u) is inconsistent",
 					    gd->first_tensor + i, g);
 			seen[t->role] = true;

@@ -739,6 +739,7 @@ char *loader_stats_json(const struct loader *l)
 		{"slots_attn", json_integer(plan_class_slots(l->plan, CLASS_ATTN))},
 		{"slots_ffn", json_integer(plan_class_slots(l->plan, CLASS_FFN))},
 		{"slots_global", json_integer(plan_class_slots(l->plan, CLASS_GLOBAL))},
+		{"slots_expert", json_integer(plan_class_slots(l->plan, CLASS_EXPERT))},
 		{"all_resident", json_boolean(plan_all_resident(l->plan))},
 		{"dram_budget", json_integer((json_int_t)plan_budget(l->plan))},
 		{"ring_bytes", json_integer((json_int_t)l->ring_bytes)},

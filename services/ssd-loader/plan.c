@@ -27,7 +27,7 @@ struct plan {
 
 static const char *class_name(uint32_t c)
 {
-	static const char *const names[CLASS_COUNT] = {"attention", "FFN", "global"};
+	static const char *const names[CLASS_COUNT] = {"attention", "FFN", "global", "expert"};
 	return c < CLASS_COUNT ? names[c] : "?";
 }
 
@@ -58,6 +58,15 @@ int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **ou
 		goto out_free;
 
 	uint64_t pinned_bytes = 0;
+	if (p->resident_bytes > dram_budget && m->cfg.n_experts) {
+		char have[32], need[32];
+		snprintf(err, errlen,
+			 "--dram-budget %s is too small for this mixture-of-experts model: streaming experts from disk "
+			 "is not implemented yet, the whole model must be resident (%s)",
+			 format_size(dram_budget, have, sizeof(have)), format_size(p->resident_bytes, need, sizeof(need)));
+		plan_destroy(&p);
+		return -ENOSPC;
+	}
 	if (p->resident_bytes <= dram_budget) {
 		p->all_resident = true;
 		memset(p->pinned, 1, m->n_groups);
@@ -112,11 +121,11 @@ int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **ou
 			return -ENOSPC;
 		}
 		for (uint32_t i = 0; i < (uint32_t)best_na; i++) {
-			p->pinned[group_id_attn(L - 1 - i)] = 1;
+			p->pinned[model_group_attn(&m->cfg, L - 1 - i)] = 1;
 			pinned_bytes += a;
 		}
 		for (uint32_t i = 0; i < (uint32_t)best_nf; i++) {
-			p->pinned[group_id_ffn(L - 1 - i)] = 1;
+			p->pinned[model_group_ffn(&m->cfg, L - 1 - i)] = 1;
 			pinned_bytes += f;
 		}
 		p->streaming[CLASS_ATTN] = (uint32_t)best_ka;

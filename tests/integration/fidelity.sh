@@ -28,7 +28,34 @@ fi
 [[ -x $COMPARE ]] || fail "$COMPARE is not built"
 FIXTURES=$PIPELINE_SOURCE_DIR/tests/fixtures
 shopt -s nullglob
-fixtures=("$FIXTURES"/*.json)
+# FIDELITY_CASES: only these cases (names, space separated); a run whose cases have no fixture yet
+# is skipped (exit 77), one that has some of them compares those and names the others.
+# FIDELITY_EXCLUDE: every fixture but these (the cases another run of this script covers).
+read -r -a only <<<"${FIDELITY_CASES:-}"
+read -r -a exclude <<<"${FIDELITY_EXCLUDE:-}"
+fixtures=()
+if ((${#only[@]} > 0)); then
+	missing=()
+	for name in "${only[@]}"; do
+		if [[ -f $FIXTURES/$name.json ]]; then
+			fixtures+=("$FIXTURES/$name.json")
+		else
+			missing+=("$name")
+		fi
+	done
+	if ((${#fixtures[@]} == 0)); then
+		echo "[$IT_NAME] SKIP: no fixture yet for ${missing[*]} in $FIXTURES: make them with transformers" \
+			"(scripts/fixtures/remake.sh, tests/fixtures/README.md)" >&2
+		exit 77
+	fi
+	((${#missing[@]} == 0)) || log "note: no fixture yet for ${missing[*]}: not compared"
+else
+	for fx in "$FIXTURES"/*.json; do
+		skip=0
+		for name in "${exclude[@]}"; do [[ $(basename "$fx" .json) == "$name" ]] && skip=1; done
+		((skip)) || fixtures+=("$fx")
+	done
+fi
 ((${#fixtures[@]} > 0)) || fail "no fixture in $FIXTURES (scripts/fixtures/remake.sh makes them)"
 
 # Each case has an instance of its own, stopped in the background while the next case runs:

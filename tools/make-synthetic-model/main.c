@@ -52,18 +52,36 @@ static void format_params(uint64_t n, char *buf, size_t len)
 		snprintf(buf, len, "%llu", (unsigned long long)n);
 }
 
+static const char *arch_name(uint32_t arch)
+{
+	switch (arch) {
+	case ARCH_MISTRAL:
+		return "mistral";
+	case ARCH_QWEN3:
+		return "qwen3";
+	case ARCH_MIXTRAL:
+		return "mixtral";
+	case ARCH_QWEN3_MOE:
+		return "qwen3_moe";
+	default:
+		return "llama";
+	}
+}
+
 int main(int argc, char **argv)
 {
 	char *shape = NULL, *out = NULL, *dtype_text = NULL, *rope = NULL, *arch = NULL, *eos = NULL;
 	char *format = NULL, *type = NULL, *tokenizer = NULL;
 	long threads = 0;
 	long seed = 0, shards = 0, layers = -1, vocab = -1, dim = -1, heads = -1, kv_heads = -1, head_dim = -1,
-	     ffn = -1, sliding = -1, bos = -2;
+	     ffn = -1, sliding = -1, bos = -2, experts = -1, top_k = -1, expert_ffn = -1;
 	uint64_t shard_size = 0;
 	double rope_theta = 0;
-	bool tied = false, mha = false, force = false, quiet = false;
+	bool tied = false, mha = false, force = false, quiet = false, no_norm_topk = false;
 	struct opt opts[] = {
-		{"shape", OPT_STRING, &shape, NULL, "tiny, llama3-8b, llama3-70b or llama3-70b:LAYERS (required)"},
+		{"shape", OPT_STRING, &shape, NULL,
+		 "tiny, qwen3-tiny, mixtral-tiny, qwen3-moe-tiny, llama3-8b, llama3-70b[:LAYERS], mixtral-8x7b[:LAYERS], "
+		 "qwen3-30b-a3b[:LAYERS] (required)"},
 		{"out", OPT_STRING, &out, NULL,
 		 "directory to write the checkpoint into; GGUF: the file if it ends in .gguf, else a directory "
 		 "for model.gguf (required)"},
@@ -90,6 +108,12 @@ int main(int argc, char **argv)
 		{"head-dim", OPT_INT, &head_dim, NULL, "override: head dimension (default: dim / heads)"},
 		{"ffn", OPT_INT, &ffn, NULL, "override: feed-forward (intermediate) size"},
 		{"mha", OPT_BOOL, &mha, NULL, "plain multi-head attention: kv heads = heads"},
+		{"experts", OPT_INT, &experts, NULL, "override (mixture-of-experts shapes): experts per layer"},
+		{"top-k", OPT_INT, &top_k, NULL, "override (mixture-of-experts shapes): experts chosen per token"},
+		{"expert-ffn", OPT_INT, &expert_ffn, NULL,
+		 "override (mixture-of-experts shapes): one expert's intermediate size (Mixtral: --ffn too)"},
+		{"no-norm-topk", OPT_BOOL, &no_norm_topk, NULL,
+		 "Qwen3-MoE: norm_topk_prob false (the chosen experts' weights are not renormalised)"},
 		{"rope-scaling", OPT_STRING, &rope, NULL, "override: none, linear:FACTOR or llama3"},
 		{"rope-theta", OPT_DOUBLE, &rope_theta, NULL, "override: RoPE base (Llama 2: 10000)"},
 		{"bos", OPT_INT, &bos, NULL, "override: BOS token id (-1: none)"},
@@ -101,7 +125,8 @@ int main(int argc, char **argv)
 		{0},
 	};
 	int rc = config_parse(PROG,
-			      "writes a random-weight Llama/Mistral checkpoint (config.json, safetensors) in the "
+			      "writes a random-weight Llama/Mistral/Qwen3/Mixtral/Qwen3-MoE checkpoint (config.json, "
+			      "safetensors) in the "
 			      "Hugging Face layout, or as GGUF files",
 			      opts, argc, argv, NULL, NULL);
 	if (rc > 0)
@@ -236,6 +261,31 @@ int main(int argc, char **argv)
 			return 2;
 		}
 	}
+	if (cfg.arch == ARCH_MIXTRAL && ffn != -1)
+		cfg.expert_ffn_dim = cfg.ffn_dim; /* Mixtral's experts have intermediate_size */
+	if ((experts != -1 || top_k != -1 || expert_ffn != -1 || no_norm_topk) && !cfg.n_experts) {
+		fprintf(stderr, "%s: --experts, --top-k, --expert-ffn and --no-norm-topk need a mixture-of-experts shape\n",
+			PROG);
+		return 2;
+	}
+	if (experts != -1)
+		cfg.n_experts = experts > 0 && experts <= (long)MODEL_MAX_EXPERTS ? (uint32_t)experts : 0;
+	if (top_k != -1)
+		cfg.n_experts_used = top_k > 0 && top_k <= (long)MODEL_MAX_EXPERTS ? (uint32_t)top_k : 0;
+	if (expert_ffn != -1) {
+		if (cfg.arch == ARCH_MIXTRAL) {
+			fprintf(stderr, "%s: Mixtral's experts have intermediate_size: give --ffn\n", PROG);
+			return 2;
+		}
+		cfg.expert_ffn_dim = expert_ffn > 0 && expert_ffn <= (1l << 20) ? (uint32_t)expert_ffn : 0;
+	}
+	if (no_norm_topk) {
+		if (cfg.arch != ARCH_QWEN3_MOE) {
+			fprintf(stderr, "%s: --no-norm-topk applies to Qwen3-MoE only (Mixtral always renormalises)\n", PROG);
+			return 2;
+		}
+		cfg.flags &= ~MODEL_NORM_TOPK;
+	}
 	if (model_config_check(&cfg, err, sizeof(err)) != 0) {
 		fprintf(stderr, "%s: the shape with these overrides is invalid: %s\n", PROG, err);
 		return 2;
@@ -279,7 +329,7 @@ int main(int argc, char **argv)
 		double gbps = st.seconds > 0 ? (double)st.file_bytes / st.seconds / 1e9 : 0.0;
 		printf("%s: wrote %s to %s: %s parameters, %s %s, %s in %u file%s, %.2f s (%.2f GB/s); the weights are "
 		       "random (seed %llu), not a trained model\n",
-		       PROG, shape, out, params, kind, cfg.arch == ARCH_MISTRAL ? "mistral" : "llama", bytes,
+		       PROG, shape, out, params, kind, arch_name(cfg.arch), bytes,
 		       st.n_files, st.n_files == 1 ? "" : "s", st.seconds, gbps, (unsigned long long)o.seed);
 	}
 	return 0;

@@ -208,6 +208,68 @@ static void llama3_rope(struct model_config *c)
 	c->rope_original_max_position = 8192;
 }
 
+static void no_rope_scaling(struct model_config *c, float theta)
+{
+	c->rope_theta = theta;
+	c->rope_scaling = ROPE_SCALING_NONE;
+	c->rope_factor = c->rope_low_freq_factor = c->rope_high_freq_factor = 0;
+	c->rope_original_max_position = 0;
+}
+
+/* spec is name or "name:N": true, with the layer count in *layers (max without ":N"); *layers 0 and a
+ * message for an N outside 1..max. False for another name. */
+static bool layers_spec(const char *spec, const char *name, uint32_t max, uint32_t *layers, char *err, size_t errlen)
+{
+	size_t n = strlen(name);
+	if (strncmp(spec, name, n) != 0 || (spec[n] != 0 && spec[n] != ':'))
+		return false;
+	*layers = max;
+	if (spec[n] == ':') {
+		char *end = NULL;
+		errno = 0;
+		unsigned long l = strtoul(spec + n + 1, &end, 10);
+		if (errno || end == spec + n + 1 || *end || l < 1 || l > max) {
+			errorf(err, errlen, -EINVAL, "shape %s: the layer count must be 1..%u", spec, max);
+			*layers = 0;
+		} else {
+			*layers = (uint32_t)l;
+		}
+	}
+	return true;
+}
+
+/* The tiny shapes of the Qwen3 and mixture-of-experts architectures (synthetic.h). */
+static bool tiny_moe_shape(const char *spec, struct model_config *c)
+{
+	bool qwen3 = !strcmp(spec, "qwen3-tiny"), mixtral = !strcmp(spec, "mixtral-tiny");
+	bool qmoe = !strcmp(spec, "qwen3-moe-tiny");
+	if (!qwen3 && !mixtral && !qmoe)
+		return false;
+	no_rope_scaling(c, 1000000.0f);
+	c->arch = qwen3 ? ARCH_QWEN3 : mixtral ? ARCH_MIXTRAL : ARCH_QWEN3_MOE;
+	c->rms_eps = mixtral ? 1e-5f : 1e-6f;
+	c->dim = 64;
+	c->n_layers = 2;
+	c->n_heads = 4;
+	c->n_kv_heads = 2;
+	c->head_dim = mixtral ? 16 : 32; /* Qwen3: n_heads * head_dim != dim */
+	c->ffn_dim = mixtral ? 128 : 192;
+	c->vocab_size = 512;
+	c->max_position = 4096;
+	c->bos_id = 1;
+	c->n_eos = 1;
+	c->eos_ids[0] = 2;
+	c->flags = qwen3 || qmoe ? MODEL_QK_NORM : 0;
+	c->tie_embeddings = qwen3;
+	if (mixtral || qmoe) {
+		c->n_experts = 8;
+		c->n_experts_used = 2;
+		c->expert_ffn_dim = mixtral ? c->ffn_dim : 48;
+		c->flags |= MODEL_NORM_TOPK;
+	}
+	return true;
+}
+
 int synth_shape_config(const char *spec, struct model_config *c, char *err, size_t errlen)
 {
 	assert(spec && c);
@@ -215,6 +277,8 @@ int synth_shape_config(const char *spec, struct model_config *c, char *err, size
 	c->arch = ARCH_LLAMA;
 	c->rms_eps = 1e-5f;
 	llama3_rope(c);
+	if (tiny_moe_shape(spec, c))
+		return 0;
 	if (!strcmp(spec, "tiny")) {
 		c->dim = 64;
 		c->n_layers = 2;
@@ -245,24 +309,53 @@ int synth_shape_config(const char *spec, struct model_config *c, char *err, size
 		c->ffn_dim = 14336;
 		return 0;
 	}
-	if (!strncmp(spec, "llama3-70b", 10) && (spec[10] == 0 || spec[10] == ':')) {
+	if (layers_spec(spec, "llama3-70b", 80, &c->n_layers, err, errlen)) {
 		c->dim = 8192;
-		c->n_layers = 80;
 		c->n_heads = 64;
 		c->ffn_dim = 28672;
-		if (spec[10] == ':') {
-			char *end = NULL;
-			errno = 0;
-			unsigned long l = strtoul(spec + 11, &end, 10);
-			if (errno || end == spec + 11 || *end || l < 1 || l > 80)
-				return errorf(err, errlen, -EINVAL, "shape %s: the layer count must be 1..80", spec);
-			c->n_layers = (uint32_t)l;
-		}
-		return 0;
+		return c->n_layers ? 0 : -EINVAL;
+	}
+	if (layers_spec(spec, "mixtral-8x7b", 32, &c->n_layers, err, errlen)) {
+		c->arch = ARCH_MIXTRAL;
+		no_rope_scaling(c, 1000000.0f);
+		c->dim = 4096;
+		c->n_heads = 32;
+		c->ffn_dim = 14336;
+		c->expert_ffn_dim = 14336;
+		c->n_experts = 8;
+		c->n_experts_used = 2;
+		c->flags = MODEL_NORM_TOPK;
+		c->vocab_size = 32000;
+		c->max_position = 32768;
+		c->bos_id = 1;
+		c->n_eos = 1;
+		c->eos_ids[0] = 2;
+		return c->n_layers ? 0 : -EINVAL;
+	}
+	if (layers_spec(spec, "qwen3-30b-a3b", 48, &c->n_layers, err, errlen)) {
+		c->arch = ARCH_QWEN3_MOE;
+		no_rope_scaling(c, 1000000.0f);
+		c->rms_eps = 1e-6f;
+		c->dim = 2048;
+		c->n_heads = 32;
+		c->n_kv_heads = 4;
+		c->ffn_dim = 6144;
+		c->expert_ffn_dim = 768;
+		c->n_experts = 128;
+		c->n_experts_used = 8;
+		c->flags = MODEL_QK_NORM | MODEL_NORM_TOPK;
+		c->vocab_size = 151936;
+		c->max_position = 40960;
+		c->bos_id = 151643;
+		c->n_eos = 1;
+		c->eos_ids[0] = 151645;
+		return c->n_layers ? 0 : -EINVAL;
 	}
 	memset(c, 0, sizeof(*c));
 	return errorf(err, errlen, -EINVAL,
-		    "unknown shape \"%s\" (known: tiny, llama3-8b, llama3-70b, llama3-70b:LAYERS)", spec);
+		      "unknown shape \"%s\" (known: tiny, qwen3-tiny, mixtral-tiny, qwen3-moe-tiny, llama3-8b, "
+		      "llama3-70b[:LAYERS], mixtral-8x7b[:LAYERS], qwen3-30b-a3b[:LAYERS])",
+		      spec);
 }
 
 int synth_parse_rope_scaling(const char *text, struct model_config *c, char *err, size_t errlen)
@@ -297,7 +390,8 @@ int synth_parse_rope_scaling(const char *text, struct model_config *c, char *err
 uint64_t synth_param_count(const struct model_config *c, bool tied)
 {
 	uint64_t d = c->dim, q = (uint64_t)c->n_heads * c->head_dim, kv = (uint64_t)c->n_kv_heads * c->head_dim;
-	uint64_t layer = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * c->ffn_dim;
+	uint64_t ffn = c->n_experts ? (uint64_t)c->n_experts * (d + 3 * d * c->expert_ffn_dim) : 3 * d * c->ffn_dim;
+	uint64_t layer = 2 * d + d * q + 2 * d * kv + q * d + ffn + ((c->flags & MODEL_QK_NORM) ? 2 * c->head_dim : 0);
 	uint64_t n = (uint64_t)c->vocab_size * d + c->n_layers * layer + d;
 	if (!tied && !c->tie_embeddings)
 		n += (uint64_t)c->vocab_size * d;
@@ -339,13 +433,16 @@ int syn_plan_build(struct plan *p, const struct model_config *c, const struct sy
 		   size_t errlen)
 {
 	memset(p, 0, sizeof(*p));
-	uint32_t cap = 3 + 9 * c->n_layers;
+	bool qk = c->flags & MODEL_QK_NORM, mixtral = c->arch == ARCH_MIXTRAL;
+	uint32_t cap = 3 + (11 + 3 * c->n_experts) * c->n_layers;
 	p->t = calloc(cap, sizeof(*p->t));
 	if (!p->t)
 		return errorf(err, errlen, -ENOMEM, "out of memory planning %u tensors", cap);
 	uint64_t d = c->dim, q = (uint64_t)c->n_heads * c->head_dim, kv = (uint64_t)c->n_kv_heads * c->head_dim;
+	uint64_t ef = c->expert_ffn_dim;
 	char name[TENSOR_NAME_MAX];
 	add_tensor(p, o, "model.embed_tokens.weight", c->vocab_size, d);
+	/* Each layer in the order of transformers' state_dict. */
 	for (uint32_t l = 0; l < c->n_layers; l++) {
 		static const char *const attn[] = {"q", "k", "v", "o"};
 		static const char *const mlp[] = {"gate", "up", "down"};
@@ -353,9 +450,33 @@ int syn_plan_build(struct plan *p, const struct model_config *c, const struct sy
 			snprintf(name, sizeof(name), "model.layers.%u.self_attn.%s_proj.weight", l, attn[k]);
 			add_tensor(p, o, name, k == 0 ? q : k == 3 ? d : kv, k == 3 ? q : d);
 		}
-		for (int k = 0; k < 3; k++) {
-			snprintf(name, sizeof(name), "model.layers.%u.mlp.%s_proj.weight", l, mlp[k]);
-			add_tensor(p, o, name, k == 2 ? d : c->ffn_dim, k == 2 ? c->ffn_dim : d);
+		for (int k = 0; qk && k < 2; k++) {
+			snprintf(name, sizeof(name), "model.layers.%u.self_attn.%s_norm.weight", l, k ? "k" : "q");
+			add_tensor(p, o, name, c->head_dim, 0);
+		}
+		if (c->n_experts) {
+			/* Mixtral: w1 gate, w2 down, w3 up; Qwen3-MoE: gate_proj, up_proj, down_proj. */
+			static const char *const mx[] = {"w1", "w2", "w3"};
+			const char *moe = mixtral ? "block_sparse_moe" : "mlp";
+			snprintf(name, sizeof(name), "model.layers.%u.%s.gate.weight", l, moe);
+			add_tensor(p, o, name, c->n_experts, d);
+			for (uint32_t e = 0; e < c->n_experts; e++) {
+				for (int k = 0; k < 3; k++) {
+					bool down = mixtral ? k == 1 : k == 2;
+					if (mixtral)
+						snprintf(name, sizeof(name), "model.layers.%u.%s.experts.%u.%s.weight", l, moe,
+							 e, mx[k]);
+					else
+						snprintf(name, sizeof(name), "model.layers.%u.%s.experts.%u.%s_proj.weight", l,
+							 moe, e, mlp[k]);
+					add_tensor(p, o, name, down ? d : ef, down ? ef : d);
+				}
+			}
+		} else {
+			for (int k = 0; k < 3; k++) {
+				snprintf(name, sizeof(name), "model.layers.%u.mlp.%s_proj.weight", l, mlp[k]);
+				add_tensor(p, o, name, k == 2 ? d : c->ffn_dim, k == 2 ? c->ffn_dim : d);
+			}
 		}
 		snprintf(name, sizeof(name), "model.layers.%u.input_layernorm.weight", l);
 		add_tensor(p, o, name, d, 0);
@@ -524,9 +645,16 @@ static const char *torch_dtype(enum dtype t)
 
 void syn_build_config_json(struct sbuf *s, const struct model_config *c, const struct synth_options *o, bool tied)
 {
-	bool mistral = c->arch == ARCH_MISTRAL;
-	sb_printf(s, "{\n  \"architectures\": [\n    \"%s\"\n  ],\n",
-		  mistral ? "MistralForCausalLM" : "LlamaForCausalLM");
+	static const char *const arch_names[][2] = {
+		[ARCH_LLAMA] = {"LlamaForCausalLM", "llama"},
+		[ARCH_MISTRAL] = {"MistralForCausalLM", "mistral"},
+		[ARCH_QWEN3] = {"Qwen3ForCausalLM", "qwen3"},
+		[ARCH_MIXTRAL] = {"MixtralForCausalLM", "mixtral"},
+		[ARCH_QWEN3_MOE] = {"Qwen3MoeForCausalLM", "qwen3_moe"},
+	};
+	uint32_t arch = c->arch < ARRAY_SIZE(arch_names) && arch_names[c->arch][0] ? c->arch : ARCH_LLAMA;
+	bool qwen3 = arch == ARCH_QWEN3 || arch == ARCH_QWEN3_MOE;
+	sb_printf(s, "{\n  \"architectures\": [\n    \"%s\"\n  ],\n", arch_names[arch][0]);
 	sb_printf(s, "  \"attention_bias\": false,\n  \"attention_dropout\": 0.0,\n");
 	if (c->bos_id >= 0)
 		sb_printf(s, "  \"bos_token_id\": %d,\n", c->bos_id);
@@ -545,7 +673,17 @@ void syn_build_config_json(struct sbuf *s, const struct model_config *c, const s
 	sb_printf(s, "  \"head_dim\": %u,\n  \"hidden_act\": \"silu\",\n  \"hidden_size\": %u,\n", c->head_dim, c->dim);
 	sb_printf(s, "  \"initializer_range\": 0.02,\n  \"intermediate_size\": %u,\n", c->ffn_dim);
 	sb_printf(s, "  \"max_position_embeddings\": %u,\n  \"mlp_bias\": false,\n", c->max_position);
-	sb_printf(s, "  \"model_type\": \"%s\",\n", mistral ? "mistral" : "llama");
+	sb_printf(s, "  \"model_type\": \"%s\",\n", arch_names[arch][1]);
+	if (arch == ARCH_QWEN3_MOE)
+		sb_printf(s, "  \"decoder_sparse_step\": 1,\n  \"mlp_only_layers\": [],\n  \"moe_intermediate_size\": %u,\n"
+			  "  \"norm_topk_prob\": %s,\n  \"num_experts\": %u,\n  \"num_experts_per_tok\": %u,\n",
+			  c->expert_ffn_dim, (c->flags & MODEL_NORM_TOPK) ? "true" : "false", c->n_experts,
+			  c->n_experts_used);
+	if (arch == ARCH_MIXTRAL)
+		sb_printf(s, "  \"num_experts_per_tok\": %u,\n  \"num_local_experts\": %u,\n  \"output_router_logits\": "
+			  "false,\n  \"router_aux_loss_coef\": 0.02,\n", c->n_experts_used, c->n_experts);
+	if (qwen3)
+		sb_printf(s, "  \"max_window_layers\": %u,\n  \"use_sliding_window\": false,\n", c->n_layers);
 	sb_printf(s, "  \"num_attention_heads\": %u,\n  \"num_hidden_layers\": %u,\n  \"num_key_value_heads\": %u,\n",
 		  c->n_heads, c->n_layers, c->n_kv_heads);
 	sb_printf(s,

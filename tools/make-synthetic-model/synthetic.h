@@ -99,6 +99,18 @@ void synth_options_default(struct synth_options *o);
  *                      max_pos 131072, rms 1e-5, theta 500000, llama3 scaling (8, 1, 4, 8192),
  *                      bos 128000, eos {128001, 128008, 128009}
  *   "llama3-70b[:N]"   as llama3-8b but dim 8192, N layers (1..80, default 80), 64 heads, 8 kv, ffn 28672
+ *   "qwen3-tiny"       Qwen3: dim 64, 2 layers, 4 heads, 2 kv heads, head_dim 32 (heads * head_dim != dim),
+ *                      q/k norms, ffn 192, vocab 512, max_pos 4096, rms 1e-6, theta 1e6, no scaling,
+ *                      bos 1, eos {2}, tied embeddings
+ *   "mixtral-tiny"     Mixtral: dim 64, 2 layers, 4 heads, 2 kv, head_dim 16, 8 experts of ffn 128, top 2,
+ *                      vocab 512, max_pos 4096, rms 1e-5, theta 1e6, bos 1, eos {2}, untied
+ *   "qwen3-moe-tiny"   Qwen3-MoE: as qwen3-tiny, untied, intermediate_size 192, 8 experts of 48, top 2,
+ *                      norm_topk_prob true
+ *   "mixtral-8x7b[:N]" dim 4096, N layers (1..32, default 32), 32 heads, 8 kv, head_dim 128, 8 experts of
+ *                      14336, top 2, vocab 32000, max_pos 32768, rms 1e-5, theta 1e6, bos 1, eos {2}
+ *   "qwen3-30b-a3b[:N]" dim 2048, N layers (1..48, default 48), 32 heads, 4 kv, head_dim 128, q/k norms,
+ *                      128 experts of 768, top 8, norm_topk_prob, intermediate_size 6144, vocab 151936,
+ *                      max_pos 40960, rms 1e-6, theta 1e6, bos 151643, eos {151645}
  * Returns 0, or -EINVAL with a message listing the shapes. */
 int synth_shape_config(const char *spec, struct model_config *cfg, char *err, size_t errlen);
 

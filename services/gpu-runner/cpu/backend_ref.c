@@ -27,6 +27,15 @@
  * pairs among a persistent pool. Each output is computed by one thread with the same code in
  * the same order, so the results are bit-identical for any thread count.
  *
+ * Qwen3 (MODEL_QK_NORM): each head of q and k goes through its RMSNorm (q_norm, k_norm, over head_dim)
+ * after the projection and before RoPE, as Qwen3Attention does.
+ *
+ * Mixture-of-experts layers (Mixtral, Qwen3-MoE) follow MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock:
+ * the router logits in float32, the routing of cpu_moe_route (kernels.h), each expert's SwiGLU over
+ * the tokens routed to it (rounded as the dense FFN), multiplied by the token's float32 weight and
+ * added into a zeroed float32 sum in increasing expert order (transformers' index_add_ over its
+ * loop of experts), and the sum added into the residual stream at moe_end.
+ *
  * A split FFN (backend.h, struct ffn_split) computes its first share with the code above; the
  * second too for FFN_SPLIT_BACKEND, and for FFN_SPLIT_CPU through cpu-compute (ffn_share.h, with
  * the float32 normed x as its activation: nothing rounded to BF16) on the task pool of
@@ -80,7 +89,16 @@ struct backend_dev {
 	double *acc;	      /* (max_chunk, n_heads, head_dim) softmax-weighted sum of V */
 	double *m;	      /* (max_chunk, n_heads) running max of the scores */
 	double *l;	      /* (max_chunk, n_heads) running sum of exp(score - m) */
-	float *gate, *up;     /* (max_chunk, ffn_dim) */
+	float *gate, *up;     /* (max_chunk, max(ffn_dim, expert_ffn_dim)) */
+
+	/* A mixture-of-experts layer between moe_route and moe_end. */
+	float *router;	      /* (max_chunk, n_experts) router logits */
+	uint32_t *sel;	      /* (max_chunk, n_experts_used) each token's experts */
+	float *sel_w;	      /* (max_chunk, n_experts_used) and their weights */
+	float *moe_sum;	      /* (max_chunk, dim) the weighted sum of the experts' outputs */
+	float *ex_x, *ex_y;   /* (max_chunk, dim) an expert's input rows (normed x of its tokens), its output */
+	uint32_t *ex_tok;     /* (max_chunk) the tokens routed to the expert */
+	float *ex_w;	      /* (max_chunk) and their weights */
 	float *rope_cs;	      /* (head_dim / 2) cos, then (head_dim / 2) sin, of one position */
 	float *rows;	      /* (threads, max_in) one weight row widened to float32, per thread */
 	double *scores;	      /* (threads, block_tokens) attention scores of one span, per thread */
@@ -294,6 +312,20 @@ static int ref_attn_begin(struct backend_dev *be, const struct group_weights *w,
 	};
 	matmul(be, &j);
 
+	if (c->flags & MODEL_QK_NORM) {
+		const struct weight_tensor *qn = &w->t[ROLE_Q_NORM], *kn = &w->t[ROLE_K_NORM];
+		for (uint32_t t = 0; t < n; t++) {
+			for (uint32_t h = 0; h < c->n_heads; h++)
+				cpu_rmsnorm(be->q + (size_t)t * be->q_dim + (size_t)h * hd,
+					    be->q + (size_t)t * be->q_dim + (size_t)h * hd, qn->data[PLACE_HOST], qn->format,
+					    hd, c->rms_eps);
+			for (uint32_t h = 0; h < c->n_kv_heads; h++)
+				cpu_rmsnorm(be->k + (size_t)t * be->kv_dim + (size_t)h * hd,
+					    be->k + (size_t)t * be->kv_dim + (size_t)h * hd, kn->data[PLACE_HOST], kn->format,
+					    hd, c->rms_eps);
+		}
+	}
+
 	float *cs = be->rope_cs, *sn = be->rope_cs + half;
 	void (*rope)(float *, const float *, const float *, uint32_t) =
 		c->rope_layout == ROPE_ADJACENT ? cpu_rope_apply_adjacent : cpu_rope_apply;
@@ -422,6 +454,73 @@ static int ref_ffn(struct backend_dev *be, const struct group_weights *w)
 	return 0;
 }
 
+static int ref_moe_route(struct backend_dev *be, const struct group_weights *w)
+{
+	const struct model_config *c = &be->cfg;
+	uint32_t n = be->n, k = c->n_experts_used;
+	rmsnorm_rows(be, &w->t[ROLE_FFN_NORM], n);
+	struct mm_job j = {
+		.x = be->xn, .in = c->dim, .n = n, .n_parts = 1,
+		.part = {{&w->t[ROLE_ROUTER], be->router}},
+	};
+	matmul(be, &j);
+	for (uint32_t t = 0; t < n; t++)
+		cpu_moe_route(be->router + (size_t)t * c->n_experts, c->n_experts, k, (c->flags & MODEL_NORM_TOPK) != 0,
+			      be->sel + (size_t)t * k, be->sel_w + (size_t)t * k);
+	memset(be->moe_sum, 0, (size_t)n * c->dim * sizeof(float));
+	return 0;
+}
+
+static int ref_moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t expert)
+{
+	const struct model_config *c = &be->cfg;
+	uint32_t n = be->n, k = c->n_experts_used, cnt = 0;
+	for (uint32_t t = 0; t < n; t++) {
+		for (uint32_t i = 0; i < k; i++) {
+			if (be->sel[(size_t)t * k + i] != expert)
+				continue;
+			be->ex_tok[cnt] = t;
+			be->ex_w[cnt] = be->sel_w[(size_t)t * k + i];
+			memcpy(be->ex_x + (size_t)cnt * c->dim, be->xn + (size_t)t * c->dim, c->dim * sizeof(float));
+			cnt++;
+		}
+	}
+	if (!cnt)
+		return 0;
+	uint32_t f = c->expert_ffn_dim;
+	struct mm_job j = {
+		.x = be->ex_x, .in = c->dim, .n = cnt, .n_parts = 2,
+		.part = {{&w->t[ROLE_EXPERT_GATE], be->gate}, {&w->t[ROLE_EXPERT_UP], be->up}},
+	};
+	matmul(be, &j);
+	size_t m = (size_t)cnt * f;
+	for (size_t i = 0; i < m; i++)
+		be->gate[i] = cpu_silu_mul(be->gate[i], be->up[i]);
+	struct mm_job jd = {
+		.x = be->gate, .in = f, .n = cnt, .n_parts = 1,
+		.part = {{&w->t[ROLE_EXPERT_DOWN], be->ex_y}},
+	};
+	matmul(be, &jd);
+	/* expert(x) * weight, rounded to float32, then added: as index_add_ of the weighted rows. */
+	for (uint32_t i = 0; i < cnt; i++) {
+		float *dst = be->moe_sum + (size_t)be->ex_tok[i] * c->dim;
+		const float *y = be->ex_y + (size_t)i * c->dim;
+		for (uint32_t d = 0; d < c->dim; d++) {
+			float v = y[d] * be->ex_w[i];
+			dst[d] += v;
+		}
+	}
+	return 0;
+}
+
+static int ref_moe_end(struct backend_dev *be)
+{
+	size_t cnt = (size_t)be->n * be->cfg.dim;
+	for (size_t i = 0; i < cnt; i++)
+		be->x[i] += be->moe_sum[i];
+	return 0;
+}
+
 static int ref_logits(struct backend_dev *be, const struct group_weights *w, float *out)
 {
 	const struct model_config *c = &be->cfg;
@@ -481,6 +580,14 @@ static void ref_destroy(struct backend_dev **bep)
 	free(be->l);
 	free(be->gate);
 	free(be->up);
+	free(be->router);
+	free(be->sel);
+	free(be->sel_w);
+	free(be->moe_sum);
+	free(be->ex_x);
+	free(be->ex_y);
+	free(be->ex_tok);
+	free(be->ex_w);
 	free(be->rope_cs);
 	free(be->rows);
 	free(be->scores);
@@ -539,8 +646,9 @@ static int ref_create(const struct model_config *cfg, const struct backend_param
 	be->max_in = cfg->dim;
 	if (be->q_dim > be->max_in)
 		be->max_in = be->q_dim;
-	if (cfg->ffn_dim > be->max_in)
-		be->max_in = cfg->ffn_dim;
+	uint32_t ffn = cfg->ffn_dim > cfg->expert_ffn_dim ? cfg->ffn_dim : cfg->expert_ffn_dim;
+	if (ffn > be->max_in)
+		be->max_in = ffn;
 	be->block_floats = 2 * (size_t)p->block_tokens * be->kv_dim;
 
 	size_t mc = p->max_chunk, pairs = mc * cfg->n_heads;
@@ -554,8 +662,8 @@ static int ref_create(const struct model_config *cfg, const struct backend_param
 	be->acc = alloc_array(pairs, cfg->head_dim, sizeof(double));
 	be->m = alloc_array(pairs, 1, sizeof(double));
 	be->l = alloc_array(pairs, 1, sizeof(double));
-	be->gate = alloc_array(mc, cfg->ffn_dim, sizeof(float));
-	be->up = alloc_array(mc, cfg->ffn_dim, sizeof(float));
+	be->gate = alloc_array(mc, ffn, sizeof(float));
+	be->up = alloc_array(mc, ffn, sizeof(float));
 	be->rope_cs = alloc_array(cfg->head_dim, 1, sizeof(float));
 	be->rows = alloc_array(be->threads, be->max_in, sizeof(float));
 	be->scores = alloc_array(be->threads, p->block_tokens, sizeof(double));
@@ -564,6 +672,23 @@ static int ref_create(const struct model_config *cfg, const struct backend_param
 		snprintf(err, errlen, "cpu backend: out of memory for the buffers of %u-token chunks", p->max_chunk);
 		rc = -ENOMEM;
 		goto out_destroy;
+	}
+	if (cfg->n_experts) {
+		be->router = alloc_array(mc, cfg->n_experts, sizeof(float));
+		be->sel = alloc_array(mc, cfg->n_experts_used, sizeof(uint32_t));
+		be->sel_w = alloc_array(mc, cfg->n_experts_used, sizeof(float));
+		be->moe_sum = alloc_array(mc, cfg->dim, sizeof(float));
+		be->ex_x = alloc_array(mc, cfg->dim, sizeof(float));
+		be->ex_y = alloc_array(mc, cfg->dim, sizeof(float));
+		be->ex_tok = alloc_array(mc, 1, sizeof(uint32_t));
+		be->ex_w = alloc_array(mc, 1, sizeof(float));
+		if (!be->router || !be->sel || !be->sel_w || !be->moe_sum || !be->ex_x || !be->ex_y || !be->ex_tok ||
+		    !be->ex_w) {
+			snprintf(err, errlen, "cpu backend: out of memory for the expert buffers of %u-token chunks",
+				 p->max_chunk);
+			rc = -ENOMEM;
+			goto out_destroy;
+		}
 	}
 	/* The arena is not zeroed: every row is written (attn_begin, kv_from_host) before it is read. */
 	size_t arena_floats;
@@ -611,6 +736,9 @@ static const struct backend_compute_ops ref_compute = {
 	.logits = ref_logits,
 	/* logits_argmax: the front's (logits, then argmax on the host); no logits_sample. */
 	.cpu_share_stats = ref_cpu_share_stats,
+	.moe_route = ref_moe_route,
+	.moe_expert = ref_moe_expert,
+	.moe_end = ref_moe_end,
 };
 
 static const struct backend_kv_ops ref_kv = {

@@ -70,3 +70,42 @@ void cpu_rope_apply_adjacent(float *x, const float *cs, const float *sn, uint32_
 		x[2 * i + 1] = x2 * cs[i] + x1 * sn[i];
 	}
 }
+
+void cpu_moe_route(const float *logits, uint32_t n, uint32_t k, bool norm, uint32_t *ids, float *w)
+{
+	/* softmax: exp(l - max) / sum, the sum in double, each probability rounded to float32. */
+	float mx = logits[0];
+	for (uint32_t e = 1; e < n; e++)
+		if (logits[e] > mx)
+			mx = logits[e];
+	double sum = 0;
+	for (uint32_t e = 0; e < n; e++)
+		sum += exp((double)logits[e] - (double)mx);
+	/* Top k by insertion: a probability enters before the first smaller one, so equal ones keep
+	 * the order of their ids. */
+	uint32_t have = 0;
+	for (uint32_t e = 0; e < n; e++) {
+		float p = (float)(exp((double)logits[e] - (double)mx) / sum);
+		uint32_t at = have;
+		while (at > 0 && w[at - 1] < p)
+			at--;
+		if (at >= k)
+			continue;
+		uint32_t last = have < k ? have : k - 1;
+		for (uint32_t i = last; i > at; i--) {
+			w[i] = w[i - 1];
+			ids[i] = ids[i - 1];
+		}
+		w[at] = p;
+		ids[at] = e;
+		if (have < k)
+			have++;
+	}
+	if (!norm)
+		return;
+	float s = 0;
+	for (uint32_t i = 0; i < k; i++)
+		s += w[i];
+	for (uint32_t i = 0; i < k; i++)
+		w[i] /= s;
+}

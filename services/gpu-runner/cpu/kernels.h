@@ -4,6 +4,7 @@
  */
 #ifndef GPU_RUNNER_CPU_KERNELS_H
 #define GPU_RUNNER_CPU_KERNELS_H
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "common/dtype.h"
@@ -24,6 +25,12 @@ void cpu_rope_cos_sin(const float *inv, uint32_t half, uint32_t pos, float *cs, 
 void cpu_rope_apply(float *x, const float *cs, const float *sn, uint32_t half);
 /* The same rotation in GGUF's layout (ROPE_ADJACENT): pairs (x[2i], x[2i + 1]). */
 void cpu_rope_apply_adjacent(float *x, const float *cs, const float *sn, uint32_t half);
+/* The routing of one token in a mixture-of-experts layer, as transformers' MixtralSparseMoeBlock and
+ * Qwen3MoeSparseMoeBlock compute it: the softmax in float32 over all n router logits, the k largest
+ * probabilities (ties: the lower expert id first), renormalised to sum to 1 when norm (the float32
+ * sum of the k, each divided by it). Writes the chosen experts' ids to ids and weights to w, largest
+ * first. k <= n. */
+void cpu_moe_route(const float *logits, uint32_t n, uint32_t k, bool norm, uint32_t *ids, float *w);
 
 #ifdef __cplusplus
 }

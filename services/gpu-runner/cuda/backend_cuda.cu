@@ -436,6 +436,11 @@ static void cuda_destroy(struct backend_dev **bep)
 /* What this backend adds to backend_check_config, which the front has run. */
 static int check_config(const struct model_config *c, const struct backend_params *p, char *err, size_t errlen)
 {
+	if ((c->flags & MODEL_QK_NORM) || c->n_experts) {
+		snprintf(err, errlen, "cuda backend: the %s architecture is not implemented on the CUDA backend yet (q/k "
+			 "norms, mixture-of-experts layers); run it on the cpu backend", model_arch_name(c->arch));
+		return -ENOTSUP;
+	}
 	if (c->head_dim % 8 || c->head_dim > MAX_HEAD_DIM) {
 		snprintf(err, errlen, "cuda backend: head_dim %u is not supported: the attention kernel takes multiples "
 			 "of 8 up to %u", c->head_dim, MAX_HEAD_DIM);
@@ -665,6 +670,9 @@ static const struct backend_compute_ops cuda_compute = {
 	cuda_logits_argmax,	/* logits_argmax */
 	cuda_logits_sample,	/* logits_sample */
 	ffn_split_stats,	/* cpu_share_stats */
+	NULL,			/* moe_route: mixture-of-experts layers are refused at create */
+	NULL,			/* moe_expert */
+	NULL,			/* moe_end */
 };
 
 extern "C" {

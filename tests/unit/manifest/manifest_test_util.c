@@ -307,9 +307,10 @@ void check_layout(const struct manifest *m)
 		ck_assert_uint_ge(g->n_extents, 1);
 		next_tensor += g->n_tensors;
 		next_extent += g->n_extents;
-		uint32_t want_class = g->kind == GROUP_ATTN  ? CLASS_ATTN
-				      : g->kind == GROUP_FFN ? CLASS_FFN
-							     : CLASS_GLOBAL;
+		uint32_t want_class = g->kind == GROUP_ATTN			       ? CLASS_ATTN
+				      : g->kind == GROUP_FFN || g->kind == GROUP_MOE ? CLASS_FFN
+				      : g->kind == GROUP_EXPERT		       ? CLASS_EXPERT
+										       : CLASS_GLOBAL;
 		ck_assert_uint_eq(g->size_class, want_class);
 		if (g->slot_bytes > class_max[want_class])
 			class_max[want_class] = g->slot_bytes;
