@@ -66,6 +66,8 @@ struct loader {
 	uint32_t read_ahead, read_ahead_max; /* groups per class read ahead of the position (live tuning) */
 
 	uint64_t groups_loaded, grants, releases, waits;
+	/* Loads into streaming slots (reads from disk of groups not pinned), and their bytes, per class. */
+	uint64_t streamed[CLASS_COUNT], streamed_bytes[CLASS_COUNT];
 
 	bool initial_active;
 	uint32_t initial_left, initial_groups;
@@ -316,6 +318,10 @@ static void finish_load(struct loader *l, uint32_t s)
 		atomic_store(&l->gstate[g].slot, s);
 		atomic_fetch_add(&l->gstate[g].loads, 1);
 		l->groups_loaded++;
+		if (ls->dedicated == NO_GROUP && ls->cls < CLASS_COUNT) {
+			l->streamed[ls->cls]++;
+			l->streamed_bytes[ls->cls] += l->m->groups[g].slot_bytes;
+		}
 		lg->failed = false;
 		log_debug("%s ready in slot %u", lab, s);
 		remove_waiters(l, g, 0, NULL);
@@ -728,7 +734,9 @@ char *loader_stats_json(const struct loader *l)
 		return NULL;
 	uint32_t waiting = l->n_w;
 	/* What a decode token reads from disk once the resident groups are in. */
-	uint64_t per_token = plan_disk_bytes_per_pass(l->plan, l->m);
+	uint64_t per_token = plan_disk_bytes_per_pass(l->plan, l->m), streamed = 0;
+	for (uint32_t c = 0; c < CLASS_COUNT; c++)
+		streamed += l->streamed[c];
 	struct {
 		const char *key;
 		json_t *v;
@@ -740,6 +748,9 @@ char *loader_stats_json(const struct loader *l)
 		{"slots_ffn", json_integer(plan_class_slots(l->plan, CLASS_FFN))},
 		{"slots_global", json_integer(plan_class_slots(l->plan, CLASS_GLOBAL))},
 		{"slots_expert", json_integer(plan_class_slots(l->plan, CLASS_EXPERT))},
+		{"groups_streamed", json_integer((json_int_t)streamed)},
+		{"expert_groups_streamed", json_integer((json_int_t)l->streamed[CLASS_EXPERT])},
+		{"expert_bytes_streamed", json_integer((json_int_t)l->streamed_bytes[CLASS_EXPERT])},
 		{"all_resident", json_boolean(plan_all_resident(l->plan))},
 		{"dram_budget", json_integer((json_int_t)plan_budget(l->plan))},
 		{"ring_bytes", json_integer((json_int_t)l->ring_bytes)},

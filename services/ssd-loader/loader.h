@@ -123,7 +123,9 @@ bool loader_o_direct(const struct loader *l);
 
 /* The stats JSON object (malloc'd text, caller frees; NULL on ENOMEM): groups, slots,
  * all_resident, dram_budget, ring_bytes, model_bytes, bytes_read, reads_done, groups_loaded,
- * grants, releases, waits, o_direct, disk_read_seconds, disk_bytes_per_s, and a few more. */
+ * grants, releases, waits, o_direct, disk_read_seconds, disk_bytes_per_s, groups_streamed (loads
+ * into streaming slots), expert_groups_streamed and expert_bytes_streamed (the same for the
+ * expert class: slot bytes read), and a few more. */
 char *loader_stats_json(const struct loader *l);
 
 #ifdef __cplusplus

@@ -31,6 +31,25 @@ static const char *class_name(uint32_t c)
 	return c < CLASS_COUNT ? names[c] : "?";
 }
 
+/* The expert slots that `room` bytes buy with a window of k streaming slots: all n expert groups
+ * pinned (*ke = 0) when they fit, else as many pinned as fit beside min(k, n) streaming slots.
+ * Returns false when not even that window fits. */
+static bool plan_experts(uint64_t room, uint32_t k, uint64_t n, uint64_t x, uint64_t *ne, uint64_t *ke)
+{
+	uint64_t t = x ? room / x : n;
+	if (t >= n) {
+		*ne = n;
+		*ke = 0;
+		return true;
+	}
+	uint64_t w = k < n ? k : n;
+	if (t < w)
+		return false;
+	*ne = t - w;
+	*ke = w;
+	return true;
+}
+
 int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **out, char *err, size_t errlen)
 {
 	if (!m || m->n_groups == 0 || !m->groups) {
@@ -58,15 +77,6 @@ int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **ou
 		goto out_free;
 
 	uint64_t pinned_bytes = 0;
-	if (p->resident_bytes > dram_budget && m->cfg.n_experts) {
-		char have[32], need[32];
-		snprintf(err, errlen,
-			 "--dram-budget %s is too small for this mixture-of-experts model: streaming experts from disk "
-			 "is not implemented yet, the whole model must be resident (%s)",
-			 format_size(dram_budget, have, sizeof(have)), format_size(p->resident_bytes, need, sizeof(need)));
-		plan_destroy(&p);
-		return -ENOSPC;
-	}
 	if (p->resident_bytes <= dram_budget) {
 		p->all_resident = true;
 		memset(p->pinned, 1, m->n_groups);
@@ -83,11 +93,12 @@ int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **ou
 				pinned_bytes += p->capacity[m->groups[g].size_class];
 			}
 		}
-		uint64_t a = p->capacity[CLASS_ATTN], f = p->capacity[CLASS_FFN];
+		uint64_t a = p->capacity[CLASS_ATTN], f = p->capacity[CLASS_FFN], x = p->capacity[CLASS_EXPERT];
 		uint32_t L = m->cfg.n_layers;
+		uint64_t n_expert_groups = (uint64_t)L * m->cfg.n_experts; /* 0 for a dense model */
 		uint64_t rest = dram_budget > pinned_bytes ? dram_budget - pinned_bytes : 0;
 		int64_t best_na = -1, best_nf = -1, best_ka = 0, best_kf = 0;
-		uint64_t best = 0;
+		uint64_t best = 0, best_ne = 0, best_ke = 0;
 		/* The deepest window that fits first (reads overlap), then the most pinned bytes. */
 		for (uint32_t k = PLAN_STREAM_SLOTS; k >= 1 && best_na < 0; k--) {
 			for (uint32_t na = 0; na <= L; na++) {
@@ -97,26 +108,36 @@ int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **ou
 					uint64_t bytes = (uint64_t)na * a + (uint64_t)nf * f + ka * a + kf * f;
 					if (bytes > rest)
 						continue;
-					uint64_t res = (uint64_t)na * a + (uint64_t)nf * f;
+					uint64_t ne = 0, ke = 0;
+					if (n_expert_groups && !plan_experts(rest - bytes, k, n_expert_groups, x, &ne, &ke))
+						continue;
+					uint64_t res = (uint64_t)na * a + (uint64_t)nf * f + ne * x;
 					if (best_na < 0 || res > best) {
 						best = res;
 						best_na = na;
 						best_nf = nf;
 						best_ka = (int64_t)ka;
 						best_kf = (int64_t)kf;
+						best_ne = ne;
+						best_ke = ke;
 					}
-					break;
+					/* Dense: the most FFN groups that fit is the best for this na. With
+					 * experts every split of the rest between the classes is tried. */
+					if (!n_expert_groups)
+						break;
 				}
 			}
 		}
 		if (best_na < 0) {
 			char have[32], need[32];
-			uint64_t needed = pinned_bytes + a + f;
+			uint64_t needed = pinned_bytes + a + f + (n_expert_groups ? x : 0);
 			snprintf(err, errlen,
-				 "--dram-budget %s is too small: the globals and one attention and one FFN group need at "
+				 "--dram-budget %s is too small: the globals and one %s group need at "
 				 "least %s (%llu bytes; the whole model resident needs %llu bytes)",
-				 format_size(dram_budget, have, sizeof(have)), format_size(needed, need, sizeof(need)),
-				 (unsigned long long)needed, (unsigned long long)p->resident_bytes);
+				 format_size(dram_budget, have, sizeof(have)),
+				 n_expert_groups ? "attention, one router and one expert" : "attention and one FFN",
+				 format_size(needed, need, sizeof(need)), (unsigned long long)needed,
+				 (unsigned long long)p->resident_bytes);
 			plan_destroy(&p);
 			return -ENOSPC;
 		}
@@ -128,8 +149,15 @@ int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **ou
 			p->pinned[model_group_ffn(&m->cfg, L - 1 - i)] = 1;
 			pinned_bytes += f;
 		}
+		/* Experts from the last layer down, each layer's from expert 0 up. */
+		for (uint64_t i = 0; i < best_ne; i++) {
+			uint32_t E = m->cfg.n_experts;
+			p->pinned[model_group_expert(&m->cfg, L - 1 - (uint32_t)(i / E), (uint32_t)(i % E))] = 1;
+			pinned_bytes += x;
+		}
 		p->streaming[CLASS_ATTN] = (uint32_t)best_ka;
 		p->streaming[CLASS_FFN] = (uint32_t)best_kf;
+		p->streaming[CLASS_EXPERT] = (uint32_t)best_ke;
 	}
 
 	uint32_t n_pinned = 0;

@@ -14,6 +14,14 @@
  * chosen to pin the most bytes: each pinned group is a read less per token. Layers are pinned
  * from the last one down, since the GPU window keeps the first layers on the device.
  *
+ * A mixture-of-experts model streams its experts the same way: a third window of up to
+ * PLAN_STREAM_SLOTS expert slots (CLASS_EXPERT) beside the attention and router (CLASS_FFN)
+ * windows, and the split of what is left between pinned attention, router and expert groups that
+ * pins the most bytes; experts are pinned from the last layer down, expert 0 first. The engine
+ * visits attn(l), moe(l), expert(l, 0..E-1) in order, so the loader's in-order read-ahead serves
+ * them; every expert is read whether routed to or not (fetching only the routed ones is to come).
+ * The minimum is then the globals plus one attention, one router and one expert slot.
+ *
  * Slots are numbered: pinned (dedicated) slots first, in group order, then the streaming
  * slots class by class. Only slot data counts against the budget; the ring's header and
  * tables come on top (kilobytes). */
@@ -35,7 +43,8 @@ struct plan;
 
 /* Plans m (borrowed: read during the call only) under dram_budget bytes. Returns 0 with
  * *out owned by the caller; -ENOSPC when the budget cannot hold the globals and one slot of
- * each streaming class (err: "--dram-budget X is too small: ... need at least Y");
+ * each streaming class (err: "--dram-budget X is too small: ... need at least Y (N bytes; the whole
+ * model resident needs M bytes)");
  * -EINVAL for a manifest without groups; -ENOMEM. */
 int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **out, char *err, size_t errlen);
 

@@ -3,8 +3,11 @@
 # through the services on the C reference backend, before any transformers fixture exists: every
 # expert is a weight group of its own in the ring, the greedy tokens through the pipeline are
 # run-local's, a prompt longer than a prefill chunk included, and `pipeline inspect` shows the
-# expert size class. What is not there yet is refused at start with a message that says so: a DRAM
-# budget below the whole model (experts do not stream from disk yet).
+# expert size class. Then each mixture-of-experts model again under a DRAM budget below the whole
+# model, so its experts stream from disk through the expert slots like the layers of a dense model:
+# the same tokens, and the loader's stats show expert groups read into streaming slots. A budget
+# below the globals and one attention, one router and one expert slot is refused, naming that
+# minimum.
 source "$(dirname "$0")/lib.sh"
 it_setup moe
 
@@ -28,6 +31,45 @@ for shape in qwen3-tiny mixtral-tiny qwen3-moe-tiny; do
 	log "$shape: $got"
 done
 
-expect_start_fails "mixtral-tiny under a small --dram-budget" "streaming experts from disk is not implemented yet" \
-	--model "$IT_TMP/mixtral-tiny" --backend cpu --dram-budget 256KiB
+# The minimum and the all-resident size come from the loader's refusal of a tiny budget; half way
+# between streams the experts (and the layers) with a few groups pinned.
+for shape in mixtral-tiny qwen3-moe-tiny; do
+	dir=$IT_TMP/$shape
+	out=$("$PIPELINE" start --model "$dir" --backend cpu --dram-budget 4KiB 2>&1) &&
+		fail "$shape: start with a 4 KiB DRAM budget succeeded"
+	expect_nothing_left "$shape: after the refused start"
+	expect_grep "too small: the globals and one attention, one router and one expert group need at least" "$out" \
+		"$shape: the refusal names the minimum"
+	need=$(sed -n 's/.*need at least [^(]*(\([0-9]*\) bytes.*/\1/p' <<<"$out" | head -n 1)
+	whole=$(sed -n 's/.*whole model resident needs \([0-9]*\) bytes.*/\1/p' <<<"$out" | head -n 1)
+	[[ -n $need && -n $whole ]] || fail "$shape: no minimum in the refusal: $out"
+	expect_gt "$whole" "$need" "$shape: all resident vs the minimum"
+	# One byte short of the minimum is refused too; the minimum itself starts.
+	# (The run directory's logs keep the 4 KiB refusal: the last refusal is this one's.)
+	out=$("$PIPELINE" start --model "$dir" --backend cpu --dram-budget "$((need - 1))" 2>&1) &&
+		fail "$shape: start one byte below the minimum succeeded"
+	expect_nothing_left "$shape: after the refused start"
+	last=$(grep 'is too small' <<<"$out" | tail -n 1)
+	[[ $last != *"4.00 KiB is too small"* ]] || fail "$shape: no refusal of $((need - 1)) bytes in: $out"
+	expect_grep "need at least [^(]*\($need bytes" "$last" "$shape: the refusal one byte below the minimum"
+	want=$("$BIN/run-local" --model "$dir" --tokens "$PROMPT" -n 24 --ignore-eos --prefill-chunk 8)
+	for budget in "$need" "$(((need + whole) / 2))"; do
+		"$PIPELINE" start --model "$dir" --backend cpu --dram-budget "$budget" \
+			--runner-opt=--prefill-chunk=8 >/dev/null
+		got=$(generate --tokens "$PROMPT" -n 24 --ignore-eos)
+		expect_eq "$got" "$want" "$shape: greedy tokens with experts streaming ($budget bytes of DRAM)"
+		all_resident=$(stat_value ssd-loader all_resident)
+		[[ ${all_resident:-} != 1 ]] || fail "$shape: all resident under a budget of $budget bytes"
+		streamed=$(stat_value ssd-loader expert_groups_streamed)
+		streamed_bytes=$(stat_value ssd-loader expert_bytes_streamed)
+		slots=$(stat_value ssd-loader slots_expert)
+		# 24 tokens after the prompt pass over 16 experts each: far more loads than slots.
+		expect_gt "$streamed" 16 "$shape: expert groups read into streaming slots"
+		expect_gt "$streamed_bytes" 0 "$shape: expert bytes read into streaming slots"
+		((slots < 16)) || fail "$shape: $slots expert slots under a budget of $budget bytes, not fewer than 16"
+		"$PIPELINE" stop >/dev/null
+		expect_nothing_left "$shape: after stop ($budget bytes)"
+		log "$shape: $budget bytes of DRAM: $slots expert slots, $streamed expert loads ($streamed_bytes bytes)"
+	done
+done
 log "ok"

@@ -1,6 +1,8 @@
 /* test_plan.c - plan.c: all resident when the budget holds one slot per group; k streaming
  * streaming slots and pinned layers otherwise (checked against trying every choice); a budget too small names the size it needs. The manifests are
- * built by hand (plain tables): the plan reads only groups, class sizes and the layer count. */
+ * built by hand (plain tables): the plan reads only groups, class sizes and the layer count.
+ * Mixture-of-experts layouts stream their experts through a window of expert slots, with the
+ * most bytes pinned (checked against trying every split), and name their own minimum. */
 #include <check.h>
 #include <errno.h>
 #include <stdlib.h>
@@ -214,6 +216,171 @@ START_TEST(empty_manifest_rejected)
 }
 END_TEST
 
+/* A mixture-of-experts layout: MOE_E experts per layer, the router group in the FFN class. */
+#define MOE_E 4u
+#define MOE_L 3u
+#define ROUTER_B 4096ull
+#define EXPERT_B 12288ull
+
+struct fake_moe {
+	struct manifest m;
+	struct group_desc groups[2 + (2 + MOE_E) * MOE_L];
+};
+
+static void fake_moe_init(struct fake_moe *f)
+{
+	memset(f, 0, sizeof(*f));
+	f->m.cfg.n_layers = MOE_L;
+	f->m.cfg.n_experts = MOE_E;
+	f->m.cfg.n_experts_used = 2;
+	f->m.n_groups = model_n_groups(&f->m.cfg);
+	ck_assert_uint_eq(f->m.n_groups, ARRAY_SIZE(f->groups));
+	f->m.groups = f->groups;
+	f->m.class_bytes[CLASS_ATTN] = ATTN_B;
+	f->m.class_bytes[CLASS_FFN] = ROUTER_B;
+	f->m.class_bytes[CLASS_GLOBAL] = GLOBAL_B;
+	f->m.class_bytes[CLASS_EXPERT] = EXPERT_B;
+	f->groups[0] = (struct group_desc){.kind = GROUP_EMBED, .size_class = CLASS_GLOBAL};
+	f->groups[group_id_head(&f->m.cfg)] = (struct group_desc){.kind = GROUP_HEAD, .size_class = CLASS_GLOBAL};
+	for (uint32_t l = 0; l < MOE_L; l++) {
+		f->groups[model_group_attn(&f->m.cfg, l)] =
+			(struct group_desc){.kind = GROUP_ATTN, .layer = l, .size_class = CLASS_ATTN};
+		f->groups[model_group_ffn(&f->m.cfg, l)] =
+			(struct group_desc){.kind = GROUP_MOE, .layer = l, .size_class = CLASS_FFN};
+		for (uint32_t e = 0; e < MOE_E; e++)
+			f->groups[model_group_expert(&f->m.cfg, l, e)] = (struct group_desc){
+				.kind = GROUP_EXPERT, .layer = l, .expert = e, .size_class = CLASS_EXPERT};
+	}
+}
+
+static uint64_t moe_resident_bytes(void)
+{
+	return 2 * GLOBAL_B + MOE_L * (ATTN_B + ROUTER_B + MOE_E * EXPERT_B);
+}
+
+static uint32_t window(uint32_t streaming, uint32_t k)
+{
+	return streaming < k ? streaming : k;
+}
+
+/* Trying every split: the deepest window k that fits, then the most pinned bytes. */
+static void moe_expected(uint64_t budget, uint32_t *k_out, uint64_t *pinned_out)
+{
+	uint64_t rest = budget - 2 * GLOBAL_B, best = 0;
+	uint32_t n = MOE_L * MOE_E;
+	bool found = false;
+	for (uint32_t k = PLAN_STREAM_SLOTS; k >= 1 && !found; k--)
+		for (uint32_t a = 0; a <= MOE_L; a++)
+			for (uint32_t r = 0; r <= MOE_L; r++)
+				for (uint32_t x = 0; x <= n; x++) {
+					uint64_t res = a * ATTN_B + r * ROUTER_B + x * EXPERT_B;
+					uint64_t bytes = res + window(MOE_L - a, k) * ATTN_B +
+							 window(MOE_L - r, k) * ROUTER_B + window(n - x, k) * EXPERT_B;
+					if (bytes <= rest && (!found || res > best)) {
+						found = true;
+						best = res;
+						*k_out = k;
+					}
+				}
+	ck_assert(found);
+	*pinned_out = best;
+}
+
+static void check_moe_streaming(struct fake_moe *f, uint64_t budget)
+{
+	uint32_t k = 0;
+	uint64_t want_pinned = 0;
+	moe_expected(budget, &k, &want_pinned);
+	struct plan *p = NULL;
+	char err[256];
+	ck_assert_int_eq(plan_create(&f->m, budget, &p, err, sizeof(err)), 0);
+	ck_assert(!plan_all_resident(p));
+	ck_assert_uint_le(plan_data_bytes(p), budget);
+	/* Pinned bytes as many as any split allows; per class, the window is min(k, groups that
+	 * stream) and the slots are the pinned groups plus the window. */
+	uint32_t pinned_n[CLASS_COUNT] = {0}, total[CLASS_COUNT] = {0};
+	uint64_t pinned_bytes = 0;
+	for (uint32_t g = 0; g < f->m.n_groups; g++) {
+		uint32_t c = f->groups[g].size_class;
+		total[c]++;
+		if (plan_group_pinned(p, g)) {
+			pinned_n[c]++;
+			if (c != CLASS_GLOBAL)
+				pinned_bytes += plan_class_capacity(p, c);
+		} else {
+			ck_assert_uint_ne(c, CLASS_GLOBAL);
+		}
+	}
+	ck_assert_msg(pinned_bytes == want_pinned, "budget %llu: %llu bytes pinned, %llu possible",
+		      (unsigned long long)budget, (unsigned long long)pinned_bytes, (unsigned long long)want_pinned);
+	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
+		ck_assert_uint_eq(plan_streaming_slots(p, c), window(total[c] - pinned_n[c], k));
+		ck_assert_uint_eq(plan_class_slots(p, c), pinned_n[c] + plan_streaming_slots(p, c));
+	}
+	/* Pinned attention and router groups: the last layers. Pinned experts: the i-th from the
+	 * last layer down, expert 0 first. */
+	for (uint32_t l = 0; l < MOE_L; l++) {
+		ck_assert(plan_group_pinned(p, model_group_attn(&f->m.cfg, l)) == (l >= MOE_L - pinned_n[CLASS_ATTN]));
+		ck_assert(plan_group_pinned(p, model_group_ffn(&f->m.cfg, l)) == (l >= MOE_L - pinned_n[CLASS_FFN]));
+		for (uint32_t e = 0; e < MOE_E; e++) {
+			uint32_t i = (MOE_L - 1 - l) * MOE_E + e;
+			ck_assert(plan_group_pinned(p, model_group_expert(&f->m.cfg, l, e)) ==
+				  (i < pinned_n[CLASS_EXPERT]));
+		}
+	}
+	char line[512];
+	plan_describe(p, line, sizeof(line));
+	ck_assert_msg(strstr(line, "expert") != NULL, "%s", line);
+	plan_destroy(&p);
+}
+
+START_TEST(moe_experts_stream)
+{
+	struct fake_moe f;
+	fake_moe_init(&f);
+	uint64_t need = 2 * GLOBAL_B + ATTN_B + ROUTER_B + EXPERT_B;
+	/* The minimum: one slot of each layer class, the experts among them. */
+	struct plan *p = NULL;
+	char err[512] = "";
+	ck_assert_int_eq(plan_create(&f.m, need, &p, err, sizeof(err)), 0);
+	ck_assert_uint_eq(plan_streaming_slots(p, CLASS_EXPERT), 1);
+	ck_assert_uint_eq(plan_class_slots(p, CLASS_EXPERT), 1);
+	ck_assert_uint_eq(plan_data_bytes(p), need);
+	ck_assert_uint_eq(plan_disk_bytes_per_pass(p, &f.m), 0); /* slot_bytes are 0 in this fake */
+	plan_destroy(&p);
+	for (uint64_t b = need; b < moe_resident_bytes(); b += 1024)
+		check_moe_streaming(&f, b);
+	check_moe_streaming(&f, moe_resident_bytes() - 1);
+	ck_assert_int_eq(plan_create(&f.m, moe_resident_bytes(), &p, err, sizeof(err)), 0);
+	ck_assert(plan_all_resident(p));
+	ck_assert_uint_eq(plan_class_slots(p, CLASS_EXPERT), MOE_L * MOE_E);
+	plan_destroy(&p);
+}
+END_TEST
+
+START_TEST(moe_too_small_names_the_need)
+{
+	struct fake_moe f;
+	fake_moe_init(&f);
+	uint64_t need = 2 * GLOBAL_B + ATTN_B + ROUTER_B + EXPERT_B;
+	char want[32], exact[32], whole[48];
+	format_size(need, want, sizeof(want));
+	snprintf(exact, sizeof(exact), "(%llu bytes", (unsigned long long)need);
+	snprintf(whole, sizeof(whole), "needs %llu bytes", (unsigned long long)moe_resident_bytes());
+	uint64_t budgets[] = {need - 1, need - EXPERT_B, 0};
+	for (size_t i = 0; i < ARRAY_SIZE(budgets); i++) {
+		struct plan *p = NULL;
+		char err[512] = "";
+		ck_assert_int_eq(plan_create(&f.m, budgets[i], &p, err, sizeof(err)), -ENOSPC);
+		ck_assert_ptr_null(p);
+		ck_assert_msg(strstr(err, "one expert group") && strstr(err, "too small"), "%s", err);
+		ck_assert_msg(strstr(err, want) != NULL, "names %s: %s", want, err);
+		ck_assert_msg(strstr(err, exact) != NULL, "names %s: %s", exact, err);
+		ck_assert_msg(strstr(err, whole) != NULL, "names %s: %s", whole, err);
+	}
+}
+END_TEST
+
 static Suite *plan_suite(void)
 {
 	Suite *s = suite_create("plan");
@@ -223,10 +390,12 @@ static Suite *plan_suite(void)
 	suite_add_tcase(s, tc);
 	tc = tcase_create("streaming");
 	tcase_add_test(tc, streaming_slot_counts);
+	tcase_add_test(tc, moe_experts_stream);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("errors");
 	tcase_add_test(tc, too_small_names_the_need);
 	tcase_add_test(tc, empty_manifest_rejected);
+	tcase_add_test(tc, moe_too_small_names_the_need);
 	suite_add_tcase(s, tc);
 	return s;
 }
