@@ -25,6 +25,9 @@ for shape in qwen3-tiny mixtral-tiny qwen3-moe-tiny; do
 		# embed, head, and per layer attention, router and 8 experts: 2 + 2 * 10; all resident
 		expect_grep '"groups": 22,' "$stats" "$shape: weight groups in the loader's stats"
 		expect_grep '"slots_expert": 16,' "$stats" "$shape: expert slots in the loader's stats"
+		# The inspector reads the ring's tables of a model with experts.
+		view=$("$PIPELINE" inspect --once 2>&1)
+		expect_grep "expert 16, global" "$view" "$shape: expert slots in pipeline inspect"
 	fi
 	"$PIPELINE" stop >/dev/null
 	expect_nothing_left "$shape: after stop"

@@ -185,11 +185,12 @@ static void render_loader(struct out *o, json_t *svc)
 	shm_line(o, "ring", shm);
 	json_t *slots = ring ? jobj(shm, "slots") : jobj(st, "slots_by_state");
 	json_t *cls = jobj(shm, "class_slots");
-	line(o, "  slots  %s (attn %s, ffn %s, global %s): empty %s, loading %s, ready %s, held by the runner %s%s",
+	line(o, "  slots  %s (attn %s, ffn %s, expert %s, global %s): empty %s, loading %s, ready %s, held by the "
+	     "runner %s%s",
 	     ring ? count(shm, "n_slots") : count(st, "slots"), cls ? count(cls, "attn") : count(st, "slots_attn"),
-	     cls ? count(cls, "ffn") : count(st, "slots_ffn"), cls ? count(cls, "global") : count(st, "slots_global"),
-	     count(slots, "empty"), count(slots, "loading"), count(slots, "ready"), count(slots, "held"),
-	     jnum(slots, "other", 0) ? " (some unreadable)" : "");
+	     cls ? count(cls, "ffn") : count(st, "slots_ffn"), cls ? count(cls, "expert") : count(st, "slots_expert"),
+	     cls ? count(cls, "global") : count(st, "slots_global"), count(slots, "empty"), count(slots, "loading"),
+	     count(slots, "ready"), count(slots, "held"), jnum(slots, "other", 0) ? " (some unreadable)" : "");
 	line(o, "  reads  %s pending, %s queued, %s done: %s read, %s/s while reading; O_DIRECT %s",
 	     count(st, "reads_pending"), count(st, "reads_queued"), count(st, "reads_done"), size(st, "bytes_read"),
 	     size(st, "disk_bytes_per_s"), yes_no(st, "o_direct"));

@@ -194,6 +194,7 @@ enum { RS_EMPTY, RS_LOADING, RS_READY, RS_HELD, RS_OTHER, RS_COUNT };
 struct ring_snap {
 	struct hdr_copy hdr;
 	uint32_t n_layers, n_groups, n_slots, all_resident;
+	uint32_t layer_groups; /* groups per layer: 2 (attn, ffn), or 2 + experts (attn, router, experts) */
 	uint32_t class_slots[CLASS_COUNT];
 	uint64_t class_bytes[CLASS_COUNT];
 	uint64_t data_bytes, total_tensor_bytes;
@@ -234,10 +235,12 @@ static int ring_read(const struct shm_view *v, struct ring_snap *rs, char *why, 
 	rs->n_groups = LD(&h->n_groups);
 	rs->n_slots = LD(&h->n_slots);
 	rs->all_resident = LD(&h->all_resident);
-	if (rs->n_groups > MAX_GROUPS || rs->n_groups != 2 + 2 * (uint64_t)rs->n_layers || !rs->n_slots ||
-	    rs->n_slots > rs->n_groups)
-		return errorf(why, whylen, -EPROTO, "implausible tables (%u layers, %u groups, %u slots)", rs->n_layers,
-			      rs->n_groups, rs->n_slots);
+	const uint32_t experts = LD(&h->cfg.n_experts);
+	rs->layer_groups = experts < MAX_GROUPS ? 2 + experts : 0;
+	if (rs->n_groups > MAX_GROUPS || !rs->layer_groups ||
+	    rs->n_groups != 2 + (uint64_t)rs->layer_groups * rs->n_layers || !rs->n_slots || rs->n_slots > rs->n_groups)
+		return errorf(why, whylen, -EPROTO, "implausible tables (%u layers of %u groups, %u groups, %u slots)",
+			      rs->n_layers, rs->layer_groups, rs->n_groups, rs->n_slots);
 	uint64_t gs_off = LD(&h->group_state_off), sl_off = LD(&h->slots_off);
 	if (!table_fits(v, gs_off, rs->n_groups, sizeof(struct wring_group), sizeof(*h)) ||
 	    !table_fits(v, sl_off, rs->n_slots, sizeof(struct wring_slot), sizeof(*h)))
@@ -315,22 +318,36 @@ json_t *shm_view_ring(struct shm_view *v)
 		return section_absent(v, why, rc == -EFAULT ? NULL : &rs.hdr);
 
 	json_t *o = section_header(v, &rs.hdr);
-	json_t *layers = json_array(), *pin_layers = json_array();
-	uint32_t head = 1 + 2 * rs.n_layers;
-	for (uint32_t l = 0; layers && pin_layers && l < rs.n_layers; l++) {
-		char pair[3] = {rs.letter[1 + 2 * l], rs.letter[2 + 2 * l], 0};
-		char pin[3] = {rs.pinned[1 + 2 * l] ? 'P' : '-', rs.pinned[2 + 2 * l] ? 'P' : '-', 0};
+	json_t *layers = json_array(), *pin_layers = json_array(), *expert_layers = json_array();
+	const uint32_t lg = rs.layer_groups, head = 1 + lg * rs.n_layers;
+	for (uint32_t l = 0; layers && pin_layers && expert_layers && l < rs.n_layers; l++) {
+		/* The attention group and the FFN (or, with experts, the router) group; the experts'
+		 * letters, and P where pinned, in a string of their own. */
+		const uint32_t a = 1 + lg * l, f = a + 1;
+		char pair[3] = {rs.letter[a], rs.letter[f], 0};
+		char pin[3] = {rs.pinned[a] ? 'P' : '-', rs.pinned[f] ? 'P' : '-', 0};
 		json_array_append_new(layers, json_string(pair));
 		json_array_append_new(pin_layers, json_string(pin));
+		if (lg > 2) {
+			char ex[2 * MAX_GROUPS + 1];
+			uint32_t k = 0;
+			for (uint32_t e = 0; e < lg - 2; e++) {
+				ex[k++] = rs.letter[f + 1 + e];
+				ex[k++] = rs.pinned[f + 1 + e] ? 'P' : '-';
+			}
+			ex[k] = 0;
+			json_array_append_new(expert_layers, json_string(ex));
+		}
 	}
 	char embed[2] = {rs.letter[0], 0}, hd[2] = {rs.letter[head], 0};
 	json_t *more = json_pack(
-		"{s:i, s:i, s:i, s:b, s:{s:i, s:i, s:i}, s:I, s:I, s:{s:i, s:i, s:i, s:i, s:i}, s:i, s:I,"
+		"{s:i, s:i, s:i, s:b, s:{s:i, s:i, s:i, s:i}, s:I, s:I, s:{s:i, s:i, s:i, s:i, s:i}, s:i, s:I,"
 		" s:{s:s, s:s, s:o*}, s:{s:b, s:b, s:o*},"
 		" s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, s:{s:I, s:I, s:I}, s:{s:I, s:I}}",
 		"n_layers", (int)rs.n_layers, "n_groups", (int)rs.n_groups, "n_slots", (int)rs.n_slots, "all_resident",
 		rs.all_resident != 0, "class_slots", "attn", (int)rs.class_slots[CLASS_ATTN], "ffn",
-		(int)rs.class_slots[CLASS_FFN], "global", (int)rs.class_slots[CLASS_GLOBAL], "data_bytes",
+		(int)rs.class_slots[CLASS_FFN], "expert", (int)rs.class_slots[CLASS_EXPERT], "global",
+		(int)rs.class_slots[CLASS_GLOBAL], "data_bytes",
 		(json_int_t)rs.data_bytes, "model_bytes", (json_int_t)rs.total_tensor_bytes, "slots", "empty",
 		(int)rs.by_state[RS_EMPTY], "loading", (int)rs.by_state[RS_LOADING], "ready", (int)rs.by_state[RS_READY],
 		"held", (int)rs.by_state[RS_HELD], "other", (int)rs.by_state[RS_OTHER], "pinned_groups",
@@ -347,6 +364,12 @@ json_t *shm_view_ring(struct shm_view *v)
 		o = NULL;
 	}
 	json_decref(more);
+	/* With experts: groups.experts, a string per layer of a letter and a pin mark per expert. */
+	json_t *grp = o ? json_object_get(o, "groups") : NULL;
+	if (grp && lg > 2 && expert_layers)
+		json_object_set_new(grp, "experts", expert_layers);
+	else
+		json_decref(expert_layers);
 	return o;
 }
 
