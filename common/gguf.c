@@ -455,17 +455,28 @@ static int has_nul(const struct gguf_str *s)
 	return strlen(s->s) != s->len;
 }
 
+/* The name of item i (what: "key/value pair" or "tensor info"; field: "key" or "name"; label: the
+ * string's name in a length error): at most max bytes, not empty, without a NUL inside. */
+static int rd_name(struct rd *r, uint64_t max, const char *what, const char *field, const char *label, uint64_t i,
+		   struct gguf_str *out)
+{
+	snprintf(r->ctx, sizeof(r->ctx), "%s %" PRIu64, what, i);
+	int rc = rd_string(r, max, label, out);
+	if (rc)
+		return rc;
+	if (!out->len || has_nul(out))
+		return errorf(r->err, r->errlen, -EINVAL, "%s: %s %" PRIu64 " has an %s %s", r->g->path, what, i,
+			      out->len ? "invalid (NUL inside)" : "empty", field);
+	return 0;
+}
+
 static int read_kv(struct rd *r, uint64_t i)
 {
 	struct kv *kv = &r->g->kv[i];
 	struct gguf_str key;
-	snprintf(r->ctx, sizeof(r->ctx), "key/value pair %" PRIu64, i);
-	int rc = rd_string(r, GGUF_MAX_KEY, "key", &key);
+	int rc = rd_name(r, GGUF_MAX_KEY, "key/value pair", "key", "key", i, &key);
 	if (rc)
 		return rc;
-	if (!key.len || has_nul(&key))
-		return errorf(r->err, r->errlen, -EINVAL, "%s: key/value pair %" PRIu64 " has an %s key", r->g->path, i,
-			      key.len ? "invalid (NUL inside)" : "empty");
 	kv->key = key.s;
 	snprintf(r->ctx, sizeof(r->ctx), "the value of key %.100s", key.s);
 	rc = rd_u32(r, &kv->type);
@@ -490,13 +501,9 @@ static int read_tensor_info(struct rd *r, uint64_t i)
 {
 	struct gguf_tensor *t = &r->g->tensors[i];
 	struct gguf_str name;
-	snprintf(r->ctx, sizeof(r->ctx), "tensor info %" PRIu64, i);
-	int rc = rd_string(r, GGUF_MAX_NAME, "tensor name", &name);
+	int rc = rd_name(r, GGUF_MAX_NAME, "tensor info", "name", "tensor name", i, &name);
 	if (rc)
 		return rc;
-	if (!name.len || has_nul(&name))
-		return errorf(r->err, r->errlen, -EINVAL, "%s: tensor info %" PRIu64 " has an %s name", r->g->path, i,
-			      name.len ? "invalid (NUL inside)" : "empty");
 	t->name = name.s;
 	snprintf(r->ctx, sizeof(r->ctx), "the info of tensor %s", name.s);
 	rc = rd_u32(r, &t->n_dims);

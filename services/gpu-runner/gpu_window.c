@@ -445,36 +445,61 @@ static const struct weight_source_ops window_ops = {
 	.release_all = win_release_all,
 };
 
+bool gw_h2d_start(cudaStream_t s, uint32_t copies, struct gw_h2d *h)
+{
+	memset(h, 0, sizeof(*h));
+	if (cudaMallocHost(&h->host, GW_H2D_CHUNK) != cudaSuccess || cudaMalloc(&h->dev, GW_H2D_CHUNK) != cudaSuccess ||
+	    cudaEventCreate(&h->a) != cudaSuccess || cudaEventCreate(&h->b) != cudaSuccess)
+		goto fail;
+	memset(h->host, 1, GW_H2D_CHUNK);
+	if (cudaEventRecord(h->a, s) != cudaSuccess)
+		goto fail;
+	for (h->copies = 0; h->copies < copies; h->copies++)
+		if (cudaMemcpyAsync(h->dev, h->host, GW_H2D_CHUNK, cudaMemcpyHostToDevice, s) != cudaSuccess)
+			goto fail;
+	if (cudaEventRecord(h->b, s) != cudaSuccess)
+		goto fail;
+	return true;
+fail:
+	cudaStreamSynchronize(s);
+	cudaGetLastError();
+	if (h->a)
+		cudaEventDestroy(h->a);
+	if (h->b)
+		cudaEventDestroy(h->b);
+	cudaFree(h->dev);
+	cudaFreeHost(h->host);
+	memset(h, 0, sizeof(*h));
+	return false;
+}
+
+double gw_h2d_finish(struct gw_h2d *h)
+{
+	float ms = 0;
+	double bps = 0;
+	if (cudaEventSynchronize(h->b) == cudaSuccess && cudaEventElapsedTime(&ms, h->a, h->b) == cudaSuccess && ms > 0)
+		bps = (double)GW_H2D_CHUNK * h->copies / (ms * 1e-3);
+	cudaGetLastError();
+	cudaEventDestroy(h->a);
+	cudaEventDestroy(h->b);
+	cudaFree(h->dev);
+	cudaFreeHost(h->host);
+	return bps;
+}
+
+/* The pinned H2D rate: four copies to warm up, four timed. */
 static int measure_h2d(struct gpu_window *w, double *bps)
 {
-	const size_t bytes = 64u << 20;
-	void *host = NULL, *dev = NULL;
-	cudaEvent_t a = NULL, b = NULL;
-	int rc = 0;
-	if (cudaMallocHost(&host, bytes) != cudaSuccess || cudaMalloc(&dev, bytes) != cudaSuccess ||
-	    cudaEventCreate(&a) != cudaSuccess || cudaEventCreate(&b) != cudaSuccess) {
-		rc = errorf(w->base.error, sizeof(w->base.error), -ENOMEM, "no memory to measure H2D bandwidth");
-		goto out;
+	struct gw_h2d h;
+	*bps = 0;
+	for (int rep = 0; rep < 2; rep++) {
+		if (!gw_h2d_start(w->copy, 4, &h))
+			return errorf(w->base.error, sizeof(w->base.error), -ENOMEM, "no memory to measure H2D bandwidth");
+		*bps = gw_h2d_finish(&h);
 	}
-	memset(host, 1, bytes);
-	float ms = 0;
-	for (int rep = 0; rep < 2 && rc == 0; rep++) { /* the first warms up */
-		cudaEventRecord(a, w->copy);
-		for (int i = 0; i < 4; i++)
-			cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, w->copy);
-		cudaEventRecord(b, w->copy);
-		if (cudaEventSynchronize(b) != cudaSuccess || cudaEventElapsedTime(&ms, a, b) != cudaSuccess)
-			rc = errorf(w->base.error, sizeof(w->base.error), -EIO, "measuring H2D bandwidth failed");
-	}
-	*bps = ms > 0 ? 4.0 * (double)bytes / (ms * 1e-3) : 0;
-out:
-	if (a)
-		cudaEventDestroy(a);
-	if (b)
-		cudaEventDestroy(b);
-	cudaFree(dev);
-	cudaFreeHost(host);
-	return rc;
+	if (*bps <= 0)
+		return errorf(w->base.error, sizeof(w->base.error), -EIO, "measuring H2D bandwidth failed");
+	return 0;
 }
 
 void gpu_window_destroy(struct gpu_window **wp)

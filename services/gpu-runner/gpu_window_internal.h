@@ -105,6 +105,19 @@ struct gw_piece gw_piece(const struct gpu_window *w, uint32_t g, uint32_t ti, bo
  * at off[ti], on s. Returns 0 or -EIO with the message in w->base.error. */
 int gw_copy_pieces(struct gpu_window *w, uint32_t g, bool rest, void *dev, const uint64_t *off, const void *host,
 		   cudaStream_t s);
+/* copies H2D copies of GW_H2D_CHUNK bytes from pinned memory, queued on s and timed with events
+ * (gw_h2d_start), then waited for (gw_h2d_finish): the H2D rate alone at start, and beside the
+ * CPU's measurement (gw_split_plan). */
+#define GW_H2D_CHUNK ((size_t)64 << 20)
+struct gw_h2d {
+	void *host, *dev;
+	cudaEvent_t a, b;
+	uint32_t copies;
+};
+/* Queues the copies; false (nothing queued, nothing held) when memory or a call fails. */
+bool gw_h2d_start(cudaStream_t s, uint32_t copies, struct gw_h2d *h);
+/* Waits for the copies; their rate in bytes/s (0 when it cannot be read), and frees what start took. */
+double gw_h2d_finish(struct gw_h2d *h);
 /* Plans the split once the resident groups are known (resident[g]) and the H2D rate measured:
  * which streamed FFNs split and where (w->split_r, w->plan), with the CPU's rates measured on
  * p->cpu_pool for auto. Sets every split_r to ffn_dim when nothing splits. Returns 0 or -errno with

@@ -92,60 +92,7 @@ static const struct tensor_desc *find(const struct gpu_window *w, uint32_t g, en
  * step the CPU share and the copies read the same DRAM at once, and each alone is far faster than
  * beside the other (on the H100 host a BF16 share measured 70 GB/s alone and ran at 46 GB/s beside
  * the copies), so the plan takes both rates measured together. */
-struct h2d_load {
-	void *host, *dev;
-	cudaEvent_t a, b;
-	size_t bytes;
-	uint32_t copies;
-};
-
-#define H2D_LOAD_CHUNK ((size_t)64 << 20)
 #define H2D_LOAD_COPIES 48 /* ~60 ms at 50 GB/s: longer than the CPU's measurement */
-
-/* Queues the copies; false (nothing queued, nothing held) when memory or a call fails. */
-static bool h2d_load_start(cudaStream_t s, struct h2d_load *h)
-{
-	memset(h, 0, sizeof(*h));
-	h->bytes = H2D_LOAD_CHUNK;
-	if (cudaMallocHost(&h->host, h->bytes) != cudaSuccess || cudaMalloc(&h->dev, h->bytes) != cudaSuccess ||
-	    cudaEventCreate(&h->a) != cudaSuccess || cudaEventCreate(&h->b) != cudaSuccess)
-		goto fail;
-	memset(h->host, 1, h->bytes);
-	if (cudaEventRecord(h->a, s) != cudaSuccess)
-		goto fail;
-	for (h->copies = 0; h->copies < H2D_LOAD_COPIES; h->copies++)
-		if (cudaMemcpyAsync(h->dev, h->host, h->bytes, cudaMemcpyHostToDevice, s) != cudaSuccess)
-			goto fail;
-	if (cudaEventRecord(h->b, s) != cudaSuccess)
-		goto fail;
-	return true;
-fail:
-	cudaStreamSynchronize(s);
-	cudaGetLastError();
-	if (h->a)
-		cudaEventDestroy(h->a);
-	if (h->b)
-		cudaEventDestroy(h->b);
-	cudaFree(h->dev);
-	cudaFreeHost(h->host);
-	memset(h, 0, sizeof(*h));
-	return false;
-}
-
-/* Waits for the copies; their rate (0 when it cannot be read), and frees what start took. */
-static double h2d_load_finish(struct h2d_load *h)
-{
-	float ms = 0;
-	double bps = 0;
-	if (cudaEventSynchronize(h->b) == cudaSuccess && cudaEventElapsedTime(&ms, h->a, h->b) == cudaSuccess && ms > 0)
-		bps = (double)h->bytes * h->copies / (ms * 1e-3);
-	cudaGetLastError();
-	cudaEventDestroy(h->a);
-	cudaEventDestroy(h->b);
-	cudaFree(h->dev);
-	cudaFreeHost(h->host);
-	return bps;
-}
 
 int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_window_params *p, char *err,
 		  size_t errlen)
@@ -192,12 +139,12 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 			other += w->base.groups[g].tensor_bytes;
 	double h2d = w->st.h2d_bytes_per_s;
 	if (n_elig) { /* auto chooses by them; a fixed share gets its prediction and its token limit */
-		struct h2d_load load;
-		const bool loaded = h2d_load_start(w->copy, &load);
+		struct gw_h2d load;
+		const bool loaded = gw_h2d_start(w->copy, H2D_LOAD_COPIES, &load);
 		uint64_t t0 = now_ns();
 		rc = split_calibrate(p->cpu_pool, samples, ns, SPLIT_CALIBRATE_BYTES, pol.cpu_bytes_per_s, err, errlen);
 		const double cal_ms = (double)(now_ns() - t0) / 1e6;
-		const double h2d_beside = loaded ? h2d_load_finish(&load) : 0;
+		const double h2d_beside = loaded ? gw_h2d_finish(&load) : 0;
 		if (rc)
 			goto out;
 		if (h2d_beside > 0 && h2d_beside < h2d)
