@@ -20,7 +20,7 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 		return rc;
 	if (r->cpu_threads < 0 || r->cpu_threads > TASK_POOL_MAX_THREADS)
 		return errorf(err, errlen, -EINVAL,
-			      "--cpu-threads %ld is out of range: 0 (one per CPU the runner may use, but one) to %u",
+			      "--cpu-threads %ld is out of range: 0 (one per CPU the runner may use, but one or two) to %u",
 			      r->cpu_threads, TASK_POOL_MAX_THREADS);
 	const char *h = r->cpu_handoff_arg ? r->cpu_handoff_arg : "auto";
 	if (!strcmp(h, "auto"))

@@ -212,7 +212,8 @@ int main(int argc, char **argv)
 		 "fraction in (0, 1] of every FFN that may split (cuda: streamed and held in DRAM by the loader; "
 		 "cpu: all). Decode steps only: prefill copies the CPU's rows up"},
 		{"cpu-threads", OPT_INT, &r.cpu_threads, "0",
-		 "worker threads of the CPU share, pinned to a CPU each (0: one per CPU the runner may use, but one)"},
+		 "worker threads of the CPU share, pinned to a CPU each (0: one per CPU the runner may use but the "
+		 "runner's own and, on cuda, the handoff's)"},
 		{"cpu-handoff", OPT_STRING, &r.cpu_handoff_arg, "auto",
 		 "how the cuda stream hands the CPU its share: memops (stream memory operations), hostfunc "
 		 "(cudaLaunchHostFunc) or auto (memops where the driver has them)"},
