@@ -486,6 +486,13 @@ int backend_moe_expert(struct backend *be, const struct group_weights *w, uint32
 	return 0;
 }
 
+bool backend_moe_expert_used(struct backend *be, uint32_t expert)
+{
+	if (be->phase != PHASE_MOE || expert >= be->cfg.n_experts || !be->impl->compute->moe_expert_used)
+		return true;
+	return be->impl->compute->moe_expert_used(be->dev, expert);
+}
+
 int backend_moe_end(struct backend *be)
 {
 	if (be->phase != PHASE_MOE)

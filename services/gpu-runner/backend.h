@@ -266,6 +266,10 @@ int backend_moe_route(struct backend *be, const struct group_weights *w);
  * each weighted and added into the layer's sum. Experts come in increasing order (the order of the
  * sum); an expert no token chose may be left out, and costs nothing when given. */
 int backend_moe_expert(struct backend *be, const struct group_weights *w, uint32_t expert);
+/* After moe_route: false when no token of the chunk chose expert `expert`, so its weights need not
+ * be fetched (moe_expert would compute nothing); true when one did, and outside moe_route ..
+ * moe_end or on a backend that does not say. */
+bool backend_moe_expert_used(struct backend *be, uint32_t expert);
 /* Adds the layer's sum into the residual stream. */
 int backend_moe_end(struct backend *be);
 /* post-attention RMSNorm, SwiGLU (down(silu(gate x) * up x)), residual add. With w->split.where

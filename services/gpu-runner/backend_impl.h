@@ -40,6 +40,8 @@ struct backend_compute_ops {
 	int (*moe_route)(struct backend_dev *d, const struct group_weights *w);
 	int (*moe_expert)(struct backend_dev *d, const struct group_weights *w, uint32_t expert);
 	int (*moe_end)(struct backend_dev *d);
+	/* Optional: default true (every expert counts as chosen). */
+	bool (*moe_expert_used)(struct backend_dev *d, uint32_t expert);
 };
 
 struct backend_kv_ops {

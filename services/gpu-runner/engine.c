@@ -26,6 +26,8 @@ struct engine {
 	void *progress_ctx;
 	uint32_t *split_r;		/* (n_layers) engine_set_ffn_split, NULL: none */
 	uint32_t split_max_tokens;
+	bool *used;			/* (n_experts) the experts the layer's routing chose (a source that
+					 * fetches ahead is told, and skips the others) */
 };
 
 int engine_create(const struct model_config *cfg, struct backend *be,
@@ -51,7 +53,8 @@ int engine_create(const struct model_config *cfg, struct backend *be,
 	e->dst_row = calloc(max_chunk, sizeof(uint32_t));
 	e->pos = calloc(max_chunk, sizeof(uint32_t));
 	e->seq = calloc(max_chunk, sizeof(uint32_t));
-	if (!e->dst_block || !e->dst_row || !e->pos || !e->seq) {
+	e->used = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool));
+	if (!e->dst_block || !e->dst_row || !e->pos || !e->seq || !e->used) {
 		engine_destroy(&e);
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
@@ -69,6 +72,7 @@ void engine_destroy(struct engine **ep)
 	free((*ep)->dst_block);
 	free((*ep)->dst_row);
 	free((*ep)->split_r);
+	free((*ep)->used);
 	free(*ep);
 	*ep = NULL;
 }
@@ -169,6 +173,13 @@ static int release(struct engine *e, uint32_t group)
 static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits, int32_t *argmax,
 		   const struct sampler_params *sp, double u);
 
+/* Is group g the last expert group of its layer (after it, the layer's sum goes into the residual)? */
+static bool last_expert(const struct engine *e, uint32_t g)
+{
+	const struct group_desc *gr = e->ws->groups;
+	return g + 1 == e->ws->n_groups || gr[g + 1].kind != GROUP_EXPERT || gr[g + 1].layer != gr[g].layer;
+}
+
 int engine_forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits)
 {
 	return forward(e, tokens, n, pos0, logits, NULL, NULL, 0);
@@ -212,6 +223,15 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 			break; /* a prefill chunk before the last: no output wanted */
 		if (kind == GROUP_ATTN && e->progress)
 			e->progress(e->progress_ctx);
+		if (kind == GROUP_EXPERT && e->ws->ops->skip && !e->used[groups[group].expert]) {
+			/* No token chose it: the source passes it over (it was told at the route). */
+			int rc = e->ws->ops->skip(e->ws, group);
+			if (rc)
+				return set_err(e, rc, "weights: %s", e->ws->error);
+			if (last_expert(e, group) && (rc = backend_moe_end(e->be)))
+				return set_err(e, rc, "experts: %s", backend_error(e->be));
+			continue;
+		}
 		struct group_weights w;
 		int rc = acquire(e, group, &w);
 		if (rc)
@@ -235,12 +255,18 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 			break;
 		case GROUP_MOE:
 			BE_CHECK(backend_moe_route(e->be, &w), "router");
+			for (uint32_t x = 0; x < e->cfg->n_experts; x++)
+				e->used[x] = backend_moe_expert_used(e->be, x);
+			if (e->ws->ops->route && (rc = e->ws->ops->route(e->ws, l, e->used)) != 0) {
+				set_err(e, rc, "weights: %s", e->ws->error);
+				release(e, group);
+				return rc;
+			}
 			break;
 		case GROUP_EXPERT:
 			BE_CHECK(backend_moe_expert(e->be, &w, groups[group].expert), "expert");
 			/* The layer's last expert group: its sum goes into the residual stream. */
-			if (group + 1 == e->ws->n_groups || groups[group + 1].kind != GROUP_EXPERT ||
-			    groups[group + 1].layer != l)
+			if (last_expert(e, group))
 				BE_CHECK(backend_moe_end(e->be), "experts");
 			break;
 		case GROUP_HEAD:

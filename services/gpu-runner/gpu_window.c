@@ -203,13 +203,28 @@ static void collect_timing(struct gpu_window *w, struct gslot *s)
 	s->timed = false;
 }
 
-/* Issues the next copy of class c: group order[c][issued % m] into slot issued % depth. */
+enum { ISSUED = 0, PASSED = 1, LATER = 2 };
+
+/* Issues the next group of class c, order[c][issued % m]: its copy into slot copied % depth
+ * (ISSUED), or, for an expert group its layer's routing did not choose, nothing (PASSED); LATER
+ * when it is an expert group of a layer not routed yet. */
 static int issue_next(struct gpu_window *w, uint32_t c)
 {
 	uint64_t k = w->issued[c];
 	uint32_t h = w->order[c][k % w->m[c]];
-	struct gslot *s = &w->slots[w->first_slot[c] + (uint32_t)(k % w->depth[c])];
+	struct gslot *s = &w->slots[w->first_slot[c] + (uint32_t)(w->copied[c] % w->depth[c])];
 	struct gent *e = &w->g[h];
+	if (w->routing && w->base.groups[h].kind == GROUP_EXPERT) {
+		if (w->base.groups[h].layer != w->routed_layer)
+			return LATER;
+		if (e->unused && e->state == GWIN_ABSENT && ring_source_group_pinned(w->ring, h)) {
+			e->passed = true;
+			w->issued[c]++;
+			w->passed_pending[c]++;
+			w->st.experts_passed++;
+			return PASSED;
+		}
+	}
 	/* Hand back the host slots of copies already done first: the release then rides on the
 	 * acquire below, and the loader can read ahead while we wait for this group. */
 	int rc = poll_copies(w);
@@ -288,19 +303,22 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	e->host_gen = ring_source_generation(w->ring); /* src lies in the mapping of the acquire */
 	s->group = h;
 	w->issued[c]++;
+	w->copied[c]++;
 	w->st.bytes_h2d += bytes;
 	w->st.copies++;
 	return 0;
 }
 
-/* Keeps depth copies ahead of compute in every streamed class. */
+/* Keeps depth copies ahead of compute in every streamed class (groups passed over do not count). */
 static int top_up(struct gpu_window *w)
 {
 	for (uint32_t c = 0; c < CLASS_COUNT; c++)
-		while (w->m[c] && w->issued[c] < w->consumed[c] + w->depth[c]) {
+		while (w->m[c] && w->issued[c] < w->consumed[c] + w->depth[c] + w->passed_pending[c]) {
 			int rc = issue_next(w, c);
-			if (rc)
+			if (rc < 0)
 				return rc;
+			if (rc == LATER)
+				break;
 		}
 	return 0;
 }
@@ -330,9 +348,13 @@ int gpu_window_check(const struct gpu_window *w, char *err, size_t errlen)
 			return errorf(err, errlen, -EFAULT, "group %u is in use but ABSENT", g);
 		if (e->host_held && e->state != GWIN_INFLIGHT)
 			return errorf(err, errlen, -EFAULT, "group %u holds a ring grant while %s", g, state_name(e->state));
+		if (e->passed && (e->state != GWIN_ABSENT || e->in_use))
+			return errorf(err, errlen, -EFAULT, "group %u was passed over but is %s%s", g, state_name(e->state),
+				      e->in_use ? " and in use" : "");
 	}
 	for (uint32_t c = 0; c < CLASS_COUNT; c++)
-		if (w->m[c] && (w->issued[c] < w->consumed[c] || w->issued[c] > w->consumed[c] + w->depth[c]))
+		if (w->m[c] && (w->issued[c] < w->consumed[c] ||
+				w->issued[c] > w->consumed[c] + w->depth[c] + w->passed_pending[c]))
 			return errorf(err, errlen, -EFAULT, "class %u: %llu copies issued, %llu consumed, depth %u", c,
 				      (unsigned long long)w->issued[c], (unsigned long long)w->consumed[c], w->depth[c]);
 	return 0;
@@ -374,7 +396,10 @@ static int win_acquire(struct weight_source *ws, uint32_t group, struct group_we
 		if (w->m[c] == 0 || w->order[c][w->consumed[c] % w->m[c]] != group)
 			return errorf(ws->error, sizeof(ws->error), -EPROTO,
 				      "weight window: group %u acquired out of visit order", group);
-		if (e->state == GWIN_ABSENT) { /* not copied ahead: only at the very start */
+		if (e->passed)
+			return errorf(ws->error, sizeof(ws->error), -EPROTO,
+				      "weight window: expert group %u acquired after its routing left it out", group);
+		if (e->state == GWIN_ABSENT) { /* not copied ahead: at the very start, or a routed expert */
 			w->st.late_copies++;
 			if ((rc = top_up(w)))
 				return rc;
@@ -439,10 +464,79 @@ static int win_release_all(struct weight_source *ws)
 	return rc ? errorf(ws->error, sizeof(ws->error), rc, "%s", w->rs->error) : 0;
 }
 
+static int win_route(struct weight_source *ws, uint32_t layer, const bool *used)
+{
+	struct gpu_window *w = (struct gpu_window *)ws;
+	const struct model_config *cfg = ws->cfg;
+	if (layer >= cfg->n_layers || !cfg->n_experts)
+		return errorf(ws->error, sizeof(ws->error), -EINVAL, "route: layer %u of a model of %u layers and %u "
+			      "experts", layer, cfg->n_layers, cfg->n_experts);
+	if (!w->expert0) {
+		w->expert0 = malloc(cfg->n_layers * sizeof(uint32_t));
+		if (!w->expert0)
+			return errorf(ws->error, sizeof(ws->error), -ENOMEM, "route: out of memory");
+		for (uint32_t l = 0; l < cfg->n_layers; l++)
+			w->expert0[l] = NO_GROUP;
+		for (uint32_t g = ws->n_groups; g-- > 0;)
+			if (ws->groups[g].kind == GROUP_EXPERT)
+				w->expert0[ws->groups[g].layer] = g;
+	}
+	uint32_t g0 = w->expert0[layer];
+	for (uint32_t g = g0; g != NO_GROUP && g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
+			      ws->groups[g].layer == layer; g++)
+		w->g[g].unused = !used[ws->groups[g].expert];
+	w->routing = true;
+	w->routed_layer = layer;
+	int rc = top_up(w);
+	return rc ? rc : strict_check(w);
+}
+
+/* An expert group the step does not use, in visit order: passed over, or (copied before its layer
+ * was routed, or its host bytes stream) consumed once its copy is done. */
+static int win_skip(struct weight_source *ws, uint32_t group)
+{
+	struct gpu_window *w = (struct gpu_window *)ws;
+	if (group >= ws->n_groups || ws->groups[group].kind != GROUP_EXPERT)
+		return errorf(ws->error, sizeof(ws->error), -EINVAL, "skip: group %u is not an expert group", group);
+	struct gent *e = &w->g[group];
+	if (e->resident)
+		return 0;
+	uint32_t c = ws->groups[group].size_class;
+	if (w->m[c] == 0 || w->order[c][w->consumed[c] % w->m[c]] != group)
+		return errorf(ws->error, sizeof(ws->error), -EPROTO, "weight window: group %u skipped out of visit order",
+			      group);
+	int rc;
+	if (e->passed) {
+		e->passed = false;
+		w->passed_pending[c]--;
+		w->consumed[c]++;
+		rc = top_up(w);
+		return rc ? rc : strict_check(w);
+	}
+	if (e->state == GWIN_ABSENT && (rc = top_up(w)) != 0)
+		return rc;
+	if (e->state != GWIN_INFLIGHT && e->state != GWIN_RESIDENT)
+		return errorf(ws->error, sizeof(ws->error), -EFAULT, "weight window: skipped group %u is %s", group,
+			      state_name(e->state));
+	/* Its slot is free once the copy into it is done: the compute stream records that. */
+	struct gslot *s = &w->slots[e->slot];
+	cudaError_t ce = cudaStreamWaitEvent(w->compute, e->h2d, 0);
+	if (ce == cudaSuccess)
+		ce = cudaEventRecord(s->compute_done, w->compute);
+	if (ce != cudaSuccess)
+		return errorf(ws->error, sizeof(ws->error), -EIO, "skipping group %u: %s", group, cudaGetErrorString(ce));
+	s->compute_recorded = true;
+	w->consumed[c]++;
+	rc = top_up(w);
+	return rc ? rc : strict_check(w);
+}
+
 static const struct weight_source_ops window_ops = {
 	.acquire = win_acquire,
 	.release = win_release,
 	.release_all = win_release_all,
+	.route = win_route,
+	.skip = win_skip,
 };
 
 bool gw_h2d_start(cudaStream_t s, uint32_t copies, struct gw_h2d *h)
@@ -536,6 +630,7 @@ void gpu_window_destroy(struct gpu_window **wp)
 		unpin_mapping(w, w->pinned[w->n_pinned - 1]);
 	for (uint32_t c = 0; c < CLASS_COUNT; c++)
 		free(w->order[c]);
+	free(w->expert0);
 	free(w->slots);
 	free(w->g);
 	free(w->dev_off);

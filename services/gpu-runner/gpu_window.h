@@ -26,6 +26,11 @@
  * ahead of use where it can (at the release of the split FFN before it in the step) and waited
  * for on the GPU, and the backend computes both shares (FFN_SPLIT_BACKEND).
  *
+ * Mixture-of-experts layers (route/skip of weights.h): once the engine has told the window a layer's
+ * routing, the expert groups of that layer its tokens chose are copied and the others passed over
+ * (counted as visited, never copied) where their host bytes stay in DRAM; the experts of a layer
+ * not yet routed are not copied ahead. So a decode token moves the bytes of its chosen experts only.
+ *
  * Each group has one state: ABSENT -> INFLIGHT (copy issued) -> RESIDENT (copy seen complete)
  * -> RETIRING (its slot chosen for the next copy; the copy waits on its compute) -> ABSENT.
  * Transitions are checked; with strict on, every call also checks the invariants of the whole
@@ -74,6 +79,7 @@ struct gpu_window_stats {
 	uint64_t streamed_bytes_per_token; /* what crosses PCIe per token in decode */
 	uint64_t bytes_h2d, copies;	 /* all time */
 	uint64_t late_copies;		 /* copies issued by an acquire rather than ahead of it */
+	uint64_t experts_passed;	 /* streamed expert groups no token chose, not copied (all time) */
 	uint32_t depth;
 	double h2d_bytes_per_s;		 /* measured (or given) */
 	double copy_ms;			 /* with time_copies: device time spent copying, since reset */

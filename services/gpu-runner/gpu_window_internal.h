@@ -40,6 +40,8 @@ struct gent {
 	uint32_t slot;	   /* streaming slot, NO_SLOT */
 	void *dev;	   /* device base of the group's bytes, NULL when not on the device */
 	cudaEvent_t h2d;   /* recorded on the copy stream after the group's copy */
+	bool unused;	   /* an expert group its layer's routing did not choose this step (route) */
+	bool passed;	   /* counted as issued without a copy (unused): skip consumes it */
 };
 
 struct gpu_window {
@@ -61,6 +63,13 @@ struct gpu_window {
 	uint32_t *order[CLASS_COUNT]; /* streamed groups of a class in visit order */
 	uint32_t m[CLASS_COUNT];
 	uint64_t issued[CLASS_COUNT], consumed[CLASS_COUNT];
+	uint64_t copied[CLASS_COUNT];	      /* issued with a copy: copy k goes into slot k % depth */
+	uint64_t passed_pending[CLASS_COUNT]; /* issued without a copy, not yet consumed */
+	/* Routed experts (route/skip): once the engine routes, an expert group is issued only when its
+	 * layer's routing is known (routed_layer), and passed over without a copy when unused. */
+	bool routing;
+	uint32_t routed_layer;
+	uint32_t *expert0;	   /* n_layers: the layer's first expert group (NO_GROUP: none), on first route */
 	bool strict, time_copies;
 	struct gpu_window_stats st;
 	uint32_t embed_group, head_group;

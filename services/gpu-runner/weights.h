@@ -14,6 +14,7 @@
  */
 #ifndef GPU_RUNNER_WEIGHTS_H
 #define GPU_RUNNER_WEIGHTS_H
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -35,6 +36,13 @@ struct weight_source_ops {
 	int (*release)(struct weight_source *s, uint32_t group);
 	/* Hands every group back (end of a request, or before a reconnect). */
 	int (*release_all)(struct weight_source *s);
+	/* Optional, both or neither (a source that fetches ahead): the experts of a mixture-of-experts
+	 * layer the step uses (used[e] for each of cfg.n_experts, told after the layer's routing, before
+	 * its first expert group is acquired), so that the source fetches only those; and skip(g) in
+	 * place of acquire/release for an expert group the step does not use. Return 0 or -errno with
+	 * the message in the source. */
+	int (*route)(struct weight_source *s, uint32_t layer, const bool *used);
+	int (*skip)(struct weight_source *s, uint32_t group);
 };
 
 /* The common part of every source; implementations embed it first. */

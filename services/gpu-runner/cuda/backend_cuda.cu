@@ -225,6 +225,9 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 	rc = matmul(be, at, be->xa, &src, c->dim, n, parts, 3, be->qkv_ld, false, "q/k/v projections");
 	if (rc)
 		return rc;
+	if ((c->flags & MODEL_QK_NORM) &&
+	    (rc = qk_norm(be, dev(w, ROLE_Q_NORM), fmt(w, ROLE_Q_NORM), dev(w, ROLE_K_NORM), fmt(w, ROLE_K_NORM))))
+		return rc;
 
 	ra.qkv = be->qkv;
 	ra.ld = be->qkv_ld;
@@ -397,6 +400,7 @@ static void cuda_destroy(struct backend_dev **bep)
 	if (!be)
 		return;
 	ffn_split_teardown(be);
+	moe_teardown(be);
 	if (be->spanbuf)
 		cudaFreeAsync(be->spanbuf, be->stream); /* allocated stream-ordered */
 	if (be->stream)
@@ -436,11 +440,6 @@ static void cuda_destroy(struct backend_dev **bep)
 /* What this backend adds to backend_check_config, which the front has run. */
 static int check_config(const struct model_config *c, const struct backend_params *p, char *err, size_t errlen)
 {
-	if ((c->flags & MODEL_QK_NORM) || c->n_experts) {
-		snprintf(err, errlen, "cuda backend: the %s architecture is not implemented on the CUDA backend yet (q/k "
-			 "norms, mixture-of-experts layers); run it on the cpu backend", model_arch_name(c->arch));
-		return -ENOTSUP;
-	}
 	if (c->head_dim % 8 || c->head_dim > MAX_HEAD_DIM) {
 		snprintf(err, errlen, "cuda backend: head_dim %u is not supported: the attention kernel takes multiples "
 			 "of 8 up to %u", c->head_dim, MAX_HEAD_DIM);
@@ -650,6 +649,8 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	rc = create_device(be);
 	if (rc == 0)
 		rc = ffn_split_setup(be);
+	if (rc == 0)
+		rc = moe_setup(be);
 	if (rc) {
 		snprintf(err, errlen, "%s", be->err);
 		cuda_destroy(&be);
@@ -670,9 +671,10 @@ static const struct backend_compute_ops cuda_compute = {
 	cuda_logits_argmax,	/* logits_argmax */
 	cuda_logits_sample,	/* logits_sample */
 	ffn_split_stats,	/* cpu_share_stats */
-	NULL,			/* moe_route: mixture-of-experts layers are refused at create */
-	NULL,			/* moe_expert */
-	NULL,			/* moe_end */
+	moe_route,		/* moe_route */
+	moe_expert,		/* moe_expert */
+	moe_end,		/* moe_end */
+	moe_expert_used,	/* moe_expert_used */
 };
 
 extern "C" {

@@ -173,6 +173,8 @@ struct backend_dev {
 	cudaEvent_t split_ev[3];	/* one split FFN in a few, timed: before x's copy down, after the GPU's
 					 * share, after the partial's add */
 	bool split_ev_pending;		/* recorded, not yet read */
+	/* Mixture-of-experts layers (moe.cu); NULL on a dense model. */
+	struct cuda_moe *moe;
 	uint64_t split_timed;
 	double split_stream_ms, split_wait_ms;
 };
@@ -226,6 +228,20 @@ static inline unsigned grid_for(size_t count, unsigned threads)
 	size_t b = (count + threads - 1) / threads;
 	return b > 4096 ? 4096 : (unsigned)(b ? b : 1);
 }
+
+/* ---- moe.cu ------------------------------------------------------------------------------- */
+
+/* The expert state of a mixture-of-experts config (nothing for a dense one); moe_teardown frees it. */
+int moe_setup(struct backend_dev *be);
+void moe_teardown(struct backend_dev *be);
+/* backend.h's moe_route, moe_expert and moe_end. route waits for the router's logits (the host
+ * routes); moe_expert_used says whether a token of the chunk chose an expert (after route). */
+int moe_route(struct backend_dev *be, const struct group_weights *w);
+bool moe_expert_used(struct backend_dev *be, uint32_t expert);
+int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t expert);
+int moe_end(struct backend_dev *be);
+/* Qwen3's per-head RMSNorm of the chunk's q and k (in be->qkv), before RoPE. */
+int qk_norm(struct backend_dev *be, const void *qn, uint32_t qt, const void *kn, uint32_t kt);
 
 /* ---- staging.cu ---------------------------------------------------------------------------- */
 
@@ -364,6 +380,8 @@ int rmsnorm(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, u
 void embed_launch(uint32_t dt, const void *raw, float *x, size_t count, cudaStream_t s);
 /* RoPE, the K and V rows into the arena (kv_dtype), accumulators reset: one block per token. */
 void rope_launch(uint32_t kv_dtype, const rope_args &a, bool pdl, cudaStream_t s);
+/* x[i] += y[i] for count floats. */
+void add_launch(float *x, const float *y, size_t count, cudaStream_t s);
 /* SiLU(gate) * up of the cuBLAS path ((n, 2 * ffn) float32) into out in dtype ot. */
 void silu_mul_launch(uint32_t ot, const float *gu, uint32_t ffn, size_t count, void *out, cudaStream_t s);
 

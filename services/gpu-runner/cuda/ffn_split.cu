@@ -39,13 +39,6 @@ struct split_job {
 	bool fail; /* cuda_test_fail_cpu_share: the first part fails */
 };
 
-/* x[i] += y[i]: the CPU share's partial hidden vectors into the residual stream. */
-__global__ void add_kernel(float *x, const float *y, size_t count)
-{
-	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x)
-		x[i] += y[i];
-}
-
 /* A part of a handoff's job: the share reads the copied x and writes the pinned output. */
 static int split_part(const struct cpu_handoff_task *t, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
 {
@@ -299,7 +292,7 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w)
 	if (rc)
 		return cuda_failf(be, rc, "cuda backend: ffn: %s", msg);
 	size_t count = (size_t)n * c->dim;
-	add_kernel<<<grid_for(count, 256), 256, 0, be->stream>>>(be->x, be->partial, count);
+	add_launch(be->x, be->partial, count, be->stream);
 	LAUNCHED(be, "add_kernel (CPU share)");
 	if (timed) {
 		CUDA_TRY(be, "cudaEventRecord (timing the CPU share)", cudaEventRecord(be->split_ev[2], be->stream));

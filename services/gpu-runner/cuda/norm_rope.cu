@@ -1,7 +1,7 @@
 /* norm_rope.cu - the CUDA backend's element-wise kernels: embedding rows widened into the
  * residual stream, RMSNorm into the matrix input dtype, RoPE with the K and V rows written into
- * the arena, and SiLU(gate) * up for the cuBLAS path. Numerics as the C reference rounds
- * (backend_cuda.cu's header says how). */
+ * the arena, SiLU(gate) * up for the cuBLAS path, and a partial result added into the residual
+ * stream. Numerics as the C reference rounds (backend_cuda.cu's header says how). */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"
 
@@ -10,6 +10,18 @@ template <typename TI> __global__ void embed_kernel(const TI *raw, float *x, siz
 {
 	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x)
 		x[i] = to_f32(raw[i]);
+}
+
+/* x[i] += y[i] (a partial result into the residual stream). */
+__global__ void add_kernel(float *x, const float *y, size_t count)
+{
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x)
+		x[i] += y[i];
+}
+
+void add_launch(float *x, const float *y, size_t count, cudaStream_t s)
+{
+	add_kernel<<<grid_for(count, 256), 256, 0, s>>>(x, y, count);
 }
 
 /* One block per token: out = w * (x * rsqrt(mean(x^2) + eps)) as transformers' LlamaRMSNorm in

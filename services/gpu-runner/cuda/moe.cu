@@ -1,0 +1,346 @@
+/* moe.cu - the CUDA backend's mixture-of-experts layers and Qwen3's q/k norms.
+ *
+ * A mixture-of-experts layer (backend.h: moe_route, moe_expert per expert, moe_end), numerics as
+ * the C reference (cpu/backend_ref.c) computes them:
+ *  - route: RMSNorm (ROLE_FFN_NORM) of the chunk's rows into float32 (xn), the router logits in
+ *    float32 from those rows (router_kernel; a block-format router is dequantized to float32
+ *    first), copied to pinned host memory. The host waits for them (the only wait of a layer:
+ *    which experts run decides what the next calls copy and compute) and routes each token with
+ *    the reference's own cpu_moe_route, so the same logits choose the same experts. The tokens of
+ *    each expert (in token order, with their weights) go up in one copy; the sum is cleared.
+ *  - expert e: nothing when no token chose it. Else its tokens' xn rows gathered into the
+ *    expert's activation dtype, SwiGLU (swiglu_product: the GEMV kernels for one token, cuBLAS or
+ *    the quantized paths for more), down_proj into float32 rows y, and sum[token] += y * weight
+ *    (each product rounded to float32, then added: the reference's index_add_), experts in
+ *    increasing order as the engine gives them: the sum's order is the reference's.
+ *  - end: the residual stream += sum.
+ *
+ * Qwen3 (MODEL_QK_NORM): each head of q and k goes through its RMSNorm over head_dim (q_norm,
+ * k_norm) after the projections and before RoPE (qk_norm_kernel, in place in qkv).
+ */
+#include "services/gpu-runner/cuda/cuda_internal.h"
+#include "services/gpu-runner/cuda/device.cuh"
+#include "services/gpu-runner/cpu/kernels.h"
+
+#include <assert.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct cuda_moe {
+	uint32_t E, k, F;	/* experts, chosen per token, an expert's intermediate size */
+	/* Device memory. */
+	float *xn;		/* (max_chunk, dim) the normed rows in float32 */
+	float *logits;		/* (max_chunk, E) router logits */
+	float *router_f;	/* (E, dim) a block-format router dequantized */
+	float *sum;		/* (max_chunk, dim) the layer's weighted sum of expert outputs */
+	void *xg;		/* (max_chunk, dim) an expert's gathered rows in its activation dtype */
+	float *gu;		/* (max_chunk, 2 F) gate then up (the unfused paths) */
+	void *act;		/* (max_chunk, F) SiLU(gate) * up in the activation dtype */
+	float *y;		/* (max_chunk, dim) down_proj of an expert's rows */
+	uint32_t *tok;		/* (max_chunk k) tokens of each expert, expert after expert (off[]) */
+	float *tw;		/* (max_chunk k) their weights */
+	/* Host memory. */
+	float *h_logits;	/* (max_chunk, E) pinned */
+	uint32_t *sel;		/* (max_chunk, k) each token's experts */
+	float *sel_w;		/* (max_chunk, k) and weights */
+	uint32_t *off;		/* (E + 1) expert e's tokens are [off[e], off[e + 1]) of tok/tw */
+	uint32_t *h_tok;	/* (max_chunk k) */
+	float *h_tw;
+	bool routed;		/* route ran for the chunk in flight */
+};
+
+/* ---- kernels ------------------------------------------------------------------------------ */
+
+/* One warp per (token, expert): out[t][e] = sum_d xn[t][d] w[e][d] in float32. */
+__global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint32_t dim, uint32_t E, uint32_t n,
+			      float *out)
+{
+	const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+	if (warp >= n * E)
+		return;
+	const uint32_t t = warp / E, e = warp % E;
+	const float *x = xn + (size_t)t * dim;
+	float acc = 0.0f;
+	for (uint32_t d = lane; d < dim; d += 32)
+		acc = __fmaf_rn(x[d], load_any(w, wt, (size_t)e * dim + d), acc);
+	for (int o = 16; o > 0; o >>= 1)
+		acc += __shfl_xor_sync(0xffffffffu, acc, o);
+	if (lane == 0)
+		out[(size_t)t * E + e] = acc;
+}
+
+/* out[i] = xn[tok[i]] in the activation dtype, for the cnt rows of one expert. */
+template <typename T> __global__ void gather_kernel(const float *xn, const uint32_t *tok, uint32_t cnt, uint32_t dim,
+						   T *out)
+{
+	size_t count = (size_t)cnt * dim;
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x) {
+		size_t r = i / dim, d = i % dim;
+		out[i] = from_f32<T>(xn[(size_t)tok[r] * dim + d]);
+	}
+}
+
+/* sum[tok[i]] += y[i] * w[i]: the product rounded, then added. An expert's tokens are distinct. */
+__global__ void scatter_kernel(const float *y, const uint32_t *tok, const float *w, uint32_t cnt, uint32_t dim,
+			       float *sum)
+{
+	size_t count = (size_t)cnt * dim;
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x) {
+		size_t r = i / dim, d = i % dim;
+		float *dst = sum + (size_t)tok[r] * dim + d;
+		*dst = __fadd_rn(*dst, __fmul_rn(y[i], w[r]));
+	}
+}
+
+/* One block per (token, head): the head's hd values of qkv (row ld) through RMSNorm in place, as
+ * rmsnorm_kernel: sum of squares in double, r = 1 / sqrt(mean + eps), w * (x * r). Heads [0, nq)
+ * are q's (weights qn), the rest k's (kn). */
+__global__ void __launch_bounds__(128) qk_norm_kernel(float *qkv, uint32_t ld, uint32_t hd, uint32_t nq, const void *qn,
+						      uint32_t qt, const void *kn, uint32_t kt, float eps)
+{
+	__shared__ double part[4];
+	const uint32_t t = blockIdx.x, h = blockIdx.y;
+	float *v = qkv + (size_t)t * ld + (size_t)h * hd;
+	const void *w = h < nq ? qn : kn;
+	const uint32_t wt = h < nq ? qt : kt;
+	double ss = 0;
+	for (uint32_t i = threadIdx.x; i < hd; i += blockDim.x)
+		ss += (double)v[i] * v[i];
+	for (int o = 16; o > 0; o >>= 1)
+		ss += __shfl_xor_sync(0xffffffffu, ss, o);
+	if (threadIdx.x % 32 == 0)
+		part[threadIdx.x / 32] = ss;
+	__syncthreads();
+	double tot = 0;
+	for (uint32_t i = 0; i < blockDim.x / 32; i++)
+		tot += part[i];
+	float var = (float)(tot / hd);
+	float r = 1.0f / sqrtf(var + eps);
+	__syncthreads();
+	for (uint32_t i = threadIdx.x; i < hd; i += blockDim.x)
+		v[i] = __fmul_rn(load_any(w, wt, i), __fmul_rn(v[i], r));
+}
+
+/* ---- host side ---------------------------------------------------------------------------- */
+
+int qk_norm(struct backend_dev *be, const void *qn, uint32_t qt, const void *kn, uint32_t kt)
+{
+	const struct model_config *c = &be->cfg;
+	dim3 grid(be->n, c->n_heads + c->n_kv_heads);
+	qk_norm_kernel<<<grid, 128, 0, be->stream>>>(be->qkv, be->qkv_ld, c->head_dim, c->n_heads, qn, qt, kn, kt,
+						     c->rms_eps);
+	LAUNCHED(be, "qk_norm_kernel");
+	return 0;
+}
+
+static int moe_alloc(struct backend_dev *be, void **p, size_t a, size_t b, size_t es, const char *what)
+{
+	size_t n;
+	if (__builtin_mul_overflow(a, b, &n) || __builtin_mul_overflow(n, es, &n))
+		return cuda_failf(be, -ENOMEM, "cuda backend: %s: %zu x %zu elements overflow", what, a, b);
+	cudaError_t e = cudaMalloc(p, n ? n : 1);
+	if (e != cudaSuccess) {
+		*p = NULL;
+		cudaGetLastError();
+		return cuda_failf(be, -ENOMEM, "cuda backend: cudaMalloc of %zu bytes for %s failed: %s", n, what,
+				  cudaGetErrorString(e));
+	}
+	return 0;
+}
+
+int moe_setup(struct backend_dev *be)
+{
+	const struct model_config *c = &be->cfg;
+	if (!c->n_experts)
+		return 0;
+	if (!c->n_experts_used || c->n_experts_used > c->n_experts || !c->expert_ffn_dim)
+		return cuda_failf(be, -EINVAL, "cuda backend: a mixture-of-experts config needs 0 < experts used (%u) <= "
+				  "experts (%u) and an expert size (%u)", c->n_experts_used, c->n_experts,
+				  c->expert_ffn_dim);
+	struct cuda_moe *m = (struct cuda_moe *)calloc(1, sizeof(*m));
+	if (!m)
+		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for the expert state");
+	be->moe = m;
+	m->E = c->n_experts;
+	m->k = c->n_experts_used;
+	m->F = c->expert_ffn_dim;
+	size_t mc = be->p.max_chunk, dim = c->dim, wide = dim > m->F ? dim : m->F;
+	int rc;
+	if ((rc = moe_alloc(be, (void **)&m->xn, mc, dim, sizeof(float), "the experts' input rows")) ||
+	    (rc = moe_alloc(be, (void **)&m->logits, mc, m->E, sizeof(float), "router logits")) ||
+	    (rc = moe_alloc(be, (void **)&m->router_f, m->E, dim, sizeof(float), "a dequantized router")) ||
+	    (rc = moe_alloc(be, (void **)&m->sum, mc, dim, sizeof(float), "the experts' sum")) ||
+	    (rc = moe_alloc(be, &m->xg, mc, wide, sizeof(float), "an expert's gathered rows")) ||
+	    (rc = moe_alloc(be, (void **)&m->gu, mc, 2 * (size_t)m->F, sizeof(float), "an expert's gate/up")) ||
+	    (rc = moe_alloc(be, &m->act, mc, m->F, sizeof(float), "an expert's SwiGLU output")) ||
+	    (rc = moe_alloc(be, (void **)&m->y, mc, dim, sizeof(float), "an expert's output rows")) ||
+	    (rc = moe_alloc(be, (void **)&m->tok, mc, m->k, sizeof(uint32_t), "the experts' tokens")) ||
+	    (rc = moe_alloc(be, (void **)&m->tw, mc, m->k, sizeof(float), "the experts' weights")))
+		return rc;
+	CUDA_TRY(be, "cudaMallocHost (router logits)",
+		 cudaMallocHost((void **)&m->h_logits, mc * m->E * sizeof(float)));
+	m->sel = (uint32_t *)malloc(mc * m->k * sizeof(uint32_t));
+	m->sel_w = (float *)malloc(mc * m->k * sizeof(float));
+	m->off = (uint32_t *)malloc((m->E + 1) * sizeof(uint32_t));
+	m->h_tok = (uint32_t *)malloc(mc * m->k * sizeof(uint32_t));
+	m->h_tw = (float *)malloc(mc * m->k * sizeof(float));
+	if (!m->sel || !m->sel_w || !m->off || !m->h_tok || !m->h_tw)
+		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for the routing tables");
+	return 0;
+}
+
+void moe_teardown(struct backend_dev *be)
+{
+	struct cuda_moe *m = be->moe;
+	if (!m)
+		return;
+	if (be->stream)
+		cudaStreamSynchronize(be->stream);
+	cudaFree(m->xn);
+	cudaFree(m->logits);
+	cudaFree(m->router_f);
+	cudaFree(m->sum);
+	cudaFree(m->xg);
+	cudaFree(m->gu);
+	cudaFree(m->act);
+	cudaFree(m->y);
+	cudaFree(m->tok);
+	cudaFree(m->tw);
+	cudaFreeHost(m->h_logits);
+	free(m->sel);
+	free(m->sel_w);
+	free(m->off);
+	free(m->h_tok);
+	free(m->h_tw);
+	free(m);
+	be->moe = NULL;
+}
+
+int moe_route(struct backend_dev *be, const struct group_weights *w)
+{
+	const struct model_config *c = &be->cfg;
+	struct cuda_moe *m = be->moe;
+	const uint32_t n = be->n, dim = c->dim, E = m->E, k = m->k;
+	const struct weight_tensor *nw = &w->t[ROLE_FFN_NORM], *rw = &w->t[ROLE_ROUTER];
+	/* The normed rows in float32: the router's input and every expert's. */
+	int rc = rmsnorm(be, nw->data[PLACE_DEVICE], nw->format, 0, n, DT_F32);
+	if (rc)
+		return rc;
+	CUDA_TRY(be, "cudaMemcpyAsync (experts' input rows)",
+		 cudaMemcpyAsync(m->xn, be->xa, (size_t)n * dim * sizeof(float), cudaMemcpyDeviceToDevice, be->stream));
+	const void *rmat = rw->data[PLACE_DEVICE];
+	uint32_t rt = rw->format;
+	if (!dtype_is_element((enum dtype)rt)) {
+		dequant_launch(rt, rmat, rw->row_bytes, E, dim, m->router_f, DT_F32, be->stream);
+		LAUNCHED(be, "dequant_kernel (router)");
+		rmat = m->router_f;
+		rt = DT_F32;
+	} else if (rw->row_bytes != (uint64_t)dim * dtype_size((enum dtype)rt)) {
+		return cuda_failf(be, -ENOTSUP, "cuda backend: router rows of %llu bytes are not packed (%u values)",
+				  (unsigned long long)rw->row_bytes, dim);
+	}
+	size_t warps = (size_t)n * E;
+	router_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, be->stream>>>(m->xn, rmat, rt, dim, E, n, m->logits);
+	LAUNCHED(be, "router_kernel");
+	CUDA_TRY(be, "cudaMemcpyAsync (router logits)",
+		 cudaMemcpyAsync(m->h_logits, m->logits, (size_t)n * E * sizeof(float), cudaMemcpyDeviceToHost,
+				 be->stream));
+	CUDA_TRY(be, "cudaMemsetAsync (experts' sum)",
+		 cudaMemsetAsync(m->sum, 0, (size_t)n * dim * sizeof(float), be->stream));
+	/* Which experts run decides what comes next: wait for the logits here. */
+	CUDA_TRY(be, "waiting for the router logits", cudaStreamSynchronize(be->stream));
+	bool norm = (c->flags & MODEL_NORM_TOPK) != 0;
+	for (uint32_t t = 0; t < n; t++) {
+		const float *lg = m->h_logits + (size_t)t * E;
+		for (uint32_t e = 0; e < E; e++)
+			if (!isfinite(lg[e]))
+				return cuda_failf(be, -EIO, "cuda backend: router logit %u of token %u is %g", e, t,
+						  (double)lg[e]);
+		cpu_moe_route(lg, E, k, norm, m->sel + (size_t)t * k, m->sel_w + (size_t)t * k);
+	}
+	/* Each expert's tokens in token order (counting sort over the choices). */
+	memset(m->off, 0, (E + 1) * sizeof(uint32_t));
+	for (uint32_t i = 0; i < n * k; i++)
+		m->off[m->sel[i] + 1]++;
+	for (uint32_t e = 0; e < E; e++)
+		m->off[e + 1] += m->off[e];
+	uint32_t *fill = m->h_tok; /* scratch: the next free place of each expert, then the lists */
+	uint32_t cur[1024], *next = E <= 1024 ? cur : (uint32_t *)malloc(E * sizeof(uint32_t));
+	if (!next)
+		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory routing %u experts", E);
+	memcpy(next, m->off, E * sizeof(uint32_t));
+	for (uint32_t t = 0; t < n; t++)
+		for (uint32_t i = 0; i < k; i++) {
+			uint32_t e = m->sel[(size_t)t * k + i], at = next[e]++;
+			fill[at] = t;
+			m->h_tw[at] = m->sel_w[(size_t)t * k + i];
+		}
+	if (next != cur)
+		free(next);
+	/* Up in one copy each (n k entries). */
+	size_t cnt = (size_t)n * k, bytes = cnt * sizeof(uint32_t);
+	char *h;
+	size_t hoff;
+	if ((rc = up_alloc(be, 2 * bytes, &h, &hoff)))
+		return rc;
+	memcpy(h, m->h_tok, bytes);
+	memcpy(h + bytes, m->h_tw, bytes);
+	if ((rc = up_send(be, m->tok, h, hoff, bytes, "cudaMemcpyAsync (experts' tokens)")) ||
+	    (rc = up_send(be, m->tw, h + bytes, hoff + bytes, bytes, "cudaMemcpyAsync (experts' weights)")))
+		return rc;
+	m->routed = true;
+	return 0;
+}
+
+bool moe_expert_used(struct backend_dev *be, uint32_t expert)
+{
+	const struct cuda_moe *m = be->moe;
+	return m && m->routed && expert < m->E && m->off[expert + 1] > m->off[expert];
+}
+
+int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t expert)
+{
+	const struct model_config *c = &be->cfg;
+	struct cuda_moe *m = be->moe;
+	if (!moe_expert_used(be, expert))
+		return 0;
+	const uint32_t o = m->off[expert], cnt = m->off[expert + 1] - o, dim = c->dim, F = m->F;
+	const uint32_t gt = w->t[ROLE_EXPERT_GATE].format, ut = w->t[ROLE_EXPERT_UP].format,
+		       dt = w->t[ROLE_EXPERT_DOWN].format, at = act_dtype(gt);
+	if (act_dtype(ut) != at || act_dtype(dt) != at)
+		return cuda_failf(be, -ENOTSUP, "cuda backend: expert %u: gate %s, up %s and down %s take different "
+				  "activation dtypes: not supported", expert, dtype_name((enum dtype)gt),
+				  dtype_name((enum dtype)ut), dtype_name((enum dtype)dt));
+	unsigned blocks = grid_for((size_t)cnt * dim, 256);
+	if (at == DT_BF16)
+		gather_kernel<<<blocks, 256, 0, be->stream>>>(m->xn, m->tok + o, cnt, dim, (__nv_bfloat16 *)m->xg);
+	else if (at == DT_F16)
+		gather_kernel<<<blocks, 256, 0, be->stream>>>(m->xn, m->tok + o, cnt, dim, (__half *)m->xg);
+	else
+		gather_kernel<<<blocks, 256, 0, be->stream>>>(m->xn, m->tok + o, cnt, dim, (float *)m->xg);
+	LAUNCHED(be, "gather_kernel (expert rows)");
+	const struct weight_tensor *g = &w->t[ROLE_EXPERT_GATE], *u = &w->t[ROLE_EXPERT_UP],
+				   *d = &w->t[ROLE_EXPERT_DOWN];
+	struct mm_part gu[2] = {{g->data[PLACE_DEVICE], F, m->gu, gt, g->row_bytes},
+				{u->data[PLACE_DEVICE], F, m->gu + F, ut, u->row_bytes}};
+	int rc = swiglu_product(be, at, gu, m->xg, NULL, dim, cnt, m->act, "expert gate/up_proj");
+	if (rc)
+		return rc;
+	struct mm_part down = {d->data[PLACE_DEVICE], dim, m->y, dt, d->row_bytes};
+	if ((rc = matmul(be, at, m->act, NULL, F, cnt, &down, 1, dim, false, "expert down_proj")))
+		return rc;
+	scatter_kernel<<<blocks, 256, 0, be->stream>>>(m->y, m->tok + o, m->tw + o, cnt, dim, m->sum);
+	LAUNCHED(be, "scatter_kernel (expert sum)");
+	return 0;
+}
+
+int moe_end(struct backend_dev *be)
+{
+	struct cuda_moe *m = be->moe;
+	size_t count = (size_t)be->n * be->cfg.dim;
+	add_launch(be->x, m->sum, count, be->stream);
+	LAUNCHED(be, "add_kernel (experts' sum)");
+	m->routed = false;
+	return 0;
+}
