@@ -230,6 +230,23 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	int rc = poll_copies(w);
 	if (rc)
 		return rc;
+	if (e->state != GWIN_ABSENT && !e->in_use && e->slot != NO_SLOT &&
+	    w->slots[e->slot].group == h && w->routing) {
+		/* With experts passed over, fewer than depth copies may have come since this group's
+		 * last visit, so it is still in its slot (never otherwise: a class streams at least depth
+		 * groups). Its last use is over: let it go, and copy it again into the slot due. */
+		if (e->state == GWIN_INFLIGHT) {
+			CUDA_TRY(cudaEventSynchronize(e->h2d), "waiting for an old copy");
+			if ((rc = poll_copies(w)))
+				return rc;
+		}
+		struct gslot *os = &w->slots[e->slot];
+		if ((rc = set_state(w, h, GWIN_RETIRING)) || (rc = set_state(w, h, GWIN_ABSENT)))
+			return rc;
+		e->slot = NO_SLOT;
+		e->dev = NULL;
+		os->group = NO_GROUP;
+	}
 	if (e->state != GWIN_ABSENT)
 		return errorf(w->base.error, sizeof(w->base.error), -EFAULT,
 			      "weight window: group %u is due for a copy but is %s", h, state_name(e->state));
