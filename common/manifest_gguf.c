@@ -520,8 +520,9 @@ static int read_config_keys(const struct gset *s, struct model_config *c, char *
 				      keys[i].lo, keys[i].hi);
 	}
 	if (c->n_heads % c->n_kv_heads)
-		return errorf(err, errlen, -EINVAL, "%s: %s.attention.head_count_kv %u must divide %s.attention.head_count %u",
-			      path, ap, c->n_kv_heads, ap, c->n_heads);
+		return errorf(err, errlen, -EINVAL,
+			      "%s: %s.attention.head_count_kv %u must divide %s.attention.head_count %u", path, ap,
+			      c->n_kv_heads, ap, c->n_heads);
 	uint32_t vdim = c->head_dim;
 	rc = opt_u32(g, akey(k, ap, "attention.value_length"), &vdim, err, errlen);
 	if (rc)

@@ -162,8 +162,8 @@ int synth_gguf_path(const char *out, uint32_t i, uint32_t n_files, char *buf, si
  * the dtype): lets a test check bytes it did not read from the file. is_norm selects the
  * 1 + N(0, 0.02) distribution of the norm weights. name and i are those of the Hugging Face
  * checkpoint ("model.layers.0.self_attn.q_proj.weight", row-major), for GGUF files too: a GGUF
- * tensor holds the values of the Hugging Face tensor it is converted from (wq and wk with their
- * rows permuted). */
+ * tensor holds the values of the Hugging Face tensor it is converted from (wq and wk of the llama
+ * architecture with their rows permuted), a fused expert tensor those of each expert's in turn. */
 float synth_value(uint64_t seed, const char *name, bool is_norm, uint64_t i);
 
 #ifdef __cplusplus

@@ -47,7 +47,8 @@ static void gguf_name(const struct tensor_desc *t, uint32_t l, uint32_t e, char 
 	    [ROLE_FFN_NORM] = "ffn_norm",	  [ROLE_W_GATE] = "ffn_gate",	      [ROLE_W_UP] = "ffn_up",
 	    [ROLE_W_DOWN] = "ffn_down",		  [ROLE_FINAL_NORM] = "output_norm",  [ROLE_LM_HEAD] = "output",
 	    [ROLE_Q_NORM] = "attn_q_norm",	  [ROLE_K_NORM] = "attn_k_norm",      [ROLE_ROUTER] = "ffn_gate_inp",
-	    [ROLE_EXPERT_GATE] = "ffn_gate_exps", [ROLE_EXPERT_UP] = "ffn_up_exps", [ROLE_EXPERT_DOWN] = "ffn_down_exps",
+	    [ROLE_EXPERT_GATE] = "ffn_gate_exps", [ROLE_EXPERT_UP] = "ffn_up_exps",
+	    [ROLE_EXPERT_DOWN] = "ffn_down_exps",
 	};
 	uint32_t r = t->role;
 	if (r == ROLE_EMBED || r == ROLE_FINAL_NORM || r == ROLE_LM_HEAD)
@@ -273,8 +274,8 @@ START_TEST(test_per_expert_tensors)
 		snprintf(want, sizeof(want), "blk.%u.ffn_%s.%u.weight", gr->layer, mat[b->role - ROLE_EXPERT_GATE],
 			 gr->expert);
 		ck_assert_str_eq(b->name, want);
-		snprintf(want, sizeof(want), "blk.%u.ffn_%s_exps.weight[%u]", gr->layer, mat[b->role - ROLE_EXPERT_GATE],
-			 gr->expert);
+		snprintf(want, sizeof(want), "blk.%u.ffn_%s_exps.weight[%u]", gr->layer,
+			 mat[b->role - ROLE_EXPERT_GATE], gr->expert);
 		ck_assert_str_eq(a->name, want);
 		ck_assert_uint_eq(a->nbytes, 64 * 192 * 4);
 		ck_assert_uint_eq(b->nbytes, a->nbytes);
