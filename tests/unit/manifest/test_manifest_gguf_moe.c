@@ -188,6 +188,37 @@ START_TEST(test_qwen3_moe)
 }
 END_TEST
 
+/* llama-quantize's Q4_K_M for a model of 8 experts: attn_k and attn_v in Q8_0, attn_output in
+ * Q5_K, the experts as the dense matrices (ffn_down_exps Q6_K in the layers use_more_bits picks),
+ * the router F32; the file reads back as the same model. */
+START_TEST(test_q4_k_m_mix)
+{
+	struct model_config c = shape("mixtral-tiny");
+	c.dim = 256;
+	c.ffn_dim = c.expert_ffn_dim = 256;
+	c.head_dim = 64; /* attn_output rows of 256: whole K blocks */
+	c.n_layers = 8;
+	const char *st, *gg;
+	write_pair("mx256", &c, SYNTH_GGUF_Q4_K_M, &st, &gg);
+	struct manifest *s = load_ok(st), *g = load_ok(gg);
+	for (uint32_t l = 0; l < c.n_layers; l++) {
+		bool more = l < 1 || l >= 7 || (l - 1) % 3 == 2; /* use_more_bits(l, 8) */
+		uint32_t a = model_group_attn(&c, l), r = model_group_ffn(&c, l), e3 = model_group_expert(&c, l, 3);
+		ck_assert_uint_eq(g->tensors[manifest_find_tensor(g, a, ROLE_WQ)].dtype, DT_Q4_K);
+		ck_assert_uint_eq(g->tensors[manifest_find_tensor(g, a, ROLE_WK)].dtype, DT_Q8_0);
+		ck_assert_uint_eq(g->tensors[manifest_find_tensor(g, a, ROLE_WV)].dtype, DT_Q8_0);
+		ck_assert_uint_eq(g->tensors[manifest_find_tensor(g, a, ROLE_WO)].dtype, DT_Q5_K);
+		ck_assert_uint_eq(g->tensors[manifest_find_tensor(g, r, ROLE_ROUTER)].dtype, DT_F32);
+		ck_assert_uint_eq(g->tensors[manifest_find_tensor(g, e3, ROLE_EXPERT_GATE)].dtype, DT_Q4_K);
+		ck_assert_uint_eq(g->tensors[manifest_find_tensor(g, e3, ROLE_EXPERT_DOWN)].dtype,
+				  more ? DT_Q6_K : DT_Q4_K);
+	}
+	check_same(s, g, true);
+	manifest_destroy(&s);
+	manifest_destroy(&g);
+}
+END_TEST
+
 /* ---- older Mixtral files: one tensor per expert ---- */
 
 #define OLD_E 2 /* experts of the hand-written Mixtral */
@@ -394,7 +425,7 @@ END_TEST
 int main(void)
 {
 	const struct test_case cases[] = {
-	    {"same_as_safetensors", {test_qwen3, test_mixtral, test_qwen3_moe, NULL}},
+	    {"same_as_safetensors", {test_qwen3, test_mixtral, test_qwen3_moe, test_q4_k_m_mix, NULL}},
 	    {"per_expert", {test_per_expert_tensors, NULL}},
 	    {"refused", {test_refused, NULL}},
 	};
