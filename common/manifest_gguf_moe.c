@@ -172,8 +172,9 @@ int mf_gguf_place_experts(struct manifest *m, const struct gguf *g, uint32_t fi,
 			      "%s: tensor %s has type %s, which is not supported (supported: F32, "
 			      "F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)",
 			      path, t->name, gguf_type_name(t->type));
-	/* ggml order: ne[0] columns, ne[1] rows, ne[2] experts. */
-	if (t->n_dims != 3 || t->ne[0] != want[1] || t->ne[1] != want[0] || t->ne[2] != c->n_experts ||
+	/* ggml order: ne[0] columns, ne[1] rows, ne[2] experts (a writer that drops trailing 1s gives a
+	 * single expert's two dimensions). */
+	if (t->n_dims < 2 || t->ne[0] != want[1] || t->ne[1] != want[0] || t->ne[2] != c->n_experts ||
 	    t->ne[3] != 1) {
 		char got_s[128], want_s[96];
 		uint64_t shape[GGUF_MAX_DIMS], w3[3] = {c->n_experts, want[0], want[1]};
