@@ -1,15 +1,17 @@
 /* manifest_gguf.c - a GGUF checkpoint (llama.cpp's format, common/gguf.h) read into the manifest:
- * the file or split set, the model configuration from the llama.* keys (and the llama3 RoPE
+ * the file or split set, the model configuration from the <arch>.* keys (and the llama3 RoPE
  * scaling that llama.cpp stores as the rope_freqs.weight tensor), the tensor table put in the
  * canonical slots, then the same layout and hash as a safetensors checkpoint, the tokenizer
  * (manifest_gguf_vocab.c) and the chat template.
  *
- * What is accepted: general.architecture "llama" (Llama 1-3, and the Mistral models llama.cpp
- * writes as llama); the tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; RoPE over the
- * whole head, unscaled, linear or llama3. Refused, each with a message naming it: other
- * architectures, experts (llama.expert_count), partial rotary, yarn scaling, other tensor types,
- * tensors that are not part of a dense llama (biases, experts). GGUF stores the rows of wq and wk
- * permuted for llama.cpp's RoPE on adjacent pairs, so cfg.rope_layout is ROPE_ADJACENT. */
+ * What is accepted: general.architecture "llama" (Llama 1-3, the Mistral models llama.cpp writes
+ * as llama, and Mixtral: llama with llama.expert_count), "qwen3" and "qwen3moe" (the architectures
+ * and the experts: manifest_gguf_moe.c); the tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K,
+ * Q6_K; RoPE over the whole head, unscaled, linear or llama3. Refused, each with a message naming
+ * it: other architectures, partial rotary, yarn scaling, other tensor types, tensors that are not
+ * part of the model (biases, shared experts). For "llama" GGUF stores the rows of wq and wk
+ * permuted for llama.cpp's RoPE on adjacent pairs, so cfg.rope_layout is ROPE_ADJACENT; Qwen3's
+ * are stored as in the checkpoint (ROPE_HALVES). */
 #include "common/manifest_internal.h"
 
 #include <dirent.h>
@@ -26,6 +28,7 @@
 
 #define SPLIT_SUFFIX_LEN 20 /* "-00001-of-00003.gguf" */
 #define ROPE_FREQS	 "rope_freqs.weight"
+#define KEY_MAX		 96 /* "<arch>.<key>" */
 
 /* The files of a checkpoint: one, or a split set in order. */
 struct gset {
@@ -238,6 +241,13 @@ static int opt_u32(const struct gguf *g, const char *key, uint32_t *v, char *err
 	return rc == -ENOENT ? 0 : rc;
 }
 
+/* The key <ap>.<suffix> (ap: the architecture's prefix) in buf, KEY_MAX bytes. */
+static const char *akey(char *buf, const char *ap, const char *suffix)
+{
+	snprintf(buf, KEY_MAX, "%s.%s", ap, suffix);
+	return buf;
+}
+
 static int opt_f32(const struct gguf *g, const char *key, float *v, char *err, size_t errlen)
 {
 	int rc = gguf_get_f32(g, key, v, err, errlen);
@@ -249,7 +259,7 @@ static int opt_f32(const struct gguf *g, const char *key, float *v, char *err, s
  * fitted back to that formula (factor: the largest; low 1 and high 4, the only ones Meta uses;
  * the original context from the metadata, else 8192) and every one is checked, so that what the
  * compute side rebuilds from the config is what the file holds. */
-static int read_rope_freqs(const struct gset *s, struct model_config *c, char *err, size_t errlen)
+static int read_rope_freqs(const struct gset *s, struct model_config *c, const char *ap, char *err, size_t errlen)
 {
 	uint64_t ti;
 	int f = find_tensor(s, ROPE_FREQS, &ti);
@@ -284,12 +294,12 @@ static int read_rope_freqs(const struct gset *s, struct model_config *c, char *e
 	if (factor == 1.0f && lo == 1.0f)
 		goto out; /* all ones: no scaling */
 	uint32_t orig = 8192;
-	rc = opt_u32(s->g[0], "llama.rope.scaling.original_context_length", &orig, err, errlen);
+	char k[KEY_MAX];
+	rc = opt_u32(s->g[0], akey(k, ap, "rope.scaling.original_context_length"), &orig, err, errlen);
 	if (rc)
 		goto out;
 	if (orig < 1) {
-		rc = errorf(err, errlen, -EINVAL, "%s: llama.rope.scaling.original_context_length is 0",
-			    gguf_path(s->g[0]));
+		rc = errorf(err, errlen, -EINVAL, "%s: %s is 0", gguf_path(s->g[0]), k);
 		goto out;
 	}
 	const double low = 1.0, high = 4.0, low_wl = orig / low, high_wl = orig / high;
@@ -325,44 +335,44 @@ out:
 	return rc;
 }
 
-static int read_rope(const struct gset *s, struct model_config *c, char *err, size_t errlen)
+static int read_rope(const struct gset *s, struct model_config *c, const char *ap, char *err, size_t errlen)
 {
 	const struct gguf *g = s->g[0];
 	const char *path = gguf_path(g);
+	char k[KEY_MAX], k2[KEY_MAX];
 	uint32_t rot = c->head_dim;
-	int rc = opt_u32(g, "llama.rope.dimension_count", &rot, err, errlen);
+	int rc = opt_u32(g, akey(k, ap, "rope.dimension_count"), &rot, err, errlen);
 	if (rc)
 		return rc;
 	if (rot != c->head_dim)
 		return errorf(err, errlen, -ENOTSUP,
-			      "%s: llama.rope.dimension_count %u differs from the head size %u: "
+			      "%s: %s %u differs from the head size %u: "
 			      "partial rotary embeddings are not supported",
-			      path, rot, c->head_dim);
+			      path, k, rot, c->head_dim);
 	c->rope_theta = 10000.0f;
-	rc = opt_f32(g, "llama.rope.freq_base", &c->rope_theta, err, errlen);
+	rc = opt_f32(g, akey(k, ap, "rope.freq_base"), &c->rope_theta, err, errlen);
 	if (rc)
 		return rc;
 	if (!(c->rope_theta > 0 && isfinite(c->rope_theta)))
-		return errorf(err, errlen, -EINVAL, "%s: llama.rope.freq_base %g must be positive", path,
-			      (double)c->rope_theta);
+		return errorf(err, errlen, -EINVAL, "%s: %s %g must be positive", path, k, (double)c->rope_theta);
 	const char *type = NULL;
-	if (gguf_find_key(g, "llama.rope.scaling.type") >= 0 &&
-	    (rc = gguf_get_str(g, "llama.rope.scaling.type", &type, NULL, err, errlen)) != 0)
+	if (gguf_find_key(g, akey(k, ap, "rope.scaling.type")) >= 0 &&
+	    (rc = gguf_get_str(g, k, &type, NULL, err, errlen)) != 0)
 		return rc;
 	c->rope_scaling = ROPE_SCALING_NONE;
 	if (type && !strcmp(type, "linear")) {
-		rc = gguf_get_f32(g, "llama.rope.scaling.factor", &c->rope_factor, err, errlen);
+		rc = gguf_get_f32(g, akey(k2, ap, "rope.scaling.factor"), &c->rope_factor, err, errlen);
 		if (rc)
 			return rc;
 		c->rope_scaling = ROPE_SCALING_LINEAR;
 	} else if (type && strcmp(type, "none")) {
 		return errorf(err, errlen, -ENOTSUP,
-			      "%s: llama.rope.scaling.type \"%.40s\" is not supported (supported: "
+			      "%s: %s \"%.40s\" is not supported (supported: "
 			      "none, linear; llama3 as rope_freqs.weight)",
-			      path, type);
-	} else if (!type && gguf_find_key(g, "llama.rope.scale_linear") >= 0) {
+			      path, k, type);
+	} else if (!type && gguf_find_key(g, akey(k2, ap, "rope.scale_linear")) >= 0) {
 		/* The key older files use. */
-		rc = gguf_get_f32(g, "llama.rope.scale_linear", &c->rope_factor, err, errlen);
+		rc = gguf_get_f32(g, k2, &c->rope_factor, err, errlen);
 		if (rc)
 			return rc;
 		if (c->rope_factor != 1.0f)
@@ -371,7 +381,7 @@ static int read_rope(const struct gset *s, struct model_config *c, char *err, si
 	if (c->rope_scaling == ROPE_SCALING_LINEAR && !(c->rope_factor > 0 && isfinite(c->rope_factor)))
 		return errorf(err, errlen, -EINVAL, "%s: the linear RoPE scaling factor %g must be positive", path,
 			      (double)c->rope_factor);
-	return read_rope_freqs(s, c, err, errlen);
+	return read_rope_freqs(s, c, ap, err, errlen);
 }
 
 /* A token id key (optional): inside the vocabulary. Returns 1 with *id when present. */
@@ -435,7 +445,7 @@ static int read_special_ids(const struct gguf *g, struct model_config *c, char *
 	return 0;
 }
 
-static int read_vocab_size(const struct gset *s, struct model_config *c, char *err, size_t errlen)
+static int read_vocab_size(const struct gset *s, struct model_config *c, const char *ap, char *err, size_t errlen)
 {
 	const struct gguf *g = s->g[0];
 	uint64_t n_tokens = 0, ti;
@@ -445,8 +455,9 @@ static int read_vocab_size(const struct gset *s, struct model_config *c, char *e
 	    gguf_kv_array_type(g, (uint64_t)k, &n_tokens) == GGUF_STRING)
 		have_tokens = true;
 	int f;
-	if (gguf_find_key(g, "llama.vocab_size") >= 0) {
-		int rc = gguf_get_u32(g, "llama.vocab_size", &c->vocab_size, err, errlen);
+	char key[KEY_MAX];
+	if (gguf_find_key(g, akey(key, ap, "vocab_size")) >= 0) {
+		int rc = gguf_get_u32(g, key, &c->vocab_size, err, errlen);
 		if (rc)
 			return rc;
 	} else if (have_tokens) {
@@ -456,9 +467,9 @@ static int read_vocab_size(const struct gset *s, struct model_config *c, char *e
 		c->vocab_size = rows > UINT32_MAX ? UINT32_MAX : (uint32_t)rows;
 	} else {
 		return errorf(err, errlen, -EINVAL,
-			      "%s: no llama.vocab_size, no tokenizer.ggml.tokens and no "
+			      "%s: no %s, no tokenizer.ggml.tokens and no "
 			      "token_embd.weight: the vocabulary size is unknown",
-			      gguf_path(g));
+			      gguf_path(g), key);
 	}
 	if (have_tokens && n_tokens > c->vocab_size)
 		return errorf(err, errlen, -EINVAL,
@@ -471,79 +482,64 @@ static int read_vocab_size(const struct gset *s, struct model_config *c, char *e
 static int read_config_keys(const struct gset *s, struct model_config *c, char *err, size_t errlen)
 {
 	const struct gguf *g = s->g[0];
-	const char *path = gguf_path(g), *arch;
+	const char *path = gguf_path(g), *ap;
 	memset(c, 0, sizeof(*c));
-	int rc = gguf_get_str(g, "general.architecture", &arch, NULL, err, errlen);
+	int rc = mf_gguf_arch(g, c, &ap, err, errlen);
 	if (rc)
 		return rc;
-	if (strcmp(arch, "llama"))
-		return errorf(err, errlen, -ENOTSUP, "%s: architecture \"%.60s\" is not supported (supported: llama)",
-			      path, arch);
-	c->arch = ARCH_LLAMA;
-	c->rope_layout = ROPE_ADJACENT;
-	uint32_t experts = 0;
-	rc = opt_u32(g, "llama.expert_count", &experts, err, errlen);
-	if (rc)
-		return rc;
-	if (experts)
-		return errorf(err, errlen, -ENOTSUP,
-			      "%s: llama.expert_count %u: mixture-of-experts models are not "
-			      "supported",
-			      path, experts);
+	char k[KEY_MAX];
 	struct {
 		const char *key;
 		uint32_t *v;
 		bool required;
 		uint32_t lo, hi; /* model_config_check's bounds */
 	} keys[] = {
-	    {"llama.block_count", &c->n_layers, true, 1, 1024},
-	    {"llama.embedding_length", &c->dim, true, 1, 1u << 17},
-	    {"llama.feed_forward_length", &c->ffn_dim, true, 1, 1u << 20},
-	    {"llama.attention.head_count", &c->n_heads, true, 1, 1024},
-	    {"llama.attention.head_count_kv", &c->n_kv_heads, false, 1, 1024},
-	    {"llama.attention.key_length", &c->head_dim, false, 1, 1024},
-	    {"llama.context_length", &c->max_position, true, 1, UINT32_MAX},
+	    {"block_count", &c->n_layers, true, 1, 1024},
+	    {"embedding_length", &c->dim, true, 1, 1u << 17},
+	    {"feed_forward_length", &c->ffn_dim, true, 1, 1u << 20},
+	    {"attention.head_count", &c->n_heads, true, 1, 1024},
+	    {"attention.head_count_kv", &c->n_kv_heads, false, 1, 1024},
+	    {"attention.key_length", &c->head_dim, false, 1, 1024},
+	    {"context_length", &c->max_position, true, 1, UINT32_MAX},
 	};
 	for (size_t i = 0; i < ARRAY_SIZE(keys); i++) {
 		if (i == 4)
 			c->n_kv_heads = c->n_heads; /* without the key: no grouped-query attention */
 		if (i == 5 && c->n_heads && c->dim % c->n_heads == 0)
 			c->head_dim = c->dim / c->n_heads;
-		rc = gguf_get_u32(g, keys[i].key, keys[i].v, err, errlen);
+		rc = gguf_get_u32(g, akey(k, ap, keys[i].key), keys[i].v, err, errlen);
 		if (rc == -ENOENT && keys[i].v == &c->head_dim && !c->head_dim)
 			return errorf(err, errlen, -EINVAL,
-				      "%s: llama.attention.head_count %u does not divide "
-				      "llama.embedding_length %u (and there is no llama.attention.key_length)",
-				      path, c->n_heads, c->dim);
+				      "%s: %s.attention.head_count %u does not divide "
+				      "%s.embedding_length %u (and there is no %s)",
+				      path, ap, c->n_heads, ap, c->dim, k);
 		if (rc && (rc != -ENOENT || keys[i].required))
 			return rc;
 		if (*keys[i].v < keys[i].lo || *keys[i].v > keys[i].hi)
-			return errorf(err, errlen, -EINVAL, "%s: %s %u is out of range [%u, %u]", path, keys[i].key,
-				      *keys[i].v, keys[i].lo, keys[i].hi);
+			return errorf(err, errlen, -EINVAL, "%s: %s %u is out of range [%u, %u]", path, k, *keys[i].v,
+				      keys[i].lo, keys[i].hi);
 	}
 	if (c->n_heads % c->n_kv_heads)
 		return errorf(err, errlen, -EINVAL,
-			      "%s: llama.attention.head_count_kv %u must divide "
-			      "llama.attention.head_count %u",
-			      path, c->n_kv_heads, c->n_heads);
+			      "%s: %s.attention.head_count_kv %u must divide %s.attention.head_count %u", path, ap,
+			      c->n_kv_heads, ap, c->n_heads);
 	uint32_t vdim = c->head_dim;
-	rc = opt_u32(g, "llama.attention.value_length", &vdim, err, errlen);
+	rc = opt_u32(g, akey(k, ap, "attention.value_length"), &vdim, err, errlen);
 	if (rc)
 		return rc;
 	if (vdim != c->head_dim)
-		return errorf(err, errlen, -ENOTSUP,
-			      "%s: llama.attention.value_length %u differs from key_length %u: not "
-			      "supported",
-			      path, vdim, c->head_dim);
-	rc = gguf_get_f32(g, "llama.attention.layer_norm_rms_epsilon", &c->rms_eps, err, errlen);
+		return errorf(err, errlen, -ENOTSUP, "%s: %s %u differs from key_length %u: not supported", path, k,
+			      vdim, c->head_dim);
+	rc = gguf_get_f32(g, akey(k, ap, "attention.layer_norm_rms_epsilon"), &c->rms_eps, err, errlen);
 	if (rc)
 		return rc;
 	if (!(c->rms_eps > 0 && c->rms_eps < 1))
-		return errorf(err, errlen, -EINVAL, "%s: llama.attention.layer_norm_rms_epsilon %g must be in (0, 1)",
-			      path, (double)c->rms_eps);
-	rc = read_rope(s, c, err, errlen);
+		return errorf(err, errlen, -EINVAL, "%s: %s %g must be in (0, 1)", path, k, (double)c->rms_eps);
+	rc = mf_gguf_read_experts(g, ap, c, err, errlen);
 	if (!rc)
-		rc = read_vocab_size(s, c, err, errlen);
+		rc = read_rope(s, c, ap, err, errlen);
+	if (!rc)
+		rc = read_vocab_size(s, c, ap, err, errlen);
 	if (!rc && (c->vocab_size < 1 || c->vocab_size > (1u << 24)))
 		rc = errorf(err, errlen, -EINVAL, "%s: the vocabulary size %u is out of range [1, %u]", path,
 			    c->vocab_size, 1u << 24);
@@ -582,10 +578,13 @@ static int place_tensor(struct manifest *m, const struct gset *s, uint32_t fi, u
 	if (nc == NAME_UNEXPECTED && !strcmp(t->name, ROPE_FREQS))
 		return 0; /* read into the config (read_rope_freqs) */
 	if (nc == NAME_UNEXPECTED)
-		return errorf(err, errlen, -EINVAL, "%s: unexpected tensor %s (not part of a %u-layer llama)", path,
-			      t->name, m->cfg.n_layers);
+		return errorf(err, errlen, -EINVAL, "%s: unexpected tensor %s (not part of a %u-layer %s%s)", path,
+			      t->name, m->cfg.n_layers, mf_gguf_arch_name(&m->cfg),
+			      m->cfg.n_experts ? " with experts" : "");
 	if (nc == NAME_IGNORE)
 		return 0;
+	if (nc == NAME_EXPERTS)
+		return mf_gguf_place_experts(m, g, fi, ti, slot, found, err, errlen);
 	if (found[slot])
 		return errorf(err, errlen, -EINVAL, "%s: tensor %s appears twice in the split set", path, t->name);
 	enum dtype dt;

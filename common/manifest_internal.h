@@ -5,7 +5,8 @@
  * against the config (manifest_safetensors.c) -> canonical tensor table (group, then role) ->
  * read extents per group -> hash (manifest_layout.c). A GGUF checkpoint takes the same path from
  * other inputs (manifest_gguf.c): the header of each file of the set (common/gguf.h) -> the config
- * from its llama.* keys -> its tensor table into the canonical slots -> the same layout and hash;
+ * from its <arch>.* keys (manifest_gguf_moe.c: Qwen3's and the experts') -> its tensor table into
+ * the canonical slots, a fused expert tensor cut into one tensor per expert -> the same layout and hash;
  * its tokenizer.ggml.* keys become tokenizer.json text (manifest_gguf_vocab.c).
  *
  * The tensor table is indexed by a canonical slot from the start (manifest_names.c): slot 0 is
@@ -21,7 +22,7 @@
 
 #include "common/manifest.h"
 
-#define LAYER_ROLES 9 /* tensors per dense Llama layer: 5 attention + 4 feed-forward (GGUF's layout) */
+#define LAYER_ROLES 9 /* tensors per dense Llama layer: 5 attention + 4 feed-forward */
 #define INDEX_NAME  "model.safetensors.index.json"
 #define SINGLE_NAME "model.safetensors"
 
@@ -37,15 +38,19 @@ uint32_t mf_n_slots(const struct model_config *c);
 /* What slot s holds: role, group and checkpoint name. */
 void mf_slot_info(const struct model_config *c, uint32_t s, uint32_t *role, uint32_t *group, char *name, size_t len);
 
-enum name_class { NAME_SLOT = 0, NAME_IGNORE = 1, NAME_UNEXPECTED = 2 };
+/* NAME_EXPERTS: a GGUF tensor holding one matrix of every expert of a layer (mf_classify_gguf). */
+enum name_class { NAME_SLOT = 0, NAME_IGNORE = 1, NAME_UNEXPECTED = 2, NAME_EXPERTS = 3 };
 
 /* Maps a checkpoint tensor name to its slot. */
 enum name_class mf_classify(const struct model_config *c, const char *name, uint32_t *slot);
 /* The same for GGUF (llama.cpp's) names: token_embd.weight, blk.N.attn_norm.weight, attn_q,
- * attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down, output_norm.weight and
+ * attn_k, attn_v, attn_output, (Qwen3) attn_q_norm, attn_k_norm, ffn_norm, then ffn_gate, ffn_up,
+ * ffn_down, or with experts the router ffn_gate_inp and the fused ffn_gate_exps, ffn_up_exps,
+ * ffn_down_exps (NAME_EXPERTS: *slot is expert 0's slot of that matrix, expert e's is *slot + 3e)
+ * or the per-expert blk.N.ffn_gate.E.weight of older Mixtral files; output_norm.weight and
  * output.weight (ignored when the embeddings are tied). */
 enum name_class mf_classify_gguf(const struct model_config *c, const char *name, uint32_t *slot);
-/* The GGUF name of slot s. */
+/* The GGUF name of slot s (an expert's: the fused tensor that holds it). */
 void mf_slot_name_gguf(const struct model_config *c, uint32_t s, char *name, size_t len);
 /* "[a, b]" into buf. */
 void mf_format_shape(char *buf, size_t len, const uint64_t *shape, uint32_t ndim);
@@ -98,6 +103,30 @@ int mf_load_gguf(struct manifest *m, const char *path, char *err, size_t errlen)
  * make a tokenizer this project loads); -ENOMEM with a message in err. */
 int mf_gguf_tokenizer_json(const struct gguf *g, char **json, size_t *len, char *note, size_t notelen, char *err,
 			   size_t errlen);
+
+/* ---- GGUF architectures and experts (manifest_gguf_moe.c) ---- */
+
+/* general.architecture of g: sets c->arch (ARCH_LLAMA for "llama", ARCH_QWEN3 for "qwen3",
+ * ARCH_QWEN3_MOE for "qwen3moe"), c->rope_layout (llama.cpp permutes wq/wk rows for "llama" only)
+ * and MODEL_QK_NORM, and points *prefix at the arch's key prefix. Returns 0, or -ENOTSUP (another
+ * architecture) / -EINVAL with a message. */
+int mf_gguf_arch(const struct gguf *g, struct model_config *c, const char **prefix, char *err, size_t errlen);
+/* The experts of g's model from the <prefix>.expert_* keys: none for a dense llama or qwen3
+ * (expert_count absent or 0); a llama with experts becomes ARCH_MIXTRAL (experts of
+ * feed_forward_length, renormalised top-k); qwen3moe needs them (expert_feed_forward_length, and
+ * expert_weights_norm, true when absent, as llama.cpp computes it). c->dim and c->ffn_dim are read
+ * already. Returns 0, or -EINVAL (missing or inconsistent keys) / -ENOTSUP (shared experts, dense
+ * leading layers, a gating function other than softmax) with a message naming the key. */
+int mf_gguf_read_experts(const struct gguf *g, const char *prefix, struct model_config *c, char *err,
+			 size_t errlen);
+/* The GGUF name of m's architecture ("llama", "qwen3", "qwen3moe"). */
+const char *mf_gguf_arch_name(const struct model_config *c);
+/* Puts the fused expert tensor ti of file fi (ggml ne = [cols, rows, n_experts]) in the slots of its
+ * n_experts experts, slot0 being expert 0's (mf_classify_gguf), expert e's tensor the e-th slice of
+ * rows * row_bytes bytes, named "<name>[e]". Checks its type, shape and expert count against the
+ * config and that no slot is filled twice (found). Returns 0 or -EINVAL / -ENOTSUP with a message. */
+int mf_gguf_place_experts(struct manifest *m, const struct gguf *g, uint32_t fi, uint64_t ti, uint32_t slot0,
+			  bool *found, char *err, size_t errlen);
 
 /* ---- layout (manifest_layout.c) ---- */
 

@@ -189,52 +189,85 @@ enum name_class mf_classify(const struct model_config *c, const char *name, uint
 	return NAME_UNEXPECTED;
 }
 
-/* llama.cpp's names, in the order of layer_suffix. */
-static const char *const gguf_layer_suffix[LAYER_ROLES] = {
-	"attn_norm.weight", "attn_q.weight",   "attn_k.weight", "attn_v.weight",   "attn_output.weight",
-	"ffn_norm.weight",  "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
-};
+/* llama.cpp's name of a layer tensor, after "blk.N.": the experts' fused tensors (ffn_gate_exps,
+ * ffn_up_exps, ffn_down_exps), which hold every expert of the layer. */
+static const char *gguf_layer_name(uint32_t role)
+{
+	static const char *const names[ROLE_COUNT] = {
+		[ROLE_ATTN_NORM] = "attn_norm.weight",	   [ROLE_WQ] = "attn_q.weight",
+		[ROLE_WK] = "attn_k.weight",		   [ROLE_WV] = "attn_v.weight",
+		[ROLE_WO] = "attn_output.weight",	   [ROLE_FFN_NORM] = "ffn_norm.weight",
+		[ROLE_W_GATE] = "ffn_gate.weight",	   [ROLE_W_UP] = "ffn_up.weight",
+		[ROLE_W_DOWN] = "ffn_down.weight",	   [ROLE_Q_NORM] = "attn_q_norm.weight",
+		[ROLE_K_NORM] = "attn_k_norm.weight",	   [ROLE_ROUTER] = "ffn_gate_inp.weight",
+		[ROLE_EXPERT_GATE] = "ffn_gate_exps.weight", [ROLE_EXPERT_UP] = "ffn_up_exps.weight",
+		[ROLE_EXPERT_DOWN] = "ffn_down_exps.weight",
+	};
+	return role < ROLE_COUNT && names[role] ? names[role] : "?";
+}
 
 void mf_slot_name_gguf(const struct model_config *c, uint32_t s, char *name, size_t len)
 {
-	uint32_t head0 = 1 + LAYER_ROLES * c->n_layers;
-	if (c->n_experts || (c->flags & MODEL_QK_NORM))
-		snprintf(name, len, "?"); /* GGUF files are read as the dense Llama layout only */
-	else if (s == 0)
+	uint32_t ls = layer_slots(c), head0 = 1 + ls * c->n_layers;
+	if (s == 0) {
 		snprintf(name, len, "token_embd.weight");
-	else if (s < head0)
-		snprintf(name, len, "blk.%u.%s", (s - 1) / LAYER_ROLES, gguf_layer_suffix[(s - 1) % LAYER_ROLES]);
-	else if (s == head0)
+	} else if (s < head0) {
+		uint32_t role, e;
+		layer_slot_role(c, (s - 1) % ls, &role, &e);
+		snprintf(name, len, "blk.%u.%s", (s - 1) / ls, gguf_layer_name(role));
+	} else if (s == head0) {
 		snprintf(name, len, "output_norm.weight");
-	else
+	} else {
 		snprintf(name, len, "output.weight");
+	}
 }
 
 enum name_class mf_classify_gguf(const struct model_config *c, const char *name, uint32_t *slot)
 {
-	if (c->n_experts || (c->flags & MODEL_QK_NORM))
-		return NAME_UNEXPECTED; /* GGUF files are read as the dense Llama layout only */
+	uint32_t ls = layer_slots(c);
 	if (!strcmp(name, "token_embd.weight")) {
 		*slot = 0;
 		return NAME_SLOT;
 	}
 	if (!strcmp(name, "output_norm.weight")) {
-		*slot = 1 + LAYER_ROLES * c->n_layers;
+		*slot = 1 + ls * c->n_layers;
 		return NAME_SLOT;
 	}
 	if (!strcmp(name, "output.weight")) {
 		if (c->tie_embeddings)
 			return NAME_IGNORE;
-		*slot = 2 + LAYER_ROLES * c->n_layers;
+		*slot = 2 + ls * c->n_layers;
 		return NAME_SLOT;
 	}
 	uint32_t l;
 	const char *p = layer_rest(c, name, "blk.", &l);
 	if (!p)
 		return NAME_UNEXPECTED;
-	for (uint32_t k = 0; k < LAYER_ROLES; k++) {
-		if (!strcmp(p, gguf_layer_suffix[k])) {
-			*slot = 1 + LAYER_ROLES * l + k;
+	uint32_t base = 1 + ls * l, na = attn_slots(c);
+	/* Every slot but the experts' by name; the experts' fused tensors by their matrix. */
+	uint32_t plain = na + (c->n_experts ? 2 : 4);
+	for (uint32_t k = 0; k < plain; k++) {
+		uint32_t role, e;
+		layer_slot_role(c, k, &role, &e);
+		if (!strcmp(p, gguf_layer_name(role))) {
+			*slot = base + k;
+			return NAME_SLOT;
+		}
+	}
+	if (!c->n_experts)
+		return NAME_UNEXPECTED;
+	/* The layout older converters wrote for Mixtral: one tensor per expert, blk.N.ffn_gate.E.weight. */
+	static const char *const old[3] = {"ffn_gate.", "ffn_up.", "ffn_down."};
+	for (uint32_t m = 0; m < 3; m++) {
+		if (!strcmp(p, gguf_layer_name(ROLE_EXPERT_GATE + m))) {
+			*slot = base + plain + m;
+			return NAME_EXPERTS;
+		}
+		size_t n = strlen(old[m]);
+		uint32_t e;
+		const char *q;
+		if (!strncmp(p, old[m], n) && (q = parse_index(p + n, c->n_experts, &e)) && !strcmp(q, "weight")) {
+			*slot = base + plain + 3 * e + m;
 			return NAME_SLOT;
 		}
 	}

@@ -55,10 +55,11 @@ enum rope_scaling {
 };
 
 /* Which dimensions of a head RoPE rotates together. Hugging Face checkpoints pair dimension i with
- * i + head_dim/2 (rotate_half); GGUF files store the rows of wq and wk permuted so that pairs are
- * adjacent (2i, 2i+1), the order llama.cpp's RoPE expects. Rotating adjacent pairs of the permuted
- * rows computes the same attention scores as rotating halves of the original ones (q.k is a sum
- * over pairs, and both q and k are permuted alike), so the stored bytes are used as they are. */
+ * i + head_dim/2 (rotate_half); GGUF files of the llama architecture (not qwen3, qwen3moe) store
+ * the rows of wq and wk permuted so that pairs are adjacent (2i, 2i+1), the order llama.cpp's RoPE
+ * expects there. Rotating adjacent pairs of the permuted rows computes the same attention scores
+ * as rotating halves of the original ones (q.k is a sum over pairs, and both q and k are permuted
+ * alike), so the stored bytes are used as they are. */
 enum rope_layout {
 	ROPE_HALVES = 0,   /* (i, i + head_dim/2), frequency i: Hugging Face */
 	ROPE_ADJACENT = 1, /* (2i, 2i + 1), frequency i: GGUF */

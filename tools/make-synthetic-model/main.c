@@ -1,5 +1,6 @@
-/* make-synthetic-model - writes a random-weight Llama/Mistral checkpoint in the Hugging Face
- * layout or as GGUF files, for tests and benchmarks without downloading a model.
+/* make-synthetic-model - writes a random-weight Llama, Mistral, Qwen3, Mixtral or Qwen3-MoE
+ * checkpoint in the Hugging Face layout or as GGUF files, for tests and benchmarks without
+ * downloading a model.
  *
  *   make-synthetic-model --shape tiny --out /tmp/tiny
  *   make-synthetic-model --shape llama3-8b --out /data/l8b     (16 GB; a progress line a second)
@@ -8,6 +9,8 @@
  *       --tokenizer tokenizer.json --out /data/l8b-q4_k_m.gguf   (4.9 GB, quantized on every core)
  *   make-synthetic-model --shape tiny --format gguf --type q8_0 --shards 2 --out /tmp/g
  *                                       (/tmp/g/model-00001-of-00002.gguf, model-00002-of-00002.gguf)
+ *   make-synthetic-model --shape mixtral-tiny --format gguf --type q8_0 --out /tmp/mx.gguf
+ *                                       (architecture llama with experts, in ffn_*_exps tensors)
  *
  * GGUF files hold what llama.cpp's convert_hf_to_gguf.py (and llama-quantize, for the quantized
  * types) makes of the safetensors checkpoint of the same arguments: its values rounded to --dtype,

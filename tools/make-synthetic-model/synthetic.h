@@ -6,7 +6,9 @@
  * so manifest_load and the loader read them exactly as they read a real checkpoint. As GGUF
  * (o.format = SYNTH_GGUF) they are what llama.cpp's convert_hf_to_gguf.py and llama-quantize
  * make of that checkpoint: one model.gguf, or a split set model-0000i-of-0000n.gguf as gguf-split
- * writes it, with the Llama metadata, wq/wk rows permuted for adjacent-pair RoPE, and the
+ * writes it, with the metadata of the architecture (llama for Llama, Mistral and Mixtral: wq/wk
+ * rows permuted for adjacent-pair RoPE; qwen3, qwen3moe), the experts of a layer stacked into one
+ * tensor per matrix (ffn_gate_exps, ffn_up_exps, ffn_down_exps), and the
  * matrices in the chosen type (F32, F16, BF16, Q8_0, Q4_0, Q6_K, or llama.cpp's Q4_K_M / Q5_K_M
  * mixes). The weights are random (matrices ~ N(0, 0.02), norms 1 + N(0, 0.02)): the model runs,
  * its output is noise.
@@ -160,8 +162,8 @@ int synth_gguf_path(const char *out, uint32_t i, uint32_t n_files, char *buf, si
  * the dtype): lets a test check bytes it did not read from the file. is_norm selects the
  * 1 + N(0, 0.02) distribution of the norm weights. name and i are those of the Hugging Face
  * checkpoint ("model.layers.0.self_attn.q_proj.weight", row-major), for GGUF files too: a GGUF
- * tensor holds the values of the Hugging Face tensor it is converted from (wq and wk with their
- * rows permuted). */
+ * tensor holds the values of the Hugging Face tensor it is converted from (wq and wk of the llama
+ * architecture with their rows permuted), a fused expert tensor those of each expert's in turn. */
 float synth_value(uint64_t seed, const char *name, bool is_norm, uint64_t i);
 
 #ifdef __cplusplus

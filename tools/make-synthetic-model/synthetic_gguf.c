@@ -1,17 +1,21 @@
 /* synthetic_gguf.c - what a synthetic GGUF file holds: its tensors (names, types, shapes, files,
  * offsets) and its header, as llama.cpp's convert_hf_to_gguf.py (metadata, names, the wq/wk row
- * permutation, rope_freqs) and llama-quantize (the types of the Q4_K_M and Q5_K_M mixes) make them
- * of the Hugging Face checkpoint of the same options. synthetic_gguf_write.c writes the files.
+ * permutation, rope_freqs, the experts stacked into one tensor per matrix) and llama-quantize (the
+ * types of the Q4_K_M and Q5_K_M mixes) make them of the Hugging Face checkpoint of the same
+ * options.
+ * synthetic_gguf_write.c writes the files.
  *
  * A file: "GGUF", version 3, the tensor and key/value counts, the key/value pairs, the tensor
  * infos (name, dimensions in ggml order, ggml type, offset), zeros up to the next multiple of
  * general.alignment (32), then the data section: each tensor at an offset that is a multiple of
  * 32, followed by zeros up to the next one (after the last tensor too, as ggml and gguf-py write
  * it). Tensors come in llama.cpp's order: rope_freqs (llama3 RoPE scaling only), token_embd, per
- * block attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down (a
- * block's attention and its feed-forward each contiguous), then output_norm and output (absent
- * when the embeddings are tied). A split set cuts that sequence into contiguous runs of about
- * equal bytes. */
+ * block attn_norm, attn_q, attn_k, attn_v, attn_output, (Qwen3) attn_q_norm, attn_k_norm, ffn_norm,
+ * then ffn_gate, ffn_up, ffn_down, or with experts the router ffn_gate_inp (F32) and ffn_gate_exps,
+ * ffn_up_exps, ffn_down_exps (ggml ne = [cols, rows, n_experts]: expert e's matrix is the e-th run
+ * of rows); then output_norm and output (absent when the embeddings are tied). The architecture is
+ * llama for Llama, Mistral and Mixtral (wq/wk rows permuted), qwen3 and qwen3moe for Qwen3's (rows
+ * as in the checkpoint). A split set cuts that sequence into contiguous runs of about equal bytes. */
 #include "tools/make-synthetic-model/synthetic_internal.h"
 
 #include <assert.h>
@@ -140,7 +144,14 @@ static int matrix_type(struct gtensor *t, const struct model_config *c, enum syn
 		} else if (t->kind == GK_DOWN && use_more_bits(i, n)) {
 			ty = DT_Q6_K;
 		}
+		/* Its rules for a model of 8 experts: attn_v and attn_k in Q8_0, attn_output in Q5_K (Q4_K_M) */
+		if (c->n_experts == 8 && (t->kind == GK_WV || t->kind == GK_WK))
+			ty = DT_Q8_0;
+		if (c->n_experts == 8 && t->kind == GK_WO && gt == SYNTH_GGUF_Q4_K_M)
+			ty = DT_Q5_K;
 	}
+	if (t->kind == GK_ROUTER)
+		ty = DT_F32;
 	if (t->ne[0] % dtype_block_elems(ty)) {
 		if (ty == DT_Q4_K || ty == DT_Q5_K)
 			ty = DT_Q4_0;
@@ -166,6 +177,7 @@ static struct gtensor *add(struct gplan *p, const struct synth_options *o, const
 	t->ndim = rows ? 2 : 1;
 	t->ne[0] = cols;
 	t->ne[1] = rows ? rows : 1;
+	t->ne[2] = 1;
 	t->key = hf_name ? syn_tensor_key(o->seed, hf_name) : 0;
 	t->type = DT_F32; /* vectors; matrix_type sets the matrices' */
 	return t;
@@ -193,14 +205,30 @@ static void llama3_rope_freqs(const struct model_config *c, float *out)
 	}
 }
 
+/* The Hugging Face name of matrix m (0 gate, 1 up, 2 down) of expert e in layer l. */
+static void expert_hf_name(const struct model_config *c, uint32_t l, uint32_t e, int m, char *buf, size_t len)
+{
+	static const char *const mx[3] = {"w1", "w3", "w2"}, *const qw[3] = {"gate", "up", "down"};
+	if (c->arch == ARCH_MIXTRAL)
+		snprintf(buf, len, "model.layers.%u.block_sparse_moe.experts.%u.%s.weight", l, e, mx[m]);
+	else
+		snprintf(buf, len, "model.layers.%u.mlp.experts.%u.%s_proj.weight", l, e, qw[m]);
+}
+
 static int plan_tensors(struct gplan *p, const struct model_config *c, const struct synth_options *o, bool tied,
 			char *err, size_t errlen)
 {
-	uint32_t cap = 4 + 9 * c->n_layers;
+	uint32_t cap = 4 + 14 * c->n_layers;
 	p->t = calloc(cap, sizeof(*p->t));
-	if (!p->t)
+	p->n_expert_keys = 3 * c->n_experts * c->n_layers;
+	p->expert_keys = calloc(p->n_expert_keys ? p->n_expert_keys : 1, sizeof(*p->expert_keys));
+	if (!p->t || !p->expert_keys)
 		return errorf(err, errlen, -ENOMEM, "out of memory planning %u tensors", cap);
 	uint64_t d = c->dim, q = (uint64_t)c->n_heads * c->head_dim, kv = (uint64_t)c->n_kv_heads * c->head_dim;
+	uint64_t ef = c->expert_ffn_dim;
+	/* convert_hf_to_gguf.py permutes wq/wk rows for the llama architecture (Llama, Mistral, Mixtral),
+	 * not for Qwen3's. */
+	bool permute = c->arch != ARCH_QWEN3 && c->arch != ARCH_QWEN3_MOE;
 	char name[TENSOR_NAME_MAX], hf[TENSOR_NAME_MAX];
 	if (c->rope_scaling == ROPE_SCALING_LLAMA3) {
 		p->rope_freqs = malloc(c->head_dim / 2 * sizeof(float));
@@ -216,12 +244,18 @@ static int plan_tensors(struct gplan *p, const struct model_config *c, const str
 	} blk[] = {
 		{"attn_norm", "input_layernorm", GK_NORM},   {"attn_q", "self_attn.q_proj", GK_WQ},
 		{"attn_k", "self_attn.k_proj", GK_WK},	      {"attn_v", "self_attn.v_proj", GK_WV},
-		{"attn_output", "self_attn.o_proj", GK_WO},   {"ffn_norm", "post_attention_layernorm", GK_NORM},
+		{"attn_output", "self_attn.o_proj", GK_WO},   {"attn_q_norm", "self_attn.q_norm", GK_NORM},
+		{"attn_k_norm", "self_attn.k_norm", GK_NORM}, {"ffn_norm", "post_attention_layernorm", GK_NORM},
 		{"ffn_gate", "mlp.gate_proj", GK_GATE},	      {"ffn_up", "mlp.up_proj", GK_UP},
 		{"ffn_down", "mlp.down_proj", GK_DOWN},
 	};
 	for (uint32_t l = 0; l < c->n_layers; l++) {
 		for (size_t k = 0; k < sizeof(blk) / sizeof(blk[0]); k++) {
+			bool qk_norm = k == 5 || k == 6, ffn = blk[k].kind >= GK_GATE && blk[k].kind <= GK_DOWN;
+			if (qk_norm && !(c->flags & MODEL_QK_NORM))
+				continue;
+			if (ffn && c->n_experts)
+				break;
 			snprintf(name, sizeof(name), "blk.%u.%s.weight", l, blk[k].gguf);
 			snprintf(hf, sizeof(hf), "model.layers.%u.%s.weight", l, blk[k].hf);
 			uint64_t cols = d, rows = 0;
@@ -246,13 +280,36 @@ static int plan_tensors(struct gplan *p, const struct model_config *c, const str
 				cols = c->ffn_dim;
 				break;
 			default: /* norms */
+				if (qk_norm)
+					cols = c->head_dim;
 				break;
 			}
 			struct gtensor *t = add(p, o, name, hf, blk[k].kind, l, cols, rows);
-			if (blk[k].kind == GK_WQ)
+			if (permute && blk[k].kind == GK_WQ)
 				t->perm_heads = c->n_heads;
-			else if (blk[k].kind == GK_WK)
+			else if (permute && blk[k].kind == GK_WK)
 				t->perm_heads = c->n_kv_heads;
+		}
+		if (!c->n_experts)
+			continue;
+		/* The router, then each matrix of every expert stacked into one tensor (ggml ne = [cols,
+		 * rows, n_experts]), as convert_hf_to_gguf.py merges them. */
+		snprintf(name, sizeof(name), "blk.%u.ffn_gate_inp.weight", l);
+		snprintf(hf, sizeof(hf), "model.layers.%u.%s.gate.weight", l,
+			 c->arch == ARCH_MIXTRAL ? "block_sparse_moe" : "mlp");
+		add(p, o, name, hf, GK_ROUTER, l, d, c->n_experts);
+		static const char *const exps[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+		for (int m = 0; m < 3; m++) {
+			snprintf(name, sizeof(name), "blk.%u.%s.weight", l, exps[m]);
+			struct gtensor *t = add(p, o, name, NULL, m == 0 ? GK_GATE : m == 1 ? GK_UP : GK_DOWN, l,
+						m == 2 ? ef : d, m == 2 ? d : ef);
+			t->ndim = 3;
+			t->ne[2] = c->n_experts;
+			t->keys_at = (3 * l + (uint32_t)m) * c->n_experts;
+			for (uint32_t e = 0; e < c->n_experts; e++) {
+				expert_hf_name(c, l, e, m, hf, sizeof(hf));
+				p->expert_keys[t->keys_at + e] = syn_tensor_key(o->seed, hf);
+			}
 		}
 	}
 	add(p, o, "output_norm.weight", "model.norm.weight", GK_NORM, 0, d, 0);
@@ -260,13 +317,13 @@ static int plan_tensors(struct gplan *p, const struct model_config *c, const str
 		add(p, o, "output.weight", "lm_head.weight", GK_OUTPUT, 0, d, c->vocab_size);
 	for (uint32_t i = 0; i < p->n; i++) {
 		struct gtensor *t = &p->t[i];
-		if (t->ndim == 2) {
+		if (t->ndim >= 2) {
 			int rc = matrix_type(t, c, (enum synth_gguf_type)o->gguf_type, tied, err, errlen);
 			if (rc)
 				return rc;
 		}
 		t->row_bytes = dtype_row_bytes(t->type, t->ne[0]);
-		t->nbytes = t->row_bytes * t->ne[1];
+		t->nbytes = t->row_bytes * t->ne[1] * t->ne[2];
 		p->tensor_bytes += t->nbytes;
 		if (t->ne[0] > p->max_cols)
 			p->max_cols = t->ne[0];
@@ -422,37 +479,53 @@ static void kv_i32_array(struct kvs *k, const char *name, uint32_t n, const int3
 		put_u32(&k->s, (uint32_t)v[i]);
 }
 
-/* What convert_hf_to_gguf.py writes for a LlamaForCausalLM / MistralForCausalLM checkpoint, and
- * the general.* keys llama-quantize adds. */
+/* What convert_hf_to_gguf.py writes for a LlamaForCausalLM / MistralForCausalLM /
+ * MixtralForCausalLM (architecture llama), Qwen3ForCausalLM (qwen3) or Qwen3MoeForCausalLM
+ * (qwen3moe) checkpoint, and the general.* keys llama-quantize adds. */
 static void model_keys(struct kvs *k, const struct model_config *c, const struct synth_options *o)
 {
-	kv_str(k, "general.architecture", "llama");
+	bool qwen = c->arch == ARCH_QWEN3 || c->arch == ARCH_QWEN3_MOE;
+	const char *a = c->arch == ARCH_QWEN3 ? "qwen3" : c->arch == ARCH_QWEN3_MOE ? "qwen3moe" : "llama";
+	char key[96];
+#define AK(suffix) (snprintf(key, sizeof(key), "%s.%s", a, suffix), key)
+	kv_str(k, "general.architecture", a);
 	kv_str(k, "general.name", o->name ? o->name : DEFAULT_NAME);
 	kv_u32(k, "general.alignment", GGUF_ALIGNMENT);
-	kv_u32(k, "llama.block_count", c->n_layers);
-	kv_u32(k, "llama.context_length", c->max_position);
-	kv_u32(k, "llama.embedding_length", c->dim);
-	kv_u32(k, "llama.feed_forward_length", c->ffn_dim);
-	kv_u32(k, "llama.attention.head_count", c->n_heads);
-	kv_u32(k, "llama.attention.head_count_kv", c->n_kv_heads);
-	kv_f32(k, "llama.rope.freq_base", c->rope_theta);
-	kv_f32(k, "llama.attention.layer_norm_rms_epsilon", c->rms_eps);
-	if ((uint64_t)c->head_dim * c->n_heads != c->dim) {
-		kv_u32(k, "llama.attention.key_length", c->head_dim);
-		kv_u32(k, "llama.attention.value_length", c->head_dim);
+	kv_u32(k, AK("block_count"), c->n_layers);
+	kv_u32(k, AK("context_length"), c->max_position);
+	kv_u32(k, AK("embedding_length"), c->dim);
+	kv_u32(k, AK("feed_forward_length"), c->ffn_dim);
+	kv_u32(k, AK("attention.head_count"), c->n_heads);
+	kv_u32(k, AK("attention.head_count_kv"), c->n_kv_heads);
+	kv_f32(k, AK("rope.freq_base"), c->rope_theta);
+	kv_f32(k, AK("attention.layer_norm_rms_epsilon"), c->rms_eps);
+	/* Qwen3's config.json always has head_dim, which the converter writes. */
+	if (qwen || (uint64_t)c->head_dim * c->n_heads != c->dim) {
+		kv_u32(k, AK("attention.key_length"), c->head_dim);
+		kv_u32(k, AK("attention.value_length"), c->head_dim);
+	}
+	if (c->n_experts) {
+		kv_u32(k, AK("expert_count"), c->n_experts);
+		kv_u32(k, AK("expert_used_count"), c->n_experts_used);
+	}
+	if (c->arch == ARCH_QWEN3_MOE) {
+		kv_u32(k, AK("expert_feed_forward_length"), c->expert_ffn_dim);
+		kv_bool(k, AK("expert_weights_norm"), (c->flags & MODEL_NORM_TOPK) != 0);
 	}
 	if (c->rope_scaling == ROPE_SCALING_LINEAR) {
-		kv_str(k, "llama.rope.scaling.type", "linear");
-		kv_f32(k, "llama.rope.scaling.factor", c->rope_factor);
+		kv_str(k, AK("rope.scaling.type"), "linear");
+		kv_f32(k, AK("rope.scaling.factor"), c->rope_factor);
 	}
 	/* llama.cpp reads no sliding window for the llama architecture (Mistral v0.1's is dropped on
 	 * conversion); the key keeps it for readers that honour it. */
 	if (c->sliding_window)
-		kv_u32(k, "llama.attention.sliding_window", c->sliding_window);
+		kv_u32(k, AK("attention.sliding_window"), c->sliding_window);
 	kv_u32(k, "general.file_type", o->gguf_type);
-	kv_u32(k, "llama.vocab_size", c->vocab_size);
-	kv_u32(k, "llama.rope.dimension_count", c->head_dim);
+	if (!qwen)
+		kv_u32(k, AK("vocab_size"), c->vocab_size);
+	kv_u32(k, AK("rope.dimension_count"), c->head_dim);
 	kv_u32(k, "general.quantization_version", GGML_QUANT_VERSION);
+#undef AK
 }
 
 /* The tokenizer keys of a Llama 3 tokenizer (convert_hf_to_gguf.py's _set_vocab_gpt2 and its
@@ -533,6 +606,7 @@ void syn_gguf_plan_free(struct gplan *p)
 	free(p->f);
 	free(p->t);
 	free(p->rope_freqs);
+	free(p->expert_keys);
 	memset(p, 0, sizeof(*p));
 }
 

@@ -40,9 +40,13 @@ struct scratch {
 /* Row r of tensor t in its type, into out (row_bytes). */
 static void convert_row(const struct gplan *p, const struct gtensor *t, uint64_t r, uint8_t *out, struct scratch *sc)
 {
-	uint64_t cols = t->ne[0];
+	uint64_t cols = t->ne[0], key = t->key;
+	if (t->ndim == 3) { /* a fused expert tensor: row r of expert r / ne[1] */
+		key = p->expert_keys[t->keys_at + r / t->ne[1]];
+		r %= t->ne[1];
+	}
 	uint64_t src = t->perm_heads ? syn_gguf_src_row(r, p->head_dim) : r;
-	syn_fill_f32(t->key, t->kind == GK_NORM, p->round, src * cols, cols, sc->f);
+	syn_fill_f32(key, t->kind == GK_NORM, p->round, src * cols, cols, sc->f);
 	switch (t->type) {
 	case DT_F32:
 		memcpy(out, sc->f, cols * sizeof(float));

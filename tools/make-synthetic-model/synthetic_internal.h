@@ -94,6 +94,7 @@ enum gkind {
 	GK_UP = 8,
 	GK_DOWN = 9,
 	GK_OUTPUT = 10,
+	GK_ROUTER = 11, /* ffn_gate_inp: F32 in every type, as convert_hf_to_gguf.py and llama-quantize keep it */
 };
 
 struct gtensor {
@@ -102,10 +103,12 @@ struct gtensor {
 	uint32_t layer;		    /* block index; 0 outside blocks */
 	enum dtype type;
 	uint32_t ndim;
-	uint64_t ne[2];	       /* ggml order: ne[0] values per row, ne[1] rows (1 for a vector) */
+	uint64_t ne[3];	       /* ggml order: ne[0] values per row, ne[1] rows (1 for a vector), ne[2] experts
+				* (a fused expert tensor, ndim 3) or 1 */
 	uint64_t row_bytes;    /* bytes of one row in type */
-	uint64_t nbytes;       /* ne[1] * row_bytes */
+	uint64_t nbytes;       /* ne[2] * ne[1] * row_bytes */
 	uint64_t key;	       /* the values' key (syn_tensor_key of the Hugging Face name) */
+	uint32_t keys_at;      /* a fused expert tensor: expert e's key is gplan.expert_keys[keys_at + e] */
 	uint32_t perm_heads;   /* wq/wk: heads whose rows are permuted (GGUF row order); else 0 */
 	uint32_t file;	       /* index into gplan.f */
 	uint64_t offset;       /* from its file's data section; a multiple of GGUF_ALIGNMENT */
@@ -126,6 +129,8 @@ struct gplan {
 	enum dtype round;  /* element format the values are rounded to first (synth_options.dtype) */
 	uint32_t head_dim; /* for the wq/wk row permutation */
 	float *rope_freqs; /* GK_ROPE_FREQS values (head_dim / 2), or NULL */
+	uint64_t *expert_keys; /* the keys of the experts' Hugging Face tensors (gtensor.keys_at) */
+	uint32_t n_expert_keys;
 	uint64_t max_cols; /* widest row: the scratch a converting thread needs */
 	uint64_t max_row_bytes;
 	uint64_t tensor_bytes, file_bytes;

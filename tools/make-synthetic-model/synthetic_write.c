@@ -308,9 +308,6 @@ int synth_write_stats(const char *dir, const struct model_config *cfg, const str
 		return errorf(err, errlen, -EINVAL, "dtype %u is not one of BF16, F16, F32", (unsigned)o->dtype);
 	if (o->format != SYNTH_SAFETENSORS && o->format != SYNTH_GGUF)
 		return errorf(err, errlen, -EINVAL, "format %u is neither safetensors nor GGUF", o->format);
-	if (o->format == SYNTH_GGUF && cfg->arch != ARCH_LLAMA && cfg->arch != ARCH_MISTRAL)
-		return errorf(err, errlen, -EINVAL, "GGUF files are written for the Llama and Mistral shapes only, not "
-			      "for Qwen3 or mixtures of experts");
 	if (o->format == SYNTH_SAFETENSORS && o->tokenizer)
 		return errorf(err, errlen, -EINVAL, "a tokenizer (%s) is embedded in GGUF files only", o->tokenizer);
 	bool tied = o->tied || cfg->tie_embeddings;

@@ -474,10 +474,11 @@ START_TEST(test_refused)
 		int rc;
 		const char *word;
 	} cases[] = {
-	    {"general.architecture", arch_qwen, -ENOTSUP, "architecture \"qwen2\" is not supported (supported: llama)"},
+	    {"general.architecture", arch_qwen, -ENOTSUP,
+	     "architecture \"qwen2\" is not supported (supported: llama, qwen3, qwen3moe)"},
 	    {"llama.feed_forward_length", ffn_128, -EINVAL,
 	     "tensor blk.0.ffn_gate.weight has shape [192, 64] (rows first), but the metadata implies [128, 64]"},
-	    {NULL, experts, -ENOTSUP, "llama.expert_count 8: mixture-of-experts"},
+	    {NULL, experts, -EINVAL, "key llama.expert_used_count is missing (llama.expert_count is 8)"},
 	    {"tokenizer.ggml.bos_token_id", bos_600, -EINVAL,
 	     "tokenizer.ggml.bos_token_id 600 is outside the vocabulary (vocab_size 512)"},
 	    {"llama.rope.dimension_count", rope_dims_8, -ENOTSUP, "partial rotary embeddings are not supported"},
