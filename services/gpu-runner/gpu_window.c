@@ -322,6 +322,8 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	w->issued[c]++;
 	w->copied[c]++;
 	w->st.bytes_h2d += bytes;
+	if (w->base.step_tokens == 1)
+		w->st.bytes_h2d_decode += bytes;
 	w->st.copies++;
 	return 0;
 }

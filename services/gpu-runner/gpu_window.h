@@ -78,6 +78,7 @@ struct gpu_window_stats {
 	uint64_t window_bytes;		 /* device bytes of the streaming slots */
 	uint64_t streamed_bytes_per_token; /* what crosses PCIe per token in decode */
 	uint64_t bytes_h2d, copies;	 /* all time */
+	uint64_t bytes_h2d_decode;	 /* of which copied during one-token steps */
 	uint64_t late_copies;		 /* copies issued by an acquire rather than ahead of it */
 	uint64_t experts_passed;	 /* streamed expert groups no token chose, not copied (all time) */
 	uint32_t depth;

@@ -25,6 +25,11 @@ read -r -a START_OPTS <<<"${FIDELITY_START_OPTS:-}"
 if [[ $BACKEND != cpu ]]; then
 	export FIDELITY_REL_L2_MAX=2e-2
 fi
+# FIDELITY_REQUIRE_GPU=1: skipped (77) where no GPU answers (the ctest registration for GPU hosts).
+if [[ ${FIDELITY_REQUIRE_GPU:-0} == 1 ]] && ! nvidia-smi -L >/dev/null 2>&1; then
+	echo "[$IT_NAME] no GPU here: skipped"
+	exit 77
+fi
 [[ -x $COMPARE ]] || fail "$COMPARE is not built"
 FIXTURES=$PIPELINE_SOURCE_DIR/tests/fixtures
 shopt -s nullglob
