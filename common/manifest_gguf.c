@@ -37,6 +37,15 @@ struct gset {
 	char (*paths)[PATH_MAX];
 };
 
+int mf_gguf_dtype(const struct gguf *g, const struct gguf_tensor *t, enum dtype *dt, char *err, size_t errlen)
+{
+	if (gguf_type_to_dtype(t->type, dt) == 0)
+		return 0;
+	return errorf(err, errlen, -ENOTSUP,
+		      "%s: tensor %s has type %s, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, "
+		      "Q4_K, Q5_K, Q6_K)", gguf_path(g), t->name, gguf_type_name(t->type));
+}
+
 static void gset_free(struct gset *s)
 {
 	for (uint32_t i = 0; i < s->n; i++)
@@ -588,11 +597,8 @@ static int place_tensor(struct manifest *m, const struct gset *s, uint32_t fi, u
 	if (found[slot])
 		return errorf(err, errlen, -EINVAL, "%s: tensor %s appears twice in the split set", path, t->name);
 	enum dtype dt;
-	if (gguf_type_to_dtype(t->type, &dt) != 0)
-		return errorf(err, errlen, -ENOTSUP,
-			      "%s: tensor %s has type %s, which is not supported (supported: F32, "
-			      "F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)",
-			      path, t->name, gguf_type_name(t->type));
+	if (mf_gguf_dtype(g, t, &dt, err, errlen) != 0)
+		return -ENOTSUP;
 	uint32_t role, group, want_ndim;
 	uint64_t want[2];
 	char name[TENSOR_NAME_MAX];

@@ -167,11 +167,8 @@ int mf_gguf_place_experts(struct manifest *m, const struct gguf *g, uint32_t fi,
 	if (model_expected_shape(c, (enum tensor_role)role, &ndim, want) != 0 || ndim != 2)
 		return errorf(err, errlen, -EINVAL, "%s: tensor %s: no expert matrix (a bug)", path, t->name);
 	enum dtype dt;
-	if (gguf_type_to_dtype(t->type, &dt) != 0)
-		return errorf(err, errlen, -ENOTSUP,
-			      "%s: tensor %s has type %s, which is not supported (supported: F32, "
-			      "F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)",
-			      path, t->name, gguf_type_name(t->type));
+	if (mf_gguf_dtype(g, t, &dt, err, errlen) != 0)
+		return -ENOTSUP;
 	/* ggml order: ne[0] columns, ne[1] rows, ne[2] experts (a writer that drops trailing 1s gives a
 	 * single expert's two dimensions). */
 	if (t->n_dims < 2 || t->ne[0] != want[1] || t->ne[1] != want[0] || t->ne[2] != c->n_experts ||

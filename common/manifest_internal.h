@@ -104,6 +104,12 @@ int mf_load_gguf(struct manifest *m, const char *path, char *err, size_t errlen)
 int mf_gguf_tokenizer_json(const struct gguf *g, char **json, size_t *len, char *note, size_t notelen, char *err,
 			   size_t errlen);
 
+/* ---- GGUF tensor types (manifest_gguf.c) ---- */
+struct gguf_tensor;
+/* The dtype of GGUF tensor t of file g into *dt; -ENOTSUP with a message naming the file, the
+ * tensor and its type when the project does not read that type. */
+int mf_gguf_dtype(const struct gguf *g, const struct gguf_tensor *t, enum dtype *dt, char *err, size_t errlen);
+
 /* ---- GGUF architectures and experts (manifest_gguf_moe.c) ---- */
 
 /* general.architecture of g: sets c->arch (ARCH_LLAMA for "llama", ARCH_QWEN3 for "qwen3",

@@ -477,8 +477,7 @@ static int check_config(const struct model_config *c, const struct backend_param
 	return 0;
 }
 
-/* cudaMalloc of a * b elements of es bytes into *p; -ENOMEM with a message naming what. */
-static int dev_alloc(struct backend_dev *be, void **p, size_t a, size_t b, size_t es, const char *what)
+int dev_alloc(struct backend_dev *be, void **p, size_t a, size_t b, size_t es, const char *what)
 {
 	size_t n;
 	if (__builtin_mul_overflow(a, b, &n) || __builtin_mul_overflow(n, es, &n))

@@ -243,6 +243,10 @@ int moe_end(struct backend_dev *be);
 /* Qwen3's per-head RMSNorm of the chunk's q and k (in be->qkv), before RoPE. */
 int qk_norm(struct backend_dev *be, const void *qn, uint32_t qt, const void *kn, uint32_t kt);
 
+/* cudaMalloc of a * b elements of es bytes into *p (backend_cuda.cu); -ENOMEM with a message naming
+ * what. */
+int dev_alloc(struct backend_dev *be, void **p, size_t a, size_t b, size_t es, const char *what);
+
 /* ---- staging.cu ---------------------------------------------------------------------------- */
 
 /* A region of `size` bytes of the pinned ring that no pending copy reads; *off is where it

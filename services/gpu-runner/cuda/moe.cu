@@ -134,21 +134,6 @@ int qk_norm(struct backend_dev *be, const void *qn, uint32_t qt, const void *kn,
 	return 0;
 }
 
-static int moe_alloc(struct backend_dev *be, void **p, size_t a, size_t b, size_t es, const char *what)
-{
-	size_t n;
-	if (__builtin_mul_overflow(a, b, &n) || __builtin_mul_overflow(n, es, &n))
-		return cuda_failf(be, -ENOMEM, "cuda backend: %s: %zu x %zu elements overflow", what, a, b);
-	cudaError_t e = cudaMalloc(p, n ? n : 1);
-	if (e != cudaSuccess) {
-		*p = NULL;
-		cudaGetLastError();
-		return cuda_failf(be, -ENOMEM, "cuda backend: cudaMalloc of %zu bytes for %s failed: %s", n, what,
-				  cudaGetErrorString(e));
-	}
-	return 0;
-}
-
 int moe_setup(struct backend_dev *be)
 {
 	const struct model_config *c = &be->cfg;
@@ -167,16 +152,16 @@ int moe_setup(struct backend_dev *be)
 	m->F = c->expert_ffn_dim;
 	size_t mc = be->p.max_chunk, dim = c->dim, wide = dim > m->F ? dim : m->F;
 	int rc;
-	if ((rc = moe_alloc(be, (void **)&m->xn, mc, dim, sizeof(float), "the experts' input rows")) ||
-	    (rc = moe_alloc(be, (void **)&m->logits, mc, m->E, sizeof(float), "router logits")) ||
-	    (rc = moe_alloc(be, (void **)&m->router_f, m->E, dim, sizeof(float), "a dequantized router")) ||
-	    (rc = moe_alloc(be, (void **)&m->sum, mc, dim, sizeof(float), "the experts' sum")) ||
-	    (rc = moe_alloc(be, &m->xg, mc, wide, sizeof(float), "an expert's gathered rows")) ||
-	    (rc = moe_alloc(be, (void **)&m->gu, mc, 2 * (size_t)m->F, sizeof(float), "an expert's gate/up")) ||
-	    (rc = moe_alloc(be, &m->act, mc, m->F, sizeof(float), "an expert's SwiGLU output")) ||
-	    (rc = moe_alloc(be, (void **)&m->y, mc, dim, sizeof(float), "an expert's output rows")) ||
-	    (rc = moe_alloc(be, (void **)&m->tok, mc, m->k, sizeof(uint32_t), "the experts' tokens")) ||
-	    (rc = moe_alloc(be, (void **)&m->tw, mc, m->k, sizeof(float), "the experts' weights")))
+	if ((rc = dev_alloc(be, (void **)&m->xn, mc, dim, sizeof(float), "the experts' input rows")) ||
+	    (rc = dev_alloc(be, (void **)&m->logits, mc, m->E, sizeof(float), "router logits")) ||
+	    (rc = dev_alloc(be, (void **)&m->router_f, m->E, dim, sizeof(float), "a dequantized router")) ||
+	    (rc = dev_alloc(be, (void **)&m->sum, mc, dim, sizeof(float), "the experts' sum")) ||
+	    (rc = dev_alloc(be, &m->xg, mc, wide, sizeof(float), "an expert's gathered rows")) ||
+	    (rc = dev_alloc(be, (void **)&m->gu, mc, 2 * (size_t)m->F, sizeof(float), "an expert's gate/up")) ||
+	    (rc = dev_alloc(be, &m->act, mc, m->F, sizeof(float), "an expert's SwiGLU output")) ||
+	    (rc = dev_alloc(be, (void **)&m->y, mc, dim, sizeof(float), "an expert's output rows")) ||
+	    (rc = dev_alloc(be, (void **)&m->tok, mc, m->k, sizeof(uint32_t), "the experts' tokens")) ||
+	    (rc = dev_alloc(be, (void **)&m->tw, mc, m->k, sizeof(float), "the experts' weights")))
 		return rc;
 	CUDA_TRY(be, "cudaMallocHost (router logits)",
 		 cudaMallocHost((void **)&m->h_logits, mc * m->E * sizeof(float)));
