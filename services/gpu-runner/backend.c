@@ -486,6 +486,33 @@ int backend_moe_expert(struct backend *be, const struct group_weights *w, uint32
 	return 0;
 }
 
+int backend_moe_expert_cpu(struct backend *be, const struct group_weights *w, uint32_t expert)
+{
+	static const enum tensor_role roles[] = {ROLE_EXPERT_GATE, ROLE_EXPERT_UP, ROLE_EXPERT_DOWN};
+	assert(w);
+	if (be->phase != PHASE_MOE)
+		return fail(be, -EINVAL, "moe_expert_cpu(%u) called outside moe_route .. moe_end", expert);
+	if (expert >= be->cfg.n_experts || expert < be->next_expert)
+		return fail(be, -EINVAL, "moe_expert_cpu(%u): experts come in increasing order, each once, below %u "
+			    "(next: %u or later)", expert, be->cfg.n_experts, be->next_expert);
+	if (!be->impl->compute->moe_expert_cpu)
+		return fail(be, -ENOTSUP, "the %s backend computes no experts on the CPU", be->impl->name);
+	if (!be->p.cpu_pool)
+		return fail(be, -ENOTSUP, "moe_expert_cpu: experts on the CPU need a CPU pool (backend_params.cpu_pool)");
+	for (uint32_t i = 0; i < 3; i++) {
+		enum tensor_role r = roles[i];
+		int rc = check_tensor(be, &w->t[r], r, PLACE_HOST, 0, be->rows[r], 0, be->cols[r], true, "expert on the CPU",
+				      "");
+		if (rc)
+			return rc;
+	}
+	int rc = be->impl->compute->moe_expert_cpu(be->dev, w, expert);
+	if (rc)
+		return impl_rc(be, rc);
+	be->next_expert = expert + 1;
+	return 0;
+}
+
 bool backend_moe_expert_used(struct backend *be, uint32_t expert)
 {
 	if (be->phase != PHASE_MOE || expert >= be->cfg.n_experts || !be->impl->compute->moe_expert_used)

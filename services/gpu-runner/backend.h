@@ -270,6 +270,11 @@ int backend_moe_expert(struct backend *be, const struct group_weights *w, uint32
  * be fetched (moe_expert would compute nothing); true when one did, and outside moe_route ..
  * moe_end or on a backend that does not say. */
 bool backend_moe_expert_used(struct backend *be, uint32_t expert);
+/* Expert `expert` computed by the CPU from host memory (w's tensors at PLACE_HOST: the weight
+ * ring in place), in its place in the order of moe_expert; its result joins the sum by moe_end.
+ * Needs backend_params.cpu_pool and a step of at most FFN_SPLIT_MAX_TOKENS tokens; -ENOTSUP on a
+ * backend that does not compute experts on the CPU. */
+int backend_moe_expert_cpu(struct backend *be, const struct group_weights *w, uint32_t expert);
 /* Adds the layer's sum into the residual stream. */
 int backend_moe_end(struct backend *be);
 /* post-attention RMSNorm, SwiGLU (down(silu(gate x) * up x)), residual add. With w->split.where

@@ -42,6 +42,8 @@ struct backend_compute_ops {
 	int (*moe_end)(struct backend_dev *d);
 	/* Optional: default true (every expert counts as chosen). */
 	bool (*moe_expert_used)(struct backend_dev *d, uint32_t expert);
+	/* Optional: default -ENOTSUP (no experts on the CPU). */
+	int (*moe_expert_cpu)(struct backend_dev *d, const struct group_weights *w, uint32_t expert);
 };
 
 struct backend_kv_ops {

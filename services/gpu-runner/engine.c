@@ -28,6 +28,7 @@ struct engine {
 	uint32_t split_max_tokens;
 	bool *used;			/* (n_experts) the experts the layer's routing chose (a source that
 					 * fetches ahead is told, and skips the others) */
+	bool *on_cpu;			/* (n_experts) of those, the ones the source left for the CPU */
 };
 
 int engine_create(const struct model_config *cfg, struct backend *be,
@@ -54,7 +55,8 @@ int engine_create(const struct model_config *cfg, struct backend *be,
 	e->pos = calloc(max_chunk, sizeof(uint32_t));
 	e->seq = calloc(max_chunk, sizeof(uint32_t));
 	e->used = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool));
-	if (!e->dst_block || !e->dst_row || !e->pos || !e->seq || !e->used) {
+	e->on_cpu = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool));
+	if (!e->dst_block || !e->dst_row || !e->pos || !e->seq || !e->used || !e->on_cpu) {
 		engine_destroy(&e);
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
@@ -73,6 +75,7 @@ void engine_destroy(struct engine **ep)
 	free((*ep)->dst_row);
 	free((*ep)->split_r);
 	free((*ep)->used);
+	free((*ep)->on_cpu);
 	free(*ep);
 	*ep = NULL;
 }
@@ -223,11 +226,22 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 			break; /* a prefill chunk before the last: no output wanted */
 		if (kind == GROUP_ATTN && e->progress)
 			e->progress(e->progress_ctx);
-		if (kind == GROUP_EXPERT && e->ws->ops->skip && !e->used[groups[group].expert]) {
-			/* No token chose it: the source passes it over (it was told at the route). */
-			int rc = e->ws->ops->skip(e->ws, group);
-			if (rc)
-				return set_err(e, rc, "weights: %s", e->ws->error);
+		if (kind == GROUP_EXPERT && e->ws->ops->skip &&
+		    (!e->used[groups[group].expert] || e->on_cpu[groups[group].expert])) {
+			/* No token chose it: the source passes it over (it was told at the route). Or the
+			 * source left it in host memory: the backend computes it on the CPU. */
+			uint32_t x = groups[group].expert;
+			int rc;
+			if (!e->used[x]) {
+				if ((rc = e->ws->ops->skip(e->ws, group)))
+					return set_err(e, rc, "weights: %s", e->ws->error);
+			} else {
+				struct group_weights hw;
+				if ((rc = e->ws->ops->acquire_host(e->ws, group, &hw)))
+					return set_err(e, rc, "weights of group %u: %s", group, e->ws->error);
+				if ((rc = backend_moe_expert_cpu(e->be, &hw, x)))
+					return set_err(e, rc, "expert on the CPU: %s", backend_error(e->be));
+			}
 			if (last_expert(e, group) && (rc = backend_moe_end(e->be)))
 				return set_err(e, rc, "experts: %s", backend_error(e->be));
 			continue;
@@ -257,7 +271,8 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 			BE_CHECK(backend_moe_route(e->be, &w), "router");
 			for (uint32_t x = 0; x < e->cfg->n_experts; x++)
 				e->used[x] = backend_moe_expert_used(e->be, x);
-			if (e->ws->ops->route && (rc = e->ws->ops->route(e->ws, l, e->used)) != 0) {
+			memset(e->on_cpu, 0, e->cfg->n_experts * sizeof(bool));
+			if (e->ws->ops->route && (rc = e->ws->ops->route(e->ws, l, e->used, e->on_cpu)) != 0) {
 				set_err(e, rc, "weights: %s", e->ws->error);
 				release(e, group);
 				return rc;

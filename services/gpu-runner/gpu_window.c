@@ -155,7 +155,7 @@ static void on_ring_unmapping(void *ctx, void *base, size_t size)
  * complete (its host grant handed back). Copies issued since read the current mapping. */
 static void trim_retired(struct gpu_window *w)
 {
-	if (!ring_source_n_retired(w->ring) || gw_split_reads_ring(w))
+	if (!ring_source_n_retired(w->ring) || gw_split_reads_ring(w) || w->host_reads)
 		return;
 	uint32_t gen = ring_source_generation(w->ring);
 	for (uint32_t g = 0; g < w->base.n_groups; g++)
@@ -477,13 +477,20 @@ static int win_release_all(struct weight_source *ws)
 			return errorf(ws->error, sizeof(ws->error), -EIO, "finishing weight copies: %s",
 				      cudaGetErrorString(ce));
 	}
+	w->host_reads = false;
 	int rc = poll_copies(w);
 	if (!rc)
 		rc = w->rs->ops->release_all(w->rs);
 	return rc ? errorf(ws->error, sizeof(ws->error), rc, "%s", w->rs->error) : 0;
 }
 
-static int win_route(struct weight_source *ws, uint32_t layer, const bool *used)
+static void on_cpu_set(bool *on_cpu, uint32_t x, bool v)
+{
+	if (on_cpu)
+		on_cpu[x] = v;
+}
+
+static int win_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)
 {
 	struct gpu_window *w = (struct gpu_window *)ws;
 	const struct model_config *cfg = ws->cfg;
@@ -500,10 +507,36 @@ static int win_route(struct weight_source *ws, uint32_t layer, const bool *used)
 			if (ws->groups[g].kind == GROUP_EXPERT)
 				w->expert0[ws->groups[g].layer] = g;
 	}
+	w->host_reads = false; /* the layer before has ended (moe_end) */
 	uint32_t g0 = w->expert0[layer];
+	/* The CPU's side: chosen experts not resident whose host bytes stay in DRAM, in a decode step. */
+	const struct cpu_share_policy *pol = &w->moe_policy;
+	const bool cpu = pol->mode != CPU_SHARE_OFF && on_cpu && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS;
+	double gpu_s = 0, cpu_s = 0;
 	for (uint32_t g = g0; g != NO_GROUP && g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
-			      ws->groups[g].layer == layer; g++)
-		w->g[g].unused = !used[ws->groups[g].expert];
+			      ws->groups[g].layer == layer; g++) {
+		uint32_t x = ws->groups[g].expert;
+		struct gent *e = &w->g[g];
+		e->on_cpu = false;
+		if (cpu && used[x] && !e->resident && e->state == GWIN_ABSENT && ring_source_group_pinned(w->ring, g)) {
+			/* To the side that then finishes first: copies at the H2D rate, or the CPU at its
+			 * product rate for the experts' format (a fixed share: the rate that gives it). */
+			double b = (double)w->copy_bytes[g], h2d = w->st.h2d_bytes_per_s > 0 ? w->st.h2d_bytes_per_s : 1;
+			double rate = pol->mode == CPU_SHARE_FIXED
+					      ? (pol->fraction >= 1 ? 1e30 : h2d * pol->fraction / (1 - pol->fraction))
+					      : w->cpu_rate[w->moe_format];
+			if (rate > 0 && cpu_s + b / rate <= gpu_s + b / h2d) {
+				e->on_cpu = true;
+				cpu_s += b / rate;
+				w->st.experts_cpu++;
+				w->st.experts_cpu_bytes += w->copy_bytes[g];
+			} else {
+				gpu_s += b / h2d;
+			}
+		}
+		on_cpu_set(on_cpu, x, e->on_cpu);
+		e->unused = !used[x] || e->on_cpu;
+	}
 	w->routing = true;
 	w->routed_layer = layer;
 	int rc = top_up(w);
@@ -550,12 +583,29 @@ static int win_skip(struct weight_source *ws, uint32_t group)
 	return rc ? rc : strict_check(w);
 }
 
+/* An expert group route left for the CPU: consumed as a skipped one, its host bytes in place. */
+static int win_acquire_host(struct weight_source *ws, uint32_t group, struct group_weights *gw)
+{
+	struct gpu_window *w = (struct gpu_window *)ws;
+	if (group >= ws->n_groups || !w->g[group].on_cpu)
+		return errorf(ws->error, sizeof(ws->error), -EPROTO,
+			      "weight window: group %u was not left for the CPU by its layer's route", group);
+	int rc = win_skip(ws, group);
+	if (rc)
+		return rc;
+	weights_fill(ws, group, ring_source_group_base(w->ring, group), NULL, gw);
+	w->host_reads = true;
+	ws->acquires++;
+	return 0;
+}
+
 static const struct weight_source_ops window_ops = {
 	.acquire = win_acquire,
 	.release = win_release,
 	.release_all = win_release_all,
 	.route = win_route,
 	.skip = win_skip,
+	.acquire_host = win_acquire_host,
 };
 
 bool gw_h2d_start(cudaStream_t s, uint32_t copies, struct gw_h2d *h)

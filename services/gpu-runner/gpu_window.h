@@ -30,6 +30,10 @@
  * routing, the expert groups of that layer its tokens chose are copied and the others passed over
  * (counted as visited, never copied) where their host bytes stay in DRAM; the experts of a layer
  * not yet routed are not copied ahead. So a decode token moves the bytes of its chosen experts only.
+ * With a CPU pool and --cpu-share, a decode step (at most FFN_SPLIT_MAX_TOKENS tokens) also leaves
+ * some chosen experts in host memory for the CPU (acquire_host): those whose host bytes stay in
+ * DRAM, each to the side (copy, or CPU product) that would finish the layer's experts first at the
+ * measured H2D and CPU rates (auto), or a fixed fraction of their bytes (--cpu-share 0.5).
  *
  * Each group has one state: ABSENT -> INFLIGHT (copy issued) -> RESIDENT (copy seen complete)
  * -> RETIRING (its slot chosen for the next copy; the copy waits on its compute) -> ABSENT.
@@ -81,6 +85,7 @@ struct gpu_window_stats {
 	uint64_t bytes_h2d_decode;	 /* of which copied during one-token steps */
 	uint64_t late_copies;		 /* copies issued by an acquire rather than ahead of it */
 	uint64_t experts_passed;	 /* streamed expert groups no token chose, not copied (all time) */
+	uint64_t experts_cpu, experts_cpu_bytes; /* routed expert groups left to the CPU, and their bytes */
 	uint32_t depth;
 	double h2d_bytes_per_s;		 /* measured (or given) */
 	double copy_ms;			 /* with time_copies: device time spent copying, since reset */

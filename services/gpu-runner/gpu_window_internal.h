@@ -42,6 +42,7 @@ struct gent {
 	cudaEvent_t h2d;   /* recorded on the copy stream after the group's copy */
 	bool unused;	   /* an expert group its layer's routing did not choose this step (route) */
 	bool passed;	   /* counted as issued without a copy (unused): skip consumes it */
+	bool on_cpu;	   /* an expert group the route left in host memory for the CPU this step */
 };
 
 struct gpu_window {
@@ -70,6 +71,10 @@ struct gpu_window {
 	bool routing;
 	uint32_t routed_layer;
 	uint32_t *expert0;	   /* n_layers: the layer's first expert group (NO_GROUP: none), on first route */
+	struct cpu_share_policy moe_policy; /* which routed experts the CPU computes (mode off: none) */
+	uint32_t moe_format;	   /* the experts' matrix format (gate's), whose CPU rate auto weighs */
+	bool host_reads;	   /* acquire_host handed out ring pointers the backend may still read (until
+				    * the next route or release_all): no ring mapping is let go meanwhile */
 	bool strict, time_copies;
 	struct gpu_window_stats st;
 	uint32_t embed_group, head_group;

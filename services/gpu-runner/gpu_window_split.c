@@ -132,13 +132,34 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 					.row_bytes = dtype_row_bytes((enum dtype)t[i]->dtype, t[i]->shape[1])};
 		}
 	}
+	/* A mixture-of-experts model: the routed experts the CPU may compute (gpu_window.c, win_route),
+	 * its rate measured on the first streamed expert group that stays in DRAM. */
+	w->moe_policy.mode = CPU_SHARE_OFF;
+	if (on && cfg->n_experts) {
+		static const enum tensor_role em[3] = {ROLE_EXPERT_GATE, ROLE_EXPERT_UP, ROLE_EXPERT_DOWN};
+		for (uint32_t g = 0; g < ng && w->moe_policy.mode == CPU_SHARE_OFF; g++) {
+			if (w->base.groups[g].kind != GROUP_EXPERT || resident[g] || !ring_source_group_pinned(w->ring, g))
+				continue;
+			const struct tensor_desc *t[3] = {find(w, g, em[0]), find(w, g, em[1]), find(w, g, em[2])};
+			if (!t[0] || !t[1] || !t[2])
+				continue;
+			for (int i = 0; i < 3; i++)
+				samples[ns++] = (struct split_sample){
+					.data = (const char *)ring_source_group_base(w->ring, g) + t[i]->slot_offset,
+					.format = t[i]->dtype, .rows = (uint32_t)t[i]->shape[0],
+					.cols = (uint32_t)t[i]->shape[1],
+					.row_bytes = dtype_row_bytes((enum dtype)t[i]->dtype, t[i]->shape[1])};
+			w->moe_policy = pol;
+			w->moe_format = t[0]->dtype;
+		}
+	}
 	uint64_t other = 0;
 	for (uint32_t g = 0; g < ng; g++)
 		if (!resident[g] && g != w->embed_group &&
 		    !(w->base.groups[g].kind == GROUP_FFN && ly[w->base.groups[g].layer].eligible))
 			other += w->base.groups[g].tensor_bytes;
 	double h2d = w->st.h2d_bytes_per_s;
-	if (n_elig) { /* auto chooses by them; a fixed share gets its prediction and its token limit */
+	if (ns) { /* auto chooses by them; a fixed share gets its prediction and its token limit */
 		struct gw_h2d load;
 		const bool loaded = gw_h2d_start(w->copy, H2D_LOAD_COPIES, &load);
 		uint64_t t0 = now_ns();

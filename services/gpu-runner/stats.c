@@ -248,6 +248,8 @@ char *runner_stats(void *ctx)
 			json_object_set_new(g, "split_groups", json_integer(ws2.split_groups));
 			json_object_set_new(g, "experts_passed", json_integer((json_int_t)ws2.experts_passed));
 			json_object_set_new(g, "bytes_h2d_decode", json_integer((json_int_t)ws2.bytes_h2d_decode));
+			json_object_set_new(g, "experts_cpu", json_integer((json_int_t)ws2.experts_cpu));
+			json_object_set_new(g, "experts_cpu_bytes", json_integer((json_int_t)ws2.experts_cpu_bytes));
 			json_object_set_new(g, "cpu_bytes_per_token", json_integer((json_int_t)ws2.cpu_bytes_per_token));
 			json_object_set_new(g, "prefill_copy_bytes", json_integer((json_int_t)ws2.side_bytes));
 			json_object_set_new(g, "prefill_copies", json_integer((json_int_t)ws2.side_copies));

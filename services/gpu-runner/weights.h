@@ -36,13 +36,19 @@ struct weight_source_ops {
 	int (*release)(struct weight_source *s, uint32_t group);
 	/* Hands every group back (end of a request, or before a reconnect). */
 	int (*release_all)(struct weight_source *s);
-	/* Optional, both or neither (a source that fetches ahead): the experts of a mixture-of-experts
-	 * layer the step uses (used[e] for each of cfg.n_experts, told after the layer's routing, before
-	 * its first expert group is acquired), so that the source fetches only those; and skip(g) in
-	 * place of acquire/release for an expert group the step does not use. Return 0 or -errno with
-	 * the message in the source. */
-	int (*route)(struct weight_source *s, uint32_t layer, const bool *used);
+	/* Optional, route and skip both or neither (a source that fetches ahead): the experts of a
+	 * mixture-of-experts layer the step uses (used[e] for each of cfg.n_experts, told after the
+	 * layer's routing, before its first expert group is acquired), so that the source fetches only
+	 * those. The source may set on_cpu[e] for used experts it leaves in host memory for the CPU to
+	 * compute (the others false); the engine then takes them with acquire_host. skip(g) stands in
+	 * for acquire/release of an expert group the step does not use. Return 0 or -errno with the
+	 * message in the source. */
+	int (*route)(struct weight_source *s, uint32_t layer, const bool *used, bool *on_cpu);
 	int (*skip)(struct weight_source *s, uint32_t group);
+	/* Optional (a source whose route may set on_cpu): an expert group route left for the CPU, in
+	 * its place in the visit order: w gets its tensors in host memory (PLACE_HOST), readable until
+	 * the engine's step returns; no release follows. */
+	int (*acquire_host)(struct weight_source *s, uint32_t group, struct group_weights *w);
 };
 
 /* The common part of every source; implementations embed it first. */

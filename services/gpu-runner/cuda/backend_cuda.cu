@@ -674,6 +674,7 @@ static const struct backend_compute_ops cuda_compute = {
 	moe_expert,		/* moe_expert */
 	moe_end,		/* moe_end */
 	moe_expert_used,	/* moe_expert_used */
+	moe_expert_cpu,		/* moe_expert_cpu */
 };
 
 extern "C" {

@@ -15,17 +15,32 @@
  *    increasing order as the engine gives them: the sum's order is the reference's.
  *  - end: the residual stream += sum.
  *
+ *  - expert e on the CPU (moe_expert_cpu: the weight window left it in host memory, a decode step
+ *    with backend_params.cpu_pool): noted in order; at moe_end, while the GPU computes the experts
+ *    queued before, the pool computes each noted expert over its tokens' xn rows (copied down with
+ *    the logits) as an ffn_share job of the whole expert, the weighted rows summed on the host in
+ *    expert order; the sum goes up and into the residual stream beside the GPU's.
+ *
  * Qwen3 (MODEL_QK_NORM): each head of q and k goes through its RMSNorm over head_dim (q_norm,
  * k_norm) after the projections and before RoPE (qk_norm_kernel, in place in qkv).
  */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"
+#include "common/util.h"
+#include "services/gpu-runner/cpu-compute/ffn_share.h"
+#include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/cpu/kernels.h"
 
 #include <assert.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* An expert noted for the CPU: its matrices in host memory. */
+struct moe_cpu_expert {
+	uint32_t expert;
+	struct ffn_share_mat gate, up, down;
+};
 
 struct cuda_moe {
 	uint32_t E, k, F;	/* experts, chosen per token, an expert's intermediate size */
@@ -48,6 +63,17 @@ struct cuda_moe {
 	uint32_t *h_tok;	/* (max_chunk k) */
 	float *h_tw;
 	bool routed;		/* route ran for the chunk in flight */
+	/* Experts on the CPU (backend_params.cpu_pool). */
+	struct ffn_share *share;	/* the jobs' scratch: a whole expert, FFN_SPLIT_MAX_TOKENS tokens */
+	float *h_xn;			/* (FFN_SPLIT_MAX_TOKENS, dim) pinned: xn of a decode step */
+	bool xn_down;			/* h_xn holds this chunk's rows */
+	float *cx, *cy, *csum;		/* (FFN_SPLIT_MAX_TOKENS, dim) an expert's rows, its output, the sum */
+	float *csum_dev;		/* (FFN_SPLIT_MAX_TOKENS, dim) the CPU's sum, device memory */
+	struct moe_cpu_expert *cpu;	/* (E) the experts noted for the CPU this layer */
+	uint32_t n_cpu;
+	struct ffn_share_job job;
+	uint32_t done, waiters, seq;	/* the job's completion word, its sleepers, the last value */
+	uint64_t cpu_experts, cpu_ns;	/* experts the CPU computed, and their time (all time) */
 };
 
 /* ---- kernels ------------------------------------------------------------------------------ */
@@ -172,7 +198,22 @@ int moe_setup(struct backend_dev *be)
 	m->h_tw = (float *)malloc(mc * m->k * sizeof(float));
 	if (!m->sel || !m->sel_w || !m->off || !m->h_tok || !m->h_tw)
 		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for the routing tables");
-	return 0;
+	if (!be->p.cpu_pool)
+		return 0;
+	uint32_t t = task_pool_threads(be->p.cpu_pool);
+	char why[256];
+	if (ffn_share_create(c->dim, m->F, FFN_SPLIT_MAX_TOKENS, t < FFN_SHARE_MAX_THREADS ? t : FFN_SHARE_MAX_THREADS,
+			     &m->share, why, sizeof(why)) != 0)
+		return cuda_failf(be, -ENOMEM, "cuda backend: experts on the CPU: %s", why);
+	size_t rows = (size_t)FFN_SPLIT_MAX_TOKENS * dim;
+	CUDA_TRY(be, "cudaMallocHost (experts' rows for the CPU)", cudaMallocHost((void **)&m->h_xn, rows * sizeof(float)));
+	m->cx = (float *)malloc(rows * sizeof(float));
+	m->cy = (float *)malloc(rows * sizeof(float));
+	m->csum = (float *)malloc(rows * sizeof(float));
+	m->cpu = (struct moe_cpu_expert *)calloc(m->E, sizeof(*m->cpu));
+	if (!m->cx || !m->cy || !m->csum || !m->cpu)
+		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for experts on the CPU");
+	return dev_alloc(be, (void **)&m->csum_dev, FFN_SPLIT_MAX_TOKENS, dim, sizeof(float), "the CPU experts' sum");
 }
 
 void moe_teardown(struct backend_dev *be)
@@ -182,6 +223,17 @@ void moe_teardown(struct backend_dev *be)
 		return;
 	if (be->stream)
 		cudaStreamSynchronize(be->stream);
+	/* The task pool outlives this backend: the thread that completed the last job may still read
+	 * m->waiters. */
+	if (m->share && be->p.cpu_pool)
+		task_pool_quiesce(be->p.cpu_pool);
+	ffn_share_destroy(&m->share);
+	cudaFreeHost(m->h_xn);
+	free(m->cx);
+	free(m->cy);
+	free(m->csum);
+	free(m->cpu);
+	cudaFree(m->csum_dev);
 	cudaFree(m->xn);
 	cudaFree(m->logits);
 	cudaFree(m->router_f);
@@ -233,6 +285,13 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 				 be->stream));
 	CUDA_TRY(be, "cudaMemsetAsync (experts' sum)",
 		 cudaMemsetAsync(m->sum, 0, (size_t)n * dim * sizeof(float), be->stream));
+	/* A decode step's rows for experts the CPU may compute. */
+	m->xn_down = m->share && n <= FFN_SPLIT_MAX_TOKENS;
+	m->n_cpu = 0;
+	if (m->xn_down)
+		CUDA_TRY(be, "cudaMemcpyAsync (experts' rows for the CPU)",
+			 cudaMemcpyAsync(m->h_xn, m->xn, (size_t)n * dim * sizeof(float), cudaMemcpyDeviceToHost,
+					 be->stream));
 	/* Which experts run decides what comes next: wait for the logits here. */
 	CUDA_TRY(be, "waiting for the router logits", cudaStreamSynchronize(be->stream));
 	bool norm = (c->flags & MODEL_NORM_TOPK) != 0;
@@ -320,10 +379,89 @@ int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t e
 	return 0;
 }
 
+static struct ffn_share_mat host_mat(const struct weight_tensor *t)
+{
+	struct ffn_share_mat mt = {t->data[PLACE_HOST], t->format, t->row_bytes};
+	return mt;
+}
+
+int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32_t expert)
+{
+	struct cuda_moe *m = be->moe;
+	if (!moe_expert_used(be, expert))
+		return 0;
+	if (!m->xn_down)
+		return cuda_failf(be, -ENOTSUP, "cuda backend: expert %u on the CPU: a step of %u tokens (the CPU takes "
+				  "experts in steps of at most %u, with a CPU pool)", expert, be->n, FFN_SPLIT_MAX_TOKENS);
+	struct moe_cpu_expert *ce = &m->cpu[m->n_cpu++];
+	ce->expert = expert;
+	ce->gate = host_mat(&w->t[ROLE_EXPERT_GATE]);
+	ce->up = host_mat(&w->t[ROLE_EXPERT_UP]);
+	ce->down = host_mat(&w->t[ROLE_EXPERT_DOWN]);
+	return 0;
+}
+
+static int cpu_part(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
+{
+	struct cuda_moe *m = (struct cuda_moe *)arg;
+	return ffn_share_part(m->share, &m->job, m->cx, m->cy, part, n_parts, err, errlen);
+}
+
+/* The noted experts on the pool, one after the other, into csum (the host); then csum up. */
+static int cpu_experts(struct backend_dev *be, float **sum_dev)
+{
+	struct cuda_moe *m = be->moe;
+	const uint32_t dim = be->cfg.dim, n = be->n;
+	uint64_t t0 = now_ns();
+	memset(m->csum, 0, (size_t)n * dim * sizeof(float));
+	for (uint32_t i = 0; i < m->n_cpu; i++) {
+		const struct moe_cpu_expert *ce = &m->cpu[i];
+		const uint32_t o = m->off[ce->expert], cnt = m->off[ce->expert + 1] - o;
+		for (uint32_t r = 0; r < cnt; r++)
+			memcpy(m->cx + (size_t)r * dim, m->h_xn + (size_t)m->h_tok[o + r] * dim, dim * sizeof(float));
+		ffn_share_job_init(&m->job, &ce->gate, &ce->up, &ce->down, m->F, cnt, DT_F32);
+		struct task_job job;
+		memset(&job, 0, sizeof(job));
+		task_job_init(&job, cpu_part, m, ffn_share_parts(m->share), &m->done, ++m->seq);
+		job.done_waiters = &m->waiters;
+		task_pool_submit(be->p.cpu_pool, &job); /* -ESHUTDOWN completes the job with its error */
+		task_word_wait(&m->done, &m->waiters, m->seq, 50, 0);
+		if (job.rc)
+			return cuda_failf(be, job.rc, "cuda backend: expert %u on the CPU: %s", ce->expert, job.err);
+		for (uint32_t r = 0; r < cnt; r++) {
+			float *dst = m->csum + (size_t)m->h_tok[o + r] * dim;
+			const float *y = m->cy + (size_t)r * dim, wt = m->h_tw[o + r];
+			for (uint32_t d = 0; d < dim; d++)
+				dst[d] += y[d] * wt;
+		}
+	}
+	m->cpu_experts += m->n_cpu;
+	m->cpu_ns += now_ns() - t0;
+	char *h;
+	size_t off, bytes = (size_t)n * dim * sizeof(float);
+	int rc = up_alloc(be, bytes, &h, &off);
+	if (rc)
+		return rc;
+	memcpy(h, m->csum, bytes);
+	if ((rc = up_send(be, m->csum_dev, h, off, bytes, "cudaMemcpyAsync (the CPU experts' sum)")))
+		return rc;
+	*sum_dev = m->csum_dev;
+	return 0;
+}
+
 int moe_end(struct backend_dev *be)
 {
 	struct cuda_moe *m = be->moe;
 	size_t count = (size_t)be->n * be->cfg.dim;
+	if (m->n_cpu) {
+		float *cs = NULL;
+		int rc = cpu_experts(be, &cs);
+		m->n_cpu = 0;
+		if (rc)
+			return rc;
+		add_launch(be->x, cs, count, be->stream);
+		LAUNCHED(be, "add_kernel (CPU experts' sum)");
+	}
 	add_launch(be->x, m->sum, count, be->stream);
 	LAUNCHED(be, "add_kernel (experts' sum)");
 	m->routed = false;
