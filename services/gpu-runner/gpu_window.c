@@ -558,6 +558,9 @@ static int win_skip(struct weight_source *ws, uint32_t group)
 		return errorf(ws->error, sizeof(ws->error), -EPROTO, "weight window: group %u skipped out of visit order",
 			      group);
 	int rc;
+	/* Not issued yet: the top-up passes it over (or, its host bytes streaming, copies it). */
+	if (!e->passed && e->state == GWIN_ABSENT && (rc = top_up(w)) != 0)
+		return rc;
 	if (e->passed) {
 		e->passed = false;
 		w->passed_pending[c]--;
@@ -565,8 +568,6 @@ static int win_skip(struct weight_source *ws, uint32_t group)
 		rc = top_up(w);
 		return rc ? rc : strict_check(w);
 	}
-	if (e->state == GWIN_ABSENT && (rc = top_up(w)) != 0)
-		return rc;
 	if (e->state != GWIN_INFLIGHT && e->state != GWIN_RESIDENT)
 		return errorf(ws->error, sizeof(ws->error), -EFAULT, "weight window: skipped group %u is %s", group,
 			      state_name(e->state));
