@@ -25,6 +25,8 @@
 				      cudaGetErrorString(e_));                                             \
 	} while (0)
 
+#define MOE_CALIBRATE_EXPERTS 64 /* expert groups the CPU's rate for experts is measured on, at most */
+
 static bool is_split(const struct gpu_window *w, uint32_t g)
 {
 	return w->split_r && w->split_r[g] < w->base.cfg->ffn_dim;
@@ -103,7 +105,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	struct cpu_share_policy pol = p->cpu_share;
 	const bool on = pol.mode != CPU_SHARE_OFF && p->cpu_pool;
 	struct split_layer *ly = calloc(L, sizeof(*ly));
-	struct split_sample *samples = calloc(3 * (size_t)L, sizeof(*samples));
+	struct split_sample *samples = calloc(3 * ((size_t)L + MOE_CALIBRATE_EXPERTS), sizeof(*samples));
 	w->split_r_layer = calloc(L, sizeof(uint32_t));
 	int rc = 0;
 	if (!ly || !samples || !w->split_r_layer) {
@@ -133,12 +135,19 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 		}
 	}
 	/* A mixture-of-experts model: the routed experts the CPU may compute (gpu_window.c, win_route),
-	 * its rate measured on the first streamed expert group that stays in DRAM. */
+	 * its rate measured on up to MOE_CALIBRATE_EXPERTS streamed expert groups that stay in DRAM,
+	 * spread over the layers (one expert's few MB would be read from the CPU's caches). */
 	w->moe_policy.mode = CPU_SHARE_OFF;
 	if (on && cfg->n_experts) {
 		static const enum tensor_role em[3] = {ROLE_EXPERT_GATE, ROLE_EXPERT_UP, ROLE_EXPERT_DOWN};
-		for (uint32_t g = 0; g < ng && w->moe_policy.mode == CPU_SHARE_OFF; g++) {
+		uint32_t cand = 0, seen = 0, taken = 0;
+		for (uint32_t g = 0; g < ng; g++)
+			cand += w->base.groups[g].kind == GROUP_EXPERT && !resident[g] && ring_source_group_pinned(w->ring, g);
+		uint32_t stride = cand > MOE_CALIBRATE_EXPERTS ? cand / MOE_CALIBRATE_EXPERTS : 1;
+		for (uint32_t g = 0; g < ng && taken < MOE_CALIBRATE_EXPERTS; g++) {
 			if (w->base.groups[g].kind != GROUP_EXPERT || resident[g] || !ring_source_group_pinned(w->ring, g))
+				continue;
+			if (seen++ % stride)
 				continue;
 			const struct tensor_desc *t[3] = {find(w, g, em[0]), find(w, g, em[1]), find(w, g, em[2])};
 			if (!t[0] || !t[1] || !t[2])
@@ -149,6 +158,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 					.format = t[i]->dtype, .rows = (uint32_t)t[i]->shape[0],
 					.cols = (uint32_t)t[i]->shape[1],
 					.row_bytes = dtype_row_bytes((enum dtype)t[i]->dtype, t[i]->shape[1])};
+			taken++;
 			w->moe_policy = pol;
 			w->moe_format = t[0]->dtype;
 		}
