@@ -18,8 +18,9 @@
  *  - expert e on the CPU (moe_expert_cpu: the weight window left it in host memory, a decode step
  *    with backend_params.cpu_pool): noted in order; at moe_end, while the GPU computes the experts
  *    queued before, the pool computes each noted expert over its tokens' xn rows (copied down with
- *    the logits) as an ffn_share job of the whole expert, the weighted rows summed on the host in
- *    expert order; the sum goes up and into the residual stream beside the GPU's.
+ *    the logits) as an ffn_share job of the whole expert, up to MOE_CPU_JOBS_MAX experts at once on
+ *    slices of the pool's threads, the weighted rows summed on the host in expert order; the sum
+ *    goes up and into the residual stream beside the GPU's.
  *
  * Qwen3 (MODEL_QK_NORM): each head of q and k goes through its RMSNorm over head_dim (q_norm,
  * k_norm) after the projections and before RoPE (qk_norm_kernel, in place in qkv).
@@ -40,6 +41,16 @@
 struct moe_cpu_expert {
 	uint32_t expert;
 	struct ffn_share_mat gate, up, down;
+};
+
+#define MOE_CPU_JOBS_MAX 8 /* experts the pool computes at once */
+
+/* One of the concurrent CPU jobs: an expert's rows in, its output out. */
+struct moe_cpu_job {
+	struct ffn_share *share;
+	struct ffn_share_job job;
+	float *x, *y;			/* (FFN_SPLIT_MAX_TOKENS, dim) */
+	uint32_t done, waiters, seq;	/* the job's completion word, its sleepers, the last value */
 };
 
 struct cuda_moe {
@@ -63,16 +74,16 @@ struct cuda_moe {
 	uint32_t *h_tok;	/* (max_chunk k) */
 	float *h_tw;
 	bool routed;		/* route ran for the chunk in flight */
-	/* Experts on the CPU (backend_params.cpu_pool). */
-	struct ffn_share *share;	/* the jobs' scratch: a whole expert, FFN_SPLIT_MAX_TOKENS tokens */
+	/* Experts on the CPU (backend_params.cpu_pool): up to n_jobs at once, each an ffn_share job of
+	 * its own (scratch, rows, output) on a slice of the pool's threads. */
+	struct moe_cpu_job *jobs;	/* (n_jobs) */
+	uint32_t n_jobs;
 	float *h_xn;			/* (FFN_SPLIT_MAX_TOKENS, dim) pinned: xn of a decode step */
 	bool xn_down;			/* h_xn holds this chunk's rows */
-	float *cx, *cy, *csum;		/* (FFN_SPLIT_MAX_TOKENS, dim) an expert's rows, its output, the sum */
+	float *csum;			/* (FFN_SPLIT_MAX_TOKENS, dim) the CPU's sum */
 	float *csum_dev;		/* (FFN_SPLIT_MAX_TOKENS, dim) the CPU's sum, device memory */
 	struct moe_cpu_expert *cpu;	/* (E) the experts noted for the CPU this layer */
 	uint32_t n_cpu;
-	struct ffn_share_job job;
-	uint32_t done, waiters, seq;	/* the job's completion word, its sleepers, the last value */
 	uint64_t cpu_experts, cpu_ns;	/* experts the CPU computed, and their time (all time) */
 };
 
@@ -200,19 +211,30 @@ int moe_setup(struct backend_dev *be)
 		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for the routing tables");
 	if (!be->p.cpu_pool)
 		return 0;
+	/* As many jobs as a token chooses experts (at most MOE_CPU_JOBS_MAX), each with its share of the
+	 * threads: small experts split over all of them would be mostly overhead. */
 	uint32_t t = task_pool_threads(be->p.cpu_pool);
-	char why[256];
-	if (ffn_share_create(c->dim, m->F, FFN_SPLIT_MAX_TOKENS, t < FFN_SHARE_MAX_THREADS ? t : FFN_SHARE_MAX_THREADS,
-			     &m->share, why, sizeof(why)) != 0)
-		return cuda_failf(be, -ENOMEM, "cuda backend: experts on the CPU: %s", why);
+	m->n_jobs = m->k < MOE_CPU_JOBS_MAX ? m->k : MOE_CPU_JOBS_MAX;
+	uint32_t per = t / m->n_jobs ? t / m->n_jobs : 1;
+	if (per > FFN_SHARE_MAX_THREADS)
+		per = FFN_SHARE_MAX_THREADS;
 	size_t rows = (size_t)FFN_SPLIT_MAX_TOKENS * dim;
-	CUDA_TRY(be, "cudaMallocHost (experts' rows for the CPU)", cudaMallocHost((void **)&m->h_xn, rows * sizeof(float)));
-	m->cx = (float *)malloc(rows * sizeof(float));
-	m->cy = (float *)malloc(rows * sizeof(float));
+	m->jobs = (struct moe_cpu_job *)calloc(m->n_jobs, sizeof(*m->jobs));
 	m->csum = (float *)malloc(rows * sizeof(float));
 	m->cpu = (struct moe_cpu_expert *)calloc(m->E, sizeof(*m->cpu));
-	if (!m->cx || !m->cy || !m->csum || !m->cpu)
+	if (!m->jobs || !m->csum || !m->cpu)
 		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for experts on the CPU");
+	char why[256];
+	for (uint32_t j = 0; j < m->n_jobs; j++) {
+		struct moe_cpu_job *cj = &m->jobs[j];
+		if (ffn_share_create(c->dim, m->F, FFN_SPLIT_MAX_TOKENS, per, &cj->share, why, sizeof(why)) != 0)
+			return cuda_failf(be, -ENOMEM, "cuda backend: experts on the CPU: %s", why);
+		cj->x = (float *)malloc(rows * sizeof(float));
+		cj->y = (float *)malloc(rows * sizeof(float));
+		if (!cj->x || !cj->y)
+			return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for experts on the CPU");
+	}
+	CUDA_TRY(be, "cudaMallocHost (experts' rows for the CPU)", cudaMallocHost((void **)&m->h_xn, rows * sizeof(float)));
 	return dev_alloc(be, (void **)&m->csum_dev, FFN_SPLIT_MAX_TOKENS, dim, sizeof(float), "the CPU experts' sum");
 }
 
@@ -225,12 +247,15 @@ void moe_teardown(struct backend_dev *be)
 		cudaStreamSynchronize(be->stream);
 	/* The task pool outlives this backend: the thread that completed the last job may still read
 	 * m->waiters. */
-	if (m->share && be->p.cpu_pool)
+	if (m->jobs && be->p.cpu_pool)
 		task_pool_quiesce(be->p.cpu_pool);
-	ffn_share_destroy(&m->share);
+	for (uint32_t j = 0; m->jobs && j < m->n_jobs; j++) {
+		ffn_share_destroy(&m->jobs[j].share);
+		free(m->jobs[j].x);
+		free(m->jobs[j].y);
+	}
+	free(m->jobs);
 	cudaFreeHost(m->h_xn);
-	free(m->cx);
-	free(m->cy);
 	free(m->csum);
 	free(m->cpu);
 	cudaFree(m->csum_dev);
@@ -286,7 +311,7 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	CUDA_TRY(be, "cudaMemsetAsync (experts' sum)",
 		 cudaMemsetAsync(m->sum, 0, (size_t)n * dim * sizeof(float), be->stream));
 	/* A decode step's rows for experts the CPU may compute. */
-	m->xn_down = m->share && n <= FFN_SPLIT_MAX_TOKENS;
+	m->xn_down = m->jobs && n <= FFN_SPLIT_MAX_TOKENS;
 	m->n_cpu = 0;
 	if (m->xn_down)
 		CUDA_TRY(be, "cudaMemcpyAsync (experts' rows for the CPU)",
@@ -403,36 +428,52 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 
 static int cpu_part(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
 {
-	struct cuda_moe *m = (struct cuda_moe *)arg;
-	return ffn_share_part(m->share, &m->job, m->cx, m->cy, part, n_parts, err, errlen);
+	struct moe_cpu_job *cj = (struct moe_cpu_job *)arg;
+	return ffn_share_part(cj->share, &cj->job, cj->x, cj->y, part, n_parts, err, errlen);
 }
 
-/* The noted experts on the pool, one after the other, into csum (the host); then csum up. */
+/* The noted experts on the pool, n_jobs at a time, into csum (the host, in expert order); then
+ * csum up. */
 static int cpu_experts(struct backend_dev *be, float **sum_dev)
 {
 	struct cuda_moe *m = be->moe;
 	const uint32_t dim = be->cfg.dim, n = be->n;
 	uint64_t t0 = now_ns();
 	memset(m->csum, 0, (size_t)n * dim * sizeof(float));
-	for (uint32_t i = 0; i < m->n_cpu; i++) {
-		const struct moe_cpu_expert *ce = &m->cpu[i];
-		const uint32_t o = m->off[ce->expert], cnt = m->off[ce->expert + 1] - o;
-		for (uint32_t r = 0; r < cnt; r++)
-			memcpy(m->cx + (size_t)r * dim, m->h_xn + (size_t)m->h_tok[o + r] * dim, dim * sizeof(float));
-		ffn_share_job_init(&m->job, &ce->gate, &ce->up, &ce->down, m->F, cnt, DT_F32);
-		struct task_job job;
-		memset(&job, 0, sizeof(job));
-		task_job_init(&job, cpu_part, m, ffn_share_parts(m->share), &m->done, ++m->seq);
-		job.done_waiters = &m->waiters;
-		task_pool_submit(be->p.cpu_pool, &job); /* -ESHUTDOWN completes the job with its error */
-		task_word_wait(&m->done, &m->waiters, m->seq, 50, 0);
-		if (job.rc)
-			return cuda_failf(be, job.rc, "cuda backend: expert %u on the CPU: %s", ce->expert, job.err);
-		for (uint32_t r = 0; r < cnt; r++) {
-			float *dst = m->csum + (size_t)m->h_tok[o + r] * dim;
-			const float *y = m->cy + (size_t)r * dim, wt = m->h_tw[o + r];
-			for (uint32_t d = 0; d < dim; d++)
-				dst[d] += y[d] * wt;
+	struct task_job tj[MOE_CPU_JOBS_MAX];
+	for (uint32_t i0 = 0; i0 < m->n_cpu; i0 += m->n_jobs) {
+		uint32_t nb = m->n_cpu - i0 < m->n_jobs ? m->n_cpu - i0 : m->n_jobs;
+		for (uint32_t j = 0; j < nb; j++) {
+			const struct moe_cpu_expert *ce = &m->cpu[i0 + j];
+			struct moe_cpu_job *cj = &m->jobs[j];
+			const uint32_t o = m->off[ce->expert], cnt = m->off[ce->expert + 1] - o;
+			for (uint32_t r = 0; r < cnt; r++)
+				memcpy(cj->x + (size_t)r * dim, m->h_xn + (size_t)m->h_tok[o + r] * dim, dim * sizeof(float));
+			ffn_share_job_init(&cj->job, &ce->gate, &ce->up, &ce->down, m->F, cnt, DT_F32);
+			memset(&tj[j], 0, sizeof(tj[j]));
+			task_job_init(&tj[j], cpu_part, cj, ffn_share_parts(cj->share), &cj->done, ++cj->seq);
+			tj[j].done_waiters = &cj->waiters;
+			task_pool_submit(be->p.cpu_pool, &tj[j]); /* -ESHUTDOWN completes the job with its error */
+		}
+		int rc = 0;
+		for (uint32_t j = 0; j < nb; j++) {
+			struct moe_cpu_job *cj = &m->jobs[j];
+			task_word_wait(&cj->done, &cj->waiters, cj->seq, 50, 0);
+			if (tj[j].rc && !rc)
+				rc = cuda_failf(be, tj[j].rc, "cuda backend: expert %u on the CPU: %s", m->cpu[i0 + j].expert,
+						tj[j].err);
+		}
+		if (rc)
+			return rc;
+		for (uint32_t j = 0; j < nb; j++) {
+			const struct moe_cpu_expert *ce = &m->cpu[i0 + j];
+			const uint32_t o = m->off[ce->expert], cnt = m->off[ce->expert + 1] - o;
+			for (uint32_t r = 0; r < cnt; r++) {
+				float *dst = m->csum + (size_t)m->h_tok[o + r] * dim;
+				const float *y = m->jobs[j].y + (size_t)r * dim, wt = m->h_tw[o + r];
+				for (uint32_t d = 0; d < dim; d++)
+					dst[d] += y[d] * wt;
+			}
 		}
 	}
 	m->cpu_experts += m->n_cpu;
