@@ -311,6 +311,10 @@ struct backend_cpu_share_stats {
 	uint64_t timed;	     /* split FFNs timed on the CUDA stream (one in a few) */
 	double stream_ms;    /* those FFNs' time on the stream, from x's copy down to the partial's add, summed */
 	double wait_ms;	     /* of which the stream waited for the CPU and its result's copy up, summed */
+	/* Mixture-of-experts layers (CUDA). */
+	uint64_t experts;    /* routed experts the CPU computed */
+	double experts_ms;   /* the host's time computing them (moe_end), summed */
+	double route_wait_ms; /* the host's time waiting for the router logits (moe_route), summed */
 };
 
 /* Fills out (zeros and "none" where the backend has no CPU share). Never fails. */

@@ -196,6 +196,9 @@ static json_t *cpu_share_stats(struct runner *r)
 	/* The split FFN's time on the stream beyond its CPU job: when the CPU binds, the handoff's own
 	 * cost both ways (x's copy down, the dispatch, the wait's end, the copy up, the add). */
 	json_object_set_new(o, "handoff_us", json_real(bs.timed && ffn_us > job_us ? ffn_us - job_us : 0));
+	json_object_set_new(o, "experts", json_integer((json_int_t)bs.experts));
+	json_object_set_new(o, "experts_ms", json_real(bs.experts_ms));
+	json_object_set_new(o, "route_wait_ms", json_real(bs.route_wait_ms));
 	return o;
 }
 

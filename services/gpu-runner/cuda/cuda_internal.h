@@ -240,6 +240,8 @@ int moe_route(struct backend_dev *be, const struct group_weights *w);
 bool moe_expert_used(struct backend_dev *be, uint32_t expert);
 int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t expert);
 int moe_end(struct backend_dev *be);
+/* The experts' part of backend_cpu_share_stats (nothing for a dense model). */
+void moe_stats(struct backend_dev *be, struct backend_cpu_share_stats *out);
 /* backend.h's moe_expert_cpu: noted, computed by the pool at moe_end. */
 int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32_t expert);
 /* Qwen3's per-head RMSNorm of the chunk's q and k (in be->qkv), before RoPE. */

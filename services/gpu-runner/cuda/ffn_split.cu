@@ -155,6 +155,7 @@ static void harvest(struct backend_dev *be)
 
 void ffn_split_stats(struct backend_dev *be, struct backend_cpu_share_stats *out)
 {
+	moe_stats(be, out);
 	if (!be->handoff)
 		return;
 	harvest(be);

@@ -84,7 +84,7 @@ struct cuda_moe {
 	float *csum_dev;		/* (FFN_SPLIT_MAX_TOKENS, dim) the CPU's sum, device memory */
 	struct moe_cpu_expert *cpu;	/* (E) the experts noted for the CPU this layer */
 	uint32_t n_cpu;
-	uint64_t cpu_experts, cpu_ns;	/* experts the CPU computed, and their time (all time) */
+	uint64_t cpu_experts, cpu_ns, route_wait_ns; /* experts the CPU computed, and the host's times (all time) */	/* experts the CPU computed, and their time (all time) */
 };
 
 /* ---- kernels ------------------------------------------------------------------------------ */
@@ -318,7 +318,9 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 			 cudaMemcpyAsync(m->h_xn, m->xn, (size_t)n * dim * sizeof(float), cudaMemcpyDeviceToHost,
 					 be->stream));
 	/* Which experts run decides what comes next: wait for the logits here. */
+	uint64_t t0 = now_ns();
 	CUDA_TRY(be, "waiting for the router logits", cudaStreamSynchronize(be->stream));
+	m->route_wait_ns += now_ns() - t0;
 	bool norm = (c->flags & MODEL_NORM_TOPK) != 0;
 	for (uint32_t t = 0; t < n; t++) {
 		const float *lg = m->h_logits + (size_t)t * E;
@@ -402,6 +404,16 @@ int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t e
 	scatter_kernel<<<blocks, 256, 0, be->stream>>>(m->y, m->tok + o, m->tw + o, cnt, dim, m->sum);
 	LAUNCHED(be, "scatter_kernel (expert sum)");
 	return 0;
+}
+
+void moe_stats(struct backend_dev *be, struct backend_cpu_share_stats *out)
+{
+	const struct cuda_moe *m = be->moe;
+	if (!m)
+		return;
+	out->experts = m->cpu_experts;
+	out->experts_ms = (double)m->cpu_ns / 1e6;
+	out->route_wait_ms = (double)m->route_wait_ns / 1e6;
 }
 
 static struct ffn_share_mat host_mat(const struct weight_tensor *t)
