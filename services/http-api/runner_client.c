@@ -55,7 +55,8 @@ struct runner_client {
 	pthread_mutex_t lock;
 	pthread_cond_t work; /* the worker waits here for jobs */
 	struct runner_job *head, *tail;
-	long queued;
+	long queued;	/* jobs in the queue */
+	bool busy;	/* the worker runs a job */
 	bool stopping;
 	struct rpc_client *client; /* the worker's */
 };
@@ -334,10 +335,12 @@ static void *worker_main(void *arg)
 			continue;
 		}
 		j->state = JOB_RUNNING;
+		rc->busy = true;
 		pthread_cond_broadcast(&j->cond);
 		pthread_mutex_unlock(&rc->lock);
 		run_job(rc, j);
 		pthread_mutex_lock(&rc->lock);
+		rc->busy = false;
 		job_unref_locked(j);
 	}
 	/* Stopping: what still waits fails. */
@@ -434,8 +437,8 @@ int runner_submit(struct runner_client *rc, const struct runner_params *p, struc
 	pthread_mutex_lock(&rc->lock);
 	if (!r && rc->stopping)
 		r = -ESHUTDOWN;
-	else if (!r && rc->queued >= rc->o.max_queue)
-		r = -EAGAIN;
+	else if (!r && (rc->busy || rc->queued > 0) && rc->queued >= rc->o.max_queue)
+		r = -EAGAIN; /* it would wait, and max_queue already do */
 	if (r) {
 		j->refs = 1;
 		job_unref_locked(j);

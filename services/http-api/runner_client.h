@@ -70,8 +70,8 @@ void runner_client_stop(struct runner_client *rc);
 /* Stops (if not yet) and frees the client, once no reader holds a job. *rc is NULL after. */
 void runner_client_destroy(struct runner_client **rc);
 
-/* Queues a generation. Returns 0 with *out (release it with runner_job_release), -EAGAIN when
- * max_queue jobs already wait, -ESHUTDOWN when stopping, -ENOMEM. */
+/* Queues a generation. Returns 0 with *out (release it with runner_job_release), -EAGAIN when it
+ * would have to wait and max_queue jobs already wait, -ESHUTDOWN when stopping, -ENOMEM. */
 int runner_submit(struct runner_client *rc, const struct runner_params *p, struct runner_job **out);
 
 /* Waits until the job has more than have_len bytes of text, more than have_tokens tokens, or has
