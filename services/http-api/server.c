@@ -381,7 +381,7 @@ static enum MHD_Result answer_stream(struct server *s, struct MHD_Connection *c,
 	free(v.fresh);
 	/* Only what this wait saw was taken in: the reader goes on from there. */
 	st->have_len = v.len;
-	st->have_tokens = 0;
+	st->have_tokens = v.n_tokens;
 	st->s = s;
 	st->job = j;
 	st->req = *req;
