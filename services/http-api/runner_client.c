@@ -527,6 +527,14 @@ long runner_queue_length(struct runner_client *rc)
 	return n;
 }
 
+bool runner_busy(struct runner_client *rc)
+{
+	pthread_mutex_lock(&rc->lock);
+	bool b = rc->busy;
+	pthread_mutex_unlock(&rc->lock);
+	return b;
+}
+
 int runner_probe(const struct runner_options *o, const char *service, char *err, size_t errlen)
 {
 	char path[512];

@@ -87,6 +87,10 @@ void runner_job_release(struct runner_job *j);
 /* Jobs waiting in the queue (not the one running). */
 long runner_queue_length(struct runner_client *rc);
 
+/* Whether a generation is running: the runner may then be slow to answer a HELLO (a long
+ * prefill), while the worker watches that it is still there. */
+bool runner_busy(struct runner_client *rc);
+
 /* Asks service (a service of the instance, e.g. "gpu-runner") for HELLO with its own socket, from
  * any thread. Returns 0 when it answered, else -errno (-ENOENT: no socket; -ETIMEDOUT) with err
  * filled. */

@@ -4,7 +4,8 @@
 # give the text pipectl generate gives with the same parameters (greedy and a seeded sample);
 # stop strings end the text before them; /health and /v1/models answer; bad requests get their
 # status and OpenAI's error shape; a client that goes away mid-stream cancels its generation and
-# the server serves the next request; a full queue answers 429; a port in use fails the start.
+# the server serves the next request; a full queue answers 429; no runner answers 503; a port in use
+# fails the start.
 source "$(dirname "$0")/lib.sh"
 if [[ ! -x $BIN/http-api ]]; then
 	echo "[http_api] SKIP: http-api was not built (libmicrohttpd missing)"
@@ -191,6 +192,17 @@ THIRD=$!
 third_listening() { grep -q 'listening on http://' "$IT_TMP/third.log"; }
 wait_until 10 "a third http-api listens" third_listening
 PORT3=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$IT_TMP/third.log" | head -n 1 | sed 's/.*://')
+# ... which serves no instance: 503 in OpenAI's shape, /health 503.
+BASE3=http://127.0.0.1:$PORT3
+expect_eq "$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE3/health")" 503 "/health without a runner"
+expect_eq "$(jq -r .status "$BODY")" unavailable "/health without a runner: status"
+got=$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE3/v1/completions" --data-binary '{"prompt": "x"}')
+expect_eq "$got" 503 "a completion without a runner"
+expect_grep 'gpu-runner of the instance is not running' "$(jq -r .error.message "$BODY")" "a completion without a runner: the message"
+got=$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE3/v1/chat/completions" \
+	--data-binary '{"messages": [{"role": "user", "content": "x"}], "stream": true}')
+expect_eq "$got" 503 "a streamed chat without a runner"
+expect_eq "$(jq -r .error.type "$BODY")" server_error "a streamed chat without a runner: the error type"
 expect_start_fails "--http on a port in use" "http-api did not" --model "$L3" --http "127.0.0.1:$PORT3"
 kill -TERM "$THIRD"
 wait "$THIRD" || true
