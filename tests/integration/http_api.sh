@@ -4,7 +4,7 @@
 # give the text pipectl generate gives with the same parameters (greedy and a seeded sample);
 # stop strings end the text before them; /health and /v1/models answer; bad requests get their
 # status and OpenAI's error shape; a client that goes away mid-stream cancels its generation and
-# the server serves the next request; a full queue answers 429; no runner answers 503; a port in use
+# the server serves the next request; a runner killed mid-stream ends it with an error event; a full queue answers 429; no runner answers 503; a port in use
 # fails the start.
 source "$(dirname "$0")/lib.sh"
 if [[ ! -x $BIN/http-api ]]; then
@@ -161,6 +161,24 @@ expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"m
 	200 "the request after a client went away"
 expect_eq "$(whole_text)" "$full" "the request after a client went away: the text"
 log "a client that went away mid-stream: cancelled; the next request served"
+
+# ---- gpu-runner killed during a stream: an error event ends it; the restarted runner serves ----
+curl -sS -N -H "Authorization: Bearer $KEY" "$BASE/v1/completions" --data-binary "$long" >"$IT_TMP/killed" 2>&1 &
+KILLED=$!
+killed_streaming() { grep -q '^data: {' "$IT_TMP/killed"; }
+wait_until 20 "the stream before the kill starts" killed_streaming
+RUNNER_PID=$(sup_field gpu-runner pid)
+kill -KILL "$RUNNER_PID"
+wait "$KILLED" || fail "the stream of a killed runner did not end cleanly"
+expect_grep '"error":\{"message":"gpu-runner went away during the request' "$(grep '^data: {' "$IT_TMP/killed" | tail -n 1)" \
+	"the stream of a killed runner: the error event"
+expect_eq "$(grep '^data: ' "$IT_TMP/killed" | tail -n 1)" "data: [DONE]" \
+	"the stream of a killed runner: the last event"
+wait_until 30 "gpu-runner restarted" restarted gpu-runner "$RUNNER_PID"
+expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0}")" \
+	200 "the request after the runner was restarted"
+expect_eq "$(whole_text)" "$full" "the request after the runner was restarted: the text"
+log "gpu-runner killed mid-stream: an error event; the restarted runner serves"
 
 # ---- a full queue: 429 (a second server with --max-queue 0, while the first request streams) ----
 "$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --max-queue 0 \
