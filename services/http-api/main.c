@@ -82,7 +82,8 @@ int main(int argc, char **argv)
 	struct opt opts[] = {
 		{"instance", OPT_STRING, &instance, "default", "the instance whose model is served"},
 		{"run-dir", OPT_STRING, &run_dir_opt, NULL, "its run directory (default /tmp/llmp-<uid>/<instance>)"},
-		{"listen", OPT_STRING, &listen, "127.0.0.1:8000", "ADDR:PORT to listen on (an IPv4 address; port 0: any)"},
+		{"listen", OPT_STRING, &listen, "127.0.0.1:8000",
+		 "ADDR:PORT to listen on (an IPv4 address; port 0: any)"},
 		{"api-key-file", OPT_STRING, &key_file, NULL,
 		 "a file whose first line is the key every request but /health must send as 'Authorization: Bearer "
 		 "KEY'"},
@@ -126,8 +127,9 @@ int main(int argc, char **argv)
 	}
 	if (default_max_tokens < 1 || default_max_tokens > MAX_TOKENS_LIMIT || timeout_s < 1 || hello_ms < 1 ||
 	    timeout_s > 86400 * 365 || hello_ms > 3600000) {
-		fprintf(stderr, "%s: --default-max-tokens must be in 1..%ld, --timeout and --hello-timeout-ms positive\n",
-			PROG, MAX_TOKENS_LIMIT);
+		fprintf(stderr,
+			"%s: --default-max-tokens must be in 1..%ld, --timeout and --hello-timeout-ms positive\n", PROG,
+			MAX_TOKENS_LIMIT);
 		return 2;
 	}
 	if (max_body < 2 || max_body > (1u << 30)) {

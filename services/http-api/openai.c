@@ -121,8 +121,8 @@ static int content_text(json_t *c, size_t idx, json_t **out, struct api_problem 
 		if (!json_is_object(part) || !json_is_string(type) || strcmp(json_string_value(type), "text") ||
 		    !json_is_string(text)) {
 			snprintf(why->message, sizeof(why->message),
-				 "messages[%zu].content[%zu] must be {\"type\": \"text\", \"text\": STRING} (only text is "
-				 "taken)",
+				 "messages[%zu].content[%zu] must be {\"type\": \"text\", \"text\": STRING} "
+				 "(only text is taken)",
 				 idx, i);
 			why->param = "messages";
 			return -EINVAL;

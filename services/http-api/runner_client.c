@@ -186,7 +186,8 @@ static void read_replies(struct runner_client *rc, struct runner_job *j, uint64_
 			msg_free(&rep);
 			if (now - last_reply >= (uint64_t)rc->o.reply_timeout_ms * 1000000ull) {
 				reset_connection(rc);
-				job_fail(rc, j, 503, "gpu-runner sent nothing for %ld s", rc->o.reply_timeout_ms / 1000);
+				job_fail(rc, j, 503, "gpu-runner sent nothing for %ld s",
+					 rc->o.reply_timeout_ms / 1000);
 				return;
 			}
 			if (now - last_check >= LISTENER_CHECK_MS * 1000000ull) {
@@ -196,8 +197,8 @@ static void read_replies(struct runner_client *rc, struct runner_job *j, uint64_
 				if (!up || (listener && pid && pid != listener)) {
 					reset_connection(rc);
 					job_fail(rc, j, 503,
-						 "gpu-runner went away during the request (its supervisor starts it again; "
-						 "send the request again)");
+						 "gpu-runner went away during the request (its supervisor starts it "
+						 "again; send the request again)");
 					return;
 				}
 			}
@@ -231,7 +232,8 @@ static void read_replies(struct runner_client *rc, struct runner_job *j, uint64_
 			} else {
 				j->n_prompt = rep.gen_done.n_prompt;
 				j->n_generated = rep.gen_done.n_generated;
-				snprintf(j->reason, sizeof(j->reason), "%s", rep.gen_done.reason.p ? rep.gen_done.reason.p : "");
+				const char *why = rep.gen_done.reason.p ? rep.gen_done.reason.p : "";
+				snprintf(j->reason, sizeof(j->reason), "%s", why);
 				j->state = JOB_DONE;
 			}
 		} else if (rep.type != MSG_LOGITS) {
@@ -285,7 +287,8 @@ static void run_job(struct runner_client *rc, struct runner_job *j)
 	int r = rpc_hello(rc->client, &hello, (int)rc->o.hello_timeout_ms);
 	if (r) {
 		char text[256];
-		snprintf(text, sizeof(text), "%s", r == -EREMOTEIO && hello.error.text.p ? hello.error.text.p : strerror(-r));
+		snprintf(text, sizeof(text), "%s",
+			 r == -EREMOTEIO && hello.error.text.p ? hello.error.text.p : strerror(-r));
 		msg_free(&hello);
 		reset_connection(rc);
 		job_fail(rc, j, 503, "gpu-runner did not answer HELLO: %s", text);

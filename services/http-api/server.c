@@ -431,7 +431,8 @@ static enum MHD_Result on_generate(struct server *s, struct MHD_Connection *c, s
 		api_request_free(&req);
 		if (rc == -EAGAIN)
 			return send_error(c, MHD_HTTP_TOO_MANY_REQUESTS,
-					  "too many requests wait for the model (--max-queue): try again later", NULL, NULL);
+					  "too many requests wait for the model (--max-queue): try again later", NULL,
+					  NULL);
 		return send_error(c, rc == -ESHUTDOWN ? 503 : 500,
 				  rc == -ESHUTDOWN ? "http-api is stopping" : "out of memory", NULL, NULL);
 	}

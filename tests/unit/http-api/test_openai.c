@@ -153,10 +153,10 @@ START_TEST(reply_shapes)
 	struct api_problem why;
 	ck_assert_int_eq(parse("{\"prompt\": \"x\"}", API_COMPLETION, &req, &why), 0);
 	json_t *o = api_completion_json(&req, "cmpl-1", "m", 5, "abc", 2, "length", 3, 2);
-	json_t *want = json_loads("{\"id\": \"cmpl-1\", \"object\": \"text_completion\", \"created\": 5, \"model\": \"m\", "
-				  "\"choices\": [{\"index\": 0, \"text\": \"ab\", \"logprobs\": null, \"finish_reason\": "
-				  "\"length\"}], \"usage\": {\"prompt_tokens\": 3, \"completion_tokens\": 2, "
-				  "\"total_tokens\": 5}}",
+	json_t *want = json_loads("{\"id\": \"cmpl-1\", \"object\": \"text_completion\", \"created\": 5, "
+				  "\"model\": \"m\", \"choices\": [{\"index\": 0, \"text\": \"ab\", "
+				  "\"logprobs\": null, \"finish_reason\": \"length\"}], \"usage\": {\"prompt_tokens\": 3, "
+				  "\"completion_tokens\": 2, \"total_tokens\": 5}}",
 				  0, NULL);
 	ck_assert(json_equal(o, want));
 	json_decref(o);
@@ -224,7 +224,8 @@ static void run_filter(const char *body, const char *const *pieces, const char *
 		/* Nothing given out may be the start of a stop string's match still to come. */
 		if (!f.stopped)
 			for (int k = 0; k < req.n_stops; k++)
-				ck_assert_msg(!strstr(out, req.stops[k]), "gave out '%s' holding '%s'", out, req.stops[k]);
+				ck_assert_msg(!strstr(out, req.stops[k]), "gave out '%s' holding '%s'", out,
+					      req.stops[k]);
 	}
 	size_t from, end = api_stop_filter_release(&f, &req, true, &from);
 	strncat(out, f.text ? f.text + from : "", end - from);
