@@ -155,8 +155,8 @@ START_TEST(reply_shapes)
 	json_t *o = api_completion_json(&req, "cmpl-1", "m", 5, "abc", 2, "length", 3, 2);
 	json_t *want = json_loads("{\"id\": \"cmpl-1\", \"object\": \"text_completion\", \"created\": 5, "
 				  "\"model\": \"m\", \"choices\": [{\"index\": 0, \"text\": \"ab\", "
-				  "\"logprobs\": null, \"finish_reason\": \"length\"}], \"usage\": {\"prompt_tokens\": 3, "
-				  "\"completion_tokens\": 2, \"total_tokens\": 5}}",
+				  "\"logprobs\": null, \"finish_reason\": \"length\"}], \"usage\": "
+				  "{\"prompt_tokens\": 3, \"completion_tokens\": 2, \"total_tokens\": 5}}",
 				  0, NULL);
 	ck_assert(json_equal(o, want));
 	json_decref(o);
