@@ -5,7 +5,9 @@
  * messages (chat: role and content; content a string or an array of {"type": "text", "text"}
  * parts, joined), max_tokens (max_completion_tokens too), temperature [0, 2], top_p [0, 1],
  * seed (an integer >= 0), stop (a string or an array of them), stream, stream_options.include_usage,
- * n (1 only). Anything else is ignored; a known parameter of the wrong type is refused. */
+ * n (1 only), and the extensions other servers take too: top_k (an integer >= 0), min_p [0, 1],
+ * repetition_penalty (0, 100]. Anything else is ignored; a known parameter of the wrong type is
+ * refused. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -244,9 +246,19 @@ static int parse_fields(json_t *root, const struct api_limits *lim, struct api_r
 		return rc;
 	req->temperature = 1.0;
 	req->top_p = 1.0;
+	req->repetition_penalty = 1.0;
 	if ((rc = get_number(root, "temperature", 0, 2, &req->temperature, why)) ||
-	    (rc = get_number(root, "top_p", 0, 1, &req->top_p, why)))
+	    (rc = get_number(root, "top_p", 0, 1, &req->top_p, why)) ||
+	    (rc = get_number(root, "min_p", 0, 1, &req->min_p, why)) ||
+	    (rc = get_number(root, "repetition_penalty", 1e-6, 100, &req->repetition_penalty, why)))
 		return rc;
+	json_t *top_k = json_object_get(root, "top_k");
+	if (top_k && !json_is_null(top_k)) {
+		/* -1 is "off" to some clients, as 0 is here. */
+		if (!json_is_integer(top_k) || json_integer_value(top_k) < -1)
+			return problem(why, "top_k", "'top_k' must be an integer >= 0 (0 or -1: off)%s", NULL);
+		req->top_k = json_integer_value(top_k) < 0 ? 0 : (uint64_t)json_integer_value(top_k);
+	}
 	/* top_p 0 keeps only the likeliest token: greedy (the runner reads 0 as off). */
 	if (req->top_p == 0) {
 		req->temperature = 0;

@@ -40,6 +40,9 @@ struct api_request {
 	long max_tokens;
 	double temperature; /* 0: greedy */
 	double top_p;	    /* 1: off */
+	uint64_t top_k;	    /* 0: off (an extension, as vLLM and llama.cpp take it) */
+	double min_p;	    /* 0: off (an extension) */
+	double repetition_penalty; /* 1: off (an extension) */
 	uint64_t seed;
 	bool has_seed;	    /* the request gave a seed; else the caller picks one */
 	bool stream;

@@ -36,8 +36,8 @@ struct runner_job {
 	pthread_cond_t cond;
 	/* the request (owned copies) */
 	char *prompt, *chat_json, *stops_json;
-	uint64_t max_new, seed;
-	double temperature, top_p;
+	uint64_t max_new, seed, top_k;
+	double temperature, top_p, min_p, repetition_penalty;
 	/* what came back */
 	enum runner_job_state state;
 	char *text;
@@ -303,6 +303,9 @@ static void run_job(struct runner_client *rc, struct runner_job *j)
 	req.generate.max_new = j->max_new;
 	req.generate.temperature = j->temperature;
 	req.generate.top_p = j->top_p;
+	req.generate.top_k = j->top_k;
+	req.generate.min_p = j->min_p;
+	req.generate.repetition_penalty = j->repetition_penalty;
 	req.generate.seed = j->seed;
 	set_text(&req.generate.prompt, j->prompt);
 	set_text(&req.generate.chat, j->chat_json);
@@ -431,6 +434,9 @@ int runner_submit(struct runner_client *rc, const struct runner_params *p, struc
 	j->max_new = p->max_new;
 	j->temperature = p->temperature;
 	j->top_p = p->top_p;
+	j->top_k = p->top_k;
+	j->min_p = p->min_p;
+	j->repetition_penalty = p->repetition_penalty;
 	j->seed = p->seed;
 	j->rc = rc;
 	j->refs = 2;

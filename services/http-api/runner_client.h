@@ -36,8 +36,8 @@ struct runner_params {
 	const char *chat_json;	  /* a JSON array of {"role", "content"}, or NULL; one of the two */
 	const char *stops_json;	  /* a JSON array of stop strings, or NULL */
 	uint64_t max_new;
-	double temperature, top_p;
-	uint64_t seed;
+	double temperature, top_p, min_p, repetition_penalty;
+	uint64_t top_k, seed;
 };
 
 /* A job's state, read by the HTTP side under runner_job_wait. */

@@ -423,6 +423,9 @@ static enum MHD_Result on_generate(struct server *s, struct MHD_Connection *c, s
 		.max_new = (uint64_t)req.max_tokens,
 		.temperature = req.temperature,
 		.top_p = req.top_p,
+		.top_k = req.top_k,
+		.min_p = req.min_p,
+		.repetition_penalty = req.repetition_penalty,
 		.seed = req.has_seed ? req.seed : random_u64() >> 1,
 	};
 	struct runner_job *j;

@@ -94,6 +94,12 @@ for ((i = 0; i < ${#sampling[@]}; i += 4)); do
 	log "completion ($what): '$want', streamed and not"
 done
 
+# The extensions top_k, min_p and repetition_penalty reach the runner as pipectl's flags do.
+want=$(generate --prompt "$text" -n 12 --temperature 0.9 --top-k 40 --min-p 0.05 --repetition-penalty 1.2 --seed 5)
+req="{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0.9, \"top_k\": 40, \"min_p\": 0.05, \"repetition_penalty\": 1.2, \"seed\": 5}"
+expect_eq "$(request POST /v1/completions "$req")" 200 "completion with top_k, min_p, repetition_penalty"
+expect_eq "$(whole_text)" "$want" "completion with top_k, min_p, repetition_penalty: the text vs pipectl generate"
+
 # ---- chat completions: the text of pipectl generate --chat (the model's chat template) ----
 want=$(generate --chat "Hello there" --system "Be brief." -n 10 --temperature 0)
 msgs='[{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]'

@@ -45,6 +45,7 @@ START_TEST(completion_defaults)
 	ck_assert_ptr_null(req.chat_json);
 	ck_assert_int_eq(req.max_tokens, 256);
 	ck_assert(req.temperature == 1.0 && req.top_p == 1.0);
+	ck_assert(req.top_k == 0 && req.min_p == 0 && req.repetition_penalty == 1.0);
 	ck_assert(!req.has_seed && !req.stream && !req.include_usage);
 	ck_assert_int_eq(req.n_stops, 0);
 	ck_assert_ptr_null(req.stops_json);
@@ -59,13 +60,15 @@ START_TEST(completion_parameters)
 	struct api_problem why;
 	const char *body = "{\"prompt\": [\"one\"], \"max_tokens\": 12, \"temperature\": 0.5, \"top_p\": 0.9, "
 			   "\"seed\": 7, \"stop\": [\"a\", \"\\n\\n\"], \"stream\": true, \"n\": 1, "
-			   "\"stream_options\": {\"include_usage\": true}}";
+			   "\"stream_options\": {\"include_usage\": true}, \"top_k\": 40, \"min_p\": 0.05, "
+			   "\"repetition_penalty\": 1.2}";
 	ck_assert_int_eq(parse(body, API_COMPLETION, &req, &why), 0);
 	ck_assert_str_eq(req.prompt, "one");
 	ck_assert_int_eq(req.max_tokens, 12);
 	ck_assert(req.temperature == 0.5 && req.top_p == 0.9);
 	ck_assert(req.has_seed && req.seed == 7);
 	ck_assert(req.stream && req.include_usage);
+	ck_assert(req.top_k == 40 && req.min_p == 0.05 && req.repetition_penalty == 1.2);
 	ck_assert_int_eq(req.n_stops, 2);
 	ck_assert_str_eq(req.stops[1], "\n\n");
 	ck_assert_str_eq(req.stops_json, "[\"a\",\"\\n\\n\"]");
@@ -111,6 +114,10 @@ START_TEST(completion_refused)
 	expect_refused("{\"prompt\": \"x\", \"stream\": \"yes\"}", API_COMPLETION, "stream");
 	expect_refused("{\"prompt\": \"x\", \"stream_options\": 1}", API_COMPLETION, "stream_options");
 	expect_refused("{\"prompt\": \"x\", \"n\": 2}", API_COMPLETION, "n");
+	expect_refused("{\"prompt\": \"x\", \"top_k\": 1.5}", API_COMPLETION, "top_k");
+	expect_refused("{\"prompt\": \"x\", \"top_k\": -2}", API_COMPLETION, "top_k");
+	expect_refused("{\"prompt\": \"x\", \"min_p\": 2}", API_COMPLETION, "min_p");
+	expect_refused("{\"prompt\": \"x\", \"repetition_penalty\": 0}", API_COMPLETION, "repetition_penalty");
 }
 END_TEST
 
