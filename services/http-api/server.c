@@ -320,15 +320,10 @@ static void stream_produce(struct stream *st)
 		st->finished = true;
 		return;
 	}
-	if (st->filter.stopped) {
-		/* A stop string: what the runner still makes is not wanted. */
-		runner_job_release(st->job);
-		st->job = NULL;
-		stream_end(st, "stop", v.n_prompt, v.n_tokens);
-		return;
-	}
+	/* After a stop string nothing more is given out; the runner, which has the stop strings too,
+	 * ends the generation at once and tells the counts for the usage. */
 	if (v.state == JOB_DONE)
-		stream_end(st, api_finish_reason(v.reason), v.n_prompt, v.n_generated);
+		stream_end(st, st->filter.stopped ? "stop" : api_finish_reason(v.reason), v.n_prompt, v.n_generated);
 }
 
 static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)

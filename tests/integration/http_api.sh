@@ -127,6 +127,11 @@ expect_eq "$(jq -r '.choices[0].finish_reason' "$BODY")" stop "completion with a
 expect_eq "$(request POST /v1/completions "${req%\}}, \"stream\": true}")" 200 "streamed completion with a stop string"
 expect_eq "$(stream_text)" "$want" "streamed completion with stop '$stop': the text"
 expect_stream "streamed completion with a stop string" stop
+expect_eq "$(request POST /v1/completions "${req%\}}, \"stream\": true, \"stream_options\": {\"include_usage\": true}}")" \
+	200 "streamed completion with a stop string and the usage"
+expect_eq "$(stream_text)" "$want" "streamed completion with stop '$stop' and the usage: the text"
+expect_grep '"usage":\{"prompt_tokens":[1-9][0-9]*,"completion_tokens":[1-9]' "$(grep '^data: {' "$BODY" | tail -n 1)" \
+	"streamed completion with a stop string: the usage"
 log "stop '$stop': '$want'"
 
 # ---- errors: status and shape ----
