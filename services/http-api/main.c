@@ -1,0 +1,209 @@
+/* http-api - an OpenAI-compatible HTTP front door to the model of a running instance.
+ *
+ *   http-api [--instance NAME] [--run-dir DIR] [--listen ADDR:PORT] [options]
+ *
+ * It serves GET /health, GET /v1/models, POST /v1/completions and POST /v1/chat/completions
+ * (server.h), and generates by sending MSG_GENERATE to the instance's gpu-runner as pipectl
+ * generate does (runner_client.h), one request at a time; the others wait in a queue of
+ * --max-queue. It logs "listening on http://ADDR:PORT" once it serves, and stops on SIGTERM or
+ * SIGINT. Exit status: 0 after a signal, 1 when it could not start, 2 bad usage. */
+#include <errno.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+#include "common/config.h"
+#include "common/log.h"
+#include "common/service.h"
+#include "common/util.h"
+#include "services/http-api/runner_client.h"
+#include "services/http-api/server.h"
+
+#define PROG "http-api"
+#define MAX_TOKENS_LIMIT (1L << 20)
+#define API_KEY_MAX 4096
+
+/* Reads the bearer token from path: its first line, surrounding blanks dropped. */
+static int read_api_key(const char *path, char *buf, size_t len)
+{
+	FILE *f = fopen(path, "r");
+	if (!f) {
+		fprintf(stderr, "%s: --api-key-file %s: %s\n", PROG, path, strerror(errno));
+		return -1;
+	}
+	if (!fgets(buf, (int)len, f))
+		buf[0] = 0;
+	fclose(f);
+	size_t n = strcspn(buf, "\r\n");
+	buf[n] = 0;
+	while (n && (buf[n - 1] == ' ' || buf[n - 1] == '\t'))
+		buf[--n] = 0;
+	size_t start = strspn(buf, " \t");
+	memmove(buf, buf + start, n - start + 1);
+	if (!*buf) {
+		fprintf(stderr, "%s: --api-key-file %s holds no key on its first line\n", PROG, path);
+		return -1;
+	}
+	return 0;
+}
+
+/* Splits "ADDR:PORT" (ADDR an IPv4 address; "localhost" is 127.0.0.1). */
+static int parse_listen(const char *text, char *addr, size_t len, uint16_t *port)
+{
+	const char *colon = strrchr(text, ':');
+	if (!colon || colon == text || (size_t)(colon - text) >= len) {
+		fprintf(stderr, "%s: --listen '%s' is not ADDR:PORT (e.g. 127.0.0.1:8000)\n", PROG, text);
+		return -1;
+	}
+	char *end;
+	errno = 0;
+	long p = strtol(colon + 1, &end, 10);
+	if (errno || end == colon + 1 || *end || p < 0 || p > 65535) {
+		fprintf(stderr, "%s: --listen '%s': the port must be 0..65535\n", PROG, text);
+		return -1;
+	}
+	memcpy(addr, text, (size_t)(colon - text));
+	addr[colon - text] = 0;
+	if (!strcmp(addr, "localhost"))
+		str_copy(addr, len, "127.0.0.1");
+	*port = (uint16_t)p;
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	const char *instance = NULL, *run_dir_opt = NULL, *listen = NULL, *key_file = NULL, *model_id = NULL,
+		   *level = NULL;
+	uint64_t max_body = 0;
+	long max_queue = 0, max_connections = 0, default_max_tokens = 0, timeout_s = 0, hello_ms = 0;
+	struct opt opts[] = {
+		{"instance", OPT_STRING, &instance, "default", "the instance whose model is served"},
+		{"run-dir", OPT_STRING, &run_dir_opt, NULL, "its run directory (default /tmp/llmp-<uid>/<instance>)"},
+		{"listen", OPT_STRING, &listen, "127.0.0.1:8000",
+		 "ADDR:PORT to listen on (an IPv4 address; port 0: any)"},
+		{"api-key-file", OPT_STRING, &key_file, NULL,
+		 "a file whose first line is the key every request but /health must send as 'Authorization: Bearer "
+		 "KEY'"},
+		{"max-body", OPT_SIZE, &max_body, "1MiB", "the largest request body taken (larger: 413)"},
+		{"max-queue", OPT_INT, &max_queue, "64",
+		 "requests that may wait for the model behind the one it serves (more: 429)"},
+		{"max-connections", OPT_INT, &max_connections, "0", "connections served at once (0: max-queue + 32)"},
+		{"model-id", OPT_STRING, &model_id, NULL,
+		 "the model's name in replies (default: the checkpoint's file or directory name, from ssd-loader)"},
+		{"default-max-tokens", OPT_INT, &default_max_tokens, "256", "max_tokens of a request that gives none"},
+		{"timeout", OPT_INT, &timeout_s, "600", "seconds gpu-runner may be silent during a generation"},
+		{"hello-timeout-ms", OPT_INT, &hello_ms, "2000",
+		 "how long gpu-runner may take to answer HELLO before it counts as unavailable (503)"},
+		{"log-level", OPT_STRING, &level, "info", "debug, info, warn or error"},
+		{0},
+	};
+	int rc = config_parse(PROG,
+			      "An OpenAI-compatible HTTP server for the model of a running instance: GET /health, GET "
+			      "/v1/models, POST /v1/completions and POST /v1/chat/completions (with \"stream\": true, "
+			      "server-sent events). It generates through the instance's gpu-runner, one request at a "
+			      "time. Clients connect with base_url http://ADDR:PORT/v1.",
+			      opts, argc, argv, NULL, NULL);
+	if (rc > 0)
+		return 0;
+	if (rc < 0)
+		return 2;
+	log_init(PROG);
+	enum log_level lv;
+	if (log_parse_level(level, &lv) != 0) {
+		fprintf(stderr, "%s: --log-level '%s' is not one of debug, info, warn, error\n", PROG, level);
+		return 2;
+	}
+	log_set_level(lv);
+	if (!*instance || strchr(instance, '/')) {
+		fprintf(stderr, "%s: instance name '%s' must be non-empty and hold no '/'\n", PROG, instance);
+		return 2;
+	}
+	if (max_queue < 0 || max_queue > 100000 || max_connections < 0 || max_connections > 100000) {
+		fprintf(stderr, "%s: --max-queue and --max-connections must be in 0..100000\n", PROG);
+		return 2;
+	}
+	if (default_max_tokens < 1 || default_max_tokens > MAX_TOKENS_LIMIT || timeout_s < 1 || hello_ms < 1 ||
+	    timeout_s > 86400 * 365 || hello_ms > 3600000) {
+		fprintf(stderr,
+			"%s: --default-max-tokens must be in 1..%ld, --timeout and --hello-timeout-ms positive\n", PROG,
+			MAX_TOKENS_LIMIT);
+		return 2;
+	}
+	if (max_body < 2 || max_body > (1u << 30)) {
+		fprintf(stderr, "%s: --max-body must be between 2 bytes and 1GiB\n", PROG);
+		return 2;
+	}
+	char run_dir[256], addr[64];
+	uint16_t port;
+	if (run_dir_opt && *run_dir_opt ? str_copy(run_dir, sizeof(run_dir), run_dir_opt) != 0
+					: run_dir_default(instance, run_dir, sizeof(run_dir)) != 0) {
+		fprintf(stderr, "%s: the run directory's path is too long\n", PROG);
+		return 2;
+	}
+	if (parse_listen(listen, addr, sizeof(addr), &port) != 0)
+		return 2;
+	static char key[API_KEY_MAX];
+	if (key_file && read_api_key(key_file, key, sizeof(key)) != 0)
+		return 2;
+
+	/* The signals are taken by sigwait below: every thread started from here blocks them. */
+	sigset_t sigs;
+	sigemptyset(&sigs);
+	sigaddset(&sigs, SIGTERM);
+	sigaddset(&sigs, SIGINT);
+	sigaddset(&sigs, SIGHUP);
+	pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+	signal(SIGPIPE, SIG_IGN);
+
+	void *zctx = zmq_ctx_new();
+	if (!zctx) {
+		fprintf(stderr, "%s: cannot create a ZeroMQ context: %s\n", PROG, strerror(errno));
+		return 1;
+	}
+	struct runner_options ro = {
+		.zctx = zctx,
+		.run_dir = run_dir,
+		.max_queue = max_queue,
+		.hello_timeout_ms = hello_ms,
+		.reply_timeout_ms = timeout_s * 1000,
+	};
+	char err[512];
+	struct runner_client *runner = NULL;
+	if (runner_client_start(&ro, &runner, err, sizeof(err)) != 0) {
+		fprintf(stderr, "%s: %s\n", PROG, err);
+		zmq_ctx_term(zctx);
+		return 1;
+	}
+	struct server_config cfg = {
+		.listen_addr = addr,
+		.port = port,
+		.max_body = max_body,
+		.max_connections = max_connections ? max_connections : max_queue + 32,
+		.api_key = key_file ? key : NULL,
+		.model_id = model_id && *model_id ? model_id : NULL,
+		.limits = {.max_tokens_default = default_max_tokens, .max_tokens_limit = MAX_TOKENS_LIMIT},
+		.runner = runner,
+		.ro = &ro,
+	};
+	struct server *srv = NULL;
+	if (server_start(&cfg, &srv, err, sizeof(err)) != 0) {
+		log_error("%s", err);
+		runner_client_destroy(&runner);
+		zmq_ctx_term(zctx);
+		return 1;
+	}
+	log_info("listening on http://%s:%u (instance %s, run dir %s%s)", addr, (unsigned)server_port(srv), instance,
+		 run_dir, key_file ? ", API key required" : "");
+	int sig = 0;
+	sigwait(&sigs, &sig);
+	log_info("stopping on signal %d", sig);
+	/* The generations end first (their readers wake up), then the connections, then the rest. */
+	runner_client_stop(runner);
+	server_stop(&srv);
+	runner_client_destroy(&runner);
+	zmq_ctx_term(zctx);
+	return 0;
+}

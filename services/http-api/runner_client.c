@@ -1,0 +1,619 @@
+/* runner_client.c - the job queue and the worker thread that speaks to gpu-runner
+ * (runner_client.h).
+ *
+ * One lock guards the queue and every job; each job has a condition its reader waits on. The
+ * worker holds no lock while it talks to the runner. A job's memory is shared by its reader and
+ * the worker (refs): the last of the two to let go frees it.
+ *
+ * The runner dying during a request is noticed without waiting out the reply timeout: while no
+ * reply comes, the worker looks once a second at who listens on gpu-runner.ctl; nobody, or
+ * another process than at the HELLO (the supervisor started a new runner), means the request
+ * was lost with the old one. */
+#include <errno.h>
+#include <jansson.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "common/bus.h"
+#include "common/log.h"
+#include "common/protocol.h"
+#include "common/util.h"
+#include "services/http-api/runner_client.h"
+
+#define RUNNER "gpu-runner"
+#define WAIT_SLICE_MS 200     /* a reply is waited for in slices, to see cancels and a dead runner */
+#define LISTENER_CHECK_MS 1000
+
+struct runner_job {
+	struct runner_job *next;
+	struct runner_client *rc;
+	int refs;	/* the reader and the worker (or the queue) */
+	bool released;	/* the reader let go: cancel */
+	pthread_cond_t cond;
+	/* the request (owned copies) */
+	char *prompt, *chat_json, *stops_json;
+	uint64_t max_new, seed, top_k;
+	double temperature, top_p, min_p, repetition_penalty;
+	/* what came back */
+	enum runner_job_state state;
+	char *text;
+	size_t len, cap;
+	uint64_t n_tokens, n_prompt, n_generated;
+	char reason[32];
+	int http_status;
+	char error[512];
+};
+
+struct runner_client {
+	struct runner_options o;
+	char run_dir[256];
+	pthread_t thread;
+	pthread_mutex_t lock;
+	pthread_cond_t work; /* the worker waits here for jobs */
+	struct runner_job *head, *tail;
+	long queued;	/* jobs in the queue */
+	bool busy;	/* the worker runs a job */
+	bool stopping;
+	struct rpc_client *client; /* the worker's */
+};
+
+static void job_unref_locked(struct runner_job *j)
+{
+	if (--j->refs > 0)
+		return;
+	pthread_cond_destroy(&j->cond);
+	free(j->prompt);
+	free(j->chat_json);
+	free(j->stops_json);
+	free(j->text);
+	free(j);
+}
+
+/* Ends the job as failed (under the lock). */
+static void job_fail_locked(struct runner_job *j, int status, const char *why)
+{
+	if (j->state == JOB_DONE || j->state == JOB_FAILED)
+		return;
+	j->state = JOB_FAILED;
+	j->http_status = status;
+	snprintf(j->error, sizeof(j->error), "%s", why);
+	pthread_cond_broadcast(&j->cond);
+}
+
+static void job_fail(struct runner_client *rc, struct runner_job *j, int status, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+static void job_fail(struct runner_client *rc, struct runner_job *j, int status, const char *fmt, ...)
+{
+	char why[512];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(why, sizeof(why), fmt, ap);
+	va_end(ap);
+	pthread_mutex_lock(&rc->lock);
+	job_fail_locked(j, status, why);
+	pthread_mutex_unlock(&rc->lock);
+	log_warn("request failed (HTTP %d): %s", status, why);
+}
+
+static int append_text(struct runner_job *j, const char *p, size_t n)
+{
+	if (!n)
+		return 0;
+	if (j->len + n + 1 > j->cap) {
+		size_t cap = j->cap ? j->cap : 256;
+		while (cap < j->len + n + 1)
+			cap *= 2;
+		char *t = realloc(j->text, cap);
+		if (!t)
+			return -ENOMEM;
+		j->text = t;
+		j->cap = cap;
+	}
+	memcpy(j->text + j->len, p, n);
+	j->len += n;
+	j->text[j->len] = 0;
+	return 0;
+}
+
+/* The HTTP status for a MSG_ERROR of the runner: its code is a positive errno. */
+static int status_of_runner_error(int64_t code)
+{
+	switch (code) {
+	case EINVAL:
+	case ERANGE:
+	case E2BIG:
+	case EMSGSIZE:
+	case ENOTSUP:
+	case EILSEQ:
+		return 400;
+	case EBUSY:
+	case EAGAIN:
+	case ENOBUFS:
+	case ESHUTDOWN:
+	case ECANCELED:
+		return 503;
+	default:
+		return 500;
+	}
+}
+
+static bool job_released(struct runner_client *rc, struct runner_job *j)
+{
+	pthread_mutex_lock(&rc->lock);
+	bool r = j->released || rc->stopping;
+	pthread_mutex_unlock(&rc->lock);
+	return r;
+}
+
+/* Closes the connection (the runner cancels what it generates for it) and opens a new one. */
+static void reset_connection(struct runner_client *rc)
+{
+	if (rc->client && rpc_client_reset(rc->client) != 0)
+		rpc_client_destroy(&rc->client);
+}
+
+/* Who listens on the runner's socket: 0 when nobody does (or unknown), else its pid. */
+static bool runner_listening(const char *path, int *pid)
+{
+	*pid = 0;
+	return bus_unix_listener(path, pid);
+}
+
+/* Reads the replies to the GENERATE corr until it ends. */
+static void read_replies(struct runner_client *rc, struct runner_job *j, uint64_t corr, const char *sock_path,
+			 int listener)
+{
+	uint64_t last_reply = now_ns(), last_check = last_reply;
+	for (;;) {
+		struct msg rep;
+		int r = rpc_wait(rc->client, corr, &rep, WAIT_SLICE_MS);
+		uint64_t now = now_ns();
+		if (job_released(rc, j)) {
+			msg_free(&rep);
+			reset_connection(rc);
+			pthread_mutex_lock(&rc->lock);
+			bool stopping = rc->stopping;
+			job_fail_locked(j, 503, stopping ? "http-api is stopping" : "cancelled: the client went away");
+			pthread_mutex_unlock(&rc->lock);
+			log_info("%s: the generation is cancelled", stopping ? "stopping" : "the client went away");
+			return;
+		}
+		if (r == -ETIMEDOUT) {
+			msg_free(&rep);
+			if (now - last_reply >= (uint64_t)rc->o.reply_timeout_ms * 1000000ull) {
+				reset_connection(rc);
+				job_fail(rc, j, 503, "gpu-runner sent nothing for %ld s",
+					 rc->o.reply_timeout_ms / 1000);
+				return;
+			}
+			if (now - last_check >= LISTENER_CHECK_MS * 1000000ull) {
+				last_check = now;
+				int pid;
+				bool up = runner_listening(sock_path, &pid);
+				if (!up || (listener && pid && pid != listener)) {
+					reset_connection(rc);
+					job_fail(rc, j, 503,
+						 "gpu-runner went away during the request (its supervisor starts it "
+						 "again; send the request again)");
+					return;
+				}
+			}
+			continue;
+		}
+		if (r == -EREMOTEIO) {
+			job_fail(rc, j, status_of_runner_error(rep.error.code), "gpu-runner: %s",
+				 rep.error.text.p ? rep.error.text.p : "(no text)");
+			msg_free(&rep);
+			return;
+		}
+		if (r) {
+			msg_free(&rep);
+			reset_connection(rc);
+			job_fail(rc, j, 500, "reading gpu-runner's reply failed: %s", strerror(-r));
+			return;
+		}
+		last_reply = now;
+		pthread_mutex_lock(&rc->lock);
+		int fail = 0;
+		if (rep.type == MSG_TOKEN) {
+			if (rep.token.index != j->n_tokens)
+				fail = 1;
+			else if (append_text(j, rep.token.text.p, rep.token.text.len))
+				fail = 2;
+			else
+				j->n_tokens++;
+		} else if (rep.type == MSG_GEN_DONE) {
+			if (append_text(j, rep.gen_done.text.p, rep.gen_done.text.len)) {
+				fail = 2;
+			} else {
+				j->n_prompt = rep.gen_done.n_prompt;
+				j->n_generated = rep.gen_done.n_generated;
+				const char *why = rep.gen_done.reason.p ? rep.gen_done.reason.p : "";
+				snprintf(j->reason, sizeof(j->reason), "%s", why);
+				j->state = JOB_DONE;
+			}
+		} else if (rep.type != MSG_LOGITS) {
+			fail = 3;
+		}
+		if (fail == 1)
+			job_fail_locked(j, 500, "gpu-runner sent a token out of order");
+		else if (fail == 2)
+			job_fail_locked(j, 500, "out of memory");
+		else if (fail == 3)
+			job_fail_locked(j, 500, "gpu-runner answered GENERATE with an unexpected message");
+		pthread_cond_broadcast(&j->cond);
+		bool ended = j->state == JOB_DONE || j->state == JOB_FAILED;
+		pthread_mutex_unlock(&rc->lock);
+		uint32_t type = rep.type;
+		msg_free(&rep);
+		if (fail) {
+			log_warn("request failed: gpu-runner's reply %s did not fit the request", msg_type_name(type));
+			reset_connection(rc);
+		}
+		if (ended)
+			return;
+	}
+}
+
+static void set_text(struct bytes *b, const char *s)
+{
+	if (s) {
+		b->p = (char *)s;
+		b->len = (uint32_t)strlen(s);
+	}
+}
+
+static void run_job(struct runner_client *rc, struct runner_job *j)
+{
+	char path[512];
+	struct stat st;
+	snprintf(path, sizeof(path), "%s/%s.ctl", rc->run_dir, RUNNER);
+	if (stat(path, &st) != 0) {
+		job_fail(rc, j, 503, "gpu-runner of the instance is not running (no socket %s)", path);
+		return;
+	}
+	if (!rc->client) {
+		rc->client = rpc_client_create(rc->o.zctx, rc->run_dir, RUNNER, "http-api");
+		if (!rc->client) {
+			job_fail(rc, j, 500, "cannot open a client of gpu-runner at %s: %s", path, strerror(errno));
+			return;
+		}
+	}
+	struct msg hello;
+	int r = rpc_hello(rc->client, &hello, (int)rc->o.hello_timeout_ms);
+	if (r) {
+		char text[256];
+		snprintf(text, sizeof(text), "%s",
+			 r == -EREMOTEIO && hello.error.text.p ? hello.error.text.p : strerror(-r));
+		msg_free(&hello);
+		reset_connection(rc);
+		job_fail(rc, j, 503, "gpu-runner did not answer HELLO: %s", text);
+		return;
+	}
+	msg_free(&hello);
+	int listener = 0;
+	runner_listening(path + 0, &listener);
+
+	struct msg req;
+	msg_init(&req, MSG_GENERATE, 0);
+	req.generate.max_new = j->max_new;
+	req.generate.temperature = j->temperature;
+	req.generate.top_p = j->top_p;
+	req.generate.top_k = j->top_k;
+	req.generate.min_p = j->min_p;
+	req.generate.repetition_penalty = j->repetition_penalty;
+	req.generate.seed = j->seed;
+	set_text(&req.generate.prompt, j->prompt);
+	set_text(&req.generate.chat, j->chat_json);
+	set_text(&req.generate.stop_strings, j->stops_json);
+	req.generate.flags = GEN_TEXT;
+	uint64_t corr;
+	r = rpc_send(rc->client, &req, &corr);
+	if (r) {
+		reset_connection(rc);
+		job_fail(rc, j, r == -EINVAL ? 400 : 503, "cannot send GENERATE to gpu-runner: %s",
+			 r == -EINVAL ? "the request exceeds the protocol's limits" : strerror(-r));
+		return;
+	}
+	read_replies(rc, j, corr, path, listener);
+}
+
+static void *worker_main(void *arg)
+{
+	struct runner_client *rc = arg;
+	pthread_mutex_lock(&rc->lock);
+	for (;;) {
+		while (!rc->head && !rc->stopping)
+			pthread_cond_wait(&rc->work, &rc->lock);
+		if (rc->stopping)
+			break;
+		struct runner_job *j = rc->head;
+		rc->head = j->next;
+		if (!rc->head)
+			rc->tail = NULL;
+		rc->queued--;
+		if (j->released) {
+			job_unref_locked(j);
+			continue;
+		}
+		j->state = JOB_RUNNING;
+		rc->busy = true;
+		pthread_cond_broadcast(&j->cond);
+		pthread_mutex_unlock(&rc->lock);
+		run_job(rc, j);
+		pthread_mutex_lock(&rc->lock);
+		rc->busy = false;
+		job_unref_locked(j);
+	}
+	/* Stopping: what still waits fails. */
+	while (rc->head) {
+		struct runner_job *j = rc->head;
+		rc->head = j->next;
+		job_fail_locked(j, 503, "http-api is stopping");
+		job_unref_locked(j);
+	}
+	rc->tail = NULL;
+	rc->queued = 0;
+	pthread_mutex_unlock(&rc->lock);
+	rpc_client_destroy(&rc->client);
+	return NULL;
+}
+
+int runner_client_start(const struct runner_options *o, struct runner_client **out, char *err, size_t errlen)
+{
+	struct runner_client *rc = calloc(1, sizeof(*rc));
+	if (!rc)
+		return errorf(err, errlen, -ENOMEM, "out of memory");
+	rc->o = *o;
+	if (str_copy(rc->run_dir, sizeof(rc->run_dir), o->run_dir) != 0) {
+		free(rc);
+		return errorf(err, errlen, -ENAMETOOLONG, "run directory path too long: %s", o->run_dir);
+	}
+	rc->o.run_dir = rc->run_dir;
+	pthread_mutex_init(&rc->lock, NULL);
+	pthread_cond_init(&rc->work, NULL);
+	int r = pthread_create(&rc->thread, NULL, worker_main, rc);
+	if (r) {
+		pthread_cond_destroy(&rc->work);
+		pthread_mutex_destroy(&rc->lock);
+		free(rc);
+		return errorf(err, errlen, -r, "cannot start the runner thread: %s", strerror(r));
+	}
+	*out = rc;
+	return 0;
+}
+
+void runner_client_stop(struct runner_client *rc)
+{
+	if (!rc)
+		return;
+	pthread_mutex_lock(&rc->lock);
+	bool joined = rc->stopping;
+	rc->stopping = true;
+	pthread_cond_broadcast(&rc->work);
+	pthread_mutex_unlock(&rc->lock);
+	if (!joined)
+		pthread_join(rc->thread, NULL);
+}
+
+void runner_client_destroy(struct runner_client **rcp)
+{
+	struct runner_client *rc = *rcp;
+	if (!rc)
+		return;
+	runner_client_stop(rc);
+	pthread_cond_destroy(&rc->work);
+	pthread_mutex_destroy(&rc->lock);
+	free(rc);
+	*rcp = NULL;
+}
+
+static char *dup_or_null(const char *s, bool *failed)
+{
+	if (!s)
+		return NULL;
+	char *d = strdup(s);
+	if (!d)
+		*failed = true;
+	return d;
+}
+
+int runner_submit(struct runner_client *rc, const struct runner_params *p, struct runner_job **out)
+{
+	struct runner_job *j = calloc(1, sizeof(*j));
+	if (!j)
+		return -ENOMEM;
+	bool failed = false;
+	j->prompt = dup_or_null(p->prompt, &failed);
+	j->chat_json = dup_or_null(p->chat_json, &failed);
+	j->stops_json = dup_or_null(p->stops_json, &failed);
+	j->max_new = p->max_new;
+	j->temperature = p->temperature;
+	j->top_p = p->top_p;
+	j->top_k = p->top_k;
+	j->min_p = p->min_p;
+	j->repetition_penalty = p->repetition_penalty;
+	j->seed = p->seed;
+	j->rc = rc;
+	j->refs = 2;
+	j->state = JOB_QUEUED;
+	pthread_cond_init(&j->cond, NULL);
+	int r = failed ? -ENOMEM : 0;
+	pthread_mutex_lock(&rc->lock);
+	if (!r && rc->stopping)
+		r = -ESHUTDOWN;
+	else if (!r && (rc->busy || rc->queued > 0) && rc->queued >= rc->o.max_queue)
+		r = -EAGAIN; /* it would wait, and max_queue already do */
+	if (r) {
+		j->refs = 1;
+		job_unref_locked(j);
+		pthread_mutex_unlock(&rc->lock);
+		return r;
+	}
+	if (rc->tail)
+		rc->tail->next = j;
+	else
+		rc->head = j;
+	rc->tail = j;
+	rc->queued++;
+	pthread_cond_signal(&rc->work);
+	pthread_mutex_unlock(&rc->lock);
+	*out = j;
+	return 0;
+}
+
+bool runner_job_wait(struct runner_job *j, size_t have_len, uint64_t have_tokens, int timeout_ms,
+		     struct runner_view *v)
+{
+	struct runner_client *rc = j->rc;
+	struct timespec until;
+	clock_gettime(CLOCK_REALTIME, &until);
+	if (timeout_ms > 0) {
+		until.tv_sec += timeout_ms / 1000;
+		until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+		if (until.tv_nsec >= 1000000000L) {
+			until.tv_sec++;
+			until.tv_nsec -= 1000000000L;
+		}
+	}
+	pthread_mutex_lock(&rc->lock);
+	bool changed;
+	for (;;) {
+		changed = j->len > have_len || j->n_tokens > have_tokens || j->state == JOB_DONE ||
+			  j->state == JOB_FAILED;
+		if (changed || timeout_ms == 0)
+			break;
+		if (timeout_ms < 0)
+			pthread_cond_wait(&j->cond, &rc->lock);
+		else if (pthread_cond_timedwait(&j->cond, &rc->lock, &until) == ETIMEDOUT)
+			break;
+	}
+	memset(v, 0, sizeof(*v));
+	v->state = j->state;
+	v->len = j->len;
+	v->n_tokens = j->n_tokens;
+	v->n_prompt = j->n_prompt;
+	v->n_generated = j->n_generated;
+	v->http_status = j->http_status;
+	snprintf(v->reason, sizeof(v->reason), "%s", j->reason);
+	snprintf(v->error, sizeof(v->error), "%s", j->error);
+	if (j->len > have_len) {
+		v->fresh = malloc(j->len - have_len + 1);
+		if (v->fresh) {
+			memcpy(v->fresh, j->text + have_len, j->len - have_len);
+			v->fresh[j->len - have_len] = 0;
+			v->fresh_len = j->len - have_len;
+		} else {
+			v->state = JOB_FAILED;
+			v->http_status = 500;
+			snprintf(v->error, sizeof(v->error), "out of memory");
+		}
+	}
+	pthread_mutex_unlock(&rc->lock);
+	return changed;
+}
+
+void runner_job_release(struct runner_job *j)
+{
+	if (!j)
+		return;
+	struct runner_client *rc = j->rc;
+	pthread_mutex_lock(&rc->lock);
+	j->released = true;
+	job_unref_locked(j);
+	pthread_mutex_unlock(&rc->lock);
+}
+
+long runner_queue_length(struct runner_client *rc)
+{
+	pthread_mutex_lock(&rc->lock);
+	long n = rc->queued;
+	pthread_mutex_unlock(&rc->lock);
+	return n;
+}
+
+bool runner_busy(struct runner_client *rc)
+{
+	pthread_mutex_lock(&rc->lock);
+	bool b = rc->busy;
+	pthread_mutex_unlock(&rc->lock);
+	return b;
+}
+
+int runner_probe(const struct runner_options *o, const char *service, char *err, size_t errlen)
+{
+	char path[512];
+	struct stat st;
+	snprintf(path, sizeof(path), "%s/%s.ctl", o->run_dir, service);
+	if (stat(path, &st) != 0)
+		return errorf(err, errlen, -ENOENT, "%s is not running (no socket %s)", service, path);
+	struct rpc_client *c = rpc_client_create(o->zctx, o->run_dir, service, "http-api");
+	if (!c)
+		return errorf(err, errlen, -errno, "cannot open a client of %s: %s", service, strerror(errno));
+	struct msg rep;
+	int r = rpc_hello(c, &rep, (int)o->hello_timeout_ms);
+	if (r == -ETIMEDOUT)
+		errorf(err, errlen, r, "%s did not answer HELLO in %ld ms", service, o->hello_timeout_ms);
+	else if (r)
+		errorf(err, errlen, r, "%s: %s", service,
+		       r == -EREMOTEIO && rep.error.text.p ? rep.error.text.p : strerror(-r));
+	msg_free(&rep);
+	rpc_client_destroy(&c);
+	return r;
+}
+
+int runner_model_name(const struct runner_options *o, char *buf, size_t len, char *err, size_t errlen)
+{
+	static const char loader[] = "ssd-loader", keys[] = "[\"model\"]";
+	char path[512];
+	struct stat st;
+	snprintf(path, sizeof(path), "%s/%s.ctl", o->run_dir, loader);
+	if (stat(path, &st) != 0)
+		return errorf(err, errlen, -ENOENT, "%s is not running (no socket %s)", loader, path);
+	struct rpc_client *c = rpc_client_create(o->zctx, o->run_dir, loader, "http-api");
+	if (!c)
+		return errorf(err, errlen, -errno, "cannot open a client of %s: %s", loader, strerror(errno));
+	struct msg req, rep;
+	msg_init(&req, MSG_CONFIG_GET, 0);
+	req.config_get.keys.p = (char *)keys;
+	req.config_get.keys.len = (uint32_t)strlen(keys);
+	int r = rpc_call(c, &req, &rep, (int)o->hello_timeout_ms);
+	if (r) {
+		errorf(err, errlen, r, "%s did not give its model: %s", loader,
+		       r == -EREMOTEIO && rep.error.text.p ? rep.error.text.p : strerror(-r));
+		goto out;
+	}
+	if (rep.type != MSG_CONFIG) {
+		r = errorf(err, errlen, -EBADMSG, "%s answered CONFIG_GET with %s", loader, msg_type_name(rep.type));
+		goto out;
+	}
+	json_t *root = json_loadb(rep.config.json.p, rep.config.json.len, 0, NULL);
+	const char *model = json_string_value(json_object_get(json_object_get(root, "model"), "value"));
+	if (!model || !*model) {
+		r = errorf(err, errlen, -EBADMSG, "%s's parameters hold no model path", loader);
+	} else {
+		size_t n = strlen(model);
+		while (n > 1 && model[n - 1] == '/')
+			n--;
+		size_t start = n;
+		while (start > 0 && model[start - 1] != '/')
+			start--;
+		size_t name_len = n - start;
+		if (name_len > 5 && !strncmp(model + n - 5, ".gguf", 5))
+			name_len -= 5;
+		if (name_len + 1 > len)
+			name_len = len - 1;
+		memcpy(buf, model + start, name_len);
+		buf[name_len] = 0;
+		r = 0;
+	}
+	json_decref(root);
+out:
+	msg_free(&rep);
+	rpc_client_destroy(&c);
+	return r;
+}

@@ -1,0 +1,103 @@
+/* runner_client.h - http-api's side of the ZeroMQ exchange with the instance's gpu-runner: one
+ * worker thread owns the connection and serves a queue of generation jobs one at a time (the
+ * runner computes one request at a time); the HTTP threads submit jobs and read their text as it
+ * comes.
+ *
+ *   struct runner_client *rc;  runner_client_start(&opts, &rc, err, sizeof(err));
+ *   struct runner_job *j;
+ *   rc = runner_submit(rc, &params, &j);      // -EAGAIN: the queue is full (HTTP 429)
+ *   while (runner_job_wait(j, seen, ...)) ...  // text appended, then done (or an error)
+ *   runner_job_release(j);                   // the HTTP side is done with it: a job still
+ *                                            // running is cancelled
+ *   runner_client_stop(rc); ... runner_client_destroy(&rc);
+ *
+ * A job sends MSG_GENERATE (prompt | chat, max_new, sampling, stop strings, GEN_TEXT) after a
+ * HELLO that tells whether the runner is there, and reads MSG_TOKEN... MSG_GEN_DONE or
+ * MSG_ERROR as pipectl generate does. Cancelling closes the connection: the runner then fails
+ * to send the next token to it and ends the generation (its cancel). */
+#ifndef HTTP_API_RUNNER_CLIENT_H
+#define HTTP_API_RUNNER_CLIENT_H
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct runner_options {
+	void *zctx;		 /* the ZeroMQ context (thread-safe; each thread opens its own sockets) */
+	const char *run_dir;	 /* the instance's run directory: <run_dir>/gpu-runner.ctl */
+	long max_queue;		 /* jobs that may wait behind the one running */
+	long hello_timeout_ms;	 /* how long the runner may take to answer HELLO before it counts as down */
+	long reply_timeout_ms;	 /* the longest silence between two replies of a generation */
+};
+
+/* What to generate: borrowed by runner_submit, which copies it. */
+struct runner_params {
+	const char *prompt;	  /* text, or NULL */
+	const char *chat_json;	  /* a JSON array of {"role", "content"}, or NULL; one of the two */
+	const char *stops_json;	  /* a JSON array of stop strings, or NULL */
+	uint64_t max_new;
+	double temperature, top_p, min_p, repetition_penalty;
+	uint64_t top_k, seed;
+};
+
+/* A job's state, read by the HTTP side under runner_job_wait. */
+enum runner_job_state { JOB_QUEUED, JOB_RUNNING, JOB_DONE, JOB_FAILED };
+
+struct runner_job;
+
+/* A snapshot of a job for its reader. */
+struct runner_view {
+	enum runner_job_state state;
+	char *fresh;	   /* a malloc'd copy of the text after have_len (the caller frees it), or NULL */
+	size_t fresh_len;  /* its bytes */
+	size_t len;	   /* the bytes of text generated so far */
+	uint64_t n_tokens;		/* MSG_TOKENs received */
+	uint64_t n_prompt, n_generated; /* JOB_DONE: from MSG_GEN_DONE */
+	char reason[32];		/* JOB_DONE: the runner's reason */
+	int http_status;		/* JOB_FAILED: 400 (the runner refused the request), 503 (no runner) or 500 */
+	char error[512];		/* JOB_FAILED: why */
+};
+
+struct runner_client;
+
+/* Starts the worker thread. Returns 0 with *out set, or -errno with err filled. */
+int runner_client_start(const struct runner_options *o, struct runner_client **out, char *err, size_t errlen);
+
+/* Cancels every job and stops the worker; the jobs' readers see JOB_FAILED (503) and may still
+ * release their jobs. Later submits fail with -ESHUTDOWN. Safe twice. */
+void runner_client_stop(struct runner_client *rc);
+
+/* Stops (if not yet) and frees the client, once no reader holds a job. *rc is NULL after. */
+void runner_client_destroy(struct runner_client **rc);
+
+/* Queues a generation. Returns 0 with *out (release it with runner_job_release), -EAGAIN when it
+ * would have to wait and max_queue jobs already wait, -ESHUTDOWN when stopping, -ENOMEM. */
+int runner_submit(struct runner_client *rc, const struct runner_params *p, struct runner_job **out);
+
+/* Waits until the job has more than have_len bytes of text, more than have_tokens tokens, or has
+ * ended (JOB_DONE or JOB_FAILED), or timeout_ms passes (-1: no limit); fills *v (free v->fresh).
+ * Returns true when something changed, false on the timeout. */
+bool runner_job_wait(struct runner_job *j, size_t have_len, uint64_t have_tokens, int timeout_ms,
+		     struct runner_view *v);
+
+/* The HTTP side is done with the job (the client went away, or all was sent): a job still
+ * queued is dropped, one running is cancelled; the job is freed once the worker is done too. */
+void runner_job_release(struct runner_job *j);
+
+/* Jobs waiting in the queue (not the one running). */
+long runner_queue_length(struct runner_client *rc);
+
+/* Whether a generation is running: the runner may then be slow to answer a HELLO (a long
+ * prefill), while the worker watches that it is still there. */
+bool runner_busy(struct runner_client *rc);
+
+/* Asks service (a service of the instance, e.g. "gpu-runner") for HELLO with its own socket, from
+ * any thread. Returns 0 when it answered, else -errno (-ENOENT: no socket; -ETIMEDOUT) with err
+ * filled. */
+int runner_probe(const struct runner_options *o, const char *service, char *err, size_t errlen);
+
+/* The model the instance serves: the basename of ssd-loader's "model" parameter (MSG_CONFIG_GET),
+ * without ".gguf". Returns 0 with buf filled, or -errno with err filled. */
+int runner_model_name(const struct runner_options *o, char *buf, size_t len, char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,645 @@
+/* server.c - the HTTP plumbing of http-api on libmicrohttpd (server.h).
+ *
+ * libmicrohttpd runs a thread per connection, so a handler may block: a generation's handler
+ * waits for its job in the runner queue (runner_client.h), and a stream's reader waits for the
+ * next text. A request is checked before its body is read: the path (404), the method (405),
+ * the bearer token (401), a Content-Length over --max-body (413); a body without one that grows
+ * past the limit is dropped as it comes and answered 413 at its end.
+ *
+ * A streamed generation answers only once its first token is in (or it failed: then with the
+ * error's status, as a request that does not stream); from there on, server-sent events
+ * "data: {chunk}\n\n" and "data: [DONE]\n\n" to end. A failure after the first token becomes
+ * one "data: {"error": ...}" event. A client that goes away ends the response: its job is
+ * released, which cancels the generation (runner_job_release). */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <jansson.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "common/util.h"
+#include "services/http-api/server.h"
+
+#define STREAM_BLOCK 4096 /* bytes libmicrohttpd asks a stream's reader for at most */
+
+struct server {
+	struct server_config cfg;
+	struct MHD_Daemon *d;
+	uint16_t port;
+	pthread_mutex_t lock;
+	char model[256]; /* the model's name, once known */
+};
+
+enum route { R_NONE, R_HEALTH, R_MODELS, R_COMPLETIONS, R_CHAT };
+
+/* One request: its route and body. */
+struct request_state {
+	enum route route;
+	char *body;
+	size_t len, cap;
+	bool too_big;
+	bool answered; /* a response was queued before the body was read */
+};
+
+/* A streamed generation, the reader callback's state. */
+struct stream {
+	struct server *s;
+	struct runner_job *job;
+	struct api_request req;
+	struct api_stop_filter filter;
+	char id[64], model[256];
+	int64_t created;
+	size_t have_len;
+	uint64_t have_tokens;
+	bool role_sent, finished;
+	char *out; /* formatted events not yet handed to libmicrohttpd */
+	size_t out_len, out_pos, out_cap;
+};
+
+/* ---- replies ---- */
+
+static enum MHD_Result send_text(struct MHD_Connection *c, unsigned status, const char *type, char *text,
+				 const char *allow)
+{
+	struct MHD_Response *r = MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
+	if (!r) {
+		free(text);
+		return MHD_NO;
+	}
+	MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+	if (allow)
+		MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, allow);
+	enum MHD_Result ret = MHD_queue_response(c, status, r);
+	MHD_destroy_response(r);
+	return ret;
+}
+
+/* Sends o (a reference taken) as the JSON body of a reply with status. */
+static enum MHD_Result send_json(struct MHD_Connection *c, unsigned status, json_t *o, const char *allow)
+{
+	char *text = o ? json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
+	json_decref(o);
+	if (!text)
+		return MHD_NO;
+	size_t n = strlen(text);
+	char *t = realloc(text, n + 2);
+	if (!t) {
+		free(text);
+		return MHD_NO;
+	}
+	t[n] = '\n';
+	t[n + 1] = 0;
+	return send_text(c, status, "application/json", t, allow);
+}
+
+static const char *error_type(unsigned status)
+{
+	switch (status) {
+	case 401:
+		return "authentication_error";
+	case 429:
+		return "rate_limit_error";
+	case 500:
+	case 503:
+		return "server_error";
+	default:
+		return "invalid_request_error";
+	}
+}
+
+static const char *error_code(unsigned status)
+{
+	switch (status) {
+	case 401:
+		return "invalid_api_key";
+	case 404:
+		return "not_found";
+	case 405:
+		return "method_not_allowed";
+	case 413:
+		return "request_too_large";
+	case 429:
+		return "queue_full";
+	case 503:
+		return "runner_unavailable";
+	default:
+		return NULL;
+	}
+}
+
+static enum MHD_Result send_error(struct MHD_Connection *c, unsigned status, const char *message, const char *param,
+				  const char *allow)
+{
+	if (status >= 500)
+		log_warn("HTTP %u: %s", status, message);
+	else
+		log_debug("HTTP %u: %s", status, message);
+	return send_json(c, status, api_error_json(message, error_type(status), param, error_code(status)), allow);
+}
+
+/* ---- the model's name ---- */
+
+static void model_name(struct server *s, char *buf, size_t len)
+{
+	if (s->cfg.model_id) {
+		snprintf(buf, len, "%s", s->cfg.model_id);
+		return;
+	}
+	pthread_mutex_lock(&s->lock);
+	snprintf(buf, len, "%s", s->model);
+	pthread_mutex_unlock(&s->lock);
+	if (*buf)
+		return;
+	char name[256], err[256];
+	if (runner_model_name(s->cfg.ro, name, sizeof(name), err, sizeof(err)) != 0) {
+		log_warn("the model's name: %s", err);
+		snprintf(buf, len, "%s", "unknown");
+		return;
+	}
+	pthread_mutex_lock(&s->lock);
+	snprintf(s->model, sizeof(s->model), "%s", name);
+	pthread_mutex_unlock(&s->lock);
+	snprintf(buf, len, "%s", name);
+}
+
+/* ---- GET ---- */
+
+static enum MHD_Result on_health(struct server *s, struct MHD_Connection *c)
+{
+	char err[256];
+	int rc = runner_probe(s->cfg.ro, "gpu-runner", err, sizeof(err));
+	bool busy = runner_busy(s->cfg.runner);
+	/* A runner deep in a generation may not answer in time; the worker sees it go away. */
+	if (rc != 0 && !(rc == -ETIMEDOUT && busy)) {
+		json_t *o = json_pack("{s:s, s:s}", "status", "unavailable", "error", err);
+		return send_json(c, MHD_HTTP_SERVICE_UNAVAILABLE, o, NULL);
+	}
+	json_t *o = json_pack("{s:s, s:b, s:I}", "status", "ok", "busy", busy, "queued",
+			      (json_int_t)runner_queue_length(s->cfg.runner));
+	return send_json(c, MHD_HTTP_OK, o, NULL);
+}
+
+static enum MHD_Result on_models(struct server *s, struct MHD_Connection *c)
+{
+	char model[256];
+	if (!s->cfg.model_id) {
+		char err[256];
+		pthread_mutex_lock(&s->lock);
+		bool known = s->model[0] != 0;
+		pthread_mutex_unlock(&s->lock);
+		if (!known && runner_model_name(s->cfg.ro, model, sizeof(model), err, sizeof(err)) != 0)
+			return send_error(c, MHD_HTTP_SERVICE_UNAVAILABLE, err, NULL, NULL);
+	}
+	model_name(s, model, sizeof(model));
+	return send_json(c, MHD_HTTP_OK, api_models_json(model, (int64_t)time(NULL)), NULL);
+}
+
+/* ---- generations ---- */
+
+static void make_id(char *buf, size_t len, enum api_kind kind)
+{
+	snprintf(buf, len, "%s-%016llx", kind == API_CHAT ? "chatcmpl" : "cmpl", (unsigned long long)random_u64());
+}
+
+static unsigned job_status(int http_status)
+{
+	return http_status >= 400 && http_status < 600 ? (unsigned)http_status : 500;
+}
+
+/* Waits for the whole generation, then answers with one JSON object. */
+static enum MHD_Result answer_whole(struct server *s, struct MHD_Connection *c, struct api_request *req,
+				   struct runner_job *j)
+{
+	struct api_stop_filter f = {0};
+	struct runner_view v;
+	size_t have = 0;
+	uint64_t tokens = 0;
+	bool oom = false;
+	for (;;) {
+		runner_job_wait(j, have, tokens, -1, &v);
+		if (v.fresh && api_stop_filter_push(&f, req, v.fresh, v.fresh_len))
+			oom = true;
+		free(v.fresh);
+		have = v.len;
+		tokens = v.n_tokens;
+		if (v.state == JOB_DONE || v.state == JOB_FAILED || oom)
+			break;
+	}
+	runner_job_release(j);
+	enum MHD_Result ret;
+	if (oom) {
+		ret = send_error(c, 500, "out of memory", NULL, NULL);
+	} else if (v.state == JOB_FAILED) {
+		ret = send_error(c, job_status(v.http_status), v.error, NULL, NULL);
+	} else {
+		size_t from;
+		size_t end = api_stop_filter_release(&f, req, true, &from);
+		const char *finish = f.stopped ? "stop" : api_finish_reason(v.reason);
+		char id[64], model[256];
+		make_id(id, sizeof(id), req->kind);
+		model_name(s, model, sizeof(model));
+		json_t *o = api_completion_json(req, id, model, (int64_t)time(NULL), f.text ? f.text : "", end, finish,
+						v.n_prompt, v.n_generated);
+		ret = send_json(c, MHD_HTTP_OK, o, NULL);
+	}
+	api_stop_filter_free(&f);
+	return ret;
+}
+
+static int out_append(struct stream *st, const char *p, size_t n)
+{
+	if (st->out_len + n > st->out_cap) {
+		size_t cap = st->out_cap ? st->out_cap : 1024;
+		while (cap < st->out_len + n)
+			cap *= 2;
+		char *t = realloc(st->out, cap);
+		if (!t)
+			return -ENOMEM;
+		st->out = t;
+		st->out_cap = cap;
+	}
+	memcpy(st->out + st->out_len, p, n);
+	st->out_len += n;
+	return 0;
+}
+
+/* Appends "data: <o>\n\n" (o: a reference taken). */
+static int out_event(struct stream *st, json_t *o)
+{
+	char *text = o ? json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
+	json_decref(o);
+	if (!text)
+		return -ENOMEM;
+	int rc = out_append(st, "data: ", 6);
+	rc = rc ? rc : out_append(st, text, strlen(text));
+	rc = rc ? rc : out_append(st, "\n\n", 2);
+	free(text);
+	return rc;
+}
+
+static void stream_end(struct stream *st, const char *finish, uint64_t n_prompt, uint64_t n_generated)
+{
+	out_event(st, api_chunk_json(&st->req, st->id, st->model, st->created, "", 0, finish, false));
+	if (st->req.include_usage)
+		out_event(st, api_usage_chunk_json(&st->req, st->id, st->model, st->created, n_prompt, n_generated));
+	out_append(st, "data: [DONE]\n\n", 14);
+	st->finished = true;
+}
+
+/* Formats the next events into st->out, waiting for the job as needed. */
+static void stream_produce(struct stream *st)
+{
+	if (st->req.kind == API_CHAT && !st->role_sent) {
+		st->role_sent = true;
+		if (out_event(st, api_chunk_json(&st->req, st->id, st->model, st->created, "", 0, NULL, true)) == 0)
+			return;
+	}
+	struct runner_view v;
+	runner_job_wait(st->job, st->have_len, st->have_tokens, -1, &v);
+	int rc = v.fresh ? api_stop_filter_push(&st->filter, &st->req, v.fresh, v.fresh_len) : 0;
+	free(v.fresh);
+	st->have_len = v.len;
+	st->have_tokens = v.n_tokens;
+	bool ended = v.state == JOB_DONE || v.state == JOB_FAILED;
+	size_t from, end = api_stop_filter_release(&st->filter, &st->req, ended, &from);
+	if (end > from)
+		rc = rc ? rc : out_event(st, api_chunk_json(&st->req, st->id, st->model, st->created,
+							  st->filter.text + from, end - from, NULL, false));
+	if (rc || v.state == JOB_FAILED) {
+		const char *why = rc ? "out of memory" : v.error;
+		out_event(st, api_error_json(why, error_type(job_status(v.http_status)), NULL, NULL));
+		out_append(st, "data: [DONE]\n\n", 14);
+		st->finished = true;
+		return;
+	}
+	/* After a stop string nothing more is given out; the runner, which has the stop strings too,
+	 * ends the generation at once and tells the counts for the usage. */
+	if (v.state == JOB_DONE)
+		stream_end(st, st->filter.stopped ? "stop" : api_finish_reason(v.reason), v.n_prompt, v.n_generated);
+}
+
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+	struct stream *st = cls;
+	for (;;) {
+		if (st->out_pos < st->out_len) {
+			size_t n = st->out_len - st->out_pos;
+			n = n < max ? n : max;
+			memcpy(buf, st->out + st->out_pos, n);
+			st->out_pos += n;
+			return (ssize_t)n;
+		}
+		if (st->finished)
+			return MHD_CONTENT_READER_END_OF_STREAM;
+		st->out_len = st->out_pos = 0;
+		stream_produce(st);
+	}
+}
+
+/* The response is done with (sent, or the client went away). */
+static void stream_free(void *cls)
+{
+	struct stream *st = cls;
+	if (st->job && !st->finished)
+		log_info("a client went away during its stream: its generation is cancelled");
+	runner_job_release(st->job);
+	api_request_free(&st->req);
+	api_stop_filter_free(&st->filter);
+	free(st->out);
+	free(st);
+}
+
+/* Waits for the first token (or the end), then answers with an event stream. */
+static enum MHD_Result answer_stream(struct server *s, struct MHD_Connection *c, struct api_request *req,
+				    struct runner_job *j)
+{
+	struct runner_view v;
+	runner_job_wait(j, 0, 0, -1, &v);
+	if (v.state == JOB_FAILED) {
+		free(v.fresh);
+		runner_job_release(j);
+		api_request_free(req);
+		return send_error(c, job_status(v.http_status), v.error, NULL, NULL);
+	}
+	struct stream *st = calloc(1, sizeof(*st));
+	if (!st || (v.fresh && api_stop_filter_push(&st->filter, req, v.fresh, v.fresh_len))) {
+		free(v.fresh);
+		free(st);
+		runner_job_release(j);
+		api_request_free(req);
+		return send_error(c, 500, "out of memory", NULL, NULL);
+	}
+	free(v.fresh);
+	/* Only what this wait saw was taken in: the reader goes on from there. */
+	st->have_len = v.len;
+	st->have_tokens = v.n_tokens;
+	st->s = s;
+	st->job = j;
+	st->req = *req;
+	memset(req, 0, sizeof(*req));
+	st->created = (int64_t)time(NULL);
+	make_id(st->id, sizeof(st->id), st->req.kind);
+	model_name(s, st->model, sizeof(st->model));
+	struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, STREAM_BLOCK, stream_read, st,
+								   stream_free);
+	if (!r) {
+		stream_free(st);
+		return MHD_NO;
+	}
+	MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+	MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+	enum MHD_Result ret = MHD_queue_response(c, MHD_HTTP_OK, r);
+	MHD_destroy_response(r);
+	return ret;
+}
+
+static enum MHD_Result on_generate(struct server *s, struct MHD_Connection *c, struct request_state *rs)
+{
+	struct api_request req;
+	struct api_problem why;
+	enum api_kind kind = rs->route == R_CHAT ? API_CHAT : API_COMPLETION;
+	int rc = api_parse_request(rs->body ? rs->body : "", rs->len, kind, &s->cfg.limits, &req, &why);
+	if (rc == -EINVAL)
+		return send_error(c, MHD_HTTP_BAD_REQUEST, why.message, why.param, NULL);
+	if (rc)
+		return send_error(c, 500, "out of memory", NULL, NULL);
+	struct runner_params p = {
+		.prompt = req.prompt,
+		.chat_json = req.chat_json,
+		.stops_json = req.stops_json,
+		.max_new = (uint64_t)req.max_tokens,
+		.temperature = req.temperature,
+		.top_p = req.top_p,
+		.top_k = req.top_k,
+		.min_p = req.min_p,
+		.repetition_penalty = req.repetition_penalty,
+		.seed = req.has_seed ? req.seed : random_u64() >> 1,
+	};
+	struct runner_job *j;
+	rc = runner_submit(s->cfg.runner, &p, &j);
+	if (rc) {
+		api_request_free(&req);
+		if (rc == -EAGAIN)
+			return send_error(c, MHD_HTTP_TOO_MANY_REQUESTS,
+					  "too many requests wait for the model (--max-queue): try again later", NULL,
+					  NULL);
+		return send_error(c, rc == -ESHUTDOWN ? 503 : 500,
+				  rc == -ESHUTDOWN ? "http-api is stopping" : "out of memory", NULL, NULL);
+	}
+	if (req.stream)
+		return answer_stream(s, c, &req, j);
+	enum MHD_Result ret = answer_whole(s, c, &req, j);
+	api_request_free(&req);
+	return ret;
+}
+
+/* ---- routing ---- */
+
+static enum route route_of(const char *url, const char **method_wanted)
+{
+	static const struct {
+		const char *path, *method;
+		enum route r;
+	} routes[] = {
+		{"/health", "GET", R_HEALTH},
+		{"/v1/models", "GET", R_MODELS},
+		{"/v1/completions", "POST", R_COMPLETIONS},
+		{"/v1/chat/completions", "POST", R_CHAT},
+	};
+	size_t n = strlen(url);
+	while (n > 1 && url[n - 1] == '/')
+		n--;
+	for (size_t i = 0; i < ARRAY_SIZE(routes); i++) {
+		if (strlen(routes[i].path) == n && !strncmp(routes[i].path, url, n)) {
+			*method_wanted = routes[i].method;
+			return routes[i].r;
+		}
+	}
+	return R_NONE;
+}
+
+/* Compares the Authorization header with "Bearer <key>" in time independent of where they differ. */
+static bool authorized(const struct server *s, struct MHD_Connection *c)
+{
+	if (!s->cfg.api_key)
+		return true;
+	const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+	if (!h || strncasecmp(h, "Bearer ", 7))
+		return false;
+	h += 7;
+	while (*h == ' ')
+		h++;
+	size_t a = strlen(h), b = strlen(s->cfg.api_key);
+	unsigned char diff = a != b;
+	for (size_t i = 0; i < b; i++)
+		diff |= (unsigned char)(s->cfg.api_key[i] ^ (i < a ? h[i] : 0));
+	return diff == 0;
+}
+
+/* The first call of a request: everything that can be answered before the body. Returns true
+ * when a response was queued (*ret says how). */
+static bool answer_early(struct server *s, struct MHD_Connection *c, const char *url, const char *method,
+			 struct request_state *rs, enum MHD_Result *ret)
+{
+	const char *wanted = NULL;
+	rs->route = route_of(url, &wanted);
+	char msg[768];
+	if (rs->route == R_NONE) {
+		snprintf(msg, sizeof(msg), "no endpoint %.400s (there are GET /health, GET /v1/models, POST "
+			 "/v1/completions and POST /v1/chat/completions)", url);
+		*ret = send_error(c, MHD_HTTP_NOT_FOUND, msg, NULL, NULL);
+		return true;
+	}
+	if (strcmp(method, wanted)) {
+		snprintf(msg, sizeof(msg), "%.500s takes %s, not %.32s", url, wanted, method);
+		*ret = send_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, msg, NULL, wanted);
+		return true;
+	}
+	if (rs->route != R_HEALTH && !authorized(s, c)) {
+		*ret = send_error(c, MHD_HTTP_UNAUTHORIZED,
+				  "a valid API key is needed: send the header 'Authorization: Bearer KEY'", NULL, NULL);
+		return true;
+	}
+	if (rs->route == R_HEALTH) {
+		*ret = on_health(s, c);
+		return true;
+	}
+	if (rs->route == R_MODELS) {
+		*ret = on_models(s, c);
+		return true;
+	}
+	const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+	if (cl && strtoull(cl, NULL, 10) > s->cfg.max_body) {
+		snprintf(msg, sizeof(msg), "the body of %.32s bytes exceeds the limit of %llu (--max-body)", cl,
+			 (unsigned long long)s->cfg.max_body);
+		*ret = send_error(c, 413, msg, NULL, NULL);
+		return true;
+	}
+	return false;
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+				  const char *version, const char *upload, size_t *upload_size, void **con_cls)
+{
+	struct server *s = cls;
+	struct request_state *rs = *con_cls;
+	if (!rs) {
+		rs = calloc(1, sizeof(*rs));
+		if (!rs)
+			return MHD_NO;
+		*con_cls = rs;
+		enum MHD_Result ret;
+		if (answer_early(s, c, url, method, rs, &ret)) {
+			rs->answered = true;
+			return ret;
+		}
+		return MHD_YES;
+	}
+	if (*upload_size) {
+		size_t n = *upload_size;
+		*upload_size = 0;
+		if (rs->answered || rs->too_big)
+			return MHD_YES;
+		if (rs->len + n > s->cfg.max_body) {
+			rs->too_big = true;
+			free(rs->body);
+			rs->body = NULL;
+			rs->len = rs->cap = 0;
+			return MHD_YES;
+		}
+		if (rs->len + n > rs->cap) {
+			size_t cap = rs->cap ? rs->cap : 4096;
+			while (cap < rs->len + n)
+				cap *= 2;
+			char *b = realloc(rs->body, cap);
+			if (!b)
+				return MHD_NO;
+			rs->body = b;
+			rs->cap = cap;
+		}
+		memcpy(rs->body + rs->len, upload, n);
+		rs->len += n;
+		return MHD_YES;
+	}
+	if (rs->answered)
+		return MHD_YES;
+	rs->answered = true;
+	if (rs->too_big) {
+		char msg[128];
+		snprintf(msg, sizeof(msg), "the body exceeds the limit of %llu bytes (--max-body)",
+			 (unsigned long long)s->cfg.max_body);
+		return send_error(c, 413, msg, NULL, NULL);
+	}
+	return on_generate(s, c, rs);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe)
+{
+	struct request_state *rs = *con_cls;
+	if (!rs)
+		return;
+	free(rs->body);
+	free(rs);
+	*con_cls = NULL;
+}
+
+static void on_mhd_log(void *cls, const char *fmt, va_list ap)
+{
+	char buf[512];
+	vsnprintf(buf, sizeof(buf), fmt, ap);
+	buf[strcspn(buf, "\n")] = 0;
+	log_warn("libmicrohttpd: %s", buf);
+}
+
+int server_start(const struct server_config *cfg, struct server **out, char *err, size_t errlen)
+{
+	struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(cfg->port)};
+	if (inet_pton(AF_INET, cfg->listen_addr, &sa.sin_addr) != 1)
+		return errorf(err, errlen, -EINVAL, "'%s' is not an IPv4 address", cfg->listen_addr);
+	struct server *s = calloc(1, sizeof(*s));
+	if (!s)
+		return errorf(err, errlen, -ENOMEM, "out of memory");
+	s->cfg = *cfg;
+	pthread_mutex_init(&s->lock, NULL);
+	s->d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
+					MHD_USE_ERROR_LOG,
+				cfg->port, NULL, NULL, on_request, s, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, s,
+				MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_LIMIT,
+				(unsigned int)cfg->max_connections, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
+				MHD_OPTION_END);
+	if (!s->d) {
+		int e = errno ? errno : EADDRINUSE;
+		pthread_mutex_destroy(&s->lock);
+		free(s);
+		return errorf(err, errlen, -e, "cannot listen on %s:%u: %s", cfg->listen_addr, (unsigned)cfg->port,
+			      strerror(e));
+	}
+	const union MHD_DaemonInfo *info = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
+	s->port = info ? info->port : cfg->port;
+	*out = s;
+	return 0;
+}
+
+uint16_t server_port(const struct server *s)
+{
+	return s->port;
+}
+
+void server_stop(struct server **sp)
+{
+	struct server *s = *sp;
+	if (!s)
+		return;
+	MHD_stop_daemon(s->d);
+	pthread_mutex_destroy(&s->lock);
+	free(s);
+	*sp = NULL;
+}

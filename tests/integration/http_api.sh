@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# http_api: the OpenAI-compatible front door (services/http-api, scripts/pipeline start --http) on a
+# synthetic model with the Llama 3 tokenizer. Completions and chat completions, streamed and not,
+# give the text pipectl generate gives with the same parameters (greedy and a seeded sample);
+# stop strings end the text before them; /health and /v1/models answer; bad requests get their
+# status and OpenAI's error shape; a client that goes away mid-stream cancels its generation and
+# the server serves the next request; a runner killed mid-stream ends it with an error event; a full queue answers 429; no runner answers 503; a port in use
+# fails the start.
+source "$(dirname "$0")/lib.sh"
+if [[ ! -x $BIN/http-api ]]; then
+	echo "[http_api] SKIP: http-api was not built (libmicrohttpd missing)"
+	exit 77
+fi
+for tool in curl jq; do
+	if ! command -v "$tool" >/dev/null; then
+		echo "[http_api] SKIP: $tool is not installed"
+		exit 77
+	fi
+done
+it_setup http_api
+
+TOKENIZER=$PIPELINE_SOURCE_DIR/tests/data/llama3-tokenizer/tokenizer.json
+L3=$IT_TMP/llama3-shaped
+"$BIN/make-synthetic-model" --shape tiny --vocab 128256 --bos 128000 --eos 128001,128008,128009 --out "$L3" --quiet
+cp "$TOKENIZER" "$L3/"
+KEY=key-$$-$RANDOM
+printf '%s\n' "$KEY" >"$IT_TMP/api-key"
+
+out=$("$PIPELINE" start --model "$L3" --http 127.0.0.1:0 --http-opt=--api-key-file="$IT_TMP/api-key")
+BASE=$(grep -o 'http://127\.0\.0\.1:[0-9]*' <<<"$out" | head -n 1)
+[[ -n $BASE ]] || fail "start --http did not say where http-api listens: $out"
+log "http-api listens on $BASE"
+
+BODY=$IT_TMP/body
+# request METHOD PATH [BODY] [CURL ARGS...]: the status on stdout, the body in $BODY (with the key).
+request() {
+	local method=$1 path=$2 data=${3:-}
+	shift 3 || shift $#
+	local -a args=(-sS -X "$method" -o "$BODY" -w '%{http_code}' -H "Authorization: Bearer $KEY")
+	[[ -n $data ]] && args+=(-H 'Content-Type: application/json' --data-binary "$data")
+	curl "${args[@]}" "$@" "$BASE$path"
+}
+# expect_error STATUS WHAT METHOD PATH [BODY] [CURL ARGS...]: that status, and OpenAI's error shape.
+expect_error() {
+	local want=$1 what=$2 got
+	shift 2
+	got=$(request "$@")
+	expect_eq "$got" "$want" "$what: the status"
+	jq -e '(.error | type == "object") and (.error.message | type == "string") and (.error.type | type == "string")
+		and (.error | has("param")) and (.error | has("code"))' "$BODY" >/dev/null ||
+		fail "$what: not OpenAI's error shape: $(head -c 400 "$BODY")"
+}
+# The text of a reply that did not stream, or of an event stream (its chunks joined).
+whole_text() { jq -j '.choices[0].text // .choices[0].message.content' "$BODY"; }
+stream_text() {
+	sed -n 's/^data: //p' "$BODY" | grep -v '^\[DONE\]$' | jq -j '.choices[0].text // .choices[0].delta.content // empty'
+}
+# expect_stream WHAT FINISH: the stream ends with FINISH in its last chunk, then data: [DONE].
+expect_stream() {
+	[[ $(grep -c '^data: ' "$BODY") -ge 2 ]] || fail "$1: not an event stream: $(head -c 400 "$BODY")"
+	expect_eq "$(grep '^data: ' "$BODY" | tail -n 1)" "data: [DONE]" "$1: the last event"
+	expect_eq "$(sed -n 's/^data: //p' "$BODY" | grep -v '^\[DONE\]$' | tail -n 1 | jq -r '.choices[0].finish_reason')" \
+		"$2" "$1: the last chunk's finish_reason"
+}
+json_str() { jq -Rs . <<<"$1" | sed 's/\\n"$/"/'; }
+
+# ---- /health, /v1/models ----
+expect_eq "$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE/health")" 200 "GET /health (no key needed)"
+expect_eq "$(jq -r .status "$BODY")" ok "GET /health: status"
+expect_eq "$(request GET /v1/models)" 200 "GET /v1/models"
+expect_eq "$(jq -r '.object + " " + .data[0].id + " " + .data[0].object' "$BODY")" "list llama3-shaped model" \
+	"GET /v1/models: the model"
+
+# ---- completions: the text of pipectl generate --prompt ----
+text="The capital of France is"
+sampling=(0 1 0 "greedy" 0.9 0.95 7 "seeded sample")
+for ((i = 0; i < ${#sampling[@]}; i += 4)); do
+	t=${sampling[i]} p=${sampling[i + 1]} s=${sampling[i + 2]} what=${sampling[i + 3]}
+	want=$(generate --prompt "$text" -n 12 --temperature "$t" --top-p "$p" --seed "$s")
+	n_want=$(generate --prompt "$text" -n 12 --temperature "$t" --top-p "$p" --seed "$s" --ids | wc -w)
+	[[ -n $want ]] || fail "pipectl generate gave no text"
+	req="{\"model\": \"any\", \"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": $t, \"top_p\": $p, \"seed\": $s, \"user\": \"ignored\"}"
+	expect_eq "$(request POST /v1/completions "$req")" 200 "completion ($what)"
+	expect_eq "$(whole_text)" "$want" "completion ($what): the text vs pipectl generate"
+	expect_eq "$(jq -r '.object + " " + .model' "$BODY")" "text_completion llama3-shaped" "completion ($what): object, model"
+	expect_eq "$(jq -r '.usage.completion_tokens' "$BODY")" "$n_want" "completion ($what): completion_tokens"
+	expect_eq "$(jq -r '.usage.prompt_tokens + .usage.completion_tokens == .usage.total_tokens' "$BODY")" true \
+		"completion ($what): total_tokens"
+	finish=$(jq -r '.choices[0].finish_reason' "$BODY")
+	((n_want == 12)) && expect_eq "$finish" length "completion ($what): finish_reason"
+	expect_eq "$(request POST /v1/completions "${req%\}}, \"stream\": true}")" 200 "streamed completion ($what)"
+	expect_eq "$(stream_text)" "$want" "streamed completion ($what): the text vs pipectl generate"
+	expect_stream "streamed completion ($what)" "$finish"
+	log "completion ($what): '$want', streamed and not"
+done
+
+# The extensions top_k, min_p and repetition_penalty reach the runner as pipectl's flags do.
+want=$(generate --prompt "$text" -n 12 --temperature 0.9 --top-k 40 --min-p 0.05 --repetition-penalty 1.2 --seed 5)
+req="{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0.9, \"top_k\": 40, \"min_p\": 0.05, \"repetition_penalty\": 1.2, \"seed\": 5}"
+expect_eq "$(request POST /v1/completions "$req")" 200 "completion with top_k, min_p, repetition_penalty"
+expect_eq "$(whole_text)" "$want" "completion with top_k, min_p, repetition_penalty: the text vs pipectl generate"
+
+# ---- chat completions: the text of pipectl generate --chat (the model's chat template) ----
+want=$(generate --chat "Hello there" --system "Be brief." -n 10 --temperature 0)
+msgs='[{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]'
+expect_eq "$(request POST /v1/chat/completions "{\"messages\": $msgs, \"max_tokens\": 10, \"temperature\": 0}")" 200 "chat (greedy)"
+expect_eq "$(whole_text)" "$want" "chat (greedy): the text vs pipectl generate --chat"
+expect_eq "$(jq -r '.object + " " + .choices[0].message.role' "$BODY")" "chat.completion assistant" "chat: object, role"
+want=$(generate --chat "Hello there" -n 10 --temperature 0.8 --seed 3)
+req='{"messages": [{"role": "user", "content": "Hello there"}], "max_completion_tokens": 10, "temperature": 0.8, "seed": 3, "stream": true, "stream_options": {"include_usage": true}}'
+expect_eq "$(request POST /v1/chat/completions "$req")" 200 "streamed chat (seeded)"
+expect_eq "$(stream_text)" "$want" "streamed chat (seeded): the text vs pipectl generate --chat"
+expect_eq "$(sed -n 's/^data: //p' "$BODY" | head -n 1 | jq -r '.object + " " + .choices[0].delta.role')" \
+	"chat.completion.chunk assistant" "streamed chat: the first chunk"
+expect_grep '"usage":\{"prompt_tokens":[0-9]+,"completion_tokens":[0-9]+' "$(grep '^data: {' "$BODY" | tail -n 1)" \
+	"streamed chat: include_usage"
+log "chat: '$want', streamed and not"
+
+# ---- stop strings end the text before them ----
+full=$(generate --prompt "$text" -n 12 --temperature 0)
+stop=${full:4:3}
+want=${full%%"$stop"*}
+req="{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0, \"stop\": [$(json_str "$stop")]}"
+expect_eq "$(request POST /v1/completions "$req")" 200 "completion with a stop string"
+expect_eq "$(whole_text)" "$want" "completion with stop '$stop': the text"
+expect_eq "$(jq -r '.choices[0].finish_reason' "$BODY")" stop "completion with a stop string: finish_reason"
+expect_eq "$(request POST /v1/completions "${req%\}}, \"stream\": true}")" 200 "streamed completion with a stop string"
+expect_eq "$(stream_text)" "$want" "streamed completion with stop '$stop': the text"
+expect_stream "streamed completion with a stop string" stop
+expect_eq "$(request POST /v1/completions "${req%\}}, \"stream\": true, \"stream_options\": {\"include_usage\": true}}")" \
+	200 "streamed completion with a stop string and the usage"
+expect_eq "$(stream_text)" "$want" "streamed completion with stop '$stop' and the usage: the text"
+expect_grep '"usage":\{"prompt_tokens":[1-9][0-9]*,"completion_tokens":[1-9]' "$(grep '^data: {' "$BODY" | tail -n 1)" \
+	"streamed completion with a stop string: the usage"
+log "stop '$stop': '$want'"
+
+# ---- errors: status and shape ----
+expect_error 400 "malformed JSON" POST /v1/completions '{"prompt": "x",'
+expect_error 400 "a body that is not an object" POST /v1/completions '["x"]'
+expect_error 400 "max_tokens of the wrong type" POST /v1/completions '{"prompt": "x", "max_tokens": "12"}'
+expect_eq "$(jq -r .error.param "$BODY")" max_tokens "max_tokens of the wrong type: param"
+expect_error 400 "temperature of the wrong type" POST /v1/completions '{"prompt": "x", "temperature": "hot"}'
+expect_error 400 "stop of the wrong type" POST /v1/completions '{"prompt": "x", "stop": 5}'
+expect_error 400 "stream of the wrong type" POST /v1/completions '{"prompt": "x", "stream": "yes"}'
+expect_error 400 "a prompt that is a number" POST /v1/completions '{"prompt": 5}'
+expect_error 400 "messages that are a string" POST /v1/chat/completions '{"messages": "hi"}'
+expect_error 400 "a message without a role" POST /v1/chat/completions '{"messages": [{"content": "hi"}]}'
+expect_error 400 "no prompt" POST /v1/completions '{"max_tokens": 3}'
+head -c $((2 * 1024 * 1024)) /dev/zero | tr '\0' ' ' >"$IT_TMP/huge"
+expect_error 413 "a body over --max-body" POST /v1/completions "" --data-binary @"$IT_TMP/huge"
+expect_error 413 "a chunked body over --max-body" POST /v1/completions "" -H 'Transfer-Encoding: chunked' \
+	--data-binary @"$IT_TMP/huge"
+expect_error 404 "an unknown path" GET /v1/nothing
+expect_error 405 "GET of a POST endpoint" GET /v1/completions
+expect_error 405 "POST of a GET endpoint" POST /v1/models '{}'
+got=$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE/v1/models")
+expect_eq "$got" 401 "no bearer token"
+expect_eq "$(jq -r .error.code "$BODY")" invalid_api_key "no bearer token: code"
+got=$(curl -sS -o "$BODY" -w '%{http_code}' -H "Authorization: Bearer x$KEY" "$BASE/v1/completions" \
+	--data-binary '{"prompt": "x"}')
+expect_eq "$got" 401 "a wrong bearer token"
+log "errors: 400, 401, 404, 405, 413 in OpenAI's shape"
+
+# ---- a client that goes away mid-stream: its generation is cancelled, the next request served ----
+long="{\"prompt\": $(json_str "$text"), \"max_tokens\": 100000, \"temperature\": 0, \"stream\": true}"
+curl -sS -N --max-time 1 -H "Authorization: Bearer $KEY" "$BASE/v1/completions" --data-binary "$long" \
+	>"$IT_TMP/cut" 2>/dev/null && fail "the long stream ended before the client went away"
+grep -q '^data: {' "$IT_TMP/cut" || fail "the long stream sent nothing in 1 s"
+cancelled() { grep -q 'generated (cancelled)' "$RUN_DIR/gpu-runner.log"; }
+wait_until 30 "gpu-runner cancels the generation of the client that went away" cancelled
+expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0}")" \
+	200 "the request after a client went away"
+expect_eq "$(whole_text)" "$full" "the request after a client went away: the text"
+log "a client that went away mid-stream: cancelled; the next request served"
+
+# ---- gpu-runner killed during a stream: an error event ends it; the restarted runner serves ----
+curl -sS -N -H "Authorization: Bearer $KEY" "$BASE/v1/completions" --data-binary "$long" >"$IT_TMP/killed" 2>&1 &
+KILLED=$!
+killed_streaming() { grep -q '^data: {' "$IT_TMP/killed"; }
+wait_until 20 "the stream before the kill starts" killed_streaming
+RUNNER_PID=$(sup_field gpu-runner pid)
+kill -KILL "$RUNNER_PID"
+wait "$KILLED" || fail "the stream of a killed runner did not end cleanly"
+expect_grep '"error":\{"message":"gpu-runner went away during the request' "$(grep '^data: {' "$IT_TMP/killed" | tail -n 1)" \
+	"the stream of a killed runner: the error event"
+expect_eq "$(grep '^data: ' "$IT_TMP/killed" | tail -n 1)" "data: [DONE]" \
+	"the stream of a killed runner: the last event"
+wait_until 30 "gpu-runner restarted" restarted gpu-runner "$RUNNER_PID"
+expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0}")" \
+	200 "the request after the runner was restarted"
+expect_eq "$(whole_text)" "$full" "the request after the runner was restarted: the text"
+log "gpu-runner killed mid-stream: an error event; the restarted runner serves"
+
+# ---- a full queue: 429 (a second server with --max-queue 0, while the first request streams) ----
+"$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --max-queue 0 \
+	>"$IT_TMP/second.log" 2>&1 &
+SECOND=$!
+listening() { grep -q 'listening on http://' "$IT_TMP/second.log"; }
+wait_until 10 "the second http-api listens" listening
+BASE2=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$IT_TMP/second.log" | head -n 1)
+curl -sS -N "$BASE2/v1/completions" --data-binary "$long" >"$IT_TMP/long" 2>/dev/null &
+LONG=$!
+streaming() { grep -q '^data: {' "$IT_TMP/long"; }
+wait_until 20 "the long stream of the second server starts" streaming
+got=$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE2/v1/completions" --data-binary '{"prompt": "x", "max_tokens": 2}')
+expect_eq "$got" 429 "a request while one runs and --max-queue is 0"
+expect_eq "$(jq -r .error.type "$BODY")" rate_limit_error "429: the error type"
+kill "$LONG" 2>/dev/null || true
+wait "$LONG" 2>/dev/null || true
+kill -TERM "$SECOND"
+wait "$SECOND" || fail "the second http-api did not exit cleanly on SIGTERM"
+log "a full queue: 429"
+
+# ---- stop stops http-api too; a port in use fails the start and leaves nothing ----
+HTTP_PID=$(cat "$RUN_DIR/http-api.pid")
+"$PIPELINE" stop >/dev/null
+expect_nothing_left "stop"
+proc_gone "$HTTP_PID" || fail "http-api (pid $HTTP_PID) still runs after stop"
+"$BIN/http-api" --run-dir "$IT_TMP/elsewhere" --listen 127.0.0.1:0 >"$IT_TMP/third.log" 2>&1 &
+THIRD=$!
+third_listening() { grep -q 'listening on http://' "$IT_TMP/third.log"; }
+wait_until 10 "a third http-api listens" third_listening
+PORT3=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$IT_TMP/third.log" | head -n 1 | sed 's/.*://')
+# ... which serves no instance: 503 in OpenAI's shape, /health 503.
+BASE3=http://127.0.0.1:$PORT3
+expect_eq "$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE3/health")" 503 "/health without a runner"
+expect_eq "$(jq -r .status "$BODY")" unavailable "/health without a runner: status"
+got=$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE3/v1/completions" --data-binary '{"prompt": "x"}')
+expect_eq "$got" 503 "a completion without a runner"
+expect_grep 'gpu-runner of the instance is not running' "$(jq -r .error.message "$BODY")" "a completion without a runner: the message"
+got=$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE3/v1/chat/completions" \
+	--data-binary '{"messages": [{"role": "user", "content": "x"}], "stream": true}')
+expect_eq "$got" 503 "a streamed chat without a runner"
+expect_eq "$(jq -r .error.type "$BODY")" server_error "a streamed chat without a runner: the error type"
+expect_start_fails "--http on a port in use" "http-api did not" --model "$L3" --http "127.0.0.1:$PORT3"
+kill -TERM "$THIRD"
+wait "$THIRD" || true
+log "passed"
