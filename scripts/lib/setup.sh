@@ -14,9 +14,10 @@
 BUILD_DIR=${PIPELINE_BUILD_DIR:-$REPO_ROOT/build}
 
 # What the build needs, as Debian 12 names it. clang-14 and libclang-rt-14-dev (libFuzzer and the
-# sanitizer runtimes) build the fuzzers that scripts/test runs (tests/fuzz, docs/fuzzing.md).
+# sanitizer runtimes) build the fuzzers that scripts/test runs (tests/fuzz, docs/fuzzing.md); curl
+# and jq are the HTTP API test's client (tests/integration/http_api.sh).
 PIPELINE_PACKAGES=(build-essential cmake pkg-config libzmq3-dev liburing-dev libmsgpack-dev check
-	libjansson-dev libpcre2-dev libmicrohttpd-dev clang-14 libclang-rt-14-dev)
+	libjansson-dev libpcre2-dev libmicrohttpd-dev clang-14 libclang-rt-14-dev curl jq)
 
 # Prints the packages of PIPELINE_PACKAGES that are not installed, one per line.
 setup_missing_packages() {
