@@ -2,8 +2,8 @@
  *
  *   http-api [--instance NAME] [--run-dir DIR] [--listen ADDR:PORT] [options]
  *
- * It serves GET /health, GET /v1/models, POST /v1/completions and POST /v1/chat/completions
- * (server.h), and generates by sending MSG_GENERATE to the instance's gpu-runner as pipectl
+ * It serves GET /health, GET /metrics, GET /v1/models, POST /v1/completions and POST
+ * /v1/chat/completions (server.h), and generates by sending MSG_GENERATE to the instance's gpu-runner as pipectl
  * generate does (runner_client.h), one request at a time; the others wait in a queue of
  * --max-queue. It logs "listening on http://ADDR:PORT" once it serves, and stops on SIGTERM or
  * SIGINT. Exit status: 0 after a signal, 1 when it could not start, 2 bad usage. */
@@ -85,8 +85,8 @@ int main(int argc, char **argv)
 		{"listen", OPT_STRING, &listen, "127.0.0.1:8000",
 		 "ADDR:PORT to listen on (an IPv4 address; port 0: any)"},
 		{"api-key-file", OPT_STRING, &key_file, NULL,
-		 "a file whose first line is the key every request but /health must send as 'Authorization: Bearer "
-		 "KEY'"},
+		 "a file whose first line is the key every request but /health and /metrics must send as "
+		 "'Authorization: Bearer KEY'"},
 		{"max-body", OPT_SIZE, &max_body, "1MiB", "the largest request body taken (larger: 413)"},
 		{"max-queue", OPT_INT, &max_queue, "64",
 		 "requests that may wait for the model behind the one it serves (more: 429)"},
@@ -102,9 +102,10 @@ int main(int argc, char **argv)
 	};
 	int rc = config_parse(PROG,
 			      "An OpenAI-compatible HTTP server for the model of a running instance: GET /health, GET "
-			      "/v1/models, POST /v1/completions and POST /v1/chat/completions (with \"stream\": true, "
-			      "server-sent events). It generates through the instance's gpu-runner, one request at a "
-			      "time. Clients connect with base_url http://ADDR:PORT/v1.",
+			      "/metrics (Prometheus), GET /v1/models, POST /v1/completions and POST "
+			      "/v1/chat/completions (with \"stream\": true, server-sent events). It generates through "
+			      "the instance's gpu-runner, one request at a time. Clients connect with base_url "
+			      "http://ADDR:PORT/v1.",
 			      opts, argc, argv, NULL, NULL);
 	if (rc > 0)
 		return 0;

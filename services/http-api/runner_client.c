@@ -566,6 +566,42 @@ int runner_probe(const struct runner_options *o, const char *service, char *err,
 	return r;
 }
 
+int runner_stats_json(const struct runner_options *o, const char *service, int timeout_ms, char **json, char *err,
+		      size_t errlen)
+{
+	char path[512];
+	struct stat st;
+	*json = NULL;
+	snprintf(path, sizeof(path), "%s/%s.ctl", o->run_dir, service);
+	if (stat(path, &st) != 0)
+		return errorf(err, errlen, -ENOENT, "%s is not running (no socket %s)", service, path);
+	struct rpc_client *c = rpc_client_create(o->zctx, o->run_dir, service, "http-api");
+	if (!c)
+		return errorf(err, errlen, -errno, "cannot open a client of %s: %s", service, strerror(errno));
+	struct msg req, rep;
+	msg_init(&req, MSG_STATS_GET, 0);
+	int r = rpc_call(c, &req, &rep, timeout_ms);
+	if (r == -ETIMEDOUT) {
+		errorf(err, errlen, r, "%s did not answer STATS_GET in %d ms", service, timeout_ms);
+	} else if (r) {
+		errorf(err, errlen, r, "%s: STATS_GET: %s", service,
+		       r == -EREMOTEIO && rep.error.text.p ? rep.error.text.p : strerror(-r));
+	} else if (rep.type != MSG_STATS || !rep.stats.json.p) {
+		r = errorf(err, errlen, -EBADMSG, "%s answered STATS_GET with %s", service, msg_type_name(rep.type));
+	} else {
+		*json = malloc((size_t)rep.stats.json.len + 1);
+		if (!*json) {
+			r = errorf(err, errlen, -ENOMEM, "out of memory");
+		} else {
+			memcpy(*json, rep.stats.json.p, rep.stats.json.len);
+			(*json)[rep.stats.json.len] = 0;
+		}
+	}
+	msg_free(&rep);
+	rpc_client_destroy(&c);
+	return r;
+}
+
 int runner_model_name(const struct runner_options *o, char *buf, size_t len, char *err, size_t errlen)
 {
 	static const char loader[] = "ssd-loader", keys[] = "[\"model\"]";

@@ -100,4 +100,12 @@ int runner_probe(const struct runner_options *o, const char *service, char *err,
  * without ".gguf". Returns 0 with buf filled, or -errno with err filled. */
 int runner_model_name(const struct runner_options *o, char *buf, size_t len, char *err, size_t errlen);
 
+/* The counters of service (e.g. "gpu-runner", "ssd-loader"): its MSG_STATS JSON, as pipectl stats
+ * prints it, asked with a socket of its own so that the worker's connection is not waited for;
+ * timeout_ms bounds the wait (a runner deep in a generation may not answer). Returns 0 with *json
+ * (malloc'd, NUL-terminated; the caller frees it), or -errno (-ENOENT: no socket; -ETIMEDOUT;
+ * -EBADMSG: another reply) with err filled. */
+int runner_stats_json(const struct runner_options *o, const char *service, int timeout_ms, char **json, char *err,
+		      size_t errlen);
+
 #endif

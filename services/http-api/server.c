@@ -10,7 +10,13 @@
  * error's status, as a request that does not stream); from there on, server-sent events
  * "data: {chunk}\n\n" and "data: [DONE]\n\n" to end. A failure after the first token becomes
  * one "data: {"error": ...}" event. A client that goes away ends the response: its job is
- * released, which cancels the generation (runner_job_release). */
+ * released, which cancels the generation (runner_job_release).
+ *
+ * GET /metrics (metrics.h) needs no key, as /health: every request is counted when libmicrohttpd
+ * says it is done with it (on_completed), under the status its response was queued with, which
+ * the handler's thread leaves in queued_status (libmicrohttpd runs a connection's calls on its
+ * thread). The instance's stats are asked at scrape time with sockets of their own and a short
+ * timeout, never through the worker's connection. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <jansson.h>
@@ -26,9 +32,14 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "services/http-api/metrics.h"
 #include "services/http-api/server.h"
 
 #define STREAM_BLOCK 4096 /* bytes libmicrohttpd asks a stream's reader for at most */
+#define STATS_TIMEOUT_MS 1000 /* the longest a scrape waits for a service's stats */
+
+/* The status of the response this thread queued last (see on_request). */
+static _Thread_local unsigned queued_status;
 
 struct server {
 	struct server_config cfg;
@@ -36,9 +47,10 @@ struct server {
 	uint16_t port;
 	pthread_mutex_t lock;
 	char model[256]; /* the model's name, once known */
+	struct metrics *metrics;
 };
 
-enum route { R_NONE, R_HEALTH, R_MODELS, R_COMPLETIONS, R_CHAT };
+enum route { R_NONE, R_HEALTH, R_METRICS, R_MODELS, R_COMPLETIONS, R_CHAT };
 
 /* One request: its route and body. */
 struct request_state {
@@ -47,6 +59,9 @@ struct request_state {
 	size_t len, cap;
 	bool too_big;
 	bool answered; /* a response was queued before the body was read */
+	uint64_t start_ns; /* when the request came */
+	unsigned status;   /* the status its response was queued with; 0: none yet */
+	const char *endpoint; /* its path for the metrics, or "other" */
 };
 
 /* A streamed generation, the reader callback's state. */
@@ -66,6 +81,14 @@ struct stream {
 
 /* ---- replies ---- */
 
+static enum MHD_Result queue_response(struct MHD_Connection *c, unsigned status, struct MHD_Response *r)
+{
+	enum MHD_Result ret = MHD_queue_response(c, status, r);
+	if (ret == MHD_YES)
+		queued_status = status;
+	return ret;
+}
+
 static enum MHD_Result send_text(struct MHD_Connection *c, unsigned status, const char *type, char *text,
 				 const char *allow)
 {
@@ -77,7 +100,7 @@ static enum MHD_Result send_text(struct MHD_Connection *c, unsigned status, cons
 	MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
 	if (allow)
 		MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, allow);
-	enum MHD_Result ret = MHD_queue_response(c, status, r);
+	enum MHD_Result ret = queue_response(c, status, r);
 	MHD_destroy_response(r);
 	return ret;
 }
@@ -202,21 +225,68 @@ static enum MHD_Result on_models(struct server *s, struct MHD_Connection *c)
 	return send_json(c, MHD_HTTP_OK, api_models_json(model, (int64_t)time(NULL)), NULL);
 }
 
-/* ---- generations ---- */
-
-static void make_id(char *buf, size_t len, enum api_kind kind)
+/* The instance's stats for a scrape, or NULL (logged at debug: a scrape must not flood the log). */
+static char *service_stats(struct server *s, const char *service)
 {
-	snprintf(buf, len, "%s-%016llx", kind == API_CHAT ? "chatcmpl" : "cmpl", (unsigned long long)random_u64());
+	char *json = NULL, err[256];
+	long t = s->cfg.ro->hello_timeout_ms < STATS_TIMEOUT_MS ? s->cfg.ro->hello_timeout_ms : STATS_TIMEOUT_MS;
+	if (runner_stats_json(s->cfg.ro, service, (int)t, &json, err, sizeof(err)) != 0)
+		log_debug("/metrics: %s", err);
+	return json;
 }
+
+static enum MHD_Result on_metrics(struct server *s, struct MHD_Connection *c)
+{
+	struct metrics_gauges g = {
+		.queue_depth = runner_queue_length(s->cfg.runner),
+		.in_flight = runner_busy(s->cfg.runner) ? 1 : 0,
+	};
+	char *runner = service_stats(s, "gpu-runner"), *loader = service_stats(s, "ssd-loader");
+	char *text;
+	size_t len;
+	int rc = metrics_render(s->metrics, &g, runner, loader, &text, &len);
+	free(runner);
+	free(loader);
+	if (rc)
+		return send_error(c, 500, "out of memory", NULL, NULL);
+	return send_text(c, MHD_HTTP_OK, METRICS_CONTENT_TYPE, text, NULL);
+}
+
+/* ---- generations ---- */
 
 static unsigned job_status(int http_status)
 {
 	return http_status >= 400 && http_status < 600 ? (unsigned)http_status : 500;
 }
 
+static unsigned job_status_of(const struct runner_view *v)
+{
+	return job_status(v->http_status);
+}
+
+static double seconds_since(uint64_t start_ns)
+{
+	return (double)(now_ns() - start_ns) * 1e-9;
+}
+
+/* The end of a generation the reader saw: its counters. */
+static void count_end(struct server *s, const struct runner_view *v)
+{
+	if (v->state == JOB_DONE)
+		metrics_tokens(s->metrics, v->n_prompt, v->n_generated);
+	else if (v->state == JOB_FAILED && job_status_of(v) >= 500)
+		metrics_runner_error(s->metrics);
+}
+
+static void make_id(char *buf, size_t len, enum api_kind kind)
+{
+	snprintf(buf, len, "%s-%016llx", kind == API_CHAT ? "chatcmpl" : "cmpl", (unsigned long long)random_u64());
+}
+
+
 /* Waits for the whole generation, then answers with one JSON object. */
 static enum MHD_Result answer_whole(struct server *s, struct MHD_Connection *c, struct api_request *req,
-				   struct runner_job *j)
+				   struct runner_job *j, uint64_t start_ns)
 {
 	struct api_stop_filter f = {0};
 	struct runner_view v;
@@ -225,6 +295,8 @@ static enum MHD_Result answer_whole(struct server *s, struct MHD_Connection *c, 
 	bool oom = false;
 	for (;;) {
 		runner_job_wait(j, have, tokens, -1, &v);
+		if (tokens == 0 && v.n_tokens > 0)
+			metrics_first_token(s->metrics, seconds_since(start_ns));
 		if (v.fresh && api_stop_filter_push(&f, req, v.fresh, v.fresh_len))
 			oom = true;
 		free(v.fresh);
@@ -234,6 +306,8 @@ static enum MHD_Result answer_whole(struct server *s, struct MHD_Connection *c, 
 			break;
 	}
 	runner_job_release(j);
+	if (!oom)
+		count_end(s, &v);
 	enum MHD_Result ret;
 	if (oom) {
 		ret = send_error(c, 500, "out of memory", NULL, NULL);
@@ -309,6 +383,8 @@ static void stream_produce(struct stream *st)
 	st->have_len = v.len;
 	st->have_tokens = v.n_tokens;
 	bool ended = v.state == JOB_DONE || v.state == JOB_FAILED;
+	if (ended)
+		count_end(st->s, &v);
 	size_t from, end = api_stop_filter_release(&st->filter, &st->req, ended, &from);
 	if (end > from)
 		rc = rc ? rc : out_event(st, api_chunk_json(&st->req, st->id, st->model, st->created,
@@ -348,8 +424,10 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 static void stream_free(void *cls)
 {
 	struct stream *st = cls;
-	if (st->job && !st->finished)
+	if (st->job && !st->finished) {
 		log_info("a client went away during its stream: its generation is cancelled");
+		metrics_cancelled(st->s->metrics);
+	}
 	runner_job_release(st->job);
 	api_request_free(&st->req);
 	api_stop_filter_free(&st->filter);
@@ -359,10 +437,14 @@ static void stream_free(void *cls)
 
 /* Waits for the first token (or the end), then answers with an event stream. */
 static enum MHD_Result answer_stream(struct server *s, struct MHD_Connection *c, struct api_request *req,
-				    struct runner_job *j)
+				    struct runner_job *j, uint64_t start_ns)
 {
 	struct runner_view v;
 	runner_job_wait(j, 0, 0, -1, &v);
+	if (v.n_tokens > 0)
+		metrics_first_token(s->metrics, seconds_since(start_ns));
+	if (v.state == JOB_FAILED) /* a stream's end is counted by its reader (stream_produce) */
+		count_end(s, &v);
 	if (v.state == JOB_FAILED) {
 		free(v.fresh);
 		runner_job_release(j);
@@ -396,7 +478,7 @@ static enum MHD_Result answer_stream(struct server *s, struct MHD_Connection *c,
 	}
 	MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
 	MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-	enum MHD_Result ret = MHD_queue_response(c, MHD_HTTP_OK, r);
+	enum MHD_Result ret = queue_response(c, MHD_HTTP_OK, r);
 	MHD_destroy_response(r);
 	return ret;
 }
@@ -427,29 +509,32 @@ static enum MHD_Result on_generate(struct server *s, struct MHD_Connection *c, s
 	rc = runner_submit(s->cfg.runner, &p, &j);
 	if (rc) {
 		api_request_free(&req);
-		if (rc == -EAGAIN)
+		if (rc == -EAGAIN) {
+			metrics_queue_rejected(s->metrics);
 			return send_error(c, MHD_HTTP_TOO_MANY_REQUESTS,
 					  "too many requests wait for the model (--max-queue): try again later", NULL,
 					  NULL);
+		}
 		return send_error(c, rc == -ESHUTDOWN ? 503 : 500,
 				  rc == -ESHUTDOWN ? "http-api is stopping" : "out of memory", NULL, NULL);
 	}
 	if (req.stream)
-		return answer_stream(s, c, &req, j);
-	enum MHD_Result ret = answer_whole(s, c, &req, j);
+		return answer_stream(s, c, &req, j, rs->start_ns);
+	enum MHD_Result ret = answer_whole(s, c, &req, j, rs->start_ns);
 	api_request_free(&req);
 	return ret;
 }
 
 /* ---- routing ---- */
 
-static enum route route_of(const char *url, const char **method_wanted)
+static enum route route_of(const char *url, const char **method_wanted, const char **path)
 {
 	static const struct {
 		const char *path, *method;
 		enum route r;
 	} routes[] = {
 		{"/health", "GET", R_HEALTH},
+		{"/metrics", "GET", R_METRICS},
 		{"/v1/models", "GET", R_MODELS},
 		{"/v1/completions", "POST", R_COMPLETIONS},
 		{"/v1/chat/completions", "POST", R_CHAT},
@@ -460,6 +545,7 @@ static enum route route_of(const char *url, const char **method_wanted)
 	for (size_t i = 0; i < ARRAY_SIZE(routes); i++) {
 		if (strlen(routes[i].path) == n && !strncmp(routes[i].path, url, n)) {
 			*method_wanted = routes[i].method;
+			*path = routes[i].path;
 			return routes[i].r;
 		}
 	}
@@ -490,11 +576,12 @@ static bool answer_early(struct server *s, struct MHD_Connection *c, const char 
 			 struct request_state *rs, enum MHD_Result *ret)
 {
 	const char *wanted = NULL;
-	rs->route = route_of(url, &wanted);
+	rs->endpoint = "other";
+	rs->route = route_of(url, &wanted, &rs->endpoint);
 	char msg[768];
 	if (rs->route == R_NONE) {
-		snprintf(msg, sizeof(msg), "no endpoint %.400s (there are GET /health, GET /v1/models, POST "
-			 "/v1/completions and POST /v1/chat/completions)", url);
+		snprintf(msg, sizeof(msg), "no endpoint %.400s (there are GET /health, GET /metrics, GET /v1/models, "
+			 "POST /v1/completions and POST /v1/chat/completions)", url);
 		*ret = send_error(c, MHD_HTTP_NOT_FOUND, msg, NULL, NULL);
 		return true;
 	}
@@ -503,13 +590,17 @@ static bool answer_early(struct server *s, struct MHD_Connection *c, const char 
 		*ret = send_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, msg, NULL, wanted);
 		return true;
 	}
-	if (rs->route != R_HEALTH && !authorized(s, c)) {
+	if (rs->route != R_HEALTH && rs->route != R_METRICS && !authorized(s, c)) {
 		*ret = send_error(c, MHD_HTTP_UNAUTHORIZED,
 				  "a valid API key is needed: send the header 'Authorization: Bearer KEY'", NULL, NULL);
 		return true;
 	}
 	if (rs->route == R_HEALTH) {
 		*ret = on_health(s, c);
+		return true;
+	}
+	if (rs->route == R_METRICS) {
+		*ret = on_metrics(s, c);
 		return true;
 	}
 	if (rs->route == R_MODELS) {
@@ -536,9 +627,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 		if (!rs)
 			return MHD_NO;
 		*con_cls = rs;
+		rs->start_ns = now_ns();
 		enum MHD_Result ret;
+		queued_status = 0;
 		if (answer_early(s, c, url, method, rs, &ret)) {
 			rs->answered = true;
+			rs->status = queued_status;
 			return ret;
 		}
 		return MHD_YES;
@@ -572,20 +666,28 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 	if (rs->answered)
 		return MHD_YES;
 	rs->answered = true;
+	queued_status = 0;
+	enum MHD_Result ret;
 	if (rs->too_big) {
 		char msg[128];
 		snprintf(msg, sizeof(msg), "the body exceeds the limit of %llu bytes (--max-body)",
 			 (unsigned long long)s->cfg.max_body);
-		return send_error(c, 413, msg, NULL, NULL);
+		ret = send_error(c, 413, msg, NULL, NULL);
+	} else {
+		ret = on_generate(s, c, rs);
 	}
-	return on_generate(s, c, rs);
+	rs->status = queued_status;
+	return ret;
 }
 
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe)
 {
+	struct server *s = cls;
 	struct request_state *rs = *con_cls;
 	if (!rs)
 		return;
+	if (rs->status)
+		metrics_request(s->metrics, rs->endpoint, rs->status, seconds_since(rs->start_ns));
 	free(rs->body);
 	free(rs);
 	*con_cls = NULL;
@@ -608,6 +710,11 @@ int server_start(const struct server_config *cfg, struct server **out, char *err
 	if (!s)
 		return errorf(err, errlen, -ENOMEM, "out of memory");
 	s->cfg = *cfg;
+	s->metrics = metrics_create();
+	if (!s->metrics) {
+		free(s);
+		return errorf(err, errlen, -ENOMEM, "out of memory");
+	}
 	pthread_mutex_init(&s->lock, NULL);
 	s->d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
 					MHD_USE_ERROR_LOG,
@@ -618,6 +725,7 @@ int server_start(const struct server_config *cfg, struct server **out, char *err
 	if (!s->d) {
 		int e = errno ? errno : EADDRINUSE;
 		pthread_mutex_destroy(&s->lock);
+		metrics_destroy(&s->metrics);
 		free(s);
 		return errorf(err, errlen, -e, "cannot listen on %s:%u: %s", cfg->listen_addr, (unsigned)cfg->port,
 			      strerror(e));
@@ -640,6 +748,7 @@ void server_stop(struct server **sp)
 		return;
 	MHD_stop_daemon(s->d);
 	pthread_mutex_destroy(&s->lock);
+	metrics_destroy(&s->metrics);
 	free(s);
 	*sp = NULL;
 }

@@ -7,7 +7,8 @@
  *   ... until a signal ...
  *   server_stop(&s);
  *
- * Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+ * Endpoints: GET /health, GET /metrics (Prometheus text, metrics.h; like /health it needs no key),
+ * GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
  * Errors are OpenAI's {"error": {"message", "type", "param", "code"}}. */
 #ifndef HTTP_API_SERVER_H
 #define HTTP_API_SERVER_H
@@ -22,7 +23,7 @@ struct server_config {
 	uint16_t port;		 /* 0: the system picks one (server_port tells) */
 	uint64_t max_body;	 /* bytes of a request body; more: 413 */
 	long max_connections;	 /* connections served at once */
-	const char *api_key;	 /* the bearer token every request but /health needs; NULL: none */
+	const char *api_key;	 /* the bearer token every request but /health and /metrics needs; NULL: none */
 	const char *model_id;	 /* the model's name in replies; NULL: asked from the instance */
 	struct api_limits limits;
 	struct runner_client *runner;	 /* serves the generations */
