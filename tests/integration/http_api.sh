@@ -5,7 +5,8 @@
 # stop strings end the text before them; /health and /v1/models answer; bad requests get their
 # status and OpenAI's error shape; a client that goes away mid-stream cancels its generation and
 # the server serves the next request; a runner killed mid-stream ends it with an error event; a full queue answers 429; no runner answers 503; a port in use
-# fails the start.
+# fails the start. GET /metrics (no key) counts each of these by the amounts sent, in the Prometheus
+# text format, with the instance's stats.
 source "$(dirname "$0")/lib.sh"
 if [[ ! -x $BIN/http-api ]]; then
 	echo "[http_api] SKIP: http-api was not built (libmicrohttpd missing)"
@@ -63,6 +64,25 @@ expect_stream() {
 		"$2" "$1: the last chunk's finish_reason"
 }
 json_str() { jq -Rs . <<<"$1" | sed 's/\\n"$/"/'; }
+# scrape FILE [BASE]: GET /metrics without the key into FILE; the status on stdout.
+scrape() { curl -sS --max-time 20 -o "$1" -w '%{http_code}' "${2:-$BASE}/metrics"; }
+# metric FILE SERIES: the value of the sample "SERIES value" in a scrape (0 when there is none).
+metric() { awk -v s="$2" '$1 == s {v = $2} END {print v + 0}' "$1"; }
+# delta BEFORE AFTER SERIES: how much SERIES moved between two scrapes.
+delta() { echo $(($(metric "$2" "$3") - $(metric "$1" "$3"))); }
+# expect_exposition FILE: every line a # HELP, a # TYPE, or "name{labels} value"; every sample's
+# metric (a histogram's less _bucket, _sum, _count) has a # TYPE before it.
+expect_exposition() {
+	awk '
+		/^# HELP / { next }
+		/^# TYPE / { if ($4 !~ /^(counter|gauge|histogram|summary)$/) { print "bad type: " $0; exit 1 }
+			typed[$3] = 1; next }
+		!/^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? [-+]?([0-9.]+([eE][-+]?[0-9]+)?|Inf|NaN)$/ { print "bad line: " $0; exit 1 }
+		{ name = $1; sub(/\{.*/, "", name); base = name; sub(/_(bucket|sum|count)$/, "", base)
+			if (!(name in typed) && !(base in typed)) { print "no TYPE: " $0; exit 1 } n++ }
+		END { if (n < 10) { print "only " n " samples"; exit 1 } }' "$1" ||
+		fail "/metrics: not the Prometheus text format: $(awk '/^[^#]/' "$1" | head -c 300)"
+}
 
 # ---- /health, /v1/models ----
 expect_eq "$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE/health")" 200 "GET /health (no key needed)"
@@ -70,6 +90,54 @@ expect_eq "$(jq -r .status "$BODY")" ok "GET /health: status"
 expect_eq "$(request GET /v1/models)" 200 "GET /v1/models"
 expect_eq "$(jq -r '.object + " " + .data[0].id + " " + .data[0].object' "$BODY")" "list llama3-shaped model" \
 	"GET /v1/models: the model"
+
+# ---- /metrics: the counters move by what is sent ----
+M0=$IT_TMP/metrics0 M1=$IT_TMP/metrics1
+expect_eq "$(scrape "$M0")" 200 "GET /metrics (no key needed)"
+expect_exposition "$M0"
+expect_eq "$(curl -sS -o /dev/null -w '%{content_type}' "$BASE/metrics")" "text/plain; version=0.0.4; charset=utf-8" \
+	"GET /metrics: the content type"
+prompt_sum=0 generated_sum=0
+for n in 3 5 7; do
+	req="{\"prompt\": \"Count $n\", \"max_tokens\": $n, \"temperature\": 0}"
+	expect_eq "$(request POST /v1/completions "$req")" 200 "completion $n for the metrics"
+	prompt_sum=$((prompt_sum + $(jq -r .usage.prompt_tokens "$BODY")))
+	generated_sum=$((generated_sum + $(jq -r .usage.completion_tokens "$BODY")))
+done
+req='{"prompt": "Count", "max_tokens": 4, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}'
+expect_eq "$(request POST /v1/completions "$req")" 200 "a streamed completion for the metrics"
+usage=$(sed -n 's/^data: //p' "$BODY" | grep -v '^\[DONE\]$' | tail -n 1)
+prompt_sum=$((prompt_sum + $(jq -r .usage.prompt_tokens <<<"$usage")))
+generated_sum=$((generated_sum + $(jq -r .usage.completion_tokens <<<"$usage")))
+expect_error 404 "an unknown path for the metrics" GET /v1/unknown
+expect_eq "$(curl -sS -o /dev/null -w '%{http_code}' "$BASE/v1/models")" 401 "no bearer token for the metrics"
+COMPLETIONS_200='pipeline_http_requests_total{endpoint="/v1/completions",status="200"}'
+# A request is counted once libmicrohttpd is done with it, a moment after the client has the reply.
+four_counted() { scrape "$M1" >/dev/null && (($(delta "$M0" "$M1" "$COMPLETIONS_200") >= 4)); }
+wait_until 10 "/metrics counts the completions" four_counted
+expect_exposition "$M1"
+expect_eq "$(delta "$M0" "$M1" "$COMPLETIONS_200")" 4 "/metrics: completions answered 200"
+expect_eq "$(delta "$M0" "$M1" 'pipeline_http_requests_total{endpoint="other",status="404"}')" 1 "/metrics: the 404"
+expect_eq "$(delta "$M0" "$M1" 'pipeline_http_requests_total{endpoint="/v1/models",status="401"}')" 1 \
+	"/metrics: the 401"
+expect_eq "$(delta "$M0" "$M1" pipeline_http_generated_tokens_total)" "$generated_sum" \
+	"/metrics: generated tokens vs the sum of usage.completion_tokens"
+expect_eq "$(delta "$M0" "$M1" pipeline_http_prompt_tokens_total)" "$prompt_sum" \
+	"/metrics: prompt tokens vs the sum of usage.prompt_tokens"
+expect_eq "$(delta "$M0" "$M1" pipeline_http_time_to_first_token_seconds_count)" 4 "/metrics: first tokens timed"
+expect_eq "$(delta "$M0" "$M1" 'pipeline_http_time_to_first_token_seconds_bucket{le="+Inf"}')" 4 \
+	"/metrics: the first token histogram's +Inf bucket"
+(($(delta "$M0" "$M1" pipeline_http_request_duration_seconds_count) >= 6)) ||
+	fail "/metrics: request durations did not count the 6 requests"
+expect_eq "$(metric "$M1" pipeline_http_in_flight) $(metric "$M1" pipeline_http_queue_depth)" "0 0" \
+	"/metrics: nothing in flight or queued when idle"
+expect_eq "$(metric "$M1" pipeline_http_runner_stats_up) $(metric "$M1" pipeline_http_loader_stats_up)" "1 1" \
+	"/metrics: the instance's stats were had"
+expect_eq "$(delta "$M0" "$M1" pipeline_http_runner_generated_tokens_total)" "$generated_sum" \
+	"/metrics: gpu-runner's tokens_generated moved by the tokens generated"
+(($(metric "$M1" pipeline_http_loader_disk_bytes_read_total) > 0)) || fail "/metrics: ssd-loader read no bytes"
+grep -q '^# TYPE pipeline_http_request_duration_seconds histogram$' "$M1" || fail "/metrics: no duration histogram"
+log "/metrics: 4 completions, $generated_sum tokens, a 404 and a 401 counted; the instance's stats"
 
 # ---- completions: the text of pipectl generate --prompt ----
 text="The capital of France is"
@@ -168,6 +236,8 @@ curl -sS -N --max-time 1 -H "Authorization: Bearer $KEY" "$BASE/v1/completions" 
 grep -q '^data: {' "$IT_TMP/cut" || fail "the long stream sent nothing in 1 s"
 cancelled() { grep -q 'generated (cancelled)' "$RUN_DIR/gpu-runner.log"; }
 wait_until 30 "gpu-runner cancels the generation of the client that went away" cancelled
+expect_eq "$(scrape "$M1")" 200 "GET /metrics after a client went away"
+expect_eq "$(delta "$M0" "$M1" pipeline_http_cancelled_total)" 1 "/metrics: the client that went away"
 expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0}")" \
 	200 "the request after a client went away"
 expect_eq "$(whole_text)" "$full" "the request after a client went away: the text"
@@ -186,6 +256,8 @@ expect_grep '"error":\{"message":"gpu-runner went away during the request' "$(gr
 expect_eq "$(grep '^data: ' "$IT_TMP/killed" | tail -n 1)" "data: [DONE]" \
 	"the stream of a killed runner: the last event"
 wait_until 30 "gpu-runner restarted" restarted gpu-runner "$RUNNER_PID"
+expect_eq "$(scrape "$M1")" 200 "GET /metrics after the runner was killed"
+expect_eq "$(delta "$M0" "$M1" pipeline_http_runner_errors_total)" 1 "/metrics: the runner killed mid-stream"
 expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0}")" \
 	200 "the request after the runner was restarted"
 expect_eq "$(whole_text)" "$full" "the request after the runner was restarted: the text"
@@ -205,6 +277,13 @@ wait_until 20 "the long stream of the second server starts" streaming
 got=$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE2/v1/completions" --data-binary '{"prompt": "x", "max_tokens": 2}')
 expect_eq "$got" 429 "a request while one runs and --max-queue is 0"
 expect_eq "$(jq -r .error.type "$BODY")" rate_limit_error "429: the error type"
+# A scrape while the runner generates answers (the runner's own stats may then be left out).
+expect_eq "$(scrape "$M1" "$BASE2")" 200 "GET /metrics during a generation"
+expect_exposition "$M1"
+expect_eq "$(metric "$M1" pipeline_http_queue_rejected_total)" 1 "/metrics: the 429"
+expect_eq "$(metric "$M1" 'pipeline_http_requests_total{endpoint="/v1/completions",status="429"}')" 1 \
+	"/metrics: the 429 by status"
+expect_eq "$(metric "$M1" pipeline_http_in_flight)" 1 "/metrics: the generation in flight"
 kill "$LONG" 2>/dev/null || true
 wait "$LONG" 2>/dev/null || true
 kill -TERM "$SECOND"
