@@ -284,6 +284,7 @@ expect_eq "$(metric "$M1" pipeline_http_queue_rejected_total)" 1 "/metrics: the 
 expect_eq "$(metric "$M1" 'pipeline_http_requests_total{endpoint="/v1/completions",status="429"}')" 1 \
 	"/metrics: the 429 by status"
 expect_eq "$(metric "$M1" pipeline_http_in_flight)" 1 "/metrics: the generation in flight"
+log "/metrics during a generation: answered; runner_stats_up $(metric "$M1" pipeline_http_runner_stats_up)"
 kill "$LONG" 2>/dev/null || true
 wait "$LONG" 2>/dev/null || true
 kill -TERM "$SECOND"
