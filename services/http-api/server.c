@@ -58,9 +58,9 @@ struct request_state {
 	char *body;
 	size_t len, cap;
 	bool too_big;
-	bool answered; /* a response was queued before the body was read */
-	uint64_t start_ns; /* when the request came */
-	unsigned status;   /* the status its response was queued with; 0: none yet */
+	bool answered;	      /* a response was queued before the body was read */
+	uint64_t start_ns;    /* when the request came */
+	unsigned status;      /* the status its response was queued with; 0: none yet */
 	const char *endpoint; /* its path for the metrics, or "other" */
 };
 
@@ -259,11 +259,6 @@ static unsigned job_status(int http_status)
 	return http_status >= 400 && http_status < 600 ? (unsigned)http_status : 500;
 }
 
-static unsigned job_status_of(const struct runner_view *v)
-{
-	return job_status(v->http_status);
-}
-
 static double seconds_since(uint64_t start_ns)
 {
 	return (double)(now_ns() - start_ns) * 1e-9;
@@ -274,7 +269,7 @@ static void count_end(struct server *s, const struct runner_view *v)
 {
 	if (v->state == JOB_DONE)
 		metrics_tokens(s->metrics, v->n_prompt, v->n_generated);
-	else if (v->state == JOB_FAILED && job_status_of(v) >= 500)
+	else if (v->state == JOB_FAILED && job_status(v->http_status) >= 500)
 		metrics_runner_error(s->metrics);
 }
 
@@ -282,7 +277,6 @@ static void make_id(char *buf, size_t len, enum api_kind kind)
 {
 	snprintf(buf, len, "%s-%016llx", kind == API_CHAT ? "chatcmpl" : "cmpl", (unsigned long long)random_u64());
 }
-
 
 /* Waits for the whole generation, then answers with one JSON object. */
 static enum MHD_Result answer_whole(struct server *s, struct MHD_Connection *c, struct api_request *req,
