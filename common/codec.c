@@ -119,7 +119,7 @@ static const struct field_desc f_generate[] = {
 	FLD(7, F_U64_ARRAY, OPT, 1024, generate.stop_ids),   FLD(8, F_BYTES, OPT, PROTO_MAX_STR, generate.prompt),
 	FLD(9, F_BYTES, OPT, PROTO_MAX_STR, generate.chat),   FLD(10, F_U64, OPT, 0, generate.flags),
 	FLD(11, F_F64, OPT, 0, generate.min_p),		      FLD(12, F_F64, OPT, 0, generate.repetition_penalty),
-	FLD(13, F_BYTES, OPT, 65536, generate.stop_strings),
+	FLD(13, F_BYTES, OPT, 65536, generate.stop_strings), FLD(14, F_U64_ARRAY, OPT, 1u << 20, generate.done),
 };
 static const struct field_desc f_token[] = {
 	FLD(1, F_U64, REQ, 0, token.index),

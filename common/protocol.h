@@ -75,7 +75,7 @@ enum msg_type {
 	MSG_KV_UNPIN_ALL = 49, /* request -> MSG_OK: drops every pin (a runner that reconnects holds none) */
 
 	/* gpu-runner: generation */
-	MSG_GENERATE = 60, /* request: tokens | prompt | chat, max_new, sampling, stops, flags
+	MSG_GENERATE = 60, /* request: tokens | prompt | chat, max_new, sampling, stops, flags[, done]
 			    *  -> [MSG_LOGITS] MSG_TOKEN per token, then MSG_GEN_DONE (or MSG_ERROR) */
 	MSG_TOKEN = 61,	   /* reply: index, token[, text] */
 	MSG_GEN_DONE = 62, /* reply: n_prompt, n_generated, reason, prefill_ms, decode_ms */
@@ -172,6 +172,13 @@ struct msg_generate {
 	double min_p;		   /* 0: off */
 	double repetition_penalty; /* 0 or 1: off */
 	struct bytes stop_strings; /* JSON array of strings; generation stops once the text holds one */
+	/* Optional: resume a request that was cut off (its runner died). done holds the tokens it had
+	 * generated (n_done = done.n, fewer than max_new); the prompt is given as the first time and
+	 * built again the same way. The runner restores the KV of prompt + done, generates
+	 * max_new - n_done more with MSG_TOKEN indices from n_done, lets stop strings see done's text
+	 * (without sending it again), advances the seeded generator past the draws done's tokens took,
+	 * and reports n_generated counting done: the tokens are those of an uninterrupted run. */
+	struct u64_array done;
 };
 struct msg_token {
 	uint64_t index, token;

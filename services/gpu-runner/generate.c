@@ -97,6 +97,34 @@ static int end_sequence(struct kv_cache *kv, const struct gen_params *p, void *c
 	return rc;
 }
 
+/* Resuming: the KV of seq[0, n_prompt + n_done - 1) (the prompt and every generated token but the
+ * last, which the first decode step feeds), restored from the store or computed as the first run
+ * computed it. Returns 0 or -errno with err set. */
+static int resume_cache(struct engine *e, const struct gen_params *p, void *ctx, const int32_t *seq,
+			uint32_t n_prompt, uint32_t n_done, uint32_t *attempts, struct gen_result *res, char *err,
+			size_t errlen)
+{
+	struct kv_cache *kv = engine_kv(e);
+	uint32_t upto = n_prompt + n_done - 1;
+	int restored;
+	while ((restored = p->kv_seed ? kv_cache_restore_prefix(kv, upto + 1) : 0) < 0) {
+		if (!kv_cache_remote_failed(kv)) {
+			snprintf(err, errlen, "%s", kv_cache_error(kv));
+			return restored;
+		}
+		int rc = rebuild(e, p, ctx, seq, 0, n_prompt, attempts, err, errlen);
+		if (rc)
+			return rc;
+	}
+	res->n_restored = (uint32_t)restored;
+	int rc = catch_up(e, seq, (uint32_t)restored, upto, n_prompt);
+	if (rc && kv_cache_remote_failed(kv))
+		return rebuild(e, p, ctx, seq, upto, n_prompt, attempts, err, errlen);
+	if (rc)
+		snprintf(err, errlen, "restoring the resumed request's cache: %s", engine_error(e));
+	return rc;
+}
+
 int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uint32_t max_context,
 		 const struct gen_params *p, gen_emit_fn emit, void *ctx, struct gen_result *res, char *err,
 		 size_t errlen)
@@ -119,6 +147,33 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 			return -EINVAL;
 		}
 	}
+	uint32_t n_done = p->done ? p->n_done : 0;
+	if (n_done > p->max_new) {
+		snprintf(err, errlen, "the resumed request gives %u generated tokens; it asked for %u", n_done,
+			 p->max_new);
+		return -EINVAL;
+	}
+	for (uint32_t i = 0; i < n_done; i++) {
+		if (p->done[i] < 0 || (uint32_t)p->done[i] >= cfg->vocab_size) {
+			snprintf(err, errlen, "resumed token %u is %d, outside the vocabulary of %u", i, p->done[i],
+				 cfg->vocab_size);
+			return -EINVAL;
+		}
+	}
+	/* Cut off after its last token (before its MSG_GEN_DONE): it ends as it would have, for the
+	 * reason the loop below would have given. */
+	if (n_done) {
+		bool stop = is_stop(cfg, p, p->done[n_done - 1]);
+		res->reason = p->done_stop_string ? "stop_string"
+			      : stop		  ? "stop"
+			      : n_done == p->max_new ? "length"
+			      : (uint64_t)n_prompt + n_done > max_context ? "context" : NULL;
+		if (res->reason) {
+			res->n_generated = n_done;
+			return 0;
+		}
+		res->reason = "length";
+	}
 	float *logits = malloc(sizeof(float) * cfg->vocab_size);
 	struct sampler *s = sampler_create(&p->sampling, cfg->vocab_size);
 	bool penalty = p->repetition_penalty > 0 && p->repetition_penalty != 1.0f;
@@ -136,10 +191,22 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 		goto out;
 	}
 	memcpy(seq, prompt, sizeof(int32_t) * n_prompt);
+	if (n_done) {
+		memcpy(seq + n_prompt, p->done, sizeof(int32_t) * n_done);
+		seq_n += n_done;
+	}
 	if (p->kv_seed)
 		kv_cache_set_sequence(kv, seq, &seq_n, p->kv_seed);
 	uint64_t t0 = now_ns();
 	uint32_t chunk = engine_max_chunk(e);
+	if (n_done) {
+		rc = resume_cache(e, p, ctx, seq, n_prompt, n_done, &attempts, res, err, errlen);
+		if (rc)
+			goto out;
+		sampler_skip(s, n_done);
+		res->n_generated = n_done;
+		goto decode;
+	}
 	/* Positions whose KV the store already holds (an earlier request with the same start). */
 	int restored;
 	while ((restored = p->kv_seed ? kv_cache_restore_prefix(kv, n_prompt) : 0) < 0) {
@@ -168,15 +235,15 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 		}
 		pos = end;
 	}
-	uint64_t t1 = now_ns();
-	res->prefill_ms = (double)(t1 - t0) / 1e6;
+	res->prefill_ms = (double)(now_ns() - t0) / 1e6;
 	if (p->on_logits && (rc = p->on_logits(ctx, n_prompt - 1, logits, cfg->vocab_size)) != 0) {
 		snprintf(err, errlen, "sending the prompt's logits failed");
 		goto out;
 	}
+decode:
 	if (penalty)
-		for (uint32_t i = 0; i < n_prompt; i++)
-			seen[prompt[i]] = 1;
+		for (uint32_t i = 0; i < seq_n; i++)
+			seen[seq[i]] = 1;
 	if (p->on_decode)
 		p->on_decode(ctx);
 	/* Greedy without a penalty needs only the best id each step: the backend finds it where the
@@ -185,14 +252,23 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 	/* Sampling without a penalty can draw on the device too, with a uniform from our generator. */
 	bool device_draw = !greedy && !penalty && engine_samples_on_device(e);
 	int32_t next = -1;
-	uint32_t pos = n_prompt;
+	uint32_t pos = n_prompt + (n_done ? n_done - 1 : 0);
+	/* Resuming: the step that feeds the last token generated before the cut comes first. */
+	bool feed_done = n_done > 0;
+	uint64_t t1 = now_ns();
 	while (res->n_generated < p->max_new) {
+		int32_t tok;
+		if (feed_done) {
+			feed_done = false;
+			tok = p->done[n_done - 1];
+			goto forward;
+		}
 		if (penalty)
 			for (uint32_t v = 0; v < cfg->vocab_size; v++)
 				if (seen[v])
 					logits[v] = logits[v] < 0 ? logits[v] * p->repetition_penalty
 								  : logits[v] / p->repetition_penalty;
-		int32_t tok = next >= 0 ? next : sampler_pick(s, logits);
+		tok = next >= 0 ? next : sampler_pick(s, logits);
 		next = -1;
 		uint32_t index = res->n_generated++;
 		if (penalty)
@@ -217,6 +293,7 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 			break;
 		}
 		seq[seq_n++] = tok; /* pos == seq_n - 1 */
+forward:;
 		float u = device_draw ? sampler_next_uniform(s) : 0;
 		for (;;) {
 			if (greedy)

@@ -56,6 +56,14 @@ struct gen_params {
 	 * return: the request fails with that -errno (err set). */
 	int (*on_kv_failure)(void *ctx, char *err, size_t errlen);
 	uint64_t kv_seed;	  /* names the model and KV format in block keys; 0: no keys, no reuse */
+	/* A resumed request (MSG_GENERATE's done): the n_done tokens it generated before it was cut
+	 * off. Their KV is restored or computed as the first run computed it (prompt
+	 * positions on the chunk grid, generated ones one at a time), the sampler skips their draws,
+	 * and generation goes on from index n_done; max_new and n_generated count them. A request that
+	 * had ended (max_new reached, a stop id or stop string last) ends at once with that reason. */
+	const int32_t *done;
+	uint32_t n_done;	  /* <= max_new: a request cut off after its last token ends at once */
+	bool done_stop_string;	  /* done's text already holds a stop string: the request ends at once */
 };
 
 struct gen_result {

@@ -22,6 +22,7 @@ static void job_free(struct job *j)
 {
 	free(j->tokens);
 	free(j->stop);
+	free(j->done);
 	free(j->prompt);
 	free(j->chat);
 	free(j->stop_strings);
@@ -135,6 +136,18 @@ static void run_job(struct runner *r, struct job *j)
 		} else {
 			rc = text_stream_create(r->tok, j->stop_strings, j->stop_strings_len, &r->ts, err, sizeof(err));
 		}
+		/* A resumed request: the text before the cut was sent already; the stream sees it again
+		 * (stop strings that span the cut, text held back) without sending it. */
+		for (uint32_t i = 0; rc == 0 && i < j->params.n_done; i++) {
+			const char *piece;
+			size_t len;
+			bool hit;
+			rc = text_stream_push(r->ts, j->done[i], &piece, &len, &hit);
+			if (rc)
+				snprintf(err, sizeof(err), "decoding the resumed request's tokens failed");
+			else if (hit)
+				j->params.done_stop_string = true;
+		}
 	}
 	if (rc == 0) {
 		rc = generate_run(r->engine, prompt, n_prompt, (uint32_t)r->max_context, &j->params, emit_token, r,
@@ -177,7 +190,7 @@ static void run_job(struct runner *r, struct job *j)
 		m.gen_done.text.len = (uint32_t)tail_len;
 		service_reply(r->svc, &j->peer, &m);
 		r->prompt_tokens += res.n_prompt;
-		r->tokens_generated += res.n_generated;
+		r->tokens_generated += res.n_generated - (res.n_generated >= j->params.n_done ? j->params.n_done : 0);
 		r->prefill_ms += res.prefill_ms;
 		r->decode_ms += res.decode_ms;
 		r->last_prefill_tok_s = res.prefill_ms > 0 ? res.n_prompt / (res.prefill_ms / 1e3) : 0;
@@ -221,6 +234,18 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 			 "temperature must be >= 0, top_p and min_p in [0, 1], repetition_penalty >= 0");
 		return -EINVAL;
 	}
+	if (g->done.n > g->max_new) {
+		snprintf(errtext, errlen, "the resumed request gives %u generated tokens; max_new is %llu", g->done.n,
+			 (unsigned long long)g->max_new);
+		return -EINVAL;
+	}
+	for (uint32_t i = 0; i < g->done.n; i++) {
+		if (g->done.v[i] >= r->cfg.vocab_size) {
+			snprintf(errtext, errlen, "resumed token %u is %llu, outside the vocabulary of %u", i,
+				 (unsigned long long)g->done.v[i], r->cfg.vocab_size);
+			return -EINVAL;
+		}
+	}
 	for (uint32_t i = 0; i < g->tokens.n; i++) {
 		if (g->tokens.v[i] >= r->cfg.vocab_size) {
 			snprintf(errtext, errlen, "prompt token %u is %llu, outside the vocabulary of %u", i,
@@ -236,7 +261,8 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 	j->flags = g->flags;
 	j->tokens = malloc(sizeof(int32_t) * (g->tokens.n + 1));
 	j->stop = malloc(sizeof(int32_t) * (g->stop_ids.n + 1));
-	if (!j->tokens || !j->stop || copy_bytes(&g->prompt, &j->prompt, &j->prompt_len) ||
+	j->done = g->done.n ? malloc(sizeof(int32_t) * g->done.n) : NULL;
+	if (!j->tokens || !j->stop || (g->done.n && !j->done) || copy_bytes(&g->prompt, &j->prompt, &j->prompt_len) ||
 	    copy_bytes(&g->chat, &j->chat, &j->chat_len) ||
 	    copy_bytes(&g->stop_strings, &j->stop_strings, &j->stop_strings_len)) {
 		job_free(j);
@@ -245,6 +271,8 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 	}
 	for (uint32_t i = 0; i < g->tokens.n; i++)
 		j->tokens[i] = (int32_t)g->tokens.v[i];
+	for (uint32_t i = 0; i < g->done.n; i++)
+		j->done[i] = (int32_t)g->done.v[i];
 	for (uint32_t i = 0; i < g->stop_ids.n; i++)
 		j->stop[i] = g->stop_ids.v[i] > INT32_MAX ? -1 : (int32_t)g->stop_ids.v[i];
 	j->params = (struct gen_params){
@@ -259,6 +287,8 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 		.kv_seed = r->kv_seed,
 		.stop_ids = j->stop,
 		.n_stop = g->stop_ids.n,
+		.done = j->done,
+		.n_done = g->done.n,
 	};
 	r->q_len++;
 	return 0;

@@ -30,6 +30,7 @@ struct job {
 	int32_t *tokens; /* the prompt as ids, when the request gave ids */
 	uint32_t n_tokens;
 	int32_t *stop;	 /* the request's stop ids, room for one more (a chat's end of turn) */
+	int32_t *done;	 /* a resumed request's tokens generated before the cut (params.done), or NULL */
 	struct gen_params params;
 	uint64_t flags;	 /* enum gen_flags */
 	char *prompt, *chat, *stop_strings; /* owned copies, NULL when not given */

@@ -91,6 +91,14 @@ double sampler_next_uniform(struct sampler *s)
 	return uniform01(s->s);
 }
 
+void sampler_skip(struct sampler *s, uint64_t n)
+{
+	if (!(s->p.temperature > 0.0f))
+		return;
+	for (uint64_t i = 0; i < n; i++)
+		xoshiro_next(s->s);
+}
+
 const struct sampler_params *sampler_params_of(const struct sampler *s)
 {
 	return &s->p;

@@ -36,6 +36,10 @@ int32_t sampler_pick(struct sampler *s, const float *logits);
 /* The next uniform draw in [0, 1) from s's generator: what sampler_pick would use, for a
  * backend that draws where the logits are (backend.h, logits_sample). */
 double sampler_next_uniform(struct sampler *s);
+/* Advances s's generator past the draws of n sampled tokens, as if sampler_pick had picked n
+ * tokens (each pick draws one uniform, or none when greedy): a resumed request continues with
+ * the draws an uninterrupted run would make. */
+void sampler_skip(struct sampler *s, uint64_t n);
 const struct sampler_params *sampler_params_of(const struct sampler *s);
 
 /* Index of the largest value (lowest index on ties). */

@@ -269,6 +269,8 @@ int main(int argc, char **argv)
 	m.generate.prompt = BYTES("The capital of France is");
 	m.generate.flags = GEN_TEXT | GEN_NO_BOS;
 	seed("generate_prompt", &m);
+	m.generate.done = (struct u64_array){tokens, 3};
+	seed("generate_resume", &m);
 	msg_init(&m, MSG_GENERATE, 15);
 	m.generate.max_new = 64;
 	m.generate.chat = BYTES("[{\"role\": \"system\", \"content\": \"Answer in one line.\"}, "

@@ -81,7 +81,7 @@ static const struct tfield t_generate[] = {
 	TF(7, T_ARRAY, false, 1024, generate.stop_ids), TF(8, T_BYTES, false, PROTO_MAX_STR, generate.prompt),
 	TF(9, T_BYTES, false, PROTO_MAX_STR, generate.chat), TF(10, T_U64, false, 0, generate.flags),
 	TF(11, T_F64, false, 0, generate.min_p), TF(12, T_F64, false, 0, generate.repetition_penalty),
-	TF(13, T_BYTES, false, 65536, generate.stop_strings)};
+	TF(13, T_BYTES, false, 65536, generate.stop_strings), TF(14, T_ARRAY, false, PROTO_MAX_ARRAY, generate.done)};
 static const struct tfield t_token[] = {TF(1, T_U64, true, 0, token.index), TF(2, T_U64, true, 0, token.token),
 					TF(3, T_BYTES, false, 65536, token.text)};
 static const struct tfield t_logits[] = {TF(1, T_U64, true, 0, logits.position),

@@ -7,7 +7,11 @@
  * adopted, as the kv-store does after a kill. A request that has produced every token must
  * survive that: it waits for the store (on_kv_failure), hands the blocks to its successor and
  * succeeds; a store that does not come back fails the request with a message, and the next
- * request starts from an empty cache. */
+ * request starts from an empty cache.
+ *
+ * A resumed request (gen_params.done: the tokens a request had generated when its runner died)
+ * goes on with exactly the tokens of the uninterrupted run, from index n_done, greedy and seeded,
+ * with a repetition penalty or without, cut anywhere; one cut after its last token ends at once. */
 #include <check.h>
 #include <errno.h>
 #include <stdio.h>
@@ -279,6 +283,80 @@ START_TEST(test_store_that_stays_away_fails_the_request)
 }
 END_TEST
 
+/* A request of NEW tokens with the given sampling, resumed after the first n_done of done (NULL:
+ * from the start); tokens land in fx.out by index, the first index emitted in *first. */
+static uint32_t first_index;
+static enum gen_emit keep_first(void *ctx, uint32_t index, int32_t token)
+{
+	if (first_index == UINT32_MAX)
+		first_index = index;
+	return keep(ctx, index, token);
+}
+
+static int sampled(float temperature, uint64_t seed, float penalty, const int32_t *done, uint32_t n_done,
+		   struct gen_result *res, char *err, size_t errlen)
+{
+	struct gen_params gp = {.max_new = NEW, .ignore_eos = true, .on_kv_failure = reconnect,
+				.sampling = {.temperature = temperature, .top_p = 1.0f, .seed = seed},
+				.repetition_penalty = penalty, .kv_seed = 0x5eed, .done = done, .n_done = n_done};
+	memset(fx.out, 0xff, sizeof(fx.out));
+	first_index = UINT32_MAX;
+	return generate_run(fx.e, fx.prompt, PROMPT, PROMPT + NEW + 1, &gp, keep_first, &fx.st, res, err, errlen);
+}
+
+START_TEST(test_resume_gives_the_uninterrupted_tokens)
+{
+	static const struct {
+		float temperature, penalty;
+		uint64_t seed;
+	} kinds[] = {{0, 0, 0}, {1.0f, 0, 7}, {0.8f, 1.3f, 3}, {0, 1.3f, 0}};
+	char err[512] = "";
+	for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++) {
+		struct gen_result res;
+		int32_t want[NEW];
+		ck_assert_msg(sampled(kinds[k].temperature, kinds[k].seed, kinds[k].penalty, NULL, 0, &res, err,
+				      sizeof(err)) == 0, "%s", err);
+		ck_assert_uint_eq(res.n_generated, NEW);
+		memcpy(want, fx.out, sizeof(want));
+		static const uint32_t cuts[] = {1, 5, 16, 17, NEW - 1};
+		for (size_t c = 0; c < sizeof(cuts) / sizeof(cuts[0]); c++) {
+			uint32_t n = cuts[c];
+			ck_assert_msg(sampled(kinds[k].temperature, kinds[k].seed, kinds[k].penalty, want, n, &res, err,
+					      sizeof(err)) == 0, "%s", err);
+			ck_assert_uint_eq(res.n_generated, NEW);
+			ck_assert_str_eq(res.reason, "length");
+			ck_assert_uint_eq(first_index, n);
+			for (uint32_t i = 0; i < n; i++)
+				ck_assert_int_eq(fx.out[i], -1); /* nothing before the cut is sent again */
+			for (uint32_t i = n; i < NEW; i++)
+				ck_assert_msg(fx.out[i] == want[i], "kind %zu, cut at %u: token %u is %d, want %d", k, n,
+					      i, fx.out[i], want[i]);
+		}
+		/* Cut after its last token: it ends at once, nothing sent. */
+		ck_assert_msg(sampled(kinds[k].temperature, kinds[k].seed, kinds[k].penalty, want, NEW, &res, err,
+				      sizeof(err)) == 0, "%s", err);
+		ck_assert_uint_eq(res.n_generated, NEW);
+		ck_assert_uint_eq(first_index, UINT32_MAX);
+	}
+	/* Without the skip of the sampler's draws a seeded resume would differ: the test can tell. */
+	struct gen_result res;
+	int32_t want[NEW], other[NEW];
+	ck_assert(sampled(1.0f, 7, 0, NULL, 0, &res, err, sizeof(err)) == 0);
+	memcpy(want, fx.out, sizeof(want));
+	ck_assert(sampled(1.0f, 8, 0, NULL, 0, &res, err, sizeof(err)) == 0);
+	memcpy(other, fx.out, sizeof(other));
+	ck_assert_msg(memcmp(want, other, sizeof(want)) != 0, "two seeds gave the same tokens: sampling is not tested");
+	/* More done tokens than max_new, or one outside the vocabulary: refused. */
+	int32_t bad[NEW + 1];
+	memcpy(bad, want, sizeof(want));
+	bad[NEW] = 0;
+	ck_assert_int_eq(sampled(0, 0, 0, bad, NEW + 1, &res, err, sizeof(err)), -EINVAL);
+	bad[0] = -5;
+	ck_assert_int_eq(sampled(0, 0, 0, bad, 3, &res, err, sizeof(err)), -EINVAL);
+	ck_assert_msg(strstr(err, "resumed token 0"), "message: %s", err);
+}
+END_TEST
+
 static Suite *generate_suite(void)
 {
 	Suite *s = suite_create("generate");
@@ -287,6 +365,11 @@ static Suite *generate_suite(void)
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_store_dies_while_blocks_go_back);
 	tcase_add_test(tc, test_store_that_stays_away_fails_the_request);
+	suite_add_tcase(s, tc);
+	tc = tcase_create("resume");
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, 120);
+	tcase_add_test(tc, test_resume_gives_the_uninterrupted_tokens);
 	suite_add_tcase(s, tc);
 	return s;
 }

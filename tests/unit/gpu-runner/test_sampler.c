@@ -339,6 +339,48 @@ START_TEST(test_masked_tokens_never_drawn)
 }
 END_TEST
 
+/* A resumed request skips the draws of the tokens it already has: the picks after skipping n are
+ * those after picking n, for every kind of sampling; greedy draws nothing. */
+START_TEST(test_skip_matches_picks)
+{
+	static const struct sampler_params kinds[] = {
+		{.temperature = 1.0f, .seed = 7},
+		{.temperature = 0.7f, .top_k = 5, .top_p = 0.9f, .seed = 11},
+		{.temperature = 1.3f, .min_p = 0.05f, .seed = 12},
+	};
+	for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++) {
+		for (uint64_t n = 0; n < 40; n += 13) {
+			struct sampler *a = sampler_create(&kinds[k], 8), *b = sampler_create(&kinds[k], 8);
+			ck_assert(a && b);
+			for (uint64_t i = 0; i < n; i++)
+				sampler_pick(a, logits8);
+			sampler_skip(b, n);
+			for (int i = 0; i < 500; i++)
+				ck_assert_int_eq(sampler_pick(a, logits8), sampler_pick(b, logits8));
+			ck_assert(sampler_next_uniform(a) == sampler_next_uniform(b));
+			sampler_destroy(&a);
+			sampler_destroy(&b);
+		}
+	}
+	/* Skipping moves the generator: one skipped draw shifts the picks. */
+	struct sampler *a = make(1.0f, 0, 0, 7, 8), *b = make(1.0f, 0, 0, 7, 8);
+	sampler_skip(b, 1);
+	int same = 0;
+	for (int i = 0; i < 500; i++)
+		same += sampler_pick(a, logits8) == sampler_pick(b, logits8);
+	ck_assert_int_lt(same, 500);
+	sampler_destroy(&a);
+	sampler_destroy(&b);
+	/* Greedy draws nothing: skipping leaves its uniforms where they were. */
+	a = make(0.0f, 0, 0, 7, 8);
+	b = make(0.0f, 0, 0, 7, 8);
+	sampler_skip(b, 5);
+	ck_assert(sampler_next_uniform(a) == sampler_next_uniform(b));
+	sampler_destroy(&a);
+	sampler_destroy(&b);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("sampler");
@@ -351,6 +393,7 @@ int main(void)
 	tcase_add_test(tc, test_same_seed_same_sequence);
 	tcase_add_test(tc, test_different_seeds_differ);
 	tcase_add_test(tc, test_generator_pinned);
+	tcase_add_test(tc, test_skip_matches_picks);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("top_k");
 	tcase_add_test(tc, test_top_k_one_is_greedy);
