@@ -78,7 +78,7 @@ int main(int argc, char **argv)
 	const char *instance = NULL, *run_dir_opt = NULL, *listen = NULL, *key_file = NULL, *model_id = NULL,
 		   *level = NULL;
 	uint64_t max_body = 0;
-	long max_queue = 0, max_connections = 0, default_max_tokens = 0, timeout_s = 0, hello_ms = 0;
+	long max_queue = 0, max_connections = 0, default_max_tokens = 0, timeout_s = 0, hello_ms = 0, resume_s = 0;
 	struct opt opts[] = {
 		{"instance", OPT_STRING, &instance, "default", "the instance whose model is served"},
 		{"run-dir", OPT_STRING, &run_dir_opt, NULL, "its run directory (default /tmp/llmp-<uid>/<instance>)"},
@@ -97,6 +97,9 @@ int main(int argc, char **argv)
 		{"timeout", OPT_INT, &timeout_s, "600", "seconds gpu-runner may be silent during a generation"},
 		{"hello-timeout-ms", OPT_INT, &hello_ms, "2000",
 		 "how long gpu-runner may take to answer HELLO before it counts as unavailable (503)"},
+		{"resume-timeout", OPT_INT, &resume_s, "60",
+		 "seconds to wait for a gpu-runner that died during a request to be started again; the request "
+		 "then goes on where it was cut off (0: fail it at once)"},
 		{"log-level", OPT_STRING, &level, "info", "debug, info, warn or error"},
 		{0},
 	};
@@ -127,9 +130,10 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	if (default_max_tokens < 1 || default_max_tokens > MAX_TOKENS_LIMIT || timeout_s < 1 || hello_ms < 1 ||
-	    timeout_s > 86400 * 365 || hello_ms > 3600000) {
+	    timeout_s > 86400 * 365 || hello_ms > 3600000 || resume_s < 0 || resume_s > 86400) {
 		fprintf(stderr,
-			"%s: --default-max-tokens must be in 1..%ld, --timeout and --hello-timeout-ms positive\n", PROG,
+			"%s: --default-max-tokens must be in 1..%ld, --timeout and --hello-timeout-ms positive, "
+			"--resume-timeout in 0..86400\n", PROG,
 			MAX_TOKENS_LIMIT);
 		return 2;
 	}
@@ -170,6 +174,7 @@ int main(int argc, char **argv)
 		.max_queue = max_queue,
 		.hello_timeout_ms = hello_ms,
 		.reply_timeout_ms = timeout_s * 1000,
+		.resume_timeout_ms = resume_s * 1000,
 	};
 	char err[512];
 	struct runner_client *runner = NULL;

@@ -8,7 +8,9 @@
  * The runner dying during a request is noticed without waiting out the reply timeout: while no
  * reply comes, the worker looks once a second at who listens on gpu-runner.ctl; nobody, or
  * another process than at the HELLO (the supervisor started a new runner), means the request
- * was lost with the old one. */
+ * was lost with the old one. The job then waits for the new runner (resume_timeout_ms) and sends
+ * the request again with the token ids it has, as MSG_GENERATE's done part: the runner continues
+ * the stream from there (runner_client.h). */
 #include <errno.h>
 #include <jansson.h>
 #include <stdarg.h>
@@ -43,6 +45,9 @@ struct runner_job {
 	char *text;
 	size_t len, cap;
 	uint64_t n_tokens, n_prompt, n_generated;
+	uint64_t *ids;	/* the n_tokens ids received (the worker's: the resume part) */
+	size_t ids_cap;
+	unsigned resumes; /* times the request was sent again after its runner died */
 	char reason[32];
 	int http_status;
 	char error[512];
@@ -70,6 +75,7 @@ static void job_unref_locked(struct runner_job *j)
 	free(j->chat_json);
 	free(j->stops_json);
 	free(j->text);
+	free(j->ids);
 	free(j);
 }
 
@@ -163,9 +169,28 @@ static bool runner_listening(const char *path, int *pid)
 	return bus_unix_listener(path, pid);
 }
 
-/* Reads the replies to the GENERATE corr until it ends. */
-static void read_replies(struct runner_client *rc, struct runner_job *j, uint64_t corr, const char *sock_path,
-			 int listener)
+/* Keeps a received token's id for a resume (under the lock). */
+static int keep_id(struct runner_job *j, uint64_t id)
+{
+	if (j->n_tokens >= j->ids_cap) {
+		size_t cap = j->ids_cap ? j->ids_cap * 2 : 256;
+		uint64_t *t = realloc(j->ids, cap * sizeof(*t));
+		if (!t)
+			return -ENOMEM;
+		j->ids = t;
+		j->ids_cap = cap;
+	}
+	j->ids[j->n_tokens] = id;
+	return 0;
+}
+
+/* How reading the replies ended. */
+enum read_end { READ_ENDED, READ_LOST };
+
+/* Reads the replies to the GENERATE corr until it ends: READ_ENDED (done or failed, the job says
+ * which), or READ_LOST when the runner went away and the request may be sent again. */
+static enum read_end read_replies(struct runner_client *rc, struct runner_job *j, uint64_t corr,
+				  const char *sock_path, int listener)
 {
 	uint64_t last_reply = now_ns(), last_check = last_reply;
 	for (;;) {
@@ -180,7 +205,7 @@ static void read_replies(struct runner_client *rc, struct runner_job *j, uint64_
 			job_fail_locked(j, 503, stopping ? "http-api is stopping" : "cancelled: the client went away");
 			pthread_mutex_unlock(&rc->lock);
 			log_info("%s: the generation is cancelled", stopping ? "stopping" : "the client went away");
-			return;
+			return READ_ENDED;
 		}
 		if (r == -ETIMEDOUT) {
 			msg_free(&rep);
@@ -188,7 +213,7 @@ static void read_replies(struct runner_client *rc, struct runner_job *j, uint64_
 				reset_connection(rc);
 				job_fail(rc, j, 503, "gpu-runner sent nothing for %ld s",
 					 rc->o.reply_timeout_ms / 1000);
-				return;
+				return READ_ENDED;
 			}
 			if (now - last_check >= LISTENER_CHECK_MS * 1000000ull) {
 				last_check = now;
@@ -196,10 +221,12 @@ static void read_replies(struct runner_client *rc, struct runner_job *j, uint64_
 				bool up = runner_listening(sock_path, &pid);
 				if (!up || (listener && pid && pid != listener)) {
 					reset_connection(rc);
+					if (rc->o.resume_timeout_ms > 0)
+						return READ_LOST;
 					job_fail(rc, j, 503,
 						 "gpu-runner went away during the request (its supervisor starts it "
 						 "again; send the request again)");
-					return;
+					return READ_ENDED;
 				}
 			}
 			continue;
@@ -208,13 +235,13 @@ static void read_replies(struct runner_client *rc, struct runner_job *j, uint64_
 			job_fail(rc, j, status_of_runner_error(rep.error.code), "gpu-runner: %s",
 				 rep.error.text.p ? rep.error.text.p : "(no text)");
 			msg_free(&rep);
-			return;
+			return READ_ENDED;
 		}
 		if (r) {
 			msg_free(&rep);
 			reset_connection(rc);
 			job_fail(rc, j, 500, "reading gpu-runner's reply failed: %s", strerror(-r));
-			return;
+			return READ_ENDED;
 		}
 		last_reply = now;
 		pthread_mutex_lock(&rc->lock);
@@ -222,7 +249,7 @@ static void read_replies(struct runner_client *rc, struct runner_job *j, uint64_
 		if (rep.type == MSG_TOKEN) {
 			if (rep.token.index != j->n_tokens)
 				fail = 1;
-			else if (append_text(j, rep.token.text.p, rep.token.text.len))
+			else if (keep_id(j, rep.token.token) || append_text(j, rep.token.text.p, rep.token.text.len))
 				fail = 2;
 			else
 				j->n_tokens++;
@@ -255,7 +282,7 @@ static void read_replies(struct runner_client *rc, struct runner_job *j, uint64_
 			reset_connection(rc);
 		}
 		if (ended)
-			return;
+			return READ_ENDED;
 	}
 }
 
@@ -267,59 +294,116 @@ static void set_text(struct bytes *b, const char *s)
 	}
 }
 
-static void run_job(struct runner_client *rc, struct runner_job *j)
+/* Opens the worker's connection if it has none and asks for HELLO. Returns 0, or -errno with why
+ * filled and *status the HTTP status to fail with (503: no runner; 500). */
+static int say_hello(struct runner_client *rc, const char *path, int *status, char *why, size_t len)
 {
-	char path[512];
+	*status = 503;
 	struct stat st;
-	snprintf(path, sizeof(path), "%s/%s.ctl", rc->run_dir, RUNNER);
 	if (stat(path, &st) != 0) {
-		job_fail(rc, j, 503, "gpu-runner of the instance is not running (no socket %s)", path);
-		return;
+		snprintf(why, len, "gpu-runner of the instance is not running (no socket %s)", path);
+		return -ENOENT;
 	}
 	if (!rc->client) {
 		rc->client = rpc_client_create(rc->o.zctx, rc->run_dir, RUNNER, "http-api");
 		if (!rc->client) {
-			job_fail(rc, j, 500, "cannot open a client of gpu-runner at %s: %s", path, strerror(errno));
-			return;
+			int e = errno ? errno : ENOMEM;
+			*status = 500;
+			snprintf(why, len, "cannot open a client of gpu-runner at %s: %s", path, strerror(e));
+			return -e;
 		}
 	}
 	struct msg hello;
 	int r = rpc_hello(rc->client, &hello, (int)rc->o.hello_timeout_ms);
 	if (r) {
-		char text[256];
-		snprintf(text, sizeof(text), "%s",
+		snprintf(why, len, "gpu-runner did not answer HELLO: %s",
 			 r == -EREMOTEIO && hello.error.text.p ? hello.error.text.p : strerror(-r));
-		msg_free(&hello);
 		reset_connection(rc);
-		job_fail(rc, j, 503, "gpu-runner did not answer HELLO: %s", text);
-		return;
 	}
 	msg_free(&hello);
-	int listener = 0;
-	runner_listening(path + 0, &listener);
+	return r;
+}
 
-	struct msg req;
-	msg_init(&req, MSG_GENERATE, 0);
-	req.generate.max_new = j->max_new;
-	req.generate.temperature = j->temperature;
-	req.generate.top_p = j->top_p;
-	req.generate.top_k = j->top_k;
-	req.generate.min_p = j->min_p;
-	req.generate.repetition_penalty = j->repetition_penalty;
-	req.generate.seed = j->seed;
-	set_text(&req.generate.prompt, j->prompt);
-	set_text(&req.generate.chat, j->chat_json);
-	set_text(&req.generate.stop_strings, j->stops_json);
-	req.generate.flags = GEN_TEXT;
-	uint64_t corr;
-	r = rpc_send(rc->client, &req, &corr);
+/* The runner went away during the job: waits up to resume_timeout_ms for the new one to answer
+ * HELLO. Returns 0 when it did, -ECANCELED when the job was released meanwhile, else -ETIMEDOUT
+ * with why filled. */
+static int await_runner(struct runner_client *rc, struct runner_job *j, const char *path, char *why, size_t len)
+{
+	uint64_t until = now_ns() + (uint64_t)rc->o.resume_timeout_ms * 1000000ull;
+	snprintf(why, len, "no answer");
+	for (;;) {
+		if (job_released(rc, j))
+			return -ECANCELED;
+		int pid, status;
+		if (runner_listening(path, &pid) && say_hello(rc, path, &status, why, len) == 0)
+			return 0;
+		if (now_ns() >= until)
+			return -ETIMEDOUT;
+		struct timespec ts = {0, WAIT_SLICE_MS * 1000000L};
+		nanosleep(&ts, NULL);
+	}
+}
+
+static void run_job(struct runner_client *rc, struct runner_job *j)
+{
+	char path[512], why[512];
+	snprintf(path, sizeof(path), "%s/%s.ctl", rc->run_dir, RUNNER);
+	int status;
+	int r = say_hello(rc, path, &status, why, sizeof(why));
 	if (r) {
-		reset_connection(rc);
-		job_fail(rc, j, r == -EINVAL ? 400 : 503, "cannot send GENERATE to gpu-runner: %s",
-			 r == -EINVAL ? "the request exceeds the protocol's limits" : strerror(-r));
+		job_fail(rc, j, status, "%s", why);
 		return;
 	}
-	read_replies(rc, j, corr, path, listener);
+	for (;;) {
+		int listener = 0;
+		runner_listening(path, &listener);
+
+		struct msg req;
+		msg_init(&req, MSG_GENERATE, 0);
+		req.generate.max_new = j->max_new;
+		req.generate.temperature = j->temperature;
+		req.generate.top_p = j->top_p;
+		req.generate.top_k = j->top_k;
+		req.generate.min_p = j->min_p;
+		req.generate.repetition_penalty = j->repetition_penalty;
+		req.generate.seed = j->seed;
+		set_text(&req.generate.prompt, j->prompt);
+		set_text(&req.generate.chat, j->chat_json);
+		set_text(&req.generate.stop_strings, j->stops_json);
+		req.generate.flags = GEN_TEXT;
+		/* Only the worker changes ids and n_tokens: no lock needed to read them here. */
+		req.generate.done = (struct u64_array){j->ids, (uint32_t)j->n_tokens};
+		uint64_t corr;
+		r = rpc_send(rc->client, &req, &corr);
+		if (r) {
+			reset_connection(rc);
+			job_fail(rc, j, r == -EINVAL ? 400 : 503, "cannot send GENERATE to gpu-runner: %s",
+				 r == -EINVAL ? "the request exceeds the protocol's limits" : strerror(-r));
+			return;
+		}
+		if (read_replies(rc, j, corr, path, listener) == READ_ENDED)
+			return;
+		log_warn("gpu-runner went away during a request after %llu tokens: waiting up to %ld s for it to "
+			 "be started again",
+			 (unsigned long long)j->n_tokens, rc->o.resume_timeout_ms / 1000);
+		r = await_runner(rc, j, path, why, sizeof(why));
+		if (r == -ECANCELED) {
+			pthread_mutex_lock(&rc->lock);
+			job_fail_locked(j, 503, rc->stopping ? "http-api is stopping" : "cancelled: the client went away");
+			pthread_mutex_unlock(&rc->lock);
+			return;
+		}
+		if (r) {
+			job_fail(rc, j, 503,
+				 "gpu-runner went away during the request and did not come back in %ld s (%s); send "
+				 "the request again",
+				 rc->o.resume_timeout_ms / 1000, why);
+			return;
+		}
+		j->resumes++;
+		log_info("gpu-runner is back: resuming the request after %llu tokens (resume %u)",
+			 (unsigned long long)j->n_tokens, j->resumes);
+	}
 }
 
 static void *worker_main(void *arg)

@@ -14,7 +14,13 @@
  * A job sends MSG_GENERATE (prompt | chat, max_new, sampling, stop strings, GEN_TEXT) after a
  * HELLO that tells whether the runner is there, and reads MSG_TOKEN... MSG_GEN_DONE or
  * MSG_ERROR as pipectl generate does. Cancelling closes the connection: the runner then fails
- * to send the next token to it and ends the generation (its cancel). */
+ * to send the next token to it and ends the generation (its cancel).
+ *
+ * A runner that dies during a request does not lose it: the job keeps the token ids received so
+ * far, waits (resume_timeout_ms) for the supervisor's new runner to answer HELLO, and sends the
+ * request again with those ids as MSG_GENERATE's done part. The new runner continues where the
+ * stream was cut off (the same tokens as an uninterrupted run, greedy or seeded), so the reader
+ * sees one stream with no token twice and none missing. */
 #ifndef HTTP_API_RUNNER_CLIENT_H
 #define HTTP_API_RUNNER_CLIENT_H
 #include <pthread.h>
@@ -28,6 +34,8 @@ struct runner_options {
 	long max_queue;		 /* jobs that may wait behind the one running */
 	long hello_timeout_ms;	 /* how long the runner may take to answer HELLO before it counts as down */
 	long reply_timeout_ms;	 /* the longest silence between two replies of a generation */
+	long resume_timeout_ms;	 /* how long to wait for a runner that died during a request to come back;
+				  * 0: the request fails at once */
 };
 
 /* What to generate: borrowed by runner_submit, which copies it. */

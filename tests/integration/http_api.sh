@@ -4,7 +4,8 @@
 # give the text pipectl generate gives with the same parameters (greedy and a seeded sample);
 # stop strings end the text before them; /health and /v1/models answer; bad requests get their
 # status and OpenAI's error shape; a client that goes away mid-stream cancels its generation and
-# the server serves the next request; a runner killed mid-stream ends it with an error event; a full queue answers 429; no runner answers 503; a port in use
+# the server serves the next request; a runner killed mid-stream ends it with an error event (with
+# --resume-timeout 0); a full queue answers 429; no runner answers 503; a port in use
 # fails the start. GET /metrics (no key) counts each of these by the amounts sent, in the Prometheus
 # text format, with the instance's stats.
 source "$(dirname "$0")/lib.sh"
@@ -27,7 +28,9 @@ cp "$TOKENIZER" "$L3/"
 KEY=key-$$-$RANDOM
 printf '%s\n' "$KEY" >"$IT_TMP/api-key"
 
-out=$("$PIPELINE" start --model "$L3" --http 127.0.0.1:0 --http-opt=--api-key-file="$IT_TMP/api-key")
+# --resume-timeout 0: a runner killed mid-stream ends the stream (http_resume.sh tests the resume).
+out=$("$PIPELINE" start --model "$L3" --http 127.0.0.1:0 --http-opt=--api-key-file="$IT_TMP/api-key" \
+	--http-opt=--resume-timeout=0)
 BASE=$(grep -o 'http://127\.0\.0\.1:[0-9]*' <<<"$out" | head -n 1)
 [[ -n $BASE ]] || fail "start --http did not say where http-api listens: $out"
 log "http-api listens on $BASE"

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# http_resume: a gpu-runner killed during a request does not lose it. http-api (scripts/pipeline
+# start --http) keeps the token ids it has streamed, waits for the supervisor's new runner and
+# sends the request again with them (MSG_GENERATE's done part); the new runner restores the KV
+# and goes on. On a synthetic model with the Llama 3 tokenizer, a streamed greedy completion and
+# a seeded one (temperature 1, seed 7), with gpu-runner killed (kill -9) after some tokens came,
+# give the text and the completion_tokens of the same request run without the kill; a request
+# that does not stream, likewise.
+source "$(dirname "$0")/lib.sh"
+if [[ ! -x $BIN/http-api ]]; then
+	echo "[http_resume] SKIP: http-api was not built (libmicrohttpd missing)"
+	exit 77
+fi
+for tool in curl jq; do
+	if ! command -v "$tool" >/dev/null; then
+		echo "[http_resume] SKIP: $tool is not installed"
+		exit 77
+	fi
+done
+it_setup http_resume
+
+TOKENIZER=$PIPELINE_SOURCE_DIR/tests/data/llama3-tokenizer/tokenizer.json
+L3=$IT_TMP/llama3-shaped
+"$BIN/make-synthetic-model" --shape tiny --vocab 128256 --bos 128000 --eos 128001,128008,128009 --out "$L3" --quiet
+cp "$TOKENIZER" "$L3/"
+
+out=$("$PIPELINE" start --model "$L3" --http 127.0.0.1:0 --http-opt=--resume-timeout=60)
+BASE=$(grep -o 'http://127\.0\.0\.1:[0-9]*' <<<"$out" | head -n 1)
+[[ -n $BASE ]] || fail "start --http did not say where http-api listens: $out"
+log "http-api listens on $BASE"
+
+# Long enough that the kill lands while the stream runs (the tiny model is fast).
+N=${HTTP_RESUME_TOKENS:-800}
+text="The capital of France is"
+json_str() { jq -Rs . <<<"$1" | sed 's/\\n"$/"/'; }
+# stream_text FILE: the text of an event stream (its chunks joined).
+stream_text() {
+	sed -n 's/^data: //p' "$1" | grep -v '^\[DONE\]$' | jq -j '.choices[0].text // empty'
+}
+# stream_usage FILE: the completion_tokens of the stream's usage chunk.
+stream_usage() { sed -n 's/^data: //p' "$1" | grep -v '^\[DONE\]$' | tail -n 1 | jq -r .usage.completion_tokens; }
+resumes() { grep -c 'resuming the request after' "$RUN_DIR/http-api.log" || true; }
+
+# run_case WHAT TEMPERATURE SEED
+run_case() {
+	local what=$1 t=$2 seed=$3
+	local req="{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": $t, \"seed\": $seed, \"stream\": true, \"stream_options\": {\"include_usage\": true}}"
+	local want=$IT_TMP/want-$seed got=$IT_TMP/got-$seed
+	curl -sS -N "$BASE/v1/completions" --data-binary "$req" >"$want" || fail "$what: the uninterrupted stream failed"
+	local n_want
+	n_want=$(stream_usage "$want")
+	[[ $n_want =~ ^[0-9]+$ ]] || fail "$what: the uninterrupted stream has no usage: $(tail -c 300 "$want")"
+	local finish
+	finish=$(sed -n 's/^data: //p' "$want" | grep -v '^\[DONE\]$' | jq -r '.choices[0].finish_reason // empty' | tail -n 1)
+	[[ $finish == length ]] && expect_eq "$n_want" "$N" "$what: the uninterrupted completion_tokens"
+	local before
+	before=$(resumes)
+	curl -sS -N "$BASE/v1/completions" --data-binary "$req" >"$got" 2>&1 &
+	local client=$!
+	streaming() { [[ $(grep -c '^data: {' "$got") -ge 10 ]]; }
+	wait_until 30 "$what: the stream before the kill starts" streaming
+	local pid
+	pid=$(sup_field gpu-runner pid)
+	kill -KILL "$pid"
+	local cut
+	cut=$(grep -c '^data: {' "$got")
+	wait "$client" || fail "$what: the stream of the killed runner did not end cleanly"
+	wait_until 30 "$what: gpu-runner restarted" restarted gpu-runner "$pid"
+	((cut < n_want)) || fail "$what: the stream had ended ($cut chunks) before the kill; raise HTTP_RESUME_TOKENS"
+	expect_eq "$(resumes)" "$((before + 1))" "$what: http-api resumed the request once"
+	grep -q '"error"' "$got" && fail "$what: the resumed stream carries an error: $(grep '"error"' "$got" | head -c 300)"
+	expect_eq "$(stream_text "$got")" "$(stream_text "$want")" "$what: the resumed stream's text vs the uninterrupted one"
+	expect_eq "$(stream_usage "$got")" "$n_want" "$what: completion_tokens"
+	expect_eq "$(grep '^data: ' "$got" | tail -n 1)" "data: [DONE]" "$what: the last event"
+	log "$what: killed after $cut chunks; the stream went on: $n_want tokens, the same text"
+}
+run_case "greedy" 0 0
+run_case "seeded (temperature 1, seed 7)" 1 7
+
+# A request that does not stream completes too (killed a moment after it was sent).
+req="{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": 1, \"seed\": 9}"
+curl -sS "$BASE/v1/completions" --data-binary "$req" >"$IT_TMP/whole-want" || fail "the uninterrupted completion failed"
+before=$(resumes)
+curl -sS "$BASE/v1/completions" --data-binary "$req" >"$IT_TMP/whole-got" &
+CLIENT=$!
+sleep 0.5
+PID=$(sup_field gpu-runner pid)
+kill -KILL "$PID"
+wait "$CLIENT" || fail "the completion of the killed runner failed"
+wait_until 30 "gpu-runner restarted" restarted gpu-runner "$PID"
+expect_eq "$(resumes)" "$((before + 1))" "a completion that does not stream: resumed once (else it ended before the kill)"
+expect_eq "$(jq -r '.choices[0].text' "$IT_TMP/whole-got")" "$(jq -r '.choices[0].text' "$IT_TMP/whole-want")" \
+	"a completion that does not stream: the text"
+expect_eq "$(jq -r '.usage.completion_tokens' "$IT_TMP/whole-got")" \
+	"$(jq -r '.usage.completion_tokens' "$IT_TMP/whole-want")" "a completion that does not stream: completion_tokens"
+log "a completion that does not stream: resumed, the same text"
+
+"$PIPELINE" stop >/dev/null
+expect_nothing_left "stop"
+log "passed"
