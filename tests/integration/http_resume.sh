@@ -3,7 +3,7 @@
 # start --http) keeps the token ids it has streamed, waits for the supervisor's new runner and
 # sends the request again with them (MSG_GENERATE's done part); the new runner restores the KV
 # and goes on. On a synthetic model with the Llama 3 tokenizer, a streamed greedy completion and
-# a seeded one (temperature 1, seed 7), with gpu-runner killed (kill -9) after some tokens came,
+# a seeded one (temperature 1, seed 7) and a seeded chat, with gpu-runner killed (kill -9) after some tokens came,
 # give the text and the completion_tokens of the same request run without the kill; a request
 # that does not stream, likewise.
 source "$(dirname "$0")/lib.sh"
@@ -35,18 +35,17 @@ text="The capital of France is"
 json_str() { jq -Rs . <<<"$1" | sed 's/\\n"$/"/'; }
 # stream_text FILE: the text of an event stream (its chunks joined).
 stream_text() {
-	sed -n 's/^data: //p' "$1" | grep -v '^\[DONE\]$' | jq -j '.choices[0].text // empty'
+	sed -n 's/^data: //p' "$1" | grep -v '^\[DONE\]$' | jq -j '.choices[0].text // .choices[0].delta.content // empty'
 }
 # stream_usage FILE: the completion_tokens of the stream's usage chunk.
 stream_usage() { sed -n 's/^data: //p' "$1" | grep -v '^\[DONE\]$' | tail -n 1 | jq -r .usage.completion_tokens; }
 resumes() { grep -c 'resuming the request after' "$RUN_DIR/http-api.log" || true; }
 
-# run_case WHAT TEMPERATURE SEED
+# run_case WHAT PATH BODY: a streamed request (BODY without its closing brace), killed and not.
 run_case() {
-	local what=$1 t=$2 seed=$3
-	local req="{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": $t, \"seed\": $seed, \"stream\": true, \"stream_options\": {\"include_usage\": true}}"
-	local want=$IT_TMP/want-$seed got=$IT_TMP/got-$seed
-	curl -sS -N "$BASE/v1/completions" --data-binary "$req" >"$want" || fail "$what: the uninterrupted stream failed"
+	local what=$1 path=$2 req="$3, \"stream\": true, \"stream_options\": {\"include_usage\": true}}"
+	local want=$IT_TMP/want-$((++CASE)) got=$IT_TMP/got-$CASE
+	curl -sS -N "$BASE$path" --data-binary "$req" >"$want" || fail "$what: the uninterrupted stream failed"
 	local n_want
 	n_want=$(stream_usage "$want")
 	[[ $n_want =~ ^[0-9]+$ ]] || fail "$what: the uninterrupted stream has no usage: $(tail -c 300 "$want")"
@@ -55,7 +54,7 @@ run_case() {
 	[[ $finish == length ]] && expect_eq "$n_want" "$N" "$what: the uninterrupted completion_tokens"
 	local before
 	before=$(resumes)
-	curl -sS -N "$BASE/v1/completions" --data-binary "$req" >"$got" 2>&1 &
+	curl -sS -N "$BASE$path" --data-binary "$req" >"$got" 2>&1 &
 	local client=$!
 	streaming() { [[ $(grep -c '^data: {' "$got") -ge 10 ]]; }
 	wait_until 30 "$what: the stream before the kill starts" streaming
@@ -73,9 +72,15 @@ run_case() {
 	expect_eq "$(stream_usage "$got")" "$n_want" "$what: completion_tokens"
 	expect_eq "$(grep '^data: ' "$got" | tail -n 1)" "data: [DONE]" "$what: the last event"
 	log "$what: killed after $cut chunks; the stream went on: $n_want tokens, the same text"
+	log "$what: the new runner: $(grep -o 'request [0-9]*: .*restored from the kv-store.*generated ([a-z_]*)' "$RUN_DIR/gpu-runner.log" | tail -n 1)"
 }
-run_case "greedy" 0 0
-run_case "seeded (temperature 1, seed 7)" 1 7
+CASE=0
+run_case "greedy" /v1/completions "{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": 0"
+run_case "seeded (temperature 1, seed 7)" /v1/completions \
+	"{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": 1, \"seed\": 7"
+# A chat: its prompt is built again from the messages, with the turn's end as a stop id.
+run_case "chat (seeded)" /v1/chat/completions \
+	"{\"messages\": [{\"role\": \"user\", \"content\": \"Hello there\"}], \"max_tokens\": $N, \"temperature\": 0.9, \"seed\": 3"
 
 # A request that does not stream completes too (killed a moment after it was sent).
 req="{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": 1, \"seed\": 9}"
