@@ -163,11 +163,15 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 	/* Cut off after its last token (before its MSG_GEN_DONE): it ends as it would have, for the
 	 * reason the loop below would have given. */
 	if (n_done) {
-		bool stop = is_stop(cfg, p, p->done[n_done - 1]);
-		res->reason = p->done_stop_string ? "stop_string"
-			      : stop		  ? "stop"
-			      : n_done == p->max_new ? "length"
-			      : (uint64_t)n_prompt + n_done > max_context ? "context" : NULL;
+		res->reason = NULL;
+		if (p->done_stop_string)
+			res->reason = "stop_string";
+		else if (is_stop(cfg, p, p->done[n_done - 1]))
+			res->reason = "stop";
+		else if (n_done == p->max_new)
+			res->reason = "length";
+		else if ((uint64_t)n_prompt + n_done > max_context)
+			res->reason = "context";
 		if (res->reason) {
 			res->n_generated = n_done;
 			return 0;

@@ -389,7 +389,8 @@ static void run_job(struct runner_client *rc, struct runner_job *j)
 		r = await_runner(rc, j, path, why, sizeof(why));
 		if (r == -ECANCELED) {
 			pthread_mutex_lock(&rc->lock);
-			job_fail_locked(j, 503, rc->stopping ? "http-api is stopping" : "cancelled: the client went away");
+			job_fail_locked(j, 503,
+					rc->stopping ? "http-api is stopping" : "cancelled: the client went away");
 			pthread_mutex_unlock(&rc->lock);
 			return;
 		}
