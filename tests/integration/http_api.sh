@@ -9,22 +9,7 @@
 # fails the start. GET /metrics (no key) counts each of these by the amounts sent, in the Prometheus
 # text format, with the instance's stats.
 source "$(dirname "$0")/lib.sh"
-if [[ ! -x $BIN/http-api ]]; then
-	echo "[http_api] SKIP: http-api was not built (libmicrohttpd missing)"
-	exit 77
-fi
-for tool in curl jq; do
-	if ! command -v "$tool" >/dev/null; then
-		echo "[http_api] SKIP: $tool is not installed"
-		exit 77
-	fi
-done
-it_setup http_api
-
-TOKENIZER=$PIPELINE_SOURCE_DIR/tests/data/llama3-tokenizer/tokenizer.json
-L3=$IT_TMP/llama3-shaped
-"$BIN/make-synthetic-model" --shape tiny --vocab 128256 --bos 128000 --eos 128001,128008,128009 --out "$L3" --quiet
-cp "$TOKENIZER" "$L3/"
+it_http_setup http_api
 KEY=key-$$-$RANDOM
 printf '%s\n' "$KEY" >"$IT_TMP/api-key"
 

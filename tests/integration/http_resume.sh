@@ -7,22 +7,7 @@
 # some tokens came, give the text and the completion_tokens of the same request run without the
 # kill; a request that does not stream, likewise.
 source "$(dirname "$0")/lib.sh"
-if [[ ! -x $BIN/http-api ]]; then
-	echo "[http_resume] SKIP: http-api was not built (libmicrohttpd missing)"
-	exit 77
-fi
-for tool in curl jq; do
-	if ! command -v "$tool" >/dev/null; then
-		echo "[http_resume] SKIP: $tool is not installed"
-		exit 77
-	fi
-done
-it_setup http_resume
-
-TOKENIZER=$PIPELINE_SOURCE_DIR/tests/data/llama3-tokenizer/tokenizer.json
-L3=$IT_TMP/llama3-shaped
-"$BIN/make-synthetic-model" --shape tiny --vocab 128256 --bos 128000 --eos 128001,128008,128009 --out "$L3" --quiet
-cp "$TOKENIZER" "$L3/"
+it_http_setup http_resume
 
 out=$("$PIPELINE" start --model "$L3" --http 127.0.0.1:0 --http-opt=--resume-timeout=60)
 BASE=$(grep -o 'http://127\.0\.0\.1:[0-9]*' <<<"$out" | head -n 1)

@@ -266,3 +266,25 @@ sup_argv() {
 			words && /^      \]/ { exit }
 			words { sub(/^ */, ""); sub(/,$/, ""); print }'
 }
+
+# it_http_setup NAME: it_setup for a test of the HTTP API (skipped, 77, where http-api was not built
+# or curl or jq is missing), and the tiny model with Llama 3's vocabulary and tokenizer in $L3.
+it_http_setup() {
+	local name=$1 tool
+	if [[ ! -x $BIN/http-api ]]; then
+		echo "[$name] SKIP: http-api was not built (libmicrohttpd missing)"
+		exit 77
+	fi
+	for tool in curl jq; do
+		if ! command -v "$tool" >/dev/null; then
+			echo "[$name] SKIP: $tool is not installed"
+			exit 77
+		fi
+	done
+	it_setup "$name"
+	TOKENIZER=$PIPELINE_SOURCE_DIR/tests/data/llama3-tokenizer/tokenizer.json
+	L3=$IT_TMP/llama3-shaped
+	"$BIN/make-synthetic-model" --shape tiny --vocab 128256 --bos 128000 --eos 128001,128008,128009 --out "$L3" \
+		--quiet
+	cp "$TOKENIZER" "$L3/"
+}
