@@ -629,16 +629,27 @@ bool runner_busy(struct runner_client *rc)
 	return b;
 }
 
-int runner_probe(const struct runner_options *o, const char *service, char *err, size_t errlen)
+/* A short-lived client of service (its control socket must exist) into *c; 0, or -errno with err set. */
+static int open_client(const struct runner_options *o, const char *service, struct rpc_client **c, char *err,
+		       size_t errlen)
 {
 	char path[512];
 	struct stat st;
 	snprintf(path, sizeof(path), "%s/%s.ctl", o->run_dir, service);
 	if (stat(path, &st) != 0)
 		return errorf(err, errlen, -ENOENT, "%s is not running (no socket %s)", service, path);
-	struct rpc_client *c = rpc_client_create(o->zctx, o->run_dir, service, "http-api");
-	if (!c)
+	*c = rpc_client_create(o->zctx, o->run_dir, service, "http-api");
+	if (!*c)
 		return errorf(err, errlen, -errno, "cannot open a client of %s: %s", service, strerror(errno));
+	return 0;
+}
+
+int runner_probe(const struct runner_options *o, const char *service, char *err, size_t errlen)
+{
+	struct rpc_client *c;
+	int orc = open_client(o, service, &c, err, errlen);
+	if (orc)
+		return orc;
 	struct msg rep;
 	int r = rpc_hello(c, &rep, (int)o->hello_timeout_ms);
 	if (r == -ETIMEDOUT)
@@ -654,15 +665,11 @@ int runner_probe(const struct runner_options *o, const char *service, char *err,
 int runner_stats_json(const struct runner_options *o, const char *service, int timeout_ms, char **json, char *err,
 		      size_t errlen)
 {
-	char path[512];
-	struct stat st;
 	*json = NULL;
-	snprintf(path, sizeof(path), "%s/%s.ctl", o->run_dir, service);
-	if (stat(path, &st) != 0)
-		return errorf(err, errlen, -ENOENT, "%s is not running (no socket %s)", service, path);
-	struct rpc_client *c = rpc_client_create(o->zctx, o->run_dir, service, "http-api");
-	if (!c)
-		return errorf(err, errlen, -errno, "cannot open a client of %s: %s", service, strerror(errno));
+	struct rpc_client *c;
+	int orc = open_client(o, service, &c, err, errlen);
+	if (orc)
+		return orc;
 	struct msg req, rep;
 	msg_init(&req, MSG_STATS_GET, 0);
 	int r = rpc_call(c, &req, &rep, timeout_ms);
@@ -690,14 +697,10 @@ int runner_stats_json(const struct runner_options *o, const char *service, int t
 int runner_model_name(const struct runner_options *o, char *buf, size_t len, char *err, size_t errlen)
 {
 	static const char loader[] = "ssd-loader", keys[] = "[\"model\"]";
-	char path[512];
-	struct stat st;
-	snprintf(path, sizeof(path), "%s/%s.ctl", o->run_dir, loader);
-	if (stat(path, &st) != 0)
-		return errorf(err, errlen, -ENOENT, "%s is not running (no socket %s)", loader, path);
-	struct rpc_client *c = rpc_client_create(o->zctx, o->run_dir, loader, "http-api");
-	if (!c)
-		return errorf(err, errlen, -errno, "cannot open a client of %s: %s", loader, strerror(errno));
+	struct rpc_client *c;
+	int orc = open_client(o, loader, &c, err, errlen);
+	if (orc)
+		return orc;
 	struct msg req, rep;
 	msg_init(&req, MSG_CONFIG_GET, 0);
 	req.config_get.keys.p = (char *)keys;
