@@ -424,6 +424,11 @@ void rpc_client_set_session(struct rpc_client *c, uint64_t session)
 	c->session = session;
 }
 
+uint64_t rpc_client_session(const struct rpc_client *c)
+{
+	return c->session;
+}
+
 int rpc_hello(struct rpc_client *c, struct msg *reply, int timeout_ms)
 {
 	struct msg req;

@@ -107,6 +107,7 @@ int rpc_client_reset(struct rpc_client *c);
 /* The session this client names in HELLO (0: none): random per process, so a service tells
  * a client reconnecting (same session: keep what it holds) from a new one (another session). */
 void rpc_client_set_session(struct rpc_client *c, uint64_t session);
+uint64_t rpc_client_session(const struct rpc_client *c);
 
 /* HELLO round trip: fills *reply (msg_free it). Returns as rpc_call. */
 int rpc_hello(struct rpc_client *c, struct msg *reply, int timeout_ms);

@@ -76,6 +76,7 @@ static const struct field_desc f_config_set[] = {
 static const struct field_desc f_w_acquire[] = {
 	FLD(1, F_U64_ARRAY, REQ, 65536, w_acquire.groups),
 	FLD(2, F_U64_ARRAY, OPT, 65536, w_acquire.release),
+	FLD(3, F_U64, OPT, 0, w_acquire.session),
 };
 static const struct field_desc f_w_grant[] = {
 	FLD(1, F_U64, REQ, 0, w_grant.group),  FLD(2, F_U64, REQ, 0, w_grant.slot),
@@ -84,6 +85,7 @@ static const struct field_desc f_w_grant[] = {
 };
 static const struct field_desc f_w_release[] = {
 	FLD(1, F_U64_ARRAY, REQ, 65536, w_release.groups),
+	FLD(2, F_U64, OPT, 0, w_release.session),
 };
 static const struct field_desc f_kv_configure[] = {
 	FLD(1, F_U64, REQ, 0, kv_configure.block_bytes),
@@ -135,6 +137,34 @@ static const struct field_desc f_gen_done[] = {
 	FLD(3, F_BYTES, REQ, 64, gen_done.reason),  FLD(4, F_F64, REQ, 0, gen_done.prefill_ms),
 	FLD(5, F_F64, REQ, 0, gen_done.decode_ms), FLD(6, F_BYTES, OPT, 64, gen_done.text),
 };
+static const struct field_desc f_stage_setup[] = {
+	FLD(1, F_U64, REQ, 0, stage_setup.formation),	  FLD(2, F_U64, REQ, 0, stage_setup.rank),
+	FLD(3, F_U64, REQ, 0, stage_setup.ranks),	  FLD(4, F_U64, REQ, 0, stage_setup.layer0),
+	FLD(5, F_U64, REQ, 0, stage_setup.layer1),	  FLD(6, F_U64, REQ, 0, stage_setup.manifest_hash),
+	FLD(7, F_U64, REQ, 0, stage_setup.max_chunk),	  FLD(8, F_U64, REQ, 0, stage_setup.block_tokens),
+	FLD(9, F_U64, REQ, 0, stage_setup.kv_dtype),	  FLD(10, F_U64, REQ, 0, stage_setup.max_context),
+	FLD(11, F_BYTES, REQ, 16, stage_setup.backend),	  FLD(12, F_BYTES, REQ, 16, stage_setup.link),
+	FLD(13, F_BYTES, OPT, 255, stage_setup.link_name), FLD(14, F_BYTES, OPT, 128, stage_setup.nccl_id),
+	FLD(15, F_U64_ARRAY, REQ, 8, stage_setup.pids),	  FLD(16, F_U64, REQ, 0, stage_setup.kv_session),
+};
+static const struct field_desc f_stage_ready[] = {
+	FLD(1, F_U64, REQ, 0, stage_ready.rank),   FLD(2, F_U64, REQ, 0, stage_ready.pid),
+	FLD(3, F_U64, REQ, 0, stage_ready.layer0), FLD(4, F_U64, REQ, 0, stage_ready.layer1),
+	FLD(5, F_BYTES, OPT, 1024, stage_ready.plan),
+};
+static const struct field_desc f_stage_seq[] = {
+	FLD(1, F_U64, REQ, 0, stage_seq.formation), FLD(2, F_U64, REQ, 0, stage_seq.op),
+	FLD(3, F_U64_ARRAY, OPT, 1u << 20, stage_seq.tokens), FLD(4, F_U64, OPT, 0, stage_seq.limit),
+	FLD(5, F_U64, OPT, 0, stage_seq.seed),
+};
+static const struct field_desc f_stage_step[] = {
+	FLD(1, F_U64, REQ, 0, stage_step.formation), FLD(2, F_U64, REQ, 0, stage_step.step),
+	FLD(3, F_U64, REQ, 0, stage_step.pos0),	     FLD(4, F_U64, OPT, 0, stage_step.flags),
+	FLD(5, F_U64_ARRAY, REQ, 65536, stage_step.tokens),
+};
+static const struct field_desc f_stage_done[] = {
+	FLD(1, F_U64, OPT, 0, stage_done.value),
+};
 
 #define DESC(type, fields) {type, #type, fields, sizeof(fields) / sizeof(fields[0])}
 #define DESC0(type) {type, #type, NULL, 0}
@@ -168,6 +198,11 @@ static const struct msg_desc catalogue[] = {
 	DESC(MSG_TOKEN, f_token),
 	DESC(MSG_GEN_DONE, f_gen_done),
 	DESC(MSG_LOGITS, f_logits),
+	DESC(MSG_STAGE_SETUP, f_stage_setup),
+	DESC(MSG_STAGE_READY, f_stage_ready),
+	DESC(MSG_STAGE_SEQ, f_stage_seq),
+	DESC(MSG_STAGE_STEP, f_stage_step),
+	DESC(MSG_STAGE_DONE, f_stage_done),
 };
 
 static const struct msg_desc *find_desc(uint32_t type)

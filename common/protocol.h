@@ -39,6 +39,7 @@ extern "C" {
 #define PROTO_MAX_STR (4u << 20)	/* bytes in any string (a vocabulary's logits fit) */
 #define PROTO_MAX_KEYS 64		/* entries in a body map */
 #define KV_EVENT_HANDLE_BYTES 64	/* sizeof(cudaIpcEventHandle_t) */
+#define STAGE_MAX_RANKS 8		/* runners one model's layers may be split across */
 
 enum msg_type {
 	/* generic, every service */
@@ -80,6 +81,14 @@ enum msg_type {
 	MSG_TOKEN = 61,	   /* reply: index, token[, text] */
 	MSG_GEN_DONE = 62, /* reply: n_prompt, n_generated, reason, prefill_ms, decode_ms */
 	MSG_LOGITS = 63,   /* reply: position, values (float32 little-endian, vocab_size of them) */
+
+	/* gpu-runner: a model's layers split across several runners, the stages (docs/design.md, "Several
+	 * GPUs"). The first runner (rank 0) sends these to each other runner; only it serves MSG_GENERATE. */
+	MSG_STAGE_SETUP = 70, /* request: formation, rank, ranks, layers, link, pids, ... -> MSG_STAGE_READY */
+	MSG_STAGE_READY = 71, /* reply: rank, pid, layer0, layer1, plan */
+	MSG_STAGE_SEQ = 72,   /* request: formation, op, tokens, limit, seed -> MSG_STAGE_DONE */
+	MSG_STAGE_STEP = 73,  /* request: formation, step, pos0, tokens, flags -> MSG_STAGE_DONE once computed */
+	MSG_STAGE_DONE = 74,  /* reply: value */
 };
 
 /* Error codes carried in MSG_ERROR.code: a positive errno value. */
@@ -127,13 +136,17 @@ struct msg_config_set {
 struct msg_w_acquire {
 	struct u64_array groups;  /* group ids to acquire, in the order they will be used */
 	struct u64_array release; /* optional: group ids released at the same time */
+	uint64_t session;	  /* optional: the client's HELLO session, whose references these are (0: none) */
 };
 struct msg_w_grant {
 	uint64_t group, slot, generation;
 	uint64_t offset; /* bytes from the ring base to the slot's data */
 	uint64_t bytes;	 /* the group's slot_bytes */
 };
-struct msg_w_release { struct u64_array groups; };
+struct msg_w_release {
+	struct u64_array groups;
+	uint64_t session; /* optional: as in msg_w_acquire */
+};
 struct msg_kv_configure { uint64_t block_bytes, manifest_hash; };
 struct msg_kv_pool {
 	struct bytes shm_name;
@@ -195,6 +208,49 @@ struct msg_gen_done {
 	struct bytes text;   /* with GEN_TEXT: what the decoder held back until the end */
 };
 
+/* A stage's part of a forming (MSG_STAGE_SETUP): which layers it computes, how activations pass, and
+ * what it must agree on with the first runner. A new formation (random, never 0) replaces the old one:
+ * the stage drops what it held for it. */
+struct msg_stage_setup {
+	uint64_t formation;
+	uint64_t rank, ranks;	  /* 1 <= rank < ranks <= STAGE_MAX_RANKS */
+	uint64_t layer0, layer1;  /* the layers it computes: [layer0, layer1) */
+	uint64_t manifest_hash;	  /* the model every stage must have */
+	uint64_t max_chunk, block_tokens, kv_dtype, max_context; /* as the first runner's: steps and KV agree */
+	struct bytes backend;	  /* "cpu" or "cuda": every stage computes alike */
+	struct bytes link;	  /* how activations pass: "shm" or "nccl" */
+	struct bytes link_name;	  /* shm: the shared-memory object of the hops */
+	struct bytes nccl_id;	  /* nccl: the communicator's unique id (ncclUniqueId, 128 bytes) */
+	struct u64_array pids;	  /* each rank's process id (ranks of them), for liveness */
+	uint64_t kv_session;	  /* the session every stage names to the kv-store */
+};
+struct msg_stage_ready {
+	uint64_t rank, pid, layer0, layer1;
+	struct bytes plan; /* a line saying what the stage holds and predicts */
+};
+/* MSG_STAGE_SEQ.op: the sequence whose KV the stages hold, kept in step with the first runner's. */
+enum stage_seq_op {
+	STAGE_SEQ_RESTORE = 1, /* tokens: the sequence so far; restore at most limit positions of it from the
+				* kv-store (seed names the model): MSG_STAGE_DONE.value = positions restored */
+	STAGE_SEQ_END = 2,     /* the sequence is over: hand its KV blocks back */
+	STAGE_SEQ_RECOVER = 3, /* the kv-store failed the sequence: drop what is held of it */
+};
+struct msg_stage_seq {
+	uint64_t formation, op;
+	struct u64_array tokens;
+	uint64_t limit, seed;
+};
+/* MSG_STAGE_STEP.flags */
+enum stage_step_flags {
+	STAGE_STEP_OUT = 1u << 0, /* the last stage sends the step's last hidden row back to the first */
+};
+struct msg_stage_step {
+	uint64_t formation, step; /* step: counts the formation's steps from 1, in the order they run */
+	uint64_t pos0, flags;
+	struct u64_array tokens;  /* the step's tokens, at positions pos0.. (they name KV blocks) */
+};
+struct msg_stage_done { uint64_t value; };
+
 struct msg {
 	uint32_t type; /* enum msg_type */
 	uint64_t corr; /* correlation id: a reply carries its request's */
@@ -221,6 +277,11 @@ struct msg {
 		struct msg_token token;
 		struct msg_gen_done gen_done;
 		struct msg_logits logits;
+		struct msg_stage_setup stage_setup;
+		struct msg_stage_ready stage_ready;
+		struct msg_stage_seq stage_seq;
+		struct msg_stage_step stage_step;
+		struct msg_stage_done stage_done;
 	};
 };
 

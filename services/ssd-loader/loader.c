@@ -39,6 +39,17 @@ struct waiter {
 	struct bus_peer peer;
 	uint64_t corr;
 	uint32_t group;
+	uint32_t holder; /* whose reference the grant will be */
+};
+
+/* Whose references a slot's refs count: one holder per client session (the runners of a model split
+ * across several each hold their own groups), so that a runner that restarts drops only what its
+ * predecessor held. Session 0: clients that name none. */
+struct holder {
+	bool used;
+	char name[64];	  /* the client name its session said HELLO with ("" until one does) */
+	uint64_t session;
+	uint32_t *refs;	  /* n_groups: references held */
 };
 
 struct loader {
@@ -59,6 +70,7 @@ struct loader {
 	uint32_t *counts;	 /* n_groups scratch for validating releases, kept zero */
 	struct waiter *w;
 	uint32_t n_w, cap_w;
+	struct holder holders[LOADER_MAX_HOLDERS];
 
 	uint32_t position;
 	bool need_schedule;
@@ -227,6 +239,8 @@ void loader_destroy(struct loader **lp)
 	free(l->ext_need);
 	free(l->counts);
 	free(l->w);
+	for (uint32_t i = 0; i < LOADER_MAX_HOLDERS; i++)
+		free(l->holders[i].refs);
 	free(l);
 	*lp = NULL;
 }
@@ -258,7 +272,7 @@ static uint32_t slot_refs(const struct loader *l, uint32_t g)
 	return atomic_load(&l->slots[s].refs);
 }
 
-static void grant(struct loader *l, const struct bus_peer *peer, uint64_t corr, uint32_t g)
+static void grant(struct loader *l, const struct bus_peer *peer, uint64_t corr, uint32_t g, uint32_t holder)
 {
 	uint32_t s = l->lg[g].slot;
 	struct wring_slot *ws = &l->slots[s];
@@ -271,10 +285,12 @@ static void grant(struct loader *l, const struct bus_peer *peer, uint64_t corr, 
 	/* The reference first: a runner that reads the slot as soon as the grant arrives must
 	 * find it counted. */
 	atomic_fetch_add(&ws->refs, 1);
+	l->holders[holder].refs[g]++;
 	int rc = l->ops.grant(l->ctx, peer, corr, &gr);
 	if (rc) {
 		char lab[96];
 		atomic_fetch_sub(&ws->refs, 1);
+		l->holders[holder].refs[g]--;
 		log_warn("the grant of %s could not be delivered (%s): no reference taken",
 			 group_label(l, g, lab, sizeof(lab)), strerror(-rc));
 		return;
@@ -296,7 +312,7 @@ static void remove_waiters(struct loader *l, uint32_t g, int code, const char *t
 		if (code)
 			l->ops.fail(l->ctx, &w->peer, w->corr, code, text);
 		else
-			grant(l, &w->peer, w->corr, g);
+			grant(l, &w->peer, w->corr, g, w->holder);
 	}
 	l->n_w = j;
 	l->lg[g].waiters = 0;
@@ -517,9 +533,30 @@ static void set_position(struct loader *l, uint32_t g)
 	atomic_store(&l->h->loader.position, g);
 }
 
-/* Checks ids and that each release has a reference to drop; applies nothing. */
-static int validate(struct loader *l, const char *what, const uint64_t *groups, uint32_t n, const uint64_t *release,
-		    uint32_t n_release, char *err, size_t errlen)
+/* The holder of session's references, made on first use; NULL (err set) when every holder is taken. */
+static struct holder *holder_of(struct loader *l, uint64_t session, char *err, size_t errlen)
+{
+	struct holder *free_h = NULL;
+	for (uint32_t i = 0; i < LOADER_MAX_HOLDERS; i++) {
+		struct holder *h = &l->holders[i];
+		if (h->used && h->session == session)
+			return h;
+		if (!h->used && !free_h)
+			free_h = h;
+	}
+	if (!free_h || (!free_h->refs && !(free_h->refs = calloc(l->n_groups, sizeof(uint32_t))))) {
+		snprintf(err, errlen, "more than %d client sessions hold weight groups", LOADER_MAX_HOLDERS);
+		return NULL;
+	}
+	free_h->used = true;
+	free_h->session = session;
+	free_h->name[0] = 0;
+	return free_h;
+}
+
+/* Checks ids and that each release has a reference of holder h to drop; applies nothing. */
+static int validate(struct loader *l, const struct holder *h, const char *what, const uint64_t *groups, uint32_t n,
+		    const uint64_t *release, uint32_t n_release, char *err, size_t errlen)
 {
 	int rc = 0;
 	for (uint32_t i = 0; i < n; i++) {
@@ -538,11 +575,11 @@ static int validate(struct loader *l, const char *what, const uint64_t *groups, 
 	}
 	for (uint32_t i = 0; i < n_release && !rc; i++) {
 		uint32_t g = (uint32_t)release[i];
-		if (++l->counts[g] > slot_refs(l, g)) {
+		uint32_t held = slot_refs(l, g) < h->refs[g] ? slot_refs(l, g) : h->refs[g];
+		if (++l->counts[g] > held) {
 			char lab[96];
-			snprintf(err, errlen, "%s: release of %s, which holds %u reference%s (released more often than "
-				 "granted)", what, group_label(l, g, lab, sizeof(lab)), slot_refs(l, g),
-				 slot_refs(l, g) == 1 ? "" : "s");
+			snprintf(err, errlen, "%s: release of %s, of which this client holds %u reference%s (released more "
+				 "often than granted)", what, group_label(l, g, lab, sizeof(lab)), held, held == 1 ? "" : "s");
 			rc = -EINVAL;
 		}
 	}
@@ -551,31 +588,35 @@ static int validate(struct loader *l, const char *what, const uint64_t *groups, 
 	return rc;
 }
 
-static void release_one(struct loader *l, uint32_t g)
+static void release_one(struct loader *l, struct holder *h, uint32_t g)
 {
 	struct wring_slot *ws = &l->slots[l->lg[g].slot];
 	uint32_t refs = atomic_fetch_sub(&ws->refs, 1) - 1;
+	h->refs[g]--;
 	l->releases++;
 	/* The runner is done with the group it was at: it is past it now. */
 	if (refs == 0 && g == l->position)
 		set_position(l, (g + 1) % l->n_groups);
 }
 
-int loader_acquire(struct loader *l, const struct bus_peer *peer, uint64_t corr, const uint64_t *groups, uint32_t n,
-		   const uint64_t *release, uint32_t n_release, char *err, size_t errlen)
+int loader_acquire(struct loader *l, uint64_t session, const struct bus_peer *peer, uint64_t corr,
+		   const uint64_t *groups, uint32_t n, const uint64_t *release, uint32_t n_release, char *err, size_t errlen)
 {
-	int rc = validate(l, "MSG_W_ACQUIRE", groups, n, release, n_release, err, errlen);
+	struct holder *h = holder_of(l, session, err, errlen);
+	if (!h)
+		return -EUSERS;
+	int rc = validate(l, h, "MSG_W_ACQUIRE", groups, n, release, n_release, err, errlen);
 	if (rc)
 		return rc;
 	for (uint32_t i = 0; i < n_release; i++)
-		release_one(l, (uint32_t)release[i]);
+		release_one(l, h, (uint32_t)release[i]);
 	if (n)
 		set_position(l, (uint32_t)groups[0]);
 	for (uint32_t i = 0; i < n; i++) {
 		uint32_t g = (uint32_t)groups[i];
 		struct lgroup *lg = &l->lg[g];
 		if (lg->slot != NO_SLOT && atomic_load(&l->slots[lg->slot].state) == WSLOT_READY) {
-			grant(l, peer, corr, g);
+			grant(l, peer, corr, g, (uint32_t)(h - l->holders));
 			continue;
 		}
 		if (l->n_w == l->cap_w) {
@@ -590,7 +631,8 @@ int loader_acquire(struct loader *l, const struct bus_peer *peer, uint64_t corr,
 			l->w = w;
 			l->cap_w = cap;
 		}
-		l->w[l->n_w++] = (struct waiter){.peer = *peer, .corr = corr, .group = g};
+		l->w[l->n_w++] = (struct waiter){.peer = *peer, .corr = corr, .group = g,
+						 .holder = (uint32_t)(h - l->holders)};
 		lg->waiters++;
 		lg->failed = false; /* asked for again: try the read again */
 		l->waits++;
@@ -599,28 +641,65 @@ int loader_acquire(struct loader *l, const struct bus_peer *peer, uint64_t corr,
 	return 0;
 }
 
-int loader_release(struct loader *l, const uint64_t *groups, uint32_t n, char *err, size_t errlen)
+int loader_release(struct loader *l, uint64_t session, const uint64_t *groups, uint32_t n, char *err, size_t errlen)
 {
-	int rc = validate(l, "MSG_W_RELEASE", NULL, 0, groups, n, err, errlen);
+	struct holder *h = holder_of(l, session, err, errlen);
+	if (!h)
+		return -EUSERS;
+	int rc = validate(l, h, "MSG_W_RELEASE", NULL, 0, groups, n, err, errlen);
 	if (rc)
 		return rc;
 	for (uint32_t i = 0; i < n; i++)
-		release_one(l, (uint32_t)groups[i]);
+		release_one(l, h, (uint32_t)groups[i]);
 	schedule(l);
 	return 0;
 }
 
-void loader_drop_clients(struct loader *l)
+/* Drops what holder h holds: its references and its waiting acquires; frees it. */
+static void drop_holder(struct loader *l, struct holder *h, const char *client)
 {
 	uint64_t refs = 0;
-	for (uint32_t s = 0; s < l->n_slots; s++)
-		refs += atomic_exchange(&l->slots[s].refs, 0);
-	uint32_t waiters = l->n_w;
-	l->n_w = 0;
-	for (uint32_t g = 0; g < l->n_groups; g++)
-		l->lg[g].waiters = 0;
-	log_info("a gpu-runner said HELLO: dropped %llu references and %u waiting acquires held by an earlier runner",
-		 (unsigned long long)refs, waiters);
+	uint32_t hi = (uint32_t)(h - l->holders), waiters = 0, j = 0;
+	for (uint32_t g = 0; g < l->n_groups; g++) {
+		if (!h->refs[g])
+			continue;
+		refs += h->refs[g];
+		if (l->lg[g].slot != NO_SLOT)
+			atomic_fetch_sub(&l->slots[l->lg[g].slot].refs, h->refs[g]);
+		h->refs[g] = 0;
+	}
+	for (uint32_t i = 0; i < l->n_w; i++) {
+		if (l->w[i].holder == hi) {
+			l->lg[l->w[i].group].waiters--;
+			waiters++;
+			continue;
+		}
+		l->w[j++] = l->w[i];
+	}
+	l->n_w = j;
+	h->used = false;
+	log_info("%s said HELLO: dropped %llu references and %u waiting acquires held by an earlier %s", client,
+		 (unsigned long long)refs, waiters, h->name[0] ? h->name : "client");
+}
+
+void loader_hello(struct loader *l, const char *client, uint64_t session)
+{
+	bool runner = !strncmp(client, "gpu-runner", strlen("gpu-runner"));
+	for (uint32_t i = 0; i < LOADER_MAX_HOLDERS; i++) {
+		struct holder *h = &l->holders[i];
+		if (!h->used || (session && h->session == session))
+			continue;
+		/* A runner's new session replaces its earlier one (the process restarted); one that names
+		 * none replaces every holder that named none, as when one runner was all there was. */
+		if (runner && (h->session == 0 || !strcmp(h->name, client)))
+			drop_holder(l, h, client);
+	}
+	if (session) {
+		char err[128];
+		struct holder *h = holder_of(l, session, err, sizeof(err));
+		if (h)
+			snprintf(h->name, sizeof(h->name), "%s", client);
+	}
 	schedule(l);
 }
 

@@ -7,8 +7,9 @@
  *   rc = loader_create(&params, &ops, ctx, &l, err, sizeof(err));
  *   loader_start(l);                           // the resident groups, then read-ahead from group 0
  *   ... when loader_eventfd(l) is readable: loader_process_io(l, false);
- *   rc = loader_acquire(l, &peer, corr, groups, n, release, n_release, err, sizeof(err));
- *   rc = loader_release(l, groups, n, err, sizeof(err));
+ *   loader_hello(l, client, session);          // a client said HELLO
+ *   rc = loader_acquire(l, session, &peer, corr, groups, n, release, n_release, err, sizeof(err));
+ *   rc = loader_release(l, session, groups, n, err, sizeof(err));
  *   loader_destroy(&l);                        // waits for reads in flight
  *
  * A slot goes EMPTY -> LOADING -> READY; its seq is odd while LOADING. A READY slot whose refs
@@ -76,15 +77,22 @@ void loader_start(struct loader *l);
  * (ops->grant, refs++) or queues a waiter that is granted when its read completes. Returns 0;
  * -EINVAL, with nothing applied, for a group id out of range or a release of a group whose
  * refs are already 0 (err names the group). */
-int loader_acquire(struct loader *l, const struct bus_peer *peer, uint64_t corr, const uint64_t *groups, uint32_t n,
-		   const uint64_t *release, uint32_t n_release, char *err, size_t errlen);
+int loader_acquire(struct loader *l, uint64_t session, const struct bus_peer *peer, uint64_t corr,
+		   const uint64_t *groups, uint32_t n, const uint64_t *release, uint32_t n_release, char *err, size_t errlen);
 
 /* MSG_W_RELEASE: refs-- for each group. Returns 0; -EINVAL, with nothing applied, as above. */
-int loader_release(struct loader *l, const uint64_t *groups, uint32_t n, char *err, size_t errlen);
+int loader_release(struct loader *l, uint64_t session, const uint64_t *groups, uint32_t n, char *err, size_t errlen);
 
-/* A new runner said HELLO: the old one's references and waiting acquires are dropped (one
- * runner per instance; a restarted runner acquires again what it needs). */
-void loader_drop_clients(struct loader *l);
+/* References are counted per client session (msg_w_acquire.session; 0: a client that names none),
+ * at most LOADER_MAX_HOLDERS at once (-EUSERS beyond), and a release must drop a reference of its
+ * own session. Several runners (a model's layers split across them) each hold their own. */
+#define LOADER_MAX_HOLDERS 16
+
+/* A client said HELLO. A runner ("gpu-runner", "gpu-runner-N") naming a session other than the one
+ * its name last held drops that one's references and waiting acquires (it restarted: the new
+ * process acquires again what it needs); one that names no session drops those of every session-less
+ * client, as when one runner was all there was. Other clients drop nothing. */
+void loader_hello(struct loader *l, const char *client, uint64_t session);
 
 /* The eventfd that signals read completions. */
 int loader_eventfd(const struct loader *l);

@@ -62,8 +62,8 @@ static int on_request(void *ctx, struct service *s, const struct bus_peer *peer,
 	switch (req->type) {
 	case MSG_W_ACQUIRE: {
 		const struct msg_w_acquire *q = &req->w_acquire;
-		rc = loader_acquire(a->loader, peer, req->corr, q->groups.v, q->groups.n, q->release.v, q->release.n,
-				    errtext, errlen);
+		rc = loader_acquire(a->loader, q->session, peer, req->corr, q->groups.v, q->groups.n, q->release.v,
+				    q->release.n, errtext, errlen);
 		if (rc)
 			return rc;
 		/* Grants answer the groups; an acquire of none (releases only) still gets a reply. */
@@ -74,7 +74,8 @@ static int on_request(void *ctx, struct service *s, const struct bus_peer *peer,
 		return 0;
 	}
 	case MSG_W_RELEASE:
-		rc = loader_release(a->loader, req->w_release.groups.v, req->w_release.groups.n, errtext, errlen);
+		rc = loader_release(a->loader, req->w_release.session, req->w_release.groups.v, req->w_release.groups.n,
+				    errtext, errlen);
 		if (rc)
 			return rc;
 		msg_init(&ok, MSG_OK, req->corr);
@@ -89,9 +90,7 @@ static int on_request(void *ctx, struct service *s, const struct bus_peer *peer,
 static void on_hello(void *ctx, const struct msg *req, struct msg_hello_reply *reply)
 {
 	struct app *a = ctx;
-	const struct bytes *client = &req->hello.client;
-	if (client->len == strlen("gpu-runner") && !memcmp(client->p, "gpu-runner", client->len))
-		loader_drop_clients(a->loader);
+	loader_hello(a->loader, req->hello.client.p, req->hello.session);
 	reply->layout = WRING_LAYOUT_VERSION;
 	reply->manifest_hash = a->m->hash;
 	reply->shm_name.p = (char *)shm_object_get_name(a->ring);

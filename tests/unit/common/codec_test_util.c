@@ -56,11 +56,13 @@ static const struct tfield t_config[] = {TF(1, T_BYTES, true, 64, config.service
 					 TF(2, T_BYTES, true, 1u << 18, config.json)};
 static const struct tfield t_config_set[] = {TF(1, T_BYTES, true, 65536, config_set.settings)};
 static const struct tfield t_w_acquire[] = {TF(1, T_ARRAY, true, 65536, w_acquire.groups),
-					    TF(2, T_ARRAY, false, 65536, w_acquire.release)};
+					    TF(2, T_ARRAY, false, 65536, w_acquire.release),
+					    TF(3, T_U64, false, 0, w_acquire.session)};
 static const struct tfield t_w_grant[] = {TF(1, T_U64, true, 0, w_grant.group), TF(2, T_U64, true, 0, w_grant.slot),
 					  TF(3, T_U64, true, 0, w_grant.generation),
 					  TF(4, T_U64, true, 0, w_grant.offset), TF(5, T_U64, true, 0, w_grant.bytes)};
-static const struct tfield t_w_release[] = {TF(1, T_ARRAY, true, 65536, w_release.groups)};
+static const struct tfield t_w_release[] = {TF(1, T_ARRAY, true, 65536, w_release.groups),
+					    TF(2, T_U64, false, 0, w_release.session)};
 static const struct tfield t_kv_configure[] = {TF(1, T_U64, true, 0, kv_configure.block_bytes),
 					       TF(2, T_U64, true, 0, kv_configure.manifest_hash)};
 static const struct tfield t_kv_pool[] = {
@@ -90,6 +92,28 @@ static const struct tfield t_gen_done[] = {
 	TF(1, T_U64, true, 0, gen_done.n_prompt), TF(2, T_U64, true, 0, gen_done.n_generated),
 	TF(3, T_BYTES, true, 64, gen_done.reason), TF(4, T_F64, true, 0, gen_done.prefill_ms),
 	TF(5, T_F64, true, 0, gen_done.decode_ms), TF(6, T_BYTES, false, 64, gen_done.text)};
+static const struct tfield t_stage_setup[] = {
+	TF(1, T_U64, true, 0, stage_setup.formation), TF(2, T_U64, true, 0, stage_setup.rank),
+	TF(3, T_U64, true, 0, stage_setup.ranks), TF(4, T_U64, true, 0, stage_setup.layer0),
+	TF(5, T_U64, true, 0, stage_setup.layer1), TF(6, T_U64, true, 0, stage_setup.manifest_hash),
+	TF(7, T_U64, true, 0, stage_setup.max_chunk), TF(8, T_U64, true, 0, stage_setup.block_tokens),
+	TF(9, T_U64, true, 0, stage_setup.kv_dtype), TF(10, T_U64, true, 0, stage_setup.max_context),
+	TF(11, T_BYTES, true, 16, stage_setup.backend), TF(12, T_BYTES, true, 16, stage_setup.link),
+	TF(13, T_BYTES, false, 255, stage_setup.link_name), TF(14, T_BYTES, false, 128, stage_setup.nccl_id),
+	TF(15, T_ARRAY, true, 8, stage_setup.pids), TF(16, T_U64, true, 0, stage_setup.kv_session)};
+static const struct tfield t_stage_ready[] = {
+	TF(1, T_U64, true, 0, stage_ready.rank), TF(2, T_U64, true, 0, stage_ready.pid),
+	TF(3, T_U64, true, 0, stage_ready.layer0), TF(4, T_U64, true, 0, stage_ready.layer1),
+	TF(5, T_BYTES, false, 1024, stage_ready.plan)};
+static const struct tfield t_stage_seq[] = {
+	TF(1, T_U64, true, 0, stage_seq.formation), TF(2, T_U64, true, 0, stage_seq.op),
+	TF(3, T_ARRAY, false, PROTO_MAX_ARRAY, stage_seq.tokens), TF(4, T_U64, false, 0, stage_seq.limit),
+	TF(5, T_U64, false, 0, stage_seq.seed)};
+static const struct tfield t_stage_step[] = {
+	TF(1, T_U64, true, 0, stage_step.formation), TF(2, T_U64, true, 0, stage_step.step),
+	TF(3, T_U64, true, 0, stage_step.pos0), TF(4, T_U64, false, 0, stage_step.flags),
+	TF(5, T_ARRAY, true, 65536, stage_step.tokens)};
+static const struct tfield t_stage_done[] = {TF(1, T_U64, false, 0, stage_done.value)};
 
 #define TM(type, fields) {type, #type, fields, ARRAY_SIZE(fields)}
 #define TM0(type) {type, #type, NULL, 0}
@@ -124,6 +148,11 @@ const struct tmsg contract[] = {
 	TM(MSG_CONFIG_GET, t_config_get),
 	TM(MSG_CONFIG, t_config),
 	TM(MSG_CONFIG_SET, t_config_set),
+	TM(MSG_STAGE_SETUP, t_stage_setup),
+	TM(MSG_STAGE_READY, t_stage_ready),
+	TM(MSG_STAGE_SEQ, t_stage_seq),
+	TM(MSG_STAGE_STEP, t_stage_step),
+	TM(MSG_STAGE_DONE, t_stage_done),
 };
 
 const int contract_n = (int)ARRAY_SIZE(contract);

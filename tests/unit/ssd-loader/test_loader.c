@@ -189,7 +189,7 @@ static void run_cycles_as(struct fixture *fx, int cycles, bool paused)
 			uint64_t want = g, rel = held.group;
 			if (paused)
 				drain_io(fx);
-			int rc = loader_acquire(fx->l, &fx->peer, corr, &want, 1, holding ? &rel : NULL, holding ? 1 : 0,
+			int rc = loader_acquire(fx->l, 0, &fx->peer, corr, &want, 1, holding ? &rel : NULL, holding ? 1 : 0,
 						err, sizeof(err));
 			ck_assert_msg(rc == 0, "%s", err);
 			if (paused)
@@ -204,7 +204,7 @@ static void run_cycles_as(struct fixture *fx, int cycles, bool paused)
 		}
 	}
 	uint64_t rel = held.group;
-	ck_assert_int_eq(loader_release(fx->l, &rel, 1, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_release(fx->l, 0, &rel, 1, err, sizeof(err)), 0);
 	drain_io(fx);
 	for (uint32_t s = 0; s < fx->h->n_slots; s++)
 		ck_assert_uint_eq(atomic_load(&wring_slots(fx->h)[s].refs), 0);
@@ -326,7 +326,7 @@ START_TEST(acquire_ahead_then_release)
 	drain_io(fx);
 	uint64_t want[] = {group_id_attn(0), group_id_ffn(0), group_id_attn(1)};
 	char err[512];
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 7, want, 3, NULL, 0, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 7, want, 3, NULL, 0, err, sizeof(err)), 0);
 	check_grant(fx, &wait_grant(fx, 7, group_id_attn(0))->g);
 	check_grant(fx, &wait_grant(fx, 7, group_id_ffn(0))->g);
 	drain_io(fx);
@@ -334,7 +334,7 @@ START_TEST(acquire_ahead_then_release)
 	ck_assert_uint_eq(loader_waiters(fx->l), 1);
 	ck_assert_uint_ge(fx->h->loader.waits, 1);
 	uint64_t rel = group_id_attn(0);
-	ck_assert_int_eq(loader_release(fx->l, &rel, 1, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_release(fx->l, 0, &rel, 1, err, sizeof(err)), 0);
 	check_grant(fx, &wait_grant(fx, 7, group_id_attn(1))->g);
 	ck_assert_uint_eq(loader_waiters(fx->l), 0);
 	fx_close(fx);
@@ -349,14 +349,14 @@ START_TEST(held_group_never_evicted)
 	drain_io(fx);
 	char err[512];
 	uint64_t a0 = group_id_attn(0), a1 = group_id_attn(1);
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 1, &a0, 1, NULL, 0, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 1, &a0, 1, NULL, 0, err, sizeof(err)), 0);
 	struct msg_w_grant held = wait_grant(fx, 1, (uint32_t)a0)->g;
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 2, &a1, 1, NULL, 0, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 2, &a1, 1, NULL, 0, err, sizeof(err)), 0);
 	drain_io(fx);
 	ck_assert_ptr_null(find_grant(fx, 2, (uint32_t)a1));
 	check_grant(fx, &held);
 	ck_assert_uint_eq(loader_waiters(fx->l), 1);
-	ck_assert_int_eq(loader_release(fx->l, &a0, 1, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_release(fx->l, 0, &a0, 1, err, sizeof(err)), 0);
 	check_grant(fx, &wait_grant(fx, 2, (uint32_t)a1)->g);
 	fx_close(fx);
 }
@@ -370,7 +370,7 @@ START_TEST(window_never_evicted_for_a_waiter)
 	drain_io(fx);
 	char err[512];
 	uint64_t want[] = {group_id_embed(), group_id_attn(3)};
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 3, want, 2, NULL, 0, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 3, want, 2, NULL, 0, err, sizeof(err)), 0);
 	check_grant(fx, &wait_grant(fx, 3, group_id_embed())->g);
 	drain_io(fx);
 	ck_assert_ptr_null(find_grant(fx, 3, group_id_attn(3)));
@@ -379,7 +379,7 @@ START_TEST(window_never_evicted_for_a_waiter)
 	ck_assert_uint_ne(atomic_load(&gs[group_id_attn(1)].slot), WRING_NO_SLOT);
 	/* The runner moves to attn 3 itself, releasing embed: attn 1 is out of the window now. */
 	uint64_t a3 = group_id_attn(3), emb = group_id_embed();
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 4, &a3, 1, &emb, 1, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 4, &a3, 1, &emb, 1, err, sizeof(err)), 0);
 	check_grant(fx, &wait_grant(fx, 3, group_id_attn(3))->g);
 	check_grant(fx, &wait_grant(fx, 4, group_id_attn(3))->g);
 	/* attn 0 is inside the new window (it comes right after the wrap): kept. */
@@ -395,15 +395,15 @@ START_TEST(invalid_group_rejected)
 	drain_io(fx);
 	char err[512] = "";
 	uint64_t bad[] = {0, fx->m->n_groups};
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 1, bad, 2, NULL, 0, err, sizeof(err)), -EINVAL);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 1, bad, 2, NULL, 0, err, sizeof(err)), -EINVAL);
 	ck_assert_msg(strstr(err, "out of range"), "%s", err);
 	/* Nothing applied: group 0, valid, was not granted either. */
 	ck_assert_uint_eq(fx->n_grants, 0);
 	ck_assert_uint_eq(loader_waiters(fx->l), 0);
 	ck_assert_uint_eq(atomic_load(&wring_slots(fx->h)[0].refs), 0);
 	uint64_t huge = UINT64_MAX;
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 2, &huge, 1, NULL, 0, err, sizeof(err)), -EINVAL);
-	ck_assert_int_eq(loader_release(fx->l, &huge, 1, err, sizeof(err)), -EINVAL);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 2, &huge, 1, NULL, 0, err, sizeof(err)), -EINVAL);
+	ck_assert_int_eq(loader_release(fx->l, 0, &huge, 1, err, sizeof(err)), -EINVAL);
 	ck_assert_uint_eq(fx->n_grants, 0);
 	fx_close(fx);
 }
@@ -415,19 +415,19 @@ START_TEST(release_without_acquire_rejected)
 	drain_io(fx);
 	char err[512] = "";
 	uint64_t g0 = 0, g1 = 1;
-	ck_assert_int_eq(loader_release(fx->l, &g0, 1, err, sizeof(err)), -EINVAL);
+	ck_assert_int_eq(loader_release(fx->l, 0, &g0, 1, err, sizeof(err)), -EINVAL);
 	ck_assert_msg(strstr(err, "release"), "%s", err);
 	/* An acquire whose release list is wrong applies nothing. */
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 3, &g1, 1, &g0, 1, err, sizeof(err)), -EINVAL);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 3, &g1, 1, &g0, 1, err, sizeof(err)), -EINVAL);
 	ck_assert_uint_eq(fx->n_grants, 0);
 	/* One grant, one release; not two. */
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 4, &g0, 1, NULL, 0, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 4, &g0, 1, NULL, 0, err, sizeof(err)), 0);
 	ck_assert_uint_eq(fx->n_grants, 1);
 	uint64_t twice[] = {0, 0};
-	ck_assert_int_eq(loader_release(fx->l, twice, 2, err, sizeof(err)), -EINVAL);
+	ck_assert_int_eq(loader_release(fx->l, 0, twice, 2, err, sizeof(err)), -EINVAL);
 	ck_assert_uint_eq(atomic_load(&wring_slots(fx->h)[fx->grants[0].g.slot].refs), 1);
-	ck_assert_int_eq(loader_release(fx->l, &g0, 1, err, sizeof(err)), 0);
-	ck_assert_int_eq(loader_release(fx->l, &g0, 1, err, sizeof(err)), -EINVAL);
+	ck_assert_int_eq(loader_release(fx->l, 0, &g0, 1, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_release(fx->l, 0, &g0, 1, err, sizeof(err)), -EINVAL);
 	ck_assert_uint_eq(fx->h->loader.releases, 1);
 	fx_close(fx);
 }
@@ -442,20 +442,53 @@ START_TEST(runner_hello_drops_refs_and_waiters)
 	uint64_t all[16];
 	for (uint32_t g = 0; g < n; g++)
 		all[g] = g;
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 5, all, n, NULL, 0, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 5, all, n, NULL, 0, err, sizeof(err)), 0);
 	uint32_t granted_now = fx->n_grants;
-	loader_drop_clients(fx->l);
+	loader_hello(fx->l, "gpu-runner", 0);
 	ck_assert_uint_eq(loader_waiters(fx->l), 0);
 	drain_io(fx);
 	ck_assert_uint_eq(fx->n_grants, granted_now); /* the old runner gets nothing more */
 	ck_assert_uint_eq(fx->h->loader.groups_loaded, n);
 	uint64_t g0 = 0;
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 6, &g0, 1, NULL, 0, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 6, &g0, 1, NULL, 0, err, sizeof(err)), 0);
 	check_grant(fx, &wait_grant(fx, 6, 0)->g);
-	loader_drop_clients(fx->l);
+	loader_hello(fx->l, "gpu-runner", 0);
 	for (uint32_t s = 0; s < fx->h->n_slots; s++)
 		ck_assert_uint_eq(atomic_load(&wring_slots(fx->h)[s].refs), 0);
-	ck_assert_int_eq(loader_release(fx->l, &g0, 1, err, sizeof(err)), -EINVAL);
+	ck_assert_int_eq(loader_release(fx->l, 0, &g0, 1, err, sizeof(err)), -EINVAL);
+	fx_close(fx);
+}
+END_TEST
+
+/* Two runners of one model split between them (gpu-runner, gpu-runner-1), each with its session: each
+ * holds its own references, may release only its own, and a restart of one (a HELLO with a new
+ * session) drops what its predecessor held and nothing of the other's. */
+START_TEST(runner_sessions_hold_their_own_refs)
+{
+	struct fixture *fx = fx_open("/tmp", 2, 0, false);
+	drain_io(fx);
+	char err[512];
+	loader_hello(fx->l, "gpu-runner", 11);
+	loader_hello(fx->l, "gpu-runner-1", 22);
+	uint64_t g0 = 0, g1 = 1;
+	ck_assert_int_eq(loader_acquire(fx->l, 11, &fx->peer, 1, &g0, 1, NULL, 0, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_acquire(fx->l, 22, &fx->peer, 2, &g1, 1, NULL, 0, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_acquire(fx->l, 22, &fx->peer, 3, &g0, 1, NULL, 0, err, sizeof(err)), 0);
+	uint32_t s0 = wait_grant(fx, 1, 0)->g.slot, s1 = wait_grant(fx, 2, 1)->g.slot;
+	ck_assert_uint_eq(atomic_load(&wring_slots(fx->h)[s0].refs), 2);
+	/* A release of a group the session does not hold is refused, whoever else holds it. */
+	ck_assert_int_eq(loader_release(fx->l, 11, &g1, 1, err, sizeof(err)), -EINVAL);
+	ck_assert_msg(strstr(err, "released more often than granted"), "%s", err);
+	/* gpu-runner-1 restarts: its two references go, gpu-runner's stays. */
+	loader_hello(fx->l, "gpu-runner-1", 33);
+	ck_assert_uint_eq(atomic_load(&wring_slots(fx->h)[s0].refs), 1);
+	ck_assert_uint_eq(atomic_load(&wring_slots(fx->h)[s1].refs), 0);
+	ck_assert_int_eq(loader_release(fx->l, 22, &g1, 1, err, sizeof(err)), -EINVAL);
+	/* The same session saying HELLO again keeps what it holds. */
+	loader_hello(fx->l, "gpu-runner", 11);
+	ck_assert_uint_eq(atomic_load(&wring_slots(fx->h)[s0].refs), 1);
+	ck_assert_int_eq(loader_release(fx->l, 11, &g0, 1, err, sizeof(err)), 0);
+	ck_assert_uint_eq(atomic_load(&wring_slots(fx->h)[s0].refs), 0);
 	fx_close(fx);
 }
 END_TEST
@@ -467,7 +500,7 @@ START_TEST(undelivered_grant_takes_no_ref)
 	char err[512];
 	uint64_t g0 = 0;
 	fx->refuse_grants = 1;
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 8, &g0, 1, NULL, 0, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 8, &g0, 1, NULL, 0, err, sizeof(err)), 0);
 	ck_assert_uint_eq(atomic_load(&wring_slots(fx->h)[0].refs), 0);
 	ck_assert_uint_eq(fx->h->loader.grants, 0);
 	fx_close(fx);
@@ -495,7 +528,7 @@ START_TEST(read_error_fails_waiters)
 	drain_io(fx);
 	char err[512];
 	uint64_t g = bad, ok = 0;
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 9, &g, 1, NULL, 0, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 9, &g, 1, NULL, 0, err, sizeof(err)), 0);
 	drain_io(fx);
 	ck_assert_uint_eq(fx->n_fails, 1);
 	ck_assert_uint_eq(fx->fails[0].corr, 9);
@@ -513,7 +546,7 @@ START_TEST(read_error_fails_waiters)
 	/* Other groups still load. */
 	if (bad == 0)
 		ok = 1;
-	ck_assert_int_eq(loader_acquire(fx->l, &fx->peer, 10, &ok, 1, NULL, 0, err, sizeof(err)), 0);
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 10, &ok, 1, NULL, 0, err, sizeof(err)), 0);
 	check_grant(fx, &wait_grant(fx, 10, (uint32_t)ok)->g);
 	fx_close(fx);
 }
@@ -565,6 +598,7 @@ static Suite *loader_suite(void)
 	tcase_add_test(tc, invalid_group_rejected);
 	tcase_add_test(tc, release_without_acquire_rejected);
 	tcase_add_test(tc, runner_hello_drops_refs_and_waiters);
+	tcase_add_test(tc, runner_sessions_hold_their_own_refs);
 	tcase_add_test(tc, undelivered_grant_takes_no_ref);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("errors");
