@@ -37,6 +37,7 @@ extern "C" {
 enum shm_kind {
 	SHM_KIND_WEIGHT_RING = 1,
 	SHM_KIND_KV_POOL = 2,
+	SHM_KIND_STAGE_LINK = 3, /* gpu-runner: the hops between the stages of a split model */
 	SHM_KIND_TEST = 99,
 };
 

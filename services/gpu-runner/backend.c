@@ -101,6 +101,32 @@ const char *backend_default_name(void)
 	return backend_ref_impl.name;
 }
 
+int backend_use_device(const char *name, int gpu, char *err, size_t errlen)
+{
+	if (!name || strcmp(name, "cuda")) {
+		snprintf(err, errlen, "--gpu %d: the %s backend computes on no GPU", gpu, name ? name : "(none)");
+		return -EINVAL;
+	}
+#ifdef PIPELINE_HAVE_CUDA
+	int count = 0;
+	if (cudaGetDeviceCount(&count) != cudaSuccess || gpu >= count) {
+		cudaGetLastError();
+		snprintf(err, errlen, "--gpu %d: this machine has %d CUDA device%s", gpu, count, count == 1 ? "" : "s");
+		return -ENODEV;
+	}
+	cudaError_t e = cudaSetDevice(gpu);
+	if (e != cudaSuccess) {
+		cudaGetLastError();
+		snprintf(err, errlen, "--gpu %d: %s", gpu, cudaGetErrorString(e));
+		return -ENODEV;
+	}
+	return 0;
+#else
+	snprintf(err, errlen, "--gpu %d: this gpu-runner is built without CUDA", gpu);
+	return -ENODEV;
+#endif
+}
+
 bool backend_known(const char *name)
 {
 	return backend_impl_find(name) != NULL;
@@ -333,34 +359,104 @@ static const char *phase_text(enum phase ph, const char *attn)
 
 /* ---- compute ----------------------------------------------------------------------------- */
 
+/* The batch a step starts with (embed, hidden_in): its size, positions, sequences and token ids. */
+static int check_batch(struct backend *be, const struct backend_batch *b, const char *what)
+{
+	uint32_t n = b->n;
+	if (n == 0 || n > be->p.max_chunk)
+		return fail(be, -EINVAL, "%s: chunk of %u tokens (must be 1..%u, max_chunk)", what, n, be->p.max_chunk);
+	uint32_t pos0 = b->pos[0];
+	if ((uint64_t)pos0 + n > UINT32_MAX)
+		return fail(be, -EINVAL, "%s: positions %u..%u overflow 32 bits", what, pos0, pos0 + (n - 1));
+	for (uint32_t t = 0; t < n; t++) {
+		if (b->tokens[t] < 0 || (uint32_t)b->tokens[t] >= be->cfg.vocab_size)
+			return fail(be, -EINVAL, "%s: token id %d at chunk index %u is outside the vocabulary (0..%u)",
+				    what, b->tokens[t], t, be->cfg.vocab_size - 1);
+		if (b->seq[t] != b->seq[0] || b->pos[t] != pos0 + t)
+			return fail(be, -ENOTSUP,
+				    "%s: token %u is at position %u of sequence %u: a batch holds one sequence at "
+				    "consecutive positions (%u from %u)", what, t, b->pos[t], b->seq[t], b->seq[0], pos0);
+	}
+	return 0;
+}
+
 int backend_embed(struct backend *be, const struct group_weights *w, const struct backend_batch *b)
 {
 	static const enum tensor_role roles[] = {ROLE_EMBED};
 	assert(w && b && (b->n == 0 || (b->tokens && b->pos && b->seq)));
 	int rc = check_roles(be, w, roles, 1, "embed");
-	if (rc)
+	if (rc || (rc = check_batch(be, b, "embed")))
 		return rc;
-	uint32_t n = b->n;
-	if (n == 0 || n > be->p.max_chunk)
-		return fail(be, -EINVAL, "embed: chunk of %u tokens (must be 1..%u, max_chunk)", n, be->p.max_chunk);
-	uint32_t pos0 = b->pos[0];
-	if ((uint64_t)pos0 + n > UINT32_MAX)
-		return fail(be, -EINVAL, "embed: positions %u..%u overflow 32 bits", pos0, pos0 + (n - 1));
-	for (uint32_t t = 0; t < n; t++) {
-		if (b->tokens[t] < 0 || (uint32_t)b->tokens[t] >= be->cfg.vocab_size)
-			return fail(be, -EINVAL, "embed: token id %d at chunk index %u is outside the vocabulary (0..%u)",
-				    b->tokens[t], t, be->cfg.vocab_size - 1);
-		if (b->seq[t] != b->seq[0] || b->pos[t] != pos0 + t)
-			return fail(be, -ENOTSUP,
-				    "embed: token %u is at position %u of sequence %u: a batch holds one sequence at "
-				    "consecutive positions (%u from %u)", t, b->pos[t], b->seq[t], b->seq[0], pos0);
-	}
 	rc = be->impl->compute->embed(be->dev, w, b);
 	if (rc)
 		return impl_rc(be, rc);
-	be->n = n;
-	be->pos0 = pos0;
+	be->n = b->n;
+	be->pos0 = b->pos[0];
 	be->phase = PHASE_READY;
+	return 0;
+}
+
+int backend_hidden_in(struct backend *be, const struct backend_batch *b, const float *x)
+{
+	assert(b && (b->n == 0 || (b->tokens && b->pos && b->seq)));
+	if (!be->impl->compute->hidden_in)
+		return fail(be, -ENOTSUP, "hidden_in: this backend does not compute a stage of a split model");
+	if (be->phase == PHASE_ATTN || be->phase == PHASE_MOE)
+		return fail(be, -EINVAL, "hidden_in called %s", phase_text(be->phase, "between attn_begin and attn_end"));
+	int rc = check_batch(be, b, "hidden_in");
+	if (rc)
+		return rc;
+	if (!x && !be->impl->compute->hidden_device)
+		return fail(be, -EINVAL, "hidden_in: no rows given, and the backend has no device memory they could be in");
+	rc = be->impl->compute->hidden_in(be->dev, b, x);
+	if (rc)
+		return impl_rc(be, rc);
+	be->n = b->n;
+	be->pos0 = b->pos[0];
+	be->phase = PHASE_READY;
+	return 0;
+}
+
+/* Rows [row0, row0 + n) of the step in flight, between layers. */
+static int check_rows(struct backend *be, uint32_t row0, uint32_t n, const char *what)
+{
+	if (!be->impl->compute->hidden_get)
+		return fail(be, -ENOTSUP, "%s: this backend does not compute a stage of a split model", what);
+	if (be->phase != PHASE_READY)
+		return fail(be, -EINVAL, "%s called %s", what, phase_text(be->phase, "between attn_begin and attn_end"));
+	if (n == 0 || row0 > be->n || n > be->n - row0)
+		return fail(be, -EINVAL, "%s: rows %u..%u of a step of %u tokens", what, row0, row0 + n, be->n);
+	return 0;
+}
+
+int backend_hidden_get(struct backend *be, uint32_t row0, uint32_t n, float *x)
+{
+	assert(x);
+	int rc = check_rows(be, row0, n, "hidden_get");
+	return rc ? rc : impl_rc(be, be->impl->compute->hidden_get(be->dev, row0, n, x));
+}
+
+int backend_hidden_put(struct backend *be, uint32_t row0, uint32_t n, const float *x)
+{
+	assert(x);
+	int rc = check_rows(be, row0, n, "hidden_put");
+	return rc ? rc : impl_rc(be, be->impl->compute->hidden_put(be->dev, row0, n, x));
+}
+
+int backend_finish(struct backend *be)
+{
+	return be->impl->compute->finish ? impl_rc(be, be->impl->compute->finish(be->dev)) : 0;
+}
+
+int backend_hidden_device(struct backend *be, float **x, struct CUstream_st **stream)
+{
+	if (!be->impl->compute->hidden_device || !be->impl->cuda_stream)
+		return fail(be, -ENOTSUP, "hidden_device: the %s backend keeps its hidden state in host memory",
+			    be->impl->name);
+	int rc = be->impl->compute->hidden_device(be->dev, x);
+	if (rc)
+		return impl_rc(be, rc);
+	*stream = be->impl->cuda_stream(be->dev);
 	return 0;
 }
 

@@ -225,6 +225,9 @@ struct kv_span {
 bool backend_known(const char *name);
 /* "cuda" when the CUDA backend is built and a GPU is present, else "cpu". */
 const char *backend_default_name(void);
+/* Makes CUDA device `gpu` the current one of this process (for backend `name`; "cpu" computes on no
+ * device and refuses). Before the backend is made. Returns 0, or -EINVAL / -ENODEV with err set. */
+int backend_use_device(const char *name, int gpu, char *err, size_t errlen);
 /* Bytes of one arena block of backend `name` for cfg and p (so the runner can size the arena
  * before it creates the backend); 0 for an unknown name. */
 size_t backend_kv_block_bytes(const char *name, const struct model_config *cfg, const struct backend_params *p);
@@ -300,6 +303,29 @@ bool backend_samples_on_device(const struct backend *be);
  * distribution as the sampler, drawn another way.) -ENOTSUP where the backend cannot. */
 int backend_logits_sample(struct backend *be, const struct group_weights *w, const struct sampler_params *sp,
 			  double u, int32_t *token);
+
+/* ---- a stage of a model split across runners (stages/stages.h) ----------------------------
+ * The hidden state (the residual stream) is max_chunk rows of dim float32 in the backend's memory.
+ * A stage that does not start with the embedding takes the previous stage's rows instead; a stage
+ * hands its rows to the next one at the end of its layers. */
+
+/* Starts a step without the embedding: the batch b as backend_embed takes it, its hidden state (b->n
+ * rows of dim float32) from x in host memory, or, x NULL, as a link left it in the backend's own
+ * memory (backend_hidden_device). attn_begin, ffn, moe_route or logits may follow. */
+int backend_hidden_in(struct backend *be, const struct backend_batch *b, const float *x);
+/* Copies rows [row0, row0 + n) of the step's hidden state to host memory x (n * dim float32), once
+ * what was queued before has computed them. Between layers (after embed or hidden_in, not inside a
+ * layer's calls). */
+int backend_hidden_get(struct backend *be, uint32_t row0, uint32_t n, float *x);
+/* Overwrites rows [row0, row0 + n) of the step's hidden state from host memory x (the last stage's
+ * rows coming back before the head); x may be reused on return. Between layers, as hidden_get. */
+int backend_hidden_put(struct backend *be, uint32_t row0, uint32_t n, const float *x);
+/* The hidden state in device memory (max_chunk rows of dim float32) for a link that moves it device to
+ * device, and the stream that orders work on it; -ENOTSUP on a backend without device memory. */
+int backend_hidden_device(struct backend *be, float **x, struct CUstream_st **stream);
+/* Waits for everything queued so far and reports what the device flagged in it (a stage that ends
+ * without a head: its step's failures show here, as they show at logits otherwise). */
+int backend_finish(struct backend *be);
 
 /* What the CPU share of split FFNs has done since the backend was made (all zero without one). */
 struct backend_cpu_share_stats {

@@ -44,6 +44,15 @@ struct backend_compute_ops {
 	bool (*moe_expert_used)(struct backend_dev *d, uint32_t expert);
 	/* Optional: default -ENOTSUP (no experts on the CPU). */
 	int (*moe_expert_cpu)(struct backend_dev *d, const struct group_weights *w, uint32_t expert);
+	/* A stage of a split model (backend.h): all three, or none (default -ENOTSUP). hidden_in sets the
+	 * batch as embed does (x NULL: the hidden state is in place already); get and put copy rows. */
+	int (*hidden_in)(struct backend_dev *d, const struct backend_batch *b, const float *x);
+	int (*hidden_get)(struct backend_dev *d, uint32_t row0, uint32_t n, float *x);
+	int (*hidden_put)(struct backend_dev *d, uint32_t row0, uint32_t n, const float *x);
+	/* Optional: default -ENOTSUP (no device memory). */
+	int (*hidden_device)(struct backend_dev *d, float **x);
+	/* Optional: default nothing to wait for (work is done when a call returns). */
+	int (*finish)(struct backend_dev *d);
 };
 
 struct backend_kv_ops {

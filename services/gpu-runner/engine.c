@@ -29,6 +29,8 @@ struct engine {
 	bool *used;			/* (n_experts) the experts the layer's routing chose (a source that
 					 * fetches ahead is told, and skips the others) */
 	bool *on_cpu;			/* (n_experts) of those, the ones the source left for the CPU */
+	const struct engine_stage_ops *stages; /* engine_set_stages: a split model; NULL: none */
+	void *stages_ctx;
 };
 
 int engine_create(const struct model_config *cfg, struct backend *be,
@@ -137,6 +139,66 @@ const char *engine_error(const struct engine *e)
 	return e->error;
 }
 
+void engine_set_stages(struct engine *e, const struct engine_stage_ops *ops, void *ctx)
+{
+	e->stages = ops;
+	e->stages_ctx = ctx;
+}
+
+/* A stage op failed: its message. */
+static int stage_err(struct engine *e, int rc, const char *what)
+{
+	return set_err(e, rc, "%s: %s", what, e->stages->error(e->stages_ctx));
+}
+
+int engine_restore_prefix(struct engine *e, const int32_t *seq, uint32_t n_prompt, uint64_t seed)
+{
+	int r0 = kv_cache_restore_prefix(e->kv, n_prompt);
+	if (r0 < 0)
+		return set_err(e, r0, "%s", kv_cache_error(e->kv));
+	if (!e->stages)
+		return r0;
+	/* Every stage must restore the same positions: each restores at most what the others did, until
+	 * they agree (a count only goes down; 0 always agrees). */
+	for (;;) {
+		uint32_t fewest;
+		int rc = e->stages->restore(e->stages_ctx, seq, n_prompt, (uint32_t)r0, seed, &fewest);
+		if (rc)
+			return stage_err(e, rc, "restoring the KV prefix on the other stages");
+		if (fewest >= (uint32_t)r0)
+			return r0;
+		if ((rc = kv_cache_reset(e->kv)) != 0)
+			return set_err(e, rc, "%s", kv_cache_error(e->kv));
+		r0 = kv_cache_restore_prefix(e->kv, fewest + 1);
+		if (r0 < 0)
+			return set_err(e, r0, "%s", kv_cache_error(e->kv));
+	}
+}
+
+int engine_seq_end(struct engine *e)
+{
+	int rc = kv_cache_reset(e->kv);
+	if (rc)
+		set_err(e, rc, "%s", kv_cache_error(e->kv));
+	if (e->stages) {
+		int src = e->stages->end(e->stages_ctx);
+		if (src && !rc)
+			rc = stage_err(e, src, "ending the sequence on the other stages");
+	}
+	return rc;
+}
+
+int engine_kv_recover(struct engine *e)
+{
+	if (e->stages) {
+		int rc = e->stages->recover(e->stages_ctx);
+		if (rc)
+			return stage_err(e, rc, "dropping the KV of the other stages");
+	}
+	int rc = kv_cache_recover(e->kv);
+	return rc ? set_err(e, rc, "%s", kv_cache_error(e->kv)) : 0;
+}
+
 static int acquire(struct engine *e, uint32_t group, struct group_weights *w)
 {
 	int rc = e->ws->ops->acquire(e->ws, group, w);
@@ -174,7 +236,7 @@ static int release(struct engine *e, uint32_t group)
 	} while (0)
 
 static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits, int32_t *argmax,
-		   const struct sampler_params *sp, double u);
+		   const struct sampler_params *sp, double u, bool stage_out);
 
 /* Is group g the last expert group of its layer (after it, the layer's sum goes into the residual)? */
 static bool last_expert(const struct engine *e, uint32_t g)
@@ -185,12 +247,19 @@ static bool last_expert(const struct engine *e, uint32_t g)
 
 int engine_forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits)
 {
-	return forward(e, tokens, n, pos0, logits, NULL, NULL, 0);
+	return forward(e, tokens, n, pos0, logits, NULL, NULL, 0, false);
+}
+
+int engine_forward_stage(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, bool out)
+{
+	if (!e->stages || !e->ws->stage.split || e->ws->stage.first)
+		return set_err(e, -EINVAL, "a stage step is for a later stage of a split model");
+	return forward(e, tokens, n, pos0, NULL, NULL, NULL, 0, out);
 }
 
 int engine_forward_greedy(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, int32_t *token)
 {
-	return forward(e, tokens, n, pos0, NULL, token, NULL, 0);
+	return forward(e, tokens, n, pos0, NULL, token, NULL, 0, false);
 }
 
 bool engine_samples_on_device(const struct engine *e)
@@ -203,11 +272,11 @@ int engine_forward_sample(struct engine *e, const int32_t *tokens, uint32_t n, u
 {
 	if (!backend_samples_on_device(e->be))
 		return set_err(e, -ENOTSUP, "the %s backend does not sample on the device", backend_name(e->be));
-	return forward(e, tokens, n, pos0, NULL, token, sp, u);
+	return forward(e, tokens, n, pos0, NULL, token, sp, u, false);
 }
 
 static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits, int32_t *argmax,
-		   const struct sampler_params *sp, double u)
+		   const struct sampler_params *sp, double u, bool stage_out)
 {
 	if (n == 0 || n > e->max_chunk)
 		return set_err(e, -EINVAL, "a step takes 1..%u tokens, not %u", e->max_chunk, n);
@@ -218,10 +287,29 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 	}
 	struct backend_batch batch = {.n = n, .tokens = tokens, .pos = e->pos, .seq = e->seq};
 	e->ws->step_tokens = n;
+	/* A split model (engine_set_stages): the first stage tells the others and hands its rows on before
+	 * the head; a later stage takes its rows first and hands them on at the end. */
+	const struct weight_stage *st = &e->ws->stage;
+	bool staged = e->stages && st->split, out = logits || argmax;
+	int rc;
+	if (staged && st->first && (rc = e->stages->begin(e->stages_ctx, tokens, n, pos0, out)) != 0)
+		return stage_err(e, rc, "starting the step on the other stages");
+	if (staged && !st->first && (rc = e->stages->take(e->stages_ctx, e->be, &batch)) != 0)
+		return stage_err(e, rc, "taking the previous stage's hidden state");
 	/* The groups in the table's order (model.h): what each one computes is its kind's. */
 	const struct group_desc *groups = e->ws->groups;
 	for (uint32_t group = 0; group < e->ws->n_groups; group++) {
 		uint32_t kind = groups[group].kind, l = groups[group].layer;
+		if (!weight_stage_has(st, &groups[group]))
+			continue; /* another stage's */
+		if (kind == GROUP_HEAD && staged) {
+			if (e->ws->ops->flush && (rc = e->ws->ops->flush(e->ws)) != 0)
+				return set_err(e, rc, "weights: %s", e->ws->error);
+			if ((rc = e->stages->pass(e->stages_ctx, e->be, n, out)) != 0)
+				return stage_err(e, rc, "handing the hidden state to the next stage");
+			if (out && (rc = e->stages->back(e->stages_ctx, e->be, n)) != 0)
+				return stage_err(e, rc, "the last stage's hidden state");
+		}
 		if (kind == GROUP_HEAD && !logits && !argmax)
 			break; /* a prefill chunk before the last: no output wanted */
 		if (kind == GROUP_ATTN && e->progress)
@@ -231,7 +319,6 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 			/* No token chose it: the source passes it over (it was told at the route). Or the
 			 * source left it in host memory: the backend computes it on the CPU. */
 			uint32_t x = groups[group].expert;
-			int rc;
 			if (!e->used[x]) {
 				if ((rc = e->ws->ops->skip(e->ws, group)))
 					return set_err(e, rc, "weights: %s", e->ws->error);
@@ -247,7 +334,7 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 			continue;
 		}
 		struct group_weights w;
-		int rc = acquire(e, group, &w);
+		rc = acquire(e, group, &w);
 		if (rc)
 			return rc;
 		switch (kind) {
@@ -299,5 +386,9 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 		if ((rc = release(e, group)))
 			return rc;
 	}
+	if (staged && !st->first && e->ws->ops->flush && (rc = e->ws->ops->flush(e->ws)) != 0)
+		return set_err(e, rc, "weights: %s", e->ws->error);
+	if (staged && !st->first && (rc = e->stages->pass(e->stages_ctx, e->be, n, stage_out)) != 0)
+		return stage_err(e, rc, "handing the hidden state on");
 	return 0;
 }

@@ -59,6 +59,47 @@ struct weight_source *engine_weights(struct engine *e);
  * or -EINVAL / -ENOTSUP / -ENOMEM with a message in err. */
 int engine_set_ffn_split(struct engine *e, const uint32_t *r, uint32_t max_tokens, char *err, size_t errlen);
 
+/* ---- a model whose layers are split across runners (stages/stages.h) ----
+ * Each runner's engine computes the groups of its weight source's stage (weights.h, ws->stage) and
+ * hands the hidden state on where its layers end; the first stage also embeds and computes the head.
+ * The ops move the rows and keep the other stages in step. */
+struct engine_stage_ops {
+	/* The first stage: a step of n tokens at pos0 begins (out: the head follows, so the last stage sends
+	 * its last row back). The other stages are told. */
+	int (*begin)(void *ctx, const int32_t *tokens, uint32_t n, uint32_t pos0, bool out);
+	/* A later stage, before its first layer: the previous stage's rows in (backend_hidden_in with b). */
+	int (*take)(void *ctx, struct backend *be, const struct backend_batch *b);
+	/* After the stage's last layer: its n rows on to the next stage (the last stage: with out, the last
+	 * row back to the first). */
+	int (*pass)(void *ctx, struct backend *be, uint32_t n, bool out);
+	/* The first stage, with out, before the head: the last stage's row in as row n - 1, once every stage
+	 * has computed the step. */
+	int (*back)(void *ctx, struct backend *be, uint32_t n);
+	/* The sequence, on the other stages (generate.c's KV calls): restore at most limit positions of
+	 * tokens[0..n) (seed names the model's blocks), giving the fewest any stage restored; end it; drop
+	 * what is held of it after the kv-store failed it. */
+	int (*restore)(void *ctx, const int32_t *tokens, uint32_t n, uint32_t limit, uint64_t seed, uint32_t *restored);
+	int (*end)(void *ctx);
+	int (*recover)(void *ctx);
+	const char *(*error)(void *ctx);
+};
+
+/* Sets the ops of a split model (NULL: one runner computes every layer). Borrows both. */
+void engine_set_stages(struct engine *e, const struct engine_stage_ops *ops, void *ctx);
+/* A later stage's step: tokens[0..n) at positions pos0.. through its layers, the rows taken from the
+ * previous stage and passed to the next (out: as engine_stage_ops.pass). Returns 0 or -errno with the
+ * message in engine_error(). */
+int engine_forward_stage(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, bool out);
+
+/* The KV of the sequence, on every stage (generate.c; without stages, the KV cache's own calls).
+ * restore_prefix: kv_cache_restore_prefix of seq's first n_prompt positions, agreed among the stages
+ * (the fewest any restored): the positions restored, or -errno with the message in engine_error().
+ * seq_end: kv_cache_reset, and the stages end the sequence. kv_recover: kv_cache_recover, and the
+ * stages drop theirs. */
+int engine_restore_prefix(struct engine *e, const int32_t *seq, uint32_t n_prompt, uint64_t seed);
+int engine_seq_end(struct engine *e);
+int engine_kv_recover(struct engine *e);
+
 /* fn(ctx) is called once per layer of every step (the runner beats its heartbeat there: a step
  * over a large model takes long). NULL: none. */
 void engine_set_progress(struct engine *e, void (*fn)(void *ctx), void *ctx);

@@ -61,8 +61,8 @@ static int rebuild(struct engine *e, const struct gen_params *p, void *ctx, cons
 		int rc = p->on_kv_failure ? p->on_kv_failure(ctx, err, errlen) : 0;
 		if (rc)
 			return rc;
-		if ((rc = kv_cache_recover(kv)) == 0) {
-			int restored = kv_cache_restore_prefix(kv, upto + 1);
+		if ((rc = engine_kv_recover(e)) == 0) {
+			int restored = engine_restore_prefix(e, seq, upto + 1, p->kv_seed);
 			rc = restored < 0 ? restored : catch_up(e, seq, (uint32_t)restored, upto, n_prompt);
 			if (rc == 0)
 				return 0;
@@ -79,19 +79,20 @@ static int rebuild(struct engine *e, const struct gen_params *p, void *ctx, cons
  * back to its successor, which adopted them; a request that failed leaves the reconnect to the
  * next one. Whatever happens, the cache is empty afterwards. With request_ok, a failure's
  * message goes to err. */
-static int end_sequence(struct kv_cache *kv, const struct gen_params *p, void *ctx, bool request_ok, char *err,
+static int end_sequence(struct engine *e, const struct gen_params *p, void *ctx, bool request_ok, char *err,
 			size_t errlen)
 {
-	int rc = kv_cache_reset(kv);
-	if (rc && request_ok && p->on_kv_failure) {
+	struct kv_cache *kv = engine_kv(e);
+	int rc = engine_seq_end(e);
+	if (rc && kv_cache_remote_failed(kv) && request_ok && p->on_kv_failure) {
 		char why[256];
-		log_warn("handing the request's KV blocks back: %s", kv_cache_error(kv));
+		log_warn("handing the request's KV blocks back: %s", engine_error(e));
 		if (p->on_kv_failure(ctx, why, sizeof(why)) == 0)
 			rc = kv_cache_recover(kv);
 	}
 	if (rc) {
 		if (request_ok)
-			snprintf(err, errlen, "%s", kv_cache_error(kv));
+			snprintf(err, errlen, "%s", kv_cache_remote_failed(kv) ? kv_cache_error(kv) : engine_error(e));
 		kv_cache_forget_remote(kv);
 	}
 	return rc;
@@ -107,9 +108,9 @@ static int resume_cache(struct engine *e, const struct gen_params *p, void *ctx,
 	struct kv_cache *kv = engine_kv(e);
 	uint32_t upto = n_prompt + n_done - 1;
 	int restored;
-	while ((restored = p->kv_seed ? kv_cache_restore_prefix(kv, upto + 1) : 0) < 0) {
+	while ((restored = p->kv_seed ? engine_restore_prefix(e, seq, upto + 1, p->kv_seed) : 0) < 0) {
 		if (!kv_cache_remote_failed(kv)) {
-			snprintf(err, errlen, "%s", kv_cache_error(kv));
+			snprintf(err, errlen, "%s", engine_error(e));
 			return restored;
 		}
 		int rc = rebuild(e, p, ctx, seq, 0, n_prompt, attempts, err, errlen);
@@ -213,10 +214,10 @@ int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uin
 	}
 	/* Positions whose KV the store already holds (an earlier request with the same start). */
 	int restored;
-	while ((restored = p->kv_seed ? kv_cache_restore_prefix(kv, n_prompt) : 0) < 0) {
+	while ((restored = p->kv_seed ? engine_restore_prefix(e, seq, n_prompt, p->kv_seed) : 0) < 0) {
 		if (!kv_cache_remote_failed(kv)) {
 			rc = restored;
-			snprintf(err, errlen, "%s", kv_cache_error(kv));
+			snprintf(err, errlen, "%s", engine_error(e));
 			goto out;
 		}
 		if ((rc = rebuild(e, p, ctx, seq, 0, n_prompt, &attempts, err, errlen)) != 0)
@@ -322,7 +323,7 @@ forward:;
 out:
 	res->n_rebuilds = attempts;
 	{
-		int rrc = end_sequence(engine_kv(e), p, ctx, rc == 0, err, errlen);
+		int rrc = end_sequence(e, p, ctx, rc == 0, err, errlen);
 		if (rrc && !rc)
 			rc = rrc;
 	}

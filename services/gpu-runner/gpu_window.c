@@ -54,12 +54,16 @@ static int set_state(struct gpu_window *w, uint32_t g, uint8_t to)
 }
 
 int64_t gpu_window_plan(const struct model_config *cfg, const struct group_desc *groups, uint32_t n_groups,
-			uint64_t budget, uint32_t depth, bool *resident, uint64_t *need, char *err, size_t errlen)
+			const struct weight_stage *stage, uint64_t budget, uint32_t depth, bool *resident, uint64_t *need,
+			char *err, size_t errlen)
 {
-	uint32_t L = cfg->n_layers;
-	uint64_t globals = groups[group_id_head(cfg)].slot_bytes + (cfg->tie_embeddings ? groups[0].slot_bytes : 0);
+	/* The stage's layers l0 .. l0 + L - 1, and the head when it has it. */
+	bool split = stage && stage->split, head = !split || stage->first;
+	uint32_t l0 = split ? stage->layer0 : 0, L = split ? stage->layer1 - stage->layer0 : cfg->n_layers;
+	uint64_t globals = head ? groups[group_id_head(cfg)].slot_bytes + (cfg->tie_embeddings ? groups[0].slot_bytes : 0)
+				: 0;
 	uint64_t a = 0, f = 0;
-	for (uint32_t l = 0; l < L; l++) {
+	for (uint32_t l = l0; l < l0 + L; l++) {
 		if (groups[group_id_attn(l)].slot_bytes > a)
 			a = groups[group_id_attn(l)].slot_bytes;
 		if (groups[group_id_ffn(l)].slot_bytes > f)
@@ -90,17 +94,18 @@ int64_t gpu_window_plan(const struct model_config *cfg, const struct group_desc 
 	if (best_na < 0) {
 		char b[32], n[32];
 		return errorf(err, errlen, -ENOSPC,
-			      "--gpu-budget %s is too small: the head group%s and %u slot%s of each streamed layer group "
-			      "need %s",
-			      format_size(budget, b, sizeof(b)), cfg->tie_embeddings ? " with the tied embedding" : "",
+			      "--gpu-budget %s is too small: %s%u slot%s of each streamed layer group need %s",
+			      format_size(budget, b, sizeof(b)),
+			      !head ? "" : cfg->tie_embeddings ? "the head group with the tied embedding and " : "the head group and ",
 			      depth, depth == 1 ? "" : "s", format_size(*need, n, sizeof(n)));
 	}
 	memset(resident, 0, n_groups * sizeof(bool));
-	resident[group_id_head(cfg)] = true;
+	if (head)
+		resident[group_id_head(cfg)] = true;
 	int64_t streamed = 0;
-	for (uint32_t l = 0; l < L; l++) {
-		resident[group_id_attn(l)] = l < (uint32_t)best_na;
-		resident[group_id_ffn(l)] = l < (uint32_t)best_nf;
+	for (uint32_t l = l0; l < l0 + L; l++) {
+		resident[group_id_attn(l)] = l - l0 < (uint32_t)best_na;
+		resident[group_id_ffn(l)] = l - l0 < (uint32_t)best_nf;
 		if (!resident[group_id_attn(l)])
 			streamed += (int64_t)groups[group_id_attn(l)].slot_bytes;
 		if (!resident[group_id_ffn(l)])
@@ -484,6 +489,22 @@ static int win_release_all(struct weight_source *ws)
 	return rc ? errorf(ws->error, sizeof(ws->error), rc, "%s", w->rs->error) : 0;
 }
 
+static int win_flush(struct weight_source *ws)
+{
+	/* Only where DRAM streams (the disk binds): the host slots of copies in flight go back once the
+	 * copies are done, so this waits for them. Resident rings hold no streaming slot. */
+	struct gpu_window *w = (struct gpu_window *)ws;
+	if (ring_source_all_resident(w->ring))
+		return 0;
+	for (uint32_t g = 0; g < ws->n_groups; g++)
+		if (w->g[g].host_held && !ring_source_group_pinned(w->ring, g))
+			CUDA_TRY(cudaEventSynchronize(w->g[g].h2d), "waiting for a copy to hand its DRAM slot back");
+	int rc = poll_copies(w);
+	if (!rc && w->rs->ops->flush && (rc = w->rs->ops->flush(w->rs)) != 0)
+		return errorf(ws->error, sizeof(ws->error), rc, "%s", w->rs->error);
+	return rc;
+}
+
 static void on_cpu_set(bool *on_cpu, uint32_t x, bool v)
 {
 	if (on_cpu)
@@ -607,6 +628,7 @@ static const struct weight_source_ops window_ops = {
 	.route = win_route,
 	.skip = win_skip,
 	.acquire_host = win_acquire_host,
+	.flush = win_flush,
 };
 
 bool gw_h2d_start(cudaStream_t s, uint32_t copies, struct gw_h2d *h)
@@ -739,7 +761,8 @@ static uint64_t window_bytes(const struct gpu_window *w, uint32_t depth)
 	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
 		uint64_t cls = 0, m = 0;
 		for (uint32_t g = 0; g < w->base.n_groups; g++) {
-			if (w->g[g].resident || w->base.groups[g].size_class != c)
+			if (w->g[g].resident || w->base.groups[g].size_class != c ||
+			    !weight_stage_has(&w->base.stage, &w->base.groups[g]))
 				continue;
 			m++;
 			cls = w->dev_bytes[g] > cls ? w->dev_bytes[g] : cls;
@@ -806,7 +829,8 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	}
 
 	uint64_t need;
-	int64_t streamed = gpu_window_plan(cfg, dgroups, ng, p->gpu_budget, depth, resident, &need, err, errlen);
+	int64_t streamed = gpu_window_plan(cfg, dgroups, ng, &rs->stage, p->gpu_budget, depth, resident, &need, err,
+					   errlen);
 	free(dgroups);
 	if (streamed < 0) {
 		rc = (int)streamed;
@@ -917,7 +941,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 			goto out_fail;
 		}
 		for (uint32_t g = 0; g < ng; g++)
-			if (!w->g[g].resident && rs->groups[g].size_class == c)
+			if (!w->g[g].resident && rs->groups[g].size_class == c && weight_stage_has(&rs->stage, &rs->groups[g]))
 				w->order[c][w->m[c]++] = g;
 		w->depth[c] = w->m[c] < depth ? w->m[c] : depth;
 		w->first_slot[c] = n_slots;
@@ -959,7 +983,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	 * counted device bytes, alignment padding included). */
 	(void)streamed;
 	for (uint32_t g = 0; g < ng; g++)
-		if (!w->g[g].resident)
+		if (!w->g[g].resident && weight_stage_has(&rs->stage, &rs->groups[g]))
 			w->st.streamed_bytes_per_token += w->copy_bytes[g];
 	w->st.depth = depth;
 	/* Start copying the first streamed groups now. */

@@ -132,10 +132,12 @@ double gpu_window_cpu_rate(const struct gpu_window *w, enum dtype f);
 int gpu_window_check(const struct gpu_window *w, char *err, size_t errlen);
 
 /* The planning on its own (tests, the benchmark's predictions): given the group sizes of a
- * model, which layer groups stay resident under budget with depth slots per streamed class.
- * resident[g] is set for resident groups. Returns the bytes streamed per token, or -ENOSPC. */
+ * model, which layer groups of stage (NULL: every layer and the head) stay resident under budget
+ * with depth slots per streamed class. resident[g] is set for resident groups. Returns the bytes
+ * streamed per token, or -ENOSPC. */
 int64_t gpu_window_plan(const struct model_config *cfg, const struct group_desc *groups, uint32_t n_groups,
-			uint64_t budget, uint32_t depth, bool *resident, uint64_t *need, char *err, size_t errlen);
+			const struct weight_stage *stage, uint64_t budget, uint32_t depth, bool *resident,
+			uint64_t *need, char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

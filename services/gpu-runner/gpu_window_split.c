@@ -96,6 +96,12 @@ static const struct tensor_desc *find(const struct gpu_window *w, uint32_t g, en
  * the copies), so the plan takes both rates measured together. */
 #define H2D_LOAD_COPIES 48 /* ~60 ms at 50 GB/s: longer than the CPU's measurement */
 
+/* Does group g stream through the window: one of the runner's (its stage's) and not resident? */
+static bool streams(const struct gpu_window *w, const bool *resident, uint32_t g)
+{
+	return !resident[g] && weight_stage_has(&w->base.stage, &w->base.groups[g]);
+}
+
 int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_window_params *p, char *err,
 		  size_t errlen)
 {
@@ -116,7 +122,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	for (uint32_t l = 0; l < L; l++) {
 		uint32_t g = group_id_ffn(l);
 		const struct tensor_desc *t[3] = {find(w, g, mats[0]), find(w, g, mats[1]), find(w, g, mats[2])};
-		bool ok = on && !resident[g] && ring_source_group_pinned(w->ring, g) && t[0] && t[1] && t[2];
+		bool ok = on && streams(w, resident, g) && ring_source_group_pinned(w->ring, g) && t[0] && t[1] && t[2];
 		for (int i = 0; ok && i < 3; i++)
 			ok = t[i]->dtype < DT_COUNT && t[i]->ndim == 2;
 		if (ok)
@@ -142,10 +148,12 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 		static const enum tensor_role em[3] = {ROLE_EXPERT_GATE, ROLE_EXPERT_UP, ROLE_EXPERT_DOWN};
 		uint32_t cand = 0, seen = 0, taken = 0;
 		for (uint32_t g = 0; g < ng; g++)
-			cand += w->base.groups[g].kind == GROUP_EXPERT && !resident[g] && ring_source_group_pinned(w->ring, g);
+			cand += w->base.groups[g].kind == GROUP_EXPERT && streams(w, resident, g) &&
+				ring_source_group_pinned(w->ring, g);
 		uint32_t stride = cand > MOE_CALIBRATE_EXPERTS ? cand / MOE_CALIBRATE_EXPERTS : 1;
 		for (uint32_t g = 0; g < ng && taken < MOE_CALIBRATE_EXPERTS; g++) {
-			if (w->base.groups[g].kind != GROUP_EXPERT || resident[g] || !ring_source_group_pinned(w->ring, g))
+			if (w->base.groups[g].kind != GROUP_EXPERT || !streams(w, resident, g) ||
+			    !ring_source_group_pinned(w->ring, g))
 				continue;
 			if (seen++ % stride)
 				continue;
@@ -165,7 +173,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	}
 	uint64_t other = 0;
 	for (uint32_t g = 0; g < ng; g++)
-		if (!resident[g] && g != w->embed_group &&
+		if (streams(w, resident, g) && g != w->embed_group &&
 		    !(w->base.groups[g].kind == GROUP_FFN && ly[w->base.groups[g].layer].eligible))
 			other += w->base.groups[g].tensor_bytes;
 	double h2d = w->st.h2d_bytes_per_s;

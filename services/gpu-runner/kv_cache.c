@@ -99,17 +99,24 @@ int kv_cache_create(const struct kv_cache_params *p, struct backend *be,
 		snprintf(err, errlen, "KV cache parameters must be positive");
 		return -EINVAL;
 	}
-	uint32_t need = kv_cache_min_blocks(p->n_layers, p->block_tokens, p->max_chunk);
+	uint32_t l0 = p->layer0, l1 = p->layer1 ? p->layer1 : p->n_layers;
+	if (l0 >= l1 || l1 > p->n_layers) {
+		snprintf(err, errlen, "KV cache layers %u..%u are not a range of the model's %u", l0, l1, p->n_layers);
+		return -EINVAL;
+	}
+	uint32_t need = kv_cache_min_blocks(l1 - l0, p->block_tokens, p->max_chunk);
 	if (remote && p->n_arena < need) {
 		snprintf(err, errlen, "the KV arena holds %u blocks; at least %u are needed (one per layer, %u for a "
 			 "chunk of %u tokens, one to fetch through)",
-			 p->n_arena, need, need - p->n_layers - 1, p->max_chunk);
+			 p->n_arena, need, need - (l1 - l0) - 1, p->max_chunk);
 		return -ENOSPC;
 	}
 	struct kv_cache *kv = calloc(1, sizeof(*kv));
 	if (!kv)
 		return -ENOMEM;
 	kv->p = *p;
+	kv->p.layer0 = l0;
+	kv->p.layer1 = l1;
 	kv->be = be;
 	kv->remote = remote;
 	kv->rctx = remote_ctx;
@@ -142,7 +149,7 @@ int kv_cache_create(const struct kv_cache_params *p, struct backend *be,
 	for (uint32_t i = 0; i < p->n_arena; i++)
 		kv->arena[i].layer = -1;
 	kv->n_free = p->n_arena;
-	kv->readahead = remote && p->n_layers > 1;
+	kv->readahead = remote && l1 - l0 > 1;
 	*out = kv;
 	return 0;
 }
@@ -441,7 +448,7 @@ static int readahead_step(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		if (kv->ra[s].active && kv->ra[s].layer != layer)
 			rc = readahead_finish(kv, s, true);
 	if (rc == 0)
-		rc = readahead_start(kv, layer, (layer + 1) % kv->p.n_layers, pos_end);
+		rc = readahead_start(kv, layer, layer + 1 < kv->p.layer1 ? layer + 1 : kv->p.layer0, pos_end);
 	for (int s = 0; s < 2; s++)
 		if (kv->ra[s].active && kv->ra[s].layer == layer) {
 			int frc = readahead_finish(kv, s, true);
@@ -781,7 +788,8 @@ static int cmp_keyed(const void *a, const void *b)
 
 int kv_cache_restore_prefix(struct kv_cache *kv, uint32_t n_prompt)
 {
-	const uint32_t bt = kv->p.block_tokens, L = kv->p.n_layers;
+	/* The cache's own layers: keys[j * L + i] is block j of layer l0 + i. */
+	const uint32_t bt = kv->p.block_tokens, l0 = kv->p.layer0, L = kv->p.layer1 - kv->p.layer0;
 	if (!kv->remote || !kv->remote->lookup || !kv->seq || n_prompt < 2)
 		return 0;
 	uint32_t nb = (n_prompt - 1) / bt; /* full blocks before the last prompt position */
@@ -797,7 +805,7 @@ int kv_cache_restore_prefix(struct kv_cache *kv, uint32_t n_prompt)
 	}
 	for (uint32_t j = 0; j < nb; j++)
 		for (uint32_t l = 0; l < L; l++)
-			keys[(size_t)j * L + l] = block_key(kv, l, j);
+			keys[(size_t)j * L + l] = block_key(kv, l0 + l, j);
 	kv->stats.prefix_lookups++;
 	int rc = kv->remote->lookup(kv->rctx, nb * L, keys, hits);
 	if (rc == -ENOTSUP) { /* a store without prefix reuse */
@@ -832,13 +840,13 @@ int kv_cache_restore_prefix(struct kv_cache *kv, uint32_t n_prompt)
 	qsort(held, n_held, sizeof(*held), cmp_keyed);
 	for (uint32_t j = 0; j < use; j++)
 		for (uint32_t l = 0; l < L; l++) {
-			struct kv_entry *e = entry(kv, l, j);
+			struct kv_entry *e = entry(kv, l0 + l, j);
 			uint64_t key = keys[(size_t)j * L + l];
 			*e = (struct kv_entry){.arena = NO_ARENA, .filled = bt, .committed = true,
 					       .handle = hits[(size_t)j * L + l], .key = key};
 			struct keyed want = {key, 0}, *f = bsearch(&want, held, n_held, sizeof(*held), cmp_keyed);
 			if (f && kv->arena[f->block].layer < 0 && kv->arena[f->block].key == key) {
-				kv->arena[f->block] = (struct arena_block){.layer = (int32_t)l, .index = (int32_t)j,
+				kv->arena[f->block] = (struct arena_block){.layer = (int32_t)(l0 + l), .index = (int32_t)j,
 									   .key = key};
 				e->arena = (int32_t)f->block;
 				kv->n_free--;

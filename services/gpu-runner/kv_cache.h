@@ -75,7 +75,9 @@ struct kv_remote_ops {
 };
 
 struct kv_cache_params {
-	uint32_t n_layers;
+	uint32_t n_layers;    /* the model's */
+	uint32_t layer0, layer1; /* the layers whose KV the cache holds, [layer0, layer1) (a stage of a model
+				  * split across runners); 0, 0: all */
 	uint32_t block_tokens;
 	uint32_t max_context; /* positions per sequence */
 	uint32_t max_chunk;   /* most tokens one forward step writes */

@@ -8,7 +8,11 @@
  * shared memory, and reconnects if one was restarted.
  *
  * This file: the flags (--help), start (the backend, the peers, the KV cache and the engine),
- * the main loop and teardown. The parts it starts are in runner.h. */
+ * the main loop and teardown. The parts it starts are in runner.h.
+ *
+ * With --ranks N (several GPUs: stages/stages.h) N runners split the model's layers: rank 0 is the
+ * service "gpu-runner" and serves requests, rank r the service "gpu-runner-r", computing its layers for
+ * rank 0's steps. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,8 +59,8 @@ static int setup(struct runner *r)
 		return -EINVAL;
 	}
 	r->zctx = zmq_ctx_new();
-	r->loader_c = rpc_client_create(r->zctx, r->run_dir, "ssd-loader", "gpu-runner");
-	r->kv_c = rpc_client_create(r->zctx, r->run_dir, "kv-store", "gpu-runner");
+	r->loader_c = rpc_client_create(r->zctx, r->run_dir, "ssd-loader", r->service_name);
+	r->kv_c = rpc_client_create(r->zctx, r->run_dir, "kv-store", r->service_name);
 	if (!r->zctx || !r->loader_c || !r->kv_c) {
 		log_error("cannot create sockets under %s: %s", r->run_dir, strerror(errno));
 		return -EIO;
@@ -66,6 +70,9 @@ static int setup(struct runner *r)
 	uint64_t session = random_u64() | 1;
 	rpc_client_set_session(r->loader_c, session);
 	rpc_client_set_session(r->kv_c, session);
+	/* Several ranks: none of the model's groups until this rank's layers are planned (below). */
+	if (r->ranks > 1)
+		r->stage = (struct weight_stage){.split = true, .first = r->rank == 0};
 	log_info("waiting for ssd-loader");
 	int rc = runner_connect_loader_retry(r, CONNECT_TIMEOUT_MS, err, sizeof(err));
 	if (rc) {
@@ -80,6 +87,10 @@ static int setup(struct runner *r)
 		log_warn("--max-context %ld exceeds the model's max_position_embeddings %u; using %u", r->max_context,
 			 r->cfg.max_position, r->cfg.max_position);
 		r->max_context = r->cfg.max_position;
+	}
+	if ((rc = runner_plan_stages(r, err, sizeof(err))) != 0) {
+		log_error("%s", err);
+		return rc;
 	}
 	enum dtype kv_dtype;
 	if (!r->kv_dtype_name || !*r->kv_dtype_name)
@@ -113,9 +124,10 @@ static int setup(struct runner *r)
 	r->kv_seed = fnv1a64(r->kv_seed, &r->bp.block_tokens, sizeof(r->bp.block_tokens));
 	r->kv_seed |= 1;
 	uint32_t per_layer = (uint32_t)((r->max_context + r->block_tokens - 1) / r->block_tokens);
-	uint64_t all = (uint64_t)per_layer * r->cfg.n_layers;
+	uint32_t own_layers = r->stage.split ? r->stage.layer1 - r->stage.layer0 : r->cfg.n_layers;
+	uint64_t all = (uint64_t)per_layer * own_layers;
 	uint64_t fit = r->kv_gpu_budget / r->arena_block_bytes;
-	uint32_t need = kv_cache_min_blocks(r->cfg.n_layers, (uint32_t)r->block_tokens, (uint32_t)r->prefill_chunk);
+	uint32_t need = kv_cache_min_blocks(own_layers, (uint32_t)r->block_tokens, (uint32_t)r->prefill_chunk);
 	if (fit < need && fit < all) {
 		char have[32], want[32];
 		log_error("--kv-gpu-budget %s holds %llu KV blocks of %zu bytes; at least %u blocks (%s) are needed",
@@ -138,23 +150,25 @@ static int setup(struct runner *r)
 		log_error("%s", err);
 		return rc;
 	}
-	struct kv_cache_params kp = {.n_layers = r->cfg.n_layers, .block_tokens = (uint32_t)r->block_tokens,
-				     .max_context = (uint32_t)r->max_context, .max_chunk = (uint32_t)r->prefill_chunk,
-				     .n_arena = r->bp.n_kv_blocks};
-	rc = kv_cache_create(&kp, r->be, &kv_remote_ops_pool, &r->kv, &r->cache, err, sizeof(err));
+	rc = runner_make_cache(r, err, sizeof(err));
 	if (rc) {
 		log_error("%s", err);
 		return rc;
 	}
 	r->kv.wait_hook = runner_wait_beat;
 	r->kv.wait_ctx = r;
-	log_info("waiting for kv-store");
-	rc = runner_connect_kv(r, CONNECT_TIMEOUT_MS, err, sizeof(err));
-	if (rc) {
-		log_error("%s", err);
-		return rc;
+	/* A later rank of a split model connects with the session of its formation (stage.c). */
+	if (r->rank == 0) {
+		log_info("waiting for kv-store");
+		rc = runner_connect_kv(r, CONNECT_TIMEOUT_MS, err, sizeof(err));
+		if (rc) {
+			log_error("%s", err);
+			return rc;
+		}
 	}
-	rc = runner_make_engine(r, err, sizeof(err));
+	rc = runner_make_front(r, err, sizeof(err));
+	if (rc == 0)
+		rc = runner_make_engine(r, err, sizeof(err));
 	if (rc) {
 		log_error("%s", err);
 		return rc;
@@ -167,6 +181,7 @@ static int setup(struct runner *r)
 static void teardown(struct runner *r)
 {
 	engine_destroy(&r->engine);
+	runner_drop_stages(r); /* the link reads the backend's memory: it goes first */
 	runner_unpin_pool(r); /* the backend that pinned the pool unpins it, before it goes */
 	kv_cache_destroy(&r->cache);
 	backend_destroy(&r->be);
@@ -217,6 +232,18 @@ int main(int argc, char **argv)
 		{"cpu-handoff", OPT_STRING, &r.cpu_handoff_arg, "auto",
 		 "how the cuda stream hands the CPU its share: memops (stream memory operations), hostfunc "
 		 "(cudaLaunchHostFunc) or auto (memops where the driver has them)"},
+		{"ranks", OPT_INT, &r.ranks, "1",
+		 "runners the model's layers are split across, one per GPU (2..8; each takes a contiguous range)"},
+		{"rank", OPT_INT, &r.rank, "0",
+		 "this runner's place among them: 0 embeds, computes the first layers and the head and serves "
+		 "requests (service gpu-runner); rank R computes later layers (service gpu-runner-R)"},
+		{"gpu", OPT_INT, &r.gpu, "-1", "CUDA device to compute on (-1: the default device)"},
+		{"stage-link", OPT_STRING, &r.stage_link_arg, "auto",
+		 "how the hidden state passes between ranks: nccl (device to device), shm (through shared "
+		 "memory) or auto (nccl on the cuda backend where built, else shm)"},
+		{"stage-split", OPT_STRING, &r.stage_split_arg, NULL,
+		 "the first layer of each rank after rank 0, comma-separated (default: planned so that every rank "
+		 "takes about the same time per token)"},
 		{"timeout-ms", OPT_INT, &r.timeout_ms, "60000", "how long to wait for a reply from another service"},
 		{"log-level", OPT_STRING, &r.log_level, "info", "debug, info, warn or error"},
 		{0},
@@ -229,14 +256,22 @@ int main(int argc, char **argv)
 		return 0;
 	if (rc < 0)
 		return 2;
-	log_init("gpu-runner");
+	char flag_err[256];
+	if (runner_parse_stage_flags(&r, flag_err, sizeof(flag_err)) != 0) {
+		fprintf(stderr, "gpu-runner: %s\n", flag_err);
+		return 2;
+	}
+	log_init(r.service_name);
 	enum log_level lv;
 	if (log_parse_level(r.log_level, &lv) != 0) {
 		fprintf(stderr, "gpu-runner: --log-level '%s' is not debug, info, warn or error\n", r.log_level);
 		return 2;
 	}
 	log_set_level(lv);
-	char flag_err[256];
+	if (r.gpu >= 0 && backend_use_device(r.backend_name, (int)r.gpu, flag_err, sizeof(flag_err)) != 0) {
+		fprintf(stderr, "gpu-runner: %s\n", flag_err);
+		return 2;
+	}
 	if (runner_parse_cpu_flags(&r, flag_err, sizeof(flag_err)) != 0) {
 		fprintf(stderr, "gpu-runner: %s\n", flag_err);
 		return 2;
@@ -252,7 +287,7 @@ int main(int argc, char **argv)
 		return 1;
 	rc = setup(&r);
 	if (rc == 0) {
-		r.svc = service_create("gpu-runner", r.run_dir, &runner_ops, &r);
+		r.svc = service_create(r.service_name, r.run_dir, &runner_ops, &r);
 		if (!r.svc)
 			rc = -EIO;
 		else
@@ -265,6 +300,7 @@ int main(int argc, char **argv)
 	while (service_poll_once(r.svc, r.q_len ? 0 : 100) == 0) {
 		if (!r.q_len) {
 			runner_release_dead_loader(&r);
+			runner_idle_stages(&r);
 			continue;
 		}
 		runner_run_next(&r);

@@ -15,6 +15,7 @@
 #include "services/gpu-runner/engine.h"
 #include "services/gpu-runner/kv_cache.h"
 #include "services/gpu-runner/runner.h"
+#include "services/gpu-runner/stages/stages.h"
 #include "services/gpu-runner/text.h"
 #include "services/gpu-runner/weights_ring.h"
 #ifdef PIPELINE_HAVE_CUDA
@@ -47,7 +48,8 @@ static void predict(struct runner *r)
 	const struct weight_source *ws = ring_source_base(r->ring);
 	uint64_t weights = 0;
 	for (uint32_t g = 1; g < ws->n_groups; g++) /* the embedding is read one row a token, on the host */
-		weights += ws->groups[g].tensor_bytes;
+		if (weight_stage_has(&ws->stage, &ws->groups[g])) /* several runners: this one's layers */
+			weights += ws->groups[g].tensor_bytes;
 	weights -= st.cpu_bytes_per_token;
 	double pcie = st.h2d_bytes_per_s > 0 ? (double)st.streamed_bytes_per_token / st.h2d_bytes_per_s * 1e3 : 0;
 	double disk = disk_bytes && disk_bps ? (double)disk_bytes / (double)disk_bps * 1e3 : 0;
@@ -183,7 +185,7 @@ static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t e
 	int rc = hello_peer(r, r->loader_c, "ssd-loader", deadline_ms, &hello, err, errlen);
 	if (rc)
 		return rc;
-	rc = ring_source_create(r->loader_c, &hello.hello_reply, (int)r->timeout_ms, &r->ring, err, errlen);
+	rc = ring_source_create(r->loader_c, &hello.hello_reply, (int)r->timeout_ms, &r->stage, &r->ring, err, errlen);
 	msg_free(&hello);
 	if (rc)
 		return rc;
@@ -240,6 +242,20 @@ void runner_unpin_pool(struct runner *r)
 	if (r->pool_pinned)
 		backend_unpin_host(r->be, r->pool_pinned);
 	r->pool_pinned = NULL;
+}
+
+int runner_make_cache(struct runner *r, char *err, size_t errlen)
+{
+	kv_cache_quiesce(r->cache); /* no read-ahead copy of the one before may still run */
+	kv_cache_destroy(&r->cache);
+	struct kv_cache_params kp = {.n_layers = r->cfg.n_layers, .block_tokens = (uint32_t)r->block_tokens,
+				     .max_context = (uint32_t)r->max_context, .max_chunk = (uint32_t)r->prefill_chunk,
+				     .n_arena = r->bp.n_kv_blocks};
+	if (r->stage.split) {
+		kp.layer0 = r->stage.layer0;
+		kp.layer1 = r->stage.layer1;
+	}
+	return kv_cache_create(&kp, r->be, &kv_remote_ops_pool, &r->kv, &r->cache, err, errlen);
 }
 
 int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errlen)
@@ -318,6 +334,7 @@ int runner_make_engine(struct runner *r, char *err, size_t errlen)
 	if (rc)
 		return rc;
 	engine_set_progress(r->engine, beat, r);
+	runner_set_engine_stages(r);
 	if (r->cpu_split_r)
 		return engine_set_ffn_split(r->engine, r->cpu_split_r, 1, err, errlen);
 	return 0;
@@ -345,5 +362,8 @@ int runner_ensure_connections(struct runner *r, char *err, size_t errlen)
 		if (rc)
 			return rc;
 	}
+	/* Rank 0 of a split model: the other ranks formed (again, after one restarted). */
+	if (r->front && (rc = stage_front_form(r->front, RECONNECT_TIMEOUT_MS, err, errlen)) != 0)
+		return rc;
 	return 0;
 }

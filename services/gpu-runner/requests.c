@@ -11,6 +11,7 @@
 
 #include "common/log.h"
 #include "common/service.h"
+#include "common/util.h"
 #include "services/gpu-runner/runner.h"
 #include "services/gpu-runner/text.h"
 #include "services/gpu-runner/weights_ring.h"
@@ -20,6 +21,7 @@
 
 static void job_free(struct job *j)
 {
+	free(j->emitted);
 	free(j->tokens);
 	free(j->stop);
 	free(j->done);
@@ -75,6 +77,17 @@ static enum gen_emit emit_token(void *ctx, uint32_t index, int32_t token)
 	}
 	ring_source_count_token(r->ring);
 	trim_retired(r);
+	struct job *j = r->current;
+	if (j->n_emitted == j->cap_emitted) {
+		uint32_t cap = j->cap_emitted ? 2 * j->cap_emitted : 256;
+		int32_t *e = realloc(j->emitted, cap * sizeof(int32_t));
+		if (e) {
+			j->emitted = e;
+			j->cap_emitted = cap;
+		}
+	}
+	if (j->n_emitted < j->cap_emitted)
+		j->emitted[j->n_emitted++] = token;
 	if (service_reply(r->svc, &r->current->peer, &m) == -EHOSTUNREACH) {
 		log_warn("the client of request %llu went away: cancelling it", (unsigned long long)r->current->corr);
 		return GEN_CANCEL;
@@ -95,6 +108,7 @@ static int send_logits(void *ctx, uint32_t position, const float *logits, uint32
 	m.logits.values.p = (char *)logits; /* float32 in host order: little-endian on every target */
 	m.logits.values.len = n * (uint32_t)sizeof(float);
 	int rc = service_reply(r->svc, &r->current->peer, &m);
+	r->current->logits_sent = true;
 	return rc == -EHOSTUNREACH ? rc : 0;
 }
 
@@ -149,9 +163,41 @@ static void run_job(struct runner *r, struct job *j)
 				j->params.done_stop_string = true;
 		}
 	}
+	/* What was sent before a resume (MSG_GENERATE's done) counts as sent. */
+	if (rc == 0 && j->params.n_done) {
+		j->emitted = malloc(j->params.n_done * sizeof(int32_t));
+		if (!j->emitted) {
+			rc = -ENOMEM;
+			snprintf(err, sizeof(err), "out of memory");
+		} else {
+			memcpy(j->emitted, j->params.done, j->params.n_done * sizeof(int32_t));
+			j->n_emitted = j->cap_emitted = j->params.n_done;
+		}
+	}
 	if (rc == 0) {
 		rc = generate_run(r->engine, prompt, n_prompt, (uint32_t)r->max_context, &j->params, emit_token, r,
 				  &res, err, sizeof(err));
+		/* A stage of a split model died under the request: once the ranks are formed again it goes
+		 * on from the tokens sent, as a request resumed after its runner died does (generate.h):
+		 * the client sees the tokens of an uninterrupted run. */
+		for (uint32_t tries = 0; rc && rc != -ECANCELED && runner_stage_failed(r) && tries < 3; tries++) {
+			log_warn("request %llu: %s; resuming after %u tokens once the stages are formed again",
+				 (unsigned long long)j->corr, err, j->n_emitted);
+			char why[512];
+			if (runner_ensure_connections(r, why, sizeof(why)) != 0) {
+				size_t k = strlen(err);
+				snprintf(err + k, sizeof(err) - k, "; the stages did not form again: %.480s", why);
+				break;
+			}
+			j->params.done = j->emitted;
+			j->params.n_done = j->n_emitted;
+			if (j->logits_sent)
+				j->params.on_logits = NULL;
+			r->stage_resumes++;
+			err[0] = 0;
+			rc = generate_run(r->engine, prompt, n_prompt, (uint32_t)r->max_context, &j->params, emit_token, r,
+					  &res, err, sizeof(err));
+		}
 		if (rc == 0 && r->ts && (j->flags & GEN_TEXT))
 			text_stream_finish(r->ts, &tail, &tail_len);
 		/* Hand streamed groups back; a dead loader would only make the client wait a timeout, and
@@ -319,8 +365,15 @@ int runner_handle(void *ctx, struct service *s, const struct bus_peer *peer, con
 		  size_t errlen)
 {
 	struct runner *r = ctx;
-	if (req->type == MSG_GENERATE)
+	if (req->type == MSG_GENERATE) {
+		if (r->rank)
+			return errorf(errtext, errlen, -EINVAL, "%s computes layers %u..%u of a split model; send "
+				      "requests to gpu-runner (the first stage)", r->service_name, r->stage.layer0,
+				      r->stage.layer1 - 1);
 		return queue_generate(r, peer, req, errtext, errlen);
+	}
+	if (req->type == MSG_STAGE_SETUP || req->type == MSG_STAGE_SEQ || req->type == MSG_STAGE_STEP)
+		return runner_handle_stage(r, s, peer, req, errtext, errlen);
 	snprintf(errtext, errlen, "gpu-runner does not handle %s", msg_type_name(req->type));
 	return -ENOTSUP;
 }

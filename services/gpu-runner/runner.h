@@ -5,6 +5,8 @@
  *   requests.c  the queue, running a generate job, its replies
  *   stats.c     the stats JSON, with what pipeline-inspect shows
  *   tuning.c    the live tunables and the fixed values `pipectl tune` lists
+ *   stage.c     a model split across runners (stages/stages.h): the layers of this rank, and a later
+ *               rank's side (MSG_STAGE_SETUP, _SEQ, _STEP)
  *   main.c      flags, start, the main loop and teardown
  * Functions return 0 or -errno and write a message into err where they take one. */
 #ifndef GPU_RUNNER_RUNNER_H
@@ -21,6 +23,7 @@
 #include "services/gpu-runner/generate.h"
 #include "services/gpu-runner/kv_remote.h"
 #include "services/gpu-runner/split_plan.h"
+#include "services/gpu-runner/stages/plan.h"
 
 #define QUEUE_MAX 16
 
@@ -32,6 +35,10 @@ struct job {
 	int32_t *stop;	 /* the request's stop ids, room for one more (a chat's end of turn) */
 	int32_t *done;	 /* a resumed request's tokens generated before the cut (params.done), or NULL */
 	struct gen_params params;
+	int32_t *emitted;	 /* every token sent so far (a resumed request's done ones first), for a
+				  * resume in this runner when a stage of a split model died */
+	uint32_t n_emitted, cap_emitted;
+	bool logits_sent;	 /* GEN_LOGITS: sent (a resume does not send them again) */
 	uint64_t flags;	 /* enum gen_flags */
 	char *prompt, *chat, *stop_strings; /* owned copies, NULL when not given */
 	uint32_t prompt_len, chat_len, stop_strings_len;
@@ -55,6 +62,23 @@ struct runner {
 	struct task_pool *cpu_pool;		     /* the CPU share's workers; NULL: no CPU share */
 	uint32_t *cpu_split_r;			     /* the C backend with a fixed share: r per layer (engine) */
 	uint64_t cpu_split_bytes;		     /* ... and the weight bytes its CPU shares read per token */
+
+	/* A model split across runners (stage.c): --ranks runners, this one rank --rank, on CUDA device
+	 * --gpu; the service is "gpu-runner" for rank 0, "gpu-runner-<rank>" for the others. */
+	long rank, ranks, gpu;
+	const char *stage_link_arg, *stage_split_arg;
+	char service_name[32];
+	char stage_link_kind[16];     /* --stage-link resolved: "shm" or "nccl" */
+	struct stage_plan stage_plan; /* the ranks' layers, as every rank plans them */
+	struct weight_stage stage;    /* this rank's layers (split false: one runner, all) */
+	struct stage_front *front;    /* rank 0 of several: forms the ranks, drives their steps */
+	struct stage_link *slink;     /* a later rank: the link of the formation it is in (NULL: none) */
+	uint64_t formation;	      /* a later rank: that formation */
+	int32_t *stage_seq;	      /* a later rank: the sequence's tokens so far (max_context), for KV keys */
+	uint32_t stage_seq_n;
+	uint64_t stage_steps, stage_forms;
+	uint64_t stage_resumes;	      /* rank 0: requests resumed after a stage died under them */
+	uint64_t stage_form_try_ns;   /* rank 0: the last try at forming while idle */
 
 	void *zctx; /* for the clients of the other services */
 	struct rpc_client *loader_c, *kv_c;
@@ -100,6 +124,8 @@ bool runner_wait_beat(void *ctx);
 int runner_connect_loader_retry(struct runner *r, int deadline_ms, char *err, size_t errlen);
 int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errlen);
 void runner_unpin_pool(struct runner *r);
+/* The KV cache of this runner's layers (r->stage) over its arena; the one before (if any) goes. */
+int runner_make_cache(struct runner *r, char *err, size_t errlen);
 /* The engine over the weight source as it is now; the one before (if any) goes. With the C backend
  * and a fixed --cpu-share, every FFN splits with the CPU in decode steps. */
 int runner_make_engine(struct runner *r, char *err, size_t errlen);
@@ -124,6 +150,30 @@ void runner_drop_queued(struct runner *r);
 /* service_ops.handle: queues MSG_GENERATE. */
 int runner_handle(void *ctx, struct service *s, const struct bus_peer *peer, const struct msg *req, char *errtext,
 		  size_t errlen);
+
+/* stage.c */
+/* Parses --rank, --ranks, --gpu, --stage-link and --stage-split (the checks that need no model).
+ * Returns 0, or -EINVAL with a message in err naming the flag. */
+int runner_parse_stage_flags(struct runner *r, char *err, size_t errlen);
+/* With several ranks, once the model is known: the plan of every rank's layers (each rank makes the
+ * same one), this rank's stage (r->stage), and the ring's groups narrowed to it. Returns 0 or -errno. */
+int runner_plan_stages(struct runner *r, char *err, size_t errlen);
+/* Rank 0 of several, once the engine exists: the front that forms the other ranks. */
+int runner_make_front(struct runner *r, char *err, size_t errlen);
+/* The engine's stage ops for this runner (none with one rank). */
+void runner_set_engine_stages(struct runner *r);
+/* A later rank: MSG_STAGE_SETUP, MSG_STAGE_SEQ and MSG_STAGE_STEP, answered here. Returns 0 (answered)
+ * or -errno with errtext (the service replies MSG_ERROR). */
+int runner_handle_stage(struct runner *r, struct service *s, const struct bus_peer *peer, const struct msg *req,
+			char *errtext, size_t errlen);
+/* The "stages" stats object's members (none with one rank) into buf. */
+void runner_stage_stats(struct runner *r, char *buf, size_t len);
+void runner_drop_stages(struct runner *r);
+/* Rank 0, idle: forms the ranks when they are not (a rank restarted), at most once a second, so that
+ * the next request finds them formed. */
+void runner_idle_stages(struct runner *r);
+/* Rank 0: did the request's failure come from the stages (a rank gone), so that it may resume? */
+bool runner_stage_failed(const struct runner *r);
 
 /* stats.c */
 /* service_ops.stats: the stats as compact JSON (malloc'd; the caller frees it), NULL without memory. */

@@ -270,6 +270,14 @@ char *runner_stats(void *ctx)
 #endif
 	if (o)
 		json_object_set_new(o, "cpu_share", cpu_share_stats(r));
+	if (o && r->ranks > 1) { /* a split model: this rank's part and the formation */
+		char members[4096], text[4100];
+		runner_stage_stats(r, members, sizeof(members));
+		snprintf(text, sizeof(text), "{%s}", members);
+		json_t *st = json_loads(text, 0, NULL);
+		if (st)
+			json_object_set_new(o, "stages", st);
+	}
 	if (o)
 		inspect_stats(r, o);
 	if (o) {

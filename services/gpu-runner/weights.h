@@ -49,7 +49,31 @@ struct weight_source_ops {
 	 * its place in the visit order: w gets its tensors in host memory (PLACE_HOST), readable until
 	 * the engine's step returns; no release follows. */
 	int (*acquire_host)(struct weight_source *s, uint32_t group, struct group_weights *w);
+	/* Optional: hands back now what the source holds of the loader's streaming slots without need
+	 * (releases held back for the next acquire, the host side of copies done): a stage of a split
+	 * model at the end of its layers, so that the next stage's runner finds the slots free while this
+	 * one waits. Returns 0 or -errno with the message in the source. */
+	int (*flush)(struct weight_source *s);
 };
+
+/* The part of the model a source serves when several runners split the layers between them (the
+ * stages, stages/stages.h): layers [layer0, layer1), and the embedding table and the head when first.
+ * split false (a zeroed struct): one runner alone, every group. */
+struct weight_stage {
+	bool split;
+	uint32_t layer0, layer1;
+	bool first;
+};
+
+/* Does group gd belong to stage s? */
+static inline bool weight_stage_has(const struct weight_stage *s, const struct group_desc *gd)
+{
+	if (!s->split)
+		return true;
+	if (gd->kind == GROUP_EMBED || gd->kind == GROUP_HEAD)
+		return s->first;
+	return gd->layer >= s->layer0 && gd->layer < s->layer1;
+}
 
 /* The common part of every source; implementations embed it first. */
 struct weight_source {
@@ -62,6 +86,7 @@ struct weight_source {
 	uint64_t acquires;
 	uint32_t step_tokens;	 /* tokens of the step the engine is computing (it sets this before the
 				  * step's first acquire): a source that splits FFNs chooses by it */
+	struct weight_stage stage; /* the groups it serves; the engine computes only those */
 	char error[512];
 };
 

@@ -194,6 +194,7 @@ static int acquire_groups(struct ring_source *rs, const uint64_t *groups, uint32
 	req.w_acquire.groups.n = n;
 	req.w_acquire.release.v = rs->pending_release;
 	req.w_acquire.release.n = rs->n_pending;
+	req.w_acquire.session = rpc_client_session(rs->loader);
 	uint64_t corr;
 	int rc = rpc_send(rs->loader, &req, &corr);
 	if (rc)
@@ -237,6 +238,9 @@ static int ring_acquire(struct weight_source *ws, uint32_t group, struct group_w
 	struct ring_source *rs = (struct ring_source *)ws;
 	if (group >= rs->base.n_groups)
 		return errorf(ws->error, sizeof(ws->error), -EINVAL, "no group %u", group);
+	if (!weight_stage_has(&ws->stage, &rs->groups[group]))
+		return errorf(ws->error, sizeof(ws->error), -EINVAL, "group %u is not in this runner's layers %u..%u",
+			      group, ws->stage.layer0, ws->stage.layer1 - 1);
 	for (uint32_t attempt = 0;; attempt++) {
 		atomic_store_explicit(&rs->h->runner.position, group, memory_order_relaxed);
 		struct held *hd = &rs->held[group];
@@ -292,6 +296,7 @@ static int send_release(struct ring_source *rs, uint64_t *groups, uint32_t n)
 	msg_init(&req, MSG_W_RELEASE, 0);
 	req.w_release.groups.v = groups;
 	req.w_release.groups.n = n;
+	req.w_release.session = rpc_client_session(rs->loader);
 	int rc = rpc_call(rs->loader, &req, &rep, rs->timeout_ms);
 	if (rc == -EREMOTEIO)
 		errorf(rs->base.error, sizeof(rs->base.error), rc, "ssd-loader refused a release: %s", rep.error.text.p);
@@ -319,10 +324,21 @@ static int ring_release_all(struct weight_source *ws)
 	return rc;
 }
 
+static int ring_flush(struct weight_source *ws)
+{
+	struct ring_source *rs = (struct ring_source *)ws;
+	if (!rs->n_pending || !ring_source_owner_alive(rs))
+		return 0; /* a gone loader's successor never granted them: the next acquire drops them */
+	int rc = send_release(rs, rs->pending_release, rs->n_pending);
+	rs->n_pending = 0;
+	return rc;
+}
+
 static const struct weight_source_ops ring_ops = {
 	.acquire = ring_acquire,
 	.release = ring_release,
 	.release_all = ring_release_all,
+	.flush = ring_flush,
 };
 
 /* Maps the ring a HELLO reply names and checks its tables into rs (tensors, groups, held,
@@ -360,7 +376,8 @@ static void free_tables(struct ring_source *rs)
 	rs->pending_release = NULL;
 }
 
-/* Acquires the groups kept for good: all when resident, else the globals (embed, head). */
+/* Acquires the groups kept for good: all when resident, else the globals (embed, head); of the
+ * stage's groups only (weights.h), and not those held already. */
 static int acquire_keep(struct ring_source *rs)
 {
 	uint32_t ng = rs->base.n_groups, n = 0;
@@ -368,7 +385,8 @@ static int acquire_keep(struct ring_source *rs)
 	if (!keep)
 		return errorf(rs->base.error, sizeof(rs->base.error), -ENOMEM, "out of memory");
 	for (uint32_t g = 0; g < ng; g++)
-		if (rs->all_resident || rs->groups[g].kind == GROUP_EMBED || rs->groups[g].kind == GROUP_HEAD)
+		if ((rs->all_resident || rs->groups[g].kind == GROUP_EMBED || rs->groups[g].kind == GROUP_HEAD) &&
+		    weight_stage_has(&rs->base.stage, &rs->groups[g]) && !(rs->held[g].held && !rs->held[g].stale))
 			keep[n++] = g;
 	int rc = acquire_groups(rs, keep, n);
 	for (uint32_t i = 0; i < n && rc == 0; i++)
@@ -378,7 +396,7 @@ static int acquire_keep(struct ring_source *rs)
 }
 
 int ring_source_create(struct rpc_client *loader, const struct msg_hello_reply *hello, int timeout_ms,
-		       struct ring_source **out, char *err, size_t errlen)
+		       const struct weight_stage *stage, struct ring_source **out, char *err, size_t errlen)
 {
 	struct ring_source *rs = calloc(1, sizeof(*rs));
 	if (!rs)
@@ -394,6 +412,14 @@ int ring_source_create(struct rpc_client *loader, const struct msg_hello_reply *
 	rs->base.groups = rs->groups;
 	rs->base.n_tensors = rs->h->n_tensors;
 	rs->base.n_groups = rs->h->n_groups;
+	if (stage) {
+		if (stage->split && (stage->layer0 > stage->layer1 || stage->layer1 > rs->cfg.n_layers)) {
+			rc = errorf(err, errlen, -EINVAL, "layers %u..%u are not a range of the model's %u layers",
+				    stage->layer0, stage->layer1, rs->cfg.n_layers);
+			goto out_free;
+		}
+		rs->base.stage = *stage;
+	}
 	rc = acquire_keep(rs);
 	if (rc) {
 		errorf(err, errlen, rc, "%s", rs->base.error);
@@ -545,6 +571,35 @@ void ring_source_destroy(struct ring_source **rsp)
 	free_tables(rs);
 	free(rs);
 	*rsp = NULL;
+}
+
+int ring_source_set_stage(struct ring_source *rs, const struct weight_stage *stage, char *err, size_t errlen)
+{
+	const struct model_config *c = &rs->cfg;
+	if (stage->split && (stage->layer0 > stage->layer1 || stage->layer1 > c->n_layers))
+		return errorf(err, errlen, -EINVAL, "layers %u..%u are not a range of the model's %u layers",
+			      stage->layer0, stage->layer1, c->n_layers);
+	rs->base.stage = *stage;
+	/* Groups kept for good that the stage leaves go back to the loader (with the releases pending)... */
+	uint32_t n = rs->n_pending;
+	for (uint32_t g = 0; g < rs->base.n_groups; g++) {
+		struct held *hd = &rs->held[g];
+		if (!hd->held || weight_stage_has(stage, &rs->groups[g]))
+			continue;
+		if (hd->stale) {
+			hd->held = hd->stale = false;
+			continue;
+		}
+		hd->held = hd->permanent = false;
+		rs->pending_release[n++] = g;
+	}
+	int rc = send_release(rs, rs->pending_release, n);
+	rs->n_pending = 0;
+	if (rc == 0)
+		rc = acquire_keep(rs); /* ...and those it takes on are acquired */
+	if (rc)
+		return errorf(err, errlen, rc, "%s", rs->base.error);
+	return 0;
 }
 
 void ring_source_set_wait_hook(struct ring_source *rs, bool (*fn)(void *ctx), void *ctx)

@@ -1,7 +1,7 @@
 /* weights_ring.h - the weight source over the ssd-loader's shared-memory ring.
  *
  *   struct ring_source *rs;
- *   rc = ring_source_create(loader_client, &hello_reply, timeout_ms, &rs, err, sizeof(err));
+ *   rc = ring_source_create(loader_client, &hello_reply, timeout_ms, NULL, &rs, err, sizeof(err));
  *   struct weight_source *ws = ring_source_base(rs);   // give it to the engine
  *   if (!ring_source_owner_alive(rs)) ... the loader restarted: destroy and create again
  *   ring_source_destroy(&rs);
@@ -42,14 +42,19 @@ extern "C" {
 
 struct ring_source;
 
-/* Borrows loader (it must outlive the source). hello is the loader's HELLO reply.
- * Returns 0 or -errno with err set. */
+/* Borrows loader (it must outlive the source). hello is the loader's HELLO reply. stage (NULL: every
+ * group) says which groups it serves (weights.h; a split stage with layer0 == layer1 and not first:
+ * none yet). Returns 0 or -errno with err set. */
 int ring_source_create(struct rpc_client *loader, const struct msg_hello_reply *hello, int timeout_ms,
-		       struct ring_source **out, char *err, size_t errlen);
+		       const struct weight_stage *stage, struct ring_source **out, char *err, size_t errlen);
 /* Releases every grant (best effort) and unmaps. Safe on NULL; NULLs *rs. */
 void ring_source_destroy(struct ring_source **rs);
 
 struct weight_source *ring_source_base(struct ring_source *rs);
+/* Serves only stage's groups from now on (weights.h; a split stage): groups kept for good outside it
+ * go back to the loader, those it adds are acquired. Call between steps, with no group acquired.
+ * Returns 0 or -errno with err set. */
+int ring_source_set_stage(struct ring_source *rs, const struct weight_stage *stage, char *err, size_t errlen);
 /* Called every 100 ms while the source waits for the loader (a grant, a loader to come back):
  * the runner beats its heartbeat there. Returning true gives the wait up (the runner is
  * stopping): the acquire fails with -ECANCELED. */

@@ -206,8 +206,10 @@ static void hello(void *ctx, const struct msg *req, struct msg_hello_reply *repl
 	struct kvsvc *k = ctx;
 	/* A runner says HELLO when it (re)connects. With the session of the last runner it is the
 	 * same process reconnecting (perhaps mid-request): it keeps its blocks. Another session is
-	 * a new runner: whatever the old one held is let go (keyed blocks stay cached). */
-	if (req->hello.client.len && !strcmp(req->hello.client.p, "gpu-runner")) {
+	 * a new runner: whatever the old one held is let go (keyed blocks stay cached). The runners of
+	 * a model split across several ("gpu-runner", "gpu-runner-1", ...) share one session, new with
+	 * each formation of them, so that what a formation held is let go together. */
+	if (req->hello.client.len && !strncmp(req->hello.client.p, "gpu-runner", strlen("gpu-runner"))) {
 		struct kvstore_hello r;
 		kvstore_runner_hello(k->kv, req->hello.session, &r);
 		if (r.kept)

@@ -67,7 +67,11 @@ bool pipectl_check_service(const char *name)
 	for (int i = 0; pipectl_services[i]; i++)
 		if (!strcmp(name, pipectl_services[i]))
 			return true;
-	fprintf(stderr, "pipectl: unknown service '%s' (one of: ssd-loader, kv-store, gpu-runner)\n", name);
+	/* The further runners of a model split across GPUs (start --gpus, --ranks): gpu-runner-1 .. 7. */
+	if (!strncmp(name, "gpu-runner-", 11) && name[11] >= '1' && name[11] <= '7' && !name[12])
+		return true;
+	fprintf(stderr, "pipectl: unknown service '%s' (one of: ssd-loader, kv-store, gpu-runner, gpu-runner-N)\n",
+		name);
 	return false;
 }
 

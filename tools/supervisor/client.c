@@ -121,6 +121,16 @@ static json_t *service_obj(json_t *status, const char *name)
 	return json_object_get(json_object_get(status, "services"), name);
 }
 
+/* The name of the status's i-th service (the three, then any further runners, in start order);
+ * false past the last. */
+static bool service_at(json_t *status, int i, char *name, size_t len)
+{
+	if (i >= SUP_MAX_SERVICES)
+		return false;
+	sup_service_name(i, name, len);
+	return i < SUP_N_SERVICES || service_obj(status, name) != NULL;
+}
+
 static const char *str_field(json_t *o, const char *key, const char *def)
 {
 	json_t *v = json_object_get(o, key);
@@ -135,8 +145,9 @@ static long long int_field(json_t *o, const char *key, long long def)
 
 static bool all_up(json_t *status)
 {
-	for (int i = 0; i < SUP_N_SERVICES; i++)
-		if (strcmp(str_field(service_obj(status, sup_service_names[i]), "state", ""), "up") != 0)
+	char name[32];
+	for (int i = 0; service_at(status, i, name, sizeof(name)); i++)
+		if (strcmp(str_field(service_obj(status, name), "state", ""), "up") != 0)
 			return false;
 	return true;
 }
@@ -236,16 +247,17 @@ int sup_client_status(const char *run_dir, bool json, long timeout_s)
 		       "in %lld s)\n",
 		       int_field(me, "pid", 0), str_field(me, "state", "?"), up, int_field(me, "heartbeat_ms", 0),
 		       int_field(me, "hang_ms", 0), int_field(me, "burst_limit", 0), int_field(me, "burst_window_s", 0));
-		printf("%-11s %-8s %-10s %-7s %-9s %-8s %-20s %s\n", "service", "pid", "state", "health", "uptime",
+		printf("%-12s %-8s %-10s %-7s %-9s %-8s %-20s %s\n", "service", "pid", "state", "health", "uptime",
 		       "restarts", "last exit", "last error");
-		for (int i = 0; i < SUP_N_SERVICES; i++) {
-			json_t *o = service_obj(j, sup_service_names[i]);
+		char name[32];
+		for (int i = 0; service_at(j, i, name, sizeof(name)); i++) {
+			json_t *o = service_obj(j, name);
 			char pid[16] = "-", uptime[32] = "-";
 			if (json_is_integer(json_object_get(o, "pid")))
 				snprintf(pid, sizeof(pid), "%lld", int_field(o, "pid", 0));
 			if (json_is_number(json_object_get(o, "uptime_s")))
 				sup_format_duration(json_number_value(json_object_get(o, "uptime_s")), uptime, sizeof(uptime));
-			printf("%-11s %-8s %-10s %-7s %-9s %-8lld %-20s %s\n", sup_service_names[i], pid,
+			printf("%-12s %-8s %-10s %-7s %-9s %-8lld %-20s %s\n", name, pid,
 			       str_field(o, "state", "?"), str_field(o, "health", "?"), uptime, int_field(o, "restarts", 0),
 			       str_field(o, "last_exit", "-"), str_field(o, "last_error", "-"));
 		}
@@ -281,7 +293,7 @@ int sup_client_wait(const char *run_dir, long timeout_s)
 		return SUP_EXIT_FAIL;
 	int pid = sup_read_pid_file(run_dir, SUP_NAME);
 	uint64_t deadline = timeout_s > 0 ? now_ns() + (uint64_t)timeout_s * 1000000000ull : 0;
-	bool announced[SUP_N_SERVICES] = {false};
+	bool announced[SUP_MAX_SERVICES] = {false};
 	int missed = 0, status = SUP_EXIT_FAIL;
 	char err[512] = "";
 	for (;;) {
@@ -298,15 +310,16 @@ int sup_client_wait(const char *run_dir, long timeout_s)
 		if (!pid)
 			pid = (int)int_field(json_object_get(j, "supervisor"), "pid", 0);
 		bool failed = false;
-		for (int i = 0; i < SUP_N_SERVICES; i++) {
-			json_t *o = service_obj(j, sup_service_names[i]);
+		char name[32];
+		for (int i = 0; service_at(j, i, name, sizeof(name)); i++) {
+			json_t *o = service_obj(j, name);
 			const char *state = str_field(o, "state", "");
 			if (!strcmp(state, "up") && !announced[i]) {
 				announced[i] = true;
-				printf("%s ready (pid %lld)\n", sup_service_names[i], int_field(o, "pid", 0));
+				printf("%s ready (pid %lld)\n", name, int_field(o, "pid", 0));
 				fflush(stdout);
 			} else if (!strcmp(state, "failed")) {
-				report_failed(run_dir, sup_service_names[i], o);
+				report_failed(run_dir, name, o);
 				failed = true;
 			}
 		}

@@ -1,5 +1,5 @@
 /* daemon.c - the supervisor proper: one event loop (common/service.h's) that starts the three
- * services, reaps them, watches their heartbeats, restarts them and answers status; and becoming
+ * services (and a runner per GPU beyond the first), reaps them, watches their heartbeats, restarts them and answers status; and becoming
  * a daemon. The loop's parts are in launch.c, health.c, stop.c and status.c
  * (daemon_internal.h). */
 #include <errno.h>
@@ -33,6 +33,30 @@ int sup_service_index(const char *name)
 	return -1;
 }
 
+int sup_service_kind(const char *name, int *rank)
+{
+	int i = sup_service_index(name);
+	if (rank)
+		*rank = 0;
+	if (i >= 0)
+		return i;
+	size_t len = strlen(sup_service_names[SUP_GPU_RUNNER]);
+	if (strncmp(name, sup_service_names[SUP_GPU_RUNNER], len) || name[len] != '-' || name[len + 1] < '1' ||
+	    name[len + 1] > '0' + SUP_MAX_RANKS - 1 || name[len + 2])
+		return -1;
+	if (rank)
+		*rank = name[len + 1] - '0';
+	return SUP_GPU_RUNNER;
+}
+
+void sup_service_name(int i, char *buf, size_t len)
+{
+	if (i < SUP_N_SERVICES)
+		snprintf(buf, len, "%s", sup_service_names[i]);
+	else
+		snprintf(buf, len, "%s-%d", sup_service_names[SUP_GPU_RUNNER], i - SUP_GPU_RUNNER);
+}
+
 void sup_config_defaults(struct sup_config *cfg)
 {
 	*cfg = (struct sup_config){
@@ -54,7 +78,7 @@ static void tick(struct sup *sup)
 	uint64_t now = now_ns();
 	reap_children(sup);
 	drain_heartbeats(sup, now);
-	for (int i = 0; i < SUP_N_SERVICES; i++) {
+	for (int i = 0; i < sup->n; i++) {
 		svc_check_ready(sup, &sup->s[i], now);
 		svc_check_hang(sup, &sup->s[i], now);
 	}
@@ -62,9 +86,11 @@ static void tick(struct sup *sup)
 	check_deadlines(sup, now);
 	if (sup->phase == PHASE_STARTING && sup->s[SUP_KV_STORE].state == SVC_UP &&
 	    sup->s[SUP_SSD_LOADER].state == SVC_UP) {
-		/* The runner connects to both at its start: it comes once they answer. */
-		if (sup->s[SUP_GPU_RUNNER].state == SVC_STOPPED)
-			svc_launch(sup, &sup->s[SUP_GPU_RUNNER], "");
+		/* The runners connect to both at their start: they come once they answer, all at once
+		 * (rank 0 forms the others, each of which plans and loads its own layers meanwhile). */
+		for (int i = SUP_GPU_RUNNER; i < sup->n; i++)
+			if (sup->s[i].state == SVC_STOPPED)
+				svc_launch(sup, &sup->s[i], "");
 		sup->phase = PHASE_RUNNING;
 	}
 	if (sup->phase == PHASE_STOPPING)
@@ -113,10 +139,15 @@ static int supervise(const struct sup_config *cfg, int notify_fd)
 	char err[512];
 	int status = SUP_EXIT_FAIL;
 
-	for (int i = 0; i < SUP_N_SERVICES; i++) {
-		sup.s[i].id = i;
-		sup.s[i].name = sup_service_names[i];
-		if (build_argv(cfg, &sup.s[i], err, sizeof(err)) != 0)
+	sup.n = SUP_N_SERVICES + (cfg->n_ranks > 1 ? cfg->n_ranks - 1 : 0);
+	for (int i = 0; i < sup.n; i++) {
+		struct svc *v = &sup.s[i];
+		v->id = i;
+		v->kind = i < SUP_GPU_RUNNER ? i : SUP_GPU_RUNNER;
+		v->rank = i < SUP_GPU_RUNNER ? 0 : i - SUP_GPU_RUNNER;
+		sup_service_name(i, v->name_buf, sizeof(v->name_buf));
+		v->name = v->name_buf;
+		if (build_argv(cfg, v, err, sizeof(err)) != 0)
 			goto out_argv;
 	}
 	/* Orphans of a service's wrapper come to us, and are reaped here. */
@@ -147,7 +178,7 @@ static int supervise(const struct sup_config *cfg, int notify_fd)
 		goto out_service;
 	}
 	sup.zctx = service_zmq_context(sup.svc);
-	for (int i = 0; i < SUP_N_SERVICES; i++) {
+	for (int i = 0; i < sup.n; i++) {
 		sup.s[i].rpc = rpc_client_create(sup.zctx, cfg->run_dir, sup.s[i].name, "pipeline-supervisor");
 		if (!sup.s[i].rpc) {
 			snprintf(err, sizeof(err), "cannot open a client of %s: %s", sup.s[i].name, strerror(errno));
@@ -159,7 +190,7 @@ static int supervise(const struct sup_config *cfg, int notify_fd)
 	char ep[300];
 	bus_endpoint(cfg->run_dir, sup.s[0].name, "pub", ep, sizeof(ep));
 	sup.sub = bus_connect_sub(sup.zctx, ep);
-	for (int i = 1; sup.sub && i < SUP_N_SERVICES; i++) {
+	for (int i = 1; sup.sub && i < sup.n; i++) {
 		bus_endpoint(cfg->run_dir, sup.s[i].name, "pub", ep, sizeof(ep));
 		if (zmq_connect(sup.sub, ep) != 0) {
 			zmq_close(sup.sub);
@@ -194,7 +225,7 @@ static int supervise(const struct sup_config *cfg, int notify_fd)
 	log_info("every service is stopped: exiting");
 	status = SUP_EXIT_OK;
 	unlink(sup.pid_path);
-	for (int i = 0; i < SUP_N_SERVICES; i++) {
+	for (int i = 0; i < sup.n; i++) {
 		char path[PATH_MAX];
 		path_of(&sup, sup.s[i].name, "restart", path, sizeof(path));
 		unlink(path);
@@ -203,14 +234,14 @@ out_sub:
 	if (sup.sub)
 		zmq_close(sup.sub);
 out_clients:
-	for (int i = 0; i < SUP_N_SERVICES; i++)
+	for (int i = 0; i < sup.n; i++)
 		rpc_client_destroy(&sup.s[i].rpc);
 out_service:
 	service_destroy(&sup.svc);
 	if (sup.sigfd >= 0)
 		close(sup.sigfd);
 out_argv:
-	for (int i = 0; i < SUP_N_SERVICES; i++)
+	for (int i = 0; i < sup.n; i++)
 		free_argv(&sup.s[i]);
 	if (status != SUP_EXIT_OK) {
 		log_error("%s", err);

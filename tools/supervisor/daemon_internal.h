@@ -56,8 +56,11 @@ enum kill_reason {
 };
 
 struct svc {
-	int id;
+	int id;		   /* its index in sup.s */
+	int kind;	   /* enum sup_service */
+	int rank;	   /* a gpu-runner's rank (--gpus), 0 for the others */
 	const char *name;
+	char name_buf[32];
 	char **argv;	   /* the command line, the same at every start (owned, NULL-terminated) */
 	bool wrapped;	   /* argv[0] is a wrapper, not the service */
 	enum svc_state state;
@@ -108,7 +111,8 @@ struct sup {
 	int stop_index; /* services stopped so far, in stop order */
 	bool done;
 	uint64_t started_ns;
-	struct svc s[SUP_N_SERVICES];
+	struct svc s[SUP_MAX_SERVICES];
+	int n; /* services: the three kinds, plus a runner per GPU beyond the first */
 	char pid_path[PATH_MAX];
 };
 
@@ -149,7 +153,7 @@ int write_pid_file(const char *path, int pid);
 
 /* ---- health.c ---- */
 
-/* gpu-runner's grace: a peer (kv-store or ssd-loader) that was up went down. */
+/* The runners' grace: a peer (kv-store or ssd-loader) that was up went down. */
 void runner_peer_down(struct sup *sup);
 /* A starting v: HELLO sent, its answer taken (v is up), or the ready timeout enforced. */
 void svc_check_ready(struct sup *sup, struct svc *v, uint64_t now);

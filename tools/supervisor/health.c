@@ -18,15 +18,18 @@
  * again. */
 void runner_peer_down(struct sup *sup)
 {
-	sup->s[SUP_GPU_RUNNER].grace_until_ns = UINT64_MAX;
+	for (int i = SUP_GPU_RUNNER; i < sup->n; i++)
+		sup->s[i].grace_until_ns = UINT64_MAX;
 }
 
 static void runner_peer_up(struct sup *sup, uint64_t now)
 {
-	struct svc *r = &sup->s[SUP_GPU_RUNNER];
 	bool peers_up = sup->s[SUP_KV_STORE].state == SVC_UP && sup->s[SUP_SSD_LOADER].state == SVC_UP;
-	if (peers_up && r->grace_until_ns == UINT64_MAX)
-		r->grace_until_ns = now + (uint64_t)sup->cfg->peer_grace_ms * NS_PER_MS;
+	for (int i = SUP_GPU_RUNNER; i < sup->n; i++) {
+		struct svc *r = &sup->s[i];
+		if (peers_up && r->grace_until_ns == UINT64_MAX)
+			r->grace_until_ns = now + (uint64_t)sup->cfg->peer_grace_ms * NS_PER_MS;
+	}
 }
 
 static void svc_mark_up(struct sup *sup, struct svc *v, const struct msg_hello_reply *h, uint64_t now)
@@ -44,7 +47,7 @@ static void svc_mark_up(struct sup *sup, struct svc *v, const struct msg_hello_r
 	v->busy = false;
 	log_info("%s is up (pid %d%s, epoch %016llx) after %.2f s", v->name, v->pid, v->wrapped ? ", under a wrapper" : "",
 		 (unsigned long long)v->epoch, ns_to_s(now - v->started_ns));
-	if (v->id != SUP_GPU_RUNNER)
+	if (v->kind != SUP_GPU_RUNNER)
 		runner_peer_up(sup, now);
 }
 
@@ -118,8 +121,10 @@ void svc_check_ready(struct sup *sup, struct svc *v, uint64_t now)
 
 static void on_heartbeat(struct sup *sup, const struct msg_heartbeat *hb, uint64_t now)
 {
-	int i = hb->service.p ? sup_service_index(hb->service.p) : -1;
-	if (i < 0) {
+	int i = sup->n;
+	while (hb->service.p && i-- > 0 && strcmp(sup->s[i].name, hb->service.p))
+		;
+	if (!hb->service.p || i < 0) {
 		log_debug("a heartbeat from an unknown service '%s': ignored", hb->service.p ? hb->service.p : "");
 		return;
 	}
@@ -179,7 +184,7 @@ void svc_check_hang(struct sup *sup, struct svc *v, uint64_t now)
 	uint64_t limit = hang_ns(sup);
 	if (now - v->check_ns <= limit)
 		return;
-	if (v->id == SUP_GPU_RUNNER && now < v->grace_until_ns)
+	if (v->kind == SUP_GPU_RUNNER && now < v->grace_until_ns)
 		return;
 	struct proc_info pi;
 	int pid = v->service_pid > 0 ? v->service_pid : v->pid;

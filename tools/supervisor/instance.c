@@ -25,10 +25,27 @@
 #define KILL_WAIT_MS 5000	 /* after SIGKILL: how long to wait for the exit */
 #define CMDLINE_MAX (128 * 1024) /* bytes of a command line looked at */
 
-/* The program a process of the instance runs: the service, or pipeline-supervisor. */
+/* The program a process of the instance runs: the service (a further runner, gpu-runner-R, runs
+ * gpu-runner), or pipeline-supervisor. */
 static const char *program_of(const char *name)
 {
-	return strcmp(name, SUP_NAME) ? name : "pipeline-supervisor";
+	int kind = sup_service_kind(name, NULL);
+	return kind >= 0 ? sup_service_names[kind] : strcmp(name, SUP_NAME) ? name : "pipeline-supervisor";
+}
+
+/* Is there anything of service i in run_dir (the three always count)? */
+static bool service_exists(const char *run_dir, int i, char *name, size_t len)
+{
+	sup_service_name(i, name, len);
+	if (i < SUP_N_SERVICES)
+		return true;
+	char path[PATH_MAX];
+	struct stat st;
+	snprintf(path, sizeof(path), "%s/%s.pid", run_dir, name);
+	if (stat(path, &st) == 0)
+		return true;
+	snprintf(path, sizeof(path), "%s/%s.ctl", run_dir, name);
+	return stat(path, &st) == 0;
 }
 
 /* Is pid a live process (not a zombie) that runs program for run_dir? program is its command
@@ -72,8 +89,13 @@ static int live_pid(const char *run_dir, const char *name)
 int sup_instance_pids(const char *run_dir, const char *name)
 {
 	int found = 0;
-	for (int i = -1; i < SUP_N_SERVICES; i++) {
-		const char *n = i < 0 ? SUP_NAME : sup_service_names[i];
+	char buf[32];
+	for (int i = -1; i < SUP_MAX_SERVICES; i++) {
+		const char *n = SUP_NAME;
+		if (i >= 0) {
+			sup_service_name(i, buf, sizeof(buf));
+			n = buf;
+		}
 		if (name && strcmp(name, n) != 0)
 			continue;
 		int pid = live_pid(run_dir, n);
@@ -131,8 +153,10 @@ int sup_instance_ps(const char *run_dir)
 	}
 	int running = 0;
 	printf("%-12s %-8s %-8s %-6s %s\n", "service", "pid", "process", "HELLO", "uptime");
-	for (int i = 0; i < SUP_N_SERVICES; i++) {
-		const char *name = sup_service_names[i];
+	char name[32];
+	for (int i = 0; i < SUP_MAX_SERVICES; i++) {
+		if (!service_exists(run_dir, i, name, sizeof(name)))
+			continue;
 		char text[32], uptime[32] = "-";
 		pid_file_text(run_dir, name, text, sizeof(text));
 		const char *process = strcmp(text, "-") ? "dead" : "-";
@@ -191,11 +215,17 @@ int sup_instance_stop(const char *instance, const char *run_dir, long stop_timeo
 	int sup_pid = live_pid(run_dir, SUP_NAME);
 	if (sup_pid) {
 		print_name(SUP_NAME);
-		for (int i = 0; i < SUP_N_SERVICES; i++)
-			if (live_pid(run_dir, sup_service_names[i]))
-				print_name(sup_service_names[i]);
+		int n = 0;
+		char name[32];
+		for (int i = 0; i < SUP_MAX_SERVICES; i++) {
+			sup_service_name(i, name, sizeof(name));
+			if (live_pid(run_dir, name)) {
+				print_name(name);
+				n++;
+			}
+		}
 		/* Each service its stop timeout, one after the other, and some to spare. */
-		if (sup_client_stop_supervisor(run_dir, sup_pid, 3 * stop_timeout_s + 20) != 0) {
+		if (sup_client_stop_supervisor(run_dir, sup_pid, (n > 3 ? n : 3) * stop_timeout_s + 20) != 0) {
 			fprintf(stderr, "pipeline-supervisor: the supervisor (pid %d) did not stop the instance in time; "
 					"killing it\n",
 				sup_pid);
@@ -204,8 +234,9 @@ int sup_instance_stop(const char *instance, const char *run_dir, long stop_timeo
 		}
 	}
 	/* What runs without it: none, unless it was killed (its services, reparented, go on). */
-	for (int k = 0; k < SUP_N_SERVICES; k++) {
-		const char *name = sup_service_names[sup_stop_order(k)];
+	for (int k = 0; k < SUP_MAX_SERVICES; k++) {
+		char name[32];
+		sup_service_name(sup_stop_order(SUP_MAX_SERVICES, k), name, sizeof(name));
 		int pid = live_pid(run_dir, name);
 		char path[PATH_MAX], err[256];
 		struct stat st;
@@ -229,10 +260,12 @@ int sup_instance_cleanup(const char *instance, const char *run_dir)
 {
 	static const char *const suffixes[] = {"pid", "pid.tmp", "ctl", "pub", "restart"};
 	char path[PATH_MAX];
-	for (int i = -1; i < SUP_N_SERVICES; i++) {
+	for (int i = -1; i < SUP_MAX_SERVICES; i++) {
+		char name[32] = SUP_NAME;
+		if (i >= 0)
+			sup_service_name(i, name, sizeof(name));
 		for (size_t k = 0; k < ARRAY_SIZE(suffixes); k++) {
-			snprintf(path, sizeof(path), "%s/%s.%s", run_dir, i < 0 ? SUP_NAME : sup_service_names[i],
-				 suffixes[k]);
+			snprintf(path, sizeof(path), "%s/%s.%s", run_dir, name, suffixes[k]);
 			unlink(path);
 		}
 	}

@@ -76,8 +76,8 @@ static char *find_program(const char *word)
 /* Builds v's command line: [wrapper...] <bin_dir>/<service> --instance I --run-dir R [args...]. */
 int build_argv(const struct sup_config *cfg, struct svc *v, char *err, size_t errlen)
 {
-	const struct sup_words *wrap = &cfg->wrap[v->id], *args = &cfg->args[v->id];
-	size_t n = (size_t)wrap->n + 5 + (size_t)args->n + 1;
+	const struct sup_words *wrap = &cfg->wrap[v->kind], *args = &cfg->args[v->kind];
+	size_t n = (size_t)wrap->n + 5 + (size_t)args->n + 6 + 1;
 	v->argv = calloc(n, sizeof(char *));
 	if (!v->argv)
 		return errorf(err, errlen, -ENOMEM, "out of memory");
@@ -93,7 +93,7 @@ int build_argv(const struct sup_config *cfg, struct svc *v, char *err, size_t er
 			v->argv[k++] = strdup(wrap->v[i]);
 		v->wrapped = true;
 	}
-	snprintf(path, sizeof(path), "%s/%s", cfg->bin_dir, v->name);
+	snprintf(path, sizeof(path), "%s/%s", cfg->bin_dir, sup_service_names[v->kind]);
 	if (access(path, X_OK) != 0)
 		return errorf(err, errlen, -ENOENT, "%s is not an executable (%s): is the tree built?", path, strerror(errno));
 	v->argv[k++] = strdup(path);
@@ -103,6 +103,21 @@ int build_argv(const struct sup_config *cfg, struct svc *v, char *err, size_t er
 	v->argv[k++] = strdup(cfg->run_dir);
 	for (int i = 0; i < args->n; i++)
 		v->argv[k++] = strdup(args->v[i]);
+	/* --ranks, --gpus: each runner told its place among them, and its device. */
+	char num[16];
+	if (v->kind == SUP_GPU_RUNNER && cfg->n_ranks > 1) {
+		v->argv[k++] = strdup("--rank");
+		snprintf(num, sizeof(num), "%d", v->rank);
+		v->argv[k++] = strdup(num);
+		v->argv[k++] = strdup("--ranks");
+		snprintf(num, sizeof(num), "%d", cfg->n_ranks);
+		v->argv[k++] = strdup(num);
+	}
+	if (v->kind == SUP_GPU_RUNNER && cfg->n_gpus > 0) {
+		v->argv[k++] = strdup("--gpu");
+		snprintf(num, sizeof(num), "%d", cfg->gpus[v->rank]);
+		v->argv[k++] = strdup(num);
+	}
 	for (size_t i = 0; i < k; i++)
 		if (!v->argv[i])
 			return errorf(err, errlen, -ENOMEM, "out of memory");
@@ -326,7 +341,7 @@ static void on_child_exit(struct sup *sup, struct svc *v, int status)
 	v->busy = false;
 	path_of(sup, v->name, "pid", path, sizeof(path));
 	unlink(path);
-	if (was_up && v->id != SUP_GPU_RUNNER)
+	if (was_up && v->kind != SUP_GPU_RUNNER)
 		runner_peer_down(sup);
 
 	if (sup->phase == PHASE_STOPPING || why == KILL_STOP) {
@@ -376,7 +391,7 @@ void reap_children(struct sup *sup)
 		if (pid <= 0)
 			return;
 		struct svc *v = NULL;
-		for (int i = 0; i < SUP_N_SERVICES; i++)
+		for (int i = 0; i < sup->n; i++)
 			if (sup->s[i].pid == pid)
 				v = &sup->s[i];
 		if (v)

@@ -54,6 +54,10 @@ static void usage(FILE *f)
 		"  --stop-timeout-s S       a service asked to stop is killed after this (default 10)\n"
 		"  --log-level L            debug, info, warn or error (default info; PIPELINE_LOG_LEVEL)\n"
 		"  --foreground             do not become a daemon (log on stderr)\n"
+		"  --ranks N                gpu-runners that split the model's layers (1 to 8; default 1): gpu-runner,\n"
+		"                           gpu-runner-1, ..., each with --rank R --ranks N after its words\n"
+		"  --gpus LIST              CUDA devices, comma-separated: one gpu-runner on each (--ranks is their\n"
+		"                           number), each with --gpu G after its words\n"
 		"service words, each flag once per word, in order (SERVICE: kv-store, ssd-loader, gpu-runner):\n"
 		"  --SERVICE-arg WORD       a word of the service's command line after --instance and --run-dir\n"
 		"  --SERVICE-wrap WORD      a word of the tool the service runs under (PIPELINE_WRAP_*)\n"
@@ -116,7 +120,7 @@ static struct sup_words *words_of(struct sup_config *cfg, const char *name)
 
 static bool known_flag(const char *name, const struct int_flag *ints, size_t n_ints)
 {
-	static const char *const strings[] = {"instance", "run-dir", "bin-dir", "log-level"};
+	static const char *const strings[] = {"instance", "run-dir", "bin-dir", "log-level", "gpus", "ranks"};
 	for (size_t k = 0; k < ARRAY_SIZE(strings); k++)
 		if (!strcmp(name, strings[k]))
 			return true;
@@ -125,6 +129,28 @@ static bool known_flag(const char *name, const struct int_flag *ints, size_t n_i
 			return true;
 	struct sup_config scratch;
 	return words_of(&scratch, name) != NULL;
+}
+
+/* --gpus LIST into cfg: 1 to SUP_MAX_RANKS device numbers, each once. Returns 0 or SUP_EXIT_USAGE. */
+static int parse_gpus(const char *value, struct sup_config *cfg)
+{
+	cfg->n_gpus = 0;
+	for (const char *p = value;;) {
+		char *end;
+		errno = 0;
+		long g = strtol(p, &end, 10);
+		if (end == p || errno || g < 0 || g > 1023 || (*end && *end != ','))
+			return usage_error("--gpus '%s': CUDA device numbers separated by commas, such as 0,1", value);
+		if (cfg->n_gpus == SUP_MAX_RANKS)
+			return usage_error("--gpus '%s': at most %d devices", value, SUP_MAX_RANKS);
+		for (int k = 0; k < cfg->n_gpus; k++)
+			if (cfg->gpus[k] == g)
+				return usage_error("--gpus '%s': device %ld twice", value, g);
+		cfg->gpus[cfg->n_gpus++] = (int)g;
+		if (!*end)
+			return 0;
+		p = end + 1;
+	}
 }
 
 /* Parses the run mode's flags into cfg. Returns 0, 1 after --help, or SUP_EXIT_USAGE. */
@@ -186,6 +212,20 @@ static int parse_run(int argc, char **argv, struct sup_config *cfg)
 			cfg->log_level = value;
 			continue;
 		}
+		if (!strcmp(name, "gpus")) {
+			if (parse_gpus(value, cfg))
+				return SUP_EXIT_USAGE;
+			continue;
+		}
+		if (!strcmp(name, "ranks")) {
+			char *end;
+			errno = 0;
+			long v = strtol(value, &end, 10);
+			if (errno || end == value || *end || v < 1 || v > SUP_MAX_RANKS)
+				return usage_error("--ranks '%s': 1 to %d runners", value, SUP_MAX_RANKS);
+			cfg->n_ranks = (int)v;
+			continue;
+		}
 		bool found = false;
 		for (size_t k = 0; k < ARRAY_SIZE(ints) && !found; k++) {
 			if (strcmp(name, ints[k].name) != 0)
@@ -222,6 +262,11 @@ static int parse_run(int argc, char **argv, struct sup_config *cfg)
 		return usage_error("--bin-dir must be an absolute path");
 	if (cfg->backoff_max_ms < cfg->backoff_min_ms)
 		return usage_error("--backoff-max-ms must not be below --backoff-min-ms");
+	if (cfg->n_gpus && cfg->n_ranks && cfg->n_ranks != cfg->n_gpus)
+		return usage_error("--ranks %d with --gpus naming %d devices: one runner a device", cfg->n_ranks,
+				   cfg->n_gpus);
+	if (cfg->n_gpus)
+		cfg->n_ranks = cfg->n_gpus;
 	enum log_level lv;
 	if (log_parse_level(cfg->log_level, &lv) != 0)
 		return usage_error("--log-level '%s' is not debug, info, warn or error", cfg->log_level);
@@ -301,10 +346,10 @@ static int client_main(const struct client_command *c, int argc, char **argv)
 		return SUP_EXIT_USAGE;
 	if (extra)
 		return usage_error("%s: unexpected argument '%s'", cmd, extra);
-	if (!strcmp(cmd, "restart") && (!arg || sup_service_index(arg) < 0))
-		return usage_error("restart takes one service: kv-store, ssd-loader or gpu-runner");
-	if (!strcmp(cmd, "pids") && arg && strcmp(arg, SUP_NAME) != 0 && sup_service_index(arg) < 0)
-		return usage_error("pids: '%s' is not supervisor, kv-store, ssd-loader or gpu-runner", arg);
+	if (!strcmp(cmd, "restart") && (!arg || sup_service_kind(arg, NULL) < 0))
+		return usage_error("restart takes one service: kv-store, ssd-loader, gpu-runner or gpu-runner-R");
+	if (!strcmp(cmd, "pids") && arg && strcmp(arg, SUP_NAME) != 0 && sup_service_kind(arg, NULL) < 0)
+		return usage_error("pids: '%s' is not supervisor, kv-store, ssd-loader, gpu-runner or gpu-runner-R", arg);
 	if (timeout_s < 0)
 		return usage_error("--timeout must not be negative");
 	if (stop_timeout_s < 0 || stop_timeout_s > 3600)

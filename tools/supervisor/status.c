@@ -25,7 +25,7 @@ static const char *svc_health(const struct sup *sup, const struct svc *v, uint64
 		return "ok";
 	if (v->busy)
 		return "busy";
-	if (v->id == SUP_GPU_RUNNER && now < v->grace_until_ns && silent > hang_ns(sup))
+	if (v->kind == SUP_GPU_RUNNER && now < v->grace_until_ns && silent > hang_ns(sup))
 		return "waiting";
 	return "late";
 }
@@ -83,7 +83,7 @@ char *stats_json(void *ctx)
 	json_object_set_new(me, "burst_window_s", json_integer(cfg->burst_window_s));
 	json_object_set_new(top, "supervisor", me);
 	json_t *services = json_object();
-	for (int i = 0; i < SUP_N_SERVICES; i++)
+	for (int i = 0; i < sup->n; i++)
 		json_object_set_new(services, sup->s[i].name, svc_json(sup, &sup->s[i], now));
 	json_object_set_new(top, "services", services);
 	char *text = json_dumps(top, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(10));

@@ -45,7 +45,7 @@ static void request_restart(struct sup *sup, struct svc *v, uint64_t now)
 void check_markers(struct sup *sup, uint64_t now)
 {
 	char path[PATH_MAX];
-	for (int i = 0; i < SUP_N_SERVICES; i++) {
+	for (int i = 0; i < sup->n; i++) {
 		path_of(sup, sup->s[i].name, "restart", path, sizeof(path));
 		if (unlink(path) == 0)
 			request_restart(sup, &sup->s[i], now);
@@ -59,7 +59,7 @@ void begin_stop(struct sup *sup, const char *why)
 	log_info("stopping the services (%s)", why);
 	sup->phase = PHASE_STOPPING;
 	sup->stop_index = 0;
-	for (int i = 0; i < SUP_N_SERVICES; i++) {
+	for (int i = 0; i < sup->n; i++) {
 		struct svc *v = &sup->s[i];
 		if (!v->pid && v->state != SVC_FAILED)
 			v->state = SVC_STOPPED;
@@ -71,8 +71,8 @@ void begin_stop(struct sup *sup, const char *why)
  * answered; SIGKILL comes from the deadline check. */
 void stop_step(struct sup *sup, uint64_t now)
 {
-	while (sup->stop_index < SUP_N_SERVICES) {
-		struct svc *v = &sup->s[sup_stop_order(sup->stop_index)];
+	while (sup->stop_index < sup->n) {
+		struct svc *v = &sup->s[sup_stop_order(sup->n, sup->stop_index)];
 		if (!v->pid) {
 			sup->stop_index++;
 			continue;
@@ -110,7 +110,7 @@ void stop_step(struct sup *sup, uint64_t now)
 
 void check_deadlines(struct sup *sup, uint64_t now)
 {
-	for (int i = 0; i < SUP_N_SERVICES; i++) {
+	for (int i = 0; i < sup->n; i++) {
 		struct svc *v = &sup->s[i];
 		if (v->pid && v->kill_deadline_ns && now > v->kill_deadline_ns) {
 			log_warn("%s (pid %d) did not exit in %ld s: SIGKILL", v->name, v->pid, sup->cfg->stop_timeout_s);

@@ -33,7 +33,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SUP_N_SERVICES 3
+#define SUP_N_SERVICES 3 /* the kinds of service */
+/* Runners of one model split across GPUs (--gpus: gpu-runner, gpu-runner-1, ...), and so the most
+ * services one supervisor runs. */
+#define SUP_MAX_RANKS 8
+#define SUP_MAX_SERVICES (SUP_N_SERVICES - 1 + SUP_MAX_RANKS)
 #define SUP_EXIT_OK 0
 #define SUP_EXIT_FAIL 1
 #define SUP_EXIT_USAGE 2
@@ -47,19 +51,26 @@
 #define SUP_NAME "supervisor"
 #define SUP_MAX_WORDS 256 /* words per service command line (arguments or wrapper) */
 
-/* Start order: kv-store and ssd-loader together, then gpu-runner (it connects to both). Stop goes
- * the other way. */
+/* Start order: kv-store and ssd-loader together, then gpu-runner (it connects to both), and with
+ * --gpus each further runner gpu-runner-1 .. gpu-runner-<N-1> with it. Stop goes the other way. */
 enum sup_service { SUP_KV_STORE = 0, SUP_SSD_LOADER = 1, SUP_GPU_RUNNER = 2 };
 extern const char *const sup_service_names[SUP_N_SERVICES];
 
-/* The k-th service to stop (k = 0 .. SUP_N_SERVICES - 1): the start order reversed. */
-static inline int sup_stop_order(int k)
+/* The k-th of n services to stop (k = 0 .. n - 1): the start order reversed. */
+static inline int sup_stop_order(int n, int k)
 {
-	return SUP_N_SERVICES - 1 - k;
+	return n - 1 - k;
 }
 
 /* Returns the index of name in sup_service_names, or -1. */
 int sup_service_index(const char *name);
+/* The kind of service `name` is (an index of sup_service_names), with the runner's rank in *rank
+ * (may be NULL): "gpu-runner-R" (R 1 .. SUP_MAX_RANKS - 1) is a gpu-runner of rank R, the others rank
+ * 0. -1 for a name that is none. */
+int sup_service_kind(const char *name, int *rank);
+/* The name of the service at index i of a supervisor with ranks runners (ranks <= 1: the three)
+ * into buf: kv-store, ssd-loader, gpu-runner, gpu-runner-1, ... */
+void sup_service_name(int i, char *buf, size_t len);
 
 struct sup_words {
 	const char *v[SUP_MAX_WORDS]; /* borrowed from argv */
@@ -80,8 +91,14 @@ struct sup_config {
 	long ready_timeout_s; /* HELLO must come this long after a start */
 	long stop_timeout_s;  /* after MSG_SHUTDOWN or SIGTERM, SIGKILL when this passes */
 	bool foreground;
-	struct sup_words args[SUP_N_SERVICES]; /* after --instance NAME --run-dir DIR */
+	struct sup_words args[SUP_N_SERVICES]; /* after --instance NAME --run-dir DIR, per kind */
 	struct sup_words wrap[SUP_N_SERVICES]; /* a tool the service runs under (PIPELINE_WRAP_*) */
+	/* --ranks / --gpus: runners that split the model's layers (n_ranks; 0 or 1: one runner, as args
+	 * say), and the CUDA device of each (n_gpus of them, n_gpus == n_ranks; 0: none given). Runner R
+	 * gets --rank R --ranks n_ranks (with several) and --gpu gpus[R] (with devices) after its args. */
+	int n_ranks;
+	int gpus[SUP_MAX_RANKS];
+	int n_gpus;
 };
 
 void sup_config_defaults(struct sup_config *cfg);

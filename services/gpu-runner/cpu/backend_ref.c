@@ -299,6 +299,27 @@ static int ref_embed(struct backend_dev *be, const struct group_weights *w, cons
 	return 0;
 }
 
+/* A stage of a split model (backend.h): the previous stage's rows as the hidden state. */
+static int ref_hidden_in(struct backend_dev *be, const struct backend_batch *b, const float *x)
+{
+	memcpy(be->x, x, sizeof(float) * b->n * be->cfg.dim);
+	be->n = b->n;
+	be->pos0 = b->pos[0];
+	return 0;
+}
+
+static int ref_hidden_get(struct backend_dev *be, uint32_t row0, uint32_t n, float *x)
+{
+	memcpy(x, be->x + (size_t)row0 * be->cfg.dim, sizeof(float) * n * be->cfg.dim);
+	return 0;
+}
+
+static int ref_hidden_put(struct backend_dev *be, uint32_t row0, uint32_t n, const float *x)
+{
+	memcpy(be->x + (size_t)row0 * be->cfg.dim, x, sizeof(float) * n * be->cfg.dim);
+	return 0;
+}
+
 static int ref_attn_begin(struct backend_dev *be, const struct group_weights *w, uint32_t layer,
 			  const uint32_t *dst_block, const uint32_t *dst_row)
 {
@@ -739,6 +760,9 @@ static const struct backend_compute_ops ref_compute = {
 	.moe_route = ref_moe_route,
 	.moe_expert = ref_moe_expert,
 	.moe_end = ref_moe_end,
+	.hidden_in = ref_hidden_in,
+	.hidden_get = ref_hidden_get,
+	.hidden_put = ref_hidden_put,
 };
 
 static const struct backend_kv_ops ref_kv = {

@@ -660,6 +660,48 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 }
 
 /* In the order of the structs (C++17 has no designated initializers). */
+/* ---- a stage of a split model (backend.h) ---- */
+
+static int cuda_hidden_in(struct backend_dev *be, const struct backend_batch *b, const float *x)
+{
+	if (x) {
+		CUDA_TRY(be, "cudaMemcpyAsync (hidden rows in)",
+			 cudaMemcpyAsync(be->x, x, sizeof(float) * b->n * be->cfg.dim, cudaMemcpyHostToDevice, be->stream));
+		CUDA_TRY(be, "cudaStreamSynchronize (hidden rows in)", cudaStreamSynchronize(be->stream));
+	}
+	be->n = b->n;
+	be->pos0 = b->pos[0];
+	return 0;
+}
+
+static int cuda_hidden_get(struct backend_dev *be, uint32_t row0, uint32_t n, float *x)
+{
+	size_t dim = be->cfg.dim;
+	CUDA_TRY(be, "cudaMemcpyAsync (hidden rows out)",
+		 cudaMemcpyAsync(x, be->x + row0 * dim, sizeof(float) * n * dim, cudaMemcpyDeviceToHost, be->stream));
+	return finish_step(be, "hidden rows out");
+}
+
+static int cuda_hidden_put(struct backend_dev *be, uint32_t row0, uint32_t n, const float *x)
+{
+	size_t dim = be->cfg.dim;
+	CUDA_TRY(be, "cudaMemcpyAsync (hidden rows back)",
+		 cudaMemcpyAsync(be->x + row0 * dim, x, sizeof(float) * n * dim, cudaMemcpyHostToDevice, be->stream));
+	CUDA_TRY(be, "cudaStreamSynchronize (hidden rows back)", cudaStreamSynchronize(be->stream));
+	return 0;
+}
+
+static int cuda_hidden_device(struct backend_dev *be, float **x)
+{
+	*x = be->x;
+	return 0;
+}
+
+static int cuda_finish(struct backend_dev *be)
+{
+	return finish_step(be, "stage");
+}
+
 static const struct backend_compute_ops cuda_compute = {
 	cuda_embed,		/* embed */
 	cuda_attn_begin,	/* attn_begin */
@@ -675,6 +717,11 @@ static const struct backend_compute_ops cuda_compute = {
 	moe_end,		/* moe_end */
 	moe_expert_used,	/* moe_expert_used */
 	moe_expert_cpu,		/* moe_expert_cpu */
+	cuda_hidden_in,		/* hidden_in */
+	cuda_hidden_get,	/* hidden_get */
+	cuda_hidden_put,	/* hidden_put */
+	cuda_hidden_device,	/* hidden_device */
+	cuda_finish,		/* finish */
 };
 
 extern "C" {
