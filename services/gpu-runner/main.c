@@ -240,7 +240,8 @@ int main(int argc, char **argv)
 		{"gpu", OPT_INT, &r.gpu, "-1", "CUDA device to compute on (-1: the default device)"},
 		{"stage-link", OPT_STRING, &r.stage_link_arg, "auto",
 		 "how the hidden state passes between ranks: nccl (device to device), shm (through shared "
-		 "memory) or auto (nccl on the cuda backend where built, else shm)"},
+		 "memory) or auto (nccl on the cuda backend where built and --gpu names this rank's device, "
+		 "else shm)"},
 		{"stage-split", OPT_STRING, &r.stage_split_arg, NULL,
 		 "the first layer of each rank after rank 0, comma-separated (default: planned so that every rank "
 		 "takes about the same time per token)"},

@@ -54,8 +54,9 @@ int runner_parse_stage_flags(struct runner *r, char *err, size_t errlen)
 		snprintf(r->service_name, sizeof(r->service_name), "gpu-runner");
 	const char *k = r->stage_link_arg ? r->stage_link_arg : "auto";
 	bool cuda = !strcmp(r->backend_name, "cuda");
+	/* NCCL joins ranks on distinct devices; runners without --gpu may share one. */
 	if (!strcmp(k, "auto"))
-		k = cuda && stage_link_kind_available("nccl") ? "nccl" : "shm";
+		k = cuda && r->gpu >= 0 && stage_link_kind_available("nccl") ? "nccl" : "shm";
 	if (strcmp(k, "shm") && strcmp(k, "nccl"))
 		return errorf(err, errlen, -EINVAL, "--stage-link '%s' is not auto, shm or nccl", k);
 	if (!strcmp(k, "nccl") && !cuda)

@@ -257,6 +257,22 @@ class Table(unittest.TestCase):
         rec["split"]["failed"] = True
         self.assertEqual(bench.ROWS["P1"](rec, lim), ["| P1 | failed (see logs) | - | - | - |"])
 
+    def test_d1_rows(self):
+        """D1's rows: the two-link limit is the larger rank's copy time, the one-after-the-other one the sum."""
+        ranks = [{"streamed_bytes_per_token": 5e9, "h2d_bytes_per_s": 50e9, "window_bytes": 2**30, "layer0": 0,
+                  "layer1": 15},
+                 {"streamed_bytes_per_token": 4e9, "h2d_bytes_per_s": 40e9, "window_bytes": 2**30, "layer0": 15,
+                  "layer1": 32}]
+        rec = {"gen": {"decode_ms": 150.0}, "ranks": ranks, "link": "nccl", "s1_ms_per_token": 172.5,
+               "tokens_equal_s1": "128 of 128 equal"}
+        rows = bench.ROWS["D1"](rec, {})
+        self.assertIn("rank 1 layers 15..31: 4.00 GB/token at 40.0 GB/s", rows[0])
+        self.assertIn("| 150.0 ms/token | 100.0 ms/token (two-link: both links at once) | 1.500 |", rows[0])
+        self.assertIn("| 150.0 ms/token | 200.0 ms/token (the sum of the ranks' copy times) | 0.750 |", rows[1])
+        self.assertIn("| 1.15x |", rows[2])
+        self.assertIn("| 128 of 128 equal |", rows[3])
+        self.assertEqual(bench.ROWS["D1"]({"failed": True}, {}), ["| D1 | failed (see logs) | - | - | - |"])
+
     def test_failed_rows(self):
         lim = {}
         self.assertEqual(bench.rows_s1({"failed": True}, lim), ["| S1 | failed (see logs) | - | - | - |"])

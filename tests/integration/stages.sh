@@ -6,10 +6,27 @@
 # stream through a DRAM ring below the model's size; a rank killed mid-request is restarted, the
 # ranks form again and the request goes on with the tokens of an uninterrupted run; a restarted
 # rank 0 forms them anew; bad flags are refused.
-# STAGES_BACKEND=cuda (a GPU host) runs both ranks on the one GPU over shm, against one runner on it.
+# STAGES_BACKEND=cuda (a GPU host) runs the ranks on the one GPU over shm, against one runner on it;
+# with STAGES_GPUS=0,1 too, the two ranks each on its own GPU over NCCL (skipped without two GPUs).
 source "$(dirname "$0")/lib.sh"
-it_setup stages
 BACKEND=${STAGES_BACKEND:-cpu}
+RANKS2=(--ranks 2)
+if [[ -n ${STAGES_GPUS:-} ]]; then
+	gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
+	if ((gpus < 2)); then
+		echo "[stages] SKIP: STAGES_GPUS=$STAGES_GPUS needs two GPUs; this machine has $gpus"
+		exit 77
+	fi
+	RANKS2=(--gpus "$STAGES_GPUS")
+fi
+it_setup stages
+if [[ $BACKEND != cpu ]] && ! nvidia-smi >/dev/null 2>&1; then
+	echo "[stages] SKIP: no GPU for STAGES_BACKEND=$BACKEND"
+	exit 77
+fi
+# A KV block of bf16 (the GPU's) is half the C backend's float32 one.
+kv_small=32KiB
+[[ $BACKEND == cpu ]] || kv_small=16KiB
 
 sample=(--temperature 0.8 --top-k 40 --top-p 0.9 --seed 7)
 if [[ $BACKEND == cpu ]]; then
@@ -27,7 +44,7 @@ fi
 expect_words 64 "$want" "the reference's greedy tokens"
 
 # Two ranks, one layer each (the tiny model has two).
-"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --cpu-share 0 --ranks 2
+"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --cpu-share 0 "${RANKS2[@]}"
 "$PIPELINE" status >/dev/null || fail "status after start does not report every service up"
 expect_grep '^gpu-runner-1 +[0-9]+ +up' "$("$PIPELINE" status)" "status lists the second runner"
 expect_eq "$(sup_argv gpu-runner-1 | grep -A1 -x '"--rank"' | tail -n 1)" '"1"' "gpu-runner-1 is rank 1"
@@ -37,10 +54,11 @@ got=$(generate --tokens "$PROMPT" -n 64)
 expect_eq "$got" "$want" "greedy tokens of two ranks vs one runner"
 got=$(generate --tokens "$PROMPT" -n 64 "${sample[@]}")
 expect_eq "$got" "$want_sampled" "seeded sampled tokens of two ranks vs one runner"
-log "two ranks: greedy and sampled tokens equal one runner's"
+log "two ranks (${RANKS2[*]}): greedy and sampled tokens equal one runner's"
 
 stats=$("$PIPECTL" stats gpu-runner)
 expect_grep '"formed": true' "$stats" "gpu-runner's stages are formed"
+[[ -z ${STAGES_GPUS:-} ]] || expect_grep '"link": "nccl"' "$stats" "the link of ranks on two GPUs"
 expect_grep '"layer0": 1' "$stats" "the plan gives rank 1 layer 1"
 steps=$(stat_value gpu-runner steps)
 expect_gt "${steps:-0}" 100 "steps the first runner drove through the stages"
@@ -91,8 +109,8 @@ expect_nothing_left "after stop"
 # Weights streamed through a DRAM ring below the model's size, and KV through every tier (runner
 # arena of 8 blocks, a pool of 4, the rest spilled), with two ranks.
 bytes=$(model_bytes "$MODEL")
-"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --cpu-share 0 --ranks 2 --dram-budget $((bytes * 85 / 100)) \
-	--kv-gpu-budget 32KiB --kv-dram-budget 16KiB --runner-opt=--prefill-chunk=16
+"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --cpu-share 0 "${RANKS2[@]}" --dram-budget $((bytes * 85 / 100)) \
+	--kv-gpu-budget $kv_small --kv-dram-budget 16KiB --runner-opt=--prefill-chunk=16
 [[ $(stat_value ssd-loader all_resident) != 1 ]] || fail "the loader holds the whole model under a budget below it"
 got=$(generate --tokens "$PROMPT" -n 64)
 expect_eq "$got" "$want" "greedy tokens of two ranks with every tier at work"
