@@ -10,13 +10,18 @@
 #ifdef PIPELINE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#define KV_EVENTS_MAX 256
+/* Events kept open: a runner re-records KV_EVENTS_IN_FLIGHT (64) of its own, so this holds the sets
+ * of the eight runners of a split model with room for their successors; past it, the event waited
+ * for least recently is closed (a gone runner's). */
+#define KV_EVENTS_MAX 1024
 
 struct kv_events {
 	bool ready; /* a CUDA context exists */
 	uint32_t n;
+	uint64_t clock;
 	unsigned char handle[KV_EVENTS_MAX][KV_EVENT_HANDLE_BYTES];
 	cudaEvent_t event[KV_EVENTS_MAX];
+	uint64_t used[KV_EVENTS_MAX]; /* clock at the last wait on it */
 };
 
 struct kv_events *kv_events_create(void)
@@ -52,9 +57,20 @@ int kv_events_wait(struct kv_events *ev, const void *handle, char *err, size_t e
 	uint32_t i = 0;
 	while (i < ev->n && memcmp(ev->handle[i], handle, KV_EVENT_HANDLE_BYTES) != 0)
 		i++;
+	if (i == ev->n && ev->n == KV_EVENTS_MAX) {
+		/* Full: the least recently used goes (closing it does not touch the runner's event). */
+		uint32_t old = 0;
+		for (uint32_t k = 1; k < ev->n; k++)
+			if (ev->used[k] < ev->used[old])
+				old = k;
+		cudaEventDestroy(ev->event[old]);
+		ev->n--;
+		ev->event[old] = ev->event[ev->n];
+		ev->used[old] = ev->used[ev->n];
+		memcpy(ev->handle[old], ev->handle[ev->n], KV_EVENT_HANDLE_BYTES);
+		i = ev->n;
+	}
 	if (i == ev->n) {
-		if (ev->n == KV_EVENTS_MAX)
-			return errorf(err, errlen, -ENOSPC, "more than %d distinct CUDA IPC events", KV_EVENTS_MAX);
 		cudaIpcEventHandle_t h;
 		_Static_assert(sizeof(h) == KV_EVENT_HANDLE_BYTES, "an IPC event handle is 64 bytes");
 		memcpy(&h, handle, sizeof(h));
@@ -64,6 +80,7 @@ int kv_events_wait(struct kv_events *ev, const void *handle, char *err, size_t e
 		memcpy(ev->handle[i], handle, KV_EVENT_HANDLE_BYTES);
 		ev->n++;
 	}
+	ev->used[i] = ++ev->clock;
 	cudaError_t e = cudaEventSynchronize(ev->event[i]);
 	if (e != cudaSuccess)
 		return errorf(err, errlen, -EIO, "waiting for the runner's copy: %s", cudaGetErrorString(e));
