@@ -397,6 +397,8 @@ static int strict_check(struct gpu_window *w)
 	return 0;
 }
 
+static int win_flush(struct weight_source *ws);
+
 static int win_acquire(struct weight_source *ws, uint32_t group, struct group_weights *gw)
 {
 	struct gpu_window *w = (struct gpu_window *)ws;
@@ -986,8 +988,12 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		if (!w->g[g].resident && weight_stage_has(&rs->stage, &rs->groups[g]))
 			w->st.streamed_bytes_per_token += w->copy_bytes[g];
 	w->st.depth = depth;
-	/* Start copying the first streamed groups now. */
+	/* Start copying the first streamed groups now; then hand back what the loader's streaming slots
+	 * hold for us beyond need (the releases of the resident groups' copies, held back for a next
+	 * acquire that may be far off): another runner of a split model may need those slots first. */
 	rc = top_up(w);
+	if (rc == 0)
+		rc = win_flush(&w->base);
 	if (rc) {
 		errorf(err, errlen, rc, "%s", w->base.error);
 		goto out_fail;
