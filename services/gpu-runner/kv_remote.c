@@ -177,6 +177,94 @@ static int simple(struct kv_remote *kr, uint32_t type, uint32_t n, const uint64_
 	return rc;
 }
 
+/* Sends MSG_KV_COMMIT of n blocks (events: n handles, or NULL), write-behind. */
+static int send_commit(struct kv_remote *kr, uint32_t n, const uint64_t *handles, const uint64_t *keys,
+		       const char *events)
+{
+	if (kr->n_pending == sizeof(kr->pending) / sizeof(kr->pending[0])) {
+		int rc = drain(kr);
+		if (rc)
+			return rc;
+	}
+	struct msg req;
+	msg_init(&req, MSG_KV_COMMIT, 0);
+	req.kv_commit.handles.v = (uint64_t *)handles;
+	req.kv_commit.handles.n = n;
+	if (keys) {
+		req.kv_commit.keys.v = (uint64_t *)keys;
+		req.kv_commit.keys.n = n;
+	}
+	if (events) {
+		req.kv_commit.events.p = (char *)events;
+		req.kv_commit.events.len = n * KV_EVENT_HANDLE_BYTES;
+	}
+	/* Write-behind: the reply is read before the next request (see kv_remote.h). */
+	uint64_t corr;
+	int rc = rpc_send(kr->client, &req, &corr);
+	if (rc) {
+		kr->lost = true;
+		return set_err(kr, rc, "cannot send a commit to kv-store: %s", strerror(-rc));
+	}
+	kr->pending[kr->n_pending++] = corr;
+	return 0;
+}
+
+/* Holds n commits back (defer_commits). */
+static int defer(struct kv_remote *kr, uint32_t n, const uint64_t *handles, const uint64_t *keys, const void *event)
+{
+	if (kr->n_deferred + n > kr->cap_deferred) {
+		uint32_t cap = kr->cap_deferred ? kr->cap_deferred : 256;
+		while (cap < kr->n_deferred + n)
+			cap *= 2;
+		struct kv_deferred *d = realloc(kr->deferred, cap * sizeof(*d));
+		if (!d)
+			return set_err(kr, -ENOMEM, "out of memory");
+		kr->deferred = d;
+		kr->cap_deferred = cap;
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		struct kv_deferred *d = &kr->deferred[kr->n_deferred++];
+		*d = (struct kv_deferred){.handle = handles[i], .key = keys ? keys[i] : 0, .has_event = event != NULL};
+		if (event)
+			memcpy(d->event, event, KV_EVENT_HANDLE_BYTES);
+	}
+	return 0;
+}
+
+int kv_remote_flush_commits(struct kv_remote *kr)
+{
+	enum { BATCH = 1024 };
+	uint64_t handles[BATCH], keys[BATCH];
+	char *events = NULL;
+	int rc = 0;
+	for (uint32_t i = 0; i < kr->n_deferred && rc == 0;) {
+		/* One message per run of blocks alike in having an event or not. */
+		bool ev = kr->deferred[i].has_event;
+		uint32_t n = 0;
+		while (i + n < kr->n_deferred && n < BATCH && kr->deferred[i + n].has_event == ev) {
+			handles[n] = kr->deferred[i + n].handle;
+			keys[n] = kr->deferred[i + n].key;
+			n++;
+		}
+		if (ev && !events && !(events = malloc((size_t)BATCH * KV_EVENT_HANDLE_BYTES))) {
+			rc = set_err(kr, -ENOMEM, "out of memory");
+			break;
+		}
+		for (uint32_t k = 0; ev && k < n; k++)
+			memcpy(events + (size_t)k * KV_EVENT_HANDLE_BYTES, kr->deferred[i + k].event, KV_EVENT_HANDLE_BYTES);
+		rc = send_commit(kr, n, handles, keys, ev ? events : NULL);
+		i += n;
+	}
+	free(events);
+	kr->n_deferred = 0;
+	return rc;
+}
+
+void kv_remote_drop_commits(struct kv_remote *kr)
+{
+	kr->n_deferred = 0;
+}
+
 static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const *ptrs, const uint64_t *keys,
 		     const void *event)
 {
@@ -192,19 +280,8 @@ static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const
 			atomic_store_explicit(&slots[slot].ready, 1, memory_order_release);
 	}
 	atomic_fetch_add_explicit(&kr->h->runner.blocks_written, n, memory_order_relaxed);
-	if (kr->n_pending == sizeof(kr->pending) / sizeof(kr->pending[0])) {
-		int rc = drain(kr);
-		if (rc)
-			return rc;
-	}
-	struct msg req;
-	msg_init(&req, MSG_KV_COMMIT, 0);
-	req.kv_commit.handles.v = (uint64_t *)handles;
-	req.kv_commit.handles.n = n;
-	if (keys) {
-		req.kv_commit.keys.v = (uint64_t *)keys;
-		req.kv_commit.keys.n = n;
-	}
+	if (kr->defer_commits)
+		return defer(kr, n, handles, keys, event);
 	char *events = NULL;
 	if (event) { /* one event for the batch: its handle once per block, as the message wants */
 		events = malloc((size_t)n * KV_EVENT_HANDLE_BYTES);
@@ -212,19 +289,10 @@ static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const
 			return set_err(kr, -ENOMEM, "out of memory");
 		for (uint32_t i = 0; i < n; i++)
 			memcpy(events + (size_t)i * KV_EVENT_HANDLE_BYTES, event, KV_EVENT_HANDLE_BYTES);
-		req.kv_commit.events.p = events;
-		req.kv_commit.events.len = n * KV_EVENT_HANDLE_BYTES;
 	}
-	/* Write-behind: the reply is read before the next request (see kv_remote.h). */
-	uint64_t corr;
-	int rc = rpc_send(kr->client, &req, &corr);
+	int rc = send_commit(kr, n, handles, keys, events);
 	free(events);
-	if (rc) {
-		kr->lost = true;
-		return set_err(kr, rc, "cannot send a commit to kv-store: %s", strerror(-rc));
-	}
-	kr->pending[kr->n_pending++] = corr;
-	return 0;
+	return rc;
 }
 
 static int op_fetch(void *ctx, uint32_t n, const uint64_t *handles, void **ptrs)
@@ -392,6 +460,9 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 void kv_remote_disconnect(struct kv_remote *kr)
 {
 	kr->n_pending = 0;
+	free(kr->deferred);
+	kr->deferred = NULL;
+	kr->n_deferred = kr->cap_deferred = 0;
 	shm_object_close(&kr->obj, false);
 	kr->h = NULL;
 }

@@ -50,6 +50,19 @@ struct kv_remote {
 	 * counts as lost. May be NULL. Set by the owner; kv_remote_connect keeps it. */
 	bool (*wait_hook)(void *ctx);
 	void *wait_ctx;
+	/* A later stage of a split model holds its commits back until its step has computed
+	 * (kv_remote_flush_commits): the kv-store waits on a commit's event, and a later stage's events
+	 * follow work of the ranks before it that may itself wait for a kv-store reply. Set by the owner. */
+	bool defer_commits;
+	struct kv_deferred *deferred; /* blocks committed, not yet told */
+	uint32_t n_deferred, cap_deferred;
+};
+
+/* A commit held back (defer_commits): one block. */
+struct kv_deferred {
+	uint64_t handle, key;
+	bool has_event;
+	uint8_t event[KV_EVENT_HANDLE_BYTES];
 };
 
 extern const struct kv_remote_ops kv_remote_ops_pool;
@@ -60,6 +73,12 @@ extern const struct kv_remote_ops kv_remote_ops_pool;
 int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t block_bytes, uint64_t manifest_hash,
 		      int timeout_ms, bool *same_pool, char *err, size_t errlen);
 void kv_remote_disconnect(struct kv_remote *kr);
+/* Sends the commits held back (defer_commits), once the copies they name are complete. Returns 0 or
+ * -errno with kr->error set. */
+int kv_remote_flush_commits(struct kv_remote *kr);
+/* Forgets them (their step failed: its KV is not to be kept; the blocks stay the store's until the
+ * session that allocated them ends). */
+void kv_remote_drop_commits(struct kv_remote *kr);
 bool kv_remote_owner_alive(const struct kv_remote *kr);
 /* Whether the connection needs kv_remote_connect again: the pool's owner is gone, or a request
  * went unanswered. A refusal (MSG_ERROR) leaves the connection good. */

@@ -108,6 +108,7 @@ int runner_plan_stages(struct runner *r, char *err, size_t errlen)
 	if ((rc = ring_source_set_stage(r->ring, &r->stage, err, errlen)) != 0)
 		return rc;
 	if (r->rank) {
+		r->kv.defer_commits = true; /* kv_remote.h: its events follow the ranks before it */
 		free(r->stage_seq);
 		if (!(r->stage_seq = calloc((size_t)r->max_context, sizeof(int32_t))))
 			return errorf(err, errlen, -ENOMEM, "out of memory");
@@ -413,7 +414,12 @@ static int stage_step(struct runner *r, const struct msg_stage_step *q, char *er
 		errorf(err, errlen, rc, "%s", stage_link_error(r->slink));
 	else if (rc)
 		errorf(err, errlen, rc, "%s", engine_error(r->engine));
+	/* The step's KV commits (held back: kv_remote.h), now that its copies are complete; a failed
+	 * step's are not kept. */
+	if (rc == 0 && (rc = kv_remote_flush_commits(&r->kv)) != 0)
+		errorf(err, errlen, rc, "%s", r->kv.error);
 	if (rc) {
+		kv_remote_drop_commits(&r->kv);
 		/* The ranks before and after wait for rows that will not come: they give the step up too. */
 		stage_link_abort(r->slink, err);
 		return rc;

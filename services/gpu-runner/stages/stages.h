@@ -17,8 +17,16 @@
  * takes the rows of the one before, computes its layers and passes them on; for a step with a head, the
  * last rank sends its last row back, and the front waits for every rank's MSG_STAGE_DONE before the
  * head. A step without a head (a prefill chunk before the last) is not waited for: the next chunk
- * starts on rank 0 while rank 1 computes this one (at most STAGE_STEPS_AHEAD steps unanswered).
+ * starts on rank 0 while rank 1 computes this one.
  * The sequence's KV calls (restore, end, recover) go to every rank as MSG_STAGE_SEQ.
+ *
+ * No wait may close a cycle through the kv-store, which waits on each commit's CUDA event before it
+ * answers anyone else (kv_remote.h). Two rules keep it open:
+ *  - a later rank holds its commits back until its step has computed (kv_remote.defer_commits): its
+ *    events follow the rows of the ranks before it, whose host may be waiting for the kv-store;
+ *  - rank 0 sends step c + 1 only once every rank has answered step c - 1 (STAGE_STEPS_AHEAD): its
+ *    events of step c + 1 follow its send of step c, which completes once the next rank has posted
+ *    the receive, and a rank posts it as the first thing of a step, so it needs no kv-store reply. 
  *
  * A later rank's side is the runner's (stage.c): it answers the three messages.
  */
@@ -37,7 +45,7 @@
 extern "C" {
 #endif
 
-#define STAGE_STEPS_AHEAD 4 /* steps without a head the front may have unanswered by a rank */
+#define STAGE_STEPS_AHEAD 2 /* steps a rank may have unanswered, the one just sent included */
 
 struct stage_front;
 
