@@ -269,8 +269,10 @@ class Table(unittest.TestCase):
         self.assertIn("rank 1 layers 15..31: 4.00 GB/token at 40.0 GB/s", rows[0])
         self.assertIn("| 150.0 ms/token | 100.0 ms/token (two-link: both links at once) | 1.500 |", rows[0])
         self.assertIn("| 150.0 ms/token | 200.0 ms/token (the sum of the ranks' copy times) | 0.750 |", rows[1])
-        self.assertIn("| 1.15x |", rows[2])
-        self.assertIn("| 128 of 128 equal |", rows[3])
+        # (5 - 1.07) / 50 + (4 - 1.07) / 40 GB: 78.5 + 73.2 ms
+        self.assertIn("| 150.0 ms/token | 151.7 ms/token | 0.989 |", rows[2])
+        self.assertIn("| 1.15x |", rows[3])
+        self.assertIn("| 128 of 128 equal |", rows[4])
         self.assertEqual(bench.ROWS["D1"]({"failed": True}, {}), ["| D1 | failed (see logs) | - | - | - |"])
 
     def test_failed_rows(self):
