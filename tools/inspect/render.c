@@ -162,15 +162,17 @@ static void render_supervisor(struct out *o, json_t *sup, const char *only)
 	     count(me, "pid"), jstr(me, "state", "?"), duration(jnum(me, "uptime_s", -1)), count(me, "heartbeat_ms"),
 	     count(me, "hang_ms"), count(me, "burst_limit"), count(me, "burst_window_s"));
 	json_t *svcs = jobj(status, "services");
-	line(o, "  %-11s %-8s %-10s %-7s %-9s %-8s %s", "service", "pid", "state", "health", "uptime", "restarts",
+	line(o, "  %-12s %-8s %-10s %-7s %-9s %-8s %s", "service", "pid", "state", "health", "uptime", "restarts",
 	     "last error");
-	for (int i = 0; i < INSPECT_N_SERVICES; i++) {
-		const char *name = inspect_services[i];
+	/* Every service the supervisor runs, in its order: the three, and the further runners of a model
+	 * split across GPUs (gpu-runner-1, ...). */
+	const char *name;
+	json_t *s;
+	json_object_foreach(svcs, name, s) {
 		if (only && strcmp(only, name))
 			continue;
-		json_t *s = jobj(svcs, name);
 		json_t *err = s ? json_object_get(s, "last_error") : NULL;
-		line(o, "  %-11s %-8s %-10s %-7s %-9s %-8s %s", name, count(s, "pid"), jstr(s, "state", "-"),
+		line(o, "  %-12s %-8s %-10s %-7s %-9s %-8s %s", name, count(s, "pid"), jstr(s, "state", "-"),
 		     jstr(s, "health", "-"), jhas(s, "uptime_s") ? duration(jnum(s, "uptime_s", -1)) : "-",
 		     count(s, "restarts"), json_is_string(err) ? json_string_value(err) : "-");
 	}

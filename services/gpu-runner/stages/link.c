@@ -114,6 +114,26 @@ static int check_params(const struct stage_link_params *p, char *err, size_t err
 	return 0;
 }
 
+/* The kind's ops and the checked params, for open and join; NULL with err set. */
+static const struct stage_link_ops *prologue(const char *kind, const struct stage_link_params *p, int *rc, char *err,
+					     size_t errlen)
+{
+	const struct stage_link_ops *ops = ops_of(kind, err, errlen);
+	*rc = ops ? check_params(p, err, errlen) : -ENOTSUP;
+	return *rc ? NULL : ops;
+}
+
+/* A message slot's bytes, and the formation object's with its slots. */
+static uint64_t slot_bytes(const struct stage_link_params *p)
+{
+	return ALIGN_UP((uint64_t)p->dim * sizeof(float) * p->max_rows, 4096);
+}
+
+static uint64_t object_bytes(const struct stage_link_params *p, uint32_t slots)
+{
+	return ALIGN_UP(sizeof(struct slink_header), 4096) + (uint64_t)p->ranks * slots * slot_bytes(p);
+}
+
 static struct stage_link *link_new(const struct stage_link_params *p, const struct stage_link_ops *ops)
 {
 	struct stage_link *l = calloc(1, sizeof(*l));
@@ -127,17 +147,14 @@ static struct stage_link *link_new(const struct stage_link_params *p, const stru
 int stage_link_open(const struct stage_link_params *p, const char *kind, const char *instance, struct stage_link **out,
 		    char *name, size_t name_len, void *id, char *err, size_t errlen)
 {
-	const struct stage_link_ops *ops = ops_of(kind, err, errlen);
+	int rc;
+	const struct stage_link_ops *ops = prologue(kind, p, &rc, err, errlen);
 	if (!ops)
-		return -ENOTSUP;
-	int rc = check_params(p, err, errlen);
-	if (rc)
 		return rc;
 	if (p->rank != 0)
 		return errorf(err, errlen, -EINVAL, "stage link: only rank 0 lays out a formation");
 	uint32_t slots = ops == &stage_link_shm_ops ? SLINK_SLOTS : 0;
-	uint64_t row_bytes = (uint64_t)p->dim * sizeof(float), msg = ALIGN_UP(row_bytes * p->max_rows, 4096);
-	uint64_t size = ALIGN_UP(sizeof(struct slink_header), 4096) + (uint64_t)p->ranks * slots * msg;
+	uint64_t msg = slot_bytes(p), size = object_bytes(p, slots);
 	if ((rc = shm_object_name(instance, "stages", name, name_len)) != 0)
 		return errorf(err, errlen, rc, "stage link: instance name '%s' too long", instance);
 	struct stage_link *l = link_new(p, ops);
@@ -177,11 +194,9 @@ int stage_link_open(const struct stage_link_params *p, const char *kind, const c
 int stage_link_join(const struct stage_link_params *p, const char *kind, const char *name, const void *id,
 		    struct stage_link **out, char *err, size_t errlen)
 {
-	const struct stage_link_ops *ops = ops_of(kind, err, errlen);
+	int rc;
+	const struct stage_link_ops *ops = prologue(kind, p, &rc, err, errlen);
 	if (!ops)
-		return -ENOTSUP;
-	int rc = check_params(p, err, errlen);
-	if (rc)
 		return rc;
 	if (strncmp(name, "/llmp-", 6) || strchr(name + 1, '/'))
 		return errorf(err, errlen, -EINVAL, "stage link: '%s' is not an object of this pipeline", name);
@@ -195,8 +210,7 @@ int stage_link_join(const struct stage_link_params *p, const char *kind, const c
 	}
 	l->h = shm_object_base(l->obj);
 	uint32_t slots = ops == &stage_link_shm_ops ? SLINK_SLOTS : 0;
-	uint64_t msg = ALIGN_UP((uint64_t)p->dim * sizeof(float) * p->max_rows, 4096);
-	uint64_t need = ALIGN_UP(sizeof(struct slink_header), 4096) + (uint64_t)p->ranks * slots * msg;
+	uint64_t msg = slot_bytes(p), need = object_bytes(p, slots);
 	if (l->h->formation != p->formation || l->h->ranks != p->ranks || l->h->dim != p->dim ||
 	    l->h->max_rows != p->max_rows || l->h->slots != slots || shm_object_size(l->obj) < need) {
 		shm_object_close(&l->obj, false);
