@@ -391,11 +391,26 @@ static int stage_seq(struct runner *r, const struct msg_stage_seq *q, uint64_t *
 	}
 }
 
+static int step_of(struct runner *r, const struct msg_stage_step *q, char *err, size_t errlen);
+
 static int stage_step(struct runner *r, const struct msg_stage_step *q, char *err, size_t errlen)
 {
 	int rc = check_formation(r, q->formation, err, errlen);
 	if (rc)
-		return rc;
+		return rc; /* another formation's: this one's ranks wait for nothing from it */
+	if ((rc = step_of(r, q, err, errlen)) != 0) {
+		kv_remote_drop_commits(&r->kv); /* a failed step's KV is not kept */
+		/* The ranks before and after wait for rows that will not come (or not be taken): they give
+		 * the step up too, at once. */
+		stage_link_abort(r->slink, err);
+	}
+	return rc;
+}
+
+/* The step of a formation that is this rank's: 0, or -errno with err set. */
+static int step_of(struct runner *r, const struct msg_stage_step *q, char *err, size_t errlen)
+{
+	int rc;
 	uint32_t n = q->tokens.n;
 	if (n == 0 || n > r->bp.max_chunk || q->pos0 + n > (uint64_t)r->max_context)
 		return errorf(err, errlen, -EINVAL, "a step of %u tokens at position %llu (1..%u tokens, within %ld)", n,
@@ -414,18 +429,12 @@ static int stage_step(struct runner *r, const struct msg_stage_step *q, char *er
 		errorf(err, errlen, rc, "%s", stage_link_error(r->slink));
 	else if (rc)
 		errorf(err, errlen, rc, "%s", engine_error(r->engine));
-	/* The step's KV commits (held back: kv_remote.h), now that its copies are complete; a failed
-	 * step's are not kept. */
+	/* The step's KV commits (held back: kv_remote.h), now that its copies are complete. */
 	if (rc == 0 && (rc = kv_remote_flush_commits(&r->kv)) != 0)
 		errorf(err, errlen, rc, "%s", r->kv.error);
-	if (rc) {
-		kv_remote_drop_commits(&r->kv);
-		/* The ranks before and after wait for rows that will not come: they give the step up too. */
-		stage_link_abort(r->slink, err);
-		return rc;
-	}
-	r->stage_steps++;
-	return 0;
+	if (rc == 0)
+		r->stage_steps++;
+	return rc;
 }
 
 int runner_handle_stage(struct runner *r, struct service *s, const struct bus_peer *peer, const struct msg *req,
