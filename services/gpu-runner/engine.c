@@ -275,8 +275,22 @@ int engine_forward_sample(struct engine *e, const int32_t *tokens, uint32_t n, u
 	return forward(e, tokens, n, pos0, NULL, token, sp, u, false);
 }
 
+static int forward_groups(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits,
+			  int32_t *argmax, const struct sampler_params *sp, double u, bool stage_out);
+
+/* One step; on the first stage of a split model, a failure of its own tells the other stages (they
+ * wait for its rows, or its taking theirs). */
 static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits, int32_t *argmax,
 		   const struct sampler_params *sp, double u, bool stage_out)
+{
+	int rc = forward_groups(e, tokens, n, pos0, logits, argmax, sp, u, stage_out);
+	if (rc && e->stages && e->ws->stage.split && e->ws->stage.first && e->stages->abort)
+		e->stages->abort(e->stages_ctx, e->error);
+	return rc;
+}
+
+static int forward_groups(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits,
+			  int32_t *argmax, const struct sampler_params *sp, double u, bool stage_out)
 {
 	if (n == 0 || n > e->max_chunk)
 		return set_err(e, -EINVAL, "a step takes 1..%u tokens, not %u", e->max_chunk, n);

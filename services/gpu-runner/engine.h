@@ -81,6 +81,9 @@ struct engine_stage_ops {
 	int (*restore)(void *ctx, const int32_t *tokens, uint32_t n, uint32_t limit, uint64_t seed, uint32_t *restored);
 	int (*end)(void *ctx);
 	int (*recover)(void *ctx);
+	/* The first stage's step failed here (err says why) after begin: the other stages stop waiting
+	 * for its rows. May be NULL. */
+	void (*abort)(void *ctx, const char *why);
 	const char *(*error)(void *ctx);
 };
 

@@ -447,7 +447,7 @@ static int readahead_step(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 	for (int s = 0; s < 2 && rc == 0; s++)
 		if (kv->ra[s].active && kv->ra[s].layer != layer)
 			rc = readahead_finish(kv, s, true);
-	if (rc == 0)
+	if (rc == 0 && (layer + 1 < kv->p.layer1 || !kv->p.commits_held))
 		rc = readahead_start(kv, layer, layer + 1 < kv->p.layer1 ? layer + 1 : kv->p.layer0, pos_end);
 	for (int s = 0; s < 2; s++)
 		if (kv->ra[s].active && kv->ra[s].layer == layer) {

@@ -82,6 +82,9 @@ struct kv_cache_params {
 	uint32_t max_context; /* positions per sequence */
 	uint32_t max_chunk;   /* most tokens one forward step writes */
 	uint32_t n_arena;     /* blocks in the backend's arena */
+	bool commits_held;    /* the remote holds commits back until the step's end (kv_remote.h,
+			       * defer_commits): the read-ahead does not reach round to the next step's
+			       * first layer, whose blocks this step committed only on the runner's side */
 };
 
 struct kv_cache_stats {

@@ -250,7 +250,7 @@ int runner_make_cache(struct runner *r, char *err, size_t errlen)
 	kv_cache_destroy(&r->cache);
 	struct kv_cache_params kp = {.n_layers = r->cfg.n_layers, .block_tokens = (uint32_t)r->block_tokens,
 				     .max_context = (uint32_t)r->max_context, .max_chunk = (uint32_t)r->prefill_chunk,
-				     .n_arena = r->bp.n_kv_blocks};
+				     .n_arena = r->bp.n_kv_blocks, .commits_held = r->kv.defer_commits};
 	if (r->stage.split) {
 		kp.layer0 = r->stage.layer0;
 		kp.layer1 = r->stage.layer1;

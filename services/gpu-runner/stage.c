@@ -259,8 +259,11 @@ static int check_setup(struct runner *r, const struct msg_stage_setup *s, char *
 	if (!stage_link_kind_available(s->link.p))
 		return errorf(err, errlen, -ENOTSUP, "the first runner passes the hidden state by %s, which this "
 			      "gpu-runner does not have", s->link.p);
-	if (!strcmp(s->link.p, "nccl") && s->nccl_id.len != STAGE_NCCL_ID_BYTES)
-		return errorf(err, errlen, -EINVAL, "an NCCL formation without the communicator's id");
+	if (!s->link_name.len)
+		return errorf(err, errlen, -EINVAL, "a formation without the name of its shared-memory object");
+	if ((!strcmp(s->link.p, "nccl") ? s->nccl_id.len != STAGE_NCCL_ID_BYTES : s->nccl_id.len != 0))
+		return errorf(err, errlen, -EINVAL, "a formation's NCCL id of %u bytes for a %s link", s->nccl_id.len,
+			      s->link.p);
 	return 0;
 }
 
@@ -282,6 +285,8 @@ static int take_up_layers(struct runner *r, uint32_t l0, uint32_t l1, char *err,
 		rc = runner_make_cache(r, err, errlen);
 	if (rc == 0)
 		rc = runner_make_engine(r, err, errlen);
+	if (rc) /* half made: the next SETUP takes the layers up again, whatever they are */
+		r->stage.layer0 = r->stage.layer1 = 0;
 	return rc;
 }
 
@@ -292,7 +297,7 @@ static int stage_setup(struct runner *r, const struct msg_stage_setup *s, char *
 		return rc;
 	stage_link_destroy(&r->slink);
 	r->formation = 0;
-	if ((s->layer0 != r->stage.layer0 || s->layer1 != r->stage.layer1) &&
+	if ((s->layer0 != r->stage.layer0 || s->layer1 != r->stage.layer1 || !r->engine || !r->cache) &&
 	    (rc = take_up_layers(r, (uint32_t)s->layer0, (uint32_t)s->layer1, err, errlen)) != 0)
 		return rc;
 	/* The formation's kv-store session: the store dropped the last one's blocks when the first
@@ -412,7 +417,7 @@ static int step_of(struct runner *r, const struct msg_stage_step *q, char *err, 
 {
 	int rc;
 	uint32_t n = q->tokens.n;
-	if (n == 0 || n > r->bp.max_chunk || q->pos0 + n > (uint64_t)r->max_context)
+	if (n == 0 || n > r->bp.max_chunk || q->pos0 > (uint64_t)r->max_context || n > r->max_context - q->pos0)
 		return errorf(err, errlen, -EINVAL, "a step of %u tokens at position %llu (1..%u tokens, within %ld)", n,
 			      (unsigned long long)q->pos0, r->bp.max_chunk, r->max_context);
 	uint32_t pos0 = (uint32_t)q->pos0;

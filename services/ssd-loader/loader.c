@@ -533,8 +533,21 @@ static void set_position(struct loader *l, uint32_t g)
 	atomic_store(&l->h->loader.position, g);
 }
 
-/* The holder of session's references, made on first use; NULL (err set) when every holder is taken. */
-static struct holder *holder_of(struct loader *l, uint64_t session, char *err, size_t errlen)
+/* Does holder h hold anything: a reference, or a waiting acquire? */
+static bool holder_busy(const struct loader *l, const struct holder *h)
+{
+	for (uint32_t g = 0; g < l->n_groups; g++)
+		if (h->refs[g])
+			return true;
+	for (uint32_t i = 0; i < l->n_w; i++)
+		if (l->w[i].holder == (uint32_t)(h - l->holders))
+			return true;
+	return false;
+}
+
+/* The holder of session's references, made on first use when create; NULL (err set) when there is
+ * none and create is false, or every holder is taken (an idle one is reclaimed first). */
+static struct holder *holder_of(struct loader *l, uint64_t session, bool create, char *err, size_t errlen)
 {
 	struct holder *free_h = NULL;
 	for (uint32_t i = 0; i < LOADER_MAX_HOLDERS; i++) {
@@ -544,6 +557,14 @@ static struct holder *holder_of(struct loader *l, uint64_t session, char *err, s
 		if (!h->used && !free_h)
 			free_h = h;
 	}
+	if (!create) {
+		snprintf(err, errlen, "a release from a client session that holds no weight group (released more "
+			 "often than granted)");
+		return NULL;
+	}
+	for (uint32_t i = 0; !free_h && i < LOADER_MAX_HOLDERS; i++)
+		if (!holder_busy(l, &l->holders[i]))
+			free_h = &l->holders[i]; /* holds nothing: its session is over, or never held */
 	if (!free_h || (!free_h->refs && !(free_h->refs = calloc(l->n_groups, sizeof(uint32_t))))) {
 		snprintf(err, errlen, "more than %d client sessions hold weight groups", LOADER_MAX_HOLDERS);
 		return NULL;
@@ -602,7 +623,7 @@ static void release_one(struct loader *l, struct holder *h, uint32_t g)
 int loader_acquire(struct loader *l, uint64_t session, const struct bus_peer *peer, uint64_t corr,
 		   const uint64_t *groups, uint32_t n, const uint64_t *release, uint32_t n_release, char *err, size_t errlen)
 {
-	struct holder *h = holder_of(l, session, err, errlen);
+	struct holder *h = holder_of(l, session, true, err, errlen);
 	if (!h)
 		return -EUSERS;
 	int rc = validate(l, h, "MSG_W_ACQUIRE", groups, n, release, n_release, err, errlen);
@@ -643,9 +664,9 @@ int loader_acquire(struct loader *l, uint64_t session, const struct bus_peer *pe
 
 int loader_release(struct loader *l, uint64_t session, const uint64_t *groups, uint32_t n, char *err, size_t errlen)
 {
-	struct holder *h = holder_of(l, session, err, errlen);
+	struct holder *h = holder_of(l, session, false, err, errlen);
 	if (!h)
-		return -EUSERS;
+		return n ? -EINVAL : 0;
 	int rc = validate(l, h, "MSG_W_RELEASE", NULL, 0, groups, n, err, errlen);
 	if (rc)
 		return rc;
@@ -696,7 +717,7 @@ void loader_hello(struct loader *l, const char *client, uint64_t session)
 	}
 	if (session) {
 		char err[128];
-		struct holder *h = holder_of(l, session, err, sizeof(err));
+		struct holder *h = holder_of(l, session, true, err, sizeof(err));
 		if (h)
 			snprintf(h->name, sizeof(h->name), "%s", client);
 	}

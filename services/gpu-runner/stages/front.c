@@ -154,7 +154,8 @@ static int reply_fail(struct stage_front *f, uint32_t r, int rc, const struct ms
 
 void stage_front_break(struct stage_front *f, const char *why)
 {
-	if (f->link && !stage_link_broken(f->link))
+	/* Always: a link that failed here has not told the others yet (the abort word is idempotent). */
+	if (f->link)
 		stage_link_abort(f->link, why);
 	if (f->formed)
 		log_warn("stages: the formation is given up (%s); the next request forms the stages anew", why);
@@ -373,7 +374,10 @@ static int front_begin(void *ctx, const int32_t *tokens, uint32_t n, uint32_t po
 			while (!rc && pr->n_pending > keep) { /* the oldest, waited for */
 				struct msg rep;
 				int wrc = wait_reply(f, r, pr->pending[0], &rep, f->p.timeout_ms);
-				rc = wrc ? reply_fail(f, r, wrc, &rep, "a step") : 0;
+				rc = wrc ? reply_fail(f, r, wrc, &rep, "a step")
+				   : rep.type != MSG_STAGE_DONE
+					   ? fail(f, -EPROTO, "stage %u answered a step with %s", r, msg_type_name(rep.type))
+					   : 0;
 				msg_free(&rep);
 				memmove(pr->pending, pr->pending + 1, --pr->n_pending * sizeof(uint64_t));
 			}
@@ -490,6 +494,14 @@ static int front_recover(void *ctx)
 	return seq_all(ctx, STAGE_SEQ_RECOVER, NULL, 0, 0, 0, NULL);
 }
 
+static void front_abort(void *ctx, const char *why)
+{
+	struct stage_front *f = ctx;
+	if (stage_front_formed(f))
+		f->failures++;
+	stage_front_break(f, why);
+}
+
 static const char *front_error(void *ctx)
 {
 	const struct stage_front *f = ctx;
@@ -504,6 +516,7 @@ const struct engine_stage_ops stage_front_ops = {
 	.restore = front_restore,
 	.end = front_end,
 	.recover = front_recover,
+	.abort = front_abort,
 	.error = front_error,
 };
 

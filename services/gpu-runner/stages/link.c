@@ -40,7 +40,8 @@ void link_futex_wake(_Atomic uint32_t *w)
 
 int link_check_wait(struct stage_link *l, uint64_t waited_ms, const char *what)
 {
-	if (atomic_load_explicit(&l->h->aborted, memory_order_acquire))
+	/* 1: a rank is writing why; 2: written. A rank that died between the two is noticed below. */
+	if (atomic_load_explicit(&l->h->aborted, memory_order_acquire) == 2)
 		return link_fail(l, -ECONNABORTED, "%s: stage %u gave the step up: %.*s", what, l->h->aborted_by,
 				 (int)sizeof(l->h->why), l->h->why);
 	/* The rest costs system calls: every 100 ms of a wait (a wait starts at waited_ms 0). */
@@ -79,6 +80,8 @@ void stage_link_abort(struct stage_link *l, const char *why)
 	l->broken = true;
 	if (!l->error[0])
 		snprintf(l->error, sizeof(l->error), "the formation was given up: %s", why);
+	if (l->ops->abort)
+		l->ops->abort(l); /* nccl: ends the transfers queued here, before anything syncs the stream */
 }
 
 bool stage_link_kind_available(const char *kind)
@@ -226,7 +229,7 @@ int stage_link_join(const struct stage_link_params *p, const char *kind, const c
 				return errorf(err, errlen, -EPROTO, "stage link: %s has a slot outside it", name);
 			}
 		}
-	if (id)
+	if (id && ops != &stage_link_shm_ops)
 		memcpy(l->id, id, STAGE_NCCL_ID_BYTES);
 	*out = l;
 	return 0;

@@ -37,6 +37,7 @@ struct stage_link_ops {
 	int (*recv)(struct stage_link *l, struct backend *be, uint32_t row0, uint32_t n, const struct backend_batch *b);
 	int (*wait)(struct stage_link *l, struct backend *be);
 	void (*destroy)(struct stage_link *l); /* frees what the kind holds (not l, not the object) */
+	void (*abort)(struct stage_link *l);   /* optional: the formation was given up here */
 };
 
 struct stage_link {

@@ -12,19 +12,30 @@
 #include <cuda_runtime_api.h>
 #include <errno.h>
 #include <nccl.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "common/proc.h"
 #include "common/util.h"
 
 _Static_assert(sizeof(ncclUniqueId) == STAGE_NCCL_ID_BYTES, "ncclUniqueId is 128 bytes");
 
+/* The host may block in a CUDA call of its own (a KV copy's wait) behind a receive whose sender died,
+ * where no wait of this link can see it: a watchdog thread aborts the communicator as soon as the
+ * formation is given up or a peer's process is gone, which ends the transfers and unblocks the
+ * stream. Every use of comm holds mu, so the abort never meets a call in progress. */
 struct nccl_state {
-	ncclComm_t comm;
+	pthread_mutex_t mu;
+	ncclComm_t comm;  /* NULL once aborted */
 	cudaEvent_t done; /* recorded after the transfers queued, for stage_link_wait */
 	int device;
+	pthread_t dog;
+	bool dog_running;
+	_Atomic bool stop;
 };
 
 int stage_link_nccl_new_id(void *id, char *err, size_t errlen)
@@ -41,9 +52,38 @@ int stage_link_nccl_new_id(void *id, char *err, size_t errlen)
 /* Gives the communicator up: its queued transfers end (on the GPU too). */
 static void abort_comm(struct nccl_state *st)
 {
+	pthread_mutex_lock(&st->mu);
 	if (st->comm)
 		ncclCommAbort(st->comm);
 	st->comm = NULL;
+	pthread_mutex_unlock(&st->mu);
+}
+
+/* ncclCommGetAsyncError under the lock; ncclInvalidUsage once the communicator is gone. */
+static ncclResult_t async_error(struct nccl_state *st, ncclResult_t *r)
+{
+	pthread_mutex_lock(&st->mu);
+	ncclResult_t rc = st->comm ? ncclCommGetAsyncError(st->comm, r) : ncclInvalidUsage;
+	pthread_mutex_unlock(&st->mu);
+	return rc;
+}
+
+static void *watchdog(void *arg)
+{
+	struct stage_link *l = arg;
+	struct nccl_state *st = l->impl;
+	cudaSetDevice(st->device);
+	while (!atomic_load(&st->stop)) {
+		usleep(50 * 1000);
+		bool gone = atomic_load_explicit(&l->h->aborted, memory_order_acquire) != 0;
+		for (uint32_t r = 0; r < l->p.ranks && !gone; r++)
+			gone = r != l->p.rank && !process_alive(l->p.pids[r], l->p.starts[r]);
+		if (gone) {
+			abort_comm(st);
+			break;
+		}
+	}
+	return NULL;
 }
 
 /* Waits while the communicator says ncclInProgress (nonblocking calls), looking at the peers. */
@@ -59,7 +99,7 @@ static int settle(struct stage_link *l, struct nccl_state *st, ncclResult_t r, c
 			return rc;
 		}
 		usleep(50);
-		if (ncclCommGetAsyncError(st->comm, &r) != ncclSuccess)
+		if (async_error(st, &r) != ncclSuccess)
 			break;
 	}
 	if (r != ncclSuccess) {
@@ -74,6 +114,7 @@ static int nccl_connect(struct stage_link *l)
 	struct nccl_state *st = calloc(1, sizeof(*st));
 	if (!st)
 		return link_fail(l, -ENOMEM, "out of memory");
+	pthread_mutex_init(&st->mu, NULL);
 	l->impl = st;
 	setenv("NCCL_NVLS_ENABLE", "0", 0);
 	if (cudaGetDevice(&st->device) != cudaSuccess ||
@@ -93,13 +134,27 @@ static int nccl_connect(struct stage_link *l)
 	}
 	char what[96];
 	snprintf(what, sizeof(what), "forming the NCCL communicator (rank %u of %u)", l->p.rank, l->p.ranks);
-	return settle(l, st, ncclInProgress, what);
+	int rc = settle(l, st, ncclInProgress, what);
+	if (rc == 0) {
+		if (pthread_create(&st->dog, NULL, watchdog, l) != 0) {
+			abort_comm(st);
+			return link_fail(l, -EAGAIN, "nccl link: cannot start its watchdog thread");
+		}
+		st->dog_running = true;
+	}
+	return rc;
 }
 
 static int device_rows(struct stage_link *l, struct backend *be, float **x, cudaStream_t *stream)
 {
-	const struct nccl_state *st = l->impl;
-	if (!st || !st->comm)
+	struct nccl_state *st = l->impl;
+	bool gone = !st;
+	if (st) {
+		pthread_mutex_lock(&st->mu);
+		gone = !st->comm;
+		pthread_mutex_unlock(&st->mu);
+	}
+	if (gone)
 		return link_fail(l, -EPIPE, "nccl link: no communicator (not connected, or given up)");
 	struct CUstream_st *s;
 	int rc = backend_hidden_device(be, x, &s);
@@ -118,7 +173,11 @@ static int nccl_send(struct stage_link *l, struct backend *be, uint32_t row0, ui
 	if (rc)
 		return rc;
 	uint32_t to = (l->p.rank + 1) % l->p.ranks;
-	ncclResult_t r = ncclSend(x + (size_t)row0 * l->p.dim, (size_t)n * l->p.dim, ncclFloat32, (int)to, st->comm, s);
+	pthread_mutex_lock(&st->mu);
+	ncclResult_t r = st->comm ? ncclSend(x + (size_t)row0 * l->p.dim, (size_t)n * l->p.dim, ncclFloat32, (int)to,
+					     st->comm, s)
+				  : ncclInvalidUsage;
+	pthread_mutex_unlock(&st->mu);
 	char what[64];
 	snprintf(what, sizeof(what), "ncclSend to stage %u", to);
 	return settle(l, st, r, what);
@@ -133,7 +192,11 @@ static int nccl_recv(struct stage_link *l, struct backend *be, uint32_t row0, ui
 	if (rc)
 		return rc;
 	uint32_t from = (l->p.rank + l->p.ranks - 1) % l->p.ranks;
-	ncclResult_t r = ncclRecv(x + (size_t)row0 * l->p.dim, (size_t)n * l->p.dim, ncclFloat32, (int)from, st->comm, s);
+	pthread_mutex_lock(&st->mu);
+	ncclResult_t r = st->comm ? ncclRecv(x + (size_t)row0 * l->p.dim, (size_t)n * l->p.dim, ncclFloat32, (int)from,
+					     st->comm, s)
+				  : ncclInvalidUsage;
+	pthread_mutex_unlock(&st->mu);
 	char what[64];
 	snprintf(what, sizeof(what), "ncclRecv from stage %u", from);
 	if ((rc = settle(l, st, r, what)) != 0)
@@ -167,7 +230,7 @@ static int nccl_wait(struct stage_link *l, struct backend *be)
 			return link_fail(l, -EIO, "nccl link: the step failed on the GPU: %s", cudaGetErrorString(q));
 		}
 		ncclResult_t r;
-		if (ncclCommGetAsyncError(st->comm, &r) == ncclSuccess && r != ncclSuccess && r != ncclInProgress) {
+		if (async_error(st, &r) == ncclSuccess && r != ncclSuccess && r != ncclInProgress) {
 			abort_comm(st);
 			return link_fail(l, -EIO, "nccl link: %s", ncclGetErrorString(r));
 		}
@@ -190,15 +253,27 @@ static void nccl_destroy(struct stage_link *l)
 	struct nccl_state *st = l->impl;
 	if (!st)
 		return;
+	atomic_store(&st->stop, true);
+	if (st->dog_running)
+		pthread_join(st->dog, NULL);
 	abort_comm(st);
 	if (st->done)
 		cudaEventDestroy(st->done);
+	pthread_mutex_destroy(&st->mu);
 	free(st);
 	l->impl = NULL;
 }
 
+static void nccl_abort(struct stage_link *l)
+{
+	struct nccl_state *st = l->impl;
+	if (st)
+		abort_comm(st);
+}
+
 const struct stage_link_ops stage_link_nccl_ops = {
 	.kind = "nccl",
+	.abort = nccl_abort,
 	.connect = nccl_connect,
 	.send = nccl_send,
 	.recv = nccl_recv,
