@@ -295,6 +295,33 @@ int main(int argc, char **argv)
 	m.logits.values = (struct bytes){(char *)logits, sizeof(logits)};
 	seed("logits", &m);
 
+	/* The stages of a model split across runners. */
+	static uint64_t pids[2] = {4711, 4712}, step_tokens[3] = {128000, 791, 6864};
+	static char nccl_id[128];
+	msg_init(&m, MSG_STAGE_SETUP, 14);
+	m.stage_setup = (struct msg_stage_setup){
+		.formation = 0x1234567890abcdefull, .rank = 1, .ranks = 2, .layer0 = 15, .layer1 = 32,
+		.manifest_hash = 0xfeedfacecafebeefull, .max_chunk = 512, .block_tokens = 16, .kv_dtype = 2,
+		.max_context = 2048, .backend = BYTES("cuda"), .link = BYTES("nccl"),
+		.link_name = BYTES("/llmp-1000-default-stages"), .nccl_id = {nccl_id, sizeof(nccl_id)},
+		.pids = {pids, 2}, .kv_session = 0x1234567890abcdefull};
+	seed("stage_setup", &m);
+	msg_init(&m, MSG_STAGE_READY, 14);
+	m.stage_ready = (struct msg_stage_ready){.rank = 1, .pid = 4712, .layer0 = 15, .layer1 = 32,
+						 .plan = BYTES("layers 15..31, 20 groups resident")};
+	seed("stage_ready", &m);
+	msg_init(&m, MSG_STAGE_SEQ, 15);
+	m.stage_seq = (struct msg_stage_seq){.formation = 7, .op = STAGE_SEQ_RESTORE, .tokens = {step_tokens, 3},
+					     .limit = 16, .seed = 99};
+	seed("stage_seq", &m);
+	msg_init(&m, MSG_STAGE_STEP, 16);
+	m.stage_step = (struct msg_stage_step){.formation = 7, .step = 1, .pos0 = 0, .flags = STAGE_STEP_OUT,
+					       .tokens = {step_tokens, 3}};
+	seed("stage_step", &m);
+	msg_init(&m, MSG_STAGE_DONE, 16);
+	m.stage_done.value = 16;
+	seed("stage_done", &m);
+
 	raw_seed("raw_hello_bin_unknown_key", MSG_HELLO, body_hello_bin_unknown);
 	raw_seed("raw_generate_float32", MSG_GENERATE, body_generate_float32);
 	raw_seed("raw_error_negative", MSG_ERROR, body_error_negative);
