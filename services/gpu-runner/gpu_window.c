@@ -222,7 +222,8 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	if (w->routing && w->base.groups[h].kind == GROUP_EXPERT) {
 		if (w->base.groups[h].layer != w->routed_layer)
 			return LATER;
-		if (e->unused && e->state == GWIN_ABSENT && ring_source_group_pinned(w->ring, h)) {
+		/* Passed over whether the loader holds it or not: it reads an expert only when asked. */
+		if (e->unused && e->state == GWIN_ABSENT) {
 			e->passed = true;
 			w->issued[c]++;
 			w->passed_pending[c]++;

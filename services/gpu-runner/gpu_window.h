@@ -28,7 +28,8 @@
  *
  * Mixture-of-experts layers (route/skip of weights.h): once the engine has told the window a layer's
  * routing, the expert groups of that layer its tokens chose are copied and the others passed over
- * (counted as visited, never copied) where their host bytes stay in DRAM; the experts of a layer
+ * (counted as visited, never copied, and never asked of the loader, which reads an expert from disk
+ * only when asked); the experts of a layer
  * not yet routed are not copied ahead. So a decode token moves the bytes of its chosen experts only.
  * With a CPU pool and --cpu-share, a decode step (at most FFN_SPLIT_MAX_TOKENS tokens) also leaves
  * some chosen experts in host memory for the CPU (acquire_host): those whose host bytes stay in

@@ -334,10 +334,25 @@ static int ring_flush(struct weight_source *ws)
 	return rc;
 }
 
+/* A mixture-of-experts layer's routing: the engine then acquires only the experts it chose, and
+ * passes the others over (skip), so the loader reads no unchosen expert from disk (it reads experts
+ * only when asked: loader.h). No expert is left for the CPU here (on_cpu stays false). */
+static int ring_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)
+{
+	return 0;
+}
+
+static int ring_skip(struct weight_source *ws, uint32_t group)
+{
+	return 0;
+}
+
 static const struct weight_source_ops ring_ops = {
 	.acquire = ring_acquire,
 	.release = ring_release,
 	.release_all = ring_release_all,
+	.route = ring_route,
+	.skip = ring_skip,
 	.flush = ring_flush,
 };
 

@@ -444,7 +444,11 @@ static void mark_window(struct loader *l)
 {
 	for (uint32_t g = 0; g < l->n_groups; g++)
 		l->lg[g].window = false;
+	/* Experts are read only when asked for: a token's routing chooses a few of each layer's, and the
+	 * runner asks for those alone (loader.h). */
 	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
+		if (c == CLASS_EXPERT)
+			continue;
 		uint32_t k = plan_streaming_slots(l->plan, c), n = 0;
 		if (k > l->read_ahead)
 			k = l->read_ahead;

@@ -18,7 +18,9 @@
  * order (embed, attn 0, ffn 0, ..., head, embed, ...): decode walks the layers in a cycle, so
  * the group just used is the best victim. Groups with waiters and groups inside the
  * read-ahead window (the next k groups of each streaming class from the position, k = the
- * class's streaming slots) are never evicted.
+ * class's streaming slots) are never evicted. Experts (CLASS_EXPERT) have no window: a token's
+ * routing chooses a few of each layer's, and a runner asks for those alone, so an expert is read
+ * from disk only when an acquire waits for it.
  *
  * The position is the first group of the latest acquire; releasing the group at the
  * position (refs reaching 0) moves it one group on, since the runner is then past it.

@@ -5,7 +5,8 @@
 # run-local's, a prompt longer than a prefill chunk included, and `pipeline inspect` shows the
 # expert size class. Then each mixture-of-experts model again under a DRAM budget below the whole
 # model, so its experts stream from disk through the expert slots like the layers of a dense model:
-# the same tokens, and the loader's stats show expert groups read into streaming slots. A budget
+# the same tokens, and the loader's stats show expert groups read into streaming slots, only those
+# the routings chose. A budget
 # below the globals and one attention, one router and one expert slot is refused, naming that
 # minimum.
 source "$(dirname "$0")/lib.sh"
@@ -69,6 +70,10 @@ for shape in mixtral-tiny qwen3-moe-tiny; do
 		# 24 tokens after the prompt pass over 16 experts each: far more loads than slots.
 		expect_gt "$streamed" 16 "$shape: expert groups read into streaming slots"
 		expect_gt "$streamed_bytes" 0 "$shape: expert bytes read into streaming slots"
+		# Experts are read only when a routing asks for them: a decode token loads at most its 2 of a
+		# layer's 8, a prefill chunk of 8 tokens at most all 8; so 8 chunks x 2 layers x 8 + 24
+		# tokens x 2 layers x 2 = 224 loads at most (every expert at every step: (8 + 24) x 16).
+		((streamed <= 224)) || fail "$shape: $streamed expert loads, more than the routings asked for (224 at most)"
 		((slots < 16)) || fail "$shape: $slots expert slots under a budget of $budget bytes, not fewer than 16"
 		"$PIPELINE" stop >/dev/null
 		expect_nothing_left "$shape: after stop ($budget bytes)"

@@ -492,6 +492,16 @@ static int ref_moe_route(struct backend_dev *be, const struct group_weights *w)
 	return 0;
 }
 
+/* Did a token of the layer's routing choose expert? (The engine then fetches only those.) */
+static bool ref_moe_expert_used(struct backend_dev *be, uint32_t expert)
+{
+	const uint32_t chosen = be->n * be->cfg.n_experts_used;
+	for (uint32_t i = 0; i < chosen; i++)
+		if (be->sel[i] == expert)
+			return true;
+	return false;
+}
+
 static int ref_moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t expert)
 {
 	const struct model_config *c = &be->cfg;
@@ -760,6 +770,7 @@ static const struct backend_compute_ops ref_compute = {
 	.moe_route = ref_moe_route,
 	.moe_expert = ref_moe_expert,
 	.moe_end = ref_moe_end,
+	.moe_expert_used = ref_moe_expert_used,
 	.hidden_in = ref_hidden_in,
 	.hidden_get = ref_hidden_get,
 	.hidden_put = ref_hidden_put,
