@@ -69,70 +69,8 @@ svc_log_tail() {
 	tail -n 20 "$log" | sed 's/^/  | /' >&2
 }
 
-# ---- http-api (start --http): runs beside the supervisor, not under it ----
-# Its files: http-api.pid, http-api.log. scripts/pipeline starts it after the services are up and
-# stops it before them.
-
-# Prints the pid of this instance's http-api if its pid file names a live http-api of RUN_DIR.
-http_pid() {
-	local pid word prev="" ours=0
-	pid=$(head -n 1 "$RUN_DIR/http-api.pid" 2>/dev/null) || return 1
-	[[ $pid =~ ^[0-9]+$ ]] || return 1
-	[[ -r /proc/$pid/cmdline ]] || return 1
-	[[ $(sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$pid/stat" 2>/dev/null) != [ZX] ]] || return 1
-	while IFS= read -r -d '' word; do
-		[[ $prev == --run-dir && $word == "$RUN_DIR" ]] && ours=1
-		prev=$word
-	done <"/proc/$pid/cmdline"
-	((ours)) && [[ $(cat "/proc/$pid/comm" 2>/dev/null) == http-api ]] || return 1
-	printf '%s\n' "$pid"
-}
-
-# http_start ADDR:PORT [FLAG...]: starts http-api for this instance and waits until it listens
-# (its log says so) or exits. Returns 1 after printing why when it did not start.
-http_start() {
-	local listen=$1 pid log=$RUN_DIR/http-api.log i before
-	shift
-	[[ -x $BIN_DIR/http-api ]] || {
-		warn "no $BIN_DIR/http-api: the build did not produce it (is libmicrohttpd-dev installed?)"
-		return 1
-	}
-	before=$(stat -c %s "$log" 2>/dev/null || echo 0)
-	setsid "$BIN_DIR/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen "$listen" "$@" \
-		</dev/null >>"$log" 2>&1 &
-	pid=$!
-	(umask 077 && echo "$pid" >"$RUN_DIR/http-api.pid")
-	for ((i = 0; i < 100; i++)); do
-		if tail -c +$((before + 1)) "$log" 2>/dev/null | grep -q 'listening on http://'; then
-			echo "http-api ready (pid $pid): $(tail -c +$((before + 1)) "$log" | grep -o 'http://[^ ]*' | head -n 1)/v1"
-			return 0
-		fi
-		if ! kill -0 "$pid" 2>/dev/null; then
-			break
-		fi
-		sleep 0.1
-	done
-	warn "http-api did not start listening on $listen"
-	svc_log_tail http-api
-	http_stop
-	return 1
-}
-
-# Stops this instance's http-api (SIGTERM, SIGKILL after 10 s) and removes its pid file. Prints
-# "http-api" when one was running.
-http_stop() {
-	local pid i
-	if pid=$(http_pid); then
-		kill -TERM "$pid" 2>/dev/null || true
-		for ((i = 0; i < 100; i++)); do
-			http_pid >/dev/null || break
-			sleep 0.1
-		done
-		if http_pid >/dev/null; then
-			kill -KILL "$pid" 2>/dev/null || true
-			sleep 0.2
-		fi
-		echo http-api
-	fi
-	rm -f "$RUN_DIR/http-api.pid"
+# Prints where this instance's http-api (start --http, run by the supervisor) listens, from its log:
+# http://ADDR:PORT (port 0 given: the one the system picked, for the process running now).
+http_url() {
+	grep -o 'listening on http://[^ ]*' "$RUN_DIR/http-api.log" 2>/dev/null | tail -n 1 | sed 's/^listening on //'
 }

@@ -5,9 +5,15 @@
  * It serves GET /health, GET /metrics, GET /v1/models, POST /v1/completions and POST
  * /v1/chat/completions (server.h), and generates by sending MSG_GENERATE to the instance's gpu-runner as pipectl
  * generate does (runner_client.h), one request at a time; the others wait in a queue of
- * --max-queue. It logs "listening on http://ADDR:PORT" once it serves, and stops on SIGTERM or
- * SIGINT. Exit status: 0 after a signal, 1 when it could not start, 2 bad usage. */
+ * --max-queue. It logs "listening on http://ADDR:PORT" once it serves.
+ *
+ * Like the other services it runs common/service.h's loop on its main thread (<run-dir>/http-api.ctl
+ * and .pub: HELLO, PING, STATS_GET, heartbeats), so that the supervisor can start it (start --http),
+ * see it hang or die and start it again; the HTTP connections are served on libmicrohttpd's threads
+ * meanwhile. It stops on MSG_SHUTDOWN, SIGTERM or SIGINT. Exit status: 0 after a stop, 1 when it
+ * could not start, 2 bad usage. */
 #include <errno.h>
+#include <jansson.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdio.h>
@@ -73,10 +79,25 @@ static int parse_listen(const char *text, char *addr, size_t len, uint16_t *port
 	return 0;
 }
 
+/* What MSG_STATS carries: where it listens. */
+struct api_status {
+	char listen[96];
+	unsigned port;
+};
+
+static char *stats_json(void *ctx)
+{
+	const struct api_status *st = ctx;
+	json_t *o = json_pack("{s:s, s:i}", "listen", st->listen, "port", (json_int_t)st->port);
+	char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+	json_decref(o);
+	return text;
+}
+
 int main(int argc, char **argv)
 {
 	const char *instance = NULL, *run_dir_opt = NULL, *listen = NULL, *key_file = NULL, *model_id = NULL,
-		   *level = NULL;
+		   *level = NULL, *name = NULL;
 	uint64_t max_body = 0;
 	long max_queue = 0, max_connections = 0, default_max_tokens = 0, timeout_s = 0, hello_ms = 0, resume_s = 0;
 	struct opt opts[] = {
@@ -101,6 +122,9 @@ int main(int argc, char **argv)
 		 "seconds to wait for a gpu-runner that died during a request to be started again; the request "
 		 "then goes on where it was cut off (0: fail it at once)"},
 		{"log-level", OPT_STRING, &level, "info", "debug, info, warn or error"},
+		{"name", OPT_STRING, &name, PROG,
+		 "its name in the run directory (NAME.ctl and NAME.pub: HELLO, stats and heartbeats for the "
+		 "supervisor and the tools); a second http-api of one instance needs a name of its own"},
 		{0},
 	};
 	int rc = config_parse(PROG,
@@ -123,6 +147,10 @@ int main(int argc, char **argv)
 	log_set_level(lv);
 	if (!*instance || strchr(instance, '/')) {
 		fprintf(stderr, "%s: instance name '%s' must be non-empty and hold no '/'\n", PROG, instance);
+		return 2;
+	}
+	if (!*name || strlen(name) > 32 || strspn(name, "abcdefghijklmnopqrstuvwxyz0123456789-_") != strlen(name)) {
+		fprintf(stderr, "%s: --name '%s': 1 to 32 of a-z, 0-9, '-' and '_'\n", PROG, name);
 		return 2;
 	}
 	if (max_queue < 0 || max_queue > 100000 || max_connections < 0 || max_connections > 100000) {
@@ -154,18 +182,25 @@ int main(int argc, char **argv)
 	if (key_file && read_api_key(key_file, key, sizeof(key)) != 0)
 		return 2;
 
-	/* The signals are taken by sigwait below: every thread started from here blocks them. */
+	/* SIGTERM and SIGINT are taken by the service loop on this thread: every thread started from
+	 * here blocks them, and this one takes them again once they are started. */
 	sigset_t sigs;
 	sigemptyset(&sigs);
 	sigaddset(&sigs, SIGTERM);
 	sigaddset(&sigs, SIGINT);
-	sigaddset(&sigs, SIGHUP);
 	pthread_sigmask(SIG_BLOCK, &sigs, NULL);
 	signal(SIGPIPE, SIG_IGN);
+	signal(SIGHUP, SIG_IGN);
 
+	static struct api_status status;
+	static const struct service_ops ops = {.stats = stats_json};
+	struct service *svc = service_create(name, run_dir, &ops, &status);
+	if (!svc) /* why is logged */
+		return 1;
 	void *zctx = zmq_ctx_new();
 	if (!zctx) {
 		fprintf(stderr, "%s: cannot create a ZeroMQ context: %s\n", PROG, strerror(errno));
+		service_destroy(&svc);
 		return 1;
 	}
 	struct runner_options ro = {
@@ -181,6 +216,7 @@ int main(int argc, char **argv)
 	if (runner_client_start(&ro, &runner, err, sizeof(err)) != 0) {
 		fprintf(stderr, "%s: %s\n", PROG, err);
 		zmq_ctx_term(zctx);
+		service_destroy(&svc);
 		return 1;
 	}
 	struct server_config cfg = {
@@ -199,17 +235,21 @@ int main(int argc, char **argv)
 		log_error("%s", err);
 		runner_client_destroy(&runner);
 		zmq_ctx_term(zctx);
+		service_destroy(&svc);
 		return 1;
 	}
-	log_info("listening on http://%s:%u (instance %s, run dir %s%s)", addr, (unsigned)server_port(srv), instance,
-		 run_dir, key_file ? ", API key required" : "");
-	int sig = 0;
-	sigwait(&sigs, &sig);
-	log_info("stopping on signal %d", sig);
+	status.port = server_port(srv);
+	snprintf(status.listen, sizeof(status.listen), "http://%s:%u", addr, status.port);
+	log_info("listening on %s (instance %s, run dir %s%s)", status.listen, instance, run_dir,
+		 key_file ? ", API key required" : "");
+	pthread_sigmask(SIG_UNBLOCK, &sigs, NULL);
+	service_run(svc);
+	log_info("stopping (%s)", service_stop_reason(svc) == SERVICE_STOP_SHUTDOWN ? "MSG_SHUTDOWN" : "a signal");
 	/* The generations end first (their readers wake up), then the connections, then the rest. */
 	runner_client_stop(runner);
 	server_stop(&srv);
 	runner_client_destroy(&runner);
 	zmq_ctx_term(zctx);
+	service_destroy(&svc);
 	return 0;
 }

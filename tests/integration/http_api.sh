@@ -5,7 +5,8 @@
 # stop strings end the text before them; /health and /v1/models answer; bad requests get their
 # status and OpenAI's error shape; a client that goes away mid-stream cancels its generation and
 # the server serves the next request; a runner killed mid-stream ends it with an error event (with
-# --resume-timeout 0); a full queue answers 429; no runner answers 503; a port in use
+# --resume-timeout 0); a full queue answers 429; http-api killed mid-stream is started again by the
+# supervisor and serves, and the runner cancels the cut stream; no runner answers 503; a port in use
 # fails the start. GET /metrics (no key) counts each of these by the amounts sent, in the Prometheus
 # text format, with the instance's stats.
 source "$(dirname "$0")/lib.sh"
@@ -253,7 +254,7 @@ log "gpu-runner killed mid-stream: an error event; the restarted runner serves"
 
 # ---- a full queue: 429 (a second server with --max-queue 0, while the first request streams) ----
 "$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --max-queue 0 \
-	>"$IT_TMP/second.log" 2>&1 &
+	--name http-api-2 >"$IT_TMP/second.log" 2>&1 &
 SECOND=$!
 listening() { grep -q 'listening on http://' "$IT_TMP/second.log"; }
 wait_until 10 "the second http-api listens" listening
@@ -279,6 +280,30 @@ kill -TERM "$SECOND"
 wait "$SECOND" || fail "the second http-api did not exit cleanly on SIGTERM"
 log "a full queue: 429"
 
+# ---- http-api runs under the supervisor: killed, it is started again and serves ----
+# (killed in the middle of a stream: the runner cancels that generation, as for a client gone)
+HTTP_PID=$(sup_field http-api pid)
+[[ $HTTP_PID =~ ^[0-9]+$ ]] || fail "the supervisor's status has no http-api pid: $HTTP_PID"
+expect_eq "$(cat "$RUN_DIR/http-api.pid")" "$HTTP_PID" "http-api.pid"
+n_cancelled=$(grep -c 'generated (cancelled)' "$RUN_DIR/gpu-runner.log" || true)
+curl -sS -N -H "Authorization: Bearer $KEY" "$BASE/v1/completions" --data-binary "$long" >"$IT_TMP/long" 2>/dev/null &
+LONG=$!
+wait_until 20 "a long stream starts" streaming
+kill -KILL "$HTTP_PID"
+wait "$LONG" 2>/dev/null || true
+grep -q '^data: \[DONE\]' "$IT_TMP/long" && fail "the stream of a killed http-api ended with [DONE]"
+wait_until 30 "http-api restarted" restarted http-api "$HTTP_PID"
+cancelled_again() { (($(grep -c 'generated (cancelled)' "$RUN_DIR/gpu-runner.log" || true) > n_cancelled)); }
+wait_until 30 "gpu-runner cancels the generation of the killed http-api" cancelled_again
+BASE=$(grep -o 'listening on http://127\.0\.0\.1:[0-9]*' "$RUN_DIR/http-api.log" | tail -n 1 | sed 's/^listening on //')
+expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0}")" \
+	200 "a request to the restarted http-api"
+expect_eq "$(whole_text)" "$full" "a request to the restarted http-api: the text"
+expect_eq "$(sup_field http-api restarts)" 1 "the supervisor counts http-api's restart"
+expect_grep 'http-api listens on http://' "$("$PIPELINE" status 2>&1 || true)" "pipeline status names http-api"
+expect_grep "\"listen\": *\"$BASE\"" "$("$PIPECTL" stats http-api)" "pipectl stats http-api: where it listens"
+log "http-api killed: the supervisor started it again ($BASE) and it serves"
+
 # ---- stop stops http-api too; a port in use fails the start and leaves nothing ----
 HTTP_PID=$(cat "$RUN_DIR/http-api.pid")
 "$PIPELINE" stop >/dev/null
@@ -300,7 +325,7 @@ got=$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE3/v1/chat/completions" \
 	--data-binary '{"messages": [{"role": "user", "content": "x"}], "stream": true}')
 expect_eq "$got" 503 "a streamed chat without a runner"
 expect_eq "$(jq -r .error.type "$BODY")" server_error "a streamed chat without a runner: the error type"
-expect_start_fails "--http on a port in use" "http-api did not" --model "$L3" --http "127.0.0.1:$PORT3"
+expect_start_fails "--http on a port in use" "http-api failed" --model "$L3" --http "127.0.0.1:$PORT3"
 kill -TERM "$THIRD"
 wait "$THIRD" || true
 log "passed"

@@ -70,7 +70,11 @@ bool pipectl_check_service(const char *name)
 	/* The further runners of a model split across GPUs (start --gpus, --ranks): gpu-runner-1 .. 7. */
 	if (!strncmp(name, "gpu-runner-", 11) && name[11] >= '1' && name[11] <= '7' && !name[12])
 		return true;
-	fprintf(stderr, "pipectl: unknown service '%s' (one of: ssd-loader, kv-store, gpu-runner, gpu-runner-N)\n",
+	/* The HTTP front door (start --http) answers HELLO, ping, stats and config like the others. */
+	if (!strcmp(name, "http-api"))
+		return true;
+	fprintf(stderr,
+		"pipectl: unknown service '%s' (one of: ssd-loader, kv-store, gpu-runner, gpu-runner-N, http-api)\n",
 		name);
 	return false;
 }

@@ -121,8 +121,9 @@ static json_t *service_obj(json_t *status, const char *name)
 	return json_object_get(json_object_get(status, "services"), name);
 }
 
-/* The name of the status's i-th service (the three, then any further runners, in start order);
- * false past the last. */
+/* The i-th of the names a service may have (sup_service_name) into name, and whether the status
+ * has that service (the three always). Loops go over every i < SUP_MAX_SERVICES: a runner of a
+ * rank not run leaves a gap before http-api. */
 static bool service_at(json_t *status, int i, char *name, size_t len)
 {
 	if (i >= SUP_MAX_SERVICES)
@@ -146,8 +147,9 @@ static long long int_field(json_t *o, const char *key, long long def)
 static bool all_up(json_t *status)
 {
 	char name[32];
-	for (int i = 0; service_at(status, i, name, sizeof(name)); i++)
-		if (strcmp(str_field(service_obj(status, name), "state", ""), "up") != 0)
+	for (int i = 0; i < SUP_MAX_SERVICES; i++)
+		if (service_at(status, i, name, sizeof(name)) &&
+		    strcmp(str_field(service_obj(status, name), "state", ""), "up") != 0)
 			return false;
 	return true;
 }
@@ -250,7 +252,9 @@ int sup_client_status(const char *run_dir, bool json, long timeout_s)
 		printf("%-12s %-8s %-10s %-7s %-9s %-8s %-20s %s\n", "service", "pid", "state", "health", "uptime",
 		       "restarts", "last exit", "last error");
 		char name[32];
-		for (int i = 0; service_at(j, i, name, sizeof(name)); i++) {
+		for (int i = 0; i < SUP_MAX_SERVICES; i++) {
+			if (!service_at(j, i, name, sizeof(name)))
+				continue;
 			json_t *o = service_obj(j, name);
 			char pid[16] = "-", uptime[32] = "-";
 			if (json_is_integer(json_object_get(o, "pid")))
@@ -311,7 +315,9 @@ int sup_client_wait(const char *run_dir, long timeout_s)
 			pid = (int)int_field(json_object_get(j, "supervisor"), "pid", 0);
 		bool failed = false;
 		char name[32];
-		for (int i = 0; service_at(j, i, name, sizeof(name)); i++) {
+		for (int i = 0; i < SUP_MAX_SERVICES; i++) {
+			if (!service_at(j, i, name, sizeof(name)))
+				continue;
 			json_t *o = service_obj(j, name);
 			const char *state = str_field(o, "state", "");
 			if (!strcmp(state, "up") && !announced[i]) {

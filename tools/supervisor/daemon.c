@@ -23,11 +23,11 @@
 
 const char *const svc_state_names[] = {"stopped", "starting", "up", "restarting", "failed"};
 
-const char *const sup_service_names[SUP_N_SERVICES] = {"kv-store", "ssd-loader", "gpu-runner"};
+const char *const sup_service_names[SUP_N_KINDS] = {"kv-store", "ssd-loader", "gpu-runner", "http-api"};
 
 int sup_service_index(const char *name)
 {
-	for (int i = 0; i < SUP_N_SERVICES; i++)
+	for (int i = 0; i < SUP_N_KINDS; i++)
 		if (!strcmp(name, sup_service_names[i]))
 			return i;
 	return -1;
@@ -53,6 +53,8 @@ void sup_service_name(int i, char *buf, size_t len)
 {
 	if (i < SUP_N_SERVICES)
 		snprintf(buf, len, "%s", sup_service_names[i]);
+	else if (i == SUP_HTTP_NAME_INDEX)
+		snprintf(buf, len, "%s", sup_service_names[SUP_HTTP_API]);
 	else
 		snprintf(buf, len, "%s-%d", sup_service_names[SUP_GPU_RUNNER], i - SUP_GPU_RUNNER);
 }
@@ -88,7 +90,7 @@ static void tick(struct sup *sup)
 	    sup->s[SUP_SSD_LOADER].state == SVC_UP) {
 		/* The runners connect to both at their start: they come once they answer, all at once
 		 * (rank 0 forms the others, each of which plans and loads its own layers meanwhile). */
-		for (int i = SUP_GPU_RUNNER; i < sup->n; i++)
+		for (int i = SUP_GPU_RUNNER; i < sup->n; i++) /* the runners, and http-api */
 			if (sup->s[i].state == SVC_STOPPED)
 				svc_launch(sup, &sup->s[i], "");
 		sup->phase = PHASE_RUNNING;
@@ -139,13 +141,15 @@ static int supervise(const struct sup_config *cfg, int notify_fd)
 	char err[512];
 	int status = SUP_EXIT_FAIL;
 
-	sup.n = SUP_N_SERVICES + (cfg->n_ranks > 1 ? cfg->n_ranks - 1 : 0);
+	/* kv-store, ssd-loader, the runners, then http-api: the start order. */
+	int n_runners = cfg->n_ranks > 1 ? cfg->n_ranks : 1;
+	sup.n = SUP_GPU_RUNNER + n_runners + (cfg->http_listen ? 1 : 0);
 	for (int i = 0; i < sup.n; i++) {
 		struct svc *v = &sup.s[i];
 		v->id = i;
-		v->kind = i < SUP_GPU_RUNNER ? i : SUP_GPU_RUNNER;
-		v->rank = i < SUP_GPU_RUNNER ? 0 : i - SUP_GPU_RUNNER;
-		sup_service_name(i, v->name_buf, sizeof(v->name_buf));
+		v->kind = i < SUP_GPU_RUNNER ? i : i < SUP_GPU_RUNNER + n_runners ? SUP_GPU_RUNNER : SUP_HTTP_API;
+		v->rank = v->kind == SUP_GPU_RUNNER ? i - SUP_GPU_RUNNER : 0;
+		sup_service_name(v->kind == SUP_HTTP_API ? SUP_HTTP_NAME_INDEX : i, v->name_buf, sizeof(v->name_buf));
 		v->name = v->name_buf;
 		if (build_argv(cfg, v, err, sizeof(err)) != 0)
 			goto out_argv;

@@ -19,7 +19,8 @@
 void runner_peer_down(struct sup *sup)
 {
 	for (int i = SUP_GPU_RUNNER; i < sup->n; i++)
-		sup->s[i].grace_until_ns = UINT64_MAX;
+		if (sup->s[i].kind == SUP_GPU_RUNNER)
+			sup->s[i].grace_until_ns = UINT64_MAX;
 }
 
 static void runner_peer_up(struct sup *sup, uint64_t now)
@@ -27,7 +28,7 @@ static void runner_peer_up(struct sup *sup, uint64_t now)
 	bool peers_up = sup->s[SUP_KV_STORE].state == SVC_UP && sup->s[SUP_SSD_LOADER].state == SVC_UP;
 	for (int i = SUP_GPU_RUNNER; i < sup->n; i++) {
 		struct svc *r = &sup->s[i];
-		if (peers_up && r->grace_until_ns == UINT64_MAX)
+		if (r->kind == SUP_GPU_RUNNER && peers_up && r->grace_until_ns == UINT64_MAX)
 			r->grace_until_ns = now + (uint64_t)sup->cfg->peer_grace_ms * NS_PER_MS;
 	}
 }
@@ -47,7 +48,7 @@ static void svc_mark_up(struct sup *sup, struct svc *v, const struct msg_hello_r
 	v->busy = false;
 	log_info("%s is up (pid %d%s, epoch %016llx) after %.2f s", v->name, v->pid, v->wrapped ? ", under a wrapper" : "",
 		 (unsigned long long)v->epoch, ns_to_s(now - v->started_ns));
-	if (v->kind != SUP_GPU_RUNNER)
+	if (v->kind == SUP_KV_STORE || v->kind == SUP_SSD_LOADER)
 		runner_peer_up(sup, now);
 }
 

@@ -101,6 +101,10 @@ int build_argv(const struct sup_config *cfg, struct svc *v, char *err, size_t er
 	v->argv[k++] = strdup(cfg->instance);
 	v->argv[k++] = strdup("--run-dir");
 	v->argv[k++] = strdup(cfg->run_dir);
+	if (v->kind == SUP_HTTP_API && cfg->http_listen) {
+		v->argv[k++] = strdup("--listen");
+		v->argv[k++] = strdup(cfg->http_listen);
+	}
 	for (int i = 0; i < args->n; i++)
 		v->argv[k++] = strdup(args->v[i]);
 	/* --ranks, --gpus: each runner told its place among them, and its device. */
@@ -341,7 +345,7 @@ static void on_child_exit(struct sup *sup, struct svc *v, int status)
 	v->busy = false;
 	path_of(sup, v->name, "pid", path, sizeof(path));
 	unlink(path);
-	if (was_up && v->kind != SUP_GPU_RUNNER)
+	if (was_up && (v->kind == SUP_KV_STORE || v->kind == SUP_SSD_LOADER))
 		runner_peer_down(sup);
 
 	if (sup->phase == PHASE_STOPPING || why == KILL_STOP) {

@@ -32,10 +32,11 @@ static void usage(FILE *f)
 		"\n"
 		"run (the default): becomes a daemon (its own session, log DIR/supervisor.log, pid in\n"
 		"DIR/supervisor.pid, socket DIR/supervisor.ctl) that starts kv-store and ssd-loader, then\n"
-		"gpu-runner once both answer HELLO; restarts a service that exits or hangs (stops sending\n"
+		"gpu-runner (and http-api with --http) once both answer HELLO; restarts a service that exits or hangs (stops sending\n"
 		"heartbeats), with a backoff, until it restarted more than --burst-limit times within\n"
 		"--burst-window-s (then the service is 'failed'); answers MSG_STATS_GET with its status as\n"
-		"JSON; on MSG_SHUTDOWN, SIGTERM or SIGINT stops gpu-runner, ssd-loader, kv-store in turn and exits.\n"
+		"JSON; on MSG_SHUTDOWN, SIGTERM or SIGINT stops http-api, gpu-runner, ssd-loader, kv-store in turn\n"
+		"and exits.\n"
 		"Returns once the daemon serves.\n"
 		"\n"
 		"  --instance NAME          the instance (the services' --instance)\n"
@@ -58,7 +59,10 @@ static void usage(FILE *f)
 		"                           gpu-runner-1, ..., each with --rank R --ranks N after its words\n"
 		"  --gpus LIST              CUDA devices, comma-separated: one gpu-runner on each (--ranks is their\n"
 		"                           number), each with --gpu G after its words\n"
-		"service words, each flag once per word, in order (SERVICE: kv-store, ssd-loader, gpu-runner):\n"
+		"  --http ADDR:PORT         also run http-api, the OpenAI-compatible HTTP front door, with --listen\n"
+		"                           ADDR:PORT before its words; started with the runners, stopped first\n"
+		"service words, each flag once per word, in order (SERVICE: kv-store, ssd-loader, gpu-runner,\n"
+		"http-api):\n"
 		"  --SERVICE-arg WORD       a word of the service's command line after --instance and --run-dir\n"
 		"  --SERVICE-wrap WORD      a word of the tool the service runs under (PIPELINE_WRAP_*)\n"
 		"\n"
@@ -106,7 +110,7 @@ struct int_flag {
 /* Which per-service word list, if any, the flag name ("kv-store-arg") names. */
 static struct sup_words *words_of(struct sup_config *cfg, const char *name)
 {
-	for (int s = 0; s < SUP_N_SERVICES; s++) {
+	for (int s = 0; s < SUP_N_KINDS; s++) {
 		size_t len = strlen(sup_service_names[s]);
 		if (strncmp(name, sup_service_names[s], len) != 0 || name[len] != '-')
 			continue;
@@ -120,7 +124,7 @@ static struct sup_words *words_of(struct sup_config *cfg, const char *name)
 
 static bool known_flag(const char *name, const struct int_flag *ints, size_t n_ints)
 {
-	static const char *const strings[] = {"instance", "run-dir", "bin-dir", "log-level", "gpus", "ranks"};
+	static const char *const strings[] = {"instance", "run-dir", "bin-dir", "log-level", "gpus", "ranks", "http"};
 	for (size_t k = 0; k < ARRAY_SIZE(strings); k++)
 		if (!strcmp(name, strings[k]))
 			return true;
@@ -212,6 +216,13 @@ static int parse_run(int argc, char **argv, struct sup_config *cfg)
 			cfg->log_level = value;
 			continue;
 		}
+		if (!strcmp(name, "http")) {
+			const char *colon = strrchr(value, ':');
+			if (!colon || colon == value || !colon[1] || strspn(colon + 1, "0123456789") != strlen(colon + 1))
+				return usage_error("--http '%s': ADDR:PORT, such as 127.0.0.1:8000", value);
+			cfg->http_listen = value;
+			continue;
+		}
 		if (!strcmp(name, "gpus")) {
 			if (parse_gpus(value, cfg))
 				return SUP_EXIT_USAGE;
@@ -267,6 +278,8 @@ static int parse_run(int argc, char **argv, struct sup_config *cfg)
 				   cfg->n_gpus);
 	if (cfg->n_gpus)
 		cfg->n_ranks = cfg->n_gpus;
+	if (!cfg->http_listen && (cfg->args[SUP_HTTP_API].n || cfg->wrap[SUP_HTTP_API].n))
+		return usage_error("--http-api-arg and --http-api-wrap go with --http ADDR:PORT");
 	enum log_level lv;
 	if (log_parse_level(cfg->log_level, &lv) != 0)
 		return usage_error("--log-level '%s' is not debug, info, warn or error", cfg->log_level);
@@ -347,9 +360,10 @@ static int client_main(const struct client_command *c, int argc, char **argv)
 	if (extra)
 		return usage_error("%s: unexpected argument '%s'", cmd, extra);
 	if (!strcmp(cmd, "restart") && (!arg || sup_service_kind(arg, NULL) < 0))
-		return usage_error("restart takes one service: kv-store, ssd-loader, gpu-runner or gpu-runner-R");
+		return usage_error("restart takes one service: kv-store, ssd-loader, gpu-runner, gpu-runner-R or http-api");
 	if (!strcmp(cmd, "pids") && arg && strcmp(arg, SUP_NAME) != 0 && sup_service_kind(arg, NULL) < 0)
-		return usage_error("pids: '%s' is not supervisor, kv-store, ssd-loader, gpu-runner or gpu-runner-R", arg);
+		return usage_error("pids: '%s' is not supervisor, kv-store, ssd-loader, gpu-runner, gpu-runner-R or http-api",
+				   arg);
 	if (timeout_s < 0)
 		return usage_error("--timeout must not be negative");
 	if (stop_timeout_s < 0 || stop_timeout_s > 3600)

@@ -1,4 +1,5 @@
-/* supervisor.h - pipeline-supervisor: one process per instance that starts the three services,
+/* supervisor.h - pipeline-supervisor: one process per instance that starts the three services
+ * (and the HTTP front door with --http),
  * restarts them when they exit or hang, and answers status on <run-dir>/supervisor.ctl.
  *
  *   struct sup_config cfg;  sup_config_defaults(&cfg);  ... fill from the command line ...
@@ -33,11 +34,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SUP_N_SERVICES 3 /* the kinds of service */
-/* Runners of one model split across GPUs (--gpus: gpu-runner, gpu-runner-1, ...), and so the most
- * services one supervisor runs. */
+#define SUP_N_SERVICES 3 /* the services every instance runs: kv-store, ssd-loader, gpu-runner */
+#define SUP_N_KINDS 4	 /* the kinds of service: those three and http-api (--http) */
+/* Runners of one model split across GPUs (--gpus: gpu-runner, gpu-runner-1, ...). */
 #define SUP_MAX_RANKS 8
-#define SUP_MAX_SERVICES (SUP_N_SERVICES - 1 + SUP_MAX_RANKS)
+/* The names a supervisor's services may have, in start order (sup_service_name): the three,
+ * gpu-runner-1 .. gpu-runner-<SUP_MAX_RANKS - 1>, then http-api; and so the most services one
+ * supervisor runs. */
+#define SUP_MAX_SERVICES (SUP_N_SERVICES - 1 + SUP_MAX_RANKS + 1)
+#define SUP_HTTP_NAME_INDEX (SUP_MAX_SERVICES - 1)
 #define SUP_EXIT_OK 0
 #define SUP_EXIT_FAIL 1
 #define SUP_EXIT_USAGE 2
@@ -52,9 +57,11 @@
 #define SUP_MAX_WORDS 256 /* words per service command line (arguments or wrapper) */
 
 /* Start order: kv-store and ssd-loader together, then gpu-runner (it connects to both), and with
- * --gpus each further runner gpu-runner-1 .. gpu-runner-<N-1> with it. Stop goes the other way. */
-enum sup_service { SUP_KV_STORE = 0, SUP_SSD_LOADER = 1, SUP_GPU_RUNNER = 2 };
-extern const char *const sup_service_names[SUP_N_SERVICES];
+ * --gpus each further runner gpu-runner-1 .. gpu-runner-<N-1> with it, and with --http the HTTP
+ * front door with them (it answers 503 until the runner is up). Stop goes the other way: http-api
+ * first, so that no request comes in while the rest stops. */
+enum sup_service { SUP_KV_STORE = 0, SUP_SSD_LOADER = 1, SUP_GPU_RUNNER = 2, SUP_HTTP_API = 3 };
+extern const char *const sup_service_names[SUP_N_KINDS];
 
 /* The k-th of n services to stop (k = 0 .. n - 1): the start order reversed. */
 static inline int sup_stop_order(int n, int k)
@@ -68,8 +75,8 @@ int sup_service_index(const char *name);
  * (may be NULL): "gpu-runner-R" (R 1 .. SUP_MAX_RANKS - 1) is a gpu-runner of rank R, the others rank
  * 0. -1 for a name that is none. */
 int sup_service_kind(const char *name, int *rank);
-/* The name of the service at index i of a supervisor with ranks runners (ranks <= 1: the three)
- * into buf: kv-store, ssd-loader, gpu-runner, gpu-runner-1, ... */
+/* The i-th name of the names a supervisor's services may have (i < SUP_MAX_SERVICES) into buf:
+ * kv-store, ssd-loader, gpu-runner, gpu-runner-1, ..., gpu-runner-7, http-api. */
 void sup_service_name(int i, char *buf, size_t len);
 
 struct sup_words {
@@ -91,8 +98,10 @@ struct sup_config {
 	long ready_timeout_s; /* HELLO must come this long after a start */
 	long stop_timeout_s;  /* after MSG_SHUTDOWN or SIGTERM, SIGKILL when this passes */
 	bool foreground;
-	struct sup_words args[SUP_N_SERVICES]; /* after --instance NAME --run-dir DIR, per kind */
-	struct sup_words wrap[SUP_N_SERVICES]; /* a tool the service runs under (PIPELINE_WRAP_*) */
+	struct sup_words args[SUP_N_KINDS]; /* after --instance NAME --run-dir DIR, per kind */
+	struct sup_words wrap[SUP_N_KINDS]; /* a tool the service runs under (PIPELINE_WRAP_*) */
+	/* --http ADDR:PORT: run http-api too, with --listen ADDR:PORT before its words; NULL: not. */
+	const char *http_listen;
 	/* --ranks / --gpus: runners that split the model's layers (n_ranks; 0 or 1: one runner, as args
 	 * say), and the CUDA device of each (n_gpus of them, n_gpus == n_ranks; 0: none given). Runner R
 	 * gets --rank R --ranks n_ranks (with several) and --gpu gpus[R] (with devices) after its args. */
@@ -110,9 +119,9 @@ int sup_daemon_run(const struct sup_config *cfg);
 
 /* ---- client commands (client.c): each prints what it found and returns an exit status ---- */
 
-/* Prints the supervisor's view (a table, or the JSON with json). 0 when all three services are up. */
+/* Prints the supervisor's view (a table, or the JSON with json). 0 when all its services are up. */
 int sup_client_status(const char *run_dir, bool json, long timeout_s);
-/* Waits until all three services are up (0), one failed (1, with its log's tail), the
+/* Waits until all its services are up (0), one failed (1, with its log's tail), the
  * supervisor went away (1) or timeout_s passed (1; 0 waits as long as the supervisor lives).
  * Prints "SERVICE ready (pid N)" as each comes up. */
 int sup_client_wait(const char *run_dir, long timeout_s);
