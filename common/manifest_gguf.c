@@ -544,6 +544,15 @@ static int read_config_keys(const struct gset *s, struct model_config *c, char *
 		return rc;
 	if (!(c->rms_eps > 0 && c->rms_eps < 1))
 		return errorf(err, errlen, -EINVAL, "%s: %s %g must be in (0, 1)", path, k, (double)c->rms_eps);
+	/* Mistral v0.1's sliding window, where the file keeps it (llama.cpp itself reads none for the
+	 * llama architecture, and computes such a model past its window as if it had none; a file that
+	 * names a window means it, as transformers does). Qwen3's configurations name a window that
+	 * only use_sliding_window switches on, which GGUF has no key for: as transformers, none. */
+	if (c->arch != ARCH_QWEN3 && c->arch != ARCH_QWEN3_MOE) {
+		rc = opt_u32(g, akey(k, ap, "attention.sliding_window"), &c->sliding_window, err, errlen);
+		if (rc)
+			return rc;
+	}
 	rc = mf_gguf_read_experts(g, ap, c, err, errlen);
 	if (!rc)
 		rc = read_rope(s, c, ap, err, errlen);

@@ -171,7 +171,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	}
 	CHECK(m != NULL, "loaded, but no manifest");
 	check_manifest(m);
-	CHECK(m->cfg.rope_layout == ROPE_ADJACENT, "a GGUF model with rope layout %u", m->cfg.rope_layout);
+	/* llama's wq and wk are permuted for RoPE on adjacent pairs; qwen3's are stored as in the
+	 * checkpoint (halves). */
+	bool qwen = m->cfg.arch == ARCH_QWEN3 || m->cfg.arch == ARCH_QWEN3_MOE;
+	CHECK(m->cfg.rope_layout == (qwen ? ROPE_HALVES : ROPE_ADJACENT), "a GGUF model of architecture %u with rope "
+	      "layout %u", m->cfg.arch, m->cfg.rope_layout);
 	CHECK(memchr(m->tokenizer_note, 0, sizeof(m->tokenizer_note)) != NULL, "the note is not terminated");
 	if (m->tokenizer_json) {
 		struct tokenizer *t = NULL;

@@ -14,7 +14,9 @@
   Mistral), one with the small tokenizer.json, near-valid ones, and a directory holding a GGUF
   header.
 - corpus/gguf: GGUF headers from make_gguf_seeds (built in the fuzz build directory): the tiny
-  Llama in several types, with tokenizers, with llama3 RoPE scaling, and refused ones.
+  Llama in several types, with tokenizers, with llama3 RoPE scaling, and refused ones; and the
+  headers of make-synthetic-model's Qwen3 and mixture-of-experts GGUF files (qwen3, qwen3moe,
+  llama with experts and a sliding window, experts fused in ffn_*_exps tensors).
 
 Files of the corpora are named by content (what libFuzzer itself does), except the hand-named
 regression inputs (regress-*), which this script leaves alone.
@@ -65,7 +67,54 @@ def codec(fuzz_build):
         shutil.rmtree(tmp)
 
 
-def gguf(fuzz_build):
+def gguf_header(data):
+    """The bytes of a GGUF file before its tensor data (fuzz_gguf extends a header to its data)."""
+    pos = 8
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, pos)
+    pos += 16
+    align = 32
+
+    def string(p):
+        (n,) = struct.unpack_from("<Q", data, p)
+        return data[p + 8:p + 8 + n], p + 8 + n
+
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+    def value(t, p):
+        if t == 8:
+            return string(p)
+        if t == 9:
+            et, n = struct.unpack_from("<IQ", data, p)
+            p += 12
+            for _ in range(n):
+                _, p = value(et, p)
+            return None, p
+        return data[p:p + sizes[t]], p + sizes[t]
+
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (t,) = struct.unpack_from("<I", data, pos)
+        v, pos = value(t, pos + 4)
+        if key == b"general.alignment":
+            (align,) = struct.unpack("<I", v)
+    for _ in range(n_tensors):
+        _, pos = string(pos)
+        (nd,) = struct.unpack_from("<I", data, pos)
+        pos += 4 + 8 * nd + 4 + 8
+    return data[:(pos + align - 1) // align * align]
+
+
+# make-synthetic-model's GGUF forms beyond the tiny Llama: (seed name, its arguments).
+SYNTHETIC_GGUF = [
+    ("qwen3-f32", ["--shape", "qwen3-tiny", "--type", "f32"]),
+    ("qwen3-moe-f32", ["--shape", "qwen3-moe-tiny", "--type", "f32"]),
+    ("qwen3-moe-nonorm-bf16", ["--shape", "qwen3-moe-tiny", "--no-norm-topk", "--layers", "1"]),
+    ("mixtral-window-q8_0", ["--shape", "mixtral-tiny", "--sliding-window", "48", "--layers", "2", "--type",
+                             "q8_0"]),
+]
+
+
+def gguf(fuzz_build, bin_dir):
     d = clear("gguf")
     tmp = tempfile.mkdtemp()
     try:
@@ -73,6 +122,13 @@ def gguf(fuzz_build):
         for f in sorted(os.listdir(tmp)):
             with open(os.path.join(tmp, f), "rb") as fh:
                 put(d, fh.read(), f)
+        for name, args in SYNTHETIC_GGUF:
+            out = os.path.join(tmp, name)
+            subprocess.run([os.path.join(bin_dir, "make-synthetic-model"), *args, "--format", "gguf", "--out", out,
+                            "--quiet"], check=True, stdout=subprocess.DEVNULL)
+            (path,) = glob.glob(os.path.join(out, "*.gguf"))
+            with open(path, "rb") as fh:
+                put(d, gguf_header(fh.read()), "seed-" + name)
     finally:
         shutil.rmtree(tmp)
 
@@ -249,7 +305,7 @@ def main():
     if "tokenizer" in a.targets:
         tokenizer()
     if "gguf" in a.targets:
-        gguf(a.fuzz_build)
+        gguf(a.fuzz_build, a.bin)
     if "manifest" in a.targets:
         manifest(a.bin)
     total = sum(os.path.getsize(p) for p in glob.glob(os.path.join(CORPUS, "*", "*")))

@@ -14,8 +14,9 @@
 # activations and KV): bounds of at least 2e-2, tokens up to the first step whose margin is within
 # twice the measured error, and run-local (the C reference) held to the fixture the same way.
 # GGUF_SET=moe runs the Qwen3 and mixture-of-experts cases instead (integration_gguf_moe): the
-# qwen3-tiny, mixtral-tiny and qwen3-moe-tiny fixtures as F32 GGUF files (architectures qwen3,
-# llama with experts, qwen3moe; experts in fused ffn_*_exps tensors) within 1e-4 and the same
+# qwen3-tiny, mixtral-tiny, mixtral-window (llama.attention.sliding_window read) and qwen3-moe-tiny
+# fixtures as F32 GGUF files (architectures qwen3, llama with experts, qwen3moe; experts in fused
+# ffn_*_exps tensors) within 1e-4 and the same
 # tokens, and mixtral-tiny in Q8_0 with the quantized bound (qwen3-moe-tiny's experts of 48 hold
 # no whole Q8_0 blocks).
 source "$(dirname "$0")/lib.sh"
@@ -96,6 +97,7 @@ gguf_case() {
 if [[ ${GGUF_SET:-llama} == moe ]]; then
 	gguf_case qwen3-f32 qwen3-tiny f32 1e-4
 	gguf_case mixtral-f32 mixtral-tiny f32 1e-4
+	gguf_case mixtral-window-f32 mixtral-window f32 1e-4
 	gguf_case qwen3-moe-f32 qwen3-moe-tiny f32 1e-4
 	gguf_case mixtral-q8_0 mixtral-tiny q8_0 2e-2
 	((${#failed[@]} == 0)) || fail "${#failed[@]} GGUF cases differ from their fixtures: ${failed[*]}"
