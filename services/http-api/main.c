@@ -99,7 +99,8 @@ int main(int argc, char **argv)
 	const char *instance = NULL, *run_dir_opt = NULL, *listen = NULL, *key_file = NULL, *model_id = NULL,
 		   *level = NULL, *name = NULL;
 	uint64_t max_body = 0;
-	long max_queue = 0, max_connections = 0, default_max_tokens = 0, timeout_s = 0, hello_ms = 0, resume_s = 0;
+	long max_queue = 0, max_connections = 0, default_max_tokens = 0, timeout_s = 0, hello_ms = 0, resume_s = 0,
+	     idle_s = 0;
 	struct opt opts[] = {
 		{"instance", OPT_STRING, &instance, "default", "the instance whose model is served"},
 		{"run-dir", OPT_STRING, &run_dir_opt, NULL, "its run directory (default /tmp/llmp-<uid>/<instance>)"},
@@ -112,6 +113,9 @@ int main(int argc, char **argv)
 		{"max-queue", OPT_INT, &max_queue, "64",
 		 "requests that may wait for the model behind the one it serves (more: 429)"},
 		{"max-connections", OPT_INT, &max_connections, "0", "connections served at once (0: max-queue + 32)"},
+		{"idle-timeout", OPT_INT, &idle_s, "60",
+		 "seconds a connection may send and take nothing before it is closed: a client that sends its "
+		 "request too slowly, or an idle keep-alive one; not one that waits for its answer (0: never)"},
 		{"model-id", OPT_STRING, &model_id, NULL,
 		 "the model's name in replies (default: the checkpoint's file or directory name, from ssd-loader)"},
 		{"default-max-tokens", OPT_INT, &default_max_tokens, "256", "max_tokens of a request that gives none"},
@@ -151,6 +155,10 @@ int main(int argc, char **argv)
 	}
 	if (!*name || strlen(name) > 32 || strspn(name, "abcdefghijklmnopqrstuvwxyz0123456789-_") != strlen(name)) {
 		fprintf(stderr, "%s: --name '%s': 1 to 32 of a-z, 0-9, '-' and '_'\n", PROG, name);
+		return 2;
+	}
+	if (idle_s < 0 || idle_s > 86400) {
+		fprintf(stderr, "%s: --idle-timeout must be in 0..86400 seconds\n", PROG);
 		return 2;
 	}
 	if (max_queue < 0 || max_queue > 100000 || max_connections < 0 || max_connections > 100000) {
@@ -224,6 +232,7 @@ int main(int argc, char **argv)
 		.port = port,
 		.max_body = max_body,
 		.max_connections = max_connections ? max_connections : max_queue + 32,
+		.idle_timeout_s = (unsigned)idle_s,
 		.api_key = key_file ? key : NULL,
 		.model_id = model_id && *model_id ? model_id : NULL,
 		.limits = {.max_tokens_default = default_max_tokens, .max_tokens_limit = MAX_TOKENS_LIMIT},

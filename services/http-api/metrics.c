@@ -308,6 +308,9 @@ int metrics_render(struct metrics *m, const struct metrics_gauges *g, const char
 	head(&o, "in_flight", "gauge", "1 while the runner generates for a request.");
 	put(&o, "pipeline_http_in_flight %d\n", g ? g->in_flight : 0);
 	scalar(&o, "queue_rejected_total", "counter", "Requests refused with 429: the queue was full.", c->rejected);
+	scalar(&o, "resumes_total", "counter",
+	       "Requests sent again to a new gpu-runner, with the tokens already streamed, after theirs died.",
+	       g ? g->resumes : 0);
 	scalar(&o, "cancelled_total", "counter", "Generations cancelled because their client went away.",
 	       c->cancelled);
 	scalar(&o, "runner_errors_total", "counter", "Generations that failed on the runner's side (5xx).",

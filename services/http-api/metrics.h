@@ -28,6 +28,7 @@ struct metrics;
 struct metrics_gauges {
 	long queue_depth; /* requests waiting for the runner */
 	int in_flight;	  /* 1 while a generation runs */
+	uint64_t resumes; /* requests resumed on a new runner after theirs died (a counter kept elsewhere) */
 };
 
 /* A new set of counters at zero, or NULL (out of memory). */

@@ -62,6 +62,7 @@ struct runner_client {
 	struct runner_job *head, *tail;
 	long queued;	/* jobs in the queue */
 	bool busy;	/* the worker runs a job */
+	uint64_t resumes; /* requests sent again to a new runner after theirs died (every job's) */
 	bool stopping;
 	struct rpc_client *client; /* the worker's */
 };
@@ -402,6 +403,9 @@ static void run_job(struct runner_client *rc, struct runner_job *j)
 			return;
 		}
 		j->resumes++;
+		pthread_mutex_lock(&rc->lock);
+		rc->resumes++;
+		pthread_mutex_unlock(&rc->lock);
 		log_info("gpu-runner is back: resuming the request after %llu tokens (resume %u)",
 			 (unsigned long long)j->n_tokens, j->resumes);
 	}
@@ -617,6 +621,14 @@ long runner_queue_length(struct runner_client *rc)
 {
 	pthread_mutex_lock(&rc->lock);
 	long n = rc->queued;
+	pthread_mutex_unlock(&rc->lock);
+	return n;
+}
+
+uint64_t runner_resumes(struct runner_client *rc)
+{
+	pthread_mutex_lock(&rc->lock);
+	uint64_t n = rc->resumes;
 	pthread_mutex_unlock(&rc->lock);
 	return n;
 }

@@ -95,6 +95,9 @@ void runner_job_release(struct runner_job *j);
 /* Jobs waiting in the queue (not the one running). */
 long runner_queue_length(struct runner_client *rc);
 
+/* Requests sent again to a new runner after theirs died, since the start. */
+uint64_t runner_resumes(struct runner_client *rc);
+
 /* Whether a generation is running: the runner may then be slow to answer a HELLO (a long
  * prefill), while the worker watches that it is still there. */
 bool runner_busy(struct runner_client *rc);

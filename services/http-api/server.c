@@ -240,6 +240,7 @@ static enum MHD_Result on_metrics(struct server *s, struct MHD_Connection *c)
 	struct metrics_gauges g = {
 		.queue_depth = runner_queue_length(s->cfg.runner),
 		.in_flight = runner_busy(s->cfg.runner) ? 1 : 0,
+		.resumes = runner_resumes(s->cfg.runner),
 	};
 	char *runner = service_stats(s, "gpu-runner"), *loader = service_stats(s, "ssd-loader");
 	char *text;
@@ -278,6 +279,47 @@ static void make_id(char *buf, size_t len, enum api_kind kind)
 	snprintf(buf, len, "%s-%016llx", kind == API_CHAT ? "chatcmpl" : "cmpl", (unsigned long long)random_u64());
 }
 
+/* How often a request that waits (in the queue, or for the text of a whole answer or a stream's
+ * first token) looks whether its client is still there. */
+#define CLIENT_WATCH_MS 200
+
+/* Has the client of c gone away? A peek at its socket: the end of the stream (it closed its side)
+ * or an error. Bytes waiting (a pipelined request) and nothing yet both mean it is there. */
+static bool client_gone(struct MHD_Connection *c)
+{
+	const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+	if (!ci)
+		return false;
+	char b;
+	ssize_t n = recv(ci->connect_fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+	return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+/* runner_job_wait without a limit, looking at the client every CLIENT_WATCH_MS meanwhile. Returns
+ * false when the client went away first (*v then holds nothing to free). */
+static bool wait_watching(struct MHD_Connection *c, struct runner_job *j, size_t have, uint64_t tokens,
+			  struct runner_view *v)
+{
+	while (!runner_job_wait(j, have, tokens, CLIENT_WATCH_MS, v)) {
+		free(v->fresh);
+		v->fresh = NULL;
+		if (client_gone(c))
+			return false;
+	}
+	return true;
+}
+
+/* The client of a request that had not begun its answer went away: its job is dropped from the
+ * queue or cancelled, and the connection closed. */
+static enum MHD_Result client_left(struct server *s, struct runner_job *j, enum runner_job_state state)
+{
+	log_info("a client went away while its request %s: it is %s", state == JOB_QUEUED ? "waited in the queue"
+				     : "was generating", state == JOB_QUEUED ? "dropped" : "cancelled");
+	metrics_cancelled(s->metrics);
+	runner_job_release(j);
+	return MHD_NO;
+}
+
 /* Waits for the whole generation, then answers with one JSON object. */
 static enum MHD_Result answer_whole(struct server *s, struct MHD_Connection *c, struct api_request *req,
 				   struct runner_job *j, uint64_t start_ns)
@@ -288,7 +330,10 @@ static enum MHD_Result answer_whole(struct server *s, struct MHD_Connection *c, 
 	uint64_t tokens = 0;
 	bool oom = false;
 	for (;;) {
-		runner_job_wait(j, have, tokens, -1, &v);
+		if (!wait_watching(c, j, have, tokens, &v)) {
+			api_stop_filter_free(&f);
+			return client_left(s, j, v.state);
+		}
 		if (tokens == 0 && v.n_tokens > 0)
 			metrics_first_token(s->metrics, seconds_since(start_ns));
 		if (v.fresh && api_stop_filter_push(&f, req, v.fresh, v.fresh_len))
@@ -434,7 +479,10 @@ static enum MHD_Result answer_stream(struct server *s, struct MHD_Connection *c,
 				    struct runner_job *j, uint64_t start_ns)
 {
 	struct runner_view v;
-	runner_job_wait(j, 0, 0, -1, &v);
+	if (!wait_watching(c, j, 0, 0, &v)) {
+		api_request_free(req);
+		return client_left(s, j, v.state);
+	}
 	if (v.n_tokens > 0)
 		metrics_first_token(s->metrics, seconds_since(start_ns));
 	if (v.state == JOB_FAILED) /* a stream's end is counted by its reader (stream_produce) */
@@ -714,7 +762,8 @@ int server_start(const struct server_config *cfg, struct server **out, char *err
 					MHD_USE_ERROR_LOG,
 				cfg->port, NULL, NULL, on_request, s, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, s,
 				MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_LIMIT,
-				(unsigned int)cfg->max_connections, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
+				(unsigned int)cfg->max_connections, MHD_OPTION_CONNECTION_TIMEOUT,
+				(unsigned int)cfg->idle_timeout_s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
 				MHD_OPTION_END);
 	if (!s->d) {
 		int e = errno ? errno : EADDRINUSE;

@@ -232,6 +232,28 @@ expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"m
 expect_eq "$(whole_text)" "$full" "the request after a client went away: the text"
 log "a client that went away mid-stream: cancelled; the next request served"
 
+# ---- a client that goes away while its request waits in the queue: dropped, never run ----
+curl -sS -N -H "Authorization: Bearer $KEY" "$BASE/v1/completions" --data-binary "$long" >"$IT_TMP/long" 2>/dev/null &
+LONG=$!
+streaming() { grep -q '^data: {' "$IT_TMP/long"; }
+wait_until 20 "a long stream starts" streaming
+served=$(stat_value gpu-runner requests)
+n_cancelled=$(grep -c 'generated (cancelled)' "$RUN_DIR/gpu-runner.log" || true)
+curl -sS --max-time 1 -o /dev/null -H "Authorization: Bearer $KEY" "$BASE/v1/completions" \
+	--data-binary '{"prompt": "x", "max_tokens": 4}' 2>/dev/null && fail "a request behind a long stream was answered in 1 s"
+dropped() { grep -q 'waited in the queue: it is dropped' "$RUN_DIR/http-api.log"; }
+wait_until 10 "http-api drops the queued request of a client that went away" dropped
+kill "$LONG" 2>/dev/null || true
+wait "$LONG" 2>/dev/null || true
+cancelled_again() { (($(grep -c 'generated (cancelled)' "$RUN_DIR/gpu-runner.log" || true) > n_cancelled)); }
+wait_until 30 "gpu-runner cancels the long stream" cancelled_again
+expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0}")" \
+	200 "the request after a queued client went away"
+expect_eq "$(whole_text)" "$full" "the request after a queued client went away: the text"
+expect_eq "$(stat_value gpu-runner requests)" "$((served + 1))" \
+	"gpu-runner's requests: the long stream and the last one, not the dropped one"
+log "a client that went away while its request waited in the queue: dropped, never run"
+
 # ---- gpu-runner killed during a stream: an error event ends it; the restarted runner serves ----
 curl -sS -N -H "Authorization: Bearer $KEY" "$BASE/v1/completions" --data-binary "$long" >"$IT_TMP/killed" 2>&1 &
 KILLED=$!
@@ -254,7 +276,7 @@ log "gpu-runner killed mid-stream: an error event; the restarted runner serves"
 
 # ---- a full queue: 429 (a second server with --max-queue 0, while the first request streams) ----
 "$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --max-queue 0 \
-	--name http-api-2 >"$IT_TMP/second.log" 2>&1 &
+	--name http-api-2 --idle-timeout 1 >"$IT_TMP/second.log" 2>&1 &
 SECOND=$!
 listening() { grep -q 'listening on http://' "$IT_TMP/second.log"; }
 wait_until 10 "the second http-api listens" listening
@@ -274,6 +296,17 @@ expect_eq "$(metric "$M1" 'pipeline_http_requests_total{endpoint="/v1/completion
 	"/metrics: the 429 by status"
 expect_eq "$(metric "$M1" pipeline_http_in_flight)" 1 "/metrics: the generation in flight"
 log "/metrics during a generation: answered; runner_stats_up $(metric "$M1" pipeline_http_runner_stats_up)"
+# A client that sends half a request and then nothing is closed after --idle-timeout (1 s here),
+# while the stream of the first one, which waits for its tokens, goes on.
+exec 7<>"/dev/tcp/127.0.0.1/${BASE2##*:}"
+printf 'POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 40\r\n\r\n{"pro' >&7
+sleep 2.5
+slow_rc=0
+timeout 5 cat <&7 >/dev/null || slow_rc=$?
+exec 7<&-
+expect_eq "$slow_rc" 0 "a client that sends half a request: closed by the server after the idle timeout"
+kill -0 "$LONG" 2>/dev/null || fail "the long stream ended while the slow client was timed out"
+log "a slow client: closed after --idle-timeout; the stream beside it goes on"
 kill "$LONG" 2>/dev/null || true
 wait "$LONG" 2>/dev/null || true
 kill -TERM "$SECOND"

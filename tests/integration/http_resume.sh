@@ -87,6 +87,12 @@ expect_eq "$(jq -r '.usage.completion_tokens' "$IT_TMP/whole-got")" \
 	"$(jq -r '.usage.completion_tokens' "$IT_TMP/whole-want")" "a completion that does not stream: completion_tokens"
 log "a completion that does not stream: resumed, the same text"
 
+# /metrics counts them: as many resumes as the log says (four requests, each resumed once).
+curl -sS "$BASE/metrics" >"$IT_TMP/metrics" || fail "GET /metrics failed"
+expect_eq "$(awk '$1 == "pipeline_http_resumes_total" {print $2}' "$IT_TMP/metrics")" "$(resumes)" \
+	"/metrics: pipeline_http_resumes_total"
+log "/metrics: pipeline_http_resumes_total $(resumes)"
+
 "$PIPELINE" stop >/dev/null
 expect_nothing_left "stop"
 log "passed"
