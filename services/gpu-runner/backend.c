@@ -365,19 +365,36 @@ static int check_batch(struct backend *be, const struct backend_batch *b, const 
 	uint32_t n = b->n;
 	if (n == 0 || n > be->p.max_chunk)
 		return fail(be, -EINVAL, "%s: chunk of %u tokens (must be 1..%u, max_chunk)", what, n, be->p.max_chunk);
-	uint32_t pos0 = b->pos[0];
-	if ((uint64_t)pos0 + n > UINT32_MAX)
-		return fail(be, -EINVAL, "%s: positions %u..%u overflow 32 bits", what, pos0, pos0 + (n - 1));
+	bool multi = be->impl->compute->logits_rows != NULL;
+	uint32_t runs = 0;
 	for (uint32_t t = 0; t < n; t++) {
 		if (b->tokens[t] < 0 || (uint32_t)b->tokens[t] >= be->cfg.vocab_size)
 			return fail(be, -EINVAL, "%s: token id %d at chunk index %u is outside the vocabulary (0..%u)",
 				    what, b->tokens[t], t, be->cfg.vocab_size - 1);
-		if (b->seq[t] != b->seq[0] || b->pos[t] != pos0 + t)
-			return fail(be, -ENOTSUP,
-				    "%s: token %u is at position %u of sequence %u: a batch holds one sequence at "
-				    "consecutive positions (%u from %u)", what, t, b->pos[t], b->seq[t], b->seq[0], pos0);
+		if (t > 0 && b->seq[t] == b->seq[t - 1]) {
+			if (b->pos[t - 1] == UINT32_MAX || b->pos[t] != b->pos[t - 1] + 1)
+				return fail(be, -EINVAL,
+					    "%s: token %u is at position %u of sequence %u, the one before it at %u: a "
+					    "sequence's tokens are at consecutive positions", what, t, b->pos[t], b->seq[t],
+					    b->pos[t - 1]);
+			continue;
+		}
+		/* A new run: its sequence must not have had one before. */
+		for (uint32_t u = 0; u < t; u++)
+			if (b->seq[u] == b->seq[t])
+				return fail(be, -EINVAL, "%s: sequence %u has tokens at chunk indexes %u and %u with "
+					    "another sequence's between: a sequence's tokens are one run", what, b->seq[t],
+					    u, t);
+		if (++runs > 1 && !multi)
+			return fail(be, -ENOTSUP, "%s: token %u is of sequence %u, token 0 of sequence %u: the %s "
+				    "backend takes one sequence a step", what, t, b->seq[t], b->seq[0], be->impl->name);
 	}
 	return 0;
+}
+
+bool backend_batches_sequences(const struct backend *be)
+{
+	return be->impl->compute->logits_rows != NULL;
 }
 
 int backend_embed(struct backend *be, const struct group_weights *w, const struct backend_batch *b)
@@ -502,6 +519,13 @@ int backend_attn_blocks(struct backend *be, const struct kv_span *spans, uint32_
 				    "attn_blocks(layer %u): span %u (block %u, positions from %u, %u tokens) does not fit "
 				    "the arena (%u blocks of %u rows)", be->layer, s, sp->block, sp->pos0, sp->n_tokens,
 				    be->p.n_kv_blocks, be->p.block_tokens);
+		if (sp->n_rows && (sp->row0 >= be->n || sp->n_rows > be->n - sp->row0))
+			return fail(be, -EINVAL, "attn_blocks(layer %u): span %u is for rows %u..%u of a step of %u",
+				    be->layer, s, sp->row0, sp->row0 + sp->n_rows, be->n);
+		if (sp->n_rows && sp->n_rows != be->n && !be->impl->compute->logits_rows)
+			return fail(be, -ENOTSUP, "attn_blocks(layer %u): span %u is for rows %u..%u of %u: the %s backend "
+				    "attends every row to every span", be->layer, s, sp->row0, sp->row0 + sp->n_rows, be->n,
+				    be->impl->name);
 	}
 	if (n_spans == 0)
 		return 0;
@@ -643,6 +667,24 @@ int backend_logits(struct backend *be, const struct group_weights *w, float *out
 	if (rc)
 		return rc;
 	return impl_rc(be, be->impl->compute->logits(be->dev, w, out));
+}
+
+int backend_logits_rows(struct backend *be, const struct group_weights *w, const uint32_t *rows, uint32_t n_rows,
+			float *out)
+{
+	assert(w && out && (rows || !n_rows));
+	if (!be->impl->compute->logits_rows)
+		return fail(be, -ENOTSUP, "logits_rows: the %s backend takes one sequence a step", be->impl->name);
+	int rc = head_check(be, w, "logits_rows");
+	if (rc)
+		return rc;
+	if (n_rows == 0 || n_rows > be->n)
+		return fail(be, -EINVAL, "logits_rows: %u rows of a step of %u", n_rows, be->n);
+	for (uint32_t i = 0; i < n_rows; i++)
+		if (rows[i] >= be->n || (i && rows[i] <= rows[i - 1]))
+			return fail(be, -EINVAL, "logits_rows: row %u (the %u-th) of a step of %u: rows go up, each below "
+				    "the step's", rows[i], i, be->n);
+	return impl_rc(be, be->impl->compute->logits_rows(be->dev, w, rows, n_rows, out));
 }
 
 int backend_logits_argmax(struct backend *be, const struct group_weights *w, int32_t *token)

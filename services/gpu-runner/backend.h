@@ -14,8 +14,12 @@
  *    the compute (write-behind) or ahead of it (read-ahead).
  *
  * One forward step processes a batch of n tokens (n = prompt chunk in prefill, 1 in decode).
- * Each token carries its position and the sequence it belongs to (struct backend_batch); today
- * a batch holds one sequence at consecutive positions, which the front checks:
+ * Each token carries its position and the sequence it belongs to (struct backend_batch): the
+ * tokens of one sequence sit together (a run) at consecutive positions. A backend that batches
+ * sequences (backend_batches_sequences: the C backend) takes several runs in one step: every
+ * product covers all the rows, attention gives each run its own KV (kv_span's rows), and
+ * logits_rows gives the head of each run's last row. The others take one run, which the front
+ * checks:
  *
  *   backend_embed(be, &embed_w, &batch);
  *   for each layer l:
@@ -198,8 +202,10 @@ static inline uint32_t ffn_split_unit(enum dtype down)
 void weight_tensor_set(struct weight_tensor *t, enum weight_place place, const void *data, enum dtype format,
 		       uint32_t rows, uint32_t cols);
 
-/* The tokens of one forward step: token i is tokens[i] at position pos[i] of sequence seq[i].
- * Today: one sequence (seq[i] == seq[0]) at consecutive positions (pos[i] == pos[0] + i). */
+/* The tokens of one forward step: token i is tokens[i] at position pos[i] of sequence seq[i]. The
+ * tokens of a sequence are one run of the batch, at consecutive positions (pos[i + 1] == pos[i] + 1
+ * within it); a sequence id appears in one run only. One run, unless the backend batches sequences
+ * (backend_batches_sequences). */
 struct backend_batch {
 	uint32_t n;
 	const int32_t *tokens;	/* (n) token ids */
@@ -208,11 +214,13 @@ struct backend_batch {
 };
 
 /* A run of positions held by one arena block: positions pos0 .. pos0+n_tokens-1 are rows
- * 0 .. n_tokens-1 of block `block`. */
+ * 0 .. n_tokens-1 of block `block`; the queries of the step's rows [row0, row0 + n_rows) attend to
+ * them (their sequence's KV), or every row's with n_rows 0. */
 struct kv_span {
 	uint32_t block;
 	uint32_t pos0;
 	uint32_t n_tokens;
+	uint32_t row0, n_rows;
 };
 
 #define KV_EVENTS_IN_FLIGHT 64 /* commits a runner may have unanswered (kv_remote.h) */
@@ -289,6 +297,14 @@ int backend_ffn(struct backend *be, const struct group_weights *w);
 /* Final RMSNorm and lm_head for the batch's last token: out holds vocab_size floats (host
  * memory). */
 int backend_logits(struct backend *be, const struct group_weights *w, float *out);
+/* Does the backend take several sequences in one step (struct backend_batch, kv_span's rows,
+ * logits_rows)? */
+bool backend_batches_sequences(const struct backend *be);
+/* Final RMSNorm and lm_head for rows rows[0..n_rows) of the step (increasing, each < the batch's n: the
+ * last row of each sequence that wants its next token): out holds n_rows x vocab_size floats (host
+ * memory), row by row. -ENOTSUP on a backend that does not batch sequences. */
+int backend_logits_rows(struct backend *be, const struct group_weights *w, const uint32_t *rows, uint32_t n_rows,
+			float *out);
 /* The same, but only the id of the largest logit (lowest id on ties) comes back to the host:
  * computed on the device where the backend can, so the vocabulary does not cross the bus. */
 int backend_logits_argmax(struct backend *be, const struct group_weights *w, int32_t *token);

@@ -53,6 +53,10 @@ struct backend_compute_ops {
 	int (*hidden_device)(struct backend_dev *d, float **x);
 	/* Optional: default nothing to wait for (work is done when a call returns). */
 	int (*finish)(struct backend_dev *d);
+	/* Optional: an implementation that has it batches sequences (backend.h: several runs in a
+	 * batch, spans with rows, logits of several rows); default -ENOTSUP, and one run a batch. */
+	int (*logits_rows)(struct backend_dev *d, const struct group_weights *w, const uint32_t *rows,
+			   uint32_t n_rows, float *out);
 };
 
 struct backend_kv_ops {

@@ -78,7 +78,7 @@ struct backend_dev {
 
 	/* The batch in flight (backend.c has checked the call order). */
 	uint32_t n;	      /* tokens in the chunk */
-	uint32_t pos0;	      /* position of its first token */
+	uint32_t *pos;	      /* (max_chunk) each token's position (the batch's: runs of several sequences) */
 	uint32_t layer;	      /* layer between attn_begin and attn_end */
 
 	float *x;	      /* (max_chunk, dim) residual stream */
@@ -185,6 +185,7 @@ struct attn_job {
 	struct backend_dev *be;
 	const struct kv_span *spans;
 	uint32_t n_spans;
+	uint32_t row0;	/* items count from this row's (the first row any span is for) */
 };
 
 /* One item is (token t, head h): folds every span into that pair's running max m, sum l and
@@ -200,9 +201,10 @@ static void attn_items(const void *arg, uint32_t tid, uint32_t begin, uint32_t e
 	double scale = 1.0 / sqrt((double)hd);
 	double *sc = be->scores + (size_t)tid * be->p.block_tokens;
 
-	for (uint32_t item = begin; item < end; item++) {
+	for (uint32_t it = begin; it < end; it++) {
+		uint32_t item = it + j->row0 * nh;
 		uint32_t t = item / nh, h = item % nh, g = h / group;
-		uint32_t qpos = be->pos0 + t;
+		uint32_t qpos = be->pos[t];
 		const float *q = be->q + (size_t)t * be->q_dim + (size_t)h * hd;
 		double *acc = be->acc + (size_t)item * hd;
 		double *m = &be->m[item], *l = &be->l[item];
@@ -211,6 +213,8 @@ static void attn_items(const void *arg, uint32_t tid, uint32_t begin, uint32_t e
 
 		for (uint32_t s = 0; s < j->n_spans; s++) {
 			const struct kv_span *sp = &j->spans[s];
+			if (sp->n_rows && (t < sp->row0 || t - sp->row0 >= sp->n_rows))
+				continue; /* another sequence's KV */
 			if (sp->pos0 > qpos || sp->pos0 + sp->n_tokens <= first)
 				continue;
 			uint32_t lo = first > sp->pos0 ? first - sp->pos0 : 0;
@@ -295,7 +299,7 @@ static int ref_embed(struct backend_dev *be, const struct group_weights *w, cons
 		dtype_to_f32((enum dtype)e->format, row, be->x + (size_t)t * dim, dim);
 	}
 	be->n = b->n;
-	be->pos0 = b->pos[0];
+	memcpy(be->pos, b->pos, b->n * sizeof(uint32_t));
 	return 0;
 }
 
@@ -304,7 +308,7 @@ static int ref_hidden_in(struct backend_dev *be, const struct backend_batch *b, 
 {
 	memcpy(be->x, x, sizeof(float) * b->n * be->cfg.dim);
 	be->n = b->n;
-	be->pos0 = b->pos[0];
+	memcpy(be->pos, b->pos, b->n * sizeof(uint32_t));
 	return 0;
 }
 
@@ -351,7 +355,7 @@ static int ref_attn_begin(struct backend_dev *be, const struct group_weights *w,
 	void (*rope)(float *, const float *, const float *, uint32_t) =
 		c->rope_layout == ROPE_ADJACENT ? cpu_rope_apply_adjacent : cpu_rope_apply;
 	for (uint32_t t = 0; t < n; t++) {
-		cpu_rope_cos_sin(be->inv_freq, half, be->pos0 + t, cs, sn);
+		cpu_rope_cos_sin(be->inv_freq, half, be->pos[t], cs, sn);
 		for (uint32_t h = 0; h < c->n_heads; h++)
 			rope(be->q + (size_t)t * be->q_dim + (size_t)h * hd, cs, sn, half);
 		for (uint32_t h = 0; h < c->n_kv_heads; h++)
@@ -374,8 +378,15 @@ static int ref_attn_begin(struct backend_dev *be, const struct group_weights *w,
 
 static int ref_attn_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans)
 {
-	struct attn_job j = {.be = be, .spans = spans, .n_spans = n_spans};
-	cpu_pool_run(be->pool, attn_items, &j, be->n * be->cfg.n_heads);
+	/* The rows the spans are for (those of one sequence, when the batch holds several). */
+	uint32_t r0 = be->n, r1 = 0;
+	for (uint32_t s = 0; s < n_spans; s++) {
+		uint32_t a = spans[s].n_rows ? spans[s].row0 : 0, b = spans[s].n_rows ? a + spans[s].n_rows : be->n;
+		r0 = a < r0 ? a : r0;
+		r1 = b > r1 ? b : r1;
+	}
+	struct attn_job j = {.be = be, .spans = spans, .n_spans = n_spans, .row0 = r0};
+	cpu_pool_run(be->pool, attn_items, &j, (r1 - r0) * be->cfg.n_heads);
 	return 0;
 }
 
@@ -389,7 +400,7 @@ static int ref_attn_end(struct backend_dev *be, const struct group_weights *w)
 		if (!(be->l[i] > 0))
 			return fail(be, -EINVAL,
 				    "cpu backend: attn_end(layer %u): the query at position %u saw no keys: the spans did "
-				    "not cover its own position", be->layer, be->pos0 + (uint32_t)(i / c->n_heads));
+				    "not cover its own position", be->layer, be->pos[i / c->n_heads]);
 		double inv_l = 1.0 / be->l[i];
 		/* (token, head) pair i is token i / n_heads, head i % n_heads: att is laid out the same. */
 		for (uint32_t d = 0; d < hd; d++)
@@ -565,6 +576,23 @@ static int ref_logits(struct backend_dev *be, const struct group_weights *w, flo
 	return 0;
 }
 
+/* The head of several rows (one per sequence of the batch): out is n_rows x vocab_size. */
+static int ref_logits_rows(struct backend_dev *be, const struct group_weights *w, const uint32_t *rows,
+			   uint32_t n_rows, float *out)
+{
+	const struct model_config *c = &be->cfg;
+	const struct weight_tensor *nw = &w->t[ROLE_FINAL_NORM];
+	for (uint32_t i = 0; i < n_rows; i++)
+		cpu_rmsnorm(be->xn + (size_t)i * c->dim, be->x + (size_t)rows[i] * c->dim, nw->data[PLACE_HOST], nw->format,
+			    c->dim, c->rms_eps);
+	struct mm_job j = {
+		.x = be->xn, .in = c->dim, .n = n_rows, .n_parts = 1,
+		.part = {{&w->t[ROLE_LM_HEAD], out}},
+	};
+	matmul(be, &j);
+	return 0;
+}
+
 static void ref_cpu_share_stats(struct backend_dev *be, struct backend_cpu_share_stats *out)
 {
 	if (!be->share)
@@ -620,6 +648,7 @@ static void ref_destroy(struct backend_dev **bep)
 	free(be->ex_tok);
 	free(be->ex_w);
 	free(be->rope_cs);
+	free(be->pos);
 	free(be->rows);
 	free(be->scores);
 	free(be);
@@ -698,7 +727,8 @@ static int ref_create(const struct model_config *cfg, const struct backend_param
 	be->rope_cs = alloc_array(cfg->head_dim, 1, sizeof(float));
 	be->rows = alloc_array(be->threads, be->max_in, sizeof(float));
 	be->scores = alloc_array(be->threads, p->block_tokens, sizeof(double));
-	if (!be->inv_freq || !be->x || !be->xn || !be->q || !be->k || !be->v || !be->att || !be->acc || !be->m ||
+	be->pos = alloc_array(mc, 1, sizeof(uint32_t));
+	if (!be->pos || !be->inv_freq || !be->x || !be->xn || !be->q || !be->k || !be->v || !be->att || !be->acc || !be->m ||
 	    !be->l || !be->gate || !be->up || !be->rope_cs || !be->rows || !be->scores) {
 		snprintf(err, errlen, "cpu backend: out of memory for the buffers of %u-token chunks", p->max_chunk);
 		rc = -ENOMEM;
@@ -765,6 +795,7 @@ static const struct backend_compute_ops ref_compute = {
 	.attn_end = ref_attn_end,
 	.ffn = ref_ffn,
 	.logits = ref_logits,
+	.logits_rows = ref_logits_rows,
 	/* logits_argmax: the front's (logits, then argmax on the host); no logits_sample. */
 	.cpu_share_stats = ref_cpu_share_stats,
 	.moe_route = ref_moe_route,

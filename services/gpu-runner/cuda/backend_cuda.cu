@@ -722,6 +722,7 @@ static const struct backend_compute_ops cuda_compute = {
 	cuda_hidden_put,	/* hidden_put */
 	cuda_hidden_device,	/* hidden_device */
 	cuda_finish,		/* finish */
+	NULL,			/* logits_rows: one sequence a step */
 };
 
 extern "C" {

@@ -926,6 +926,150 @@ START_TEST(test_bad_calls_rejected)
 }
 END_TEST
 
+/* ---- several sequences in one step --------------------------------------------------------- */
+
+/* One sequence of a batched step: tokens tok[0..n) at positions pos0.., its KV in arena region
+ * `region` (regions of n_layers * bpl blocks, as runner_step lays one sequence out). */
+#define S_MAX 8 /* sequences a batched step here takes */
+struct bseq {
+	const int32_t *tok;
+	uint32_t n, pos0, region;
+};
+
+/* One step over the sequences' runs, as an engine batching them would: every product over all the
+ * rows, each sequence's spans for its own rows, the head of each sequence's last row (logits:
+ * n_seqs x vocab). */
+static void batch_step(struct runner *r, const struct tmodel *m, const struct bseq *sq, uint32_t n_seqs,
+		       float *logits)
+{
+	uint32_t bt = r->p.block_tokens, dst_block[MAX_PROMPT], dst_row[MAX_PROMPT], pos[MAX_PROMPT],
+		 seq[MAX_PROMPT], last[S_MAX], n = 0;
+	int32_t tok[MAX_PROMPT];
+	for (uint32_t s = 0; s < n_seqs; s++)
+		for (uint32_t i = 0; i < sq[s].n; i++, n++) {
+			tok[n] = sq[s].tok[i];
+			pos[n] = sq[s].pos0 + i;
+			seq[n] = 100 + s;
+		}
+	struct backend_batch b = {.n = n, .tokens = tok, .pos = pos, .seq = seq};
+	CHECK_RC(r, backend_embed(r->be, &m->embed_w, &b));
+	for (uint32_t l = 0; l < m->cfg.n_layers; l++) {
+		for (uint32_t s = 0, row = 0; s < n_seqs; row += sq[s++].n)
+			for (uint32_t i = 0; i < sq[s].n; i++) {
+				uint32_t region = sq[s].region * m->cfg.n_layers * r->bpl;
+				dst_block[row + i] = region + l * r->bpl + (sq[s].pos0 + i) / bt;
+				dst_row[row + i] = (sq[s].pos0 + i) % bt;
+			}
+		CHECK_RC(r, backend_attn_begin(r->be, &m->attn_w[l], l, dst_block, dst_row));
+		/* Even layers: a call per sequence; odd ones: every sequence's spans in one call. */
+		struct kv_span spans[S_MAX * MAX_PROMPT];
+		uint32_t ns = 0;
+		for (uint32_t s = 0, row = 0; s < n_seqs; row += sq[s++].n) {
+			uint32_t end = sq[s].pos0 + sq[s].n;
+			for (uint32_t k = 0; k * bt < end; k++)
+				spans[ns++] = (struct kv_span){
+				    .block = sq[s].region * m->cfg.n_layers * r->bpl + l * r->bpl + k, .pos0 = k * bt,
+				    .n_tokens = end - k * bt < bt ? end - k * bt : bt, .row0 = row, .n_rows = sq[s].n};
+			if (l % 2 == 0) {
+				CHECK_RC(r, backend_attn_blocks(r->be, spans, ns));
+				ns = 0;
+			}
+		}
+		if (ns)
+			CHECK_RC(r, backend_attn_blocks(r->be, spans, ns));
+		CHECK_RC(r, backend_attn_end(r->be, &m->attn_w[l]));
+		CHECK_RC(r, backend_ffn(r->be, &m->ffn_w[l]));
+	}
+	for (uint32_t s = 0, row = 0; s < n_seqs; s++) {
+		row += sq[s].n;
+		last[s] = row - 1;
+	}
+	CHECK_RC(r, backend_logits_rows(r->be, &m->head_w, last, n_seqs, logits));
+}
+
+/* Three sequences (prompts of 20, 33 and 7 tokens) computed together, in prefill chunks and then in
+ * decode steps of one token each, give exactly the logits each gives alone: what else is in a step
+ * changes nothing of a sequence's numbers. */
+START_TEST(test_batched_sequences)
+{
+	struct model_config c = base_cfg();
+	struct tmodel *m = model_new(&c, DT_BF16, 41);
+	enum { S = 3, STEPS = 4 };
+	static const uint32_t plen[S] = {20, 33, 7};
+	int32_t tok[S][MAX_PROMPT];
+	for (uint32_t s = 0; s < S; s++)
+		make_prompt(tok[s], plen[s] + STEPS, c.vocab_size, 90 + s);
+	struct backend_params p = default_params();
+	struct runner r;
+	r.bpl = (MAX_PROMPT + p.block_tokens - 1) / p.block_tokens;
+	p.n_kv_blocks = S * c.n_layers * r.bpl;
+	r.p = p;
+	char err[256] = "";
+	ck_assert_msg(backend_create("cpu", &c, &p, &r.be, err, sizeof(err)) == 0, "%s", err);
+	ck_assert(backend_batches_sequences(r.be));
+	float *got = calloc((size_t)S * c.vocab_size, sizeof(float)), *alone = calloc(c.vocab_size, sizeof(float));
+	ck_assert(got && alone);
+	/* Prefill: the first 16 tokens of each together, then the rest together. */
+	struct bseq b[S];
+	for (uint32_t s = 0; s < S; s++)
+		b[s] = (struct bseq){.tok = tok[s], .n = plen[s] < 16 ? plen[s] : 16, .pos0 = 0, .region = s};
+	batch_step(&r, m, b, S, got);
+	struct bseq rest[S];
+	uint32_t n_rest = 0;
+	for (uint32_t s = 0; s < S; s++)
+		if (plen[s] > 16)
+			rest[n_rest++] = (struct bseq){.tok = tok[s] + 16, .n = plen[s] - 16, .pos0 = 16, .region = s};
+	batch_step(&r, m, rest, n_rest, got);
+	/* Decode: one token of each a step; sequence 1 sits the second step out. */
+	for (uint32_t step = 0; step < STEPS; step++) {
+		struct bseq d[S];
+		uint32_t nd = 0, who[S];
+		for (uint32_t s = 0; s < S; s++) {
+			if (step == 1 && s == 1)
+				continue;
+			uint32_t at = plen[s] + step - (s == 1 && step > 1 ? 1 : 0);
+			who[nd] = s;
+			d[nd++] = (struct bseq){.tok = tok[s] + at, .n = 1, .pos0 = at, .region = s};
+		}
+		batch_step(&r, m, d, nd, got);
+		for (uint32_t k = 0; k < nd; k++) {
+			uint32_t s = who[k];
+			run_prompt(m, default_params(), tok[s], d[k].pos0 + 1, 0, SPANS_IN_ORDER, alone);
+			ck_assert_msg(memcmp(got + (size_t)k * c.vocab_size, alone, c.vocab_size * sizeof(float)) == 0,
+				      "decode step %u: sequence %u batched differs from alone (rel L2 %.3e)", step, s,
+				      rel_l2_ff(got + (size_t)k * c.vocab_size, alone, c.vocab_size));
+		}
+	}
+
+	/* Refused: a sequence in two runs, spans for rows past the step, rows of the head out of order. */
+	uint32_t pos[3] = {0, 0, 1}, seq[3] = {1, 2, 1};
+	int32_t t3[3] = {1, 2, 3};
+	struct backend_batch bad = {.n = 3, .tokens = t3, .pos = pos, .seq = seq};
+	ck_assert_int_eq(backend_embed(r.be, &m->embed_w, &bad), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(backend_error(r.be), "one run"));
+	seq[2] = 2;
+	pos[2] = 5;
+	ck_assert_int_eq(backend_embed(r.be, &m->embed_w, &bad), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(backend_error(r.be), "consecutive positions"));
+	pos[2] = 1;
+	CHECK_RC(&r, backend_embed(r.be, &m->embed_w, &bad));
+	uint32_t blk[3] = {0, 1, 1}, row[3] = {0, 0, 1};
+	CHECK_RC(&r, backend_attn_begin(r.be, &m->attn_w[0], 0, blk, row));
+	struct kv_span sp = {.block = 1, .pos0 = 0, .n_tokens = 2, .row0 = 1, .n_rows = 3};
+	ck_assert_int_eq(backend_attn_blocks(r.be, &sp, 1), -EINVAL);
+	struct kv_span ok[2] = {{.block = 0, .pos0 = 0, .n_tokens = 1, .row0 = 0, .n_rows = 1},
+				{.block = 1, .pos0 = 0, .n_tokens = 2, .row0 = 1, .n_rows = 2}};
+	CHECK_RC(&r, backend_attn_blocks(r.be, ok, 2));
+	CHECK_RC(&r, backend_attn_end(r.be, &m->attn_w[0]));
+	uint32_t rows[2] = {2, 0};
+	ck_assert_int_eq(backend_logits_rows(r.be, &m->head_w, rows, 2, got), -EINVAL);
+	free(got);
+	free(alone);
+	runner_close(&r);
+	model_free(&m);
+}
+END_TEST
+
 START_TEST(test_registry)
 {
 	ck_assert(backend_known("cpu"));
@@ -995,6 +1139,11 @@ static Suite *kernels_suite(void)
 	tcase_add_test(tc, test_kv_dtype_bf16_rejected);
 	tcase_add_test(tc, test_bad_config_rejected);
 	tcase_add_test(tc, test_bad_calls_rejected);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("batch");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_batched_sequences);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("registry");
