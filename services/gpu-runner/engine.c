@@ -21,6 +21,7 @@ struct engine {
 	uint32_t max_chunk;
 	uint32_t *dst_block, *dst_row;	/* (max_chunk) where each token's K and V go */
 	uint32_t *pos, *seq;		/* (max_chunk) each token's position and sequence */
+	int32_t *tokens;		/* (max_chunk) the step's tokens, the sequences' runs one after another */
 	char error[768];
 	void (*progress)(void *ctx); /* engine_set_progress: once per layer */
 	void *progress_ctx;
@@ -56,9 +57,10 @@ int engine_create(const struct model_config *cfg, struct backend *be,
 	e->dst_row = calloc(max_chunk, sizeof(uint32_t));
 	e->pos = calloc(max_chunk, sizeof(uint32_t));
 	e->seq = calloc(max_chunk, sizeof(uint32_t));
+	e->tokens = calloc(max_chunk, sizeof(int32_t));
 	e->used = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool));
 	e->on_cpu = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool));
-	if (!e->dst_block || !e->dst_row || !e->pos || !e->seq || !e->used || !e->on_cpu) {
+	if (!e->dst_block || !e->dst_row || !e->pos || !e->seq || !e->tokens || !e->used || !e->on_cpu) {
 		engine_destroy(&e);
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
@@ -73,6 +75,7 @@ void engine_destroy(struct engine **ep)
 		return;
 	free((*ep)->pos);
 	free((*ep)->seq);
+	free((*ep)->tokens);
 	free((*ep)->dst_block);
 	free((*ep)->dst_row);
 	free((*ep)->split_r);
@@ -93,6 +96,10 @@ const struct model_config *engine_config(const struct engine *e)
 struct kv_cache *engine_kv(struct engine *e)
 {
 	return e->kv;
+}
+void engine_set_kv(struct engine *e, struct kv_cache *kv)
+{
+	e->kv = kv;
 }
 void engine_set_progress(struct engine *e, void (*fn)(void *ctx), void *ctx)
 {
@@ -225,11 +232,11 @@ static int release(struct engine *e, uint32_t group)
 		}                                                                              \
 	} while (0)
 
-#define KV_CHECK(call)                                                                         \
+#define KV_CHECK(kv, call)                                                                     \
 	do {                                                                                   \
 		int rc_ = (call);                                                              \
 		if (rc_) {                                                                     \
-			set_err(e, rc_, "%s", kv_cache_error(e->kv));                          \
+			set_err(e, rc_, "%s", kv_cache_error(kv));                             \
 			release(e, group);                                                     \
 			return rc_;                                                            \
 		}                                                                              \
@@ -275,7 +282,7 @@ int engine_forward_sample(struct engine *e, const int32_t *tokens, uint32_t n, u
 	return forward(e, tokens, n, pos0, NULL, token, sp, u, false);
 }
 
-static int forward_groups(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits,
+static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits,
 			  int32_t *argmax, const struct sampler_params *sp, double u, bool stage_out);
 
 /* One step; on the first stage of a split model, a failure of its own tells the other stages (they
@@ -283,22 +290,70 @@ static int forward_groups(struct engine *e, const int32_t *tokens, uint32_t n, u
 static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits, int32_t *argmax,
 		   const struct sampler_params *sp, double u, bool stage_out)
 {
-	int rc = forward_groups(e, tokens, n, pos0, logits, argmax, sp, u, stage_out);
+	struct engine_seq one = {.kv = e->kv, .tokens = tokens, .n = n, .pos0 = pos0, .out = logits || argmax};
+	int rc = forward_groups(e, &one, 1, logits, argmax, sp, u, stage_out);
 	if (rc && e->stages && e->ws->stage.split && e->ws->stage.first && e->stages->abort)
 		e->stages->abort(e->stages_ctx, e->error);
 	return rc;
 }
 
-static int forward_groups(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits,
+int engine_forward_batch(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits)
+{
+	if (n_seqs == 0 || !seqs)
+		return set_err(e, -EINVAL, "a batched step takes at least one sequence");
+	if (n_seqs > 1 && !backend_batches_sequences(e->be))
+		return set_err(e, -ENOTSUP, "the %s backend computes one sequence a step", backend_name(e->be));
+	if (e->stages && e->ws->stage.split)
+		return set_err(e, -ENOTSUP, "a model split across runners computes one sequence a step");
+	uint32_t n_out = 0;
+	for (uint32_t s = 0; s < n_seqs; s++) {
+		if (!seqs[s].kv || !seqs[s].tokens || !seqs[s].n)
+			return set_err(e, -EINVAL, "sequence %u of the step has no KV cache or no tokens", s);
+		for (uint32_t t = 0; t < s; t++)
+			if (seqs[t].kv == seqs[s].kv)
+				return set_err(e, -EINVAL, "sequences %u and %u of the step share one KV cache", t, s);
+		n_out += seqs[s].out;
+	}
+	if (n_out && !logits)
+		return set_err(e, -EINVAL, "%u sequences of the step want logits, and there is nowhere to put them", n_out);
+	return forward_groups(e, seqs, n_seqs, n_out ? logits : NULL, NULL, NULL, 0, false);
+}
+
+/* The head of a batched step: logits of each sequence's last row that wants them. */
+static int head_rows(struct engine *e, const struct group_weights *w, const struct engine_seq *seqs, uint32_t n_seqs,
+		     float *logits)
+{
+	uint32_t rows[n_seqs], n_out = 0, row = 0;
+	for (uint32_t s = 0; s < n_seqs; s++) {
+		row += seqs[s].n;
+		if (seqs[s].out)
+			rows[n_out++] = row - 1;
+	}
+	return backend_logits_rows(e->be, w, rows, n_out, logits);
+}
+
+static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits,
 			  int32_t *argmax, const struct sampler_params *sp, double u, bool stage_out)
 {
-	if (n == 0 || n > e->max_chunk)
-		return set_err(e, -EINVAL, "a step takes 1..%u tokens, not %u", e->max_chunk, n);
-	/* One sequence for now: consecutive positions, sequence 0. */
-	for (uint32_t i = 0; i < n; i++) {
-		e->pos[i] = pos0 + i;
-		e->seq[i] = 0;
+	uint32_t n = 0;
+	for (uint32_t s = 0; s < n_seqs; s++) {
+		if (seqs[s].n > e->max_chunk - n)
+			return set_err(e, -EINVAL, "a step takes 1..%u tokens, not %u or more", e->max_chunk,
+				       n + seqs[s].n);
+		/* Sequence s: rows [n, n + its tokens), consecutive positions. */
+		for (uint32_t i = 0; i < seqs[s].n; i++) {
+			e->pos[n + i] = seqs[s].pos0 + i;
+			e->seq[n + i] = s;
+		}
+		memcpy(e->tokens + n, seqs[s].tokens, seqs[s].n * sizeof(int32_t));
+		kv_cache_set_rows(seqs[s].kv, n_seqs > 1 ? n : 0, n_seqs > 1 ? seqs[s].n : 0);
+		n += seqs[s].n;
 	}
+	if (n == 0)
+		return set_err(e, -EINVAL, "a step takes 1..%u tokens, not 0", e->max_chunk);
+	const int32_t *tokens = e->tokens;
+	uint32_t pos0 = seqs[0].pos0; /* one sequence: the step's (a split model steps one sequence) */
+	bool multi = n_seqs > 1;
 	struct backend_batch batch = {.n = n, .tokens = tokens, .pos = e->pos, .seq = e->seq};
 	e->ws->step_tokens = n;
 	/* A split model (engine_set_stages): the first stage tells the others and hands its rows on before
@@ -356,11 +411,16 @@ static int forward_groups(struct engine *e, const int32_t *tokens, uint32_t n, u
 			BE_CHECK(backend_embed(e->be, &w, &batch), "embedding");
 			break;
 		case GROUP_ATTN:
-			KV_CHECK(kv_cache_prepare(e->kv, l, pos0, n, e->dst_block, e->dst_row));
+			for (uint32_t s = 0, row = 0; s < n_seqs; row += seqs[s++].n)
+				KV_CHECK(seqs[s].kv, kv_cache_prepare(seqs[s].kv, l, seqs[s].pos0, seqs[s].n,
+								      e->dst_block + row, e->dst_row + row));
 			BE_CHECK(backend_attn_begin(e->be, &w, l, e->dst_block, e->dst_row), "attention");
-			KV_CHECK(kv_cache_attend(e->kv, l, pos0 + n));
+			for (uint32_t s = 0; s < n_seqs; s++)
+				KV_CHECK(seqs[s].kv, kv_cache_attend(seqs[s].kv, l, seqs[s].pos0 + seqs[s].n));
 			BE_CHECK(backend_attn_end(e->be, &w), "attention output");
-			KV_CHECK(kv_cache_finish_layer(e->kv, l, pos0, pos0 + n));
+			for (uint32_t s = 0; s < n_seqs; s++)
+				KV_CHECK(seqs[s].kv, kv_cache_finish_layer(seqs[s].kv, l, seqs[s].pos0,
+									   seqs[s].pos0 + seqs[s].n));
 			break;
 		case GROUP_FFN:
 			if (e->split_r && e->split_r[l] < e->cfg->ffn_dim && n <= e->split_max_tokens &&
@@ -386,7 +446,9 @@ static int forward_groups(struct engine *e, const int32_t *tokens, uint32_t n, u
 				BE_CHECK(backend_moe_end(e->be), "experts");
 			break;
 		case GROUP_HEAD:
-			if (logits)
+			if (multi)
+				BE_CHECK(head_rows(e, &w, seqs, n_seqs, logits), "logits");
+			else if (logits)
 				BE_CHECK(backend_logits(e->be, &w, logits), "logits");
 			else if (sp)
 				BE_CHECK(backend_logits_sample(e->be, &w, sp, u, argmax), "sampling");

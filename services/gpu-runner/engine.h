@@ -36,6 +36,27 @@ void engine_destroy(struct engine **e);
  * message is in engine_error(). */
 int engine_forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits);
 
+/* One sequence of a batched step (engine_forward_batch): tokens[0..n) at positions pos0.., its KV in
+ * its own cache (over its own range of the backend's arena, kv_cache.h); out: its last row's logits
+ * are wanted (a decode step, or a prompt's last chunk). */
+struct engine_seq {
+	struct kv_cache *kv;
+	const int32_t *tokens;
+	uint32_t n, pos0;
+	bool out;
+};
+
+/* Several sequences in one step: every product over all their tokens (at most max_chunk in all),
+ * attention over each one's own KV. logits receives vocab_size floats for each sequence with out, in
+ * the order given (NULL when none has out). A sequence's numbers do not depend on what else is in
+ * the step. Needs a backend that batches sequences (backend_batches_sequences) unless n_seqs is 1,
+ * and a model computed by one runner. Returns 0 or -errno; the message is in engine_error(). */
+int engine_forward_batch(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits);
+
+/* The KV cache the one-sequence calls use (engine_forward..., restore_prefix, seq_end, kv_recover): a
+ * scheduler of several sequences points the engine at one before such calls. */
+void engine_set_kv(struct engine *e, struct kv_cache *kv);
+
 /* The same, for greedy decoding: only the id of the largest logit comes back (computed on the
  * device where the backend can, so the vocabulary never crosses the bus). */
 int engine_forward_greedy(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, int32_t *token);

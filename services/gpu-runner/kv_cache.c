@@ -58,7 +58,10 @@ struct kv_cache {
 	struct arena_block *arena;  /* n_arena */
 	uint32_t n_free;
 	/* scratch for batches */
-	struct kv_span *spans;
+	struct kv_span *spans;	    /* arena blocks of this cache, numbered from 0 */
+	struct kv_span *be_spans;   /* the same in the backend's numbering (+ arena0), with the rows */
+	uint32_t *be_blocks;	    /* arena blocks in the backend's numbering, for a copy */
+	uint32_t row0, n_rows;	    /* kv_cache_set_rows */
 	uint64_t *handles;
 	void **ptrs;
 	uint32_t *idx;
@@ -78,6 +81,20 @@ struct kv_cache {
 	struct kv_readahead ra[2];
 	char error[512];
 };
+
+/* Arena blocks blocks[0..n) of this cache in the backend's numbering (kv->be_blocks). */
+static uint32_t *be_blocks(struct kv_cache *kv, const uint32_t *blocks, uint32_t n)
+{
+	for (uint32_t i = 0; i < n; i++)
+		kv->be_blocks[i] = kv->p.arena0 + blocks[i];
+	return kv->be_blocks;
+}
+
+void kv_cache_set_rows(struct kv_cache *kv, uint32_t row0, uint32_t n_rows)
+{
+	kv->row0 = row0;
+	kv->n_rows = n_rows;
+}
 
 static struct kv_entry *entry(struct kv_cache *kv, uint32_t layer, uint32_t index)
 {
@@ -124,6 +141,8 @@ int kv_cache_create(const struct kv_cache_params *p, struct backend *be,
 	kv->entries = calloc((size_t)p->n_layers * kv->blocks_per_layer, sizeof(*kv->entries));
 	kv->arena = calloc(p->n_arena ? p->n_arena : 1, sizeof(*kv->arena));
 	kv->spans = calloc(kv->blocks_per_layer + 1, sizeof(*kv->spans));
+	kv->be_spans = calloc(kv->blocks_per_layer + 1, sizeof(*kv->be_spans));
+	kv->be_blocks = calloc(kv->blocks_per_layer + 1, sizeof(*kv->be_blocks));
 	kv->handles = calloc(kv->blocks_per_layer + 1, sizeof(*kv->handles));
 	kv->ptrs = calloc(kv->blocks_per_layer + 1, sizeof(*kv->ptrs));
 	kv->idx = calloc(kv->blocks_per_layer + 1, sizeof(*kv->idx));
@@ -138,7 +157,7 @@ int kv_cache_create(const struct kv_cache_params *p, struct backend *be,
 		kv->ra[s].blocks = calloc(kv->blocks_per_layer + 1, sizeof(uint32_t));
 	}
 	if (!kv->ra[0].handles || !kv->ra[1].handles || !kv->ra[0].blocks || !kv->ra[1].blocks ||
-	    !kv->entries || !kv->arena || !kv->spans || !kv->handles || !kv->ptrs || !kv->idx || !kv->arena_idx ||
+	    !kv->entries || !kv->arena || !kv->spans || !kv->be_spans || !kv->be_blocks || !kv->handles || !kv->ptrs || !kv->idx || !kv->arena_idx ||
 	    !kv->chain || !kv->dst || !kv->keys || !kv->victims || !kv->rank_count) {
 		kv_cache_destroy(&kv);
 		snprintf(err, errlen, "out of memory for the KV tables");
@@ -162,6 +181,8 @@ void kv_cache_destroy(struct kv_cache **kvp)
 	free(kv->entries);
 	free(kv->arena);
 	free(kv->spans);
+	free(kv->be_spans);
+	free(kv->be_blocks);
 	free(kv->handles);
 	free(kv->ptrs);
 	free(kv->idx);
@@ -410,7 +431,8 @@ static int readahead_start(struct kv_cache *kv, uint32_t layer, uint32_t next, u
 					  kv->remote->error(kv->rctx));
 		rc = take_arena_for(kv, layer, 0, (int32_t)layer, (int32_t)next, next, kv->idx, run, kv->dst);
 		if (rc == 0)
-			rc = backend_kv_prefetch(kv->be, run, kv->dst, (const void *const *)kv->ptrs, (uint32_t)s);
+			rc = backend_kv_prefetch(kv->be, run, be_blocks(kv, kv->dst, run), (const void *const *)kv->ptrs,
+						 (uint32_t)s);
 		if (rc) {
 			/* Nothing of this batch landed (or it may not have): undo it, keep what came before. */
 			bool taken = entry(kv, next, kv->idx[0])->arena != NO_ARENA;
@@ -502,7 +524,7 @@ int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_
 				return trc;
 		}
 		kv->arena[e->arena].busy = true;
-		dst_block[i] = (uint32_t)e->arena;
+		dst_block[i] = kv->p.arena0 + (uint32_t)e->arena;
 		dst_row[i] = pos % bt;
 		if (pos % bt + 1 > e->filled)
 			e->filled = pos % bt + 1;
@@ -520,7 +542,13 @@ static int flush_spans(struct kv_cache *kv, uint32_t *n_spans)
 {
 	if (!*n_spans)
 		return 0;
-	int rc = backend_attn_blocks(kv->be, kv->spans, *n_spans);
+	for (uint32_t i = 0; i < *n_spans; i++) {
+		kv->be_spans[i] = kv->spans[i];
+		kv->be_spans[i].block += kv->p.arena0;
+		kv->be_spans[i].row0 = kv->row0;
+		kv->be_spans[i].n_rows = kv->n_rows;
+	}
+	int rc = backend_attn_blocks(kv->be, kv->be_spans, *n_spans);
 	if (rc)
 		return set_err(kv, rc, "attention failed: %s", backend_error(kv->be));
 	/* Visited blocks may now make room for the ones still to come, unless unsaved. */
@@ -586,7 +614,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		rc = take_arena_n(kv, layer, j, kv->idx, run, kv->dst);
 		uint32_t taken = rc ? 0 : run;
 		if (rc == 0)
-			rc = backend_kv_from_host(kv->be, run, kv->dst, (const void *const *)kv->ptrs);
+			rc = backend_kv_from_host(kv->be, run, be_blocks(kv, kv->dst, run), (const void *const *)kv->ptrs);
 		if (rc) {
 			/* The blocks taken hold nothing valid: forget they were here. */
 			for (uint32_t r = 0; r < taken; r++) {
@@ -659,7 +687,7 @@ static int commit_batch(struct kv_cache *kv, uint32_t layer, const uint32_t *idx
 			       kv->remote->error(kv->rctx));
 	unsigned char event[BACKEND_EVENT_BYTES];
 	for (uint32_t i = 0; i < n; i++)
-		kv->arena_idx[i] = (uint32_t)entry(kv, layer, idx[i])->arena;
+		kv->arena_idx[i] = kv->p.arena0 + (uint32_t)entry(kv, layer, idx[i])->arena;
 	/* Write-behind: where the backend records an event, nobody here waits for the copies (the
 	 * kv-store does). */
 	rc = backend_kv_write_behind(kv->be, n, kv->arena_idx, kv->ptrs, event);

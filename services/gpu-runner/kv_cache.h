@@ -24,6 +24,10 @@
  * Without a remote (kv_remote == NULL: the in-process oracle) nothing is committed and the
  * arena must hold the whole context; running out is an error.
  *
+ * One cache holds one sequence. The sequences of a batch each have their own cache over a range of
+ * the backend's arena (arena0, n_arena) and the rows of the step their tokens are (set_rows); the
+ * caches share the backend and the store, whose unpin_all drops every cache's pins.
+ *
  * Prefix reuse: every full block is named by a key, a hash chain over the sequence's token ids
  * up to the block's end (seeded with the model's manifest hash) and the layer; the key goes with
  * the commit. A new sequence whose prompt starts like an earlier one asks the store for those
@@ -81,7 +85,8 @@ struct kv_cache_params {
 	uint32_t block_tokens;
 	uint32_t max_context; /* positions per sequence */
 	uint32_t max_chunk;   /* most tokens one forward step writes */
-	uint32_t n_arena;     /* blocks in the backend's arena */
+	uint32_t n_arena;     /* blocks of the backend's arena this cache uses: */
+	uint32_t arena0;      /* [arena0, arena0 + n_arena) (several sequences of a batch: a range each) */
 	bool commits_held;    /* the remote holds commits back until the step's end (kv_remote.h,
 			       * defer_commits): the read-ahead does not reach round to the next step's
 			       * first layer, whose blocks this step committed only on the runner's side */
@@ -117,6 +122,9 @@ void kv_cache_destroy(struct kv_cache **kv);
 
 int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_t n, uint32_t *dst_block,
 		     uint32_t *dst_row);
+/* The rows of the step the sequence's tokens are (a batch of several sequences: its run), which
+ * kv_cache_attend's spans name; n_rows 0 (the default): every row. */
+void kv_cache_set_rows(struct kv_cache *kv, uint32_t row0, uint32_t n_rows);
 int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end);
 int kv_cache_finish_layer(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_t pos_end);
 /* The token ids of the sequence: *n of them at tokens (both may grow; read when keys are
