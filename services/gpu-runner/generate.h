@@ -74,6 +74,53 @@ struct gen_result {
 	uint32_t n_rebuilds; /* times the KV cache was rebuilt after the kv-store failed a request */
 };
 
+/* ---- one sequence a step at a time: the state of a generation that a scheduler of several
+ * sequences drives (several of them in one engine step, engine_forward_batch) ----
+ *
+ *   gen_seq_create(e, kv, prompt, n, max_context, &params, host_logits, emit, ctx, &g, err, len);
+ *   while (!gen_seq_done(g)) {
+ *       n = gen_seq_piece(g, budget, &piece);      // the tokens it computes next (0: none)
+ *       ... a step that computes piece (with others); its logits if piece.out ...
+ *       gen_seq_advance(g, n, logits, -1, err, len);  // sample, emit, decide what comes next
+ *   }                                              // (a step failed on the KV: gen_seq_recover, retry)
+ *   gen_seq_finish(&g, ok, &res, err, len);        // the KV handed back, the result
+ *
+ * generate_run is that loop for one sequence alone (gen_seq_step: one engine step, with the
+ * device's argmax or draw where it can). The sequence's KV is in kv (the engine's single-sequence
+ * calls are pointed at it, engine_set_kv, whenever the state uses them: the prefix restored at
+ * create, a resume's cache, a rebuild, the end). */
+struct gen_seq;
+
+/* Checks the request, restores the prompt's cached prefix (or a resume's cache) and makes the
+ * state. host_logits: every step brings the logits to the host (a step of several sequences);
+ * else greedy and plain sampling take the device's argmax or draw (gen_seq_step). Returns 0 with *out
+ * set (maybe done already: a resume cut after its last token), or -errno with err set, *out NULL
+ * when nothing was made, else a done state to finish. */
+int gen_seq_create(struct engine *e, struct kv_cache *kv, const int32_t *prompt, uint32_t n_prompt,
+		   uint32_t max_context, const struct gen_params *p, bool host_logits, gen_emit_fn emit, void *ctx,
+		   struct gen_seq **out, char *err, size_t errlen);
+/* The next piece to compute, at most max_tokens tokens (a prefill chunk on the cold run's grid,
+ * cut to fit, or the one token of a decode step); its out says whether the step must give its last
+ * row's logits. Returns its tokens, 0 when done (or max_tokens 0). */
+uint32_t gen_seq_piece(struct gen_seq *g, uint32_t max_tokens, struct engine_seq *piece);
+/* The piece's n tokens were computed: logits (vocab floats, host; the sampler may change them) when
+ * its out was set, or token >= 0 when the device picked the next token. Emits the next token and
+ * decides whether the sequence goes on. Returns 0 or -errno with err set. */
+int gen_seq_advance(struct gen_seq *g, uint32_t n, float *logits, int32_t token, char *err, size_t errlen);
+/* A step with the piece failed and kv_cache_remote_failed(its kv): reconnect (on_kv_failure),
+ * rebuild the KV before the piece; the piece is then computed again. Returns 0 or -errno. */
+int gen_seq_recover(struct gen_seq *g, char *err, size_t errlen);
+/* One engine step of the sequence alone (its next piece), as generate_run runs it. */
+int gen_seq_step(struct gen_seq *g, char *err, size_t errlen);
+bool gen_seq_done(const struct gen_seq *g);
+struct kv_cache *gen_seq_kv(const struct gen_seq *g);
+/* The result so far (n_generated, reason, times). */
+const struct gen_result *gen_seq_result(const struct gen_seq *g);
+/* Ends it: the KV cache reset (blocks handed back to the store; ok: a store that went away just
+ * now is waited for, see generate_run), the result into *res (may be NULL), the state freed and *g
+ * NULL. Returns 0 or -errno with err set when ok. */
+int gen_seq_finish(struct gen_seq **g, bool ok, struct gen_result *res, char *err, size_t errlen);
+
 /* Runs one sequence from position 0. The KV cache is reset at the end (also on failure).
  * Returns 0, or -errno with a message in err (bad prompt, a failed step). */
 int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uint32_t max_context,
