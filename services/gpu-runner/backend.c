@@ -392,6 +392,12 @@ static int check_batch(struct backend *be, const struct backend_batch *b, const 
 	return 0;
 }
 
+bool backend_name_batches(const char *name)
+{
+	const struct backend_impl *impl = name ? backend_impl_find(name) : NULL;
+	return impl && impl->compute->logits_rows;
+}
+
 bool backend_batches_sequences(const struct backend *be)
 {
 	return be->impl->compute->logits_rows != NULL;

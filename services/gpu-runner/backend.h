@@ -231,6 +231,9 @@ struct kv_span {
 /* The backends built into this binary, by name ("cpu", "cuda"). backend_known is false for an
  * unknown name and for "cuda" where nvcc was absent at build time. */
 bool backend_known(const char *name);
+/* Does backend `name` take several sequences in one step (backend_batches_sequences)? False for an
+ * unknown name. */
+bool backend_name_batches(const char *name);
 /* "cuda" when the CUDA backend is built and a GPU is present, else "cpu". */
 const char *backend_default_name(void);
 /* Makes CUDA device `gpu` the current one of this process (for backend `name`; "cpu" computes on no

@@ -29,6 +29,7 @@ struct kv_entry {
 };
 
 struct arena_block {
+	struct kv_cache *owner; /* the cache whose block it holds, NULL when free */
 	int32_t layer; /* -1 when free */
 	int32_t index; /* block index within the layer */
 	bool busy;     /* in use by the current step: never evicted */
@@ -48,6 +49,15 @@ struct kv_readahead {
 	uint32_t *blocks;  /* the arena blocks they land in */
 };
 
+/* The backend's arena blocks, shared by the caches of the sequences that run together. */
+struct kv_arena {
+	uint32_t n;		  /* blocks */
+	uint32_t n_free;
+	uint32_t users;		  /* caches over it */
+	uint32_t live;		  /* of which hold a sequence (written since their last reset) */
+	struct arena_block *b;	  /* (n) */
+};
+
 struct kv_cache {
 	struct kv_cache_params p;
 	struct backend *be;
@@ -55,13 +65,13 @@ struct kv_cache {
 	void *rctx;
 	uint32_t blocks_per_layer;
 	struct kv_entry *entries;   /* n_layers * blocks_per_layer */
-	struct arena_block *arena;  /* n_arena */
-	uint32_t n_free;
+	struct kv_arena *A;	    /* the arena it takes blocks from */
+	struct arena_block *arena;  /* A->b */
+	bool own_arena;		    /* A was made for it (no params.arena) */
+	bool live;		    /* holds a sequence: counted in A->live */
 	/* scratch for batches */
-	struct kv_span *spans;	    /* arena blocks of this cache, numbered from 0 */
-	struct kv_span *be_spans;   /* the same in the backend's numbering (+ arena0), with the rows */
-	uint32_t *be_blocks;	    /* arena blocks in the backend's numbering, for a copy */
-	uint32_t row0, n_rows;	    /* kv_cache_set_rows */
+	struct kv_span *spans;
+	uint32_t row0, n_rows;	    /* kv_cache_set_rows: the spans' rows */
 	uint64_t *handles;
 	void **ptrs;
 	uint32_t *idx;
@@ -82,14 +92,6 @@ struct kv_cache {
 	char error[512];
 };
 
-/* Arena blocks blocks[0..n) of this cache in the backend's numbering (kv->be_blocks). */
-static uint32_t *be_blocks(struct kv_cache *kv, const uint32_t *blocks, uint32_t n)
-{
-	for (uint32_t i = 0; i < n; i++)
-		kv->be_blocks[i] = kv->p.arena0 + blocks[i];
-	return kv->be_blocks;
-}
-
 void kv_cache_set_rows(struct kv_cache *kv, uint32_t row0, uint32_t n_rows)
 {
 	kv->row0 = row0;
@@ -100,6 +102,36 @@ static struct kv_entry *entry(struct kv_cache *kv, uint32_t layer, uint32_t inde
 {
 	assert(layer < kv->p.n_layers && index < kv->blocks_per_layer);
 	return &kv->entries[(size_t)layer * kv->blocks_per_layer + index];
+}
+
+/* The table entry of the block an arena block holds (a->layer >= 0): its owner's. */
+static struct kv_entry *held_entry(const struct arena_block *a)
+{
+	return entry(a->owner, (uint32_t)a->layer, (uint32_t)a->index);
+}
+
+int kv_arena_create(uint32_t n_blocks, struct kv_arena **out)
+{
+	struct kv_arena *A = calloc(1, sizeof(*A));
+	if (!A || !(A->b = calloc(n_blocks ? n_blocks : 1, sizeof(*A->b)))) {
+		free(A);
+		return -ENOMEM;
+	}
+	A->n = A->n_free = n_blocks;
+	for (uint32_t i = 0; i < n_blocks; i++)
+		A->b[i] = (struct arena_block){.layer = -1, .index = -1};
+	*out = A;
+	return 0;
+}
+
+void kv_arena_destroy(struct kv_arena **ap)
+{
+	if (!ap || !*ap)
+		return;
+	assert((*ap)->users == 0);
+	free((*ap)->b);
+	free(*ap);
+	*ap = NULL;
 }
 
 uint32_t kv_cache_min_blocks(uint32_t n_layers, uint32_t block_tokens, uint32_t max_chunk)
@@ -122,10 +154,11 @@ int kv_cache_create(const struct kv_cache_params *p, struct backend *be,
 		return -EINVAL;
 	}
 	uint32_t need = kv_cache_min_blocks(l1 - l0, p->block_tokens, p->max_chunk);
-	if (remote && p->n_arena < need) {
+	uint32_t n_arena = p->arena ? p->arena->n : p->n_arena;
+	if (remote && n_arena < need) {
 		snprintf(err, errlen, "the KV arena holds %u blocks; at least %u are needed (one per layer, %u for a "
 			 "chunk of %u tokens, one to fetch through)",
-			 p->n_arena, need, need - (l1 - l0) - 1, p->max_chunk);
+			 n_arena, need, need - (l1 - l0) - 1, p->max_chunk);
 		return -ENOSPC;
 	}
 	struct kv_cache *kv = calloc(1, sizeof(*kv));
@@ -139,10 +172,19 @@ int kv_cache_create(const struct kv_cache_params *p, struct backend *be,
 	kv->rctx = remote_ctx;
 	kv->blocks_per_layer = (p->max_context + p->block_tokens - 1) / p->block_tokens;
 	kv->entries = calloc((size_t)p->n_layers * kv->blocks_per_layer, sizeof(*kv->entries));
-	kv->arena = calloc(p->n_arena ? p->n_arena : 1, sizeof(*kv->arena));
+	kv->A = p->arena;
+	if (!kv->A) {
+		if (kv_arena_create(p->n_arena, &kv->A) != 0) {
+			free(kv);
+			snprintf(err, errlen, "out of memory for the KV arena's table");
+			return -ENOMEM;
+		}
+		kv->own_arena = true;
+	}
+	kv->A->users++;
+	kv->p.n_arena = kv->A->n;
+	kv->arena = kv->A->b;
 	kv->spans = calloc(kv->blocks_per_layer + 1, sizeof(*kv->spans));
-	kv->be_spans = calloc(kv->blocks_per_layer + 1, sizeof(*kv->be_spans));
-	kv->be_blocks = calloc(kv->blocks_per_layer + 1, sizeof(*kv->be_blocks));
 	kv->handles = calloc(kv->blocks_per_layer + 1, sizeof(*kv->handles));
 	kv->ptrs = calloc(kv->blocks_per_layer + 1, sizeof(*kv->ptrs));
 	kv->idx = calloc(kv->blocks_per_layer + 1, sizeof(*kv->idx));
@@ -157,7 +199,7 @@ int kv_cache_create(const struct kv_cache_params *p, struct backend *be,
 		kv->ra[s].blocks = calloc(kv->blocks_per_layer + 1, sizeof(uint32_t));
 	}
 	if (!kv->ra[0].handles || !kv->ra[1].handles || !kv->ra[0].blocks || !kv->ra[1].blocks ||
-	    !kv->entries || !kv->arena || !kv->spans || !kv->be_spans || !kv->be_blocks || !kv->handles || !kv->ptrs || !kv->idx || !kv->arena_idx ||
+	    !kv->entries || !kv->spans || !kv->handles || !kv->ptrs || !kv->idx || !kv->arena_idx ||
 	    !kv->chain || !kv->dst || !kv->keys || !kv->victims || !kv->rank_count) {
 		kv_cache_destroy(&kv);
 		snprintf(err, errlen, "out of memory for the KV tables");
@@ -165,9 +207,6 @@ int kv_cache_create(const struct kv_cache_params *p, struct backend *be,
 	}
 	for (size_t i = 0; i < (size_t)p->n_layers * kv->blocks_per_layer; i++)
 		kv->entries[i].arena = NO_ARENA;
-	for (uint32_t i = 0; i < p->n_arena; i++)
-		kv->arena[i].layer = -1;
-	kv->n_free = p->n_arena;
 	kv->readahead = remote && l1 - l0 > 1;
 	*out = kv;
 	return 0;
@@ -178,11 +217,23 @@ void kv_cache_destroy(struct kv_cache **kvp)
 	if (!kvp || !*kvp)
 		return;
 	struct kv_cache *kv = *kvp;
+	if (kv->A) {
+		/* Its blocks go back to the arena as free (keys and all: another cache may restore them). */
+		for (uint32_t i = 0; i < kv->A->n; i++)
+			if (kv->A->b[i].owner == kv) {
+				kv->A->b[i].owner = NULL;
+				kv->A->b[i].layer = kv->A->b[i].index = -1;
+				kv->A->b[i].busy = kv->A->b[i].incoming = false;
+				kv->A->n_free++;
+			}
+		kv->A->users--;
+		if (kv->live)
+			kv->A->live--;
+		if (kv->own_arena)
+			kv_arena_destroy(&kv->A);
+	}
 	free(kv->entries);
-	free(kv->arena);
 	free(kv->spans);
-	free(kv->be_spans);
-	free(kv->be_blocks);
 	free(kv->handles);
 	free(kv->ptrs);
 	free(kv->idx);
@@ -215,7 +266,7 @@ void kv_cache_usage(const struct kv_cache *kv, uint32_t *arena_used, uint32_t *a
 {
 	uint32_t used = 0;
 	for (uint32_t i = 0; i < kv->p.n_arena; i++)
-		used += kv->arena[i].layer >= 0;
+		used += kv->arena[i].owner == kv;
 	*arena_used = used;
 	for (uint32_t l = 0; l < kv->p.n_layers; l++) {
 		uint32_t a = 0, s = 0;
@@ -246,11 +297,12 @@ static int victim_rank(const struct kv_cache *kv, const struct arena_block *a, u
 	const uint32_t L = kv->p.n_layers;
 	if (a->layer < 0)
 		return a->key ? (int)L + 1 : (int)L + 2;
-	if (a->busy || a->incoming || a->layer == keep_a || a->layer == keep_b ||
-	    !kv->entries[(size_t)a->layer * kv->blocks_per_layer + (size_t)a->index].committed)
+	if (a->busy || a->incoming || a->layer == keep_a || a->layer == keep_b || !held_entry(a)->committed)
 		return -1;
+	/* Another sequence's block of the current layer: it may not have been attended yet (the
+	 * sequences of a step attend one after another). */
 	if ((uint32_t)a->layer == current)
-		return (uint32_t)a->index < visit ? (int)L : 0;
+		return a->owner == kv && (uint32_t)a->index < visit ? (int)L : 0;
 	return (int)(((uint32_t)a->layer + L - current) % L);
 }
 
@@ -269,12 +321,12 @@ static void assign_arena(struct kv_cache *kv, uint32_t b, uint32_t layer, uint32
 {
 	struct arena_block *a = &kv->arena[b];
 	if (a->layer >= 0) {
-		entry(kv, (uint32_t)a->layer, (uint32_t)a->index)->arena = NO_ARENA;
-		kv->stats.evicted++;
+		held_entry(a)->arena = NO_ARENA;
+		a->owner->stats.evicted++;
 	} else {
-		kv->n_free--;
+		kv->A->n_free--;
 	}
-	*a = (struct arena_block){.layer = (int32_t)layer, .index = (int32_t)index};
+	*a = (struct arena_block){.owner = kv, .layer = (int32_t)layer, .index = (int32_t)index};
 	entry(kv, layer, index)->arena = (int32_t)b;
 }
 
@@ -345,8 +397,8 @@ static void drop_arena(struct kv_cache *kv, uint32_t b)
 {
 	struct arena_block *a = &kv->arena[b];
 	if (a->layer >= 0) {
-		entry(kv, (uint32_t)a->layer, (uint32_t)a->index)->arena = NO_ARENA;
-		kv->n_free++;
+		held_entry(a)->arena = NO_ARENA;
+		kv->A->n_free++;
 	}
 	*a = (struct arena_block){.layer = -1, .index = -1};
 }
@@ -364,6 +416,8 @@ static int readahead_finish(struct kv_cache *kv, int s, bool unpin)
 	kv->stats.readahead_wait_ns += now_ns() - t0;
 	for (uint32_t i = 0; i < r->n; i++) {
 		struct arena_block *a = &kv->arena[r->blocks[i]];
+		if (a->owner != kv)
+			continue;
 		a->incoming = false;
 		if (rc && a->layer == (int32_t)r->layer)
 			drop_arena(kv, r->blocks[i]);
@@ -402,7 +456,8 @@ static int readahead_start(struct kv_cache *kv, uint32_t layer, uint32_t next, u
 	}
 	if (!wanted)
 		return 0;
-	uint32_t reserve = missing + 2 * ((kv->p.max_chunk + bt - 1) / bt + 2);
+	/* Room for this step's blocks of every cache over the arena (the sequences of a batch). */
+	uint32_t reserve = missing + 2 * ((kv->p.max_chunk + bt - 1) / bt + 2) * (kv->A->live ? kv->A->live : 1);
 	uint32_t room = arena_room(kv, layer, 0, (int32_t)layer, (int32_t)next);
 	if (room <= reserve)
 		return 0;
@@ -431,8 +486,7 @@ static int readahead_start(struct kv_cache *kv, uint32_t layer, uint32_t next, u
 					  kv->remote->error(kv->rctx));
 		rc = take_arena_for(kv, layer, 0, (int32_t)layer, (int32_t)next, next, kv->idx, run, kv->dst);
 		if (rc == 0)
-			rc = backend_kv_prefetch(kv->be, run, be_blocks(kv, kv->dst, run), (const void *const *)kv->ptrs,
-						 (uint32_t)s);
+			rc = backend_kv_prefetch(kv->be, run, kv->dst, (const void *const *)kv->ptrs, (uint32_t)s);
 		if (rc) {
 			/* Nothing of this batch landed (or it may not have): undo it, keep what came before. */
 			bool taken = entry(kv, next, kv->idx[0])->arena != NO_ARENA;
@@ -508,6 +562,10 @@ int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_
 		return set_err(kv, -EINVAL, "chunk of %u tokens at position %u does not fit (chunk limit %u, context %u)",
 			       n, pos0, kv->p.max_chunk, kv->p.max_context);
 	const uint32_t bt = kv->p.block_tokens;
+	if (!kv->live) {
+		kv->live = true;
+		kv->A->live++;
+	}
 	for (uint32_t i = 0; i < n; i++) {
 		uint32_t pos = pos0 + i;
 		uint32_t j = pos / bt;
@@ -524,7 +582,7 @@ int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_
 				return trc;
 		}
 		kv->arena[e->arena].busy = true;
-		dst_block[i] = kv->p.arena0 + (uint32_t)e->arena;
+		dst_block[i] = (uint32_t)e->arena;
 		dst_row[i] = pos % bt;
 		if (pos % bt + 1 > e->filled)
 			e->filled = pos % bt + 1;
@@ -535,7 +593,8 @@ int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_
 static void clear_busy(struct kv_cache *kv)
 {
 	for (uint32_t i = 0; i < kv->p.n_arena; i++)
-		kv->arena[i].busy = false;
+		if (kv->arena[i].owner == kv)
+			kv->arena[i].busy = false;
 }
 
 static int flush_spans(struct kv_cache *kv, uint32_t *n_spans)
@@ -543,12 +602,10 @@ static int flush_spans(struct kv_cache *kv, uint32_t *n_spans)
 	if (!*n_spans)
 		return 0;
 	for (uint32_t i = 0; i < *n_spans; i++) {
-		kv->be_spans[i] = kv->spans[i];
-		kv->be_spans[i].block += kv->p.arena0;
-		kv->be_spans[i].row0 = kv->row0;
-		kv->be_spans[i].n_rows = kv->n_rows;
+		kv->spans[i].row0 = kv->row0;
+		kv->spans[i].n_rows = kv->n_rows;
 	}
-	int rc = backend_attn_blocks(kv->be, kv->be_spans, *n_spans);
+	int rc = backend_attn_blocks(kv->be, kv->spans, *n_spans);
 	if (rc)
 		return set_err(kv, rc, "attention failed: %s", backend_error(kv->be));
 	/* Visited blocks may now make room for the ones still to come, unless unsaved. */
@@ -614,13 +671,13 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		rc = take_arena_n(kv, layer, j, kv->idx, run, kv->dst);
 		uint32_t taken = rc ? 0 : run;
 		if (rc == 0)
-			rc = backend_kv_from_host(kv->be, run, be_blocks(kv, kv->dst, run), (const void *const *)kv->ptrs);
+			rc = backend_kv_from_host(kv->be, run, kv->dst, (const void *const *)kv->ptrs);
 		if (rc) {
 			/* The blocks taken hold nothing valid: forget they were here. */
 			for (uint32_t r = 0; r < taken; r++) {
 				entry(kv, layer, kv->idx[r])->arena = NO_ARENA;
-				kv->arena[kv->dst[r]] = (struct arena_block){.layer = -1};
-				kv->n_free++;
+				kv->arena[kv->dst[r]] = (struct arena_block){.layer = -1, .index = -1};
+				kv->A->n_free++;
 			}
 			if (rc != -ENOSPC) {
 				set_err(kv, rc, "copying KV blocks into the arena failed: %s", backend_error(kv->be));
@@ -687,7 +744,7 @@ static int commit_batch(struct kv_cache *kv, uint32_t layer, const uint32_t *idx
 			       kv->remote->error(kv->rctx));
 	unsigned char event[BACKEND_EVENT_BYTES];
 	for (uint32_t i = 0; i < n; i++)
-		kv->arena_idx[i] = kv->p.arena0 + (uint32_t)entry(kv, layer, idx[i])->arena;
+		kv->arena_idx[i] = (uint32_t)entry(kv, layer, idx[i])->arena;
 	/* Write-behind: where the backend records an event, nobody here waits for the copies (the
 	 * kv-store does). */
 	rc = backend_kv_write_behind(kv->be, n, kv->arena_idx, kv->ptrs, event);
@@ -744,18 +801,26 @@ int kv_cache_finish_layer(struct kv_cache *kv, uint32_t layer, uint32_t pos0, ui
 }
 
 /* Empties the tables. Arena blocks keep the key of the committed block they held (forget:
- * drop those too, the bytes may no longer match a key the store hands out). */
+ * drop those too, and those of every free block, the bytes may no longer match a key the store
+ * hands out). Another cache's blocks stay as they are. */
 static void clear_tables(struct kv_cache *kv, bool forget)
 {
 	for (uint32_t i = 0; i < kv->p.n_arena; i++) {
 		struct arena_block *a = &kv->arena[i];
-		bool keep = !forget && a->layer >= 0 && a->key &&
-			    entry(kv, (uint32_t)a->layer, (uint32_t)a->index)->committed;
+		if (forget && !a->owner)
+			a->key = 0; /* free, but its bytes may no longer be what its key names */
+		if (a->owner != kv)
+			continue;
+		bool keep = !forget && a->layer >= 0 && a->key && held_entry(a)->committed;
 		*a = (struct arena_block){.layer = -1, .index = -1, .key = keep ? a->key : 0};
+		kv->A->n_free++;
 	}
 	for (size_t i = 0; i < (size_t)kv->p.n_layers * kv->blocks_per_layer; i++)
 		kv->entries[i] = (struct kv_entry){.arena = NO_ARENA};
-	kv->n_free = kv->p.n_arena;
+	if (kv->live) {
+		kv->live = false;
+		kv->A->live--;
+	}
 }
 
 int kv_cache_reset(struct kv_cache *kv)
@@ -874,10 +939,10 @@ int kv_cache_restore_prefix(struct kv_cache *kv, uint32_t n_prompt)
 					       .handle = hits[(size_t)j * L + l], .key = key};
 			struct keyed want = {key, 0}, *f = bsearch(&want, held, n_held, sizeof(*held), cmp_keyed);
 			if (f && kv->arena[f->block].layer < 0 && kv->arena[f->block].key == key) {
-				kv->arena[f->block] = (struct arena_block){.layer = (int32_t)(l0 + l), .index = (int32_t)j,
-									   .key = key};
+				kv->arena[f->block] = (struct arena_block){.owner = kv, .layer = (int32_t)(l0 + l),
+									   .index = (int32_t)j, .key = key};
 				e->arena = (int32_t)f->block;
-				kv->n_free--;
+				kv->A->n_free--;
 				kv->stats.prefix_on_gpu++;
 			}
 		}

@@ -24,9 +24,12 @@
  * Without a remote (kv_remote == NULL: the in-process oracle) nothing is committed and the
  * arena must hold the whole context; running out is an error.
  *
- * One cache holds one sequence. The sequences of a batch each have their own cache over a range of
- * the backend's arena (arena0, n_arena) and the rows of the step their tokens are (set_rows); the
- * caches share the backend and the store, whose unpin_all drops every cache's pins.
+ * One cache holds one sequence. The sequences of a batch each have their own cache, all over one
+ * shared arena (struct kv_arena): a block holds a block of one cache's sequence, and any cache may
+ * take a committed block of another when it needs room (as from its own: the layer needed furthest
+ * ahead first), so a sequence alone has the whole arena. Each names the rows of the step its tokens
+ * are (set_rows) for its spans. The caches share the backend and the store, whose unpin_all drops
+ * every cache's pins; the read-ahead leaves room for every cache's next step.
  *
  * Prefix reuse: every full block is named by a key, a hash chain over the sequence's token ids
  * up to the block's end (seeded with the model's manifest hash) and the layer; the key goes with
@@ -85,8 +88,9 @@ struct kv_cache_params {
 	uint32_t block_tokens;
 	uint32_t max_context; /* positions per sequence */
 	uint32_t max_chunk;   /* most tokens one forward step writes */
-	uint32_t n_arena;     /* blocks of the backend's arena this cache uses: */
-	uint32_t arena0;      /* [arena0, arena0 + n_arena) (several sequences of a batch: a range each) */
+	uint32_t n_arena;     /* blocks in the backend's arena (without an arena below) */
+	struct kv_arena *arena; /* the arena's blocks, shared with the caches of the other sequences of a batch
+				 * (kv_arena_create; borrowed: it outlives the cache); NULL: the cache's own */
 	bool commits_held;    /* the remote holds commits back until the step's end (kv_remote.h,
 			       * defer_commits): the read-ahead does not reach round to the next step's
 			       * first layer, whose blocks this step committed only on the runner's side */
@@ -108,8 +112,14 @@ struct kv_cache_stats {
 };
 
 struct kv_cache;
+struct kv_arena;
 
-/* Fewest arena blocks that can run: one partial block per layer, the blocks one chunk
+/* A table of n_blocks arena blocks that several caches share (kv_cache_params.arena). Returns 0 or
+ * -ENOMEM. Destroy it after every cache over it. */
+int kv_arena_create(uint32_t n_blocks, struct kv_arena **out);
+void kv_arena_destroy(struct kv_arena **a);
+
+/* Fewest arena blocks that can run (for each cache over a shared arena): one partial block per layer, the blocks one chunk
  * writes, and one to bring blocks back through. */
 uint32_t kv_cache_min_blocks(uint32_t n_layers, uint32_t block_tokens, uint32_t max_chunk);
 

@@ -2,7 +2,8 @@
  * API. Weights come from the ssd-loader's ring, KV blocks go to and come from the kv-store
  * pool; this process never opens a model file.
  *
- * Requests are queued and run one at a time (batch 1); while a request runs, the service
+ * Requests are queued and run one at a time, or, where the backend batches sequences, up to
+ * --max-batch of them together (batch.c: continuous batching); while requests run, the service
  * keeps answering between tokens (HELLO, stats, more requests to queue). Before each request
  * it checks that the ssd-loader and kv-store it mapped are still the live owners of their
  * shared memory, and reconnects if one was restarted.
@@ -135,7 +136,15 @@ static int setup(struct runner *r)
 			  r->arena_block_bytes, need, format_size((uint64_t)need * r->arena_block_bytes, want, sizeof(want)));
 		return -ENOSPC;
 	}
-	r->bp.n_kv_blocks = (uint32_t)(fit < all ? fit : all);
+	if (r->max_batch < 1 || r->max_batch > RUNNER_MAX_BATCH || r->max_step_tokens < 0 ||
+	    r->max_step_tokens > r->prefill_chunk) {
+		log_error("--max-batch must be in 1..%d and --max-step-tokens in 0..%ld (--prefill-chunk; 0: that)",
+			  RUNNER_MAX_BATCH, r->prefill_chunk);
+		return -EINVAL;
+	}
+	if (!r->max_step_tokens)
+		r->max_step_tokens = r->prefill_chunk;
+	runner_plan_batch(r, all, fit, need, &r->bp.n_kv_blocks);
 	rc = backend_create(r->backend_name, &r->cfg, &r->bp, &r->be, err, sizeof(err));
 	if (rc) {
 		log_error("backend %s: %s", r->backend_name, err);
@@ -175,6 +184,9 @@ static int setup(struct runner *r)
 	}
 	log_info("backend %s, %u layers, KV arena %u blocks of %zu bytes (%ld tokens each), context %ld", r->backend_name,
 		 r->cfg.n_layers, r->bp.n_kv_blocks, r->arena_block_bytes, r->block_tokens, r->max_context);
+	if (r->batching)
+		log_info("continuous batching: up to %u requests at once (sharing the KV arena), steps of at most %ld "
+			 "tokens", r->n_slots, r->max_step_tokens);
 	return 0;
 }
 
@@ -183,7 +195,10 @@ static void teardown(struct runner *r)
 	engine_destroy(&r->engine);
 	runner_drop_stages(r); /* the link reads the backend's memory: it goes first */
 	runner_unpin_pool(r); /* the backend that pinned the pool unpins it, before it goes */
-	kv_cache_destroy(&r->cache);
+	kv_cache_destroy(&r->cache); /* slot 0's, when batching */
+	for (uint32_t k = 1; k < RUNNER_MAX_BATCH; k++)
+		kv_cache_destroy(&r->slot_kv[k]);
+	kv_arena_destroy(&r->kv_arena);
 	backend_destroy(&r->be);
 	kv_remote_disconnect(&r->kv);
 	runner_drop_window(r);
@@ -221,6 +236,13 @@ int main(int argc, char **argv)
 		{"max-context", OPT_INT, &r.max_context, "0", "positions per sequence (0: min(model, 8192))"},
 		{"prefill-chunk", OPT_INT, &r.prefill_chunk, "256", "most prompt tokens per forward step"},
 		{"threads", OPT_INT, &r.threads, "1", "CPU threads of the cpu backend"},
+		{"max-batch", OPT_INT, &r.max_batch, "16",
+		 "requests computed together, their tokens in every forward step (continuous batching: where the "
+		 "backend batches sequences, the cpu backend today, and one runner computes every layer; else 1). "
+		 "The KV arena (--kv-gpu-budget) is shared among them"},
+		{"max-step-tokens", OPT_INT, &r.max_step_tokens, "0",
+		 "most tokens of one forward step when batching: decode tokens of the running requests and prefill "
+		 "chunks of new ones (0: --prefill-chunk, which bounds it)"},
 		{"cpu-share", OPT_STRING, &r.cpu_share_arg, "auto",
 		 "the CPU's part of each streamed layer's FFN (rows of gate/up, columns of down, read in place in DRAM): "
 		 "auto (cuda: where the CPU and the copies over PCIe finish together; cpu: none), 0 (none), or a "
@@ -298,15 +320,19 @@ int main(int argc, char **argv)
 		teardown(&r);
 		return 1;
 	}
-	while (service_poll_once(r.svc, r.q_len ? 0 : 100) == 0) {
-		if (!r.q_len) {
+	while (service_poll_once(r.svc, r.q_len || r.n_active ? 0 : 100) == 0) {
+		if (!r.q_len && !r.n_active) {
 			runner_release_dead_loader(&r);
 			runner_idle_stages(&r);
 			continue;
 		}
-		runner_run_next(&r);
+		if (r.batching)
+			runner_batch_step(&r);
+		else
+			runner_run_next(&r);
 	}
 	log_info("stopping");
+	runner_batch_drop(&r);
 	teardown(&r);
 	return 0;
 }

@@ -239,6 +239,8 @@ static void pin_pool(struct runner *r)
 void runner_unpin_pool(struct runner *r)
 {
 	kv_cache_quiesce(r->cache); /* no read-ahead copy may still read the pool */
+	for (uint32_t k = 1; k < r->n_slots && r->batching; k++)
+		kv_cache_quiesce(r->slot_kv[k]);
 	if (r->pool_pinned)
 		backend_unpin_host(r->be, r->pool_pinned);
 	r->pool_pinned = NULL;
@@ -248,6 +250,14 @@ int runner_make_cache(struct runner *r, char *err, size_t errlen)
 {
 	kv_cache_quiesce(r->cache); /* no read-ahead copy of the one before may still run */
 	kv_cache_destroy(&r->cache);
+	for (uint32_t k = 1; k < RUNNER_MAX_BATCH; k++) {
+		kv_cache_quiesce(r->slot_kv[k]);
+		kv_cache_destroy(&r->slot_kv[k]);
+	}
+	r->slot_kv[0] = NULL;
+	kv_arena_destroy(&r->kv_arena);
+	/* Batching: a cache a request running at once, all over the one arena. */
+	uint32_t slots = r->batching ? r->n_slots : 1;
 	struct kv_cache_params kp = {.n_layers = r->cfg.n_layers, .block_tokens = (uint32_t)r->block_tokens,
 				     .max_context = (uint32_t)r->max_context, .max_chunk = (uint32_t)r->prefill_chunk,
 				     .n_arena = r->bp.n_kv_blocks, .commits_held = r->kv.defer_commits};
@@ -255,7 +265,16 @@ int runner_make_cache(struct runner *r, char *err, size_t errlen)
 		kp.layer0 = r->stage.layer0;
 		kp.layer1 = r->stage.layer1;
 	}
-	return kv_cache_create(&kp, r->be, &kv_remote_ops_pool, &r->kv, &r->cache, err, errlen);
+	if (r->batching && kv_arena_create(r->bp.n_kv_blocks, &r->kv_arena) != 0)
+		return errorf(err, errlen, -ENOMEM, "out of memory for the KV arena's table");
+	kp.arena = r->kv_arena;
+	for (uint32_t k = 0; k < slots; k++) {
+		int rc = kv_cache_create(&kp, r->be, &kv_remote_ops_pool, &r->kv, &r->slot_kv[k], err, errlen);
+		if (rc)
+			return rc;
+	}
+	r->cache = r->slot_kv[0];
+	return 0;
 }
 
 int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errlen)
@@ -275,6 +294,8 @@ int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errle
 	if (r->kv_connected && !same) {
 		log_warn("kv-store has a new pool: the blocks it held are gone");
 		kv_cache_forget_remote(r->cache);
+		for (uint32_t k = 1; k < r->n_slots && r->batching; k++)
+			kv_cache_forget_remote(r->slot_kv[k]);
 	}
 	r->kv_connected = true;
 	r->kv_suspect = false;

@@ -19,8 +19,10 @@
 #include "services/gpu-runner/gpu_window.h"
 #endif
 
-static void job_free(struct job *j)
+void runner_job_free(struct job *j)
 {
+	text_prompt_free(&j->tp);
+	text_stream_destroy(&j->ts);
 	free(j->emitted);
 	free(j->tokens);
 	free(j->stop);
@@ -59,25 +61,25 @@ static void trim_retired(struct runner *r)
 		ring_source_trim_retired(r->ring);
 }
 
-static enum gen_emit emit_token(void *ctx, uint32_t index, int32_t token)
+enum gen_emit runner_job_emit(void *ctx, uint32_t index, int32_t token)
 {
-	struct runner *r = ctx;
+	struct job *j = ctx;
+	struct runner *r = j->r;
 	struct msg m;
-	msg_init(&m, MSG_TOKEN, r->current->corr);
+	msg_init(&m, MSG_TOKEN, j->corr);
 	m.token.index = index;
 	m.token.token = (uint64_t)token;
 	bool hit = false;
-	if (r->ts) {
+	if (j->ts) {
 		const char *piece;
 		size_t len;
-		if (text_stream_push(r->ts, token, &piece, &len, &hit) == 0 && (r->current->flags & GEN_TEXT)) {
+		if (text_stream_push(j->ts, token, &piece, &len, &hit) == 0 && (j->flags & GEN_TEXT)) {
 			m.token.text.p = (char *)piece;
 			m.token.text.len = (uint32_t)len;
 		}
 	}
 	ring_source_count_token(r->ring);
 	trim_retired(r);
-	struct job *j = r->current;
 	if (j->n_emitted == j->cap_emitted) {
 		uint32_t cap = j->cap_emitted ? 2 * j->cap_emitted : 256;
 		int32_t *e = realloc(j->emitted, cap * sizeof(int32_t));
@@ -88,8 +90,8 @@ static enum gen_emit emit_token(void *ctx, uint32_t index, int32_t token)
 	}
 	if (j->n_emitted < j->cap_emitted)
 		j->emitted[j->n_emitted++] = token;
-	if (service_reply(r->svc, &r->current->peer, &m) == -EHOSTUNREACH) {
-		log_warn("the client of request %llu went away: cancelling it", (unsigned long long)r->current->corr);
+	if (service_reply(r->svc, &j->peer, &m) == -EHOSTUNREACH) {
+		log_warn("the client of request %llu went away: cancelling it", (unsigned long long)j->corr);
 		return GEN_CANCEL;
 	}
 	/* Keep serving between tokens; a stop request ends the generation. */
@@ -101,14 +103,14 @@ static enum gen_emit emit_token(void *ctx, uint32_t index, int32_t token)
 /* GEN_LOGITS: the prompt's last-position logits go to the client before the first token. */
 static int send_logits(void *ctx, uint32_t position, const float *logits, uint32_t n)
 {
-	struct runner *r = ctx;
+	struct job *j = ctx;
 	struct msg m;
-	msg_init(&m, MSG_LOGITS, r->current->corr);
+	msg_init(&m, MSG_LOGITS, j->corr);
 	m.logits.position = position;
 	m.logits.values.p = (char *)logits; /* float32 in host order: little-endian on every target */
 	m.logits.values.len = n * (uint32_t)sizeof(float);
-	int rc = service_reply(r->svc, &r->current->peer, &m);
-	r->current->logits_sent = true;
+	int rc = service_reply(j->r->svc, &j->peer, &m);
+	j->logits_sent = true;
 	return rc == -EHOSTUNREACH ? rc : 0;
 }
 
@@ -116,39 +118,42 @@ static int send_logits(void *ctx, uint32_t position, const float *logits, uint32
 static void decode_starts(void *ctx)
 {
 #ifdef PIPELINE_HAVE_CUDA
-	struct runner *r = ctx;
-	if (r->win)
-		gpu_window_reset_timing(r->win);
+	struct job *j = ctx;
+	if (j->r->win)
+		gpu_window_reset_timing(j->r->win);
+#else
+	(void)ctx;
 #endif
 }
 
-static void run_job(struct runner *r, struct job *j)
+static int job_kv_failure(void *ctx, char *err, size_t errlen)
 {
-	char err[1024] = "";
-	struct gen_result res = {0};
-	r->current = j;
-	r->requests++;
-	struct text_prompt tp = {.end_of_turn = -1};
-	const int32_t *prompt = j->tokens;
-	uint32_t n_prompt = j->n_tokens;
-	const char *tail = "";
-	size_t tail_len = 0;
-	int rc = runner_ensure_connections(r, err, sizeof(err));
-	if (rc == 0 && !j->n_tokens) {
+	struct job *j = ctx;
+	return runner_kv_failure(j->r, err, errlen);
+}
+
+int runner_job_prepare(struct runner *r, struct job *j, char *err, size_t errlen)
+{
+	j->r = r;
+	j->ids = j->tokens;
+	j->n_ids = j->n_tokens;
+	j->tp = (struct text_prompt){.end_of_turn = -1};
+	int rc = 0;
+	if (!j->n_tokens) {
 		struct msg_generate g = {.prompt = {j->prompt, j->prompt_len}, .chat = {j->chat, j->chat_len},
 					 .flags = j->flags};
-		rc = text_prompt_build(r->tok, &r->cfg, &g, &tp, err, sizeof(err));
-		prompt = (const int32_t *)tp.ids.ids; /* ids < vocab_size < 2^31 */
-		n_prompt = (uint32_t)tp.ids.n;
-		if (rc == 0 && tp.end_of_turn >= 0)
-			j->stop[j->params.n_stop++] = tp.end_of_turn;
+		rc = text_prompt_build(r->tok, &r->cfg, &g, &j->tp, err, errlen);
+		j->ids = (const int32_t *)j->tp.ids.ids; /* ids < vocab_size < 2^31 */
+		j->n_ids = (uint32_t)j->tp.ids.n;
+		if (rc == 0 && j->tp.end_of_turn >= 0)
+			j->stop[j->params.n_stop++] = j->tp.end_of_turn;
 	}
 	if (rc == 0 && ((j->flags & GEN_TEXT) || j->stop_strings_len)) {
 		if (!r->tok) {
 			rc = -ENOTSUP;
-			snprintf(err, sizeof(err), "the model has no tokenizer (no tokenizer.json, nor one in its GGUF file): no text output and no stop strings");
+			snprintf(err, errlen, "the model has no tokenizer (no tokenizer.json, nor one in its GGUF file): no text output and no stop strings");
 		} else {
-			rc = text_stream_create(r->tok, j->stop_strings, j->stop_strings_len, &r->ts, err, sizeof(err));
+			rc = text_stream_create(r->tok, j->stop_strings, j->stop_strings_len, &j->ts, err, errlen);
 		}
 		/* A resumed request: the text before the cut was sent already; the stream sees it again
 		 * (stop strings that span the cut, text held back) without sending it. */
@@ -156,9 +161,9 @@ static void run_job(struct runner *r, struct job *j)
 			const char *piece;
 			size_t len;
 			bool hit;
-			rc = text_stream_push(r->ts, j->done[i], &piece, &len, &hit);
+			rc = text_stream_push(j->ts, j->done[i], &piece, &len, &hit);
 			if (rc)
-				snprintf(err, sizeof(err), "decoding the resumed request's tokens failed");
+				snprintf(err, errlen, "decoding the resumed request's tokens failed");
 			else if (hit)
 				j->params.done_stop_string = true;
 		}
@@ -168,14 +173,82 @@ static void run_job(struct runner *r, struct job *j)
 		j->emitted = malloc(j->params.n_done * sizeof(int32_t));
 		if (!j->emitted) {
 			rc = -ENOMEM;
-			snprintf(err, sizeof(err), "out of memory");
+			snprintf(err, errlen, "out of memory");
 		} else {
 			memcpy(j->emitted, j->params.done, j->params.n_done * sizeof(int32_t));
 			j->n_emitted = j->cap_emitted = j->params.n_done;
 		}
 	}
+	return rc;
+}
+
+int runner_release_weights(struct runner *r, bool stopping, char *err, size_t errlen)
+{
+	/* Hand streamed groups back; a dead loader would only make the client wait a timeout, and
+	 * a runner that stops needs not (the loader drops them at the next runner's HELLO). */
+	int wrc = !stopping && ring_source_owner_alive(r->ring) ? runner_weights(r)->ops->release_all(runner_weights(r)) : 0;
+	if (wrc && !ring_source_owner_alive(r->ring)) {
+		/* It died between the check and the release: what we held died with it. */
+		log_warn("ssd-loader went away while the request's weights were handed back: %s",
+			 runner_weights(r)->error);
+		r->loader_suspect = true;
+		wrc = 0;
+	}
+	if (wrc)
+		snprintf(err, errlen, "%s", runner_weights(r)->error);
+	return wrc;
+}
+
+void runner_job_reply(struct runner *r, struct job *j, int rc, const struct gen_result *res, const char *err)
+{
+	if (rc) {
+		r->failures++;
+		/* Whatever failed, check both peers before the next request. */
+		r->loader_suspect = true;
+		r->kv_suspect = true;
+		log_error("request %llu failed: %s", (unsigned long long)j->corr, err);
+		service_reply_error(r->svc, &j->peer, j->corr, -rc, err);
+		return;
+	}
+	const char *tail = "";
+	size_t tail_len = 0;
+	if (j->ts && (j->flags & GEN_TEXT))
+		text_stream_finish(j->ts, &tail, &tail_len);
+	struct msg m;
+	msg_init(&m, MSG_GEN_DONE, j->corr);
+	m.gen_done.n_prompt = res->n_prompt;
+	m.gen_done.n_generated = res->n_generated;
+	m.gen_done.reason.p = (char *)res->reason;
+	m.gen_done.reason.len = (uint32_t)strlen(res->reason);
+	m.gen_done.prefill_ms = res->prefill_ms;
+	m.gen_done.decode_ms = res->decode_ms;
+	m.gen_done.text.p = (char *)tail;
+	m.gen_done.text.len = (uint32_t)tail_len;
+	service_reply(r->svc, &j->peer, &m);
+	r->prompt_tokens += res->n_prompt;
+	r->tokens_generated += res->n_generated - (res->n_generated >= j->params.n_done ? j->params.n_done : 0);
+	r->prefill_ms += res->prefill_ms;
+	r->decode_ms += res->decode_ms;
+	r->last_prefill_tok_s = res->prefill_ms > 0 ? res->n_prompt / (res->prefill_ms / 1e3) : 0;
+	r->last_decode_tok_s =
+		res->decode_ms > 0 && res->n_generated > 1 ? (res->n_generated - 1) / (res->decode_ms / 1e3) : 0;
+	log_info("request %llu: %u prompt tokens (%u restored from the kv-store), %u generated (%s), prefill "
+		 "%.1f tok/s, decode %.1f tok/s%s",
+		 (unsigned long long)j->corr, res->n_prompt, res->n_restored, res->n_generated, res->reason,
+		 r->last_prefill_tok_s, r->last_decode_tok_s, res->n_rebuilds ? ", KV rebuilt after a kv-store failure" : "");
+}
+
+static void run_job(struct runner *r, struct job *j)
+{
+	char err[1024] = "";
+	struct gen_result res = {0};
+	r->current = j;
+	r->requests++;
+	int rc = runner_ensure_connections(r, err, sizeof(err));
+	if (rc == 0)
+		rc = runner_job_prepare(r, j, err, sizeof(err));
 	if (rc == 0) {
-		rc = generate_run(r->engine, prompt, n_prompt, (uint32_t)r->max_context, &j->params, emit_token, r,
+		rc = generate_run(r->engine, j->ids, j->n_ids, (uint32_t)r->max_context, &j->params, runner_job_emit, j,
 				  &res, err, sizeof(err));
 		/* A stage of a split model died under the request: once the ranks are formed again it goes
 		 * on from the tokens sent, as a request resumed after its runner died does (generate.h):
@@ -195,60 +268,18 @@ static void run_job(struct runner *r, struct job *j)
 				j->params.on_logits = NULL;
 			r->stage_resumes++;
 			err[0] = 0;
-			rc = generate_run(r->engine, prompt, n_prompt, (uint32_t)r->max_context, &j->params, emit_token, r,
-					  &res, err, sizeof(err));
+			rc = generate_run(r->engine, j->ids, j->n_ids, (uint32_t)r->max_context, &j->params, runner_job_emit,
+					  j, &res, err, sizeof(err));
 		}
-		if (rc == 0 && r->ts && (j->flags & GEN_TEXT))
-			text_stream_finish(r->ts, &tail, &tail_len);
-		/* Hand streamed groups back; a dead loader would only make the client wait a timeout, and
-		 * a runner that stops needs not (the loader drops them at the next runner's HELLO). */
 		bool stopping = rc == -ECANCELED && service_stop_requested(r->svc);
-		int wrc = !stopping && ring_source_owner_alive(r->ring) ? runner_weights(r)->ops->release_all(runner_weights(r)) : 0;
-		if (wrc && !ring_source_owner_alive(r->ring)) {
-			/* It died between the check and the release: what we held died with it. */
-			log_warn("ssd-loader went away while the request's weights were handed back: %s",
-				 runner_weights(r)->error);
-			r->loader_suspect = true;
-			wrc = 0;
-		}
+		char werr[512];
+		int wrc = runner_release_weights(r, stopping, werr, sizeof(werr));
 		if (wrc && !rc) {
-			snprintf(err, sizeof(err), "%s", runner_weights(r)->error);
+			snprintf(err, sizeof(err), "%s", werr);
 			rc = wrc;
 		}
 	}
-	if (rc) {
-		r->failures++;
-		/* Whatever failed, check both peers before the next request. */
-		r->loader_suspect = true;
-		r->kv_suspect = true;
-		log_error("request %llu failed: %s", (unsigned long long)j->corr, err);
-		service_reply_error(r->svc, &j->peer, j->corr, -rc, err);
-	} else {
-		struct msg m;
-		msg_init(&m, MSG_GEN_DONE, j->corr);
-		m.gen_done.n_prompt = res.n_prompt;
-		m.gen_done.n_generated = res.n_generated;
-		m.gen_done.reason.p = (char *)res.reason;
-		m.gen_done.reason.len = (uint32_t)strlen(res.reason);
-		m.gen_done.prefill_ms = res.prefill_ms;
-		m.gen_done.decode_ms = res.decode_ms;
-		m.gen_done.text.p = (char *)tail;
-		m.gen_done.text.len = (uint32_t)tail_len;
-		service_reply(r->svc, &j->peer, &m);
-		r->prompt_tokens += res.n_prompt;
-		r->tokens_generated += res.n_generated - (res.n_generated >= j->params.n_done ? j->params.n_done : 0);
-		r->prefill_ms += res.prefill_ms;
-		r->decode_ms += res.decode_ms;
-		r->last_prefill_tok_s = res.prefill_ms > 0 ? res.n_prompt / (res.prefill_ms / 1e3) : 0;
-		r->last_decode_tok_s =
-			res.decode_ms > 0 && res.n_generated > 1 ? (res.n_generated - 1) / (res.decode_ms / 1e3) : 0;
-		log_info("request %llu: %u prompt tokens (%u restored from the kv-store), %u generated (%s), prefill "
-			 "%.1f tok/s, decode %.1f tok/s%s",
-			 (unsigned long long)j->corr, res.n_prompt, res.n_restored, res.n_generated, res.reason,
-			 r->last_prefill_tok_s, r->last_decode_tok_s, res.n_rebuilds ? ", KV rebuilt after a kv-store failure" : "");
-	}
-	text_prompt_free(&tp);
-	text_stream_destroy(&r->ts);
+	runner_job_reply(r, j, rc, &res, err);
 	r->current = NULL;
 }
 
@@ -311,7 +342,7 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 	if (!j->tokens || !j->stop || (g->done.n && !j->done) || copy_bytes(&g->prompt, &j->prompt, &j->prompt_len) ||
 	    copy_bytes(&g->chat, &j->chat, &j->chat_len) ||
 	    copy_bytes(&g->stop_strings, &j->stop_strings, &j->stop_strings_len)) {
-		job_free(j);
+		runner_job_free(j);
 		snprintf(errtext, errlen, "out of memory");
 		return -ENOMEM;
 	}
@@ -329,7 +360,7 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 		.ignore_eos = (g->flags & GEN_IGNORE_EOS) != 0,
 		.on_logits = (g->flags & GEN_LOGITS) ? send_logits : NULL,
 		.on_decode = decode_starts,
-		.on_kv_failure = runner_kv_failure,
+		.on_kv_failure = job_kv_failure,
 		.kv_seed = r->kv_seed,
 		.stop_ids = j->stop,
 		.n_stop = g->stop_ids.n,
@@ -345,7 +376,7 @@ void runner_run_next(struct runner *r)
 	assert(r->q_len > 0);
 	struct job *j = &r->queue[r->q_head];
 	run_job(r, j);
-	job_free(j);
+	runner_job_free(j);
 	r->q_head = (r->q_head + 1) % QUEUE_MAX;
 	r->q_len--;
 }
@@ -356,7 +387,7 @@ void runner_drop_queued(struct runner *r)
 		struct job *j = &r->queue[(r->q_head + i) % QUEUE_MAX];
 		if (r->svc)
 			service_reply_error(r->svc, &j->peer, j->corr, ESHUTDOWN, "gpu-runner is stopping: request not run");
-		job_free(j);
+		runner_job_free(j);
 	}
 	r->q_len = 0;
 }

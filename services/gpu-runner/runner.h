@@ -23,11 +23,17 @@
 #include "services/gpu-runner/generate.h"
 #include "services/gpu-runner/kv_remote.h"
 #include "services/gpu-runner/split_plan.h"
+#include "services/gpu-runner/text.h"
 #include "services/gpu-runner/stages/plan.h"
 
 #define QUEUE_MAX 16
+/* Most sequences one step computes (--max-batch). */
+#define RUNNER_MAX_BATCH 64
+
+struct runner;
 
 struct job {
+	struct runner *r;	 /* the runner it runs in (the callbacks' context is the job) */
 	struct bus_peer peer;
 	uint64_t corr;
 	int32_t *tokens; /* the prompt as ids, when the request gave ids */
@@ -42,6 +48,13 @@ struct job {
 	uint64_t flags;	 /* enum gen_flags */
 	char *prompt, *chat, *stop_strings; /* owned copies, NULL when not given */
 	uint32_t prompt_len, chat_len, stop_strings_len;
+	/* Once it runs (runner_job_prepare): */
+	struct text_prompt tp;	 /* a text or chat prompt's ids */
+	const int32_t *ids;	 /* the prompt's ids (the request's, or tp's) */
+	uint32_t n_ids;
+	struct text_stream *ts;	 /* its text, when it wants text or has stop strings */
+	struct gen_seq *g;	 /* batched: its generation (batch.c) */
+	uint32_t slot;		 /* batched: its KV cache, r->slot_kv[slot] */
 };
 
 struct runner {
@@ -105,8 +118,22 @@ struct runner {
 
 	struct job queue[QUEUE_MAX];
 	uint32_t q_head, q_len;
-	struct job *current;
-	struct text_stream *ts; /* the current request's text, when it wants text or has stop strings */
+	struct job *current;	/* one request at a time: the one running */
+
+	/* Continuous batching (batch.c), where the backend batches sequences and one runner computes
+	 * every layer: up to max_batch requests run together, each with its own KV cache over its own
+	 * cache over the one arena (slot_kv), their pieces (prefill chunks, decode tokens) in one step of at
+	 * most max_step_tokens tokens. */
+	long max_batch, max_step_tokens; /* --max-batch, --max-step-tokens as given */
+	bool batching;
+	uint32_t n_slots;		 /* caches made: the requests that may run at once */
+	struct kv_arena *kv_arena;	 /* the arena's blocks, shared by their caches */
+	struct kv_cache *slot_kv[RUNNER_MAX_BATCH];
+	struct job active[RUNNER_MAX_BATCH];
+	bool slot_used[RUNNER_MAX_BATCH];
+	uint32_t n_active, rr;		 /* requests running; where the next step's round starts */
+	uint64_t batch_steps, batch_seqs, batch_tokens; /* steps run, and the sequences and tokens in them */
+	uint32_t max_seqs_seen;		 /* the most sequences one step had */
 
 	/* counters */
 	uint64_t requests, prompt_tokens, tokens_generated, failures;
@@ -147,9 +174,35 @@ void runner_run_next(struct runner *r);
 /* At a stop: each request still queued is answered ESHUTDOWN (with a service to answer from) and
  * freed; the queue is then empty. */
 void runner_drop_queued(struct runner *r);
+/* A request about to run: its prompt's ids (text and chat through the tokenizer), its text stream,
+ * what a resumed request had sent. Returns 0 or -errno with err set. */
+int runner_job_prepare(struct runner *r, struct job *j, char *err, size_t errlen);
+/* A request ended (rc 0: res says how; else err says why): MSG_GEN_DONE with the text held back, or
+ * the error; the counters and the log line. */
+void runner_job_reply(struct runner *r, struct job *j, int rc, const struct gen_result *res, const char *err);
+/* Frees what the job holds; it is then zeroed. */
+void runner_job_free(struct job *j);
+/* gen_params callbacks, their context the job. */
+enum gen_emit runner_job_emit(void *ctx, uint32_t index, int32_t token);
+/* Hands the streamed weight groups back to the loader after requests ended (none runs now). A
+ * failure is returned with err set. */
+int runner_release_weights(struct runner *r, bool stopping, char *err, size_t errlen);
 /* service_ops.handle: queues MSG_GENERATE. */
 int runner_handle(void *ctx, struct service *s, const struct bus_peer *peer, const struct msg *req, char *errtext,
 		  size_t errlen);
+
+/* batch.c */
+/* Whether this runner batches (r->batching) and how many requests run at once, once the backend is
+ * chosen: sets r->batching, and the arena's blocks for that many sequences in *n_blocks (all: one
+ * sequence's whole context in every layer; fit: what the budget holds; need: the fewest one cache
+ * runs with). */
+void runner_plan_batch(struct runner *r, uint64_t all, uint64_t fit, uint32_t need, uint32_t *n_blocks);
+/* One step of the requests running: the queued ones admitted while slots are free, each running
+ * one's next piece (under the token budget), one engine step, then each one's next token out; the
+ * ones that ended are answered. */
+void runner_batch_step(struct runner *r);
+/* At a stop: the requests running are answered (cancelled) and their caches emptied. */
+void runner_batch_drop(struct runner *r);
 
 /* stage.c */
 /* Parses --rank, --ranks, --gpu, --stage-link and --stage-split (the checks that need no model).

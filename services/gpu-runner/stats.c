@@ -79,7 +79,7 @@ static void inspect_stats(struct runner *r, json_t *o)
 		last_ns = now;
 		last_tokens = tokens;
 	}
-	json_object_set_new(o, "busy", json_boolean(r->current != NULL));
+	json_object_set_new(o, "busy", json_boolean(r->current != NULL || r->n_active > 0));
 	json_object_set_new(o, "tokens_computed", json_integer((json_int_t)tokens));
 	json_object_set_new(o, "tokens_per_s", json_real(rate));
 	uint32_t n_layers = r->cfg.n_layers;
@@ -206,8 +206,26 @@ char *runner_stats(void *ctx)
 {
 	struct runner *r = ctx;
 	struct kv_cache_stats ks = {0};
-	if (r->cache)
-		kv_cache_get_stats(r->cache, &ks);
+	/* Every cache's (batching: one a request running at once). */
+	for (uint32_t k = 0; k < (r->batching ? r->n_slots : 1); k++) {
+		struct kv_cache *kv = k == 0 ? r->cache : r->slot_kv[k];
+		if (!kv)
+			continue;
+		struct kv_cache_stats one;
+		kv_cache_get_stats(kv, &one);
+		ks.committed += one.committed;
+		ks.fetched += one.fetched;
+		ks.evicted += one.evicted;
+		ks.prefix_positions += one.prefix_positions;
+		ks.prefix_lookups += one.prefix_lookups;
+		ks.prefix_on_gpu += one.prefix_on_gpu;
+		ks.recoveries += one.recoveries;
+		ks.fetch_runs += one.fetch_runs;
+		ks.fetch_ns += one.fetch_ns;
+		ks.copy_ns += one.copy_ns;
+		ks.readahead_blocks += one.readahead_blocks;
+		ks.readahead_wait_ns += one.readahead_wait_ns;
+	}
 	struct weight_source *ws = r->ring ? runner_weights(r) : NULL;
 	json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:b, "
 			      "s:I}",
@@ -232,6 +250,16 @@ char *runner_stats(void *ctx)
 		json_object_set_new(o, "kv_fetch_copy_ms", json_real((double)ks.copy_ns / 1e6));
 		json_object_set_new(o, "kv_readahead_blocks", json_integer((json_int_t)ks.readahead_blocks));
 		json_object_set_new(o, "kv_readahead_wait_ms", json_real((double)ks.readahead_wait_ns / 1e6));
+		/* Continuous batching: requests running now, the most at once, and per step on average the
+		 * sequences and tokens computed together. */
+		json_object_set_new(o, "batch",
+				    json_pack("{s:b, s:i, s:i, s:i, s:i, s:I, s:f, s:f}", "on", r->batching, "max_batch",
+					      (int)r->n_slots, "max_step_tokens", (int)r->max_step_tokens, "running",
+					      (int)r->n_active, "most_at_once", (int)r->max_seqs_seen, "batched_steps",
+					      (json_int_t)r->batch_steps, "seqs_per_step",
+					      r->batch_steps ? (double)r->batch_seqs / (double)r->batch_steps : 0.0,
+					      "tokens_per_step",
+					      r->batch_steps ? (double)r->batch_tokens / (double)r->batch_steps : 0.0));
 	}
 #ifdef PIPELINE_HAVE_CUDA
 	if (o && r->win) {

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# batch: continuous batching in gpu-runner (services/gpu-runner/batch.c). 16 requests sent at once
+# (greedy and seeded sampling, a repetition penalty, prompts of 3 to 64 tokens sharing prefixes or
+# not, 5 to 40 new tokens) each give exactly the tokens they give alone, and the runner did compute
+# several of them in one step (tests/unit/gpu-runner/test_batch.c mixes prefill chunks and decode
+# tokens in one step on purpose). The same
+# with the KV of each request going to the kv-store and its spill file and back (budgets too small
+# for it). A request whose client goes away mid-run leaves the others as they were. --max-batch 1
+# turns batching off, and a bad --max-batch is refused.
+source "$(dirname "$0")/lib.sh"
+it_setup batch
+
+N=16
+# The prompts: 0-3 share the first 32 tokens of PROMPT (prefix reuse per sequence), the others are
+# their own.
+prompt_of() {
+	local k=$1 len=$((3 + (k * 13) % 62))
+	if ((k < 4)); then
+		cut -d, -f1-$((32 + k * 8)) <<<"$PROMPT"
+	else
+		for ((i = 0; i < len; i++)); do echo $(((i * 53 + k * 29 + 7) % 480 + 1)); done | paste -sd,
+	fi
+}
+args_of() {
+	local k=$1
+	echo "-n $((5 + (k * 7) % 36))"
+	case $((k % 4)) in
+	1) echo "--temperature 0.9 --top-k 50 --seed $((100 + k))" ;;
+	2) echo "--temperature 0.7 --top-p 0.8 --seed $((200 + k))" ;;
+	3) echo "--repetition-penalty 1.3" ;;
+	esac
+}
+
+# alone_all: every request alone, one after the other, into $IT_TMP/alone.K.
+alone_all() {
+	for ((k = 0; k < N; k++)); do
+		# shellcheck disable=SC2046
+		generate --tokens "$(prompt_of $k)" $(args_of $k) >"$IT_TMP/alone.$k" || fail "request $k alone failed"
+	done
+}
+
+# together_all WHAT: all at once, then each against its alone run.
+together_all() {
+	local what=$1 pids=() k
+	for ((k = 0; k < N; k++)); do
+		# shellcheck disable=SC2046
+		generate --tokens "$(prompt_of $k)" $(args_of $k) >"$IT_TMP/together.$k" 2>"$IT_TMP/together.$k.err" &
+		pids+=($!)
+	done
+	for ((k = 0; k < N; k++)); do
+		wait "${pids[$k]}" || fail "$what: request $k failed: $(cat "$IT_TMP/together.$k.err")"
+	done
+	for ((k = 0; k < N; k++)); do
+		expect_eq "$(cat "$IT_TMP/together.$k")" "$(cat "$IT_TMP/alone.$k")" "$what: request $k ($(args_of $k | tr '\n' ' ')) batched vs alone"
+	done
+}
+
+batch_stat() { "$PIPECTL" stats gpu-runner | jq -r ".batch.$1"; }
+
+# ---- one request at a time, then 16 at once --------------------------------------------------
+"$PIPELINE" start --model "$MODEL" --cpu-share 0 --runner-opt=--prefill-chunk=32 --runner-opt=--max-batch=8 >/dev/null
+expect_eq "$(batch_stat on)" true "batching is on (the C backend)"
+expect_eq "$(batch_stat max_batch)" 8 "--max-batch 8"
+alone_all
+expect_eq "$(batch_stat most_at_once)" 1 "requests sent one after another ran one at a time"
+together_all "16 at once"
+most=$(batch_stat most_at_once)
+expect_gt "$most" 1 "the most requests computed in one step"
+((most <= 8)) || fail "$most requests in one step; --max-batch is 8"
+log "16 requests at once: each gives its tokens alone ($most in one step at most, $(batch_stat seqs_per_step) per step on average)"
+grep -q 'continuous batching: up to 8 requests at once' "$RUN_DIR/gpu-runner.log" ||
+	fail "gpu-runner's log does not say it batches"
+
+# ---- a client that goes away: the others go on --------------------------------------------------
+long=$(prompt_of 5)
+"$PIPECTL" generate --tokens "$long" -n 100000 --ignore-eos >/dev/null 2>&1 &
+gone=$!
+for ((k = 0; k < 4; k++)); do
+	# shellcheck disable=SC2046
+	generate --tokens "$(prompt_of $k)" $(args_of $k) >"$IT_TMP/together.$k" &
+	pids[k]=$!
+done
+sleep 0.3
+kill -KILL "$gone" 2>/dev/null || true
+for ((k = 0; k < 4; k++)); do
+	wait "${pids[$k]}" || fail "request $k beside a client that went away failed"
+	expect_eq "$(cat "$IT_TMP/together.$k")" "$(cat "$IT_TMP/alone.$k")" "request $k beside a client that went away"
+done
+cancelled() { grep -q 'went away: cancelling it' "$RUN_DIR/gpu-runner.log"; }
+wait_until 30 "gpu-runner cancels the request of the client that went away" cancelled
+idle() { [[ $(batch_stat running) == 0 ]]; }
+wait_until 30 "no request left running" idle
+log "a client that went away: its request cancelled, the others' tokens unchanged"
+"$PIPELINE" stop >/dev/null
+
+# ---- the KV of every request through the kv-store and its spill file ---------------------------
+# 256 KiB of runner KV is 64 blocks of 16 tokens of the tiny model (4 KiB each): 8 requests get 8
+# blocks each, fewer than one context of its 2 layers; the kv-store's pool of 64 KiB (16 blocks)
+# spills the rest to its file.
+"$PIPELINE" start --model "$MODEL" --cpu-share 0 --kv-gpu-budget 256KiB --kv-dram-budget 64KiB \
+	--runner-opt=--prefill-chunk=16 --runner-opt=--max-batch=8 >/dev/null
+expect_eq "$(batch_stat max_batch)" 8 "8 requests at once with a small KV arena"
+together_all "16 at once, KV through every tier"
+fetched=$(stat_value gpu-runner kv_blocks_fetched)
+spilled=$(stat_value kv-store spills)
+expect_gt "${fetched:-0}" 0 "KV blocks fetched back into the runner"
+expect_gt "${spilled:-0}" 0 "KV blocks spilled to the kv-store's file"
+log "16 at once with the KV through every tier: the same tokens ($fetched blocks fetched back, $spilled spilled by kv-store)"
+"$PIPELINE" stop >/dev/null
+
+# ---- --max-batch 1: one at a time; a bad value is refused ----------------------------------------
+"$PIPELINE" start --model "$MODEL" --cpu-share 0 --runner-opt=--prefill-chunk=32 --runner-opt=--max-batch=1 >/dev/null
+expect_eq "$(batch_stat on)" false "--max-batch 1: batching off"
+together_all "16 at once with --max-batch 1"
+expect_eq "$(batch_stat most_at_once)" 0 "--max-batch 1: no batched step"
+log "--max-batch 1: one request at a time, the same tokens"
+"$PIPELINE" stop >/dev/null
+expect_start_fails "--max-batch 0" "max-batch must be in 1..64 and --max-step-tokens in 0..256" --model "$MODEL" \
+	--runner-opt=--max-batch=0
+expect_start_fails "--max-step-tokens past --prefill-chunk" "max-step-tokens in 0..16 " --model "$MODEL" \
+	--runner-opt=--prefill-chunk=16 --runner-opt=--max-step-tokens=17
+log "passed"
