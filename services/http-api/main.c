@@ -4,8 +4,8 @@
  *
  * It serves GET /health, GET /metrics, GET /v1/models, POST /v1/completions and POST
  * /v1/chat/completions (server.h), and generates by sending MSG_GENERATE to the instance's gpu-runner as pipectl
- * generate does (runner_client.h), one request at a time; the others wait in a queue of
- * --max-queue. It logs "listening on http://ADDR:PORT" once it serves.
+ * generate does (runner_client.h), up to --concurrency requests at once (the runner batches
+ * them); the others wait in a queue of --max-queue. It logs "listening on http://ADDR:PORT" once it serves.
  *
  * Like the other services it runs common/service.h's loop on its main thread (<run-dir>/http-api.ctl
  * and .pub: HELLO, PING, STATS_GET, heartbeats), so that the supervisor can start it (start --http),
@@ -99,7 +99,7 @@ int main(int argc, char **argv)
 	const char *instance = NULL, *run_dir_opt = NULL, *listen = NULL, *key_file = NULL, *model_id = NULL,
 		   *level = NULL, *name = NULL;
 	uint64_t max_body = 0;
-	long max_queue = 0, max_connections = 0, default_max_tokens = 0, timeout_s = 0, hello_ms = 0, resume_s = 0,
+	long max_queue = 0, concurrency = 0, max_connections = 0, default_max_tokens = 0, timeout_s = 0, hello_ms = 0, resume_s = 0,
 	     idle_s = 0;
 	struct opt opts[] = {
 		{"instance", OPT_STRING, &instance, "default", "the instance whose model is served"},
@@ -110,8 +110,11 @@ int main(int argc, char **argv)
 		 "a file whose first line is the key every request but /health and /metrics must send as "
 		 "'Authorization: Bearer KEY'"},
 		{"max-body", OPT_SIZE, &max_body, "1MiB", "the largest request body taken (larger: 413)"},
+		{"concurrency", OPT_INT, &concurrency, "16",
+		 "requests sent to gpu-runner at once (it computes them together, up to its --max-batch; more "
+		 "wait here)"},
 		{"max-queue", OPT_INT, &max_queue, "64",
-		 "requests that may wait for the model behind the one it serves (more: 429)"},
+		 "requests that may wait for the model behind those it serves (more: 429)"},
 		{"max-connections", OPT_INT, &max_connections, "0", "connections served at once (0: max-queue + 32)"},
 		{"idle-timeout", OPT_INT, &idle_s, "60",
 		 "seconds a connection may send and take nothing before it is closed: a client that sends its "
@@ -135,7 +138,7 @@ int main(int argc, char **argv)
 			      "An OpenAI-compatible HTTP server for the model of a running instance: GET /health, GET "
 			      "/metrics (Prometheus), GET /v1/models, POST /v1/completions and POST "
 			      "/v1/chat/completions (with \"stream\": true, server-sent events). It generates through "
-			      "the instance's gpu-runner, one request at a time. Clients connect with base_url "
+			      "the instance's gpu-runner, several requests at once. Clients connect with base_url "
 			      "http://ADDR:PORT/v1.",
 			      opts, argc, argv, NULL, NULL);
 	if (rc > 0)
@@ -163,6 +166,10 @@ int main(int argc, char **argv)
 	}
 	if (max_queue < 0 || max_queue > 100000 || max_connections < 0 || max_connections > 100000) {
 		fprintf(stderr, "%s: --max-queue and --max-connections must be in 0..100000\n", PROG);
+		return 2;
+	}
+	if (concurrency < 1 || concurrency > 256) {
+		fprintf(stderr, "%s: --concurrency must be in 1..256\n", PROG);
 		return 2;
 	}
 	if (default_max_tokens < 1 || default_max_tokens > MAX_TOKENS_LIMIT || timeout_s < 1 || hello_ms < 1 ||
@@ -215,6 +222,7 @@ int main(int argc, char **argv)
 		.zctx = zctx,
 		.run_dir = run_dir,
 		.max_queue = max_queue,
+		.concurrency = concurrency,
 		.hello_timeout_ms = hello_ms,
 		.reply_timeout_ms = timeout_s * 1000,
 		.resume_timeout_ms = resume_s * 1000,
@@ -231,7 +239,7 @@ int main(int argc, char **argv)
 		.listen_addr = addr,
 		.port = port,
 		.max_body = max_body,
-		.max_connections = max_connections ? max_connections : max_queue + 32,
+		.max_connections = max_connections ? max_connections : max_queue + concurrency + 32,
 		.idle_timeout_s = (unsigned)idle_s,
 		.api_key = key_file ? key : NULL,
 		.model_id = model_id && *model_id ? model_id : NULL,

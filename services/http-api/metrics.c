@@ -305,7 +305,7 @@ int metrics_render(struct metrics *m, const struct metrics_gauges *g, const char
 	       c->generated_tokens);
 	head(&o, "queue_depth", "gauge", "Requests waiting for the runner.");
 	put(&o, "pipeline_http_queue_depth %ld\n", g ? g->queue_depth : 0);
-	head(&o, "in_flight", "gauge", "1 while the runner generates for a request.");
+	head(&o, "in_flight", "gauge", "Requests the runner generates for now.");
 	put(&o, "pipeline_http_in_flight %d\n", g ? g->in_flight : 0);
 	scalar(&o, "queue_rejected_total", "counter", "Requests refused with 429: the queue was full.", c->rejected);
 	scalar(&o, "resumes_total", "counter",

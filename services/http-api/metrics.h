@@ -27,7 +27,7 @@ struct metrics;
 /* The gauges read at scrape time. */
 struct metrics_gauges {
 	long queue_depth; /* requests waiting for the runner */
-	int in_flight;	  /* 1 while a generation runs */
+	int in_flight;	  /* generations running */
 	uint64_t resumes; /* requests resumed on a new runner after theirs died (a counter kept elsewhere) */
 };
 

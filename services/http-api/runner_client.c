@@ -53,18 +53,28 @@ struct runner_job {
 	char error[512];
 };
 
+struct runner_client;
+
+/* One worker: a thread with its own connection to the runner, running one job at a time. */
+struct worker {
+	struct runner_client *rc;
+	pthread_t thread;
+	bool started;
+	struct rpc_client *client;
+};
+
 struct runner_client {
 	struct runner_options o;
 	char run_dir[256];
-	pthread_t thread;
+	struct worker *workers; /* (o.concurrency) */
+	long n_workers;		/* started */
 	pthread_mutex_t lock;
-	pthread_cond_t work; /* the worker waits here for jobs */
+	pthread_cond_t work; /* the workers wait here for jobs */
 	struct runner_job *head, *tail;
 	long queued;	/* jobs in the queue */
-	bool busy;	/* the worker runs a job */
+	long busy;	/* workers running a job */
 	uint64_t resumes; /* requests sent again to a new runner after theirs died (every job's) */
 	bool stopping;
-	struct rpc_client *client; /* the worker's */
 };
 
 static void job_unref_locked(struct runner_job *j)
@@ -157,10 +167,10 @@ static bool job_released(struct runner_client *rc, struct runner_job *j)
 }
 
 /* Closes the connection (the runner cancels what it generates for it) and opens a new one. */
-static void reset_connection(struct runner_client *rc)
+static void reset_connection(struct worker *w)
 {
-	if (rc->client && rpc_client_reset(rc->client) != 0)
-		rpc_client_destroy(&rc->client);
+	if (w->client && rpc_client_reset(w->client) != 0)
+		rpc_client_destroy(&w->client);
 }
 
 /* Who listens on the runner's socket: 0 when nobody does (or unknown), else its pid. */
@@ -190,17 +200,18 @@ enum read_end { READ_ENDED, READ_LOST };
 
 /* Reads the replies to the GENERATE corr until it ends: READ_ENDED (done or failed, the job says
  * which), or READ_LOST when the runner went away and the request may be sent again. */
-static enum read_end read_replies(struct runner_client *rc, struct runner_job *j, uint64_t corr,
+static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64_t corr,
 				  const char *sock_path, int listener)
 {
+	struct runner_client *rc = w->rc;
 	uint64_t last_reply = now_ns(), last_check = last_reply;
 	for (;;) {
 		struct msg rep;
-		int r = rpc_wait(rc->client, corr, &rep, WAIT_SLICE_MS);
+		int r = rpc_wait(w->client, corr, &rep, WAIT_SLICE_MS);
 		uint64_t now = now_ns();
 		if (job_released(rc, j)) {
 			msg_free(&rep);
-			reset_connection(rc);
+			reset_connection(w);
 			pthread_mutex_lock(&rc->lock);
 			bool stopping = rc->stopping;
 			job_fail_locked(j, 503, stopping ? "http-api is stopping" : "cancelled: the client went away");
@@ -211,7 +222,7 @@ static enum read_end read_replies(struct runner_client *rc, struct runner_job *j
 		if (r == -ETIMEDOUT) {
 			msg_free(&rep);
 			if (now - last_reply >= (uint64_t)rc->o.reply_timeout_ms * 1000000ull) {
-				reset_connection(rc);
+				reset_connection(w);
 				job_fail(rc, j, 503, "gpu-runner sent nothing for %ld s",
 					 rc->o.reply_timeout_ms / 1000);
 				return READ_ENDED;
@@ -221,7 +232,7 @@ static enum read_end read_replies(struct runner_client *rc, struct runner_job *j
 				int pid;
 				bool up = runner_listening(sock_path, &pid);
 				if (!up || (listener && pid && pid != listener)) {
-					reset_connection(rc);
+					reset_connection(w);
 					if (rc->o.resume_timeout_ms > 0)
 						return READ_LOST;
 					job_fail(rc, j, 503,
@@ -240,7 +251,7 @@ static enum read_end read_replies(struct runner_client *rc, struct runner_job *j
 		}
 		if (r) {
 			msg_free(&rep);
-			reset_connection(rc);
+			reset_connection(w);
 			job_fail(rc, j, 500, "reading gpu-runner's reply failed: %s", strerror(-r));
 			return READ_ENDED;
 		}
@@ -280,7 +291,7 @@ static enum read_end read_replies(struct runner_client *rc, struct runner_job *j
 		msg_free(&rep);
 		if (fail) {
 			log_warn("request failed: gpu-runner's reply %s did not fit the request", msg_type_name(type));
-			reset_connection(rc);
+			reset_connection(w);
 		}
 		if (ended)
 			return READ_ENDED;
@@ -297,17 +308,18 @@ static void set_text(struct bytes *b, const char *s)
 
 /* Opens the worker's connection if it has none and asks for HELLO. Returns 0, or -errno with why
  * filled and *status the HTTP status to fail with (503: no runner; 500). */
-static int say_hello(struct runner_client *rc, const char *path, int *status, char *why, size_t len)
+static int say_hello(struct worker *w, const char *path, int *status, char *why, size_t len)
 {
+	struct runner_client *rc = w->rc;
 	*status = 503;
 	struct stat st;
 	if (stat(path, &st) != 0) {
 		snprintf(why, len, "gpu-runner of the instance is not running (no socket %s)", path);
 		return -ENOENT;
 	}
-	if (!rc->client) {
-		rc->client = rpc_client_create(rc->o.zctx, rc->run_dir, RUNNER, "http-api");
-		if (!rc->client) {
+	if (!w->client) {
+		w->client = rpc_client_create(rc->o.zctx, rc->run_dir, RUNNER, "http-api");
+		if (!w->client) {
 			int e = errno ? errno : ENOMEM;
 			*status = 500;
 			snprintf(why, len, "cannot open a client of gpu-runner at %s: %s", path, strerror(e));
@@ -315,11 +327,11 @@ static int say_hello(struct runner_client *rc, const char *path, int *status, ch
 		}
 	}
 	struct msg hello;
-	int r = rpc_hello(rc->client, &hello, (int)rc->o.hello_timeout_ms);
+	int r = rpc_hello(w->client, &hello, (int)rc->o.hello_timeout_ms);
 	if (r) {
 		snprintf(why, len, "gpu-runner did not answer HELLO: %s",
 			 r == -EREMOTEIO && hello.error.text.p ? hello.error.text.p : strerror(-r));
-		reset_connection(rc);
+		reset_connection(w);
 	}
 	msg_free(&hello);
 	return r;
@@ -328,15 +340,16 @@ static int say_hello(struct runner_client *rc, const char *path, int *status, ch
 /* The runner went away during the job: waits up to resume_timeout_ms for the new one to answer
  * HELLO. Returns 0 when it did, -ECANCELED when the job was released meanwhile, else -ETIMEDOUT
  * with why filled. */
-static int await_runner(struct runner_client *rc, struct runner_job *j, const char *path, char *why, size_t len)
+static int await_runner(struct worker *w, struct runner_job *j, const char *path, char *why, size_t len)
 {
+	struct runner_client *rc = w->rc;
 	uint64_t until = now_ns() + (uint64_t)rc->o.resume_timeout_ms * 1000000ull;
 	snprintf(why, len, "no answer");
 	for (;;) {
 		if (job_released(rc, j))
 			return -ECANCELED;
 		int pid, status;
-		if (runner_listening(path, &pid) && say_hello(rc, path, &status, why, len) == 0)
+		if (runner_listening(path, &pid) && say_hello(w, path, &status, why, len) == 0)
 			return 0;
 		if (now_ns() >= until)
 			return -ETIMEDOUT;
@@ -345,12 +358,13 @@ static int await_runner(struct runner_client *rc, struct runner_job *j, const ch
 	}
 }
 
-static void run_job(struct runner_client *rc, struct runner_job *j)
+static void run_job(struct worker *w, struct runner_job *j)
 {
+	struct runner_client *rc = w->rc;
 	char path[512], why[512];
 	snprintf(path, sizeof(path), "%s/%s.ctl", rc->run_dir, RUNNER);
 	int status;
-	int r = say_hello(rc, path, &status, why, sizeof(why));
+	int r = say_hello(w, path, &status, why, sizeof(why));
 	if (r) {
 		job_fail(rc, j, status, "%s", why);
 		return;
@@ -375,19 +389,19 @@ static void run_job(struct runner_client *rc, struct runner_job *j)
 		/* Only the worker changes ids and n_tokens: no lock needed to read them here. */
 		req.generate.done = (struct u64_array){j->ids, (uint32_t)j->n_tokens};
 		uint64_t corr;
-		r = rpc_send(rc->client, &req, &corr);
+		r = rpc_send(w->client, &req, &corr);
 		if (r) {
-			reset_connection(rc);
+			reset_connection(w);
 			job_fail(rc, j, r == -EINVAL ? 400 : 503, "cannot send GENERATE to gpu-runner: %s",
 				 r == -EINVAL ? "the request exceeds the protocol's limits" : strerror(-r));
 			return;
 		}
-		if (read_replies(rc, j, corr, path, listener) == READ_ENDED)
+		if (read_replies(w, j, corr, path, listener) == READ_ENDED)
 			return;
 		log_warn("gpu-runner went away during a request after %llu tokens: waiting up to %ld s for it to "
 			 "be started again",
 			 (unsigned long long)j->n_tokens, rc->o.resume_timeout_ms / 1000);
-		r = await_runner(rc, j, path, why, sizeof(why));
+		r = await_runner(w, j, path, why, sizeof(why));
 		if (r == -ECANCELED) {
 			pthread_mutex_lock(&rc->lock);
 			job_fail_locked(j, 503,
@@ -413,7 +427,8 @@ static void run_job(struct runner_client *rc, struct runner_job *j)
 
 static void *worker_main(void *arg)
 {
-	struct runner_client *rc = arg;
+	struct worker *w = arg;
+	struct runner_client *rc = w->rc;
 	pthread_mutex_lock(&rc->lock);
 	for (;;) {
 		while (!rc->head && !rc->stopping)
@@ -430,15 +445,15 @@ static void *worker_main(void *arg)
 			continue;
 		}
 		j->state = JOB_RUNNING;
-		rc->busy = true;
+		rc->busy++;
 		pthread_cond_broadcast(&j->cond);
 		pthread_mutex_unlock(&rc->lock);
-		run_job(rc, j);
+		run_job(w, j);
 		pthread_mutex_lock(&rc->lock);
-		rc->busy = false;
+		rc->busy--;
 		job_unref_locked(j);
 	}
-	/* Stopping: what still waits fails. */
+	/* Stopping: what still waits fails (the first worker out takes the queue). */
 	while (rc->head) {
 		struct runner_job *j = rc->head;
 		rc->head = j->next;
@@ -448,29 +463,37 @@ static void *worker_main(void *arg)
 	rc->tail = NULL;
 	rc->queued = 0;
 	pthread_mutex_unlock(&rc->lock);
-	rpc_client_destroy(&rc->client);
+	rpc_client_destroy(&w->client);
 	return NULL;
 }
 
 int runner_client_start(const struct runner_options *o, struct runner_client **out, char *err, size_t errlen)
 {
 	struct runner_client *rc = calloc(1, sizeof(*rc));
-	if (!rc)
+	long n = o->concurrency > 0 ? o->concurrency : 1;
+	if (!rc || !(rc->workers = calloc((size_t)n, sizeof(*rc->workers)))) {
+		free(rc);
 		return errorf(err, errlen, -ENOMEM, "out of memory");
+	}
 	rc->o = *o;
+	rc->o.concurrency = n;
 	if (str_copy(rc->run_dir, sizeof(rc->run_dir), o->run_dir) != 0) {
+		free(rc->workers);
 		free(rc);
 		return errorf(err, errlen, -ENAMETOOLONG, "run directory path too long: %s", o->run_dir);
 	}
 	rc->o.run_dir = rc->run_dir;
 	pthread_mutex_init(&rc->lock, NULL);
 	pthread_cond_init(&rc->work, NULL);
-	int r = pthread_create(&rc->thread, NULL, worker_main, rc);
-	if (r) {
-		pthread_cond_destroy(&rc->work);
-		pthread_mutex_destroy(&rc->lock);
-		free(rc);
-		return errorf(err, errlen, -r, "cannot start the runner thread: %s", strerror(r));
+	for (long i = 0; i < n; i++) {
+		rc->workers[i].rc = rc;
+		int r = pthread_create(&rc->workers[i].thread, NULL, worker_main, &rc->workers[i]);
+		if (r) {
+			runner_client_destroy(&rc);
+			return errorf(err, errlen, -r, "cannot start the runner threads: %s", strerror(r));
+		}
+		rc->workers[i].started = true;
+		rc->n_workers++;
 	}
 	*out = rc;
 	return 0;
@@ -485,8 +508,11 @@ void runner_client_stop(struct runner_client *rc)
 	rc->stopping = true;
 	pthread_cond_broadcast(&rc->work);
 	pthread_mutex_unlock(&rc->lock);
-	if (!joined)
-		pthread_join(rc->thread, NULL);
+	if (joined)
+		return;
+	for (long i = 0; i < rc->n_workers; i++)
+		if (rc->workers[i].started)
+			pthread_join(rc->workers[i].thread, NULL);
 }
 
 void runner_client_destroy(struct runner_client **rcp)
@@ -497,6 +523,7 @@ void runner_client_destroy(struct runner_client **rcp)
 	runner_client_stop(rc);
 	pthread_cond_destroy(&rc->work);
 	pthread_mutex_destroy(&rc->lock);
+	free(rc->workers);
 	free(rc);
 	*rcp = NULL;
 }
@@ -535,7 +562,7 @@ int runner_submit(struct runner_client *rc, const struct runner_params *p, struc
 	pthread_mutex_lock(&rc->lock);
 	if (!r && rc->stopping)
 		r = -ESHUTDOWN;
-	else if (!r && (rc->busy || rc->queued > 0) && rc->queued >= rc->o.max_queue)
+	else if (!r && (rc->busy >= rc->n_workers || rc->queued > 0) && rc->queued >= rc->o.max_queue)
 		r = -EAGAIN; /* it would wait, and max_queue already do */
 	if (r) {
 		j->refs = 1;
@@ -633,10 +660,10 @@ uint64_t runner_resumes(struct runner_client *rc)
 	return n;
 }
 
-bool runner_busy(struct runner_client *rc)
+long runner_in_flight(struct runner_client *rc)
 {
 	pthread_mutex_lock(&rc->lock);
-	bool b = rc->busy;
+	long b = rc->busy;
 	pthread_mutex_unlock(&rc->lock);
 	return b;
 }

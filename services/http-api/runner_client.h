@@ -1,7 +1,7 @@
-/* runner_client.h - http-api's side of the ZeroMQ exchange with the instance's gpu-runner: one
- * worker thread owns the connection and serves a queue of generation jobs one at a time (the
- * runner computes one request at a time); the HTTP threads submit jobs and read their text as it
- * comes.
+/* runner_client.h - http-api's side of the ZeroMQ exchange with the instance's gpu-runner:
+ * `concurrency` worker threads, each with a connection of its own, serve a queue of generation jobs,
+ * a job at a time each (the runner computes them together: continuous batching); the HTTP threads
+ * submit jobs and read their text as it comes.
  *
  *   struct runner_client *rc;  runner_client_start(&opts, &rc, err, sizeof(err));
  *   struct runner_job *j;
@@ -31,7 +31,9 @@
 struct runner_options {
 	void *zctx;		 /* the ZeroMQ context (thread-safe; each thread opens its own sockets) */
 	const char *run_dir;	 /* the instance's run directory: <run_dir>/gpu-runner.ctl */
-	long max_queue;		 /* jobs that may wait behind the one running */
+	long concurrency;	 /* jobs sent to the runner at once, each by a worker of its own (the runner
+				  * batches them: --max-batch); 0: 1 */
+	long max_queue;		 /* jobs that may wait behind those running */
 	long hello_timeout_ms;	 /* how long the runner may take to answer HELLO before it counts as down */
 	long reply_timeout_ms;	 /* the longest silence between two replies of a generation */
 	long resume_timeout_ms;	 /* how long to wait for a runner that died during a request to come back;
@@ -98,9 +100,9 @@ long runner_queue_length(struct runner_client *rc);
 /* Requests sent again to a new runner after theirs died, since the start. */
 uint64_t runner_resumes(struct runner_client *rc);
 
-/* Whether a generation is running: the runner may then be slow to answer a HELLO (a long
- * prefill), while the worker watches that it is still there. */
-bool runner_busy(struct runner_client *rc);
+/* Generations running now (at most concurrency): the runner may then be slow to answer a HELLO
+ * (a long prefill), while the workers watch that it is still there. */
+long runner_in_flight(struct runner_client *rc);
 
 /* Asks service (a service of the instance, e.g. "gpu-runner") for HELLO with its own socket, from
  * any thread. Returns 0 when it answered, else -errno (-ENOENT: no socket; -ETIMEDOUT) with err

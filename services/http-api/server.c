@@ -199,13 +199,14 @@ static enum MHD_Result on_health(struct server *s, struct MHD_Connection *c)
 {
 	char err[256];
 	int rc = runner_probe(s->cfg.ro, "gpu-runner", err, sizeof(err));
-	bool busy = runner_busy(s->cfg.runner);
+	bool busy = runner_in_flight(s->cfg.runner) > 0;
 	/* A runner deep in a generation may not answer in time; the worker sees it go away. */
 	if (rc != 0 && !(rc == -ETIMEDOUT && busy)) {
 		json_t *o = json_pack("{s:s, s:s}", "status", "unavailable", "error", err);
 		return send_json(c, MHD_HTTP_SERVICE_UNAVAILABLE, o, NULL);
 	}
-	json_t *o = json_pack("{s:s, s:b, s:I}", "status", "ok", "busy", busy, "queued",
+	json_t *o = json_pack("{s:s, s:b, s:I, s:I}", "status", "ok", "busy", busy, "in_flight",
+			      (json_int_t)runner_in_flight(s->cfg.runner), "queued",
 			      (json_int_t)runner_queue_length(s->cfg.runner));
 	return send_json(c, MHD_HTTP_OK, o, NULL);
 }
@@ -239,7 +240,7 @@ static enum MHD_Result on_metrics(struct server *s, struct MHD_Connection *c)
 {
 	struct metrics_gauges g = {
 		.queue_depth = runner_queue_length(s->cfg.runner),
-		.in_flight = runner_busy(s->cfg.runner) ? 1 : 0,
+		.in_flight = (int)runner_in_flight(s->cfg.runner),
 		.resumes = runner_resumes(s->cfg.runner),
 	};
 	char *runner = service_stats(s, "gpu-runner"), *loader = service_stats(s, "ssd-loader");

@@ -15,8 +15,10 @@ KEY=key-$$-$RANDOM
 printf '%s\n' "$KEY" >"$IT_TMP/api-key"
 
 # --resume-timeout 0: a runner killed mid-stream ends the stream (http_resume.sh tests the resume).
+# --concurrency 1: one request at a time goes to the runner, so that others wait in the queue here
+# (http_load.sh sends many at once).
 out=$("$PIPELINE" start --model "$L3" --http 127.0.0.1:0 --http-opt=--api-key-file="$IT_TMP/api-key" \
-	--http-opt=--resume-timeout=0)
+	--http-opt=--resume-timeout=0 --http-opt=--concurrency=1)
 BASE=$(grep -o 'http://127\.0\.0\.1:[0-9]*' <<<"$out" | head -n 1)
 [[ -n $BASE ]] || fail "start --http did not say where http-api listens: $out"
 log "http-api listens on $BASE"
@@ -275,7 +277,7 @@ expect_eq "$(whole_text)" "$full" "the request after the runner was restarted: t
 log "gpu-runner killed mid-stream: an error event; the restarted runner serves"
 
 # ---- a full queue: 429 (a second server with --max-queue 0, while the first request streams) ----
-"$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --max-queue 0 \
+"$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --max-queue 0 --concurrency 1 \
 	--name http-api-2 --idle-timeout 1 >"$IT_TMP/second.log" 2>&1 &
 SECOND=$!
 listening() { grep -q 'listening on http://' "$IT_TMP/second.log"; }
@@ -319,9 +321,18 @@ HTTP_PID=$(sup_field http-api pid)
 [[ $HTTP_PID =~ ^[0-9]+$ ]] || fail "the supervisor's status has no http-api pid: $HTTP_PID"
 expect_eq "$(cat "$RUN_DIR/http-api.pid")" "$HTTP_PID" "http-api.pid"
 n_cancelled=$(grep -c 'generated (cancelled)' "$RUN_DIR/gpu-runner.log" || true)
-curl -sS -N -H "Authorization: Bearer $KEY" "$BASE/v1/completions" --data-binary "$long" >"$IT_TMP/long" 2>/dev/null &
-LONG=$!
-wait_until 20 "a long stream starts" streaming
+# The kill must land while gpu-runner still generates (it may run ahead of a slow stream): up to
+# three tries, each a long stream watched until the runner is at it.
+runner_running() { [[ $("$PIPECTL" stats gpu-runner | jq -r '.batch.running') == 1 ]]; }
+for try in 1 2 3; do
+	curl -sS -N -H "Authorization: Bearer $KEY" "$BASE/v1/completions" --data-binary "$long" >"$IT_TMP/long" 2>/dev/null &
+	LONG=$!
+	wait_until 20 "a long stream starts" streaming
+	runner_running && break
+	((try < 3)) || fail "gpu-runner had ended each long generation before http-api could be killed in it"
+	wait "$LONG" 2>/dev/null || true
+	n_cancelled=$(grep -c 'generated (cancelled)' "$RUN_DIR/gpu-runner.log" || true)
+done
 kill -KILL "$HTTP_PID"
 wait "$LONG" 2>/dev/null || true
 grep -q '^data: \[DONE\]' "$IT_TMP/long" && fail "the stream of a killed http-api ended with [DONE]"

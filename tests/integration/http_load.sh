@@ -56,13 +56,22 @@ kv_held() {
 kv_referenced() { "$PIPECTL" stats kv-store | jq -r '.referenced_blocks // 0'; }
 
 M0=$IT_TMP/metrics0 M1=$IT_TMP/metrics1
+# Every worker of http-api opens its connection to gpu-runner with its first request and keeps it:
+# 32 short requests at once first, so that the descriptors counted before the load are all there.
+WARM=32
+for ((i = 0; i < WARM; i++)); do
+	curl -sS -o /dev/null "$BASE/v1/completions" --data-binary '{"prompt": "warm", "max_tokens": 1}' &
+done
+wait
+warm_counted() { scrape "$M0" >/dev/null && (($(gen_requests "$M0") == WARM)); }
+wait_until 30 "/metrics counts the $WARM warm-up requests" warm_counted
 # The blocks one sequence holds: the longest shape (chat, 21 prompt tokens and 20 generated) alone.
 long='{"messages": [{"role": "user", "content": "1, 2, 3, 4,"}], "max_tokens": 20, "temperature": 0}'
 expect_eq "$(curl -sS -o /dev/null -w '%{http_code}' "$BASE/v1/chat/completions" --data-binary "$long")" 200 \
 	"the longest request alone"
 REF1=$(kv_referenced)
-# Counted a moment after its client has the answer: the first generation request of the instance.
-first_counted() { scrape "$M0" >/dev/null && (($(gen_requests "$M0") == 1)); }
+# Counted a moment after its client has the answer: the first generation request after the warm-up.
+first_counted() { scrape "$M0" >/dev/null && (($(gen_requests "$M0") == WARM + 1)); }
 wait_until 30 "/metrics counts the longest request" first_counted
 FDS0=$(fds)
 RUNNER_REQ0=$(stat_value gpu-runner requests)
