@@ -106,36 +106,42 @@ static void admit(struct runner *r)
 	}
 }
 
-/* The step failed: sequences whose cache lost the store rebuild their KV (and the step runs again:
- * true); with none such, or a rebuild that failed, the requests of the step fail (false). */
+/* The step failed. When the kv-store failed it (a request refused or lost, or a cache that forgot
+ * the store's blocks after the store came back with a new pool), every sequence of the step rebuilds
+ * its KV up to its piece and the step runs again (true): the layers the failed step got through
+ * wrote, and committed, blocks of the others too, which the step would otherwise write twice. A
+ * rebuild that fails ends its request. Any other failure fails the requests of the step (false). */
 static bool recover(struct runner *r, const uint32_t *who, uint32_t n, const char *why)
 {
-	bool any = false;
+	bool store = false;
+	for (uint32_t i = 0; i < n && !store; i++)
+		store = kv_cache_remote_failed(r->slot_kv[who[i]]) || kv_cache_lost(r->slot_kv[who[i]]);
+	if (!store) {
+		for (uint32_t i = 0; i < n; i++)
+			if (r->slot_used[who[i]])
+				finish(r, who[i], -EIO, why);
+		return false;
+	}
+	log_warn("%s: rebuilding the KV of the %u requests of the step", why, n);
 	for (uint32_t i = 0; i < n; i++) {
 		struct job *j = &r->active[who[i]];
-		if (!kv_cache_remote_failed(r->slot_kv[who[i]]))
-			continue;
-		any = true;
 		char err[1024];
 		int rc = gen_seq_recover(j->g, err, sizeof(err));
-		if (rc) {
+		if (rc)
 			finish(r, who[i], rc, err);
-			continue;
-		}
 	}
-	if (any)
-		return true;
-	for (uint32_t i = 0; i < n; i++)
-		if (r->slot_used[who[i]])
-			finish(r, who[i], -EIO, why);
-	return false;
+	return true;
 }
 
 void runner_batch_step(struct runner *r)
 {
 	char err[1024] = "";
+	uint32_t admitted = 0;
 	if (r->q_len && r->n_active < r->n_slots) {
-		int rc = runner_ensure_connections(r, err, sizeof(err));
+		/* The peers are checked (and reconnected, which makes the engine and the caches anew) only
+		 * when no request runs; while some do, a peer that went away is dealt with inside their
+		 * steps (the weight source, the caches' rebuild). */
+		int rc = r->n_active ? 0 : runner_ensure_connections(r, err, sizeof(err));
 		if (rc) {
 			/* A peer is down for good: the request that would run fails, as one at a time does. */
 			struct job *j = &r->queue[r->q_head];
@@ -146,10 +152,17 @@ void runner_batch_step(struct runner *r)
 			r->q_len--;
 			return;
 		}
+		admitted = r->q_len;
 		admit(r);
+		admitted -= r->q_len;
 	}
-	if (!r->n_active)
+	if (!r->n_active) {
+		/* Every request admitted ended at once (refused, or a resume cut after its last token):
+		 * what a resume's catch-up streamed goes back, as after a request run alone. */
+		if (admitted && runner_release_weights(r, service_stop_requested(r->svc), err, sizeof(err)) != 0)
+			log_warn("handing the weights back after the requests: %s", err);
 		return;
+	}
 	struct engine_seq seqs[RUNNER_MAX_BATCH];
 	uint32_t who[RUNNER_MAX_BATCH], n = 0, n_out = 0;
 	uint32_t budget = (uint32_t)r->max_step_tokens;

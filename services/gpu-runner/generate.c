@@ -382,10 +382,11 @@ int gen_seq_advance(struct gen_seq *g, uint32_t n, float *logits, int32_t token,
 		if (g->pos < g->n_prompt)
 			return 0;
 		g->res.prefill_ms = (double)(now_ns() - g->t0) / 1e6;
-		if (g->p.on_logits && g->p.on_logits(g->ctx, g->n_prompt - 1, logits, g->cfg->vocab_size) != 0) {
+		int lrc = g->p.on_logits ? g->p.on_logits(g->ctx, g->n_prompt - 1, logits, g->cfg->vocab_size) : 0;
+		if (lrc) {
 			snprintf(err, errlen, "sending the prompt's logits failed");
 			g->state = GS_DONE;
-			return -EPIPE;
+			return lrc;
 		}
 		enter_decode(g);
 	} else if (g->state == GS_FEED) {

@@ -87,6 +87,7 @@ struct kv_cache {
 	uint64_t *chain;	/* chain[j]: hash of tokens [0, (j+1) * block_tokens), when known */
 	uint32_t chain_known;	/* chain[0 .. chain_known) are computed */
 	bool remote_failed;	/* a request to the store failed since the last reset */
+	bool lost;		/* forgot what the store held of the sequence (forget_remote): to rebuild */
 	bool readahead;		/* the backend copies on a stream of its own and there is a store */
 	struct kv_readahead ra[2];
 	char error[512];
@@ -850,6 +851,7 @@ int kv_cache_reset(struct kv_cache *kv)
 	clear_tables(kv, false);
 	kv->chain_known = 0;
 	kv->remote_failed = false;
+	kv->lost = false;
 	return rc;
 }
 
@@ -858,13 +860,21 @@ bool kv_cache_remote_failed(const struct kv_cache *kv)
 	return kv->remote_failed;
 }
 
+bool kv_cache_lost(const struct kv_cache *kv)
+{
+	return kv->lost;
+}
+
 int kv_cache_recover(struct kv_cache *kv)
 {
 	/* A failed fetch may leave blocks pinned for us, and so may a read-ahead: its copies are
-	 * waited for, and unpin_all drops its pins with the rest. */
+	 * waited for, and unpin_all drops its pins with the rest. unpin_all drops the pins of every
+	 * cache over the connection: with other sequences live on the arena, only this cache's own
+	 * pins go (a failed fetch's, which it does not know, stay until it runs alone). */
+	bool alone = kv->A->live <= (kv->live ? 1u : 0u);
 	if (kv->readahead)
-		readahead_drain(kv, false);
-	if (kv->remote && kv->remote->unpin_all) {
+		readahead_drain(kv, !alone);
+	if (alone && kv->remote && kv->remote->unpin_all) {
 		int r = kv->remote->unpin_all(kv->rctx);
 		if (r && r != -ENOTSUP)
 			return remote_err(kv, r, "dropping our pins failed: %s", kv->remote->error(kv->rctx));
@@ -968,6 +978,8 @@ void kv_cache_forget_remote(struct kv_cache *kv)
 {
 	if (kv->readahead)
 		readahead_drain(kv, false);
+	/* A sequence in the middle of its run lost its KV with it: it must be rebuilt. */
+	kv->lost = kv->live;
 	clear_tables(kv, true);
 	kv->chain_known = 0;
 	kv->remote_failed = false;

@@ -155,6 +155,9 @@ int kv_cache_restore_prefix(struct kv_cache *kv, uint32_t n_prompt);
 int kv_cache_reset(struct kv_cache *kv);
 /* Whether a request to the store failed since the last reset (the error says which). */
 bool kv_cache_remote_failed(const struct kv_cache *kv);
+/* Whether the cache forgot the store's blocks of a sequence in the middle of its run
+ * (kv_cache_forget_remote: the store lost its pool): until a reset, the sequence must be rebuilt. */
+bool kv_cache_lost(const struct kv_cache *kv);
 /* After such a failure (the store dropped a block that failed its checksum, or restarted and
  * the caller reconnected): drops our pins and our references, empties the arena. The caller
  * then restores the prefix the store still has and computes the rest again. */

@@ -195,10 +195,7 @@ static void teardown(struct runner *r)
 	engine_destroy(&r->engine);
 	runner_drop_stages(r); /* the link reads the backend's memory: it goes first */
 	runner_unpin_pool(r); /* the backend that pinned the pool unpins it, before it goes */
-	kv_cache_destroy(&r->cache); /* slot 0's, when batching */
-	for (uint32_t k = 1; k < RUNNER_MAX_BATCH; k++)
-		kv_cache_destroy(&r->slot_kv[k]);
-	kv_arena_destroy(&r->kv_arena);
+	runner_drop_caches(r);
 	backend_destroy(&r->be);
 	kv_remote_disconnect(&r->kv);
 	runner_drop_window(r);

@@ -246,16 +246,23 @@ void runner_unpin_pool(struct runner *r)
 	r->pool_pinned = NULL;
 }
 
-int runner_make_cache(struct runner *r, char *err, size_t errlen)
+void runner_drop_caches(struct runner *r)
 {
-	kv_cache_quiesce(r->cache); /* no read-ahead copy of the one before may still run */
+	/* r->cache is slot 0's cache (or none); no read-ahead copy may still run once they go. */
+	if (r->slot_kv[0] == r->cache)
+		r->slot_kv[0] = NULL;
+	kv_cache_quiesce(r->cache);
 	kv_cache_destroy(&r->cache);
-	for (uint32_t k = 1; k < RUNNER_MAX_BATCH; k++) {
+	for (uint32_t k = 0; k < RUNNER_MAX_BATCH; k++) {
 		kv_cache_quiesce(r->slot_kv[k]);
 		kv_cache_destroy(&r->slot_kv[k]);
 	}
-	r->slot_kv[0] = NULL;
 	kv_arena_destroy(&r->kv_arena);
+}
+
+int runner_make_cache(struct runner *r, char *err, size_t errlen)
+{
+	runner_drop_caches(r);
 	/* Batching: a cache a request running at once, all over the one arena. */
 	uint32_t slots = r->batching ? r->n_slots : 1;
 	struct kv_cache_params kp = {.n_layers = r->cfg.n_layers, .block_tokens = (uint32_t)r->block_tokens,
@@ -270,8 +277,10 @@ int runner_make_cache(struct runner *r, char *err, size_t errlen)
 	kp.arena = r->kv_arena;
 	for (uint32_t k = 0; k < slots; k++) {
 		int rc = kv_cache_create(&kp, r->be, &kv_remote_ops_pool, &r->kv, &r->slot_kv[k], err, errlen);
-		if (rc)
+		if (rc) {
+			runner_drop_caches(r);
 			return rc;
+		}
 	}
 	r->cache = r->slot_kv[0];
 	return 0;

@@ -151,8 +151,11 @@ bool runner_wait_beat(void *ctx);
 int runner_connect_loader_retry(struct runner *r, int deadline_ms, char *err, size_t errlen);
 int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errlen);
 void runner_unpin_pool(struct runner *r);
-/* The KV cache of this runner's layers (r->stage) over its arena; the one before (if any) goes. */
+/* The KV cache of this runner's layers (r->stage) over its arena, one a request running at once
+ * when batching; the ones before (if any) go. */
 int runner_make_cache(struct runner *r, char *err, size_t errlen);
+/* Every KV cache of the runner (r->cache, r->slot_kv) and the arena they share go. */
+void runner_drop_caches(struct runner *r);
 /* The engine over the weight source as it is now; the one before (if any) goes. With the C backend
  * and a fixed --cpu-share, every FFN splits with the CPU in decode steps. */
 int runner_make_engine(struct runner *r, char *err, size_t errlen);

@@ -273,8 +273,7 @@ static int take_up_layers(struct runner *r, uint32_t l0, uint32_t l1, char *err,
 	log_info("rank %ld takes up layers %u..%u (it had %u..%u)", r->rank, l0, l1 - 1, r->stage.layer0,
 		 r->stage.layer1 - 1);
 	engine_destroy(&r->engine);
-	kv_cache_quiesce(r->cache);
-	kv_cache_destroy(&r->cache);
+	runner_drop_caches(r);
 	runner_drop_window(r);
 	r->stage.layer0 = l0;
 	r->stage.layer1 = l1;

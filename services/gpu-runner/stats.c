@@ -104,10 +104,20 @@ static void inspect_stats(struct runner *r, json_t *o)
 		json_object_set_new(o, "copy_queue", json_pack("{s:i, s:i}", "weights_h2d_in_flight", (int)copying,
 							       "weight_grants_held", (int)held));
 	}
-	uint32_t *per_layer = r->cache && n_layers ? calloc(2 * (size_t)n_layers, sizeof(uint32_t)) : NULL;
+	uint32_t *per_layer = r->cache && n_layers ? calloc(4 * (size_t)n_layers, sizeof(uint32_t)) : NULL;
 	if (per_layer) {
-		uint32_t used;
-		kv_cache_usage(r->cache, &used, per_layer, per_layer + n_layers);
+		/* Every running request's cache (batching), summed. */
+		uint32_t used = 0, *one = per_layer + 2 * (size_t)n_layers;
+		for (uint32_t k = 0; k < (r->batching ? r->n_slots : 1); k++) {
+			struct kv_cache *kv = k == 0 ? r->cache : r->slot_kv[k];
+			if (!kv)
+				continue;
+			uint32_t u;
+			kv_cache_usage(kv, &u, one, one + n_layers);
+			used += u;
+			for (uint32_t i = 0; i < 2 * n_layers; i++)
+				per_layer[i] += one[i];
+		}
 		json_t *gpu = json_array(), *store = json_array();
 		for (uint32_t l = 0; gpu && store && l < n_layers; l++) {
 			json_array_append_new(gpu, json_integer(per_layer[l]));

@@ -94,18 +94,39 @@ log "a client that went away: its request cancelled, the others' tokens unchange
 "$PIPELINE" stop >/dev/null
 
 # ---- the KV of every request through the kv-store and its spill file ---------------------------
-# 256 KiB of runner KV is 64 blocks of 16 tokens of the tiny model (4 KiB each): 8 requests get 8
-# blocks each, fewer than one context of its 2 layers; the kv-store's pool of 64 KiB (16 blocks)
-# spills the rest to its file.
-"$PIPELINE" start --model "$MODEL" --cpu-share 0 --kv-gpu-budget 256KiB --kv-dram-budget 64KiB \
-	--runner-opt=--prefill-chunk=16 --runner-opt=--max-batch=8 >/dev/null
-expect_eq "$(batch_stat max_batch)" 8 "8 requests at once with a small KV arena"
+# 40 KiB of runner KV is 10 blocks of 16 tokens of the tiny model (4 KiB each), shared by 2
+# requests at once (each needs 5 at least): fewer than the 12 the longest requests fill alone in its
+# 2 layers, so blocks leave the arena and come back whatever runs beside them; the kv-store's pool
+# of 64 KiB (16 blocks) spills the rest to its file.
+"$PIPELINE" start --model "$MODEL" --cpu-share 0 --kv-gpu-budget 40KiB --kv-dram-budget 64KiB \
+	--runner-opt=--prefill-chunk=16 --runner-opt=--max-batch=2 >/dev/null
+expect_eq "$(batch_stat max_batch)" 2 "2 requests at once with a small KV arena"
 together_all "16 at once, KV through every tier"
 fetched=$(stat_value gpu-runner kv_blocks_fetched)
 spilled=$(stat_value kv-store spills)
 expect_gt "${fetched:-0}" 0 "KV blocks fetched back into the runner"
 expect_gt "${spilled:-0}" 0 "KV blocks spilled to the kv-store's file"
 log "16 at once with the KV through every tier: the same tokens ($fetched blocks fetched back, $spilled spilled by kv-store)"
+
+# kv-store killed while they run: the supervisor starts it again, the runner rebuilds the KV of the
+# requests of the step that failed, and every request still gives its tokens alone.
+KV_PID=$(sup_field kv-store pid)
+pids=()
+for ((k = 0; k < N; k++)); do
+	# shellcheck disable=SC2046
+	generate --tokens "$(prompt_of $k)" $(args_of $k) >"$IT_TMP/together.$k" 2>"$IT_TMP/together.$k.err" &
+	pids+=($!)
+done
+running() { (($("$PIPECTL" stats gpu-runner | jq -r '.batch.running') >= 1)); }
+wait_until 20 "a request running" running
+kill -KILL "$KV_PID"
+for ((k = 0; k < N; k++)); do
+	wait "${pids[$k]}" || fail "kv-store killed: request $k failed: $(cat "$IT_TMP/together.$k.err")"
+	expect_eq "$(cat "$IT_TMP/together.$k")" "$(cat "$IT_TMP/alone.$k")" "kv-store killed: request $k vs alone"
+done
+restarted_kv() { restarted kv-store "$KV_PID"; }
+wait_until 30 "kv-store restarted" restarted_kv
+log "kv-store killed during 16 requests: each still gives its tokens alone ($(grep -c 'rebuilding the KV of the' "$RUN_DIR/gpu-runner.log" || true) steps rebuilt)"
 "$PIPELINE" stop >/dev/null
 
 # ---- --max-batch 1: one at a time; a bad value is refused ----------------------------------------
