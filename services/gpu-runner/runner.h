@@ -26,7 +26,7 @@
 #include "services/gpu-runner/text.h"
 #include "services/gpu-runner/stages/plan.h"
 
-#define QUEUE_MAX 16
+#define QUEUE_MAX 128 /* requests queued at most (the runner may run --max-batch of them besides) */
 /* Most sequences one step computes (--max-batch). */
 #define RUNNER_MAX_BATCH 64
 

@@ -6,7 +6,7 @@
  * parts, joined), max_tokens (max_completion_tokens too), temperature [0, 2], top_p [0, 1],
  * seed (an integer >= 0), stop (a string or an array of them), stream, stream_options.include_usage,
  * n (1 only), and the extensions other servers take too: top_k (an integer >= 0), min_p [0, 1],
- * repetition_penalty (0, 100]. Anything else is ignored; a known parameter of the wrong type is
+ * repetition_penalty (0, 100], ignore_eos (a boolean). Anything else is ignored; a known parameter of the wrong type is
  * refused. */
 #include <errno.h>
 #include <math.h>
@@ -278,7 +278,7 @@ static int parse_fields(json_t *root, const struct api_limits *lim, struct api_r
 		if (json_integer_value(n) != 1)
 			return problem(why, "n", "only n = 1 is served%s", NULL);
 	}
-	if ((rc = get_bool(root, "stream", &req->stream, why)))
+	if ((rc = get_bool(root, "stream", &req->stream, why)) || (rc = get_bool(root, "ignore_eos", &req->ignore_eos, why)))
 		return rc;
 	json_t *so = json_object_get(root, "stream_options");
 	if (so && !json_is_null(so)) {

@@ -46,6 +46,7 @@ struct api_request {
 	uint64_t seed;
 	bool has_seed;	    /* the request gave a seed; else the caller picks one */
 	bool stream;
+	bool ignore_eos;    /* an extension (vLLM's): the model's end-of-sequence ids do not stop it */
 	bool include_usage; /* stream_options.include_usage: a last chunk with usage */
 };
 

@@ -40,6 +40,7 @@ struct runner_job {
 	char *prompt, *chat_json, *stops_json;
 	uint64_t max_new, seed, top_k;
 	double temperature, top_p, min_p, repetition_penalty;
+	bool ignore_eos;
 	/* what came back */
 	enum runner_job_state state;
 	char *text;
@@ -385,7 +386,7 @@ static void run_job(struct worker *w, struct runner_job *j)
 		set_text(&req.generate.prompt, j->prompt);
 		set_text(&req.generate.chat, j->chat_json);
 		set_text(&req.generate.stop_strings, j->stops_json);
-		req.generate.flags = GEN_TEXT;
+		req.generate.flags = GEN_TEXT | (j->ignore_eos ? GEN_IGNORE_EOS : 0);
 		/* Only the worker changes ids and n_tokens: no lock needed to read them here. */
 		req.generate.done = (struct u64_array){j->ids, (uint32_t)j->n_tokens};
 		uint64_t corr;
@@ -553,6 +554,7 @@ int runner_submit(struct runner_client *rc, const struct runner_params *p, struc
 	j->top_k = p->top_k;
 	j->min_p = p->min_p;
 	j->repetition_penalty = p->repetition_penalty;
+	j->ignore_eos = p->ignore_eos;
 	j->seed = p->seed;
 	j->rc = rc;
 	j->refs = 2;

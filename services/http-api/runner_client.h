@@ -48,6 +48,7 @@ struct runner_params {
 	uint64_t max_new;
 	double temperature, top_p, min_p, repetition_penalty;
 	uint64_t top_k, seed;
+	bool ignore_eos;	  /* GEN_IGNORE_EOS */
 };
 
 /* A job's state, read by the HTTP side under runner_job_wait. */

@@ -546,6 +546,7 @@ static enum MHD_Result on_generate(struct server *s, struct MHD_Connection *c, s
 		.top_k = req.top_k,
 		.min_p = req.min_p,
 		.repetition_penalty = req.repetition_penalty,
+		.ignore_eos = req.ignore_eos,
 		.seed = req.has_seed ? req.seed : random_u64() >> 1,
 	};
 	struct runner_job *j;

@@ -275,6 +275,21 @@ class Table(unittest.TestCase):
         self.assertIn("| 128 of 128 equal |", rows[4])
         self.assertEqual(bench.ROWS["D1"]({"failed": True}, {}), ["| D1 | failed (see logs) | - | - | - |"])
 
+    def test_b_rows(self):
+        """B1: each level's aggregate rate against the single request's; B2: against the HBM bound x requests."""
+        lv = lambda c, tps: {"concurrency": c, "tokens_per_s": tps, "ttft_p50_s": 0.25, "ttft_max_s": 0.5,
+                             "streams": c, "ok": c}
+        rec = {"levels": [lv(1, 10.0), lv(16, 130.0)]}
+        rows = bench.ROWS["B1"](rec, {})
+        self.assertIn("| B1 8B bf16 over HTTP, --gpu-budget 6GiB (streamed), 1 at once | 10.0 tok/s, TTFT p50 250 ms", rows[0])
+        self.assertIn("| 13.0x the single request's 10.0 tok/s | - | >= 12x the single rate |", rows[1])
+        rec["bound_tok_s"] = 200.0
+        rows = bench.ROWS["B2"](rec, {})
+        self.assertIn("| 3200.0 tok/s (16 x the HBM-bound rate 200.0) | 24.62 |", rows[1])
+        rec["levels"][1]["ok"] = 14
+        self.assertIn("; 2 failed", bench.ROWS["B2"](rec, {})[1])
+        self.assertEqual(bench.ROWS["B1"]({"failed": True}, {}), ["| B1 | failed (see the logs) | - | - | - |"])
+
     def test_failed_rows(self):
         lim = {}
         self.assertEqual(bench.rows_s1({"failed": True}, lim), ["| S1 | failed (see logs) | - | - | - |"])

@@ -53,7 +53,7 @@ out=$("$PIPELINE" get gpu-runner)
 expect_grep '^timeout-ms = 60000  \(tunable; 100\.\.60000; ' "$out" "get gpu-runner: timeout-ms"
 expect_grep '^max-context = [0-9]+  \(tunable; 2\.\.[0-9]+; ' "$out" "get gpu-runner: max-context"
 expect_grep '^kv-fetch-batch = 0  \(tunable; 0\.\.65536; ' "$out" "get gpu-runner: kv-fetch-batch"
-expect_grep '^max-queued = 16  \(tunable; 1\.\.16; ' "$out" "get gpu-runner: max-queued"
+expect_grep '^max-queued = 128  \(tunable; 1\.\.128; ' "$out" "get gpu-runner: max-queued"
 expect_grep '^kv-block-tokens = 16  \(fixed; ' "$out" "get gpu-runner: kv-block-tokens"
 expect_grep '^backend = cpu  \(fixed; ' "$out" "get gpu-runner: backend"
 # some keys, and JSON
@@ -160,7 +160,7 @@ refused 2 "unknown service 'nosuch'" tune nosuch io-depth=1
 refused 2 "'kv-dram-budget' is not KEY=VALUE" tune kv-store kv-dram-budget
 expect_eq "$(value kv-store kv-dram-budget)" 8KiB "kv-dram-budget after the refusals"
 expect_eq "$(value kv-store io-depth)" 32 "kv-store io-depth after the refusals"
-expect_eq "$(value gpu-runner max-queued)" 16 "max-queued after a refused set that named it"
+expect_eq "$(value gpu-runner max-queued)" 128 "max-queued after a refused set that named it"
 expect_eq "$(value gpu-runner timeout-ms)" 60000 "timeout-ms after the refusals"
 expect_eq "$(value ssd-loader log-level)" info "the loader's log-level after the refusals"
 got=$(generate --tokens "$PROMPT" -n 64)

@@ -46,7 +46,7 @@ START_TEST(completion_defaults)
 	ck_assert_int_eq(req.max_tokens, 256);
 	ck_assert(req.temperature == 1.0 && req.top_p == 1.0);
 	ck_assert(req.top_k == 0 && req.min_p == 0 && req.repetition_penalty == 1.0);
-	ck_assert(!req.has_seed && !req.stream && !req.include_usage);
+	ck_assert(!req.has_seed && !req.stream && !req.include_usage && !req.ignore_eos);
 	ck_assert_int_eq(req.n_stops, 0);
 	ck_assert_ptr_null(req.stops_json);
 	api_request_free(&req);
@@ -61,8 +61,9 @@ START_TEST(completion_parameters)
 	const char *body = "{\"prompt\": [\"one\"], \"max_tokens\": 12, \"temperature\": 0.5, \"top_p\": 0.9, "
 			   "\"seed\": 7, \"stop\": [\"a\", \"\\n\\n\"], \"stream\": true, \"n\": 1, "
 			   "\"stream_options\": {\"include_usage\": true}, \"top_k\": 40, \"min_p\": 0.05, "
-			   "\"repetition_penalty\": 1.2}";
+			   "\"repetition_penalty\": 1.2, \"ignore_eos\": true}";
 	ck_assert_int_eq(parse(body, API_COMPLETION, &req, &why), 0);
+	ck_assert(req.ignore_eos);
 	ck_assert_str_eq(req.prompt, "one");
 	ck_assert_int_eq(req.max_tokens, 12);
 	ck_assert(req.temperature == 0.5 && req.top_p == 0.9);
@@ -118,6 +119,7 @@ START_TEST(completion_refused)
 	expect_refused("{\"prompt\": \"x\", \"top_k\": -2}", API_COMPLETION, "top_k");
 	expect_refused("{\"prompt\": \"x\", \"min_p\": 2}", API_COMPLETION, "min_p");
 	expect_refused("{\"prompt\": \"x\", \"repetition_penalty\": 0}", API_COMPLETION, "repetition_penalty");
+	expect_refused("{\"prompt\": \"x\", \"ignore_eos\": 1}", API_COMPLETION, "ignore_eos");
 }
 END_TEST
 
