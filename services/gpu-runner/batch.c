@@ -38,7 +38,11 @@
 
 void runner_plan_batch(struct runner *r, uint64_t all, uint64_t fit, uint32_t need, uint32_t *n_blocks)
 {
-	uint32_t want = r->max_batch > 0 ? (uint32_t)r->max_batch : 1;
+	/* 0: the backend's default (batching measured on the cpu backend; cuda's not yet on a GPU). */
+	uint32_t want = r->max_batch > 0 ? (uint32_t)r->max_batch : strcmp(r->backend_name, "cpu") ? 1 : 16;
+	if (r->max_batch == 0 && want == 1 && backend_name_batches(r->backend_name))
+		log_info("the %s backend runs requests one at a time unless --max-batch is given (its continuous "
+			 "batching has not been measured yet)", r->backend_name);
 	r->batching = want > 1 && r->ranks <= 1 && backend_name_batches(r->backend_name);
 	if (want > 1 && !r->batching)
 		log_info("--max-batch %u: the %s backend%s computes one sequence a step; requests run one at a time", want,

@@ -136,9 +136,9 @@ static int setup(struct runner *r)
 			  r->arena_block_bytes, need, format_size((uint64_t)need * r->arena_block_bytes, want, sizeof(want)));
 		return -ENOSPC;
 	}
-	if (r->max_batch < 1 || r->max_batch > RUNNER_MAX_BATCH || r->max_step_tokens < 0 ||
+	if (r->max_batch < 0 || r->max_batch > RUNNER_MAX_BATCH || r->max_step_tokens < 0 ||
 	    r->max_step_tokens > r->prefill_chunk) {
-		log_error("--max-batch must be in 1..%d and --max-step-tokens in 0..%ld (--prefill-chunk; 0: that)",
+		log_error("--max-batch must be in 0..%d and --max-step-tokens in 0..%ld (--prefill-chunk; 0: that)",
 			  RUNNER_MAX_BATCH, r->prefill_chunk);
 		return -EINVAL;
 	}
@@ -233,10 +233,11 @@ int main(int argc, char **argv)
 		{"max-context", OPT_INT, &r.max_context, "0", "positions per sequence (0: min(model, 8192))"},
 		{"prefill-chunk", OPT_INT, &r.prefill_chunk, "256", "most prompt tokens per forward step"},
 		{"threads", OPT_INT, &r.threads, "1", "CPU threads of the cpu backend"},
-		{"max-batch", OPT_INT, &r.max_batch, "16",
-		 "requests computed together, their tokens in every forward step (continuous batching: where the "
-		 "backend batches sequences, the cpu backend today, and one runner computes every layer; else 1). "
-		 "The KV arena (--kv-gpu-budget) is shared among them"},
+		{"max-batch", OPT_INT, &r.max_batch, "0",
+		 "requests computed together, their tokens in every forward step (continuous batching, where one "
+		 "runner computes every layer; the KV arena, --kv-gpu-budget, is shared among them). 0: 16 on the "
+		 "cpu backend, 1 on cuda, whose batching has not been measured on a GPU yet (give a number to "
+		 "turn it on)"},
 		{"max-step-tokens", OPT_INT, &r.max_step_tokens, "0",
 		 "most tokens of one forward step when batching: decode tokens of the running requests and prefill "
 		 "chunks of new ones (0: --prefill-chunk, which bounds it)"},

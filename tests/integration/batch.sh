@@ -109,24 +109,27 @@ expect_gt "${spilled:-0}" 0 "KV blocks spilled to the kv-store's file"
 log "16 at once with the KV through every tier: the same tokens ($fetched blocks fetched back, $spilled spilled by kv-store)"
 
 # kv-store killed while they run: the supervisor starts it again, the runner rebuilds the KV of the
-# requests of the step that failed, and every request still gives its tokens alone.
+# requests of the step that failed, and every request still gives its tokens alone. Long ones (300
+# tokens, 8 of them), so that the kill lands while they run.
+for ((k = 0; k < 8; k++)); do
+	generate --tokens "$(prompt_of $k)" -n 300 --ignore-eos >"$IT_TMP/long-alone.$k" || fail "long request $k alone failed"
+done
 KV_PID=$(sup_field kv-store pid)
 pids=()
-for ((k = 0; k < N; k++)); do
-	# shellcheck disable=SC2046
-	generate --tokens "$(prompt_of $k)" $(args_of $k) >"$IT_TMP/together.$k" 2>"$IT_TMP/together.$k.err" &
+for ((k = 0; k < 8; k++)); do
+	generate --tokens "$(prompt_of $k)" -n 300 --ignore-eos >"$IT_TMP/long.$k" 2>"$IT_TMP/long.$k.err" &
 	pids+=($!)
 done
 running() { (($("$PIPECTL" stats gpu-runner | jq -r '.batch.running') >= 1)); }
 wait_until 20 "a request running" running
 kill -KILL "$KV_PID"
-for ((k = 0; k < N; k++)); do
-	wait "${pids[$k]}" || fail "kv-store killed: request $k failed: $(cat "$IT_TMP/together.$k.err")"
-	expect_eq "$(cat "$IT_TMP/together.$k")" "$(cat "$IT_TMP/alone.$k")" "kv-store killed: request $k vs alone"
+for ((k = 0; k < 8; k++)); do
+	wait "${pids[$k]}" || fail "kv-store killed: request $k failed: $(cat "$IT_TMP/long.$k.err")"
+	expect_eq "$(cat "$IT_TMP/long.$k")" "$(cat "$IT_TMP/long-alone.$k")" "kv-store killed: request $k vs alone"
 done
 restarted_kv() { restarted kv-store "$KV_PID"; }
 wait_until 30 "kv-store restarted" restarted_kv
-log "kv-store killed during 16 requests: each still gives its tokens alone ($(grep -c 'rebuilding the KV of the' "$RUN_DIR/gpu-runner.log" || true) steps rebuilt)"
+log "kv-store killed during 8 requests: each still gives its tokens alone ($(grep -c 'rebuilding the KV of the' "$RUN_DIR/gpu-runner.log" || true) steps rebuilt)"
 "$PIPELINE" stop >/dev/null
 
 # ---- --max-batch 1: one at a time; a bad value is refused ----------------------------------------
@@ -136,8 +139,8 @@ together_all "16 at once with --max-batch 1"
 expect_eq "$(batch_stat most_at_once)" 0 "--max-batch 1: no batched step"
 log "--max-batch 1: one request at a time, the same tokens"
 "$PIPELINE" stop >/dev/null
-expect_start_fails "--max-batch 0" "max-batch must be in 1..64 and --max-step-tokens in 0..256" --model "$MODEL" \
-	--runner-opt=--max-batch=0
+expect_start_fails "--max-batch 65" "max-batch must be in 0..64 and --max-step-tokens in 0..256" --model "$MODEL" \
+	--runner-opt=--max-batch=65
 expect_start_fails "--max-step-tokens past --prefill-chunk" "max-step-tokens in 0..16 " --model "$MODEL" \
 	--runner-opt=--prefill-chunk=16 --runner-opt=--max-step-tokens=17
 log "passed"

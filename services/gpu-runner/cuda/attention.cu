@@ -393,7 +393,9 @@ static int upload_spans(struct backend_dev *be, const struct kv_span *spans, uin
 	return 0;
 }
 
-int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans)
+/* Attention of rows [r0, r0 + nr) of the step (one sequence's, at positions pos0..) over the spans. */
+static int attention_rows(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans, uint32_t r0,
+			  uint32_t nr, uint32_t pos0)
 {
 	const struct model_config *c = &be->cfg;
 	uint64_t total = 0;
@@ -405,7 +407,7 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 
 	/* Blocks: one per (kv head, group of queries); split the keys when that leaves the GPU
 	 * mostly idle (decode). Many queries per KV head (prefill) take the tensor cores. */
-	uint32_t group = c->n_heads / c->n_kv_heads, pairs_g = be->n * group, hd = c->head_dim;
+	uint32_t group = c->n_heads / c->n_kv_heads, pairs_g = nr * group, hd = c->head_dim;
 	bool mma = be->attn_mma && be->p.kv_dtype == DT_BF16 && (hd == 64 || hd == 128) && pairs_g >= MMA_ROWS;
 
 	attn_args a;
@@ -430,7 +432,7 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 	uint32_t nw = pairs_g < ATTN_MAX_WARPS ? pairs_g : ATTN_MAX_WARPS;
 	uint32_t rows = mma ? MMA_ROWS : nw, tile = mma ? MMA_KEYS : ATTN_TILE;
 	uint32_t qtiles = (pairs_g + rows - 1) / rows, base = c->n_kv_heads * qtiles;
-	uint32_t pairs = be->n * c->n_heads, tiles = (uint32_t)((total + tile - 1) / tile);
+	uint32_t pairs = nr * c->n_heads, tiles = (uint32_t)((total + tile - 1) / tile);
 	uint32_t splits = (ATTN_BLOCKS_PER_SM * (uint32_t)be->sm_count + base - 1) / base;
 	if (splits > tiles)
 		splits = tiles;
@@ -443,7 +445,7 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 	uint32_t kps = (tiles + splits - 1) / splits * tile;
 	splits = (uint32_t)((total + kps - 1) / kps);
 
-	a.q = be->qkv;
+	a.q = be->qkv + (size_t)r0 * be->qkv_ld;
 	a.q_ld = be->qkv_ld;
 	a.arena = be->arena;
 	a.block_elems = be->block_elems;
@@ -452,17 +454,19 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 	a.n_spans = n_spans;
 	a.total_keys = (uint32_t)total;
 	a.keys_per_split = kps;
-	a.n = be->n;
-	a.pos0 = be->pos0;
+	a.n = nr;
+	a.pos0 = pos0;
 	a.n_heads = c->n_heads;
 	a.group = group;
 	a.head_dim = hd;
 	a.window = c->sliding_window;
 	a.qtiles = qtiles;
 	a.scale = be->scale;
-	a.m = be->st_m;
-	a.l = be->st_l;
-	a.acc = be->st_acc;
+	float *st_m = be->st_m + (size_t)r0 * c->n_heads, *st_l = be->st_l + (size_t)r0 * c->n_heads;
+	float *st_acc = be->st_acc + (size_t)r0 * c->n_heads * hd;
+	a.m = st_m;
+	a.l = st_l;
+	a.acc = st_acc;
 	a.pm = splits > 1 ? be->pm : NULL;
 	/* Decode on the CUDA cores: the last split block merges (no second kernel). */
 	a.merge_count = !mma && splits > 1 && be->fuse_x && base <= be->attn_count_n ? be->attn_count : NULL;
@@ -481,10 +485,26 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 		LAUNCHED(be, "attn_kernel");
 	}
 	if (splits > 1 && !a.merge_count) {
-		launch_k(be->pdl, attn_combine_kernel, pairs, COMBINE_THREADS, 0, be->stream, be->st_m, be->st_l,
-			 be->st_acc, (const float *)be->pm, (const float *)be->pl, (const float *)be->pacc, pairs, splits,
-			 hd);
+		launch_k(be->pdl, attn_combine_kernel, pairs, COMBINE_THREADS, 0, be->stream, st_m, st_l, st_acc,
+			 (const float *)be->pm, (const float *)be->pl, (const float *)be->pacc, pairs, splits, hd);
 		LAUNCHED(be, "attn_combine_kernel");
+	}
+	return 0;
+}
+
+/* The spans of one call may be for several sequences' rows (kv_span's rows): a launch per run of
+ * spans with the same rows. Spans for every row (n_rows 0) take the whole step. */
+int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans)
+{
+	for (uint32_t s = 0; s < n_spans;) {
+		uint32_t e = s + 1;
+		while (e < n_spans && spans[e].row0 == spans[s].row0 && spans[e].n_rows == spans[s].n_rows)
+			e++;
+		uint32_t r0 = spans[s].n_rows ? spans[s].row0 : 0, nr = spans[s].n_rows ? spans[s].n_rows : be->n;
+		int rc = attention_rows(be, spans + s, e - s, r0, nr, be->pos[r0]);
+		if (rc)
+			return rc;
+		s = e;
 	}
 	return 0;
 }

@@ -154,6 +154,23 @@ static int norm_source(struct backend_dev *be, const struct group_weights *w, en
 	return rmsnorm(be, dev(w, nr), fmt(w, nr), 0, be->n, at);
 }
 
+/* The batch's size, positions and runs (one per sequence: backend.h). */
+static void set_batch(struct backend_dev *be, const struct backend_batch *b)
+{
+	be->n = b->n;
+	be->pos0 = b->pos[0];
+	be->n_runs = 0;
+	for (uint32_t t = 0; t < b->n; t++) {
+		be->pos[t] = b->pos[t];
+		if (t == 0 || b->seq[t] != b->seq[t - 1]) {
+			be->run_row0[be->n_runs] = t;
+			be->run_pos0[be->n_runs] = b->pos[t];
+			be->run_n[be->n_runs++] = 0;
+		}
+		be->run_n[be->n_runs - 1]++;
+	}
+}
+
 static int cuda_embed(struct backend_dev *be, const struct group_weights *w, const struct backend_batch *b)
 {
 	uint32_t n = b->n;
@@ -178,8 +195,7 @@ static int cuda_embed(struct backend_dev *be, const struct group_weights *w, con
 		dequant_launch(e->format, be->xa, row, n, be->cfg.dim, be->x, DT_F32, be->stream);
 		LAUNCHED(be, "dequant_kernel (embedding rows)");
 	}
-	be->n = n;
-	be->pos0 = b->pos[0];
+	set_batch(be, b);
 	return 0;
 }
 
@@ -195,23 +211,31 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 	if ((rc = kv_d2h_guard(be, n, dst_block)) != 0)
 		return rc;
 
-	/* Destinations: (2, n) blocks then rows, in the RoPE kernel's parameters when few, else up
-	 * first. */
-	rope_args ra;
-	if (n <= ROPE_INLINE_TOKENS) {
-		memcpy(ra.dst_in, dst_block, n * sizeof(uint32_t));
-		memcpy(ra.dst_in + n, dst_row, n * sizeof(uint32_t));
-	} else {
-		char *h;
-		size_t off, bytes = 2 * (size_t)n * sizeof(uint32_t);
-		rc = up_alloc(be, bytes, &h, &off);
-		if (rc)
-			return rc;
-		memcpy(h, dst_block, n * sizeof(uint32_t));
-		memcpy(h + n * sizeof(uint32_t), dst_row, n * sizeof(uint32_t));
-		rc = up_send(be, be->dst, h, off, bytes, "cudaMemcpyAsync (KV destinations)");
-		if (rc)
-			return rc;
+	/* Destinations of each sequence's rows: (2, its n) blocks then rows, in the RoPE kernel's
+	 * parameters when few, else up first (each into its own part of be->dst). */
+	rope_args ra[ROPE_MAX_RUNS_INLINE];
+	uint32_t n_launch = be->n_runs;
+	if (n_launch > ROPE_MAX_RUNS_INLINE)
+		return cuda_failf(be, -EINVAL, "cuda backend: attn_begin: %u sequences in one step, at most %u",
+				  be->n_runs, ROPE_MAX_RUNS_INLINE);
+	for (uint32_t k = 0; k < n_launch; k++) {
+		uint32_t r0 = be->run_row0[k], rn = be->run_n[k];
+		ra[k].dst = be->dst + 2 * (size_t)r0;
+		if (rn <= ROPE_INLINE_TOKENS) {
+			memcpy(ra[k].dst_in, dst_block + r0, rn * sizeof(uint32_t));
+			memcpy(ra[k].dst_in + rn, dst_row + r0, rn * sizeof(uint32_t));
+		} else {
+			char *h;
+			size_t off, bytes = 2 * (size_t)rn * sizeof(uint32_t);
+			rc = up_alloc(be, bytes, &h, &off);
+			if (rc)
+				return rc;
+			memcpy(h, dst_block + r0, rn * sizeof(uint32_t));
+			memcpy(h + rn * sizeof(uint32_t), dst_row + r0, rn * sizeof(uint32_t));
+			rc = up_send(be, be->dst + 2 * (size_t)r0, h, off, bytes, "cudaMemcpyAsync (KV destinations)");
+			if (rc)
+				return rc;
+		}
 	}
 
 	struct mm_part parts[3] = {
@@ -229,24 +253,27 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 	    (rc = qk_norm(be, dev(w, ROLE_Q_NORM), fmt(w, ROLE_Q_NORM), dev(w, ROLE_K_NORM), fmt(w, ROLE_K_NORM))))
 		return rc;
 
-	ra.qkv = be->qkv;
-	ra.ld = be->qkv_ld;
-	ra.inv_freq = be->inv_freq;
-	ra.dst = be->dst;
-	ra.arena = be->arena;
-	ra.block_elems = be->block_elems;
-	ra.block_tokens = be->p.block_tokens;
-	ra.n_heads = c->n_heads;
-	ra.n_kv_heads = c->n_kv_heads;
-	ra.head_dim = c->head_dim;
-	ra.pos0 = be->pos0;
-	ra.n = n;
-	ra.adjacent = c->rope_layout == ROPE_ADJACENT;
-	ra.m = be->st_m;
-	ra.l = be->st_l;
-	ra.acc = be->st_acc;
-	rope_launch(be->p.kv_dtype, ra, be->pdl, be->stream);
-	LAUNCHED(be, "rope_kernel");
+	/* RoPE at each sequence's positions, its K and V into the arena, its attention state reset. */
+	for (uint32_t k = 0; k < n_launch; k++) {
+		uint32_t r0 = be->run_row0[k];
+		ra[k].qkv = be->qkv + (size_t)r0 * be->qkv_ld;
+		ra[k].ld = be->qkv_ld;
+		ra[k].inv_freq = be->inv_freq;
+		ra[k].arena = be->arena;
+		ra[k].block_elems = be->block_elems;
+		ra[k].block_tokens = be->p.block_tokens;
+		ra[k].n_heads = c->n_heads;
+		ra[k].n_kv_heads = c->n_kv_heads;
+		ra[k].head_dim = c->head_dim;
+		ra[k].pos0 = be->run_pos0[k];
+		ra[k].n = be->run_n[k];
+		ra[k].adjacent = c->rope_layout == ROPE_ADJACENT;
+		ra[k].m = be->st_m + (size_t)r0 * c->n_heads;
+		ra[k].l = be->st_l + (size_t)r0 * c->n_heads;
+		ra[k].acc = be->st_acc + (size_t)r0 * c->n_heads * c->head_dim;
+		rope_launch(be->p.kv_dtype, ra[k], be->pdl, be->stream);
+		LAUNCHED(be, "rope_kernel");
+	}
 	be->layer = layer;
 	be->attn_act = at;
 	return 0;
@@ -349,6 +376,35 @@ static int cuda_logits(struct backend_dev *be, const struct group_weights *w, fl
 	return finish_step(be, "logits");
 }
 
+/* The head of several rows (one per sequence of the batch) into out, n_rows x vocab_size on the
+ * host: each row's final norm into xa, one product for all of them. */
+static int cuda_logits_rows(struct backend_dev *be, const struct group_weights *w, const uint32_t *rows,
+			    uint32_t n_rows, float *out)
+{
+	const struct model_config *c = &be->cfg;
+	if (n_rows > be->logits_rows_cap) {
+		CUDA_TRY(be, "cudaStreamSynchronize (logits rows)", cudaStreamSynchronize(be->stream));
+		cudaFree(be->logits_rows);
+		be->logits_rows = NULL;
+		be->logits_rows_cap = 0;
+		CUDA_TRY(be, "cudaMalloc (logits rows)",
+			 cudaMalloc((void **)&be->logits_rows, (size_t)n_rows * c->vocab_size * sizeof(float)));
+		be->logits_rows_cap = n_rows;
+	}
+	uint32_t at = act_dtype(fmt(w, ROLE_LM_HEAD));
+	int rc = rmsnorm_rows(be, dev(w, ROLE_FINAL_NORM), fmt(w, ROLE_FINAL_NORM), rows, n_rows, at);
+	if (rc)
+		return rc;
+	struct mm_part lm = part(w, ROLE_LM_HEAD, c->vocab_size, be->logits_rows);
+	rc = matmul(be, at, be->xa, NULL, c->dim, n_rows, &lm, 1, c->vocab_size, false, "lm_head (rows)");
+	if (rc)
+		return rc;
+	CUDA_TRY(be, "cudaMemcpyAsync (logits rows)",
+		 cudaMemcpyAsync(out, be->logits_rows, (size_t)n_rows * c->vocab_size * sizeof(float),
+				 cudaMemcpyDeviceToHost, be->stream));
+	return finish_step(be, "logits_rows");
+}
+
 static int cuda_logits_argmax(struct backend_dev *be, const struct group_weights *w, int32_t *token)
 {
 	int rc = head(be, w);
@@ -417,6 +473,11 @@ static void cuda_destroy(struct backend_dev **bep)
 	cudaFree(be->qkv);
 	cudaFree(be->gu);
 	cudaFree(be->logits);
+	cudaFree(be->logits_rows);
+	free(be->run_row0);
+	free(be->run_n);
+	free(be->run_pos0);
+	free(be->pos);
 	cudaFree(be->st_m);
 	cudaFree(be->st_l);
 	cudaFree(be->st_acc);
@@ -534,6 +595,12 @@ static int create_device(struct backend_dev *be)
 	    (rc = dev_alloc(be, (void **)&be->st_l, pairs, 1, sizeof(float), "attention state")) ||
 	    (rc = dev_alloc(be, (void **)&be->st_acc, pairs, c->head_dim, sizeof(float), "attention state")))
 		return rc;
+	be->run_row0 = (uint32_t *)calloc(mc, sizeof(uint32_t));
+	be->run_n = (uint32_t *)calloc(mc, sizeof(uint32_t));
+	be->run_pos0 = (uint32_t *)calloc(mc, sizeof(uint32_t));
+	be->pos = (uint32_t *)calloc(mc, sizeof(uint32_t));
+	if (!be->run_row0 || !be->run_n || !be->run_pos0 || !be->pos)
+		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for the batch's tables");
 	/* The dequantization scratch of prefill products with block-quantized weights: the largest
 	 * matrix of a layer (gate/up/down of a Llama), capped; lm_head goes through in row chunks.
 	 * At least one row of the widest input. */
@@ -669,8 +736,7 @@ static int cuda_hidden_in(struct backend_dev *be, const struct backend_batch *b,
 			 cudaMemcpyAsync(be->x, x, sizeof(float) * b->n * be->cfg.dim, cudaMemcpyHostToDevice, be->stream));
 		CUDA_TRY(be, "cudaStreamSynchronize (hidden rows in)", cudaStreamSynchronize(be->stream));
 	}
-	be->n = b->n;
-	be->pos0 = b->pos[0];
+	set_batch(be, b);
 	return 0;
 }
 
@@ -722,7 +788,7 @@ static const struct backend_compute_ops cuda_compute = {
 	cuda_hidden_put,	/* hidden_put */
 	cuda_hidden_device,	/* hidden_device */
 	cuda_finish,		/* finish */
-	NULL,			/* logits_rows: one sequence a step */
+	cuda_logits_rows,	/* logits_rows: several sequences a step */
 };
 
 extern "C" {

@@ -67,6 +67,8 @@
  * compute stream between two kernels): the KV destinations of up to ROPE_INLINE_TOKENS tokens and
  * up to ATTN_INLINE_SPANS spans of the CUDA-core attention (decode: 2048 keys in 16-token blocks). */
 #define ROPE_INLINE_TOKENS 8
+/* Most sequences one step takes (their RoPE launches' parameters are made on the host's stack). */
+#define ROPE_MAX_RUNS_INLINE 64
 #define ATTN_INLINE_SPANS 128
 
 /* What device kernels report to the host; read back with the logits. */
@@ -160,6 +162,12 @@ struct backend_dev {
 	/* The batch in flight (backend.c has checked the call order). */
 	uint32_t n;		/* tokens in the chunk */
 	uint32_t pos0;		/* position of its first token */
+	/* Its sequences (backend.h: runs of consecutive positions), in row order: n_runs of them. */
+	uint32_t *run_row0, *run_n, *run_pos0; /* (max_chunk) host memory */
+	uint32_t n_runs;
+	uint32_t *pos;		/* (max_chunk) host memory: each row's position */
+	float *logits_rows;	/* (logits_rows_cap, vocab_size) logits_rows' output, made on first use */
+	uint32_t logits_rows_cap;
 	uint32_t layer;		/* layer between attn_begin and attn_end */
 	uint32_t attn_act;	/* activation dtype of the attention matrices of that layer */
 
@@ -383,6 +391,8 @@ struct rope_args {
 
 /* RMSNorm of rows [row0, row0 + rows) of be->x into be->xa (from its start) in dtype ot. */
 int rmsnorm(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, uint32_t rows, uint32_t ot);
+/* RMSNorm of rows rows[0..n) of be->x into rows 0..n-1 of be->xa in dtype ot. */
+int rmsnorm_rows(struct backend_dev *be, const void *w, uint32_t wt, const uint32_t *rows, uint32_t n, uint32_t ot);
 /* Gathered embedding rows raw (count elements of element dtype dt) widened into x (block
  * formats: dequant_launch). */
 void embed_launch(uint32_t dt, const void *raw, float *x, size_t count, cudaStream_t s);

@@ -150,6 +150,28 @@ void silu_mul_launch(uint32_t ot, const float *gu, uint32_t ffn, size_t count, v
 		silu_mul_kernel<float><<<grid, 256, 0, s>>>(gu, ffn, count, (float *)out);
 }
 
+/* RMSNorm of rows rows[0..n) of x into rows 0..n-1 of be->xa in dtype ot: a launch per row (the
+ * head of a step of several sequences: a few rows). */
+int rmsnorm_rows(struct backend_dev *be, const void *w, uint32_t wt, const uint32_t *rows, uint32_t n, uint32_t ot)
+{
+	uint32_t dim = be->cfg.dim;
+	float eps = be->cfg.rms_eps;
+	for (uint32_t i = 0; i < n; i++) {
+		const float *x = be->x + (size_t)rows[i] * dim;
+		if (ot == DT_BF16)
+			launch_k(be->pdl, rmsnorm_kernel<__nv_bfloat16>, 1, 1024, 0, be->stream, x, w, wt, dim, eps,
+				 (__nv_bfloat16 *)be->xa + (size_t)i * dim);
+		else if (ot == DT_F16)
+			launch_k(be->pdl, rmsnorm_kernel<__half>, 1, 1024, 0, be->stream, x, w, wt, dim, eps,
+				 (__half *)be->xa + (size_t)i * dim);
+		else
+			launch_k(be->pdl, rmsnorm_kernel<float>, 1, 1024, 0, be->stream, x, w, wt, dim, eps,
+				 (float *)be->xa + (size_t)i * dim);
+		LAUNCHED(be, "rmsnorm_kernel (rows)");
+	}
+	return 0;
+}
+
 /* RMSNorm of rows [row0, row0 + rows) of x into be->xa (from its start) in dtype ot. */
 int rmsnorm(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, uint32_t rows, uint32_t ot)
 {

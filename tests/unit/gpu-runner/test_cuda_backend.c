@@ -809,6 +809,135 @@ END_TEST
 
 /* ---- the KV arena ----------------------------------------------------------------------- */
 
+/* ---- several sequences in one step (continuous batching) ------------------------------------ */
+
+#define BSEQS 3
+/* One sequence of a batched step: tokens at positions pos0.., its KV in region `region` of the arena
+ * (regions of n_layers * bpl blocks). */
+struct bseq {
+	const int32_t *tok;
+	uint32_t n, pos0, region;
+};
+
+/* A runner whose arena holds BSEQS sequences of MAX_CTX positions. */
+static void batch_open(struct runner *r, const char *name, const struct tmodel *m, struct backend_params p)
+{
+	char err[400] = "";
+	r->name = name;
+	r->m = m;
+	r->device = strcmp(name, "cpu") != 0;
+	r->base = 0;
+	r->bpl = (MAX_CTX + p.block_tokens - 1) / p.block_tokens;
+	p.n_kv_blocks = BSEQS * m->cfg.n_layers * r->bpl;
+	r->p = p;
+	int rc = backend_create(name, &m->cfg, &p, &r->be, err, sizeof(err));
+	ck_assert_msg(rc == 0, "%s create: %d %s", name, rc, err);
+}
+
+/* One step over the sequences' runs, as the engine batches them: even layers attend a sequence a
+ * call, odd ones every sequence's spans in one call; logits of each sequence's last row (n_seqs x
+ * vocab). */
+static void batch_step(struct runner *r, const struct bseq *sq, uint32_t n_seqs, float *logits)
+{
+	const struct tmodel *m = r->m;
+	uint32_t bt = r->p.block_tokens, n = 0, dst_block[MAX_CTX], dst_row[MAX_CTX], pos[MAX_CTX], seq[MAX_CTX],
+		 last[BSEQS];
+	int32_t tok[MAX_CTX];
+	for (uint32_t s = 0; s < n_seqs; s++)
+		for (uint32_t i = 0; i < sq[s].n; i++, n++) {
+			tok[n] = sq[s].tok[i];
+			pos[n] = sq[s].pos0 + i;
+			seq[n] = 7 + s;
+		}
+	struct backend_batch b = {.n = n, .tokens = tok, .pos = pos, .seq = seq};
+	CHECK_RC(r, backend_embed(r->be, &m->embed_w, &b));
+	for (uint32_t l = 0; l < m->cfg.n_layers; l++) {
+		for (uint32_t s = 0, row = 0; s < n_seqs; row += sq[s++].n)
+			for (uint32_t i = 0; i < sq[s].n; i++) {
+				dst_block[row + i] = sq[s].region * m->cfg.n_layers * r->bpl + l * r->bpl + (sq[s].pos0 + i) / bt;
+				dst_row[row + i] = (sq[s].pos0 + i) % bt;
+			}
+		const struct group_weights *aw = r->device ? &m->d_attn[l] : &m->h_attn[l];
+		const struct group_weights *fw = r->device ? &m->d_ffn[l] : &m->h_ffn[l];
+		CHECK_RC(r, backend_attn_begin(r->be, aw, l, dst_block, dst_row));
+		static struct kv_span spans[BSEQS * MAX_CTX];
+		uint32_t ns = 0;
+		for (uint32_t s = 0, row = 0; s < n_seqs; row += sq[s++].n) {
+			uint32_t end = sq[s].pos0 + sq[s].n;
+			for (uint32_t k = 0; k * bt < end; k++)
+				spans[ns++] = (struct kv_span){.block = sq[s].region * m->cfg.n_layers * r->bpl + l * r->bpl + k,
+							       .pos0 = k * bt, .n_tokens = end - k * bt < bt ? end - k * bt : bt,
+							       .row0 = row, .n_rows = sq[s].n};
+			if (l % 2 == 0) {
+				CHECK_RC(r, backend_attn_blocks(r->be, spans, ns));
+				ns = 0;
+			}
+		}
+		if (ns)
+			CHECK_RC(r, backend_attn_blocks(r->be, spans, ns));
+		CHECK_RC(r, backend_attn_end(r->be, aw));
+		CHECK_RC(r, backend_ffn(r->be, fw));
+	}
+	for (uint32_t s = 0, row = 0; s < n_seqs; s++) {
+		row += sq[s].n;
+		last[s] = row - 1;
+	}
+	const struct group_weights *hw = r->device ? &m->d_head : &m->h_head;
+	CHECK_RC(r, backend_logits_rows(r->be, hw, last, n_seqs, logits));
+}
+
+/* Three sequences (prompts of 40, 9 and 23 tokens) computed together in prefill chunks of 16 (cut
+ * where a sequence's prompt ends) and then in decode steps of a token each, on CUDA and on the C
+ * reference: every sequence's logits within the F32 bound at every step. */
+START_TEST(test_batched_sequences)
+{
+	struct model_config c = base_cfg();
+	struct tmodel *m = model_new(&c, DT_F32, 4321);
+	enum { STEPS = 4 };
+	static const uint32_t plen[BSEQS] = {40, 9, 23};
+	static int32_t tok[BSEQS][MAX_CTX];
+	for (uint32_t s = 0; s < BSEQS; s++)
+		make_prompt(tok[s], plen[s] + STEPS, c.vocab_size, 50 + s);
+	struct runner ref, cu;
+	batch_open(&ref, "cpu", m, params(64, 16, DT_F32));
+	batch_open(&cu, "cuda", m, params(64, 16, DT_F32));
+	ck_assert(backend_batches_sequences(cu.be));
+	float *want = malloc((size_t)BSEQS * c.vocab_size * sizeof(float)),
+	      *got = malloc((size_t)BSEQS * c.vocab_size * sizeof(float));
+	ck_assert(want && got);
+	uint32_t done[BSEQS] = {0};
+	double worst = 0;
+	for (uint32_t step = 0;; step++) {
+		struct bseq sq[BSEQS];
+		uint32_t n_seqs = 0;
+		for (uint32_t s = 0; s < BSEQS; s++) {
+			if (done[s] >= plen[s] + STEPS)
+				continue;
+			uint32_t n = done[s] < plen[s] ? (plen[s] - done[s] < 16 ? plen[s] - done[s] : 16) : 1;
+			sq[n_seqs++] = (struct bseq){.tok = tok[s] + done[s], .n = n, .pos0 = done[s], .region = s};
+		}
+		if (!n_seqs)
+			break;
+		batch_step(&ref, sq, n_seqs, want);
+		batch_step(&cu, sq, n_seqs, got);
+		for (uint32_t k = 0; k < n_seqs; k++) {
+			double e = rel_l2(got + (size_t)k * c.vocab_size, want + (size_t)k * c.vocab_size, c.vocab_size);
+			ck_assert_msg(e < TOL_F32, "step %u: sequence %u at position %u: relative L2 %.3e against the "
+				      "reference", step, sq[k].region, sq[k].pos0 + sq[k].n - 1, e);
+			worst = e > worst ? e : worst;
+		}
+		for (uint32_t k = 0; k < n_seqs; k++)
+			done[sq[k].region] += sq[k].n;
+	}
+	report("three sequences batched", worst);
+	runner_close(&ref);
+	runner_close(&cu);
+	free(want);
+	free(got);
+	model_free(&m);
+}
+END_TEST
+
 START_TEST(test_kv_block_bytes)
 {
 	struct model_config c = base_cfg();
@@ -987,6 +1116,11 @@ static Suite *cuda_suite(void)
 	tcase_add_test(tc, test_f16);
 	tcase_add_test(tc, test_gemv_matches_cublas);
 	tcase_add_test(tc, test_attention_paths);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("batch");
+	tcase_set_timeout(tc, 120);
+	tcase_add_test(tc, test_batched_sequences);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("argmax");
