@@ -34,6 +34,8 @@ struct backend {
 	struct backend_params p;
 	enum phase phase;
 	uint32_t n;	  /* tokens of the batch in flight */
+	uint32_t n_runs;  /* its sequences */
+	uint32_t *run_end; /* (max_chunk) the row after each sequence's last */
 	uint32_t pos0;	  /* position of its first token */
 	uint32_t layer;	  /* between attn_begin and attn_end */
 	uint32_t next_expert; /* between moe_route and moe_end: the lowest expert moe_expert may take */
@@ -196,6 +198,11 @@ int backend_create(const char *name, const struct model_config *cfg, const struc
 	be->impl = impl;
 	be->cfg = *cfg;
 	be->p = *p;
+	if (!(be->run_end = calloc(p->max_chunk, sizeof(uint32_t)))) {
+		free(be);
+		snprintf(err, errlen, "%s backend: out of memory for the backend state", impl->name);
+		return -ENOMEM;
+	}
 	for (uint32_t r = 0; r < ROLE_COUNT; r++) {
 		uint32_t ndim;
 		uint64_t shape[2];
@@ -207,6 +214,7 @@ int backend_create(const char *name, const struct model_config *cfg, const struc
 	}
 	rc = impl->create(cfg, p, &be->dev, err, errlen);
 	if (rc) {
+		free(be->run_end);
 		free(be);
 		return rc;
 	}
@@ -221,6 +229,7 @@ void backend_destroy(struct backend **bep)
 	struct backend *be = *bep;
 	be->impl->destroy(&be->dev);
 	free(be->logits);
+	free(be->run_end);
 	free(be);
 	*bep = NULL;
 }
@@ -392,6 +401,19 @@ static int check_batch(struct backend *be, const struct backend_batch *b, const 
 	return 0;
 }
 
+/* The batch in flight: its size, first position and sequences' rows (check_batch has checked it). */
+static void set_runs(struct backend *be, const struct backend_batch *b)
+{
+	be->n = b->n;
+	be->pos0 = b->pos[0];
+	be->n_runs = 0;
+	for (uint32_t t = 0; t < b->n; t++) {
+		if (t > 0 && b->seq[t] != b->seq[t - 1])
+			be->run_end[be->n_runs++] = t;
+	}
+	be->run_end[be->n_runs++] = b->n;
+}
+
 bool backend_name_batches(const char *name)
 {
 	const struct backend_impl *impl = name ? backend_impl_find(name) : NULL;
@@ -413,8 +435,7 @@ int backend_embed(struct backend *be, const struct group_weights *w, const struc
 	rc = be->impl->compute->embed(be->dev, w, b);
 	if (rc)
 		return impl_rc(be, rc);
-	be->n = b->n;
-	be->pos0 = b->pos[0];
+	set_runs(be, b);
 	be->phase = PHASE_READY;
 	return 0;
 }
@@ -434,8 +455,7 @@ int backend_hidden_in(struct backend *be, const struct backend_batch *b, const f
 	rc = be->impl->compute->hidden_in(be->dev, b, x);
 	if (rc)
 		return impl_rc(be, rc);
-	be->n = b->n;
-	be->pos0 = b->pos[0];
+	set_runs(be, b);
 	be->phase = PHASE_READY;
 	return 0;
 }
@@ -532,6 +552,17 @@ int backend_attn_blocks(struct backend *be, const struct kv_span *spans, uint32_
 			return fail(be, -ENOTSUP, "attn_blocks(layer %u): span %u is for rows %u..%u of %u: the %s backend "
 				    "attends every row to every span", be->layer, s, sp->row0, sp->row0 + sp->n_rows, be->n,
 				    be->impl->name);
+		/* With several sequences, a span is for rows of one of them (its KV). */
+		if (be->n_runs > 1) {
+			uint32_t k = 0;
+			while (k + 1 < be->n_runs && be->run_end[k] <= sp->row0)
+				k++;
+			if (!sp->n_rows || sp->row0 + sp->n_rows > be->run_end[k])
+				return fail(be, -EINVAL, "attn_blocks(layer %u): span %u is for rows %u..%u of a step of %u "
+					    "sequences: a span's rows are those of one sequence (one ends at row %u)", be->layer,
+					    s, sp->row0, sp->row0 + (sp->n_rows ? sp->n_rows : be->n), be->n_runs,
+					    be->run_end[k]);
+		}
 	}
 	if (n_spans == 0)
 		return 0;

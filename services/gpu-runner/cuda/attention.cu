@@ -510,7 +510,7 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 }
 
 /* attn_end: att = acc / l per (token, head), in the dtype of o_proj. A query with no weight saw
- * no keys (its own block was not visited): flagged for the host, output 0. Grid (n, slices):
+ * no keys (its own block was not visited): flagged for the host (its row: pos0 0), output 0. Grid (n, slices):
  * the slices of a block row share a token's values. */
 template <typename TO>
 __global__ void __launch_bounds__(256) attn_out_kernel(const float *l, const float *acc, uint32_t n_heads,
@@ -544,11 +544,11 @@ void attn_out_launch(uint32_t ot, const struct backend_dev *be, cudaStream_t s)
 	const float *l = be->st_l, *acc = be->st_acc;
 	if (ot == DT_BF16)
 		launch_k(be->pdl, attn_out_kernel<__nv_bfloat16>, grid, threads, 0, s, l, acc, c->n_heads, c->head_dim,
-			 (__nv_bfloat16 *)be->xa, be->status, be->layer, be->pos0);
+			 (__nv_bfloat16 *)be->xa, be->status, be->layer, 0u);
 	else if (ot == DT_F16)
 		launch_k(be->pdl, attn_out_kernel<__half>, grid, threads, 0, s, l, acc, c->n_heads, c->head_dim,
-			 (__half *)be->xa, be->status, be->layer, be->pos0);
+			 (__half *)be->xa, be->status, be->layer, 0u);
 	else
 		launch_k(be->pdl, attn_out_kernel<float>, grid, threads, 0, s, l, acc, c->n_heads, c->head_dim,
-			 (float *)be->xa, be->status, be->layer, be->pos0);
+			 (float *)be->xa, be->status, be->layer, 0u);
 }

@@ -154,9 +154,18 @@ static int norm_source(struct backend_dev *be, const struct group_weights *w, en
 	return rmsnorm(be, dev(w, nr), fmt(w, nr), 0, be->n, at);
 }
 
-/* The batch's size, positions and runs (one per sequence: backend.h). */
-static void set_batch(struct backend_dev *be, const struct backend_batch *b)
+int dev_alloc(struct backend_dev *be, void **p, size_t a, size_t b, size_t es, const char *what);
+
+/* The batch's size, positions and runs (one per sequence: backend.h). At most ROPE_MAX_RUNS_INLINE
+ * sequences (their RoPE launches' parameters). */
+static int set_batch(struct backend_dev *be, const struct backend_batch *b)
 {
+	uint32_t runs = 0;
+	for (uint32_t t = 0; t < b->n; t++)
+		runs += t == 0 || b->seq[t] != b->seq[t - 1];
+	if (runs > ROPE_MAX_RUNS_INLINE)
+		return cuda_failf(be, -EINVAL, "cuda backend: a step of %u sequences; at most %u", runs,
+				  ROPE_MAX_RUNS_INLINE);
 	be->n = b->n;
 	be->pos0 = b->pos[0];
 	be->n_runs = 0;
@@ -169,11 +178,15 @@ static void set_batch(struct backend_dev *be, const struct backend_batch *b)
 		}
 		be->run_n[be->n_runs - 1]++;
 	}
+	return 0;
 }
 
 static int cuda_embed(struct backend_dev *be, const struct group_weights *w, const struct backend_batch *b)
 {
 	uint32_t n = b->n;
+	int brc = set_batch(be, b);
+	if (brc)
+		return brc;
 	const struct weight_tensor *e = &w->t[ROLE_EMBED];
 	/* Gather the rows on the host (the table is host memory), one copy up, widen on the GPU. */
 	size_t row = e->row_bytes, bytes = row * n;
@@ -195,7 +208,6 @@ static int cuda_embed(struct backend_dev *be, const struct group_weights *w, con
 		dequant_launch(e->format, be->xa, row, n, be->cfg.dim, be->x, DT_F32, be->stream);
 		LAUNCHED(be, "dequant_kernel (embedding rows)");
 	}
-	set_batch(be, b);
 	return 0;
 }
 
@@ -214,10 +226,7 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 	/* Destinations of each sequence's rows: (2, its n) blocks then rows, in the RoPE kernel's
 	 * parameters when few, else up first (each into its own part of be->dst). */
 	rope_args ra[ROPE_MAX_RUNS_INLINE];
-	uint32_t n_launch = be->n_runs;
-	if (n_launch > ROPE_MAX_RUNS_INLINE)
-		return cuda_failf(be, -EINVAL, "cuda backend: attn_begin: %u sequences in one step, at most %u",
-				  be->n_runs, ROPE_MAX_RUNS_INLINE);
+	uint32_t n_launch = be->n_runs; /* <= ROPE_MAX_RUNS_INLINE: set_batch */
 	for (uint32_t k = 0; k < n_launch; k++) {
 		uint32_t r0 = be->run_row0[k], rn = be->run_n[k];
 		ra[k].dst = be->dst + 2 * (size_t)r0;
@@ -299,7 +308,7 @@ static int cuda_attn_end(struct backend_dev *be, const struct group_weights *w)
 		src.head_dim = c->head_dim;
 		src.st = be->status;
 		src.layer = be->layer;
-		src.pos0 = be->pos0;
+		src.pos0 = 0; /* the row flagged when no key was seen (finish_step gives its position) */
 	} else {
 		attn_out_launch(at, be, be->stream);
 		LAUNCHED(be, "attn_out_kernel");
@@ -356,6 +365,8 @@ static int finish_step(struct backend_dev *be, const char *what)
 		return rc;
 	if (be->h_status->err) {
 		struct dev_status st = *be->h_status;
+		if (st.err_pos < be->n) /* the kernels flag a row of the step */
+			st.err_pos = be->pos[st.err_pos];
 		CUDA_TRY(be, "cudaMemsetAsync (status)", cudaMemsetAsync(be->status, 0, sizeof(*be->status), be->stream));
 		return cuda_failf(be, -EINVAL,
 				  "cuda backend: %s: in layer %u the query at position %u saw no keys: the spans did not "
@@ -387,8 +398,9 @@ static int cuda_logits_rows(struct backend_dev *be, const struct group_weights *
 		cudaFree(be->logits_rows);
 		be->logits_rows = NULL;
 		be->logits_rows_cap = 0;
-		CUDA_TRY(be, "cudaMalloc (logits rows)",
-			 cudaMalloc((void **)&be->logits_rows, (size_t)n_rows * c->vocab_size * sizeof(float)));
+		int arc = dev_alloc(be, (void **)&be->logits_rows, n_rows, c->vocab_size, sizeof(float), "logits rows");
+		if (arc)
+			return arc;
 		be->logits_rows_cap = n_rows;
 	}
 	uint32_t at = act_dtype(fmt(w, ROLE_LM_HEAD));
@@ -736,8 +748,7 @@ static int cuda_hidden_in(struct backend_dev *be, const struct backend_batch *b,
 			 cudaMemcpyAsync(be->x, x, sizeof(float) * b->n * be->cfg.dim, cudaMemcpyHostToDevice, be->stream));
 		CUDA_TRY(be, "cudaStreamSynchronize (hidden rows in)", cudaStreamSynchronize(be->stream));
 	}
-	set_batch(be, b);
-	return 0;
+	return set_batch(be, b);
 }
 
 static int cuda_hidden_get(struct backend_dev *be, uint32_t row0, uint32_t n, float *x)

@@ -1057,6 +1057,11 @@ START_TEST(test_batched_sequences)
 	CHECK_RC(&r, backend_attn_begin(r.be, &m->attn_w[0], 0, blk, row));
 	struct kv_span sp = {.block = 1, .pos0 = 0, .n_tokens = 2, .row0 = 1, .n_rows = 3};
 	ck_assert_int_eq(backend_attn_blocks(r.be, &sp, 1), -EINVAL);
+	sp = (struct kv_span){.block = 1, .pos0 = 0, .n_tokens = 2}; /* every row: two sequences' */
+	ck_assert_int_eq(backend_attn_blocks(r.be, &sp, 1), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(backend_error(r.be), "those of one sequence"));
+	sp = (struct kv_span){.block = 1, .pos0 = 0, .n_tokens = 2, .row0 = 0, .n_rows = 2}; /* across them */
+	ck_assert_int_eq(backend_attn_blocks(r.be, &sp, 1), -EINVAL);
 	struct kv_span ok[2] = {{.block = 0, .pos0 = 0, .n_tokens = 1, .row0 = 0, .n_rows = 1},
 				{.block = 1, .pos0 = 0, .n_tokens = 2, .row0 = 1, .n_rows = 2}};
 	CHECK_RC(&r, backend_attn_blocks(r.be, ok, 2));
