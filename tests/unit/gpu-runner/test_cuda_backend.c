@@ -888,11 +888,11 @@ static void batch_step(struct runner *r, const struct bseq *sq, uint32_t n_seqs,
 
 /* Three sequences (prompts of 40, 9 and 23 tokens) computed together in prefill chunks of 16 (cut
  * where a sequence's prompt ends) and then in decode steps of a token each, on CUDA and on the C
- * reference: every sequence's logits within the F32 bound at every step. */
-START_TEST(test_batched_sequences)
+ * reference: every sequence's logits within tol at every step. */
+static void check_batched(const struct model_config *cfg, enum dtype wt, enum dtype kv, double tol, const char *what)
 {
-	struct model_config c = base_cfg();
-	struct tmodel *m = model_new(&c, DT_F32, 4321);
+	struct tmodel *m = model_new(cfg, wt, 4321);
+	const struct model_config c = *cfg;
 	enum { STEPS = 4 };
 	static const uint32_t plen[BSEQS] = {40, 9, 23};
 	static int32_t tok[BSEQS][MAX_CTX];
@@ -900,7 +900,7 @@ START_TEST(test_batched_sequences)
 		make_prompt(tok[s], plen[s] + STEPS, c.vocab_size, 50 + s);
 	struct runner ref, cu;
 	batch_open(&ref, "cpu", m, params(64, 16, DT_F32));
-	batch_open(&cu, "cuda", m, params(64, 16, DT_F32));
+	batch_open(&cu, "cuda", m, params(64, 16, kv));
 	ck_assert(backend_batches_sequences(cu.be));
 	float *want = malloc((size_t)BSEQS * c.vocab_size * sizeof(float)),
 	      *got = malloc((size_t)BSEQS * c.vocab_size * sizeof(float));
@@ -922,19 +922,39 @@ START_TEST(test_batched_sequences)
 		batch_step(&cu, sq, n_seqs, got);
 		for (uint32_t k = 0; k < n_seqs; k++) {
 			double e = rel_l2(got + (size_t)k * c.vocab_size, want + (size_t)k * c.vocab_size, c.vocab_size);
-			ck_assert_msg(e < TOL_F32, "step %u: sequence %u at position %u: relative L2 %.3e against the "
-				      "reference", step, sq[k].region, sq[k].pos0 + sq[k].n - 1, e);
+			ck_assert_msg(e < tol, "%s: step %u: sequence %u at position %u: relative L2 %.3e against the "
+				      "reference", what, step, sq[k].region, sq[k].pos0 + sq[k].n - 1, e);
 			worst = e > worst ? e : worst;
 		}
 		for (uint32_t k = 0; k < n_seqs; k++)
 			done[sq[k].region] += sq[k].n;
 	}
-	report("three sequences batched", worst);
+	report(what, worst);
 	runner_close(&ref);
 	runner_close(&cu);
 	free(want);
 	free(got);
 	model_free(&m);
+}
+
+START_TEST(test_batched_sequences)
+{
+	struct model_config c = base_cfg();
+	check_batched(&c, DT_F32, DT_F32, TOL_F32, "three sequences batched, f32");
+}
+END_TEST
+
+/* The same in bf16 with head_dim 64 and four query heads per KV head: 16-row prefill runs take the
+ * tensor-core attention, decode rows the split CUDA-core one. */
+START_TEST(test_batched_sequences_bf16)
+{
+	struct model_config c = base_cfg();
+	c.dim = 256;
+	c.ffn_dim = 512;
+	c.n_heads = 8;
+	c.n_kv_heads = 2;
+	c.head_dim = 64;
+	check_batched(&c, DT_BF16, DT_BF16, TOL_16, "three sequences batched, bf16, head_dim 64");
 }
 END_TEST
 
@@ -1121,6 +1141,7 @@ static Suite *cuda_suite(void)
 	tc = tcase_create("batch");
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, test_batched_sequences);
+	tcase_add_test(tc, test_batched_sequences_bf16);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("argmax");
