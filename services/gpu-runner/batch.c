@@ -38,11 +38,7 @@
 
 void runner_plan_batch(struct runner *r, uint64_t all, uint64_t fit, uint32_t need, uint32_t *n_blocks)
 {
-	/* 0: the backend's default (batching measured on the cpu backend; cuda's not yet on a GPU). */
-	uint32_t want = r->max_batch > 0 ? (uint32_t)r->max_batch : strcmp(r->backend_name, "cpu") ? 1 : 16;
-	if (r->max_batch == 0 && want == 1 && backend_name_batches(r->backend_name))
-		log_info("the %s backend runs requests one at a time unless --max-batch is given (its continuous "
-			 "batching has not been measured yet)", r->backend_name);
+	uint32_t want = r->max_batch > 0 ? (uint32_t)r->max_batch : RUNNER_DEFAULT_BATCH;
 	r->batching = want > 1 && r->ranks <= 1 && backend_name_batches(r->backend_name);
 	if (want > 1 && !r->batching)
 		log_info("--max-batch %u: the %s backend%s computes one sequence a step; requests run one at a time", want,
@@ -185,12 +181,13 @@ void runner_batch_step(struct runner *r)
 	if (!n)
 		return;
 	size_t vocab = r->cfg.vocab_size;
-	float *logits = n_out ? malloc(sizeof(float) * vocab * n_out) : NULL;
-	if (n_out && !logits) {
+	/* Room for a row of logits a slot, made once. */
+	if (!r->batch_logits && !(r->batch_logits = malloc(sizeof(float) * vocab * r->n_slots))) {
 		for (uint32_t i = 0; i < n; i++)
 			finish(r, who[i], -ENOMEM, "out of memory for the step's logits");
 		return;
 	}
+	float *logits = r->batch_logits;
 	int rc;
 	for (uint32_t tries = 0;; tries++) {
 		rc = engine_forward_batch(r->engine, seqs, n, logits);
@@ -231,7 +228,6 @@ void runner_batch_step(struct runner *r)
 				finish(r, who[i], arc, err);
 		}
 	}
-	free(logits);
 	if (!r->n_active) {
 		/* Nothing runs now: the streamed weights go back to the loader, as after a request run alone. */
 		bool stopping = service_stop_requested(r->svc);

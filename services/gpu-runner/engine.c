@@ -345,13 +345,14 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 			e->pos[n + i] = seqs[s].pos0 + i;
 			e->seq[n + i] = s;
 		}
-		memcpy(e->tokens + n, seqs[s].tokens, seqs[s].n * sizeof(int32_t));
+		if (n_seqs > 1)
+			memcpy(e->tokens + n, seqs[s].tokens, seqs[s].n * sizeof(int32_t));
 		kv_cache_set_rows(seqs[s].kv, n_seqs > 1 ? n : 0, n_seqs > 1 ? seqs[s].n : 0);
 		n += seqs[s].n;
 	}
 	if (n == 0)
 		return set_err(e, -EINVAL, "a step takes 1..%u tokens, not 0", e->max_chunk);
-	const int32_t *tokens = e->tokens;
+	const int32_t *tokens = n_seqs > 1 ? e->tokens : seqs[0].tokens; /* one run: as given */
 	uint32_t pos0 = seqs[0].pos0; /* one sequence: the step's (a split model steps one sequence) */
 	bool multi = n_seqs > 1;
 	struct backend_batch batch = {.n = n, .tokens = tokens, .pos = e->pos, .seq = e->seq};

@@ -158,16 +158,6 @@ struct gen_seq {
 	struct gen_result res;
 };
 
-struct kv_cache *gen_seq_kv(const struct gen_seq *g)
-{
-	return g->kv;
-}
-
-const struct gen_result *gen_seq_result(const struct gen_seq *g)
-{
-	return &g->res;
-}
-
 bool gen_seq_done(const struct gen_seq *g)
 {
 	return g->state == GS_DONE;

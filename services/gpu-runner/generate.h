@@ -113,9 +113,6 @@ int gen_seq_recover(struct gen_seq *g, char *err, size_t errlen);
 /* One engine step of the sequence alone (its next piece), as generate_run runs it. */
 int gen_seq_step(struct gen_seq *g, char *err, size_t errlen);
 bool gen_seq_done(const struct gen_seq *g);
-struct kv_cache *gen_seq_kv(const struct gen_seq *g);
-/* The result so far (n_generated, reason, times). */
-const struct gen_result *gen_seq_result(const struct gen_seq *g);
 /* Ends it: the KV cache reset (blocks handed back to the store; ok: a store that went away just
  * now is waited for, see generate_run), the result into *res (may be NULL), the state freed and *g
  * NULL. Returns 0 or -errno with err set when ok. */

@@ -262,6 +262,23 @@ void kv_cache_get_stats(const struct kv_cache *kv, struct kv_cache_stats *st)
 	*st = kv->stats;
 }
 
+void kv_cache_add_stats(const struct kv_cache *kv, struct kv_cache_stats *sum)
+{
+	const struct kv_cache_stats *one = &kv->stats;
+	sum->committed += one->committed;
+	sum->fetched += one->fetched;
+	sum->evicted += one->evicted;
+	sum->prefix_positions += one->prefix_positions;
+	sum->prefix_lookups += one->prefix_lookups;
+	sum->prefix_on_gpu += one->prefix_on_gpu;
+	sum->recoveries += one->recoveries;
+	sum->fetch_runs += one->fetch_runs;
+	sum->fetch_ns += one->fetch_ns;
+	sum->copy_ns += one->copy_ns;
+	sum->readahead_blocks += one->readahead_blocks;
+	sum->readahead_wait_ns += one->readahead_wait_ns;
+}
+
 void kv_cache_usage(const struct kv_cache *kv, uint32_t *arena_used, uint32_t *arena_per_layer,
 		    uint32_t *store_per_layer)
 {

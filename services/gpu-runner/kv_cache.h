@@ -171,6 +171,8 @@ int kv_cache_quiesce(struct kv_cache *kv);
 void kv_cache_forget_remote(struct kv_cache *kv);
 
 void kv_cache_get_stats(const struct kv_cache *kv, struct kv_cache_stats *st);
+/* Adds kv's counters to *sum (the caches of the requests of a batch, counted together). */
+void kv_cache_add_stats(const struct kv_cache *kv, struct kv_cache_stats *sum);
 /* For inspection (stats, once a second): arena blocks in use, and per layer (arrays of
  * n_layers; either may be NULL) the sequence's blocks in the arena and those held only by the
  * store. O(n_arena + n_layers * blocks per layer). */

@@ -201,6 +201,7 @@ static void teardown(struct runner *r)
 	runner_drop_window(r);
 	task_pool_destroy(&r->cpu_pool); /* after the backend and the window that used it */
 	free(r->cpu_split_r);
+	free(r->batch_logits);
 	ring_source_destroy(&r->ring);
 	tokenizer_destroy(&r->tok);
 	rpc_client_destroy(&r->loader_c);
@@ -235,9 +236,8 @@ int main(int argc, char **argv)
 		{"threads", OPT_INT, &r.threads, "1", "CPU threads of the cpu backend"},
 		{"max-batch", OPT_INT, &r.max_batch, "0",
 		 "requests computed together, their tokens in every forward step (continuous batching, where one "
-		 "runner computes every layer; the KV arena, --kv-gpu-budget, is shared among them). 0: 16 on the "
-		 "cpu backend, 1 on cuda, whose batching has not been measured on a GPU yet (give a number to "
-		 "turn it on)"},
+		 "runner computes every layer; both backends batch). The KV arena (--kv-gpu-budget) is shared "
+		 "among them. 0: 16"},
 		{"max-step-tokens", OPT_INT, &r.max_step_tokens, "0",
 		 "most tokens of one forward step when batching: decode tokens of the running requests and prefill "
 		 "chunks of new ones (0: --prefill-chunk, which bounds it)"},

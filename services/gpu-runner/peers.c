@@ -239,7 +239,7 @@ static void pin_pool(struct runner *r)
 void runner_unpin_pool(struct runner *r)
 {
 	kv_cache_quiesce(r->cache); /* no read-ahead copy may still read the pool */
-	for (uint32_t k = 1; k < r->n_slots && r->batching; k++)
+	for (uint32_t k = 1; k < r->n_slots; k++)
 		kv_cache_quiesce(r->slot_kv[k]);
 	if (r->pool_pinned)
 		backend_unpin_host(r->be, r->pool_pinned);
@@ -264,7 +264,7 @@ int runner_make_cache(struct runner *r, char *err, size_t errlen)
 {
 	runner_drop_caches(r);
 	/* Batching: a cache a request running at once, all over the one arena. */
-	uint32_t slots = r->batching ? r->n_slots : 1;
+	uint32_t slots = r->n_slots; /* 1 without batching */
 	struct kv_cache_params kp = {.n_layers = r->cfg.n_layers, .block_tokens = (uint32_t)r->block_tokens,
 				     .max_context = (uint32_t)r->max_context, .max_chunk = (uint32_t)r->prefill_chunk,
 				     .n_arena = r->bp.n_kv_blocks, .commits_held = r->kv.defer_commits};
@@ -303,7 +303,7 @@ int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errle
 	if (r->kv_connected && !same) {
 		log_warn("kv-store has a new pool: the blocks it held are gone");
 		kv_cache_forget_remote(r->cache);
-		for (uint32_t k = 1; k < r->n_slots && r->batching; k++)
+		for (uint32_t k = 1; k < r->n_slots; k++)
 			kv_cache_forget_remote(r->slot_kv[k]);
 	}
 	r->kv_connected = true;

@@ -27,8 +27,9 @@
 #include "services/gpu-runner/stages/plan.h"
 
 #define QUEUE_MAX 128 /* requests queued at most (the runner may run --max-batch of them besides) */
-/* Most sequences one step computes (--max-batch). */
+/* Most sequences one step computes (--max-batch), and how many when it says 0. */
 #define RUNNER_MAX_BATCH 64
+#define RUNNER_DEFAULT_BATCH 16
 
 struct runner;
 
@@ -132,6 +133,7 @@ struct runner {
 	struct job active[RUNNER_MAX_BATCH];
 	bool slot_used[RUNNER_MAX_BATCH];
 	uint32_t n_active, rr;		 /* requests running; where the next step's round starts */
+	float *batch_logits;		 /* (n_slots, vocab_size) a step's logits, a row a request */
 	uint64_t batch_steps, batch_seqs, batch_tokens; /* steps run, and the sequences and tokens in them */
 	uint32_t max_seqs_seen;		 /* the most sequences one step had */
 

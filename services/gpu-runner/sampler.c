@@ -1,8 +1,9 @@
 /* sampler.c - greedy and seeded temperature / top-k / top-p sampling (see sampler.h).
  *
- * Determinism: the generator is xoshiro256** seeded through splitmix64, and every ordering
- * of candidates is a total order (probability descending, then token id ascending), so the
- * same seed and logits give the same tokens on every machine. (exp() is libm's: two libms that
+ * Determinism: the generator is xoshiro256** seeded through splitmix64, every ordering of
+ * candidates is a total order (probability descending, then token id ascending), and the draw
+ * walks the kept tokens in id order (as the CUDA backend's draw on the device does), so the same
+ * seed and logits give the same tokens on every machine and on either side of the bus. (exp() is libm's: two libms that
  * differ in the last bit could only disagree on a draw landing exactly on a boundary.) */
 #include "services/gpu-runner/sampler.h"
 
@@ -199,6 +200,29 @@ static void select_top_k(struct sampler *s, uint32_t k)
 	sort_candidates(h, s->tmp, k, s->z);
 }
 
+static int by_id(const void *a, const void *b)
+{
+	int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+	return (x > y) - (x < y);
+}
+
+/* idx[0..n) (distinct ids) into ascending id order: a sort when few, else one pass over the
+ * vocabulary with tmp as a mark per id. */
+static void ids_ascending(struct sampler *s, uint32_t n)
+{
+	if (n <= 4096 || n < s->vocab / 16) {
+		qsort(s->idx, n, sizeof(*s->idx), by_id);
+		return;
+	}
+	memset(s->tmp, 0, sizeof(*s->tmp) * s->vocab);
+	for (uint32_t i = 0; i < n; i++)
+		s->tmp[s->idx[i]] = 1;
+	uint32_t k = 0;
+	for (uint32_t id = 0; id < s->vocab; id++)
+		if (s->tmp[id])
+			s->idx[k++] = (int32_t)id;
+}
+
 int32_t sampler_pick(struct sampler *s, const float *logits)
 {
 	assert(s && logits);
@@ -265,6 +289,10 @@ int32_t sampler_pick(struct sampler *s, const float *logits)
 			if (z[s->idx[i]] >= floor_w)
 				sum += z[s->idx[i]];
 	}
+	/* The draw walks the kept tokens in id order, as a backend drawing where the logits are does
+	 * (backend.h, logits_sample): a request gives the same tokens whichever of the two draws. */
+	if (sorted)
+		ids_ascending(s, n);
 	double target = uniform01(s->s) * sum, cum = 0;
 	int32_t last = s->idx[0];
 	for (uint32_t i = 0; i < n; i++) {

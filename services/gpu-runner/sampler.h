@@ -9,7 +9,8 @@
  *
  * Order of operations (as in transformers' generate): temperature scaling, top-k, softmax,
  * top-p (keep the smallest set of most likely tokens whose mass reaches top_p, at least one),
- * min-p (drop tokens less likely than min_p times the likeliest), draw. A repetition penalty
+ * min-p (drop tokens less likely than min_p times the likeliest), draw (a uniform times the kept
+ * mass, the kept tokens summed in id order: the draw a backend makes on the device too). A repetition penalty
  * is a logits processor that comes before all of this (generate.c applies it). temperature <= 0 means greedy (argmax; the lowest id wins a tie). */
 #ifndef GPU_RUNNER_SAMPLER_H
 #define GPU_RUNNER_SAMPLER_H

@@ -108,8 +108,8 @@ static void inspect_stats(struct runner *r, json_t *o)
 	if (per_layer) {
 		/* Every running request's cache (batching), summed. */
 		uint32_t used = 0, *one = per_layer + 2 * (size_t)n_layers;
-		for (uint32_t k = 0; k < (r->batching ? r->n_slots : 1); k++) {
-			struct kv_cache *kv = k == 0 ? r->cache : r->slot_kv[k];
+		for (uint32_t k = 0; k < r->n_slots; k++) {
+			struct kv_cache *kv = r->slot_kv[k];
 			if (!kv)
 				continue;
 			uint32_t u;
@@ -217,25 +217,9 @@ char *runner_stats(void *ctx)
 	struct runner *r = ctx;
 	struct kv_cache_stats ks = {0};
 	/* Every cache's (batching: one a request running at once). */
-	for (uint32_t k = 0; k < (r->batching ? r->n_slots : 1); k++) {
-		struct kv_cache *kv = k == 0 ? r->cache : r->slot_kv[k];
-		if (!kv)
-			continue;
-		struct kv_cache_stats one;
-		kv_cache_get_stats(kv, &one);
-		ks.committed += one.committed;
-		ks.fetched += one.fetched;
-		ks.evicted += one.evicted;
-		ks.prefix_positions += one.prefix_positions;
-		ks.prefix_lookups += one.prefix_lookups;
-		ks.prefix_on_gpu += one.prefix_on_gpu;
-		ks.recoveries += one.recoveries;
-		ks.fetch_runs += one.fetch_runs;
-		ks.fetch_ns += one.fetch_ns;
-		ks.copy_ns += one.copy_ns;
-		ks.readahead_blocks += one.readahead_blocks;
-		ks.readahead_wait_ns += one.readahead_wait_ns;
-	}
+	for (uint32_t k = 0; k < r->n_slots; k++)
+		if (r->slot_kv[k])
+			kv_cache_add_stats(r->slot_kv[k], &ks);
 	struct weight_source *ws = r->ring ? runner_weights(r) : NULL;
 	json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:b, "
 			      "s:I}",
