@@ -6,10 +6,17 @@
 # a seeded one (temperature 1, seed 7) and a seeded chat, with gpu-runner killed (kill -9) after
 # some tokens came, give the text and the completion_tokens of the same request run without the
 # kill; a request that does not stream, likewise.
+# HTTP_RESUME_BACKEND=cuda (a GPU host; skipped without one) runs it on the CUDA backend, which
+# draws seeded tokens on the GPU.
 source "$(dirname "$0")/lib.sh"
+BACKEND=${HTTP_RESUME_BACKEND:-cpu}
+if [[ $BACKEND != cpu ]] && ! nvidia-smi >/dev/null 2>&1; then
+	echo "[http_resume] SKIP: no GPU for HTTP_RESUME_BACKEND=$BACKEND"
+	exit 77
+fi
 it_http_setup http_resume
 
-out=$("$PIPELINE" start --model "$L3" --http 127.0.0.1:0 --http-opt=--resume-timeout=60)
+out=$("$PIPELINE" start --model "$L3" --backend "$BACKEND" --http 127.0.0.1:0 --http-opt=--resume-timeout=60)
 BASE=$(grep -o 'http://127\.0\.0\.1:[0-9]*' <<<"$out" | head -n 1)
 [[ -n $BASE ]] || fail "start --http did not say where http-api listens: $out"
 log "http-api listens on $BASE"

@@ -15,6 +15,7 @@
  *   bench-kernels                       # every path; the first also at ~4K context
  *   bench-kernels --quick               # the default path only
  *   bench-kernels --quant [--quick]     # Q4_K_M weights
+ *   bench-kernels --batch [--quant]     # decode steps of 1 to 64 sequences (continuous batching)
  *   bench-kernels --profile decode      # one decode step (or prefill) alone between
  *                                       # cudaProfilerStart/Stop: ncu --profile-from-start off
  */
@@ -506,6 +507,90 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 	perf_close(&r);
 }
 
+/* ---- several sequences a decode step (continuous batching) ----------------------------------
+ * N sequences share the first PERF_CHUNK positions' KV (blocks 0.. of each layer, prefilled once)
+ * and each writes its own tokens into a block of its own after them, as the runner's sequences
+ * with a common prefix do; a step takes one token of each and brings every row's logits to the
+ * host (logits_rows into pageable memory, as batch.c does). */
+#define BATCH_MAX 64
+
+static double perf_batch_step(struct perf_run *r, uint32_t n, uint32_t pos, float *logits, double *enqueue)
+{
+	const struct big *b = r->b;
+	struct backend *be = r->be;
+	uint32_t bt = r->bt, pre = PERF_CHUNK / bt, rows[BATCH_MAX];
+	double t0 = now_ms();
+	for (uint32_t i = 0; i < n; i++) {
+		r->pos[i] = pos;
+		r->seq[i] = i;
+		rows[i] = i;
+	}
+	struct backend_batch batch = {.n = n, .tokens = r->tok + pos, .pos = r->pos, .seq = r->seq};
+	int rc = backend_embed(be, &b->embed, &batch);
+	CHECK(rc == 0, "embed: %s", backend_error(be));
+	for (uint32_t l = 0; l < b->cfg.n_layers; l++) {
+		for (uint32_t i = 0; i < n; i++) {
+			r->dst_block[i] = l * r->bpl + pre + i;
+			r->dst_row[i] = pos % bt;
+		}
+		rc = backend_attn_begin(be, &b->attn[l], l, r->dst_block, r->dst_row);
+		CHECK(rc == 0, "attn_begin: %s", backend_error(be));
+		/* Each sequence's spans in one call, as kv_cache_attend makes them. */
+		for (uint32_t i = 0; i < n; i++) {
+			uint32_t ns = 0;
+			for (uint32_t k = 0; k < pre; k++)
+				r->spans[ns++] = (struct kv_span){.block = l * r->bpl + k, .pos0 = k * bt, .n_tokens = bt,
+								  .row0 = i, .n_rows = 1};
+			r->spans[ns++] = (struct kv_span){.block = l * r->bpl + pre + i, .pos0 = pre * bt,
+							  .n_tokens = pos + 1 - pre * bt, .row0 = i, .n_rows = 1};
+			rc = backend_attn_blocks(be, r->spans, ns);
+			CHECK(rc == 0, "attn_blocks: %s", backend_error(be));
+		}
+		rc = backend_attn_end(be, &b->attn[l]);
+		CHECK(rc == 0, "attn_end: %s", backend_error(be));
+		rc = backend_ffn(be, &b->ffn[l]);
+		CHECK(rc == 0, "ffn: %s", backend_error(be));
+	}
+	*enqueue = now_ms() - t0;
+	rc = backend_logits_rows(be, &b->head, rows, n, logits);
+	CHECK(rc == 0, "logits_rows: %s", backend_error(be));
+	return now_ms() - t0;
+}
+
+/* Decode steps of 1, 4, 16, 32 and 64 sequences at context ~PERF_CHUNK + 8: median ms a step. */
+static void big_batch(const struct big *b)
+{
+	static const uint32_t ns[] = {1, 4, 16, 32, 64};
+	struct perf_run r;
+	perf_open(&r, b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT);
+	CHECK(PERF_CHUNK / r.bt + BATCH_MAX <= r.bpl, "the arena holds too few blocks a layer");
+	free(r.spans);
+	r.spans = malloc((PERF_CHUNK / r.bt + 1) * sizeof(*r.spans));
+	float *logits = malloc((size_t)BATCH_MAX * b->cfg.vocab_size * sizeof(float));
+	CHECK(r.spans && logits, "out of memory");
+	perf_step(&r, PERF_CHUNK, 0); /* the shared prefix's KV */
+	double one = 0;
+	for (size_t k = 0; k < sizeof(ns) / sizeof(ns[0]); k++) {
+		double d[12], q[12], enq;
+		for (uint32_t i = 0; i < 12; i++) {
+			d[i] = perf_batch_step(&r, ns[k], PERF_CHUNK + i % r.bt, logits, &enq);
+			q[i] = enq;
+		}
+		qsort(d, 12, sizeof(double), cmp_double);
+		qsort(q, 12, sizeof(double), cmp_double);
+		if (k == 0)
+			one = d[6];
+		fprintf(stderr, "perf (%s, batched): %2u sequences a decode step: median %.3f ms a step (%.2fx one "
+			"sequence's), %.0f tokens/s; host enqueue %.3f ms\n", b->weights, ns[k], d[6], d[6] / one,
+			ns[k] / d[6] * 1e3, q[6]);
+		printf("{\"weights\": \"%s\", \"batch\": %u, \"step_ms\": %.4f, \"enqueue_ms\": %.4f}\n", b->weights,
+		       ns[k], d[6], q[6]);
+	}
+	fflush(stdout);
+	free(logits);
+	perf_close(&r);
+}
+
 /* One decode step or one 512-token prefill chunk (at context ~512) alone in the profiler's
  * window, after a warm-up. */
 static void big_profile(const struct big *b, const char *what)
@@ -527,7 +612,10 @@ int main(int argc, char **argv)
 {
 	bool quick = false, quant = false;
 	char *profile = NULL;
+	bool batch = false;
 	struct opt opts[] = {
+		{"batch", OPT_BOOL, &batch, NULL,
+		 "decode steps of 1, 4, 16, 32 and 64 sequences (continuous batching) only, their ms a step"},
 		{"quick", OPT_BOOL, &quick, NULL, "the default decode and attention path only, no ~4K context"},
 		{"quant", OPT_BOOL, &quant, NULL, "GGUF Q4_K_M weights (Q4_K and Q6_K blocks) instead of BF16"},
 		{"profile", OPT_STRING, &profile, NULL,
@@ -573,6 +661,11 @@ int main(int argc, char **argv)
 		big_run(&b, BACKEND_GEMV_ROWS1, BACKEND_ATTN_DEFAULT, !quick, stdout);
 		if (!quick)
 			big_run(&b, BACKEND_GEMV_CUBLAS, BACKEND_ATTN_DEFAULT, false, stdout);
+		big_free(&b);
+		return 0;
+	}
+	if (batch) {
+		big_batch(&b);
 		big_free(&b);
 		return 0;
 	}
