@@ -16,11 +16,11 @@
  *  - end: the residual stream += sum.
  *
  *  - expert e on the CPU (moe_expert_cpu: the weight window left it in host memory, a decode step
- *    with backend_params.cpu_pool): noted in order; at moe_end, while the GPU computes the experts
- *    queued before, the pool computes each noted expert over its tokens' xn rows (copied down with
- *    the logits) as an ffn_share job of the whole expert, up to MOE_CPU_JOBS_MAX experts at once on
- *    slices of the pool's threads, the weighted rows summed on the host in expert order; the sum
- *    goes up and into the residual stream beside the GPU's.
+ *    with backend_params.cpu_pool): submitted to the pool at once, over its tokens' xn rows (copied
+ *    down with the logits), as an ffn_share job of the whole expert, up to MOE_CPU_JOBS_MAX experts
+ *    at once on slices of the pool's threads, so the CPU computes while the engine goes on with the
+ *    GPU's experts; at moe_end the jobs are collected in expert order (the weighted rows summed on
+ *    the host), and the sum goes up and into the residual stream beside the GPU's.
  *
  * Qwen3 (MODEL_QK_NORM): each head of q and k goes through its RMSNorm over head_dim (q_norm,
  * k_norm) after the projections and before RoPE (qk_norm_kernel, in place in qkv).
@@ -49,6 +49,7 @@ struct moe_cpu_expert {
 struct moe_cpu_job {
 	struct ffn_share *share;
 	struct ffn_share_job job;
+	struct task_job tj;		/* the pool's job */
 	float *x, *y;			/* (FFN_SPLIT_MAX_TOKENS, dim) */
 	uint32_t done, waiters, seq;	/* the job's completion word, its sleepers, the last value */
 };
@@ -82,8 +83,9 @@ struct cuda_moe {
 	bool xn_down;			/* h_xn holds this chunk's rows */
 	float *csum;			/* (FFN_SPLIT_MAX_TOKENS, dim) the CPU's sum */
 	float *csum_dev;		/* (FFN_SPLIT_MAX_TOKENS, dim) the CPU's sum, device memory */
-	struct moe_cpu_expert *cpu;	/* (E) the experts noted for the CPU this layer */
-	uint32_t n_cpu;
+	struct moe_cpu_expert *cpu;	/* (E) the experts noted for the CPU this layer, in order */
+	uint32_t n_cpu;			/* noted (and submitted) */
+	uint32_t collected;		/* of which waited for and added into csum */
 	uint64_t cpu_experts, cpu_ns, route_wait_ns; /* experts the CPU computed, and the host's times (all time) */	/* experts the CPU computed, and their time (all time) */
 };
 
@@ -310,9 +312,15 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 				 be->stream));
 	CUDA_TRY(be, "cudaMemsetAsync (experts' sum)",
 		 cudaMemsetAsync(m->sum, 0, (size_t)n * dim * sizeof(float), be->stream));
-	/* A decode step's rows for experts the CPU may compute. */
+	/* A decode step's rows for experts the CPU may compute. Jobs of a layer that failed half way
+	 * are waited for first: their slots and buffers are about to be reused. */
+	for (uint32_t i = m->collected; i < m->n_cpu; i++) {
+		struct moe_cpu_job *cj = &m->jobs[i % m->n_jobs];
+		task_word_wait(&cj->done, &cj->waiters, cj->seq, 50, 0);
+	}
 	m->xn_down = m->jobs && n <= FFN_SPLIT_MAX_TOKENS;
 	m->n_cpu = 0;
+	m->collected = 0;
 	if (m->xn_down)
 		CUDA_TRY(be, "cudaMemcpyAsync (experts' rows for the CPU)",
 			 cudaMemcpyAsync(m->h_xn, m->xn, (size_t)n * dim * sizeof(float), cudaMemcpyDeviceToHost,
@@ -422,6 +430,36 @@ static struct ffn_share_mat host_mat(const struct weight_tensor *t)
 	return mt;
 }
 
+static int cpu_part(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
+{
+	struct moe_cpu_job *cj = (struct moe_cpu_job *)arg;
+	return ffn_share_part(cj->share, &cj->job, cj->x, cj->y, part, n_parts, err, errlen);
+}
+
+/* Waits for CPU expert i (its job in slot i % n_jobs) and adds its weighted rows into csum. Experts
+ * are collected in the order they were noted: the sum's order. */
+static int cpu_collect(struct backend_dev *be, uint32_t i)
+{
+	struct cuda_moe *m = be->moe;
+	const uint32_t dim = be->cfg.dim;
+	const struct moe_cpu_expert *ce = &m->cpu[i];
+	struct moe_cpu_job *cj = &m->jobs[i % m->n_jobs];
+	task_word_wait(&cj->done, &cj->waiters, cj->seq, 50, 0);
+	if (cj->tj.rc)
+		return cuda_failf(be, cj->tj.rc, "cuda backend: expert %u on the CPU: %s", ce->expert, cj->tj.err);
+	const uint32_t o = m->off[ce->expert], cnt = m->off[ce->expert + 1] - o;
+	for (uint32_t r = 0; r < cnt; r++) {
+		float *dst = m->csum + (size_t)m->h_tok[o + r] * dim;
+		const float *y = cj->y + (size_t)r * dim, wt = m->h_tw[o + r];
+		for (uint32_t d = 0; d < dim; d++)
+			dst[d] += y[d] * wt;
+	}
+	m->cpu_experts++;
+	return 0;
+}
+
+/* Submitted at once, so the pool computes it while the engine goes on with the GPU's experts (whose
+ * copies pace it); its slot's previous job is collected first. */
 int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32_t expert)
 {
 	struct cuda_moe *m = be->moe;
@@ -430,70 +468,54 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	if (!m->xn_down)
 		return cuda_failf(be, -ENOTSUP, "cuda backend: expert %u on the CPU: a step of %u tokens (the CPU takes "
 				  "experts in steps of at most %u, with a CPU pool)", expert, be->n, FFN_SPLIT_MAX_TOKENS);
-	struct moe_cpu_expert *ce = &m->cpu[m->n_cpu++];
+	uint64_t t0 = now_ns();
+	const uint32_t i = m->n_cpu, dim = be->cfg.dim;
+	if (i == 0)
+		memset(m->csum, 0, (size_t)be->n * dim * sizeof(float));
+	if (i >= m->n_jobs && m->collected <= i - m->n_jobs) {
+		int rc = cpu_collect(be, i - m->n_jobs);
+		m->collected = i - m->n_jobs + 1;
+		if (rc)
+			return rc;
+	}
+	struct moe_cpu_expert *ce = &m->cpu[i];
 	ce->expert = expert;
 	ce->gate = host_mat(&w->t[ROLE_EXPERT_GATE]);
 	ce->up = host_mat(&w->t[ROLE_EXPERT_UP]);
 	ce->down = host_mat(&w->t[ROLE_EXPERT_DOWN]);
+	struct moe_cpu_job *cj = &m->jobs[i % m->n_jobs];
+	const uint32_t o = m->off[expert], cnt = m->off[expert + 1] - o;
+	for (uint32_t r = 0; r < cnt; r++)
+		memcpy(cj->x + (size_t)r * dim, m->h_xn + (size_t)m->h_tok[o + r] * dim, dim * sizeof(float));
+	ffn_share_job_init(&cj->job, &ce->gate, &ce->up, &ce->down, m->F, cnt, DT_F32);
+	memset(&cj->tj, 0, sizeof(cj->tj));
+	task_job_init(&cj->tj, cpu_part, cj, ffn_share_parts(cj->share), &cj->done, ++cj->seq);
+	cj->tj.done_waiters = &cj->waiters;
+	task_pool_submit(be->p.cpu_pool, &cj->tj); /* -ESHUTDOWN completes the job with its error */
+	m->n_cpu++;
+	m->cpu_ns += now_ns() - t0;
 	return 0;
 }
 
-static int cpu_part(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
-{
-	struct moe_cpu_job *cj = (struct moe_cpu_job *)arg;
-	return ffn_share_part(cj->share, &cj->job, cj->x, cj->y, part, n_parts, err, errlen);
-}
-
-/* The noted experts on the pool, n_jobs at a time, into csum (the host, in expert order); then
- * csum up. */
+/* The rest of the noted experts collected, in order; csum up. Every submitted job is waited for,
+ * a failed one included (its slot and buffers are reused by the next layer). */
 static int cpu_experts(struct backend_dev *be, float **sum_dev)
 {
 	struct cuda_moe *m = be->moe;
-	const uint32_t dim = be->cfg.dim, n = be->n;
 	uint64_t t0 = now_ns();
-	memset(m->csum, 0, (size_t)n * dim * sizeof(float));
-	struct task_job tj[MOE_CPU_JOBS_MAX];
-	for (uint32_t i0 = 0; i0 < m->n_cpu; i0 += m->n_jobs) {
-		uint32_t nb = m->n_cpu - i0 < m->n_jobs ? m->n_cpu - i0 : m->n_jobs;
-		for (uint32_t j = 0; j < nb; j++) {
-			const struct moe_cpu_expert *ce = &m->cpu[i0 + j];
-			struct moe_cpu_job *cj = &m->jobs[j];
-			const uint32_t o = m->off[ce->expert], cnt = m->off[ce->expert + 1] - o;
-			for (uint32_t r = 0; r < cnt; r++)
-				memcpy(cj->x + (size_t)r * dim, m->h_xn + (size_t)m->h_tok[o + r] * dim, dim * sizeof(float));
-			ffn_share_job_init(&cj->job, &ce->gate, &ce->up, &ce->down, m->F, cnt, DT_F32);
-			memset(&tj[j], 0, sizeof(tj[j]));
-			task_job_init(&tj[j], cpu_part, cj, ffn_share_parts(cj->share), &cj->done, ++cj->seq);
-			tj[j].done_waiters = &cj->waiters;
-			task_pool_submit(be->p.cpu_pool, &tj[j]); /* -ESHUTDOWN completes the job with its error */
-		}
-		int rc = 0;
-		for (uint32_t j = 0; j < nb; j++) {
-			struct moe_cpu_job *cj = &m->jobs[j];
-			task_word_wait(&cj->done, &cj->waiters, cj->seq, 50, 0);
-			if (tj[j].rc && !rc)
-				rc = cuda_failf(be, tj[j].rc, "cuda backend: expert %u on the CPU: %s", m->cpu[i0 + j].expert,
-						tj[j].err);
-		}
-		if (rc)
-			return rc;
-		for (uint32_t j = 0; j < nb; j++) {
-			const struct moe_cpu_expert *ce = &m->cpu[i0 + j];
-			const uint32_t o = m->off[ce->expert], cnt = m->off[ce->expert + 1] - o;
-			for (uint32_t r = 0; r < cnt; r++) {
-				float *dst = m->csum + (size_t)m->h_tok[o + r] * dim;
-				const float *y = m->jobs[j].y + (size_t)r * dim, wt = m->h_tw[o + r];
-				for (uint32_t d = 0; d < dim; d++)
-					dst[d] += y[d] * wt;
-			}
-		}
+	int rc = 0;
+	for (uint32_t i = m->collected; i < m->n_cpu; i++) {
+		int r = cpu_collect(be, i);
+		if (r && !rc)
+			rc = r;
 	}
-	m->cpu_experts += m->n_cpu;
+	m->collected = 0;
 	m->cpu_ns += now_ns() - t0;
-	char *h;
-	size_t off, bytes = (size_t)n * dim * sizeof(float);
-	int rc = up_alloc(be, bytes, &h, &off);
 	if (rc)
+		return rc;
+	char *h;
+	size_t off, bytes = (size_t)be->n * be->cfg.dim * sizeof(float);
+	if ((rc = up_alloc(be, bytes, &h, &off)))
 		return rc;
 	memcpy(h, m->csum, bytes);
 	if ((rc = up_send(be, m->csum_dev, h, off, bytes, "cudaMemcpyAsync (the CPU experts' sum)")))
