@@ -13,6 +13,8 @@
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"
 
+#include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Scores of one staged key row against the warp's query (both in shared memory). */
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	__shared__ int s_any;
 	const uint32_t nw = blockDim.x / 32, w = threadIdx.x / 32, lane = threadIdx.x % 32;
 	const uint32_t g = blockIdx.x / a.qtiles, qt = blockIdx.x % a.qtiles, split = blockIdx.y;
-	const uint32_t hd = a.head_dim, pairs_g = a.n * a.group;
+	const uint32_t hd = a.head_dim;
 	const size_t krow_bytes = hd * sizeof(KT) + 16, vrow_bytes = hd * sizeof(KT); /* +16: no bank conflicts */
 
 	uint64_t *koff = (uint64_t *)smem;			/* (TILE) element offset of each key's K row */
@@ -139,17 +141,30 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	const uint32_t *prefix = a.inline_spans ? a.prefix_in : a.prefix;
 	grid_launch_next();
 	grid_wait();
+	/* The run of rows this block serves: the call's, or sequence blockIdx.z's of several. */
+	uint32_t row0 = 0, nr = a.n, pos0 = a.pos0, n_spans = a.n_spans, total_keys = a.total_keys;
+	if (a.seqs) {
+		const struct attn_seq d = a.seqs[blockIdx.z];
+		row0 = d.row0;
+		nr = d.n;
+		pos0 = d.pos0;
+		n_spans = d.n_spans;
+		total_keys = d.total_keys;
+		spans = a.spans + d.span0;
+		prefix = a.prefix + d.prefix0;
+	}
+	const uint32_t pairs_g = nr * a.group;
 	const uint32_t k0 = split * a.keys_per_split;
-	const uint32_t k1 = min(k0 + a.keys_per_split, a.total_keys);
+	const uint32_t k1 = min(k0 + a.keys_per_split, total_keys);
 	/* The block's queries: for the tile skip test. */
 	const uint32_t lp0 = qt * nw, lp1 = min(lp0 + nw, pairs_g);
-	const uint32_t qlo = a.pos0 + lp0 / a.group, qhi = a.pos0 + (lp1 - 1) / a.group;
+	const uint32_t qlo = pos0 + lp0 / a.group, qhi = pos0 + (lp1 - 1) / a.group;
 
 	const uint32_t lp = lp0 + w;
 	const bool active = lp < pairs_g;
 	const uint32_t t = active ? lp / a.group : 0, h = g * a.group + (active ? lp % a.group : 0);
-	const uint32_t qpos = a.pos0 + t;
-	const size_t pair = (size_t)t * a.n_heads + h;
+	const uint32_t qpos = pos0 + t;
+	const size_t pair = (size_t)(row0 + t) * a.n_heads + h;
 	float *qw = qs + (size_t)w * hd;
 	float m = -INFINITY, l = 0.0f;
 	float2 acc[MAX_HEAD_DIM / 64];
@@ -158,7 +173,7 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 		acc[j] = make_float2(0.0f, 0.0f);
 	if (active) {
 		for (uint32_t d = lane; d < hd; d += 32)
-			qw[d] = a.q[(size_t)t * a.q_ld + (size_t)h * hd + d];
+			qw[d] = a.q[(size_t)(row0 + t) * a.q_ld + (size_t)h * hd + d];
 		if (!a.pm) {
 			m = a.m[pair];
 			l = a.l[pair];
@@ -171,7 +186,7 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 		}
 	}
 	if (threadIdx.x == 0)
-		s_cursor = span_of_key(prefix, a.n_spans, k0);
+		s_cursor = k0 < k1 ? span_of_key(prefix, n_spans, k0) : 0;
 	__syncthreads();
 
 	for (uint32_t kb = k0; kb < k1; kb += ATTN_TILE) {
@@ -279,14 +294,15 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	__shared__ uint32_t s_last;
 	__threadfence();
 	__syncthreads();
+	const uint32_t column = blockIdx.z * gridDim.x + blockIdx.x;
 	if (threadIdx.x == 0)
-		s_last = atomicAdd(&a.merge_count[blockIdx.x], 1u) == gridDim.y - 1;
+		s_last = atomicAdd(&a.merge_count[column], 1u) == gridDim.y - 1;
 	__syncthreads();
 	if (!s_last)
 		return;
 	__threadfence();
 	if (threadIdx.x == 0)
-		a.merge_count[blockIdx.x] = 0;
+		a.merge_count[column] = 0;
 	if (active)
 		merge_splits(a, pair, gridDim.y, lane);
 }
@@ -472,6 +488,7 @@ static int attention_rows(struct backend_dev *be, const struct kv_span *spans, u
 	a.merge_count = !mma && splits > 1 && be->fuse_x && base <= be->attn_count_n ? be->attn_count : NULL;
 	a.pl = be->pl;
 	a.pacc = be->pacc;
+	a.seqs = NULL;
 	dim3 grid(base, splits);
 	if (mma) {
 		attn_mma_launch(hd, a, grid, be->stream);
@@ -492,8 +509,161 @@ static int attention_rows(struct backend_dev *be, const struct kv_span *spans, u
 	return 0;
 }
 
+/* ---- decode rows of several sequences in one launch ---------------------------------------- */
+
+void attention_drop(struct backend_dev *be)
+{
+	be->pend_n = 0;
+	be->pend_nseq = 0;
+}
+
+/* Holds back the spans of a one-row run for attention_flush; 1 when held, 0 when the run is not
+ * for that (launched by the caller), < 0 on failure. */
+static int hold(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans, uint32_t r0)
+{
+	const struct model_config *c = &be->cfg;
+	if (be->n_runs < 2 || c->n_heads / c->n_kv_heads > ATTN_MAX_WARPS)
+		return 0;
+	/* A row's state is read and written by its blocks: one piece of it per launch. */
+	for (uint32_t i = 0; i < be->pend_nseq; i++) {
+		if (be->pend_seqs[i].row0 == r0) {
+			int rc = attention_flush(be);
+			if (rc)
+				return rc;
+			break;
+		}
+	}
+	if (be->pend_n + n_spans > be->pend_cap) {
+		uint32_t cap = be->pend_n + n_spans > 2 * be->pend_cap ? be->pend_n + n_spans : 2 * be->pend_cap;
+		struct kv_span *ns = (struct kv_span *)realloc(be->pend_spans, (size_t)cap * sizeof(*ns));
+		if (!ns)
+			return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for %u spans of decode attention", cap);
+		be->pend_spans = ns;
+		be->pend_cap = cap;
+	}
+	uint64_t total = 0;
+	for (uint32_t s = 0; s < n_spans; s++)
+		total += spans[s].n_tokens;
+	if (total > UINT32_MAX - 2 * ATTN_TILE)
+		return cuda_failf(be, -EINVAL, "cuda backend: attn_blocks(layer %u): %llu keys in one call, at most %u",
+				  be->layer, (unsigned long long)total, UINT32_MAX - 2 * ATTN_TILE);
+	memcpy(be->pend_spans + be->pend_n, spans, (size_t)n_spans * sizeof(*spans));
+	be->pend_seqs[be->pend_nseq++] = (struct attn_seq){.row0 = r0, .n = 1, .pos0 = be->pos[r0],
+							     .span0 = be->pend_n, .prefix0 = 0, .n_spans = n_spans,
+							     .total_keys = (uint32_t)total};
+	be->pend_n += n_spans;
+	return 1;
+}
+
+int attention_flush(struct backend_dev *be)
+{
+	const uint32_t ns = be->pend_nseq;
+	if (!ns)
+		return 0;
+	const struct model_config *c = &be->cfg;
+	uint32_t max_keys = 0, n_prefix = 0;
+	for (uint32_t i = 0; i < ns; i++) {
+		struct attn_seq *d = &be->pend_seqs[i];
+		d->prefix0 = n_prefix;
+		n_prefix += d->n_spans + 1;
+		max_keys = d->total_keys > max_keys ? d->total_keys : max_keys;
+	}
+	/* One copy up: the spans, their key offsets (each sequence's from 0), the sequences. */
+	size_t sbytes = ((size_t)be->pend_n * sizeof(struct kv_span) + 15) / 16 * 16;
+	size_t pbytes = ((size_t)n_prefix * sizeof(uint32_t) + 15) / 16 * 16;
+	size_t bytes = sbytes + pbytes + (size_t)ns * sizeof(struct attn_seq);
+	if (bytes > be->spanbuf_bytes) {
+		size_t cap = bytes > 2 * be->spanbuf_bytes ? bytes : 2 * be->spanbuf_bytes;
+		void *nb;
+		CUDA_TRY(be, "cudaMallocAsync (span list)", cudaMallocAsync(&nb, cap, be->stream));
+		CUDA_TRY(be, "cudaFreeAsync (span list)", cudaFreeAsync(be->spanbuf, be->stream));
+		be->spanbuf = nb;
+		be->spanbuf_bytes = cap;
+	}
+	char *h;
+	size_t off;
+	int rc = up_alloc(be, bytes, &h, &off);
+	if (rc)
+		return rc;
+	memcpy(h, be->pend_spans, (size_t)be->pend_n * sizeof(struct kv_span));
+	uint32_t *prefix = (uint32_t *)(h + sbytes);
+	for (uint32_t i = 0; i < ns; i++) {
+		const struct attn_seq *d = &be->pend_seqs[i];
+		uint32_t acc = 0;
+		for (uint32_t s = 0; s < d->n_spans; s++) {
+			prefix[d->prefix0 + s] = acc;
+			acc += be->pend_spans[d->span0 + s].n_tokens;
+		}
+		prefix[d->prefix0 + d->n_spans] = acc;
+	}
+	memcpy(h + sbytes + pbytes, be->pend_seqs, (size_t)ns * sizeof(struct attn_seq));
+	rc = up_send(be, be->spanbuf, h, off, bytes, "cudaMemcpyAsync (decode spans)");
+	if (rc)
+		return rc;
+
+	attn_args a;
+	memset(&a, 0, offsetof(attn_args, span_in));
+	uint32_t group = c->n_heads / c->n_kv_heads, hd = c->head_dim;
+	uint32_t nw = group, qtiles = 1, base = c->n_kv_heads * qtiles;
+	/* Split the keys only while the sequences leave the GPU mostly idle, and only as far as the
+	 * partial buffers (every row of the step) and the merge counters go. */
+	uint32_t tiles = (max_keys + ATTN_TILE - 1) / ATTN_TILE, pairs = be->n * c->n_heads;
+	uint32_t splits = (ATTN_BLOCKS_PER_SM * (uint32_t)be->sm_count + base * ns - 1) / (base * ns);
+	if (splits > tiles)
+		splits = tiles;
+	if (splits > ATTN_MAX_SPLITS)
+		splits = ATTN_MAX_SPLITS;
+	if (splits > be->part_cap / pairs)
+		splits = be->part_cap / pairs;
+	if (!be->fuse_x || base * ns > be->attn_count_n)
+		splits = 1;
+	if (splits < 1)
+		splits = 1;
+	uint32_t kps = (tiles + splits - 1) / splits * ATTN_TILE;
+	splits = max_keys ? (max_keys + kps - 1) / kps : 1;
+	a.q = be->qkv;
+	a.q_ld = be->qkv_ld;
+	a.arena = be->arena;
+	a.block_elems = be->block_elems;
+	a.block_tokens = be->p.block_tokens;
+	a.kv_dim = be->kv_dim;
+	a.spans = (const struct kv_span *)be->spanbuf;
+	a.prefix = (const uint32_t *)((const char *)be->spanbuf + sbytes);
+	a.seqs = (const struct attn_seq *)((const char *)be->spanbuf + sbytes + pbytes);
+	a.inline_spans = 0;
+	a.n_spans = 0; /* each sequence's own: seqs */
+	a.total_keys = 0;
+	a.pos0 = 0;
+	a.keys_per_split = kps;
+	a.n = be->n;
+	a.n_heads = c->n_heads;
+	a.group = group;
+	a.head_dim = hd;
+	a.window = c->sliding_window;
+	a.qtiles = qtiles;
+	a.scale = be->scale;
+	a.m = be->st_m;
+	a.l = be->st_l;
+	a.acc = be->st_acc;
+	a.pm = splits > 1 ? be->pm : NULL;
+	a.pl = be->pl;
+	a.pacc = be->pacc;
+	a.merge_count = splits > 1 ? be->attn_count : NULL;
+	dim3 grid(base, splits, ns);
+	size_t smem = attn_smem_bytes(hd, be->kv_esize, nw);
+	if (be->p.kv_dtype == DT_BF16)
+		launch_k(be->pdl, attn_kernel<__nv_bfloat16>, grid, nw * 32, smem, be->stream, a);
+	else
+		launch_k(be->pdl, attn_kernel<float>, grid, nw * 32, smem, be->stream, a);
+	LAUNCHED(be, "attn_kernel (several sequences)");
+	attention_drop(be);
+	return 0;
+}
+
 /* The spans of one call may be for several sequences' rows (kv_span's rows): a launch per run of
- * spans with the same rows. Spans for every row (n_rows 0) take the whole step. */
+ * spans with the same rows, except the one-row runs of a step of several sequences (decode),
+ * which wait for attention_flush to go in one launch. Spans for every row (n_rows 0) take the
+ * whole step. */
 int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans)
 {
 	for (uint32_t s = 0; s < n_spans;) {
@@ -501,8 +671,10 @@ int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32
 		while (e < n_spans && spans[e].row0 == spans[s].row0 && spans[e].n_rows == spans[s].n_rows)
 			e++;
 		uint32_t r0 = spans[s].n_rows ? spans[s].row0 : 0, nr = spans[s].n_rows ? spans[s].n_rows : be->n;
-		int rc = attention_rows(be, spans + s, e - s, r0, nr, be->pos[r0]);
-		if (rc)
+		int rc = nr == 1 && spans[s].n_rows ? hold(be, spans + s, e - s, r0) : 0;
+		if (rc < 0)
+			return rc;
+		if (!rc && (rc = attention_rows(be, spans + s, e - s, r0, nr, be->pos[r0])) != 0)
 			return rc;
 		s = e;
 	}

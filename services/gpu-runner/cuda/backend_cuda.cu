@@ -166,6 +166,7 @@ static int set_batch(struct backend_dev *be, const struct backend_batch *b)
 	if (runs > ROPE_MAX_RUNS_INLINE)
 		return cuda_failf(be, -EINVAL, "cuda backend: a step of %u sequences; at most %u", runs,
 				  ROPE_MAX_RUNS_INLINE);
+	attention_drop(be); /* held back by a step that failed on the way */
 	be->n = b->n;
 	be->pos0 = b->pos[0];
 	be->n_runs = 0;
@@ -224,9 +225,23 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 		return rc;
 
 	/* Destinations of each sequence's rows: (2, its n) blocks then rows, in the RoPE kernel's
-	 * parameters when few, else up first (each into its own part of be->dst). */
+	 * parameters when few, else up first (each into its own part of be->dst). Several sequences:
+	 * every row's block, row and position up at once, one launch for all of them. */
 	rope_args ra[ROPE_MAX_RUNS_INLINE];
 	uint32_t n_launch = be->n_runs; /* <= ROPE_MAX_RUNS_INLINE: set_batch */
+	const bool multi = be->n_runs > 1;
+	if (multi) {
+		char *h;
+		size_t off, bytes = 3 * (size_t)n * sizeof(uint32_t);
+		if ((rc = up_alloc(be, bytes, &h, &off)) != 0)
+			return rc;
+		memcpy(h, dst_block, n * sizeof(uint32_t));
+		memcpy(h + n * sizeof(uint32_t), dst_row, n * sizeof(uint32_t));
+		memcpy(h + 2 * n * sizeof(uint32_t), be->pos, n * sizeof(uint32_t));
+		if ((rc = up_send(be, be->dst_pos, h, off, bytes, "cudaMemcpyAsync (KV destinations)")) != 0)
+			return rc;
+		n_launch = 0;
+	}
 	for (uint32_t k = 0; k < n_launch; k++) {
 		uint32_t r0 = be->run_row0[k], rn = be->run_n[k];
 		ra[k].dst = be->dst + 2 * (size_t)r0;
@@ -280,8 +295,31 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 		ra[k].m = be->st_m + (size_t)r0 * c->n_heads;
 		ra[k].l = be->st_l + (size_t)r0 * c->n_heads;
 		ra[k].acc = be->st_acc + (size_t)r0 * c->n_heads * c->head_dim;
+		ra[k].pos = NULL;
 		rope_launch(be->p.kv_dtype, ra[k], be->pdl, be->stream);
 		LAUNCHED(be, "rope_kernel");
+	}
+	if (multi) {
+		rope_args m;
+		memset(&m, 0, sizeof(m));
+		m.qkv = be->qkv;
+		m.ld = be->qkv_ld;
+		m.inv_freq = be->inv_freq;
+		m.dst = be->dst_pos;
+		m.pos = be->dst_pos + 2 * (size_t)n;
+		m.arena = be->arena;
+		m.block_elems = be->block_elems;
+		m.block_tokens = be->p.block_tokens;
+		m.n_heads = c->n_heads;
+		m.n_kv_heads = c->n_kv_heads;
+		m.head_dim = c->head_dim;
+		m.n = n;
+		m.adjacent = c->rope_layout == ROPE_ADJACENT;
+		m.m = be->st_m;
+		m.l = be->st_l;
+		m.acc = be->st_acc;
+		rope_launch(be->p.kv_dtype, m, be->pdl, be->stream);
+		LAUNCHED(be, "rope_kernel (several sequences)");
 	}
 	be->layer = layer;
 	be->attn_act = at;
@@ -300,6 +338,9 @@ static int cuda_attn_end(struct backend_dev *be, const struct group_weights *w)
 	struct mm_part o = part(w, ROLE_WO, c->dim, be->x);
 	struct xsrc src;
 	memset(&src, 0, sizeof(src));
+	int frc = attention_flush(be);
+	if (frc)
+		return frc;
 	if (be->n == 1 && qgemv_fuses_x(be, be->q_dim, &o, 1)) {
 		/* The attention output is computed as o_proj stages its x. */
 		src.kind = XSRC_ATTN;
@@ -490,6 +531,8 @@ static void cuda_destroy(struct backend_dev **bep)
 	free(be->run_n);
 	free(be->run_pos0);
 	free(be->pos);
+	free(be->pend_seqs);
+	free(be->pend_spans);
 	cudaFree(be->st_m);
 	cudaFree(be->st_l);
 	cudaFree(be->st_acc);
@@ -497,6 +540,7 @@ static void cuda_destroy(struct backend_dev **bep)
 	cudaFree(be->pl);
 	cudaFree(be->pacc);
 	cudaFree(be->dst);
+	cudaFree(be->dst_pos);
 	cudaFree(be->attn_count);
 	cudaFree(be->status);
 	cudaFreeHost(be->h_status);
@@ -611,7 +655,8 @@ static int create_device(struct backend_dev *be)
 	be->run_n = (uint32_t *)calloc(mc, sizeof(uint32_t));
 	be->run_pos0 = (uint32_t *)calloc(mc, sizeof(uint32_t));
 	be->pos = (uint32_t *)calloc(mc, sizeof(uint32_t));
-	if (!be->run_row0 || !be->run_n || !be->run_pos0 || !be->pos)
+	be->pend_seqs = (struct attn_seq *)calloc(mc, sizeof(struct attn_seq));
+	if (!be->run_row0 || !be->run_n || !be->run_pos0 || !be->pos || !be->pend_seqs)
 		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for the batch's tables");
 	/* The dequantization scratch of prefill products with block-quantized weights: the largest
 	 * matrix of a layer (gate/up/down of a Llama), capped; lm_head goes through in row chunks.
@@ -631,6 +676,7 @@ static int create_device(struct backend_dev *be)
 	    (rc = dev_alloc(be, (void **)&be->pl, be->part_cap, 1, sizeof(float), "split attention")) ||
 	    (rc = dev_alloc(be, (void **)&be->pacc, be->part_cap, c->head_dim, sizeof(float), "split attention")) ||
 	    (rc = dev_alloc(be, (void **)&be->dst, 2 * mc, 1, sizeof(uint32_t), "KV destinations")) ||
+	    (rc = dev_alloc(be, (void **)&be->dst_pos, 3 * mc, 1, sizeof(uint32_t), "KV destinations")) ||
 	    (rc = dev_alloc(be, (void **)&be->attn_count, ATTN_MERGE_COUNTERS, 1, sizeof(uint32_t),
 			    "attention merge counters")) ||
 	    (rc = dev_alloc(be, (void **)&be->status, 1, 1, sizeof(struct dev_status), "the status word")))

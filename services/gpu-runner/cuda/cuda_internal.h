@@ -152,6 +152,12 @@ struct backend_dev {
 	uint32_t *attn_count;	/* (attn_count_n) split attention's merge counters, zeroed at create */
 	uint32_t attn_count_n;
 	uint32_t *dst;		/* (2, max_chunk) destination blocks, then rows */
+	uint32_t *dst_pos;	/* (3, max_chunk) the same, then each row's position: RoPE over several sequences */
+	/* Decode attention held back for one launch (attention_flush): host memory. */
+	struct kv_span *pend_spans;
+	uint32_t pend_n, pend_cap;
+	struct attn_seq *pend_seqs; /* (max_chunk) */
+	uint32_t pend_nseq;
 	void *spanbuf;		/* spans, then their key offsets (prefix sums) */
 	size_t spanbuf_bytes;
 	struct dev_status *status;
@@ -387,6 +393,8 @@ struct rope_args {
 	uint32_t block_tokens, n_heads, n_kv_heads, head_dim, pos0, n;
 	uint32_t adjacent;	/* cfg.rope_layout == ROPE_ADJACENT: pairs (2i, 2i + 1), else (i, i + hd/2) */
 	float *m, *l, *acc;	/* running attention state, reset here */
+	const uint32_t *pos;	/* (n) each row's position (device memory; rows of several sequences), or
+				 * NULL: pos0 + t, and dst as above */
 };
 
 /* RMSNorm of rows [row0, row0 + rows) of be->x into be->xa (from its start) in dtype ot. */
@@ -405,6 +413,13 @@ void silu_mul_launch(uint32_t ot, const float *gu, uint32_t ffn, size_t count, v
 
 /* ---- attention.cu, attention_mma.cu -------------------------------------------------------- */
 
+/* One sequence's run of rows in a launch over several (attn_args.seqs): its spans are
+ * spans[span0, span0 + n_spans), their key offsets prefix[prefix0, prefix0 + n_spans]. */
+struct attn_seq {
+	uint32_t row0, n, pos0;
+	uint32_t span0, prefix0, n_spans, total_keys;
+};
+
 struct attn_args {
 	const float *q;		/* qkv: token t's query heads at t * q_ld */
 	uint32_t q_ld;
@@ -422,6 +437,10 @@ struct attn_args {
 	float *m, *l, *acc;	/* running state (token, head) */
 	float *pm, *pl, *pacc;	/* partial state (split, token, head), NULL with one split */
 	uint32_t *merge_count;	/* per block column: splits done, 0 between calls; NULL: attn_combine_kernel merges */
+	/* Several sequences' runs in one launch (attention_flush), NULL otherwise: sequence
+	 * blockIdx.z is seqs[blockIdx.z]; n is then the step's rows, q and m, l, acc its first row's,
+	 * and n_spans, total_keys, pos0 and the inline spans unused. */
+	const struct attn_seq *seqs;
 };
 
 /* Bytes of dynamic shared memory of an attention block of nw warps. */
@@ -430,6 +449,12 @@ size_t attn_smem_bytes(uint32_t hd, size_t esize, uint32_t nw);
 cudaError_t attn_allow_smem(uint32_t kv_dtype, size_t bytes);
 /* attn_blocks: the spans up, the key range split over blocks, the kernels queued. */
 int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans);
+/* Launches the decode attention attention_blocks has held back (the one-row runs of a step of
+ * several sequences: one launch for all of them); a no-op when none waits. Called before
+ * anything reads the attention state or writes the arena (attn_end, the KV copies). */
+int attention_flush(struct backend_dev *be);
+/* Forgets what is held back (a new step; the last one failed on the way). */
+void attention_drop(struct backend_dev *be);
 /* attn_end's first half: att = acc / l per (token, head) into be->xa in dtype ot. */
 void attn_out_launch(uint32_t ot, const struct backend_dev *be, cudaStream_t s);
 /* The tensor-core kernel for head_dim hd (64 or 128). */

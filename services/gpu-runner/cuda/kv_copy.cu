@@ -18,6 +18,9 @@ static size_t cuda_kv_block_bytes(const struct model_config *cfg, const struct b
  * then one wait. */
 static int cuda_kv_to_host(struct backend_dev *be, uint32_t n, const uint32_t *blocks, void *const *dsts)
 {
+	int frc = attention_flush(be); /* held-back attention first: it reads blocks this may overwrite */
+	if (frc)
+		return frc;
 	size_t bytes = be->block_elems * be->kv_esize;
 	for (uint32_t i = 0; i < n; i++) {
 		CUDA_TRY(be, "cudaMemcpyAsync (kv_to_host)",
@@ -118,6 +121,9 @@ static void cuda_unpin_host(struct backend_dev *be, void *p)
  * costs more than a small block's copy). */
 static int cuda_kv_from_host(struct backend_dev *be, uint32_t n, const uint32_t *blocks, const void *const *srcs)
 {
+	int frc = attention_flush(be); /* held-back attention first: it reads blocks this may overwrite */
+	if (frc)
+		return frc;
 	size_t bytes = be->block_elems * be->kv_esize;
 	for (uint32_t i = 0; i < n; i++) {
 		int grc = kv_d2h_guard(be, 1, &blocks[i]);
@@ -137,6 +143,9 @@ static int cuda_kv_from_host(struct backend_dev *be, uint32_t n, const uint32_t 
 static int cuda_kv_prefetch(struct backend_dev *be, uint32_t n, const uint32_t *blocks, const void *const *srcs,
 			    uint32_t slot)
 {
+	int frc = attention_flush(be); /* held-back attention first: it reads blocks this may overwrite */
+	if (frc)
+		return frc;
 	if (!be->kv_h2d) {
 		CUDA_TRY(be, "cudaStreamCreateWithFlags (KV H2D)", cudaStreamCreateWithFlags(&be->kv_h2d, cudaStreamNonBlocking));
 		CUDA_TRY(be, "cudaEventCreateWithFlags (KV order)",
@@ -161,6 +170,9 @@ static int cuda_kv_prefetch(struct backend_dev *be, uint32_t n, const uint32_t *
 
 static int cuda_kv_sync(struct backend_dev *be)
 {
+	int frc = attention_flush(be); /* held-back attention first: it reads blocks this may overwrite */
+	if (frc)
+		return frc;
 	CUDA_TRY(be, "cudaStreamSynchronize (KV sync)", cudaStreamSynchronize(be->stream));
 	if (be->kv_d2h)
 		CUDA_TRY(be, "cudaStreamSynchronize (KV D2H)", cudaStreamSynchronize(be->kv_d2h));

@@ -63,9 +63,12 @@ template <typename KT> __global__ void __launch_bounds__(256) rope_kernel(const 
 {
 	__shared__ float cs[MAX_HEAD_DIM / 2], sn[MAX_HEAD_DIM / 2];
 	const uint32_t t = blockIdx.x, hd = a.head_dim, half = hd / 2;
-	const uint32_t pos = a.pos0 + t, kv_dim = a.n_kv_heads * hd;
-	const uint32_t *dst = a.n <= ROPE_INLINE_TOKENS ? a.dst_in : a.dst;
+	const uint32_t kv_dim = a.n_kv_heads * hd;
+	const uint32_t *dst = !a.pos && a.n <= ROPE_INLINE_TOKENS ? a.dst_in : a.dst;
 	grid_launch_next();
+	if (a.pos)
+		grid_wait(); /* the positions come with the copy before the kernel */
+	const uint32_t pos = a.pos ? a.pos[t] : a.pos0 + t;
 	for (uint32_t j = threadIdx.x; j < half; j += blockDim.x) {
 		float angle = __fmul_rn(__uint2float_rn(pos), a.inv_freq[j]);
 		double s, c;

@@ -835,8 +835,8 @@ static void batch_open(struct runner *r, const char *name, const struct tmodel *
 }
 
 /* One step over the sequences' runs, as the engine batches them: even layers attend a sequence a
- * call, odd ones every sequence's spans in one call; logits of each sequence's last row (n_seqs x
- * vocab). */
+ * call (odd sequences in two), odd ones every sequence's spans in one call; logits of each
+ * sequence's last row (n_seqs x vocab). */
 static void batch_step(struct runner *r, const struct bseq *sq, uint32_t n_seqs, float *logits)
 {
 	const struct tmodel *m = r->m;
@@ -869,7 +869,12 @@ static void batch_step(struct runner *r, const struct bseq *sq, uint32_t n_seqs,
 							       .pos0 = k * bt, .n_tokens = end - k * bt < bt ? end - k * bt : bt,
 							       .row0 = row, .n_rows = sq[s].n};
 			if (l % 2 == 0) {
-				CHECK_RC(r, backend_attn_blocks(r->be, spans, ns));
+				/* Odd sequences' spans in two calls (the KV cache cuts them so when the arena
+				 * is short): a row's second piece after its first. */
+				uint32_t half = s % 2 == 1 && ns > 1 ? ns / 2 : 0;
+				if (half)
+					CHECK_RC(r, backend_attn_blocks(r->be, spans, half));
+				CHECK_RC(r, backend_attn_blocks(r->be, spans + half, ns - half));
 				ns = 0;
 			}
 		}
