@@ -2,7 +2,7 @@
 # http_load: http-api under load, on loopback. An instance with --http and a queue (--max-queue 64)
 # deep enough for 32 clients at once; http_load_client.py (Python's standard library) first sends
 # each of 8 request shapes alone (completions and chat, greedy and seeded, max_tokens 1..24,
-# streamed and not) for its reference answer, then 400 requests drawn from them, 32 at a time,
+# streamed and not) for its reference answer, then 500 requests drawn from them, 32 at a time,
 # streamed or not, one in 10 a client that closes its socket after its stream's first event. Every
 # other answer is complete, well formed and the same as its shape's reference. Afterwards /metrics
 # shows nothing in flight or queued, every request counted (a client that went away under the 200
@@ -11,8 +11,7 @@
 # back to what they were before the load; gpu-runner ran one generation per request and holds
 # nothing queued and no more GPU KV blocks in use than before; kv-store has no block pinned, being
 # written or read back, nor referenced, more than before; each shape alone gets its reference again.
-# 400 requests, not the issue's 500: 500 took a minute of load alone on two cores (about 8 a second,
-# one generation at a time); HTTP_LOAD_COUNT and HTTP_LOAD_SEED change the load.
+# HTTP_LOAD_COUNT and HTTP_LOAD_SEED change the load.
 source "$(dirname "$0")/lib.sh"
 if ! command -v python3 >/dev/null; then
 	echo "[http_load] SKIP: python3 is not installed"
@@ -20,7 +19,7 @@ if ! command -v python3 >/dev/null; then
 fi
 it_http_setup http_load
 CLIENT=$(dirname "$0")/http_load_client.py
-COUNT=${HTTP_LOAD_COUNT:-400}
+COUNT=${HTTP_LOAD_COUNT:-500}
 CONCURRENCY=32
 CUT_EVERY=10
 SEED=${HTTP_LOAD_SEED:-$RANDOM}
