@@ -51,11 +51,12 @@ static const char *wait_error(int rc)
 				  : strerror(-rc);
 }
 
-/* Reads the replies of the commits sent so far. Returns 0, or the first refusal. */
-static int drain(struct kv_remote *kr)
+/* Reads the replies of the oldest n commits sent (replies come in order). Returns 0, or the
+ * first refusal. */
+static int drain_n(struct kv_remote *kr, uint32_t n)
 {
 	int rc = 0;
-	for (uint32_t i = 0; i < kr->n_pending; i++) {
+	for (uint32_t i = 0; i < n; i++) {
 		struct msg rep;
 		int r = wait_reply(kr, kr->pending[i], &rep);
 		if (r == -EREMOTEIO) {
@@ -73,8 +74,15 @@ static int drain(struct kv_remote *kr)
 			msg_free(&rep);
 		}
 	}
-	kr->n_pending = 0;
+	memmove(kr->pending, kr->pending + n, (kr->n_pending - n) * sizeof(kr->pending[0]));
+	kr->n_pending -= n;
 	return rc;
+}
+
+/* Reads the replies of the commits sent so far. */
+static int drain(struct kv_remote *kr)
+{
+	return drain_n(kr, kr->n_pending);
 }
 
 /* One request; the reply must be of type `want`. Returns 0 with rep to free, or -errno. */
@@ -151,9 +159,8 @@ static int blocks_reply(struct kv_remote *kr, const struct msg *rep, uint32_t n,
 	return rc;
 }
 
-static int op_alloc(void *ctx, uint32_t n, uint64_t *handles, void **ptrs)
+static int alloc_rpc(struct kv_remote *kr, uint32_t n, uint64_t *handles, void **ptrs)
 {
-	struct kv_remote *kr = ctx;
 	struct msg req, rep;
 	msg_init(&req, MSG_KV_ALLOC, 0);
 	req.kv_alloc.count = n;
@@ -163,6 +170,35 @@ static int op_alloc(void *ctx, uint32_t n, uint64_t *handles, void **ptrs)
 	rc = blocks_reply(kr, &rep, n, NULL, handles, ptrs);
 	msg_free(&rep);
 	return rc;
+}
+
+static uint32_t op_max_batch(void *ctx);
+
+/* Decode's few blocks come from the stash, which is filled up to KV_STASH_BLOCKS when short (with
+ * only what is needed when the pool has no room for more); larger requests (prefill) go as they
+ * are. */
+static int op_alloc(void *ctx, uint32_t n, uint64_t *handles, void **ptrs)
+{
+	struct kv_remote *kr = ctx;
+	if (!kr->h || kr->h->n_slots < KV_STASH_MIN_POOL || n > KV_STASH_BLOCKS / 2 || n > op_max_batch(kr))
+		return alloc_rpc(kr, n, handles, ptrs);
+	if (kr->n_stash < n) {
+		uint32_t need = n - kr->n_stash, want = KV_STASH_BLOCKS - kr->n_stash;
+		if (want > op_max_batch(kr))
+			want = op_max_batch(kr) > need ? op_max_batch(kr) : need;
+		int rc = alloc_rpc(kr, want, kr->stash_h + kr->n_stash, kr->stash_p + kr->n_stash);
+		if (rc == -ENOSPC && want > need) {
+			want = need;
+			rc = alloc_rpc(kr, want, kr->stash_h + kr->n_stash, kr->stash_p + kr->n_stash);
+		}
+		if (rc)
+			return rc;
+		kr->n_stash += want;
+	}
+	kr->n_stash -= n;
+	memcpy(handles, kr->stash_h + kr->n_stash, n * sizeof(*handles));
+	memcpy(ptrs, kr->stash_p + kr->n_stash, n * sizeof(*ptrs));
+	return 0;
 }
 
 static int simple(struct kv_remote *kr, uint32_t type, uint32_t n, const uint64_t *handles)
@@ -182,7 +218,8 @@ static int send_commit(struct kv_remote *kr, uint32_t n, const uint64_t *handles
 		       const char *events)
 {
 	if (kr->n_pending == sizeof(kr->pending) / sizeof(kr->pending[0])) {
-		int rc = drain(kr);
+		/* The older half: their copies are likely done, where the newest may not have begun. */
+		int rc = drain_n(kr, kr->n_pending / 2);
 		if (rc)
 			return rc;
 	}
@@ -320,7 +357,8 @@ static int op_unpin(void *ctx, uint32_t n, const uint64_t *handles)
 	if (!kr->h)
 		return set_err(kr, -ENOTCONN, "not connected to kv-store");
 	if (kr->n_pending == sizeof(kr->pending) / sizeof(kr->pending[0])) {
-		int rc = drain(kr);
+		/* The older half: their copies are likely done, where the newest may not have begun. */
+		int rc = drain_n(kr, kr->n_pending / 2);
 		if (rc)
 			return rc;
 	}
@@ -400,11 +438,24 @@ const struct kv_remote_ops kv_remote_ops_pool = {
 	.error = op_error,
 };
 
+int kv_remote_release_stash(struct kv_remote *kr)
+{
+	uint32_t n = kr->n_stash;
+	kr->n_stash = 0;
+	if (!n || kv_remote_lost(kr))
+		return 0; /* a kv-store that went away took them with it */
+	return simple(kr, MSG_KV_FREE, n, kr->stash_h);
+}
+
 int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t block_bytes, uint64_t manifest_hash,
 		      int timeout_ms, bool *same_pool, char *err, size_t errlen)
 {
 	uint64_t old_epoch = kr->h ? kr->pool_epoch : 0;
 	bool had = kr->h != NULL;
+	/* Blocks allocated ahead on the last connection: handed back below when the pool is the same
+	 * (a kv-store that adopted it may have dropped them: a refusal is no matter), else gone. */
+	uint32_t old_stash = kr->n_stash;
+	kr->n_stash = 0;
 	kv_remote_disconnect(kr);
 	kr->client = client;
 	kr->timeout_ms = timeout_ms;
@@ -454,6 +505,8 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 	if (same_pool)
 		*same_pool = had && old_epoch == kr->pool_epoch;
 	msg_free(&rep);
+	if (old_stash && had && old_epoch == kr->pool_epoch && simple(kr, MSG_KV_FREE, old_stash, kr->stash_h) != 0)
+		kr->error[0] = '\0';
 	return 0;
 }
 

@@ -15,8 +15,10 @@
  *
  * Commits and unpins are write-behind: commit sends MSG_KV_COMMIT (unpin MSG_KV_UNPIN) and
  * returns; its reply is collected before the next request to the kv-store (replies come in
- * order), so the kv-store checksums while the runner computes. A refusal surfaces as the error
- * of that next request.
+ * order), or the older half of them when KV_EVENTS_IN_FLIGHT are unanswered, so the kv-store
+ * checksums while the runner computes. A refusal surfaces as the error of that next request.
+ * Decode's blocks come from a stash allocated ahead, so a layer's commit makes no request that
+ * would wait for those replies.
  */
 #ifndef GPU_RUNNER_KV_REMOTE_H
 #define GPU_RUNNER_KV_REMOTE_H
@@ -31,6 +33,9 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+#define KV_STASH_BLOCKS 64
+#define KV_STASH_MIN_POOL 4096
 
 struct kv_remote {
 	struct rpc_client *client; /* borrowed */
@@ -56,6 +61,14 @@ struct kv_remote {
 	bool defer_commits;
 	struct kv_deferred *deferred; /* blocks committed, not yet told */
 	uint32_t n_deferred, cap_deferred;
+	/* Blocks allocated ahead for the commits of decode (a block or two a layer): an ALLOC waits
+	 * for the replies of every commit sent before it, and the kv-store answers a commit only once
+	 * its copy is done, so an ALLOC a layer made the runner wait for the GPU a layer. With a pool
+	 * of at least KV_STASH_MIN_POOL blocks, up to KV_STASH_BLOCKS are held for this; an idle
+	 * runner hands them back (kv_remote_release_stash). */
+	uint64_t stash_h[KV_STASH_BLOCKS];
+	void *stash_p[KV_STASH_BLOCKS];
+	uint32_t n_stash;
 };
 
 /* A commit held back (defer_commits): one block. */
@@ -79,6 +92,9 @@ int kv_remote_flush_commits(struct kv_remote *kr);
 /* Forgets them (their step failed: its KV is not to be kept; the blocks stay the store's until the
  * session that allocated them ends). */
 void kv_remote_drop_commits(struct kv_remote *kr);
+/* Hands the blocks allocated ahead back to the kv-store (the runner is idle). Returns 0 or
+ * -errno with kr->error set; the stash is empty either way. */
+int kv_remote_release_stash(struct kv_remote *kr);
 bool kv_remote_owner_alive(const struct kv_remote *kr);
 /* Whether the connection needs kv_remote_connect again: the pool's owner is gone, or a request
  * went unanswered. A refusal (MSG_ERROR) leaves the connection good. */

@@ -184,6 +184,9 @@ int runner_job_prepare(struct runner *r, struct job *j, char *err, size_t errlen
 
 int runner_release_weights(struct runner *r, bool stopping, char *err, size_t errlen)
 {
+	/* The KV blocks allocated ahead go back too: an idle runner holds none (kv_remote.h). */
+	if (kv_remote_release_stash(&r->kv) != 0)
+		log_warn("handing back the KV blocks allocated ahead: %s", r->kv.error);
 	/* Hand streamed groups back; a dead loader would only make the client wait a timeout, and
 	 * a runner that stops needs not (the loader drops them at the next runner's HELLO). */
 	int wrc = !stopping && ring_source_owner_alive(r->ring) ? runner_weights(r)->ops->release_all(runner_weights(r)) : 0;

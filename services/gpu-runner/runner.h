@@ -189,8 +189,8 @@ void runner_job_reply(struct runner *r, struct job *j, int rc, const struct gen_
 void runner_job_free(struct job *j);
 /* gen_params callbacks, their context the job. */
 enum gen_emit runner_job_emit(void *ctx, uint32_t index, int32_t token);
-/* Hands the streamed weight groups back to the loader after requests ended (none runs now). A
- * failure is returned with err set. */
+/* Hands the streamed weight groups back to the loader after requests ended (none runs now), and
+ * the KV blocks allocated ahead to the kv-store. A failure of the weights is returned with err set. */
 int runner_release_weights(struct runner *r, bool stopping, char *err, size_t errlen);
 /* service_ops.handle: queues MSG_GENERATE. */
 int runner_handle(void *ctx, struct service *s, const struct bus_peer *peer, const struct msg *req, char *errtext,

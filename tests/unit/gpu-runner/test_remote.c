@@ -83,7 +83,10 @@ struct peer {
 	int64_t error_code;	    /* non-zero: answer every request but HELLO with MSG_ERROR{code} */
 	struct wring_header *ring;  /* ssd-loader: grants point at the slots that hold each group */
 	const struct kvstore *kv;   /* kv-store: MSG_KV_CONFIGURE answers with this pool */
+	struct kvstore *kv_rw;	    /* ... and MSG_KV_ALLOC, MSG_KV_FREE take and give its blocks */
 	atomic_uint requests;
+	atomic_uint allocs, frees;  /* MSG_KV_ALLOC, MSG_KV_FREE answered */
+	atomic_uint last_alloc, last_free; /* the blocks the last of each asked for */
 };
 
 static void peer_answer(struct peer *p, const struct bus_peer *who, const struct msg *req)
@@ -128,10 +131,43 @@ static void peer_answer(struct peer *p, const struct bus_peer *who, const struct
 		bus_reply(p->router, who, &rep);
 		return;
 	}
+	case MSG_KV_ALLOC:
+		if (p->kv_rw) {
+			uint32_t n = (uint32_t)req->kv_alloc.count;
+			uint64_t handles[256], offsets[256];
+			char err[256];
+			int rc = n <= 256 ? kvstore_alloc(p->kv_rw, n, handles, offsets, err, sizeof(err)) : -EINVAL;
+			atomic_fetch_add(&p->allocs, 1);
+			atomic_store(&p->last_alloc, n);
+			if (rc) {
+				bus_reply_error(p->router, who, req->corr, -rc, n <= 256 ? err : "too many");
+				return;
+			}
+			msg_init(&rep, MSG_KV_BLOCKS, req->corr);
+			rep.kv_blocks.handles = (struct u64_array){.v = handles, .n = n};
+			rep.kv_blocks.offsets = (struct u64_array){.v = offsets, .n = n};
+			bus_reply(p->router, who, &rep);
+			return;
+		}
+		break;
+	case MSG_KV_FREE:
+		if (p->kv_rw) {
+			char err[256];
+			int rc = kvstore_free(p->kv_rw, req->kv_handles.handles.v, req->kv_handles.handles.n, err,
+					      sizeof(err));
+			atomic_fetch_add(&p->frees, 1);
+			atomic_store(&p->last_free, req->kv_handles.handles.n);
+			if (rc) {
+				bus_reply_error(p->router, who, req->corr, -rc, err);
+				return;
+			}
+		}
+		break;
 	default:
-		msg_init(&rep, MSG_OK, req->corr);
-		bus_reply(p->router, who, &rep);
+		break;
 	}
+	msg_init(&rep, MSG_OK, req->corr);
+	bus_reply(p->router, who, &rep);
 }
 
 static void *peer_main(void *arg)
@@ -312,17 +348,23 @@ struct pool_fx {
 	struct kvstore *kv;
 };
 
-static void pool_fx_open(struct pool_fx *f)
+/* A pool of n_blocks blocks of 4096 bytes. */
+static void pool_fx_open_n(struct pool_fx *f, uint64_t n_blocks)
 {
 	memset(f, 0, sizeof(*f));
 	f->dir = scratch_dir();
 	shm_name_for(f->shm, sizeof(f->shm), "kv");
 	snprintf(f->spill, sizeof(f->spill), "%s/kv-spill.bin", f->dir);
-	struct kvstore_config cfg = {.shm_name = f->shm, .spill_path = f->spill, .dram_budget = 4 * 4096,
+	struct kvstore_config cfg = {.shm_name = f->shm, .spill_path = f->spill, .dram_budget = n_blocks * 4096,
 				     .disk_budget = 4 * 4096, .io_depth = 4};
 	ck_assert_int_eq(kvstore_create(&cfg, &f->kv), 0);
 	char err[512];
 	ck_assert_msg(kvstore_configure(f->kv, 4096, 77, err, sizeof(err)) == 0, "%s", err);
+}
+
+static void pool_fx_open(struct pool_fx *f)
+{
+	pool_fx_open_n(f, 4);
 }
 
 static void pool_fx_close(struct pool_fx *f)
@@ -389,6 +431,101 @@ START_TEST(kv_ops_refuse_an_error_code_beyond_int)
 }
 END_TEST
 
+/* Decode commits a block or two a layer: those come from blocks allocated ahead, 64 an ALLOC, so a
+ * layer's commit sends no request (which would wait for the commits before it); larger requests go
+ * as they are, a small pool allocates no more than asked, a full one no more than it has, and the
+ * stash goes back when asked (an idle runner) or on a reconnect to the same pool. */
+START_TEST(kv_alloc_takes_decode_blocks_from_a_stash)
+{
+	struct pool_fx f;
+	pool_fx_open_n(&f, KV_STASH_MIN_POOL);
+	struct peer p = {.kv = f.kv, .kv_rw = f.kv};
+	peer_start(&p, f.dir, "kv-store");
+	void *zctx = zmq_ctx_new();
+	struct rpc_client *c = rpc_client_create(zctx, f.dir, "kv-store", "gpu-runner");
+	struct kv_remote kr = {0};
+	char err[512] = "";
+	ck_assert_msg(kv_remote_connect(&kr, c, 4096, 77, TIMEOUT_MS, NULL, err, sizeof(err)) == 0, "connect: %s", err);
+	uint64_t h[KV_STASH_BLOCKS + 1], big[40];
+	void *ptr[KV_STASH_BLOCKS + 1], *bigp[40];
+	for (int i = 0; i < KV_STASH_BLOCKS; i++)
+		ck_assert_msg(kv_remote_ops_pool.alloc(&kr, 1, &h[i], &ptr[i]) == 0, "%s", kr.error);
+	ck_assert_uint_eq(atomic_load(&p.allocs), 1);
+	ck_assert_uint_eq(atomic_load(&p.last_alloc), KV_STASH_BLOCKS);
+	for (int i = 0; i < KV_STASH_BLOCKS; i++)
+		for (int j = 0; j < i; j++)
+			ck_assert_msg(h[i] != h[j] && ptr[i] != ptr[j], "blocks %d and %d are one", i, j);
+	ck_assert_int_eq(kv_remote_ops_pool.alloc(&kr, 1, &h[KV_STASH_BLOCKS], &ptr[KV_STASH_BLOCKS]), 0);
+	ck_assert_uint_eq(atomic_load(&p.allocs), 2);
+	ck_assert_uint_eq(kr.n_stash, KV_STASH_BLOCKS - 1);
+	/* A prefill's many blocks: one request of just those. */
+	ck_assert_int_eq(kv_remote_ops_pool.alloc(&kr, 40, big, bigp), 0);
+	ck_assert_uint_eq(atomic_load(&p.allocs), 3);
+	ck_assert_uint_eq(atomic_load(&p.last_alloc), 40);
+	/* Idle: the stash goes back, in one FREE. */
+	ck_assert_msg(kv_remote_release_stash(&kr) == 0, "%s", kr.error);
+	ck_assert_uint_eq(atomic_load(&p.frees), 1);
+	ck_assert_uint_eq(atomic_load(&p.last_free), KV_STASH_BLOCKS - 1);
+	ck_assert_uint_eq(kr.n_stash, 0);
+	ck_assert_int_eq(kv_remote_release_stash(&kr), 0); /* nothing held: no request */
+	ck_assert_uint_eq(atomic_load(&p.frees), 1);
+	/* A reconnect to the same pool hands the stash back too. */
+	ck_assert_int_eq(kv_remote_ops_pool.alloc(&kr, 1, &h[0], &ptr[0]), 0);
+	ck_assert_uint_eq(kr.n_stash, KV_STASH_BLOCKS - 1);
+	bool same = false;
+	ck_assert_msg(kv_remote_connect(&kr, c, 4096, 77, TIMEOUT_MS, &same, err, sizeof(err)) == 0, "%s", err);
+	ck_assert(same);
+	ck_assert_uint_eq(atomic_load(&p.frees), 2);
+	ck_assert_uint_eq(atomic_load(&p.last_free), KV_STASH_BLOCKS - 1);
+	ck_assert_uint_eq(kr.n_stash, 0);
+	/* Nearly full: 64 more do not fit, the one asked for does. */
+	uint32_t used = KV_STASH_BLOCKS + 1 + 40 + 1; /* the blocks this test holds */
+	uint32_t fill = KV_STASH_MIN_POOL - used - 10;
+	uint64_t *fh = malloc(fill * sizeof(uint64_t)), *fo = malloc(fill * sizeof(uint64_t));
+	ck_assert(fh && fo);
+	ck_assert_msg(kvstore_alloc(f.kv, fill, fh, fo, err, sizeof(err)) == 0, "%s", err);
+	uint32_t before = atomic_load(&p.allocs);
+	ck_assert_msg(kv_remote_ops_pool.alloc(&kr, 1, &h[0], &ptr[0]) == 0, "%s", kr.error);
+	ck_assert_uint_eq(atomic_load(&p.allocs), before + 2);
+	ck_assert_uint_eq(atomic_load(&p.last_alloc), 1);
+	ck_assert_uint_eq(kr.n_stash, 0);
+	free(fh);
+	free(fo);
+	kv_remote_disconnect(&kr);
+	rpc_client_destroy(&c);
+	zmq_ctx_term(zctx);
+	peer_stop(&p);
+	pool_fx_close(&f);
+}
+END_TEST
+
+/* A small pool: every block asked for when needed, none ahead. */
+START_TEST(kv_alloc_of_a_small_pool_takes_no_stash)
+{
+	struct pool_fx f;
+	pool_fx_open_n(&f, 64);
+	struct peer p = {.kv = f.kv, .kv_rw = f.kv};
+	peer_start(&p, f.dir, "kv-store");
+	void *zctx = zmq_ctx_new();
+	struct rpc_client *c = rpc_client_create(zctx, f.dir, "kv-store", "gpu-runner");
+	struct kv_remote kr = {0};
+	char err[512] = "";
+	ck_assert_msg(kv_remote_connect(&kr, c, 4096, 77, TIMEOUT_MS, NULL, err, sizeof(err)) == 0, "connect: %s", err);
+	uint64_t h[3];
+	void *ptr[3];
+	for (int i = 0; i < 3; i++)
+		ck_assert_msg(kv_remote_ops_pool.alloc(&kr, 1, &h[i], &ptr[i]) == 0, "%s", kr.error);
+	ck_assert_uint_eq(atomic_load(&p.allocs), 3);
+	ck_assert_uint_eq(atomic_load(&p.last_alloc), 1);
+	ck_assert_uint_eq(kr.n_stash, 0);
+	kv_remote_disconnect(&kr);
+	rpc_client_destroy(&c);
+	zmq_ctx_term(zctx);
+	peer_stop(&p);
+	pool_fx_close(&f);
+}
+END_TEST
+
 static Suite *remote_suite(void)
 {
 	Suite *s = suite_create("runner_remote");
@@ -402,6 +539,8 @@ static Suite *remote_suite(void)
 	tcase_add_unchecked_fixture(tc, NULL, sweep_all);
 	tcase_add_test(tc, kv_connect_refuses_an_error_code_beyond_int);
 	tcase_add_test(tc, kv_ops_refuse_an_error_code_beyond_int);
+	tcase_add_test(tc, kv_alloc_takes_decode_blocks_from_a_stash);
+	tcase_add_test(tc, kv_alloc_of_a_small_pool_takes_no_stash);
 	suite_add_tcase(s, tc);
 	return s;
 }
