@@ -1,6 +1,7 @@
 #include "services/gpu-runner/kv_remote.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,6 +68,10 @@ static int drain_n(struct kv_remote *kr, uint32_t n)
 		} else if (r) {
 			if (!rc)
 				rc = set_err(kr, r, "kv-store did not answer a commit or unpin: %s", wait_error(r));
+			/* The connection is lost (wait_reply said so): the others would wait a timeout each,
+			 * and a reconnect starts with none pending. */
+			kr->n_pending = 0;
+			return rc;
 		} else {
 			if (rep.type != MSG_OK && !rc)
 				rc = set_err(kr, -EPROTO, "kv-store answered a commit or unpin with %s",
@@ -186,6 +191,12 @@ static int op_alloc(void *ctx, uint32_t n, uint64_t *handles, void **ptrs)
 		uint32_t need = n - kr->n_stash, want = KV_STASH_BLOCKS - kr->n_stash;
 		if (want > op_max_batch(kr))
 			want = op_max_batch(kr) > need ? op_max_batch(kr) : need;
+		/* No more than the pool has free: the kv-store would spill or drop cached blocks to make
+		 * room for blocks nobody asked for yet. */
+		uint64_t used = atomic_load_explicit(&kr->h->store.slots_used, memory_order_relaxed);
+		uint64_t free_slots = used < kr->h->n_slots ? kr->h->n_slots - used : 0;
+		if (want > free_slots)
+			want = free_slots > need ? (uint32_t)free_slots : need;
 		int rc = alloc_rpc(kr, want, kr->stash_h + kr->n_stash, kr->stash_p + kr->n_stash);
 		if (rc == -ENOSPC && want > need) {
 			want = need;
@@ -438,13 +449,32 @@ const struct kv_remote_ops kv_remote_ops_pool = {
 	.error = op_error,
 };
 
-int kv_remote_release_stash(struct kv_remote *kr)
+/* MSG_KV_FREE of the stash's blocks, one at a time when the kv-store refuses them together (one
+ * it dropped must not keep the others). Empties the stash. Returns the first failure. */
+static int free_stash(struct kv_remote *kr)
 {
 	uint32_t n = kr->n_stash;
 	kr->n_stash = 0;
-	if (!n || kv_remote_lost(kr))
-		return 0; /* a kv-store that went away took them with it */
-	return simple(kr, MSG_KV_FREE, n, kr->stash_h);
+	int rc = simple(kr, MSG_KV_FREE, n, kr->stash_h);
+	if (rc && !kv_remote_lost(kr)) {
+		for (uint32_t i = 0; i < n && !kv_remote_lost(kr); i++)
+			simple(kr, MSG_KV_FREE, 1, &kr->stash_h[i]);
+	}
+	return rc;
+}
+
+int kv_remote_release_stash(struct kv_remote *kr)
+{
+	if (!kr->n_stash)
+		return 0;
+	/* A lost connection keeps them: the next connect to the same pool hands them back (a
+	 * kv-store that adopted it keeps blocks being written). */
+	if (kv_remote_lost(kr))
+		return 0;
+	/* The commits before first, so a refusal of theirs does not keep the FREE from going. */
+	int drc = drain(kr);
+	int frc = kv_remote_lost(kr) ? 0 : free_stash(kr);
+	return drc ? drc : frc;
 }
 
 int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t block_bytes, uint64_t manifest_hash,
@@ -452,10 +482,7 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 {
 	uint64_t old_epoch = kr->h ? kr->pool_epoch : 0;
 	bool had = kr->h != NULL;
-	/* Blocks allocated ahead on the last connection: handed back below when the pool is the same
-	 * (a kv-store that adopted it may have dropped them: a refusal is no matter), else gone. */
-	uint32_t old_stash = kr->n_stash;
-	kr->n_stash = 0;
+
 	kv_remote_disconnect(kr);
 	kr->client = client;
 	kr->timeout_ms = timeout_ms;
@@ -505,7 +532,11 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 	if (same_pool)
 		*same_pool = had && old_epoch == kr->pool_epoch;
 	msg_free(&rep);
-	if (old_stash && had && old_epoch == kr->pool_epoch && simple(kr, MSG_KV_FREE, old_stash, kr->stash_h) != 0)
+	/* Blocks allocated ahead on an earlier connection: handed back when the pool is the same (a
+	 * kv-store that adopted it may have dropped some: a refusal is no matter), else gone with it. */
+	if (kr->n_stash && !(had && old_epoch == kr->pool_epoch))
+		kr->n_stash = 0;
+	if (kr->n_stash && free_stash(kr) != 0)
 		kr->error[0] = '\0';
 	return 0;
 }

@@ -380,6 +380,9 @@ static int stage_seq(struct runner *r, const struct msg_stage_seq *q, uint64_t *
 		int wrc = runner_weights(r)->ops->release_all(runner_weights(r));
 		if (wrc && !rc)
 			rc = errorf(err, errlen, wrc, "%s", runner_weights(r)->error);
+		/* Between sequences a rank holds no KV blocks allocated ahead either (kv_remote.h). */
+		if (kv_remote_release_stash(&r->kv) != 0)
+			log_warn("handing back the KV blocks allocated ahead: %s", r->kv.error);
 		r->stage_seq_n = 0;
 		if (rc)
 			kv_cache_forget_remote(r->cache);

@@ -555,11 +555,22 @@ static int hold(struct backend_dev *be, const struct kv_span *spans, uint32_t n_
 	return 1;
 }
 
+static int flush_held(struct backend_dev *be);
+
 int attention_flush(struct backend_dev *be)
 {
-	const uint32_t ns = be->pend_nseq;
-	if (!ns)
+	if (!be->pend_nseq)
 		return 0;
+	/* Launched or not, they are no longer held: a failure fails the step (set_batch drops what a
+	 * failed step held anyway), and a second try would only fail the calls after it. */
+	int rc = flush_held(be);
+	attention_drop(be);
+	return rc;
+}
+
+static int flush_held(struct backend_dev *be)
+{
+	const uint32_t ns = be->pend_nseq;
 	const struct model_config *c = &be->cfg;
 	uint32_t max_keys = 0, n_prefix = 0;
 	for (uint32_t i = 0; i < ns; i++) {
@@ -656,7 +667,6 @@ int attention_flush(struct backend_dev *be)
 	else
 		launch_k(be->pdl, attn_kernel<float>, grid, nw * 32, smem, be->stream, a);
 	LAUNCHED(be, "attn_kernel (several sequences)");
-	attention_drop(be);
 	return 0;
 }
 

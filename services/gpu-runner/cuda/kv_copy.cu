@@ -170,15 +170,15 @@ static int cuda_kv_prefetch(struct backend_dev *be, uint32_t n, const uint32_t *
 
 static int cuda_kv_sync(struct backend_dev *be)
 {
-	int frc = attention_flush(be); /* held-back attention first: it reads blocks this may overwrite */
-	if (frc)
-		return frc;
+	/* Held-back attention first; the streams are waited for whatever it gives (callers free pool
+	 * blocks the copies may still be writing once this returns). */
+	int frc = attention_flush(be);
 	CUDA_TRY(be, "cudaStreamSynchronize (KV sync)", cudaStreamSynchronize(be->stream));
 	if (be->kv_d2h)
 		CUDA_TRY(be, "cudaStreamSynchronize (KV D2H)", cudaStreamSynchronize(be->kv_d2h));
 	if (be->kv_h2d)
 		CUDA_TRY(be, "cudaStreamSynchronize (KV H2D)", cudaStreamSynchronize(be->kv_h2d));
-	return 0;
+	return frc;
 }
 
 static int cuda_kv_prefetch_wait(struct backend_dev *be, uint32_t slot)

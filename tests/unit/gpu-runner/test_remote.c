@@ -150,6 +150,18 @@ static void peer_answer(struct peer *p, const struct bus_peer *who, const struct
 			return;
 		}
 		break;
+	case MSG_KV_COMMIT:
+		if (p->kv_rw) {
+			const struct msg_kv_commit *c = &req->kv_commit;
+			char err[256];
+			int rc = kvstore_commit(p->kv_rw, c->handles.v, c->keys.n ? c->keys.v : NULL, c->handles.n, err,
+						sizeof(err));
+			if (rc) {
+				bus_reply_error(p->router, who, req->corr, -rc, err);
+				return;
+			}
+		}
+		break;
 	case MSG_KV_FREE:
 		if (p->kv_rw) {
 			char err[256];
@@ -432,9 +444,9 @@ START_TEST(kv_ops_refuse_an_error_code_beyond_int)
 END_TEST
 
 /* Decode commits a block or two a layer: those come from blocks allocated ahead, 64 an ALLOC, so a
- * layer's commit sends no request (which would wait for the commits before it); larger requests go
- * as they are, a small pool allocates no more than asked, a full one no more than it has, and the
- * stash goes back when asked (an idle runner) or on a reconnect to the same pool. */
+ * layer's allocation sends no request (which would wait for the commits before it); larger requests
+ * go as they are, a nearly full pool gives no more than it has free, and the stash goes back when
+ * asked (an idle runner) or on a reconnect to the same pool. */
 START_TEST(kv_alloc_takes_decode_blocks_from_a_stash)
 {
 	struct pool_fx f;
@@ -478,7 +490,8 @@ START_TEST(kv_alloc_takes_decode_blocks_from_a_stash)
 	ck_assert_uint_eq(atomic_load(&p.frees), 2);
 	ck_assert_uint_eq(atomic_load(&p.last_free), KV_STASH_BLOCKS - 1);
 	ck_assert_uint_eq(kr.n_stash, 0);
-	/* Nearly full: 64 more do not fit, the one asked for does. */
+	/* Nearly full: no more than the pool has free (the store would spill or drop cached blocks
+	 * for the rest). */
 	uint32_t used = KV_STASH_BLOCKS + 1 + 40 + 1; /* the blocks this test holds */
 	uint32_t fill = KV_STASH_MIN_POOL - used - 10;
 	uint64_t *fh = malloc(fill * sizeof(uint64_t)), *fo = malloc(fill * sizeof(uint64_t));
@@ -486,11 +499,57 @@ START_TEST(kv_alloc_takes_decode_blocks_from_a_stash)
 	ck_assert_msg(kvstore_alloc(f.kv, fill, fh, fo, err, sizeof(err)) == 0, "%s", err);
 	uint32_t before = atomic_load(&p.allocs);
 	ck_assert_msg(kv_remote_ops_pool.alloc(&kr, 1, &h[0], &ptr[0]) == 0, "%s", kr.error);
-	ck_assert_uint_eq(atomic_load(&p.allocs), before + 2);
-	ck_assert_uint_eq(atomic_load(&p.last_alloc), 1);
-	ck_assert_uint_eq(kr.n_stash, 0);
+	ck_assert_uint_eq(atomic_load(&p.allocs), before + 1);
+	ck_assert_uint_eq(atomic_load(&p.last_alloc), 10);
+	ck_assert_uint_eq(kr.n_stash, 9);
 	free(fh);
 	free(fo);
+	kv_remote_disconnect(&kr);
+	rpc_client_destroy(&c);
+	zmq_ctx_term(zctx);
+	peer_stop(&p);
+	pool_fx_close(&f);
+}
+END_TEST
+
+/* An idle runner's stash goes back even when a commit before it was refused (the refusal is
+ * what the release returns), and stays while the connection is lost. */
+START_TEST(kv_stash_goes_back_past_a_refused_commit)
+{
+	struct pool_fx f;
+	pool_fx_open_n(&f, KV_STASH_MIN_POOL);
+	struct peer p = {.kv = f.kv, .kv_rw = f.kv};
+	peer_start(&p, f.dir, "kv-store");
+	void *zctx = zmq_ctx_new();
+	struct rpc_client *c = rpc_client_create(zctx, f.dir, "kv-store", "gpu-runner");
+	struct kv_remote kr = {0};
+	char err[512] = "";
+	ck_assert_msg(kv_remote_connect(&kr, c, 4096, 77, TIMEOUT_MS, NULL, err, sizeof(err)) == 0, "connect: %s", err);
+	uint64_t h;
+	void *ptr;
+	ck_assert_msg(kv_remote_ops_pool.alloc(&kr, 1, &h, &ptr) == 0, "%s", kr.error);
+	ck_assert_uint_eq(kr.n_stash, KV_STASH_BLOCKS - 1);
+	/* A commit of a handle the store never gave (another generation): refused, write-behind. */
+	uint64_t bogus = h ^ (1ull << 40), key = 5;
+	ck_assert_int_eq(kv_remote_ops_pool.commit(&kr, 1, &bogus, &ptr, &key, NULL), 0);
+	int rc = kv_remote_release_stash(&kr);
+	ck_assert_msg(rc < 0, "the refused commit did not come out of the release (rc %d)", rc);
+	ck_assert_ptr_nonnull(strstr(kr.error, "refused a commit"));
+	ck_assert_uint_eq(atomic_load(&p.frees), 1);
+	ck_assert_uint_eq(atomic_load(&p.last_free), KV_STASH_BLOCKS - 1);
+	ck_assert_uint_eq(kr.n_stash, 0);
+	/* Lost: the stash stays for the next connect to the same pool, which hands it back. */
+	ck_assert_msg(kv_remote_ops_pool.alloc(&kr, 1, &h, &ptr) == 0, "%s", kr.error);
+	kr.lost = true;
+	ck_assert_int_eq(kv_remote_release_stash(&kr), 0);
+	ck_assert_uint_eq(kr.n_stash, KV_STASH_BLOCKS - 1);
+	ck_assert_uint_eq(atomic_load(&p.frees), 1);
+	bool same = false;
+	ck_assert_msg(kv_remote_connect(&kr, c, 4096, 77, TIMEOUT_MS, &same, err, sizeof(err)) == 0, "%s", err);
+	ck_assert(same);
+	ck_assert_uint_eq(atomic_load(&p.frees), 2);
+	ck_assert_uint_eq(atomic_load(&p.last_free), KV_STASH_BLOCKS - 1);
+	ck_assert_uint_eq(kr.n_stash, 0);
 	kv_remote_disconnect(&kr);
 	rpc_client_destroy(&c);
 	zmq_ctx_term(zctx);
@@ -541,6 +600,7 @@ static Suite *remote_suite(void)
 	tcase_add_test(tc, kv_ops_refuse_an_error_code_beyond_int);
 	tcase_add_test(tc, kv_alloc_takes_decode_blocks_from_a_stash);
 	tcase_add_test(tc, kv_alloc_of_a_small_pool_takes_no_stash);
+	tcase_add_test(tc, kv_stash_goes_back_past_a_refused_commit);
 	suite_add_tcase(s, tc);
 	return s;
 }
