@@ -62,6 +62,7 @@ struct request_state {
 	uint64_t start_ns;    /* when the request came */
 	unsigned status;      /* the status its response was queued with; 0: none yet */
 	const char *endpoint; /* its path for the metrics, or "other" */
+	bool waits_on_model;  /* its answer is being made: the idle timeout is off for the connection */
 };
 
 /* A streamed generation, the reader callback's state. */
@@ -718,6 +719,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 			 (unsigned long long)s->cfg.max_body);
 		ret = send_error(c, 413, msg, NULL, NULL);
 	} else {
+		/* From here the connection waits on the model, not on its client: no idle timeout while
+		 * the answer is made (a long prefill, a runner restarted and the request resumed). The
+		 * limit is back for the next request of a kept-alive connection (on_completed). */
+		MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+		rs->waits_on_model = true;
 		ret = on_generate(s, c, rs);
 	}
 	rs->status = queued_status;
@@ -732,6 +738,8 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
 		return;
 	if (rs->status)
 		metrics_request(s->metrics, rs->endpoint, rs->status, seconds_since(rs->start_ns));
+	if (rs->waits_on_model && toe == MHD_REQUEST_TERMINATED_COMPLETED_OK)
+		MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned int)s->cfg.idle_timeout_s);
 	free(rs->body);
 	free(rs);
 	*con_cls = NULL;

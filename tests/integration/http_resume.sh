@@ -16,7 +16,10 @@ if [[ $BACKEND != cpu ]] && ! nvidia-smi >/dev/null 2>&1; then
 fi
 it_http_setup http_resume
 
-out=$("$PIPELINE" start --model "$L3" --backend "$BACKEND" --http 127.0.0.1:0 --http-opt=--resume-timeout=60)
+# --idle-timeout 1: a stream (or a request that does not stream) waiting longer than that for its
+# tokens is still open (the limit is for clients that send nothing, not for those that wait).
+out=$("$PIPELINE" start --model "$L3" --backend "$BACKEND" --http 127.0.0.1:0 --http-opt=--resume-timeout=60 \
+	--http-opt=--idle-timeout=1)
 BASE=$(grep -o 'http://127\.0\.0\.1:[0-9]*' <<<"$out" | head -n 1)
 [[ -n $BASE ]] || fail "start --http did not say where http-api listens: $out"
 log "http-api listens on $BASE"
@@ -33,9 +36,11 @@ stream_text() {
 stream_usage() { sed -n 's/^data: //p' "$1" | grep -v '^\[DONE\]$' | tail -n 1 | jq -r .usage.completion_tokens; }
 resumes() { grep -c 'resuming the request after' "$RUN_DIR/http-api.log" || true; }
 
-# run_case WHAT PATH BODY: a streamed request (BODY without its closing brace), killed and not.
+# run_case WHAT PATH BODY [SIGNAL]: a streamed request (BODY without its closing brace), its runner
+# killed (SIGNAL KILL, the default; STOP: the supervisor finds it hung 2 s later and kills it, so the
+# stream waits longer than --idle-timeout) and not.
 run_case() {
-	local what=$1 path=$2 req="$3, \"stream\": true, \"stream_options\": {\"include_usage\": true}}"
+	local what=$1 path=$2 req="$3, \"stream\": true, \"stream_options\": {\"include_usage\": true}}" sig=${4:-KILL}
 	local want=$IT_TMP/want-$((++CASE)) got=$IT_TMP/got-$CASE
 	curl -sS -N "$BASE$path" --data-binary "$req" >"$want" || fail "$what: the uninterrupted stream failed"
 	local n_want
@@ -52,7 +57,7 @@ run_case() {
 	wait_until 30 "$what: the stream before the kill starts" streaming
 	local pid
 	pid=$(sup_field gpu-runner pid)
-	kill -KILL "$pid"
+	kill "-$sig" "$pid"
 	local cut
 	cut=$(grep -c '^data: {' "$got")
 	wait "$client" || fail "$what: the stream of the killed runner did not end cleanly"
@@ -72,11 +77,14 @@ CASE=0
 run_case "greedy" /v1/completions "{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": 0"
 run_case "seeded (temperature 1, seed 7)" /v1/completions \
 	"{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": 1, \"seed\": 7"
+run_case "greedy, gpu-runner stopped (SIGSTOP) until found hung" /v1/completions \
+	"{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": 0" STOP
 # A chat: its prompt is built again from the messages, with the turn's end as a stop id.
 run_case "chat (seeded)" /v1/chat/completions \
 	"{\"messages\": [{\"role\": \"user\", \"content\": \"Hello there\"}], \"max_tokens\": $N, \"temperature\": 0.9, \"seed\": 3"
 
-# A request that does not stream completes too (killed a moment after it was sent).
+# A request that does not stream completes too (its runner stopped a moment after it was sent,
+# found hung and killed: the connection waits past --idle-timeout).
 req="{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": 1, \"seed\": 9}"
 curl -sS "$BASE/v1/completions" --data-binary "$req" >"$IT_TMP/whole-want" || fail "the uninterrupted completion failed"
 before=$(resumes)
@@ -84,7 +92,7 @@ curl -sS "$BASE/v1/completions" --data-binary "$req" >"$IT_TMP/whole-got" &
 CLIENT=$!
 sleep 0.5
 PID=$(sup_field gpu-runner pid)
-kill -KILL "$PID"
+kill -STOP "$PID"
 wait "$CLIENT" || fail "the completion of the killed runner failed"
 wait_until 30 "gpu-runner restarted" restarted gpu-runner "$PID"
 expect_eq "$(resumes)" "$((before + 1))" "a completion that does not stream: resumed once (else it ended before the kill)"
@@ -94,7 +102,7 @@ expect_eq "$(jq -r '.usage.completion_tokens' "$IT_TMP/whole-got")" \
 	"$(jq -r '.usage.completion_tokens' "$IT_TMP/whole-want")" "a completion that does not stream: completion_tokens"
 log "a completion that does not stream: resumed, the same text"
 
-# /metrics counts them: as many resumes as the log says (four requests, each resumed once).
+# /metrics counts them: as many resumes as the log says (five requests, each resumed once).
 curl -sS "$BASE/metrics" >"$IT_TMP/metrics" || fail "GET /metrics failed"
 expect_eq "$(awk '$1 == "pipeline_http_resumes_total" {print $2}' "$IT_TMP/metrics")" "$(resumes)" \
 	"/metrics: pipeline_http_resumes_total"
