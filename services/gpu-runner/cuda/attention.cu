@@ -375,12 +375,23 @@ cudaError_t attn_allow_smem(uint32_t kv_dtype, size_t bytes)
 	return cudaFuncSetAttribute(attn_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
 }
 
-/* Spans then their key offsets, one copy up into be->spanbuf (which grows in stream order);
- * points a's spans and prefix at them. */
-static int upload_spans(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans, attn_args *a)
+/* The keys the spans hold, at most what the kernels' 32-bit key offsets take. */
+static int span_keys(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans, uint32_t *keys)
 {
-	size_t sbytes = ((size_t)n_spans * sizeof(struct kv_span) + 15) / 16 * 16;
-	size_t bytes = sbytes + ((size_t)n_spans + 1) * sizeof(uint32_t);
+	uint64_t total = 0;
+	for (uint32_t s = 0; s < n_spans; s++)
+		total += spans[s].n_tokens;
+	if (total > UINT32_MAX - 2 * ATTN_TILE)
+		return cuda_failf(be, -EINVAL, "cuda backend: attn_blocks(layer %u): %llu keys in one call, at most %u",
+				  be->layer, (unsigned long long)total, UINT32_MAX - 2 * ATTN_TILE);
+	*keys = (uint32_t)total;
+	return 0;
+}
+
+/* Room for `bytes` of span lists on the device (be->spanbuf grows in stream order) and in the
+ * staging ring (*h, at *off), for one copy up. */
+static int spans_stage(struct backend_dev *be, size_t bytes, char **h, size_t *off)
+{
 	if (bytes > be->spanbuf_bytes) {
 		size_t cap = bytes > 2 * be->spanbuf_bytes ? bytes : 2 * be->spanbuf_bytes;
 		void *nb = NULL;
@@ -389,9 +400,18 @@ static int upload_spans(struct backend_dev *be, const struct kv_span *spans, uin
 		be->spanbuf = nb;
 		be->spanbuf_bytes = cap;
 	}
+	return up_alloc(be, bytes, h, off);
+}
+
+/* Spans then their key offsets, one copy up into be->spanbuf (which grows in stream order);
+ * points a's spans and prefix at them. */
+static int upload_spans(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans, attn_args *a)
+{
+	size_t sbytes = ((size_t)n_spans * sizeof(struct kv_span) + 15) / 16 * 16;
+	size_t bytes = sbytes + ((size_t)n_spans + 1) * sizeof(uint32_t);
 	char *h;
 	size_t off;
-	int rc = up_alloc(be, bytes, &h, &off);
+	int rc = spans_stage(be, bytes, &h, &off);
 	if (rc)
 		return rc;
 	memcpy(h, spans, (size_t)n_spans * sizeof(struct kv_span));
@@ -414,12 +434,10 @@ static int attention_rows(struct backend_dev *be, const struct kv_span *spans, u
 			  uint32_t nr, uint32_t pos0)
 {
 	const struct model_config *c = &be->cfg;
-	uint64_t total = 0;
-	for (uint32_t s = 0; s < n_spans; s++)
-		total += spans[s].n_tokens;
-	if (total > UINT32_MAX - 2 * ATTN_TILE)
-		return cuda_failf(be, -EINVAL, "cuda backend: attn_blocks(layer %u): %llu keys in one call, at most %u",
-			    be->layer, (unsigned long long)total, UINT32_MAX - 2 * ATTN_TILE);
+	uint32_t total = 0;
+	int krc = span_keys(be, spans, n_spans, &total);
+	if (krc)
+		return krc;
 
 	/* Blocks: one per (kv head, group of queries); split the keys when that leaves the GPU
 	 * mostly idle (decode). Many queries per KV head (prefill) take the tensor cores. */
@@ -448,7 +466,7 @@ static int attention_rows(struct backend_dev *be, const struct kv_span *spans, u
 	uint32_t nw = pairs_g < ATTN_MAX_WARPS ? pairs_g : ATTN_MAX_WARPS;
 	uint32_t rows = mma ? MMA_ROWS : nw, tile = mma ? MMA_KEYS : ATTN_TILE;
 	uint32_t qtiles = (pairs_g + rows - 1) / rows, base = c->n_kv_heads * qtiles;
-	uint32_t pairs = nr * c->n_heads, tiles = (uint32_t)((total + tile - 1) / tile);
+	uint32_t pairs = nr * c->n_heads, tiles = (uint32_t)(((uint64_t)total + tile - 1) / tile);
 	uint32_t splits = (ATTN_BLOCKS_PER_SM * (uint32_t)be->sm_count + base - 1) / base;
 	if (splits > tiles)
 		splits = tiles;
@@ -459,7 +477,7 @@ static int attention_rows(struct backend_dev *be, const struct kv_span *spans, u
 	if (splits < 1)
 		splits = 1;
 	uint32_t kps = (tiles + splits - 1) / splits * tile;
-	splits = (uint32_t)((total + kps - 1) / kps);
+	splits = (uint32_t)(((uint64_t)total + kps - 1) / kps);
 
 	a.q = be->qkv + (size_t)r0 * be->qkv_ld;
 	a.q_ld = be->qkv_ld;
@@ -541,16 +559,14 @@ static int hold(struct backend_dev *be, const struct kv_span *spans, uint32_t n_
 		be->pend_spans = ns;
 		be->pend_cap = cap;
 	}
-	uint64_t total = 0;
-	for (uint32_t s = 0; s < n_spans; s++)
-		total += spans[s].n_tokens;
-	if (total > UINT32_MAX - 2 * ATTN_TILE)
-		return cuda_failf(be, -EINVAL, "cuda backend: attn_blocks(layer %u): %llu keys in one call, at most %u",
-				  be->layer, (unsigned long long)total, UINT32_MAX - 2 * ATTN_TILE);
+	uint32_t total = 0;
+	int krc = span_keys(be, spans, n_spans, &total);
+	if (krc)
+		return krc;
 	memcpy(be->pend_spans + be->pend_n, spans, (size_t)n_spans * sizeof(*spans));
 	be->pend_seqs[be->pend_nseq++] = (struct attn_seq){.row0 = r0, .n = 1, .pos0 = be->pos[r0],
 							     .span0 = be->pend_n, .prefix0 = 0, .n_spans = n_spans,
-							     .total_keys = (uint32_t)total};
+							     .total_keys = total};
 	be->pend_n += n_spans;
 	return 1;
 }
@@ -583,17 +599,9 @@ static int flush_held(struct backend_dev *be)
 	size_t sbytes = ((size_t)be->pend_n * sizeof(struct kv_span) + 15) / 16 * 16;
 	size_t pbytes = ((size_t)n_prefix * sizeof(uint32_t) + 15) / 16 * 16;
 	size_t bytes = sbytes + pbytes + (size_t)ns * sizeof(struct attn_seq);
-	if (bytes > be->spanbuf_bytes) {
-		size_t cap = bytes > 2 * be->spanbuf_bytes ? bytes : 2 * be->spanbuf_bytes;
-		void *nb;
-		CUDA_TRY(be, "cudaMallocAsync (span list)", cudaMallocAsync(&nb, cap, be->stream));
-		CUDA_TRY(be, "cudaFreeAsync (span list)", cudaFreeAsync(be->spanbuf, be->stream));
-		be->spanbuf = nb;
-		be->spanbuf_bytes = cap;
-	}
 	char *h;
 	size_t off;
-	int rc = up_alloc(be, bytes, &h, &off);
+	int rc = spans_stage(be, bytes, &h, &off);
 	if (rc)
 		return rc;
 	memcpy(h, be->pend_spans, (size_t)be->pend_n * sizeof(struct kv_span));
@@ -618,7 +626,7 @@ static int flush_held(struct backend_dev *be)
 	uint32_t nw = group, qtiles = 1, base = c->n_kv_heads * qtiles;
 	/* Split the keys only while the sequences leave the GPU mostly idle, and only as far as the
 	 * partial buffers (every row of the step) and the merge counters go. */
-	uint32_t tiles = (max_keys + ATTN_TILE - 1) / ATTN_TILE, pairs = be->n * c->n_heads;
+	uint32_t tiles = (uint32_t)(((uint64_t)max_keys + ATTN_TILE - 1) / ATTN_TILE), pairs = be->n * c->n_heads;
 	uint32_t splits = (ATTN_BLOCKS_PER_SM * (uint32_t)be->sm_count + base * ns - 1) / (base * ns);
 	if (splits > tiles)
 		splits = tiles;
@@ -631,7 +639,7 @@ static int flush_held(struct backend_dev *be)
 	if (splits < 1)
 		splits = 1;
 	uint32_t kps = (tiles + splits - 1) / splits * ATTN_TILE;
-	splits = max_keys ? (max_keys + kps - 1) / kps : 1;
+	splits = max_keys ? (uint32_t)(((uint64_t)max_keys + kps - 1) / kps) : 1;
 	a.q = be->qkv;
 	a.q_ld = be->qkv_ld;
 	a.arena = be->arena;

@@ -443,72 +443,104 @@ START_TEST(kv_ops_refuse_an_error_code_beyond_int)
 }
 END_TEST
 
+/* A kv_remote connected to a scripted kv-store whose ALLOC, COMMIT and FREE are a real pool's
+ * (n_blocks blocks of 4096 bytes). */
+struct kv_fx {
+	struct pool_fx f;
+	struct peer p;
+	void *zctx;
+	struct rpc_client *c;
+	struct kv_remote kr;
+};
+
+static void kv_fx_open(struct kv_fx *x, uint64_t n_blocks)
+{
+	memset(x, 0, sizeof(*x));
+	pool_fx_open_n(&x->f, n_blocks);
+	x->p.kv = x->f.kv;
+	x->p.kv_rw = x->f.kv;
+	peer_start(&x->p, x->f.dir, "kv-store");
+	x->zctx = zmq_ctx_new();
+	x->c = rpc_client_create(x->zctx, x->f.dir, "kv-store", "gpu-runner");
+	char err[512] = "";
+	ck_assert_msg(kv_remote_connect(&x->kr, x->c, 4096, 77, TIMEOUT_MS, NULL, err, sizeof(err)) == 0, "connect: %s",
+		      err);
+}
+
+static void kv_fx_close(struct kv_fx *x)
+{
+	kv_remote_disconnect(&x->kr);
+	rpc_client_destroy(&x->c);
+	zmq_ctx_term(x->zctx);
+	peer_stop(&x->p);
+	pool_fx_close(&x->f);
+}
+
+/* A connect to the same pool hands the stash back: the FREE request number `frees`, of the
+ * stash's KV_STASH_BLOCKS - 1 blocks. */
+static void reconnect_frees_the_stash(struct kv_fx *x, unsigned frees)
+{
+	char err[512] = "";
+	bool same = false;
+	ck_assert_msg(kv_remote_connect(&x->kr, x->c, 4096, 77, TIMEOUT_MS, &same, err, sizeof(err)) == 0, "%s", err);
+	ck_assert(same);
+	ck_assert_uint_eq(atomic_load(&x->p.frees), frees);
+	ck_assert_uint_eq(atomic_load(&x->p.last_free), KV_STASH_BLOCKS - 1);
+	ck_assert_uint_eq(x->kr.n_stash, 0);
+}
+
 /* Decode commits a block or two a layer: those come from blocks allocated ahead, 64 an ALLOC, so a
  * layer's allocation sends no request (which would wait for the commits before it); larger requests
  * go as they are, a nearly full pool gives no more than it has free, and the stash goes back when
  * asked (an idle runner) or on a reconnect to the same pool. */
 START_TEST(kv_alloc_takes_decode_blocks_from_a_stash)
 {
-	struct pool_fx f;
-	pool_fx_open_n(&f, KV_STASH_MIN_POOL);
-	struct peer p = {.kv = f.kv, .kv_rw = f.kv};
-	peer_start(&p, f.dir, "kv-store");
-	void *zctx = zmq_ctx_new();
-	struct rpc_client *c = rpc_client_create(zctx, f.dir, "kv-store", "gpu-runner");
-	struct kv_remote kr = {0};
+	struct kv_fx x;
+	kv_fx_open(&x, KV_STASH_MIN_POOL);
+	struct kv_remote *kr = &x.kr;
 	char err[512] = "";
-	ck_assert_msg(kv_remote_connect(&kr, c, 4096, 77, TIMEOUT_MS, NULL, err, sizeof(err)) == 0, "connect: %s", err);
 	uint64_t h[KV_STASH_BLOCKS + 1], big[40];
 	void *ptr[KV_STASH_BLOCKS + 1], *bigp[40];
 	for (int i = 0; i < KV_STASH_BLOCKS; i++)
-		ck_assert_msg(kv_remote_ops_pool.alloc(&kr, 1, &h[i], &ptr[i]) == 0, "%s", kr.error);
-	ck_assert_uint_eq(atomic_load(&p.allocs), 1);
-	ck_assert_uint_eq(atomic_load(&p.last_alloc), KV_STASH_BLOCKS);
+		ck_assert_msg(kv_remote_ops_pool.alloc(kr, 1, &h[i], &ptr[i]) == 0, "%s", kr->error);
+	ck_assert_uint_eq(atomic_load(&x.p.allocs), 1);
+	ck_assert_uint_eq(atomic_load(&x.p.last_alloc), KV_STASH_BLOCKS);
 	for (int i = 0; i < KV_STASH_BLOCKS; i++)
 		for (int j = 0; j < i; j++)
 			ck_assert_msg(h[i] != h[j] && ptr[i] != ptr[j], "blocks %d and %d are one", i, j);
-	ck_assert_int_eq(kv_remote_ops_pool.alloc(&kr, 1, &h[KV_STASH_BLOCKS], &ptr[KV_STASH_BLOCKS]), 0);
-	ck_assert_uint_eq(atomic_load(&p.allocs), 2);
-	ck_assert_uint_eq(kr.n_stash, KV_STASH_BLOCKS - 1);
+	ck_assert_int_eq(kv_remote_ops_pool.alloc(kr, 1, &h[KV_STASH_BLOCKS], &ptr[KV_STASH_BLOCKS]), 0);
+	ck_assert_uint_eq(atomic_load(&x.p.allocs), 2);
+	ck_assert_uint_eq(kr->n_stash, KV_STASH_BLOCKS - 1);
 	/* A prefill's many blocks: one request of just those. */
-	ck_assert_int_eq(kv_remote_ops_pool.alloc(&kr, 40, big, bigp), 0);
-	ck_assert_uint_eq(atomic_load(&p.allocs), 3);
-	ck_assert_uint_eq(atomic_load(&p.last_alloc), 40);
+	ck_assert_int_eq(kv_remote_ops_pool.alloc(kr, 40, big, bigp), 0);
+	ck_assert_uint_eq(atomic_load(&x.p.allocs), 3);
+	ck_assert_uint_eq(atomic_load(&x.p.last_alloc), 40);
 	/* Idle: the stash goes back, in one FREE. */
-	ck_assert_msg(kv_remote_release_stash(&kr) == 0, "%s", kr.error);
-	ck_assert_uint_eq(atomic_load(&p.frees), 1);
-	ck_assert_uint_eq(atomic_load(&p.last_free), KV_STASH_BLOCKS - 1);
-	ck_assert_uint_eq(kr.n_stash, 0);
-	ck_assert_int_eq(kv_remote_release_stash(&kr), 0); /* nothing held: no request */
-	ck_assert_uint_eq(atomic_load(&p.frees), 1);
+	ck_assert_msg(kv_remote_release_stash(kr) == 0, "%s", kr->error);
+	ck_assert_uint_eq(atomic_load(&x.p.frees), 1);
+	ck_assert_uint_eq(atomic_load(&x.p.last_free), KV_STASH_BLOCKS - 1);
+	ck_assert_uint_eq(kr->n_stash, 0);
+	ck_assert_int_eq(kv_remote_release_stash(kr), 0); /* nothing held: no request */
+	ck_assert_uint_eq(atomic_load(&x.p.frees), 1);
 	/* A reconnect to the same pool hands the stash back too. */
-	ck_assert_int_eq(kv_remote_ops_pool.alloc(&kr, 1, &h[0], &ptr[0]), 0);
-	ck_assert_uint_eq(kr.n_stash, KV_STASH_BLOCKS - 1);
-	bool same = false;
-	ck_assert_msg(kv_remote_connect(&kr, c, 4096, 77, TIMEOUT_MS, &same, err, sizeof(err)) == 0, "%s", err);
-	ck_assert(same);
-	ck_assert_uint_eq(atomic_load(&p.frees), 2);
-	ck_assert_uint_eq(atomic_load(&p.last_free), KV_STASH_BLOCKS - 1);
-	ck_assert_uint_eq(kr.n_stash, 0);
+	ck_assert_int_eq(kv_remote_ops_pool.alloc(kr, 1, &h[0], &ptr[0]), 0);
+	ck_assert_uint_eq(kr->n_stash, KV_STASH_BLOCKS - 1);
+	reconnect_frees_the_stash(&x, 2);
 	/* Nearly full: no more than the pool has free (the store would spill or drop cached blocks
 	 * for the rest). */
 	uint32_t used = KV_STASH_BLOCKS + 1 + 40 + 1; /* the blocks this test holds */
 	uint32_t fill = KV_STASH_MIN_POOL - used - 10;
 	uint64_t *fh = malloc(fill * sizeof(uint64_t)), *fo = malloc(fill * sizeof(uint64_t));
 	ck_assert(fh && fo);
-	ck_assert_msg(kvstore_alloc(f.kv, fill, fh, fo, err, sizeof(err)) == 0, "%s", err);
-	uint32_t before = atomic_load(&p.allocs);
-	ck_assert_msg(kv_remote_ops_pool.alloc(&kr, 1, &h[0], &ptr[0]) == 0, "%s", kr.error);
-	ck_assert_uint_eq(atomic_load(&p.allocs), before + 1);
-	ck_assert_uint_eq(atomic_load(&p.last_alloc), 10);
-	ck_assert_uint_eq(kr.n_stash, 9);
+	ck_assert_msg(kvstore_alloc(x.f.kv, fill, fh, fo, err, sizeof(err)) == 0, "%s", err);
+	uint32_t before = atomic_load(&x.p.allocs);
+	ck_assert_msg(kv_remote_ops_pool.alloc(kr, 1, &h[0], &ptr[0]) == 0, "%s", kr->error);
+	ck_assert_uint_eq(atomic_load(&x.p.allocs), before + 1);
+	ck_assert_uint_eq(atomic_load(&x.p.last_alloc), 10);
+	ck_assert_uint_eq(kr->n_stash, 9);
 	free(fh);
 	free(fo);
-	kv_remote_disconnect(&kr);
-	rpc_client_destroy(&c);
-	zmq_ctx_term(zctx);
-	peer_stop(&p);
-	pool_fx_close(&f);
+	kv_fx_close(&x);
 }
 END_TEST
 
@@ -516,72 +548,47 @@ END_TEST
  * what the release returns), and stays while the connection is lost. */
 START_TEST(kv_stash_goes_back_past_a_refused_commit)
 {
-	struct pool_fx f;
-	pool_fx_open_n(&f, KV_STASH_MIN_POOL);
-	struct peer p = {.kv = f.kv, .kv_rw = f.kv};
-	peer_start(&p, f.dir, "kv-store");
-	void *zctx = zmq_ctx_new();
-	struct rpc_client *c = rpc_client_create(zctx, f.dir, "kv-store", "gpu-runner");
-	struct kv_remote kr = {0};
-	char err[512] = "";
-	ck_assert_msg(kv_remote_connect(&kr, c, 4096, 77, TIMEOUT_MS, NULL, err, sizeof(err)) == 0, "connect: %s", err);
+	struct kv_fx x;
+	kv_fx_open(&x, KV_STASH_MIN_POOL);
+	struct kv_remote *kr = &x.kr;
 	uint64_t h;
 	void *ptr;
-	ck_assert_msg(kv_remote_ops_pool.alloc(&kr, 1, &h, &ptr) == 0, "%s", kr.error);
-	ck_assert_uint_eq(kr.n_stash, KV_STASH_BLOCKS - 1);
+	ck_assert_msg(kv_remote_ops_pool.alloc(kr, 1, &h, &ptr) == 0, "%s", kr->error);
+	ck_assert_uint_eq(kr->n_stash, KV_STASH_BLOCKS - 1);
 	/* A commit of a handle the store never gave (another generation): refused, write-behind. */
 	uint64_t bogus = h ^ (1ull << 40), key = 5;
-	ck_assert_int_eq(kv_remote_ops_pool.commit(&kr, 1, &bogus, &ptr, &key, NULL), 0);
-	int rc = kv_remote_release_stash(&kr);
+	ck_assert_int_eq(kv_remote_ops_pool.commit(kr, 1, &bogus, &ptr, &key, NULL), 0);
+	int rc = kv_remote_release_stash(kr);
 	ck_assert_msg(rc < 0, "the refused commit did not come out of the release (rc %d)", rc);
-	ck_assert_ptr_nonnull(strstr(kr.error, "refused a commit"));
-	ck_assert_uint_eq(atomic_load(&p.frees), 1);
-	ck_assert_uint_eq(atomic_load(&p.last_free), KV_STASH_BLOCKS - 1);
-	ck_assert_uint_eq(kr.n_stash, 0);
+	ck_assert_ptr_nonnull(strstr(kr->error, "refused a commit"));
+	ck_assert_uint_eq(atomic_load(&x.p.frees), 1);
+	ck_assert_uint_eq(atomic_load(&x.p.last_free), KV_STASH_BLOCKS - 1);
+	ck_assert_uint_eq(kr->n_stash, 0);
 	/* Lost: the stash stays for the next connect to the same pool, which hands it back. */
-	ck_assert_msg(kv_remote_ops_pool.alloc(&kr, 1, &h, &ptr) == 0, "%s", kr.error);
-	kr.lost = true;
-	ck_assert_int_eq(kv_remote_release_stash(&kr), 0);
-	ck_assert_uint_eq(kr.n_stash, KV_STASH_BLOCKS - 1);
-	ck_assert_uint_eq(atomic_load(&p.frees), 1);
-	bool same = false;
-	ck_assert_msg(kv_remote_connect(&kr, c, 4096, 77, TIMEOUT_MS, &same, err, sizeof(err)) == 0, "%s", err);
-	ck_assert(same);
-	ck_assert_uint_eq(atomic_load(&p.frees), 2);
-	ck_assert_uint_eq(atomic_load(&p.last_free), KV_STASH_BLOCKS - 1);
-	ck_assert_uint_eq(kr.n_stash, 0);
-	kv_remote_disconnect(&kr);
-	rpc_client_destroy(&c);
-	zmq_ctx_term(zctx);
-	peer_stop(&p);
-	pool_fx_close(&f);
+	ck_assert_msg(kv_remote_ops_pool.alloc(kr, 1, &h, &ptr) == 0, "%s", kr->error);
+	kr->lost = true;
+	ck_assert_int_eq(kv_remote_release_stash(kr), 0);
+	ck_assert_uint_eq(kr->n_stash, KV_STASH_BLOCKS - 1);
+	ck_assert_uint_eq(atomic_load(&x.p.frees), 1);
+	reconnect_frees_the_stash(&x, 2);
+	kv_fx_close(&x);
 }
 END_TEST
 
 /* A small pool: every block asked for when needed, none ahead. */
 START_TEST(kv_alloc_of_a_small_pool_takes_no_stash)
 {
-	struct pool_fx f;
-	pool_fx_open_n(&f, 64);
-	struct peer p = {.kv = f.kv, .kv_rw = f.kv};
-	peer_start(&p, f.dir, "kv-store");
-	void *zctx = zmq_ctx_new();
-	struct rpc_client *c = rpc_client_create(zctx, f.dir, "kv-store", "gpu-runner");
-	struct kv_remote kr = {0};
-	char err[512] = "";
-	ck_assert_msg(kv_remote_connect(&kr, c, 4096, 77, TIMEOUT_MS, NULL, err, sizeof(err)) == 0, "connect: %s", err);
+	struct kv_fx x;
+	kv_fx_open(&x, 64);
+	struct kv_remote *kr = &x.kr;
 	uint64_t h[3];
 	void *ptr[3];
 	for (int i = 0; i < 3; i++)
-		ck_assert_msg(kv_remote_ops_pool.alloc(&kr, 1, &h[i], &ptr[i]) == 0, "%s", kr.error);
-	ck_assert_uint_eq(atomic_load(&p.allocs), 3);
-	ck_assert_uint_eq(atomic_load(&p.last_alloc), 1);
-	ck_assert_uint_eq(kr.n_stash, 0);
-	kv_remote_disconnect(&kr);
-	rpc_client_destroy(&c);
-	zmq_ctx_term(zctx);
-	peer_stop(&p);
-	pool_fx_close(&f);
+		ck_assert_msg(kv_remote_ops_pool.alloc(kr, 1, &h[i], &ptr[i]) == 0, "%s", kr->error);
+	ck_assert_uint_eq(atomic_load(&x.p.allocs), 3);
+	ck_assert_uint_eq(atomic_load(&x.p.last_alloc), 1);
+	ck_assert_uint_eq(kr->n_stash, 0);
+	kv_fx_close(&x);
 }
 END_TEST
 
