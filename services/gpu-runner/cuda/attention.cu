@@ -375,6 +375,26 @@ cudaError_t attn_allow_smem(uint32_t kv_dtype, size_t bytes)
 	return cudaFuncSetAttribute(attn_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
 }
 
+/* How many blocks split `keys` keys (tile a step) for `columns` block columns: enough for
+ * ATTN_BLOCKS_PER_SM blocks a multiprocessor, at most max_splits and what the partial buffers hold
+ * for `pairs` (token, head) pairs, at least 1; *kps is a split's keys (whole tiles). */
+static uint32_t key_splits(const struct backend_dev *be, uint32_t columns, uint32_t keys, uint32_t tile,
+			   uint32_t pairs, uint32_t max_splits, uint32_t *kps)
+{
+	uint32_t tiles = (uint32_t)(((uint64_t)keys + tile - 1) / tile);
+	uint32_t splits = (ATTN_BLOCKS_PER_SM * (uint32_t)be->sm_count + columns - 1) / columns;
+	if (splits > tiles)
+		splits = tiles;
+	if (splits > max_splits)
+		splits = max_splits;
+	if (splits > be->part_cap / pairs)
+		splits = be->part_cap / pairs;
+	if (splits < 1)
+		splits = 1;
+	*kps = (tiles + splits - 1) / splits * tile;
+	return *kps ? (uint32_t)(((uint64_t)keys + *kps - 1) / *kps) : 1;
+}
+
 /* The keys the spans hold, at most what the kernels' 32-bit key offsets take. */
 static int span_keys(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans, uint32_t *keys)
 {
@@ -466,18 +486,8 @@ static int attention_rows(struct backend_dev *be, const struct kv_span *spans, u
 	uint32_t nw = pairs_g < ATTN_MAX_WARPS ? pairs_g : ATTN_MAX_WARPS;
 	uint32_t rows = mma ? MMA_ROWS : nw, tile = mma ? MMA_KEYS : ATTN_TILE;
 	uint32_t qtiles = (pairs_g + rows - 1) / rows, base = c->n_kv_heads * qtiles;
-	uint32_t pairs = nr * c->n_heads, tiles = (uint32_t)(((uint64_t)total + tile - 1) / tile);
-	uint32_t splits = (ATTN_BLOCKS_PER_SM * (uint32_t)be->sm_count + base - 1) / base;
-	if (splits > tiles)
-		splits = tiles;
-	if (splits > ATTN_MAX_SPLITS)
-		splits = ATTN_MAX_SPLITS;
-	if (splits > be->part_cap / pairs)
-		splits = be->part_cap / pairs;
-	if (splits < 1)
-		splits = 1;
-	uint32_t kps = (tiles + splits - 1) / splits * tile;
-	splits = (uint32_t)(((uint64_t)total + kps - 1) / kps);
+	uint32_t pairs = nr * c->n_heads, kps;
+	uint32_t splits = key_splits(be, base, total, tile, pairs, ATTN_MAX_SPLITS, &kps);
 
 	a.q = be->qkv + (size_t)r0 * be->qkv_ld;
 	a.q_ld = be->qkv_ld;
@@ -625,21 +635,10 @@ static int flush_held(struct backend_dev *be)
 	uint32_t group = c->n_heads / c->n_kv_heads, hd = c->head_dim;
 	uint32_t nw = group, qtiles = 1, base = c->n_kv_heads * qtiles;
 	/* Split the keys only while the sequences leave the GPU mostly idle, and only as far as the
-	 * partial buffers (every row of the step) and the merge counters go. */
-	uint32_t tiles = (uint32_t)(((uint64_t)max_keys + ATTN_TILE - 1) / ATTN_TILE), pairs = be->n * c->n_heads;
-	uint32_t splits = (ATTN_BLOCKS_PER_SM * (uint32_t)be->sm_count + base * ns - 1) / (base * ns);
-	if (splits > tiles)
-		splits = tiles;
-	if (splits > ATTN_MAX_SPLITS)
-		splits = ATTN_MAX_SPLITS;
-	if (splits > be->part_cap / pairs)
-		splits = be->part_cap / pairs;
-	if (!be->fuse_x || base * ns > be->attn_count_n)
-		splits = 1;
-	if (splits < 1)
-		splits = 1;
-	uint32_t kps = (tiles + splits - 1) / splits * ATTN_TILE;
-	splits = max_keys ? (uint32_t)(((uint64_t)max_keys + kps - 1) / kps) : 1;
+	 * partial buffers (every row of the step) and the merge counters go (the last block of each
+	 * column merges: no combine kernel for several sequences). */
+	uint32_t kps, max_splits = be->fuse_x && base * ns <= be->attn_count_n ? ATTN_MAX_SPLITS : 1;
+	uint32_t splits = key_splits(be, base * ns, max_keys, ATTN_TILE, be->n * c->n_heads, max_splits, &kps);
 	a.q = be->qkv;
 	a.q_ld = be->qkv_ld;
 	a.arena = be->arena;
