@@ -72,44 +72,69 @@ size_t attn_smem_bytes(uint32_t hd, size_t esize, uint32_t nw)
 }
 
 /* Folds the splits' partial states of one (token, head) pair into its running state: one warp,
- * lane d holding dims 2d, 2d + 1 of each 64; the partials (written by other blocks) read past L1. */
+ * lane d holding dims 2d, 2d + 1 of each 64; the partials (written by other blocks) read past L1.
+ * Lane i reads the maxima and sums of splits i, i + 32 and their weights exp(m_s - max) are
+ * computed once, in parallel; the accumulators' loads go out MERGE_BATCH splits at a time before
+ * any is used, so the merge costs a few memory round trips, not one per split and dimension. The
+ * float32 operations and their order are attn_combine_kernel's (a serial merge's). */
+#define MERGE_BATCH 8
+static_assert(ATTN_MAX_SPLITS <= 64, "a lane reads the state of two splits at most");
 static __device__ __noinline__ void merge_splits(const attn_args &a, size_t pair, uint32_t splits, uint32_t lane)
 {
 	const size_t pairs = (size_t)a.n * a.n_heads;
 	const uint32_t hd = a.head_dim;
 	const float M = a.m[pair];
+	float ms[2], ls[2], ws[2];
 	float mx = M;
-	for (uint32_t s = 0; s < splits; s++)
-		mx = fmaxf(mx, __ldcg(a.pm + s * pairs + pair));
+#pragma unroll
+	for (int i = 0; i < 2; i++) {
+		const uint32_t s = lane + 32 * i;
+		ms[i] = s < splits ? __ldcg(a.pm + s * pairs + pair) : -INFINITY;
+		ls[i] = s < splits ? __ldcg(a.pl + s * pairs + pair) : 0.0f;
+		mx = fmaxf(mx, ms[i]);
+	}
+	mx = warp_max(mx);
 	if (mx == -INFINITY)
-		return; /* nothing seen yet, nothing new */
+		return; /* nothing seen yet, nothing new (the same in every lane) */
 	const float wM = M == -INFINITY ? 0.0f : expf(M - mx);
 #pragma unroll
-	for (int j = 0; j < MAX_HEAD_DIM / 64; j++) {
-		const uint32_t d = 64 * j + 2 * lane;
-		if (d >= hd)
-			continue;
-		float2 v = *(const float2 *)(a.acc + pair * hd + d);
+	for (int i = 0; i < 2; i++)
+		ws[i] = ms[i] != -INFINITY ? expf(ms[i] - mx) : 0.0f;
+	float L = a.l[pair] * wM;
+	/* A 64-dim slice at a time (few registers: the attention loop's own are live too). */
+	for (uint32_t d0 = 0; d0 < hd; d0 += 64) {
+		const uint32_t d = d0 + 2 * lane;
+		const bool in = d < hd;
+		float2 v = in ? *(const float2 *)(a.acc + pair * hd + d) : make_float2(0.0f, 0.0f);
 		v.x *= wM;
 		v.y *= wM;
-		for (uint32_t s = 0; s < splits; s++) {
-			const float ms = __ldcg(a.pm + s * pairs + pair);
-			if (ms == -INFINITY)
-				continue;
-			const float w = expf(ms - mx);
-			const float2 pv = __ldcg((const float2 *)(a.pacc + (s * pairs + pair) * hd + d));
-			v.x = fmaf(pv.x, w, v.x);
-			v.y = fmaf(pv.y, w, v.y);
+		for (uint32_t s0 = 0; s0 < splits; s0 += MERGE_BATCH) {
+			float2 pv[MERGE_BATCH];
+#pragma unroll
+			for (uint32_t i = 0; i < MERGE_BATCH; i++)
+				pv[i] = s0 + i < splits && in
+						? __ldcg((const float2 *)(a.pacc + ((s0 + i) * pairs + pair) * hd + d))
+						: make_float2(0.0f, 0.0f);
+#pragma unroll
+			for (uint32_t i = 0; i < MERGE_BATCH; i++) {
+				const uint32_t s = s0 + i; /* the same in every lane */
+				if (s >= splits)
+					break;
+				const float m_s = __shfl_sync(0xffffffffu, s < 32 ? ms[0] : ms[1], s & 31);
+				const float w_s = __shfl_sync(0xffffffffu, s < 32 ? ws[0] : ws[1], s & 31);
+				const float l_s = __shfl_sync(0xffffffffu, s < 32 ? ls[0] : ls[1], s & 31);
+				if (m_s == -INFINITY)
+					continue;
+				v.x = fmaf(pv[i].x, w_s, v.x);
+				v.y = fmaf(pv[i].y, w_s, v.y);
+				if (d0 == 0) /* the sum once */
+					L = fmaf(l_s, w_s, L);
+			}
 		}
-		*(float2 *)(a.acc + pair * hd + d) = v;
+		if (in)
+			*(float2 *)(a.acc + pair * hd + d) = v;
 	}
 	if (lane == 0) {
-		float L = a.l[pair] * wM;
-		for (uint32_t s = 0; s < splits; s++) {
-			const float ms = __ldcg(a.pm + s * pairs + pair);
-			if (ms != -INFINITY)
-				L = fmaf(__ldcg(a.pl + s * pairs + pair), expf(ms - mx), L);
-		}
 		a.m[pair] = mx;
 		a.l[pair] = L;
 	}
