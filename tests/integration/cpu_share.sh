@@ -10,6 +10,10 @@
 source "$(dirname "$0")/lib.sh"
 it_setup cpu_share
 BACKEND=${CPU_SHARE_BACKEND:-cpu}
+if [[ $BACKEND != cpu ]] && ! nvidia-smi >/dev/null 2>&1; then
+	echo "[cpu_share] SKIP: no GPU for CPU_SHARE_BACKEND=$BACKEND"
+	exit 77
+fi
 
 expect_start_fails "--cpu-share 1.5" "cpu-share '1.5' is not auto, 0 or a fraction" --model "$MODEL" \
 	--cpu-share 1.5

@@ -8,8 +8,21 @@ it_setup tiers
 # carry CUDA IPC events, and the reference is the same backend with every budget large (the
 # C oracle computes in float32, the GPU in bf16).
 BACKEND=${TIERS_BACKEND:-cpu}
+if [[ $BACKEND != cpu ]] && ! nvidia-smi >/dev/null 2>&1; then
+	echo "[tiers] SKIP: no GPU for TIERS_BACKEND=$BACKEND"
+	exit 77
+fi
 # The reference's tokens and these must be equal, so no FFN splits with the CPU here (its products
 # sum in another order than the GPU's): --cpu-share 0 (integration_cpu_share and fidelity check it).
+# On CUDA, TIERS_GPU_OPTS are more flags for the reference and the run with every tier at work,
+# e.g. "--gpu-budget 1MiB --cpu-share 0.5": every layer streamed through the GPU window and half of
+# each streamed FFN computed by the CPU pool from the ring, in both runs alike.
+read -r -a GPU_OPTS <<<"${TIERS_GPU_OPTS:-}"
+SHARE=(--cpu-share 0)
+if [[ ${#GPU_OPTS[@]} -gt 0 ]]; then
+	[[ $BACKEND != cpu ]] || fail "TIERS_GPU_OPTS is for TIERS_BACKEND=cuda"
+	SHARE=()
+fi
 
 bytes=$(model_bytes "$MODEL")
 # The smallest DRAM budget is the globals plus one attention and one FFN group, slots
@@ -37,13 +50,14 @@ sample=(--temperature 0.8 --top-k 40 --top-p 0.9 --seed 7)
 if [[ $BACKEND != cpu ]]; then
 	# The reference: the same backend, nothing constrained.
 	"$PIPELINE" stop
-	"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --cpu-share 0
+	"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" ${SHARE[@]+"${SHARE[@]}"} \
+		${GPU_OPTS[@]+"${GPU_OPTS[@]}"} --runner-opt=--prefill-chunk=16
 	want_greedy=$(generate --tokens "$PROMPT" -n 64)
 	want_sampled=$(generate --tokens "$PROMPT" -n 64 "${sample[@]}")
 	"$PIPELINE" stop
 	# bf16 KV blocks are half the size: half the budget holds the same 8 blocks.
-	"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --cpu-share 0 --dram-budget "$budget" --kv-gpu-budget 16KiB \
-		--kv-dram-budget 16KiB --runner-opt=--prefill-chunk=16
+	"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" ${SHARE[@]+"${SHARE[@]}"} ${GPU_OPTS[@]+"${GPU_OPTS[@]}"} \
+		--dram-budget "$budget" --kv-gpu-budget 16KiB --kv-dram-budget 16KiB --runner-opt=--prefill-chunk=16
 else
 	want_greedy=$(run_local --tokens "$PROMPT" -n 64)
 	want_sampled=$(run_local --tokens "$PROMPT" -n 64 "${sample[@]}")
@@ -55,7 +69,13 @@ expect_eq "$got" "$want" "greedy tokens with every tier at work vs run-local"
 want=$want_sampled
 got=$(generate --tokens "$PROMPT" -n 64 "${sample[@]}")
 expect_eq "$got" "$want" "sampled tokens with every tier at work vs run-local"
-log "tokens equal the reference ($BACKEND)"
+log "tokens equal the reference ($BACKEND${GPU_OPTS[@]+, ${GPU_OPTS[*]}})"
+if [[ " ${GPU_OPTS[*]} " == *" --cpu-share "* ]]; then
+	stats=$("$PIPECTL" stats gpu-runner)
+	jobs=$(sed -n '/"cpu_share"/,/}/s/^ *"jobs": *\([0-9]*\).*/\1/p' <<<"$stats" | head -n 1)
+	expect_gt "${jobs:-}" 0 "CPU share jobs in the runner's stats"
+	expect_grep '"jobs_failed": 0' "$stats" "failed CPU shares in the runner's stats"
+fi
 
 read_bytes=$(stat_value ssd-loader bytes_read)
 all_resident=$(stat_value ssd-loader all_resident)
