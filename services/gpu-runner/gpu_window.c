@@ -94,10 +94,10 @@ int64_t gpu_window_plan(const struct model_config *cfg, const struct group_desc 
 	if (best_na < 0) {
 		char b[32], n[32];
 		return errorf(err, errlen, -ENOSPC,
-			      "--gpu-budget %s is too small: %s%u slot%s of each streamed layer group need %s",
+			      "--gpu-budget %s is too small: %s%u slot%s of each streamed layer group need %s (%llu bytes)",
 			      format_size(budget, b, sizeof(b)),
 			      !head ? "" : cfg->tie_embeddings ? "the head group with the tied embedding and " : "the head group and ",
-			      depth, depth == 1 ? "" : "s", format_size(*need, n, sizeof(n)));
+			      depth, depth == 1 ? "" : "s", format_size(*need, n, sizeof(n)), (unsigned long long)*need);
 	}
 	memset(resident, 0, n_groups * sizeof(bool));
 	if (head)

@@ -20,7 +20,8 @@ COMPARE=${COMPARE_FIXTURE:?set COMPARE_FIXTURE to the compare_fixture binary of 
 # fixture is within twice the measured logits error. The default is the C reference, at 1e-4.
 BACKEND=${FIDELITY_BACKEND:-cpu}
 # FIDELITY_START_OPTS: more flags for scripts/pipeline start, e.g. on CUDA a GPU budget that streams
-# the layers and a forced split with the CPU: "--gpu-budget 1MiB --cpu-share 0.5".
+# the layers and a forced split with the CPU: "--gpu-budget 1MiB --cpu-share 0.5"; "--gpu-budget
+# min" takes each model's smallest (gpu_budget_min).
 read -r -a START_OPTS <<<"${FIDELITY_START_OPTS:-}"
 if [[ $BACKEND != cpu ]]; then
 	export FIDELITY_REL_L2_MAX=2e-2
@@ -121,6 +122,7 @@ fidelity_cleanup() {
 trap fidelity_cleanup EXIT
 
 failed=()
+cpu_jobs=0 # CPU share jobs over every case (FIDELITY_START_OPTS with --cpu-share)
 # case_failed NAME WHY: notes a failure and goes on with the next case.
 case_failed() {
 	log "FAIL: $1: $2"
@@ -156,7 +158,18 @@ lists ${want_files//$'\n'/ }: the generator changed; remake the fixtures (tests/
 	# Through the services.
 	use_instance "$n"
 	started+=("$n")
-	"$PIPELINE" start --model "$dir" --backend "$BACKEND" ${START_OPTS[@]+"${START_OPTS[@]}"} >/dev/null
+	opts=(${START_OPTS[@]+"${START_OPTS[@]}"})
+	if [[ $BACKEND != cpu && " ${opts[*]} " == *" --gpu-budget min "* ]]; then
+		# The smallest GPU window this model takes: every layer group streams where it has
+		# more layers than the window's slots.
+		min=$(gpu_budget_min "$dir" "$BACKEND")
+		[[ -n $min ]] || fail "$name: the runner did not say its smallest --gpu-budget"
+		for i in "${!opts[@]}"; do
+			[[ ${opts[i]} == --gpu-budget ]] && opts[i + 1]=$min
+		done
+		log "$name: --gpu-budget $min (the smallest the runner takes)"
+	fi
+	"$PIPELINE" start --model "$dir" --backend "$BACKEND" ${opts[@]+"${opts[@]}"} >/dev/null
 	logits=$IT_TMP/$name.logits
 	ok=1
 	if got=$("$PIPECTL" generate --tokens "$prompt" -n 32 --temperature 0 --ignore-eos --dump-logits "$logits"); then
@@ -172,6 +185,12 @@ lists ${want_files//$'\n'/ }: the generator changed; remake the fixtures (tests/
 	else
 		log "FAIL: $name: pipectl generate failed"
 		ok=0
+	fi
+	if [[ " ${opts[*]} " == *" --cpu-share "* ]]; then
+		# What the CPU pool computed for this case (streamed FFNs split with it).
+		jobs=$("$PIPECTL" stats gpu-runner | sed -n '/"cpu_share"/,/}/s/^ *"jobs": *\([0-9]*\).*/\1/p' | head -n 1)
+		log "$name: ${jobs:-0} CPU share jobs"
+		cpu_jobs=$((cpu_jobs + ${jobs:-0}))
 	fi
 	stop_instance "$n"
 
@@ -195,5 +214,8 @@ for n in "${started[@]}"; do
 	expect_nothing_left "case instance $INSTANCE after stop"
 done
 
+if [[ " ${START_OPTS[*]} " == *" --cpu-share "* ]]; then
+	expect_gt "$cpu_jobs" 0 "CPU share jobs over every case (the cases that stream must split)"
+fi
 ((${#failed[@]} == 0)) || fail "${#failed[@]} of ${#fixtures[@]} cases differ from transformers: ${failed[*]}"
 log "ok: ${#fixtures[@]} cases match transformers"

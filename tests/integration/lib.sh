@@ -219,6 +219,19 @@ stat_value() {
 }
 
 # model_bytes DIR: bytes of the checkpoint's safetensors files.
+# gpu_budget_min MODEL BACKEND [START_ARGS...]: the smallest --gpu-budget (bytes) the runner takes
+# for MODEL (the head group and two slots of each streamed layer group), read from its refusal of
+# 1 KiB; empty when the message does not say.
+gpu_budget_min() {
+	local model=$1 backend=$2 out
+	shift 2
+	out=$("$PIPELINE" start --model "$model" --backend "$backend" --gpu-budget 1KiB "$@" 2>&1) && {
+		"$PIPELINE" stop >/dev/null 2>&1
+		fail "start with a 1 KiB GPU budget succeeded"
+	}
+	sed -n 's/.*--gpu-budget .* is too small: .* need [^(]*(\([0-9]*\) bytes).*/\1/p' <<<"$out" | head -n 1
+}
+
 model_bytes() {
 	local f total=0
 	for f in "$1"/*.safetensors; do

@@ -15,13 +15,24 @@ fi
 # The reference's tokens and these must be equal, so no FFN splits with the CPU here (its products
 # sum in another order than the GPU's): --cpu-share 0 (integration_cpu_share and fidelity check it).
 # On CUDA, TIERS_GPU_OPTS are more flags for the reference and the run with every tier at work,
-# e.g. "--gpu-budget 1MiB --cpu-share 0.5": every layer streamed through the GPU window and half of
-# each streamed FFN computed by the CPU pool from the ring, in both runs alike.
+# e.g. "--gpu-budget min --cpu-share 0.5": every layer streamed through the smallest GPU window and
+# half of each streamed FFN computed by the CPU pool from the ring, in both runs alike.
 read -r -a GPU_OPTS <<<"${TIERS_GPU_OPTS:-}"
 SHARE=(--cpu-share 0)
 if [[ ${#GPU_OPTS[@]} -gt 0 ]]; then
 	[[ $BACKEND != cpu ]] || fail "TIERS_GPU_OPTS is for TIERS_BACKEND=cuda"
 	SHARE=()
+fi
+if [[ " ${GPU_OPTS[*]} " == *" --gpu-budget min "* ]]; then
+	# "--gpu-budget min": the smallest window the runner takes, which streams the layers only where
+	# there are more than its slots: four layers.
+	rm -rf "$MODEL"
+	"$BIN/make-synthetic-model" --shape tiny --layers 4 --out "$MODEL" --quiet
+	min=$(gpu_budget_min "$MODEL" "$BACKEND" --cpu-share 0)
+	[[ -n $min ]] || fail "the runner did not say its smallest --gpu-budget"
+	for i in "${!GPU_OPTS[@]}"; do
+		[[ ${GPU_OPTS[i]} == --gpu-budget ]] && GPU_OPTS[i + 1]=$min
+	done
 fi
 
 bytes=$(model_bytes "$MODEL")

@@ -71,19 +71,19 @@ size_t attn_smem_bytes(uint32_t hd, size_t esize, uint32_t nw)
 	       ATTN_TILE * hd * esize + (size_t)nw * hd * sizeof(float);
 }
 
-/* Folds the splits' partial states of one (token, head) pair into its running state: one warp,
- * lane d holding dims 2d, 2d + 1 of each 64; the partials (written by other blocks) read past L1.
- * Lane i reads the maxima and sums of splits i, i + 32 and their weights exp(m_s - max) are
- * computed once, in parallel; the accumulators' loads go out MERGE_BATCH splits at a time before
- * any is used, so the merge costs a few memory round trips, not one per split and dimension. The
- * float32 operations and their order are attn_combine_kernel's (a serial merge's). */
+/* Folds the splits' partial states of one (token, head) pair into its running state: one warp;
+ * the partials (written by other blocks) read past L1. Lane i reads the maxima and sums of splits
+ * i, i + 32, and their weights exp(m_s - max) are computed once, in parallel; lane i then takes
+ * dims 4 i .. 4 i + 3 of each 128, whose accumulators' loads go out MERGE_BATCH splits at a time
+ * before any is used: the merge costs a few memory round trips, not one per split and dimension.
+ * The float32 operations and their order are attn_combine_kernel's (a serial merge's). */
 #define MERGE_BATCH 8
 static_assert(ATTN_MAX_SPLITS <= 64, "a lane reads the state of two splits at most");
 static __device__ __noinline__ void merge_splits(const attn_args &a, size_t pair, uint32_t splits, uint32_t lane)
 {
 	const size_t pairs = (size_t)a.n * a.n_heads;
 	const uint32_t hd = a.head_dim;
-	const float M = a.m[pair];
+	const float M = a.m[pair], L0 = a.l[pair];
 	float ms[2], ls[2], ws[2];
 	float mx = M;
 #pragma unroll
@@ -100,21 +100,23 @@ static __device__ __noinline__ void merge_splits(const attn_args &a, size_t pair
 #pragma unroll
 	for (int i = 0; i < 2; i++)
 		ws[i] = ms[i] != -INFINITY ? expf(ms[i] - mx) : 0.0f;
-	float L = a.l[pair] * wM;
-	/* A 64-dim slice at a time (few registers: the attention loop's own are live too). */
-	for (uint32_t d0 = 0; d0 < hd; d0 += 64) {
-		const uint32_t d = d0 + 2 * lane;
+	float L = L0 * wM;
+	/* 128 dims at a time (head_dim is a multiple of 8: a lane's 4 dims are in or out together). */
+	for (uint32_t d0 = 0; d0 < hd; d0 += 128) {
+		const uint32_t d = d0 + 4 * lane;
 		const bool in = d < hd;
-		float2 v = in ? *(const float2 *)(a.acc + pair * hd + d) : make_float2(0.0f, 0.0f);
+		float4 v = in ? *(const float4 *)(a.acc + pair * hd + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 		v.x *= wM;
 		v.y *= wM;
+		v.z *= wM;
+		v.w *= wM;
 		for (uint32_t s0 = 0; s0 < splits; s0 += MERGE_BATCH) {
-			float2 pv[MERGE_BATCH];
+			float4 pv[MERGE_BATCH];
 #pragma unroll
 			for (uint32_t i = 0; i < MERGE_BATCH; i++)
 				pv[i] = s0 + i < splits && in
-						? __ldcg((const float2 *)(a.pacc + ((s0 + i) * pairs + pair) * hd + d))
-						: make_float2(0.0f, 0.0f);
+						? __ldcg((const float4 *)(a.pacc + ((s0 + i) * pairs + pair) * hd + d))
+						: make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
 			for (uint32_t i = 0; i < MERGE_BATCH; i++) {
 				const uint32_t s = s0 + i; /* the same in every lane */
@@ -127,12 +129,14 @@ static __device__ __noinline__ void merge_splits(const attn_args &a, size_t pair
 					continue;
 				v.x = fmaf(pv[i].x, w_s, v.x);
 				v.y = fmaf(pv[i].y, w_s, v.y);
+				v.z = fmaf(pv[i].z, w_s, v.z);
+				v.w = fmaf(pv[i].w, w_s, v.w);
 				if (d0 == 0) /* the sum once */
 					L = fmaf(l_s, w_s, L);
 			}
 		}
 		if (in)
-			*(float2 *)(a.acc + pair * hd + d) = v;
+			*(float4 *)(a.acc + pair * hd + d) = v;
 	}
 	if (lane == 0) {
 		a.m[pair] = mx;
@@ -161,9 +165,23 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	unsigned char *vs = ks + ATTN_TILE * krow_bytes;	/* (TILE, vrow_bytes) */
 	float *qs = (float *)(vs + ATTN_TILE * vrow_bytes);	/* (warps, hd) */
 
-	/* The span list: in the parameters (decode) or uploaded. */
-	const struct kv_span *spans = a.inline_spans ? a.span_in : a.spans;
-	const uint32_t *prefix = a.inline_spans ? a.prefix_in : a.prefix;
+	/* The span list: in the parameters (decode), copied into shared memory before the kernel
+	 * before has finished (the searches below index it at run time: from the parameters that is a
+	 * constant-cache miss each), or uploaded. */
+	__shared__ struct kv_span s_span[ATTN_INLINE_SPANS];
+	__shared__ uint32_t s_prefix[ATTN_INLINE_SPANS + 1];
+	const struct kv_span *spans = a.spans;
+	const uint32_t *prefix = a.prefix;
+	if (a.inline_spans) {
+		for (uint32_t i = threadIdx.x; i <= a.n_spans; i += blockDim.x) {
+			if (i < a.n_spans)
+				s_span[i] = a.span_in[i];
+			s_prefix[i] = a.prefix_in[i];
+		}
+		spans = s_span;
+		prefix = s_prefix;
+		__syncthreads();
+	}
 	grid_launch_next();
 	grid_wait();
 	/* The run of rows this block serves: the call's, or sequence blockIdx.z's of several. */
