@@ -245,8 +245,11 @@ template <> struct dq<DT_Q4_K> {
 						    const uint8_t *xq, const float *xd, const float *xs)
 	{
 		const uint32_t k0 = 16 * b + 4 * g; /* values 64 g ..: chunks k0 .. k0 + 3 */
-		const uint4 c0 = dq_chunk<DT_Q4_K>(xq, k0), c1 = dq_chunk<DT_Q4_K>(xq, k0 + 1);
-		const uint4 c2 = dq_chunk<DT_Q4_K>(xq, k0 + 2), c3 = dq_chunk<DT_Q4_K>(xq, k0 + 3);
+		/* dq_phys<DT_Q4_K>(k0 + c) = k0 + (c ^ t): k0 is a multiple of 4, so its 4 chunks share
+		 * k >> 3 (one xor for the four addresses). */
+		const uint32_t t = (k0 >> 3) & 3;
+		const uint4 *xk = (const uint4 *)xq + k0;
+		const uint4 c0 = xk[t], c1 = xk[1 ^ t], c2 = xk[2 ^ t], c3 = xk[3 ^ t];
 		const uint32_t xl[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
 		const uint32_t xh[8] = {c2.x, c2.y, c2.z, c2.w, c3.x, c3.y, c3.z, c3.w};
 		int lo = 0, hi = 0;
@@ -295,10 +298,14 @@ template <> struct dq<DT_Q6_K> {
 		const uint32_t nh = j >> 1, hj = j & 1, k0 = 16 * b + 8 * nh + hj;
 		const float4 dx = *(const float4 *)(xd + 8 * b + 4 * nh);
 		const float dxr[4] = {dx.x, dx.y, dx.z, dx.w};
+		/* dq_phys<DT_Q6_K>(k0 + 2 r) = k0 + (2 r ^ t): k0's bits 1 and 2 are 0, and its 4
+		 * chunks share k >> 3 (one xor for the four addresses). */
+		const uint32_t t = ((k0 >> 3) & 3) << 1;
+		const uint4 *xk = (const uint4 *)xq + k0;
 		float y = 0.0f;
 #pragma unroll
 		for (uint32_t r = 0; r < 4; r++) {
-			const uint4 c = dq_chunk<DT_Q6_K>(xq, k0 + 2 * r);
+			const uint4 c = xk[(2 * r) ^ t];
 			int s = __dp4a(q6(r, v.a[0], v.b[0], v.h[0]), (int)c.x, 0);
 			s = __dp4a(q6(r, v.a[1], v.b[1], v.h[1]), (int)c.y, s);
 			s = __dp4a(q6(r, v.a[2], v.b[2], v.h[2]), (int)c.z, s);
@@ -508,8 +515,18 @@ static __device__ __forceinline__ void dq_sm_issue(const qgemv_args &a, const qg
 		const uint32_t b0 = s * T::BPS, nblk = min(T::BPS, a.nb - b0);
 		const uint32_t bytes = nblk * T::BB;
 		const uint8_t *src = (MODE == GEMV_SWIGLU && (c.k & 1) ? c.r.row2 : c.r.row) + (size_t)b0 * T::BB;
-		for (uint32_t off = 16 * lane; off < bytes; off += 16 * 32)
-			cp_async16(st + off, src + off, min(16u, bytes - off));
+		constexpr uint32_t FULL = T::BPS * T::BB; /* a whole step: a multiple of 16 in every format */
+		static_assert(FULL % 16 == 0, "a whole step is whole 16-byte chunks");
+		if (bytes == FULL) {
+			/* The common case in a fixed number of copies, no tail. */
+#pragma unroll
+			for (uint32_t i = 0; i < (FULL + 511) / 512; i++)
+				if (16 * lane + 512 * i < FULL)
+					cp_async16(st + 16 * lane + 512 * i, src + 16 * lane + 512 * i, 16);
+		} else {
+			for (uint32_t off = 16 * lane; off < bytes; off += 16 * 32)
+				cp_async16(st + off, src + off, min(16u, bytes - off));
+		}
 	}
 	cp_async_commit();
 }

@@ -154,14 +154,11 @@ template <> struct qg<DT_Q4_0> {
 static __device__ __forceinline__ void k4_scales(const uint32_t *h, uint32_t g, uint32_t &sc0, uint32_t &m0,
 						  uint32_t &sc1, uint32_t &m1)
 {
-	uint32_t scw, mw;
-	if (g < 2) {
-		scw = h[1] & 0x3F3F3F3Fu;
-		mw = h[2] & 0x3F3F3F3Fu;
-	} else {
-		scw = (h[3] & 0x0F0F0F0Fu) | ((h[1] >> 2) & 0x30303030u);
-		mw = ((h[3] >> 4) & 0x0F0F0F0Fu) | ((h[2] >> 2) & 0x30303030u);
-	}
+	/* Both forms, then a select: the lanes of a block differ in g, so a branch would run both. */
+	const uint32_t lo_sc = h[1] & 0x3F3F3F3Fu, lo_m = h[2] & 0x3F3F3F3Fu;
+	const uint32_t hi_sc = (h[3] & 0x0F0F0F0Fu) | ((h[1] >> 2) & 0x30303030u);
+	const uint32_t hi_m = ((h[3] >> 4) & 0x0F0F0F0Fu) | ((h[2] >> 2) & 0x30303030u);
+	const uint32_t scw = g < 2 ? lo_sc : hi_sc, mw = g < 2 ? lo_m : hi_m;
 	const uint32_t sh = 16 * (g & 1);
 	sc0 = (scw >> sh) & 0xFF;
 	sc1 = (scw >> (sh + 8)) & 0xFF;
