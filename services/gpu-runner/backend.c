@@ -765,6 +765,40 @@ int backend_logits_sample(struct backend *be, const struct group_weights *w, con
 	return 0;
 }
 
+bool backend_picks_rows(const struct backend *be)
+{
+	return be->impl->compute->logits_pick_rows != NULL;
+}
+
+int backend_logits_pick_rows(struct backend *be, const struct group_weights *w, const uint32_t *rows,
+			     uint32_t n_rows, const struct backend_pick *picks, int32_t *tokens)
+{
+	assert(w && (rows || !n_rows) && picks && tokens);
+	if (!be->impl->compute->logits_pick_rows)
+		return fail(be, -ENOTSUP, "logits_pick_rows: the %s backend picks no tokens itself", be->impl->name);
+	int rc = head_check(be, w, "logits_pick_rows");
+	if (rc)
+		return rc;
+	if (n_rows == 0 || n_rows > be->n)
+		return fail(be, -EINVAL, "logits_pick_rows: %u rows of a step of %u", n_rows, be->n);
+	for (uint32_t i = 0; i < n_rows; i++) {
+		if (rows[i] >= be->n || (i && rows[i] <= rows[i - 1]))
+			return fail(be, -EINVAL, "logits_pick_rows: row %u (the %u-th) of a step of %u: rows go up, each "
+				    "below the step's", rows[i], i, be->n);
+		const struct sampler_params *sp = picks[i].sp;
+		if (sp && (!(sp->temperature > 0.0f) || !(picks[i].u >= 0.0 && picks[i].u < 1.0)))
+			return fail(be, -EINVAL, "logits_pick_rows: row %u: a draw needs temperature > 0 and u in [0, 1)",
+				    rows[i]);
+	}
+	rc = be->impl->compute->logits_pick_rows(be->dev, w, rows, n_rows, picks, tokens);
+	if (rc)
+		return impl_rc(be, rc);
+	for (uint32_t i = 0; i < n_rows; i++)
+		if (tokens[i] < 0 || (uint32_t)tokens[i] >= be->cfg.vocab_size)
+			return fail(be, -EIO, "logits_pick_rows: row %u: no token chosen", rows[i]);
+	return 0;
+}
+
 void backend_get_cpu_share_stats(struct backend *be, struct backend_cpu_share_stats *out)
 {
 	memset(out, 0, sizeof(*out));

@@ -313,6 +313,20 @@ int backend_logits_rows(struct backend *be, const struct group_weights *w, const
 int backend_logits_argmax(struct backend *be, const struct group_weights *w, int32_t *token);
 /* Can the backend draw tokens where the logits are (backend_logits_sample)? */
 bool backend_samples_on_device(const struct backend *be);
+/* A row's next token for backend_logits_pick_rows: its argmax (sp NULL), or a draw with
+ * sp (temperature > 0) and the uniform u, as backend_logits_sample makes it. */
+struct backend_pick {
+	const struct sampler_params *sp;
+	double u;
+};
+/* Can the backend pick the tokens of several rows where their logits are
+ * (backend_logits_pick_rows)? */
+bool backend_picks_rows(const struct backend *be);
+/* logits_rows, then each row's token picked where the logits are (picks[i] for rows[i]), so only
+ * n_rows token ids cross the bus: tokens[i]. The same tokens as logits_argmax and logits_sample
+ * give for those logits. -ENOTSUP where the backend cannot (backend_picks_rows). */
+int backend_logits_pick_rows(struct backend *be, const struct group_weights *w, const uint32_t *rows,
+			     uint32_t n_rows, const struct backend_pick *picks, int32_t *tokens);
 /* Like logits, then a draw where the logits are, so only the token id crosses the bus.
  * z = logits / sp->temperature; top_k keeps the tokens whose z is at least the k-th largest
  * (ties at the boundary all stay); weights exp(z - max z); top_p keeps the tokens whose weight

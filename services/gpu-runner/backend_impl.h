@@ -57,6 +57,10 @@ struct backend_compute_ops {
 	 * batch, spans with rows, logits of several rows); default -ENOTSUP, and one run a batch. */
 	int (*logits_rows)(struct backend_dev *d, const struct group_weights *w, const uint32_t *rows,
 			   uint32_t n_rows, float *out);
+	/* Optional (with logits_rows and logits_sample): default -ENOTSUP, and the runner picks the
+	 * rows' tokens on the host from logits_rows. */
+	int (*logits_pick_rows)(struct backend_dev *d, const struct group_weights *w, const uint32_t *rows,
+				uint32_t n_rows, const struct backend_pick *picks, int32_t *tokens);
 };
 
 struct backend_kv_ops {

@@ -100,7 +100,8 @@ static void admit(struct runner *r)
 		int rc = runner_job_prepare(r, j, err, sizeof(err));
 		if (rc == 0)
 			rc = gen_seq_create(r->engine, r->slot_kv[k], j->ids, j->n_ids, (uint32_t)r->max_context,
-					    &j->params, true, runner_job_emit, j, &j->g, err, sizeof(err));
+					    &j->params, !engine_picks_rows(r->engine), runner_job_emit, j, &j->g, err,
+					    sizeof(err));
 		if (rc || gen_seq_done(j->g))
 			finish(r, k, rc, err);
 	}
@@ -188,9 +189,19 @@ void runner_batch_step(struct runner *r)
 		return;
 	}
 	float *logits = r->batch_logits;
+	/* Where every sequence that wants its next token can have it picked on the device (greedy or a
+	 * plain draw: gen_seq_device_pick), only the tokens come back, not a vocabulary of logits each. */
+	struct backend_pick picks[RUNNER_MAX_BATCH];
+	int32_t tokens[RUNNER_MAX_BATCH];
+	bool pick = false;
 	int rc;
 	for (uint32_t tries = 0;; tries++) {
-		rc = engine_forward_batch(r->engine, seqs, n, logits);
+		pick = n_out > 0 && engine_picks_rows(r->engine);
+		for (uint32_t i = 0, o = 0; i < n && pick; i++)
+			if (seqs[i].out)
+				pick = gen_seq_device_pick(r->active[who[i]].g, &picks[o++]);
+		rc = pick ? engine_forward_batch_pick(r->engine, seqs, n, picks, tokens)
+			  : engine_forward_batch(r->engine, seqs, n, logits);
 		if (rc == 0)
 			break;
 		snprintf(err, sizeof(err), "a step of %u requests: %s", n, engine_error(r->engine));
@@ -222,8 +233,10 @@ void runner_batch_step(struct runner *r)
 			r->max_seqs_seen = n;
 		for (uint32_t i = 0, o = 0; i < n; i++) {
 			struct job *j = &r->active[who[i]];
-			float *row = seqs[i].out ? logits + vocab * o++ : NULL;
-			int arc = gen_seq_advance(j->g, seqs[i].n, row, -1, err, sizeof(err));
+			float *row = seqs[i].out && !pick ? logits + vocab * o : NULL;
+			int32_t tok = seqs[i].out && pick ? tokens[o] : -1;
+			o += seqs[i].out;
+			int arc = gen_seq_advance(j->g, seqs[i].n, row, tok, err, sizeof(err));
 			if (arc || gen_seq_done(j->g))
 				finish(r, who[i], arc, err);
 		}

@@ -283,7 +283,8 @@ int engine_forward_sample(struct engine *e, const int32_t *tokens, uint32_t n, u
 }
 
 static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits,
-			  int32_t *argmax, const struct sampler_params *sp, double u, bool stage_out);
+			  int32_t *argmax, const struct sampler_params *sp, double u, bool stage_out,
+			  const struct backend_pick *picks);
 
 /* One step; on the first stage of a split model, a failure of its own tells the other stages (they
  * wait for its rows, or its taking theirs). */
@@ -291,13 +292,47 @@ static int forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t
 		   const struct sampler_params *sp, double u, bool stage_out)
 {
 	struct engine_seq one = {.kv = e->kv, .tokens = tokens, .n = n, .pos0 = pos0, .out = logits || argmax};
-	int rc = forward_groups(e, &one, 1, logits, argmax, sp, u, stage_out);
+	int rc = forward_groups(e, &one, 1, logits, argmax, sp, u, stage_out, NULL);
 	if (rc && e->stages && e->ws->stage.split && e->ws->stage.first && e->stages->abort)
 		e->stages->abort(e->stages_ctx, e->error);
 	return rc;
 }
 
+/* The checks of a batched step; *n_out: the sequences that want their next token. */
+static int batch_check(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, uint32_t *n_out);
+
 int engine_forward_batch(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits)
+{
+	uint32_t n_out = 0;
+	int rc = batch_check(e, seqs, n_seqs, &n_out);
+	if (rc)
+		return rc;
+	if (n_out && !logits)
+		return set_err(e, -EINVAL, "%u sequences of the step want logits, and there is nowhere to put them", n_out);
+	return forward_groups(e, seqs, n_seqs, n_out ? logits : NULL, NULL, NULL, 0, false, NULL);
+}
+
+bool engine_picks_rows(const struct engine *e)
+{
+	return backend_picks_rows(e->be) && !(e->stages && e->ws->stage.split);
+}
+
+int engine_forward_batch_pick(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs,
+			      const struct backend_pick *picks, int32_t *tokens)
+{
+	uint32_t n_out = 0;
+	int rc = batch_check(e, seqs, n_seqs, &n_out);
+	if (rc)
+		return rc;
+	if (!engine_picks_rows(e))
+		return set_err(e, -ENOTSUP, "the %s backend picks no tokens itself", backend_name(e->be));
+	if (!n_out || !picks || !tokens)
+		return set_err(e, -EINVAL, "a step whose tokens are picked needs a sequence that wants one, its pick and "
+			       "room for its token");
+	return forward_groups(e, seqs, n_seqs, NULL, tokens, NULL, 0, false, picks);
+}
+
+static int batch_check(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, uint32_t *n_out_p)
 {
 	if (n_seqs == 0 || !seqs)
 		return set_err(e, -EINVAL, "a batched step takes at least one sequence");
@@ -314,9 +349,8 @@ int engine_forward_batch(struct engine *e, const struct engine_seq *seqs, uint32
 				return set_err(e, -EINVAL, "sequences %u and %u of the step share one KV cache", t, s);
 		n_out += seqs[s].out;
 	}
-	if (n_out && !logits)
-		return set_err(e, -EINVAL, "%u sequences of the step want logits, and there is nowhere to put them", n_out);
-	return forward_groups(e, seqs, n_seqs, n_out ? logits : NULL, NULL, NULL, 0, false);
+	*n_out_p = n_out;
+	return 0;
 }
 
 /* The head of a batched step: logits of each sequence's last row that wants them. */
@@ -332,8 +366,22 @@ static int head_rows(struct engine *e, const struct group_weights *w, const stru
 	return backend_logits_rows(e->be, w, rows, n_out, logits);
 }
 
+/* The same, with each of those rows' token picked where the logits are (picks in the same order). */
+static int head_rows_pick(struct engine *e, const struct group_weights *w, const struct engine_seq *seqs,
+			  uint32_t n_seqs, const struct backend_pick *picks, int32_t *tokens)
+{
+	uint32_t rows[n_seqs], n_out = 0, row = 0;
+	for (uint32_t s = 0; s < n_seqs; s++) {
+		row += seqs[s].n;
+		if (seqs[s].out)
+			rows[n_out++] = row - 1;
+	}
+	return backend_logits_pick_rows(e->be, w, rows, n_out, picks, tokens);
+}
+
 static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits,
-			  int32_t *argmax, const struct sampler_params *sp, double u, bool stage_out)
+			  int32_t *argmax, const struct sampler_params *sp, double u, bool stage_out,
+			  const struct backend_pick *picks)
 {
 	uint32_t n = 0;
 	for (uint32_t s = 0; s < n_seqs; s++) {
@@ -447,7 +495,9 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 				BE_CHECK(backend_moe_end(e->be), "experts");
 			break;
 		case GROUP_HEAD:
-			if (multi)
+			if (picks)
+				BE_CHECK(head_rows_pick(e, &w, seqs, n_seqs, picks, argmax), "picking the tokens");
+			else if (multi)
 				BE_CHECK(head_rows(e, &w, seqs, n_seqs, logits), "logits");
 			else if (logits)
 				BE_CHECK(backend_logits(e->be, &w, logits), "logits");

@@ -52,6 +52,13 @@ struct engine_seq {
  * the step. Needs a backend that batches sequences (backend_batches_sequences) unless n_seqs is 1,
  * and a model computed by one runner. Returns 0 or -errno; the message is in engine_error(). */
 int engine_forward_batch(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits);
+/* The same, but each sequence with out gets its next token picked where the logits are
+ * (backend_logits_pick_rows): picks and tokens hold one entry per such sequence, in order. Only
+ * the tokens cross the bus. -ENOTSUP unless engine_picks_rows. */
+int engine_forward_batch_pick(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs,
+			      const struct backend_pick *picks, int32_t *tokens);
+/* Can engine_forward_batch_pick run here (a backend that picks rows, a model computed by one runner)? */
+bool engine_picks_rows(const struct engine *e);
 
 /* The KV cache the one-sequence calls use (engine_forward..., restore_prefix, seq_end, kv_recover): a
  * scheduler of several sequences points the engine at one before such calls. */

@@ -152,6 +152,7 @@ struct gen_seq {
 	uint32_t pos;	    /* the next position to compute */
 	int32_t pending;    /* GS_FEED: the token fed at pos */
 	float u;	    /* GS_FEED with device_draw: the step's uniform (the same on a retry) */
+	bool u_ready;	    /* u is drawn for the coming token (a decode step's), not yet used */
 	uint32_t attempts;  /* KV rebuilds */
 	bool untouched;	    /* ended before its cache was used (a resume cut after its last token) */
 	uint64_t t0, t1;    /* prefill's and decode's start */
@@ -189,8 +190,11 @@ static void take_token(struct gen_seq *g, float *logits, int32_t tok)
 				if (g->seen[v])
 					logits[v] = logits[v] < 0 ? logits[v] * g->p.repetition_penalty
 								  : logits[v] / g->p.repetition_penalty;
-		tok = sampler_pick(g->s, logits);
+		/* A device draw's uniform is drawn ahead (the step may be picked on the device): the
+		 * host draws with it when the step brought the logits here instead. */
+		tok = g->device_draw && g->u_ready ? sampler_pick_u(g->s, logits, g->u) : sampler_pick(g->s, logits);
 	}
+	g->u_ready = false;
 	uint32_t index = g->res.n_generated++;
 	if (g->penalty)
 		g->seen[tok] = 1;
@@ -213,6 +217,7 @@ static void take_token(struct gen_seq *g, float *logits, int32_t tok)
 	g->seq[g->seq_n++] = tok; /* pos == seq_n - 1 */
 	g->pending = tok;
 	g->u = g->device_draw ? sampler_next_uniform(g->s) : 0;
+	g->u_ready = g->device_draw;
 }
 
 int gen_seq_create(struct engine *e, struct kv_cache *kv, const int32_t *prompt, uint32_t n_prompt,
@@ -322,6 +327,7 @@ int gen_seq_create(struct engine *e, struct kv_cache *kv, const int32_t *prompt,
 		g->pending = p->done[n_done - 1];
 		g->pos = n_prompt + n_done - 1;
 		g->u = g->device_draw ? sampler_next_uniform(g->s) : 0;
+		g->u_ready = g->device_draw;
 		return 0;
 	}
 	/* Positions whose KV the store already holds (an earlier request with the same start). */
@@ -341,6 +347,15 @@ int gen_seq_create(struct engine *e, struct kv_cache *kv, const int32_t *prompt,
 	g->pos = (uint32_t)restored;
 	g->state = GS_PREFILL;
 	return 0;
+}
+
+bool gen_seq_device_pick(const struct gen_seq *g, struct backend_pick *pick)
+{
+	if (g->state != GS_FEED || !(g->greedy || g->device_draw))
+		return false;
+	pick->sp = g->greedy ? NULL : &g->p.sampling;
+	pick->u = g->u;
+	return true;
 }
 
 uint32_t gen_seq_piece(struct gen_seq *g, uint32_t max_tokens, struct engine_seq *piece)

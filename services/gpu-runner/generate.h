@@ -92,8 +92,8 @@ struct gen_result {
 struct gen_seq;
 
 /* Checks the request, restores the prompt's cached prefix (or a resume's cache) and makes the
- * state. host_logits: every step brings the logits to the host (a step of several sequences);
- * else greedy and plain sampling take the device's argmax or draw (gen_seq_step). Returns 0 with *out
+ * state. host_logits: every step brings the logits to the host; else greedy and plain sampling
+ * take the device's argmax or draw (gen_seq_step, gen_seq_device_pick). Returns 0 with *out
  * set (maybe done already: a resume cut after its last token), or -errno with err set, *out NULL
  * when nothing was made, else a done state to finish. */
 int gen_seq_create(struct engine *e, struct kv_cache *kv, const int32_t *prompt, uint32_t n_prompt,
@@ -103,6 +103,11 @@ int gen_seq_create(struct engine *e, struct kv_cache *kv, const int32_t *prompt,
  * cut to fit, or the one token of a decode step); its out says whether the step must give its last
  * row's logits. Returns its tokens, 0 when done (or max_tokens 0). */
 uint32_t gen_seq_piece(struct gen_seq *g, uint32_t max_tokens, struct engine_seq *piece);
+/* Can the token after the next piece be picked where the logits are (engine_forward_batch_pick)?
+ * True for a decode step that is greedy, or a plain draw on a backend that samples, of a state made
+ * without host_logits; *pick is then what to pick with (the draw's uniform is drawn ahead, so a step
+ * that brings the logits to the host after all draws with the same one). */
+bool gen_seq_device_pick(const struct gen_seq *g, struct backend_pick *pick);
 /* The piece's n tokens were computed: logits (vocab floats, host; the sampler may change them) when
  * its out was set, or token >= 0 when the device picked the next token. Emits the next token and
  * decides whether the sequence goes on. Returns 0 or -errno with err set. */

@@ -223,7 +223,20 @@ static void ids_ascending(struct sampler *s, uint32_t n)
 			s->idx[k++] = (int32_t)id;
 }
 
+static int32_t pick(struct sampler *s, const float *logits, const double *u);
+
 int32_t sampler_pick(struct sampler *s, const float *logits)
+{
+	return pick(s, logits, NULL);
+}
+
+int32_t sampler_pick_u(struct sampler *s, const float *logits, double u)
+{
+	return pick(s, logits, &u);
+}
+
+/* u: the draw to use (NULL: the generator's next). */
+static int32_t pick(struct sampler *s, const float *logits, const double *u)
 {
 	assert(s && logits);
 	const struct sampler_params *p = &s->p;
@@ -293,7 +306,7 @@ int32_t sampler_pick(struct sampler *s, const float *logits)
 	 * (backend.h, logits_sample): a request gives the same tokens whichever of the two draws. */
 	if (sorted)
 		ids_ascending(s, n);
-	double target = uniform01(s->s) * sum, cum = 0;
+	double target = (u ? *u : uniform01(s->s)) * sum, cum = 0;
 	int32_t last = s->idx[0];
 	for (uint32_t i = 0; i < n; i++) {
 		if (z[s->idx[i]] < floor_w)

@@ -34,6 +34,9 @@ struct sampler *sampler_create(const struct sampler_params *p, uint32_t vocab);
 void sampler_destroy(struct sampler **s);
 /* Returns the chosen token id. logits is not modified. */
 int32_t sampler_pick(struct sampler *s, const float *logits);
+/* The same with the uniform u in [0, 1) (from sampler_next_uniform) instead of the generator's
+ * next draw: the token a backend drawing with u where the logits are picks (up to rounding). */
+int32_t sampler_pick_u(struct sampler *s, const float *logits, double u);
 /* The next uniform draw in [0, 1) from s's generator: what sampler_pick would use, for a
  * backend that draws where the logits are (backend.h, logits_sample). */
 double sampler_next_uniform(struct sampler *s);

@@ -428,10 +428,9 @@ static int cuda_logits(struct backend_dev *be, const struct group_weights *w, fl
 	return finish_step(be, "logits");
 }
 
-/* The head of several rows (one per sequence of the batch) into out, n_rows x vocab_size on the
- * host: each row's final norm into xa, one product for all of them. */
-static int cuda_logits_rows(struct backend_dev *be, const struct group_weights *w, const uint32_t *rows,
-			    uint32_t n_rows, float *out)
+/* The head of several rows (one per sequence of the batch) into be->logits_rows (n_rows x
+ * vocab_size, queued): each row's final norm into xa, one product for all of them. */
+static int rows_head(struct backend_dev *be, const struct group_weights *w, const uint32_t *rows, uint32_t n_rows)
 {
 	const struct model_config *c = &be->cfg;
 	if (n_rows > be->logits_rows_cap) {
@@ -449,13 +448,70 @@ static int cuda_logits_rows(struct backend_dev *be, const struct group_weights *
 	if (rc)
 		return rc;
 	struct mm_part lm = part(w, ROLE_LM_HEAD, c->vocab_size, be->logits_rows);
-	rc = matmul(be, at, be->xa, NULL, c->dim, n_rows, &lm, 1, c->vocab_size, false, "lm_head (rows)");
+	return matmul(be, at, be->xa, NULL, c->dim, n_rows, &lm, 1, c->vocab_size, false, "lm_head (rows)");
+}
+
+/* The head of several rows into out, n_rows x vocab_size on the host. */
+static int cuda_logits_rows(struct backend_dev *be, const struct group_weights *w, const uint32_t *rows,
+			    uint32_t n_rows, float *out)
+{
+	int rc = rows_head(be, w, rows, n_rows);
 	if (rc)
 		return rc;
 	CUDA_TRY(be, "cudaMemcpyAsync (logits rows)",
-		 cudaMemcpyAsync(out, be->logits_rows, (size_t)n_rows * c->vocab_size * sizeof(float),
+		 cudaMemcpyAsync(out, be->logits_rows, (size_t)n_rows * be->cfg.vocab_size * sizeof(float),
 				 cudaMemcpyDeviceToHost, be->stream));
 	return finish_step(be, "logits_rows");
+}
+
+/* The head of several rows and each row's token picked on the device (argmax_kernel, or
+ * sample_kernel with the row's parameters and uniform), each into its own status word: only the
+ * tokens come back. One row that is the step's last takes the one-sequence head (head()), as
+ * logits_argmax and logits_sample do, so a sequence alone gets the same tokens either way. */
+static int cuda_logits_pick_rows(struct backend_dev *be, const struct group_weights *w, const uint32_t *rows,
+				 uint32_t n_rows, const struct backend_pick *picks, int32_t *tokens)
+{
+	const uint32_t vocab = be->cfg.vocab_size;
+	if (n_rows > be->picks_cap) {
+		CUDA_TRY(be, "cudaStreamSynchronize (picks)", cudaStreamSynchronize(be->stream));
+		cudaFree(be->picks);
+		cudaFreeHost(be->h_picks);
+		be->picks = NULL;
+		be->h_picks = NULL;
+		be->picks_cap = 0;
+		int arc = dev_alloc(be, (void **)&be->picks, n_rows, 1, sizeof(struct dev_status), "the picks' status words");
+		if (arc)
+			return arc;
+		CUDA_TRY(be, "cudaMemset (picks)", cudaMemset(be->picks, 0, n_rows * sizeof(struct dev_status)));
+		CUDA_TRY(be, "cudaMallocHost (picks)",
+			 cudaMallocHost((void **)&be->h_picks, n_rows * sizeof(struct dev_status)));
+		be->picks_cap = n_rows;
+	}
+	const bool one = n_rows == 1 && rows[0] == be->n - 1;
+	int rc = one ? head(be, w) : rows_head(be, w, rows, n_rows);
+	if (rc)
+		return rc;
+	const float *lg = one ? be->logits : be->logits_rows;
+	for (uint32_t i = 0; i < n_rows; i++) {
+		const struct sampler_params *sp = picks[i].sp;
+		if (!sp) {
+			argmax_launch(lg + (size_t)i * vocab, vocab, be->picks + i, be->stream);
+			LAUNCHED(be, "argmax_kernel (rows)");
+		} else {
+			sample_launch(lg + (size_t)i * vocab, vocab, 1.0f / sp->temperature, sp->top_k, sp->top_p, sp->min_p,
+				      picks[i].u, be->picks + i, be->stream);
+			LAUNCHED(be, "sample_kernel (rows)");
+		}
+	}
+	CUDA_TRY(be, "cudaMemcpyAsync (picks)",
+		 cudaMemcpyAsync(be->h_picks, be->picks, n_rows * sizeof(struct dev_status), cudaMemcpyDeviceToHost,
+				 be->stream));
+	rc = finish_step(be, "logits_pick_rows");
+	if (rc)
+		return rc;
+	for (uint32_t i = 0; i < n_rows; i++)
+		tokens[i] = be->h_picks[i].token;
+	return 0;
 }
 
 static int cuda_logits_argmax(struct backend_dev *be, const struct group_weights *w, int32_t *token)
@@ -544,6 +600,8 @@ static void cuda_destroy(struct backend_dev **bep)
 	cudaFree(be->attn_count);
 	cudaFree(be->status);
 	cudaFreeHost(be->h_status);
+	cudaFree(be->picks);
+	cudaFreeHost(be->h_picks);
 	cudaFreeHost(be->up.host);
 	for (uint32_t i = 0; i < be->up.n_events; i++)
 		cudaEventDestroy(be->up.ev[i]);
@@ -846,6 +904,7 @@ static const struct backend_compute_ops cuda_compute = {
 	cuda_hidden_device,	/* hidden_device */
 	cuda_finish,		/* finish */
 	cuda_logits_rows,	/* logits_rows: several sequences a step */
+	cuda_logits_pick_rows,	/* logits_pick_rows: their tokens picked on the device */
 };
 
 extern "C" {

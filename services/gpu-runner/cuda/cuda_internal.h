@@ -174,6 +174,9 @@ struct backend_dev {
 	uint32_t *pos;		/* (max_chunk) host memory: each row's position */
 	float *logits_rows;	/* (logits_rows_cap, vocab_size) logits_rows' output, made on first use */
 	uint32_t logits_rows_cap;
+	struct dev_status *picks;   /* (picks_cap) logits_pick_rows' tokens, made on first use */
+	struct dev_status *h_picks; /* pinned */
+	uint32_t picks_cap;
 	uint32_t layer;		/* layer between attn_begin and attn_end */
 	uint32_t attn_act;	/* activation dtype of the attention matrices of that layer */
 

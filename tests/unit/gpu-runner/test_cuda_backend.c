@@ -837,7 +837,8 @@ static void batch_open(struct runner *r, const char *name, const struct tmodel *
 /* One step over the sequences' runs, as the engine batches them: even layers attend a sequence a
  * call (odd sequences in two), odd ones every sequence's spans in one call; logits of each
  * sequence's last row (n_seqs x vocab). */
-static void batch_step(struct runner *r, const struct bseq *sq, uint32_t n_seqs, float *logits)
+static void batch_step(struct runner *r, const struct bseq *sq, uint32_t n_seqs, float *logits,
+		       const struct backend_pick *picks, int32_t *tokens)
 {
 	const struct tmodel *m = r->m;
 	uint32_t bt = r->p.block_tokens, n = 0, dst_block[MAX_CTX], dst_row[MAX_CTX], pos[MAX_CTX], seq[MAX_CTX],
@@ -888,7 +889,10 @@ static void batch_step(struct runner *r, const struct bseq *sq, uint32_t n_seqs,
 		last[s] = row - 1;
 	}
 	const struct group_weights *hw = r->device ? &m->d_head : &m->h_head;
-	CHECK_RC(r, backend_logits_rows(r->be, hw, last, n_seqs, logits));
+	if (picks)
+		CHECK_RC(r, backend_logits_pick_rows(r->be, hw, last, n_seqs, picks, tokens));
+	else
+		CHECK_RC(r, backend_logits_rows(r->be, hw, last, n_seqs, logits));
 }
 
 /* Three sequences (prompts of 40, 9 and 23 tokens) computed together in prefill chunks of 16 (cut
@@ -903,10 +907,14 @@ static void check_batched(const struct model_config *cfg, enum dtype wt, enum dt
 	static int32_t tok[BSEQS][MAX_CTX];
 	for (uint32_t s = 0; s < BSEQS; s++)
 		make_prompt(tok[s], plen[s] + STEPS, c.vocab_size, 50 + s);
-	struct runner ref, cu;
+	struct runner ref, cu, pk;
 	batch_open(&ref, "cpu", m, params(64, 16, DT_F32));
 	batch_open(&cu, "cuda", m, params(64, 16, kv));
-	ck_assert(backend_batches_sequences(cu.be));
+	/* The same steps again, each row's token picked on the device (logits_pick_rows). */
+	batch_open(&pk, "cuda", m, params(64, 16, kv));
+	ck_assert(backend_batches_sequences(cu.be) && backend_picks_rows(pk.be));
+	const struct sampler_params draw = {.temperature = 0.7f, .top_k = 40, .top_p = 0.9f};
+	uint32_t picked = 0, drawn = 0, near = 0;
 	float *want = malloc((size_t)BSEQS * c.vocab_size * sizeof(float)),
 	      *got = malloc((size_t)BSEQS * c.vocab_size * sizeof(float));
 	ck_assert(want && got);
@@ -923,8 +931,30 @@ static void check_batched(const struct model_config *cfg, enum dtype wt, enum dt
 		}
 		if (!n_seqs)
 			break;
-		batch_step(&ref, sq, n_seqs, want);
-		batch_step(&cu, sq, n_seqs, got);
+		batch_step(&ref, sq, n_seqs, want, NULL, NULL);
+		batch_step(&cu, sq, n_seqs, got, NULL, NULL);
+		struct backend_pick picks[BSEQS];
+		int32_t toks[BSEQS];
+		for (uint32_t k = 0; k < n_seqs; k++)
+			picks[k] = (struct backend_pick){.sp = (k + step) % 2 ? &draw : NULL, .u = (step * 7 + k + 0.5) / 64.0};
+		batch_step(&pk, sq, n_seqs, NULL, picks, toks);
+		for (uint32_t k = 0; k < n_seqs; k++) {
+			const float *row = got + (size_t)k * c.vocab_size;
+			double slack = 1;
+			int32_t host = picks[k].sp ? host_sample(row, c.vocab_size, draw.temperature, draw.top_k, draw.top_p, 0,
+								 picks[k].u, &slack)
+						   : host_argmax(row, c.vocab_size);
+			if (toks[k] != host) {
+				/* Only at a rounding boundary: a near tie, or a draw right at one. */
+				bool tie = !picks[k].sp && toks[k] >= 0 && (uint32_t)toks[k] < c.vocab_size &&
+					   row[host] - row[toks[k]] <= 1e-5f * (1.0f + fabsf(row[host]));
+				ck_assert_msg(tie || (picks[k].sp && slack < 1e-4), "%s: step %u: sequence %u: picked %d on the "
+					      "device, %d from its logits on the host", what, step, sq[k].region, toks[k], host);
+				near++;
+			}
+			picked++;
+			drawn += picks[k].sp != NULL;
+		}
 		for (uint32_t k = 0; k < n_seqs; k++) {
 			double e = rel_l2(got + (size_t)k * c.vocab_size, want + (size_t)k * c.vocab_size, c.vocab_size);
 			ck_assert_msg(e < tol, "%s: step %u: sequence %u at position %u: relative L2 %.3e against the "
@@ -935,8 +965,12 @@ static void check_batched(const struct model_config *cfg, enum dtype wt, enum dt
 			done[sq[k].region] += sq[k].n;
 	}
 	report(what, worst);
+	if (test_verbose())
+		printf("%s: %u tokens picked on the device (%u drawn) as the host picks them from the logits (%u at a "
+		       "rounding boundary)\n", what, picked, drawn, near);
 	runner_close(&ref);
 	runner_close(&cu);
+	runner_close(&pk);
 	free(want);
 	free(got);
 	model_free(&m);

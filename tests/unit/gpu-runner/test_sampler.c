@@ -341,6 +341,35 @@ END_TEST
 
 /* A resumed request skips the draws of the tokens it already has: the picks after skipping n are
  * those after picking n, for every kind of sampling; greedy draws nothing. */
+/* A pick with a uniform drawn ahead (sampler_next_uniform, then sampler_pick_u) is the pick that
+ * draws it: the runner draws a step's uniform ahead and uses it on the host or the device. */
+START_TEST(test_pick_u_matches_pick)
+{
+	static const struct sampler_params kinds[] = {
+		{.temperature = 1.0f, .seed = 7},
+		{.temperature = 0.7f, .top_k = 5, .top_p = 0.9f, .seed = 11},
+		{.temperature = 1.3f, .min_p = 0.05f, .seed = 12},
+	};
+	for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++) {
+		struct sampler *a = sampler_create(&kinds[k], 8), *b = sampler_create(&kinds[k], 8);
+		ck_assert(a && b);
+		int differ = 0;
+		for (int i = 0; i < 500; i++) {
+			double u = sampler_next_uniform(b);
+			int32_t want = sampler_pick(a, logits8);
+			ck_assert_int_eq(sampler_pick_u(b, logits8, u), want);
+			/* and another uniform gives other tokens */
+			differ += sampler_pick_u(b, logits8, u < 0.5 ? u + 0.5 : u - 0.5) != want;
+		}
+		ck_assert_int_gt(differ, 0);
+		/* sampler_pick_u draws nothing: the generators are still in step. */
+		ck_assert(sampler_next_uniform(a) == sampler_next_uniform(b));
+		sampler_destroy(&a);
+		sampler_destroy(&b);
+	}
+}
+END_TEST
+
 START_TEST(test_skip_matches_picks)
 {
 	static const struct sampler_params kinds[] = {
@@ -394,6 +423,7 @@ int main(void)
 	tcase_add_test(tc, test_different_seeds_differ);
 	tcase_add_test(tc, test_generator_pinned);
 	tcase_add_test(tc, test_skip_matches_picks);
+	tcase_add_test(tc, test_pick_u_matches_pick);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("top_k");
 	tcase_add_test(tc, test_top_k_one_is_greedy);
