@@ -122,7 +122,7 @@ fidelity_cleanup() {
 trap fidelity_cleanup EXIT
 
 failed=()
-cpu_jobs=0 # CPU share jobs over every case (FIDELITY_START_OPTS with --cpu-share)
+cpu_jobs=0 # CPU share jobs and CPU experts over every case (FIDELITY_START_OPTS with --cpu-share)
 # case_failed NAME WHY: notes a failure and goes on with the next case.
 case_failed() {
 	log "FAIL: $1: $2"
@@ -187,10 +187,12 @@ lists ${want_files//$'\n'/ }: the generator changed; remake the fixtures (tests/
 		ok=0
 	fi
 	if [[ " ${opts[*]} " == *" --cpu-share "* ]]; then
-		# What the CPU pool computed for this case (streamed FFNs split with it).
-		jobs=$("$PIPECTL" stats gpu-runner | sed -n '/"cpu_share"/,/}/s/^ *"jobs": *\([0-9]*\).*/\1/p' | head -n 1)
-		log "$name: ${jobs:-0} CPU share jobs"
-		cpu_jobs=$((cpu_jobs + ${jobs:-0}))
+		# What the CPU pool computed for this case: streamed FFNs split with it, routed experts.
+		st=$("$PIPECTL" stats gpu-runner)
+		jobs=$(sed -n '/"cpu_share"/,/}/s/^ *"jobs": *\([0-9]*\).*/\1/p' <<<"$st" | head -n 1)
+		experts=$(sed -n '/"cpu_share"/,/}/s/^ *"experts": *\([0-9]*\).*/\1/p' <<<"$st" | head -n 1)
+		log "$name: ${jobs:-0} CPU share jobs, ${experts:-0} experts on the CPU"
+		cpu_jobs=$((cpu_jobs + ${jobs:-0} + ${experts:-0}))
 	fi
 	stop_instance "$n"
 
@@ -215,7 +217,7 @@ for n in "${started[@]}"; do
 done
 
 if [[ " ${START_OPTS[*]} " == *" --cpu-share "* ]]; then
-	expect_gt "$cpu_jobs" 0 "CPU share jobs over every case (the cases that stream must split)"
+	expect_gt "$cpu_jobs" 0 "CPU share jobs and experts over every case (the cases that stream must use the CPU)"
 fi
 ((${#failed[@]} == 0)) || fail "${#failed[@]} of ${#fixtures[@]} cases differ from transformers: ${failed[*]}"
 log "ok: ${#fixtures[@]} cases match transformers"
