@@ -277,6 +277,7 @@ void kv_cache_add_stats(const struct kv_cache *kv, struct kv_cache_stats *sum)
 	sum->copy_ns += one->copy_ns;
 	sum->readahead_blocks += one->readahead_blocks;
 	sum->readahead_wait_ns += one->readahead_wait_ns;
+	sum->fetch_cuts += one->fetch_cuts;
 }
 
 void kv_cache_usage(const struct kv_cache *kv, uint32_t *arena_used, uint32_t *arena_per_layer,
@@ -499,6 +500,8 @@ static int readahead_start(struct kv_cache *kv, uint32_t layer, uint32_t next, u
 		uint64_t t0 = now_ns();
 		int rc = kv->remote->fetch(kv->rctx, run, kv->handles, kv->ptrs);
 		kv->stats.fetch_ns += now_ns() - t0;
+		if (rc == -ENOSPC) /* the store's pool cannot take them now (others pin it): no read-ahead */
+			break;
 		if (rc)
 			return remote_err(kv, rc, "fetching %u KV blocks of layer %u from the kv-store failed: %s", run, next,
 					  kv->remote->error(kv->rctx));
@@ -678,6 +681,13 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		}
 		uint64_t t0 = now_ns();
 		rc = kv->remote->fetch(kv->rctx, run, kv->handles, kv->ptrs);
+		/* The store's pool could not take the whole run at once (the blocks other caches pin, those
+		 * of a step being rebuilt): fewer at a time. A refusal moves nothing. */
+		while (rc == -ENOSPC && run > 1) {
+			run /= 2;
+			kv->stats.fetch_cuts++;
+			rc = kv->remote->fetch(kv->rctx, run, kv->handles, kv->ptrs);
+		}
 		uint64_t t1 = now_ns();
 		kv->stats.fetch_ns += t1 - t0;
 		if (rc) {

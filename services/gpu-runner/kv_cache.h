@@ -109,6 +109,7 @@ struct kv_cache_stats {
 	uint64_t copy_ns;	   /* in their copies into the arena (queued and waited for) */
 	uint64_t readahead_blocks;  /* of fetched: brought back by the read-ahead */
 	uint64_t readahead_wait_ns; /* waiting for the read-ahead's copies */
+	uint64_t fetch_cuts;	    /* fetches the store's full pool refused whole, asked again in halves */
 };
 
 struct kv_cache;

@@ -240,6 +240,7 @@ char *runner_stats(void *ctx)
 		json_object_set_new(o, "kv_prefix_blocks_on_gpu", json_integer((json_int_t)ks.prefix_on_gpu));
 		json_object_set_new(o, "kv_rebuilds", json_integer((json_int_t)ks.recoveries));
 		json_object_set_new(o, "kv_fetch_runs", json_integer((json_int_t)ks.fetch_runs));
+		json_object_set_new(o, "kv_fetch_cuts", json_integer((json_int_t)ks.fetch_cuts));
 		json_object_set_new(o, "kv_fetch_request_ms", json_real((double)ks.fetch_ns / 1e6));
 		json_object_set_new(o, "kv_fetch_copy_ms", json_real((double)ks.copy_ns / 1e6));
 		json_object_set_new(o, "kv_readahead_blocks", json_integer((json_int_t)ks.readahead_blocks));

@@ -51,6 +51,11 @@ static int st_fetch(void *ctx, uint32_t n, const uint64_t *handles, void **ptrs)
 {
 	struct store *s = ctx;
 	int rc = s->dead ? dead(s) : check(s, n, handles);
+	if (!rc && s->fetch_cap && n > s->fetch_cap) {
+		snprintf(s->err, sizeof(s->err), "KV pool full: %u needed, room for %u", n, s->fetch_cap);
+		s->fetch_refused++;
+		return -ENOSPC;
+	}
 	for (uint32_t i = 0; i < n && !rc; i++) {
 		s->pins[handles[i] - 1]++;
 		ptrs[i] = s->mem + (size_t)(handles[i] - 1) * s->block_bytes;

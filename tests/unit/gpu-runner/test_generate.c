@@ -161,6 +161,38 @@ START_TEST(test_store_that_stays_away_fails_the_request)
 }
 END_TEST
 
+/* A store whose pool takes one block a fetch (the others' pins fill the kv-store's pool so when a
+ * step is rebuilt beside them): the fetches are asked again in smaller runs, the read-ahead stops,
+ * and the request gives its tokens; it used to count as a store failure and rebuild until it gave up. */
+START_TEST(test_fetches_cut_to_what_the_pool_takes)
+{
+	char err[512] = "";
+	int32_t want[NEW];
+	ck_assert_msg(request(err, sizeof(err)) == 0, "%s", err);
+	memcpy(want, fx.out, sizeof(want));
+	/* An arena of 6 blocks for 2 layers of 5 blocks each: blocks leave and come back every step. */
+	struct kv_cache *small = NULL;
+	uint32_t ctx = PROMPT + NEW + 1;
+	struct kv_cache_params kp = {.n_layers = fx.m->cfg.n_layers, .block_tokens = 16, .max_context = ctx,
+				     .max_chunk = 16, .n_arena = 6};
+	ck_assert_msg(kv_cache_create(&kp, fx.be, &store_ops, &fx.st, &small, err, sizeof(err)) == 0, "%s", err);
+	engine_set_kv(fx.e, small);
+	fx.st.fetch_cap = 1;
+	int rc = request(err, sizeof(err));
+	struct kv_cache_stats ks;
+	kv_cache_get_stats(small, &ks);
+	engine_set_kv(fx.e, fx.kv);
+	kv_cache_destroy(&small);
+	fx.st.fetch_cap = 0;
+	ck_assert_msg(rc == 0, "a request over a pool that takes one block a fetch failed: %s", err);
+	ck_assert_int_eq(memcmp(fx.out, want, sizeof(want)), 0);
+	ck_assert_uint_gt(fx.st.fetch_refused, 0);
+	ck_assert_uint_gt(ks.fetch_cuts, 0);
+	ck_assert_uint_gt(ks.fetched, 0);
+	ck_assert_uint_eq(ks.recoveries, 0);
+}
+END_TEST
+
 /* A request of NEW tokens with the given sampling, resumed after the first n_done of done (NULL:
  * from the start); tokens land in fx.out by index, the first index emitted in *first. */
 static uint32_t first_index;
@@ -243,6 +275,7 @@ static Suite *generate_suite(void)
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_store_dies_while_blocks_go_back);
 	tcase_add_test(tc, test_store_that_stays_away_fails_the_request);
+	tcase_add_test(tc, test_fetches_cut_to_what_the_pool_takes);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("resume");
 	tcase_add_checked_fixture(tc, setup, teardown);
