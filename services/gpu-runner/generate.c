@@ -151,7 +151,8 @@ struct gen_seq {
 	enum gen_state state;
 	uint32_t pos;	    /* the next position to compute */
 	int32_t pending;    /* GS_FEED: the token fed at pos */
-	float u;	    /* GS_FEED with device_draw: the step's uniform (the same on a retry) */
+	double u;	    /* GS_FEED with device_draw: the step's uniform (the same on a retry; a float
+			     * could round it up to 1, which no draw takes) */
 	bool u_ready;	    /* u is drawn for the coming token (a decode step's), not yet used */
 	uint32_t attempts;  /* KV rebuilds */
 	bool untouched;	    /* ended before its cache was used (a resume cut after its last token) */

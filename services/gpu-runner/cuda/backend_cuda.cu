@@ -482,7 +482,8 @@ static int cuda_logits_pick_rows(struct backend_dev *be, const struct group_weig
 		int arc = dev_alloc(be, (void **)&be->picks, n_rows, 1, sizeof(struct dev_status), "the picks' status words");
 		if (arc)
 			return arc;
-		CUDA_TRY(be, "cudaMemset (picks)", cudaMemset(be->picks, 0, n_rows * sizeof(struct dev_status)));
+		CUDA_TRY(be, "cudaMemsetAsync (picks)",
+			 cudaMemsetAsync(be->picks, 0, n_rows * sizeof(struct dev_status), be->stream));
 		CUDA_TRY(be, "cudaMallocHost (picks)",
 			 cudaMallocHost((void **)&be->h_picks, n_rows * sizeof(struct dev_status)));
 		be->picks_cap = n_rows;
@@ -759,6 +760,9 @@ static int create_device(struct backend_dev *be)
 	free(inv);
 	if (e != cudaSuccess)
 		return cuda_fail(be, e, "cudaMemcpy (RoPE frequencies)");
+	/* The memsets and the copy above went on the legacy stream, which be->stream (non-blocking)
+	 * does not wait for, and a copy from pageable memory may return before its DMA lands. */
+	CUDA_TRY(be, "cudaDeviceSynchronize (the device state)", cudaDeviceSynchronize());
 
 	/* Staging ring: two chunks of embedding rows at the widest dtype, plus room for the small
 	 * uploads of a few steps. */

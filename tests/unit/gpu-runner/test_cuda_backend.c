@@ -71,6 +71,7 @@ static void *upload(struct tmodel *m, const void *src, size_t bytes)
 	void *d = NULL;
 	CUDA_OK(cudaMalloc(&d, bytes));
 	CUDA_OK(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice));
+	CUDA_OK(cudaDeviceSynchronize()); /* the DMA of a pageable copy may land after it returns */
 	ck_assert_uint_lt(m->n_dallocs, MAX_ALLOCS);
 	m->dallocs[m->n_dallocs++] = d;
 	return d;

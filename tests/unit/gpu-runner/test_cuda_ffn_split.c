@@ -67,6 +67,7 @@ static void *upload(struct tmodel *m, const void *src, size_t bytes)
 {
 	void *d = dev_alloc(m, bytes);
 	CUDA_OK(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice));
+	CUDA_OK(cudaDeviceSynchronize()); /* the DMA of a pageable copy may land after it returns */
 	return d;
 }
 

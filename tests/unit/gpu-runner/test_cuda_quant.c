@@ -212,6 +212,7 @@ static void qmat_new(struct qmat *m, enum dtype f, uint32_t rows, uint32_t cols,
 	CUDA_OK(cudaMalloc(&m->dev_alloc, bytes + 256));
 	m->dev = (const char *)m->dev_alloc + off;
 	CUDA_OK(cudaMemcpy((char *)m->dev_alloc + off, m->host, bytes, cudaMemcpyHostToDevice));
+	CUDA_OK(cudaDeviceSynchronize()); /* the DMA of a pageable copy may land after it returns */
 }
 
 static void qmat_free(struct qmat *m)
@@ -519,6 +520,7 @@ static void add_tensor(struct qmodel *m, struct group_weights *h, struct group_w
 		void *dv = NULL;
 		CUDA_OK(cudaMalloc(&dv, bytes));
 		CUDA_OK(cudaMemcpy(dv, data, bytes, cudaMemcpyHostToDevice));
+		CUDA_OK(cudaDeviceSynchronize()); /* the DMA of a pageable copy may land after it returns */
 		ck_assert_uint_lt(m->n_dallocs, MAX_ALLOCS);
 		m->dallocs[m->n_dallocs++] = dv;
 		weight_tensor_set(&d->t[r], PLACE_DEVICE, dv, f, rows, cols);
@@ -560,6 +562,7 @@ static struct qmodel *qmodel_new(const struct model_config *c, enum dtype embed_
 		void *dv = NULL;
 		CUDA_OK(cudaMalloc(&dv, bytes));
 		CUDA_OK(cudaMemcpy(dv, e->data[PLACE_HOST], bytes, cudaMemcpyHostToDevice));
+		CUDA_OK(cudaDeviceSynchronize()); /* the DMA of a pageable copy may land after it returns */
 		m->dallocs[m->n_dallocs++] = dv;
 		weight_tensor_set(&m->d_head.t[ROLE_LM_HEAD], PLACE_DEVICE, dv, (enum dtype)e->format, e->rows, e->cols);
 	} else {
