@@ -376,7 +376,7 @@ static int sp_merges(struct conv *c, const float *score)
 			v[n++] = (struct sp_merge){score[id], (uint32_t)id, (uint32_t)l, (uint32_t)r};
 		}
 	}
-	if (!rc)
+	if (!rc && n) /* no merges: v is NULL, which qsort must not get */
 		qsort(v, n, sizeof(*v), cmp_merge);
 	for (size_t i = 0; i < n && !rc; i++) {
 		json_t *pair = json_pack("[s, s]", c->tok[v[i].left].s, c->tok[v[i].right].s);

@@ -706,21 +706,32 @@ int backend_logits(struct backend *be, const struct group_weights *w, float *out
 	return impl_rc(be, be->impl->compute->logits(be->dev, w, out));
 }
 
+/* head_check, then the rows of logits_rows and logits_pick_rows: 1..n of them, going up, each a
+ * row of the step. */
+static int rows_check(struct backend *be, const struct group_weights *w, const uint32_t *rows, uint32_t n_rows,
+		      const char *what)
+{
+	int rc = head_check(be, w, what);
+	if (rc)
+		return rc;
+	if (n_rows == 0 || n_rows > be->n)
+		return fail(be, -EINVAL, "%s: %u rows of a step of %u", what, n_rows, be->n);
+	for (uint32_t i = 0; i < n_rows; i++)
+		if (rows[i] >= be->n || (i && rows[i] <= rows[i - 1]))
+			return fail(be, -EINVAL, "%s: row %u (the %u-th) of a step of %u: rows go up, each below the "
+				    "step's", what, rows[i], i, be->n);
+	return 0;
+}
+
 int backend_logits_rows(struct backend *be, const struct group_weights *w, const uint32_t *rows, uint32_t n_rows,
 			float *out)
 {
 	assert(w && out && (rows || !n_rows));
 	if (!be->impl->compute->logits_rows)
 		return fail(be, -ENOTSUP, "logits_rows: the %s backend takes one sequence a step", be->impl->name);
-	int rc = head_check(be, w, "logits_rows");
+	int rc = rows_check(be, w, rows, n_rows, "logits_rows");
 	if (rc)
 		return rc;
-	if (n_rows == 0 || n_rows > be->n)
-		return fail(be, -EINVAL, "logits_rows: %u rows of a step of %u", n_rows, be->n);
-	for (uint32_t i = 0; i < n_rows; i++)
-		if (rows[i] >= be->n || (i && rows[i] <= rows[i - 1]))
-			return fail(be, -EINVAL, "logits_rows: row %u (the %u-th) of a step of %u: rows go up, each below "
-				    "the step's", rows[i], i, be->n);
 	return impl_rc(be, be->impl->compute->logits_rows(be->dev, w, rows, n_rows, out));
 }
 
@@ -776,15 +787,10 @@ int backend_logits_pick_rows(struct backend *be, const struct group_weights *w, 
 	assert(w && (rows || !n_rows) && picks && tokens);
 	if (!be->impl->compute->logits_pick_rows)
 		return fail(be, -ENOTSUP, "logits_pick_rows: the %s backend picks no tokens itself", be->impl->name);
-	int rc = head_check(be, w, "logits_pick_rows");
+	int rc = rows_check(be, w, rows, n_rows, "logits_pick_rows");
 	if (rc)
 		return rc;
-	if (n_rows == 0 || n_rows > be->n)
-		return fail(be, -EINVAL, "logits_pick_rows: %u rows of a step of %u", n_rows, be->n);
 	for (uint32_t i = 0; i < n_rows; i++) {
-		if (rows[i] >= be->n || (i && rows[i] <= rows[i - 1]))
-			return fail(be, -EINVAL, "logits_pick_rows: row %u (the %u-th) of a step of %u: rows go up, each "
-				    "below the step's", rows[i], i, be->n);
 		const struct sampler_params *sp = picks[i].sp;
 		if (sp && (!(sp->temperature > 0.0f) || !(picks[i].u >= 0.0 && picks[i].u < 1.0)))
 			return fail(be, -EINVAL, "logits_pick_rows: row %u: a draw needs temperature > 0 and u in [0, 1)",
