@@ -53,6 +53,7 @@ struct kv_readahead {
 struct kv_arena {
 	uint32_t n;		  /* blocks */
 	uint32_t n_free;
+	uint32_t clean_hint;	  /* no block below it is free and remembers no key (arena_freed) */
 	uint32_t users;		  /* caches over it */
 	uint32_t live;		  /* of which hold a sequence (written since their last reset) */
 	struct arena_block *b;	  /* (n) */
@@ -109,6 +110,13 @@ static struct kv_entry *entry(struct kv_cache *kv, uint32_t layer, uint32_t inde
 static struct kv_entry *held_entry(const struct arena_block *a)
 {
 	return entry(a->owner, (uint32_t)a->layer, (uint32_t)a->index);
+}
+
+/* Block b of A became free (whatever key it remembers): the hint may have to come down. */
+static void arena_freed(struct kv_arena *A, uint32_t b)
+{
+	if (b < A->clean_hint)
+		A->clean_hint = b;
 }
 
 int kv_arena_create(uint32_t n_blocks, struct kv_arena **out)
@@ -226,6 +234,7 @@ void kv_cache_destroy(struct kv_cache **kvp)
 				kv->A->b[i].layer = kv->A->b[i].index = -1;
 				kv->A->b[i].busy = kv->A->b[i].incoming = false;
 				kv->A->n_free++;
+				arena_freed(kv->A, i);
 			}
 		kv->A->users--;
 		if (kv->live)
@@ -356,6 +365,24 @@ static void assign_arena(struct kv_cache *kv, uint32_t b, uint32_t layer, uint32
 static int take_arena_for(struct kv_cache *kv, uint32_t layer, uint32_t visit, int32_t keep_a, int32_t keep_b,
 			  uint32_t target, const uint32_t *idx, uint32_t n, uint32_t *out)
 {
+	/* Free blocks remembering no key rank highest (top): when n of them lie at or after the
+	 * arena's clean hint, they are the ones the two passes below take (the first n in index
+	 * order), found without ranking every block of the arena. */
+	struct kv_arena *A = kv->A;
+	uint32_t k = 0;
+	for (uint32_t i = A->clean_hint; i < kv->p.n_arena && k < n; i++)
+		if (kv->arena[i].layer < 0 && !kv->arena[i].key)
+			kv->victims[k++] = i;
+	if (k == n) {
+		A->clean_hint = kv->victims[n - 1] + 1;
+		for (uint32_t i = 0; i < n; i++) {
+			assign_arena(kv, kv->victims[i], target, idx[i]);
+			kv->arena[kv->victims[i]].busy = true;
+			out[i] = kv->victims[i];
+		}
+		return 0;
+	}
+	A->clean_hint = k ? kv->victims[0] : kv->p.n_arena; /* none below the first found */
 	const uint32_t top = kv->p.n_layers + 2;
 	uint32_t *count = kv->rank_count; /* top + 2 buckets */
 	memset(count, 0, sizeof(*count) * (top + 2));
@@ -376,7 +403,8 @@ static int take_arena_for(struct kv_cache *kv, uint32_t layer, uint32_t visit, i
 			       "(raise --kv-gpu-budget%s)",
 			       kv->p.n_arena, kv->remote ? "" : ", or run with a kv-store");
 	/* From the lowest rank used, only as many as still needed after the higher ranks. */
-	uint32_t above = have - count[lowest], from_lowest = n - above, k = 0;
+	uint32_t above = have - count[lowest], from_lowest = n - above;
+	k = 0;
 	for (uint32_t i = 0; i < kv->p.n_arena && k < n; i++) {
 		int r = victim_rank(kv, &kv->arena[i], layer, visit, keep_a, keep_b);
 		if (r < lowest)
@@ -420,6 +448,7 @@ static void drop_arena(struct kv_cache *kv, uint32_t b)
 		kv->A->n_free++;
 	}
 	*a = (struct arena_block){.layer = -1, .index = -1};
+	arena_freed(kv->A, b);
 }
 
 /* The read-ahead of slot s is done: waits for its copies, then (unpin) lets the store have the
@@ -611,11 +640,18 @@ int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_
 	return 0;
 }
 
-static void clear_busy(struct kv_cache *kv)
+/* Ends a layer's step for this cache: the blocks it marked busy since kv_cache_prepare (the ones
+ * written, those attended, those fetched back) are its own entries of that layer, below n_blocks.
+ * (A pass over the whole arena instead, once a layer and sequence, cost more than the step's
+ * compute: 16384 blocks of an 8B model's default arena, 16 sequences, 32 layers.) */
+static void clear_busy(struct kv_cache *kv, uint32_t layer, uint32_t n_blocks)
 {
-	for (uint32_t i = 0; i < kv->p.n_arena; i++)
-		if (kv->arena[i].owner == kv)
-			kv->arena[i].busy = false;
+	const struct kv_entry *e = &kv->entries[(size_t)layer * kv->blocks_per_layer];
+	if (n_blocks > kv->blocks_per_layer)
+		n_blocks = kv->blocks_per_layer;
+	for (uint32_t j = 0; j < n_blocks; j++)
+		if (e[j].arena != NO_ARENA)
+			kv->arena[e[j].arena].busy = false;
 }
 
 static int flush_spans(struct kv_cache *kv, uint32_t *n_spans)
@@ -706,6 +742,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 				entry(kv, layer, kv->idx[r])->arena = NO_ARENA;
 				kv->arena[kv->dst[r]] = (struct arena_block){.layer = -1, .index = -1};
 				kv->A->n_free++;
+				arena_freed(kv->A, kv->dst[r]);
 			}
 			if (rc != -ENOSPC) {
 				set_err(kv, rc, "copying KV blocks into the arena failed: %s", backend_error(kv->be));
@@ -732,7 +769,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 	}
 	rc = flush_spans(kv, &n_spans);
 out:
-	clear_busy(kv);
+	clear_busy(kv, layer, n_blocks);
 	return rc;
 }
 
@@ -835,13 +872,16 @@ static void clear_tables(struct kv_cache *kv, bool forget)
 {
 	for (uint32_t i = 0; i < kv->p.n_arena; i++) {
 		struct arena_block *a = &kv->arena[i];
-		if (forget && !a->owner)
+		if (forget && !a->owner) {
 			a->key = 0; /* free, but its bytes may no longer be what its key names */
+			arena_freed(kv->A, i);
+		}
 		if (a->owner != kv)
 			continue;
 		bool keep = !forget && a->layer >= 0 && a->key && held_entry(a)->committed;
 		*a = (struct arena_block){.layer = -1, .index = -1, .key = keep ? a->key : 0};
 		kv->A->n_free++;
+		arena_freed(kv->A, i);
 	}
 	for (size_t i = 0; i < (size_t)kv->p.n_layers * kv->blocks_per_layer; i++)
 		kv->entries[i] = (struct kv_entry){.arena = NO_ARENA};
