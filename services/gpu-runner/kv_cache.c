@@ -334,12 +334,13 @@ static int victim_rank(const struct kv_cache *kv, const struct arena_block *a, u
 	return (int)(((uint32_t)a->layer + L - current) % L);
 }
 
-/* Arena blocks that could take another block right now. */
+/* Arena blocks that could take another block right now, counted up to `enough` (the scan stops
+ * there: the callers want room for a run, not the arena's whole count). */
 static uint32_t arena_room(const struct kv_cache *kv, uint32_t current, uint32_t visit, int32_t keep_a,
-			   int32_t keep_b)
+			   int32_t keep_b, uint32_t enough)
 {
 	uint32_t n = 0;
-	for (uint32_t i = 0; i < kv->p.n_arena; i++)
+	for (uint32_t i = 0; i < kv->p.n_arena && n < enough; i++)
 		n += victim_rank(kv, &kv->arena[i], current, visit, keep_a, keep_b) >= 0;
 	return n;
 }
@@ -506,7 +507,8 @@ static int readahead_start(struct kv_cache *kv, uint32_t layer, uint32_t next, u
 		return 0;
 	/* Room for this step's blocks of every cache over the arena (the sequences of a batch). */
 	uint32_t reserve = missing + 2 * ((kv->p.max_chunk + bt - 1) / bt + 2) * (kv->A->live ? kv->A->live : 1);
-	uint32_t room = arena_room(kv, layer, 0, (int32_t)layer, (int32_t)next);
+	/* Room beyond the reserve for every wanted block at most. */
+	uint32_t room = arena_room(kv, layer, 0, (int32_t)layer, (int32_t)next, reserve + wanted);
 	if (room <= reserve)
 		return 0;
 	room -= reserve;
@@ -697,8 +699,8 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		rc = flush_spans(kv, &n_spans);
 		if (rc)
 			goto out;
-		uint32_t room = arena_room(kv, layer, j, -1, -1);
 		uint32_t cap = kv->remote->max_batch(kv->rctx);
+		uint32_t room = arena_room(kv, layer, j, -1, -1, cap < n_blocks - j ? cap : n_blocks - j);
 		if (room > cap)
 			room = cap;
 		uint32_t run = 0;
