@@ -369,6 +369,8 @@ static int take_arena_for(struct kv_cache *kv, uint32_t layer, uint32_t visit, i
 	/* Free blocks remembering no key rank highest (top): when n of them lie at or after the
 	 * arena's clean hint, they are the ones the two passes below take (the first n in index
 	 * order), found without ranking every block of the arena. */
+	if (n == 0)
+		return 0;
 	struct kv_arena *A = kv->A;
 	uint32_t k = 0;
 	for (uint32_t i = A->clean_hint; i < kv->p.n_arena && k < n; i++)
@@ -678,7 +680,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 {
 	const uint32_t bt = kv->p.block_tokens;
 	uint32_t n_blocks = (pos_end + bt - 1) / bt;
-	uint32_t n_spans = 0;
+	uint32_t n_spans = 0, fits = UINT32_MAX;
 	int rc = 0;
 	if (kv->readahead && (rc = readahead_step(kv, layer, pos_end)) != 0)
 		goto out;
@@ -700,6 +702,8 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		if (rc)
 			goto out;
 		uint32_t cap = kv->remote->max_batch(kv->rctx);
+		if (cap > fits)
+			cap = fits; /* what the store's pool took after a refusal, this call */
 		uint32_t room = arena_room(kv, layer, j, -1, -1, cap < n_blocks - j ? cap : n_blocks - j);
 		if (room > cap)
 			room = cap;
@@ -723,6 +727,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		 * of a step being rebuilt): fewer at a time. A refusal moves nothing. */
 		while (rc == -ENOSPC && run > 1) {
 			run /= 2;
+			fits = run;
 			kv->stats.fetch_cuts++;
 			rc = kv->remote->fetch(kv->rctx, run, kv->handles, kv->ptrs);
 		}
