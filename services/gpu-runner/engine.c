@@ -30,6 +30,8 @@ struct engine {
 	bool *used;			/* (n_experts) the experts the layer's routing chose (a source that
 					 * fetches ahead is told, and skips the others) */
 	bool *on_cpu;			/* (n_experts) of those, the ones the source left for the CPU */
+	uint32_t *routed;		/* (n_layers, n_experts) decode steps whose routing chose the expert */
+	uint32_t *routed_steps;		/* (n_layers) decode steps routed through the layer */
 	const struct engine_stage_ops *stages; /* engine_set_stages: a split model; NULL: none */
 	void *stages_ctx;
 };
@@ -60,7 +62,10 @@ int engine_create(const struct model_config *cfg, struct backend *be,
 	e->tokens = calloc(max_chunk, sizeof(int32_t));
 	e->used = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool));
 	e->on_cpu = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool));
-	if (!e->dst_block || !e->dst_row || !e->pos || !e->seq || !e->tokens || !e->used || !e->on_cpu) {
+	e->routed = calloc(cfg->n_experts ? (size_t)cfg->n_layers * cfg->n_experts : 1, sizeof(uint32_t));
+	e->routed_steps = calloc(cfg->n_layers ? cfg->n_layers : 1, sizeof(uint32_t));
+	if (!e->dst_block || !e->dst_row || !e->pos || !e->seq || !e->tokens || !e->used || !e->on_cpu || !e->routed ||
+	    !e->routed_steps) {
 		engine_destroy(&e);
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
@@ -81,6 +86,8 @@ void engine_destroy(struct engine **ep)
 	free((*ep)->split_r);
 	free((*ep)->used);
 	free((*ep)->on_cpu);
+	free((*ep)->routed);
+	free((*ep)->routed_steps);
 	free(*ep);
 	*ep = NULL;
 }
@@ -267,6 +274,12 @@ int engine_forward_stage(struct engine *e, const int32_t *tokens, uint32_t n, ui
 int engine_forward_greedy(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, int32_t *token)
 {
 	return forward(e, tokens, n, pos0, NULL, token, NULL, 0, false);
+}
+
+void engine_moe_routing(const struct engine *e, const uint32_t **routed, const uint32_t **steps)
+{
+	*routed = e->cfg->n_experts ? e->routed : NULL;
+	*steps = e->cfg->n_experts ? e->routed_steps : NULL;
 }
 
 bool engine_samples_on_device(const struct engine *e)
@@ -481,6 +494,12 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 			BE_CHECK(backend_moe_route(e->be, &w), "router");
 			for (uint32_t x = 0; x < e->cfg->n_experts; x++)
 				e->used[x] = backend_moe_expert_used(e->be, x);
+			if (n == n_seqs) {
+				/* A decode step (a token a sequence): what the routing chose, counted. */
+				e->routed_steps[l]++;
+				for (uint32_t x = 0; x < e->cfg->n_experts; x++)
+					e->routed[(size_t)l * e->cfg->n_experts + x] += e->used[x];
+			}
 			memset(e->on_cpu, 0, e->cfg->n_experts * sizeof(bool));
 			if (e->ws->ops->route && (rc = e->ws->ops->route(e->ws, l, e->used, e->on_cpu)) != 0) {
 				set_err(e, rc, "weights: %s", e->ws->error);

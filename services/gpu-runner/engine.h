@@ -74,6 +74,11 @@ int engine_forward_sample(struct engine *e, const int32_t *tokens, uint32_t n, u
 			  const struct sampler_params *sp, double u, int32_t *token);
 /* Can the backend draw tokens itself? */
 bool engine_samples_on_device(const struct engine *e);
+/* The routing of decode steps (a token a sequence) since the engine was made: routed (n_layers,
+ * n_experts) counts the steps whose routing chose each expert (a step of several sequences counts
+ * an expert once if any of them chose it), steps (n_layers) the decode steps through each layer;
+ * both NULL for a model without experts. The counts a plan of the experts kept resident reads. */
+void engine_moe_routing(const struct engine *e, const uint32_t **routed, const uint32_t **steps);
 
 uint32_t engine_max_chunk(const struct engine *e);
 const struct model_config *engine_config(const struct engine *e);

@@ -212,6 +212,60 @@ static json_t *cpu_share_stats(struct runner *r)
 	return o;
 }
 
+/* The decode steps' routing (engine_moe_routing): steps counted, experts a layer and step on
+ * average, and the HOT experts chosen most often (layer, expert, share of the layer's steps). NULL
+ * for a model without experts or before the engine exists. */
+#define MOE_HOT 8
+static json_t *moe_stats(const struct runner *r)
+{
+	const uint32_t *routed, *steps;
+	if (!r->engine || !r->cfg.n_experts)
+		return NULL;
+	engine_moe_routing(r->engine, &routed, &steps);
+	if (!routed)
+		return NULL;
+	const uint32_t L = r->cfg.n_layers, E = r->cfg.n_experts;
+	uint64_t total = 0, layer_steps = 0, most = 0;
+	uint32_t moe_layers = 0;
+	for (uint32_t l = 0; l < L; l++) {
+		if (!steps[l])
+			continue;
+		moe_layers++;
+		layer_steps += steps[l];
+		most = steps[l] > most ? steps[l] : most;
+		for (uint32_t x = 0; x < E; x++)
+			total += routed[(size_t)l * E + x];
+	}
+	/* The hottest, by their share of their layer's steps (a partial selection: few of them). */
+	uint32_t hot_l[MOE_HOT], hot_x[MOE_HOT], n_hot = 0;
+	double hot_s[MOE_HOT];
+	for (uint32_t l = 0; l < L; l++) {
+		if (!steps[l])
+			continue;
+		for (uint32_t x = 0; x < E; x++) {
+			double sh = (double)routed[(size_t)l * E + x] / (double)steps[l];
+			if (sh <= 0 || (n_hot == MOE_HOT && sh <= hot_s[MOE_HOT - 1]))
+				continue;
+			uint32_t i = n_hot < MOE_HOT ? n_hot++ : MOE_HOT - 1;
+			while (i > 0 && hot_s[i - 1] < sh) {
+				hot_s[i] = hot_s[i - 1];
+				hot_l[i] = hot_l[i - 1];
+				hot_x[i] = hot_x[i - 1];
+				i--;
+			}
+			hot_s[i] = sh;
+			hot_l[i] = l;
+			hot_x[i] = x;
+		}
+	}
+	json_t *hot = json_array();
+	for (uint32_t i = 0; hot && i < n_hot; i++)
+		json_array_append_new(hot, json_pack("[i, i, f]", (int)hot_l[i], (int)hot_x[i], hot_s[i]));
+	return json_pack("{s:I, s:i, s:I, s:f, s:o}", "decode_steps", (json_int_t)most, "layers", (int)moe_layers,
+			 "routed", (json_int_t)total, "experts_per_step",
+			 layer_steps ? (double)total / (double)layer_steps : 0.0, "hot", hot ? hot : json_array());
+}
+
 char *runner_stats(void *ctx)
 {
 	struct runner *r = ctx;
@@ -245,6 +299,9 @@ char *runner_stats(void *ctx)
 		json_object_set_new(o, "kv_fetch_copy_ms", json_real((double)ks.copy_ns / 1e6));
 		json_object_set_new(o, "kv_readahead_blocks", json_integer((json_int_t)ks.readahead_blocks));
 		json_object_set_new(o, "kv_readahead_wait_ms", json_real((double)ks.readahead_wait_ns / 1e6));
+		json_t *moe = moe_stats(r);
+		if (moe)
+			json_object_set_new(o, "moe", moe);
 		/* Continuous batching: requests running now, the most at once, and per step on average the
 		 * sequences and tokens computed together. */
 		json_object_set_new(o, "batch",

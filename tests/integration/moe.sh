@@ -26,6 +26,18 @@ for shape in qwen3-tiny mixtral-tiny qwen3-moe-tiny; do
 		# embed, head, and per layer attention, router and 8 experts: 2 + 2 * 10; all resident
 		expect_grep '"groups": 22,' "$stats" "$shape: weight groups in the loader's stats"
 		expect_grep '"slots_expert": 16,' "$stats" "$shape: expert slots in the loader's stats"
+		# The decode steps' routing (the counts a plan of the experts kept resident reads): each of
+		# the 23 decode steps chose num_experts_per_tok experts in every layer.
+		k=$(jq -r .num_experts_per_tok "$dir/config.json")
+		layers=$(jq -r .num_hidden_layers "$dir/config.json")
+		moe=$("$PIPECTL" stats gpu-runner | jq -c .moe)
+		expect_eq "$(jq -r .decode_steps <<<"$moe")" 23 "$shape: decode steps in the runner's routing stats"
+		expect_eq "$(jq -r .routed <<<"$moe")" $((23 * layers * k)) "$shape: experts the decode steps chose"
+		expect_eq "$(jq -r .experts_per_step <<<"$moe")" "$k" "$shape: experts a layer and step"
+		hot=$(jq -r '.hot | length' <<<"$moe")
+		((hot >= 1 && hot <= 8)) || fail "$shape: $hot hottest experts listed, want 1..8: $moe"
+		expect_eq "$(jq -r '[.hot[][2]] == ([.hot[][2]] | sort | reverse)' <<<"$moe")" true \
+			"$shape: the hottest experts, most used first"
 		# The inspector reads the ring's tables of a model with experts.
 		view=$("$PIPELINE" inspect --once 2>&1)
 		expect_grep "expert 16, global" "$view" "$shape: expert slots in pipeline inspect"
