@@ -100,6 +100,9 @@ if ((split)); then
 		same=$((same + 1))
 	done
 	log "sampled tokens: the first $same of ${#w[@]} equal the reference's"
+	# What the tiered run did that the reference did not (to place the step that rounds otherwise).
+	((same == ${#w[@]})) || log "the tiered run: $("$PIPECTL" stats gpu-runner | jq -c '{kv_blocks_fetched, kv_fetch_runs,
+		kv_rebuilds, kv_prefix_positions, kv_readahead_blocks, cpu_jobs: .cpu_share.jobs, batch: .batch.batched_steps}')"
 	((same >= 16)) || expect_eq "$got" "$want" "sampled tokens with every tier at work (first 16) vs the reference"
 else
 	expect_eq "$got" "$want" "sampled tokens with every tier at work vs run-local"
