@@ -1,4 +1,9 @@
+/* kv_cache.c - a sequence's KV blocks (kv_cache.h): the table of where each block of each layer
+ * lies (an arena block, the kv-store's pool, both), the steps' writes and attention over them, the
+ * commits and fetches of the store, prefix reuse and the read-ahead. Which arena block a block
+ * takes is kv_arena.c's (the victim policy); the tables both read are kv_cache_internal.h's. */
 #include "services/gpu-runner/kv_cache.h"
+#include "services/gpu-runner/kv_cache_internal.h"
 
 #include "common/protocol.h"
 #include "common/util.h"
@@ -13,134 +18,10 @@
 /* The backend's write-behind event is what MSG_KV_COMMIT carries to the kv-store. */
 _Static_assert(BACKEND_EVENT_BYTES == KV_EVENT_HANDLE_BYTES, "a KV event handle has one size everywhere");
 
-#define NO_ARENA (-1)
-
-/* Records a message in the object and returns rc. */
-#define set_err(obj, rc, ...) errorf((obj)->error, sizeof((obj)->error), rc, __VA_ARGS__)
-/* The same for a failed request to the store: remembered, so the caller can tell it apart. */
-#define remote_err(kv, rc, ...) ((kv)->remote_failed = true, set_err(kv, rc, __VA_ARGS__))
-
-struct kv_entry {
-	int32_t arena;	   /* arena block holding it, NO_ARENA */
-	uint32_t filled;   /* positions written */
-	bool committed;	   /* a pool copy exists (handle valid) */
-	uint64_t handle;
-	uint64_t key;	   /* its prefix key once committed, 0 when unnamed */
-};
-
-struct arena_block {
-	struct kv_cache *owner; /* the cache whose block it holds, NULL when free */
-	int32_t layer; /* -1 when free */
-	int32_t index; /* block index within the layer */
-	bool busy;     /* in use by the current step: never evicted */
-	bool incoming; /* a read-ahead copy lands here and the layer has not been attended: kept */
-	/* The prefix key of the committed block it holds or, once free, last held: a later
-	 * sequence that restores that key finds the bytes here and copies nothing. */
-	uint64_t key;
-};
-
-/* One read-ahead in flight: the blocks of a layer coming back from the pool on the backend's
- * KV H2D stream, and the pins held on their pool blocks until the copies are done. */
-struct kv_readahead {
-	bool active;
-	uint32_t layer;
-	uint32_t n;
-	uint64_t *handles; /* blocks_per_layer of them */
-	uint32_t *blocks;  /* the arena blocks they land in */
-};
-
-/* The backend's arena blocks, shared by the caches of the sequences that run together. */
-struct kv_arena {
-	uint32_t n;		  /* blocks */
-	uint32_t n_free;
-	uint32_t clean_hint;	  /* no block below it is free and remembers no key (arena_freed) */
-	uint32_t users;		  /* caches over it */
-	uint32_t live;		  /* of which hold a sequence (written since their last reset) */
-	struct arena_block *b;	  /* (n) */
-};
-
-struct kv_cache {
-	struct kv_cache_params p;
-	struct backend *be;
-	const struct kv_remote_ops *remote;
-	void *rctx;
-	uint32_t blocks_per_layer;
-	struct kv_entry *entries;   /* n_layers * blocks_per_layer */
-	struct kv_arena *A;	    /* the arena it takes blocks from */
-	struct arena_block *arena;  /* A->b */
-	bool own_arena;		    /* A was made for it (no params.arena) */
-	bool live;		    /* holds a sequence: counted in A->live */
-	/* scratch for batches */
-	struct kv_span *spans;
-	uint32_t row0, n_rows;	    /* kv_cache_set_rows: the spans' rows */
-	uint64_t *handles;
-	void **ptrs;
-	uint32_t *idx;
-	uint32_t *arena_idx;
-	uint32_t *dst; /* arena blocks of a fetched run */
-	uint32_t *victims, *rank_count; /* take_arena_n's scratch */
-	uint64_t *keys;
-	struct kv_cache_stats stats;
-	/* The sequence, for keys. */
-	const int32_t *seq;
-	const uint32_t *seq_n;
-	uint64_t seed;
-	uint64_t *chain;	/* chain[j]: hash of tokens [0, (j+1) * block_tokens), when known */
-	uint32_t chain_known;	/* chain[0 .. chain_known) are computed */
-	bool remote_failed;	/* a request to the store failed since the last reset */
-	bool lost;		/* forgot what the store held of the sequence (forget_remote): to rebuild */
-	bool readahead;		/* the backend copies on a stream of its own and there is a store */
-	struct kv_readahead ra[2];
-	char error[512];
-};
-
 void kv_cache_set_rows(struct kv_cache *kv, uint32_t row0, uint32_t n_rows)
 {
 	kv->row0 = row0;
 	kv->n_rows = n_rows;
-}
-
-static struct kv_entry *entry(struct kv_cache *kv, uint32_t layer, uint32_t index)
-{
-	assert(layer < kv->p.n_layers && index < kv->blocks_per_layer);
-	return &kv->entries[(size_t)layer * kv->blocks_per_layer + index];
-}
-
-/* The table entry of the block an arena block holds (a->layer >= 0): its owner's. */
-static struct kv_entry *held_entry(const struct arena_block *a)
-{
-	return entry(a->owner, (uint32_t)a->layer, (uint32_t)a->index);
-}
-
-/* Block b of A became free (whatever key it remembers): the hint may have to come down. */
-static void arena_freed(struct kv_arena *A, uint32_t b)
-{
-	if (b < A->clean_hint)
-		A->clean_hint = b;
-}
-
-int kv_arena_create(uint32_t n_blocks, struct kv_arena **out)
-{
-	struct kv_arena *A = calloc(1, sizeof(*A));
-	if (!A || !(A->b = calloc(n_blocks ? n_blocks : 1, sizeof(*A->b)))) {
-		free(A);
-		return -ENOMEM;
-	}
-	A->n = A->n_free = n_blocks;
-	for (uint32_t i = 0; i < n_blocks; i++)
-		A->b[i] = (struct arena_block){.layer = -1, .index = -1};
-	*out = A;
-	return 0;
-}
-
-void kv_arena_destroy(struct kv_arena **ap)
-{
-	if (!ap || !*ap)
-		return;
-	assert((*ap)->users == 0);
-	free((*ap)->b);
-	free(*ap);
-	*ap = NULL;
 }
 
 uint32_t kv_cache_min_blocks(uint32_t n_layers, uint32_t block_tokens, uint32_t max_chunk)
@@ -234,7 +115,7 @@ void kv_cache_destroy(struct kv_cache **kvp)
 				kv->A->b[i].layer = kv->A->b[i].index = -1;
 				kv->A->b[i].busy = kv->A->b[i].incoming = false;
 				kv->A->n_free++;
-				arena_freed(kv->A, i);
+				kv_arena_freed(kv->A, i);
 			}
 		kv->A->users--;
 		if (kv->live)
@@ -310,148 +191,11 @@ void kv_cache_usage(const struct kv_cache *kv, uint32_t *arena_used, uint32_t *a
 	}
 }
 
-/* How much an arena block is worth giving up while `current` is being computed and its blocks
- * below `visit` have been attended (higher: give it up sooner); -1 when it cannot go at all.
- *   free, no remembered key          n_layers + 2
- *   free, remembering a cached key   n_layers + 1
- *   committed, idle: the layer whose next use lies furthest ahead first: the current layer's
- *   blocks already attended (n_layers: next used one full cycle later), then the other layers
- *   by distance (1 .. n_layers - 1); the current layer's blocks still to attend last (0).
- * Unsaved (uncommitted), busy and incoming blocks cannot go, nor blocks of the layers keep_a and
- * keep_b (-1: none; the read-ahead keeps the layer being attended and the one it brings in). */
-static int victim_rank(const struct kv_cache *kv, const struct arena_block *a, uint32_t current, uint32_t visit,
-		       int32_t keep_a, int32_t keep_b)
-{
-	const uint32_t L = kv->p.n_layers;
-	if (a->layer < 0)
-		return a->key ? (int)L + 1 : (int)L + 2;
-	if (a->busy || a->incoming || a->layer == keep_a || a->layer == keep_b || !held_entry(a)->committed)
-		return -1;
-	/* Another sequence's block of the current layer: it may not have been attended yet (the
-	 * sequences of a step attend one after another). */
-	if ((uint32_t)a->layer == current)
-		return a->owner == kv && (uint32_t)a->index < visit ? (int)L : 0;
-	return (int)(((uint32_t)a->layer + L - current) % L);
-}
-
-/* Arena blocks that could take another block right now, counted up to `enough` (the scan stops
- * there: the callers want room for a run, not the arena's whole count). */
-static uint32_t arena_room(const struct kv_cache *kv, uint32_t current, uint32_t visit, int32_t keep_a,
-			   int32_t keep_b, uint32_t enough)
-{
-	uint32_t n = 0;
-	for (uint32_t i = 0; i < kv->p.n_arena && n < enough; i++)
-		n += victim_rank(kv, &kv->arena[i], current, visit, keep_a, keep_b) >= 0;
-	return n;
-}
-
-/* Gives arena block b to (layer, index), evicting what it held (committed: it can come back). */
-static void assign_arena(struct kv_cache *kv, uint32_t b, uint32_t layer, uint32_t index)
-{
-	struct arena_block *a = &kv->arena[b];
-	if (a->layer >= 0) {
-		held_entry(a)->arena = NO_ARENA;
-		a->owner->stats.evicted++;
-	} else {
-		kv->A->n_free--;
-	}
-	*a = (struct arena_block){.owner = kv, .layer = (int32_t)layer, .index = (int32_t)index};
-	entry(kv, layer, index)->arena = (int32_t)b;
-}
-
-/* Takes arena blocks for blocks idx[0..n) of `target`, best victims first while `layer` is
- * computed (its blocks below `visit` attended this step; keep_a, keep_b as in victim_rank), in
- * one pass over the arena; out[i] receives the block for idx[i], marked busy. Returns 0 or
- * -ENOSPC (nothing taken). */
-static int take_arena_for(struct kv_cache *kv, uint32_t layer, uint32_t visit, int32_t keep_a, int32_t keep_b,
-			  uint32_t target, const uint32_t *idx, uint32_t n, uint32_t *out)
-{
-	/* Free blocks remembering no key rank highest (top): when n of them lie at or after the
-	 * arena's clean hint, they are the ones the two passes below take (the first n in index
-	 * order), found without ranking every block of the arena. */
-	if (n == 0)
-		return 0;
-	struct kv_arena *A = kv->A;
-	uint32_t k = 0;
-	for (uint32_t i = A->clean_hint; i < kv->p.n_arena && k < n; i++)
-		if (kv->arena[i].layer < 0 && !kv->arena[i].key)
-			kv->victims[k++] = i;
-	if (k == n) {
-		A->clean_hint = kv->victims[n - 1] + 1;
-		for (uint32_t i = 0; i < n; i++) {
-			assign_arena(kv, kv->victims[i], target, idx[i]);
-			kv->arena[kv->victims[i]].busy = true;
-			out[i] = kv->victims[i];
-		}
-		return 0;
-	}
-	A->clean_hint = k ? kv->victims[0] : kv->p.n_arena; /* none below the first found */
-	const uint32_t top = kv->p.n_layers + 2;
-	uint32_t *count = kv->rank_count; /* top + 2 buckets */
-	memset(count, 0, sizeof(*count) * (top + 2));
-	for (uint32_t i = 0; i < kv->p.n_arena; i++) {
-		int r = victim_rank(kv, &kv->arena[i], layer, visit, keep_a, keep_b);
-		if (r >= 0)
-			count[r]++;
-	}
-	/* Which ranks to take from: the highest until n are covered. */
-	uint32_t have = 0;
-	int lowest = (int)top;
-	for (; lowest >= 0 && have < n; lowest--)
-		have += count[lowest];
-	lowest++;
-	if (have < n)
-		return set_err(kv, -ENOSPC,
-			       "KV arena of %u blocks is exhausted: every block holds unsaved KV or is in use "
-			       "(raise --kv-gpu-budget%s)",
-			       kv->p.n_arena, kv->remote ? "" : ", or run with a kv-store");
-	/* From the lowest rank used, only as many as still needed after the higher ranks. */
-	uint32_t above = have - count[lowest], from_lowest = n - above;
-	k = 0;
-	for (uint32_t i = 0; i < kv->p.n_arena && k < n; i++) {
-		int r = victim_rank(kv, &kv->arena[i], layer, visit, keep_a, keep_b);
-		if (r < lowest)
-			continue;
-		if (r == lowest) {
-			if (!from_lowest)
-				continue;
-			from_lowest--;
-		}
-		kv->victims[k++] = i;
-	}
-	assert(k == n);
-	for (uint32_t i = 0; i < n; i++) {
-		assign_arena(kv, kv->victims[i], target, idx[i]);
-		kv->arena[kv->victims[i]].busy = true;
-		out[i] = kv->victims[i];
-	}
-	return 0;
-}
-
-/* take_arena_for `layer` itself. */
-static int take_arena_n(struct kv_cache *kv, uint32_t layer, uint32_t visit, const uint32_t *idx, uint32_t n,
-			uint32_t *out)
-{
-	return take_arena_for(kv, layer, visit, -1, -1, layer, idx, n, out);
-}
-
 /* Waits for every KV copy of the backend (kv_sync); a failure is the backend's, reported by
  * whatever runs next. */
 static void kv_sync(struct kv_cache *kv)
 {
 	backend_kv_sync(kv->be);
-}
-
-/* Hands arena block b back as free (it holds nothing valid). */
-static void drop_arena(struct kv_cache *kv, uint32_t b)
-{
-	struct arena_block *a = &kv->arena[b];
-	if (a->layer >= 0) {
-		held_entry(a)->arena = NO_ARENA;
-		kv->A->n_free++;
-	}
-	*a = (struct arena_block){.layer = -1, .index = -1};
-	arena_freed(kv->A, b);
 }
 
 /* The read-ahead of slot s is done: waits for its copies, then (unpin) lets the store have the
@@ -471,7 +215,7 @@ static int readahead_finish(struct kv_cache *kv, int s, bool unpin)
 			continue;
 		a->incoming = false;
 		if (rc && a->layer == (int32_t)r->layer)
-			drop_arena(kv, r->blocks[i]);
+			kv_arena_drop(kv, r->blocks[i]);
 	}
 	if (rc)
 		set_err(kv, rc, "copying KV blocks of layer %u into the arena failed: %s", r->layer, backend_error(kv->be));
@@ -510,7 +254,7 @@ static int readahead_start(struct kv_cache *kv, uint32_t layer, uint32_t next, u
 	/* Room for this step's blocks of every cache over the arena (the sequences of a batch). */
 	uint32_t reserve = missing + 2 * ((kv->p.max_chunk + bt - 1) / bt + 2) * (kv->A->live ? kv->A->live : 1);
 	/* Room beyond the reserve for every wanted block at most. */
-	uint32_t room = arena_room(kv, layer, 0, (int32_t)layer, (int32_t)next, reserve + wanted);
+	uint32_t room = kv_arena_room(kv, layer, 0, (int32_t)layer, (int32_t)next, reserve + wanted);
 	if (room <= reserve)
 		return 0;
 	room -= reserve;
@@ -538,14 +282,14 @@ static int readahead_start(struct kv_cache *kv, uint32_t layer, uint32_t next, u
 		if (rc)
 			return remote_err(kv, rc, "fetching %u KV blocks of layer %u from the kv-store failed: %s", run, next,
 					  kv->remote->error(kv->rctx));
-		rc = take_arena_for(kv, layer, 0, (int32_t)layer, (int32_t)next, next, kv->idx, run, kv->dst);
+		rc = kv_arena_take_for(kv, layer, 0, (int32_t)layer, (int32_t)next, next, kv->idx, run, kv->dst);
 		if (rc == 0)
 			rc = backend_kv_prefetch(kv->be, run, kv->dst, (const void *const *)kv->ptrs, (uint32_t)s);
 		if (rc) {
 			/* Nothing of this batch landed (or it may not have): undo it, keep what came before. */
 			bool taken = entry(kv, next, kv->idx[0])->arena != NO_ARENA;
 			for (uint32_t i = 0; i < run && taken; i++)
-				drop_arena(kv, kv->dst[i]);
+				kv_arena_drop(kv, kv->dst[i]);
 			kv_sync(kv); /* copies a failed call left queued still read the pool blocks */
 			kv->remote->unpin(kv->rctx, run, kv->handles);
 			if (rc == -ENOSPC) /* the room was counted: cannot happen; go on without */
@@ -631,7 +375,7 @@ int kv_cache_prepare(struct kv_cache *kv, uint32_t layer, uint32_t pos0, uint32_
 			if (e->filled)
 				return set_err(kv, -EIO, "layer %u block %u holds unsaved KV but left the arena", layer, j);
 			uint32_t a;
-			int trc = take_arena_n(kv, layer, 0, &j, 1, &a);
+			int trc = kv_arena_take(kv, layer, 0, &j, 1, &a);
 			if (trc < 0)
 				return trc;
 		}
@@ -704,7 +448,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 		uint32_t cap = kv->remote->max_batch(kv->rctx);
 		if (cap > fits)
 			cap = fits; /* what the store's pool took after a refusal, this call */
-		uint32_t room = arena_room(kv, layer, j, -1, -1, cap < n_blocks - j ? cap : n_blocks - j);
+		uint32_t room = kv_arena_room(kv, layer, j, -1, -1, cap < n_blocks - j ? cap : n_blocks - j);
 		if (room > cap)
 			room = cap;
 		uint32_t run = 0;
@@ -739,7 +483,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 			goto out;
 		}
 		/* Arena blocks for the whole run (busy, so none evicts another), then the copies. */
-		rc = take_arena_n(kv, layer, j, kv->idx, run, kv->dst);
+		rc = kv_arena_take(kv, layer, j, kv->idx, run, kv->dst);
 		uint32_t taken = rc ? 0 : run;
 		if (rc == 0)
 			rc = backend_kv_from_host(kv->be, run, kv->dst, (const void *const *)kv->ptrs);
@@ -749,7 +493,7 @@ int kv_cache_attend(struct kv_cache *kv, uint32_t layer, uint32_t pos_end)
 				entry(kv, layer, kv->idx[r])->arena = NO_ARENA;
 				kv->arena[kv->dst[r]] = (struct arena_block){.layer = -1, .index = -1};
 				kv->A->n_free++;
-				arena_freed(kv->A, kv->dst[r]);
+				kv_arena_freed(kv->A, kv->dst[r]);
 			}
 			if (rc != -ENOSPC) {
 				set_err(kv, rc, "copying KV blocks into the arena failed: %s", backend_error(kv->be));
@@ -881,14 +625,14 @@ static void clear_tables(struct kv_cache *kv, bool forget)
 		struct arena_block *a = &kv->arena[i];
 		if (forget && !a->owner) {
 			a->key = 0; /* free, but its bytes may no longer be what its key names */
-			arena_freed(kv->A, i);
+			kv_arena_freed(kv->A, i);
 		}
 		if (a->owner != kv)
 			continue;
 		bool keep = !forget && a->layer >= 0 && a->key && held_entry(a)->committed;
 		*a = (struct arena_block){.layer = -1, .index = -1, .key = keep ? a->key : 0};
 		kv->A->n_free++;
-		arena_freed(kv->A, i);
+		kv_arena_freed(kv->A, i);
 	}
 	for (size_t i = 0; i < (size_t)kv->p.n_layers * kv->blocks_per_layer; i++)
 		kv->entries[i] = (struct kv_entry){.arena = NO_ARENA};
