@@ -366,9 +366,10 @@ static int batch_check(struct engine *e, const struct engine_seq *seqs, uint32_t
 	return 0;
 }
 
-/* The head of a batched step: logits of each sequence's last row that wants them. */
+/* The head of a batched step for each sequence's last row that wants its next token: the rows'
+ * logits into logits, or (picks) each row's token picked where the logits are into tokens. */
 static int head_rows(struct engine *e, const struct group_weights *w, const struct engine_seq *seqs, uint32_t n_seqs,
-		     float *logits)
+		     float *logits, const struct backend_pick *picks, int32_t *tokens)
 {
 	uint32_t rows[n_seqs], n_out = 0, row = 0;
 	for (uint32_t s = 0; s < n_seqs; s++) {
@@ -376,20 +377,8 @@ static int head_rows(struct engine *e, const struct group_weights *w, const stru
 		if (seqs[s].out)
 			rows[n_out++] = row - 1;
 	}
-	return backend_logits_rows(e->be, w, rows, n_out, logits);
-}
-
-/* The same, with each of those rows' token picked where the logits are (picks in the same order). */
-static int head_rows_pick(struct engine *e, const struct group_weights *w, const struct engine_seq *seqs,
-			  uint32_t n_seqs, const struct backend_pick *picks, int32_t *tokens)
-{
-	uint32_t rows[n_seqs], n_out = 0, row = 0;
-	for (uint32_t s = 0; s < n_seqs; s++) {
-		row += seqs[s].n;
-		if (seqs[s].out)
-			rows[n_out++] = row - 1;
-	}
-	return backend_logits_pick_rows(e->be, w, rows, n_out, picks, tokens);
+	return picks ? backend_logits_pick_rows(e->be, w, rows, n_out, picks, tokens)
+		     : backend_logits_rows(e->be, w, rows, n_out, logits);
 }
 
 static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits,
@@ -514,10 +503,9 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 				BE_CHECK(backend_moe_end(e->be), "experts");
 			break;
 		case GROUP_HEAD:
-			if (picks)
-				BE_CHECK(head_rows_pick(e, &w, seqs, n_seqs, picks, argmax), "picking the tokens");
-			else if (multi)
-				BE_CHECK(head_rows(e, &w, seqs, n_seqs, logits), "logits");
+			if (picks || multi)
+				BE_CHECK(head_rows(e, &w, seqs, n_seqs, logits, picks, argmax),
+					 picks ? "picking the tokens" : "logits");
 			else if (logits)
 				BE_CHECK(backend_logits(e->be, &w, logits), "logits");
 			else if (sp)
