@@ -297,12 +297,21 @@ static int send_release(struct ring_source *rs, uint64_t *groups, uint32_t n)
 	req.w_release.groups.v = groups;
 	req.w_release.groups.n = n;
 	req.w_release.session = rpc_client_session(rs->loader);
-	int rc = rpc_call(rs->loader, &req, &rep, rs->timeout_ms);
+	/* Waited for as an acquire is: a loader killed after the caller looked at it is noticed in
+	 * a slice, not after the whole timeout, and the runner beats meanwhile (a client takes five
+	 * seconds without a heartbeat for a runner gone, and gives the request up). */
+	uint64_t corr;
+	memset(&rep, 0, sizeof(rep));
+	int rc = rpc_send(rs->loader, &req, &corr);
+	if (rc == 0)
+		rc = wait_reply(rs, corr, &rep);
 	if (rc == -EREMOTEIO)
 		errorf(rs->base.error, sizeof(rs->base.error), rc, "ssd-loader refused a release: %s", rep.error.text.p);
 	else if (rc)
 		errorf(rs->base.error, sizeof(rs->base.error), rc, "ssd-loader did not answer a release: %s",
-		     strerror(-rc));
+		       rc == -ECONNRESET ? "its process died"
+		       : rc == -ECANCELED ? "gpu-runner is stopping"
+					   : strerror(-rc));
 	if (rc == 0 || rc == -EREMOTEIO)
 		msg_free(&rep);
 	return rc;

@@ -12,7 +12,7 @@
 #   ssd-loader: exact tokens (the runner reconnects to the new loader in the middle of the step);
 #   kv-store:   exact tokens (the runner reconnects and rebuilds the KV it lost);
 #   gpu-runner: exact tokens if the kill came before the request reached it (pipectl waits for
-#               the new runner), else "gpu-runner went away during the request (pid N)".
+#               the new runner), else "gpu-runner went away during the request (pid N; why)".
 # An error after a kill of ssd-loader or kv-store fails the test too: they are survived.
 #
 # The kill points: after starting a generation, a random delay (bash's RANDOM, seeded with
@@ -169,7 +169,7 @@ for ((k = 0; k < ${#schedule[@]}; k++)); do
 		# An error naming the cause; the tokens printed before it are the right ones.
 		clear[$s]=$((clear[$s] + 1))
 		if [[ $s != gpu-runner ]]; then
-			failures+=("$what: the client got an error, but a kill of $s must be survived: $(head -c 400 "$out.err")")
+			failures+=("$what: the client got an error, but a kill of $s must be survived: $(head -c 400 "$out.err"); the runner's log then: $(tail -n 12 "$RUN_DIR/gpu-runner.log" 2>/dev/null)")
 		elif ((k < 3 || clear[$s] == 1)); then
 			log "$what: $(head -c 300 "$out.err")"
 		fi

@@ -81,6 +81,7 @@ struct runner_watch {
 	uint64_t last_life_ns; /* last sign of life of a runner that may hold the request */
 	uint64_t last_probe_ns, last_pid_ns;
 	bool lost;
+	const char *why;        /* how it was seen lost (for the message) */
 };
 
 /* After the HELLO: the fast path, where reliable, and the subscription to the heartbeats (before
@@ -121,8 +122,10 @@ static void watch_close(struct runner_watch *w)
 
 static void watch_lost(struct runner_watch *w, const char *why)
 {
-	if (!w->lost)
+	if (!w->lost) {
 		log_debug("the request is lost: %s", why);
+		w->why = why;
+	}
 	w->lost = true;
 }
 
@@ -160,7 +163,7 @@ static void on_probe_reply(struct runner_watch *w, int i, const struct msg *rep)
 	if (i > 0) {
 		/* A later probe answered before the first: the first, and the GENERATE before it, went
 		 * to a runner that is gone. */
-		watch_lost(w, "a later probe was answered first");
+		watch_lost(w, "a runner started after it answered first");
 		return;
 	}
 	w->known = true;
@@ -175,7 +178,7 @@ static void on_probe_reply(struct runner_watch *w, int i, const struct msg *rep)
 	if (w->epoch != w->hello_epoch)
 		w->start = 0; /* the fast path watches the HELLO's process */
 	else if (w->hello_gone)
-		watch_lost(w, "the runner holding the request was already seen gone");
+		watch_lost(w, "its successor was already beating");
 }
 
 static void on_beat(struct runner_watch *w, const struct msg_heartbeat *hb)
@@ -191,7 +194,7 @@ static void on_beat(struct runner_watch *w, const struct msg_heartbeat *hb)
 		for (int i = 0; i < w->n_seen; i++)
 			if (x == w->seen[i])
 				return; /* older than the runner holding the request, a late beat */
-		watch_lost(w, "a newer runner beats");
+		watch_lost(w, "a newer gpu-runner beats");
 		return;
 	}
 	if (x == w->hello_epoch) {
@@ -233,7 +236,7 @@ static void watch_tick(struct runner_watch *w)
 	if (!w->known && w->hello_gone && w->first_probe && now - w->last_probe_ns >= GEN_PROBE_MS * 1000000ull)
 		send_probe(w);
 	if (w->sub && now - w->last_life_ns >= GEN_SILENT_MS * 1000000ull)
-		watch_lost(w, "no heartbeat");
+		watch_lost(w, "no heartbeat for 5 s"); /* GEN_SILENT_MS */
 }
 
 /* Waits up to timeout_ms for the next reply to the GENERATE, reading heartbeats and probe
@@ -610,10 +613,10 @@ static int read_stream(struct pipectl *p, struct runner_watch *w, const struct g
 			fflush(stdout);
 			if (rc == -ECONNRESET) {
 				fprintf(stderr,
-					"pipectl: gpu-runner went away during the request (pid %d): it exited or was "
+					"pipectl: gpu-runner went away during the request (pid %d; %s): it exited or was "
 					"killed after sending %llu token%s; its supervisor starts it again (scripts/pipeline "
 					"status), then send the request again\n",
-					w->pid, (unsigned long long)count, count == 1 ? "" : "s");
+					w->pid, w->why ? w->why : "lost", (unsigned long long)count, count == 1 ? "" : "s");
 				return PIPECTL_EXIT_FAIL;
 			}
 			if (rc == -ETIMEDOUT) {
