@@ -142,6 +142,8 @@ void runner_batch_step(struct runner *r)
 		/* The peers are checked (and reconnected, which makes the engine and the caches anew) only
 		 * when no request runs; while some do, a peer that went away is dealt with inside their
 		 * steps (the weight source, the caches' rebuild). */
+		if (!r->n_active)
+			runner_replan_experts(r); /* between requests: hotter experts kept on the GPU */
 		int rc = r->n_active ? 0 : runner_ensure_connections(r, err, sizeof(err));
 		if (rc) {
 			/* A peer is down for good: the request that would run fails, as one at a time does. */

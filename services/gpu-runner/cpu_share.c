@@ -49,7 +49,7 @@ static int plan_cpu_backend(struct runner *r, char *err, size_t errlen)
 	for (uint32_t l = 0; l < c->n_layers; l++) {
 		ly[l].eligible = true;
 		for (int i = 0; i < 3; i++) {
-			int ti = model_find_tensor(c, ws->tensors, ws->groups, group_id_ffn(l), mats[i]);
+			int ti = model_find_tensor(c, ws->tensors, ws->groups, model_group_ffn(c, l), mats[i]);
 			ly[l].eligible = ly[l].eligible && ti >= 0 && ws->tensors[ti].dtype < DT_COUNT;
 			ly[l].format[i] = ti >= 0 ? ws->tensors[ti].dtype : DT_COUNT;
 			ly[l].bytes[i] = ti >= 0 ? ws->tensors[ti].nbytes : 0;

@@ -128,7 +128,7 @@ int engine_set_ffn_split(struct engine *e, const uint32_t *r, uint32_t max_token
 			      FFN_SPLIT_MAX_TOKENS, max_tokens);
 	const struct model_config *c = e->cfg;
 	for (uint32_t l = 0; l < c->n_layers; l++) {
-		int ti = model_find_tensor(c, e->ws->tensors, e->ws->groups, group_id_ffn(l), ROLE_W_DOWN);
+		int ti = model_find_tensor(c, e->ws->tensors, e->ws->groups, model_group_ffn(c, l), ROLE_W_DOWN);
 		if (r[l] >= c->ffn_dim)
 			continue;
 		uint32_t unit = ti >= 0 ? ffn_split_unit((enum dtype)e->ws->tensors[ti].dtype) : 0;

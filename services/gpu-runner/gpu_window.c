@@ -1,5 +1,6 @@
 /* gpu_window.c - the GPU tier of weights. See gpu_window.h. C over the CUDA runtime API. */
 #include "services/gpu-runner/gpu_window_internal.h"
+#include "services/gpu-runner/window_plan.h"
 
 #include <cuda_runtime_api.h>
 #include <errno.h>
@@ -51,67 +52,6 @@ static int set_state(struct gpu_window *w, uint32_t g, uint8_t to)
 			      "weight window: group %u may not go from %s to %s", g, state_name(from), state_name(to));
 	w->g[g].state = to;
 	return 0;
-}
-
-int64_t gpu_window_plan(const struct model_config *cfg, const struct group_desc *groups, uint32_t n_groups,
-			const struct weight_stage *stage, uint64_t budget, uint32_t depth, bool *resident, uint64_t *need,
-			char *err, size_t errlen)
-{
-	/* The stage's layers l0 .. l0 + L - 1, and the head when it has it. */
-	bool split = stage && stage->split, head = !split || stage->first;
-	uint32_t l0 = split ? stage->layer0 : 0, L = split ? stage->layer1 - stage->layer0 : cfg->n_layers;
-	uint64_t globals = head ? groups[group_id_head(cfg)].slot_bytes + (cfg->tie_embeddings ? groups[0].slot_bytes : 0)
-				: 0;
-	uint64_t a = 0, f = 0;
-	for (uint32_t l = l0; l < l0 + L; l++) {
-		if (groups[group_id_attn(l)].slot_bytes > a)
-			a = groups[group_id_attn(l)].slot_bytes;
-		if (groups[group_id_ffn(l)].slot_bytes > f)
-			f = groups[group_id_ffn(l)].slot_bytes;
-	}
-	if (depth < 1)
-		depth = 1;
-	/* A class streams through depth slots only if more than depth of its groups stream. */
-	uint64_t best = 0;
-	int64_t best_na = -1, best_nf = -1;
-	for (uint32_t na = 0; na <= L; na++) {
-		for (int64_t nf = L; nf >= 0; nf--) {
-			uint32_t sa = L - na, sf = L - (uint32_t)nf;
-			uint64_t win = (sa ? (uint64_t)(sa < depth ? sa : depth) * a : 0) +
-				       (sf ? (uint64_t)(sf < depth ? sf : depth) * f : 0);
-			uint64_t res = (uint64_t)na * a + (uint64_t)nf * f;
-			if (globals + res + win > budget)
-				continue;
-			if (best_na < 0 || res > best) {
-				best = res;
-				best_na = na;
-				best_nf = nf;
-			}
-			break; /* the largest nf for this na */
-		}
-	}
-	*need = globals + (uint64_t)depth * (a + f);
-	if (best_na < 0) {
-		char b[32], n[32];
-		return errorf(err, errlen, -ENOSPC,
-			      "--gpu-budget %s is too small: %s%u slot%s of each streamed layer group need %s (%llu bytes)",
-			      format_size(budget, b, sizeof(b)),
-			      !head ? "" : cfg->tie_embeddings ? "the head group with the tied embedding and " : "the head group and ",
-			      depth, depth == 1 ? "" : "s", format_size(*need, n, sizeof(n)), (unsigned long long)*need);
-	}
-	memset(resident, 0, n_groups * sizeof(bool));
-	if (head)
-		resident[group_id_head(cfg)] = true;
-	int64_t streamed = 0;
-	for (uint32_t l = l0; l < l0 + L; l++) {
-		resident[group_id_attn(l)] = l - l0 < (uint32_t)best_na;
-		resident[group_id_ffn(l)] = l - l0 < (uint32_t)best_nf;
-		if (!resident[group_id_attn(l)])
-			streamed += (int64_t)groups[group_id_attn(l)].slot_bytes;
-		if (!resident[group_id_ffn(l)])
-			streamed += (int64_t)groups[group_id_ffn(l)].slot_bytes;
-	}
-	return streamed;
 }
 
 /* Page-locks a ring mapping: DMA from pinned memory runs at the link's rate (docs/architecture.md).
@@ -730,6 +670,7 @@ void gpu_window_destroy(struct gpu_window **wp)
 	free(w->g);
 	free(w->dev_off);
 	free(w->dev_bytes);
+	free(w->plan_bytes);
 	free(w->copy_bytes);
 	free(w->split_r);
 	free(w->split_r_layer);
@@ -810,6 +751,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	w->embed_group = group_id_embed();
 	w->head_group = group_id_head(cfg);
 	w->tied = cfg->tie_embeddings != 0;
+	w->heat_known = p->expert_heat != NULL;
 	uint32_t depth = p->depth ? p->depth : 2;
 
 	/* The device layout of every group whole, and the group table the plan sees with device sizes. */
@@ -826,19 +768,26 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	for (uint32_t g = 0; g < ng; g++)
 		w->split_r[g] = cfg->ffn_dim;
 	layout(w);
-	for (uint32_t g = 0; g < ng; g++) {
-		dgroups[g] = rs->groups[g];
-		dgroups[g].slot_bytes = w->dev_bytes[g];
-	}
-
-	uint64_t need;
-	int64_t streamed = gpu_window_plan(cfg, dgroups, ng, &rs->stage, p->gpu_budget, depth, resident, &need, err,
-					   errlen);
-	free(dgroups);
-	if (streamed < 0) {
-		rc = (int)streamed;
+	w->plan_bytes = malloc(ng * sizeof(uint64_t));
+	if (!w->plan_bytes) {
+		free(dgroups);
+		rc = errorf(err, errlen, -ENOMEM, "out of memory");
 		goto out_fail;
 	}
+	for (uint32_t g = 0; g < ng; g++) {
+		dgroups[g] = rs->groups[g];
+		dgroups[g].slot_bytes = w->plan_bytes[g] = w->dev_bytes[g];
+	}
+	w->budget = p->gpu_budget;
+
+	struct window_plan plan;
+	rc = window_plan(cfg, dgroups, ng, &rs->stage, p->gpu_budget, depth, p->expert_heat, resident, &plan, err,
+			 errlen);
+	free(dgroups);
+	if (rc)
+		goto out_fail;
+	w->st.experts_resident = plan.experts_resident;
+	w->st.expert_heat_resident = plan.expert_heat_resident;
 	w->g = calloc(ng, sizeof(struct gent));
 	if (!w->g) {
 		rc = errorf(err, errlen, -ENOMEM, "out of memory");
@@ -982,12 +931,20 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		}
 	}
 	w->st.window_bytes = win_bytes;
-	/* What crosses PCIe per decode token: the bytes copies of the streamed groups move (the plan
-	 * counted device bytes, alignment padding included). */
-	(void)streamed;
-	for (uint32_t g = 0; g < ng; g++)
-		if (!w->g[g].resident && weight_stage_has(&rs->stage, &rs->groups[g]))
-			w->st.streamed_bytes_per_token += w->copy_bytes[g];
+	/* What crosses PCIe per decode token: the bytes copies of the streamed groups move; of a streamed
+	 * expert, as often as routing chooses it (its heat; none known, k of E). */
+	for (uint32_t g = 0; g < ng; g++) {
+		const struct group_desc *gd = &rs->groups[g];
+		if (w->g[g].resident || !weight_stage_has(&rs->stage, gd))
+			continue;
+		double often = 1.0;
+		if (gd->kind == GROUP_EXPERT) {
+			often = p->expert_heat ? p->expert_heat[(size_t)gd->layer * cfg->n_experts + gd->expert]
+					       : (double)cfg->n_experts_used / cfg->n_experts;
+			often = often < 0 ? 0 : often > 1 ? 1 : often;
+		}
+		w->st.streamed_bytes_per_token += (uint64_t)(often * (double)w->copy_bytes[g] + 0.5);
+	}
 	w->st.depth = depth;
 	/* Start copying the first streamed groups now; then hand back what the loader's streaming slots
 	 * hold for us beyond need (the releases of the resident groups' copies, held back for a next
@@ -1039,6 +996,42 @@ void gpu_window_reset_timing(struct gpu_window *w)
 	w->st.timed_copies = 0;
 }
 
+int gpu_window_expert_gain(const struct gpu_window *w, const float *heat, double *now, double *planned)
+{
+	const struct model_config *cfg = w->base.cfg;
+	const uint32_t ng = w->base.n_groups, E = cfg->n_experts;
+	*now = *planned = 0;
+	if (!E)
+		return 0;
+	struct group_desc *dg = malloc(ng * sizeof(*dg));
+	bool *res = malloc(ng * sizeof(bool));
+	if (!dg || !res) {
+		free(dg);
+		free(res);
+		return -ENOMEM;
+	}
+	double sum = 0, kept = 0;
+	for (uint32_t g = 0; g < ng; g++) {
+		dg[g] = w->base.groups[g];
+		dg[g].slot_bytes = w->plan_bytes[g];
+		if (dg[g].kind != GROUP_EXPERT || !weight_stage_has(&w->base.stage, &dg[g]))
+			continue;
+		float h = heat[(size_t)dg[g].layer * E + dg[g].expert];
+		h = h > 0 ? h : 0;
+		sum += h;
+		kept += w->g[g].resident ? h : 0;
+	}
+	*now = sum > 0 ? kept / sum : 0;
+	struct window_plan plan;
+	char err[256];
+	int rc = window_plan(cfg, dg, ng, &w->base.stage, w->budget, w->st.depth, heat, res, &plan, err, sizeof(err));
+	if (rc == 0)
+		*planned = plan.expert_heat_resident;
+	free(dg);
+	free(res);
+	return rc;
+}
+
 void gpu_window_describe(const struct gpu_window *w, char *buf, size_t len)
 {
 	char r[32], win[32], s[32];
@@ -1051,6 +1044,11 @@ void gpu_window_describe(const struct gpu_window *w, char *buf, size_t len)
 		 format_size(w->st.window_bytes, win, sizeof(win)),
 		 format_size(w->st.streamed_bytes_per_token, s, sizeof(s)), ms, w->st.h2d_bytes_per_s / 1e9);
 	size_t k = strlen(buf);
+	if (k < len && w->base.cfg->n_experts)
+		snprintf(buf + k, len - k, "; %u experts resident, chosen by %.1f%% of the routing %s",
+			 w->st.experts_resident, 100.0 * w->st.expert_heat_resident,
+			 w->heat_known ? "counted" : "expected (none counted yet)");
+	k = strlen(buf);
 	if (k < len)
 		gw_split_describe(w, buf + k, len - k);
 }

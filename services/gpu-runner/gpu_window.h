@@ -3,7 +3,9 @@
  *
  * A weight source (weights.h) over the loader's ring (weights_ring.h). Under --gpu-budget it
  * keeps the head group (final norm and lm_head; with tied embeddings the embedding table too)
- * and as many layer groups as fit resident for good, and streams the remaining layer groups
+ * and as many layer groups as fit resident for good, then, for a mixture of experts, the experts
+ * the routing chooses most (window_plan.h; the runner makes the window anew between requests when
+ * the routing it counted says others are hotter: experts.c), and streams the remaining groups
  * through a window of `depth` device slots per size class. The embedding table stays in host
  * memory: the backend gathers one row per token there.
  *
@@ -68,6 +70,10 @@ struct gpu_window_params {
 	uint32_t copy_streams;	/* H2D concurrency: copies go round-robin over this many streams (1..4) */
 	struct cpu_share_policy cpu_share; /* which streamed FFNs split with the CPU (mode off: none) */
 	struct task_pool *cpu_pool;	   /* where the CPU's rates are measured (auto); NULL: no split */
+	/* A mixture of experts: (n_layers, n_experts) the share of decode steps whose routing chose each
+	 * expert, which picks the experts kept resident (window_plan.h); NULL: none counted yet. Read
+	 * during create only. */
+	const float *expert_heat;
 };
 
 enum gwin_state {
@@ -87,6 +93,8 @@ struct gpu_window_stats {
 	uint64_t late_copies;		 /* copies issued by an acquire rather than ahead of it */
 	uint64_t experts_passed;	 /* streamed expert groups no token chose, not copied (all time) */
 	uint64_t experts_cpu, experts_cpu_bytes; /* routed expert groups left to the CPU, and their bytes */
+	uint32_t experts_resident;	 /* expert groups kept on the device for good (the plan's) */
+	double expert_heat_resident;	 /* the share of the routing they take (window_plan.h) */
 	uint32_t depth;
 	double h2d_bytes_per_s;		 /* measured (or given) */
 	double copy_ms;			 /* with time_copies: device time spent copying, since reset */
@@ -124,6 +132,10 @@ enum gwin_state gpu_window_group_state(const struct gpu_window *w, uint32_t g, b
 void gpu_window_reset_timing(struct gpu_window *w);
 /* A line saying what the plan is and what it predicts per decode token. */
 void gpu_window_describe(const struct gpu_window *w, char *buf, size_t len);
+/* A mixture of experts: the share of heat ((n_layers, n_experts), window_plan.h) the experts kept now
+ * take (*now), and the share a plan made with heat would keep (*planned); the runner re-plans
+ * between requests when the gain is worth a new window. Returns 0 or -errno. */
+int gpu_window_expert_gain(const struct gpu_window *w, const float *heat, double *now, double *planned);
 /* r of group g's FFN split (backend.h, struct ffn_split); ffn_dim when it does not split. */
 uint32_t gpu_window_split_r(const struct gpu_window *w, uint32_t g);
 /* The CPU's product rate the plan measured for weight format f (bytes a second; 0: not measured). */
@@ -131,14 +143,6 @@ double gpu_window_cpu_rate(const struct gpu_window *w, enum dtype f);
 
 /* Checks every invariant of the state table; returns 0 or -EFAULT with err saying which broke. */
 int gpu_window_check(const struct gpu_window *w, char *err, size_t errlen);
-
-/* The planning on its own (tests, the benchmark's predictions): given the group sizes of a
- * model, which layer groups of stage (NULL: every layer and the head) stay resident under budget
- * with depth slots per streamed class. resident[g] is set for resident groups. Returns the bytes
- * streamed per token, or -ENOSPC. */
-int64_t gpu_window_plan(const struct model_config *cfg, const struct group_desc *groups, uint32_t n_groups,
-			const struct weight_stage *stage, uint64_t budget, uint32_t depth, bool *resident,
-			uint64_t *need, char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

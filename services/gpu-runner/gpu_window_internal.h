@@ -79,11 +79,14 @@ struct gpu_window {
 	struct gpu_window_stats st;
 	uint32_t embed_group, head_group;
 	bool tied;
+	bool heat_known;	   /* the expert plan had routing counts (gpu_window_params.expert_heat) */
 	/* Device layout: each tensor at a 256-byte boundary (the kernels' vector loads need 16,
 	 * and a checkpoint guarantees only 8), so a group's device bytes differ from its slot. */
 	uint64_t *dev_off;   /* n_tensors: offset of the tensor in its group's device memory */
 	uint64_t *dev_bytes; /* n_groups */
 	uint64_t *copy_bytes; /* n_groups: what a copy of the group moves (a split FFN: its device share) */
+	uint64_t *plan_bytes; /* n_groups: dev_bytes as the plan saw them (before any FFN split) */
+	uint64_t budget;      /* --gpu-budget the plan had */
 
 	/* Split FFNs (gpu_window_split.c). */
 	uint32_t *split_r;	   /* n_groups: r of a split FFN group; ffn_dim for every other group */

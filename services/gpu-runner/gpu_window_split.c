@@ -120,7 +120,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	}
 	uint32_t ns = 0, n_elig = 0;
 	for (uint32_t l = 0; l < L; l++) {
-		uint32_t g = group_id_ffn(l);
+		uint32_t g = model_group_ffn(cfg, l);
 		const struct tensor_desc *t[3] = {find(w, g, mats[0]), find(w, g, mats[1]), find(w, g, mats[2])};
 		bool ok = on && streams(w, resident, g) && ring_source_group_pinned(w->ring, g) && t[0] && t[1] && t[2];
 		for (int i = 0; ok && i < 3; i++)
@@ -198,7 +198,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	if (rc)
 		goto out;
 	for (uint32_t l = 0; l < L; l++)
-		w->split_r[group_id_ffn(l)] = w->split_r_layer[l];
+		w->split_r[model_group_ffn(cfg, l)] = w->split_r_layer[l];
 	w->st.split_groups = w->plan.split_layers;
 	w->st.split_r_min = w->plan.r_min;
 	w->st.split_r_max = w->plan.r_max;

@@ -201,6 +201,8 @@ static void teardown(struct runner *r)
 	runner_drop_window(r);
 	task_pool_destroy(&r->cpu_pool); /* after the backend and the window that used it */
 	free(r->cpu_split_r);
+	free(r->expert_heat);
+	free(r->heat_weight);
 	free(r->batch_logits);
 	ring_source_destroy(&r->ring);
 	tokenizer_destroy(&r->tok);
@@ -322,6 +324,7 @@ int main(int argc, char **argv)
 		if (!r.q_len && !r.n_active) {
 			runner_release_dead_loader(&r);
 			runner_idle_stages(&r);
+			runner_replan_experts(&r);
 			continue;
 		}
 		if (r.batching)

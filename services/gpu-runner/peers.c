@@ -88,10 +88,16 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 	struct gpu_window_params wp = {.gpu_budget = r->gpu_budget, .depth = (uint32_t)r->prefetch_depth,
 				       .strict = r->strict, .time_copies = r->profile_copies,
 				       .h2d_bytes_per_s = (double)r->h2d_bps, .copy_streams = (uint32_t)r->copy_streams,
-				       .cpu_share = r->cpu_share, .cpu_pool = r->cpu_pool};
+				       .cpu_share = r->cpu_share, .cpu_pool = r->cpu_pool,
+				       .expert_heat = r->expert_heat};
+	if (!wp.h2d_bytes_per_s)
+		wp.h2d_bytes_per_s = r->h2d_measured; /* a window made anew: the rate the first one measured */
 	int rc = gpu_window_create(r->ring, stream, &wp, &r->win, err, errlen);
 	if (rc)
 		return rc;
+	struct gpu_window_stats ws;
+	gpu_window_stats(r->win, &ws);
+	r->h2d_measured = ws.h2d_bytes_per_s;
 	char line[512];
 	gpu_window_describe(r->win, line, sizeof(line));
 	log_info("%s", line);
@@ -358,6 +364,7 @@ void runner_release_dead_loader(struct runner *r)
 /* The engine over the weight source as it is now (a new ring, a new window): the one before goes. */
 int runner_make_engine(struct runner *r, char *err, size_t errlen)
 {
+	runner_fold_routing(r); /* the routing it counted outlives it (experts.c) */
 	engine_destroy(&r->engine);
 	int rc = engine_create(&r->cfg, r->be, runner_weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
 			       errlen);

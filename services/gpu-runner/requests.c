@@ -247,6 +247,7 @@ static void run_job(struct runner *r, struct job *j)
 	struct gen_result res = {0};
 	r->current = j;
 	r->requests++;
+	runner_replan_experts(r); /* between requests: hotter experts kept on the GPU */
 	int rc = runner_ensure_connections(r, err, sizeof(err));
 	if (rc == 0)
 		rc = runner_job_prepare(r, j, err, sizeof(err));

@@ -100,6 +100,13 @@ struct runner {
 #ifdef PIPELINE_HAVE_CUDA
 	struct gpu_window *win; /* the GPU tier of weights, with the cuda backend */
 #endif
+	/* Hot experts (experts.c): each expert's share of the decode steps whose routing chose it, the
+	 * engines' counts folded in as each engine goes (window_plan.h), and the plan of the experts kept
+	 * on the GPU made from it between requests. */
+	float *expert_heat;	    /* (n_layers, n_experts); NULL: nothing counted yet */
+	uint32_t *heat_weight;	    /* (n_layers) the steps it stands for */
+	uint64_t expert_replans;    /* windows made anew for hotter experts */
+	double h2d_measured;	    /* the first window's H2D rate, given to those made after it */
 	struct kv_remote kv;
 	void *pool_pinned; /* the KV pool mapping, page-locked for the backend's copies */
 	bool loader_suspect, kv_suspect;
@@ -172,6 +179,13 @@ int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen);
 int runner_kv_failure(void *ctx, char *err, size_t errlen);
 void runner_release_dead_loader(struct runner *r);
 int runner_ensure_connections(struct runner *r, char *err, size_t errlen);
+
+/* experts.c: the engine's routing counts folded into r->expert_heat (before the engine goes), and,
+ * between requests, the GPU window made anew when a plan from the heat would keep experts that
+ * take a larger share of the routing. A failure to make it sets loader_suspect (the next request
+ * starts over from the loader) and is logged. */
+void runner_fold_routing(struct runner *r);
+void runner_replan_experts(struct runner *r);
 
 /* requests.c */
 /* Runs the request at the head of the queue (one is queued), replies, and takes it off. */
