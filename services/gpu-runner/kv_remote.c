@@ -491,7 +491,22 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 	msg_init(&req, MSG_KV_CONFIGURE, 0);
 	req.kv_configure.block_bytes = block_bytes;
 	req.kv_configure.manifest_hash = manifest_hash;
-	int rc = rpc_call(client, &req, &rep, timeout_ms);
+	/* In slices with the wait hook between them, as every other wait on the kv-store: a kv-store that
+	 * answered HELLO and died before this does not keep the runner from beating for the timeout. */
+	uint64_t corr;
+	memset(&rep, 0, sizeof(rep));
+	int rc = rpc_send(client, &req, &corr);
+	for (int waited = 0; rc == 0;) {
+		int step = timeout_ms - waited < 100 ? timeout_ms - waited : 100;
+		rc = rpc_wait(client, corr, &rep, step > 0 ? step : 0);
+		if (rc != -ETIMEDOUT || (waited += step) >= timeout_ms)
+			break;
+		if (kr->wait_hook && kr->wait_hook(kr->wait_ctx)) {
+			rc = -ECANCELED;
+			break;
+		}
+		rc = 0;
+	}
 	if (rc == -EREMOTEIO) {
 		snprintf(err, errlen, "kv-store refused the pool configuration: %s", rep.error.text.p);
 		rc = -reply_errno(&rep);
@@ -499,7 +514,7 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 		return rc;
 	}
 	if (rc) {
-		snprintf(err, errlen, "kv-store did not answer the pool configuration: %s", strerror(-rc));
+		snprintf(err, errlen, "kv-store did not answer the pool configuration: %s", wait_error(rc));
 		return rc;
 	}
 	if (rep.type != MSG_KV_POOL || rep.kv_pool.block_bytes != block_bytes || rep.kv_pool.n_blocks == 0) {

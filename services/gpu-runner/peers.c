@@ -191,11 +191,11 @@ static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t e
 	int rc = hello_peer(r, r->loader_c, "ssd-loader", deadline_ms, &hello, err, errlen);
 	if (rc)
 		return rc;
-	rc = ring_source_create(r->loader_c, &hello.hello_reply, (int)r->timeout_ms, &r->stage, &r->ring, err, errlen);
+	rc = ring_source_create(r->loader_c, &hello.hello_reply, (int)r->timeout_ms, &r->stage, runner_wait_beat, r,
+				&r->ring, err, errlen);
 	msg_free(&hello);
 	if (rc)
 		return rc;
-	ring_source_set_wait_hook(r->ring, runner_wait_beat, r);
 	tokenizer_destroy(&r->tok);
 	const char *tdata;
 	size_t tlen;

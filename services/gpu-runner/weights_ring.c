@@ -420,13 +420,16 @@ static int acquire_keep(struct ring_source *rs)
 }
 
 int ring_source_create(struct rpc_client *loader, const struct msg_hello_reply *hello, int timeout_ms,
-		       const struct weight_stage *stage, struct ring_source **out, char *err, size_t errlen)
+		       const struct weight_stage *stage, bool (*wait_hook)(void *ctx), void *wait_ctx,
+		       struct ring_source **out, char *err, size_t errlen)
 {
 	struct ring_source *rs = calloc(1, sizeof(*rs));
 	if (!rs)
 		return -ENOMEM;
 	rs->loader = loader;
 	rs->timeout_ms = timeout_ms;
+	rs->wait_hook = wait_hook; /* the acquire of the groups kept for good, below, beats too */
+	rs->wait_ctx = wait_ctx;
 	int rc = open_ring(rs, hello, err, errlen);
 	if (rc)
 		goto out_free;

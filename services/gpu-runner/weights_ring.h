@@ -1,7 +1,7 @@
 /* weights_ring.h - the weight source over the ssd-loader's shared-memory ring.
  *
  *   struct ring_source *rs;
- *   rc = ring_source_create(loader_client, &hello_reply, timeout_ms, NULL, &rs, err, sizeof(err));
+ *   rc = ring_source_create(loader_client, &hello_reply, timeout_ms, NULL, NULL, NULL, &rs, err, sizeof(err));
  *   struct weight_source *ws = ring_source_base(rs);   // give it to the engine
  *   if (!ring_source_owner_alive(rs)) ... the loader restarted: destroy and create again
  *   ring_source_destroy(&rs);
@@ -44,9 +44,12 @@ struct ring_source;
 
 /* Borrows loader (it must outlive the source). hello is the loader's HELLO reply. stage (NULL: every
  * group) says which groups it serves (weights.h; a split stage with layer0 == layer1 and not first:
- * none yet). Returns 0 or -errno with err set. */
+ * none yet). wait_hook (may be NULL) runs between the slices of every wait for the loader, the first
+ * acquire of the groups kept for good included (ring_source_set_wait_hook). Returns 0 or -errno with
+ * err set. */
 int ring_source_create(struct rpc_client *loader, const struct msg_hello_reply *hello, int timeout_ms,
-		       const struct weight_stage *stage, struct ring_source **out, char *err, size_t errlen);
+		       const struct weight_stage *stage, bool (*wait_hook)(void *ctx), void *wait_ctx,
+		       struct ring_source **out, char *err, size_t errlen);
 /* Releases every grant (best effort) and unmaps. Safe on NULL; NULLs *rs. */
 void ring_source_destroy(struct ring_source **rs);
 

@@ -77,7 +77,7 @@ static void start(struct fixture *f, const char *dram_budget)
 	ck_assert_ptr_nonnull(f->client);
 	struct msg hello;
 	ck_assert_msg(rpc_wait_ready(f->client, &hello, 20000) == 0, "ssd-loader did not answer (log %s)", f->log);
-	int rc = ring_source_create(f->client, &hello.hello_reply, 20000, NULL, &f->ring, err, sizeof(err));
+	int rc = ring_source_create(f->client, &hello.hello_reply, 20000, NULL, NULL, NULL, &f->ring, err, sizeof(err));
 	msg_free(&hello);
 	ck_assert_msg(rc == 0, "ring: %s", err);
 	ck_assert_int_eq(cudaStreamCreate(&f->stream), cudaSuccess);

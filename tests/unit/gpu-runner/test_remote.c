@@ -291,7 +291,7 @@ START_TEST(ring_source_takes_a_good_loader)
 	struct msg_hello_reply hello = ring_hello(&f);
 	struct ring_source *rs = NULL;
 	char err[512] = "";
-	int rc = ring_source_create(c, &hello, TIMEOUT_MS, NULL, &rs, err, sizeof(err));
+	int rc = ring_source_create(c, &hello, TIMEOUT_MS, NULL, NULL, NULL, &rs, err, sizeof(err));
 	ck_assert_msg(rc == 0, "ring_source_create: %s", err);
 	struct weight_source *ws = ring_source_base(rs);
 	struct group_weights w;
@@ -317,7 +317,7 @@ START_TEST(ring_source_refuses_an_error_code_beyond_int)
 	struct msg_hello_reply hello = ring_hello(&f);
 	struct ring_source *rs = NULL;
 	char err[512] = "";
-	int rc = ring_source_create(c, &hello, TIMEOUT_MS, NULL, &rs, err, sizeof(err));
+	int rc = ring_source_create(c, &hello, TIMEOUT_MS, NULL, NULL, NULL, &rs, err, sizeof(err));
 	ck_assert_msg(rc < 0 && rs == NULL, "a refused acquire made a ring source (rc %d)", rc);
 	ck_assert_msg(strstr(err, "scripted failure") != NULL, "the error says what the loader said: %s", err);
 	rpc_client_destroy(&c);
@@ -342,7 +342,7 @@ START_TEST(ring_source_refuses_a_grant_outside_the_ring)
 	struct msg_hello_reply hello = ring_hello(&f);
 	struct ring_source *rs = NULL;
 	char err[512] = "";
-	int rc = ring_source_create(c, &hello, TIMEOUT_MS, NULL, &rs, err, sizeof(err));
+	int rc = ring_source_create(c, &hello, TIMEOUT_MS, NULL, NULL, NULL, &rs, err, sizeof(err));
 	ck_assert_msg(rc == -EPROTO && rs == NULL, "a grant outside the ring was taken (rc %d)", rc);
 	ck_assert_msg(strstr(err, "slot 1") != NULL, "the error names the slot: %s", err);
 	rpc_client_destroy(&c);
