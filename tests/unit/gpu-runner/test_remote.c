@@ -81,6 +81,7 @@ struct peer {
 	atomic_bool stop;
 	/* the script, set before start */
 	int64_t error_code;	    /* non-zero: answer every request but HELLO with MSG_ERROR{code} */
+	uint32_t silent_type;	    /* non-zero: never answer a request of this type (a peer that hangs) */
 	struct wring_header *ring;  /* ssd-loader: grants point at the slots that hold each group */
 	const struct kvstore *kv;   /* kv-store: MSG_KV_CONFIGURE answers with this pool */
 	struct kvstore *kv_rw;	    /* ... and MSG_KV_ALLOC, MSG_KV_FREE take and give its blocks */
@@ -195,6 +196,10 @@ static void *peer_main(void *arg)
 		if (bus_recv_request(p->router, &who, &req, NULL, err, sizeof(err)) != 0)
 			continue;
 		atomic_fetch_add(&p->requests, 1);
+		if (p->silent_type && req.type == p->silent_type) {
+			msg_free(&req);
+			continue;
+		}
 		if (req.type != MSG_HELLO && p->error_code) {
 			/* By hand: bus_reply_error takes an int, the wire an int64. */
 			struct msg rep;
@@ -305,6 +310,58 @@ START_TEST(ring_source_takes_a_good_loader)
 }
 END_TEST
 
+/* The wait hook the runner beats with: counts its calls, and asks to stop after stop_after (0:
+ * never). */
+struct hook_count {
+	unsigned calls, stop_after;
+};
+
+static bool count_hook(void *ctx)
+{
+	struct hook_count *h = ctx;
+	h->calls++;
+	return h->stop_after && h->calls >= h->stop_after;
+}
+
+START_TEST(ring_source_beats_while_a_release_is_not_answered)
+{
+	/* A loader that grants but never answers a release (one being killed, say): the release waits
+	 * in slices with the hook between them (the runner's heartbeat), and ends after the timeout
+	 * instead of blocking silently. */
+	struct ring_fx f;
+	ring_fx_open(&f);
+	f.h->all_resident = 0; /* so the layer groups stream, and a release is sent */
+	struct peer p = {.ring = f.h, .silent_type = MSG_W_RELEASE};
+	peer_start(&p, f.dir, "ssd-loader");
+	void *zctx = zmq_ctx_new();
+	struct rpc_client *c = rpc_client_create(zctx, f.dir, "ssd-loader", "gpu-runner");
+	ck_assert_ptr_nonnull(c);
+	struct msg_hello_reply hello = ring_hello(&f);
+	struct ring_source *rs = NULL;
+	struct hook_count hc = {0};
+	char err[512] = "";
+	int rc = ring_source_create(c, &hello, 700, NULL, count_hook, &hc, &rs, err, sizeof(err));
+	ck_assert_msg(rc == 0, "ring_source_create: %s", err);
+	struct weight_source *ws = ring_source_base(rs);
+	struct group_weights w;
+	ck_assert_int_eq(ws->ops->acquire(ws, 1, &w), 0);
+	unsigned before = hc.calls;
+	ck_assert_int_eq(ws->ops->release_all(ws), -ETIMEDOUT);
+	ck_assert_msg(hc.calls - before >= 4, "the hook ran %u times in a 700 ms wait", hc.calls - before);
+	ck_assert_msg(strstr(ws->error, "did not answer a release"), "error: %s", ws->error);
+	/* A stop asked for during the wait ends it at once. */
+	ck_assert_int_eq(ws->ops->acquire(ws, 1, &w), 0);
+	hc = (struct hook_count){.stop_after = 1};
+	ck_assert_int_eq(ws->ops->release_all(ws), -ECANCELED);
+	ck_assert_msg(strstr(ws->error, "gpu-runner is stopping"), "error: %s", ws->error);
+	ring_source_destroy(&rs);
+	rpc_client_destroy(&c);
+	zmq_ctx_term(zctx);
+	peer_stop(&p);
+	ring_fx_close(&f);
+}
+END_TEST
+
 START_TEST(ring_source_refuses_an_error_code_beyond_int)
 {
 	/* MSG_ERROR{code = 2^32}: (int) of it is 0, which must not read as "granted". */
@@ -400,6 +457,35 @@ START_TEST(kv_connect_refuses_an_error_code_beyond_int)
 	int rc = kv_remote_connect(&kr, c, 4096, 77, TIMEOUT_MS, &same, err, sizeof(err));
 	ck_assert_msg(rc < 0, "a refused configure read as connected (rc %d)", rc);
 	ck_assert(!kv_remote_owner_alive(&kr));
+	kv_remote_disconnect(&kr);
+	rpc_client_destroy(&c);
+	zmq_ctx_term(zctx);
+	peer_stop(&p);
+	pool_fx_close(&f);
+}
+END_TEST
+
+START_TEST(kv_connect_beats_while_the_configuration_is_not_answered)
+{
+	/* A kv-store that answered HELLO and hangs before the pool configuration: the runner's hook
+	 * runs while it waits, the wait ends after the timeout, and a stop ends it at once. */
+	struct pool_fx f;
+	pool_fx_open(&f);
+	struct peer p = {.kv = f.kv, .silent_type = MSG_KV_CONFIGURE};
+	peer_start(&p, f.dir, "kv-store");
+	void *zctx = zmq_ctx_new();
+	struct rpc_client *c = rpc_client_create(zctx, f.dir, "kv-store", "gpu-runner");
+	struct kv_remote kr = {0};
+	struct hook_count hc = {0};
+	kr.wait_hook = count_hook;
+	kr.wait_ctx = &hc;
+	char err[512] = "";
+	ck_assert_int_eq(kv_remote_connect(&kr, c, 4096, 77, 700, NULL, err, sizeof(err)), -ETIMEDOUT);
+	ck_assert_msg(hc.calls >= 4, "the hook ran %u times in a 700 ms wait", hc.calls);
+	ck_assert_msg(strstr(err, "did not answer the pool configuration"), "error: %s", err);
+	hc = (struct hook_count){.stop_after = 2};
+	ck_assert_int_eq(kv_remote_connect(&kr, c, 4096, 77, 5000, NULL, err, sizeof(err)), -ECANCELED);
+	ck_assert_msg(strstr(err, "gpu-runner is stopping"), "error: %s", err);
 	kv_remote_disconnect(&kr);
 	rpc_client_destroy(&c);
 	zmq_ctx_term(zctx);
@@ -598,12 +684,14 @@ static Suite *remote_suite(void)
 	TCase *tc = tcase_create("weight_ring");
 	tcase_add_unchecked_fixture(tc, NULL, sweep_all);
 	tcase_add_test(tc, ring_source_takes_a_good_loader);
+	tcase_add_test(tc, ring_source_beats_while_a_release_is_not_answered);
 	tcase_add_test(tc, ring_source_refuses_an_error_code_beyond_int);
 	tcase_add_test(tc, ring_source_refuses_a_grant_outside_the_ring);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("kv_pool");
 	tcase_add_unchecked_fixture(tc, NULL, sweep_all);
 	tcase_add_test(tc, kv_connect_refuses_an_error_code_beyond_int);
+	tcase_add_test(tc, kv_connect_beats_while_the_configuration_is_not_answered);
 	tcase_add_test(tc, kv_ops_refuse_an_error_code_beyond_int);
 	tcase_add_test(tc, kv_alloc_takes_decode_blocks_from_a_stash);
 	tcase_add_test(tc, kv_alloc_of_a_small_pool_takes_no_stash);
