@@ -15,6 +15,7 @@
 #include "services/gpu-runner/engine.h"
 #include "services/gpu-runner/runner.h"
 #include "services/gpu-runner/window_plan.h"
+#include "services/gpu-runner/weights_ring.h"
 #ifdef PIPELINE_HAVE_CUDA
 #include "services/gpu-runner/gpu_window.h"
 #endif
@@ -73,9 +74,13 @@ void runner_replan_experts(struct runner *r)
 	const uint32_t L = r->cfg.n_layers, E = r->cfg.n_experts;
 	const uint32_t *routed, *steps;
 	/* One runner only: a rank of a split model keeps its plan (the others may start a step at any time). */
-	uint32_t n = r->win && !r->loader_suspect && r->ranks <= 1 ? counted_steps(r, &routed, &steps) : 0;
-	if (n < REPLAN_MIN_STEPS)
+	/* Nor over a ring whose loader went or moved: runner_ensure_connections starts that over. */
+	bool ring_ok = r->ring && ring_source_owner_alive(r->ring) && !ring_source_reconnected(r->ring);
+	uint32_t n = r->win && ring_ok && !r->loader_suspect && r->ranks <= 1 ? counted_steps(r, &routed, &steps) : 0;
+	/* The counts change only in a step: an idle loop asks again only after new ones. */
+	if (n < REPLAN_MIN_STEPS || n == r->replan_checked)
 		return;
+	r->replan_checked = n;
 	/* The heat as it would be with this engine's counts folded in (they are, when it goes). */
 	float *heat = malloc((size_t)L * E * sizeof(float));
 	uint32_t *weight = malloc(L * sizeof(uint32_t));

@@ -160,7 +160,9 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	struct gslot *s = &w->slots[w->first_slot[c] + (uint32_t)(w->copied[c] % w->depth[c])];
 	struct gent *e = &w->g[h];
 	if (w->routing && w->base.groups[h].kind == GROUP_EXPERT) {
-		if (w->base.groups[h].layer != w->routed_layer)
+		/* Only this step's groups of the routed layer: when every streamed expert lies in one
+		 * layer, the next step's come round again while the routing is still this step's. */
+		if (w->base.groups[h].layer != w->routed_layer || k >= w->route_pos + w->m[c])
 			return LATER;
 		/* Passed over whether the loader holds it or not: it reads an expert only when asked. */
 		if (e->unused && e->state == GWIN_ABSENT) {
@@ -503,6 +505,7 @@ static int win_route(struct weight_source *ws, uint32_t layer, const bool *used,
 	}
 	w->routing = true;
 	w->routed_layer = layer;
+	w->route_pos = w->consumed[CLASS_EXPERT];
 	int rc = top_up(w);
 	return rc ? rc : strict_check(w);
 }

@@ -366,6 +366,7 @@ int runner_make_engine(struct runner *r, char *err, size_t errlen)
 {
 	runner_fold_routing(r); /* the routing it counted outlives it (experts.c) */
 	engine_destroy(&r->engine);
+	r->replan_checked = 0;
 	int rc = engine_create(&r->cfg, r->be, runner_weights(r), r->cache, r->bp.max_chunk, &r->engine, err,
 			       errlen);
 	if (rc)

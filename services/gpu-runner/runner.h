@@ -106,6 +106,7 @@ struct runner {
 	float *expert_heat;	    /* (n_layers, n_experts); NULL: nothing counted yet */
 	uint32_t *heat_weight;	    /* (n_layers) the steps it stands for */
 	uint64_t expert_replans;    /* windows made anew for hotter experts */
+	uint32_t replan_checked;    /* the engine's decode steps when the gain was last asked (experts.c) */
 	double h2d_measured;	    /* the first window's H2D rate, given to those made after it */
 	struct kv_remote kv;
 	void *pool_pinned; /* the KV pool mapping, page-locked for the backend's copies */

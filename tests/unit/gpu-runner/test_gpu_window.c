@@ -7,7 +7,8 @@
  * grants and the loader's slots interlock. With --cpu-share 0.5 the streamed FFNs split: the
  * device holds exactly their first share (gate and up rows [0, r), down's columns [0, r) of every
  * row), a decode step gets the second share in place in the ring, a prefill step gets its copy on
- * the device, and fewer bytes cross per pass. */
+ * the device, and fewer bytes cross per pass. A mixture of experts whose streamed experts are all of
+ * one layer: routed steps get the checkpoint's bytes of every chosen expert. */
 #include <check.h>
 #include <cuda_runtime_api.h>
 #include <errno.h>
@@ -37,7 +38,7 @@ struct fixture {
 	cudaStream_t stream;
 };
 
-static void start(struct fixture *f, const char *dram_budget)
+static void start_shape(struct fixture *f, const char *dram_budget, const char *shape, uint32_t layers)
 {
 	memset(f, 0, sizeof(*f));
 	snprintf(f->dir, sizeof(f->dir), "/tmp/llmp-gwt-XXXXXX");
@@ -46,11 +47,10 @@ static void start(struct fixture *f, const char *dram_budget)
 	snprintf(f->run, sizeof(f->run), "%s/run", f->dir);
 	snprintf(f->log, sizeof(f->log), "%s/loader.log", f->dir);
 	snprintf(f->instance, sizeof(f->instance), "gwt%d", (int)getpid());
-	/* Four layers, so there is something to keep and something to stream. */
 	struct model_config cfg;
 	char err[512];
-	ck_assert_int_eq(synth_shape_config("tiny", &cfg, err, sizeof(err)), 0);
-	cfg.n_layers = 4;
+	ck_assert_int_eq(synth_shape_config(shape, &cfg, err, sizeof(err)), 0);
+	cfg.n_layers = layers;
 	struct synth_options o;
 	synth_options_default(&o);
 	o.seed = 3;
@@ -81,6 +81,12 @@ static void start(struct fixture *f, const char *dram_budget)
 	msg_free(&hello);
 	ck_assert_msg(rc == 0, "ring: %s", err);
 	ck_assert_int_eq(cudaStreamCreate(&f->stream), cudaSuccess);
+}
+
+/* The tiny model with four layers, so there is something to keep and something to stream. */
+static void start(struct fixture *f, const char *dram_budget)
+{
+	start_shape(f, dram_budget, "tiny", 4);
 }
 
 static void stop(struct fixture *f)
@@ -355,6 +361,93 @@ START_TEST(test_split_ffn)
 }
 END_TEST
 
+/* Device bytes of group g as the window lays it out: each tensor at a 256-byte boundary. */
+static uint64_t dev_bytes(const struct manifest *m, uint32_t g)
+{
+	const struct group_desc *gd = &m->groups[g];
+	uint64_t b = 0;
+	for (uint32_t i = 0; i < gd->n_tensors; i++)
+		b += (m->tensors[gd->first_tensor + i].nbytes + 255) / 256 * 256;
+	return b;
+}
+
+START_TEST(test_experts_of_one_layer_stream)
+{
+	/* Mixtral-tiny with 3 layers of 8 experts, under a budget that keeps everything but 5 experts
+	 * (window_plan.h keeps them in table order while no routing is counted): the 5 that stream are
+	 * all of the last layer's, so the visit order of streamed experts comes round to the same layer
+	 * every step. Steps of routed decode (2 experts a token, chosen at random) hand out exactly the
+	 * checkpoint's bytes for every expert chosen, resident or copied, and never mistake one step's
+	 * routing for the next's. */
+	struct fixture f;
+	start_shape(&f, "1GiB", "mixtral-tiny", 3);
+	const struct model_config *c = &f.m->cfg;
+	const uint32_t E = c->n_experts;
+	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0));
+	struct gpu_window_params p = {.gpu_budget = 1ull << 30, .depth = 2, .strict = true};
+	struct gpu_window *w = NULL;
+	char err[512];
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	struct gpu_window_stats st;
+	gpu_window_stats(w, &st);
+	const uint64_t all = st.resident_bytes;
+	ck_assert_uint_eq(st.experts_resident, c->n_layers * E);
+	gpu_window_destroy(&w);
+	p.gpu_budget = all - 5 * x + 2 * x; /* 5 experts fewer, 2 expert slots more */
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	gpu_window_stats(w, &st);
+	ck_assert_uint_eq(st.experts_resident, c->n_layers * E - 5);
+	ck_assert_uint_eq(st.streamed_groups, 5);
+	for (uint32_t e = 0; e < E; e++) {
+		bool resident = false;
+		gpu_window_group_state(w, model_group_expert(c, c->n_layers - 1, e), &resident);
+		ck_assert_msg(resident == (e < E - 5), "the last layer's expert %u %s", e,
+			      resident ? "resident" : "streamed");
+	}
+	struct weight_source *ws = gpu_window_base(w);
+	bool used[64] = {false}, on_cpu[64];
+	srand(7);
+	for (int step = 0; step < 24; step++) {
+		ws->step_tokens = step == 0 ? 16 : 1; /* a prefill chunk that routes to every expert, then decode */
+		for (uint32_t g = 0; g < f.m->n_groups; g++) {
+			const struct group_desc *gd = &f.m->groups[g];
+			if (gd->kind == GROUP_EXPERT && !used[gd->expert]) {
+				ck_assert_msg(ws->ops->skip(ws, g) == 0, "step %d: skip %u: %s", step, g, ws->error);
+				continue;
+			}
+			struct group_weights gw;
+			ck_assert_msg(ws->ops->acquire(ws, g, &gw) == 0, "step %d: acquire %u: %s", step, g, ws->error);
+			if (gd->kind == GROUP_MOE) {
+				for (uint32_t e = 0; e < E; e++)
+					used[e] = step == 0;
+				for (uint32_t k = 0; step && k < c->n_experts_used;) {
+					uint32_t e = (uint32_t)rand() % E;
+					k += !used[e];
+					used[e] = true;
+				}
+				ck_assert_msg(ws->ops->route(ws, gd->layer, used, on_cpu) == 0, "step %d: route %u: %s", step,
+					      gd->layer, ws->error);
+			}
+			if (gd->kind == GROUP_EXPERT) {
+				for (uint32_t i = 0; i < gd->n_tensors; i++) {
+					const struct tensor_desc *t = &f.m->tensors[gd->first_tensor + i];
+					char *want = file_bytes(f.m, t);
+					expect_rows(gw.t[t->role].data[PLACE_DEVICE], t->nbytes, want, t->nbytes, t->nbytes, 1,
+						    f.stream, t->name, g);
+					free(want);
+				}
+			}
+			ck_assert_msg(ws->ops->release(ws, g) == 0, "step %d: release %u: %s", step, g, ws->error);
+		}
+		ck_assert_msg(gpu_window_check(w, err, sizeof(err)) == 0, "step %d: %s", step, err);
+	}
+	gpu_window_stats(w, &st);
+	ck_assert_uint_gt(st.experts_passed, 0);
+	gpu_window_destroy(&w);
+	stop(&f);
+}
+END_TEST
+
 START_TEST(test_budget_too_small)
 {
 	struct fixture f;
@@ -382,6 +475,7 @@ int main(void)
 	tcase_add_test(tc, test_streaming_depth_1_dram_streams);
 	tcase_add_test(tc, test_budget_too_small);
 	tcase_add_test(tc, test_split_ffn);
+	tcase_add_test(tc, test_experts_of_one_layer_stream);
 	suite_add_tcase(s, tc);
 	SRunner *sr = srunner_create(s);
 	/* CUDA contexts do not survive fork: run in this process. */
