@@ -5,6 +5,8 @@
  * measured in the same run and printed beside it.
  *
  *   bench-cpu-gemv [--format BF16] [--rows 8192] [--cols 8192] [--threads N] [--repeats 10] [--scalar]
+ *   bench-cpu-gemv --ffn-tokens N [...]   the CPU's share of a split FFN instead (ffn_share.h): gate
+ *       and up of --rows x --cols, down of --cols x --rows, for N tokens at once, against one token
  *
  * The weights are random: 64 distinct rows of Gaussian values quantized with quant_quantize,
  * repeated to fill the matrix (the K formats' quantizer is too slow to make every row; every byte
@@ -21,6 +23,7 @@
 
 #include "common/quant.h"
 #include "services/gpu-runner/cpu-compute/cpu_compute.h"
+#include "services/gpu-runner/cpu-compute/ffn_share.h"
 #include "services/gpu-runner/cpu/pool.h"
 
 #define DISTINCT_ROWS 64
@@ -106,6 +109,119 @@ static int cmp_double(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
+/* ---- --ffn-tokens: an FFN share job (ffn_share.h) ---- */
+
+#define FFN_BENCH_MAX_TOKENS 16
+
+struct ffn_run {
+	struct ffn_share *fs;
+	struct ffn_share_job *job;
+	const void *x;
+	float *y;
+	uint32_t threads;
+	int failed;
+};
+
+/* Thread tid takes parts tid, tid + threads, ...: every thread's first-phase parts come before its
+ * second-phase ones, as the task pool's FIFO hands them out. */
+static void run_parts(const void *arg, uint32_t tid, uint32_t begin, uint32_t end)
+{
+	(void)tid;
+	(void)end;
+	struct ffn_run *r = (struct ffn_run *)arg;
+	const uint32_t np = ffn_share_parts(r->fs);
+	char err[256];
+	for (uint32_t p = begin; p < np; p += r->threads)
+		if (ffn_share_part(r->fs, r->job, r->x, r->y, p, np, err, sizeof(err)))
+			r->failed = 1;
+}
+
+/* A matrix of rows x cols in format t: DISTINCT_ROWS random rows repeated. NULL when out of memory. */
+static uint8_t *make_matrix(enum dtype t, uint32_t rows, uint32_t cols)
+{
+	const uint64_t row_bytes = dtype_row_bytes(t, cols), bytes = row_bytes * rows;
+	uint8_t *w = aligned_alloc(2u << 20, (bytes + (2u << 20) - 1) / (2u << 20) * (2u << 20));
+	float *src = malloc((size_t)cols * sizeof(float));
+	if (!w || !src) {
+		free(w);
+		free(src);
+		return NULL;
+	}
+	for (uint32_t r = 0; r < rows && r < DISTINCT_ROWS; r++) {
+		for (uint32_t c = 0; c < cols; c++)
+			src[c] = (float)(0.02 * normal());
+		quant_quantize(t, src, w + r * row_bytes, cols);
+	}
+	for (uint32_t r = DISTINCT_ROWS; r < rows; r++)
+		memcpy(w + r * row_bytes, w + (r % DISTINCT_ROWS) * row_bytes, row_bytes);
+	free(src);
+	return w;
+}
+
+/* The best time of `repeats` jobs of n tokens (after one warm-up), or a negative value on failure. */
+static double time_ffn(struct cpu_pool *pool, struct ffn_run *r, const struct ffn_share_mat m[3], uint32_t rows,
+		       uint32_t n, uint32_t repeats)
+{
+	struct ffn_share_job job;
+	r->job = &job;
+	double best = 1e30;
+	for (uint32_t i = 0; i <= repeats; i++) {
+		ffn_share_job_init(&job, &m[0], &m[1], &m[2], rows, n, DT_BF16);
+		double t0 = now_s();
+		cpu_pool_run(pool, run_parts, r, r->threads);
+		double dt = now_s() - t0;
+		if (i && dt < best)
+			best = dt;
+	}
+	r->job = NULL;
+	return r->failed ? -1 : best;
+}
+
+static int bench_ffn(enum dtype t, uint32_t rows, uint32_t dim, uint32_t n, uint32_t threads, uint32_t repeats)
+{
+	uint8_t *gate = make_matrix(t, rows, dim), *up = make_matrix(t, rows, dim), *down = make_matrix(t, dim, rows);
+	uint16_t *x = malloc((size_t)n * dim * sizeof(uint16_t));
+	float *y = malloc((size_t)n * dim * sizeof(float));
+	char err[256];
+	struct cpu_pool *pool = NULL;
+	struct ffn_share *fs = NULL;
+	int rc = gate && up && down && x && y ? 0 : -1;
+	if (rc)
+		snprintf(err, sizeof(err), "cannot allocate the FFN's weights");
+	if (!rc)
+		rc = cpu_pool_create(threads, &pool, err, sizeof(err));
+	if (!rc)
+		rc = ffn_share_create(dim, rows, FFN_BENCH_MAX_TOKENS, cpu_pool_threads(pool), &fs, err, sizeof(err));
+	if (rc) {
+		fprintf(stderr, "bench-cpu-gemv: %s\n", err);
+		return 1;
+	}
+	for (size_t i = 0; i < (size_t)n * dim; i++)
+		x[i] = f32_to_bf16((float)normal());
+	const struct ffn_share_mat m[3] = {{gate, t, dtype_row_bytes(t, dim)},
+					   {up, t, dtype_row_bytes(t, dim)},
+					   {down, t, dtype_row_bytes(t, rows)}};
+	const double bytes = (double)rows * (double)(2 * m[0].row_bytes) + (double)dim * (double)m[2].row_bytes;
+	struct ffn_run r = {.fs = fs, .x = x, .y = y, .threads = cpu_pool_threads(pool)};
+	double one = time_ffn(pool, &r, m, rows, 1, repeats), all = time_ffn(pool, &r, m, rows, n, repeats);
+	if (one < 0 || all < 0) {
+		fprintf(stderr, "bench-cpu-gemv: an FFN share job failed\n");
+		return 1;
+	}
+	printf("FFN share %s %s: %u rows of %u (%.1f MB), %u threads: %u tokens at once %.3f ms (%.3f ms a token, "
+	       "%.2f GB/s of weights read once); one token %.3f ms (%.2f GB/s)\n",
+	       dtype_name(t), cpu_compute_path(t), rows, dim, bytes / 1e6, r.threads, n, all * 1e3, all * 1e3 / n,
+	       bytes / all / 1e9, one * 1e3, bytes / one / 1e9);
+	ffn_share_destroy(&fs);
+	cpu_pool_destroy(&pool);
+	free(gate);
+	free(up);
+	free(down);
+	free(x);
+	free(y);
+	return 0;
+}
+
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: bench-cpu-gemv [options]\n"
@@ -115,6 +231,9 @@ static void usage(FILE *f)
 		   "  --threads N   threads, the caller included (default: the CPUs online)\n"
 		   "  --repeats N   timed products after one warm-up (default 10)\n"
 		   "  --scalar      the plain C path (PIPELINE_CPU_ISA=scalar does the same)\n"
+		   "  --ffn-tokens N  time the CPU's share of a split FFN for N tokens (1..16) instead: gate and\n"
+		   "                up of --rows x --cols, down of --cols x --rows, all in --format, as the runner\n"
+		   "                runs it (ffn_share.h); printed beside the same job of one token\n"
 		   "  --help        this text\n"
 		   "Prints the path, the matrix size, the best and median time of one product with the\n"
 		   "weight bytes read per second, and the best rate of plainly reading the same bytes.\n");
@@ -138,7 +257,9 @@ int main(int argc, char **argv)
 	enum dtype t = DT_BF16;
 	uint32_t rows = 8192, cols = 8192, repeats = 10, threads = (uint32_t)sysconf(_SC_NPROCESSORS_ONLN);
 	int scalar = 0;
+	uint32_t ffn_tokens = 0;
 	static const struct option opts[] = {
+		{"ffn-tokens", required_argument, NULL, 'k'},
 		{"format", required_argument, NULL, 'f'},  {"rows", required_argument, NULL, 'r'},
 		{"cols", required_argument, NULL, 'c'},    {"threads", required_argument, NULL, 't'},
 		{"repeats", required_argument, NULL, 'n'}, {"scalar", no_argument, NULL, 's'},
@@ -179,6 +300,15 @@ int main(int argc, char **argv)
 		case 's':
 			scalar = 1;
 			break;
+		case 'k':
+			if (parse_u32("--ffn-tokens", optarg, 1, &ffn_tokens))
+				return 2;
+			if (ffn_tokens > FFN_BENCH_MAX_TOKENS) {
+				fprintf(stderr, "bench-cpu-gemv: --ffn-tokens %u: at most %u\n", ffn_tokens,
+					FFN_BENCH_MAX_TOKENS);
+				return 2;
+			}
+			break;
 		case 'h':
 			usage(stdout);
 			return 0;
@@ -198,6 +328,14 @@ int main(int argc, char **argv)
 	}
 	if (scalar)
 		cpu_compute_force_isa(CPU_ISA_SCALAR);
+	if (ffn_tokens) {
+		if (rows % dtype_block_elems(t)) {
+			fprintf(stderr, "bench-cpu-gemv: --rows %u (down's columns) is not a multiple of %s's block of %u\n",
+				rows, dtype_name(t), dtype_block_elems(t));
+			return 2;
+		}
+		return bench_ffn(t, rows, cols, ffn_tokens, threads, repeats);
+	}
 
 	const uint64_t row_bytes = dtype_row_bytes(t, cols), bytes = row_bytes * rows;
 	uint8_t *w = aligned_alloc(2u << 20, (bytes + (2u << 20) - 1) / (2u << 20) * (2u << 20));

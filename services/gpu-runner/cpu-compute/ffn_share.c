@@ -14,11 +14,18 @@
 #include "services/gpu-runner/cpu/kernels.h"
 
 #define SPINS_BEFORE_YIELD 4096u
+/* With several tokens a part goes through its rows in blocks of about this many weight bytes, every
+ * token's product over a block before the next block: the block is read from memory once and from
+ * the core's cache for the other tokens (a part's rows of a large FFN are megabytes, more than the
+ * cache holds, and were read again for every token). */
+#define BLOCK_BYTES (256u * 1024u)
 
 /* What one part of a phase keeps between jobs. */
 struct part_scratch {
-	struct cpu_vec *xg, *xu; /* x prepared for gate's and up's formats (xu: when they differ) */
-	struct cpu_vec *xh;	 /* h prepared for down's format */
+	/* (max_tokens) per token: x prepared for gate's and up's formats (xu: when they differ), h for
+	 * down's. Token 0's are made at create; the others grow at their first use. */
+	struct cpu_vec **xg, **xu;
+	struct cpu_vec **xh;
 	float *xf;		 /* (dim) x of one token widened */
 	float *tmp;		 /* (ffn_dim) up's products, when gate's and up's formats or strides differ */
 };
@@ -66,10 +73,19 @@ int ffn_share_create(uint32_t dim, uint32_t ffn_dim, uint32_t max_tokens, uint32
 				    threads);
 			goto out_destroy;
 		}
-		if ((rc = cpu_vec_create(dim, &p->xg, err, errlen)) ||
-		    (rc = cpu_vec_create(dim, &p->xu, err, errlen)) ||
-		    (rc = cpu_vec_create(ffn_dim, &p->xh, err, errlen)))
+		p->xg = calloc(max_tokens, sizeof(*p->xg));
+		p->xu = calloc(max_tokens, sizeof(*p->xu));
+		p->xh = calloc(max_tokens, sizeof(*p->xh));
+		if (!p->xg || !p->xu || !p->xh) {
+			rc = errorf(err, errlen, -ENOMEM, "cpu share: out of memory for the scratch of %u threads",
+				    threads);
 			goto out_destroy;
+		}
+		for (uint32_t t = 0; t < max_tokens; t++)
+			if ((rc = cpu_vec_create(t ? 0 : dim, &p->xg[t], err, errlen)) ||
+			    (rc = cpu_vec_create(t ? 0 : dim, &p->xu[t], err, errlen)) ||
+			    (rc = cpu_vec_create(t ? 0 : ffn_dim, &p->xh[t], err, errlen)))
+				goto out_destroy;
 	}
 	*out = fs;
 	return 0;
@@ -85,9 +101,17 @@ void ffn_share_destroy(struct ffn_share **fsp)
 		return;
 	struct ffn_share *fs = *fsp;
 	for (uint32_t i = 0; fs->ps && i < fs->parts; i++) {
-		cpu_vec_destroy(&fs->ps[i].xg);
-		cpu_vec_destroy(&fs->ps[i].xu);
-		cpu_vec_destroy(&fs->ps[i].xh);
+		for (uint32_t t = 0; t < fs->max_tokens; t++) {
+			if (fs->ps[i].xg)
+				cpu_vec_destroy(&fs->ps[i].xg[t]);
+			if (fs->ps[i].xu)
+				cpu_vec_destroy(&fs->ps[i].xu[t]);
+			if (fs->ps[i].xh)
+				cpu_vec_destroy(&fs->ps[i].xh[t]);
+		}
+		free(fs->ps[i].xg);
+		free(fs->ps[i].xu);
+		free(fs->ps[i].xh);
 		free(fs->ps[i].xf);
 		free(fs->ps[i].tmp);
 	}
@@ -136,55 +160,74 @@ static size_t act_size(uint32_t act)
 	return act == DT_F32 ? 4 : 2;
 }
 
-/* The first phase: h over rows [b, e) of the share for every token. */
+/* Rows a block of a part holds: about BLOCK_BYTES of weights when several tokens share them (one
+ * token reads every row once whatever the blocks: the whole range). */
+static uint32_t block_rows(uint32_t n, uint64_t row_bytes, uint32_t b, uint32_t e)
+{
+	if (n < 2 || !row_bytes)
+		return e - b;
+	uint64_t k = BLOCK_BYTES / row_bytes;
+	return k < 1 ? 1 : k > e - b ? e - b : (uint32_t)k;
+}
+
+/* The first phase: h over rows [b, e) of the share for every token, block after block of rows. */
 static int swiglu_rows(struct ffn_share *fs, const struct ffn_share_job *job, struct part_scratch *ps, const void *x,
 		       uint32_t b, uint32_t e, char *err, size_t errlen)
 {
-	const uint32_t dim = fs->dim;
+	const uint32_t dim = fs->dim, n = job->n;
 	const enum dtype gf = (enum dtype)job->gate.format, uf = (enum dtype)job->up.format;
 	const bool fused = gf == uf && job->gate.row_bytes == job->up.row_bytes;
-	for (uint32_t t = 0; t < job->n; t++) {
-		float *h = fs->h + (size_t)t * fs->ffn_dim;
+	int rc = 0;
+	for (uint32_t t = 0; t < n && rc == 0; t++) {
 		dtype_to_f32((enum dtype)job->act, (const char *)x + (size_t)t * dim * act_size(job->act), ps->xf, dim);
-		int rc = cpu_vec_prepare(ps->xg, gf, ps->xf, dim, err, errlen);
-		if (rc)
-			return rc;
-		if (fused) {
-			rc = cpu_swiglu(ps->xg, job->gate.data, job->up.data, gf, job->gate.row_bytes, b, e, 0, dim,
-					h + b, err, errlen);
-		} else {
-			/* Gate and up in different formats (or strides): two products, then SiLU * up. */
-			if ((rc = cpu_vec_prepare(ps->xu, uf, ps->xf, dim, err, errlen)) ||
-			    (rc = cpu_matvec(ps->xg, job->gate.data, gf, job->gate.row_bytes, b, e, 0, dim, h + b, err,
-					     errlen)) ||
-			    (rc = cpu_matvec(ps->xu, job->up.data, uf, job->up.row_bytes, b, e, 0, dim, ps->tmp, err,
-					     errlen)))
-				return rc;
-			for (uint32_t i = b; i < e; i++)
-				h[i] = cpu_silu_mul(h[i], ps->tmp[i - b]);
-		}
-		if (rc)
-			return rc;
-		for (uint32_t i = b; i < e; i++)
-			h[i] = round_act(job->act, h[i]);
+		rc = cpu_vec_prepare(ps->xg[t], gf, ps->xf, dim, err, errlen);
+		if (rc == 0 && !fused)
+			rc = cpu_vec_prepare(ps->xu[t], uf, ps->xf, dim, err, errlen);
 	}
-	return 0;
+	const uint32_t step = block_rows(n, job->gate.row_bytes + job->up.row_bytes, b, e);
+	for (uint32_t r0 = b; r0 < e && rc == 0; r0 += step) {
+		const uint32_t r1 = e - r0 < step ? e : r0 + step;
+		for (uint32_t t = 0; t < n && rc == 0; t++) {
+			float *h = fs->h + (size_t)t * fs->ffn_dim;
+			if (fused) {
+				rc = cpu_swiglu(ps->xg[t], job->gate.data, job->up.data, gf, job->gate.row_bytes, r0, r1, 0,
+						dim, h + r0, err, errlen);
+			} else {
+				/* Gate and up in different formats (or strides): two products, then SiLU * up. */
+				if ((rc = cpu_matvec(ps->xg[t], job->gate.data, gf, job->gate.row_bytes, r0, r1, 0, dim,
+						     h + r0, err, errlen)) ||
+				    (rc = cpu_matvec(ps->xu[t], job->up.data, uf, job->up.row_bytes, r0, r1, 0, dim, ps->tmp,
+						     err, errlen)))
+					break;
+				for (uint32_t i = r0; i < r1; i++)
+					h[i] = cpu_silu_mul(h[i], ps->tmp[i - r0]);
+			}
+			if (rc)
+				break;
+			for (uint32_t i = r0; i < r1; i++)
+				h[i] = round_act(job->act, h[i]);
+		}
+	}
+	return rc;
 }
 
-/* The second phase: y over rows [b, e) of down for every token. */
+/* The second phase: y over rows [b, e) of down for every token, block after block of rows. */
 static int down_rows(struct ffn_share *fs, const struct ffn_share_job *job, struct part_scratch *ps, float *y,
 		     uint32_t b, uint32_t e, char *err, size_t errlen)
 {
 	const enum dtype df = (enum dtype)job->down.format;
-	for (uint32_t t = 0; t < job->n; t++) {
-		int rc = cpu_vec_prepare(ps->xh, df, fs->h + (size_t)t * fs->ffn_dim, job->rows, err, errlen);
-		if (rc == 0)
-			rc = cpu_matvec(ps->xh, job->down.data, df, job->down.row_bytes, b, e, 0, job->rows,
-					y + (size_t)t * fs->dim + b, err, errlen);
-		if (rc)
-			return rc;
+	const uint32_t n = job->n;
+	int rc = 0;
+	for (uint32_t t = 0; t < n && rc == 0; t++)
+		rc = cpu_vec_prepare(ps->xh[t], df, fs->h + (size_t)t * fs->ffn_dim, job->rows, err, errlen);
+	const uint32_t step = block_rows(n, job->down.row_bytes, b, e);
+	for (uint32_t r0 = b; r0 < e && rc == 0; r0 += step) {
+		const uint32_t r1 = e - r0 < step ? e : r0 + step;
+		for (uint32_t t = 0; t < n && rc == 0; t++)
+			rc = cpu_matvec(ps->xh[t], job->down.data, df, job->down.row_bytes, r0, r1, 0, job->rows,
+					y + (size_t)t * fs->dim + r0, err, errlen);
 	}
-	return 0;
+	return rc;
 }
 
 int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *x, float *y, uint32_t part,

@@ -16,7 +16,10 @@
  * products take: BF16, F16 or F32), h[i] = silu(gate_i . x') * (up_i . x') over the share's rows
  * i (cpu_swiglu, x' prepared for gate's and up's formats as cpu_compute.h says), h rounded to
  * act (as the GPU rounds its SwiGLU output before down), then y[t][o] = down_o[r..ffn) . h (x
- * prepared for down's format). y is the share's contribution only: the caller adds it.
+ * prepared for down's format). y is the share's contribution only: the caller adds it. With several
+ * tokens a part goes through its rows in blocks of about 256 KB of weights, every token's products
+ * over a block before the next, so that the rows are read from memory once, not once a token; each
+ * row's product is the same whatever the blocks (cpu_compute.h).
  *
  * The job runs in two phases over 2P parts (P = FFN_SHARE_PARTS_PER_THREAD times the threads given
  * at create, so that a preempted worker delays a small part): parts [0, P) the

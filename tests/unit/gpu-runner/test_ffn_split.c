@@ -433,6 +433,62 @@ START_TEST(test_share_job_failure)
 }
 END_TEST
 
+/* One job of several tokens against a job per token, bit for bit: a part goes through its rows in
+ * blocks (ffn_share.c, BLOCK_BYTES), every token's product over a block before the next, and the
+ * rows here are enough for several blocks a part in both phases; gate and up fused (both BF16) and
+ * not (up in F32). */
+START_TEST(test_share_tokens_in_blocks)
+{
+	enum { DIM = 1024, ROWS = 1024, T = 5 };
+	char err[256] = "";
+	struct ffn_share *fs = NULL;
+	ck_assert_msg(ffn_share_create(DIM, ROWS, 8, 1, &fs, err, sizeof(err)) == 0, "%s", err);
+	const uint32_t np = ffn_share_parts(fs);
+	uint16_t *gate = malloc((size_t)ROWS * DIM * 2), *upb = malloc((size_t)ROWS * DIM * 2),
+		 *down = malloc((size_t)DIM * ROWS * 2), *x = malloc((size_t)T * DIM * 2);
+	float *upf = malloc((size_t)ROWS * DIM * 4), *y = malloc((size_t)T * DIM * 4), *y1 = malloc(DIM * 4);
+	ck_assert(gate && upb && down && x && upf && y && y1);
+	rng_state = 11;
+	for (size_t i = 0; i < (size_t)ROWS * DIM; i++) {
+		gate[i] = f32_to_bf16((float)(0.05 * rng_normal()));
+		upf[i] = (float)(0.05 * rng_normal());
+		upb[i] = f32_to_bf16(upf[i]);
+		down[i] = f32_to_bf16((float)(0.05 * rng_normal()));
+	}
+	for (size_t i = 0; i < (size_t)T * DIM; i++)
+		x[i] = f32_to_bf16((float)rng_normal());
+	struct ffn_share_mat g = {.data = gate, .format = DT_BF16, .row_bytes = DIM * 2};
+	struct ffn_share_mat d = {.data = down, .format = DT_BF16, .row_bytes = ROWS * 2};
+	struct ffn_share_mat ups[2] = {{.data = upb, .format = DT_BF16, .row_bytes = DIM * 2},
+				       {.data = upf, .format = DT_F32, .row_bytes = DIM * 4}};
+	for (int k = 0; k < 2; k++) {
+		struct ffn_share_job job;
+		ffn_share_job_init(&job, &g, &ups[k], &d, ROWS, T, DT_BF16);
+		for (uint32_t p = 0; p < np; p++) /* in order, as the pool hands them out */
+			ck_assert_msg(ffn_share_part(fs, &job, x, y, p, np, err, sizeof(err)) == 0, "%s", err);
+		for (uint32_t t = 0; t < T; t++) {
+			ffn_share_job_init(&job, &g, &ups[k], &d, ROWS, 1, DT_BF16);
+			for (uint32_t p = 0; p < np; p++)
+				ck_assert_msg(ffn_share_part(fs, &job, x + (size_t)t * DIM, y1, p, np, err, sizeof(err)) == 0,
+					      "%s", err);
+			for (uint32_t o = 0; o < DIM; o++)
+				ck_assert_msg(memcmp(&y[(size_t)t * DIM + o], &y1[o], 4) == 0,
+					      "%s: token %u, y[%u] = %.9g in a job of %u tokens, %.9g alone",
+					      k ? "gate and up apart" : "gate and up fused", t, o, (double)y[(size_t)t * DIM + o],
+					      (unsigned)T, (double)y1[o]);
+		}
+	}
+	free(gate);
+	free(upb);
+	free(down);
+	free(x);
+	free(upf);
+	free(y);
+	free(y1);
+	ffn_share_destroy(&fs);
+}
+END_TEST
+
 static Suite *split_suite(void)
 {
 	Suite *s = suite_create("ffn_split");
@@ -447,6 +503,7 @@ static Suite *split_suite(void)
 	tcase_set_timeout(te, 60);
 	tcase_add_test(te, test_refusals);
 	tcase_add_test(te, test_share_job_failure);
+	tcase_add_test(te, test_share_tokens_in_blocks);
 	suite_add_tcase(s, te);
 	return s;
 }
