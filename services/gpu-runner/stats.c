@@ -289,6 +289,8 @@ char *runner_stats(void *ctx)
 			      "weights_all_resident", r->ring ? ring_source_all_resident(r->ring) : 0, "max_context",
 			      (json_int_t)r->max_context);
 	if (o) {
+		json_object_set_new(o, "experts_ahead",
+				    json_integer((json_int_t)(r->ring ? ring_source_experts_ahead(r->ring) : 0)));
 		json_object_set_new(o, "kv_prefix_lookups", json_integer((json_int_t)ks.prefix_lookups));
 		json_object_set_new(o, "kv_prefix_positions", json_integer((json_int_t)ks.prefix_positions));
 		json_object_set_new(o, "kv_prefix_blocks_on_gpu", json_integer((json_int_t)ks.prefix_on_gpu));

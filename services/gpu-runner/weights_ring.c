@@ -25,6 +25,7 @@ struct held {
 	bool held;	 /* we hold a grant */
 	bool permanent;	 /* acquired for good (at creation, or again after a reconnect) */
 	bool stale;	 /* granted by a loader that has gone since: never released to its successor */
+	bool ahead;	 /* acquired at its layer's routing (ring_route): the engine's acquire sends nothing */
 	uint32_t slot;
 	uint64_t generation;
 	uint64_t epoch;	 /* HELLO epoch of the loader that granted it */
@@ -51,6 +52,7 @@ struct ring_source {
 	struct shm_object *retired[RETIRED_MAX]; /* rings of loaders that went away, still mapped */
 	uint32_t n_retired;
 	uint32_t reconnects;
+	uint64_t experts_ahead;	   /* expert groups acquired at their layer's routing (all time) */
 	bool (*wait_hook)(void *ctx);
 	void *wait_ctx;
 	void (*on_map)(void *ctx, void *base, size_t size);   /* a new ring was mapped (reconnect) */
@@ -248,6 +250,8 @@ static int ring_acquire(struct weight_source *ws, uint32_t group, struct group_w
 		if (!hd->held || hd->stale) {
 			uint64_t g = group;
 			rc = acquire_groups(rs, &g, 1);
+		} else if (hd->ahead) {
+			hd->ahead = false; /* granted (and counted) at the routing */
 		} else if (!hd->permanent) {
 			count_grant(rs, group);
 		}
@@ -283,7 +287,7 @@ static int ring_release(struct weight_source *ws, uint32_t group)
 	}
 	if (rs->held[group].permanent)
 		return 0;
-	rs->held[group].held = false;
+	rs->held[group].held = rs->held[group].ahead = false;
 	rs->pending_release[rs->n_pending++] = group;
 	return 0;
 }
@@ -324,7 +328,7 @@ static int ring_release_all(struct weight_source *ws)
 		if (rs->held[g].held && rs->held[g].stale) {
 			rs->held[g].held = rs->held[g].stale = false;
 		} else if (rs->held[g].held && !rs->held[g].permanent) {
-			rs->held[g].held = false;
+			rs->held[g].held = rs->held[g].ahead = false;
 			rs->pending_release[rs->n_pending++] = g;
 		}
 	}
@@ -348,6 +352,38 @@ static int ring_flush(struct weight_source *ws)
  * only when asked: loader.h). No expert is left for the CPU here (on_cpu stays false). */
 static int ring_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)
 {
+	struct ring_source *rs = (struct ring_source *)ws;
+	(void)on_cpu;
+	const uint32_t E = rs->cfg.n_experts;
+	if (rs->all_resident || ws->stage.split || !E || layer >= rs->cfg.n_layers)
+		return 0;
+	/* Room: the expert class's streaming slots, less those our grants hold (a release pending goes
+	 * with the acquire, before it). */
+	uint32_t room = ring_source_streaming_slots(rs, CLASS_EXPERT);
+	for (uint32_t g = 0; g < rs->base.n_groups && room; g++)
+		if (rs->groups[g].size_class == CLASS_EXPERT && rs->held[g].held && !rs->held[g].stale &&
+		    !ring_source_group_pinned(rs, g))
+			room--;
+	uint64_t *want = malloc(E * sizeof(uint64_t));
+	if (!want)
+		return 0; /* the engine's acquires ask one at a time */
+	uint32_t n = 0;
+	for (uint32_t e = 0; e < E && n < room; e++) {
+		uint32_t g = model_group_expert(&rs->cfg, layer, e);
+		if (used[e] && g < rs->base.n_groups && !ring_source_group_pinned(rs, g) &&
+		    !(rs->held[g].held && !rs->held[g].stale))
+			want[n++] = g;
+	}
+	/* One is what the engine's acquire would ask for anyway. A failure here is the engine's acquire's
+	 * to meet again (and to reconnect on, when the loader went away): what was granted is kept. */
+	if (n >= 2 && acquire_groups(rs, want, n) != 0)
+		rs->base.error[0] = 0;
+	for (uint32_t i = 0; n >= 2 && i < n; i++)
+		if (rs->held[want[i]].held && !rs->held[want[i]].stale) {
+			rs->held[want[i]].ahead = true;
+			rs->experts_ahead++;
+		}
+	free(want);
 	return 0;
 }
 
@@ -523,7 +559,7 @@ static int take_new_ring(struct ring_source *rs, char *err, size_t errlen)
 	 * which dropped it): none is released to the new one. */
 	for (uint32_t g = 0; g < rs->base.n_groups; g++) {
 		rs->held[g].stale = rs->held[g].held;
-		rs->held[g].permanent = false;
+		rs->held[g].permanent = rs->held[g].ahead = false;
 	}
 	rs->n_pending = 0;
 	rs->retired[rs->n_retired++] = rs->obj;
@@ -712,6 +748,11 @@ const void *ring_source_group_base(const struct ring_source *rs, uint32_t group)
 	if (group >= rs->base.n_groups || !rs->held[group].held)
 		return NULL;
 	return rs->held[group].map + rs->held[group].offset;
+}
+
+uint64_t ring_source_experts_ahead(const struct ring_source *rs)
+{
+	return rs->experts_ahead;
 }
 
 uint32_t ring_source_streaming_slots(const struct ring_source *rs, uint32_t c)

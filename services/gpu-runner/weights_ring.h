@@ -91,6 +91,8 @@ const void *ring_source_group_base(const struct ring_source *rs, uint32_t group)
  * pinned: the grants a client may hold of streamed groups of that class without starving the
  * loader. UINT32_MAX when every group is resident. */
 uint32_t ring_source_streaming_slots(const struct ring_source *rs, uint32_t c);
+/* Expert groups acquired together at their layer's routing, ahead of the engine's acquires (all time). */
+uint64_t ring_source_experts_ahead(const struct ring_source *rs);
 /* Is group g held by the loader for good (pinned, or the whole model resident)? */
 bool ring_source_group_pinned(const struct ring_source *rs, uint32_t g);
 /* The DRAM tier's cost per token as the loader planned and measured it: bytes read from disk

@@ -6,7 +6,7 @@
 # expert size class. Then each mixture-of-experts model again under a DRAM budget below the whole
 # model, so its experts stream from disk through the expert slots like the layers of a dense model:
 # the same tokens, and the loader's stats show expert groups read into streaming slots, only those
-# the routings chose. A budget
+# the routings chose, and the runner's that the chosen experts of a layer were asked for together. A budget
 # below the globals and one attention, one router and one expert slot is refused, naming that
 # minimum.
 source "$(dirname "$0")/lib.sh"
@@ -87,9 +87,18 @@ for shape in mixtral-tiny qwen3-moe-tiny; do
 		# tokens x 2 layers x 2 = 224 loads at most (every expert at every step: (8 + 24) x 16).
 		((streamed <= 224)) || fail "$shape: $streamed expert loads, more than the routings asked for (224 at most)"
 		((slots < 16)) || fail "$shape: $slots expert slots under a budget of $budget bytes, not fewer than 16"
+		# A layer's 2 chosen experts are asked for together at its routing (the loader reads them at
+		# once) where both stream and the streaming expert slots have room for them (at the minimum
+		# there is one).
+		ahead=$(stat_value gpu-runner experts_ahead)
+		if ((budget > need)); then
+			expect_gt "$ahead" 0 "$shape: experts acquired at their layer's routing"
+		else
+			expect_eq "$ahead" 0 "$shape: experts acquired at their layer's routing with one expert slot"
+		fi
 		"$PIPELINE" stop >/dev/null
 		expect_nothing_left "$shape: after stop ($budget bytes)"
-		log "$shape: $budget bytes of DRAM: $slots expert slots, $streamed expert loads ($streamed_bytes bytes)"
+		log "$shape: $budget bytes of DRAM: $slots expert slots, $streamed expert loads ($streamed_bytes bytes), $ahead acquired at the routing"
 	done
 done
 log "ok"
