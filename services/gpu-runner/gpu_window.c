@@ -467,6 +467,7 @@ static int win_route(struct weight_source *ws, uint32_t layer, const bool *used,
 		w->expert0 = malloc(cfg->n_layers * sizeof(uint32_t));
 		if (!w->expert0)
 			return errorf(ws->error, sizeof(ws->error), -ENOMEM, "route: out of memory");
+		w->fetch = calloc(cfg->n_experts, sizeof(bool)); /* NULL: no asking ahead */
 		for (uint32_t l = 0; l < cfg->n_layers; l++)
 			w->expert0[l] = NO_GROUP;
 		for (uint32_t g = ws->n_groups; g-- > 0;)
@@ -502,6 +503,17 @@ static int win_route(struct weight_source *ws, uint32_t layer, const bool *used,
 		}
 		on_cpu_set(on_cpu, x, e->on_cpu);
 		e->unused = !used[x] || e->on_cpu;
+	}
+	/* The chosen experts the window copies from the loader's streaming slots are asked for together
+	 * (the ring's route: one ACQUIRE, the loader reads them at once) before the first copy waits on
+	 * one of them. Never the resident ones: the window takes nothing of theirs from the ring. */
+	if (w->rs->ops->route && !ring_source_all_resident(w->ring) && w->fetch) {
+		for (uint32_t x = 0; x < cfg->n_experts; x++)
+			w->fetch[x] = false;
+		for (uint32_t g = g0; g != NO_GROUP && g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
+				      ws->groups[g].layer == layer; g++)
+			w->fetch[ws->groups[g].expert] = used[ws->groups[g].expert] && !w->g[g].resident && !w->g[g].on_cpu;
+		w->rs->ops->route(w->rs, layer, w->fetch, NULL); /* best effort: the copies' acquires ask again */
 	}
 	w->routing = true;
 	w->routed_layer = layer;
@@ -669,6 +681,7 @@ void gpu_window_destroy(struct gpu_window **wp)
 	for (uint32_t c = 0; c < CLASS_COUNT; c++)
 		free(w->order[c]);
 	free(w->expert0);
+	free(w->fetch);
 	free(w->slots);
 	free(w->g);
 	free(w->dev_off);

@@ -73,6 +73,7 @@ struct gpu_window {
 	uint64_t route_pos;	   /* consumed[CLASS_EXPERT] when routed_layer was routed: its routing holds
 				    * for issue positions route_pos .. route_pos + m - 1 only (this step's) */
 	uint32_t *expert0;	   /* n_layers: the layer's first expert group (NO_GROUP: none), on first route */
+	bool *fetch;		   /* n_experts: the experts a route asks of the ring together (win_route) */
 	struct cpu_share_policy moe_policy; /* which routed experts the CPU computes (mode off: none) */
 	uint32_t moe_format;	   /* the experts' matrix format (gate's), whose CPU rate auto weighs */
 	bool host_reads;	   /* acquire_host handed out ring pointers the backend may still read (until

@@ -371,6 +371,54 @@ static uint64_t dev_bytes(const struct manifest *m, uint32_t g)
 	return b;
 }
 
+/* steps routed steps over w (the first a chunk that chooses every expert, then decode with 2 experts
+ * a token at random), as the engine makes them: every expert acquired holds the checkpoint's bytes,
+ * and the state table stays consistent. */
+static void routed_steps(struct fixture *f, struct gpu_window *w, int steps)
+{
+	const struct model_config *c = &f->m->cfg;
+	const uint32_t E = c->n_experts;
+	char err[512];
+	struct weight_source *ws = gpu_window_base(w);
+	bool used[64] = {false}, on_cpu[64];
+	srand(7);
+	for (int step = 0; step < steps; step++) {
+		ws->step_tokens = step == 0 ? 16 : 1; /* a prefill chunk that routes to every expert, then decode */
+		for (uint32_t g = 0; g < f->m->n_groups; g++) {
+			const struct group_desc *gd = &f->m->groups[g];
+			if (gd->kind == GROUP_EXPERT && !used[gd->expert]) {
+				ck_assert_msg(ws->ops->skip(ws, g) == 0, "step %d: skip %u: %s", step, g, ws->error);
+				continue;
+			}
+			struct group_weights gw;
+			ck_assert_msg(ws->ops->acquire(ws, g, &gw) == 0, "step %d: acquire %u: %s", step, g, ws->error);
+			if (gd->kind == GROUP_MOE) {
+				for (uint32_t e = 0; e < E; e++)
+					used[e] = step == 0;
+				for (uint32_t k = 0; step && k < c->n_experts_used;) {
+					uint32_t e = (uint32_t)rand() % E;
+					k += !used[e];
+					used[e] = true;
+				}
+				ck_assert_msg(ws->ops->route(ws, gd->layer, used, on_cpu) == 0, "step %d: route %u: %s", step,
+					      gd->layer, ws->error);
+			}
+			if (gd->kind == GROUP_EXPERT) {
+				for (uint32_t i = 0; i < gd->n_tensors; i++) {
+					const struct tensor_desc *t = &f->m->tensors[gd->first_tensor + i];
+					char *want = file_bytes(f->m, t);
+					expect_rows(gw.t[t->role].data[PLACE_DEVICE], t->nbytes, want, t->nbytes, t->nbytes, 1,
+						    f->stream, t->name, g);
+					free(want);
+				}
+			}
+			ck_assert_msg(ws->ops->release(ws, g) == 0, "step %d: release %u: %s", step, g, ws->error);
+		}
+		ck_assert_msg(gpu_window_check(w, err, sizeof(err)) == 0, "step %d: %s", step, err);
+	}
+}
+
+
 START_TEST(test_experts_of_one_layer_stream)
 {
 	/* Mixtral-tiny with 3 layers of 8 experts, under a budget that keeps everything but 5 experts
@@ -404,45 +452,46 @@ START_TEST(test_experts_of_one_layer_stream)
 		ck_assert_msg(resident == (e < E - 5), "the last layer's expert %u %s", e,
 			      resident ? "resident" : "streamed");
 	}
-	struct weight_source *ws = gpu_window_base(w);
-	bool used[64] = {false}, on_cpu[64];
-	srand(7);
-	for (int step = 0; step < 24; step++) {
-		ws->step_tokens = step == 0 ? 16 : 1; /* a prefill chunk that routes to every expert, then decode */
-		for (uint32_t g = 0; g < f.m->n_groups; g++) {
-			const struct group_desc *gd = &f.m->groups[g];
-			if (gd->kind == GROUP_EXPERT && !used[gd->expert]) {
-				ck_assert_msg(ws->ops->skip(ws, g) == 0, "step %d: skip %u: %s", step, g, ws->error);
-				continue;
-			}
-			struct group_weights gw;
-			ck_assert_msg(ws->ops->acquire(ws, g, &gw) == 0, "step %d: acquire %u: %s", step, g, ws->error);
-			if (gd->kind == GROUP_MOE) {
-				for (uint32_t e = 0; e < E; e++)
-					used[e] = step == 0;
-				for (uint32_t k = 0; step && k < c->n_experts_used;) {
-					uint32_t e = (uint32_t)rand() % E;
-					k += !used[e];
-					used[e] = true;
-				}
-				ck_assert_msg(ws->ops->route(ws, gd->layer, used, on_cpu) == 0, "step %d: route %u: %s", step,
-					      gd->layer, ws->error);
-			}
-			if (gd->kind == GROUP_EXPERT) {
-				for (uint32_t i = 0; i < gd->n_tensors; i++) {
-					const struct tensor_desc *t = &f.m->tensors[gd->first_tensor + i];
-					char *want = file_bytes(f.m, t);
-					expect_rows(gw.t[t->role].data[PLACE_DEVICE], t->nbytes, want, t->nbytes, t->nbytes, 1,
-						    f.stream, t->name, g);
-					free(want);
-				}
-			}
-			ck_assert_msg(ws->ops->release(ws, g) == 0, "step %d: release %u: %s", step, g, ws->error);
-		}
-		ck_assert_msg(gpu_window_check(w, err, sizeof(err)) == 0, "step %d: %s", step, err);
-	}
+	routed_steps(&f, w, 24);
 	gpu_window_stats(w, &st);
 	ck_assert_uint_gt(st.experts_passed, 0);
+	gpu_window_destroy(&w);
+	stop(&f);
+}
+END_TEST
+
+START_TEST(test_experts_streamed_from_disk)
+{
+	/* The same model with a DRAM budget that pins 6 experts and streams the others through 3 expert
+	 * slots, and a GPU budget that keeps only the attention and router groups: a layer's chosen
+	 * experts that stream from disk are asked of the loader together at its routing (ring_route),
+	 * and every copy still holds the checkpoint's bytes. */
+	struct fixture f;
+	start_shape(&f, "1GiB", "mixtral-tiny", 3);
+	const struct model_config *c = &f.m->cfg;
+	uint64_t cap[CLASS_COUNT];
+	for (int k = 0; k < CLASS_COUNT; k++)
+		cap[k] = (f.m->class_bytes[k] + 4095) / 4096 * 4096;
+	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = 0;
+	for (uint32_t l = 0; l < c->n_layers; l++)
+		dense += dev_bytes(f.m, model_group_attn(c, l)) + dev_bytes(f.m, model_group_ffn(c, l));
+	uint64_t head = dev_bytes(f.m, group_id_head(c));
+	stop(&f);
+	char dram[64];
+	snprintf(dram, sizeof(dram), "%llu",
+		 (unsigned long long)(2 * cap[CLASS_GLOBAL] + c->n_layers * (cap[CLASS_ATTN] + cap[CLASS_FFN]) +
+				      9 * cap[CLASS_EXPERT]));
+	start_shape(&f, dram, "mixtral-tiny", 3);
+	ck_assert(!ring_source_all_resident(f.ring));
+	struct gpu_window_params p = {.gpu_budget = head + dense + 2 * x, .depth = 2, .strict = true};
+	struct gpu_window *w = NULL;
+	char err[512];
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	struct gpu_window_stats st;
+	gpu_window_stats(w, &st);
+	ck_assert_uint_eq(st.experts_resident, 0);
+	routed_steps(&f, w, 24);
+	ck_assert_uint_gt(ring_source_experts_ahead(f.ring), 0);
 	gpu_window_destroy(&w);
 	stop(&f);
 }
@@ -476,6 +525,7 @@ int main(void)
 	tcase_add_test(tc, test_budget_too_small);
 	tcase_add_test(tc, test_split_ffn);
 	tcase_add_test(tc, test_experts_of_one_layer_stream);
+	tcase_add_test(tc, test_experts_streamed_from_disk);
 	suite_add_tcase(s, tc);
 	SRunner *sr = srunner_create(s);
 	/* CUDA contexts do not survive fork: run in this process. */
