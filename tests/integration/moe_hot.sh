@@ -6,7 +6,8 @@
 # requests, keeping the four experts the routing chose most (experts.c): its log says so, its stats
 # count the new plan and the larger share of the routing the kept experts take, and the same request
 # again gives the same tokens (residency moves bytes, not results), with --strict checking the
-# window's state table on every call.
+# window's state table on every call. Then the experts from disk (a DRAM budget below the model): the
+# same tokens, a layer's chosen experts asked for together.
 source "$(dirname "$0")/lib.sh"
 it_setup moe_hot
 if ! nvidia-smi >/dev/null 2>&1; then
@@ -44,3 +45,18 @@ got=$(generate --tokens "$PROMPT" -n 49 --ignore-eos)
 expect_eq "$got" "$want" "the same request after the new plan"
 "$PIPELINE" stop >/dev/null
 expect_nothing_left "after stop"
+
+# The experts from disk: a DRAM budget half way between the loader's minimum and the whole model, the
+# smallest GPU window. A layer's chosen experts are asked of the loader together at its routing
+# (weights_ring.c, ring_route, through the window's route); the tokens are the same.
+out=$("$PIPELINE" start --model "$dir" --backend cuda --dram-budget 4KiB 2>&1) && fail "start with a 4 KiB DRAM budget succeeded"
+need=$(sed -n 's/.*need at least [^(]*(\([0-9]*\) bytes.*/\1/p' <<<"$out" | head -n 1)
+whole=$(sed -n 's/.*whole model resident needs \([0-9]*\) bytes.*/\1/p' <<<"$out" | head -n 1)
+[[ -n $need && -n $whole ]] || fail "no minimum in the loader's refusal: $out"
+"$PIPELINE" start --model "$dir" --backend cuda --gpu-budget "$min" --dram-budget $(((need + whole) / 2)) \
+	--runner-opt=--strict >/dev/null
+got=$(generate --tokens "$PROMPT" -n 49 --ignore-eos)
+expect_eq "$got" "$want" "the same request with the experts from disk"
+expect_gt "$(stat_value gpu-runner experts_ahead)" 0 "experts asked for together at their layer's routing"
+"$PIPELINE" stop >/dev/null
+expect_nothing_left "after stop (experts from disk)"
