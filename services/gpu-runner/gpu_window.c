@@ -507,13 +507,25 @@ static int win_route(struct weight_source *ws, uint32_t layer, const bool *used,
 	/* The chosen experts the window copies from the loader's streaming slots are asked for together
 	 * (the ring's route: one ACQUIRE, the loader reads them at once) before the first copy waits on
 	 * one of them. Never the resident ones: the window takes nothing of theirs from the ring. */
-	if (w->rs->ops->route && !ring_source_all_resident(w->ring) && w->fetch) {
+	if (w->rs->ops->route && !ring_source_all_resident(w->ring) && w->fetch && g0 != NO_GROUP) {
+		const uint32_t c = ws->groups[g0].size_class;
 		for (uint32_t x = 0; x < cfg->n_experts; x++)
 			w->fetch[x] = false;
-		for (uint32_t g = g0; g != NO_GROUP && g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
-				      ws->groups[g].layer == layer; g++)
-			w->fetch[ws->groups[g].expert] = used[ws->groups[g].expert] && !w->g[g].resident && !w->g[g].on_cpu;
-		w->rs->ops->route(w->rs, layer, w->fetch, NULL); /* best effort: the copies' acquires ask again */
+		/* This step's visit of the layer's streamed experts starts at consumed[c] (every expert before
+		 * it has been consumed); those below issued[c] were copied before this routing (a new window's
+		 * first copies), and nothing more of theirs is taken from the ring this step. */
+		for (uint64_t k = w->consumed[c]; w->m[c] && k < w->consumed[c] + w->m[c]; k++) {
+			uint32_t g = w->order[c][k % w->m[c]];
+			if (ws->groups[g].kind != GROUP_EXPERT || ws->groups[g].layer != layer)
+				break;
+			uint32_t x = ws->groups[g].expert;
+			w->fetch[x] = used[x] && !w->g[g].on_cpu && k >= w->issued[c];
+		}
+		int prc = poll_copies(w); /* finished copies' grants go back with the ACQUIRE: more room */
+		if (prc)
+			return prc;
+		if ((prc = w->rs->ops->route(w->rs, layer, w->fetch, NULL)) != 0)
+			return errorf(ws->error, sizeof(ws->error), prc, "%s", w->rs->error);
 	}
 	w->routing = true;
 	w->routed_layer = layer;

@@ -349,7 +349,11 @@ static int ring_flush(struct weight_source *ws)
 
 /* A mixture-of-experts layer's routing: the engine then acquires only the experts it chose, and
  * passes the others over (skip), so the loader reads no unchosen expert from disk (it reads experts
- * only when asked: loader.h). No expert is left for the CPU here (on_cpu stays false). */
+ * only when asked: loader.h). The chosen ones that stream (not pinned, not held) are asked for here
+ * in one ACQUIRE, as many as the expert class's streaming slots hold beside our grants, so that the
+ * loader reads them at once; the engine's acquires then find them held (ahead). Not for a stage of a
+ * split model (ranks share the expert slots: one waiting for another's release could wait on a rank
+ * that waits for it). No expert is left for the CPU here (on_cpu stays false). */
 static int ring_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)
 {
 	struct ring_source *rs = (struct ring_source *)ws;
@@ -374,17 +378,21 @@ static int ring_route(struct weight_source *ws, uint32_t layer, const bool *used
 		    !(rs->held[g].held && !rs->held[g].stale))
 			want[n++] = g;
 	}
-	/* One is what the engine's acquire would ask for anyway. A failure here is the engine's acquire's
-	 * to meet again (and to reconnect on, when the loader went away): what was granted is kept. */
-	if (n >= 2 && acquire_groups(rs, want, n) != 0)
+	/* One is what the engine's acquire would ask for anyway. A loader that went away is the engine's
+	 * acquire's to reconnect to (what was granted is kept); any other failure fails the step, as an
+	 * acquire's would. */
+	int rc = n >= 2 ? acquire_groups(rs, want, n) : 0;
+	if (rc == -ECONNRESET || (rc && rc != -ECANCELED && !ring_source_owner_alive(rs))) {
 		rs->base.error[0] = 0;
+		rc = 0;
+	}
 	for (uint32_t i = 0; n >= 2 && i < n; i++)
 		if (rs->held[want[i]].held && !rs->held[want[i]].stale) {
 			rs->held[want[i]].ahead = true;
 			rs->experts_ahead++;
 		}
 	free(want);
-	return 0;
+	return rc;
 }
 
 static int ring_skip(struct weight_source *ws, uint32_t group)

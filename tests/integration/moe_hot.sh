@@ -50,6 +50,7 @@ expect_nothing_left "after stop"
 # smallest GPU window. A layer's chosen experts are asked of the loader together at its routing
 # (weights_ring.c, ring_route, through the window's route); the tokens are the same.
 out=$("$PIPELINE" start --model "$dir" --backend cuda --dram-budget 4KiB 2>&1) && fail "start with a 4 KiB DRAM budget succeeded"
+expect_nothing_left "after the refused start"
 need=$(sed -n 's/.*need at least [^(]*(\([0-9]*\) bytes.*/\1/p' <<<"$out" | head -n 1)
 whole=$(sed -n 's/.*whole model resident needs \([0-9]*\) bytes.*/\1/p' <<<"$out" | head -n 1)
 [[ -n $need && -n $whole ]] || fail "no minimum in the loader's refusal: $out"

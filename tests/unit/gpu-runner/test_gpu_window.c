@@ -460,12 +460,14 @@ START_TEST(test_experts_of_one_layer_stream)
 }
 END_TEST
 
-START_TEST(test_experts_streamed_from_disk)
+/* Mixtral-tiny (3 layers of 8 experts) with a DRAM budget of the globals, the attention and router
+ * groups and `experts` expert slots (9: 3 streaming slots and 6 experts pinned; 2: 2 streaming slots,
+ * none pinned), and a GPU budget that keeps only the attention and router groups: a layer's chosen
+ * experts that stream from disk are asked of the loader together at its routing (ring_route, through
+ * the window's route; never the experts the window copied before the routing, whose grants would
+ * then be held by nobody and leave the loader no slot), and every copy holds the checkpoint's bytes. */
+static void experts_from_disk(uint32_t experts)
 {
-	/* The same model with a DRAM budget that pins 6 experts and streams the others through 3 expert
-	 * slots, and a GPU budget that keeps only the attention and router groups: a layer's chosen
-	 * experts that stream from disk are asked of the loader together at its routing (ring_route),
-	 * and every copy still holds the checkpoint's bytes. */
 	struct fixture f;
 	start_shape(&f, "1GiB", "mixtral-tiny", 3);
 	const struct model_config *c = &f.m->cfg;
@@ -480,9 +482,10 @@ START_TEST(test_experts_streamed_from_disk)
 	char dram[64];
 	snprintf(dram, sizeof(dram), "%llu",
 		 (unsigned long long)(2 * cap[CLASS_GLOBAL] + c->n_layers * (cap[CLASS_ATTN] + cap[CLASS_FFN]) +
-				      9 * cap[CLASS_EXPERT]));
+				      experts * cap[CLASS_EXPERT]));
 	start_shape(&f, dram, "mixtral-tiny", 3);
 	ck_assert(!ring_source_all_resident(f.ring));
+	ck_assert_uint_eq(ring_source_streaming_slots(f.ring, CLASS_EXPERT), experts < 3 ? experts : 3);
 	struct gpu_window_params p = {.gpu_budget = head + dense + 2 * x, .depth = 2, .strict = true};
 	struct gpu_window *w = NULL;
 	char err[512];
@@ -494,6 +497,17 @@ START_TEST(test_experts_streamed_from_disk)
 	ck_assert_uint_gt(ring_source_experts_ahead(f.ring), 0);
 	gpu_window_destroy(&w);
 	stop(&f);
+}
+
+START_TEST(test_experts_streamed_from_disk)
+{
+	experts_from_disk(9);
+}
+END_TEST
+
+START_TEST(test_experts_streamed_through_two_slots)
+{
+	experts_from_disk(2);
 }
 END_TEST
 
@@ -526,6 +540,7 @@ int main(void)
 	tcase_add_test(tc, test_split_ffn);
 	tcase_add_test(tc, test_experts_of_one_layer_stream);
 	tcase_add_test(tc, test_experts_streamed_from_disk);
+	tcase_add_test(tc, test_experts_streamed_through_two_slots);
 	suite_add_tcase(s, tc);
 	SRunner *sr = srunner_create(s);
 	/* CUDA contexts do not survive fork: run in this process. */
