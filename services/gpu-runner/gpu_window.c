@@ -485,7 +485,8 @@ static int win_route(struct weight_source *ws, uint32_t layer, const bool *used,
 		uint32_t x = ws->groups[g].expert;
 		struct gent *e = &w->g[g];
 		e->on_cpu = false;
-		if (cpu && used[x] && !e->resident && e->state == GWIN_ABSENT && ring_source_group_pinned(w->ring, g)) {
+		if (cpu && used[x] && !e->resident && e->state == GWIN_ABSENT && ring_source_group_pinned(w->ring, g) &&
+		    ring_source_group_base(w->ring, g)) {
 			/* To the side that then finishes first: copies at the H2D rate, or the CPU at its
 			 * product rate for the experts' format (a fixed share: the rate that gives it). */
 			double b = (double)w->copy_bytes[g], h2d = w->st.h2d_bytes_per_s > 0 ? w->st.h2d_bytes_per_s : 1;
@@ -582,10 +583,14 @@ static int win_acquire_host(struct weight_source *ws, uint32_t group, struct gro
 	if (group >= ws->n_groups || !w->g[group].on_cpu)
 		return errorf(ws->error, sizeof(ws->error), -EPROTO,
 			      "weight window: group %u was not left for the CPU by its layer's route", group);
+	const void *base = ring_source_group_base(w->ring, group);
+	if (!base)
+		return errorf(ws->error, sizeof(ws->error), -EPROTO,
+			      "weight window: group %u, left for the CPU, is not in DRAM", group);
 	int rc = win_skip(ws, group);
 	if (rc)
 		return rc;
-	weights_fill(ws, group, ring_source_group_base(w->ring, group), NULL, gw);
+	weights_fill(ws, group, base, NULL, gw);
 	w->host_reads = true;
 	ws->acquires++;
 	return 0;

@@ -753,9 +753,23 @@ bool ring_source_all_resident(const struct ring_source *rs)
 
 const void *ring_source_group_base(const struct ring_source *rs, uint32_t group)
 {
-	if (group >= rs->base.n_groups || !rs->held[group].held)
+	if (group >= rs->base.n_groups)
 		return NULL;
-	return rs->held[group].map + rs->held[group].offset;
+	if (rs->held[group].held)
+		return rs->held[group].map + rs->held[group].offset;
+	/* A group pinned in DRAM stays in its own slot for good once read: readable without a grant (the
+	 * CPU's share of a split FFN, an expert left for the CPU, their calibration). */
+	if (!ring_source_group_pinned(rs, group))
+		return NULL;
+	uint32_t s = atomic_load_explicit(&wring_group_state(rs->h)[group].slot, memory_order_acquire);
+	if (s >= rs->h->n_slots)
+		return NULL;
+	struct wring_slot *sl = &wring_slots(rs->h)[s];
+	if (atomic_load_explicit(&sl->state, memory_order_acquire) != WSLOT_READY ||
+	    atomic_load_explicit(&sl->group, memory_order_relaxed) != group ||
+	    sl->data_offset + rs->groups[group].slot_bytes > shm_object_size(rs->obj))
+		return NULL;
+	return (const char *)rs->h + sl->data_offset;
 }
 
 uint64_t ring_source_experts_ahead(const struct ring_source *rs)

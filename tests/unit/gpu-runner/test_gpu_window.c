@@ -306,10 +306,13 @@ START_TEST(test_streaming_depth_1_dram_streams)
 }
 END_TEST
 
-START_TEST(test_split_ffn)
+/* A budget that keeps one FFN group on the device and streams the rest, with --cpu-share 0.5: the
+ * streamed FFNs that stay in DRAM split. dram: the loader's budget. */
+static void split_case(const char *dram, bool dram_streams)
 {
 	struct fixture f;
-	start(&f, "1GiB"); /* every group stays in DRAM: every streamed FFN may split */
+	start(&f, dram);
+	ck_assert(ring_source_all_resident(f.ring) == !dram_streams);
 	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
 	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
 	char err[512];
@@ -358,6 +361,29 @@ START_TEST(test_split_ffn)
 	gpu_window_destroy(&whole);
 	task_pool_destroy(&pool);
 	stop(&f);
+}
+
+START_TEST(test_split_ffn)
+{
+	split_case("1GiB", false); /* every group stays in DRAM: every streamed FFN may split */
+}
+END_TEST
+
+START_TEST(test_split_ffn_dram_streams)
+{
+	/* The loader pins every FFN group and streams the attention groups through 3 slots (a budget of
+	 * 3 attention and 4 FFN slots, below the whole model): the CPU's share reads the pinned FFN groups
+	 * in place, without a grant (their slot stays). */
+	struct fixture f;
+	start(&f, "1GiB");
+	uint64_t cap[CLASS_COUNT];
+	for (int k = 0; k < CLASS_COUNT; k++)
+		cap[k] = (f.m->class_bytes[k] + 4095) / 4096 * 4096;
+	stop(&f);
+	char dram[64];
+	snprintf(dram, sizeof(dram), "%llu",
+		 (unsigned long long)(2 * cap[CLASS_GLOBAL] + 3 * cap[CLASS_ATTN] + 4 * cap[CLASS_FFN]));
+	split_case(dram, true);
 }
 END_TEST
 
@@ -538,6 +564,7 @@ int main(void)
 	tcase_add_test(tc, test_streaming_depth_1_dram_streams);
 	tcase_add_test(tc, test_budget_too_small);
 	tcase_add_test(tc, test_split_ffn);
+	tcase_add_test(tc, test_split_ffn_dram_streams);
 	tcase_add_test(tc, test_experts_of_one_layer_stream);
 	tcase_add_test(tc, test_experts_streamed_from_disk);
 	tcase_add_test(tc, test_experts_streamed_through_two_slots);
