@@ -37,7 +37,7 @@ struct ffn_share {
 			 * small part, which the others make up for, not a thread's whole share */
 	uint64_t jobs, bytes, ns;    /* ffn_share_stats (atomic) */
 	float *h;		     /* (max_tokens, ffn_dim) the SwiGLU output, rounded to act */
-	struct part_scratch *ps;     /* (parts) */
+	struct part_scratch *ps;     /* (2 parts) a part's own: every part may work on either phase */
 };
 
 int ffn_share_create(uint32_t dim, uint32_t ffn_dim, uint32_t max_tokens, uint32_t threads, struct ffn_share **out,
@@ -57,14 +57,14 @@ int ffn_share_create(uint32_t dim, uint32_t ffn_dim, uint32_t max_tokens, uint32
 	fs->threads = threads;
 	fs->parts = threads * FFN_SHARE_PARTS_PER_THREAD;
 	fs->h = calloc((size_t)max_tokens * ffn_dim, sizeof(float));
-	fs->ps = calloc(fs->parts, sizeof(*fs->ps));
+	fs->ps = calloc(2 * (size_t)fs->parts, sizeof(*fs->ps));
 	int rc = 0;
 	if (!fs->h || !fs->ps) {
 		rc = errorf(err, errlen, -ENOMEM, "cpu share: out of memory for %u tokens of %u rows", max_tokens,
 			    ffn_dim);
 		goto out_destroy;
 	}
-	for (uint32_t i = 0; i < fs->parts; i++) {
+	for (uint32_t i = 0; i < 2 * fs->parts; i++) {
 		struct part_scratch *p = &fs->ps[i];
 		p->xf = calloc(dim, sizeof(float));
 		p->tmp = calloc(ffn_dim, sizeof(float));
@@ -100,7 +100,7 @@ void ffn_share_destroy(struct ffn_share **fsp)
 	if (!fsp || !*fsp)
 		return;
 	struct ffn_share *fs = *fsp;
-	for (uint32_t i = 0; fs->ps && i < fs->parts; i++) {
+	for (uint32_t i = 0; fs->ps && i < 2 * fs->parts; i++) {
 		for (uint32_t t = 0; t < fs->max_tokens; t++) {
 			if (fs->ps[i].xg)
 				cpu_vec_destroy(&fs->ps[i].xg[t]);
@@ -170,20 +170,28 @@ static uint32_t block_rows(uint32_t n, uint64_t row_bytes, uint32_t b, uint32_t 
 	return k < 1 ? 1 : k > e - b ? e - b : (uint32_t)k;
 }
 
-/* The first phase: h over rows [b, e) of the share for every token, block after block of rows. */
-static int swiglu_rows(struct ffn_share *fs, const struct ffn_share_job *job, struct part_scratch *ps, const void *x,
+/* x of every token prepared for gate's (and up's) format, in the part's scratch. */
+static int prepare_x(struct ffn_share *fs, const struct ffn_share_job *job, struct part_scratch *ps, const void *x,
+		     bool fused, char *err, size_t errlen)
+{
+	const uint32_t dim = fs->dim;
+	int rc = 0;
+	for (uint32_t t = 0; t < job->n && rc == 0; t++) {
+		dtype_to_f32((enum dtype)job->act, (const char *)x + (size_t)t * dim * act_size(job->act), ps->xf, dim);
+		rc = cpu_vec_prepare(ps->xg[t], (enum dtype)job->gate.format, ps->xf, dim, err, errlen);
+		if (rc == 0 && !fused)
+			rc = cpu_vec_prepare(ps->xu[t], (enum dtype)job->up.format, ps->xf, dim, err, errlen);
+	}
+	return rc;
+}
+
+/* The first phase over rows [b, e) of the share: h for every token, block after block of rows. */
+static int swiglu_rows(struct ffn_share *fs, const struct ffn_share_job *job, struct part_scratch *ps, bool fused,
 		       uint32_t b, uint32_t e, char *err, size_t errlen)
 {
 	const uint32_t dim = fs->dim, n = job->n;
 	const enum dtype gf = (enum dtype)job->gate.format, uf = (enum dtype)job->up.format;
-	const bool fused = gf == uf && job->gate.row_bytes == job->up.row_bytes;
 	int rc = 0;
-	for (uint32_t t = 0; t < n && rc == 0; t++) {
-		dtype_to_f32((enum dtype)job->act, (const char *)x + (size_t)t * dim * act_size(job->act), ps->xf, dim);
-		rc = cpu_vec_prepare(ps->xg[t], gf, ps->xf, dim, err, errlen);
-		if (rc == 0 && !fused)
-			rc = cpu_vec_prepare(ps->xu[t], uf, ps->xf, dim, err, errlen);
-	}
 	const uint32_t step = block_rows(n, job->gate.row_bytes + job->up.row_bytes, b, e);
 	for (uint32_t r0 = b; r0 < e && rc == 0; r0 += step) {
 		const uint32_t r1 = e - r0 < step ? e : r0 + step;
@@ -211,15 +219,14 @@ static int swiglu_rows(struct ffn_share *fs, const struct ffn_share_job *job, st
 	return rc;
 }
 
-/* The second phase: y over rows [b, e) of down for every token, block after block of rows. */
+/* The second phase over rows [b, e) of down: y for every token, block after block of rows (h
+ * prepared in the part's scratch). */
 static int down_rows(struct ffn_share *fs, const struct ffn_share_job *job, struct part_scratch *ps, float *y,
 		     uint32_t b, uint32_t e, char *err, size_t errlen)
 {
 	const enum dtype df = (enum dtype)job->down.format;
 	const uint32_t n = job->n;
 	int rc = 0;
-	for (uint32_t t = 0; t < n && rc == 0; t++)
-		rc = cpu_vec_prepare(ps->xh[t], df, fs->h + (size_t)t * fs->ffn_dim, job->rows, err, errlen);
 	const uint32_t step = block_rows(n, job->down.row_bytes, b, e);
 	for (uint32_t r0 = b; r0 < e && rc == 0; r0 += step) {
 		const uint32_t r1 = e - r0 < step ? e : r0 + step;
@@ -230,31 +237,59 @@ static int down_rows(struct ffn_share *fs, const struct ffn_share_job *job, stru
 	return rc;
 }
 
+/* Claims the first phase's chunks (P of the share's rows, in order) and runs them until none is
+ * left. A chunk that fails, or one of a job that does not fit, counts as done all the same, so the
+ * second phase never waits for ever; the first error is returned. */
+static int run_phase1(struct ffn_share *fs, struct ffn_share_job *job, struct part_scratch *ps, const void *x,
+		      bool valid, char *err, size_t errlen)
+{
+	const uint32_t P = fs->parts;
+	const bool fused = job->gate.format == job->up.format && job->gate.row_bytes == job->up.row_bytes;
+	bool prepared = false;
+	int rc = 0;
+	for (;;) {
+		uint32_t i = __atomic_fetch_add(&job->claimed1, 1, __ATOMIC_RELAXED);
+		if (i >= P)
+			break;
+		if (valid && rc == 0) {
+			if (!prepared) {
+				rc = prepare_x(fs, job, ps, x, fused, err, errlen);
+				prepared = true;
+			}
+			uint32_t b, e;
+			range(job->rows, P, i, &b, &e);
+			if (rc == 0 && b < e)
+				rc = swiglu_rows(fs, job, ps, fused, b, e, err, errlen);
+		}
+		/* Release: this chunk's rows of h before the count (pairs with the acquire in the wait). */
+		__atomic_add_fetch(&job->phase1_done, 1, __ATOMIC_RELEASE);
+	}
+	return rc;
+}
+
 int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *x, float *y, uint32_t part,
 		   uint32_t n_parts, char *err, size_t errlen)
 {
 	const uint32_t P = fs->parts;
 	assert(n_parts == 2 * P && part < n_parts);
 	(void)n_parts;
+	struct part_scratch *ps = &fs->ps[part];
 	int rc = 0;
 	uint64_t zero = 0, t = now_ns();
 	__atomic_compare_exchange_n(&job->t0_ns, &zero, t, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
-	if (part < P) {
-		if (job->n == 0 || job->n > fs->max_tokens || job->rows > fs->ffn_dim ||
-		    (job->act != DT_F32 && job->act != DT_BF16 && job->act != DT_F16))
-			rc = errorf(err, errlen, -EINVAL, "cpu share: %u tokens of %u rows in %s (at most %u tokens of %u "
-				    "rows; activations F32, BF16 or F16)", job->n, job->rows,
-				    job->act < DT_COUNT ? dtype_name((enum dtype)job->act) : "?", fs->max_tokens,
-				    fs->ffn_dim);
-		uint32_t b, e;
-		range(job->rows, P, part, &b, &e);
-		if (rc == 0 && b < e)
-			rc = swiglu_rows(fs, job, &fs->ps[part], x, b, e, err, errlen);
-		/* Release: this part's rows of h before the count (pairs with the acquire below). A failed
-		 * part counts too, so the second phase never waits for ever. */
-		__atomic_add_fetch(&job->phase1_done, 1, __ATOMIC_RELEASE);
+	const bool valid = job->n > 0 && job->n <= fs->max_tokens && job->rows <= fs->ffn_dim &&
+			   (job->act == DT_F32 || job->act == DT_BF16 || job->act == DT_F16);
+	if (!valid)
+		rc = errorf(err, errlen, -EINVAL, "cpu share: %u tokens of %u rows in %s (at most %u tokens of %u "
+			    "rows; activations F32, BF16 or F16)", job->n, job->rows,
+			    job->act < DT_COUNT ? dtype_name((enum dtype)job->act) : "?", fs->max_tokens, fs->ffn_dim);
+	/* Every part works on the first phase while some of it is left: a part of the second phase
+	 * helps rather than waits (with few chunks a job, as an expert's on a slice of the pool, half of
+	 * the workers would otherwise spin). */
+	int prc = run_phase1(fs, job, ps, x, valid, err, errlen);
+	rc = rc ? rc : prc;
+	if (part < P)
 		return rc;
-	}
 	uint32_t spins = 0;
 	while (__atomic_load_n(&job->phase1_done, __ATOMIC_ACQUIRE) < P) {
 		if (++spins < SPINS_BEFORE_YIELD) {
@@ -265,14 +300,29 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 			sched_yield();
 		}
 	}
-	if (job->n > 0 && job->n <= fs->max_tokens && job->rows <= fs->ffn_dim) { /* else the first phase said so */
+	/* The second phase: down's rows in P chunks, claimed as the first phase's were. */
+	bool prepared = false;
+	for (;;) {
+		uint32_t j = __atomic_fetch_add(&job->claimed2, 1, __ATOMIC_RELAXED);
+		if (j >= P)
+			break;
+		if (!valid || rc)
+			continue;
+		if (!prepared) {
+			const enum dtype df = (enum dtype)job->down.format;
+			for (uint32_t tk = 0; tk < job->n && rc == 0; tk++)
+				rc = cpu_vec_prepare(ps->xh[tk], df, fs->h + (size_t)tk * fs->ffn_dim, job->rows, err,
+						     errlen);
+			prepared = true;
+		}
 		uint32_t b, e;
-		range(fs->dim, P, part - P, &b, &e);
-		if (b < e)
-			rc = down_rows(fs, job, &fs->ps[part - P], y, b, e, err, errlen);
+		range(fs->dim, P, j, &b, &e);
+		if (rc == 0 && b < e)
+			rc = down_rows(fs, job, ps, y, b, e, err, errlen);
 	}
 	if (__atomic_add_fetch(&job->phase2_done, 1, __ATOMIC_ACQ_REL) == P) {
-		/* The job's last part: what it read, and how long it took. */
+		/* The job's last part of the second phase (every chunk of it done): what it read, and how long
+		 * it took. */
 		const enum dtype df = (enum dtype)job->down.format;
 		uint64_t share = job->rows * (job->gate.row_bytes + job->up.row_bytes) +
 				 fs->dim * dtype_row_bytes(df, job->rows), bytes = job->n * share;

@@ -43,13 +43,13 @@ struct split_job {
 static int split_part(const struct cpu_handoff_task *t, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
 {
 	struct split_job *sj = (struct split_job *)t->user;
-	if (sj->fail && part == 0) {
-		/* As a failed first-phase part does: counted, so the second phase goes on. */
-		__atomic_add_fetch(&sj->job.phase1_done, 1, __ATOMIC_RELEASE);
+	int rc = ffn_share_part(sj->be->share, &sj->job, t->in, (float *)t->out, part, n_parts, err, errlen);
+	if (sj->fail && part == 0 && rc == 0) {
+		/* The part's work done (the others' chunks wait for nothing), then a failure reported. */
 		snprintf(err, errlen, "an injected failure (cuda_test_fail_cpu_share)");
 		return -EIO;
 	}
-	return ffn_share_part(sj->be->share, &sj->job, t->in, (float *)t->out, part, n_parts, err, errlen);
+	return rc;
 }
 
 /* A CPU for the memops dispatcher (which spins while a handoff is in flight): the second CPU this

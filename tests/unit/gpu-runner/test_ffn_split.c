@@ -436,7 +436,8 @@ END_TEST
 /* One job of several tokens against a job per token, bit for bit: a part goes through its rows in
  * blocks (ffn_share.c, BLOCK_BYTES), every token's product over a block before the next, and the
  * rows here are enough for several blocks a part in both phases; gate and up fused (both BF16) and
- * not (up in F32). */
+ * not (up in F32). The parts run in reverse order give the same bits: a part of the second phase
+ * runs what is left of the first before it waits. */
 START_TEST(test_share_tokens_in_blocks)
 {
 	enum { DIM = 1024, ROWS = 1024, T = 5 };
@@ -466,6 +467,17 @@ START_TEST(test_share_tokens_in_blocks)
 		ffn_share_job_init(&job, &g, &ups[k], &d, ROWS, T, DT_BF16);
 		for (uint32_t p = 0; p < np; p++) /* in order, as the pool hands them out */
 			ck_assert_msg(ffn_share_part(fs, &job, x, y, p, np, err, sizeof(err)) == 0, "%s", err);
+		/* The parts in reverse, on one thread: the first one run (of the second phase) claims and runs
+		 * every chunk of the first phase, then of the second; the others find nothing left. The
+		 * result does not depend on which part ran which chunk. */
+		float *yr = malloc((size_t)T * DIM * 4);
+		ck_assert_ptr_nonnull(yr);
+		ffn_share_job_init(&job, &g, &ups[k], &d, ROWS, T, DT_BF16);
+		for (uint32_t p = np; p-- > 0;)
+			ck_assert_msg(ffn_share_part(fs, &job, x, yr, p, np, err, sizeof(err)) == 0, "%s", err);
+		ck_assert_msg(memcmp(yr, y, (size_t)T * DIM * 4) == 0, "%s: the parts in reverse differ",
+			      k ? "gate and up apart" : "gate and up fused");
+		free(yr);
 		for (uint32_t t = 0; t < T; t++) {
 			ffn_share_job_init(&job, &g, &ups[k], &d, ROWS, 1, DT_BF16);
 			for (uint32_t p = 0; p < np; p++)
