@@ -237,19 +237,20 @@ static int down_rows(struct ffn_share *fs, const struct ffn_share_job *job, stru
 	return rc;
 }
 
-/* Claims the first phase's chunks (P of the share's rows, in order) and runs them until none is
- * left. A chunk that fails, or one of a job that does not fit, counts as done all the same, so the
- * second phase never waits for ever; the first error is returned. */
+/* Claims the first phase's chunks (2P of the share's rows, in order: one for each part of the job,
+ * so that every part that runs while the first phase is under way has some of it) and runs them
+ * until none is left. A chunk that fails, or one of a job that does not fit, counts as done all the
+ * same, so the second phase never waits for ever; the first error is returned. */
 static int run_phase1(struct ffn_share *fs, struct ffn_share_job *job, struct part_scratch *ps, const void *x,
 		      bool valid, char *err, size_t errlen)
 {
-	const uint32_t P = fs->parts;
+	const uint32_t C = 2 * fs->parts;
 	const bool fused = job->gate.format == job->up.format && job->gate.row_bytes == job->up.row_bytes;
 	bool prepared = false;
 	int rc = 0;
 	for (;;) {
 		uint32_t i = __atomic_fetch_add(&job->claimed1, 1, __ATOMIC_RELAXED);
-		if (i >= P)
+		if (i >= C)
 			break;
 		if (valid && rc == 0) {
 			if (!prepared) {
@@ -257,7 +258,7 @@ static int run_phase1(struct ffn_share *fs, struct ffn_share_job *job, struct pa
 				prepared = true;
 			}
 			uint32_t b, e;
-			range(job->rows, P, i, &b, &e);
+			range(job->rows, C, i, &b, &e);
 			if (rc == 0 && b < e)
 				rc = swiglu_rows(fs, job, ps, fused, b, e, err, errlen);
 		}
@@ -291,7 +292,7 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 	if (part < P)
 		return rc;
 	uint32_t spins = 0;
-	while (__atomic_load_n(&job->phase1_done, __ATOMIC_ACQUIRE) < P) {
+	while (__atomic_load_n(&job->phase1_done, __ATOMIC_ACQUIRE) < 2 * P) {
 		if (++spins < SPINS_BEFORE_YIELD) {
 #if defined(__x86_64__) || defined(__i386__)
 			__builtin_ia32_pause();

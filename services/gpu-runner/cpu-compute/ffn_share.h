@@ -21,11 +21,11 @@
  * over a block before the next, so that the rows are read from memory once, not once a token; each
  * row's product is the same whatever the blocks (cpu_compute.h).
  *
- * The job runs in two phases of P chunks each (P = FFN_SHARE_PARTS_PER_THREAD times the threads
- * given at create, so that a preempted worker delays a small chunk): the SwiGLU rows, then the rows
- * of down. Its 2P parts claim chunks (an atomic counter a phase): parts [0, P) run chunks of the
- * first phase while any is left; parts [P, 2P) do the same first, then wait (spinning, then
- * yielding) for the first phase's chunks others still run, then claim chunks of the second. So no
+ * The job runs in two phases (P = FFN_SHARE_PARTS_PER_THREAD times the threads given at create, so
+ * that a preempted worker delays a small chunk): the SwiGLU rows in 2P chunks, then the rows of down
+ * in P. Its 2P parts claim chunks (an atomic counter a phase): parts [0, P) run chunks of the first
+ * phase while any is left; parts [P, 2P) do the same first, then wait (spinning, then yielding) for
+ * the first phase's chunks others still run, then claim chunks of the second. So no
  * worker spins while work of the job it holds is left (with few chunks a job, as an expert's job on
  * a slice of the pool, half of the workers did), and the wait cannot deadlock whatever order the
  * parts run in: a chunk is claimed only by a running part, which finishes it. One job at a time per
@@ -58,8 +58,8 @@ struct ffn_share_job {
 	uint32_t rows;	       /* intermediate rows of the share: ffn_dim - r */
 	uint32_t n;	       /* tokens */
 	uint32_t act;	       /* enum dtype of x, and what h is rounded to (DT_F32: not rounded) */
-	uint32_t claimed1, claimed2; /* chunks of each phase handed out (atomic; P each) */
-	uint32_t phase1_done;  /* chunks of the first phase finished (atomic; the second waits for P) */
+	uint32_t claimed1, claimed2; /* chunks of each phase handed out (atomic; 2P, then P) */
+	uint32_t phase1_done;  /* chunks of the first phase finished (atomic; the second waits for 2P) */
 	uint32_t phase2_done;  /* parts of the second phase finished (atomic; the last one counts the job) */
 	uint64_t t0_ns;	       /* when the first part started (atomic, 0 until then) */
 };
