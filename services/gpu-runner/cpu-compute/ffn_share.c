@@ -20,7 +20,7 @@
  * cache holds, and were read again for every token). */
 #define BLOCK_BYTES (256u * 1024u)
 
-/* What one part of a phase keeps between jobs. */
+/* What one part keeps between jobs. */
 struct part_scratch {
 	/* (max_tokens) per token: x prepared for gate's and up's formats (xu: when they differ), h for
 	 * down's. Token 0's are made at create; the others grow at their first use. */
@@ -252,14 +252,14 @@ static int run_phase1(struct ffn_share *fs, struct ffn_share_job *job, struct pa
 		uint32_t i = __atomic_fetch_add(&job->claimed1, 1, __ATOMIC_RELAXED);
 		if (i >= C)
 			break;
-		if (valid && rc == 0) {
+		uint32_t b, e;
+		range(job->rows, C, i, &b, &e);
+		if (valid && rc == 0 && b < e) {
 			if (!prepared) {
 				rc = prepare_x(fs, job, ps, x, fused, err, errlen);
 				prepared = true;
 			}
-			uint32_t b, e;
-			range(job->rows, C, i, &b, &e);
-			if (rc == 0 && b < e)
+			if (rc == 0)
 				rc = swiglu_rows(fs, job, ps, fused, b, e, err, errlen);
 		}
 		/* Release: this chunk's rows of h before the count (pairs with the acquire in the wait). */

@@ -436,8 +436,8 @@ END_TEST
 /* One job of several tokens against a job per token, bit for bit: a part goes through its rows in
  * blocks (ffn_share.c, BLOCK_BYTES), every token's product over a block before the next, and the
  * rows here are enough for several blocks a part in both phases; gate and up fused (both BF16) and
- * not (up in F32). The parts run in reverse order give the same bits: a part of the second phase
- * runs what is left of the first before it waits. */
+ * not (up in F32). The parts run in reverse order on one thread give the same bits (a part of the
+ * second phase runs what is left of the first before it waits, where the old order waited for ever). */
 START_TEST(test_share_tokens_in_blocks)
 {
 	enum { DIM = 1024, ROWS = 1024, T = 5 };
@@ -501,6 +501,78 @@ START_TEST(test_share_tokens_in_blocks)
 }
 END_TEST
 
+/* The same job on a pool of 4 workers, 30 times, against the job run in order on one thread: chunks
+ * of the first phase run by different parts and threads, the second phase reading h they wrote,
+ * give the same bits every time. */
+struct pool_share {
+	struct ffn_share *fs;
+	struct ffn_share_job *job;
+	const void *x;
+	float *y;
+};
+
+static int pool_share_part(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
+{
+	struct pool_share *ps = arg;
+	return ffn_share_part(ps->fs, ps->job, ps->x, ps->y, part, n_parts, err, errlen);
+}
+
+START_TEST(test_share_on_a_pool)
+{
+	enum { DIM = 512, ROWS = 768, T = 3 };
+	char err[256] = "";
+	struct task_pool *pool = NULL;
+	struct task_pool_config pc;
+	task_pool_config_default(&pc);
+	pc.threads = 4;
+	pc.pin = false;
+	ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
+	struct ffn_share *fs = NULL;
+	ck_assert_msg(ffn_share_create(DIM, ROWS, 4, 1, &fs, err, sizeof(err)) == 0, "%s", err); /* 4 chunks a phase */
+	const uint32_t np = ffn_share_parts(fs);
+	uint16_t *gate = malloc((size_t)ROWS * DIM * 2), *up = malloc((size_t)ROWS * DIM * 2),
+		 *down = malloc((size_t)DIM * ROWS * 2), *x = malloc((size_t)T * DIM * 2);
+	float *want = malloc((size_t)T * DIM * 4), *y = malloc((size_t)T * DIM * 4);
+	ck_assert(gate && up && down && x && want && y);
+	rng_state = 17;
+	for (size_t i = 0; i < (size_t)ROWS * DIM; i++) {
+		gate[i] = f32_to_bf16((float)(0.05 * rng_normal()));
+		up[i] = f32_to_bf16((float)(0.05 * rng_normal()));
+		down[i] = f32_to_bf16((float)(0.05 * rng_normal()));
+	}
+	for (size_t i = 0; i < (size_t)T * DIM; i++)
+		x[i] = f32_to_bf16((float)rng_normal());
+	struct ffn_share_mat g = {.data = gate, .format = DT_BF16, .row_bytes = DIM * 2};
+	struct ffn_share_mat u = {.data = up, .format = DT_BF16, .row_bytes = DIM * 2};
+	struct ffn_share_mat d = {.data = down, .format = DT_BF16, .row_bytes = ROWS * 2};
+	struct ffn_share_job job;
+	ffn_share_job_init(&job, &g, &u, &d, ROWS, T, DT_BF16);
+	for (uint32_t p = 0; p < np; p++)
+		ck_assert_msg(ffn_share_part(fs, &job, x, want, p, np, err, sizeof(err)) == 0, "%s", err);
+	for (int rep = 0; rep < 30; rep++) {
+		memset(y, 0xff, (size_t)T * DIM * 4);
+		ffn_share_job_init(&job, &g, &u, &d, ROWS, T, DT_BF16);
+		struct pool_share ps = {.fs = fs, .job = &job, .x = x, .y = y};
+		uint32_t done = 0, waiters = 0;
+		struct task_job tj;
+		task_job_init(&tj, pool_share_part, &ps, np, &done, (uint32_t)rep + 1);
+		tj.done_waiters = &waiters;
+		ck_assert_int_eq(task_pool_submit(pool, &tj), 0);
+		ck_assert_int_eq(task_word_wait(&done, &waiters, (uint32_t)rep + 1, 10, 0), 0);
+		ck_assert_msg(tj.rc == 0, "%s", tj.err);
+		ck_assert_msg(memcmp(y, want, (size_t)T * DIM * 4) == 0, "run %d on the pool differs from the one in order", rep);
+	}
+	free(gate);
+	free(up);
+	free(down);
+	free(x);
+	free(want);
+	free(y);
+	ffn_share_destroy(&fs);
+	task_pool_destroy(&pool);
+}
+END_TEST
+
 static Suite *split_suite(void)
 {
 	Suite *s = suite_create("ffn_split");
@@ -516,6 +588,7 @@ static Suite *split_suite(void)
 	tcase_add_test(te, test_refusals);
 	tcase_add_test(te, test_share_job_failure);
 	tcase_add_test(te, test_share_tokens_in_blocks);
+	tcase_add_test(te, test_share_on_a_pool);
 	suite_add_tcase(s, te);
 	return s;
 }

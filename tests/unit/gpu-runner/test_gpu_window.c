@@ -504,12 +504,14 @@ static void experts_from_disk(uint32_t experts)
 	for (uint32_t l = 0; l < c->n_layers; l++)
 		dense += dev_bytes(f.m, model_group_attn(c, l)) + dev_bytes(f.m, model_group_ffn(c, l));
 	uint64_t head = dev_bytes(f.m, group_id_head(c));
-	stop(&f);
+	const uint32_t L = c->n_layers;
+	stop(&f); /* c goes with the manifest */
 	char dram[64];
 	snprintf(dram, sizeof(dram), "%llu",
-		 (unsigned long long)(2 * cap[CLASS_GLOBAL] + c->n_layers * (cap[CLASS_ATTN] + cap[CLASS_FFN]) +
+		 (unsigned long long)(2 * cap[CLASS_GLOBAL] + L * (cap[CLASS_ATTN] + cap[CLASS_FFN]) +
 				      experts * cap[CLASS_EXPERT]));
 	start_shape(&f, dram, "mixtral-tiny", 3);
+	c = &f.m->cfg;
 	ck_assert(!ring_source_all_resident(f.ring));
 	ck_assert_uint_eq(ring_source_streaming_slots(f.ring, CLASS_EXPERT), experts < 3 ? experts : 3);
 	struct gpu_window_params p = {.gpu_budget = head + dense + 2 * x, .depth = 2, .strict = true};
