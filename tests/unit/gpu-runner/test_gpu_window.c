@@ -46,7 +46,10 @@ static void start_shape(struct fixture *f, const char *dram_budget, const char *
 	snprintf(f->model, sizeof(f->model), "%s/model", f->dir);
 	snprintf(f->run, sizeof(f->run), "%s/run", f->dir);
 	snprintf(f->log, sizeof(f->log), "%s/loader.log", f->dir);
-	snprintf(f->instance, sizeof(f->instance), "gwt%d", (int)getpid());
+	/* An instance of its own each time: a case that fails leaves its loader behind (CK_NOFORK), and
+	 * the next case must not meet it. */
+	static int starts;
+	snprintf(f->instance, sizeof(f->instance), "gwt%d-%d", (int)getpid(), starts++);
 	struct model_config cfg;
 	char err[512];
 	ck_assert_int_eq(synth_shape_config(shape, &cfg, err, sizeof(err)), 0);
@@ -406,7 +409,7 @@ static void routed_steps(struct fixture *f, struct gpu_window *w, int steps)
 	const uint32_t E = c->n_experts;
 	char err[512];
 	struct weight_source *ws = gpu_window_base(w);
-	bool used[64] = {false}, on_cpu[64];
+	bool used[64] = {false}, on_cpu[64] = {false};
 	srand(7);
 	for (int step = 0; step < steps; step++) {
 		ws->step_tokens = step == 0 ? 16 : 1; /* a prefill chunk that routes to every expert, then decode */
@@ -416,11 +419,26 @@ static void routed_steps(struct fixture *f, struct gpu_window *w, int steps)
 				ck_assert_msg(ws->ops->skip(ws, g) == 0, "step %d: skip %u: %s", step, g, ws->error);
 				continue;
 			}
+			if (gd->kind == GROUP_EXPERT && on_cpu[gd->expert]) {
+				/* Left in DRAM for the CPU: its bytes in host memory, in place; no release. */
+				struct group_weights hw;
+				ck_assert_msg(ws->ops->acquire_host(ws, g, &hw) == 0, "step %d: acquire_host %u: %s", step, g,
+					      ws->error);
+				for (uint32_t i = 0; i < gd->n_tensors; i++) {
+					const struct tensor_desc *t = &f->m->tensors[gd->first_tensor + i];
+					char *want = file_bytes(f->m, t);
+					ck_assert_ptr_nonnull(hw.t[t->role].data[PLACE_HOST]);
+					ck_assert_msg(memcmp(hw.t[t->role].data[PLACE_HOST], want, t->nbytes) == 0,
+						      "step %d: expert group %u left for the CPU: %s differs", step, g, t->name);
+					free(want);
+				}
+				continue;
+			}
 			struct group_weights gw;
 			ck_assert_msg(ws->ops->acquire(ws, g, &gw) == 0, "step %d: acquire %u: %s", step, g, ws->error);
 			if (gd->kind == GROUP_MOE) {
 				for (uint32_t e = 0; e < E; e++)
-					used[e] = step == 0;
+					used[e] = step == 0, on_cpu[e] = false;
 				for (uint32_t k = 0; step && k < c->n_experts_used;) {
 					uint32_t e = (uint32_t)rand() % E;
 					k += !used[e];
@@ -492,7 +510,7 @@ END_TEST
  * experts that stream from disk are asked of the loader together at its routing (ring_route, through
  * the window's route; never the experts the window copied before the routing, whose grants would
  * then be held by nobody and leave the loader no slot), and every copy holds the checkpoint's bytes. */
-static void experts_from_disk(uint32_t experts)
+static void experts_from_disk(uint32_t experts, bool cpu)
 {
 	struct fixture f;
 	start_shape(&f, "1GiB", "mixtral-tiny", 3);
@@ -517,25 +535,47 @@ static void experts_from_disk(uint32_t experts)
 	struct gpu_window_params p = {.gpu_budget = head + dense + 2 * x, .depth = 2, .strict = true};
 	struct gpu_window *w = NULL;
 	char err[512];
+	struct task_pool *pool = NULL;
+	if (cpu) {
+		struct task_pool_config pc;
+		task_pool_config_default(&pc);
+		pc.threads = 2;
+		pc.pin = false;
+		ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
+		p.cpu_pool = pool;
+		ck_assert_int_eq(cpu_share_parse("0.5", &p.cpu_share, err, sizeof(err)), 0);
+	}
 	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
 	struct gpu_window_stats st;
 	gpu_window_stats(w, &st);
 	ck_assert_uint_eq(st.experts_resident, 0);
 	routed_steps(&f, w, 24);
 	ck_assert_uint_gt(ring_source_experts_ahead(f.ring), 0);
+	gpu_window_stats(w, &st);
+	if (cpu) /* the pinned experts chosen in decode steps, half of them by bytes */
+		ck_assert_uint_gt(st.experts_cpu, 0);
 	gpu_window_destroy(&w);
+	task_pool_destroy(&pool);
 	stop(&f);
 }
 
 START_TEST(test_experts_streamed_from_disk)
 {
-	experts_from_disk(9);
+	experts_from_disk(9, false);
 }
 END_TEST
 
 START_TEST(test_experts_streamed_through_two_slots)
 {
-	experts_from_disk(2);
+	experts_from_disk(2, false);
+}
+END_TEST
+
+START_TEST(test_experts_on_the_cpu_from_dram)
+{
+	/* --cpu-share 0.5: chosen experts pinned in DRAM go to the CPU by half of their bytes, read in
+	 * place in their slots (the ring holds no grant of them). */
+	experts_from_disk(9, true);
 }
 END_TEST
 
@@ -570,6 +610,7 @@ int main(void)
 	tcase_add_test(tc, test_experts_of_one_layer_stream);
 	tcase_add_test(tc, test_experts_streamed_from_disk);
 	tcase_add_test(tc, test_experts_streamed_through_two_slots);
+	tcase_add_test(tc, test_experts_on_the_cpu_from_dram);
 	suite_add_tcase(s, tc);
 	SRunner *sr = srunner_create(s);
 	/* CUDA contexts do not survive fork: run in this process. */
