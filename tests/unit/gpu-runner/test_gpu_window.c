@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -579,6 +580,62 @@ START_TEST(test_experts_on_the_cpu_from_dram)
 }
 END_TEST
 
+START_TEST(test_hot_experts)
+{
+	/* Room for 5 experts beside the attention and router groups and two expert slots. With no routing
+	 * counted the window keeps layer 0's first five; what a plan from a heat that favours five others
+	 * would keep (gpu_window_expert_gain) is all of the heat, against none now; a window made with that
+	 * heat keeps those five, and routed steps still hand out the checkpoint's bytes. */
+	struct fixture f;
+	start_shape(&f, "1GiB", "mixtral-tiny", 3);
+	const struct model_config *c = &f.m->cfg;
+	const uint32_t E = c->n_experts;
+	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = 0;
+	for (uint32_t l = 0; l < c->n_layers; l++)
+		dense += dev_bytes(f.m, model_group_attn(c, l)) + dev_bytes(f.m, model_group_ffn(c, l));
+	struct gpu_window_params p = {.gpu_budget = dev_bytes(f.m, group_id_head(c)) + dense + 2 * x + 5 * x + x / 2,
+				      .depth = 2, .strict = true};
+	struct gpu_window *w = NULL;
+	char err[512];
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	struct gpu_window_stats st;
+	gpu_window_stats(w, &st);
+	ck_assert_uint_eq(st.experts_resident, 5);
+	bool resident;
+	for (uint32_t e = 0; e < E; e++) {
+		gpu_window_group_state(w, model_group_expert(c, 0, e), &resident);
+		ck_assert_msg(resident == (e < 5), "layer 0's expert %u", e);
+	}
+	float *heat = calloc((size_t)c->n_layers * E, sizeof(float));
+	ck_assert_ptr_nonnull(heat);
+	const uint32_t hot[5][2] = {{2, 7}, {1, 3}, {2, 0}, {1, 6}, {0, 6}};
+	for (int i = 0; i < 5; i++)
+		heat[hot[i][0] * E + hot[i][1]] = 0.9f - 0.1f * (float)i;
+	double now = -1, planned = -1;
+	ck_assert_int_eq(gpu_window_expert_gain(w, heat, &now, &planned), 0);
+	ck_assert_msg(now == 0 && fabs(planned - 1) < 1e-6, "now %g, planned %g", now, planned);
+	gpu_window_destroy(&w);
+	p.expert_heat = heat;
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	gpu_window_stats(w, &st);
+	ck_assert_uint_eq(st.experts_resident, 5);
+	ck_assert(fabs(st.expert_heat_resident - 1) < 1e-6);
+	for (int i = 0; i < 5; i++) {
+		gpu_window_group_state(w, model_group_expert(c, hot[i][0], hot[i][1]), &resident);
+		ck_assert_msg(resident, "hot expert %u of layer %u not resident", hot[i][1], hot[i][0]);
+	}
+	ck_assert_int_eq(gpu_window_expert_gain(w, heat, &now, &planned), 0);
+	ck_assert(fabs(now - 1) < 1e-6 && fabs(planned - 1) < 1e-6);
+	char line[1024];
+	gpu_window_describe(w, line, sizeof(line));
+	ck_assert_msg(strstr(line, "5 experts resident, chosen by 100.0% of the routing counted"), "%s", line);
+	routed_steps(&f, w, 12);
+	gpu_window_destroy(&w);
+	free(heat);
+	stop(&f);
+}
+END_TEST
+
 START_TEST(test_budget_too_small)
 {
 	struct fixture f;
@@ -611,6 +668,7 @@ int main(void)
 	tcase_add_test(tc, test_experts_streamed_from_disk);
 	tcase_add_test(tc, test_experts_streamed_through_two_slots);
 	tcase_add_test(tc, test_experts_on_the_cpu_from_dram);
+	tcase_add_test(tc, test_hot_experts);
 	suite_add_tcase(s, tc);
 	SRunner *sr = srunner_create(s);
 	/* CUDA contexts do not survive fork: run in this process. */
