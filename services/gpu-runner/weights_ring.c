@@ -444,8 +444,10 @@ static void free_tables(struct ring_source *rs)
 	rs->pending_release = NULL;
 }
 
-/* Acquires the groups kept for good: all when resident, else the globals (embed, head); of the
- * stage's groups only (weights.h), and not those held already. */
+/* Acquires the groups kept for good: all when resident, else the globals (embed, head) and the
+ * groups the loader pins in DRAM (they never leave their slots: held for good they cost no message a
+ * token, and the CPU reads them in place); of the stage's groups only (weights.h), and not those
+ * held already. */
 static int acquire_keep(struct ring_source *rs)
 {
 	uint32_t ng = rs->base.n_groups, n = 0;
@@ -453,7 +455,8 @@ static int acquire_keep(struct ring_source *rs)
 	if (!keep)
 		return errorf(rs->base.error, sizeof(rs->base.error), -ENOMEM, "out of memory");
 	for (uint32_t g = 0; g < ng; g++)
-		if ((rs->all_resident || rs->groups[g].kind == GROUP_EMBED || rs->groups[g].kind == GROUP_HEAD) &&
+		if ((rs->all_resident || rs->groups[g].kind == GROUP_EMBED || rs->groups[g].kind == GROUP_HEAD ||
+		     ring_source_group_pinned(rs, g)) &&
 		    weight_stage_has(&rs->base.stage, &rs->groups[g]) && !(rs->held[g].held && !rs->held[g].stale))
 			keep[n++] = g;
 	int rc = acquire_groups(rs, keep, n);

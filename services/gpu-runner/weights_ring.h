@@ -9,7 +9,7 @@
  * At creation it maps the ring, copies and checks the loader's tables (config, tensors,
  * groups: another process wrote them, so nothing is trusted unchecked), and acquires the
  * groups it keeps for good: all of them when the loader holds the whole model, else the
- * globals (embed and head). Streamed groups are acquired one at a time (but a layer's chosen
+ * globals (embed and head) and the groups the loader pins. Streamed groups are acquired one at a time (but a layer's chosen
  * experts, asked for together at its routing: ring_route); a release is held back and sent with
  * the next acquire, so a streamed group costs one round trip.
  *

@@ -330,7 +330,10 @@ START_TEST(ring_source_beats_while_a_release_is_not_answered)
 	 * instead of blocking silently. */
 	struct ring_fx f;
 	ring_fx_open(&f);
-	f.h->all_resident = 0; /* so the layer groups stream, and a release is sent */
+	f.h->all_resident = 0; /* so the layer groups stream (not pinned), and a release is sent */
+	for (uint32_t g = 0; g < f.h->n_groups; g++)
+		if (wring_groups(f.h)[g].kind != GROUP_EMBED && wring_groups(f.h)[g].kind != GROUP_HEAD)
+			atomic_store(&wring_group_state(f.h)[g].pinned, 0);
 	struct peer p = {.ring = f.h, .silent_type = MSG_W_RELEASE};
 	peer_start(&p, f.dir, "ssd-loader");
 	void *zctx = zmq_ctx_new();
