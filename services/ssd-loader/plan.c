@@ -101,6 +101,10 @@ int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **ou
 		uint64_t best = 0, best_ne = 0, best_ke = 0;
 		/* The deepest window that fits first (reads overlap), then the most pinned bytes. */
 		for (uint32_t k = PLAN_STREAM_SLOTS; k >= 1 && best_na < 0; k--) {
+			/* The experts' window at the deepest level holds a layer's chosen experts of a token
+			 * (the runner asks for them together at the routing and the loader reads them at once:
+			 * weights_ring.c), where a token chooses more than PLAN_STREAM_SLOTS. */
+			const uint32_t kx = k == PLAN_STREAM_SLOTS && m->cfg.n_experts_used > k ? m->cfg.n_experts_used : k;
 			for (uint32_t na = 0; na <= L; na++) {
 				for (int64_t nf = L; nf >= 0; nf--) {
 					uint32_t sa = L - na, sf = L - (uint32_t)nf;
@@ -109,7 +113,7 @@ int plan_create(const struct manifest *m, uint64_t dram_budget, struct plan **ou
 					if (bytes > rest)
 						continue;
 					uint64_t ne = 0, ke = 0;
-					if (n_expert_groups && !plan_experts(rest - bytes, k, n_expert_groups, x, &ne, &ke))
+					if (n_expert_groups && !plan_experts(rest - bytes, kx, n_expert_groups, x, &ne, &ke))
 						continue;
 					uint64_t res = (uint64_t)na * a + (uint64_t)nf * f + ne * x;
 					if (best_na < 0 || res > best) {

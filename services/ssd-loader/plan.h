@@ -15,8 +15,9 @@
  * from the last one down, since the GPU window keeps the first layers on the device.
  *
  * A mixture-of-experts model streams its experts the same way: a third window of up to
- * PLAN_STREAM_SLOTS expert slots (CLASS_EXPERT) beside the attention and router (CLASS_FFN)
- * windows, and the split of what is left between pinned attention, router and expert groups that
+ * PLAN_STREAM_SLOTS expert slots (CLASS_EXPERT; as many as a token's chosen experts, num_experts_per_tok,
+ * where those are more and the budget allows, since a layer's are asked for together) beside the
+ * attention and router (CLASS_FFN) windows, and the split of what is left between pinned attention, router and expert groups that
  * pins the most bytes; experts are pinned from the last layer down, expert 0 first. The engine
  * visits attn(l), moe(l), expert(l, 0..E-1) in order, so the loader's in-order read-ahead serves
  * them; every expert is read whether routed to or not (fetching only the routed ones is to come).

@@ -227,12 +227,12 @@ struct fake_moe {
 	struct group_desc groups[2 + (2 + MOE_E) * MOE_L];
 };
 
-static void fake_moe_init(struct fake_moe *f)
+static void fake_moe_init_k(struct fake_moe *f, uint32_t k_used)
 {
 	memset(f, 0, sizeof(*f));
 	f->m.cfg.n_layers = MOE_L;
 	f->m.cfg.n_experts = MOE_E;
-	f->m.cfg.n_experts_used = 2;
+	f->m.cfg.n_experts_used = k_used;
 	f->m.n_groups = model_n_groups(&f->m.cfg);
 	ck_assert_uint_eq(f->m.n_groups, ARRAY_SIZE(f->groups));
 	f->m.groups = f->groups;
@@ -253,6 +253,11 @@ static void fake_moe_init(struct fake_moe *f)
 	}
 }
 
+static void fake_moe_init(struct fake_moe *f)
+{
+	fake_moe_init_k(f, 2);
+}
+
 static uint64_t moe_resident_bytes(void)
 {
 	return 2 * GLOBAL_B + MOE_L * (ATTN_B + ROUTER_B + MOE_E * EXPERT_B);
@@ -263,8 +268,16 @@ static uint32_t window(uint32_t streaming, uint32_t k)
 	return streaming < k ? streaming : k;
 }
 
-/* Trying every split: the deepest window k that fits, then the most pinned bytes. */
-static void moe_expected(uint64_t budget, uint32_t *k_out, uint64_t *pinned_out)
+/* The experts' window at level k: a token's chosen experts (k_used) at the deepest level where they
+ * are more. */
+static uint32_t expert_window(uint32_t k, uint32_t k_used)
+{
+	return k == PLAN_STREAM_SLOTS && k_used > k ? k_used : k;
+}
+
+/* Trying every split: the deepest window k that fits, then the most pinned bytes. *k_out is the
+ * window of the layer classes, *kx_out the experts'. */
+static void moe_expected(uint64_t budget, uint32_t k_used, uint32_t *k_out, uint32_t *kx_out, uint64_t *pinned_out)
 {
 	uint64_t rest = budget - 2 * GLOBAL_B, best = 0;
 	uint32_t n = MOE_L * MOE_E;
@@ -273,13 +286,15 @@ static void moe_expected(uint64_t budget, uint32_t *k_out, uint64_t *pinned_out)
 		for (uint32_t a = 0; a <= MOE_L; a++)
 			for (uint32_t r = 0; r <= MOE_L; r++)
 				for (uint32_t x = 0; x <= n; x++) {
+					uint32_t kx = expert_window(k, k_used);
 					uint64_t res = a * ATTN_B + r * ROUTER_B + x * EXPERT_B;
 					uint64_t bytes = res + window(MOE_L - a, k) * ATTN_B +
-							 window(MOE_L - r, k) * ROUTER_B + window(n - x, k) * EXPERT_B;
+							 window(MOE_L - r, k) * ROUTER_B + window(n - x, kx) * EXPERT_B;
 					if (bytes <= rest && (!found || res > best)) {
 						found = true;
 						best = res;
 						*k_out = k;
+						*kx_out = kx;
 					}
 				}
 	ck_assert(found);
@@ -288,9 +303,9 @@ static void moe_expected(uint64_t budget, uint32_t *k_out, uint64_t *pinned_out)
 
 static void check_moe_streaming(struct fake_moe *f, uint64_t budget)
 {
-	uint32_t k = 0;
+	uint32_t k = 0, kx = 0;
 	uint64_t want_pinned = 0;
-	moe_expected(budget, &k, &want_pinned);
+	moe_expected(budget, f->m.cfg.n_experts_used, &k, &kx, &want_pinned);
 	struct plan *p = NULL;
 	char err[256];
 	ck_assert_int_eq(plan_create(&f->m, budget, &p, err, sizeof(err)), 0);
@@ -314,7 +329,7 @@ static void check_moe_streaming(struct fake_moe *f, uint64_t budget)
 	ck_assert_msg(pinned_bytes == want_pinned, "budget %llu: %llu bytes pinned, %llu possible",
 		      (unsigned long long)budget, (unsigned long long)pinned_bytes, (unsigned long long)want_pinned);
 	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
-		ck_assert_uint_eq(plan_streaming_slots(p, c), window(total[c] - pinned_n[c], k));
+		ck_assert_uint_eq(plan_streaming_slots(p, c), window(total[c] - pinned_n[c], c == CLASS_EXPERT ? kx : k));
 		ck_assert_uint_eq(plan_class_slots(p, c), pinned_n[c] + plan_streaming_slots(p, c));
 	}
 	/* Pinned attention and router groups: the last layers. Pinned experts: the i-th from the
@@ -358,6 +373,25 @@ START_TEST(moe_experts_stream)
 }
 END_TEST
 
+START_TEST(moe_window_holds_a_tokens_experts)
+{
+	/* Every expert of a layer chosen (num_experts_per_tok 4 > PLAN_STREAM_SLOTS): where the budget
+	 * allows the deepest window, the experts' holds 4, so a layer's chosen experts are read at once;
+	 * tighter budgets fall back to the layer classes' window. */
+	struct fake_moe f;
+	fake_moe_init_k(&f, MOE_E);
+	uint64_t full = 2 * GLOBAL_B + PLAN_STREAM_SLOTS * (ATTN_B + ROUTER_B) + MOE_E * EXPERT_B;
+	struct plan *p = NULL;
+	char err[512] = "";
+	ck_assert_int_eq(plan_create(&f.m, full, &p, err, sizeof(err)), 0);
+	ck_assert_uint_eq(plan_streaming_slots(p, CLASS_EXPERT), MOE_E);
+	plan_destroy(&p);
+	uint64_t need = 2 * GLOBAL_B + ATTN_B + ROUTER_B + EXPERT_B;
+	for (uint64_t b = need; b < moe_resident_bytes(); b += 1024)
+		check_moe_streaming(&f, b);
+}
+END_TEST
+
 START_TEST(moe_too_small_names_the_need)
 {
 	struct fake_moe f;
@@ -391,6 +425,7 @@ static Suite *plan_suite(void)
 	tc = tcase_create("streaming");
 	tcase_add_test(tc, streaming_slot_counts);
 	tcase_add_test(tc, moe_experts_stream);
+	tcase_add_test(tc, moe_window_holds_a_tokens_experts);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("errors");
 	tcase_add_test(tc, too_small_names_the_need);
