@@ -338,20 +338,12 @@ int main(int argc, char **argv)
 	}
 
 	const uint64_t row_bytes = dtype_row_bytes(t, cols), bytes = row_bytes * rows;
-	uint8_t *w = aligned_alloc(2u << 20, (bytes + (2u << 20) - 1) / (2u << 20) * (2u << 20));
-	float *src = malloc((size_t)cols * sizeof(float)), *x = malloc((size_t)cols * sizeof(float));
-	float *y = malloc((size_t)rows * sizeof(float));
-	if (!w || !src || !x || !y) {
+	uint8_t *w = make_matrix(t, rows, cols);
+	float *x = malloc((size_t)cols * sizeof(float)), *y = malloc((size_t)rows * sizeof(float));
+	if (!w || !x || !y) {
 		fprintf(stderr, "bench-cpu-gemv: cannot allocate %.1f MB of weights\n", (double)bytes / 1e6);
 		return 1;
 	}
-	for (uint32_t r = 0; r < rows && r < DISTINCT_ROWS; r++) {
-		for (uint32_t c = 0; c < cols; c++)
-			src[c] = (float)(0.02 * normal());
-		quant_quantize(t, src, w + r * row_bytes, cols);
-	}
-	for (uint32_t r = DISTINCT_ROWS; r < rows; r++)
-		memcpy(w + r * row_bytes, w + (r % DISTINCT_ROWS) * row_bytes, row_bytes);
 	for (uint32_t c = 0; c < cols; c++)
 		x[c] = (float)normal();
 
@@ -409,7 +401,6 @@ int main(int argc, char **argv)
 	cpu_pool_destroy(&pool);
 	cpu_vec_destroy(&xv);
 	free(w);
-	free(src);
 	free(x);
 	free(y);
 	return 0;
