@@ -245,6 +245,8 @@ static void run_job(struct runner *r, struct job *j)
 {
 	char err[1024] = "";
 	struct gen_result res = {0};
+	bool ran = false, stopping = false;
+	const uint64_t corr = j->corr;
 	r->current = j;
 	r->requests++;
 	runner_replan_experts(r); /* between requests: hotter experts kept on the GPU */
@@ -252,6 +254,7 @@ static void run_job(struct runner *r, struct job *j)
 	if (rc == 0)
 		rc = runner_job_prepare(r, j, err, sizeof(err));
 	if (rc == 0) {
+		ran = true;
 		rc = generate_run(r->engine, j->ids, j->n_ids, (uint32_t)r->max_context, &j->params, runner_job_emit, j,
 				  &res, err, sizeof(err));
 		/* A stage of a split model died under the request: once the ranks are formed again it goes
@@ -275,15 +278,18 @@ static void run_job(struct runner *r, struct job *j)
 			rc = generate_run(r->engine, j->ids, j->n_ids, (uint32_t)r->max_context, &j->params, runner_job_emit,
 					  j, &res, err, sizeof(err));
 		}
-		bool stopping = rc == -ECANCELED && service_stop_requested(r->svc);
-		char werr[512];
-		int wrc = runner_release_weights(r, stopping, werr, sizeof(werr));
-		if (wrc && !rc) {
-			snprintf(err, sizeof(err), "%s", werr);
-			rc = wrc;
-		}
+		stopping = rc == -ECANCELED && service_stop_requested(r->svc);
 	}
 	runner_job_reply(r, j, rc, &res, err);
+	/* The streamed weights go back after the reply, as after a batched step: the end of a request
+	 * never waits on the loader (one killed just then was waited for in slices, but waited for). */
+	if (ran) {
+		char werr[512];
+		if (runner_release_weights(r, stopping, werr, sizeof(werr)) != 0) {
+			log_warn("handing the weights back after request %llu: %s", (unsigned long long)corr, werr);
+			r->loader_suspect = true; /* checked before the next request */
+		}
+	}
 	r->current = NULL;
 }
 
