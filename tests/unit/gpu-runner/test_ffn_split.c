@@ -549,11 +549,13 @@ START_TEST(test_share_on_a_pool)
 	ffn_share_job_init(&job, &g, &u, &d, ROWS, T, DT_BF16);
 	for (uint32_t p = 0; p < np; p++)
 		ck_assert_msg(ffn_share_part(fs, &job, x, want, p, np, err, sizeof(err)) == 0, "%s", err);
+	/* The completion word and its sleepers' count outlive the jobs (a worker reads the count just
+	 * after it stores the word): one of each, the jobs' values counting up. */
+	uint32_t done = 0, waiters = 0;
 	for (int rep = 0; rep < 30; rep++) {
 		memset(y, 0xff, (size_t)T * DIM * 4);
 		ffn_share_job_init(&job, &g, &u, &d, ROWS, T, DT_BF16);
 		struct pool_share ps = {.fs = fs, .job = &job, .x = x, .y = y};
-		uint32_t done = 0, waiters = 0;
 		struct task_job tj;
 		task_job_init(&tj, pool_share_part, &ps, np, &done, (uint32_t)rep + 1);
 		tj.done_waiters = &waiters;
