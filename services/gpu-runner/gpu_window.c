@@ -485,8 +485,7 @@ static int win_route(struct weight_source *ws, uint32_t layer, const bool *used,
 		uint32_t x = ws->groups[g].expert;
 		struct gent *e = &w->g[g];
 		e->on_cpu = false;
-		if (cpu && used[x] && !e->resident && e->state == GWIN_ABSENT && ring_source_group_pinned(w->ring, g) &&
-		    ring_source_group_base(w->ring, g)) {
+		if (cpu && used[x] && !e->resident && e->state == GWIN_ABSENT && ring_source_group_pinned(w->ring, g)) {
 			/* To the side that then finishes first: copies at the H2D rate, or the CPU at its
 			 * product rate for the experts' format (a fixed share: the rate that gives it). */
 			double b = (double)w->copy_bytes[g], h2d = w->st.h2d_bytes_per_s > 0 ? w->st.h2d_bytes_per_s : 1;
@@ -703,7 +702,7 @@ void gpu_window_destroy(struct gpu_window **wp)
 	free(w->g);
 	free(w->dev_off);
 	free(w->dev_bytes);
-	free(w->plan_bytes);
+	free(w->plan_groups);
 	free(w->copy_bytes);
 	free(w->split_r);
 	free(w->split_r_layer);
@@ -792,31 +791,23 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	w->dev_bytes = calloc(ng, sizeof(uint64_t));
 	w->copy_bytes = calloc(ng, sizeof(uint64_t));
 	w->split_r = calloc(ng, sizeof(uint32_t));
-	struct group_desc *dgroups = calloc(ng, sizeof(struct group_desc));
-	if (!w->dev_off || !w->dev_bytes || !w->copy_bytes || !w->split_r || !dgroups) {
-		free(dgroups);
+	w->plan_groups = calloc(ng, sizeof(struct group_desc));
+	if (!w->dev_off || !w->dev_bytes || !w->copy_bytes || !w->split_r || !w->plan_groups) {
 		rc = errorf(err, errlen, -ENOMEM, "out of memory");
 		goto out_fail;
 	}
 	for (uint32_t g = 0; g < ng; g++)
 		w->split_r[g] = cfg->ffn_dim;
 	layout(w);
-	w->plan_bytes = malloc(ng * sizeof(uint64_t));
-	if (!w->plan_bytes) {
-		free(dgroups);
-		rc = errorf(err, errlen, -ENOMEM, "out of memory");
-		goto out_fail;
-	}
 	for (uint32_t g = 0; g < ng; g++) {
-		dgroups[g] = rs->groups[g];
-		dgroups[g].slot_bytes = w->plan_bytes[g] = w->dev_bytes[g];
+		w->plan_groups[g] = rs->groups[g];
+		w->plan_groups[g].slot_bytes = w->dev_bytes[g];
 	}
 	w->budget = p->gpu_budget;
 
 	struct window_plan plan;
-	rc = window_plan(cfg, dgroups, ng, &rs->stage, p->gpu_budget, depth, p->expert_heat, resident, &plan, err,
-			 errlen);
-	free(dgroups);
+	rc = window_plan(cfg, w->plan_groups, ng, &rs->stage, p->gpu_budget, depth, p->expert_heat, resident, &plan,
+			 err, errlen);
 	if (rc)
 		goto out_fail;
 	w->st.experts_resident = plan.experts_resident;
@@ -1036,17 +1027,12 @@ int gpu_window_expert_gain(const struct gpu_window *w, const float *heat, double
 	*now = *planned = 0;
 	if (!E)
 		return 0;
-	struct group_desc *dg = malloc(ng * sizeof(*dg));
+	const struct group_desc *dg = w->plan_groups;
 	bool *res = malloc(ng * sizeof(bool));
-	if (!dg || !res) {
-		free(dg);
-		free(res);
+	if (!res)
 		return -ENOMEM;
-	}
 	double sum = 0, kept = 0;
 	for (uint32_t g = 0; g < ng; g++) {
-		dg[g] = w->base.groups[g];
-		dg[g].slot_bytes = w->plan_bytes[g];
 		if (dg[g].kind != GROUP_EXPERT || !weight_stage_has(&w->base.stage, &dg[g]))
 			continue;
 		float h = heat[(size_t)dg[g].layer * E + dg[g].expert];
@@ -1060,7 +1046,6 @@ int gpu_window_expert_gain(const struct gpu_window *w, const float *heat, double
 	int rc = window_plan(cfg, dg, ng, &w->base.stage, w->budget, w->st.depth, heat, res, &plan, err, sizeof(err));
 	if (rc == 0)
 		*planned = plan.expert_heat_resident;
-	free(dg);
 	free(res);
 	return rc;
 }

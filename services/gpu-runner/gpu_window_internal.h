@@ -88,7 +88,8 @@ struct gpu_window {
 	uint64_t *dev_off;   /* n_tensors: offset of the tensor in its group's device memory */
 	uint64_t *dev_bytes; /* n_groups */
 	uint64_t *copy_bytes; /* n_groups: what a copy of the group moves (a split FFN: its device share) */
-	uint64_t *plan_bytes; /* n_groups: dev_bytes as the plan saw them (before any FFN split) */
+	struct group_desc *plan_groups; /* n_groups: the groups as the plan saw them (slot_bytes: dev_bytes
+					 * before any FFN split), for a plan made again (expert_gain) */
 	uint64_t budget;      /* --gpu-budget the plan had */
 
 	/* Split FFNs (gpu_window_split.c). */

@@ -122,8 +122,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	for (uint32_t l = 0; l < L; l++) {
 		uint32_t g = model_group_ffn(cfg, l);
 		const struct tensor_desc *t[3] = {find(w, g, mats[0]), find(w, g, mats[1]), find(w, g, mats[2])};
-		bool ok = on && streams(w, resident, g) && ring_source_group_pinned(w->ring, g) &&
-			  ring_source_group_base(w->ring, g) && t[0] && t[1] && t[2];
+		bool ok = on && streams(w, resident, g) && ring_source_group_pinned(w->ring, g) && t[0] && t[1] && t[2];
 		for (int i = 0; ok && i < 3; i++)
 			ok = t[i]->dtype < DT_COUNT && t[i]->ndim == 2;
 		if (ok)
@@ -154,7 +153,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 		uint32_t stride = cand > MOE_CALIBRATE_EXPERTS ? cand / MOE_CALIBRATE_EXPERTS : 1;
 		for (uint32_t g = 0; g < ng && taken < MOE_CALIBRATE_EXPERTS; g++) {
 			if (w->base.groups[g].kind != GROUP_EXPERT || !streams(w, resident, g) ||
-			    !ring_source_group_pinned(w->ring, g) || !ring_source_group_base(w->ring, g))
+			    !ring_source_group_pinned(w->ring, g))
 				continue;
 			if (seen++ % stride)
 				continue;

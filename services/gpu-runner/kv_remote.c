@@ -20,8 +20,9 @@ static int reply_errno(const struct msg *rep)
 }
 
 /* Waits for the reply to corr in slices, so that a kv-store that died (its pool's owner is
- * gone) is noticed at once rather than after the whole timeout. Returns as rpc_wait, or
- * -ECONNRESET when the owner died. */
+ * gone) is noticed at once rather than after the whole timeout, and the wait hook runs between
+ * them. Before a pool is mapped (its configuration) there is no owner to look at: the timeout
+ * alone ends the wait. Returns as rpc_wait, or -ECONNRESET when the owner died. */
 static int wait_reply(struct kv_remote *kr, uint64_t corr, struct msg *rep)
 {
 	const int slice = 100;
@@ -34,9 +35,10 @@ static int wait_reply(struct kv_remote *kr, uint64_t corr, struct msg *rep)
 			return rc;
 		}
 		waited += step;
-		if (!kv_remote_owner_alive(kr) || waited >= kr->timeout_ms) {
+		const bool gone = kr->h && !kv_remote_owner_alive(kr);
+		if (gone || waited >= kr->timeout_ms) {
 			kr->lost = true;
-			return kv_remote_owner_alive(kr) ? -ETIMEDOUT : -ECONNRESET;
+			return gone ? -ECONNRESET : -ETIMEDOUT;
 		}
 		if (kr->wait_hook && kr->wait_hook(kr->wait_ctx)) {
 			kr->lost = true; /* the reply may still come: it must not be taken for another's */
@@ -496,17 +498,8 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 	uint64_t corr;
 	memset(&rep, 0, sizeof(rep));
 	int rc = rpc_send(client, &req, &corr);
-	for (int waited = 0; rc == 0;) {
-		int step = timeout_ms - waited < 100 ? timeout_ms - waited : 100;
-		rc = rpc_wait(client, corr, &rep, step > 0 ? step : 0);
-		if (rc != -ETIMEDOUT || (waited += step) >= timeout_ms)
-			break;
-		if (kr->wait_hook && kr->wait_hook(kr->wait_ctx)) {
-			rc = -ECANCELED;
-			break;
-		}
-		rc = 0;
-	}
+	if (rc == 0)
+		rc = wait_reply(kr, corr, &rep);
 	if (rc == -EREMOTEIO) {
 		snprintf(err, errlen, "kv-store refused the pool configuration: %s", rep.error.text.p);
 		rc = -reply_errno(&rep);

@@ -361,26 +361,29 @@ static int ring_route(struct weight_source *ws, uint32_t layer, const bool *used
 	const uint32_t E = rs->cfg.n_experts;
 	if (rs->all_resident || ws->stage.split || !E || layer >= rs->cfg.n_layers)
 		return 0;
-	/* Room: the expert class's streaming slots, less those our grants hold (a release pending goes
-	 * with the acquire, before it). */
-	uint32_t room = ring_source_streaming_slots(rs, CLASS_EXPERT);
-	for (uint32_t g = 0; g < rs->base.n_groups && room; g++)
-		if (rs->groups[g].size_class == CLASS_EXPERT && rs->held[g].held && !rs->held[g].stale &&
-		    !ring_source_group_pinned(rs, g))
-			room--;
 	uint64_t *want = malloc(E * sizeof(uint64_t));
 	if (!want)
 		return 0; /* the engine's acquires ask one at a time */
 	uint32_t n = 0;
-	for (uint32_t e = 0; e < E && n < room; e++) {
+	for (uint32_t e = 0; e < E; e++) {
 		uint32_t g = model_group_expert(&rs->cfg, layer, e);
 		if (used[e] && g < rs->base.n_groups && !ring_source_group_pinned(rs, g) &&
 		    !(rs->held[g].held && !rs->held[g].stale))
 			want[n++] = g;
 	}
-	/* One is what the engine's acquire would ask for anyway. A loader that went away is the engine's
-	 * acquire's to reconnect to (what was granted is kept); any other failure fails the step, as an
-	 * acquire's would. */
+	/* One is what the engine's acquire would ask for anyway. Else as many as there is room for: the
+	 * expert class's streaming slots, less those our grants hold (a release pending goes with the
+	 * acquire, before it); counted only then, as it walks every group. */
+	if (n >= 2) {
+		uint32_t room = ring_source_streaming_slots(rs, CLASS_EXPERT);
+		for (uint32_t g = 0; g < rs->base.n_groups && room; g++)
+			if (rs->groups[g].size_class == CLASS_EXPERT && rs->held[g].held && !rs->held[g].stale &&
+			    !ring_source_group_pinned(rs, g))
+				room--;
+		n = n < room ? n : room;
+	}
+	/* A loader that went away is the engine's acquire's to reconnect to (what was granted is kept);
+	 * any other failure fails the step, as an acquire's would. */
 	int rc = n >= 2 ? acquire_groups(rs, want, n) : 0;
 	if (rc == -ECONNRESET || (rc && rc != -ECANCELED && !ring_source_owner_alive(rs))) {
 		rs->base.error[0] = 0;
@@ -756,23 +759,10 @@ bool ring_source_all_resident(const struct ring_source *rs)
 
 const void *ring_source_group_base(const struct ring_source *rs, uint32_t group)
 {
-	if (group >= rs->base.n_groups)
+	/* (A group the loader pins is held for good: acquire_keep.) */
+	if (group >= rs->base.n_groups || !rs->held[group].held)
 		return NULL;
-	if (rs->held[group].held)
-		return rs->held[group].map + rs->held[group].offset;
-	/* A group pinned in DRAM stays in its own slot for good once read: readable without a grant (the
-	 * CPU's share of a split FFN, an expert left for the CPU, their calibration). */
-	if (!ring_source_group_pinned(rs, group))
-		return NULL;
-	uint32_t s = atomic_load_explicit(&wring_group_state(rs->h)[group].slot, memory_order_acquire);
-	if (s >= rs->h->n_slots)
-		return NULL;
-	struct wring_slot *sl = &wring_slots(rs->h)[s];
-	if (atomic_load_explicit(&sl->state, memory_order_acquire) != WSLOT_READY ||
-	    atomic_load_explicit(&sl->group, memory_order_relaxed) != group ||
-	    sl->data_offset + rs->groups[group].slot_bytes > shm_object_size(rs->obj))
-		return NULL;
-	return (const char *)rs->h + sl->data_offset;
+	return rs->held[group].map + rs->held[group].offset;
 }
 
 uint64_t ring_source_experts_ahead(const struct ring_source *rs)
