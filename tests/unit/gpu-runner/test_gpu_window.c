@@ -377,7 +377,7 @@ START_TEST(test_split_ffn_dram_streams)
 {
 	/* The loader pins every FFN group and streams the attention groups through 3 slots (a budget of
 	 * 3 attention and 4 FFN slots, below the whole model): the CPU's share reads the pinned FFN groups
-	 * in place, without a grant (their slot stays). */
+	 * in place (the ring source holds them for good: acquire_keep). */
 	struct fixture f;
 	start(&f, "1GiB");
 	uint64_t cap[CLASS_COUNT];
@@ -575,7 +575,7 @@ END_TEST
 START_TEST(test_experts_on_the_cpu_from_dram)
 {
 	/* --cpu-share 0.5: chosen experts pinned in DRAM go to the CPU by half of their bytes, read in
-	 * place in their slots (the ring holds no grant of them). */
+	 * place in their slots (held for good by the ring source, never copied). */
 	experts_from_disk(9, true);
 }
 END_TEST
