@@ -76,7 +76,7 @@ void runner_replan_experts(struct runner *r)
 	/* One runner only: a rank of a split model keeps its plan (the others may start a step at any time). */
 	/* Nor over a ring whose loader went or moved: runner_ensure_connections starts that over. */
 	bool ring_ok = r->ring && ring_source_owner_alive(r->ring) && !ring_source_reconnected(r->ring);
-	uint32_t n = r->win && ring_ok && !r->loader_suspect && r->ranks <= 1 ? counted_steps(r, &routed, &steps) : 0;
+	uint32_t n = r->win && ring_ok && !r->fixed_experts && !r->loader_suspect && r->ranks <= 1 ? counted_steps(r, &routed, &steps) : 0;
 	/* The counts change only in a step: an idle loop asks again only after new ones. */
 	if (n < REPLAN_MIN_STEPS || n == r->replan_checked)
 		return;

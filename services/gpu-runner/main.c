@@ -229,6 +229,8 @@ int main(int argc, char **argv)
 		{"h2d-bytes-per-s", OPT_SIZE, &r.h2d_bps, "0", "host-to-device bandwidth for the plan (0: measure at start)"},
 		{"hbm-bytes-per-s", OPT_SIZE, &r.hbm_bps, "2.7TB", "GPU memory bandwidth the prediction assumes for reading weights"},
 		{"strict", OPT_BOOL, &r.strict, NULL, "check the GPU window's invariants at every step"},
+		{"fixed-experts", OPT_BOOL, &r.fixed_experts, NULL,
+		 "keep the experts the first plan made resident (table order): no new plan from the routing counted"},
 		{"profile-copies", OPT_BOOL, &r.profile_copies, NULL, "time every weight copy (stats: gpu_window.copy_ms)"},
 		{"kv-dtype", OPT_STRING, &r.kv_dtype_name, NULL, "KV element type: f32 or bf16 (default: f32 on cpu, bf16 on cuda)"},
 		{"kv-gpu-budget", OPT_SIZE, &r.kv_gpu_budget, "1GiB", "memory for the runner's KV blocks"},

@@ -69,6 +69,7 @@ struct runner {
 	double predicted_ms;	/* per decode token, from the plans of both tiers */
 	const char *binding;	/* which limit the prediction says binds */
 	bool strict, profile_copies;
+	bool fixed_experts;	/* --fixed-experts: no hot-expert re-plans (experts.c) */
 	const char *cpu_share_arg, *cpu_handoff_arg; /* --cpu-share, --cpu-handoff as given */
 	long cpu_threads;			     /* --cpu-threads (0: one per CPU allowed, but one) */
 	struct cpu_share_policy cpu_share;	     /* --cpu-share parsed */

@@ -26,7 +26,7 @@ expert=$((3 * ((inter * hidden * 2 + 255) / 256 * 256)))
 budget=$((min + 4 * expert + 1024))
 log "--gpu-budget $budget: the smallest ($min) and four experts of $expert bytes"
 "$PIPELINE" start --model "$dir" --backend cuda --gpu-budget "$budget" --runner-opt=--strict >/dev/null
-expect_grep "4 experts resident, chosen by 25.0% of the routing expected (none counted yet)" \
+expect_grep "4 experts resident, chosen by 25\.0% of the routing expected \\(none counted yet\\)" \
 	"$(cat "$RUN_DIR/gpu-runner.log")" "the first plan: four experts in table order"
 
 want=$(generate --tokens "$PROMPT" -n 49 --ignore-eos)

@@ -273,8 +273,8 @@ int dev_alloc(struct backend_dev *be, void **p, size_t a, size_t b, size_t es, c
 /* A region of `size` bytes of the pinned ring that no pending copy reads; *off is where it
  * starts. Fill it, then up_send it. */
 int up_alloc(struct backend_dev *be, size_t size, char **out, size_t *off);
-/* Copies the region up to dst on the compute stream and marks it busy until the copy has run
- * (what: the copy's name in a message). */
+/* Copies the region (or a part of it: a region may go up in several copies) to dst on the
+ * compute stream and marks it busy until the copy has run (what: the copy's name in a message). */
 int up_send(struct backend_dev *be, void *dst, const char *h, size_t off, size_t size, const char *what);
 
 /* ---- matmul.cu, gemv.cu -------------------------------------------------------------------- */

@@ -65,7 +65,13 @@ int up_send(struct backend_dev *be, void *dst, const char *h, size_t off, size_t
 	if (e != cudaSuccess)
 		return cuda_fail(be, e, what);
 	struct upload_ring *u = &be->up;
-	assert(u->count < UPLOAD_EVENTS);
+	/* up_alloc left a free event, but one region may go up in several copies (the experts'
+	 * tokens and weights): the oldest copy, long done as a rule, gives its event back. */
+	if (u->count == UPLOAD_EVENTS) {
+		int rc = up_wait_oldest(be);
+		if (rc)
+			return rc;
+	}
 	uint32_t i = (u->first + u->count) % UPLOAD_EVENTS;
 	CUDA_TRY(be, "cudaEventRecord (staging ring)", cudaEventRecord(u->ev[i], be->stream));
 	u->beg[i] = off;
