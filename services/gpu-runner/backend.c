@@ -38,7 +38,10 @@ struct backend {
 	uint32_t *run_end; /* (max_chunk) the row after each sequence's last */
 	uint32_t pos0;	  /* position of its first token */
 	uint32_t layer;	  /* between attn_begin and attn_end */
-	uint32_t next_expert; /* between moe_route and moe_end: the lowest expert moe_expert may take */
+	/* Between moe_route and moe_end: the lowest expert moe_expert and moe_expert_cpu may take (each
+	 * side's experts in increasing order: the order of its sum), and the experts taken by either. */
+	uint32_t next_expert, next_expert_cpu;
+	bool *expert_taken; /* (n_experts) */
 	float *logits;	  /* (vocab_size) for logits_argmax on a backend without its own */
 	uint32_t rows[ROLE_COUNT], cols[ROLE_COUNT]; /* each role's shape in this model (a vector: one row) */
 	char err[BACKEND_ERR_MAX];
@@ -198,7 +201,9 @@ int backend_create(const char *name, const struct model_config *cfg, const struc
 	be->impl = impl;
 	be->cfg = *cfg;
 	be->p = *p;
-	if (!(be->run_end = calloc(p->max_chunk, sizeof(uint32_t)))) {
+	if (!(be->run_end = calloc(p->max_chunk, sizeof(uint32_t))) ||
+	    !(be->expert_taken = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool)))) {
+		free(be->run_end);
 		free(be);
 		snprintf(err, errlen, "%s backend: out of memory for the backend state", impl->name);
 		return -ENOMEM;
@@ -214,6 +219,7 @@ int backend_create(const char *name, const struct model_config *cfg, const struc
 	}
 	rc = impl->create(cfg, p, &be->dev, err, errlen);
 	if (rc) {
+		free(be->expert_taken);
 		free(be->run_end);
 		free(be);
 		return rc;
@@ -229,6 +235,7 @@ void backend_destroy(struct backend **bep)
 	struct backend *be = *bep;
 	be->impl->destroy(&be->dev);
 	free(be->logits);
+	free(be->expert_taken);
 	free(be->run_end);
 	free(be);
 	*bep = NULL;
@@ -619,7 +626,8 @@ int backend_moe_route(struct backend *be, const struct group_weights *w)
 	rc = be->impl->compute->moe_route(be->dev, w);
 	if (rc)
 		return impl_rc(be, rc);
-	be->next_expert = 0;
+	be->next_expert = be->next_expert_cpu = 0;
+	memset(be->expert_taken, 0, be->cfg.n_experts * sizeof(bool));
 	be->phase = PHASE_MOE;
 	return 0;
 }
@@ -630,9 +638,9 @@ int backend_moe_expert(struct backend *be, const struct group_weights *w, uint32
 	assert(w);
 	if (be->phase != PHASE_MOE)
 		return fail(be, -EINVAL, "moe_expert(%u) called outside moe_route .. moe_end", expert);
-	if (expert >= be->cfg.n_experts || expert < be->next_expert)
-		return fail(be, -EINVAL, "moe_expert(%u): experts come in increasing order, each once, below %u (next: "
-			    "%u or later)", expert, be->cfg.n_experts, be->next_expert);
+	if (expert >= be->cfg.n_experts || expert < be->next_expert || be->expert_taken[expert])
+		return fail(be, -EINVAL, "moe_expert(%u): experts come in increasing order, each once (on the GPU or the "
+			    "CPU), below %u (next: %u or later)", expert, be->cfg.n_experts, be->next_expert);
 	int rc = check_roles(be, w, roles, 3, "expert");
 	if (rc)
 		return rc;
@@ -640,6 +648,7 @@ int backend_moe_expert(struct backend *be, const struct group_weights *w, uint32
 	if (rc)
 		return impl_rc(be, rc);
 	be->next_expert = expert + 1;
+	be->expert_taken[expert] = true;
 	return 0;
 }
 
@@ -649,9 +658,10 @@ int backend_moe_expert_cpu(struct backend *be, const struct group_weights *w, ui
 	assert(w);
 	if (be->phase != PHASE_MOE)
 		return fail(be, -EINVAL, "moe_expert_cpu(%u) called outside moe_route .. moe_end", expert);
-	if (expert >= be->cfg.n_experts || expert < be->next_expert)
-		return fail(be, -EINVAL, "moe_expert_cpu(%u): experts come in increasing order, each once, below %u "
-			    "(next: %u or later)", expert, be->cfg.n_experts, be->next_expert);
+	if (expert >= be->cfg.n_experts || expert < be->next_expert_cpu || be->expert_taken[expert])
+		return fail(be, -EINVAL, "moe_expert_cpu(%u): the CPU's experts come in increasing order, each once (on "
+			    "the GPU or the CPU), below %u (next: %u or later)", expert, be->cfg.n_experts,
+			    be->next_expert_cpu);
 	if (!be->impl->compute->moe_expert_cpu)
 		return fail(be, -ENOTSUP, "the %s backend computes no experts on the CPU", be->impl->name);
 	if (!be->p.cpu_pool)
@@ -666,7 +676,8 @@ int backend_moe_expert_cpu(struct backend *be, const struct group_weights *w, ui
 	int rc = be->impl->compute->moe_expert_cpu(be->dev, w, expert);
 	if (rc)
 		return impl_rc(be, rc);
-	be->next_expert = expert + 1;
+	be->next_expert_cpu = expert + 1;
+	be->expert_taken[expert] = true;
 	return 0;
 }
 

@@ -467,6 +467,11 @@ START_TEST(test_front)
 	ck_assert_int_eq(backend_moe_expert(be, &w, c.n_experts), -EINVAL);
 	ck_assert_ptr_nonnull(strstr(backend_error(be), "increasing order"));
 	ck_assert_int_eq(backend_moe_expert(be, &w, c.n_experts - 1), 0);
+	/* An expert the GPU side took is not taken again on the CPU's, whose order is its own (the C
+	 * backend computes none there: past the checks, it says so). */
+	ck_assert_int_eq(backend_moe_expert_cpu(be, &w, 2), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(backend_error(be), "each once"));
+	ck_assert_int_eq(backend_moe_expert_cpu(be, &w, 1), -ENOTSUP);
 	ck_assert_int_eq(backend_moe_end(be), 0);
 	backend_destroy(&be);
 
