@@ -286,8 +286,7 @@ int backend_moe_expert(struct backend *be, const struct group_weights *w, uint32
 bool backend_moe_expert_used(struct backend *be, uint32_t expert);
 /* Expert `expert` computed by the CPU from host memory (w's tensors at PLACE_HOST: the weight
  * ring in place); its result joins the sum by moe_end. The CPU's experts come in increasing order
- * among themselves (the order of their sum), before or between the GPU's (the engine gives them
- * all right after moe_route, so the CPU computes while the GPU's are copied); each expert once.
+ * among themselves (the order of their sum), before or between the GPU's; each expert once.
  * Needs backend_params.cpu_pool and a step of at most FFN_SPLIT_MAX_TOKENS tokens; -ENOTSUP on a
  * backend that does not compute experts on the CPU. */
 int backend_moe_expert_cpu(struct backend *be, const struct group_weights *w, uint32_t expert);

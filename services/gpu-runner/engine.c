@@ -437,9 +437,18 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 		if (kind == GROUP_EXPERT && e->ws->ops->skip &&
 		    (!e->used[groups[group].expert] || e->on_cpu[groups[group].expert])) {
 			/* No token chose it: the source passes it over (it was told at the route). Or the
-			 * source left it in host memory: the CPU has had it since the route (below). */
-			if ((rc = e->ws->ops->skip(e->ws, group)))
-				return set_err(e, rc, "weights: %s", e->ws->error);
+			 * source left it in host memory: the backend computes it on the CPU. */
+			uint32_t x = groups[group].expert;
+			if (!e->used[x]) {
+				if ((rc = e->ws->ops->skip(e->ws, group)))
+					return set_err(e, rc, "weights: %s", e->ws->error);
+			} else {
+				struct group_weights hw;
+				if ((rc = e->ws->ops->acquire_host(e->ws, group, &hw)))
+					return set_err(e, rc, "weights of group %u: %s", group, e->ws->error);
+				if ((rc = backend_moe_expert_cpu(e->be, &hw, x)))
+					return set_err(e, rc, "expert on the CPU: %s", backend_error(e->be));
+			}
 			if (last_expert(e, group) && (rc = backend_moe_end(e->be)))
 				return set_err(e, rc, "experts: %s", backend_error(e->be));
 			continue;
@@ -485,24 +494,6 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 				set_err(e, rc, "weights: %s", e->ws->error);
 				release(e, group);
 				return rc;
-			}
-			/* The experts left for the CPU go to its pool now, in table order (the order of their
-			 * sum), so that it computes them while the copies of the GPU's experts pace the engine. */
-			for (uint32_t g = group + 1; g < e->ws->n_groups && groups[g].kind == GROUP_EXPERT &&
-						     groups[g].layer == l; g++) {
-				if (!e->on_cpu[groups[g].expert])
-					continue;
-				struct group_weights hw;
-				if ((rc = e->ws->ops->acquire_host(e->ws, g, &hw)) != 0) {
-					set_err(e, rc, "weights of group %u: %s", g, e->ws->error);
-					release(e, group);
-					return rc;
-				}
-				if ((rc = backend_moe_expert_cpu(e->be, &hw, groups[g].expert)) != 0) {
-					set_err(e, rc, "expert on the CPU: %s", backend_error(e->be));
-					release(e, group);
-					return rc;
-				}
 			}
 			break;
 		case GROUP_EXPERT:
