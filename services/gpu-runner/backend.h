@@ -126,6 +126,8 @@ struct backend_params {
 	 * stream hands it over (enum backend_cpu_handoff). */
 	struct task_pool *cpu_pool;
 	uint32_t cpu_handoff;
+	bool cpu_result_mapped; /* the CPU's partial result read by a kernel from mapped host memory
+				 * (cuda/cpu_handoff.h, mapped_out) instead of copied up */
 };
 
 /* Where a weight tensor's bytes can be read. */

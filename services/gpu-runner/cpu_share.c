@@ -31,6 +31,14 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 		r->cpu_handoff = BACKEND_HANDOFF_HOSTFUNC;
 	else
 		return errorf(err, errlen, -EINVAL, "--cpu-handoff '%s' is not auto, memops or hostfunc", h);
+	const char *res = r->cpu_result_arg ? r->cpu_result_arg : "copy";
+	if (strcmp(res, "copy") && strcmp(res, "mapped"))
+		return errorf(err, errlen, -EINVAL, "--cpu-result '%s' is not copy or mapped", res);
+	r->cpu_result_mapped = !strcmp(res, "mapped");
+	const char *ex = r->cpu_experts_arg ? r->cpu_experts_arg : "visit";
+	if (strcmp(ex, "visit") && strcmp(ex, "route"))
+		return errorf(err, errlen, -EINVAL, "--cpu-experts '%s' is not visit or route", ex);
+	r->cpu_experts_early = !strcmp(ex, "route");
 	return 0;
 }
 

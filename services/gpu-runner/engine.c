@@ -30,6 +30,7 @@ struct engine {
 	bool *used;			/* (n_experts) the experts the layer's routing chose (a source that
 					 * fetches ahead is told, and skips the others) */
 	bool *on_cpu;			/* (n_experts) of those, the ones the source left for the CPU */
+	bool cpu_experts_early;		/* those go to the backend at the route, not at their visit */
 	uint32_t *routed;		/* (n_layers, n_experts) decode steps whose routing chose the expert */
 	uint32_t *routed_steps;		/* (n_layers) decode steps routed through the layer */
 	const struct engine_stage_ops *stages; /* engine_set_stages: a split model; NULL: none */
@@ -108,6 +109,11 @@ void engine_set_kv(struct engine *e, struct kv_cache *kv)
 {
 	e->kv = kv;
 }
+void engine_set_cpu_experts_early(struct engine *e, bool early)
+{
+	e->cpu_experts_early = early;
+}
+
 void engine_set_progress(struct engine *e, void (*fn)(void *ctx), void *ctx)
 {
 	e->progress = fn;
@@ -437,18 +443,18 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 		if (kind == GROUP_EXPERT && e->ws->ops->skip &&
 		    (!e->used[groups[group].expert] || e->on_cpu[groups[group].expert])) {
 			/* No token chose it: the source passes it over (it was told at the route). Or the
-			 * source left it in host memory: the backend computes it on the CPU. */
+			 * source left it in host memory: the backend computes it on the CPU (given here, or
+			 * at the route when early); the source then passes its visit over all the same. */
 			uint32_t x = groups[group].expert;
-			if (!e->used[x]) {
-				if ((rc = e->ws->ops->skip(e->ws, group)))
-					return set_err(e, rc, "weights: %s", e->ws->error);
-			} else {
+			if (e->used[x] && !e->cpu_experts_early) {
 				struct group_weights hw;
 				if ((rc = e->ws->ops->acquire_host(e->ws, group, &hw)))
 					return set_err(e, rc, "weights of group %u: %s", group, e->ws->error);
 				if ((rc = backend_moe_expert_cpu(e->be, &hw, x)))
 					return set_err(e, rc, "expert on the CPU: %s", backend_error(e->be));
 			}
+			if ((rc = e->ws->ops->skip(e->ws, group)))
+				return set_err(e, rc, "weights: %s", e->ws->error);
 			if (last_expert(e, group) && (rc = backend_moe_end(e->be)))
 				return set_err(e, rc, "experts: %s", backend_error(e->be));
 			continue;
@@ -494,6 +500,25 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 				set_err(e, rc, "weights: %s", e->ws->error);
 				release(e, group);
 				return rc;
+			}
+			/* Early: the experts left for the CPU go to its pool now, in table order (the order
+			 * of their sum), so that it computes them while the copies of the GPU's experts pace
+			 * the engine (at their visits, the host reaches them only after those copies). */
+			for (uint32_t g = group + 1; e->cpu_experts_early && g < e->ws->n_groups &&
+						     groups[g].kind == GROUP_EXPERT && groups[g].layer == l; g++) {
+				if (!e->on_cpu[groups[g].expert])
+					continue;
+				struct group_weights hw;
+				if ((rc = e->ws->ops->acquire_host(e->ws, g, &hw)) != 0) {
+					set_err(e, rc, "weights of group %u: %s", g, e->ws->error);
+					release(e, group);
+					return rc;
+				}
+				if ((rc = backend_moe_expert_cpu(e->be, &hw, groups[g].expert)) != 0) {
+					set_err(e, rc, "expert on the CPU: %s", backend_error(e->be));
+					release(e, group);
+					return rc;
+				}
 			}
 			break;
 		case GROUP_EXPERT:

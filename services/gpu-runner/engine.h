@@ -139,6 +139,10 @@ int engine_kv_recover(struct engine *e);
 /* fn(ctx) is called once per layer of every step (the runner beats its heartbeat there: a step
  * over a large model takes long). NULL: none. */
 void engine_set_progress(struct engine *e, void (*fn)(void *ctx), void *ctx);
+/* Experts a mixture-of-experts layer's route leaves for the CPU (weight_source.route's on_cpu):
+ * given to the backend right after the route (early) or at their place in the visit (the
+ * default). Their sum is the same either way. */
+void engine_set_cpu_experts_early(struct engine *e, bool early);
 const char *engine_error(const struct engine *e);
 
 #ifdef __cplusplus

@@ -579,16 +579,14 @@ static int win_skip(struct weight_source *ws, uint32_t group)
 static int win_acquire_host(struct weight_source *ws, uint32_t group, struct group_weights *gw)
 {
 	struct gpu_window *w = (struct gpu_window *)ws;
-	if (group >= ws->n_groups || !w->g[group].on_cpu)
+	if (group >= ws->n_groups || !w->g[group].on_cpu || !w->routing || ws->groups[group].layer != w->routed_layer)
 		return errorf(ws->error, sizeof(ws->error), -EPROTO,
-			      "weight window: group %u was not left for the CPU by its layer's route", group);
+			      "weight window: group %u was not left for the CPU by the route of its layer", group);
 	const void *base = ring_source_group_base(w->ring, group);
 	if (!base)
 		return errorf(ws->error, sizeof(ws->error), -EPROTO,
 			      "weight window: group %u, left for the CPU, is not in DRAM", group);
-	int rc = win_skip(ws, group);
-	if (rc)
-		return rc;
+	/* Its visit is the engine's skip, later (pinned in DRAM: no grant is held for it). */
 	weights_fill(ws, group, base, NULL, gw);
 	w->host_reads = true;
 	ws->acquires++;

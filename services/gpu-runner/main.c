@@ -114,7 +114,8 @@ static int setup(struct runner *r)
 					.kv_dtype = kv_dtype,
 					.threads = (uint32_t)r->threads,
 					.cpu_pool = r->cpu_pool,
-					.cpu_handoff = r->cpu_handoff};
+					.cpu_handoff = r->cpu_handoff,
+					.cpu_result_mapped = r->cpu_result_mapped};
 	r->arena_block_bytes = backend_kv_block_bytes(r->backend_name, &r->cfg, &r->bp);
 	r->pool_block_bytes = ALIGN_UP((uint64_t)r->arena_block_bytes, 4096);
 	/* Blocks are reused only by a runner that would compute the same bytes: same model, same
@@ -256,6 +257,12 @@ int main(int argc, char **argv)
 		{"cpu-handoff", OPT_STRING, &r.cpu_handoff_arg, "auto",
 		 "how the cuda stream hands the CPU its share: memops (stream memory operations), hostfunc "
 		 "(cudaLaunchHostFunc) or auto (memops where the driver has them)"},
+		{"cpu-result", OPT_STRING, &r.cpu_result_arg, "copy",
+		 "how the CPU's partial result of a split FFN reaches the GPU: copy (cudaMemcpyAsync on the "
+		 "compute stream) or mapped (a kernel reads it from mapped host memory: no copy engine queue)"},
+		{"cpu-experts", OPT_STRING, &r.cpu_experts_arg, "visit",
+		 "when the experts a route leaves for the CPU go to its pool: visit (at their place among the "
+		 "layer's experts) or route (all at once, right after the layer's routing)"},
 		{"ranks", OPT_INT, &r.ranks, "1",
 		 "runners the model's layers are split across, one per GPU (2..8; each takes a contiguous range)"},
 		{"rank", OPT_INT, &r.rank, "0",

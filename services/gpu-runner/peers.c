@@ -372,6 +372,7 @@ int runner_make_engine(struct runner *r, char *err, size_t errlen)
 	if (rc)
 		return rc;
 	engine_set_progress(r->engine, beat, r);
+	engine_set_cpu_experts_early(r->engine, r->cpu_experts_early);
 	runner_set_engine_stages(r);
 	if (r->cpu_split_r)
 		return engine_set_ffn_split(r->engine, r->cpu_split_r, 1, err, errlen);

@@ -71,6 +71,9 @@ struct runner {
 	bool strict, profile_copies;
 	bool fixed_experts;	/* --fixed-experts: no hot-expert re-plans (experts.c) */
 	const char *cpu_share_arg, *cpu_handoff_arg; /* --cpu-share, --cpu-handoff as given */
+	const char *cpu_result_arg, *cpu_experts_arg; /* --cpu-result, --cpu-experts as given */
+	bool cpu_result_mapped;			      /* --cpu-result mapped */
+	bool cpu_experts_early;			      /* --cpu-experts route */
 	long cpu_threads;			     /* --cpu-threads (0: one per CPU allowed, but one) */
 	struct cpu_share_policy cpu_share;	     /* --cpu-share parsed */
 	uint32_t cpu_handoff;			     /* enum backend_cpu_handoff */

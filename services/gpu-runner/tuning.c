@@ -115,6 +115,10 @@ void runner_register_tunables(struct runner *r)
 		       "worker threads of the CPU share (0: one per CPU allowed, but one): started at start");
 	service_add_fixed(s, "cpu-handoff", TUNABLE_STRING, r->cpu_handoff_arg ? r->cpu_handoff_arg : "auto",
 			  "how the cuda stream hands the CPU its share: set up at start");
+	service_add_fixed(s, "cpu-result", TUNABLE_STRING, r->cpu_result_mapped ? "mapped" : "copy",
+			  "how the CPU's partial result reaches the GPU: set up at start");
+	service_add_fixed(s, "cpu-experts", TUNABLE_STRING, r->cpu_experts_early ? "route" : "visit",
+			  "when the experts left for the CPU go to its pool: set at start");
 	service_add_fixed(s, "instance", TUNABLE_STRING, r->instance, "the instance name");
 	service_add_fixed(s, "run-dir", TUNABLE_STRING, r->run_dir, "the run directory");
 }

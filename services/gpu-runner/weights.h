@@ -41,13 +41,16 @@ struct weight_source_ops {
 	 * layer's routing, before its first expert group is acquired), so that the source fetches only
 	 * those. The source may set on_cpu[e] for used experts it leaves in host memory for the CPU to
 	 * compute (the others false); the engine then takes them with acquire_host. skip(g) stands in
-	 * for acquire/release of an expert group the step does not use. Return 0 or -errno with the
-	 * message in the source. */
+	 * for acquire/release of an expert group the step does not use or leaves for the CPU. Return 0
+	 * or -errno with the message in the source. */
 	int (*route)(struct weight_source *s, uint32_t layer, const bool *used, bool *on_cpu);
 	int (*skip)(struct weight_source *s, uint32_t group);
-	/* Optional (a source whose route may set on_cpu): an expert group route left for the CPU, in
-	 * its place in the visit order: w gets its tensors in host memory (PLACE_HOST), readable until
-	 * the engine's step returns; no release follows. */
+	/* Optional (a source whose route may set on_cpu): an expert group the layer's route left for
+	 * the CPU, at any time between that route and the group's place in the visit order (where the
+	 * engine skips it): w gets its tensors in host memory (PLACE_HOST), readable until the engine's
+	 * step returns; no release follows. The engine takes them at their visit, or all right after
+	 * the route (engine_set_cpu_experts_early), so that the CPU computes them while the window
+	 * copies the GPU's experts. */
 	int (*acquire_host)(struct weight_source *s, uint32_t group, struct group_weights *w);
 	/* Optional: hands back now what the source holds of the loader's streaming slots without need
 	 * (releases held back for the next acquire, the host side of copies done): a stage of a split

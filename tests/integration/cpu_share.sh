@@ -21,6 +21,10 @@ expect_start_fails "--cpu-share half" "cpu-share 'half' is not auto" --model "$M
 expect_start_fails "--cpu-threads -1" "cpu-threads -1 is out of range" --model "$MODEL" --cpu-threads -1
 expect_start_fails "--cpu-handoff sometimes" "cpu-handoff 'sometimes' is not auto, memops or hostfunc" \
 	--model "$MODEL" --runner-opt=--cpu-handoff=sometimes
+expect_start_fails "--cpu-result sideways" "cpu-result 'sideways' is not copy or mapped" \
+	--model "$MODEL" --runner-opt=--cpu-result=sideways
+expect_start_fails "--cpu-experts later" "cpu-experts 'later' is not visit or route" \
+	--model "$MODEL" --runner-opt=--cpu-experts=later
 
 F32=$IT_TMP/model-f32
 # Four layers: with two, the head and two slots of each streamed class hold the whole model, and a
@@ -66,6 +70,19 @@ for share in 0.5 1; do
 	"$PIPELINE" stop
 	log "--cpu-share $share: tokens equal the whole FFN's"
 done
+
+# The CPU's partial results read by a kernel from mapped host memory instead of copied up: the same
+# tokens.
+if [[ $BACKEND != cpu ]]; then
+	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share 0.5 --cpu-threads 2 \
+		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-result=mapped >/dev/null
+	expect_eq "$("$PIPECTL" get gpu-runner cpu-result | awk '{print $3}')" mapped "pipectl get gpu-runner cpu-result"
+	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
+	expect_eq "$got" "$want" "greedy tokens at --cpu-share 0.5 --cpu-result mapped vs the whole FFN"
+	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with mapped results"
+	"$PIPELINE" stop
+	log "--cpu-result mapped: tokens equal the whole FFN's"
+fi
 
 # auto on the C backend: nothing splits, no pool.
 if [[ $BACKEND == cpu ]]; then

@@ -44,7 +44,7 @@
 
 struct opts {
 	long iters, warmup, threads, cpu_offset, parts, gap_us, wait_spin_us, dispatcher_cpu;
-	uint64_t job_bytes, vec_bytes;
+	uint64_t job_bytes, vec_bytes, load_bytes;
 	char *spins, *modes;
 	bool no_pin;
 	uint32_t spin[MAX_SPINS];
@@ -187,6 +187,11 @@ struct gpu {
 	cudaStream_t stream;
 	cudaEvent_t *ev_a, *ev_b; /* iters each */
 	void *d_in, *d_out, *h_in, *h_out;
+	/* Section 3: weight copies on a stream of their own, one queued with each round trip. */
+	cudaStream_t load;
+	void *load_h, *load_d;
+	bool mapped;	    /* the handoff's result read from mapped host memory (mapped_out) */
+	bool loaded;	    /* a load copy with each round trip */
 };
 
 /* Section 2: `mode` < 0 is the copies alone. Returns the GPU-time summary; *cores gets the CPU
@@ -203,7 +208,8 @@ static struct summary gpu_latency(const struct opts *o, struct gpu *g, struct ta
 						.max_out_bytes = o->vec_bytes,
 						.ring = 64,
 						.spin_us = (uint32_t)o->wait_spin_us,
-						.dispatcher_cpu = (int)o->dispatcher_cpu};
+						.dispatcher_cpu = (int)o->dispatcher_cpu,
+						.mapped_out = g->mapped};
 		int rc = cpu_handoff_create(pool, g->stream, &hp, &h, err, sizeof(err));
 		if (rc) {
 			snprintf(why, whylen, "%s", err);
@@ -225,6 +231,8 @@ static struct summary gpu_latency(const struct opts *o, struct gpu *g, struct ta
 			c0 = cpu_seconds();
 			w0 = now_ns();
 		}
+		if (g->loaded) /* as the weight window's prefetch: a large H2D copy always queued */
+			CHECK_CUDA(cudaMemcpyAsync(g->load_d, g->load_h, o->load_bytes, cudaMemcpyHostToDevice, g->load));
 		if (k >= 0)
 			CHECK_CUDA(cudaEventRecord(g->ev_a[k], g->stream));
 		if (mode < 0) {
@@ -243,6 +251,8 @@ static struct summary gpu_latency(const struct opts *o, struct gpu *g, struct ta
 	}
 	CHECK_CUDA(cudaStreamSynchronize(g->stream));
 	double wall = (now_ns() - w0) / 1e9;
+	if (g->loaded)
+		CHECK_CUDA(cudaStreamSynchronize(g->load));
 	*cores = wall > 0 ? (cpu_seconds() - c0) / wall : 0;
 	for (long k = 0; k < o->iters; k++) {
 		float ms = 0;
@@ -335,7 +345,9 @@ int main(int argc, char **argv)
 		{"job-bytes", OPT_SIZE, &o.job_bytes, "32MiB", "what a sized job reads, split over its parts"},
 		{"vec-bytes", OPT_SIZE, &o.vec_bytes, "16KiB",
 		 "activation copied down and partial result copied up per handoff (16 KiB: 8192 bf16)"},
-		{"modes", OPT_STRING, &o.modes, "hostfunc,memops", "section 2: which mechanisms"},
+		{"modes", OPT_STRING, &o.modes, "hostfunc,memops", "sections 2 and 3: which mechanisms"},
+		{"load-bytes", OPT_SIZE, &o.load_bytes, "64MiB",
+		 "section 3: the H2D weight copy queued on another stream with each round trip (0: no section 3)"},
 		{0},
 	};
 	int rc = config_parse("bench-cpu-handoff",
@@ -514,6 +526,47 @@ int main(int argc, char **argv)
 	printf("\n   Read \"- copies\" with an empty job as the cost of the handoff itself (trigger, dispatch,\n"
 	       "   wake-up, completion, the stream's wait); with a sized job it adds the job's own time\n"
 	       "   (section 1, back to back, same spin).\n");
+
+	/* ---- 3 ---- */
+	if (o.load_bytes) {
+		char lb[32];
+		format_size(o.load_bytes, lb, sizeof(lb));
+		printf("\n3. The same round trips (job \"read %s\", pool spin %u) with an H2D copy of %s queued on another\n"
+		       "   stream before each, as the weight window's copies run beside a split FFN; the result comes up\n"
+		       "   by cudaMemcpyAsync on the round trip's stream (\"copy\") or by a kernel reading it from mapped\n"
+		       "   host memory (\"mapped\"). Round trips are paced by the load: the median is what one costs.\n",
+		       jb, o.spin[0], lb);
+		CHECK_CUDA(cudaStreamCreateWithFlags(&g.load, cudaStreamNonBlocking));
+		CHECK_CUDA(cudaMallocHost(&g.load_h, o.load_bytes));
+		CHECK_CUDA(cudaMalloc(&g.load_d, o.load_bytes));
+		memset(g.load_h, 1, o.load_bytes);
+		printf("   %-9s %-7s %-6s %10s %10s %10s %10s %6s\n", "mechanism", "result", "load", "median us", "p99 us",
+		       "mean us", "max us", "cores");
+		struct task_pool *p = make_pool(&o, o.spin[0]);
+		for (int mode = 0; mode < 2; mode++) {
+			if (!o.mode_on[mode])
+				continue;
+			for (int loaded = 0; loaded < 2; loaded++)
+				for (int mapped = 0; mapped < 2; mapped++) {
+					g.loaded = loaded;
+					g.mapped = mapped;
+					struct summary s = gpu_latency(&o, &g, p, mode, true, v, &cores, why, sizeof(why));
+					if (s.median < 0) {
+						printf("   %-9s %-7s %-6s refused: %s\n", cpu_handoff_mode_name(mode),
+						       mapped ? "mapped" : "copy", loaded ? lb : "none", why);
+						continue;
+					}
+					printf("   %-9s %-7s %-6s %10.1f %10.1f %10.1f %10.1f %6.2f\n", cpu_handoff_mode_name(mode),
+					       mapped ? "mapped" : "copy", loaded ? lb : "none", s.median, s.p99, s.mean, s.max,
+					       cores);
+				}
+		}
+		task_pool_destroy(&p);
+		g.loaded = g.mapped = false;
+		cudaFreeHost(g.load_h);
+		cudaFree(g.load_d);
+		cudaStreamDestroy(g.load);
+	}
 
 	for (long k = 0; k < o.iters; k++) {
 		cudaEventDestroy(g.ev_a[k]);

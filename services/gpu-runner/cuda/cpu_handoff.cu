@@ -76,6 +76,8 @@ struct cpu_handoff {
 	size_t max_in, max_out;
 	char *pinned;		    /* in[0], in[1], out[0], out[1] */
 	void *in[2], *out[2];
+	bool mapped_out;	    /* the results come up by read_mapped_kernel from out_dev */
+	void *out_dev[2];	    /* out[] as the device addresses them (mapped_out) */
 	size_t out_bytes[2];	    /* what the wait of the slot's handoff copies up */
 	struct handoff_words *words;
 	CUdeviceptr d_trigger, d_probe, d_done[2];
@@ -114,6 +116,25 @@ struct cpu_handoff {
 	char err_msg[CPU_HANDOFF_ERR_MAX];
 	uint64_t failed;
 };
+
+/* The result of a handoff from its output slot in mapped host memory into device memory: 16 bytes
+ * a load (the slots are 16-byte aligned, slot_size), the last few bytes one at a time. Volatile:
+ * the host wrote them after the stream's last look (the wait orders them). */
+__global__ void read_mapped_kernel(uint4 *dst, const uint4 *src, size_t words, unsigned char *dst_tail,
+				   const unsigned char *src_tail, size_t tail)
+{
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x) {
+		const volatile uint4 *s = (const volatile uint4 *)(src + i);
+		uint4 v;
+		v.x = s->x;
+		v.y = s->y;
+		v.z = s->z;
+		v.w = s->w;
+		dst[i] = v;
+	}
+	if (blockIdx.x == 0 && threadIdx.x < tail)
+		dst_tail[threadIdx.x] = ((const volatile unsigned char *)src_tail)[threadIdx.x];
+}
 
 static inline bool reached(uint32_t v, uint32_t target)
 {
@@ -452,7 +473,8 @@ int cpu_handoff_create(struct task_pool *pool, cudaStream_t stream, const struct
 	}
 	{
 		size_t in_sz = slot_size(h->max_in), out_sz = slot_size(h->max_out);
-		e = cudaHostAlloc((void **)&h->pinned, 2 * in_sz + 2 * out_sz, cudaHostAllocDefault);
+		e = cudaHostAlloc((void **)&h->pinned, 2 * in_sz + 2 * out_sz,
+				  params->mapped_out ? cudaHostAllocMapped : cudaHostAllocDefault);
 		if (e != cudaSuccess) {
 			h->pinned = NULL;
 			rc = errorf(err, errlen, -ENOMEM, "cpu handoff: cannot pin %zu bytes of slots: %s",
@@ -463,6 +485,15 @@ int cpu_handoff_create(struct task_pool *pool, cudaStream_t stream, const struct
 		h->in[1] = h->pinned + in_sz;
 		h->out[0] = h->pinned + 2 * in_sz;
 		h->out[1] = h->pinned + 2 * in_sz + out_sz;
+		for (int s = 0; params->mapped_out && s < 2; s++) {
+			e = cudaHostGetDevicePointer(&h->out_dev[s], h->out[s], 0);
+			if (e != cudaSuccess) {
+				rc = errorf(err, errlen, -ENOTSUP, "cpu handoff: the output slots in mapped host memory "
+					    "have no device address: %s", cudaGetErrorString(e));
+				goto out_free;
+			}
+		}
+		h->mapped_out = params->mapped_out;
 	}
 	/* The words: mapped for memops, the stream reads and writes them itself. */
 	e = cudaHostAlloc((void **)&h->words, WORDS_BYTES,
@@ -631,7 +662,17 @@ int cpu_handoff_wait(struct cpu_handoff *h, uint64_t seq, void *d_out, char *err
 		if (r != CUDA_SUCCESS)
 			return broke_cu(h, err, errlen, r, "cuStreamWaitValue32 (result)", seq);
 	}
-	if (h->out_bytes[slot]) {
+	if (h->out_bytes[slot] && h->mapped_out) {
+		/* Read over the link by the kernel's loads, which no copy engine queue holds back. */
+		const size_t words = h->out_bytes[slot] / 16, tail = h->out_bytes[slot] % 16;
+		const unsigned blocks = (unsigned)((words + 255) / 256 < 64 ? (words + 255) / 256 : 64);
+		read_mapped_kernel<<<blocks ? blocks : 1, 256, 0, h->stream>>>(
+			(uint4 *)d_out, (const uint4 *)h->out_dev[slot], words, (unsigned char *)d_out + words * 16,
+			(const unsigned char *)h->out_dev[slot] + words * 16, tail);
+		cudaError_t e = cudaGetLastError();
+		if (e != cudaSuccess)
+			return broke(h, err, errlen, e, "the partial result's read from host memory", seq);
+	} else if (h->out_bytes[slot]) {
 		cudaError_t e = cudaMemcpyAsync(d_out, h->out[slot], h->out_bytes[slot], cudaMemcpyHostToDevice, h->stream);
 		if (e != cudaSuccess)
 			return broke(h, err, errlen, e, "the partial result's copy to the device", seq);

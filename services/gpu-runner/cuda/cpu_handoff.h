@@ -49,6 +49,7 @@
  */
 #ifndef GPU_RUNNER_CPU_HANDOFF_H
 #define GPU_RUNNER_CPU_HANDOFF_H
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -98,6 +99,10 @@ struct cpu_handoff_params {
 			       * for the oldest job (a power of two >= 2; 0: 64) */
 	uint32_t spin_us;     /* a waiting host thread polls this long before it sleeps (0: 0) */
 	int dispatcher_cpu;   /* memops: pin the dispatcher to this CPU; -1 (or any negative): don't */
+	bool mapped_out;      /* the wait's result comes up by a kernel that reads the output slot in
+			       * mapped host memory, not by cudaMemcpyAsync: a copy on the compute
+			       * stream queues on the H2D engine behind weight copies issued before it
+			       * (false: the copy) */
 };
 
 struct cpu_handoff_stats {
@@ -143,7 +148,7 @@ void cpu_handoff_destroy(struct cpu_handoff **h);
 int cpu_handoff_submit(struct cpu_handoff *h, const void *d_in, const struct cpu_handoff_job *job, uint64_t *seq,
 		       char *err, size_t errlen);
 /* Queues on the stream: a wait for handoff seq's job, then the copy of its out_bytes into d_out
- * (device memory). Returns 0, or -EIO as submit. seq must be the oldest handoff submitted and not
+ * (device memory; with mapped_out a kernel reads them from host memory instead). Returns 0, or -EIO as submit. seq must be the oldest handoff submitted and not
  * waited for (asserted). */
 int cpu_handoff_wait(struct cpu_handoff *h, uint64_t seq, void *d_out, char *err, size_t errlen);
 /* The first failure since the last check: returns 0, or the failed job's -errno with "cpu
