@@ -688,6 +688,12 @@ bool backend_moe_expert_used(struct backend *be, uint32_t expert)
 	return be->impl->compute->moe_expert_used(be->dev, expert);
 }
 
+void backend_moe_settle(struct backend *be)
+{
+	if (be->impl->compute->moe_settle)
+		be->impl->compute->moe_settle(be->dev);
+}
+
 int backend_moe_end(struct backend *be)
 {
 	if (be->phase != PHASE_MOE)

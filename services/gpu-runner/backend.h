@@ -294,6 +294,11 @@ bool backend_moe_expert_used(struct backend *be, uint32_t expert);
 int backend_moe_expert_cpu(struct backend *be, const struct group_weights *w, uint32_t expert);
 /* Adds the layer's sum into the residual stream. */
 int backend_moe_end(struct backend *be);
+/* Experts the CUDA backend's pool computes at once (moe_expert_cpu waits for the oldest beyond it). */
+#define BACKEND_MOE_CPU_JOBS 8
+/* After a failed step: waits for the experts the CPU still computes (they read host memory that
+ * may go away once the step has failed). Safe at any time; the next moe_route starts afresh. */
+void backend_moe_settle(struct backend *be);
 /* post-attention RMSNorm, SwiGLU (down(silu(gate x) * up x)), residual add. With w->split.where
  * set, the FFN is computed in two shares (struct ffn_split): FFN_SPLIT_CPU needs a step of at most
  * FFN_SPLIT_MAX_TOKENS tokens and backend_params.cpu_pool. A failure of the CPU's share shows

@@ -31,6 +31,7 @@ struct engine {
 					 * fetches ahead is told, and skips the others) */
 	bool *on_cpu;			/* (n_experts) of those, the ones the source left for the CPU */
 	bool cpu_experts_early;		/* those go to the backend at the route, not at their visit */
+	bool *cpu_given;		/* (n_experts) of those, the ones given at this layer's route */
 	uint32_t *routed;		/* (n_layers, n_experts) decode steps whose routing chose the expert */
 	uint32_t *routed_steps;		/* (n_layers) decode steps routed through the layer */
 	const struct engine_stage_ops *stages; /* engine_set_stages: a split model; NULL: none */
@@ -63,9 +64,10 @@ int engine_create(const struct model_config *cfg, struct backend *be,
 	e->tokens = calloc(max_chunk, sizeof(int32_t));
 	e->used = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool));
 	e->on_cpu = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool));
+	e->cpu_given = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool));
 	e->routed = calloc(cfg->n_experts ? (size_t)cfg->n_layers * cfg->n_experts : 1, sizeof(uint32_t));
 	e->routed_steps = calloc(cfg->n_layers ? cfg->n_layers : 1, sizeof(uint32_t));
-	if (!e->dst_block || !e->dst_row || !e->pos || !e->seq || !e->tokens || !e->used || !e->on_cpu || !e->routed ||
+	if (!e->dst_block || !e->dst_row || !e->pos || !e->seq || !e->tokens || !e->used || !e->on_cpu || !e->cpu_given || !e->routed ||
 	    !e->routed_steps) {
 		engine_destroy(&e);
 		snprintf(err, errlen, "out of memory");
@@ -87,6 +89,7 @@ void engine_destroy(struct engine **ep)
 	free((*ep)->split_r);
 	free((*ep)->used);
 	free((*ep)->on_cpu);
+	free((*ep)->cpu_given);
 	free((*ep)->routed);
 	free((*ep)->routed_steps);
 	free(*ep);
@@ -387,9 +390,25 @@ static int head_rows(struct engine *e, const struct group_weights *w, const stru
 		     : backend_logits_rows(e->be, w, rows, n_out, logits);
 }
 
+static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits,
+		       int32_t *argmax, const struct sampler_params *sp, double u, bool stage_out,
+		       const struct backend_pick *picks);
+
+/* A step; a failed one first waits for the experts the CPU may still compute from host memory
+ * (the weights they read can go away once the step has failed: a release, a reconnect). */
 static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits,
 			  int32_t *argmax, const struct sampler_params *sp, double u, bool stage_out,
 			  const struct backend_pick *picks)
+{
+	int rc = step_groups(e, seqs, n_seqs, logits, argmax, sp, u, stage_out, picks);
+	if (rc && e->cfg->n_experts)
+		backend_moe_settle(e->be);
+	return rc;
+}
+
+static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits,
+		       int32_t *argmax, const struct sampler_params *sp, double u, bool stage_out,
+		       const struct backend_pick *picks)
 {
 	uint32_t n = 0;
 	for (uint32_t s = 0; s < n_seqs; s++) {
@@ -446,7 +465,7 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 			 * source left it in host memory: the backend computes it on the CPU (given here, or
 			 * at the route when early); the source then passes its visit over all the same. */
 			uint32_t x = groups[group].expert;
-			if (e->used[x] && !e->cpu_experts_early) {
+			if (e->used[x] && !e->cpu_given[x]) {
 				struct group_weights hw;
 				if ((rc = e->ws->ops->acquire_host(e->ws, group, &hw)))
 					return set_err(e, rc, "weights of group %u: %s", group, e->ws->error);
@@ -503,11 +522,19 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 			}
 			/* Early: the experts left for the CPU go to its pool now, in table order (the order
 			 * of their sum), so that it computes them while the copies of the GPU's experts pace
-			 * the engine (at their visits, the host reaches them only after those copies). */
-			for (uint32_t g = group + 1; e->cpu_experts_early && g < e->ws->n_groups &&
-						     groups[g].kind == GROUP_EXPERT && groups[g].layer == l; g++) {
+			 * the engine (at their visits, the host reaches them only after those copies). As
+			 * many as the backend computes at once: one more would wait for the first before any
+			 * GPU expert is queued; the rest go at their visits. */
+			memset(e->cpu_given, 0, e->cfg->n_experts * sizeof(bool));
+			uint32_t early = e->cpu_experts_early ? e->cfg->n_experts_used : 0;
+			if (early > BACKEND_MOE_CPU_JOBS)
+				early = BACKEND_MOE_CPU_JOBS;
+			for (uint32_t g = group + 1; early && g < e->ws->n_groups && groups[g].kind == GROUP_EXPERT &&
+						     groups[g].layer == l; g++) {
 				if (!e->on_cpu[groups[g].expert])
 					continue;
+				early--;
+				e->cpu_given[groups[g].expert] = true;
 				struct group_weights hw;
 				if ((rc = e->ws->ops->acquire_host(e->ws, g, &hw)) != 0) {
 					set_err(e, rc, "weights of group %u: %s", g, e->ws->error);

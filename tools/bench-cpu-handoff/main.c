@@ -251,9 +251,9 @@ static struct summary gpu_latency(const struct opts *o, struct gpu *g, struct ta
 	}
 	CHECK_CUDA(cudaStreamSynchronize(g->stream));
 	double wall = (now_ns() - w0) / 1e9;
-	if (g->loaded)
-		CHECK_CUDA(cudaStreamSynchronize(g->load));
 	*cores = wall > 0 ? (cpu_seconds() - c0) / wall : 0;
+	if (g->loaded) /* the load queued ahead (up to a ring of round trips): drained, not counted */
+		CHECK_CUDA(cudaStreamSynchronize(g->load));
 	for (long k = 0; k < o->iters; k++) {
 		float ms = 0;
 		CHECK_CUDA(cudaEventElapsedTime(&ms, g->ev_a[k], g->ev_b[k]));

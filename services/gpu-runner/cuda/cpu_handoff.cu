@@ -1,6 +1,7 @@
 /* cpu_handoff.cu - the stream-to-pool handoff of cpu_handoff.h: pinned slots, completion words,
  * the descriptor ring, the two mechanisms (host functions; stream memory operations with a
- * dispatcher thread). Host code only: it launches no kernel.
+ * dispatcher thread). Host code but one kernel: read_mapped_kernel brings a result up from mapped
+ * host memory (mapped_out).
  *
  * Who touches what:
  *  - the descriptor of handoff seq (ring[seq % ring]) is written by the submitting thread, read
@@ -118,20 +119,14 @@ struct cpu_handoff {
 };
 
 /* The result of a handoff from its output slot in mapped host memory into device memory: 16 bytes
- * a load (the slots are 16-byte aligned, slot_size), the last few bytes one at a time. Volatile:
- * the host wrote them after the stream's last look (the wait orders them). */
+ * a load (__ldcv: one uncached 16-byte load, where a volatile uint4 would be four 4-byte ones; the
+ * slots and d_out are 16-byte aligned), the last few bytes one at a time. Uncached: the host wrote
+ * them after the stream's last look (the wait orders them). */
 __global__ void read_mapped_kernel(uint4 *dst, const uint4 *src, size_t words, unsigned char *dst_tail,
 				   const unsigned char *src_tail, size_t tail)
 {
-	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x) {
-		const volatile uint4 *s = (const volatile uint4 *)(src + i);
-		uint4 v;
-		v.x = s->x;
-		v.y = s->y;
-		v.z = s->z;
-		v.w = s->w;
-		dst[i] = v;
-	}
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x)
+		dst[i] = __ldcv(src + i);
 	if (blockIdx.x == 0 && threadIdx.x < tail)
 		dst_tail[threadIdx.x] = ((const volatile unsigned char *)src_tail)[threadIdx.x];
 }
@@ -488,7 +483,7 @@ int cpu_handoff_create(struct task_pool *pool, cudaStream_t stream, const struct
 		for (int s = 0; params->mapped_out && s < 2; s++) {
 			e = cudaHostGetDevicePointer(&h->out_dev[s], h->out[s], 0);
 			if (e != cudaSuccess) {
-				rc = errorf(err, errlen, -ENOTSUP, "cpu handoff: the output slots in mapped host memory "
+				rc = errorf(err, errlen, -EIO, "cpu handoff: the output slots in mapped host memory "
 					    "have no device address: %s", cudaGetErrorString(e));
 				goto out_free;
 			}
@@ -663,6 +658,7 @@ int cpu_handoff_wait(struct cpu_handoff *h, uint64_t seq, void *d_out, char *err
 			return broke_cu(h, err, errlen, r, "cuStreamWaitValue32 (result)", seq);
 	}
 	if (h->out_bytes[slot] && h->mapped_out) {
+		assert(((uintptr_t)d_out & 15) == 0);
 		/* Read over the link by the kernel's loads, which no copy engine queue holds back. */
 		const size_t words = h->out_bytes[slot] / 16, tail = h->out_bytes[slot] % 16;
 		const unsigned blocks = (unsigned)((words + 255) / 256 < 64 ? (words + 255) / 256 : 64);

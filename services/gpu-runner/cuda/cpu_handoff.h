@@ -148,7 +148,7 @@ void cpu_handoff_destroy(struct cpu_handoff **h);
 int cpu_handoff_submit(struct cpu_handoff *h, const void *d_in, const struct cpu_handoff_job *job, uint64_t *seq,
 		       char *err, size_t errlen);
 /* Queues on the stream: a wait for handoff seq's job, then the copy of its out_bytes into d_out
- * (device memory; with mapped_out a kernel reads them from host memory instead). Returns 0, or -EIO as submit. seq must be the oldest handoff submitted and not
+ * (device memory, 16-byte aligned with mapped_out: a kernel then reads them from host memory). Returns 0, or -EIO as submit. seq must be the oldest handoff submitted and not
  * waited for (asserted). */
 int cpu_handoff_wait(struct cpu_handoff *h, uint64_t seq, void *d_out, char *err, size_t errlen);
 /* The first failure since the last check: returns 0, or the failed job's -errno with "cpu

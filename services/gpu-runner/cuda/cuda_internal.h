@@ -259,8 +259,10 @@ int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t e
 int moe_end(struct backend_dev *be);
 /* The experts' part of backend_cpu_share_stats (nothing for a dense model). */
 void moe_stats(struct backend_dev *be, struct backend_cpu_share_stats *out);
-/* backend.h's moe_expert_cpu: noted, computed by the pool at moe_end. */
+/* backend.h's moe_expert_cpu: submitted to the pool at once, collected in order at moe_end;
+ * moe_settle waits for those still running (a failed step). */
 int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32_t expert);
+void moe_settle(struct backend_dev *be);
 /* Qwen3's per-head RMSNorm of the chunk's q and k (in be->qkv), before RoPE. */
 int qk_norm(struct backend_dev *be, const void *qn, uint32_t qt, const void *kn, uint32_t kt);
 

@@ -43,7 +43,7 @@ struct moe_cpu_expert {
 	struct ffn_share_mat gate, up, down;
 };
 
-#define MOE_CPU_JOBS_MAX 8 /* experts the pool computes at once */
+#define MOE_CPU_JOBS_MAX BACKEND_MOE_CPU_JOBS /* experts the pool computes at once */
 
 /* One of the concurrent CPU jobs: an expert's rows in, its output out. */
 struct moe_cpu_job {
@@ -495,6 +495,18 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	m->n_cpu++;
 	m->cpu_ns += now_ns() - t0;
 	return 0;
+}
+
+void moe_settle(struct backend_dev *be)
+{
+	struct cuda_moe *m = be->moe;
+	if (!m || !m->jobs)
+		return;
+	for (uint32_t i = m->collected; i < m->n_cpu; i++) {
+		struct moe_cpu_job *cj = &m->jobs[i % m->n_jobs];
+		task_word_wait(&cj->done, &cj->waiters, cj->seq, 50, 0);
+	}
+	m->collected = m->n_cpu;
 }
 
 /* The rest of the noted experts collected, in order; csum up. Every submitted job is waited for,
