@@ -127,7 +127,8 @@ struct backend_params {
 	struct task_pool *cpu_pool;
 	uint32_t cpu_handoff;
 	bool cpu_result_mapped; /* the CPU's partial result read by a kernel from mapped host memory
-				 * (cuda/cpu_handoff.h, mapped_out) instead of copied up */
+				 * (cuda/cpu_handoff.h, mapped_out) instead of copied up; the runner's
+				 * default (--cpu-result mapped) */
 };
 
 /* Where a weight tensor's bytes can be read. */

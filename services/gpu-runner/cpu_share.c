@@ -31,7 +31,7 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 		r->cpu_handoff = BACKEND_HANDOFF_HOSTFUNC;
 	else
 		return errorf(err, errlen, -EINVAL, "--cpu-handoff '%s' is not auto, memops or hostfunc", h);
-	const char *res = r->cpu_result_arg ? r->cpu_result_arg : "copy";
+	const char *res = r->cpu_result_arg ? r->cpu_result_arg : "mapped";
 	if (strcmp(res, "copy") && strcmp(res, "mapped"))
 		return errorf(err, errlen, -EINVAL, "--cpu-result '%s' is not copy or mapped", res);
 	r->cpu_result_mapped = !strcmp(res, "mapped");

@@ -257,9 +257,10 @@ int main(int argc, char **argv)
 		{"cpu-handoff", OPT_STRING, &r.cpu_handoff_arg, "auto",
 		 "how the cuda stream hands the CPU its share: memops (stream memory operations), hostfunc "
 		 "(cudaLaunchHostFunc) or auto (memops where the driver has them)"},
-		{"cpu-result", OPT_STRING, &r.cpu_result_arg, "copy",
-		 "how the CPU's partial result of a split FFN reaches the GPU: copy (cudaMemcpyAsync on the "
-		 "compute stream) or mapped (a kernel reads it from mapped host memory: no copy engine queue)"},
+		{"cpu-result", OPT_STRING, &r.cpu_result_arg, "mapped",
+		 "how the CPU's partial result of a split FFN reaches the GPU: mapped (a kernel reads it from "
+		 "mapped host memory: no copy engine queue) or copy (cudaMemcpyAsync on the compute stream, "
+		 "queued behind the weight copies)"},
 		{"cpu-experts", OPT_STRING, &r.cpu_experts_arg, "visit",
 		 "when the experts a route leaves for the CPU go to its pool: visit (at their place among the "
 		 "layer's experts) or route (all at once, right after the layer's routing)"},

@@ -71,17 +71,17 @@ for share in 0.5 1; do
 	log "--cpu-share $share: tokens equal the whole FFN's"
 done
 
-# The CPU's partial results read by a kernel from mapped host memory instead of copied up: the same
-# tokens.
+# The CPU's partial results copied up (--cpu-result copy) instead of read by a kernel from mapped
+# host memory (the default): the same tokens.
 if [[ $BACKEND != cpu ]]; then
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share 0.5 --cpu-threads 2 \
-		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-result=mapped >/dev/null
-	expect_eq "$("$PIPECTL" get gpu-runner cpu-result | awk '{print $3}')" mapped "pipectl get gpu-runner cpu-result"
+		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-result=copy >/dev/null
+	expect_eq "$("$PIPECTL" get gpu-runner cpu-result | awk '{print $3}')" copy "pipectl get gpu-runner cpu-result"
 	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
-	expect_eq "$got" "$want" "greedy tokens at --cpu-share 0.5 --cpu-result mapped vs the whole FFN"
-	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with mapped results"
+	expect_eq "$got" "$want" "greedy tokens at --cpu-share 0.5 --cpu-result copy vs the whole FFN"
+	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with copied results"
 	"$PIPELINE" stop
-	log "--cpu-result mapped: tokens equal the whole FFN's"
+	log "--cpu-result copy: tokens equal the whole FFN's"
 fi
 
 # auto on the C backend: nothing splits, no pool.
