@@ -401,10 +401,34 @@ static uint64_t dev_bytes(const struct manifest *m, uint32_t g)
 	return b;
 }
 
+static void routed_steps_as(struct fixture *f, struct gpu_window *w, int steps, bool at_route);
+
+static void routed_steps(struct fixture *f, struct gpu_window *w, int steps)
+{
+	routed_steps_as(f, w, steps, false);
+}
+
+/* An expert group left for the CPU, taken with acquire_host: its bytes in host memory, in place. */
+static void expect_host(struct fixture *f, struct weight_source *ws, int step, uint32_t h)
+{
+	const struct group_desc *hd = &f->m->groups[h];
+	struct group_weights hw;
+	ck_assert_msg(ws->ops->acquire_host(ws, h, &hw) == 0, "step %d: acquire_host %u: %s", step, h, ws->error);
+	for (uint32_t i = 0; i < hd->n_tensors; i++) {
+		const struct tensor_desc *t = &f->m->tensors[hd->first_tensor + i];
+		char *want = file_bytes(f->m, t);
+		ck_assert_ptr_nonnull(hw.t[t->role].data[PLACE_HOST]);
+		ck_assert_msg(memcmp(hw.t[t->role].data[PLACE_HOST], want, t->nbytes) == 0,
+			      "step %d: expert group %u left for the CPU: %s differs", step, h, t->name);
+		free(want);
+	}
+}
+
 /* steps routed steps over w (the first a chunk that chooses every expert, then decode with 2 experts
  * a token at random), as the engine makes them: every expert acquired holds the checkpoint's bytes,
- * and the state table stays consistent. */
-static void routed_steps(struct fixture *f, struct gpu_window *w, int steps)
+ * and the state table stays consistent. Experts left for the CPU are taken right after their
+ * layer's route (at_route: --cpu-experts route) or at their visit (the default), then skipped. */
+static void routed_steps_as(struct fixture *f, struct gpu_window *w, int steps, bool at_route)
 {
 	const struct model_config *c = &f->m->cfg;
 	const uint32_t E = c->n_experts;
@@ -417,7 +441,10 @@ static void routed_steps(struct fixture *f, struct gpu_window *w, int steps)
 		for (uint32_t g = 0; g < f->m->n_groups; g++) {
 			const struct group_desc *gd = &f->m->groups[g];
 			if (gd->kind == GROUP_EXPERT && (!used[gd->expert] || on_cpu[gd->expert])) {
-				/* Not chosen, or left for the CPU (taken at the route, below): the visit skips it. */
+				/* Not chosen, or left for the CPU (taken here, or at the route below): the visit
+				 * skips it. */
+				if (used[gd->expert] && !at_route)
+					expect_host(f, ws, step, g);
 				ck_assert_msg(ws->ops->skip(ws, g) == 0, "step %d: skip %u: %s", step, g, ws->error);
 				continue;
 			}
@@ -435,24 +462,16 @@ static void routed_steps(struct fixture *f, struct gpu_window *w, int steps)
 					      gd->layer, ws->error);
 				/* Those left in DRAM for the CPU, taken at once as the engine does: their bytes in host
 				 * memory, in place, before their visit; no release. */
-				for (uint32_t h = g + 1; h < f->m->n_groups && f->m->groups[h].kind == GROUP_EXPERT &&
-							 f->m->groups[h].layer == gd->layer; h++) {
-					const struct group_desc *hd = &f->m->groups[h];
-					if (!on_cpu[hd->expert])
-						continue;
-					struct group_weights hw;
-					ck_assert_msg(ws->ops->acquire_host(ws, h, &hw) == 0, "step %d: acquire_host %u: %s", step,
-						      h, ws->error);
-					for (uint32_t i = 0; i < hd->n_tensors; i++) {
-						const struct tensor_desc *t = &f->m->tensors[hd->first_tensor + i];
-						char *want = file_bytes(f->m, t);
-						ck_assert_ptr_nonnull(hw.t[t->role].data[PLACE_HOST]);
-						ck_assert_msg(memcmp(hw.t[t->role].data[PLACE_HOST], want, t->nbytes) == 0,
-							      "step %d: expert group %u left for the CPU: %s differs", step, h,
-							      t->name);
-						free(want);
+				for (uint32_t h = g + 1; at_route && h < f->m->n_groups &&
+							 f->m->groups[h].kind == GROUP_EXPERT && f->m->groups[h].layer == gd->layer;
+				     h++)
+					if (on_cpu[f->m->groups[h].expert]) {
+						expect_host(f, ws, step, h);
+					} else {
+						/* Not left for the CPU: refused, and nothing of its visit taken. */
+						struct group_weights hw;
+						ck_assert_int_eq(ws->ops->acquire_host(ws, h, &hw), -EPROTO);
 					}
-				}
 			}
 			if (gd->kind == GROUP_EXPERT) {
 				for (uint32_t i = 0; i < gd->n_tensors; i++) {
@@ -559,8 +578,14 @@ static void experts_from_disk(uint32_t experts, bool cpu)
 	routed_steps(&f, w, 24);
 	ck_assert_uint_gt(ring_source_experts_ahead(f.ring), 0);
 	gpu_window_stats(w, &st);
-	if (cpu) /* the pinned experts chosen in decode steps, half of them by bytes */
+	if (cpu) { /* the pinned experts chosen in decode steps, half of them by bytes */
 		ck_assert_uint_gt(st.experts_cpu, 0);
+		/* ... and taken for the CPU right after their layer's route (--cpu-experts route). */
+		uint64_t before = st.experts_cpu;
+		routed_steps_as(&f, w, 12, true);
+		gpu_window_stats(w, &st);
+		ck_assert_uint_gt(st.experts_cpu, before);
+	}
 	gpu_window_destroy(&w);
 	task_pool_destroy(&pool);
 	stop(&f);
