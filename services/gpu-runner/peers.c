@@ -38,7 +38,8 @@ struct weight_source *runner_weights(struct runner *r)
 /* The time a decode token should take under the plans of both tiers: the most of the bytes
  * that cross PCIe over the H2D bandwidth, the CPU's shares of split FFNs at its measured rates
  * (with a handoff each), the bytes read from disk over the disk's bandwidth, and every weight byte
- * the GPU reads (the CPU's shares aside) once over GPU memory's bandwidth. */
+ * the GPU reads (the CPU's shares aside; of the experts, the k of E a token chooses) once over GPU
+ * memory's bandwidth. */
 static void predict(struct runner *r)
 {
 	struct gpu_window_stats st;
@@ -47,9 +48,15 @@ static void predict(struct runner *r)
 	ring_source_disk_plan(r->ring, &disk_bytes, &disk_bps);
 	const struct weight_source *ws = ring_source_base(r->ring);
 	uint64_t weights = 0;
-	for (uint32_t g = 1; g < ws->n_groups; g++) /* the embedding is read one row a token, on the host */
-		if (weight_stage_has(&ws->stage, &ws->groups[g])) /* several runners: this one's layers */
+	for (uint32_t g = 1; g < ws->n_groups; g++) { /* the embedding is read one row a token, on the host */
+		if (!weight_stage_has(&ws->stage, &ws->groups[g])) /* several runners: this one's layers */
+			continue;
+		/* An expert is read by the tokens that choose it: k of E, as a decode token expects. */
+		if (ws->groups[g].kind == GROUP_EXPERT && r->cfg.n_experts)
+			weights += ws->groups[g].tensor_bytes * r->cfg.n_experts_used / r->cfg.n_experts;
+		else
 			weights += ws->groups[g].tensor_bytes;
+	}
 	weights -= st.cpu_bytes_per_token;
 	double pcie = st.h2d_bytes_per_s > 0 ? (double)st.streamed_bytes_per_token / st.h2d_bytes_per_s * 1e3 : 0;
 	double disk = disk_bytes && disk_bps ? (double)disk_bytes / (double)disk_bps * 1e3 : 0;
