@@ -955,6 +955,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	w->st.window_bytes = win_bytes;
 	/* What crosses PCIe per decode token: the bytes copies of the streamed groups move; of a streamed
 	 * expert, as often as routing chooses it (its heat; none known, k of E). */
+	double cpu_able = 0; /* of those, the experts' that stay in DRAM for good: the CPU may take them */
 	for (uint32_t g = 0; g < ng; g++) {
 		const struct group_desc *gd = &rs->groups[g];
 		if (w->g[g].resident || !weight_stage_has(&rs->stage, gd))
@@ -966,6 +967,19 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 			often = often < 0 ? 0 : often > 1 ? 1 : often;
 		}
 		w->st.streamed_bytes_per_token += (uint64_t)(often * (double)w->copy_bytes[g] + 0.5);
+		if (gd->kind == GROUP_EXPERT && ring_source_group_pinned(w->ring, g))
+			cpu_able += often * (double)w->copy_bytes[g];
+	}
+	/* With the CPU on for experts, a decode step's route leaves it the share of those bytes that
+	 * makes both sides finish together (win_route): rate / (rate + H2D), or the fixed fraction. */
+	const double h2d = w->st.h2d_bytes_per_s, rate = w->cpu_rate[w->moe_format];
+	if (w->moe_policy.mode != CPU_SHARE_OFF && cpu_able > 0 && h2d > 0 && rate > 0) {
+		const double f = w->moe_policy.mode == CPU_SHARE_FIXED ? w->moe_policy.fraction : rate / (rate + h2d);
+		const uint64_t moved = (uint64_t)(f * cpu_able + 0.5);
+		w->st.streamed_bytes_per_token -= moved < w->st.streamed_bytes_per_token ? moved : w->st.streamed_bytes_per_token;
+		w->st.cpu_bytes_per_token += moved;
+		w->st.expert_cpu_bytes_per_token = moved;
+		w->st.cpu_ms += (double)moved / rate * 1e3;
 	}
 	w->st.depth = depth;
 	/* Start copying the first streamed groups now; then hand back what the loader's streaming slots

@@ -106,6 +106,7 @@ struct gpu_window_stats {
 	uint32_t split_max_tokens;	 /* steps of at most this many tokens give the CPU its share */
 	double cpu_share;		 /* the share of the rows the plan aimed at */
 	uint64_t cpu_bytes_per_token;	 /* weight bytes the CPU reads per decode token */
+	uint64_t expert_cpu_bytes_per_token; /* of those, routed experts' (expected, as win_route splits) */
 	double pcie_ms, cpu_ms;		 /* the plan's times per decode token: the copies, the CPU */
 	uint64_t side_bytes;		 /* device bytes of the prefill copy of a split FFN's CPU rows */
 	uint64_t side_copies, side_bytes_h2d; /* such copies (prefill steps) and their bytes, all time */

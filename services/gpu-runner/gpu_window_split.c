@@ -389,7 +389,13 @@ bool gw_split_reads_ring(const struct gpu_window *w)
 void gw_split_describe(const struct gpu_window *w, char *buf, size_t len)
 {
 	if (!w->plan.split_layers) {
-		snprintf(buf, len, "; no FFN splits with the CPU");
+		char e[32];
+		if (w->st.expert_cpu_bytes_per_token)
+			snprintf(buf, len, "; no FFN splits with the CPU; routed experts on the CPU: %s per decode token "
+				 "expected (%.1f ms at %.1f GB/s %s)", format_size(w->st.expert_cpu_bytes_per_token, e, sizeof(e)),
+				 w->st.cpu_ms, w->cpu_rate[w->moe_format] / 1e9, dtype_name((enum dtype)w->moe_format));
+		else
+			snprintf(buf, len, "; no FFN splits with the CPU");
 		return;
 	}
 	char cpu[32], side[32], rates[160] = "";

@@ -575,6 +575,15 @@ static void experts_from_disk(uint32_t experts, bool cpu)
 	struct gpu_window_stats st;
 	gpu_window_stats(w, &st);
 	ck_assert_uint_eq(st.experts_resident, 0);
+	if (cpu) { /* the plan expects the CPU to take part of the pinned experts' bytes, off PCIe */
+		ck_assert_uint_gt(st.expert_cpu_bytes_per_token, 0);
+		ck_assert_uint_eq(st.cpu_bytes_per_token, st.expert_cpu_bytes_per_token);
+		char d[1024];
+		gpu_window_describe(w, d, sizeof(d));
+		ck_assert_msg(strstr(d, "routed experts on the CPU") != NULL, "%s", d);
+	} else {
+		ck_assert_uint_eq(st.expert_cpu_bytes_per_token, 0);
+	}
 	routed_steps(&f, w, 24);
 	ck_assert_uint_gt(ring_source_experts_ahead(f.ring), 0);
 	gpu_window_stats(w, &st);
