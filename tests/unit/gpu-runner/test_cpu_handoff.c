@@ -64,6 +64,9 @@ struct rig {
 	uint32_t *d_bad;
 };
 
+/* The results come up by the kernel that reads mapped host memory (cpu_handoff_params.mapped_out). */
+static bool g_mapped;
+
 /* Returns false (and says why) when the mode cannot run here: memops on a GPU without it. */
 static bool rig_open(struct rig *r, enum cpu_handoff_mode mode, uint32_t ring)
 {
@@ -81,7 +84,8 @@ static bool rig_open(struct rig *r, enum cpu_handoff_mode mode, uint32_t ring)
 					.max_out_bytes = N * sizeof(float),
 					.ring = ring,
 					.spin_us = 20,
-					.dispatcher_cpu = -1};
+					.dispatcher_cpu = -1,
+					.mapped_out = g_mapped};
 	int rc = cpu_handoff_create(r->pool, r->stream, &hp, &r->h, err, sizeof(err));
 	if (rc == -ENOTSUP && mode == CPU_HANDOFF_MEMOPS) {
 		fprintf(stderr, "test_cpu_handoff: memops cannot run here, not tested: %s\n", err);
@@ -219,6 +223,18 @@ START_TEST(test_memops_round_trips)
 }
 END_TEST
 
+/* The results read up from mapped host memory by a kernel (--cpu-result mapped), both mechanisms, one
+ * and two handoffs in flight (slot reuse), and a failed job. */
+START_TEST(test_mapped_round_trips)
+{
+	g_mapped = true;
+	run_steps(CPU_HANDOFF_HOSTFUNC, 0, 0);
+	run_steps(CPU_HANDOFF_MEMOPS, 0, 0);
+	run_steps(CPU_HANDOFF_MEMOPS, STEPS / 3, 0);
+	g_mapped = false;
+}
+END_TEST
+
 /* A ring of 2: the host waits for the CPU at almost every submit. */
 START_TEST(test_small_ring)
 {
@@ -307,6 +323,7 @@ static Suite *handoff_suite(void)
 	tcase_add_test(tc, test_hostfunc_round_trips);
 	tcase_add_test(tc, test_memops_round_trips);
 	tcase_add_test(tc, test_small_ring);
+	tcase_add_test(tc, test_mapped_round_trips);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("failures");
 	tcase_set_timeout(tc, 240);
