@@ -34,7 +34,7 @@ static int fill_device(struct gpu_window *w, uint32_t g, void *dev, struct group
 				      cudaGetErrorString(e_), #call);                              \
 	} while (0)
 
-static const char *state_name(uint8_t s)
+const char *gw_state_name(uint8_t s)
 {
 	static const char *const n[] = {"ABSENT", "INFLIGHT", "RESIDENT", "RETIRING"};
 	return s < 4 ? n[s] : "?";
@@ -49,7 +49,7 @@ static int set_state(struct gpu_window *w, uint32_t g, uint8_t to)
 		  (from == GWIN_RETIRING && to == GWIN_ABSENT);
 	if (!ok)
 		return errorf(w->base.error, sizeof(w->base.error), -EFAULT,
-			      "weight window: group %u may not go from %s to %s", g, state_name(from), state_name(to));
+			      "weight window: group %u may not go from %s to %s", g, gw_state_name(from), gw_state_name(to));
 	w->g[g].state = to;
 	return 0;
 }
@@ -110,7 +110,7 @@ static void trim_retired(struct gpu_window *w)
 }
 
 /* Host copies whose completion is now visible hand their ring grant back. Never blocks. */
-static int poll_copies(struct gpu_window *w)
+int gw_poll_copies(struct gpu_window *w)
 {
 	for (uint32_t g = 0; g < w->base.n_groups; g++) {
 		struct gent *e = &w->g[g];
@@ -175,7 +175,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	}
 	/* Hand back the host slots of copies already done first: the release then rides on the
 	 * acquire below, and the loader can read ahead while we wait for this group. */
-	int rc = poll_copies(w);
+	int rc = gw_poll_copies(w);
 	if (rc)
 		return rc;
 	if (e->state != GWIN_ABSENT && !e->in_use && e->slot != NO_SLOT &&
@@ -185,7 +185,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 		 * groups). Its last use is over: let it go, and copy it again into the slot due. */
 		if (e->state == GWIN_INFLIGHT) {
 			CUDA_TRY(cudaEventSynchronize(e->h2d), "waiting for an old copy");
-			if ((rc = poll_copies(w)))
+			if ((rc = gw_poll_copies(w)))
 				return rc;
 		}
 		struct gslot *os = &w->slots[e->slot];
@@ -197,7 +197,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	}
 	if (e->state != GWIN_ABSENT)
 		return errorf(w->base.error, sizeof(w->base.error), -EFAULT,
-			      "weight window: group %u is due for a copy but is %s", h, state_name(e->state));
+			      "weight window: group %u is due for a copy but is %s", h, gw_state_name(e->state));
 	if (s->group != NO_GROUP) {
 		struct gent *o = &w->g[s->group];
 		if (o->in_use)
@@ -206,7 +206,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 		if (o->state == GWIN_INFLIGHT && o->host_held) {
 			/* Its copy ran long ago (the group was computed since): this returns at once. */
 			CUDA_TRY(cudaEventSynchronize(o->h2d), "waiting for an old copy");
-			if ((rc = poll_copies(w)))
+			if ((rc = gw_poll_copies(w)))
 				return rc;
 		}
 		if ((rc = set_state(w, s->group, GWIN_RETIRING)) || (rc = set_state(w, s->group, GWIN_ABSENT)))
@@ -233,7 +233,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 			if (held < limit || oldest == NO_GROUP)
 				break;
 			CUDA_TRY(cudaEventSynchronize(w->g[oldest].h2d), "waiting for a copy to free a DRAM slot");
-			if ((rc = poll_copies(w)))
+			if ((rc = gw_poll_copies(w)))
 				return rc;
 		}
 	}
@@ -277,7 +277,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 }
 
 /* Keeps depth copies ahead of compute in every streamed class (groups passed over do not count). */
-static int top_up(struct gpu_window *w)
+int gw_top_up(struct gpu_window *w)
 {
 	for (uint32_t c = 0; c < CLASS_COUNT; c++)
 		while (w->m[c] && w->issued[c] < w->consumed[c] + w->depth[c] + w->passed_pending[c]) {
@@ -302,21 +302,21 @@ int gpu_window_check(const struct gpu_window *w, char *err, size_t errlen)
 	for (uint32_t g = 0; g < w->base.n_groups; g++) {
 		const struct gent *e = &w->g[g];
 		if (e->resident && e->state != GWIN_RESIDENT && g != w->embed_group)
-			return errorf(err, errlen, -EFAULT, "resident group %u is %s", g, state_name(e->state));
+			return errorf(err, errlen, -EFAULT, "resident group %u is %s", g, gw_state_name(e->state));
 		if (e->state == GWIN_RETIRING)
 			return errorf(err, errlen, -EFAULT, "group %u left RETIRING half done", g);
 		if (!e->resident && e->slot != NO_SLOT && w->slots[e->slot].group != g)
 			return errorf(err, errlen, -EFAULT, "group %u names slot %u, which holds %u", g, e->slot,
 				      w->slots[e->slot].group);
 		if (!e->resident && (e->state == GWIN_ABSENT) != (e->slot == NO_SLOT))
-			return errorf(err, errlen, -EFAULT, "group %u is %s with%s a slot", g, state_name(e->state),
+			return errorf(err, errlen, -EFAULT, "group %u is %s with%s a slot", g, gw_state_name(e->state),
 				      e->slot == NO_SLOT ? "out" : "");
 		if (e->in_use && !e->resident && e->state == GWIN_ABSENT)
 			return errorf(err, errlen, -EFAULT, "group %u is in use but ABSENT", g);
 		if (e->host_held && e->state != GWIN_INFLIGHT)
-			return errorf(err, errlen, -EFAULT, "group %u holds a ring grant while %s", g, state_name(e->state));
+			return errorf(err, errlen, -EFAULT, "group %u holds a ring grant while %s", g, gw_state_name(e->state));
 		if (e->passed && (e->state != GWIN_ABSENT || e->in_use))
-			return errorf(err, errlen, -EFAULT, "group %u was passed over but is %s%s", g, state_name(e->state),
+			return errorf(err, errlen, -EFAULT, "group %u was passed over but is %s%s", g, gw_state_name(e->state),
 				      e->in_use ? " and in use" : "");
 	}
 	for (uint32_t c = 0; c < CLASS_COUNT; c++)
@@ -327,7 +327,7 @@ int gpu_window_check(const struct gpu_window *w, char *err, size_t errlen)
 	return 0;
 }
 
-static int strict_check(struct gpu_window *w)
+int gw_strict_check(struct gpu_window *w)
 {
 	if (!w->strict)
 		return 0;
@@ -358,7 +358,7 @@ static int win_acquire(struct weight_source *ws, uint32_t group, struct group_we
 		ws->acquires++;
 		return 0;
 	}
-	if ((rc = poll_copies(w)))
+	if ((rc = gw_poll_copies(w)))
 		return rc;
 	if (!e->resident) {
 		uint32_t c = ws->groups[group].size_class;
@@ -370,12 +370,12 @@ static int win_acquire(struct weight_source *ws, uint32_t group, struct group_we
 				      "weight window: expert group %u acquired after its routing left it out", group);
 		if (e->state == GWIN_ABSENT) { /* not copied ahead: at the very start, or a routed expert */
 			w->st.late_copies++;
-			if ((rc = top_up(w)))
+			if ((rc = gw_top_up(w)))
 				return rc;
 		}
 		if (e->state != GWIN_INFLIGHT && e->state != GWIN_RESIDENT)
 			return errorf(ws->error, sizeof(ws->error), -EFAULT, "weight window: group %u is %s at use",
-				      group, state_name(e->state));
+				      group, gw_state_name(e->state));
 		/* Compute waits for the copy on the GPU, not here. */
 		cudaError_t ce = cudaStreamWaitEvent(w->compute, e->h2d, 0);
 		if (ce != cudaSuccess)
@@ -386,7 +386,7 @@ static int win_acquire(struct weight_source *ws, uint32_t group, struct group_we
 	e->in_use = true;
 	ws->acquires++;
 	int frc = fill_device(w, group, e->dev, gw);
-	return frc ? frc : strict_check(w);
+	return frc ? frc : gw_strict_check(w);
 }
 
 static int win_release(struct weight_source *ws, uint32_t group)
@@ -404,15 +404,15 @@ static int win_release(struct weight_source *ws, uint32_t group)
 	if (src)
 		return src;
 	if (e->resident)
-		return strict_check(w);
+		return gw_strict_check(w);
 	struct gslot *s = &w->slots[e->slot];
 	cudaError_t ce = cudaEventRecord(s->compute_done, w->compute);
 	if (ce != cudaSuccess)
 		return errorf(ws->error, sizeof(ws->error), -EIO, "recording compute done: %s", cudaGetErrorString(ce));
 	s->compute_recorded = true;
 	w->consumed[ws->groups[group].size_class]++;
-	int rc = top_up(w);
-	return rc ? rc : strict_check(w);
+	int rc = gw_top_up(w);
+	return rc ? rc : gw_strict_check(w);
 }
 
 static int win_release_all(struct weight_source *ws)
@@ -428,7 +428,7 @@ static int win_release_all(struct weight_source *ws)
 				      cudaGetErrorString(ce));
 	}
 	w->host_reads = false;
-	int rc = poll_copies(w);
+	int rc = gw_poll_copies(w);
 	if (!rc)
 		rc = w->rs->ops->release_all(w->rs);
 	return rc ? errorf(ws->error, sizeof(ws->error), rc, "%s", w->rs->error) : 0;
@@ -444,162 +444,19 @@ static int win_flush(struct weight_source *ws)
 	for (uint32_t g = 0; g < ws->n_groups; g++)
 		if (w->g[g].host_held && !ring_source_group_pinned(w->ring, g))
 			CUDA_TRY(cudaEventSynchronize(w->g[g].h2d), "waiting for a copy to hand its DRAM slot back");
-	int rc = poll_copies(w);
+	int rc = gw_poll_copies(w);
 	if (!rc && w->rs->ops->flush && (rc = w->rs->ops->flush(w->rs)) != 0)
 		return errorf(ws->error, sizeof(ws->error), rc, "%s", w->rs->error);
 	return rc;
-}
-
-static void on_cpu_set(bool *on_cpu, uint32_t x, bool v)
-{
-	if (on_cpu)
-		on_cpu[x] = v;
-}
-
-static int win_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)
-{
-	struct gpu_window *w = (struct gpu_window *)ws;
-	const struct model_config *cfg = ws->cfg;
-	if (layer >= cfg->n_layers || !cfg->n_experts)
-		return errorf(ws->error, sizeof(ws->error), -EINVAL, "route: layer %u of a model of %u layers and %u "
-			      "experts", layer, cfg->n_layers, cfg->n_experts);
-	if (!w->expert0) {
-		w->expert0 = malloc(cfg->n_layers * sizeof(uint32_t));
-		if (!w->expert0)
-			return errorf(ws->error, sizeof(ws->error), -ENOMEM, "route: out of memory");
-		w->fetch = calloc(cfg->n_experts, sizeof(bool)); /* NULL: no asking ahead */
-		for (uint32_t l = 0; l < cfg->n_layers; l++)
-			w->expert0[l] = NO_GROUP;
-		for (uint32_t g = ws->n_groups; g-- > 0;)
-			if (ws->groups[g].kind == GROUP_EXPERT)
-				w->expert0[ws->groups[g].layer] = g;
-	}
-	w->host_reads = false; /* the layer before has ended (moe_end) */
-	uint32_t g0 = w->expert0[layer];
-	/* The CPU's side: chosen experts not resident whose host bytes stay in DRAM, in a decode step. */
-	const struct cpu_share_policy *pol = &w->moe_policy;
-	const bool cpu = pol->mode != CPU_SHARE_OFF && on_cpu && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS;
-	double gpu_s = 0, cpu_s = 0;
-	for (uint32_t g = g0; g != NO_GROUP && g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
-			      ws->groups[g].layer == layer; g++) {
-		uint32_t x = ws->groups[g].expert;
-		struct gent *e = &w->g[g];
-		e->on_cpu = false;
-		if (cpu && used[x] && !e->resident && e->state == GWIN_ABSENT && ring_source_group_pinned(w->ring, g)) {
-			/* To the side that then finishes first: copies at the H2D rate, or the CPU at its
-			 * product rate for the experts' format (a fixed share: the rate that gives it). */
-			double b = (double)w->copy_bytes[g], h2d = w->st.h2d_bytes_per_s > 0 ? w->st.h2d_bytes_per_s : 1;
-			double rate = pol->mode == CPU_SHARE_FIXED
-					      ? (pol->fraction >= 1 ? 1e30 : h2d * pol->fraction / (1 - pol->fraction))
-					      : w->cpu_rate[w->moe_format];
-			if (rate > 0 && cpu_s + b / rate <= gpu_s + b / h2d) {
-				e->on_cpu = true;
-				cpu_s += b / rate;
-				w->st.experts_cpu++;
-				w->st.experts_cpu_bytes += w->copy_bytes[g];
-			} else {
-				gpu_s += b / h2d;
-			}
-		}
-		on_cpu_set(on_cpu, x, e->on_cpu);
-		e->unused = !used[x] || e->on_cpu;
-	}
-	/* The chosen experts the window copies from the loader's streaming slots are asked for together
-	 * (the ring's route: one ACQUIRE, the loader reads them at once) before the first copy waits on
-	 * one of them. Never the resident ones: the window takes nothing of theirs from the ring. */
-	if (w->rs->ops->route && !ring_source_all_resident(w->ring) && w->fetch && g0 != NO_GROUP) {
-		const uint32_t c = ws->groups[g0].size_class;
-		for (uint32_t x = 0; x < cfg->n_experts; x++)
-			w->fetch[x] = false;
-		/* This step's visit of the layer's streamed experts starts at consumed[c] (every expert before
-		 * it has been consumed); those below issued[c] were copied before this routing (a new window's
-		 * first copies), and nothing more of theirs is taken from the ring this step. */
-		for (uint64_t k = w->consumed[c]; w->m[c] && k < w->consumed[c] + w->m[c]; k++) {
-			uint32_t g = w->order[c][k % w->m[c]];
-			if (ws->groups[g].kind != GROUP_EXPERT || ws->groups[g].layer != layer)
-				break;
-			uint32_t x = ws->groups[g].expert;
-			w->fetch[x] = used[x] && !w->g[g].on_cpu && k >= w->issued[c];
-		}
-		int prc = poll_copies(w); /* finished copies' grants go back with the ACQUIRE: more room */
-		if (prc)
-			return prc;
-		if ((prc = w->rs->ops->route(w->rs, layer, w->fetch, NULL)) != 0)
-			return errorf(ws->error, sizeof(ws->error), prc, "%s", w->rs->error);
-	}
-	w->routing = true;
-	w->routed_layer = layer;
-	w->route_pos = w->consumed[CLASS_EXPERT];
-	int rc = top_up(w);
-	return rc ? rc : strict_check(w);
-}
-
-/* An expert group the step does not use, in visit order: passed over, or (copied before its layer
- * was routed, or its host bytes stream) consumed once its copy is done. */
-static int win_skip(struct weight_source *ws, uint32_t group)
-{
-	struct gpu_window *w = (struct gpu_window *)ws;
-	if (group >= ws->n_groups || ws->groups[group].kind != GROUP_EXPERT)
-		return errorf(ws->error, sizeof(ws->error), -EINVAL, "skip: group %u is not an expert group", group);
-	struct gent *e = &w->g[group];
-	if (e->resident)
-		return 0;
-	uint32_t c = ws->groups[group].size_class;
-	if (w->m[c] == 0 || w->order[c][w->consumed[c] % w->m[c]] != group)
-		return errorf(ws->error, sizeof(ws->error), -EPROTO, "weight window: group %u skipped out of visit order",
-			      group);
-	int rc;
-	/* Not issued yet: the top-up passes it over (or, its host bytes streaming, copies it). */
-	if (!e->passed && e->state == GWIN_ABSENT && (rc = top_up(w)) != 0)
-		return rc;
-	if (e->passed) {
-		e->passed = false;
-		w->passed_pending[c]--;
-		w->consumed[c]++;
-		rc = top_up(w);
-		return rc ? rc : strict_check(w);
-	}
-	if (e->state != GWIN_INFLIGHT && e->state != GWIN_RESIDENT)
-		return errorf(ws->error, sizeof(ws->error), -EFAULT, "weight window: skipped group %u is %s", group,
-			      state_name(e->state));
-	/* Its slot is free once the copy into it is done: the compute stream records that. */
-	struct gslot *s = &w->slots[e->slot];
-	cudaError_t ce = cudaStreamWaitEvent(w->compute, e->h2d, 0);
-	if (ce == cudaSuccess)
-		ce = cudaEventRecord(s->compute_done, w->compute);
-	if (ce != cudaSuccess)
-		return errorf(ws->error, sizeof(ws->error), -EIO, "skipping group %u: %s", group, cudaGetErrorString(ce));
-	s->compute_recorded = true;
-	w->consumed[c]++;
-	rc = top_up(w);
-	return rc ? rc : strict_check(w);
-}
-
-/* An expert group route left for the CPU: consumed as a skipped one, its host bytes in place. */
-static int win_acquire_host(struct weight_source *ws, uint32_t group, struct group_weights *gw)
-{
-	struct gpu_window *w = (struct gpu_window *)ws;
-	if (group >= ws->n_groups || !w->g[group].on_cpu || !w->routing || ws->groups[group].layer != w->routed_layer)
-		return errorf(ws->error, sizeof(ws->error), -EPROTO,
-			      "weight window: group %u was not left for the CPU by the route of its layer", group);
-	const void *base = ring_source_group_base(w->ring, group);
-	if (!base)
-		return errorf(ws->error, sizeof(ws->error), -EPROTO,
-			      "weight window: group %u, left for the CPU, is not in DRAM", group);
-	/* Its visit is the engine's skip, later (pinned in DRAM: no grant is held for it). */
-	weights_fill(ws, group, base, NULL, gw);
-	w->host_reads = true;
-	ws->acquires++;
-	return 0;
 }
 
 static const struct weight_source_ops window_ops = {
 	.acquire = win_acquire,
 	.release = win_release,
 	.release_all = win_release_all,
-	.route = win_route,
-	.skip = win_skip,
-	.acquire_host = win_acquire_host,
+	.route = gw_route,
+	.skip = gw_skip,
+	.acquire_host = gw_acquire_host,
 	.flush = win_flush,
 };
 
@@ -985,7 +842,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	/* Start copying the first streamed groups now; then hand back what the loader's streaming slots
 	 * hold for us beyond need (the releases of the resident groups' copies, held back for a next
 	 * acquire that may be far off): another runner of a split model may need those slots first. */
-	rc = top_up(w);
+	rc = gw_top_up(w);
 	if (rc == 0)
 		rc = win_flush(&w->base);
 	if (rc) {
@@ -1030,36 +887,6 @@ void gpu_window_reset_timing(struct gpu_window *w)
 		w->slots[s].timed = false;
 	w->st.copy_ms = 0;
 	w->st.timed_copies = 0;
-}
-
-int gpu_window_expert_gain(const struct gpu_window *w, const float *heat, double *now, double *planned)
-{
-	const struct model_config *cfg = w->base.cfg;
-	const uint32_t ng = w->base.n_groups, E = cfg->n_experts;
-	*now = *planned = 0;
-	if (!E)
-		return 0;
-	const struct group_desc *dg = w->plan_groups;
-	bool *res = malloc(ng * sizeof(bool));
-	if (!res)
-		return -ENOMEM;
-	double sum = 0, kept = 0;
-	for (uint32_t g = 0; g < ng; g++) {
-		if (dg[g].kind != GROUP_EXPERT || !weight_stage_has(&w->base.stage, &dg[g]))
-			continue;
-		float h = heat[(size_t)dg[g].layer * E + dg[g].expert];
-		h = h > 0 ? h : 0;
-		sum += h;
-		kept += w->g[g].resident ? h : 0;
-	}
-	*now = sum > 0 ? kept / sum : 0;
-	struct window_plan plan;
-	char err[256];
-	int rc = window_plan(cfg, dg, ng, &w->base.stage, w->budget, w->st.depth, heat, res, &plan, err, sizeof(err));
-	if (rc == 0)
-		*planned = plan.expert_heat_resident;
-	free(res);
-	return rc;
 }
 
 void gpu_window_describe(const struct gpu_window *w, char *buf, size_t len)

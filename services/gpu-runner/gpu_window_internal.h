@@ -165,4 +165,17 @@ bool gw_split_reads_ring(const struct gpu_window *w);
 /* What the split plan is, appended to gpu_window_describe's line ("" when nothing splits). */
 void gw_split_describe(const struct gpu_window *w, char *buf, size_t len);
 
+/* gpu_window.c's machinery the experts' operations use: copies done handed back (grants, slots),
+ * the next copies issued while slots are free, and the state table checked where strict. Each
+ * returns 0 or -errno with the message in w->base.error. */
+int gw_poll_copies(struct gpu_window *w);
+int gw_top_up(struct gpu_window *w);
+int gw_strict_check(struct gpu_window *w);
+/* A GWIN_ state's name, for messages. */
+const char *gw_state_name(uint8_t s);
+/* gpu_window_experts.c: weight_source's route, skip and acquire_host (weights.h). */
+int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu);
+int gw_skip(struct weight_source *ws, uint32_t group);
+int gw_acquire_host(struct weight_source *ws, uint32_t group, struct group_weights *gw);
+
 #endif

@@ -1,0 +1,186 @@
+/* gpu_window_experts.c - the GPU window's side of a mixture-of-experts layer: the route (which of
+ * the layer's streamed experts this step copies, which it passes over, which it leaves in DRAM for
+ * the CPU, and the chosen ones asked of the loader together), the visits of experts not copied
+ * (skip), the CPU's experts in host memory (acquire_host), and what a plan from counted routing
+ * would keep (gpu_window_expert_gain). See gpu_window.h; the window itself is gpu_window.c. */
+#include "services/gpu-runner/gpu_window_internal.h"
+#include "services/gpu-runner/window_plan.h"
+
+#include <cuda_runtime_api.h>
+#include <errno.h>
+#include <stdlib.h>
+
+#include "common/util.h"
+
+static void on_cpu_set(bool *on_cpu, uint32_t x, bool v)
+{
+	if (on_cpu)
+		on_cpu[x] = v;
+}
+
+int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)
+{
+	struct gpu_window *w = (struct gpu_window *)ws;
+	const struct model_config *cfg = ws->cfg;
+	if (layer >= cfg->n_layers || !cfg->n_experts)
+		return errorf(ws->error, sizeof(ws->error), -EINVAL, "route: layer %u of a model of %u layers and %u "
+			      "experts", layer, cfg->n_layers, cfg->n_experts);
+	if (!w->expert0) {
+		w->expert0 = malloc(cfg->n_layers * sizeof(uint32_t));
+		if (!w->expert0)
+			return errorf(ws->error, sizeof(ws->error), -ENOMEM, "route: out of memory");
+		w->fetch = calloc(cfg->n_experts, sizeof(bool)); /* NULL: no asking ahead */
+		for (uint32_t l = 0; l < cfg->n_layers; l++)
+			w->expert0[l] = NO_GROUP;
+		for (uint32_t g = ws->n_groups; g-- > 0;)
+			if (ws->groups[g].kind == GROUP_EXPERT)
+				w->expert0[ws->groups[g].layer] = g;
+	}
+	w->host_reads = false; /* the layer before has ended (moe_end) */
+	uint32_t g0 = w->expert0[layer];
+	/* The CPU's side: chosen experts not resident whose host bytes stay in DRAM, in a decode step. */
+	const struct cpu_share_policy *pol = &w->moe_policy;
+	const bool cpu = pol->mode != CPU_SHARE_OFF && on_cpu && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS;
+	double gpu_s = 0, cpu_s = 0;
+	for (uint32_t g = g0; g != NO_GROUP && g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
+			      ws->groups[g].layer == layer; g++) {
+		uint32_t x = ws->groups[g].expert;
+		struct gent *e = &w->g[g];
+		e->on_cpu = false;
+		if (cpu && used[x] && !e->resident && e->state == GWIN_ABSENT && ring_source_group_pinned(w->ring, g)) {
+			/* To the side that then finishes first: copies at the H2D rate, or the CPU at its
+			 * product rate for the experts' format (a fixed share: the rate that gives it). */
+			double b = (double)w->copy_bytes[g], h2d = w->st.h2d_bytes_per_s > 0 ? w->st.h2d_bytes_per_s : 1;
+			double rate = pol->mode == CPU_SHARE_FIXED
+					      ? (pol->fraction >= 1 ? 1e30 : h2d * pol->fraction / (1 - pol->fraction))
+					      : w->cpu_rate[w->moe_format];
+			if (rate > 0 && cpu_s + b / rate <= gpu_s + b / h2d) {
+				e->on_cpu = true;
+				cpu_s += b / rate;
+				w->st.experts_cpu++;
+				w->st.experts_cpu_bytes += w->copy_bytes[g];
+			} else {
+				gpu_s += b / h2d;
+			}
+		}
+		on_cpu_set(on_cpu, x, e->on_cpu);
+		e->unused = !used[x] || e->on_cpu;
+	}
+	/* The chosen experts the window copies from the loader's streaming slots are asked for together
+	 * (the ring's route: one ACQUIRE, the loader reads them at once) before the first copy waits on
+	 * one of them. Never the resident ones: the window takes nothing of theirs from the ring. */
+	if (w->rs->ops->route && !ring_source_all_resident(w->ring) && w->fetch && g0 != NO_GROUP) {
+		const uint32_t c = ws->groups[g0].size_class;
+		for (uint32_t x = 0; x < cfg->n_experts; x++)
+			w->fetch[x] = false;
+		/* This step's visit of the layer's streamed experts starts at consumed[c] (every expert before
+		 * it has been consumed); those below issued[c] were copied before this routing (a new window's
+		 * first copies), and nothing more of theirs is taken from the ring this step. */
+		for (uint64_t k = w->consumed[c]; w->m[c] && k < w->consumed[c] + w->m[c]; k++) {
+			uint32_t g = w->order[c][k % w->m[c]];
+			if (ws->groups[g].kind != GROUP_EXPERT || ws->groups[g].layer != layer)
+				break;
+			uint32_t x = ws->groups[g].expert;
+			w->fetch[x] = used[x] && !w->g[g].on_cpu && k >= w->issued[c];
+		}
+		int prc = gw_poll_copies(w); /* finished copies' grants go back with the ACQUIRE: more room */
+		if (prc)
+			return prc;
+		if ((prc = w->rs->ops->route(w->rs, layer, w->fetch, NULL)) != 0)
+			return errorf(ws->error, sizeof(ws->error), prc, "%s", w->rs->error);
+	}
+	w->routing = true;
+	w->routed_layer = layer;
+	w->route_pos = w->consumed[CLASS_EXPERT];
+	int rc = gw_top_up(w);
+	return rc ? rc : gw_strict_check(w);
+}
+
+/* An expert group the step does not use, in visit order: passed over, or (copied before its layer
+ * was routed, or its host bytes stream) consumed once its copy is done. */
+int gw_skip(struct weight_source *ws, uint32_t group)
+{
+	struct gpu_window *w = (struct gpu_window *)ws;
+	if (group >= ws->n_groups || ws->groups[group].kind != GROUP_EXPERT)
+		return errorf(ws->error, sizeof(ws->error), -EINVAL, "skip: group %u is not an expert group", group);
+	struct gent *e = &w->g[group];
+	if (e->resident)
+		return 0;
+	uint32_t c = ws->groups[group].size_class;
+	if (w->m[c] == 0 || w->order[c][w->consumed[c] % w->m[c]] != group)
+		return errorf(ws->error, sizeof(ws->error), -EPROTO, "weight window: group %u skipped out of visit order",
+			      group);
+	int rc;
+	/* Not issued yet: the top-up passes it over (or, its host bytes streaming, copies it). */
+	if (!e->passed && e->state == GWIN_ABSENT && (rc = gw_top_up(w)) != 0)
+		return rc;
+	if (e->passed) {
+		e->passed = false;
+		w->passed_pending[c]--;
+		w->consumed[c]++;
+		rc = gw_top_up(w);
+		return rc ? rc : gw_strict_check(w);
+	}
+	if (e->state != GWIN_INFLIGHT && e->state != GWIN_RESIDENT)
+		return errorf(ws->error, sizeof(ws->error), -EFAULT, "weight window: skipped group %u is %s", group,
+			      gw_state_name(e->state));
+	/* Its slot is free once the copy into it is done: the compute stream records that. */
+	struct gslot *s = &w->slots[e->slot];
+	cudaError_t ce = cudaStreamWaitEvent(w->compute, e->h2d, 0);
+	if (ce == cudaSuccess)
+		ce = cudaEventRecord(s->compute_done, w->compute);
+	if (ce != cudaSuccess)
+		return errorf(ws->error, sizeof(ws->error), -EIO, "skipping group %u: %s", group, cudaGetErrorString(ce));
+	s->compute_recorded = true;
+	w->consumed[c]++;
+	rc = gw_top_up(w);
+	return rc ? rc : gw_strict_check(w);
+}
+
+/* An expert group route left for the CPU: consumed as a skipped one, its host bytes in place. */
+int gw_acquire_host(struct weight_source *ws, uint32_t group, struct group_weights *gw)
+{
+	struct gpu_window *w = (struct gpu_window *)ws;
+	if (group >= ws->n_groups || !w->g[group].on_cpu || !w->routing || ws->groups[group].layer != w->routed_layer)
+		return errorf(ws->error, sizeof(ws->error), -EPROTO,
+			      "weight window: group %u was not left for the CPU by the route of its layer", group);
+	const void *base = ring_source_group_base(w->ring, group);
+	if (!base)
+		return errorf(ws->error, sizeof(ws->error), -EPROTO,
+			      "weight window: group %u, left for the CPU, is not in DRAM", group);
+	/* Its visit is the engine's skip, later (pinned in DRAM: no grant is held for it). */
+	weights_fill(ws, group, base, NULL, gw);
+	w->host_reads = true;
+	ws->acquires++;
+	return 0;
+}
+
+int gpu_window_expert_gain(const struct gpu_window *w, const float *heat, double *now, double *planned)
+{
+	const struct model_config *cfg = w->base.cfg;
+	const uint32_t ng = w->base.n_groups, E = cfg->n_experts;
+	*now = *planned = 0;
+	if (!E)
+		return 0;
+	const struct group_desc *dg = w->plan_groups;
+	bool *res = malloc(ng * sizeof(bool));
+	if (!res)
+		return -ENOMEM;
+	double sum = 0, kept = 0;
+	for (uint32_t g = 0; g < ng; g++) {
+		if (dg[g].kind != GROUP_EXPERT || !weight_stage_has(&w->base.stage, &dg[g]))
+			continue;
+		float h = heat[(size_t)dg[g].layer * E + dg[g].expert];
+		h = h > 0 ? h : 0;
+		sum += h;
+		kept += w->g[g].resident ? h : 0;
+	}
+	*now = sum > 0 ? kept / sum : 0;
+	struct window_plan plan;
+	char err[256];
+	int rc = window_plan(cfg, dg, ng, &w->base.stage, w->budget, w->st.depth, heat, res, &plan, err, sizeof(err));
+	if (rc == 0)
+		*planned = plan.expert_heat_resident;
+	free(res);
+	return rc;
+}
