@@ -254,6 +254,12 @@ class Table(unittest.TestCase):
                       rows[0])
         self.assertIn("12 FFNs split at r 5120..5120 of 14336", rows[0])
         self.assertIn("| 2.00x | - | - | >= 1.8x |", rows[1])
+        # --ab: the same split with the results copied up, set against the same limit.
+        rec["copy"] = {"gen": {"decode_ms": 110.0}, "cpu_share": dict(cs, handoff_us=1900.0)}
+        rows = bench.ROWS["P1"](rec, lim)
+        self.assertEqual(len(rows), 3)
+        self.assertIn("--cpu-result copy (job 900 us, handoff 1900 us) | 110.0 ms/token | 100.0 ms/token | 1.100 |",
+                      rows[2])
         rec["split"]["failed"] = True
         self.assertEqual(bench.ROWS["P1"](rec, lim), ["| P1 | failed (see logs) | - | - | - |"])
 
