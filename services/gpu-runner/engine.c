@@ -394,6 +394,18 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 		       int32_t *argmax, const struct sampler_params *sp, double u, bool stage_out,
 		       const struct backend_pick *picks);
 
+/* Expert group g, which its layer's route left in host memory, to the backend's CPU pool. */
+static int give_cpu_expert(struct engine *e, uint32_t g)
+{
+	struct group_weights hw;
+	int rc = e->ws->ops->acquire_host(e->ws, g, &hw);
+	if (rc)
+		return set_err(e, rc, "weights of group %u: %s", g, e->ws->error);
+	if ((rc = backend_moe_expert_cpu(e->be, &hw, e->ws->groups[g].expert)))
+		return set_err(e, rc, "expert on the CPU: %s", backend_error(e->be));
+	return 0;
+}
+
 /* A step; a failed one first waits for the experts the CPU may still compute from host memory
  * (the weights they read can go away once the step has failed: a release, a reconnect). */
 static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits,
@@ -465,13 +477,8 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 			 * source left it in host memory: the backend computes it on the CPU (given here, or
 			 * at the route when early); the source then passes its visit over all the same. */
 			uint32_t x = groups[group].expert;
-			if (e->used[x] && !e->cpu_given[x]) {
-				struct group_weights hw;
-				if ((rc = e->ws->ops->acquire_host(e->ws, group, &hw)))
-					return set_err(e, rc, "weights of group %u: %s", group, e->ws->error);
-				if ((rc = backend_moe_expert_cpu(e->be, &hw, x)))
-					return set_err(e, rc, "expert on the CPU: %s", backend_error(e->be));
-			}
+			if (e->used[x] && !e->cpu_given[x] && (rc = give_cpu_expert(e, group)))
+				return rc;
 			if ((rc = e->ws->ops->skip(e->ws, group)))
 				return set_err(e, rc, "weights: %s", e->ws->error);
 			if (last_expert(e, group) && (rc = backend_moe_end(e->be)))
@@ -535,14 +542,7 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 					continue;
 				early--;
 				e->cpu_given[groups[g].expert] = true;
-				struct group_weights hw;
-				if ((rc = e->ws->ops->acquire_host(e->ws, g, &hw)) != 0) {
-					set_err(e, rc, "weights of group %u: %s", g, e->ws->error);
-					release(e, group);
-					return rc;
-				}
-				if ((rc = backend_moe_expert_cpu(e->be, &hw, groups[g].expert)) != 0) {
-					set_err(e, rc, "expert on the CPU: %s", backend_error(e->be));
+				if ((rc = give_cpu_expert(e, g))) {
 					release(e, group);
 					return rc;
 				}

@@ -314,10 +314,7 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 		 cudaMemsetAsync(m->sum, 0, (size_t)n * dim * sizeof(float), be->stream));
 	/* A decode step's rows for experts the CPU may compute. Jobs of a layer that failed half way
 	 * are waited for first: their slots and buffers are about to be reused. */
-	for (uint32_t i = m->collected; i < m->n_cpu; i++) {
-		struct moe_cpu_job *cj = &m->jobs[i % m->n_jobs];
-		task_word_wait(&cj->done, &cj->waiters, cj->seq, 50, 0);
-	}
+	moe_settle(be);
 	m->xn_down = m->jobs && n <= FFN_SPLIT_MAX_TOKENS;
 	m->n_cpu = 0;
 	m->collected = 0;
