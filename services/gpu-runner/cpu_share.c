@@ -35,9 +35,9 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (strcmp(res, "copy") && strcmp(res, "mapped"))
 		return errorf(err, errlen, -EINVAL, "--cpu-result '%s' is not copy or mapped", res);
 	r->cpu_result_mapped = !strcmp(res, "mapped");
-	const char *ex = r->cpu_experts_arg ? r->cpu_experts_arg : "visit";
+	const char *ex = r->cpu_experts_arg ? r->cpu_experts_arg : "route";
 	if (strcmp(ex, "visit") && strcmp(ex, "route"))
-		return errorf(err, errlen, -EINVAL, "--cpu-experts '%s' is not visit or route", ex);
+		return errorf(err, errlen, -EINVAL, "--cpu-experts '%s' is not route or visit", ex);
 	r->cpu_experts_early = !strcmp(ex, "route");
 	return 0;
 }

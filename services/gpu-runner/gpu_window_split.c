@@ -102,6 +102,13 @@ static bool streams(const struct gpu_window *w, const bool *resident, uint32_t g
 	return !resident[g] && weight_stage_has(&w->base.stage, &w->base.groups[g]);
 }
 
+/* split_calibrate's busy: the load's copies are still running. */
+static bool h2d_pending(void *arg)
+{
+	const struct gw_h2d *load = arg;
+	return cudaEventQuery(load->b) == cudaErrorNotReady;
+}
+
 int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_window_params *p, char *err,
 		  size_t errlen)
 {
@@ -181,7 +188,8 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 		struct gw_h2d load;
 		const bool loaded = gw_h2d_start(w->copy, H2D_LOAD_COPIES, &load);
 		uint64_t t0 = now_ns();
-		rc = split_calibrate(p->cpu_pool, samples, ns, SPLIT_CALIBRATE_BYTES, pol.cpu_bytes_per_s, err, errlen);
+		rc = split_calibrate(p->cpu_pool, samples, ns, SPLIT_CALIBRATE_BYTES, loaded ? h2d_pending : NULL, &load,
+				     pol.cpu_bytes_per_s, err, errlen);
 		const double cal_ms = (double)(now_ns() - t0) / 1e6;
 		const double h2d_beside = loaded ? gw_h2d_finish(&load) : 0;
 		if (rc)

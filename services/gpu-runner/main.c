@@ -261,9 +261,10 @@ int main(int argc, char **argv)
 		 "how the CPU's partial result of a split FFN reaches the GPU: mapped (a kernel reads it from "
 		 "mapped host memory: no copy engine queue) or copy (cudaMemcpyAsync on the compute stream, "
 		 "queued behind the weight copies)"},
-		{"cpu-experts", OPT_STRING, &r.cpu_experts_arg, "visit",
-		 "when the experts a route leaves for the CPU go to its pool: visit (at their place among the "
-		 "layer's experts) or route (all at once, right after the layer's routing)"},
+		{"cpu-experts", OPT_STRING, &r.cpu_experts_arg, "route",
+		 "when the experts a route leaves for the CPU go to its pool: route (right after the layer's "
+		 "routing, before the GPU's experts are queued) or visit (at their place among the layer's "
+		 "experts)"},
 		{"ranks", OPT_INT, &r.ranks, "1",
 		 "runners the model's layers are split across, one per GPU (2..8; each takes a contiguous range)"},
 		{"rank", OPT_INT, &r.rank, "0",

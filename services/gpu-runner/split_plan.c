@@ -20,7 +20,7 @@
  * with the runner's or the loader's threads made the rate far lower than the jobs then ran at (on
  * an H200 host: BF16 measured 43.7 GB/s, P1's split FFNs then read 80 GB/s). */
 #define CAL_PARTS_PER_THREAD FFN_SHARE_PARTS_PER_THREAD
-#define CAL_RUNS 3 /* timed runs after the warm-up; the rate is their median's */
+
 
 int cpu_share_parse(const char *text, struct cpu_share_policy *p, char *err, size_t errlen)
 {
@@ -111,8 +111,14 @@ static int cal_run(struct task_pool *pool, struct cal_job *j, uint32_t parts, ui
 	return 0;
 }
 
+static int cmp_u64(const void *a, const void *b)
+{
+	const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
 int split_calibrate(struct task_pool *pool, const struct split_sample *samples, uint32_t n, uint64_t budget,
-		    double rates[DT_COUNT], char *err, size_t errlen)
+		    bool (*busy)(void *), void *busy_arg, double rates[DT_COUNT], char *err, size_t errlen)
 {
 	uint32_t parts = task_pool_threads(pool) * CAL_PARTS_PER_THREAD, max_cols = 0;
 	for (uint32_t i = 0; i < n; i++) {
@@ -152,18 +158,16 @@ int split_calibrate(struct task_pool *pool, const struct split_sample *samples, 
 		}
 		if (!j.n_sel)
 			continue;
-		uint64_t ns[CAL_RUNS + 1] = {0};
-		for (uint32_t k = 0; k <= CAL_RUNS && rc == 0; k++) /* run 0 warms up */
-			rc = cal_run(pool, &j, parts, &ns[k], err, errlen);
+		uint64_t ns[SPLIT_CALIBRATE_MAX_RUNS], warm = 0;
+		uint32_t runs = 0;
+		rc = cal_run(pool, &j, parts, &warm, err, errlen);
+		while (rc == 0 && runs < SPLIT_CALIBRATE_MAX_RUNS &&
+		       (runs < SPLIT_CALIBRATE_RUNS || (busy && busy(busy_arg))))
+			rc = cal_run(pool, &j, parts, &ns[runs++], err, errlen);
 		if (rc)
 			break;
-		for (uint32_t a = 1; a <= CAL_RUNS; a++) /* the timed runs in order, by insertion */
-			for (uint32_t b = a; b > 1 && ns[b - 1] > ns[b]; b--) {
-				uint64_t t = ns[b];
-				ns[b] = ns[b - 1];
-				ns[b - 1] = t;
-			}
-		const uint64_t med = ns[1 + CAL_RUNS / 2];
+		qsort(ns, runs, sizeof(ns[0]), cmp_u64);
+		const uint64_t med = ns[runs / 2];
 		rates[f] = (double)bytes / ((double)(med ? med : 1) * 1e-9);
 	}
 out:

@@ -5,7 +5,7 @@
  *
  *   struct cpu_share_policy pol;
  *   rc = cpu_share_parse("auto", &pol, err, sizeof(err));
- *   rc = split_calibrate(pool, samples, n, SPLIT_CALIBRATE_BYTES, pol.cpu_bytes_per_s, err, sizeof(err));
+ *   rc = split_calibrate(pool, samples, n, SPLIT_CALIBRATE_BYTES, NULL, NULL, pol.cpu_bytes_per_s, err, sizeof(err));
  *   struct split_plan plan = {.r = r_per_layer};
  *   rc = split_plan_choose(cfg, layers, other_streamed, h2d_bps, &pol, &plan, err, sizeof(err));
  *
@@ -37,7 +37,7 @@ extern "C" {
 #endif
 
 #define SPLIT_HANDOFF_S 20e-6		     /* what the plan counts per handoff (a split layer, a token) */
-#define SPLIT_CALIBRATE_BYTES (256ull << 20) /* weight bytes split_calibrate reads per format, at most */
+#define SPLIT_CALIBRATE_BYTES (512ull << 20) /* weight bytes split_calibrate reads per run and format, at most */
 
 enum cpu_share_mode {
 	CPU_SHARE_OFF = 0,   /* "0": no FFN is split */
@@ -70,12 +70,17 @@ struct split_sample {
 
 struct task_pool;
 /* Measures the CPU's product rate of every format among the samples on pool: up to budget bytes of
- * that format's rows, multiplied by a vector as the CPU share multiplies (cpu_compute.h), split
- * among the pool's threads; the first pass warms (page tables, sleeping workers), the second is
- * timed. rates[f] gets bytes of weights a second for each format f seen (others are left as they
- * are). Returns 0, or -EINVAL (a sample the kernels refuse) / -ENOMEM with a message in err. */
+ * that format's rows, multiplied by a vector as the CPU share multiplies (cpu_compute.h), cut into
+ * parts as a split FFN's job is; the first pass warms (page tables, sleeping workers), then
+ * SPLIT_CALIBRATE_RUNS are timed, and more while busy(busy_arg) says so (busy may be NULL): the
+ * GPU window keeps the CPU reading until its H2D copies beside it have finished, so that both
+ * rates are measured beside the other the whole time. rates[f] gets the median run's bytes of
+ * weights a second for each format f seen (others are left as they are). Returns 0, or -EINVAL (a
+ * sample the kernels refuse) / -ENOMEM with a message in err. */
+#define SPLIT_CALIBRATE_RUNS 3
+#define SPLIT_CALIBRATE_MAX_RUNS 64 /* timed runs of one format at most, busy or not */
 int split_calibrate(struct task_pool *pool, const struct split_sample *samples, uint32_t n, uint64_t budget,
-		    double rates[DT_COUNT], char *err, size_t errlen);
+		    bool (*busy)(void *), void *busy_arg, double rates[DT_COUNT], char *err, size_t errlen);
 
 /* One layer's FFN as the plan sees it. */
 struct split_layer {

@@ -23,7 +23,7 @@ expect_start_fails "--cpu-handoff sometimes" "cpu-handoff 'sometimes' is not aut
 	--model "$MODEL" --runner-opt=--cpu-handoff=sometimes
 expect_start_fails "--cpu-result sideways" "cpu-result 'sideways' is not copy or mapped" \
 	--model "$MODEL" --runner-opt=--cpu-result=sideways
-expect_start_fails "--cpu-experts later" "cpu-experts 'later' is not visit or route" \
+expect_start_fails "--cpu-experts later" "cpu-experts 'later' is not route or visit" \
 	--model "$MODEL" --runner-opt=--cpu-experts=later
 
 F32=$IT_TMP/model-f32

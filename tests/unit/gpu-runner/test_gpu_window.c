@@ -427,7 +427,7 @@ static void expect_host(struct fixture *f, struct weight_source *ws, int step, u
 /* steps routed steps over w (the first a chunk that chooses every expert, then decode with 2 experts
  * a token at random), as the engine makes them: every expert acquired holds the checkpoint's bytes,
  * and the state table stays consistent. Experts left for the CPU are taken right after their
- * layer's route (at_route: --cpu-experts route) or at their visit (the default), then skipped. */
+ * layer's route (at_route: --cpu-experts route, the default) or at their visit, then skipped. */
 static void routed_steps_as(struct fixture *f, struct gpu_window *w, int steps, bool at_route)
 {
 	const struct model_config *c = &f->m->cfg;
