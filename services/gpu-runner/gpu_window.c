@@ -460,22 +460,26 @@ static const struct weight_source_ops window_ops = {
 	.flush = win_flush,
 };
 
-bool gw_h2d_start(cudaStream_t s, uint32_t copies, struct gw_h2d *h)
+/* Queues the n copies into h->dev (allocated here, as large as the largest) between h->a and h->b. */
+static bool h2d_queue(cudaStream_t s, const void *const *src, const size_t *len, uint32_t n, struct gw_h2d *h)
 {
-	memset(h, 0, sizeof(*h));
-	if (cudaMallocHost(&h->host, GW_H2D_CHUNK) != cudaSuccess || cudaMalloc(&h->dev, GW_H2D_CHUNK) != cudaSuccess ||
-	    cudaEventCreate(&h->a) != cudaSuccess || cudaEventCreate(&h->b) != cudaSuccess)
-		goto fail;
-	memset(h->host, 1, GW_H2D_CHUNK);
-	if (cudaEventRecord(h->a, s) != cudaSuccess)
-		goto fail;
-	for (h->copies = 0; h->copies < copies; h->copies++)
-		if (cudaMemcpyAsync(h->dev, h->host, GW_H2D_CHUNK, cudaMemcpyHostToDevice, s) != cudaSuccess)
-			goto fail;
-	if (cudaEventRecord(h->b, s) != cudaSuccess)
-		goto fail;
-	return true;
-fail:
+	size_t most = 0;
+	for (uint32_t i = 0; i < n; i++)
+		most = len[i] > most ? len[i] : most;
+	if (!n || !most || cudaMalloc(&h->dev, most) != cudaSuccess || cudaEventCreate(&h->a) != cudaSuccess ||
+	    cudaEventCreate(&h->b) != cudaSuccess || cudaEventRecord(h->a, s) != cudaSuccess)
+		return false;
+	for (uint32_t i = 0; i < n; i++) {
+		if (cudaMemcpyAsync(h->dev, src[i], len[i], cudaMemcpyHostToDevice, s) != cudaSuccess)
+			return false;
+		h->bytes += len[i];
+	}
+	return cudaEventRecord(h->b, s) == cudaSuccess;
+}
+
+/* Undoes a failed start: waits for what was queued, frees what was taken. */
+static bool h2d_fail(cudaStream_t s, struct gw_h2d *h)
+{
 	cudaStreamSynchronize(s);
 	cudaGetLastError();
 	if (h->a)
@@ -488,12 +492,37 @@ fail:
 	return false;
 }
 
+bool gw_h2d_start(cudaStream_t s, uint32_t copies, struct gw_h2d *h)
+{
+	memset(h, 0, sizeof(*h));
+	if (!copies || cudaMallocHost(&h->host, GW_H2D_CHUNK) != cudaSuccess)
+		return h2d_fail(s, h);
+	memset(h->host, 1, GW_H2D_CHUNK);
+	const void **src = calloc(copies, sizeof(*src));
+	size_t *len = calloc(copies, sizeof(*len));
+	bool ok = src && len;
+	for (uint32_t i = 0; ok && i < copies; i++) {
+		src[i] = h->host;
+		len[i] = GW_H2D_CHUNK;
+	}
+	ok = ok && h2d_queue(s, src, len, copies, h);
+	free(src);
+	free(len);
+	return ok ? true : h2d_fail(s, h);
+}
+
+bool gw_h2d_start_from(cudaStream_t s, const void *const *src, const size_t *len, uint32_t n, struct gw_h2d *h)
+{
+	memset(h, 0, sizeof(*h));
+	return h2d_queue(s, src, len, n, h) ? true : h2d_fail(s, h);
+}
+
 double gw_h2d_finish(struct gw_h2d *h)
 {
 	float ms = 0;
 	double bps = 0;
 	if (cudaEventSynchronize(h->b) == cudaSuccess && cudaEventElapsedTime(&ms, h->a, h->b) == cudaSuccess && ms > 0)
-		bps = (double)GW_H2D_CHUNK * h->copies / (ms * 1e-3);
+		bps = (double)h->bytes / (ms * 1e-3);
 	cudaGetLastError();
 	cudaEventDestroy(h->a);
 	cudaEventDestroy(h->b);

@@ -97,6 +97,7 @@ struct gpu_window_stats {
 	double expert_heat_resident;	 /* the share of the routing they take (window_plan.h) */
 	uint32_t depth;
 	double h2d_bytes_per_s;		 /* measured (or given) */
+	double h2d_beside_cpu_bytes_per_s; /* measured beside the CPU's rates (split plan; 0: not) */
 	double copy_ms;			 /* with time_copies: device time spent copying, since reset */
 	uint64_t timed_copies;
 	uint32_t copy_streams;

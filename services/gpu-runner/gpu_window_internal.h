@@ -127,16 +127,21 @@ struct gw_piece gw_piece(const struct gpu_window *w, uint32_t g, uint32_t ti, bo
 int gw_copy_pieces(struct gpu_window *w, uint32_t g, bool rest, void *dev, const uint64_t *off, const void *host,
 		   cudaStream_t s);
 /* copies H2D copies of GW_H2D_CHUNK bytes from pinned memory, queued on s and timed with events
- * (gw_h2d_start), then waited for (gw_h2d_finish): the H2D rate alone at start, and beside the
- * CPU's measurement (gw_split_plan). */
+ * (gw_h2d_start), then waited for (gw_h2d_finish): the H2D rate alone at start. Beside the CPU's
+ * measurement (gw_split_plan) the copies read the weight ring's own pinned slots, n pieces of
+ * len[i] bytes (at most GW_H2D_CHUNK each) at src[i] (gw_h2d_start_from), as decode's copies do: a
+ * 64 MiB buffer copied over and over sits partly in the CPU's last-level cache, where the DMA
+ * reads it without loading DRAM, and the CPU measured faster beside it than beside decode's
+ * copies. */
 #define GW_H2D_CHUNK ((size_t)64 << 20)
 struct gw_h2d {
-	void *host, *dev;
+	void *host, *dev; /* host: gw_h2d_start's own buffer (NULL from the ring) */
 	cudaEvent_t a, b;
-	uint32_t copies;
+	uint64_t bytes;
 };
-/* Queues the copies; false (nothing queued, nothing held) when memory or a call fails. */
+/* Queue the copies; false (nothing queued, nothing held) when memory or a call fails. */
 bool gw_h2d_start(cudaStream_t s, uint32_t copies, struct gw_h2d *h);
+bool gw_h2d_start_from(cudaStream_t s, const void *const *src, const size_t *len, uint32_t n, struct gw_h2d *h);
 /* Waits for the copies; their rate in bytes/s (0 when it cannot be read), and frees what start took. */
 double gw_h2d_finish(struct gw_h2d *h);
 /* Plans the split once the resident groups are known (resident[g]) and the H2D rate measured:

@@ -94,12 +94,45 @@ static const struct tensor_desc *find(const struct gpu_window *w, uint32_t g, en
  * step the CPU share and the copies read the same DRAM at once, and each alone is far faster than
  * beside the other (on the H100 host a BF16 share measured 70 GB/s alone and ran at 46 GB/s beside
  * the copies), so the plan takes both rates measured together. */
-#define H2D_LOAD_COPIES 48 /* ~60 ms at 50 GB/s: longer than the CPU's measurement */
+#define H2D_LOAD_COPIES 48 /* the load from a buffer of its own: ~60 ms at 50 GB/s */
+#define H2D_LOAD_BYTES ((uint64_t)H2D_LOAD_COPIES * GW_H2D_CHUNK) /* the load from the ring */
+#define H2D_LOAD_PIECES 4096 /* copies of it at most (a small expert's slot is one) */
 
 /* Does group g stream through the window: one of the runner's (its stage's) and not resident? */
 static bool streams(const struct gpu_window *w, const bool *resident, uint32_t g)
 {
 	return !resident[g] && weight_stage_has(&w->base.stage, &w->base.groups[g]);
+}
+
+/* Starts the H2D load beside the CPU's measurement: H2D_LOAD_BYTES of the streamed groups' pinned
+ * slots in the ring (from the last group back, away from the first layers the CPU measures on;
+ * again from the last when there are fewer), in pieces of at most GW_H2D_CHUNK; a buffer of its own
+ * when the ring has no such slot. */
+static bool h2d_load_start(struct gpu_window *w, const bool *resident, struct gw_h2d *load)
+{
+	const void **src = calloc(H2D_LOAD_PIECES, sizeof(*src));
+	size_t *len = calloc(H2D_LOAD_PIECES, sizeof(*len));
+	uint32_t n = 0;
+	uint64_t total = 0;
+	for (bool more = src && len; more && total < H2D_LOAD_BYTES && n < H2D_LOAD_PIECES;) {
+		more = false;
+		for (uint32_t g = w->base.n_groups; g-- > 0 && total < H2D_LOAD_BYTES && n < H2D_LOAD_PIECES;) {
+			if (!streams(w, resident, g) || !ring_source_group_pinned(w->ring, g))
+				continue;
+			const char *base = ring_source_group_base(w->ring, g);
+			const uint64_t bytes = w->base.groups[g].tensor_bytes;
+			for (uint64_t off = 0; off < bytes && n < H2D_LOAD_PIECES; off += GW_H2D_CHUNK, n++) {
+				src[n] = base + off;
+				len[n] = (size_t)(bytes - off < GW_H2D_CHUNK ? bytes - off : GW_H2D_CHUNK);
+				total += len[n];
+				more = true;
+			}
+		}
+	}
+	bool ok = n && gw_h2d_start_from(w->copy, src, len, n, load);
+	free(src);
+	free(len);
+	return ok || gw_h2d_start(w->copy, H2D_LOAD_COPIES, load);
 }
 
 /* split_calibrate's busy: the load's copies are still running. */
@@ -186,7 +219,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	double h2d = w->st.h2d_bytes_per_s;
 	if (ns) { /* auto chooses by them; a fixed share gets its prediction and its token limit */
 		struct gw_h2d load;
-		const bool loaded = gw_h2d_start(w->copy, H2D_LOAD_COPIES, &load);
+		const bool loaded = h2d_load_start(w, resident, &load);
 		uint64_t t0 = now_ns();
 		rc = split_calibrate(p->cpu_pool, samples, ns, SPLIT_CALIBRATE_BYTES, loaded ? h2d_pending : NULL, &load,
 				     pol.cpu_bytes_per_s, err, errlen);
@@ -196,6 +229,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 			goto out;
 		if (h2d_beside > 0 && h2d_beside < h2d)
 			h2d = h2d_beside;
+		w->st.h2d_beside_cpu_bytes_per_s = h2d_beside;
 		log_info("cpu share: measured the CPU's products in %.0f ms beside %s H2D copies (H2D %.1f GB/s alone, "
 			 "%.1f GB/s beside the CPU)", cal_ms, loaded ? "running" : "no (they could not start)",
 			 w->st.h2d_bytes_per_s / 1e9, h2d_beside / 1e9);

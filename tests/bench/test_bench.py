@@ -242,7 +242,8 @@ class Table(unittest.TestCase):
         self.assertIn("9.94 ms/token (15.01 GB/token at 1.51 TB/s HBM) | 0.74 |", half)
 
     def test_split_rows(self):
-        """P1's rows from a made-up record: the limit is the unsplit bytes over H2D plus the CPU's rate."""
+        """P1's rows from a made-up record: the limit is the unsplit bytes over H2D plus the CPU's rate,
+        both as the runner measured them at once."""
         lim = {"h2d_bytes_per_s": 50e9}
         cs = {"split_ffns": 12, "r_min": 5120, "r_max": 5120, "ffn_dim": 14336, "cpu_job_us": 900.0,
               "handoff_us": 25.0, "handoff": "memops"}
@@ -250,8 +251,17 @@ class Table(unittest.TestCase):
                "split": {"gen": {"decode_ms": 100.0}, "streamed_bytes_per_token": 6e9, "cpu_bytes_per_token": 4e9,
                          "cpu_bytes_per_s": 50e9, "cpu_share": cs}}
         rows = bench.ROWS["P1"](rec, lim)
-        self.assertIn("| 100.0 ms/token | 100.0 ms/token (10.00 GB/token at 50.0 GB/s H2D + 50.0 GB/s CPU) | 1.000 |",
+        # A record from before the runner measured H2D beside the CPU: H2D alone in both limits.
+        self.assertIn("| 100.0 ms/token | 100.0 ms/token (10.00 GB/token at 50.0 GB/s H2D beside the CPU + 50.0 GB/s "
+                      "CPU beside the copies, measured at once; with H2D alone, 50.0 GB/s: 100.0 ms, 1.000) | 1.000 |",
                       rows[0])
+        # The runner's H2D rate beside the CPU makes the limit; H2D alone the second one.
+        rec["split"]["h2d_beside_cpu_bytes_per_s"] = 30e9
+        rows = bench.ROWS["P1"](rec, lim)
+        self.assertIn("| 100.0 ms/token | 125.0 ms/token (10.00 GB/token at 30.0 GB/s H2D beside the CPU + 50.0 GB/s "
+                      "CPU beside the copies, measured at once; with H2D alone, 50.0 GB/s: 100.0 ms, 1.000) | 0.800 |",
+                      rows[0])
+        del rec["split"]["h2d_beside_cpu_bytes_per_s"]
         self.assertIn("12 FFNs split at r 5120..5120 of 14336", rows[0])
         self.assertIn("| 2.00x | - | - | >= 1.8x |", rows[1])
         # --ab: the same split with the results copied up, set against the same limit.
