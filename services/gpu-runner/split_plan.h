@@ -75,10 +75,10 @@ struct split_sample {
 };
 
 struct task_pool;
-/* Measures the CPU's product rate of every format among the samples on pool: up to budget bytes of
- * that format's rows, multiplied by a vector as the CPU share multiplies (cpu_compute.h), cut into
- * parts as a split FFN's job is; the first pass warms (page tables, sleeping workers), then
- * SPLIT_CALIBRATE_RUNS are timed, and more while busy(busy_arg) says so (busy may be NULL): the
+/* Measures the CPU's product rate of every format among the samples on pool: runs of up to budget
+ * bytes of that format's rows, each run the rows after the last one's (round the samples), multiplied
+ * by a vector as the CPU share multiplies (cpu_compute.h), cut into parts as a split FFN's job is;
+ * the first run warms (page tables, sleeping workers), then SPLIT_CALIBRATE_RUNS are timed, and more while busy(busy_arg) says so (busy may be NULL): the
  * GPU window keeps the CPU reading until its H2D copies beside it have finished, so that both
  * rates are measured beside the other the whole time. rates[f] gets the median run's bytes of
  * weights a second for each format f seen (others are left as they are). Returns 0, or -EINVAL (a
