@@ -35,6 +35,10 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (strcmp(res, "copy") && strcmp(res, "mapped"))
 		return errorf(err, errlen, -EINVAL, "--cpu-result '%s' is not copy or mapped", res);
 	r->cpu_result_mapped = !strcmp(res, "mapped");
+	const char *bal = r->cpu_share_balance_arg ? r->cpu_share_balance_arg : "token";
+	if (strcmp(bal, "token") && strcmp(bal, "layer"))
+		return errorf(err, errlen, -EINVAL, "--cpu-share-balance '%s' is not token or layer", bal);
+	r->cpu_share.per_layer = !strcmp(bal, "layer");
 	const char *ex = r->cpu_experts_arg ? r->cpu_experts_arg : "route";
 	if (strcmp(ex, "visit") && strcmp(ex, "route"))
 		return errorf(err, errlen, -EINVAL, "--cpu-experts '%s' is not route or visit", ex);

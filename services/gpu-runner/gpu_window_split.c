@@ -212,10 +212,14 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 		}
 	}
 	uint64_t other = 0;
-	for (uint32_t g = 0; g < ng; g++)
-		if (streams(w, resident, g) && g != w->embed_group &&
-		    !(w->base.groups[g].kind == GROUP_FFN && ly[w->base.groups[g].layer].eligible))
-			other += w->base.groups[g].tensor_bytes;
+	for (uint32_t g = 0; g < ng; g++) {
+		const struct group_desc *gd = &w->base.groups[g];
+		if (!streams(w, resident, g) || g == w->embed_group || (gd->kind == GROUP_FFN && ly[gd->layer].eligible))
+			continue;
+		other += gd->tensor_bytes;
+		if (gd->kind != GROUP_HEAD && gd->layer < L) /* a layer's own: --cpu-share-balance layer */
+			ly[gd->layer].other_bytes += gd->tensor_bytes;
+	}
 	double h2d = w->st.h2d_bytes_per_s;
 	if (ns) { /* auto chooses by them; a fixed share gets its prediction and its token limit */
 		struct gw_h2d load;

@@ -72,6 +72,7 @@ struct runner {
 	bool fixed_experts;	/* --fixed-experts: no hot-expert re-plans (experts.c) */
 	const char *cpu_share_arg, *cpu_handoff_arg; /* --cpu-share, --cpu-handoff as given */
 	const char *cpu_result_arg, *cpu_experts_arg; /* --cpu-result, --cpu-experts as given */
+	const char *cpu_share_balance_arg;	      /* --cpu-share-balance as given */
 	bool cpu_result_mapped;			      /* --cpu-result mapped (the default) */
 	bool cpu_experts_early;			      /* --cpu-experts route */
 	long cpu_threads;			     /* --cpu-threads (0: one per CPU allowed, but one) */

@@ -271,6 +271,8 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 	}
 	plan->share = s;
 	plan->r_min = ffn;
+	const bool per_layer = pol->mode == CPU_SHARE_AUTO && pol->per_layer && n_elig;
+	double s_sum = 0;
 	double cpu_s = 0, rate_min = INFINITY;
 	for (uint32_t l = 0; l < L && n_elig; l++) {
 		const struct split_layer *ly = &layers[l];
@@ -278,7 +280,14 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 			continue;
 		uint64_t b = ly->bytes[0] + ly->bytes[1] + ly->bytes[2];
 		uint32_t unit = ffn_split_unit((enum dtype)ly->format[2]);
-		uint32_t units = ffn / unit, cpu_units = (uint32_t)lround(s * units);
+		double s_l = s;
+		if (per_layer) { /* this layer's copies and CPU rows equally long */
+			s_l = ((double)(ly->other_bytes + b) / h2d_bps - handoff) /
+			      ((double)b / h2d_bps + cpu_time(ly, pol->cpu_bytes_per_s));
+			s_l = s_l < 0 ? 0 : s_l > 1 ? 1 : s_l;
+			s_sum += s_l;
+		}
+		uint32_t units = ffn / unit, cpu_units = (uint32_t)lround(s_l * units);
 		if (pol->mode == CPU_SHARE_FIXED && cpu_units == 0)
 			cpu_units = 1; /* a share was asked for: at least one unit */
 		if (cpu_units > units)
@@ -302,6 +311,8 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 			rate_min = rate < rate_min ? rate : rate_min;
 		}
 	}
+	if (per_layer)
+		plan->share = s_sum / n_elig;
 	if (!plan->split_layers)
 		plan->r_min = plan->r_max = ffn;
 	plan->pcie_bytes = pcie;

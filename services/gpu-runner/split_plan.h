@@ -17,7 +17,12 @@
  * eligible FFN the same share s, the one where both are equal,
  *   s = (P - L h) / (F / h2d + C),   P: the streamed bytes over h2d, F: the split FFNs' bytes,
  *                                    C: those bytes' time on the CPU, L: split layers, h: a handoff,
- * clamped to [0, 1] and rounded per layer to the unit of its down_proj (ffn_split_unit). The CPU
+ * clamped to [0, 1] and rounded per layer to the unit of its down_proj (ffn_split_unit). With
+ * per_layer (--cpu-share-balance layer), each eligible layer l gets the share where its own copies
+ * (its other streamed bytes O_l and its FFN's GPU rows) and its CPU rows take equally long,
+ *   s_l = ((O_l + F_l) / h2d - h) / (F_l / h2d + C_l),
+ * so that a layer whose attention streams gives the CPU more than one whose attention is resident:
+ * the window runs ahead of compute by a layer or two, not by the token (test: the bench's --ab). The CPU
  * and DMA read the same DRAM: the GPU window measures the CPU's rates while H2D copies run (alone
  * they are far higher than beside the copies), and the runner logs the prediction beside the
  * measured decode time. Steps of many tokens (prefill) do not split on the
@@ -57,6 +62,7 @@ struct cpu_share_policy {
 	double cpu_bytes_per_s[DT_COUNT]; /* the CPU's product rate per weight format, bytes of weights a second
 					   * (split_calibrate; 0: not measured) */
 	double handoff_s;		  /* per handoff; 0: SPLIT_HANDOFF_S */
+	bool per_layer;			  /* auto: each layer's own share (--cpu-share-balance layer) */
 };
 
 /* Parses --cpu-share: "auto", "0" (off) or a fraction in (0, 1] ("0.5", "1"). Sets p (rates 0).
@@ -93,6 +99,8 @@ struct split_layer {
 	bool eligible;	     /* it may split: it streams to the GPU and its host bytes stay in DRAM */
 	uint32_t format[3];  /* enum dtype of gate, up, down */
 	uint64_t bytes[3];   /* tensor bytes of gate, up, down */
+	uint64_t other_bytes; /* the layer's other bytes over PCIe per decode token (its attention group
+			       * when that streams; counted in other_streamed too) */
 };
 
 struct split_plan {

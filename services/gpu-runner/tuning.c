@@ -119,6 +119,8 @@ void runner_register_tunables(struct runner *r)
 			  "how the cuda stream hands the CPU its share: set up at start");
 	service_add_fixed(s, "cpu-result", TUNABLE_STRING, r->cpu_result_mapped ? "mapped" : "copy",
 			  "how the CPU's partial result reaches the GPU: set up at start");
+	service_add_fixed(s, "cpu-share-balance", TUNABLE_STRING, r->cpu_share.per_layer ? "layer" : "token",
+			  "how auto chooses the CPU's part of the FFNs (one share, or each layer's): planned at start");
 	service_add_fixed(s, "cpu-experts", TUNABLE_STRING, r->cpu_experts_early ? "route" : "visit",
 			  "when the experts left for the CPU go to its pool: set at start");
 	service_add_fixed(s, "instance", TUNABLE_STRING, r->instance, "the instance name");

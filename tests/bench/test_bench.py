@@ -270,6 +270,15 @@ class Table(unittest.TestCase):
         self.assertEqual(len(rows), 3)
         self.assertIn("--cpu-result copy (job 900 us, handoff 1900 us) | 110.0 ms/token | 100.0 ms/token | 1.100 |",
                       rows[2])
+        # --ab: each layer's own share, against its own run's rates measured at once.
+        del rec["copy"]
+        rec["layer"] = {"gen": {"decode_ms": 90.0}, "streamed_bytes_per_token": 5e9, "cpu_bytes_per_token": 5e9,
+                        "cpu_bytes_per_s": 60e9, "h2d_beside_cpu_bytes_per_s": 40e9,
+                        "cpu_share": dict(cs, r_min=4096, r_max=6144)}
+        rows = bench.ROWS["P1"](rec, lim)
+        self.assertEqual(len(rows), 3)
+        self.assertIn("--cpu-share-balance layer (r 4096..6144, 5.00 GB/token on the CPU, 5.00 over PCIe; job 900 us, "
+                      "handoff 25 us) | 90.0 ms/token | 100.0 ms/token (40.0 + 60.0 GB/s) | 0.900 | <= 1.10 |", rows[2])
         rec["split"]["failed"] = True
         self.assertEqual(bench.ROWS["P1"](rec, lim), ["| P1 | failed (see logs) | - | - | - |"])
 

@@ -25,6 +25,8 @@ expect_start_fails "--cpu-result sideways" "cpu-result 'sideways' is not copy or
 	--model "$MODEL" --runner-opt=--cpu-result=sideways
 expect_start_fails "--cpu-experts later" "cpu-experts 'later' is not route or visit" \
 	--model "$MODEL" --runner-opt=--cpu-experts=later
+expect_start_fails "--cpu-share-balance step" "cpu-share-balance 'step' is not token or layer" \
+	--model "$MODEL" --runner-opt=--cpu-share-balance=step
 
 F32=$IT_TMP/model-f32
 # Four layers: with two, the head and two slots of each streamed class hold the whole model, and a

@@ -1,6 +1,7 @@
 /* test_split_plan.c - the planning of split FFNs (split_plan.h): --cpu-share's values, the choice
  * of r (off, a fraction, auto's balance of the CPU against PCIe, ineligible layers, rounding to
- * the unit of down's format, the steps that take the CPU share) and the calibration of the CPU's
+ * the unit of down's format, the steps that take the CPU share, a share per layer) and the
+ * calibration of the CPU's
  * product rates on a task pool. */
 #include <check.h>
 #include <errno.h>
@@ -28,6 +29,7 @@ static void layers(struct split_layer *ly, enum dtype down)
 {
 	for (uint32_t l = 0; l < L; l++) {
 		ly[l].eligible = true;
+		ly[l].other_bytes = 0;
 		ly[l].format[0] = ly[l].format[1] = DT_BF16;
 		ly[l].format[2] = down;
 		for (int i = 0; i < 3; i++) {
@@ -147,6 +149,51 @@ START_TEST(test_auto_balance)
 }
 END_TEST
 
+/* auto with --cpu-share-balance layer: each layer the share where its own copies (its attention
+ * when that streams, and its FFN's GPU rows) and its CPU rows take equally long. */
+START_TEST(test_auto_per_layer)
+{
+	struct model_config c = cfg();
+	struct split_layer ly[L];
+	layers(ly, DT_BF16);
+	const uint64_t attn = 84000000; /* layers 1 and 3 stream their attention */
+	ly[1].other_bytes = ly[3].other_bytes = attn;
+	uint32_t r[L];
+	struct split_plan plan = {.r = r};
+	struct cpu_share_policy pol;
+	char err[256];
+	ck_assert_int_eq(cpu_share_parse("auto", &pol, err, sizeof(err)), 0);
+	pol.cpu_bytes_per_s[DT_BF16] = 100e9;
+	pol.per_layer = true;
+	ck_assert_int_eq(split_plan_choose(&c, ly, 2 * attn, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	ck_assert_uint_eq(plan.split_layers, L);
+	const double F = (double)ly[0].bytes[0] * 3;
+	double mean = 0;
+	for (uint32_t l = 0; l < L; l++) {
+		double want = (((double)ly[l].other_bytes + F) / 50e9 - SPLIT_HANDOFF_S) / (F / 50e9 + F / 100e9);
+		mean += want / L;
+		/* r rounds the share to whole units of 64 rows */
+		double got = (double)(FFN - r[l]) / FFN;
+		ck_assert_msg(fabs(got - want) <= 64.0 / FFN, "layer %u: share %.4f, want %.4f", l, got, want);
+		ck_assert_uint_eq(r[l] % 64, 0);
+		/* its copies and its CPU rows: within a unit of rows of each other */
+		double pcie = ((double)ly[l].other_bytes + F * r[l] / FFN) / 50e9;
+		double cpu = F * (FFN - r[l]) / FFN / 100e9 + SPLIT_HANDOFF_S;
+		ck_assert_msg(fabs(pcie - cpu) < 0.02 * pcie, "layer %u: pcie %.3f ms, cpu %.3f ms", l, pcie * 1e3,
+			      cpu * 1e3);
+	}
+	ck_assert_msg(fabs(plan.share - mean) < 1e-9, "share %.6f, want %.6f", plan.share, mean);
+	ck_assert_uint_lt(r[1], r[0]); /* the layer whose attention streams gives the CPU more rows */
+	ck_assert_uint_eq(r[1], r[3]);
+	ck_assert_uint_eq(r[0], r[2]);
+	/* The same layers balanced over the token: one share for all. */
+	pol.per_layer = false;
+	ck_assert_int_eq(split_plan_choose(&c, ly, 2 * attn, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	ck_assert_uint_eq(r[0], r[1]);
+	ck_assert_uint_eq(r[1], r[3]);
+}
+END_TEST
+
 /* split_calibrate's busy: yes while *arg counts down, each call counted. */
 static uint32_t busy_calls;
 static bool busy_counting(void *arg)
@@ -217,6 +264,7 @@ static Suite *plan_suite(void)
 	tcase_add_test(tc, test_parse);
 	tcase_add_test(tc, test_off_and_fixed);
 	tcase_add_test(tc, test_auto_balance);
+	tcase_add_test(tc, test_auto_per_layer);
 	tcase_add_test(tc, test_calibrate);
 	suite_add_tcase(s, tc);
 	return s;
