@@ -1,4 +1,4 @@
-# pipeline_add_test(NAME name SOURCES ... LIBS ... LABELS unit|integration|gpu|faults [TIMEOUT s])
+# pipeline_add_test(NAME name SOURCES ... LIBS ... LABELS unit|integration|gpu|faults|cpu-isa [TIMEOUT s])
 # One helper for every test so a run can pick what this machine can do:
 #   ctest -L unit, ctest -LE gpu. A test that needs a GPU exits 77 without one.
 function(pipeline_add_test)

@@ -27,7 +27,12 @@
  * zero), the block formats with AVX512-VNNI's vpdpbusd ("avx512-vnni"). The binary is built for
  * any x86-64 (the SIMD code is compiled per function); other architectures build the plain path
  * only. PIPELINE_CPU_ISA=scalar in the environment, or
- * cpu_compute_force_isa(CPU_ISA_SCALAR), makes every product take the plain path.
+ * cpu_compute_force_isa(CPU_ISA_SCALAR), makes every product take the plain path;
+ * PIPELINE_CPU_ISA=noamx keeps the AVX-512 paths but not AMX's.
+ *
+ * Several tokens at once (cpu_matmul): with BF16 weights on a CPU with AMX-BF16 (Sapphire Rapids
+ * and later; "amx-bf16"), tiles of 16 rows serve every token in one pass over the weights
+ * (matvec_amx.c); everything else goes token by token through cpu_matvec's kernels.
  *
  * Threads: a product over many rows is split by the caller, each thread calling cpu_matvec on
  * its own row range with the same prepared x (read-only once prepared). The kernels allocate
@@ -48,7 +53,8 @@ enum cpu_isa {
 	CPU_ISA_AVX512F = 1u << 0,     /* F32, F16: AVX-512 F, BW, VL and F16C */
 	CPU_ISA_AVX512_BF16 = 1u << 1, /* BF16: the above and AVX512-BF16 */
 	CPU_ISA_AVX512_VNNI = 1u << 2, /* block formats: AVX-512 F, BW, VL, F16C and AVX512-VNNI */
-	CPU_ISA_ALL = 0x7,
+	CPU_ISA_AMX_BF16 = 1u << 3,    /* BF16 for several tokens (cpu_matmul): AVX512-BF16's and AMX-BF16 */
+	CPU_ISA_ALL = 0xF,
 };
 
 /* x prepared for one weight format; owns its 64-byte aligned buffers, reused from one product to
@@ -86,10 +92,33 @@ int cpu_matvec(const struct cpu_vec *x, const void *w, enum dtype wfmt, uint64_t
 int cpu_swiglu(const struct cpu_vec *x, const void *w_gate, const void *w_up, enum dtype wfmt, uint64_t row_bytes,
 	       uint32_t r0, uint32_t r1, uint32_t c0, uint32_t c1, float *h, char *err, size_t errlen);
 
+/* Several tokens' x for cpu_matmul: n vectors prepared for one format and length, kept by pointer
+ * (they must not change while products use them), and for BF16 on an AMX CPU their values in
+ * pairs as the tile products read them (grown as needed, reused from one prepare to the next). */
+struct cpu_xtiles;
+#define CPU_MATMUL_MAX_TOKENS 16 /* tokens of one cpu_matmul (a tile's columns) */
+
+/* An empty one. Returns 0 and it in *out (cpu_xtiles_destroy), or -ENOMEM with a message. */
+int cpu_xtiles_create(struct cpu_xtiles **out, char *err, size_t errlen);
+/* Frees it and NULLs *xt; safe on NULL and twice. */
+void cpu_xtiles_destroy(struct cpu_xtiles **xt);
+/* Takes the n (1..CPU_MATMUL_MAX_TOKENS) vectors xs, each prepared (cpu_vec_prepare) for the same
+ * format with the same length. Returns 0; -EINVAL (n out of range, a vector not prepared or not
+ * like the first) or -ENOMEM with a message in err. */
+int cpu_xtiles_prepare(struct cpu_xtiles *xt, struct cpu_vec *const *xs, uint32_t n, char *err, size_t errlen);
+/* For every token t < n of xt: y[t y_ld + r - r0] = cpu_matvec's y[r - r0] with xs[t], arguments
+ * and errors as cpu_matvec's (y_ld >= r1 - r0). BF16 with the "amx-bf16" path (cpu_matmul_path)
+ * and c1 - c0 a multiple of 32 takes rows in tiles of 16 (the sums in the tile unit's order); the
+ * rest of the rows, and every other case, token by token through cpu_matvec. */
+int cpu_matmul(const struct cpu_xtiles *xt, const void *w, enum dtype wfmt, uint64_t row_bytes, uint32_t r0,
+	       uint32_t r1, uint32_t c0, uint32_t c1, float *y, size_t y_ld, char *err, size_t errlen);
+/* The path cpu_matmul takes for format t now: "amx-bf16" (BF16 on an AMX CPU) or cpu_compute_path's. */
+const char *cpu_matmul_path(enum dtype t);
+
 /* The extensions this CPU has that the kernels use (CPU_ISA_* flags; CPU_ISA_SCALAR off x86-64). */
 unsigned cpu_compute_isa_supported(void);
 /* The extensions the products use now: the supported ones, less any that the environment
- * (PIPELINE_CPU_ISA=scalar) or cpu_compute_force_isa took away. */
+ * (PIPELINE_CPU_ISA=scalar or noamx) or cpu_compute_force_isa took away. */
 unsigned cpu_compute_isa(void);
 /* Restricts the products to the extensions in mask (CPU_ISA_SCALAR: the plain path everywhere;
  * CPU_ISA_ALL: all the CPU has) and returns those in use now. For tests, benchmarks and start-up:

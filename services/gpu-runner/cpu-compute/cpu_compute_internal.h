@@ -7,11 +7,14 @@
  *   matvec_scalar.c  the plain C kernels (every machine)
  *   matvec_avx512.c  F32, F16 (AVX-512F) and BF16 (AVX512-BF16) kernels, x86-64 only
  *   matvec_vnni.c    the block formats with AVX512-VNNI, x86-64 only
+ *   matmul.c         several tokens at once (cpu_xtiles, cpu_matmul): the front
+ *   matvec_amx.c     BF16 for several tokens with AMX tiles, x86-64 only
  *
  * A kernel computes rows [0, rows) of a matrix whose row 0 starts at w, rows row_bytes apart,
  * over x->n columns starting at w (the front has already added r0 and c0), into y. */
 #ifndef GPU_RUNNER_CPU_COMPUTE_INTERNAL_H
 #define GPU_RUNNER_CPU_COMPUTE_INTERNAL_H
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -82,6 +85,14 @@ void cc_vnni_q4_0(const struct cpu_vec *x, const uint8_t *w, uint64_t row_bytes,
 void cc_vnni_q4_k(const struct cpu_vec *x, const uint8_t *w, uint64_t row_bytes, uint32_t rows, float *y);
 void cc_vnni_q5_k(const struct cpu_vec *x, const uint8_t *w, uint64_t row_bytes, uint32_t rows, float *y);
 void cc_vnni_q6_k(const struct cpu_vec *x, const uint8_t *w, uint64_t row_bytes, uint32_t rows, float *y);
+/* Whether this CPU has AMX-TILE and AMX-BF16, the OS saves their state, and the kernel granted this
+ * process the tile data (asked here, once for every thread; matvec_amx.c). */
+bool cc_amx_enable(void);
+/* Rows [0, rows & ~15) of BF16 W (rows row_bytes apart, cols a multiple of 32 columns from w) times
+ * the n (1..16) tokens whose x values lie in pairs: pairs[(c / 2) n + t] holds token t's values
+ * at columns c and c + 1 (even c; low half first). y[t y_ld + r]. Rows past the last 16 are left. */
+void cc_amx_bf16(const uint32_t *pairs, uint32_t n, const uint8_t *w, uint64_t row_bytes, uint32_t rows,
+		 uint32_t cols, float *y, size_t y_ld);
 #endif
 
 /* Little-endian loads at any alignment (weights come at any offset). */

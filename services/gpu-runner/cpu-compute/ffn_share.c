@@ -28,6 +28,7 @@ struct part_scratch {
 	struct cpu_vec **xh;
 	float *xf;		 /* (dim) x of one token widened */
 	float *tmp;		 /* (ffn_dim) up's products, when gate's and up's formats or strides differ */
+	struct cpu_xtiles *tg, *th; /* several tokens on AMX tiles: xg's and xh's vectors (tiles()) */
 };
 
 struct ffn_share {
@@ -73,6 +74,8 @@ int ffn_share_create(uint32_t dim, uint32_t ffn_dim, uint32_t max_tokens, uint32
 				    threads);
 			goto out_destroy;
 		}
+		if ((rc = cpu_xtiles_create(&p->tg, err, errlen)) || (rc = cpu_xtiles_create(&p->th, err, errlen)))
+			goto out_destroy;
 		p->xg = calloc(max_tokens, sizeof(*p->xg));
 		p->xu = calloc(max_tokens, sizeof(*p->xu));
 		p->xh = calloc(max_tokens, sizeof(*p->xh));
@@ -114,6 +117,8 @@ void ffn_share_destroy(struct ffn_share **fsp)
 		free(fs->ps[i].xh);
 		free(fs->ps[i].xf);
 		free(fs->ps[i].tmp);
+		cpu_xtiles_destroy(&fs->ps[i].tg);
+		cpu_xtiles_destroy(&fs->ps[i].th);
 	}
 	free(fs->ps);
 	free(fs->h);
@@ -170,6 +175,23 @@ static uint32_t block_rows(uint32_t n, uint64_t row_bytes, uint32_t b, uint32_t 
 	return k < 1 ? 1 : k > e - b ? e - b : (uint32_t)k;
 }
 
+/* Several tokens whose products go through AMX tiles (cpu_matmul): BF16 weights on a CPU with
+ * AMX-BF16, gate's and up's alike; the tiles read each weight once for every token, where the
+ * vector path reads a block of rows once and computes it once a token. */
+#define TILE_ROWS 64 /* rows of a block on the tiles (their products of every token on the stack) */
+static bool tiles(const struct ffn_share *fs, const struct ffn_share_job *job)
+{
+	return job->n >= 2 && job->gate.format == DT_BF16 && job->up.format == DT_BF16 &&
+	       job->gate.row_bytes == job->up.row_bytes && fs->dim % 32 == 0 &&
+	       !strcmp(cpu_matmul_path(DT_BF16), "amx-bf16");
+}
+
+/* ... and down's on them: BF16 too, over whole tiles of its columns (the share's rows of h). */
+static bool tiles_down(const struct ffn_share *fs, const struct ffn_share_job *job)
+{
+	return tiles(fs, job) && job->down.format == DT_BF16 && job->rows % 32 == 0;
+}
+
 /* x of every token prepared for gate's (and up's) format, in the part's scratch. */
 static int prepare_x(struct ffn_share *fs, const struct ffn_share_job *job, struct part_scratch *ps, const void *x,
 		     bool fused, char *err, size_t errlen)
@@ -182,6 +204,30 @@ static int prepare_x(struct ffn_share *fs, const struct ffn_share_job *job, stru
 		if (rc == 0 && !fused)
 			rc = cpu_vec_prepare(ps->xu[t], (enum dtype)job->up.format, ps->xf, dim, err, errlen);
 	}
+	if (rc == 0 && tiles(fs, job))
+		rc = cpu_xtiles_prepare(ps->tg, ps->xg, job->n, err, errlen);
+	return rc;
+}
+
+/* swiglu_rows on the tiles: gate's and up's products of every token a block of rows at a time. */
+static int swiglu_tiles(struct ffn_share *fs, const struct ffn_share_job *job, struct part_scratch *ps, uint32_t b,
+			uint32_t e, char *err, size_t errlen)
+{
+	float g[CPU_MATMUL_MAX_TOKENS * TILE_ROWS], u[CPU_MATMUL_MAX_TOKENS * TILE_ROWS];
+	int rc = 0;
+	for (uint32_t r0 = b; r0 < e && rc == 0; r0 += TILE_ROWS) {
+		const uint32_t r1 = e - r0 < TILE_ROWS ? e : r0 + TILE_ROWS, m = r1 - r0;
+		if ((rc = cpu_matmul(ps->tg, job->gate.data, DT_BF16, job->gate.row_bytes, r0, r1, 0, fs->dim, g, m,
+				     err, errlen)) ||
+		    (rc = cpu_matmul(ps->tg, job->up.data, DT_BF16, job->up.row_bytes, r0, r1, 0, fs->dim, u, m, err,
+				     errlen)))
+			break;
+		for (uint32_t t = 0; t < job->n; t++) {
+			float *h = fs->h + (size_t)t * fs->ffn_dim + r0;
+			for (uint32_t i = 0; i < m; i++)
+				h[i] = round_act(job->act, cpu_silu_mul(g[t * m + i], u[t * m + i]));
+		}
+	}
 	return rc;
 }
 
@@ -191,6 +237,8 @@ static int swiglu_rows(struct ffn_share *fs, const struct ffn_share_job *job, st
 {
 	const uint32_t dim = fs->dim, n = job->n;
 	const enum dtype gf = (enum dtype)job->gate.format, uf = (enum dtype)job->up.format;
+	if (tiles(fs, job))
+		return swiglu_tiles(fs, job, ps, b, e, err, errlen);
 	int rc = 0;
 	const uint32_t step = block_rows(n, job->gate.row_bytes + job->up.row_bytes, b, e);
 	for (uint32_t r0 = b; r0 < e && rc == 0; r0 += step) {
@@ -226,6 +274,9 @@ static int down_rows(struct ffn_share *fs, const struct ffn_share_job *job, stru
 {
 	const enum dtype df = (enum dtype)job->down.format;
 	const uint32_t n = job->n;
+	if (tiles_down(fs, job)) /* every row of every token in one pass */
+		return cpu_matmul(ps->th, job->down.data, df, job->down.row_bytes, b, e, 0, job->rows, y + b, fs->dim,
+				  err, errlen);
 	int rc = 0;
 	const uint32_t step = block_rows(n, job->down.row_bytes, b, e);
 	for (uint32_t r0 = b; r0 < e && rc == 0; r0 += step) {
@@ -314,6 +365,8 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 			for (uint32_t tk = 0; tk < job->n && rc == 0; tk++)
 				rc = cpu_vec_prepare(ps->xh[tk], df, fs->h + (size_t)tk * fs->ffn_dim, job->rows, err,
 						     errlen);
+			if (rc == 0 && tiles_down(fs, job))
+				rc = cpu_xtiles_prepare(ps->th, ps->xh, job->n, err, errlen);
 			prepared = true;
 		}
 		uint32_t b, e;

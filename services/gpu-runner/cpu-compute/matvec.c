@@ -38,6 +38,8 @@ static unsigned detect(void)
 		isa |= CPU_ISA_AVX512_BF16;
 	if (__builtin_cpu_supports("avx512vnni"))
 		isa |= CPU_ISA_AVX512_VNNI;
+	if ((isa & CPU_ISA_AVX512_BF16) && cc_amx_enable())
+		isa |= CPU_ISA_AMX_BF16;
 	return isa;
 #else
 	return CPU_ISA_SCALAR;
@@ -51,8 +53,10 @@ static void isa_init(void)
 	const char *env = getenv("PIPELINE_CPU_ISA");
 	if (env && strcmp(env, "scalar") == 0)
 		use = CPU_ISA_SCALAR;
+	else if (env && strcmp(env, "noamx") == 0)
+		use &= ~(unsigned)CPU_ISA_AMX_BF16;
 	else if (env && *env && strcmp(env, "auto") != 0)
-		log_warn("cpu compute: PIPELINE_CPU_ISA=%s is neither scalar nor auto; using auto", env);
+		log_warn("cpu compute: PIPELINE_CPU_ISA=%s is not scalar, noamx or auto; using auto", env);
 	atomic_store_explicit(&isa_in_use, use, memory_order_relaxed);
 }
 
