@@ -84,6 +84,17 @@ if [[ $BACKEND != cpu ]]; then
 	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with copied results"
 	"$PIPELINE" stop
 	log "--cpu-result copy: tokens equal the whole FFN's"
+
+	# auto with each layer's own share (--cpu-share-balance layer): the same tokens.
+	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share auto --cpu-threads 2 \
+		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-share-balance=layer >/dev/null
+	expect_eq "$("$PIPECTL" get gpu-runner cpu-share-balance | awk '{print $3}')" layer \
+		"pipectl get gpu-runner cpu-share-balance"
+	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
+	expect_eq "$got" "$want" "greedy tokens at --cpu-share auto --cpu-share-balance layer vs the whole FFN"
+	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with a share per layer"
+	"$PIPELINE" stop
+	log "--cpu-share-balance layer: tokens equal the whole FFN's"
 fi
 
 # auto on the C backend: nothing splits, no pool.
