@@ -39,6 +39,9 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (strcmp(bal, "token") && strcmp(bal, "layer"))
 		return errorf(err, errlen, -EINVAL, "--cpu-share-balance '%s' is not token or layer", bal);
 	r->cpu_share.per_layer = !strcmp(bal, "layer");
+	if (r->cpu_share.per_layer && r->cpu_share.mode != CPU_SHARE_AUTO)
+		log_warn("--cpu-share-balance layer chooses among auto's shares; with --cpu-share %s it changes nothing",
+			 r->cpu_share_arg ? r->cpu_share_arg : "?");
 	const char *ex = r->cpu_experts_arg ? r->cpu_experts_arg : "route";
 	if (strcmp(ex, "visit") && strcmp(ex, "route"))
 		return errorf(err, errlen, -EINVAL, "--cpu-experts '%s' is not route or visit", ex);
@@ -108,7 +111,7 @@ int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen)
 	 * the GPU's part of a layer in between, 0.1-0.3 ms (P1 on an H200 host: 140 us a layer): workers
 	 * that slept there were woken one futex call each at every job. They keep polling through such
 	 * gaps on CPUs of their own; a pool idle longer sleeps as before. */
-	if (!cpu_backend && allowed > keep)
+	if (!cpu_backend && allowed > keep && pc.threads <= allowed - keep)
 		pc.spin_us = CPU_SHARE_GPU_SPIN_US;
 	char why[256];
 	int rc = task_pool_create(&pc, &r->cpu_pool, why, sizeof(why));

@@ -59,11 +59,23 @@ static int set_state(struct gpu_window *w, uint32_t g, uint8_t to)
 static void pin_mapping(struct gpu_window *w, void *base, size_t size)
 {
 	if (w->n_pinned < PINNED_MAX && cudaHostRegister(base, size, cudaHostRegisterDefault) == cudaSuccess) {
+		w->pinned_len[w->n_pinned] = size;
 		w->pinned[w->n_pinned++] = base;
 		return;
 	}
 	cudaGetLastError();
 	log_warn("cannot pin the weight ring (%zu bytes): copies will run from pageable memory, far slower", size);
+}
+
+bool gw_registered(const struct gpu_window *w, const void *p, size_t len)
+{
+	const char *q = p;
+	for (uint32_t i = 0; q && i < w->n_pinned; i++) {
+		const char *b = w->pinned[i];
+		if (q >= b && len <= w->pinned_len[i] && (size_t)(q - b) <= w->pinned_len[i] - len)
+			return true;
+	}
+	return false;
 }
 
 /* Undoes pin_mapping (nothing if base was not pinned). No copy from it may be in flight. */
@@ -78,6 +90,7 @@ static void unpin_mapping(struct gpu_window *w, void *base)
 			log_warn("cannot unpin a weight ring mapping: %s", cudaGetErrorString(e));
 		}
 		w->pinned[i] = w->pinned[--w->n_pinned];
+		w->pinned_len[i] = w->pinned_len[w->n_pinned];
 		return;
 	}
 }

@@ -53,6 +53,7 @@ struct gpu_window {
 	cudaStream_t copies[4];
 	uint32_t n_copies;
 	void *pinned[PINNED_MAX];  /* ring mappings registered with cudaHostRegister */
+	size_t pinned_len[PINNED_MAX]; /* their lengths */
 	uint32_t n_pinned;
 	void *resident_mem;	   /* one allocation for every resident group */
 	void *window_mem;	   /* one allocation for the streaming slots */
@@ -142,6 +143,9 @@ struct gw_h2d {
 /* Queue the copies; false (nothing queued, nothing held) when memory or a call fails. */
 bool gw_h2d_start(cudaStream_t s, uint32_t copies, struct gw_h2d *h);
 bool gw_h2d_start_from(cudaStream_t s, const void *const *src, const size_t *len, uint32_t n, struct gw_h2d *h);
+/* Whether [p, p + len) lies in a ring mapping registered with CUDA (pinned: copies from it are
+ * asynchronous). */
+bool gw_registered(const struct gpu_window *w, const void *p, size_t len);
 /* Waits for the copies; their rate in bytes/s (0 when it cannot be read), and frees what start took. */
 double gw_h2d_finish(struct gw_h2d *h);
 /* Plans the split once the resident groups are known (resident[g]) and the H2D rate measured:

@@ -104,42 +104,73 @@ static bool streams(const struct gpu_window *w, const bool *resident, uint32_t g
 	return !resident[g] && weight_stage_has(&w->base.stage, &w->base.groups[g]);
 }
 
-/* Starts the H2D load beside the CPU's measurement: H2D_LOAD_BYTES of the streamed groups' pinned
- * slots in the ring (from the last group back, away from the first layers the CPU measures on;
- * again from the last when there are fewer), in pieces of at most GW_H2D_CHUNK; a buffer of its own
- * when the ring has no such slot. */
+/* Starts the H2D load beside the CPU's measurement: the streamed groups' pinned slots in the ring,
+ * from the last group back (the loader pins from the last layer down and the CPU measures from
+ * the first split layer up: they start apart), once each, at most H2D_LOAD_BYTES and half of them
+ * (so that the two do not meet in the same slots, whose second reader would find them in the
+ * caches), in pieces of at most GW_H2D_CHUNK; a buffer of its own when the ring has no such slot
+ * registered with CUDA (copies from pageable memory would run before the CPU's, not beside). */
 static bool h2d_load_start(struct gpu_window *w, const bool *resident, struct gw_h2d *load)
 {
+	uint64_t all = 0;
+	for (uint32_t g = 0; g < w->base.n_groups; g++)
+		if (streams(w, resident, g) && ring_source_group_pinned(w->ring, g))
+			all += w->base.groups[g].tensor_bytes;
+	const uint64_t cap = all / 2 < H2D_LOAD_BYTES ? all / 2 : H2D_LOAD_BYTES;
 	const void **src = calloc(H2D_LOAD_PIECES, sizeof(*src));
 	size_t *len = calloc(H2D_LOAD_PIECES, sizeof(*len));
 	uint32_t n = 0;
 	uint64_t total = 0;
-	for (bool more = src && len; more && total < H2D_LOAD_BYTES && n < H2D_LOAD_PIECES;) {
-		more = false;
-		for (uint32_t g = w->base.n_groups; g-- > 0 && total < H2D_LOAD_BYTES && n < H2D_LOAD_PIECES;) {
-			if (!streams(w, resident, g) || !ring_source_group_pinned(w->ring, g))
-				continue;
-			const char *base = ring_source_group_base(w->ring, g);
-			const uint64_t bytes = w->base.groups[g].tensor_bytes;
-			for (uint64_t off = 0; off < bytes && n < H2D_LOAD_PIECES; off += GW_H2D_CHUNK, n++) {
-				src[n] = base + off;
-				len[n] = (size_t)(bytes - off < GW_H2D_CHUNK ? bytes - off : GW_H2D_CHUNK);
-				total += len[n];
-				more = true;
-			}
+	for (uint32_t g = w->base.n_groups; src && len && g-- > 0 && total < cap && n < H2D_LOAD_PIECES;) {
+		if (!streams(w, resident, g) || !ring_source_group_pinned(w->ring, g))
+			continue;
+		const char *base = ring_source_group_base(w->ring, g);
+		const uint64_t bytes = w->base.groups[g].tensor_bytes;
+		if (!base || !gw_registered(w, base, bytes))
+			continue;
+		for (uint64_t off = 0; off < bytes && total < cap && n < H2D_LOAD_PIECES; off += GW_H2D_CHUNK, n++) {
+			src[n] = base + off;
+			len[n] = (size_t)(bytes - off < GW_H2D_CHUNK ? bytes - off : GW_H2D_CHUNK);
+			total += len[n];
 		}
 	}
-	bool ok = n && gw_h2d_start_from(w->copy, src, len, n, load);
+	bool ok = n && total >= GW_H2D_CHUNK && gw_h2d_start_from(w->copy, src, len, n, load);
 	free(src);
 	free(len);
 	return ok || gw_h2d_start(w->copy, H2D_LOAD_COPIES, load);
 }
 
-/* split_calibrate's busy: the load's copies are still running. */
-static bool h2d_pending(void *arg)
+/* The copies beside the CPU's measurement (split_calibrate's split_load): one load a format, their
+ * bytes and seconds summed. */
+struct beside {
+	struct gpu_window *w;
+	const bool *resident;
+	struct gw_h2d load;
+	uint64_t bytes;
+	double seconds;
+};
+
+static bool beside_start(void *arg)
 {
-	const struct gw_h2d *load = arg;
-	return cudaEventQuery(load->b) == cudaErrorNotReady;
+	struct beside *b = arg;
+	return h2d_load_start(b->w, b->resident, &b->load);
+}
+
+static bool beside_busy(void *arg)
+{
+	const struct beside *b = arg;
+	return cudaEventQuery(b->load.b) == cudaErrorNotReady;
+}
+
+static void beside_finish(void *arg)
+{
+	struct beside *b = arg;
+	const uint64_t bytes = b->load.bytes;
+	const double bps = gw_h2d_finish(&b->load);
+	if (bps > 0) {
+		b->bytes += bytes;
+		b->seconds += (double)bytes / bps;
+	}
 }
 
 int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_window_params *p, char *err,
@@ -222,13 +253,15 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	}
 	double h2d = w->st.h2d_bytes_per_s;
 	if (ns) { /* auto chooses by them; a fixed share gets its prediction and its token limit */
-		struct gw_h2d load;
-		const bool loaded = h2d_load_start(w, resident, &load);
+		struct beside bs = {.w = w, .resident = resident};
+		const struct split_load load = {.start = beside_start, .busy = beside_busy, .finish = beside_finish,
+						.arg = &bs};
 		uint64_t t0 = now_ns();
-		rc = split_calibrate(p->cpu_pool, samples, ns, SPLIT_CALIBRATE_BYTES, loaded ? h2d_pending : NULL, &load,
-				     pol.cpu_bytes_per_s, err, errlen);
+		rc = split_calibrate(p->cpu_pool, samples, ns, SPLIT_CALIBRATE_BYTES, &load, pol.cpu_bytes_per_s, err,
+				     errlen);
 		const double cal_ms = (double)(now_ns() - t0) / 1e6;
-		const double h2d_beside = loaded ? gw_h2d_finish(&load) : 0;
+		const double h2d_beside = bs.seconds > 0 ? (double)bs.bytes / bs.seconds : 0;
+		const bool loaded = bs.bytes > 0;
 		if (rc)
 			goto out;
 		if (h2d_beside > 0 && h2d_beside < h2d)

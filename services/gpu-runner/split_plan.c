@@ -123,7 +123,7 @@ struct cal_cursor {
 };
 
 /* Selects into j the next budget bytes of j->format's rows from c on, going round the samples
- * (at most twice: a format with fewer bytes than budget is read whole), and moves c past them.
+ * (a format with fewer bytes than budget is read whole, once), and moves c past them.
  * Each run reads rows the runs before did not, as far as the samples go: run after run over the
  * same 512 MiB found part of it in the CPU's last-level cache and measured a rate (114 GB/s on
  * an H200 host) that the split FFNs, each read once a token, never reached (99). Returns the
@@ -133,14 +133,21 @@ static uint64_t cal_select(struct cal_job *j, uint32_t n, uint64_t budget, struc
 	uint64_t bytes = 0;
 	j->n_sel = 0;
 	j->total_rows = 0;
+	const struct cal_cursor start = *c;
 	for (uint32_t step = 0; step < 2 * n && bytes < budget && j->n_sel < 2 * n; step++) {
 		const struct split_sample *s = &j->samples[c->i];
+		if (step && c->i == start.i && c->r == start.r)
+			break; /* round to where the run began: a row read twice would come from the caches */
 		if (s->format == j->format && s->rows && s->row_bytes && c->r < s->rows) {
 			uint64_t take = (budget - bytes) / s->row_bytes;
+			if (take == 0 && bytes)
+				break; /* less than a row of the budget left */
 			if (take == 0)
 				take = 1;
-			if (take > s->rows - c->r)
-				take = s->rows - c->r;
+			/* back round at the run's first sample: up to the row the run began at */
+			const uint32_t end = step && c->i == start.i && c->r < start.r ? start.r : s->rows;
+			if (take > end - c->r)
+				take = end - c->r;
 			j->sel[j->n_sel] = c->i;
 			j->row0[j->n_sel] = c->r;
 			j->rows[j->n_sel++] = (uint32_t)take;
@@ -148,7 +155,7 @@ static uint64_t cal_select(struct cal_job *j, uint32_t n, uint64_t budget, struc
 			bytes += take * dtype_row_bytes((enum dtype)j->format, s->cols);
 			c->r += (uint32_t)take;
 			if (c->r < s->rows)
-				continue; /* the budget is spent */
+				continue; /* the budget is spent, or the run is back where it began */
 		}
 		c->i = (c->i + 1) % n;
 		c->r = 0;
@@ -157,7 +164,7 @@ static uint64_t cal_select(struct cal_job *j, uint32_t n, uint64_t budget, struc
 }
 
 int split_calibrate(struct task_pool *pool, const struct split_sample *samples, uint32_t n, uint64_t budget,
-		    bool (*busy)(void *), void *busy_arg, double rates[DT_COUNT], char *err, size_t errlen)
+		    const struct split_load *load, double rates[DT_COUNT], char *err, size_t errlen)
 {
 	uint32_t parts = task_pool_threads(pool) * CAL_PARTS_PER_THREAD, max_cols = 0;
 	for (uint32_t i = 0; i < n; i++) {
@@ -189,13 +196,16 @@ int split_calibrate(struct task_pool *pool, const struct split_sample *samples, 
 			continue;
 		double rate[SPLIT_CALIBRATE_MAX_RUNS];
 		uint32_t runs = 0;
+		const bool loaded = load && load->start(load->arg);
 		rc = cal_run(pool, &j, parts, &ns, err, errlen); /* warms up */
 		while (rc == 0 && runs < SPLIT_CALIBRATE_MAX_RUNS &&
-		       (runs < SPLIT_CALIBRATE_RUNS || (busy && busy(busy_arg)))) {
+		       (runs < SPLIT_CALIBRATE_RUNS || (loaded && load->busy(load->arg)))) {
 			bytes = cal_select(&j, n, budget, &c);
 			rc = cal_run(pool, &j, parts, &ns, err, errlen);
 			rate[runs++] = (double)bytes / ((double)(ns ? ns : 1) * 1e-9);
 		}
+		if (loaded)
+			load->finish(load->arg);
 		if (rc)
 			break;
 		qsort(rate, runs, sizeof(rate[0]), cmp_double);
@@ -282,9 +292,10 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 		uint32_t unit = ffn_split_unit((enum dtype)ly->format[2]);
 		double s_l = s;
 		if (per_layer) { /* this layer's copies and CPU rows equally long */
-			s_l = ((double)(ly->other_bytes + b) / h2d_bps - handoff) /
-			      ((double)b / h2d_bps + cpu_time(ly, pol->cpu_bytes_per_s));
-			s_l = s_l < 0 ? 0 : s_l > 1 ? 1 : s_l;
+			s_l = b ? ((double)(ly->other_bytes + b) / h2d_bps - handoff) /
+					  ((double)b / h2d_bps + cpu_time(ly, pol->cpu_bytes_per_s))
+				: 0;
+			s_l = !(s_l > 0) ? 0 : s_l > 1 ? 1 : s_l; /* NaN: none */
 			s_sum += s_l;
 		}
 		uint32_t units = ffn / unit, cpu_units = (uint32_t)lround(s_l * units);

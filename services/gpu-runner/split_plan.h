@@ -5,7 +5,7 @@
  *
  *   struct cpu_share_policy pol;
  *   rc = cpu_share_parse("auto", &pol, err, sizeof(err));
- *   rc = split_calibrate(pool, samples, n, SPLIT_CALIBRATE_BYTES, NULL, NULL, pol.cpu_bytes_per_s, err, sizeof(err));
+ *   rc = split_calibrate(pool, samples, n, SPLIT_CALIBRATE_BYTES, NULL, pol.cpu_bytes_per_s, err, sizeof(err));
  *   struct split_plan plan = {.r = r_per_layer};
  *   rc = split_plan_choose(cfg, layers, other_streamed, h2d_bps, &pol, &plan, err, sizeof(err));
  *
@@ -81,18 +81,28 @@ struct split_sample {
 };
 
 struct task_pool;
+/* The H2D copies split_calibrate measures beside (the GPU window's): started before each format's
+ * runs (start: false when none could start, and that format is measured alone), asked after each
+ * run whether they still run (busy), finished when the format's runs end (finish), so that every
+ * format's rate, and the copies' rate, are measured beside the other the whole time. */
+struct split_load {
+	bool (*start)(void *arg);
+	bool (*busy)(void *arg);
+	void (*finish)(void *arg);
+	void *arg;
+};
 /* Measures the CPU's product rate of every format among the samples on pool: runs of up to budget
- * bytes of that format's rows, each run the rows after the last one's (round the samples), multiplied
- * by a vector as the CPU share multiplies (cpu_compute.h), cut into parts as a split FFN's job is;
- * the first run warms (page tables, sleeping workers), then SPLIT_CALIBRATE_RUNS are timed, and more while busy(busy_arg) says so (busy may be NULL): the
- * GPU window keeps the CPU reading until its H2D copies beside it have finished, so that both
- * rates are measured beside the other the whole time. rates[f] gets the median run's bytes of
- * weights a second for each format f seen (others are left as they are). Returns 0, or -EINVAL (a
- * sample the kernels refuse) / -ENOMEM with a message in err. */
+ * bytes of that format's rows, each run the rows after the last one's (round the samples, never a
+ * row twice in one run), multiplied by a vector as the CPU share multiplies (cpu_compute.h), cut
+ * into parts as a split FFN's job is; the first run warms (page tables, sleeping workers), then
+ * SPLIT_CALIBRATE_RUNS are timed, and more while load (may be NULL) says its copies still run.
+ * rates[f] gets the median run's bytes of weights a second for each format f seen (others are
+ * left as they are). Returns 0, or -EINVAL (a sample the kernels refuse) / -ENOMEM with a message
+ * in err. */
 #define SPLIT_CALIBRATE_RUNS 3
 #define SPLIT_CALIBRATE_MAX_RUNS 64 /* timed runs of one format at most, busy or not */
 int split_calibrate(struct task_pool *pool, const struct split_sample *samples, uint32_t n, uint64_t budget,
-		    bool (*busy)(void *), void *busy_arg, double rates[DT_COUNT], char *err, size_t errlen);
+		    const struct split_load *load, double rates[DT_COUNT], char *err, size_t errlen);
 
 /* One layer's FFN as the plan sees it. */
 struct split_layer {

@@ -210,7 +210,7 @@ static int bench_ffn(enum dtype t, uint32_t rows, uint32_t dim, uint32_t n, uint
 	}
 	printf("FFN share %s %s: %u rows of %u (%.1f MB), %u threads: %u tokens at once %.3f ms (%.3f ms a token, "
 	       "%.2f GB/s of weights read once); one token %.3f ms (%.2f GB/s)\n",
-	       dtype_name(t), n > 1 ? cpu_matmul_path(t) : cpu_compute_path(t), rows, dim, bytes / 1e6, r.threads, n, all * 1e3, all * 1e3 / n,
+	       dtype_name(t), cpu_matmul_path(t), rows, dim, bytes / 1e6, r.threads, n, all * 1e3, all * 1e3 / n,
 	       bytes / all / 1e9, one * 1e3, bytes / one / 1e9);
 	ffn_share_destroy(&fs);
 	cpu_pool_destroy(&pool);
@@ -230,8 +230,8 @@ static void usage(FILE *f)
 		   "  --cols N      columns, a multiple of the format's block (default 8192)\n"
 		   "  --threads N   threads, the caller included (default: the CPUs online)\n"
 		   "  --repeats N   timed products after one warm-up (default 10)\n"
-		   "  --scalar      the plain C path (PIPELINE_CPU_ISA=scalar does the same; =noamx keeps\n"
-		   "                AVX-512 but not the AMX tiles of several tokens)\n"
+		   "  --scalar      the plain C path (PIPELINE_CPU_ISA=scalar does the same; =amx adds the\n"
+		   "                AMX tiles to BF16 FFN shares where the CPU has them)\n"
 		   "  --ffn-tokens N  time the CPU's share of a split FFN for N tokens (1..16) instead: gate and\n"
 		   "                up of --rows x --cols, down of --cols x --rows, all in --format, as the runner\n"
 		   "                runs it (ffn_share.h); printed beside the same job of one token\n"

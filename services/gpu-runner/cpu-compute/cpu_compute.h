@@ -28,11 +28,12 @@
  * any x86-64 (the SIMD code is compiled per function); other architectures build the plain path
  * only. PIPELINE_CPU_ISA=scalar in the environment, or
  * cpu_compute_force_isa(CPU_ISA_SCALAR), makes every product take the plain path;
- * PIPELINE_CPU_ISA=noamx keeps the AVX-512 paths but not AMX's.
+ * PIPELINE_CPU_ISA=amx adds AMX's tiles, which are not used by default (not yet measured).
  *
- * Several tokens at once (cpu_matmul): with BF16 weights on a CPU with AMX-BF16 (Sapphire Rapids
- * and later; "amx-bf16"), tiles of 16 rows serve every token in one pass over the weights
- * (matvec_amx.c); everything else goes token by token through cpu_matvec's kernels.
+ * Several tokens at once (cpu_matmul): with BF16 weights and AMX-BF16 in use (Sapphire Rapids and
+ * later; "amx-bf16"), tiles of 16 rows serve every token in one pass over the weights
+ * (matvec_amx.c), each token's sums in the same order whatever the others; everything else goes
+ * token by token through cpu_matvec's kernels.
  *
  * Threads: a product over many rows is split by the caller, each thread calling cpu_matvec on
  * its own row range with the same prepared x (read-only once prepared). The kernels allocate
@@ -53,7 +54,7 @@ enum cpu_isa {
 	CPU_ISA_AVX512F = 1u << 0,     /* F32, F16: AVX-512 F, BW, VL and F16C */
 	CPU_ISA_AVX512_BF16 = 1u << 1, /* BF16: the above and AVX512-BF16 */
 	CPU_ISA_AVX512_VNNI = 1u << 2, /* block formats: AVX-512 F, BW, VL, F16C and AVX512-VNNI */
-	CPU_ISA_AMX_BF16 = 1u << 3,    /* BF16 for several tokens (cpu_matmul): AVX512-BF16's and AMX-BF16 */
+	CPU_ISA_AMX_BF16 = 1u << 3,    /* BF16 on tiles (cpu_matmul): AVX512-BF16's and AMX-BF16; only when asked */
 	CPU_ISA_ALL = 0xF,
 };
 
@@ -112,16 +113,19 @@ int cpu_xtiles_prepare(struct cpu_xtiles *xt, struct cpu_vec *const *xs, uint32_
  * rest of the rows, and every other case, token by token through cpu_matvec. */
 int cpu_matmul(const struct cpu_xtiles *xt, const void *w, enum dtype wfmt, uint64_t row_bytes, uint32_t r0,
 	       uint32_t r1, uint32_t c0, uint32_t c1, float *y, size_t y_ld, char *err, size_t errlen);
-/* The path cpu_matmul takes for format t now: "amx-bf16" (BF16 on an AMX CPU) or cpu_compute_path's. */
+/* The path cpu_matmul takes for format t now: "amx-bf16" (BF16 with AMX in use) or cpu_compute_path's. */
 const char *cpu_matmul_path(enum dtype t);
+/* Rows cpu_matmul has computed on the tiles in this process, all time (tests, benchmarks). */
+uint64_t cpu_matmul_tile_rows(void);
 
 /* The extensions this CPU has that the kernels use (CPU_ISA_* flags; CPU_ISA_SCALAR off x86-64). */
 unsigned cpu_compute_isa_supported(void);
-/* The extensions the products use now: the supported ones, less any that the environment
- * (PIPELINE_CPU_ISA=scalar or noamx) or cpu_compute_force_isa took away. */
+/* The extensions the products use now: the supported ones but AMX's (PIPELINE_CPU_ISA=amx adds
+ * them, =scalar takes all away), or what cpu_compute_force_isa chose. */
 unsigned cpu_compute_isa(void);
 /* Restricts the products to the extensions in mask (CPU_ISA_SCALAR: the plain path everywhere;
- * CPU_ISA_ALL: all the CPU has) and returns those in use now. For tests, benchmarks and start-up:
+ * CPU_ISA_ALL: all the CPU has, AMX's when Linux grants this process the tile state) and returns
+ * those in use now. For tests, benchmarks and start-up:
  * not to be called while products run on other threads. */
 unsigned cpu_compute_force_isa(unsigned mask);
 /* The path products of format t take now: "avx512f", "avx512-bf16", "avx512-vnni" or "scalar"

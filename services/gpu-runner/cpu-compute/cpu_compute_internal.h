@@ -69,6 +69,10 @@ void cc_avx512_quantize(const float *x, uint32_t ngroups, int8_t *q, float *d, i
 void cc_avx512_to_bf16(const float *x, uint32_t n, uint16_t *out);
 #endif
 
+/* cpu_matvec's checks of its arguments (cpu_compute.h); *col_off the byte offset of column c0. */
+int cc_check(const struct cpu_vec *x, enum dtype wfmt, uint64_t row_bytes, uint32_t r0, uint32_t r1, uint32_t c0,
+	     uint32_t c1, uint64_t *col_off, char *err, size_t errlen);
+
 /* Rows [0, rows) of the product, as above. */
 typedef void (*cc_kernel)(const struct cpu_vec *x, const uint8_t *w, uint64_t row_bytes, uint32_t rows, float *y);
 
@@ -85,8 +89,9 @@ void cc_vnni_q4_0(const struct cpu_vec *x, const uint8_t *w, uint64_t row_bytes,
 void cc_vnni_q4_k(const struct cpu_vec *x, const uint8_t *w, uint64_t row_bytes, uint32_t rows, float *y);
 void cc_vnni_q5_k(const struct cpu_vec *x, const uint8_t *w, uint64_t row_bytes, uint32_t rows, float *y);
 void cc_vnni_q6_k(const struct cpu_vec *x, const uint8_t *w, uint64_t row_bytes, uint32_t rows, float *y);
-/* Whether this CPU has AMX-TILE and AMX-BF16, the OS saves their state, and the kernel granted this
- * process the tile data (asked here, once for every thread; matvec_amx.c). */
+/* Whether this CPU has AMX-TILE and AMX-BF16 and the OS saves their state (matvec_amx.c). */
+bool cc_amx_present(void);
+/* Asks Linux for this process's tile data (once is for every thread); whether it was granted. */
 bool cc_amx_enable(void);
 /* Rows [0, rows & ~15) of BF16 W (rows row_bytes apart, cols a multiple of 32 columns from w) times
  * the n (1..16) tokens whose x values lie in pairs: pairs[(c / 2) n + t] holds token t's values

@@ -175,21 +175,32 @@ static uint32_t block_rows(uint32_t n, uint64_t row_bytes, uint32_t b, uint32_t 
 	return k < 1 ? 1 : k > e - b ? e - b : (uint32_t)k;
 }
 
-/* Several tokens whose products go through AMX tiles (cpu_matmul): BF16 weights on a CPU with
- * AMX-BF16, gate's and up's alike; the tiles read each weight once for every token, where the
- * vector path reads a block of rows once and computes it once a token. */
+/* Products on AMX tiles (cpu_matmul; AMX in use, PIPELINE_CPU_ISA=amx): BF16 gate and up over
+ * whole tiles of columns, up to CPU_MATMUL_MAX_TOKENS tokens. The tiles read each weight once for
+ * every token, where the vector path reads a block of rows once and computes it once a token. One
+ * token takes them too, so that a token's sums do not depend on how many others share its step
+ * (batch.c's promise); a row on the tiles or not depends only on the chunks, which are cut on 16
+ * rows then (range16). */
 #define TILE_ROWS 64 /* rows of a block on the tiles (their products of every token on the stack) */
 static bool tiles(const struct ffn_share *fs, const struct ffn_share_job *job)
 {
-	return job->n >= 2 && job->gate.format == DT_BF16 && job->up.format == DT_BF16 &&
-	       job->gate.row_bytes == job->up.row_bytes && fs->dim % 32 == 0 &&
+	return job->n <= CPU_MATMUL_MAX_TOKENS && job->gate.format == DT_BF16 && job->up.format == DT_BF16 &&
+	       fs->dim % 32 == 0 && !strcmp(cpu_matmul_path(DT_BF16), "amx-bf16");
+}
+
+/* ... and down's: BF16, over whole tiles of its columns (the share's rows of h). */
+static bool tiles_down(const struct ffn_share *fs, const struct ffn_share_job *job)
+{
+	return job->n <= CPU_MATMUL_MAX_TOKENS && job->down.format == DT_BF16 && job->rows % 32 == 0 &&
 	       !strcmp(cpu_matmul_path(DT_BF16), "amx-bf16");
 }
 
-/* ... and down's on them: BF16 too, over whole tiles of its columns (the share's rows of h). */
-static bool tiles_down(const struct ffn_share *fs, const struct ffn_share_job *job)
+/* range with every boundary but the last on a multiple of 16 rows (the tiles' rows). */
+static void range16(uint32_t total, uint32_t n, uint32_t p, uint32_t *b, uint32_t *e)
 {
-	return tiles(fs, job) && job->down.format == DT_BF16 && job->rows % 32 == 0;
+	range(total, n, p, b, e);
+	*b &= ~15u;
+	*e = p + 1 == n ? total : *e & ~15u;
 }
 
 /* x of every token prepared for gate's (and up's) format, in the part's scratch. */
@@ -204,7 +215,7 @@ static int prepare_x(struct ffn_share *fs, const struct ffn_share_job *job, stru
 		if (rc == 0 && !fused)
 			rc = cpu_vec_prepare(ps->xu[t], (enum dtype)job->up.format, ps->xf, dim, err, errlen);
 	}
-	if (rc == 0 && tiles(fs, job))
+	if (rc == 0 && tiles(fs, job)) /* gate's and up's format alike: xg serves both */
 		rc = cpu_xtiles_prepare(ps->tg, ps->xg, job->n, err, errlen);
 	return rc;
 }
@@ -304,7 +315,7 @@ static int run_phase1(struct ffn_share *fs, struct ffn_share_job *job, struct pa
 		if (i >= C)
 			break;
 		uint32_t b, e;
-		range(job->rows, C, i, &b, &e);
+		(tiles(fs, job) ? range16 : range)(job->rows, C, i, &b, &e);
 		if (valid && rc == 0 && b < e) {
 			if (!prepared) {
 				rc = prepare_x(fs, job, ps, x, fused, err, errlen);
@@ -370,7 +381,7 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 			prepared = true;
 		}
 		uint32_t b, e;
-		range(fs->dim, P, j, &b, &e);
+		(tiles_down(fs, job) ? range16 : range)(fs->dim, P, j, &b, &e);
 		if (rc == 0 && b < e)
 			rc = down_rows(fs, job, ps, y, b, e, err, errlen);
 	}

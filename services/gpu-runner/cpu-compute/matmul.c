@@ -4,6 +4,7 @@
 #include "services/gpu-runner/cpu-compute/cpu_compute_internal.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "common/util.h"
@@ -79,33 +80,38 @@ int cpu_xtiles_prepare(struct cpu_xtiles *xt, struct cpu_vec *const *xs, uint32_
 	return 0;
 }
 
+static _Atomic uint64_t tile_rows; /* rows computed on the tiles, all time (cpu_matmul_tile_rows) */
+
+uint64_t cpu_matmul_tile_rows(void)
+{
+	return atomic_load_explicit(&tile_rows, memory_order_relaxed);
+}
+
 int cpu_matmul(const struct cpu_xtiles *xt, const void *w, enum dtype wfmt, uint64_t row_bytes, uint32_t r0,
 	       uint32_t r1, uint32_t c0, uint32_t c1, float *y, size_t y_ld, char *err, size_t errlen)
 {
 	if (!xt->n)
 		return errorf(err, errlen, -EINVAL, "cpu product: no tokens prepared");
-	if (r1 > r0 && y_ld < r1 - r0)
+	/* cpu_matvec's checks on the whole range (the same for every token: they are alike) */
+	uint64_t col_off;
+	int rc = cc_check(xt->xs[0], wfmt, row_bytes, r0, r1, c0, c1, &col_off, err, errlen);
+	if (rc || r0 == r1)
+		return rc;
+	if (y_ld < r1 - r0)
 		return errorf(err, errlen, -EINVAL, "cpu product: %u rows a token, %zu floats apart", r1 - r0, y_ld);
 	uint32_t done = r0;
 #if defined(__x86_64__)
-	if (xt->tiled && wfmt == DT_BF16 && (cpu_compute_isa() & CPU_ISA_AMX_BF16) && xt->xs[0]->wfmt == DT_BF16 &&
-	    c1 >= c0 && c1 - c0 == xt->xs[0]->n && r1 - r0 >= 16) {
-		/* The checks of cpu_matvec on the tiles' rows (the same for every token): it computes
-		 * nothing for an empty range, so ask it for the first row into token 0's place. */
-		int rc = cpu_matvec(xt->xs[0], w, wfmt, row_bytes, r0, r0 + 1, c0, c1, y, err, errlen);
-		if (rc)
-			return rc;
+	if (xt->tiled && wfmt == DT_BF16 && (cpu_compute_isa() & CPU_ISA_AMX_BF16) && r1 - r0 >= 16) {
 		const uint32_t rows = (r1 - r0) & ~15u;
-		cc_amx_bf16(xt->pairs, xt->n, (const uint8_t *)w + r0 * row_bytes + 2 * (uint64_t)c0, row_bytes, rows,
-			    c1 - c0, y, y_ld);
+		cc_amx_bf16(xt->pairs, xt->n, (const uint8_t *)w + r0 * row_bytes + col_off, row_bytes, rows, c1 - c0, y,
+			    y_ld);
+		atomic_fetch_add_explicit(&tile_rows, rows, memory_order_relaxed);
 		done = r0 + rows;
 	}
 #endif
-	for (uint32_t t = 0; t < xt->n && done < r1; t++) {
-		int rc = cpu_matvec(xt->xs[t], w, wfmt, row_bytes, done, r1, c0, c1, y + t * y_ld + (done - r0), err,
-				    errlen);
-		if (rc)
+	for (uint32_t t = 0; t < xt->n && done < r1; t++)
+		if ((rc = cpu_matvec(xt->xs[t], w, wfmt, row_bytes, done, r1, c0, c1, y + t * y_ld + (done - r0), err,
+				     errlen)) != 0)
 			return rc;
-	}
 	return 0;
 }

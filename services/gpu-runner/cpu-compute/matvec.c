@@ -38,7 +38,7 @@ static unsigned detect(void)
 		isa |= CPU_ISA_AVX512_BF16;
 	if (__builtin_cpu_supports("avx512vnni"))
 		isa |= CPU_ISA_AVX512_VNNI;
-	if ((isa & CPU_ISA_AVX512_BF16) && cc_amx_enable())
+	if ((isa & CPU_ISA_AVX512_BF16) && cc_amx_present())
 		isa |= CPU_ISA_AMX_BF16;
 	return isa;
 #else
@@ -46,18 +46,43 @@ static unsigned detect(void)
 #endif
 }
 
+/* The extensions of mask this CPU has, AMX's only once Linux has granted this process the tile
+ * state (asked at the first use that wants it; a refusal takes AMX off for good). */
+static unsigned usable(unsigned mask)
+{
+#if defined(__x86_64__)
+	static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+	static int granted = -1; /* -1: not asked yet */
+	if ((mask & isa_supported & CPU_ISA_AMX_BF16)) {
+		pthread_mutex_lock(&lock);
+		if (granted < 0) {
+			granted = cc_amx_enable();
+			if (!granted)
+				log_warn("cpu compute: the CPU has AMX but the kernel did not grant this process its "
+					 "tile state: BF16 products of several tokens stay on the vector path");
+		}
+		pthread_mutex_unlock(&lock);
+		if (!granted)
+			mask &= ~(unsigned)CPU_ISA_AMX_BF16;
+	}
+#endif
+	return isa_supported & mask;
+}
+
 static void isa_init(void)
 {
 	isa_supported = detect();
-	unsigned use = isa_supported;
+	/* AMX only when asked for (PIPELINE_CPU_ISA=amx, cpu_compute_force_isa): not yet measured on
+	 * the hosts this runs on (docs/design.md, "Several tokens on AMX"). */
+	unsigned want = CPU_ISA_ALL & ~(unsigned)CPU_ISA_AMX_BF16;
 	const char *env = getenv("PIPELINE_CPU_ISA");
 	if (env && strcmp(env, "scalar") == 0)
-		use = CPU_ISA_SCALAR;
-	else if (env && strcmp(env, "noamx") == 0)
-		use &= ~(unsigned)CPU_ISA_AMX_BF16;
+		want = CPU_ISA_SCALAR;
+	else if (env && strcmp(env, "amx") == 0)
+		want = CPU_ISA_ALL;
 	else if (env && *env && strcmp(env, "auto") != 0)
-		log_warn("cpu compute: PIPELINE_CPU_ISA=%s is not scalar, noamx or auto; using auto", env);
-	atomic_store_explicit(&isa_in_use, use, memory_order_relaxed);
+		log_warn("cpu compute: PIPELINE_CPU_ISA=%s is not scalar, amx or auto; using auto", env);
+	atomic_store_explicit(&isa_in_use, usable(want), memory_order_relaxed);
 }
 
 unsigned cpu_compute_isa_supported(void)
@@ -75,7 +100,7 @@ unsigned cpu_compute_isa(void)
 unsigned cpu_compute_force_isa(unsigned mask)
 {
 	pthread_once(&isa_once, isa_init);
-	unsigned use = isa_supported & mask;
+	unsigned use = usable(mask);
 	atomic_store_explicit(&isa_in_use, use, memory_order_relaxed);
 	return use;
 }
@@ -117,8 +142,8 @@ static cc_kernel pick(enum dtype t)
 
 /* The checks of cpu_matvec (its header comment lists them); *col_off is the byte offset of
  * column c0 in a row. */
-static int check(const struct cpu_vec *x, enum dtype wfmt, uint64_t row_bytes, uint32_t r0, uint32_t r1, uint32_t c0,
-		 uint32_t c1, uint64_t *col_off, char *err, size_t errlen)
+int cc_check(const struct cpu_vec *x, enum dtype wfmt, uint64_t row_bytes, uint32_t r0, uint32_t r1, uint32_t c0,
+	     uint32_t c1, uint64_t *col_off, char *err, size_t errlen)
 {
 	if ((unsigned)wfmt >= DT_COUNT)
 		return errorf(err, errlen, -EINVAL, "cpu product: unknown weight format %u", (unsigned)wfmt);
@@ -154,7 +179,7 @@ int cpu_matvec(const struct cpu_vec *x, const void *w, enum dtype wfmt, uint64_t
 {
 	assert(x);
 	uint64_t col_off;
-	int rc = check(x, wfmt, row_bytes, r0, r1, c0, c1, &col_off, err, errlen);
+	int rc = cc_check(x, wfmt, row_bytes, r0, r1, c0, c1, &col_off, err, errlen);
 	if (rc || r0 == r1)
 		return rc;
 	assert(w && y);
@@ -170,7 +195,7 @@ int cpu_swiglu(const struct cpu_vec *x, const void *w_gate, const void *w_up, en
 {
 	assert(x);
 	uint64_t col_off;
-	int rc = check(x, wfmt, row_bytes, r0, r1, c0, c1, &col_off, err, errlen);
+	int rc = cc_check(x, wfmt, row_bytes, r0, r1, c0, c1, &col_off, err, errlen);
 	if (rc || r0 == r1)
 		return rc;
 	assert(w_gate && w_up && h);

@@ -31,7 +31,7 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for a dynamically enabled state component */
 #define XFEATURE_XTILEDATA 18	    /* the AMX tile data */
 
-bool cc_amx_enable(void)
+bool cc_amx_present(void)
 {
 	unsigned a, b, c, d;
 	/* CPUID.1:ECX.OSXSAVE (xgetbv may run), CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE. */
@@ -42,10 +42,13 @@ bool cc_amx_enable(void)
 	/* XCR0 bits 17 and 18: the OS manages the tile configuration and data. */
 	uint32_t lo, hi;
 	__asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-	if ((lo & (3u << 17)) != (3u << 17))
-		return false;
+	return (lo & (3u << 17)) == (3u << 17);
+}
+
+bool cc_amx_enable(void)
+{
 	/* Linux lets a process use the tile data only once it has asked (once, for every thread). */
-	return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+	return cc_amx_present() && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
 /* The tile configuration (palette 1): 64 bytes, as LDTILECFG reads them. */
@@ -80,8 +83,9 @@ TARGET_AMX void cc_amx_bf16(const uint32_t *pairs, uint32_t n, const uint8_t *w,
 		_tile_zero(3);
 		uint32_t kb = 0;
 		for (; kb + 4 <= nkb; kb += 4) {
-			for (uint32_t i = 0; i < 16; i++)
-				cc_prefetch(a + i * row_bytes + (size_t)kb * 64);
+			for (uint32_t i = 0; i < 16; i++) /* the 4 lines a row gives this step, ahead */
+				for (uint32_t l = 0; l < 4; l++)
+					cc_prefetch(a + i * row_bytes + (size_t)kb * 64 + 64 * l);
 			_tile_loadd(6, b + kb * bblock, bstride);
 			_tile_loadd(4, a + (size_t)kb * 64, row_bytes);
 			_tile_dpbf16ps(0, 4, 6);

@@ -1,9 +1,12 @@
 /* test_cpu_matmul.c - several tokens' products at once (cpu-compute/cpu_compute.h: cpu_xtiles,
  * cpu_matmul), on odd shapes (rows not a multiple of 16, column offsets, padded rows at odd
  * addresses, 1 to 16 tokens), against each token's cpu_matvec:
- * - where the path is "amx-bf16" (BF16 on a CPU with AMX), rows in tiles of 16 within
+ * - where the path is "amx-bf16" (BF16 with AMX in use: cpu_compute_force_isa(CPU_ISA_ALL) asks
+ *   for it, as PIPELINE_CPU_ISA=amx does), rows in tiles of 16 within
  *   1e-5 sum |W x'| of it (the tile unit sums in its own order), and every row within that of the
  *   double-precision sum; the rows past the last tile, and every other case, bit for bit;
+ * - a token's results the same bits whatever the other tokens of the call (alone, or among 16);
+ * - the tiles counted (cpu_matmul_tile_rows) exactly where they should have run;
  * - the same with AMX taken away (cpu_compute_force_isa), bit for bit: the token-by-token path;
  * - nothing written between one token's rows and the next's (y_ld past the rows);
  * - bad arguments refused with a message.
@@ -76,10 +79,24 @@ static bool check_case(enum dtype t, const struct mat *m, uint32_t cols, uint32_
 	ck_assert(y && one);
 	for (size_t i = 0; i < (size_t)n * ld; i++)
 		y[i] = SENTINEL;
+	const uint64_t counted = cpu_matmul_tile_rows();
 	ck_assert_msg(cpu_matmul(xt, m->w, t, m->row_bytes, r0, r1, c0, c0 + len, y, ld, err, sizeof(err)) == 0, "%s",
 		      err);
 	const bool tiled = !strcmp(cpu_matmul_path(t), "amx-bf16") && len % 32 == 0 && rows >= 16;
 	const uint32_t tile_rows = tiled ? rows & ~15u : 0;
+	ck_assert_uint_eq(cpu_matmul_tile_rows() - counted, tile_rows);
+	/* The last token alone: the same bits as among the others. */
+	struct cpu_xtiles *one_xt;
+	float *alone = malloc(rows * sizeof(float));
+	ck_assert_ptr_nonnull(alone);
+	ck_assert_int_eq(cpu_xtiles_create(&one_xt, err, sizeof(err)), 0);
+	ck_assert_int_eq(cpu_xtiles_prepare(one_xt, xs + n - 1, 1, err, sizeof(err)), 0);
+	ck_assert_int_eq(cpu_matmul(one_xt, m->w, t, m->row_bytes, r0, r1, c0, c0 + len, alone, rows, err, sizeof(err)),
+			 0);
+	ck_assert_msg(memcmp(alone, y + (size_t)(n - 1) * ld, rows * sizeof(float)) == 0,
+		      "%s: token %u's results alone differ from among %u tokens", dtype_name(t), n - 1, n);
+	cpu_xtiles_destroy(&one_xt);
+	free(alone);
 	for (uint32_t k = 0; k < n; k++) {
 		ck_assert_int_eq(cpu_matvec(xs[k], m->w, t, m->row_bytes, r0, r1, c0, c0 + len, one, err, sizeof(err)), 0);
 		for (uint32_t i = 0; i < rows; i++) {
@@ -121,6 +138,13 @@ static bool check_format(enum dtype t)
 	const uint32_t blk = dtype_block_elems(t), cols = blk >= 256 ? 512 : 160;
 	const struct mat m = make_mat(t, 100, cols, 6);
 	bool tiled = false;
+	if (t == DT_BF16) { /* a row of 4096 columns: the tiles' steps of four blocks many times over */
+		const struct mat big = make_mat(t, 48, 4096, 0);
+		tiled |= check_case(t, &big, 4096, 16, 0, 48, 0, 4096);
+		tiled |= check_case(t, &big, 4096, 5, 8, 40, 1024, 2048);
+		free(big.buf);
+		free(big.deq);
+	}
 	for (size_t i = 0; i < sizeof(tokens) / sizeof(tokens[0]); i++) {
 		tiled |= check_case(t, &m, cols, tokens[i], 0, 100, 0, cols);		 /* 6 tiles and 4 rows */
 		tiled |= check_case(t, &m, cols, tokens[i], 3, 35, 0, cols);		 /* 2 tiles from an odd row */
@@ -196,6 +220,11 @@ START_TEST(test_refuses)
 	REFUSED(cpu_matmul(xt, w, DT_Q8_0, 128, 0, 1, 0, 64, y, 1, err, sizeof(err)), "prepared for BF16 weights");
 	REFUSED(cpu_matmul(xt, w, DT_BF16, 100, 0, 20, 0, 64, y, 20, err, sizeof(err)), "rows are 100 apart");
 	REFUSED(cpu_matmul(xt, w, DT_BF16, 128, 0, 20, 0, 32, y, 20, err, sizeof(err)), "for x of 64 values");
+	REFUSED(cpu_matmul(xt, w, DT_BF16, 128, 20, 4, 0, 64, y, 20, err, sizeof(err)), "rows [20, 4) run backwards");
+	/* no rows: nothing computed, nothing written */
+	y[0] = -1.0f;
+	ck_assert_int_eq(cpu_matmul(xt, w, DT_BF16, 128, 4, 4, 0, 64, y, 0, err, sizeof(err)), 0);
+	ck_assert_float_eq(y[0], -1.0f);
 	cpu_xtiles_destroy(&xt);
 	cpu_vec_destroy(&a);
 	cpu_vec_destroy(&b);

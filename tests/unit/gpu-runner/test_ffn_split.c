@@ -25,6 +25,7 @@
 #include "common/manifest.h"
 #include "common/util.h"
 #include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/cpu-compute/cpu_compute.h"
 #include "services/gpu-runner/cpu-compute/ffn_share.h"
 #include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/engine.h"
@@ -441,6 +442,9 @@ END_TEST
 START_TEST(test_share_tokens_in_blocks)
 {
 	enum { DIM = 1024, ROWS = 1024, T = 5 };
+	/* Pass 1 with AMX's tiles where the CPU has them (cpu_matmul): the same promises hold. */
+	const unsigned isa = cpu_compute_force_isa(_i ? CPU_ISA_ALL : CPU_ISA_ALL & ~(unsigned)CPU_ISA_AMX_BF16);
+	const uint64_t tiled0 = cpu_matmul_tile_rows();
 	char err[256] = "";
 	struct ffn_share *fs = NULL;
 	ck_assert_msg(ffn_share_create(DIM, ROWS, 8, 1, &fs, err, sizeof(err)) == 0, "%s", err);
@@ -490,6 +494,12 @@ START_TEST(test_share_tokens_in_blocks)
 					      (unsigned)T, (double)y1[o]);
 		}
 	}
+	/* the tiles ran exactly when AMX is in use */
+	ck_assert_msg((cpu_matmul_tile_rows() > tiled0) == !!(isa & CPU_ISA_AMX_BF16), "tiles %s with isa %#x",
+		      cpu_matmul_tile_rows() > tiled0 ? "ran" : "did not run", isa);
+	if (_i)
+		printf("test_share_tokens_in_blocks: BF16 FFN shares on %s\n", cpu_matmul_path(DT_BF16));
+	cpu_compute_force_isa(CPU_ISA_ALL & ~(unsigned)CPU_ISA_AMX_BF16);
 	free(gate);
 	free(upb);
 	free(down);
@@ -589,7 +599,7 @@ static Suite *split_suite(void)
 	tcase_set_timeout(te, 60);
 	tcase_add_test(te, test_refusals);
 	tcase_add_test(te, test_share_job_failure);
-	tcase_add_test(te, test_share_tokens_in_blocks);
+	tcase_add_loop_test(te, test_share_tokens_in_blocks, 0, 2);
 	tcase_add_test(te, test_share_on_a_pool);
 	suite_add_tcase(s, te);
 	return s;

@@ -194,8 +194,15 @@ START_TEST(test_auto_per_layer)
 }
 END_TEST
 
-/* split_calibrate's busy: yes while *arg counts down, each call counted. */
-static uint32_t busy_calls;
+/* split_calibrate's load: busy while *arg counts down, each call counted; starts and finishes
+ * counted (one of each per format). */
+static uint32_t busy_calls, starts, finishes;
+static bool load_start(void *arg)
+{
+	(void)arg;
+	starts++;
+	return true;
+}
 static bool busy_counting(void *arg)
 {
 	uint32_t *left = arg;
@@ -205,6 +212,11 @@ static bool busy_counting(void *arg)
 	if (*left != UINT32_MAX)
 		(*left)--;
 	return true;
+}
+static void load_finish(void *arg)
+{
+	(void)arg;
+	finishes++;
 }
 
 START_TEST(test_calibrate)
@@ -228,28 +240,36 @@ START_TEST(test_calibrate)
 	};
 	double rates[DT_COUNT] = {0};
 	rates[DT_F16] = 123; /* not among the samples: left alone */
-	ck_assert_msg(split_calibrate(pool, s, 2, 1 << 20, NULL, NULL, rates, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(split_calibrate(pool, s, 2, 1 << 20, NULL, rates, err, sizeof(err)) == 0, "%s", err);
 	ck_assert(rates[DT_BF16] > 0 && isfinite(rates[DT_BF16]));
-	/* busy keeps the CPU measuring (the GPU window's copies beside it): asked after each of the
-	 * first format's runs from the third on, and the runs stop at the cap when it never says no. */
-	uint32_t asked = 0, left = 5;
-	busy_calls = 0;
-	ck_assert_msg(split_calibrate(pool, s, 1, 1 << 20, busy_counting, &left, rates, err, sizeof(err)) == 0, "%s",
-		      err);
-	asked = 5 - left;
-	ck_assert_uint_eq(asked, 5);
+	/* A load keeps the CPU measuring (the GPU window's copies beside it): started and finished
+	 * once a format, asked after each run from the third on; the runs stop at the cap when it
+	 * never says no. */
+	uint32_t left = 5;
+	busy_calls = starts = finishes = 0;
+	const struct split_load load = {.start = load_start, .busy = busy_counting, .finish = load_finish, .arg = &left};
+	ck_assert_msg(split_calibrate(pool, s, 1, 1 << 20, &load, rates, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_uint_eq(left, 0);
 	ck_assert_uint_eq(busy_calls, 6); /* five yes, then the no that ends it */
+	ck_assert_uint_eq(starts, 1);
+	ck_assert_uint_eq(finishes, 1);
+	/* Two formats: a load each; the second is asked as the first was. */
+	left = 2;
+	busy_calls = starts = finishes = 0;
+	ck_assert_msg(split_calibrate(pool, s, 2, 1 << 20, &load, rates, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_uint_eq(starts, 2);
+	ck_assert_uint_eq(finishes, 2);
+	ck_assert_uint_eq(busy_calls, 4); /* BF16: yes, yes, no; Q8_0: no */
 	left = UINT32_MAX;
 	busy_calls = 0;
-	ck_assert_msg(split_calibrate(pool, s, 1, 1 << 20, busy_counting, &left, rates, err, sizeof(err)) == 0, "%s",
-		      err);
+	ck_assert_msg(split_calibrate(pool, s, 1, 1 << 20, &load, rates, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_uint_eq(busy_calls, SPLIT_CALIBRATE_MAX_RUNS - SPLIT_CALIBRATE_RUNS);
 	ck_assert(rates[DT_Q8_0] > 0 && isfinite(rates[DT_Q8_0]));
 	ck_assert(rates[DT_F16] == 123);
 	ck_assert(rates[DT_F32] == 0);
 	/* A sample the kernels refuse (rows shorter than their columns): the message names it. */
 	s[0].row_bytes = 16;
-	ck_assert_int_eq(split_calibrate(pool, s, 1, 1 << 20, NULL, NULL, rates, err, sizeof(err)), -EINVAL);
+	ck_assert_int_eq(split_calibrate(pool, s, 1, 1 << 20, NULL, rates, err, sizeof(err)), -EINVAL);
 	ck_assert_msg(strstr(err, "calibration"), "message: %s", err);
 	free(bf);
 	free(q);
