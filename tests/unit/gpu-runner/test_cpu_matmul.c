@@ -15,6 +15,7 @@
 #include "services/gpu-runner/cpu-compute/cpu_compute.h"
 #include "tests/unit/common/test_helpers.h"
 #include "tests/unit/gpu-runner/runner_test_util.h"
+#include "tests/unit/gpu-runner/test_mat.h"
 
 #include <check.h>
 #include <errno.h>
@@ -24,37 +25,6 @@
 #include <string.h>
 
 #define SENTINEL -12345.0f
-
-/* rows x cols weights of format t, rows row_bytes = the format's bytes + extra apart, at an odd
- * address; deq the values in float32. */
-struct mat {
-	uint64_t row_bytes;
-	uint8_t *buf;
-	const uint8_t *w;
-	float *deq;
-};
-
-static struct mat make_mat(enum dtype t, uint32_t rows, uint32_t cols, uint32_t extra)
-{
-	struct mat m = {.row_bytes = dtype_row_bytes(t, cols) + extra};
-	m.buf = malloc(rows * m.row_bytes + 3);
-	m.deq = malloc((size_t)rows * cols * sizeof(float));
-	float *src = malloc((size_t)cols * sizeof(float));
-	void *aligned = malloc(m.row_bytes);
-	ck_assert(m.buf && m.deq && src && aligned);
-	memset(m.buf, 0x5A, rows * m.row_bytes + 3);
-	m.w = m.buf + 3;
-	for (uint32_t r = 0; r < rows; r++) {
-		for (uint32_t c = 0; c < cols; c++)
-			src[c] = (float)(0.02 * (1 + r % 3) * rng_normal());
-		quant_quantize(t, src, m.buf + 3 + r * m.row_bytes, cols);
-		memcpy(aligned, m.w + r * m.row_bytes, m.row_bytes);
-		quant_dequantize(t, aligned, m.deq + (size_t)r * cols, cols);
-	}
-	free(aligned);
-	free(src);
-	return m;
-}
 
 /* n tokens' products of rows [r0, r1), columns [c0, c0 + len) of m (cols columns a row) through
  * cpu_matmul, checked against cpu_matvec and the double sum. Returns whether the tiles ran. */
@@ -136,14 +106,13 @@ static bool check_format(enum dtype t)
 {
 	static const uint32_t tokens[] = {1, 2, 3, 7, 16};
 	const uint32_t blk = dtype_block_elems(t), cols = blk >= 256 ? 512 : 160;
-	const struct mat m = make_mat(t, 100, cols, 6);
+	struct mat m = make_mat(t, 100, cols, 6, 3);
 	bool tiled = false;
 	if (t == DT_BF16) { /* a row of 4096 columns: the tiles' steps of four blocks many times over */
-		const struct mat big = make_mat(t, 48, 4096, 0);
+		struct mat big = make_mat(t, 48, 4096, 0, 3);
 		tiled |= check_case(t, &big, 4096, 16, 0, 48, 0, 4096);
 		tiled |= check_case(t, &big, 4096, 5, 8, 40, 1024, 2048);
-		free(big.buf);
-		free(big.deq);
+		free_mat(&big);
 	}
 	for (size_t i = 0; i < sizeof(tokens) / sizeof(tokens[0]); i++) {
 		tiled |= check_case(t, &m, cols, tokens[i], 0, 100, 0, cols);		 /* 6 tiles and 4 rows */
@@ -156,8 +125,7 @@ static bool check_format(enum dtype t)
 			tiled |= check_case(t, &m, cols, tokens[i], 16, 80, 32, 96);
 		}
 	}
-	free(m.buf);
-	free(m.deq);
+	free_mat(&m);
 	return tiled;
 }
 
