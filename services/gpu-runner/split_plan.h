@@ -22,10 +22,10 @@
  * (its other streamed bytes O_l and its FFN's GPU rows) and its CPU rows take equally long,
  *   s_l = ((O_l + F_l) / h2d - h) / (F_l / h2d + C_l),
  * so that a layer whose attention streams gives the CPU more than one whose attention is resident:
- * the window runs ahead of compute by a layer or two, not by the token (test: the bench's --ab). The CPU
- * and DMA read the same DRAM: the GPU window measures the CPU's rates while H2D copies run (alone
- * they are far higher than beside the copies), and the runner logs the prediction beside the
- * measured decode time. Steps of many tokens (prefill) do not split on the
+ * the window runs ahead of compute by a layer or two, not by the token (test: the bench's --ab).
+ * The CPU and DMA read the same DRAM: the GPU window measures the CPU's rates while H2D copies run
+ * and the copies' rate beside the CPU (split_load; alone each is far higher than beside the other),
+ * the plan takes both, and the runner logs the prediction beside the measured decode time. Steps of many tokens (prefill) do not split on the
  * CPU, which runs one product per token: up to max_tokens, the CPU share of n tokens takes no
  * longer than copying those rows over PCIe once (n <= CPU rate / H2D rate, at least 1).
  */
