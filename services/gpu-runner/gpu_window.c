@@ -707,6 +707,20 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 			 err, errlen);
 	if (rc)
 		goto out_fail;
+	if (p->spread) {
+		bool dram = true; /* every layer group of the stage held in DRAM by the loader */
+		for (uint32_t g = 0; g < ng && dram; g++)
+			if ((rs->groups[g].kind == GROUP_ATTN || rs->groups[g].kind == GROUP_FFN ||
+			     rs->groups[g].kind == GROUP_MOE) &&
+			    weight_stage_has(&rs->stage, &rs->groups[g]))
+				dram = ring_source_group_pinned(ring, g);
+		if (dram)
+			window_plan_spread(cfg, &rs->stage, resident);
+		else
+			log_info("GPU weights: --window-spread keeps the first layers resident: the loader streams some "
+				 "layer groups from disk, and reads them while the GPU keeps the first layers");
+		w->st.spread = dram;
+	}
 	w->st.experts_resident = plan.experts_resident;
 	w->st.expert_heat_resident = plan.expert_heat_resident;
 	w->g = calloc(ng, sizeof(struct gent));
@@ -943,6 +957,9 @@ void gpu_window_describe(const struct gpu_window *w, char *buf, size_t len)
 		 format_size(w->st.window_bytes, win, sizeof(win)),
 		 format_size(w->st.streamed_bytes_per_token, s, sizeof(s)), ms, w->st.h2d_bytes_per_s / 1e9);
 	size_t k = strlen(buf);
+	if (k < len && w->st.spread)
+		snprintf(buf + k, len - k, "; the kept layer groups spread among the layers");
+	k = strlen(buf);
 	if (k < len && w->base.cfg->n_experts)
 		snprintf(buf + k, len - k, "; %u experts resident, chosen by %.1f%% of the routing %s",
 			 w->st.experts_resident, 100.0 * w->st.expert_heat_resident,

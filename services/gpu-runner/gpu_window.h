@@ -74,6 +74,10 @@ struct gpu_window_params {
 	 * expert, which picks the experts kept resident (window_plan.h); NULL: none counted yet. Read
 	 * during create only. */
 	const float *expert_heat;
+	/* Kept layer groups spread among the layers, not the first ones (window_plan_spread); only
+	 * where the loader holds every layer group in DRAM (else the streamed layers would come from
+	 * disk, which reads the first layers while the GPU keeps them). */
+	bool spread;
 };
 
 enum gwin_state {
@@ -98,6 +102,7 @@ struct gpu_window_stats {
 	uint32_t depth;
 	double h2d_bytes_per_s;		 /* measured (or given) */
 	double h2d_beside_cpu_bytes_per_s; /* measured beside the CPU's rates (split plan; 0: not) */
+	bool spread;			 /* the kept layer groups are spread among the layers (params.spread) */
 	double copy_ms;			 /* with time_copies: device time spent copying, since reset */
 	uint64_t timed_copies;
 	uint32_t copy_streams;

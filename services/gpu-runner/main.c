@@ -233,6 +233,9 @@ int main(int argc, char **argv)
 		{"fixed-experts", OPT_BOOL, &r.fixed_experts, NULL,
 		 "keep the experts the first plan made resident (table order): no new plan from the routing counted"},
 		{"profile-copies", OPT_BOOL, &r.profile_copies, NULL, "time every weight copy (stats: gpu_window.copy_ms)"},
+		{"window-spread", OPT_BOOL, &r.window_spread, NULL,
+		 "spread the layer groups the GPU keeps among the layers, not the first ones, so the streamed "
+		 "layers' copies run beside the kept layers' compute (only where DRAM holds every layer)"},
 		{"kv-dtype", OPT_STRING, &r.kv_dtype_name, NULL, "KV element type: f32 or bf16 (default: f32 on cpu, bf16 on cuda)"},
 		{"kv-gpu-budget", OPT_SIZE, &r.kv_gpu_budget, "1GiB", "memory for the runner's KV blocks"},
 		{"kv-block-tokens", OPT_INT, &r.block_tokens, "16", "tokens per KV block"},

@@ -100,6 +100,8 @@ void runner_register_tunables(struct runner *r)
 	service_add_fixed(s, "strict", TUNABLE_BOOL, r->strict ? "true" : "false", "check the GPU window's invariants");
 	service_add_fixed(s, "fixed-experts", TUNABLE_BOOL, r->fixed_experts ? "true" : "false",
 			  "keep the experts the first plan made resident (no re-plan from the routing counted)");
+	service_add_fixed(s, "window-spread", TUNABLE_BOOL, r->window_spread ? "true" : "false",
+			  "the layer groups the GPU keeps spread among the layers (where DRAM holds them all)");
 	service_add_fixed(s, "profile-copies", TUNABLE_BOOL, r->profile_copies ? "true" : "false",
 			  "time every weight copy");
 	service_add_fixed(s, "kv-dtype", TUNABLE_STRING, r->bp.kv_dtype == DT_F32 ? "f32" : "bf16",

@@ -149,6 +149,21 @@ int window_plan(const struct model_config *cfg, const struct group_desc *groups,
 	return 0;
 }
 
+void window_plan_spread(const struct model_config *cfg, const struct weight_stage *stage, bool *resident)
+{
+	const bool split = stage && stage->split;
+	const uint32_t l0 = split ? stage->layer0 : 0, L = split ? stage->layer1 - stage->layer0 : cfg->n_layers;
+	uint32_t na = 0, nf = 0;
+	for (uint32_t i = 0; i < L; i++) {
+		na += resident[model_group_attn(cfg, l0 + i)];
+		nf += resident[model_group_ffn(cfg, l0 + i)];
+	}
+	for (uint32_t i = 0; i < L; i++) {
+		resident[model_group_attn(cfg, l0 + i)] = (uint64_t)(i + 1) * na / L > (uint64_t)i * na / L;
+		resident[model_group_ffn(cfg, l0 + i)] = (uint64_t)(i + 1) * nf / L > (uint64_t)i * nf / L;
+	}
+}
+
 void window_heat_fold(float *heat, uint32_t *weight, const uint32_t *routed, const uint32_t *steps, uint32_t n_layers,
 		      uint32_t n_experts, uint32_t cap)
 {

@@ -52,6 +52,15 @@ int window_plan(const struct model_config *cfg, const struct group_desc *groups,
 		const struct weight_stage *stage, uint64_t budget, uint32_t depth, const float *heat, bool *resident,
 		struct window_plan *out, char *err, size_t errlen);
 
+/* Places the attention and the FFN groups that plan kept (resident) evenly among the stage's layers
+ * instead of from its first (--window-spread): as many of each kind as before, so the same bytes
+ * and slots where every layer's groups of a kind are alike. The window copies a streamed group
+ * only its depth of groups ahead, so with the streamed layers all at the end the link idles
+ * while the resident layers compute, and then the streamed ones have no slack; spread, each
+ * streamed layer's copy runs beside the resident layers before it. Kept groups of kind a and f
+ * go to layers where (i + 1) k / L passes a whole number (i the layer's place, k the kept count). */
+void window_plan_spread(const struct model_config *cfg, const struct weight_stage *stage, bool *resident);
+
 /* Folds the routing counts of decode steps (engine_moe_routing: routed (n_layers, n_experts), steps
  * (n_layers)) into heat (n_layers, n_experts): each expert's share of its layer's steps, averaged
  * with what heat held, worth weight[l] steps (at most cap: older routing fades). weight (n_layers)

@@ -279,6 +279,13 @@ class Table(unittest.TestCase):
         self.assertEqual(len(rows), 3)
         self.assertIn("--cpu-share-balance layer (r 4096..6144, 5.00 GB/token on the CPU, 5.00 over PCIe; job 900 us, "
                       "handoff 25 us) | 90.0 ms/token | 100.0 ms/token (40.0 + 60.0 GB/s) | 0.900 | <= 1.10 |", rows[2])
+        # ... and with the kept layer groups spread (--window-spread), a row after it.
+        rec["spread"] = dict(rec["layer"], gen={"decode_ms": 95.0})
+        rows = bench.ROWS["P1"](rec, lim)
+        self.assertEqual(len(rows), 4)
+        self.assertIn("the same with --window-spread (r 4096..6144,", rows[3])
+        self.assertIn("| 95.0 ms/token | 100.0 ms/token (40.0 + 60.0 GB/s) | 0.950 |", rows[3])
+        del rec["spread"]
         rec["split"]["failed"] = True
         self.assertEqual(bench.ROWS["P1"](rec, lim), ["| P1 | failed (see logs) | - | - | - |"])
 

@@ -85,16 +85,18 @@ if [[ $BACKEND != cpu ]]; then
 	"$PIPELINE" stop
 	log "--cpu-result copy: tokens equal the whole FFN's"
 
-	# auto with each layer's own share (--cpu-share-balance layer): the same tokens.
+	# auto with each layer's own share (--cpu-share-balance layer) and the kept layer groups spread
+	# among the layers (--window-spread): the same tokens.
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share auto --cpu-threads 2 \
-		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-share-balance=layer >/dev/null
+		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-share-balance=layer --runner-opt=--window-spread >/dev/null
 	expect_eq "$("$PIPECTL" get gpu-runner cpu-share-balance | awk '{print $3}')" layer \
 		"pipectl get gpu-runner cpu-share-balance"
+	expect_eq "$("$PIPECTL" get gpu-runner window-spread | awk '{print $3}')" true "pipectl get gpu-runner window-spread"
 	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
 	expect_eq "$got" "$want" "greedy tokens at --cpu-share auto --cpu-share-balance layer vs the whole FFN"
 	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with a share per layer"
 	"$PIPELINE" stop
-	log "--cpu-share-balance layer: tokens equal the whole FFN's"
+	log "--cpu-share-balance layer, --window-spread: tokens equal the whole FFN's"
 fi
 
 # auto on the C backend: nothing splits, no pool.

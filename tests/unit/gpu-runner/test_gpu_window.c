@@ -239,12 +239,13 @@ static int have_gpu(void)
 	return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-static void run_case(const char *dram_budget, uint64_t gpu_budget, uint32_t depth, bool expect_streaming)
+static void run_case_as(const char *dram_budget, uint64_t gpu_budget, uint32_t depth, bool expect_streaming,
+			bool spread)
 {
 	struct fixture f;
 	start(&f, dram_budget);
 	struct gpu_window_params p = {.gpu_budget = gpu_budget, .depth = depth, .strict = true, .time_copies = true,
-				      .h2d_bytes_per_s = 0};
+				      .h2d_bytes_per_s = 0, .spread = spread};
 	struct gpu_window *w = NULL;
 	char err[512];
 	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
@@ -252,6 +253,7 @@ static void run_case(const char *dram_budget, uint64_t gpu_budget, uint32_t dept
 	gpu_window_stats(w, &st);
 	ck_assert_int_eq(st.streamed_groups > 0, expect_streaming);
 	ck_assert(st.h2d_bytes_per_s > 0);
+	ck_assert_int_eq(st.spread, spread);
 	uint64_t before = st.bytes_h2d;
 	for (int i = 0; i < 4; i++)
 		pass(&f, w);
@@ -269,12 +271,17 @@ static void run_case(const char *dram_budget, uint64_t gpu_budget, uint32_t dept
 	ck_assert_int_eq(ws->ops->release_all(ws), 0);
 	/* Out of visit order is refused, not silently served: the last FFN group streams in both
 	 * streaming cases and is never the next one due after whole passes. */
-	if (expect_streaming) {
+	if (expect_streaming && !spread) {
 		struct group_weights gw;
 		ck_assert_int_eq(ws->ops->acquire(ws, group_id_ffn(f.m->cfg.n_layers - 1), &gw), -EPROTO);
 	}
 	gpu_window_destroy(&w);
 	stop(&f);
+}
+
+static void run_case(const char *dram_budget, uint64_t gpu_budget, uint32_t depth, bool expect_streaming)
+{
+	run_case_as(dram_budget, gpu_budget, depth, expect_streaming, false);
 }
 
 START_TEST(test_all_resident)
@@ -292,6 +299,19 @@ START_TEST(test_streaming_depth_2)
 	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
 	stop(&f);
 	run_case("1GiB", head + 2 * (a + ff) + ff, 2, true);
+}
+END_TEST
+
+/* --window-spread: the kept layer groups among the layers, not the first ones; every pass still
+ * moves each streamed group once and the state table holds (strict). */
+START_TEST(test_streaming_spread)
+{
+	struct fixture f;
+	start(&f, "1GiB");
+	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
+	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
+	stop(&f);
+	run_case_as("1GiB", head + 2 * (a + ff) + ff + a, 2, true, true);
 }
 END_TEST
 
@@ -700,6 +720,7 @@ int main(void)
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, test_all_resident);
 	tcase_add_test(tc, test_streaming_depth_2);
+	tcase_add_test(tc, test_streaming_spread);
 	tcase_add_test(tc, test_streaming_depth_1_dram_streams);
 	tcase_add_test(tc, test_budget_too_small);
 	tcase_add_test(tc, test_split_ffn);

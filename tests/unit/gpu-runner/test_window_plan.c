@@ -92,6 +92,50 @@ START_TEST(test_dense)
 }
 END_TEST
 
+/* window_plan_spread: as many groups of each kind kept, placed evenly among the layers. */
+START_TEST(test_spread)
+{
+	struct model_config c = {.n_layers = 32};
+	uint32_t n;
+	struct group_desc *g = table(&c, &n);
+	bool *res = calloc(n, 1);
+	res[group_id_head(&c)] = true;
+	for (uint32_t l = 0; l < 32; l++) { /* as window_plan keeps them: 23 attention, 9 FFN from the first */
+		res[model_group_attn(&c, l)] = l < 23;
+		res[model_group_ffn(&c, l)] = l < 9;
+	}
+	window_plan_spread(&c, NULL, res);
+	ck_assert(res[group_id_head(&c)]);
+	static const uint32_t ffn_kept[9] = {3, 7, 10, 14, 17, 21, 24, 28, 31};
+	uint32_t na = 0, nf = 0, k = 0, last = 0;
+	for (uint32_t l = 0; l < 32; l++) {
+		na += res[model_group_attn(&c, l)];
+		if (res[model_group_ffn(&c, l)]) {
+			ck_assert_uint_lt(nf, 9);
+			ck_assert_uint_eq(l, ffn_kept[nf]);
+			nf++;
+		}
+		if (!res[model_group_attn(&c, l)]) { /* the 9 streamed attention groups: no two side by side */
+			ck_assert_msg(k == 0 || l - last > 1, "streamed attention groups %u and %u", last, l);
+			last = l;
+			k++;
+		}
+	}
+	ck_assert_uint_eq(na, 23);
+	ck_assert_uint_eq(nf, 9);
+	ck_assert_uint_eq(k, 9);
+	/* A stage's layers only: the others untouched. */
+	const struct weight_stage st = {.split = true, .layer0 = 8, .layer1 = 16};
+	for (uint32_t l = 0; l < 32; l++)
+		res[model_group_ffn(&c, l)] = l >= 8 && l < 10; /* 2 of the stage's 8 kept, from its first */
+	window_plan_spread(&c, &st, res);
+	for (uint32_t l = 0; l < 32; l++)
+		ck_assert_int_eq(res[model_group_ffn(&c, l)], l == 11 || l == 15);
+	free(res);
+	free(g);
+}
+END_TEST
+
 START_TEST(test_experts)
 {
 	/* 3 layers of 8 experts, 2 chosen a token. */
@@ -213,6 +257,7 @@ static Suite *plan_suite(void)
 	Suite *s = suite_create("window_plan");
 	TCase *tc = tcase_create("plan");
 	tcase_add_test(tc, test_dense);
+	tcase_add_test(tc, test_spread);
 	tcase_add_test(tc, test_experts);
 	tcase_add_test(tc, test_stage);
 	tcase_add_test(tc, test_heat_fold);
