@@ -102,7 +102,7 @@ struct gpu_window_stats {
 	uint32_t depth;
 	double h2d_bytes_per_s;		 /* measured (or given) */
 	double h2d_beside_cpu_bytes_per_s; /* measured beside the CPU's rates (split plan; 0: not) */
-	bool spread;			 /* the kept layer groups are spread among the layers (params.spread) */
+	bool spread;			 /* params.spread moved kept layer groups off the first layers */
 	double copy_ms;			 /* with time_copies: device time spent copying, since reset */
 	uint64_t timed_copies;
 	uint32_t copy_streams;

@@ -251,6 +251,16 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 		if (gd->kind != GROUP_HEAD && gd->layer < L) /* a layer's own: --cpu-share-balance layer */
 			ly[gd->layer].other_bytes += gd->tensor_bytes;
 	}
+	/* A layer whose FFN does not split hands its other bytes to the next split layer: the window
+	 * copies them in the run-up to it (the kept layers spread, a streamed attention group often sits
+	 * in a layer whose FFN stays on the GPU). */
+	uint64_t carry = 0;
+	for (uint32_t l = 0; l < L; l++) {
+		carry += ly[l].other_bytes;
+		ly[l].other_bytes = ly[l].eligible ? carry : 0;
+		if (ly[l].eligible)
+			carry = 0;
+	}
 	double h2d = w->st.h2d_bytes_per_s;
 	if (ns) { /* auto chooses by them; a fixed share gets its prediction and its token limit */
 		struct beside bs = {.w = w, .resident = resident};

@@ -105,7 +105,7 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 	struct gpu_window_stats ws;
 	gpu_window_stats(r->win, &ws);
 	r->h2d_measured = ws.h2d_bytes_per_s;
-	char line[512];
+	char line[1024];
 	gpu_window_describe(r->win, line, sizeof(line));
 	log_info("%s", line);
 	predict(r);

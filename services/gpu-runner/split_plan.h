@@ -109,8 +109,9 @@ struct split_layer {
 	bool eligible;	     /* it may split: it streams to the GPU and its host bytes stay in DRAM */
 	uint32_t format[3];  /* enum dtype of gate, up, down */
 	uint64_t bytes[3];   /* tensor bytes of gate, up, down */
-	uint64_t other_bytes; /* the layer's other bytes over PCIe per decode token (its attention group
-			       * when that streams; counted in other_streamed too) */
+	uint64_t other_bytes; /* other bytes over PCIe per decode token that this layer's copies carry: its
+			       * attention group when that streams, and those of the layers before it whose
+			       * FFN does not split (counted in other_streamed too) */
 };
 
 struct split_plan {

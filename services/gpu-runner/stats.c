@@ -332,6 +332,7 @@ char *runner_stats(void *ctx)
 		if (g) {
 			json_object_set_new(g, "split_groups", json_integer(ws2.split_groups));
 			json_object_set_new(g, "h2d_beside_cpu_bytes_per_s", json_real(ws2.h2d_beside_cpu_bytes_per_s));
+			json_object_set_new(g, "spread", json_boolean(ws2.spread));
 			json_object_set_new(g, "experts_passed", json_integer((json_int_t)ws2.experts_passed));
 			json_object_set_new(g, "bytes_h2d_decode", json_integer((json_int_t)ws2.bytes_h2d_decode));
 			json_object_set_new(g, "experts_cpu", json_integer((json_int_t)ws2.experts_cpu));

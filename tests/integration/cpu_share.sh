@@ -85,18 +85,33 @@ if [[ $BACKEND != cpu ]]; then
 	"$PIPELINE" stop
 	log "--cpu-result copy: tokens equal the whole FFN's"
 
-	# auto with each layer's own share (--cpu-share-balance layer) and the kept layer groups spread
-	# among the layers (--window-spread): the same tokens.
+	# auto with each layer's own share (--cpu-share-balance layer): the same tokens.
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share auto --cpu-threads 2 \
-		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-share-balance=layer --runner-opt=--window-spread >/dev/null
+		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-share-balance=layer >/dev/null
 	expect_eq "$("$PIPECTL" get gpu-runner cpu-share-balance | awk '{print $3}')" layer \
 		"pipectl get gpu-runner cpu-share-balance"
-	expect_eq "$("$PIPECTL" get gpu-runner window-spread | awk '{print $3}')" true "pipectl get gpu-runner window-spread"
 	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
 	expect_eq "$got" "$want" "greedy tokens at --cpu-share auto --cpu-share-balance layer vs the whole FFN"
 	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with a share per layer"
 	"$PIPELINE" stop
-	log "--cpu-share-balance layer, --window-spread: tokens equal the whole FFN's"
+	log "--cpu-share-balance layer: tokens equal the whole FFN's"
+
+	# The kept layer groups spread among the layers (--window-spread). At 760KiB the plan keeps the
+	# four attention groups and one FFN group (128.25 + 4 x 48.25 + 144.25 KiB) beside two FFN slots
+	# (2 x 144.25), and spread puts that FFN in the last layer, not the first (at 520KiB none is
+	# kept, and nothing would move): the same tokens, the three streamed FFNs split with the CPU.
+	"$PIPELINE" start --model "$F32" --backend "$BACKEND" --gpu-budget 760KiB --cpu-share 0.5 --cpu-threads 2 \
+		--runner-opt=--prefill-chunk=16 --runner-opt=--window-spread >/dev/null
+	runner_log=$(cat "$RUN_DIR/gpu-runner.log")
+	expect_grep "the kept layer groups spread among the layers" "$runner_log" "the window's plan with --window-spread"
+	expect_grep "[1-9][0-9]* FFN groups split with the CPU" "$runner_log" "the split with --window-spread"
+	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
+	expect_eq "$got" "$want" "greedy tokens with --window-spread vs the whole FFN"
+	stats=$("$PIPECTL" stats gpu-runner)
+	expect_grep '"spread": true' "$stats" "the runner's stats with --window-spread"
+	expect_grep '"jobs_failed": 0' "$stats" "failed CPU shares with --window-spread"
+	"$PIPELINE" stop
+	log "--window-spread: tokens equal the whole FFN's"
 fi
 
 # auto on the C backend: nothing splits, no pool.
