@@ -714,19 +714,11 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 			     rs->groups[g].kind == GROUP_MOE) &&
 			    weight_stage_has(&rs->stage, &rs->groups[g]))
 				dram = ring_source_group_pinned(ring, g);
-		bool *before = dram ? malloc(ng * sizeof(bool)) : NULL;
-		if (before) {
-			memcpy(before, resident, ng * sizeof(bool));
-			window_plan_spread(cfg, &rs->stage, resident);
-			w->st.spread = memcmp(before, resident, ng * sizeof(bool)) != 0; /* moved some: 0 < kept < L */
-			free(before);
-		} else if (!dram) {
+		if (dram)
+			w->st.spread = window_plan_spread(cfg, &rs->stage, resident);
+		else
 			log_info("GPU weights: --window-spread keeps the first layers resident: the loader streams some "
 				 "layer groups from disk, and reads them while the GPU keeps the first layers");
-		} else {
-			rc = errorf(err, errlen, -ENOMEM, "out of memory");
-			goto out_fail;
-		}
 	}
 	w->st.experts_resident = plan.experts_resident;
 	w->st.expert_heat_resident = plan.expert_heat_resident;

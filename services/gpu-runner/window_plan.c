@@ -149,7 +149,7 @@ int window_plan(const struct model_config *cfg, const struct group_desc *groups,
 	return 0;
 }
 
-void window_plan_spread(const struct model_config *cfg, const struct weight_stage *stage, bool *resident)
+bool window_plan_spread(const struct model_config *cfg, const struct weight_stage *stage, bool *resident)
 {
 	const bool split = stage && stage->split;
 	const uint32_t l0 = split ? stage->layer0 : 0, L = split ? stage->layer1 - stage->layer0 : cfg->n_layers;
@@ -158,10 +158,16 @@ void window_plan_spread(const struct model_config *cfg, const struct weight_stag
 		na += resident[model_group_attn(cfg, l0 + i)];
 		nf += resident[model_group_ffn(cfg, l0 + i)];
 	}
+	bool moved = false;
 	for (uint32_t i = 0; i < L; i++) {
-		resident[model_group_attn(cfg, l0 + i)] = (uint64_t)(i + 1) * na / L > (uint64_t)i * na / L;
-		resident[model_group_ffn(cfg, l0 + i)] = (uint64_t)(i + 1) * nf / L > (uint64_t)i * nf / L;
+		const uint32_t ga = model_group_attn(cfg, l0 + i), gf = model_group_ffn(cfg, l0 + i);
+		const bool ka = (uint64_t)(i + 1) * na / L > (uint64_t)i * na / L;
+		const bool kf = (uint64_t)(i + 1) * nf / L > (uint64_t)i * nf / L;
+		moved |= resident[ga] != ka || resident[gf] != kf;
+		resident[ga] = ka;
+		resident[gf] = kf;
 	}
+	return moved;
 }
 
 void window_heat_fold(float *heat, uint32_t *weight, const uint32_t *routed, const uint32_t *steps, uint32_t n_layers,

@@ -58,8 +58,9 @@ int window_plan(const struct model_config *cfg, const struct group_desc *groups,
  * only its depth of groups ahead, so with the streamed layers all at the end the link idles
  * while the resident layers compute, and then the streamed ones have no slack; spread, each
  * streamed layer's copy runs beside the resident layers before it. Kept groups of kind a and f
- * go to layers where (i + 1) k / L passes a whole number (i the layer's place, k the kept count). */
-void window_plan_spread(const struct model_config *cfg, const struct weight_stage *stage, bool *resident);
+ * go to layers where (i + 1) k / L passes a whole number (i the layer's place, k the kept count).
+ * Returns whether any group moved (not when every group of a kind is kept or streamed). */
+bool window_plan_spread(const struct model_config *cfg, const struct weight_stage *stage, bool *resident);
 
 /* Folds the routing counts of decode steps (engine_moe_routing: routed (n_layers, n_experts), steps
  * (n_layers)) into heat (n_layers, n_experts): each expert's share of its layer's steps, averaged

@@ -185,14 +185,14 @@ static uint32_t block_rows(uint32_t n, uint64_t row_bytes, uint32_t b, uint32_t 
 static bool tiles(const struct ffn_share *fs, const struct ffn_share_job *job)
 {
 	return job->n <= CPU_MATMUL_MAX_TOKENS && job->gate.format == DT_BF16 && job->up.format == DT_BF16 &&
-	       fs->dim % 32 == 0 && !strcmp(cpu_matmul_path(DT_BF16), "amx-bf16");
+	       fs->dim % 32 == 0 && (cpu_compute_isa() & CPU_ISA_AMX_BF16);
 }
 
 /* ... and down's: BF16, over whole tiles of its columns (the share's rows of h). */
 static bool tiles_down(const struct ffn_share *fs, const struct ffn_share_job *job)
 {
 	return job->n <= CPU_MATMUL_MAX_TOKENS && job->down.format == DT_BF16 && job->rows % 32 == 0 &&
-	       !strcmp(cpu_matmul_path(DT_BF16), "amx-bf16");
+	       (cpu_compute_isa() & CPU_ISA_AMX_BF16);
 }
 
 /* range with every boundary but the last on a multiple of 16 rows (the tiles' rows). */
