@@ -1,7 +1,9 @@
 /* cpu_share.c - the gpu-runner's CPU share of streamed FFNs (--cpu-share, --cpu-threads,
- * --cpu-handoff): the flags, the task pool of its workers, and with the C backend and a fixed share
- * the split of every FFN (the GPU window plans the CUDA backend's: gpu_window.h). */
+ * --cpu-handoff): the flags, the task pool of its workers, with the C backend and a fixed share
+ * the split of every FFN (the GPU window plans the CUDA backend's: gpu_window.h), and the window's
+ * split planned anew between requests from the rate its jobs ran at (auto). */
 #include <errno.h>
+#include <math.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,8 +12,12 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "services/gpu-runner/cpu-compute/task_pool.h"
+#include "services/gpu-runner/engine.h"
 #include "services/gpu-runner/runner.h"
 #include "services/gpu-runner/weights_ring.h"
+#ifdef PIPELINE_HAVE_CUDA
+#include "services/gpu-runner/gpu_window.h"
+#endif
 
 int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 {
@@ -121,4 +127,68 @@ int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen)
 	log_info("cpu share %s: %u worker threads, %u CPUs allowed",
 		 cpu_share_text(&r->cpu_share, share, sizeof(share)), task_pool_threads(r->cpu_pool), allowed);
 	return cpu_backend ? plan_cpu_backend(r, err, errlen) : 0;
+}
+
+/* ---- the split planned anew from its jobs ---- */
+
+#define SPLIT_REPLANS_MAX 3 /* a runner's windows made anew for the rate at most (no see-saw) */
+
+static struct split_jobs jobs_now(struct runner *r)
+{
+	struct backend_cpu_share_stats bs;
+	backend_get_cpu_share_stats(r->be, &bs);
+	return (struct split_jobs){.jobs = bs.jobs, .bytes = bs.bytes, .ns = (uint64_t)(bs.cpu_ms * 1e6)};
+}
+
+void runner_split_mark(struct runner *r)
+{
+	if (r->be)
+		r->split_base = jobs_now(r);
+}
+
+void runner_replan_split(struct runner *r)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	/* Auto on a dense model of one runner, over a ring whose loader is there (as for the experts). */
+	if (!r->win || !r->be || r->cpu_share.mode != CPU_SHARE_AUTO || r->fixed_split || r->cfg.n_experts ||
+	    r->ranks > 1 || r->loader_suspect || r->split_replans >= SPLIT_REPLANS_MAX || !ring_source_owner_alive(r->ring) ||
+	    ring_source_reconnected(r->ring))
+		return;
+	struct gpu_window_stats ws;
+	gpu_window_stats(r->win, &ws);
+	const struct split_jobs now = jobs_now(r);
+	struct split_jobs seen = {now.jobs - r->split_base.jobs, now.bytes - r->split_base.bytes,
+				  now.ns - r->split_base.ns};
+	const double k = split_jobs_factor(&seen, ws.split_groups, ws.cpu_bytes_per_token, ws.cpu_jobs_ms * 1e-3);
+	if (!(k > 0))
+		return;
+	if (fabs(k - 1) < SPLIT_REPLAN_MIN_CHANGE) {
+		r->split_base = now; /* as planned: the next stretch is asked anew */
+		return;
+	}
+	struct cpu_share_policy pol = r->cpu_share;
+	for (uint32_t f = 0; f < DT_COUNT; f++)
+		pol.cpu_bytes_per_s[f] = gpu_window_cpu_rate(r->win, (enum dtype)f) * k;
+	pol.rates_from_jobs = true;
+	pol.h2d_beside_bytes_per_s = ws.h2d_beside_cpu_bytes_per_s;
+	log_info("cpu share: %llu jobs read %.2f GB in %.1f ms, %.1f GB/s: %.2fx the rate the split was planned with; "
+		 "making the weight window anew with it", (unsigned long long)seen.jobs, (double)seen.bytes / 1e9,
+		 (double)seen.ns / 1e6, (double)seen.bytes / ((double)seen.ns * 1e-9) / 1e9, k);
+	r->cpu_share = pol;
+	char err[1024];
+	engine_destroy(&r->engine);
+	runner_drop_window(r);
+	int rc = runner_make_window(r, err, sizeof(err));
+	if (rc == 0)
+		rc = runner_make_engine(r, err, sizeof(err));
+	if (rc) {
+		log_warn("cpu share: making the weight window anew failed (%s): the next request starts over from the "
+			 "ssd-loader", err);
+		r->loader_suspect = true;
+		return;
+	}
+	r->split_replans++;
+#else
+	(void)r;
+#endif
 }

@@ -262,7 +262,21 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 			carry = 0;
 	}
 	double h2d = w->st.h2d_bytes_per_s;
-	if (ns) { /* auto chooses by them; a fixed share gets its prediction and its token limit */
+	/* Rates of jobs that ran (the runner's re-plan): taken as they are where they cover every format
+	 * the samples hold. */
+	bool given = ns && pol.rates_from_jobs;
+	for (uint32_t i = 0; given && i < ns; i++)
+		given = pol.cpu_bytes_per_s[samples[i].format] > 0;
+	if (given) {
+		const double beside = pol.h2d_beside_bytes_per_s;
+		if (beside > 0 && beside < h2d)
+			h2d = beside;
+		w->st.h2d_beside_cpu_bytes_per_s = beside;
+		w->st.rates_from_jobs = true;
+		log_info("cpu share: planned with the rates the jobs ran at (%s %.1f GB/s; H2D %.1f GB/s beside the CPU, "
+			 "as measured before)", dtype_name((enum dtype)samples[0].format),
+			 pol.cpu_bytes_per_s[samples[0].format] / 1e9, beside / 1e9);
+	} else if (ns) { /* auto chooses by them; a fixed share gets its prediction and its token limit */
 		struct beside bs = {.w = w, .resident = resident};
 		const struct split_load load = {.start = beside_start, .busy = beside_busy, .finish = beside_finish,
 						.arg = &bs};
@@ -296,6 +310,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	w->st.cpu_bytes_per_token = w->plan.cpu_bytes;
 	w->st.pcie_ms = w->plan.pcie_s * 1e3;
 	w->st.cpu_ms = w->plan.cpu_s * 1e3;
+	w->st.cpu_jobs_ms = w->plan.jobs_s * 1e3;
 out:
 	free(ly);
 	free(samples);
@@ -373,14 +388,14 @@ void gw_split_cancel(struct gpu_window *w)
 	w->plan.pcie_bytes += w->plan.cpu_bytes;
 	w->plan.pcie_s = w->st.h2d_bytes_per_s > 0 ? (double)w->plan.pcie_bytes / w->st.h2d_bytes_per_s : 0;
 	w->plan.cpu_bytes = 0;
-	w->plan.cpu_s = 0;
+	w->plan.cpu_s = w->plan.jobs_s = 0;
 	w->plan.split_layers = 0;
 	w->plan.r_min = w->plan.r_max = w->base.cfg->ffn_dim;
 	w->st.split_groups = 0;
 	w->st.split_r_min = w->st.split_r_max = w->base.cfg->ffn_dim;
 	w->st.cpu_bytes_per_token = 0;
 	w->st.pcie_ms = w->plan.pcie_s * 1e3;
-	w->st.cpu_ms = 0;
+	w->st.cpu_ms = w->st.cpu_jobs_ms = 0;
 	w->st.side_bytes = 0;
 }
 

@@ -232,6 +232,8 @@ int main(int argc, char **argv)
 		{"strict", OPT_BOOL, &r.strict, NULL, "check the GPU window's invariants at every step"},
 		{"fixed-experts", OPT_BOOL, &r.fixed_experts, NULL,
 		 "keep the experts the first plan made resident (table order): no new plan from the routing counted"},
+		{"fixed-split", OPT_BOOL, &r.fixed_split, NULL,
+		 "keep the CPU share auto chose at start: no new plan from the rate its jobs ran at"},
 		{"profile-copies", OPT_BOOL, &r.profile_copies, NULL, "time every weight copy (stats: gpu_window.copy_ms)"},
 		{"window-spread", OPT_BOOL, &r.window_spread, NULL,
 		 "spread the layer groups the GPU keeps among the layers, not the first ones, so the streamed "
@@ -343,6 +345,7 @@ int main(int argc, char **argv)
 			runner_release_dead_loader(&r);
 			runner_idle_stages(&r);
 			runner_replan_experts(&r);
+			runner_replan_split(&r);
 			continue;
 		}
 		if (r.batching)

@@ -109,6 +109,7 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 	gpu_window_describe(r->win, line, sizeof(line));
 	log_info("%s", line);
 	predict(r);
+	runner_split_mark(r); /* its jobs counted from here (cpu_share.c) */
 	return 0;
 #else
 	snprintf(err, errlen, "a device backend without CUDA support in this build");

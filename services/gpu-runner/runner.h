@@ -114,6 +114,10 @@ struct runner {
 	uint64_t expert_replans;    /* windows made anew for hotter experts */
 	uint32_t replan_checked;    /* the engine's decode steps when the gain was last asked (experts.c) */
 	double h2d_measured;	    /* the first window's H2D rate, given to those made after it */
+	/* The CPU share planned anew from its jobs' rate (cpu_share.c, runner_replan_split). */
+	bool fixed_split;	    /* --fixed-split: keep the split the calibration chose */
+	uint64_t split_replans;	    /* windows made anew for it */
+	struct split_jobs split_base; /* the backend's job counters when the window in force was made */
 	struct kv_remote kv;
 	void *pool_pinned; /* the KV pool mapping, page-locked for the backend's copies */
 	bool loader_suspect, kv_suspect;
@@ -193,6 +197,13 @@ int runner_ensure_connections(struct runner *r, char *err, size_t errlen);
  * starts over from the loader) and is logged. */
 void runner_fold_routing(struct runner *r);
 void runner_replan_experts(struct runner *r);
+
+/* cpu_share.c: between requests, the GPU window made anew with the CPU rates its split FFNs' jobs ran
+ * at, when they differ from those it planned with by SPLIT_REPLAN_MIN_CHANGE or more (split_plan.h);
+ * runner_split_mark notes the job counters a new window starts from. A failure to make it sets
+ * loader_suspect and is logged, as for the experts. */
+void runner_replan_split(struct runner *r);
+void runner_split_mark(struct runner *r);
 
 /* requests.c */
 /* Runs the request at the head of the queue (one is queued), replies, and takes it off. */

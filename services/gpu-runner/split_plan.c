@@ -283,7 +283,7 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 	plan->r_min = ffn;
 	const bool per_layer = pol->mode == CPU_SHARE_AUTO && pol->per_layer && n_elig;
 	double s_sum = 0;
-	double cpu_s = 0, rate_min = INFINITY;
+	double cpu_s = 0, jobs_s = 0, rate_min = INFINITY;
 	for (uint32_t l = 0; l < L && n_elig; l++) {
 		const struct split_layer *ly = &layers[l];
 		if (!ly->eligible)
@@ -317,6 +317,7 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 		plan->r_max = r[l] > plan->r_max ? r[l] : plan->r_max;
 		double t = cpu_time(ly, pol->cpu_bytes_per_s);
 		if (isfinite(t)) {
+			jobs_s += t * (ffn - r[l]) / ffn;
 			cpu_s += t * (ffn - r[l]) / ffn + handoff;
 			double rate = (double)b / t;
 			rate_min = rate < rate_min ? rate : rate_min;
@@ -329,9 +330,19 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 	plan->pcie_bytes = pcie;
 	plan->pcie_s = h2d_bps > 0 ? (double)pcie / h2d_bps : 0;
 	plan->cpu_s = cpu_s;
+	plan->jobs_s = jobs_s;
 	if (h2d_bps > 0 && isfinite(rate_min)) {
 		double n = floor(rate_min / h2d_bps);
 		plan->max_tokens = n < 1 ? 1 : n > FFN_SPLIT_MAX_TOKENS ? FFN_SPLIT_MAX_TOKENS : (uint32_t)n;
 	}
 	return 0;
+}
+
+double split_jobs_factor(const struct split_jobs *seen, uint32_t split_layers, uint64_t plan_bytes, double plan_jobs_s)
+{
+	if (!split_layers || !plan_bytes || !(plan_jobs_s > 0) || !seen->ns || !seen->bytes ||
+	    seen->jobs < (uint64_t)SPLIT_REPLAN_MIN_TOKENS * split_layers)
+		return 0;
+	const double seen_rate = (double)seen->bytes / ((double)seen->ns * 1e-9);
+	return seen_rate / ((double)plan_bytes / plan_jobs_s);
 }

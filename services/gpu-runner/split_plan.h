@@ -63,6 +63,10 @@ struct cpu_share_policy {
 					   * (split_calibrate; 0: not measured) */
 	double handoff_s;		  /* per handoff; 0: SPLIT_HANDOFF_S */
 	bool per_layer;			  /* auto: each layer's own share (--cpu-share-balance layer) */
+	/* Rates from the jobs that ran (split_jobs_factor): the GPU window plans with cpu_bytes_per_s
+	 * and this H2D rate beside the CPU as they are, measuring neither again. */
+	bool rates_from_jobs;
+	double h2d_beside_bytes_per_s;	  /* rates_from_jobs: the copies' rate beside the CPU (0: alone) */
 };
 
 /* Parses --cpu-share: "auto", "0" (off) or a fraction in (0, 1] ("0.5", "1"). Sets p (rates 0).
@@ -122,6 +126,7 @@ struct split_plan {
 	uint64_t pcie_bytes;   /* per decode token: every streamed byte that still crosses PCIe */
 	uint64_t cpu_bytes;    /* per decode token: what the CPU reads */
 	double pcie_s, cpu_s;  /* per decode token: the copies at the H2D rate, the CPU's shares (+ handoffs) */
+	double jobs_s;	       /* per decode token: the CPU's shares alone (cpu_s without the handoffs) */
 	uint32_t max_tokens;   /* steps of at most this many tokens take the CPU share */
 };
 
@@ -133,6 +138,21 @@ struct split_plan {
 int split_plan_choose(const struct model_config *cfg, const struct split_layer *layers, uint64_t other_streamed,
 		      double h2d_bps, const struct cpu_share_policy *pol, struct split_plan *plan, char *err,
 		      size_t errlen);
+
+/* What the split FFNs' jobs did over a stretch of decode: their count, the weight bytes they read and
+ * their time on the CPU (first part's start to last part's end, summed; backend_cpu_share_stats). */
+struct split_jobs {
+	uint64_t jobs, bytes, ns;
+};
+#define SPLIT_REPLAN_MIN_TOKENS 4   /* decode tokens' jobs a new plan from them needs at least */
+#define SPLIT_REPLAN_MIN_CHANGE 0.05 /* and a rate that far from the plan's (a part) */
+/* How much faster the jobs ran than a plan foresaw that gave the CPU plan_bytes a decode token in
+ * plan_jobs_s (split_plan cpu_bytes and jobs_s) over split_layers FFNs: their rate (bytes / ns)
+ * over the plan's. 0 when it says nothing yet: fewer jobs than SPLIT_REPLAN_MIN_TOKENS tokens hold,
+ * no time, or no plan. The runner multiplies the rates it planned with by it (the calibration
+ * measures a few hundred MB beside copies it starts itself; on an H200 host it said BF16 52.5
+ * GB/s where P1's jobs then read 77.5, and auto gave the CPU too little). */
+double split_jobs_factor(const struct split_jobs *seen, uint32_t split_layers, uint64_t plan_bytes, double plan_jobs_s);
 
 #ifdef __cplusplus
 }

@@ -285,7 +285,16 @@ class Table(unittest.TestCase):
         self.assertEqual(len(rows), 4)
         self.assertIn("the same with --window-spread (r 4096..6144,", rows[3])
         self.assertIn("| 95.0 ms/token | 100.0 ms/token (40.0 + 60.0 GB/s) | 0.950 |", rows[3])
-        del rec["spread"]
+        # ... and with the calibration's split kept (--fixed-split); a split planned anew says so.
+        rec["fixed"] = dict(rec["layer"], gen={"decode_ms": 99.0})
+        rec["spread"]["rates_from_jobs"] = True
+        rows = bench.ROWS["P1"](rec, lim)
+        self.assertEqual(len(rows), 5)
+        self.assertIn("handoff 25 us; planned anew at the jobs' rate) | 95.0 ms/token", rows[3])
+        self.assertIn("the same with --fixed-split (the calibration's rates kept) (r 4096..6144,", rows[4])
+        self.assertNotIn("planned anew", rows[4])
+        self.assertIn("| 99.0 ms/token |", rows[4])
+        del rec["spread"], rec["fixed"]
         rec["split"]["failed"] = True
         self.assertEqual(bench.ROWS["P1"](rec, lim), ["| P1 | failed (see logs) | - | - | - |"])
 
@@ -450,7 +459,8 @@ class RunWithFakes(unittest.TestCase):
         self.assertEqual((rec["streamed_bytes_per_token"], rec["copy_ms"]), (2000000000, 50.0))
         self.assertEqual(rec["weights"]["vocab_size"], 2000)
         calls = self.calls("S1")
-        self.assertTrue(calls[0].startswith("generate --tokens 513,") and calls[0].endswith(" -n 2 --ignore-eos"))
+        self.assertTrue(calls[0].startswith("generate --tokens 513,") and
+                        calls[0].endswith(f" -n {bench.WARMUP_TOKENS} --ignore-eos"))
         self.assertEqual(calls[1:], ["stats ssd-loader", calls[2], "stats gpu-runner", "stats ssd-loader"])
         self.assertTrue(calls[2].endswith(" -n 16 --ignore-eos --stats --json"))
         with open(os.path.join(self.b.work, "run-S1", "start-args")) as f:

@@ -417,6 +417,31 @@ static void split_case(const char *dram, bool dram_streams)
 	ck_assert_uint_eq(st0.streamed_bytes_per_token, st.streamed_bytes_per_token + st.cpu_bytes_per_token);
 	ck_assert_uint_gt(st0.window_bytes, st.window_bytes);
 	gpu_window_destroy(&whole);
+	/* Auto with the rates of jobs that ran (the runner's re-plan): the plan takes them as they are,
+	 * measures nothing, and a faster CPU gets more of every FFN. */
+	uint64_t cpu_bytes[2];
+	for (int i = 0; i < 2; i++) {
+		ck_assert_int_eq(cpu_share_parse("auto", &p.cpu_share, err, sizeof(err)), 0);
+		const double rate = i ? 4e7 : 1e7;
+		for (uint32_t d = 0; d < DT_COUNT; d++)
+			p.cpu_share.cpu_bytes_per_s[d] = rate;
+		p.cpu_share.rates_from_jobs = true;
+		p.cpu_share.h2d_beside_bytes_per_s = 3e7;
+		p.h2d_bytes_per_s = 4e7;
+		ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &whole, err, sizeof(err)) == 0, "%s", err);
+		gpu_window_stats(whole, &st0);
+		ck_assert(st0.rates_from_jobs);
+		ck_assert(st0.h2d_beside_cpu_bytes_per_s == 3e7);
+		ck_assert(gpu_window_cpu_rate(whole, (enum dtype)f.m->tensors[0].dtype) == rate);
+		ck_assert_uint_gt(st0.split_groups, 0);
+		/* the copies planned at the rate beside the CPU */
+		const double at_beside = (double)st0.streamed_bytes_per_token / 3e7 * 1e3;
+		ck_assert_msg(fabs(st0.pcie_ms - at_beside) < 0.05 * at_beside, "%f ms, at 3e7 B/s %f", st0.pcie_ms, at_beside);
+		cpu_bytes[i] = st0.cpu_bytes_per_token;
+		gpu_window_destroy(&whole);
+	}
+	ck_assert_uint_gt(cpu_bytes[1], cpu_bytes[0]);
+	p.h2d_bytes_per_s = 0;
 	task_pool_destroy(&pool);
 	stop(&f);
 }

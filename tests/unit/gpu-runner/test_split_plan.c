@@ -135,6 +135,9 @@ START_TEST(test_auto_balance)
 	ck_assert_msg(fabs(plan.pcie_s - plan.cpu_s) < 0.02 * plan.pcie_s, "pcie %.3f ms, cpu %.3f ms", plan.pcie_s * 1e3,
 		      plan.cpu_s * 1e3);
 	ck_assert_uint_eq(r[0] % 64, 0);
+	/* the products alone: the handoffs aside, the CPU's bytes at its rate */
+	ck_assert_double_eq_tol(plan.jobs_s, plan.cpu_s - L * SPLIT_HANDOFF_S, 1e-12);
+	ck_assert_double_eq_tol(plan.jobs_s, (double)plan.cpu_bytes / 80e9, 1e-9);
 	ck_assert_uint_eq(plan.max_tokens, 1); /* 80 / 50 */
 	/* A CPU far faster than the link: everything on the CPU; and more tokens per step. */
 	pol.cpu_bytes_per_s[DT_BF16] = 1000e9;
@@ -277,6 +280,25 @@ START_TEST(test_calibrate)
 }
 END_TEST
 
+/* The rate the jobs ran at against the plan's: a plan of 1 GB a token in 10 ms (100 GB/s) over 4
+ * FFNs, and jobs that read at 80 GB/s, say 0.8; too few of them say nothing. */
+START_TEST(test_jobs_factor)
+{
+	struct split_jobs seen = {.jobs = 4 * SPLIT_REPLAN_MIN_TOKENS, .bytes = 8000000000ull, .ns = 100000000ull};
+	ck_assert_double_eq_tol(split_jobs_factor(&seen, 4, 1000000000ull, 0.010), 0.8, 1e-12);
+	seen.ns = 50000000ull; /* 160 GB/s */
+	ck_assert_double_eq_tol(split_jobs_factor(&seen, 4, 1000000000ull, 0.010), 1.6, 1e-12);
+	seen.jobs--; /* not SPLIT_REPLAN_MIN_TOKENS tokens */
+	ck_assert(split_jobs_factor(&seen, 4, 1000000000ull, 0.010) == 0);
+	seen.jobs++;
+	ck_assert(split_jobs_factor(&seen, 0, 1000000000ull, 0.010) == 0); /* nothing split */
+	ck_assert(split_jobs_factor(&seen, 4, 0, 0.010) == 0);
+	ck_assert(split_jobs_factor(&seen, 4, 1000000000ull, 0) == 0);
+	seen.ns = 0;
+	ck_assert(split_jobs_factor(&seen, 4, 1000000000ull, 0.010) == 0);
+}
+END_TEST
+
 static Suite *plan_suite(void)
 {
 	Suite *s = suite_create("split_plan");
@@ -286,6 +308,7 @@ static Suite *plan_suite(void)
 	tcase_add_test(tc, test_auto_balance);
 	tcase_add_test(tc, test_auto_per_layer);
 	tcase_add_test(tc, test_calibrate);
+	tcase_add_test(tc, test_jobs_factor);
 	suite_add_tcase(s, tc);
 	return s;
 }
