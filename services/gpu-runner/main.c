@@ -256,10 +256,10 @@ int main(int argc, char **argv)
 		 "auto (cuda: where the CPU and the copies over PCIe finish together; cpu: none), 0 (none), or a "
 		 "fraction in (0, 1] of every FFN that may split (cuda: streamed and held in DRAM by the loader; "
 		 "cpu: all). Decode steps only: prefill copies the CPU's rows up"},
-		{"cpu-share-balance", OPT_STRING, &r.cpu_share_balance_arg, "token",
-		 "how auto chooses the CPU's part: token (one share for every FFN, where the CPU's rows and the "
-		 "copies of a token take equally long) or layer (each layer's own, where its copies and its CPU "
-		 "rows take equally long: more where its attention streams too)"},
+		{"cpu-share-balance", OPT_STRING, &r.cpu_share_balance_arg, NULL,
+		 "how auto chooses the CPU's part: layer (the default: each layer's own, where its copies and its "
+		 "CPU rows take equally long: more where its attention streams too) or token (one share for every "
+		 "FFN, where the CPU's rows and the copies of a token take equally long)"},
 		{"cpu-threads", OPT_INT, &r.cpu_threads, "0",
 		 "worker threads of the CPU share, pinned to a CPU each (0: one per CPU the runner may use but the "
 		 "runner's own and, on cuda, the handoff's)"},

@@ -270,31 +270,24 @@ class Table(unittest.TestCase):
         self.assertEqual(len(rows), 3)
         self.assertIn("--cpu-result copy (job 900 us, handoff 1900 us) | 110.0 ms/token | 100.0 ms/token | 1.100 |",
                       rows[2])
-        # --ab: each layer's own share, against its own run's rates measured at once.
+        # --ab: one share for the token, against its own run's rates measured at once.
         del rec["copy"]
-        rec["layer"] = {"gen": {"decode_ms": 90.0}, "streamed_bytes_per_token": 5e9, "cpu_bytes_per_token": 5e9,
+        rec["token"] = {"gen": {"decode_ms": 90.0}, "streamed_bytes_per_token": 5e9, "cpu_bytes_per_token": 5e9,
                         "cpu_bytes_per_s": 60e9, "h2d_beside_cpu_bytes_per_s": 40e9,
                         "cpu_share": dict(cs, r_min=4096, r_max=6144)}
         rows = bench.ROWS["P1"](rec, lim)
         self.assertEqual(len(rows), 3)
-        self.assertIn("--cpu-share-balance layer (r 4096..6144, 5.00 GB/token on the CPU, 5.00 over PCIe; job 900 us, "
+        self.assertIn("--cpu-share-balance token (r 4096..6144, 5.00 GB/token on the CPU, 5.00 over PCIe; job 900 us, "
                       "handoff 25 us) | 90.0 ms/token | 100.0 ms/token (40.0 + 60.0 GB/s) | 0.900 | <= 1.10 |", rows[2])
-        # ... and with the kept layer groups spread (--window-spread), a row after it.
-        rec["spread"] = dict(rec["layer"], gen={"decode_ms": 95.0})
+        # ... and with the kept layer groups spread (--window-spread), a row after it; a split planned
+        # anew from its jobs' rate says so.
+        rec["spread"] = dict(rec["token"], gen={"decode_ms": 95.0}, rates_from_jobs=True)
         rows = bench.ROWS["P1"](rec, lim)
         self.assertEqual(len(rows), 4)
         self.assertIn("the same with --window-spread (r 4096..6144,", rows[3])
-        self.assertIn("| 95.0 ms/token | 100.0 ms/token (40.0 + 60.0 GB/s) | 0.950 |", rows[3])
-        # ... and with the calibration's split kept (--fixed-split); a split planned anew says so.
-        rec["fixed"] = dict(rec["layer"], gen={"decode_ms": 99.0})
-        rec["spread"]["rates_from_jobs"] = True
-        rows = bench.ROWS["P1"](rec, lim)
-        self.assertEqual(len(rows), 5)
-        self.assertIn("handoff 25 us; planned anew at the jobs' rate) | 95.0 ms/token", rows[3])
-        self.assertIn("the same with --fixed-split (the calibration's rates kept) (r 4096..6144,", rows[4])
-        self.assertNotIn("planned anew", rows[4])
-        self.assertIn("| 99.0 ms/token |", rows[4])
-        del rec["spread"], rec["fixed"]
+        self.assertIn("handoff 25 us; planned anew at the jobs' rate) | 95.0 ms/token | 100.0 ms/token (40.0 + 60.0 GB/s) | 0.950 |", rows[3])
+        self.assertNotIn("planned anew", rows[2])
+        del rec["spread"]
         rec["split"]["failed"] = True
         self.assertEqual(bench.ROWS["P1"](rec, lim), ["| P1 | failed (see logs) | - | - | - |"])
 

@@ -85,16 +85,16 @@ if [[ $BACKEND != cpu ]]; then
 	"$PIPELINE" stop
 	log "--cpu-result copy: tokens equal the whole FFN's"
 
-	# auto with each layer's own share (--cpu-share-balance layer): the same tokens.
+	# auto with one share for the token (--cpu-share-balance token; layer is the default): the same tokens.
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share auto --cpu-threads 2 \
-		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-share-balance=layer >/dev/null
-	expect_eq "$("$PIPECTL" get gpu-runner cpu-share-balance | awk '{print $3}')" layer \
+		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-share-balance=token >/dev/null
+	expect_eq "$("$PIPECTL" get gpu-runner cpu-share-balance | awk '{print $3}')" token \
 		"pipectl get gpu-runner cpu-share-balance"
 	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
-	expect_eq "$got" "$want" "greedy tokens at --cpu-share auto --cpu-share-balance layer vs the whole FFN"
-	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with a share per layer"
+	expect_eq "$got" "$want" "greedy tokens at --cpu-share auto --cpu-share-balance token vs the whole FFN"
+	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with one share a token"
 	"$PIPELINE" stop
-	log "--cpu-share-balance layer: tokens equal the whole FFN's"
+	log "--cpu-share-balance token: tokens equal the whole FFN's"
 
 	# The kept layer groups spread among the layers (--window-spread). At 760KiB the plan keeps the
 	# four attention groups and one FFN group (128.25 + 4 x 48.25 + 144.25 KiB) beside two FFN slots
