@@ -159,6 +159,10 @@ void runner_replan_split(struct runner *r)
 	struct gpu_window_stats ws;
 	gpu_window_stats(r->win, &ws);
 	const struct split_jobs now = jobs_now(r);
+	if (now.jobs < r->split_base.jobs || now.bytes < r->split_base.bytes || now.ns < r->split_base.ns) {
+		r->split_base = now; /* counters that went back: counted afresh */
+		return;
+	}
 	struct split_jobs seen = {now.jobs - r->split_base.jobs, now.bytes - r->split_base.bytes,
 				  now.ns - r->split_base.ns};
 	const double k = split_jobs_factor(&seen, ws.split_groups, ws.cpu_bytes_per_token, ws.cpu_jobs_ms * 1e-3);
