@@ -175,7 +175,7 @@ void runner_replan_split(struct runner *r)
 	struct cpu_share_policy pol = r->cpu_share;
 	for (uint32_t f = 0; f < DT_COUNT; f++)
 		pol.cpu_bytes_per_s[f] = gpu_window_cpu_rate(r->win, (enum dtype)f) * k;
-	pol.rates_from_jobs = true;
+	pol.rates_known = true;
 	pol.h2d_beside_bytes_per_s = ws.h2d_beside_cpu_bytes_per_s;
 	log_info("cpu share: %llu jobs read %.2f GB in %.1f ms, %.1f GB/s: %.2fx the rate the split was planned with; "
 		 "making the weight window anew with it", (unsigned long long)seen.jobs, (double)seen.bytes / 1e9,

@@ -610,7 +610,7 @@ void gpu_window_destroy(struct gpu_window **wp)
 
 /* Each group's device layout (w->dev_off, dev_bytes) and copy size (copy_bytes) from the pieces its
  * copies take: every tensor at a DEV_ALIGN boundary. */
-static void layout(struct gpu_window *w)
+void gw_layout(struct gpu_window *w)
 {
 	for (uint32_t g = 0; g < w->base.n_groups; g++) {
 		const struct group_desc *gd = &w->base.groups[g];
@@ -695,7 +695,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	}
 	for (uint32_t g = 0; g < ng; g++)
 		w->split_r[g] = cfg->ffn_dim;
-	layout(w);
+	gw_layout(w);
 	for (uint32_t g = 0; g < ng; g++) {
 		w->plan_groups[g] = rs->groups[g];
 		w->plan_groups[g].slot_bytes = w->dev_bytes[g];
@@ -707,6 +707,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 			 err, errlen);
 	if (rc)
 		goto out_fail;
+	bool spread = false; /* the kept groups spread (window_plan_spread): again when the plan is made again */
 	if (p->spread) {
 		bool dram = true; /* every layer group of the stage held in DRAM by the loader */
 		for (uint32_t g = 0; g < ng && dram; g++)
@@ -714,6 +715,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 			     rs->groups[g].kind == GROUP_MOE) &&
 			    weight_stage_has(&rs->stage, &rs->groups[g]))
 				dram = ring_source_group_pinned(ring, g);
+		spread = dram;
 		if (dram)
 			w->st.spread = window_plan_spread(cfg, &rs->stage, resident);
 		else
@@ -765,7 +767,9 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	}
 	if ((rc = gw_split_plan(w, resident, p, err, errlen)) != 0)
 		goto out_fail;
-	layout(w);
+	gw_layout(w);
+	if ((rc = gw_split_refill(w, resident, p, depth, spread, err, errlen)) != 0)
+		goto out_fail;
 	if ((rc = gw_split_create(w, err, errlen)) != 0)
 		goto out_fail;
 
@@ -814,7 +818,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		log_warn("cpu share: the prefill copy of a split FFN's CPU rows (%s) does not fit --gpu-budget beside "
 			 "the slots: no FFN splits", format_size(w->st.side_bytes, b, sizeof(b)));
 		gw_split_cancel(w);
-		layout(w);
+		gw_layout(w);
 	}
 
 	/* Streaming classes: visit order and slots. */

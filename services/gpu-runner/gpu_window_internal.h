@@ -154,6 +154,16 @@ double gw_h2d_finish(struct gw_h2d *h);
  * err set. */
 int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_window_params *p, char *err,
 		  size_t errlen);
+/* Once the split is planned and laid out: the memory its smaller slots free (the residency plan
+ * counted streamed FFNs whole) kept by more resident groups. The residency is planned again under
+ * the budget raised by that much, the split again with the rates just measured, and the new plan
+ * kept where it fits --gpu-budget with its prefill buffer and predicts a faster token; else the
+ * first is restored. Dense models only (experts' residency follows their heat). resident is
+ * updated; spread: window_plan_spread applies. Returns 0 or -errno with err set. */
+int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_window_params *p, uint32_t depth,
+		    bool spread, char *err, size_t errlen);
+/* The device layout of every group as the split stands (dev_off, dev_bytes, copy_bytes). */
+void gw_layout(struct gpu_window *w);
 /* The device memory, stream and events of the prefill copy, sized for the split groups (after
  * gw_split_plan). Returns 0 or -errno with err set. */
 int gw_split_create(struct gpu_window *w, char *err, size_t errlen);

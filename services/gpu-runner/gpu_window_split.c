@@ -16,6 +16,7 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "services/gpu-runner/window_plan.h"
 
 #define SPLIT_TRY(call, what)                                                                              \
 	do {                                                                                               \
@@ -183,6 +184,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	const bool on = pol.mode != CPU_SHARE_OFF && p->cpu_pool;
 	struct split_layer *ly = calloc(L, sizeof(*ly));
 	struct split_sample *samples = calloc(3 * ((size_t)L + MOE_CALIBRATE_EXPERTS), sizeof(*samples));
+	free(w->split_r_layer); /* a plan made again (gw_split_refill) */
 	w->split_r_layer = calloc(L, sizeof(uint32_t));
 	int rc = 0;
 	if (!ly || !samples || !w->split_r_layer) {
@@ -264,7 +266,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	double h2d = w->st.h2d_bytes_per_s;
 	/* Rates of jobs that ran (the runner's re-plan): taken as they are where they cover every format
 	 * the samples hold. */
-	bool given = ns && pol.rates_from_jobs;
+	bool given = ns && pol.rates_known;
 	for (uint32_t i = 0; given && i < ns; i++)
 		given = pol.cpu_bytes_per_s[samples[i].format] > 0;
 	if (given) {
@@ -273,9 +275,9 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 			h2d = beside;
 		w->st.h2d_beside_cpu_bytes_per_s = beside;
 		w->st.rates_from_jobs = true;
-		log_info("cpu share: planned with the rates the jobs ran at (%s %.1f GB/s; H2D %.1f GB/s beside the CPU, "
-			 "as measured before)", dtype_name((enum dtype)samples[0].format),
-			 pol.cpu_bytes_per_s[samples[0].format] / 1e9, beside / 1e9);
+		log_info("cpu share: planned with rates measured before (%s %.1f GB/s; H2D %.1f GB/s beside the CPU)",
+			 dtype_name((enum dtype)samples[0].format), pol.cpu_bytes_per_s[samples[0].format] / 1e9,
+			 beside / 1e9);
 	} else if (ns) { /* auto chooses by them; a fixed share gets its prediction and its token limit */
 		struct beside bs = {.w = w, .resident = resident};
 		const struct split_load load = {.start = beside_start, .busy = beside_busy, .finish = beside_finish,
@@ -317,14 +319,9 @@ out:
 	return rc;
 }
 
-int gw_split_create(struct gpu_window *w, char *err, size_t errlen)
+/* The prefill buffer's layout (side_off, when not NULL) and size: the CPU rows of the largest split FFN. */
+static uint64_t side_layout(struct gpu_window *w, uint64_t *side_off)
 {
-	w->side_group = w->side_user = NO_GROUP;
-	if (!w->plan.split_layers)
-		return 0;
-	w->side_off = calloc(w->base.n_tensors, sizeof(uint64_t));
-	if (!w->side_off)
-		return errorf(err, errlen, -ENOMEM, "out of memory");
 	uint64_t most = 0;
 	for (uint32_t g = 0; g < w->base.n_groups; g++) {
 		if (!is_split(w, g))
@@ -333,11 +330,120 @@ int gw_split_create(struct gpu_window *w, char *err, size_t errlen)
 		uint64_t off = 0;
 		for (uint32_t i = 0; i < gd->n_tensors; i++) {
 			struct gw_piece pc = gw_piece(w, g, gd->first_tensor + i, true);
-			w->side_off[gd->first_tensor + i] = off;
+			if (side_off)
+				side_off[gd->first_tensor + i] = off;
 			off = ALIGN_UP(off + pc.width * pc.height, (uint64_t)DEV_ALIGN);
 		}
 		most = off > most ? off : most;
 	}
+	return most;
+}
+
+/* Device bytes of the plan in resident[] as laid out now (whole: the plan table's whole group
+ * sizes): the resident groups, depth slots of each streamed class's largest group, and with the
+ * split the prefill buffer. */
+static uint64_t planned_bytes(struct gpu_window *w, const bool *resident, uint32_t depth, bool whole)
+{
+	uint64_t total = 0;
+	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
+		uint64_t cls = 0, m = 0;
+		for (uint32_t g = 0; g < w->base.n_groups; g++) {
+			const uint64_t b = whole ? w->plan_groups[g].slot_bytes : w->dev_bytes[g];
+			if (w->base.groups[g].size_class != c || !weight_stage_has(&w->base.stage, &w->base.groups[g]))
+				continue;
+			if (resident[g] || g == w->embed_group)
+				continue; /* kept (counted below), or read on the host */
+			m++;
+			cls = b > cls ? b : cls;
+		}
+		total += (m < depth ? m : depth) * cls;
+	}
+	for (uint32_t g = 0; g < w->base.n_groups; g++)
+		if (resident[g] || (w->tied && g == w->embed_group))
+			total += whole ? w->plan_groups[g].slot_bytes : w->dev_bytes[g];
+	return total + (whole ? 0 : side_layout(w, NULL));
+}
+
+int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_window_params *p, uint32_t depth,
+		    bool spread, char *err, size_t errlen)
+{
+	const struct model_config *cfg = w->base.cfg;
+	const uint32_t ng = w->base.n_groups;
+	if (!w->plan.split_layers || cfg->n_experts || w->plan.cpu_s <= 0)
+		return 0;
+	const uint64_t used = planned_bytes(w, resident, depth, false);
+	const uint64_t assumed = planned_bytes(w, resident, depth, true);
+	if (used >= p->gpu_budget || assumed <= used)
+		return 0;
+	bool *first = malloc(ng * sizeof(bool));
+	if (!first)
+		return errorf(err, errlen, -ENOMEM, "out of memory");
+	memcpy(first, resident, ng * sizeof(bool));
+	const struct split_plan plan0 = w->plan;
+	const double t0 = plan0.pcie_s > plan0.cpu_s ? plan0.pcie_s : plan0.cpu_s;
+	const bool from_jobs = w->st.rates_from_jobs;
+	struct gpu_window_params q = *p;
+	memcpy(q.cpu_share.cpu_bytes_per_s, w->cpu_rate, sizeof(w->cpu_rate));
+	q.cpu_share.rates_known = true;
+	q.cpu_share.h2d_beside_bytes_per_s = w->st.h2d_beside_cpu_bytes_per_s;
+	uint32_t kept0 = 0, kept = 0;
+	for (uint32_t g = 0; g < ng; g++)
+		kept0 += first[g];
+	/* The plan again, its budget raised by what the split's smaller slots free; a raise that
+	 * overshoots once it splits again is taken back by the overshoot (twice at most). */
+	uint64_t raise = assumed - used;
+	bool better = false;
+	int rc = 0;
+	for (int tries = 0; tries < 3 && raise && !better && rc == 0; tries++) {
+		struct window_plan wp;
+		for (uint32_t g = 0; g < ng; g++)
+			w->split_r[g] = cfg->ffn_dim;
+		gw_layout(w);
+		rc = window_plan(cfg, w->plan_groups, ng, &w->base.stage, p->gpu_budget + raise, depth, NULL, resident, &wp,
+				 err, errlen);
+		if (rc)
+			break;
+		if (spread)
+			window_plan_spread(cfg, &w->base.stage, resident);
+		rc = gw_split_plan(w, resident, &q, err, errlen);
+		if (rc)
+			break;
+		gw_layout(w);
+		const uint64_t now = planned_bytes(w, resident, depth, false);
+		const double t = w->plan.pcie_s > w->plan.cpu_s ? w->plan.pcie_s : w->plan.cpu_s;
+		kept = 0;
+		for (uint32_t g = 0; g < ng; g++)
+			kept += resident[g];
+		better = now <= p->gpu_budget && kept > kept0 && t < t0;
+		if (!better)
+			raise = now > p->gpu_budget && now - p->gpu_budget < raise ? raise - (now - p->gpu_budget) : 0;
+	}
+	if (rc == 0 && better) {
+		char b[32];
+		log_info("GPU weights: the split's smaller slots leave room for %u more resident groups (%s freed): "
+			 "predicted %.1f ms/token, from %.1f", kept - kept0, format_size(assumed - used, b, sizeof(b)),
+			 (w->plan.pcie_s > w->plan.cpu_s ? w->plan.pcie_s : w->plan.cpu_s) * 1e3, t0 * 1e3);
+	} else if (rc == 0) { /* the first plan again, as it was */
+		memcpy(resident, first, ng * sizeof(bool));
+		for (uint32_t g = 0; g < ng; g++)
+			w->split_r[g] = cfg->ffn_dim;
+		rc = gw_split_plan(w, resident, &q, err, errlen);
+		gw_layout(w);
+	}
+	w->st.rates_from_jobs = from_jobs;
+	free(first);
+	return rc;
+}
+
+int gw_split_create(struct gpu_window *w, char *err, size_t errlen)
+{
+	w->side_group = w->side_user = NO_GROUP;
+	if (!w->plan.split_layers)
+		return 0;
+	w->side_off = calloc(w->base.n_tensors, sizeof(uint64_t));
+	if (!w->side_off)
+		return errorf(err, errlen, -ENOMEM, "out of memory");
+	const uint64_t most = side_layout(w, w->side_off);
 	int lo, hi;
 	cudaError_t e = cudaDeviceGetStreamPriorityRange(&lo, &hi);
 	if (e == cudaSuccess)

@@ -63,10 +63,11 @@ struct cpu_share_policy {
 					   * (split_calibrate; 0: not measured) */
 	double handoff_s;		  /* per handoff; 0: SPLIT_HANDOFF_S */
 	bool per_layer;			  /* auto: each layer's own share (--cpu-share-balance layer) */
-	/* Rates from the jobs that ran (split_jobs_factor): the GPU window plans with cpu_bytes_per_s
-	 * and this H2D rate beside the CPU as they are, measuring neither again. */
-	bool rates_from_jobs;
-	double h2d_beside_bytes_per_s;	  /* rates_from_jobs: the copies' rate beside the CPU (0: alone) */
+	/* Rates measured already (the jobs' rate, split_jobs_factor; or the window's own calibration
+	 * when it plans its residency again): the GPU window plans with cpu_bytes_per_s and this H2D
+	 * rate beside the CPU as they are, measuring neither again. */
+	bool rates_known;
+	double h2d_beside_bytes_per_s;	  /* rates_known: the copies' rate beside the CPU (0: alone) */
 };
 
 /* Parses --cpu-share: "auto", "0" (off) or a fraction in (0, 1] ("0.5", "1"). Sets p (rates 0).
