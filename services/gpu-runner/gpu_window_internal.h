@@ -98,6 +98,7 @@ struct gpu_window {
 	uint32_t *split_r_layer;   /* n_layers: the plan's r per layer */
 	struct split_plan plan;	   /* plan.r is split_r_layer */
 	double cpu_rate[DT_COUNT]; /* the CPU's measured product rates (auto) */
+	uint32_t calibrations;	   /* times gw_split_plan measured the CPU (split_calibrate) */
 	void *side_mem;		   /* the CPU rows of one split FFN, for a prefill step */
 	uint64_t *side_off;	   /* n_tensors: offset of a split FFN tensor's rest in side_mem */
 	cudaStream_t side_stream;  /* their copies */

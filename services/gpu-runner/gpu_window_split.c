@@ -283,6 +283,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 		const struct split_load load = {.start = beside_start, .busy = beside_busy, .finish = beside_finish,
 						.arg = &bs};
 		uint64_t t0 = now_ns();
+		w->calibrations++;
 		rc = split_calibrate(p->cpu_pool, samples, ns, SPLIT_CALIBRATE_BYTES, &load, pol.cpu_bytes_per_s, err,
 				     errlen);
 		const double cal_ms = (double)(now_ns() - t0) / 1e6;
@@ -364,6 +365,15 @@ static uint64_t planned_bytes(struct gpu_window *w, const bool *resident, uint32
 	return total + (whole ? 0 : side_layout(w, NULL));
 }
 
+/* Device bytes of the groups resident[] keeps. */
+static uint64_t kept_bytes(const struct gpu_window *w, const bool *resident)
+{
+	uint64_t b = 0;
+	for (uint32_t g = 0; g < w->base.n_groups; g++)
+		b += resident[g] ? w->plan_groups[g].slot_bytes : 0;
+	return b;
+}
+
 int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_window_params *p, uint32_t depth,
 		    bool spread, char *err, size_t errlen)
 {
@@ -377,54 +387,54 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 		return 0;
 	bool *first = malloc(ng * sizeof(bool));
 	if (!first)
-		return errorf(err, errlen, -ENOMEM, "out of memory");
+		return 0; /* the first plan stands */
 	memcpy(first, resident, ng * sizeof(bool));
-	const struct split_plan plan0 = w->plan;
-	const double t0 = plan0.pcie_s > plan0.cpu_s ? plan0.pcie_s : plan0.cpu_s;
-	const bool from_jobs = w->st.rates_from_jobs;
+	const double t0 = w->plan.pcie_s > w->plan.cpu_s ? w->plan.pcie_s : w->plan.cpu_s;
+	const bool from_jobs = w->st.rates_from_jobs, spread0 = w->st.spread;
+	const uint64_t kept0 = kept_bytes(w, first);
 	struct gpu_window_params q = *p;
 	memcpy(q.cpu_share.cpu_bytes_per_s, w->cpu_rate, sizeof(w->cpu_rate));
 	q.cpu_share.rates_known = true;
 	q.cpu_share.h2d_beside_bytes_per_s = w->st.h2d_beside_cpu_bytes_per_s;
-	uint32_t kept0 = 0, kept = 0;
-	for (uint32_t g = 0; g < ng; g++)
-		kept0 += first[g];
 	/* The plan again, its budget raised by what the split's smaller slots free; a raise that
-	 * overshoots once it splits again is taken back by the overshoot (twice at most). */
+	 * overshoots once it splits again is taken back by the overshoot (twice at most). A try that
+	 * fails, or would measure a format the first plan did not (its rates unknown), is not taken. */
 	uint64_t raise = assumed - used;
 	bool better = false;
-	int rc = 0;
-	for (int tries = 0; tries < 3 && raise && !better && rc == 0; tries++) {
+	char why[256] = "";
+	for (int tries = 0; tries < 3 && raise && !better; tries++) {
 		struct window_plan wp;
 		for (uint32_t g = 0; g < ng; g++)
 			w->split_r[g] = cfg->ffn_dim;
 		gw_layout(w);
-		rc = window_plan(cfg, w->plan_groups, ng, &w->base.stage, p->gpu_budget + raise, depth, NULL, resident, &wp,
-				 err, errlen);
-		if (rc)
+		if (window_plan(cfg, w->plan_groups, ng, &w->base.stage, p->gpu_budget + raise, depth, NULL, resident, &wp,
+				why, sizeof(why)))
 			break;
 		if (spread)
-			window_plan_spread(cfg, &w->base.stage, resident);
-		rc = gw_split_plan(w, resident, &q, err, errlen);
-		if (rc)
+			w->st.spread = window_plan_spread(cfg, &w->base.stage, resident);
+		const uint32_t cal = w->calibrations;
+		if (gw_split_plan(w, resident, &q, why, sizeof(why)) || w->calibrations != cal)
 			break;
 		gw_layout(w);
 		const uint64_t now = planned_bytes(w, resident, depth, false);
 		const double t = w->plan.pcie_s > w->plan.cpu_s ? w->plan.pcie_s : w->plan.cpu_s;
-		kept = 0;
-		for (uint32_t g = 0; g < ng; g++)
-			kept += resident[g];
-		better = now <= p->gpu_budget && kept > kept0 && t < t0;
+		better = now <= p->gpu_budget && kept_bytes(w, resident) > kept0 && t < t0;
 		if (!better)
 			raise = now > p->gpu_budget && now - p->gpu_budget < raise ? raise - (now - p->gpu_budget) : 0;
 	}
-	if (rc == 0 && better) {
-		char b[32];
-		log_info("GPU weights: the split's smaller slots leave room for %u more resident groups (%s freed): "
-			 "predicted %.1f ms/token, from %.1f", kept - kept0, format_size(assumed - used, b, sizeof(b)),
+	int rc = 0;
+	if (better) {
+		char a[32], b[32];
+		const uint64_t kept = kept_bytes(w, resident);
+		log_info("GPU weights: the split's smaller slots free %s: %s more kept on the GPU; predicted %.1f "
+			 "ms/token, from %.1f", format_size(assumed - used, a, sizeof(a)),
+			 format_size(kept - kept0, b, sizeof(b)),
 			 (w->plan.pcie_s > w->plan.cpu_s ? w->plan.pcie_s : w->plan.cpu_s) * 1e3, t0 * 1e3);
-	} else if (rc == 0) { /* the first plan again, as it was */
+	} else { /* the first plan again, as it was (the same rates, the same residency) */
+		if (why[0])
+			log_info("GPU weights: the plan with the memory the split frees was not taken (%s)", why);
 		memcpy(resident, first, ng * sizeof(bool));
+		w->st.spread = spread0;
 		for (uint32_t g = 0; g < ng; g++)
 			w->split_r[g] = cfg->ffn_dim;
 		rc = gw_split_plan(w, resident, &q, err, errlen);

@@ -458,6 +458,51 @@ START_TEST(test_split_ffn)
 }
 END_TEST
 
+/* The split's freed memory kept by more groups (gw_split_refill) never takes the window past its
+ * budget: resident groups, slots and the prefill buffer within --gpu-budget over a sweep of budgets,
+ * with the kept groups first or spread among the layers. */
+START_TEST(test_split_refill_budget)
+{
+	struct fixture f;
+	start(&f, "1GiB");
+	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
+	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
+	char err[512];
+	struct task_pool *pool = NULL;
+	struct task_pool_config pc;
+	task_pool_config_default(&pc);
+	pc.threads = 2;
+	pc.pin = false;
+	ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
+	uint32_t refilled = 0;
+	for (uint64_t budget = head + 2 * (a + ff); budget < head + 2 * (a + ff) + 4 * ff; budget += ff / 3) {
+		for (int spread = 0; spread < 2; spread++) {
+			struct gpu_window_params p = {.gpu_budget = budget, .depth = 2, .strict = true, .cpu_pool = pool,
+						      .spread = spread, .h2d_bytes_per_s = 4e7};
+			ck_assert_int_eq(cpu_share_parse("0.5", &p.cpu_share, err, sizeof(err)), 0);
+			struct gpu_window *w = NULL, *whole = NULL;
+			ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+			struct gpu_window_stats st, st0;
+			gpu_window_stats(w, &st);
+			ck_assert_msg(st.resident_bytes + st.window_bytes + st.side_bytes <= budget,
+				      "budget %llu: %llu resident + %llu slots + %llu prefill buffer",
+				      (unsigned long long)budget, (unsigned long long)st.resident_bytes,
+				      (unsigned long long)st.window_bytes, (unsigned long long)st.side_bytes);
+			p.cpu_share.mode = CPU_SHARE_OFF;
+			ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &whole, err, sizeof(err)) == 0, "%s", err);
+			gpu_window_stats(whole, &st0);
+			ck_assert_uint_ge(st.resident_bytes, st0.resident_bytes); /* never fewer kept */
+			refilled += st.resident_bytes > st0.resident_bytes;
+			gpu_window_destroy(&whole);
+			gpu_window_destroy(&w);
+		}
+	}
+	ck_assert_uint_gt(refilled, 0);
+	task_pool_destroy(&pool);
+	stop(&f);
+}
+END_TEST
+
 START_TEST(test_split_ffn_dram_streams)
 {
 	/* The loader pins every FFN group and streams the attention groups through 3 slots (a budget of
@@ -790,6 +835,7 @@ int main(void)
 	tcase_add_test(tc, test_budget_too_small);
 	tcase_add_test(tc, test_split_ffn);
 	tcase_add_test(tc, test_split_ffn_dram_streams);
+	tcase_add_test(tc, test_split_refill_budget);
 	tcase_add_test(tc, test_experts_of_one_layer_stream);
 	tcase_add_test(tc, test_experts_streamed_from_disk);
 	tcase_add_test(tc, test_experts_streamed_through_two_slots);
