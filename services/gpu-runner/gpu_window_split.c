@@ -426,6 +426,7 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 	if (better) {
 		char a[32], b[32];
 		const uint64_t kept = kept_bytes(w, resident);
+		w->st.refill_bytes = kept - kept0;
 		log_info("GPU weights: the split's smaller slots free %s: %s more kept on the GPU; predicted %.1f "
 			 "ms/token, from %.1f", format_size(assumed - used, a, sizeof(a)),
 			 format_size(kept - kept0, b, sizeof(b)),

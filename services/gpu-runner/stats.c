@@ -139,6 +139,8 @@ static json_t *cpu_share_stats(struct runner *r)
 	if (!o)
 		return NULL;
 	json_object_set_new(o, "policy", json_string(cpu_share_text(&r->cpu_share, policy, sizeof(policy))));
+	json_object_set_new(o, "balance", json_string(r->cpu_share.per_layer ? "layer" : "token"));
+	json_object_set_new(o, "replans", json_integer((json_int_t)r->split_replans));
 	uint32_t split = 0, r_min = r->cfg.ffn_dim, r_max = r->cfg.ffn_dim, max_tokens = 0;
 	uint64_t planned = 0;
 	double planned_ms = 0;
@@ -342,6 +344,7 @@ char *runner_stats(void *ctx)
 			json_object_set_new(g, "expert_replans", json_integer((json_int_t)r->expert_replans));
 			json_object_set_new(g, "split_replans", json_integer((json_int_t)r->split_replans));
 			json_object_set_new(g, "rates_from_jobs", json_boolean(ws2.rates_from_jobs));
+			json_object_set_new(g, "refill_bytes", json_integer((json_int_t)ws2.refill_bytes));
 			json_object_set_new(g, "cpu_bytes_per_token", json_integer((json_int_t)ws2.cpu_bytes_per_token));
 			json_object_set_new(g, "prefill_copy_bytes", json_integer((json_int_t)ws2.side_bytes));
 			json_object_set_new(g, "prefill_copies", json_integer((json_int_t)ws2.side_copies));

@@ -67,8 +67,9 @@ for share in 0.5 1; do
 	expect_grep '"jobs_failed": 0' "$stats" "failed CPU shares in the runner's stats"
 	expect_grep "^CPU share +$(printf '%.2f' "$share"), [1-9][0-9]* FFNs split" "$("$PIPELINE" status 2>&1)" \
 		"pipeline status"
-	expect_grep "cpu +share $(printf '%.2f' "$share"): [1-9][0-9]* FFNs split" "$("$PIPELINE" inspect --once)" \
-		"pipeline inspect"
+	expect_grep '"balance": "layer"' "$stats" "each layer's own share, the default, in the runner's stats"
+	expect_grep "cpu +share $(printf '%.2f' "$share") \\(balance layer, planned anew 0 times\\): [1-9][0-9]* FFNs split" \
+		"$("$PIPELINE" inspect --once)" "pipeline inspect"
 	"$PIPELINE" stop
 	log "--cpu-share $share: tokens equal the whole FFN's"
 done

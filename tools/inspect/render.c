@@ -290,10 +290,11 @@ static void render_runner(struct out *o, json_t *svc)
 		char rs[48];
 		snprintf(rs, sizeof(rs), jnum(cs, "r_min", 0) == jnum(cs, "r_max", 0) ? "%.0f" : "%.0f..%.0f",
 			 jnum(cs, "r_min", 0), jnum(cs, "r_max", 0));
-		line(o, "  cpu    share %s: %s FFNs split at r %s of %s (steps of <= %s tokens), %s threads via %s; queue "
-		     "%s (most %s), %s tasks; %s jobs, %s a token; job %.0f us, FFN on the stream %.0f us (waited %.0f), "
-		     "handoff %.0f us",
-		     jstr(cs, "policy", "-"), count(cs, "split_ffns"), rs, count(cs, "ffn_dim"), count(cs, "max_tokens"),
+		line(o, "  cpu    share %s (balance %s, planned anew %s times): %s FFNs split at r %s of %s (steps of <= %s "
+		     "tokens), %s threads via %s; queue %s (most %s), %s tasks; %s jobs, %s a token; job %.0f us, FFN on "
+		     "the stream %.0f us (waited %.0f), handoff %.0f us",
+		     jstr(cs, "policy", "-"), jstr(cs, "balance", "-"), count(cs, "replans"), count(cs, "split_ffns"), rs,
+		     count(cs, "ffn_dim"), count(cs, "max_tokens"),
 		     count(cs, "threads"), jstr(cs, "handoff", "-"), count(cs, "queue_depth"), count(cs, "queue_high_water"),
 		     count(cs, "tasks_done"), count(cs, "jobs"), size(cs, "bytes_per_token"), jnum(cs, "cpu_job_us", 0),
 		     jnum(cs, "stream_ffn_us", 0), jnum(cs, "stream_wait_us", 0), jnum(cs, "handoff_us", 0));
