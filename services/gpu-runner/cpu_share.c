@@ -12,7 +12,6 @@
 #include "common/log.h"
 #include "common/util.h"
 #include "services/gpu-runner/cpu-compute/task_pool.h"
-#include "services/gpu-runner/engine.h"
 #include "services/gpu-runner/runner.h"
 #include "services/gpu-runner/weights_ring.h"
 #ifdef PIPELINE_HAVE_CUDA
@@ -181,19 +180,8 @@ void runner_replan_split(struct runner *r)
 		 "making the weight window anew with it", (unsigned long long)seen.jobs, (double)seen.bytes / 1e9,
 		 (double)seen.ns / 1e6, (double)seen.bytes / ((double)seen.ns * 1e-9) / 1e9, k);
 	r->cpu_share = pol;
-	char err[1024];
-	engine_destroy(&r->engine);
-	runner_drop_window(r);
-	int rc = runner_make_window(r, err, sizeof(err));
-	if (rc == 0)
-		rc = runner_make_engine(r, err, sizeof(err));
-	if (rc) {
-		log_warn("cpu share: making the weight window anew failed (%s): the next request starts over from the "
-			 "ssd-loader", err);
-		r->loader_suspect = true;
-		return;
-	}
-	r->split_replans++;
+	if (runner_window_anew(r, "cpu share"))
+		r->split_replans++;
 #else
 	(void)r;
 #endif

@@ -107,20 +107,9 @@ void runner_replan_experts(struct runner *r)
 	log_info("hot experts: after %u decode steps the experts kept on the GPU take %.1f%% of the routing; a new "
 		 "plan keeps %.1f%%: making the weight window anew",
 		 n, 100.0 * now, 100.0 * planned);
-	char err[1024];
 	runner_fold_routing(r);
-	engine_destroy(&r->engine);
-	runner_drop_window(r);
-	rc = runner_make_window(r, err, sizeof(err));
-	if (rc == 0)
-		rc = runner_make_engine(r, err, sizeof(err));
-	if (rc) {
-		log_warn("hot experts: making the weight window anew failed (%s): the next request starts over from the "
-			 "ssd-loader", err);
-		r->loader_suspect = true;
-		return;
-	}
-	r->expert_replans++;
+	if (runner_window_anew(r, "hot experts"))
+		r->expert_replans++;
 #else
 	(void)r;
 #endif

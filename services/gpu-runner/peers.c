@@ -124,6 +124,23 @@ void runner_drop_window(struct runner *r)
 #endif
 }
 
+bool runner_window_anew(struct runner *r, const char *what)
+{
+	char err[1024];
+	engine_destroy(&r->engine);
+	runner_drop_window(r);
+	int rc = runner_make_window(r, err, sizeof(err));
+	if (rc == 0)
+		rc = runner_make_engine(r, err, sizeof(err));
+	if (rc) {
+		log_warn("%s: making the weight window anew failed (%s): the next request starts over from the ssd-loader",
+			 what, err);
+		r->loader_suspect = true;
+		return false;
+	}
+	return true;
+}
+
 /* Long work (a forward step, per layer; a wait on a peer, every 100 ms) keeps the heartbeat
  * going: the supervisor then tells a runner at work from a stopped one. */
 static void beat(void *ctx)

@@ -166,6 +166,10 @@ struct weight_source *runner_weights(struct runner *r);
 /* With a device backend, the GPU window over the ring (nothing to do on the C backend). */
 int runner_make_window(struct runner *r, char *err, size_t errlen);
 void runner_drop_window(struct runner *r);
+/* Between requests: the engine and the GPU window made anew (a new plan: hot experts, the CPU
+ * share's rates). On failure logs "WHAT: making the weight window anew failed (...)", sets
+ * loader_suspect (the next request starts over from the loader) and returns false. */
+bool runner_window_anew(struct runner *r, const char *what);
 /* A wait on a peer's hook: keeps the heartbeat going; true when the runner is told to stop. */
 bool runner_wait_beat(void *ctx);
 int runner_connect_loader_retry(struct runner *r, int deadline_ms, char *err, size_t errlen);

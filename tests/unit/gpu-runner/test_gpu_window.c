@@ -364,6 +364,19 @@ START_TEST(test_streaming_depth_1_dram_streams)
 }
 END_TEST
 
+/* The CPU share's pool of the split cases: two unpinned workers. */
+static struct task_pool *two_workers(void)
+{
+	char err[512];
+	struct task_pool *pool = NULL;
+	struct task_pool_config pc;
+	task_pool_config_default(&pc);
+	pc.threads = 2;
+	pc.pin = false;
+	ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
+	return pool;
+}
+
 /* A budget that keeps one FFN group on the device and streams the rest, with --cpu-share 0.5: the
  * streamed FFNs that stay in DRAM split. dram: the loader's budget. */
 static void split_case(const char *dram, bool dram_streams)
@@ -374,12 +387,7 @@ static void split_case(const char *dram, bool dram_streams)
 	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
 	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
 	char err[512];
-	struct task_pool *pool = NULL;
-	struct task_pool_config pc;
-	task_pool_config_default(&pc);
-	pc.threads = 2;
-	pc.pin = false;
-	ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
+	struct task_pool *pool = two_workers();
 	struct gpu_window_params p = {.gpu_budget = head + 2 * (a + ff) + ff, .depth = 2, .strict = true,
 				      .cpu_pool = pool};
 	ck_assert_int_eq(cpu_share_parse("0.5", &p.cpu_share, err, sizeof(err)), 0);
@@ -468,12 +476,7 @@ START_TEST(test_split_refill_budget)
 	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
 	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
 	char err[512];
-	struct task_pool *pool = NULL;
-	struct task_pool_config pc;
-	task_pool_config_default(&pc);
-	pc.threads = 2;
-	pc.pin = false;
-	ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
+	struct task_pool *pool = two_workers();
 	uint32_t refilled = 0;
 	for (uint64_t budget = head + 2 * (a + ff); budget < head + 2 * (a + ff) + 4 * ff; budget += ff / 3) {
 		for (int spread = 0; spread < 2; spread++) {
@@ -693,11 +696,7 @@ static void experts_from_disk(uint32_t experts, bool cpu)
 	char err[512];
 	struct task_pool *pool = NULL;
 	if (cpu) {
-		struct task_pool_config pc;
-		task_pool_config_default(&pc);
-		pc.threads = 2;
-		pc.pin = false;
-		ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
+		pool = two_workers();
 		p.cpu_pool = pool;
 		ck_assert_int_eq(cpu_share_parse("0.5", &p.cpu_share, err, sizeof(err)), 0);
 	}
