@@ -78,6 +78,9 @@ struct gpu_window_params {
 	 * where the loader holds every layer group in DRAM (else the streamed layers would come from
 	 * disk, which reads the first layers while the GPU keeps them). */
 	bool spread;
+	/* The residency planned with whole group sizes is kept: the memory the split's smaller slots
+	 * free stays unused (gw_split_refill not run; --fixed-residency, for comparison). */
+	bool fixed_residency;
 };
 
 enum gwin_state {

@@ -379,7 +379,7 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 {
 	const struct model_config *cfg = w->base.cfg;
 	const uint32_t ng = w->base.n_groups;
-	if (!w->plan.split_layers || cfg->n_experts || w->plan.cpu_s <= 0)
+	if (!w->plan.split_layers || cfg->n_experts || w->plan.cpu_s <= 0 || p->fixed_residency)
 		return 0;
 	const uint64_t used = planned_bytes(w, resident, depth, false);
 	const uint64_t assumed = planned_bytes(w, resident, depth, true);

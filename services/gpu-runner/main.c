@@ -235,6 +235,9 @@ int main(int argc, char **argv)
 		{"fixed-split", OPT_BOOL, &r.fixed_split, NULL,
 		 "keep the CPU share auto chose at start: no new plan from the rate its jobs ran at"},
 		{"profile-copies", OPT_BOOL, &r.profile_copies, NULL, "time every weight copy (stats: gpu_window.copy_ms)"},
+		{"fixed-residency", OPT_BOOL, &r.fixed_residency, NULL,
+		 "keep the GPU's resident groups as planned with whole sizes: the memory the CPU share's smaller "
+		 "slots free stays unused (by default more groups are kept with it)"},
 		{"window-spread", OPT_BOOL, &r.window_spread, NULL,
 		 "spread the layer groups the GPU keeps among the layers, not the first ones, so the streamed "
 		 "layers' copies run beside the kept layers' compute (only where DRAM holds every layer)"},

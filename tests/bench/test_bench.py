@@ -287,7 +287,16 @@ class Table(unittest.TestCase):
         self.assertIn("the same with --window-spread (r 4096..6144,", rows[3])
         self.assertIn("handoff 25 us; planned anew at the jobs' rate) | 95.0 ms/token | 100.0 ms/token (40.0 + 60.0 GB/s) | 0.950 |", rows[3])
         self.assertNotIn("planned anew", rows[2])
-        del rec["spread"]
+        # ... and with the memory the split frees unused (--fixed-residency); the default's row says
+        # what it kept with it.
+        rec["fixed"] = dict(rec["token"], gen={"decode_ms": 99.0})
+        rec["split"]["refill_bytes"] = 272 * 2**20
+        rows = bench.ROWS["P1"](rec, lim)
+        self.assertEqual(len(rows), 5)
+        self.assertIn("memops; 272 MiB more kept on the GPU with the memory the split frees) |", rows[0])
+        self.assertIn("the same with --fixed-residency (the memory the split frees unused) (r 4096..6144,", rows[4])
+        self.assertIn("| 99.0 ms/token | 100.0 ms/token (40.0 + 60.0 GB/s) | 0.990 |", rows[4])
+        del rec["spread"], rec["fixed"], rec["split"]["refill_bytes"]
         rec["split"]["failed"] = True
         self.assertEqual(bench.ROWS["P1"](rec, lim), ["| P1 | failed (see logs) | - | - | - |"])
 

@@ -495,8 +495,19 @@ START_TEST(test_split_refill_budget)
 			ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &whole, err, sizeof(err)) == 0, "%s", err);
 			gpu_window_stats(whole, &st0);
 			ck_assert_uint_ge(st.resident_bytes, st0.resident_bytes); /* never fewer kept */
+			ck_assert_uint_eq(st.refill_bytes, st.resident_bytes - st0.resident_bytes);
 			refilled += st.resident_bytes > st0.resident_bytes;
 			gpu_window_destroy(&whole);
+			gpu_window_destroy(&w);
+			if (spread)
+				continue;
+			/* --fixed-residency: the split keeps what the plan with whole sizes kept. */
+			p.cpu_share.mode = CPU_SHARE_FIXED;
+			p.fixed_residency = true;
+			ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+			gpu_window_stats(w, &st);
+			ck_assert_uint_eq(st.resident_bytes, st0.resident_bytes); /* (the split may not fit then) */
+			ck_assert_uint_eq(st.refill_bytes, 0);
 			gpu_window_destroy(&w);
 		}
 	}
