@@ -626,19 +626,18 @@ void gw_layout(struct gpu_window *w)
 	}
 }
 
-/* Device bytes the streaming slots take: per size class, depth slots (fewer if fewer groups stream)
- * of its largest streamed group. */
-static uint64_t window_bytes(const struct gpu_window *w, uint32_t depth)
+uint64_t gw_slot_bytes(const struct gpu_window *w, const bool *resident, uint32_t depth, bool whole)
 {
 	uint64_t total = 0;
 	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
 		uint64_t cls = 0, m = 0;
 		for (uint32_t g = 0; g < w->base.n_groups; g++) {
-			if (w->g[g].resident || w->base.groups[g].size_class != c ||
-			    !weight_stage_has(&w->base.stage, &w->base.groups[g]))
+			const bool kept = resident ? resident[g] || g == w->embed_group : w->g[g].resident;
+			if (kept || w->base.groups[g].size_class != c || !weight_stage_has(&w->base.stage, &w->base.groups[g]))
 				continue;
+			const uint64_t b = whole ? w->plan_groups[g].slot_bytes : w->dev_bytes[g];
 			m++;
-			cls = w->dev_bytes[g] > cls ? w->dev_bytes[g] : cls;
+			cls = b > cls ? b : cls;
 		}
 		total += (m < depth ? m : depth) * cls;
 	}
@@ -813,7 +812,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	/* The split's prefill buffer comes on top of the slots. Where the slots do not shrink enough to
 	 * make room for it (streamed FFNs that do not split keep their class's slots whole), nothing
 	 * splits: the budget is what the user gave. */
-	if (w->st.side_bytes && res_bytes + window_bytes(w, depth) + w->st.side_bytes > p->gpu_budget) {
+	if (w->st.side_bytes && res_bytes + gw_slot_bytes(w, NULL, depth, false) + w->st.side_bytes > p->gpu_budget) {
 		char b[32];
 		log_warn("cpu share: the prefill copy of a split FFN's CPU rows (%s) does not fit --gpu-budget beside "
 			 "the slots: no FFN splits", format_size(w->st.side_bytes, b, sizeof(b)));

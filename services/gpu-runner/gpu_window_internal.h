@@ -165,6 +165,10 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 		    bool spread, char *err, size_t errlen);
 /* The device layout of every group as the split stands (dev_off, dev_bytes, copy_bytes). */
 void gw_layout(struct gpu_window *w);
+/* Device bytes the streaming slots take: per size class, depth slots (fewer if fewer groups stream)
+ * of its largest streamed group, as laid out now (whole: the plan table's whole group sizes).
+ * resident: the groups a plan keeps (the embedding is read on the host); NULL: the window's own. */
+uint64_t gw_slot_bytes(const struct gpu_window *w, const bool *resident, uint32_t depth, bool whole);
 /* The device memory, stream and events of the prefill copy, sized for the split groups (after
  * gw_split_plan). Returns 0 or -errno with err set. */
 int gw_split_create(struct gpu_window *w, char *err, size_t errlen);

@@ -345,24 +345,17 @@ static uint64_t side_layout(struct gpu_window *w, uint64_t *side_off)
  * split the prefill buffer. */
 static uint64_t planned_bytes(struct gpu_window *w, const bool *resident, uint32_t depth, bool whole)
 {
-	uint64_t total = 0;
-	for (uint32_t c = 0; c < CLASS_COUNT; c++) {
-		uint64_t cls = 0, m = 0;
-		for (uint32_t g = 0; g < w->base.n_groups; g++) {
-			const uint64_t b = whole ? w->plan_groups[g].slot_bytes : w->dev_bytes[g];
-			if (w->base.groups[g].size_class != c || !weight_stage_has(&w->base.stage, &w->base.groups[g]))
-				continue;
-			if (resident[g] || g == w->embed_group)
-				continue; /* kept (counted below), or read on the host */
-			m++;
-			cls = b > cls ? b : cls;
-		}
-		total += (m < depth ? m : depth) * cls;
-	}
+	uint64_t total = gw_slot_bytes(w, resident, depth, whole);
 	for (uint32_t g = 0; g < w->base.n_groups; g++)
 		if (resident[g] || (w->tied && g == w->embed_group))
 			total += whole ? w->plan_groups[g].slot_bytes : w->dev_bytes[g];
 	return total + (whole ? 0 : side_layout(w, NULL));
+}
+
+/* A decode token as the plan predicts it: the longer of the copies and the CPU. */
+static double plan_token_s(const struct split_plan *pl)
+{
+	return pl->pcie_s > pl->cpu_s ? pl->pcie_s : pl->cpu_s;
 }
 
 /* Device bytes of the groups resident[] keeps. */
@@ -389,7 +382,7 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 	if (!first)
 		return 0; /* the first plan stands */
 	memcpy(first, resident, ng * sizeof(bool));
-	const double t0 = w->plan.pcie_s > w->plan.cpu_s ? w->plan.pcie_s : w->plan.cpu_s;
+	const double t0 = plan_token_s(&w->plan);
 	const bool from_jobs = w->st.rates_from_jobs, spread0 = w->st.spread;
 	const uint64_t kept0 = kept_bytes(w, first);
 	struct gpu_window_params q = *p;
@@ -417,8 +410,7 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 			break;
 		gw_layout(w);
 		const uint64_t now = planned_bytes(w, resident, depth, false);
-		const double t = w->plan.pcie_s > w->plan.cpu_s ? w->plan.pcie_s : w->plan.cpu_s;
-		better = now <= p->gpu_budget && kept_bytes(w, resident) > kept0 && t < t0;
+		better = now <= p->gpu_budget && kept_bytes(w, resident) > kept0 && plan_token_s(&w->plan) < t0;
 		if (!better)
 			raise = now > p->gpu_budget && now - p->gpu_budget < raise ? raise - (now - p->gpu_budget) : 0;
 	}
@@ -429,8 +421,7 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 		w->st.refill_bytes = kept - kept0;
 		log_info("GPU weights: the split's smaller slots free %s: %s more kept on the GPU; predicted %.1f "
 			 "ms/token, from %.1f", format_size(assumed - used, a, sizeof(a)),
-			 format_size(kept - kept0, b, sizeof(b)),
-			 (w->plan.pcie_s > w->plan.cpu_s ? w->plan.pcie_s : w->plan.cpu_s) * 1e3, t0 * 1e3);
+			 format_size(kept - kept0, b, sizeof(b)), plan_token_s(&w->plan) * 1e3, t0 * 1e3);
 	} else { /* the first plan again, as it was (the same rates, the same residency) */
 		if (why[0])
 			log_info("GPU weights: the plan with the memory the split frees was not taken (%s)", why);

@@ -72,8 +72,9 @@ static unsigned usable(unsigned mask)
 static void isa_init(void)
 {
 	isa_supported = detect();
-	/* AMX only when asked for (PIPELINE_CPU_ISA=amx, cpu_compute_force_isa): not yet measured on
-	 * the hosts this runs on (docs/design.md, "Several tokens on AMX"). */
+	/* AMX only when asked for (PIPELINE_CPU_ISA=amx, cpu_compute_force_isa): a third slower than
+	 * AVX-512 BF16 for one token, decode's case, on an H200 host (docs/design.md, "Several tokens
+	 * on AMX"). */
 	unsigned want = CPU_ISA_ALL & ~(unsigned)CPU_ISA_AMX_BF16;
 	const char *env = getenv("PIPELINE_CPU_ISA");
 	if (env && strcmp(env, "scalar") == 0)
