@@ -161,6 +161,38 @@ static void collect_timing(struct gpu_window *w, struct gslot *s)
 	s->timed = false;
 }
 
+/* Adds wait pair i's time to copy_wait_ms once both its events are done (force: or drops it). */
+static void collect_wait(struct gpu_window *w, uint32_t i, bool force)
+{
+	if (!w->wait_timed[i] || cudaEventQuery(w->wait_ev[i][1]) != cudaSuccess) {
+		if (force)
+			w->wait_timed[i] = false;
+		return;
+	}
+	float ms = 0;
+	if (cudaEventElapsedTime(&ms, w->wait_ev[i][0], w->wait_ev[i][1]) == cudaSuccess) {
+		w->st.copy_wait_ms += ms;
+		w->st.timed_waits++;
+	}
+	w->wait_timed[i] = false;
+}
+
+/* The compute stream waits for group h's copy: timed with time_copies (an event each side). */
+static cudaError_t compute_waits(struct gpu_window *w, const struct gent *e)
+{
+	if (!w->time_copies || !w->wait_ev[0][0])
+		return cudaStreamWaitEvent(w->compute, e->h2d, 0);
+	const uint32_t i = w->wait_next++ % GW_WAIT_TIMES;
+	collect_wait(w, i, true);
+	cudaError_t ce = cudaEventRecord(w->wait_ev[i][0], w->compute);
+	if (ce == cudaSuccess)
+		ce = cudaStreamWaitEvent(w->compute, e->h2d, 0);
+	if (ce == cudaSuccess)
+		ce = cudaEventRecord(w->wait_ev[i][1], w->compute);
+	w->wait_timed[i] = ce == cudaSuccess;
+	return ce;
+}
+
 enum { ISSUED = 0, PASSED = 1, LATER = 2 };
 
 /* Issues the next group of class c, order[c][issued % m]: its copy into slot copied % depth
@@ -390,7 +422,7 @@ static int win_acquire(struct weight_source *ws, uint32_t group, struct group_we
 			return errorf(ws->error, sizeof(ws->error), -EFAULT, "weight window: group %u is %s at use",
 				      group, gw_state_name(e->state));
 		/* Compute waits for the copy on the GPU, not here. */
-		cudaError_t ce = cudaStreamWaitEvent(w->compute, e->h2d, 0);
+		cudaError_t ce = compute_waits(w, e);
 		if (ce != cudaSuccess)
 			return errorf(ws->error, sizeof(ws->error), -EIO, "ordering compute after a copy: %s",
 				      cudaGetErrorString(ce));
@@ -584,6 +616,10 @@ void gpu_window_destroy(struct gpu_window **wp)
 		if (w->slots[s].t1)
 			cudaEventDestroy(w->slots[s].t1);
 	}
+	for (uint32_t i = 0; i < GW_WAIT_TIMES; i++)
+		for (int j = 0; j < 2; j++)
+			if (w->wait_ev[i][j])
+				cudaEventDestroy(w->wait_ev[i][j]);
 	gw_split_destroy(w); /* waits for its copies */
 	for (uint32_t i = 0; i < w->n_copies; i++)
 		cudaStreamDestroy(w->copies[i]);
@@ -867,6 +903,9 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 			CREATE_TRY(cudaEventCreate(&s->t1), "creating events");
 		}
 	}
+	for (uint32_t i = 0; w->time_copies && i < GW_WAIT_TIMES; i++)
+		for (int j = 0; j < 2; j++)
+			CREATE_TRY(cudaEventCreate(&w->wait_ev[i][j]), "creating events");
 	w->st.window_bytes = win_bytes;
 	/* What crosses PCIe per decode token: the bytes copies of the streamed groups move; of a streamed
 	 * expert, as often as routing chooses it (its heat; none known, k of E). */
@@ -924,10 +963,13 @@ struct weight_source *gpu_window_base(struct gpu_window *w)
 
 void gpu_window_stats(struct gpu_window *w, struct gpu_window_stats *st)
 {
-	if (w->time_copies)
+	if (w->time_copies) {
 		for (uint32_t s = 0; s < w->n_slots; s++)
 			if (w->slots[s].timed && cudaEventQuery(w->slots[s].t1) == cudaSuccess)
 				collect_timing(w, &w->slots[s]);
+		for (uint32_t i = 0; i < GW_WAIT_TIMES; i++)
+			collect_wait(w, i, false);
+	}
 	*st = w->st;
 }
 
@@ -945,6 +987,10 @@ void gpu_window_reset_timing(struct gpu_window *w)
 		w->slots[s].timed = false;
 	w->st.copy_ms = 0;
 	w->st.timed_copies = 0;
+	for (uint32_t i = 0; i < GW_WAIT_TIMES; i++)
+		w->wait_timed[i] = false;
+	w->st.copy_wait_ms = 0;
+	w->st.timed_waits = 0;
 }
 
 void gpu_window_describe(const struct gpu_window *w, char *buf, size_t len)

@@ -111,6 +111,8 @@ struct gpu_window_stats {
 	bool spread;			 /* params.spread moved kept layer groups off the first layers */
 	double copy_ms;			 /* with time_copies: device time spent copying, since reset */
 	uint64_t timed_copies;
+	double copy_wait_ms;		 /* with time_copies: the compute stream's time waiting for copies */
+	uint64_t timed_waits;
 	uint32_t copy_streams;
 	/* Split FFNs. */
 	uint32_t split_groups;		 /* FFN groups computed with the CPU in decode */

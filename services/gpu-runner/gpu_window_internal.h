@@ -45,6 +45,8 @@ struct gent {
 	bool on_cpu;	   /* an expert group the route left in host memory for the CPU this step */
 };
 
+#define GW_WAIT_TIMES 64 /* the compute stream's copy waits timed and not yet collected, at most */
+
 struct gpu_window {
 	struct weight_source base; /* first: the engine's view */
 	struct ring_source *ring;
@@ -80,6 +82,11 @@ struct gpu_window {
 	bool host_reads;	   /* acquire_host handed out ring pointers the backend may still read (until
 				    * the next route or release_all): no ring mapping is let go meanwhile */
 	bool strict, time_copies;
+	/* With time_copies: the compute stream's waits for copies, an event before and after each wait
+	 * (a ring; a pair still pending when its turn comes again is dropped). */
+	cudaEvent_t wait_ev[GW_WAIT_TIMES][2];
+	bool wait_timed[GW_WAIT_TIMES];
+	uint32_t wait_next;
 	struct gpu_window_stats st;
 	uint32_t embed_group, head_group;
 	bool tied;

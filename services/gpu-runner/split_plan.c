@@ -285,7 +285,7 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 		}
 	}
 	double s = 0, s_nolead = 0; /* the token's share, and the same without the leads (their cap) */
-	const bool use_lead = pol->mode == CPU_SHARE_AUTO && !pol->ignore_lead;
+	const bool use_lead = pol->mode == CPU_SHARE_AUTO && pol->lead;
 	if (n_elig && pol->mode == CPU_SHARE_FIXED) {
 		s = pol->fraction;
 	} else if (n_elig && pol->mode == CPU_SHARE_AUTO) {

@@ -79,7 +79,7 @@ struct cpu_share_policy {
 	 * rate beside the CPU as they are, measuring neither again. */
 	bool rates_known;
 	double h2d_beside_bytes_per_s;	  /* rates_known: the copies' rate beside the CPU (0: alone) */
-	bool ignore_lead;		  /* auto: every split_layer.lead_s taken as 0 (--split-ignore-lead) */
+	bool lead;			  /* auto: split_layer.lead_s counted (--split-lead; else taken as 0) */
 };
 
 /* Parses --cpu-share: "auto", "0" (off) or a fraction in (0, 1] ("0.5", "1"). Sets p (rates 0).

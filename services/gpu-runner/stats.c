@@ -176,7 +176,7 @@ static json_t *cpu_share_stats(struct runner *r)
 	json_object_set_new(o, "max_tokens", json_integer(max_tokens));
 	json_object_set_new(o, "planned_bytes_per_token", json_integer((json_int_t)planned));
 	json_object_set_new(o, "planned_ms_per_token", json_real(planned_ms));
-	json_object_set_new(o, "lead", json_boolean(!r->cpu_share.ignore_lead));
+	json_object_set_new(o, "lead", json_boolean(r->cpu_share.lead));
 	json_object_set_new(o, "planned_lead_ms", json_real(lead_ms));
 	if (r->cpu_pool) {
 		struct task_pool_stats ps;
@@ -336,6 +336,8 @@ char *runner_stats(void *ctx)
 				      "timed_copies", (json_int_t)ws2.timed_copies);
 		if (g) {
 			json_object_set_new(g, "split_groups", json_integer(ws2.split_groups));
+			json_object_set_new(g, "copy_wait_ms", json_real(ws2.copy_wait_ms));
+			json_object_set_new(g, "timed_waits", json_integer((json_int_t)ws2.timed_waits));
 			json_object_set_new(g, "h2d_beside_cpu_bytes_per_s", json_real(ws2.h2d_beside_cpu_bytes_per_s));
 			json_object_set_new(g, "spread", json_boolean(ws2.spread));
 			json_object_set_new(g, "experts_passed", json_integer((json_int_t)ws2.experts_passed));

@@ -211,6 +211,7 @@ START_TEST(test_auto_lead)
 	ck_assert_int_eq(cpu_share_parse("auto", &pol, err, sizeof(err)), 0);
 	pol.cpu_bytes_per_s[DT_BF16] = 100e9;
 	pol.per_layer = true;
+	pol.lead = true;
 	const double F = (double)ly[0].bytes[0] * 3, h2d = 50e9;
 	const double den = F / h2d + F / 100e9, top = F / h2d - SPLIT_HANDOFF_S;
 	/* No leads: the plan of test_auto_per_layer. */
@@ -237,14 +238,14 @@ START_TEST(test_auto_lead)
 	const double pcie0 = F * r[0] / FFN / h2d - 1e-3, cpu0 = F * (FFN - r[0]) / FFN / 100e9 + SPLIT_HANDOFF_S;
 	ck_assert_msg(fabs(pcie0 - cpu0) < 0.03 * cpu0, "layer 0: pcie %.3f ms after the lead, cpu %.3f ms",
 		      pcie0 * 1e3, cpu0 * 1e3);
-	/* --split-ignore-lead: the plan without them. */
-	pol.ignore_lead = true;
+	/* Without --split-lead: the plan without them. */
+	pol.lead = false;
 	ck_assert_int_eq(split_plan_choose(&c, ly, 0, h2d, &pol, &plan, err, sizeof(err)), 0);
 	for (uint32_t l = 0; l < L; l++)
 		ck_assert_uint_eq(r[l], r0[l]);
 	ck_assert(plan.lead_s == 0);
 	/* One share for the token: the leads summed, each capped at its layer's copies. */
-	pol.ignore_lead = false;
+	pol.lead = true;
 	pol.per_layer = false;
 	ck_assert_int_eq(split_plan_choose(&c, ly, 0, h2d, &pol, &plan, err, sizeof(err)), 0);
 	const double st0 = (L * F / h2d - L * SPLIT_HANDOFF_S) / (L * den);
