@@ -46,10 +46,6 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (strcmp(bal, "token") && strcmp(bal, "layer"))
 		return errorf(err, errlen, -EINVAL, "--cpu-share-balance '%s' is not token or layer", bal);
 	r->cpu_share.per_layer = !strcmp(bal, "layer");
-	r->cpu_share.lead = r->split_lead;
-	if (r->split_lead && r->cpu_share.mode != CPU_SHARE_AUTO)
-		log_warn("--split-lead changes how auto chooses the CPU's part; with --cpu-share %s it changes "
-			 "nothing", r->cpu_share_arg ? r->cpu_share_arg : "?");
 	if (r->cpu_share_balance_arg && r->cpu_share.mode != CPU_SHARE_AUTO)
 		log_warn("--cpu-share-balance %s chooses among auto's shares; with --cpu-share %s it changes nothing", bal,
 			 r->cpu_share_arg ? r->cpu_share_arg : "?");

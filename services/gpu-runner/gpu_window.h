@@ -81,9 +81,6 @@ struct gpu_window_params {
 	/* The residency planned with whole group sizes is kept: the memory the split's smaller slots
 	 * free stays unused (gw_split_refill not run; --fixed-residency, for comparison). */
 	bool fixed_residency;
-	/* The rate the GPU reads resident weights at in decode (--hbm-bytes-per-s): the split plan's
-	 * leads (split_layer.lead_s) are the resident groups' bytes at it; 0: no leads. */
-	double hbm_bytes_per_s;
 };
 
 enum gwin_state {
@@ -123,7 +120,6 @@ struct gpu_window_stats {
 	uint64_t expert_cpu_bytes_per_token; /* of those, routed experts' (expected, as win_route splits) */
 	double pcie_ms, cpu_ms;		 /* the plan's times per decode token: the copies, the CPU */
 	double cpu_jobs_ms;		 /* of cpu_ms, the CPU's products alone (no handoffs) */
-	double lead_ms;			 /* the plan's leads per decode token (split_plan.lead_s) */
 	bool rates_from_jobs;		 /* the plan took the rates of jobs that ran (cpu_share_policy), no calibration */
 	uint64_t refill_bytes;		 /* device bytes kept more with the memory the split frees (gw_split_refill) */
 	uint64_t side_bytes;		 /* device bytes of the prefill copy of a split FFN's CPU rows */

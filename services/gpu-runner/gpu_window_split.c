@@ -174,42 +174,6 @@ static void beside_finish(void *arg)
 	}
 }
 
-/* A resident group's compute in decode at the rate hbm (bytes a second); 0 for others. */
-static double resident_s(const struct gpu_window *w, const bool *resident, uint32_t g, double hbm)
-{
-	if (g >= w->base.n_groups || !resident[g] || !weight_stage_has(&w->base.stage, &w->base.groups[g]))
-		return 0;
-	return (double)w->base.groups[g].tensor_bytes / hbm;
-}
-
-/* Each eligible layer's lead (split_layer.lead_s): the GPU's work on resident weights since the
- * eligible FFN before it, in visit order (the attention of its own layer among it); the first
- * takes what follows the last (the head among it), a token's end running into the next's start. */
-static void split_leads(const struct gpu_window *w, const bool *resident, double hbm, struct split_layer *ly)
-{
-	const struct model_config *cfg = w->base.cfg;
-	const uint32_t L = cfg->n_layers;
-	uint32_t last = L;
-	for (uint32_t l = 0; l < L; l++)
-		if (ly[l].eligible)
-			last = l;
-	if (last == L || !(hbm > 0))
-		return;
-	double run = resident_s(w, resident, w->head_group, hbm);
-	for (uint32_t l = last + 1; l < L; l++)
-		run += resident_s(w, resident, model_group_attn(cfg, l), hbm) +
-		       resident_s(w, resident, model_group_ffn(cfg, l), hbm);
-	for (uint32_t l = 0; l < L; l++) {
-		run += resident_s(w, resident, model_group_attn(cfg, l), hbm);
-		if (ly[l].eligible) {
-			ly[l].lead_s = run;
-			run = 0;
-		} else {
-			run += resident_s(w, resident, model_group_ffn(cfg, l), hbm);
-		}
-	}
-}
-
 int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_window_params *p, char *err,
 		  size_t errlen)
 {
@@ -280,7 +244,6 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 			w->moe_format = t[0]->dtype;
 		}
 	}
-	split_leads(w, resident, p->hbm_bytes_per_s, ly);
 	uint64_t other = 0;
 	for (uint32_t g = 0; g < ng; g++) {
 		const struct group_desc *gd = &w->base.groups[g];
@@ -351,7 +314,6 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	w->st.pcie_ms = w->plan.pcie_s * 1e3;
 	w->st.cpu_ms = w->plan.cpu_s * 1e3;
 	w->st.cpu_jobs_ms = w->plan.jobs_s * 1e3;
-	w->st.lead_ms = w->plan.lead_s * 1e3;
 out:
 	free(ly);
 	free(samples);
@@ -390,12 +352,10 @@ static uint64_t planned_bytes(struct gpu_window *w, const bool *resident, uint32
 	return total + (whole ? 0 : side_layout(w, NULL));
 }
 
-/* A decode token as the plan predicts it: the longer of the copies (less the leads they take
- * while the GPU computes from resident weights, which this leaves out) and the CPU. */
+/* A decode token as the plan predicts it: the longer of the copies and the CPU. */
 static double plan_token_s(const struct split_plan *pl)
 {
-	const double pcie = pl->pcie_s - pl->lead_s;
-	return pcie > pl->cpu_s ? pcie : pl->cpu_s;
+	return pl->pcie_s > pl->cpu_s ? pl->pcie_s : pl->cpu_s;
 }
 
 /* Device bytes of the groups resident[] keeps. */
@@ -543,7 +503,7 @@ void gw_split_cancel(struct gpu_window *w)
 	w->st.split_r_min = w->st.split_r_max = w->base.cfg->ffn_dim;
 	w->st.cpu_bytes_per_token = 0;
 	w->st.pcie_ms = w->plan.pcie_s * 1e3;
-	w->st.cpu_ms = w->st.cpu_jobs_ms = w->st.lead_ms = 0;
+	w->st.cpu_ms = w->st.cpu_jobs_ms = 0;
 	w->st.side_bytes = 0;
 }
 

@@ -238,10 +238,6 @@ int main(int argc, char **argv)
 		{"fixed-residency", OPT_BOOL, &r.fixed_residency, NULL,
 		 "keep the GPU's resident groups as planned with whole sizes: the memory the CPU share's smaller "
 		 "slots free stays unused (by default more groups are kept with it)"},
-		{"split-lead", OPT_BOOL, &r.split_lead, NULL,
-		 "plan auto's CPU share with the copies' lead: a split layer's copies run while the GPU computes "
-		 "from resident weights before it (the CPU waits for the layer's input), so the GPU takes that much "
-		 "more of the layer (measured no faster on P3, docs/benchmarks.md; for comparison)"},
 		{"window-spread", OPT_BOOL, &r.window_spread, NULL,
 		 "spread the layer groups the GPU keeps among the layers, not the first ones, so the streamed "
 		 "layers' copies run beside the kept layers' compute (only where DRAM holds every layer)"},

@@ -74,7 +74,6 @@ struct runner {
 	const char *cpu_result_arg, *cpu_experts_arg; /* --cpu-result, --cpu-experts as given */
 	const char *cpu_share_balance_arg;	      /* --cpu-share-balance as given */
 	bool window_spread;			      /* --window-spread */
-	bool split_lead;			      /* --split-lead */
 	bool fixed_residency;			      /* --fixed-residency */
 	bool cpu_result_mapped;			      /* --cpu-result mapped (the default) */
 	bool cpu_experts_early;			      /* --cpu-experts route */

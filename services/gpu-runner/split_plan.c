@@ -233,21 +233,6 @@ static double cpu_time(const struct split_layer *l, const double *rates)
 	return t;
 }
 
-static double clamp_share(double s)
-{
-	return !(s > 0) ? 0 : s > 1 ? 1 : s; /* NaN: none */
-}
-
-/* The lead a split layer's copies take (split_plan.h): its lead_s, at most its own copies at the
- * share s0 chosen without it. */
-static double lead_of(const struct split_layer *ly, double s0, double h2d_bps)
-{
-	const double b = (double)(ly->bytes[0] + ly->bytes[1] + ly->bytes[2]);
-	const double cap = ((double)ly->other_bytes + b * (1 - s0)) / h2d_bps;
-	const double lead = ly->lead_s > 0 ? ly->lead_s : 0;
-	return lead < cap ? lead : cap;
-}
-
 int split_plan_choose(const struct model_config *cfg, const struct split_layer *layers, uint64_t other_streamed,
 		      double h2d_bps, const struct cpu_share_policy *pol, struct split_plan *plan, char *err,
 		      size_t errlen)
@@ -284,42 +269,33 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 			cpu_all += t;
 		}
 	}
-	double s = 0, s_nolead = 0; /* the token's share, and the same without the leads (their cap) */
-	const bool use_lead = pol->mode == CPU_SHARE_AUTO && pol->lead;
+	double s = 0;
 	if (n_elig && pol->mode == CPU_SHARE_FIXED) {
 		s = pol->fraction;
 	} else if (n_elig && pol->mode == CPU_SHARE_AUTO) {
 		if (!(h2d_bps > 0))
 			return errorf(err, errlen, -EINVAL, "cpu share: auto needs the measured H2D rate");
 		double p_all = (double)(other_streamed + split_bytes) / h2d_bps; /* nothing split */
-		const double den = (double)split_bytes / h2d_bps + cpu_all;
-		s = s_nolead = clamp_share((p_all - n_elig * handoff) / den);
-		if (use_lead && !pol->per_layer) { /* the leads over the token, each at most its layer's copies */
-			double leads = 0;
-			for (uint32_t l = 0; l < L; l++)
-				if (layers[l].eligible)
-					leads += lead_of(&layers[l], s_nolead, h2d_bps);
-			s = clamp_share((p_all - n_elig * handoff - leads) / den);
-		}
+		s = (p_all - n_elig * handoff) / ((double)split_bytes / h2d_bps + cpu_all);
+		s = s < 0 ? 0 : s > 1 ? 1 : s;
 	}
 	plan->share = s;
 	plan->r_min = ffn;
 	const bool per_layer = pol->mode == CPU_SHARE_AUTO && pol->per_layer && n_elig;
 	double s_sum = 0;
-	double cpu_s = 0, jobs_s = 0, lead_s = 0, rate_min = INFINITY;
+	double cpu_s = 0, jobs_s = 0, rate_min = INFINITY;
 	for (uint32_t l = 0; l < L && n_elig; l++) {
 		const struct split_layer *ly = &layers[l];
 		if (!ly->eligible)
 			continue;
 		uint64_t b = ly->bytes[0] + ly->bytes[1] + ly->bytes[2];
 		uint32_t unit = ffn_split_unit((enum dtype)ly->format[2]);
-		double s_l = s, s0 = s_nolead; /* s0: the share without the lead (the lead's cap) */
-		if (per_layer) { /* this layer's copies and CPU rows equally long, after its lead */
-			const double den = (double)b / h2d_bps + cpu_time(ly, pol->cpu_bytes_per_s);
-			const double top = (double)(ly->other_bytes + b) / h2d_bps - handoff;
-			s_l = s0 = b ? clamp_share(top / den) : 0;
-			if (b && use_lead)
-				s_l = clamp_share((top - lead_of(ly, s0, h2d_bps)) / den);
+		double s_l = s;
+		if (per_layer) { /* this layer's copies and CPU rows equally long */
+			s_l = b ? ((double)(ly->other_bytes + b) / h2d_bps - handoff) /
+					  ((double)b / h2d_bps + cpu_time(ly, pol->cpu_bytes_per_s))
+				: 0;
+			s_l = !(s_l > 0) ? 0 : s_l > 1 ? 1 : s_l; /* NaN: none */
 			s_sum += s_l;
 		}
 		uint32_t units = ffn / unit, cpu_units = (uint32_t)lround(s_l * units);
@@ -332,8 +308,6 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 			continue;
 		}
 		r[l] = ffn - cpu_units * unit;
-		if (use_lead)
-			lead_s += lead_of(ly, s0, h2d_bps);
 		/* Every matrix of the FFN splits in proportion: rows of gate and up, whole blocks of down's rows. */
 		uint64_t cpu_b = (uint64_t)((double)b * (ffn - r[l]) / ffn + 0.5);
 		plan->cpu_bytes += cpu_b;
@@ -357,7 +331,6 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 	plan->pcie_s = h2d_bps > 0 ? (double)pcie / h2d_bps : 0;
 	plan->cpu_s = cpu_s;
 	plan->jobs_s = jobs_s;
-	plan->lead_s = lead_s;
 	if (h2d_bps > 0 && isfinite(rate_min)) {
 		double n = floor(rate_min / h2d_bps);
 		plan->max_tokens = n < 1 ? 1 : n > FFN_SPLIT_MAX_TOKENS ? FFN_SPLIT_MAX_TOKENS : (uint32_t)n;

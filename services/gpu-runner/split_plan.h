@@ -23,17 +23,6 @@
  *   s_l = ((O_l + F_l) / h2d - h) / (F_l / h2d + C_l),
  * so that a layer whose attention streams gives the CPU more than one whose attention is resident:
  * the window runs ahead of compute by a layer or two, not by the token (test: the bench's --ab).
- * The lead: while the GPU computes from resident weights (the layers that do not split, the
- * attention before each FFN, the head), the CPU waits for the next split layer's input but the
- * copies run on. A split layer l whose copies had lead_l of it before its FFN needs its own
- * copies and CPU rows equally long after it:
- *   s_l = ((O_l + F_l) / h2d - h - lead_l) / (F_l / h2d + C_l)
- * (auto over the token: the leads summed), lead_l at most the layer's copies at the share without
- * it: the window holds a share ahead of compute, and a larger GPU share would grow every slot. On
- * P3's shape (a model of the machine's rates, 22 resident layers, 10 split) it takes a token from
- * R + 14.8 ms to about R + 13.3 with the kept layers spread (--window-spread), where each split
- * layer gets an equal lead; with the resident layers first, only the first split layer has a lead
- * and the cap leaves most of it unused.
  * The CPU and DMA read the same DRAM: the GPU window measures the CPU's rates while H2D copies run
  * and the copies' rate beside the CPU (split_load; alone each is far higher than beside the other),
  * the plan takes both, and the runner logs the prediction beside the measured decode time. Steps of many tokens (prefill) do not split on the
@@ -79,7 +68,6 @@ struct cpu_share_policy {
 	 * rate beside the CPU as they are, measuring neither again. */
 	bool rates_known;
 	double h2d_beside_bytes_per_s;	  /* rates_known: the copies' rate beside the CPU (0: alone) */
-	bool lead;			  /* auto: split_layer.lead_s counted (--split-lead; else taken as 0) */
 };
 
 /* Parses --cpu-share: "auto", "0" (off) or a fraction in (0, 1] ("0.5", "1"). Sets p (rates 0).
@@ -129,9 +117,6 @@ struct split_layer {
 	uint64_t other_bytes; /* other bytes over PCIe per decode token that this layer's copies carry: its
 			       * attention group when that streams, and those of the layers before it whose
 			       * FFN does not split (counted in other_streamed too) */
-	double lead_s;	      /* the GPU's time on resident weights before this FFN, since the split FFN
-			       * before it (a token's first split FFN: since the token's last), in which
-			       * the copies run ahead of the CPU; 0: none known */
 };
 
 struct split_plan {
@@ -143,9 +128,6 @@ struct split_plan {
 	uint64_t cpu_bytes;    /* per decode token: what the CPU reads */
 	double pcie_s, cpu_s;  /* per decode token: the copies at the H2D rate, the CPU's shares (+ handoffs) */
 	double jobs_s;	       /* per decode token: the CPU's shares alone (cpu_s without the handoffs) */
-	double lead_s;	       /* per decode token: the leads the shares took (the copies' time before the CPU's
-				* work starts; a token takes about the GPU's resident work + max(pcie_s -
-				* lead_s, cpu_s)) */
 	uint32_t max_tokens;   /* steps of at most this many tokens take the CPU share */
 };
 

@@ -143,7 +143,7 @@ static json_t *cpu_share_stats(struct runner *r)
 	json_object_set_new(o, "replans", json_integer((json_int_t)r->split_replans));
 	uint32_t split = 0, r_min = r->cfg.ffn_dim, r_max = r->cfg.ffn_dim, max_tokens = 0;
 	uint64_t planned = 0;
-	double planned_ms = 0, lead_ms = 0;
+	double planned_ms = 0;
 #ifdef PIPELINE_HAVE_CUDA
 	if (r->win) {
 		struct gpu_window_stats ws;
@@ -154,7 +154,6 @@ static json_t *cpu_share_stats(struct runner *r)
 		max_tokens = ws.split_max_tokens;
 		planned = ws.cpu_bytes_per_token;
 		planned_ms = ws.cpu_ms;
-		lead_ms = ws.lead_ms;
 	}
 #endif
 	if (r->cpu_split_r) {
@@ -176,8 +175,6 @@ static json_t *cpu_share_stats(struct runner *r)
 	json_object_set_new(o, "max_tokens", json_integer(max_tokens));
 	json_object_set_new(o, "planned_bytes_per_token", json_integer((json_int_t)planned));
 	json_object_set_new(o, "planned_ms_per_token", json_real(planned_ms));
-	json_object_set_new(o, "lead", json_boolean(r->cpu_share.lead));
-	json_object_set_new(o, "planned_lead_ms", json_real(lead_ms));
 	if (r->cpu_pool) {
 		struct task_pool_stats ps;
 		task_pool_get_stats(r->cpu_pool, &ps);

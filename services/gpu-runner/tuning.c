@@ -104,8 +104,6 @@ void runner_register_tunables(struct runner *r)
 			  "keep the CPU share auto chose at start (no re-plan from its jobs' rate)");
 	service_add_fixed(s, "fixed-residency", TUNABLE_BOOL, r->fixed_residency ? "true" : "false",
 			  "the resident groups as planned with whole sizes (no refill with the split's memory)");
-	service_add_fixed(s, "split-lead", TUNABLE_BOOL, r->split_lead ? "true" : "false",
-			  "auto's CPU share planned with the copies' lead over the resident layers' compute");
 	service_add_fixed(s, "window-spread", TUNABLE_BOOL, r->window_spread ? "true" : "false",
 			  "the layer groups the GPU keeps spread among the layers (where DRAM holds them all)");
 	service_add_fixed(s, "profile-copies", TUNABLE_BOOL, r->profile_copies ? "true" : "false",

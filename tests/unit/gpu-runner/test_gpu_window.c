@@ -455,24 +455,6 @@ static void split_case(const char *dram, bool dram_streams)
 		gpu_window_destroy(&whole);
 	}
 	ck_assert_uint_gt(cpu_bytes[1], cpu_bytes[0]);
-	/* The copies' lead: the GPU's time on resident weights before a split FFN (the head before the
-	 * token's first), here at a GPU memory rate slow enough that a lead is its cap, the layer's copies
-	 * at the share without it. With --split-lead the GPU takes more of the FFNs than without. */
-	p.hbm_bytes_per_s = 1e6;
-	p.cpu_share.lead = true;
-	for (uint32_t d = 0; d < DT_COUNT; d++)
-		p.cpu_share.cpu_bytes_per_s[d] = 4e7;
-	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &whole, err, sizeof(err)) == 0, "%s", err);
-	gpu_window_stats(whole, &st0);
-	gpu_window_destroy(&whole);
-	p.cpu_share.lead = false;
-	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &whole, err, sizeof(err)) == 0, "%s", err);
-	gpu_window_stats(whole, &st);
-	gpu_window_destroy(&whole);
-	ck_assert_msg(st0.lead_ms > 0 && st.lead_ms == 0, "lead %f ms, ignored %f ms", st0.lead_ms, st.lead_ms);
-	ck_assert_uint_gt(st0.split_groups, 0);
-	ck_assert_uint_lt(st0.cpu_bytes_per_token, st.cpu_bytes_per_token);
-	p.hbm_bytes_per_s = 0;
 	p.h2d_bytes_per_s = 0;
 	task_pool_destroy(&pool);
 	stop(&f);

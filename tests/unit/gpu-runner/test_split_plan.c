@@ -1,7 +1,8 @@
 /* test_split_plan.c - the planning of split FFNs (split_plan.h): --cpu-share's values, the choice
  * of r (off, a fraction, auto's balance of the CPU against PCIe, ineligible layers, rounding to
- * the unit of down's format, the steps that take the CPU share, a share per layer, the copies' lead)
- * and the calibration of the CPU's product rates on a task pool. */
+ * the unit of down's format, the steps that take the CPU share, a share per layer) and the
+ * calibration of the CPU's
+ * product rates on a task pool. */
 #include <check.h>
 #include <errno.h>
 #include <math.h>
@@ -29,7 +30,6 @@ static void layers(struct split_layer *ly, enum dtype down)
 	for (uint32_t l = 0; l < L; l++) {
 		ly[l].eligible = true;
 		ly[l].other_bytes = 0;
-		ly[l].lead_s = 0;
 		ly[l].format[0] = ly[l].format[1] = DT_BF16;
 		ly[l].format[2] = down;
 		for (int i = 0; i < 3; i++) {
@@ -197,71 +197,6 @@ START_TEST(test_auto_per_layer)
 }
 END_TEST
 
-/* The lead: the GPU's time on resident weights before a split FFN, in which the copies run ahead
- * of the CPU, gives that layer's GPU more rows; at most its own copies at the share without it. */
-START_TEST(test_auto_lead)
-{
-	struct model_config c = cfg();
-	struct split_layer ly[L];
-	layers(ly, DT_BF16);
-	uint32_t r[L], r0[L];
-	struct split_plan plan = {.r = r};
-	struct cpu_share_policy pol;
-	char err[256];
-	ck_assert_int_eq(cpu_share_parse("auto", &pol, err, sizeof(err)), 0);
-	pol.cpu_bytes_per_s[DT_BF16] = 100e9;
-	pol.per_layer = true;
-	pol.lead = true;
-	const double F = (double)ly[0].bytes[0] * 3, h2d = 50e9;
-	const double den = F / h2d + F / 100e9, top = F / h2d - SPLIT_HANDOFF_S;
-	/* No leads: the plan of test_auto_per_layer. */
-	plan.r = r0;
-	ck_assert_int_eq(split_plan_choose(&c, ly, 0, h2d, &pol, &plan, err, sizeof(err)), 0);
-	ck_assert(plan.lead_s == 0);
-	const double s0 = top / den;
-	/* Layer 0 after 1 ms of resident compute, layer 2 after 1 s (capped), 1 and 3 after none. */
-	ly[0].lead_s = 1e-3;
-	ly[2].lead_s = 1.0;
-	plan.r = r;
-	ck_assert_int_eq(split_plan_choose(&c, ly, 0, h2d, &pol, &plan, err, sizeof(err)), 0);
-	const double cap = F * (1 - s0) / h2d;
-	const double want[L] = {(top - 1e-3) / den, s0, (top - cap) / den, s0};
-	for (uint32_t l = 0; l < L; l++) {
-		double got = (double)(FFN - r[l]) / FFN;
-		ck_assert_msg(fabs(got - want[l]) <= 64.0 / FFN, "layer %u: share %.4f, want %.4f", l, got, want[l]);
-	}
-	ck_assert_uint_gt(r[0], r0[0]); /* the GPU takes more of the layers with a lead */
-	ck_assert_uint_gt(r[2], r[0]);
-	ck_assert_uint_eq(r[1], r0[1]);
-	ck_assert_msg(fabs(plan.lead_s - (1e-3 + cap)) < 1e-12, "lead %.6f s", plan.lead_s);
-	/* Layer 0: its copies after the lead and its CPU rows take equally long. */
-	const double pcie0 = F * r[0] / FFN / h2d - 1e-3, cpu0 = F * (FFN - r[0]) / FFN / 100e9 + SPLIT_HANDOFF_S;
-	ck_assert_msg(fabs(pcie0 - cpu0) < 0.03 * cpu0, "layer 0: pcie %.3f ms after the lead, cpu %.3f ms",
-		      pcie0 * 1e3, cpu0 * 1e3);
-	/* Without --split-lead: the plan without them. */
-	pol.lead = false;
-	ck_assert_int_eq(split_plan_choose(&c, ly, 0, h2d, &pol, &plan, err, sizeof(err)), 0);
-	for (uint32_t l = 0; l < L; l++)
-		ck_assert_uint_eq(r[l], r0[l]);
-	ck_assert(plan.lead_s == 0);
-	/* One share for the token: the leads summed, each capped at its layer's copies. */
-	pol.lead = true;
-	pol.per_layer = false;
-	ck_assert_int_eq(split_plan_choose(&c, ly, 0, h2d, &pol, &plan, err, sizeof(err)), 0);
-	const double st0 = (L * F / h2d - L * SPLIT_HANDOFF_S) / (L * den);
-	const double cap_t = F * (1 - st0) / h2d;
-	const double st = (L * F / h2d - L * SPLIT_HANDOFF_S - 1e-3 - cap_t) / (L * den);
-	ck_assert_msg(fabs(plan.share - st) < 1e-9, "share %.6f, want %.6f", plan.share, st);
-	ck_assert_uint_eq(r[0], r[1]);
-	ck_assert_msg(fabs(plan.lead_s - (1e-3 + cap_t)) < 1e-12, "lead %.6f s", plan.lead_s);
-	/* A fixed share takes no lead. */
-	ck_assert_int_eq(cpu_share_parse("0.5", &pol, err, sizeof(err)), 0);
-	ck_assert_int_eq(split_plan_choose(&c, ly, 0, h2d, &pol, &plan, err, sizeof(err)), 0);
-	ck_assert(plan.lead_s == 0);
-	ck_assert_uint_eq(r[0], r[2]);
-}
-END_TEST
-
 /* split_calibrate's load: busy while *arg counts down, each call counted; starts and finishes
  * counted (one of each per format). */
 static uint32_t busy_calls, starts, finishes;
@@ -372,7 +307,6 @@ static Suite *plan_suite(void)
 	tcase_add_test(tc, test_off_and_fixed);
 	tcase_add_test(tc, test_auto_balance);
 	tcase_add_test(tc, test_auto_per_layer);
-	tcase_add_test(tc, test_auto_lead);
 	tcase_add_test(tc, test_calibrate);
 	tcase_add_test(tc, test_jobs_factor);
 	suite_add_tcase(s, tc);
