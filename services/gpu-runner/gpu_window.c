@@ -805,6 +805,9 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	gw_layout(w);
 	if ((rc = gw_split_refill(w, resident, p, depth, spread, err, errlen)) != 0)
 		goto out_fail;
+	if ((rc = gw_split_fit(w, resident, p, depth, err, errlen)) != 0)
+		goto out_fail;
+	gw_layout(w);
 	if ((rc = gw_split_create(w, err, errlen)) != 0)
 		goto out_fail;
 

@@ -122,6 +122,7 @@ struct gpu_window_stats {
 	double cpu_jobs_ms;		 /* of cpu_ms, the CPU's products alone (no handoffs) */
 	bool rates_from_jobs;		 /* the plan took the rates of jobs that ran (cpu_share_policy), no calibration */
 	uint64_t refill_bytes;		 /* device bytes kept more with the memory the split frees (gw_split_refill) */
+	bool split_balance_token;	 /* each layer's own share did not fit: one for every FFN (gw_split_fit) */
 	uint64_t side_bytes;		 /* device bytes of the prefill copy of a split FFN's CPU rows */
 	uint64_t side_copies, side_bytes_h2d; /* such copies (prefill steps) and their bytes, all time */
 	uint64_t cpu_shares;		 /* FFNs handed over with a CPU share, all time */

@@ -170,6 +170,13 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
  * updated; spread: window_plan_spread applies. Returns 0 or -errno with err set. */
 int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_window_params *p, uint32_t depth,
 		    bool spread, char *err, size_t errlen);
+/* After gw_split_refill: the plan's device bytes (resident groups, slots, prefill buffer) within
+ * --gpu-budget. Each layer's own share (--cpu-share-balance layer) sizes the slots by the largest
+ * GPU share and the prefill buffer by the largest CPU share, which together may pass what the
+ * unsplit FFN slots took; then one share for every FFN (whose slots and buffer never pass them), and
+ * where even that does not fit, nothing splits (the caller lays out again). Returns 0 or -errno. */
+int gw_split_fit(struct gpu_window *w, const bool *resident, const struct gpu_window_params *p, uint32_t depth,
+		 char *err, size_t errlen);
 /* The device layout of every group as the split stands (dev_off, dev_bytes, copy_bytes). */
 void gw_layout(struct gpu_window *w);
 /* Device bytes the streaming slots take: per size class, depth slots (fewer if fewer groups stream)

@@ -437,6 +437,43 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 	return rc;
 }
 
+int gw_split_fit(struct gpu_window *w, const bool *resident, const struct gpu_window_params *p, uint32_t depth,
+		 char *err, size_t errlen)
+{
+	if (!w->plan.split_layers || planned_bytes(w, resident, depth, false) <= p->gpu_budget)
+		return 0;
+	char a[32], b[32];
+	const uint64_t side = side_layout(w, NULL);
+	if (p->cpu_share.mode == CPU_SHARE_AUTO && p->cpu_share.per_layer) {
+		struct gpu_window_params q = *p;
+		memcpy(q.cpu_share.cpu_bytes_per_s, w->cpu_rate, sizeof(w->cpu_rate));
+		q.cpu_share.rates_known = true; /* as measured: no second calibration */
+		q.cpu_share.h2d_beside_bytes_per_s = w->st.h2d_beside_cpu_bytes_per_s;
+		q.cpu_share.per_layer = false;
+		const bool from_jobs = w->st.rates_from_jobs;
+		for (uint32_t g = 0; g < w->base.n_groups; g++)
+			w->split_r[g] = w->base.cfg->ffn_dim;
+		gw_layout(w);
+		int rc = gw_split_plan(w, resident, &q, err, errlen);
+		w->st.rates_from_jobs = from_jobs;
+		if (rc)
+			return rc;
+		gw_layout(w);
+		if (!w->plan.split_layers || planned_bytes(w, resident, depth, false) <= p->gpu_budget) {
+			w->st.split_balance_token = w->plan.split_layers > 0;
+			log_warn("cpu share: each layer's own share needs a prefill buffer of %s beside slots for the largest "
+				 "GPU share: past --gpu-budget %s; one share for every FFN instead",
+				 format_size(side, a, sizeof(a)), format_size(p->gpu_budget, b, sizeof(b)));
+			return 0;
+		}
+	}
+	log_warn("cpu share: the prefill copy of a split FFN's CPU rows (%s) does not fit --gpu-budget %s beside the "
+		 "slots: no FFN splits", format_size(side_layout(w, NULL), a, sizeof(a)),
+		 format_size(p->gpu_budget, b, sizeof(b)));
+	gw_split_cancel(w);
+	return 0;
+}
+
 int gw_split_create(struct gpu_window *w, char *err, size_t errlen)
 {
 	w->side_group = w->side_user = NO_GROUP;
@@ -621,10 +658,11 @@ void gw_split_describe(const struct gpu_window *w, char *buf, size_t len)
 	snprintf(buf, len,
 		 "; %u FFN groups split with the CPU at r %u..%u of %u (%.0f%% of their rows on the CPU): %s read by "
 		 "the CPU per decode token, %.1f ms%s; steps of up to %u token%s use it, longer ones copy the CPU "
-		 "rows up (%s buffer)", w->plan.split_layers, w->plan.r_min, w->plan.r_max, w->base.cfg->ffn_dim,
+		 "rows up (%s buffer)%s", w->plan.split_layers, w->plan.r_min, w->plan.r_max, w->base.cfg->ffn_dim,
 		 100.0 * (1.0 - (double)(w->plan.r_min + w->plan.r_max) / 2 / w->base.cfg->ffn_dim),
 		 format_size(w->plan.cpu_bytes, cpu, sizeof(cpu)), w->plan.cpu_s * 1e3, rates, w->plan.max_tokens,
-		 w->plan.max_tokens == 1 ? "" : "s", format_size(w->st.side_bytes, side, sizeof(side)));
+		 w->plan.max_tokens == 1 ? "" : "s", format_size(w->st.side_bytes, side, sizeof(side)),
+		 w->st.split_balance_token ? "; one share for every FFN (each layer's own did not fit the budget)" : "");
 }
 
 uint32_t gpu_window_split_r(const struct gpu_window *w, uint32_t g)

@@ -39,7 +39,7 @@ struct fixture {
 	cudaStream_t stream;
 };
 
-static void start_shape(struct fixture *f, const char *dram_budget, const char *shape, uint32_t layers)
+static void start_config(struct fixture *f, const char *dram_budget, const struct model_config *c)
 {
 	memset(f, 0, sizeof(*f));
 	snprintf(f->dir, sizeof(f->dir), "/tmp/llmp-gwt-XXXXXX");
@@ -51,10 +51,8 @@ static void start_shape(struct fixture *f, const char *dram_budget, const char *
 	 * the next case must not meet it. */
 	static int starts;
 	snprintf(f->instance, sizeof(f->instance), "gwt%d-%d", (int)getpid(), starts++);
-	struct model_config cfg;
+	struct model_config cfg = *c;
 	char err[512];
-	ck_assert_int_eq(synth_shape_config(shape, &cfg, err, sizeof(err)), 0);
-	cfg.n_layers = layers;
 	struct synth_options o;
 	synth_options_default(&o);
 	o.seed = 3;
@@ -85,6 +83,15 @@ static void start_shape(struct fixture *f, const char *dram_budget, const char *
 	msg_free(&hello);
 	ck_assert_msg(rc == 0, "ring: %s", err);
 	ck_assert_int_eq(cudaStreamCreate(&f->stream), cudaSuccess);
+}
+
+static void start_shape(struct fixture *f, const char *dram_budget, const char *shape, uint32_t layers)
+{
+	struct model_config cfg;
+	char err[512];
+	ck_assert_int_eq(synth_shape_config(shape, &cfg, err, sizeof(err)), 0);
+	cfg.n_layers = layers;
+	start_config(f, dram_budget, &cfg);
 }
 
 /* The tiny model with four layers, so there is something to keep and something to stream. */
@@ -517,6 +524,64 @@ START_TEST(test_split_refill_budget)
 }
 END_TEST
 
+/* Each layer's own share (auto, --cpu-share-balance layer) gives a layer whose attention streams a
+ * larger CPU share: the slots then hold the largest GPU share and the prefill buffer the largest CPU
+ * share. Where that passes the budget the window takes one share for every FFN (gw_split_fit), so
+ * over a sweep of budgets the split stays within each and splits wherever one share would. */
+START_TEST(test_split_fit_budget)
+{
+	/* Attention as large as the FFN (so a layer whose attention streams gives the CPU far more of
+	 * its FFN), 16 units of FFN rows to choose among. */
+	struct model_config c;
+	char err[512];
+	ck_assert_int_eq(synth_shape_config("tiny", &c, err, sizeof(err)), 0);
+	c.n_layers = 6;
+	c.dim = 512;
+	c.n_heads = c.n_kv_heads = 16;
+	c.head_dim = 64;
+	c.ffn_dim = 512;
+	struct fixture f;
+	start_config(&f, "1GiB", &c);
+	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
+	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
+	struct task_pool *pool = two_workers();
+	uint32_t fell_back = 0, cases = 0;
+	for (uint64_t budget = head + 2 * (a + ff); budget < head + 6 * (a + ff); budget += ff / 11) {
+		struct gpu_window_stats st[2];
+		for (int layer = 0; layer < 2; layer++) {
+			struct gpu_window_params p = {.gpu_budget = budget, .depth = 2, .strict = true, .cpu_pool = pool,
+						      .h2d_bytes_per_s = 4e7};
+			ck_assert_int_eq(cpu_share_parse("auto", &p.cpu_share, err, sizeof(err)), 0);
+			for (uint32_t d = 0; d < DT_COUNT; d++)
+				p.cpu_share.cpu_bytes_per_s[d] = 1e7;
+			p.cpu_share.rates_known = true;
+			p.cpu_share.per_layer = layer;
+			struct gpu_window *w = NULL;
+			ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+			gpu_window_stats(w, &st[layer]);
+			gpu_window_destroy(&w);
+			ck_assert_msg(st[layer].resident_bytes + st[layer].window_bytes + st[layer].side_bytes <= budget,
+				      "budget %llu, balance %s: %llu resident + %llu slots + %llu prefill buffer",
+				      (unsigned long long)budget, layer ? "layer" : "token",
+				      (unsigned long long)st[layer].resident_bytes, (unsigned long long)st[layer].window_bytes,
+				      (unsigned long long)st[layer].side_bytes);
+		}
+		ck_assert(!st[0].split_balance_token); /* one share already */
+		cases += st[0].split_groups > 0;
+		fell_back += st[1].split_balance_token;
+		if (st[0].split_groups)
+			ck_assert_msg(st[1].split_groups > 0, "budget %llu: one share splits %llu FFNs, each layer's none",
+				      (unsigned long long)budget, (unsigned long long)st[0].split_groups);
+	}
+	ck_assert_uint_gt(cases, 0);
+	ck_assert_uint_gt(fell_back, 0); /* the sweep meets budgets where each layer's share does not fit */
+	printf("split fit: %u budgets split, %u with one share for every FFN instead of each layer's\n", cases,
+	       fell_back);
+	task_pool_destroy(&pool);
+	stop(&f);
+}
+END_TEST
+
 START_TEST(test_split_ffn_dram_streams)
 {
 	/* The loader pins every FFN group and streams the attention groups through 3 slots (a budget of
@@ -846,6 +911,7 @@ int main(void)
 	tcase_add_test(tc, test_split_ffn);
 	tcase_add_test(tc, test_split_ffn_dram_streams);
 	tcase_add_test(tc, test_split_refill_budget);
+	tcase_add_test(tc, test_split_fit_budget);
 	tcase_add_test(tc, test_experts_of_one_layer_stream);
 	tcase_add_test(tc, test_experts_streamed_from_disk);
 	tcase_add_test(tc, test_experts_streamed_through_two_slots);
