@@ -156,6 +156,9 @@ bool gw_h2d_start_from(cudaStream_t s, const void *const *src, const size_t *len
 bool gw_registered(const struct gpu_window *w, const void *p, size_t len);
 /* Waits for the copies; their rate in bytes/s (0 when it cannot be read), and frees what start took. */
 double gw_h2d_finish(struct gw_h2d *h);
+/* The pinned H2D rate alone on the window's copy stream: four copies to warm up, four timed.
+ * Returns 0, or -ENOMEM / -EIO with the message in w->base.error. */
+int gw_measure_h2d(struct gpu_window *w, double *bps);
 /* Plans the split once the resident groups are known (resident[g]) and the H2D rate measured:
  * which streamed FFNs split and where (w->split_r, w->plan), with the CPU's rates measured on
  * p->cpu_pool for auto. Sets every split_r to ffn_dim when nothing splits. Returns 0 or -errno with
