@@ -297,6 +297,21 @@ class Table(unittest.TestCase):
         self.assertIn("the same with --fixed-residency (the memory the split frees unused) (r 4096..6144,", rows[4])
         self.assertIn("| 99.0 ms/token | 100.0 ms/token (40.0 + 60.0 GB/s) | 0.990 |", rows[4])
         del rec["spread"], rec["fixed"], rec["split"]["refill_bytes"]
+        # --repeat: the split on three instances; the rows take the median's ratio (the split's own
+        # record is the first of them), and a row gives them all, by ratio; a failed one is counted.
+        rec["repeats"] = [rec["split"], dict(rec["split"], gen={"decode_ms": 120.0}),
+                          dict(rec["split"], gen={"decode_ms": 80.0}, cpu_share=dict(cs, cpu_job_us=700.0)),
+                          {"failed": True}]
+        rows = bench.ROWS["P1"](rec, lim)
+        self.assertIn("| 100.0 ms/token | 100.0 ms/token (", rows[0])
+        self.assertEqual(rows[2], "| P1, the split on 4 instances of its own, by ratio (1 failed) | 80.0 ms (0.800; job "
+                                  "700 us), 100.0 ms (1.000; job 900 us), 120.0 ms (1.200; job 900 us) | each its own | "
+                                  "median 1.000 | <= 1.10 |")
+        rec["repeats"] = [rec["split"], dict(rec["split"], gen={"decode_ms": 80.0})]
+        rows = bench.ROWS["P1"](rec, lim)
+        self.assertIn("| 80.0 ms/token |", rows[0])  # of two, the lower
+        self.assertIn("median 0.800", rows[2])
+        del rec["repeats"]
         rec["split"]["failed"] = True
         self.assertEqual(bench.ROWS["P1"](rec, lim), ["| P1 | failed (see logs) | - | - | - |"])
 
