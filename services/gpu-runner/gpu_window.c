@@ -204,13 +204,25 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	uint32_t h = w->order[c][k % w->m[c]];
 	struct gslot *s = &w->slots[w->first_slot[c] + (uint32_t)(w->copied[c] % w->depth[c])];
 	struct gent *e = &w->g[h];
+	bool guess_copy = false;
 	if (w->routing && w->base.groups[h].kind == GROUP_EXPERT) {
 		/* Only this step's groups of the routed layer: when every streamed expert lies in one
-		 * layer, the next step's come round again while the routing is still this step's. */
-		if (w->base.groups[h].layer != w->routed_layer || k >= w->route_pos + w->m[c])
-			return LATER;
+		 * layer, the next step's come round again while the routing is still this step's. A
+		 * later layer's, this step, on its last routing where that may be guessed. */
+		const uint32_t gl = w->base.groups[h].layer;
+		const bool this_step = k < w->route_pos + w->m[c];
+		bool out = e->unused;
+		if (gl != w->routed_layer || !this_step) {
+			if (!this_step || gl < w->routed_layer || !gw_may_guess(w, gl))
+				return LATER;
+			out = !w->last_used[(size_t)gl * w->base.cfg->n_experts + w->base.groups[h].expert];
+			if (out && !ring_source_group_pinned(w->ring, h))
+				return LATER; /* the CPU could not take it if the route chose it */
+			e->guessed = true;
+			guess_copy = !out;
+		}
 		/* Passed over whether the loader holds it or not: it reads an expert only when asked. */
-		if (e->unused && e->state == GWIN_ABSENT) {
+		if (out && e->state == GWIN_ABSENT) {
 			e->passed = true;
 			w->issued[c]++;
 			w->passed_pending[c]++;
@@ -315,6 +327,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	w->issued[c]++;
 	w->copied[c]++;
 	w->st.bytes_h2d += bytes;
+	w->st.experts_guessed += guess_copy;
 	if (w->base.step_tokens == 1)
 		w->st.bytes_h2d_decode += bytes;
 	w->st.copies++;
@@ -545,6 +558,8 @@ void gpu_window_destroy(struct gpu_window **wp)
 		free(w->order[c]);
 	free(w->expert0);
 	free(w->fetch);
+	free(w->last_used);
+	free(w->last_known);
 	free(w->slots);
 	free(w->g);
 	free(w->dev_off);
@@ -630,6 +645,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	w->head_group = group_id_head(cfg);
 	w->tied = cfg->tie_embeddings != 0;
 	w->heat_known = p->expert_heat != NULL;
+	w->predict = p->predict_experts && cfg->n_experts;
 	uint32_t depth = p->depth ? p->depth : 2;
 
 	/* The device layout of every group whole, and the group table the plan sees with device sizes. */

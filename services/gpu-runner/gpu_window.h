@@ -81,6 +81,11 @@ struct gpu_window_params {
 	/* The residency planned with whole group sizes is kept: the memory the split's smaller slots
 	 * free stays unused (gw_split_refill not run; --fixed-residency, for comparison). */
 	bool fixed_residency;
+	/* A mixture of experts in decode: a later layer's streamed experts are copied before its route,
+	 * those its last routing chose, and the others passed over; one passed over that the route then
+	 * chooses is computed by the CPU from DRAM (--predict-experts; only with the CPU's share of
+	 * experts on, where their host bytes stay in DRAM). */
+	bool predict_experts;
 };
 
 enum gwin_state {
@@ -100,6 +105,9 @@ struct gpu_window_stats {
 	uint64_t late_copies;		 /* copies issued by an acquire rather than ahead of it */
 	uint64_t experts_passed;	 /* streamed expert groups no token chose, not copied (all time) */
 	uint64_t experts_cpu, experts_cpu_bytes; /* routed expert groups left to the CPU, and their bytes */
+	uint64_t experts_guessed;	 /* streamed experts copied before their layer's route (predict_experts) */
+	uint64_t guess_hits;		 /* of those, chosen by the route */
+	uint64_t guess_missed;		 /* passed over before the route, then chosen: left to the CPU */
 	uint32_t experts_resident;	 /* expert groups kept on the device for good (the plan's) */
 	double expert_heat_resident;	 /* the share of the routing they take (window_plan.h) */
 	uint32_t depth;

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common/util.h"
 
@@ -16,6 +17,12 @@ static void on_cpu_set(bool *on_cpu, uint32_t x, bool v)
 {
 	if (on_cpu)
 		on_cpu[x] = v;
+}
+
+bool gw_may_guess(const struct gpu_window *w, uint32_t layer)
+{
+	return w->predict && w->last_known && layer < w->base.cfg->n_layers && w->last_known[layer] &&
+	       w->moe_policy.mode != CPU_SHARE_OFF && w->base.step_tokens <= FFN_SPLIT_MAX_TOKENS;
 }
 
 int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)
@@ -35,6 +42,16 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 		for (uint32_t g = ws->n_groups; g-- > 0;)
 			if (ws->groups[g].kind == GROUP_EXPERT)
 				w->expert0[ws->groups[g].layer] = g;
+		if (w->predict) { /* NULL: no guesses */
+			w->last_used = calloc((size_t)cfg->n_layers * cfg->n_experts, sizeof(bool));
+			w->last_known = calloc(cfg->n_layers, sizeof(bool));
+			if (!w->last_used || !w->last_known) {
+				free(w->last_used);
+				free(w->last_known);
+				w->last_used = NULL;
+				w->last_known = NULL;
+			}
+		}
 	}
 	w->host_reads = false; /* the layer before has ended (moe_end) */
 	uint32_t g0 = w->expert0[layer];
@@ -47,7 +64,24 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 		uint32_t x = ws->groups[g].expert;
 		struct gent *e = &w->g[g];
 		e->on_cpu = false;
-		if (cpu && used[x] && !e->resident && e->state == GWIN_ABSENT && ring_source_group_pinned(w->ring, g)) {
+		if (e->guessed) {
+			e->guessed = false;
+			if (e->passed && used[x]) {
+				/* Guessed out on its last routing, chosen now: its visit has gone by without a copy,
+				 * and the CPU computes it from DRAM (gw_may_guess held, and its bytes are pinned). */
+				const double rate = w->cpu_rate[w->moe_format];
+				e->on_cpu = true;
+				cpu_s += rate > 0 ? (double)w->copy_bytes[g] / rate : 0;
+				w->st.experts_cpu++;
+				w->st.experts_cpu_bytes += w->copy_bytes[g];
+				w->st.guess_missed++;
+			} else if (used[x] && e->state != GWIN_ABSENT) {
+				w->st.guess_hits++;
+				gpu_s += w->st.h2d_bytes_per_s > 0 ? (double)w->copy_bytes[g] / w->st.h2d_bytes_per_s : 0;
+			}
+		}
+		if (!e->on_cpu && cpu && used[x] && !e->resident && e->state == GWIN_ABSENT &&
+		    ring_source_group_pinned(w->ring, g)) {
 			/* To the side that then finishes first: copies at the H2D rate, or the CPU at its
 			 * product rate for the experts' format (a fixed share: the rate that gives it). */
 			double b = (double)w->copy_bytes[g], h2d = w->st.h2d_bytes_per_s > 0 ? w->st.h2d_bytes_per_s : 1;
@@ -65,6 +99,14 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 		}
 		on_cpu_set(on_cpu, x, e->on_cpu);
 		e->unused = !used[x] || e->on_cpu;
+	}
+	/* A decode step's routing is the guess for the layer's next (a prefill chunk chooses nearly
+	 * every expert: it guesses nothing). */
+	if (w->last_used && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS) {
+		memcpy(w->last_used + (size_t)layer * cfg->n_experts, used, cfg->n_experts * sizeof(bool));
+		w->last_known[layer] = true;
+	} else if (w->last_known) {
+		w->last_known[layer] = false;
 	}
 	/* The chosen experts the window copies from the loader's streaming slots are asked for together
 	 * (the ring's route: one ACQUIRE, the loader reads them at once) before the first copy waits on

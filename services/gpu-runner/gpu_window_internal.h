@@ -43,6 +43,8 @@ struct gent {
 	bool unused;	   /* an expert group its layer's routing did not choose this step (route) */
 	bool passed;	   /* counted as issued without a copy (unused): skip consumes it */
 	bool on_cpu;	   /* an expert group the route left in host memory for the CPU this step */
+	bool guessed;	   /* issued before its layer's route on the previous step's routing of it (copied
+			    * if that chose it, else passed over), until the route (--predict-experts) */
 };
 
 #define GW_WAIT_TIMES 64 /* the compute stream's copy waits timed and not yet collected, at most */
@@ -77,6 +79,9 @@ struct gpu_window {
 				    * for issue positions route_pos .. route_pos + m - 1 only (this step's) */
 	uint32_t *expert0;	   /* n_layers: the layer's first expert group (NO_GROUP: none), on first route */
 	bool *fetch;		   /* n_experts: the experts a route asks of the ring together (win_route) */
+	bool predict;		   /* --predict-experts: a later layer's experts issued on its last routing */
+	bool *last_used;	   /* (n_layers, n_experts): each layer's last decode routing (predict) */
+	bool *last_known;	   /* n_layers: a decode routing of the layer has been seen (predict) */
 	struct cpu_share_policy moe_policy; /* which routed experts the CPU computes (mode off: none) */
 	uint32_t moe_format;	   /* the experts' matrix format (gate's), whose CPU rate auto weighs */
 	bool host_reads;	   /* acquire_host handed out ring pointers the backend may still read (until
@@ -215,6 +220,10 @@ int gw_strict_check(struct gpu_window *w);
 /* A GWIN_ state's name, for messages. */
 const char *gw_state_name(uint8_t s);
 /* gpu_window_experts.c: weight_source's route, skip and acquire_host (weights.h). */
+/* Whether issue may guess the experts of `layer` (not routed yet this step) from its last routing:
+ * --predict-experts, a decode step, that routing seen, and the CPU there for an expert guessed out
+ * but then chosen (its visit has gone by: the route leaves it in DRAM for the CPU). */
+bool gw_may_guess(const struct gpu_window *w, uint32_t layer);
 int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu);
 int gw_skip(struct weight_source *ws, uint32_t group);
 int gw_acquire_host(struct weight_source *ws, uint32_t group, struct group_weights *gw);

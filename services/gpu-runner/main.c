@@ -230,6 +230,10 @@ int main(int argc, char **argv)
 		{"h2d-bytes-per-s", OPT_SIZE, &r.h2d_bps, "0", "host-to-device bandwidth for the plan (0: measure at start)"},
 		{"hbm-bytes-per-s", OPT_SIZE, &r.hbm_bps, "2.7TB", "GPU memory bandwidth the prediction assumes for reading weights"},
 		{"strict", OPT_BOOL, &r.strict, NULL, "check the GPU window's invariants at every step"},
+		{"predict-experts", OPT_BOOL, &r.predict_experts, NULL,
+		 "mixture of experts, decode: copy a later layer's streamed experts before its routing, those its last "
+		 "routing chose (one chosen after all that was not copied goes to the CPU; needs --cpu-share on and the "
+		 "experts in DRAM)"},
 		{"fixed-experts", OPT_BOOL, &r.fixed_experts, NULL,
 		 "keep the experts the first plan made resident (table order): no new plan from the routing counted"},
 		{"fixed-split", OPT_BOOL, &r.fixed_split, NULL,

@@ -341,6 +341,9 @@ char *runner_stats(void *ctx)
 			json_object_set_new(g, "bytes_h2d_decode", json_integer((json_int_t)ws2.bytes_h2d_decode));
 			json_object_set_new(g, "experts_cpu", json_integer((json_int_t)ws2.experts_cpu));
 			json_object_set_new(g, "experts_cpu_bytes", json_integer((json_int_t)ws2.experts_cpu_bytes));
+			json_object_set_new(g, "experts_guessed", json_integer((json_int_t)ws2.experts_guessed));
+			json_object_set_new(g, "guess_hits", json_integer((json_int_t)ws2.guess_hits));
+			json_object_set_new(g, "guess_missed", json_integer((json_int_t)ws2.guess_missed));
 			json_object_set_new(g, "experts_resident", json_integer(ws2.experts_resident));
 			json_object_set_new(g, "experts_resident_routing", json_real(ws2.expert_heat_resident));
 			json_object_set_new(g, "expert_replans", json_integer((json_int_t)r->expert_replans));

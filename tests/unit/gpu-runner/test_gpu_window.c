@@ -825,6 +825,57 @@ START_TEST(test_experts_on_the_cpu_from_dram)
 }
 END_TEST
 
+/* --predict-experts: mixtral-tiny (3 layers of 8 experts, 2 a token) all in DRAM, the GPU holding
+ * the attention and router groups and two expert slots, --cpu-share 0.5. In decode a later layer's
+ * experts are copied before its route, those its last routing chose, and the others passed over;
+ * the route then computes on the GPU a guess it chose, skips one it did not, and leaves to the CPU
+ * one it chose that was passed over. Over random routings there are all three, every chosen expert
+ * is handed out with the checkpoint's bytes (on the device or in host memory), and the window's
+ * invariants hold at every step. Without it nothing is guessed. */
+START_TEST(test_experts_guessed)
+{
+	struct fixture f;
+	start_shape(&f, "1GiB", "mixtral-tiny", 3);
+	const struct model_config *c = &f.m->cfg;
+	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = 0;
+	for (uint32_t l = 0; l < c->n_layers; l++)
+		dense += dev_bytes(f.m, model_group_attn(c, l)) + dev_bytes(f.m, model_group_ffn(c, l));
+	uint64_t head = dev_bytes(f.m, group_id_head(c));
+	ck_assert(ring_source_all_resident(f.ring));
+	char err[512];
+	struct task_pool *pool = two_workers();
+	for (int predict = 0; predict < 2; predict++) {
+		struct gpu_window_params p = {.gpu_budget = head + dense + 2 * x, .depth = 2, .strict = true,
+					      .cpu_pool = pool, .predict_experts = predict};
+		ck_assert_int_eq(cpu_share_parse("0.5", &p.cpu_share, err, sizeof(err)), 0);
+		struct gpu_window *w = NULL;
+		ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+		struct gpu_window_stats st;
+		gpu_window_stats(w, &st);
+		ck_assert_uint_eq(st.experts_resident, 0);
+		routed_steps_as(&f, w, 30, true);
+		gpu_window_stats(w, &st);
+		printf("experts guessed: predict %d, %llu copied on a guess, %llu of them chosen, %llu passed over then "
+		       "chosen (to the CPU), %llu on the CPU in all, %llu passed over\n", predict,
+		       (unsigned long long)st.experts_guessed, (unsigned long long)st.guess_hits,
+		       (unsigned long long)st.guess_missed, (unsigned long long)st.experts_cpu,
+		       (unsigned long long)st.experts_passed);
+		if (predict) {
+			ck_assert_uint_gt(st.experts_guessed, 0);
+			ck_assert_uint_gt(st.guess_hits, 0);
+			ck_assert_uint_le(st.guess_hits, st.experts_guessed);
+			ck_assert_uint_gt(st.guess_missed, 0);
+			ck_assert_uint_ge(st.experts_cpu, st.guess_missed);
+		} else {
+			ck_assert_uint_eq(st.experts_guessed + st.guess_hits + st.guess_missed, 0);
+		}
+		gpu_window_destroy(&w);
+	}
+	task_pool_destroy(&pool);
+	stop(&f);
+}
+END_TEST
+
 START_TEST(test_hot_experts)
 {
 	/* Room for 5 experts beside the attention and router groups and two expert slots. With no routing
@@ -917,6 +968,7 @@ int main(void)
 	tcase_add_test(tc, test_experts_streamed_through_two_slots);
 	tcase_add_test(tc, test_experts_on_the_cpu_from_dram);
 	tcase_add_test(tc, test_hot_experts);
+	tcase_add_test(tc, test_experts_guessed);
 	suite_add_tcase(s, tc);
 	SRunner *sr = srunner_create(s);
 	/* CUDA contexts do not survive fork: run in this process. */
