@@ -219,7 +219,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 			if (out && !ring_source_group_pinned(w->ring, h))
 				return LATER; /* the CPU could not take it if the route chose it */
 			e->guessed = true;
-			guess_copy = !out;
+			e->guessed_in = guess_copy = !out;
 		}
 		/* Passed over whether the loader holds it or not: it reads an expert only when asked. */
 		if (out && e->state == GWIN_ABSENT) {

@@ -59,35 +59,48 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 	const struct cpu_share_policy *pol = &w->moe_policy;
 	const bool cpu = pol->mode != CPU_SHARE_OFF && on_cpu && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS;
 	double gpu_s = 0, cpu_s = 0;
+	/* The CPU's rate for the experts' format as the balance below takes it (a fixed share: the rate
+	 * that gives it). */
+	const double h2d_r = w->st.h2d_bytes_per_s > 0 ? w->st.h2d_bytes_per_s : 1;
+	const double cpu_r = pol->mode == CPU_SHARE_FIXED
+				     ? (pol->fraction >= 1 ? 1e30 : h2d_r * pol->fraction / (1 - pol->fraction))
+				     : w->cpu_rate[w->moe_format];
 	for (uint32_t g = g0; g != NO_GROUP && g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
 			      ws->groups[g].layer == layer; g++) {
 		uint32_t x = ws->groups[g].expert;
 		struct gent *e = &w->g[g];
 		e->on_cpu = false;
 		if (e->guessed) {
-			e->guessed = false;
+			const bool in = e->guessed_in;
+			e->guessed = e->guessed_in = false;
 			if (e->passed && used[x]) {
 				/* Guessed out on its last routing, chosen now: its visit has gone by without a copy,
-				 * and the CPU computes it from DRAM (gw_may_guess held, and its bytes are pinned). */
-				const double rate = w->cpu_rate[w->moe_format];
+				 * and the CPU computes it from DRAM (gw_may_guess held when it was passed over, and
+				 * its bytes are pinned). Not where this step cannot give the CPU experts: a guess
+				 * of a step that ended before this layer's route (a failed one), settled by a
+				 * prefill chunk. */
+				if (!cpu || !on_cpu)
+					return errorf(ws->error, sizeof(ws->error), -EPROTO,
+						      "weight window: expert group %u (layer %u) was passed over on a guess "
+						      "(--predict-experts) in a step that ended before its route, and this "
+						      "step of %u tokens cannot leave it to the CPU",
+						      g, layer, ws->step_tokens);
 				e->on_cpu = true;
-				cpu_s += rate > 0 ? (double)w->copy_bytes[g] / rate : 0;
+				cpu_s += cpu_r > 0 ? (double)w->copy_bytes[g] / cpu_r : 0;
 				w->st.experts_cpu++;
 				w->st.experts_cpu_bytes += w->copy_bytes[g];
 				w->st.guess_missed++;
-			} else if (used[x] && e->state != GWIN_ABSENT) {
+			} else if (used[x] && in) {
 				w->st.guess_hits++;
-				gpu_s += w->st.h2d_bytes_per_s > 0 ? (double)w->copy_bytes[g] / w->st.h2d_bytes_per_s : 0;
+				if (e->state == GWIN_INFLIGHT) /* its copy still takes the link */
+					gpu_s += (double)w->copy_bytes[g] / h2d_r;
 			}
 		}
 		if (!e->on_cpu && cpu && used[x] && !e->resident && e->state == GWIN_ABSENT &&
 		    ring_source_group_pinned(w->ring, g)) {
 			/* To the side that then finishes first: copies at the H2D rate, or the CPU at its
-			 * product rate for the experts' format (a fixed share: the rate that gives it). */
-			double b = (double)w->copy_bytes[g], h2d = w->st.h2d_bytes_per_s > 0 ? w->st.h2d_bytes_per_s : 1;
-			double rate = pol->mode == CPU_SHARE_FIXED
-					      ? (pol->fraction >= 1 ? 1e30 : h2d * pol->fraction / (1 - pol->fraction))
-					      : w->cpu_rate[w->moe_format];
+			 * product rate for the experts' format. */
+			double b = (double)w->copy_bytes[g], h2d = h2d_r, rate = cpu_r;
 			if (rate > 0 && cpu_s + b / rate <= gpu_s + b / h2d) {
 				e->on_cpu = true;
 				cpu_s += b / rate;

@@ -45,6 +45,7 @@ struct gent {
 	bool on_cpu;	   /* an expert group the route left in host memory for the CPU this step */
 	bool guessed;	   /* issued before its layer's route on the previous step's routing of it (copied
 			    * if that chose it, else passed over), until the route (--predict-experts) */
+	bool guessed_in;   /* of a guess: copied because that routing chose it */
 };
 
 #define GW_WAIT_TIMES 64 /* the compute stream's copy waits timed and not yet collected, at most */

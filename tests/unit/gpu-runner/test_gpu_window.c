@@ -863,7 +863,7 @@ START_TEST(test_experts_guessed)
 		if (predict) {
 			ck_assert_uint_gt(st.experts_guessed, 0);
 			ck_assert_uint_gt(st.guess_hits, 0);
-			ck_assert_uint_le(st.guess_hits, st.experts_guessed);
+			ck_assert_uint_lt(st.guess_hits, st.experts_guessed); /* copies not chosen were skipped */
 			ck_assert_uint_gt(st.guess_missed, 0);
 			ck_assert_uint_ge(st.experts_cpu, st.guess_missed);
 		} else {
