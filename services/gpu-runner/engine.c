@@ -15,6 +15,7 @@
 
 struct engine {
 	const struct model_config *cfg;
+	bool step_failed; /* the last step failed part way: the weight source settles it first */
 	struct backend *be;
 	struct weight_source *ws;
 	struct kv_cache *kv;
@@ -412,9 +413,16 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 			  int32_t *argmax, const struct sampler_params *sp, double u, bool stage_out,
 			  const struct backend_pick *picks)
 {
+	if (e->step_failed && e->ws->ops->reset) {
+		int src = e->ws->ops->reset(e->ws);
+		if (src)
+			return set_err(e, src, "weights, after a failed step: %s", e->ws->error);
+	}
+	e->step_failed = false;
 	int rc = step_groups(e, seqs, n_seqs, logits, argmax, sp, u, stage_out, picks);
 	if (rc && e->cfg->n_experts)
 		backend_moe_settle(e->be);
+	e->step_failed = rc != 0;
 	return rc;
 }
 

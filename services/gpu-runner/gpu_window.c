@@ -508,6 +508,56 @@ static int win_flush(struct weight_source *ws)
 	return rc;
 }
 
+/* The engine's last step failed part way (weights.h, reset): every stream waited for, every copy
+ * seen done (its ring grant handed back), then every streamed group out of its slot and every
+ * visit, routing and guess forgotten, so that the next step visits each class from its first group,
+ * whose copies start now, as a new window's do. Resident groups stay. */
+static int win_reset(struct weight_source *ws)
+{
+	struct gpu_window *w = (struct gpu_window *)ws;
+	cudaError_t ce = cudaStreamSynchronize(w->compute);
+	for (uint32_t i = 0; ce == cudaSuccess && i < w->n_copies; i++)
+		ce = cudaStreamSynchronize(w->copies[i]);
+	if (ce == cudaSuccess && w->side_stream)
+		ce = cudaStreamSynchronize(w->side_stream);
+	for (uint32_t g = 0; ce == cudaSuccess && g < ws->n_groups; g++)
+		if (w->g[g].state == GWIN_INFLIGHT)
+			ce = cudaEventSynchronize(w->g[g].h2d); /* done with its stream: at once */
+	if (ce != cudaSuccess)
+		return errorf(ws->error, sizeof(ws->error), -EIO, "settling a failed step: %s", cudaGetErrorString(ce));
+	int rc = gw_poll_copies(w);
+	if (rc)
+		return rc;
+	for (uint32_t g = 0; g < ws->n_groups; g++) {
+		struct gent *e = &w->g[g];
+		e->in_use = false;
+		e->unused = e->passed = e->on_cpu = e->guessed = e->guessed_in = false;
+		if (e->resident || g == w->embed_group)
+			continue;
+		if (e->state == GWIN_RESIDENT &&
+		    ((rc = set_state(w, g, GWIN_RETIRING)) || (rc = set_state(w, g, GWIN_ABSENT))))
+			return rc;
+		if (e->state != GWIN_ABSENT || e->host_held)
+			return errorf(ws->error, sizeof(ws->error), -EFAULT,
+				      "weight window: group %u is %s%s after its copies were waited for", g,
+				      gw_state_name(e->state), e->host_held ? " and holds its ring grant" : "");
+		e->slot = NO_SLOT;
+		e->dev = NULL;
+	}
+	for (uint32_t s = 0; s < w->n_slots; s++)
+		w->slots[s].group = NO_GROUP;
+	for (uint32_t c = 0; c < CLASS_COUNT; c++)
+		w->issued[c] = w->consumed[c] = w->copied[c] = w->passed_pending[c] = 0;
+	w->routing = false;
+	w->routed_layer = 0;
+	w->route_pos = 0;
+	w->host_reads = false;
+	w->side_user = NO_GROUP;
+	w->st.step_resets++;
+	rc = gw_top_up(w);
+	return rc ? rc : gw_strict_check(w);
+}
+
 static const struct weight_source_ops window_ops = {
 	.acquire = win_acquire,
 	.release = win_release,
@@ -516,6 +566,7 @@ static const struct weight_source_ops window_ops = {
 	.skip = gw_skip,
 	.acquire_host = gw_acquire_host,
 	.flush = win_flush,
+	.reset = win_reset,
 };
 
 void gpu_window_destroy(struct gpu_window **wp)

@@ -108,6 +108,7 @@ struct gpu_window_stats {
 	uint64_t experts_guessed;	 /* streamed experts copied before their layer's route (predict_experts) */
 	uint64_t guess_hits;		 /* of those, chosen by the route */
 	uint64_t guess_missed;		 /* passed over before the route, then chosen: left to the CPU */
+	uint64_t step_resets;		 /* failed steps settled before the next (weights.h, reset) */
 	uint32_t experts_resident;	 /* expert groups kept on the device for good (the plan's) */
 	double expert_heat_resident;	 /* the share of the routing they take (window_plan.h) */
 	uint32_t depth;

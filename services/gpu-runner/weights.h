@@ -57,6 +57,11 @@ struct weight_source_ops {
 	 * model at the end of its layers, so that the next stage's runner finds the slots free while this
 	 * one waits. Returns 0 or -errno with the message in the source. */
 	int (*flush)(struct weight_source *s);
+	/* Optional: the engine's last step failed part way (a kv-store failure the request rebuilds
+	 * after, say): whatever it left (groups acquired and not released, a visit stopped in the middle
+	 * of the groups, a routing half used) is settled so that the next step visits from the first
+	 * group again. The engine calls it before that step. Returns 0 or -errno with the message. */
+	int (*reset)(struct weight_source *s);
 };
 
 /* The part of the model a source serves when several runners split the layers between them (the

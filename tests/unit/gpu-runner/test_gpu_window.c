@@ -340,6 +340,45 @@ START_TEST(test_streaming_depth_2)
 }
 END_TEST
 
+/* A step that fails part way (a group acquired and never released, the visit stopped in the middle)
+ * is settled by the source's reset before the next: the next steps hand out every group's bytes
+ * again and the state table holds. Without it the next step's first streamed group is out of
+ * visit order. */
+START_TEST(test_failed_step_reset)
+{
+	struct fixture f;
+	start(&f, "1GiB");
+	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
+	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
+	struct gpu_window_params p = {.gpu_budget = head + 2 * (a + ff), .depth = 2, .strict = true};
+	struct gpu_window *w = NULL;
+	char err[512];
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	struct gpu_window_stats st;
+	gpu_window_stats(w, &st);
+	ck_assert_uint_gt(st.streamed_groups, 2);
+	struct weight_source *ws = gpu_window_base(w);
+	pass(&f, w);
+	for (uint32_t stop_at = 2; stop_at < f.m->n_groups; stop_at += 3) {
+		/* A step that fails at group stop_at: acquired, never released. */
+		for (uint32_t g = 0; g <= stop_at; g++) {
+			struct group_weights gw;
+			ck_assert_msg(ws->ops->acquire(ws, g, &gw) == 0, "acquire %u: %s", g, ws->error);
+			if (g < stop_at)
+				ck_assert_int_eq(ws->ops->release(ws, g), 0);
+		}
+		ck_assert_msg(ws->ops->reset(ws) == 0, "reset: %s", ws->error);
+		ck_assert_msg(gpu_window_check(w, err, sizeof(err)) == 0, "%s", err);
+		pass(&f, w);
+		pass(&f, w);
+	}
+	gpu_window_stats(w, &st);
+	ck_assert_uint_gt(st.step_resets, 1);
+	gpu_window_destroy(&w);
+	stop(&f);
+}
+END_TEST
+
 /* --window-spread: the kept layer groups among the layers, not the first ones; every pass still
  * moves each streamed group once and the state table holds (strict). */
 START_TEST(test_streaming_spread)
@@ -837,6 +876,7 @@ START_TEST(test_experts_guessed)
 	struct fixture f;
 	start_shape(&f, "1GiB", "mixtral-tiny", 3);
 	const struct model_config *c = &f.m->cfg;
+	const uint32_t E = c->n_experts;
 	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = 0;
 	for (uint32_t l = 0; l < c->n_layers; l++)
 		dense += dev_bytes(f.m, model_group_attn(c, l)) + dev_bytes(f.m, model_group_ffn(c, l));
@@ -869,6 +909,28 @@ START_TEST(test_experts_guessed)
 		} else {
 			ck_assert_uint_eq(st.experts_guessed + st.guess_hits + st.guess_missed, 0);
 		}
+		/* A decode step that fails right after layer 0's route, its guesses of the later layers
+		 * issued and never settled: the reset forgets them, and steps from a prefill chunk on
+		 * run as before. */
+		struct weight_source *ws = gpu_window_base(w);
+		ws->step_tokens = 1;
+		for (uint32_t g = 0; g < f.m->n_groups; g++) {
+			const struct group_desc *gd = &f.m->groups[g];
+			if (gd->kind == GROUP_EXPERT)
+				break;
+			struct group_weights gw;
+			ck_assert_msg(ws->ops->acquire(ws, g, &gw) == 0, "acquire %u: %s", g, ws->error);
+			if (gd->kind == GROUP_MOE) {
+				bool used[64] = {false}, on_cpu[64] = {false};
+				used[1] = used[E - 1] = true;
+				ck_assert_msg(ws->ops->route(ws, gd->layer, used, on_cpu) == 0, "route: %s", ws->error);
+			}
+			ck_assert_int_eq(ws->ops->release(ws, g), 0);
+		}
+		ck_assert_msg(ws->ops->reset(ws) == 0, "reset: %s", ws->error);
+		routed_steps_as(&f, w, 6, true);
+		gpu_window_stats(w, &st);
+		ck_assert_uint_eq(st.step_resets, 1);
 		gpu_window_destroy(&w);
 	}
 	task_pool_destroy(&pool);
@@ -957,6 +1019,7 @@ int main(void)
 	tcase_add_test(tc, test_all_resident);
 	tcase_add_test(tc, test_streaming_depth_2);
 	tcase_add_test(tc, test_streaming_spread);
+	tcase_add_test(tc, test_failed_step_reset);
 	tcase_add_test(tc, test_streaming_depth_1_dram_streams);
 	tcase_add_test(tc, test_budget_too_small);
 	tcase_add_test(tc, test_split_ffn);
