@@ -830,7 +830,38 @@ static void experts_from_disk(uint32_t experts, bool cpu)
 	}
 	routed_steps(&f, w, 24);
 	ck_assert_uint_gt(ring_source_experts_ahead(f.ring), 0);
+	/* A step that fails with an expert of layer 1 acquired (its copy from the loader's streaming
+	 * slots done or in flight, never released): the reset settles it, grants and all, and routed
+	 * steps go on with every expert's bytes as before. */
+	{
+		struct weight_source *ws = gpu_window_base(w);
+		ws->step_tokens = 1;
+		bool used[64] = {false}, on_cpu[64] = {false};
+		bool held = false;
+		for (uint32_t g = 0; g < f.m->n_groups && !held; g++) {
+			const struct group_desc *gd = &f.m->groups[g];
+			if (gd->kind == GROUP_EXPERT && (!used[gd->expert] || on_cpu[gd->expert])) {
+				ck_assert_msg(ws->ops->skip(ws, g) == 0, "skip %u: %s", g, ws->error);
+				continue;
+			}
+			struct group_weights gw;
+			ck_assert_msg(ws->ops->acquire(ws, g, &gw) == 0, "acquire %u: %s", g, ws->error);
+			if (gd->kind == GROUP_MOE) {
+				memset(used, 0, sizeof(used));
+				memset(on_cpu, 0, sizeof(on_cpu));
+				used[0] = used[3] = true;
+				ck_assert_msg(ws->ops->route(ws, gd->layer, used, on_cpu) == 0, "route: %s", ws->error);
+			}
+			held = gd->kind == GROUP_EXPERT && gd->layer == 1;
+			if (!held)
+				ck_assert_int_eq(ws->ops->release(ws, g), 0);
+		}
+		ck_assert(held);
+		ck_assert_msg(ws->ops->reset(ws) == 0, "reset: %s", ws->error);
+		routed_steps(&f, w, 6);
+	}
 	gpu_window_stats(w, &st);
+	ck_assert_uint_eq(st.step_resets, 1);
 	if (cpu) { /* the pinned experts chosen in decode steps, half of them by bytes */
 		ck_assert_uint_gt(st.experts_cpu, 0);
 		/* ... and taken for the CPU right after their layer's route (--cpu-experts route). */
