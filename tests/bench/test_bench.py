@@ -516,6 +516,17 @@ class RunWithFakes(unittest.TestCase):
         self.assertEqual((rec["disk_bytes_per_token"], rec["strict_violations"]), (3000000000, 1))
         self.assertEqual(bench.rows_s3(rec, self.lim)[0], "| --strict S3 | 1 violation lines | - | - | none |")
 
+    def test_p_repeat(self):
+        """--repeat 3: P1's split on three instances of its own, after the unsplit one."""
+        self.b.repeat = 3
+        rec = self.b.run_p("P1", self.m8, "6GiB", "64GiB")
+        self.assertEqual(len(rec["repeats"]), 3)
+        self.assertIs(rec["repeats"][0], rec["split"])
+        for name in ("P1-whole", "P1", "P1-r2", "P1-r3"):
+            with open(os.path.join(self.b.work, f"run-{name}", "start-args")) as f:
+                self.assertIn("--cpu-share " + ("0" if name == "P1-whole" else "auto"), f.read())
+        self.assertFalse(os.path.exists(os.path.join(self.b.work, "run-P1-r4")))
+
     def test_check(self):
         rec = self.b.run_check(self.m8)
         self.assertEqual(rec, {"sanitizers": {"memcheck": "ERROR SUMMARY: 0 errors", "racecheck":
