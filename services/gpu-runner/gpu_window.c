@@ -180,7 +180,7 @@ static void collect_wait(struct gpu_window *w, uint32_t i, bool force)
 /* The compute stream waits for group h's copy: timed with time_copies (an event each side). */
 static cudaError_t compute_waits(struct gpu_window *w, const struct gent *e)
 {
-	if (!w->time_copies || !w->wait_ev[0][0])
+	if (!w->time_copies) /* its events made at create */
 		return cudaStreamWaitEvent(w->compute, e->h2d, 0);
 	const uint32_t i = w->wait_next++ % GW_WAIT_TIMES;
 	collect_wait(w, i, true);
@@ -834,16 +834,6 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	}
 	w->st.resident_bytes = res_bytes;
 
-	/* The split's prefill buffer comes on top of the slots. Where the slots do not shrink enough to
-	 * make room for it (streamed FFNs that do not split keep their class's slots whole), nothing
-	 * splits: the budget is what the user gave. */
-	if (w->st.side_bytes && res_bytes + gw_slot_bytes(w, NULL, depth, false) + w->st.side_bytes > p->gpu_budget) {
-		char b[32];
-		log_warn("cpu share: the prefill copy of a split FFN's CPU rows (%s) does not fit --gpu-budget beside "
-			 "the slots: no FFN splits", format_size(w->st.side_bytes, b, sizeof(b)));
-		gw_split_cancel(w);
-		gw_layout(w);
-	}
 
 	/* Streaming classes: visit order and slots. */
 	uint64_t win_bytes = 0;

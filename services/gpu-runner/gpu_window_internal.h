@@ -196,9 +196,6 @@ uint64_t gw_slot_bytes(const struct gpu_window *w, const bool *resident, uint32_
  * gw_split_plan). Returns 0 or -errno with err set. */
 int gw_split_create(struct gpu_window *w, char *err, size_t errlen);
 void gw_split_destroy(struct gpu_window *w);
-/* Splits nothing after all (the prefill buffer does not fit the budget): every split_r back to
- * ffn_dim, the buffer freed, the plan's numbers those of no split. The caller lays out again. */
-void gw_split_cancel(struct gpu_window *w);
 /* Group g was filled with whole tensors at its device memory: for a split FFN, the first share's
  * shapes, and the second share: host memory in place for a decode step (steps of at most
  * plan.max_tokens tokens: FFN_SPLIT_CPU), else its copy in side_mem (FFN_SPLIT_BACKEND; the copy

@@ -367,6 +367,27 @@ static uint64_t kept_bytes(const struct gpu_window *w, const bool *resident)
 	return b;
 }
 
+/* The split planned again over resident[], every FFN whole first, at the rates the window measured
+ * already (no second calibration; what the stats say of where they came from stays), each layer its
+ * own share or one for all (per_layer), and laid out. Returns gw_split_plan's result. */
+static int split_again(struct gpu_window *w, const bool *resident, const struct gpu_window_params *p, bool per_layer,
+		       char *err, size_t errlen)
+{
+	struct gpu_window_params q = *p;
+	memcpy(q.cpu_share.cpu_bytes_per_s, w->cpu_rate, sizeof(w->cpu_rate));
+	q.cpu_share.rates_known = true;
+	q.cpu_share.h2d_beside_bytes_per_s = w->st.h2d_beside_cpu_bytes_per_s;
+	q.cpu_share.per_layer = per_layer;
+	const bool from_jobs = w->st.rates_from_jobs;
+	for (uint32_t g = 0; g < w->base.n_groups; g++)
+		w->split_r[g] = w->base.cfg->ffn_dim;
+	gw_layout(w);
+	int rc = gw_split_plan(w, resident, &q, err, errlen);
+	w->st.rates_from_jobs = from_jobs;
+	gw_layout(w);
+	return rc;
+}
+
 int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_window_params *p, uint32_t depth,
 		    bool spread, char *err, size_t errlen)
 {
@@ -383,12 +404,8 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 		return 0; /* the first plan stands */
 	memcpy(first, resident, ng * sizeof(bool));
 	const double t0 = plan_token_s(&w->plan);
-	const bool from_jobs = w->st.rates_from_jobs, spread0 = w->st.spread;
+	const bool spread0 = w->st.spread;
 	const uint64_t kept0 = kept_bytes(w, first);
-	struct gpu_window_params q = *p;
-	memcpy(q.cpu_share.cpu_bytes_per_s, w->cpu_rate, sizeof(w->cpu_rate));
-	q.cpu_share.rates_known = true;
-	q.cpu_share.h2d_beside_bytes_per_s = w->st.h2d_beside_cpu_bytes_per_s;
 	/* The plan again, its budget raised by what the split's smaller slots free; a raise that
 	 * overshoots once it splits again is taken back by the overshoot (twice at most). A try that
 	 * fails, or would measure a format the first plan did not (its rates unknown), is not taken. */
@@ -406,9 +423,8 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 		if (spread)
 			w->st.spread = window_plan_spread(cfg, &w->base.stage, resident);
 		const uint32_t cal = w->calibrations;
-		if (gw_split_plan(w, resident, &q, why, sizeof(why)) || w->calibrations != cal)
+		if (split_again(w, resident, p, p->cpu_share.per_layer, why, sizeof(why)) || w->calibrations != cal)
 			break;
-		gw_layout(w);
 		const uint64_t now = planned_bytes(w, resident, depth, false);
 		better = now <= p->gpu_budget && kept_bytes(w, resident) > kept0 && plan_token_s(&w->plan) < t0;
 		if (!better)
@@ -427,14 +443,33 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 			log_info("GPU weights: the plan with the memory the split frees was not taken (%s)", why);
 		memcpy(resident, first, ng * sizeof(bool));
 		w->st.spread = spread0;
-		for (uint32_t g = 0; g < ng; g++)
-			w->split_r[g] = cfg->ffn_dim;
-		rc = gw_split_plan(w, resident, &q, err, errlen);
-		gw_layout(w);
+		rc = split_again(w, resident, p, p->cpu_share.per_layer, err, errlen);
 	}
-	w->st.rates_from_jobs = from_jobs;
 	free(first);
 	return rc;
+}
+
+/* Splits nothing after all (the prefill buffer does not fit the budget): every split_r back to ffn_dim,
+ * the plan's numbers those of no split. The caller lays out again. */
+static void gw_split_cancel(struct gpu_window *w)
+{
+	gw_split_destroy(w);
+	for (uint32_t g = 0; g < w->base.n_groups; g++)
+		w->split_r[g] = w->base.cfg->ffn_dim;
+	for (uint32_t l = 0; l < w->base.cfg->n_layers; l++)
+		w->split_r_layer[l] = w->base.cfg->ffn_dim;
+	w->plan.pcie_bytes += w->plan.cpu_bytes;
+	w->plan.pcie_s = w->st.h2d_bytes_per_s > 0 ? (double)w->plan.pcie_bytes / w->st.h2d_bytes_per_s : 0;
+	w->plan.cpu_bytes = 0;
+	w->plan.cpu_s = w->plan.jobs_s = 0;
+	w->plan.split_layers = 0;
+	w->plan.r_min = w->plan.r_max = w->base.cfg->ffn_dim;
+	w->st.split_groups = 0;
+	w->st.split_r_min = w->st.split_r_max = w->base.cfg->ffn_dim;
+	w->st.cpu_bytes_per_token = 0;
+	w->st.pcie_ms = w->plan.pcie_s * 1e3;
+	w->st.cpu_ms = w->st.cpu_jobs_ms = 0;
+	w->st.side_bytes = 0;
 }
 
 int gw_split_fit(struct gpu_window *w, const bool *resident, const struct gpu_window_params *p, uint32_t depth,
@@ -445,20 +480,9 @@ int gw_split_fit(struct gpu_window *w, const bool *resident, const struct gpu_wi
 	char a[32], b[32];
 	const uint64_t side = side_layout(w, NULL);
 	if (p->cpu_share.mode == CPU_SHARE_AUTO && p->cpu_share.per_layer) {
-		struct gpu_window_params q = *p;
-		memcpy(q.cpu_share.cpu_bytes_per_s, w->cpu_rate, sizeof(w->cpu_rate));
-		q.cpu_share.rates_known = true; /* as measured: no second calibration */
-		q.cpu_share.h2d_beside_bytes_per_s = w->st.h2d_beside_cpu_bytes_per_s;
-		q.cpu_share.per_layer = false;
-		const bool from_jobs = w->st.rates_from_jobs;
-		for (uint32_t g = 0; g < w->base.n_groups; g++)
-			w->split_r[g] = w->base.cfg->ffn_dim;
-		gw_layout(w);
-		int rc = gw_split_plan(w, resident, &q, err, errlen);
-		w->st.rates_from_jobs = from_jobs;
+		int rc = split_again(w, resident, p, false, err, errlen);
 		if (rc)
 			return rc;
-		gw_layout(w);
 		if (!w->plan.split_layers || planned_bytes(w, resident, depth, false) <= p->gpu_budget) {
 			w->st.split_balance_token = w->plan.split_layers > 0;
 			log_warn("cpu share: each layer's own share needs a prefill buffer of %s beside slots for the largest "
@@ -523,26 +547,6 @@ void gw_split_destroy(struct gpu_window *w)
 	w->side_mem = NULL;
 }
 
-void gw_split_cancel(struct gpu_window *w)
-{
-	gw_split_destroy(w);
-	for (uint32_t g = 0; g < w->base.n_groups; g++)
-		w->split_r[g] = w->base.cfg->ffn_dim;
-	for (uint32_t l = 0; l < w->base.cfg->n_layers; l++)
-		w->split_r_layer[l] = w->base.cfg->ffn_dim;
-	w->plan.pcie_bytes += w->plan.cpu_bytes;
-	w->plan.pcie_s = w->st.h2d_bytes_per_s > 0 ? (double)w->plan.pcie_bytes / w->st.h2d_bytes_per_s : 0;
-	w->plan.cpu_bytes = 0;
-	w->plan.cpu_s = w->plan.jobs_s = 0;
-	w->plan.split_layers = 0;
-	w->plan.r_min = w->plan.r_max = w->base.cfg->ffn_dim;
-	w->st.split_groups = 0;
-	w->st.split_r_min = w->st.split_r_max = w->base.cfg->ffn_dim;
-	w->st.cpu_bytes_per_token = 0;
-	w->st.pcie_ms = w->plan.pcie_s * 1e3;
-	w->st.cpu_ms = w->st.cpu_jobs_ms = 0;
-	w->st.side_bytes = 0;
-}
 
 /* ---- the token path ---- */
 

@@ -649,6 +649,15 @@ static uint64_t dev_bytes(const struct manifest *m, uint32_t g)
 	return b;
 }
 
+/* Device bytes of every layer's attention and FFN (a mixture of experts: router) groups. */
+static uint64_t layer_bytes(const struct manifest *m)
+{
+	uint64_t b = 0;
+	for (uint32_t l = 0; l < m->cfg.n_layers; l++)
+		b += dev_bytes(m, model_group_attn(&m->cfg, l)) + dev_bytes(m, model_group_ffn(&m->cfg, l));
+	return b;
+}
+
 static void routed_steps_as(struct fixture *f, struct gpu_window *w, int steps, bool at_route);
 
 static void routed_steps(struct fixture *f, struct gpu_window *w, int steps)
@@ -792,9 +801,7 @@ static void experts_from_disk(uint32_t experts, bool cpu)
 	uint64_t cap[CLASS_COUNT];
 	for (int k = 0; k < CLASS_COUNT; k++)
 		cap[k] = (f.m->class_bytes[k] + 4095) / 4096 * 4096;
-	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = 0;
-	for (uint32_t l = 0; l < c->n_layers; l++)
-		dense += dev_bytes(f.m, model_group_attn(c, l)) + dev_bytes(f.m, model_group_ffn(c, l));
+	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = layer_bytes(f.m);
 	uint64_t head = dev_bytes(f.m, group_id_head(c));
 	const uint32_t L = c->n_layers;
 	stop(&f); /* c goes with the manifest */
@@ -908,9 +915,7 @@ START_TEST(test_experts_guessed)
 	start_shape(&f, "1GiB", "mixtral-tiny", 3);
 	const struct model_config *c = &f.m->cfg;
 	const uint32_t E = c->n_experts;
-	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = 0;
-	for (uint32_t l = 0; l < c->n_layers; l++)
-		dense += dev_bytes(f.m, model_group_attn(c, l)) + dev_bytes(f.m, model_group_ffn(c, l));
+	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = layer_bytes(f.m);
 	uint64_t head = dev_bytes(f.m, group_id_head(c));
 	ck_assert(ring_source_all_resident(f.ring));
 	char err[512];
@@ -979,9 +984,7 @@ START_TEST(test_hot_experts)
 	start_shape(&f, "1GiB", "mixtral-tiny", 3);
 	const struct model_config *c = &f.m->cfg;
 	const uint32_t E = c->n_experts;
-	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = 0;
-	for (uint32_t l = 0; l < c->n_layers; l++)
-		dense += dev_bytes(f.m, model_group_attn(c, l)) + dev_bytes(f.m, model_group_ffn(c, l));
+	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = layer_bytes(f.m);
 	struct gpu_window_params p = {.gpu_budget = dev_bytes(f.m, group_id_head(c)) + dense + 2 * x + 5 * x + x / 2,
 				      .depth = 2, .strict = true};
 	struct gpu_window *w = NULL;
