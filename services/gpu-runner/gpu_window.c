@@ -208,14 +208,15 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	if (w->routing && w->base.groups[h].kind == GROUP_EXPERT) {
 		/* Only this step's groups of the routed layer: when every streamed expert lies in one
 		 * layer, the next step's come round again while the routing is still this step's. A
-		 * later layer's, this step, on its last routing where that may be guessed. */
+		 * later layer's, this step, on the guess its last routing left (guess_next) where
+		 * that may be guessed. */
 		const uint32_t gl = w->base.groups[h].layer;
 		const bool this_step = k < w->route_pos + w->m[c];
 		bool out = e->unused;
 		if (gl != w->routed_layer || !this_step) {
 			if (!this_step || gl < w->routed_layer || !gw_may_guess(w, gl))
 				return LATER;
-			out = !w->last_used[(size_t)gl * w->base.cfg->n_experts + w->base.groups[h].expert];
+			out = !w->guess_set[(size_t)gl * w->base.cfg->n_experts + w->base.groups[h].expert];
 			if (out && !ring_source_group_pinned(w->ring, h))
 				return LATER; /* the CPU could not take it if the route chose it */
 			e->guessed = true;
@@ -609,7 +610,7 @@ void gpu_window_destroy(struct gpu_window **wp)
 		free(w->order[c]);
 	free(w->expert0);
 	free(w->fetch);
-	free(w->last_used);
+	free(w->guess_set);
 	free(w->last_known);
 	free(w->slots);
 	free(w->g);

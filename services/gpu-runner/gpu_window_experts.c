@@ -25,6 +25,41 @@ bool gw_may_guess(const struct gpu_window *w, uint32_t layer)
 	       w->moe_policy.mode != CPU_SHARE_OFF && w->base.step_tokens <= FFN_SPLIT_MAX_TOKENS;
 }
 
+/* What the next decode step copies of `layer`'s streamed experts before its route, from this
+ * routing (`used`, its sides settled in on_cpu): not every chosen expert, which would leave the CPU
+ * only the guesses' misses, but the GPU's share of their bytes by the rates the route balances
+ * (gpu_frac: H2D / (H2D + CPU)), the experts the GPU took this step first. The rest of the choice
+ * is passed over, and chosen again it goes to the CPU, as a miss does. An expert whose host bytes
+ * stream is guessed in whenever chosen: only a copy can take it. */
+static void guess_next(struct gpu_window *w, uint32_t layer, const bool *used, double gpu_frac)
+{
+	const struct weight_source *ws = &w->base;
+	const uint32_t E = ws->cfg->n_experts, g0 = w->expert0[layer];
+	bool *next = w->guess_set + (size_t)layer * E;
+	memset(next, 0, E * sizeof(bool));
+	double chosen = 0, got = 0;
+	for (uint32_t g = g0; g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT && ws->groups[g].layer == layer;
+	     g++)
+		if (used[ws->groups[g].expert] && !w->g[g].resident)
+			chosen += (double)w->copy_bytes[g];
+	const double target = gpu_frac * chosen;
+	for (int pass = 0; pass < 3; pass++)
+		for (uint32_t g = g0; g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
+				      ws->groups[g].layer == layer; g++) {
+			const uint32_t x = ws->groups[g].expert;
+			const struct gent *e = &w->g[g];
+			if (!used[x] || e->resident || next[x])
+				continue;
+			const double b = (double)w->copy_bytes[g];
+			const bool pinned = ring_source_group_pinned(w->ring, g);
+			/* pass 0: the ones only a copy can take; 1: the GPU's this step; 2: the CPU's */
+			if ((pass == 0 && pinned) || (pass == 1 && e->on_cpu) || (pass > 0 && got + b / 2 > target))
+				continue;
+			next[x] = true;
+			got += b;
+		}
+}
+
 int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)
 {
 	struct gpu_window *w = (struct gpu_window *)ws;
@@ -43,12 +78,12 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 			if (ws->groups[g].kind == GROUP_EXPERT)
 				w->expert0[ws->groups[g].layer] = g;
 		if (w->predict) { /* NULL: no guesses */
-			w->last_used = calloc((size_t)cfg->n_layers * cfg->n_experts, sizeof(bool));
+			w->guess_set = calloc((size_t)cfg->n_layers * cfg->n_experts, sizeof(bool));
 			w->last_known = calloc(cfg->n_layers, sizeof(bool));
-			if (!w->last_used || !w->last_known) {
-				free(w->last_used);
+			if (!w->guess_set || !w->last_known) {
+				free(w->guess_set);
 				free(w->last_known);
-				w->last_used = NULL;
+				w->guess_set = NULL;
 				w->last_known = NULL;
 			}
 		}
@@ -115,8 +150,8 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 	}
 	/* A decode step's routing is the guess for the layer's next (a prefill chunk chooses nearly
 	 * every expert: it guesses nothing). */
-	if (w->last_used && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS) {
-		memcpy(w->last_used + (size_t)layer * cfg->n_experts, used, cfg->n_experts * sizeof(bool));
+	if (w->guess_set && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS) {
+		guess_next(w, layer, used, cpu ? h2d_r / (h2d_r + cpu_r) : 1);
 		w->last_known[layer] = true;
 	} else if (w->last_known) {
 		w->last_known[layer] = false;

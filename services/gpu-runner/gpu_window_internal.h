@@ -43,9 +43,10 @@ struct gent {
 	bool unused;	   /* an expert group its layer's routing did not choose this step (route) */
 	bool passed;	   /* counted as issued without a copy (unused): skip consumes it */
 	bool on_cpu;	   /* an expert group the route left in host memory for the CPU this step */
-	bool guessed;	   /* issued before its layer's route on the previous step's routing of it (copied
-			    * if that chose it, else passed over), until the route (--predict-experts) */
-	bool guessed_in;   /* of a guess: copied because that routing chose it */
+	bool guessed;	   /* issued before its layer's route on the guess the previous step's routing
+			    * left (copied if the guess has it, else passed over), until the route
+			    * (--predict-experts) */
+	bool guessed_in;   /* of a guess: copied, the guess (guess_next) has it */
 };
 
 #define GW_WAIT_TIMES 64 /* the compute stream's copy waits timed and not yet collected, at most */
@@ -81,7 +82,8 @@ struct gpu_window {
 	uint32_t *expert0;	   /* n_layers: the layer's first expert group (NO_GROUP: none), on first route */
 	bool *fetch;		   /* n_experts: the experts a route asks of the ring together (win_route) */
 	bool predict;		   /* --predict-experts: a later layer's experts issued on its last routing */
-	bool *last_used;	   /* (n_layers, n_experts): each layer's last decode routing (predict) */
+	bool *guess_set;	   /* (n_layers, n_experts): what each layer's next decode step copies before
+				    * its route, from its last decode routing (guess_next; predict) */
 	bool *last_known;	   /* n_layers: a decode routing of the layer has been seen (predict) */
 	struct cpu_share_policy moe_policy; /* which routed experts the CPU computes (mode off: none) */
 	uint32_t moe_format;	   /* the experts' matrix format (gate's), whose CPU rate auto weighs */
