@@ -51,6 +51,17 @@ static int set_state(struct gpu_window *w, uint32_t g, uint8_t to)
 		return errorf(w->base.error, sizeof(w->base.error), -EFAULT,
 			      "weight window: group %u may not go from %s to %s", g, gw_state_name(from), gw_state_name(to));
 	w->g[g].state = to;
+	/* The in-flight list, so that polling the copies costs the copies in flight, not the groups
+	 * (a model of many experts has thousands, polled at every acquire and copy). */
+	if (to == GWIN_INFLIGHT) {
+		w->inflight[w->n_inflight++] = g;
+	} else if (from == GWIN_INFLIGHT) {
+		for (uint32_t i = 0; i < w->n_inflight; i++)
+			if (w->inflight[i] == g) {
+				w->inflight[i] = w->inflight[--w->n_inflight];
+				break;
+			}
+	}
 	return 0;
 }
 
@@ -125,10 +136,10 @@ static void trim_retired(struct gpu_window *w)
 /* Host copies whose completion is now visible hand their ring grant back. Never blocks. */
 int gw_poll_copies(struct gpu_window *w)
 {
-	for (uint32_t g = 0; g < w->base.n_groups; g++) {
+	/* From the last: set_state moves the list's last entry (seen already) into a finished one's place. */
+	for (uint32_t i = w->n_inflight; i-- > 0;) {
+		const uint32_t g = w->inflight[i];
 		struct gent *e = &w->g[g];
-		if (e->state != GWIN_INFLIGHT)
-			continue;
 		cudaError_t q = cudaEventQuery(e->h2d);
 		if (q == cudaErrorNotReady)
 			continue;
@@ -358,8 +369,14 @@ int gpu_window_check(const struct gpu_window *w, char *err, size_t errlen)
 		if (g >= w->base.n_groups || w->g[g].slot != s || w->g[g].resident)
 			return errorf(err, errlen, -EFAULT, "slot %u names group %u, which does not name it back", s, g);
 	}
+	uint32_t inflight = 0;
+	for (uint32_t i = 0; i < w->n_inflight; i++)
+		if (w->inflight[i] >= w->base.n_groups || w->g[w->inflight[i]].state != GWIN_INFLIGHT)
+			return errorf(err, errlen, -EFAULT, "the in-flight list names group %u, which is not in flight",
+				      w->inflight[i]);
 	for (uint32_t g = 0; g < w->base.n_groups; g++) {
 		const struct gent *e = &w->g[g];
+		inflight += e->state == GWIN_INFLIGHT;
 		if (e->resident && e->state != GWIN_RESIDENT && g != w->embed_group)
 			return errorf(err, errlen, -EFAULT, "resident group %u is %s", g, gw_state_name(e->state));
 		if (e->state == GWIN_RETIRING)
@@ -378,6 +395,9 @@ int gpu_window_check(const struct gpu_window *w, char *err, size_t errlen)
 			return errorf(err, errlen, -EFAULT, "group %u was passed over but is %s%s", g, gw_state_name(e->state),
 				      e->in_use ? " and in use" : "");
 	}
+	if (inflight != w->n_inflight)
+		return errorf(err, errlen, -EFAULT, "%u groups in flight, %u on the in-flight list", inflight,
+			      w->n_inflight);
 	for (uint32_t c = 0; c < CLASS_COUNT; c++)
 		if (w->m[c] && (w->issued[c] < w->consumed[c] ||
 				w->issued[c] > w->consumed[c] + w->depth[c] + w->passed_pending[c]))
@@ -559,13 +579,34 @@ static int win_reset(struct weight_source *ws)
 	return rc ? rc : gw_strict_check(w);
 }
 
+/* The engine's calls per step, timed: the host's time in the window (a model of many experts makes
+ * thousands of them a token; what they cost is in the stats, host_ms). */
+#define TIMED(call)                                                                            \
+	{                                                                                      \
+		const uint64_t t0_ = now_ns();                                                 \
+		int rc_ = call;                                                                \
+		((struct gpu_window *)ws)->host_ns += now_ns() - t0_;                          \
+		return rc_;                                                                    \
+	}
+static int timed_acquire(struct weight_source *ws, uint32_t g, struct group_weights *gw)
+TIMED(win_acquire(ws, g, gw))
+static int timed_release(struct weight_source *ws, uint32_t g)
+TIMED(win_release(ws, g))
+static int timed_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)
+TIMED(gw_route(ws, layer, used, on_cpu))
+static int timed_skip(struct weight_source *ws, uint32_t g)
+TIMED(gw_skip(ws, g))
+static int timed_acquire_host(struct weight_source *ws, uint32_t g, struct group_weights *gw)
+TIMED(gw_acquire_host(ws, g, gw))
+#undef TIMED
+
 static const struct weight_source_ops window_ops = {
-	.acquire = win_acquire,
-	.release = win_release,
+	.acquire = timed_acquire,
+	.release = timed_release,
 	.release_all = win_release_all,
-	.route = gw_route,
-	.skip = gw_skip,
-	.acquire_host = gw_acquire_host,
+	.route = timed_route,
+	.skip = timed_skip,
+	.acquire_host = timed_acquire_host,
 	.flush = win_flush,
 	.reset = win_reset,
 };
@@ -614,6 +655,7 @@ void gpu_window_destroy(struct gpu_window **wp)
 	free(w->last_known);
 	free(w->slots);
 	free(w->g);
+	free(w->inflight);
 	free(w->dev_off);
 	free(w->dev_bytes);
 	free(w->plan_groups);
@@ -742,7 +784,8 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	w->st.experts_resident = plan.experts_resident;
 	w->st.expert_heat_resident = plan.expert_heat_resident;
 	w->g = calloc(ng, sizeof(struct gent));
-	if (!w->g) {
+	w->inflight = calloc(ng, sizeof(uint32_t));
+	if (!w->g || !w->inflight) {
 		rc = errorf(err, errlen, -ENOMEM, "out of memory");
 		goto out_fail;
 	}
@@ -951,6 +994,7 @@ void gpu_window_stats(struct gpu_window *w, struct gpu_window_stats *st)
 			collect_wait(w, i, false);
 	}
 	*st = w->st;
+	st->host_ms = (double)w->host_ns / 1e6;
 }
 
 enum gwin_state gpu_window_group_state(const struct gpu_window *w, uint32_t g, bool *resident)

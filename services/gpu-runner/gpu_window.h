@@ -109,6 +109,8 @@ struct gpu_window_stats {
 	uint64_t guess_hits;		 /* of those, chosen by the route */
 	uint64_t guess_missed;		 /* passed over before the route, then chosen: left to the CPU */
 	uint64_t step_resets;		 /* failed steps settled before the next (weights.h, reset) */
+	double host_ms;			 /* the host's time in the engine's calls: acquire, release, skip,
+					  * route, acquire_host (the loader's reads they wait for included) */
 	uint32_t experts_resident;	 /* expert groups kept on the device for good (the plan's) */
 	double expert_heat_resident;	 /* the share of the routing they take (window_plan.h) */
 	uint32_t depth;

@@ -82,6 +82,9 @@ struct gpu_window {
 	uint32_t *expert0;	   /* n_layers: the layer's first expert group (NO_GROUP: none), on first route */
 	bool *fetch;		   /* n_experts: the experts a route asks of the ring together (win_route) */
 	bool predict;		   /* --predict-experts: a later layer's experts issued on its last routing */
+	uint64_t host_ns;	   /* the host's time in the engine's calls (window_ops' timed_*) */
+	uint32_t *inflight;	   /* (n_groups) the groups whose state is INFLIGHT, in no order (set_state) */
+	uint32_t n_inflight;
 	bool *guess_set;	   /* (n_layers, n_experts): what each layer's next decode step copies before
 				    * its route, from its last decode routing (guess_next; predict) */
 	bool *last_known;	   /* n_layers: a decode routing of the layer has been seen (predict) */
