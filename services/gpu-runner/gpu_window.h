@@ -83,9 +83,10 @@ struct gpu_window_params {
 	bool fixed_residency;
 	/* A mixture of experts in decode: a later layer's streamed experts are copied before its route,
 	 * those its last routing chose, and the others passed over; one passed over that the route then
-	 * chooses is computed by the CPU from DRAM (--predict-experts; only with the CPU's share of
-	 * experts on, where their host bytes stay in DRAM). */
+	 * chooses is computed by the CPU from DRAM (--predict-experts, the runner's default; it acts
+	 * only with the CPU's share of experts on, where their host bytes stay in DRAM). */
 	bool predict_experts;
+	bool predict_said; /* the flag was given: say so where it cannot act */
 };
 
 enum gwin_state {

@@ -317,7 +317,7 @@ class Table(unittest.TestCase):
 
     def test_m_rows(self):
         """M1's split row against the rates its runner measured at once (each alone the second limit),
-        and --ab's --predict-experts row against the same."""
+        with the default's guesses, and --ab's --no-predict-experts row against the same."""
         lim = {"h2d_bytes_per_s": 50e9, "gemm_flops_per_s": 7e14}
         w = {"bytes_per_token": 4e9, "experts": 128, "experts_used": 8, "expert_bytes": 3.2e9, "matrix_params": 2e9}
         one = {"gen": {"decode_ms": 30.0, "prompt_tokens": 512, "prefill_ms": 200.0}, "weights": w,
@@ -332,13 +332,15 @@ class Table(unittest.TestCase):
         rows = bench.ROWS["M1"](rec, lim)
         self.assertIn("| 20.0 ms/token | 15.0 ms/token (45.0 GB/s H2D beside the CPU + 55.0 GB/s CPU beside the copies, "
                       "measured at once; each alone, 50.0 + 100.0 GB/s bf16 GEMV: 10.0 ms, 2.00) | 1.33 | <= 1.2 |", rows[1])
-        rec["predict"] = dict(split, gen={"decode_ms": 16.5}, guessed_per_token=40.0, guess_hits_per_token=30.0,
-                              guess_missed_per_token=5.0)
+        split.update(guessed_per_token=40.0, guess_hits_per_token=30.0, window_host_ms_per_token=2.5)
+        rows = bench.ROWS["M1"](rec, lim)
+        self.assertIn("its window's calls took 2.5; 40.0 experts a token copied on a guess, 30.0 of them chosen) "
+                      "against", rows[1])
+        rec["nopredict"] = dict(split, gen={"decode_ms": 21.0})
         rows = bench.ROWS["M1"](rec, lim)
         self.assertEqual(len(rows), 3)
-        self.assertIn("the same with --predict-experts (40.0 experts a token copied before their route, 30.0 of them "
-                      "chosen, 5.0 passed over then chosen (to the CPU); 0.70 GB/token on the CPU, 0.80 copied) | "
-                      "16.5 ms/token | 15.0 ms/token | 1.10 | <= 1.2 |", rows[2])
+        self.assertIn("the same with --no-predict-experts (0.70 GB/token on the CPU, 0.80 copied) | "
+                      "21.0 ms/token | 15.0 ms/token | 1.40 | <= 1.2 |", rows[2])
 
     def test_d1_rows(self):
         """D1's rows: the two-link limit is the larger rank's copy time, the one-after-the-other one the sum."""
