@@ -27,6 +27,8 @@
 #include "services/gpu-runner/stages/plan.h"
 
 #define QUEUE_MAX 128 /* requests queued at most (the runner may run --max-batch of them besides) */
+#define RUNNER_PROFILE_HZ 1000 /* samples a second asked of the host profile (tuning.c: profile-host) */
+#define RUNNER_PROFILE_TOP 100 /* addresses the stats list of it */
 /* Most sequences one step computes (--max-batch), and how many when it says 0. */
 #define RUNNER_MAX_BATCH 64
 #define RUNNER_DEFAULT_BATCH 16

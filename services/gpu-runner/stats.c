@@ -3,9 +3,11 @@
  * share of split FFNs (its pool, the split in force, what it computed, its times), and what
  * pipeline-inspect shows (the state of every weight group, the copy queue, KV blocks per layer). */
 #include <jansson.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/host_profile.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/util.h"
 #include "common/weight_ring.h"
@@ -268,6 +270,27 @@ static json_t *moe_stats(const struct runner *r)
 			 layer_steps ? (double)total / (double)layer_steps : 0.0, "hot", hot ? hot : json_array());
 }
 
+/* The host profile (tuning.c, profile-host) once it has counted: [module, offset, nearest exported
+ * symbol or null, samples] for the addresses sampled most; `addr2line -f -e MODULE OFFSET` names
+ * the function of each. */
+static json_t *host_profile_stats(void)
+{
+	struct host_profile_entry top[RUNNER_PROFILE_TOP];
+	uint64_t total = 0;
+	size_t n = host_profile_top(top, RUNNER_PROFILE_TOP, &total);
+	if (!total && !host_profile_running())
+		return NULL;
+	json_t *list = json_array();
+	for (size_t i = 0; list && i < n; i++) {
+		char off[32];
+		snprintf(off, sizeof(off), "0x%llx", (unsigned long long)top[i].offset);
+		json_array_append_new(list, json_pack("[s, s, s?, I]", top[i].module, off, top[i].symbol,
+						      (json_int_t)top[i].samples));
+	}
+	return json_pack("{s:b, s:i, s:I, s:o}", "running", host_profile_running(), "hz_asked", RUNNER_PROFILE_HZ,
+			 "samples", (json_int_t)total, "top", list ? list : json_array());
+}
+
 char *runner_stats(void *ctx)
 {
 	struct runner *r = ctx;
@@ -306,6 +329,9 @@ char *runner_stats(void *ctx)
 		json_t *moe = moe_stats(r);
 		if (moe)
 			json_object_set_new(o, "moe", moe);
+		json_t *prof = host_profile_stats();
+		if (prof)
+			json_object_set_new(o, "host_profile", prof);
 		/* Continuous batching: requests running now, the most at once, and per step on average the
 		 * sequences and tokens computed together. */
 		json_object_set_new(o, "batch",

@@ -2,6 +2,7 @@
  * takes, bounded by their values at start, and the fixed values it lists beside them. */
 #include <stdio.h>
 
+#include "common/host_profile.h"
 #include "common/service.h"
 #include "common/tunable.h"
 #include "services/gpu-runner/runner.h"
@@ -38,6 +39,26 @@ static int long_set(void *ctx, const struct tunable_value *v, bool apply, char *
 	if (apply)
 		*(long *)ctx = v->i;
 	return 0;
+}
+
+static void profile_get(void *ctx, struct tunable_value *v)
+{
+	(void)ctx;
+	v->i = host_profile_running();
+}
+
+/* On: sampling starts from zero on this thread, the one that runs the steps (the service's loop);
+ * off: it stops, and the stats keep what it counted. */
+static int profile_set(void *ctx, const struct tunable_value *v, bool apply, char *why, size_t whylen)
+{
+	(void)ctx;
+	if (!apply)
+		return 0;
+	if (!v->i) {
+		host_profile_stop();
+		return 0;
+	}
+	return host_profile_start(RUNNER_PROFILE_HZ, why, whylen);
 }
 
 static void fetch_batch_get(void *ctx, struct tunable_value *v)
@@ -84,6 +105,10 @@ void runner_register_tunables(struct runner *r)
 		 .help = "generate requests queued at most; more are refused with EBUSY",
 		 .type = TUNABLE_INT, .min = 1, .max = QUEUE_MAX, .get = long_get, .set = long_set,
 		 .ctx = &r->max_queued},
+		{.name = "profile-host",
+		 .help = "sample the CPU time of the thread that runs the steps by program counter (on: from zero; "
+			 "`pipectl stats gpu-runner`: host_profile)",
+		 .type = TUNABLE_BOOL, .get = profile_get, .set = profile_set},
 	};
 	for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++) {
 		if (!t[i].ctx)

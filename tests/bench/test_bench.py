@@ -315,6 +315,21 @@ class Table(unittest.TestCase):
         rec["split"]["failed"] = True
         self.assertEqual(bench.ROWS["P1"](rec, lim), ["| P1 | failed (see logs) | - | - | - |"])
 
+    def test_host_profile_report(self):
+        """The runner's host profile summed per function: addresses addr2line cannot name (no such
+        module here) keep their exported symbol, else module+offset; most samples first."""
+        prof = {"running": False, "samples": 100, "top": [
+            ["/nonexistent/libcuda.so.1", "0x10", "cuLaunchKernel", 30],
+            ["/nonexistent/libcuda.so.1", "0x20", "cuLaunchKernel", 25],
+            ["/nonexistent/gpu-runner", "0x400", None, 20],
+            ["/nonexistent/libc.so.6", "0x30", "memcpy", 5]]}
+        text = bench.host_profile_report(prof)
+        lines = text.splitlines()
+        self.assertEqual(lines[0], "100 samples of the runner's thread's CPU time; 80 at the 4 addresses listed")
+        self.assertEqual(lines[1], "     55   55.0%  cuLaunchKernel  (libcuda.so.1)")
+        self.assertEqual(lines[2], "     20   20.0%  0x400  (gpu-runner)")
+        self.assertEqual(lines[3], "      5    5.0%  memcpy  (libc.so.6)")
+
     def test_m_rows(self):
         """M1's split row against the rates its runner measured at once (each alone the second limit),
         with the default's guesses, and --ab's --no-predict-experts row against the same."""

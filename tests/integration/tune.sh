@@ -133,6 +133,30 @@ got=$(generate --tokens "$PROMPT" -n 64)
 expect_eq "$got" "$want" "tokens after max-context and kv-fetch-batch went back vs run-local"
 log "gpu-runner: kv-fetch-batch=1 made $runs requests for $fetched blocks; max-context=32 refused a 64-token prompt"
 
+# ---- profile-host: the thread that runs the steps sampled while it computes, then stopped ----
+expect_eq "$(value gpu-runner profile-host)" false "profile-host at start"
+"$PIPELINE" tune gpu-runner profile-host=on >/dev/null
+expect_eq "$(value gpu-runner profile-host)" true "profile-host after tune on"
+for _ in 1 2 3 4 5 6 7 8; do # the CPU clock is sampled at the kernel's tick: enough work for a few
+	got=$(generate --tokens "$PROMPT" -n 64)
+	expect_eq "$got" "$want" "tokens while profiled vs run-local"
+	(($(stat_value gpu-runner samples) >= 5)) && break
+done
+"$PIPELINE" tune gpu-runner profile-host=off >/dev/null
+stats=$("$PIPECTL" stats gpu-runner)
+samples=$(stat_value gpu-runner samples)
+expect_gt "$samples" 4 "host profile samples after 64-token requests on the C backend"
+top=$(python3 -c 'import json, sys, os
+p = json.load(sys.stdin)["host_profile"]
+assert not p["running"], p
+top = p["top"]
+assert top and sum(e[3] for e in top) <= p["samples"], p
+assert all(e[0] == "?" or os.path.exists(e[0]) or e[0] == "(main program)" for e in top), top
+print(top[0][0], top[0][1], top[0][3])' <<<"$stats") || fail "host_profile in the stats: $stats"
+generate --tokens "$PROMPT" -n 8 >/dev/null
+expect_eq "$(stat_value gpu-runner samples)" "$samples" "host profile samples after it stopped"
+log "gpu-runner: profile-host sampled $samples times over its requests (most at $top)"
+
 # ---- refusals: the reason, a non-zero exit, the old value kept ----
 # refused EXIT PATTERN ARGS...: scripts/pipeline ARGS exits EXIT and prints PATTERN.
 refused() {
