@@ -227,6 +227,13 @@ const char *gw_state_name(uint8_t s);
  * --predict-experts, a decode step, that routing seen, and the CPU there for an expert guessed out
  * but then chosen (its visit has gone by: the route leaves it in DRAM for the CPU). */
 bool gw_may_guess(const struct gpu_window *w, uint32_t layer);
+
+/* ---- gpu_window.c, for gpu_window_create.c ---- */
+
+/* The engine's calls (acquire, release, skip, route, ...): the window's weight_source_ops. */
+extern const struct weight_source_ops gw_window_ops;
+/* Unmaps the rings of loaders that went away once no copy of ours reads one. */
+void gw_trim_retired(struct gpu_window *w);
 int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu);
 int gw_skip(struct weight_source *ws, uint32_t group);
 int gw_acquire_host(struct weight_source *ws, uint32_t group, struct group_weights *gw);
