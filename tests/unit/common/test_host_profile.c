@@ -76,15 +76,22 @@ START_TEST(test_samples_where_busy)
 }
 END_TEST
 
+/* Stops the profile; the samples it took. */
+static uint64_t stop_and_count(void)
+{
+	host_profile_stop();
+	struct host_profile_entry top[4];
+	uint64_t total = 0;
+	host_profile_top(top, 4, &total);
+	return total;
+}
+
 START_TEST(test_sleep_not_sampled)
 {
 	char err[256];
 	ck_assert_int_eq(host_profile_start(1000, err, sizeof(err)), 0);
 	usleep(200000);
-	host_profile_stop();
-	struct host_profile_entry top[4];
-	uint64_t total = 0;
-	host_profile_top(top, 4, &total);
+	uint64_t total = stop_and_count();
 	ck_assert_msg(total <= 5, "%llu samples while sleeping", (unsigned long long)total);
 }
 END_TEST
@@ -112,10 +119,7 @@ START_TEST(test_other_threads_not_sampled)
 	usleep(200000);
 	atomic_store(&spin_on, 0);
 	pthread_join(t, NULL);
-	host_profile_stop();
-	struct host_profile_entry top[4];
-	uint64_t total = 0;
-	host_profile_top(top, 4, &total);
+	uint64_t total = stop_and_count();
 	ck_assert_msg(total <= 5, "%llu samples of another thread's work", (unsigned long long)total);
 }
 END_TEST
