@@ -5,6 +5,7 @@
 #include "common/host_profile.h"
 
 #include <dlfcn.h>
+#include <link.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -142,6 +143,30 @@ int host_profile_start(unsigned hz, char *err, size_t errlen)
 	return 0;
 }
 
+/* The load bias of the object whose loaded segment holds pc: what addr2line's offsets are
+ * relative to (the load address of a shared object or a position-independent program; 0 for a
+ * program linked at fixed addresses). */
+struct bias_find {
+	uintptr_t pc, bias;
+	bool found;
+};
+
+static int bias_of(struct dl_phdr_info *info, size_t size, void *arg)
+{
+	(void)size;
+	struct bias_find *f = arg;
+	for (int i = 0; i < info->dlpi_phnum; i++) {
+		const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+		uintptr_t lo = (uintptr_t)info->dlpi_addr + (uintptr_t)ph->p_vaddr;
+		if (ph->p_type == PT_LOAD && f->pc >= lo && f->pc - lo < (uintptr_t)ph->p_memsz) {
+			f->bias = (uintptr_t)info->dlpi_addr;
+			f->found = true;
+			return 1;
+		}
+	}
+	return 0;
+}
+
 static int by_samples(const void *a, const void *b)
 {
 	const struct host_profile_entry *x = a, *y = b;
@@ -175,7 +200,9 @@ size_t host_profile_top(struct host_profile_entry *out, size_t n, uint64_t *tota
 		out[i].symbol = NULL;
 		if (dladdr((void *)pc, &info) && info.dli_fname) {
 			out[i].module = info.dli_fname[0] ? info.dli_fname : "(main program)";
-			out[i].offset = pc - (uintptr_t)info.dli_fbase;
+			struct bias_find f = {.pc = pc};
+			dl_iterate_phdr(bias_of, &f);
+			out[i].offset = pc - (f.found ? f.bias : (uintptr_t)info.dli_fbase);
 			if (info.dli_sname && info.dli_saddr && (uintptr_t)info.dli_saddr <= pc)
 				out[i].symbol = info.dli_sname;
 		}

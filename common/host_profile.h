@@ -3,9 +3,12 @@
  *
  * A timer on the calling thread's CPU clock (CLOCK_THREAD_CPUTIME_ID) sends it SIGPROF at the
  * rate asked; the handler counts the interrupted program counter in a fixed table (no
- * allocation, no lock: async-signal-safe). Samples come only while the thread runs, never while
- * it sleeps, so no blocking call is interrupted. The report names each counted address by the
- * module it lies in and its offset there (`addr2line -f -e MODULE OFFSET` names the function,
+ * allocation, no lock: async-signal-safe). Samples come only while the thread runs (in user
+ * space or in a system call), not while it sleeps; a signal that lands in a system call is
+ * delivered when the call returns, and a sleep that begins with it pending ends early (EINTR,
+ * where SA_RESTART does not restart the call: poll, nanosleep): callers must take EINTR, as
+ * the service loop does. The report names each counted address by the module it lies in and
+ * its offset there (`addr2line -f -e MODULE OFFSET` names the function,
  * static ones too), with the nearest exported symbol where the dynamic linker knows one. The
  * kernel checks a thread's CPU clock at its scheduler tick, so the rate one gets is at most that
  * (often 250 a second) whatever is asked: profile a second or more of work for a few hundred

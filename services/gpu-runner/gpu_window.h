@@ -86,7 +86,6 @@ struct gpu_window_params {
 	 * chooses is computed by the CPU from DRAM (--predict-experts, the runner's default; it acts
 	 * only with the CPU's share of experts on, where their host bytes stay in DRAM). */
 	bool predict_experts;
-	bool predict_said; /* the flag was given: say so where it cannot act */
 };
 
 enum gwin_state {

@@ -289,11 +289,6 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		goto out_fail;
 	if ((rc = gw_split_fit(w, resident, p, depth, err, errlen)) != 0)
 		goto out_fail;
-	if (p->predict_said && !cfg->n_experts)
-		log_warn("--predict-experts: the model has no experts; nothing is guessed");
-	else if (p->predict_said && w->predict && w->moe_policy.mode == CPU_SHARE_OFF)
-		log_warn("--predict-experts guesses only where the CPU may take an expert guessed out but chosen "
-			 "(--cpu-share auto or a fraction, experts held in DRAM): with none here, nothing is guessed");
 	gw_layout(w);
 	if ((rc = gw_split_create(w, err, errlen)) != 0)
 		goto out_fail;

@@ -53,10 +53,6 @@ static int setup(struct runner *r)
 			log_error("unknown backend '%s' (cpu or cuda)", r->backend_name);
 		return -EINVAL;
 	}
-	if (r->predict_experts && r->no_predict_experts) {
-		log_error("--predict-experts and --no-predict-experts: choose one");
-		return -EINVAL;
-	}
 	if (r->block_tokens < 1 || r->block_tokens > 4096 || r->prefill_chunk < 1 || r->prefill_chunk > 65536 ||
 	    r->threads < 1 || r->threads > 1024 || r->max_context < 0 || r->timeout_ms < 100) {
 		log_error("--kv-block-tokens (1..4096), --prefill-chunk (1..65536), --threads (1..1024), --max-context "
@@ -234,12 +230,10 @@ int main(int argc, char **argv)
 		{"h2d-bytes-per-s", OPT_SIZE, &r.h2d_bps, "0", "host-to-device bandwidth for the plan (0: measure at start)"},
 		{"hbm-bytes-per-s", OPT_SIZE, &r.hbm_bps, "2.7TB", "GPU memory bandwidth the prediction assumes for reading weights"},
 		{"strict", OPT_BOOL, &r.strict, NULL, "check the GPU window's invariants at every step"},
-		{"predict-experts", OPT_BOOL, &r.predict_experts, NULL,
-		 "mixture of experts, decode (the default): copy the GPU's share of a later layer's streamed experts "
-		 "before its routing, from its last routing (one chosen that was not copied goes to the CPU; acts with "
-		 "--cpu-share on and the experts in DRAM)"},
-		{"no-predict-experts", OPT_BOOL, &r.no_predict_experts, NULL,
-		 "mixture of experts: copy a layer's experts only after its routing"},
+		{"predict-experts", OPT_BOOL, &r.predict_experts, "true",
+		 "mixture of experts, decode: copy the GPU's share of a later layer's streamed experts before its "
+		 "routing, from its last routing (one chosen that was not copied goes to the CPU; acts with --cpu-share "
+		 "on and the experts in DRAM); false: a layer's experts copied only after its routing"},
 		{"fixed-experts", OPT_BOOL, &r.fixed_experts, NULL,
 		 "keep the experts the first plan made resident (table order): no new plan from the routing counted"},
 		{"fixed-split", OPT_BOOL, &r.fixed_split, NULL,

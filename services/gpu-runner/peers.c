@@ -104,8 +104,7 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 				       .h2d_bytes_per_s = (double)r->h2d_bps, .copy_streams = (uint32_t)r->copy_streams,
 				       .cpu_share = r->cpu_share, .cpu_pool = r->cpu_pool,
 				       .expert_heat = r->expert_heat, .spread = r->window_spread,
-				       .predict_experts = !r->no_predict_experts,
-				       .predict_said = r->predict_experts,
+				       .predict_experts = r->predict_experts,
 				       .fixed_residency = r->fixed_residency};
 	if (!wp.h2d_bytes_per_s)
 		wp.h2d_bytes_per_s = r->h2d_measured; /* a window made anew: the rate the first one measured */

@@ -72,8 +72,7 @@ struct runner {
 	const char *binding;	/* which limit the prediction says binds */
 	bool strict, profile_copies;
 	bool fixed_experts;	/* --fixed-experts: no hot-expert re-plans (experts.c) */
-	bool predict_experts;	/* --predict-experts: said (it is the default) */
-	bool no_predict_experts; /* --no-predict-experts: a layer's experts copied only after its routing */
+	bool predict_experts;	/* --predict-experts: later layers' experts copied on their last routing */
 	const char *cpu_share_arg, *cpu_handoff_arg; /* --cpu-share, --cpu-handoff as given */
 	const char *cpu_result_arg, *cpu_experts_arg; /* --cpu-result, --cpu-experts as given */
 	const char *cpu_share_balance_arg;	      /* --cpu-share-balance as given */

@@ -123,7 +123,7 @@ void runner_register_tunables(struct runner *r)
 	add_fixed_long(s, "h2d-bytes-per-s", TUNABLE_BYTES, (long long)r->h2d_bps, "H2D bandwidth of the plan");
 	add_fixed_long(s, "hbm-bytes-per-s", TUNABLE_BYTES, (long long)r->hbm_bps, "GPU memory bandwidth of the plan");
 	service_add_fixed(s, "strict", TUNABLE_BOOL, r->strict ? "true" : "false", "check the GPU window's invariants");
-	service_add_fixed(s, "predict-experts", TUNABLE_BOOL, r->no_predict_experts ? "false" : "true",
+	service_add_fixed(s, "predict-experts", TUNABLE_BOOL, r->predict_experts ? "true" : "false",
 			  "the GPU's share of later layers' experts copied before their routing, on their last one");
 	service_add_fixed(s, "fixed-experts", TUNABLE_BOOL, r->fixed_experts ? "true" : "false",
 			  "keep the experts the first plan made resident (no re-plan from the routing counted)");

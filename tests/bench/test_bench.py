@@ -332,7 +332,7 @@ class Table(unittest.TestCase):
 
     def test_m_rows(self):
         """M1's split row against the rates its runner measured at once (each alone the second limit),
-        with the default's guesses, and --ab's --no-predict-experts row against the same."""
+        with the default's guesses, and --ab's --predict-experts=false row against the same."""
         lim = {"h2d_bytes_per_s": 50e9, "gemm_flops_per_s": 7e14}
         w = {"bytes_per_token": 4e9, "experts": 128, "experts_used": 8, "expert_bytes": 3.2e9, "matrix_params": 2e9}
         one = {"gen": {"decode_ms": 30.0, "prompt_tokens": 512, "prefill_ms": 200.0}, "weights": w,
@@ -354,7 +354,7 @@ class Table(unittest.TestCase):
         rec["nopredict"] = dict(split, gen={"decode_ms": 21.0})
         rows = bench.ROWS["M1"](rec, lim)
         self.assertEqual(len(rows), 3)
-        self.assertIn("the same with --no-predict-experts (0.70 GB/token on the CPU, 0.80 copied) | "
+        self.assertIn("the same with --predict-experts=false (0.70 GB/token on the CPU, 0.80 copied) | "
                       "21.0 ms/token | 15.0 ms/token | 1.40 | <= 1.2 |", rows[2])
 
     def test_d1_rows(self):

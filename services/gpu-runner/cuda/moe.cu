@@ -19,7 +19,8 @@
  *    of some 50 launches). The token's row goes into the activation dtype once a layer, not once an
  *    expert; each expert's down_proj writes a row of its own (ys); and end adds them all with one
  *    kernel (combine_kernel): s = 0, s += y_j * w_j in the experts' order, x += s, the operations and
- *    order of the sum's memset, scatters and add.
+ *    order of the sum's memset, scatters and add (with no GPU expert nothing is added, where the
+ *    add of a cleared sum turned a -0.0 of x into +0.0: the same value).
  *
  *  - expert e on the CPU (moe_expert_cpu: the weight window left it in host memory, a decode step
  *    with backend_params.cpu_pool): submitted to the pool at once, over its tokens' xn rows (copied
