@@ -109,6 +109,7 @@ struct gpu_window_stats {
 	uint64_t guess_hits;		 /* of those, chosen by the route */
 	uint64_t guess_missed;		 /* passed over before the route, then chosen: left to the CPU */
 	uint64_t step_resets;		 /* failed steps settled before the next (weights.h, reset) */
+	uint32_t pins_kept;		 /* ring mappings taken over pinned from the window before */
 	double host_ms;			 /* the host's time in the engine's calls: acquire, release, skip,
 					  * route, acquire_host (the loader's reads they wait for included) */
 	uint32_t experts_resident;	 /* expert groups kept on the device for good (the plan's) */
@@ -149,6 +150,10 @@ struct gpu_window;
 int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, const struct gpu_window_params *p,
 		      struct gpu_window **out, char *err, size_t errlen);
 void gpu_window_destroy(struct gpu_window **w);
+/* The same, leaving the ring's mappings page-locked for the next window made in this process to
+ * take over (the runner's window made anew between requests: pinning tens of GB again takes
+ * seconds). What the next window does not map is unpinned when it is made. */
+void gpu_window_destroy_keeping_pins(struct gpu_window **w);
 
 struct weight_source *gpu_window_base(struct gpu_window *w);
 void gpu_window_stats(struct gpu_window *w, struct gpu_window_stats *st);

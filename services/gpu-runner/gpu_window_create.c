@@ -14,10 +14,41 @@
 #include "common/log.h"
 #include "common/util.h"
 
+/* Ring mappings a window made anew left page-locked (gpu_window_destroy_keeping_pins) for the
+ * next one to take over: pinning tens of GB again costs seconds (about 3 s for 15 GB). One
+ * window at a time in a process: the runner's. */
+static void *kept_base[PINNED_MAX];
+static size_t kept_len[PINNED_MAX];
+static uint32_t n_kept;
+
+/* Unpins what no window took over (the ring was mapped anew meanwhile, or the window failed). */
+static void drop_kept(void)
+{
+	while (n_kept) {
+		n_kept--;
+		if (cudaHostUnregister(kept_base[n_kept]) != cudaSuccess) {
+			cudaGetLastError();
+			log_warn("cannot unpin a weight ring mapping a window left pinned");
+		}
+	}
+}
+
 /* Page-locks a ring mapping: DMA from pinned memory runs at the link's rate (docs/architecture.md).
- * Failing that, copies from it run from pageable memory (slower, and synchronous). */
+ * Failing that, copies from it run from pageable memory (slower, and synchronous). A mapping the
+ * window before left pinned is taken over as it is. */
 static void pin_mapping(struct gpu_window *w, void *base, size_t size)
 {
+	for (uint32_t i = 0; i < n_kept && w->n_pinned < PINNED_MAX; i++) {
+		if (kept_base[i] != base || kept_len[i] != size)
+			continue;
+		w->pinned_len[w->n_pinned] = size;
+		w->pinned[w->n_pinned++] = base;
+		n_kept--;
+		kept_base[i] = kept_base[n_kept];
+		kept_len[i] = kept_len[n_kept];
+		w->st.pins_kept++;
+		return;
+	}
 	if (w->n_pinned < PINNED_MAX && cudaHostRegister(base, size, cudaHostRegisterDefault) == cudaSuccess) {
 		w->pinned_len[w->n_pinned] = size;
 		w->pinned[w->n_pinned++] = base;
@@ -68,10 +99,32 @@ static void on_ring_unmapping(void *ctx, void *base, size_t size)
 	unpin_mapping(ctx, base);
 }
 
+static void destroy(struct gpu_window **wp);
+
+void gpu_window_destroy_keeping_pins(struct gpu_window **wp)
+{
+	if (!wp || !*wp)
+		return;
+	struct gpu_window *w = *wp;
+	drop_kept(); /* a window's leftovers no other took over: not this one's */
+	for (uint32_t i = 0; i < w->n_pinned; i++) {
+		kept_base[n_kept] = w->pinned[i];
+		kept_len[n_kept++] = w->pinned_len[i];
+	}
+	w->n_pinned = 0;
+	destroy(wp);
+}
+
 void gpu_window_destroy(struct gpu_window **wp)
 {
 	if (!wp || !*wp)
 		return;
+	drop_kept(); /* no window takes them over now */
+	destroy(wp);
+}
+
+static void destroy(struct gpu_window **wp)
+{
 	struct gpu_window *w = *wp;
 	if (w->ring)
 		ring_source_set_mapping_hooks(w->ring, NULL, NULL, NULL);
@@ -270,6 +323,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	size_t rsize;
 	ring_source_mapping(ring, &rbase, &rsize);
 	pin_mapping(w, rbase, rsize);
+	drop_kept(); /* what the window before pinned that this one does not map */
 	ring_source_set_mapping_hooks(ring, on_ring_mapped, on_ring_unmapping, w);
 
 	/* The split of streamed FFNs with the CPU (it needs the H2D rate), then the layout again: a

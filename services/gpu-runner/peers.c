@@ -137,7 +137,9 @@ bool runner_window_anew(struct runner *r, const char *what)
 {
 	char err[1024];
 	engine_destroy(&r->engine);
-	runner_drop_window(r);
+#ifdef PIPELINE_HAVE_CUDA
+	gpu_window_destroy_keeping_pins(&r->win); /* the new window takes the ring over pinned */
+#endif
 	int rc = runner_make_window(r, err, sizeof(err));
 	if (rc == 0)
 		rc = runner_make_engine(r, err, sizeof(err));

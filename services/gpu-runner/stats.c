@@ -372,6 +372,7 @@ char *runner_stats(void *ctx)
 			json_object_set_new(g, "guess_missed", json_integer((json_int_t)ws2.guess_missed));
 			json_object_set_new(g, "step_resets", json_integer((json_int_t)ws2.step_resets));
 			json_object_set_new(g, "host_ms", json_real(ws2.host_ms));
+			json_object_set_new(g, "pins_kept", json_integer(ws2.pins_kept));
 			json_object_set_new(g, "experts_resident", json_integer(ws2.experts_resident));
 			json_object_set_new(g, "experts_resident_routing", json_real(ws2.expert_heat_resident));
 			json_object_set_new(g, "expert_replans", json_integer((json_int_t)r->expert_replans));

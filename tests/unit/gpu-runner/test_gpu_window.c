@@ -379,6 +379,41 @@ START_TEST(test_failed_step_reset)
 }
 END_TEST
 
+/* A window made anew (the hot experts' or the CPU share's re-plan) takes the ring's mapping over
+ * pinned from the window before (gpu_window_destroy_keeping_pins) instead of pinning it again,
+ * and hands out the same bytes; a window made after a plain destroy pins it itself. */
+START_TEST(test_pins_kept)
+{
+	struct fixture f;
+	start(&f, "1GiB");
+	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
+	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
+	struct gpu_window_params p = {.gpu_budget = head + 2 * (a + ff), .depth = 2, .strict = true};
+	struct gpu_window *w = NULL;
+	char err[512];
+	struct gpu_window_stats st;
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	gpu_window_stats(w, &st);
+	ck_assert_uint_eq(st.pins_kept, 0);
+	pass(&f, w);
+	for (int i = 0; i < 2; i++) {
+		gpu_window_destroy_keeping_pins(&w);
+		ck_assert_ptr_null(w);
+		ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+		gpu_window_stats(w, &st);
+		ck_assert_uint_eq(st.pins_kept, 1);
+		pass(&f, w);
+	}
+	gpu_window_destroy(&w);
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	gpu_window_stats(w, &st);
+	ck_assert_uint_eq(st.pins_kept, 0);
+	pass(&f, w);
+	gpu_window_destroy(&w);
+	stop(&f);
+}
+END_TEST
+
 /* --window-spread: the kept layer groups among the layers, not the first ones; every pass still
  * moves each streamed group once and the state table holds (strict). */
 START_TEST(test_streaming_spread)
@@ -1069,6 +1104,7 @@ int main(void)
 	tcase_add_test(tc, test_experts_on_the_cpu_from_dram);
 	tcase_add_test(tc, test_hot_experts);
 	tcase_add_test(tc, test_experts_guessed);
+	tcase_add_test(tc, test_pins_kept);
 	suite_add_tcase(s, tc);
 	SRunner *sr = srunner_create(s);
 	/* CUDA contexts do not survive fork: run in this process. */
