@@ -828,7 +828,7 @@ END_TEST
  * experts that stream from disk are asked of the loader together at its routing (ring_route, through
  * the window's route; never the experts the window copied before the routing, whose grants would
  * then be held by nobody and leave the loader no slot), and every copy holds the checkpoint's bytes. */
-static void experts_from_disk(uint32_t experts, bool cpu)
+static void experts_from_disk(uint32_t experts, bool cpu, bool predict)
 {
 	struct fixture f;
 	start_shape(&f, "1GiB", "mixtral-tiny", 3);
@@ -848,7 +848,8 @@ static void experts_from_disk(uint32_t experts, bool cpu)
 	c = &f.m->cfg;
 	ck_assert(!ring_source_all_resident(f.ring));
 	ck_assert_uint_eq(ring_source_streaming_slots(f.ring, CLASS_EXPERT), experts < 3 ? experts : 3);
-	struct gpu_window_params p = {.gpu_budget = head + dense + 2 * x, .depth = 2, .strict = true};
+	struct gpu_window_params p = {.gpu_budget = head + dense + 2 * x, .depth = 2, .strict = true,
+				      .predict_experts = predict};
 	struct gpu_window *w = NULL;
 	char err[512];
 	struct task_pool *pool = NULL;
@@ -912,6 +913,10 @@ static void experts_from_disk(uint32_t experts, bool cpu)
 		gpu_window_stats(w, &st);
 		ck_assert_uint_gt(st.experts_cpu, before);
 	}
+	if (predict) /* pinned experts guessed in or out; those that stream only ever guessed in */
+		ck_assert_uint_gt(st.experts_guessed, 0);
+	else
+		ck_assert_uint_eq(st.experts_guessed, 0);
 	gpu_window_destroy(&w);
 	task_pool_destroy(&pool);
 	stop(&f);
@@ -919,13 +924,13 @@ static void experts_from_disk(uint32_t experts, bool cpu)
 
 START_TEST(test_experts_streamed_from_disk)
 {
-	experts_from_disk(9, false);
+	experts_from_disk(9, false, false);
 }
 END_TEST
 
 START_TEST(test_experts_streamed_through_two_slots)
 {
-	experts_from_disk(2, false);
+	experts_from_disk(2, false, false);
 }
 END_TEST
 
@@ -933,7 +938,16 @@ START_TEST(test_experts_on_the_cpu_from_dram)
 {
 	/* --cpu-share 0.5: chosen experts pinned in DRAM go to the CPU by half of their bytes, read in
 	 * place in their slots (held for good by the ring source, never copied). */
-	experts_from_disk(9, true);
+	experts_from_disk(9, true, false);
+}
+END_TEST
+
+START_TEST(test_experts_guessed_beside_disk)
+{
+	/* The same with --predict-experts: a later layer's pinned experts guessed (the CPU takes one
+	 * guessed out but chosen), those that stream from disk guessed in when last chosen, else left
+	 * for their route; every step's bytes and state table as before. */
+	experts_from_disk(9, true, true);
 }
 END_TEST
 
@@ -1105,6 +1119,7 @@ int main(void)
 	tcase_add_test(tc, test_hot_experts);
 	tcase_add_test(tc, test_experts_guessed);
 	tcase_add_test(tc, test_pins_kept);
+	tcase_add_test(tc, test_experts_guessed_beside_disk);
 	suite_add_tcase(s, tc);
 	SRunner *sr = srunner_create(s);
 	/* CUDA contexts do not survive fork: run in this process. */
