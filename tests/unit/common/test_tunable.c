@@ -223,10 +223,10 @@ START_TEST(test_register_rules)
 	ck_assert_str_eq(tunables_names(t, names, sizeof(names)), "io-depth, dram-budget, level, model, block-bytes");
 	/* fill up to the limit */
 	int added = 5;
+	char names_fixed[TUNABLES_MAX][32]; /* a name is kept by reference: it outlives the registry */
 	for (int i = 0; added < TUNABLES_MAX; i++, added++) {
-		char name[32];
-		snprintf(name, sizeof(name), "fixed-%d", i);
-		ck_assert_int_eq(tunables_add_fixed(t, strdup(name), TUNABLE_INT, "1", ""), 0);
+		snprintf(names_fixed[i], sizeof(names_fixed[i]), "fixed-%d", i);
+		ck_assert_int_eq(tunables_add_fixed(t, names_fixed[i], TUNABLE_INT, "1", ""), 0);
 	}
 	ck_assert_int_eq(tunables_add_fixed(t, "one-too-many", TUNABLE_INT, "1", ""), -ENOSPC);
 	tunables_destroy(&t);
