@@ -27,9 +27,8 @@ struct slot {
 
 static struct slot table[SLOTS];
 static _Atomic uint64_t total;
-static _Atomic int active; /* the handler counts */
+static _Atomic int active; /* the handler counts; the timer exists */
 static timer_t timer;
-static bool running;
 
 static uintptr_t sample_pc(const void *ucv)
 {
@@ -75,16 +74,15 @@ static void on_prof(int sig, siginfo_t *si, void *uc)
 
 bool host_profile_running(void)
 {
-	return running;
+	return atomic_load(&active) != 0;
 }
 
 void host_profile_stop(void)
 {
-	if (!running)
+	if (!atomic_load(&active))
 		return;
 	timer_delete(timer);
 	atomic_store(&active, 0);
-	running = false;
 }
 
 int host_profile_start(unsigned hz, char *err, size_t errlen)
@@ -139,7 +137,6 @@ int host_profile_start(unsigned hz, char *err, size_t errlen)
 		snprintf(err, errlen, "host profile: arming the timer: %s", strerror(e));
 		return -e;
 	}
-	running = true;
 	return 0;
 }
 

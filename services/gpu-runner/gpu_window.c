@@ -489,9 +489,8 @@ static int win_reset(struct weight_source *ws)
 		ce = cudaStreamSynchronize(w->copies[i]);
 	if (ce == cudaSuccess && w->side_stream)
 		ce = cudaStreamSynchronize(w->side_stream);
-	for (uint32_t g = 0; ce == cudaSuccess && g < ws->n_groups; g++)
-		if (w->g[g].state == GWIN_INFLIGHT)
-			ce = cudaEventSynchronize(w->g[g].h2d); /* done with its stream: at once */
+	for (uint32_t i = 0; ce == cudaSuccess && i < w->n_inflight; i++)
+		ce = cudaEventSynchronize(w->g[w->inflight[i]].h2d); /* done with its stream: at once */
 	if (ce != cudaSuccess)
 		return errorf(ws->error, sizeof(ws->error), -EIO, "settling a failed step: %s", cudaGetErrorString(ce));
 	int rc = gw_poll_copies(w);

@@ -21,16 +21,20 @@ static void *kept_base[PINNED_MAX];
 static size_t kept_len[PINNED_MAX];
 static uint32_t n_kept;
 
+static void unregister(void *base)
+{
+	cudaError_t e = cudaHostUnregister(base);
+	if (e != cudaSuccess) {
+		cudaGetLastError();
+		log_warn("cannot unpin a weight ring mapping: %s", cudaGetErrorString(e));
+	}
+}
+
 /* Unpins what no window took over (the ring was mapped anew meanwhile, or the window failed). */
 static void drop_kept(void)
 {
-	while (n_kept) {
-		n_kept--;
-		if (cudaHostUnregister(kept_base[n_kept]) != cudaSuccess) {
-			cudaGetLastError();
-			log_warn("cannot unpin a weight ring mapping a window left pinned");
-		}
-	}
+	while (n_kept)
+		unregister(kept_base[--n_kept]);
 }
 
 /* Page-locks a ring mapping: DMA from pinned memory runs at the link's rate (docs/architecture.md).
@@ -38,20 +42,19 @@ static void drop_kept(void)
  * window before left pinned is taken over as it is. */
 static void pin_mapping(struct gpu_window *w, void *base, size_t size)
 {
-	for (uint32_t i = 0; i < n_kept && w->n_pinned < PINNED_MAX; i++) {
+	bool kept = false;
+	for (uint32_t i = 0; i < n_kept && w->n_pinned < PINNED_MAX && !kept; i++) {
 		if (kept_base[i] != base || kept_len[i] != size)
 			continue;
-		w->pinned_len[w->n_pinned] = size;
-		w->pinned[w->n_pinned++] = base;
+		kept = true;
 		n_kept--;
 		kept_base[i] = kept_base[n_kept];
 		kept_len[i] = kept_len[n_kept];
-		w->st.pins_kept++;
-		return;
 	}
-	if (w->n_pinned < PINNED_MAX && cudaHostRegister(base, size, cudaHostRegisterDefault) == cudaSuccess) {
+	if (w->n_pinned < PINNED_MAX && (kept || cudaHostRegister(base, size, cudaHostRegisterDefault) == cudaSuccess)) {
 		w->pinned_len[w->n_pinned] = size;
 		w->pinned[w->n_pinned++] = base;
+		w->st.pins_kept += kept;
 		return;
 	}
 	cudaGetLastError();
@@ -75,11 +78,7 @@ static void unpin_mapping(struct gpu_window *w, void *base)
 	for (uint32_t i = 0; i < w->n_pinned; i++) {
 		if (w->pinned[i] != base)
 			continue;
-		cudaError_t e = cudaHostUnregister(base);
-		if (e != cudaSuccess) {
-			cudaGetLastError();
-			log_warn("cannot unpin a weight ring mapping: %s", cudaGetErrorString(e));
-		}
+		unregister(base);
 		w->pinned[i] = w->pinned[--w->n_pinned];
 		w->pinned_len[i] = w->pinned_len[w->n_pinned];
 		return;

@@ -222,20 +222,18 @@ int gw_top_up(struct gpu_window *w);
 int gw_strict_check(struct gpu_window *w);
 /* A GWIN_ state's name, for messages. */
 const char *gw_state_name(uint8_t s);
+/* The engine's calls (acquire, release, skip, route, ...): the window's weight_source_ops
+ * (gpu_window.c, for gpu_window_create.c). */
+extern const struct weight_source_ops gw_window_ops;
+/* Unmaps the rings of loaders that went away once no copy of ours reads one. */
+void gw_trim_retired(struct gpu_window *w);
 /* gpu_window_experts.c: weight_source's route, skip and acquire_host (weights.h). */
+int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu);
+int gw_skip(struct weight_source *ws, uint32_t group);
+int gw_acquire_host(struct weight_source *ws, uint32_t group, struct group_weights *gw);
 /* Whether issue may guess the experts of `layer` (not routed yet this step) from its last routing:
  * --predict-experts, a decode step, that routing seen, and the CPU there for an expert guessed out
  * but then chosen (its visit has gone by: the route leaves it in DRAM for the CPU). */
 bool gw_may_guess(const struct gpu_window *w, uint32_t layer);
-
-/* ---- gpu_window.c, for gpu_window_create.c ---- */
-
-/* The engine's calls (acquire, release, skip, route, ...): the window's weight_source_ops. */
-extern const struct weight_source_ops gw_window_ops;
-/* Unmaps the rings of loaders that went away once no copy of ours reads one. */
-void gw_trim_retired(struct gpu_window *w);
-int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu);
-int gw_skip(struct weight_source *ws, uint32_t group);
-int gw_acquire_host(struct weight_source *ws, uint32_t group, struct group_weights *gw);
 
 #endif

@@ -547,7 +547,6 @@ void gw_split_destroy(struct gpu_window *w)
 	w->side_mem = NULL;
 }
 
-
 /* ---- the token path ---- */
 
 /* Queues the copy of group g's CPU rows into side_mem, behind the compute that last read it. */
