@@ -276,7 +276,9 @@ int main(int argc, char **argv)
 		{"cpu-result", OPT_STRING, &r.cpu_result_arg, "mapped",
 		 "how the CPU's partial result of a split FFN reaches the GPU: mapped (a kernel reads it from "
 		 "mapped host memory: no copy engine queue) or copy (cudaMemcpyAsync on the compute stream, "
-		 "queued behind the weight copies)"},
+		 "queued behind the weight copies); for the CPU's experts of a token, mapped also means the "
+		 "stream waits for them (the host goes on to the next layer), copy that the host waits at the "
+		 "layer's end"},
 		{"cpu-experts", OPT_STRING, &r.cpu_experts_arg, "route",
 		 "when the experts a route leaves for the CPU go to its pool: route (right after the layer's "
 		 "routing, before the GPU's experts are queued) or visit (at their place among the layer's "

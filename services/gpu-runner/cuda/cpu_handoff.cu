@@ -369,6 +369,13 @@ int cpu_handoff_memops_supported(int device, char *err, size_t errlen)
 	return rc;
 }
 
+int cpu_handoff_wait_entry(int device, void **fn, char *err, size_t errlen)
+{
+	*fn = NULL;
+	int rc = cpu_handoff_memops_supported(device, err, errlen);
+	return rc ? rc : resolve("cuStreamWaitValue32", fn, err, errlen);
+}
+
 /* ---- create, destroy ---- */
 
 static size_t slot_size(size_t bytes)

@@ -127,6 +127,12 @@ int cpu_handoff_parse_mode(const char *text, enum cpu_handoff_mode *out, char *e
  * the primary context current). */
 int cpu_handoff_memops_supported(int device, char *err, size_t errlen);
 
+/* The driver's cuStreamWaitValue32 (the v2 stream memory operations) in *fn, for a stream that
+ * waits on a word of mapped pinned memory outside a handoff (cuda/moe.cu: the experts the CPU
+ * computes). Checks what cpu_handoff_memops_supported does first. Returns 0, or -ENOTSUP / -EIO
+ * with the reason in err. */
+int cpu_handoff_wait_entry(int device, void **fn, char *err, size_t errlen);
+
 /* Makes a handoff for `stream` (of the current device) onto `pool`: pinned buffers for two
  * slots, the completion words, the descriptor ring; for memops also the dispatcher thread, and a
  * probe of a write and a wait on the stream (synchronised: create is not on the token path).

@@ -28,18 +28,30 @@
  *    at once on slices of the pool's threads, so the CPU computes while the engine goes on with the
  *    GPU's experts; at moe_end the jobs are collected in expert order (the weighted rows summed on
  *    the host), and the sum goes up and into the residual stream beside the GPU's.
+ *  - one token, the CPU's experts waited for on the GPU (gpu_waits: backend_params.cpu_result_mapped,
+ *    the stream memory operations there, k <= the jobs at once): the host does not wait at moe_end.
+ *    The stream waits for each job's completion word (mapped pinned memory: cuStreamWaitValue32),
+ *    and combine_kernel reads the jobs' output rows from mapped host memory and sums them first,
+ *    in the order they were noted (s = 0, s += y_i * w_i, x += s: the host's collection and add),
+ *    then the GPU's rows as before. The host goes on to the next layer while the CPU computes; the
+ *    jobs' results are checked after the host's next wait for the stream (the next route, or the
+ *    step's end: moe_check).
  *
  * Qwen3 (MODEL_QK_NORM): each head of q and k goes through its RMSNorm over head_dim (q_norm,
  * k_norm) after the projections and before RoPE (qk_norm_kernel, in place in qkv).
  */
 #include "services/gpu-runner/cuda/cuda_internal.h"
+#include "services/gpu-runner/cuda/cpu_handoff.h"
 #include "services/gpu-runner/cuda/device.cuh"
+#include "common/log.h"
 #include "common/util.h"
 #include "services/gpu-runner/cpu-compute/ffn_share.h"
 #include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/cpu/kernels.h"
 
 #include <assert.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,15 +59,27 @@
 /* An expert noted for the CPU: its matrices in host memory. */
 struct moe_cpu_expert {
 	uint32_t expert;
+	float w;	/* one token's routing weight of it (gpu_wait) */
 	struct ffn_share_mat gate, up, down;
 };
 
 #define MOE_CPU_JOBS_MAX BACKEND_MOE_CPU_JOBS /* experts the pool computes at once */
 #define MOE_COMBINE_MAX 32 /* experts a token chooses that combine_kernel sums in one launch */
 
-/* combine_kernel's weights, by value. */
+/* combine_kernel's weights, by value: the GPU's rows' (w), and the CPU's rows in mapped host
+ * memory with theirs (cpu_y, cpu_w; n_cpu of them, summed first). */
 struct moe_combine_w {
 	float w[MOE_COMBINE_MAX];
+	const float *cpu_y[MOE_CPU_JOBS_MAX];
+	float cpu_w[MOE_CPU_JOBS_MAX];
+	uint32_t n_cpu;
+};
+
+/* A job's completion word and its sleepers, on a cache line of their own (in mapped pinned memory
+ * where the stream waits on them). */
+struct moe_word {
+	uint32_t done, waiters;
+	uint32_t pad[14];
 };
 
 /* One of the concurrent CPU jobs: an expert's rows in, its output out. */
@@ -63,8 +87,10 @@ struct moe_cpu_job {
 	struct ffn_share *share;
 	struct ffn_share_job job;
 	struct task_job tj;		/* the pool's job */
-	float *x, *y;			/* (FFN_SPLIT_MAX_TOKENS, dim) */
-	uint32_t done, waiters, seq;	/* the job's completion word, its sleepers, the last value */
+	float *x, *y;			/* (FFN_SPLIT_MAX_TOKENS, dim); y in mapped pinned memory with gpu_waits */
+	const float *y_dev;		/* y as the device addresses it (gpu_waits) */
+	uint32_t *done, *waiters, seq;	/* the job's completion word, its sleepers (in words), the last value */
+	CUdeviceptr done_dev;		/* done as the stream addresses it (gpu_waits) */
 };
 
 struct cuda_moe {
@@ -107,6 +133,12 @@ struct cuda_moe {
 	struct moe_cpu_expert *cpu;	/* (E) the experts noted for the CPU this layer, in order */
 	uint32_t n_cpu;			/* noted (and submitted) */
 	uint32_t collected;		/* of which waited for and added into csum */
+	struct moe_word *words;		/* (n_jobs) the jobs' completion words: pinned, mapped with gpu_waits */
+	bool gpu_waits;			/* one token's CPU experts may be waited for on the GPU (setup) */
+	bool gpu_wait;			/* this layer's are (route: one token and gpu_waits) */
+	uint32_t n_waited;		/* jobs of the last such layer, slots 0.., whose results moe_check reads */
+	float *ybuf;			/* (n_jobs, FFN_SPLIT_MAX_TOKENS, dim) the jobs' y, mapped (gpu_waits) */
+	PFN_cuStreamWaitValue32_v11070 wait32;
 	uint64_t cpu_experts, cpu_ns, route_wait_ns; /* experts the CPU computed, and the host's times (all time) */	/* experts the CPU computed, and their time (all time) */
 };
 
@@ -154,14 +186,26 @@ __global__ void scatter_kernel(const float *y, const uint32_t *tok, const float 
 }
 
 /* One token: x[d] += sum over j < cnt of ys[j][d] * w[j], summed from 0 in j's order, each product
- * rounded: the scatters into a cleared sum and the add, in one kernel. */
+ * rounded: the scatters into a cleared sum and the add, in one kernel. The CPU's rows first where
+ * the stream waited for them (w.n_cpu): their sum, the same way, is added before, as the host's
+ * collected sum was. */
 __global__ void combine_kernel(float *x, const float *ys, uint32_t cnt, uint32_t dim, const moe_combine_w w)
 {
 	for (uint32_t d = blockIdx.x * blockDim.x + threadIdx.x; d < dim; d += gridDim.x * blockDim.x) {
-		float s = 0.0f;
-		for (uint32_t j = 0; j < cnt; j++)
-			s = __fadd_rn(s, __fmul_rn(ys[(size_t)j * dim + d], w.w[j]));
-		x[d] = __fadd_rn(x[d], s);
+		float v = x[d];
+		if (w.n_cpu) {
+			float c = 0.0f;
+			for (uint32_t j = 0; j < w.n_cpu; j++)
+				c = __fadd_rn(c, __fmul_rn(w.cpu_y[j][d], w.cpu_w[j]));
+			v = __fadd_rn(v, c);
+		}
+		if (cnt) {
+			float s = 0.0f;
+			for (uint32_t j = 0; j < cnt; j++)
+				s = __fadd_rn(s, __fmul_rn(ys[(size_t)j * dim + d], w.w[j]));
+			v = __fadd_rn(v, s);
+		}
+		x[d] = v;
 	}
 }
 
@@ -196,6 +240,8 @@ __global__ void __launch_bounds__(128) qk_norm_kernel(float *qkv, uint32_t ld, u
 
 /* ---- host side ---------------------------------------------------------------------------- */
 
+static void settle_jobs(struct cuda_moe *m);
+
 int qk_norm(struct backend_dev *be, const void *qn, uint32_t qt, const void *kn, uint32_t kt)
 {
 	const struct model_config *c = &be->cfg;
@@ -203,6 +249,52 @@ int qk_norm(struct backend_dev *be, const void *qn, uint32_t qt, const void *kn,
 	qk_norm_kernel<<<grid, 128, 0, be->stream>>>(be->qkv, be->qkv_ld, c->head_dim, c->n_heads, qn, qt, kn, kt,
 						     c->rms_eps);
 	LAUNCHED(be, "qk_norm_kernel");
+	return 0;
+}
+
+/* The jobs' completion words, and with gpu_waits their outputs, in pinned memory: mapped where one
+ * token's CPU experts are waited for on the GPU (backend_params.cpu_result_mapped and not host
+ * functions, k at most the jobs at once, the driver's stream memory operations there; else the
+ * host waits at moe_end, as with --cpu-result copy). A stream that cannot wait on a word already
+ * reached is refused here, not found out by a hung step. */
+static int gpu_waits_setup(struct backend_dev *be, size_t rows)
+{
+	struct cuda_moe *m = be->moe;
+	bool want = be->p.cpu_result_mapped && be->p.cpu_handoff != BACKEND_HANDOFF_HOSTFUNC && m->k <= m->n_jobs;
+	char why[256] = "";
+	if (want) {
+		int device = 0;
+		void *fn = NULL;
+		if (cudaGetDevice(&device) != cudaSuccess || cpu_handoff_wait_entry(device, &fn, why, sizeof(why)) != 0)
+			want = false;
+		m->wait32 = (PFN_cuStreamWaitValue32_v11070)fn;
+	}
+	const unsigned flags = want ? cudaHostAllocMapped | cudaHostAllocPortable : cudaHostAllocDefault;
+	CUDA_TRY(be, "cudaHostAlloc (the CPU experts' completion words)",
+		 cudaHostAlloc((void **)&m->words, m->n_jobs * sizeof(struct moe_word), flags));
+	memset(m->words, 0, m->n_jobs * sizeof(struct moe_word));
+	if (want) {
+		CUDA_TRY(be, "cudaHostAlloc (the CPU experts' rows)",
+			 cudaHostAlloc((void **)&m->ybuf, m->n_jobs * rows * sizeof(float),
+				       cudaHostAllocMapped | cudaHostAllocPortable));
+		/* A wait for a value the word holds already: it must pass at once. */
+		void *dw = NULL;
+		CUDA_TRY(be, "cudaHostGetDevicePointer (a completion word)", cudaHostGetDevicePointer(&dw, &m->words[0].done, 0));
+		CUresult r = m->wait32((CUstream)be->stream, (CUdeviceptr)(uintptr_t)dw, 0, CU_STREAM_WAIT_VALUE_GEQ);
+		cudaError_t e = r == CUDA_SUCCESS ? cudaStreamSynchronize(be->stream) : cudaSuccess;
+		if (r != CUDA_SUCCESS || e != cudaSuccess) {
+			snprintf(why, sizeof(why), "cuStreamWaitValue32 on mapped host memory: %s",
+				 r != CUDA_SUCCESS ? "refused" : cudaGetErrorString(e));
+			if (e != cudaSuccess)
+				return cuda_fail(be, e, "the probe of a wait on a CPU expert's word");
+			cudaFreeHost(m->ybuf);
+			m->ybuf = NULL;
+			want = false;
+		}
+	}
+	m->gpu_waits = want;
+	if (!want && be->p.cpu_result_mapped && why[0])
+		log_info("cuda backend: the CPU's experts are waited for by the host: %s", why);
 	return 0;
 }
 
@@ -263,15 +355,27 @@ int moe_setup(struct backend_dev *be)
 	m->cpu = (struct moe_cpu_expert *)calloc(m->E, sizeof(*m->cpu));
 	if (!m->jobs || !m->csum || !m->cpu)
 		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for experts on the CPU");
+	if ((rc = gpu_waits_setup(be, rows)))
+		return rc;
 	char why[256];
 	for (uint32_t j = 0; j < m->n_jobs; j++) {
 		struct moe_cpu_job *cj = &m->jobs[j];
 		if (ffn_share_create(c->dim, m->F, FFN_SPLIT_MAX_TOKENS, per, &cj->share, why, sizeof(why)) != 0)
 			return cuda_failf(be, -ENOMEM, "cuda backend: experts on the CPU: %s", why);
 		cj->x = (float *)malloc(rows * sizeof(float));
-		cj->y = (float *)malloc(rows * sizeof(float));
+		cj->y = m->gpu_waits ? m->ybuf + j * rows : (float *)malloc(rows * sizeof(float));
 		if (!cj->x || !cj->y)
 			return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for experts on the CPU");
+		cj->done = &m->words[j].done;
+		cj->waiters = &m->words[j].waiters;
+		if (m->gpu_waits) {
+			void *dy = NULL, *dw = NULL;
+			CUDA_TRY(be, "cudaHostGetDevicePointer (a CPU expert's rows)", cudaHostGetDevicePointer(&dy, cj->y, 0));
+			CUDA_TRY(be, "cudaHostGetDevicePointer (a CPU expert's word)",
+				 cudaHostGetDevicePointer(&dw, cj->done, 0));
+			cj->y_dev = (const float *)dy;
+			cj->done_dev = (CUdeviceptr)(uintptr_t)dw;
+		}
 	}
 	CUDA_TRY(be, "cudaMallocHost (experts' rows for the CPU)", cudaMallocHost((void **)&m->h_xn, rows * sizeof(float)));
 	return dev_alloc(be, (void **)&m->csum_dev, FFN_SPLIT_MAX_TOKENS, dim, sizeof(float), "the CPU experts' sum");
@@ -291,9 +395,12 @@ void moe_teardown(struct backend_dev *be)
 	for (uint32_t j = 0; m->jobs && j < m->n_jobs; j++) {
 		ffn_share_destroy(&m->jobs[j].share);
 		free(m->jobs[j].x);
-		free(m->jobs[j].y);
+		if (!m->ybuf)
+			free(m->jobs[j].y);
 	}
 	free(m->jobs);
+	cudaFreeHost(m->ybuf);
+	cudaFreeHost(m->words);
 	cudaFreeHost(m->h_xn);
 	free(m->csum);
 	free(m->cpu);
@@ -356,9 +463,11 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 		CUDA_TRY(be, "cudaMemsetAsync (experts' sum)",
 			 cudaMemsetAsync(m->sum, 0, (size_t)n * dim * sizeof(float), be->stream));
 	/* A decode step's rows for experts the CPU may compute. Jobs of a layer that failed half way
-	 * are waited for first: their slots and buffers are about to be reused. */
-	moe_settle(be);
+	 * are waited for first: their slots and buffers are about to be reused (the last layer's that
+	 * the stream waited for: checked below, once the stream has passed their waits). */
+	settle_jobs(m);
 	m->xn_down = m->jobs && n <= FFN_SPLIT_MAX_TOKENS;
+	m->gpu_wait = m->gpu_waits && m->one && m->xn_down;
 	m->n_cpu = 0;
 	m->collected = 0;
 	if (m->xn_down)
@@ -369,6 +478,8 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	uint64_t t0 = now_ns();
 	CUDA_TRY(be, "waiting for the router logits", cudaStreamSynchronize(be->stream));
 	m->route_wait_ns += now_ns() - t0;
+	if ((rc = moe_check(be)))
+		return rc;
 	bool norm = (c->flags & MODEL_NORM_TOPK) != 0;
 	for (uint32_t t = 0; t < n; t++) {
 		const float *lg = m->h_logits + (size_t)t * E;
@@ -504,7 +615,7 @@ static int cpu_collect(struct backend_dev *be, uint32_t i)
 	const uint32_t dim = be->cfg.dim;
 	const struct moe_cpu_expert *ce = &m->cpu[i];
 	struct moe_cpu_job *cj = &m->jobs[i % m->n_jobs];
-	task_word_wait(&cj->done, &cj->waiters, cj->seq, 50, 0);
+	task_word_wait(cj->done, cj->waiters, cj->seq, 50, 0);
 	if (cj->tj.rc)
 		return cuda_failf(be, cj->tj.rc, "cuda backend: expert %u on the CPU: %s", ce->expert, cj->tj.err);
 	const uint32_t o = m->off[ce->expert], cnt = m->off[ce->expert + 1] - o;
@@ -530,9 +641,12 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 				  "experts in steps of at most %u, with a CPU pool)", expert, be->n, FFN_SPLIT_MAX_TOKENS);
 	uint64_t t0 = now_ns();
 	const uint32_t i = m->n_cpu, dim = be->cfg.dim;
-	if (i == 0)
+	if (m->gpu_wait && i >= m->n_jobs) /* k <= n_jobs: one token's chosen experts all fit */
+		return cuda_failf(be, -EPROTO, "cuda backend: expert %u is the CPU's %u-th for one token, which chose %u",
+				  expert, i + 1, m->k);
+	if (i == 0 && !m->gpu_wait)
 		memset(m->csum, 0, (size_t)be->n * dim * sizeof(float));
-	if (i >= m->n_jobs && m->collected <= i - m->n_jobs) {
+	if (!m->gpu_wait && i >= m->n_jobs && m->collected <= i - m->n_jobs) {
 		int rc = cpu_collect(be, i - m->n_jobs);
 		m->collected = i - m->n_jobs + 1;
 		if (rc)
@@ -545,28 +659,81 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	ce->down = host_mat(&w->t[ROLE_EXPERT_DOWN]);
 	struct moe_cpu_job *cj = &m->jobs[i % m->n_jobs];
 	const uint32_t o = m->off[expert], cnt = m->off[expert + 1] - o;
+	ce->w = m->h_tw[o];
 	for (uint32_t r = 0; r < cnt; r++)
 		memcpy(cj->x + (size_t)r * dim, m->h_xn + (size_t)m->h_tok[o + r] * dim, dim * sizeof(float));
 	ffn_share_job_init(&cj->job, &ce->gate, &ce->up, &ce->down, m->F, cnt, DT_F32);
 	memset(&cj->tj, 0, sizeof(cj->tj));
-	task_job_init(&cj->tj, cpu_part, cj, ffn_share_parts(cj->share), &cj->done, ++cj->seq);
-	cj->tj.done_waiters = &cj->waiters;
+	task_job_init(&cj->tj, cpu_part, cj, ffn_share_parts(cj->share), cj->done, ++cj->seq);
+	cj->tj.done_waiters = cj->waiters;
 	task_pool_submit(be->p.cpu_pool, &cj->tj); /* -ESHUTDOWN completes the job with its error */
 	m->n_cpu++;
 	m->cpu_ns += now_ns() - t0;
 	return 0;
 }
 
-void moe_settle(struct backend_dev *be)
+/* Every job submitted and not yet collected waited for, and those the stream waits for (kept for
+ * moe_check). */
+static void settle_jobs(struct cuda_moe *m)
 {
-	struct cuda_moe *m = be->moe;
-	if (!m || !m->jobs)
+	if (!m->jobs)
 		return;
 	for (uint32_t i = m->collected; i < m->n_cpu; i++) {
 		struct moe_cpu_job *cj = &m->jobs[i % m->n_jobs];
-		task_word_wait(&cj->done, &cj->waiters, cj->seq, 50, 0);
+		task_word_wait(cj->done, cj->waiters, cj->seq, 50, 0);
 	}
 	m->collected = m->n_cpu;
+	for (uint32_t i = 0; i < m->n_waited; i++)
+		task_word_wait(m->jobs[i].done, m->jobs[i].waiters, m->jobs[i].seq, 50, 0);
+}
+
+/* A failed step: its jobs are over, and their results are the failed step's. */
+void moe_settle(struct backend_dev *be)
+{
+	struct cuda_moe *m = be->moe;
+	if (!m)
+		return;
+	settle_jobs(m);
+	m->n_waited = 0;
+}
+
+int moe_check(struct backend_dev *be)
+{
+	struct cuda_moe *m = be->moe;
+	if (!m)
+		return 0;
+	int rc = 0;
+	for (uint32_t i = 0; i < m->n_waited; i++) {
+		struct moe_cpu_job *cj = &m->jobs[i];
+		task_word_wait(cj->done, cj->waiters, cj->seq, 50, 0); /* at once: the stream has seen it */
+		if (cj->tj.rc && !rc)
+			rc = cuda_failf(be, cj->tj.rc, "cuda backend: expert %u on the CPU: %s", m->cpu[i].expert,
+					cj->tj.err);
+	}
+	m->n_waited = 0;
+	return rc;
+}
+
+/* One token's CPU experts, noted this layer: the stream waits for each job's completion word, and
+ * combine_kernel reads their rows from mapped host memory (cw). The host goes on. */
+static int cpu_experts_waited(struct backend_dev *be, moe_combine_w *cw)
+{
+	struct cuda_moe *m = be->moe;
+	for (uint32_t i = 0; i < m->n_cpu; i++) {
+		struct moe_cpu_job *cj = &m->jobs[i];
+		CUresult r = m->wait32((CUstream)be->stream, cj->done_dev, cj->seq, CU_STREAM_WAIT_VALUE_GEQ);
+		if (r != CUDA_SUCCESS)
+			return cuda_failf(be, -EIO, "cuda backend: cuStreamWaitValue32 (expert %u on the CPU) failed: %d",
+					  m->cpu[i].expert, (int)r);
+		cw->cpu_y[i] = cj->y_dev;
+		cw->cpu_w[i] = m->cpu[i].w;
+	}
+	cw->n_cpu = m->n_cpu;
+	m->n_waited = m->n_cpu;
+	m->cpu_experts += m->n_cpu;
+	m->n_cpu = 0;
+	m->collected = 0;
+	return 0;
 }
 
 /* The rest of the noted experts collected, in order; csum up. Every submitted job is waited for,
@@ -600,7 +767,13 @@ int moe_end(struct backend_dev *be)
 {
 	struct cuda_moe *m = be->moe;
 	size_t count = (size_t)be->n * be->cfg.dim;
-	if (m->n_cpu) {
+	moe_combine_w cw;
+	memset(&cw, 0, sizeof(cw));
+	if (m->n_cpu && m->gpu_wait) {
+		int rc = cpu_experts_waited(be, &cw);
+		if (rc)
+			return rc;
+	} else if (m->n_cpu) {
 		float *cs = NULL;
 		int rc = cpu_experts(be, &cs);
 		m->n_cpu = 0;
@@ -610,8 +783,7 @@ int moe_end(struct backend_dev *be)
 		LAUNCHED(be, "add_kernel (CPU experts' sum)");
 	}
 	if (m->one) {
-		if (m->n_gpu) {
-			moe_combine_w cw;
+		if (m->n_gpu || cw.n_cpu) {
 			memcpy(cw.w, m->yw, sizeof(cw.w));
 			combine_kernel<<<grid_for(be->cfg.dim, 256), 256, 0, be->stream>>>(be->x, m->ys, m->n_gpu,
 										     be->cfg.dim, cw);
