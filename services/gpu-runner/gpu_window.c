@@ -82,7 +82,16 @@ void gw_trim_retired(struct gpu_window *w)
 }
 
 /* Host copies whose completion is now visible hand their ring grant back. Never blocks. */
+static int poll_copies(struct gpu_window *w);
 int gw_poll_copies(struct gpu_window *w)
+{
+	const uint64_t t0 = now_ns();
+	int rc = poll_copies(w);
+	w->poll_ns += now_ns() - t0;
+	return rc;
+}
+
+static int poll_copies(struct gpu_window *w)
 {
 	/* From the last: set_state moves the list's last entry (seen already) into a finished one's place. */
 	for (uint32_t i = w->n_inflight; i-- > 0;) {
@@ -263,6 +272,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	/* Copies go round-robin over the copy streams (--copy-streams); every ordering is by
 	 * events, so it does not matter which stream carries which copy. */
 	cudaStream_t cs = w->copies[w->st.copies % w->n_copies];
+	const uint64_t t0 = now_ns();
 	/* The slot's last occupant must be done before its bytes are overwritten. */
 	if (s->compute_recorded)
 		CUDA_TRY(cudaStreamWaitEvent(cs, s->compute_done, 0), "ordering a copy after compute");
@@ -277,6 +287,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 		s->timed = true;
 	}
 	CUDA_TRY(cudaEventRecord(e->h2d, cs), "recording a copy");
+	w->copy_ns += now_ns() - t0;
 	if ((rc = set_state(w, h, GWIN_INFLIGHT)))
 		return rc;
 	e->slot = (uint32_t)(s - w->slots);
@@ -526,23 +537,29 @@ static int win_reset(struct weight_source *ws)
 	return rc ? rc : gw_strict_check(w);
 }
 
+const char *const gw_host_op_names[GW_HOST_OPS] = {"acquire", "release", "route", "skip", "acquire_host"};
+
 /* The engine's calls per step, timed: the host's time in the window (a model of many experts makes
- * thousands of them a token; what they cost is in the stats, host_ms). */
-#define TIMED(call)                                                                            \
+ * thousands of them a token; what they cost is in the stats, host_ms and host_ms_op). */
+#define TIMED(op, call)                                                                        \
 	{                                                                                      \
+		struct gpu_window *w_ = (struct gpu_window *)ws;                               \
 		const uint64_t t0_ = now_ns();                                                 \
 		int rc_ = call;                                                                \
-		((struct gpu_window *)ws)->host_ns += now_ns() - t0_;                          \
+		const uint64_t dt_ = now_ns() - t0_;                                           \
+		w_->host_ns += dt_;                                                            \
+		w_->op_ns[op] += dt_;                                                          \
+		w_->op_calls[op]++;                                                            \
 		return rc_;                                                                    \
 	}
 static int timed_acquire(struct weight_source *ws, uint32_t g, struct group_weights *gw)
-TIMED(win_acquire(ws, g, gw))
+TIMED(GW_OP_ACQUIRE, win_acquire(ws, g, gw))
 static int timed_release(struct weight_source *ws, uint32_t g)
-TIMED(win_release(ws, g))
+TIMED(GW_OP_RELEASE, win_release(ws, g))
 static int timed_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)
-TIMED(gw_route(ws, layer, used, on_cpu))
+TIMED(GW_OP_ROUTE, gw_route(ws, layer, used, on_cpu))
 static int timed_skip_(struct weight_source *ws, uint32_t g)
-TIMED(gw_skip(ws, g))
+TIMED(GW_OP_SKIP, gw_skip(ws, g))
 /* A resident expert's skip is nothing (most of a model's, 128 a layer): not worth two clock reads. */
 static int timed_skip(struct weight_source *ws, uint32_t g)
 {
@@ -552,7 +569,7 @@ static int timed_skip(struct weight_source *ws, uint32_t g)
 	return timed_skip_(ws, g);
 }
 static int timed_acquire_host(struct weight_source *ws, uint32_t g, struct group_weights *gw)
-TIMED(gw_acquire_host(ws, g, gw))
+TIMED(GW_OP_ACQUIRE_HOST, gw_acquire_host(ws, g, gw))
 #undef TIMED
 
 const struct weight_source_ops gw_window_ops = {
@@ -582,6 +599,12 @@ void gpu_window_stats(struct gpu_window *w, struct gpu_window_stats *st)
 	}
 	*st = w->st;
 	st->host_ms = (double)w->host_ns / 1e6;
+	for (int i = 0; i < GW_HOST_OPS; i++) {
+		st->host_ms_op[i] = (double)w->op_ns[i] / 1e6;
+		st->host_calls_op[i] = w->op_calls[i];
+	}
+	st->host_ms_copy = (double)w->copy_ns / 1e6;
+	st->host_ms_poll = (double)w->poll_ns / 1e6;
 }
 
 enum gwin_state gpu_window_group_state(const struct gpu_window *w, uint32_t g, bool *resident)

@@ -95,6 +95,18 @@ enum gwin_state {
 	GWIN_RETIRING = 3,
 };
 
+/* The engine's calls into the window, timed each (gpu_window_stats.host_ms_op). */
+enum gw_host_op {
+	GW_OP_ACQUIRE = 0,
+	GW_OP_RELEASE = 1,
+	GW_OP_ROUTE = 2,
+	GW_OP_SKIP = 3,
+	GW_OP_ACQUIRE_HOST = 4,
+	GW_HOST_OPS = 5,
+};
+/* Their names in the stats ("acquire", "release", "route", "skip", "acquire_host"). */
+extern const char *const gw_host_op_names[GW_HOST_OPS];
+
 struct gpu_window_stats {
 	uint64_t resident_groups, streamed_groups;
 	uint64_t resident_bytes;	 /* device bytes held for good */
@@ -110,8 +122,13 @@ struct gpu_window_stats {
 	uint64_t guess_missed;		 /* passed over before the route, then chosen: left to the CPU */
 	uint64_t step_resets;		 /* failed steps settled before the next (weights.h, reset) */
 	uint32_t pins_kept;		 /* ring mappings taken over pinned from the window before */
+	uint32_t one_copy_groups;	 /* groups copied in one piece, laid out as in their host slot */
 	double host_ms;			 /* the host's time in the engine's calls: acquire, release, skip,
 					  * route, acquire_host (the loader's reads they wait for included) */
+	double host_ms_op[GW_HOST_OPS];	 /* host_ms by call (enum gw_host_op) */
+	uint64_t host_calls_op[GW_HOST_OPS];
+	double host_ms_copy;		 /* of host_ms: issuing copies (their cudaMemcpyAsync and events) */
+	double host_ms_poll;		 /* of host_ms: polling the copies in flight (cudaEventQuery) */
 	uint32_t experts_resident;	 /* expert groups kept on the device for good (the plan's) */
 	double expert_heat_resident;	 /* the share of the routing they take (window_plan.h) */
 	uint32_t depth;

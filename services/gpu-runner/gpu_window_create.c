@@ -169,6 +169,7 @@ static void destroy(struct gpu_window **wp)
 	free(w->dev_bytes);
 	free(w->plan_groups);
 	free(w->copy_bytes);
+	free(w->span_base);
 	free(w->split_r);
 	free(w->split_r_layer);
 	free(w->side_off);
@@ -176,12 +177,61 @@ static void destroy(struct gpu_window **wp)
 	*wp = NULL;
 }
 
+/* Whether group g's tensors go to the device as they lie in its host slot, in one copy (*base: where
+ * that copy starts in the slot; span_base): each whole (no FFN split), every tensor's distance from
+ * the first a multiple of 16 (the kernels' vector loads; then each lies 16-byte aligned on the
+ * device), and the gaps between them (the loader's extents start at 4 KiB boundaries) at most a
+ * 32nd of the copy. A cudaMemcpyAsync costs the host a few microseconds: a model of many small experts
+ * copies thousands of groups a token. */
+static bool one_copy(const struct gpu_window *w, uint32_t g, uint64_t *base)
+{
+	const struct group_desc *gd = &w->base.groups[g];
+	uint64_t lo = UINT64_MAX, hi = 0, sum = 0;
+	for (uint32_t i = 0; i < gd->n_tensors; i++) {
+		const struct tensor_desc *t = &w->base.tensors[gd->first_tensor + i];
+		struct gw_piece pc = gw_piece(w, g, gd->first_tensor + i, false);
+		if (pc.height != 1 || pc.src_off != t->slot_offset || pc.width != t->nbytes)
+			return false;
+		lo = t->slot_offset < lo ? t->slot_offset : lo;
+		hi = t->slot_offset + t->nbytes > hi ? t->slot_offset + t->nbytes : hi;
+		sum += t->nbytes;
+	}
+	if (!gd->n_tensors)
+		return false;
+	for (uint32_t i = 0; i < gd->n_tensors; i++)
+		if ((w->base.tensors[gd->first_tensor + i].slot_offset - lo) % 16)
+			return false;
+	const uint64_t slack = sum / 32;
+	const uint64_t r = lo % 16, b = (lo - r) / DEV_ALIGN * DEV_ALIGN + r; /* off - b keeps off's alignment */
+	if (hi - b - sum > slack)
+		return false;
+	*base = b;
+	return true;
+}
+
 /* Each group's device layout (w->dev_off, dev_bytes) and copy size (copy_bytes) from the pieces its
- * copies take: every tensor at a DEV_ALIGN boundary. */
+ * copies take: the slot's own layout in one copy where one_copy allows (span_base), else every
+ * tensor at a DEV_ALIGN boundary, a copy each. */
 void gw_layout(struct gpu_window *w)
 {
+	w->st.one_copy_groups = 0;
 	for (uint32_t g = 0; g < w->base.n_groups; g++) {
 		const struct group_desc *gd = &w->base.groups[g];
+		uint64_t base;
+		if (one_copy(w, g, &base)) {
+			uint64_t hi = 0;
+			for (uint32_t i = 0; i < gd->n_tensors; i++) {
+				const struct tensor_desc *t = &w->base.tensors[gd->first_tensor + i];
+				w->dev_off[gd->first_tensor + i] = t->slot_offset - base;
+				hi = t->slot_offset + t->nbytes > hi ? t->slot_offset + t->nbytes : hi;
+			}
+			w->span_base[g] = base;
+			w->copy_bytes[g] = hi - base;
+			w->dev_bytes[g] = ALIGN_UP(hi - base, (uint64_t)DEV_ALIGN);
+			w->st.one_copy_groups++;
+			continue;
+		}
+		w->span_base[g] = NO_SPAN;
 		uint64_t off = 0, bytes = 0;
 		for (uint32_t i = 0; i < gd->n_tensors; i++) {
 			struct gw_piece pc = gw_piece(w, g, gd->first_tensor + i, false);
@@ -255,9 +305,10 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	w->dev_off = calloc(rs->n_tensors, sizeof(uint64_t));
 	w->dev_bytes = calloc(ng, sizeof(uint64_t));
 	w->copy_bytes = calloc(ng, sizeof(uint64_t));
+	w->span_base = calloc(ng, sizeof(uint64_t));
 	w->split_r = calloc(ng, sizeof(uint32_t));
 	w->plan_groups = calloc(ng, sizeof(struct group_desc));
-	if (!w->dev_off || !w->dev_bytes || !w->copy_bytes || !w->split_r || !w->plan_groups) {
+	if (!w->dev_off || !w->dev_bytes || !w->copy_bytes || !w->span_base || !w->split_r || !w->plan_groups) {
 		rc = errorf(err, errlen, -ENOMEM, "out of memory");
 		goto out_fail;
 	}

@@ -17,6 +17,7 @@
 
 #define NO_SLOT UINT32_MAX
 #define NO_GROUP UINT32_MAX
+#define NO_SPAN UINT64_MAX
 /* Ring mappings page-locked at once: the current one and those of loaders that went away whose
  * copies are still in flight (weights_ring.c keeps at most 8 of those). */
 #define PINNED_MAX 16
@@ -83,6 +84,8 @@ struct gpu_window {
 	bool *fetch;		   /* n_experts: the experts a route asks of the ring together (win_route) */
 	bool predict;		   /* --predict-experts: a later layer's experts issued on its last routing */
 	uint64_t host_ns;	   /* the host's time in the engine's calls (window_ops' timed_*) */
+	uint64_t op_ns[GW_HOST_OPS], op_calls[GW_HOST_OPS]; /* the same by call */
+	uint64_t copy_ns, poll_ns; /* of it: issuing copies, polling those in flight */
 	uint32_t *inflight;	   /* (n_groups) the groups whose state is INFLIGHT, in no order (set_state) */
 	uint32_t n_inflight;
 	bool *guess_set;	   /* (n_layers, n_experts): what each layer's next decode step copies before
@@ -107,6 +110,8 @@ struct gpu_window {
 	uint64_t *dev_off;   /* n_tensors: offset of the tensor in its group's device memory */
 	uint64_t *dev_bytes; /* n_groups */
 	uint64_t *copy_bytes; /* n_groups: what a copy of the group moves (a split FFN: its device share) */
+	uint64_t *span_base;  /* n_groups: where the group's one copy starts in its host slot (its tensors
+			       * then lie on the device as in the slot, less that), NO_SPAN: a copy each */
 	struct group_desc *plan_groups; /* n_groups: the groups as the plan saw them (slot_bytes: dev_bytes
 					 * before any FFN split), for a plan made again (expert_gain) */
 	uint64_t budget;      /* --gpu-budget the plan had */

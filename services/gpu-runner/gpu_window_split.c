@@ -65,6 +65,15 @@ int gw_copy_pieces(struct gpu_window *w, uint32_t g, bool rest, void *dev, const
 		   cudaStream_t s)
 {
 	const struct group_desc *gd = &w->base.groups[g];
+	if (!rest && off == w->dev_off && w->span_base[g] != NO_SPAN) {
+		/* The slot's layout: one copy (gw_layout). */
+		cudaError_t e = cudaMemcpyAsync(dev, (const char *)host + w->span_base[g], w->copy_bytes[g],
+						cudaMemcpyHostToDevice, s);
+		if (e != cudaSuccess)
+			return errorf(w->base.error, sizeof(w->base.error), -EIO, "copying group %u: %s", g,
+				      cudaGetErrorString(e));
+		return 0;
+	}
 	for (uint32_t i = 0; i < gd->n_tensors; i++) {
 		uint32_t ti = gd->first_tensor + i;
 		struct gw_piece pc = gw_piece(w, g, ti, rest);

@@ -372,7 +372,17 @@ char *runner_stats(void *ctx)
 			json_object_set_new(g, "guess_missed", json_integer((json_int_t)ws2.guess_missed));
 			json_object_set_new(g, "step_resets", json_integer((json_int_t)ws2.step_resets));
 			json_object_set_new(g, "host_ms", json_real(ws2.host_ms));
+			json_t *by = json_object(), *calls = json_object();
+			for (int i = 0; i < GW_HOST_OPS; i++) {
+				json_object_set_new(by, gw_host_op_names[i], json_real(ws2.host_ms_op[i]));
+				json_object_set_new(calls, gw_host_op_names[i], json_integer((json_int_t)ws2.host_calls_op[i]));
+			}
+			json_object_set_new(by, "copy_calls", json_real(ws2.host_ms_copy));
+			json_object_set_new(by, "poll", json_real(ws2.host_ms_poll));
+			json_object_set_new(g, "host_ms_by", by);
+			json_object_set_new(g, "host_calls", calls);
 			json_object_set_new(g, "pins_kept", json_integer(ws2.pins_kept));
+			json_object_set_new(g, "one_copy_groups", json_integer(ws2.one_copy_groups));
 			json_object_set_new(g, "experts_resident", json_integer(ws2.experts_resident));
 			json_object_set_new(g, "experts_resident_routing", json_real(ws2.expert_heat_resident));
 			json_object_set_new(g, "expert_replans", json_integer((json_int_t)r->expert_replans));

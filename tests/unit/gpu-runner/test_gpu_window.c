@@ -414,6 +414,51 @@ START_TEST(test_pins_kept)
 }
 END_TEST
 
+/* Groups whose tensors are large beside the gaps the loader's 4 KiB extents leave between them go
+ * to the device in one copy, laid out as in their host slot (gw_layout): every tensor's bytes still
+ * arrive where the engine is told they are (pass), and no tensor lies less than 16-byte aligned. */
+START_TEST(test_one_copy_groups)
+{
+	struct model_config c;
+	char err[512];
+	ck_assert_int_eq(synth_shape_config("tiny", &c, err, sizeof(err)), 0);
+	c.dim = 512;
+	c.n_heads = 8;
+	c.n_kv_heads = 4;
+	c.head_dim = 64;
+	c.ffn_dim = 1536;
+	c.n_layers = 4;
+	struct fixture f;
+	start_config(&f, "1GiB", &c);
+	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
+	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
+	struct gpu_window_params p = {.gpu_budget = head + 2 * (a + ff) + ff, .depth = 2, .strict = true};
+	struct gpu_window *w = NULL;
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	struct gpu_window_stats st;
+	gpu_window_stats(w, &st);
+	ck_assert_uint_gt(st.streamed_groups, 0);
+	ck_assert_uint_ge(st.one_copy_groups, 2 * c.n_layers); /* every layer's attention and FFN */
+	struct weight_source *ws = gpu_window_base(w);
+	for (int i = 0; i < 3; i++)
+		pass(&f, w);
+	for (uint32_t g = 0; g < f.m->n_groups; g++) {
+		if (g == group_id_embed())
+			continue;
+		struct group_weights gw;
+		ck_assert_msg(ws->ops->acquire(ws, g, &gw) == 0, "acquire %u: %s", g, ws->error);
+		for (uint32_t r = 0; r < ROLE_COUNT; r++)
+			if (gw.t[r].data[PLACE_DEVICE])
+				ck_assert_msg((uintptr_t)gw.t[r].data[PLACE_DEVICE] % 16 == 0, "group %u role %u at %p", g, r,
+					      gw.t[r].data[PLACE_DEVICE]);
+		ck_assert_int_eq(ws->ops->release(ws, g), 0);
+	}
+	ck_assert_int_eq(ws->ops->release_all(ws), 0);
+	gpu_window_destroy(&w);
+	stop(&f);
+}
+END_TEST
+
 /* --window-spread: the kept layer groups among the layers, not the first ones; every pass still
  * moves each streamed group once and the state table holds (strict). */
 START_TEST(test_streaming_spread)
@@ -1119,6 +1164,7 @@ int main(void)
 	tcase_add_test(tc, test_hot_experts);
 	tcase_add_test(tc, test_experts_guessed);
 	tcase_add_test(tc, test_pins_kept);
+	tcase_add_test(tc, test_one_copy_groups);
 	tcase_add_test(tc, test_experts_guessed_beside_disk);
 	suite_add_tcase(s, tc);
 	SRunner *sr = srunner_create(s);
