@@ -86,6 +86,8 @@ struct gpu_window {
 	uint64_t host_ns;	   /* the host's time in the engine's calls (window_ops' timed_*) */
 	uint64_t op_ns[GW_HOST_OPS], op_calls[GW_HOST_OPS]; /* the same by call */
 	uint64_t copy_ns, poll_ns; /* of it: issuing copies, polling those in flight */
+	bool early_grants;	   /* a pinned group's grant went back while its copy ran (let_go_copy):
+				    * the copy streams are waited for before a ring mapping is let go */
 	uint32_t *inflight;	   /* (n_groups) the groups whose state is INFLIGHT, in no order (set_state) */
 	uint32_t n_inflight;
 	bool *guess_set;	   /* (n_layers, n_experts): what each layer's next decode step copies before
