@@ -694,6 +694,14 @@ void backend_moe_settle(struct backend *be)
 		be->impl->compute->moe_settle(be->dev);
 }
 
+int backend_moe_check(struct backend *be)
+{
+	if (!be->impl->compute->moe_check)
+		return 0;
+	int rc = be->impl->compute->moe_check(be->dev);
+	return rc ? impl_rc(be, rc) : 0;
+}
+
 int backend_moe_end(struct backend *be)
 {
 	if (be->phase != PHASE_MOE)

@@ -300,6 +300,11 @@ int backend_moe_end(struct backend *be);
 /* After a failed step: waits for the experts the CPU still computes (they read host memory that
  * may go away once the step has failed). Safe at any time; the next moe_route starts afresh. */
 void backend_moe_settle(struct backend *be);
+/* At the end of a step that went well: waits for the experts the CPU computed whose results the
+ * device took without the host (the CUDA backend, one token: the stream waits for them) and
+ * returns 0, or the first of them that failed (-errno, message in backend_error): the step's
+ * result is then wrong. A step whose output the host waited for has had them checked already. */
+int backend_moe_check(struct backend *be);
 /* post-attention RMSNorm, SwiGLU (down(silu(gate x) * up x)), residual add. With w->split.where
  * set, the FFN is computed in two shares (struct ffn_split): FFN_SPLIT_CPU needs a step of at most
  * FFN_SPLIT_MAX_TOKENS tokens and backend_params.cpu_pool. A failure of the CPU's share shows

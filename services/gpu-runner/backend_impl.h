@@ -46,6 +46,9 @@ struct backend_compute_ops {
 	int (*moe_expert_cpu)(struct backend_dev *d, const struct group_weights *w, uint32_t expert);
 	/* Optional (with moe_expert_cpu): waits for the experts the CPU still computes. */
 	void (*moe_settle)(struct backend_dev *d);
+	/* Optional (default 0): waits for the CPU's experts whose results the stream takes without the
+	 * host and returns the first failure among them. */
+	int (*moe_check)(struct backend_dev *d);
 	/* A stage of a split model (backend.h): all three, or none (default -ENOTSUP). hidden_in sets the
 	 * batch as embed does (x NULL: the hidden state is in place already); get and put copy rows. */
 	int (*hidden_in)(struct backend_dev *d, const struct backend_batch *b, const float *x);

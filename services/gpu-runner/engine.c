@@ -420,6 +420,10 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 	}
 	e->step_failed = false;
 	int rc = step_groups(e, seqs, n_seqs, logits, argmax, sp, u, stage_out, picks);
+	/* A step with no output the host waited for (a prefill chunk before the last, a position
+	 * caught up) has not looked at the results of the last layer's CPU experts yet. */
+	if (rc == 0 && e->cfg->n_experts && (rc = backend_moe_check(e->be)) != 0)
+		set_err(e, rc, "experts: %s", backend_error(e->be));
 	if (rc && e->cfg->n_experts)
 		backend_moe_settle(e->be);
 	e->step_failed = rc != 0;

@@ -122,12 +122,14 @@ static int poll_copies(struct gpu_window *w)
 	return 0;
 }
 
+/* The slot's last copy's time, where it is done (a copy into the slot no longer waits for the last
+ * one on the host: one not done yet is dropped, its events about to be recorded again). */
 static void collect_timing(struct gpu_window *w, struct gslot *s)
 {
 	if (!s->timed)
 		return;
 	float ms = 0;
-	if (cudaEventElapsedTime(&ms, s->t0, s->t1) == cudaSuccess) {
+	if (cudaEventQuery(s->t1) == cudaSuccess && cudaEventElapsedTime(&ms, s->t0, s->t1) == cudaSuccess) {
 		w->st.copy_ms += ms;
 		w->st.timed_copies++;
 	}

@@ -121,9 +121,9 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 						      "step of %u tokens cannot leave it to the CPU",
 						      g, layer, ws->step_tokens);
 				e->on_cpu = true;
-				cpu_s += cpu_r > 0 ? (double)w->copy_bytes[g] / cpu_r : 0;
+				cpu_s += cpu_r > 0 ? (double)ws->groups[g].tensor_bytes / cpu_r : 0;
 				w->st.experts_cpu++;
-				w->st.experts_cpu_bytes += w->copy_bytes[g];
+				w->st.experts_cpu_bytes += ws->groups[g].tensor_bytes;
 				w->st.guess_missed++;
 			} else if (used[x] && in) {
 				w->st.guess_hits++;
@@ -135,12 +135,14 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 		    ring_source_group_pinned(w->ring, g)) {
 			/* To the side that then finishes first: copies at the H2D rate, or the CPU at its
 			 * product rate for the experts' format. */
-			double b = (double)w->copy_bytes[g], h2d = h2d_r, rate = cpu_r;
-			if (rate > 0 && cpu_s + b / rate <= gpu_s + b / h2d) {
+			/* What a copy moves (its slot's gaps included: gw_layout) against what the CPU reads. */
+			double b = (double)w->copy_bytes[g], bc = (double)ws->groups[g].tensor_bytes, h2d = h2d_r,
+			       rate = cpu_r;
+			if (rate > 0 && cpu_s + bc / rate <= gpu_s + b / h2d) {
 				e->on_cpu = true;
-				cpu_s += b / rate;
+				cpu_s += bc / rate;
 				w->st.experts_cpu++;
-				w->st.experts_cpu_bytes += w->copy_bytes[g];
+				w->st.experts_cpu_bytes += ws->groups[g].tensor_bytes;
 			} else {
 				gpu_s += b / h2d;
 			}

@@ -196,7 +196,8 @@ __global__ void combine_kernel(float *x, const float *ys, uint32_t cnt, uint32_t
 		if (w.n_cpu) {
 			float c = 0.0f;
 			for (uint32_t j = 0; j < w.n_cpu; j++)
-				c = __fadd_rn(c, __fmul_rn(w.cpu_y[j][d], w.cpu_w[j]));
+				c = __fadd_rn(c, __fmul_rn(__ldcv(w.cpu_y[j] + d), w.cpu_w[j])); /* not cached: the
+												   * CPU rewrites them */
 			v = __fadd_rn(v, c);
 		}
 		if (cnt) {
@@ -280,7 +281,7 @@ static int gpu_waits_setup(struct backend_dev *be, size_t rows)
 		/* A wait for a value the word holds already: it must pass at once. */
 		void *dw = NULL;
 		CUDA_TRY(be, "cudaHostGetDevicePointer (a completion word)", cudaHostGetDevicePointer(&dw, &m->words[0].done, 0));
-		CUresult r = m->wait32((CUstream)be->stream, (CUdeviceptr)(uintptr_t)dw, 0, CU_STREAM_WAIT_VALUE_GEQ);
+		CUresult r = m->wait32((CUstream)be->stream, (CUdeviceptr)(uintptr_t)dw, 0, CU_STREAM_WAIT_VALUE_EQ);
 		cudaError_t e = r == CUDA_SUCCESS ? cudaStreamSynchronize(be->stream) : cudaSuccess;
 		if (r != CUDA_SUCCESS || e != cudaSuccess) {
 			snprintf(why, sizeof(why), "cuStreamWaitValue32 on mapped host memory: %s",
@@ -388,6 +389,7 @@ void moe_teardown(struct backend_dev *be)
 		return;
 	if (be->stream)
 		cudaStreamSynchronize(be->stream);
+	settle_jobs(m); /* the stream may not have waited for them (a failed step, a sticky error) */
 	/* The task pool outlives this backend: the thread that completed the last job may still read
 	 * m->waiters. */
 	if (m->jobs && be->p.cpu_pool)
@@ -721,7 +723,9 @@ static int cpu_experts_waited(struct backend_dev *be, moe_combine_w *cw)
 	struct cuda_moe *m = be->moe;
 	for (uint32_t i = 0; i < m->n_cpu; i++) {
 		struct moe_cpu_job *cj = &m->jobs[i];
-		CUresult r = m->wait32((CUstream)be->stream, cj->done_dev, cj->seq, CU_STREAM_WAIT_VALUE_GEQ);
+		/* EQ, not GEQ (an unsigned compare, where seq wraps): a slot's next job is submitted only
+		 * after the host's next wait for the stream has passed this one. */
+		CUresult r = m->wait32((CUstream)be->stream, cj->done_dev, cj->seq, CU_STREAM_WAIT_VALUE_EQ);
 		if (r != CUDA_SUCCESS)
 			return cuda_failf(be, -EIO, "cuda backend: cuStreamWaitValue32 (expert %u on the CPU) failed: %d",
 					  m->cpu[i].expert, (int)r);
