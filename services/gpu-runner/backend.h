@@ -388,6 +388,9 @@ struct backend_cpu_share_stats {
 	uint64_t experts;    /* routed experts the CPU computed */
 	double experts_ms;   /* the host's time computing them (moe_end), summed */
 	double route_wait_ms; /* the host's time waiting for the router logits (moe_route), summed */
+	double experts_span_ms; /* a layer's CPU experts from the first one's submission to the last one's
+				 * end, summed over the layers that had any */
+	uint64_t expert_layers; /* those layers */
 };
 
 /* Fills out (zeros and "none" where the backend has no CPU share). Never fails. */

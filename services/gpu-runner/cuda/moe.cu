@@ -91,6 +91,7 @@ struct moe_cpu_job {
 	const float *y_dev;		/* y as the device addresses it (gpu_waits) */
 	uint32_t *done, *waiters, seq;	/* the job's completion word, its sleepers (in words), the last value */
 	CUdeviceptr done_dev;		/* done as the stream addresses it (gpu_waits) */
+	uint64_t end_ns;		/* when it ended (job_ended; read once done shows seq) */
 };
 
 struct cuda_moe {
@@ -139,7 +140,9 @@ struct cuda_moe {
 	uint32_t n_waited;		/* jobs of the last such layer, slots 0.., whose results moe_check reads */
 	float *ybuf;			/* (n_jobs, FFN_SPLIT_MAX_TOKENS, dim) the jobs' y, mapped (gpu_waits) */
 	PFN_cuStreamWaitValue32_v11070 wait32;
-	uint64_t cpu_experts, cpu_ns, route_wait_ns; /* experts the CPU computed, and the host's times (all time) */	/* experts the CPU computed, and their time (all time) */
+	uint64_t cpu_experts, cpu_ns, route_wait_ns; /* experts the CPU computed, and the host's times (all time) */
+	uint64_t layer_t0, waited_t0;	/* when this layer's first CPU expert was submitted; the waited layer's */
+	uint64_t span_ns, span_layers;	/* layers' CPU experts, first submission to last end, summed (all time) */
 };
 
 /* ---- kernels ------------------------------------------------------------------------------ */
@@ -595,12 +598,19 @@ void moe_stats(struct backend_dev *be, struct backend_cpu_share_stats *out)
 	out->experts = m->cpu_experts;
 	out->experts_ms = (double)m->cpu_ns / 1e6;
 	out->route_wait_ms = (double)m->route_wait_ns / 1e6;
+	out->experts_span_ms = (double)m->span_ns / 1e6;
+	out->expert_layers = m->span_layers;
 }
 
 static struct ffn_share_mat host_mat(const struct weight_tensor *t)
 {
 	struct ffn_share_mat mt = {t->data[PLACE_HOST], t->format, t->row_bytes};
 	return mt;
+}
+
+static void job_ended(struct task_job *tj)
+{
+	((struct moe_cpu_job *)tj->user)->end_ns = now_ns();
 }
 
 static int cpu_part(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
@@ -646,6 +656,8 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	if (m->gpu_wait && i >= m->n_jobs) /* k <= n_jobs: one token's chosen experts all fit */
 		return cuda_failf(be, -EPROTO, "cuda backend: expert %u is the CPU's %u-th for one token, which chose %u",
 				  expert, i + 1, m->k);
+	if (i == 0)
+		m->layer_t0 = t0;
 	if (i == 0 && !m->gpu_wait)
 		memset(m->csum, 0, (size_t)be->n * dim * sizeof(float));
 	if (!m->gpu_wait && i >= m->n_jobs && m->collected <= i - m->n_jobs) {
@@ -668,6 +680,8 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	memset(&cj->tj, 0, sizeof(cj->tj));
 	task_job_init(&cj->tj, cpu_part, cj, ffn_share_parts(cj->share), cj->done, ++cj->seq);
 	cj->tj.done_waiters = cj->waiters;
+	cj->tj.on_complete = job_ended;
+	cj->tj.user = cj;
 	task_pool_submit(be->p.cpu_pool, &cj->tj); /* -ESHUTDOWN completes the job with its error */
 	m->n_cpu++;
 	m->cpu_ns += now_ns() - t0;
@@ -699,6 +713,18 @@ void moe_settle(struct backend_dev *be)
 	m->n_waited = 0;
 }
 
+/* A layer's CPU experts, first submission (t0) to the last of jobs [i0, i1) (slots i % n_jobs) to end. */
+static void count_span(struct cuda_moe *m, uint64_t t0, uint32_t i0, uint32_t i1)
+{
+	uint64_t end = 0;
+	for (uint32_t i = i0; i < i1; i++)
+		end = m->jobs[i % m->n_jobs].end_ns > end ? m->jobs[i % m->n_jobs].end_ns : end;
+	if (i1 > i0 && end > t0) {
+		m->span_ns += end - t0;
+		m->span_layers++;
+	}
+}
+
 int moe_check(struct backend_dev *be)
 {
 	struct cuda_moe *m = be->moe;
@@ -707,11 +733,12 @@ int moe_check(struct backend_dev *be)
 	int rc = 0;
 	for (uint32_t i = 0; i < m->n_waited; i++) {
 		struct moe_cpu_job *cj = &m->jobs[i];
-		task_word_wait(cj->done, cj->waiters, cj->seq, 50, 0); /* at once: the stream has seen it */
+		task_word_wait(cj->done, cj->waiters, cj->seq, 50, 0); /* at once where the stream has seen it */
 		if (cj->tj.rc && !rc)
 			rc = cuda_failf(be, cj->tj.rc, "cuda backend: expert %u on the CPU: %s", m->cpu[i].expert,
 					cj->tj.err);
 	}
+	count_span(m, m->waited_t0, 0, m->n_waited);
 	m->n_waited = 0;
 	return rc;
 }
@@ -734,6 +761,7 @@ static int cpu_experts_waited(struct backend_dev *be, moe_combine_w *cw)
 	}
 	cw->n_cpu = m->n_cpu;
 	m->n_waited = m->n_cpu;
+	m->waited_t0 = m->layer_t0;
 	m->cpu_experts += m->n_cpu;
 	m->n_cpu = 0;
 	m->collected = 0;
@@ -752,6 +780,7 @@ static int cpu_experts(struct backend_dev *be, float **sum_dev)
 		if (r && !rc)
 			rc = r;
 	}
+	count_span(m, m->layer_t0, m->n_cpu > m->n_jobs ? m->n_cpu - m->n_jobs : 0, m->n_cpu);
 	m->collected = 0;
 	m->cpu_ns += now_ns() - t0;
 	if (rc)
