@@ -570,9 +570,7 @@ const char *const gw_host_op_names[GW_HOST_OPS] = {"acquire", "release", "route"
 		struct gpu_window *w_ = (struct gpu_window *)ws;                               \
 		const uint64_t t0_ = now_ns();                                                 \
 		int rc_ = call;                                                                \
-		const uint64_t dt_ = now_ns() - t0_;                                           \
-		w_->host_ns += dt_;                                                            \
-		w_->op_ns[op] += dt_;                                                          \
+		w_->op_ns[op] += now_ns() - t0_;                                               \
 		w_->op_calls[op]++;                                                            \
 		return rc_;                                                                    \
 	}
@@ -622,9 +620,10 @@ void gpu_window_stats(struct gpu_window *w, struct gpu_window_stats *st)
 			collect_wait(w, i, false);
 	}
 	*st = w->st;
-	st->host_ms = (double)w->host_ns / 1e6;
+	st->host_ms = 0;
 	for (int i = 0; i < GW_HOST_OPS; i++) {
 		st->host_ms_op[i] = (double)w->op_ns[i] / 1e6;
+		st->host_ms += st->host_ms_op[i];
 		st->host_calls_op[i] = w->op_calls[i];
 	}
 	st->host_ms_copy = (double)w->copy_ns / 1e6;

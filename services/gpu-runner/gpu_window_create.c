@@ -183,7 +183,7 @@ static void destroy(struct gpu_window **wp)
  * device), and the gaps between them (the loader's extents start at 4 KiB boundaries) at most a
  * 32nd of the copy. A cudaMemcpyAsync costs the host a few microseconds: a model of many small experts
  * copies thousands of groups a token. */
-static bool one_copy(const struct gpu_window *w, uint32_t g, uint64_t *base)
+static bool one_copy(const struct gpu_window *w, uint32_t g, uint64_t *base, uint64_t *span)
 {
 	const struct group_desc *gd = &w->base.groups[g];
 	uint64_t lo = UINT64_MAX, hi = 0, sum = 0;
@@ -206,6 +206,7 @@ static bool one_copy(const struct gpu_window *w, uint32_t g, uint64_t *base)
 	if (hi - b - sum > slack)
 		return false;
 	*base = b;
+	*span = hi - b;
 	return true;
 }
 
@@ -217,17 +218,13 @@ void gw_layout(struct gpu_window *w)
 	w->st.one_copy_groups = 0;
 	for (uint32_t g = 0; g < w->base.n_groups; g++) {
 		const struct group_desc *gd = &w->base.groups[g];
-		uint64_t base;
-		if (one_copy(w, g, &base)) {
-			uint64_t hi = 0;
-			for (uint32_t i = 0; i < gd->n_tensors; i++) {
-				const struct tensor_desc *t = &w->base.tensors[gd->first_tensor + i];
-				w->dev_off[gd->first_tensor + i] = t->slot_offset - base;
-				hi = t->slot_offset + t->nbytes > hi ? t->slot_offset + t->nbytes : hi;
-			}
+		uint64_t base, span;
+		if (one_copy(w, g, &base, &span)) {
+			for (uint32_t i = 0; i < gd->n_tensors; i++)
+				w->dev_off[gd->first_tensor + i] = w->base.tensors[gd->first_tensor + i].slot_offset - base;
 			w->span_base[g] = base;
-			w->copy_bytes[g] = hi - base;
-			w->dev_bytes[g] = ALIGN_UP(hi - base, (uint64_t)DEV_ALIGN);
+			w->copy_bytes[g] = span;
+			w->dev_bytes[g] = ALIGN_UP(span, (uint64_t)DEV_ALIGN);
 			w->st.one_copy_groups++;
 			continue;
 		}

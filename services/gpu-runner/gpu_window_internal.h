@@ -83,8 +83,8 @@ struct gpu_window {
 	uint32_t *expert0;	   /* n_layers: the layer's first expert group (NO_GROUP: none), on first route */
 	bool *fetch;		   /* n_experts: the experts a route asks of the ring together (win_route) */
 	bool predict;		   /* --predict-experts: a later layer's experts issued on its last routing */
-	uint64_t host_ns;	   /* the host's time in the engine's calls (window_ops' timed_*) */
-	uint64_t op_ns[GW_HOST_OPS], op_calls[GW_HOST_OPS]; /* the same by call */
+	uint64_t op_ns[GW_HOST_OPS], op_calls[GW_HOST_OPS]; /* the host's time in the engine's calls, by
+							     * call (window_ops' timed_*) */
 	uint64_t copy_ns, poll_ns; /* of it: issuing copies, polling those in flight */
 	bool early_grants;	   /* a pinned group's grant went back while its copy ran (let_go_copy):
 				    * the copy streams are waited for before a ring mapping is let go */

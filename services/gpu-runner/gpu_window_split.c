@@ -460,7 +460,7 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 
 /* Splits nothing after all (the prefill buffer does not fit the budget): every split_r back to ffn_dim,
  * the plan's numbers those of no split. The caller lays out again. */
-static void gw_split_cancel(struct gpu_window *w)
+static void split_cancel(struct gpu_window *w)
 {
 	gw_split_destroy(w);
 	for (uint32_t g = 0; g < w->base.n_groups; g++)
@@ -503,7 +503,7 @@ int gw_split_fit(struct gpu_window *w, const bool *resident, const struct gpu_wi
 	log_warn("cpu share: the prefill copy of a split FFN's CPU rows (%s) does not fit --gpu-budget %s beside the "
 		 "slots: no FFN splits", format_size(side_layout(w, NULL), a, sizeof(a)),
 		 format_size(p->gpu_budget, b, sizeof(b)));
-	gw_split_cancel(w);
+	split_cancel(w);
 	return 0;
 }
 

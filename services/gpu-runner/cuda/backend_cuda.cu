@@ -402,8 +402,6 @@ static int finish_step(struct backend_dev *be, const char *what)
 		 cudaMemcpyAsync(be->h_status, be->status, sizeof(*be->status), cudaMemcpyDeviceToHost, be->stream));
 	CUDA_TRY(be, "cudaStreamSynchronize (logits)", cudaStreamSynchronize(be->stream));
 	int rc = ffn_split_check(be);
-	if (rc == 0)
-		rc = moe_check(be);
 	if (rc)
 		return rc;
 	if (be->h_status->err) {

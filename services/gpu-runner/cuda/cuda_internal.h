@@ -263,9 +263,9 @@ void moe_stats(struct backend_dev *be, struct backend_cpu_share_stats *out);
  * moe_settle waits for those still running (a failed step). */
 int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32_t expert);
 void moe_settle(struct backend_dev *be);
-/* The results of the CPU's experts whose jobs the stream waited for (one token: moe.cu), once the
- * host has waited for the stream past them (a route, the step's end): 0, or the first failed
- * job's error (the request fails). */
+/* The results of the CPU's experts whose jobs the stream waited for (one token: moe.cu), waited
+ * for where the stream has not passed them yet (a route, backend.h's moe_check at a step's end):
+ * 0, or the first failed job's error (the request fails). */
 int moe_check(struct backend_dev *be);
 /* Qwen3's per-head RMSNorm of the chunk's q and k (in be->qkv), before RoPE. */
 int qk_norm(struct backend_dev *be, const void *qn, uint32_t qt, const void *kn, uint32_t kt);
