@@ -391,6 +391,7 @@ struct backend_cpu_share_stats {
 	double experts_span_ms; /* a layer's CPU experts from the first one's submission to the last one's
 				 * end, summed over the layers that had any */
 	uint64_t expert_layers; /* those layers */
+	uint64_t experts_span_bytes; /* the weight bytes of their CPU experts */
 };
 
 /* Fills out (zeros and "none" where the backend has no CPU share). Never fails. */

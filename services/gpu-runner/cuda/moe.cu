@@ -92,6 +92,7 @@ struct moe_cpu_job {
 	uint32_t *done, *waiters, seq;	/* the job's completion word, its sleepers (in words), the last value */
 	CUdeviceptr done_dev;		/* done as the stream addresses it (gpu_waits) */
 	uint64_t end_ns;		/* when it ended (job_ended; read once done shows seq) */
+	uint32_t per;			/* the threads share's parts were cut for (job_threads) */
 };
 
 struct cuda_moe {
@@ -142,7 +143,10 @@ struct cuda_moe {
 	PFN_cuStreamWaitValue32_v11070 wait32;
 	uint64_t cpu_experts, cpu_ns, route_wait_ns; /* experts the CPU computed, and the host's times (all time) */
 	uint64_t layer_t0, waited_t0;	/* when this layer's first CPU expert was submitted; the waited layer's */
+	uint64_t layer_bytes, waited_bytes; /* the weight bytes of this layer's CPU experts; the waited layer's */
 	uint64_t span_ns, span_layers;	/* layers' CPU experts, first submission to last end, summed (all time) */
+	uint64_t span_bytes;		/* the weight bytes of those layers' CPU experts */
+	uint32_t pool_threads;		/* the CPU pool's workers */
 };
 
 /* ---- kernels ------------------------------------------------------------------------------ */
@@ -346,13 +350,15 @@ int moe_setup(struct backend_dev *be)
 		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for the routing tables");
 	if (!be->p.cpu_pool)
 		return 0;
-	/* As many jobs as a token chooses experts (at most MOE_CPU_JOBS_MAX), each with its share of the
-	 * threads: small experts split over all of them would be mostly overhead. */
+	/* As many jobs as a token chooses experts (at most MOE_CPU_JOBS_MAX), each cut for its share of
+	 * the threads: small experts split over all of them would be mostly overhead (larger ones are
+	 * cut finer at their first job: job_threads). */
 	uint32_t t = task_pool_threads(be->p.cpu_pool);
 	m->n_jobs = m->k < MOE_CPU_JOBS_MAX ? m->k : MOE_CPU_JOBS_MAX;
 	uint32_t per = t / m->n_jobs ? t / m->n_jobs : 1;
 	if (per > FFN_SHARE_MAX_THREADS)
 		per = FFN_SHARE_MAX_THREADS;
+	m->pool_threads = t;
 	size_t rows = (size_t)FFN_SPLIT_MAX_TOKENS * dim;
 	m->jobs = (struct moe_cpu_job *)calloc(m->n_jobs, sizeof(*m->jobs));
 	m->csum = (float *)malloc(rows * sizeof(float));
@@ -366,6 +372,7 @@ int moe_setup(struct backend_dev *be)
 		struct moe_cpu_job *cj = &m->jobs[j];
 		if (ffn_share_create(c->dim, m->F, FFN_SPLIT_MAX_TOKENS, per, &cj->share, why, sizeof(why)) != 0)
 			return cuda_failf(be, -ENOMEM, "cuda backend: experts on the CPU: %s", why);
+		cj->per = per;
 		cj->x = (float *)malloc(rows * sizeof(float));
 		cj->y = m->gpu_waits ? m->ybuf + j * rows : (float *)malloc(rows * sizeof(float));
 		if (!cj->x || !cj->y)
@@ -600,12 +607,36 @@ void moe_stats(struct backend_dev *be, struct backend_cpu_share_stats *out)
 	out->route_wait_ms = (double)m->route_wait_ns / 1e6;
 	out->experts_span_ms = (double)m->span_ns / 1e6;
 	out->expert_layers = m->span_layers;
+	out->experts_span_bytes = m->span_bytes;
 }
 
 static struct ffn_share_mat host_mat(const struct weight_tensor *t)
 {
 	struct ffn_share_mat mt = {t->data[PLACE_HOST], t->format, t->row_bytes};
 	return mt;
+}
+
+static uint64_t mat_bytes(const struct weight_tensor *t)
+{
+	return (uint64_t)t->rows * t->row_bytes;
+}
+
+#define MOE_CPU_CHUNK_BYTES (256u << 10) /* about what a chunk of an expert's job reads */
+
+/* The threads an expert's job is cut for: its share runs 3 P chunks (2 P of gate and up, P of down;
+ * P = FFN_SHARE_PARTS_PER_THREAD a thread), and any worker of the pool takes any part, so this sets
+ * the chunks' size, not the workers. Chunks of about MOE_CPU_CHUNK_BYTES: with the pool's threads
+ * over the k jobs (1 of 14 on the H200 host), a bf16 expert of Qwen3-30B-A3B (9.4 MB) went in 12
+ * chunks of 786 KB, and the last expert of a layer ran its down on 4 workers while the others had
+ * nothing left. */
+static uint32_t job_threads(uint64_t bytes, uint32_t pool_threads)
+{
+	uint64_t per = bytes / ((uint64_t)MOE_CPU_CHUNK_BYTES * 3 * FFN_SHARE_PARTS_PER_THREAD);
+	if (per > pool_threads)
+		per = pool_threads;
+	if (per > FFN_SHARE_MAX_THREADS)
+		per = FFN_SHARE_MAX_THREADS;
+	return per ? (uint32_t)per : 1;
 }
 
 static void job_ended(struct task_job *tj)
@@ -656,8 +687,10 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	if (m->gpu_wait && i >= m->n_jobs) /* k <= n_jobs: one token's chosen experts all fit */
 		return cuda_failf(be, -EPROTO, "cuda backend: expert %u is the CPU's %u-th for one token, which chose %u",
 				  expert, i + 1, m->k);
-	if (i == 0)
+	if (i == 0) {
 		m->layer_t0 = t0;
+		m->layer_bytes = 0;
+	}
 	if (i == 0 && !m->gpu_wait)
 		memset(m->csum, 0, (size_t)be->n * dim * sizeof(float));
 	if (!m->gpu_wait && i >= m->n_jobs && m->collected <= i - m->n_jobs) {
@@ -676,6 +709,20 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	ce->w = m->h_tw[o];
 	for (uint32_t r = 0; r < cnt; r++)
 		memcpy(cj->x + (size_t)r * dim, m->h_xn + (size_t)m->h_tok[o + r] * dim, dim * sizeof(float));
+	const uint64_t bytes = mat_bytes(&w->t[ROLE_EXPERT_GATE]) + mat_bytes(&w->t[ROLE_EXPERT_UP]) +
+			       mat_bytes(&w->t[ROLE_EXPERT_DOWN]);
+	m->layer_bytes += bytes;
+	/* Cut finer for larger experts; never coarser again (a model whose layers' experts differ in
+	 * format would make it anew layer after layer). The slot's last job is over: collected above,
+	 * or a layer's before (the route settles them). */
+	const uint32_t per = job_threads(bytes, m->pool_threads);
+	if (per > cj->per) {
+		char why[256];
+		ffn_share_destroy(&cj->share);
+		if (ffn_share_create(dim, m->F, FFN_SPLIT_MAX_TOKENS, per, &cj->share, why, sizeof(why)) != 0)
+			return cuda_failf(be, -ENOMEM, "cuda backend: expert %u on the CPU: %s", expert, why);
+		cj->per = per;
+	}
 	ffn_share_job_init(&cj->job, &ce->gate, &ce->up, &ce->down, m->F, cnt, DT_F32);
 	memset(&cj->tj, 0, sizeof(cj->tj));
 	task_job_init(&cj->tj, cpu_part, cj, ffn_share_parts(cj->share), cj->done, ++cj->seq);
@@ -713,8 +760,9 @@ void moe_settle(struct backend_dev *be)
 	m->n_waited = 0;
 }
 
-/* A layer's CPU experts, first submission (t0) to the last of jobs [i0, i1) (slots i % n_jobs) to end. */
-static void count_span(struct cuda_moe *m, uint64_t t0, uint32_t i0, uint32_t i1)
+/* A layer's CPU experts (bytes of weights), first submission (t0) to the last of jobs [i0, i1) (slots
+ * i % n_jobs) to end. */
+static void count_span(struct cuda_moe *m, uint64_t t0, uint32_t i0, uint32_t i1, uint64_t bytes)
 {
 	uint64_t end = 0;
 	for (uint32_t i = i0; i < i1; i++)
@@ -722,6 +770,7 @@ static void count_span(struct cuda_moe *m, uint64_t t0, uint32_t i0, uint32_t i1
 	if (i1 > i0 && end > t0) {
 		m->span_ns += end - t0;
 		m->span_layers++;
+		m->span_bytes += bytes;
 	}
 }
 
@@ -738,7 +787,7 @@ int moe_check(struct backend_dev *be)
 			rc = cuda_failf(be, cj->tj.rc, "cuda backend: expert %u on the CPU: %s", m->cpu[i].expert,
 					cj->tj.err);
 	}
-	count_span(m, m->waited_t0, 0, m->n_waited);
+	count_span(m, m->waited_t0, 0, m->n_waited, m->waited_bytes);
 	m->n_waited = 0;
 	return rc;
 }
@@ -762,6 +811,7 @@ static int cpu_experts_waited(struct backend_dev *be, moe_combine_w *cw)
 	cw->n_cpu = m->n_cpu;
 	m->n_waited = m->n_cpu;
 	m->waited_t0 = m->layer_t0;
+	m->waited_bytes = m->layer_bytes;
 	m->cpu_experts += m->n_cpu;
 	m->n_cpu = 0;
 	m->collected = 0;
@@ -780,7 +830,7 @@ static int cpu_experts(struct backend_dev *be, float **sum_dev)
 		if (r && !rc)
 			rc = r;
 	}
-	count_span(m, m->layer_t0, m->n_cpu > m->n_jobs ? m->n_cpu - m->n_jobs : 0, m->n_cpu);
+	count_span(m, m->layer_t0, m->n_cpu > m->n_jobs ? m->n_cpu - m->n_jobs : 0, m->n_cpu, m->layer_bytes);
 	m->collected = 0;
 	m->cpu_ns += now_ns() - t0;
 	if (rc)
