@@ -4,7 +4,9 @@
  * the C reference (cpu/backend_ref.c) computes them:
  *  - route: RMSNorm (ROLE_FFN_NORM) of the chunk's rows into float32 (xn), the router logits in
  *    float32 from those rows (router_kernel; a block-format router is dequantized to float32
- *    first), copied to pinned host memory. The host waits for them (the only wait of a layer:
+ *    first), into pinned host memory (a step of a few tokens: the kernels write the logits and the
+ *    CPU's copy of xn there themselves, mapped; a prefill chunk copies them down). The host waits
+ *    for them (the only wait of a layer:
  *    which experts run decides what the next calls copy and compute) and routes each token with
  *    the reference's own cpu_moe_route, so the same logits choose the same experts. The tokens of
  *    each expert (in token order, with their weights) go up in one copy; the sum is cleared.
@@ -111,7 +113,8 @@ struct cuda_moe {
 	uint32_t *tok;		/* (max_chunk k) tokens of each expert, expert after expert (off[]) */
 	float *tw;		/* (max_chunk k) their weights */
 	/* Host memory. */
-	float *h_logits;	/* (max_chunk, E) pinned */
+	float *h_logits;	/* (max_chunk, E) pinned, mapped */
+	float *h_logits_dev;	/* h_logits as the device addresses it (NULL: not mapped, copied down) */
 	uint32_t *sel;		/* (max_chunk, k) each token's experts */
 	float *sel_w;		/* (max_chunk, k) and weights */
 	uint32_t *off;		/* (E + 1) expert e's tokens are [off[e], off[e + 1]) of tok/tw */
@@ -128,7 +131,8 @@ struct cuda_moe {
 	 * its own (scratch, rows, output) on a slice of the pool's threads. */
 	struct moe_cpu_job *jobs;	/* (n_jobs) */
 	uint32_t n_jobs;
-	float *h_xn;			/* (FFN_SPLIT_MAX_TOKENS, dim) pinned: xn of a decode step */
+	float *h_xn;			/* (FFN_SPLIT_MAX_TOKENS, dim) pinned, mapped: xn of a decode step */
+	float *h_xn_dev;		/* h_xn as the device addresses it (NULL: not mapped, copied down) */
 	bool xn_down;			/* h_xn holds this chunk's rows */
 	float *csum;			/* (FFN_SPLIT_MAX_TOKENS, dim) the CPU's sum */
 	float *csum_dev;		/* (FFN_SPLIT_MAX_TOKENS, dim) the CPU's sum, device memory */
@@ -167,6 +171,19 @@ __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint3
 		acc += __shfl_xor_sync(0xffffffffu, acc, o);
 	if (lane == 0)
 		out[(size_t)t * E + e] = acc;
+}
+
+/* xn = the chunk's normed rows; with host (a decode step's rows for the CPU, in mapped pinned
+ * memory) the same rows there too, written across the bus by the kernel: no copy queued behind it,
+ * whose start the host's wait for the route would wait out. */
+__global__ void xn_kernel(const float *src, float *xn, float *host, size_t count)
+{
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x) {
+		const float v = src[i];
+		xn[i] = v;
+		if (host)
+			host[i] = v;
+	}
 }
 
 /* out[i] = xn[tok[i]] in the activation dtype, for the cnt rows of one expert. */
@@ -306,6 +323,21 @@ static int gpu_waits_setup(struct backend_dev *be, size_t rows)
 	return 0;
 }
 
+/* Pinned host memory of `bytes` at *host, mapped for the device at *dev where the device can (NULL
+ * there else: the caller copies down instead). */
+static int host_mapped(struct backend_dev *be, size_t bytes, void **host, void **dev, const char *what)
+{
+	*dev = NULL;
+	cudaError_t e = cudaHostAlloc(host, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+	if (e != cudaSuccess)
+		return cuda_fail(be, e, what);
+	if (cudaHostGetDevicePointer(dev, *host, 0) != cudaSuccess) {
+		(void)cudaGetLastError();
+		*dev = NULL;
+	}
+	return 0;
+}
+
 int moe_setup(struct backend_dev *be)
 {
 	const struct model_config *c = &be->cfg;
@@ -339,8 +371,9 @@ int moe_setup(struct backend_dev *be)
 		return rc;
 	/* On the backend's stream, which does not wait for the legacy one: before any gather. */
 	CUDA_TRY(be, "cudaMemsetAsync (a token's row index)", cudaMemsetAsync(m->tok0, 0, sizeof(uint32_t), be->stream));
-	CUDA_TRY(be, "cudaMallocHost (router logits)",
-		 cudaMallocHost((void **)&m->h_logits, mc * m->E * sizeof(float)));
+	if ((rc = host_mapped(be, mc * m->E * sizeof(float), (void **)&m->h_logits, (void **)&m->h_logits_dev,
+			      "router logits")))
+		return rc;
 	m->sel = (uint32_t *)malloc(mc * m->k * sizeof(uint32_t));
 	m->sel_w = (float *)malloc(mc * m->k * sizeof(float));
 	m->off = (uint32_t *)malloc((m->E + 1) * sizeof(uint32_t));
@@ -388,7 +421,8 @@ int moe_setup(struct backend_dev *be)
 			cj->done_dev = (CUdeviceptr)(uintptr_t)dw;
 		}
 	}
-	CUDA_TRY(be, "cudaMallocHost (experts' rows for the CPU)", cudaMallocHost((void **)&m->h_xn, rows * sizeof(float)));
+	if ((rc = host_mapped(be, rows * sizeof(float), (void **)&m->h_xn, (void **)&m->h_xn_dev, "experts' rows for the CPU")))
+		return rc;
 	return dev_alloc(be, (void **)&m->csum_dev, FFN_SPLIT_MAX_TOKENS, dim, sizeof(float), "the CPU experts' sum");
 }
 
@@ -449,8 +483,18 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	int rc = rmsnorm(be, nw->data[PLACE_DEVICE], nw->format, 0, n, DT_F32);
 	if (rc)
 		return rc;
-	CUDA_TRY(be, "cudaMemcpyAsync (experts' input rows)",
-		 cudaMemcpyAsync(m->xn, be->xa, (size_t)n * dim * sizeof(float), cudaMemcpyDeviceToDevice, be->stream));
+	/* A decode step's rows for experts the CPU may compute, and its logits: written into mapped host
+	 * memory by the kernels where it is mapped (a copy down after each would add its own start to
+	 * the host's wait below, a layer at a time). Jobs of a layer that failed half way are waited for
+	 * first: their slots and buffers are about to be reused (the last layer's that the stream waited
+	 * for: checked below, once the stream has passed their waits). */
+	settle_jobs(m);
+	m->xn_down = m->jobs && n <= FFN_SPLIT_MAX_TOKENS;
+	const bool mapped = n <= FFN_SPLIT_MAX_TOKENS && m->h_logits_dev && (!m->xn_down || m->h_xn_dev);
+	const size_t count = (size_t)n * dim;
+	float *xn_host = mapped && m->xn_down ? m->h_xn_dev : NULL;
+	xn_kernel<<<grid_for(count, 256), 256, 0, be->stream>>>((const float *)be->xa, m->xn, xn_host, count);
+	LAUNCHED(be, "xn_kernel (experts' input rows)");
 	const void *rmat = rw->data[PLACE_DEVICE];
 	uint32_t rt = rw->format;
 	if (!dtype_is_element((enum dtype)rt)) {
@@ -463,26 +507,23 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 				  (unsigned long long)rw->row_bytes, dim);
 	}
 	size_t warps = (size_t)n * E;
-	router_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, be->stream>>>(m->xn, rmat, rt, dim, E, n, m->logits);
+	router_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, be->stream>>>(m->xn, rmat, rt, dim, E, n,
+									  mapped ? m->h_logits_dev : m->logits);
 	LAUNCHED(be, "router_kernel");
-	CUDA_TRY(be, "cudaMemcpyAsync (router logits)",
-		 cudaMemcpyAsync(m->h_logits, m->logits, (size_t)n * E * sizeof(float), cudaMemcpyDeviceToHost,
-				 be->stream));
+	if (!mapped)
+		CUDA_TRY(be, "cudaMemcpyAsync (router logits)",
+			 cudaMemcpyAsync(m->h_logits, m->logits, (size_t)n * E * sizeof(float), cudaMemcpyDeviceToHost,
+					 be->stream));
 	m->one = n == 1 && k <= MOE_COMBINE_MAX;
 	m->xg_ok = false;
 	m->n_gpu = 0;
 	if (!m->one)
 		CUDA_TRY(be, "cudaMemsetAsync (experts' sum)",
 			 cudaMemsetAsync(m->sum, 0, (size_t)n * dim * sizeof(float), be->stream));
-	/* A decode step's rows for experts the CPU may compute. Jobs of a layer that failed half way
-	 * are waited for first: their slots and buffers are about to be reused (the last layer's that
-	 * the stream waited for: checked below, once the stream has passed their waits). */
-	settle_jobs(m);
-	m->xn_down = m->jobs && n <= FFN_SPLIT_MAX_TOKENS;
 	m->gpu_wait = m->gpu_waits && m->one && m->xn_down;
 	m->n_cpu = 0;
 	m->collected = 0;
-	if (m->xn_down)
+	if (m->xn_down && !mapped)
 		CUDA_TRY(be, "cudaMemcpyAsync (experts' rows for the CPU)",
 			 cudaMemcpyAsync(m->h_xn, m->xn, (size_t)n * dim * sizeof(float), cudaMemcpyDeviceToHost,
 					 be->stream));
