@@ -485,10 +485,7 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 		return rc;
 	/* A decode step's rows for experts the CPU may compute, and its logits: written into mapped host
 	 * memory by the kernels where it is mapped (a copy down after each would add its own start to
-	 * the host's wait below, a layer at a time). Jobs of a layer that failed half way are waited for
-	 * first: their slots and buffers are about to be reused (the last layer's that the stream waited
-	 * for: checked below, once the stream has passed their waits). */
-	settle_jobs(m);
+	 * the host's wait below, a layer at a time). */
 	m->xn_down = m->jobs && n <= FFN_SPLIT_MAX_TOKENS;
 	const bool mapped = n <= FFN_SPLIT_MAX_TOKENS && m->h_logits_dev && (!m->xn_down || m->h_xn_dev);
 	const size_t count = (size_t)n * dim;
@@ -520,17 +517,23 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	if (!m->one)
 		CUDA_TRY(be, "cudaMemsetAsync (experts' sum)",
 			 cudaMemsetAsync(m->sum, 0, (size_t)n * dim * sizeof(float), be->stream));
-	m->gpu_wait = m->gpu_waits && m->one && m->xn_down;
-	m->n_cpu = 0;
-	m->collected = 0;
 	if (m->xn_down && !mapped)
 		CUDA_TRY(be, "cudaMemcpyAsync (experts' rows for the CPU)",
 			 cudaMemcpyAsync(m->h_xn, m->xn, (size_t)n * dim * sizeof(float), cudaMemcpyDeviceToHost,
 					 be->stream));
-	/* Which experts run decides what comes next: wait for the logits here. */
+	/* Which experts run decides what comes next: wait for the logits here. With the CPU's experts
+	 * of the layer before waited for on the stream, this is where the host waits for them too: the
+	 * stream has passed their waits when it returns (its work up to the router was queued before,
+	 * none of it behind a wait of the host's). */
 	uint64_t t0 = now_ns();
 	CUDA_TRY(be, "waiting for the router logits", cudaStreamSynchronize(be->stream));
 	m->route_wait_ns += now_ns() - t0;
+	/* Jobs of a layer that failed half way are waited for: their slots and buffers are about to be
+	 * reused (those the stream waited for are over already, and checked here). */
+	settle_jobs(m);
+	m->gpu_wait = m->gpu_waits && m->one && m->xn_down;
+	m->n_cpu = 0;
+	m->collected = 0;
 	if ((rc = moe_check(be)))
 		return rc;
 	bool norm = (c->flags & MODEL_NORM_TOPK) != 0;
