@@ -387,7 +387,8 @@ struct backend_cpu_share_stats {
 	/* Mixture-of-experts layers (CUDA). */
 	uint64_t experts;    /* routed experts the CPU computed */
 	double experts_ms;   /* the host's time computing them (moe_end), summed */
-	double route_wait_ms; /* the host's time waiting for the router logits (moe_route), summed */
+	double route_wait_ms; /* the host's time waiting for the router logits (moe_route), summed: with the
+			       * CPU's experts waited for on the stream, the end of the layer before's too */
 	double experts_span_ms; /* a layer's CPU experts from the first one's submission to the last one's
 				 * end, summed over the layers that had any */
 	uint64_t expert_layers; /* those layers */

@@ -4,11 +4,11 @@
  * the C reference (cpu/backend_ref.c) computes them:
  *  - route: RMSNorm (ROLE_FFN_NORM) of the chunk's rows into float32 (xn), the router logits in
  *    float32 from those rows (router_kernel; a block-format router is dequantized to float32
- *    first), into pinned host memory (a step of a few tokens: the kernels write the logits and the
- *    CPU's copy of xn there themselves, mapped; a prefill chunk copies them down). The host waits
- *    for them (the only wait of a layer:
- *    which experts run decides what the next calls copy and compute) and routes each token with
- *    the reference's own cpu_moe_route, so the same logits choose the same experts. The tokens of
+ *    first), into pinned host memory (a step of at most FFN_SPLIT_MAX_TOKENS tokens: the kernels
+ *    write the logits and the CPU's copy of xn there themselves, mapped; a longer chunk copies them
+ *    down). The host waits for them (the only wait of a layer: which experts run decides what the
+ *    next calls copy and compute) and routes each token with the reference's own cpu_moe_route,
+ *    so the same logits choose the same experts. The tokens of
  *    each expert (in token order, with their weights) go up in one copy; the sum is cleared.
  *  - expert e: nothing when no token chose it. Else its tokens' xn rows gathered into the
  *    expert's activation dtype, SwiGLU (swiglu_product: the GEMV kernels for one token, cuBLAS or
@@ -25,8 +25,8 @@
  *    add of a cleared sum turned a -0.0 of x into +0.0: the same value).
  *
  *  - expert e on the CPU (moe_expert_cpu: the weight window left it in host memory, a decode step
- *    with backend_params.cpu_pool): submitted to the pool at once, over its tokens' xn rows (copied
- *    down with the logits), as an ffn_share job of the whole expert, up to MOE_CPU_JOBS_MAX experts
+ *    with backend_params.cpu_pool): submitted to the pool at once, over its tokens' xn rows (in host
+ *    memory with the logits), as an ffn_share job of the whole expert, up to MOE_CPU_JOBS_MAX experts
  *    at once on slices of the pool's threads, so the CPU computes while the engine goes on with the
  *    GPU's experts; at moe_end the jobs are collected in expert order (the weighted rows summed on
  *    the host), and the sum goes up and into the residual stream beside the GPU's.
@@ -660,9 +660,10 @@ static struct ffn_share_mat host_mat(const struct weight_tensor *t)
 	return mt;
 }
 
+/* The weight bytes of a matrix as the CPU reads them (its rows packed: a host row's stride may be longer). */
 static uint64_t mat_bytes(const struct weight_tensor *t)
 {
-	return (uint64_t)t->rows * t->row_bytes;
+	return (uint64_t)t->rows * dtype_row_bytes((enum dtype)t->format, t->cols);
 }
 
 #define MOE_CPU_CHUNK_BYTES (256u << 10) /* about what a chunk of an expert's job reads */
@@ -755,7 +756,6 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 		memcpy(cj->x + (size_t)r * dim, m->h_xn + (size_t)m->h_tok[o + r] * dim, dim * sizeof(float));
 	const uint64_t bytes = mat_bytes(&w->t[ROLE_EXPERT_GATE]) + mat_bytes(&w->t[ROLE_EXPERT_UP]) +
 			       mat_bytes(&w->t[ROLE_EXPERT_DOWN]);
-	m->layer_bytes += bytes;
 	/* Cut finer for larger experts; never coarser again (a model whose layers' experts differ in
 	 * format would make it anew layer after layer). The slot's last job is over: collected above,
 	 * or a layer's before (the route settles them). */
@@ -763,8 +763,9 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	if (per > cj->per) {
 		char why[256];
 		ffn_share_destroy(&cj->share);
-		if (ffn_share_create(dim, m->F, FFN_SPLIT_MAX_TOKENS, per, &cj->share, why, sizeof(why)) != 0)
-			return cuda_failf(be, -ENOMEM, "cuda backend: expert %u on the CPU: %s", expert, why);
+		int rc = ffn_share_create(dim, m->F, FFN_SPLIT_MAX_TOKENS, per, &cj->share, why, sizeof(why));
+		if (rc)
+			return cuda_failf(be, rc, "cuda backend: expert %u on the CPU: %s", expert, why);
 		cj->per = per;
 	}
 	ffn_share_job_init(&cj->job, &ce->gate, &ce->up, &ce->down, m->F, cnt, DT_F32);
@@ -774,6 +775,7 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	cj->tj.on_complete = job_ended;
 	cj->tj.user = cj;
 	task_pool_submit(be->p.cpu_pool, &cj->tj); /* -ESHUTDOWN completes the job with its error */
+	m->layer_bytes += bytes;
 	m->n_cpu++;
 	m->cpu_ns += now_ns() - t0;
 	return 0;
