@@ -393,6 +393,12 @@ struct backend_cpu_share_stats {
 				 * end, summed over the layers that had any */
 	uint64_t expert_layers; /* those layers */
 	uint64_t experts_span_bytes; /* the weight bytes of their CPU experts */
+	/* From a layer's last CPU expert's end to the next layer's first submission, in the same step
+	 * (the chain the CPU waits out between two layers): to the return of the host's wait for the
+	 * next routing (the stream's wait, the combine, the attention and router on the GPU), then to the
+	 * first expert handed to the pool (the host's route), summed over the expert_gaps seen. */
+	double experts_gap_gpu_ms, experts_gap_host_ms;
+	uint64_t expert_gaps;
 };
 
 /* Fills out (zeros and "none" where the backend has no CPU share). Never fails. */

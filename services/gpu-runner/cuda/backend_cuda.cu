@@ -903,7 +903,7 @@ static const struct backend_compute_ops cuda_compute = {
 	moe_expert_used,	/* moe_expert_used */
 	moe_expert_cpu,		/* moe_expert_cpu */
 	moe_settle,		/* moe_settle */
-	moe_check,		/* moe_check */
+	moe_check_step,		/* moe_check */
 	cuda_hidden_in,		/* hidden_in */
 	cuda_hidden_get,	/* hidden_get */
 	cuda_hidden_put,	/* hidden_put */

@@ -267,6 +267,9 @@ void moe_settle(struct backend_dev *be);
  * for where the stream has not passed them yet (a route, backend.h's moe_check at a step's end):
  * 0, or the first failed job's error (the request fails). */
 int moe_check(struct backend_dev *be);
+/* backend.h's moe_check at a step's end: moe_check, and the step's last layer is no layer's before
+ * for the gap the stats time (the next step's first route follows the step's tail). */
+int moe_check_step(struct backend_dev *be);
 /* Qwen3's per-head RMSNorm of the chunk's q and k (in be->qkv), before RoPE. */
 int qk_norm(struct backend_dev *be, const void *qn, uint32_t qt, const void *kn, uint32_t kt);
 

@@ -151,6 +151,11 @@ struct cuda_moe {
 	uint64_t span_ns, span_layers;	/* layers' CPU experts, first submission to last end, summed (all time) */
 	uint64_t span_bytes;		/* the weight bytes of those layers' CPU experts */
 	uint32_t pool_threads;		/* the CPU pool's workers */
+	/* The gaps between layers' CPU experts (backend_cpu_share_stats): the end of the last layer's
+	 * last job (0: none, or not in this step), the return of this layer's wait for its routing and
+	 * the gap to it, until the layer's first submission counts both. */
+	uint64_t last_end_ns, route_t1, gap_pending_ns;
+	uint64_t gap_gpu_ns, gap_host_ns, gaps;
 };
 
 /* ---- kernels ------------------------------------------------------------------------------ */
@@ -536,6 +541,10 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	m->collected = 0;
 	if ((rc = moe_check(be)))
 		return rc;
+	/* The gap since the layer before's CPU experts ended (moe_check has counted the last of them). */
+	m->route_t1 = now_ns();
+	m->gap_pending_ns = m->last_end_ns && m->route_t1 > m->last_end_ns ? m->route_t1 - m->last_end_ns : 0;
+	m->last_end_ns = 0;
 	bool norm = (c->flags & MODEL_NORM_TOPK) != 0;
 	for (uint32_t t = 0; t < n; t++) {
 		const float *lg = m->h_logits + (size_t)t * E;
@@ -652,6 +661,9 @@ void moe_stats(struct backend_dev *be, struct backend_cpu_share_stats *out)
 	out->experts_span_ms = (double)m->span_ns / 1e6;
 	out->expert_layers = m->span_layers;
 	out->experts_span_bytes = m->span_bytes;
+	out->experts_gap_gpu_ms = (double)m->gap_gpu_ns / 1e6;
+	out->experts_gap_host_ms = (double)m->gap_host_ns / 1e6;
+	out->expert_gaps = m->gaps;
 }
 
 static struct ffn_share_mat host_mat(const struct weight_tensor *t)
@@ -735,6 +747,12 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	if (i == 0) {
 		m->layer_t0 = t0;
 		m->layer_bytes = 0;
+		if (m->gap_pending_ns) {
+			m->gap_gpu_ns += m->gap_pending_ns;
+			m->gap_host_ns += t0 > m->route_t1 ? t0 - m->route_t1 : 0;
+			m->gaps++;
+			m->gap_pending_ns = 0;
+		}
 	}
 	if (i == 0 && !m->gpu_wait)
 		memset(m->csum, 0, (size_t)be->n * dim * sizeof(float));
@@ -804,6 +822,7 @@ void moe_settle(struct backend_dev *be)
 		return;
 	settle_jobs(m);
 	m->n_waited = 0;
+	m->last_end_ns = m->gap_pending_ns = 0;
 }
 
 /* A layer's CPU experts (bytes of weights), first submission (t0) to the last of jobs [i0, i1) (slots
@@ -816,6 +835,7 @@ static void count_span(struct cuda_moe *m, uint64_t t0, uint32_t i0, uint32_t i1
 	if (i1 > i0 && end > t0) {
 		m->span_ns += end - t0;
 		m->span_layers++;
+		m->last_end_ns = end;
 		m->span_bytes += bytes;
 	}
 }
@@ -835,6 +855,14 @@ int moe_check(struct backend_dev *be)
 	}
 	count_span(m, m->waited_t0, 0, m->n_waited, m->waited_bytes);
 	m->n_waited = 0;
+	return rc;
+}
+
+int moe_check_step(struct backend_dev *be)
+{
+	int rc = moe_check(be);
+	if (be->moe)
+		be->moe->last_end_ns = be->moe->gap_pending_ns = 0;
 	return rc;
 }
 
@@ -895,6 +923,7 @@ static int cpu_experts(struct backend_dev *be, float **sum_dev)
 int moe_end(struct backend_dev *be)
 {
 	struct cuda_moe *m = be->moe;
+	m->gap_pending_ns = 0; /* a layer with no CPU expert: no gap */
 	size_t count = (size_t)be->n * be->cfg.dim;
 	moe_combine_w cw;
 	memset(&cw, 0, sizeof(cw));
