@@ -398,6 +398,16 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 	return rc;
 }
 
+uint32_t ffn_share_threads_for(uint64_t bytes, uint32_t pool_threads)
+{
+	uint64_t per = bytes / ((uint64_t)FFN_SHARE_CHUNK_BYTES * 3 * FFN_SHARE_PARTS_PER_THREAD);
+	if (per > pool_threads)
+		per = pool_threads;
+	if (per > FFN_SHARE_MAX_THREADS)
+		per = FFN_SHARE_MAX_THREADS;
+	return per ? (uint32_t)per : 1;
+}
+
 void ffn_share_get_stats(const struct ffn_share *fs, struct ffn_share_stats *out)
 {
 	out->jobs = __atomic_load_n(&fs->jobs, __ATOMIC_RELAXED);

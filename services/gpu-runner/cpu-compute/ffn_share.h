@@ -83,6 +83,15 @@ void ffn_share_destroy(struct ffn_share **fs);
 /* The parts a job has: 2 FFN_SHARE_PARTS_PER_THREAD times the threads given at create. */
 uint32_t ffn_share_parts(const struct ffn_share *fs);
 
+#define FFN_SHARE_CHUNK_BYTES (256u << 10) /* about what a chunk of a small job reads (threads_for) */
+/* The threads to create a share with for jobs that read `bytes` of weights on a pool of
+ * pool_threads workers, when several such jobs run at once (a layer's experts): a job runs 3 P
+ * chunks (P = FFN_SHARE_PARTS_PER_THREAD a thread) and any worker takes any part, so this sets the
+ * chunks' size, not the workers: about FFN_SHARE_CHUNK_BYTES, 1..pool_threads (and
+ * FFN_SHARE_MAX_THREADS). Coarser chunks leave a job's last ones on a few workers while the others
+ * have nothing left; finer ones pay each part's start (x prepared for it) more often. */
+uint32_t ffn_share_threads_for(uint64_t bytes, uint32_t pool_threads);
+
 /* Sets job up for a share of `rows` intermediate rows of the matrices given, n tokens, x in act. */
 void ffn_share_job_init(struct ffn_share_job *job, const struct ffn_share_mat *gate, const struct ffn_share_mat *up,
 			const struct ffn_share_mat *down, uint32_t rows, uint32_t n, enum dtype act);

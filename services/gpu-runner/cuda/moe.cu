@@ -94,7 +94,7 @@ struct moe_cpu_job {
 	uint32_t *done, *waiters, seq;	/* the job's completion word, its sleepers (in words), the last value */
 	CUdeviceptr done_dev;		/* done as the stream addresses it (gpu_waits) */
 	uint64_t end_ns;		/* when it ended (job_ended; read once done shows seq) */
-	uint32_t per;			/* the threads share's parts were cut for (job_threads) */
+	uint32_t per;			/* the threads share's parts were cut for (ffn_share_threads_for) */
 };
 
 struct cuda_moe {
@@ -390,7 +390,7 @@ int moe_setup(struct backend_dev *be)
 		return 0;
 	/* As many jobs as a token chooses experts (at most MOE_CPU_JOBS_MAX), each cut for its share of
 	 * the threads: small experts split over all of them would be mostly overhead (larger ones are
-	 * cut finer at their first job: job_threads). */
+	 * cut finer at their first job: ffn_share_threads_for). */
 	uint32_t t = task_pool_threads(be->p.cpu_pool);
 	m->n_jobs = m->k < MOE_CPU_JOBS_MAX ? m->k : MOE_CPU_JOBS_MAX;
 	uint32_t per = t / m->n_jobs ? t / m->n_jobs : 1;
@@ -678,24 +678,6 @@ static uint64_t mat_bytes(const struct weight_tensor *t)
 	return (uint64_t)t->rows * dtype_row_bytes((enum dtype)t->format, t->cols);
 }
 
-#define MOE_CPU_CHUNK_BYTES (256u << 10) /* about what a chunk of an expert's job reads */
-
-/* The threads an expert's job is cut for: its share runs 3 P chunks (2 P of gate and up, P of down;
- * P = FFN_SHARE_PARTS_PER_THREAD a thread), and any worker of the pool takes any part, so this sets
- * the chunks' size, not the workers. Chunks of about MOE_CPU_CHUNK_BYTES: with the pool's threads
- * over the k jobs (1 of 14 on the H200 host), a bf16 expert of Qwen3-30B-A3B (9.4 MB) went in 12
- * chunks of 786 KB, and the last expert of a layer ran its down on 4 workers while the others had
- * nothing left. */
-static uint32_t job_threads(uint64_t bytes, uint32_t pool_threads)
-{
-	uint64_t per = bytes / ((uint64_t)MOE_CPU_CHUNK_BYTES * 3 * FFN_SHARE_PARTS_PER_THREAD);
-	if (per > pool_threads)
-		per = pool_threads;
-	if (per > FFN_SHARE_MAX_THREADS)
-		per = FFN_SHARE_MAX_THREADS;
-	return per ? (uint32_t)per : 1;
-}
-
 static void job_ended(struct task_job *tj)
 {
 	((struct moe_cpu_job *)tj->user)->end_ns = now_ns();
@@ -774,10 +756,13 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 		memcpy(cj->x + (size_t)r * dim, m->h_xn + (size_t)m->h_tok[o + r] * dim, dim * sizeof(float));
 	const uint64_t bytes = mat_bytes(&w->t[ROLE_EXPERT_GATE]) + mat_bytes(&w->t[ROLE_EXPERT_UP]) +
 			       mat_bytes(&w->t[ROLE_EXPERT_DOWN]);
-	/* Cut finer for larger experts; never coarser again (a model whose layers' experts differ in
-	 * format would make it anew layer after layer). The slot's last job is over: collected above,
-	 * or a layer's before (the route settles them). */
-	const uint32_t per = job_threads(bytes, m->pool_threads);
+	/* Cut finer for larger experts (ffn_share_threads_for: with the pool's threads over the k jobs,
+	 * 1 of 14 on the H200 host, a bf16 expert of Qwen3-30B-A3B, 9.4 MB, went in 12 chunks of 786 KB,
+	 * and a layer's last expert ran its down on 4 workers while the others had nothing left); never
+	 * coarser again (a model whose layers' experts differ in format would make it anew layer after
+	 * layer). The slot's last job is over: collected above, or a layer's before (the route settles
+	 * them). */
+	const uint32_t per = ffn_share_threads_for(bytes, m->pool_threads);
 	if (per > cj->per) {
 		char why[256];
 		ffn_share_destroy(&cj->share);

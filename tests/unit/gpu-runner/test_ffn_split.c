@@ -585,6 +585,63 @@ START_TEST(test_share_on_a_pool)
 }
 END_TEST
 
+/* The threads a share is cut for (ffn_share_threads_for): chunks of about FFN_SHARE_CHUNK_BYTES,
+ * 1..the pool's threads; and a job's output is the same bits however finely it is cut. */
+START_TEST(test_share_threads_for)
+{
+	const uint64_t third = 3ull * FFN_SHARE_PARTS_PER_THREAD * FFN_SHARE_CHUNK_BYTES;
+	ck_assert_uint_eq(ffn_share_threads_for(0, 14), 1);
+	ck_assert_uint_eq(ffn_share_threads_for(third - 1, 14), 1);
+	ck_assert_uint_eq(ffn_share_threads_for(3 * third, 14), 3);
+	/* a bf16 expert of Qwen3-30B-A3B: gate, up and down of 768 x 2048 */
+	ck_assert_uint_eq(ffn_share_threads_for(3ull * 768 * 2048 * 2, 14), 3);
+	ck_assert_uint_eq(ffn_share_threads_for(1000 * third, 14), 14);
+	ck_assert_uint_eq(ffn_share_threads_for(1000000 * third, 100000), FFN_SHARE_MAX_THREADS);
+	ck_assert_uint_eq(ffn_share_threads_for(3 * third, 0), 1);
+
+	enum { DIM = 512, ROWS = 768 };
+	char err[256] = "";
+	uint16_t *gate = malloc((size_t)ROWS * DIM * 2), *up = malloc((size_t)ROWS * DIM * 2),
+		 *down = malloc((size_t)DIM * ROWS * 2), *x = malloc((size_t)DIM * 2);
+	float *y[3];
+	ck_assert(gate && up && down && x);
+	rng_state = 29;
+	for (size_t i = 0; i < (size_t)ROWS * DIM; i++) {
+		gate[i] = f32_to_bf16((float)(0.05 * rng_normal()));
+		up[i] = f32_to_bf16((float)(0.05 * rng_normal()));
+		down[i] = f32_to_bf16((float)(0.05 * rng_normal()));
+	}
+	for (size_t i = 0; i < DIM; i++)
+		x[i] = f32_to_bf16((float)rng_normal());
+	struct ffn_share_mat g = {.data = gate, .format = DT_BF16, .row_bytes = DIM * 2};
+	struct ffn_share_mat u = {.data = up, .format = DT_BF16, .row_bytes = DIM * 2};
+	struct ffn_share_mat d = {.data = down, .format = DT_BF16, .row_bytes = ROWS * 2};
+	const uint32_t threads[3] = {1, 3, 7};
+	for (int c = 0; c < 3; c++) {
+		struct ffn_share *fs = NULL;
+		ck_assert_msg(ffn_share_create(DIM, ROWS, 1, threads[c], &fs, err, sizeof(err)) == 0, "%s", err);
+		y[c] = malloc((size_t)DIM * 4);
+		ck_assert_ptr_nonnull(y[c]);
+		struct ffn_share_job job;
+		ffn_share_job_init(&job, &g, &u, &d, ROWS, 1, DT_BF16);
+		const uint32_t np = ffn_share_parts(fs);
+		ck_assert_uint_eq(np, 2 * FFN_SHARE_PARTS_PER_THREAD * threads[c]);
+		for (uint32_t p = 0; p < np; p++)
+			ck_assert_msg(ffn_share_part(fs, &job, x, y[c], p, np, err, sizeof(err)) == 0, "%s", err);
+		ffn_share_destroy(&fs);
+		if (c)
+			ck_assert_msg(memcmp(y[c], y[0], (size_t)DIM * 4) == 0, "cut for %u threads: not the bits of one",
+				      threads[c]);
+	}
+	for (int c = 0; c < 3; c++)
+		free(y[c]);
+	free(gate);
+	free(up);
+	free(down);
+	free(x);
+}
+END_TEST
+
 static Suite *split_suite(void)
 {
 	Suite *s = suite_create("ffn_split");
@@ -601,6 +658,7 @@ static Suite *split_suite(void)
 	tcase_add_test(te, test_share_job_failure);
 	tcase_add_loop_test(te, test_share_tokens_in_blocks, 0, 2);
 	tcase_add_test(te, test_share_on_a_pool);
+	tcase_add_test(te, test_share_threads_for);
 	suite_add_tcase(s, te);
 	return s;
 }
