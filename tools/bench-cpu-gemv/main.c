@@ -7,6 +7,12 @@
  *   bench-cpu-gemv [--format BF16] [--rows 8192] [--cols 8192] [--threads N] [--repeats 10] [--scalar]
  *   bench-cpu-gemv --ffn-tokens N [...]   the CPU's share of a split FFN instead (ffn_share.h): gate
  *       and up of --rows x --cols, down of --cols x --rows, for N tokens at once, against one token
+ *   bench-cpu-gemv --experts K [--expert-pool E] [--job-threads P] [--gap-us G] [...]   a decode
+ *       layer's K routed experts on the CPU as the CUDA backend runs them (cuda/moe.cu): K jobs of
+ *       the runner's task pool submitted at once, each an expert (gate and up of --rows x --cols,
+ *       down of --cols x --rows) of E, cut for P threads (default ffn_share_threads_for), a gap of G
+ *       us between layers (the GPU's part of the chain); timed from the first submission to the
+ *       last job's end, as the runner's experts_span_ms
  *
  * The weights are random: 64 distinct rows of Gaussian values quantized with quant_quantize,
  * repeated to fill the matrix (the K formats' quantizer is too slow to make every row; every byte
@@ -24,6 +30,7 @@
 #include "common/quant.h"
 #include "services/gpu-runner/cpu-compute/cpu_compute.h"
 #include "services/gpu-runner/cpu-compute/ffn_share.h"
+#include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/cpu/pool.h"
 
 #define DISTINCT_ROWS 64
@@ -91,6 +98,14 @@ static double now_s(void)
 }
 
 static uint64_t rng = 0x243f6a8885a308d3ull;
+
+static uint64_t splitmix(void)
+{
+	uint64_t a = (rng += 0x9e3779b97f4a7c15ull);
+	a = (a ^ (a >> 30)) * 0xbf58476d1ce4e5b9ull;
+	a = (a ^ (a >> 27)) * 0x94d049bb133111ebull;
+	return a ^ (a >> 31);
+}
 
 static double normal(void)
 {
@@ -222,6 +237,152 @@ static int bench_ffn(enum dtype t, uint32_t rows, uint32_t dim, uint32_t n, uint
 	return 0;
 }
 
+/* ---- --experts: a layer's routed experts on the task pool (cuda/moe.cu's CPU jobs) ---- */
+
+#define EXPERTS_MAX 8
+
+struct expert_slot {
+	struct ffn_share *fs;
+	struct ffn_share_job job;
+	struct task_job tj;
+	float *x, *y;
+	uint32_t done, waiters, seq;
+	uint64_t end_ns;
+};
+
+static int expert_part(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
+{
+	struct expert_slot *es = (struct expert_slot *)arg;
+	return ffn_share_part(es->fs, &es->job, es->x, es->y, part, n_parts, err, errlen);
+}
+
+static void expert_ended(struct task_job *tj)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	((struct expert_slot *)tj->user)->end_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, uint32_t pool_e, uint32_t per,
+			 uint32_t gap_us, uint32_t threads, uint32_t layers)
+{
+	char err[256];
+	const uint64_t mat = (uint64_t)rows * dtype_row_bytes(t, dim),
+		       expert = 2 * mat + (uint64_t)dim * dtype_row_bytes(t, rows);
+	uint8_t **w = calloc(3 * (size_t)pool_e, sizeof(*w));
+	if (!w)
+		return 1;
+	printf("experts: making %u experts of %.1f MB (%s, %u x %u)...\n", pool_e, (double)expert / 1e6, dtype_name(t),
+	       rows, dim);
+	fflush(stdout);
+	for (uint32_t e = 0; e < pool_e; e++)
+		if (!(w[3 * e] = make_matrix(t, rows, dim)) || !(w[3 * e + 1] = make_matrix(t, rows, dim)) ||
+		    !(w[3 * e + 2] = make_matrix(t, dim, rows))) {
+			fprintf(stderr, "bench-cpu-gemv: cannot allocate %u experts of %.1f MB\n", pool_e, (double)expert / 1e6);
+			return 1;
+		}
+	/* The pool as the runner makes it beside a GPU (cpu_share.c): pinned workers that poll through
+	 * the gaps between layers, the first CPU left to the thread that submits. */
+	struct task_pool_config pc;
+	task_pool_config_default(&pc);
+	const long online = sysconf(_SC_NPROCESSORS_ONLN);
+	pc.threads = threads;
+	pc.cpu_offset = online > (long)threads ? 1 : 0;
+	pc.spin_us = 1000;
+	struct task_pool *pool = NULL;
+	if (task_pool_create(&pc, &pool, err, sizeof(err))) {
+		fprintf(stderr, "bench-cpu-gemv: %s\n", err);
+		return 1;
+	}
+	if (!per)
+		per = ffn_share_threads_for(expert, threads);
+	struct expert_slot slot[EXPERTS_MAX];
+	memset(slot, 0, sizeof(slot));
+	for (uint32_t i = 0; i < k; i++) {
+		slot[i].x = malloc((size_t)dim * sizeof(float));
+		slot[i].y = malloc((size_t)dim * sizeof(float));
+		if (!slot[i].x || !slot[i].y ||
+		    ffn_share_create(dim, rows, 1, per, &slot[i].fs, err, sizeof(err))) {
+			fprintf(stderr, "bench-cpu-gemv: %s\n", slot[i].x && slot[i].y ? err : "out of memory");
+			return 1;
+		}
+		for (uint32_t c = 0; c < dim; c++)
+			slot[i].x[c] = (float)normal();
+	}
+	double *span = malloc(((size_t)layers + 1) * sizeof(double));
+	if (!span)
+		return 1;
+	uint32_t chosen[EXPERTS_MAX];
+	for (uint32_t l = 0; l <= layers; l++) { /* layer 0 warms up */
+		for (uint32_t i = 0; i < k; i++) { /* k distinct experts at random */
+			uint32_t e;
+			bool again;
+			do {
+				e = (uint32_t)(splitmix() >> 33) % pool_e;
+				again = false;
+				for (uint32_t j = 0; j < i; j++)
+					again |= chosen[j] == e;
+			} while (again);
+			chosen[i] = e;
+		}
+		const uint64_t t0 = mono_ns();
+		for (uint32_t i = 0; i < k; i++) {
+			struct expert_slot *es = &slot[i];
+			const struct ffn_share_mat g = {w[3 * chosen[i]], t, dtype_row_bytes(t, dim)},
+						   u = {w[3 * chosen[i] + 1], t, dtype_row_bytes(t, dim)},
+						   d = {w[3 * chosen[i] + 2], t, dtype_row_bytes(t, rows)};
+			ffn_share_job_init(&es->job, &g, &u, &d, rows, 1, DT_F32);
+			memset(&es->tj, 0, sizeof(es->tj));
+			task_job_init(&es->tj, expert_part, es, ffn_share_parts(es->fs), &es->done, ++es->seq);
+			es->tj.done_waiters = &es->waiters;
+			es->tj.on_complete = expert_ended;
+			es->tj.user = es;
+			task_pool_submit(pool, &es->tj);
+		}
+		uint64_t end = 0;
+		for (uint32_t i = 0; i < k; i++) {
+			task_word_wait(&slot[i].done, &slot[i].waiters, slot[i].seq, 50, 0);
+			if (slot[i].tj.rc) {
+				fprintf(stderr, "bench-cpu-gemv: an expert's job failed: %s\n", slot[i].tj.err);
+				return 1;
+			}
+			end = slot[i].end_ns > end ? slot[i].end_ns : end;
+		}
+		span[l] = (double)(end - t0) * 1e-9;
+		for (uint64_t g0 = mono_ns(); mono_ns() - g0 < (uint64_t)gap_us * 1000;)
+			;
+	}
+	qsort(span + 1, layers, sizeof(double), cmp_double);
+	double sum = 0;
+	for (uint32_t l = 1; l <= layers; l++)
+		sum += span[l];
+	const double bytes = (double)k * (double)expert, mean = sum / layers, med = span[1 + layers / 2];
+	printf("experts %s %s: %u of %.1f MB a layer (%u to choose from), jobs cut for %u threads (%u parts, chunks "
+	       "of about %.0f KB), %u workers, a gap of %u us: a layer's span median %.3f ms (%.2f GB/s), mean %.3f ms "
+	       "(%.2f GB/s), best %.3f ms\n",
+	       dtype_name(t), cpu_compute_path(t), k, (double)expert / 1e6, pool_e, per, ffn_share_parts(slot[0].fs),
+	       (double)expert / (3.0 * FFN_SHARE_PARTS_PER_THREAD * per) / 1024, task_pool_threads(pool), gap_us, med * 1e3,
+	       bytes / med / 1e9, mean * 1e3, bytes / mean / 1e9, span[1] * 1e3);
+	for (uint32_t i = 0; i < k; i++) {
+		ffn_share_destroy(&slot[i].fs);
+		free(slot[i].x);
+		free(slot[i].y);
+	}
+	task_pool_destroy(&pool);
+	for (uint32_t i = 0; i < 3 * pool_e; i++)
+		free(w[i]);
+	free(w);
+	free(span);
+	return 0;
+}
+
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: bench-cpu-gemv [options]\n"
@@ -235,6 +396,13 @@ static void usage(FILE *f)
 		   "  --ffn-tokens N  time the CPU's share of a split FFN for N tokens (1..16) instead: gate and\n"
 		   "                up of --rows x --cols, down of --cols x --rows, all in --format, as the runner\n"
 		   "                runs it (ffn_share.h); printed beside the same job of one token\n"
+		   "  --experts K   time a decode layer's K routed experts (1..8) on the runner's task pool instead\n"
+		   "                (--threads workers), as the CUDA backend runs them: one job each, submitted\n"
+		   "                at once; gate and up of --rows x --cols, down of --cols x --rows; --repeats\n"
+		   "                layers (default 10)\n"
+		   "  --expert-pool E  experts to choose from, distinct at random each layer (default 32)\n"
+		   "  --job-threads P  cut each expert's job for P threads (default: ffn_share_threads_for)\n"
+		   "  --gap-us G    microseconds between layers (default 150: the GPU's part of a layer)\n"
 		   "  --help        this text\n"
 		   "Prints the path, the matrix size, the best and median time of one product with the\n"
 		   "weight bytes read per second, and the best rate of plainly reading the same bytes.\n");
@@ -258,9 +426,11 @@ int main(int argc, char **argv)
 	enum dtype t = DT_BF16;
 	uint32_t rows = 8192, cols = 8192, repeats = 10, threads = (uint32_t)sysconf(_SC_NPROCESSORS_ONLN);
 	int scalar = 0;
-	uint32_t ffn_tokens = 0;
+	uint32_t ffn_tokens = 0, experts = 0, expert_pool = 32, job_threads = 0, gap_us = 150;
 	static const struct option opts[] = {
 		{"ffn-tokens", required_argument, NULL, 'k'},
+		{"experts", required_argument, NULL, 'x'}, {"expert-pool", required_argument, NULL, 'e'},
+		{"job-threads", required_argument, NULL, 'j'}, {"gap-us", required_argument, NULL, 'g'},
 		{"format", required_argument, NULL, 'f'},  {"rows", required_argument, NULL, 'r'},
 		{"cols", required_argument, NULL, 'c'},    {"threads", required_argument, NULL, 't'},
 		{"repeats", required_argument, NULL, 'n'}, {"scalar", no_argument, NULL, 's'},
@@ -310,6 +480,31 @@ int main(int argc, char **argv)
 				return 2;
 			}
 			break;
+		case 'x':
+			if (parse_u32("--experts", optarg, 1, &experts))
+				return 2;
+			if (experts > EXPERTS_MAX) {
+				fprintf(stderr, "bench-cpu-gemv: --experts %u: at most %u\n", experts, EXPERTS_MAX);
+				return 2;
+			}
+			break;
+		case 'e':
+			if (parse_u32("--expert-pool", optarg, 1, &expert_pool))
+				return 2;
+			break;
+		case 'j':
+			if (parse_u32("--job-threads", optarg, 1, &job_threads))
+				return 2;
+			if (job_threads > FFN_SHARE_MAX_THREADS) {
+				fprintf(stderr, "bench-cpu-gemv: --job-threads %u: at most %u\n", job_threads,
+					FFN_SHARE_MAX_THREADS);
+				return 2;
+			}
+			break;
+		case 'g':
+			if (parse_u32("--gap-us", optarg, 0, &gap_us))
+				return 2;
+			break;
 		case 'h':
 			usage(stdout);
 			return 0;
@@ -329,6 +524,18 @@ int main(int argc, char **argv)
 	}
 	if (scalar)
 		cpu_compute_force_isa(CPU_ISA_SCALAR);
+	if (experts) {
+		if (rows % dtype_block_elems(t)) {
+			fprintf(stderr, "bench-cpu-gemv: --rows %u (down's columns) is not a multiple of %s's block of %u\n",
+				rows, dtype_name(t), dtype_block_elems(t));
+			return 2;
+		}
+		if (expert_pool < experts) {
+			fprintf(stderr, "bench-cpu-gemv: --expert-pool %u: fewer than --experts %u\n", expert_pool, experts);
+			return 2;
+		}
+		return bench_experts(t, rows, cols, experts, expert_pool, job_threads, gap_us, threads, repeats);
+	}
 	if (ffn_tokens) {
 		if (rows % dtype_block_elems(t)) {
 			fprintf(stderr, "bench-cpu-gemv: --rows %u (down's columns) is not a multiple of %s's block of %u\n",
