@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# bench-cpu-gemv's modes on small shapes (the numbers are this machine's; what is checked is that
+# each mode runs its products and says what it measured), and its refusals of bad arguments.
+set -euo pipefail
+B=${PIPELINE_BIN_DIR:?}/bench-cpu-gemv
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+out=$("$B" --rows 256 --cols 512 --threads 2 --repeats 2)
+grep -q "^BF16 .*: 256 x 512 .* 2 threads: best .* GB/s" <<<"$out" || fail "plain: $out"
+out=$("$B" --ffn-tokens 2 --rows 256 --cols 512 --threads 2 --repeats 2)
+grep -q "^FFN share BF16 .* 2 tokens at once" <<<"$out" || fail "ffn-tokens: $out"
+for f in BF16 Q4_K; do
+	out=$("$B" --experts 3 --expert-pool 4 --format $f --rows 256 --cols 512 --threads 2 --repeats 3 --gap-us 10)
+	grep -q "^experts $f .*: 3 of .* MB a layer (4 to choose from), jobs cut for 1 threads .* 2 workers, a gap of 10 us: a layer's span median .* GB/s" <<<"$out" ||
+		fail "experts $f: $out"
+done
+out=$("$B" --experts 2 --expert-pool 2 --rows 256 --cols 512 --threads 2 --repeats 2 --job-threads 3)
+grep -q "jobs cut for 3 threads (24 parts" <<<"$out" || fail "job-threads: $out"
+
+refuse() { # expected message, then the arguments
+	local want=$1 rc=0
+	shift
+	err=$("$B" "$@" 2>&1 >/dev/null) || rc=$?
+	[ "$rc" = 2 ] || fail "$*: exit $rc, not 2"
+	grep -q -- "$want" <<<"$err" || fail "$*: $err"
+}
+refuse "--experts 9: at most 8" --experts 9
+refuse "--expert-pool 2: fewer than --experts 3" --experts 3 --expert-pool 2
+refuse "--job-threads 0: expected a number >= 1" --experts 2 --job-threads 0
+refuse "--rows 100 (down's columns) is not a multiple of Q4_K's block of 256" --experts 2 --format Q4_K --rows 100 --cols 512
+echo "bench-cpu-gemv: every mode ran, every refusal said why"
