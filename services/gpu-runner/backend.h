@@ -381,6 +381,8 @@ struct backend_cpu_share_stats {
 	uint64_t failed;     /* of which failed */
 	uint64_t bytes;	     /* weight bytes they read */
 	double cpu_ms;	     /* their time on the CPU, first part's start to last part's end, summed */
+	double phase_wait_ms; /* their parts' waits for a job's first phase to end (ffn_share_stats:
+			       * workers idle), summed over parts */
 	uint64_t timed;	     /* split FFNs timed on the CUDA stream (one in a few) */
 	double stream_ms;    /* those FFNs' time on the stream, from x's copy down to the partial's add, summed */
 	double wait_ms;	     /* of which the stream waited for the CPU and its result's copy up, summed */
@@ -393,6 +395,8 @@ struct backend_cpu_share_stats {
 				 * end, summed over the layers that had any */
 	uint64_t expert_layers; /* those layers */
 	uint64_t experts_span_bytes; /* the weight bytes of their CPU experts */
+	double experts_phase_wait_ms; /* the experts' jobs' parts waiting for their first phase to end
+				       * (workers idle), summed over parts */
 	/* From a layer's last CPU expert's end to the next layer's first submission, in the same step
 	 * (the chain the CPU waits out between two layers): to the return of the host's wait for the
 	 * next routing (the stream's wait, the combine, the attention and router on the GPU), then to the

@@ -216,6 +216,8 @@ static json_t *cpu_share_stats(struct runner *r)
 	json_object_set_new(o, "experts_span_ms", json_real(bs.experts_span_ms));
 	json_object_set_new(o, "expert_layers", json_integer((json_int_t)bs.expert_layers));
 	json_object_set_new(o, "experts_span_bytes", json_integer((json_int_t)bs.experts_span_bytes));
+	json_object_set_new(o, "experts_phase_wait_ms", json_real(bs.experts_phase_wait_ms));
+	json_object_set_new(o, "phase_wait_ms", json_real(bs.phase_wait_ms));
 	json_object_set_new(o, "experts_gap_gpu_ms", json_real(bs.experts_gap_gpu_ms));
 	json_object_set_new(o, "experts_gap_host_ms", json_real(bs.experts_gap_host_ms));
 	json_object_set_new(o, "expert_gaps", json_integer((json_int_t)bs.expert_gaps));

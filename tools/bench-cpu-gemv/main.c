@@ -320,7 +320,14 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 	if (!span)
 		return 1;
 	uint32_t chosen[EXPERTS_MAX];
+	uint64_t wait0 = 0;
 	for (uint32_t l = 0; l <= layers; l++) { /* layer 0 warms up */
+		if (l == 1)
+			for (uint32_t i = 0; i < k; i++) {
+				struct ffn_share_stats ss;
+				ffn_share_get_stats(slot[i].fs, &ss);
+				wait0 += ss.wait_ns;
+			}
 		for (uint32_t i = 0; i < k; i++) { /* k distinct experts at random */
 			uint32_t e;
 			bool again;
@@ -364,12 +371,19 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 	for (uint32_t l = 1; l <= layers; l++)
 		sum += span[l];
 	const double bytes = (double)k * (double)expert, mean = sum / layers, med = span[1 + layers / 2];
+	uint64_t wait = 0;
+	for (uint32_t i = 0; i < k; i++) {
+		struct ffn_share_stats ss;
+		ffn_share_get_stats(slot[i].fs, &ss);
+		wait += ss.wait_ns;
+	}
 	printf("experts %s %s: %u of %.1f MB a layer (%u to choose from), jobs cut for %u threads (%u parts, chunks "
 	       "of about %.0f KB), %u workers, a gap of %u us: a layer's span median %.3f ms (%.2f GB/s), mean %.3f ms "
-	       "(%.2f GB/s), best %.3f ms\n",
+	       "(%.2f GB/s), best %.3f ms; parts waiting for their job's first phase %.1f%% of the workers' time\n",
 	       dtype_name(t), cpu_compute_path(t), k, (double)expert / 1e6, pool_e, per, ffn_share_parts(slot[0].fs),
 	       (double)expert / (3.0 * FFN_SHARE_PARTS_PER_THREAD * per) / 1024, task_pool_threads(pool), gap_us, med * 1e3,
-	       bytes / med / 1e9, mean * 1e3, bytes / mean / 1e9, span[1] * 1e3);
+	       bytes / med / 1e9, mean * 1e3, bytes / mean / 1e9, span[1] * 1e3,
+	       100.0 * (double)(wait - wait0) * 1e-9 / (sum * task_pool_threads(pool)));
 	for (uint32_t i = 0; i < k; i++) {
 		ffn_share_destroy(&slot[i].fs);
 		free(slot[i].x);

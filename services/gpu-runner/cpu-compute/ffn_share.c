@@ -37,6 +37,7 @@ struct ffn_share {
 			 * preempts (the runner's own threads, the loader's, share the CPUs) delays one
 			 * small part, which the others make up for, not a thread's whole share */
 	uint64_t jobs, bytes, ns;    /* ffn_share_stats (atomic) */
+	uint64_t wait_ns, waits;     /* the same */
 	float *h;		     /* (max_tokens, ffn_dim) the SwiGLU output, rounded to act */
 	struct part_scratch *ps;     /* (2 parts) a part's own: every part may work on either phase */
 };
@@ -354,6 +355,7 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 	if (part < P)
 		return rc;
 	uint32_t spins = 0;
+	const uint64_t w0 = __atomic_load_n(&job->phase1_done, __ATOMIC_ACQUIRE) < 2 * P ? now_ns() : 0;
 	while (__atomic_load_n(&job->phase1_done, __ATOMIC_ACQUIRE) < 2 * P) {
 		if (++spins < SPINS_BEFORE_YIELD) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -362,6 +364,10 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 		} else {
 			sched_yield();
 		}
+	}
+	if (w0) {
+		__atomic_add_fetch(&fs->wait_ns, now_ns() - w0, __ATOMIC_RELAXED);
+		__atomic_add_fetch(&fs->waits, 1, __ATOMIC_RELAXED);
 	}
 	/* The second phase: down's rows in P chunks, claimed as the first phase's were. */
 	bool prepared = false;
@@ -413,4 +419,6 @@ void ffn_share_get_stats(const struct ffn_share *fs, struct ffn_share_stats *out
 	out->jobs = __atomic_load_n(&fs->jobs, __ATOMIC_RELAXED);
 	out->bytes = __atomic_load_n(&fs->bytes, __ATOMIC_RELAXED);
 	out->ns = __atomic_load_n(&fs->ns, __ATOMIC_RELAXED);
+	out->wait_ns = __atomic_load_n(&fs->wait_ns, __ATOMIC_RELAXED);
+	out->waits = __atomic_load_n(&fs->waits, __ATOMIC_RELAXED);
 }

@@ -69,6 +69,9 @@ struct ffn_share_stats {
 	uint64_t jobs;	 /* jobs finished, failed ones included */
 	uint64_t bytes;	 /* weight bytes they read */
 	uint64_t ns;	 /* their time, from the first part's start to the last part's end, summed */
+	uint64_t wait_ns; /* the second phase's parts waiting for the first's last chunks, summed over
+			   * parts: time a worker held a part and did nothing */
+	uint64_t waits;	 /* parts that waited */
 };
 
 struct ffn_share;

@@ -604,6 +604,7 @@ static void ref_cpu_share_stats(struct backend_dev *be, struct backend_cpu_share
 	out->failed = be->share_failed;
 	out->bytes = st.bytes;
 	out->cpu_ms = (double)st.ns / 1e6;
+	out->phase_wait_ms = (double)st.wait_ns / 1e6;
 }
 
 static const char *ref_error(struct backend_dev *be)

@@ -169,6 +169,7 @@ void ffn_split_stats(struct backend_dev *be, struct backend_cpu_share_stats *out
 	out->failed = hs.failed;
 	out->bytes = ss.bytes;
 	out->cpu_ms = (double)ss.ns / 1e6;
+	out->phase_wait_ms = (double)ss.wait_ns / 1e6;
 	out->timed = be->split_timed;
 	out->stream_ms = be->split_stream_ms;
 	out->wait_ms = be->split_wait_ms;

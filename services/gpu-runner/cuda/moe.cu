@@ -151,6 +151,7 @@ struct cuda_moe {
 	uint64_t span_ns, span_layers;	/* layers' CPU experts, first submission to last end, summed (all time) */
 	uint64_t span_bytes;		/* the weight bytes of those layers' CPU experts */
 	uint32_t pool_threads;		/* the CPU pool's workers */
+	uint64_t wait_ns_gone;		/* the phase waits of the jobs' shares made anew (ffn_share_stats) */
 	/* The gaps between layers' CPU experts (backend_cpu_share_stats): the end of the last layer's
 	 * last job (0: none, or not in this step), the return of this layer's wait for its routing and
 	 * the gap to it, until the layer's first submission counts both. */
@@ -661,6 +662,14 @@ void moe_stats(struct backend_dev *be, struct backend_cpu_share_stats *out)
 	out->experts_span_ms = (double)m->span_ns / 1e6;
 	out->expert_layers = m->span_layers;
 	out->experts_span_bytes = m->span_bytes;
+	uint64_t wait = m->wait_ns_gone;
+	for (uint32_t j = 0; j < m->n_jobs; j++)
+		if (m->jobs[j].share) {
+			struct ffn_share_stats ss;
+			ffn_share_get_stats(m->jobs[j].share, &ss);
+			wait += ss.wait_ns;
+		}
+	out->experts_phase_wait_ms = (double)wait / 1e6;
 	out->experts_gap_gpu_ms = (double)m->gap_gpu_ns / 1e6;
 	out->experts_gap_host_ms = (double)m->gap_host_ns / 1e6;
 	out->expert_gaps = m->gaps;
@@ -765,6 +774,11 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	const uint32_t per = ffn_share_threads_for(bytes, m->pool_threads);
 	if (per > cj->per) {
 		char why[256];
+		if (cj->share) {
+			struct ffn_share_stats ss;
+			ffn_share_get_stats(cj->share, &ss);
+			m->wait_ns_gone += ss.wait_ns;
+		}
 		ffn_share_destroy(&cj->share);
 		int rc = ffn_share_create(dim, m->F, FFN_SPLIT_MAX_TOKENS, per, &cj->share, why, sizeof(why));
 		if (rc)
