@@ -15,7 +15,9 @@ for f in BF16 Q4_K; do
 		fail "experts $f: $out"
 done
 out=$("$B" --experts 2 --expert-pool 2 --rows 256 --cols 512 --threads 2 --repeats 2 --job-threads 3)
-grep -q "jobs cut for 3 threads (24 parts" <<<"$out" || fail "job-threads: $out"
+grep -q "jobs cut for 3 threads (24 parts, chunks of about [0-9]* KB, tapered)" <<<"$out" || fail "job-threads: $out"
+out=$("$B" --experts 2 --expert-pool 2 --rows 256 --cols 512 --threads 2 --repeats 2 --no-taper)
+grep -q "chunks of about [0-9]* KB), 2 workers" <<<"$out" || fail "no-taper: $out"
 
 refuse() { # expected message, then the arguments
 	local want=$1 rc=0

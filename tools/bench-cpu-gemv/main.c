@@ -19,6 +19,7 @@
  * is still read from memory). x is Gaussian; its preparation (one thread) is timed on its own. */
 #include <errno.h>
 #include <getopt.h>
+#include <stdbool.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -271,7 +272,7 @@ static uint64_t mono_ns(void)
 }
 
 static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, uint32_t pool_e, uint32_t per,
-			 uint32_t gap_us, uint32_t threads, uint32_t layers)
+			 bool taper, uint32_t gap_us, uint32_t threads, uint32_t layers)
 {
 	char err[256];
 	const uint64_t mat = (uint64_t)rows * dtype_row_bytes(t, dim),
@@ -346,6 +347,7 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 						   u = {w[3 * chosen[i] + 1], t, dtype_row_bytes(t, dim)},
 						   d = {w[3 * chosen[i] + 2], t, dtype_row_bytes(t, rows)};
 			ffn_share_job_init(&es->job, &g, &u, &d, rows, 1, DT_F32);
+			es->job.taper = taper;
 			memset(&es->tj, 0, sizeof(es->tj));
 			task_job_init(&es->tj, expert_part, es, ffn_share_parts(es->fs), &es->done, ++es->seq);
 			es->tj.done_waiters = &es->waiters;
@@ -378,10 +380,11 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 		wait += ss.wait_ns;
 	}
 	printf("experts %s %s: %u of %.1f MB a layer (%u to choose from), jobs cut for %u threads (%u parts, chunks "
-	       "of about %.0f KB), %u workers, a gap of %u us: a layer's span median %.3f ms (%.2f GB/s), mean %.3f ms "
+	       "of about %.0f KB%s), %u workers, a gap of %u us: a layer's span median %.3f ms (%.2f GB/s), mean %.3f ms "
 	       "(%.2f GB/s), best %.3f ms; parts waiting for their job's first phase %.1f%% of the workers' time\n",
 	       dtype_name(t), cpu_compute_path(t), k, (double)expert / 1e6, pool_e, per, ffn_share_parts(slot[0].fs),
-	       (double)expert / (3.0 * FFN_SHARE_PARTS_PER_THREAD * per) / 1024, task_pool_threads(pool), gap_us, med * 1e3,
+	       (double)expert / (3.0 * FFN_SHARE_PARTS_PER_THREAD * per) / 1024, taper ? ", tapered" : "",
+	       task_pool_threads(pool), gap_us, med * 1e3,
 	       bytes / med / 1e9, mean * 1e3, bytes / mean / 1e9, span[1] * 1e3,
 	       100.0 * (double)(wait - wait0) * 1e-9 / (sum * task_pool_threads(pool)));
 	for (uint32_t i = 0; i < k; i++) {
@@ -417,6 +420,8 @@ static void usage(FILE *f)
 		   "  --expert-pool E  experts to choose from, distinct at random each layer (default 32)\n"
 		   "  --job-threads P  cut each expert's job for P threads (default: ffn_share_threads_for)\n"
 		   "  --gap-us G    microseconds between layers (default 150: the GPU's part of a layer)\n"
+		   "  --no-taper    equal chunks in each phase of a job (the runner tapers an expert's: smaller\n"
+		   "                toward each phase's end, ffn_share_job.taper)\n"
 		   "  --help        this text\n"
 		   "Prints the path, the matrix size, the best and median time of one product with the\n"
 		   "weight bytes read per second, and the best rate of plainly reading the same bytes.\n");
@@ -441,10 +446,12 @@ int main(int argc, char **argv)
 	uint32_t rows = 8192, cols = 8192, repeats = 10, threads = (uint32_t)sysconf(_SC_NPROCESSORS_ONLN);
 	int scalar = 0;
 	uint32_t ffn_tokens = 0, experts = 0, expert_pool = 32, job_threads = 0, gap_us = 150;
+	bool taper = true;
 	static const struct option opts[] = {
 		{"ffn-tokens", required_argument, NULL, 'k'},
 		{"experts", required_argument, NULL, 'x'}, {"expert-pool", required_argument, NULL, 'e'},
 		{"job-threads", required_argument, NULL, 'j'}, {"gap-us", required_argument, NULL, 'g'},
+		{"no-taper", no_argument, NULL, 'T'},
 		{"format", required_argument, NULL, 'f'},  {"rows", required_argument, NULL, 'r'},
 		{"cols", required_argument, NULL, 'c'},    {"threads", required_argument, NULL, 't'},
 		{"repeats", required_argument, NULL, 'n'}, {"scalar", no_argument, NULL, 's'},
@@ -519,6 +526,9 @@ int main(int argc, char **argv)
 			if (parse_u32("--gap-us", optarg, 0, &gap_us))
 				return 2;
 			break;
+		case 'T':
+			taper = false;
+			break;
 		case 'h':
 			usage(stdout);
 			return 0;
@@ -548,7 +558,7 @@ int main(int argc, char **argv)
 			fprintf(stderr, "bench-cpu-gemv: --expert-pool %u: fewer than --experts %u\n", expert_pool, experts);
 			return 2;
 		}
-		return bench_experts(t, rows, cols, experts, expert_pool, job_threads, gap_us, threads, repeats);
+		return bench_experts(t, rows, cols, experts, expert_pool, job_threads, taper, gap_us, threads, repeats);
 	}
 	if (ffn_tokens) {
 		if (rows % dtype_block_elems(t)) {

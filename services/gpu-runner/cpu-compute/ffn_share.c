@@ -204,6 +204,33 @@ static void range16(uint32_t total, uint32_t n, uint32_t p, uint32_t *b, uint32_
 	*e = p + 1 == n ? total : *e & ~15u;
 }
 
+/* Where chunk i of n of a tapered phase begins (i = n: total): the first n / 2 chunks take three
+ * quarters of the rows, the others the last quarter. Never decreasing in i. */
+static uint32_t taper_start(uint32_t total, uint32_t n, uint32_t i)
+{
+	const uint32_t h = n / 2;
+	const uint64_t big = h ? (uint64_t)total * 3 / 4 : 0;
+	if (i <= h)
+		return h ? (uint32_t)(big * i / h) : 0;
+	return (uint32_t)(big + ((uint64_t)total - big) * (i - h) / (n - h));
+}
+
+/* Chunk i of n of a phase's total rows: range, or tapered (ffn_share_job.taper); on the tiles
+ * (a16) its ends on multiples of 16 but the last, as range16's. */
+static void chunk(bool taper, bool a16, uint32_t total, uint32_t n, uint32_t i, uint32_t *b, uint32_t *e)
+{
+	if (!taper) {
+		(a16 ? range16 : range)(total, n, i, b, e);
+		return;
+	}
+	*b = taper_start(total, n, i);
+	*e = taper_start(total, n, i + 1);
+	if (a16) {
+		*b &= ~15u;
+		*e = i + 1 == n ? total : *e & ~15u;
+	}
+}
+
 /* x of every token prepared for gate's (and up's) format, in the part's scratch. */
 static int prepare_x(struct ffn_share *fs, const struct ffn_share_job *job, struct part_scratch *ps, const void *x,
 		     bool fused, char *err, size_t errlen)
@@ -316,7 +343,7 @@ static int run_phase1(struct ffn_share *fs, struct ffn_share_job *job, struct pa
 		if (i >= C)
 			break;
 		uint32_t b, e;
-		(tiles(fs, job) ? range16 : range)(job->rows, C, i, &b, &e);
+		chunk(job->taper, tiles(fs, job), job->rows, C, i, &b, &e);
 		if (valid && rc == 0 && b < e) {
 			if (!prepared) {
 				rc = prepare_x(fs, job, ps, x, fused, err, errlen);
@@ -387,7 +414,7 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 			prepared = true;
 		}
 		uint32_t b, e;
-		(tiles_down(fs, job) ? range16 : range)(fs->dim, P, j, &b, &e);
+		chunk(job->taper, tiles_down(fs, job), fs->dim, P, j, &b, &e);
 		if (rc == 0 && b < e)
 			rc = down_rows(fs, job, ps, y, b, e, err, errlen);
 	}

@@ -34,6 +34,7 @@
  */
 #ifndef GPU_RUNNER_FFN_SHARE_H
 #define GPU_RUNNER_FFN_SHARE_H
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -58,6 +59,11 @@ struct ffn_share_job {
 	uint32_t rows;	       /* intermediate rows of the share: ffn_dim - r */
 	uint32_t n;	       /* tokens */
 	uint32_t act;	       /* enum dtype of x, and what h is rounded to (DT_F32: not rounded) */
+	bool taper;	       /* chunks that get smaller toward each phase's end (the first half of a
+				* phase's chunks take three quarters of its rows): with several jobs at once
+				* (a layer's experts), the parts that wait for a phase's last chunks wait for
+				* small ones. The caller's, after ffn_share_job_init (false there); the
+				* same bits either way */
 	uint32_t claimed1, claimed2; /* chunks of each phase handed out (atomic; 2P, then P) */
 	uint32_t phase1_done;  /* chunks of the first phase finished (atomic; the second waits for 2P) */
 	uint32_t phase2_done;  /* parts of the second phase finished (atomic; the last one counts the job) */

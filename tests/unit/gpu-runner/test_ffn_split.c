@@ -565,6 +565,7 @@ START_TEST(test_share_on_a_pool)
 	for (int rep = 0; rep < 30; rep++) {
 		memset(y, 0xff, (size_t)T * DIM * 4);
 		ffn_share_job_init(&job, &g, &u, &d, ROWS, T, DT_BF16);
+		job.taper = rep % 2; /* tapered chunks: the same bits */
 		struct pool_share ps = {.fs = fs, .job = &job, .x = x, .y = y};
 		struct task_job tj;
 		task_job_init(&tj, pool_share_part, &ps, np, &done, (uint32_t)rep + 1);
@@ -586,7 +587,8 @@ START_TEST(test_share_on_a_pool)
 END_TEST
 
 /* The threads a share is cut for (ffn_share_threads_for): chunks of about FFN_SHARE_CHUNK_BYTES,
- * 1..the pool's threads; and a job's output is the same bits however finely it is cut. */
+ * 1..the pool's threads; and a job's output is the same bits however finely it is cut, in equal
+ * chunks or tapered ones (ffn_share_job.taper). */
 START_TEST(test_share_threads_for)
 {
 	const uint64_t third = 3ull * FFN_SHARE_PARTS_PER_THREAD * FFN_SHARE_CHUNK_BYTES;
@@ -603,7 +605,7 @@ START_TEST(test_share_threads_for)
 	char err[256] = "";
 	uint16_t *gate = malloc((size_t)ROWS * DIM * 2), *up = malloc((size_t)ROWS * DIM * 2),
 		 *down = malloc((size_t)DIM * ROWS * 2), *x = malloc((size_t)DIM * 2);
-	float *y[3];
+	float *y[6];
 	ck_assert(gate && up && down && x);
 	rng_state = 29;
 	for (size_t i = 0; i < (size_t)ROWS * DIM; i++) {
@@ -617,23 +619,24 @@ START_TEST(test_share_threads_for)
 	struct ffn_share_mat u = {.data = up, .format = DT_BF16, .row_bytes = DIM * 2};
 	struct ffn_share_mat d = {.data = down, .format = DT_BF16, .row_bytes = ROWS * 2};
 	const uint32_t threads[3] = {1, 3, 7};
-	for (int c = 0; c < 3; c++) {
+	for (int c = 0; c < 6; c++) { /* each cut, equal chunks then tapered ones */
 		struct ffn_share *fs = NULL;
-		ck_assert_msg(ffn_share_create(DIM, ROWS, 1, threads[c], &fs, err, sizeof(err)) == 0, "%s", err);
+		ck_assert_msg(ffn_share_create(DIM, ROWS, 1, threads[c % 3], &fs, err, sizeof(err)) == 0, "%s", err);
 		y[c] = malloc((size_t)DIM * 4);
 		ck_assert_ptr_nonnull(y[c]);
 		struct ffn_share_job job;
 		ffn_share_job_init(&job, &g, &u, &d, ROWS, 1, DT_BF16);
+		job.taper = c >= 3;
 		const uint32_t np = ffn_share_parts(fs);
-		ck_assert_uint_eq(np, 2 * FFN_SHARE_PARTS_PER_THREAD * threads[c]);
+		ck_assert_uint_eq(np, 2 * FFN_SHARE_PARTS_PER_THREAD * threads[c % 3]);
 		for (uint32_t p = 0; p < np; p++)
 			ck_assert_msg(ffn_share_part(fs, &job, x, y[c], p, np, err, sizeof(err)) == 0, "%s", err);
 		ffn_share_destroy(&fs);
 		if (c)
-			ck_assert_msg(memcmp(y[c], y[0], (size_t)DIM * 4) == 0, "cut for %u threads: not the bits of one",
-				      threads[c]);
+			ck_assert_msg(memcmp(y[c], y[0], (size_t)DIM * 4) == 0, "cut for %u threads%s: not the bits of one",
+				      threads[c % 3], c >= 3 ? ", tapered" : "");
 	}
-	for (int c = 0; c < 3; c++)
+	for (int c = 0; c < 6; c++)
 		free(y[c]);
 	free(gate);
 	free(up);
