@@ -1,0 +1,136 @@
+/* moe_internal.h - the CUDA backend's mixture-of-experts state, shared by moe.cu (the route, the
+ * GPU's experts, the end of a layer) and moe_cpu.cu (the experts the CPU pool computes). */
+#ifndef GPU_RUNNER_CUDA_MOE_INTERNAL_H
+#define GPU_RUNNER_CUDA_MOE_INTERNAL_H
+#include "services/gpu-runner/cuda/cuda_internal.h"
+#include "services/gpu-runner/cpu-compute/ffn_share.h"
+#include "services/gpu-runner/cpu-compute/task_pool.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+/* An expert noted for the CPU: its matrices in host memory. */
+struct moe_cpu_expert {
+	uint32_t expert;
+	float w;	/* one token's routing weight of it (gpu_wait) */
+	struct ffn_share_mat gate, up, down;
+};
+
+#define MOE_CPU_JOBS_MAX BACKEND_MOE_CPU_JOBS /* experts the pool computes at once */
+#define MOE_COMBINE_MAX 32 /* experts a token chooses that combine_kernel sums in one launch */
+
+/* combine_kernel's weights, by value: the GPU's rows' (w), and the CPU's rows in mapped host
+ * memory with theirs (cpu_y, cpu_w; n_cpu of them, summed first). */
+struct moe_combine_w {
+	float w[MOE_COMBINE_MAX];
+	const float *cpu_y[MOE_CPU_JOBS_MAX];
+	float cpu_w[MOE_CPU_JOBS_MAX];
+	uint32_t n_cpu;
+};
+
+/* A job's completion word and its sleepers, on a cache line of their own (in mapped pinned memory
+ * where the stream waits on them). */
+struct moe_word {
+	uint32_t done, waiters;
+	uint32_t pad[14];
+};
+
+/* One of the concurrent CPU jobs: an expert's rows in, its output out. */
+struct moe_cpu_job {
+	struct ffn_share *share;
+	struct ffn_share_job job;
+	struct task_job tj;		/* the pool's job */
+	float *x, *y;			/* (FFN_SPLIT_MAX_TOKENS, dim); y in mapped pinned memory with gpu_waits */
+	const float *y_dev;		/* y as the device addresses it (gpu_waits) */
+	uint32_t *done, *waiters, seq;	/* the job's completion word, its sleepers (in words), the last value */
+	CUdeviceptr done_dev;		/* done as the stream addresses it (gpu_waits) */
+	uint64_t end_ns;		/* when it ended (job_ended; read once done shows seq) */
+	uint32_t per;			/* the threads share's parts were cut for (ffn_share_threads_for) */
+};
+
+struct cuda_moe {
+	uint32_t E, k, F;	/* experts, chosen per token, an expert's intermediate size */
+	/* Device memory. */
+	float *xn;		/* (max_chunk, dim) the normed rows in float32 */
+	float *logits;		/* (max_chunk, E) router logits */
+	float *router_f;	/* (E, dim) a block-format router dequantized */
+	float *sum;		/* (max_chunk, dim) the layer's weighted sum of expert outputs */
+	void *xg;		/* (max_chunk, dim) an expert's gathered rows in its activation dtype */
+	float *gu;		/* (max_chunk, 2 F) gate then up (the unfused paths) */
+	void *act;		/* (max_chunk, F) SiLU(gate) * up in the activation dtype */
+	float *y;		/* (max_chunk, dim) down_proj of an expert's rows */
+	float *ys;		/* (k, dim) one token: each GPU expert's down_proj row, in the order given */
+	uint32_t *tok0;		/* (1) 0: one token's gather index */
+	uint32_t *tok;		/* (max_chunk k) tokens of each expert, expert after expert (off[]) */
+	float *tw;		/* (max_chunk k) their weights */
+	/* Host memory. */
+	float *h_logits;	/* (max_chunk, E) pinned, mapped */
+	float *h_logits_dev;	/* h_logits as the device addresses it (NULL: not mapped, copied down) */
+	uint32_t *sel;		/* (max_chunk, k) each token's experts */
+	float *sel_w;		/* (max_chunk, k) and weights */
+	uint32_t *off;		/* (E + 1) expert e's tokens are [off[e], off[e + 1]) of tok/tw */
+	uint32_t *h_tok;	/* (max_chunk k) */
+	float *h_tw;
+	bool routed;		/* route ran for the chunk in flight */
+	/* One token (route: n == 1, k <= MOE_COMBINE_MAX): its row in xg once, rows into ys. */
+	bool one;
+	bool xg_ok;		/* xg holds the token's row in dtype xg_at */
+	uint32_t xg_at;
+	uint32_t n_gpu;		/* experts computed into ys */
+	float yw[MOE_COMBINE_MAX]; /* their routing weights */
+	/* Experts on the CPU (backend_params.cpu_pool): up to n_jobs at once, each an ffn_share job of
+	 * its own (scratch, rows, output) on a slice of the pool's threads. */
+	struct moe_cpu_job *jobs;	/* (n_jobs) */
+	uint32_t n_jobs;
+	float *h_xn;			/* (FFN_SPLIT_MAX_TOKENS, dim) pinned, mapped: xn of a decode step */
+	float *h_xn_dev;		/* h_xn as the device addresses it (NULL: not mapped, copied down) */
+	bool xn_down;			/* h_xn holds this chunk's rows */
+	float *csum;			/* (FFN_SPLIT_MAX_TOKENS, dim) the CPU's sum */
+	float *csum_dev;		/* (FFN_SPLIT_MAX_TOKENS, dim) the CPU's sum, device memory */
+	struct moe_cpu_expert *cpu;	/* (E) the experts noted for the CPU this layer, in order */
+	uint32_t n_cpu;			/* noted (and submitted) */
+	uint32_t collected;		/* of which waited for and added into csum */
+	struct moe_word *words;		/* (n_jobs) the jobs' completion words: pinned, mapped with gpu_waits */
+	bool gpu_waits;			/* one token's CPU experts may be waited for on the GPU (setup) */
+	bool gpu_wait;			/* this layer's are (route: one token and gpu_waits) */
+	uint32_t n_waited;		/* jobs of the last such layer, slots 0.., whose results moe_check reads */
+	float *ybuf;			/* (n_jobs, FFN_SPLIT_MAX_TOKENS, dim) the jobs' y, mapped (gpu_waits) */
+	PFN_cuStreamWaitValue32_v11070 wait32;
+	uint64_t cpu_experts, cpu_ns, route_wait_ns; /* experts the CPU computed, and the host's times (all time) */
+	uint64_t layer_t0, waited_t0;	/* when this layer's first CPU expert was submitted; the waited layer's */
+	uint64_t layer_bytes, waited_bytes; /* the weight bytes of this layer's CPU experts; the waited layer's */
+	uint64_t span_ns, span_layers;	/* layers' CPU experts, first submission to last end, summed (all time) */
+	uint64_t span_bytes;		/* the weight bytes of those layers' CPU experts */
+	uint32_t pool_threads;		/* the CPU pool's workers */
+	uint64_t wait_ns_gone;		/* the phase waits of the jobs' shares made anew (ffn_share_stats) */
+	/* The gaps between layers' CPU experts (backend_cpu_share_stats): the end of the last layer's
+	 * last job (0: none, or not in this step), the return of this layer's wait for its routing and
+	 * the gap to it, until the layer's first submission counts both. */
+	uint64_t last_end_ns, route_t1, gap_pending_ns;
+	uint64_t gap_gpu_ns, gap_host_ns, gaps;
+};
+
+/* ---- moe.cu ---- */
+
+/* Pinned host memory of `bytes` at *host, mapped for the device at *dev where the device can (NULL
+ * there else: the caller copies down instead). */
+int moe_host_mapped(struct backend_dev *be, size_t bytes, void **host, void **dev, const char *what);
+
+/* ---- moe_cpu.cu ---- */
+
+/* The CPU's jobs of moe_setup (nothing without backend_params.cpu_pool), and their teardown (the
+ * stream synchronized first). */
+int moe_cpu_setup(struct backend_dev *be);
+void moe_cpu_teardown(struct backend_dev *be);
+/* Every job submitted and not yet collected waited for, and those the stream waits for. */
+void moe_settle_jobs(struct cuda_moe *m);
+/* A route's wait for its logits has returned (and moe_check has run): the gap since the layer
+ * before's CPU experts ended, until this layer's first submission. */
+void moe_cpu_routed(struct cuda_moe *m);
+/* The CPU's side of moe_end: one token's experts waited for on the stream (their rows and weights
+ * into cw for combine_kernel), or collected by the host and their sum added into the residual. */
+int moe_cpu_end(struct backend_dev *be, moe_combine_w *cw);
+/* The CPU experts' part of backend_cpu_share_stats. */
+void moe_cpu_stats(const struct cuda_moe *m, struct backend_cpu_share_stats *out);
+
+#endif
