@@ -193,6 +193,12 @@ lists ${want_files//$'\n'/ }: the generator changed; remake the fixtures (tests/
 		experts=$(sed -n '/"cpu_share"/,/}/s/^ *"experts": *\([0-9]*\).*/\1/p' <<<"$st" | head -n 1)
 		log "$name: ${jobs:-0} CPU share jobs, ${experts:-0} experts on the CPU"
 		cpu_jobs=$((cpu_jobs + ${jobs:-0} + ${experts:-0}))
+		if ((${experts:-0} > 0)); then # the pool's experts shown where a user looks
+			expect_grep "^CPU experts +[1-9][0-9]* routed experts computed by the CPU pool" \
+				"$("$PIPELINE" status 2>&1)" "$name: the CPU's experts in pipeline status"
+			expect_grep "cpu +experts [1-9][0-9]* computed; a layer's [0-9.]+ ms" \
+				"$("$PIPELINE" inspect --once 2>&1)" "$name: the CPU's experts in pipeline inspect"
+		fi
 	fi
 	stop_instance "$n"
 

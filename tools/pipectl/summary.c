@@ -143,6 +143,14 @@ int cmd_summary(struct pipectl *p, int argc, char **argv)
 		       fmt_count(cs, "ffn_dim", d, sizeof(d)), fmt_count(cs, "jobs", e, sizeof(e)),
 		       fmt_count(cs, "threads", f, sizeof(f)), fmt_string(cs, "handoff"), fmt_size(cs, "bytes", g, sizeof(g)),
 		       fmt_size(cs, "bytes_per_token", h, sizeof(h)), fmt_count(cs, "jobs_failed", fl, sizeof(fl)));
+		json_t *ex = json_object_get(cs, "experts");
+		if (json_is_number(ex) && json_number_value(ex) > 0) {
+			const double span = json_number_value(json_object_get(cs, "experts_span_ms")),
+				     layers = json_number_value(json_object_get(cs, "expert_layers"));
+			printf("%-22s %s routed experts computed by the CPU pool, a layer's in %.3f ms (first submitted "
+			       "to last done, over %s layers)\n", "CPU experts", fmt_count(cs, "experts", a, sizeof(a)),
+			       layers > 0 ? span / layers : 0, fmt_count(cs, "expert_layers", b, sizeof(b)));
+		}
 	}
 	int status = ld && kv && gr ? PIPECTL_EXIT_OK : PIPECTL_EXIT_FAIL;
 	json_decref(ld);
