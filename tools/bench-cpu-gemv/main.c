@@ -427,7 +427,8 @@ static void usage(FILE *f)
 		   "weight bytes read per second, and the best rate of plainly reading the same bytes.\n");
 }
 
-static int parse_u32(const char *opt, const char *text, uint32_t min, uint32_t *out)
+/* A number in [min, max] for option opt; -1 (said on stderr) otherwise. */
+static int parse_u32_in(const char *opt, const char *text, uint32_t min, uint32_t max, uint32_t *out)
 {
 	char *end;
 	errno = 0;
@@ -436,8 +437,17 @@ static int parse_u32(const char *opt, const char *text, uint32_t min, uint32_t *
 		fprintf(stderr, "bench-cpu-gemv: %s %s: expected a number >= %u\n", opt, text, min);
 		return -1;
 	}
+	if (v > max) {
+		fprintf(stderr, "bench-cpu-gemv: %s %lu: at most %u\n", opt, v, max);
+		return -1;
+	}
 	*out = (uint32_t)v;
 	return 0;
+}
+
+static int parse_u32(const char *opt, const char *text, uint32_t min, uint32_t *out)
+{
+	return parse_u32_in(opt, text, min, UINT32_MAX, out);
 }
 
 int main(int argc, char **argv)
@@ -493,34 +503,20 @@ int main(int argc, char **argv)
 			scalar = 1;
 			break;
 		case 'k':
-			if (parse_u32("--ffn-tokens", optarg, 1, &ffn_tokens))
+			if (parse_u32_in("--ffn-tokens", optarg, 1, FFN_BENCH_MAX_TOKENS, &ffn_tokens))
 				return 2;
-			if (ffn_tokens > FFN_BENCH_MAX_TOKENS) {
-				fprintf(stderr, "bench-cpu-gemv: --ffn-tokens %u: at most %u\n", ffn_tokens,
-					FFN_BENCH_MAX_TOKENS);
-				return 2;
-			}
 			break;
 		case 'x':
-			if (parse_u32("--experts", optarg, 1, &experts))
+			if (parse_u32_in("--experts", optarg, 1, EXPERTS_MAX, &experts))
 				return 2;
-			if (experts > EXPERTS_MAX) {
-				fprintf(stderr, "bench-cpu-gemv: --experts %u: at most %u\n", experts, EXPERTS_MAX);
-				return 2;
-			}
 			break;
 		case 'e':
 			if (parse_u32("--expert-pool", optarg, 1, &expert_pool))
 				return 2;
 			break;
 		case 'j':
-			if (parse_u32("--job-threads", optarg, 1, &job_threads))
+			if (parse_u32_in("--job-threads", optarg, 1, FFN_SHARE_MAX_THREADS, &job_threads))
 				return 2;
-			if (job_threads > FFN_SHARE_MAX_THREADS) {
-				fprintf(stderr, "bench-cpu-gemv: --job-threads %u: at most %u\n", job_threads,
-					FFN_SHARE_MAX_THREADS);
-				return 2;
-			}
 			break;
 		case 'g':
 			if (parse_u32("--gap-us", optarg, 0, &gap_us))
