@@ -290,12 +290,13 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 			return 1;
 		}
 	/* The pool as the runner makes it beside a GPU (cpu_share.c): pinned workers that poll through
-	 * the gaps between layers, the first CPU left to the thread that submits. */
+	 * the gaps between layers, the first two CPUs left to the thread that submits and the runner's
+	 * handoff dispatcher where there are enough. */
 	struct task_pool_config pc;
 	task_pool_config_default(&pc);
 	const long online = sysconf(_SC_NPROCESSORS_ONLN);
 	pc.threads = threads;
-	pc.cpu_offset = online > (long)threads ? 1 : 0;
+	pc.cpu_offset = online >= (long)threads + 2 ? 2 : online > (long)threads ? 1 : 0;
 	pc.spin_us = 1000;
 	struct task_pool *pool = NULL;
 	if (task_pool_create(&pc, &pool, err, sizeof(err))) {
