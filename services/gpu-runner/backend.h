@@ -129,6 +129,8 @@ struct backend_params {
 	bool cpu_result_mapped; /* the CPU's partial result read by a kernel from mapped host memory
 				 * (cuda/cpu_handoff.h, mapped_out) instead of copied up; the runner's
 				 * default (--cpu-result mapped) */
+	bool cpu_expert_taper;	/* a routed expert's CPU job tapers its chunks (ffn_share_job.taper; the
+				 * runner's default, --cpu-expert-chunks taper) */
 };
 
 /* Where a weight tensor's bytes can be read. */

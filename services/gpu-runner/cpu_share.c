@@ -53,6 +53,10 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (strcmp(ex, "visit") && strcmp(ex, "route"))
 		return errorf(err, errlen, -EINVAL, "--cpu-experts '%s' is not route or visit", ex);
 	r->cpu_experts_early = !strcmp(ex, "route");
+	const char *ch = r->cpu_expert_chunks_arg ? r->cpu_expert_chunks_arg : "taper";
+	if (strcmp(ch, "taper") && strcmp(ch, "equal"))
+		return errorf(err, errlen, -EINVAL, "--cpu-expert-chunks '%s' is not taper or equal", ch);
+	r->cpu_expert_taper = !strcmp(ch, "taper");
 	return 0;
 }
 

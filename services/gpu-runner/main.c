@@ -115,7 +115,8 @@ static int setup(struct runner *r)
 					.threads = (uint32_t)r->threads,
 					.cpu_pool = r->cpu_pool,
 					.cpu_handoff = r->cpu_handoff,
-					.cpu_result_mapped = r->cpu_result_mapped};
+					.cpu_result_mapped = r->cpu_result_mapped,
+					.cpu_expert_taper = r->cpu_expert_taper};
 	r->arena_block_bytes = backend_kv_block_bytes(r->backend_name, &r->cfg, &r->bp);
 	r->pool_block_bytes = ALIGN_UP((uint64_t)r->arena_block_bytes, 4096);
 	/* Blocks are reused only by a runner that would compute the same bytes: same model, same
@@ -279,6 +280,10 @@ int main(int argc, char **argv)
 		 "queued behind the weight copies); for the CPU's experts of a token, mapped also means the "
 		 "stream waits for them (the host goes on to the next layer), copy that the host waits at the "
 		 "layer's end"},
+		{"cpu-expert-chunks", OPT_STRING, &r.cpu_expert_chunks_arg, "taper",
+		 "how a routed expert's job on the CPU is cut: taper (each phase's chunks smaller toward its end, "
+		 "so that with a layer's experts at once the workers that wait for a phase's last chunks wait for "
+		 "small ones) or equal (equal chunks); the same results either way"},
 		{"cpu-experts", OPT_STRING, &r.cpu_experts_arg, "route",
 		 "when the experts a route leaves for the CPU go to its pool: route (right after the layer's "
 		 "routing, before the GPU's experts are queued) or visit (at their place among the layer's "

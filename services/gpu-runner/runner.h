@@ -76,10 +76,12 @@ struct runner {
 	const char *cpu_share_arg, *cpu_handoff_arg; /* --cpu-share, --cpu-handoff as given */
 	const char *cpu_result_arg, *cpu_experts_arg; /* --cpu-result, --cpu-experts as given */
 	const char *cpu_share_balance_arg;	      /* --cpu-share-balance as given */
+	const char *cpu_expert_chunks_arg;	      /* --cpu-expert-chunks as given */
 	bool window_spread;			      /* --window-spread */
 	bool fixed_residency;			      /* --fixed-residency */
 	bool cpu_result_mapped;			      /* --cpu-result mapped (the default) */
 	bool cpu_experts_early;			      /* --cpu-experts route */
+	bool cpu_expert_taper;			      /* --cpu-expert-chunks taper (the default) */
 	long cpu_threads;			     /* --cpu-threads (0: one per CPU allowed, but one) */
 	struct cpu_share_policy cpu_share;	     /* --cpu-share parsed */
 	uint32_t cpu_handoff;			     /* enum backend_cpu_handoff */

@@ -154,6 +154,8 @@ void runner_register_tunables(struct runner *r)
 			  "how the CPU's partial result reaches the GPU: set up at start");
 	service_add_fixed(s, "cpu-share-balance", TUNABLE_STRING, r->cpu_share.per_layer ? "layer" : "token",
 			  "how auto chooses the CPU's part of the FFNs (one share, or each layer's): planned at start");
+	service_add_fixed(s, "cpu-expert-chunks", TUNABLE_STRING, r->cpu_expert_taper ? "taper" : "equal",
+			  "how a routed expert's job on the CPU is cut: set at start");
 	service_add_fixed(s, "cpu-experts", TUNABLE_STRING, r->cpu_experts_early ? "route" : "visit",
 			  "when the experts left for the CPU go to its pool: set at start");
 	service_add_fixed(s, "instance", TUNABLE_STRING, r->instance, "the instance name");

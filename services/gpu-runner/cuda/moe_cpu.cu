@@ -260,7 +260,7 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 		cj->per = per;
 	}
 	ffn_share_job_init(&cj->job, &ce->gate, &ce->up, &ce->down, m->F, cnt, DT_F32);
-	cj->job.taper = true; /* several at once: a phase's last chunks small */
+	cj->job.taper = be->p.cpu_expert_taper; /* several at once: a phase's last chunks small */
 	memset(&cj->tj, 0, sizeof(cj->tj));
 	task_job_init(&cj->tj, cpu_part, cj, ffn_share_parts(cj->share), cj->done, ++cj->seq);
 	cj->tj.done_waiters = cj->waiters;
