@@ -1,7 +1,8 @@
 /* cuda_test.h - test hooks into the CUDA backend, for tests/unit/gpu-runner/test_cuda_quant.c:
  * one matrix product through the backend's own dispatch (the kernels a forward step uses for
  * that format and token count: the quantized GEMV, or dequantization and cuBLAS), and a read of
- * the residual stream after embed; for test_cuda_ffn_split.c, a failure of the CPU share. C
+ * the residual stream after embed; for test_cuda_ffn_split.c, a failure of the CPU share, and for
+ * test_cuda_moe_cpu.c one of a routed expert computed by the CPU. C
  * callable; built with the CUDA backend only. */
 #ifndef GPU_RUNNER_CUDA_TEST_H
 #define GPU_RUNNER_CUDA_TEST_H
@@ -40,6 +41,10 @@ int cuda_test_residual(struct backend *be, float *out, uint32_t n, char *err, si
  * with -EIO "an injected failure". Returns 0, or -EINVAL (not a cuda backend, or one without a CPU
  * share) with a message in err. */
 int cuda_test_fail_cpu_share(struct backend *be, uint32_t nth, char *err, size_t errlen);
+/* The nth routed expert the CPU pool computes from now on (1: the next; 0: none) fails its job's
+ * first part with -EIO "an injected failure". Returns 0, or -EINVAL (not a cuda backend, or one
+ * without experts on the CPU: a dense config or no CPU pool) with a message in err. */
+int cuda_test_fail_cpu_expert(struct backend *be, uint32_t nth, char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

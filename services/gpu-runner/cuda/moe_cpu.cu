@@ -169,7 +169,13 @@ static void job_ended(struct task_job *tj)
 static int cpu_part(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
 {
 	struct moe_cpu_job *cj = (struct moe_cpu_job *)arg;
-	return ffn_share_part(cj->share, &cj->job, cj->x, cj->y, part, n_parts, err, errlen);
+	int rc = ffn_share_part(cj->share, &cj->job, cj->x, cj->y, part, n_parts, err, errlen);
+	if (cj->fail && part == 0 && rc == 0) {
+		/* The part's work done (the others' chunks wait for nothing), then a failure reported. */
+		snprintf(err, errlen, "an injected failure (cuda_test_fail_cpu_expert)");
+		return -EIO;
+	}
+	return rc;
 }
 
 /* Waits for CPU expert i (its job in slot i % n_jobs) and adds its weighted rows into csum. Experts
@@ -261,6 +267,7 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	}
 	ffn_share_job_init(&cj->job, &ce->gate, &ce->up, &ce->down, m->F, cnt, DT_F32);
 	cj->job.taper = be->p.cpu_expert_taper; /* several at once: a phase's last chunks small */
+	cj->fail = m->fail_in && --m->fail_in == 0;
 	memset(&cj->tj, 0, sizeof(cj->tj));
 	task_job_init(&cj->tj, cpu_part, cj, ffn_share_parts(cj->share), cj->done, ++cj->seq);
 	cj->tj.done_waiters = cj->waiters;

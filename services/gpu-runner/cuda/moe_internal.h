@@ -46,6 +46,7 @@ struct moe_cpu_job {
 	CUdeviceptr done_dev;		/* done as the stream addresses it (gpu_waits) */
 	uint64_t end_ns;		/* when it ended (job_ended; read once done shows seq) */
 	uint32_t per;			/* the threads share's parts were cut for (ffn_share_threads_for) */
+	bool fail;			/* cuda_test_fail_cpu_expert: the job's first part fails */
 };
 
 struct cuda_moe {
@@ -108,6 +109,7 @@ struct cuda_moe {
 	 * the gap to it, until the layer's first submission counts both. */
 	uint64_t last_end_ns, route_t1, gap_pending_ns;
 	uint64_t gap_gpu_ns, gap_host_ns, gaps;
+	uint32_t fail_in;		/* cuda_test_fail_cpu_expert: the CPU jobs to go until one fails (0: none) */
 };
 
 /* ---- moe.cu ---- */

@@ -1,8 +1,9 @@
 /* test_hooks.cu - the CUDA backend's test hooks (cuda_test.h): a product through matmul() /
  * swiglu_product() with buffers of the hook's own, a read of the residual stream, and a failure
- * injected into the CPU share of a split FFN. */
+ * injected into the CPU share of a split FFN or into a routed expert the CPU computes. */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/cuda_test.h"
+#include "services/gpu-runner/cuda/moe_internal.h"
 
 /* The cuda device state behind be, or NULL with a message. */
 static struct backend_dev *cuda_dev(struct backend *be, char *err, size_t errlen)
@@ -139,5 +140,19 @@ int cuda_test_fail_cpu_share(struct backend *bk, uint32_t nth, char *err, size_t
 		return -EINVAL;
 	}
 	be->split_fail_at = nth ? be->split_n + nth : 0;
+	return 0;
+}
+
+int cuda_test_fail_cpu_expert(struct backend *bk, uint32_t nth, char *err, size_t errlen)
+{
+	struct backend_dev *be = cuda_dev(bk, err, errlen);
+	if (!be)
+		return -EINVAL;
+	if (!be->moe || !be->moe->jobs) {
+		snprintf(err, errlen, "test hook: the backend has no experts on the CPU (a mixture-of-experts config "
+			 "and backend_params.cpu_pool)");
+		return -EINVAL;
+	}
+	be->moe->fail_in = nth;
 	return 0;
 }
