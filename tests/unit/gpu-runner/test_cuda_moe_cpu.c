@@ -10,7 +10,8 @@
  * (what the weight window hands over for them), the GPU's in device memory only. The logits of
  * every step are compared with the reference's: within 2e-2 relative L2 (BF16 activations and
  * KV), with the CPU's results waited for on the stream and read from mapped memory (the default)
- * and copied up by the host (cpu_result_mapped false), with the jobs' chunks tapered and equal.
+ * and copied up by the host (cpu_result_mapped false), with the jobs' chunks tapered and equal,
+ * and with experts of 4096 rows (6.3 MB: each job's share made anew, cut finer).
  * Then a CPU expert that fails (cuda_test.h's hook) fails its step with a message naming it, both
  * ways, and the next step computes again; and a hook asked of a dense backend is refused.
  *
@@ -88,19 +89,21 @@ static void tensor(struct tmodel *m, enum tensor_role r, enum dtype f, uint32_t 
 		weight_tensor_set(&d->t[r], PLACE_DEVICE, upload(m, host, dtype_row_bytes(f, cols) * rows), f, rows, cols);
 }
 
-static struct tmodel *model_new(void)
+/* Experts of F rows (256; 4096: 6.3 MB each, cut finer than the jobs' setup cut them, so each
+ * job's share is made anew at its first such expert). */
+static struct tmodel *model_new(uint32_t F)
 {
 	struct tmodel *m = calloc(1, sizeof(*m));
 	ck_assert_ptr_nonnull(m);
 	m->cfg = (struct model_config){.arch = ARCH_MIXTRAL, .n_layers = LAYERS, .dim = 256, .n_heads = 4,
-				       .n_kv_heads = 2, .head_dim = 64, .ffn_dim = 256, .vocab_size = 512,
+				       .n_kv_heads = 2, .head_dim = 64, .ffn_dim = F, .vocab_size = 512,
 				       .max_position = 4096, .rms_eps = 1e-5f, .rope_theta = 10000.0f,
 				       .rope_scaling = ROPE_SCALING_NONE, .bos_id = -1, .n_experts = EXPERTS,
-				       .n_experts_used = 2, .expert_ffn_dim = 256, .flags = MODEL_NORM_TOPK};
+				       .n_experts_used = 2, .expert_ffn_dim = F, .flags = MODEL_NORM_TOPK};
 	char err[256];
 	ck_assert_msg(model_config_check(&m->cfg, err, sizeof(err)) == 0, "%s", err);
-	const uint32_t dim = m->cfg.dim, q = m->cfg.n_heads * m->cfg.head_dim, kv = m->cfg.n_kv_heads * m->cfg.head_dim,
-		       F = m->cfg.expert_ffn_dim;
+	const uint32_t dim = m->cfg.dim, q = m->cfg.n_heads * m->cfg.head_dim, kv = m->cfg.n_kv_heads * m->cfg.head_dim;
+	const double std = F > 256 ? 0.05 / 4 : 0.05; /* the down product's sum over F kept alike */
 	rng_state = 91;
 	tensor(m, ROLE_EMBED, DT_BF16, m->cfg.vocab_size, dim, 0, 0.02, &m->embed, NULL);
 	for (uint32_t l = 0; l < LAYERS; l++) {
@@ -114,7 +117,7 @@ static struct tmodel *model_new(void)
 		for (uint32_t e = 0; e < EXPERTS; e++) {
 			tensor(m, ROLE_EXPERT_GATE, DT_BF16, F, dim, 0, 0.05, &m->h_exp[l][e], &m->d_exp[l][e]);
 			tensor(m, ROLE_EXPERT_UP, DT_BF16, F, dim, 0, 0.05, &m->h_exp[l][e], &m->d_exp[l][e]);
-			tensor(m, ROLE_EXPERT_DOWN, DT_BF16, dim, F, 0, 0.05, &m->h_exp[l][e], &m->d_exp[l][e]);
+			tensor(m, ROLE_EXPERT_DOWN, DT_BF16, dim, F, 0, std, &m->h_exp[l][e], &m->d_exp[l][e]);
 		}
 	}
 	tensor(m, ROLE_FINAL_NORM, DT_F32, 1, dim, 1.0, 0.1, &m->h_head, &m->d_head);
@@ -251,10 +254,11 @@ static void tokens(int32_t *tok, uint32_t n, uint32_t vocab)
 		tok[i] = (int32_t)(rng_next() % vocab);
 }
 
-/* The sequence on the reference and on CUDA with the odd experts on the CPU; the worst step's error. */
-static void compare(bool mapped, bool taper)
+/* The sequence on the reference and on CUDA with the odd experts (of F rows) on the CPU; every
+ * step's error within the bound. */
+static void compare(bool mapped, bool taper, uint32_t F)
 {
-	struct tmodel *m = model_new();
+	struct tmodel *m = model_new(F);
 	const uint32_t vocab = m->cfg.vocab_size;
 	int32_t tok[PROMPT + DECODE];
 	tokens(tok, PROMPT + DECODE, vocab);
@@ -275,10 +279,10 @@ static void compare(bool mapped, bool taper)
 		i += n;
 	}
 	if (test_verbose())
-		fprintf(stderr, "test_cuda_moe_cpu: results %s, chunks %s: %u experts on the CPU, relative L2 error %.3e\n",
-			mapped ? "mapped" : "copied", taper ? "tapered" : "equal", cpu, worst);
-	ck_assert_msg(worst < TOL_16, "results %s, chunks %s: relative L2 error %.3e (bound %g)",
-		      mapped ? "mapped" : "copied", taper ? "tapered" : "equal", worst, TOL_16);
+		fprintf(stderr, "test_cuda_moe_cpu: results %s, chunks %s, experts of %u rows: %u on the CPU, relative L2 "
+			"error %.3e\n", mapped ? "mapped" : "copied", taper ? "tapered" : "equal", F, cpu, worst);
+	ck_assert_msg(worst < TOL_16, "results %s, chunks %s, experts of %u rows: relative L2 error %.3e (bound %g)",
+		      mapped ? "mapped" : "copied", taper ? "tapered" : "equal", F, worst, TOL_16);
 	ck_assert_uint_gt(cpu, 0); /* the routing chose odd experts: the CPU computed some */
 	struct backend_cpu_share_stats st;
 	backend_get_cpu_share_stats(cu.be, &st);
@@ -295,19 +299,25 @@ static void compare(bool mapped, bool taper)
 
 START_TEST(test_experts_mapped_tapered)
 {
-	compare(true, true);
+	compare(true, true, 256);
 }
 END_TEST
 
 START_TEST(test_experts_mapped_equal)
 {
-	compare(true, false);
+	compare(true, false, 256);
 }
 END_TEST
 
 START_TEST(test_experts_copied)
 {
-	compare(false, true);
+	compare(false, true, 256);
+}
+END_TEST
+
+START_TEST(test_experts_cut_finer)
+{
+	compare(true, true, 4096);
 }
 END_TEST
 
@@ -315,7 +325,7 @@ END_TEST
  * for it, at the layer's end where the host did), and the next steps compute. */
 static void failure(bool mapped)
 {
-	struct tmodel *m = model_new();
+	struct tmodel *m = model_new(256);
 	const uint32_t vocab = m->cfg.vocab_size;
 	int32_t tok[PROMPT + DECODE];
 	tokens(tok, PROMPT + DECODE, vocab);
@@ -368,7 +378,7 @@ END_TEST
 /* The hook on a backend with no experts on the CPU (no pool) is refused, saying why. */
 START_TEST(test_hook_refused_without_pool)
 {
-	struct tmodel *m = model_new();
+	struct tmodel *m = model_new(256);
 	struct run cu;
 	run_open(&cu, m, "cuda", NULL, true, true);
 	char err[256] = "";
@@ -387,6 +397,7 @@ static Suite *suite(void)
 	tcase_add_test(tc, test_experts_mapped_tapered);
 	tcase_add_test(tc, test_experts_mapped_equal);
 	tcase_add_test(tc, test_experts_copied);
+	tcase_add_test(tc, test_experts_cut_finer);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("errors");
 	tcase_set_timeout(tc, 120);
