@@ -25,10 +25,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "common/quant.h"
+#include "common/util.h"
 #include "services/gpu-runner/cpu-compute/cpu_compute.h"
 #include "services/gpu-runner/cpu-compute/ffn_share.h"
 #include "services/gpu-runner/cpu-compute/task_pool.h"
@@ -89,13 +89,6 @@ static void read_rows(const void *arg, uint32_t tid, uint32_t begin, uint32_t en
 	for (; r < end; r++)
 		h ^= read_span(j->w + r * j->row_bytes, j->row_bytes, 1, j->row_bytes);
 	j->sink[tid] = h;
-}
-
-static double now_s(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 static uint64_t rng = 0x243f6a8885a308d3ull;
@@ -259,16 +252,7 @@ static int expert_part(void *arg, uint32_t part, uint32_t n_parts, char *err, si
 
 static void expert_ended(struct task_job *tj)
 {
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	((struct expert_slot *)tj->user)->end_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+	((struct expert_slot *)tj->user)->end_ns = now_ns();
 }
 
 static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, uint32_t pool_e, uint32_t per,
@@ -341,7 +325,7 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 			} while (again);
 			chosen[i] = e;
 		}
-		const uint64_t t0 = mono_ns();
+		const uint64_t t0 = now_ns();
 		for (uint32_t i = 0; i < k; i++) {
 			struct expert_slot *es = &slot[i];
 			const struct ffn_share_mat g = {w[3 * chosen[i]], t, dtype_row_bytes(t, dim)},
@@ -366,7 +350,7 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 			end = slot[i].end_ns > end ? slot[i].end_ns : end;
 		}
 		span[l] = (double)(end - t0) * 1e-9;
-		for (uint64_t g0 = mono_ns(); mono_ns() - g0 < (uint64_t)gap_us * 1000;)
+		for (uint64_t g0 = now_ns(); now_ns() - g0 < (uint64_t)gap_us * 1000;)
 			;
 	}
 	qsort(span + 1, layers, sizeof(double), cmp_double);

@@ -181,7 +181,7 @@ static uint32_t block_rows(uint32_t n, uint64_t row_bytes, uint32_t b, uint32_t 
  * every token, where the vector path reads a block of rows once and computes it once a token. One
  * token takes them too, so that a token's sums do not depend on how many others share its step
  * (batch.c's promise); a row on the tiles or not depends only on the chunks, which are cut on 16
- * rows then (range16). */
+ * rows then (chunk). */
 #define TILE_ROWS 64 /* rows of a block on the tiles (their products of every token on the stack) */
 static bool tiles(const struct ffn_share *fs, const struct ffn_share_job *job)
 {
@@ -196,14 +196,6 @@ static bool tiles_down(const struct ffn_share *fs, const struct ffn_share_job *j
 	       (cpu_compute_isa() & CPU_ISA_AMX_BF16);
 }
 
-/* range with every boundary but the last on a multiple of 16 rows (the tiles' rows). */
-static void range16(uint32_t total, uint32_t n, uint32_t p, uint32_t *b, uint32_t *e)
-{
-	range(total, n, p, b, e);
-	*b &= ~15u;
-	*e = p + 1 == n ? total : *e & ~15u;
-}
-
 /* Where chunk i of n of a tapered phase begins (i = n: total): the first n / 2 chunks take three
  * quarters of the rows, the others the last quarter. Never decreasing in i. */
 static uint32_t taper_start(uint32_t total, uint32_t n, uint32_t i)
@@ -216,15 +208,15 @@ static uint32_t taper_start(uint32_t total, uint32_t n, uint32_t i)
 }
 
 /* Chunk i of n of a phase's total rows: range, or tapered (ffn_share_job.taper); on the tiles
- * (a16) its ends on multiples of 16 but the last, as range16's. */
+ * (a16) every boundary but the last on a multiple of 16 rows (the tiles' rows). */
 static void chunk(bool taper, bool a16, uint32_t total, uint32_t n, uint32_t i, uint32_t *b, uint32_t *e)
 {
-	if (!taper) {
-		(a16 ? range16 : range)(total, n, i, b, e);
-		return;
+	if (taper) {
+		*b = taper_start(total, n, i);
+		*e = taper_start(total, n, i + 1);
+	} else {
+		range(total, n, i, b, e);
 	}
-	*b = taper_start(total, n, i);
-	*e = taper_start(total, n, i + 1);
 	if (a16) {
 		*b &= ~15u;
 		*e = i + 1 == n ? total : *e & ~15u;

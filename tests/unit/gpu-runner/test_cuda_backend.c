@@ -314,17 +314,6 @@ static void runner_step(struct runner *r, const int32_t *tok, uint32_t n, uint32
 		CHECK_RC(r, backend_logits(r->be, hw, logits));
 }
 
-static double rel_l2(const float *a, const float *ref, uint32_t n)
-{
-	double num = 0, den = 0;
-	for (uint32_t i = 0; i < n; i++) {
-		ck_assert_msg(isfinite(a[i]), "logit %u is %g", i, (double)a[i]);
-		num += ((double)a[i] - ref[i]) * ((double)a[i] - ref[i]);
-		den += (double)ref[i] * ref[i];
-	}
-	return sqrt(num / den);
-}
-
 /* Lowest id on ties, as logits_argmax promises. */
 static int32_t host_argmax(const float *v, uint32_t n)
 {

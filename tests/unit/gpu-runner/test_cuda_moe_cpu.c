@@ -149,12 +149,6 @@ struct run {
 	bool device; /* the cuda backend: device weights, the odd experts on the CPU */
 };
 
-#define RUN_OK(run, expr)                                                                                  \
-	do {                                                                                               \
-		int rc_ = (expr);                                                                          \
-		ck_assert_msg(rc_ == 0, "%s: %d %s", #expr, rc_, backend_error((run)->be));                \
-	} while (0)
-
 static void run_open(struct run *r, struct tmodel *m, const char *name, struct task_pool *pool, bool mapped,
 		     bool taper)
 {
@@ -227,29 +221,6 @@ static int run_step(struct run *r, const int32_t *tok, uint32_t n, uint32_t pos,
 	if (!rc && r->device)
 		rc = backend_moe_check(r->be); /* the engine's check at a step's end */
 	return step_rc(r, rc);
-}
-
-static double rel_l2(const float *a, const float *ref, uint32_t n)
-{
-	double num = 0, den = 0;
-	for (uint32_t i = 0; i < n; i++) {
-		ck_assert_msg(isfinite(a[i]), "logit %u is %g", i, (double)a[i]);
-		num += ((double)a[i] - ref[i]) * ((double)a[i] - ref[i]);
-		den += (double)ref[i] * ref[i];
-	}
-	return sqrt(num / den);
-}
-
-static struct task_pool *pool_new(void)
-{
-	char err[256];
-	struct task_pool *pool = NULL;
-	struct task_pool_config pc;
-	task_pool_config_default(&pc);
-	pc.threads = 4;
-	pc.pin = false;
-	ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
-	return pool;
 }
 
 static void tokens(int32_t *tok, uint32_t n, uint32_t vocab)

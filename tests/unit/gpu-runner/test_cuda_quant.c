@@ -74,7 +74,8 @@ static void report(const char *what, double err)
 		fprintf(stderr, "test_cuda_quant: %-70s relative L2 error %.3e\n", what, err);
 }
 
-static double rel_l2(const float *a, const float *ref, size_t n)
+/* cuda_test_util.h's rel_l2 over products of any size, refusing a reference of zeros. */
+static double rel_l2_values(const float *a, const float *ref, size_t n)
 {
 	double num = 0, den = 0;
 	for (size_t i = 0; i < n; i++) {
@@ -314,7 +315,7 @@ static void check_product(struct backend *be, const struct qmat *m, uint32_t n, 
 		}
 		tol_same = TOL_SWIGLU;
 	}
-	double e1 = rel_l2(got, exact, no), e2 = rel_l2(got, same, no);
+	double e1 = rel_l2_values(got, exact, no), e2 = rel_l2_values(got, same, no);
 	char line[200];
 	snprintf(line, sizeof(line), "%s: exact", what);
 	report(line, e1);
@@ -654,7 +655,7 @@ static double worst_step(const float *a, const float *ref, uint32_t vocab)
 {
 	double worst = 0;
 	for (uint32_t k = 0; k < RUNS; k++) {
-		double e = rel_l2(a + (size_t)k * vocab, ref + (size_t)k * vocab, vocab);
+		double e = rel_l2_values(a + (size_t)k * vocab, ref + (size_t)k * vocab, vocab);
 		worst = e > worst ? e : worst;
 	}
 	return worst;
