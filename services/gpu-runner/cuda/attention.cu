@@ -77,7 +77,7 @@ size_t attn_smem_bytes(uint32_t hd, size_t esize, uint32_t nw)
  * dims 4 i .. 4 i + 3 of each 128, whose accumulators' loads go out MERGE_BATCH splits at a time
  * before any is used: the merge costs a few memory round trips, not one per split and dimension.
  * The float32 operations and their order are attn_combine_kernel's (a serial merge's). */
-#define MERGE_BATCH 8
+#define MERGE_BATCH 16
 static_assert(ATTN_MAX_SPLITS <= 64, "a lane reads the state of two splits at most");
 static __device__ __noinline__ void merge_splits(const attn_args &a, size_t pair, uint32_t splits, uint32_t lane)
 {
@@ -143,6 +143,8 @@ static __device__ __noinline__ void merge_splits(const attn_args &a, size_t pair
 		a.l[pair] = L;
 	}
 }
+
+#define ATTN_LOAD_BATCH 4 /* chunks of K and V a thread loads before it stores any */
 
 /* grid (n_kv_heads * qtiles, splits), blockDim.x / 32 warps. Block (g, qt) serves the queries
  * (token t, head g * group + j) numbered t * group + j in [qt * warps, (qt + 1) * warps), one
@@ -215,8 +217,16 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	for (int j = 0; j < MAX_HEAD_DIM / 64; j++)
 		acc[j] = make_float2(0.0f, 0.0f);
 	if (active) {
-		for (uint32_t d = lane; d < hd; d += 32)
-			qw[d] = a.q[(size_t)(row0 + t) * a.q_ld + (size_t)h * hd + d];
+		/* The query's loads all go out before any is stored (one memory round trip). */
+		const float *qg = a.q + (size_t)(row0 + t) * a.q_ld + (size_t)h * hd;
+		float qv[MAX_HEAD_DIM / 32];
+#pragma unroll
+		for (uint32_t j = 0; j < MAX_HEAD_DIM / 32; j++)
+			qv[j] = 32 * j + lane < hd ? qg[32 * j + lane] : 0.0f;
+#pragma unroll
+		for (uint32_t j = 0; j < MAX_HEAD_DIM / 32; j++)
+			if (32 * j + lane < hd)
+				qw[32 * j + lane] = qv[j];
 		if (!a.pm) {
 			m = a.m[pair];
 			l = a.l[pair];
@@ -259,15 +269,29 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 		__syncthreads();
 		const bool any = s_any;
 		if (any) {
-			const uint32_t vecs = (uint32_t)(vrow_bytes / 16);
-			for (uint32_t i = threadIdx.x; i < ATTN_TILE * vecs; i += blockDim.x) {
-				uint32_t r = i / vecs, c = i % vecs;
-				if (kpos[r] == UINT32_MAX)
-					continue;
-				const KT *kr = (const KT *)a.arena + koff[r];
-				const KT *vr = kr + (size_t)a.block_tokens * a.kv_dim;
-				*(uint4 *)(ks + r * krow_bytes + c * 16) = ((const uint4 *)kr)[c];
-				*(uint4 *)(vs + r * vrow_bytes + c * 16) = ((const uint4 *)vr)[c];
+			/* ATTN_LOAD_BATCH chunks of K and V a thread: their loads all go out before any is
+			 * stored (a tile of BF16 keys of 128 dims in one memory round trip for 4 warps). */
+			const uint32_t vecs = (uint32_t)(vrow_bytes / 16), n = ATTN_TILE * vecs;
+			for (uint32_t i0 = threadIdx.x; i0 < n; i0 += ATTN_LOAD_BATCH * blockDim.x) {
+				uint4 kc[ATTN_LOAD_BATCH], vc[ATTN_LOAD_BATCH];
+#pragma unroll
+				for (uint32_t b = 0; b < ATTN_LOAD_BATCH; b++) {
+					const uint32_t i = i0 + b * blockDim.x, r = i / vecs, c = i % vecs;
+					if (i < n && kpos[r] != UINT32_MAX) {
+						const KT *kr = (const KT *)a.arena + koff[r];
+						const KT *vr = kr + (size_t)a.block_tokens * a.kv_dim;
+						kc[b] = ((const uint4 *)kr)[c];
+						vc[b] = ((const uint4 *)vr)[c];
+					}
+				}
+#pragma unroll
+				for (uint32_t b = 0; b < ATTN_LOAD_BATCH; b++) {
+					const uint32_t i = i0 + b * blockDim.x, r = i / vecs, c = i % vecs;
+					if (i < n && kpos[r] != UINT32_MAX) {
+						*(uint4 *)(ks + r * krow_bytes + c * 16) = kc[b];
+						*(uint4 *)(vs + r * vrow_bytes + c * 16) = vc[b];
+					}
+				}
 			}
 		}
 		__syncthreads();
