@@ -20,10 +20,18 @@
  *   q - 32 per byte is (q + 0x60) ^ 0x80 (no carry: q < 64);
  * - Q8_0, one lane a block: d d_x sum q x_q. */
 
-/* Shared memory of x for a row of `in` values: in int8 values, then d and s (in / 32 floats each). */
+/* Shared memory of x for a row of `in` values: in int8 values, then d and s (in / 32 floats each),
+ * rounded up to 16 bytes (what follows x is copied to with 16-byte copies). */
 static inline __host__ __device__ size_t dq_smem(uint32_t in)
 {
-	return (size_t)in + (size_t)in / 32 * 8;
+	return ((size_t)in + (size_t)in / 32 * 8 + 15) / 16 * 16;
+}
+
+/* The same for format F in the shared-memory path: Q6_K's products do not read s, so its x ends
+ * after d (its 4 blocks a multiprocessor at in = 14336 need those bytes). */
+template <int F> static inline __host__ __device__ size_t dq_smem_f(uint32_t in)
+{
+	return F != DT_Q6_K ? dq_smem(in) : ((size_t)in + (size_t)in / 32 * 4 + 15) / 16 * 16;
 }
 
 /* Where chunk k of x lies. Reads: Q4_K lane L (of a step) reads chunks 4L + c, Q6_K lane L =
@@ -209,7 +217,8 @@ static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *
 				*dst = make_uint2(pack_i8(q[0], q[1], q[2], q[3]), pack_i8(q[4], q[5], q[6], q[7]));
 				if ((threadIdx.x & 3) == 0) {
 					xd[v0 >> 5] = d;
-					xs[v0 >> 5] = __fmul_rn(d, (float)sum);
+					if (F != DT_Q6_K) /* dq_smem_f: Q6_K's x has no s */
+						xs[v0 >> 5] = __fmul_rn(d, (float)sum);
 				}
 			}
 		}
@@ -432,7 +441,12 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_occ<F, MODE>::MIN_BLOCKS)) dq_
  * bytes from 16-byte aligned addresses; an item's last chunk past the tensor's bytes is zero-filled,
  * never read). */
 
-#define DQ_STAGES 4
+/* Stages of a warp's ring: 4, Q6_K's 3 (its 1680-byte steps: 4 blocks of a multiprocessor where x
+ * is a down projection's 14336 values, so that each of 4096 rows has a warp of its own, rather
+ * than 3 blocks whose warps take 1 or 2 rows and the kernel the time of 2). */
+template <int F> struct dq_stages {
+	static constexpr uint32_t V = F == DT_Q6_K ? 3 : 4;
+};
 
 /* Shared-memory reads at the alignment quant.cuh's global reads handle (the stage keeps a step's
  * bytes at their offsets from the step's 16-byte aligned start): ld_words<NW, true>, and 16 bytes. */
@@ -484,7 +498,11 @@ static inline size_t dq_sm_smem(uint32_t fmt, uint32_t in)
 	const uint32_t sb = fmt == DT_Q4_K ? dq_stage_bytes<DT_Q4_K>::V
 			    : fmt == DT_Q6_K ? dq_stage_bytes<DT_Q6_K>::V
 					     : dq_stage_bytes<DT_Q8_0>::V;
-	return dq_smem(in) + (size_t)QG_WARPS * DQ_STAGES * sb;
+	const size_t x = fmt == DT_Q4_K ? dq_smem_f<DT_Q4_K>(in) : fmt == DT_Q6_K ? dq_smem_f<DT_Q6_K>(in)
+									       : dq_smem_f<DT_Q8_0>(in);
+	const uint32_t st = fmt == DT_Q4_K ? dq_stages<DT_Q4_K>::V : fmt == DT_Q6_K ? dq_stages<DT_Q6_K>::V
+									       : dq_stages<DT_Q8_0>::V;
+	return x + (size_t)QG_WARPS * st * sb;
 }
 
 static __device__ __forceinline__ void cp_async16(uint8_t *dst, const uint8_t *src, uint32_t src_bytes)
@@ -559,12 +577,12 @@ template <int F, int MODE> struct dq_sm_occ {
 template <int F, int MODE>
 __global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) dq_sm_kernel(const qgemv_args a)
 {
-	constexpr uint32_t SB = dq_stage_bytes<F>::V;
+	constexpr uint32_t SB = dq_stage_bytes<F>::V, DQ_STAGES = dq_stages<F>::V;
 	extern __shared__ uint4 dq_smem_buf[];
 	uint8_t *xq = (uint8_t *)dq_smem_buf;
-	float *xd = (float *)(xq + a.in), *xs = xd + a.in / 32;
+	float *xd = (float *)(xq + a.in), *xs = xd + a.in / 32; /* xs: none for Q6_K (dq_smem_f) */
 	const uint32_t wid = threadIdx.x / 32, lane = threadIdx.x % 32;
-	uint8_t *ring = (uint8_t *)dq_smem_buf + dq_smem(a.in) + (size_t)wid * DQ_STAGES * SB;
+	uint8_t *ring = (uint8_t *)dq_smem_buf + dq_smem_f<F>(a.in) + (size_t)wid * DQ_STAGES * SB;
 	float acc[1] = {0.0f}, acc2[1] = {0.0f};
 	qg_row<MODE> cur;
 	const bool live = cur.at(a, blockIdx.x, wid);
