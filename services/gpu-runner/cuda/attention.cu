@@ -146,6 +146,32 @@ static __device__ __noinline__ void merge_splits(const attn_args &a, size_t pair
 
 #define ATTN_LOAD_BATCH 4 /* chunks of K and V a thread loads before it stores any */
 
+/* The spans that hold keys [k0, k1) (k0 < k1 <= pre[n_spans]) and their key offsets, copied from
+ * src and pre (the parameters or device memory) into ws and wp (shared memory): the first is
+ * found by all threads at once, each testing a few spans (a search by one thread costs a memory
+ * round trip per step). Every thread of the block calls it. *first is the span of k0 in src;
+ * false where more than ATTN_WINDOW_SPANS spans hold the keys, and nothing is copied. */
+static __device__ bool stage_window(const struct kv_span *src, const uint32_t *pre, uint32_t n_spans, uint32_t k0,
+				    uint32_t k1, struct kv_span *ws, uint32_t *wp, uint32_t *first)
+{
+	__shared__ uint32_t s_first;
+	for (uint32_t i = threadIdx.x; i < n_spans; i += blockDim.x)
+		if (pre[i] <= k0 && k0 < pre[i + 1])
+			s_first = i; /* one span holds k0 */
+	__syncthreads();
+	const uint32_t f = s_first, cnt = min((uint32_t)ATTN_WINDOW_SPANS, n_spans - f);
+	*first = f;
+	if (pre[f + cnt] < k1)
+		return false;
+	for (uint32_t i = threadIdx.x; i <= cnt; i += blockDim.x) {
+		if (i < cnt)
+			ws[i] = src[f + i];
+		wp[i] = pre[f + i];
+	}
+	__syncthreads();
+	return true;
+}
+
 /* grid (n_kv_heads * qtiles, splits), blockDim.x / 32 warps. Block (g, qt) serves the queries
  * (token t, head g * group + j) numbered t * group + j in [qt * warps, (qt + 1) * warps), one
  * warp each; split s covers flattened keys [s * keys_per_split, (s + 1) * keys_per_split). Lane
@@ -167,27 +193,23 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	unsigned char *vs = ks + ATTN_TILE * krow_bytes;	/* (TILE, vrow_bytes) */
 	float *qs = (float *)(vs + ATTN_TILE * vrow_bytes);	/* (warps, hd) */
 
-	/* The span list: in the parameters (decode), copied into shared memory before the kernel
-	 * before has finished (the searches below index it at run time: from the parameters that is a
-	 * constant-cache miss each), or uploaded. */
-	__shared__ struct kv_span s_span[ATTN_INLINE_SPANS];
-	__shared__ uint32_t s_prefix[ATTN_INLINE_SPANS + 1];
-	const struct kv_span *spans = a.spans;
-	const uint32_t *prefix = a.prefix;
-	if (a.inline_spans) {
-		for (uint32_t i = threadIdx.x; i <= a.n_spans; i += blockDim.x) {
-			if (i < a.n_spans)
-				s_span[i] = a.span_in[i];
-			s_prefix[i] = a.prefix_in[i];
-		}
-		spans = s_span;
-		prefix = s_prefix;
-		__syncthreads();
-	}
+	/* The span list: in the parameters (decode) or uploaded. The spans of the block's keys are
+	 * copied into shared memory (the searches below index them at run time: from the parameters
+	 * that is a constant-cache miss each, from device memory a round trip), those in the
+	 * parameters before the kernel before has finished. */
+	__shared__ struct kv_span s_span[ATTN_WINDOW_SPANS];
+	__shared__ uint32_t s_prefix[ATTN_WINDOW_SPANS + 1];
+	const struct kv_span *spans = a.inline_spans ? a.span_in : a.spans;
+	const uint32_t *prefix = a.inline_spans ? a.prefix_in : a.prefix;
+	uint32_t row0 = 0, nr = a.n, pos0 = a.pos0, n_spans = a.n_spans, total_keys = a.total_keys;
+	const uint32_t k0 = split * a.keys_per_split;
+	uint32_t k1 = min(k0 + a.keys_per_split, total_keys), first = 0;
+	bool staged = false;
+	if (a.inline_spans && !a.seqs && k0 < k1)
+		staged = stage_window(spans, prefix, n_spans, k0, k1, s_span, s_prefix, &first);
 	grid_launch_next();
 	grid_wait();
 	/* The run of rows this block serves: the call's, or sequence blockIdx.z's of several. */
-	uint32_t row0 = 0, nr = a.n, pos0 = a.pos0, n_spans = a.n_spans, total_keys = a.total_keys;
 	if (a.seqs) {
 		const struct attn_seq d = a.seqs[blockIdx.z];
 		row0 = d.row0;
@@ -197,10 +219,16 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 		total_keys = d.total_keys;
 		spans = a.spans + d.span0;
 		prefix = a.prefix + d.prefix0;
+		k1 = min(k0 + a.keys_per_split, total_keys);
+	}
+	if (!a.inline_spans && k0 < k1)
+		staged = stage_window(spans, prefix, n_spans, k0, k1, s_span, s_prefix, &first);
+	if (staged) {
+		spans = s_span;
+		prefix = s_prefix;
+		first = 0;
 	}
 	const uint32_t pairs_g = nr * a.group;
-	const uint32_t k0 = split * a.keys_per_split;
-	const uint32_t k1 = min(k0 + a.keys_per_split, total_keys);
 	/* The block's queries: for the tile skip test. */
 	const uint32_t lp0 = qt * nw, lp1 = min(lp0 + nw, pairs_g);
 	const uint32_t qlo = pos0 + lp0 / a.group, qhi = pos0 + (lp1 - 1) / a.group;
@@ -239,7 +267,7 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 		}
 	}
 	if (threadIdx.x == 0)
-		s_cursor = k0 < k1 ? span_of_key(prefix, n_spans, k0) : 0;
+		s_cursor = first;
 	__syncthreads();
 
 	for (uint32_t kb = k0; kb < k1; kb += ATTN_TILE) {

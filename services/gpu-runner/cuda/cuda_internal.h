@@ -65,11 +65,18 @@
 #define BLAS_WORKSPACE (32u << 20) /* what cuBLAS asks for on Hopper */
 /* Small per-layer lists travel in the kernel's parameters instead of an upload (a copy on the
  * compute stream between two kernels): the KV destinations of up to ROPE_INLINE_TOKENS tokens and
- * up to ATTN_INLINE_SPANS spans of the CUDA-core attention (decode: 2048 keys in 16-token blocks). */
+ * up to ATTN_INLINE_SPANS spans of the CUDA-core attention (decode: 8192 keys in 16-token blocks
+ * where CUDA takes kernel parameters of up to 32 KB, 12.1 on; 2048 in 4 KB before). */
 #define ROPE_INLINE_TOKENS 8
 /* Most sequences one step takes (their RoPE launches' parameters are made on the host's stack). */
 #define ROPE_MAX_RUNS_INLINE 64
+#if CUDART_VERSION >= 12010
+#define ATTN_INLINE_SPANS 512
+#else
 #define ATTN_INLINE_SPANS 128
+#endif
+/* Spans an attention block copies into shared memory: those holding its split's keys. */
+#define ATTN_WINDOW_SPANS 128
 
 /* What device kernels report to the host; read back with the logits. */
 struct dev_status {

@@ -487,6 +487,10 @@ START_TEST(test_split_attention)
 	s.block_tokens = 5; /* spans shorter than a tile, tiles across spans */
 	s.decode_mode = SPANS_PIECES;
 	check_f32(&c, &s, "block_tokens 5, 300 tokens, pieces");
+	s.prompt = 600;
+	s.block_tokens = 1; /* more spans than travel in the parameters: uploaded, each block's copied */
+	s.decode_mode = SPANS_IN_ORDER;
+	check_f32(&c, &s, "block_tokens 1, 600 tokens");
 }
 END_TEST
 
