@@ -281,9 +281,10 @@ int main(int argc, char **argv)
 		 "stream waits for them (the host goes on to the next layer), copy that the host waits at the "
 		 "layer's end"},
 		{"cpu-expert-chunks", OPT_STRING, &r.cpu_expert_chunks_arg, "taper",
-		 "how a routed expert's job on the CPU is cut: taper (each phase's chunks smaller toward its end, "
-		 "so that with a layer's experts at once the workers that wait for a phase's last chunks wait for "
-		 "small ones) or equal (equal chunks); the same results either way"},
+		 "how a routed expert's job on the CPU is cut: taper (each phase's chunks smaller toward its end "
+		 "where the phase has 12 or more, so that with a layer's experts at once the workers that wait "
+		 "for a phase's last chunks wait for small ones) or equal (equal chunks); the same results "
+		 "either way"},
 		{"cpu-experts", OPT_STRING, &r.cpu_experts_arg, "route",
 		 "when the experts a route leaves for the CPU go to its pool: route (right after the layer's "
 		 "routing, before the GPU's experts are queued) or visit (at their place among the layer's "

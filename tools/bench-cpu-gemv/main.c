@@ -368,7 +368,10 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 	       "of about %.0f KB%s), %u workers, a gap of %u us: a layer's span median %.3f ms (%.2f GB/s), mean %.3f ms "
 	       "(%.2f GB/s), best %.3f ms; parts waiting for their job's first phase %.1f%% of the workers' time\n",
 	       dtype_name(t), cpu_compute_path(t), k, (double)expert / 1e6, pool_e, per, ffn_share_parts(slot[0].fs),
-	       (double)expert / (3.0 * FFN_SHARE_PARTS_PER_THREAD * per) / 1024, taper ? ", tapered" : "",
+	       (double)expert / (3.0 * FFN_SHARE_PARTS_PER_THREAD * per) / 1024,
+	       !taper ? "" : FFN_SHARE_PARTS_PER_THREAD * per >= FFN_SHARE_TAPER_MIN_CHUNKS ? ", tapered"
+	       : 2 * FFN_SHARE_PARTS_PER_THREAD * per >= FFN_SHARE_TAPER_MIN_CHUNKS ? ", the first phase tapered"
+										 : ", too few to taper",
 	       task_pool_threads(pool), gap_us, med * 1e3,
 	       bytes / med / 1e9, mean * 1e3, bytes / mean / 1e9, span[1] * 1e3,
 	       100.0 * (double)(wait - wait0) * 1e-9 / (sum * task_pool_threads(pool)));

@@ -207,11 +207,12 @@ static uint32_t taper_start(uint32_t total, uint32_t n, uint32_t i)
 	return (uint32_t)(big + ((uint64_t)total - big) * (i - h) / (n - h));
 }
 
-/* Chunk i of n of a phase's total rows: range, or tapered (ffn_share_job.taper); on the tiles
- * (a16) every boundary but the last on a multiple of 16 rows (the tiles' rows). */
+/* Chunk i of n of a phase's total rows: range, or tapered (ffn_share_job.taper, n at least
+ * FFN_SHARE_TAPER_MIN_CHUNKS); on the tiles (a16) every boundary but the last on a multiple of 16
+ * rows (the tiles' rows). */
 static void chunk(bool taper, bool a16, uint32_t total, uint32_t n, uint32_t i, uint32_t *b, uint32_t *e)
 {
-	if (taper) {
+	if (taper && n >= FFN_SHARE_TAPER_MIN_CHUNKS) {
 		*b = taper_start(total, n, i);
 		*e = taper_start(total, n, i + 1);
 	} else {

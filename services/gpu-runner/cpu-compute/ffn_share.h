@@ -45,6 +45,12 @@ extern "C" {
 
 #define FFN_SHARE_MAX_THREADS 256
 #define FFN_SHARE_PARTS_PER_THREAD 4 /* parts of each phase per thread (dynamic balance) */
+/* The fewest chunks of a phase that ffn_share_job.taper tapers. With fewer the taper's first chunks
+ * are what the phase waits for: a Q4_K expert of Qwen3-30B-A3B's shape (2.7 MB, cut for one
+ * thread: 8 chunks, then 4) ran 4 a layer on 14 workers in 0.193 ms tapered and 0.138 equal
+ * (bench-cpu-gemv --experts 4 --format Q4_K, H200 host); a BF16 one (cut for 3: 24, then 12) in
+ * 0.406 tapered and 0.424 equal. */
+#define FFN_SHARE_TAPER_MIN_CHUNKS 12
 
 /* One matrix of the share in host memory: its first row (gate, up: intermediate row r) or, for
  * down, row 0 at column r; rows row_bytes apart. */
@@ -62,8 +68,10 @@ struct ffn_share_job {
 	bool taper;	       /* chunks that get smaller toward each phase's end (the first half of a
 				* phase's chunks take three quarters of its rows): with several jobs at once
 				* (a layer's experts), the parts that wait for a phase's last chunks wait for
-				* small ones. The caller's, after ffn_share_job_init (false there); the
-				* same bits either way */
+				* small ones. Only a phase of 12 chunks or more (a job cut for 3 threads
+				* or more): with fewer the first chunks are what the phase waits for. The
+				* caller's, after ffn_share_job_init (false there); the same bits either
+				* way */
 	uint32_t claimed1, claimed2; /* chunks of each phase handed out (atomic; 2P, then P) */
 	uint32_t phase1_done;  /* chunks of the first phase finished (atomic; the second waits for 2P) */
 	uint32_t phase2_done;  /* parts of the second phase finished (atomic; the last one counts the job) */
