@@ -7,8 +7,9 @@
  *   bench-cpu-gemv [--format BF16] [--rows 8192] [--cols 8192] [--threads N] [--repeats 10] [--scalar]
  *   bench-cpu-gemv --ffn-tokens N [...]   the CPU's share of a split FFN instead (ffn_share.h): gate
  *       and up of --rows x --cols, down of --cols x --rows, for N tokens at once, against one token
- *   bench-cpu-gemv --experts K [--expert-pool E] [--job-threads P] [--gap-us G] [...]   a decode
- *       layer's K routed experts on the CPU as the CUDA backend runs them (cuda/moe.cu): K jobs of
+ *   bench-cpu-gemv --experts K [--expert-pool E] [--job-threads P] [--gap-us G] [--no-taper]
+ *       [--no-help] [...]   a decode layer's K routed experts on the CPU as the CUDA backend runs
+ *       them (cuda/moe_cpu.cu): K jobs of
  *       the runner's task pool submitted at once, each an expert (gate and up of --rows x --cols,
  *       down of --cols x --rows) of E, cut for P threads (default ffn_share_threads_for), a gap of G
  *       us between layers (the GPU's part of the chain); timed from the first submission to the
@@ -256,7 +257,7 @@ static void expert_ended(struct task_job *tj)
 }
 
 static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, uint32_t pool_e, uint32_t per,
-			 bool taper, uint32_t gap_us, uint32_t threads, uint32_t layers)
+			 bool taper, bool help, uint32_t gap_us, uint32_t threads, uint32_t layers)
 {
 	char err[256];
 	const uint64_t mat = (uint64_t)rows * dtype_row_bytes(t, dim),
@@ -333,6 +334,7 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 						   d = {w[3 * chosen[i] + 2], t, dtype_row_bytes(t, rows)};
 			ffn_share_job_init(&es->job, &g, &u, &d, rows, 1, DT_F32);
 			es->job.taper = taper;
+			es->job.pool = help ? pool : NULL;
 			memset(&es->tj, 0, sizeof(es->tj));
 			task_job_init(&es->tj, expert_part, es, ffn_share_parts(es->fs), &es->done, ++es->seq);
 			es->tj.done_waiters = &es->waiters;
@@ -365,13 +367,14 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 		wait += ss.wait_ns;
 	}
 	printf("experts %s %s: %u of %.1f MB a layer (%u to choose from), jobs cut for %u threads (%u parts, chunks "
-	       "of about %.0f KB%s), %u workers, a gap of %u us: a layer's span median %.3f ms (%.2f GB/s), mean %.3f ms "
+	       "of about %.0f KB%s%s), %u workers, a gap of %u us: a layer's span median %.3f ms (%.2f GB/s), mean %.3f ms "
 	       "(%.2f GB/s), best %.3f ms; parts waiting for their job's first phase %.1f%% of the workers' time\n",
 	       dtype_name(t), cpu_compute_path(t), k, (double)expert / 1e6, pool_e, per, ffn_share_parts(slot[0].fs),
 	       (double)expert / (3.0 * FFN_SHARE_PARTS_PER_THREAD * per) / 1024,
 	       !taper ? "" : FFN_SHARE_PARTS_PER_THREAD * per >= FFN_SHARE_TAPER_MIN_CHUNKS ? ", tapered"
 	       : 2 * FFN_SHARE_PARTS_PER_THREAD * per >= FFN_SHARE_TAPER_MIN_CHUNKS ? ", the first phase tapered"
 										 : ", too few to taper",
+	       help ? "" : ", waiting parts spin",
 	       task_pool_threads(pool), gap_us, med * 1e3,
 	       bytes / med / 1e9, mean * 1e3, bytes / mean / 1e9, span[1] * 1e3,
 	       100.0 * (double)(wait - wait0) * 1e-9 / (sum * task_pool_threads(pool)));
@@ -410,6 +413,8 @@ static void usage(FILE *f)
 		   "  --gap-us G    microseconds between layers (default 150: the GPU's part of a layer)\n"
 		   "  --no-taper    equal chunks in each phase of a job (the runner tapers an expert's: smaller\n"
 		   "                toward each phase's end, ffn_share_job.taper)\n"
+		   "  --no-help     a part that waits for its job's first phase spins (the runner's runs the\n"
+		   "                pool's queued parts meanwhile, ffn_share_job.pool)\n"
 		   "  --help        this text\n"
 		   "Prints the path, the matrix size, the best and median time of one product with the\n"
 		   "weight bytes read per second, and the best rate of plainly reading the same bytes.\n");
@@ -444,12 +449,12 @@ int main(int argc, char **argv)
 	uint32_t rows = 8192, cols = 8192, repeats = 10, threads = (uint32_t)sysconf(_SC_NPROCESSORS_ONLN);
 	int scalar = 0;
 	uint32_t ffn_tokens = 0, experts = 0, expert_pool = 32, job_threads = 0, gap_us = 150;
-	bool taper = true;
+	bool taper = true, help = true;
 	static const struct option opts[] = {
 		{"ffn-tokens", required_argument, NULL, 'k'},
 		{"experts", required_argument, NULL, 'x'}, {"expert-pool", required_argument, NULL, 'e'},
 		{"job-threads", required_argument, NULL, 'j'}, {"gap-us", required_argument, NULL, 'g'},
-		{"no-taper", no_argument, NULL, 'T'},
+		{"no-taper", no_argument, NULL, 'T'},      {"no-help", no_argument, NULL, 'H'},
 		{"format", required_argument, NULL, 'f'},  {"rows", required_argument, NULL, 'r'},
 		{"cols", required_argument, NULL, 'c'},    {"threads", required_argument, NULL, 't'},
 		{"repeats", required_argument, NULL, 'n'}, {"scalar", no_argument, NULL, 's'},
@@ -513,6 +518,9 @@ int main(int argc, char **argv)
 		case 'T':
 			taper = false;
 			break;
+		case 'H':
+			help = false;
+			break;
 		case 'h':
 			usage(stdout);
 			return 0;
@@ -542,7 +550,8 @@ int main(int argc, char **argv)
 			fprintf(stderr, "bench-cpu-gemv: --expert-pool %u: fewer than --experts %u\n", expert_pool, experts);
 			return 2;
 		}
-		return bench_experts(t, rows, cols, experts, expert_pool, job_threads, taper, gap_us, threads, repeats);
+		return bench_experts(t, rows, cols, experts, expert_pool, job_threads, taper, help, gap_us, threads,
+				     repeats);
 	}
 	if (ffn_tokens) {
 		if (rows % dtype_block_elems(t)) {

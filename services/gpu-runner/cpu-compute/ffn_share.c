@@ -11,6 +11,7 @@
 
 #include "common/util.h"
 #include "services/gpu-runner/cpu-compute/cpu_compute.h"
+#include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/cpu/kernels.h"
 
 #define SPINS_BEFORE_YIELD 4096u
@@ -374,9 +375,20 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 	rc = rc ? rc : prc;
 	if (part < P)
 		return rc;
+	/* Waiting for the first phase's last chunks (the parts that took them finish them before they
+	 * wait for anything): the pool's queued parts run here meanwhile where the job names its pool.
+	 * wait_ns counts the time no part ran. */
 	uint32_t spins = 0;
-	const uint64_t w0 = __atomic_load_n(&job->phase1_done, __ATOMIC_ACQUIRE) < 2 * P ? now_ns() : 0;
+	uint64_t w0 = __atomic_load_n(&job->phase1_done, __ATOMIC_ACQUIRE) < 2 * P ? now_ns() : 0, helped = 0;
 	while (__atomic_load_n(&job->phase1_done, __ATOMIC_ACQUIRE) < 2 * P) {
+		if (job->pool) {
+			const uint64_t h0 = now_ns();
+			if (task_pool_help(job->pool)) {
+				helped += now_ns() - h0;
+				spins = 0;
+				continue;
+			}
+		}
 		if (++spins < SPINS_BEFORE_YIELD) {
 #if defined(__x86_64__) || defined(__i386__)
 			__builtin_ia32_pause();
@@ -386,7 +398,8 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 		}
 	}
 	if (w0) {
-		__atomic_add_fetch(&fs->wait_ns, now_ns() - w0, __ATOMIC_RELAXED);
+		const uint64_t waited = now_ns() - w0;
+		__atomic_add_fetch(&fs->wait_ns, waited > helped ? waited - helped : 0, __ATOMIC_RELAXED);
 		__atomic_add_fetch(&fs->waits, 1, __ATOMIC_RELAXED);
 	}
 	/* The second phase: down's rows in P chunks, claimed as the first phase's were. */

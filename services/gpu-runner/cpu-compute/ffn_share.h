@@ -39,6 +39,8 @@
 #include <stdint.h>
 
 #include "common/dtype.h"
+
+struct task_pool;
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -72,6 +74,11 @@ struct ffn_share_job {
 				* or more): with fewer the first chunks are what the phase waits for. The
 				* caller's, after ffn_share_job_init (false there); the same bits either
 				* way */
+	struct task_pool *pool; /* NULL, or the pool the job's parts run on: a part of the second phase
+				 * that waits for the first runs the pool's queued parts meanwhile
+				 * (task_pool_help: with a layer's experts at once, the other jobs'), rather
+				 * than spin. The caller's, after ffn_share_job_init (NULL there); the
+				 * same bits either way */
 	uint32_t claimed1, claimed2; /* chunks of each phase handed out (atomic; 2P, then P) */
 	uint32_t phase1_done;  /* chunks of the first phase finished (atomic; the second waits for 2P) */
 	uint32_t phase2_done;  /* parts of the second phase finished (atomic; the last one counts the job) */

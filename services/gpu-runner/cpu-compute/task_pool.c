@@ -67,6 +67,11 @@ struct task_pool {
 	alignas(CACHE_LINE) _Atomic uint32_t completing;
 };
 
+/* The worker the calling thread is (NULL on other threads), and the time the parts it ran inside the
+ * part it is running took (task_pool_help), which that part's own time leaves out. */
+static _Thread_local struct worker *tl_worker;
+static _Thread_local uint64_t tl_nested_ns;
+
 static inline void cpu_relax(void)
 {
 #if defined(__x86_64__) || defined(__i386__)
@@ -160,16 +165,22 @@ static void finish_part(struct task_pool *p, struct task_job *job)
 }
 
 /* Runs one part. The caller's counters move before the part is finished, so that once a job's
- * word is seen, the stats count its parts. w NULL: a submitter's inline run. */
+ * word is seen, the stats count its parts. w NULL: a submitter's inline run. A part run inside
+ * another (task_pool_help) counts its own time; the enclosing one's leaves it out. */
 static void run_part(struct task_pool *p, struct worker *w, struct task_item it)
 {
 	struct task_job *job = it.ptr;
 	uint32_t part = (uint32_t)it.arg;
 	char msg[TASK_ERR_MAX];
 	msg[0] = '\0';
+	const uint64_t outer = tl_nested_ns;
+	tl_nested_ns = 0;
 	uint64_t t0 = now_ns();
 	int rc = job->fn(job->arg, part, job->n_parts, msg, sizeof(msg));
 	uint64_t dt = now_ns() - t0;
+	const uint64_t inner = tl_nested_ns;
+	tl_nested_ns = outer + dt;
+	dt = dt > inner ? dt - inner : 0;
 	assert(rc <= 0);
 	if (rc != 0)
 		job_fail(job, part, rc, msg);
@@ -237,6 +248,7 @@ static void *worker_main(void *arg)
 	snprintf(name, sizeof(name), "taskpool-%u", w->index);
 	pthread_setname_np(pthread_self(), name);
 	pin_self(w);
+	tl_worker = w;
 
 	struct task_item it;
 	for (;;) {
@@ -456,6 +468,17 @@ int task_pool_submit(struct task_pool *p, struct task_job *job)
 		;
 	wake_workers(p, n_parts);
 	return 0;
+}
+
+bool task_pool_help(struct task_pool *p)
+{
+	if (atomic_load_explicit(&p->stopping, memory_order_acquire))
+		return false;
+	struct task_item it;
+	if (!task_queue_pop(p->queue, &it))
+		return false;
+	run_part(p, tl_worker && tl_worker->pool == p ? tl_worker : NULL, it);
+	return true;
 }
 
 int task_word_wait(uint32_t *word, uint32_t *waiters, uint32_t target, uint32_t spin_us, uint64_t timeout_ns)

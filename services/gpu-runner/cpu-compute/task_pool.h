@@ -24,7 +24,9 @@
  * word (the release orders the earlier stores before it for every observer, and a GPU reads host
  * memory coherently). If parts failed, rc and err hold the first failure; the completion is
  * stored all the same, so nothing waiting on the word hangs. A part must not wait for another job
- * of the same pool: every worker could end up waiting.
+ * of the same pool: every worker could end up waiting. It may wait for its own job's other parts
+ * where they never wait before finishing what they took (ffn_share's phases), running the queue's
+ * parts meanwhile (task_pool_help).
  *
  * Idle workers spin spin_us (pause instruction, retrying the queue), then sleep on a futex; a
  * submit wakes as many sleepers as it queued parts. An idle pool uses no CPU once spin_us has
@@ -104,7 +106,8 @@ struct task_pool_stats {
 	uint64_t jobs_done;	/* completed, failed ones included */
 	uint64_t jobs_failed;
 	uint64_t parts_run;	/* part functions called (by workers and by submitters) */
-	uint64_t parts_inline;	/* of which by a submitter that found the queue full */
+	uint64_t parts_inline;	/* of which by threads not of the pool (a submitter that found the
+				 * queue full, task_pool_help elsewhere) */
 	uint64_t parts_cancelled; /* failed unrun at destroy or after it began */
 	uint64_t busy_ns;	/* time inside part functions, summed over threads */
 	uint64_t sleeps;	/* times a worker went to sleep */
@@ -141,6 +144,13 @@ void task_job_init(struct task_job *job, task_fn fn, void *arg, uint32_t n_parts
  * already completed with rc -ECANCELED. Either way the done word is (or will be) stored exactly
  * once. n_parts above TASK_POOL_MAX_PARTS, or a NULL fn or done_word, is a programmer error. */
 int task_pool_submit(struct task_pool *pool, struct task_job *job);
+
+/* Runs one queued part on the calling thread, if one is queued and destroy has not begun: true
+ * when it ran one. For a part that waits on its own job (an FFN share's second phase waits for its
+ * first, ffn_share.h), so that its worker runs the other jobs' parts meanwhile rather than spin.
+ * The part it runs counts as the calling worker's (a submitter's inline run elsewhere), and its
+ * time is left out of the enclosing part's. */
+bool task_pool_help(struct task_pool *pool);
 
 /* Waits until (int32_t)(*word - target) >= 0 (a cyclic "reached", so words may count up through
  * wrap-around): spins spin_us, then sleeps on a futex if waiters is non-NULL (the count that the

@@ -267,6 +267,7 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	}
 	ffn_share_job_init(&cj->job, &ce->gate, &ce->up, &ce->down, m->F, cnt, DT_F32);
 	cj->job.taper = be->p.cpu_expert_taper; /* several at once: a phase's last chunks small */
+	cj->job.pool = be->p.cpu_pool;		/* a part waiting between phases runs the others' */
 	cj->fail = m->fail_in && --m->fail_in == 0;
 	memset(&cj->tj, 0, sizeof(cj->tj));
 	task_job_init(&cj->tj, cpu_part, cj, ffn_share_parts(cj->share), cj->done, ++cj->seq);

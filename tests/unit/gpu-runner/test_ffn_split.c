@@ -586,6 +586,87 @@ START_TEST(test_share_on_a_pool)
 }
 END_TEST
 
+/* Four jobs at once on a pool of 3 workers (a layer's experts), each naming the pool, so that a
+ * part waiting for its job's first phase runs the others' queued parts (task_pool_help): 30 layers,
+ * each job's output the bits of the same job run in order. */
+START_TEST(test_shares_at_once_help)
+{
+	enum { DIM = 256, ROWS = 512, K = 4 };
+	char err[256] = "";
+	struct task_pool *pool = NULL;
+	struct task_pool_config pc;
+	task_pool_config_default(&pc);
+	pc.threads = 3;
+	pc.pin = false;
+	pc.spin_us = 1000;
+	ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
+	uint16_t *w[K][3], *x = malloc((size_t)DIM * 2);
+	float *want[K], *y[K];
+	struct ffn_share *fs[K];
+	struct ffn_share_mat g[K], u[K], d[K];
+	ck_assert_ptr_nonnull(x);
+	rng_state = 31;
+	for (size_t i = 0; i < DIM; i++)
+		x[i] = f32_to_bf16((float)rng_normal());
+	for (int k = 0; k < K; k++) {
+		for (int m = 0; m < 3; m++) {
+			w[k][m] = malloc((size_t)ROWS * DIM * 2);
+			ck_assert_ptr_nonnull(w[k][m]);
+			for (size_t i = 0; i < (size_t)ROWS * DIM; i++)
+				w[k][m][i] = f32_to_bf16((float)(0.05 * rng_normal()));
+		}
+		g[k] = (struct ffn_share_mat){.data = w[k][0], .format = DT_BF16, .row_bytes = DIM * 2};
+		u[k] = (struct ffn_share_mat){.data = w[k][1], .format = DT_BF16, .row_bytes = DIM * 2};
+		d[k] = (struct ffn_share_mat){.data = w[k][2], .format = DT_BF16, .row_bytes = ROWS * 2};
+		want[k] = malloc((size_t)DIM * 4);
+		y[k] = malloc((size_t)DIM * 4);
+		ck_assert(want[k] && y[k]);
+		fs[k] = NULL;
+		ck_assert_msg(ffn_share_create(DIM, ROWS, 1, 1 + k % 2, &fs[k], err, sizeof(err)) == 0, "%s", err);
+		struct ffn_share_job job;
+		ffn_share_job_init(&job, &g[k], &u[k], &d[k], ROWS, 1, DT_BF16);
+		const uint32_t np = ffn_share_parts(fs[k]);
+		for (uint32_t p = 0; p < np; p++)
+			ck_assert_msg(ffn_share_part(fs[k], &job, x, want[k], p, np, err, sizeof(err)) == 0, "%s", err);
+	}
+	uint32_t done[K], waiters[K];
+	memset(done, 0, sizeof(done));
+	memset(waiters, 0, sizeof(waiters));
+	for (uint32_t rep = 1; rep <= 30; rep++) {
+		struct ffn_share_job job[K];
+		struct pool_share ps[K];
+		struct task_job tj[K];
+		for (int k = 0; k < K; k++) {
+			memset(y[k], 0xff, (size_t)DIM * 4);
+			ffn_share_job_init(&job[k], &g[k], &u[k], &d[k], ROWS, 1, DT_BF16);
+			job[k].pool = pool;
+			job[k].taper = rep % 2;
+			ps[k] = (struct pool_share){.fs = fs[k], .job = &job[k], .x = x, .y = y[k]};
+			task_job_init(&tj[k], pool_share_part, &ps[k], ffn_share_parts(fs[k]), &done[k], rep);
+			tj[k].done_waiters = &waiters[k];
+		}
+		for (int k = 0; k < K; k++)
+			ck_assert_int_eq(task_pool_submit(pool, &tj[k]), 0);
+		for (int k = 0; k < K; k++) {
+			ck_assert_int_eq(task_word_wait(&done[k], &waiters[k], rep, 10, 0), 0);
+			ck_assert_msg(tj[k].rc == 0, "%s", tj[k].err);
+		}
+		for (int k = 0; k < K; k++)
+			ck_assert_msg(memcmp(y[k], want[k], (size_t)DIM * 4) == 0, "layer %u, job %d: not the bits in order",
+				      rep, k);
+	}
+	task_pool_destroy(&pool);
+	for (int k = 0; k < K; k++) {
+		for (int m = 0; m < 3; m++)
+			free(w[k][m]);
+		free(want[k]);
+		free(y[k]);
+		ffn_share_destroy(&fs[k]);
+	}
+	free(x);
+}
+END_TEST
+
 /* The threads a share is cut for (ffn_share_threads_for): chunks of about FFN_SHARE_CHUNK_BYTES,
  * 1..the pool's threads; and a job's output is the same bits however finely it is cut, in equal
  * chunks or tapered ones (ffn_share_job.taper). */
@@ -661,6 +742,7 @@ static Suite *split_suite(void)
 	tcase_add_test(te, test_share_job_failure);
 	tcase_add_loop_test(te, test_share_tokens_in_blocks, 0, 2);
 	tcase_add_test(te, test_share_on_a_pool);
+	tcase_add_test(te, test_shares_at_once_help);
 	tcase_add_test(te, test_share_threads_for);
 	suite_add_tcase(s, te);
 	return s;

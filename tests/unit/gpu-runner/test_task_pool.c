@@ -472,6 +472,98 @@ START_TEST(test_queue_full_submitter_helps)
 }
 END_TEST
 
+/* ---- a waiting part runs the queue's (task_pool_help) ---- */
+
+/* Part 0 waits for `flag`, running queued parts meanwhile (the only worker would otherwise wait
+ * for ever: the part that sets the flag is queued behind it). */
+struct helper {
+	struct task_pool *pool;
+	_Atomic uint32_t flag;
+	_Atomic uint32_t helped; /* parts the waiting one ran */
+};
+
+static int helper_wait_fn(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
+{
+	struct helper *h = arg;
+	uint64_t end = now_ns() + WAIT_NS;
+	while (!atomic_load(&h->flag)) {
+		if (task_pool_help(h->pool))
+			atomic_fetch_add(&h->helped, 1);
+		else if (now_ns() > end)
+			return errorf(err, errlen, -ETIMEDOUT, "the flag never came");
+		else
+			sched_yield();
+	}
+	return 0;
+}
+
+static int helper_set_fn(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
+{
+	struct helper *h = arg;
+	nap_us(20000); /* 20 ms inside the waiting part: its own time must leave them out */
+	atomic_store(&h->flag, 1);
+	return 0;
+}
+
+START_TEST(test_waiting_part_helps)
+{
+	struct task_pool *p = make_pool(1, 1000, 0);
+	ck_assert(!task_pool_help(p)); /* nothing queued */
+	struct helper h = {.pool = p};
+	uint32_t a_done = 0, b_done = 0;
+	struct task_job a, b;
+	task_job_init(&a, helper_wait_fn, &h, 1, &a_done, 1);
+	task_job_init(&b, helper_set_fn, &h, 1, &b_done, 1);
+	const uint64_t t0 = now_ns();
+	ck_assert_int_eq(task_pool_submit(p, &a), 0);
+	ck_assert_int_eq(task_pool_submit(p, &b), 0);
+	ck_assert_int_eq(task_word_wait(&b_done, NULL, 1, 10, WAIT_NS), 0);
+	ck_assert_int_eq(task_word_wait(&a_done, NULL, 1, 10, WAIT_NS), 0);
+	const uint64_t wall = now_ns() - t0;
+	ck_assert_msg(a.rc == 0 && b.rc == 0, "%s / %s", a.err, b.err);
+	ck_assert_uint_eq(atomic_load(&h.helped), 1);
+	struct task_pool_stats st;
+	task_pool_get_stats(p, &st);
+	ck_assert_uint_eq(st.parts_run, 2);
+	ck_assert_uint_eq(st.parts_inline, 0); /* the worker's, though run inside another */
+	/* B's 20 ms once, not once more inside A's time */
+	ck_assert_msg(st.busy_ns <= wall, "busy %llu ns in %llu ns of wall time: a nested part counted twice",
+		      (unsigned long long)st.busy_ns, (unsigned long long)wall);
+	ck_assert_uint_ge(st.busy_ns, 20000000ull);
+	task_pool_destroy(&p);
+}
+END_TEST
+
+/* Another thread than the pool's runs a queued part as a submitter's inline one. */
+START_TEST(test_help_from_outside)
+{
+	struct task_pool *p = make_pool(1, 0, 0);
+	struct gate g;
+	memset(&g, 0, sizeof(g));
+	uint32_t g_done = 0, done = 0;
+	struct task_job gj, job;
+	task_job_init(&gj, gate_fn, &g, 1, &g_done, 1);
+	ck_assert_int_eq(task_pool_submit(p, &gj), 0);
+	wait_until(gate_started_1, &g, "the worker to take the gate part");
+	struct rows_job rj;
+	rows_init(&rj, 100, 2, 5);
+	task_job_init(&job, rows_fn, &rj, 2, &done, 1);
+	ck_assert_int_eq(task_pool_submit(p, &job), 0);
+	ck_assert(task_pool_help(p));
+	ck_assert(task_pool_help(p));
+	ck_assert(!task_pool_help(p)); /* both parts ran here */
+	ck_assert_uint_eq(done, 1);
+	rows_check(&rj, 2);
+	struct task_pool_stats st;
+	task_pool_get_stats(p, &st);
+	ck_assert_uint_eq(st.parts_inline, 2);
+	atomic_store(&g.open, 1);
+	ck_assert_int_eq(task_word_wait(&g_done, NULL, 1, 10, WAIT_NS), 0);
+	rows_free(&rj);
+	task_pool_destroy(&p);
+}
+END_TEST
+
 /* ---- sleeping ---- */
 
 struct sleep_check {
@@ -709,6 +801,8 @@ int main(void)
 	tcase_add_test(tc, test_failing_part);
 	tcase_add_test(tc, test_completion_hook);
 	tcase_add_test(tc, test_queue_full_submitter_helps);
+	tcase_add_test(tc, test_waiting_part_helps);
+	tcase_add_test(tc, test_help_from_outside);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("lifecycle");
 	tcase_set_timeout(tc, 60);
