@@ -357,6 +357,28 @@ class Table(unittest.TestCase):
         self.assertIn("the same with --predict-experts=false (0.70 GB/token on the CPU, 0.80 copied) | "
                       "21.0 ms/token | 15.0 ms/token | 1.40 | <= 1.2 |", rows[2])
 
+    def test_m_experts_alone(self):
+        """bench-cpu-gemv --experts' line read, and its row beside M1's where the record has it."""
+        line = ("experts Q4_K avx512-vnni: 4 of 2.7 MB a layer (32 to choose from), jobs cut for 1 threads (8 parts, "
+                "chunks of about 216 KB, too few to taper), 14 workers, a gap of 150 us: a layer's span median 0.134 ms "
+                "(79.24 GB/s), mean 0.140 ms (75.77 GB/s), best 0.104 ms; parts waiting for their job's first phase "
+                "8.5% of the workers' time\n")
+        self.assertEqual(bench.parse_experts_alone(line), {"ms": 0.134, "gbs": 79.24, "wait_pct": 8.5})
+        self.assertIsNone(bench.parse_experts_alone("experts: making 32 experts\n"))
+        lim = {"h2d_bytes_per_s": 50e9, "gemm_flops_per_s": 7e14}
+        w = {"bytes_per_token": 4e9, "experts": 128, "experts_used": 8, "expert_bytes": 3.2e9, "matrix_params": 2e9}
+        one = {"gen": {"decode_ms": 30.0}, "weights": w, "decode_h2d_bytes_per_token": 1.5e9,
+               "experts_passed_per_token": 100.0, "cpu_expert_bytes_per_token": 0.0}
+        rec = {"gpu": one, "split": dict(one, cpu_expert_bytes_per_token=0.7e9), "cpu_bytes_per_s": 100e9}
+        self.assertEqual(len(bench.ROWS["M2"](rec, lim)), 2)
+        rec["experts_alone"] = {"default": {"ms": 0.134, "gbs": 79.2, "wait_pct": 8.5},
+                                "spin": {"ms": 0.15, "gbs": 70.0, "wait_pct": 9.0}, "k": 4, "threads": 14}
+        rows = bench.ROWS["M2"](rec, lim)
+        self.assertEqual(len(rows), 3)
+        self.assertIn("| M2, the CPU's experts alone (bench-cpu-gemv --experts 4: 768 x 2048 Q4_K, 14 workers; a layer's "
+                      "span median, and the parts' time waiting between phases; waiting parts spinning 0.150 ms (70.0 "
+                      "GB/s, 9.0%)) | 0.134 ms (79.2 GB/s, 8.5%) | - | - | - |", rows[2])
+
     def test_d1_rows(self):
         """D1's rows: the two-link limit is the larger rank's copy time, the one-after-the-other one the sum."""
         ranks = [{"streamed_bytes_per_token": 5e9, "h2d_bytes_per_s": 50e9, "window_bytes": 2**30, "layer0": 0,
