@@ -381,13 +381,11 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 	uint32_t spins = 0;
 	uint64_t w0 = __atomic_load_n(&job->phase1_done, __ATOMIC_ACQUIRE) < 2 * P ? now_ns() : 0, helped = 0;
 	while (__atomic_load_n(&job->phase1_done, __ATOMIC_ACQUIRE) < 2 * P) {
-		if (job->pool) {
-			const uint64_t h0 = now_ns();
-			if (task_pool_help(job->pool)) {
-				helped += now_ns() - h0;
-				spins = 0;
-				continue;
-			}
+		uint64_t ran = 0;
+		if (job->pool && task_pool_help(job->pool, &ran)) {
+			helped += ran;
+			spins = 0;
+			continue;
 		}
 		if (++spins < SPINS_BEFORE_YIELD) {
 #if defined(__x86_64__) || defined(__i386__)

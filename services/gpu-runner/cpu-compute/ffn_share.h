@@ -24,8 +24,9 @@
  * The job runs in two phases (P = FFN_SHARE_PARTS_PER_THREAD times the threads given at create, so
  * that a preempted worker delays a small chunk): the SwiGLU rows in 2P chunks, then the rows of down
  * in P. Its 2P parts claim chunks (an atomic counter a phase): parts [0, P) run chunks of the first
- * phase while any is left; parts [P, 2P) do the same first, then wait (spinning, then yielding) for
- * the first phase's chunks others still run, then claim chunks of the second. So no
+ * phase while any is left; parts [P, 2P) do the same first, then wait (running the pool's queued
+ * parts where the job names its pool, else spinning, then yielding) for the first phase's chunks
+ * others still run, then claim chunks of the second. So no
  * worker spins while work of the job it holds is left (with few chunks a job, as an expert's job on
  * a slice of the pool, half of the workers did), and the wait cannot deadlock whatever order the
  * parts run in: a chunk is claimed only by a running part, which finishes it. One job at a time per

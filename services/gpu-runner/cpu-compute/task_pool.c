@@ -67,10 +67,18 @@ struct task_pool {
 	alignas(CACHE_LINE) _Atomic uint32_t completing;
 };
 
-/* The worker the calling thread is (NULL on other threads), and the time the parts it ran inside the
- * part it is running took (task_pool_help), which that part's own time leaves out. */
+/* The worker the calling thread is (NULL on other threads); the parts it is running, one inside
+ * the other (task_pool_help); and the time the parts run inside the innermost took, which its own
+ * time leaves out. */
 static _Thread_local struct worker *tl_worker;
+static _Thread_local uint32_t tl_depth;
 static _Thread_local uint64_t tl_nested_ns;
+
+/* The calling thread's pool worker where it is one of p's, else NULL (its runs count as inline). */
+static inline struct worker *self_in(struct task_pool *p)
+{
+	return tl_worker && tl_worker->pool == p ? tl_worker : NULL;
+}
 
 static inline void cpu_relax(void)
 {
@@ -173,11 +181,13 @@ static void run_part(struct task_pool *p, struct worker *w, struct task_item it)
 	uint32_t part = (uint32_t)it.arg;
 	char msg[TASK_ERR_MAX];
 	msg[0] = '\0';
-	const uint64_t outer = tl_nested_ns;
+	const uint64_t outer = tl_depth ? tl_nested_ns : 0;
 	tl_nested_ns = 0;
+	tl_depth++;
 	uint64_t t0 = now_ns();
 	int rc = job->fn(job->arg, part, job->n_parts, msg, sizeof(msg));
 	uint64_t dt = now_ns() - t0;
+	tl_depth--;
 	const uint64_t inner = tl_nested_ns;
 	tl_nested_ns = outer + dt;
 	dt = dt > inner ? dt - inner : 0;
@@ -455,7 +465,7 @@ int task_pool_submit(struct task_pool *p, struct task_job *job)
 			}
 			struct task_item other;
 			if (task_queue_pop(p->queue, &other))
-				run_part(p, NULL, other);
+				run_part(p, self_in(p), other);
 			else
 				cpu_relax();
 		}
@@ -470,14 +480,17 @@ int task_pool_submit(struct task_pool *p, struct task_job *job)
 	return 0;
 }
 
-bool task_pool_help(struct task_pool *p)
+bool task_pool_help(struct task_pool *p, uint64_t *ns)
 {
-	if (atomic_load_explicit(&p->stopping, memory_order_acquire))
+	if (tl_depth > TASK_POOL_HELP_DEPTH || atomic_load_explicit(&p->stopping, memory_order_acquire))
 		return false;
 	struct task_item it;
 	if (!task_queue_pop(p->queue, &it))
 		return false;
-	run_part(p, tl_worker && tl_worker->pool == p ? tl_worker : NULL, it);
+	const uint64_t t0 = ns ? now_ns() : 0;
+	run_part(p, self_in(p), it);
+	if (ns)
+		*ns = now_ns() - t0;
 	return true;
 }
 

@@ -24,9 +24,9 @@
  * word (the release orders the earlier stores before it for every observer, and a GPU reads host
  * memory coherently). If parts failed, rc and err hold the first failure; the completion is
  * stored all the same, so nothing waiting on the word hangs. A part must not wait for another job
- * of the same pool: every worker could end up waiting. It may wait for its own job's other parts
- * where they never wait before finishing what they took (ffn_share's phases), running the queue's
- * parts meanwhile (task_pool_help).
+ * of the same pool: every worker could end up waiting. It may wait for work of its own job that
+ * running parts took and finish before they wait for anything (ffn_share's phases), and run the
+ * queue's parts meanwhile (task_pool_help): any part may then run inside a waiting one.
  *
  * Idle workers spin spin_us (pause instruction, retrying the queue), then sleep on a futex; a
  * submit wakes as many sleepers as it queued parts. An idle pool uses no CPU once spin_us has
@@ -55,6 +55,7 @@ extern "C" {
 #endif
 
 #define TASK_POOL_MAX_THREADS 1024
+#define TASK_POOL_HELP_DEPTH 1 /* parts a thread runs inside a waiting one (task_pool_help) */
 #define TASK_POOL_MAX_PARTS (1u << 20) /* parts of one job */
 #define TASK_ERR_MAX 256	       /* a job's message, NUL included */
 
@@ -145,12 +146,16 @@ void task_job_init(struct task_job *job, task_fn fn, void *arg, uint32_t n_parts
  * once. n_parts above TASK_POOL_MAX_PARTS, or a NULL fn or done_word, is a programmer error. */
 int task_pool_submit(struct task_pool *pool, struct task_job *job);
 
-/* Runs one queued part on the calling thread, if one is queued and destroy has not begun: true
- * when it ran one. For a part that waits on its own job (an FFN share's second phase waits for its
- * first, ffn_share.h), so that its worker runs the other jobs' parts meanwhile rather than spin.
- * The part it runs counts as the calling worker's (a submitter's inline run elsewhere), and its
- * time is left out of the enclosing part's. */
-bool task_pool_help(struct task_pool *pool);
+/* Runs one queued part on the calling thread, if one is queued, destroy has not begun and the
+ * thread is not already TASK_POOL_HELP_DEPTH parts deep inside others: true when it ran one, its
+ * time in *ns (ns may be NULL). For a part that waits on its own job (an FFN share's second phase
+ * waits for its first, ffn_share.h), so that its worker runs the other jobs' parts meanwhile rather
+ * than spin. The part it runs counts as the calling worker's (a submitter's inline run elsewhere),
+ * and its time is left out of the enclosing part's. The depth bound keeps the stack small, and a
+ * waiting part from being buried under others that wait: a part run inside another that waits
+ * spins. Once destroy has begun it runs nothing, so a part whose wait only a queued part can end
+ * would hold destroy's join: wait only for what running parts finish. */
+bool task_pool_help(struct task_pool *pool, uint64_t *ns);
 
 /* Waits until (int32_t)(*word - target) >= 0 (a cyclic "reached", so words may count up through
  * wrap-around): spins spin_us, then sleeps on a futex if waiters is non-NULL (the count that the

@@ -474,62 +474,74 @@ END_TEST
 
 /* ---- a waiting part runs the queue's (task_pool_help) ---- */
 
-/* Part 0 waits for `flag`, running queued parts meanwhile (the only worker would otherwise wait
- * for ever: the part that sets the flag is queued behind it). */
+/* Part 0 waits for `flag`, running queued parts meanwhile: the only worker would otherwise wait
+ * for ever, part 1 (which sets it) being queued behind it. Part 1, run inside part 0, may not run
+ * another part inside itself (TASK_POOL_HELP_DEPTH): it tries, then sets the flag after 20 ms. */
 struct helper {
 	struct task_pool *pool;
 	_Atomic uint32_t flag;
-	_Atomic uint32_t helped; /* parts the waiting one ran */
+	_Atomic uint32_t helped;     /* parts part 0 ran */
+	_Atomic uint32_t inner_help; /* parts part 1 ran inside itself: none */
+	_Atomic uint64_t ran_ns;     /* task_pool_help's time of the part it ran */
 };
 
-static int helper_wait_fn(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
+static int helper_fn(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
 {
 	struct helper *h = arg;
-	uint64_t end = now_ns() + WAIT_NS;
-	while (!atomic_load(&h->flag)) {
-		if (task_pool_help(h->pool))
-			atomic_fetch_add(&h->helped, 1);
-		else if (now_ns() > end)
-			return errorf(err, errlen, -ETIMEDOUT, "the flag never came");
-		else
-			sched_yield();
+	if (part == 1) {
+		if (task_pool_help(h->pool, NULL))
+			atomic_fetch_add(&h->inner_help, 1);
+		const uint64_t t0 = now_ns();
+		while (now_ns() - t0 < 20000000ull) /* 20 ms inside part 0: its own time leaves them out */
+			nap_us(1000);
+		atomic_store(&h->flag, 1);
+		return 0;
 	}
-	return 0;
-}
-
-static int helper_set_fn(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
-{
-	struct helper *h = arg;
-	nap_us(20000); /* 20 ms inside the waiting part: its own time must leave them out */
-	atomic_store(&h->flag, 1);
+	uint64_t end = now_ns() + WAIT_NS, ran = 0;
+	while (!atomic_load(&h->flag)) {
+		if (task_pool_help(h->pool, &ran)) {
+			atomic_fetch_add(&h->helped, 1);
+			atomic_store(&h->ran_ns, ran);
+		} else if (now_ns() > end) {
+			return errorf(err, errlen, -ETIMEDOUT, "the flag never came");
+		} else {
+			sched_yield();
+		}
+	}
 	return 0;
 }
 
 START_TEST(test_waiting_part_helps)
 {
 	struct task_pool *p = make_pool(1, 1000, 0);
-	ck_assert(!task_pool_help(p)); /* nothing queued */
+	ck_assert(!task_pool_help(p, NULL)); /* nothing queued */
 	struct helper h = {.pool = p};
-	uint32_t a_done = 0, b_done = 0;
-	struct task_job a, b;
-	task_job_init(&a, helper_wait_fn, &h, 1, &a_done, 1);
-	task_job_init(&b, helper_set_fn, &h, 1, &b_done, 1);
+	uint32_t a_done = 0, c_done = 0;
+	struct task_job a, c;
+	task_job_init(&a, helper_fn, &h, 2, &a_done, 1);
+	struct rows_job rj;
+	rows_init(&rj, 10, 1, 3);
+	task_job_init(&c, rows_fn, &rj, 1, &c_done, 1); /* queued behind a's parts */
 	const uint64_t t0 = now_ns();
 	ck_assert_int_eq(task_pool_submit(p, &a), 0);
-	ck_assert_int_eq(task_pool_submit(p, &b), 0);
-	ck_assert_int_eq(task_word_wait(&b_done, NULL, 1, 10, WAIT_NS), 0);
+	ck_assert_int_eq(task_pool_submit(p, &c), 0);
 	ck_assert_int_eq(task_word_wait(&a_done, NULL, 1, 10, WAIT_NS), 0);
+	ck_assert_int_eq(task_word_wait(&c_done, NULL, 1, 10, WAIT_NS), 0);
 	const uint64_t wall = now_ns() - t0;
-	ck_assert_msg(a.rc == 0 && b.rc == 0, "%s / %s", a.err, b.err);
+	ck_assert_msg(a.rc == 0 && c.rc == 0, "%s / %s", a.err, c.err);
 	ck_assert_uint_eq(atomic_load(&h.helped), 1);
+	ck_assert_uint_eq(atomic_load(&h.inner_help), 0);
+	ck_assert_uint_ge(atomic_load(&h.ran_ns), 20000000ull); /* task_pool_help's *ns: part 1's time */
+	rows_check(&rj, 1);
 	struct task_pool_stats st;
 	task_pool_get_stats(p, &st);
-	ck_assert_uint_eq(st.parts_run, 2);
-	ck_assert_uint_eq(st.parts_inline, 0); /* the worker's, though run inside another */
-	/* B's 20 ms once, not once more inside A's time */
-	ck_assert_msg(st.busy_ns <= wall, "busy %llu ns in %llu ns of wall time: a nested part counted twice",
+	ck_assert_uint_eq(st.parts_run, 3);
+	ck_assert_uint_eq(st.parts_inline, 0); /* the worker's, though one ran inside another */
+	/* part 1's 20 ms once, not once more inside part 0's time */
+	ck_assert_msg(st.busy_ns <= wall, "busy %llu ns in %llu ns of wall time: a part run inside another counted twice",
 		      (unsigned long long)st.busy_ns, (unsigned long long)wall);
 	ck_assert_uint_ge(st.busy_ns, 20000000ull);
+	rows_free(&rj);
 	task_pool_destroy(&p);
 }
 END_TEST
@@ -549,9 +561,9 @@ START_TEST(test_help_from_outside)
 	rows_init(&rj, 100, 2, 5);
 	task_job_init(&job, rows_fn, &rj, 2, &done, 1);
 	ck_assert_int_eq(task_pool_submit(p, &job), 0);
-	ck_assert(task_pool_help(p));
-	ck_assert(task_pool_help(p));
-	ck_assert(!task_pool_help(p)); /* both parts ran here */
+	ck_assert(task_pool_help(p, NULL));
+	ck_assert(task_pool_help(p, NULL));
+	ck_assert(!task_pool_help(p, NULL)); /* both parts ran here */
 	ck_assert_uint_eq(done, 1);
 	rows_check(&rj, 2);
 	struct task_pool_stats st;
