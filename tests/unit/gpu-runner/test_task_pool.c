@@ -442,16 +442,22 @@ START_TEST(test_destroy_with_work_in_flight)
 }
 END_TEST
 
+/* Holds a pool's one worker in a gate part until g->open. */
+static void hold_worker(struct task_pool *p, struct gate *g, struct task_job *gj, uint32_t *g_done)
+{
+	memset(g, 0, sizeof(*g));
+	task_job_init(gj, gate_fn, g, 1, g_done, 1);
+	ck_assert_int_eq(task_pool_submit(p, gj), 0);
+	wait_until(gate_started_1, g, "the worker to take the gate part");
+}
+
 START_TEST(test_queue_full_submitter_helps)
 {
 	struct task_pool *p = make_pool(1, 0, 4);
 	struct gate g;
-	memset(&g, 0, sizeof(g));
 	uint32_t g_done = 0, done = 0;
 	struct task_job gj, job;
-	task_job_init(&gj, gate_fn, &g, 1, &g_done, 1);
-	ck_assert_int_eq(task_pool_submit(p, &gj), 0);
-	wait_until(gate_started_1, &g, "the worker to take the gate part");
+	hold_worker(p, &g, &gj, &g_done);
 	/* The one worker is held: 20 parts into a queue of 4 leaves 16 for the submitter. */
 	struct rows_job rj;
 	rows_init(&rj, 1000, 20, 1);
@@ -551,12 +557,9 @@ START_TEST(test_help_from_outside)
 {
 	struct task_pool *p = make_pool(1, 0, 0);
 	struct gate g;
-	memset(&g, 0, sizeof(g));
 	uint32_t g_done = 0, done = 0;
 	struct task_job gj, job;
-	task_job_init(&gj, gate_fn, &g, 1, &g_done, 1);
-	ck_assert_int_eq(task_pool_submit(p, &gj), 0);
-	wait_until(gate_started_1, &g, "the worker to take the gate part");
+	hold_worker(p, &g, &gj, &g_done);
 	struct rows_job rj;
 	rows_init(&rj, 100, 2, 5);
 	task_job_init(&job, rows_fn, &rj, 2, &done, 1);
