@@ -1,5 +1,6 @@
 /* test_helpers.h - what the common/ unit tests share: a fresh temporary directory (and its
- * removal), capturing what a call prints on a file descriptor, and the Check runner's main.
+ * removal), capturing what a call prints on a file descriptor, the Check runner's main, and the
+ * relative L2 distance the backends' tests hold logits to.
  *
  *   char *dir = th_tmpdir("/tmp");          // "/tmp/pipeline-test-XXXXXX", mode 0700
  *   ...
@@ -16,7 +17,9 @@
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <ftw.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -104,6 +107,18 @@ static inline char *th_capture_end(struct th_capture *c)
 	buf[n] = 0;
 	close(c->rd);
 	return buf;
+}
+
+/* The relative L2 distance of a from ref (n values); every value of a must be finite. */
+static inline double rel_l2(const float *a, const float *ref, uint32_t n)
+{
+	double num = 0, den = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		TH_CHECK(isfinite(a[i]), "logit %u is %g", i, (double)a[i]);
+		num += ((double)a[i] - ref[i]) * ((double)a[i] - ref[i]);
+		den += (double)ref[i] * ref[i];
+	}
+	return sqrt(num / den);
 }
 
 /* Runs suite s in fork mode; the exit status is what ctest reads. */

@@ -1,20 +1,22 @@
 /* cuda_test_util.h - what the CUDA backend's tests share: a checked CUDA runtime call inside a
  * Check test, a GPU probe that leaves this process's CUDA uninitialised (Check forks the tests,
- * and a forked child cannot use a context its parent made), a backend call checked with the
- * backend's message, the relative L2 distance of logits, and a small CPU task pool. Header-only. */
+ * and a forked child cannot use a context its parent made), their main and a backend call checked
+ * with the backend's message (rel_l2: test_helpers.h; pool_new: runner_test_util.h). Header-only. */
 #ifndef PIPELINE_CUDA_TEST_UTIL_H
 #define PIPELINE_CUDA_TEST_UTIL_H
 #include <check.h>
-#include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
 #include "services/gpu-runner/backend.h"
-#include "services/gpu-runner/cpu-compute/task_pool.h"
+#include "tests/unit/common/test_helpers.h"
+#include "tests/unit/gpu-runner/runner_test_util.h"
 
 #define CUDA_OK(call)                                                                              \
 	do {                                                                                       \
@@ -45,29 +47,19 @@ static inline bool have_gpu(void)
 		ck_assert_msg(rc_ == 0, "%s: %d %s", #expr, rc_, backend_error((run)->be));                \
 	} while (0)
 
-/* The relative L2 distance of a from ref (n values); every value of a must be finite. */
-static inline double rel_l2(const float *a, const float *ref, uint32_t n)
+/* A CUDA test's main: 77 (skipped, for ctest) without a GPU, else suite make() run, in fork mode
+ * unless CK_FORK=no (the sanitizer runs). */
+static inline int gpu_suite_main(const char *name, Suite *(*make)(void))
 {
-	double num = 0, den = 0;
-	for (uint32_t i = 0; i < n; i++) {
-		ck_assert_msg(isfinite(a[i]), "logit %u is %g", i, (double)a[i]);
-		num += ((double)a[i] - ref[i]) * ((double)a[i] - ref[i]);
-		den += (double)ref[i] * ref[i];
+	if (!have_gpu()) {
+		fprintf(stderr, "%s: no CUDA device: skipped\n", name);
+		return 77;
 	}
-	return sqrt(num / den);
-}
-
-/* A task pool of 4 workers, not pinned (the CPU's share in a test). */
-static inline struct task_pool *pool_new(void)
-{
-	char err[256];
-	struct task_pool *pool = NULL;
-	struct task_pool_config pc;
-	task_pool_config_default(&pc);
-	pc.threads = 4;
-	pc.pin = false;
-	ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
-	return pool;
+	SRunner *sr = srunner_create(make());
+	srunner_run_all(sr, CK_NORMAL);
+	int failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
 }
 
 #endif

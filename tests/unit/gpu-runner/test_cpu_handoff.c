@@ -337,13 +337,5 @@ static Suite *handoff_suite(void)
 
 int main(void)
 {
-	if (!have_gpu()) {
-		fprintf(stderr, "test_cpu_handoff: no CUDA device: skipped\n");
-		return 77;
-	}
-	SRunner *sr = srunner_create(handoff_suite());
-	srunner_run_all(sr, CK_NORMAL);
-	int failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+	return gpu_suite_main("test_cpu_handoff", handoff_suite);
 }

@@ -1201,14 +1201,5 @@ static Suite *cuda_suite(void)
 
 int main(void)
 {
-	if (!have_gpu()) {
-		fprintf(stderr, "test_cuda_backend: no CUDA device: skipped\n");
-		return 77;
-	}
-	SRunner *sr = srunner_create(cuda_suite());
-	/* Fork mode unless CK_FORK=no (the sanitizer runs). */
-	srunner_run_all(sr, CK_NORMAL);
-	int failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+	return gpu_suite_main("test_cuda_backend", cuda_suite);
 }

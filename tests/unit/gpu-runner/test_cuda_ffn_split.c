@@ -259,7 +259,7 @@ static double compare(struct tmodel *m, uint32_t r, uint32_t handoff, bool cpu_i
 		tok[i] = (int32_t)(rng_next() % vocab);
 	float *want = malloc(vocab * sizeof(float)), *got = malloc(vocab * sizeof(float));
 	ck_assert(want && got);
-	struct task_pool *pool = pool_new();
+	struct task_pool *pool = pool_new(4);
 	struct run ref, cu;
 	int rc = 0;
 	run_open(&ref, m, "cpu", NULL, 0, NULL);
@@ -347,7 +347,7 @@ END_TEST
 START_TEST(test_cpu_share_failure)
 {
 	struct tmodel *m = model_new(DT_BF16);
-	struct task_pool *pool = pool_new();
+	struct task_pool *pool = pool_new(4);
 	struct run cu;
 	run_open(&cu, m, "cuda", pool, BACKEND_HANDOFF_DEFAULT, NULL);
 	for (uint32_t l = 0; l < 2; l++)
@@ -410,13 +410,5 @@ static Suite *suite(void)
 
 int main(void)
 {
-	if (!have_gpu()) {
-		fprintf(stderr, "test_cuda_ffn_split: no CUDA device: skipped\n");
-		return 77;
-	}
-	SRunner *sr = srunner_create(suite());
-	srunner_run_all(sr, CK_NORMAL);
-	int failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+	return gpu_suite_main("test_cuda_ffn_split", suite);
 }

@@ -240,7 +240,7 @@ static void compare(bool mapped, bool taper, uint32_t F)
 	tokens(tok, PROMPT + DECODE, vocab);
 	float *want = malloc(vocab * sizeof(float)), *got = malloc(vocab * sizeof(float));
 	ck_assert(want && got);
-	struct task_pool *pool = pool_new();
+	struct task_pool *pool = pool_new(4);
 	struct run ref, cu;
 	run_open(&ref, m, "cpu", NULL, false, false);
 	run_open(&cu, m, "cuda", pool, mapped, taper);
@@ -307,7 +307,7 @@ static void failure(bool mapped)
 	tokens(tok, PROMPT + DECODE, vocab);
 	float *out = malloc(vocab * sizeof(float));
 	ck_assert_ptr_nonnull(out);
-	struct task_pool *pool = pool_new();
+	struct task_pool *pool = pool_new(4);
 	struct run cu;
 	run_open(&cu, m, "cuda", pool, mapped, true);
 	uint32_t cpu = 0, pos = 0;
@@ -389,13 +389,5 @@ static Suite *suite(void)
 
 int main(void)
 {
-	if (!have_gpu()) {
-		fprintf(stderr, "test_cuda_moe_cpu: no CUDA device: skipped\n");
-		return 77;
-	}
-	SRunner *sr = srunner_create(suite());
-	srunner_run_all(sr, CK_NORMAL);
-	int failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+	return gpu_suite_main("test_cuda_moe_cpu", suite);
 }

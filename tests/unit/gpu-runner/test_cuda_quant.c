@@ -879,13 +879,5 @@ static Suite *quant_suite(void)
 
 int main(void)
 {
-	if (!have_gpu()) {
-		fprintf(stderr, "test_cuda_quant: no CUDA device: skipped\n");
-		return 77;
-	}
-	SRunner *sr = srunner_create(quant_suite());
-	srunner_run_all(sr, CK_NORMAL);
-	int failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+	return gpu_suite_main("test_cuda_quant", quant_suite);
 }

@@ -85,11 +85,7 @@ static void open_model(enum model_kind kind)
 	ck_assert_msg(synth_write(fx.dir, &cfg, &so, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_msg(manifest_load(fx.dir, &fx.m, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_msg(memory_source_create(fx.m, &fx.ms, err, sizeof(err)) == 0, "%s", err);
-	struct task_pool_config pc;
-	task_pool_config_default(&pc);
-	pc.threads = 3; /* an odd count: the shares' rows do not divide evenly */
-	pc.pin = false;
-	ck_assert_msg(task_pool_create(&pc, &fx.pool, err, sizeof(err)) == 0, "%s", err);
+	fx.pool = pool_new(3); /* an odd count: the shares' rows do not divide evenly */
 	rng_state = 5;
 	for (uint32_t i = 0; i < PROMPT + DECODE; i++)
 		fx.tokens[i] = (int32_t)(rng_next() % fx.m->cfg.vocab_size);
@@ -195,17 +191,6 @@ static int run(const struct how *h, float *out, char *err, size_t errlen)
 	kv_cache_destroy(&kv);
 	backend_destroy(&be);
 	return rc;
-}
-
-static double rel_l2(const float *a, const float *ref, uint32_t n)
-{
-	double num = 0, den = 0;
-	for (uint32_t i = 0; i < n; i++) {
-		TH_CHECK(isfinite(a[i]), "logit %u is %g", i, (double)a[i]);
-		num += ((double)a[i] - ref[i]) * ((double)a[i] - ref[i]);
-		den += (double)ref[i] * ref[i];
-	}
-	return sqrt(num / den);
 }
 
 /* The worst relative L2 error of a run's steps against the whole FFN's. */
@@ -385,12 +370,7 @@ END_TEST
 START_TEST(test_share_job_failure)
 {
 	char err[256] = "";
-	struct task_pool *pool = NULL;
-	struct task_pool_config pc;
-	task_pool_config_default(&pc);
-	pc.threads = 2;
-	pc.pin = false;
-	ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
+	struct task_pool *pool = pool_new(2);
 	struct ffn_share *fs = NULL;
 	ck_assert_msg(ffn_share_create(64, 192, 4, 2, &fs, err, sizeof(err)) == 0, "%s", err);
 	const uint32_t np = ffn_share_parts(fs), P = np / 2;
@@ -541,12 +521,7 @@ START_TEST(test_share_on_a_pool)
 {
 	enum { DIM = 512, ROWS = 768, T = 3 };
 	char err[256] = "";
-	struct task_pool *pool = NULL;
-	struct task_pool_config pc;
-	task_pool_config_default(&pc);
-	pc.threads = 4;
-	pc.pin = false;
-	ck_assert_msg(task_pool_create(&pc, &pool, err, sizeof(err)) == 0, "%s", err);
+	struct task_pool *pool = pool_new(4);
 	struct ffn_share *fs = NULL;
 	ck_assert_msg(ffn_share_create(DIM, ROWS, 4, 1, &fs, err, sizeof(err)) == 0, "%s", err); /* 4 chunks a phase */
 	const uint32_t np = ffn_share_parts(fs);

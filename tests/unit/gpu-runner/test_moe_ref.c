@@ -213,17 +213,6 @@ static int run(const struct model_config *c, struct weight_source *ws, const int
 	return rc;
 }
 
-static double rel_l2(const float *a, const float *ref, uint32_t n)
-{
-	double num = 0, den = 0;
-	for (uint32_t i = 0; i < n; i++) {
-		ck_assert_msg(isfinite(a[i]), "logit %u is %g", i, (double)a[i]);
-		num += ((double)a[i] - ref[i]) * ((double)a[i] - ref[i]);
-		den += (double)ref[i] * ref[i];
-	}
-	return sqrt(num / den);
-}
-
 struct model {
 	char *dir;
 	struct manifest *m;
