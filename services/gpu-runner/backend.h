@@ -131,6 +131,8 @@ struct backend_params {
 				 * default (--cpu-result mapped) */
 	bool cpu_expert_taper;	/* a routed expert's CPU job tapers its chunks (ffn_share_job.taper; the
 				 * runner's default, --cpu-expert-chunks taper) */
+	bool experts_apart;	/* CUDA, one token: each expert the GPU keeps launched at its visit
+				 * (--experts-apart), not a layer's together at moe_end */
 };
 
 /* Where a weight tensor's bytes can be read. */
@@ -193,6 +195,9 @@ struct ffn_split {
 struct group_weights {
 	struct weight_tensor t[ROLE_COUNT];
 	struct ffn_split split;
+	bool resident;	/* the device copy stays where it is to the step's end (the GPU window keeps
+			 * the group): a backend may still read it after the group's release, as the
+			 * CUDA backend does with a layer's kept experts (launched together at moe_end) */
 };
 
 /* What r of a split FFN must be a multiple of, for a down projection in format `down`: its block

@@ -25,6 +25,7 @@ static int copy_group(struct gpu_window *w, uint32_t g, void *dev, const void *h
 static int fill_device(struct gpu_window *w, uint32_t g, void *dev, struct group_weights *gw)
 {
 	weights_fill_at(&w->base, g, PLACE_DEVICE, dev, w->dev_off, w->g[w->embed_group].dev, gw);
+	gw->resident = w->g[g].resident;
 	return gw_split_fill(w, g, gw);
 }
 

@@ -116,7 +116,8 @@ static int setup(struct runner *r)
 					.cpu_pool = r->cpu_pool,
 					.cpu_handoff = r->cpu_handoff,
 					.cpu_result_mapped = r->cpu_result_mapped,
-					.cpu_expert_taper = r->cpu_expert_taper};
+					.cpu_expert_taper = r->cpu_expert_taper,
+					.experts_apart = r->experts_apart};
 	r->arena_block_bytes = backend_kv_block_bytes(r->backend_name, &r->cfg, &r->bp);
 	r->pool_block_bytes = ALIGN_UP((uint64_t)r->arena_block_bytes, 4096);
 	/* Blocks are reused only by a runner that would compute the same bytes: same model, same
@@ -235,6 +236,9 @@ int main(int argc, char **argv)
 		 "mixture of experts, decode: copy the GPU's share of a later layer's streamed experts before its "
 		 "routing, from its last routing (one chosen that was not copied goes to the CPU; acts with --cpu-share "
 		 "on and the experts in DRAM); false: a layer's experts copied only after its routing"},
+		{"experts-apart", OPT_BOOL, &r.experts_apart, NULL,
+		 "mixture of experts, cuda, decode: launch each expert the GPU keeps on its own (two products "
+		 "each), not a layer's kept experts together in two launches"},
 		{"fixed-experts", OPT_BOOL, &r.fixed_experts, NULL,
 		 "keep the experts the first plan made resident (table order): no new plan from the routing counted"},
 		{"fixed-split", OPT_BOOL, &r.fixed_split, NULL,

@@ -379,6 +379,21 @@ class Table(unittest.TestCase):
                       "span median, and the parts' time waiting between phases; waiting parts spinning 0.150 ms (70.0 "
                       "GB/s, 9.0%)) | 0.134 ms (79.2 GB/s, 8.5%) | - | - | - |", rows[2])
 
+    def test_mres_rows(self):
+        """M1R's row against the active parameters' bytes at the HBM rate, with the --experts-apart run beside
+        it where the record has one."""
+        lim = {"hbm_bytes_per_s": 4e12}
+        w = {"bytes_per_token": 4e9, "experts": 128, "experts_used": 8, "expert_bytes": 3.2e9, "matrix_params": 2e9}
+        rec = {"gen": {"decode_ms": 4.0}, "weights": w}
+        rows = bench.ROWS["M1R"](rec, lim)
+        self.assertEqual(len(rows), 1)
+        self.assertNotIn("--experts-apart", rows[0])
+        rec["apart"] = {"gen": {"decode_ms": 5.5}, "weights": w}
+        rows = bench.ROWS["M1R"](rec, lim)
+        self.assertIn("all resident; each expert launched on its own (--experts-apart): 5.50 ms/token) | 4.00 ms/token", rows[0])
+        rec["apart"] = {"failed": True}
+        self.assertIn("--experts-apart failed (see logs)", bench.ROWS["M1R"](rec, lim)[0])
+
     def test_d1_rows(self):
         """D1's rows: the two-link limit is the larger rank's copy time, the one-after-the-other one the sum."""
         ranks = [{"streamed_bytes_per_token": 5e9, "h2d_bytes_per_s": 50e9, "window_bytes": 2**30, "layer0": 0,

@@ -300,6 +300,9 @@ enum gemv_mode {
 	GEMV_ADD = 1,	  /* out[0][o] += y (residual) */
 	GEMV_SWIGLU = 2,  /* act[o] = silu(W0 x) * (W1 x), in the activation dtype */
 };
+/* Or'ed into the MODE of a quantized one-token kernel: several matrices (qgemv_args.m), a kernel
+ * of its own so that the one-matrix kernels' registers are what they were. */
+#define GEMV_MATS_BIT 4
 
 /* The activation dtype of a weight format: a block format multiplies BF16 activations (cuBLAS
  * takes the dequantized BF16 rows with them), an element format its own dtype. The matrices of
@@ -309,14 +312,31 @@ static inline uint32_t act_dtype(uint32_t fmt)
 	return dtype_is_element((enum dtype)fmt) ? fmt : (uint32_t)DT_BF16;
 }
 
+/* Several matrices of one shape and format in one launch of a one-token product: a layer's
+ * chosen experts that the GPU keeps (moe.cu), each with an x and an output of its own. Block b of
+ * the grid computes matrix b / blocks, its rows as a launch of that matrix alone with `blocks`
+ * blocks would, so each result is that launch's. n == 0: one matrix, as the product's own fields
+ * say (w, out, x, act); else those are not read, and the product has one part (STORE or SWIGLU). */
+#define GEMV_MATS 8
+struct gemv_mats {
+	uint32_t n;			/* matrices, 0..GEMV_MATS */
+	uint32_t blocks;		/* blocks of the grid each (filled in by the launch) */
+	const void *w[GEMV_MATS];	/* each one's weights (SWIGLU: gate) */
+	const void *w2[GEMV_MATS];	/* SWIGLU: each one's up */
+	const void *x[GEMV_MATS];	/* each one's x (in) in the activation dtype, 16-byte aligned */
+	float *out[GEMV_MATS];		/* STORE: each one's output row */
+	void *act[GEMV_MATS];		/* SWIGLU: each one's output row */
+};
+
 struct gemv_args {
 	const void *w[3];	/* (rows[p], in) row-major */
 	float *out[3];
 	uint32_t rows[3];
-	uint32_t total;		/* rows over all parts (SWIGLU: rows of one) */
+	uint32_t total;		/* rows over all parts (SWIGLU: rows of one); of one matrix with m.n */
 	uint32_t in8;		/* in / 8: 16-byte chunks per row */
 	const void *x;		/* (in) in the weight dtype */
 	void *act;		/* SWIGLU output */
+	struct gemv_mats m;	/* several matrices (m.n > 0) instead of w, out, x, act */
 };
 
 struct mm_part {
@@ -359,6 +379,8 @@ struct qgemv_args {
 	const __nv_bfloat16 *x;	/* (n, in) */
 	__nv_bfloat16 *act;	/* SWIGLU output (rows of one part) */
 	struct xsrc src;	/* the integer path's x: x itself unless src.kind says otherwise */
+	struct gemv_mats m;	/* several matrices (m.n > 0; the integer path, x its own, src XSRC_ACT):
+				 * total, rows[0] and groups are then one matrix's */
 	/* Filled in by qgemv_launch: */
 	uint32_t nb;		/* blocks per row */
 	uint32_t steps;		/* warp steps per row */
@@ -374,6 +396,9 @@ void gemv_launch(uint32_t wt, int rows_per_warp, const gemv_args &g, int mode, b
 cudaError_t qgemv_init(void);
 /* Can the quantized GEMV take this product: n <= QGEMV_MAX_TOKENS tokens, the GEMV on
  * (backend_params.gemv), whole blocks per row, tensors aligned for the format's loads? */
+/* Would a one-token product of format fmt on x take the integer path (gemv_dp4a.cuh, the quantized
+ * path that takes several matrices, qgemv_args.m)? */
+bool qgemv_integer(const struct backend_dev *be, uint32_t fmt, uint32_t in, const void *x);
 bool qgemv_fits(const struct backend_dev *be, uint32_t fmt, uint32_t in, uint32_t n, const struct mm_part *parts,
 		uint32_t np);
 /* Would a one-token product of these parts (each part's format its own) take the integer path
@@ -398,6 +423,25 @@ int matmul(struct backend_dev *be, uint32_t at, const void *x, const struct xsrc
  * matmul's. */
 int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[2], const void *x,
 		   const struct xsrc *src, uint32_t in, uint32_t n, void *act, const char *what);
+
+/* One token's product through an expert (gate, up: (F, dim); down: (dim, F)), for experts_batch. */
+struct mm_expert {
+	struct mm_part gate, up, down;	/* down.out: the expert's output row (dim float32) */
+	void *act;			/* its SwiGLU row (F values in the activation dtype), 16-byte aligned */
+};
+/* Can experts_batch take this expert: gate and up of one format, down of one with the same
+ * activation dtype, each product a one-token GEMV kernel that takes several matrices (BF16/F16, or
+ * the integer path's Q4_K, Q6_K, Q8_0), x 16-byte aligned? */
+bool expert_batch_fits(const struct backend_dev *be, const struct mm_expert *e, uint32_t dim, uint32_t F,
+		       const void *x);
+/* Can b join a batch whose first expert is a (the same formats and row sizes)? */
+bool expert_batch_joins(const struct mm_expert *a, const struct mm_expert *b);
+/* The one-token products of n (1..GEMV_MATS) experts that expert_batch_fits and join one batch,
+ * x (dim values in the activation dtype) their common input: act_j = SiLU(gate_j x) * (up_j x) in
+ * one launch, then down_j act_j into their rows in another; each result is that of the expert's
+ * own swiglu_product and matmul. */
+int experts_batch(struct backend_dev *be, const struct mm_expert *e, uint32_t n, const void *x, uint32_t dim,
+		  uint32_t F);
 
 /* ---- norm_rope.cu -------------------------------------------------------------------------- */
 

@@ -2,8 +2,8 @@
  * one matrix product through the backend's own dispatch (the kernels a forward step uses for
  * that format and token count: the quantized GEMV, or dequantization and cuBLAS), and a read of
  * the residual stream after embed; for test_cuda_ffn_split.c, a failure of the CPU share, and for
- * test_cuda_moe_cpu.c one of a routed expert computed by the CPU. C
- * callable; built with the CUDA backend only. */
+ * test_cuda_moe_cpu.c one of a routed expert computed by the CPU; for test_cuda_experts.c a layer's
+ * experts computed together and apart. C callable; built with the CUDA backend only. */
 #ifndef GPU_RUNNER_CUDA_TEST_H
 #define GPU_RUNNER_CUDA_TEST_H
 #include <stddef.h>
@@ -34,6 +34,22 @@ struct cuda_test_product {
  * a "cuda" backend. Returns 0, or -EINVAL (another backend, zero sizes), -ENOMEM, -EIO, -ENOTSUP
  * with a message in err. */
 int cuda_test_matmul(struct backend *be, const struct cuda_test_product *t, char *err, size_t errlen);
+/* Up to GEMV_MATS (8) experts of one token, computed together (experts_batch: one launch for their
+ * gate/up, one for their down) and each on its own (swiglu_product, matmul), as cuda/moe.cu does
+ * either way. */
+struct cuda_test_experts {
+	uint32_t gate_format;	/* enum dtype of gate and up */
+	uint32_t down_format;	/* enum dtype of down (the same activation dtype) */
+	uint32_t n, dim, F;	/* experts; gate/up (F, dim) each, down (dim, F) */
+	const void *gate[8], *up[8], *down[8]; /* device memory, rows packed */
+	const float *x;		/* host (dim): rounded to the activation dtype as the backend rounds it */
+	float *together;	/* host (n, dim): each expert's down row, computed together */
+	float *apart;		/* host (n, dim): the same, each on its own */
+};
+/* Runs both on be's compute stream with buffers of its own and waits. Returns 0, -ENOTSUP where
+ * the experts cannot go together (expert_batch_fits), or -EINVAL, -ENOMEM, -EIO with a message in
+ * err. */
+int cuda_test_experts_together(struct backend *be, const struct cuda_test_experts *t, char *err, size_t errlen);
 /* Copies rows [0, n) of the residual stream (n x dim float32, what embed wrote) to host out
  * and waits. Returns 0 or -EINVAL / -EIO with a message in err. */
 int cuda_test_residual(struct backend *be, float *out, uint32_t n, char *err, size_t errlen);

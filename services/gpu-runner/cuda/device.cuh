@@ -94,6 +94,18 @@ static __device__ __forceinline__ void grid_launch_next(void)
 	asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+/* v[j] for a run-time j, by branches: a run-time index into a kernel's parameters would copy them
+ * to local memory. */
+template <typename T, int N> static __device__ __forceinline__ T pick_mat(const T (&v)[N], uint32_t j)
+{
+	T r = v[0];
+#pragma unroll
+	for (int i = 1; i < N; i++)
+		if (j == (uint32_t)i)
+			r = v[i];
+	return r;
+}
+
 /* silu(g) * u as the reference: silu in double rounded to float32, then the float32 product. */
 static __device__ __forceinline__ float silu_mul(float g, float u)
 {

@@ -1,7 +1,8 @@
 /* gemv.cu - the matrix-vector kernel of decode steps (one token, BF16 or F16 weights): each warp
  * streams one weight row (or two) with 16-byte loads, several in flight, and the kernel fuses
  * what follows the product (the residual add of o_proj and down_proj; SiLU(gate) * up, written
- * in the weight dtype). On an H100 one row per warp was the fastest. */
+ * in the weight dtype). On an H100 one row per warp was the fastest. Several matrices of one shape
+ * (a layer's experts, gemv_args.m) go in one launch, a run of blocks each. */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"
 
@@ -32,10 +33,25 @@ static __device__ __forceinline__ void dot8(float &acc, const uint4 &w, const ui
 /* Each warp computes R output rows: lanes stride the rows in 16-byte chunks, GEMV_UNROLL loads
  * per row in flight (weights are read once per token: streaming loads; x stays in L1 and is
  * shared by the R rows). The sums run in the same order for any R. */
-template <typename T, int MODE, int R>
+template <typename T, int MODE, int R, bool M>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(const gemv_args a)
 {
-	const uint32_t warp = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+	uint32_t block = blockIdx.x;
+	const void *w0 = a.w[0], *w1 = a.w[1], *xp = a.x;
+	float *out0 = a.out[0];
+	void *actp = a.act;
+	if (M) {
+		/* Several matrices (a kernel of its own: the others' registers stay as they were): this
+		 * block's, and its place among that one's blocks. */
+		const uint32_t j = block / a.m.blocks;
+		block -= j * a.m.blocks;
+		w0 = pick_mat(a.m.w, j);
+		w1 = pick_mat(a.m.w2, j);
+		xp = pick_mat(a.m.x, j);
+		out0 = pick_mat(a.m.out, j);
+		actp = pick_mat(a.m.act, j);
+	}
+	const uint32_t warp = block * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
 	const uint32_t row0 = warp * R;
 	grid_launch_next();
 	if (row0 >= a.total)
@@ -54,10 +70,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(const gemv_args a
 				o -= a.rows[p++];
 		/* Branches, not a.w[p]: a run-time index into the parameters would copy them to
 		 * local memory. */
-		const void *wp = p == 0 ? a.w[0] : p == 1 ? a.w[1] : a.w[2];
+		const void *wp = p == 0 ? w0 : p == 1 ? a.w[1] : a.w[2];
 		wr[r] = (const uint4 *)wp + (size_t)o * in8;
-		ur[r] = MODE == GEMV_SWIGLU ? (const uint4 *)a.w[1] + (size_t)o * in8 : wr[r];
-		dst[r] = p == 0 ? a.out[0] : p == 1 ? a.out[1] : a.out[2];
+		ur[r] = MODE == GEMV_SWIGLU ? (const uint4 *)w1 + (size_t)o * in8 : wr[r];
+		dst[r] = p == 0 ? out0 : p == 1 ? a.out[1] : a.out[2];
 		orow[r] = o;
 	}
 	/* The first bytes of the rows come into L2 while the kernel before finishes. */
@@ -68,7 +84,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(const gemv_args a
 			asm volatile("prefetch.global.L2 [%0];" ::"l"(ur[r] + lane * 4));
 	}
 	grid_wait();
-	const uint4 *x = (const uint4 *)a.x;
+	const uint4 *x = (const uint4 *)xp;
 	float s[R][2], u[R][2];
 #pragma unroll
 	for (int r = 0; r < R; r++)
@@ -112,22 +128,32 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(const gemv_args a
 			if (MODE == GEMV_STORE)
 				dst[r][orow[r]] = sr;
 			else if (MODE == GEMV_ADD)
-				a.out[0][orow[r]] = __fadd_rn(a.out[0][orow[r]], sr);
+				out0[orow[r]] = __fadd_rn(out0[orow[r]], sr);
 			else
-				((T *)a.act)[orow[r]] = from_f32<T>(silu_mul(sr, su));
+				((T *)actp)[orow[r]] = from_f32<T>(silu_mul(sr, su));
 		}
 	}
 }
 
-template <typename T, int R> static void gemv_launch_r(const gemv_args &g, int mode, bool pdl, cudaStream_t s)
+template <typename T, int R> static void gemv_launch_r(const gemv_args &ga, int mode, bool pdl, cudaStream_t s)
 {
+	gemv_args g = ga;
 	uint32_t blocks = (g.total + GEMV_WARPS * R - 1) / (GEMV_WARPS * R);
+	if (g.m.n) {
+		g.m.blocks = blocks;
+		blocks *= g.m.n;
+		if (mode == GEMV_SWIGLU)
+			launch_k(pdl, gemv_kernel<T, GEMV_SWIGLU, R, true>, blocks, GEMV_WARPS * 32, 0, s, g);
+		else
+			launch_k(pdl, gemv_kernel<T, GEMV_STORE, R, true>, blocks, GEMV_WARPS * 32, 0, s, g);
+		return;
+	}
 	if (mode == GEMV_STORE)
-		launch_k(pdl, gemv_kernel<T, GEMV_STORE, R>, blocks, GEMV_WARPS * 32, 0, s, g);
+		launch_k(pdl, gemv_kernel<T, GEMV_STORE, R, false>, blocks, GEMV_WARPS * 32, 0, s, g);
 	else if (mode == GEMV_ADD)
-		launch_k(pdl, gemv_kernel<T, GEMV_ADD, R>, blocks, GEMV_WARPS * 32, 0, s, g);
+		launch_k(pdl, gemv_kernel<T, GEMV_ADD, R, false>, blocks, GEMV_WARPS * 32, 0, s, g);
 	else
-		launch_k(pdl, gemv_kernel<T, GEMV_SWIGLU, R>, blocks, GEMV_WARPS * 32, 0, s, g);
+		launch_k(pdl, gemv_kernel<T, GEMV_SWIGLU, R, false>, blocks, GEMV_WARPS * 32, 0, s, g);
 }
 
 void gemv_launch(uint32_t wt, int rows_per_warp, const gemv_args &g, int mode, bool pdl, cudaStream_t s)

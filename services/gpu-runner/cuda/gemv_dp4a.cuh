@@ -98,10 +98,10 @@ struct dq_raw {
 	float l;      /* ATTN: the head's sum */
 };
 
-template <int K> static __device__ __forceinline__ void dq_load8(const qgemv_args &a, uint32_t i, dq_raw &r)
+template <int K, bool M> static __device__ __forceinline__ void dq_load8(const qgemv_args &a, uint32_t i, dq_raw &r)
 {
 	if (K == XSRC_ACT) {
-		r.a = __ldg((const uint4 *)a.x + i);
+		r.a = __ldg((const uint4 *)(M ? pick_mat(a.m.x, qg_mat(a)) : a.x) + i);
 		return;
 	}
 	const uint4 *v = (const uint4 *)(K == XSRC_NORM ? a.src.res : a.src.acc);
@@ -169,7 +169,7 @@ static __device__ __forceinline__ void dq_x8(const qgemv_args &a, const dq_raw &
  * order), xd and xs. Every thread of the block calls it. A thread takes 8 values, 4 threads a
  * group; the loads of U such chunks per thread are issued before any is converted (U: what the
  * registers allow beside the kernel's item buffers). */
-template <int F, int K, uint32_t U>
+template <int F, int K, uint32_t U, bool M>
 static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
 {
 	const uint32_t n8 = a.in / 8;
@@ -180,7 +180,7 @@ static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *
 		for (uint32_t u = 0; u < U; u++) {
 			const uint32_t i = base + u * QG_THREADS + threadIdx.x;
 			if (i < n8)
-				dq_load8<K>(a, i, raw[u]);
+				dq_load8<K, M>(a, i, raw[u]);
 		}
 #pragma unroll
 		for (uint32_t u = 0; u < U; u++) {
@@ -225,18 +225,20 @@ static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *
 	}
 }
 
-/* dq_stage_k for a.src.kind; ends with a barrier. */
-template <int F> static __device__ void dq_stage(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
+/* dq_stage_k for a.src.kind (M: several matrices, x the block's matrix's); ends with a barrier. */
+template <int F, bool M> static __device__ void dq_stage(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
 {
 	/* Q6_K's item buffers take the most registers (80 without spills at 3 blocks a
 	 * multiprocessor): fewer loads in flight there. */
 	constexpr uint32_t UA = F == DT_Q6_K ? 2 : 4, UN = F == DT_Q6_K ? 1 : 2;
-	if (a.src.kind == XSRC_NORM)
-		dq_stage_k<F, XSRC_NORM, UN>(a, xq, xd, xs);
+	if (M)
+		dq_stage_k<F, XSRC_ACT, UA, true>(a, xq, xd, xs);
+	else if (a.src.kind == XSRC_NORM)
+		dq_stage_k<F, XSRC_NORM, UN, false>(a, xq, xd, xs);
 	else if (a.src.kind == XSRC_ATTN)
-		dq_stage_k<F, XSRC_ATTN, UN>(a, xq, xd, xs);
+		dq_stage_k<F, XSRC_ATTN, UN, false>(a, xq, xd, xs);
 	else
-		dq_stage_k<F, XSRC_ACT, UA>(a, xq, xd, xs);
+		dq_stage_k<F, XSRC_ACT, UA, false>(a, xq, xd, xs);
 	__syncthreads();
 }
 
@@ -352,11 +354,11 @@ static __device__ __forceinline__ void dq_item(const qgemv_args &a, uint32_t k, 
 					       const float *xs, float *acc, float *acc2)
 {
 	typedef qg<F> T;
-	const uint32_t s = MODE == GEMV_SWIGLU ? k >> 1 : k;
+	const uint32_t s = (MODE & 3) == GEMV_SWIGLU ? k >> 1 : k;
 	const uint32_t b = s * T::BPS + lane / T::LPB;
 	if (b < a.nb) {
 		const float y = dq<F>::dot(d, b, lane % T::LPB, xq, xd, xs);
-		if (MODE == GEMV_SWIGLU && (k & 1))
+		if ((MODE & 3) == GEMV_SWIGLU && (k & 1))
 			acc2[0] += y;
 		else
 			acc[0] += y;
@@ -386,7 +388,7 @@ static __device__ __forceinline__ bool dq_stream(const qgemv_args &a, qg_cursor<
 /* Blocks per multiprocessor the registers are capped for: 4 blocks of 256 threads (64 registers)
  * where the three buffers fit them without spills (Q8_0; Q4_K but SwiGLU), else 3 (85 registers). */
 template <int F, int MODE> struct dq_occ {
-	static constexpr int MIN_BLOCKS = F == DT_Q8_0 || (F == DT_Q4_K && MODE != GEMV_SWIGLU) ? 4 : 3;
+	static constexpr int MIN_BLOCKS = F == DT_Q8_0 || (F == DT_Q4_K && (MODE & 3) != GEMV_SWIGLU) ? 4 : 3;
 };
 
 /* One token, x staged whole as int8 (dq_smem(in) bytes of shared memory), three item buffers a warp. */
@@ -400,20 +402,20 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_occ<F, MODE>::MIN_BLOCKS)) dq_
 	const uint32_t wid = threadIdx.x / 32, lane = threadIdx.x % 32;
 	float acc[1] = {0.0f}, acc2[1] = {0.0f};
 	qg_row<MODE> cur;
-	const bool live = cur.at(a, blockIdx.x, wid);
+	const bool live = cur.at(a, qg_first_group<MODE>(a), wid);
 	qg_cursor<MODE> at = {cur, 0, live}, ld = at;
 	D d0, d1, d2;
 	grid_launch_next();
 	if (live) {
 		/* The first row's bytes (up to 8 KiB) start coming into L2 as well. */
 		prefetch_l2(cur.row, a.row_bytes, lane);
-		if (MODE == GEMV_SWIGLU)
+		if ((MODE & 3) == GEMV_SWIGLU)
 			prefetch_l2(cur.row2, a.row_bytes, lane);
 	}
 	/* x is quantized with the registers to itself (its loads in flight together); the first
 	 * items' bytes come from L2 after it. */
 	grid_wait();
-	dq_stage<F>(a, xq, xd, xs);
+	dq_stage<F, (MODE & GEMV_MATS_BIT) != 0>(a, xq, xd, xs);
 	if (!live)
 		return;
 	if (ld.live) {
@@ -529,10 +531,10 @@ static __device__ __forceinline__ void dq_sm_issue(const qgemv_args &a, const qg
 {
 	typedef qg<F> T;
 	if (c.live) {
-		const uint32_t s = MODE == GEMV_SWIGLU ? c.k >> 1 : c.k;
+		const uint32_t s = (MODE & 3) == GEMV_SWIGLU ? c.k >> 1 : c.k;
 		const uint32_t b0 = s * T::BPS, nblk = min(T::BPS, a.nb - b0);
 		const uint32_t bytes = nblk * T::BB;
-		const uint8_t *src = (MODE == GEMV_SWIGLU && (c.k & 1) ? c.r.row2 : c.r.row) + (size_t)b0 * T::BB;
+		const uint8_t *src = ((MODE & 3) == GEMV_SWIGLU && (c.k & 1) ? c.r.row2 : c.r.row) + (size_t)b0 * T::BB;
 		constexpr uint32_t FULL = T::BPS * T::BB; /* a whole step: a multiple of 16 in every format */
 		static_assert(FULL % 16 == 0, "a whole step is whole 16-byte chunks");
 		if (bytes == FULL) {
@@ -556,13 +558,13 @@ static __device__ __forceinline__ void dq_sm_item(const qgemv_args &a, uint32_t 
 						  float *acc2)
 {
 	typedef qg<F> T;
-	const uint32_t s = MODE == GEMV_SWIGLU ? k >> 1 : k;
+	const uint32_t s = (MODE & 3) == GEMV_SWIGLU ? k >> 1 : k;
 	const uint32_t j = lane / T::LPB, b = s * T::BPS + j;
 	if (b < a.nb) {
 		typename T::data d;
 		sq<F>::load(st + j * T::BB, lane % T::LPB, d);
 		const float y = dq<F>::dot(d, b, lane % T::LPB, xq, xd, xs);
-		if (MODE == GEMV_SWIGLU && (k & 1))
+		if ((MODE & 3) == GEMV_SWIGLU && (k & 1))
 			acc2[0] += y;
 		else
 			acc[0] += y;
@@ -571,7 +573,7 @@ static __device__ __forceinline__ void dq_sm_item(const qgemv_args &a, uint32_t 
 
 /* 4 blocks a multiprocessor (64 registers) but Q4_K's SwiGLU, whose x staging needs more (3). */
 template <int F, int MODE> struct dq_sm_occ {
-	static constexpr int MIN_BLOCKS = F == DT_Q4_K && MODE == GEMV_SWIGLU ? 3 : 4;
+	static constexpr int MIN_BLOCKS = F == DT_Q4_K && (MODE & 3) == GEMV_SWIGLU ? 3 : 4;
 };
 
 template <int F, int MODE>
@@ -585,7 +587,7 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) 
 	uint8_t *ring = (uint8_t *)dq_smem_buf + dq_smem_f<F>(a.in) + (size_t)wid * DQ_STAGES * SB;
 	float acc[1] = {0.0f}, acc2[1] = {0.0f};
 	qg_row<MODE> cur;
-	const bool live = cur.at(a, blockIdx.x, wid);
+	const bool live = cur.at(a, qg_first_group<MODE>(a), wid);
 	qg_cursor<MODE> at = {cur, 0, live}, ld = at;
 	grid_launch_next();
 	/* The first DQ_STAGES - 1 items start coming before the kernel before has finished: weights
@@ -597,7 +599,7 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) 
 			ld.next(a, wid);
 	}
 	grid_wait();
-	dq_stage<F>(a, xq, xd, xs);
+	dq_stage<F, (MODE & GEMV_MATS_BIT) != 0>(a, xq, xd, xs);
 	if (!live) {
 		cp_async_wait<0>();
 		return;

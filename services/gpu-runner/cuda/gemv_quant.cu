@@ -29,6 +29,7 @@
 #include "services/gpu-runner/cuda/quant.cuh"
 
 #include <assert.h>
+#include <string.h>
 
 #define QG_THREADS (QG_WARPS * 32)
 
@@ -403,6 +404,23 @@ static __device__ __forceinline__ void prefetch_l2(const uint8_t *p, uint64_t by
 
 /* The row a warp computes in row group rg: part p, row o of it, its bytes (row2: up's row of
  * SwiGLU). False past the last row. */
+/* Several matrices (MODE & GEMV_MATS_BIT): the one block b computes, b / a.m.blocks. */
+static __device__ __forceinline__ uint32_t qg_mat(const qgemv_args &a)
+{
+	return blockIdx.x / a.m.blocks;
+}
+
+/* The block's first row group, and the step to its next (of its own matrix with several). */
+template <int MODE> static __device__ __forceinline__ uint32_t qg_first_group(const qgemv_args &a)
+{
+	return (MODE & GEMV_MATS_BIT) ? blockIdx.x % a.m.blocks : blockIdx.x;
+}
+
+template <int MODE> static __device__ __forceinline__ uint32_t qg_group_step(const qgemv_args &a)
+{
+	return (MODE & GEMV_MATS_BIT) ? a.m.blocks : gridDim.x;
+}
+
 template <int MODE> struct qg_row {
 	uint32_t rg, p, o;
 	const uint8_t *row, *row2;
@@ -415,14 +433,20 @@ template <int MODE> struct qg_row {
 			return false;
 		p = 0;
 		o = r;
-		if (MODE != GEMV_SWIGLU)
+		if (MODE & GEMV_MATS_BIT) {
+			const uint32_t j = qg_mat(a);
+			row = (const uint8_t *)pick_mat(a.m.w, j) + (size_t)o * a.row_bytes;
+			row2 = (MODE & 3) == GEMV_SWIGLU ? (const uint8_t *)pick_mat(a.m.w2, j) + (size_t)o * a.row_bytes : row;
+			return true;
+		}
+		if ((MODE & 3) != GEMV_SWIGLU)
 			while (p < 2 && o >= a.rows[p])
 				o -= a.rows[p++];
 		/* Branches, not a.w[p]: a run-time index into the parameters would copy them to
 		 * local memory. */
 		const uint8_t *wp = p == 0 ? a.w[0] : p == 1 ? a.w[1] : a.w[2];
 		row = wp + (size_t)o * a.row_bytes;
-		row2 = MODE == GEMV_SWIGLU ? a.w[1] + (size_t)o * a.row_bytes : row;
+		row2 = (MODE & 3) == GEMV_SWIGLU ? a.w[1] + (size_t)o * a.row_bytes : row;
 		return true;
 	}
 };
@@ -435,16 +459,20 @@ static __device__ __forceinline__ void qg_finish(const qgemv_args &a, uint32_t p
 #pragma unroll
 	for (int t = 0; t < NT; t++) {
 		const float y = warp_sum(acc[t]);
-		const float u = MODE == GEMV_SWIGLU ? warp_sum(acc2[t]) : 0.0f;
+		const float u = (MODE & 3) == GEMV_SWIGLU ? warp_sum(acc2[t]) : 0.0f;
 		acc[t] = acc2[t] = 0.0f;
 		if (lane == 0 && (uint32_t)t < a.n) {
-			float *dst = p == 0 ? a.out[0] : p == 1 ? a.out[1] : a.out[2];
-			if (MODE == GEMV_STORE)
+			float *dst = (MODE & GEMV_MATS_BIT) ? pick_mat(a.m.out, qg_mat(a))
+				     : p == 0		    ? a.out[0]
+				     : p == 1		    ? a.out[1]
+							    : a.out[2];
+			if ((MODE & 3) == GEMV_STORE)
 				dst[(size_t)t * a.ldc + o] = y;
-			else if (MODE == GEMV_ADD)
+			else if ((MODE & 3) == GEMV_ADD)
 				a.out[0][(size_t)t * a.ldc + o] = __fadd_rn(a.out[0][(size_t)t * a.ldc + o], y);
 			else
-				a.act[o] = __float2bfloat16_rn(silu_mul(y, u));
+				((MODE & GEMV_MATS_BIT) ? (__nv_bfloat16 *)pick_mat(a.m.act, qg_mat(a)) : a.act)[o] =
+					__float2bfloat16_rn(silu_mul(y, u));
 		}
 	}
 }
@@ -453,7 +481,7 @@ static __device__ __forceinline__ void qg_finish(const qgemv_args &a, uint32_t p
  * gate for even k, of up for odd k), so a warp holds the bytes of two items, not four. */
 template <int MODE> static __device__ __forceinline__ uint32_t qg_items(const qgemv_args &a)
 {
-	return MODE == GEMV_SWIGLU ? 2 * a.steps : a.steps;
+	return (MODE & 3) == GEMV_SWIGLU ? 2 * a.steps : a.steps;
 }
 
 /* The block bytes a lane reads for item k of a row. */
@@ -462,9 +490,9 @@ static __device__ __forceinline__ void qg_load(const qgemv_args &a, const qg_row
 					       typename qg<F>::data &d)
 {
 	typedef qg<F> T;
-	const uint32_t s = MODE == GEMV_SWIGLU ? k >> 1 : k;
+	const uint32_t s = (MODE & 3) == GEMV_SWIGLU ? k >> 1 : k;
 	const uint32_t b = s * T::BPS + lane / T::LPB;
-	const uint8_t *row = MODE == GEMV_SWIGLU && (k & 1) ? w.row2 : w.row;
+	const uint8_t *row = (MODE & 3) == GEMV_SWIGLU && (k & 1) ? w.row2 : w.row;
 	if (b < a.nb)
 		T::load(row + (size_t)b * T::BB, lane % T::LPB, d);
 }
@@ -476,12 +504,12 @@ static __device__ __forceinline__ void qg_dot(const qgemv_args &a, uint32_t k, u
 					      uint32_t xstride, uint32_t mstride, float *acc, float *acc2)
 {
 	typedef qg<F> T;
-	const uint32_t s = MODE == GEMV_SWIGLU ? k >> 1 : k;
+	const uint32_t s = (MODE & 3) == GEMV_SWIGLU ? k >> 1 : k;
 	const uint32_t b = s * T::BPS + lane / T::LPB;
 	if (b < a.nb) {
 		const float4 *x0 = xs + ((size_t)sl * 32 + lane) * T::PPL, *m0 = xsum + sl * 32 + lane;
 		T::template dot<NT>(d, lane % T::LPB, x0, xstride, m0, mstride, lane & 7,
-				    MODE == GEMV_SWIGLU && (k & 1) ? acc2 : acc);
+				    (MODE & 3) == GEMV_SWIGLU && (k & 1) ? acc2 : acc);
 	}
 }
 
@@ -495,7 +523,7 @@ template <int MODE> struct qg_cursor {
 	{
 		if (++k == qg_items<MODE>(a)) {
 			k = 0;
-			live = r.at(a, r.rg + gridDim.x, wid);
+			live = r.at(a, r.rg + qg_group_step<MODE>(a), wid);
 		}
 	}
 };
@@ -525,7 +553,7 @@ static __device__ __forceinline__ bool qg_stream(const qgemv_args &a, qg_cursor<
 		ld.next(a, wid);
 	}
 	const uint32_t k = at.k;
-	qg_dot<F, NT, MODE>(a, k, MODE == GEMV_SWIGLU ? k >> 1 : k, lane, cd, xs, xsum, xstride, mstride, acc, acc2);
+	qg_dot<F, NT, MODE>(a, k, (MODE & 3) == GEMV_SWIGLU ? k >> 1 : k, lane, cd, xs, xsum, xstride, mstride, acc, acc2);
 	if (k + 1 == qg_items<MODE>(a))
 		qg_finish<NT, MODE>(a, at.r.p, at.r.o, lane, acc, acc2);
 	at.next(a, wid);
@@ -546,12 +574,12 @@ template <int F, int NT, int MODE> __global__ void __launch_bounds__(QG_THREADS)
 	for (int t = 0; t < NT; t++)
 		acc[t] = acc2[t] = 0.0f;
 	qg_row<MODE> cur;
-	bool live = cur.at(a, blockIdx.x, wid);
+	bool live = cur.at(a, qg_first_group<MODE>(a), wid);
 	grid_launch_next();
 	if (live) {
 		/* The first row's bytes start coming while x is staged. */
 		prefetch_l2(cur.row, a.row_bytes, lane);
-		if (MODE == GEMV_SWIGLU)
+		if ((MODE & 3) == GEMV_SWIGLU)
 			prefetch_l2(cur.row2, a.row_bytes, lane);
 	}
 
@@ -596,7 +624,7 @@ template <int F, int NT, int MODE> __global__ void __launch_bounds__(QG_THREADS)
 			if (!live)
 				continue;
 			const uint32_t s0 = tile * ts, cnt = min(ts, a.steps - s0);
-			const uint32_t per = MODE == GEMV_SWIGLU ? 2 : 1; /* items per step */
+			const uint32_t per = (MODE & 3) == GEMV_SWIGLU ? 2 : 1; /* items per step */
 			for (uint32_t k = s0 * per; k < (s0 + cnt) * per; k++) {
 				D d0;
 				qg_load<F, MODE>(a, cur, k, lane, d0);
@@ -656,14 +684,22 @@ template <int F> static cudaError_t allow_dq(void)
 	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_ADD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
 				      (int)DQ_SM_SMEM_MAX)) ||
 	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_SWIGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)DQ_SM_SMEM_MAX)))
+				      (int)DQ_SM_SMEM_MAX)) ||
+	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_STORE | GEMV_MATS_BIT>,
+				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DQ_SM_SMEM_MAX)) ||
+	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_SWIGLU | GEMV_MATS_BIT>,
+				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DQ_SM_SMEM_MAX)))
 		return e;
 	if ((e = cudaFuncSetAttribute(dq_kernel<F, GEMV_STORE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
 				      (int)QG_SMEM_MAX)) ||
 	    (e = cudaFuncSetAttribute(dq_kernel<F, GEMV_ADD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
 				      (int)QG_SMEM_MAX)) ||
 	    (e = cudaFuncSetAttribute(dq_kernel<F, GEMV_SWIGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)QG_SMEM_MAX)))
+				      (int)QG_SMEM_MAX)) ||
+	    (e = cudaFuncSetAttribute(dq_kernel<F, GEMV_STORE | GEMV_MATS_BIT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+				      (int)QG_SMEM_MAX)) ||
+	    (e = cudaFuncSetAttribute(dq_kernel<F, GEMV_SWIGLU | GEMV_MATS_BIT>,
+				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)QG_SMEM_MAX)))
 		return e;
 	return cudaSuccess;
 }
@@ -746,29 +782,45 @@ bool qgemv_fits(const struct backend_dev *be, uint32_t fmt, uint32_t in, uint32_
 	return true;
 }
 
-template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const qgemv_args &a, cudaStream_t s)
+/* The grid of a launch that `cap` blocks fill at once: a block a row group up to it; with several
+ * matrices, an equal run of blocks each (a.m.blocks), together about cap. */
+static unsigned dq_grid(qgemv_args &a, uint32_t cap)
 {
+	if (!a.m.n)
+		return a.groups < cap ? a.groups : cap;
+	uint32_t per = cap / a.m.n;
+	per = per < 1 ? 1 : per > a.groups ? a.groups : per;
+	a.m.blocks = per;
+	return per * a.m.n;
+}
+
+template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const qgemv_args &ga, cudaStream_t s)
+{
+	qgemv_args a = ga;
 	const size_t ssm = dq_sm_smem(F, a.in);
 	bool sm = be->dq_sm && ssm <= DQ_SM_SMEM_MAX && a.row_bytes % 16 == 0;
 	for (uint32_t i = 0; i < 3 && sm; i++)
 		sm = (uintptr_t)a.w[i] % 16 == 0;
+	for (uint32_t j = 0; j < a.m.n && sm; j++)
+		sm = (uintptr_t)a.m.w[j] % 16 == 0 && (uintptr_t)a.m.w2[j] % 16 == 0;
 	if (sm) {
 		const void *fn = (const void *)dq_sm_kernel<F, MODE>;
-		const uint32_t cap = (uint32_t)be->sm_count * resident_blocks(be, fn, ssm);
-		const unsigned grid = a.groups < cap ? a.groups : cap;
+		const unsigned grid = dq_grid(a, (uint32_t)be->sm_count * resident_blocks(be, fn, ssm));
 		launch_k(be->pdl, dq_sm_kernel<F, MODE>, grid, QG_THREADS, ssm, s, a);
 		return;
 	}
 	const size_t smem = dq_smem(a.in);
 	const void *fn = (const void *)dq_kernel<F, MODE>;
-	const uint32_t cap = (uint32_t)be->sm_count * resident_blocks(be, fn, smem);
-	const unsigned grid = a.groups < cap ? a.groups : cap;
+	const unsigned grid = dq_grid(a, (uint32_t)be->sm_count * resident_blocks(be, fn, smem));
 	launch_k(be->pdl, dq_kernel<F, MODE>, grid, QG_THREADS, smem, s, a);
 }
 
 template <int F> static void launch_dq(struct backend_dev *be, const qgemv_args &a, int mode, cudaStream_t s)
 {
-	if (mode == GEMV_SWIGLU)
+	if (a.m.n)
+		mode == GEMV_SWIGLU ? launch_dq_k<F, GEMV_SWIGLU | GEMV_MATS_BIT>(be, a, s)
+				    : launch_dq_k<F, GEMV_STORE | GEMV_MATS_BIT>(be, a, s);
+	else if (mode == GEMV_SWIGLU)
 		launch_dq_k<F, GEMV_SWIGLU>(be, a, s);
 	else if (mode == GEMV_ADD)
 		launch_dq_k<F, GEMV_ADD>(be, a, s);
@@ -780,8 +832,21 @@ template <int F> static void launch_dq(struct backend_dev *be, const qgemv_args 
  * staged whole in shared memory and 16-byte aligned? */
 static bool dq_takes(const struct backend_dev *be, uint32_t fmt, const qgemv_args &a)
 {
+	bool x_ok = (uintptr_t)a.x % 16 == 0;
+	for (uint32_t j = 0; j < a.m.n; j++)
+		x_ok = x_ok && (uintptr_t)a.m.x[j] % 16 == 0;
 	return be->qgemv_dp4a && a.n == 1 && (fmt == DT_Q4_K || fmt == DT_Q6_K || fmt == DT_Q8_0) &&
-	       dq_smem(a.in) <= QG_SMEM_MAX && (uintptr_t)a.x % 16 == 0;
+	       dq_smem(a.in) <= QG_SMEM_MAX && x_ok;
+}
+
+bool qgemv_integer(const struct backend_dev *be, uint32_t fmt, uint32_t in, const void *x)
+{
+	qgemv_args a;
+	memset(&a, 0, sizeof(a));
+	a.n = 1;
+	a.in = in;
+	a.x = (const __nv_bfloat16 *)x;
+	return dq_takes(be, fmt, a);
 }
 
 bool qgemv_fuses_x(const struct backend_dev *be, uint32_t in, const struct mm_part *parts, uint32_t np)
@@ -804,7 +869,8 @@ void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode,
 	a.nb = a.in / dtype_block_elems((enum dtype)fmt);
 	a.steps = (a.in + sv - 1) / sv;
 	a.groups = (a.total + QG_WARPS - 1) / QG_WARPS;
-	assert(a.src.kind == XSRC_ACT || dq_takes(be, fmt, a));
+	assert((a.src.kind == XSRC_ACT && !a.m.n) || dq_takes(be, fmt, a));
+	assert(!a.m.n || (a.m.n <= GEMV_MATS && a.src.kind == XSRC_ACT && mode != GEMV_ADD));
 	if (dq_takes(be, fmt, a)) {
 		a.tile_steps = a.steps;
 		if (fmt == DT_Q4_K)

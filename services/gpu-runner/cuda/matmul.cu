@@ -191,3 +191,106 @@ int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[
 	LAUNCHED(be, "silu_mul_kernel");
 	return 0;
 }
+
+/* ---- a layer's experts, several in one launch (moe.cu) ------------------------------------ */
+
+/* Does the one-token product of p (rows of `in` values) on x go through a kernel that takes
+ * several matrices? */
+static bool batch_part_fits(const struct backend_dev *be, const struct mm_part *p, uint32_t in, const void *x)
+{
+	if ((uintptr_t)x % 16)
+		return false;
+	if (dtype_is_element((enum dtype)p->format))
+		return gemv_fits(be, p->format, in, p, 1) && p->row_bytes == (uint64_t)in * dtype_size((enum dtype)p->format);
+	return qgemv_fits(be, p->format, in, 1, p, 1) && qgemv_integer(be, p->format, in, x);
+}
+
+bool expert_batch_fits(const struct backend_dev *be, const struct mm_expert *e, uint32_t dim, uint32_t F,
+		       const void *x)
+{
+	const uint32_t f = e->gate.format, at = act_dtype(f);
+	return e->up.format == f && e->up.row_bytes == e->gate.row_bytes && act_dtype(e->down.format) == at &&
+	       e->gate.rows == F && e->up.rows == F && e->down.rows == dim && batch_part_fits(be, &e->gate, dim, x) &&
+	       batch_part_fits(be, &e->up, dim, x) && batch_part_fits(be, &e->down, F, e->act);
+}
+
+bool expert_batch_joins(const struct mm_expert *a, const struct mm_expert *b)
+{
+	return a->gate.format == b->gate.format && a->down.format == b->down.format &&
+	       a->gate.row_bytes == b->gate.row_bytes && a->down.row_bytes == b->down.row_bytes &&
+	       a->gate.rows == b->gate.rows && a->down.rows == b->down.rows;
+}
+
+int experts_batch(struct backend_dev *be, const struct mm_expert *e, uint32_t n, const void *x, uint32_t dim,
+		  uint32_t F)
+{
+	assert(n >= 1 && n <= GEMV_MATS);
+	const uint32_t f = e[0].gate.format, d = e[0].down.format;
+	if (dtype_is_element((enum dtype)f)) {
+		gemv_args g;
+		memset(&g, 0, sizeof(g));
+		g.m.n = n;
+		for (uint32_t j = 0; j < n; j++) {
+			g.m.w[j] = e[j].gate.w;
+			g.m.w2[j] = e[j].up.w;
+			g.m.x[j] = x;
+			g.m.act[j] = e[j].act;
+		}
+		g.total = F;
+		g.in8 = dim / 8;
+		gemv_launch(f, be->gemv_rows, g, GEMV_SWIGLU, be->pdl, be->stream);
+		LAUNCHED(be, "gemv_kernel (experts' gate/up)");
+	} else {
+		qgemv_args g;
+		memset(&g, 0, sizeof(g));
+		g.m.n = n;
+		for (uint32_t j = 0; j < n; j++) {
+			g.m.w[j] = e[j].gate.w;
+			g.m.w2[j] = e[j].up.w;
+			g.m.x[j] = x;
+			g.m.act[j] = e[j].act;
+		}
+		g.rows[0] = g.rows[1] = F;
+		g.total = F;
+		g.row_bytes = e[0].gate.row_bytes;
+		g.in = dim;
+		g.n = 1;
+		g.x = (const __nv_bfloat16 *)x;
+		qgemv_launch(be, f, g, GEMV_SWIGLU, be->stream);
+		LAUNCHED(be, "qgemv_kernel (experts' gate/up)");
+	}
+	if (dtype_is_element((enum dtype)d)) {
+		gemv_args g;
+		memset(&g, 0, sizeof(g));
+		g.m.n = n;
+		for (uint32_t j = 0; j < n; j++) {
+			g.m.w[j] = e[j].down.w;
+			g.m.x[j] = e[j].act;
+			g.m.out[j] = e[j].down.out;
+		}
+		g.rows[0] = dim;
+		g.total = dim;
+		g.in8 = F / 8;
+		gemv_launch(d, be->gemv_rows, g, GEMV_STORE, be->pdl, be->stream);
+		LAUNCHED(be, "gemv_kernel (experts' down_proj)");
+	} else {
+		qgemv_args g;
+		memset(&g, 0, sizeof(g));
+		g.m.n = n;
+		for (uint32_t j = 0; j < n; j++) {
+			g.m.w[j] = e[j].down.w;
+			g.m.x[j] = e[j].act;
+			g.m.out[j] = e[j].down.out;
+		}
+		g.rows[0] = dim;
+		g.total = dim;
+		g.row_bytes = e[0].down.row_bytes;
+		g.in = F;
+		g.n = 1;
+		g.ldc = dim;
+		g.x = (const __nv_bfloat16 *)e[0].act;
+		qgemv_launch(be, d, g, GEMV_STORE, be->stream);
+		LAUNCHED(be, "qgemv_kernel (experts' down_proj)");
+	}
+	return 0;
+}

@@ -193,6 +193,7 @@ int moe_setup(struct backend_dev *be)
 	m->k = c->n_experts_used;
 	m->F = c->expert_ffn_dim;
 	size_t mc = be->p.max_chunk, dim = c->dim, wide = dim > m->F ? dim : m->F;
+	m->act_stride = ((size_t)m->F * sizeof(float) + 15) / 16 * 16; /* a row of any activation dtype */
 	int rc;
 	if ((rc = dev_alloc(be, (void **)&m->xn, mc, dim, sizeof(float), "the experts' input rows")) ||
 	    (rc = dev_alloc(be, (void **)&m->logits, mc, m->E, sizeof(float), "router logits")) ||
@@ -200,7 +201,7 @@ int moe_setup(struct backend_dev *be)
 	    (rc = dev_alloc(be, (void **)&m->sum, mc, dim, sizeof(float), "the experts' sum")) ||
 	    (rc = dev_alloc(be, &m->xg, mc, wide, sizeof(float), "an expert's gathered rows")) ||
 	    (rc = dev_alloc(be, (void **)&m->gu, mc, 2 * (size_t)m->F, sizeof(float), "an expert's gate/up")) ||
-	    (rc = dev_alloc(be, &m->act, mc, m->F, sizeof(float), "an expert's SwiGLU output")) ||
+	    (rc = dev_alloc(be, &m->act, mc > m->k ? mc : m->k, m->act_stride, 1, "the experts' SwiGLU output")) ||
 	    (rc = dev_alloc(be, (void **)&m->y, mc, dim, sizeof(float), "an expert's output rows")) ||
 	    (rc = dev_alloc(be, (void **)&m->ys, m->k, dim, sizeof(float), "a token's expert rows")) ||
 	    (rc = dev_alloc(be, (void **)&m->tok0, 1, 1, sizeof(uint32_t), "a token's row index")) ||
@@ -293,6 +294,7 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	m->one = n == 1 && k <= MOE_COMBINE_MAX;
 	m->xg_ok = false;
 	m->n_gpu = 0;
+	m->n_held = 0;
 	if (!m->one)
 		CUDA_TRY(be, "cudaMemsetAsync (experts' sum)",
 			 cudaMemsetAsync(m->sum, 0, (size_t)n * dim * sizeof(float), be->stream));
@@ -364,6 +366,17 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	return 0;
 }
 
+/* The noted kept experts of one token, launched together. */
+static int flush_held(struct backend_dev *be)
+{
+	struct cuda_moe *m = be->moe;
+	if (!m->n_held)
+		return 0;
+	const uint32_t n = m->n_held;
+	m->n_held = 0;
+	return experts_batch(be, m->held, n, m->xg, be->cfg.dim, m->F);
+}
+
 bool moe_expert_used(struct backend_dev *be, uint32_t expert)
 {
 	const struct cuda_moe *m = be->moe;
@@ -389,7 +402,11 @@ int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t e
 		return cuda_failf(be, -EPROTO, "cuda backend: expert %u is the %u-th computed for a token that chose %u",
 				  expert, m->n_gpu + 1, m->k);
 	/* One token: its row is gathered once a layer (for the first expert, or one of another dtype). */
+	int rc;
 	if (!one || !m->xg_ok || m->xg_at != at) {
+		/* The noted experts read xg as it is. */
+		if ((rc = flush_held(be)))
+			return rc;
 		const uint32_t *tok = one ? m->tok0 : m->tok + o;
 		if (at == DT_BF16)
 			gather_kernel<<<blocks, 256, 0, be->stream>>>(m->xn, tok, cnt, dim, (__nv_bfloat16 *)m->xg);
@@ -405,12 +422,24 @@ int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t e
 				   *d = &w->t[ROLE_EXPERT_DOWN];
 	struct mm_part gu[2] = {{g->data[PLACE_DEVICE], F, m->gu, gt, g->row_bytes},
 				{u->data[PLACE_DEVICE], F, m->gu + F, ut, u->row_bytes}};
-	int rc = swiglu_product(be, at, gu, m->xg, NULL, dim, cnt, m->act, "expert gate/up_proj");
-	if (rc)
-		return rc;
+	/* One token: each expert its own row of act, so that noted ones keep theirs. */
+	void *act = one ? (char *)m->act + (size_t)m->n_gpu * m->act_stride : m->act;
 	float *y = one ? m->ys + (size_t)m->n_gpu * dim : m->y;
 	struct mm_part down = {d->data[PLACE_DEVICE], dim, y, dt, d->row_bytes};
-	if ((rc = matmul(be, at, m->act, NULL, F, cnt, &down, 1, dim, false, "expert down_proj")))
+	if (one && w->resident && !be->p.experts_apart) {
+		/* Kept on the GPU to the step's end: noted, and launched with the layer's others. */
+		const struct mm_expert ex = {gu[0], gu[1], down, act};
+		if (expert_batch_fits(be, &ex, dim, F, m->xg)) {
+			if (m->n_held && !expert_batch_joins(&m->held[0], &ex) && (rc = flush_held(be)))
+				return rc;
+			m->held[m->n_held++] = ex;
+			m->yw[m->n_gpu++] = m->h_tw[o];
+			return m->n_held == GEMV_MATS ? flush_held(be) : 0;
+		}
+	}
+	if ((rc = swiglu_product(be, at, gu, m->xg, NULL, dim, cnt, act, "expert gate/up_proj")))
+		return rc;
+	if ((rc = matmul(be, at, act, NULL, F, cnt, &down, 1, dim, false, "expert down_proj")))
 		return rc;
 	if (one) {
 		m->yw[m->n_gpu++] = m->h_tw[o];
@@ -436,8 +465,9 @@ int moe_end(struct backend_dev *be)
 	size_t count = (size_t)be->n * be->cfg.dim;
 	moe_combine_w cw;
 	memset(&cw, 0, sizeof(cw));
-	int rc = moe_cpu_end(be, &cw);
-	if (rc)
+	/* The kept experts first: the GPU computes them while the stream's waits for the CPU's follow. */
+	int rc = flush_held(be);
+	if (rc || (rc = moe_cpu_end(be, &cw)))
 		return rc;
 	if (m->one) {
 		if (m->n_gpu || cw.n_cpu) {
@@ -453,5 +483,6 @@ int moe_end(struct backend_dev *be)
 	m->routed = false;
 	m->one = false;
 	m->n_gpu = 0;
+	m->n_held = 0;
 	return 0;
 }

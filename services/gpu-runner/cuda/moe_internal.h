@@ -79,6 +79,11 @@ struct cuda_moe {
 	uint32_t xg_at;
 	uint32_t n_gpu;		/* experts computed into ys */
 	float yw[MOE_COMBINE_MAX]; /* their routing weights */
+	size_t act_stride;	/* bytes from one of the token's experts' act rows to the next (16-byte multiple) */
+	/* One token: experts the window keeps (group_weights.resident), noted in moe_expert and
+	 * launched together (experts_batch) at moe_end, when GEMV_MATS are noted, or before xg changes. */
+	struct mm_expert held[GEMV_MATS];
+	uint32_t n_held;
 	/* Experts on the CPU (backend_params.cpu_pool): up to n_jobs at once, each an ffn_share job of
 	 * its own (scratch, rows, output) on a slice of the pool's threads. */
 	struct moe_cpu_job *jobs;	/* (n_jobs) */

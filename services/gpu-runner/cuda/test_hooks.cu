@@ -1,6 +1,7 @@
 /* test_hooks.cu - the CUDA backend's test hooks (cuda_test.h): a product through matmul() /
- * swiglu_product() with buffers of the hook's own, a read of the residual stream, and a failure
- * injected into the CPU share of a split FFN or into a routed expert the CPU computes. */
+ * swiglu_product() with buffers of the hook's own, a layer's experts computed together and apart,
+ * a read of the residual stream, and a failure injected into the CPU share of a split FFN or into
+ * a routed expert the CPU computes. */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/cuda_test.h"
 #include "services/gpu-runner/cuda/moe_internal.h"
@@ -107,6 +108,86 @@ out:
 	cudaFree(dact);
 	free(hx);
 	free(hact);
+	return rc;
+}
+
+int cuda_test_experts_together(struct backend *bk, const struct cuda_test_experts *t, char *err, size_t errlen)
+{
+	struct backend_dev *be = cuda_dev(bk, err, errlen);
+	if (!be)
+		return -EINVAL;
+	const uint32_t at = act_dtype(t->gate_format), n = t->n, dim = t->dim, F = t->F;
+	if (!n || n > GEMV_MATS || !dim || !F || t->gate_format >= DT_COUNT || t->down_format >= DT_COUNT ||
+	    act_dtype(t->down_format) != at) {
+		snprintf(err, errlen, "test hook: bad experts (%u of %u x %u, formats %u and %u)", n, F, dim,
+			 t->gate_format, t->down_format);
+		return -EINVAL;
+	}
+	const size_t es = dtype_size((enum dtype)at);
+	const size_t stride = ((size_t)F * sizeof(float) + 15) / 16 * 16; /* moe.cu's act rows */
+	const uint64_t grb = dtype_row_bytes((enum dtype)t->gate_format, dim),
+		       drb = dtype_row_bytes((enum dtype)t->down_format, F);
+	void *hx = malloc((size_t)dim * es), *dx = NULL, *dact = NULL;
+	float *dout = NULL, *dgu = NULL;
+	int rc = -ENOMEM;
+	if (!hx) {
+		snprintf(err, errlen, "test hook: out of host memory");
+		goto out;
+	}
+	to_act(at, t->x, dim, hx);
+	rc = -EIO;
+	if (cudaMalloc(&dx, (size_t)dim * es) != cudaSuccess || cudaMalloc(&dact, n * stride) != cudaSuccess ||
+	    cudaMalloc((void **)&dout, 2 * (size_t)n * dim * sizeof(float)) != cudaSuccess ||
+	    cudaMalloc((void **)&dgu, 2 * (size_t)F * sizeof(float)) != cudaSuccess ||
+	    cudaMemcpyAsync(dx, hx, (size_t)dim * es, cudaMemcpyHostToDevice, be->stream) != cudaSuccess ||
+	    cudaMemsetAsync(dout, 0xff, 2 * (size_t)n * dim * sizeof(float), be->stream) != cudaSuccess) {
+		snprintf(err, errlen, "test hook: device buffers failed");
+		goto out;
+	}
+	struct mm_expert ex[GEMV_MATS];
+	for (uint32_t j = 0; j < n; j++) {
+		ex[j].gate = (struct mm_part){t->gate[j], F, dgu, t->gate_format, grb};
+		ex[j].up = (struct mm_part){t->up[j], F, dgu + F, t->gate_format, grb};
+		ex[j].down = (struct mm_part){t->down[j], dim, dout + (size_t)j * dim, t->down_format, drb};
+		ex[j].act = (char *)dact + j * stride;
+		if (!expert_batch_fits(be, &ex[j], dim, F, dx) || !expert_batch_joins(&ex[0], &ex[j])) {
+			snprintf(err, errlen, "test hook: expert %u cannot go with the others", j);
+			rc = -ENOTSUP;
+			goto out;
+		}
+	}
+	if ((rc = experts_batch(be, ex, n, dx, dim, F))) {
+		snprintf(err, errlen, "%s", be->err);
+		goto out;
+	}
+	/* Apart, into the second half, through the same act rows (the stream orders them). */
+	for (uint32_t j = 0; j < n; j++) {
+		struct mm_part gu[2] = {ex[j].gate, ex[j].up}, down = ex[j].down;
+		down.out = dout + (size_t)(n + j) * dim;
+		if ((rc = swiglu_product(be, at, gu, dx, NULL, dim, 1, ex[j].act, "test experts' gate/up")) ||
+		    (rc = matmul(be, at, ex[j].act, NULL, F, 1, &down, 1, dim, false, "test experts' down"))) {
+			snprintf(err, errlen, "%s", be->err);
+			goto out;
+		}
+	}
+	rc = -EIO;
+	cudaError_t e;
+	if ((e = cudaMemcpyAsync(t->together, dout, (size_t)n * dim * sizeof(float), cudaMemcpyDeviceToHost,
+				 be->stream)) != cudaSuccess ||
+	    (e = cudaMemcpyAsync(t->apart, dout + (size_t)n * dim, (size_t)n * dim * sizeof(float),
+				 cudaMemcpyDeviceToHost, be->stream)) != cudaSuccess ||
+	    (e = cudaStreamSynchronize(be->stream)) != cudaSuccess) {
+		snprintf(err, errlen, "test hook: the experts failed on the device: %s", cudaGetErrorString(e));
+		goto out;
+	}
+	rc = 0;
+out:
+	cudaStreamSynchronize(be->stream);
+	cudaFree(dx);
+	cudaFree(dact);
+	cudaFree(dout);
+	cudaFree(dgu);
+	free(hx);
 	return rc;
 }
 

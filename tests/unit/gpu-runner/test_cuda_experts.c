@@ -1,0 +1,255 @@
+/* test_cuda_experts.c - a layer's experts of one token computed together (cuda/moe.cu's kept
+ * experts: one launch for their gate/up products, one for their down products, gemv_mats) against
+ * the same experts each on its own (LABELS gpu).
+ *
+ * Together and apart must give the same bits: each row is computed by one warp in the same order
+ * either way, the launch only maps blocks to matrices. Both are also checked against a reference
+ * in double (relative L2 <= 2e-2: x rounded to BF16 or F16, and for the integer path quantized
+ * to int8 per 32 values, act rounded to the activation dtype), so that two equal wrong answers
+ * fail too. Formats: BF16, F16, Q8_0, Q4_K, Q6_K, and Q4_K gate/up with a Q6_K down as Q4_K_M files
+ * mix them (Q6_K rows of 630 bytes: the register path, dq_kernel); 1, 3 and 8 experts; shapes
+ * whose row counts are not multiples of a block's rows; the register path for every format
+ * (BACKEND_GEMV_DP4A_REGS). F32 experts cannot go together (-ENOTSUP).
+ *
+ * Without a GPU the program exits 77 (ctest: skipped). */
+#include <check.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "common/dtype.h"
+#include "common/model.h"
+#include "common/quant.h"
+#include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/cuda/cuda_test.h"
+#include "tests/unit/gpu-runner/cuda_test_util.h"
+#include "tests/unit/gpu-runner/runner_test_util.h"
+
+#define TOL_REF 2e-2
+#define MAX_EXPERTS 8
+
+/* A backend of a small dense config (the hook needs only its stream and kernels). */
+static struct backend *open_backend(uint32_t gemv)
+{
+	struct model_config c = {
+		.arch = ARCH_LLAMA, .n_layers = 1, .dim = 256, .n_heads = 4, .n_kv_heads = 2, .head_dim = 64,
+		.ffn_dim = 512, .vocab_size = 512, .max_position = 4096, .rms_eps = 1e-5f, .rope_theta = 10000.0f,
+		.rope_scaling = ROPE_SCALING_NONE, .bos_id = -1,
+	};
+	struct backend_params p = {.max_chunk = 4, .block_tokens = 16, .n_kv_blocks = 8, .kv_dtype = DT_BF16,
+				   .threads = 1, .gemv = gemv};
+	struct backend *be = NULL;
+	char err[400] = "";
+	int rc = backend_create("cuda", &c, &p, &be, err, sizeof(err));
+	ck_assert_msg(rc == 0, "cuda create: %d %s", rc, err);
+	return be;
+}
+
+/* A matrix (rows, cols) of format f from random values (amplitude amp): its stored bytes on the
+ * device, and the values they hold on the host (float32). */
+struct mat {
+	void *dev;
+	float *val;
+};
+
+static void mat_new(struct mat *m, enum dtype f, uint32_t rows, uint32_t cols, double amp)
+{
+	size_t n = (size_t)rows * cols, bytes = rows * dtype_row_bytes(f, cols);
+	float *src = malloc(n * sizeof(float));
+	void *host = malloc(bytes);
+	m->val = malloc(n * sizeof(float));
+	ck_assert(src && host && m->val);
+	for (size_t i = 0; i < n; i++)
+		src[i] = (float)(amp * rng_normal());
+	if (dtype_is_element(f)) {
+		for (size_t i = 0; i < n; i++) {
+			if (f == DT_F32)
+				((float *)host)[i] = src[i];
+			else if (f == DT_BF16)
+				((uint16_t *)host)[i] = f32_to_bf16(src[i]);
+			else
+				((uint16_t *)host)[i] = f32_to_f16(src[i]);
+			m->val[i] = dtype_get_f32(f, host, i);
+		}
+	} else {
+		quant_quantize(f, src, host, n);
+		quant_dequantize(f, host, m->val, n);
+	}
+	CUDA_OK(cudaMalloc(&m->dev, bytes));
+	CUDA_OK(cudaMemcpy(m->dev, host, bytes, cudaMemcpyHostToDevice));
+	free(src);
+	free(host);
+}
+
+static void mat_free(struct mat *m)
+{
+	CUDA_OK(cudaFree(m->dev));
+	free(m->val);
+}
+
+/* The activation dtype of weight format f (cuda_internal.h's act_dtype). */
+static uint32_t act_of(enum dtype f)
+{
+	return dtype_is_element(f) ? (uint32_t)f : (uint32_t)DT_BF16;
+}
+
+/* v rounded to the activation dtype at. */
+static float round_act(uint32_t at, float v)
+{
+	return at == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : at == DT_F16 ? f16_to_f32(f32_to_f16(v)) : v;
+}
+
+/* The expert's down row in double from the held values: act = silu(g x) * (u x) rounded to at. */
+static void ref_expert(uint32_t at, const struct mat *g, const struct mat *u, const struct mat *d, const float *x,
+		       uint32_t dim, uint32_t F, float *out)
+{
+	float *act = malloc(F * sizeof(float));
+	ck_assert_ptr_nonnull(act);
+	for (uint32_t o = 0; o < F; o++) {
+		double sg = 0, su = 0;
+		for (uint32_t i = 0; i < dim; i++) {
+			const double xi = round_act(at, x[i]);
+			sg += g->val[(size_t)o * dim + i] * xi;
+			su += u->val[(size_t)o * dim + i] * xi;
+		}
+		act[o] = round_act(at, (float)(sg / (1.0 + exp(-sg)) * su));
+	}
+	for (uint32_t o = 0; o < dim; o++) {
+		double s = 0;
+		for (uint32_t i = 0; i < F; i++)
+			s += d->val[(size_t)o * F + i] * (double)act[i];
+		out[o] = (float)s;
+	}
+	free(act);
+}
+
+/* n experts of formats gf (gate, up) and df (down), shape (F, dim), on a backend with gemv:
+ * together == apart to the bit, and both within TOL_REF of the reference. */
+static void check_experts(uint32_t gemv, enum dtype gf, enum dtype df, uint32_t n, uint32_t dim, uint32_t F)
+{
+	rng_state = 0x5eed0000u + n * 131u + dim * 7u + F + gf * 1000u + df * 100000u;
+	struct backend *be = open_backend(gemv);
+	struct mat g[MAX_EXPERTS], u[MAX_EXPERTS], d[MAX_EXPERTS];
+	struct cuda_test_experts t = {.gate_format = gf, .down_format = df, .n = n, .dim = dim, .F = F};
+	float *x = malloc(dim * sizeof(float));
+	float *together = malloc((size_t)n * dim * sizeof(float)), *apart = malloc((size_t)n * dim * sizeof(float));
+	float *ref = malloc(dim * sizeof(float));
+	ck_assert(x && together && apart && ref);
+	for (uint32_t i = 0; i < dim; i++)
+		x[i] = (float)rng_normal();
+	for (uint32_t j = 0; j < n; j++) {
+		mat_new(&g[j], gf, F, dim, 1.0 / sqrt(dim));
+		mat_new(&u[j], gf, F, dim, 1.0 / sqrt(dim));
+		mat_new(&d[j], df, dim, F, 1.0 / sqrt(F));
+		t.gate[j] = g[j].dev;
+		t.up[j] = u[j].dev;
+		t.down[j] = d[j].dev;
+	}
+	t.x = x;
+	t.together = together;
+	t.apart = apart;
+	char err[400] = "";
+	int rc = cuda_test_experts_together(be, &t, err, sizeof(err));
+	ck_assert_msg(rc == 0, "%u experts %s/%s (%u x %u): %d %s", n, dtype_name(gf), dtype_name(df), F, dim, rc, err);
+	for (uint32_t j = 0; j < n; j++) {
+		const float *a = together + (size_t)j * dim, *b = apart + (size_t)j * dim;
+		for (uint32_t o = 0; o < dim; o++)
+			ck_assert_msg(memcmp(&a[o], &b[o], sizeof(float)) == 0,
+				      "%u experts %s/%s (%u x %u), gemv %u: expert %u row %u together %.9g, apart %.9g", n,
+				      dtype_name(gf), dtype_name(df), F, dim, gemv, j, o, (double)a[o], (double)b[o]);
+		ref_expert(act_of(gf), &g[j], &u[j], &d[j], x, dim, F, ref);
+		const double e = rel_l2(a, ref, dim);
+		if (test_verbose())
+			fprintf(stderr, "test_cuda_experts: %u experts %s/%s %u x %u gemv %u, expert %u: relative L2 %.3e\n",
+				n, dtype_name(gf), dtype_name(df), F, dim, gemv, j, e);
+		ck_assert_msg(e <= TOL_REF, "%u experts %s/%s: expert %u is %.3e from the reference", n, dtype_name(gf),
+			      dtype_name(df), j, e);
+	}
+	for (uint32_t j = 0; j < n; j++) {
+		mat_free(&g[j]);
+		mat_free(&u[j]);
+		mat_free(&d[j]);
+	}
+	free(x);
+	free(together);
+	free(apart);
+	free(ref);
+	backend_destroy(&be);
+}
+
+static const uint32_t COUNTS[] = {1, 3, 8};
+
+START_TEST(test_element_formats)
+{
+	const enum dtype f = _i == 0 ? DT_BF16 : DT_F16;
+	for (size_t c = 0; c < sizeof(COUNTS) / sizeof(COUNTS[0]); c++) {
+		check_experts(BACKEND_GEMV_DEFAULT, f, f, COUNTS[c], 136, 40); /* 17 and 5 row groups */
+		check_experts(BACKEND_GEMV_DEFAULT, f, f, COUNTS[c], 512, 768);
+	}
+}
+END_TEST
+
+/* Gate/up and down formats of the quantized cases. */
+static const enum dtype QPAIRS[][2] = {
+	{DT_Q4_K, DT_Q4_K}, {DT_Q4_K, DT_Q6_K}, {DT_Q6_K, DT_Q6_K}, {DT_Q8_0, DT_Q8_0}, {DT_Q8_0, DT_Q4_K},
+};
+
+START_TEST(test_quant_formats)
+{
+	const enum dtype gf = QPAIRS[_i][0], df = QPAIRS[_i][1];
+	const bool small = gf == DT_Q8_0 && df == DT_Q8_0;
+	for (size_t c = 0; c < sizeof(COUNTS) / sizeof(COUNTS[0]); c++)
+		for (int regs = 0; regs < 2; regs++) {
+			const uint32_t gemv = regs ? BACKEND_GEMV_DP4A_REGS : BACKEND_GEMV_DEFAULT;
+			if (small)
+				check_experts(gemv, gf, df, COUNTS[c], 96, 160); /* 12 and 20 row groups */
+			check_experts(gemv, gf, df, COUNTS[c], 512, 768);
+			check_experts(gemv, gf, df, COUNTS[c], 256, 256);
+		}
+}
+END_TEST
+
+START_TEST(test_f32_refused)
+{
+	struct backend *be = open_backend(BACKEND_GEMV_DEFAULT);
+	struct mat g, u, d;
+	rng_state = 7;
+	mat_new(&g, DT_F32, 40, 64, 0.1);
+	mat_new(&u, DT_F32, 40, 64, 0.1);
+	mat_new(&d, DT_F32, 64, 40, 0.1);
+	float x[64], a[64], b[64];
+	for (int i = 0; i < 64; i++)
+		x[i] = (float)rng_normal();
+	struct cuda_test_experts t = {.gate_format = DT_F32, .down_format = DT_F32, .n = 1, .dim = 64, .F = 40,
+				      .gate = {g.dev}, .up = {u.dev}, .down = {d.dev}, .x = x, .together = a,
+				      .apart = b};
+	char err[400] = "";
+	int rc = cuda_test_experts_together(be, &t, err, sizeof(err));
+	ck_assert_msg(rc == -ENOTSUP, "F32 experts together: %d %s", rc, err);
+	mat_free(&g);
+	mat_free(&u);
+	mat_free(&d);
+	backend_destroy(&be);
+}
+END_TEST
+
+static Suite *experts_suite(void)
+{
+	Suite *s = suite_create("cuda_experts");
+	TCase *tc = tcase_create("together");
+	tcase_set_timeout(tc, 300);
+	tcase_add_loop_test(tc, test_element_formats, 0, 2);
+	tcase_add_loop_test(tc, test_quant_formats, 0, (int)(sizeof(QPAIRS) / sizeof(QPAIRS[0])));
+	tcase_add_test(tc, test_f32_refused);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	return gpu_suite_main("test_cuda_experts", experts_suite);
+}
