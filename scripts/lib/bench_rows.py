@@ -383,14 +383,17 @@ def rows_m1_ab(rec, lim_split, name):
     route (--predict-experts=false; the default copies the GPU's share of a later layer's experts on its
     last routing); the host waiting for a token's CPU experts at the layer's end and copying their sum up
     (--cpu-result copy; by default the stream waits for them and a kernel reads their rows); the CPU's
-    expert jobs in equal chunks (--cpu-expert-chunks equal; by default they taper)."""
+    expert jobs in equal chunks (--cpu-expert-chunks equal; by default they taper); each expert the GPU
+    keeps launched on its own (--experts-apart; by default a layer's go in two launches)."""
     mode = "visit" if "visit" in rec else "route"
     return (rows_m1_variant(rec, mode, f"--cpu-experts {mode}", lim_split, name) +
             rows_m1_variant(rec, "nopredict", "--predict-experts=false", lim_split, name, host_time=False) +
             rows_m1_variant(rec, "hostwait", "--cpu-result copy", lim_split, name,
                             said="the host waits for the CPU's experts; ") +
             rows_m1_variant(rec, "equal", "--cpu-expert-chunks equal", lim_split, name,
-                            said="the CPU's expert jobs in equal chunks; ", spans=True))
+                            said="the CPU's expert jobs in equal chunks; ", spans=True) +
+            rows_m1_variant(rec, "apart", "--experts-apart", lim_split, name,
+                            said="each kept expert launched on its own; "))
 
 
 def window_by(rec):
