@@ -36,22 +36,11 @@ static __device__ __forceinline__ void dot8(float &acc, const uint4 &w, const ui
 template <typename T, int MODE, int R, bool M>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(const gemv_args a)
 {
-	uint32_t block = blockIdx.x;
-	const void *w0 = a.w[0], *w1 = a.w[1], *xp = a.x;
-	float *out0 = a.out[0];
-	void *actp = a.act;
-	if (M) {
-		/* Several matrices (a kernel of its own: the others' registers stay as they were): this
-		 * block's, and its place among that one's blocks. */
-		const uint32_t j = block / a.m.blocks;
-		block -= j * a.m.blocks;
-		w0 = pick_mat(a.m.w, j);
-		w1 = pick_mat(a.m.w2, j);
-		xp = pick_mat(a.m.x, j);
-		out0 = pick_mat(a.m.out, j);
-		actp = pick_mat(a.m.act, j);
-	}
-	const uint32_t warp = block * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+	/* Several matrices (M, a kernel of its own so that the others' code is what it was): this
+	 * block's matrix j and its place among that one's blocks. */
+	const uint32_t j = M ? blockIdx.x / a.m.blocks : 0;
+	const uint32_t warp = (M ? blockIdx.x - j * a.m.blocks : blockIdx.x) * GEMV_WARPS + threadIdx.x / 32,
+		       lane = threadIdx.x % 32;
 	const uint32_t row0 = warp * R;
 	grid_launch_next();
 	if (row0 >= a.total)
@@ -70,10 +59,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(const gemv_args a
 				o -= a.rows[p++];
 		/* Branches, not a.w[p]: a run-time index into the parameters would copy them to
 		 * local memory. */
-		const void *wp = p == 0 ? w0 : p == 1 ? a.w[1] : a.w[2];
+		const void *wp = M ? pick_mat(a.m.w, j) : p == 0 ? a.w[0] : p == 1 ? a.w[1] : a.w[2];
 		wr[r] = (const uint4 *)wp + (size_t)o * in8;
-		ur[r] = MODE == GEMV_SWIGLU ? (const uint4 *)w1 + (size_t)o * in8 : wr[r];
-		dst[r] = p == 0 ? out0 : p == 1 ? a.out[1] : a.out[2];
+		ur[r] = MODE == GEMV_SWIGLU ? (const uint4 *)(M ? pick_mat(a.m.w2, j) : a.w[1]) + (size_t)o * in8 : wr[r];
+		dst[r] = M ? pick_mat(a.m.out, j) : p == 0 ? a.out[0] : p == 1 ? a.out[1] : a.out[2];
 		orow[r] = o;
 	}
 	/* The first bytes of the rows come into L2 while the kernel before finishes. */
@@ -84,7 +73,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(const gemv_args a
 			asm volatile("prefetch.global.L2 [%0];" ::"l"(ur[r] + lane * 4));
 	}
 	grid_wait();
-	const uint4 *x = (const uint4 *)xp;
+	const uint4 *x = (const uint4 *)(M ? pick_mat(a.m.x, j) : a.x);
 	float s[R][2], u[R][2];
 #pragma unroll
 	for (int r = 0; r < R; r++)
@@ -128,9 +117,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(const gemv_args a
 			if (MODE == GEMV_STORE)
 				dst[r][orow[r]] = sr;
 			else if (MODE == GEMV_ADD)
-				out0[orow[r]] = __fadd_rn(out0[orow[r]], sr);
+				a.out[0][orow[r]] = __fadd_rn(a.out[0][orow[r]], sr);
 			else
-				((T *)actp)[orow[r]] = from_f32<T>(silu_mul(sr, su));
+				((T *)(M ? pick_mat(a.m.act, j) : a.act))[orow[r]] = from_f32<T>(silu_mul(sr, su));
 		}
 	}
 }
