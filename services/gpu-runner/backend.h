@@ -195,9 +195,10 @@ struct ffn_split {
 struct group_weights {
 	struct weight_tensor t[ROLE_COUNT];
 	struct ffn_split split;
-	bool resident;	/* the device copy stays where it is to the step's end (the GPU window keeps
-			 * the group): a backend may still read it after the group's release, as the
-			 * CUDA backend does with a layer's kept experts (launched together at moe_end) */
+	bool resident;	/* set by the GPU window for a group it keeps for good (its acquire; false from
+			 * every other source): the device copy stays where it is to the step's end, so a
+			 * backend may still read it after the group's release, as the CUDA backend does
+			 * with a layer's kept experts (launched together at moe_end) */
 };
 
 /* What r of a split FFN must be a multiple of, for a down projection in format `down`: its block

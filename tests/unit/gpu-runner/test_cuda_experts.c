@@ -11,6 +11,13 @@
  * whose row counts are not multiples of a block's rows; the register path for every format
  * (BACKEND_GEMV_DP4A_REGS). F32 experts cannot go together (-ENOTSUP).
  *
+ * Then a layer through the backend as the engine drives it (embed, route, the chosen experts as
+ * kept ones, end), one token a step: the residual after each step is the same bits as with
+ * --experts-apart (backend_params.experts_apart), with 10 of 16 experts chosen (a batch of 8, then
+ * the rest) in one set of formats, and with formats that change from expert to expert (BF16, Q4_K
+ * with a Q6_K down, Q8_0, F16: batches cut where the formats change, and before the token's row is
+ * gathered in F16).
+ *
  * Without a GPU the program exits 77 (ctest: skipped). */
 #include <check.h>
 #include <errno.h>
@@ -237,6 +244,141 @@ START_TEST(test_f32_refused)
 }
 END_TEST
 
+/* ---- a layer through the backend: kept experts noted and launched together, or each apart ---- */
+
+#define L_EXPERTS 16
+#define L_USED 10 /* more than GEMV_MATS (8): a full batch, then the rest */
+#define L_DIM 256
+#define L_F 256
+#define L_TOKENS 4
+
+/* Experts of every format mix: BF16, Q4_K with a Q6_K down (as Q4_K_M files), Q8_0, F16 (whose
+ * activations are F16: the token's row is gathered anew, so the noted ones go first). */
+static const enum dtype MIX_GATE[] = {DT_BF16, DT_Q4_K, DT_Q8_0, DT_F16};
+static const enum dtype MIX_DOWN[] = {DT_BF16, DT_Q6_K, DT_Q8_0, DT_F16};
+
+struct layer {
+	struct model_config cfg;
+	struct group_weights embed, moe, exp[L_EXPERTS];
+	void *host[4 + 3 * L_EXPERTS];
+	struct mat m[3 * L_EXPERTS + 2];
+	uint32_t n_host, n_mat;
+};
+
+/* A tensor of role r on the device (resident: the window's kept experts) from random values. */
+static void layer_tensor(struct layer *y, struct group_weights *w, enum tensor_role r, enum dtype f, uint32_t rows,
+			 uint32_t cols, double amp)
+{
+	struct mat *m = &y->m[y->n_mat++];
+	mat_new(m, f, rows, cols, amp);
+	weight_tensor_set(&w->t[r], PLACE_DEVICE, m->dev, f, rows, cols);
+}
+
+/* mixed: expert e in formats MIX_*[e % 4]; else every expert Q4_K with a Q6_K down. */
+static void layer_new(struct layer *y, bool mixed)
+{
+	memset(y, 0, sizeof(*y));
+	y->cfg = (struct model_config){.arch = ARCH_MIXTRAL, .n_layers = 1, .dim = L_DIM, .n_heads = 4,
+				       .n_kv_heads = 2, .head_dim = 64, .ffn_dim = L_F, .vocab_size = 64,
+				       .max_position = 4096, .rms_eps = 1e-5f, .rope_theta = 10000.0f,
+				       .rope_scaling = ROPE_SCALING_NONE, .bos_id = -1, .n_experts = L_EXPERTS,
+				       .n_experts_used = L_USED, .expert_ffn_dim = L_F, .flags = MODEL_NORM_TOPK};
+	char err[256];
+	ck_assert_msg(model_config_check(&y->cfg, err, sizeof(err)) == 0, "%s", err);
+	rng_state = mixed ? 17 : 29;
+	/* The embedding in host memory (the backend gathers rows there), BF16. */
+	uint16_t *emb = malloc((size_t)y->cfg.vocab_size * L_DIM * sizeof(uint16_t));
+	ck_assert_ptr_nonnull(emb);
+	for (size_t i = 0; i < (size_t)y->cfg.vocab_size * L_DIM; i++)
+		emb[i] = f32_to_bf16((float)rng_normal());
+	y->host[y->n_host++] = emb;
+	weight_tensor_set(&y->embed.t[ROLE_EMBED], PLACE_HOST, emb, DT_BF16, y->cfg.vocab_size, L_DIM);
+	layer_tensor(y, &y->moe, ROLE_FFN_NORM, DT_F32, 1, L_DIM, 1.0);
+	layer_tensor(y, &y->moe, ROLE_ROUTER, DT_F32, L_EXPERTS, L_DIM, 0.5);
+	for (uint32_t e = 0; e < L_EXPERTS; e++) {
+		const enum dtype gf = mixed ? MIX_GATE[e % 4] : DT_Q4_K, df = mixed ? MIX_DOWN[e % 4] : DT_Q6_K;
+		layer_tensor(y, &y->exp[e], ROLE_EXPERT_GATE, gf, L_F, L_DIM, 1.0 / sqrt(L_DIM));
+		layer_tensor(y, &y->exp[e], ROLE_EXPERT_UP, gf, L_F, L_DIM, 1.0 / sqrt(L_DIM));
+		layer_tensor(y, &y->exp[e], ROLE_EXPERT_DOWN, df, L_DIM, L_F, 1.0 / sqrt(L_F));
+		y->exp[e].resident = true;
+	}
+}
+
+static void layer_free(struct layer *y)
+{
+	for (uint32_t i = 0; i < y->n_mat; i++)
+		mat_free(&y->m[i]);
+	for (uint32_t i = 0; i < y->n_host; i++)
+		free(y->host[i]);
+}
+
+/* One-token steps of the layer alone (embed, route, the chosen experts in order, end) on a backend
+ * with or without --experts-apart; each step's residual row into out (L_TOKENS, L_DIM). */
+static void layer_run(struct layer *y, bool apart, float *out, uint32_t *chosen)
+{
+	struct backend_params p = {.max_chunk = 4, .block_tokens = 16, .n_kv_blocks = 8, .kv_dtype = DT_BF16,
+				   .threads = 1, .experts_apart = apart};
+	struct backend *be = NULL;
+	char err[400] = "";
+	int rc = backend_create("cuda", &y->cfg, &p, &be, err, sizeof(err));
+	ck_assert_msg(rc == 0, "cuda create: %d %s", rc, err);
+	*chosen = 0;
+	for (uint32_t t = 0; t < L_TOKENS; t++) {
+		const int32_t tok = (int32_t)(7 + 11 * t);
+		const uint32_t pos = t, seq = 0;
+		struct backend_batch b = {.n = 1, .tokens = &tok, .pos = &pos, .seq = &seq};
+		ck_assert_msg(backend_embed(be, &y->embed, &b) == 0, "embed: %s", backend_error(be));
+		ck_assert_msg(backend_moe_route(be, &y->moe) == 0, "route: %s", backend_error(be));
+		for (uint32_t e = 0; e < L_EXPERTS; e++)
+			if (backend_moe_expert_used(be, e)) {
+				ck_assert_msg(backend_moe_expert(be, &y->exp[e], e) == 0, "expert %u: %s", e, backend_error(be));
+				(*chosen)++;
+			}
+		ck_assert_msg(backend_moe_end(be) == 0, "end: %s", backend_error(be));
+		ck_assert_msg(cuda_test_residual(be, out + (size_t)t * L_DIM, 1, err, sizeof(err)) == 0, "%s", err);
+	}
+	backend_destroy(&be);
+}
+
+/* The residual after each step is the same bits with the kept experts together as apart; and the
+ * layer moved it (the experts were computed at all). */
+static void layer_compare(bool mixed)
+{
+	struct layer *y = malloc(sizeof(*y));
+	ck_assert_ptr_nonnull(y);
+	layer_new(y, mixed);
+	float together[L_TOKENS * L_DIM], apart[L_TOKENS * L_DIM], emb[L_DIM];
+	uint32_t n_together, n_apart;
+	layer_run(y, false, together, &n_together);
+	layer_run(y, true, apart, &n_apart);
+	ck_assert_uint_eq(n_together, L_TOKENS * L_USED);
+	ck_assert_uint_eq(n_apart, L_TOKENS * L_USED);
+	for (uint32_t i = 0; i < L_TOKENS * L_DIM; i++)
+		ck_assert_msg(memcmp(&together[i], &apart[i], sizeof(float)) == 0,
+			      "%s experts: token %u value %u together %.9g, apart %.9g", mixed ? "mixed" : "Q4_K",
+			      i / L_DIM, i % L_DIM, (double)together[i], (double)apart[i]);
+	/* The last token's row moved away from its embedding by the experts' sum. */
+	const int32_t tok = (int32_t)(7 + 11 * (L_TOKENS - 1));
+	for (uint32_t d = 0; d < L_DIM; d++)
+		emb[d] = bf16_to_f32(((const uint16_t *)y->host[0])[(size_t)tok * L_DIM + d]);
+	const double moved = rel_l2(together + (size_t)(L_TOKENS - 1) * L_DIM, emb, L_DIM);
+	ck_assert_msg(moved > 1e-3, "the layer left the residual at its embedding (%.3e)", moved);
+	layer_free(y);
+	free(y);
+}
+
+START_TEST(test_layer_uniform)
+{
+	layer_compare(false);
+}
+END_TEST
+
+START_TEST(test_layer_mixed)
+{
+	layer_compare(true);
+}
+END_TEST
+
 static Suite *experts_suite(void)
 {
 	Suite *s = suite_create("cuda_experts");
@@ -246,6 +388,11 @@ static Suite *experts_suite(void)
 	tcase_add_loop_test(tc, test_quant_formats, 0, (int)(sizeof(QPAIRS) / sizeof(QPAIRS[0])));
 	tcase_add_test(tc, test_f32_refused);
 	suite_add_tcase(s, tc);
+	TCase *tl = tcase_create("layer");
+	tcase_set_timeout(tl, 300);
+	tcase_add_test(tl, test_layer_uniform);
+	tcase_add_test(tl, test_layer_mixed);
+	suite_add_tcase(s, tl);
 	return s;
 }
 
