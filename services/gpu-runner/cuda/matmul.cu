@@ -221,76 +221,54 @@ bool expert_batch_joins(const struct mm_expert *a, const struct mm_expert *b)
 	       a->gate.rows == b->gate.rows && a->down.rows == b->down.rows;
 }
 
+/* One product over the matrices in m (rows of `in` values each, in format fmt): SwiGLU (gate/up)
+ * or STORE (down). */
+static void batch_launch(struct backend_dev *be, uint32_t fmt, const struct gemv_mats *m, uint32_t rows,
+			 uint32_t in, uint64_t row_bytes, int mode)
+{
+	if (dtype_is_element((enum dtype)fmt)) {
+		gemv_args g;
+		memset(&g, 0, sizeof(g));
+		g.m = *m;
+		g.rows[0] = rows;
+		g.total = rows;
+		g.in8 = in / 8;
+		gemv_launch(fmt, be->gemv_rows, g, mode, be->pdl, be->stream);
+		return;
+	}
+	qgemv_args g;
+	memset(&g, 0, sizeof(g));
+	g.m = *m;
+	g.rows[0] = g.rows[1] = rows;
+	g.total = rows;
+	g.row_bytes = row_bytes;
+	g.in = in;
+	g.n = 1;
+	g.ldc = rows;
+	g.x = (const __nv_bfloat16 *)m->x[0];
+	qgemv_launch(be, fmt, g, mode, be->stream);
+}
+
 int experts_batch(struct backend_dev *be, const struct mm_expert *e, uint32_t n, const void *x, uint32_t dim,
 		  uint32_t F)
 {
 	assert(n >= 1 && n <= GEMV_MATS);
-	const uint32_t f = e[0].gate.format, d = e[0].down.format;
-	if (dtype_is_element((enum dtype)f)) {
-		gemv_args g;
-		memset(&g, 0, sizeof(g));
-		g.m.n = n;
-		for (uint32_t j = 0; j < n; j++) {
-			g.m.w[j] = e[j].gate.w;
-			g.m.w2[j] = e[j].up.w;
-			g.m.x[j] = x;
-			g.m.act[j] = e[j].act;
-		}
-		g.total = F;
-		g.in8 = dim / 8;
-		gemv_launch(f, be->gemv_rows, g, GEMV_SWIGLU, be->pdl, be->stream);
-		LAUNCHED(be, "gemv_kernel (experts' gate/up)");
-	} else {
-		qgemv_args g;
-		memset(&g, 0, sizeof(g));
-		g.m.n = n;
-		for (uint32_t j = 0; j < n; j++) {
-			g.m.w[j] = e[j].gate.w;
-			g.m.w2[j] = e[j].up.w;
-			g.m.x[j] = x;
-			g.m.act[j] = e[j].act;
-		}
-		g.rows[0] = g.rows[1] = F;
-		g.total = F;
-		g.row_bytes = e[0].gate.row_bytes;
-		g.in = dim;
-		g.n = 1;
-		g.x = (const __nv_bfloat16 *)x;
-		qgemv_launch(be, f, g, GEMV_SWIGLU, be->stream);
-		LAUNCHED(be, "qgemv_kernel (experts' gate/up)");
+	struct gemv_mats gu, down;
+	memset(&gu, 0, sizeof(gu));
+	memset(&down, 0, sizeof(down));
+	gu.n = down.n = n;
+	for (uint32_t j = 0; j < n; j++) {
+		gu.w[j] = e[j].gate.w;
+		gu.w2[j] = e[j].up.w;
+		gu.x[j] = x;
+		gu.act[j] = e[j].act;
+		down.w[j] = e[j].down.w;
+		down.x[j] = e[j].act;
+		down.out[j] = e[j].down.out;
 	}
-	if (dtype_is_element((enum dtype)d)) {
-		gemv_args g;
-		memset(&g, 0, sizeof(g));
-		g.m.n = n;
-		for (uint32_t j = 0; j < n; j++) {
-			g.m.w[j] = e[j].down.w;
-			g.m.x[j] = e[j].act;
-			g.m.out[j] = e[j].down.out;
-		}
-		g.rows[0] = dim;
-		g.total = dim;
-		g.in8 = F / 8;
-		gemv_launch(d, be->gemv_rows, g, GEMV_STORE, be->pdl, be->stream);
-		LAUNCHED(be, "gemv_kernel (experts' down_proj)");
-	} else {
-		qgemv_args g;
-		memset(&g, 0, sizeof(g));
-		g.m.n = n;
-		for (uint32_t j = 0; j < n; j++) {
-			g.m.w[j] = e[j].down.w;
-			g.m.x[j] = e[j].act;
-			g.m.out[j] = e[j].down.out;
-		}
-		g.rows[0] = dim;
-		g.total = dim;
-		g.row_bytes = e[0].down.row_bytes;
-		g.in = F;
-		g.n = 1;
-		g.ldc = dim;
-		g.x = (const __nv_bfloat16 *)e[0].act;
-		qgemv_launch(be, d, g, GEMV_STORE, be->stream);
-		LAUNCHED(be, "qgemv_kernel (experts' down_proj)");
-	}
+	batch_launch(be, e[0].gate.format, &gu, F, dim, e[0].gate.row_bytes, GEMV_SWIGLU);
+	LAUNCHED(be, "experts' gate/up (one launch)");
+	batch_launch(be, e[0].down.format, &down, dim, F, e[0].down.row_bytes, GEMV_STORE);
+	LAUNCHED(be, "experts' down_proj (one launch)");
 	return 0;
 }
