@@ -18,8 +18,6 @@
  * The weights are random: 64 distinct rows of Gaussian values quantized with quant_quantize,
  * repeated to fill the matrix (the K formats' quantizer is too slow to make every row; every byte
  * is still read from memory). x is Gaussian; its preparation (one thread) is timed on its own. */
-#include <errno.h>
-#include <getopt.h>
 #include <stdbool.h>
 #include <math.h>
 #include <stdio.h>
@@ -28,6 +26,7 @@
 #include <strings.h>
 #include <unistd.h>
 
+#include "common/config.h"
 #include "common/quant.h"
 #include "common/util.h"
 #include "services/gpu-runner/cpu-compute/cpu_compute.h"
@@ -391,148 +390,87 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 	return 0;
 }
 
-static void usage(FILE *f)
+/* A count option's value in [min, max], or -1 with the reason on stderr. */
+static int in_range(const char *opt, long v, long min, long max, uint32_t *out)
 {
-	fprintf(f, "usage: bench-cpu-gemv [options]\n"
-		   "  --format F    weight format: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q5_K Q6_K (default BF16)\n"
-		   "  --rows N      rows of the matrix (default 8192)\n"
-		   "  --cols N      columns, a multiple of the format's block (default 8192)\n"
-		   "  --threads N   threads, the caller included (default: the CPUs online)\n"
-		   "  --repeats N   timed products after one warm-up (default 10)\n"
-		   "  --scalar      the plain C path (PIPELINE_CPU_ISA=scalar does the same; =amx adds the\n"
-		   "                AMX tiles to BF16 FFN shares where the CPU has them)\n"
-		   "  --ffn-tokens N  time the CPU's share of a split FFN for N tokens (1..16) instead: gate and\n"
-		   "                up of --rows x --cols, down of --cols x --rows, all in --format, as the runner\n"
-		   "                runs it (ffn_share.h); printed beside the same job of one token\n"
-		   "  --experts K   time a decode layer's K routed experts (1..8) on the runner's task pool instead\n"
-		   "                (--threads workers), as the CUDA backend runs them: one job each, submitted\n"
-		   "                at once; gate and up of --rows x --cols, down of --cols x --rows; --repeats\n"
-		   "                layers (default 10)\n"
-		   "  --expert-pool E  experts to choose from, distinct at random each layer (default 32)\n"
-		   "  --job-threads P  cut each expert's job for P threads (default: ffn_share_threads_for)\n"
-		   "  --gap-us G    microseconds between layers (default 150: the GPU's part of a layer)\n"
-		   "  --no-taper    equal chunks in each phase of a job (the runner tapers an expert's: smaller\n"
-		   "                toward each phase's end, ffn_share_job.taper)\n"
-		   "  --no-help     a part that waits for its job's first phase spins (the runner's runs the\n"
-		   "                pool's queued parts meanwhile, ffn_share_job.pool)\n"
-		   "  --help        this text\n"
-		   "Prints the path, the matrix size, the best and median time of one product with the\n"
-		   "weight bytes read per second, and the best rate of plainly reading the same bytes.\n");
-}
-
-/* A number in [min, max] for option opt; -1 (said on stderr) otherwise. */
-static int parse_u32_in(const char *opt, const char *text, uint32_t min, uint32_t max, uint32_t *out)
-{
-	char *end;
-	errno = 0;
-	unsigned long v = strtoul(text, &end, 10);
-	if (errno || *end || end == text || v < min || v > UINT32_MAX) {
-		fprintf(stderr, "bench-cpu-gemv: %s %s: expected a number >= %u\n", opt, text, min);
+	if (v < min) {
+		fprintf(stderr, "bench-cpu-gemv: --%s %ld: expected a number >= %ld\n", opt, v, min);
 		return -1;
 	}
 	if (v > max) {
-		fprintf(stderr, "bench-cpu-gemv: %s %lu: at most %u\n", opt, v, max);
+		fprintf(stderr, "bench-cpu-gemv: --%s %ld: at most %ld\n", opt, v, max);
 		return -1;
 	}
 	*out = (uint32_t)v;
 	return 0;
 }
 
-static int parse_u32(const char *opt, const char *text, uint32_t min, uint32_t *out)
-{
-	return parse_u32_in(opt, text, min, UINT32_MAX, out);
-}
-
 int main(int argc, char **argv)
 {
-	enum dtype t = DT_BF16;
-	uint32_t rows = 8192, cols = 8192, repeats = 10, threads = (uint32_t)sysconf(_SC_NPROCESSORS_ONLN);
-	int scalar = 0;
-	uint32_t ffn_tokens = 0, experts = 0, expert_pool = 32, job_threads = 0, gap_us = 150;
-	bool taper = true, help = true;
-	static const struct option opts[] = {
-		{"ffn-tokens", required_argument, NULL, 'k'},
-		{"experts", required_argument, NULL, 'x'}, {"expert-pool", required_argument, NULL, 'e'},
-		{"job-threads", required_argument, NULL, 'j'}, {"gap-us", required_argument, NULL, 'g'},
-		{"no-taper", no_argument, NULL, 'T'},      {"no-help", no_argument, NULL, 'H'},
-		{"format", required_argument, NULL, 'f'},  {"rows", required_argument, NULL, 'r'},
-		{"cols", required_argument, NULL, 'c'},    {"threads", required_argument, NULL, 't'},
-		{"repeats", required_argument, NULL, 'n'}, {"scalar", no_argument, NULL, 's'},
-		{"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
+	char *format = NULL;
+	long rows_l = 0, cols_l = 0, threads_l = sysconf(_SC_NPROCESSORS_ONLN), repeats_l = 0, ffn_tokens_l = 0,
+	     experts_l = 0, pool_l = 0, job_threads_l = -1, gap_l = 0;
+	bool scalar = false, no_taper = false, no_help = false;
+	const struct opt table[] = {
+		{"format", OPT_STRING, &format, "BF16", "weight format: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q5_K Q6_K"},
+		{"rows", OPT_INT, &rows_l, "8192", "rows of the matrix"},
+		{"cols", OPT_INT, &cols_l, "8192", "columns, a multiple of the format's block"},
+		{"threads", OPT_INT, &threads_l, NULL, "threads, the caller included (default: the CPUs online)"},
+		{"repeats", OPT_INT, &repeats_l, "10", "timed products after one warm-up (--experts: layers)"},
+		{"scalar", OPT_BOOL, &scalar, NULL,
+		 "the plain C path (PIPELINE_CPU_ISA=scalar does the same; =amx adds the AMX tiles to BF16 FFN "
+		 "shares where the CPU has them)"},
+		{"ffn-tokens", OPT_INT, &ffn_tokens_l, "0",
+		 "time the CPU's share of a split FFN for N tokens (1..16) instead: gate and up of --rows x --cols, "
+		 "down of --cols x --rows, all in --format, as the runner runs it (ffn_share.h); printed beside the "
+		 "same job of one token"},
+		{"experts", OPT_INT, &experts_l, "0",
+		 "time a decode layer's K routed experts (1..8) on the runner's task pool instead (--threads "
+		 "workers), as the CUDA backend runs them: one job each, submitted at once; gate and up of --rows x "
+		 "--cols, down of --cols x --rows"},
+		{"expert-pool", OPT_INT, &pool_l, "32", "experts to choose from, distinct at random each layer"},
+		{"job-threads", OPT_INT, &job_threads_l, NULL,
+		 "cut each expert's job for P threads (default: ffn_share_threads_for)"},
+		{"gap-us", OPT_INT, &gap_l, "150", "microseconds between layers (the GPU's part of a layer)"},
+		{"no-taper", OPT_BOOL, &no_taper, NULL,
+		 "equal chunks in each phase of a job (the runner tapers an expert's: smaller toward each phase's "
+		 "end, ffn_share_job.taper)"},
+		{"no-help", OPT_BOOL, &no_help, NULL,
+		 "a part that waits for its job's first phase spins (the runner's runs the pool's queued parts "
+		 "meanwhile, ffn_share_job.pool)"},
+		{0},
 	};
-	int o;
-	while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-		switch (o) {
-		case 'f': {
-			int found = 0;
-			for (int i = 0; i < DT_COUNT && !found; i++)
-				if (strcasecmp(optarg, dtype_name((enum dtype)i)) == 0) {
-					t = (enum dtype)i;
-					found = 1;
-				}
-			if (!found) {
-				fprintf(stderr, "bench-cpu-gemv: --format %s: unknown (see --help)\n", optarg);
-				return 2;
-			}
-			break;
-		}
-		case 'r':
-			if (parse_u32("--rows", optarg, 1, &rows))
-				return 2;
-			break;
-		case 'c':
-			if (parse_u32("--cols", optarg, 1, &cols))
-				return 2;
-			break;
-		case 't':
-			if (parse_u32("--threads", optarg, 1, &threads))
-				return 2;
-			break;
-		case 'n':
-			if (parse_u32("--repeats", optarg, 1, &repeats))
-				return 2;
-			break;
-		case 's':
-			scalar = 1;
-			break;
-		case 'k':
-			if (parse_u32_in("--ffn-tokens", optarg, 1, FFN_BENCH_MAX_TOKENS, &ffn_tokens))
-				return 2;
-			break;
-		case 'x':
-			if (parse_u32_in("--experts", optarg, 1, EXPERTS_MAX, &experts))
-				return 2;
-			break;
-		case 'e':
-			if (parse_u32("--expert-pool", optarg, 1, &expert_pool))
-				return 2;
-			break;
-		case 'j':
-			if (parse_u32_in("--job-threads", optarg, 1, FFN_SHARE_MAX_THREADS, &job_threads))
-				return 2;
-			break;
-		case 'g':
-			if (parse_u32("--gap-us", optarg, 0, &gap_us))
-				return 2;
-			break;
-		case 'T':
-			taper = false;
-			break;
-		case 'H':
-			help = false;
-			break;
-		case 'h':
-			usage(stdout);
-			return 0;
-		default:
-			usage(stderr);
-			return 2;
-		}
-	}
-	if (optind < argc) {
-		fprintf(stderr, "bench-cpu-gemv: unexpected argument %s\n", argv[optind]);
+	int prc = config_parse("bench-cpu-gemv",
+			      "The CPU products of cpu-compute/ timed over a matrix larger than the caches, in GB/s of "
+			      "weight bytes read, beside the rate of plainly reading the same bytes (the best and "
+			      "median of --repeats); or a split FFN's CPU share (--ffn-tokens), or a decode layer's "
+			      "routed experts (--experts).",
+			      table, argc, argv, NULL, NULL);
+	if (prc > 0)
+		return 0;
+	if (prc < 0)
+		return 2;
+	enum dtype t = DT_COUNT;
+	for (int i = 0; i < DT_COUNT; i++)
+		if (strcasecmp(format, dtype_name((enum dtype)i)) == 0)
+			t = (enum dtype)i;
+	if (t == DT_COUNT) {
+		fprintf(stderr, "bench-cpu-gemv: --format %s: unknown (see --help)\n", format);
 		return 2;
 	}
+	uint32_t rows, cols, threads, repeats, ffn_tokens, experts, expert_pool, job_threads, gap_us;
+	if (in_range("rows", rows_l, 1, UINT32_MAX, &rows) || in_range("cols", cols_l, 1, UINT32_MAX, &cols) ||
+	    in_range("threads", threads_l, 1, UINT32_MAX, &threads) ||
+	    in_range("repeats", repeats_l, 1, UINT32_MAX, &repeats) ||
+	    in_range("ffn-tokens", ffn_tokens_l, 0, FFN_BENCH_MAX_TOKENS, &ffn_tokens) ||
+	    in_range("experts", experts_l, 0, EXPERTS_MAX, &experts) ||
+	    in_range("expert-pool", pool_l, 1, UINT32_MAX, &expert_pool) ||
+	    (job_threads_l != -1 && in_range("job-threads", job_threads_l, 1, FFN_SHARE_MAX_THREADS, &job_threads)) ||
+	    in_range("gap-us", gap_l, 0, UINT32_MAX, &gap_us))
+		return 2;
+	if (job_threads_l == -1)
+		job_threads = 0; /* ffn_share_threads_for */
+	const bool taper = !no_taper, help = !no_help;
 	if (cols % dtype_block_elems(t)) {
 		fprintf(stderr, "bench-cpu-gemv: --cols %u is not a multiple of %s's block of %u\n", cols,
 			dtype_name(t), dtype_block_elems(t));
