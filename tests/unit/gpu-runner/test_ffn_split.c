@@ -572,8 +572,8 @@ START_TEST(test_share_on_a_pool)
 END_TEST
 
 /* Four jobs at once on a pool of 3 workers (a layer's experts), each naming the pool, so that a
- * part waiting for its job's first phase runs the others' queued parts (task_pool_help): 30 layers,
- * each job's output the bits of the same job run in order. */
+ * part waiting for its job's first phase may run the others' queued parts (task_pool_help): 30
+ * layers, each job's output the bits of the same job run in order. */
 START_TEST(test_shares_at_once_help)
 {
 	enum { DIM = 256, ROWS = 512, K = 4 };
@@ -641,8 +641,12 @@ START_TEST(test_shares_at_once_help)
 			ck_assert_msg(memcmp(y[k], want[k], (size_t)DIM * 4) == 0, "layer %u, job %d: not the bits in order",
 				      rep, k);
 	}
-	/* Parts ran inside waiting ones (in 30 layers of 4 jobs on 3 workers, some wait) */
-	ck_assert_uint_gt(atomic_load(&shares_inside), 0);
+	/* How often a part ran inside a waiting one depends on the timing (a loaded machine may run a
+	 * job's phases back to back and never wait): reported, not asserted. test_task_pool's
+	 * test_waiting_part_helps and test_help_from_outside make a part wait and check that it helps. */
+	if (test_verbose())
+		fprintf(stderr, "test_ffn_split: %u parts ran inside waiting ones in 30 layers\n",
+			atomic_load(&shares_inside));
 	task_pool_destroy(&pool);
 	for (int k = 0; k < K; k++) {
 		for (int m = 0; m < 3; m++)
