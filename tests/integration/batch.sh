@@ -65,6 +65,8 @@ together_all() {
 }
 
 batch_stat() { "$PIPECTL" stats gpu-runner | jq -r ".batch.$1"; }
+running_at_least() { (($(batch_stat running) >= $1)); }
+went_away() { grep -c 'went away: cancelling it' "$RUN_DIR/gpu-runner.log" || true; }
 
 # ---- one request at a time, then 16 at once --------------------------------------------------
 "$PIPELINE" start --model "$MODEL" --backend "$BACKEND" --cpu-share 0 --runner-opt=--prefill-chunk=32 --runner-opt=--max-batch=8 >/dev/null
@@ -72,7 +74,14 @@ expect_eq "$(batch_stat on)" true "batching is on (the $BACKEND backend)"
 expect_eq "$(batch_stat max_batch)" 8 "--max-batch 8"
 alone_all
 expect_eq "$(batch_stat most_at_once)" 1 "requests sent one after another ran one at a time"
+# A long request running first, so that the 16 have a step to share whatever the timing (on a
+# loaded machine their clients alone may start too far apart to overlap); then its client goes.
+"$PIPECTL" generate --tokens "$(prompt_of 5)" -n 100000 --ignore-eos >/dev/null 2>&1 &
+first=$!
+wait_until 30 "a long request running" running_at_least 1
 together_all "16 at once"
+kill -KILL "$first" 2>/dev/null || true
+wait "$first" 2>/dev/null || true
 most=$(batch_stat most_at_once)
 expect_gt "$most" 1 "the most requests computed in one step"
 ((most <= 8)) || fail "$most requests in one step; --max-batch is 8"
@@ -81,23 +90,25 @@ grep -q 'continuous batching: up to 8 requests at once' "$RUN_DIR/gpu-runner.log
 	fail "gpu-runner's log does not say it batches"
 
 # ---- a client that goes away: the others go on --------------------------------------------------
+idle() { [[ $(batch_stat running) == 0 ]]; }
+wait_until 30 "the first long request cancelled" idle
+before=$(went_away)
 long=$(prompt_of 5)
 "$PIPECTL" generate --tokens "$long" -n 100000 --ignore-eos >/dev/null 2>&1 &
 gone=$!
+wait_until 30 "the long request running" running_at_least 1
 for ((k = 0; k < 4; k++)); do
 	# shellcheck disable=SC2046
 	generate --tokens "$(prompt_of $k)" $(args_of $k) >"$IT_TMP/together.$k" &
 	pids[k]=$!
 done
-sleep 0.3
 kill -KILL "$gone" 2>/dev/null || true
 for ((k = 0; k < 4; k++)); do
 	wait "${pids[$k]}" || fail "request $k beside a client that went away failed"
 	expect_eq "$(cat "$IT_TMP/together.$k")" "$(cat "$IT_TMP/alone.$k")" "request $k beside a client that went away"
 done
-cancelled() { grep -q 'went away: cancelling it' "$RUN_DIR/gpu-runner.log"; }
+cancelled() { (($(went_away) > before)); }
 wait_until 30 "gpu-runner cancels the request of the client that went away" cancelled
-idle() { [[ $(batch_stat running) == 0 ]]; }
 wait_until 30 "no request left running" idle
 log "a client that went away: its request cancelled, the others' tokens unchanged"
 "$PIPELINE" stop >/dev/null

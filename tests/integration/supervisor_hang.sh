@@ -58,7 +58,7 @@ done
 # ssd-loader stopped while the runner streams weights from it. Four periods before a hang, so that
 # the runner's beats can be counted while the loader is surely still stopped (the first 3 s).
 "$PIPELINE" stop >/dev/null
-"$PIPELINE" start "${opts[@]}" --supervisor-opt=--hang-periods=4 >/dev/null
+"$PIPELINE" start "${opts[@]}" --supervisor-opt=--hang-periods=8 >/dev/null
 N=400
 want=$(run_local --tokens "$PROMPT" -n $N --ignore-eos)
 loader=$(sup_field ssd-loader pid)
@@ -75,8 +75,9 @@ loader_stopped() { [[ $(proc_state "$loader") == T ]]; }
 wait_until 5 "ssd-loader stopped by SIGSTOP" loader_stopped
 # The runner, blocked on the stopped loader, computes no token and still beats: two of its beats
 # (a period apart at least) with the token count unchanged since before the first. A token in
-# flight at SIGSTOP starts the count over. Within 3 s: the loader is found hung 4 periods after
-# its last beat, which came at most a period before SIGSTOP.
+# flight at SIGSTOP starts the count over. Within 6 s: the loader is found hung 8 periods after
+# its last beat, which came at most a period before SIGSTOP (8, not fewer, so that a loaded
+# machine's slow checks still finish before the restart).
 beats0=$(sup_field gpu-runner heartbeats)
 tokens0=$(wc -w <"$IT_TMP/long.out")
 blocked_beating() {
@@ -89,7 +90,7 @@ blocked_beating() {
 	fi
 	((beats >= beats0 + 2))
 }
-wait_until 3 "two heartbeats of the runner without a token while ssd-loader is stopped" blocked_beating
+wait_until 6 "two heartbeats of the runner without a token while ssd-loader is stopped" blocked_beating
 beats1=$(sup_field gpu-runner heartbeats)
 health=$(sup_field gpu-runner health)
 tokens1=$(wc -w <"$IT_TMP/long.out")
