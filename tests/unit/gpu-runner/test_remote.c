@@ -685,6 +685,7 @@ static Suite *remote_suite(void)
 {
 	Suite *s = suite_create("runner_remote");
 	TCase *tc = tcase_create("weight_ring");
+	tcase_set_timeout(tc, 30); /* the beats tests wait ~0.7 s by design: room for a loaded machine */
 	tcase_add_unchecked_fixture(tc, NULL, sweep_all);
 	tcase_add_test(tc, ring_source_takes_a_good_loader);
 	tcase_add_test(tc, ring_source_beats_while_a_release_is_not_answered);
@@ -692,6 +693,7 @@ static Suite *remote_suite(void)
 	tcase_add_test(tc, ring_source_refuses_a_grant_outside_the_ring);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("kv_pool");
+	tcase_set_timeout(tc, 30);
 	tcase_add_unchecked_fixture(tc, NULL, sweep_all);
 	tcase_add_test(tc, kv_connect_refuses_an_error_code_beyond_int);
 	tcase_add_test(tc, kv_connect_beats_while_the_configuration_is_not_answered);
