@@ -600,6 +600,7 @@ START_TEST(test_beat_and_signal)
 	void *sub = bus_connect_sub(ctx, ep);
 	ck_assert_ptr_nonnull(sub);
 	wait_subscribed(s, sub);
+	const uint64_t first = now_ns();
 	service_beat(s); /* none yet: due at once */
 	struct msg m;
 	ck_assert_int_eq(bus_recv(sub, &m, 5000, err, sizeof(err)), 0);
@@ -610,8 +611,12 @@ START_TEST(test_beat_and_signal)
 	ck_assert_int_eq(bus_recv(sub, &m, 5000, err, sizeof(err)), 0); /* the counters with it */
 	ck_assert_uint_eq(m.type, MSG_STATS);
 	msg_free(&m);
-	service_beat(s); /* the next is a period away */
-	ck_assert_int_eq(bus_recv(sub, &m, 300, err, sizeof(err)), -ETIMEDOUT);
+	/* The next is a period (1 s) away: nothing published, unless this thread stalled that long
+	 * since the first (a loaded machine), when a beat is due and the check says nothing. */
+	if (now_ns() - first < 700000000ull) {
+		service_beat(s);
+		ck_assert_int_eq(bus_recv(sub, &m, 300, err, sizeof(err)), -ETIMEDOUT);
+	}
 	ck_assert_int_eq(st.handled + st.ticks, 0); /* it neither read a socket nor ticked */
 	service_beat(NULL);
 	zmq_close(sub);
