@@ -303,6 +303,7 @@ enum gemv_mode {
 /* Or'ed into the MODE of a quantized one-token kernel: several matrices (qgemv_args.m), a kernel
  * of its own so that the one-matrix kernels' registers are what they were. */
 #define GEMV_MATS_BIT 4
+#define GEMV_MODE_OF(mode) ((mode) & ~GEMV_MATS_BIT) /* the enum gemv_mode of such a MODE */
 
 /* The activation dtype of a weight format: a block format multiplies BF16 activations (cuBLAS
  * takes the dequantized BF16 rows with them), an element format its own dtype. The matrices of

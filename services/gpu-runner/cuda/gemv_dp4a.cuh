@@ -354,11 +354,11 @@ static __device__ __forceinline__ void dq_item(const qgemv_args &a, uint32_t k, 
 					       const float *xs, float *acc, float *acc2)
 {
 	typedef qg<F> T;
-	const uint32_t s = (MODE & 3) == GEMV_SWIGLU ? k >> 1 : k;
+	const uint32_t s = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? k >> 1 : k;
 	const uint32_t b = s * T::BPS + lane / T::LPB;
 	if (b < a.nb) {
 		const float y = dq<F>::dot(d, b, lane % T::LPB, xq, xd, xs);
-		if ((MODE & 3) == GEMV_SWIGLU && (k & 1))
+		if (GEMV_MODE_OF(MODE) == GEMV_SWIGLU && (k & 1))
 			acc2[0] += y;
 		else
 			acc[0] += y;
@@ -388,7 +388,7 @@ static __device__ __forceinline__ bool dq_stream(const qgemv_args &a, qg_cursor<
 /* Blocks per multiprocessor the registers are capped for: 4 blocks of 256 threads (64 registers)
  * where the three buffers fit them without spills (Q8_0; Q4_K but SwiGLU), else 3 (85 registers). */
 template <int F, int MODE> struct dq_occ {
-	static constexpr int MIN_BLOCKS = F == DT_Q8_0 || (F == DT_Q4_K && (MODE & 3) != GEMV_SWIGLU) ? 4 : 3;
+	static constexpr int MIN_BLOCKS = F == DT_Q8_0 || (F == DT_Q4_K && GEMV_MODE_OF(MODE) != GEMV_SWIGLU) ? 4 : 3;
 };
 
 /* One token, x staged whole as int8 (dq_smem(in) bytes of shared memory), three item buffers a warp. */
@@ -409,7 +409,7 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_occ<F, MODE>::MIN_BLOCKS)) dq_
 	if (live) {
 		/* The first row's bytes (up to 8 KiB) start coming into L2 as well. */
 		prefetch_l2(cur.row, a.row_bytes, lane);
-		if ((MODE & 3) == GEMV_SWIGLU)
+		if (GEMV_MODE_OF(MODE) == GEMV_SWIGLU)
 			prefetch_l2(cur.row2, a.row_bytes, lane);
 	}
 	/* x is quantized with the registers to itself (its loads in flight together); the first
@@ -531,10 +531,10 @@ static __device__ __forceinline__ void dq_sm_issue(const qgemv_args &a, const qg
 {
 	typedef qg<F> T;
 	if (c.live) {
-		const uint32_t s = (MODE & 3) == GEMV_SWIGLU ? c.k >> 1 : c.k;
+		const uint32_t s = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? c.k >> 1 : c.k;
 		const uint32_t b0 = s * T::BPS, nblk = min(T::BPS, a.nb - b0);
 		const uint32_t bytes = nblk * T::BB;
-		const uint8_t *src = ((MODE & 3) == GEMV_SWIGLU && (c.k & 1) ? c.r.row2 : c.r.row) + (size_t)b0 * T::BB;
+		const uint8_t *src = (GEMV_MODE_OF(MODE) == GEMV_SWIGLU && (c.k & 1) ? c.r.row2 : c.r.row) + (size_t)b0 * T::BB;
 		constexpr uint32_t FULL = T::BPS * T::BB; /* a whole step: a multiple of 16 in every format */
 		static_assert(FULL % 16 == 0, "a whole step is whole 16-byte chunks");
 		if (bytes == FULL) {
@@ -558,13 +558,13 @@ static __device__ __forceinline__ void dq_sm_item(const qgemv_args &a, uint32_t 
 						  float *acc2)
 {
 	typedef qg<F> T;
-	const uint32_t s = (MODE & 3) == GEMV_SWIGLU ? k >> 1 : k;
+	const uint32_t s = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? k >> 1 : k;
 	const uint32_t j = lane / T::LPB, b = s * T::BPS + j;
 	if (b < a.nb) {
 		typename T::data d;
 		sq<F>::load(st + j * T::BB, lane % T::LPB, d);
 		const float y = dq<F>::dot(d, b, lane % T::LPB, xq, xd, xs);
-		if ((MODE & 3) == GEMV_SWIGLU && (k & 1))
+		if (GEMV_MODE_OF(MODE) == GEMV_SWIGLU && (k & 1))
 			acc2[0] += y;
 		else
 			acc[0] += y;
@@ -573,7 +573,7 @@ static __device__ __forceinline__ void dq_sm_item(const qgemv_args &a, uint32_t 
 
 /* 4 blocks a multiprocessor (64 registers) but Q4_K's SwiGLU, whose x staging needs more (3). */
 template <int F, int MODE> struct dq_sm_occ {
-	static constexpr int MIN_BLOCKS = F == DT_Q4_K && (MODE & 3) == GEMV_SWIGLU ? 3 : 4;
+	static constexpr int MIN_BLOCKS = F == DT_Q4_K && GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? 3 : 4;
 };
 
 template <int F, int MODE>

@@ -402,8 +402,6 @@ static __device__ __forceinline__ void prefetch_l2(const uint8_t *p, uint64_t by
 		asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
 }
 
-/* The row a warp computes in row group rg: part p, row o of it, its bytes (row2: up's row of
- * SwiGLU). False past the last row. */
 /* Several matrices (MODE & GEMV_MATS_BIT): the one block b computes, b / a.m.blocks. */
 static __device__ __forceinline__ uint32_t qg_mat(const qgemv_args &a)
 {
@@ -421,6 +419,8 @@ template <int MODE> static __device__ __forceinline__ uint32_t qg_group_step(con
 	return (MODE & GEMV_MATS_BIT) ? a.m.blocks : gridDim.x;
 }
 
+/* The row a warp computes in row group rg: part p, row o of it, its bytes (row2: up's row of
+ * SwiGLU). False past the last row. */
 template <int MODE> struct qg_row {
 	uint32_t rg, p, o;
 	const uint8_t *row, *row2;
@@ -436,17 +436,17 @@ template <int MODE> struct qg_row {
 		if (MODE & GEMV_MATS_BIT) {
 			const uint32_t j = qg_mat(a);
 			row = (const uint8_t *)pick_mat(a.m.w, j) + (size_t)o * a.row_bytes;
-			row2 = (MODE & 3) == GEMV_SWIGLU ? (const uint8_t *)pick_mat(a.m.w2, j) + (size_t)o * a.row_bytes : row;
+			row2 = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? (const uint8_t *)pick_mat(a.m.w2, j) + (size_t)o * a.row_bytes : row;
 			return true;
 		}
-		if ((MODE & 3) != GEMV_SWIGLU)
+		if (GEMV_MODE_OF(MODE) != GEMV_SWIGLU)
 			while (p < 2 && o >= a.rows[p])
 				o -= a.rows[p++];
 		/* Branches, not a.w[p]: a run-time index into the parameters would copy them to
 		 * local memory. */
 		const uint8_t *wp = p == 0 ? a.w[0] : p == 1 ? a.w[1] : a.w[2];
 		row = wp + (size_t)o * a.row_bytes;
-		row2 = (MODE & 3) == GEMV_SWIGLU ? a.w[1] + (size_t)o * a.row_bytes : row;
+		row2 = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? a.w[1] + (size_t)o * a.row_bytes : row;
 		return true;
 	}
 };
@@ -459,16 +459,16 @@ static __device__ __forceinline__ void qg_finish(const qgemv_args &a, uint32_t p
 #pragma unroll
 	for (int t = 0; t < NT; t++) {
 		const float y = warp_sum(acc[t]);
-		const float u = (MODE & 3) == GEMV_SWIGLU ? warp_sum(acc2[t]) : 0.0f;
+		const float u = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? warp_sum(acc2[t]) : 0.0f;
 		acc[t] = acc2[t] = 0.0f;
 		if (lane == 0 && (uint32_t)t < a.n) {
 			float *dst = (MODE & GEMV_MATS_BIT) ? pick_mat(a.m.out, qg_mat(a))
 				     : p == 0		    ? a.out[0]
 				     : p == 1		    ? a.out[1]
 							    : a.out[2];
-			if ((MODE & 3) == GEMV_STORE)
+			if (GEMV_MODE_OF(MODE) == GEMV_STORE)
 				dst[(size_t)t * a.ldc + o] = y;
-			else if ((MODE & 3) == GEMV_ADD)
+			else if (GEMV_MODE_OF(MODE) == GEMV_ADD)
 				a.out[0][(size_t)t * a.ldc + o] = __fadd_rn(a.out[0][(size_t)t * a.ldc + o], y);
 			else
 				((MODE & GEMV_MATS_BIT) ? (__nv_bfloat16 *)pick_mat(a.m.act, qg_mat(a)) : a.act)[o] =
@@ -481,7 +481,7 @@ static __device__ __forceinline__ void qg_finish(const qgemv_args &a, uint32_t p
  * gate for even k, of up for odd k), so a warp holds the bytes of two items, not four. */
 template <int MODE> static __device__ __forceinline__ uint32_t qg_items(const qgemv_args &a)
 {
-	return (MODE & 3) == GEMV_SWIGLU ? 2 * a.steps : a.steps;
+	return GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? 2 * a.steps : a.steps;
 }
 
 /* The block bytes a lane reads for item k of a row. */
@@ -490,9 +490,9 @@ static __device__ __forceinline__ void qg_load(const qgemv_args &a, const qg_row
 					       typename qg<F>::data &d)
 {
 	typedef qg<F> T;
-	const uint32_t s = (MODE & 3) == GEMV_SWIGLU ? k >> 1 : k;
+	const uint32_t s = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? k >> 1 : k;
 	const uint32_t b = s * T::BPS + lane / T::LPB;
-	const uint8_t *row = (MODE & 3) == GEMV_SWIGLU && (k & 1) ? w.row2 : w.row;
+	const uint8_t *row = GEMV_MODE_OF(MODE) == GEMV_SWIGLU && (k & 1) ? w.row2 : w.row;
 	if (b < a.nb)
 		T::load(row + (size_t)b * T::BB, lane % T::LPB, d);
 }
@@ -504,12 +504,12 @@ static __device__ __forceinline__ void qg_dot(const qgemv_args &a, uint32_t k, u
 					      uint32_t xstride, uint32_t mstride, float *acc, float *acc2)
 {
 	typedef qg<F> T;
-	const uint32_t s = (MODE & 3) == GEMV_SWIGLU ? k >> 1 : k;
+	const uint32_t s = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? k >> 1 : k;
 	const uint32_t b = s * T::BPS + lane / T::LPB;
 	if (b < a.nb) {
 		const float4 *x0 = xs + ((size_t)sl * 32 + lane) * T::PPL, *m0 = xsum + sl * 32 + lane;
 		T::template dot<NT>(d, lane % T::LPB, x0, xstride, m0, mstride, lane & 7,
-				    (MODE & 3) == GEMV_SWIGLU && (k & 1) ? acc2 : acc);
+				    GEMV_MODE_OF(MODE) == GEMV_SWIGLU && (k & 1) ? acc2 : acc);
 	}
 }
 
@@ -553,7 +553,7 @@ static __device__ __forceinline__ bool qg_stream(const qgemv_args &a, qg_cursor<
 		ld.next(a, wid);
 	}
 	const uint32_t k = at.k;
-	qg_dot<F, NT, MODE>(a, k, (MODE & 3) == GEMV_SWIGLU ? k >> 1 : k, lane, cd, xs, xsum, xstride, mstride, acc, acc2);
+	qg_dot<F, NT, MODE>(a, k, GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? k >> 1 : k, lane, cd, xs, xsum, xstride, mstride, acc, acc2);
 	if (k + 1 == qg_items<MODE>(a))
 		qg_finish<NT, MODE>(a, at.r.p, at.r.o, lane, acc, acc2);
 	at.next(a, wid);
@@ -579,7 +579,7 @@ template <int F, int NT, int MODE> __global__ void __launch_bounds__(QG_THREADS)
 	if (live) {
 		/* The first row's bytes start coming while x is staged. */
 		prefetch_l2(cur.row, a.row_bytes, lane);
-		if ((MODE & 3) == GEMV_SWIGLU)
+		if (GEMV_MODE_OF(MODE) == GEMV_SWIGLU)
 			prefetch_l2(cur.row2, a.row_bytes, lane);
 	}
 
@@ -624,7 +624,7 @@ template <int F, int NT, int MODE> __global__ void __launch_bounds__(QG_THREADS)
 			if (!live)
 				continue;
 			const uint32_t s0 = tile * ts, cnt = min(ts, a.steps - s0);
-			const uint32_t per = (MODE & 3) == GEMV_SWIGLU ? 2 : 1; /* items per step */
+			const uint32_t per = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? 2 : 1; /* items per step */
 			for (uint32_t k = s0 * per; k < (s0 + cnt) * per; k++) {
 				D d0;
 				qg_load<F, MODE>(a, cur, k, lane, d0);

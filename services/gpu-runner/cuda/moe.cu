@@ -193,7 +193,7 @@ int moe_setup(struct backend_dev *be)
 	m->k = c->n_experts_used;
 	m->F = c->expert_ffn_dim;
 	size_t mc = be->p.max_chunk, dim = c->dim, wide = dim > m->F ? dim : m->F;
-	m->act_stride = ((size_t)m->F * sizeof(float) + 15) / 16 * 16; /* a row of any activation dtype */
+	m->act_stride = moe_act_stride(m->F);
 	int rc;
 	if ((rc = dev_alloc(be, (void **)&m->xn, mc, dim, sizeof(float), "the experts' input rows")) ||
 	    (rc = dev_alloc(be, (void **)&m->logits, mc, m->E, sizeof(float), "router logits")) ||
@@ -483,6 +483,5 @@ int moe_end(struct backend_dev *be)
 	m->routed = false;
 	m->one = false;
 	m->n_gpu = 0;
-	m->n_held = 0;
 	return 0;
 }

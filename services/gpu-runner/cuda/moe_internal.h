@@ -119,6 +119,13 @@ struct cuda_moe {
 
 /* ---- moe.cu ---- */
 
+/* Bytes from one of a token's experts' SwiGLU rows (F values) to the next: a row of any activation
+ * dtype, 16-byte aligned (the products' x). */
+static inline size_t moe_act_stride(uint32_t F)
+{
+	return ((size_t)F * sizeof(float) + 15) / 16 * 16;
+}
+
 /* Pinned host memory of `bytes` at *host, mapped for the device at *dev where the device can (NULL
  * there else: the caller copies down instead). */
 int moe_host_mapped(struct backend_dev *be, size_t bytes, void **host, void **dev, const char *what);

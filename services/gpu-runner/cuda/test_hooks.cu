@@ -124,7 +124,7 @@ int cuda_test_experts_together(struct backend *bk, const struct cuda_test_expert
 		return -EINVAL;
 	}
 	const size_t es = dtype_size((enum dtype)at);
-	const size_t stride = ((size_t)F * sizeof(float) + 15) / 16 * 16; /* moe.cu's act rows */
+	const size_t stride = moe_act_stride(F); /* moe.cu's act rows */
 	const uint64_t grb = dtype_row_bytes((enum dtype)t->gate_format, dim),
 		       drb = dtype_row_bytes((enum dtype)t->down_format, F);
 	void *hx = malloc((size_t)dim * es), *dx = NULL, *dact = NULL;
