@@ -312,12 +312,14 @@ def rows_mres(name, what):
         ms_tok = decode_per_token_ms(rec["gen"])
         act, hbm = active_bytes(rec["weights"]), lim["hbm_bytes_per_s"]
         bound = act / hbm * 1e3
-        apart = rec.get("apart") or {}
         beside = ""
-        if apart.get("gen"):
-            beside = f"; each expert launched on its own (--experts-apart): {decode_per_token_ms(apart['gen']):.2f} ms/token"
-        elif apart.get("failed"):
-            beside = "; --experts-apart failed (see logs)"
+        for key, how in (("host", "routed on the host (--moe-host-route)"),
+                         ("apart", "each expert launched on its own (--experts-apart)")):
+            other = rec.get(key) or {}
+            if other.get("gen"):
+                beside += f"; {how}: {decode_per_token_ms(other['gen']):.2f} ms/token"
+            elif other.get("failed"):
+                beside += f"; {how.split(' (')[0]} failed (see logs)"
         return [f"| {name} decode ({what}, --gpu-budget 40GiB, all resident{beside}) | {ms_tok:.2f} ms/token "
                 f"({tok_s(ms_tok)}) | {bound:.2f} ms/token ({act/1e9:.2f} GB/token of active parameters at "
                 f"{hbm/1e12:.2f} TB/s HBM) | {ms_tok/bound:.2f} | - |"]

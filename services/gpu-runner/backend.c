@@ -702,6 +702,51 @@ int backend_moe_check(struct backend *be)
 	return rc ? impl_rc(be, rc) : 0;
 }
 
+int backend_moe_layer_experts(struct backend *be, uint32_t layer, const struct group_weights *experts)
+{
+	static const enum tensor_role roles[] = {ROLE_EXPERT_GATE, ROLE_EXPERT_UP, ROLE_EXPERT_DOWN};
+	if (!be->cfg.n_experts || layer >= be->cfg.n_layers)
+		return fail(be, -EINVAL, "moe_layer_experts: layer %u of a model of %u layers and %u experts", layer,
+			    be->cfg.n_layers, be->cfg.n_experts);
+	if (!be->impl->compute->moe_layer_experts)
+		return fail(be, -ENOTSUP, "the %s backend routes every layer on the host", be->impl->name);
+	for (uint32_t e = 0; experts && e < be->cfg.n_experts; e++)
+		for (uint32_t i = 0; i < 3; i++) {
+			const enum tensor_role r = roles[i];
+			int rc = check_tensor(be, &experts[e].t[r], r, PLACE_DEVICE, 0, be->rows[r], 0, be->cols[r], true,
+					      "expert routed on the device", "");
+			if (rc)
+				return rc;
+		}
+	return impl_rc(be, be->impl->compute->moe_layer_experts(be->dev, layer, experts));
+}
+
+int backend_moe_layer(struct backend *be, const struct group_weights *w, uint32_t layer)
+{
+	static const enum tensor_role roles[] = {ROLE_FFN_NORM, ROLE_ROUTER};
+	assert(w);
+	if (be->phase != PHASE_READY)
+		return fail(be, -EINVAL, "moe_layer called %s", phase_text(be->phase, "between attn_begin and attn_end"));
+	if (!be->cfg.n_experts || layer >= be->cfg.n_layers)
+		return fail(be, -EINVAL, "moe_layer: layer %u of a model of %u layers and %u experts", layer,
+			    be->cfg.n_layers, be->cfg.n_experts);
+	if (be->n != 1)
+		return fail(be, -EINVAL, "moe_layer takes a step of one token, not %u", be->n);
+	if (!be->impl->compute->moe_layer)
+		return fail(be, -ENOTSUP, "the %s backend routes every layer on the host", be->impl->name);
+	int rc = check_roles(be, w, roles, 2, "moe");
+	if (rc)
+		return rc;
+	return impl_rc(be, be->impl->compute->moe_layer(be->dev, w, layer));
+}
+
+int backend_moe_layer_chosen(struct backend *be, uint32_t layer, uint32_t *ids)
+{
+	if (!be->impl->compute->moe_layer_chosen)
+		return fail(be, -ENODATA, "the %s backend routes every layer on the host", be->impl->name);
+	return impl_rc(be, be->impl->compute->moe_layer_chosen(be->dev, layer, ids));
+}
+
 int backend_moe_end(struct backend *be)
 {
 	if (be->phase != PHASE_MOE)

@@ -133,6 +133,8 @@ struct backend_params {
 				 * runner's default, --cpu-expert-chunks taper) */
 	bool experts_apart;	/* CUDA, one token: each expert the GPU keeps launched at its visit
 				 * (--experts-apart), not a layer's together at moe_end */
+	bool moe_host_route;	/* CUDA: every layer routed on the host (--moe-host-route), none by
+				 * moe_layer */
 };
 
 /* Where a weight tensor's bytes can be read. */
@@ -303,6 +305,20 @@ bool backend_moe_expert_used(struct backend *be, uint32_t expert);
 int backend_moe_expert_cpu(struct backend *be, const struct group_weights *w, uint32_t expert);
 /* Adds the layer's sum into the residual stream. */
 int backend_moe_end(struct backend *be);
+/* A mixture-of-experts layer whose every expert stays in device memory, routed without the host
+ * (the CUDA backend; the host's route waits for the router's logits). moe_layer_experts gives the
+ * layer's experts once: experts[e] for each of cfg.n_experts, their tensors at PLACE_DEVICE, which
+ * must stay where they are until the same call with experts NULL (which forgets them) or the
+ * backend's end. Then a step of one token may compute the layer with moe_layer (after attn_end,
+ * in place of moe_route .. moe_end): the same choice and sum as those, on the device. -ENOTSUP
+ * (with a message) where it cannot: another backend, experts whose formats do not go in one
+ * launch, more than 8 experts a token, --experts-apart or --moe-host-route; the caller routes that
+ * layer on the host. */
+int backend_moe_layer_experts(struct backend *be, uint32_t layer, const struct group_weights *experts);
+int backend_moe_layer(struct backend *be, const struct group_weights *w, uint32_t layer);
+/* The experts moe_layer chose for `layer` in this step (cfg.n_experts_used ids, increasing), after the step's last call and before backend_moe_check: waits for the device.
+ * -ENODATA where moe_layer did not compute that layer since the last check. */
+int backend_moe_layer_chosen(struct backend *be, uint32_t layer, uint32_t *ids);
 /* Experts the CUDA backend's pool computes at once (moe_expert_cpu waits for the oldest beyond it). */
 #define BACKEND_MOE_CPU_JOBS 8
 /* After a failed step: waits for the experts the CPU still computes (they read host memory that

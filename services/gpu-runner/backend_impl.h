@@ -49,6 +49,10 @@ struct backend_compute_ops {
 	/* Optional (default 0): waits for the CPU's experts whose results the stream takes without the
 	 * host and returns the first failure among them. */
 	int (*moe_check)(struct backend_dev *d);
+	/* Optional, all three or none: default -ENOTSUP (every layer routed on the host). */
+	int (*moe_layer_experts)(struct backend_dev *d, uint32_t layer, const struct group_weights *experts);
+	int (*moe_layer)(struct backend_dev *d, const struct group_weights *w, uint32_t layer);
+	int (*moe_layer_chosen)(struct backend_dev *d, uint32_t layer, uint32_t *ids);
 	/* A stage of a split model (backend.h): all three, or none (default -ENOTSUP). hidden_in sets the
 	 * batch as embed does (x NULL: the hidden state is in place already); get and put copy rows. */
 	int (*hidden_in)(struct backend_dev *d, const struct backend_batch *b, const float *x);

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/log.h"
 #include "common/util.h"
 
 /* Records a message in the object and returns rc. */
@@ -35,8 +36,19 @@ struct engine {
 	bool *cpu_given;		/* (n_experts) of those, the ones given at this layer's route */
 	uint32_t *routed;		/* (n_layers, n_experts) decode steps whose routing chose the expert */
 	uint32_t *routed_steps;		/* (n_layers) decode steps routed through the layer */
+	/* Layers routed on the device (backend_moe_layer): whether a layer's one-token steps are, asked
+	 * at its first such step, and which were in this step (their choices counted at its end). */
+	uint8_t *moe_dev;		/* (n_layers) enum moe_dev */
+	bool *moe_dev_step;		/* (n_layers) */
+	bool moe_dev_any;
 	const struct engine_stage_ops *stages; /* engine_set_stages: a split model; NULL: none */
 	void *stages_ctx;
+};
+
+enum moe_dev {
+	MOE_DEV_UNKNOWN = 0,
+	MOE_DEV_YES = 1, /* the backend has the layer's experts' table */
+	MOE_DEV_NO = 2,	 /* routed on the host */
 };
 
 int engine_create(const struct model_config *cfg, struct backend *be,
@@ -68,8 +80,10 @@ int engine_create(const struct model_config *cfg, struct backend *be,
 	e->cpu_given = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool));
 	e->routed = calloc(cfg->n_experts ? (size_t)cfg->n_layers * cfg->n_experts : 1, sizeof(uint32_t));
 	e->routed_steps = calloc(cfg->n_layers ? cfg->n_layers : 1, sizeof(uint32_t));
+	e->moe_dev = calloc(cfg->n_layers ? cfg->n_layers : 1, sizeof(uint8_t));
+	e->moe_dev_step = calloc(cfg->n_layers ? cfg->n_layers : 1, sizeof(bool));
 	if (!e->dst_block || !e->dst_row || !e->pos || !e->seq || !e->tokens || !e->used || !e->on_cpu || !e->cpu_given || !e->routed ||
-	    !e->routed_steps) {
+	    !e->routed_steps || !e->moe_dev || !e->moe_dev_step) {
 		engine_destroy(&e);
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
@@ -93,6 +107,8 @@ void engine_destroy(struct engine **ep)
 	free((*ep)->cpu_given);
 	free((*ep)->routed);
 	free((*ep)->routed_steps);
+	free((*ep)->moe_dev);
+	free((*ep)->moe_dev_step);
 	free(*ep);
 	*ep = NULL;
 }
@@ -269,6 +285,82 @@ static bool last_expert(const struct engine *e, uint32_t g)
 	return g + 1 == e->ws->n_groups || gr[g + 1].kind != GROUP_EXPERT || gr[g + 1].layer != gr[g].layer;
 }
 
+/* Are layer l's one-token steps routed on the device (1), or on the host (0)? Asked at the layer's
+ * first such step (its moe group at `group`): where the source keeps every one of its experts in
+ * device memory, their addresses go to the backend once, and a backend that takes them routes the
+ * layer from then on (backend_moe_layer_experts; -ENOTSUP: the host routes it). < 0: an error. */
+static int moe_on_device(struct engine *e, uint32_t group, uint32_t l)
+{
+	if (e->moe_dev[l] != MOE_DEV_UNKNOWN)
+		return e->moe_dev[l] == MOE_DEV_YES;
+	e->moe_dev[l] = MOE_DEV_NO;
+	const struct group_desc *groups = e->ws->groups;
+	const uint32_t E = e->cfg->n_experts, g0 = group + 1;
+	if (!e->ws->ops->kept || g0 + E > e->ws->n_groups)
+		return 0;
+	for (uint32_t x = 0; x < E; x++)
+		if (groups[g0 + x].kind != GROUP_EXPERT || groups[g0 + x].layer != l || groups[g0 + x].expert != x ||
+		    !e->ws->ops->kept(e->ws, g0 + x))
+			return 0;
+	struct group_weights *w = calloc(E, sizeof(*w));
+	if (!w)
+		return set_err(e, -ENOMEM, "out of memory for the experts of layer %u", l);
+	uint32_t got = 0;
+	int rc = 0;
+	while (got < E && (rc = acquire(e, g0 + got, &w[got])) == 0)
+		got++;
+	if (rc == 0) {
+		rc = backend_moe_layer_experts(e->be, l, w);
+		if (rc && rc != -ENOTSUP)
+			set_err(e, rc, "the experts of layer %u to the device: %s", l, backend_error(e->be));
+	}
+	for (uint32_t x = 0; x < got; x++) {
+		const int rrc = release(e, g0 + x);
+		if (!rc)
+			rc = rrc;
+	}
+	free(w);
+	if (rc == -ENOTSUP) {
+		if (l == 0)
+			log_info("experts: layer 0 is routed on the host: %s", backend_error(e->be));
+		return 0;
+	}
+	if (rc)
+		return rc;
+	e->moe_dev[l] = MOE_DEV_YES;
+	if (l == 0)
+		log_info("experts: layer 0's are all on the GPU, routed there without the host's wait");
+	return 1;
+}
+
+/* After a step that went well: the choices of the layers routed on the device, counted as the
+ * host's routes count theirs. */
+static int moe_dev_count(struct engine *e)
+{
+	if (!e->moe_dev_any)
+		return 0;
+	e->moe_dev_any = false;
+	const uint32_t E = e->cfg->n_experts, k = e->cfg->n_experts_used;
+	uint32_t ids[256];
+	int rc = 0;
+	for (uint32_t l = 0; l < e->cfg->n_layers; l++) {
+		if (!e->moe_dev_step[l])
+			continue;
+		e->moe_dev_step[l] = false;
+		if (rc || k > 256)
+			continue;
+		if ((rc = backend_moe_layer_chosen(e->be, l, ids))) {
+			set_err(e, rc, "experts of layer %u: %s", l, backend_error(e->be));
+			continue;
+		}
+		e->routed_steps[l]++;
+		for (uint32_t i = 0; i < k; i++)
+			if (ids[i] < E)
+				e->routed[(size_t)l * E + ids[i]]++;
+	}
+	return rc;
+}
+
 int engine_forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits)
 {
 	return forward(e, tokens, n, pos0, logits, NULL, NULL, 0, false);
@@ -420,6 +512,12 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 	}
 	e->step_failed = false;
 	int rc = step_groups(e, seqs, n_seqs, logits, argmax, sp, u, stage_out, picks);
+	if (rc == 0) {
+		rc = moe_dev_count(e);
+	} else if (e->moe_dev_any) {
+		e->moe_dev_any = false;
+		memset(e->moe_dev_step, 0, e->cfg->n_layers * sizeof(bool));
+	}
 	/* A step with no output the host waited for (a prefill chunk before the last, a position
 	 * caught up) has not looked at the results of the last layer's CPU experts yet. */
 	if (rc == 0 && e->cfg->n_experts && (rc = backend_moe_check(e->be)) != 0)
@@ -501,6 +599,7 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 		rc = acquire(e, group, &w);
 		if (rc)
 			return rc;
+		uint32_t last = group; /* the group the visit goes on after */
 		switch (kind) {
 		case GROUP_EMBED:
 			BE_CHECK(backend_embed(e->be, &w, &batch), "embedding");
@@ -524,6 +623,19 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 			BE_CHECK(backend_ffn(e->be, &w), "feed-forward");
 			break;
 		case GROUP_MOE:
+			if (n == 1 && !staged && (rc = moe_on_device(e, group, l)) != 0) {
+				if (rc < 0) {
+					release(e, group);
+					return rc;
+				}
+				/* The whole layer on the device; its expert groups are not visited. */
+				BE_CHECK(backend_moe_layer(e->be, &w, l), "experts routed on the device");
+				e->moe_dev_step[l] = e->moe_dev_any = true;
+				while (last + 1 < e->ws->n_groups && groups[last + 1].kind == GROUP_EXPERT &&
+				       groups[last + 1].layer == l)
+					last++;
+				break;
+			}
 			BE_CHECK(backend_moe_route(e->be, &w), "router");
 			for (uint32_t x = 0; x < e->cfg->n_experts; x++)
 				e->used[x] = backend_moe_expert_used(e->be, x);
@@ -583,6 +695,7 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 		}
 		if ((rc = release(e, group)))
 			return rc;
+		group = last;
 	}
 	if (staged && !st->first && e->ws->ops->flush && (rc = e->ws->ops->flush(e->ws)) != 0)
 		return set_err(e, rc, "weights: %s", e->ws->error);

@@ -595,6 +595,12 @@ static int timed_acquire_host(struct weight_source *ws, uint32_t g, struct group
 TIMED(GW_OP_ACQUIRE_HOST, gw_acquire_host(ws, g, gw))
 #undef TIMED
 
+static bool win_kept(struct weight_source *ws, uint32_t g)
+{
+	const struct gpu_window *w = (const struct gpu_window *)ws;
+	return g < ws->n_groups && g != w->embed_group && w->g[g].resident;
+}
+
 const struct weight_source_ops gw_window_ops = {
 	.acquire = timed_acquire,
 	.release = timed_release,
@@ -604,6 +610,7 @@ const struct weight_source_ops gw_window_ops = {
 	.acquire_host = timed_acquire_host,
 	.flush = win_flush,
 	.reset = win_reset,
+	.kept = win_kept,
 };
 
 struct weight_source *gpu_window_base(struct gpu_window *w)

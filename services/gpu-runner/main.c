@@ -117,7 +117,8 @@ static int setup(struct runner *r)
 					.cpu_handoff = r->cpu_handoff,
 					.cpu_result_mapped = r->cpu_result_mapped,
 					.cpu_expert_taper = r->cpu_expert_taper,
-					.experts_apart = r->experts_apart};
+					.experts_apart = r->experts_apart,
+					.moe_host_route = r->moe_host_route};
 	r->arena_block_bytes = backend_kv_block_bytes(r->backend_name, &r->cfg, &r->bp);
 	r->pool_block_bytes = ALIGN_UP((uint64_t)r->arena_block_bytes, 4096);
 	/* Blocks are reused only by a runner that would compute the same bytes: same model, same
@@ -239,6 +240,10 @@ int main(int argc, char **argv)
 		{"experts-apart", OPT_BOOL, &r.experts_apart, NULL,
 		 "mixture of experts, cuda, decode: launch each expert the GPU keeps on its own (two products "
 		 "each), not a layer's kept experts together in two launches"},
+		{"moe-host-route", OPT_BOOL, &r.moe_host_route, NULL,
+		 "mixture of experts, cuda, decode: route every layer on the host (wait for the router's logits, "
+		 "then launch the chosen experts), also where the GPU keeps all of a layer's experts, whose "
+		 "layers are otherwise routed on the device without a wait"},
 		{"fixed-experts", OPT_BOOL, &r.fixed_experts, NULL,
 		 "keep the experts the first plan made resident (table order): no new plan from the routing counted"},
 		{"fixed-split", OPT_BOOL, &r.fixed_split, NULL,

@@ -127,6 +127,8 @@ void runner_register_tunables(struct runner *r)
 			  "the GPU's share of later layers' experts copied before their routing, on their last one");
 	service_add_fixed(s, "experts-apart", TUNABLE_BOOL, r->experts_apart ? "true" : "false",
 			  "each expert the GPU keeps launched on its own, not a layer's together (cuda, decode)");
+	service_add_fixed(s, "moe-host-route", TUNABLE_BOOL, r->moe_host_route ? "true" : "false",
+			  "every layer routed on the host, none on the device (cuda, decode)");
 	service_add_fixed(s, "fixed-experts", TUNABLE_BOOL, r->fixed_experts ? "true" : "false",
 			  "keep the experts the first plan made resident (no re-plan from the routing counted)");
 	service_add_fixed(s, "fixed-split", TUNABLE_BOOL, r->fixed_split ? "true" : "false",

@@ -62,6 +62,10 @@ struct weight_source_ops {
 	 * of the groups, a routing half used) is settled so that the next step visits from the first
 	 * group again. The engine calls it before that step. Returns 0 or -errno with the message. */
 	int (*reset)(struct weight_source *s);
+	/* Optional: does group g stay in device memory for the source's life (acquire gives the same
+	 * device addresses every time, copies nothing and waits for nothing)? The engine then may give
+	 * the addresses of a layer's experts to the backend once (backend_moe_layer_experts). */
+	bool (*kept)(struct weight_source *s, uint32_t group);
 };
 
 /* The part of the model a source serves when several runners split the layers between them (the

@@ -380,8 +380,8 @@ class Table(unittest.TestCase):
                       "GB/s, 9.0%)) | 0.134 ms (79.2 GB/s, 8.5%) | - | - | - |", rows[2])
 
     def test_mres_rows(self):
-        """M1R's row against the active parameters' bytes at the HBM rate, with the --experts-apart run beside
-        it where the record has one."""
+        """M1R's row against the active parameters' bytes at the HBM rate, with the --moe-host-route and
+        --experts-apart runs beside it where the record has them."""
         lim = {"hbm_bytes_per_s": 4e12}
         w = {"bytes_per_token": 4e9, "experts": 128, "experts_used": 8, "expert_bytes": 3.2e9, "matrix_params": 2e9}
         rec = {"gen": {"decode_ms": 4.0}, "weights": w}
@@ -391,8 +391,11 @@ class Table(unittest.TestCase):
         rec["apart"] = {"gen": {"decode_ms": 5.5}, "weights": w}
         rows = bench.ROWS["M1R"](rec, lim)
         self.assertIn("all resident; each expert launched on its own (--experts-apart): 5.50 ms/token) | 4.00 ms/token", rows[0])
+        rec["host"] = {"gen": {"decode_ms": 4.75}, "weights": w}
+        self.assertIn("all resident; routed on the host (--moe-host-route): 4.75 ms/token; each expert launched on "
+                      "its own (--experts-apart): 5.50 ms/token) | 4.00 ms/token", bench.ROWS["M1R"](rec, lim)[0])
         rec["apart"] = {"failed": True}
-        self.assertIn("--experts-apart failed (see logs)", bench.ROWS["M1R"](rec, lim)[0])
+        self.assertIn("; each expert launched on its own failed (see logs)", bench.ROWS["M1R"](rec, lim)[0])
 
     def test_d1_rows(self):
         """D1's rows: the two-link limit is the larger rank's copy time, the one-after-the-other one the sum."""

@@ -7,7 +7,8 @@
 # count the new plan and the larger share of the routing the kept experts take, and the same request
 # again gives the same tokens (residency moves bytes, not results), with --strict checking the
 # window's state table on every call. Then the experts from disk (a DRAM budget below the model): the
-# same tokens, a layer's chosen experts asked for together.
+# same tokens, a layer's chosen experts asked for together. Then every expert on the GPU: each layer
+# routed on the device, and on the host with --moe-host-route, the same tokens.
 source "$(dirname "$0")/lib.sh"
 it_setup moe_hot
 if ! nvidia-smi >/dev/null 2>&1; then
@@ -61,3 +62,23 @@ expect_eq "$got" "$want" "the same request with the experts from disk"
 expect_gt "$(stat_value gpu-runner experts_ahead)" 0 "experts asked for together at their layer's routing"
 "$PIPELINE" stop >/dev/null
 expect_nothing_left "after stop (experts from disk)"
+
+# Every expert on the GPU: each layer routed on the device (cuda/moe_device.cu; no wait of the host
+# for the router's logits), the same tokens as the host's route, which --moe-host-route keeps.
+on_device() { grep -c "experts: layer 0's are all on the GPU, routed there without the host's wait" \
+	"$RUN_DIR/gpu-runner.log" || true; }
+"$PIPELINE" start --model "$dir" --backend cuda --gpu-budget 4GiB --runner-opt=--strict >/dev/null
+n0=$(on_device)
+got=$(generate --tokens "$PROMPT" -n 49 --ignore-eos)
+expect_eq "$got" "$want" "the same request routed on the device"
+expect_gt "$(on_device)" "$n0" "layers routed on the device (the runner's log)"
+stats=$("$PIPECTL" stats gpu-runner)
+expect_eq "$(jq -r .gpu_window.experts_resident <<<"$stats")" 16 "experts resident (all)"
+"$PIPELINE" stop >/dev/null
+"$PIPELINE" start --model "$dir" --backend cuda --gpu-budget 4GiB --runner-opt=--moe-host-route >/dev/null
+n0=$(on_device)
+got=$(generate --tokens "$PROMPT" -n 49 --ignore-eos)
+expect_eq "$got" "$want" "the same request routed on the host (--moe-host-route)"
+expect_eq "$(on_device)" "$n0" "layers routed on the device with --moe-host-route"
+"$PIPELINE" stop >/dev/null
+expect_nothing_left "after stop (every expert on the GPU)"

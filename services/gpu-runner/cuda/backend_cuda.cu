@@ -904,6 +904,9 @@ static const struct backend_compute_ops cuda_compute = {
 	moe_expert_cpu,		/* moe_expert_cpu */
 	moe_settle,		/* moe_settle */
 	moe_check_step,		/* moe_check */
+	moe_layer_experts,	/* moe_layer_experts */
+	moe_layer,		/* moe_layer */
+	moe_layer_chosen,	/* moe_layer_chosen */
 	cuda_hidden_in,		/* hidden_in */
 	cuda_hidden_get,	/* hidden_get */
 	cuda_hidden_put,	/* hidden_put */

@@ -277,6 +277,11 @@ int moe_check(struct backend_dev *be);
 /* backend.h's moe_check at a step's end: moe_check, and the step's last layer is no layer's before
  * for the gap the stats time (the next step's first route follows the step's tail). */
 int moe_check_step(struct backend_dev *be);
+/* backend.h's moe_layer_experts, moe_layer and moe_layer_chosen (moe_device.cu): a one-token
+ * layer routed on the device from a table of its experts' addresses. */
+int moe_layer_experts(struct backend_dev *be, uint32_t layer, const struct group_weights *experts);
+int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t layer);
+int moe_layer_chosen(struct backend_dev *be, uint32_t layer, uint32_t *ids);
 /* Qwen3's per-head RMSNorm of the chunk's q and k (in be->qkv), before RoPE. */
 int qk_norm(struct backend_dev *be, const void *qn, uint32_t qt, const void *kn, uint32_t kt);
 
@@ -324,6 +329,10 @@ struct gemv_mats {
 	uint32_t blocks;		/* blocks of the grid each (filled in by the launch) */
 	const void *w[GEMV_MATS];	/* each one's weights (SWIGLU: gate) */
 	const void *w2[GEMV_MATS];	/* SWIGLU: each one's up */
+	/* Or in device memory, when a kernel before chose them (moe_device.cu): w[j] is wd[j], w2[j]
+	 * wd[GEMV_MATS + j]; NULL: the arrays above. A launch that reads them is not programmatic
+	 * (launch_k's pdl false): its blocks read wd before grid_wait. */
+	const void *const *wd;
 	const void *x[GEMV_MATS];	/* each one's x (in) in the activation dtype, 16-byte aligned */
 	float *out[GEMV_MATS];		/* STORE: each one's output row */
 	void *act[GEMV_MATS];		/* SWIGLU: each one's output row */
@@ -443,6 +452,11 @@ bool expert_batch_joins(const struct mm_expert *a, const struct mm_expert *b);
  * own swiglu_product and matmul. */
 int experts_batch(struct backend_dev *be, const struct mm_expert *e, uint32_t n, const void *x, uint32_t dim,
 		  uint32_t F);
+/* The same for n experts a kernel before chose (moe_device.cu): their matrices' addresses in device
+ * memory, gate and up at gu_wd (gemv_mats.wd), down at down_wd; ex gives the formats, row sizes,
+ * outputs and act rows (its w unused), as experts_batch takes them. */
+int experts_batch_dev(struct backend_dev *be, const struct mm_expert *ex, uint32_t n, const void *x, uint32_t dim,
+		      uint32_t F, const void *const *gu_wd, const void *const *down_wd);
 
 /* ---- norm_rope.cu -------------------------------------------------------------------------- */
 

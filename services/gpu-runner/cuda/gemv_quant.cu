@@ -435,8 +435,11 @@ template <int MODE> struct qg_row {
 		o = r;
 		if (MODE & GEMV_MATS_BIT) {
 			const uint32_t j = qg_mat(a);
-			row = (const uint8_t *)pick_mat(a.m.w, j) + (size_t)o * a.row_bytes;
-			row2 = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? (const uint8_t *)pick_mat(a.m.w2, j) + (size_t)o * a.row_bytes : row;
+			const uint8_t *w = (const uint8_t *)(a.m.wd ? a.m.wd[j] : pick_mat(a.m.w, j));
+			row = w + (size_t)o * a.row_bytes;
+			if (GEMV_MODE_OF(MODE) == GEMV_SWIGLU)
+				w = (const uint8_t *)(a.m.wd ? a.m.wd[GEMV_MATS + j] : pick_mat(a.m.w2, j));
+			row2 = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? w + (size_t)o * a.row_bytes : row;
 			return true;
 		}
 		if (GEMV_MODE_OF(MODE) != GEMV_SWIGLU)
@@ -798,6 +801,8 @@ template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const
 {
 	qgemv_args a = ga;
 	const size_t ssm = dq_sm_smem(F, a.in);
+	/* Matrices a kernel before chose (a.m.wd) are read before grid_wait: not beside that kernel. */
+	const bool pdl = be->pdl && !a.m.wd;
 	bool sm = be->dq_sm && ssm <= DQ_SM_SMEM_MAX && a.row_bytes % 16 == 0;
 	for (uint32_t i = 0; i < 3 && sm; i++)
 		sm = (uintptr_t)a.w[i] % 16 == 0;
@@ -806,13 +811,13 @@ template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const
 	if (sm) {
 		const void *fn = (const void *)dq_sm_kernel<F, MODE>;
 		const unsigned grid = dq_grid(a, (uint32_t)be->sm_count * resident_blocks(be, fn, ssm));
-		launch_k(be->pdl, dq_sm_kernel<F, MODE>, grid, QG_THREADS, ssm, s, a);
+		launch_k(pdl, dq_sm_kernel<F, MODE>, grid, QG_THREADS, ssm, s, a);
 		return;
 	}
 	const size_t smem = dq_smem(a.in);
 	const void *fn = (const void *)dq_kernel<F, MODE>;
 	const unsigned grid = dq_grid(a, (uint32_t)be->sm_count * resident_blocks(be, fn, smem));
-	launch_k(be->pdl, dq_kernel<F, MODE>, grid, QG_THREADS, smem, s, a);
+	launch_k(pdl, dq_kernel<F, MODE>, grid, QG_THREADS, smem, s, a);
 }
 
 template <int F> static void launch_dq(struct backend_dev *be, const qgemv_args &a, int mode, cudaStream_t s)

@@ -41,7 +41,6 @@
 
 /* ---- kernels ------------------------------------------------------------------------------ */
 
-/* One warp per (token, expert): out[t][e] = sum_d xn[t][d] w[e][d] in float32. */
 __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint32_t dim, uint32_t E, uint32_t n,
 			      float *out)
 {
@@ -95,11 +94,13 @@ __global__ void scatter_kernel(const float *y, const uint32_t *tok, const float 
 	}
 }
 
-/* One token: x[d] += sum over j < cnt of ys[j][d] * w[j], summed from 0 in j's order, each product
- * rounded: the scatters into a cleared sum and the add, in one kernel. The CPU's rows first where
+/* One token: x[d] += sum over j < cnt of ys[j][d] * w[j] (w.w, or wd in device memory where a
+ * kernel chose the experts), summed from 0 in j's order, each product rounded: the scatters into
+ * a cleared sum and the add, in one kernel. The CPU's rows first where
  * the stream waited for them (w.n_cpu): their sum, the same way, is added before, as the host's
  * collected sum was. */
-__global__ void combine_kernel(float *x, const float *ys, uint32_t cnt, uint32_t dim, const moe_combine_w w)
+__global__ void combine_kernel(float *x, const float *ys, uint32_t cnt, uint32_t dim, const moe_combine_w w,
+			       const float *wd)
 {
 	for (uint32_t d = blockIdx.x * blockDim.x + threadIdx.x; d < dim; d += gridDim.x * blockDim.x) {
 		float v = x[d];
@@ -113,7 +114,7 @@ __global__ void combine_kernel(float *x, const float *ys, uint32_t cnt, uint32_t
 		if (cnt) {
 			float s = 0.0f;
 			for (uint32_t j = 0; j < cnt; j++)
-				s = __fadd_rn(s, __fmul_rn(ys[(size_t)j * dim + d], w.w[j]));
+				s = __fadd_rn(s, __fmul_rn(ys[(size_t)j * dim + d], wd ? wd[j] : w.w[j]));
 			v = __fadd_rn(v, s);
 		}
 		x[d] = v;
@@ -231,6 +232,7 @@ void moe_teardown(struct backend_dev *be)
 	if (be->stream)
 		cudaStreamSynchronize(be->stream);
 	moe_cpu_teardown(be);
+	moe_dev_teardown(be);
 	cudaFree(m->xn);
 	cudaFree(m->logits);
 	cudaFree(m->router_f);
@@ -473,7 +475,7 @@ int moe_end(struct backend_dev *be)
 		if (m->n_gpu || cw.n_cpu) {
 			memcpy(cw.w, m->yw, sizeof(cw.w));
 			combine_kernel<<<grid_for(be->cfg.dim, 256), 256, 0, be->stream>>>(be->x, m->ys, m->n_gpu,
-										     be->cfg.dim, cw);
+										     be->cfg.dim, cw, NULL);
 			LAUNCHED(be, "combine_kernel (experts' rows)");
 		}
 	} else {

@@ -305,6 +305,7 @@ void moe_settle(struct backend_dev *be)
 	moe_settle_jobs(m);
 	m->n_waited = 0;
 	m->last_end_ns = m->gap_pending_ns = 0;
+	(void)moe_dev_check(be); /* the failed step's device routing forgotten, a flag of its with it */
 }
 
 /* A layer's CPU experts (bytes of weights), first submission (t0) to the last of jobs [i0, i1) (slots
@@ -343,6 +344,9 @@ int moe_check(struct backend_dev *be)
 int moe_check_step(struct backend_dev *be)
 {
 	int rc = moe_check(be);
+	const int drc = moe_dev_check(be);
+	if (!rc)
+		rc = drc;
 	if (be->moe)
 		be->moe->last_end_ns = be->moe->gap_pending_ns = 0;
 	return rc;

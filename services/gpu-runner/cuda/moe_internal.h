@@ -115,9 +115,20 @@ struct cuda_moe {
 	uint64_t last_end_ns, route_t1, gap_pending_ns;
 	uint64_t gap_gpu_ns, gap_host_ns, gaps;
 	uint32_t fail_in;		/* cuda_test_fail_cpu_expert: the CPU jobs to go until one fails (0: none) */
+	/* Layers routed on the device (moe_device.cu): NULL until the first experts' table. */
+	struct moe_dev *dev;
+	uint64_t dev_layers;		/* layers moe_layer computed (all time) */
 };
 
 /* ---- moe.cu ---- */
+
+/* One warp per (token, expert): out[t][e] = sum_d xn[t][d] w[e][d] in float32. */
+__global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint32_t dim, uint32_t E, uint32_t n,
+			      float *out);
+/* One token: x += the sum of its experts' rows ys weighted by w.w (or wd, device memory), with the
+ * CPU's rows of w first (moe.cu). */
+__global__ void combine_kernel(float *x, const float *ys, uint32_t cnt, uint32_t dim, const moe_combine_w w,
+			       const float *wd);
 
 /* Bytes from one of a token's experts' SwiGLU rows (F values) to the next: a row of any activation
  * dtype, 16-byte aligned (the products' x). */
@@ -146,5 +157,13 @@ void moe_cpu_routed(struct cuda_moe *m);
 int moe_cpu_end(struct backend_dev *be, moe_combine_w *cw);
 /* The CPU experts' part of backend_cpu_share_stats. */
 void moe_cpu_stats(const struct cuda_moe *m, struct backend_cpu_share_stats *out);
+
+/* ---- moe_device.cu ---- */
+
+/* Frees the device routing's state (moe_teardown). */
+void moe_dev_teardown(struct backend_dev *be);
+/* A step's end (moe_check_step): waits for the layers routed on the device and fails where a
+ * router logit was not finite. */
+int moe_dev_check(struct backend_dev *be);
 
 #endif

@@ -17,7 +17,9 @@
  * --experts-apart (backend_params.experts_apart), with 10 of 16 experts chosen (a batch of 8, then
  * the rest) in one set of formats, and with formats that change from expert to expert (BF16, Q4_K
  * with a Q6_K down, Q8_0, F16: batches cut where the formats change, and before the token's row is
- * gathered in F16).
+ * gathered in F16). And the same layer routed on the device (backend_moe_layer, 8 experts a token,
+ * Q4_K with a Q6_K down, and BF16): the residual the same bits as the host's route, the same experts
+ * chosen; a layer of 10 experts a token, of mixed formats, or with --moe-host-route refused.
  *
  * Without a GPU the program exits 77 (ctest: skipped). */
 #include <check.h>
@@ -320,15 +322,19 @@ static void layer_tensor(struct layer *y, struct group_weights *w, enum tensor_r
 	weight_tensor_set(&w->t[r], PLACE_DEVICE, m->dev, f, rows, cols);
 }
 
-/* mixed: expert e in formats MIX_*[e % 4]; else every expert Q4_K with a Q6_K down. */
-static void layer_new(struct layer *y, bool mixed)
+/* Every expert in one set of formats: Q4_K with a Q6_K down, or BF16. */
+static enum dtype uniform_gate = DT_Q4_K, uniform_down = DT_Q6_K;
+
+/* mixed: expert e in formats MIX_*[e % 4]; else every expert uniform_gate with a uniform_down down;
+ * used experts a token. */
+static void layer_new_k(struct layer *y, bool mixed, uint32_t used)
 {
 	memset(y, 0, sizeof(*y));
 	y->cfg = (struct model_config){.arch = ARCH_MIXTRAL, .n_layers = 1, .dim = L_DIM, .n_heads = 4,
 				       .n_kv_heads = 2, .head_dim = 64, .ffn_dim = L_F, .vocab_size = 64,
 				       .max_position = 4096, .rms_eps = 1e-5f, .rope_theta = 10000.0f,
 				       .rope_scaling = ROPE_SCALING_NONE, .bos_id = -1, .n_experts = L_EXPERTS,
-				       .n_experts_used = L_USED, .expert_ffn_dim = L_F, .flags = MODEL_NORM_TOPK};
+				       .n_experts_used = used, .expert_ffn_dim = L_F, .flags = MODEL_NORM_TOPK};
 	char err[256];
 	ck_assert_msg(model_config_check(&y->cfg, err, sizeof(err)) == 0, "%s", err);
 	rng_state = mixed ? 17 : 29;
@@ -342,12 +348,17 @@ static void layer_new(struct layer *y, bool mixed)
 	layer_tensor(y, &y->moe, ROLE_FFN_NORM, DT_F32, 1, L_DIM, 1.0);
 	layer_tensor(y, &y->moe, ROLE_ROUTER, DT_F32, L_EXPERTS, L_DIM, 0.5);
 	for (uint32_t e = 0; e < L_EXPERTS; e++) {
-		const enum dtype gf = mixed ? MIX_GATE[e % 4] : DT_Q4_K, df = mixed ? MIX_DOWN[e % 4] : DT_Q6_K;
+		const enum dtype gf = mixed ? MIX_GATE[e % 4] : uniform_gate, df = mixed ? MIX_DOWN[e % 4] : uniform_down;
 		layer_tensor(y, &y->exp[e], ROLE_EXPERT_GATE, gf, L_F, L_DIM, 1.0 / sqrt(L_DIM));
 		layer_tensor(y, &y->exp[e], ROLE_EXPERT_UP, gf, L_F, L_DIM, 1.0 / sqrt(L_DIM));
 		layer_tensor(y, &y->exp[e], ROLE_EXPERT_DOWN, df, L_DIM, L_F, 1.0 / sqrt(L_F));
 		y->exp[e].resident = true;
 	}
+}
+
+static void layer_new(struct layer *y, bool mixed)
+{
+	layer_new_k(y, mixed, L_USED);
 }
 
 static void layer_free(struct layer *y)
@@ -413,6 +424,114 @@ static void layer_compare(bool mixed)
 	free(y);
 }
 
+/* The layer routed on the device (backend_moe_layer, its experts' table given once) against the
+ * host's route with the kept experts together: the residual after each step the same bits, and
+ * the same experts chosen. The experts' weights are those the engine would pass. */
+static void layer_device(enum dtype gf, enum dtype df)
+{
+	uniform_gate = gf;
+	uniform_down = df;
+	struct layer *y = malloc(sizeof(*y));
+	ck_assert_ptr_nonnull(y);
+	const uint32_t k = 8;
+	layer_new_k(y, false, k);
+	float host[L_TOKENS * L_DIM], dev[L_TOKENS * L_DIM];
+	uint32_t n_host;
+	layer_run(y, false, host, &n_host);
+	ck_assert_uint_eq(n_host, L_TOKENS * k);
+	/* The host's choices, step by step: run again, noting the used set. */
+	bool used_host[L_TOKENS][L_EXPERTS];
+	{
+		struct backend_params p = {.max_chunk = 4, .block_tokens = 16, .n_kv_blocks = 8, .kv_dtype = DT_BF16,
+					   .threads = 1};
+		struct backend *be = NULL;
+		char err[400] = "";
+		ck_assert_msg(backend_create("cuda", &y->cfg, &p, &be, err, sizeof(err)) == 0, "cuda create: %s", err);
+		for (uint32_t t = 0; t < L_TOKENS; t++) {
+			const int32_t tok = (int32_t)(7 + 11 * t);
+			const uint32_t pos = t, seq = 0;
+			struct backend_batch b = {.n = 1, .tokens = &tok, .pos = &pos, .seq = &seq};
+			ck_assert(backend_embed(be, &y->embed, &b) == 0);
+			ck_assert_msg(backend_moe_route(be, &y->moe) == 0, "route: %s", backend_error(be));
+			for (uint32_t e = 0; e < L_EXPERTS; e++) {
+				used_host[t][e] = backend_moe_expert_used(be, e);
+				if (used_host[t][e])
+					ck_assert(backend_moe_expert(be, &y->exp[e], e) == 0);
+			}
+			ck_assert(backend_moe_end(be) == 0);
+		}
+		backend_destroy(&be);
+	}
+	struct backend_params p = {.max_chunk = 4, .block_tokens = 16, .n_kv_blocks = 8, .kv_dtype = DT_BF16,
+				   .threads = 1};
+	struct backend *be = NULL;
+	char err[400] = "";
+	ck_assert_msg(backend_create("cuda", &y->cfg, &p, &be, err, sizeof(err)) == 0, "cuda create: %s", err);
+	/* Before its table, the layer cannot be routed on the device. */
+	uint32_t ids[8];
+	ck_assert_int_eq(backend_moe_layer_chosen(be, 0, ids), -ENODATA);
+	int rc = backend_moe_layer_experts(be, 0, y->exp);
+	ck_assert_msg(rc == 0, "the experts' table: %d %s", rc, backend_error(be));
+	for (uint32_t t = 0; t < L_TOKENS; t++) {
+		const int32_t tok = (int32_t)(7 + 11 * t);
+		const uint32_t pos = t, seq = 0;
+		struct backend_batch b = {.n = 1, .tokens = &tok, .pos = &pos, .seq = &seq};
+		ck_assert_msg(backend_embed(be, &y->embed, &b) == 0, "embed: %s", backend_error(be));
+		rc = backend_moe_layer(be, &y->moe, 0);
+		ck_assert_msg(rc == 0, "moe_layer: %d %s", rc, backend_error(be));
+		rc = backend_moe_layer_chosen(be, 0, ids);
+		ck_assert_msg(rc == 0, "chosen: %d %s", rc, backend_error(be));
+		bool seen[L_EXPERTS] = {false};
+		for (uint32_t i = 0; i < k; i++) {
+			ck_assert_uint_lt(ids[i], L_EXPERTS);
+			ck_assert_msg(!seen[ids[i]] && (i == 0 || ids[i] > ids[i - 1]), "token %u: expert %u out of order",
+				      t, ids[i]);
+			seen[ids[i]] = true;
+			ck_assert_msg(used_host[t][ids[i]], "token %u: the device chose expert %u, the host did not", t,
+				      ids[i]);
+		}
+		ck_assert_int_eq(backend_moe_check(be), 0);
+		ck_assert_msg(cuda_test_residual(be, dev + (size_t)t * L_DIM, 1, err, sizeof(err)) == 0, "%s", err);
+	}
+	uint32_t lo = 0, hi = 0, nd = diff_rows(dev, host, L_TOKENS * L_DIM, &lo, &hi);
+	ck_assert_msg(nd == 0, "%s/%s experts routed on the device: %u values differ from the host's route (%u..%u), "
+		      "value %u device %.9g, host %.9g", dtype_name(gf), dtype_name(df), nd, lo, hi, lo, (double)dev[lo],
+		      (double)host[lo]);
+	/* A model of 10 experts a token does not go in one launch: the host routes it. */
+	backend_destroy(&be);
+	layer_free(y);
+	layer_new_k(y, false, L_USED);
+	ck_assert_msg(backend_create("cuda", &y->cfg, &p, &be, err, sizeof(err)) == 0, "cuda create: %s", err);
+	ck_assert_int_eq(backend_moe_layer_experts(be, 0, y->exp), -ENOTSUP);
+	backend_destroy(&be);
+	layer_free(y);
+	/* Experts of different formats neither. */
+	layer_new_k(y, true, k);
+	ck_assert_msg(backend_create("cuda", &y->cfg, &p, &be, err, sizeof(err)) == 0, "cuda create: %s", err);
+	ck_assert_int_eq(backend_moe_layer_experts(be, 0, y->exp), -ENOTSUP);
+	/* Nor with --moe-host-route. */
+	backend_destroy(&be);
+	p.moe_host_route = true;
+	ck_assert_msg(backend_create("cuda", &y->cfg, &p, &be, err, sizeof(err)) == 0, "cuda create: %s", err);
+	layer_free(y);
+	layer_new_k(y, false, k);
+	ck_assert_int_eq(backend_moe_layer_experts(be, 0, y->exp), -ENOTSUP);
+	backend_destroy(&be);
+	layer_free(y);
+	free(y);
+	uniform_gate = DT_Q4_K;
+	uniform_down = DT_Q6_K;
+}
+
+START_TEST(test_layer_device)
+{
+	if (_i == 0)
+		layer_device(DT_Q4_K, DT_Q6_K);
+	else
+		layer_device(DT_BF16, DT_BF16);
+}
+END_TEST
+
 START_TEST(test_layer_uniform)
 {
 	layer_compare(false);
@@ -438,6 +557,7 @@ static Suite *experts_suite(void)
 	tcase_set_timeout(tl, 300);
 	tcase_add_test(tl, test_layer_uniform);
 	tcase_add_test(tl, test_layer_mixed);
+	tcase_add_loop_test(tl, test_layer_device, 0, 2);
 	suite_add_tcase(s, tl);
 	return s;
 }
