@@ -330,8 +330,8 @@ struct gemv_mats {
 	const void *w[GEMV_MATS];	/* each one's weights (SWIGLU: gate) */
 	const void *w2[GEMV_MATS];	/* SWIGLU: each one's up */
 	/* Or in device memory, when a kernel before chose them (moe_device.cu): w[j] is wd[j], w2[j]
-	 * wd[GEMV_MATS + j]; NULL: the arrays above. A launch that reads them is not programmatic
-	 * (launch_k's pdl false): its blocks read wd before grid_wait. */
+	 * wd[GEMV_MATS + j]; NULL: the arrays above. The kernels then wait for the kernel before
+	 * (grid_wait) before anything else, with no weights read ahead. */
 	const void *const *wd;
 	const void *x[GEMV_MATS];	/* each one's x (in) in the activation dtype, 16-byte aligned */
 	float *out[GEMV_MATS];		/* STORE: each one's output row */

@@ -45,6 +45,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(const gemv_args a
 	grid_launch_next();
 	if (row0 >= a.total)
 		return;
+	if (M && a.m.wd)
+		grid_wait(); /* the kernel before chose the matrices */
 	const uint32_t in8 = a.in8;
 	const uint4 *wr[R], *ur[R];
 	float *dst[R];

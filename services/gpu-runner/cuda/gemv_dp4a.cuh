@@ -401,6 +401,8 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_occ<F, MODE>::MIN_BLOCKS)) dq_
 	float *xd = (float *)(xq + a.in), *xs = xd + a.in / 32;
 	const uint32_t wid = threadIdx.x / 32, lane = threadIdx.x % 32;
 	float acc[1] = {0.0f}, acc2[1] = {0.0f};
+	if ((MODE & GEMV_MATS_BIT) && a.m.wd)
+		grid_wait(); /* the kernel before chose the matrices */
 	qg_row<MODE> cur;
 	const bool live = cur.at(a, qg_first_group<MODE>(a), wid);
 	qg_cursor<MODE> at = {cur, 0, live}, ld = at;
@@ -586,6 +588,8 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) 
 	const uint32_t wid = threadIdx.x / 32, lane = threadIdx.x % 32;
 	uint8_t *ring = (uint8_t *)dq_smem_buf + dq_smem_f<F>(a.in) + (size_t)wid * DQ_STAGES * SB;
 	float acc[1] = {0.0f}, acc2[1] = {0.0f};
+	if ((MODE & GEMV_MATS_BIT) && a.m.wd)
+		grid_wait(); /* the kernel before chose the matrices */
 	qg_row<MODE> cur;
 	const bool live = cur.at(a, qg_first_group<MODE>(a), wid);
 	qg_cursor<MODE> at = {cur, 0, live}, ld = at;

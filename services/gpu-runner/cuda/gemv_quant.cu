@@ -801,8 +801,6 @@ template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const
 {
 	qgemv_args a = ga;
 	const size_t ssm = dq_sm_smem(F, a.in);
-	/* Matrices a kernel before chose (a.m.wd) are read before grid_wait: not beside that kernel. */
-	const bool pdl = be->pdl && !a.m.wd;
 	bool sm = be->dq_sm && ssm <= DQ_SM_SMEM_MAX && a.row_bytes % 16 == 0;
 	for (uint32_t i = 0; i < 3 && sm; i++)
 		sm = (uintptr_t)a.w[i] % 16 == 0;
@@ -811,13 +809,13 @@ template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const
 	if (sm) {
 		const void *fn = (const void *)dq_sm_kernel<F, MODE>;
 		const unsigned grid = dq_grid(a, (uint32_t)be->sm_count * resident_blocks(be, fn, ssm));
-		launch_k(pdl, dq_sm_kernel<F, MODE>, grid, QG_THREADS, ssm, s, a);
+		launch_k(be->pdl, dq_sm_kernel<F, MODE>, grid, QG_THREADS, ssm, s, a);
 		return;
 	}
 	const size_t smem = dq_smem(a.in);
 	const void *fn = (const void *)dq_kernel<F, MODE>;
 	const unsigned grid = dq_grid(a, (uint32_t)be->sm_count * resident_blocks(be, fn, smem));
-	launch_k(pdl, dq_kernel<F, MODE>, grid, QG_THREADS, smem, s, a);
+	launch_k(be->pdl, dq_kernel<F, MODE>, grid, QG_THREADS, smem, s, a);
 }
 
 template <int F> static void launch_dq(struct backend_dev *be, const qgemv_args &a, int mode, cudaStream_t s)

@@ -224,7 +224,7 @@ bool expert_batch_joins(const struct mm_expert *a, const struct mm_expert *b)
 /* One product over the matrices in m (rows of `in` values each, in format fmt): SwiGLU (gate/up)
  * or STORE (down). */
 static void batch_launch(struct backend_dev *be, uint32_t fmt, const struct gemv_mats *m, uint32_t rows,
-			 uint32_t in, uint64_t row_bytes, int mode, bool pdl)
+			 uint32_t in, uint64_t row_bytes, int mode)
 {
 	if (dtype_is_element((enum dtype)fmt)) {
 		gemv_args g;
@@ -233,7 +233,7 @@ static void batch_launch(struct backend_dev *be, uint32_t fmt, const struct gemv
 		g.rows[0] = rows;
 		g.total = rows;
 		g.in8 = in / 8;
-		gemv_launch(fmt, be->gemv_rows, g, mode, pdl, be->stream);
+		gemv_launch(fmt, be->gemv_rows, g, mode, be->pdl, be->stream);
 		return;
 	}
 	qgemv_args g;
@@ -246,7 +246,7 @@ static void batch_launch(struct backend_dev *be, uint32_t fmt, const struct gemv
 	g.n = 1;
 	g.ldc = rows;
 	g.x = (const __nv_bfloat16 *)m->x[0];
-	qgemv_launch(be, fmt, g, mode, be->stream); /* programmatic unless m->wd (launch_dq_k) */
+	qgemv_launch(be, fmt, g, mode, be->stream);
 }
 
 int experts_batch(struct backend_dev *be, const struct mm_expert *e, uint32_t n, const void *x, uint32_t dim,
@@ -266,9 +266,9 @@ int experts_batch(struct backend_dev *be, const struct mm_expert *e, uint32_t n,
 		down.x[j] = e[j].act;
 		down.out[j] = e[j].down.out;
 	}
-	batch_launch(be, e[0].gate.format, &gu, F, dim, e[0].gate.row_bytes, GEMV_SWIGLU, be->pdl);
+	batch_launch(be, e[0].gate.format, &gu, F, dim, e[0].gate.row_bytes, GEMV_SWIGLU);
 	LAUNCHED(be, "experts' gate/up (one launch)");
-	batch_launch(be, e[0].down.format, &down, dim, F, e[0].down.row_bytes, GEMV_STORE, be->pdl);
+	batch_launch(be, e[0].down.format, &down, dim, F, e[0].down.row_bytes, GEMV_STORE);
 	LAUNCHED(be, "experts' down_proj (one launch)");
 	return 0;
 }
@@ -289,11 +289,9 @@ int experts_batch_dev(struct backend_dev *be, const struct mm_expert *ex, uint32
 		down.x[j] = ex[j].act;
 		down.out[j] = ex[j].down.out;
 	}
-	/* The kernels read wd before their grid_wait: each after the kernel before has ended (pdl
-	 * false), not beside it. */
-	batch_launch(be, ex[0].gate.format, &gu, F, dim, ex[0].gate.row_bytes, GEMV_SWIGLU, false);
+	batch_launch(be, ex[0].gate.format, &gu, F, dim, ex[0].gate.row_bytes, GEMV_SWIGLU);
 	LAUNCHED(be, "chosen experts' gate/up (one launch)");
-	batch_launch(be, ex[0].down.format, &down, dim, F, ex[0].down.row_bytes, GEMV_STORE, false);
+	batch_launch(be, ex[0].down.format, &down, dim, F, ex[0].down.row_bytes, GEMV_STORE);
 	LAUNCHED(be, "chosen experts' down_proj (one launch)");
 	return 0;
 }

@@ -45,6 +45,8 @@ __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint3
 			      float *out)
 {
 	const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+	grid_launch_next();
+	grid_wait(); /* xn: the kernel before's (moe_layer launches it programmatically) */
 	if (warp >= n * E)
 		return;
 	const uint32_t t = warp / E, e = warp % E;
@@ -102,6 +104,8 @@ __global__ void scatter_kernel(const float *y, const uint32_t *tok, const float 
 __global__ void combine_kernel(float *x, const float *ys, uint32_t cnt, uint32_t dim, const moe_combine_w w,
 			       const float *wd)
 {
+	grid_launch_next();
+	grid_wait(); /* ys and wd: the kernels before's (moe_layer launches it programmatically) */
 	for (uint32_t d = blockIdx.x * blockDim.x + threadIdx.x; d < dim; d += gridDim.x * blockDim.x) {
 		float v = x[d];
 		if (w.n_cpu) {

@@ -6,7 +6,8 @@
  * launches their products: a wait and a restart of the stream each layer, and every launch after
  * it runs when the host gets to it. Where the weight window keeps all of a layer's experts, their
  * addresses go into a table in device memory once (moe_layer_experts), and a one-token step's
- * layer runs without the host: RMSNorm, the router (router_kernel), then pick_kernel, which
+ * layer runs without the host, each kernel launched beside the one before (programmatic launches;
+ * each waits for it before it reads what it wrote): RMSNorm, the router (router_kernel), then pick_kernel, which
  * routes as cpu_moe_route does (the same softmax in double, the same order of the top k, the same
  * normalised weights), writes the chosen experts' matrix addresses where the experts' two
  * launches read them (gemv_mats.wd) and the token's row in their activation dtype, then the two
@@ -51,6 +52,8 @@ __global__ void __launch_bounds__(PICK_THREADS) pick_kernel(const float *logits,
 	__shared__ uint32_t s_ids[GEMV_MATS];
 	__shared__ float s_w[GEMV_MATS];
 	const uint32_t t = threadIdx.x;
+	grid_launch_next();
+	grid_wait(); /* the logits and xn: the kernels before's */
 	if (t < k) { /* valid ids where logits that are not finite leave ranks empty (the step fails) */
 		s_ids[t] = t;
 		s_w[t] = 0.0f;
@@ -273,7 +276,7 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 				  (unsigned long long)rw->row_bytes, dim);
 	}
 	const float *xn = (const float *)be->xa;
-	router_kernel<<<(E + 7) / 8, 256, 0, be->stream>>>(xn, rmat, rt, dim, E, 1, m->logits);
+	launch_k(be->pdl, router_kernel, (E + 7) / 8, 256, 0, be->stream, xn, rmat, rt, dim, E, 1u, m->logits);
 	LAUNCHED(be, "router_kernel");
 	const struct mm_expert *f = &d->fmt[layer];
 	const uint32_t at = act_dtype(f->gate.format);
@@ -281,13 +284,16 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 	const bool norm = (c->flags & MODEL_NORM_TOPK) != 0;
 	const void *const *tab = d->tab + (size_t)layer * E * 3;
 	uint32_t *ids = d->h_ids_dev + (size_t)layer * k;
+	const float *lg = m->logits;
+	const void **wsel = d->wsel;
+	float *wo = d->w;
+	uint32_t *err = d->h_err_dev;
 	if (at == DT_BF16)
-		pick_kernel<<<1, PICK_THREADS, smem, be->stream>>>(m->logits, E, k, norm, tab, xn, dim,
-								   (__nv_bfloat16 *)m->xg, d->wsel, d->w, ids,
-								   d->h_err_dev, layer);
+		launch_k(be->pdl, pick_kernel<__nv_bfloat16>, 1, PICK_THREADS, smem, be->stream, lg, E, k, norm, tab, xn,
+			 dim, (__nv_bfloat16 *)m->xg, wsel, wo, ids, err, layer);
 	else
-		pick_kernel<<<1, PICK_THREADS, smem, be->stream>>>(m->logits, E, k, norm, tab, xn, dim, (__half *)m->xg,
-								   d->wsel, d->w, ids, d->h_err_dev, layer);
+		launch_k(be->pdl, pick_kernel<__half>, 1, PICK_THREADS, smem, be->stream, lg, E, k, norm, tab, xn, dim,
+			 (__half *)m->xg, wsel, wo, ids, err, layer);
 	LAUNCHED(be, "pick_kernel (the token's experts)");
 	struct mm_expert ex[GEMV_MATS];
 	for (uint32_t j = 0; j < k; j++) {
@@ -299,7 +305,8 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 		return rc;
 	moe_combine_w cw;
 	memset(&cw, 0, sizeof(cw));
-	combine_kernel<<<grid_for(dim, 256), 256, 0, be->stream>>>(be->x, m->ys, k, dim, cw, d->w);
+	const float *ys = m->ys, *wd = d->w;
+	launch_k(be->pdl, combine_kernel, grid_for(dim, 256), 256, 0, be->stream, be->x, ys, k, dim, cw, wd);
 	LAUNCHED(be, "combine_kernel (the chosen experts' rows)");
 	CUDA_TRY(be, "cudaEventRecord (device routing)", cudaEventRecord(d->done, be->stream));
 	d->routed[layer] = d->any = true;
