@@ -25,6 +25,8 @@
  *    add of a cleared sum turned a -0.0 of x into +0.0: the same value).
  *  - experts the weight window left in host memory go to the CPU pool (moe_cpu.cu); end adds their
  *    rows before the GPU's.
+ *  - a one-token layer whose experts the GPU keeps all of is routed on the device instead, with no
+ *    wait of the host (moe_device.cu: backend.h's moe_layer), to the same sums.
  *
  * Qwen3 (MODEL_QK_NORM): each head of q and k goes through its RMSNorm over head_dim (q_norm,
  * k_norm) after the projections and before RoPE (qk_norm_kernel, in place in qkv).
