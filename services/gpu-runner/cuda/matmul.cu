@@ -249,31 +249,9 @@ static void batch_launch(struct backend_dev *be, uint32_t fmt, const struct gemv
 	qgemv_launch(be, fmt, g, mode, be->stream);
 }
 
-int experts_batch(struct backend_dev *be, const struct mm_expert *e, uint32_t n, const void *x, uint32_t dim,
-		  uint32_t F)
-{
-	assert(n >= 1 && n <= GEMV_MATS);
-	struct gemv_mats gu, down;
-	memset(&gu, 0, sizeof(gu));
-	memset(&down, 0, sizeof(down));
-	gu.n = down.n = n;
-	for (uint32_t j = 0; j < n; j++) {
-		gu.w[j] = e[j].gate.w;
-		gu.w2[j] = e[j].up.w;
-		gu.x[j] = x;
-		gu.act[j] = e[j].act;
-		down.w[j] = e[j].down.w;
-		down.x[j] = e[j].act;
-		down.out[j] = e[j].down.out;
-	}
-	batch_launch(be, e[0].gate.format, &gu, F, dim, e[0].gate.row_bytes, GEMV_SWIGLU);
-	LAUNCHED(be, "experts' gate/up (one launch)");
-	batch_launch(be, e[0].down.format, &down, dim, F, e[0].down.row_bytes, GEMV_STORE);
-	LAUNCHED(be, "experts' down_proj (one launch)");
-	return 0;
-}
-
-int experts_batch_dev(struct backend_dev *be, const struct mm_expert *ex, uint32_t n, const void *x, uint32_t dim,
+/* The two products of n experts on x: their matrices from e, or (gu_wd, down_wd not NULL) from
+ * device memory a kernel before wrote. */
+static int batch_pair(struct backend_dev *be, const struct mm_expert *e, uint32_t n, const void *x, uint32_t dim,
 		      uint32_t F, const void *const *gu_wd, const void *const *down_wd)
 {
 	assert(n >= 1 && n <= GEMV_MATS);
@@ -284,14 +262,31 @@ int experts_batch_dev(struct backend_dev *be, const struct mm_expert *ex, uint32
 	gu.wd = gu_wd;
 	down.wd = down_wd;
 	for (uint32_t j = 0; j < n; j++) {
+		if (!gu_wd) {
+			gu.w[j] = e[j].gate.w;
+			gu.w2[j] = e[j].up.w;
+			down.w[j] = e[j].down.w;
+		}
 		gu.x[j] = x;
-		gu.act[j] = ex[j].act;
-		down.x[j] = ex[j].act;
-		down.out[j] = ex[j].down.out;
+		gu.act[j] = e[j].act;
+		down.x[j] = e[j].act;
+		down.out[j] = e[j].down.out;
 	}
-	batch_launch(be, ex[0].gate.format, &gu, F, dim, ex[0].gate.row_bytes, GEMV_SWIGLU);
-	LAUNCHED(be, "chosen experts' gate/up (one launch)");
-	batch_launch(be, ex[0].down.format, &down, dim, F, ex[0].down.row_bytes, GEMV_STORE);
-	LAUNCHED(be, "chosen experts' down_proj (one launch)");
+	batch_launch(be, e[0].gate.format, &gu, F, dim, e[0].gate.row_bytes, GEMV_SWIGLU);
+	LAUNCHED(be, "experts' gate/up (one launch)");
+	batch_launch(be, e[0].down.format, &down, dim, F, e[0].down.row_bytes, GEMV_STORE);
+	LAUNCHED(be, "experts' down_proj (one launch)");
 	return 0;
+}
+
+int experts_batch(struct backend_dev *be, const struct mm_expert *e, uint32_t n, const void *x, uint32_t dim,
+		  uint32_t F)
+{
+	return batch_pair(be, e, n, x, dim, F, NULL, NULL);
+}
+
+int experts_batch_dev(struct backend_dev *be, const struct mm_expert *ex, uint32_t n, const void *x, uint32_t dim,
+		      uint32_t F, const void *const *gu_wd, const void *const *down_wd)
+{
+	return batch_pair(be, ex, n, x, dim, F, gu_wd, down_wd);
 }

@@ -261,6 +261,23 @@ void moe_teardown(struct backend_dev *be)
 	be->moe = NULL;
 }
 
+int moe_router_matrix(struct backend_dev *be, const struct weight_tensor *rw, const void **rmat, uint32_t *rt)
+{
+	const uint32_t E = be->moe->E, dim = be->cfg.dim;
+	*rmat = rw->data[PLACE_DEVICE];
+	*rt = rw->format;
+	if (!dtype_is_element((enum dtype)*rt)) {
+		dequant_launch(*rt, *rmat, rw->row_bytes, E, dim, be->moe->router_f, DT_F32, be->stream);
+		LAUNCHED(be, "dequant_kernel (router)");
+		*rmat = be->moe->router_f;
+		*rt = DT_F32;
+	} else if (rw->row_bytes != (uint64_t)dim * dtype_size((enum dtype)*rt)) {
+		return cuda_failf(be, -ENOTSUP, "cuda backend: router rows of %llu bytes are not packed (%u values)",
+				  (unsigned long long)rw->row_bytes, dim);
+	}
+	return 0;
+}
+
 int moe_route(struct backend_dev *be, const struct group_weights *w)
 {
 	const struct model_config *c = &be->cfg;
@@ -280,17 +297,10 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	float *xn_host = mapped && m->xn_down ? m->h_xn_dev : NULL;
 	xn_kernel<<<grid_for(count, 256), 256, 0, be->stream>>>((const float *)be->xa, m->xn, xn_host, count);
 	LAUNCHED(be, "xn_kernel (experts' input rows)");
-	const void *rmat = rw->data[PLACE_DEVICE];
-	uint32_t rt = rw->format;
-	if (!dtype_is_element((enum dtype)rt)) {
-		dequant_launch(rt, rmat, rw->row_bytes, E, dim, m->router_f, DT_F32, be->stream);
-		LAUNCHED(be, "dequant_kernel (router)");
-		rmat = m->router_f;
-		rt = DT_F32;
-	} else if (rw->row_bytes != (uint64_t)dim * dtype_size((enum dtype)rt)) {
-		return cuda_failf(be, -ENOTSUP, "cuda backend: router rows of %llu bytes are not packed (%u values)",
-				  (unsigned long long)rw->row_bytes, dim);
-	}
+	const void *rmat;
+	uint32_t rt;
+	if ((rc = moe_router_matrix(be, rw, &rmat, &rt)))
+		return rc;
 	size_t warps = (size_t)n * E;
 	router_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, be->stream>>>(m->xn, rmat, rt, dim, E, n,
 									  mapped ? m->h_logits_dev : m->logits);

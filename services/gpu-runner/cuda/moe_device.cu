@@ -264,17 +264,10 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 	int rc = rmsnorm(be, nw->data[PLACE_DEVICE], nw->format, 0, 1, DT_F32);
 	if (rc)
 		return rc;
-	const void *rmat = rw->data[PLACE_DEVICE];
-	uint32_t rt = rw->format;
-	if (!dtype_is_element((enum dtype)rt)) {
-		dequant_launch(rt, rmat, rw->row_bytes, E, dim, m->router_f, DT_F32, be->stream);
-		LAUNCHED(be, "dequant_kernel (router)");
-		rmat = m->router_f;
-		rt = DT_F32;
-	} else if (rw->row_bytes != (uint64_t)dim * dtype_size((enum dtype)rt)) {
-		return cuda_failf(be, -ENOTSUP, "cuda backend: router rows of %llu bytes are not packed (%u values)",
-				  (unsigned long long)rw->row_bytes, dim);
-	}
+	const void *rmat;
+	uint32_t rt;
+	if ((rc = moe_router_matrix(be, rw, &rmat, &rt)))
+		return rc;
 	const float *xn = (const float *)be->xa;
 	launch_k(be->pdl, router_kernel, (E + 7) / 8, 256, 0, be->stream, xn, rmat, rt, dim, E, 1u, m->logits);
 	LAUNCHED(be, "router_kernel");

@@ -122,6 +122,10 @@ struct cuda_moe {
 
 /* ---- moe.cu ---- */
 
+/* The router rw as router_kernel takes it: its own rows (an element format, packed) or a block
+ * format's dequantized to float32 into router_f; -ENOTSUP for rows with gaps. */
+int moe_router_matrix(struct backend_dev *be, const struct weight_tensor *rw, const void **rmat, uint32_t *rt);
+
 /* One warp per (token, expert): out[t][e] = sum_d xn[t][d] w[e][d] in float32. */
 __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint32_t dim, uint32_t E, uint32_t n,
 			      float *out);
