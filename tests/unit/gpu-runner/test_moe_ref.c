@@ -462,6 +462,21 @@ START_TEST(test_front)
 	ck_assert_ptr_nonnull(strstr(backend_error(be), "each once"));
 	ck_assert_int_eq(backend_moe_expert_cpu(be, &w, 1), -ENOTSUP);
 	ck_assert_int_eq(backend_moe_end(be), 0);
+	/* Routing on the device (backend_moe_layer): not this backend's, said at each call; a layer past
+	 * the model's, or a step of more than one token, refused first. */
+	uint32_t ids[8];
+	ck_assert_int_eq(backend_moe_layer_experts(be, c.n_layers, NULL), -EINVAL);
+	ck_assert_int_eq(backend_moe_layer_experts(be, 0, NULL), -ENOTSUP);
+	ck_assert_ptr_nonnull(strstr(backend_error(be), "routes every layer on the host"));
+	ck_assert_int_eq(backend_moe_layer(be, &w, c.n_layers), -EINVAL);
+	ck_assert_int_eq(backend_moe_layer(be, &w, 0), -ENOTSUP);
+	ck_assert_int_eq(backend_moe_layer_chosen(be, 0, ids), -ENODATA);
+	int32_t toks[2] = {3, 4};
+	uint32_t poss[2] = {1, 2}, seqs[2] = {0, 0};
+	struct backend_batch b2 = {.n = 2, .tokens = toks, .pos = poss, .seq = seqs};
+	ck_assert_int_eq(backend_embed(be, &w, &b2), 0);
+	ck_assert_int_eq(backend_moe_layer(be, &w, 0), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(backend_error(be), "one token"));
 	backend_destroy(&be);
 
 	/* A dense model takes no moe calls. */
@@ -471,6 +486,8 @@ START_TEST(test_front)
 	ck_assert_int_eq(backend_embed(be, &w, &b), 0);
 	ck_assert_int_eq(backend_moe_route(be, &w), -EINVAL);
 	ck_assert_ptr_nonnull(strstr(backend_error(be), "dense"));
+	ck_assert_int_eq(backend_moe_layer(be, &w, 0), -EINVAL);
+	ck_assert_int_eq(backend_moe_layer_experts(be, 0, NULL), -EINVAL);
 	backend_destroy(&be);
 	free(buf);
 }
