@@ -41,6 +41,7 @@ struct engine {
 	uint8_t *moe_dev;		/* (n_layers) enum moe_dev */
 	bool *moe_dev_step;		/* (n_layers) */
 	bool moe_dev_any;
+	uint32_t *moe_dev_ids;		/* (n_layers, n_experts_used) their choices, until the step is checked */
 	const struct engine_stage_ops *stages; /* engine_set_stages: a split model; NULL: none */
 	void *stages_ctx;
 };
@@ -82,12 +83,16 @@ int engine_create(const struct model_config *cfg, struct backend *be,
 	e->routed_steps = calloc(cfg->n_layers ? cfg->n_layers : 1, sizeof(uint32_t));
 	e->moe_dev = calloc(cfg->n_layers ? cfg->n_layers : 1, sizeof(uint8_t));
 	e->moe_dev_step = calloc(cfg->n_layers ? cfg->n_layers : 1, sizeof(bool));
+	e->moe_dev_ids = calloc(cfg->n_experts ? (size_t)cfg->n_layers * cfg->n_experts_used : 1, sizeof(uint32_t));
 	if (!e->dst_block || !e->dst_row || !e->pos || !e->seq || !e->tokens || !e->used || !e->on_cpu || !e->cpu_given || !e->routed ||
-	    !e->routed_steps || !e->moe_dev || !e->moe_dev_step) {
+	    !e->routed_steps || !e->moe_dev || !e->moe_dev_step || !e->moe_dev_ids) {
 		engine_destroy(&e);
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
 	}
+	/* A table of experts an engine before gave may point at weights a window before held. */
+	for (uint32_t l = 0; cfg->n_experts && l < cfg->n_layers; l++)
+		(void)backend_moe_layer_experts(be, l, NULL);
 	*out = e;
 	return 0;
 }
@@ -109,6 +114,7 @@ void engine_destroy(struct engine **ep)
 	free((*ep)->routed_steps);
 	free((*ep)->moe_dev);
 	free((*ep)->moe_dev_step);
+	free((*ep)->moe_dev_ids);
 	free(*ep);
 	*ep = NULL;
 }
@@ -293,7 +299,7 @@ static int moe_on_device(struct engine *e, uint32_t group, uint32_t l)
 {
 	if (e->moe_dev[l] != MOE_DEV_UNKNOWN)
 		return e->moe_dev[l] == MOE_DEV_YES;
-	e->moe_dev[l] = MOE_DEV_NO;
+	e->moe_dev[l] = MOE_DEV_NO; /* but after an error: asked again at the next step */
 	const struct group_desc *groups = e->ws->groups;
 	const uint32_t E = e->cfg->n_experts, g0 = group + 1;
 	if (!e->ws->ops->kept || g0 + E > e->ws->n_groups)
@@ -325,39 +331,41 @@ static int moe_on_device(struct engine *e, uint32_t group, uint32_t l)
 			log_info("experts: layer 0 is routed on the host: %s", backend_error(e->be));
 		return 0;
 	}
-	if (rc)
+	if (rc) {
+		e->moe_dev[l] = MOE_DEV_UNKNOWN;
 		return rc;
+	}
 	e->moe_dev[l] = MOE_DEV_YES;
 	if (l == 0)
 		log_info("experts: layer 0's are all on the GPU, routed there without the host's wait");
 	return 1;
 }
 
-/* After a step that went well: the choices of the layers routed on the device, counted as the
- * host's routes count theirs. */
-static int moe_dev_count(struct engine *e)
+/* After a step that went well so far: the choices of the layers routed on the device (before
+ * backend_moe_check, which forgets them), counted as the host's routes count theirs once that
+ * check has passed too (count). */
+static int moe_dev_count(struct engine *e, bool count)
 {
 	if (!e->moe_dev_any)
 		return 0;
-	e->moe_dev_any = false;
 	const uint32_t E = e->cfg->n_experts, k = e->cfg->n_experts_used;
-	uint32_t ids[256];
 	int rc = 0;
 	for (uint32_t l = 0; l < e->cfg->n_layers; l++) {
 		if (!e->moe_dev_step[l])
 			continue;
-		e->moe_dev_step[l] = false;
-		if (rc || k > 256)
-			continue;
-		if ((rc = backend_moe_layer_chosen(e->be, l, ids))) {
-			set_err(e, rc, "experts of layer %u: %s", l, backend_error(e->be));
+		uint32_t *ids = e->moe_dev_ids + (size_t)l * k;
+		if (!count) {
+			if (!rc && (rc = backend_moe_layer_chosen(e->be, l, ids)) != 0)
+				set_err(e, rc, "experts of layer %u: %s", l, backend_error(e->be));
 			continue;
 		}
+		e->moe_dev_step[l] = false;
 		e->routed_steps[l]++;
 		for (uint32_t i = 0; i < k; i++)
 			if (ids[i] < E)
 				e->routed[(size_t)l * E + ids[i]]++;
 	}
+	e->moe_dev_any = !count;
 	return rc;
 }
 
@@ -512,16 +520,18 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 	}
 	e->step_failed = false;
 	int rc = step_groups(e, seqs, n_seqs, logits, argmax, sp, u, stage_out, picks);
-	if (rc == 0) {
-		rc = moe_dev_count(e);
-	} else if (e->moe_dev_any) {
-		e->moe_dev_any = false;
-		memset(e->moe_dev_step, 0, e->cfg->n_layers * sizeof(bool));
-	}
+	if (rc == 0)
+		rc = moe_dev_count(e, false);
 	/* A step with no output the host waited for (a prefill chunk before the last, a position
 	 * caught up) has not looked at the results of the last layer's CPU experts yet. */
 	if (rc == 0 && e->cfg->n_experts && (rc = backend_moe_check(e->be)) != 0)
 		set_err(e, rc, "experts: %s", backend_error(e->be));
+	if (rc == 0) {
+		moe_dev_count(e, true);
+	} else if (e->moe_dev_any) {
+		e->moe_dev_any = false;
+		memset(e->moe_dev_step, 0, e->cfg->n_layers * sizeof(bool));
+	}
 	if (rc && e->cfg->n_experts)
 		backend_moe_settle(e->be);
 	e->step_failed = rc != 0;

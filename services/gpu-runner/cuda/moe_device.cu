@@ -12,8 +12,10 @@
  * normalised weights), writes the chosen experts' matrix addresses where the experts' two
  * launches read them (gemv_mats.wd) and the token's row in their activation dtype, then the two
  * launches (experts_batch_dev) and combine_kernel with the weights it wrote. The chosen ids go
- * to mapped host memory for the engine's counts (moe_layer_chosen, after the step); a logit that
- * is not finite is flagged there and fails the step at its end (moe_dev_check).
+ * to mapped host memory for the engine's counts (moe_layer_chosen, after the step: the stream
+ * waited for then, as the step's output has been already); a logit that is not finite is flagged
+ * there and fails the step at its end (moe_dev_check), the step's first k experts chosen with
+ * weights 0 meanwhile.
  *
  * The sums are the host route's: the same experts in the same order through the same kernels
  * (each expert's products are those of experts_batch, each the expert's own launch's), and
@@ -48,6 +50,7 @@ __global__ void __launch_bounds__(PICK_THREADS) pick_kernel(const float *logits,
 	extern __shared__ double ex[]; /* (E) exp(l - max), then p in the first E floats after it */
 	float *p = (float *)(ex + E);
 	__shared__ float s_mx;
+	__shared__ bool s_bad;
 	__shared__ double s_sum;
 	__shared__ uint32_t s_ids[GEMV_MATS];
 	__shared__ float s_w[GEMV_MATS];
@@ -69,6 +72,7 @@ __global__ void __launch_bounds__(PICK_THREADS) pick_kernel(const float *logits,
 				mx = logits[e];
 		}
 		s_mx = mx;
+		s_bad = bad;
 		if (bad && *err == 0)
 			*err = layer + 1;
 	}
@@ -87,7 +91,9 @@ __global__ void __launch_bounds__(PICK_THREADS) pick_kernel(const float *logits,
 	for (uint32_t e = t; e < E; e += blockDim.x)
 		p[e] = (float)(ex[e] / s_sum);
 	__syncthreads();
-	for (uint32_t e = t; e < E; e += blockDim.x) {
+	/* Not finite: the first k experts, weights 0 (the step fails at its end; their slots all
+	 * written, with this layer's matrices). */
+	for (uint32_t e = t; e < E && !s_bad; e += blockDim.x) {
 		const float pe = p[e];
 		uint32_t r = 0;
 		for (uint32_t o = 0; o < E && r < k; o++)
@@ -98,7 +104,7 @@ __global__ void __launch_bounds__(PICK_THREADS) pick_kernel(const float *logits,
 		}
 	}
 	__syncthreads();
-	if (t == 0 && norm) {
+	if (t == 0 && norm && !s_bad) {
 		float s = 0;
 		for (uint32_t i = 0; i < k; i++)
 			s += s_w[i];
@@ -129,7 +135,6 @@ struct moe_dev {
 	uint32_t *h_ids_dev;
 	uint32_t *h_err;	/* pinned, mapped: a layer + 1 whose logits were not finite, 0: none */
 	uint32_t *h_err_dev;
-	cudaEvent_t done;	/* after the last moe_layer */
 	struct mm_expert *fmt;	/* (n_layers) each layer's formats and row sizes (gate.w set: a table) */
 	bool *routed;		/* (n_layers) moe_layer routed it since the last check */
 	bool any;		/* some layer was */
@@ -161,7 +166,8 @@ static int dev_setup(struct backend_dev *be)
 	if (!d->h_ids_dev || !d->h_err_dev)
 		return cuda_failf(be, -ENOTSUP, "cuda backend: device routing needs host memory the device maps");
 	*d->h_err = 0;
-	CUDA_TRY(be, "cudaEventCreate (device routing)", cudaEventCreateWithFlags(&d->done, cudaEventDisableTiming));
+	CUDA_TRY(be, "cudaMemsetAsync (the chosen experts' matrices)",
+		 cudaMemsetAsync(d->wsel, 0, WSEL_COUNT * sizeof(void *), be->stream));
 	return 0;
 }
 
@@ -175,8 +181,6 @@ void moe_dev_teardown(struct backend_dev *be)
 	cudaFree(d->w);
 	cudaFreeHost(d->h_ids);
 	cudaFreeHost(d->h_err);
-	if (d->done)
-		cudaEventDestroy(d->done);
 	free(d->fmt);
 	free(d->routed);
 	free(d);
@@ -190,21 +194,26 @@ int moe_layer_experts(struct backend_dev *be, uint32_t layer, const struct group
 	if (!m || layer >= c->n_layers)
 		return cuda_failf(be, -EINVAL, "cuda backend: moe_layer_experts: layer %u of a model of %u layers%s", layer,
 				  c->n_layers, m ? "" : " and no experts");
+	if (!experts) { /* forgotten */
+		if (m->dev)
+			m->dev->fmt[layer].gate.w = NULL;
+		return 0;
+	}
 	int rc = dev_setup(be);
 	if (rc)
 		return rc;
 	struct moe_dev *d = m->dev;
 	d->fmt[layer].gate.w = NULL;
-	if (!experts)
-		return 0; /* forgotten */
 	if (be->p.experts_apart || be->p.moe_host_route)
 		return cuda_failf(be, -ENOTSUP, "cuda backend: experts routed on the host (%s)",
 				  be->p.experts_apart ? "--experts-apart" : "--moe-host-route");
-	if (m->k > GEMV_MATS || m->k > PICK_THREADS)
+	static_assert(GEMV_MATS <= PICK_THREADS, "a thread of pick_kernel for each chosen expert");
+	if (m->k > GEMV_MATS)
 		return cuda_failf(be, -ENOTSUP, "cuda backend: %u experts a token do not go in one launch (%u at most)",
 				  m->k, GEMV_MATS);
 	const uint32_t dim = c->dim, F = m->F, E = m->E;
-	if ((size_t)E * (sizeof(double) + sizeof(float)) > 48 * 1024)
+	/* pick_kernel's dynamic shared memory, beside its few static bytes, within the default 48 KiB. */
+	if ((size_t)E * (sizeof(double) + sizeof(float)) > 46 * 1024)
 		return cuda_failf(be, -ENOTSUP, "cuda backend: %u experts do not fit the routing kernel", E);
 	const void **h = (const void **)malloc((size_t)E * 3 * sizeof(void *));
 	if (!h)
@@ -288,6 +297,7 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 		launch_k(be->pdl, pick_kernel<__half>, 1, PICK_THREADS, smem, be->stream, lg, E, k, norm, tab, xn, dim,
 			 (__half *)m->xg, wsel, wo, ids, err, layer);
 	LAUNCHED(be, "pick_kernel (the token's experts)");
+	d->routed[layer] = d->any = true; /* its flag is read at the step's end, whatever follows */
 	struct mm_expert ex[GEMV_MATS];
 	for (uint32_t j = 0; j < k; j++) {
 		ex[j] = *f;
@@ -301,8 +311,6 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 	const float *ys = m->ys, *wd = d->w;
 	launch_k(be->pdl, combine_kernel, grid_for(dim, 256), 256, 0, be->stream, be->x, ys, k, dim, cw, wd);
 	LAUNCHED(be, "combine_kernel (the chosen experts' rows)");
-	CUDA_TRY(be, "cudaEventRecord (device routing)", cudaEventRecord(d->done, be->stream));
-	d->routed[layer] = d->any = true;
 	m->dev_layers++;
 	return 0;
 }
@@ -313,7 +321,8 @@ int moe_layer_chosen(struct backend_dev *be, uint32_t layer, uint32_t *ids)
 	if (!d || layer >= be->cfg.n_layers || !d->routed[layer])
 		return cuda_failf(be, -ENODATA, "cuda backend: layer %u was not routed on the device since the last check",
 				  layer);
-	CUDA_TRY(be, "waiting for the device's routing", cudaEventSynchronize(d->done));
+	/* The step's end: its output was waited for already, or this waits for it. */
+	CUDA_TRY(be, "waiting for the device's routing", cudaStreamSynchronize(be->stream));
 	memcpy(ids, d->h_ids + (size_t)layer * be->moe->k, be->moe->k * sizeof(uint32_t));
 	return 0;
 }
@@ -325,7 +334,7 @@ int moe_dev_check(struct backend_dev *be)
 		return 0;
 	d->any = false;
 	memset(d->routed, 0, be->cfg.n_layers * sizeof(bool));
-	CUDA_TRY(be, "waiting for the device's routing", cudaEventSynchronize(d->done));
+	CUDA_TRY(be, "waiting for the device's routing", cudaStreamSynchronize(be->stream));
 	const uint32_t bad = *(volatile uint32_t *)d->h_err;
 	if (!bad)
 		return 0;
