@@ -90,11 +90,21 @@ run_case "chat (seeded)" /v1/chat/completions \
 req="{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": 1, \"seed\": 9}"
 curl -sS "$BASE/v1/completions" --data-binary "$req" >"$IT_TMP/whole-want" || fail "the uninterrupted completion failed"
 before=$(resumes)
+tokens0=$(stat_value gpu-runner tokens_computed)
+[[ $tokens0 =~ ^[0-9]+$ ]] || fail "the runner's tokens_computed: '$tokens0'"
 curl -sS "$BASE/v1/completions" --data-binary "$req" >"$IT_TMP/whole-got" &
 CLIENT=$!
-sleep 0.5
+# Stopped once it decodes (the runner's count of tokens, live in the ring: the prompt and some 20
+# more), not after a fixed sleep, which a fast host outlasts and a slow one does not reach.
+decoding() {
+	local t
+	t=$(stat_value gpu-runner tokens_computed || true)
+	[[ $t =~ ^[0-9]+$ ]] && ((t >= tokens0 + 30))
+}
+wait_until 30 "the completion that does not stream decoding" decoding
 PID=$(sup_field gpu-runner pid)
 kill -STOP "$PID"
+kill -0 "$CLIENT" 2>/dev/null || fail "the completion that does not stream had ended before the stop; raise HTTP_RESUME_TOKENS"
 wait "$CLIENT" || fail "the completion of the killed runner failed"
 wait_until 30 "gpu-runner restarted" restarted gpu-runner "$PID"
 expect_eq "$(resumes)" "$((before + 1))" "a completion that does not stream: resumed once (else it ended before the kill)"
