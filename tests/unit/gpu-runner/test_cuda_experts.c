@@ -91,6 +91,9 @@ static void mat_new(struct mat *m, enum dtype f, uint32_t rows, uint32_t cols, d
 	}
 	CUDA_OK(cudaMalloc(&m->dev, bytes));
 	CUDA_OK(cudaMemcpy(m->dev, host, bytes, cudaMemcpyHostToDevice));
+	/* The DMA of a pageable copy may land after it returns, and the backend's stream (non-blocking)
+	 * does not wait for the legacy one's copies. */
+	CUDA_OK(cudaDeviceSynchronize());
 	free(src);
 	free(host);
 }
