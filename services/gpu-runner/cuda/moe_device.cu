@@ -138,6 +138,7 @@ struct moe_dev {
 	struct mm_expert *fmt;	/* (n_layers) each layer's formats and row sizes (gate.w set: a table) */
 	bool *routed;		/* (n_layers) moe_layer routed it since the last check */
 	bool any;		/* some layer was */
+	bool synced;		/* the stream waited for since the last moe_layer */
 };
 
 static int dev_setup(struct backend_dev *be)
@@ -298,6 +299,7 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 			 (__half *)m->xg, wsel, wo, ids, err, layer);
 	LAUNCHED(be, "pick_kernel (the token's experts)");
 	d->routed[layer] = d->any = true; /* its flag is read at the step's end, whatever follows */
+	d->synced = false;
 	struct mm_expert ex[GEMV_MATS];
 	for (uint32_t j = 0; j < k; j++) {
 		ex[j] = *f;
@@ -321,8 +323,10 @@ int moe_layer_chosen(struct backend_dev *be, uint32_t layer, uint32_t *ids)
 	if (!d || layer >= be->cfg.n_layers || !d->routed[layer])
 		return cuda_failf(be, -ENODATA, "cuda backend: layer %u was not routed on the device since the last check",
 				  layer);
-	/* The step's end: its output was waited for already, or this waits for it. */
-	CUDA_TRY(be, "waiting for the device's routing", cudaStreamSynchronize(be->stream));
+	/* The step's end: its output was waited for already, or this waits for it (once a step). */
+	if (!d->synced)
+		CUDA_TRY(be, "waiting for the device's routing", cudaStreamSynchronize(be->stream));
+	d->synced = true;
 	memcpy(ids, d->h_ids + (size_t)layer * be->moe->k, be->moe->k * sizeof(uint32_t));
 	return 0;
 }
@@ -334,7 +338,9 @@ int moe_dev_check(struct backend_dev *be)
 		return 0;
 	d->any = false;
 	memset(d->routed, 0, be->cfg.n_layers * sizeof(bool));
-	CUDA_TRY(be, "waiting for the device's routing", cudaStreamSynchronize(be->stream));
+	if (!d->synced)
+		CUDA_TRY(be, "waiting for the device's routing", cudaStreamSynchronize(be->stream));
+	d->synced = true;
 	const uint32_t bad = *(volatile uint32_t *)d->h_err;
 	if (!bad)
 		return 0;
