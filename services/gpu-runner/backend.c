@@ -710,14 +710,11 @@ int backend_moe_layer_experts(struct backend *be, uint32_t layer, const struct g
 			    be->cfg.n_layers, be->cfg.n_experts);
 	if (!be->impl->compute->moe_layer_experts)
 		return fail(be, -ENOTSUP, "the %s backend routes every layer on the host", be->impl->name);
-	for (uint32_t e = 0; experts && e < be->cfg.n_experts; e++)
-		for (uint32_t i = 0; i < 3; i++) {
-			const enum tensor_role r = roles[i];
-			int rc = check_tensor(be, &experts[e].t[r], r, PLACE_DEVICE, 0, be->rows[r], 0, be->cols[r], true,
-					      "expert routed on the device", "");
-			if (rc)
-				return rc;
-		}
+	for (uint32_t e = 0; experts && e < be->cfg.n_experts; e++) {
+		int rc = check_roles(be, &experts[e], roles, 3, "expert routed on the device");
+		if (rc)
+			return rc;
+	}
 	return impl_rc(be, be->impl->compute->moe_layer_experts(be->dev, layer, experts));
 }
 

@@ -341,32 +341,39 @@ static int moe_on_device(struct engine *e, uint32_t group, uint32_t l)
 	return 1;
 }
 
-/* After a step that went well so far: the choices of the layers routed on the device (before
- * backend_moe_check, which forgets them), counted as the host's routes count theirs once that
- * check has passed too (count). */
-static int moe_dev_count(struct engine *e, bool count)
+/* After a step that went well so far: the choices of the layers routed on the device, read before
+ * backend_moe_check (which forgets them) into moe_dev_ids. */
+static int moe_dev_collect(struct engine *e)
 {
-	if (!e->moe_dev_any)
-		return 0;
-	const uint32_t E = e->cfg->n_experts, k = e->cfg->n_experts_used;
-	int rc = 0;
-	for (uint32_t l = 0; l < e->cfg->n_layers; l++) {
+	const uint32_t k = e->cfg->n_experts_used;
+	for (uint32_t l = 0; e->moe_dev_any && l < e->cfg->n_layers; l++) {
 		if (!e->moe_dev_step[l])
 			continue;
-		uint32_t *ids = e->moe_dev_ids + (size_t)l * k;
-		if (!count) {
-			if (!rc && (rc = backend_moe_layer_chosen(e->be, l, ids)) != 0)
-				set_err(e, rc, "experts of layer %u: %s", l, backend_error(e->be));
+		int rc = backend_moe_layer_chosen(e->be, l, e->moe_dev_ids + (size_t)l * k);
+		if (rc)
+			return set_err(e, rc, "experts of layer %u: %s", l, backend_error(e->be));
+	}
+	return 0;
+}
+
+/* The step's end: the choices collected counted as the host's routes count theirs, where the step
+ * went well (count), and forgotten. */
+static void moe_dev_done(struct engine *e, bool count)
+{
+	const uint32_t E = e->cfg->n_experts, k = e->cfg->n_experts_used;
+	for (uint32_t l = 0; e->moe_dev_any && l < e->cfg->n_layers; l++) {
+		if (!e->moe_dev_step[l])
 			continue;
-		}
 		e->moe_dev_step[l] = false;
+		if (!count)
+			continue;
+		const uint32_t *ids = e->moe_dev_ids + (size_t)l * k;
 		e->routed_steps[l]++;
 		for (uint32_t i = 0; i < k; i++)
 			if (ids[i] < E)
 				e->routed[(size_t)l * E + ids[i]]++;
 	}
-	e->moe_dev_any = !count;
-	return rc;
+	e->moe_dev_any = false;
 }
 
 int engine_forward(struct engine *e, const int32_t *tokens, uint32_t n, uint32_t pos0, float *logits)
@@ -521,17 +528,12 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 	e->step_failed = false;
 	int rc = step_groups(e, seqs, n_seqs, logits, argmax, sp, u, stage_out, picks);
 	if (rc == 0)
-		rc = moe_dev_count(e, false);
+		rc = moe_dev_collect(e);
 	/* A step with no output the host waited for (a prefill chunk before the last, a position
 	 * caught up) has not looked at the results of the last layer's CPU experts yet. */
 	if (rc == 0 && e->cfg->n_experts && (rc = backend_moe_check(e->be)) != 0)
 		set_err(e, rc, "experts: %s", backend_error(e->be));
-	if (rc == 0) {
-		moe_dev_count(e, true);
-	} else if (e->moe_dev_any) {
-		e->moe_dev_any = false;
-		memset(e->moe_dev_step, 0, e->cfg->n_layers * sizeof(bool));
-	}
+	moe_dev_done(e, rc == 0);
 	if (rc && e->cfg->n_experts)
 		backend_moe_settle(e->be);
 	e->step_failed = rc != 0;

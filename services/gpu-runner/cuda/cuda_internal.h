@@ -449,14 +449,11 @@ bool expert_batch_joins(const struct mm_expert *a, const struct mm_expert *b);
 /* The one-token products of n (1..GEMV_MATS) experts that expert_batch_fits and join one batch,
  * x (dim values in the activation dtype) their common input: act_j = SiLU(gate_j x) * (up_j x) in
  * one launch, then down_j act_j into their rows in another; each result is that of the expert's
- * own swiglu_product and matmul. */
+ * own swiglu_product and matmul. The matrices are e's, or (gu_wd, down_wd not NULL: experts a
+ * kernel before chose, moe_device.cu) at addresses in device memory, gate and up at gu_wd
+ * (gemv_mats.wd), down at down_wd, e giving the rest (formats, row sizes, outputs, act rows). */
 int experts_batch(struct backend_dev *be, const struct mm_expert *e, uint32_t n, const void *x, uint32_t dim,
-		  uint32_t F);
-/* The same for n experts a kernel before chose (moe_device.cu): their matrices' addresses in device
- * memory, gate and up at gu_wd (gemv_mats.wd), down at down_wd; ex gives the formats, row sizes,
- * outputs and act rows (its w unused), as experts_batch takes them. */
-int experts_batch_dev(struct backend_dev *be, const struct mm_expert *ex, uint32_t n, const void *x, uint32_t dim,
-		      uint32_t F, const void *const *gu_wd, const void *const *down_wd);
+		  uint32_t F, const void *const *gu_wd, const void *const *down_wd);
 
 /* ---- norm_rope.cu -------------------------------------------------------------------------- */
 

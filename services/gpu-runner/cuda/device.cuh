@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "common/dtype.h"
+#include "services/gpu-runner/cuda/cuda_internal.h"
 
 template <typename T> static __device__ __forceinline__ T from_f32(float v);
 template <> __device__ __forceinline__ float from_f32<float>(float v)
@@ -104,6 +105,18 @@ template <typename T, int N> static __device__ __forceinline__ T pick_mat(const 
 		if (j == (uint32_t)i)
 			r = v[i];
 	return r;
+}
+
+/* Matrix j of a launch over several (gemv_mats): its weights (SWIGLU: gate's), and up's; from the
+ * parameters, or from device memory where a kernel before chose them (wd). */
+static __device__ __forceinline__ const void *mats_w(const struct gemv_mats &m, uint32_t j)
+{
+	return m.wd ? m.wd[j] : pick_mat(m.w, j);
+}
+
+static __device__ __forceinline__ const void *mats_up(const struct gemv_mats &m, uint32_t j)
+{
+	return m.wd ? m.wd[GEMV_MATS + j] : pick_mat(m.w2, j);
 }
 
 /* silu(g) * u as the reference: silu in double rounded to float32, then the float32 product. */

@@ -61,10 +61,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(const gemv_args a
 				o -= a.rows[p++];
 		/* Branches, not a.w[p]: a run-time index into the parameters would copy them to
 		 * local memory. */
-		const void *wp = M ? (a.m.wd ? a.m.wd[j] : pick_mat(a.m.w, j)) : p == 0 ? a.w[0] : p == 1 ? a.w[1] : a.w[2];
+		const void *wp = M ? mats_w(a.m, j) : p == 0 ? a.w[0] : p == 1 ? a.w[1] : a.w[2];
 		wr[r] = (const uint4 *)wp + (size_t)o * in8;
-		const void *up = M ? (a.m.wd ? a.m.wd[GEMV_MATS + j] : pick_mat(a.m.w2, j)) : a.w[1];
-		ur[r] = MODE == GEMV_SWIGLU ? (const uint4 *)up + (size_t)o * in8 : wr[r];
+		ur[r] = MODE == GEMV_SWIGLU ? (const uint4 *)(M ? mats_up(a.m, j) : a.w[1]) + (size_t)o * in8 : wr[r];
 		dst[r] = M ? pick_mat(a.m.out, j) : p == 0 ? a.out[0] : p == 1 ? a.out[1] : a.out[2];
 		orow[r] = o;
 	}

@@ -435,11 +435,8 @@ template <int MODE> struct qg_row {
 		o = r;
 		if (MODE & GEMV_MATS_BIT) {
 			const uint32_t j = qg_mat(a);
-			const uint8_t *w = (const uint8_t *)(a.m.wd ? a.m.wd[j] : pick_mat(a.m.w, j));
-			row = w + (size_t)o * a.row_bytes;
-			if (GEMV_MODE_OF(MODE) == GEMV_SWIGLU)
-				w = (const uint8_t *)(a.m.wd ? a.m.wd[GEMV_MATS + j] : pick_mat(a.m.w2, j));
-			row2 = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? w + (size_t)o * a.row_bytes : row;
+			row = (const uint8_t *)mats_w(a.m, j) + (size_t)o * a.row_bytes;
+			row2 = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? (const uint8_t *)mats_up(a.m, j) + (size_t)o * a.row_bytes : row;
 			return true;
 		}
 		if (GEMV_MODE_OF(MODE) != GEMV_SWIGLU)

@@ -249,10 +249,8 @@ static void batch_launch(struct backend_dev *be, uint32_t fmt, const struct gemv
 	qgemv_launch(be, fmt, g, mode, be->stream);
 }
 
-/* The two products of n experts on x: their matrices from e, or (gu_wd, down_wd not NULL) from
- * device memory a kernel before wrote. */
-static int batch_pair(struct backend_dev *be, const struct mm_expert *e, uint32_t n, const void *x, uint32_t dim,
-		      uint32_t F, const void *const *gu_wd, const void *const *down_wd)
+int experts_batch(struct backend_dev *be, const struct mm_expert *e, uint32_t n, const void *x, uint32_t dim,
+		  uint32_t F, const void *const *gu_wd, const void *const *down_wd)
 {
 	assert(n >= 1 && n <= GEMV_MATS);
 	struct gemv_mats gu, down;
@@ -277,16 +275,4 @@ static int batch_pair(struct backend_dev *be, const struct mm_expert *e, uint32_
 	batch_launch(be, e[0].down.format, &down, dim, F, e[0].down.row_bytes, GEMV_STORE);
 	LAUNCHED(be, "experts' down_proj (one launch)");
 	return 0;
-}
-
-int experts_batch(struct backend_dev *be, const struct mm_expert *e, uint32_t n, const void *x, uint32_t dim,
-		  uint32_t F)
-{
-	return batch_pair(be, e, n, x, dim, F, NULL, NULL);
-}
-
-int experts_batch_dev(struct backend_dev *be, const struct mm_expert *ex, uint32_t n, const void *x, uint32_t dim,
-		      uint32_t F, const void *const *gu_wd, const void *const *down_wd)
-{
-	return batch_pair(be, ex, n, x, dim, F, gu_wd, down_wd);
 }

@@ -392,7 +392,7 @@ static int flush_held(struct backend_dev *be)
 		return 0;
 	const uint32_t n = m->n_held;
 	m->n_held = 0;
-	return experts_batch(be, m->held, n, m->xg, be->cfg.dim, m->F);
+	return experts_batch(be, m->held, n, m->xg, be->cfg.dim, m->F, NULL, NULL);
 }
 
 bool moe_expert_used(struct backend_dev *be, uint32_t expert)

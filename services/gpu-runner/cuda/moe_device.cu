@@ -11,7 +11,7 @@
  * routes as cpu_moe_route does (the same softmax in double, the same order of the top k, the same
  * normalised weights), writes the chosen experts' matrix addresses where the experts' two
  * launches read them (gemv_mats.wd) and the token's row in their activation dtype, then the two
- * launches (experts_batch_dev) and combine_kernel with the weights it wrote. The chosen ids go
+ * launches (experts_batch with those) and combine_kernel with the weights it wrote. The chosen ids go
  * to mapped host memory for the engine's counts (moe_layer_chosen, after the step: the stream
  * waited for then, as the step's output has been already); a logit that is not finite is flagged
  * there and fails the step at its end (moe_dev_check), the step's first k experts chosen with
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(PICK_THREADS) pick_kernel(const float *logits,
 	const uint32_t t = threadIdx.x;
 	grid_launch_next();
 	grid_wait(); /* the logits and xn: the kernels before's */
-	if (t < k) { /* valid ids where logits that are not finite leave ranks empty (the step fails) */
+	if (t < k) { /* the choice where a logit is not finite (no ranks then; the step fails) */
 		s_ids[t] = t;
 		s_w[t] = 0.0f;
 	}
@@ -306,7 +306,7 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 		ex[j].act = (char *)m->act + (size_t)j * m->act_stride;
 		ex[j].down.out = m->ys + (size_t)j * dim;
 	}
-	if ((rc = experts_batch_dev(be, ex, k, m->xg, dim, F, d->wsel + WSEL_GATE, d->wsel + WSEL_DOWN)))
+	if ((rc = experts_batch(be, ex, k, m->xg, dim, F, d->wsel + WSEL_GATE, d->wsel + WSEL_DOWN)))
 		return rc;
 	moe_combine_w cw;
 	memset(&cw, 0, sizeof(cw));

@@ -156,7 +156,7 @@ int cuda_test_experts_together(struct backend *bk, const struct cuda_test_expert
 			goto out;
 		}
 	}
-	if ((rc = experts_batch(be, ex, n, dx, dim, F))) {
+	if ((rc = experts_batch(be, ex, n, dx, dim, F, NULL, NULL))) {
 		snprintf(err, errlen, "%s", be->err);
 		goto out;
 	}

@@ -373,8 +373,9 @@ static void layer_free(struct layer *y)
 }
 
 /* One-token steps of the layer alone (embed, route, the chosen experts in order, end) on a backend
- * with or without --experts-apart; each step's residual row into out (L_TOKENS, L_DIM). */
-static void layer_run(struct layer *y, bool apart, float *out, uint32_t *chosen)
+ * with or without --experts-apart; each step's residual row into out (L_TOKENS, L_DIM), and the
+ * experts each step chose into used (NULL: not wanted). */
+static void layer_run(struct layer *y, bool apart, float *out, uint32_t *chosen, bool (*used)[L_EXPERTS])
 {
 	struct backend_params p = {.max_chunk = 4, .block_tokens = 16, .n_kv_blocks = 8, .kv_dtype = DT_BF16,
 				   .threads = 1, .experts_apart = apart};
@@ -389,11 +390,15 @@ static void layer_run(struct layer *y, bool apart, float *out, uint32_t *chosen)
 		struct backend_batch b = {.n = 1, .tokens = &tok, .pos = &pos, .seq = &seq};
 		ck_assert_msg(backend_embed(be, &y->embed, &b) == 0, "embed: %s", backend_error(be));
 		ck_assert_msg(backend_moe_route(be, &y->moe) == 0, "route: %s", backend_error(be));
-		for (uint32_t e = 0; e < L_EXPERTS; e++)
-			if (backend_moe_expert_used(be, e)) {
+		for (uint32_t e = 0; e < L_EXPERTS; e++) {
+			const bool u = backend_moe_expert_used(be, e);
+			if (used)
+				used[t][e] = u;
+			if (u) {
 				ck_assert_msg(backend_moe_expert(be, &y->exp[e], e) == 0, "expert %u: %s", e, backend_error(be));
 				(*chosen)++;
 			}
+		}
 		ck_assert_msg(backend_moe_end(be) == 0, "end: %s", backend_error(be));
 		ck_assert_msg(cuda_test_residual(be, out + (size_t)t * L_DIM, 1, err, sizeof(err)) == 0, "%s", err);
 	}
@@ -409,8 +414,8 @@ static void layer_compare(bool mixed)
 	layer_new(y, mixed);
 	float together[L_TOKENS * L_DIM], apart[L_TOKENS * L_DIM], emb[L_DIM];
 	uint32_t n_together, n_apart;
-	layer_run(y, false, together, &n_together);
-	layer_run(y, true, apart, &n_apart);
+	layer_run(y, false, together, &n_together, NULL);
+	layer_run(y, true, apart, &n_apart, NULL);
 	ck_assert_uint_eq(n_together, L_TOKENS * L_USED);
 	ck_assert_uint_eq(n_apart, L_TOKENS * L_USED);
 	for (uint32_t i = 0; i < L_TOKENS * L_DIM; i++)
@@ -440,31 +445,9 @@ static void layer_device(enum dtype gf, enum dtype df)
 	layer_new_k(y, false, k);
 	float host[L_TOKENS * L_DIM], dev[L_TOKENS * L_DIM];
 	uint32_t n_host;
-	layer_run(y, false, host, &n_host);
+	bool used_host[L_TOKENS][L_EXPERTS]; /* the host's choices, step by step */
+	layer_run(y, false, host, &n_host, used_host);
 	ck_assert_uint_eq(n_host, L_TOKENS * k);
-	/* The host's choices, step by step: run again, noting the used set. */
-	bool used_host[L_TOKENS][L_EXPERTS];
-	{
-		struct backend_params p = {.max_chunk = 4, .block_tokens = 16, .n_kv_blocks = 8, .kv_dtype = DT_BF16,
-					   .threads = 1};
-		struct backend *be = NULL;
-		char err[400] = "";
-		ck_assert_msg(backend_create("cuda", &y->cfg, &p, &be, err, sizeof(err)) == 0, "cuda create: %s", err);
-		for (uint32_t t = 0; t < L_TOKENS; t++) {
-			const int32_t tok = (int32_t)(7 + 11 * t);
-			const uint32_t pos = t, seq = 0;
-			struct backend_batch b = {.n = 1, .tokens = &tok, .pos = &pos, .seq = &seq};
-			ck_assert(backend_embed(be, &y->embed, &b) == 0);
-			ck_assert_msg(backend_moe_route(be, &y->moe) == 0, "route: %s", backend_error(be));
-			for (uint32_t e = 0; e < L_EXPERTS; e++) {
-				used_host[t][e] = backend_moe_expert_used(be, e);
-				if (used_host[t][e])
-					ck_assert(backend_moe_expert(be, &y->exp[e], e) == 0);
-			}
-			ck_assert(backend_moe_end(be) == 0);
-		}
-		backend_destroy(&be);
-	}
 	struct backend_params p = {.max_chunk = 4, .block_tokens = 16, .n_kv_blocks = 8, .kv_dtype = DT_BF16,
 				   .threads = 1};
 	struct backend *be = NULL;
