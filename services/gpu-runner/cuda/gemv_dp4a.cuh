@@ -98,10 +98,14 @@ struct dq_raw {
 	float l;      /* ATTN: the head's sum */
 };
 
-template <int K, bool M> static __device__ __forceinline__ void dq_load8(const qgemv_args &a, uint32_t i, dq_raw &r)
+/* CG: x was written by this grid (the FFN's second product, gemv_ffn.cuh): loaded through L2, not
+ * the read-only path. */
+template <int K, bool M, bool CG>
+static __device__ __forceinline__ void dq_load8(const qgemv_args &a, uint32_t i, dq_raw &r)
 {
 	if (K == XSRC_ACT) {
-		r.a = __ldg((const uint4 *)(M ? pick_mat(a.m.x, qg_mat(a)) : a.x) + i);
+		const uint4 *p = (const uint4 *)(M ? pick_mat(a.m.x, qg_mat(a)) : a.x) + i;
+		r.a = CG ? __ldcg(p) : __ldg(p);
 		return;
 	}
 	const uint4 *v = (const uint4 *)(K == XSRC_NORM ? a.src.res : a.src.acc);
@@ -169,7 +173,7 @@ static __device__ __forceinline__ void dq_x8(const qgemv_args &a, const dq_raw &
  * order), xd and xs. Every thread of the block calls it. A thread takes 8 values, 4 threads a
  * group; the loads of U such chunks per thread are issued before any is converted (U: what the
  * registers allow beside the kernel's item buffers). */
-template <int F, int K, uint32_t U, bool M>
+template <int F, int K, uint32_t U, bool M, bool CG = false>
 static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
 {
 	const uint32_t n8 = a.in / 8;
@@ -180,7 +184,7 @@ static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *
 		for (uint32_t u = 0; u < U; u++) {
 			const uint32_t i = base + u * QG_THREADS + threadIdx.x;
 			if (i < n8)
-				dq_load8<K, M>(a, i, raw[u]);
+				dq_load8<K, M, CG>(a, i, raw[u]);
 		}
 #pragma unroll
 		for (uint32_t u = 0; u < U; u++) {
@@ -225,8 +229,10 @@ static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *
 	}
 }
 
-/* dq_stage_k for a.src.kind (M: several matrices, x the block's matrix's); ends with a barrier. */
-template <int F, bool M> static __device__ void dq_stage(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
+/* dq_stage_k for a.src.kind (M: several matrices, x the block's matrix's; CG: x written by this
+ * grid); ends with a barrier. */
+template <int F, bool M, bool CG = false>
+static __device__ void dq_stage(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
 {
 	/* Q6_K's item buffers take the most registers (80 without spills at 3 blocks a
 	 * multiprocessor): fewer loads in flight there. */
@@ -238,7 +244,7 @@ template <int F, bool M> static __device__ void dq_stage(const qgemv_args &a, ui
 	else if (a.src.kind == XSRC_ATTN)
 		dq_stage_k<F, XSRC_ATTN, UN, false>(a, xq, xd, xs);
 	else
-		dq_stage_k<F, XSRC_ACT, UA, false>(a, xq, xd, xs);
+		dq_stage_k<F, XSRC_ACT, UA, false, CG>(a, xq, xd, xs);
 	__syncthreads();
 }
 
@@ -578,22 +584,35 @@ template <int F, int MODE> struct dq_sm_occ {
 	static constexpr int MIN_BLOCKS = F == DT_Q4_K && GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? 3 : 4;
 };
 
-template <int F, int MODE>
-__global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) dq_sm_kernel(const qgemv_args a)
+/* Where a pass of the shared-memory path (dq_sm_pass) waits before it stages x. */
+enum dq_wait {
+	DQ_KERNEL = 0, /* a kernel of its own: for the kernel before (grid_wait), the next one let launch first */
+	DQ_FIRST = 1,  /* the first of two passes in one launch: for the kernel before, the next not let launch */
+	DQ_GRID = 2,   /* the second: for every block of this grid (grid_sync), then the next let launch */
+};
+
+/* One product through shared memory: a warp's first DQ_STAGES - 1 items (of its ring, RB bytes
+ * from smem + xbytes) issued before the wait, x staged after it into smem, then the items. A
+ * warp without rows takes part in the block's staging and returns. */
+template <int F, int MODE, int WAIT>
+static __device__ __forceinline__ void dq_sm_pass(const qgemv_args &a, uint8_t *smem, size_t xbytes, uint32_t rb,
+						  unsigned *bar)
 {
 	constexpr uint32_t SB = dq_stage_bytes<F>::V, DQ_STAGES = dq_stages<F>::V;
-	extern __shared__ uint4 dq_smem_buf[];
-	uint8_t *xq = (uint8_t *)dq_smem_buf;
+	uint8_t *xq = smem;
 	float *xd = (float *)(xq + a.in), *xs = xd + a.in / 32; /* xs: none for Q6_K (dq_smem_f) */
 	const uint32_t wid = threadIdx.x / 32, lane = threadIdx.x % 32;
-	uint8_t *ring = (uint8_t *)dq_smem_buf + dq_smem_f<F>(a.in) + (size_t)wid * DQ_STAGES * SB;
+	uint8_t *ring = smem + xbytes + (size_t)wid * rb;
 	float acc[1] = {0.0f}, acc2[1] = {0.0f};
 	if ((MODE & GEMV_MATS_BIT) && a.m.wd)
 		grid_wait(); /* the kernel before chose the matrices */
+	if (WAIT == DQ_GRID)
+		__syncwarp(); /* every lane is done with the pass before's last stage */
 	qg_row<MODE> cur;
 	const bool live = cur.at(a, qg_first_group<MODE>(a), wid);
 	qg_cursor<MODE> at = {cur, 0, live}, ld = at;
-	grid_launch_next();
+	if (WAIT == DQ_KERNEL)
+		grid_launch_next();
 	/* The first DQ_STAGES - 1 items start coming before the kernel before has finished: weights
 	 * are what no kernel of the step writes. */
 #pragma unroll
@@ -602,8 +621,13 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) 
 		if (ld.live)
 			ld.next(a, wid);
 	}
-	grid_wait();
-	dq_stage<F, (MODE & GEMV_MATS_BIT) != 0>(a, xq, xd, xs);
+	if (WAIT == DQ_GRID) {
+		grid_sync(bar);
+		grid_launch_next();
+	} else {
+		grid_wait();
+	}
+	dq_stage<F, (MODE & GEMV_MATS_BIT) != 0, WAIT == DQ_GRID>(a, xq, xd, xs);
 	if (!live) {
 		cp_async_wait<0>();
 		return;
@@ -623,4 +647,12 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) 
 			break;
 	}
 	cp_async_wait<0>();
+}
+
+template <int F, int MODE>
+__global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) dq_sm_kernel(const qgemv_args a)
+{
+	extern __shared__ uint4 dq_smem_buf[];
+	dq_sm_pass<F, MODE, DQ_KERNEL>(a, (uint8_t *)dq_smem_buf, dq_smem_f<F>(a.in),
+				       dq_stages<F>::V * dq_stage_bytes<F>::V, NULL);
 }
