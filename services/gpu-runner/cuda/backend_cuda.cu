@@ -604,7 +604,7 @@ static void cuda_destroy(struct backend_dev **bep)
 	cudaFree(be->dst_pos);
 	cudaFree(be->attn_count);
 	cudaFree(be->status);
-	cudaFree(be->ffn_bar);
+	cudaFree(be->ffn_ctr);
 	cudaFreeHost(be->h_status);
 	cudaFree(be->picks);
 	cudaFreeHost(be->h_picks);
@@ -714,9 +714,10 @@ static int create_device(struct backend_dev *be)
 	    (rc = dev_alloc(be, (void **)&be->st_m, pairs, 1, sizeof(float), "attention state")) ||
 	    (rc = dev_alloc(be, (void **)&be->st_l, pairs, 1, sizeof(float), "attention state")) ||
 	    (rc = dev_alloc(be, (void **)&be->st_acc, pairs, c->head_dim, sizeof(float), "attention state")) ||
-	    (rc = dev_alloc(be, (void **)&be->ffn_bar, 1, 1, sizeof(unsigned), "the FFN launch's barrier")))
+	    (rc = dev_alloc(be, (void **)&be->ffn_ctr, FFN_CTR_WORDS, 1, sizeof(unsigned), "the FFN launch's counters")))
 		return rc;
-	CUDA_TRY(be, "cudaMemset (the FFN launch's barrier)", cudaMemset(be->ffn_bar, 0, sizeof(unsigned)));
+	CUDA_TRY(be, "cudaMemset (the FFN launch's counters)",
+		 cudaMemsetAsync(be->ffn_ctr, 0, FFN_CTR_WORDS * sizeof(unsigned), be->stream));
 	be->run_row0 = (uint32_t *)calloc(mc, sizeof(uint32_t));
 	be->run_n = (uint32_t *)calloc(mc, sizeof(uint32_t));
 	be->run_pos0 = (uint32_t *)calloc(mc, sizeof(uint32_t));

@@ -56,6 +56,12 @@
 #define QG_WARPS 8		/* warps (output rows) per block of the quantized GEMV */
 #define QG_SMEM_MAX (72u * 1024) /* shared memory of one quantized GEMV block: staged x */
 #define DQ_SM_SMEM_MAX (112u * 1024) /* the integer path through shared memory: x and the weight stages */
+/* The one-token FFN launch's counters (gemv_ffn.cuh): FFN_QUEUES claim queues a pass, each
+ * counter alone on a 128-byte line; two sets of two passes' queues and a count of rows. */
+#define FFN_QUEUES QG_WARPS
+#define FFN_LINE 32
+#define FFN_SET_WORDS ((2 * FFN_QUEUES + 1) * FFN_LINE)
+#define FFN_CTR_WORDS (2 * FFN_SET_WORDS)
 #define QG_OCC_CACHE 32		/* (kernel, shared memory) pairs whose occupancy a backend remembers */
 /* The dequantization scratch holds the largest matrix of a layer, at most this many BF16
  * elements (128 MiB); lm_head and larger matrices go through it a row chunk at a time. */
@@ -132,7 +138,9 @@ struct backend_dev {
 	bool pdl;		/* kernels of a step launch with programmatic dependent launch (launch_k) */
 	bool fuse_x;		/* one-token integer products compute their x while staging it (struct xsrc) */
 	bool ffn_one;		/* a one-token FFN's two integer products in one launch (gemv_ffn.cuh) */
-	unsigned *ffn_bar;	/* that launch's barrier word (device memory, 0 at start) */
+	unsigned *ffn_ctr;	/* that launch's counters (device memory, FFN_CTR_WORDS, 0 at start) */
+	uint32_t ffn_base[2][2 * FFN_QUEUES + 1]; /* their values before the next launch that uses them */
+	uint32_t ffn_set;	/* the set of counters the next launch uses */
 	uint64_t ffn_launches;	/* FFNs that took it (tests) */
 
 	uint32_t q_dim;		/* n_heads * head_dim */

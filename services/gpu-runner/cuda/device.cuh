@@ -95,28 +95,6 @@ static __device__ __forceinline__ void grid_launch_next(void)
 	asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-/* A barrier of every block of the grid, which must all be resident at once (a grid no larger than
- * what fits the GPU; the next kernel let launch only after it). *bar is a word of device memory
- * that starts at 0 and only grid_sync touches: each block adds 1 but block 0, which adds 2^31 -
- * (blocks - 1), so the top bit flips when the last block arrives and the word's low bits are
- * back where they were for the next barrier. A block's writes before it are visible to every
- * block after it (bar.sync, then a fence by the block's thread 0 around its arrival). */
-static __device__ __forceinline__ void grid_sync(unsigned *bar)
-{
-	__syncthreads();
-	if (threadIdx.x == 0) {
-		const unsigned inc = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-		__threadfence();
-		const unsigned old = atomicAdd(bar, inc);
-		unsigned now;
-		do {
-			asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
-		} while (((old ^ now) & 0x80000000u) == 0);
-		__threadfence();
-	}
-	__syncthreads();
-}
-
 /* v[j] for a run-time j, by branches: a run-time index into a kernel's parameters would copy them
  * to local memory. */
 template <typename T, int N> static __device__ __forceinline__ T pick_mat(const T (&v)[N], uint32_t j)

@@ -533,9 +533,8 @@ template <int N> static __device__ __forceinline__ void cp_async_wait(void)
 
 /* The warp copies item k of its row (cursor c) into stage st; commits a group even without an item,
  * so that every lane's group count stays in step. */
-template <int F, int MODE>
-static __device__ __forceinline__ void dq_sm_issue(const qgemv_args &a, const qg_cursor<MODE> &c, uint8_t *st,
-						   uint32_t lane)
+template <int F, int MODE, class C>
+static __device__ __forceinline__ void dq_sm_issue(const qgemv_args &a, const C &c, uint8_t *st, uint32_t lane)
 {
 	typedef qg<F> T;
 	if (c.live) {
@@ -584,35 +583,22 @@ template <int F, int MODE> struct dq_sm_occ {
 	static constexpr int MIN_BLOCKS = F == DT_Q4_K && GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? 3 : 4;
 };
 
-/* Where a pass of the shared-memory path (dq_sm_pass) waits before it stages x. */
-enum dq_wait {
-	DQ_KERNEL = 0, /* a kernel of its own: for the kernel before (grid_wait), the next one let launch first */
-	DQ_FIRST = 1,  /* the first of two passes in one launch: for the kernel before, the next not let launch */
-	DQ_GRID = 2,   /* the second: for every block of this grid (grid_sync), then the next let launch */
-};
-
-/* One product through shared memory: a warp's first DQ_STAGES - 1 items (of its ring, RB bytes
- * from smem + xbytes) issued before the wait, x staged after it into smem, then the items. A
- * warp without rows takes part in the block's staging and returns. */
-template <int F, int MODE, int WAIT>
-static __device__ __forceinline__ void dq_sm_pass(const qgemv_args &a, uint8_t *smem, size_t xbytes, uint32_t rb,
-						  unsigned *bar)
+template <int F, int MODE>
+__global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) dq_sm_kernel(const qgemv_args a)
 {
 	constexpr uint32_t SB = dq_stage_bytes<F>::V, DQ_STAGES = dq_stages<F>::V;
-	uint8_t *xq = smem;
+	extern __shared__ uint4 dq_smem_buf[];
+	uint8_t *xq = (uint8_t *)dq_smem_buf;
 	float *xd = (float *)(xq + a.in), *xs = xd + a.in / 32; /* xs: none for Q6_K (dq_smem_f) */
 	const uint32_t wid = threadIdx.x / 32, lane = threadIdx.x % 32;
-	uint8_t *ring = smem + xbytes + (size_t)wid * rb;
+	uint8_t *ring = (uint8_t *)dq_smem_buf + dq_smem_f<F>(a.in) + (size_t)wid * DQ_STAGES * SB;
 	float acc[1] = {0.0f}, acc2[1] = {0.0f};
 	if ((MODE & GEMV_MATS_BIT) && a.m.wd)
 		grid_wait(); /* the kernel before chose the matrices */
-	if (WAIT == DQ_GRID)
-		__syncwarp(); /* every lane is done with the pass before's last stage */
 	qg_row<MODE> cur;
 	const bool live = cur.at(a, qg_first_group<MODE>(a), wid);
 	qg_cursor<MODE> at = {cur, 0, live}, ld = at;
-	if (WAIT == DQ_KERNEL)
-		grid_launch_next();
+	grid_launch_next();
 	/* The first DQ_STAGES - 1 items start coming before the kernel before has finished: weights
 	 * are what no kernel of the step writes. */
 #pragma unroll
@@ -621,13 +607,8 @@ static __device__ __forceinline__ void dq_sm_pass(const qgemv_args &a, uint8_t *
 		if (ld.live)
 			ld.next(a, wid);
 	}
-	if (WAIT == DQ_GRID) {
-		grid_sync(bar);
-		grid_launch_next();
-	} else {
-		grid_wait();
-	}
-	dq_stage<F, (MODE & GEMV_MATS_BIT) != 0, WAIT == DQ_GRID>(a, xq, xd, xs);
+	grid_wait();
+	dq_stage<F, (MODE & GEMV_MATS_BIT) != 0>(a, xq, xd, xs);
 	if (!live) {
 		cp_async_wait<0>();
 		return;
@@ -647,12 +628,4 @@ static __device__ __forceinline__ void dq_sm_pass(const qgemv_args &a, uint8_t *
 			break;
 	}
 	cp_async_wait<0>();
-}
-
-template <int F, int MODE>
-__global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) dq_sm_kernel(const qgemv_args a)
-{
-	extern __shared__ uint4 dq_smem_buf[];
-	dq_sm_pass<F, MODE, DQ_KERNEL>(a, (uint8_t *)dq_smem_buf, dq_smem_f<F>(a.in),
-				       dq_stages<F>::V * dq_stage_bytes<F>::V, NULL);
 }
