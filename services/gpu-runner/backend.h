@@ -100,8 +100,6 @@ enum backend_fuse {
 				   * (RMSNorm, attention output) while staging it instead of after a kernel of
 				   * its own */
 	BACKEND_FUSE_NONE = 1,	  /* every kernel alone, after the one before has ended */
-	BACKEND_FUSE_KERNELS = 2, /* as DEFAULT, but a one-token FFN's two quantized products are launches of
-				   * their own (DEFAULT puts them in one where it can) */
 };
 
 /* How the CUDA backend's stream hands the CPU share of a split FFN to the pool

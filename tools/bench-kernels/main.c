@@ -439,9 +439,7 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 	perf_open(&r, b, gemv, attn);
 	char how[128];
 	snprintf(how, sizeof(how), "%s, gemv %s, attention %s%s", b->weights, gemv_name(gemv, b->quant),
-		 attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma",
-		 bench_fuse == BACKEND_FUSE_NONE ? ", kernels unfused"
-		 : bench_fuse == BACKEND_FUSE_KERNELS ? ", the FFN in two launches" : "");
+		 attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma", bench_fuse == BACKEND_FUSE_NONE ? ", kernels unfused" : "");
 
 	/* Warm-up: one chunk and a few decode steps, then start over at position 0. */
 	perf_step(&r, PERF_CHUNK, 0);
@@ -496,15 +494,13 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 		ctx_long = pos;
 	}
 	fprintf(json,
-		"{\"weights\": \"%s\", \"gemv\": \"%s\", \"attention\": \"%s\", \"fused\": %s, \"ffn_one_launch\": %s, "
-		"\"prefill_512_ms\": %.4f, "
+		"{\"weights\": \"%s\", \"gemv\": \"%s\", \"attention\": \"%s\", \"fused\": %s, \"prefill_512_ms\": %.4f, "
 		"\"decode_ms\": %.4f, \"decode_context\": %u, \"enqueue_ms\": %.4f, \"weight_bytes\": %zu, "
 		"\"hbm_read_bytes_per_s\": %.4g, \"hbm_bound_ms\": %.4f, \"decode_over_bound\": %.3f, "
 		"\"lm_head_ms\": %.4f, \"prefill_512_long_ms\": %.4f, \"decode_long_ms\": %.4f, "
 		"\"decode_long_context\": %u}\n",
 		b->weights, gemv_name(gemv, b->quant), attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma",
-		bench_fuse == BACKEND_FUSE_NONE ? "false" : "true", bench_fuse == BACKEND_FUSE_DEFAULT ? "true" : "false",
-		pf[1], dt_short,
+		bench_fuse == BACKEND_FUSE_NONE ? "false" : "true", pf[1], dt_short,
 		PERF_CHUNK + 16, enq_short, b->weight_bytes, hbm_read_rate, bound_ms, dt_short / bound_ms, lm[8],
 		chunk_ms, dt_long, ctx_long);
 	fflush(json);
@@ -659,8 +655,6 @@ int main(int argc, char **argv)
 			"KV, 16-token blocks\n", b.weight_bytes / 1e9);
 		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, !quick, stdout);
 		big_run(&b, BACKEND_GEMV_DP4A_REGS, BACKEND_ATTN_DEFAULT, false, stdout);
-		bench_fuse = BACKEND_FUSE_KERNELS;
-		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, false, stdout);
 		bench_fuse = BACKEND_FUSE_NONE;
 		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, false, stdout);
 		bench_fuse = BACKEND_FUSE_DEFAULT;

@@ -53,9 +53,7 @@
  * path compute their x as they stage it: q/k/v and gate/up the RMSNorm of the residual stream,
  * o_proj the attention output (struct xsrc), so those kernels are not launched; on an H100, Q4_K_M
  * 8B decode 3.89 -> 3.32 ms/token. The integer path copies the weights through shared memory,
- * three items ahead per warp (cp.async, dq_sm_kernel): 3.42 -> 3.02 ms/token. A one-token FFN
- * whose matrices take that path goes in one launch, gate/up then down with a barrier of the grid
- * between them (gemv_ffn.cuh; BACKEND_FUSE_KERNELS launches them apart). Decode's KV
+ * three items ahead per warp (cp.async, dq_sm_kernel): 3.42 -> 3.02 ms/token. Decode's KV
  * destinations and spans (up to ROPE_INLINE_TOKENS and ATTN_INLINE_SPANS) go in the kernels'
  * parameters, not in copies between kernels; split attention's last block merges the splits.
  *
@@ -373,12 +371,10 @@ static int cuda_ffn(struct backend_dev *be, const struct group_weights *w)
 	struct xsrc src;
 	if ((rc = norm_source(be, w, ROLE_FFN_NORM, gu, gu[0].format == gu[1].format ? 2 : 0, at, &src)) != 0)
 		return rc;
-	struct mm_part down = part(w, ROLE_W_DOWN, c->dim, be->x);
-	if (n == 1 && src.kind == XSRC_NORM && qgemv_ffn_fits(be, gu, &down, c->dim, ffn, be->xb))
-		return ffn_one_launch(be, gu, &down, &src, be->xb);
 	rc = swiglu_product(be, at, gu, be->xa, &src, c->dim, n, be->xb, "gate/up_proj");
 	if (rc)
 		return rc;
+	struct mm_part down = part(w, ROLE_W_DOWN, c->dim, be->x);
 	return matmul(be, at, be->xb, NULL, ffn, n, &down, 1, c->dim, true, "down_proj");
 }
 
@@ -604,7 +600,6 @@ static void cuda_destroy(struct backend_dev **bep)
 	cudaFree(be->dst_pos);
 	cudaFree(be->attn_count);
 	cudaFree(be->status);
-	cudaFree(be->ffn_ctr);
 	cudaFreeHost(be->h_status);
 	cudaFree(be->picks);
 	cudaFreeHost(be->h_picks);
@@ -713,11 +708,8 @@ static int create_device(struct backend_dev *be)
 	    (rc = dev_alloc(be, (void **)&be->logits, c->vocab_size, 1, sizeof(float), "logits")) ||
 	    (rc = dev_alloc(be, (void **)&be->st_m, pairs, 1, sizeof(float), "attention state")) ||
 	    (rc = dev_alloc(be, (void **)&be->st_l, pairs, 1, sizeof(float), "attention state")) ||
-	    (rc = dev_alloc(be, (void **)&be->st_acc, pairs, c->head_dim, sizeof(float), "attention state")) ||
-	    (rc = dev_alloc(be, (void **)&be->ffn_ctr, FFN_CTR_WORDS, 1, sizeof(unsigned), "the FFN launch's counters")))
+	    (rc = dev_alloc(be, (void **)&be->st_acc, pairs, c->head_dim, sizeof(float), "attention state")))
 		return rc;
-	CUDA_TRY(be, "cudaMemset (the FFN launch's counters)",
-		 cudaMemsetAsync(be->ffn_ctr, 0, FFN_CTR_WORDS * sizeof(unsigned), be->stream));
 	be->run_row0 = (uint32_t *)calloc(mc, sizeof(uint32_t));
 	be->run_n = (uint32_t *)calloc(mc, sizeof(uint32_t));
 	be->run_pos0 = (uint32_t *)calloc(mc, sizeof(uint32_t));
@@ -794,7 +786,7 @@ static int create_device(struct backend_dev *be)
 	int major = 0;
 	CUDA_TRY(be, "cudaDeviceGetAttribute (compute capability)",
 		 cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, be->device));
-	be->pdl = p->fuse != BACKEND_FUSE_NONE && major >= 9;
+	be->pdl = p->fuse == BACKEND_FUSE_DEFAULT && major >= 9;
 	/* Without the shared memory the quantized GEMV stages x in, such products dequantize. */
 	be->qgemv_ok = (size_t)smem_optin >= QG_SMEM_MAX;
 	if (be->qgemv_ok)
@@ -838,8 +830,7 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 			 p->gemv == BACKEND_GEMV_DP4A_REGS;
 	be->dq_sm = be->qgemv_dp4a && p->gemv != BACKEND_GEMV_DP4A_REGS;
 	be->attn_mma = p->attn != BACKEND_ATTN_SIMPLE;
-	be->fuse_x = p->fuse != BACKEND_FUSE_NONE;
-	be->ffn_one = p->fuse == BACKEND_FUSE_DEFAULT;
+	be->fuse_x = p->fuse == BACKEND_FUSE_DEFAULT;
 
 	rc = create_device(be);
 	if (rc == 0)

@@ -56,12 +56,6 @@
 #define QG_WARPS 8		/* warps (output rows) per block of the quantized GEMV */
 #define QG_SMEM_MAX (72u * 1024) /* shared memory of one quantized GEMV block: staged x */
 #define DQ_SM_SMEM_MAX (112u * 1024) /* the integer path through shared memory: x and the weight stages */
-/* The one-token FFN launch's counters (gemv_ffn.cuh): FFN_QUEUES claim queues a pass, each
- * counter alone on a 128-byte line; two sets of two passes' queues and a count of rows. */
-#define FFN_QUEUES QG_WARPS
-#define FFN_LINE 32
-#define FFN_SET_WORDS ((2 * FFN_QUEUES + 1) * FFN_LINE)
-#define FFN_CTR_WORDS (2 * FFN_SET_WORDS)
 #define QG_OCC_CACHE 32		/* (kernel, shared memory) pairs whose occupancy a backend remembers */
 /* The dequantization scratch holds the largest matrix of a layer, at most this many BF16
  * elements (128 MiB); lm_head and larger matrices go through it a row chunk at a time. */
@@ -137,11 +131,6 @@ struct backend_dev {
 	bool attn_mma;		/* prefill attention on tensor cores where it applies */
 	bool pdl;		/* kernels of a step launch with programmatic dependent launch (launch_k) */
 	bool fuse_x;		/* one-token integer products compute their x while staging it (struct xsrc) */
-	bool ffn_one;		/* a one-token FFN's two integer products in one launch (gemv_ffn.cuh) */
-	unsigned *ffn_ctr;	/* that launch's counters (device memory, FFN_CTR_WORDS, 0 at start) */
-	uint32_t ffn_base[2][2 * FFN_QUEUES + 1]; /* their values before the next launch that uses them */
-	uint32_t ffn_set;	/* the set of counters the next launch uses */
-	uint64_t ffn_launches;	/* FFNs that took it (tests) */
 
 	uint32_t q_dim;		/* n_heads * head_dim */
 	uint32_t kv_dim;	/* n_kv_heads * head_dim */
@@ -427,14 +416,6 @@ bool qgemv_fits(const struct backend_dev *be, uint32_t fmt, uint32_t in, uint32_
 bool qgemv_fuses_x(const struct backend_dev *be, uint32_t in, const struct mm_part *parts, uint32_t np);
 /* Launches the quantized GEMV (gemv_quant.cu) for block format fmt; fills a's launch fields. */
 void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode, cudaStream_t s);
-/* Can a one-token FFN (gate/up of dim inputs, x from a struct xsrc; down of ffn inputs reading
- * act) go in one launch (gemv_ffn.cuh)? */
-bool qgemv_ffn_fits(const struct backend_dev *be, const struct mm_part gu[2], const struct mm_part *down,
-		    uint32_t dim, uint32_t ffn, const void *act);
-/* Launches it: a as qgemv_launch's SwiGLU product takes it (x from a.src, XSRC_NORM), b as its
- * residual add (x = a.act) in formats fa and fb; fills both's launch fields. */
-void qgemv_ffn_launch(struct backend_dev *be, uint32_t fa, uint32_t fb, qgemv_args &a, qgemv_args &b,
-		      cudaStream_t s);
 /* Dequantizes rows [0, rows) of a block-format matrix (row_bytes apart, device memory) into out
  * (rows, cols) in dtype ot: DT_BF16 or DT_F32 (dequant.cu). */
 void dequant_launch(uint32_t fmt, const void *src, uint64_t row_bytes, uint32_t rows, uint32_t cols, void *out,
@@ -452,11 +433,6 @@ int matmul(struct backend_dev *be, uint32_t at, const void *x, const struct xsrc
  * matmul's. */
 int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[2], const void *x,
 		   const struct xsrc *src, uint32_t in, uint32_t n, void *act, const char *what);
-
-/* A one-token FFN that qgemv_ffn_fits took: act = SiLU(gate x) * (up x), x from src (XSRC_NORM),
- * then down->out += down act, in one launch (gemv_ffn.cuh). */
-int ffn_one_launch(struct backend_dev *be, const struct mm_part gu[2], const struct mm_part *down,
-		   const struct xsrc *src, void *act);
 
 /* One token's product through an expert (gate, up: (F, dim); down: (dim, F)), for experts_batch. */
 struct mm_expert {

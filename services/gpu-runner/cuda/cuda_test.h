@@ -53,9 +53,6 @@ int cuda_test_experts_together(struct backend *be, const struct cuda_test_expert
 /* Copies rows [0, n) of the residual stream (n x dim float32, what embed wrote) to host out
  * and waits. Returns 0 or -EINVAL / -EIO with a message in err. */
 int cuda_test_residual(struct backend *be, float *out, uint32_t n, char *err, size_t errlen);
-/* One-token FFNs the backend has run in one launch (gemv_ffn.cuh) since it was made, or -1 with a
- * message in err where bk is not a cuda backend. */
-int64_t cuda_test_ffn_launches(struct backend *be, char *err, size_t errlen);
 /* The nth job of a split FFN's CPU share from now on (1: the next; 0: none) fails its first part
  * with -EIO "an injected failure". Returns 0, or -EINVAL (not a cuda backend, or one without a CPU
  * share) with a message in err. */

@@ -98,14 +98,10 @@ struct dq_raw {
 	float l;      /* ATTN: the head's sum */
 };
 
-/* CG: x was written by this grid (the FFN's second product, gemv_ffn.cuh): loaded through L2, not
- * the read-only path. */
-template <int K, bool M, bool CG>
-static __device__ __forceinline__ void dq_load8(const qgemv_args &a, uint32_t i, dq_raw &r)
+template <int K, bool M> static __device__ __forceinline__ void dq_load8(const qgemv_args &a, uint32_t i, dq_raw &r)
 {
 	if (K == XSRC_ACT) {
-		const uint4 *p = (const uint4 *)(M ? pick_mat(a.m.x, qg_mat(a)) : a.x) + i;
-		r.a = CG ? __ldcg(p) : __ldg(p);
+		r.a = __ldg((const uint4 *)(M ? pick_mat(a.m.x, qg_mat(a)) : a.x) + i);
 		return;
 	}
 	const uint4 *v = (const uint4 *)(K == XSRC_NORM ? a.src.res : a.src.acc);
@@ -173,7 +169,7 @@ static __device__ __forceinline__ void dq_x8(const qgemv_args &a, const dq_raw &
  * order), xd and xs. Every thread of the block calls it. A thread takes 8 values, 4 threads a
  * group; the loads of U such chunks per thread are issued before any is converted (U: what the
  * registers allow beside the kernel's item buffers). */
-template <int F, int K, uint32_t U, bool M, bool CG = false>
+template <int F, int K, uint32_t U, bool M>
 static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
 {
 	const uint32_t n8 = a.in / 8;
@@ -184,7 +180,7 @@ static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *
 		for (uint32_t u = 0; u < U; u++) {
 			const uint32_t i = base + u * QG_THREADS + threadIdx.x;
 			if (i < n8)
-				dq_load8<K, M, CG>(a, i, raw[u]);
+				dq_load8<K, M>(a, i, raw[u]);
 		}
 #pragma unroll
 		for (uint32_t u = 0; u < U; u++) {
@@ -229,10 +225,8 @@ static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *
 	}
 }
 
-/* dq_stage_k for a.src.kind (M: several matrices, x the block's matrix's; CG: x written by this
- * grid); ends with a barrier. */
-template <int F, bool M, bool CG = false>
-static __device__ void dq_stage(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
+/* dq_stage_k for a.src.kind (M: several matrices, x the block's matrix's); ends with a barrier. */
+template <int F, bool M> static __device__ void dq_stage(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
 {
 	/* Q6_K's item buffers take the most registers (80 without spills at 3 blocks a
 	 * multiprocessor): fewer loads in flight there. */
@@ -244,7 +238,7 @@ static __device__ void dq_stage(const qgemv_args &a, uint8_t *xq, float *xd, flo
 	else if (a.src.kind == XSRC_ATTN)
 		dq_stage_k<F, XSRC_ATTN, UN, false>(a, xq, xd, xs);
 	else
-		dq_stage_k<F, XSRC_ACT, UA, false, CG>(a, xq, xd, xs);
+		dq_stage_k<F, XSRC_ACT, UA, false>(a, xq, xd, xs);
 	__syncthreads();
 }
 
@@ -533,8 +527,9 @@ template <int N> static __device__ __forceinline__ void cp_async_wait(void)
 
 /* The warp copies item k of its row (cursor c) into stage st; commits a group even without an item,
  * so that every lane's group count stays in step. */
-template <int F, int MODE, class C>
-static __device__ __forceinline__ void dq_sm_issue(const qgemv_args &a, const C &c, uint8_t *st, uint32_t lane)
+template <int F, int MODE>
+static __device__ __forceinline__ void dq_sm_issue(const qgemv_args &a, const qg_cursor<MODE> &c, uint8_t *st,
+						   uint32_t lane)
 {
 	typedef qg<F> T;
 	if (c.live) {

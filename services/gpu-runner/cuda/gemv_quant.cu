@@ -704,14 +704,12 @@ template <int F> static cudaError_t allow_dq(void)
 	return cudaSuccess;
 }
 
-static cudaError_t ffn_allow(void); /* gemv_ffn.cuh */
-
 cudaError_t qgemv_init(void)
 {
 	cudaError_t e;
 	if ((e = allow_f<DT_Q8_0>()) || (e = allow_f<DT_Q4_0>()) || (e = allow_f<DT_Q4_K>()) ||
 	    (e = allow_f<DT_Q5_K>()) || (e = allow_f<DT_Q6_K>()) || (e = allow_dq<DT_Q8_0>()) ||
-	    (e = allow_dq<DT_Q4_K>()) || (e = allow_dq<DT_Q6_K>()) || (e = ffn_allow()))
+	    (e = allow_dq<DT_Q4_K>()) || (e = allow_dq<DT_Q6_K>()))
 		return e;
 	return cudaSuccess;
 }
@@ -863,24 +861,18 @@ bool qgemv_fuses_x(const struct backend_dev *be, uint32_t in, const struct mm_pa
 	return true;
 }
 
-/* a's launch fields but tile_steps, for format fmt. */
-static void qgemv_prepare(uint32_t fmt, qgemv_args &a)
-{
-	const uint32_t sv = step_values(fmt);
-	a.nb = a.in / dtype_block_elems((enum dtype)fmt);
-	a.steps = (a.in + sv - 1) / sv;
-	a.groups = (a.total + QG_WARPS - 1) / QG_WARPS;
-	a.tile_steps = a.steps;
-}
-
 void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode, cudaStream_t s)
 {
 	assert(a.n >= 1 && a.n <= QG_MAX_NT && (mode != GEMV_SWIGLU || a.n == 1));
 	const uint32_t nt = a.n == 1 ? 1 : a.n == 2 ? 2 : a.n <= 4 ? 4 : 8;
-	qgemv_prepare(fmt, a);
+	const uint32_t sv = step_values(fmt);
+	a.nb = a.in / dtype_block_elems((enum dtype)fmt);
+	a.steps = (a.in + sv - 1) / sv;
+	a.groups = (a.total + QG_WARPS - 1) / QG_WARPS;
 	assert((a.src.kind == XSRC_ACT && !a.m.n) || dq_takes(be, fmt, a));
 	assert(!a.m.n || (a.m.n <= GEMV_MATS && a.src.kind == XSRC_ACT && mode != GEMV_ADD));
 	if (dq_takes(be, fmt, a)) {
+		a.tile_steps = a.steps;
 		if (fmt == DT_Q4_K)
 			launch_dq<DT_Q4_K>(be, a, mode, s);
 		else if (fmt == DT_Q6_K)
@@ -910,5 +902,3 @@ void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode,
 		break;
 	}
 }
-
-#include "services/gpu-runner/cuda/gemv_ffn.cuh"

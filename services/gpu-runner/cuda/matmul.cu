@@ -192,37 +192,6 @@ int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[
 	return 0;
 }
 
-int ffn_one_launch(struct backend_dev *be, const struct mm_part gu[2], const struct mm_part *down,
-		   const struct xsrc *src, void *act)
-{
-	qgemv_args a, b;
-	memset(&a, 0, sizeof(a));
-	a.w[0] = (const uint8_t *)gu[0].w;
-	a.w[1] = (const uint8_t *)gu[1].w;
-	a.rows[0] = a.rows[1] = gu[0].rows;
-	a.total = gu[0].rows;
-	a.row_bytes = gu[0].row_bytes;
-	a.in = be->cfg.dim;
-	a.n = 1;
-	a.x = (const __nv_bfloat16 *)be->xa; /* not read: x comes from src */
-	a.act = (__nv_bfloat16 *)act;
-	a.src = *src;
-	memset(&b, 0, sizeof(b));
-	b.w[0] = (const uint8_t *)down->w;
-	b.out[0] = down->out;
-	b.rows[0] = down->rows;
-	b.total = down->rows;
-	b.row_bytes = down->row_bytes;
-	b.in = gu[0].rows;
-	b.n = 1;
-	b.ldc = down->rows;
-	b.x = (const __nv_bfloat16 *)act;
-	qgemv_ffn_launch(be, gu[0].format, down->format, a, b, be->stream);
-	LAUNCHED(be, "the FFN in one launch");
-	be->ffn_launches++;
-	return 0;
-}
-
 /* ---- a layer's experts, several in one launch (moe.cu) ------------------------------------ */
 
 /* Does the one-token product of p (rows of `in` values) on x go through a kernel that takes
