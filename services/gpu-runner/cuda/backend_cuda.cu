@@ -136,21 +136,6 @@ static struct mm_part part(const struct group_weights *w, enum tensor_role r, ui
 	return p;
 }
 
-/* Bytes of the next product's weights a one-token launch brings into L2: a part of L2 (50 MB on
- * an H100 or H200), so that they are still there when read. */
-#define L2_AHEAD_MAX (16ull << 20)
-
-/* The next quantized one-token launch brings p's first bytes into L2 (backend_dev.l2_ahead). */
-static void l2_ahead(struct backend_dev *be, const struct mm_part *p)
-{
-	be->pf_next = NULL;
-	if (!be->l2_ahead || be->n != 1 || !p->w || dtype_is_element((enum dtype)p->format))
-		return;
-	const uint64_t bytes = (uint64_t)p->rows * p->row_bytes;
-	be->pf_next = p->w;
-	be->pf_next_bytes = bytes < L2_AHEAD_MAX ? bytes : L2_AHEAD_MAX;
-}
-
 /* The x of a product of np parts that follows RMSNorm with norm role nr: the norm computed as
  * the one-token integer path stages x where every part takes it (np == 0: never), else the
  * norm kernel into be->xa now and src says so. */
@@ -285,10 +270,7 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 	struct xsrc src;
 	if ((rc = norm_source(be, w, ROLE_ATTN_NORM, parts, 3, at, &src)) != 0)
 		return rc;
-	struct mm_part o = part(w, ROLE_WO, c->dim, be->x);
-	l2_ahead(be, &o);
 	rc = matmul(be, at, be->xa, &src, c->dim, n, parts, 3, be->qkv_ld, false, "q/k/v projections");
-	be->pf_next = NULL;
 	if (rc)
 		return rc;
 	if ((c->flags & MODEL_QK_NORM) &&
@@ -389,12 +371,10 @@ static int cuda_ffn(struct backend_dev *be, const struct group_weights *w)
 	struct xsrc src;
 	if ((rc = norm_source(be, w, ROLE_FFN_NORM, gu, gu[0].format == gu[1].format ? 2 : 0, at, &src)) != 0)
 		return rc;
-	struct mm_part down = part(w, ROLE_W_DOWN, c->dim, be->x);
-	l2_ahead(be, &down);
 	rc = swiglu_product(be, at, gu, be->xa, &src, c->dim, n, be->xb, "gate/up_proj");
-	be->pf_next = NULL;
 	if (rc)
 		return rc;
+	struct mm_part down = part(w, ROLE_W_DOWN, c->dim, be->x);
 	return matmul(be, at, be->xb, NULL, ffn, n, &down, 1, c->dim, true, "down_proj");
 }
 
@@ -851,10 +831,6 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->dq_sm = be->qgemv_dp4a && p->gemv != BACKEND_GEMV_DP4A_REGS;
 	be->attn_mma = p->attn != BACKEND_ATTN_SIMPLE;
 	be->fuse_x = p->fuse == BACKEND_FUSE_DEFAULT;
-	{
-		const char *ev = getenv("PIPELINE_L2_AHEAD"); /* measurement only (temporary) */
-		be->l2_ahead = ev && atoi(ev) > 0;
-	}
 
 	rc = create_device(be);
 	if (rc == 0)

@@ -131,9 +131,6 @@ struct backend_dev {
 	bool attn_mma;		/* prefill attention on tensor cores where it applies */
 	bool pdl;		/* kernels of a step launch with programmatic dependent launch (launch_k) */
 	bool fuse_x;		/* one-token integer products compute their x while staging it (struct xsrc) */
-	bool l2_ahead;		/* a one-token product brings the next one's weights into L2 (pf_next) */
-	const void *pf_next;	/* what the next quantized launch brings into L2 (NULL: nothing) */
-	uint64_t pf_next_bytes;
 
 	uint32_t q_dim;		/* n_heads * head_dim */
 	uint32_t kv_dim;	/* n_kv_heads * head_dim */
@@ -394,9 +391,6 @@ struct qgemv_args {
 	struct xsrc src;	/* the integer path's x: x itself unless src.kind says otherwise */
 	struct gemv_mats m;	/* several matrices (m.n > 0; the integer path, x its own, src XSRC_ACT):
 				 * total, rows[0] and groups are then one matrix's */
-	const uint8_t *pf;	/* the next product's weights: pf_lines 128-byte lines of them brought into
-				 * L2 once the warps' own loads are issued (none: 0), pf_per a warp */
-	uint32_t pf_lines, pf_per;
 	/* Filled in by qgemv_launch: */
 	uint32_t nb;		/* blocks per row */
 	uint32_t steps;		/* warp steps per row */

@@ -578,18 +578,6 @@ template <int F, int MODE> struct dq_sm_occ {
 	static constexpr int MIN_BLOCKS = F == DT_Q4_K && GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? 3 : 4;
 };
 
-/* The warp's share of a.pf's bytes brought into L2, a line a lane (the grid's warps split them
- * evenly): called once the warp's own items are all issued, so that the memory keeps reading
- * while the last items' sums, the blocks' exit and the next launch's start go by. */
-static __device__ __forceinline__ void dq_l2_ahead(const qgemv_args &a, uint32_t wid, uint32_t lane)
-{
-	if (!a.pf_lines)
-		return;
-	const uint32_t l0 = (blockIdx.x * QG_WARPS + wid) * a.pf_per, l1 = min(a.pf_lines, l0 + a.pf_per);
-	for (uint32_t l = l0 + lane; l < l1; l += 32)
-		asm volatile("prefetch.global.L2 [%0];" ::"l"(a.pf + (size_t)l * 128));
-}
-
 template <int F, int MODE>
 __global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) dq_sm_kernel(const qgemv_args a)
 {
@@ -611,16 +599,12 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) 
 #pragma unroll
 	for (uint32_t i = 0; i < DQ_STAGES - 1; i++) {
 		dq_sm_issue<F, MODE>(a, ld, ring + i * SB, lane);
-		if (ld.live) {
+		if (ld.live)
 			ld.next(a, wid);
-			if (!ld.live)
-				dq_l2_ahead(a, wid, lane);
-		}
 	}
 	grid_wait();
 	dq_stage<F, (MODE & GEMV_MATS_BIT) != 0>(a, xq, xd, xs);
 	if (!live) {
-		dq_l2_ahead(a, wid, lane);
 		cp_async_wait<0>();
 		return;
 	}
@@ -628,11 +612,8 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) 
 		cp_async_wait<DQ_STAGES - 2>(); /* item i's bytes (this lane's copies) have landed */
 		__syncwarp();			/* ... and every lane's; stage i - 1 is read by all */
 		dq_sm_issue<F, MODE>(a, ld, ring + ((i + DQ_STAGES - 1) % DQ_STAGES) * SB, lane);
-		if (ld.live) {
+		if (ld.live)
 			ld.next(a, wid);
-			if (!ld.live)
-				dq_l2_ahead(a, wid, lane);
-		}
 		const uint32_t k = at.k;
 		dq_sm_item<F, MODE>(a, k, lane, ring + (i % DQ_STAGES) * SB, xq, xd, xs, acc, acc2);
 		if (k + 1 == qg_items<MODE>(a))

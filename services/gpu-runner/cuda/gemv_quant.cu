@@ -806,12 +806,9 @@ template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const
 	if (sm) {
 		const void *fn = (const void *)dq_sm_kernel<F, MODE>;
 		const unsigned grid = dq_grid(a, (uint32_t)be->sm_count * resident_blocks(be, fn, ssm));
-		if (a.pf_lines) /* the next weights' lines split evenly over the warps */
-			a.pf_per = (a.pf_lines + grid * QG_WARPS - 1) / (grid * QG_WARPS);
 		launch_k(be->pdl, dq_sm_kernel<F, MODE>, grid, QG_THREADS, ssm, s, a);
 		return;
 	}
-	a.pf_lines = 0; /* the registers path brings nothing ahead */
 	const size_t smem = dq_smem(a.in);
 	const void *fn = (const void *)dq_kernel<F, MODE>;
 	const unsigned grid = dq_grid(a, (uint32_t)be->sm_count * resident_blocks(be, fn, smem));

@@ -70,16 +70,6 @@ static int matmul_element(struct backend_dev *be, uint32_t wt, const void *x, ui
 	return 0;
 }
 
-/* A one-token launch takes the backend's pending L2 hint (be->pf_next), once. */
-static void take_l2_ahead(struct backend_dev *be, qgemv_args &g)
-{
-	if (g.n == 1 && be->pf_next) {
-		g.pf = (const uint8_t *)be->pf_next;
-		g.pf_lines = (uint32_t)((be->pf_next_bytes + 127) / 128);
-		be->pf_next = NULL;
-	}
-}
-
 /* Parts in block format fmt, x in BF16 (or from src: one token, the integer path). */
 static int matmul_quant(struct backend_dev *be, uint32_t fmt, const void *x, const struct xsrc *src, uint32_t in,
 			uint32_t n, const struct mm_part *parts, uint32_t np, uint32_t ldc, bool add, const char *what)
@@ -102,7 +92,6 @@ static int matmul_quant(struct backend_dev *be, uint32_t fmt, const void *x, con
 			g.x = (const __nv_bfloat16 *)x + (size_t)t0 * in;
 			if (src)
 				g.src = *src;
-			take_l2_ahead(be, g);
 			qgemv_launch(be, fmt, g, add ? GEMV_ADD : GEMV_STORE, be->stream);
 			LAUNCHED(be, "qgemv_kernel");
 		}
@@ -178,7 +167,6 @@ int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[
 		g.act = (__nv_bfloat16 *)act;
 		if (src)
 			g.src = *src;
-		take_l2_ahead(be, g);
 		qgemv_launch(be, f, g, GEMV_SWIGLU, be->stream);
 		LAUNCHED(be, "qgemv_kernel (gate/up)");
 		return 0;
