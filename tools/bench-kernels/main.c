@@ -13,7 +13,9 @@
  * (bench-limits' read kernel).
  *
  *   bench-kernels                       # every path; the first also at ~4K context
- *   bench-kernels --quick               # the default path only
+ *   bench-kernels --quick               # the default path and the unfused one, no ~4K context
+ *                                       # (--quant: every one-token path but cuBLAS)
+ *   bench-kernels --default-only        # the default path alone, no ~4K context
  *   bench-kernels --quant [--quick]     # Q4_K_M weights
  *   bench-kernels --batch [--quant]     # decode steps of 1 to 64 sequences (continuous batching)
  *   bench-kernels --profile decode      # one decode step (or prefill) alone between
@@ -610,13 +612,17 @@ static void big_profile(const struct big *b, const char *what)
 
 int main(int argc, char **argv)
 {
-	bool quick = false, quant = false;
+	bool quick = false, quant = false, default_only = false;
 	char *profile = NULL;
 	bool batch = false;
 	struct opt opts[] = {
 		{"batch", OPT_BOOL, &batch, NULL,
 		 "decode steps of 1, 4, 16, 32 and 64 sequences (continuous batching) only, their ms a step"},
-		{"quick", OPT_BOOL, &quick, NULL, "the default decode and attention path only, no ~4K context"},
+		{"quick", OPT_BOOL, &quick, NULL,
+		 "no ~4K context, no cuBLAS decode and no simple attention: the default path, the unfused one and "
+		 "(--quant) the other one-token quantized paths"},
+		{"default-only", OPT_BOOL, &default_only, NULL,
+		 "the default decode and attention path alone, no ~4K context (one run: to compare a change)"},
 		{"quant", OPT_BOOL, &quant, NULL, "GGUF Q4_K_M weights (Q4_K and Q6_K blocks) instead of BF16"},
 		{"profile", OPT_STRING, &profile, NULL,
 		 "decode or prefill: one such step alone between cudaProfilerStart and cudaProfilerStop"},
@@ -650,6 +656,13 @@ int main(int argc, char **argv)
 		big_new_quant(&b);
 	else
 		big_new(&b);
+	if (default_only && !profile && !batch) {
+		fprintf(stderr, "perf: Llama-3-8B shape, %s weights resident (%.2f GB read per decode step), BF16 KV, "
+			"16-token blocks\n", quant ? "Q4_K_M" : "BF16", b.weight_bytes / 1e9);
+		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, false, stdout);
+		big_free(&b);
+		return 0;
+	}
 	if (quant && !profile) {
 		fprintf(stderr, "perf: Llama-3-8B shape, Q4_K_M weights resident (%.2f GB read per decode step), BF16 "
 			"KV, 16-token blocks\n", b.weight_bytes / 1e9);
