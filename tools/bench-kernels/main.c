@@ -16,6 +16,8 @@
  *   bench-kernels --quick               # the default path and the unfused one, no ~4K context
  *                                       # (--quant: every one-token path but cuBLAS)
  *   bench-kernels --default-only        # the default path alone, no ~4K context
+ *   bench-kernels --parts [--quant]     # a decode step whole, its attention groups alone, its
+ *                                       # FFN groups alone (as they run, launches overlapping)
  *   bench-kernels --quant [--quick]     # Q4_K_M weights
  *   bench-kernels --batch [--quant]     # decode steps of 1 to 64 sequences (continuous batching)
  *   bench-kernels --profile decode      # one decode step (or prefill) alone between
@@ -375,6 +377,11 @@ static void perf_close(struct perf_run *r)
 
 static double enqueue_ms; /* host time of the last perf_step until logits_argmax */
 
+/* What a step computes of each layer (--parts): both groups, or one of them alone (the numbers
+ * are then meaningless, the time is that group's as the step runs it). */
+enum step_parts { PARTS_ALL = 0, PARTS_ATTN = 1, PARTS_FFN = 2 };
+static uint32_t step_parts = PARTS_ALL;
+
 /* One step as the engine runs it, spans in order from position 0; returns the argmax. */
 static int32_t perf_step(struct perf_run *r, uint32_t n, uint32_t pos)
 {
@@ -395,18 +402,22 @@ static int32_t perf_step(struct perf_run *r, uint32_t n, uint32_t pos)
 			r->dst_block[i] = l * r->bpl + (pos + i) / bt;
 			r->dst_row[i] = (pos + i) % bt;
 		}
-		rc = backend_attn_begin(be, &b->attn[l], l, r->dst_block, r->dst_row);
-		CHECK(rc == 0, "attn_begin: %s", backend_error(be));
-		uint32_t end = pos + n, ns = 0;
-		for (uint32_t k = 0; k * bt < end; k++)
-			r->spans[ns++] = (struct kv_span){.block = l * r->bpl + k, .pos0 = k * bt,
-							  .n_tokens = end - k * bt < bt ? end - k * bt : bt};
-		rc = backend_attn_blocks(be, r->spans, ns);
-		CHECK(rc == 0, "attn_blocks: %s", backend_error(be));
-		rc = backend_attn_end(be, &b->attn[l]);
-		CHECK(rc == 0, "attn_end: %s", backend_error(be));
-		rc = backend_ffn(be, &b->ffn[l]);
-		CHECK(rc == 0, "ffn: %s", backend_error(be));
+		if (step_parts != PARTS_FFN) {
+			rc = backend_attn_begin(be, &b->attn[l], l, r->dst_block, r->dst_row);
+			CHECK(rc == 0, "attn_begin: %s", backend_error(be));
+			uint32_t end = pos + n, ns = 0;
+			for (uint32_t k = 0; k * bt < end; k++)
+				r->spans[ns++] = (struct kv_span){.block = l * r->bpl + k, .pos0 = k * bt,
+								  .n_tokens = end - k * bt < bt ? end - k * bt : bt};
+			rc = backend_attn_blocks(be, r->spans, ns);
+			CHECK(rc == 0, "attn_blocks: %s", backend_error(be));
+			rc = backend_attn_end(be, &b->attn[l]);
+			CHECK(rc == 0, "attn_end: %s", backend_error(be));
+		}
+		if (step_parts != PARTS_ATTN) {
+			rc = backend_ffn(be, &b->ffn[l]);
+			CHECK(rc == 0, "ffn: %s", backend_error(be));
+		}
 	}
 	enqueue_ms = now_ms() - t0;
 	rc = backend_logits_argmax(be, &b->head, &id);
@@ -610,9 +621,53 @@ static void big_profile(const struct big *b, const char *what)
 	perf_close(&r);
 }
 
+/* Bytes of a group's matrices and vectors in device memory. */
+static size_t group_bytes(const struct group_weights *w)
+{
+	size_t n = 0;
+	for (int r = 0; r < ROLE_COUNT; r++)
+		if (w->t[r].data[PLACE_DEVICE])
+			n += (size_t)w->t[r].rows * w->t[r].row_bytes;
+	return n;
+}
+
+/* --parts: the default path's decode step at context ~528 whole, then with only the attention
+ * groups and only the FFN groups of its layers (lm_head in each), each against the HBM bound of
+ * the bytes it reads: where a step's time goes as it runs, launches overlapping (Nsight Compute
+ * runs the kernels one after another). */
+static void big_parts(const struct big *b)
+{
+	size_t attn = 0, ffn = 0;
+	for (uint32_t l = 0; l < b->cfg.n_layers; l++) {
+		attn += group_bytes(&b->attn[l]);
+		ffn += group_bytes(&b->ffn[l]);
+	}
+	static const char *const names[3] = {"whole step", "attention groups only", "FFN groups only"};
+	const size_t bytes[3] = {b->weight_bytes, attn + b->head_bytes, ffn + b->head_bytes};
+	for (uint32_t p = PARTS_ALL; p <= PARTS_FFN; p++) {
+		struct perf_run r;
+		step_parts = PARTS_ALL;
+		perf_open(&r, b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT);
+		perf_step(&r, PERF_CHUNK, 0); /* the context, every layer's KV written */
+		step_parts = p;
+		uint32_t pos = PERF_CHUNK;
+		double enq, warm = perf_decode(&r, &pos, 3, &enq), dt = perf_decode(&r, &pos, 16, &enq);
+		(void)warm;
+		const double bound = (double)bytes[p] / hbm_read_rate * 1e3;
+		fprintf(stderr, "perf (%s, parts): %s: decode median %.3f ms/token, %.2f GB read, %.2fx its HBM bound "
+			"of %.3f ms (%.1f us a layer)\n", b->weights, names[p], dt, (double)bytes[p] / 1e9, dt / bound,
+			bound, dt * 1e3 / b->cfg.n_layers);
+		printf("{\"weights\": \"%s\", \"parts\": \"%s\", \"decode_ms\": %.4f, \"bytes\": %zu, "
+		       "\"hbm_bound_ms\": %.4f}\n", b->weights, names[p], dt, bytes[p], bound);
+		fflush(stdout);
+		perf_close(&r);
+	}
+	step_parts = PARTS_ALL;
+}
+
 int main(int argc, char **argv)
 {
-	bool quick = false, quant = false, default_only = false;
+	bool quick = false, quant = false, default_only = false, parts = false;
 	char *profile = NULL;
 	bool batch = false;
 	struct opt opts[] = {
@@ -623,6 +678,9 @@ int main(int argc, char **argv)
 		 "(--quant) the other one-token quantized paths"},
 		{"default-only", OPT_BOOL, &default_only, NULL,
 		 "the default decode and attention path alone, no ~4K context (one run: to compare a change)"},
+		{"parts", OPT_BOOL, &parts, NULL,
+		 "the default path's decode step whole, with the layers' attention groups only and with their FFN "
+		 "groups only, each against the HBM bound of what it reads"},
 		{"quant", OPT_BOOL, &quant, NULL, "GGUF Q4_K_M weights (Q4_K and Q6_K blocks) instead of BF16"},
 		{"profile", OPT_STRING, &profile, NULL,
 		 "decode or prefill: one such step alone between cudaProfilerStart and cudaProfilerStop"},
@@ -656,6 +714,11 @@ int main(int argc, char **argv)
 		big_new_quant(&b);
 	else
 		big_new(&b);
+	if (parts && !profile && !batch) {
+		big_parts(&b);
+		big_free(&b);
+		return 0;
+	}
 	if (default_only && !profile && !batch) {
 		fprintf(stderr, "perf: Llama-3-8B shape, %s weights resident (%.2f GB read per decode step), BF16 KV, "
 			"16-token blocks\n", quant ? "Q4_K_M" : "BF16", b.weight_bytes / 1e9);
