@@ -651,8 +651,9 @@ static void big_parts(const struct big *b)
 		perf_step(&r, PERF_CHUNK, 0); /* the context, every layer's KV written */
 		step_parts = p;
 		uint32_t pos = PERF_CHUNK;
-		double enq, warm = perf_decode(&r, &pos, 3, &enq), dt = perf_decode(&r, &pos, 16, &enq);
-		(void)warm;
+		double enq;
+		perf_decode(&r, &pos, 3, &enq); /* warm-up */
+		const double dt = perf_decode(&r, &pos, 16, &enq);
 		const double bound = (double)bytes[p] / hbm_read_rate * 1e3;
 		fprintf(stderr, "perf (%s, parts): %s: decode median %.3f ms/token, %.2f GB read, %.2fx its HBM bound "
 			"of %.3f ms (%.1f us a layer)\n", b->weights, names[p], dt, (double)bytes[p] / 1e9, dt / bound,
@@ -714,21 +715,21 @@ int main(int argc, char **argv)
 		big_new_quant(&b);
 	else
 		big_new(&b);
-	if (parts && !profile && !batch) {
+	if (batch || profile) {
+		if (batch)
+			big_batch(&b);
+		else
+			big_profile(&b, profile);
+		big_free(&b);
+		return 0;
+	}
+	fprintf(stderr, "perf: Llama-3-8B shape, %s weights resident (%.2f GB read per decode step), BF16 KV, "
+		"16-token blocks\n", b.weights, b.weight_bytes / 1e9);
+	if (parts) {
 		big_parts(&b);
-		big_free(&b);
-		return 0;
-	}
-	if (default_only && !profile && !batch) {
-		fprintf(stderr, "perf: Llama-3-8B shape, %s weights resident (%.2f GB read per decode step), BF16 KV, "
-			"16-token blocks\n", quant ? "Q4_K_M" : "BF16", b.weight_bytes / 1e9);
+	} else if (default_only) {
 		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, false, stdout);
-		big_free(&b);
-		return 0;
-	}
-	if (quant && !profile) {
-		fprintf(stderr, "perf: Llama-3-8B shape, Q4_K_M weights resident (%.2f GB read per decode step), BF16 "
-			"KV, 16-token blocks\n", b.weight_bytes / 1e9);
+	} else if (quant) {
 		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, !quick, stdout);
 		big_run(&b, BACKEND_GEMV_DP4A_REGS, BACKEND_ATTN_DEFAULT, false, stdout);
 		bench_fuse = BACKEND_FUSE_NONE;
@@ -737,29 +738,16 @@ int main(int argc, char **argv)
 		big_run(&b, BACKEND_GEMV_ROWS1, BACKEND_ATTN_DEFAULT, !quick, stdout);
 		if (!quick)
 			big_run(&b, BACKEND_GEMV_CUBLAS, BACKEND_ATTN_DEFAULT, false, stdout);
-		big_free(&b);
-		return 0;
-	}
-	if (batch) {
-		big_batch(&b);
-		big_free(&b);
-		return 0;
-	}
-	if (profile) {
-		big_profile(&b, profile);
-		big_free(&b);
-		return 0;
-	}
-	fprintf(stderr, "perf: Llama-3-8B shape, BF16 weights resident (%.2f GB read per decode step), BF16 KV, "
-		"16-token blocks\n", b.weight_bytes / 1e9);
-	big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, !quick, stdout);
-	bench_fuse = BACKEND_FUSE_NONE;
-	big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, false, stdout);
-	bench_fuse = BACKEND_FUSE_DEFAULT;
-	if (!quick) {
-		big_run(&b, BACKEND_GEMV_ROWS2, BACKEND_ATTN_DEFAULT, false, stdout);
-		big_run(&b, BACKEND_GEMV_CUBLAS, BACKEND_ATTN_DEFAULT, false, stdout);
-		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_SIMPLE, false, stdout);
+	} else {
+		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, !quick, stdout);
+		bench_fuse = BACKEND_FUSE_NONE;
+		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, false, stdout);
+		bench_fuse = BACKEND_FUSE_DEFAULT;
+		if (!quick) {
+			big_run(&b, BACKEND_GEMV_ROWS2, BACKEND_ATTN_DEFAULT, false, stdout);
+			big_run(&b, BACKEND_GEMV_CUBLAS, BACKEND_ATTN_DEFAULT, false, stdout);
+			big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_SIMPLE, false, stdout);
+		}
 	}
 	big_free(&b);
 	return 0;
