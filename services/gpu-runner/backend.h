@@ -100,6 +100,8 @@ enum backend_fuse {
 				   * (RMSNorm, attention output) while staging it instead of after a kernel of
 				   * its own */
 	BACKEND_FUSE_NONE = 1,	  /* every kernel alone, after the one before has ended */
+	BACKEND_FUSE_LATE_KV = 2, /* the default, but decode attention loads the keys of earlier steps
+				   * after the kernel before has ended, not before (comparisons) */
 };
 
 /* How the CUDA backend's stream hands the CPU share of a split FFN to the pool

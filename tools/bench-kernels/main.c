@@ -452,7 +452,10 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 	perf_open(&r, b, gemv, attn);
 	char how[128];
 	snprintf(how, sizeof(how), "%s, gemv %s, attention %s%s", b->weights, gemv_name(gemv, b->quant),
-		 attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma", bench_fuse == BACKEND_FUSE_NONE ? ", kernels unfused" : "");
+		 attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma",
+		 bench_fuse == BACKEND_FUSE_NONE      ? ", kernels unfused"
+		 : bench_fuse == BACKEND_FUSE_LATE_KV ? ", earlier keys loaded after the wait"
+						      : "");
 
 	/* Warm-up: one chunk and a few decode steps, then start over at position 0. */
 	perf_step(&r, PERF_CHUNK, 0);
@@ -507,13 +510,14 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 		ctx_long = pos;
 	}
 	fprintf(json,
-		"{\"weights\": \"%s\", \"gemv\": \"%s\", \"attention\": \"%s\", \"fused\": %s, \"prefill_512_ms\": %.4f, "
+		"{\"weights\": \"%s\", \"gemv\": \"%s\", \"attention\": \"%s\", \"fused\": %s, \"fuse\": %u, "
+		"\"prefill_512_ms\": %.4f, "
 		"\"decode_ms\": %.4f, \"decode_context\": %u, \"enqueue_ms\": %.4f, \"weight_bytes\": %zu, "
 		"\"hbm_read_bytes_per_s\": %.4g, \"hbm_bound_ms\": %.4f, \"decode_over_bound\": %.3f, "
 		"\"lm_head_ms\": %.4f, \"prefill_512_long_ms\": %.4f, \"decode_long_ms\": %.4f, "
 		"\"decode_long_context\": %u}\n",
 		b->weights, gemv_name(gemv, b->quant), attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma",
-		bench_fuse == BACKEND_FUSE_NONE ? "false" : "true", pf[1], dt_short,
+		bench_fuse == BACKEND_FUSE_NONE ? "false" : "true", bench_fuse, pf[1], dt_short,
 		PERF_CHUNK + 16, enq_short, b->weight_bytes, hbm_read_rate, bound_ms, dt_short / bound_ms, lm[8],
 		chunk_ms, dt_long, ctx_long);
 	fflush(json);
@@ -669,6 +673,7 @@ static void big_parts(const struct big *b)
 int main(int argc, char **argv)
 {
 	bool quick = false, quant = false, default_only = false, parts = false;
+	long ab_fuse = -1;
 	char *profile = NULL;
 	bool batch = false;
 	struct opt opts[] = {
@@ -682,6 +687,9 @@ int main(int argc, char **argv)
 		{"parts", OPT_BOOL, &parts, NULL,
 		 "the default path's decode step whole, with the layers' attention groups only and with their FFN "
 		 "groups only, each against the HBM bound of what it reads"},
+		{"ab-fuse", OPT_INT, &ab_fuse, NULL,
+		 "the default path and the same with backend_params.fuse N (enum backend_fuse) in turn, twice "
+		 "(one machine's A/B of a way of chaining kernels)"},
 		{"quant", OPT_BOOL, &quant, NULL, "GGUF Q4_K_M weights (Q4_K and Q6_K blocks) instead of BF16"},
 		{"profile", OPT_STRING, &profile, NULL,
 		 "decode or prefill: one such step alone between cudaProfilerStart and cudaProfilerStop"},
@@ -727,6 +735,13 @@ int main(int argc, char **argv)
 		"16-token blocks\n", b.weights, b.weight_bytes / 1e9);
 	if (parts) {
 		big_parts(&b);
+	} else if (ab_fuse >= 0) {
+		for (int i = 0; i < 2; i++) {
+			big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, false, stdout);
+			bench_fuse = (uint32_t)ab_fuse;
+			big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, false, stdout);
+			bench_fuse = BACKEND_FUSE_DEFAULT;
+		}
 	} else if (default_only) {
 		big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, false, stdout);
 	} else if (quant) {

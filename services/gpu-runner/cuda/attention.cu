@@ -172,6 +172,71 @@ static __device__ bool stage_window(const struct kv_span *src, const uint32_t *p
 	return true;
 }
 
+/* Warp 0 of a block: the element offset (koff) and position (kpos, UINT32_MAX: none) of each key
+ * of the tile at flattened key kb (keys below k1) in kv head g; *s_any: may a query of positions
+ * [qlo, qhi] see one of them; *s_cursor: the span of the tile's first key, moved to its last's. */
+static __device__ __forceinline__ void tile_keys(const attn_args &a, const struct kv_span *spans,
+						 const uint32_t *prefix, uint32_t kb, uint32_t k1, uint32_t g,
+						 uint32_t qlo, uint32_t qhi, uint64_t *koff, uint32_t *kpos,
+						 uint32_t *s_cursor, int *s_any)
+{
+	const uint32_t lane = threadIdx.x % 32, hd = a.head_dim;
+	uint32_t key = kb + lane, pos = UINT32_MAX, s = *s_cursor;
+	uint64_t off = 0;
+	if (key < k1) {
+		while (key >= prefix[s + 1])
+			s++;
+		struct kv_span sp = spans[s];
+		uint32_t r = key - prefix[s];
+		pos = sp.pos0 + r;
+		off = sp.block * a.block_elems + (uint64_t)r * a.kv_dim + (uint64_t)g * hd;
+	}
+	koff[lane] = off;
+	kpos[lane] = pos;
+	bool any = pos != UINT32_MAX && pos <= qhi && (a.window == 0 || (uint64_t)pos + a.window > qlo);
+	unsigned ballot = __ballot_sync(0xffffffffu, any);
+	uint32_t last = min(31u, k1 - 1 - kb);
+	uint32_t next = __shfl_sync(0xffffffffu, s, last);
+	__syncwarp();
+	if (lane == 0) {
+		*s_any = ballot != 0;
+		*s_cursor = next;
+	}
+}
+
+/* The block's threads copy the K and V rows of the indexed tile's keys into shared memory: those at
+ * positions below `below` (below_only), or those at or above it (below 0: every key).
+ * ATTN_LOAD_BATCH chunks of K and V a thread: their loads all go out before any is stored (a tile
+ * of BF16 keys of 128 dims in one memory round trip for 4 warps). */
+template <typename KT>
+static __device__ __forceinline__ void tile_load(const attn_args &a, const uint64_t *koff, const uint32_t *kpos,
+						 unsigned char *ks, unsigned char *vs, size_t krow_bytes,
+						 size_t vrow_bytes, uint32_t below, bool below_only)
+{
+	const uint32_t vecs = (uint32_t)(vrow_bytes / 16), n = ATTN_TILE * vecs;
+	for (uint32_t i0 = threadIdx.x; i0 < n; i0 += ATTN_LOAD_BATCH * blockDim.x) {
+		uint4 kc[ATTN_LOAD_BATCH], vc[ATTN_LOAD_BATCH];
+#pragma unroll
+		for (uint32_t b = 0; b < ATTN_LOAD_BATCH; b++) {
+			const uint32_t i = i0 + b * blockDim.x, r = i / vecs, c = i % vecs;
+			if (i < n && kpos[r] != UINT32_MAX && (kpos[r] < below) == below_only) {
+				const KT *kr = (const KT *)a.arena + koff[r];
+				const KT *vr = kr + (size_t)a.block_tokens * a.kv_dim;
+				kc[b] = ((const uint4 *)kr)[c];
+				vc[b] = ((const uint4 *)vr)[c];
+			}
+		}
+#pragma unroll
+		for (uint32_t b = 0; b < ATTN_LOAD_BATCH; b++) {
+			const uint32_t i = i0 + b * blockDim.x, r = i / vecs, c = i % vecs;
+			if (i < n && kpos[r] != UINT32_MAX && (kpos[r] < below) == below_only) {
+				*(uint4 *)(ks + r * krow_bytes + c * 16) = kc[b];
+				*(uint4 *)(vs + r * vrow_bytes + c * 16) = vc[b];
+			}
+		}
+	}
+}
+
 /* grid (n_kv_heads * qtiles, splits), blockDim.x / 32 warps. Block (g, qt) serves the queries
  * (token t, head g * group + j) numbered t * group + j in [qt * warps, (qt + 1) * warps), one
  * warp each; split s covers flattened keys [s * keys_per_split, (s + 1) * keys_per_split). Lane
@@ -208,6 +273,22 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	if (a.inline_spans && !a.seqs && k0 < k1)
 		staged = stage_window(spans, prefix, n_spans, k0, k1, s_span, s_prefix, &first);
 	grid_launch_next();
+	/* One sequence whose spans are staged: the first tile's keys from before this call's rows
+	 * (positions below pos0, written by earlier steps that the host has waited for; the kernels
+	 * before write this call's) start coming now, before the wait for the kernel before. */
+	const bool early = staged && a.early_keys;
+	if (early) {
+		const uint32_t lp0 = blockIdx.x % a.qtiles * nw, lp1 = min(lp0 + nw, a.n * a.group);
+		const uint32_t qlo = pos0 + lp0 / a.group, qhi = pos0 + (lp1 - 1) / a.group;
+		if (threadIdx.x == 0)
+			s_cursor = 0;
+		__syncthreads();
+		if (w == 0)
+			tile_keys(a, s_span, s_prefix, k0, k1, g, qlo, qhi, koff, kpos, &s_cursor, &s_any);
+		__syncthreads();
+		if (s_any)
+			tile_load<KT>(a, koff, kpos, ks, vs, krow_bytes, vrow_bytes, pos0, true);
+	}
 	grid_wait();
 	/* The run of rows this block serves: the call's, or sequence blockIdx.z's of several. */
 	if (a.seqs) {
@@ -266,62 +347,18 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 			}
 		}
 	}
-	if (threadIdx.x == 0)
+	if (threadIdx.x == 0 && !early)
 		s_cursor = first;
 	__syncthreads();
 
 	for (uint32_t kb = k0; kb < k1; kb += ATTN_TILE) {
-		if (w == 0) {
-			uint32_t key = kb + lane, pos = UINT32_MAX, s = s_cursor;
-			uint64_t off = 0;
-			if (key < k1) {
-				while (key >= prefix[s + 1])
-					s++;
-				struct kv_span sp = spans[s];
-				uint32_t r = key - prefix[s];
-				pos = sp.pos0 + r;
-				off = sp.block * a.block_elems + (uint64_t)r * a.kv_dim + (uint64_t)g * hd;
-			}
-			koff[lane] = off;
-			kpos[lane] = pos;
-			bool any = pos != UINT32_MAX && pos <= qhi && (a.window == 0 || (uint64_t)pos + a.window > qlo);
-			unsigned ballot = __ballot_sync(0xffffffffu, any);
-			uint32_t last = min(31u, k1 - 1 - kb);
-			uint32_t next = __shfl_sync(0xffffffffu, s, last);
-			__syncwarp();
-			if (lane == 0) {
-				s_any = ballot != 0;
-				s_cursor = next;
-			}
-		}
+		const bool pre = early && kb == k0; /* its keys indexed, the older ones loaded */
+		if (w == 0 && !pre)
+			tile_keys(a, spans, prefix, kb, k1, g, qlo, qhi, koff, kpos, &s_cursor, &s_any);
 		__syncthreads();
 		const bool any = s_any;
-		if (any) {
-			/* ATTN_LOAD_BATCH chunks of K and V a thread: their loads all go out before any is
-			 * stored (a tile of BF16 keys of 128 dims in one memory round trip for 4 warps). */
-			const uint32_t vecs = (uint32_t)(vrow_bytes / 16), n = ATTN_TILE * vecs;
-			for (uint32_t i0 = threadIdx.x; i0 < n; i0 += ATTN_LOAD_BATCH * blockDim.x) {
-				uint4 kc[ATTN_LOAD_BATCH], vc[ATTN_LOAD_BATCH];
-#pragma unroll
-				for (uint32_t b = 0; b < ATTN_LOAD_BATCH; b++) {
-					const uint32_t i = i0 + b * blockDim.x, r = i / vecs, c = i % vecs;
-					if (i < n && kpos[r] != UINT32_MAX) {
-						const KT *kr = (const KT *)a.arena + koff[r];
-						const KT *vr = kr + (size_t)a.block_tokens * a.kv_dim;
-						kc[b] = ((const uint4 *)kr)[c];
-						vc[b] = ((const uint4 *)vr)[c];
-					}
-				}
-#pragma unroll
-				for (uint32_t b = 0; b < ATTN_LOAD_BATCH; b++) {
-					const uint32_t i = i0 + b * blockDim.x, r = i / vecs, c = i % vecs;
-					if (i < n && kpos[r] != UINT32_MAX) {
-						*(uint4 *)(ks + r * krow_bytes + c * 16) = kc[b];
-						*(uint4 *)(vs + r * vrow_bytes + c * 16) = vc[b];
-					}
-				}
-			}
-		}
+		if (any)
+			tile_load<KT>(a, koff, kpos, ks, vs, krow_bytes, vrow_bytes, pre ? pos0 : 0u, false);
 		__syncthreads();
 		if (any && active) {
 			uint32_t pos = kpos[lane];
@@ -612,6 +649,7 @@ static int attention_rows(struct backend_dev *be, const struct kv_span *spans, u
 	a.pl = be->pl;
 	a.pacc = be->pacc;
 	a.seqs = NULL;
+	a.early_keys = be->kv_settled && be->early_kv;
 	dim3 grid(base, splits);
 	if (mma) {
 		attn_mma_launch(hd, a, grid, be->stream);
@@ -623,6 +661,7 @@ static int attention_rows(struct backend_dev *be, const struct kv_span *spans, u
 		else
 			launch_k(be->pdl, attn_kernel<float>, grid, nw * 32, smem, be->stream, a);
 		LAUNCHED(be, "attn_kernel");
+		be->early_kv_launches += a.early_keys && a.inline_spans;
 	}
 	if (splits > 1 && !a.merge_count) {
 		launch_k(be->pdl, attn_combine_kernel, pairs, COMBINE_THREADS, 0, be->stream, st_m, st_l, st_acc,
@@ -744,6 +783,7 @@ static int flush_held(struct backend_dev *be)
 	a.prefix = (const uint32_t *)((const char *)be->spanbuf + sbytes);
 	a.seqs = (const struct attn_seq *)((const char *)be->spanbuf + sbytes + pbytes);
 	a.inline_spans = 0;
+	a.early_keys = 0;
 	a.n_spans = 0; /* each sequence's own: seqs */
 	a.total_keys = 0;
 	a.pos0 = 0;

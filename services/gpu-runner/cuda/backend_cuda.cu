@@ -167,6 +167,8 @@ static int set_batch(struct backend_dev *be, const struct backend_batch *b)
 		return cuda_failf(be, -EINVAL, "cuda backend: a step of %u sequences; at most %u", runs,
 				  ROPE_MAX_RUNS_INLINE);
 	attention_drop(be); /* held back by a step that failed on the way */
+	be->kv_settled = be->kv_synced;
+	be->kv_synced = false;
 	be->n = b->n;
 	be->pos0 = b->pos[0];
 	be->n_runs = 0;
@@ -401,6 +403,7 @@ static int finish_step(struct backend_dev *be, const char *what)
 	CUDA_TRY(be, "cudaMemcpyAsync (status)",
 		 cudaMemcpyAsync(be->h_status, be->status, sizeof(*be->status), cudaMemcpyDeviceToHost, be->stream));
 	CUDA_TRY(be, "cudaStreamSynchronize (logits)", cudaStreamSynchronize(be->stream));
+	be->kv_synced = true;
 	int rc = ffn_split_check(be);
 	if (rc)
 		return rc;
@@ -786,7 +789,7 @@ static int create_device(struct backend_dev *be)
 	int major = 0;
 	CUDA_TRY(be, "cudaDeviceGetAttribute (compute capability)",
 		 cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, be->device));
-	be->pdl = p->fuse == BACKEND_FUSE_DEFAULT && major >= 9;
+	be->pdl = p->fuse != BACKEND_FUSE_NONE && major >= 9;
 	/* Without the shared memory the quantized GEMV stages x in, such products dequantize. */
 	be->qgemv_ok = (size_t)smem_optin >= QG_SMEM_MAX;
 	if (be->qgemv_ok)
@@ -830,7 +833,8 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 			 p->gemv == BACKEND_GEMV_DP4A_REGS;
 	be->dq_sm = be->qgemv_dp4a && p->gemv != BACKEND_GEMV_DP4A_REGS;
 	be->attn_mma = p->attn != BACKEND_ATTN_SIMPLE;
-	be->fuse_x = p->fuse == BACKEND_FUSE_DEFAULT;
+	be->fuse_x = p->fuse != BACKEND_FUSE_NONE;
+	be->early_kv = p->fuse == BACKEND_FUSE_DEFAULT;
 
 	rc = create_device(be);
 	if (rc == 0)

@@ -131,6 +131,12 @@ struct backend_dev {
 	bool attn_mma;		/* prefill attention on tensor cores where it applies */
 	bool pdl;		/* kernels of a step launch with programmatic dependent launch (launch_k) */
 	bool fuse_x;		/* one-token integer products compute their x while staging it (struct xsrc) */
+	bool early_kv;		/* attn_args.early_keys where the keys are settled (backend_params.fuse) */
+	uint64_t early_kv_launches; /* attn_kernel launches with early_keys and inline spans (tests) */
+	bool kv_synced;		/* the host waited for the stream since the step began (finish_step) */
+	bool kv_settled;	/* ... before this step began: every KV row that earlier steps wrote is in
+				 * the arena, so a kernel may read those rows before it waits for the one
+				 * before (programmatic launches; attn_args.early_keys) */
 
 	uint32_t q_dim;		/* n_heads * head_dim */
 	uint32_t kv_dim;	/* n_kv_heads * head_dim */
@@ -504,6 +510,8 @@ struct attn_args {
 	const struct kv_span *spans;
 	const uint32_t *prefix;	/* (n_spans + 1) key offset of each span in the flattened key list */
 	uint32_t inline_spans;	/* 1: spans and prefix are the copies below (attn_kernel only) */
+	uint32_t early_keys;	/* 1: keys below pos0 are settled (backend_dev.kv_settled): attn_kernel may
+				 * load them before it waits for the kernel before */
 	struct kv_span span_in[ATTN_INLINE_SPANS];
 	uint32_t prefix_in[ATTN_INLINE_SPANS + 1];
 	uint32_t n_spans, total_keys, keys_per_split;

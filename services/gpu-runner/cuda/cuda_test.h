@@ -61,6 +61,9 @@ int cuda_test_fail_cpu_share(struct backend *be, uint32_t nth, char *err, size_t
  * first part with -EIO "an injected failure". Returns 0, or -EINVAL (not a cuda backend, or one
  * without experts on the CPU: a dense config or no CPU pool) with a message in err. */
 int cuda_test_fail_cpu_expert(struct backend *be, uint32_t nth, char *err, size_t errlen);
+/* Attention launches since create that may load the keys of earlier steps before they wait for the
+ * kernel before (attn_args.early_keys), or -EINVAL (not a cuda backend) with a message in err. */
+int64_t cuda_test_early_kv_launches(struct backend *be, char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

@@ -211,6 +211,12 @@ int cuda_test_residual(struct backend *bk, float *out, uint32_t n, char *err, si
 	return 0;
 }
 
+int64_t cuda_test_early_kv_launches(struct backend *bk, char *err, size_t errlen)
+{
+	struct backend_dev *be = cuda_dev(bk, err, errlen);
+	return be ? (int64_t)be->early_kv_launches : -EINVAL;
+}
+
 int cuda_test_fail_cpu_share(struct backend *bk, uint32_t nth, char *err, size_t errlen)
 {
 	struct backend_dev *be = cuda_dev(bk, err, errlen);

@@ -25,6 +25,8 @@
  *    RoPE layouts, head_dim 64 and 128, tied embeddings: logits within 2e-2 (as BF16 weights) of
  *    the C reference; and ROPE_ADJACENT on wq/wk rows permuted as GGUF stores them equals
  *    ROPE_HALVES on the original rows (1e-3), on both backends.
+ *  - decode attention with the keys of earlier steps loaded before the wait for the kernel before
+ *    (the default) and after it (BACKEND_FUSE_LATE_KV): the same logits, bit for bit.
  *  - embedding rows of every format: the residual stream equals the float32 dequantized rows,
  *    bit for bit.
  *  - the front's refusals: block formats for norm vectors, rows not of whole blocks, chains whose
@@ -628,6 +630,9 @@ static void step(struct backend *be, const struct qmodel *m, bool device, const 
 #define STEPS (PROMPT + DECODE)
 #define RUNS (2 + DECODE) /* forward steps of the schedule */
 
+/* cuda_test_early_kv_launches of the last cuda backend run_schedule ran. */
+static int64_t last_early_kv;
+
 /* The logits of every step of the schedule on backend `name` (cuda: device weights). */
 static float *run_schedule(const char *name, const struct qmodel *m, uint32_t gemv)
 {
@@ -646,6 +651,11 @@ static float *run_schedule(const char *name, const struct qmodel *m, uint32_t ge
 		i += n;
 	}
 	ck_assert_uint_eq(k, RUNS);
+	if (strcmp(name, "cpu") != 0) {
+		char err[200] = "";
+		last_early_kv = cuda_test_early_kv_launches(be, err, sizeof(err));
+		ck_assert_msg(last_early_kv >= 0, "%s", err);
+	}
 	backend_destroy(&be);
 	return out;
 }
@@ -677,6 +687,7 @@ static void check_forward(uint32_t head_dim, uint32_t layout, bool tied, const c
 		      "reference (bound %g)", what, e, TOL_FORWARD);
 	/* The same with one-token products on the integer path (x as int8). */
 	float *got_dp = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+	const int64_t early = last_early_kv;
 	e = worst_step(got_dp, want, c.vocab_size);
 	snprintf(line, sizeof(line), "forward, %s, dp4a", what);
 	report(line, e);
@@ -692,6 +703,19 @@ static void check_forward(uint32_t head_dim, uint32_t layout, bool tied, const c
 	report(line, e);
 	ck_assert_msg(e <= TOL_FUSED, "forward pass, %s, dp4a: fused kernels differ from unfused ones by %.3e (bound "
 		      "%g)", what, e, TOL_FUSED);
+	/* Decode attention loading the keys of earlier steps after the wait, not before it: the same
+	 * keys in the same order, so the same bits. */
+	open_fuse = BACKEND_FUSE_LATE_KV;
+	float *got_late = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+	open_fuse = BACKEND_FUSE_DEFAULT;
+	/* Every step after the first (each ends with its logits) loads early: 2 layers of 5 steps. */
+	ck_assert_msg(early == 2 * (RUNS - 1) && last_early_kv == 0, "forward pass, %s: %lld attention launches "
+		      "loaded keys before the wait by default (want %d), %lld with BACKEND_FUSE_LATE_KV (want 0)",
+		      what, (long long)early, 2 * (RUNS - 1), (long long)last_early_kv);
+	ck_assert_msg(memcmp(got_late, got_dp, (size_t)RUNS * c.vocab_size * sizeof(float)) == 0,
+		      "forward pass, %s, dp4a: keys loaded before the wait give other logits than after it "
+		      "(relative L2 %.3e)", what, worst_step(got_late, got_dp, c.vocab_size));
+	free(got_late);
 	free(got_plain);
 	free(got_dp);
 	free(want);
