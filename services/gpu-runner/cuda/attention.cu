@@ -8,7 +8,9 @@
  * 128 (prefill): 64 queries per block on the tensor cores (attention_mma.cu;
  * backend_params.attn = BACKEND_ATTN_SIMPLE turns it off). With few blocks the key range is
  * split across blocks and the pieces are merged into the running state: by the last block of each
- * column to finish (CUDA cores, backend_params.fuse default), else by a second kernel. */
+ * column to finish (CUDA cores, backend_params.fuse default), else by a second kernel. The keys of
+ * earlier steps (attn_args.early_keys) are indexed and loaded before a block waits for the kernel
+ * before, which writes only this call's rows. */
 #include "services/gpu-runner/cuda/attention.cuh"
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"

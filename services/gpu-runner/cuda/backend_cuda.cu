@@ -56,6 +56,8 @@
  * three items ahead per warp (cp.async, dq_sm_kernel): 3.42 -> 3.02 ms/token. Decode's KV
  * destinations and spans (up to ROPE_INLINE_TOKENS and ATTN_INLINE_SPANS) go in the kernels'
  * parameters, not in copies between kernels; split attention's last block merges the splits.
+ * Decode attention loads its keys from earlier steps before it waits, where the host has waited
+ * for the stream since they were written (kv_settled; BACKEND_FUSE_LATE_KV loads them after it).
  *
  * Host staging. Token rows of the embedding table (host memory), destination rows and spans go
  * up from a pinned ring buffer with cudaMemcpyAsync on the compute stream; each upload records
