@@ -18,6 +18,10 @@
  *   bench-kernels --default-only        # the default path alone, no ~4K context
  *   bench-kernels --parts [--quant]     # a decode step whole, its attention groups alone, its
  *                                       # FFN groups alone (as they run, launches overlapping)
+ *   bench-kernels --without [--quant]   # a decode step, then with each kind of kernel left out
+ *                                       # of every layer (wrong results): each kind's share of
+ *                                       # the step as it runs
+ *   bench-kernels --ab-fuse N [--quant] # the default path and backend_params.fuse N in turn
  *   bench-kernels --quant [--quick]     # Q4_K_M weights
  *   bench-kernels --batch [--quant]     # decode steps of 1 to 64 sequences (continuous batching)
  *   bench-kernels --profile decode      # one decode step (or prefill) alone between
@@ -38,6 +42,7 @@
 #include "common/dtype.h"
 #include "common/model.h"
 #include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/cuda/cuda_test.h"
 #include "tools/bench-limits/hbm.h"
 
 #define CHECK(cond, ...)                                                                           \
@@ -670,9 +675,52 @@ static void big_parts(const struct big *b)
 	step_parts = PARTS_ALL;
 }
 
+/* The default path's decode step, then the same with one kind of kernel left out of every layer
+ * (cuda_test_leave_out: the results are wrong, the time is what the step spends with those kernels
+ * in it as it runs), each kind in turn, twice. */
+static void big_without(const struct big *b)
+{
+	static const struct {
+		uint32_t parts;
+		const char *name;
+	} kinds[] = {
+		{0, "nothing"},
+		{CUDA_TEST_QKV, "q/k/v"},
+		{CUDA_TEST_ROPE, "RoPE and the KV write"},
+		{CUDA_TEST_ATTN, "RoPE and the attention"},
+		{CUDA_TEST_OPROJ, "o_proj"},
+		{CUDA_TEST_GATEUP, "gate/up"},
+		{CUDA_TEST_DOWN, "down"},
+	};
+	const uint32_t nk = sizeof(kinds) / sizeof(kinds[0]);
+	double base[2] = {0, 0};
+	for (int round = 0; round < 2; round++) {
+		for (uint32_t k = 0; k < nk; k++) {
+			struct perf_run r;
+			perf_open(&r, b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT);
+			perf_step(&r, PERF_CHUNK, 0); /* the context, every layer's KV written */
+			char err[200] = "";
+			CHECK(cuda_test_leave_out(r.be, kinds[k].parts, err, sizeof(err)) == 0, "%s", err);
+			uint32_t pos = PERF_CHUNK;
+			double enq;
+			perf_decode(&r, &pos, 3, &enq); /* warm-up */
+			const double dt = perf_decode(&r, &pos, 16, &enq);
+			if (k == 0)
+				base[round] = dt;
+			const double us = (base[round] - dt) * 1e3 / b->cfg.n_layers;
+			fprintf(stderr, "perf (%s, without): %s left out: decode median %.3f ms/token, %.1f us a layer "
+				"less than with everything (round %d)\n", b->weights, kinds[k].name, dt, us, round + 1);
+			printf("{\"weights\": \"%s\", \"left_out\": \"%s\", \"decode_ms\": %.4f, "
+			       "\"us_a_layer\": %.2f, \"round\": %d}\n", b->weights, kinds[k].name, dt, us, round + 1);
+			fflush(stdout);
+			perf_close(&r);
+		}
+	}
+}
+
 int main(int argc, char **argv)
 {
-	bool quick = false, quant = false, default_only = false, parts = false;
+	bool quick = false, quant = false, default_only = false, parts = false, without = false;
 	long ab_fuse = -1;
 	char *profile = NULL;
 	bool batch = false;
@@ -690,6 +738,10 @@ int main(int argc, char **argv)
 		{"ab-fuse", OPT_INT, &ab_fuse, NULL,
 		 "the default path and the same with backend_params.fuse N (enum backend_fuse) in turn, twice "
 		 "(one machine's A/B of a way of chaining kernels)"},
+		{"without", OPT_BOOL, &without, NULL,
+		 "the default path's decode step, then with each kind of kernel left out of every layer (q/k/v, "
+		 "RoPE, the attention, o_proj, gate/up, down; wrong results, timing only), twice: each kind's "
+		 "share of the step as it runs"},
 		{"quant", OPT_BOOL, &quant, NULL, "GGUF Q4_K_M weights (Q4_K and Q6_K blocks) instead of BF16"},
 		{"profile", OPT_STRING, &profile, NULL,
 		 "decode or prefill: one such step alone between cudaProfilerStart and cudaProfilerStop"},
@@ -735,6 +787,8 @@ int main(int argc, char **argv)
 		"16-token blocks\n", b.weights, b.weight_bytes / 1e9);
 	if (parts) {
 		big_parts(&b);
+	} else if (without) {
+		big_without(&b);
 	} else if (ab_fuse >= 0) {
 		for (int i = 0; i < 2; i++) {
 			big_run(&b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT, false, stdout);

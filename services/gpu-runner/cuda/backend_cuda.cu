@@ -72,6 +72,7 @@
  * Not thread-safe: one thread drives a backend. The device is the one current at create.
  */
 #include "services/gpu-runner/cuda/cuda_internal.h"
+#include "services/gpu-runner/cuda/cuda_test.h"
 
 #include <assert.h>
 #include <math.h>
@@ -103,6 +104,12 @@ int blas_fail(struct backend_dev *be, cublasStatus_t st, const char *what)
 
 /* backend.c has checked the call order, the ranges, and that every tensor used is there in
  * device memory (the embedding table in host memory). */
+
+/* Does a one-token step leave out this part's kernels (cuda_test_leave_out: timing only)? */
+static bool left_out(const struct backend_dev *be, uint32_t part)
+{
+	return be->n == 1 && (be->leave_out & part);
+}
 
 /* The tensor of role r in device memory. */
 static const void *dev(const struct group_weights *w, enum tensor_role r)
@@ -274,7 +281,8 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 	struct xsrc src;
 	if ((rc = norm_source(be, w, ROLE_ATTN_NORM, parts, 3, at, &src)) != 0)
 		return rc;
-	rc = matmul(be, at, be->xa, &src, c->dim, n, parts, 3, be->qkv_ld, false, "q/k/v projections");
+	rc = left_out(be, CUDA_TEST_QKV) ? 0
+		: matmul(be, at, be->xa, &src, c->dim, n, parts, 3, be->qkv_ld, false, "q/k/v projections");
 	if (rc)
 		return rc;
 	if ((c->flags & MODEL_QK_NORM) &&
@@ -300,6 +308,8 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 		ra[k].l = be->st_l + (size_t)r0 * c->n_heads;
 		ra[k].acc = be->st_acc + (size_t)r0 * c->n_heads * c->head_dim;
 		ra[k].pos = NULL;
+		if (left_out(be, CUDA_TEST_ROPE))
+			continue;
 		rope_launch(be->p.kv_dtype, ra[k], be->pdl, be->stream);
 		LAUNCHED(be, "rope_kernel");
 	}
@@ -358,6 +368,8 @@ static int cuda_attn_end(struct backend_dev *be, const struct group_weights *w)
 		attn_out_launch(at, be, be->stream);
 		LAUNCHED(be, "attn_out_kernel");
 	}
+	if (left_out(be, CUDA_TEST_OPROJ))
+		return 0;
 	return matmul(be, at, be->xa, &src, be->q_dim, be->n, &o, 1, c->dim, true, "o_proj");
 }
 
@@ -375,15 +387,19 @@ static int cuda_ffn(struct backend_dev *be, const struct group_weights *w)
 	struct xsrc src;
 	if ((rc = norm_source(be, w, ROLE_FFN_NORM, gu, gu[0].format == gu[1].format ? 2 : 0, at, &src)) != 0)
 		return rc;
-	rc = swiglu_product(be, at, gu, be->xa, &src, c->dim, n, be->xb, "gate/up_proj");
+	rc = left_out(be, CUDA_TEST_GATEUP) ? 0 : swiglu_product(be, at, gu, be->xa, &src, c->dim, n, be->xb, "gate/up_proj");
 	if (rc)
 		return rc;
 	struct mm_part down = part(w, ROLE_W_DOWN, c->dim, be->x);
+	if (left_out(be, CUDA_TEST_DOWN))
+		return 0;
 	return matmul(be, at, be->xb, NULL, ffn, n, &down, 1, c->dim, true, "down_proj");
 }
 
 static int cuda_attn_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans)
 {
+	if (left_out(be, CUDA_TEST_ATTN))
+		return 0;
 	return attention_blocks(be, spans, n_spans);
 }
 

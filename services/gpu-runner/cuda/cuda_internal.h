@@ -132,6 +132,7 @@ struct backend_dev {
 	bool pdl;		/* kernels of a step launch with programmatic dependent launch (launch_k) */
 	bool fuse_x;		/* one-token integer products compute their x while staging it (struct xsrc) */
 	bool early_kv;		/* attn_args.early_keys where the keys are settled (backend_params.fuse) */
+	uint32_t leave_out;	/* enum cuda_test_part: kernels one-token steps leave out (timing only) */
 	uint64_t early_kv_launches; /* attn_kernel launches with early_keys and inline spans (tests) */
 	bool kv_synced;		/* the host waited for the stream since the step began (finish_step) */
 	bool kv_settled;	/* ... before this step began: every KV row that earlier steps wrote is in

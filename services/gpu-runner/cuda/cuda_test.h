@@ -61,6 +61,20 @@ int cuda_test_fail_cpu_share(struct backend *be, uint32_t nth, char *err, size_t
  * first part with -EIO "an injected failure". Returns 0, or -EINVAL (not a cuda backend, or one
  * without experts on the CPU: a dense config or no CPU pool) with a message in err. */
 int cuda_test_fail_cpu_expert(struct backend *be, uint32_t nth, char *err, size_t errlen);
+/* Kernels a one-token step of a dense layer leaves out (cuda_test_leave_out), to time a step
+ * without them as the others run (bench-kernels --without): the results are wrong. */
+enum cuda_test_part {
+	CUDA_TEST_QKV = 1,    /* the q/k/v products */
+	CUDA_TEST_ROPE = 2,   /* rope_kernel: RoPE, K and V into the arena, the attention state reset */
+	CUDA_TEST_ATTN = 4,   /* the attention (and rope_kernel: a state reset and never visited is
+			       * reported as a query that saw no keys) */
+	CUDA_TEST_OPROJ = 8,  /* o_proj */
+	CUDA_TEST_GATEUP = 16, /* gate/up with SwiGLU */
+	CUDA_TEST_DOWN = 32,  /* down */
+};
+/* From the next step on, one-token steps leave out the kernels of parts (enum cuda_test_part, or'ed;
+ * 0: none). Returns 0, or -EINVAL (not a cuda backend, an unknown part) with a message in err. */
+int cuda_test_leave_out(struct backend *be, uint32_t parts, char *err, size_t errlen);
 /* Attention launches since create that may load the keys of earlier steps before they wait for the
  * kernel before (attn_args.early_keys), or -EINVAL (not a cuda backend) with a message in err. */
 int64_t cuda_test_early_kv_launches(struct backend *be, char *err, size_t errlen);

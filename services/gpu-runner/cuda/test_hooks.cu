@@ -217,6 +217,19 @@ int64_t cuda_test_early_kv_launches(struct backend *bk, char *err, size_t errlen
 	return be ? (int64_t)be->early_kv_launches : -EINVAL;
 }
 
+int cuda_test_leave_out(struct backend *bk, uint32_t parts, char *err, size_t errlen)
+{
+	struct backend_dev *be = cuda_dev(bk, err, errlen);
+	if (!be)
+		return -EINVAL;
+	if (parts >= 2 * CUDA_TEST_DOWN) {
+		snprintf(err, errlen, "test hook: leave_out 0x%x names parts that do not exist", parts);
+		return -EINVAL;
+	}
+	be->leave_out = parts & CUDA_TEST_ATTN ? parts | CUDA_TEST_ROPE : parts;
+	return 0;
+}
+
 int cuda_test_fail_cpu_share(struct backend *bk, uint32_t nth, char *err, size_t errlen)
 {
 	struct backend_dev *be = cuda_dev(bk, err, errlen);

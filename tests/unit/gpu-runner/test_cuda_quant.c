@@ -27,6 +27,8 @@
  *    ROPE_HALVES on the original rows (1e-3), on both backends.
  *  - decode attention with the keys of earlier steps loaded before the wait for the kernel before
  *    (the default) and after it (BACKEND_FUSE_LATE_KV): the same logits, bit for bit.
+ *  - bench-kernels' hook that leaves kernels out of one-token steps: the attention left out changes
+ *    the logits, nothing left out gives them back bit for bit.
  *  - embedding rows of every format: the residual stream equals the float32 dequantized rows,
  *    bit for bit.
  *  - the front's refusals: block formats for norm vectors, rows not of whole blocks, chains whose
@@ -739,6 +741,42 @@ START_TEST(test_forward_adjacent)
 }
 END_TEST
 
+/* bench-kernels --without's hook: a one-token step with the attention left out runs (RoPE left out
+ * with it) and gives other logits; with nothing left out again, the step's logits are those of the
+ * same step before, bit for bit; a part that does not exist is refused. */
+START_TEST(test_leave_out)
+{
+	struct model_config c = small_cfg();
+	struct qmodel *m = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 7);
+	struct backend *be = open_backend("cuda", &c, CHUNK, BACKEND_GEMV_DEFAULT);
+	const uint32_t vocab = c.vocab_size;
+	char err[200] = "";
+	ck_assert_int_eq(cuda_test_leave_out(be, 2 * CUDA_TEST_DOWN, err, sizeof(err)), -EINVAL);
+	int32_t tok[PROMPT + 1];
+	rng_state = 5;
+	for (uint32_t i = 0; i <= PROMPT; i++)
+		tok[i] = (int32_t)(rng_next() % vocab);
+	float *got = malloc(3 * (size_t)vocab * sizeof(float));
+	ck_assert_ptr_nonnull(got);
+	for (uint32_t i = 0; i < PROMPT; i += CHUNK)
+		step(be, m, true, tok + i, PROMPT - i < CHUNK ? PROMPT - i : CHUNK, i, got);
+	step(be, m, true, tok + PROMPT, 1, PROMPT, got);
+	ck_assert_int_eq(cuda_test_leave_out(be, CUDA_TEST_ATTN, err, sizeof(err)), 0);
+	step(be, m, true, tok + PROMPT, 1, PROMPT, got + vocab);
+	ck_assert_int_eq(cuda_test_leave_out(be, 0, err, sizeof(err)), 0);
+	step(be, m, true, tok + PROMPT, 1, PROMPT, got + 2 * (size_t)vocab);
+	ck_assert_msg(rel_l2_values(got + vocab, got, vocab) > 1e-3,
+		      "the attention left out gives the logits of the whole step (relative L2 %.3e)",
+		      rel_l2_values(got + vocab, got, vocab));
+	ck_assert_msg(memcmp(got + 2 * (size_t)vocab, got, (size_t)vocab * sizeof(float)) == 0,
+		      "nothing left out again: the logits differ from the same step's before (relative L2 %.3e)",
+		      rel_l2_values(got + 2 * (size_t)vocab, got, vocab));
+	free(got);
+	backend_destroy(&be);
+	qmodel_free(&m);
+}
+END_TEST
+
 /* GGUF's wq/wk rows with ROPE_ADJACENT compute what the original rows compute with ROPE_HALVES
  * (model.h): on each backend, the two give the same logits, and the layouts differ when the rows
  * are not permuted (so the check can tell a layout that is ignored). */
@@ -887,6 +925,7 @@ static Suite *quant_suite(void)
 	tcase_add_test(tc, test_forward_halves);
 	tcase_add_test(tc, test_forward_adjacent);
 	tcase_add_test(tc, test_adjacent_is_permuted_halves);
+	tcase_add_test(tc, test_leave_out);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("embedding");
