@@ -243,7 +243,7 @@ static __device__ __forceinline__ void tile_load(const attn_args &a, const uint6
  * (token t, head g * group + j) numbered t * group + j in [qt * warps, (qt + 1) * warps), one
  * warp each; split s covers flattened keys [s * keys_per_split, (s + 1) * keys_per_split). Lane
  * d of a warp holds dims 2d, 2d + 1 of each 64 of the accumulator. */
-template <typename KT>
+template <typename KT, int NJ>
 __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_constant__ attn_args a)
 {
 	extern __shared__ __align__(16) unsigned char smem[];
@@ -323,26 +323,31 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	const size_t pair = (size_t)(row0 + t) * a.n_heads + h;
 	float *qw = qs + (size_t)w * hd;
 	float m = -INFINITY, l = 0.0f;
-	float2 acc[MAX_HEAD_DIM / 64];
+	/* The lane's dimensions: 2 lane, 2 lane + 1 of each 64 (NJ of them cover head_dim), those
+	 * below head_dim (all of them where it is a multiple of 64). */
+	float2 acc[NJ];
+	bool dim_in[NJ];
 #pragma unroll
-	for (int j = 0; j < MAX_HEAD_DIM / 64; j++)
+	for (int j = 0; j < NJ; j++) {
 		acc[j] = make_float2(0.0f, 0.0f);
+		dim_in[j] = 64 * j + 2 * lane < hd;
+	}
 	if (active) {
 		/* The query's loads all go out before any is stored (one memory round trip). */
 		const float *qg = a.q + (size_t)(row0 + t) * a.q_ld + (size_t)h * hd;
-		float qv[MAX_HEAD_DIM / 32];
+		float qv[2 * NJ];
 #pragma unroll
-		for (uint32_t j = 0; j < MAX_HEAD_DIM / 32; j++)
+		for (uint32_t j = 0; j < 2 * NJ; j++)
 			qv[j] = 32 * j + lane < hd ? qg[32 * j + lane] : 0.0f;
 #pragma unroll
-		for (uint32_t j = 0; j < MAX_HEAD_DIM / 32; j++)
+		for (uint32_t j = 0; j < 2 * NJ; j++)
 			if (32 * j + lane < hd)
 				qw[32 * j + lane] = qv[j];
 		if (!a.pm) {
 			m = a.m[pair];
 			l = a.l[pair];
 #pragma unroll
-			for (int j = 0; j < MAX_HEAD_DIM / 64; j++) {
+			for (int j = 0; j < NJ; j++) {
 				uint32_t d = 64 * j + 2 * lane;
 				if (d < hd)
 					acc[j] = *(const float2 *)(a.acc + pair * hd + d);
@@ -375,20 +380,22 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 				float pr = vis ? expf(sc - mnew) : 0.0f;
 				l = l * corr + warp_sum(pr);
 #pragma unroll
-				for (int j = 0; j < MAX_HEAD_DIM / 64; j++) {
+				for (int j = 0; j < NJ; j++) {
 					acc[j].x *= corr;
 					acc[j].y *= corr;
 				}
+				/* The lane's pair of each V row: its address once, a row's j-th 64 dims
+				 * 64 elements on (no per-key address or bound arithmetic). */
+				const unsigned char *vlane = vs + 2 * lane * sizeof(KT);
 				for (uint32_t r = 0; r < ATTN_TILE; r++) {
 					float pj = __shfl_sync(0xffffffffu, pr, r);
 					if (pj == 0.0f)
 						continue;
-					const unsigned char *vrow = vs + r * vrow_bytes;
+					const unsigned char *vrow = vlane + r * vrow_bytes;
 #pragma unroll
-					for (int j = 0; j < MAX_HEAD_DIM / 64; j++) {
-						uint32_t d = 64 * j + 2 * lane;
-						if (d < hd) {
-							float2 v = v_pair(vrow, d, KT());
+					for (int j = 0; j < NJ; j++) {
+						if (dim_in[j]) {
+							float2 v = v_pair(vrow, 64 * j, KT());
 							acc[j].x = fmaf(pj, v.x, acc[j].x);
 							acc[j].y = fmaf(pj, v.y, acc[j].y);
 						}
@@ -414,9 +421,9 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 			ol[slot] = l;
 		}
 #pragma unroll
-		for (int j = 0; j < MAX_HEAD_DIM / 64; j++) {
+		for (int j = 0; j < NJ; j++) {
 			uint32_t d = 64 * j + 2 * lane;
-			if (d < hd)
+			if (dim_in[j])
 				*(float2 *)(oacc + slot * hd + d) = acc[j];
 		}
 	}
@@ -501,12 +508,42 @@ __global__ void __launch_bounds__(COMBINE_THREADS) attn_combine_kernel(float *m,
 }
 /* ---- host ---------------------------------------------------------------------------------- */
 
+template <typename KT> static cudaError_t allow_kt(size_t bytes)
+{
+	cudaError_t e;
+	if ((e = cudaFuncSetAttribute(attn_kernel<KT, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes)) ||
+	    (e = cudaFuncSetAttribute(attn_kernel<KT, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes)) ||
+	    (e = cudaFuncSetAttribute(attn_kernel<KT, MAX_HEAD_DIM / 64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+				      (int)bytes)))
+		return e;
+	return cudaSuccess;
+}
+
 cudaError_t attn_allow_smem(uint32_t kv_dtype, size_t bytes)
 {
-	if (kv_dtype == DT_BF16)
-		return cudaFuncSetAttribute(attn_kernel<__nv_bfloat16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-					    (int)bytes);
-	return cudaFuncSetAttribute(attn_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+	return kv_dtype == DT_BF16 ? allow_kt<__nv_bfloat16>(bytes) : allow_kt<float>(bytes);
+}
+
+/* attn_kernel for the arena's dtype and head_dim's chunks of 64 dimensions (1, 2, or up to
+ * MAX_HEAD_DIM / 64: the lanes' accumulators and loops are those a head needs). */
+static void attn_launch(const struct backend_dev *be, const attn_args &a, dim3 grid, uint32_t threads, size_t smem)
+{
+	const uint32_t hd = be->cfg.head_dim;
+	if (be->p.kv_dtype == DT_BF16) {
+		if (hd <= 64)
+			launch_k(be->pdl, attn_kernel<__nv_bfloat16, 1>, grid, threads, smem, be->stream, a);
+		else if (hd <= 128)
+			launch_k(be->pdl, attn_kernel<__nv_bfloat16, 2>, grid, threads, smem, be->stream, a);
+		else
+			launch_k(be->pdl, attn_kernel<__nv_bfloat16, MAX_HEAD_DIM / 64>, grid, threads, smem, be->stream, a);
+	} else {
+		if (hd <= 64)
+			launch_k(be->pdl, attn_kernel<float, 1>, grid, threads, smem, be->stream, a);
+		else if (hd <= 128)
+			launch_k(be->pdl, attn_kernel<float, 2>, grid, threads, smem, be->stream, a);
+		else
+			launch_k(be->pdl, attn_kernel<float, MAX_HEAD_DIM / 64>, grid, threads, smem, be->stream, a);
+	}
 }
 
 /* How many blocks split `keys` keys (tile a step) for `columns` block columns: enough for
@@ -657,11 +694,7 @@ static int attention_rows(struct backend_dev *be, const struct kv_span *spans, u
 		attn_mma_launch(hd, a, grid, be->stream);
 		LAUNCHED(be, "attn_mma_kernel");
 	} else {
-		size_t smem = attn_smem_bytes(hd, be->kv_esize, nw);
-		if (be->p.kv_dtype == DT_BF16)
-			launch_k(be->pdl, attn_kernel<__nv_bfloat16>, grid, nw * 32, smem, be->stream, a);
-		else
-			launch_k(be->pdl, attn_kernel<float>, grid, nw * 32, smem, be->stream, a);
+		attn_launch(be, a, grid, nw * 32, attn_smem_bytes(hd, be->kv_esize, nw));
 		LAUNCHED(be, "attn_kernel");
 		be->early_kv_launches += a.early_keys && a.inline_spans;
 	}
@@ -805,11 +838,7 @@ static int flush_held(struct backend_dev *be)
 	a.pacc = be->pacc;
 	a.merge_count = splits > 1 ? be->attn_count : NULL;
 	dim3 grid(base, splits, ns);
-	size_t smem = attn_smem_bytes(hd, be->kv_esize, nw);
-	if (be->p.kv_dtype == DT_BF16)
-		launch_k(be->pdl, attn_kernel<__nv_bfloat16>, grid, nw * 32, smem, be->stream, a);
-	else
-		launch_k(be->pdl, attn_kernel<float>, grid, nw * 32, smem, be->stream, a);
+	attn_launch(be, a, grid, nw * 32, attn_smem_bytes(hd, be->kv_esize, nw));
 	LAUNCHED(be, "attn_kernel (several sequences)");
 	return 0;
 }
