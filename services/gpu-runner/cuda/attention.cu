@@ -216,11 +216,19 @@ static __device__ __forceinline__ void tile_load(const attn_args &a, const uint6
 						 size_t vrow_bytes, uint32_t below, bool below_only)
 {
 	const uint32_t vecs = (uint32_t)(vrow_bytes / 16), n = ATTN_TILE * vecs;
+	/* A 16-byte chunk's row and place in it: a shift and a mask where a row is a power of two of
+	 * them (head_dim 64, 128, 256), not an integer division a chunk. */
+	const bool pow2 = (vecs & (vecs - 1)) == 0;
+	const uint32_t shift = __ffs(vecs) - 1;
+	uint32_t row[ATTN_LOAD_BATCH], col[ATTN_LOAD_BATCH];
 	for (uint32_t i0 = threadIdx.x; i0 < n; i0 += ATTN_LOAD_BATCH * blockDim.x) {
 		uint4 kc[ATTN_LOAD_BATCH], vc[ATTN_LOAD_BATCH];
 #pragma unroll
 		for (uint32_t b = 0; b < ATTN_LOAD_BATCH; b++) {
-			const uint32_t i = i0 + b * blockDim.x, r = i / vecs, c = i % vecs;
+			const uint32_t i = i0 + b * blockDim.x;
+			row[b] = pow2 ? i >> shift : i / vecs;
+			col[b] = pow2 ? i & (vecs - 1) : i % vecs;
+			const uint32_t r = row[b], c = col[b];
 			if (i < n && kpos[r] != UINT32_MAX && (kpos[r] < below) == below_only) {
 				const KT *kr = (const KT *)a.arena + koff[r];
 				const KT *vr = kr + (size_t)a.block_tokens * a.kv_dim;
@@ -230,7 +238,7 @@ static __device__ __forceinline__ void tile_load(const attn_args &a, const uint6
 		}
 #pragma unroll
 		for (uint32_t b = 0; b < ATTN_LOAD_BATCH; b++) {
-			const uint32_t i = i0 + b * blockDim.x, r = i / vecs, c = i % vecs;
+			const uint32_t i = i0 + b * blockDim.x, r = row[b], c = col[b];
 			if (i < n && kpos[r] != UINT32_MAX && (kpos[r] < below) == below_only) {
 				*(uint4 *)(ks + r * krow_bytes + c * 16) = kc[b];
 				*(uint4 *)(vs + r * vrow_bytes + c * 16) = vc[b];
