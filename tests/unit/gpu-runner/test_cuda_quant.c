@@ -594,7 +594,8 @@ static void qmodel_free(struct qmodel **mp)
 	} while (0)
 
 /* One forward step of tok[0..n) at positions pos.. as the engine runs it (KV block of layer l,
- * position p: l * blocks_per_layer + p / 16); logits of the last token. */
+ * position p: l * blocks_per_layer + p / 16); logits of the last token (none: logits NULL, the step
+ * ends without the host waiting for it). */
 static void step(struct backend *be, const struct qmodel *m, bool device, const int32_t *tok, uint32_t n, uint32_t pos,
 		 float *logits)
 {
@@ -623,7 +624,8 @@ static void step(struct backend *be, const struct qmodel *m, bool device, const 
 		CHECK_RC(be, backend_attn_end(be, aw));
 		CHECK_RC(be, backend_ffn(be, fw));
 	}
-	CHECK_RC(be, backend_logits(be, device ? &m->d_head : &m->h_head, logits));
+	if (logits)
+		CHECK_RC(be, backend_logits(be, device ? &m->d_head : &m->h_head, logits));
 }
 
 #define PROMPT 37  /* chunks of 24 (dequantize + cuBLAS) and 13 (two GEMV passes: 8 and 5 tokens) */
@@ -738,6 +740,34 @@ START_TEST(test_forward_adjacent)
 	check_forward(64, ROPE_ADJACENT, false, "head_dim 64, rope adjacent");
 	check_forward(128, ROPE_ADJACENT, false, "head_dim 128, rope adjacent");
 	check_forward(128, ROPE_ADJACENT, true, "head_dim 128, rope adjacent, tied Q8_0 embeddings");
+}
+END_TEST
+
+/* The keys of earlier steps load before the attention's wait only where the host has waited for
+ * the stream since the step that wrote them: the steps after one that ended without its logits load
+ * none early, the step after one that ended with them loads early in both layers. */
+START_TEST(test_early_keys_after_a_wait)
+{
+	struct model_config c = small_cfg();
+	struct qmodel *m = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 11);
+	struct backend *be = open_backend("cuda", &c, CHUNK, BACKEND_GEMV_DEFAULT);
+	char err[200] = "";
+	int32_t tok[PROMPT + 2];
+	rng_state = 9;
+	for (uint32_t i = 0; i < PROMPT + 2; i++)
+		tok[i] = (int32_t)(rng_next() % c.vocab_size);
+	float *logits = malloc((size_t)c.vocab_size * sizeof(float));
+	ck_assert_ptr_nonnull(logits);
+	step(be, m, true, tok, CHUNK, 0, NULL);
+	step(be, m, true, tok + CHUNK, PROMPT - CHUNK, CHUNK, NULL);
+	ck_assert_int_eq(cuda_test_early_kv_launches(be, err, sizeof(err)), 0);
+	step(be, m, true, tok + PROMPT, 1, PROMPT, logits); /* after a step the host did not wait for */
+	ck_assert_int_eq(cuda_test_early_kv_launches(be, err, sizeof(err)), 0);
+	step(be, m, true, tok + PROMPT + 1, 1, PROMPT + 1, logits); /* after one it waited for */
+	ck_assert_int_eq(cuda_test_early_kv_launches(be, err, sizeof(err)), 2);
+	free(logits);
+	backend_destroy(&be);
+	qmodel_free(&m);
 }
 END_TEST
 
@@ -926,6 +956,7 @@ static Suite *quant_suite(void)
 	tcase_add_test(tc, test_forward_adjacent);
 	tcase_add_test(tc, test_adjacent_is_permuted_halves);
 	tcase_add_test(tc, test_leave_out);
+	tcase_add_test(tc, test_early_keys_after_a_wait);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("embedding");
