@@ -174,6 +174,16 @@ static __device__ bool stage_window(const struct kv_span *src, const uint32_t *p
 	return true;
 }
 
+/* The positions [*qlo, *qhi] of block column qt's queries (nw warps, a query each) among the run's
+ * pairs_g (token, head) pairs from position pos0: for the tile skip test. */
+static __device__ __forceinline__ void block_positions(const attn_args &a, uint32_t qt, uint32_t nw, uint32_t pairs_g,
+						       uint32_t pos0, uint32_t *qlo, uint32_t *qhi)
+{
+	const uint32_t lp0 = qt * nw, lp1 = min(lp0 + nw, pairs_g);
+	*qlo = pos0 + lp0 / a.group;
+	*qhi = pos0 + (lp1 - 1) / a.group;
+}
+
 /* Warp 0 of a block: the element offset (koff) and position (kpos, UINT32_MAX: none) of each key
  * of the tile at flattened key kb (keys below k1) in kv head g; *s_any: may a query of positions
  * [qlo, qhi] see one of them; *s_cursor: the span of the tile's first key, moved to its last's. */
@@ -206,14 +216,14 @@ static __device__ __forceinline__ void tile_keys(const attn_args &a, const struc
 	}
 }
 
-/* The block's threads copy the K and V rows of the indexed tile's keys into shared memory: those at
- * positions below `below` (below_only), or those at or above it (below 0: every key).
+/* The block's threads copy the K and V rows of the indexed tile's keys at positions [lo, hi) into
+ * shared memory (a key that is none, UINT32_MAX, is never below hi).
  * ATTN_LOAD_BATCH chunks of K and V a thread: their loads all go out before any is stored (a tile
  * of BF16 keys of 128 dims in one memory round trip for 4 warps). */
 template <typename KT>
 static __device__ __forceinline__ void tile_load(const attn_args &a, const uint64_t *koff, const uint32_t *kpos,
 						 unsigned char *ks, unsigned char *vs, size_t krow_bytes,
-						 size_t vrow_bytes, uint32_t below, bool below_only)
+						 size_t vrow_bytes, uint32_t lo, uint32_t hi)
 {
 	const uint32_t vecs = (uint32_t)(vrow_bytes / 16), n = ATTN_TILE * vecs;
 	/* A 16-byte chunk's row and place in it: a shift and a mask where a row is a power of two of
@@ -229,7 +239,7 @@ static __device__ __forceinline__ void tile_load(const attn_args &a, const uint6
 			row[b] = pow2 ? i >> shift : i / vecs;
 			col[b] = pow2 ? i & (vecs - 1) : i % vecs;
 			const uint32_t r = row[b], c = col[b];
-			if (i < n && kpos[r] != UINT32_MAX && (kpos[r] < below) == below_only) {
+			if (i < n && kpos[r] >= lo && kpos[r] < hi) {
 				const KT *kr = (const KT *)a.arena + koff[r];
 				const KT *vr = kr + (size_t)a.block_tokens * a.kv_dim;
 				kc[b] = ((const uint4 *)kr)[c];
@@ -239,7 +249,7 @@ static __device__ __forceinline__ void tile_load(const attn_args &a, const uint6
 #pragma unroll
 		for (uint32_t b = 0; b < ATTN_LOAD_BATCH; b++) {
 			const uint32_t i = i0 + b * blockDim.x, r = row[b], c = col[b];
-			if (i < n && kpos[r] != UINT32_MAX && (kpos[r] < below) == below_only) {
+			if (i < n && kpos[r] >= lo && kpos[r] < hi) {
 				*(uint4 *)(ks + r * krow_bytes + c * 16) = kc[b];
 				*(uint4 *)(vs + r * vrow_bytes + c * 16) = vc[b];
 			}
@@ -288,8 +298,8 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	 * before write this call's) start coming now, before the wait for the kernel before. */
 	const bool early = staged && a.early_keys;
 	if (early) {
-		const uint32_t lp0 = blockIdx.x % a.qtiles * nw, lp1 = min(lp0 + nw, a.n * a.group);
-		const uint32_t qlo = pos0 + lp0 / a.group, qhi = pos0 + (lp1 - 1) / a.group;
+		uint32_t qlo, qhi;
+		block_positions(a, qt, nw, a.n * a.group, pos0, &qlo, &qhi);
 		if (threadIdx.x == 0)
 			s_cursor = 0;
 		__syncthreads();
@@ -297,7 +307,7 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 			tile_keys(a, s_span, s_prefix, k0, k1, g, qlo, qhi, koff, kpos, &s_cursor, &s_any);
 		__syncthreads();
 		if (s_any)
-			tile_load<KT>(a, koff, kpos, ks, vs, krow_bytes, vrow_bytes, pos0, true);
+			tile_load<KT>(a, koff, kpos, ks, vs, krow_bytes, vrow_bytes, 0, pos0);
 	}
 	grid_wait();
 	/* The run of rows this block serves: the call's, or sequence blockIdx.z's of several. */
@@ -319,10 +329,9 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 		prefix = s_prefix;
 		first = 0;
 	}
-	const uint32_t pairs_g = nr * a.group;
-	/* The block's queries: for the tile skip test. */
-	const uint32_t lp0 = qt * nw, lp1 = min(lp0 + nw, pairs_g);
-	const uint32_t qlo = pos0 + lp0 / a.group, qhi = pos0 + (lp1 - 1) / a.group;
+	const uint32_t pairs_g = nr * a.group, lp0 = qt * nw;
+	uint32_t qlo, qhi;
+	block_positions(a, qt, nw, pairs_g, pos0, &qlo, &qhi);
 
 	const uint32_t lp = lp0 + w;
 	const bool active = lp < pairs_g;
@@ -373,7 +382,7 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 		__syncthreads();
 		const bool any = s_any;
 		if (any)
-			tile_load<KT>(a, koff, kpos, ks, vs, krow_bytes, vrow_bytes, pre ? pos0 : 0u, false);
+			tile_load<KT>(a, koff, kpos, ks, vs, krow_bytes, vrow_bytes, pre ? pos0 : 0u, UINT32_MAX);
 		__syncthreads();
 		if (any && active) {
 			uint32_t pos = kpos[lane];
