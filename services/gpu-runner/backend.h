@@ -102,6 +102,8 @@ enum backend_fuse {
 	BACKEND_FUSE_NONE = 1,	  /* every kernel alone, after the one before has ended */
 	BACKEND_FUSE_LATE_KV = 2, /* the default, but decode attention loads the keys of earlier steps
 				   * after the kernel before has ended, not before (comparisons) */
+	BACKEND_FUSE_ONE_KEY_WARP = 3, /* the default, but the CUDA-core attention gives each query one
+					* warp for a tile's keys, not two (comparisons) */
 };
 
 /* How the CUDA backend's stream hands the CPU share of a split FFN to the pool

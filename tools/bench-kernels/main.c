@@ -460,6 +460,7 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 		 attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma",
 		 bench_fuse == BACKEND_FUSE_NONE      ? ", kernels unfused"
 		 : bench_fuse == BACKEND_FUSE_LATE_KV ? ", earlier keys loaded after the wait"
+		 : bench_fuse == BACKEND_FUSE_ONE_KEY_WARP ? ", one attention warp a query"
 						      : "");
 
 	/* Warm-up: one chunk and a few decode steps, then start over at position 0. */

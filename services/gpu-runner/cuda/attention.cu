@@ -3,9 +3,10 @@
  * calls, so spans may come in any order and in pieces. A block serves queries that share one
  * KV head (GQA) and stages the keys (K and V) a tile at a time in shared memory; tiles no query
  * of the block may see (causal mask, sliding window) are skipped. Few queries (decode, small
- * chunks): one warp per query scores 32 keys at a time (one key per lane) with an online
- * softmax on the CUDA cores (attn_kernel). Many queries with a BF16 arena and head_dim 64 or
- * 128 (prefill): 64 queries per block on the tensor cores (attention_mma.cu;
+ * chunks): two warps per query (one where a block of more than 8 queries has no room) take a
+ * tile of 32 keys, each its half (two lanes a key), with an online softmax on the CUDA cores
+ * (attn_kernel). Many queries with a BF16 arena and head_dim 64 or 128 (prefill): 64 queries
+ * per block on the tensor cores (attention_mma.cu;
  * backend_params.attn = BACKEND_ATTN_SIMPLE turns it off). With few blocks the key range is
  * split across blocks and the pieces are merged into the running state: by the last block of each
  * column to finish (CUDA cores, backend_params.fuse default), else by a second kernel. The keys of
@@ -19,13 +20,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Scores of one staged key row against the warp's query (both in shared memory). */
-static __device__ __forceinline__ float qk_dot(const float *q, const unsigned char *krow, uint32_t hd, __nv_bfloat16)
+/* The part of a staged key row's score against the warp's query (both in shared memory) that
+ * 16-byte chunks [c0, c1) of the row hold. */
+static __device__ __forceinline__ float qk_dot(const float *q, const unsigned char *krow, uint32_t c0, uint32_t c1,
+					       __nv_bfloat16)
 {
 	const uint4 *k = (const uint4 *)krow;
 	const float4 *qv = (const float4 *)q;
 	float s0 = 0, s1 = 0;
-	for (uint32_t c = 0; c < hd / 8; c++) {
+	for (uint32_t c = c0; c < c1; c++) {
 		uint4 kv = k[c];
 		float4 qa = qv[2 * c], qb = qv[2 * c + 1];
 		const __nv_bfloat162 *kp = reinterpret_cast<const __nv_bfloat162 *>(&kv);
@@ -42,12 +45,13 @@ static __device__ __forceinline__ float qk_dot(const float *q, const unsigned ch
 	return s0 + s1;
 }
 
-static __device__ __forceinline__ float qk_dot(const float *q, const unsigned char *krow, uint32_t hd, float)
+static __device__ __forceinline__ float qk_dot(const float *q, const unsigned char *krow, uint32_t c0, uint32_t c1,
+					       float)
 {
 	const float4 *k = (const float4 *)krow;
 	const float4 *qv = (const float4 *)q;
 	float s0 = 0, s1 = 0;
-	for (uint32_t c = 0; c < hd / 4; c++) {
+	for (uint32_t c = c0; c < c1; c++) {
 		float4 kv = k[c], qa = qv[c];
 		s0 = fmaf(qa.x, kv.x, s0);
 		s1 = fmaf(qa.y, kv.y, s1);
@@ -73,74 +77,92 @@ size_t attn_smem_bytes(uint32_t hd, size_t esize, uint32_t nw)
 	       ATTN_TILE * hd * esize + (size_t)nw * hd * sizeof(float);
 }
 
-/* Folds the splits' partial states of one (token, head) pair into its running state: one warp;
- * the partials (written by other blocks) read past L1. Lane i reads the maxima and sums of splits
- * i, i + 32, and their weights exp(m_s - max) are computed once, in parallel; lane i then takes
- * dims 4 i .. 4 i + 3 of each 128, whose accumulators' loads go out MERGE_BATCH splits at a time
- * before any is used: the merge costs a few memory round trips, not one per split and dimension.
- * The float32 operations and their order are attn_combine_kernel's (a serial merge's). */
-#define MERGE_BATCH 16
+/* Folds the splits' partial states of one (token, head) pair into its running state: the kw
+ * warps of the pair's query, warp wk taking the head's 64-dim chunks j = wk, wk + kw, ... (lane i
+ * dims 64 j + 2 i and + 1); the partials (written by other blocks) read past L1. Every load of a
+ * warp (the running state, the splits' maxima and sums, lane i those of splits i and i + 32, and
+ * its dims' accumulators of up to MERGE_BATCH splits) goes out before any is used: one memory
+ * round trip where the splits are at most MERGE_BATCH and the head at most 64 kw dims. The
+ * weights exp(m_s - max) are computed once, in parallel. The float32 operations and their order
+ * are attn_combine_kernel's (a serial merge's). Every thread of the block calls it (active: its
+ * warp serves a pair); the pair's m and l are written after a barrier, when every warp of the
+ * pair has read them. */
+#define MERGE_BATCH 24
 static_assert(ATTN_MAX_SPLITS <= 64, "a lane reads the state of two splits at most");
-static __device__ __noinline__ void merge_splits(const attn_args &a, size_t pair, uint32_t splits, uint32_t lane)
+template <int NJ>
+static __device__ __noinline__ void merge_splits(const attn_args &a, size_t pair, uint32_t splits, bool active,
+						 uint32_t wk, uint32_t kw, uint32_t lane)
 {
 	const size_t pairs = (size_t)a.n * a.n_heads;
 	const uint32_t hd = a.head_dim;
-	const float M = a.m[pair], L0 = a.l[pair];
-	float ms[2], ls[2], ws[2];
-	float mx = M;
+	float mx = -INFINITY, L = 0.0f;
+	bool seen = false;
+	if (active) {
+		const float M = a.m[pair], L0 = a.l[pair];
+		float ms[2], ls[2], ws[2] = {0.0f, 0.0f}, wM = 0.0f;
 #pragma unroll
-	for (int i = 0; i < 2; i++) {
-		const uint32_t s = lane + 32 * i;
-		ms[i] = s < splits ? __ldcg(a.pm + s * pairs + pair) : -INFINITY;
-		ls[i] = s < splits ? __ldcg(a.pl + s * pairs + pair) : 0.0f;
-		mx = fmaxf(mx, ms[i]);
-	}
-	mx = warp_max(mx);
-	if (mx == -INFINITY)
-		return; /* nothing seen yet, nothing new (the same in every lane) */
-	const float wM = M == -INFINITY ? 0.0f : expf(M - mx);
-#pragma unroll
-	for (int i = 0; i < 2; i++)
-		ws[i] = ms[i] != -INFINITY ? expf(ms[i] - mx) : 0.0f;
-	float L = L0 * wM;
-	/* 128 dims at a time (head_dim is a multiple of 8: a lane's 4 dims are in or out together). */
-	for (uint32_t d0 = 0; d0 < hd; d0 += 128) {
-		const uint32_t d = d0 + 4 * lane;
-		const bool in = d < hd;
-		float4 v = in ? *(const float4 *)(a.acc + pair * hd + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-		v.x *= wM;
-		v.y *= wM;
-		v.z *= wM;
-		v.w *= wM;
-		for (uint32_t s0 = 0; s0 < splits; s0 += MERGE_BATCH) {
-			float4 pv[MERGE_BATCH];
-#pragma unroll
-			for (uint32_t i = 0; i < MERGE_BATCH; i++)
-				pv[i] = s0 + i < splits && in
-						? __ldcg((const float4 *)(a.pacc + ((s0 + i) * pairs + pair) * hd + d))
-						: make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-			for (uint32_t i = 0; i < MERGE_BATCH; i++) {
-				const uint32_t s = s0 + i; /* the same in every lane */
-				if (s >= splits)
-					break;
-				const float m_s = __shfl_sync(0xffffffffu, s < 32 ? ms[0] : ms[1], s & 31);
-				const float w_s = __shfl_sync(0xffffffffu, s < 32 ? ws[0] : ws[1], s & 31);
-				const float l_s = __shfl_sync(0xffffffffu, s < 32 ? ls[0] : ls[1], s & 31);
-				if (m_s == -INFINITY)
-					continue;
-				v.x = fmaf(pv[i].x, w_s, v.x);
-				v.y = fmaf(pv[i].y, w_s, v.y);
-				v.z = fmaf(pv[i].z, w_s, v.z);
-				v.w = fmaf(pv[i].w, w_s, v.w);
-				if (d0 == 0) /* the sum once */
-					L = fmaf(l_s, w_s, L);
-			}
+		for (int i = 0; i < 2; i++) {
+			const uint32_t s = lane + 32 * i;
+			ms[i] = s < splits ? __ldcg(a.pm + s * pairs + pair) : -INFINITY;
+			ls[i] = s < splits ? __ldcg(a.pl + s * pairs + pair) : 0.0f;
 		}
-		if (in)
-			*(float4 *)(a.acc + pair * hd + d) = v;
+		bool weighed = false, sum = true; /* the sum L in the warp's first chunk */
+		for (uint32_t j = wk; j < NJ; j += kw) {
+			const uint32_t d = 64 * j + 2 * lane;
+			const bool in = d < hd;
+			float2 v = in ? *(const float2 *)(a.acc + pair * hd + d) : make_float2(0.0f, 0.0f);
+			for (uint32_t s0 = 0; s0 < splits; s0 += MERGE_BATCH) {
+				float2 pv[MERGE_BATCH];
+#pragma unroll
+				for (uint32_t i = 0; i < MERGE_BATCH; i++)
+					pv[i] = s0 + i < splits && in
+							? __ldcg((const float2 *)(a.pacc + ((s0 + i) * pairs + pair) * hd + d))
+							: make_float2(0.0f, 0.0f);
+				if (!weighed) {
+					mx = M;
+#pragma unroll
+					for (int i = 0; i < 2; i++)
+						mx = fmaxf(mx, ms[i]);
+					mx = warp_max(mx);
+					seen = mx != -INFINITY; /* else nothing seen yet, nothing new */
+					wM = M == -INFINITY ? 0.0f : expf(M - mx);
+#pragma unroll
+					for (int i = 0; i < 2; i++)
+						ws[i] = ms[i] != -INFINITY ? expf(ms[i] - mx) : 0.0f;
+					L = L0 * wM;
+					weighed = true;
+				}
+				if (!seen)
+					break;
+				if (s0 == 0) {
+					v.x *= wM;
+					v.y *= wM;
+				}
+#pragma unroll
+				for (uint32_t i = 0; i < MERGE_BATCH; i++) {
+					const uint32_t s = s0 + i; /* the same in every lane */
+					if (s >= splits)
+						break;
+					const float m_s = __shfl_sync(0xffffffffu, s < 32 ? ms[0] : ms[1], s & 31);
+					const float w_s = __shfl_sync(0xffffffffu, s < 32 ? ws[0] : ws[1], s & 31);
+					const float l_s = __shfl_sync(0xffffffffu, s < 32 ? ls[0] : ls[1], s & 31);
+					if (m_s == -INFINITY)
+						continue;
+					v.x = fmaf(pv[i].x, w_s, v.x);
+					v.y = fmaf(pv[i].y, w_s, v.y);
+					if (sum)
+						L = fmaf(l_s, w_s, L);
+				}
+			}
+			if (!seen)
+				break;
+			sum = false;
+			if (in)
+				*(float2 *)(a.acc + pair * hd + d) = v;
+		}
 	}
-	if (lane == 0) {
+	__syncthreads();
+	if (active && seen && wk == 0 && lane == 0) {
 		a.m[pair] = mx;
 		a.l[pair] = L;
 	}
@@ -257,26 +279,36 @@ static __device__ __forceinline__ void tile_load(const attn_args &a, const uint6
 	}
 }
 
-/* grid (n_kv_heads * qtiles, splits), blockDim.x / 32 warps. Block (g, qt) serves the queries
- * (token t, head g * group + j) numbered t * group + j in [qt * warps, (qt + 1) * warps), one
- * warp each; split s covers flattened keys [s * keys_per_split, (s + 1) * keys_per_split). Lane
- * d of a warp holds dims 2d, 2d + 1 of each 64 of the accumulator. */
-template <typename KT, int NJ>
+/* grid (n_kv_heads * qtiles, splits), blockDim.x / 32 = nw * kw warps (kw = a.key_warps, 1 or 2).
+ * Block (g, qt) serves the queries (token t, head g * group + j) numbered t * group + j in
+ * [qt * nw, (qt + 1) * nw), kw warps each: warp w serves query w % nw and takes the tile's keys
+ * [(w / nw) * 32 / kw, +32 / kw), a key's score from kw lanes (each the dot product of a share of
+ * head_dim's 16-byte chunks, added by a shuffle); the kw warps keep their own running states,
+ * merged in shared memory at the end. Split s covers flattened keys [s * keys_per_split,
+ * (s + 1) * keys_per_split). Lane d of a warp holds dims 2d, 2d + 1 of each 64 of the
+ * accumulator. */
+template <typename KT, int NJ, int KW>
 __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_constant__ attn_args a)
 {
 	extern __shared__ __align__(16) unsigned char smem[];
 	__shared__ uint32_t s_cursor;
 	__shared__ int s_any;
-	const uint32_t nw = blockDim.x / 32, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+	constexpr uint32_t kw = KW, kpw = ATTN_TILE / KW; /* a.key_warps; keys a warp takes of a tile */
+	const uint32_t nw = blockDim.x / 32 / kw, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+	const uint32_t wq = w % nw, wk = w / nw; /* the warp's query and its share of the keys */
+	const uint32_t kl = lane % kpw, part = lane / kpw;
 	const uint32_t g = blockIdx.x / a.qtiles, qt = blockIdx.x % a.qtiles, split = blockIdx.y;
 	const uint32_t hd = a.head_dim;
 	const size_t krow_bytes = hd * sizeof(KT) + 16, vrow_bytes = hd * sizeof(KT); /* +16: no bank conflicts */
+	/* The lane's chunks of a key row for its score: [c0, c1) of hd / (16 / sizeof(KT)). */
+	const uint32_t chunks = hd * sizeof(KT) / 16, per = (chunks + kw - 1) / kw;
+	const uint32_t c0 = min(chunks, part * per), c1 = min(chunks, c0 + per);
 
 	uint64_t *koff = (uint64_t *)smem;			/* (TILE) element offset of each key's K row */
 	uint32_t *kpos = (uint32_t *)(koff + ATTN_TILE);	/* (TILE) its position, UINT32_MAX: none */
 	unsigned char *ks = (unsigned char *)(kpos + ATTN_TILE); /* (TILE, krow_bytes) */
 	unsigned char *vs = ks + ATTN_TILE * krow_bytes;	/* (TILE, vrow_bytes) */
-	float *qs = (float *)(vs + ATTN_TILE * vrow_bytes);	/* (warps, hd) */
+	float *qs = (float *)(vs + ATTN_TILE * vrow_bytes);	/* (nw, hd) */
 
 	/* The span list: in the parameters (decode) or uploaded. The spans of the block's keys are
 	 * copied into shared memory (the searches below index them at run time: from the parameters
@@ -333,12 +365,12 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	uint32_t qlo, qhi;
 	block_positions(a, qt, nw, pairs_g, pos0, &qlo, &qhi);
 
-	const uint32_t lp = lp0 + w;
+	const uint32_t lp = lp0 + wq;
 	const bool active = lp < pairs_g;
 	const uint32_t t = active ? lp / a.group : 0, h = g * a.group + (active ? lp % a.group : 0);
 	const uint32_t qpos = pos0 + t;
 	const size_t pair = (size_t)(row0 + t) * a.n_heads + h;
-	float *qw = qs + (size_t)w * hd;
+	float *qw = qs + (size_t)wq * hd;
 	float m = -INFINITY, l = 0.0f;
 	/* The lane's dimensions: 2 lane, 2 lane + 1 of each 64 (NJ of them cover head_dim), those
 	 * below head_dim (all of them where it is a multiple of 64). */
@@ -349,8 +381,10 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 		acc[j] = make_float2(0.0f, 0.0f);
 		dim_in[j] = 64 * j + 2 * lane < hd;
 	}
-	if (active) {
-		/* The query's loads all go out before any is stored (one memory round trip). */
+	/* The query, loaded by the first of its warps: its loads all go out before any is stored (one
+	 * memory round trip). (Loading this call's keys of the first tile in the same round trip
+	 * measured no faster: docs/design.md.) */
+	if (active && wk == 0) {
 		const float *qg = a.q + (size_t)(row0 + t) * a.q_ld + (size_t)h * hd;
 		float qv[2 * NJ];
 #pragma unroll
@@ -361,6 +395,7 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 			if (32 * j + lane < hd)
 				qw[32 * j + lane] = qv[j];
 		if (!a.pm) {
+			/* The running state goes on in the first of the query's warps. */
 			m = a.m[pair];
 			l = a.l[pair];
 #pragma unroll
@@ -375,6 +410,8 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 		s_cursor = first;
 	__syncthreads();
 
+	/* The lane's V pair of a row: its address once, a row's j-th 64 dims 64 elements on. */
+	const unsigned char *vlane = vs + 2 * lane * sizeof(KT) + (size_t)wk * kpw * vrow_bytes;
 	for (uint32_t kb = k0; kb < k1; kb += ATTN_TILE) {
 		const bool pre = early && kb == k0; /* its keys indexed, the older ones loaded */
 		if (w == 0 && !pre)
@@ -385,30 +422,29 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 			tile_load<KT>(a, koff, kpos, ks, vs, krow_bytes, vrow_bytes, pre ? pos0 : 0u, UINT32_MAX);
 		__syncthreads();
 		if (any && active) {
-			uint32_t pos = kpos[lane];
-			bool vis = pos <= qpos && (a.window == 0 || qpos - pos < a.window);
-			float sc = -INFINITY;
-			if (vis)
-				sc = qk_dot(qw, ks + lane * krow_bytes, hd, KT()) * a.scale;
+			const uint32_t r = wk * kpw + kl; /* the lane's key of the tile */
+			const uint32_t pos = kpos[r];
+			const bool vis = pos <= qpos && (a.window == 0 || qpos - pos < a.window);
+			float sc = vis ? qk_dot(qw, ks + r * krow_bytes, c0, c1, KT()) : 0.0f;
+			if (kw == 2) /* the key's two lanes: the same sum in both */
+				sc += __shfl_xor_sync(0xffffffffu, sc, 16);
+			sc = vis ? sc * a.scale : -INFINITY;
 			float tmax = warp_max(sc);
 			if (tmax != -INFINITY) {
 				float mnew = fmaxf(m, tmax);
 				float corr = expf(m - mnew); /* m = -inf at first: 0 */
 				float pr = vis ? expf(sc - mnew) : 0.0f;
-				l = l * corr + warp_sum(pr);
+				l = l * corr + warp_sum(part == 0 ? pr : 0.0f);
 #pragma unroll
 				for (int j = 0; j < NJ; j++) {
 					acc[j].x *= corr;
 					acc[j].y *= corr;
 				}
-				/* The lane's pair of each V row: its address once, a row's j-th 64 dims
-				 * 64 elements on (no per-key address or bound arithmetic). */
-				const unsigned char *vlane = vs + 2 * lane * sizeof(KT);
-				for (uint32_t r = 0; r < ATTN_TILE; r++) {
-					float pj = __shfl_sync(0xffffffffu, pr, r);
+				for (uint32_t rr = 0; rr < kpw; rr++) {
+					float pj = __shfl_sync(0xffffffffu, pr, rr);
 					if (pj == 0.0f)
 						continue;
-					const unsigned char *vrow = vlane + r * vrow_bytes;
+					const unsigned char *vrow = vlane + rr * vrow_bytes;
 #pragma unroll
 					for (int j = 0; j < NJ; j++) {
 						if (dim_in[j]) {
@@ -424,6 +460,40 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 		__syncthreads();
 	}
 
+	/* The second warp of each query hands its state to the first through shared memory (the
+	 * key tile's, no longer read): (nw, 2 + hd) floats. */
+	if (kw == 2) {
+		float *st = (float *)ks + (size_t)wq * (hd + 2);
+		if (active && wk == 1) {
+			if (lane == 0) {
+				st[0] = m;
+				st[1] = l;
+			}
+#pragma unroll
+			for (int j = 0; j < NJ; j++)
+				if (dim_in[j])
+					*(float2 *)(st + 2 + 64 * j + 2 * lane) = acc[j];
+		}
+		__syncthreads();
+		if (active && wk == 0) {
+			const float m1 = st[0], l1 = st[1], mx = fmaxf(m, m1);
+			if (mx != -INFINITY) {
+				const float w0 = m == -INFINITY ? 0.0f : expf(m - mx);
+				const float w1 = m1 == -INFINITY ? 0.0f : expf(m1 - mx);
+				l = fmaf(l1, w1, l * w0);
+#pragma unroll
+				for (int j = 0; j < NJ; j++) {
+					if (dim_in[j]) {
+						const float2 o = *(const float2 *)(st + 2 + 64 * j + 2 * lane);
+						acc[j].x = fmaf(o.x, w1, acc[j].x * w0);
+						acc[j].y = fmaf(o.y, w1, acc[j].y * w0);
+					}
+				}
+				m = mx;
+			}
+		}
+	}
+
 	float *om = a.m, *ol = a.l, *oacc = a.acc;
 	size_t slot = pair;
 	if (a.pm) {
@@ -432,7 +502,7 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 		oacc = a.pacc;
 		slot = (size_t)split * a.n * a.n_heads + pair;
 	}
-	if (active) {
+	if (active && wk == 0) {
 		if (lane == 0) {
 			om[slot] = m;
 			ol[slot] = l;
@@ -461,8 +531,7 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	__threadfence();
 	if (threadIdx.x == 0)
 		a.merge_count[column] = 0;
-	if (active)
-		merge_splits(a, pair, gridDim.y, lane);
+	merge_splits<NJ>(a, pair, gridDim.y, active, wk, kw, lane);
 }
 
 /* Folds the splits' partial states into the running state: one block per (token, head), a
@@ -525,13 +594,19 @@ __global__ void __launch_bounds__(COMBINE_THREADS) attn_combine_kernel(float *m,
 }
 /* ---- host ---------------------------------------------------------------------------------- */
 
+template <typename KT, int NJ> static cudaError_t allow_nj(size_t bytes)
+{
+	cudaError_t e = cudaFuncSetAttribute(attn_kernel<KT, NJ, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+					     (int)bytes);
+	if (e == cudaSuccess)
+		e = cudaFuncSetAttribute(attn_kernel<KT, NJ, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+	return e;
+}
+
 template <typename KT> static cudaError_t allow_kt(size_t bytes)
 {
 	cudaError_t e;
-	if ((e = cudaFuncSetAttribute(attn_kernel<KT, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes)) ||
-	    (e = cudaFuncSetAttribute(attn_kernel<KT, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes)) ||
-	    (e = cudaFuncSetAttribute(attn_kernel<KT, MAX_HEAD_DIM / 64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)bytes)))
+	if ((e = allow_nj<KT, 1>(bytes)) || (e = allow_nj<KT, 2>(bytes)) || (e = allow_nj<KT, MAX_HEAD_DIM / 64>(bytes)))
 		return e;
 	return cudaSuccess;
 }
@@ -541,25 +616,38 @@ cudaError_t attn_allow_smem(uint32_t kv_dtype, size_t bytes)
 	return kv_dtype == DT_BF16 ? allow_kt<__nv_bfloat16>(bytes) : allow_kt<float>(bytes);
 }
 
+template <typename KT, int NJ>
+static void launch_nj(const struct backend_dev *be, const attn_args &a, dim3 grid, uint32_t threads, size_t smem)
+{
+	if (a.key_warps == 2)
+		launch_k(be->pdl, attn_kernel<KT, NJ, 2>, grid, threads, smem, be->stream, a);
+	else
+		launch_k(be->pdl, attn_kernel<KT, NJ, 1>, grid, threads, smem, be->stream, a);
+}
+
 /* attn_kernel for the arena's dtype and head_dim's chunks of 64 dimensions (1, 2, or up to
- * MAX_HEAD_DIM / 64: the lanes' accumulators and loops are those a head needs). */
-static void attn_launch(const struct backend_dev *be, const attn_args &a, dim3 grid, uint32_t threads, size_t smem)
+ * MAX_HEAD_DIM / 64: the lanes' accumulators and loops are those a head needs), nw queries a
+ * block: two warps each where the block has room (be->attn_key_warps), else one. */
+static void attn_launch(const struct backend_dev *be, attn_args &a, dim3 grid, uint32_t nw)
 {
 	const uint32_t hd = be->cfg.head_dim;
+	a.key_warps = be->attn_key_warps == 2 && 2 * nw <= ATTN_MAX_WARPS ? 2 : 1;
+	const uint32_t threads = nw * a.key_warps * 32;
+	const size_t smem = attn_smem_bytes(hd, be->kv_esize, nw);
 	if (be->p.kv_dtype == DT_BF16) {
 		if (hd <= 64)
-			launch_k(be->pdl, attn_kernel<__nv_bfloat16, 1>, grid, threads, smem, be->stream, a);
+			launch_nj<__nv_bfloat16, 1>(be, a, grid, threads, smem);
 		else if (hd <= 128)
-			launch_k(be->pdl, attn_kernel<__nv_bfloat16, 2>, grid, threads, smem, be->stream, a);
+			launch_nj<__nv_bfloat16, 2>(be, a, grid, threads, smem);
 		else
-			launch_k(be->pdl, attn_kernel<__nv_bfloat16, MAX_HEAD_DIM / 64>, grid, threads, smem, be->stream, a);
+			launch_nj<__nv_bfloat16, MAX_HEAD_DIM / 64>(be, a, grid, threads, smem);
 	} else {
 		if (hd <= 64)
-			launch_k(be->pdl, attn_kernel<float, 1>, grid, threads, smem, be->stream, a);
+			launch_nj<float, 1>(be, a, grid, threads, smem);
 		else if (hd <= 128)
-			launch_k(be->pdl, attn_kernel<float, 2>, grid, threads, smem, be->stream, a);
+			launch_nj<float, 2>(be, a, grid, threads, smem);
 		else
-			launch_k(be->pdl, attn_kernel<float, MAX_HEAD_DIM / 64>, grid, threads, smem, be->stream, a);
+			launch_nj<float, MAX_HEAD_DIM / 64>(be, a, grid, threads, smem);
 	}
 }
 
@@ -711,7 +799,7 @@ static int attention_rows(struct backend_dev *be, const struct kv_span *spans, u
 		attn_mma_launch(hd, a, grid, be->stream);
 		LAUNCHED(be, "attn_mma_kernel");
 	} else {
-		attn_launch(be, a, grid, nw * 32, attn_smem_bytes(hd, be->kv_esize, nw));
+		attn_launch(be, a, grid, nw);
 		LAUNCHED(be, "attn_kernel");
 		be->early_kv_launches += a.early_keys && a.inline_spans;
 	}
@@ -855,7 +943,7 @@ static int flush_held(struct backend_dev *be)
 	a.pacc = be->pacc;
 	a.merge_count = splits > 1 ? be->attn_count : NULL;
 	dim3 grid(base, splits, ns);
-	attn_launch(be, a, grid, nw * 32, attn_smem_bytes(hd, be->kv_esize, nw));
+	attn_launch(be, a, grid, nw);
 	LAUNCHED(be, "attn_kernel (several sequences)");
 	return 0;
 }

@@ -852,7 +852,8 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->dq_sm = be->qgemv_dp4a && p->gemv != BACKEND_GEMV_DP4A_REGS;
 	be->attn_mma = p->attn != BACKEND_ATTN_SIMPLE;
 	be->fuse_x = p->fuse != BACKEND_FUSE_NONE;
-	be->early_kv = p->fuse == BACKEND_FUSE_DEFAULT;
+	be->early_kv = p->fuse == BACKEND_FUSE_DEFAULT || p->fuse == BACKEND_FUSE_ONE_KEY_WARP;
+	be->attn_key_warps = p->fuse == BACKEND_FUSE_ONE_KEY_WARP ? 1 : 2;
 
 	rc = create_device(be);
 	if (rc == 0)

@@ -132,6 +132,7 @@ struct backend_dev {
 	bool pdl;		/* kernels of a step launch with programmatic dependent launch (launch_k) */
 	bool fuse_x;		/* one-token integer products compute their x while staging it (struct xsrc) */
 	bool early_kv;		/* attn_args.early_keys where the keys are settled (backend_params.fuse) */
+	uint32_t attn_key_warps; /* attn_kernel's warps a query where the block has room (backend_params.fuse) */
 	uint32_t leave_out;	/* enum cuda_test_part: kernels one-token steps leave out (timing only) */
 	uint64_t early_kv_launches; /* attn_kernel launches with early_keys and inline spans (tests) */
 	bool kv_synced;		/* the host waited for the stream since the step began (finish_step) */
@@ -513,6 +514,7 @@ struct attn_args {
 	uint32_t inline_spans;	/* 1: spans and prefix are the copies below (attn_kernel only) */
 	uint32_t early_keys;	/* 1: keys below pos0 are settled (backend_dev.kv_settled): attn_kernel may
 				 * load them before it waits for the kernel before */
+	uint32_t key_warps;	/* attn_kernel: warps a query (1 or 2), each taking its share of a tile's keys */
 	struct kv_span span_in[ATTN_INLINE_SPANS];
 	uint32_t prefix_in[ATTN_INLINE_SPANS + 1];
 	uint32_t n_spans, total_keys, keys_per_split;

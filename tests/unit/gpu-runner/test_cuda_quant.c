@@ -26,7 +26,9 @@
  *    the C reference; and ROPE_ADJACENT on wq/wk rows permuted as GGUF stores them equals
  *    ROPE_HALVES on the original rows (1e-3), on both backends.
  *  - decode attention with the keys of earlier steps loaded before the wait for the kernel before
- *    (the default) and after it (BACKEND_FUSE_LATE_KV): the same logits, bit for bit.
+ *    (the default) and after it (BACKEND_FUSE_LATE_KV): the same logits, bit for bit; with one
+ *    warp a query (BACKEND_FUSE_ONE_KEY_WARP, not two): within the forward bound of the C
+ *    reference and TOL_PERMUTED of the default (q.k summed in another order).
  *  - bench-kernels' hook that leaves kernels out of one-token steps: the attention left out changes
  *    the logits, nothing left out gives them back bit for bit.
  *  - embedding rows of every format: the residual stream equals the float32 dequantized rows,
@@ -719,6 +721,23 @@ static void check_forward(uint32_t head_dim, uint32_t layout, bool tied, const c
 	ck_assert_msg(memcmp(got_late, got_dp, (size_t)RUNS * c.vocab_size * sizeof(float)) == 0,
 		      "forward pass, %s, dp4a: keys loaded before the wait give other logits than after it "
 		      "(relative L2 %.3e)", what, worst_step(got_late, got_dp, c.vocab_size));
+	/* One warp a query in the decode attention (a tile's keys all scored by one warp, not half
+	 * each by two whose states merge): another float32 order, the same bounds against the C
+	 * reference. */
+	open_fuse = BACKEND_FUSE_ONE_KEY_WARP;
+	float *got_one = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+	open_fuse = BACKEND_FUSE_DEFAULT;
+	e = worst_step(got_one, want, c.vocab_size);
+	snprintf(line, sizeof(line), "forward, %s, dp4a, one attention warp a query", what);
+	report(line, e);
+	ck_assert_msg(e <= TOL_FORWARD, "forward pass, %s, dp4a, one attention warp a query: relative L2 error %.3e "
+		      "of the logits against the C reference (bound %g)", what, e, TOL_FORWARD);
+	e = worst_step(got_one, got_dp, c.vocab_size);
+	snprintf(line, sizeof(line), "forward, %s, dp4a, one against two attention warps a query", what);
+	report(line, e);
+	ck_assert_msg(e <= TOL_PERMUTED, "forward pass, %s, dp4a: one attention warp a query differs from two by "
+		      "%.3e (bound %g)", what, e, TOL_PERMUTED);
+	free(got_one);
 	free(got_late);
 	free(got_plain);
 	free(got_dp);
