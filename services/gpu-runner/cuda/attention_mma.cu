@@ -1,7 +1,7 @@
 /* attention_mma.cu - prefill attention on the tensor cores: 64 queries per block (16 per warp),
  * 64 keys per staged tile, BF16 K and V from the arena, mma.sync m16n8k16 with float32
  * accumulation, the same online softmax and causal / sliding-window mask as attn_kernel
- * (attention.cu). For head_dim 64 and 128. */
+ * (attention_fp32.cu). For head_dim 64 and 128. */
 #include "services/gpu-runner/cuda/attention.cuh"
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"

@@ -12,7 +12,9 @@
  *   gemv_dp4a.cuh     the one-token integer path of gemv_quant.cu (x as int8, __dp4a): Q4_K, Q6_K, Q8_0
  *   quant.cuh         device reads and exact dequantization of the block formats
  *   norm_rope.cu      embedding widening, RMSNorm, RoPE and the KV row writes, SiLU * up
- *   attention.cu      attention over KV spans on the CUDA cores, the split merge, attn_end's output
+ *   attention.cu      attention over KV spans: the kernel and key splits of a call, span lists,
+ *                     several sequences' decode in one launch, attn_end's output
+ *   attention_fp32.cu attention of few queries on the CUDA cores in float32 (decode), the split merge
  *   attention_mma.cu  prefill attention on the tensor cores (BF16 KV)
  *   sampling.cu       argmax and the sampler on the device
  *   kv_copy.cu        KV arena copies to and from host memory, write-behind and read-ahead streams
@@ -494,7 +496,7 @@ void add_launch(float *x, const float *y, size_t count, cudaStream_t s);
 /* SiLU(gate) * up of the cuBLAS path ((n, 2 * ffn) float32) into out in dtype ot. */
 void silu_mul_launch(uint32_t ot, const float *gu, uint32_t ffn, size_t count, void *out, cudaStream_t s);
 
-/* ---- attention.cu, attention_mma.cu -------------------------------------------------------- */
+/* ---- attention.cu, attention_fp32.cu, attention_mma.cu ------------------------------------- */
 
 /* One sequence's run of rows in a launch over several (attn_args.seqs): its spans are
  * spans[span0, span0 + n_spans), their key offsets prefix[prefix0, prefix0 + n_spans]. */
@@ -529,10 +531,15 @@ struct attn_args {
 	const struct attn_seq *seqs;
 };
 
-/* Bytes of dynamic shared memory of an attention block of nw warps. */
+/* attention_fp32.cu: bytes of dynamic shared memory of an attention block of nw queries. */
 size_t attn_smem_bytes(uint32_t hd, size_t esize, uint32_t nw);
 /* Lets the attention kernel of kv_dtype use `bytes` of dynamic shared memory. */
 cudaError_t attn_allow_smem(uint32_t kv_dtype, size_t bytes);
+/* attn_kernel on grid for nw queries a block (sets a.key_warps). */
+void attn_launch(const struct backend_dev *be, attn_args &a, dim3 grid, uint32_t nw);
+/* attn_combine_kernel: the splits' partial states (be->pm, pl, pacc) of `pairs` (token, head)
+ * pairs merged into the running state m, l, acc. */
+void attn_combine_launch(const struct backend_dev *be, uint32_t pairs, uint32_t splits, float *m, float *l, float *acc);
 /* attn_blocks: the spans up, the key range split over blocks, the kernels queued. */
 int attention_blocks(struct backend_dev *be, const struct kv_span *spans, uint32_t n_spans);
 /* Launches the decode attention attention_blocks has held back (the one-row runs of a step of
