@@ -1,4 +1,4 @@
-/* attention.cuh - device code both attention kernels (attention.cu, attention_mma.cu) share. */
+/* attention.cuh - device code the attention kernels (attention_fp32.cu, attention_mma.cu) may share. */
 #ifndef GPU_RUNNER_CUDA_ATTENTION_CUH
 #define GPU_RUNNER_CUDA_ATTENTION_CUH
 #include "services/gpu-runner/cuda/cuda_internal.h"

@@ -39,12 +39,13 @@
  * (token, query head), kept in device memory between calls, so spans may come in any order and
  * in pieces. A block serves queries that share one KV head (GQA) and stages the keys (K and V)
  * a tile at a time in shared memory; tiles no query of the block may see (causal mask, sliding
- * window) are skipped. Few queries (decode, small chunks): one warp per query scores 32 keys at
- * a time (one key per lane) with an online softmax on the CUDA cores (attn_kernel). Many
- * queries with a BF16 arena and head_dim 64 or 128 (prefill): 64 queries per block on the
- * tensor cores (attn_mma_kernel; backend_params.attn = BACKEND_ATTN_SIMPLE turns it off). With few blocks the
- * key range is split across blocks and a second kernel merges the pieces into the running
- * state.
+ * window) are skipped. Few queries (decode, small chunks): two warps per query (one in blocks of
+ * more than 8 queries) take a tile of 32 keys, each its half, with an online softmax on the CUDA
+ * cores (attn_kernel, attention_fp32.cu). Many queries with a BF16 arena and head_dim 64 or 128
+ * (prefill): 64 queries per block on the tensor cores (attn_mma_kernel; backend_params.attn =
+ * BACKEND_ATTN_SIMPLE turns it off). With few blocks the key range is split across blocks and the
+ * pieces are merged into the running state by the last block of each column (or a second
+ * kernel).
  *
  * Chaining (backend_params.fuse; BACKEND_FUSE_NONE turns both off). The kernels of a step launch
  * with programmatic dependent launch (launch_k): each may start while the one before it ends, and
