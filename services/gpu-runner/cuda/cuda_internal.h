@@ -137,6 +137,7 @@ struct backend_dev {
 	uint32_t attn_key_warps; /* attn_kernel's warps a query where the block has room (backend_params.fuse) */
 	uint32_t leave_out;	/* enum cuda_test_part: kernels one-token steps leave out (timing only) */
 	uint64_t early_kv_launches; /* attn_kernel launches with early_keys and inline spans (tests) */
+	uint64_t two_warp_launches; /* attn_kernel launches with two warps a query (tests) */
 	bool kv_synced;		/* the host waited for the stream since the step began (finish_step) */
 	bool kv_settled;	/* ... before this step began: every KV row that earlier steps wrote is in
 				 * the arena, so a kernel may read those rows before it waits for the one

@@ -636,8 +636,9 @@ static void step(struct backend *be, const struct qmodel *m, bool device, const 
 #define STEPS (PROMPT + DECODE)
 #define RUNS (2 + DECODE) /* forward steps of the schedule */
 
-/* cuda_test_early_kv_launches of the last cuda backend run_schedule ran. */
-static int64_t last_early_kv;
+/* cuda_test_early_kv_launches and cuda_test_two_warp_launches of the last cuda backend
+ * run_schedule ran. */
+static int64_t last_early_kv, last_two_warp;
 
 /* The logits of every step of the schedule on backend `name` (cuda: device weights). */
 static float *run_schedule(const char *name, const struct qmodel *m, uint32_t gemv)
@@ -661,6 +662,8 @@ static float *run_schedule(const char *name, const struct qmodel *m, uint32_t ge
 		char err[200] = "";
 		last_early_kv = cuda_test_early_kv_launches(be, err, sizeof(err));
 		ck_assert_msg(last_early_kv >= 0, "%s", err);
+		last_two_warp = cuda_test_two_warp_launches(be, err, sizeof(err));
+		ck_assert_msg(last_two_warp >= 0, "%s", err);
 	}
 	backend_destroy(&be);
 	return out;
@@ -693,7 +696,7 @@ static void check_forward(uint32_t head_dim, uint32_t layout, bool tied, const c
 		      "reference (bound %g)", what, e, TOL_FORWARD);
 	/* The same with one-token products on the integer path (x as int8). */
 	float *got_dp = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
-	const int64_t early = last_early_kv;
+	const int64_t early = last_early_kv, two_warp = last_two_warp;
 	e = worst_step(got_dp, want, c.vocab_size);
 	snprintf(line, sizeof(line), "forward, %s, dp4a", what);
 	report(line, e);
@@ -727,6 +730,11 @@ static void check_forward(uint32_t head_dim, uint32_t layout, bool tied, const c
 	open_fuse = BACKEND_FUSE_ONE_KEY_WARP;
 	float *got_one = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
 	open_fuse = BACKEND_FUSE_DEFAULT;
+	/* Two warps a query in every decode layer by default (the prompt's chunks have 16 queries a
+	 * block: one warp each), none with BACKEND_FUSE_ONE_KEY_WARP. */
+	ck_assert_msg(two_warp == 2 * DECODE && last_two_warp == 0, "forward pass, %s: %lld attention launches "
+		      "with two warps a query by default (want %d), %lld with BACKEND_FUSE_ONE_KEY_WARP (want 0)",
+		      what, (long long)two_warp, 2 * DECODE, (long long)last_two_warp);
 	e = worst_step(got_one, want, c.vocab_size);
 	snprintf(line, sizeof(line), "forward, %s, dp4a, one attention warp a query", what);
 	report(line, e);
