@@ -194,12 +194,13 @@ struct runner {
 };
 
 /* The kernel choices of the CUDA runners a test opens (backend_params.gemv, .attn). */
-static uint32_t knob_gemv = BACKEND_GEMV_DEFAULT, knob_attn = BACKEND_ATTN_DEFAULT;
+static uint32_t knob_gemv = BACKEND_GEMV_DEFAULT, knob_attn = BACKEND_ATTN_DEFAULT, knob_fuse = BACKEND_FUSE_DEFAULT;
 
 static struct backend_params params(uint32_t max_chunk, uint32_t block_tokens, enum dtype kv)
 {
 	return (struct backend_params){.max_chunk = max_chunk, .block_tokens = block_tokens,
-				       .kv_dtype = kv, .threads = 1, .gemv = knob_gemv, .attn = knob_attn};
+				       .kv_dtype = kv, .threads = 1, .gemv = knob_gemv, .attn = knob_attn,
+				       .fuse = knob_fuse};
 }
 
 /* p.n_kv_blocks is set here: MAX_CTX positions per layer. */
@@ -619,6 +620,79 @@ START_TEST(test_attention_paths)
 	check_attn_paths(128, 2, 16, 0, "head_dim 128, gqa 4, chunks of 16 (split)");
 	check_attn_paths(64, 4, 96, 50, "head_dim 64, gqa 2, window 50");
 	check_attn_paths(128, 8, 100, 0, "head_dim 128, mha, chunks of 100");
+}
+END_TEST
+
+/* The CUDA-core attention with two warps a query (the default) and one (BACKEND_FUSE_ONE_KEY_WARP)
+ * over head dims that are not a multiple of 16 (a lane's share of a key row is uneven) and of 256
+ * (four chunks of 64 a lane), each with: decode in one split (no partial states), multi-head with
+ * the keys split and merged by the last block, 8 queries a KV head (16 warps a block) with a
+ * window over 5-token blocks, a window over 1-token blocks (many spans, uploaded), and BF16 KV
+ * without and with a window. */
+static void attn_shape_f32(uint32_t hd, uint32_t nh, uint32_t nkv, uint32_t window, uint32_t prompt, uint32_t chunk,
+			   uint32_t bt, const char *what)
+{
+	struct model_config c = base_cfg();
+	c.head_dim = hd;
+	c.n_heads = nh;
+	c.n_kv_heads = nkv;
+	c.sliding_window = window;
+	c.arch = window ? ARCH_MISTRAL : ARCH_LLAMA;
+	struct schedule s = DEFAULT_SCHED;
+	s.prompt = prompt;
+	s.chunk = chunk;
+	s.decode = 4;
+	s.block_tokens = bt;
+	s.decode_mode = SPANS_IN_ORDER;
+	check_f32(&c, &s, what);
+}
+
+static void attn_shape_bf16(uint32_t hd, uint32_t nh, uint32_t nkv, uint32_t window, uint32_t prompt, uint32_t chunk,
+			    const char *what)
+{
+	struct model_config c = base_cfg();
+	c.dim = 256;
+	c.ffn_dim = 512;
+	c.head_dim = hd;
+	c.n_heads = nh;
+	c.n_kv_heads = nkv;
+	c.sliding_window = window;
+	c.arch = window ? ARCH_MISTRAL : ARCH_LLAMA;
+	struct tmodel *m = model_new(&c, DT_BF16, 999 + hd);
+	struct schedule s = DEFAULT_SCHED;
+	s.prompt = prompt;
+	s.chunk = chunk;
+	s.decode = 4;
+	s.decode_mode = SPANS_IN_ORDER;
+	double e = compare(m, DT_BF16, &s, what);
+	ck_assert_msg(e < TOL_16, "%s: relative L2 error %.3e against the reference", what, e);
+	model_free(&m);
+}
+
+START_TEST(test_attention_warps_a_query)
+{
+	static const uint32_t hds[] = {40, 72, 256};
+	char w[160];
+	for (int f = 0; f < 2; f++) {
+		knob_fuse = f ? BACKEND_FUSE_ONE_KEY_WARP : BACKEND_FUSE_DEFAULT;
+		const char *how = f ? "one warp a query" : "two warps a query";
+		for (unsigned i = 0; i < sizeof(hds) / sizeof(hds[0]); i++) {
+			uint32_t hd = hds[i];
+			snprintf(w, sizeof(w), "head_dim %u, gqa 2, one split, %s", hd, how);
+			attn_shape_f32(hd, 4, 2, 0, 45, 16, 16, w);
+			snprintf(w, sizeof(w), "head_dim %u, mha, 400 keys split, %s", hd, how);
+			attn_shape_f32(hd, 4, 4, 0, 400, 64, 16, w);
+			snprintf(w, sizeof(w), "head_dim %u, gqa 8, window 20, blocks of 5, %s", hd, how);
+			attn_shape_f32(hd, 8, 1, 20, 200, 32, 5, w);
+			snprintf(w, sizeof(w), "head_dim %u, gqa 4, window 9, blocks of 1, %s", hd, how);
+			attn_shape_f32(hd, 8, 2, 9, 150, 4, 1, w);
+			snprintf(w, sizeof(w), "head_dim %u, gqa 2, %s", hd, how);
+			attn_shape_bf16(hd, 8, 4, 0, 300, 32, w);
+			snprintf(w, sizeof(w), "head_dim %u, gqa 8, window 33, %s", hd, how);
+			attn_shape_bf16(hd, 8, 1, 33, 300, 6, w);
+		}
+	}
+	knob_fuse = BACKEND_FUSE_DEFAULT;
 }
 END_TEST
 
@@ -1161,6 +1235,11 @@ static Suite *cuda_suite(void)
 	tc = tcase_create("split_attention");
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, test_split_attention);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("attention_warps");
+	tcase_set_timeout(tc, 300);
+	tcase_add_test(tc, test_attention_warps_a_query);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("half");
