@@ -165,8 +165,7 @@ static int attention_rows(struct backend_dev *be, const struct kv_span *spans, u
 		attn_mma_launch(hd, a, grid, be->stream);
 		LAUNCHED(be, "attn_mma_kernel");
 	} else {
-		attn_launch(be, a, grid, nw);
-		be->two_warp_launches += a.key_warps == 2;
+		be->two_warp_launches += attn_launch(be, a, grid, nw) == 2;
 		LAUNCHED(be, "attn_kernel");
 		be->early_kv_launches += a.early_keys && a.inline_spans;
 	}
@@ -309,8 +308,7 @@ static int flush_held(struct backend_dev *be)
 	a.pacc = be->pacc;
 	a.merge_count = splits > 1 ? be->attn_count : NULL;
 	dim3 grid(base, splits, ns);
-	attn_launch(be, a, grid, nw);
-	be->two_warp_launches += a.key_warps == 2;
+	be->two_warp_launches += attn_launch(be, a, grid, nw) == 2;
 	LAUNCHED(be, "attn_kernel (several sequences)");
 	return 0;
 }

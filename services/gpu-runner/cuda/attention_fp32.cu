@@ -273,7 +273,7 @@ static __device__ __forceinline__ void tile_load(const attn_args &a, const uint6
 	}
 }
 
-/* grid (n_kv_heads * qtiles, splits), blockDim.x / 32 = nw * kw warps (kw = a.key_warps, 1 or 2).
+/* grid (n_kv_heads * qtiles, splits), blockDim.x / 32 = nw * kw warps (kw = KW, 1 or 2).
  * Block (g, qt) serves the queries (token t, head g * group + j) numbered t * group + j in
  * [qt * nw, (qt + 1) * nw), kw warps each: warp w serves query w % nw and takes the tile's keys
  * [(w / nw) * 32 / kw, +32 / kw), a key's score from kw lanes (each the dot product of a share of
@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	extern __shared__ __align__(16) unsigned char smem[];
 	__shared__ uint32_t s_cursor;
 	__shared__ int s_any;
-	constexpr uint32_t kw = KW, kpw = ATTN_TILE / KW; /* a.key_warps; keys a warp takes of a tile */
+	constexpr uint32_t kw = KW, kpw = ATTN_TILE / KW; /* warps a query; keys a warp takes of a tile */
 	const uint32_t nw = blockDim.x / 32 / kw, w = threadIdx.x / 32, lane = threadIdx.x % 32;
 	const uint32_t wq = w % nw, wk = w / nw; /* the warp's query and its share of the keys */
 	const uint32_t kl = lane % kpw, part = lane / kpw;
@@ -612,38 +612,42 @@ cudaError_t attn_allow_smem(uint32_t kv_dtype, size_t bytes)
 }
 
 template <typename KT, int NJ>
-static void launch_nj(const struct backend_dev *be, const attn_args &a, dim3 grid, uint32_t threads, size_t smem)
+static void launch_nj(const struct backend_dev *be, const attn_args &a, dim3 grid, uint32_t threads, uint32_t kw,
+		      size_t smem)
 {
-	if (a.key_warps == 2)
+	if (kw == 2)
 		launch_k(be->pdl, attn_kernel<KT, NJ, 2>, grid, threads, smem, be->stream, a);
 	else
 		launch_k(be->pdl, attn_kernel<KT, NJ, 1>, grid, threads, smem, be->stream, a);
 }
 
-/* attn_kernel for the arena's dtype and head_dim's chunks of 64 dimensions (1, 2, or up to
- * MAX_HEAD_DIM / 64: the lanes' accumulators and loops are those a head needs), nw queries a
- * block: two warps each where the block has room (be->attn_key_warps), else one. */
-void attn_launch(const struct backend_dev *be, attn_args &a, dim3 grid, uint32_t nw)
+/* head_dim's chunks of 64 dimensions: 1, 2, or up to MAX_HEAD_DIM / 64 (the lanes' accumulators
+ * and loops are those a head needs). */
+template <typename KT>
+static void launch_kt(const struct backend_dev *be, const attn_args &a, dim3 grid, uint32_t threads, uint32_t kw,
+		      size_t smem)
 {
 	const uint32_t hd = be->cfg.head_dim;
-	a.key_warps = be->attn_key_warps == 2 && 2 * nw <= ATTN_MAX_WARPS ? 2 : 1;
-	const uint32_t threads = nw * a.key_warps * 32;
-	const size_t smem = attn_smem_bytes(hd, be->kv_esize, nw);
-	if (be->p.kv_dtype == DT_BF16) {
-		if (hd <= 64)
-			launch_nj<__nv_bfloat16, 1>(be, a, grid, threads, smem);
-		else if (hd <= 128)
-			launch_nj<__nv_bfloat16, 2>(be, a, grid, threads, smem);
-		else
-			launch_nj<__nv_bfloat16, MAX_HEAD_DIM / 64>(be, a, grid, threads, smem);
-	} else {
-		if (hd <= 64)
-			launch_nj<float, 1>(be, a, grid, threads, smem);
-		else if (hd <= 128)
-			launch_nj<float, 2>(be, a, grid, threads, smem);
-		else
-			launch_nj<float, MAX_HEAD_DIM / 64>(be, a, grid, threads, smem);
-	}
+	if (hd <= 64)
+		launch_nj<KT, 1>(be, a, grid, threads, kw, smem);
+	else if (hd <= 128)
+		launch_nj<KT, 2>(be, a, grid, threads, kw, smem);
+	else
+		launch_nj<KT, MAX_HEAD_DIM / 64>(be, a, grid, threads, kw, smem);
+}
+
+/* attn_kernel for the arena's dtype, nw queries a block: two warps each where the block has room
+ * (be->attn_key_warps), else one. Returns the warps a query it launched with. */
+uint32_t attn_launch(const struct backend_dev *be, const attn_args &a, dim3 grid, uint32_t nw)
+{
+	const uint32_t kw = be->attn_key_warps == 2 && 2 * nw <= ATTN_MAX_WARPS ? 2 : 1;
+	const uint32_t threads = nw * kw * 32;
+	const size_t smem = attn_smem_bytes(be->cfg.head_dim, be->kv_esize, nw);
+	if (be->p.kv_dtype == DT_BF16)
+		launch_kt<__nv_bfloat16>(be, a, grid, threads, kw, smem);
+	else
+		launch_kt<float>(be, a, grid, threads, kw, smem);
+	return kw;
 }
 
 void attn_combine_launch(const struct backend_dev *be, uint32_t pairs, uint32_t splits, float *m, float *l, float *acc)

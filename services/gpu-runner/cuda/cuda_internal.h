@@ -517,7 +517,6 @@ struct attn_args {
 	uint32_t inline_spans;	/* 1: spans and prefix are the copies below (attn_kernel only) */
 	uint32_t early_keys;	/* 1: keys below pos0 are settled (backend_dev.kv_settled): attn_kernel may
 				 * load them before it waits for the kernel before */
-	uint32_t key_warps;	/* attn_kernel: warps a query (1 or 2), each taking its share of a tile's keys */
 	struct kv_span span_in[ATTN_INLINE_SPANS];
 	uint32_t prefix_in[ATTN_INLINE_SPANS + 1];
 	uint32_t n_spans, total_keys, keys_per_split;
@@ -536,8 +535,9 @@ struct attn_args {
 size_t attn_smem_bytes(uint32_t hd, size_t esize, uint32_t nw);
 /* Lets the attention kernel of kv_dtype use `bytes` of dynamic shared memory. */
 cudaError_t attn_allow_smem(uint32_t kv_dtype, size_t bytes);
-/* attn_kernel on grid for nw queries a block (sets a.key_warps). */
-void attn_launch(const struct backend_dev *be, attn_args &a, dim3 grid, uint32_t nw);
+/* attn_kernel on grid for nw queries a block; returns its warps a query (1 or 2, each taking its
+ * share of a tile's keys). */
+uint32_t attn_launch(const struct backend_dev *be, const attn_args &a, dim3 grid, uint32_t nw);
 /* attn_combine_kernel: the splits' partial states (be->pm, pl, pacc) of `pairs` (token, head)
  * pairs merged into the running state m, l, acc. */
 void attn_combine_launch(const struct backend_dev *be, uint32_t pairs, uint32_t splits, float *m, float *l, float *acc);

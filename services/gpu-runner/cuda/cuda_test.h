@@ -78,7 +78,7 @@ int cuda_test_leave_out(struct backend *be, uint32_t parts, char *err, size_t er
 /* Attention launches since create that may load the keys of earlier steps before they wait for the
  * kernel before (attn_args.early_keys), or -EINVAL (not a cuda backend) with a message in err. */
 int64_t cuda_test_early_kv_launches(struct backend *be, char *err, size_t errlen);
-/* attn_kernel launches since create with two warps a query (attn_args.key_warps), or -EINVAL (not
+/* attn_kernel launches since create with two warps a query (attn_launch), or -EINVAL (not
  * a cuda backend) with a message in err. */
 int64_t cuda_test_two_warp_launches(struct backend *be, char *err, size_t errlen);
 
