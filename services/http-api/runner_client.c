@@ -24,6 +24,7 @@
 #include "common/log.h"
 #include "common/protocol.h"
 #include "common/util.h"
+#include "services/http-api/openai.h"
 #include "services/http-api/runner_client.h"
 
 #define RUNNER "gpu-runner"
@@ -200,7 +201,11 @@ static int keep_id(struct runner_job *j, uint64_t id)
 enum read_end { READ_ENDED, READ_LOST };
 
 /* Reads the replies to the GENERATE corr until it ends: READ_ENDED (done or failed, the job says
- * which), or READ_LOST when the runner went away and the request may be sent again. */
+ * which), or READ_LOST when the runner went away and the request may be sent again. A runner that
+ * is stopped (its supervisor's SIGTERM, pipectl stop) ends the request it runs as "cancelled":
+ * http-api never asks for that (it cancels by closing the connection, and reads no more), so
+ * it is the runner going away too, not the end of the answer. Every reply is checked: tokens in
+ * order, no more than max_new of them, text that is UTF-8, counts that fit the request. */
 static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64_t corr,
 				  const char *sock_path, int listener)
 {
@@ -257,17 +262,35 @@ static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64
 			return READ_ENDED;
 		}
 		last_reply = now;
+		if (rep.type == MSG_GEN_DONE && rep.gen_done.reason.p && !strcmp(rep.gen_done.reason.p, "cancelled")) {
+			msg_free(&rep);
+			reset_connection(w);
+			if (rc->o.resume_timeout_ms > 0)
+				return READ_LOST;
+			job_fail(rc, j, 503,
+				 "gpu-runner was stopped during the request (its supervisor starts it again; send the "
+				 "request again)");
+			return READ_ENDED;
+		}
 		pthread_mutex_lock(&rc->lock);
 		int fail = 0;
 		if (rep.type == MSG_TOKEN) {
 			if (rep.token.index != j->n_tokens)
 				fail = 1;
+			else if (j->n_tokens >= j->max_new)
+				fail = 4;
+			else if (!api_utf8_valid(rep.token.text.p, rep.token.text.len))
+				fail = 5;
 			else if (keep_id(j, rep.token.token) || append_text(j, rep.token.text.p, rep.token.text.len))
 				fail = 2;
 			else
 				j->n_tokens++;
 		} else if (rep.type == MSG_GEN_DONE) {
-			if (append_text(j, rep.gen_done.text.p, rep.gen_done.text.len)) {
+			if (!api_utf8_valid(rep.gen_done.text.p, rep.gen_done.text.len)) {
+				fail = 5;
+			} else if (rep.gen_done.n_generated > j->max_new || rep.gen_done.n_prompt > UINT32_MAX) {
+				fail = 6;
+			} else if (append_text(j, rep.gen_done.text.p, rep.gen_done.text.len)) {
 				fail = 2;
 			} else {
 				j->n_prompt = rep.gen_done.n_prompt;
@@ -285,6 +308,13 @@ static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64
 			job_fail_locked(j, 500, "out of memory");
 		else if (fail == 3)
 			job_fail_locked(j, 500, "gpu-runner answered GENERATE with an unexpected message");
+		else if (fail == 4)
+			job_fail_locked(j, 500, "gpu-runner sent more tokens than the request's max_tokens");
+		else if (fail == 5)
+			job_fail_locked(j, 500, "gpu-runner sent text that is not UTF-8");
+		else if (fail == 6)
+			job_fail_locked(j, 500, "gpu-runner's counts do not fit the request (more generated than "
+						"max_tokens, or a prompt past 2^32 tokens)");
 		pthread_cond_broadcast(&j->cond);
 		bool ended = j->state == JOB_DONE || j->state == JOB_FAILED;
 		pthread_mutex_unlock(&rc->lock);
@@ -339,9 +369,10 @@ static int say_hello(struct worker *w, const char *path, int *status, char *why,
 }
 
 /* The runner went away during the job: waits up to resume_timeout_ms for the new one to answer
- * HELLO. Returns 0 when it did, -ECANCELED when the job was released meanwhile, else -ETIMEDOUT
- * with why filled. */
-static int await_runner(struct worker *w, struct runner_job *j, const char *path, char *why, size_t len)
+ * HELLO (another process than old, the one that had the request, where that is known: a runner
+ * being stopped may still answer for a moment). Returns 0 when it did, -ECANCELED when the job
+ * was released meanwhile, else -ETIMEDOUT with why filled. */
+static int await_runner(struct worker *w, struct runner_job *j, const char *path, int old, char *why, size_t len)
 {
 	struct runner_client *rc = w->rc;
 	uint64_t until = now_ns() + (uint64_t)rc->o.resume_timeout_ms * 1000000ull;
@@ -350,7 +381,8 @@ static int await_runner(struct worker *w, struct runner_job *j, const char *path
 		if (job_released(rc, j))
 			return -ECANCELED;
 		int pid, status;
-		if (runner_listening(path, &pid) && say_hello(w, path, &status, why, len) == 0)
+		if (runner_listening(path, &pid) && (!old || !pid || pid != old) &&
+		    say_hello(w, path, &status, why, len) == 0)
 			return 0;
 		if (now_ns() >= until)
 			return -ETIMEDOUT;
@@ -402,7 +434,7 @@ static void run_job(struct worker *w, struct runner_job *j)
 		log_warn("gpu-runner went away during a request after %llu tokens: waiting up to %ld s for it to "
 			 "be started again",
 			 (unsigned long long)j->n_tokens, rc->o.resume_timeout_ms / 1000);
-		r = await_runner(w, j, path, why, sizeof(why));
+		r = await_runner(w, j, path, listener, why, sizeof(why));
 		if (r == -ECANCELED) {
 			pthread_mutex_lock(&rc->lock);
 			job_fail_locked(j, 503,

@@ -76,6 +76,8 @@ struct stream {
 	size_t have_len;
 	uint64_t have_tokens;
 	bool role_sent, finished;
+	bool job_ended; /* the generation is over (done or failed): nothing of it to cancel */
+	struct MHD_Connection *conn; /* its connection: the idle limit is back once the job ends */
 	char *out; /* formatted events not yet handed to libmicrohttpd */
 	size_t out_len, out_pos, out_cap;
 };
@@ -297,16 +299,28 @@ static bool client_gone(struct MHD_Connection *c)
 	return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
-/* runner_job_wait without a limit, looking at the client every CLIENT_WATCH_MS meanwhile. Returns
- * false when the client went away first (*v then holds nothing to free). */
+/* runner_job_wait without a limit, looking at the client every CLIENT_WATCH_MS meanwhile, whether
+ * news came or not (*looked_ns: when it last looked; a generation that streams its tokens to a
+ * reply that is sent whole is watched as one that waits). Returns false when the client went away
+ * first, the job not yet over (*v then holds nothing to free). */
 static bool wait_watching(struct MHD_Connection *c, struct runner_job *j, size_t have, uint64_t tokens,
-			  struct runner_view *v)
+			  struct runner_view *v, uint64_t *looked_ns)
 {
 	while (!runner_job_wait(j, have, tokens, CLIENT_WATCH_MS, v)) {
 		free(v->fresh);
 		v->fresh = NULL;
+		*looked_ns = now_ns();
 		if (client_gone(c))
 			return false;
+	}
+	const uint64_t now = now_ns();
+	if (v->state != JOB_DONE && v->state != JOB_FAILED && now - *looked_ns >= CLIENT_WATCH_MS * 1000000ull) {
+		*looked_ns = now;
+		if (client_gone(c)) {
+			free(v->fresh);
+			v->fresh = NULL;
+			return false;
+		}
 	}
 	return true;
 }
@@ -329,10 +343,10 @@ static enum MHD_Result answer_whole(struct server *s, struct MHD_Connection *c, 
 	struct api_stop_filter f = {0};
 	struct runner_view v;
 	size_t have = 0;
-	uint64_t tokens = 0;
+	uint64_t tokens = 0, looked = now_ns();
 	bool oom = false;
 	for (;;) {
-		if (!wait_watching(c, j, have, tokens, &v)) {
+		if (!wait_watching(c, j, have, tokens, &v, &looked)) {
 			api_stop_filter_free(&f);
 			return client_left(s, j, v.state);
 		}
@@ -424,6 +438,12 @@ static void stream_produce(struct stream *st)
 	st->have_len = v.len;
 	st->have_tokens = v.n_tokens;
 	bool ended = v.state == JOB_DONE || v.state == JOB_FAILED;
+	if (ended && !st->job_ended) {
+		/* From here the connection waits on its client only: a reader that stops reading is
+		 * closed by the idle limit, as any other (the limit was off while the model worked). */
+		st->job_ended = true;
+		MHD_set_connection_option(st->conn, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned int)st->s->cfg.idle_timeout_s);
+	}
 	if (ended)
 		count_end(st->s, &v);
 	size_t from, end = api_stop_filter_release(&st->filter, &st->req, ended, &from);
@@ -465,9 +485,11 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 static void stream_free(void *cls)
 {
 	struct stream *st = cls;
-	if (st->job && !st->finished) {
+	if (st->job && !st->finished && !st->job_ended) {
 		log_info("a client went away during its stream: its generation is cancelled");
 		metrics_cancelled(st->s->metrics);
+	} else if (st->job && !st->finished) {
+		log_info("a client went away before the end of its stream (its generation had ended)");
 	}
 	runner_job_release(st->job);
 	api_request_free(&st->req);
@@ -481,7 +503,8 @@ static enum MHD_Result answer_stream(struct server *s, struct MHD_Connection *c,
 				    struct runner_job *j, uint64_t start_ns)
 {
 	struct runner_view v;
-	if (!wait_watching(c, j, 0, 0, &v)) {
+	uint64_t looked = now_ns();
+	if (!wait_watching(c, j, 0, 0, &v, &looked)) {
 		api_request_free(req);
 		return client_left(s, j, v.state);
 	}
@@ -509,6 +532,7 @@ static enum MHD_Result answer_stream(struct server *s, struct MHD_Connection *c,
 	st->have_tokens = v.n_tokens;
 	st->s = s;
 	st->job = j;
+	st->conn = c;
 	st->req = *req;
 	memset(req, 0, sizeof(*req));
 	st->created = (int64_t)time(NULL);

@@ -239,6 +239,31 @@ expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"m
 expect_eq "$(whole_text)" "$full" "the request after a client went away: the text"
 log "a client that went away mid-stream: cancelled; the next request served"
 
+# ---- a client that goes away while its whole answer (not streamed) is generated: cancelled ----
+# Tokens keep coming to the waiting request all the while; it looks at its client all the same.
+n_cancelled=$(grep -c 'generated (cancelled)' "$RUN_DIR/gpu-runner.log" || true)
+tokens0=$(stat_value gpu-runner tokens_computed)
+[[ $tokens0 =~ ^[0-9]+$ ]] || fail "the runner's tokens_computed: '$tokens0'"
+curl -sS -o /dev/null -H "Authorization: Bearer $KEY" "$BASE/v1/completions" \
+	--data-binary "{\"prompt\": $(json_str "$text"), \"max_tokens\": 100000, \"temperature\": 0}" 2>/dev/null &
+WHOLE=$!
+decoding() {
+	local t
+	t=$(stat_value gpu-runner tokens_computed || true)
+	[[ $t =~ ^[0-9]+$ ]] && ((t >= tokens0 + 40))
+}
+wait_until 20 "the long completion that does not stream decodes" decoding
+kill -0 "$WHOLE" 2>/dev/null || fail "the long completion that does not stream ended before its client went away"
+kill "$WHOLE" 2>/dev/null || true
+wait "$WHOLE" 2>/dev/null || true
+cancelled_more() { (($(grep -c 'generated (cancelled)' "$RUN_DIR/gpu-runner.log" || true) > n_cancelled)); }
+wait_until 30 "gpu-runner cancels the generation whose client went away" cancelled_more
+expect_grep 'went away while its request was generating: it is cancelled' "$(cat "$RUN_DIR/http-api.log")" \
+	"http-api: the client of a completion that does not stream went away"
+expect_eq "$(scrape "$M1")" 200 "GET /metrics after the client of a whole answer went away"
+expect_eq "$(delta "$M0" "$M1" pipeline_http_cancelled_total)" 2 "/metrics: the two clients that went away"
+log "a client that went away while its whole answer was generated: cancelled"
+
 # ---- a client that goes away while its request waits in the queue: dropped, never run ----
 : >"$IT_TMP/long" # emptied here: the background redirect may open it after the first wait
 curl -sS -N -H "Authorization: Bearer $KEY" "$BASE/v1/completions" --data-binary "$long" >"$IT_TMP/long" 2>/dev/null &
@@ -281,6 +306,27 @@ expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"m
 	200 "the request after the runner was restarted"
 expect_eq "$(whole_text)" "$full" "the request after the runner was restarted: the text"
 log "gpu-runner killed mid-stream: an error event; the restarted runner serves"
+
+# ---- gpu-runner stopped (SIGTERM) during a stream: an error event, not an answer cut short ----
+# A stopped runner ends the request it runs as cancelled; without --resume-timeout that is an
+# error for the client, never a finish_reason of "stop" on a truncated text.
+curl -sS -N -H "Authorization: Bearer $KEY" "$BASE/v1/completions" --data-binary "$long" >"$IT_TMP/termed" 2>&1 &
+TERMED=$!
+termed_streaming() { grep -q '^data: {' "$IT_TMP/termed"; }
+wait_until 20 "the stream before the SIGTERM starts" termed_streaming
+RUNNER_PID=$(sup_field gpu-runner pid)
+kill -TERM "$RUNNER_PID"
+wait "$TERMED" || fail "the stream of a stopped runner did not end cleanly"
+expect_grep '"error":\{"message":"gpu-runner was stopped during the request' \
+	"$(grep '^data: {' "$IT_TMP/termed" | tail -n 1)" "the stream of a stopped runner: the error event"
+finishes=$(sed -n 's/^data: //p' "$IT_TMP/termed" | grep -v '^\[DONE\]$' | jq -r '.choices[0].finish_reason // empty')
+expect_eq "$finishes" "" "the stream of a stopped runner: no finish_reason"
+expect_eq "$(grep '^data: ' "$IT_TMP/termed" | tail -n 1)" "data: [DONE]" "the stream of a stopped runner: the last event"
+wait_until 30 "gpu-runner restarted after SIGTERM" restarted gpu-runner "$RUNNER_PID"
+expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0}")" \
+	200 "the request after the runner was stopped"
+expect_eq "$(whole_text)" "$full" "the request after the runner was stopped: the text"
+log "gpu-runner stopped mid-stream: an error event; the restarted runner serves"
 
 # ---- a full queue: 429 (a second server with --max-queue 0, while the first request streams) ----
 "$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --max-queue 0 --concurrency 1 \

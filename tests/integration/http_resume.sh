@@ -5,7 +5,8 @@
 # and goes on. On a synthetic model with the Llama 3 tokenizer, a streamed greedy completion and
 # a seeded one (temperature 1, seed 7) and a seeded chat, with gpu-runner killed (kill -9) after
 # some tokens came, give the text and the completion_tokens of the same request run without the
-# kill; a request that does not stream, likewise.
+# kill; a request that does not stream, likewise. A runner stopped with SIGTERM (it ends the request
+# as cancelled) is resumed the same way.
 # HTTP_RESUME_BACKEND=cuda (a GPU host; skipped without one) runs it on the CUDA backend, which
 # draws seeded tokens on the GPU.
 source "$(dirname "$0")/lib.sh"
@@ -40,7 +41,7 @@ resumes() { grep -c 'resuming the request after' "$RUN_DIR/http-api.log" || true
 
 # run_case WHAT PATH BODY [SIGNAL]: a streamed request (BODY without its closing brace), its runner
 # killed (SIGNAL KILL, the default; STOP: the supervisor finds it hung 2 s later and kills it, so the
-# stream waits longer than --idle-timeout) and not.
+# stream waits longer than --idle-timeout; TERM: it stops, ending the request as cancelled) and not.
 run_case() {
 	local what=$1 path=$2 req="$3, \"stream\": true, \"stream_options\": {\"include_usage\": true}}" sig=${4:-KILL}
 	local want=$IT_TMP/want-$((++CASE)) got=$IT_TMP/got-$CASE
@@ -81,6 +82,8 @@ run_case "seeded (temperature 1, seed 7)" /v1/completions \
 	"{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": 1, \"seed\": 7"
 run_case "greedy, gpu-runner stopped (SIGSTOP) until found hung" /v1/completions \
 	"{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": 0" STOP
+run_case "seeded (temperature 1, seed 11), gpu-runner stopped by SIGTERM" /v1/completions \
+	"{\"prompt\": $(json_str "$text"), \"max_tokens\": $N, \"temperature\": 1, \"seed\": 11" TERM
 # A chat: its prompt is built again from the messages, with the turn's end as a stop id.
 run_case "chat (seeded)" /v1/chat/completions \
 	"{\"messages\": [{\"role\": \"user\", \"content\": \"Hello there\"}], \"max_tokens\": $N, \"temperature\": 0.9, \"seed\": 3"
@@ -114,7 +117,7 @@ expect_eq "$(jq -r '.usage.completion_tokens' "$IT_TMP/whole-got")" \
 	"$(jq -r '.usage.completion_tokens' "$IT_TMP/whole-want")" "a completion that does not stream: completion_tokens"
 log "a completion that does not stream: resumed, the same text"
 
-# /metrics counts them: as many resumes as the log says (five requests, each resumed once).
+# /metrics counts them: as many resumes as the log says (six requests, each resumed once).
 curl -sS "$BASE/metrics" >"$IT_TMP/metrics" || fail "GET /metrics failed"
 expect_eq "$(awk '$1 == "pipeline_http_resumes_total" {print $2}' "$IT_TMP/metrics")" "$(resumes)" \
 	"/metrics: pipeline_http_resumes_total"

@@ -2,7 +2,8 @@
  * body turns into (defaults, each parameter, what is refused and the parameter named), the JSON
  * shapes of replies, chunks and errors, and the stop-string filter (nothing that may begin a
  * stop string is given out early; the text ends before the first stop string, also one split
- * over several pieces). */
+ * over several pieces), the UTF-8 check of the runner's text and an error message that is not
+ * UTF-8 (its bad bytes replaced, never the message dropped). */
 #include <check.h>
 #include <errno.h>
 #include <jansson.h>
@@ -218,6 +219,44 @@ START_TEST(reply_shapes)
 }
 END_TEST
 
+START_TEST(utf8)
+{
+	static const struct {
+		const char *s;
+		bool ok;
+	} cases[] = {
+		{"", true},
+		{"plain ascii", true},
+		{"caf\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80", true}, /* 2, 3 and 4 bytes */
+		{"\xF4\x8F\xBF\xBF", true},				      /* U+10FFFF */
+		{"\xC3", false},					      /* cut short */
+		{"\xE2\x82", false},
+		{"\x80", false},		  /* a continuation alone */
+		{"\xC0\xAF", false},	  /* an overlong '/' */
+		{"\xE0\x80\xAF", false},  /* overlong, 3 bytes */
+		{"\xED\xA0\x80", false},  /* a surrogate */
+		{"\xF4\x90\x80\x80", false}, /* past U+10FFFF */
+		{"\xFF", false},
+		{"ok \xC3\xA9 then \xE9 bad", false},
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+		ck_assert_msg(api_utf8_valid(cases[i].s, strlen(cases[i].s)) == cases[i].ok, "case %zu: want %d", i,
+			      cases[i].ok);
+	ck_assert(api_utf8_valid(NULL, 0));
+	/* An error message with bytes that are not UTF-8 keeps its message, the bytes replaced. */
+	json_t *o = api_error_json("no endpoint /\xFF\xC3 (x)", "invalid_request_error", NULL, "not_found");
+	ck_assert_ptr_nonnull(o);
+	const char *m = json_string_value(json_object_get(json_object_get(o, "error"), "message"));
+	ck_assert_msg(m != NULL, "the message was dropped");
+	ck_assert_str_eq(m, "no endpoint /\xEF\xBF\xBD\xEF\xBF\xBD (x)");
+	json_decref(o);
+	/* A valid message is kept as it is. */
+	o = api_error_json("caf\xC3\xA9", NULL, NULL, NULL);
+	ck_assert_str_eq(json_string_value(json_object_get(json_object_get(o, "error"), "message")), "caf\xC3\xA9");
+	json_decref(o);
+}
+END_TEST
+
 /* Pushes the pieces in turn, collecting what the filter releases; the last release is final. */
 static void run_filter(const char *body, const char *const *pieces, const char *want, bool want_stopped)
 {
@@ -280,6 +319,7 @@ static Suite *openai_suite(void)
 	tcase_add_test(tc, chat_messages);
 	tcase_add_test(tc, reply_shapes);
 	tcase_add_test(tc, stop_filter);
+	tcase_add_test(tc, utf8);
 	suite_add_tcase(s, tc);
 	return s;
 }
