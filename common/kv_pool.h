@@ -38,6 +38,9 @@ extern "C" {
 
 #define KVPOOL_LAYOUT_VERSION 2 /* 2: handle refs and last_use, runner_session, cache counters */
 #define KV_NONE UINT32_MAX
+/* Most blocks (handles or keys) one request to kv-store may name: keeps every MSG_KV_BLOCKS reply
+ * far below PROTO_MAX_MSG_BYTES. A client with more sends several requests. */
+#define KV_MAX_REQUEST_BLOCKS 65536u
 
 static inline uint64_t kv_handle_make(uint32_t index, uint32_t generation)
 {

@@ -389,36 +389,91 @@ static int op_unpin(void *ctx, uint32_t n, const uint64_t *handles)
 	return 0;
 }
 
+/* MSG_KV_FREE of n handles, in requests of at most KV_MAX_REQUEST_BLOCKS. */
 static int op_release(void *ctx, uint32_t n, const uint64_t *handles)
 {
-	return simple(ctx, MSG_KV_FREE, n, handles);
+	for (uint32_t i = 0; i < n; i += KV_MAX_REQUEST_BLOCKS) {
+		const uint32_t m = n - i < KV_MAX_REQUEST_BLOCKS ? n - i : KV_MAX_REQUEST_BLOCKS;
+		int rc = simple(ctx, MSG_KV_FREE, m, handles + i);
+		if (rc)
+			return rc;
+	}
+	return 0;
 }
 
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* MSG_KV_LOOKUP of keys[0..n) in requests of at most KV_MAX_REQUEST_BLOCKS (a long prompt over
+ * many layers names more blocks than one request may): handles[i] is key i's block, 0 where none.
+ * Where a request fails after others hit, their references are handed back (best effort: the
+ * error stands either way). */
 static int op_lookup(void *ctx, uint32_t n, const uint64_t *keys, uint64_t *handles)
 {
 	struct kv_remote *kr = ctx;
-	struct msg req, rep;
-	msg_init(&req, MSG_KV_LOOKUP, 0);
-	req.kv_lookup.keys.v = (uint64_t *)keys;
-	req.kv_lookup.keys.n = n;
-	int rc = call(kr, &req, MSG_KV_BLOCKS, &rep);
-	if (rc)
-		return rc;
-	const struct msg_kv_blocks *b = &rep.kv_blocks;
-	if (b->handles.n != n) {
-		rc = set_err(kr, -EPROTO, "kv-store answered a lookup of %u keys with %u handles", n, b->handles.n);
-	} else {
-		/* A hit is a block we now hold a reference to: the same handle twice would be two
-		 * references to one block, which the caller cannot tell apart; refuse it. */
-		for (uint32_t i = 0; i < n && !rc; i++) {
-			handles[i] = b->handles.v[i];
-			for (uint32_t j = 0; j < i && !rc && handles[i]; j++)
-				if (handles[j] == handles[i])
-					rc = set_err(kr, -EPROTO, "kv-store answered two keys with block %llx",
-						     (unsigned long long)handles[i]);
+	int rc = 0;
+	uint32_t done = 0;
+	while (done < n && !rc) {
+		const uint32_t m = n - done < KV_MAX_REQUEST_BLOCKS ? n - done : KV_MAX_REQUEST_BLOCKS;
+		struct msg req, rep;
+		msg_init(&req, MSG_KV_LOOKUP, 0);
+		req.kv_lookup.keys.v = (uint64_t *)keys + done;
+		req.kv_lookup.keys.n = m;
+		rc = call(kr, &req, MSG_KV_BLOCKS, &rep);
+		if (rc)
+			break;
+		const struct msg_kv_blocks *b = &rep.kv_blocks;
+		if (b->handles.n != m) {
+			rc = set_err(kr, -EPROTO, "kv-store answered a lookup of %u keys with %u handles", m, b->handles.n);
+		} else {
+			memcpy(handles + done, b->handles.v, (size_t)m * sizeof(uint64_t));
+			done += m;
 		}
+		msg_free(&rep);
 	}
-	msg_free(&rep);
+	/* A hit is a block we now hold a reference to: the same handle twice would be two references
+	 * to one block, which the caller cannot tell apart; refuse it (sorted: n log n). */
+	uint64_t *hit = NULL;
+	uint32_t nh = 0;
+	if (!rc && n) {
+		hit = malloc((size_t)n * sizeof(uint64_t));
+		if (!hit)
+			rc = set_err(kr, -ENOMEM, "out of memory");
+	}
+	if (hit) {
+		for (uint32_t i = 0; i < n; i++)
+			if (handles[i])
+				hit[nh++] = handles[i];
+		qsort(hit, nh, sizeof(uint64_t), cmp_u64);
+		for (uint32_t i = 1; i < nh && !rc; i++)
+			if (hit[i] == hit[i - 1])
+				rc = set_err(kr, -EPROTO, "kv-store answered two keys with block %llx",
+					     (unsigned long long)hit[i]);
+		free(hit);
+	}
+	if (rc && done) {
+		/* Hand back the hits of the requests that went through, each block once. */
+		uint64_t *back = malloc((size_t)done * sizeof(uint64_t));
+		uint32_t k = 0;
+		for (uint32_t i = 0; back && i < done; i++)
+			if (handles[i])
+				back[k++] = handles[i];
+		if (back && k) {
+			qsort(back, k, sizeof(uint64_t), cmp_u64);
+			uint32_t u = 1;
+			for (uint32_t i = 1; i < k; i++)
+				if (back[i] != back[u - 1])
+					back[u++] = back[i];
+			char keep[sizeof(kr->error)];
+			memcpy(keep, kr->error, sizeof(keep));
+			op_release(kr, u, back); /* the lookup's error is what the caller sees */
+			memcpy(kr->error, keep, sizeof(keep));
+		}
+		free(back);
+	}
 	return rc;
 }
 

@@ -41,9 +41,8 @@
 
 #include "common/kv_pool.h"
 
-/* Most blocks one request may name: keeps every MSG_KV_BLOCKS reply far below
- * PROTO_MAX_MSG_BYTES. */
-#define KVSTORE_MAX_REQUEST 65536u
+/* Most blocks one request may name (common/kv_pool.h). */
+#define KVSTORE_MAX_REQUEST KV_MAX_REQUEST_BLOCKS
 
 struct kvstore_config {
 	const char *shm_name;	/* "/llmp-<uid>-<instance>-kv" (shm_object_name); copied */

@@ -88,6 +88,7 @@ struct peer {
 	atomic_uint requests;
 	atomic_uint allocs, frees;  /* MSG_KV_ALLOC, MSG_KV_FREE answered */
 	atomic_uint last_alloc, last_free; /* the blocks the last of each asked for */
+	atomic_uint lookups, most_keys;	   /* MSG_KV_LOOKUP answered (the real pool's), most keys in one */
 };
 
 static void peer_answer(struct peer *p, const struct bus_peer *who, const struct msg *req)
@@ -161,6 +162,29 @@ static void peer_answer(struct peer *p, const struct bus_peer *who, const struct
 				bus_reply_error(p->router, who, req->corr, -rc, err);
 				return;
 			}
+		}
+		break;
+	case MSG_KV_LOOKUP:
+		if (p->kv_rw) {
+			const struct u64_array *k = &req->kv_lookup.keys;
+			uint64_t *h = malloc(sizeof(uint64_t) * (k->n ? k->n : 1));
+			uint64_t *off = calloc(k->n ? k->n : 1, sizeof(uint64_t));
+			char err[256] = "out of memory";
+			int rc = h && off ? kvstore_lookup(p->kv_rw, k->v, k->n, h, err, sizeof(err)) : -ENOMEM;
+			atomic_fetch_add(&p->lookups, 1);
+			if (k->n > atomic_load(&p->most_keys))
+				atomic_store(&p->most_keys, k->n);
+			if (rc) {
+				bus_reply_error(p->router, who, req->corr, -rc, err);
+			} else {
+				msg_init(&rep, MSG_KV_BLOCKS, req->corr);
+				rep.kv_blocks.handles = (struct u64_array){.v = h, .n = k->n};
+				rep.kv_blocks.offsets = (struct u64_array){.v = off, .n = k->n};
+				bus_reply(p->router, who, &rep);
+			}
+			free(h);
+			free(off);
+			return;
 		}
 		break;
 	case MSG_KV_FREE:
@@ -582,6 +606,48 @@ static void reconnect_frees_the_stash(struct kv_fx *x, unsigned frees)
  * layer's allocation sends no request (which would wait for the commits before it); larger requests
  * go as they are, a nearly full pool gives no more than it has free, and the stash goes back when
  * asked (an idle runner) or on a reconnect to the same pool. */
+/* A prefix lookup of more keys than one kv-store request may name (a long prompt over many
+ * layers) goes as several requests, each within the limit, and the hits come back at their keys'
+ * places; their references go back in requests within the limit too. */
+START_TEST(kv_lookup_of_more_keys_than_a_request_takes)
+{
+	struct kv_fx x;
+	kv_fx_open(&x, 64);
+	struct kv_remote *kr = &x.kr;
+	/* Three cached blocks, keyed 11, 22 and 33. */
+	uint64_t h[3], ck[3] = {11, 22, 33};
+	void *ptr[3];
+	ck_assert_msg(kv_remote_ops_pool.alloc(kr, 3, h, ptr) == 0, "%s", kr->error);
+	ck_assert_msg(kv_remote_ops_pool.commit(kr, 3, h, ptr, ck, NULL) == 0, "%s", kr->error);
+	const uint32_t n = 2 * KV_MAX_REQUEST_BLOCKS + 100, at[3] = {5, KV_MAX_REQUEST_BLOCKS + 4464, n - 2};
+	uint64_t *keys = malloc(sizeof(uint64_t) * n), *got = malloc(sizeof(uint64_t) * n);
+	ck_assert_ptr_nonnull(keys);
+	ck_assert_ptr_nonnull(got);
+	for (uint32_t i = 0; i < n; i++)
+		keys[i] = 1000000 + i;
+	for (int i = 0; i < 3; i++)
+		keys[at[i]] = ck[i];
+	const unsigned before = atomic_load(&x.p.lookups);
+	ck_assert_msg(kv_remote_ops_pool.lookup(kr, n, keys, got) == 0, "%s", kr->error);
+	ck_assert_uint_eq(atomic_load(&x.p.lookups) - before, 3);
+	ck_assert_uint_le(atomic_load(&x.p.most_keys), KV_MAX_REQUEST_BLOCKS);
+	uint32_t hits = 0;
+	for (uint32_t i = 0; i < n; i++)
+		hits += got[i] != 0;
+	ck_assert_uint_eq(hits, 3);
+	for (int i = 0; i < 3; i++)
+		ck_assert_msg(got[at[i]] == h[i], "key %llu at %u: block %llx, want %llx", (unsigned long long)ck[i],
+			      at[i], (unsigned long long)got[at[i]], (unsigned long long)h[i]);
+	/* The lookup's references go back, and our own of the allocation. */
+	const uint64_t back[3] = {got[at[0]], got[at[1]], got[at[2]]};
+	ck_assert_msg(kv_remote_ops_pool.release(kr, 3, back) == 0, "%s", kr->error);
+	ck_assert_msg(kv_remote_ops_pool.release(kr, 3, h) == 0, "%s", kr->error);
+	free(keys);
+	free(got);
+	kv_fx_close(&x);
+}
+END_TEST
+
 START_TEST(kv_alloc_takes_decode_blocks_from_a_stash)
 {
 	struct kv_fx x;
@@ -701,6 +767,7 @@ static Suite *remote_suite(void)
 	tcase_add_test(tc, kv_alloc_takes_decode_blocks_from_a_stash);
 	tcase_add_test(tc, kv_alloc_of_a_small_pool_takes_no_stash);
 	tcase_add_test(tc, kv_stash_goes_back_past_a_refused_commit);
+	tcase_add_test(tc, kv_lookup_of_more_keys_than_a_request_takes);
 	suite_add_tcase(s, tc);
 	return s;
 }
