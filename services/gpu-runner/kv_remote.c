@@ -537,8 +537,10 @@ int kv_remote_release_stash(struct kv_remote *kr)
 int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t block_bytes, uint64_t manifest_hash,
 		      int timeout_ms, bool *same_pool, char *err, size_t errlen)
 {
-	uint64_t old_epoch = kr->h ? kr->pool_epoch : 0;
-	bool had = kr->h != NULL;
+	/* The pool of the last connection that succeeded, not of the last attempt: a kv-store that
+	 * adopted the pool and died again before answering leaves it the same pool all the same. */
+	const uint64_t old_epoch = kr->pool_epoch;
+	const bool had = kr->pool_known;
 
 	kv_remote_disconnect(kr);
 	kr->client = client;
@@ -592,6 +594,7 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 	kr->lost = false;
 	kr->owner_pid = atomic_load(&h->shm.owner_pid);
 	kr->pool_epoch = rep.kv_pool.epoch;
+	kr->pool_known = true;
 	if (same_pool)
 		*same_pool = had && old_epoch == kr->pool_epoch;
 	msg_free(&rep);

@@ -43,6 +43,8 @@ struct kv_remote {
 	struct kvpool_header *h;
 	int owner_pid;
 	uint64_t pool_epoch;
+	bool pool_known; /* a connect succeeded: pool_epoch names that pool, a failed connect after it
+			  * notwithstanding (a reconnect to the same pool keeps its blocks) */
 	uint64_t block_bytes;
 	int timeout_ms;
 	uint32_t max_batch; /* blocks per ALLOC/FETCH at most; 0: as many as the pool holds (live tuning) */

@@ -606,6 +606,30 @@ static void reconnect_frees_the_stash(struct kv_fx *x, unsigned frees)
  * layer's allocation sends no request (which would wait for the commits before it); larger requests
  * go as they are, a nearly full pool gives no more than it has free, and the stash goes back when
  * asked (an idle runner) or on a reconnect to the same pool. */
+/* A reconnect that fails part way (a kv-store that adopted the pool died before it answered the
+ * configuration) does not make the runner forget which pool it had: the next kv-store that adopts
+ * the same pool is the same pool (its blocks and the runner's handles stay good). */
+START_TEST(kv_reconnect_after_a_failed_one_is_the_same_pool)
+{
+	struct kv_fx x;
+	kv_fx_open(&x, 64);
+	char err[512] = "";
+	bool same = true;
+	peer_stop(&x.p);
+	x.p.stop = false;
+	x.p.silent_type = MSG_KV_CONFIGURE;
+	peer_start(&x.p, x.f.dir, "kv-store");
+	ck_assert_int_eq(kv_remote_connect(&x.kr, x.c, 4096, 77, 500, &same, err, sizeof(err)), -ETIMEDOUT);
+	peer_stop(&x.p);
+	x.p.stop = false;
+	x.p.silent_type = 0;
+	peer_start(&x.p, x.f.dir, "kv-store");
+	ck_assert_msg(kv_remote_connect(&x.kr, x.c, 4096, 77, TIMEOUT_MS, &same, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(same, "the pool of the connection before the failed one read as a new pool");
+	kv_fx_close(&x);
+}
+END_TEST
+
 /* A prefix lookup of more keys than one kv-store request may name (a long prompt over many
  * layers) goes as several requests, each within the limit, and the hits come back at their keys'
  * places; their references go back in requests within the limit too. */
@@ -768,6 +792,7 @@ static Suite *remote_suite(void)
 	tcase_add_test(tc, kv_alloc_of_a_small_pool_takes_no_stash);
 	tcase_add_test(tc, kv_stash_goes_back_past_a_refused_commit);
 	tcase_add_test(tc, kv_lookup_of_more_keys_than_a_request_takes);
+	tcase_add_test(tc, kv_reconnect_after_a_failed_one_is_the_same_pool);
 	suite_add_tcase(s, tc);
 	return s;
 }
