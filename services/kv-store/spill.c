@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/log.h"
@@ -161,9 +162,14 @@ static void note_failure(struct spill *sp, struct spill_io *io, int res, int *fi
 		 res == -EIO ? "short transfer or I/O error" : strerror(-res));
 }
 
+/* Submits that may fail for a moment (the kernel short of memory for the request, a completion
+ * queue to reap first) are tried again this many times, a millisecond apart, before the ring is
+ * given up. */
+#define SPILL_SUBMIT_RETRIES 200
+
 int spill_run(struct spill *sp, struct spill_io *ios, uint32_t n, char *err, size_t errlen)
 {
-	uint32_t prepped = 0, submitted = 0, done = 0;
+	uint32_t prepped = 0, submitted = 0, done = 0, retries = 0;
 	int first_failed = -1;
 	int rc = 0;
 	if (sp->broken) {
@@ -193,6 +199,15 @@ int spill_run(struct spill *sp, struct spill_io *ios, uint32_t n, char *err, siz
 		int sub = io_uring_submit_and_wait(&sp->ring, 1);
 		if (sub == -EINTR)
 			continue;
+		if ((sub == -EAGAIN || sub == -EBUSY || sub == -ENOMEM) && retries < SPILL_SUBMIT_RETRIES) {
+			/* Nothing went in: the entries stay queued for the next submit. Reap what has
+			 * completed meanwhile (below), wait a moment, try again. */
+			if (retries++ == 0)
+				log_warn("io_uring submit on spill file %s: %s; trying again", sp->path, strerror(-sub));
+			struct timespec ts = {0, 1000000};
+			nanosleep(&ts, NULL);
+			sub = 0;
+		}
 		if (sub < 0) {
 			rc = sub;
 			snprintf(err, errlen, "io_uring submit on spill file %s failed: %s", sp->path, strerror(-sub));

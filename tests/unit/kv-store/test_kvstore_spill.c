@@ -1,8 +1,12 @@
 /* Tests of the spill file (services/kv-store/spill.c), opened through spill_open_with
  * (spill_internal.h) so that open(2) can be wrapped: the buffered fallback is only reached where
- * O_DIRECT is refused, which this machine's filesystems may not do. */
+ * O_DIRECT is refused, which this machine's filesystems may not do. liburing's
+ * io_uring_submit_and_wait is wrapped too (this executable's definition comes before the shared
+ * library's), so that a submit can fail for a moment as the kernel may make it. */
 #include <check.h>
+#include <dlfcn.h>
 #include <errno.h>
+#include <liburing.h>
 #include <fcntl.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -12,6 +16,22 @@
 static int fake_direct_einval; /* open with O_DIRECT fails with EINVAL, as on old tmpfs */
 static int fake_read_only;     /* the file opens read-only: every write fails */
 static int fake_opens;
+static int fake_submit_fails;	  /* the next submits that fail (with fake_submit_errno) */
+static int fake_submit_errno = EAGAIN;
+static int fake_submits_failed;
+
+int io_uring_submit_and_wait(struct io_uring *ring, unsigned wait_nr)
+{
+	static int (*real)(struct io_uring *, unsigned);
+	if (fake_submit_fails > 0) {
+		fake_submit_fails--;
+		fake_submits_failed++;
+		return -fake_submit_errno;
+	}
+	if (!real)
+		*(void **)&real = dlsym(RTLD_NEXT, "io_uring_submit_and_wait");
+	return real(ring, wait_nr);
+}
 
 static int fake_open(const char *path, int flags, mode_t mode)
 {
@@ -167,6 +187,36 @@ START_TEST(test_short_read_is_eio)
 }
 END_TEST
 
+/* A submit that fails for a moment (-EAGAIN, -EBUSY) is tried again: the transfers complete and
+ * the spill file stays in use; one that keeps failing gives the ring up with a clear error. */
+START_TEST(test_submit_failing_for_a_moment)
+{
+	static const int errs[] = {EAGAIN, EBUSY};
+	for (int e = 0; e < 2; e++) {
+		struct sfx f;
+		sfx_open(&f, "/tmp", 16, 4, 32);
+		fake_submit_errno = errs[e];
+		fake_submits_failed = 0;
+		fake_submit_fails = 3;
+		write_read(&f, 10, 2); /* deeper than the ring: several submits, the first three fail */
+		ck_assert_int_eq(fake_submits_failed, 3);
+		fake_submit_fails = 5;
+		write_read(&f, 6, 9);
+		ck_assert_int_eq(fake_submits_failed, 8);
+		sfx_close(&f);
+	}
+	struct sfx f;
+	sfx_open(&f, "/tmp", 16, 4, 32);
+	fake_submit_errno = EAGAIN;
+	fake_submit_fails = 1000000;
+	struct spill_io io = {.buf = blk(&f, 0), .slot = 0, .write = true};
+	ck_assert_int_eq(spill_run(f.sp, &io, 1, f.err, sizeof(f.err)), -EAGAIN);
+	ck_assert_ptr_nonnull(strstr(f.err, "io_uring submit"));
+	fake_submit_fails = 0;
+	sfx_close(&f);
+}
+END_TEST
+
 START_TEST(test_failed_write_is_eio)
 {
 	fake_read_only = 1;
@@ -217,6 +267,7 @@ static Suite *spill_suite(void)
 	tc = kvt_tcase(s, "errors");
 	tcase_add_test(tc, test_short_read_is_eio);
 	tcase_add_test(tc, test_failed_write_is_eio);
+	tcase_add_test(tc, test_submit_failing_for_a_moment);
 	return s;
 }
 
