@@ -200,6 +200,18 @@ static int keep_id(struct runner_job *j, uint64_t id)
 /* How reading the replies ended. */
 enum read_end { READ_ENDED, READ_LOST };
 
+/* The runner of the job went away (how: "went away", "was stopped"): READ_LOST where requests are
+ * resumed, else the job fails. */
+static enum read_end runner_gone(struct worker *w, struct runner_job *j, const char *how)
+{
+	reset_connection(w);
+	if (w->rc->o.resume_timeout_ms > 0)
+		return READ_LOST;
+	job_fail(w->rc, j, 503, "gpu-runner %s during the request (its supervisor starts it again; send the request again)",
+		 how);
+	return READ_ENDED;
+}
+
 /* Reads the replies to the GENERATE corr until it ends: READ_ENDED (done or failed, the job says
  * which), or READ_LOST when the runner went away and the request may be sent again. A runner that
  * is stopped (its supervisor's SIGTERM, pipectl stop) ends the request it runs as "cancelled":
@@ -237,15 +249,8 @@ static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64
 				last_check = now;
 				int pid;
 				bool up = runner_listening(sock_path, &pid);
-				if (!up || (listener && pid && pid != listener)) {
-					reset_connection(w);
-					if (rc->o.resume_timeout_ms > 0)
-						return READ_LOST;
-					job_fail(rc, j, 503,
-						 "gpu-runner went away during the request (its supervisor starts it "
-						 "again; send the request again)");
-					return READ_ENDED;
-				}
+				if (!up || (listener && pid && pid != listener))
+					return runner_gone(w, j, "went away");
 			}
 			continue;
 		}
@@ -264,13 +269,7 @@ static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64
 		last_reply = now;
 		if (rep.type == MSG_GEN_DONE && rep.gen_done.reason.p && !strcmp(rep.gen_done.reason.p, "cancelled")) {
 			msg_free(&rep);
-			reset_connection(w);
-			if (rc->o.resume_timeout_ms > 0)
-				return READ_LOST;
-			job_fail(rc, j, 503,
-				 "gpu-runner was stopped during the request (its supervisor starts it again; send the "
-				 "request again)");
-			return READ_ENDED;
+			return runner_gone(w, j, "was stopped");
 		}
 		pthread_mutex_lock(&rc->lock);
 		int fail = 0;
