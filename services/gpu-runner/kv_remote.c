@@ -461,7 +461,7 @@ static int op_lookup(void *ctx, uint32_t n, const uint64_t *keys, uint64_t *hand
 		for (uint32_t i = 0; back && i < done; i++)
 			if (handles[i])
 				back[k++] = handles[i];
-		if (back && k) {
+		if (back && k && !kr->lost) { /* a store that did not answer keeps them for the session */
 			qsort(back, k, sizeof(uint64_t), cmp_u64);
 			uint32_t u = 1;
 			for (uint32_t i = 1; i < k; i++)

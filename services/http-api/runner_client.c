@@ -63,6 +63,7 @@ struct worker {
 	pthread_t thread;
 	bool started;
 	struct rpc_client *client;
+	int stopped_pid; /* the runner whose stop cut the job short: the resume waits for another one */
 };
 
 struct runner_client {
@@ -201,9 +202,11 @@ static int keep_id(struct runner_job *j, uint64_t id)
 enum read_end { READ_ENDED, READ_LOST };
 
 /* The runner of the job went away (how: "went away", "was stopped"): READ_LOST where requests are
- * resumed, else the job fails. */
-static enum read_end runner_gone(struct worker *w, struct runner_job *j, const char *how)
+ * resumed, else the job fails. A stopped runner may still listen for a moment: the resume then
+ * waits for another one (w->stopped_pid). */
+static enum read_end runner_gone(struct worker *w, struct runner_job *j, const char *how, int stopped_pid)
 {
+	w->stopped_pid = stopped_pid;
 	reset_connection(w);
 	if (w->rc->o.resume_timeout_ms > 0)
 		return READ_LOST;
@@ -250,7 +253,7 @@ static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64
 				int pid;
 				bool up = runner_listening(sock_path, &pid);
 				if (!up || (listener && pid && pid != listener))
-					return runner_gone(w, j, "went away");
+					return runner_gone(w, j, "went away", 0);
 			}
 			continue;
 		}
@@ -267,9 +270,11 @@ static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64
 			return READ_ENDED;
 		}
 		last_reply = now;
-		if (rep.type == MSG_GEN_DONE && rep.gen_done.reason.p && !strcmp(rep.gen_done.reason.p, "cancelled")) {
+		if (rep.type == MSG_GEN_DONE && rep.gen_done.reason.p && !strcmp(rep.gen_done.reason.p, "cancelled") &&
+		    j->n_tokens < j->max_new) {
+			/* (A stop that came with the last token ends nothing: the answer is whole.) */
 			msg_free(&rep);
-			return runner_gone(w, j, "was stopped");
+			return runner_gone(w, j, "was stopped", listener);
 		}
 		pthread_mutex_lock(&rc->lock);
 		int fail = 0;
@@ -295,6 +300,8 @@ static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64
 				j->n_prompt = rep.gen_done.n_prompt;
 				j->n_generated = rep.gen_done.n_generated;
 				const char *why = rep.gen_done.reason.p ? rep.gen_done.reason.p : "";
+				if (!strcmp(why, "cancelled"))
+					why = "length"; /* stopped with its last token (above): whole */
 				snprintf(j->reason, sizeof(j->reason), "%s", why);
 				j->state = JOB_DONE;
 			}
@@ -368,9 +375,9 @@ static int say_hello(struct worker *w, const char *path, int *status, char *why,
 }
 
 /* The runner went away during the job: waits up to resume_timeout_ms for the new one to answer
- * HELLO (another process than old, the one that had the request, where that is known: a runner
- * being stopped may still answer for a moment). Returns 0 when it did, -ECANCELED when the job
- * was released meanwhile, else -ETIMEDOUT with why filled. */
+ * HELLO (another process than old where old is not 0: a runner that was stopped, which may still
+ * answer for a moment). Returns 0 when it did, -ECANCELED when the job was released meanwhile,
+ * else -ETIMEDOUT with why filled. */
 static int await_runner(struct worker *w, struct runner_job *j, const char *path, int old, char *why, size_t len)
 {
 	struct runner_client *rc = w->rc;
@@ -433,7 +440,7 @@ static void run_job(struct worker *w, struct runner_job *j)
 		log_warn("gpu-runner went away during a request after %llu tokens: waiting up to %ld s for it to "
 			 "be started again",
 			 (unsigned long long)j->n_tokens, rc->o.resume_timeout_ms / 1000);
-		r = await_runner(w, j, path, listener, why, sizeof(why));
+		r = await_runner(w, j, path, w->stopped_pid, why, sizeof(why));
 		if (r == -ECANCELED) {
 			pthread_mutex_lock(&rc->lock);
 			job_fail_locked(j, 503,

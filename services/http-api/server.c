@@ -485,11 +485,20 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 static void stream_free(void *cls)
 {
 	struct stream *st = cls;
-	if (st->job && !st->finished && !st->job_ended) {
-		log_info("a client went away during its stream: its generation is cancelled");
-		metrics_cancelled(st->s->metrics);
-	} else if (st->job && !st->finished) {
-		log_info("a client went away before the end of its stream (its generation had ended)");
+	if (st->job && !st->finished) {
+		/* Is the generation still running (then releasing the job cancels it), or had it ended
+		 * before the reader came to its end? */
+		struct runner_view v;
+		runner_job_wait(st->job, st->have_len, st->have_tokens, 0, &v);
+		free(v.fresh);
+		if (v.state == JOB_DONE || v.state == JOB_FAILED) {
+			log_info("a client went away before the end of its stream (its generation had ended)");
+			if (!st->job_ended)
+				count_end(st->s, &v);
+		} else {
+			log_info("a client went away during its stream: its generation is cancelled");
+			metrics_cancelled(st->s->metrics);
+		}
 	}
 	runner_job_release(st->job);
 	api_request_free(&st->req);
