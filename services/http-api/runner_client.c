@@ -217,10 +217,11 @@ static enum read_end runner_gone(struct worker *w, struct runner_job *j, const c
 
 /* Reads the replies to the GENERATE corr until it ends: READ_ENDED (done or failed, the job says
  * which), or READ_LOST when the runner went away and the request may be sent again. A runner that
- * is stopped (its supervisor's SIGTERM, pipectl stop) ends the request it runs as "cancelled":
- * http-api never asks for that (it cancels by closing the connection, and reads no more), so
- * it is the runner going away too, not the end of the answer. Every reply is checked: tokens in
- * order, no more than max_new of them, text that is UTF-8, counts that fit the request. */
+ * is stopped (its supervisor's SIGTERM, pipectl stop) ends the request it runs as "cancelled", or
+ * answers it with ESHUTDOWN or ECANCELED: http-api never asks for that (it cancels by closing the
+ * connection, and reads no more), so it is the runner going away too, not the end of the answer.
+ * Every reply is checked: tokens in order, no more than max_new of them, text that is UTF-8,
+ * counts that fit the request. */
 static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64_t corr,
 				  const char *sock_path, int listener)
 {
@@ -256,6 +257,12 @@ static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64
 					return runner_gone(w, j, "went away", 0);
 			}
 			continue;
+		}
+		if (r == -EREMOTEIO && (rep.error.code == ESHUTDOWN || rep.error.code == ECANCELED)) {
+			/* A runner that is stopping: the request queued on it not run, or cut off where the
+			 * stop was noticed in a wait (for weights, for the KV store). Gone, as below. */
+			msg_free(&rep);
+			return runner_gone(w, j, "was stopped", listener);
 		}
 		if (r == -EREMOTEIO) {
 			job_fail(rc, j, status_of_runner_error(rep.error.code), "gpu-runner: %s",
