@@ -129,7 +129,7 @@ int tok_bpe_word(struct enc *e, const uint8_t *s, size_t len)
 			i++;
 		} else {
 			u = s + i;
-			if (tok_utf8_unit(u, len - i, &ul) != U8_VALID)
+			if (utf8_unit(u, len - i, &ul) != U8_VALID)
 				ul = 1; /* an invalid byte: a unit of its own, found in no vocab */
 			id = tok_vocab_find(t, (const char *)u, ul);
 			i += ul;

@@ -63,7 +63,7 @@ int tok_parse_decoder(struct loader *L, const json_t *d, const char *where, bool
 			return rc;
 		/* After Fuse the replacement sees the whole text; per token is the same only when the
 		 * pattern is one character (it cannot then straddle two tokens). */
-		if (*fused && !(tok_utf8_unit((const uint8_t *)from, from_len, &ul) == U8_VALID && ul == from_len))
+		if (*fused && !(utf8_unit((const uint8_t *)from, from_len, &ul) == U8_VALID && ul == from_len))
 			return LERR(L, -ENOTSUP, "%s: %s Replace of \"%s\" after Fuse is not supported", L->name,
 				    where, from);
 		s->from = tok_dup_bytes(from, from_len);
@@ -291,7 +291,7 @@ static int emit_utf8(struct tok_decoder *d, const char *p, size_t n, bool final)
 	d->n_held = 0;
 	const uint8_t *s = (const uint8_t *)w->p;
 	for (size_t i = 0, ul; i < w->len; i += ul) {
-		int r = tok_utf8_unit(s + i, w->len - i, &ul);
+		int r = utf8_unit(s + i, w->len - i, &ul);
 		if (r == U8_INCOMPLETE && !final) {
 			memcpy(d->held, s + i, ul);
 			d->n_held = ul;

@@ -71,7 +71,7 @@ static int is_word_char(struct enc *e, const char *s, size_t len, size_t pos, bo
 			return -ENOMEM;
 	}
 	size_t ul2;
-	if (tok_utf8_unit(u + start, len - start, &ul2) != U8_VALID) {
+	if (utf8_unit(u + start, len - start, &ul2) != U8_VALID) {
 		*word = false; /* an invalid byte is not a letter */
 		return 0;
 	}

@@ -115,7 +115,7 @@ int tok_get_char(struct loader *L, const json_t *obj, const char *where, const c
 		s = def;
 		n = strlen(def);
 	}
-	if (!n || tok_utf8_unit((const uint8_t *)s, n, &ul) != U8_VALID || ul != n)
+	if (!n || utf8_unit((const uint8_t *)s, n, &ul) != U8_VALID || ul != n)
 		return LERR(L, -EINVAL, "%s: %s.%s must be one character, got \"%s\"", L->name, where, key, s);
 	memcpy(out, s, n);
 	*len = n;

@@ -243,7 +243,7 @@ static int regex_run(struct enc *e, unsigned i, const pcre2_code *re, const char
 			size_t ul;
 			if (ms >= n)
 				break;
-			tok_utf8_unit((const uint8_t *)sub + ms, n - ms, &ul);
+			utf8_unit((const uint8_t *)sub + ms, n - ms, &ul);
 			off = ms + ul;
 			continue;
 		}
@@ -273,7 +273,7 @@ static int regex_split(struct enc *e, unsigned i, const pcre2_code *re, const ch
 	int rc = 0;
 	while (pos < len && !rc) {
 		size_t run = pos, ul;
-		while (run < len && tok_utf8_unit((const uint8_t *)s + run, len - run, &ul) == U8_VALID)
+		while (run < len && utf8_unit((const uint8_t *)s + run, len - run, &ul) == U8_VALID)
 			run += ul;
 		if (run > pos)
 			rc = regex_run(e, i, re, s, pos, run, at_start);

@@ -32,6 +32,7 @@
 
 #include "common/tokenizer/ids.h"
 #include "common/tokenizer/tokenizer.h"
+#include "common/utf8.h"
 #include "common/util.h"
 
 #define MAX_STEPS     8	  /* steps of a normalizer, pre-tokenizer or decoder Sequence */
@@ -62,10 +63,7 @@ bool tok_has_prefix(const char *s, size_t n, const char *p, size_t pn);
 int tok_replace_all_append(const char *s, size_t n, const char *from, size_t from_len, const char *to,
 			   size_t to_len, struct buf *out);
 
-enum { U8_VALID, U8_INCOMPLETE, U8_INVALID };
-
-/* The UTF-8 unit at s, the code point at s or ending at s + pos, as utf8.c says at each. */
-int tok_utf8_unit(const uint8_t *s, size_t n, size_t *len);
+/* The code point at s or ending at s + pos, as utf8.c says at each (units: common/utf8.h). */
 int32_t tok_utf8_cp(const uint8_t *s, size_t n, size_t *len);
 int32_t tok_utf8_cp_before(const uint8_t *s, size_t pos, size_t *len);
 /* Writes cp as UTF-8 to out (room for 4 bytes); returns its length. */

@@ -1,5 +1,5 @@
-/* utf8.c - the byte buffer every part appends to, and UTF-8: classifying a unit (Unicode's
- * maximal subparts), code points forward and backward, encoding one, White_Space. */
+/* utf8.c - the byte buffer every part appends to, and UTF-8: code points forward and backward
+ * (units: common/utf8.h), encoding one, White_Space. */
 #include "common/tokenizer/tokenizer_internal.h"
 
 #include <errno.h>
@@ -73,55 +73,11 @@ int tok_replace_all_append(const char *s, size_t n, const char *from, size_t fro
 
 /* ---- UTF-8 ---- */
 
-/* Classifies the UTF-8 unit at s (n > 0 bytes available): U8_VALID with *len its length;
- * U8_INCOMPLETE when all n bytes are a proper prefix of a well-formed sequence (*len = n);
- * U8_INVALID with *len the length of the maximal subpart (Unicode table 3-7 ranges). */
-int tok_utf8_unit(const uint8_t *s, size_t n, size_t *len)
-{
-	uint8_t c = s[0], lo = 0x80, hi = 0xBF;
-	size_t need;
-	if (c < 0x80) {
-		*len = 1;
-		return U8_VALID;
-	}
-	if (c >= 0xC2 && c <= 0xDF)
-		need = 1;
-	else if (c == 0xE0)
-		need = 2, lo = 0xA0;
-	else if (c == 0xED)
-		need = 2, hi = 0x9F;
-	else if (c >= 0xE1 && c <= 0xEF)
-		need = 2;
-	else if (c == 0xF0)
-		need = 3, lo = 0x90;
-	else if (c == 0xF4)
-		need = 3, hi = 0x8F;
-	else if (c >= 0xF1 && c <= 0xF3)
-		need = 3;
-	else {
-		*len = 1;
-		return U8_INVALID;
-	}
-	for (size_t k = 1; k <= need; k++) {
-		if (k >= n) {
-			*len = n;
-			return U8_INCOMPLETE;
-		}
-		uint8_t b = s[k];
-		if (b < (k == 1 ? lo : 0x80) || b > (k == 1 ? hi : 0xBF)) {
-			*len = k;
-			return U8_INVALID;
-		}
-	}
-	*len = need + 1;
-	return U8_VALID;
-}
-
 /* The code point at s, or -1 for a byte that does not start a well-formed sequence; *len is
  * the unit's length (1 for an invalid byte). */
 int32_t tok_utf8_cp(const uint8_t *s, size_t n, size_t *len)
 {
-	if (tok_utf8_unit(s, n, len) != U8_VALID) {
+	if (utf8_unit(s, n, len) != U8_VALID) {
 		*len = 1;
 		return -1;
 	}

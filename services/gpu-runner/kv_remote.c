@@ -435,45 +435,32 @@ static int op_lookup(void *ctx, uint32_t n, const uint64_t *keys, uint64_t *hand
 		msg_free(&rep);
 	}
 	/* A hit is a block we now hold a reference to: the same handle twice would be two references
-	 * to one block, which the caller cannot tell apart; refuse it (sorted: n log n). */
-	uint64_t *hit = NULL;
+	 * to one block, which the caller cannot tell apart; refuse it (sorted: n log n). Where the
+	 * lookup failed, the hits of the requests that went through go back, each block once (not
+	 * over a connection that stopped answering: the store keeps them for the session). */
+	uint64_t *hit = done ? malloc((size_t)done * sizeof(uint64_t)) : NULL;
+	if (done && !hit)
+		return rc ? rc : set_err(kr, -ENOMEM, "out of memory");
 	uint32_t nh = 0;
-	if (!rc && n) {
-		hit = malloc((size_t)n * sizeof(uint64_t));
-		if (!hit)
-			rc = set_err(kr, -ENOMEM, "out of memory");
-	}
-	if (hit) {
-		for (uint32_t i = 0; i < n; i++)
-			if (handles[i])
-				hit[nh++] = handles[i];
+	for (uint32_t i = 0; i < done; i++)
+		if (handles[i])
+			hit[nh++] = handles[i];
+	if (nh)
 		qsort(hit, nh, sizeof(uint64_t), cmp_u64);
-		for (uint32_t i = 1; i < nh && !rc; i++)
-			if (hit[i] == hit[i - 1])
-				rc = set_err(kr, -EPROTO, "kv-store answered two keys with block %llx",
-					     (unsigned long long)hit[i]);
-		free(hit);
+	uint32_t u = nh ? 1 : 0;
+	for (uint32_t i = 1; i < nh; i++) {
+		if (hit[i] != hit[u - 1])
+			hit[u++] = hit[i];
+		else if (!rc)
+			rc = set_err(kr, -EPROTO, "kv-store answered two keys with block %llx", (unsigned long long)hit[i]);
 	}
-	if (rc && done) {
-		/* Hand back the hits of the requests that went through, each block once. */
-		uint64_t *back = malloc((size_t)done * sizeof(uint64_t));
-		uint32_t k = 0;
-		for (uint32_t i = 0; back && i < done; i++)
-			if (handles[i])
-				back[k++] = handles[i];
-		if (back && k && !kr->lost) { /* a store that did not answer keeps them for the session */
-			qsort(back, k, sizeof(uint64_t), cmp_u64);
-			uint32_t u = 1;
-			for (uint32_t i = 1; i < k; i++)
-				if (back[i] != back[u - 1])
-					back[u++] = back[i];
-			char keep[sizeof(kr->error)];
-			memcpy(keep, kr->error, sizeof(keep));
-			op_release(kr, u, back); /* the lookup's error is what the caller sees */
-			memcpy(kr->error, keep, sizeof(keep));
-		}
-		free(back);
+	if (rc && u && !kr->lost) {
+		char keep[sizeof(kr->error)];
+		memcpy(keep, kr->error, sizeof(keep));
+		op_release(kr, u, hit); /* the lookup's error is what the caller sees */
+		memcpy(kr->error, keep, sizeof(keep));
 	}
+	free(hit);
 	return rc;
 }
 

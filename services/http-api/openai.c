@@ -16,6 +16,8 @@
 
 #include "services/http-api/openai.h"
 
+#include "common/utf8.h"
+
 static int problem(struct api_problem *why, const char *param, const char *fmt, const char *arg)
 {
 	snprintf(why->message, sizeof(why->message), fmt, arg ? arg : "");
@@ -334,67 +336,24 @@ const char *api_finish_reason(const char *runner_reason)
 	return "stop";
 }
 
-/* The length of the UTF-8 sequence at p[0..n), or 0 where it is not one. */
-static size_t utf8_unit(const unsigned char *p, size_t n)
-{
-	const unsigned c = p[0];
-	size_t len;
-	unsigned min;
-	if (c < 0x80)
-		return 1;
-	if (c >= 0xC2 && c <= 0xDF)
-		len = 2, min = 0x80;
-	else if (c >= 0xE0 && c <= 0xEF)
-		len = 3, min = 0x800;
-	else if (c >= 0xF0 && c <= 0xF4)
-		len = 4, min = 0x10000;
-	else
-		return 0;
-	if (n < len)
-		return 0;
-	unsigned cp = c & (0x7F >> len);
-	for (size_t i = 1; i < len; i++) {
-		if ((p[i] & 0xC0) != 0x80)
-			return 0;
-		cp = cp << 6 | (p[i] & 0x3F);
-	}
-	if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
-		return 0;
-	return len;
-}
-
-bool api_utf8_valid(const char *p, size_t n)
-{
-	const unsigned char *u = (const unsigned char *)p;
-	for (size_t i = 0; i < n;) {
-		size_t l = utf8_unit(u + i, n - i);
-		if (!l)
-			return false;
-		i += l;
-	}
-	return true;
-}
-
-/* A JSON string of s, its invalid UTF-8 bytes each replaced by U+FFFD. NULL: out of memory. */
+/* A JSON string of s, each maximal invalid subpart of its UTF-8 replaced by U+FFFD. NULL: out of
+ * memory. */
 static json_t *json_text(const char *s)
 {
 	const size_t n = strlen(s);
-	if (api_utf8_valid(s, n))
+	if (utf8_valid(s, n))
 		return json_string(s);
 	char *t = malloc(3 * n + 1);
 	if (!t)
 		return NULL;
 	size_t o = 0;
-	for (size_t i = 0; i < n;) {
-		size_t l = utf8_unit((const unsigned char *)s + i, n - i);
-		if (l) {
-			memcpy(t + o, s + i, l);
-			o += l;
-			i += l;
+	for (size_t i = 0, len; i < n; i += len) {
+		if (utf8_unit((const uint8_t *)s + i, n - i, &len) == U8_VALID) {
+			memcpy(t + o, s + i, len);
+			o += len;
 		} else {
 			memcpy(t + o, "\xEF\xBF\xBD", 3);
 			o += 3;
-			i++;
 		}
 	}
 	t[o] = 0;

@@ -70,13 +70,9 @@ void api_request_free(struct api_request *req);
  * "length" or "stop". A stop string cut by the filter is "stop". */
 const char *api_finish_reason(const char *runner_reason);
 
-/* Whether p[0..n) is UTF-8 (shortest forms, no surrogates, nothing past U+10FFFF): what a JSON
- * string may carry. */
-bool api_utf8_valid(const char *p, size_t n);
-
 /* The error body {"error": {"message", "type", "param", "code"}}; param and code may be NULL. A
  * message that is not UTF-8 (a URL's bytes quoted into it, a cut in the middle of a character)
- * has each invalid byte replaced by U+FFFD, so the message is never dropped. Returns a new
+ * has each invalid sequence replaced by U+FFFD, so the message is never dropped. Returns a new
  * reference, or NULL when out of memory. */
 json_t *api_error_json(const char *message, const char *type, const char *param, const char *code);
 

@@ -23,8 +23,8 @@
 #include "common/bus.h"
 #include "common/log.h"
 #include "common/protocol.h"
+#include "common/utf8.h"
 #include "common/util.h"
-#include "services/http-api/openai.h"
 #include "services/http-api/runner_client.h"
 
 #define RUNNER "gpu-runner"
@@ -63,7 +63,6 @@ struct worker {
 	pthread_t thread;
 	bool started;
 	struct rpc_client *client;
-	int stopped_pid; /* the runner whose stop cut the job short: the resume waits for another one */
 };
 
 struct runner_client {
@@ -198,28 +197,28 @@ static int keep_id(struct runner_job *j, uint64_t id)
 	return 0;
 }
 
-/* How reading the replies ended. */
-enum read_end { READ_ENDED, READ_LOST };
+/* How reading the replies ended: READ_LOST and READ_STOPPED (a runner that was stopped, which may
+ * still listen for a moment: the resume waits for another one) may be resumed. */
+enum read_end { READ_ENDED, READ_LOST, READ_STOPPED };
 
-/* The runner of the job went away (how: "went away", "was stopped"): READ_LOST where requests are
- * resumed, else the job fails. A stopped runner may still listen for a moment: the resume then
- * waits for another one (w->stopped_pid). */
-static enum read_end runner_gone(struct worker *w, struct runner_job *j, const char *how, int stopped_pid)
+/* The runner of the job went away (how: READ_LOST or READ_STOPPED): that, where requests are
+ * resumed, else the job fails. */
+static enum read_end runner_gone(struct worker *w, struct runner_job *j, enum read_end how)
 {
-	w->stopped_pid = stopped_pid;
 	reset_connection(w);
 	if (w->rc->o.resume_timeout_ms > 0)
-		return READ_LOST;
+		return how;
 	job_fail(w->rc, j, 503, "gpu-runner %s during the request (its supervisor starts it again; send the request again)",
-		 how);
+		 how == READ_STOPPED ? "was stopped" : "went away");
 	return READ_ENDED;
 }
 
 /* Reads the replies to the GENERATE corr until it ends: READ_ENDED (done or failed, the job says
- * which), or READ_LOST when the runner went away and the request may be sent again. A runner that
- * is stopped (its supervisor's SIGTERM, pipectl stop) ends the request it runs as "cancelled", or
- * answers it with ESHUTDOWN or ECANCELED: http-api never asks for that (it cancels by closing the
- * connection, and reads no more), so it is the runner going away too, not the end of the answer.
+ * which), or READ_LOST / READ_STOPPED when the runner went away and the request may be sent again.
+ * A runner that is stopped (its supervisor's SIGTERM, pipectl stop) ends the request it runs as
+ * "cancelled", or answers it with ESHUTDOWN or ECANCELED: http-api never asks for that (it cancels
+ * by closing the connection, and reads no more), so it is the runner going away too, not the end
+ * of the answer.
  * Every reply is checked: tokens in order, no more than max_new of them, text that is UTF-8,
  * counts that fit the request. */
 static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64_t corr,
@@ -254,7 +253,7 @@ static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64
 				int pid;
 				bool up = runner_listening(sock_path, &pid);
 				if (!up || (listener && pid && pid != listener))
-					return runner_gone(w, j, "went away", 0);
+					return runner_gone(w, j, READ_LOST);
 			}
 			continue;
 		}
@@ -262,7 +261,7 @@ static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64
 			/* A runner that is stopping: the request queued on it not run, or cut off where the
 			 * stop was noticed in a wait (for weights, for the KV store). Gone, as below. */
 			msg_free(&rep);
-			return runner_gone(w, j, "was stopped", listener);
+			return runner_gone(w, j, READ_STOPPED);
 		}
 		if (r == -EREMOTEIO) {
 			job_fail(rc, j, status_of_runner_error(rep.error.code), "gpu-runner: %s",
@@ -281,7 +280,7 @@ static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64
 		    j->n_tokens < j->max_new) {
 			/* (A stop that came with the last token ends nothing: the answer is whole.) */
 			msg_free(&rep);
-			return runner_gone(w, j, "was stopped", listener);
+			return runner_gone(w, j, READ_STOPPED);
 		}
 		pthread_mutex_lock(&rc->lock);
 		int fail = 0;
@@ -290,14 +289,14 @@ static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64
 				fail = 1;
 			else if (j->n_tokens >= j->max_new)
 				fail = 4;
-			else if (!api_utf8_valid(rep.token.text.p, rep.token.text.len))
+			else if (!utf8_valid(rep.token.text.p, rep.token.text.len))
 				fail = 5;
 			else if (keep_id(j, rep.token.token) || append_text(j, rep.token.text.p, rep.token.text.len))
 				fail = 2;
 			else
 				j->n_tokens++;
 		} else if (rep.type == MSG_GEN_DONE) {
-			if (!api_utf8_valid(rep.gen_done.text.p, rep.gen_done.text.len)) {
+			if (!utf8_valid(rep.gen_done.text.p, rep.gen_done.text.len)) {
 				fail = 5;
 			} else if (rep.gen_done.n_generated > j->max_new || rep.gen_done.n_prompt > UINT32_MAX) {
 				fail = 6;
@@ -442,12 +441,13 @@ static void run_job(struct worker *w, struct runner_job *j)
 				 r == -EINVAL ? "the request exceeds the protocol's limits" : strerror(-r));
 			return;
 		}
-		if (read_replies(w, j, corr, path, listener) == READ_ENDED)
+		const enum read_end end = read_replies(w, j, corr, path, listener);
+		if (end == READ_ENDED)
 			return;
 		log_warn("gpu-runner went away during a request after %llu tokens: waiting up to %ld s for it to "
 			 "be started again",
 			 (unsigned long long)j->n_tokens, rc->o.resume_timeout_ms / 1000);
-		r = await_runner(w, j, path, w->stopped_pid, why, sizeof(why));
+		r = await_runner(w, j, path, end == READ_STOPPED ? listener : 0, why, sizeof(why));
 		if (r == -ECANCELED) {
 			pthread_mutex_lock(&rc->lock);
 			job_fail_locked(j, 503,

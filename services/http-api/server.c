@@ -76,7 +76,6 @@ struct stream {
 	size_t have_len;
 	uint64_t have_tokens;
 	bool role_sent, finished;
-	bool job_ended; /* the generation is over (done or failed): nothing of it to cancel */
 	struct MHD_Connection *conn; /* its connection: the idle limit is back once the job ends */
 	char *out; /* formatted events not yet handed to libmicrohttpd */
 	size_t out_len, out_pos, out_cap;
@@ -438,14 +437,13 @@ static void stream_produce(struct stream *st)
 	st->have_len = v.len;
 	st->have_tokens = v.n_tokens;
 	bool ended = v.state == JOB_DONE || v.state == JOB_FAILED;
-	if (ended && !st->job_ended) {
+	if (ended) {
 		/* From here the connection waits on its client only: a reader that stops reading is
-		 * closed by the idle limit, as any other (the limit was off while the model worked). */
-		st->job_ended = true;
+		 * closed by the idle limit, as any other (the limit was off while the model worked).
+		 * (The stream is finished below, so this comes once.) */
 		MHD_set_connection_option(st->conn, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned int)st->s->cfg.idle_timeout_s);
-	}
-	if (ended)
 		count_end(st->s, &v);
+	}
 	size_t from, end = api_stop_filter_release(&st->filter, &st->req, ended, &from);
 	if (end > from)
 		rc = rc ? rc : out_event(st, api_chunk_json(&st->req, st->id, st->model, st->created,
@@ -493,8 +491,7 @@ static void stream_free(void *cls)
 		free(v.fresh);
 		if (v.state == JOB_DONE || v.state == JOB_FAILED) {
 			log_info("a client went away before the end of its stream (its generation had ended)");
-			if (!st->job_ended)
-				count_end(st->s, &v);
+			count_end(st->s, &v);
 		} else {
 			log_info("a client went away during its stream: its generation is cancelled");
 			metrics_cancelled(st->s->metrics);

@@ -287,46 +287,41 @@ expect_eq "$(stat_value gpu-runner requests)" "$((served + 1))" \
 	"gpu-runner's requests: the long stream and the last one, not the dropped one"
 log "a client that went away while its request waited in the queue: dropped, never run"
 
-# ---- gpu-runner killed during a stream: an error event ends it; the restarted runner serves ----
-curl -sS -N -H "Authorization: Bearer $KEY" "$BASE/v1/completions" --data-binary "$long" >"$IT_TMP/killed" 2>&1 &
-KILLED=$!
-killed_streaming() { grep -q '^data: {' "$IT_TMP/killed"; }
-wait_until 20 "the stream before the kill starts" killed_streaming
-RUNNER_PID=$(sup_field gpu-runner pid)
-kill -KILL "$RUNNER_PID"
-wait "$KILLED" || fail "the stream of a killed runner did not end cleanly"
-expect_grep '"error":\{"message":"gpu-runner went away during the request' "$(grep '^data: {' "$IT_TMP/killed" | tail -n 1)" \
-	"the stream of a killed runner: the error event"
-expect_eq "$(grep '^data: ' "$IT_TMP/killed" | tail -n 1)" "data: [DONE]" \
-	"the stream of a killed runner: the last event"
-wait_until 30 "gpu-runner restarted" restarted gpu-runner "$RUNNER_PID"
+# cut_stream SIGNAL WHAT MESSAGE: a long stream whose gpu-runner gets SIGNAL ends with an error
+# event starting with MESSAGE (no finish_reason: never an answer cut short that looks whole), then
+# [DONE]; the supervisor restarts the runner, and it serves the next request.
+cut_stream() {
+	local sig=$1 what=$2 message=$3 out=$IT_TMP/cut-$1
+	curl -sS -N -H "Authorization: Bearer $KEY" "$BASE/v1/completions" --data-binary "$long" >"$out" 2>&1 &
+	local client=$!
+	cut_streaming() { grep -q '^data: {' "$out"; }
+	wait_until 20 "the stream before the $what runner starts" cut_streaming
+	local pid
+	pid=$(sup_field gpu-runner pid)
+	kill "-$sig" "$pid"
+	wait "$client" || fail "the stream of a $what runner did not end cleanly"
+	expect_grep "\"error\":\\{\"message\":\"$message" "$(grep '^data: {' "$out" | tail -n 1)" \
+		"the stream of a $what runner: the error event"
+	local finishes
+	finishes=$(sed -n 's/^data: //p' "$out" | grep -v '^\[DONE\]$' | jq -r '.choices[0].finish_reason // empty')
+	expect_eq "$finishes" "" "the stream of a $what runner: no finish_reason"
+	expect_eq "$(grep '^data: ' "$out" | tail -n 1)" "data: [DONE]" "the stream of a $what runner: the last event"
+	wait_until 30 "gpu-runner restarted after it was $what" restarted gpu-runner "$pid"
+	expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0}")" \
+		200 "the request after the runner was $what"
+	expect_eq "$(whole_text)" "$full" "the request after the runner was $what: the text"
+	log "gpu-runner $what mid-stream: an error event; the restarted runner serves"
+}
+
+# ---- gpu-runner killed during a stream ----
+cut_stream KILL killed "gpu-runner went away during the request"
 expect_eq "$(scrape "$M1")" 200 "GET /metrics after the runner was killed"
 expect_eq "$(delta "$M0" "$M1" pipeline_http_runner_errors_total)" 1 "/metrics: the runner killed mid-stream"
-expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0}")" \
-	200 "the request after the runner was restarted"
-expect_eq "$(whole_text)" "$full" "the request after the runner was restarted: the text"
-log "gpu-runner killed mid-stream: an error event; the restarted runner serves"
 
-# ---- gpu-runner stopped (SIGTERM) during a stream: an error event, not an answer cut short ----
+# ---- gpu-runner stopped (SIGTERM) during a stream ----
 # A stopped runner ends the request it runs as cancelled; without --resume-timeout that is an
 # error for the client, never a finish_reason of "stop" on a truncated text.
-curl -sS -N -H "Authorization: Bearer $KEY" "$BASE/v1/completions" --data-binary "$long" >"$IT_TMP/termed" 2>&1 &
-TERMED=$!
-termed_streaming() { grep -q '^data: {' "$IT_TMP/termed"; }
-wait_until 20 "the stream before the SIGTERM starts" termed_streaming
-RUNNER_PID=$(sup_field gpu-runner pid)
-kill -TERM "$RUNNER_PID"
-wait "$TERMED" || fail "the stream of a stopped runner did not end cleanly"
-expect_grep '"error":\{"message":"gpu-runner was stopped during the request' \
-	"$(grep '^data: {' "$IT_TMP/termed" | tail -n 1)" "the stream of a stopped runner: the error event"
-finishes=$(sed -n 's/^data: //p' "$IT_TMP/termed" | grep -v '^\[DONE\]$' | jq -r '.choices[0].finish_reason // empty')
-expect_eq "$finishes" "" "the stream of a stopped runner: no finish_reason"
-expect_eq "$(grep '^data: ' "$IT_TMP/termed" | tail -n 1)" "data: [DONE]" "the stream of a stopped runner: the last event"
-wait_until 30 "gpu-runner restarted after SIGTERM" restarted gpu-runner "$RUNNER_PID"
-expect_eq "$(request POST /v1/completions "{\"prompt\": $(json_str "$text"), \"max_tokens\": 12, \"temperature\": 0}")" \
-	200 "the request after the runner was stopped"
-expect_eq "$(whole_text)" "$full" "the request after the runner was stopped: the text"
-log "gpu-runner stopped mid-stream: an error event; the restarted runner serves"
+cut_stream TERM stopped "gpu-runner was stopped during the request"
 
 # ---- a full queue: 429 (a second server with --max-queue 0, while the first request streams) ----
 "$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --max-queue 0 --concurrency 1 \

@@ -9,6 +9,7 @@
 #include <jansson.h>
 #include <string.h>
 
+#include "common/utf8.h"
 #include "services/http-api/openai.h"
 #include "tests/unit/common/test_helpers.h"
 
@@ -240,9 +241,9 @@ START_TEST(utf8)
 		{"ok \xC3\xA9 then \xE9 bad", false},
 	};
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
-		ck_assert_msg(api_utf8_valid(cases[i].s, strlen(cases[i].s)) == cases[i].ok, "case %zu: want %d", i,
+		ck_assert_msg(utf8_valid(cases[i].s, strlen(cases[i].s)) == cases[i].ok, "case %zu: want %d", i,
 			      cases[i].ok);
-	ck_assert(api_utf8_valid(NULL, 0));
+	ck_assert(utf8_valid(NULL, 0));
 	/* An error message with bytes that are not UTF-8 keeps its message, the bytes replaced. */
 	json_t *o = api_error_json("no endpoint /\xFF\xC3 (x)", "invalid_request_error", NULL, "not_found");
 	ck_assert_ptr_nonnull(o);
