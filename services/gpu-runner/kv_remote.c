@@ -1,11 +1,13 @@
 #include "services/gpu-runner/kv_remote.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/proc.h"
 #include "common/shm.h"
 #include "common/util.h"
 
@@ -21,8 +23,9 @@ static int reply_errno(const struct msg *rep)
 
 /* Waits for the reply to corr in slices, so that a kv-store that died (its pool's owner is
  * gone) is noticed at once rather than after the whole timeout, and the wait hook runs between
- * them. Before a pool is mapped (its configuration) there is no owner to look at: the timeout
- * alone ends the wait. Returns as rpc_wait, or -ECONNRESET when the owner died. */
+ * them. Before a pool is mapped (its configuration) there is no owner to look at: the process
+ * that answered HELLO is looked at instead where it is known (kv_remote_set_peer), else the
+ * timeout alone ends the wait. Returns as rpc_wait, or -ECONNRESET when the kv-store died. */
 static int wait_reply(struct kv_remote *kr, uint64_t corr, struct msg *rep)
 {
 	const int slice = 100;
@@ -35,7 +38,8 @@ static int wait_reply(struct kv_remote *kr, uint64_t corr, struct msg *rep)
 			return rc;
 		}
 		waited += step;
-		const bool gone = kr->h && !kv_remote_owner_alive(kr);
+		const bool gone = kr->h ? !kv_remote_owner_alive(kr)
+					: kr->peer_pid > 0 && !process_alive(kr->peer_pid, kr->peer_start);
 		if (gone || waited >= kr->timeout_ms) {
 			kr->lost = true;
 			return gone ? -ECONNRESET : -ETIMEDOUT;
@@ -602,6 +606,20 @@ void kv_remote_disconnect(struct kv_remote *kr)
 	kr->n_deferred = kr->cap_deferred = 0;
 	shm_object_close(&kr->obj, false);
 	kr->h = NULL;
+}
+
+void kv_remote_set_peer(struct kv_remote *kr, uint64_t pid)
+{
+	kr->peer_pid = 0;
+	kr->peer_start = 0;
+	if (pid == 0 || pid > INT_MAX)
+		return;
+	/* Its start time now, so that a pid taken again by another process is not mistaken for it. */
+	const uint64_t start = process_start_time((int)pid);
+	if (start == 0)
+		return; /* gone already, or not readable: the timeout decides */
+	kr->peer_pid = (int)pid;
+	kr->peer_start = start;
 }
 
 bool kv_remote_owner_alive(const struct kv_remote *kr)

@@ -42,6 +42,11 @@ struct kv_remote {
 	struct shm_object *obj;
 	struct kvpool_header *h;
 	int owner_pid;
+	/* The kv-store process that answered HELLO (kv_remote_set_peer): before a pool is mapped there
+	 * is no owner to look at, and a wait for its reply (the pool configuration) ends when this
+	 * process is gone. 0: not known (the timeout alone ends the wait). */
+	int peer_pid;
+	uint64_t peer_start;
 	uint64_t pool_epoch;
 	bool pool_known; /* a connect succeeded: pool_epoch names that pool, a failed connect after it
 			  * notwithstanding (a reconnect to the same pool keeps its blocks) */
@@ -88,6 +93,9 @@ extern const struct kv_remote_ops kv_remote_ops_pool;
 int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t block_bytes, uint64_t manifest_hash,
 		      int timeout_ms, bool *same_pool, char *err, size_t errlen);
 void kv_remote_disconnect(struct kv_remote *kr);
+/* The pid the kv-store's HELLO reply named (from another process: anything outside 1..INT_MAX, or
+ * a process not running now, counts as not known). Kept across connects until set again. */
+void kv_remote_set_peer(struct kv_remote *kr, uint64_t pid);
 /* Sends the commits held back (defer_commits), once the copies they name are complete. Returns 0 or
  * -errno with kr->error set. */
 int kv_remote_flush_commits(struct kv_remote *kr);

@@ -335,6 +335,8 @@ int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errle
 	int rc = hello_peer(r, r->kv_c, "kv-store", deadline_ms, &hello, err, errlen);
 	if (rc)
 		return rc;
+	/* A kv-store that dies before it answers the pool configuration is noticed by its pid. */
+	kv_remote_set_peer(&r->kv, hello.hello_reply.pid);
 	msg_free(&hello);
 	bool same = false;
 	rc = kv_remote_connect(&r->kv, r->kv_c, r->pool_block_bytes, r->manifest_hash, (int)r->timeout_ms, &same, err,
@@ -369,14 +371,15 @@ int runner_kv_failure(void *ctx, char *err, size_t errlen)
 			log_info("kv-store is back: rebuilding the KV of the request in flight");
 			return 0;
 		}
-		if (rc != -ETIMEDOUT)
+		/* No answer yet, or a kv-store that died again before it answered: its successor may come. */
+		if (rc != -ETIMEDOUT && rc != -ECONNRESET && rc != -ENOENT && rc != -EAGAIN)
 			return rc;
 		if (now_ns() >= deadline) {
 			snprintf(err, errlen, "kv-store did not come back at %s/kv-store.ctl within %d s", r->run_dir,
 				 RECONNECT_TIMEOUT_MS / 1000);
 			return rc;
 		}
-		if (service_poll_once(r->svc, 0)) {
+		if (service_poll_once(r->svc, rc == -ETIMEDOUT ? 0 : 50)) {
 			snprintf(err, errlen, STOPPING_MSG);
 			return -ECANCELED;
 		}
@@ -433,7 +436,7 @@ int runner_ensure_connections(struct runner *r, char *err, size_t errlen)
 	}
 	if (r->kv_suspect || kv_remote_lost(&r->kv)) {
 		log_info("reconnecting to kv-store");
-		rc = connect_retry(r, runner_connect_kv, "kv-store", false, RECONNECT_TIMEOUT_MS, err, errlen);
+		rc = connect_retry(r, runner_connect_kv, "kv-store", true, RECONNECT_TIMEOUT_MS, err, errlen);
 		if (rc)
 			return rc;
 	}

@@ -8,11 +8,14 @@
 #include <check.h>
 #include <dirent.h>
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -521,6 +524,47 @@ START_TEST(kv_connect_beats_while_the_configuration_is_not_answered)
 }
 END_TEST
 
+START_TEST(kv_connect_notices_a_kv_store_that_died_before_the_configuration)
+{
+	/* A kv-store that answered HELLO (its pid in the reply) and died before the pool
+	 * configuration: there is no pool to look at yet, so its pid is, and the wait ends at once
+	 * as a death rather than after the whole timeout. Pids that cannot be a process's are not
+	 * taken. */
+	struct pool_fx f;
+	pool_fx_open(&f);
+	pid_t child = fork();
+	ck_assert_int_ge(child, 0);
+	if (child == 0) {
+		pause();
+		_exit(0);
+	}
+	struct peer p = {.kv = f.kv, .silent_type = MSG_KV_CONFIGURE};
+	peer_start(&p, f.dir, "kv-store");
+	void *zctx = zmq_ctx_new();
+	struct rpc_client *c = rpc_client_create(zctx, f.dir, "kv-store", "gpu-runner");
+	struct kv_remote kr = {0};
+	kv_remote_set_peer(&kr, 0);
+	ck_assert_int_eq(kr.peer_pid, 0);
+	kv_remote_set_peer(&kr, (uint64_t)INT_MAX + 1);
+	ck_assert_int_eq(kr.peer_pid, 0);
+	kv_remote_set_peer(&kr, (uint64_t)child);
+	ck_assert_int_eq(kr.peer_pid, child);
+	ck_assert_int_eq(kill(child, SIGKILL), 0);
+	ck_assert_int_eq(waitpid(child, NULL, 0), child);
+	char err[512] = "";
+	ck_assert_int_eq(kv_remote_connect(&kr, c, 4096, 77, 60000, NULL, err, sizeof(err)), -ECONNRESET);
+	ck_assert_msg(strstr(err, "the kv-store process died"), "error: %s", err);
+	/* Alive (this process stands in for it): the timeout ends the wait, as before. */
+	kv_remote_set_peer(&kr, (uint64_t)getpid());
+	ck_assert_int_eq(kv_remote_connect(&kr, c, 4096, 77, 500, NULL, err, sizeof(err)), -ETIMEDOUT);
+	kv_remote_disconnect(&kr);
+	rpc_client_destroy(&c);
+	zmq_ctx_term(zctx);
+	peer_stop(&p);
+	pool_fx_close(&f);
+}
+END_TEST
+
 START_TEST(kv_ops_refuse_an_error_code_beyond_int)
 {
 	struct pool_fx f;
@@ -787,6 +831,7 @@ static Suite *remote_suite(void)
 	tcase_add_unchecked_fixture(tc, NULL, sweep_all);
 	tcase_add_test(tc, kv_connect_refuses_an_error_code_beyond_int);
 	tcase_add_test(tc, kv_connect_beats_while_the_configuration_is_not_answered);
+	tcase_add_test(tc, kv_connect_notices_a_kv_store_that_died_before_the_configuration);
 	tcase_add_test(tc, kv_ops_refuse_an_error_code_beyond_int);
 	tcase_add_test(tc, kv_alloc_takes_decode_blocks_from_a_stash);
 	tcase_add_test(tc, kv_alloc_of_a_small_pool_takes_no_stash);
