@@ -151,8 +151,18 @@ static int swap_in(struct kvstore *kv, const uint64_t *handles, uint32_t pos, ui
 	rc = spill_run(kv->spill, &io, 1, err, errlen);
 	if (rc) {
 		atomic_store(&sl->state, KVSLOT_COMMITTED);
-		log_warn("KV block 0x%llx: a failed write may have damaged its spill slot; its checksum will tell",
-			 (unsigned long long)handles[pos]);
+		/* The victim's failed write may have damaged spill slot j, which still holds the block
+		 * asked for; its bytes are whole in the bounce buffer, so they go back there. If that
+		 * write fails too, the block's checksum tells when it is read next (never a wrong byte). */
+		char werr[256];
+		io = (struct spill_io){.buf = kv->bounce, .slot = j, .write = true};
+		if (spill_run(kv->spill, &io, 1, werr, sizeof(werr)) == 0)
+			log_warn("KV block 0x%llx: written back to its spill slot after a failed write there",
+				 (unsigned long long)handles[pos]);
+		else
+			log_warn("KV block 0x%llx: a failed write may have damaged its spill slot, and writing it back "
+				 "failed too (%s); its checksum will tell",
+				 (unsigned long long)handles[pos], werr);
 		goto out_free;
 	}
 	/* j now holds the victim. A crash between these steps loses at most the block being

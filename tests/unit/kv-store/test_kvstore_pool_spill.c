@@ -1,16 +1,42 @@
 /* Tests of where the kv-store pool's blocks go when it is full (services/kv-store/pool_evict.c,
  * pool_fetch.c, pool_tune.c) through pool.h: LRU spill to a real spill file, pins, a full disk,
- * budgets tuned at run time, checksums on read-back, cached blocks dropped to make room, and the
- * spill file on tmpfs and on /tmp. */
+ * budgets tuned at run time, checksums on read-back, cached blocks dropped to make room, a spill
+ * write that fails, and the spill file on tmpfs and on /tmp. liburing's io_uring_submit_and_wait
+ * is wrapped (this executable's definition comes before the shared library's) so that one
+ * submitted write can fail, as a disk's may. */
 #include <check.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <liburing.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "tests/unit/kv-store/kvtest_pool.h"
+
+/* At the fake_fail_in-th submit from when it is set, 64 bytes at fake_damage_off of the file
+ * fake_damage_fd are overwritten (what a write that fails part way may leave) and what that
+ * submit carries fails (its entries' fd made -1: EBADF in their completions). */
+static int fake_fail_in;
+static int fake_damage_fd = -1;
+static off_t fake_damage_off;
+
+int io_uring_submit_and_wait(struct io_uring *ring, unsigned wait_nr)
+{
+	static int (*real)(struct io_uring *, unsigned);
+	if (!real)
+		*(void **)&real = dlsym(RTLD_NEXT, "io_uring_submit_and_wait");
+	if (fake_fail_in > 0 && --fake_fail_in == 0) {
+		unsigned char junk[64];
+		memset(junk, 0xA5, sizeof(junk));
+		ck_assert_int_eq(pwrite(fake_damage_fd, junk, sizeof(junk), fake_damage_off), (ssize_t)sizeof(junk));
+		for (unsigned i = ring->sq.sqe_head; i != ring->sq.sqe_tail; i++)
+			ring->sq.sqes[i & ring->sq.ring_mask].fd = -1;
+	}
+	return real(ring, wait_nr);
+}
 
 /* ---- spill ---- */
 
@@ -290,6 +316,37 @@ START_TEST(test_fetch_when_everything_is_full)
 }
 END_TEST
 
+/* Pool and spill file both full, so a fetch of a spilled block trades places with the least
+ * recently used pooled block through a bounce buffer: read the block, write the victim into its
+ * spill slot, copy the block in. The victim's write fails and damages the slot: the fetch fails,
+ * the block's bytes (whole in the bounce buffer) go back into its slot, and the next fetch reads
+ * them, checksum and all. */
+START_TEST(test_swap_in_write_failure_keeps_the_block)
+{
+	struct fx f;
+	fx_open(&f, "/tmp", 4, 4);
+	uint64_t h[8];
+	for (int i = 0; i < 8; i++)
+		h[i] = put_block(&f, 60 + (uint64_t)i);
+	ck_assert_uint_eq(handle_of(&f, h[0])->location, KVLOC_SPILL);
+	fake_damage_fd = open(f.spill, O_RDWR);
+	ck_assert_int_ge(fake_damage_fd, 0);
+	fake_damage_off = (off_t)(handle_of(&f, h[0])->where * BB + 100);
+	fake_fail_in = 2; /* the block's read goes through, the victim's write fails */
+	uint64_t off;
+	expect_err(&f, kvstore_fetch(f.kv, &h[0], 1, &off, f.err, sizeof(f.err)), -EIO, "write");
+	ck_assert_int_eq(fake_fail_in, 0);
+	close(fake_damage_fd);
+	fake_damage_fd = -1;
+	ck_assert_uint_eq(handle_of(&f, h[0])->location, KVLOC_SPILL);
+	check_block(&f, h[0], 60);
+	ck_assert_uint_eq(stat_u64(&f, "checksum_failures"), 0);
+	for (int i = 1; i < 8; i++)
+		check_block(&f, h[i], 60 + (uint64_t)i);
+	fx_close(&f);
+}
+END_TEST
+
 /* ---- checksum ---- */
 
 START_TEST(test_checksum_mismatch)
@@ -538,6 +595,7 @@ static Suite *pool_spill_suite(void)
 	tcase_add_test(tc, test_all_pinned);
 	tcase_add_test(tc, test_disk_full);
 	tcase_add_test(tc, test_fetch_when_everything_is_full);
+	tcase_add_test(tc, test_swap_in_write_failure_keeps_the_block);
 	tcase_add_test(tc, test_tuned_budgets);
 	tcase_add_test(tc, test_tuned_budget_before_configure);
 
