@@ -42,10 +42,12 @@ static int wait_reply(struct kv_remote *kr, uint64_t corr, struct msg *rep)
 					: kr->peer_pid > 0 && !process_alive(kr->peer_pid, kr->peer_start);
 		if (gone || waited >= kr->timeout_ms) {
 			kr->lost = true;
+			kr->orphans |= !gone;
 			return gone ? -ECONNRESET : -ETIMEDOUT;
 		}
 		if (kr->wait_hook && kr->wait_hook(kr->wait_ctx)) {
 			kr->lost = true; /* the reply may still come: it must not be taken for another's */
+			kr->orphans = true;
 			return -ECANCELED;
 		}
 	}
@@ -606,6 +608,14 @@ void kv_remote_disconnect(struct kv_remote *kr)
 	kr->n_deferred = kr->cap_deferred = 0;
 	shm_object_close(&kr->obj, false);
 	kr->h = NULL;
+}
+
+void kv_remote_forget_session(struct kv_remote *kr)
+{
+	kr->n_stash = 0;
+	kr->n_pending = 0;
+	kr->n_deferred = 0;
+	kr->orphans = false;
 }
 
 void kv_remote_set_peer(struct kv_remote *kr, uint64_t pid)

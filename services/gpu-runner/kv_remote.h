@@ -56,6 +56,11 @@ struct kv_remote {
 	uint64_t pending[KV_EVENTS_IN_FLIGHT]; /* commits whose replies are not yet read */
 	uint32_t n_pending;
 	bool lost; /* a request went unanswered (timeout, the process died): reconnect before trusting it */
+	/* A request's reply was given up while the kv-store lived (a timeout, a stop): it may yet have
+	 * done it (blocks allocated, referenced or pinned for this session) with nobody to hear of it.
+	 * The runner then says HELLO with a new session, so that the store lets go of all of them
+	 * (kv_remote_forget_session). */
+	bool orphans;
 	char error[512];
 	/* Called every 100 ms while a reply is awaited (the runner beats its heartbeat); true gives
 	 * the wait up (the runner is stopping): the request fails with -ECANCELED and the connection
@@ -93,6 +98,10 @@ extern const struct kv_remote_ops kv_remote_ops_pool;
 int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t block_bytes, uint64_t manifest_hash,
 		      int timeout_ms, bool *same_pool, char *err, size_t errlen);
 void kv_remote_disconnect(struct kv_remote *kr);
+/* The session is given up (the runner says HELLO with a new one, and the store lets go of every
+ * block the old one held): the blocks allocated ahead and the commits not yet answered are
+ * forgotten, not handed back, and orphans is cleared. */
+void kv_remote_forget_session(struct kv_remote *kr);
 /* The pid the kv-store's HELLO reply named (from another process: anything outside 1..INT_MAX, or
  * a process not running now, counts as not known). Kept across connects until set again. */
 void kv_remote_set_peer(struct kv_remote *kr, uint64_t pid);

@@ -331,7 +331,17 @@ int runner_make_cache(struct runner *r, char *err, size_t errlen)
 int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errlen)
 {
 	struct msg hello;
-	runner_unpin_pool(r);
+	runner_unpin_pool(r); /* and no KV copy touches the pool any more (kv_cache_quiesce) */
+	/* A reply given up while the kv-store lived: what that request did is the old session's, which
+	 * a new one makes the store let go of (this runner's session is its own; a split model's is the
+	 * formation's, which rank 0 renews as it forms). */
+	if (r->kv.orphans && !r->stage.split) {
+		r->kv_renewed = true;
+		rpc_client_set_session(r->kv_c, random_u64() | 1);
+		kv_remote_forget_session(&r->kv);
+		log_warn("a kv-store reply was given up: a new session, so that the store lets go of what the "
+			 "old one held");
+	}
 	int rc = hello_peer(r, r->kv_c, "kv-store", deadline_ms, &hello, err, errlen);
 	if (rc)
 		return rc;
@@ -344,13 +354,15 @@ int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errle
 	if (rc)
 		return rc;
 	pin_pool(r);
-	if (r->kv_connected && !same) {
-		log_warn("kv-store has a new pool: the blocks it held are gone");
+	if (r->kv_connected && (!same || r->kv_renewed)) {
+		if (!same)
+			log_warn("kv-store has a new pool: the blocks it held are gone");
 		kv_cache_forget_remote(r->cache);
 		for (uint32_t k = 1; k < r->n_slots; k++)
 			kv_cache_forget_remote(r->slot_kv[k]);
 	}
 	r->kv_connected = true;
+	r->kv_renewed = false;
 	r->kv_suspect = false;
 	return 0;
 }

@@ -130,6 +130,7 @@ struct runner {
 	void *pool_pinned; /* the KV pool mapping, page-locked for the backend's copies */
 	bool loader_suspect, kv_suspect;
 	bool kv_connected; /* a pool was mapped before */
+	bool kv_renewed;   /* a new kv-store session since the last connect: the caches forget the old one's blocks */
 
 	struct model_config cfg;
 	uint64_t manifest_hash;
