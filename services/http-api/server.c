@@ -2,9 +2,10 @@
  *
  * libmicrohttpd runs a thread per connection, so a handler may block: a generation's handler
  * waits for its job in the runner queue (runner_client.h), and a stream's reader waits for the
- * next text. A request is checked before its body is read: the path (404), the method (405),
- * the bearer token (401), a Content-Length over --max-body (413); a body without one that grows
- * past the limit is dropped as it comes and answered 413 at its end.
+ * next text. A request is checked before its body is read: a length two readers could take
+ * differently (Content-Length twice, or beside Transfer-Encoding: 400, the connection closed), the
+ * path (404), the method (405), the bearer token (401), a Content-Length over --max-body (413); a
+ * body without one that grows past the limit is dropped as it comes and answered 413 at its end.
  *
  * A streamed generation answers only once its first token is in (or it failed: then with the
  * error's status, as a request that does not stream); from there on, server-sent events
@@ -27,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -647,6 +649,54 @@ static bool authorized(const struct server *s, struct MHD_Connection *c)
 
 /* The first call of a request: everything that can be answered before the body. Returns true
  * when a response was queued (*ret says how). */
+/* The request's framing headers, counted (count_framing). */
+struct framing {
+	unsigned content_length, transfer_encoding;
+};
+
+static enum MHD_Result count_framing(void *cls, enum MHD_ValueKind kind, const char *key, const char *value)
+{
+	(void)kind;
+	(void)value;
+	struct framing *f = cls;
+	if (key && !strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH))
+		f->content_length++;
+	else if (key && !strcasecmp(key, MHD_HTTP_HEADER_TRANSFER_ENCODING))
+		f->transfer_encoding++;
+	return MHD_YES;
+}
+
+/* A body whose length two readers could take differently: Content-Length more than once
+ * (libmicrohttpd takes the first, a proxy in front may take the last), or beside
+ * Transfer-Encoding. Such a request is how one request is smuggled inside another (RFC 9112,
+ * 6.3): refused, and the connection closed, since where its body ends is not known. */
+static bool framing_ambiguous(struct MHD_Connection *c)
+{
+	struct framing f = {0, 0};
+	MHD_get_connection_values(c, MHD_HEADER_KIND, count_framing, &f);
+	return f.content_length > 1 || (f.content_length && f.transfer_encoding);
+}
+
+static enum MHD_Result send_error_close(struct MHD_Connection *c, unsigned status, const char *message)
+{
+	log_debug("HTTP %u: %s (connection closed)", status, message);
+	json_t *o = api_error_json(message, error_type(status), NULL, error_code(status));
+	char *text = o ? json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
+	json_decref(o);
+	if (!text)
+		return MHD_NO;
+	struct MHD_Response *r = MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
+	if (!r) {
+		free(text);
+		return MHD_NO;
+	}
+	MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+	MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
+	enum MHD_Result ret = queue_response(c, status, r);
+	MHD_destroy_response(r);
+	return ret;
+}
+
 static bool answer_early(struct server *s, struct MHD_Connection *c, const char *url, const char *method,
 			 struct request_state *rs, enum MHD_Result *ret)
 {
@@ -654,6 +704,12 @@ static bool answer_early(struct server *s, struct MHD_Connection *c, const char 
 	rs->endpoint = "other";
 	rs->route = route_of(url, &wanted, &rs->endpoint);
 	char msg[768];
+	if (framing_ambiguous(c)) {
+		*ret = send_error_close(c, MHD_HTTP_BAD_REQUEST,
+					"the request's length is ambiguous: Content-Length more than once, or beside "
+					"Transfer-Encoding");
+		return true;
+	}
 	if (rs->route == R_NONE) {
 		snprintf(msg, sizeof(msg), "no endpoint %.400s (there are GET /health, GET /metrics, GET /v1/models, "
 			 "POST /v1/completions and POST /v1/chat/completions)", url);
