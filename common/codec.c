@@ -98,6 +98,7 @@ static const struct field_desc f_kv_pool[] = {
 };
 static const struct field_desc f_kv_alloc[] = {
 	FLD(1, F_U64, REQ, 0, kv_alloc.count),
+	FLD(2, F_U64, OPT, 0, kv_alloc.session),
 };
 static const struct field_desc f_kv_blocks[] = {
 	FLD(1, F_U64_ARRAY, REQ, 1u << 20, kv_blocks.handles),
@@ -107,12 +108,18 @@ static const struct field_desc f_kv_commit[] = {
 	FLD(1, F_U64_ARRAY, REQ, 1u << 20, kv_commit.handles),
 	FLD(2, F_U64_ARRAY, OPT, 1u << 20, kv_commit.keys),
 	FLD(3, F_BYTES, OPT, PROTO_MAX_STR, kv_commit.events),
+	FLD(4, F_U64, OPT, 0, kv_commit.session),
 };
 static const struct field_desc f_kv_handles[] = {
 	FLD(1, F_U64_ARRAY, REQ, 1u << 20, kv_handles.handles),
+	FLD(2, F_U64, OPT, 0, kv_handles.session),
+};
+static const struct field_desc f_kv_unpin_all[] = {
+	FLD(2, F_U64, OPT, 0, kv_handles.session),
 };
 static const struct field_desc f_kv_lookup[] = {
 	FLD(1, F_U64_ARRAY, REQ, 1u << 20, kv_lookup.keys),
+	FLD(2, F_U64, OPT, 0, kv_lookup.session),
 };
 static const struct field_desc f_generate[] = {
 	FLD(1, F_U64_ARRAY, OPT, 1u << 20, generate.tokens), FLD(2, F_U64, REQ, 0, generate.max_new),
@@ -193,7 +200,7 @@ static const struct msg_desc catalogue[] = {
 	DESC(MSG_KV_UNPIN, f_kv_handles),
 	DESC(MSG_KV_FREE, f_kv_handles),
 	DESC(MSG_KV_LOOKUP, f_kv_lookup),
-	DESC0(MSG_KV_UNPIN_ALL),
+	DESC(MSG_KV_UNPIN_ALL, f_kv_unpin_all),
 	DESC(MSG_GENERATE, f_generate),
 	DESC(MSG_TOKEN, f_token),
 	DESC(MSG_GEN_DONE, f_gen_done),

@@ -152,15 +152,20 @@ struct msg_kv_pool {
 	struct bytes shm_name;
 	uint64_t shm_size, n_blocks, block_bytes, epoch;
 };
-struct msg_kv_alloc { uint64_t count; };
+/* The KV requests (ALLOC, COMMIT, FETCH, UNPIN, FREE, LOOKUP, UNPIN_ALL) name the gpu-runner
+ * session that sends them (its HELLO's; 0: none named): the kv-store does nothing for a session
+ * that a HELLO with another has ended, so that a request sent before a runner gave its session
+ * up cannot take blocks for the next one. */
+struct msg_kv_alloc { uint64_t count, session; };
 struct msg_kv_blocks { struct u64_array handles, offsets; };
 struct msg_kv_commit {
 	struct u64_array handles;
 	struct u64_array keys; /* prefix-chain key per block, 0 when none */
 	struct bytes events;   /* n * KV_EVENT_HANDLE_BYTES CUDA IPC event handles; empty on the CPU path */
+	uint64_t session;
 };
-struct msg_kv_handles { struct u64_array handles; }; /* FETCH, UNPIN, FREE */
-struct msg_kv_lookup { struct u64_array keys; };
+struct msg_kv_handles { struct u64_array handles; uint64_t session; }; /* FETCH, UNPIN, FREE; UNPIN_ALL: session */
+struct msg_kv_lookup { struct u64_array keys; uint64_t session; };
 /* MSG_GENERATE.flags */
 enum gen_flags {
 	GEN_SPECIAL_AS_TEXT = 1u << 0, /* prompt: special-token text is plain text */

@@ -98,6 +98,32 @@ static int drain(struct kv_remote *kr)
 	return drain_n(kr, kr->n_pending);
 }
 
+/* Names the session that sends req (the client's HELLO session), for a KV request that has the
+ * field: the kv-store refuses it once a HELLO with another session has ended this one. */
+static void stamp_session(const struct kv_remote *kr, struct msg *req)
+{
+	const uint64_t s = rpc_client_session(kr->client);
+	switch (req->type) {
+	case MSG_KV_ALLOC:
+		req->kv_alloc.session = s;
+		break;
+	case MSG_KV_COMMIT:
+		req->kv_commit.session = s;
+		break;
+	case MSG_KV_FETCH:
+	case MSG_KV_UNPIN:
+	case MSG_KV_FREE:
+	case MSG_KV_UNPIN_ALL:
+		req->kv_handles.session = s;
+		break;
+	case MSG_KV_LOOKUP:
+		req->kv_lookup.session = s;
+		break;
+	default:
+		break;
+	}
+}
+
 /* One request; the reply must be of type `want`. Returns 0 with rep to free, or -errno. */
 static int call(struct kv_remote *kr, struct msg *req, uint32_t want, struct msg *rep)
 {
@@ -108,6 +134,7 @@ static int call(struct kv_remote *kr, struct msg *req, uint32_t want, struct msg
 		return prc;
 	const char *what = msg_type_name(req->type);
 	uint64_t corr;
+	stamp_session(kr, req);
 	int rc = rpc_send(kr->client, req, &corr);
 	if (rc) {
 		kr->lost = true;
@@ -256,6 +283,7 @@ static int send_commit(struct kv_remote *kr, uint32_t n, const uint64_t *handles
 	}
 	/* Write-behind: the reply is read before the next request (see kv_remote.h). */
 	uint64_t corr;
+	stamp_session(kr, &req);
 	int rc = rpc_send(kr->client, &req, &corr);
 	if (rc) {
 		kr->lost = true;
@@ -386,6 +414,7 @@ static int op_unpin(void *ctx, uint32_t n, const uint64_t *handles)
 	req.kv_handles.handles.v = (uint64_t *)handles;
 	req.kv_handles.handles.n = n;
 	uint64_t corr;
+	stamp_session(kr, &req);
 	int rc = rpc_send(kr->client, &req, &corr);
 	if (rc) {
 		kr->lost = true;
@@ -548,8 +577,11 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 	uint64_t corr;
 	memset(&rep, 0, sizeof(rep));
 	int rc = rpc_send(client, &req, &corr);
+	/* A configuration given up on leaves nothing held for the session (not an orphan). */
+	const bool orphans = kr->orphans;
 	if (rc == 0)
 		rc = wait_reply(kr, corr, &rep);
+	kr->orphans = orphans;
 	if (rc == -EREMOTEIO) {
 		snprintf(err, errlen, "kv-store refused the pool configuration: %s", rep.error.text.p);
 		rc = -reply_errno(&rep);

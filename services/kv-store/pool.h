@@ -175,6 +175,9 @@ struct kvstore_hello {
 	uint64_t pins;	  /* pins dropped */
 };
 
+/* Has a gpu-runner's HELLO with another session ended `session` (a KV request's; 0 names none,
+ * and before any runner said HELLO none has ended)? Its requests are then refused, not done. */
+bool kvstore_session_ended(const struct kvstore *kv, uint64_t session);
 /* A HELLO from the gpu-runner with `session` (0: none). The same non-zero session as the last
  * runner (remembered in the pool's header, so a restarted kv-store knows it) keeps everything:
  * a runner reconnecting mid-request keeps its blocks. Any other drops every reference and

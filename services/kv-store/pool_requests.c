@@ -364,6 +364,11 @@ void kvs_session_on_live(struct kvstore *kv)
 	kv->h->runner_session = kv->session;
 }
 
+bool kvstore_session_ended(const struct kvstore *kv, uint64_t session)
+{
+	return session != 0 && kv->session_known && session != kv->session;
+}
+
 void kvstore_runner_hello(struct kvstore *kv, uint64_t session, struct kvstore_hello *out)
 {
 	memset(out, 0, sizeof(*out));

@@ -39,7 +39,8 @@ int codec_run(TCase *tc)
 static const struct tfield t_error[] = {TF(1, T_I64, true, 0, error.code), TF(2, T_BYTES, true, 4096, error.text)};
 static const struct tfield t_hello[] = {TF(1, T_BYTES, true, 64, hello.client), TF(2, T_U64, true, 0, hello.proto),
 					TF(3, T_U64, false, 0, hello.session)};
-static const struct tfield t_kv_lookup[] = {TF(1, T_ARRAY, true, PROTO_MAX_ARRAY, kv_lookup.keys)};
+static const struct tfield t_kv_lookup[] = {TF(1, T_ARRAY, true, PROTO_MAX_ARRAY, kv_lookup.keys),
+					    TF(2, T_U64, false, 0, kv_lookup.session)};
 static const struct tfield t_hello_reply[] = {
 	TF(1, T_BYTES, true, 64, hello_reply.service), TF(2, T_U64, true, 0, hello_reply.pid),
 	TF(3, T_U64, true, 0, hello_reply.epoch),	 TF(4, T_U64, true, 0, hello_reply.layout),
@@ -69,13 +70,17 @@ static const struct tfield t_kv_pool[] = {
 	TF(1, T_BYTES, true, 255, kv_pool.shm_name), TF(2, T_U64, true, 0, kv_pool.shm_size),
 	TF(3, T_U64, true, 0, kv_pool.n_blocks), TF(4, T_U64, true, 0, kv_pool.block_bytes),
 	TF(5, T_U64, true, 0, kv_pool.epoch)};
-static const struct tfield t_kv_alloc[] = {TF(1, T_U64, true, 0, kv_alloc.count)};
+static const struct tfield t_kv_alloc[] = {TF(1, T_U64, true, 0, kv_alloc.count),
+					   TF(2, T_U64, false, 0, kv_alloc.session)};
 static const struct tfield t_kv_blocks[] = {TF(1, T_ARRAY, true, PROTO_MAX_ARRAY, kv_blocks.handles),
 					    TF(2, T_ARRAY, true, PROTO_MAX_ARRAY, kv_blocks.offsets)};
 static const struct tfield t_kv_commit[] = {TF(1, T_ARRAY, true, PROTO_MAX_ARRAY, kv_commit.handles),
 					    TF(2, T_ARRAY, false, PROTO_MAX_ARRAY, kv_commit.keys),
-					    TF(3, T_BYTES, false, PROTO_MAX_STR, kv_commit.events)};
-static const struct tfield t_kv_handles[] = {TF(1, T_ARRAY, true, PROTO_MAX_ARRAY, kv_handles.handles)};
+					    TF(3, T_BYTES, false, PROTO_MAX_STR, kv_commit.events),
+					    TF(4, T_U64, false, 0, kv_commit.session)};
+static const struct tfield t_kv_handles[] = {TF(1, T_ARRAY, true, PROTO_MAX_ARRAY, kv_handles.handles),
+					     TF(2, T_U64, false, 0, kv_handles.session)};
+static const struct tfield t_kv_unpin_all[] = {TF(2, T_U64, false, 0, kv_handles.session)};
 static const struct tfield t_generate[] = {
 	TF(1, T_ARRAY, false, PROTO_MAX_ARRAY, generate.tokens), TF(2, T_U64, true, 0, generate.max_new),
 	TF(3, T_F64, false, 0, generate.temperature), TF(4, T_U64, false, 0, generate.top_k),
@@ -139,7 +144,7 @@ const struct tmsg contract[] = {
 	TM(MSG_KV_UNPIN, t_kv_handles),
 	TM(MSG_KV_FREE, t_kv_handles),
 	TM(MSG_KV_LOOKUP, t_kv_lookup),
-	TM0(MSG_KV_UNPIN_ALL),
+	TM(MSG_KV_UNPIN_ALL, t_kv_unpin_all),
 	TM(MSG_GENERATE, t_generate),
 	TM(MSG_TOKEN, t_token),
 	TM(MSG_GEN_DONE, t_gen_done),

@@ -723,6 +723,32 @@ START_TEST(test_sessions_survive_restart)
 	ck_assert_int_eq(jint(st, "live_handles"), 2);
 	ck_assert_int_eq(jint(st, "cached_blocks"), 2);
 	json_decref(st);
+	/* Requests naming the ended session (sent before its runner gave it up, read after the new
+	 * HELLO) are refused and do nothing; one naming none (these tests' own) is served below. */
+	uint64_t old_keys[2] = {0x900, 0x901};
+	msg_init(&req, MSG_KV_LOOKUP, 0);
+	req.kv_lookup.keys = (struct u64_array){.v = old_keys, .n = 2};
+	req.kv_lookup.session = 0x5e551;
+	call_error(&v, &req, ESTALE, "has ended");
+	msg_init(&req, MSG_KV_ALLOC, 0);
+	req.kv_alloc.count = 1;
+	req.kv_alloc.session = 0x5e551;
+	call_error(&v, &req, ESTALE, "has ended");
+	handles_req(&req, MSG_KV_FREE, k, 1);
+	req.kv_handles.session = 0x5e551;
+	call_error(&v, &req, ESTALE, "has ended");
+	st = get_stats(&v);
+	ck_assert_int_eq(jint(st, "referenced_blocks"), 0);
+	ck_assert_int_eq(jint(st, "live_handles"), 2);
+	json_decref(st);
+	/* The current session's are served. */
+	msg_init(&req, MSG_KV_ALLOC, 0);
+	req.kv_alloc.count = 1;
+	req.kv_alloc.session = 0x5e552;
+	call(&v, &req, &rep, MSG_KV_BLOCKS);
+	ck_assert_uint_eq(rep.kv_blocks.handles.n, 1);
+	free_blocks(&v, rep.kv_blocks.handles.v, 1);
+	msg_free(&rep);
 	uint64_t got[2];
 	lookup_keys(&v, got, 2, 0x900);
 	ck_assert_uint_eq(got[0], k[0]);
