@@ -93,8 +93,10 @@ static enum MHD_Result queue_response(struct MHD_Connection *c, unsigned status,
 	return ret;
 }
 
-static enum MHD_Result send_text(struct MHD_Connection *c, unsigned status, const char *type, char *text,
-				 const char *allow)
+/* Sends text (taken) with status; allow: an Allow header; close: the connection is closed after
+ * it (its request's framing cannot be trusted). */
+static enum MHD_Result send_text_as(struct MHD_Connection *c, unsigned status, const char *type, char *text,
+				    const char *allow, bool close)
 {
 	struct MHD_Response *r = MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
 	if (!r) {
@@ -104,13 +106,22 @@ static enum MHD_Result send_text(struct MHD_Connection *c, unsigned status, cons
 	MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
 	if (allow)
 		MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, allow);
+	if (close)
+		MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
 	enum MHD_Result ret = queue_response(c, status, r);
 	MHD_destroy_response(r);
 	return ret;
 }
 
+static enum MHD_Result send_text(struct MHD_Connection *c, unsigned status, const char *type, char *text,
+				 const char *allow)
+{
+	return send_text_as(c, status, type, text, allow, false);
+}
+
 /* Sends o (a reference taken) as the JSON body of a reply with status. */
-static enum MHD_Result send_json(struct MHD_Connection *c, unsigned status, json_t *o, const char *allow)
+static enum MHD_Result send_json_as(struct MHD_Connection *c, unsigned status, json_t *o, const char *allow,
+				    bool close)
 {
 	char *text = o ? json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
 	json_decref(o);
@@ -124,7 +135,12 @@ static enum MHD_Result send_json(struct MHD_Connection *c, unsigned status, json
 	}
 	t[n] = '\n';
 	t[n + 1] = 0;
-	return send_text(c, status, "application/json", t, allow);
+	return send_text_as(c, status, "application/json", t, allow, close);
+}
+
+static enum MHD_Result send_json(struct MHD_Connection *c, unsigned status, json_t *o, const char *allow)
+{
+	return send_json_as(c, status, o, allow, false);
 }
 
 static const char *error_type(unsigned status)
@@ -680,21 +696,8 @@ static bool framing_ambiguous(struct MHD_Connection *c)
 static enum MHD_Result send_error_close(struct MHD_Connection *c, unsigned status, const char *message)
 {
 	log_debug("HTTP %u: %s (connection closed)", status, message);
-	json_t *o = api_error_json(message, error_type(status), NULL, error_code(status));
-	char *text = o ? json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
-	json_decref(o);
-	if (!text)
-		return MHD_NO;
-	struct MHD_Response *r = MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
-	if (!r) {
-		free(text);
-		return MHD_NO;
-	}
-	MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
-	MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
-	enum MHD_Result ret = queue_response(c, status, r);
-	MHD_destroy_response(r);
-	return ret;
+	return send_json_as(c, status, api_error_json(message, error_type(status), NULL, error_code(status)), NULL,
+			    true);
 }
 
 static bool answer_early(struct server *s, struct MHD_Connection *c, const char *url, const char *method,
