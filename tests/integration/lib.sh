@@ -71,24 +71,34 @@ expect_gt() {
 	(($1 > $2)) || fail "$3: $1, want more than $2"
 }
 
-# Pids of the processes whose arguments hold the run directory exactly (our services).
+# Pids of the processes whose arguments hold the run directory exactly (our services). Read with
+# builtins only: a fork for each process of the machine made this take seconds where forks are slow.
 instance_pids() {
-	local f pid
+	local f pid arg
+	local -a argv
 	for f in /proc/[0-9]*/cmdline; do
 		pid=${f#/proc/}
 		pid=${pid%/cmdline}
 		[[ $pid == "$$" ]] && continue
-		# The process may be gone by now: its cmdline then reads as nothing.
-		if { tr '\0' '\n' <"$f"; } 2>/dev/null | grep -qxF -- "$RUN_DIR"; then
-			printf '%s\n' "$pid"
-		fi
+		# The process may be gone by now: its cmdline then reads as nothing, or not at all.
+		mapfile -d '' -t argv 2>/dev/null <"$f" || continue
+		for arg in ${argv[@]+"${argv[@]}"}; do
+			if [[ $arg == "$RUN_DIR" ]]; then
+				printf '%s\n' "$pid"
+				break
+			fi
+		done
 	done
 }
 
 # proc_state PID: the state letter of PID in /proc/PID/stat (R, S, D, T, Z, ...), nothing when
 # there is no such process. The command name may hold ") ": the state follows the last one.
 proc_state() {
-	sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$1/stat" 2>/dev/null || true
+	local stat
+	{ read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 0
+	[[ $stat == *") "* ]] || return 0
+	stat=${stat##*) }
+	printf '%s\n' "${stat:0:1}"
 }
 
 # proc_gone PID: PID has exited (no such process, or a zombie waiting for its reaper).
