@@ -18,16 +18,24 @@ fi
 it_http_setup http_resume
 
 # --idle-timeout 1: a stream (or a request that does not stream) waiting longer than that for its
-# tokens is still open (the limit is for clients that send nothing, not for those that wait).
+# tokens is still open (the limit is for clients that send nothing, not for those that wait); the
+# runners stopped with SIGSTOP make it wait past that (the supervisor finds them hung 2 s later).
+# The test restarts gpu-runner six times, within a minute where the host is fast: a burst limit
+# above that (the default, 5 within 60 s, would give up on it), and short backoffs (the restart's
+# delay is not what this tests; the default doubles it to seconds by the fourth restart).
 out=$("$PIPELINE" start --model "$L3" --backend "$BACKEND" --http 127.0.0.1:0 --http-opt=--resume-timeout=60 \
-	--http-opt=--idle-timeout=1)
+	--http-opt=--idle-timeout=1 --supervisor-opt=--burst-limit=20 --supervisor-opt=--backoff-min-ms=50 \
+	--supervisor-opt=--backoff-max-ms=100)
 BASE=$(grep -o 'http://127\.0\.0\.1:[0-9]*' <<<"$out" | head -n 1)
 [[ -n $BASE ]] || fail "start --http did not say where http-api listens: $out"
 log "http-api listens on $BASE"
 
-# Long enough that the kill lands while the stream runs (the tiny model is fast; on CUDA, with the
-# token picked on the GPU, 800 tokens take about 0.1 s, less than the test takes to see the stream).
-N=${HTTP_RESUME_TOKENS:-800}
+# Long enough that the kill lands while the stream runs: it comes some 20 chunks in, and on the C
+# backend the Llama 3 vocabulary's head makes each token take milliseconds, so 256 leave the
+# stream running for a second or more after the kill (every token a stream waits for is one the
+# test waits for too, twice). On CUDA, with the token picked on the GPU, 800 tokens take about
+# 0.1 s, less than the test takes to see the stream.
+N=${HTTP_RESUME_TOKENS:-256}
 [[ $BACKEND == cpu || -n ${HTTP_RESUME_TOKENS:-} ]] || N=4000
 text="The capital of France is"
 json_str() { jq -Rs . <<<"$1" | sed 's/\\n"$/"/'; }
