@@ -223,6 +223,43 @@ static void ids_ascending(struct sampler *s, uint32_t n)
 			s->idx[k++] = (int32_t)id;
 }
 
+/* Top-p without top-k: the nucleus is the head of the order (`before`), usually a small part of a
+ * large vocabulary, so the best k are selected and sorted (k = 64, then 8 times more while their
+ * weights fall short of top_p of the total; all of them at worst) rather than the whole
+ * vocabulary sorted at every token. Leaves the head in s->idx[0..n) and returns n; *total is the
+ * weights' sum exp(z - max z) over every candidate, in id order. */
+static uint32_t nucleus_head(struct sampler *s, double top_p, double *total)
+{
+	const double *z = s->z;
+	double zmax = -INFINITY;
+	for (uint32_t i = 0; i < s->vocab; i++)
+		if (z[i] > zmax)
+			zmax = z[i];
+	if (zmax == -INFINITY) { /* nothing to weigh: the first in the order is picked */
+		*total = 0;
+		select_top_k(s, 1);
+		return 1;
+	}
+	double sum = 0;
+	for (uint32_t i = 0; i < s->vocab; i++)
+		sum += exp(z[i] - zmax);
+	*total = sum;
+	const double need = top_p * sum;
+	for (uint64_t k = 64; k < s->vocab; k *= 8) {
+		select_top_k(s, (uint32_t)k);
+		double cum = 0;
+		for (uint32_t i = 0; i < k; i++) {
+			cum += exp(z[s->idx[i]] - zmax);
+			if (cum >= need)
+				return (uint32_t)k;
+		}
+	}
+	for (uint32_t i = 0; i < s->vocab; i++)
+		s->idx[i] = (int32_t)i;
+	sort_candidates(s->idx, s->tmp, s->vocab, z);
+	return s->vocab;
+}
+
 static int32_t pick(struct sampler *s, const float *logits, const double *u);
 
 int32_t sampler_pick(struct sampler *s, const float *logits)
@@ -251,17 +288,17 @@ static int32_t pick(struct sampler *s, const float *logits, const double *u)
 	bool top_p = p->top_p > 0.0f && p->top_p < 1.0f;
 	bool sorted = false;
 	uint32_t n = s->vocab;
+	double total = -1; /* every candidate's weight summed, where only the nucleus's head is kept below */
 	if (p->top_k > 0 && p->top_k < s->vocab) {
 		n = p->top_k;
 		select_top_k(s, n);
 		sorted = true;
+	} else if (top_p) {
+		n = nucleus_head(s, (double)p->top_p, &total);
+		sorted = true;
 	} else {
 		for (uint32_t i = 0; i < n; i++)
 			s->idx[i] = (int32_t)i;
-		if (top_p) {
-			sort_candidates(s->idx, s->tmp, n, z);
-			sorted = true;
-		}
 	}
 
 	double zmax = -INFINITY;
@@ -283,7 +320,7 @@ static int32_t pick(struct sampler *s, const float *logits, const double *u)
 		sum += z[id];
 	}
 	if (top_p) {
-		double need = (double)p->top_p * sum, cum = 0;
+		double need = (double)p->top_p * (total >= 0 ? total : sum), cum = 0;
 		uint32_t keep = 0;
 		while (keep < n) {
 			cum += z[s->idx[keep++]];

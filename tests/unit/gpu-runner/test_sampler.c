@@ -3,6 +3,8 @@
  * enough that any correct generator passes them for any seed. */
 #include <check.h>
 #include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -242,6 +244,95 @@ START_TEST(test_tiny_top_p_is_greedy)
 }
 END_TEST
 
+/* Top-p over a vocabulary of thousands, as sampler.c defines it and written here the plain way:
+ * every candidate sorted (larger z first, lower id on ties), the head kept until its weight
+ * reaches top_p of the total (summed in id order); ref_draw then walks the kept ids in id order. */
+struct ref_nucleus {
+	double *w;   /* (n) exp(z - max z) */
+	bool *kept;  /* (n) */
+	double mass; /* the kept weights' sum, in the order they were kept */
+};
+static const double *ref_z;
+static int ref_by_z(const void *a, const void *b)
+{
+	int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+	if (ref_z[x] != ref_z[y])
+		return ref_z[x] > ref_z[y] ? -1 : 1;
+	return (x > y) - (x < y);
+}
+
+static struct ref_nucleus ref_top_p(const float *logits, uint32_t n, double temperature, double top_p)
+{
+	struct ref_nucleus r = {malloc(sizeof(double) * n), calloc(n, sizeof(bool)), 0};
+	double *z = malloc(sizeof(double) * n);
+	int32_t *idx = malloc(sizeof(int32_t) * n);
+	ck_assert(r.w && r.kept && z && idx);
+	double zmax = -INFINITY, total = 0;
+	for (uint32_t i = 0; i < n; i++)
+		zmax = fmax(zmax, z[i] = (double)logits[i] * (1.0 / temperature));
+	for (uint32_t i = 0; i < n; i++)
+		total += r.w[i] = exp(z[i] - zmax);
+	for (uint32_t i = 0; i < n; i++)
+		idx[i] = (int32_t)i;
+	ref_z = z;
+	qsort(idx, n, sizeof(*idx), ref_by_z);
+	for (uint32_t k = 0; k < n;) {
+		r.mass += r.w[idx[k]];
+		r.kept[idx[k++]] = true;
+		if (r.mass >= top_p * total)
+			break;
+	}
+	free(z);
+	free(idx);
+	return r;
+}
+
+static int32_t ref_draw(const struct ref_nucleus *r, uint32_t n, double u)
+{
+	double target = u * r->mass, c = 0;
+	int32_t last = -1;
+	for (uint32_t id = 0; id < n; id++) {
+		if (!r->kept[id])
+			continue;
+		last = (int32_t)id;
+		c += r->w[id];
+		if (target < c)
+			break;
+	}
+	return last;
+}
+
+START_TEST(test_top_p_large_vocabulary)
+{
+	/* Peaked logits (a nucleus of a few tokens), spread ones (hundreds: the head grows) and flat
+	 * ones (most of the vocabulary: every candidate sorted), distinct values so that no two tie. */
+	const uint32_t n = 6000;
+	float *l = malloc(sizeof(float) * n);
+	ck_assert_ptr_nonnull(l);
+	const float scales[3] = {40.0f, 6.0f, 0.05f};
+	const float top_ps[3] = {0.5f, 0.9f, 0.99f};
+	uint64_t x = 12345;
+	for (int sc = 0; sc < 3; sc++) {
+		for (uint32_t i = 0; i < n; i++) {
+			x = x * 6364136223846793005ull + 1442695040888963407ull;
+			l[i] = scales[sc] * (float)((double)(x >> 11) / 9007199254740992.0) + 1e-6f * (float)i;
+		}
+		for (int tp = 0; tp < 3; tp++) {
+			struct sampler *s = make(0.8f, 0, top_ps[tp], 1, n);
+			struct ref_nucleus r = ref_top_p(l, n, (double)0.8f, (double)top_ps[tp]);
+			for (int d = 0; d < 50; d++) {
+				const double u = (d + 0.5) / 50.0;
+				ck_assert_int_eq(sampler_pick_u(s, l, u), ref_draw(&r, n, u));
+			}
+			free(r.w);
+			free(r.kept);
+			sampler_destroy(&s);
+		}
+	}
+	free(l);
+}
+END_TEST
+
 START_TEST(test_top_p_nucleus)
 {
 	/* Probabilities 0.5, 0.3, 0.15, 0.05 (as logs): top_p 0.75 keeps {0, 1} (0.5 < 0.75 <= 0.8). */
@@ -433,6 +524,7 @@ int main(void)
 	tc = tcase_create("top_p");
 	tcase_add_test(tc, test_tiny_top_p_is_greedy);
 	tcase_add_test(tc, test_top_p_nucleus);
+	tcase_add_test(tc, test_top_p_large_vocabulary);
 	tcase_add_test(tc, test_min_p);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("distribution");
