@@ -170,15 +170,24 @@ static int cuda_kv_prefetch(struct backend_dev *be, uint32_t n, const uint32_t *
 
 static int cuda_kv_sync(struct backend_dev *be)
 {
-	/* Held-back attention first; the streams are waited for whatever it gives (callers free pool
-	 * blocks the copies may still be writing once this returns). */
-	int frc = attention_flush(be);
-	CUDA_TRY(be, "cudaStreamSynchronize (KV sync)", cudaStreamSynchronize(be->stream));
-	if (be->kv_d2h)
-		CUDA_TRY(be, "cudaStreamSynchronize (KV D2H)", cudaStreamSynchronize(be->kv_d2h));
-	if (be->kv_h2d)
-		CUDA_TRY(be, "cudaStreamSynchronize (KV H2D)", cudaStreamSynchronize(be->kv_h2d));
-	return frc;
+	/* Held-back attention first; every stream is waited for whatever it or another stream gives
+	 * (callers free pool blocks the copies may still be writing once this returns), and the first
+	 * failure is the one returned. */
+	int rc = attention_flush(be);
+	const struct {
+		cudaStream_t s;
+		const char *what;
+	} streams[] = {{be->stream, "cudaStreamSynchronize (KV sync)"},
+		       {be->kv_d2h, "cudaStreamSynchronize (KV D2H)"},
+		       {be->kv_h2d, "cudaStreamSynchronize (KV H2D)"}};
+	for (size_t i = 0; i < sizeof(streams) / sizeof(streams[0]); i++) {
+		if (i > 0 && !streams[i].s)
+			continue;
+		const cudaError_t e = cudaStreamSynchronize(streams[i].s);
+		if (e != cudaSuccess && !rc)
+			rc = cuda_fail(be, e, streams[i].what);
+	}
+	return rc;
 }
 
 static int cuda_kv_prefetch_wait(struct backend_dev *be, uint32_t slot)
