@@ -33,7 +33,7 @@ int io_uring_submit_and_wait(struct io_uring *ring, unsigned wait_nr)
 		memset(junk, 0xA5, sizeof(junk));
 		ck_assert_int_eq(pwrite(fake_damage_fd, junk, sizeof(junk), fake_damage_off), (ssize_t)sizeof(junk));
 		for (unsigned i = ring->sq.sqe_head; i != ring->sq.sqe_tail; i++)
-			ring->sq.sqes[i & ring->sq.ring_mask].fd = -1;
+			ring->sq.sqes[i & *ring->sq.kring_mask].fd = -1; /* kring_mask: in every liburing */
 	}
 	return real(ring, wait_nr);
 }
