@@ -96,9 +96,10 @@ rings_mapped() {
 
 # all_up: the supervisor sees every service up (answering HELLO).
 all_up() {
-	local s
+	local s st
+	st=$(sup_status)
 	for s in "${SERVICES[@]}"; do
-		[[ $(sup_field "$s" state) == '"up"' ]] || return 1
+		[[ $(sup_field_in "$st" "$s" state) == '"up"' ]] || return 1
 	done
 }
 

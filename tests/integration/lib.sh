@@ -250,14 +250,23 @@ model_bytes() {
 	printf '%s\n' "$total"
 }
 
-# sup_field SERVICE KEY: KEY of SERVICE in the supervisor's status (JSON text: a string keeps its
-# quotes; null is null), or nothing when the supervisor does not answer.
+# sup_status: the supervisor's status (JSON text), or nothing when it does not answer.
+sup_status() {
+	"$BIN/pipeline-supervisor" status --json 2>/dev/null || true
+}
+
+# sup_field_in STATUS SERVICE KEY: KEY of SERVICE in STATUS (sup_status's text; a string keeps its
+# quotes, null is null), or nothing.
+sup_field_in() {
+	awk -v svc="    \"$2\": {" -v key="      \"$3\": " '
+		$0 == svc { inside = 1; next }
+		inside && /^    }/ { exit }
+		inside && index($0, key) == 1 { v = substr($0, length(key) + 1); sub(/,$/, "", v); print v; exit }' <<<"$1"
+}
+
+# sup_field SERVICE KEY: KEY of SERVICE in the supervisor's status now.
 sup_field() {
-	{ "$BIN/pipeline-supervisor" status --json 2>/dev/null || true; } |
-		awk -v svc="    \"$1\": {" -v key="      \"$2\": " '
-			$0 == svc { inside = 1; next }
-			inside && /^    }/ { exit }
-			inside && index($0, key) == 1 { v = substr($0, length(key) + 1); sub(/,$/, "", v); print v; exit }'
+	sup_field_in "$(sup_status)" "$1" "$2"
 }
 
 # wait_until SECONDS WHAT COMMAND...: runs COMMAND every 0.1 s until it succeeds; fails naming
@@ -272,11 +281,13 @@ wait_until() {
 	fail "$what: not within $seconds s"
 }
 
-# restarted SERVICE OLD_PID: SERVICE is up again in a process other than OLD_PID.
+# restarted SERVICE OLD_PID: SERVICE is up again in a process other than OLD_PID (one status for
+# both fields).
 restarted() {
-	local pid
-	pid=$(sup_field "$1" pid)
-	[[ $(sup_field "$1" state) == '"up"' && -n $pid && $pid != null && $pid != "$2" ]]
+	local st pid
+	st=$(sup_status)
+	pid=$(sup_field_in "$st" "$1" pid)
+	[[ $(sup_field_in "$st" "$1" state) == '"up"' && -n $pid && $pid != null && $pid != "$2" ]]
 }
 
 # sup_argv SERVICE: the command line the supervisor runs SERVICE with, one word a line.
