@@ -226,6 +226,26 @@ const char *msg_type_name(uint32_t type)
 	return d ? d->name : "unknown";
 }
 
+uint64_t *msg_kv_session(const struct msg *m)
+{
+	struct msg *w = (struct msg *)m;
+	switch (m->type) {
+	case MSG_KV_ALLOC:
+		return &w->kv_alloc.session;
+	case MSG_KV_COMMIT:
+		return &w->kv_commit.session;
+	case MSG_KV_FETCH:
+	case MSG_KV_UNPIN:
+	case MSG_KV_FREE:
+	case MSG_KV_UNPIN_ALL:
+		return &w->kv_handles.session;
+	case MSG_KV_LOOKUP:
+		return &w->kv_lookup.session;
+	default:
+		return NULL;
+	}
+}
+
 void msg_init(struct msg *m, uint32_t type, uint64_t corr)
 {
 	memset(m, 0, sizeof(*m));

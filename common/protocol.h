@@ -310,6 +310,11 @@ void msg_free(struct msg *m);
 /* "MSG_KV_ALLOC" style name, or "unknown". */
 const char *msg_type_name(uint32_t type);
 
+/* The session field of a KV request that has one (ALLOC, COMMIT, FETCH, UNPIN, FREE, LOOKUP,
+ * UNPIN_ALL: the gpu-runner session that sends it), NULL for any other message. Like strchr, it
+ * gives a writable pointer into m whether m was passed const or not. */
+uint64_t *msg_kv_session(const struct msg *m);
+
 /* Builds an error reply in m (text is borrowed: keep it alive until the encode). */
 void msg_make_error(struct msg *m, uint64_t corr, int code, const char *text);
 

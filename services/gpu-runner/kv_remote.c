@@ -102,26 +102,9 @@ static int drain(struct kv_remote *kr)
  * field: the kv-store refuses it once a HELLO with another session has ended this one. */
 static void stamp_session(const struct kv_remote *kr, struct msg *req)
 {
-	const uint64_t s = rpc_client_session(kr->client);
-	switch (req->type) {
-	case MSG_KV_ALLOC:
-		req->kv_alloc.session = s;
-		break;
-	case MSG_KV_COMMIT:
-		req->kv_commit.session = s;
-		break;
-	case MSG_KV_FETCH:
-	case MSG_KV_UNPIN:
-	case MSG_KV_FREE:
-	case MSG_KV_UNPIN_ALL:
-		req->kv_handles.session = s;
-		break;
-	case MSG_KV_LOOKUP:
-		req->kv_lookup.session = s;
-		break;
-	default:
-		break;
-	}
+	uint64_t *session = msg_kv_session(req);
+	if (session)
+		*session = rpc_client_session(kr->client);
 }
 
 /* One request; the reply must be of type `want`. Returns 0 with rep to free, or -errno. */

@@ -167,32 +167,13 @@ out_free:
 	return rc;
 }
 
-/* The gpu-runner session a KV request names (0: none). */
-static uint64_t kv_request_session(const struct msg *req)
-{
-	switch (req->type) {
-	case MSG_KV_ALLOC:
-		return req->kv_alloc.session;
-	case MSG_KV_COMMIT:
-		return req->kv_commit.session;
-	case MSG_KV_FETCH:
-	case MSG_KV_UNPIN:
-	case MSG_KV_FREE:
-	case MSG_KV_UNPIN_ALL:
-		return req->kv_handles.session;
-	case MSG_KV_LOOKUP:
-		return req->kv_lookup.session;
-	default:
-		return 0;
-	}
-}
-
 static int handle(void *ctx, struct service *s, const struct bus_peer *peer, const struct msg *req, char *err,
 		  size_t errlen)
 {
 	struct kvsvc *k = ctx;
 	int rc;
-	const uint64_t session = kv_request_session(req);
+	const uint64_t *named = msg_kv_session(req);
+	const uint64_t session = named ? *named : 0;
 	if (kvstore_session_ended(k->kv, session)) {
 		/* Sent before its runner gave the session up (it gave up waiting for a reply, and said
 		 * HELLO with a new one): what it asks for would be held for nobody. */
