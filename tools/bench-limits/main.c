@@ -3,11 +3,15 @@
  *   - device memory (HBM) bandwidth: a read kernel, and a device-to-device copy counted as read
  *     plus write; the bound is the better of the two (hbm.cu says why the read is what counts),
  *   - disk read bandwidth of a file with O_DIRECT and io_uring (4 MiB reads, 64 in flight),
- *   - the bf16 GEMM rate of cuBLAS at a prefill shape (float32 accumulation).
+ *   - the bf16 GEMM rate of cuBLAS at a prefill shape (float32 accumulation),
+ *   - with --handoffs, what passing a result from every block of one phase of work to the next
+ *     costs: a kernel boundary, plain and with programmatic dependent launch, and a phase of one
+ *     persistent grid, by counters or a grid barrier (handoff.h).
  * Prints one JSON object on stdout:
  *   {"h2d_bytes_per_s":..., "hbm_bytes_per_s":..., "disk_bytes_per_s":..., "gemm_flops_per_s":..., ...}
  *
  *   bench-limits [--file PATH] [--disk-bytes SIZE] [--hbm-bytes SIZE] [--m 512 --n 14336 --k 4096]
+ *                [--handoffs]
  */
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -23,6 +27,7 @@
 
 #include "common/config.h"
 #include "common/util.h"
+#include "handoff.h"
 #include "hbm.h"
 
 #define CHECK_CUDA(call)                                                                                  \
@@ -173,7 +178,7 @@ int main(int argc, char **argv)
 {
 	const char *file = NULL;
 	uint64_t disk_bytes = 0, hbm_bytes = 0;
-	bool matrix = false;
+	bool matrix = false, handoffs = false;
 	long m = 512, n = 14336, k = 4096;
 	const struct opt opts[] = {
 		{"file", OPT_STRING, &file, NULL, "a large file to read for the disk bandwidth (skipped without)"},
@@ -185,6 +190,9 @@ int main(int argc, char **argv)
 		{"k", OPT_INT, &k, "4096", "GEMM: input features"},
 		{"disk-matrix", OPT_BOOL, &matrix, NULL,
 		 "also read the file the loader's way: into a large buffer, inline or from io_uring's workers, 4 or 16 MiB"},
+		{"handoffs", OPT_BOOL, &handoffs, NULL,
+		 "also time a hand-off from every block of one phase to the next: a kernel boundary (plain, programmatic "
+		 "dependent launch) and a phase of one persistent grid (counters, grid barrier)"},
 		{0},
 	};
 	int rc = config_parse("bench-limits",
@@ -210,6 +218,9 @@ int main(int argc, char **argv)
 		/* Cold pages: O_DIRECT bypasses the page cache anyway. */
 		d = disk(file, disk_bytes, 64, &dread);
 	}
+	struct handoff_costs ho = {0};
+	if (handoffs && handoff_measure(1000, 5, &ho) != 0)
+		return 1;
 	printf("{\"h2d_bytes_per_s\": %.0f, \"hbm_bytes_per_s\": %.0f, \"hbm_read_bytes_per_s\": %.0f, "
 	       "\"hbm_copy_bytes_per_s\": %.0f, \"hbm_buffer_bytes\": %llu, \"gemm_flops_per_s\": %.0f, "
 	       "\"gemm_shape\": [%ld, %ld, %ld], \"disk_bytes_per_s\": %.0f, \"disk_bytes_read\": %llu",
@@ -231,6 +242,10 @@ int main(int argc, char **argv)
 			printf(", \"disk_%s\": %.0f", v[i].name, bps);
 		}
 	}
+	if (handoffs)
+		printf(", \"handoff_blocks\": %d, \"handoff_threads\": %d, \"kernel_boundary_us\": %.2f, "
+		       "\"kernel_boundary_pdl_us\": %.2f, \"grid_counter_phase_us\": %.2f, \"grid_sync_phase_us\": %.2f",
+		       ho.blocks, ho.threads, ho.plain_us, ho.pdl_us, ho.counter_us, ho.grid_sync_us);
 	printf("}\n");
 	return 0;
 }
