@@ -22,6 +22,8 @@
  *                                       # of every layer (wrong results): each kind's share of
  *                                       # the step as it runs
  *   bench-kernels --ab-fuse N [--quant] # the default path and backend_params.fuse N in turn
+ *   bench-kernels --trace [--quant]     # a decode step's launches stamped in every block: where
+ *                                       # each place of a layer spends its time
  *   bench-kernels --quant [--quick]     # Q4_K_M weights
  *   bench-kernels --batch [--quant]     # decode steps of 1 to 64 sequences (continuous batching)
  *   bench-kernels --profile decode      # one decode step (or prefill) alone between
@@ -719,9 +721,95 @@ static void big_without(const struct big *b)
 	}
 }
 
+static double median_of(double *v, uint32_t n)
+{
+	qsort(v, n, sizeof(double), cmp_double);
+	return n ? v[n / 2] : 0.0;
+}
+
+/* --trace: the default path's decode step at context ~528 with each launch of its products, RoPE
+ * and attention stamping the time in every block (cuda_test_trace): when its blocks started, ended
+ * their wait for the kernel before, had their input staged and ended. Prints the last traced
+ * step's launches, then for each launch of a layer the medians over the middle layers of: the
+ * time from the launch before's last block to its own (what the place adds to the step), from that
+ * block to the first of its own past the wait (the hand-off), the median block's staging and
+ * work, and its last block's lead over its median one (the tail). */
+static void big_trace(const struct big *b)
+{
+	struct perf_run r;
+	perf_open(&r, b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT);
+	perf_step(&r, PERF_CHUNK, 0); /* the context, every layer's KV written */
+	uint32_t pos = PERF_CHUNK, n = 0;
+	double enq;
+	char err[200] = "";
+	perf_decode(&r, &pos, 3, &enq); /* warm-up */
+	const double plain = perf_decode(&r, &pos, 8, &enq);
+	CHECK(cuda_test_trace(r.be, true, err, sizeof(err)) == 0, "%s", err);
+	const double traced = perf_decode(&r, &pos, 8, &enq);
+	static struct cuda_trace_launch L[512];
+	CHECK(cuda_test_trace_read(r.be, L, 512, &n, err, sizeof(err)) == 0, "%s", err);
+	CHECK(cuda_test_trace(r.be, false, err, sizeof(err)) == 0, "%s", err);
+	const uint32_t nl = b->cfg.n_layers;
+	fprintf(stderr, "perf (%s, trace): decode median %.3f ms/token, %.3f with the stamps; %u launches stamped\n",
+		b->weights, plain, traced, n);
+	fprintf(stderr, "trace: launch, what, blocks; us from the step's first stamp: first start, waits first..last, "
+		"staged median, ends median..last\n");
+	for (uint32_t i = 0; i < n; i++)
+		fprintf(stderr, "trace: %3u %-16s %4u  %8.2f  %8.2f..%-8.2f  %8.2f  %8.2f..%-8.2f\n", i, L[i].what,
+			L[i].blocks, L[i].start_first, L[i].wait_first, L[i].wait_last, L[i].staged_med, L[i].end_med,
+			L[i].end_last);
+	/* A layer's launches: the products before RoPE (q/k/v, or q/k and then v where v's format
+	 * differs), RoPE, the attention, o_proj, gate/up, down; lm_head last. */
+	static const char *const roles[] = {"q/k/v", "q/k", "v", "RoPE", "attention", "o_proj", "gate/up", "down"};
+	enum { NROLES = sizeof(roles) / sizeof(roles[0]) };
+	double v[NROLES][5][64];
+	uint32_t cnt[NROLES] = {0}, l = 0, i = 0;
+	while (i + 1 < n && l < nl) {
+		uint32_t pre = 0;
+		while (i + pre < n && strcmp(L[i + pre].what, "rope") != 0)
+			pre++;
+		CHECK((pre == 1 || pre == 2) && i + pre + 5 <= n, "layer %u: %u launches before RoPE, not 1 or 2", l, pre);
+		for (uint32_t k = 0; k < pre + 5; k++) {
+			const uint32_t role = k < pre ? (pre == 1 ? 0 : 1 + k) : 3 + (k - pre);
+			const struct cuda_trace_launch *c = &L[i + k], *p = c - 1;
+			if (l == 0 || l + 1 == nl || i + k == 0 || cnt[role] == 64)
+				continue; /* the middle layers only */
+			double *o[5];
+			for (int m = 0; m < 5; m++)
+				o[m] = &v[role][m][cnt[role]];
+			*o[0] = c->end_last - p->end_last;
+			*o[1] = c->wait_first - p->end_last;
+			*o[2] = c->staged_med >= 0 ? c->staged_med - c->wait_med : 0.0;
+			*o[3] = c->end_med - (c->staged_med >= 0 ? c->staged_med : c->wait_med);
+			*o[4] = c->end_last - c->end_med;
+			cnt[role]++;
+		}
+		i += pre + 5;
+		l++;
+	}
+	CHECK(l == nl && i + 1 == n, "%u launches stamped: not %u layers and lm_head", n, nl);
+	fprintf(stderr, "trace: medians over layers 1..%u; us: adds to the step (last block to last block), hand-off "
+		"(the last block before to the first past its wait), staging (median block), work (median block), "
+		"tail (last block after the median)\n", nl - 2);
+	for (uint32_t ro = 0; ro < NROLES; ro++) {
+		if (!cnt[ro])
+			continue;
+		double m[5];
+		for (int k = 0; k < 5; k++)
+			m[k] = median_of(v[ro][k], cnt[ro]);
+		fprintf(stderr, "trace: %-10s (%2u layers) adds %6.2f  hand-off %5.2f  staging %5.2f  work %6.2f  tail %5.2f\n",
+			roles[ro], cnt[ro], m[0], m[1], m[2], m[3], m[4]);
+		printf("{\"weights\": \"%s\", \"trace_role\": \"%s\", \"layers\": %u, \"adds_us\": %.2f, "
+		       "\"handoff_us\": %.2f, \"staging_us\": %.2f, \"work_us\": %.2f, \"tail_us\": %.2f}\n", b->weights,
+		       roles[ro], cnt[ro], m[0], m[1], m[2], m[3], m[4]);
+	}
+	fflush(stdout);
+	perf_close(&r);
+}
+
 int main(int argc, char **argv)
 {
-	bool quick = false, quant = false, default_only = false, parts = false, without = false;
+	bool quick = false, quant = false, default_only = false, parts = false, without = false, trace = false;
 	long ab_fuse = -1;
 	char *profile = NULL;
 	bool batch = false;
@@ -743,6 +831,10 @@ int main(int argc, char **argv)
 		 "the default path's decode step, then with each kind of kernel left out of every layer (q/k/v, "
 		 "RoPE, the attention, o_proj, gate/up, down; wrong results, timing only), twice: each kind's "
 		 "share of the step as it runs"},
+		{"trace", OPT_BOOL, &trace, NULL,
+		 "the default path's decode step with each launch's blocks stamping the time (start, wait, input "
+		 "staged, end): the launches of one step, then per place in a layer what it adds to the step, its "
+		 "hand-off, staging, work and tail"},
 		{"quant", OPT_BOOL, &quant, NULL, "GGUF Q4_K_M weights (Q4_K and Q6_K blocks) instead of BF16"},
 		{"profile", OPT_STRING, &profile, NULL,
 		 "decode or prefill: one such step alone between cudaProfilerStart and cudaProfilerStop"},
@@ -786,7 +878,9 @@ int main(int argc, char **argv)
 	}
 	fprintf(stderr, "perf: Llama-3-8B shape, %s weights resident (%.2f GB read per decode step), BF16 KV, "
 		"16-token blocks\n", b.weights, b.weight_bytes / 1e9);
-	if (parts) {
+	if (trace) {
+		big_trace(&b);
+	} else if (parts) {
 		big_parts(&b);
 	} else if (without) {
 		big_without(&b);

@@ -160,6 +160,7 @@ static int attention_rows(struct backend_dev *be, const struct kv_span *spans, u
 	a.pacc = be->pacc;
 	a.seqs = NULL;
 	a.early_keys = be->kv_settled && be->early_kv;
+	a.tr = mma ? ktrace{NULL} : ktrace_next(be, "attention");
 	dim3 grid(base, splits);
 	if (mma) {
 		attn_mma_launch(hd, a, grid, be->stream);
@@ -307,6 +308,7 @@ static int flush_held(struct backend_dev *be)
 	a.pl = be->pl;
 	a.pacc = be->pacc;
 	a.merge_count = splits > 1 ? be->attn_count : NULL;
+	a.tr = ktrace_next(be, "attention (several sequences)");
 	dim3 grid(base, splits, ns);
 	be->two_warp_launches += attn_launch(be, a, grid, nw) == 2;
 	LAUNCHED(be, "attn_kernel (several sequences)");

@@ -316,6 +316,7 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	const uint32_t k0 = split * a.keys_per_split;
 	uint32_t k1 = min(k0 + a.keys_per_split, total_keys), first = 0;
 	bool staged = false;
+	ktrace_mark(a.tr, 0);
 	if (a.inline_spans && !a.seqs && k0 < k1)
 		staged = stage_window(spans, prefix, n_spans, k0, k1, s_span, s_prefix, &first);
 	grid_launch_next();
@@ -336,6 +337,7 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 			tile_load<KT>(a, koff, kpos, ks, vs, krow_bytes, vrow_bytes, 0, pos0);
 	}
 	grid_wait();
+	ktrace_mark(a.tr, 1);
 	/* The run of rows this block serves: the call's, or sequence blockIdx.z's of several. */
 	if (a.seqs) {
 		const struct attn_seq d = a.seqs[blockIdx.z];
@@ -403,6 +405,7 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	if (threadIdx.x == 0 && !early)
 		s_cursor = first;
 	__syncthreads();
+	ktrace_mark(a.tr, 2); /* the queries and running states in */
 
 	/* The lane's V pair of a row: its address once, a row's j-th 64 dims 64 elements on. */
 	const unsigned char *vlane = vs + 2 * lane * sizeof(KT) + (size_t)wk * kpw * vrow_bytes;
@@ -508,8 +511,10 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 				*(float2 *)(oacc + slot * hd + d) = acc[j];
 		}
 	}
-	if (!a.pm || !a.merge_count)
+	if (!a.pm || !a.merge_count) {
+		ktrace_end(a.tr);
 		return; /* one split, or attn_combine_kernel merges */
+	}
 	/* The last split block of this (kv head, query tile) to finish merges every split's state
 	 * into the running state, as attn_combine_kernel would (the same operations in the same
 	 * order), and resets the block's counter for the next call. */
@@ -520,12 +525,15 @@ __global__ void __launch_bounds__(ATTN_MAX_WARPS * 32) attn_kernel(const __grid_
 	if (threadIdx.x == 0)
 		s_last = atomicAdd(&a.merge_count[column], 1u) == gridDim.y - 1;
 	__syncthreads();
-	if (!s_last)
+	if (!s_last) {
+		ktrace_end(a.tr);
 		return;
+	}
 	__threadfence();
 	if (threadIdx.x == 0)
 		a.merge_count[column] = 0;
 	merge_splits<NJ>(a, pair, gridDim.y, active, wk, kw, lane);
+	ktrace_end(a.tr);
 }
 
 /* Folds the splits' partial states into the running state: one block per (token, head), a

@@ -177,6 +177,9 @@ static int set_batch(struct backend_dev *be, const struct backend_batch *b)
 		return cuda_failf(be, -EINVAL, "cuda backend: a step of %u sequences; at most %u", runs,
 				  ROPE_MAX_RUNS_INLINE);
 	attention_drop(be); /* held back by a step that failed on the way */
+	int rc = ktrace_step(be, b->n);
+	if (rc)
+		return rc;
 	be->kv_settled = be->kv_synced;
 	be->kv_synced = false;
 	be->n = b->n;
@@ -309,6 +312,7 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 		ra[k].l = be->st_l + (size_t)r0 * c->n_heads;
 		ra[k].acc = be->st_acc + (size_t)r0 * c->n_heads * c->head_dim;
 		ra[k].pos = NULL;
+		ra[k].tr = ktrace_next(be, "rope");
 		if (left_out(be, CUDA_TEST_ROPE))
 			continue;
 		rope_launch(be->p.kv_dtype, ra[k], be->pdl, be->stream);
@@ -333,6 +337,7 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 		m.m = be->st_m;
 		m.l = be->st_l;
 		m.acc = be->st_acc;
+		m.tr = ktrace_next(be, "rope (several sequences)");
 		rope_launch(be->p.kv_dtype, m, be->pdl, be->stream);
 		LAUNCHED(be, "rope_kernel (several sequences)");
 	}
@@ -589,6 +594,7 @@ static void cuda_destroy(struct backend_dev **bep)
 		return;
 	ffn_split_teardown(be);
 	moe_teardown(be);
+	ktrace_free(be);
 	if (be->spanbuf)
 		cudaFreeAsync(be->spanbuf, be->stream); /* allocated stream-ordered */
 	if (be->stream)

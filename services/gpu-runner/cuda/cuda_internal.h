@@ -101,6 +101,30 @@ struct upload_ring {
 	uint32_t n_events;			       /* events created (destroy) */
 };
 
+/* Where a launch's blocks stamp the time (bench-kernels --trace through cuda_test_trace): t is
+ * NULL when tracing is off, else KTRACE_MAX_BLOCKS rows of KTRACE_POINTS globaltimer readings
+ * (ns), row = the block's linear index, 0 where a point was not reached (device.cuh: ktrace_mark,
+ * ktrace_end). */
+#define KTRACE_POINTS	  4 /* the block's start, its wait's end, its input staged, its last warp's end */
+#define KTRACE_MAX_BLOCKS 2048
+#define KTRACE_MAX_LAUNCHES 512
+struct ktrace {
+	unsigned long long *t;
+};
+/* A traced step's launches (cuda_test_trace): the stamps on the device, what each launch was. */
+struct ktrace_log {
+	unsigned long long *dev;	/* (KTRACE_MAX_LAUNCHES, KTRACE_MAX_BLOCKS, KTRACE_POINTS) */
+	const char *what[KTRACE_MAX_LAUNCHES];
+	uint32_t n;			/* launches stamped this step (more are not) */
+	bool on;			/* the next one-token steps are traced */
+};
+/* The stamps of the next launch of the step, named what (a string literal), or none (tracing off,
+ * a step of several tokens, the log full). */
+struct ktrace ktrace_next(const struct backend_dev *be, const char *what);
+/* A step of n tokens begins: a traced one-token step's stamps cleared (on the stream). */
+int ktrace_step(struct backend_dev *be, uint32_t n);
+void ktrace_free(struct backend_dev *be);
+
 struct backend_dev {
 	struct model_config cfg;
 	struct backend_params p;
@@ -138,6 +162,7 @@ struct backend_dev {
 	uint32_t leave_out;	/* enum cuda_test_part: kernels one-token steps leave out (timing only) */
 	uint64_t early_kv_launches; /* attn_kernel launches with early_keys and inline spans (tests) */
 	uint64_t two_warp_launches; /* attn_kernel launches with two warps a query (tests) */
+	struct ktrace_log *trace; /* cuda_test_trace's stamps, NULL until first asked for */
 	bool kv_synced;		/* the host waited for the stream since the step began (finish_step) */
 	bool kv_settled;	/* ... before this step began: every KV row that earlier steps wrote is in
 				 * the arena, so a kernel may read those rows before it waits for the one
@@ -407,6 +432,7 @@ struct qgemv_args {
 	uint32_t steps;		/* warp steps per row */
 	uint32_t tile_steps;	/* steps of x staged in shared memory at a time */
 	uint32_t groups;	/* row groups (QG_WARPS rows each) */
+	struct ktrace tr;	/* the launch's stamps (bench-kernels --trace), set by the launcher */
 };
 
 /* Can the GEMV kernel take this product: one token, 16-bit weights, 16-byte rows and pointers? */
@@ -481,6 +507,7 @@ struct rope_args {
 	float *m, *l, *acc;	/* running attention state, reset here */
 	const uint32_t *pos;	/* (n) each row's position (device memory; rows of several sequences), or
 				 * NULL: pos0 + t, and dst as above */
+	struct ktrace tr;	/* the launch's stamps (bench-kernels --trace) */
 };
 
 /* RMSNorm of rows [row0, row0 + rows) of be->x into be->xa (from its start) in dtype ot. */
@@ -529,6 +556,7 @@ struct attn_args {
 	 * blockIdx.z is seqs[blockIdx.z]; n is then the step's rows, q and m, l, acc its first row's,
 	 * and n_spans, total_keys, pos0 and the inline spans unused. */
 	const struct attn_seq *seqs;
+	struct ktrace tr;	/* the launch's stamps (bench-kernels --trace) */
 };
 
 /* attention_fp32.cu: bytes of dynamic shared memory of an attention block of nw queries. */

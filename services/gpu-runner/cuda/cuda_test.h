@@ -6,6 +6,7 @@
  * experts computed together and apart. C callable; built with the CUDA backend only. */
 #ifndef GPU_RUNNER_CUDA_TEST_H
 #define GPU_RUNNER_CUDA_TEST_H
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -81,6 +82,27 @@ int64_t cuda_test_early_kv_launches(struct backend *be, char *err, size_t errlen
 /* attn_kernel launches since create with two warps a query (attn_launch), or -EINVAL (not
  * a cuda backend) with a message in err. */
 int64_t cuda_test_two_warp_launches(struct backend *be, char *err, size_t errlen);
+
+/* From the next one-token step on (on), or no longer, each step's launches of the products, RoPE
+ * and the attention stamp the time (globaltimer) in each block: its start, its wait for the kernel
+ * before, its input staged (the products' x, the attention's queries), its last warp's end. The
+ * stamps slow a step a little; bench-kernels --trace reads them. Returns 0, -EINVAL (not a cuda
+ * backend) or -ENOMEM with a message in err. */
+int cuda_test_trace(struct backend *be, bool on, char *err, size_t errlen);
+/* One launch of the last traced step: each point's first, median and last stamp over its blocks,
+ * in microseconds from the step's first stamp (-1: no block stamped it). */
+struct cuda_trace_launch {
+	const char *what; /* "product", "product (added)", "product (SwiGLU)", "rope", "attention" */
+	uint32_t blocks;  /* blocks that stamped their start */
+	double start_first, start_med, start_last;
+	double wait_first, wait_med, wait_last;
+	double staged_first, staged_med, staged_last;
+	double end_first, end_med, end_last;
+};
+/* Waits for the stream and fills out[0, *n) with the last traced step's launches in order (at
+ * most max). Returns 0, or -EINVAL / -EIO with a message in err. */
+int cuda_test_trace_read(struct backend *be, struct cuda_trace_launch *out, uint32_t max, uint32_t *n, char *err,
+			 size_t errlen);
 
 #ifdef __cplusplus
 }

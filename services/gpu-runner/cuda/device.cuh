@@ -95,6 +95,40 @@ static __device__ __forceinline__ void grid_launch_next(void)
 	asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+/* bench-kernels --trace (struct ktrace): thread 0 of a block stamps point p (KTRACE_POINTS) of its
+ * row; every warp's lane 0 stamps the end, the latest kept. A uniform test of a parameter where
+ * tracing is off. */
+static __device__ __forceinline__ unsigned long long ktrace_now(void)
+{
+	unsigned long long t;
+	asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+	return t;
+}
+
+static __device__ __forceinline__ unsigned long long *ktrace_row(const struct ktrace &tr)
+{
+	const uint32_t b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+	return b < KTRACE_MAX_BLOCKS ? tr.t + (size_t)b * KTRACE_POINTS : NULL;
+}
+
+static __device__ __forceinline__ void ktrace_mark(const struct ktrace &tr, uint32_t p)
+{
+	if (tr.t && threadIdx.x == 0) {
+		unsigned long long *r = ktrace_row(tr);
+		if (r)
+			r[p] = ktrace_now();
+	}
+}
+
+static __device__ __forceinline__ void ktrace_end(const struct ktrace &tr)
+{
+	if (tr.t && threadIdx.x % 32 == 0) {
+		unsigned long long *r = ktrace_row(tr);
+		if (r)
+			atomicMax(r + KTRACE_POINTS - 1, ktrace_now());
+	}
+}
+
 /* v[j] for a run-time j, by branches: a run-time index into a kernel's parameters would copy them
  * to local memory. */
 template <typename T, int N> static __device__ __forceinline__ T pick_mat(const T (&v)[N], uint32_t j)

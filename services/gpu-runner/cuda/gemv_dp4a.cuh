@@ -588,6 +588,7 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) 
 	const uint32_t wid = threadIdx.x / 32, lane = threadIdx.x % 32;
 	uint8_t *ring = (uint8_t *)dq_smem_buf + dq_smem_f<F>(a.in) + (size_t)wid * DQ_STAGES * SB;
 	float acc[1] = {0.0f}, acc2[1] = {0.0f};
+	ktrace_mark(a.tr, 0);
 	if ((MODE & GEMV_MATS_BIT) && a.m.wd)
 		grid_wait(); /* the kernel before chose the matrices */
 	qg_row<MODE> cur;
@@ -603,9 +604,12 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) 
 			ld.next(a, wid);
 	}
 	grid_wait();
+	ktrace_mark(a.tr, 1);
 	dq_stage<F, (MODE & GEMV_MATS_BIT) != 0>(a, xq, xd, xs);
+	ktrace_mark(a.tr, 2);
 	if (!live) {
 		cp_async_wait<0>();
+		ktrace_end(a.tr);
 		return;
 	}
 	for (uint32_t i = 0;; i++) {
@@ -623,4 +627,5 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) 
 			break;
 	}
 	cp_async_wait<0>();
+	ktrace_end(a.tr);
 }

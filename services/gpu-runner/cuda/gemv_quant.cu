@@ -864,6 +864,9 @@ bool qgemv_fuses_x(const struct backend_dev *be, uint32_t in, const struct mm_pa
 void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode, cudaStream_t s)
 {
 	assert(a.n >= 1 && a.n <= QG_MAX_NT && (mode != GEMV_SWIGLU || a.n == 1));
+	a.tr = ktrace_next(be, GEMV_MODE_OF(mode) == GEMV_SWIGLU ? "product (SwiGLU)"
+			   : GEMV_MODE_OF(mode) == GEMV_ADD  ? "product (added)"
+							     : "product");
 	const uint32_t nt = a.n == 1 ? 1 : a.n == 2 ? 2 : a.n <= 4 ? 4 : 8;
 	const uint32_t sv = step_values(fmt);
 	a.nb = a.in / dtype_block_elems((enum dtype)fmt);

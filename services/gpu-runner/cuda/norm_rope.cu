@@ -65,6 +65,7 @@ template <typename KT> __global__ void __launch_bounds__(256) rope_kernel(const 
 	const uint32_t t = blockIdx.x, hd = a.head_dim, half = hd / 2;
 	const uint32_t kv_dim = a.n_kv_heads * hd;
 	const uint32_t *dst = !a.pos && a.n <= ROPE_INLINE_TOKENS ? a.dst_in : a.dst;
+	ktrace_mark(a.tr, 0);
 	grid_launch_next();
 	if (a.pos)
 		grid_wait(); /* the positions come with the copy before the kernel */
@@ -78,6 +79,7 @@ template <typename KT> __global__ void __launch_bounds__(256) rope_kernel(const 
 	}
 	__syncthreads();
 	grid_wait();
+	ktrace_mark(a.tr, 1);
 	float *q = a.qkv + (size_t)t * a.ld, *k = q + (size_t)a.n_heads * hd, *v = k + kv_dim;
 	/* The two dimensions of pair j within a head. */
 	const uint32_t step1 = a.adjacent ? 2 : 1, off2 = a.adjacent ? 1 : half;
@@ -107,6 +109,7 @@ template <typename KT> __global__ void __launch_bounds__(256) rope_kernel(const 
 	}
 	for (uint32_t i = i0; i < a.n_heads * hd; i += stride)
 		a.acc[p0 * hd + i] = 0.0f;
+	ktrace_end(a.tr);
 }
 
 /* SiLU(gate) * up from the float32 products of the cuBLAS path ((n, 2 * ffn): gate, then up). */

@@ -1,10 +1,12 @@
 /* test_hooks.cu - the CUDA backend's test hooks (cuda_test.h): a product through matmul() /
  * swiglu_product() with buffers of the hook's own, a layer's experts computed together and apart,
- * a read of the residual stream, and a failure injected into the CPU share of a split FFN or into
- * a routed expert the CPU computes. */
+ * a read of the residual stream, a failure injected into the CPU share of a split FFN or into
+ * a routed expert the CPU computes, and the stamps of a traced step's launches. */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/cuda_test.h"
 #include "services/gpu-runner/cuda/moe_internal.h"
+
+#include <stdlib.h>
 
 /* The cuda device state behind be, or NULL with a message. */
 static struct backend_dev *cuda_dev(struct backend *be, char *err, size_t errlen)
@@ -260,5 +262,125 @@ int cuda_test_fail_cpu_expert(struct backend *bk, uint32_t nth, char *err, size_
 		return -EINVAL;
 	}
 	be->moe->fail_in = nth;
+	return 0;
+}
+
+/* ---- a step's launches stamped (cuda_test_trace) ---------------------------------------------- */
+
+#define KTRACE_LAUNCH_STAMPS ((size_t)KTRACE_MAX_BLOCKS * KTRACE_POINTS)
+
+struct ktrace ktrace_next(const struct backend_dev *be, const char *what)
+{
+	struct ktrace k = {NULL};
+	struct ktrace_log *lg = be->trace;
+	if (!lg || !lg->on || be->n != 1 || lg->n >= KTRACE_MAX_LAUNCHES)
+		return k;
+	lg->what[lg->n] = what;
+	k.t = lg->dev + lg->n++ * KTRACE_LAUNCH_STAMPS;
+	return k;
+}
+
+int ktrace_step(struct backend_dev *be, uint32_t n)
+{
+	struct ktrace_log *lg = be->trace;
+	if (!lg || !lg->on || n != 1)
+		return 0;
+	lg->n = 0;
+	CUDA_TRY(be, "cudaMemsetAsync (trace)",
+		 cudaMemsetAsync(lg->dev, 0, KTRACE_MAX_LAUNCHES * KTRACE_LAUNCH_STAMPS * sizeof(unsigned long long),
+				 be->stream));
+	return 0;
+}
+
+void ktrace_free(struct backend_dev *be)
+{
+	if (!be->trace)
+		return;
+	cudaFree(be->trace->dev);
+	free(be->trace);
+	be->trace = NULL;
+}
+
+int cuda_test_trace(struct backend *bk, bool on, char *err, size_t errlen)
+{
+	struct backend_dev *be = cuda_dev(bk, err, errlen);
+	if (!be)
+		return -EINVAL;
+	if (on && !be->trace) {
+		struct ktrace_log *lg = (struct ktrace_log *)calloc(1, sizeof(*lg));
+		cudaError_t e = lg ? cudaMalloc(&lg->dev, KTRACE_MAX_LAUNCHES * KTRACE_LAUNCH_STAMPS *
+								  sizeof(unsigned long long))
+				   : cudaErrorMemoryAllocation;
+		if (e != cudaSuccess) {
+			free(lg);
+			snprintf(err, errlen, "test hook: the trace's %zu MiB: %s",
+				 KTRACE_MAX_LAUNCHES * KTRACE_LAUNCH_STAMPS * sizeof(unsigned long long) >> 20,
+				 cudaGetErrorString(e));
+			return -ENOMEM;
+		}
+		be->trace = lg;
+	}
+	if (be->trace)
+		be->trace->on = on;
+	return 0;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	const unsigned long long x = *(const unsigned long long *)a, y = *(const unsigned long long *)b;
+	return x < y ? -1 : x > y;
+}
+
+int cuda_test_trace_read(struct backend *bk, struct cuda_trace_launch *out, uint32_t max, uint32_t *n, char *err,
+			 size_t errlen)
+{
+	struct backend_dev *be = cuda_dev(bk, err, errlen);
+	if (!be)
+		return -EINVAL;
+	struct ktrace_log *lg = be->trace;
+	*n = 0;
+	if (!lg)
+		return 0;
+	const uint32_t nl = lg->n < max ? lg->n : max;
+	const size_t count = nl * KTRACE_LAUNCH_STAMPS;
+	unsigned long long *h = (unsigned long long *)malloc(count * sizeof(*h) + 1);
+	unsigned long long *col = (unsigned long long *)malloc(KTRACE_MAX_BLOCKS * sizeof(*col));
+	cudaError_t e = h && col ? cudaStreamSynchronize(be->stream) : cudaErrorMemoryAllocation;
+	if (e == cudaSuccess)
+		e = cudaMemcpy(h, lg->dev, count * sizeof(*h), cudaMemcpyDeviceToHost);
+	if (e != cudaSuccess) {
+		free(h);
+		free(col);
+		snprintf(err, errlen, "test hook: reading the trace: %s", cudaGetErrorString(e));
+		return -EIO;
+	}
+	unsigned long long t0 = ~0ull;
+	for (size_t i = 0; i < count; i += KTRACE_POINTS)
+		if (h[i] && h[i] < t0)
+			t0 = h[i];
+	for (uint32_t l = 0; l < nl; l++) {
+		const unsigned long long *r = h + l * KTRACE_LAUNCH_STAMPS;
+		struct cuda_trace_launch *o = out + l;
+		double *med[KTRACE_POINTS] = {&o->start_med, &o->wait_med, &o->staged_med, &o->end_med};
+		double *lo[KTRACE_POINTS] = {&o->start_first, &o->wait_first, &o->staged_first, &o->end_first};
+		double *hi[KTRACE_POINTS] = {&o->start_last, &o->wait_last, &o->staged_last, &o->end_last};
+		o->what = lg->what[l];
+		o->blocks = 0;
+		for (uint32_t p = 0; p < KTRACE_POINTS; p++) {
+			uint32_t k = 0;
+			for (uint32_t b = 0; b < KTRACE_MAX_BLOCKS; b++)
+				if (r[(size_t)b * KTRACE_POINTS + p])
+					col[k++] = r[(size_t)b * KTRACE_POINTS + p] - t0;
+			if (p == 0)
+				o->blocks = k;
+			qsort(col, k, sizeof(*col), cmp_u64);
+			*lo[p] = k ? col[0] / 1e3 : -1.0;
+			*med[p] = k ? col[k / 2] / 1e3 : -1.0;
+			*hi[p] = k ? col[k - 1] / 1e3 : -1.0;
+		}
+	}
+	*n = nl;
+	free(h);
+	free(col);
 	return 0;
 }
