@@ -41,8 +41,10 @@ static int wait_reply(struct kv_remote *kr, uint64_t corr, struct msg *rep)
 		const bool gone = kr->h ? !kv_remote_owner_alive(kr)
 					: kr->peer_pid > 0 && !process_alive(kr->peer_pid, kr->peer_start);
 		if (gone || waited >= kr->timeout_ms) {
+			/* Given up: the store may have done the request (one that died may have done it
+			 * before it answered, in the pool the next kv-store adopts). */
 			kr->lost = true;
-			kr->orphans |= !gone;
+			kr->orphans = true;
 			return gone ? -ECONNRESET : -ETIMEDOUT;
 		}
 		if (kr->wait_hook && kr->wait_hook(kr->wait_ctx)) {

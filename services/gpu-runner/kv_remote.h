@@ -56,10 +56,10 @@ struct kv_remote {
 	uint64_t pending[KV_EVENTS_IN_FLIGHT]; /* commits whose replies are not yet read */
 	uint32_t n_pending;
 	bool lost; /* a request went unanswered (timeout, the process died): reconnect before trusting it */
-	/* A request's reply was given up while the kv-store lived (a timeout, a stop): it may yet have
-	 * done it (blocks allocated, referenced or pinned for this session) with nobody to hear of it.
-	 * The runner then says HELLO with a new session, so that the store lets go of all of them
-	 * (kv_remote_forget_session). */
+	/* A request's reply was given up (a timeout, a stop, or the kv-store died, after it may have
+	 * done it in the pool the next one adopts): blocks allocated, referenced or pinned for this
+	 * session with nobody to hear of it. The runner then says HELLO with a new session, so that
+	 * the store lets go of all of them (kv_remote_forget_session); cached blocks stay. */
 	bool orphans;
 	char error[512];
 	/* Called every 100 ms while a reply is awaited (the runner beats its heartbeat); true gives

@@ -332,15 +332,16 @@ int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errle
 {
 	struct msg hello;
 	runner_unpin_pool(r); /* and no KV copy touches the pool any more (kv_cache_quiesce) */
-	/* A reply given up while the kv-store lived: what that request did is the old session's, which
-	 * a new one makes the store let go of (this runner's session is its own; a split model's is the
+	/* A reply given up (the kv-store stopped answering, or died after it may have done the request,
+	 * in a pool the next one adopts): what that request did is the old session's, which a new one
+	 * makes the store let go of (this runner's session is its own; a split model's is the
 	 * formation's, which rank 0 renews as it forms). */
 	if (r->kv.orphans && !r->stage.split) {
 		r->kv_renewed = true;
 		rpc_client_set_session(r->kv_c, random_u64() | 1);
 		kv_remote_forget_session(&r->kv);
 		log_warn("a kv-store reply was given up: a new session, so that the store lets go of what the "
-			 "old one held");
+			 "old one held (its cached blocks stay)");
 	}
 	int rc = hello_peer(r, r->kv_c, "kv-store", deadline_ms, &hello, err, errlen);
 	if (rc)

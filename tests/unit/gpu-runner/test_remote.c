@@ -88,6 +88,9 @@ struct peer {
 	struct wring_header *ring;  /* ssd-loader: grants point at the slots that hold each group */
 	const struct kvstore *kv;   /* kv-store: MSG_KV_CONFIGURE answers with this pool */
 	struct kvstore *kv_rw;	    /* ... and MSG_KV_ALLOC, MSG_KV_FREE take and give its blocks */
+	pid_t die_after_alloc;	    /* non-zero: an ALLOC is done, then not answered, and the pool's
+				     * owner becomes this (dead) pid: a kv-store that died before it
+				     * answered */
 	atomic_uint requests;
 	atomic_uint allocs, frees;  /* MSG_KV_ALLOC, MSG_KV_FREE answered */
 	atomic_uint last_alloc, last_free; /* the blocks the last of each asked for */
@@ -144,6 +147,10 @@ static void peer_answer(struct peer *p, const struct bus_peer *who, const struct
 			int rc = n <= 256 ? kvstore_alloc(p->kv_rw, n, handles, offsets, err, sizeof(err)) : -EINVAL;
 			atomic_fetch_add(&p->allocs, 1);
 			atomic_store(&p->last_alloc, n);
+			if (rc == 0 && p->die_after_alloc) {
+				atomic_store(&kvstore_header(p->kv_rw)->shm.owner_pid, (int32_t)p->die_after_alloc);
+				return;
+			}
 			if (rc) {
 				bus_reply_error(p->router, who, req->corr, -rc, n <= 256 ? err : "too many");
 				return;
@@ -674,6 +681,41 @@ START_TEST(kv_reconnect_after_a_failed_one_is_the_same_pool)
 }
 END_TEST
 
+/* A kv-store that did a request and died before it answered: an ALLOC granted in the pool that
+ * the next kv-store adopts, with its reference, under the runner's session. The runner cannot know
+ * what the request took, so the reply counts as given up (kv_remote.orphans: its next connection
+ * says HELLO with a new session, which makes the store let go of what the old one held), as when
+ * a reply is given up while the store lives. */
+START_TEST(kv_request_done_by_a_kv_store_that_died_leaves_orphans)
+{
+	struct kv_fx x;
+	kv_fx_open(&x, 64);
+	pid_t child = fork();
+	ck_assert_int_ge(child, 0);
+	if (child == 0) {
+		pause();
+		_exit(0);
+	}
+	ck_assert_int_eq(kill(child, SIGKILL), 0);
+	ck_assert_int_eq(waitpid(child, NULL, 0), child);
+	struct kvpool_header *hd = kvstore_header(x.f.kv);
+	const uint64_t allocs = atomic_load(&hd->store.allocs);
+	peer_stop(&x.p);
+	x.p.stop = false;
+	x.p.die_after_alloc = child;
+	peer_start(&x.p, x.f.dir, "kv-store");
+	uint64_t h;
+	void *ptr;
+	ck_assert_int_ne(kv_remote_ops_pool.alloc(&x.kr, 1, &h, &ptr), 0);
+	ck_assert_ptr_nonnull(strstr(kv_remote_ops_pool.error(&x.kr), "the kv-store process died"));
+	ck_assert_uint_gt(atomic_load(&hd->store.allocs), allocs); /* the store took the blocks */
+	ck_assert_msg(x.kr.orphans, "a request the dead kv-store did is not counted as given up");
+	ck_assert(kv_remote_lost(&x.kr));
+	atomic_store(&hd->shm.owner_pid, (int32_t)getpid()); /* for the fixture's teardown */
+	kv_fx_close(&x);
+}
+END_TEST
+
 /* A prefix lookup of more keys than one kv-store request may name (a long prompt over many
  * layers) goes as several requests, each within the limit, and the hits come back at their keys'
  * places; their references go back in requests within the limit too. */
@@ -832,6 +874,7 @@ static Suite *remote_suite(void)
 	tcase_add_test(tc, kv_connect_refuses_an_error_code_beyond_int);
 	tcase_add_test(tc, kv_connect_beats_while_the_configuration_is_not_answered);
 	tcase_add_test(tc, kv_connect_notices_a_kv_store_that_died_before_the_configuration);
+	tcase_add_test(tc, kv_request_done_by_a_kv_store_that_died_leaves_orphans);
 	tcase_add_test(tc, kv_ops_refuse_an_error_code_beyond_int);
 	tcase_add_test(tc, kv_alloc_takes_decode_blocks_from_a_stash);
 	tcase_add_test(tc, kv_alloc_of_a_small_pool_takes_no_stash);
