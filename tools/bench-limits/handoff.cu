@@ -19,16 +19,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "cuda_try.h"
 #include "handoff.h"
-
-#define TRY(call)                                                                                       \
-	do {                                                                                            \
-		cudaError_t e_ = (call);                                                                \
-		if (e_ != cudaSuccess) {                                                                \
-			fprintf(stderr, "bench-limits: %s: %s\n", #call, cudaGetErrorString(e_));        \
-			goto out;                                                                       \
-		}                                                                                       \
-	} while (0)
 
 #define HOLD_NS		 20000000ull /* what the held GPU gives the host to queue the kernels */
 #define BLOCKS_PER_SM	 4

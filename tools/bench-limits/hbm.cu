@@ -14,16 +14,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "cuda_try.h"
 #include "hbm.h"
-
-#define TRY(call)                                                                                       \
-	do {                                                                                            \
-		cudaError_t e_ = (call);                                                                \
-		if (e_ != cudaSuccess) {                                                                \
-			fprintf(stderr, "bench-limits: %s: %s\n", #call, cudaGetErrorString(e_));        \
-			goto out;                                                                       \
-		}                                                                                       \
-	} while (0)
 
 #define READ_THREADS 256
 #define FILL_BYTE    0x5a /* every word 0x5a5a5a5a: the XOR of any four of them is 0 */
