@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/auxv.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <ucontext.h>
@@ -196,7 +197,9 @@ size_t host_profile_top(struct host_profile_entry *out, size_t n, uint64_t *tota
 		out[i].module = "?";
 		out[i].symbol = NULL;
 		if (dladdr((void *)pc, &info) && info.dli_fname) {
-			out[i].module = info.dli_fname[0] ? info.dli_fname : "(main program)";
+			/* The vDSO is no file: its name ("linux-vdso.so.1") as /proc/PID/maps gives it. */
+			const bool vdso = info.dli_fbase && (uintptr_t)info.dli_fbase == getauxval(AT_SYSINFO_EHDR);
+			out[i].module = vdso ? "[vdso]" : info.dli_fname[0] ? info.dli_fname : "(main program)";
 			struct bias_find f = {.pc = pc};
 			dl_iterate_phdr(bias_of, &f);
 			out[i].offset = pc - (f.found ? f.bias : (uintptr_t)info.dli_fbase);

@@ -30,7 +30,8 @@
 #define HOST_PROFILE_HZ_MAX 10000
 
 struct host_profile_entry {
-	const char *module;  /* the file the address lies in ("?": none known); static storage */
+	const char *module;  /* the file the address lies in ("?": none known, "[vdso]": the kernel's
+			      * virtual shared object, no file); static storage */
 	uint64_t offset;     /* the address less the module's load address */
 	const char *symbol;  /* the nearest exported symbol at or before it, or NULL */
 	uint64_t samples;

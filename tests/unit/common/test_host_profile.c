@@ -76,6 +76,44 @@ START_TEST(test_samples_where_busy)
 }
 END_TEST
 
+/* Burns this thread's CPU for about `seconds` reading the monotonic clock, which the C library
+ * reads through the kernel's vDSO (no system call) where the clock source allows it. */
+static __attribute__((noinline)) void clock_loop(double seconds)
+{
+	const double end = cpu_seconds() + seconds;
+	struct timespec ts;
+	uint64_t x = 0;
+	while (cpu_seconds() < end)
+		for (int i = 0; i < 1000; i++) {
+			clock_gettime(CLOCK_MONOTONIC, &ts);
+			x += (uint64_t)ts.tv_nsec;
+		}
+	sink = x;
+}
+
+/* Every module the report names is a file that exists, or says it is none: "?" (unknown),
+ * "(main program)", or "[vdso]" (the kernel's code mapped into the process, which the dynamic
+ * linker names "linux-vdso.so.1" though no such file exists). */
+START_TEST(test_modules_are_files_or_say_they_are_not)
+{
+	char err[256];
+	ck_assert_int_eq(host_profile_start(2000, err, sizeof(err)), 0);
+	clock_loop(0.3);
+	host_profile_stop();
+	struct host_profile_entry top[64];
+	uint64_t total = 0;
+	size_t n = host_profile_top(top, 64, &total);
+	ck_assert_uint_gt(n, 0);
+	for (size_t i = 0; i < n; i++) {
+		const char *m = top[i].module;
+		ck_assert_ptr_nonnull(m);
+		ck_assert_msg(!strcmp(m, "?") || !strcmp(m, "(main program)") || !strcmp(m, "[vdso]") || access(m, F_OK) == 0,
+			      "entry %zu (%llu samples) names module '%s', which is no file", i,
+			      (unsigned long long)top[i].samples, m);
+	}
+}
+END_TEST
+
 /* Stops the profile; the samples it took. */
 static uint64_t stop_and_count(void)
 {
@@ -141,6 +179,7 @@ int main(void)
 	TCase *tc = tcase_create("core");
 	tcase_set_timeout(tc, 30);
 	tcase_add_test(tc, test_samples_where_busy);
+	tcase_add_test(tc, test_modules_are_files_or_say_they_are_not);
 	tcase_add_test(tc, test_sleep_not_sampled);
 	tcase_add_test(tc, test_other_threads_not_sampled);
 	tcase_add_test(tc, test_bad_rate);
