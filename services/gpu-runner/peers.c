@@ -335,7 +335,7 @@ int runner_connect_kv(struct runner *r, int deadline_ms, char *err, size_t errle
 	/* A reply given up (the kv-store stopped answering, or died after it may have done the request,
 	 * in a pool the next one adopts): what that request did is the old session's, which a new one
 	 * makes the store let go of (this runner's session is its own; a split model's is the
-	 * formation's, which rank 0 renews as it forms). */
+	 * formation's, which rank 0 renews as it forms: runner_idle_stages). */
 	if (r->kv.orphans && !r->stage.split) {
 		r->kv_renewed = true;
 		rpc_client_set_session(r->kv_c, random_u64() | 1);

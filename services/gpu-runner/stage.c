@@ -116,11 +116,12 @@ int runner_plan_stages(struct runner *r, char *err, size_t errlen)
 	return 0;
 }
 
-/* rank 0's front: a new formation's kv-store session. */
+/* rank 0's front: a new formation's kv-store session (nothing the last one held is this rank's). */
 static int kv_session(void *ctx, uint64_t session, char *err, size_t errlen)
 {
 	struct runner *r = ctx;
 	rpc_client_set_session(r->kv_c, session);
+	kv_remote_forget_session(&r->kv);
 	int rc = runner_connect_kv(r, (int)r->timeout_ms, err, errlen);
 	if (rc == 0)
 		kv_cache_forget_remote(r->cache); /* the store let go of the last formation's blocks */
@@ -513,6 +514,14 @@ void runner_idle_stages(struct runner *r)
 {
 	if (!r->front)
 		return;
+	/* A kv-store reply given up (kv_remote.orphans): what that request did is the formation's
+	 * session's, which only a new formation renews (runner_connect_kv renews a runner's own). */
+	if (r->kv.orphans && stage_front_formed(r->front)) {
+		log_warn("a kv-store reply was given up: the ranks are formed anew, with a kv-store session that "
+			 "lets go of what the old one held");
+		stage_front_break(r->front, "a kv-store reply was given up");
+		r->stage_form_try_ns = 0;
+	}
 	uint64_t now = now_ns();
 	if (now - r->stage_form_try_ns < 1000000000ull)
 		return;
