@@ -663,8 +663,6 @@ static bool authorized(const struct server *s, struct MHD_Connection *c)
 	return diff == 0;
 }
 
-/* The first call of a request: everything that can be answered before the body. Returns true
- * when a response was queued (*ret says how). */
 /* The request's framing headers, counted (count_framing). */
 struct framing {
 	unsigned content_length, transfer_encoding;
@@ -700,6 +698,8 @@ static enum MHD_Result send_error_close(struct MHD_Connection *c, unsigned statu
 			    true);
 }
 
+/* The first call of a request: everything that can be answered before the body. Returns true
+ * when a response was queued (*ret says how). */
 static bool answer_early(struct server *s, struct MHD_Connection *c, const char *url, const char *method,
 			 struct request_state *rs, enum MHD_Result *ret)
 {

@@ -531,6 +531,18 @@ START_TEST(kv_connect_beats_while_the_configuration_is_not_answered)
 }
 END_TEST
 
+/* A child process that waits for a signal (killed by the test: a kv-store that dies). */
+static pid_t paused_child(void)
+{
+	pid_t child = fork();
+	ck_assert_int_ge(child, 0);
+	if (child == 0) {
+		pause();
+		_exit(0);
+	}
+	return child;
+}
+
 START_TEST(kv_connect_notices_a_kv_store_that_died_before_the_configuration)
 {
 	/* A kv-store that answered HELLO (its pid in the reply) and died before the pool
@@ -539,12 +551,7 @@ START_TEST(kv_connect_notices_a_kv_store_that_died_before_the_configuration)
 	 * taken. */
 	struct pool_fx f;
 	pool_fx_open(&f);
-	pid_t child = fork();
-	ck_assert_int_ge(child, 0);
-	if (child == 0) {
-		pause();
-		_exit(0);
-	}
+	pid_t child = paused_child();
 	struct peer p = {.kv = f.kv, .silent_type = MSG_KV_CONFIGURE};
 	peer_start(&p, f.dir, "kv-store");
 	void *zctx = zmq_ctx_new();
@@ -690,12 +697,7 @@ START_TEST(kv_request_done_by_a_kv_store_that_died_leaves_orphans)
 {
 	struct kv_fx x;
 	kv_fx_open(&x, 64);
-	pid_t child = fork();
-	ck_assert_int_ge(child, 0);
-	if (child == 0) {
-		pause();
-		_exit(0);
-	}
+	pid_t child = paused_child();
 	ck_assert_int_eq(kill(child, SIGKILL), 0);
 	ck_assert_int_eq(waitpid(child, NULL, 0), child);
 	struct kvpool_header *hd = kvstore_header(x.f.kv);
