@@ -104,6 +104,8 @@ enum backend_fuse {
 				   * after the kernel before has ended, not before (comparisons) */
 	BACKEND_FUSE_ONE_KEY_WARP = 3, /* the default, but the CUDA-core attention gives each query one
 					* warp for a tile's keys, not two (comparisons) */
+	BACKEND_FUSE_NARROW_DQ = 4, /* the default, but one-token integer products run in blocks of one
+				     * row group each, every block staging x (comparisons) */
 };
 
 /* How the CUDA backend's stream hands the CPU share of a split FFN to the pool

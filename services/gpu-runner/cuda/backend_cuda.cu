@@ -817,8 +817,9 @@ static int create_device(struct backend_dev *be)
 	be->pdl = p->fuse != BACKEND_FUSE_NONE && major >= 9;
 	/* Without the shared memory the quantized GEMV stages x in, such products dequantize. */
 	be->qgemv_ok = (size_t)smem_optin >= QG_SMEM_MAX;
+	be->dq_smem_max = (uint32_t)smem_optin - 1024;
 	if (be->qgemv_ok)
-		CUDA_TRY(be, "cudaFuncSetAttribute (quantized GEMV)", qgemv_init());
+		CUDA_TRY(be, "cudaFuncSetAttribute (quantized GEMV)", qgemv_init(be->dq_smem_max));
 	return 0;
 }
 
@@ -859,7 +860,9 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->dq_sm = be->qgemv_dp4a && p->gemv != BACKEND_GEMV_DP4A_REGS;
 	be->attn_mma = p->attn != BACKEND_ATTN_SIMPLE;
 	be->fuse_x = p->fuse != BACKEND_FUSE_NONE;
-	be->early_kv = p->fuse == BACKEND_FUSE_DEFAULT || p->fuse == BACKEND_FUSE_ONE_KEY_WARP;
+	be->wide_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_NARROW_DQ;
+	be->early_kv = p->fuse == BACKEND_FUSE_DEFAULT || p->fuse == BACKEND_FUSE_ONE_KEY_WARP ||
+		       p->fuse == BACKEND_FUSE_NARROW_DQ;
 	be->attn_key_warps = p->fuse == BACKEND_FUSE_ONE_KEY_WARP ? 1 : 2;
 
 	rc = create_device(be);

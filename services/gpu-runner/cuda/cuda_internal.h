@@ -58,6 +58,8 @@
 #define QG_WARPS 8		/* warps (output rows) per block of the quantized GEMV */
 #define QG_SMEM_MAX (72u * 1024) /* shared memory of one quantized GEMV block: staged x */
 #define DQ_SM_SMEM_MAX (112u * 1024) /* the integer path through shared memory: x and the weight stages */
+#define DQ_WIDE_MAX 4	/* row-group blocks (QG_WARPS warps each) one block of that path may hold, x
+			 * staged once for all of them (gemv_dp4a.cuh) */
 #define QG_OCC_CACHE 32		/* (kernel, shared memory) pairs whose occupancy a backend remembers */
 /* The dequantization scratch holds the largest matrix of a layer, at most this many BF16
  * elements (128 MiB); lm_head and larger matrices go through it a row chunk at a time. */
@@ -146,22 +148,27 @@ struct backend_dev {
 	void *blas_ws;		/* cuBLAS workspace, BLAS_WORKSPACE bytes */
 	int gemv_rows;		/* decode through the GEMV kernel with this many rows per warp (0: cuBLAS) */
 	bool qgemv_ok;		/* the device gives the quantized GEMV its shared memory (QG_SMEM_MAX) */
+	uint32_t dq_smem_max;	/* dynamic shared memory a block of the integer path may take: what a block
+				 * may opt in to, less 1 KiB for its static shared memory (create) */
 	bool qgemv_dp4a;	/* one-token quantized products take x as int8 (integer dot products) */
 	bool dq_sm;		/* ... with the weights through shared memory (cp.async) where aligned */
 	struct {
 		const void *fn;
 		size_t smem;
+		uint32_t threads;
 		uint32_t blocks;	/* resident per multiprocessor */
 	} qg_occ[QG_OCC_CACHE];	/* gemv_quant.cu's grid sizes */
 	uint32_t qg_occ_n;
 	bool attn_mma;		/* prefill attention on tensor cores where it applies */
 	bool pdl;		/* kernels of a step launch with programmatic dependent launch (launch_k) */
 	bool fuse_x;		/* one-token integer products compute their x while staging it (struct xsrc) */
+	bool wide_dq;		/* ... in blocks of several row groups where that fills the GPU (DQ_WIDE_MAX) */
 	bool early_kv;		/* attn_args.early_keys where the keys are settled (backend_params.fuse) */
 	uint32_t attn_key_warps; /* attn_kernel's warps a query where the block has room (backend_params.fuse) */
 	uint32_t leave_out;	/* enum cuda_test_part: kernels one-token steps leave out (timing only) */
 	uint64_t early_kv_launches; /* attn_kernel launches with early_keys and inline spans (tests) */
 	uint64_t two_warp_launches; /* attn_kernel launches with two warps a query (tests) */
+	uint64_t wide_launches;	/* dq_sm_kernel launches in wide blocks (tests) */
 	struct ktrace_log *trace; /* cuda_test_trace's stamps, NULL until first asked for */
 	bool kv_synced;		/* the host waited for the stream since the step began (finish_step) */
 	bool kv_settled;	/* ... before this step began: every KV row that earlier steps wrote is in
@@ -439,8 +446,9 @@ struct qgemv_args {
 bool gemv_fits(const struct backend_dev *be, uint32_t wt, uint32_t in, const struct mm_part *parts, uint32_t np);
 /* Launches the GEMV kernel (gemv.cu) for weights of dtype wt with rows_per_warp rows per warp. */
 void gemv_launch(uint32_t wt, int rows_per_warp, const gemv_args &g, int mode, bool pdl, cudaStream_t s);
-/* Lets the quantized GEMV kernels use QG_SMEM_MAX bytes of shared memory (create). */
-cudaError_t qgemv_init(void);
+/* Lets the quantized GEMV kernels use their shared memory: QG_SMEM_MAX bytes, the integer path
+ * through shared memory dq_smem_max (create). */
+cudaError_t qgemv_init(uint32_t dq_smem_max);
 /* Can the quantized GEMV take this product: n <= QGEMV_MAX_TOKENS tokens, the GEMV on
  * (backend_params.gemv), whole blocks per row, tensors aligned for the format's loads? */
 /* Would a one-token product of format fmt on x take the integer path (gemv_dp4a.cuh, the quantized

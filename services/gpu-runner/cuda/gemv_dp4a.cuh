@@ -54,13 +54,14 @@ static __device__ __forceinline__ uint32_t pack_i8(int a, int b, int c, int d)
 }
 
 /* XSRC_NORM's scale 1 / sqrt(mean(res^2) + eps), the mean taken in double as rmsnorm_kernel
- * takes it; the same in every thread (and every block: the sums run in one fixed order). The
- * loads of U float4 per thread are in flight at once. */
+ * takes it; the same in every thread (and every block: the sums run in one fixed order, by the
+ * first QG_THREADS threads of a block however wide). The loads of U float4 per thread are in
+ * flight at once. */
 template <uint32_t U> static __device__ float dq_norm_scale(const qgemv_args &a)
 {
 	__shared__ double part[QG_WARPS];
 	const float4 *res = (const float4 *)a.src.res;
-	const uint32_t n4 = a.in / 4;
+	const uint32_t n4 = threadIdx.x < QG_THREADS ? a.in / 4 : 0;
 	double ss = 0;
 	for (uint32_t base = 0; base < n4; base += U * QG_THREADS) {
 		float4 v[U];
@@ -79,7 +80,7 @@ template <uint32_t U> static __device__ float dq_norm_scale(const qgemv_args &a)
 	}
 	for (int o = 16; o > 0; o >>= 1)
 		ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
-	if (threadIdx.x % 32 == 0)
+	if (threadIdx.x % 32 == 0 && threadIdx.x < QG_THREADS)
 		part[threadIdx.x / 32] = ss;
 	__syncthreads();
 	double tot = 0;
@@ -172,19 +173,19 @@ static __device__ __forceinline__ void dq_x8(const qgemv_args &a, const dq_raw &
 template <int F, int K, uint32_t U, bool M>
 static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
 {
-	const uint32_t n8 = a.in / 8;
+	const uint32_t n8 = a.in / 8, nt = blockDim.x; /* QG_THREADS, or a wide block's */
 	const float r = K == XSRC_NORM ? dq_norm_scale<2 * U>(a) : 1.0f;
-	for (uint32_t base = 0; base < n8; base += U * QG_THREADS) {
+	for (uint32_t base = 0; base < n8; base += U * nt) {
 		dq_raw raw[U];
 #pragma unroll
 		for (uint32_t u = 0; u < U; u++) {
-			const uint32_t i = base + u * QG_THREADS + threadIdx.x;
+			const uint32_t i = base + u * nt + threadIdx.x;
 			if (i < n8)
 				dq_load8<K, M>(a, i, raw[u]);
 		}
 #pragma unroll
 		for (uint32_t u = 0; u < U; u++) {
-			const uint32_t i = base + u * QG_THREADS + threadIdx.x;
+			const uint32_t i = base + u * nt + threadIdx.x;
 			/* Past the end (n8 is a multiple of 4, so a group's 4 threads agree): zeros. */
 			float f[8];
 			if (i < n8)
@@ -497,7 +498,7 @@ template <int F> struct dq_stage_bytes {
 	static constexpr uint32_t V = (qg<F>::BPS * qg<F>::BB + 15) / 16 * 16;
 };
 
-static inline size_t dq_sm_smem(uint32_t fmt, uint32_t in)
+static inline size_t dq_sm_smem(uint32_t fmt, uint32_t in, uint32_t warps)
 {
 	const uint32_t sb = fmt == DT_Q4_K ? dq_stage_bytes<DT_Q4_K>::V
 			    : fmt == DT_Q6_K ? dq_stage_bytes<DT_Q6_K>::V
@@ -506,7 +507,7 @@ static inline size_t dq_sm_smem(uint32_t fmt, uint32_t in)
 									       : dq_smem_f<DT_Q8_0>(in);
 	const uint32_t st = fmt == DT_Q4_K ? dq_stages<DT_Q4_K>::V : fmt == DT_Q6_K ? dq_stages<DT_Q6_K>::V
 									       : dq_stages<DT_Q8_0>::V;
-	return x + (size_t)QG_WARPS * st * sb;
+	return x + (size_t)warps * st * sb;
 }
 
 static __device__ __forceinline__ void cp_async16(uint8_t *dst, const uint8_t *src, uint32_t src_bytes)
@@ -578,15 +579,21 @@ template <int F, int MODE> struct dq_sm_occ {
 	static constexpr int MIN_BLOCKS = F == DT_Q4_K && GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? 3 : 4;
 };
 
+/* Blocks of QG_THREADS threads, one row group each, or wide blocks of V row groups (launch_dq_k:
+ * V of the blocks a multiprocessor holds, as one block): the V row groups' warps share one staging
+ * of x, which every block of a multiprocessor would otherwise spend its own instructions on.
+ * Warp w is warp w % QG_WARPS of row-group block w / QG_WARPS (qg_first_group) and has stage ring
+ * w of its own. The registers are capped as for MIN_BLOCKS blocks of QG_THREADS. */
 template <int F, int MODE>
-__global__ void __launch_bounds__(QG_THREADS, (dq_sm_occ<F, MODE>::MIN_BLOCKS)) dq_sm_kernel(const qgemv_args a)
+__global__ void __launch_bounds__(QG_THREADS *(dq_sm_occ<F, MODE>::MIN_BLOCKS), 1) dq_sm_kernel(const qgemv_args a)
 {
 	constexpr uint32_t SB = dq_stage_bytes<F>::V, DQ_STAGES = dq_stages<F>::V;
 	extern __shared__ uint4 dq_smem_buf[];
 	uint8_t *xq = (uint8_t *)dq_smem_buf;
 	float *xd = (float *)(xq + a.in), *xs = xd + a.in / 32; /* xs: none for Q6_K (dq_smem_f) */
-	const uint32_t wid = threadIdx.x / 32, lane = threadIdx.x % 32;
-	uint8_t *ring = (uint8_t *)dq_smem_buf + dq_smem_f<F>(a.in) + (size_t)wid * DQ_STAGES * SB;
+	const uint32_t lane = threadIdx.x % 32;
+	uint8_t *ring = (uint8_t *)dq_smem_buf + dq_smem_f<F>(a.in) + (size_t)(threadIdx.x / 32) * DQ_STAGES * SB;
+	const uint32_t wid = threadIdx.x / 32 % QG_WARPS; /* in its row-group block */
 	float acc[1] = {0.0f}, acc2[1] = {0.0f};
 	ktrace_mark(a.tr, 0);
 	if ((MODE & GEMV_MATS_BIT) && a.m.wd)

@@ -408,15 +408,19 @@ static __device__ __forceinline__ uint32_t qg_mat(const qgemv_args &a)
 	return blockIdx.x / a.m.blocks;
 }
 
-/* The block's first row group, and the step to its next (of its own matrix with several). */
+/* The block's first row group, and the step to its next (of its own matrix with several). A
+ * block of several row-group blocks (dq_sm_kernel's wide blocks: blockDim.x a multiple of
+ * QG_THREADS, never with several matrices) is that many blocks of QG_WARPS warps, the warps of
+ * the j-th taking block blockIdx.x * V + j's row groups: a grid of V times its blocks. */
 template <int MODE> static __device__ __forceinline__ uint32_t qg_first_group(const qgemv_args &a)
 {
-	return (MODE & GEMV_MATS_BIT) ? blockIdx.x % a.m.blocks : blockIdx.x;
+	return (MODE & GEMV_MATS_BIT) ? blockIdx.x % a.m.blocks
+				      : blockIdx.x * (blockDim.x / QG_THREADS) + threadIdx.x / QG_THREADS;
 }
 
 template <int MODE> static __device__ __forceinline__ uint32_t qg_group_step(const qgemv_args &a)
 {
-	return (MODE & GEMV_MATS_BIT) ? a.m.blocks : gridDim.x;
+	return (MODE & GEMV_MATS_BIT) ? a.m.blocks : gridDim.x * (blockDim.x / QG_THREADS);
 }
 
 /* The row a warp computes in row group rg: part p, row o of it, its bytes (row2: up's row of
@@ -676,19 +680,22 @@ template <int F> static cudaError_t allow_f(void)
 	return cudaSuccess;
 }
 
-template <int F> static cudaError_t allow_dq(void)
+/* dq_sm_kernel's blocks may take what a block can opt in to beside its static shared memory (wide
+ * blocks: x and the stages of up to DQ_WIDE_MAX row groups' warps); launch_dq_k checks each
+ * launch's. */
+template <int F> static cudaError_t allow_dq(uint32_t optin)
 {
 	cudaError_t e;
 	if ((e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_STORE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)DQ_SM_SMEM_MAX)) ||
+				      (int)optin)) ||
 	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_ADD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)DQ_SM_SMEM_MAX)) ||
+				      (int)optin)) ||
 	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_SWIGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)DQ_SM_SMEM_MAX)) ||
+				      (int)optin)) ||
 	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_STORE | GEMV_MATS_BIT>,
-				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DQ_SM_SMEM_MAX)) ||
+				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)optin)) ||
 	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_SWIGLU | GEMV_MATS_BIT>,
-				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DQ_SM_SMEM_MAX)))
+				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)optin)))
 		return e;
 	if ((e = cudaFuncSetAttribute(dq_kernel<F, GEMV_STORE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
 				      (int)QG_SMEM_MAX)) ||
@@ -704,12 +711,12 @@ template <int F> static cudaError_t allow_dq(void)
 	return cudaSuccess;
 }
 
-cudaError_t qgemv_init(void)
+cudaError_t qgemv_init(uint32_t dq_smem_max)
 {
 	cudaError_t e;
 	if ((e = allow_f<DT_Q8_0>()) || (e = allow_f<DT_Q4_0>()) || (e = allow_f<DT_Q4_K>()) ||
-	    (e = allow_f<DT_Q5_K>()) || (e = allow_f<DT_Q6_K>()) || (e = allow_dq<DT_Q8_0>()) ||
-	    (e = allow_dq<DT_Q4_K>()) || (e = allow_dq<DT_Q6_K>()))
+	    (e = allow_f<DT_Q5_K>()) || (e = allow_f<DT_Q6_K>()) || (e = allow_dq<DT_Q8_0>(dq_smem_max)) ||
+	    (e = allow_dq<DT_Q4_K>(dq_smem_max)) || (e = allow_dq<DT_Q6_K>(dq_smem_max)))
 		return e;
 	return cudaSuccess;
 }
@@ -718,19 +725,20 @@ cudaError_t qgemv_init(void)
  * calculator's answer, remembered per backend: a handful of (kernel, size) pairs per model). The
  * grid is that many per multiprocessor, so no block waits for a second wave: each walks an equal
  * share of the row groups. */
-static uint32_t resident_blocks(struct backend_dev *be, const void *fn, size_t smem)
+static uint32_t resident_blocks(struct backend_dev *be, const void *fn, size_t smem, uint32_t threads = QG_THREADS)
 {
 	for (uint32_t i = 0; i < be->qg_occ_n; i++)
-		if (be->qg_occ[i].fn == fn && be->qg_occ[i].smem == smem)
+		if (be->qg_occ[i].fn == fn && be->qg_occ[i].smem == smem && be->qg_occ[i].threads == threads)
 			return be->qg_occ[i].blocks;
 	int nb = 0;
-	if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, QG_THREADS, smem) != cudaSuccess || nb < 1) {
+	if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, (int)threads, smem) != cudaSuccess || nb < 1) {
 		cudaGetLastError(); /* not sticky: the launch reports what is wrong */
-		nb = 1;
+		nb = threads == QG_THREADS ? 1 : 0;
 	}
 	uint32_t i = be->qg_occ_n < QG_OCC_CACHE ? be->qg_occ_n++ : (uint32_t)((uintptr_t)fn / 64 % QG_OCC_CACHE);
 	be->qg_occ[i].fn = fn;
 	be->qg_occ[i].smem = smem;
+	be->qg_occ[i].threads = threads;
 	be->qg_occ[i].blocks = (uint32_t)nb;
 	return (uint32_t)nb;
 }
@@ -797,15 +805,29 @@ static unsigned dq_grid(qgemv_args &a, uint32_t cap)
 template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const qgemv_args &ga, cudaStream_t s)
 {
 	qgemv_args a = ga;
-	const size_t ssm = dq_sm_smem(F, a.in);
-	bool sm = be->dq_sm && ssm <= DQ_SM_SMEM_MAX && a.row_bytes % 16 == 0;
+	const size_t ssm = dq_sm_smem(F, a.in, QG_WARPS);
+	bool sm = be->dq_sm && ssm <= DQ_SM_SMEM_MAX && ssm <= be->dq_smem_max && a.row_bytes % 16 == 0;
 	for (uint32_t i = 0; i < 3 && sm; i++)
 		sm = (uintptr_t)a.w[i] % 16 == 0;
 	for (uint32_t j = 0; j < a.m.n && sm; j++)
 		sm = (uintptr_t)a.m.w[j] % 16 == 0 && (uintptr_t)a.m.w2[j] % 16 == 0;
 	if (sm) {
 		const void *fn = (const void *)dq_sm_kernel<F, MODE>;
-		const unsigned grid = dq_grid(a, (uint32_t)be->sm_count * resident_blocks(be, fn, ssm));
+		const uint32_t per_sm = resident_blocks(be, fn, ssm);
+		unsigned grid = dq_grid(a, (uint32_t)be->sm_count * per_sm);
+		/* Wide blocks: the row-group blocks a multiprocessor would hold side by side, as one block
+		 * (V of them) that stages x once for all, where the grid fills each multiprocessor with
+		 * V (no fewer multiprocessors at work) and one such block fits. */
+		uint32_t v = (grid + be->sm_count - 1) / be->sm_count;
+		v = v > per_sm ? per_sm : v > DQ_WIDE_MAX ? DQ_WIDE_MAX : v;
+		if (!(MODE & GEMV_MATS_BIT) && be->wide_dq && v > 1) {
+			const size_t wsm = dq_sm_smem(F, a.in, v * QG_WARPS);
+			if (wsm <= be->dq_smem_max && resident_blocks(be, fn, wsm, v * QG_THREADS) >= 1) {
+				launch_k(be->pdl, dq_sm_kernel<F, MODE>, (grid + v - 1) / v, v * QG_THREADS, wsm, s, a);
+				be->wide_launches++;
+				return;
+			}
+		}
 		launch_k(be->pdl, dq_sm_kernel<F, MODE>, grid, QG_THREADS, ssm, s, a);
 		return;
 	}

@@ -29,6 +29,9 @@
  *    (the default) and after it (BACKEND_FUSE_LATE_KV): the same logits, bit for bit; with one
  *    warp a query (BACKEND_FUSE_ONE_KEY_WARP, not two): within the forward bound of the C
  *    reference and TOL_PERMUTED of the default (q.k summed in another order).
+ *  - one-token integer products in wide blocks (several row groups a block, x staged once) and in
+ *    blocks of one row group (BACKEND_FUSE_NARROW_DQ), on a model whose products have more row
+ *    groups than the GPU has multiprocessors: the same logits, bit for bit.
  *  - bench-kernels' hook that leaves kernels out of one-token steps: the attention left out changes
  *    the logits, nothing left out gives them back bit for bit.
  *  - embedding rows of every format: the residual stream equals the float32 dequantized rows,
@@ -433,7 +436,11 @@ static void check_format_dp4a_with(enum dtype f, uint32_t gemv)
 		check_product(bd, &m, 3, CUDA_TEST_STORE, PATH_GEMV, what);
 		qmat_free(&m);
 	}
+	/* 4100 rows: more row groups than a GPU has multiprocessors, so wide blocks (several row
+	 * groups a block) on the shared-memory path. */
 	qmat_new(&m, f, 4100, 2304, 0, 41);
+	snprintf(what, sizeof(what), "%s 4100 x 2304, 1 token, dp4a", dtype_name(f));
+	check_product(bd, &m, 1, CUDA_TEST_STORE, one, what);
 	snprintf(what, sizeof(what), "%s 4100 x 2304, 1 token, add, dp4a", dtype_name(f));
 	check_product(bd, &m, 1, CUDA_TEST_ADD, one, what);
 	snprintf(what, sizeof(what), "%s 4100 x 2304, 1 token, swiglu, dp4a", dtype_name(f));
@@ -638,7 +645,7 @@ static void step(struct backend *be, const struct qmodel *m, bool device, const 
 
 /* cuda_test_early_kv_launches and cuda_test_two_warp_launches of the last cuda backend
  * run_schedule ran. */
-static int64_t last_early_kv, last_two_warp;
+static int64_t last_early_kv, last_two_warp, last_wide;
 
 /* The logits of every step of the schedule on backend `name` (cuda: device weights). */
 static float *run_schedule(const char *name, const struct qmodel *m, uint32_t gemv)
@@ -664,6 +671,8 @@ static float *run_schedule(const char *name, const struct qmodel *m, uint32_t ge
 		ck_assert_msg(last_early_kv >= 0, "%s", err);
 		last_two_warp = cuda_test_two_warp_launches(be, err, sizeof(err));
 		ck_assert_msg(last_two_warp >= 0, "%s", err);
+		last_wide = cuda_test_wide_launches(be, err, sizeof(err));
+		ck_assert_msg(last_wide >= 0, "%s", err);
 	}
 	backend_destroy(&be);
 	return out;
@@ -773,6 +782,39 @@ END_TEST
 /* The keys of earlier steps load before the attention's wait only where the host has waited for
  * the stream since the step that wrote them: the steps after one that ended without its logits load
  * none early, the step after one that ended with them loads early in both layers. */
+/* One-token integer products in wide blocks (several row groups a block, x staged once for all of
+ * them; where the grid fills every multiprocessor) and in blocks of one row group each
+ * (BACKEND_FUSE_NARROW_DQ): every row summed by one warp in the same order from the same int8 x,
+ * so the same logits bit for bit. The model is wide enough that its products have more row
+ * groups than a GPU has multiprocessors (q/k/v 3072 rows, o_proj and down 2048, gate/up 5632), x
+ * coming from the RMSNorm, the attention output and the SwiGLU output. */
+START_TEST(test_wide_blocks)
+{
+	struct model_config c = small_cfg();
+	c.dim = 2048;
+	c.n_heads = 16;
+	c.n_kv_heads = 4;
+	c.head_dim = 128;
+	c.ffn_dim = 5632;
+	struct qmodel *m = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 77);
+	float *wide = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+	const int64_t nw = last_wide;
+	open_fuse = BACKEND_FUSE_NARROW_DQ;
+	float *narrow = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+	open_fuse = BACKEND_FUSE_DEFAULT;
+	/* At least q/k/v of both layers in every one-token step. */
+	ck_assert_msg(nw >= 2 * DECODE && last_wide == 0, "%lld integer products in wide blocks by default (want at "
+		      "least %d), %lld with BACKEND_FUSE_NARROW_DQ (want 0)", (long long)nw, 2 * DECODE,
+		      (long long)last_wide);
+	ck_assert_msg(memcmp(wide, narrow, (size_t)RUNS * c.vocab_size * sizeof(float)) == 0,
+		      "wide blocks give other logits than blocks of one row group (relative L2 %.3e)",
+		      worst_step(wide, narrow, c.vocab_size));
+	free(wide);
+	free(narrow);
+	qmodel_free(&m);
+}
+END_TEST
+
 START_TEST(test_early_keys_after_a_wait)
 {
 	struct model_config c = small_cfg();
@@ -984,6 +1026,7 @@ static Suite *quant_suite(void)
 	tcase_add_test(tc, test_adjacent_is_permuted_halves);
 	tcase_add_test(tc, test_leave_out);
 	tcase_add_test(tc, test_early_keys_after_a_wait);
+	tcase_add_test(tc, test_wide_blocks);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("embedding");
