@@ -12,6 +12,8 @@
  * int8 values lie in 16-byte chunks (chunk k: values 16 k ..), stored at chunk dq_phys<F>(k), a
  * permutation within each 128 bytes that makes the 16-byte reads of the 8 lanes of an access
  * phase hit 8 different bank groups; d and s are two float arrays of in / 32 entries.
+ * A wide block of dq_sm_kernel (V row groups: the V blocks a multiprocessor would otherwise run
+ * side by side; launch_dq_k in gemv_quant.cu chooses V) stages x once for all of them.
  *
  * Weights. The lanes take the blocks as the float path does (qg<F>::load, its lane geometry):
  * - Q4_K, lane g of a block: sub-blocks 2g (low nibbles of qs words 0-7) and 2g + 1 (high ones),

@@ -4,7 +4,8 @@
  *
  * Work. A block of QG_WARPS warps computes one output row per warp (row group = QG_WARPS rows)
  * and walks row groups grid-stride (the grid is what fits the GPU at once), so x, staged once,
- * serves every group a block takes. A warp walks its row in steps of S values: per step each
+ * serves every group a block takes. The integer path through shared memory may run V such blocks
+ * as one block of V row groups (gemv_dp4a.cuh's wide blocks), x staged once for all of them. A warp walks its row in steps of S values: per step each
  * lane takes 32 (Q8_0, Q4_0: one block per lane) or 64 values (K formats: a quarter of a
  * 256-value block per lane, four lanes a block), loads its block bytes (16-byte loads for Q4_K /
  * Q5_K, whose blocks are 16-byte multiples; aligned words shifted into place for the 2-byte
