@@ -817,8 +817,11 @@ template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const
 		const uint32_t per_sm = resident_blocks(be, fn, ssm);
 		unsigned grid = dq_grid(a, (uint32_t)be->sm_count * per_sm);
 		/* Wide blocks: the row-group blocks a multiprocessor would hold side by side, as one block
-		 * (V of them) that stages x once for all, where the grid fills each multiprocessor with
-		 * V (no fewer multiprocessors at work) and one such block fits. */
+		 * (V of them) that stages x once for all, where one such block fits. V is the grid over
+		 * the multiprocessors, rounded up (at most what one holds, and DQ_WIDE_MAX): the busiest
+		 * multiprocessor holds as many row groups as before, though a grid a little over a
+		 * multiple of the multiprocessors leaves some of them idle (140 row groups on 132: 70 at
+		 * work, two each). */
 		uint32_t v = (grid + be->sm_count - 1) / be->sm_count;
 		v = v > per_sm ? per_sm : v > DQ_WIDE_MAX ? DQ_WIDE_MAX : v;
 		if (!(MODE & GEMV_MATS_BIT) && be->wide_dq && v > 1) {

@@ -437,7 +437,8 @@ static void check_format_dp4a_with(enum dtype f, uint32_t gemv)
 		qmat_free(&m);
 	}
 	/* 4100 rows: more row groups than a GPU has multiprocessors, so wide blocks (several row
-	 * groups a block) on the shared-memory path. */
+	 * groups a block) where the shared-memory path takes the rows (16-byte aligned: Q4_K's and
+	 * Q8_0's here, not Q6_K's 1890 bytes; not with BACKEND_GEMV_DP4A_REGS). */
 	qmat_new(&m, f, 4100, 2304, 0, 41);
 	snprintf(what, sizeof(what), "%s 4100 x 2304, 1 token, dp4a", dtype_name(f));
 	check_product(bd, &m, 1, CUDA_TEST_STORE, one, what);
@@ -779,15 +780,15 @@ START_TEST(test_forward_adjacent)
 }
 END_TEST
 
-/* The keys of earlier steps load before the attention's wait only where the host has waited for
- * the stream since the step that wrote them: the steps after one that ended without its logits load
- * none early, the step after one that ended with them loads early in both layers. */
 /* One-token integer products in wide blocks (several row groups a block, x staged once for all of
  * them; where the grid fills every multiprocessor) and in blocks of one row group each
  * (BACKEND_FUSE_NARROW_DQ): every row summed by one warp in the same order from the same int8 x,
  * so the same logits bit for bit. The model is wide enough that its products have more row
- * groups than a GPU has multiprocessors (q/k/v 3072 rows, o_proj and down 2048, gate/up 5632), x
- * coming from the RMSNorm, the attention output and the SwiGLU output. */
+ * groups than a GPU has multiprocessors: layer 0's q/k (2560 rows) and gate/up (5632), x the
+ * RMSNorm's, and o_proj (2048), x the attention output; layer 1's wo (2048), x the attention
+ * output, and gate (5632, apart from up), x the RMSNorm kernel's output as it stands. (Layer 0's
+ * v is too short for wide blocks, its down's rows are not 16-byte aligned, layer 1's other
+ * formats have no integer path.) */
 START_TEST(test_wide_blocks)
 {
 	struct model_config c = small_cfg();
@@ -802,7 +803,7 @@ START_TEST(test_wide_blocks)
 	open_fuse = BACKEND_FUSE_NARROW_DQ;
 	float *narrow = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
 	open_fuse = BACKEND_FUSE_DEFAULT;
-	/* At least q/k/v of both layers in every one-token step. */
+	/* Up to five wide launches a one-token step (the products named above); at least two asked. */
 	ck_assert_msg(nw >= 2 * DECODE && last_wide == 0, "%lld integer products in wide blocks by default (want at "
 		      "least %d), %lld with BACKEND_FUSE_NARROW_DQ (want 0)", (long long)nw, 2 * DECODE,
 		      (long long)last_wide);
@@ -815,6 +816,9 @@ START_TEST(test_wide_blocks)
 }
 END_TEST
 
+/* The keys of earlier steps load before the attention's wait only where the host has waited for
+ * the stream since the step that wrote them: the steps after one that ended without its logits load
+ * none early, the step after one that ended with them loads early in both layers. */
 START_TEST(test_early_keys_after_a_wait)
 {
 	struct model_config c = small_cfg();
