@@ -4,12 +4,12 @@
  *
  * Work. A block of QG_WARPS warps computes one output row per warp (row group = QG_WARPS rows)
  * and walks row groups grid-stride (the grid is what fits the GPU at once), so x, staged once,
- * serves every group a block takes. The integer path through shared memory may run V such blocks
- * as one block of V row groups (gemv_dp4a.cuh's wide blocks), x staged once for all of them. A warp walks its row in steps of S values: per step each
- * lane takes 32 (Q8_0, Q4_0: one block per lane) or 64 values (K formats: a quarter of a
- * 256-value block per lane, four lanes a block), loads its block bytes (16-byte loads for Q4_K /
- * Q5_K, whose blocks are 16-byte multiples; aligned words shifted into place for the 2-byte
- * aligned Q8_0, Q4_0 and Q6_K), unpacks quants with bit operations and accumulates in float32;
+ * serves every group a block takes (the integer path through shared memory may run V such blocks
+ * as one block of V row groups, gemv_dp4a.cuh's wide blocks, x staged once for all of them). A
+ * warp walks its row in steps of S values: per step each lane takes 32 (Q8_0, Q4_0: one block
+ * per lane) or 64 values (K formats: a quarter of a 256-value block per lane, four lanes a
+ * block), loads its block bytes (16-byte loads for Q4_K / Q5_K, whose blocks are 16-byte
+ * multiples; aligned words shifted into place for the 2-byte aligned Q8_0, Q4_0 and Q6_K), unpacks quants with bit operations and accumulates in float32;
  * a warp-shuffle sum ends the row. The (row, step) items of a warp form one stream, the next
  * item's loads issued before the current one's arithmetic, across rows too (SwiGLU's items
  * alternate gate and up); the first row's bytes are prefetched into L2 while x is staged.
@@ -684,19 +684,19 @@ template <int F> static cudaError_t allow_f(void)
 /* dq_sm_kernel's blocks may take what a block can opt in to beside its static shared memory (wide
  * blocks: x and the stages of up to DQ_WIDE_MAX row groups' warps); launch_dq_k checks each
  * launch's. */
-template <int F> static cudaError_t allow_dq(uint32_t optin)
+template <int F> static cudaError_t allow_dq(uint32_t max_bytes)
 {
 	cudaError_t e;
 	if ((e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_STORE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)optin)) ||
+				      (int)max_bytes)) ||
 	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_ADD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)optin)) ||
+				      (int)max_bytes)) ||
 	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_SWIGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)optin)) ||
+				      (int)max_bytes)) ||
 	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_STORE | GEMV_MATS_BIT>,
-				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)optin)) ||
+				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)max_bytes)) ||
 	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_SWIGLU | GEMV_MATS_BIT>,
-				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)optin)))
+				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)max_bytes)))
 		return e;
 	if ((e = cudaFuncSetAttribute(dq_kernel<F, GEMV_STORE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
 				      (int)QG_SMEM_MAX)) ||
