@@ -106,6 +106,9 @@ enum backend_fuse {
 					* warp for a tile's keys, not two (comparisons) */
 	BACKEND_FUSE_NARROW_DQ = 4, /* the default, but one-token integer products run in blocks of one
 				     * row group each, every block staging x (comparisons) */
+	BACKEND_FUSE_APART_DQ = 5,  /* the default, but a one-token integer product of parts in two
+				     * formats (a Q4_K_M layer's q/k and v) is a launch a format
+				     * (comparisons) */
 };
 
 /* How the CUDA backend's stream hands the CPU share of a split FFN to the pool

@@ -861,8 +861,9 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->attn_mma = p->attn != BACKEND_ATTN_SIMPLE;
 	be->fuse_x = p->fuse != BACKEND_FUSE_NONE;
 	be->wide_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_NARROW_DQ;
+	be->mix_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_APART_DQ;
 	be->early_kv = p->fuse == BACKEND_FUSE_DEFAULT || p->fuse == BACKEND_FUSE_ONE_KEY_WARP ||
-		       p->fuse == BACKEND_FUSE_NARROW_DQ;
+		       p->fuse == BACKEND_FUSE_NARROW_DQ || p->fuse == BACKEND_FUSE_APART_DQ;
 	be->attn_key_warps = p->fuse == BACKEND_FUSE_ONE_KEY_WARP ? 1 : 2;
 
 	rc = create_device(be);

@@ -163,12 +163,14 @@ struct backend_dev {
 	bool pdl;		/* kernels of a step launch with programmatic dependent launch (launch_k) */
 	bool fuse_x;		/* one-token integer products compute their x while staging it (struct xsrc) */
 	bool wide_dq;		/* ... in blocks of several row groups where that fills the GPU (DQ_WIDE_MAX) */
+	bool mix_dq;		/* ... parts in two formats in one launch (dq_mix_kernel) */
 	bool early_kv;		/* attn_args.early_keys where the keys are settled (backend_params.fuse) */
 	uint32_t attn_key_warps; /* attn_kernel's warps a query where the block has room (backend_params.fuse) */
 	uint32_t leave_out;	/* enum cuda_test_part: kernels one-token steps leave out (timing only) */
 	uint64_t early_kv_launches; /* attn_kernel launches with early_keys and inline spans (tests) */
 	uint64_t two_warp_launches; /* attn_kernel launches with two warps a query (tests) */
 	uint64_t wide_launches;	/* dq_sm_kernel launches in wide blocks (tests) */
+	uint64_t mix_launches;	/* dq_mix_kernel launches (tests) */
 	struct ktrace_log *trace; /* cuda_test_trace's stamps, NULL until first asked for */
 	bool kv_synced;		/* the host waited for the stream since the step began (finish_step) */
 	bool kv_settled;	/* ... before this step began: every KV row that earlier steps wrote is in
@@ -351,7 +353,9 @@ enum gemv_mode {
 /* Or'ed into the MODE of a quantized one-token kernel: several matrices (qgemv_args.m), a kernel
  * of its own so that the one-matrix kernels' registers are what they were. */
 #define GEMV_MATS_BIT 4
-#define GEMV_MODE_OF(mode) ((mode) & ~GEMV_MATS_BIT) /* the enum gemv_mode of such a MODE */
+/* Or'ed into the MODE of dq_mix_kernel: parts in two formats in one launch (qgemv_args.vb0). */
+#define GEMV_MIX_BIT 8
+#define GEMV_MODE_OF(mode) ((mode) & ~(GEMV_MATS_BIT | GEMV_MIX_BIT)) /* the enum gemv_mode of such a MODE */
 
 /* The activation dtype of a weight format: a block format multiplies BF16 activations (cuBLAS
  * takes the dequantized BF16 rows with them), an element format its own dtype. The matrices of
@@ -439,6 +443,8 @@ struct qgemv_args {
 	uint32_t steps;		/* warp steps per row */
 	uint32_t tile_steps;	/* steps of x staged in shared memory at a time */
 	uint32_t groups;	/* row groups (QG_WARPS rows each) */
+	uint32_t vb0, vbn;	/* a launch of two formats (dq_mix_kernel): the row-group blocks
+				 * [vb0, vb0 + vbn) walk these parts' row groups */
 	struct ktrace tr;	/* the launch's stamps (bench-kernels --trace), set by the launcher */
 };
 
@@ -459,6 +465,11 @@ bool qgemv_fits(const struct backend_dev *be, uint32_t fmt, uint32_t in, uint32_
 /* Would a one-token product of these parts (each part's format its own) take the integer path
  * for every part, so that x can come from a struct xsrc? */
 bool qgemv_fuses_x(const struct backend_dev *be, uint32_t in, const struct mm_part *parts, uint32_t np);
+/* A one-token product of two runs of parts (p1, p2), each in one block format and the two in
+ * two (Q4_K and Q6_K or Q8_0), on x or src, as one launch on the integer path (dq_mix_kernel):
+ * false, launching nothing, where that path does not take them (the caller launches each run). */
+bool qgemv_launch_mix(struct backend_dev *be, const struct mm_part *p1, uint32_t n1, const struct mm_part *p2,
+		      uint32_t n2, const void *x, const struct xsrc *src, uint32_t in, uint32_t ldc);
 /* Launches the quantized GEMV (gemv_quant.cu) for block format fmt; fills a's launch fields. */
 void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode, cudaStream_t s);
 /* Dequantizes rows [0, rows) of a block-format matrix (row_bytes apart, device memory) into out

@@ -254,10 +254,12 @@ template <int F> static __device__ __forceinline__ uint4 dq_chunk(const uint8_t 
 template <int F> struct dq;
 
 template <> struct dq<DT_Q4_K> {
-	/* Block b (of the row), lane g of it. */
+	/* Block b (of the row), lane g of it; x in Q4_K's layout (L). */
+	template <int L>
 	static __device__ __forceinline__ float dot(const qg<DT_Q4_K>::data &v, uint32_t b, uint32_t g,
 						    const uint8_t *xq, const float *xd, const float *xs)
 	{
+		static_assert(L == DT_Q4_K, "Q4_K reads x's sums, which only Q4_K's layout has");
 		const uint32_t k0 = 16 * b + 4 * g; /* values 64 g ..: chunks k0 .. k0 + 3 */
 		/* dq_phys<DT_Q4_K>(k0 + c) = k0 + (c ^ t): k0 is a multiple of 4, so its 4 chunks share
 		 * k >> 3 (one xor for the four addresses). */
@@ -305,7 +307,9 @@ template <> struct dq<DT_Q6_K> {
 		return (int)((q + 0x60606060u) ^ 0x80808080u);
 	}
 	/* Block b, lane j: run r holds values 128 nh + 32 r + 16 (j & 1) + 0..15 (nh = j >> 1), chunk
-	 * 16 b + 8 nh + 2 r + (j & 1), group 8 b + 4 nh + r, scale scales[8 nh + (j & 1) + 2 r]. */
+	 * 16 b + 8 nh + 2 r + (j & 1), group 8 b + 4 nh + r, scale scales[8 nh + (j & 1) + 2 r]. x in
+	 * format L's layout (Q4_K's where a launch of two formats stages one x for both). */
+	template <int L>
 	static __device__ __forceinline__ float dot(const qg<DT_Q6_K>::data &v, uint32_t b, uint32_t j,
 						    const uint8_t *xq, const float *xd, const float *)
 	{
@@ -319,7 +323,7 @@ template <> struct dq<DT_Q6_K> {
 		float y = 0.0f;
 #pragma unroll
 		for (uint32_t r = 0; r < 4; r++) {
-			const uint4 c = xk[(2 * r) ^ t];
+			const uint4 c = L == DT_Q6_K ? xk[(2 * r) ^ t] : dq_chunk<L>(xq, k0 + 2 * r);
 			int s = __dp4a(q6(r, v.a[0], v.b[0], v.h[0]), (int)c.x, 0);
 			s = __dp4a(q6(r, v.a[1], v.b[1], v.h[1]), (int)c.y, s);
 			s = __dp4a(q6(r, v.a[2], v.b[2], v.h[2]), (int)c.z, s);
@@ -333,11 +337,12 @@ template <> struct dq<DT_Q6_K> {
 };
 
 template <> struct dq<DT_Q8_0> {
-	/* Block b (one lane): chunks 2b, 2b + 1, group b. */
+	/* Block b (one lane): chunks 2b, 2b + 1, group b; x in format L's layout. */
+	template <int L>
 	static __device__ __forceinline__ float dot(const qg<DT_Q8_0>::data &v, uint32_t b, uint32_t,
 						    const uint8_t *xq, const float *xd, const float *)
 	{
-		const uint4 c0 = dq_chunk<DT_Q8_0>(xq, 2 * b), c1 = dq_chunk<DT_Q8_0>(xq, 2 * b + 1);
+		const uint4 c0 = dq_chunk<L>(xq, 2 * b), c1 = dq_chunk<L>(xq, 2 * b + 1);
 		int s = __dp4a((int)v.q[0], (int)c0.x, 0);
 		s = __dp4a((int)v.q[1], (int)c0.y, s);
 		s = __dp4a((int)v.q[2], (int)c0.z, s);
@@ -360,7 +365,7 @@ static __device__ __forceinline__ void dq_item(const qgemv_args &a, uint32_t k, 
 	const uint32_t s = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? k >> 1 : k;
 	const uint32_t b = s * T::BPS + lane / T::LPB;
 	if (b < a.nb) {
-		const float y = dq<F>::dot(d, b, lane % T::LPB, xq, xd, xs);
+		const float y = dq<F>::template dot<F>(d, b, lane % T::LPB, xq, xd, xs);
 		if (GEMV_MODE_OF(MODE) == GEMV_SWIGLU && (k & 1))
 			acc2[0] += y;
 		else
@@ -556,8 +561,9 @@ static __device__ __forceinline__ void dq_sm_issue(const qgemv_args &a, const qg
 	cp_async_commit();
 }
 
-/* Adds a lane's share of item k (its bytes in stage st) to acc (up's items to acc2). */
-template <int F, int MODE>
+/* Adds a lane's share of item k (its bytes in stage st) to acc (up's items to acc2); x in format
+ * L's layout. */
+template <int F, int L, int MODE>
 static __device__ __forceinline__ void dq_sm_item(const qgemv_args &a, uint32_t k, uint32_t lane, const uint8_t *st,
 						  const uint8_t *xq, const float *xd, const float *xs, float *acc,
 						  float *acc2)
@@ -568,7 +574,7 @@ static __device__ __forceinline__ void dq_sm_item(const qgemv_args &a, uint32_t 
 	if (b < a.nb) {
 		typename T::data d;
 		sq<F>::load(st + j * T::BB, lane % T::LPB, d);
-		const float y = dq<F>::dot(d, b, lane % T::LPB, xq, xd, xs);
+		const float y = dq<F>::template dot<L>(d, b, lane % T::LPB, xq, xd, xs);
 		if (GEMV_MODE_OF(MODE) == GEMV_SWIGLU && (k & 1))
 			acc2[0] += y;
 		else
@@ -580,6 +586,45 @@ static __device__ __forceinline__ void dq_sm_item(const qgemv_args &a, uint32_t 
 template <int F, int MODE> struct dq_sm_occ {
 	static constexpr int MIN_BLOCKS = F == DT_Q4_K && GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? 3 : 4;
 };
+
+/* A warp's first DQ_STAGES - 1 items into its ring (ld moves on past them), issued before the
+ * kernel before has finished: weights are what no kernel of the step writes. */
+template <int F, int MODE>
+static __device__ __forceinline__ void dq_sm_begin(const qgemv_args &a, qg_cursor<MODE> &ld, uint8_t *ring,
+						   uint32_t wid, uint32_t lane)
+{
+#pragma unroll
+	for (uint32_t i = 0; i < dq_stages<F>::V - 1; i++) {
+		dq_sm_issue<F, MODE>(a, ld, ring + i * dq_stage_bytes<F>::V, lane);
+		if (ld.live)
+			ld.next(a, wid);
+	}
+}
+
+/* A live warp's rows once x is staged (in format L's layout): each item computed from its stage
+ * while the next DQ_STAGES - 1 are in flight, each row finished after its last item. */
+template <int F, int L, int MODE>
+static __device__ __forceinline__ void dq_sm_rows(const qgemv_args &a, qg_cursor<MODE> &at, qg_cursor<MODE> &ld,
+						  uint8_t *ring, uint32_t wid, uint32_t lane, const uint8_t *xq,
+						  const float *xd, const float *xs)
+{
+	constexpr uint32_t SB = dq_stage_bytes<F>::V, DQ_STAGES = dq_stages<F>::V;
+	float acc[1] = {0.0f}, acc2[1] = {0.0f};
+	for (uint32_t i = 0;; i++) {
+		cp_async_wait<DQ_STAGES - 2>(); /* item i's bytes (this lane's copies) have landed */
+		__syncwarp();			/* ... and every lane's; stage i - 1 is read by all */
+		dq_sm_issue<F, MODE>(a, ld, ring + ((i + DQ_STAGES - 1) % DQ_STAGES) * SB, lane);
+		if (ld.live)
+			ld.next(a, wid);
+		const uint32_t k = at.k;
+		dq_sm_item<F, L, MODE>(a, k, lane, ring + (i % DQ_STAGES) * SB, xq, xd, xs, acc, acc2);
+		if (k + 1 == qg_items<MODE>(a))
+			qg_finish<1, MODE>(a, at.r.p, at.r.o, lane, acc, acc2);
+		at.next(a, wid);
+		if (!at.live)
+			break;
+	}
+}
 
 /* Blocks of QG_THREADS threads, one row group each, or wide blocks of V row groups (launch_dq_k:
  * V of the blocks a multiprocessor holds, as one block): the V row groups' warps share one staging
@@ -596,7 +641,6 @@ __global__ void __launch_bounds__(QG_THREADS *(dq_sm_occ<F, MODE>::MIN_BLOCKS), 
 	const uint32_t lane = threadIdx.x % 32;
 	uint8_t *ring = (uint8_t *)dq_smem_buf + dq_smem_f<F>(a.in) + (size_t)(threadIdx.x / 32) * DQ_STAGES * SB;
 	const uint32_t wid = threadIdx.x / 32 % QG_WARPS; /* in its row-group block */
-	float acc[1] = {0.0f}, acc2[1] = {0.0f};
 	ktrace_mark(a.tr, 0);
 	if ((MODE & GEMV_MATS_BIT) && a.m.wd)
 		grid_wait(); /* the kernel before chose the matrices */
@@ -604,37 +648,64 @@ __global__ void __launch_bounds__(QG_THREADS *(dq_sm_occ<F, MODE>::MIN_BLOCKS), 
 	const bool live = cur.at(a, qg_first_group<MODE>(a), wid);
 	qg_cursor<MODE> at = {cur, 0, live}, ld = at;
 	grid_launch_next();
-	/* The first DQ_STAGES - 1 items start coming before the kernel before has finished: weights
-	 * are what no kernel of the step writes. */
-#pragma unroll
-	for (uint32_t i = 0; i < DQ_STAGES - 1; i++) {
-		dq_sm_issue<F, MODE>(a, ld, ring + i * SB, lane);
-		if (ld.live)
-			ld.next(a, wid);
-	}
+	dq_sm_begin<F, MODE>(a, ld, ring, wid, lane);
 	grid_wait();
 	ktrace_mark(a.tr, 1);
 	dq_stage<F, (MODE & GEMV_MATS_BIT) != 0>(a, xq, xd, xs);
 	ktrace_mark(a.tr, 2);
-	if (!live) {
-		cp_async_wait<0>();
-		ktrace_end(a.tr);
-		return;
-	}
-	for (uint32_t i = 0;; i++) {
-		cp_async_wait<DQ_STAGES - 2>(); /* item i's bytes (this lane's copies) have landed */
-		__syncwarp();			/* ... and every lane's; stage i - 1 is read by all */
-		dq_sm_issue<F, MODE>(a, ld, ring + ((i + DQ_STAGES - 1) % DQ_STAGES) * SB, lane);
-		if (ld.live)
-			ld.next(a, wid);
-		const uint32_t k = at.k;
-		dq_sm_item<F, MODE>(a, k, lane, ring + (i % DQ_STAGES) * SB, xq, xd, xs, acc, acc2);
-		if (k + 1 == qg_items<MODE>(a))
-			qg_finish<1, MODE>(a, at.r.p, at.r.o, lane, acc, acc2);
-		at.next(a, wid);
-		if (!at.live)
-			break;
-	}
+	if (live)
+		dq_sm_rows<F, F, MODE>(a, at, ld, ring, wid, lane, xq, xd, xs);
+	cp_async_wait<0>();
+	ktrace_end(a.tr);
+}
+
+/* ---- two block formats in one launch --------------------------------------------------------
+ *
+ * A one-token product whose parts come in two formats (a Q4_K_M layer's q and k in Q4_K, its v in
+ * Q6_K; Q8_0 k and v beside a Q4_K q in a file of 8 experts) was two launches, each staging x and
+ * each with its own ramp and tail: v's 1024 rows took as long as q and k's 5120 beside it.
+ * dq_mix_kernel runs both: the row-group blocks [0, a.vbn) walk a's row groups (format F1, always
+ * Q4_K: its x layout, with the groups' sums, serves the others too), blocks [b.vb0, b.vb0 + b.vbn)
+ * walk b's (format F2), each warp with the ring and the loop of its format. A row is summed by one
+ * warp in the same order from the same int8 x as in a launch of its own, so the results are the
+ * same bits (test_two_formats). */
+template <int F1, int F2> struct dq_mix_ring {
+	static constexpr uint32_t B1 = dq_stages<F1>::V * dq_stage_bytes<F1>::V,
+				  B2 = dq_stages<F2>::V * dq_stage_bytes<F2>::V;
+	static constexpr uint32_t V = B1 > B2 ? B1 : B2; /* bytes of a warp's ring */
+};
+
+template <int F1, int F2>
+__global__ void __launch_bounds__(QG_THREADS * 4, 1) dq_mix_kernel(const qgemv_args a, const qgemv_args b)
+{
+	static_assert(F1 == DT_Q4_K && (F2 == DT_Q6_K || F2 == DT_Q8_0), "x is staged in Q4_K's layout");
+	constexpr int MODE = GEMV_STORE | GEMV_MIX_BIT;
+	extern __shared__ uint4 dq_smem_buf[];
+	uint8_t *xq = (uint8_t *)dq_smem_buf;
+	float *xd = (float *)(xq + a.in), *xs = xd + a.in / 32;
+	const uint32_t lane = threadIdx.x % 32;
+	uint8_t *ring = (uint8_t *)dq_smem_buf + dq_smem_f<F1>(a.in) +
+			(size_t)(threadIdx.x / 32) * dq_mix_ring<F1, F2>::V;
+	const uint32_t wid = threadIdx.x / 32 % QG_WARPS;
+	/* The same for the warps of a row-group block, so a branch of whole warps. */
+	const bool first = qg_vblock() < a.vbn;
+	ktrace_mark(a.tr, 0);
+	qg_row<MODE> cur;
+	const bool live = first ? cur.at(a, qg_first_group<MODE>(a), wid) : cur.at(b, qg_first_group<MODE>(b), wid);
+	qg_cursor<MODE> at = {cur, 0, live}, ld = at;
+	grid_launch_next();
+	if (first)
+		dq_sm_begin<F1, MODE>(a, ld, ring, wid, lane);
+	else
+		dq_sm_begin<F2, MODE>(b, ld, ring, wid, lane);
+	grid_wait();
+	ktrace_mark(a.tr, 1);
+	dq_stage<F1, false>(a, xq, xd, xs);
+	ktrace_mark(a.tr, 2);
+	if (live && first)
+		dq_sm_rows<F1, F1, MODE>(a, at, ld, ring, wid, lane, xq, xd, xs);
+	else if (live)
+		dq_sm_rows<F2, F1, MODE>(b, at, ld, ring, wid, lane, xq, xd, xs);
 	cp_async_wait<0>();
 	ktrace_end(a.tr);
 }

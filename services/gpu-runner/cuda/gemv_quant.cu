@@ -409,19 +409,32 @@ static __device__ __forceinline__ uint32_t qg_mat(const qgemv_args &a)
 	return blockIdx.x / a.m.blocks;
 }
 
-/* The block's first row group, and the step to its next (of its own matrix with several). A
- * block of several row-group blocks (dq_sm_kernel's wide blocks: blockDim.x a multiple of
- * QG_THREADS, never with several matrices) is that many blocks of QG_WARPS warps, the warps of
- * the j-th taking block blockIdx.x * V + j's row groups: a grid of V times its blocks. */
+/* The row-group block of the thread. A block of several row-group blocks (dq_sm_kernel's wide
+ * blocks: blockDim.x a multiple of QG_THREADS, never with several matrices) is that many blocks of
+ * QG_WARPS warps, the warps of the j-th taking row-group block blockIdx.x * V + j's row groups: a
+ * grid of V times its blocks. */
+static __device__ __forceinline__ uint32_t qg_vblock(void)
+{
+	return blockIdx.x * (blockDim.x / QG_THREADS) + threadIdx.x / QG_THREADS;
+}
+
+/* The block's first row group, and the step to its next (of its own matrix with several; of its
+ * format's parts in a launch of two formats, where a.vbn row-group blocks from a.vb0 walk a's: none
+ * past them). */
 template <int MODE> static __device__ __forceinline__ uint32_t qg_first_group(const qgemv_args &a)
 {
-	return (MODE & GEMV_MATS_BIT) ? blockIdx.x % a.m.blocks
-				      : blockIdx.x * (blockDim.x / QG_THREADS) + threadIdx.x / QG_THREADS;
+	if (MODE & GEMV_MIX_BIT) {
+		const uint32_t v = qg_vblock() - a.vb0;
+		return v < a.vbn ? v : UINT32_MAX;
+	}
+	return (MODE & GEMV_MATS_BIT) ? blockIdx.x % a.m.blocks : qg_vblock();
 }
 
 template <int MODE> static __device__ __forceinline__ uint32_t qg_group_step(const qgemv_args &a)
 {
-	return (MODE & GEMV_MATS_BIT) ? a.m.blocks : gridDim.x * (blockDim.x / QG_THREADS);
+	return (MODE & GEMV_MIX_BIT)	? a.vbn
+	       : (MODE & GEMV_MATS_BIT) ? a.m.blocks
+					: gridDim.x * (blockDim.x / QG_THREADS);
 }
 
 /* The row a warp computes in row group rg: part p, row o of it, its bytes (row2: up's row of
@@ -717,7 +730,11 @@ cudaError_t qgemv_init(uint32_t dq_smem_max)
 	cudaError_t e;
 	if ((e = allow_f<DT_Q8_0>()) || (e = allow_f<DT_Q4_0>()) || (e = allow_f<DT_Q4_K>()) ||
 	    (e = allow_f<DT_Q5_K>()) || (e = allow_f<DT_Q6_K>()) || (e = allow_dq<DT_Q8_0>(dq_smem_max)) ||
-	    (e = allow_dq<DT_Q4_K>(dq_smem_max)) || (e = allow_dq<DT_Q6_K>(dq_smem_max)))
+	    (e = allow_dq<DT_Q4_K>(dq_smem_max)) || (e = allow_dq<DT_Q6_K>(dq_smem_max)) ||
+	    (e = cudaFuncSetAttribute(dq_mix_kernel<DT_Q4_K, DT_Q6_K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+				      (int)dq_smem_max)) ||
+	    (e = cudaFuncSetAttribute(dq_mix_kernel<DT_Q4_K, DT_Q8_0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+				      (int)dq_smem_max)))
 		return e;
 	return cudaSuccess;
 }
@@ -884,6 +901,125 @@ bool qgemv_fuses_x(const struct backend_dev *be, uint32_t in, const struct mm_pa
 		if ((f != DT_Q4_K && f != DT_Q6_K && f != DT_Q8_0) || !qgemv_fits(be, f, in, 1, parts + i, 1))
 			return false;
 	}
+	return true;
+}
+
+/* The launch fields of a one-token product's args on the integer path (format fmt). */
+static void dq_fill(uint32_t fmt, qgemv_args &a)
+{
+	a.nb = a.in / dtype_block_elems((enum dtype)fmt);
+	a.steps = (a.in + step_values(fmt) - 1) / step_values(fmt);
+	a.groups = (a.total + QG_WARPS - 1) / QG_WARPS;
+	a.tile_steps = a.steps;
+}
+
+/* Could dq_sm_kernel take these args (rows and tensors 16-byte aligned, so cp.async copies them)? */
+static bool dq_sm_aligned(const qgemv_args &a)
+{
+	bool ok = a.row_bytes % 16 == 0;
+	for (uint32_t i = 0; i < 3 && ok; i++)
+		ok = (uintptr_t)a.w[i] % 16 == 0;
+	return ok;
+}
+
+/* The row-group blocks of a launch of two formats (`blocks` of them fill the GPU at once) shared
+ * between a's row groups and b's: where both fit, one each; else the split whose busiest warp reads
+ * the fewest bytes (its rows times the bytes of a row), the more blocks to a among equals. */
+static void dq_mix_split(qgemv_args &a, qgemv_args &b, uint32_t blocks)
+{
+	if (a.groups + b.groups <= blocks) {
+		a.vbn = a.groups;
+		b.vbn = b.groups;
+	} else {
+		uint64_t best = UINT64_MAX;
+		for (uint32_t na = blocks - 1; na >= 1; na--) {
+			const uint32_t nb = blocks - na;
+			const uint64_t ca = (uint64_t)((a.groups + na - 1) / na) * a.row_bytes,
+				       cb = (uint64_t)((b.groups + nb - 1) / nb) * b.row_bytes;
+			const uint64_t c = ca > cb ? ca : cb;
+			if (c < best) {
+				best = c;
+				a.vbn = na > a.groups ? a.groups : na;
+				b.vbn = nb > b.groups ? b.groups : nb;
+			}
+		}
+	}
+	a.vb0 = 0;
+	b.vb0 = a.vbn;
+}
+
+template <int F2> static void launch_mix_k(struct backend_dev *be, qgemv_args &a, qgemv_args &b, cudaStream_t s)
+{
+	const void *fn = (const void *)dq_mix_kernel<DT_Q4_K, F2>;
+	const uint32_t ring = dq_mix_ring<DT_Q4_K, F2>::V;
+	const size_t x = dq_smem_f<DT_Q4_K>(a.in);
+	const uint32_t per_sm = resident_blocks(be, fn, x + (size_t)QG_WARPS * ring);
+	dq_mix_split(a, b, (uint32_t)be->sm_count * per_sm);
+	const uint32_t vblocks = a.vbn + b.vbn;
+	/* Wide blocks as launch_dq_k makes them: V row-group blocks a block, the grid one wave. */
+	uint32_t v = (vblocks + be->sm_count - 1) / be->sm_count;
+	v = v > per_sm ? per_sm : v > 4 ? 4 : v;
+	for (; v >= 1; v--) {
+		const size_t smem = x + (size_t)v * QG_WARPS * ring;
+		const uint32_t grid = (vblocks + v - 1) / v;
+		if (v == 1 || (be->wide_dq && smem <= be->dq_smem_max &&
+			       grid <= (uint32_t)be->sm_count * resident_blocks(be, fn, smem, v * QG_THREADS))) {
+			if (v > 1)
+				be->wide_launches++;
+			launch_k(be->pdl, dq_mix_kernel<DT_Q4_K, F2>, grid, v * QG_THREADS, smem, s, a, b);
+			be->mix_launches++;
+			return;
+		}
+	}
+}
+
+bool qgemv_launch_mix(struct backend_dev *be, const struct mm_part *p1, uint32_t n1, const struct mm_part *p2,
+		      uint32_t n2, const void *x, const struct xsrc *src, uint32_t in, uint32_t ldc)
+{
+	if (p2[0].format == DT_Q4_K) { /* a is the Q4_K run, whose x layout serves both */
+		const struct mm_part *tp = p1;
+		p1 = p2;
+		p2 = tp;
+		const uint32_t tn = n1;
+		n1 = n2;
+		n2 = tn;
+	}
+	const uint32_t f2 = p2[0].format;
+	if (!be->mix_dq || !be->dq_sm || p1[0].format != DT_Q4_K || (f2 != DT_Q6_K && f2 != DT_Q8_0) ||
+	    !qgemv_fits(be, DT_Q4_K, in, 1, p1, n1) || !qgemv_fits(be, f2, in, 1, p2, n2))
+		return false;
+	qgemv_args g[2];
+	const struct mm_part *pp[2] = {p1, p2};
+	const uint32_t np[2] = {n1, n2}, fmt[2] = {DT_Q4_K, f2};
+	for (uint32_t k = 0; k < 2; k++) {
+		qgemv_args &a = g[k];
+		memset(&a, 0, sizeof(a));
+		for (uint32_t i = 0; i < np[k]; i++) {
+			a.w[i] = (const uint8_t *)pp[k][i].w;
+			a.out[i] = pp[k][i].out;
+			a.rows[i] = pp[k][i].rows;
+			a.total += pp[k][i].rows;
+		}
+		a.row_bytes = pp[k][0].row_bytes;
+		a.in = in;
+		a.n = 1;
+		a.ldc = ldc;
+		a.x = (const __nv_bfloat16 *)x;
+		if (src)
+			a.src = *src;
+		dq_fill(fmt[k], a);
+		if (!dq_takes(be, fmt[k], a) || !dq_sm_aligned(a))
+			return false;
+	}
+	const size_t smem = dq_smem_f<DT_Q4_K>(in) + (size_t)QG_WARPS * (f2 == DT_Q6_K ? dq_mix_ring<DT_Q4_K, DT_Q6_K>::V
+										  : dq_mix_ring<DT_Q4_K, DT_Q8_0>::V);
+	if (smem > DQ_SM_SMEM_MAX || smem > be->dq_smem_max)
+		return false;
+	g[0].tr = ktrace_next(be, "product (two formats)");
+	if (f2 == DT_Q6_K)
+		launch_mix_k<DT_Q6_K>(be, g[0], g[1], be->stream);
+	else
+		launch_mix_k<DT_Q8_0>(be, g[0], g[1], be->stream);
 	return true;
 }
 

@@ -128,7 +128,19 @@ int matmul(struct backend_dev *be, uint32_t at, const void *x, const struct xsrc
 	assert(!src || src->kind == XSRC_ACT || (n == 1 && qgemv_fuses_x(be, in, parts, np)));
 	if (src && src->kind == XSRC_ACT)
 		src = NULL;
-	/* Runs of parts in one format go together (q/k/v of a Q4_K_M layer: Q4_K, Q4_K, Q6_K). */
+	/* Runs of parts in one format go together (q/k/v of a Q4_K_M layer: Q4_K, Q4_K, Q6_K); one
+	 * token's two runs in two block formats in one launch where the integer path takes them. */
+	uint32_t r1 = 1;
+	while (r1 < np && parts[r1].format == parts[0].format)
+		r1++;
+	bool two = r1 < np && n == 1 && !add && !dtype_is_element((enum dtype)parts[0].format) &&
+		   !dtype_is_element((enum dtype)parts[r1].format);
+	for (uint32_t i = r1 + 1; two && i < np; i++)
+		two = parts[i].format == parts[r1].format;
+	if (two && qgemv_launch_mix(be, parts, r1, parts + r1, np - r1, x, src, in, ldc)) {
+		LAUNCHED(be, "qgemv_kernel (two formats)");
+		return 0;
+	}
 	for (uint32_t i = 0; i < np;) {
 		uint32_t j = i + 1;
 		while (j < np && parts[j].format == parts[i].format)

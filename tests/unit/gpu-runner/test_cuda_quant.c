@@ -32,6 +32,9 @@
  *  - one-token integer products in wide blocks (several row groups a block, x staged once) and in
  *    blocks of one row group (BACKEND_FUSE_NARROW_DQ), on a model whose products have more row
  *    groups than the GPU has multiprocessors: the same logits, bit for bit.
+ *  - a one-token product of parts in two formats (layer 0's q/k in Q4_K, v in Q6_K) in one launch
+ *    and in a launch a format (BACKEND_FUSE_APART_DQ), in blocks of one row group and wide ones:
+ *    the same logits, bit for bit, and one such launch a decode step.
  *  - bench-kernels' hook that leaves kernels out of one-token steps: the attention left out changes
  *    the logits, nothing left out gives them back bit for bit.
  *  - embedding rows of every format: the residual stream equals the float32 dequantized rows,
@@ -646,7 +649,7 @@ static void step(struct backend *be, const struct qmodel *m, bool device, const 
 
 /* cuda_test_early_kv_launches and cuda_test_two_warp_launches of the last cuda backend
  * run_schedule ran. */
-static int64_t last_early_kv, last_two_warp, last_wide;
+static int64_t last_early_kv, last_two_warp, last_wide, last_mix;
 
 /* The logits of every step of the schedule on backend `name` (cuda: device weights). */
 static float *run_schedule(const char *name, const struct qmodel *m, uint32_t gemv)
@@ -674,6 +677,8 @@ static float *run_schedule(const char *name, const struct qmodel *m, uint32_t ge
 		ck_assert_msg(last_two_warp >= 0, "%s", err);
 		last_wide = cuda_test_wide_launches(be, err, sizeof(err));
 		ck_assert_msg(last_wide >= 0, "%s", err);
+		last_mix = cuda_test_mix_launches(be, err, sizeof(err));
+		ck_assert_msg(last_mix >= 0, "%s", err);
 	}
 	backend_destroy(&be);
 	return out;
@@ -789,7 +794,7 @@ END_TEST
  * output, and gate (5632, apart from up), x the RMSNorm kernel's output as it stands. (Layer 0's
  * v is too short for wide blocks, its down's rows are not 16-byte aligned, layer 1's other
  * formats have no integer path.) */
-START_TEST(test_wide_blocks)
+static struct model_config wide_cfg(void)
 {
 	struct model_config c = small_cfg();
 	c.dim = 2048;
@@ -797,6 +802,12 @@ START_TEST(test_wide_blocks)
 	c.n_kv_heads = 4;
 	c.head_dim = 128;
 	c.ffn_dim = 5632;
+	return c;
+}
+
+START_TEST(test_wide_blocks)
+{
+	struct model_config c = wide_cfg();
 	struct qmodel *m = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 77);
 	float *wide = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
 	const int64_t nw = last_wide;
@@ -812,6 +823,37 @@ START_TEST(test_wide_blocks)
 		      worst_step(wide, narrow, c.vocab_size));
 	free(wide);
 	free(narrow);
+	qmodel_free(&m);
+}
+END_TEST
+
+/* Layer 0's q/k (Q4_K) and v (Q6_K) as one launch (the default, in wide blocks), as one launch in
+ * blocks of one row group (BACKEND_FUSE_NARROW_DQ) and as a launch a format
+ * (BACKEND_FUSE_APART_DQ): each row summed by one warp in the same order from the same int8 x (the
+ * Q6_K rows read it in Q4_K's layout), so the same logits bit for bit; one launch of two formats a
+ * decode step (layer 1's q/k/v are in three formats), none apart. The wide model's, whose Q6_K
+ * rows are 16-byte aligned (the small one's 210-byte rows take a launch each). */
+START_TEST(test_two_formats)
+{
+	const struct model_config c = wide_cfg();
+	struct qmodel *m = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 91);
+	const uint32_t fuse[3] = {BACKEND_FUSE_DEFAULT, BACKEND_FUSE_NARROW_DQ, BACKEND_FUSE_APART_DQ};
+	const int64_t want[3] = {DECODE, DECODE, 0};
+	const char *name[3] = {"one launch", "one launch in blocks of one row group", "a launch a format"};
+	float *got[3];
+	for (int i = 0; i < 3; i++) {
+		open_fuse = fuse[i];
+		got[i] = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+		open_fuse = BACKEND_FUSE_DEFAULT;
+		ck_assert_msg(last_mix == want[i], "%s: %lld launches of two formats (want %lld)", name[i],
+			      (long long)last_mix, (long long)want[i]);
+	}
+	for (int i = 1; i < 3; i++)
+		ck_assert_msg(memcmp(got[0], got[i], (size_t)RUNS * c.vocab_size * sizeof(float)) == 0,
+			      "q/k and v: %s gives other logits than %s (relative L2 %.3e)", name[i], name[0],
+			      worst_step(got[i], got[0], c.vocab_size));
+	for (int i = 0; i < 3; i++)
+		free(got[i]);
 	qmodel_free(&m);
 }
 END_TEST
@@ -1031,6 +1073,7 @@ static Suite *quant_suite(void)
 	tcase_add_test(tc, test_leave_out);
 	tcase_add_test(tc, test_early_keys_after_a_wait);
 	tcase_add_test(tc, test_wide_blocks);
+	tcase_add_test(tc, test_two_formats);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("embedding");
