@@ -24,6 +24,7 @@
  *   bench-kernels --ab-fuse N [--quant] # the default path and backend_params.fuse N in turn
  *   bench-kernels --trace [--quant]     # a decode step's launches stamped in every block: where
  *                                       # each place of a layer spends its time
+ *   bench-kernels --trace-blocks L      # the same, and layer L's launches block by block
  *   bench-kernels --quant [--quick]     # Q4_K_M weights
  *   bench-kernels --batch [--quant]     # decode steps of 1 to 64 sequences (continuous batching)
  *   bench-kernels --profile decode      # one decode step (or prefill) alone between
@@ -64,6 +65,7 @@
 
 #define PERF_CTX 4224
 #define PERF_CHUNK 512
+#define TRACE_BLOCKS_MAX 2048 /* blocks of one launch the trace holds (KTRACE_MAX_BLOCKS) */
 
 static uint64_t rng_state;
 
@@ -736,7 +738,46 @@ static double median_of(double *v, uint32_t n)
  * time from the launch before's last block to its own (what the place adds to the step), from that
  * block to the first of its own past the wait (the hand-off), the median block's staging and
  * work, and its last block's lead over its median one (the tail). */
-static void big_trace(const struct big *b)
+static int cmp_block_end(const void *a, const void *b)
+{
+	const double x = ((const struct cuda_trace_block *)a)->end, y = ((const struct cuda_trace_block *)b)->end;
+	return x < y ? -1 : x > y;
+}
+
+/* --trace-blocks L: the blocks of layer L's launches from the traced step, each launch's sorted by
+ * their end: where each ran (multiprocessor, and how many of the launch's blocks shared it) and its
+ * stamps, the attention's every block, the others' last 16. */
+static void trace_layer_blocks(struct perf_run *r, const struct cuda_trace_launch *L, uint32_t first,
+			       uint32_t count)
+{
+	static struct cuda_trace_block B[TRACE_BLOCKS_MAX];
+	static uint32_t on_sm[1024];
+	char err[200] = "";
+	for (uint32_t i = first; i < first + count; i++) {
+		uint32_t n = 0;
+		CHECK(cuda_test_trace_blocks(r->be, i, B, TRACE_BLOCKS_MAX, &n, err, sizeof(err)) == 0, "%s", err);
+		memset(on_sm, 0, sizeof(on_sm));
+		for (uint32_t k = 0; k < n; k++)
+			if (B[k].sm >= 0 && B[k].sm < 1024)
+				on_sm[B[k].sm]++;
+		uint32_t hist[5] = {0}, sms = 0;
+		for (uint32_t m = 0; m < 1024; m++) {
+			hist[on_sm[m] < 4 ? on_sm[m] : 4]++;
+			sms += on_sm[m] > 0;
+		}
+		fprintf(stderr, "blocks: launch %u %s: %u blocks on %u multiprocessors (with 1, 2, 3, 4+ of them: %u %u %u "
+			"%u); block, sm (its blocks there), start, wait, staged, end (us)\n", i, L[i].what, n, sms, hist[1],
+			hist[2], hist[3], hist[4]);
+		qsort(B, n, sizeof(B[0]), cmp_block_end);
+		const bool all = strcmp(L[i].what, "attention") == 0;
+		for (uint32_t k = all || n < 16 ? 0 : n - 16; k < n; k++)
+			fprintf(stderr, "blocks: %3u %5u %4d (%u)  %8.2f %8.2f %8.2f %8.2f\n", i, B[k].block, B[k].sm,
+				B[k].sm >= 0 && B[k].sm < 1024 ? on_sm[B[k].sm] : 0, B[k].start, B[k].wait, B[k].staged,
+				B[k].end);
+	}
+}
+
+static void big_trace(const struct big *b, long blocks_layer)
 {
 	struct perf_run r;
 	perf_open(&r, b, BACKEND_GEMV_DEFAULT, BACKEND_ATTN_DEFAULT);
@@ -750,7 +791,6 @@ static void big_trace(const struct big *b)
 	const double traced = perf_decode(&r, &pos, 8, &enq);
 	static struct cuda_trace_launch L[512];
 	CHECK(cuda_test_trace_read(r.be, L, 512, &n, err, sizeof(err)) == 0, "%s", err);
-	CHECK(cuda_test_trace(r.be, false, err, sizeof(err)) == 0, "%s", err);
 	const uint32_t nl = b->cfg.n_layers;
 	fprintf(stderr, "perf (%s, trace): decode median %.3f ms/token, %.3f with the stamps; %u launches stamped\n",
 		b->weights, plain, traced, n);
@@ -771,6 +811,8 @@ static void big_trace(const struct big *b)
 		while (i + pre < n && strcmp(L[i + pre].what, "rope") != 0)
 			pre++;
 		CHECK((pre == 1 || pre == 2) && i + pre + 5 <= n, "layer %u: %u launches before RoPE, not 1 or 2", l, pre);
+		if ((long)l == blocks_layer)
+			trace_layer_blocks(&r, L, i, pre + 5);
 		for (uint32_t k = 0; k < pre + 5; k++) {
 			const uint32_t role = k < pre ? (pre == 1 ? 0 : 1 + k) : 3 + (k - pre);
 			const struct cuda_trace_launch *c = &L[i + k], *p = c - 1;
@@ -806,13 +848,14 @@ static void big_trace(const struct big *b)
 		       roles[ro], cnt[ro], m[0], m[1], m[2], m[3], m[4]);
 	}
 	fflush(stdout);
+	CHECK(cuda_test_trace(r.be, false, err, sizeof(err)) == 0, "%s", err);
 	perf_close(&r);
 }
 
 int main(int argc, char **argv)
 {
 	bool quick = false, quant = false, default_only = false, parts = false, without = false, trace = false;
-	long ab_fuse = -1;
+	long ab_fuse = -1, trace_blocks = -1;
 	char *profile = NULL;
 	bool batch = false;
 	struct opt opts[] = {
@@ -837,6 +880,9 @@ int main(int argc, char **argv)
 		 "the default path's decode step with each launch's blocks stamping the time (start, wait, input "
 		 "staged, end): the launches of one step, then per place in a layer what it adds to the step, its "
 		 "hand-off, staging, work and tail"},
+		{"trace-blocks", OPT_INT, &trace_blocks, NULL,
+		 "--trace, and for layer N's launches each block's multiprocessor and stamps (the attention's every "
+		 "block, the others' last 16 to end)"},
 		{"quant", OPT_BOOL, &quant, NULL, "GGUF Q4_K_M weights (Q4_K and Q6_K blocks) instead of BF16"},
 		{"profile", OPT_STRING, &profile, NULL,
 		 "decode or prefill: one such step alone between cudaProfilerStart and cudaProfilerStop"},
@@ -880,8 +926,8 @@ int main(int argc, char **argv)
 	}
 	fprintf(stderr, "perf: Llama-3-8B shape, %s weights resident (%.2f GB read per decode step), BF16 KV, "
 		"16-token blocks\n", b.weights, b.weight_bytes / 1e9);
-	if (trace) {
-		big_trace(&b);
+	if (trace || trace_blocks >= 0) {
+		big_trace(&b, trace_blocks);
 	} else if (parts) {
 		big_parts(&b);
 	} else if (without) {

@@ -107,7 +107,10 @@ struct upload_ring {
  * NULL when tracing is off, else KTRACE_MAX_BLOCKS rows of KTRACE_POINTS globaltimer readings
  * (ns), row = the block's linear index, 0 where a point was not reached (device.cuh: ktrace_mark,
  * ktrace_end). */
-#define KTRACE_POINTS	  4 /* the block's start, its wait's end, its input staged, its last warp's end */
+#define KTRACE_STAMPS	  4 /* the block's start, its wait's end, its input staged, its last warp's end */
+#define KTRACE_END	  (KTRACE_STAMPS - 1)
+#define KTRACE_SM	  KTRACE_STAMPS	/* then 1 + the multiprocessor the block ran on */
+#define KTRACE_POINTS	  (KTRACE_STAMPS + 1)
 #define KTRACE_MAX_BLOCKS 2048
 #define KTRACE_MAX_LAUNCHES 512
 struct ktrace {

@@ -109,6 +109,17 @@ struct cuda_trace_launch {
  * most max). Returns 0, or -EINVAL / -EIO with a message in err. */
 int cuda_test_trace_read(struct backend *be, struct cuda_trace_launch *out, uint32_t max, uint32_t *n, char *err,
 			 size_t errlen);
+/* One block of a traced launch: its linear index, the multiprocessor it ran on (-1: unknown), its
+ * stamps in us from the step's first (-1: not reached). */
+struct cuda_trace_block {
+	uint32_t block;
+	int32_t sm;
+	double start, wait, staged, end;
+};
+/* Waits for the stream and fills out[0, *n) with the blocks of launch `launch` (cuda_test_trace_read's
+ * order) of the last traced step (at most max). Returns 0, or -EINVAL / -EIO with a message in err. */
+int cuda_test_trace_blocks(struct backend *be, uint32_t launch, struct cuda_trace_block *out, uint32_t max,
+			   uint32_t *n, char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

@@ -115,8 +115,14 @@ static __device__ __forceinline__ void ktrace_mark(const struct ktrace &tr, uint
 {
 	if (tr.t && threadIdx.x == 0) {
 		unsigned long long *r = ktrace_row(tr);
-		if (r)
+		if (r) {
 			r[p] = ktrace_now();
+			if (p == 0) {
+				uint32_t sm;
+				asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+				r[KTRACE_SM] = sm + 1ull;
+			}
+		}
 	}
 }
 
@@ -125,7 +131,7 @@ static __device__ __forceinline__ void ktrace_end(const struct ktrace &tr)
 	if (tr.t && threadIdx.x % 32 == 0) {
 		unsigned long long *r = ktrace_row(tr);
 		if (r)
-			atomicMax(r + KTRACE_POINTS - 1, ktrace_now());
+			atomicMax(r + KTRACE_END, ktrace_now());
 	}
 }
 

@@ -280,6 +280,7 @@ int cuda_test_fail_cpu_expert(struct backend *bk, uint32_t nth, char *err, size_
 /* ---- a step's launches stamped (cuda_test_trace) ---------------------------------------------- */
 
 #define KTRACE_LAUNCH_STAMPS ((size_t)KTRACE_MAX_BLOCKS * KTRACE_POINTS)
+#define KTRACE_LOG_BYTES (KTRACE_MAX_LAUNCHES * KTRACE_LAUNCH_STAMPS * sizeof(unsigned long long))
 
 struct ktrace ktrace_next(const struct backend_dev *be, const char *what)
 {
@@ -299,8 +300,7 @@ int ktrace_step(struct backend_dev *be, uint32_t n)
 		return 0;
 	lg->n = 0;
 	CUDA_TRY(be, "cudaMemsetAsync (trace)",
-		 cudaMemsetAsync(lg->dev, 0, KTRACE_MAX_LAUNCHES * KTRACE_LAUNCH_STAMPS * sizeof(unsigned long long),
-				 be->stream));
+		 cudaMemsetAsync(lg->dev, 0, KTRACE_LOG_BYTES, be->stream));
 	return 0;
 }
 
@@ -320,13 +320,10 @@ int cuda_test_trace(struct backend *bk, bool on, char *err, size_t errlen)
 		return -EINVAL;
 	if (on && !be->trace) {
 		struct ktrace_log *lg = (struct ktrace_log *)calloc(1, sizeof(*lg));
-		cudaError_t e = lg ? cudaMalloc(&lg->dev, KTRACE_MAX_LAUNCHES * KTRACE_LAUNCH_STAMPS *
-								  sizeof(unsigned long long))
-				   : cudaErrorMemoryAllocation;
+		cudaError_t e = lg ? cudaMalloc(&lg->dev, KTRACE_LOG_BYTES) : cudaErrorMemoryAllocation;
 		if (e != cudaSuccess) {
 			free(lg);
-			snprintf(err, errlen, "test hook: the trace's %zu MiB: %s",
-				 KTRACE_MAX_LAUNCHES * KTRACE_LAUNCH_STAMPS * sizeof(unsigned long long) >> 20,
+			snprintf(err, errlen, "test hook: the trace's %zu MiB: %s", KTRACE_LOG_BYTES >> 20,
 				 cudaGetErrorString(e));
 			return -ENOMEM;
 		}
@@ -343,6 +340,29 @@ static int cmp_u64(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
+/* The last traced step's first nl launches' stamps, copied to the host (*hp, to free), and the
+ * step's first stamp (*t0). */
+static int trace_copy(struct backend_dev *be, uint32_t nl, unsigned long long **hp, unsigned long long *t0,
+		      char *err, size_t errlen)
+{
+	const size_t count = nl * KTRACE_LAUNCH_STAMPS;
+	unsigned long long *h = (unsigned long long *)malloc(count * sizeof(*h) + 1);
+	cudaError_t e = h ? cudaStreamSynchronize(be->stream) : cudaErrorMemoryAllocation;
+	if (e == cudaSuccess)
+		e = cudaMemcpy(h, be->trace->dev, count * sizeof(*h), cudaMemcpyDeviceToHost);
+	if (e != cudaSuccess) {
+		free(h);
+		snprintf(err, errlen, "test hook: reading the trace: %s", cudaGetErrorString(e));
+		return -EIO;
+	}
+	*t0 = ~0ull;
+	for (size_t i = 0; i < count; i += KTRACE_POINTS)
+		if (h[i] && h[i] < *t0)
+			*t0 = h[i];
+	*hp = h;
+	return 0;
+}
+
 int cuda_test_trace_read(struct backend *bk, struct cuda_trace_launch *out, uint32_t max, uint32_t *n, char *err,
 			 size_t errlen)
 {
@@ -354,31 +374,26 @@ int cuda_test_trace_read(struct backend *bk, struct cuda_trace_launch *out, uint
 	if (!lg)
 		return 0;
 	const uint32_t nl = lg->n < max ? lg->n : max;
-	const size_t count = nl * KTRACE_LAUNCH_STAMPS;
-	unsigned long long *h = (unsigned long long *)malloc(count * sizeof(*h) + 1);
+	unsigned long long *h = NULL, t0;
 	unsigned long long *col = (unsigned long long *)malloc(KTRACE_MAX_BLOCKS * sizeof(*col));
-	cudaError_t e = h && col ? cudaStreamSynchronize(be->stream) : cudaErrorMemoryAllocation;
-	if (e == cudaSuccess)
-		e = cudaMemcpy(h, lg->dev, count * sizeof(*h), cudaMemcpyDeviceToHost);
-	if (e != cudaSuccess) {
-		free(h);
-		free(col);
-		snprintf(err, errlen, "test hook: reading the trace: %s", cudaGetErrorString(e));
-		return -EIO;
+	if (!col) {
+		snprintf(err, errlen, "test hook: reading the trace: out of memory");
+		return -ENOMEM;
 	}
-	unsigned long long t0 = ~0ull;
-	for (size_t i = 0; i < count; i += KTRACE_POINTS)
-		if (h[i] && h[i] < t0)
-			t0 = h[i];
+	int rc = trace_copy(be, nl, &h, &t0, err, errlen);
+	if (rc) {
+		free(col);
+		return rc;
+	}
 	for (uint32_t l = 0; l < nl; l++) {
 		const unsigned long long *r = h + l * KTRACE_LAUNCH_STAMPS;
 		struct cuda_trace_launch *o = out + l;
-		double *med[KTRACE_POINTS] = {&o->start_med, &o->wait_med, &o->staged_med, &o->end_med};
-		double *lo[KTRACE_POINTS] = {&o->start_first, &o->wait_first, &o->staged_first, &o->end_first};
-		double *hi[KTRACE_POINTS] = {&o->start_last, &o->wait_last, &o->staged_last, &o->end_last};
+		double *med[KTRACE_STAMPS] = {&o->start_med, &o->wait_med, &o->staged_med, &o->end_med};
+		double *lo[KTRACE_STAMPS] = {&o->start_first, &o->wait_first, &o->staged_first, &o->end_first};
+		double *hi[KTRACE_STAMPS] = {&o->start_last, &o->wait_last, &o->staged_last, &o->end_last};
 		o->what = lg->what[l];
 		o->blocks = 0;
-		for (uint32_t p = 0; p < KTRACE_POINTS; p++) {
+		for (uint32_t p = 0; p < KTRACE_STAMPS; p++) {
 			uint32_t k = 0;
 			for (uint32_t b = 0; b < KTRACE_MAX_BLOCKS; b++)
 				if (r[(size_t)b * KTRACE_POINTS + p])
@@ -394,5 +409,34 @@ int cuda_test_trace_read(struct backend *bk, struct cuda_trace_launch *out, uint
 	*n = nl;
 	free(h);
 	free(col);
+	return 0;
+}
+
+int cuda_test_trace_blocks(struct backend *bk, uint32_t launch, struct cuda_trace_block *out, uint32_t max,
+			   uint32_t *n, char *err, size_t errlen)
+{
+	struct backend_dev *be = cuda_dev(bk, err, errlen);
+	if (!be)
+		return -EINVAL;
+	*n = 0;
+	if (!be->trace || launch >= be->trace->n)
+		return 0;
+	unsigned long long *h = NULL, t0;
+	int rc = trace_copy(be, launch + 1, &h, &t0, err, errlen);
+	if (rc)
+		return rc;
+	const unsigned long long *r = h + launch * KTRACE_LAUNCH_STAMPS;
+	for (uint32_t b = 0; b < KTRACE_MAX_BLOCKS && *n < max; b++) {
+		const unsigned long long *s = r + (size_t)b * KTRACE_POINTS;
+		if (!s[0])
+			continue;
+		struct cuda_trace_block *o = out + (*n)++;
+		o->block = b;
+		o->sm = s[KTRACE_SM] ? (int32_t)(s[KTRACE_SM] - 1) : -1;
+		double *v[KTRACE_STAMPS] = {&o->start, &o->wait, &o->staged, &o->end};
+		for (uint32_t p = 0; p < KTRACE_STAMPS; p++)
+			*v[p] = s[p] ? (s[p] - t0) / 1e3 : -1.0;
+	}
+	free(h);
 	return 0;
 }
