@@ -109,6 +109,8 @@ enum backend_fuse {
 	BACKEND_FUSE_APART_DQ = 5,  /* the default, but a one-token integer product of parts in two
 				     * formats (a Q4_K_M layer's q/k and v) is a launch a format
 				     * (comparisons) */
+	BACKEND_FUSE_WIDE_QKV = 6,  /* the default, but the one-token q/k/v products run in wide blocks
+				     * like the others, not in blocks of one row group (comparisons) */
 };
 
 /* How the CUDA backend's stream hands the CPU share of a split FFN to the pool

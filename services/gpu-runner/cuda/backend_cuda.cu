@@ -285,8 +285,12 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 	struct xsrc src;
 	if ((rc = norm_source(be, w, ROLE_ATTN_NORM, parts, 3, at, &src)) != 0)
 		return rc;
+	/* In blocks of one row group (launch_dq_k): the attention's blocks, launched before these end,
+	 * then find room as each of them ends, not a multiprocessor at a time. */
+	be->dq_narrow = !be->wide_qkv;
 	rc = left_out(be, CUDA_TEST_QKV) ? 0
 		: matmul(be, at, be->xa, &src, c->dim, n, parts, 3, be->qkv_ld, false, "q/k/v projections");
+	be->dq_narrow = false;
 	if (rc)
 		return rc;
 	if ((c->flags & MODEL_QK_NORM) &&
@@ -862,8 +866,10 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->fuse_x = p->fuse != BACKEND_FUSE_NONE;
 	be->wide_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_NARROW_DQ;
 	be->mix_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_APART_DQ;
+	be->wide_qkv = p->fuse == BACKEND_FUSE_WIDE_QKV;
 	be->early_kv = p->fuse == BACKEND_FUSE_DEFAULT || p->fuse == BACKEND_FUSE_ONE_KEY_WARP ||
-		       p->fuse == BACKEND_FUSE_NARROW_DQ || p->fuse == BACKEND_FUSE_APART_DQ;
+		       p->fuse == BACKEND_FUSE_NARROW_DQ || p->fuse == BACKEND_FUSE_APART_DQ ||
+		       p->fuse == BACKEND_FUSE_WIDE_QKV;
 	be->attn_key_warps = p->fuse == BACKEND_FUSE_ONE_KEY_WARP ? 1 : 2;
 
 	rc = create_device(be);

@@ -841,7 +841,7 @@ template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const
 		 * work, two each). */
 		uint32_t v = (grid + be->sm_count - 1) / be->sm_count;
 		v = v > per_sm ? per_sm : v > DQ_WIDE_MAX ? DQ_WIDE_MAX : v;
-		if (!(MODE & GEMV_MATS_BIT) && be->wide_dq && v > 1) {
+		if (!(MODE & GEMV_MATS_BIT) && be->wide_dq && !be->dq_narrow && v > 1) {
 			const size_t wsm = dq_sm_smem(F, a.in, v * QG_WARPS);
 			if (wsm <= be->dq_smem_max && resident_blocks(be, fn, wsm, v * QG_THREADS) >= 1) {
 				launch_k(be->pdl, dq_sm_kernel<F, MODE>, (grid + v - 1) / v, v * QG_THREADS, wsm, s, a);
@@ -962,7 +962,7 @@ template <int F2> static void launch_mix_k(struct backend_dev *be, qgemv_args &a
 	for (; v >= 1; v--) {
 		const size_t smem = x + (size_t)v * QG_WARPS * ring;
 		const uint32_t grid = (vblocks + v - 1) / v;
-		if (v == 1 || (be->wide_dq && smem <= be->dq_smem_max &&
+		if (v == 1 || (be->wide_dq && !be->dq_narrow && smem <= be->dq_smem_max &&
 			       grid <= (uint32_t)be->sm_count * resident_blocks(be, fn, smem, v * QG_THREADS))) {
 			if (v > 1)
 				be->wide_launches++;

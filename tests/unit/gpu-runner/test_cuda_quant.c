@@ -33,8 +33,8 @@
  *    blocks of one row group (BACKEND_FUSE_NARROW_DQ), on a model whose products have more row
  *    groups than the GPU has multiprocessors: the same logits, bit for bit.
  *  - a one-token product of parts in two formats (layer 0's q/k in Q4_K, v in Q6_K) in one launch
- *    and in a launch a format (BACKEND_FUSE_APART_DQ), in blocks of one row group and wide ones:
- *    the same logits, bit for bit, and one such launch a decode step.
+ *    and in a launch a format (BACKEND_FUSE_APART_DQ), in blocks of one row group and wide ones
+ *    (BACKEND_FUSE_WIDE_QKV): the same logits, bit for bit, and one such launch a decode step.
  *  - bench-kernels' hook that leaves kernels out of one-token steps: the attention left out changes
  *    the logits, nothing left out gives them back bit for bit.
  *  - embedding rows of every format: the residual stream equals the float32 dequantized rows,
@@ -789,11 +789,11 @@ END_TEST
  * them; where the grid fills every multiprocessor) and in blocks of one row group each
  * (BACKEND_FUSE_NARROW_DQ): every row summed by one warp in the same order from the same int8 x,
  * so the same logits bit for bit. The model is wide enough that its products have more row
- * groups than a GPU has multiprocessors: layer 0's q/k (2560 rows) and gate/up (5632), x the
- * RMSNorm's, and o_proj (2048), x the attention output; layer 1's wo (2048), x the attention
- * output, and gate (5632, apart from up), x the RMSNorm kernel's output as it stands. (Layer 0's
- * v is too short for wide blocks, its down's rows are not 16-byte aligned, layer 1's other
- * formats have no integer path.) */
+ * groups than a GPU has multiprocessors: layer 0's gate/up (5632 rows), x the RMSNorm's, and
+ * o_proj (2048), x the attention output; layer 1's wo (2048), x the attention output, and gate
+ * (5632, apart from up), x the RMSNorm kernel's output as it stands. (q/k/v run in blocks of one row
+ * group either way; layer 0's down's rows are not 16-byte aligned, layer 1's other formats have no
+ * integer path.) */
 static struct model_config wide_cfg(void)
 {
 	struct model_config c = small_cfg();
@@ -827,27 +827,31 @@ START_TEST(test_wide_blocks)
 }
 END_TEST
 
-/* Layer 0's q/k (Q4_K) and v (Q6_K) as one launch (the default, in wide blocks), as one launch in
- * blocks of one row group (BACKEND_FUSE_NARROW_DQ) and as a launch a format
+/* Layer 0's q/k (Q4_K) and v (Q6_K) as one launch (the default: blocks of one row group, as q/k/v
+ * take), as one launch in wide blocks (BACKEND_FUSE_WIDE_QKV) and as a launch a format
  * (BACKEND_FUSE_APART_DQ): each row summed by one warp in the same order from the same int8 x (the
  * Q6_K rows read it in Q4_K's layout), so the same logits bit for bit; one launch of two formats a
- * decode step (layer 1's q/k/v are in three formats), none apart. The wide model's, whose Q6_K
- * rows are 16-byte aligned (the small one's 210-byte rows take a launch each). */
+ * decode step (layer 1's q/k/v are in three formats), none apart, and the wide one wide. The wide
+ * model's, whose Q6_K rows are 16-byte aligned (the small one's 210-byte rows take a launch each). */
 START_TEST(test_two_formats)
 {
 	const struct model_config c = wide_cfg();
 	struct qmodel *m = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 91);
-	const uint32_t fuse[3] = {BACKEND_FUSE_DEFAULT, BACKEND_FUSE_NARROW_DQ, BACKEND_FUSE_APART_DQ};
+	const uint32_t fuse[3] = {BACKEND_FUSE_DEFAULT, BACKEND_FUSE_WIDE_QKV, BACKEND_FUSE_APART_DQ};
 	const int64_t want[3] = {DECODE, DECODE, 0};
-	const char *name[3] = {"one launch", "one launch in blocks of one row group", "a launch a format"};
+	const char *name[3] = {"one launch", "one launch in wide blocks", "a launch a format"};
 	float *got[3];
+	int64_t wide[3];
 	for (int i = 0; i < 3; i++) {
 		open_fuse = fuse[i];
 		got[i] = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
 		open_fuse = BACKEND_FUSE_DEFAULT;
+		wide[i] = last_wide;
 		ck_assert_msg(last_mix == want[i], "%s: %lld launches of two formats (want %lld)", name[i],
 			      (long long)last_mix, (long long)want[i]);
 	}
+	ck_assert_msg(wide[1] - wide[0] == DECODE, "q/k/v in wide blocks: %lld wide launches, %lld by default (want "
+		      "%d more)", (long long)wide[1], (long long)wide[0], DECODE);
 	for (int i = 1; i < 3; i++)
 		ck_assert_msg(memcmp(got[0], got[i], (size_t)RUNS * c.vocab_size * sizeof(float)) == 0,
 			      "q/k and v: %s gives other logits than %s (relative L2 %.3e)", name[i], name[0],
