@@ -924,27 +924,35 @@ static bool dq_sm_aligned(const qgemv_args &a)
 
 /* The row-group blocks of a launch of two formats (`blocks` of them fill the GPU at once) shared
  * between a's row groups and b's: where both fit, one each; else the split whose busiest warp reads
- * the fewest bytes (its rows times the bytes of a row), the more blocks to a among equals. */
+ * the fewest bytes (its rows times the bytes of a row), the more blocks to a among equals. Tried by
+ * a's row groups a block (ka: a then takes ceil(a.groups / ka) blocks), fewest first, until a's
+ * share alone costs more than the best. */
 static void dq_mix_split(qgemv_args &a, qgemv_args &b, uint32_t blocks)
 {
-	if (a.groups + b.groups <= blocks) {
+	a.vb0 = 0;
+	if (a.groups + b.groups <= blocks || blocks < 2) {
 		a.vbn = a.groups;
 		b.vbn = b.groups;
 	} else {
 		uint64_t best = UINT64_MAX;
-		for (uint32_t na = blocks - 1; na >= 1; na--) {
+		a.vbn = blocks / 2;
+		b.vbn = blocks - a.vbn;
+		for (uint32_t ka = 1; ka <= a.groups && (uint64_t)ka * a.row_bytes < best; ka++) {
+			const uint32_t na = (a.groups + ka - 1) / ka;
+			if (na >= blocks)
+				continue;
 			const uint32_t nb = blocks - na;
-			const uint64_t ca = (uint64_t)((a.groups + na - 1) / na) * a.row_bytes,
-				       cb = (uint64_t)((b.groups + nb - 1) / nb) * b.row_bytes;
-			const uint64_t c = ca > cb ? ca : cb;
+			const uint64_t cb = (uint64_t)((b.groups + nb - 1) / nb) * b.row_bytes;
+			const uint64_t c = (uint64_t)ka * a.row_bytes > cb ? (uint64_t)ka * a.row_bytes : cb;
 			if (c < best) {
 				best = c;
-				a.vbn = na > a.groups ? a.groups : na;
+				a.vbn = na;
 				b.vbn = nb > b.groups ? b.groups : nb;
 			}
 		}
+		/* Blocks b leaves over go to a (fewer of its blocks take ka row groups). */
+		a.vbn = blocks - b.vbn < a.groups ? blocks - b.vbn : a.groups;
 	}
-	a.vb0 = 0;
 	b.vb0 = a.vbn;
 }
 
