@@ -343,6 +343,7 @@ struct perf_run {
 	uint32_t *pos, *seq;
 	struct kv_span *spans;
 	uint32_t *dst_block, *dst_row;
+	float *logits; /* set: perf_step brings the logits here (vocab floats) instead of the argmax */
 };
 
 /* enum backend_fuse of the runs: how kernels are chained (big_run sets it). */
@@ -353,6 +354,7 @@ static void perf_open(struct perf_run *r, const struct big *b, uint32_t gemv, ui
 {
 	const struct model_config *c = &b->cfg;
 	r->b = b;
+	r->logits = NULL;
 	r->bt = 16;
 	r->bpl = PERF_CTX / r->bt;
 	struct backend_params p = {.max_chunk = PERF_CHUNK, .block_tokens = r->bt, .n_kv_blocks = c->n_layers * r->bpl,
@@ -429,6 +431,12 @@ static int32_t perf_step(struct perf_run *r, uint32_t n, uint32_t pos)
 		}
 	}
 	enqueue_ms = now_ms() - t0;
+	if (r->logits) {
+		const uint32_t row = 0;
+		rc = backend_logits_rows(be, &b->head, &row, 1, r->logits);
+		CHECK(rc == 0, "logits_rows: %s", backend_error(be));
+		return -1;
+	}
 	rc = backend_logits_argmax(be, &b->head, &id);
 	CHECK(rc == 0, "logits_argmax: %s", backend_error(be));
 	return id;
@@ -850,6 +858,20 @@ static void big_trace(const struct big *b, long blocks_layer)
 	}
 	fflush(stdout);
 	CHECK(cuda_test_trace(r.be, false, err, sizeof(err)) == 0, "%s", err);
+	/* The next step's logits, hashed: the same bits from two trees say that a change of how the
+	 * kernels run computes the same function. */
+	const uint32_t vocab = b->cfg.vocab_size;
+	r.logits = malloc((size_t)vocab * sizeof(float));
+	CHECK(r.logits != NULL, "out of memory");
+	perf_step(&r, 1, pos);
+	uint64_t hash = 1469598103934665603ull;
+	const unsigned char *bytes = (const unsigned char *)r.logits;
+	for (size_t k = 0; k < (size_t)vocab * sizeof(float); k++)
+		hash = (hash ^ bytes[k]) * 1099511628211ull;
+	fprintf(stderr, "perf (%s, trace): logits of the step at position %u: FNV-1a %016llx\n", b->weights, pos,
+		(unsigned long long)hash);
+	free(r.logits);
+	r.logits = NULL;
 	perf_close(&r);
 }
 
