@@ -838,7 +838,8 @@ template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const
 		 * the multiprocessors, rounded up (at most what one holds, and DQ_WIDE_MAX): the busiest
 		 * multiprocessor holds as many row groups as before, though a grid a little over a
 		 * multiple of the multiprocessors leaves some of them idle (140 row groups on 132: 70 at
-		 * work, two each). */
+		 * work, two each). Not for q/k/v (be->dq_narrow): the attention's blocks, launched
+		 * before these end, find room sooner beside blocks of one row group. */
 		uint32_t v = (grid + be->sm_count - 1) / be->sm_count;
 		v = v > per_sm ? per_sm : v > DQ_WIDE_MAX ? DQ_WIDE_MAX : v;
 		if (!(MODE & GEMV_MATS_BIT) && be->wide_dq && !be->dq_narrow && v > 1) {
