@@ -676,7 +676,7 @@ template <int F1, int F2> struct dq_mix_ring {
 };
 
 template <int F1, int F2>
-__global__ void __launch_bounds__(QG_THREADS * 4, 1) dq_mix_kernel(const qgemv_args a, const qgemv_args b)
+__global__ void __launch_bounds__(QG_THREADS * DQ_WIDE_MAX, 1) dq_mix_kernel(const qgemv_args a, const qgemv_args b)
 {
 	static_assert(F1 == DT_Q4_K && (F2 == DT_Q6_K || F2 == DT_Q8_0), "x is staged in Q4_K's layout");
 	constexpr int MODE = GEMV_STORE | GEMV_MIX_BIT;

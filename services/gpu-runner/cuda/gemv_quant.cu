@@ -967,7 +967,7 @@ template <int F2> static void launch_mix_k(struct backend_dev *be, qgemv_args &a
 	const uint32_t vblocks = a.vbn + b.vbn;
 	/* Wide blocks as launch_dq_k makes them: V row-group blocks a block, the grid one wave. */
 	uint32_t v = (vblocks + be->sm_count - 1) / be->sm_count;
-	v = v > per_sm ? per_sm : v > 4 ? 4 : v;
+	v = v > per_sm ? per_sm : v > DQ_WIDE_MAX ? DQ_WIDE_MAX : v;
 	for (; v >= 1; v--) {
 		const size_t smem = x + (size_t)v * QG_WARPS * ring;
 		const uint32_t grid = (vblocks + v - 1) / v;
