@@ -442,6 +442,13 @@ static int32_t perf_step(struct perf_run *r, uint32_t n, uint32_t pos)
 	return id;
 }
 
+/* The median of v[0, n) (sorted in place; the upper one of an even count). */
+static double median_of(double *v, uint32_t n)
+{
+	qsort(v, n, sizeof(double), cmp_double);
+	return n ? v[n / 2] : 0.0;
+}
+
 /* Median ms of nd decode steps from *pos on (advanced); the median host enqueue time too. */
 static double perf_decode(struct perf_run *r, uint32_t *pos, uint32_t nd, double *enqueue)
 {
@@ -453,10 +460,8 @@ static double perf_decode(struct perf_run *r, uint32_t *pos, uint32_t nd, double
 		d[i] = now_ms() - t0;
 		q[i] = enqueue_ms;
 	}
-	qsort(d, nd, sizeof(double), cmp_double);
-	qsort(q, nd, sizeof(double), cmp_double);
-	*enqueue = q[nd / 2];
-	return d[nd / 2];
+	*enqueue = median_of(q, nd);
+	return median_of(d, nd);
 }
 
 static double hbm_read_rate; /* bytes/s, measured at start */
@@ -489,9 +494,9 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 		perf_step(&r, PERF_CHUNK, 0);
 		pf[i] = now_ms() - t0;
 	}
-	qsort(pf, 3, sizeof(double), cmp_double);
-	fprintf(stderr, "perf (%s): prefill 512 tokens at position 0: %.2f ms, %.0f tokens/s\n", how, pf[1],
-		PERF_CHUNK / pf[1] * 1e3);
+	const double pf_ms = median_of(pf, 3);
+	fprintf(stderr, "perf (%s): prefill 512 tokens at position 0: %.2f ms, %.0f tokens/s\n", how, pf_ms,
+		PERF_CHUNK / pf_ms * 1e3);
 	uint32_t pos = PERF_CHUNK;
 	double enq, dt = perf_decode(&r, &pos, 16, &enq), dt_short = dt, enq_short = enq;
 	const double bound_ms = b->weight_bytes / hbm_read_rate * 1e3;
@@ -507,9 +512,9 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 		CHECK(rc == 0, "logits_argmax: %s", backend_error(r.be));
 		lm[i] = now_ms() - t0;
 	}
-	qsort(lm, 16, sizeof(double), cmp_double);
-	fprintf(stderr, "perf (%s): lm_head alone: %.3f ms, %.0f GB/s\n", how, lm[8],
-		(double)b->head_bytes / (lm[8] * 1e-3) / 1e9);
+	const double lm_ms = median_of(lm, 16);
+	fprintf(stderr, "perf (%s): lm_head alone: %.3f ms, %.0f GB/s\n", how, lm_ms,
+		(double)b->head_bytes / (lm_ms * 1e-3) / 1e9);
 	double chunk_ms = 0, dt_long = 0;
 	uint32_t ctx_long = 0;
 	if (long_ctx) {
@@ -538,8 +543,8 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 		"\"lm_head_ms\": %.4f, \"prefill_512_long_ms\": %.4f, \"decode_long_ms\": %.4f, "
 		"\"decode_long_context\": %u}\n",
 		b->weights, gemv_name(gemv, b->quant), attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma",
-		bench_fuse == BACKEND_FUSE_NONE ? "false" : "true", bench_fuse, pf[1], dt_short,
-		PERF_CHUNK + 16, enq_short, b->weight_bytes, hbm_read_rate, bound_ms, dt_short / bound_ms, lm[8],
+		bench_fuse == BACKEND_FUSE_NONE ? "false" : "true", bench_fuse, pf_ms, dt_short,
+		PERF_CHUNK + 16, enq_short, b->weight_bytes, hbm_read_rate, bound_ms, dt_short / bound_ms, lm_ms,
 		chunk_ms, dt_long, ctx_long);
 	fflush(json);
 	perf_close(&r);
@@ -614,15 +619,14 @@ static void big_batch(const struct big *b)
 			d[i] = perf_batch_step(&r, ns[k], PERF_CHUNK + i % r.bt, logits, &enq);
 			q[i] = enq;
 		}
-		qsort(d, 12, sizeof(double), cmp_double);
-		qsort(q, 12, sizeof(double), cmp_double);
+		const double step_ms = median_of(d, 12), enq_ms = median_of(q, 12);
 		if (k == 0)
-			one = d[6];
+			one = step_ms;
 		fprintf(stderr, "perf (%s, batched): %2u sequences a decode step: median %.3f ms a step (%.2fx one "
-			"sequence's), %.0f tokens/s; host enqueue %.3f ms\n", b->weights, ns[k], d[6], d[6] / one,
-			ns[k] / d[6] * 1e3, q[6]);
+			"sequence's), %.0f tokens/s; host enqueue %.3f ms\n", b->weights, ns[k], step_ms, step_ms / one,
+			ns[k] / step_ms * 1e3, enq_ms);
 		printf("{\"weights\": \"%s\", \"batch\": %u, \"step_ms\": %.4f, \"enqueue_ms\": %.4f}\n", b->weights,
-		       ns[k], d[6], q[6]);
+		       ns[k], step_ms, enq_ms);
 	}
 	fflush(stdout);
 	free(logits);
@@ -734,11 +738,6 @@ static void big_without(const struct big *b)
 	}
 }
 
-static double median_of(double *v, uint32_t n)
-{
-	qsort(v, n, sizeof(double), cmp_double);
-	return n ? v[n / 2] : 0.0;
-}
 
 /* --trace: the default path's decode step at context ~528 with each launch of its products, RoPE
  * and attention stamping the time in every block (cuda_test_trace): when its blocks started, ended
