@@ -867,9 +867,7 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->wide_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_NARROW_DQ;
 	be->mix_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_APART_DQ;
 	be->wide_qkv = p->fuse == BACKEND_FUSE_WIDE_QKV;
-	be->early_kv = p->fuse == BACKEND_FUSE_DEFAULT || p->fuse == BACKEND_FUSE_ONE_KEY_WARP ||
-		       p->fuse == BACKEND_FUSE_NARROW_DQ || p->fuse == BACKEND_FUSE_APART_DQ ||
-		       p->fuse == BACKEND_FUSE_WIDE_QKV;
+	be->early_kv = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_LATE_KV;
 	be->attn_key_warps = p->fuse == BACKEND_FUSE_ONE_KEY_WARP ? 1 : 2;
 
 	rc = create_device(be);

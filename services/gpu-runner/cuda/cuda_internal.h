@@ -470,6 +470,10 @@ bool qgemv_fits(const struct backend_dev *be, uint32_t fmt, uint32_t in, uint32_
 /* Would a one-token product of these parts (each part's format its own) take the integer path
  * for every part, so that x can come from a struct xsrc? */
 bool qgemv_fuses_x(const struct backend_dev *be, uint32_t in, const struct mm_part *parts, uint32_t np);
+/* The args of a product of parts (one block format, np <= 3) on n tokens of x (or src), outputs
+ * ldc apart; the launch fields are qgemv_launch's to fill. */
+void qgemv_args_of(qgemv_args &g, const struct mm_part *parts, uint32_t np, const void *x, const struct xsrc *src,
+		   uint32_t in, uint32_t n, uint32_t ldc);
 /* A one-token product of two runs of parts (p1, p2), each in one block format and the two in
  * two (Q4_K and Q6_K or Q8_0), on x or src, as one launch on the integer path (dq_mix_kernel):
  * false, launching nothing, where that path does not take them (the caller launches each run). */

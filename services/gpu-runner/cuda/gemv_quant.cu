@@ -820,16 +820,22 @@ static unsigned dq_grid(qgemv_args &a, uint32_t cap)
 	return per * a.m.n;
 }
 
+/* Could dq_sm_kernel take these args (rows and tensors 16-byte aligned, so cp.async copies them)? */
+static bool dq_sm_aligned(const qgemv_args &a)
+{
+	bool ok = a.row_bytes % 16 == 0;
+	for (uint32_t i = 0; i < 3 && ok; i++)
+		ok = (uintptr_t)a.w[i] % 16 == 0;
+	for (uint32_t j = 0; j < a.m.n && ok; j++)
+		ok = (uintptr_t)a.m.w[j] % 16 == 0 && (uintptr_t)a.m.w2[j] % 16 == 0;
+	return ok;
+}
+
 template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const qgemv_args &ga, cudaStream_t s)
 {
 	qgemv_args a = ga;
 	const size_t ssm = dq_sm_smem(F, a.in, QG_WARPS);
-	bool sm = be->dq_sm && ssm <= DQ_SM_SMEM_MAX && ssm <= be->dq_smem_max && a.row_bytes % 16 == 0;
-	for (uint32_t i = 0; i < 3 && sm; i++)
-		sm = (uintptr_t)a.w[i] % 16 == 0;
-	for (uint32_t j = 0; j < a.m.n && sm; j++)
-		sm = (uintptr_t)a.m.w[j] % 16 == 0 && (uintptr_t)a.m.w2[j] % 16 == 0;
-	if (sm) {
+	if (be->dq_sm && ssm <= DQ_SM_SMEM_MAX && ssm <= be->dq_smem_max && dq_sm_aligned(a)) {
 		const void *fn = (const void *)dq_sm_kernel<F, MODE>;
 		const uint32_t per_sm = resident_blocks(be, fn, ssm);
 		unsigned grid = dq_grid(a, (uint32_t)be->sm_count * per_sm);
@@ -905,22 +911,33 @@ bool qgemv_fuses_x(const struct backend_dev *be, uint32_t in, const struct mm_pa
 	return true;
 }
 
-/* The launch fields of a one-token product's args on the integer path (format fmt). */
+void qgemv_args_of(qgemv_args &g, const struct mm_part *parts, uint32_t np, const void *x, const struct xsrc *src,
+		   uint32_t in, uint32_t n, uint32_t ldc)
+{
+	memset(&g, 0, sizeof(g));
+	for (uint32_t i = 0; i < np; i++) {
+		g.w[i] = (const uint8_t *)parts[i].w;
+		g.out[i] = parts[i].out;
+		g.rows[i] = parts[i].rows;
+		g.total += parts[i].rows;
+	}
+	g.row_bytes = parts[0].row_bytes;
+	g.in = in;
+	g.n = n;
+	g.ldc = ldc;
+	g.x = (const __nv_bfloat16 *)x;
+	if (src)
+		g.src = *src;
+}
+
+/* The launch fields of a product's args in format fmt (tile_steps: x staged whole, as the integer
+ * path stages it; the float path sets its own). */
 static void dq_fill(uint32_t fmt, qgemv_args &a)
 {
 	a.nb = a.in / dtype_block_elems((enum dtype)fmt);
 	a.steps = (a.in + step_values(fmt) - 1) / step_values(fmt);
 	a.groups = (a.total + QG_WARPS - 1) / QG_WARPS;
 	a.tile_steps = a.steps;
-}
-
-/* Could dq_sm_kernel take these args (rows and tensors 16-byte aligned, so cp.async copies them)? */
-static bool dq_sm_aligned(const qgemv_args &a)
-{
-	bool ok = a.row_bytes % 16 == 0;
-	for (uint32_t i = 0; i < 3 && ok; i++)
-		ok = (uintptr_t)a.w[i] % 16 == 0;
-	return ok;
 }
 
 /* The row-group blocks of a launch of two formats (`blocks` of them fill the GPU at once) shared
@@ -1002,20 +1019,7 @@ bool qgemv_launch_mix(struct backend_dev *be, const struct mm_part *p1, uint32_t
 	const uint32_t np[2] = {n1, n2}, fmt[2] = {DT_Q4_K, f2};
 	for (uint32_t k = 0; k < 2; k++) {
 		qgemv_args &a = g[k];
-		memset(&a, 0, sizeof(a));
-		for (uint32_t i = 0; i < np[k]; i++) {
-			a.w[i] = (const uint8_t *)pp[k][i].w;
-			a.out[i] = pp[k][i].out;
-			a.rows[i] = pp[k][i].rows;
-			a.total += pp[k][i].rows;
-		}
-		a.row_bytes = pp[k][0].row_bytes;
-		a.in = in;
-		a.n = 1;
-		a.ldc = ldc;
-		a.x = (const __nv_bfloat16 *)x;
-		if (src)
-			a.src = *src;
+		qgemv_args_of(a, pp[k], np[k], x, src, in, 1, ldc);
 		dq_fill(fmt[k], a);
 		if (!dq_takes(be, fmt[k], a) || !dq_sm_aligned(a))
 			return false;
@@ -1039,14 +1043,10 @@ void qgemv_launch(struct backend_dev *be, uint32_t fmt, qgemv_args &a, int mode,
 			   : GEMV_MODE_OF(mode) == GEMV_ADD  ? "product (added)"
 							     : "product");
 	const uint32_t nt = a.n == 1 ? 1 : a.n == 2 ? 2 : a.n <= 4 ? 4 : 8;
-	const uint32_t sv = step_values(fmt);
-	a.nb = a.in / dtype_block_elems((enum dtype)fmt);
-	a.steps = (a.in + sv - 1) / sv;
-	a.groups = (a.total + QG_WARPS - 1) / QG_WARPS;
+	dq_fill(fmt, a);
 	assert((a.src.kind == XSRC_ACT && !a.m.n) || dq_takes(be, fmt, a));
 	assert(!a.m.n || (a.m.n <= GEMV_MATS && a.src.kind == XSRC_ACT && mode != GEMV_ADD));
 	if (dq_takes(be, fmt, a)) {
-		a.tile_steps = a.steps;
 		if (fmt == DT_Q4_K)
 			launch_dq<DT_Q4_K>(be, a, mode, s);
 		else if (fmt == DT_Q6_K)

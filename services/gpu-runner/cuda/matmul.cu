@@ -78,20 +78,10 @@ static int matmul_quant(struct backend_dev *be, uint32_t fmt, const void *x, con
 		/* Passes of up to QG_MAX_NT tokens, each reading the weights once. */
 		for (uint32_t t0 = 0; t0 < n; t0 += QG_MAX_NT) {
 			qgemv_args g;
-			memset(&g, 0, sizeof(g));
-			for (uint32_t i = 0; i < np; i++) {
-				g.w[i] = (const uint8_t *)parts[i].w;
-				g.out[i] = parts[i].out + (size_t)t0 * ldc;
-				g.rows[i] = parts[i].rows;
-				g.total += parts[i].rows;
-			}
-			g.row_bytes = parts[0].row_bytes;
-			g.in = in;
-			g.n = n - t0 < QG_MAX_NT ? n - t0 : QG_MAX_NT;
-			g.ldc = ldc;
-			g.x = (const __nv_bfloat16 *)x + (size_t)t0 * in;
-			if (src)
-				g.src = *src;
+			qgemv_args_of(g, parts, np, (const __nv_bfloat16 *)x + (size_t)t0 * in, src, in,
+				      n - t0 < QG_MAX_NT ? n - t0 : QG_MAX_NT, ldc);
+			for (uint32_t i = 0; i < np; i++)
+				g.out[i] += (size_t)t0 * ldc;
 			qgemv_launch(be, fmt, g, add ? GEMV_ADD : GEMV_STORE, be->stream);
 			LAUNCHED(be, "qgemv_kernel");
 		}

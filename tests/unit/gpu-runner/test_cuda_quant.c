@@ -785,15 +785,7 @@ START_TEST(test_forward_adjacent)
 }
 END_TEST
 
-/* One-token integer products in wide blocks (several row groups a block, x staged once for all of
- * them; where the grid fills every multiprocessor) and in blocks of one row group each
- * (BACKEND_FUSE_NARROW_DQ): every row summed by one warp in the same order from the same int8 x,
- * so the same logits bit for bit. The model is wide enough that its products have more row
- * groups than a GPU has multiprocessors: layer 0's gate/up (5632 rows), x the RMSNorm's, and
- * o_proj (2048), x the attention output; layer 1's wo (2048), x the attention output, and gate
- * (5632, apart from up), x the RMSNorm kernel's output as it stands. (q/k/v run in blocks of one row
- * group either way; layer 0's down's rows are not 16-byte aligned, layer 1's other formats have no
- * integer path.) */
+/* A model wide enough that its products have more row groups than a GPU has multiprocessors. */
 static struct model_config wide_cfg(void)
 {
 	struct model_config c = small_cfg();
@@ -805,6 +797,15 @@ static struct model_config wide_cfg(void)
 	return c;
 }
 
+/* One-token integer products in wide blocks (several row groups a block, x staged once for all of
+ * them; where the grid fills every multiprocessor) and in blocks of one row group each
+ * (BACKEND_FUSE_NARROW_DQ): every row summed by one warp in the same order from the same int8 x,
+ * so the same logits bit for bit. The model is wide enough that its products have more row
+ * groups than a GPU has multiprocessors: layer 0's gate/up (5632 rows), x the RMSNorm's, and
+ * o_proj (2048), x the attention output; layer 1's wo (2048), x the attention output, and gate
+ * (5632, apart from up), x the RMSNorm kernel's output as it stands. (q/k/v run in blocks of one row
+ * group either way; layer 0's down's rows are not 16-byte aligned, layer 1's other formats have no
+ * integer path.) */
 START_TEST(test_wide_blocks)
 {
 	struct model_config c = wide_cfg();
