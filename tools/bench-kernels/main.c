@@ -472,7 +472,7 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 {
 	struct perf_run r;
 	perf_open(&r, b, gemv, attn);
-	char how[128];
+	char how[192];
 	snprintf(how, sizeof(how), "%s, gemv %s, attention %s%s", b->weights, gemv_name(gemv, b->quant),
 		 attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma",
 		 bench_fuse == BACKEND_FUSE_NONE      ? ", kernels unfused"
