@@ -296,26 +296,27 @@ template <int F, int MODE> static __device__ void dq_stage(const qgemv_args &a, 
 	constexpr uint32_t UA = F == DT_Q6_K ? 2 : 4, UN = F == DT_Q6_K ? 1 : 2;
 	constexpr uint32_t UL = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? 1 : UN;
 	/* A norm's x feeds products that store (q/k/v, gate/up), the attention output one that adds
-	 * to the residual stream (o_proj; matmul asserts both): each kernel holds the sources its mode
-	 * takes, not the registers of the others'. */
+	 * to the residual stream (o_proj; matmul asserts both): the late paths are in those kernels
+	 * alone, not in the registers of the others (the other sources stay in every kernel: taking
+	 * them out changed the registers of the loops, and SwiGLU's spilled). */
 	constexpr bool ADD = GEMV_MODE_OF(MODE) == GEMV_ADD;
 	__shared__ float seg[DQ_NORM_SEGS];
-	const bool late = !M && !ADD && a.src.kind == XSRC_NORM && a.src.late;
+	const bool late = !M && a.src.late;
 	if (M)
 		dq_stage_k<F, XSRC_ACT, UA, true>(a, xq, xd, xs, seg);
-	else if (late)
+	else if (!ADD && late && a.src.kind == XSRC_NORM)
 		dq_stage_k<F, DQ_NORM_LATE, UL, false>(a, xq, xd, xs, seg);
-	else if (!ADD && a.src.kind == XSRC_NORM)
+	else if (a.src.kind == XSRC_NORM)
 		dq_stage_k<F, XSRC_NORM, UN, false>(a, xq, xd, xs, seg);
-	else if (ADD && a.src.kind == XSRC_ATTN && a.src.late)
+	else if (ADD && late && a.src.kind == XSRC_ATTN)
 		dq_stage_k<F, DQ_ATTN_LATE, UN, false>(a, xq, xd, xs, seg);
-	else if (ADD && a.src.kind == XSRC_ATTN)
+	else if (a.src.kind == XSRC_ATTN)
 		dq_stage_k<F, XSRC_ATTN, UN, false>(a, xq, xd, xs, seg);
 	else
 		dq_stage_k<F, XSRC_ACT, UA, false>(a, xq, xd, xs, seg);
 	__syncthreads();
 	float xr = 1.0f;
-	if (late) {
+	if (!ADD && late && a.src.kind == XSRC_NORM) {
 		const uint32_t nseg = (a.in / 8 + 31) / 32, j = threadIdx.x % 32;
 		double tot = (double)(j < nseg ? seg[j] : 0.0f) + (double)(j + 32 < nseg ? seg[j + 32] : 0.0f);
 		for (int o = 16; o > 0; o >>= 1)
