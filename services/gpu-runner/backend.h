@@ -111,10 +111,6 @@ enum backend_fuse {
 				     * (comparisons) */
 	BACKEND_FUSE_WIDE_QKV = 6,  /* the default, but the one-token q/k/v products run in wide blocks
 				     * like the others, not in blocks of one row group (comparisons) */
-	BACKEND_FUSE_SCALE_FIRST = 7, /* the default, but a one-token integer product whose x is an
-				       * RMSNorm or the attention output applies the norm's scale or
-				       * the heads' 1 / l to x before it quantizes x, as rmsnorm_kernel
-				       * and attn_out_kernel do, not to the sums after (comparisons) */
 };
 
 /* How the CUDA backend's stream hands the CPU share of a split FFN to the pool

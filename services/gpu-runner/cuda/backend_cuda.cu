@@ -159,8 +159,6 @@ static int norm_source(struct backend_dev *be, const struct group_weights *w, en
 		src->norm_w = dev(w, nr);
 		src->norm_wt = fmt(w, nr);
 		src->eps = be->cfg.rms_eps;
-		src->late = be->late_scale && be->cfg.dim <= DQ_NORM_LATE_MAX;
-		be->late_scale_launches += src->late;
 		return 0;
 	}
 	return rmsnorm(be, dev(w, nr), fmt(w, nr), 0, be->n, at);
@@ -376,8 +374,6 @@ static int cuda_attn_end(struct backend_dev *be, const struct group_weights *w)
 		src.st = be->status;
 		src.layer = be->layer;
 		src.pos0 = 0; /* the row flagged when no key was seen (finish_step gives its position) */
-		src.late = be->late_scale && c->head_dim % 32 == 0;
-		be->late_scale_launches += src.late;
 	} else {
 		attn_out_launch(at, be, be->stream);
 		LAUNCHED(be, "attn_out_kernel");
@@ -871,7 +867,6 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->wide_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_NARROW_DQ;
 	be->mix_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_APART_DQ;
 	be->wide_qkv = p->fuse == BACKEND_FUSE_WIDE_QKV;
-	be->late_scale = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_SCALE_FIRST;
 	be->early_kv = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_LATE_KV;
 	be->attn_key_warps = p->fuse == BACKEND_FUSE_ONE_KEY_WARP ? 1 : 2;
 

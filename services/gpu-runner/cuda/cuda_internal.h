@@ -58,7 +58,6 @@
 #define QG_WARPS 8		/* warps (output rows) per block of the quantized GEMV */
 #define QG_SMEM_MAX (72u * 1024) /* shared memory of one quantized GEMV block: staged x */
 #define DQ_SM_SMEM_MAX (112u * 1024) /* the integer path through shared memory: x and the weight stages */
-#define DQ_NORM_LATE_MAX 16384 /* the widest x whose RMSNorm the integer path scales late (xsrc.late) */
 #define DQ_WIDE_MAX 4	/* row-group blocks (QG_WARPS warps each) one block of that path may hold, x
 			 * staged once for all of them (gemv_dp4a.cuh) */
 #define QG_OCC_CACHE 32		/* (kernel, shared memory) pairs whose occupancy a backend remembers */
@@ -169,7 +168,6 @@ struct backend_dev {
 	bool wide_dq;		/* ... in blocks of several row groups where that fills the GPU (DQ_WIDE_MAX) */
 	bool mix_dq;		/* ... parts in two formats in one launch (dq_mix_kernel) */
 	bool wide_qkv;		/* ... q/k/v in wide blocks too (BACKEND_FUSE_WIDE_QKV) */
-	bool late_scale;	/* ... a norm's or the attention's scale applied after x is quantized (xsrc.late) */
 	bool dq_narrow;		/* the products launched now feed the attention: blocks of one row group */
 	bool early_kv;		/* attn_args.early_keys where the keys are settled (backend_params.fuse) */
 	uint32_t attn_key_warps; /* attn_kernel's warps a query where the block has room (backend_params.fuse) */
@@ -178,7 +176,6 @@ struct backend_dev {
 	uint64_t two_warp_launches; /* attn_kernel launches with two warps a query (tests) */
 	uint64_t wide_launches;	/* dq_sm_kernel launches in wide blocks (tests) */
 	uint64_t mix_launches;	/* dq_mix_kernel launches (tests) */
-	uint64_t late_scale_launches; /* products whose x is scaled late (xsrc.late; tests) */
 	struct ktrace_log *trace; /* cuda_test_trace's stamps, NULL until first asked for */
 	bool kv_synced;		/* the host waited for the stream since the step began (finish_step) */
 	bool kv_settled;	/* ... before this step began: every KV row that earlier steps wrote is in
@@ -414,8 +411,7 @@ struct mm_part {
 
 /* Where the one-token integer path (gemv_dp4a.cuh) takes its x from: the BF16 activations, or
  * values it computes while staging x, so the kernel that would have written them is not
- * launched. Each value is what that kernel writes: rounded to BF16, then quantized to int8 (but
- * where it is scaled late: xsrc.late). */
+ * launched. Each value is what that kernel writes: rounded to BF16, then quantized to int8. */
 enum xsrc_kind {
 	XSRC_ACT = 0,  /* qgemv_args.x */
 	XSRC_NORM = 1, /* RMSNorm of the residual row res with weight norm_w (rmsnorm_kernel) */
@@ -427,13 +423,6 @@ struct xsrc {
 	uint32_t kind;		/* enum xsrc_kind */
 	const float *res;	/* XSRC_NORM: (in) float32 residual row */
 	const void *norm_w;	/* XSRC_NORM: (in) in dtype norm_wt */
-	uint32_t late;		/* the factor common to a group's values applied after x is quantized (a
-				 * 32-value group's int8 values do not depend on it, up to rounding), the
-				 * values not rounded to BF16. XSRC_NORM: x quantized as norm_w * res, the
-				 * scale 1 / sqrt(mean(res^2) + eps) applied to each row's sum, so no
-				 * reduction over x comes before its quantization; XSRC_ATTN (head_dim a
-				 * multiple of 32): acc quantized, each group's step divided by its head's l,
-				 * not every value */
 	uint32_t norm_wt;
 	float eps;
 	const float *l, *acc;	/* XSRC_ATTN: (in / head_dim) sums, (in) weighted sums */

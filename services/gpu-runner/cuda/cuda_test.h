@@ -89,10 +89,6 @@ int64_t cuda_test_wide_launches(struct backend *be, char *err, size_t errlen);
  * (dq_mix_kernel), or -EINVAL (not a cuda backend) with a message in err. */
 int64_t cuda_test_mix_launches(struct backend *be, char *err, size_t errlen);
 
-/* One-token products whose x is an RMSNorm scaled late (xsrc.late: quantized as w * res, each
- * row's sum times the norm's scale) since create, or -EINVAL. */
-int64_t cuda_test_late_scale_launches(struct backend *be, char *err, size_t errlen);
-
 /* From the next one-token step on (on), or no longer, each step's launches of the products, RoPE
  * and the attention stamp the time (globaltimer) in each block: its start, its wait for the kernel
  * before, its input staged (the products' x, the attention's queries), its last warp's end. The

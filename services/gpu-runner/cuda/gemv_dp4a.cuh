@@ -5,10 +5,7 @@
  *
  * x. Each block quantizes the bf16 row x (in values) into shared memory when it starts (x as
  * qgemv_args.src says: the BF16 activations, or the RMSNorm of the residual row or the attention
- * output computed on the way and rounded to BF16 as their own kernels round them; scaled late,
- * xsrc.late, an RMSNorm is quantized as w * res in float32 and each row's sum is multiplied by the
- * norm's scale once the warp has it, so no reduction over x comes before its quantization, and the
- * attention output as acc, each group's d divided by its head's l): per
+ * output computed on the way and rounded to BF16 as their own kernels round them): per
  * 32-value group g, d_g = amax / 127 (amax: the largest |x| of the group), q = rint(x * (1 / d_g))
  * (round half to even, IEEE reciprocal and product, clamped to +-127), and s_g = d_g * sum q. x is
  * then read back as q d_g: up to half a step d_g off per value (0.4% of the group's largest). The
@@ -96,14 +93,6 @@ template <uint32_t U> static __device__ float dq_norm_scale(const qgemv_args &a)
 	return 1.0f / sqrtf(var + a.src.eps); /* IEEE division and square root (no fast math) */
 }
 
-/* x's source as dq_stage_k takes it: enum xsrc_kind, or an RMSNorm or the attention output scaled
- * late (xsrc.late). */
-#define DQ_NORM_LATE 3
-#define DQ_ATTN_LATE 4
-/* 256-value segments of x whose squares an RMSNorm scaled late sums apart (DQ_NORM_LATE_MAX). */
-#define DQ_NORM_SEGS 64
-static_assert(DQ_NORM_SEGS * 256 >= DQ_NORM_LATE_MAX, "a segment's sum for every 256 values");
-
 /* The raw bytes of values 8 i .. 8 i + 7 of x (dq_raw), loaded together for several i before any
  * is converted (dq_x8), so their loads are in flight at once. */
 struct dq_raw {
@@ -118,11 +107,10 @@ template <int K, bool M> static __device__ __forceinline__ void dq_load8(const q
 		r.a = __ldg((const uint4 *)(M ? pick_mat(a.m.x, qg_mat(a)) : a.x) + i);
 		return;
 	}
-	const bool attn = K == XSRC_ATTN || K == DQ_ATTN_LATE;
-	const uint4 *v = (const uint4 *)(attn ? a.src.acc : a.src.res);
+	const uint4 *v = (const uint4 *)(K == XSRC_NORM ? a.src.res : a.src.acc);
 	r.a = v[2 * i];
 	r.b = v[2 * i + 1];
-	if (attn) {
+	if (K == XSRC_ATTN) {
 		r.l = a.src.l[8 * i / a.src.head_dim];
 	} else if (a.src.norm_wt == DT_F32) {
 		r.w0 = __ldg((const uint4 *)a.src.norm_w + 2 * i);
@@ -155,38 +143,24 @@ static __device__ __forceinline__ void dq_x8(const qgemv_args &a, const dq_raw &
 			     __uint_as_float(raw.a.w), __uint_as_float(raw.b.x), __uint_as_float(raw.b.y),
 			     __uint_as_float(raw.b.z), __uint_as_float(raw.b.w)};
 	float v[8];
-	if (K == XSRC_NORM || K == DQ_NORM_LATE) {
-		/* rmsnorm_kernel's value: w * (x * r), unfused float32 products; scaled late, w * x
-		 * as it is (not rounded to BF16: its scale is not the value's). */
+	if (K == XSRC_NORM) {
+		/* rmsnorm_kernel's value: w * (x * r), unfused float32 products. */
 		const uint32_t wf[8] = {raw.w0.x, raw.w0.y, raw.w0.z, raw.w0.w, raw.w1.x, raw.w1.y, raw.w1.z, raw.w1.w};
 #pragma unroll
 		for (int e = 0; e < 8; e++) {
 			const float w = a.src.norm_wt == DT_F32 ? __uint_as_float(wf[e])
 								: half8(raw.w0, e, a.src.norm_wt == DT_BF16);
-			v[e] = K == DQ_NORM_LATE ? __fmul_rn(w, xv[e]) : __fmul_rn(w, __fmul_rn(xv[e], r));
-		}
-		if (K == DQ_NORM_LATE) {
-#pragma unroll
-			for (int e = 0; e < 8; e++)
-				f[e] = v[e];
-			return;
+			v[e] = __fmul_rn(w, __fmul_rn(xv[e], r));
 		}
 	} else {
 		/* attn_out_kernel's value: acc / l of the head (8 values never straddle two heads:
-		 * head_dim is a multiple of 8); scaled late, acc (dq_stage_k divides the group's d by
-		 * l, and a head that saw no keys has acc 0). */
+		 * head_dim is a multiple of 8). */
 #pragma unroll
 		for (int e = 0; e < 8; e++)
-			v[e] = K == DQ_ATTN_LATE ? xv[e] : raw.l > 0.0f ? xv[e] / raw.l : 0.0f;
+			v[e] = raw.l > 0.0f ? xv[e] / raw.l : 0.0f;
 		if (!(raw.l > 0.0f) && blockIdx.x == 0 && atomicCAS(&a.src.st->err, 0, 1) == 0) {
 			a.src.st->err_layer = a.src.layer;
 			a.src.st->err_pos = a.src.pos0;
-		}
-		if (K == DQ_ATTN_LATE) {
-#pragma unroll
-			for (int e = 0; e < 8; e++)
-				f[e] = v[e];
-			return;
 		}
 	}
 #pragma unroll
@@ -194,21 +168,17 @@ static __device__ __forceinline__ void dq_x8(const qgemv_args &a, const dq_raw &
 		f[e] = __bfloat162float(__float2bfloat16_rn(v[e]));
 }
 
-/* Quantizes x (a.in values, from source K: a.src.kind or DQ_NORM_LATE; 16-byte aligned) into xq
- * (int8, dq_phys order), xd and xs. Every thread of the block calls it. A thread takes 8 values, 4
- * threads a group; the loads of U such chunks per thread are issued before any is converted (U:
- * what the registers allow beside the kernel's item buffers). DQ_NORM_LATE: seg[j] gets the sum of
- * the squares of the residual's values [256 j, 256 j + 256), the warp's 32 chunks, in float32
- * in an order that depends on j alone (not on the block's width); dq_stage adds the segments in
- * double. */
+/* Quantizes x (a.in values, from source K = a.src.kind; 16-byte aligned) into xq (int8, dq_phys
+ * order), xd and xs. Every thread of the block calls it. A thread takes 8 values, 4 threads a
+ * group; the loads of U such chunks per thread are issued before any is converted (U: what the
+ * registers allow beside the kernel's item buffers). */
 template <int F, int K, uint32_t U, bool M>
-static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *xq, float *xd, float *xs, float *seg)
+static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
 {
 	const uint32_t n8 = a.in / 8, nt = blockDim.x; /* QG_THREADS, or a wide block's */
 	const float r = K == XSRC_NORM ? dq_norm_scale<2 * U>(a) : 1.0f;
 	for (uint32_t base = 0; base < n8; base += U * nt) {
 		dq_raw raw[U];
-		float ss[U]; /* DQ_NORM_LATE: the squares of the chunk's residual values */
 #pragma unroll
 		for (uint32_t u = 0; u < U; u++) {
 			const uint32_t i = base + u * nt + threadIdx.x;
@@ -226,18 +196,6 @@ static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *
 #pragma unroll
 				for (int e = 0; e < 8; e++)
 					f[e] = 0.0f;
-			if (K == DQ_NORM_LATE) {
-				ss[u] = 0.0f;
-				if (i < n8) {
-					const float xv[8] = {__uint_as_float(raw[u].a.x), __uint_as_float(raw[u].a.y),
-							     __uint_as_float(raw[u].a.z), __uint_as_float(raw[u].a.w),
-							     __uint_as_float(raw[u].b.x), __uint_as_float(raw[u].b.y),
-							     __uint_as_float(raw[u].b.z), __uint_as_float(raw[u].b.w)};
-#pragma unroll
-					for (int e = 0; e < 8; e++)
-						ss[u] = __fmaf_rn(xv[e], xv[e], ss[u]);
-				}
-			}
 			float amax = 0.0f;
 #pragma unroll
 			for (int e = 0; e < 8; e++)
@@ -261,71 +219,30 @@ static __device__ __forceinline__ void dq_stage_k(const qgemv_args &a, uint8_t *
 				uint2 *dst = (uint2 *)(xq + 16 * dq_phys<F>(k) + (v0 & 8));
 				*dst = make_uint2(pack_i8(q[0], q[1], q[2], q[3]), pack_i8(q[4], q[5], q[6], q[7]));
 				if ((threadIdx.x & 3) == 0) {
-					/* DQ_ATTN_LATE: the group lies in one head (head_dim a multiple of 32). */
-					const float dl = K != DQ_ATTN_LATE ? d : raw[u].l > 0.0f ? __fdiv_rn(d, raw[u].l) : 0.0f;
-					xd[v0 >> 5] = dl;
+					xd[v0 >> 5] = d;
 					if (F != DT_Q6_K) /* dq_smem_f: Q6_K's x has no s */
-						xs[v0 >> 5] = __fmul_rn(dl, (float)sum);
+						xs[v0 >> 5] = __fmul_rn(d, (float)sum);
 				}
 			}
-		}
-		/* The warp's 32 chunks of round u are segment i0 / 32 (nt is a multiple of 32). */
-#pragma unroll
-		for (uint32_t u = 0; K == DQ_NORM_LATE && u < U; u++) {
-			for (int o = 16; o > 0; o >>= 1)
-				ss[u] += __shfl_xor_sync(0xFFFFFFFFu, ss[u], o);
-			const uint32_t i0 = base + u * nt + (threadIdx.x & ~31u);
-			if (i0 < n8 && threadIdx.x % 32 == 0)
-				seg[i0 / 32] = ss[u];
 		}
 	}
 }
 
-/* dq_stage_k for a.src.kind (MODE's GEMV_MATS_BIT: several matrices, x the block's matrix's); ends
- * with a barrier,
- * then puts the factor each row's sum takes into dq_xr (qg_finish): an RMSNorm's scale where it is
- * applied late (xsrc.late: 1 / sqrt(mean(res^2) + eps), the segments' sums added in one fixed
- * order, the same in every warp and block), else 1. */
-template <int F, int MODE> static __device__ void dq_stage(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
+/* dq_stage_k for a.src.kind (M: several matrices, x the block's matrix's); ends with a barrier. */
+template <int F, bool M> static __device__ void dq_stage(const qgemv_args &a, uint8_t *xq, float *xd, float *xs)
 {
 	/* Q6_K's item buffers take the most registers (80 without spills at 3 blocks a
-	 * multiprocessor): fewer loads in flight there. SwiGLU's, at 80 registers already, stage a
-	 * late norm's chunks one at a time (their wide blocks hold a thread for each chunk of 4096
-	 * values). */
-	constexpr bool M = (MODE & GEMV_MATS_BIT) != 0;
+	 * multiprocessor): fewer loads in flight there. */
 	constexpr uint32_t UA = F == DT_Q6_K ? 2 : 4, UN = F == DT_Q6_K ? 1 : 2;
-	constexpr uint32_t UL = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? 1 : UN;
-	/* A norm's x feeds products that store (q/k/v, gate/up), the attention output one that adds
-	 * to the residual stream (o_proj; matmul asserts both): the late paths are in those kernels
-	 * alone, not in the registers of the others (the other sources stay in every kernel: taking
-	 * them out changed the registers of the loops, and SwiGLU's spilled). */
-	constexpr bool ADD = GEMV_MODE_OF(MODE) == GEMV_ADD;
-	__shared__ float seg[DQ_NORM_SEGS];
-	const bool late = !M && a.src.late;
 	if (M)
-		dq_stage_k<F, XSRC_ACT, UA, true>(a, xq, xd, xs, seg);
-	else if (!ADD && late && a.src.kind == XSRC_NORM)
-		dq_stage_k<F, DQ_NORM_LATE, UL, false>(a, xq, xd, xs, seg);
+		dq_stage_k<F, XSRC_ACT, UA, true>(a, xq, xd, xs);
 	else if (a.src.kind == XSRC_NORM)
-		dq_stage_k<F, XSRC_NORM, UN, false>(a, xq, xd, xs, seg);
-	else if (ADD && late && a.src.kind == XSRC_ATTN)
-		dq_stage_k<F, DQ_ATTN_LATE, UN, false>(a, xq, xd, xs, seg);
+		dq_stage_k<F, XSRC_NORM, UN, false>(a, xq, xd, xs);
 	else if (a.src.kind == XSRC_ATTN)
-		dq_stage_k<F, XSRC_ATTN, UN, false>(a, xq, xd, xs, seg);
+		dq_stage_k<F, XSRC_ATTN, UN, false>(a, xq, xd, xs);
 	else
-		dq_stage_k<F, XSRC_ACT, UA, false>(a, xq, xd, xs, seg);
+		dq_stage_k<F, XSRC_ACT, UA, false>(a, xq, xd, xs);
 	__syncthreads();
-	float xr = 1.0f;
-	if (!ADD && late && a.src.kind == XSRC_NORM) {
-		const uint32_t nseg = (a.in / 8 + 31) / 32, j = threadIdx.x % 32;
-		double tot = (double)(j < nseg ? seg[j] : 0.0f) + (double)(j + 32 < nseg ? seg[j + 32] : 0.0f);
-		for (int o = 16; o > 0; o >>= 1)
-			tot += __shfl_xor_sync(0xFFFFFFFFu, tot, o);
-		const float var = (float)(tot / a.in);
-		xr = 1.0f / sqrtf(var + a.src.eps); /* IEEE division and square root (no fast math) */
-	}
-	if (threadIdx.x % 32 == 0)
-		dq_xr[threadIdx.x / 32] = xr;
 }
 
 /* The 16 int8 of x in chunk k. */
@@ -471,7 +388,7 @@ static __device__ __forceinline__ bool dq_stream(const qgemv_args &a, qg_cursor<
 	const uint32_t k = at.k;
 	dq_item<F, MODE>(a, k, lane, cd, xq, xd, xs, acc, acc2);
 	if (k + 1 == qg_items<MODE>(a))
-		qg_finish<1, MODE, true>(a, at.r.p, at.r.o, lane, acc, acc2);
+		qg_finish<1, MODE>(a, at.r.p, at.r.o, lane, acc, acc2);
 	at.next(a, wid);
 	return at.live;
 }
@@ -508,7 +425,7 @@ __global__ void __launch_bounds__(QG_THREADS, (dq_occ<F, MODE>::MIN_BLOCKS)) dq_
 	/* x is quantized with the registers to itself (its loads in flight together); the first
 	 * items' bytes come from L2 after it. */
 	grid_wait();
-	dq_stage<F, MODE>(a, xq, xd, xs);
+	dq_stage<F, (MODE & GEMV_MATS_BIT) != 0>(a, xq, xd, xs);
 	if (!live)
 		return;
 	if (ld.live) {
@@ -702,7 +619,7 @@ static __device__ __forceinline__ void dq_sm_rows(const qgemv_args &a, qg_cursor
 		const uint32_t k = at.k;
 		dq_sm_item<F, L, MODE>(a, k, lane, ring + (i % DQ_STAGES) * SB, xq, xd, xs, acc, acc2);
 		if (k + 1 == qg_items<MODE>(a))
-			qg_finish<1, MODE, true>(a, at.r.p, at.r.o, lane, acc, acc2);
+			qg_finish<1, MODE>(a, at.r.p, at.r.o, lane, acc, acc2);
 		at.next(a, wid);
 		if (!at.live)
 			break;
@@ -734,7 +651,7 @@ __global__ void __launch_bounds__(QG_THREADS *(dq_sm_occ<F, MODE>::MIN_BLOCKS), 
 	dq_sm_begin<F, MODE>(a, ld, ring, wid, lane);
 	grid_wait();
 	ktrace_mark(a.tr, 1);
-	dq_stage<F, MODE>(a, xq, xd, xs);
+	dq_stage<F, (MODE & GEMV_MATS_BIT) != 0>(a, xq, xd, xs);
 	ktrace_mark(a.tr, 2);
 	if (live)
 		dq_sm_rows<F, F, MODE>(a, at, ld, ring, wid, lane, xq, xd, xs);
@@ -783,7 +700,7 @@ __global__ void __launch_bounds__(QG_THREADS * DQ_WIDE_MAX, 1) dq_mix_kernel(con
 		dq_sm_begin<F2, MODE>(b, ld, ring, wid, lane);
 	grid_wait();
 	ktrace_mark(a.tr, 1);
-	dq_stage<F1, MODE>(a, xq, xd, xs);
+	dq_stage<F1, false>(a, xq, xd, xs);
 	ktrace_mark(a.tr, 2);
 	if (live && first)
 		dq_sm_rows<F1, F1, MODE>(a, at, ld, ring, wid, lane, xq, xd, xs);

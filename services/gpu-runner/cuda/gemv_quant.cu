@@ -469,28 +469,17 @@ template <int MODE> struct qg_row {
 	}
 };
 
-/* The factor of each row's sum of a warp of the integer path (gemv_dp4a.cuh's dq_stage puts it
- * there): an RMSNorm's scale applied late, else 1. Read by the lane that wrote it, so no barrier;
- * in shared memory, not a register held through the warp's rows. */
-static __shared__ float dq_xr[QG_WARPS * DQ_WIDE_MAX];
-
-/* Lane 0 writes the row's results (the warp's sums of acc; XR: times the warp's dq_xr): store,
- * residual add or SwiGLU. */
-template <int NT, int MODE, bool XR = false>
+/* Lane 0 writes the row's results (the warp's sums of acc): store, residual add or SwiGLU. */
+template <int NT, int MODE>
 static __device__ __forceinline__ void qg_finish(const qgemv_args &a, uint32_t p, uint32_t o, uint32_t lane,
 						 float *acc, float *acc2)
 {
 #pragma unroll
 	for (int t = 0; t < NT; t++) {
-		float y = warp_sum(acc[t]);
-		float u = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? warp_sum(acc2[t]) : 0.0f;
+		const float y = warp_sum(acc[t]);
+		const float u = GEMV_MODE_OF(MODE) == GEMV_SWIGLU ? warp_sum(acc2[t]) : 0.0f;
 		acc[t] = acc2[t] = 0.0f;
 		if (lane == 0 && (uint32_t)t < a.n) {
-			if (XR) {
-				const float xr = dq_xr[threadIdx.x / 32];
-				y = __fmul_rn(y, xr);
-				u = __fmul_rn(u, xr);
-			}
 			float *dst = (MODE & GEMV_MATS_BIT) ? pick_mat(a.m.out, qg_mat(a))
 				     : p == 0		    ? a.out[0]
 				     : p == 1		    ? a.out[1]

@@ -116,8 +116,6 @@ int matmul(struct backend_dev *be, uint32_t at, const void *x, const struct xsrc
 {
 	assert(np >= 1 && np <= 3 && (!add || np == 1));
 	assert(!src || src->kind == XSRC_ACT || (n == 1 && qgemv_fuses_x(be, in, parts, np)));
-	/* A norm's x for products that store, the attention output for one that adds (dq_stage). */
-	assert(!src || src->kind == XSRC_ACT || (src->kind == XSRC_ATTN) == add);
 	if (src && src->kind == XSRC_ACT)
 		src = NULL;
 	/* Runs of parts in one format go together (q/k/v of a Q4_K_M layer: Q4_K, Q4_K, Q6_K); one
@@ -154,7 +152,6 @@ int swiglu_product(struct backend_dev *be, uint32_t at, const struct mm_part gu[
 {
 	const uint32_t f = gu[0].format, rows = gu[0].rows;
 	assert(!src || src->kind == XSRC_ACT || (n == 1 && gu[1].format == f && qgemv_fuses_x(be, in, gu, 2)));
-	assert(!src || src->kind != XSRC_ATTN);
 	assert(gu[1].rows == rows && gu[1].out == gu[0].out + rows);
 	/* SiLU(gate) * up fused into the GEMV where gate and up share a format. */
 	const bool same = gu[1].format == f;

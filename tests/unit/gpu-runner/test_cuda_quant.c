@@ -649,7 +649,7 @@ static void step(struct backend *be, const struct qmodel *m, bool device, const 
 
 /* cuda_test_early_kv_launches and cuda_test_two_warp_launches of the last cuda backend
  * run_schedule ran. */
-static int64_t last_early_kv, last_two_warp, last_wide, last_mix, last_late_scale;
+static int64_t last_early_kv, last_two_warp, last_wide, last_mix;
 
 /* The logits of every step of the schedule on backend `name` (cuda: device weights). */
 static float *run_schedule(const char *name, const struct qmodel *m, uint32_t gemv)
@@ -679,8 +679,6 @@ static float *run_schedule(const char *name, const struct qmodel *m, uint32_t ge
 		ck_assert_msg(last_wide >= 0, "%s", err);
 		last_mix = cuda_test_mix_launches(be, err, sizeof(err));
 		ck_assert_msg(last_mix >= 0, "%s", err);
-		last_late_scale = cuda_test_late_scale_launches(be, err, sizeof(err));
-		ck_assert_msg(last_late_scale >= 0, "%s", err);
 	}
 	backend_destroy(&be);
 	return out;
@@ -713,42 +711,22 @@ static void check_forward(uint32_t head_dim, uint32_t layout, bool tied, const c
 		      "reference (bound %g)", what, e, TOL_FORWARD);
 	/* The same with one-token products on the integer path (x as int8). */
 	float *got_dp = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
-	const int64_t early = last_early_kv, two_warp = last_two_warp, late_scale = last_late_scale;
+	const int64_t early = last_early_kv, two_warp = last_two_warp;
 	e = worst_step(got_dp, want, c.vocab_size);
 	snprintf(line, sizeof(line), "forward, %s, dp4a", what);
 	report(line, e);
 	ck_assert_msg(e <= TOL_FORWARD, "forward pass, %s, dp4a: relative L2 error %.3e of the logits against the C "
 		      "reference (bound %g)", what, e, TOL_FORWARD);
 	/* Every kernel alone (no programmatic dependent launch; RMSNorm and the attention output by
-	 * kernels of their own) against the fused kernels with the norm's scale and the heads' 1 / l
-	 * applied to x first, as rmsnorm_kernel and attn_out_kernel apply them: the same values up to
-	 * the order of the norm's double sum. */
+	 * kernels of their own): the same values up to the order of the norm's double sum. */
 	open_fuse = BACKEND_FUSE_NONE;
 	float *got_plain = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
-	open_fuse = BACKEND_FUSE_SCALE_FIRST;
-	float *got_first = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
-	const int64_t first_late = last_late_scale;
 	open_fuse = BACKEND_FUSE_DEFAULT;
-	e = worst_step(got_first, got_plain, c.vocab_size);
-	snprintf(line, sizeof(line), "forward, %s, dp4a fused (scales first) vs unfused", what);
+	e = worst_step(got_dp, got_plain, c.vocab_size);
+	snprintf(line, sizeof(line), "forward, %s, dp4a fused vs unfused", what);
 	report(line, e);
 	ck_assert_msg(e <= TOL_FUSED, "forward pass, %s, dp4a: fused kernels differ from unfused ones by %.3e (bound "
 		      "%g)", what, e, TOL_FUSED);
-	/* By default a norm's x is quantized unscaled (w * res in float32, not rounded to BF16) and
-	 * each row's sum scaled, and the attention output's as acc, each group's step divided by l:
-	 * another rounding of x before its quantization, so int8 values a step apart here and there.
-	 * Each way is its own approximation of the C reference (the default's against it above) and
-	 * they are held to its bound, not to each other's. At least q/k/v and o_proj in both layers of
-	 * every one-token step scale late by default; none with BACKEND_FUSE_SCALE_FIRST. */
-	ck_assert_msg(late_scale >= 4 * DECODE && first_late == 0, "forward pass, %s: %lld products scaled x "
-		      "late by default (want at least %d), %lld with BACKEND_FUSE_SCALE_FIRST (want 0)", what,
-		      (long long)late_scale, 4 * DECODE, (long long)first_late);
-	e = worst_step(got_first, want, c.vocab_size);
-	snprintf(line, sizeof(line), "forward, %s, dp4a, scales first", what);
-	report(line, e);
-	ck_assert_msg(e <= TOL_FORWARD, "forward pass, %s, dp4a, scales first: relative L2 error %.3e of the logits "
-		      "against the C reference (bound %g)", what, e, TOL_FORWARD);
-	report("forward, dp4a, scaled late vs first", worst_step(got_dp, got_first, c.vocab_size));
 	/* Decode attention loading the keys of earlier steps after the wait, not before it: the same
 	 * keys in the same order, so the same bits. */
 	open_fuse = BACKEND_FUSE_LATE_KV;
@@ -784,7 +762,6 @@ static void check_forward(uint32_t head_dim, uint32_t layout, bool tied, const c
 		      "%.3e (bound %g)", what, e, TOL_PERMUTED);
 	free(got_one);
 	free(got_late);
-	free(got_first);
 	free(got_plain);
 	free(got_dp);
 	free(want);
