@@ -7,9 +7,12 @@
  *   matmul.cu         matrix products: cuBLAS GEMM, and the GEMV kernel for one token (gemv.cu);
  *                     block-quantized weights: the fused GEMV of a few tokens (gemv_quant.cu), or
  *                     rows dequantized to BF16 (dequant.cu) and cuBLAS, a row chunk at a time
- *   gemv_quant.cu     decode products reading GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) in place
+ *   gemv_quant.cu     decode products reading GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) in place: x as
+ *                     float32 for a few tokens, and the launch of every such product
+ *   gemv_dp4a.cu      the one-token integer path (x as int8, __dp4a; kernels in gemv_dp4a.cuh): Q4_K,
+ *                     Q6_K, Q8_0, which products take it, its grids, two formats in one launch
+ *   gemv_quant.cuh    what both share: the formats' lane geometry, a warp's rows, the row's end
  *   dequant.cu        GGUF blocks to BF16 (prefill's scratch) or float32 (embedding rows)
- *   gemv_dp4a.cuh     the one-token integer path of gemv_quant.cu (x as int8, __dp4a): Q4_K, Q6_K, Q8_0
  *   quant.cuh         device reads and exact dequantization of the block formats
  *   norm_rope.cu      embedding widening, RMSNorm, RoPE and the KV row writes, SiLU * up
  *   attention.cu      attention over KV spans: the kernel and key splits of a call, span lists,

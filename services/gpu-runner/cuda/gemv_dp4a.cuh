@@ -1,5 +1,5 @@
-/* gemv_dp4a.cuh - the one-token products of gemv_quant.cu with integer dot products (included by
- * gemv_quant.cu after its row and stream helpers, which it shares): Q4_K, Q6_K and Q8_0 weights
+/* gemv_dp4a.cuh - the kernels of the one-token products with integer dot products (included by
+ * gemv_dp4a.cu after gemv_quant.cuh, whose rows and lanes it shares): Q4_K, Q6_K and Q8_0 weights
  * against x quantized to 8 bits, so four weights cost one __dp4a and a mask or two instead of a
  * float conversion and a fused multiply-add each.
  *
@@ -13,7 +13,7 @@
  * permutation within each 128 bytes that makes the 16-byte reads of the 8 lanes of an access
  * phase hit 8 different bank groups; d and s are two float arrays of in / 32 entries.
  * A wide block of dq_sm_kernel (V row groups: the V blocks a multiprocessor would otherwise run
- * side by side; launch_dq_k in gemv_quant.cu chooses V) stages x once for all of them.
+ * side by side; launch_dq_k in gemv_dp4a.cu chooses V) stages x once for all of them.
  *
  * Weights. The lanes take the blocks as the float path does (qg<F>::load, its lane geometry):
  * - Q4_K, lane g of a block: sub-blocks 2g (low nibbles of qs words 0-7) and 2g + 1 (high ones),
