@@ -472,7 +472,7 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 {
 	struct perf_run r;
 	perf_open(&r, b, gemv, attn);
-	char how[192];
+	char how[128];
 	snprintf(how, sizeof(how), "%s, gemv %s, attention %s%s", b->weights, gemv_name(gemv, b->quant),
 		 attn == BACKEND_ATTN_SIMPLE ? "simple" : "mma",
 		 bench_fuse == BACKEND_FUSE_NONE      ? ", kernels unfused"
@@ -737,7 +737,6 @@ static void big_without(const struct big *b)
 		}
 	}
 }
-
 
 /* --trace: the default path's decode step at context ~528 with each launch of its products, RoPE
  * and attention stamping the time in every block (cuda_test_trace): when its blocks started, ended

@@ -169,8 +169,7 @@ static void dq_mix_split(qgemv_args &a, qgemv_args &b, uint32_t blocks)
 		b.vbn = b.groups;
 	} else {
 		uint64_t best = UINT64_MAX;
-		a.vbn = blocks / 2;
-		b.vbn = blocks - a.vbn;
+		b.vbn = blocks - blocks / 2;
 		for (uint32_t ka = 1; ka <= a.groups && (uint64_t)ka * a.row_bytes < best; ka++) {
 			const uint32_t na = (a.groups + ka - 1) / ka;
 			if (na >= blocks)
@@ -180,22 +179,26 @@ static void dq_mix_split(qgemv_args &a, qgemv_args &b, uint32_t blocks)
 			const uint64_t c = (uint64_t)ka * a.row_bytes > cb ? (uint64_t)ka * a.row_bytes : cb;
 			if (c < best) {
 				best = c;
-				a.vbn = na;
 				b.vbn = nb > b.groups ? b.groups : nb;
 			}
 		}
-		/* Blocks b leaves over go to a (fewer of its blocks take ka row groups). */
+		/* a takes the blocks b leaves (so fewer of its blocks take ka row groups). */
 		a.vbn = blocks - b.vbn < a.groups ? blocks - b.vbn : a.groups;
 	}
 	b.vb0 = a.vbn;
 }
 
-template <int F2> static void launch_mix_k(struct backend_dev *be, qgemv_args &a, qgemv_args &b, cudaStream_t s)
+/* The launch of two formats, a's and b's launch fields filled: false, launching nothing, where a
+ * block of one row group's shared memory is more than a block may take. */
+template <int F2> static bool launch_mix_k(struct backend_dev *be, qgemv_args &a, qgemv_args &b, cudaStream_t s)
 {
 	const void *fn = (const void *)dq_mix_kernel<DT_Q4_K, F2>;
 	const uint32_t ring = dq_mix_ring<DT_Q4_K, F2>::V;
-	const size_t x = dq_smem_f<DT_Q4_K>(a.in);
-	const uint32_t per_sm = qg_resident_blocks(be, fn, x + (size_t)QG_WARPS * ring);
+	const size_t x = dq_smem_f<DT_Q4_K>(a.in), narrow = x + (size_t)QG_WARPS * ring;
+	if (narrow > DQ_SM_SMEM_MAX || narrow > be->dq_smem_max)
+		return false;
+	a.tr = ktrace_next(be, "product (two formats)");
+	const uint32_t per_sm = qg_resident_blocks(be, fn, narrow);
 	dq_mix_split(a, b, (uint32_t)be->sm_count * per_sm);
 	const uint32_t vblocks = a.vbn + b.vbn;
 	/* Wide blocks as launch_dq_k makes them: V row-group blocks a block, the grid one wave. */
@@ -210,9 +213,11 @@ template <int F2> static void launch_mix_k(struct backend_dev *be, qgemv_args &a
 				be->wide_launches++;
 			launch_k(be->pdl, dq_mix_kernel<DT_Q4_K, F2>, grid, v * QG_THREADS, smem, s, a, b);
 			be->mix_launches++;
-			return;
+			return true;
 		}
 	}
+	return false; /* no block fits (qg_resident_blocks gives at least 1 for a narrow one): the caller
+		       * launches each format apart */
 }
 
 bool qgemv_launch_mix(struct backend_dev *be, const struct mm_part *p1, uint32_t n1, const struct mm_part *p2,
@@ -240,16 +245,8 @@ bool qgemv_launch_mix(struct backend_dev *be, const struct mm_part *p1, uint32_t
 		if (!dq_takes(be, fmt[k], a) || !dq_sm_aligned(a))
 			return false;
 	}
-	const size_t smem = dq_smem_f<DT_Q4_K>(in) + (size_t)QG_WARPS * (f2 == DT_Q6_K ? dq_mix_ring<DT_Q4_K, DT_Q6_K>::V
-										  : dq_mix_ring<DT_Q4_K, DT_Q8_0>::V);
-	if (smem > DQ_SM_SMEM_MAX || smem > be->dq_smem_max)
-		return false;
-	g[0].tr = ktrace_next(be, "product (two formats)");
-	if (f2 == DT_Q6_K)
-		launch_mix_k<DT_Q6_K>(be, g[0], g[1], be->stream);
-	else
-		launch_mix_k<DT_Q8_0>(be, g[0], g[1], be->stream);
-	return true;
+	return f2 == DT_Q6_K ? launch_mix_k<DT_Q6_K>(be, g[0], g[1], be->stream)
+			     : launch_mix_k<DT_Q8_0>(be, g[0], g[1], be->stream);
 }
 
 /* A product that dq_takes, launched in its format (a's launch fields filled by qg_fill). */

@@ -123,11 +123,11 @@ int matmul(struct backend_dev *be, uint32_t at, const void *x, const struct xsrc
 	uint32_t r1 = 1;
 	while (r1 < np && parts[r1].format == parts[0].format)
 		r1++;
-	bool two = r1 < np && n == 1 && !add && !dtype_is_element((enum dtype)parts[0].format) &&
-		   !dtype_is_element((enum dtype)parts[r1].format);
+	bool two = r1 < np && n == 1 && !add; /* qgemv_launch_mix checks the two formats */
 	for (uint32_t i = r1 + 1; two && i < np; i++)
 		two = parts[i].format == parts[r1].format;
 	if (two && qgemv_launch_mix(be, parts, r1, parts + r1, np - r1, x, src, in, ldc)) {
+		assert(act_dtype(parts[0].format) == at && act_dtype(parts[r1].format) == at);
 		LAUNCHED(be, "qgemv_kernel (two formats)");
 		return 0;
 	}
