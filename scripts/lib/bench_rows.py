@@ -489,6 +489,8 @@ def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16"):
            if sp.get("cpu_experts_span_ms_per_token") else "")
         + (f" ({sp['cpu_experts_span_bytes_per_token'] / sp['cpu_experts_span_ms_per_token'] / 1e6:.1f} GB/s)"
            if sp.get("cpu_experts_span_ms_per_token") and sp.get("cpu_experts_span_bytes_per_token") else "")
+        + (f", the routes weighing them at {sp['expert_rate_from_spans'] / 1e9:.1f} GB/s (their spans before)"
+           if sp.get("expert_rate_from_spans") else "")
         + (f", their parts idle between a job's phases {sp['cpu_phase_wait_ms_per_token']:.1f} ms summed over workers"
            if sp.get("cpu_phase_wait_ms_per_token") else "")
         + (f", the gaps from a layer's last to the next one's first {sp['cpu_gap_gpu_ms_per_token']:.1f} ms to the "

@@ -1,7 +1,8 @@
 /* cpu_share.c - the gpu-runner's CPU share of streamed FFNs (--cpu-share, --cpu-threads,
  * --cpu-handoff): the flags, the task pool of its workers, with the C backend and a fixed share
- * the split of every FFN (the GPU window plans the CUDA backend's: gpu_window.h), and the window's
- * split planned anew between requests from the rate its jobs ran at (auto). */
+ * the split of every FFN (the GPU window plans the CUDA backend's: gpu_window.h), the window's
+ * split planned anew between requests from the rate its jobs ran at (auto), and the rate its routes
+ * weigh the CPU's experts with taken from the rate they ran at. */
 #include <errno.h>
 #include <math.h>
 #include <sched.h>
@@ -186,6 +187,46 @@ void runner_replan_split(struct runner *r)
 	r->cpu_share = pol;
 	if (runner_window_anew(r, "cpu share"))
 		r->split_replans++;
+#else
+	(void)r;
+#endif
+}
+
+/* ---- the CPU's experts weighed at the rate they ran at ---- */
+
+static struct expert_spans spans_now(struct runner *r)
+{
+	struct backend_cpu_share_stats bs;
+	backend_get_cpu_share_stats(r->be, &bs);
+	return (struct expert_spans){.layers = bs.expert_layers, .bytes = bs.experts_span_bytes, .ms = bs.experts_span_ms};
+}
+
+void runner_expert_rate(struct runner *r)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	/* A layer's span is the CPU's side of its route only where the CPU's experts go to the pool at
+	 * the route (--cpu-experts route): handed over at their visits, it spans the GPU's experts too. */
+	if (!r->win || !r->be || !r->cfg.n_experts || r->cpu_share.mode != CPU_SHARE_AUTO || r->fixed_split ||
+	    !r->cpu_experts_early)
+		return;
+	const struct expert_spans now = spans_now(r);
+	if (now.layers < r->expert_base.layers || now.bytes < r->expert_base.bytes || now.ms < r->expert_base.ms) {
+		r->expert_base = now; /* counters that went back: counted afresh */
+		return;
+	}
+	const struct expert_spans seen = {now.layers - r->expert_base.layers, now.bytes - r->expert_base.bytes,
+					  now.ms - r->expert_base.ms};
+	const double rate = expert_spans_rate(&seen);
+	if (!(rate > 0))
+		return;
+	r->expert_base = now;
+	const double before = gpu_window_expert_rate(r->win);
+	if (!(before > 0) || fabs(rate / before - 1) >= 0.10)
+		log_info("cpu share: the CPU's experts of %llu layers read %.2f GB in %.1f ms, %.1f GB/s (the routes "
+			 "weighed them at %.1f): the routes weigh them at that from now on",
+			 (unsigned long long)seen.layers, (double)seen.bytes / 1e9, seen.ms, rate / 1e9, before / 1e9);
+	r->expert_rate = rate;
+	gpu_window_set_expert_rate(r->win, rate);
 #else
 	(void)r;
 #endif

@@ -150,6 +150,8 @@ struct gpu_window_stats {
 	double pcie_ms, cpu_ms;		 /* the plan's times per decode token: the copies, the CPU */
 	double cpu_jobs_ms;		 /* of cpu_ms, the CPU's products alone (no handoffs) */
 	bool rates_from_jobs;		 /* the plan took the rates of jobs that ran (cpu_share_policy), no calibration */
+	double expert_rate_jobs;	 /* the rate a route weighs the CPU's experts with, from their spans (0: the
+					  * calibration's, cpu_rate of the experts' format) */
 	uint64_t refill_bytes;		 /* device bytes kept more with the memory the split frees (gw_split_refill) */
 	bool split_balance_token;	 /* each layer's own share did not fit: one for every FFN (gw_split_fit) */
 	uint64_t side_bytes;		 /* device bytes of the prefill copy of a split FFN's CPU rows */
@@ -189,6 +191,14 @@ int gpu_window_expert_gain(const struct gpu_window *w, const float *heat, double
 uint32_t gpu_window_split_r(const struct gpu_window *w, uint32_t g);
 /* The CPU's product rate the plan measured for weight format f (bytes a second; 0: not measured). */
 double gpu_window_cpu_rate(const struct gpu_window *w, enum dtype f);
+/* Auto with experts on the CPU: the rate (bytes a second) the routes from now on weigh the CPU's
+ * side of a layer with, as its experts' spans ran (the runner's, between requests; split_plan.h,
+ * expert_spans_rate); 0 goes back to the calibration's. The plan made at start and its prediction
+ * keep the calibration's rate. */
+void gpu_window_set_expert_rate(struct gpu_window *w, double bytes_per_s);
+/* The rate the routes weigh the CPU's experts with now: the one set above, else the calibration's
+ * for the experts' format (0: none measured). */
+double gpu_window_expert_rate(const struct gpu_window *w);
 
 /* Checks every invariant of the state table; returns 0 or -EFAULT with err saying which broke. */
 int gpu_window_check(const struct gpu_window *w, char *err, size_t errlen);

@@ -94,12 +94,13 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 	const struct cpu_share_policy *pol = &w->moe_policy;
 	const bool cpu = pol->mode != CPU_SHARE_OFF && on_cpu && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS;
 	double gpu_s = 0, cpu_s = 0;
-	/* The CPU's rate for the experts' format as the balance below takes it (a fixed share: the rate
-	 * that gives it). */
+	/* The CPU's rate for the experts' format as the balance below takes it: the rate the CPU's
+	 * experts ran at where the runner has told it (gpu_window_set_expert_rate), else the start's
+	 * calibration (a fixed share: the rate that gives it). */
 	const double h2d_r = w->st.h2d_bytes_per_s > 0 ? w->st.h2d_bytes_per_s : 1;
 	const double cpu_r = pol->mode == CPU_SHARE_FIXED
 				     ? (pol->fraction >= 1 ? 1e30 : h2d_r * pol->fraction / (1 - pol->fraction))
-				     : w->cpu_rate[w->moe_format];
+				     : gpu_window_expert_rate(w);
 	for (uint32_t g = g0; g != NO_GROUP && g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
 			      ws->groups[g].layer == layer; g++) {
 		uint32_t x = ws->groups[g].expert;

@@ -247,7 +247,8 @@ int main(int argc, char **argv)
 		{"fixed-experts", OPT_BOOL, &r.fixed_experts, NULL,
 		 "keep the experts the first plan made resident (table order): no new plan from the routing counted"},
 		{"fixed-split", OPT_BOOL, &r.fixed_split, NULL,
-		 "keep the CPU share auto chose at start: no new plan from the rate its jobs ran at"},
+		 "keep the CPU share auto chose at start: no new plan from the rate its jobs ran at, and the CPU's "
+		 "routed experts weighed at the start's calibrated rate, not the rate they ran at"},
 		{"profile-copies", OPT_BOOL, &r.profile_copies, NULL, "time every weight copy (stats: gpu_window.copy_ms)"},
 		{"fixed-residency", OPT_BOOL, &r.fixed_residency, NULL,
 		 "keep the GPU's resident groups as planned with whole sizes: the memory the CPU share's smaller "
@@ -370,6 +371,7 @@ int main(int argc, char **argv)
 			runner_idle_stages(&r);
 			runner_replan_experts(&r);
 			runner_replan_split(&r);
+			runner_expert_rate(&r);
 			continue;
 		}
 		if (r.batching)

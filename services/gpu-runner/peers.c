@@ -119,6 +119,8 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 	log_info("%s", line);
 	predict(r);
 	runner_split_mark(r); /* its jobs counted from here (cpu_share.c) */
+	if (r->expert_rate > 0)
+		gpu_window_set_expert_rate(r->win, r->expert_rate); /* what the window before learnt */
 	return 0;
 #else
 	snprintf(err, errlen, "a device backend without CUDA support in this build");

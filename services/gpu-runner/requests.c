@@ -251,6 +251,7 @@ static void run_job(struct runner *r, struct job *j)
 	r->requests++;
 	runner_replan_experts(r); /* between requests: hotter experts kept on the GPU */
 	runner_replan_split(r);   /* and the CPU's share at the rate its jobs ran at */
+	runner_expert_rate(r);    /* the CPU's experts weighed at the rate they ran at */
 	int rc = runner_ensure_connections(r, err, sizeof(err));
 	if (rc == 0)
 		rc = runner_job_prepare(r, j, err, sizeof(err));

@@ -126,6 +126,8 @@ struct runner {
 	bool fixed_split;	    /* --fixed-split: keep the split the calibration chose */
 	uint64_t split_replans;	    /* windows made anew for it */
 	struct split_jobs split_base; /* the backend's job counters when the window in force was made */
+	struct expert_spans expert_base; /* the backend's CPU expert spans when their rate was last asked */
+	double expert_rate;	    /* the rate they ran at, given to the window's routes (0: none yet) */
 	struct kv_remote kv;
 	void *pool_pinned; /* the KV pool mapping, page-locked for the backend's copies */
 	bool loader_suspect, kv_suspect;
@@ -217,6 +219,10 @@ void runner_replan_experts(struct runner *r);
  * loader_suspect and is logged, as for the experts. */
 void runner_replan_split(struct runner *r);
 void runner_split_mark(struct runner *r);
+/* cpu_share.c: between requests, with experts on the CPU (auto), the rate their spans ran at since it
+ * was last asked given to the window's routes once EXPERT_RATE_MIN_LAYERS layers of them have run
+ * (split_plan.h), and given again to a window made anew; --fixed-split keeps the calibration's. */
+void runner_expert_rate(struct runner *r);
 
 /* requests.c */
 /* Runs the request at the head of the queue (one is queued), replies, and takes it off. */

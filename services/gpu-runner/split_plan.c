@@ -346,3 +346,10 @@ double split_jobs_factor(const struct split_jobs *seen, uint32_t split_layers, u
 	const double seen_rate = (double)seen->bytes / ((double)seen->ns * 1e-9);
 	return seen_rate / ((double)plan_bytes / plan_jobs_s);
 }
+
+double expert_spans_rate(const struct expert_spans *seen)
+{
+	if (seen->layers < EXPERT_RATE_MIN_LAYERS || !seen->bytes || !(seen->ms > 0))
+		return 0;
+	return (double)seen->bytes / (seen->ms * 1e-3);
+}

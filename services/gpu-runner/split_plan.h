@@ -158,6 +158,22 @@ struct split_jobs {
  * GB/s where P1's jobs then read 77.5, and auto gave the CPU too little). */
 double split_jobs_factor(const struct split_jobs *seen, uint32_t split_layers, uint64_t plan_bytes, double plan_jobs_s);
 
+/* What the CPU's routed experts did over a stretch of decode (backend_cpu_share_stats): the layers
+ * that gave the CPU any, the weight bytes of their CPU experts, and their spans (a layer's first
+ * expert handed to the pool to its last one's end), summed. */
+struct expert_spans {
+	uint64_t layers, bytes;
+	double ms;
+};
+/* Layers with CPU experts a rate from their spans needs at least (two tokens of a 24-layer model). */
+#define EXPERT_RATE_MIN_LAYERS 48
+/* The rate the CPU's experts of a layer ran at, bytes over span (bytes a second): what a route weighs
+ * the CPU's side with (gw_route) once it is known, in place of the start's calibration, which
+ * measures a few hundred MB of experts beside copies (M1 on an H200 host: 97.7 GB/s where a layer's
+ * experts then read 74-78.5, so the routes gave the CPU the longer side of every layer). 0 when it
+ * says nothing yet: fewer than EXPERT_RATE_MIN_LAYERS layers, no bytes or no time. */
+double expert_spans_rate(const struct expert_spans *seen);
+
 #ifdef __cplusplus
 }
 #endif

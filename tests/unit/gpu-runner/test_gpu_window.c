@@ -872,8 +872,9 @@ END_TEST
  * none pinned), and a GPU budget that keeps only the attention and router groups: a layer's chosen
  * experts that stream from disk are asked of the loader together at its routing (ring_route, through
  * the window's route; never the experts the window copied before the routing, whose grants would
- * then be held by nobody and leave the loader no slot), and every copy holds the checkpoint's bytes. */
-static void experts_from_disk(uint32_t experts, bool cpu, bool predict)
+ * then be held by nobody and leave the loader no slot), and every copy holds the checkpoint's bytes.
+ * With cpu, --cpu-share 0.5, or auto at given rates (auto_share). */
+static void experts_from_disk(uint32_t experts, bool cpu, bool predict, bool auto_share)
 {
 	struct fixture f;
 	start_shape(&f, "1GiB", "mixtral-tiny", 3);
@@ -901,7 +902,14 @@ static void experts_from_disk(uint32_t experts, bool cpu, bool predict)
 	if (cpu) {
 		pool = two_workers();
 		p.cpu_pool = pool;
-		ck_assert_int_eq(cpu_share_parse("0.5", &p.cpu_share, err, sizeof(err)), 0);
+		ck_assert_int_eq(cpu_share_parse(auto_share ? "auto" : "0.5", &p.cpu_share, err, sizeof(err)), 0);
+		if (auto_share) { /* rates as a re-plan gives them: nothing measured */
+			for (uint32_t d = 0; d < DT_COUNT; d++)
+				p.cpu_share.cpu_bytes_per_s[d] = 1e7;
+			p.cpu_share.rates_known = true;
+			p.cpu_share.h2d_beside_bytes_per_s = 3e7;
+			p.h2d_bytes_per_s = 4e7;
+		}
 	}
 	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
 	struct gpu_window_stats st;
@@ -958,6 +966,25 @@ static void experts_from_disk(uint32_t experts, bool cpu, bool predict)
 		gpu_window_stats(w, &st);
 		ck_assert_uint_gt(st.experts_cpu, before);
 	}
+	if (auto_share) {
+		/* Auto weighs a route's CPU side at the rate the runner gives (the experts' spans,
+		 * runner_expert_rate), else the plan's: far too slow a CPU gets no expert, far too fast
+		 * one every chosen expert pinned in DRAM; 0 goes back to the plan's rate. */
+		ck_assert(gpu_window_expert_rate(w) == 1e7);
+		ck_assert(st.expert_rate_jobs == 0);
+		gpu_window_set_expert_rate(w, 1.0);
+		uint64_t before = st.experts_cpu;
+		routed_steps_as(&f, w, 12, true);
+		gpu_window_stats(w, &st);
+		ck_assert_uint_eq(st.experts_cpu, before);
+		ck_assert(st.expert_rate_jobs == 1.0 && gpu_window_expert_rate(w) == 1.0);
+		gpu_window_set_expert_rate(w, 1e18);
+		routed_steps_as(&f, w, 12, true);
+		gpu_window_stats(w, &st);
+		ck_assert_uint_gt(st.experts_cpu, before);
+		gpu_window_set_expert_rate(w, 0);
+		ck_assert(gpu_window_expert_rate(w) == 1e7);
+	}
 	if (predict) /* pinned experts guessed in or out; those that stream only ever guessed in */
 		ck_assert_uint_gt(st.experts_guessed, 0);
 	else
@@ -969,13 +996,13 @@ static void experts_from_disk(uint32_t experts, bool cpu, bool predict)
 
 START_TEST(test_experts_streamed_from_disk)
 {
-	experts_from_disk(9, false, false);
+	experts_from_disk(9, false, false, false);
 }
 END_TEST
 
 START_TEST(test_experts_streamed_through_two_slots)
 {
-	experts_from_disk(2, false, false);
+	experts_from_disk(2, false, false, false);
 }
 END_TEST
 
@@ -983,7 +1010,15 @@ START_TEST(test_experts_on_the_cpu_from_dram)
 {
 	/* --cpu-share 0.5: chosen experts pinned in DRAM go to the CPU by half of their bytes, read in
 	 * place in their slots (held for good by the ring source, never copied). */
-	experts_from_disk(9, true, false);
+	experts_from_disk(9, true, false, false);
+}
+END_TEST
+
+START_TEST(test_experts_on_the_cpu_at_their_rate)
+{
+	/* --cpu-share auto: a route gives the CPU a chosen expert where its side then ends first, at the
+	 * rate the runner last gave the window (the experts' spans) or else the plan's. */
+	experts_from_disk(9, true, false, true);
 }
 END_TEST
 
@@ -992,7 +1027,7 @@ START_TEST(test_experts_guessed_beside_disk)
 	/* The same with --predict-experts: a later layer's pinned experts guessed (the CPU takes one
 	 * guessed out but chosen), those that stream from disk guessed in when last chosen, else left
 	 * for their route; every step's bytes and state table as before. */
-	experts_from_disk(9, true, true);
+	experts_from_disk(9, true, true, false);
 }
 END_TEST
 
@@ -1161,6 +1196,7 @@ int main(void)
 	tcase_add_test(tc, test_experts_streamed_from_disk);
 	tcase_add_test(tc, test_experts_streamed_through_two_slots);
 	tcase_add_test(tc, test_experts_on_the_cpu_from_dram);
+	tcase_add_test(tc, test_experts_on_the_cpu_at_their_rate);
 	tcase_add_test(tc, test_hot_experts);
 	tcase_add_test(tc, test_experts_guessed);
 	tcase_add_test(tc, test_pins_kept);

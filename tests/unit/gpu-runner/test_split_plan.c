@@ -299,6 +299,25 @@ START_TEST(test_jobs_factor)
 }
 END_TEST
 
+START_TEST(test_expert_spans_rate)
+{
+	struct expert_spans seen = {.layers = EXPERT_RATE_MIN_LAYERS, .bytes = 8000000000ull, .ms = 100.0};
+	ck_assert_double_eq_tol(expert_spans_rate(&seen), 80e9, 1e-3);
+	seen.ms = 50.0; /* the same bytes in half the time */
+	ck_assert_double_eq_tol(expert_spans_rate(&seen), 160e9, 1e-3);
+	seen.layers--; /* too few layers say nothing */
+	ck_assert(expert_spans_rate(&seen) == 0);
+	seen.layers++;
+	seen.bytes = 0;
+	ck_assert(expert_spans_rate(&seen) == 0);
+	seen.bytes = 1;
+	seen.ms = 0;
+	ck_assert(expert_spans_rate(&seen) == 0);
+	seen.ms = -1;
+	ck_assert(expert_spans_rate(&seen) == 0);
+}
+END_TEST
+
 static Suite *plan_suite(void)
 {
 	Suite *s = suite_create("split_plan");
@@ -309,6 +328,7 @@ static Suite *plan_suite(void)
 	tcase_add_test(tc, test_auto_per_layer);
 	tcase_add_test(tc, test_calibrate);
 	tcase_add_test(tc, test_jobs_factor);
+	tcase_add_test(tc, test_expert_spans_rate);
 	suite_add_tcase(s, tc);
 	return s;
 }
