@@ -490,6 +490,8 @@ def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16"):
         + (f" ({sp['cpu_experts_span_bytes_per_token'] / sp['cpu_experts_span_ms_per_token'] / 1e6:.1f} GB/s)"
            if sp.get("cpu_experts_span_ms_per_token") and sp.get("cpu_experts_span_bytes_per_token") else "")
         + (f", the routes weighing them at {sp['expert_rate_from_spans'] / 1e9:.1f} GB/s (their spans before)"
+           + (f" and the guesses giving the copies a lead of {sp['expert_lead_ms'] * 1e3:.0f} us a layer"
+              if sp.get("expert_lead_ms") else "")
            if sp.get("expert_rate_from_spans") else "")
         + (f", their parts idle between a job's phases {sp['cpu_phase_wait_ms_per_token']:.1f} ms summed over workers"
            if sp.get("cpu_phase_wait_ms_per_token") else "")

@@ -198,7 +198,11 @@ static struct expert_spans spans_now(struct runner *r)
 {
 	struct backend_cpu_share_stats bs;
 	backend_get_cpu_share_stats(r->be, &bs);
-	return (struct expert_spans){.layers = bs.expert_layers, .bytes = bs.experts_span_bytes, .ms = bs.experts_span_ms};
+	return (struct expert_spans){.layers = bs.expert_layers,
+				     .bytes = bs.experts_span_bytes,
+				     .ms = bs.experts_span_ms,
+				     .gaps = bs.expert_gaps,
+				     .gap_ms = bs.experts_gap_gpu_ms + bs.experts_gap_host_ms};
 }
 
 void runner_expert_rate(struct runner *r)
@@ -210,23 +214,28 @@ void runner_expert_rate(struct runner *r)
 	    !r->cpu_experts_early)
 		return;
 	const struct expert_spans now = spans_now(r);
-	if (now.layers < r->expert_base.layers || now.bytes < r->expert_base.bytes || now.ms < r->expert_base.ms) {
+	const struct expert_spans *b = &r->expert_base;
+	if (now.layers < b->layers || now.bytes < b->bytes || now.ms < b->ms || now.gaps < b->gaps ||
+	    now.gap_ms < b->gap_ms) {
 		r->expert_base = now; /* counters that went back: counted afresh */
 		return;
 	}
-	const struct expert_spans seen = {now.layers - r->expert_base.layers, now.bytes - r->expert_base.bytes,
-					  now.ms - r->expert_base.ms};
-	const double rate = expert_spans_rate(&seen);
+	const struct expert_spans seen = {now.layers - b->layers, now.bytes - b->bytes, now.ms - b->ms,
+					  now.gaps - b->gaps, now.gap_ms - b->gap_ms};
+	const double rate = expert_spans_rate(&seen), lead = expert_spans_lead(&seen);
 	if (!(rate > 0))
 		return;
 	r->expert_base = now;
 	const double before = gpu_window_expert_rate(r->win);
-	if (!(before > 0) || fabs(rate / before - 1) >= 0.10)
+	if (!(before > 0) || fabs(rate / before - 1) >= 0.10 || !r->expert_rate)
 		log_info("cpu share: the CPU's experts of %llu layers read %.2f GB in %.1f ms, %.1f GB/s (the routes "
-			 "weighed them at %.1f): the routes weigh them at that from now on",
-			 (unsigned long long)seen.layers, (double)seen.bytes / 1e9, seen.ms, rate / 1e9, before / 1e9);
+			 "weighed them at %.1f), %.0f us from a layer's last to the next one's first: the routes weigh "
+			 "them at that from now on, and the guesses give the copies that lead",
+			 (unsigned long long)seen.layers, (double)seen.bytes / 1e9, seen.ms, rate / 1e9, before / 1e9,
+			 lead * 1e6);
 	r->expert_rate = rate;
-	gpu_window_set_expert_rate(r->win, rate);
+	r->expert_lead = lead;
+	gpu_window_set_expert_rate(r->win, rate, lead);
 #else
 	(void)r;
 #endif

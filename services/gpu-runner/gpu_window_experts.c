@@ -27,22 +27,29 @@ bool gw_may_guess(const struct gpu_window *w, uint32_t layer)
 
 /* What the next decode step copies of `layer`'s streamed experts before its route, from this
  * routing (`used`, its sides settled in on_cpu): not every chosen expert, which would leave the CPU
- * only the guesses' misses, but the GPU's share of their bytes by the rates the route balances
- * (gpu_frac: H2D / (H2D + CPU)), the experts the GPU took this step first. The rest of the choice
- * is passed over, and chosen again it goes to the CPU, as a miss does. An expert whose host bytes
- * stream is guessed in whenever chosen: only a copy can take it. */
-static void guess_next(struct gpu_window *w, uint32_t layer, const bool *used, double gpu_frac)
+ * only the guesses' misses, but the GPU's share of their bytes by the rates the sides go at (h2d,
+ * cpu; cpu 0: all of them) and the lead the copies have over the CPU's experts, which wait for the
+ * layer's route (expert_copy_share), the experts the GPU took this step first. The rest of the
+ * choice is passed over, and chosen again it goes to the CPU, as a miss does. An expert whose host
+ * bytes stream is guessed in whenever chosen: only a copy can take it. Whole experts: with carry,
+ * what a layer takes more or less than its share is carried to the next layer guessed
+ * (guess_carry), so that a share of 3.4 experts in 8 is 3 in some layers and 4 in others, not 3 in
+ * all; without, each layer's share is rounded on its own. */
+static void guess_next(struct gpu_window *w, uint32_t layer, const bool *used, double h2d, double cpu, double lead,
+		       bool carry)
 {
 	const struct weight_source *ws = &w->base;
 	const uint32_t E = ws->cfg->n_experts, g0 = w->expert0[layer];
 	bool *next = w->guess_set + (size_t)layer * E;
 	memset(next, 0, E * sizeof(bool));
-	double chosen = 0, got = 0;
+	double chosen = 0, got = 0, most = 0;
 	for (uint32_t g = g0; g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT && ws->groups[g].layer == layer;
 	     g++)
-		if (used[ws->groups[g].expert] && !w->g[g].resident)
+		if (used[ws->groups[g].expert] && !w->g[g].resident) {
 			chosen += (double)w->copy_bytes[g];
-	const double target = gpu_frac * chosen;
+			most = (double)w->copy_bytes[g] > most ? (double)w->copy_bytes[g] : most;
+		}
+	const double target = expert_copy_share(chosen, h2d, cpu, lead) * chosen + (carry ? w->guess_carry : 0);
 	for (int pass = 0; pass < 3; pass++)
 		for (uint32_t g = g0; g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
 				      ws->groups[g].layer == layer; g++) {
@@ -58,6 +65,9 @@ static void guess_next(struct gpu_window *w, uint32_t layer, const bool *used, d
 			next[x] = true;
 			got += b;
 		}
+	/* At most one expert's bytes carried either way (a layer with nothing chosen carries nothing). */
+	const double c = !carry ? 0 : chosen > 0 ? target - got : w->guess_carry;
+	w->guess_carry = c > most ? most : c < -most ? -most : c;
 }
 
 int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)
@@ -154,7 +164,13 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 	/* A decode step's routing is the guess for the layer's next (a prefill chunk chooses nearly
 	 * every expert: it guesses nothing). */
 	if (w->guess_set && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS) {
-		guess_next(w, layer, used, cpu ? h2d_r / (h2d_r + cpu_r) : 1);
+		/* Auto once the runner has given the rates the CPU's experts ran at (gpu_window_set_expert_rate):
+		 * the link as it runs beside the CPU where the calibration measured it so, the lead of the
+		 * copies, the share carried from layer to layer. Else (the start's calibration, a fixed
+		 * share): the rates as the route takes them, each layer rounded on its own. */
+		const bool learnt = pol->mode == CPU_SHARE_AUTO && w->st.expert_rate_jobs > 0;
+		const double h2d_g = learnt && w->st.h2d_beside_cpu_bytes_per_s > 0 ? w->st.h2d_beside_cpu_bytes_per_s : h2d_r;
+		guess_next(w, layer, used, h2d_g, cpu ? cpu_r : 0, learnt ? w->st.expert_lead_ms * 1e-3 : 0, learnt);
 		w->last_known[layer] = true;
 	} else if (w->last_known) {
 		w->last_known[layer] = false;

@@ -93,6 +93,7 @@ struct gpu_window {
 	bool *guess_set;	   /* (n_layers, n_experts): what each layer's next decode step copies before
 				    * its route, from its last decode routing (guess_next; predict) */
 	bool *last_known;	   /* n_layers: a decode routing of the layer has been seen (predict) */
+	double guess_carry;	   /* bytes the last layer guessed took less than its share (more: < 0) */
 	struct cpu_share_policy moe_policy; /* which routed experts the CPU computes (mode off: none) */
 	uint32_t moe_format;	   /* the experts' matrix format (gate's), whose CPU rate auto weighs */
 	bool host_reads;	   /* acquire_host handed out ring pointers the backend may still read (until

@@ -687,9 +687,10 @@ double gpu_window_cpu_rate(const struct gpu_window *w, enum dtype f)
 	return (unsigned)f < DT_COUNT ? w->cpu_rate[f] : 0;
 }
 
-void gpu_window_set_expert_rate(struct gpu_window *w, double bytes_per_s)
+void gpu_window_set_expert_rate(struct gpu_window *w, double bytes_per_s, double lead_s)
 {
 	w->st.expert_rate_jobs = bytes_per_s > 0 ? bytes_per_s : 0;
+	w->st.expert_lead_ms = lead_s > 0 ? lead_s * 1e3 : 0;
 }
 
 double gpu_window_expert_rate(const struct gpu_window *w)

@@ -120,7 +120,7 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 	predict(r);
 	runner_split_mark(r); /* its jobs counted from here (cpu_share.c) */
 	if (r->expert_rate > 0)
-		gpu_window_set_expert_rate(r->win, r->expert_rate); /* what the window before learnt */
+		gpu_window_set_expert_rate(r->win, r->expert_rate, r->expert_lead); /* the window before's */
 	return 0;
 #else
 	snprintf(err, errlen, "a device backend without CUDA support in this build");

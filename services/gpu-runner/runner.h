@@ -128,6 +128,7 @@ struct runner {
 	struct split_jobs split_base; /* the backend's job counters when the window in force was made */
 	struct expert_spans expert_base; /* the backend's CPU expert spans when their rate was last asked */
 	double expert_rate;	    /* the rate they ran at, given to the window's routes (0: none yet) */
+	double expert_lead;	    /* the mean gap between two layers' CPU experts (s), given with it */
 	struct kv_remote kv;
 	void *pool_pinned; /* the KV pool mapping, page-locked for the backend's copies */
 	bool loader_suspect, kv_suspect;

@@ -353,3 +353,23 @@ double expert_spans_rate(const struct expert_spans *seen)
 		return 0;
 	return (double)seen->bytes / (seen->ms * 1e-3);
 }
+
+double expert_spans_lead(const struct expert_spans *seen)
+{
+	if (seen->gaps < EXPERT_RATE_MIN_LAYERS || !(seen->gap_ms > 0))
+		return 0;
+	return seen->gap_ms * 1e-3 / (double)seen->gaps;
+}
+
+double expert_copy_share(double chosen, double h2d, double cpu, double lead)
+{
+	if (!(h2d > 0))
+		return 0;
+	if (!(cpu > 0))
+		return 1;
+	/* copies c / h2d = lead + (chosen - c) / cpu */
+	double f = h2d / (h2d + cpu);
+	if (lead > 0 && chosen > 0)
+		f += lead * h2d * cpu / (chosen * (h2d + cpu));
+	return f < 0 ? 0 : f > 1 ? 1 : f;
+}

@@ -164,6 +164,8 @@ double split_jobs_factor(const struct split_jobs *seen, uint32_t split_layers, u
 struct expert_spans {
 	uint64_t layers, bytes;
 	double ms;
+	uint64_t gaps;	/* from a layer's last CPU expert's end to the next layer's first handed over, */
+	double gap_ms;	/* in one step: their count and time (the GPU's chain and the host's route) */
 };
 /* Layers with CPU experts a rate from their spans needs at least (two tokens of a 24-layer model). */
 #define EXPERT_RATE_MIN_LAYERS 48
@@ -173,6 +175,15 @@ struct expert_spans {
  * experts then read 74-78.5, so the routes gave the CPU the longer side of every layer). 0 when it
  * says nothing yet: fewer than EXPERT_RATE_MIN_LAYERS layers, no bytes or no time. */
 double expert_spans_rate(const struct expert_spans *seen);
+/* The mean of those gaps in seconds: the time a layer in which the copies can run and the CPU's
+ * experts cannot (they wait for the layer's route); 0 under EXPERT_RATE_MIN_LAYERS gaps. */
+double expert_spans_lead(const struct expert_spans *seen);
+/* The part of a layer's chosen experts (chosen bytes, not kept on the GPU) that the copies should
+ * take so that both sides end together, the link at h2d and the CPU at cpu bytes a second, the link
+ * starting lead seconds before the CPU can: h2d / (h2d + cpu) with no lead, more with one; in
+ * [0, 1]. With the rates so, a layer's experts take (chosen + lead * h2d) / (h2d + cpu) where each
+ * side alone would take chosen / cpu + lead or chosen / h2d. */
+double expert_copy_share(double chosen, double h2d, double cpu, double lead);
 
 #ifdef __cplusplus
 }

@@ -396,6 +396,7 @@ char *runner_stats(void *ctx)
 			json_object_set_new(g, "expert_replans", json_integer((json_int_t)r->expert_replans));
 			json_object_set_new(g, "rates_from_jobs", json_boolean(ws2.rates_from_jobs));
 			json_object_set_new(g, "expert_rate_from_spans", json_real(ws2.expert_rate_jobs));
+			json_object_set_new(g, "expert_lead_ms", json_real(ws2.expert_lead_ms));
 			json_object_set_new(g, "refill_bytes", json_integer((json_int_t)ws2.refill_bytes));
 			json_object_set_new(g, "split_balance_token", json_boolean(ws2.split_balance_token));
 			json_object_set_new(g, "cpu_bytes_per_token", json_integer((json_int_t)ws2.cpu_bytes_per_token));

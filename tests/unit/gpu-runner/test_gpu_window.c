@@ -972,17 +972,17 @@ static void experts_from_disk(uint32_t experts, bool cpu, bool predict, bool aut
 		 * one every chosen expert pinned in DRAM; 0 goes back to the plan's rate. */
 		ck_assert(gpu_window_expert_rate(w) == 1e7);
 		ck_assert(st.expert_rate_jobs == 0);
-		gpu_window_set_expert_rate(w, 1.0);
+		gpu_window_set_expert_rate(w, 1.0, 0);
 		uint64_t before = st.experts_cpu;
 		routed_steps_as(&f, w, 12, true);
 		gpu_window_stats(w, &st);
 		ck_assert_uint_eq(st.experts_cpu, before);
 		ck_assert(st.expert_rate_jobs == 1.0 && gpu_window_expert_rate(w) == 1.0);
-		gpu_window_set_expert_rate(w, 1e18);
+		gpu_window_set_expert_rate(w, 1e18, 0);
 		routed_steps_as(&f, w, 12, true);
 		gpu_window_stats(w, &st);
 		ck_assert_uint_gt(st.experts_cpu, before);
-		gpu_window_set_expert_rate(w, 0);
+		gpu_window_set_expert_rate(w, 0, 0);
 		ck_assert(gpu_window_expert_rate(w) == 1e7);
 	}
 	if (predict) /* pinned experts guessed in or out; those that stream only ever guessed in */

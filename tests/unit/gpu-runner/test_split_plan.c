@@ -315,6 +315,32 @@ START_TEST(test_expert_spans_rate)
 	ck_assert(expert_spans_rate(&seen) == 0);
 	seen.ms = -1;
 	ck_assert(expert_spans_rate(&seen) == 0);
+	/* the lead: the gaps' mean, once as many as the rate needs */
+	seen.gaps = EXPERT_RATE_MIN_LAYERS;
+	seen.gap_ms = EXPERT_RATE_MIN_LAYERS * 0.09;
+	ck_assert_double_eq_tol(expert_spans_lead(&seen), 90e-6, 1e-12);
+	seen.gaps--;
+	ck_assert(expert_spans_lead(&seen) == 0);
+	seen.gaps++;
+	seen.gap_ms = 0;
+	ck_assert(expert_spans_lead(&seen) == 0);
+}
+END_TEST
+
+START_TEST(test_expert_copy_share)
+{
+	/* No lead: the link's part of the rates. */
+	ck_assert_double_eq_tol(expert_copy_share(70e6, 50e9, 75e9, 0), 0.4, 1e-12);
+	/* A lead: both sides end together, the CPU starting lead later. */
+	const double chosen = 70e6, h2d = 50e9, cpu = 75e9, lead = 100e-6;
+	const double f = expert_copy_share(chosen, h2d, cpu, lead);
+	ck_assert_double_gt(f, 0.4);
+	ck_assert_double_eq_tol(f * chosen / h2d, lead + (1 - f) * chosen / cpu, 1e-12);
+	/* Bounds: a lead longer than the copies of all take all; no CPU, all; no link, none. */
+	ck_assert(expert_copy_share(chosen, h2d, cpu, 1.0) == 1);
+	ck_assert(expert_copy_share(chosen, h2d, 0, 0) == 1);
+	ck_assert(expert_copy_share(chosen, 0, cpu, lead) == 0);
+	ck_assert_double_eq_tol(expert_copy_share(0, h2d, cpu, lead), 0.4, 1e-12); /* nothing chosen */
 }
 END_TEST
 
@@ -329,6 +355,7 @@ static Suite *plan_suite(void)
 	tcase_add_test(tc, test_calibrate);
 	tcase_add_test(tc, test_jobs_factor);
 	tcase_add_test(tc, test_expert_spans_rate);
+	tcase_add_test(tc, test_expert_copy_share);
 	suite_add_tcase(s, tc);
 	return s;
 }
