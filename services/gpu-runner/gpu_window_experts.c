@@ -65,9 +65,12 @@ static void guess_next(struct gpu_window *w, uint32_t layer, const bool *used, d
 			next[x] = true;
 			got += b;
 		}
-	/* At most one expert's bytes carried either way (a layer with nothing chosen carries nothing). */
-	const double c = !carry ? 0 : chosen > 0 ? target - got : w->guess_carry;
-	w->guess_carry = c > most ? most : c < -most ? -most : c;
+	/* At most one expert's bytes carried either way; a layer with nothing to copy leaves the carry
+	 * to the next. */
+	if (!carry)
+		w->guess_carry = 0;
+	else if (chosen > 0)
+		w->guess_carry = target - got > most ? most : target - got < -most ? -most : target - got;
 }
 
 int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)

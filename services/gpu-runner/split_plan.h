@@ -169,11 +169,11 @@ struct expert_spans {
 };
 /* Layers with CPU experts a rate from their spans needs at least (two tokens of a 24-layer model). */
 #define EXPERT_RATE_MIN_LAYERS 48
-/* The rate the CPU's experts of a layer ran at, bytes over span (bytes a second): what a route weighs
- * the CPU's side with (gw_route) once it is known, in place of the start's calibration, which
- * measures a few hundred MB of experts beside copies (M1 on an H200 host: 97.7 GB/s where a layer's
- * experts then read 74-78.5, so the routes gave the CPU the longer side of every layer). 0 when it
- * says nothing yet: fewer than EXPERT_RATE_MIN_LAYERS layers, no bytes or no time. */
+/* The rate the CPU's experts of a layer ran at, bytes over span (bytes a second): what a route and
+ * the guesses weigh the CPU's side with (gw_route) once it is known, in place of the start's
+ * calibration, which measures a few hundred MB of experts beside copies (M1 on an H200 host: 97.7
+ * GB/s where a layer's experts then read 74-78.5). 0 when it says nothing yet: fewer than
+ * EXPERT_RATE_MIN_LAYERS layers, no bytes or no time. */
 double expert_spans_rate(const struct expert_spans *seen);
 /* The mean of those gaps in seconds: the time a layer in which the copies can run and the CPU's
  * experts cannot (they wait for the layer's route); 0 under EXPERT_RATE_MIN_LAYERS gaps. */
@@ -181,8 +181,8 @@ double expert_spans_lead(const struct expert_spans *seen);
 /* The part of a layer's chosen experts (chosen bytes, not kept on the GPU) that the copies should
  * take so that both sides end together, the link at h2d and the CPU at cpu bytes a second, the link
  * starting lead seconds before the CPU can: h2d / (h2d + cpu) with no lead, more with one; in
- * [0, 1]. With the rates so, a layer's experts take (chosen + lead * h2d) / (h2d + cpu) where each
- * side alone would take chosen / cpu + lead or chosen / h2d. */
+ * [0, 1]. Both sides then take (chosen + lead * cpu) / (h2d + cpu) from the copies' start, where
+ * each alone would take chosen / h2d, or lead + chosen / cpu. */
 double expert_copy_share(double chosen, double h2d, double cpu, double lead);
 
 #ifdef __cplusplus
