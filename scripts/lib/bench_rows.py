@@ -498,6 +498,8 @@ def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16"):
         + (f", the gaps from a layer's last to the next one's first {sp['cpu_gap_gpu_ms_per_token']:.1f} ms to the "
            f"routing's return and {sp.get('cpu_gap_host_ms_per_token', 0):.1f} ms on the host"
            if sp.get("cpu_gap_gpu_ms_per_token") else "")
+        + (f", from a token's last to the next token's first {sp['cpu_step_gap_ms_per_token']:.1f} ms"
+           if sp.get("cpu_step_gap_ms_per_token") else "")
         + ", "
         f"{sp['decode_h2d_bytes_per_token']/1e9:.2f} copied; the host waited "
         f"{sp.get('route_wait_ms_per_token', 0):.1f} ms/token for routings, its window's calls took "

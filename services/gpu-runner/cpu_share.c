@@ -201,8 +201,8 @@ static struct expert_spans spans_now(struct runner *r)
 	return (struct expert_spans){.layers = bs.expert_layers,
 				     .bytes = bs.experts_span_bytes,
 				     .ms = bs.experts_span_ms,
-				     .gaps = bs.expert_gaps,
-				     .gap_ms = bs.experts_gap_gpu_ms + bs.experts_gap_host_ms};
+				     .gaps = bs.expert_gaps + bs.expert_step_gaps,
+				     .gap_ms = bs.experts_gap_gpu_ms + bs.experts_gap_host_ms + bs.experts_step_gap_ms};
 }
 
 void runner_expert_rate(struct runner *r)
@@ -229,8 +229,9 @@ void runner_expert_rate(struct runner *r)
 	const double before = gpu_window_expert_rate(r->win);
 	if (!(before > 0) || fabs(rate / before - 1) >= 0.10 || !r->expert_rate)
 		log_info("cpu share: the CPU's experts of %llu layers read %.2f GB in %.1f ms, %.1f GB/s (the routes "
-			 "weighed them at %.1f), %.0f us from a layer's last to the next one's first: the routes weigh "
-			 "them at that from now on, and the guesses give the copies that lead",
+			 "weighed them at %.1f), %.0f us from a layer's last to the next one's first (the token's ends "
+			 "among them): the routes weigh them at that from now on, and the guesses give the copies that "
+			 "lead",
 			 (unsigned long long)seen.layers, (double)seen.bytes / 1e9, seen.ms, rate / 1e9, before / 1e9,
 			 lead * 1e6);
 	r->expert_rate = rate;

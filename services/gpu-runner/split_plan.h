@@ -164,8 +164,9 @@ double split_jobs_factor(const struct split_jobs *seen, uint32_t split_layers, u
 struct expert_spans {
 	uint64_t layers, bytes;
 	double ms;
-	uint64_t gaps;	/* from a layer's last CPU expert's end to the next layer's first handed over, */
-	double gap_ms;	/* in one step: their count and time (the GPU's chain and the host's route) */
+	uint64_t gaps;	/* from a layer's last CPU expert's end to the next layer's first handed over (in */
+	double gap_ms;	/* one step, and across a token's ends): their count and time (the GPU's chain,
+			 * the host's route; at a token's end the head, the pick and the first layers too) */
 };
 /* Layers with CPU experts a rate from their spans needs at least (two tokens of a 24-layer model). */
 #define EXPERT_RATE_MIN_LAYERS 48

@@ -224,6 +224,11 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 			m->gaps++;
 			m->gap_pending_ns = 0;
 		}
+		if (m->step_pending_ns) {
+			m->step_gap_ns += m->step_pending_ns + (t0 > m->route_t1 ? t0 - m->route_t1 : 0);
+			m->step_gaps++;
+			m->step_pending_ns = 0;
+		}
 	}
 	if (i == 0 && !m->gpu_wait)
 		memset(m->csum, 0, (size_t)be->n * dim * sizeof(float));
@@ -304,7 +309,7 @@ void moe_settle(struct backend_dev *be)
 		return;
 	moe_settle_jobs(m);
 	m->n_waited = 0;
-	m->last_end_ns = m->gap_pending_ns = 0;
+	m->last_end_ns = m->gap_pending_ns = m->step_end_ns = m->step_pending_ns = 0;
 	(void)moe_dev_check(be); /* the failed step's device routing forgotten, a flag of its with it */
 }
 
@@ -347,8 +352,12 @@ int moe_check_step(struct backend_dev *be)
 	const int drc = moe_dev_check(be);
 	if (!rc)
 		rc = drc;
-	if (be->moe)
-		be->moe->last_end_ns = be->moe->gap_pending_ns = 0;
+	if (be->moe) {
+		/* The step's last CPU experts' end, for the gap to the next step's first (none after a
+		 * failure). */
+		be->moe->step_end_ns = rc ? 0 : be->moe->last_end_ns;
+		be->moe->last_end_ns = be->moe->gap_pending_ns = be->moe->step_pending_ns = 0;
+	}
 	return rc;
 }
 
@@ -410,13 +419,18 @@ void moe_cpu_routed(struct cuda_moe *m)
 {
 	m->route_t1 = now_ns();
 	m->gap_pending_ns = m->last_end_ns && m->route_t1 > m->last_end_ns ? m->route_t1 - m->last_end_ns : 0;
+	/* A step's first routing after one whose last layer had CPU experts: the token's ends, where the
+	 * step follows at once (a later request's first step does not). */
+	const uint64_t since = m->route_t1 > m->step_end_ns ? m->route_t1 - m->step_end_ns : 0;
+	m->step_pending_ns = !m->last_end_ns && m->step_end_ns && since < MOE_STEP_GAP_MAX_MS * 1000000ull ? since : 0;
+	m->step_end_ns = 0;
 	m->last_end_ns = 0;
 }
 
 int moe_cpu_end(struct backend_dev *be, moe_combine_w *cw)
 {
 	struct cuda_moe *m = be->moe;
-	m->gap_pending_ns = 0; /* a layer with no CPU expert: no gap */
+	m->gap_pending_ns = m->step_pending_ns = 0; /* a layer with no CPU expert: no gap */
 	if (m->n_cpu && m->gpu_wait)
 		return cpu_experts_waited(be, cw);
 	if (m->n_cpu) {
@@ -449,4 +463,6 @@ void moe_cpu_stats(const struct cuda_moe *m, struct backend_cpu_share_stats *out
 	out->experts_gap_gpu_ms = (double)m->gap_gpu_ns / 1e6;
 	out->experts_gap_host_ms = (double)m->gap_host_ns / 1e6;
 	out->expert_gaps = m->gaps;
+	out->experts_step_gap_ms = (double)m->step_gap_ns / 1e6;
+	out->expert_step_gaps = m->step_gaps;
 }

@@ -114,6 +114,10 @@ struct cuda_moe {
 	 * the gap to it, until the layer's first submission counts both. */
 	uint64_t last_end_ns, route_t1, gap_pending_ns;
 	uint64_t gap_gpu_ns, gap_host_ns, gaps;
+	/* ... and across a step's end: the end of the last step's last layer's last job (0: none, or a
+	 * failed step), the gap to the next step's first routing, and the gaps counted so. */
+	uint64_t step_end_ns, step_pending_ns;
+	uint64_t step_gap_ns, step_gaps;
 	uint32_t fail_in;		/* cuda_test_fail_cpu_expert: the CPU jobs to go until one fails (0: none) */
 	/* Layers routed on the device (moe_device.cu): NULL until the first experts' table. */
 	struct moe_dev *dev;
