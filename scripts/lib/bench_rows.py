@@ -386,7 +386,9 @@ def rows_m1_ab(rec, lim_split, name):
     last routing); the host waiting for a token's CPU experts at the layer's end and copying their sum up
     (--cpu-result copy; by default the stream waits for them and a kernel reads their rows); the CPU's
     expert jobs in equal chunks (--cpu-expert-chunks equal; by default they taper); each expert the GPU
-    keeps launched on its own (--experts-apart; by default a layer's go in two launches)."""
+    keeps launched on its own (--experts-apart; by default a layer's go in two launches); the CPU's experts
+    weighed at the start's calibrated rate (--fixed-split; by default at the rate their spans ran at, and
+    the guesses give the copies their lead)."""
     mode = "visit" if "visit" in rec else "route"
     return (rows_m1_variant(rec, mode, f"--cpu-experts {mode}", lim_split, name) +
             rows_m1_variant(rec, "nopredict", "--predict-experts=false", lim_split, name, host_time=False) +
@@ -395,7 +397,9 @@ def rows_m1_ab(rec, lim_split, name):
             rows_m1_variant(rec, "equal", "--cpu-expert-chunks equal", lim_split, name,
                             said="the CPU's expert jobs in equal chunks; ", spans=True) +
             rows_m1_variant(rec, "apart", "--experts-apart", lim_split, name,
-                            said="each kept expert launched on its own; "))
+                            said="each kept expert launched on its own; ") +
+            rows_m1_variant(rec, "startrate", "--fixed-split", lim_split, name,
+                            said="the CPU's experts weighed at the calibrated rate; ", spans=True))
 
 
 def window_by(rec):
