@@ -47,8 +47,10 @@ START_TEST(test_samples_where_busy)
 	uint64_t total = 0;
 	size_t n = host_profile_top(top, 16, &total);
 	/* 0.3 s of CPU: 600 samples at 2000 a second where the kernel's timers are that fine, 75 where
-	 * a thread's CPU clock is checked at a 250 Hz tick (host_profile.h). */
-	ck_assert_msg(total >= 20, "%llu samples", (unsigned long long)total);
+	 * a thread's CPU clock is checked at a 250 Hz tick (host_profile.h), fewer where the thread
+	 * shares its CPUs with busy ones (16 on a machine of 2 beside a test run and a benchmark of 2
+	 * threads): the check is that sampling works at all, the place is checked below. */
+	ck_assert_msg(total >= 8, "%llu samples", (unsigned long long)total);
 	ck_assert_uint_gt(n, 0);
 	uint64_t sum = 0;
 	for (size_t i = 0; i < n; i++) {
