@@ -409,11 +409,11 @@ int backend_hidden_device(struct backend *be, float **x, struct CUstream_st **st
  * without a head: its step's failures show here, as they show at logits otherwise). */
 int backend_finish(struct backend *be);
 
-/* What the CPU share of split FFNs has done since the backend was made (all zero without one). */
 /* Longest gap between one step's last CPU experts and the next step's first routing that counts as
  * the token's ends (backend_cpu_share_stats.experts_step_gap_ms); longer, the steps are apart. */
 #define MOE_STEP_GAP_MAX_MS 50
 
+/* What the CPU share of split FFNs has done since the backend was made (all zero without one). */
 struct backend_cpu_share_stats {
 	char handoff[16];    /* how it is handed over: "memops", "hostfunc" (CUDA), "direct" (the C backend), "none" */
 	uint64_t jobs;	     /* CPU shares computed (a failed one included) */
@@ -442,9 +442,9 @@ struct backend_cpu_share_stats {
 	 * first expert handed to the pool (the host's route), summed over the expert_gaps seen. */
 	double experts_gap_gpu_ms, experts_gap_host_ms;
 	uint64_t expert_gaps;
-	/* The same from a one-token step's last layer's CPU experts to the next step's first layer's
-	 * (the token's ends: the head, the pick, the next step's first layers), where the next step
-	 * routes within MOE_STEP_GAP_MAX_MS (50) of them: their time, summed, and their count. */
+	/* The same from a step's last layer's CPU experts to the next step's first layer's (the
+	 * token's ends: the head, the pick, the next step's first layers), where the next step routes
+	 * within MOE_STEP_GAP_MAX_MS (50) of them: their time, summed, and their count. */
 	double experts_step_gap_ms;
 	uint64_t expert_step_gaps;
 };

@@ -235,8 +235,9 @@ void runner_expert_rate(struct runner *r)
 			 (unsigned long long)seen.layers, (double)seen.bytes / 1e9, seen.ms, rate / 1e9, before / 1e9,
 			 lead * 1e6);
 	r->expert_rate = rate;
-	r->expert_lead = lead;
-	gpu_window_set_expert_rate(r->win, rate, lead);
+	if (lead > 0) /* too few gaps in the stretch (few layers in a row with CPU experts): the last one */
+		r->expert_lead = lead;
+	gpu_window_set_expert_rate(r->win, rate, r->expert_lead);
 #else
 	(void)r;
 #endif

@@ -532,6 +532,7 @@ static int win_reset(struct weight_source *ws)
 	int rc = gw_poll_copies(w);
 	if (rc)
 		return rc;
+	w->guess_carry = 0;
 	for (uint32_t g = 0; g < ws->n_groups; g++) {
 		struct gent *e = &w->g[g];
 		e->in_use = false;

@@ -34,7 +34,8 @@ bool gw_may_guess(const struct gpu_window *w, uint32_t layer)
  * bytes stream is guessed in whenever chosen: only a copy can take it. Whole experts: with carry,
  * what a layer takes more or less than its share is carried to the next layer guessed
  * (guess_carry), so that a share of 3.4 experts in 8 is 3 in some layers and 4 in others, not 3 in
- * all; without, each layer's share is rounded on its own. */
+ * all (the experts only a copy can take are not in it: they go whatever the share); without, each
+ * layer's share is rounded on its own. */
 static void guess_next(struct gpu_window *w, uint32_t layer, const bool *used, double h2d, double cpu, double lead,
 		       bool carry)
 {
@@ -42,7 +43,7 @@ static void guess_next(struct gpu_window *w, uint32_t layer, const bool *used, d
 	const uint32_t E = ws->cfg->n_experts, g0 = w->expert0[layer];
 	bool *next = w->guess_set + (size_t)layer * E;
 	memset(next, 0, E * sizeof(bool));
-	double chosen = 0, got = 0, most = 0;
+	double chosen = 0, got = 0, most = 0, got0 = 0, target1 = 0;
 	for (uint32_t g = g0; g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT && ws->groups[g].layer == layer;
 	     g++)
 		if (used[ws->groups[g].expert] && !w->g[g].resident) {
@@ -50,7 +51,11 @@ static void guess_next(struct gpu_window *w, uint32_t layer, const bool *used, d
 			most = (double)w->copy_bytes[g] > most ? (double)w->copy_bytes[g] : most;
 		}
 	const double target = expert_copy_share(chosen, h2d, cpu, lead) * chosen + (carry ? w->guess_carry : 0);
-	for (int pass = 0; pass < 3; pass++)
+	for (int pass = 0; pass < 3; pass++) {
+		if (pass == 1) { /* what is left of the target for the experts either side can take */
+			got0 = got;
+			target1 = target > got0 ? target - got0 : 0;
+		}
 		for (uint32_t g = g0; g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
 				      ws->groups[g].layer == layer; g++) {
 			const uint32_t x = ws->groups[g].expert;
@@ -65,12 +70,14 @@ static void guess_next(struct gpu_window *w, uint32_t layer, const bool *used, d
 			next[x] = true;
 			got += b;
 		}
+	}
 	/* At most one expert's bytes carried either way; a layer with nothing to copy leaves the carry
 	 * to the next. */
+	const double miss = target1 - (got - got0);
 	if (!carry)
 		w->guess_carry = 0;
 	else if (chosen > 0)
-		w->guess_carry = target - got > most ? most : target - got < -most ? -most : target - got;
+		w->guess_carry = miss > most ? most : miss < -most ? -most : miss;
 }
 
 int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)
@@ -172,11 +179,13 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 		 * copies, the share carried from layer to layer. Else (the start's calibration, a fixed
 		 * share): the rates as the route takes them, each layer rounded on its own. */
 		const bool learnt = pol->mode == CPU_SHARE_AUTO && w->st.expert_rate_jobs > 0;
-		const double h2d_g = learnt && w->st.h2d_beside_cpu_bytes_per_s > 0 ? w->st.h2d_beside_cpu_bytes_per_s : h2d_r;
+		const double beside = w->st.h2d_beside_cpu_bytes_per_s; /* taken only where lower, as the plan does */
+		const double h2d_g = learnt && beside > 0 && beside < h2d_r ? beside : h2d_r;
 		guess_next(w, layer, used, h2d_g, cpu ? cpu_r : 0, learnt ? w->st.expert_lead_ms * 1e-3 : 0, learnt);
 		w->last_known[layer] = true;
 	} else if (w->last_known) {
 		w->last_known[layer] = false;
+		w->guess_carry = 0; /* a prefill chunk: the guesses start over */
 	}
 	/* The chosen experts the window copies from the loader's streaming slots are asked for together
 	 * (the ring's route: one ACQUIRE, the loader reads them at once) before the first copy waits on

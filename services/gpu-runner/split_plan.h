@@ -177,7 +177,10 @@ struct expert_spans {
  * EXPERT_RATE_MIN_LAYERS layers, no bytes or no time. */
 double expert_spans_rate(const struct expert_spans *seen);
 /* The mean of those gaps in seconds: the time a layer in which the copies can run and the CPU's
- * experts cannot (they wait for the layer's route); 0 under EXPERT_RATE_MIN_LAYERS gaps. */
+ * experts cannot (they wait for the layer's route); 0 under EXPERT_RATE_MIN_LAYERS gaps. One mean
+ * over both kinds, a token's ends among them: over a token the copies have the gaps' sum more than
+ * the CPU, and slots deep enough let them spend it in any layer (with two, they cannot run that far
+ * ahead, and the guesses are bound by the slots, whatever the share). */
 double expert_spans_lead(const struct expert_spans *seen);
 /* The part of a layer's chosen experts (chosen bytes, not kept on the GPU) that the copies should
  * take so that both sides end together, the link at h2d and the CPU at cpu bytes a second, the link

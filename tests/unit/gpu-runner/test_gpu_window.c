@@ -968,8 +968,9 @@ static void experts_from_disk(uint32_t experts, bool cpu, bool predict, bool aut
 	}
 	if (auto_share) {
 		/* Auto weighs a route's CPU side at the rate the runner gives (the experts' spans,
-		 * runner_expert_rate), else the plan's: far too slow a CPU gets no expert, far too fast
-		 * one every chosen expert pinned in DRAM; 0 goes back to the plan's rate. */
+		 * runner_expert_rate), else the plan's: far too slow a CPU gets no expert (the plan's rate
+		 * gave it some above), far too fast one gets chosen experts again; 0 goes back to the
+		 * plan's rate. */
 		ck_assert(gpu_window_expert_rate(w) == 1e7);
 		ck_assert(st.expert_rate_jobs == 0);
 		gpu_window_set_expert_rate(w, 1.0, 0);
