@@ -305,14 +305,15 @@ static void render_runner(struct out *o, json_t *svc)
 		/* A mixture of experts on CUDA: the routed experts the pool computed, a layer's of them from
 		 * the first submitted to the last done, and the chain between two layers'. */
 		const double layers = jnum(cs, "expert_layers", 0), span = jnum(cs, "experts_span_ms", 0),
-			     gaps = jnum(cs, "expert_gaps", 0);
+			     gaps = jnum(cs, "expert_gaps", 0), step_gaps = jnum(cs, "expert_step_gaps", 0);
 		line(o, "  cpu    experts %s computed; a layer's %.3f ms, first submitted to last done (%.1f GB/s over %s "
 		     "layers; parts idle between a job's phases %.1f ms in all); between two layers' %.3f ms to the "
-		     "next routing, %.3f ms on the host",
+		     "next routing, %.3f ms on the host; across a token's ends %.3f ms",
 		     count(cs, "experts"), layers > 0 ? span / layers : 0,
 		     span > 0 ? jnum(cs, "experts_span_bytes", 0) / span / 1e6 : 0, count(cs, "expert_layers"),
 		     jnum(cs, "experts_phase_wait_ms", 0), gaps > 0 ? jnum(cs, "experts_gap_gpu_ms", 0) / gaps : 0,
-		     gaps > 0 ? jnum(cs, "experts_gap_host_ms", 0) / gaps : 0);
+		     gaps > 0 ? jnum(cs, "experts_gap_host_ms", 0) / gaps : 0,
+		     step_gaps > 0 ? jnum(cs, "experts_step_gap_ms", 0) / step_gaps : 0);
 	}
 	json_t *pb = jobj(pool, "blocks");
 	char pool_used[64] = "-";
