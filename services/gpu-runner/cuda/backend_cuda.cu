@@ -293,13 +293,26 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 	be->dq_narrow = false;
 	if (rc)
 		return rc;
-	if ((c->flags & MODEL_QK_NORM) &&
+	/* Qwen3's q/k norms: in RoPE's launch where each head's pairs are one block's (a launch less in
+	 * the chain of a layer), else a launch of their own before it. */
+	const bool qk = (c->flags & MODEL_QK_NORM) != 0;
+	bool qk_in_rope = qk && be->fuse_norms && rope_fuses_norms(c->head_dim, multi ? n : 1);
+	for (uint32_t k = 0; qk_in_rope && k < n_launch; k++)
+		qk_in_rope = rope_fuses_norms(c->head_dim, be->run_n[k]);
+	if (qk && !qk_in_rope &&
 	    (rc = qk_norm(be, dev(w, ROLE_Q_NORM), fmt(w, ROLE_Q_NORM), dev(w, ROLE_K_NORM), fmt(w, ROLE_K_NORM))))
 		return rc;
+	const void *qn = qk_in_rope ? dev(w, ROLE_Q_NORM) : NULL, *kn = qk_in_rope ? dev(w, ROLE_K_NORM) : NULL;
+	const uint32_t qt = qk_in_rope ? fmt(w, ROLE_Q_NORM) : 0, kt = qk_in_rope ? fmt(w, ROLE_K_NORM) : 0;
 
 	/* RoPE at each sequence's positions, its K and V into the arena, its attention state reset. */
 	for (uint32_t k = 0; k < n_launch; k++) {
 		uint32_t r0 = be->run_row0[k];
+		ra[k].qn = qn;
+		ra[k].kn = kn;
+		ra[k].qt = qt;
+		ra[k].kt = kt;
+		ra[k].eps = c->rms_eps;
 		ra[k].qkv = be->qkv + (size_t)r0 * be->qkv_ld;
 		ra[k].ld = be->qkv_ld;
 		ra[k].inv_freq = be->inv_freq;
@@ -342,6 +355,11 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 		m.l = be->st_l;
 		m.acc = be->st_acc;
 		m.tr = ktrace_next(be, "rope (several sequences)");
+		m.qn = qn;
+		m.kn = kn;
+		m.qt = qt;
+		m.kt = kt;
+		m.eps = c->rms_eps;
 		rope_launch(be->p.kv_dtype, m, be->pdl, be->stream);
 		LAUNCHED(be, "rope_kernel (several sequences)");
 	}
@@ -867,6 +885,7 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->wide_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_NARROW_DQ;
 	be->mix_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_APART_DQ;
 	be->wide_qkv = p->fuse == BACKEND_FUSE_WIDE_QKV;
+	be->fuse_norms = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_APART_NORMS;
 	be->early_kv = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_LATE_KV;
 	be->attn_key_warps = p->fuse == BACKEND_FUSE_ONE_KEY_WARP ? 1 : 2;
 

@@ -19,7 +19,8 @@
  * with a Q6_K down, Q8_0, F16: batches cut where the formats change, and before the token's row is
  * gathered in F16). And the same layer routed on the device (backend_moe_layer, 8 experts a token,
  * Q4_K with a Q6_K down, and BF16): the residual the same bits as the host's route, the same experts
- * chosen; a layer of 10 experts a token, of mixed formats, or with --moe-host-route refused.
+ * chosen; a layer of 10 experts a token, of mixed formats, or with --moe-host-route refused. The
+ * layer's RMSNorm and router in one launch (the default) and apart: the same bits, both routes.
  *
  * Without a GPU the program exits 77 (ctest: skipped). */
 #include <check.h>
@@ -372,13 +373,16 @@ static void layer_free(struct layer *y)
 		free(y->host[i]);
 }
 
+/* backend_params.fuse of the layers' backends. */
+static uint32_t layer_fuse = BACKEND_FUSE_DEFAULT;
+
 /* One-token steps of the layer alone (embed, route, the chosen experts in order, end) on a backend
  * with or without --experts-apart; each step's residual row into out (L_TOKENS, L_DIM), and the
  * experts each step chose into used (NULL: not wanted). */
 static void layer_run(struct layer *y, bool apart, float *out, uint32_t *chosen, bool (*used)[L_EXPERTS])
 {
 	struct backend_params p = {.max_chunk = 4, .block_tokens = 16, .n_kv_blocks = 8, .kv_dtype = DT_BF16,
-				   .threads = 1, .experts_apart = apart};
+				   .threads = 1, .experts_apart = apart, .fuse = layer_fuse};
 	struct backend *be = NULL;
 	char err[400] = "";
 	int rc = backend_create("cuda", &y->cfg, &p, &be, err, sizeof(err));
@@ -449,7 +453,7 @@ static void layer_device(enum dtype gf, enum dtype df)
 	layer_run(y, false, host, &n_host, used_host);
 	ck_assert_uint_eq(n_host, L_TOKENS * k);
 	struct backend_params p = {.max_chunk = 4, .block_tokens = 16, .n_kv_blocks = 8, .kv_dtype = DT_BF16,
-				   .threads = 1};
+				   .threads = 1, .fuse = layer_fuse};
 	struct backend *be = NULL;
 	char err[400] = "";
 	ck_assert_msg(backend_create("cuda", &y->cfg, &p, &be, err, sizeof(err)) == 0, "cuda create: %s", err);
@@ -518,6 +522,40 @@ START_TEST(test_layer_device)
 }
 END_TEST
 
+/* A one-token layer's RMSNorm and router in one launch (the default) against a launch each
+ * (BACKEND_FUSE_APART_NORMS), through the host's route: the same experts chosen and the residual
+ * the same bits at every step (the norm summed in rmsnorm_kernel's order, each logit in
+ * router_kernel's). Then the device's route with them apart against the host's route with them
+ * apart (layer_device), which with test_layer_device's default case closes the square. */
+START_TEST(test_layer_norms_apart)
+{
+	struct layer *y = malloc(sizeof(*y));
+	ck_assert_ptr_nonnull(y);
+	layer_new(y, false);
+	float one[L_TOKENS * L_DIM], apart[L_TOKENS * L_DIM];
+	bool used_one[L_TOKENS][L_EXPERTS], used_apart[L_TOKENS][L_EXPERTS];
+	uint32_t n_one, n_apart;
+	layer_run(y, false, one, &n_one, used_one);
+	layer_fuse = BACKEND_FUSE_APART_NORMS;
+	layer_run(y, false, apart, &n_apart, used_apart);
+	layer_fuse = BACKEND_FUSE_DEFAULT;
+	ck_assert_uint_eq(n_one, L_TOKENS * L_USED);
+	ck_assert_uint_eq(n_apart, L_TOKENS * L_USED);
+	for (uint32_t t = 0; t < L_TOKENS; t++)
+		for (uint32_t e = 0; e < L_EXPERTS; e++)
+			ck_assert_msg(used_one[t][e] == used_apart[t][e], "token %u: expert %u chosen %s", t, e,
+				      used_one[t][e] ? "in one launch only" : "apart only");
+	uint32_t lo = 0, hi = 0, nd = diff_rows(one, apart, L_TOKENS * L_DIM, &lo, &hi);
+	ck_assert_msg(nd == 0, "norm and router in one launch: %u values differ from apart (%u..%u), value %u %.9g "
+		      "against %.9g", nd, lo, hi, lo, (double)one[lo], (double)apart[lo]);
+	layer_free(y);
+	free(y);
+	layer_fuse = BACKEND_FUSE_APART_NORMS;
+	layer_device(DT_BF16, DT_BF16);
+	layer_fuse = BACKEND_FUSE_DEFAULT;
+}
+END_TEST
+
 START_TEST(test_layer_uniform)
 {
 	layer_compare(false);
@@ -544,6 +582,7 @@ static Suite *experts_suite(void)
 	tcase_add_test(tl, test_layer_uniform);
 	tcase_add_test(tl, test_layer_mixed);
 	tcase_add_loop_test(tl, test_layer_device, 0, 2);
+	tcase_add_test(tl, test_layer_norms_apart);
 	suite_add_tcase(s, tl);
 	return s;
 }
