@@ -293,8 +293,8 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 	be->dq_narrow = false;
 	if (rc)
 		return rc;
-	/* Qwen3's q/k norms: in RoPE's launch where each head's pairs are one block's (a launch less in
-	 * the chain of a layer), else a launch of their own before it. */
+	/* Qwen3's q/k norms: a launch of their own before RoPE, or with BACKEND_FUSE_NORMS_TOGETHER (a
+	 * trial: a launch less in a layer's chain) in RoPE's where a pass of its blocks covers whole heads. */
 	const bool qk = (c->flags & MODEL_QK_NORM) != 0;
 	bool qk_in_rope = qk && be->fuse_norms && rope_fuses_norms(c->head_dim, multi ? n : 1);
 	for (uint32_t k = 0; qk_in_rope && k < n_launch; k++)
@@ -885,7 +885,7 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->wide_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_NARROW_DQ;
 	be->mix_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_APART_DQ;
 	be->wide_qkv = p->fuse == BACKEND_FUSE_WIDE_QKV;
-	be->fuse_norms = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_APART_NORMS;
+	be->fuse_norms = p->fuse == BACKEND_FUSE_NORMS_TOGETHER;
 	be->early_kv = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_LATE_KV;
 	be->attn_key_warps = p->fuse == BACKEND_FUSE_ONE_KEY_WARP ? 1 : 2;
 

@@ -171,7 +171,7 @@ struct backend_dev {
 	bool wide_dq;		/* ... in blocks of several row groups where that fills the GPU (DQ_WIDE_MAX) */
 	bool mix_dq;		/* ... parts in two formats in one launch (dq_mix_kernel) */
 	bool wide_qkv;		/* ... q/k/v in wide blocks too (BACKEND_FUSE_WIDE_QKV) */
-	bool fuse_norms;	/* q/k norms in RoPE's launch, a MoE token's RMSNorm in its router's */
+	bool fuse_norms;	/* q/k norms in RoPE's launch, a MoE token's RMSNorm in its router's (a trial) */
 	bool dq_narrow;		/* the products launched now feed the attention: blocks of one row group */
 	bool early_kv;		/* attn_args.early_keys where the keys are settled (backend_params.fuse) */
 	uint32_t attn_key_warps; /* attn_kernel's warps a query where the block has room (backend_params.fuse) */

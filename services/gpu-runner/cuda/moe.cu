@@ -29,7 +29,8 @@
  *    wait of the host (moe_device.cu: backend.h's moe_layer), to the same sums.
  *
  * Qwen3 (MODEL_QK_NORM): each head of q and k goes through its RMSNorm over head_dim (q_norm,
- * k_norm) after the projections and before RoPE (qk_norm_kernel, in place in qkv).
+ * k_norm) after the projections and before RoPE (qk_norm_kernel, in place in qkv; with
+ * BACKEND_FUSE_NORMS_TOGETHER inside rope_kernel, norm_rope.cu).
  */
 #include "services/gpu-runner/cuda/moe_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"
@@ -62,8 +63,8 @@ __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint3
 		out[(size_t)t * E + e] = acc;
 }
 
-/* One token's RMSNorm (ROLE_FFN_NORM) and its router logits in one launch (a launch less in a
- * layer's chain): each block takes the norm of x as rmsnorm_kernel's 1024 threads for one row do
+/* One token's RMSNorm (ROLE_FFN_NORM) and its router logits in one launch (BACKEND_FUSE_NORMS_TOGETHER,
+ * a trial: two launches less in a layer's chain of the host's route, one in the device's): each block takes the norm of x as rmsnorm_kernel's 1024 threads for one row do
  * (thread v the values v, v + 1024, ...; each warp's sum by the same shuffles, then the 32 sums
  * folded the same way), NORM_ROUTER_VIRT of them a thread, so xn is rmsnorm's bits; the block's
  * slice of xn goes out (and to host, mapped, where not NULL), and each warp computes one expert's
@@ -367,7 +368,7 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	float *logits_out = mapped ? m->h_logits_dev : m->logits;
 	int rc;
 	if (n == 1 && moe_norm_router_fits(be)) {
-		/* One token: the norm, its rows out and the logits in one launch. */
+		/* One token, --norms-together: the norm, its rows out and the logits in one launch. */
 		if ((rc = moe_norm_router(be, nw, rw, m->xn, xn_host, logits_out)))
 			return rc;
 	} else {

@@ -700,8 +700,8 @@ START_TEST(test_attention_warps_a_query)
 }
 END_TEST
 
-/* Qwen3's q/k norms (MODEL_QK_NORM) in RoPE's launch (the default, where a pass of a block covers
- * whole heads, rope_fuses_norms) against a launch of their own (BACKEND_FUSE_APART_NORMS): each
+/* Qwen3's q/k norms (MODEL_QK_NORM) in RoPE's launch (BACKEND_FUSE_NORMS_TOGETHER, where a pass of
+ * a block covers whole heads, rope_fuses_norms) against a launch of their own (the default): each
  * path against the reference, and the two the same bits at every step (the scales summed in the
  * same order, the values rounded the same way). Prefill chunks (128-thread blocks) and one-token
  * steps (256); head_dim 64, 128 (Qwen3's) and 256 in RoPE at every step, 16 in prefill only (16
@@ -726,7 +726,7 @@ static void qk_norm_paths(uint32_t hd, enum dtype wt, const char *what)
 	s.decode_mode = SPANS_IN_ORDER;
 	char line[200];
 	for (int f = 0; f < 2; f++) {
-		knob_fuse = f ? BACKEND_FUSE_APART_NORMS : BACKEND_FUSE_DEFAULT;
+		knob_fuse = f ? BACKEND_FUSE_DEFAULT : BACKEND_FUSE_NORMS_TOGETHER;
 		snprintf(line, sizeof(line), "%s, q/k norms %s", what, f ? "apart" : "in RoPE");
 		double e = compare(m, kv, &s, line);
 		ck_assert_msg(e < tol, "%s: relative L2 error %.3e against the reference", line, e);
@@ -739,9 +739,9 @@ static void qk_norm_paths(uint32_t hd, enum dtype wt, const char *what)
 	ck_assert(tok && a && b);
 	make_prompt(tok, total, vocab, 7);
 	struct runner in, apart;
-	runner_open(&in, "cuda", m, params(s.chunk, s.block_tokens, kv), 0);
-	knob_fuse = BACKEND_FUSE_APART_NORMS;
 	runner_open(&apart, "cuda", m, params(s.chunk, s.block_tokens, kv), 0);
+	knob_fuse = BACKEND_FUSE_NORMS_TOGETHER;
+	runner_open(&in, "cuda", m, params(s.chunk, s.block_tokens, kv), 0);
 	knob_fuse = BACKEND_FUSE_DEFAULT;
 	for (uint32_t i = 0; i < total;) {
 		uint32_t n = i < s.prompt ? (s.prompt - i < s.chunk ? s.prompt - i : s.chunk) : 1;

@@ -20,7 +20,7 @@
  * gathered in F16). And the same layer routed on the device (backend_moe_layer, 8 experts a token,
  * Q4_K with a Q6_K down, and BF16): the residual the same bits as the host's route, the same experts
  * chosen; a layer of 10 experts a token, of mixed formats, or with --moe-host-route refused. The
- * layer's RMSNorm and router in one launch (the default) and apart: the same bits, both routes.
+ * layer's RMSNorm and router in one launch (a trial) and apart: the same bits, both routes.
  *
  * Without a GPU the program exits 77 (ctest: skipped). */
 #include <check.h>
@@ -522,12 +522,12 @@ START_TEST(test_layer_device)
 }
 END_TEST
 
-/* A one-token layer's RMSNorm and router in one launch (the default) against a launch each
- * (BACKEND_FUSE_APART_NORMS), through the host's route: the same experts chosen and the residual
+/* A one-token layer's RMSNorm and router in one launch (BACKEND_FUSE_NORMS_TOGETHER) against a
+ * launch each (the default), through the host's route: the same experts chosen and the residual
  * the same bits at every step (the norm summed in rmsnorm_kernel's order, each logit in
- * router_kernel's). Then the device's route with them apart against the host's route with them
- * apart (layer_device), which with test_layer_device's default case closes the square. */
-START_TEST(test_layer_norms_apart)
+ * router_kernel's). Then the device's route with them in one launch against the host's route with
+ * them in one launch (layer_device), which with test_layer_device's default case closes the square. */
+START_TEST(test_layer_norms_together)
 {
 	struct layer *y = malloc(sizeof(*y));
 	ck_assert_ptr_nonnull(y);
@@ -535,9 +535,9 @@ START_TEST(test_layer_norms_apart)
 	float one[L_TOKENS * L_DIM], apart[L_TOKENS * L_DIM];
 	bool used_one[L_TOKENS][L_EXPERTS], used_apart[L_TOKENS][L_EXPERTS];
 	uint32_t n_one, n_apart;
-	layer_run(y, false, one, &n_one, used_one);
-	layer_fuse = BACKEND_FUSE_APART_NORMS;
 	layer_run(y, false, apart, &n_apart, used_apart);
+	layer_fuse = BACKEND_FUSE_NORMS_TOGETHER;
+	layer_run(y, false, one, &n_one, used_one);
 	layer_fuse = BACKEND_FUSE_DEFAULT;
 	ck_assert_uint_eq(n_one, L_TOKENS * L_USED);
 	ck_assert_uint_eq(n_apart, L_TOKENS * L_USED);
@@ -550,7 +550,7 @@ START_TEST(test_layer_norms_apart)
 		      "against %.9g", nd, lo, hi, lo, (double)one[lo], (double)apart[lo]);
 	layer_free(y);
 	free(y);
-	layer_fuse = BACKEND_FUSE_APART_NORMS;
+	layer_fuse = BACKEND_FUSE_NORMS_TOGETHER;
 	layer_device(DT_BF16, DT_BF16);
 	layer_fuse = BACKEND_FUSE_DEFAULT;
 }
@@ -582,7 +582,7 @@ static Suite *experts_suite(void)
 	tcase_add_test(tl, test_layer_uniform);
 	tcase_add_test(tl, test_layer_mixed);
 	tcase_add_loop_test(tl, test_layer_device, 0, 2);
-	tcase_add_test(tl, test_layer_norms_apart);
+	tcase_add_test(tl, test_layer_norms_together);
 	suite_add_tcase(s, tl);
 	return s;
 }
