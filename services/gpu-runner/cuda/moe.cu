@@ -44,6 +44,19 @@
 
 /* ---- kernels ------------------------------------------------------------------------------ */
 
+/* Expert e's router logit from the row x, in every lane of the warp: lane l's products over
+ * d = l, l + 32, ... fused in order, the lanes' sums folded by shuffles. */
+static __device__ __forceinline__ float router_logit(const float *x, const void *w, uint32_t wt, uint32_t dim,
+						     uint32_t e, uint32_t lane)
+{
+	float acc = 0.0f;
+	for (uint32_t d = lane; d < dim; d += 32)
+		acc = __fmaf_rn(x[d], load_any(w, wt, (size_t)e * dim + d), acc);
+	for (int o = 16; o > 0; o >>= 1)
+		acc += __shfl_xor_sync(0xffffffffu, acc, o);
+	return acc;
+}
+
 __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint32_t dim, uint32_t E, uint32_t n,
 			      float *out)
 {
@@ -53,12 +66,7 @@ __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint3
 	if (warp >= n * E)
 		return;
 	const uint32_t t = warp / E, e = warp % E;
-	const float *x = xn + (size_t)t * dim;
-	float acc = 0.0f;
-	for (uint32_t d = lane; d < dim; d += 32)
-		acc = __fmaf_rn(x[d], load_any(w, wt, (size_t)e * dim + d), acc);
-	for (int o = 16; o > 0; o >>= 1)
-		acc += __shfl_xor_sync(0xffffffffu, acc, o);
+	const float acc = router_logit(xn + (size_t)t * dim, w, wt, dim, e, lane);
 	if (lane == 0)
 		out[(size_t)t * E + e] = acc;
 }
@@ -107,11 +115,7 @@ __global__ void __launch_bounds__(NORM_ROUTER_THREADS)
 	const uint32_t e = blockIdx.x * (NORM_ROUTER_THREADS / 32) + wid;
 	if (e >= E)
 		return;
-	float acc = 0.0f;
-	for (uint32_t d = lane; d < dim; d += 32)
-		acc = __fmaf_rn(xs[d], load_any(rw, rt, (size_t)e * dim + d), acc);
-	for (int o = 16; o > 0; o >>= 1)
-		acc += __shfl_xor_sync(0xffffffffu, acc, o);
+	const float acc = router_logit(xs, rw, rt, dim, e, lane);
 	if (lane == 0)
 		logits[e] = acc;
 }

@@ -117,36 +117,32 @@ template <typename KT> __global__ void __launch_bounds__(256) rope_kernel(const 
 		 * covers whole heads (rope_fuses_norms), whose scales it takes before any of their
 		 * values is rotated in place. k stays as it is in qkv: its rows go to the arena. */
 		__shared__ float rr[ROPE_NORM_HEADS];
-		const uint32_t nq = a.n_heads * half, nk = a.n_kv_heads * half;
-		for (uint32_t base = blockIdx.y * blockDim.x; base < nq; base += stride) {
-			__syncthreads(); /* the pass before has read rr */
-			head_scales(q, base, nq, half, hd, a.eps, rr);
-			__syncthreads();
-			const uint32_t i = base + threadIdx.x;
-			if (i >= nq)
-				continue;
-			uint32_t h = i / half, j = i % half, d1 = j * step1, d2 = d1 + off2;
-			float *qh = q + (size_t)h * hd;
-			const float r = rr[threadIdx.x / half];
-			float x1 = __fmul_rn(load_any(a.qn, a.qt, d1), __fmul_rn(qh[d1], r));
-			float x2 = __fmul_rn(load_any(a.qn, a.qt, d2), __fmul_rn(qh[d2], r));
-			qh[d1] = __fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j]));
-			qh[d2] = __fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j]));
-		}
-		for (uint32_t base = blockIdx.y * blockDim.x; base < nk; base += stride) {
-			__syncthreads();
-			head_scales(k, base, nk, half, hd, a.eps, rr);
-			__syncthreads();
-			const uint32_t i = base + threadIdx.x;
-			if (i >= nk)
-				continue;
-			uint32_t h = i / half, j = i % half, d1 = j * step1, d2 = d1 + off2;
-			const float *kh = k + (size_t)h * hd;
-			const float r = rr[threadIdx.x / half];
-			float x1 = __fmul_rn(load_any(a.kn, a.kt, d1), __fmul_rn(kh[d1], r));
-			float x2 = __fmul_rn(load_any(a.kn, a.kt, d2), __fmul_rn(kh[d2], r));
-			kd[h * hd + d1] = from_f32<KT>(__fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j])));
-			kd[h * hd + d2] = from_f32<KT>(__fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j])));
+		for (uint32_t pass = 0; pass < 2; pass++) { /* q's heads, then k's */
+			const bool is_k = pass == 1;
+			const float *src = is_k ? k : q;
+			const void *nw = is_k ? a.kn : a.qn;
+			const uint32_t nt = is_k ? a.kt : a.qt, np = (is_k ? a.n_kv_heads : a.n_heads) * half;
+			for (uint32_t base = blockIdx.y * blockDim.x; base < np; base += stride) {
+				__syncthreads(); /* the pass before has read rr */
+				head_scales(src, base, np, half, hd, a.eps, rr);
+				__syncthreads();
+				const uint32_t i = base + threadIdx.x;
+				if (i >= np)
+					continue;
+				uint32_t h = i / half, j = i % half, d1 = j * step1, d2 = d1 + off2;
+				const float *sh = src + (size_t)h * hd, r = rr[threadIdx.x / half];
+				float x1 = __fmul_rn(load_any(nw, nt, d1), __fmul_rn(sh[d1], r));
+				float x2 = __fmul_rn(load_any(nw, nt, d2), __fmul_rn(sh[d2], r));
+				float y1 = __fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j]));
+				float y2 = __fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j]));
+				if (is_k) {
+					kd[h * hd + d1] = from_f32<KT>(y1);
+					kd[h * hd + d2] = from_f32<KT>(y2);
+				} else {
+					q[(size_t)h * hd + d1] = y1;
+					q[(size_t)h * hd + d2] = y2;
+				}
+			}
 		}
 	} else {
 		for (uint32_t i = i0; i < a.n_heads * half; i += stride) {
