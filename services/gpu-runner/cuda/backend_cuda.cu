@@ -296,8 +296,8 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 	/* Qwen3's q/k norms: a launch of their own before RoPE, or with BACKEND_FUSE_NORMS_TOGETHER (a
 	 * trial: a launch less in a layer's chain) in RoPE's where a pass of its blocks covers whole heads. */
 	const bool qk = (c->flags & MODEL_QK_NORM) != 0;
-	bool qk_in_rope = qk && be->fuse_norms && rope_fuses_norms(c->head_dim, multi ? n : 1);
-	for (uint32_t k = 0; qk_in_rope && k < n_launch; k++)
+	bool qk_in_rope = qk && be->fuse_norms && (!multi || rope_fuses_norms(c->head_dim, n));
+	for (uint32_t k = 0; qk_in_rope && k < n_launch; k++) /* each launch's blocks as rope_launch sizes them */
 		qk_in_rope = rope_fuses_norms(c->head_dim, be->run_n[k]);
 	if (qk && !qk_in_rope &&
 	    (rc = qk_norm(be, dev(w, ROLE_Q_NORM), fmt(w, ROLE_Q_NORM), dev(w, ROLE_K_NORM), fmt(w, ROLE_K_NORM))))

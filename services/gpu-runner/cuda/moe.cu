@@ -71,9 +71,10 @@ __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint3
 		out[(size_t)t * E + e] = acc;
 }
 
-/* One token's RMSNorm (ROLE_FFN_NORM) and its router logits in one launch (BACKEND_FUSE_NORMS_TOGETHER,
- * a trial: two launches less in a layer's chain of the host's route, one in the device's): each block takes the norm of x as rmsnorm_kernel's 1024 threads for one row do
- * (thread v the values v, v + 1024, ...; each warp's sum by the same shuffles, then the 32 sums
+/* One token's RMSNorm (ROLE_FFN_NORM) and its router logits in one launch
+ * (BACKEND_FUSE_NORMS_TOGETHER, a trial: two launches less in a layer's chain of the host's route,
+ * one in the device's): each block takes the norm of x as rmsnorm_kernel's 1024 threads for one
+ * row do (thread v the values v, v + 1024, ...; each warp's sum by the same shuffles, then the 32 sums
  * folded the same way), NORM_ROUTER_VIRT of them a thread, so xn is rmsnorm's bits; the block's
  * slice of xn goes out (and to host, mapped, where not NULL), and each warp computes one expert's
  * logit from the whole row in shared memory as router_kernel does. Grid (E + 7) / 8. */

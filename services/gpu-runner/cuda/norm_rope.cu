@@ -1,7 +1,7 @@
 /* norm_rope.cu - the CUDA backend's element-wise kernels: embedding rows widened into the
  * residual stream, RMSNorm into the matrix input dtype, RoPE with the K and V rows written into
- * the arena (and Qwen3's q/k norms before it, with BACKEND_FUSE_NORMS_TOGETHER), SiLU(gate) * up for the cuBLAS path, and a partial result added into the residual
- * stream. Numerics as the C reference rounds (backend_cuda.cu's header says how). */
+ * the arena (and Qwen3's q/k norms before it, with BACKEND_FUSE_NORMS_TOGETHER), SiLU(gate) * up
+ * for the cuBLAS path, and a partial result added into the residual stream. Numerics as the C reference rounds (backend_cuda.cu's header says how). */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"
 

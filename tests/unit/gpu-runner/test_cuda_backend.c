@@ -703,9 +703,10 @@ END_TEST
 /* Qwen3's q/k norms (MODEL_QK_NORM) in RoPE's launch (BACKEND_FUSE_NORMS_TOGETHER, where a pass of
  * a block covers whole heads, rope_fuses_norms) against a launch of their own (the default): each
  * path against the reference, and the two the same bits at every step (the scales summed in the
- * same order, the values rounded the same way). Prefill chunks (128-thread blocks) and one-token
- * steps (256); head_dim 64, 128 (Qwen3's) and 256 in RoPE at every step, 16 in prefill only (16
- * heads a pass at most), 40 never (a head's 20 pairs do not divide a block). */
+ * same order, the values rounded the same way). Chunks of 48 tokens (128-thread blocks), of 22
+ * and one-token steps (256); head_dim 64, 128 (Qwen3's) and 256 in RoPE at every step, 16 in the
+ * 48-token chunks only (16 heads a pass at most), 40 never (a head's 20 pairs do not divide a
+ * block). Then three sequences batched (one RoPE launch for all their rows) against the reference. */
 static void qk_norm_paths(uint32_t hd, enum dtype wt, const char *what)
 {
 	struct model_config c = base_cfg();
@@ -720,8 +721,8 @@ static void qk_norm_paths(uint32_t hd, enum dtype wt, const char *what)
 	const enum dtype kv = wt == DT_F32 ? DT_F32 : DT_BF16;
 	const double tol = wt == DT_F32 ? TOL_F32 : TOL_16;
 	struct schedule s = DEFAULT_SCHED;
-	s.prompt = 37;
-	s.chunk = 16;
+	s.prompt = 70;
+	s.chunk = 48;
 	s.decode = 5;
 	s.decode_mode = SPANS_IN_ORDER;
 	char line[200];
@@ -761,6 +762,8 @@ static void qk_norm_paths(uint32_t hd, enum dtype wt, const char *what)
 	model_free(&m);
 }
 
+static void check_batched(const struct model_config *cfg, enum dtype wt, enum dtype kv, double tol, const char *what);
+
 START_TEST(test_qk_norm_in_rope)
 {
 	qk_norm_paths(16, DT_F32, "qwen3, head_dim 16, f32");
@@ -768,6 +771,13 @@ START_TEST(test_qk_norm_in_rope)
 	qk_norm_paths(64, DT_BF16, "qwen3, head_dim 64, bf16");
 	qk_norm_paths(128, DT_BF16, "qwen3, head_dim 128, bf16");
 	qk_norm_paths(256, DT_F32, "qwen3, head_dim 256, f32");
+	struct model_config c = base_cfg();
+	c.arch = ARCH_QWEN3;
+	c.flags = MODEL_QK_NORM;
+	c.head_dim = 32;
+	knob_fuse = BACKEND_FUSE_NORMS_TOGETHER;
+	check_batched(&c, DT_F32, DT_F32, TOL_F32, "qwen3, three sequences batched, q/k norms in RoPE, f32");
+	knob_fuse = BACKEND_FUSE_DEFAULT;
 }
 END_TEST
 
