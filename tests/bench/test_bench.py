@@ -460,6 +460,20 @@ class CommandLine(unittest.TestCase):
         rows = [line for line in p.stdout.splitlines() if line.startswith("| S") or line.startswith("| K")]
         self.assertEqual([r.split(" ")[1] for r in rows], ["S2", "K1"])
 
+    def test_rounds_need_alternate(self):
+        self.assertEqual(self.run_bench("--rounds", "2", "--replay", SAMPLE).returncode, 2)
+        self.assertEqual(self.run_bench("--rounds", "0", "--alternate=--x", "--replay", SAMPLE).returncode, 2)
+
+    def test_alternation_summary(self):
+        tagged = [("A", "| M2R decode (all resident) | 2.29 ms/token | 0.12 | 19.1 | - |"),
+                  ("B", "| M2R decode (all resident) | 2.13 ms/token | 0.12 | 17.8 | - |"),
+                  ("A", "| M2R decode (all resident) | 2.30 ms/token | 0.12 | 19.2 | - |"),
+                  ("B", "| M2 | failed (see logs) | - | - | - |")]
+        got = bench.alternation_summary(tagged, "--runner-opt=--norms-together").splitlines()
+        self.assertIn("B: --runner-opt=--norms-together", got[0])
+        self.assertEqual(got[4:], ["| M2R decode (all resident) | 2.29 ms/token; 2.30 ms/token | 2.13 ms/token |",
+                                   "| M2 |  | failed (see logs) |"])
+
     def test_unknown(self):
         self.assertEqual(self.run_bench("--scenarios", "S1,S9").returncode, 2)
         self.assertEqual(self.run_bench("--frobnicate").returncode, 2)
@@ -607,6 +621,37 @@ class RunWithFakes(unittest.TestCase):
         self.assertEqual((rec["cold"]["prompt_tokens"], rec["warm"]["prompt_tokens"]), (8256, 8256))
         self.assertGreater(rec["wall_cold_ms"], 0)
         self.assertIn("8192 positions restored, 1024 blocks still on the GPU", bench.rows_k2(rec, self.lim)[0])
+
+    def test_alternate_rounds(self):
+        """--alternate with two rounds: A, B, A, B in turn, B's instances started with the options
+        added, each run's record in a folder of its own with the limits, the rows tagged."""
+        with open(self.b.res("limits.json"), "w") as f:
+            json.dump(self.lim, f)
+        seen = []
+
+        def s2():
+            seen.append(os.environ.get("BENCH_START_OPTS", ""))
+            return {"failed": True}
+        os.environ["BENCH_START_OPTS"] = "--runner-opt=--strict"
+        try:
+            rows, tagged = bench.run_rounds(self.b, {"S2": s2}, {}, {"S2"}, self.lim, "--runner-opt=--norms-together", 2)
+            self.assertEqual(os.environ["BENCH_START_OPTS"], "--runner-opt=--strict")
+        finally:
+            del os.environ["BENCH_START_OPTS"]
+        both = "--runner-opt=--strict --runner-opt=--norms-together"
+        self.assertEqual(seen, ["--runner-opt=--strict", both, "--runner-opt=--strict", both])
+        self.assertEqual([r.split("]")[0] for r in rows], ["| [round 1, A", "| [round 1, B", "| [round 2, A",
+                                                         "| [round 2, B"])
+        self.assertEqual([t for t, _ in tagged], ["A", "B", "A", "B"])
+        for d in ("round1A", "round1B", "round2A", "round2B"):
+            for name in ("limits.json", "S2.record.json", "S2.rows"):
+                self.assertTrue(os.path.exists(os.path.join(self.b.results, d, name)), f"{d}/{name}")
+        summary = bench.alternation_summary(tagged, "--runner-opt=--norms-together")
+        self.assertIn("| S2 | failed (see logs); failed (see logs) | failed (see logs); failed (see logs) |", summary)
+        # Without --alternate: one run, as before, into the results folder itself.
+        rows, tagged = bench.run_rounds(self.b, {"S2": s2}, {}, {"S2"}, self.lim)
+        self.assertEqual(rows, ["| S2 | failed (see logs) | - | - | - |"])
+        self.assertEqual(seen[-1], "")
 
     def test_start_fails(self):
         os.environ["FAKE_START_FAILS"] = "bench-S1"
