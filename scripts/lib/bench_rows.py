@@ -434,6 +434,17 @@ def rows_m1_prefill(gp, lim, name, shape):
 
 
 EXPERTS_ALONE_K = 4  # the experts a layer bench-cpu-gemv runs for the M rows (the CPU's share of top-8)
+EXPERTS_ALONE_POOL_BYTES = 2 << 30  # ... drawn from a pool this large, past any CPU cache (as the ring's)
+# Bytes of a 768 x 2048 expert's three matrices (gate, up: 768 rows of 2048; down: 2048 rows of 768),
+# by the format bench-cpu-gemv makes them in: BF16, or Q4_K's 144-byte blocks of 256 values.
+EXPERT_768_BYTES = {"BF16": 3 * 768 * 2048 * 2, "Q4_K": 2 * 768 * (2048 // 256 * 144) + 2048 * (768 // 256 * 144)}
+
+
+def experts_alone_pool(fmt):
+    """How many experts bench-cpu-gemv --experts draws from for the M rows: EXPERTS_ALONE_POOL_BYTES
+    of them (at least its default 32), so that the layers' experts come from DRAM as in the runner."""
+    b = EXPERT_768_BYTES.get(fmt)
+    return max(32, -(-EXPERTS_ALONE_POOL_BYTES // b)) if b else 32
 
 
 def parse_experts_alone(out):
@@ -453,8 +464,9 @@ def rows_m1_alone(rec, name, fmt):
         return []
     other = "; ".join(f"{said} {a[k]['ms']:.3f} ms ({a[k]['gbs']:.1f} GB/s, {a[k]['wait_pct']:.1f}%)"
                       for k, said in (("spin", "waiting parts spinning"), ("equal", "equal chunks")) if k in a)
+    pool = f", {a['pool']} to choose from" if a.get("pool") else ""
     return [f"| {name}, the CPU's experts alone (bench-cpu-gemv --experts {a.get('k', EXPERTS_ALONE_K)}: 768 x 2048 "
-            f"{fmt}, {a.get('threads', '?')} workers; a layer's span median, and the parts' time waiting between "
+            f"{fmt}{pool}, {a.get('threads', '?')} workers; a layer's span median, and the parts' time waiting between "
             f"phases{'; ' + other if other else ''}) | {d['ms']:.3f} ms ({d['gbs']:.1f} GB/s, {d['wait_pct']:.1f}%) "
             f"| - | - | - |"]
 

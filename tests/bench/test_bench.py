@@ -378,6 +378,10 @@ class Table(unittest.TestCase):
         self.assertIn("| M2, the CPU's experts alone (bench-cpu-gemv --experts 4: 768 x 2048 Q4_K, 14 workers; a layer's "
                       "span median, and the parts' time waiting between phases; waiting parts spinning 0.150 ms (70.0 "
                       "GB/s, 9.0%)) | 0.134 ms (79.2 GB/s, 8.5%) | - | - | - |", rows[2])
+        # The pool it drew from, where the record has it: 2 GiB of experts, past the CPU's caches.
+        rec["experts_alone"]["pool"] = bench.experts_alone_pool("Q4_K")
+        self.assertIn("768 x 2048 Q4_K, 810 to choose from, 14 workers", bench.ROWS["M2"](rec, lim)[2])
+        self.assertEqual((bench.experts_alone_pool("BF16"), bench.experts_alone_pool("F16")), (228, 32))
 
     def test_mres_rows(self):
         """M1R's row against the active parameters' bytes at the HBM rate, with the --moe-host-route and

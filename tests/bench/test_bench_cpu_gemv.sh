@@ -14,6 +14,10 @@ for f in BF16 Q4_K; do
 	grep -q "^experts $f .*: 3 of .* MB a layer (4 to choose from), jobs cut for 1 threads .* 2 workers, a gap of 10 us: a layer's span median .* GB/s" <<<"$out" ||
 		fail "experts $f: $out"
 done
+# A pool past the 32 experts it makes: the rest copies of them (memory of their own).
+out=$("$B" --experts 4 --expert-pool 70 --format Q4_K --rows 256 --cols 512 --threads 2 --repeats 5 --gap-us 10)
+grep -q "^experts: making 70 experts" <<<"$out" && grep -q "a layer (70 to choose from)" <<<"$out" ||
+	fail "pool of 70: $out"
 out=$("$B" --experts 2 --expert-pool 2 --rows 256 --cols 512 --threads 2 --repeats 2 --job-threads 3)
 grep -q "jobs cut for 3 threads (24 parts, chunks of about [0-9]* KB, tapered)" <<<"$out" || fail "job-threads: $out"
 out=$("$B" --experts 2 --expert-pool 2 --rows 256 --cols 512 --threads 2 --repeats 2 --no-taper)

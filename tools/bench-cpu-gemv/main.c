@@ -167,6 +167,15 @@ static uint8_t *make_matrix(enum dtype t, uint32_t rows, uint32_t cols)
 	return w;
 }
 
+/* A copy of a matrix of `bytes` that make_matrix made, in memory of its own (aligned the same way). */
+static uint8_t *copy_matrix(const uint8_t *src, uint64_t bytes)
+{
+	uint8_t *w = aligned_alloc(2u << 20, (bytes + (2u << 20) - 1) / (2u << 20) * (2u << 20));
+	if (w)
+		memcpy(w, src, bytes);
+	return w;
+}
+
 /* The best time of `repeats` jobs of n tokens (after one warm-up), or a negative value on failure. */
 static double time_ffn(struct cpu_pool *pool, struct ffn_run *r, const struct ffn_share_mat m[3], uint32_t rows,
 		       uint32_t n, uint32_t repeats)
@@ -234,6 +243,7 @@ static int bench_ffn(enum dtype t, uint32_t rows, uint32_t dim, uint32_t n, uint
 /* ---- --experts: a layer's routed experts on the task pool (cuda/moe.cu's CPU jobs) ---- */
 
 #define EXPERTS_MAX 8
+#define EXPERTS_MADE 32 /* distinct experts a pool makes; more are copies (bench_experts) */
 
 struct expert_slot {
 	struct ffn_share *fs;
@@ -267,12 +277,18 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 	printf("experts: making %u experts of %.1f MB (%s, %u x %u)...\n", pool_e, (double)expert / 1e6, dtype_name(t),
 	       rows, dim);
 	fflush(stdout);
-	for (uint32_t e = 0; e < pool_e; e++)
-		if (!(w[3 * e] = make_matrix(t, rows, dim)) || !(w[3 * e + 1] = make_matrix(t, rows, dim)) ||
-		    !(w[3 * e + 2] = make_matrix(t, dim, rows))) {
+	/* EXPERTS_MADE distinct experts; a larger pool's others are copies of them in memory of their own
+	 * (where the bytes lie is what a pool larger than the caches is for, not their values). */
+	for (uint32_t e = 0; e < pool_e; e++) {
+		const uint32_t f = 3 * (e % EXPERTS_MADE);
+		const bool made = e < EXPERTS_MADE;
+		if (!(w[3 * e] = made ? make_matrix(t, rows, dim) : copy_matrix(w[f], mat)) ||
+		    !(w[3 * e + 1] = made ? make_matrix(t, rows, dim) : copy_matrix(w[f + 1], mat)) ||
+		    !(w[3 * e + 2] = made ? make_matrix(t, dim, rows) : copy_matrix(w[f + 2], expert - 2 * mat))) {
 			fprintf(stderr, "bench-cpu-gemv: cannot allocate %u experts of %.1f MB\n", pool_e, (double)expert / 1e6);
 			return 1;
 		}
+	}
 	/* The pool as the runner makes it beside a GPU (cpu_share.c): pinned workers that poll through
 	 * the gaps between layers, the first two CPUs left to the thread that submits and the runner's
 	 * handoff dispatcher where there are enough. */
@@ -428,7 +444,9 @@ int main(int argc, char **argv)
 		 "time a decode layer's K routed experts (1..8) on the runner's task pool instead (--threads "
 		 "workers), as the CUDA backend runs them: one job each, submitted at once; gate and up of --rows x "
 		 "--cols, down of --cols x --rows"},
-		{"expert-pool", OPT_INT, &pool_l, "32", "experts to choose from, distinct at random each layer"},
+		{"expert-pool", OPT_INT, &pool_l, "32",
+		 "experts to choose from, distinct at random each layer (32 made, any more copies of them in memory "
+		 "of their own: a pool larger than the CPU's caches reads from DRAM)"},
 		{"job-threads", OPT_INT, &job_threads_l, NULL,
 		 "cut each expert's job for P threads (default: ffn_share_threads_for)"},
 		{"gap-us", OPT_INT, &gap_l, "150", "microseconds between layers (the GPU's part of a layer)"},
