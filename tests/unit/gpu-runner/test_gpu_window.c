@@ -1107,6 +1107,71 @@ START_TEST(test_experts_guessed)
 }
 END_TEST
 
+/* --predict-experts with --cpu-share auto once the runner has given the rate the CPU's experts ran
+ * at (gpu_window_set_expert_rate): the guesses then copy the link's share of a layer's last choice
+ * by that rate and the lead (expert_copy_share), carried from layer to layer. Far too slow a CPU:
+ * every chosen expert last time is copied, and the CPU gets only the guesses' misses (the route
+ * gives it none). Far too fast: nothing is copied on a guess, and the route gives the CPU chosen
+ * experts. Just as fast with a lead of a second a layer: the copies' lead makes the share whole
+ * again. The window's invariants (--strict) at every step. */
+START_TEST(test_experts_guessed_at_their_rate)
+{
+	struct fixture f;
+	start_shape(&f, "1GiB", "mixtral-tiny", 3);
+	const struct model_config *c = &f.m->cfg;
+	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = layer_bytes(f.m);
+	uint64_t head = dev_bytes(f.m, group_id_head(c));
+	char err[512];
+	struct task_pool *pool = two_workers();
+	struct gpu_window_params p = {.gpu_budget = head + dense + 2 * x, .depth = 2, .strict = true,
+				      .cpu_pool = pool, .predict_experts = true};
+	ck_assert_int_eq(cpu_share_parse("auto", &p.cpu_share, err, sizeof(err)), 0);
+	for (uint32_t d = 0; d < DT_COUNT; d++)
+		p.cpu_share.cpu_bytes_per_s[d] = 1e7;
+	p.cpu_share.rates_known = true;
+	p.cpu_share.h2d_beside_bytes_per_s = 3e7;
+	p.h2d_bytes_per_s = 4e7;
+	struct gpu_window *w = NULL;
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	struct gpu_window_stats a, b;
+	routed_steps_as(&f, w, 4, true); /* every layer's routing known */
+	/* A CPU far too slow. */
+	gpu_window_set_expert_rate(w, 1.0, 0);
+	gpu_window_stats(w, &a);
+	routed_steps_as(&f, w, 20, true);
+	gpu_window_stats(w, &b);
+	const uint64_t slow_guessed = b.experts_guessed - a.experts_guessed;
+	printf("guesses at a slow CPU's rate: %llu copied, %llu chosen, %llu missed, %llu on the CPU\n",
+	       (unsigned long long)slow_guessed, (unsigned long long)(b.guess_hits - a.guess_hits),
+	       (unsigned long long)(b.guess_missed - a.guess_missed), (unsigned long long)(b.experts_cpu - a.experts_cpu));
+	ck_assert_uint_gt(slow_guessed, 0);
+	ck_assert_uint_gt(b.guess_hits, a.guess_hits);
+	ck_assert_uint_eq(b.experts_cpu - a.experts_cpu, b.guess_missed - a.guess_missed);
+	/* A CPU far too fast, no lead. */
+	gpu_window_set_expert_rate(w, 1e18, 0);
+	gpu_window_stats(w, &a);
+	routed_steps_as(&f, w, 20, true);
+	gpu_window_stats(w, &b);
+	printf("guesses at a fast CPU's rate: %llu copied, %llu on the CPU\n",
+	       (unsigned long long)(b.experts_guessed - a.experts_guessed), (unsigned long long)(b.experts_cpu - a.experts_cpu));
+	/* The first step's guesses were made at the slow rate, before it. */
+	ck_assert_uint_le(b.experts_guessed - a.experts_guessed, 2 * c->n_layers);
+	ck_assert_uint_gt(b.experts_cpu - a.experts_cpu, b.guess_missed - a.guess_missed);
+	/* Just as fast, with a second's lead a layer: the copies take the whole choice again. */
+	gpu_window_set_expert_rate(w, 1e18, 1.0);
+	gpu_window_stats(w, &a);
+	ck_assert(a.expert_lead_ms == 1000.0);
+	routed_steps_as(&f, w, 20, true);
+	gpu_window_stats(w, &b);
+	printf("guesses at a fast CPU's rate with a lead: %llu copied\n",
+	       (unsigned long long)(b.experts_guessed - a.experts_guessed));
+	ck_assert_uint_gt(b.experts_guessed - a.experts_guessed, slow_guessed / 2);
+	gpu_window_destroy(&w);
+	task_pool_destroy(&pool);
+	stop(&f);
+}
+END_TEST
+
 START_TEST(test_hot_experts)
 {
 	/* Room for 5 experts beside the attention and router groups and two expert slots. With no routing
@@ -1200,6 +1265,7 @@ int main(void)
 	tcase_add_test(tc, test_experts_on_the_cpu_at_their_rate);
 	tcase_add_test(tc, test_hot_experts);
 	tcase_add_test(tc, test_experts_guessed);
+	tcase_add_test(tc, test_experts_guessed_at_their_rate);
 	tcase_add_test(tc, test_pins_kept);
 	tcase_add_test(tc, test_one_copy_groups);
 	tcase_add_test(tc, test_experts_guessed_beside_disk);
