@@ -8,35 +8,27 @@
 
 #include <string.h>
 
-/* dq_sm_kernel's blocks may take what a block can opt in to beside its static shared memory (wide
- * blocks: x and the stages of up to DQ_WIDE_MAX row groups' warps); launch_dq_k checks each
- * launch's. */
+/* Lets kernel k take `bytes` of dynamic shared memory beyond the default. */
+template <typename... P> static cudaError_t allow_smem(void (*k)(P...), uint32_t bytes)
+{
+	return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}
+
+/* Format F's kernels in each mode M: dq_sm_kernel's blocks may take what a block can opt in to
+ * beside its static shared memory (wide blocks: x and the stages of up to DQ_WIDE_MAX row groups'
+ * warps; launch_dq_k checks each launch's), dq_kernel's QG_SMEM_MAX. The first error, or success. */
+template <int F, int... M> static cudaError_t allow_dq_modes(uint32_t max_bytes)
+{
+	cudaError_t e = cudaSuccess;
+	((e = e != cudaSuccess ? e : allow_smem(dq_sm_kernel<F, M>, max_bytes)), ...);
+	((e = e != cudaSuccess ? e : allow_smem(dq_kernel<F, M>, QG_SMEM_MAX)), ...);
+	return e;
+}
+
 template <int F> static cudaError_t allow_dq(uint32_t max_bytes)
 {
-	cudaError_t e;
-	if ((e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_STORE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)max_bytes)) ||
-	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_ADD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)max_bytes)) ||
-	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_SWIGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)max_bytes)) ||
-	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_STORE | GEMV_MATS_BIT>,
-				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)max_bytes)) ||
-	    (e = cudaFuncSetAttribute(dq_sm_kernel<F, GEMV_SWIGLU | GEMV_MATS_BIT>,
-				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)max_bytes)))
-		return e;
-	if ((e = cudaFuncSetAttribute(dq_kernel<F, GEMV_STORE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)QG_SMEM_MAX)) ||
-	    (e = cudaFuncSetAttribute(dq_kernel<F, GEMV_ADD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)QG_SMEM_MAX)) ||
-	    (e = cudaFuncSetAttribute(dq_kernel<F, GEMV_SWIGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)QG_SMEM_MAX)) ||
-	    (e = cudaFuncSetAttribute(dq_kernel<F, GEMV_STORE | GEMV_MATS_BIT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)QG_SMEM_MAX)) ||
-	    (e = cudaFuncSetAttribute(dq_kernel<F, GEMV_SWIGLU | GEMV_MATS_BIT>,
-				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)QG_SMEM_MAX)))
-		return e;
-	return cudaSuccess;
+	return allow_dq_modes<F, GEMV_STORE, GEMV_ADD, GEMV_SWIGLU, GEMV_STORE | GEMV_MATS_BIT,
+			      GEMV_SWIGLU | GEMV_MATS_BIT>(max_bytes);
 }
 
 /* The integer path's kernels' shared memory (gemv_quant.cu's qgemv_init calls it). */
@@ -44,11 +36,8 @@ cudaError_t dq_init(uint32_t dq_smem_max)
 {
 	cudaError_t e;
 	if ((e = allow_dq<DT_Q8_0>(dq_smem_max)) || (e = allow_dq<DT_Q4_K>(dq_smem_max)) ||
-	    (e = allow_dq<DT_Q6_K>(dq_smem_max)) ||
-	    (e = cudaFuncSetAttribute(dq_mix_kernel<DT_Q4_K, DT_Q6_K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)dq_smem_max)) ||
-	    (e = cudaFuncSetAttribute(dq_mix_kernel<DT_Q4_K, DT_Q8_0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-				      (int)dq_smem_max)))
+	    (e = allow_dq<DT_Q6_K>(dq_smem_max)) || (e = allow_smem(dq_mix_kernel<DT_Q4_K, DT_Q6_K>, dq_smem_max)) ||
+	    (e = allow_smem(dq_mix_kernel<DT_Q4_K, DT_Q8_0>, dq_smem_max)))
 		return e;
 	return cudaSuccess;
 }
