@@ -1,7 +1,8 @@
 /* norm_rope.cu - the CUDA backend's element-wise kernels: embedding rows widened into the
  * residual stream, RMSNorm into the matrix input dtype, RoPE with the K and V rows written into
  * the arena (and Qwen3's q/k norms before it, with BACKEND_FUSE_NORMS_TOGETHER), SiLU(gate) * up
- * for the cuBLAS path, and a partial result added into the residual stream. Numerics as the C reference rounds (backend_cuda.cu's header says how). */
+ * for the cuBLAS path, and a partial result added into the residual stream. Numerics as the C
+ * reference rounds (backend_cuda.cu's header says how). */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"
 
@@ -53,6 +54,7 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(const float *x, const voi
 	for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x)
 		orow[i] = from_f32<TO>(__fmul_rn(load_any(w, wt, i), __fmul_rn(xr[i], r)));
 }
+
 /* The RMSNorm scale 1 / sqrt(mean(v^2) + eps) of each head of hd values (v: the token's heads, row
  * after row) whose pairs this pass of the block covers (pairs [base, base + blockDim.x) of n_pairs,
  * `pairs` a head), into rr[head - base / pairs]: a warp a head, each summing as qk_norm_kernel's 128
