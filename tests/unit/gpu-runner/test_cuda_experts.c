@@ -559,9 +559,9 @@ END_TEST
 
 /* A token's RMSNorm and router logits in one launch (norm_router_kernel) and in two
  * (rmsnorm_kernel, router_kernel) through cuda_test_norm_router_both: the row, the one launch's
- * mapped host copy of it and the logits the same bits, on rows longer than the 1024 values rmsnorm's threads take in one pass
- * (each thread of the one launch stands for four of them) and with experts not a multiple of a
- * block's 8 warps; both within 1e-5 of a reference in double. */
+ * mapped host copy of it and the logits the same bits, on rows longer than the 1024 values
+ * rmsnorm's threads take in one pass (each thread of the one launch stands for four of them) and
+ * with experts not a multiple of a block's 8 warps; both within 1e-5 of a reference in double. */
 static void norm_router_case(uint32_t dim, uint32_t E)
 {
 	struct model_config c = {.arch = ARCH_MIXTRAL, .n_layers = 1, .dim = dim, .n_heads = 4, .n_kv_heads = 2,

@@ -1153,7 +1153,8 @@ START_TEST(test_experts_guessed_at_their_rate)
 	routed_steps_as(&f, w, 20, true);
 	gpu_window_stats(w, &b);
 	printf("guesses at a fast CPU's rate: %llu copied, %llu on the CPU\n",
-	       (unsigned long long)(b.experts_guessed - a.experts_guessed), (unsigned long long)(b.experts_cpu - a.experts_cpu));
+	       (unsigned long long)(b.experts_guessed - a.experts_guessed),
+	       (unsigned long long)(b.experts_cpu - a.experts_cpu));
 	/* The first step's guesses were made at the slow rate, before it. */
 	ck_assert_uint_le(b.experts_guessed - a.experts_guessed, 2 * c->n_layers);
 	ck_assert_uint_gt(b.experts_cpu - a.experts_cpu, b.guess_missed - a.guess_missed);
