@@ -41,6 +41,22 @@ static inline void cc_prefetch(const void *p)
 		__builtin_prefetch((const char *)p + CC_PF_AHEAD, 0, 3);
 }
 
+/* The same along a row kernel's stream: p lies off bytes into a row of len bytes of data, and past
+ * the row's end the stream goes on at the same place of the row the kernel's loop takes next,
+ * `next` bytes after this one (its R rows of rb bytes: R rb). So a short row (an expert's down_proj
+ * of 768 values: 432 bytes of Q4_K) has the lines of the rows after its step on their way, where
+ * CC_PF_AHEAD bytes past p would fall on rows the step already reads, and a long one has its next
+ * step's first lines on their way before the step ends. */
+static inline void cc_prefetch_on(const void *p, size_t off, size_t len, size_t next)
+{
+	if (CC_PF_AHEAD) {
+		const char *q = (const char *)p + CC_PF_AHEAD;
+		if (off + CC_PF_AHEAD >= len)
+			q += next - len;
+		__builtin_prefetch(q, 0, 3);
+	}
+}
+
 /* The layout of a prepared x. Which arrays are set depends on the format (the others are NULL);
  * each is zero past n up to npad, so kernels may read whole registers. */
 struct cpu_vec {

@@ -32,7 +32,7 @@ TARGET_F INLINE void f32_rows(const struct cpu_vec *x, const uint8_t *w, uint64_
 		UNROLL
 		for (int k = 0; k < R; k++) {
 			const uint8_t *p = w + k * rb + 4 * (size_t)c;
-			cc_prefetch(p);
+			cc_prefetch_on(p, 4 * (size_t)c, 4 * (size_t)n, (size_t)R * rb);
 			acc[k] = _mm512_fmadd_ps(_mm512_loadu_ps(p), xv, acc[k]);
 		}
 	}
@@ -60,7 +60,7 @@ TARGET_F INLINE void f16_rows(const struct cpu_vec *x, const uint8_t *w, uint64_
 		UNROLL
 		for (int k = 0; k < R; k++) {
 			const uint8_t *p = w + k * rb + 2 * (size_t)c;
-			cc_prefetch(p);
+			cc_prefetch_on(p, 2 * (size_t)c, 2 * (size_t)n, (size_t)R * rb);
 			const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 			acc[k] = _mm512_fmadd_ps(wv, xv, acc[k]);
 		}
@@ -91,7 +91,7 @@ TARGET_BF16 INLINE void bf16_rows(const struct cpu_vec *x, const uint8_t *w, uin
 		UNROLL
 		for (int k = 0; k < R; k++) {
 			const uint8_t *p = w + k * rb + 2 * (size_t)c;
-			cc_prefetch(p);
+			cc_prefetch_on(p, 2 * (size_t)c, 2 * (size_t)n, (size_t)R * rb);
 			acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)_mm512_loadu_si512(p), xv);
 		}
 	}

@@ -63,8 +63,9 @@ TARGET INLINE void q8_0_pair(const struct cpu_vec *x, const uint8_t *w, uint64_t
 	UNROLL
 	for (int k = 0; k < R; k++) {
 		const uint8_t *blk = w + k * rb + (size_t)b * 34;
-		cc_prefetch(blk);
-		cc_prefetch(blk + 64);
+		const size_t off = (size_t)b * 34, len = (size_t)(x->n / QK8_0) * 34, next = (size_t)R * rb;
+		cc_prefetch_on(blk, off, len, next);
+		cc_prefetch_on(blk + 64, off + 64, len, next);
 		const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 2));
 		const __m256i hi = two ? _mm256_loadu_si256((const __m256i *)(blk + 36)) : _mm256_set1_epi8((char)0x80);
 		const __m512i wv = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
@@ -106,7 +107,7 @@ TARGET INLINE void q4_0_pair(const struct cpu_vec *x, const uint8_t *w, uint64_t
 	UNROLL
 	for (int k = 0; k < R; k++) {
 		const uint8_t *blk = w + k * rb + (size_t)b * 18;
-		cc_prefetch(blk);
+		cc_prefetch_on(blk, (size_t)b * 18, (size_t)(x->n / QK4_0) * 18, (size_t)R * rb);
 		const __m128i qa = _mm_loadu_si128((const __m128i *)(blk + 2));
 		const __m128i qb = two ? _mm_loadu_si128((const __m128i *)(blk + 20)) : _mm_setzero_si128();
 		const __m256i ab = _mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1);
@@ -160,10 +161,11 @@ TARGET INLINE void k4_rows(const struct cpu_vec *x, const uint8_t *w, uint64_t r
 		UNROLL
 		for (int k = 0; k < R; k++) {
 			const uint8_t *blk = w + k * rb + (size_t)b * bsize;
-			cc_prefetch(blk);
-			cc_prefetch(blk + 64);
+			const size_t off = (size_t)b * bsize, len = (size_t)nb * bsize, next = (size_t)R * rb;
+			cc_prefetch_on(blk, off, len, next);
+			cc_prefetch_on(blk + 64, off + 64, len, next);
 			if (bsize > 128)
-				cc_prefetch(blk + 128);
+				cc_prefetch_on(blk + 128, off + 128, len, next);
 			const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)cc_u32(blk))); /* d, dmin */
 			uint64_t sc, m;
 			cc_k4_scales(blk + 4, &sc, &m);
@@ -228,10 +230,11 @@ TARGET INLINE void q6_k_rows(const struct cpu_vec *x, const uint8_t *w, uint64_t
 		UNROLL
 		for (int k = 0; k < R; k++) {
 			const uint8_t *blk = w + k * rb + (size_t)b * sizeof(struct block_q6_K);
-			cc_prefetch(blk);
-			cc_prefetch(blk + 64);
-			cc_prefetch(blk + 128);
-			cc_prefetch(blk + 192);
+			const size_t off = (size_t)b * sizeof(struct block_q6_K),
+				     len = (size_t)nb * sizeof(struct block_q6_K), next = (size_t)R * rb;
+			UNROLL
+			for (int l = 0; l < 4; l++)
+				cc_prefetch_on(blk + 64 * l, off + 64 * l, len, next);
 			const float d = _cvtsh_ss(cc_u16(blk + offsetof(struct block_q6_K, d)));
 			const __m128i sc8 =
 				_mm_loadu_si128((const __m128i *)(blk + offsetof(struct block_q6_K, scales)));
