@@ -20,6 +20,10 @@ grep -q "^experts: making 70 experts" <<<"$out" && grep -q "a layer (70 to choos
 	fail "pool of 70: $out"
 out=$("$B" --experts 2 --expert-pool 2 --rows 256 --cols 512 --threads 2 --repeats 2 --job-threads 3)
 grep -q "jobs cut for 3 threads (24 parts, chunks of about [0-9]* KB, tapered)" <<<"$out" || fail "job-threads: $out"
+# The last two layers' parts: each job's eight (cut for one thread: 4 a phase), a start and an end each.
+out=$("$B" --experts 2 --expert-pool 2 --rows 256 --cols 512 --threads 2 --repeats 3 --trace 2)
+[ "$(grep -c "^trace of layer [23] " <<<"$out")" = 2 ] || fail "trace: two layers: $out"
+[ "$(grep -cE "^  job [01] \(ended [0-9.]+\):( [0-9.]+-[0-9.]+){8}$" <<<"$out")" = 4 ] || fail "trace: parts: $out"
 out=$("$B" --experts 2 --expert-pool 2 --rows 256 --cols 512 --threads 2 --repeats 2 --no-taper)
 grep -q "chunks of about [0-9]* KB), 2 workers" <<<"$out" || fail "no-taper: $out"
 

@@ -8,12 +8,13 @@
  *   bench-cpu-gemv --ffn-tokens N [...]   the CPU's share of a split FFN instead (ffn_share.h): gate
  *       and up of --rows x --cols, down of --cols x --rows, for N tokens at once, against one token
  *   bench-cpu-gemv --experts K [--expert-pool E] [--job-threads P] [--gap-us G] [--no-taper]
- *       [--no-help] [...]   a decode layer's K routed experts on the CPU as the CUDA backend runs
- *       them (cuda/moe_cpu.cu): K jobs of
+ *       [--no-help] [--trace N] [...]   a decode layer's K routed experts on the CPU as the CUDA
+ *       backend runs them (cuda/moe_cpu.cu): K jobs of
  *       the runner's task pool submitted at once, each an expert (gate and up of --rows x --cols,
  *       down of --cols x --rows) of E, cut for P threads (default ffn_share_threads_for), a gap of G
  *       us between layers (the GPU's part of the chain); timed from the first submission to the
- *       last job's end, as the runner's experts_span_ms
+ *       last job's end, as the runner's experts_span_ms; --trace N prints the last N layers' parts,
+ *       when each started and ended
  *
  * The weights are random: 64 distinct rows of Gaussian values quantized with quant_quantize,
  * repeated to fill the matrix (the K formats' quantizer is too slow to make every row; every byte
@@ -245,8 +246,12 @@ static int bench_ffn(enum dtype t, uint32_t rows, uint32_t dim, uint32_t n, uint
 #define EXPERTS_MAX 8
 #define EXPERTS_MADE 32 /* distinct experts a pool makes; more are copies (bench_experts) */
 
+#define TRACE_PARTS 64 /* parts a job may have for --trace (2 FFN_SHARE_PARTS_PER_THREAD x 8 threads) */
+
 struct expert_slot {
 	struct ffn_share *fs;
+	uint64_t *trace; /* --trace: (2 parts) each part's start and end, ns since the layer's start; NULL */
+	uint64_t t0;	 /* the layer's start */
 	struct ffn_share_job job;
 	struct task_job tj;
 	float *x, *y;
@@ -257,7 +262,28 @@ struct expert_slot {
 static int expert_part(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
 {
 	struct expert_slot *es = (struct expert_slot *)arg;
-	return ffn_share_part(es->fs, &es->job, es->x, es->y, part, n_parts, err, errlen);
+	const uint64_t s = es->trace ? now_ns() : 0;
+	int rc = ffn_share_part(es->fs, &es->job, es->x, es->y, part, n_parts, err, errlen);
+	if (es->trace && part < TRACE_PARTS) {
+		es->trace[2 * part] = s - es->t0;
+		es->trace[2 * part + 1] = now_ns() - es->t0;
+	}
+	return rc;
+}
+
+/* --trace: one layer's parts, each job's in part order: when each started and ended (us after
+ * the layer's first submission), the first phase's parts [0, P) and then [P, 2P), which run the
+ * second phase after it. */
+static void print_trace(const struct expert_slot *slot, uint32_t k, uint32_t parts, uint32_t layer)
+{
+	printf("trace of layer %u (us after its first submission: start-end of each part; parts %u.. also run "
+	       "the second phase):\n", layer, parts / 2);
+	for (uint32_t i = 0; i < k; i++) {
+		printf("  job %u (ended %.1f):", i, (double)(slot[i].end_ns - slot[i].t0) * 1e-3);
+		for (uint32_t p = 0; p < parts && p < TRACE_PARTS; p++)
+			printf(" %.1f-%.1f", (double)slot[i].trace[2 * p] * 1e-3, (double)slot[i].trace[2 * p + 1] * 1e-3);
+		printf("\n");
+	}
 }
 
 static void expert_ended(struct task_job *tj)
@@ -266,7 +292,7 @@ static void expert_ended(struct task_job *tj)
 }
 
 static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, uint32_t pool_e, uint32_t per,
-			 bool taper, bool help, uint32_t gap_us, uint32_t threads, uint32_t layers)
+			 bool taper, bool help, uint32_t gap_us, uint32_t threads, uint32_t layers, uint32_t trace)
 {
 	char err[256];
 	const uint64_t mat = (uint64_t)rows * dtype_row_bytes(t, dim),
@@ -310,7 +336,8 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 	for (uint32_t i = 0; i < k; i++) {
 		slot[i].x = malloc((size_t)dim * sizeof(float));
 		slot[i].y = malloc((size_t)dim * sizeof(float));
-		if (!slot[i].x || !slot[i].y ||
+		slot[i].trace = trace ? calloc(2 * TRACE_PARTS, sizeof(uint64_t)) : NULL;
+		if (!slot[i].x || !slot[i].y || (trace && !slot[i].trace) ||
 		    ffn_share_create(dim, rows, 1, per, &slot[i].fs, err, sizeof(err))) {
 			fprintf(stderr, "bench-cpu-gemv: %s\n", slot[i].x && slot[i].y ? err : "out of memory");
 			return 1;
@@ -344,6 +371,7 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 		const uint64_t t0 = now_ns();
 		for (uint32_t i = 0; i < k; i++) {
 			struct expert_slot *es = &slot[i];
+			es->t0 = t0;
 			const struct ffn_share_mat g = {w[3 * chosen[i]], t, dtype_row_bytes(t, dim)},
 						   u = {w[3 * chosen[i] + 1], t, dtype_row_bytes(t, dim)},
 						   d = {w[3 * chosen[i] + 2], t, dtype_row_bytes(t, rows)};
@@ -367,6 +395,8 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 			end = slot[i].end_ns > end ? slot[i].end_ns : end;
 		}
 		span[l] = (double)(end - t0) * 1e-9;
+		if (trace && l + trace > layers)
+			print_trace(slot, k, ffn_share_parts(slot[0].fs), l);
 		for (uint64_t g0 = now_ns(); now_ns() - g0 < (uint64_t)gap_us * 1000;)
 			;
 	}
@@ -397,6 +427,7 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 		ffn_share_destroy(&slot[i].fs);
 		free(slot[i].x);
 		free(slot[i].y);
+		free(slot[i].trace);
 	}
 	task_pool_destroy(&pool);
 	for (uint32_t i = 0; i < 3 * pool_e; i++)
@@ -425,7 +456,7 @@ int main(int argc, char **argv)
 {
 	char *format = NULL;
 	long rows_l = 0, cols_l = 0, threads_l = sysconf(_SC_NPROCESSORS_ONLN), repeats_l = 0, ffn_tokens_l = 0,
-	     experts_l = 0, pool_l = 0, job_threads_l = -1, gap_l = 0;
+	     experts_l = 0, pool_l = 0, job_threads_l = -1, gap_l = 0, trace_l = 0;
 	bool scalar = false, no_taper = false, no_help = false;
 	const struct opt table[] = {
 		{"format", OPT_STRING, &format, "BF16", "weight format: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q5_K Q6_K"},
@@ -450,6 +481,9 @@ int main(int argc, char **argv)
 		{"job-threads", OPT_INT, &job_threads_l, NULL,
 		 "cut each expert's job for P threads (default: ffn_share_threads_for)"},
 		{"gap-us", OPT_INT, &gap_l, "150", "microseconds between layers (the GPU's part of a layer)"},
+		{"trace", OPT_INT, &trace_l, "0",
+		 "--experts: print the last N layers' parts, when each started and ended (the first phase's, then "
+		 "those that also run the second)"},
 		{"no-taper", OPT_BOOL, &no_taper, NULL,
 		 "equal chunks in each phase of a job (the runner tapers an expert's: smaller toward each phase's "
 		 "end, ffn_share_job.taper)"},
@@ -476,7 +510,7 @@ int main(int argc, char **argv)
 		fprintf(stderr, "bench-cpu-gemv: --format %s: unknown (see --help)\n", format);
 		return 2;
 	}
-	uint32_t rows, cols, threads, repeats, ffn_tokens, experts, expert_pool, job_threads, gap_us;
+	uint32_t rows, cols, threads, repeats, ffn_tokens, experts, expert_pool, job_threads, gap_us, trace;
 	if (in_range("rows", rows_l, 1, UINT32_MAX, &rows) || in_range("cols", cols_l, 1, UINT32_MAX, &cols) ||
 	    in_range("threads", threads_l, 1, UINT32_MAX, &threads) ||
 	    in_range("repeats", repeats_l, 1, UINT32_MAX, &repeats) ||
@@ -484,7 +518,7 @@ int main(int argc, char **argv)
 	    in_range("experts", experts_l, 0, EXPERTS_MAX, &experts) ||
 	    in_range("expert-pool", pool_l, 1, UINT32_MAX, &expert_pool) ||
 	    (job_threads_l != -1 && in_range("job-threads", job_threads_l, 1, FFN_SHARE_MAX_THREADS, &job_threads)) ||
-	    in_range("gap-us", gap_l, 0, UINT32_MAX, &gap_us))
+	    in_range("gap-us", gap_l, 0, UINT32_MAX, &gap_us) || in_range("trace", trace_l, 0, UINT32_MAX, &trace))
 		return 2;
 	if (job_threads_l == -1)
 		job_threads = 0; /* ffn_share_threads_for */
@@ -507,7 +541,7 @@ int main(int argc, char **argv)
 			return 2;
 		}
 		return bench_experts(t, rows, cols, experts, expert_pool, job_threads, taper, help, gap_us, threads,
-				     repeats);
+				     repeats, trace < repeats ? trace : repeats);
 	}
 	if (ffn_tokens) {
 		if (rows % dtype_block_elems(t)) {
