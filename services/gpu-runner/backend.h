@@ -111,9 +111,6 @@ enum backend_fuse {
 				     * (comparisons) */
 	BACKEND_FUSE_WIDE_QKV = 6,  /* the default, but the one-token q/k/v products run in wide blocks
 				     * like the others, not in blocks of one row group (comparisons) */
-	BACKEND_FUSE_NORMS_TOGETHER = 7, /* the default, but a one-token MoE layer's RMSNorm and router
-					  * in one launch, and Qwen3's q/k norms in RoPE's (a trial,
-					  * --norms-together: measured slower once, docs/design.md) */
 };
 
 /* How the CUDA backend's stream hands the CPU share of a split FFN to the pool

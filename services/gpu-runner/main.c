@@ -118,8 +118,7 @@ static int setup(struct runner *r)
 					.cpu_result_mapped = r->cpu_result_mapped,
 					.cpu_expert_taper = r->cpu_expert_taper,
 					.experts_apart = r->experts_apart,
-					.moe_host_route = r->moe_host_route,
-					.fuse = r->norms_together ? BACKEND_FUSE_NORMS_TOGETHER : BACKEND_FUSE_DEFAULT};
+					.moe_host_route = r->moe_host_route};
 	r->arena_block_bytes = backend_kv_block_bytes(r->backend_name, &r->cfg, &r->bp);
 	r->pool_block_bytes = ALIGN_UP((uint64_t)r->arena_block_bytes, 4096);
 	/* Blocks are reused only by a runner that would compute the same bytes: same model, same
@@ -241,9 +240,6 @@ int main(int argc, char **argv)
 		{"experts-apart", OPT_BOOL, &r.experts_apart, NULL,
 		 "mixture of experts, cuda, decode: launch each expert the GPU keeps on its own (two products "
 		 "each), not a layer's kept experts together in two launches"},
-		{"norms-together", OPT_BOOL, &r.norms_together, NULL,
-		 "cuda, a trial: a one-token mixture-of-experts layer's RMSNorm and router in one launch, and "
-		 "Qwen3's q/k norms in RoPE's, not each a launch of its own (the same bits; measured slower once)"},
 		{"moe-host-route", OPT_BOOL, &r.moe_host_route, NULL,
 		 "mixture of experts, cuda, decode: route every layer on the host (wait for the router's logits, "
 		 "then launch the chosen experts), also where the GPU keeps all of a layer's experts, whose "

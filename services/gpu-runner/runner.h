@@ -74,7 +74,6 @@ struct runner {
 	bool fixed_experts;	/* --fixed-experts: no hot-expert re-plans (experts.c) */
 	bool experts_apart;	/* --experts-apart: each kept expert launched on its own (cuda, decode) */
 	bool moe_host_route;	/* --moe-host-route: no layer routed on the device (cuda, decode) */
-	bool norms_together;	/* --norms-together: BACKEND_FUSE_NORMS_TOGETHER (cuda, a trial) */
 	bool predict_experts;	/* --predict-experts: later layers' experts copied on their last routing */
 	const char *cpu_share_arg, *cpu_handoff_arg; /* --cpu-share, --cpu-handoff as given */
 	const char *cpu_result_arg, *cpu_experts_arg; /* --cpu-result, --cpu-experts as given */

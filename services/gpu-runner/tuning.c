@@ -129,8 +129,6 @@ void runner_register_tunables(struct runner *r)
 			  "each expert the GPU keeps launched on its own, not a layer's together (cuda, decode)");
 	service_add_fixed(s, "moe-host-route", TUNABLE_BOOL, r->moe_host_route ? "true" : "false",
 			  "every layer routed on the host, none on the device (cuda, decode)");
-	service_add_fixed(s, "norms-together", TUNABLE_BOOL, r->norms_together ? "true" : "false",
-			  "a MoE token's RMSNorm and router in one launch, q/k norms in RoPE's (cuda, a trial)");
 	service_add_fixed(s, "fixed-experts", TUNABLE_BOOL, r->fixed_experts ? "true" : "false",
 			  "keep the experts the first plan made resident (no re-plan from the routing counted)");
 	service_add_fixed(s, "fixed-split", TUNABLE_BOOL, r->fixed_split ? "true" : "false",

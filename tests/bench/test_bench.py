@@ -473,8 +473,8 @@ class CommandLine(unittest.TestCase):
                   ("B", "| M2R decode (all resident) | 2.13 ms/token | 0.12 | 17.8 | - |"),
                   ("A", "| M2R decode (all resident) | 2.30 ms/token | 0.12 | 19.2 | - |"),
                   ("B", "| M2 | failed (see logs) | - | - | - |")]
-        got = bench.alternation_summary(tagged, "--runner-opt=--norms-together").splitlines()
-        self.assertIn("B: --runner-opt=--norms-together", got[0])
+        got = bench.alternation_summary(tagged, "--runner-opt=--moe-host-route").splitlines()
+        self.assertIn("B: --runner-opt=--moe-host-route", got[0])
         self.assertEqual(got[4:], ["| M2R decode (all resident) | 2.29 ms/token; 2.30 ms/token | 2.13 ms/token |",
                                    "| M2 |  | failed (see logs) |"])
 
@@ -638,11 +638,11 @@ class RunWithFakes(unittest.TestCase):
             return {"failed": True}
         os.environ["BENCH_START_OPTS"] = "--runner-opt=--strict"
         try:
-            rows, tagged = bench.run_rounds(self.b, {"S2": s2}, {}, {"S2"}, self.lim, "--runner-opt=--norms-together", 2)
+            rows, tagged = bench.run_rounds(self.b, {"S2": s2}, {}, {"S2"}, self.lim, "--runner-opt=--moe-host-route", 2)
             self.assertEqual(os.environ["BENCH_START_OPTS"], "--runner-opt=--strict")
         finally:
             del os.environ["BENCH_START_OPTS"]
-        both = "--runner-opt=--strict --runner-opt=--norms-together"
+        both = "--runner-opt=--strict --runner-opt=--moe-host-route"
         self.assertEqual(seen, ["--runner-opt=--strict", both, "--runner-opt=--strict", both])
         self.assertEqual([r.split("]")[0] for r in rows], ["| [round 1, A", "| [round 1, B", "| [round 2, A",
                                                          "| [round 2, B"])
@@ -650,7 +650,7 @@ class RunWithFakes(unittest.TestCase):
         for d in ("round1A", "round1B", "round2A", "round2B"):
             for name in ("limits.json", "S2.record.json", "S2.rows"):
                 self.assertTrue(os.path.exists(os.path.join(self.b.results, d, name)), f"{d}/{name}")
-        summary = bench.alternation_summary(tagged, "--runner-opt=--norms-together")
+        summary = bench.alternation_summary(tagged, "--runner-opt=--moe-host-route")
         self.assertIn("| S2 | failed (see logs); failed (see logs) | failed (see logs); failed (see logs) |", summary)
         # Without --alternate: one run, as before, into the results folder itself.
         rows, tagged = bench.run_rounds(self.b, {"S2": s2}, {}, {"S2"}, self.lim)

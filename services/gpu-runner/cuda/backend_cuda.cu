@@ -293,26 +293,13 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 	be->dq_narrow = false;
 	if (rc)
 		return rc;
-	/* Qwen3's q/k norms: a launch of their own before RoPE, or with BACKEND_FUSE_NORMS_TOGETHER (a
-	 * trial: a launch less in a layer's chain) in RoPE's where a pass of its blocks covers whole heads. */
-	const bool qk = (c->flags & MODEL_QK_NORM) != 0;
-	bool qk_in_rope = qk && be->fuse_norms && (!multi || rope_fuses_norms(c->head_dim, n));
-	for (uint32_t k = 0; qk_in_rope && k < n_launch; k++) /* each launch's blocks as rope_launch sizes them */
-		qk_in_rope = rope_fuses_norms(c->head_dim, be->run_n[k]);
-	if (qk && !qk_in_rope &&
+	if ((c->flags & MODEL_QK_NORM) &&
 	    (rc = qk_norm(be, dev(w, ROLE_Q_NORM), fmt(w, ROLE_Q_NORM), dev(w, ROLE_K_NORM), fmt(w, ROLE_K_NORM))))
 		return rc;
-	const void *qn = qk_in_rope ? dev(w, ROLE_Q_NORM) : NULL, *kn = qk_in_rope ? dev(w, ROLE_K_NORM) : NULL;
-	const uint32_t qt = qk_in_rope ? fmt(w, ROLE_Q_NORM) : 0, kt = qk_in_rope ? fmt(w, ROLE_K_NORM) : 0;
 
 	/* RoPE at each sequence's positions, its K and V into the arena, its attention state reset. */
 	for (uint32_t k = 0; k < n_launch; k++) {
 		uint32_t r0 = be->run_row0[k];
-		ra[k].qn = qn;
-		ra[k].kn = kn;
-		ra[k].qt = qt;
-		ra[k].kt = kt;
-		ra[k].eps = c->rms_eps;
 		ra[k].qkv = be->qkv + (size_t)r0 * be->qkv_ld;
 		ra[k].ld = be->qkv_ld;
 		ra[k].inv_freq = be->inv_freq;
@@ -355,11 +342,6 @@ static int cuda_attn_begin(struct backend_dev *be, const struct group_weights *w
 		m.l = be->st_l;
 		m.acc = be->st_acc;
 		m.tr = ktrace_next(be, "rope (several sequences)");
-		m.qn = qn;
-		m.kn = kn;
-		m.qt = qt;
-		m.kt = kt;
-		m.eps = c->rms_eps;
 		rope_launch(be->p.kv_dtype, m, be->pdl, be->stream);
 		LAUNCHED(be, "rope_kernel (several sequences)");
 	}
@@ -885,7 +867,6 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->wide_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_NARROW_DQ;
 	be->mix_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_APART_DQ;
 	be->wide_qkv = p->fuse == BACKEND_FUSE_WIDE_QKV;
-	be->fuse_norms = p->fuse == BACKEND_FUSE_NORMS_TOGETHER;
 	be->early_kv = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_LATE_KV;
 	be->attn_key_warps = p->fuse == BACKEND_FUSE_ONE_KEY_WARP ? 1 : 2;
 

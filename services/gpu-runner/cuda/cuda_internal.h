@@ -171,7 +171,6 @@ struct backend_dev {
 	bool wide_dq;		/* ... in blocks of several row groups where that fills the GPU (DQ_WIDE_MAX) */
 	bool mix_dq;		/* ... parts in two formats in one launch (dq_mix_kernel) */
 	bool wide_qkv;		/* ... q/k/v in wide blocks too (BACKEND_FUSE_WIDE_QKV) */
-	bool fuse_norms;	/* q/k norms in RoPE's launch, a MoE token's RMSNorm in its router's (a trial) */
 	bool dq_narrow;		/* the products launched now feed the attention: blocks of one row group */
 	bool early_kv;		/* attn_args.early_keys where the keys are settled (backend_params.fuse) */
 	uint32_t attn_key_warps; /* attn_kernel's warps a query where the block has room (backend_params.fuse) */
@@ -526,7 +525,6 @@ int experts_batch(struct backend_dev *be, const struct mm_expert *e, uint32_t n,
 
 /* ---- norm_rope.cu -------------------------------------------------------------------------- */
 
-#define ROPE_NORM_HEADS 16 /* heads a pass of a RoPE block applying q/k norms covers, at most */
 struct rope_args {
 	float *qkv;		/* (n, ld): q, k, v of each token */
 	uint32_t ld;
@@ -540,11 +538,6 @@ struct rope_args {
 	float *m, *l, *acc;	/* running attention state, reset here */
 	const uint32_t *pos;	/* (n) each row's position (device memory; rows of several sequences), or
 				 * NULL: pos0 + t, and dst as above */
-	const void *qn, *kn;	/* Qwen3's q_norm and k_norm (head_dim values, formats qt and kt) applied to
-				 * each head before its rotation (rope_fuses_norms), or NULL: q and k as
-				 * they are */
-	uint32_t qt, kt;
-	float eps;
 	struct ktrace tr;	/* the launch's stamps (bench-kernels --trace) */
 };
 
@@ -557,9 +550,6 @@ int rmsnorm_rows(struct backend_dev *be, const void *w, uint32_t wt, const uint3
 void embed_launch(uint32_t dt, const void *raw, float *x, size_t count, cudaStream_t s);
 /* RoPE, the K and V rows into the arena (kv_dtype), accumulators reset: one block per token. */
 void rope_launch(uint32_t kv_dtype, const rope_args &a, bool pdl, cudaStream_t s);
-/* Whether rope_launch for n tokens can apply the q/k norms too (rope_args.qn): each head's pairs
- * fall in one block's pass. */
-bool rope_fuses_norms(uint32_t head_dim, uint32_t n);
 /* x[i] += y[i] for count floats. */
 void add_launch(float *x, const float *y, size_t count, cudaStream_t s);
 /* SiLU(gate) * up of the cuBLAS path ((n, 2 * ffn) float32) into out in dtype ot. */

@@ -3,8 +3,7 @@
  * that format and token count: the quantized GEMV, or dequantization and cuBLAS), and a read of
  * the residual stream after embed; for test_cuda_ffn_split.c, a failure of the CPU share, and for
  * test_cuda_moe_cpu.c one of a routed expert computed by the CPU; for test_cuda_experts.c a layer's
- * experts computed together and apart, and a token's norm and router in one launch and in two.
- * C callable; built with the CUDA backend only. */
+ * experts computed together and apart. C callable; built with the CUDA backend only. */
 #ifndef GPU_RUNNER_CUDA_TEST_H
 #define GPU_RUNNER_CUDA_TEST_H
 #include <stdbool.h>
@@ -52,18 +51,6 @@ struct cuda_test_experts {
  * the experts cannot go together (expert_batch_fits), or -EINVAL, -ENOMEM, -EIO with a message in
  * err. */
 int cuda_test_experts_together(struct backend *be, const struct cuda_test_experts *t, char *err, size_t errlen);
-/* One token's RMSNorm and router logits (F32 weights) in one launch (norm_router_kernel, with its
- * mapped host copy of the row) and as rmsnorm_kernel, then router_kernel. be: a "cuda" backend of a
- * mixture-of-experts config whose dim and experts these are; its residual row 0 is overwritten. */
-struct cuda_test_norm_router {
-	uint32_t dim, E;
-	const float *x, *norm, *router; /* host: (dim), (dim), (E, dim) */
-	float *xn_one, *xn_host, *logits_one; /* host: the one launch's row, its mapped copy, (E) logits */
-	float *xn_apart, *logits_apart;	      /* host: the two launches' row and logits */
-};
-/* Runs both on be's stream and waits. Returns 0, -ENOTSUP (a row too long for the one launch), or
- * -EINVAL, -ENOMEM, -EIO with a message in err. */
-int cuda_test_norm_router_both(struct backend *be, const struct cuda_test_norm_router *t, char *err, size_t errlen);
 /* Copies rows [0, n) of the residual stream (n x dim float32, what embed wrote) to host out
  * and waits. Returns 0 or -EINVAL / -EIO with a message in err. */
 int cuda_test_residual(struct backend *be, float *out, uint32_t n, char *err, size_t errlen);

@@ -29,8 +29,7 @@
  *    wait of the host (moe_device.cu: backend.h's moe_layer), to the same sums.
  *
  * Qwen3 (MODEL_QK_NORM): each head of q and k goes through its RMSNorm over head_dim (q_norm,
- * k_norm) after the projections and before RoPE (qk_norm_kernel, in place in qkv; with
- * BACKEND_FUSE_NORMS_TOGETHER inside rope_kernel, norm_rope.cu).
+ * k_norm) after the projections and before RoPE (qk_norm_kernel, in place in qkv).
  */
 #include "services/gpu-runner/cuda/moe_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"
@@ -44,19 +43,6 @@
 
 /* ---- kernels ------------------------------------------------------------------------------ */
 
-/* Expert e's router logit from the row x, in every lane of the warp: lane l's products over
- * d = l, l + 32, ... fused in order, the lanes' sums folded by shuffles. */
-static __device__ __forceinline__ float router_logit(const float *x, const void *w, uint32_t wt, uint32_t dim,
-						     uint32_t e, uint32_t lane)
-{
-	float acc = 0.0f;
-	for (uint32_t d = lane; d < dim; d += 32)
-		acc = __fmaf_rn(x[d], load_any(w, wt, (size_t)e * dim + d), acc);
-	for (int o = 16; o > 0; o >>= 1)
-		acc += __shfl_xor_sync(0xffffffffu, acc, o);
-	return acc;
-}
-
 __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint32_t dim, uint32_t E, uint32_t n,
 			      float *out)
 {
@@ -66,59 +52,14 @@ __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint3
 	if (warp >= n * E)
 		return;
 	const uint32_t t = warp / E, e = warp % E;
-	const float acc = router_logit(xn + (size_t)t * dim, w, wt, dim, e, lane);
+	const float *x = xn + (size_t)t * dim;
+	float acc = 0.0f;
+	for (uint32_t d = lane; d < dim; d += 32)
+		acc = __fmaf_rn(x[d], load_any(w, wt, (size_t)e * dim + d), acc);
+	for (int o = 16; o > 0; o >>= 1)
+		acc += __shfl_xor_sync(0xffffffffu, acc, o);
 	if (lane == 0)
 		out[(size_t)t * E + e] = acc;
-}
-
-/* One token's RMSNorm (ROLE_FFN_NORM) and its router logits in one launch
- * (BACKEND_FUSE_NORMS_TOGETHER, a trial: two launches less in a layer's chain of the host's route,
- * one in the device's): each block takes the norm of x as rmsnorm_kernel's 1024 threads for one
- * row do (thread v the values v, v + 1024, ...; each warp's sum by the same shuffles, then the 32 sums
- * folded the same way), NORM_ROUTER_VIRT of them a thread, so xn is rmsnorm's bits; the block's
- * slice of xn goes out (and to host, mapped, where not NULL), and each warp computes one expert's
- * logit from the whole row in shared memory as router_kernel does. Grid (E + 7) / 8. */
-__global__ void __launch_bounds__(NORM_ROUTER_THREADS)
-	norm_router_kernel(const float *x, const void *nw, uint32_t nwt, uint32_t dim, float eps, const void *rw,
-			   uint32_t rt, uint32_t E, float *xn, float *host, float *logits)
-{
-	extern __shared__ float xs[];
-	__shared__ double part[NORM_ROUTER_THREADS * NORM_ROUTER_VIRT / 32];
-	const uint32_t tid = threadIdx.x, lane = tid % 32, wid = tid / 32;
-	grid_launch_next();
-	grid_wait(); /* x: the kernels before's */
-	double ss[NORM_ROUTER_VIRT];
-	for (uint32_t q = 0; q < NORM_ROUTER_VIRT; q++) {
-		ss[q] = 0;
-		for (uint32_t i = tid + q * NORM_ROUTER_THREADS; i < dim; i += NORM_ROUTER_THREADS * NORM_ROUTER_VIRT)
-			ss[q] += (double)x[i] * x[i];
-	}
-	for (uint32_t q = 0; q < NORM_ROUTER_VIRT; q++) {
-		for (int o = 16; o > 0; o >>= 1)
-			ss[q] += __shfl_xor_sync(0xffffffffu, ss[q], o);
-		if (lane == 0)
-			part[wid + q * (NORM_ROUTER_THREADS / 32)] = ss[q];
-	}
-	__syncthreads();
-	double tot = part[lane];
-	for (int o = 16; o > 0; o >>= 1)
-		tot += __shfl_xor_sync(0xffffffffu, tot, o);
-	float var = (float)(tot / dim);
-	float r = 1.0f / sqrtf(var + eps);
-	for (uint32_t i = tid; i < dim; i += NORM_ROUTER_THREADS)
-		xs[i] = __fmul_rn(load_any(nw, nwt, i), __fmul_rn(x[i], r));
-	__syncthreads();
-	for (uint32_t i = blockIdx.x * NORM_ROUTER_THREADS + tid; i < dim; i += gridDim.x * NORM_ROUTER_THREADS) {
-		xn[i] = xs[i];
-		if (host)
-			host[i] = xs[i];
-	}
-	const uint32_t e = blockIdx.x * (NORM_ROUTER_THREADS / 32) + wid;
-	if (e >= E)
-		return;
-	const float acc = router_logit(xs, rw, rt, dim, e, lane);
-	if (lane == 0)
-		logits[e] = acc;
 }
 
 /* xn = the chunk's normed rows; with host (a decode step's rows for the CPU, in mapped pinned
@@ -337,61 +278,33 @@ int moe_router_matrix(struct backend_dev *be, const struct weight_tensor *rw, co
 	return 0;
 }
 
-bool moe_norm_router_fits(const struct backend_dev *be)
-{
-	return be->fuse_norms && (size_t)be->cfg.dim * sizeof(float) <= NORM_ROUTER_MAX_SMEM;
-}
-
-int moe_norm_router(struct backend_dev *be, const struct weight_tensor *nw, const struct weight_tensor *rw, float *xn,
-		    float *host, float *logits)
-{
-	const void *rmat;
-	uint32_t rt;
-	int rc = moe_router_matrix(be, rw, &rmat, &rt);
-	if (rc)
-		return rc;
-	const uint32_t E = be->moe->E, dim = be->cfg.dim;
-	launch_k(be->pdl, norm_router_kernel, (E + 7) / 8, NORM_ROUTER_THREADS, (size_t)dim * sizeof(float), be->stream,
-		 (const float *)be->x, nw->data[PLACE_DEVICE], nw->format, dim, be->cfg.rms_eps, rmat, rt, E, xn, host,
-		 logits);
-	LAUNCHED(be, "norm_router_kernel");
-	return 0;
-}
-
 int moe_route(struct backend_dev *be, const struct group_weights *w)
 {
 	const struct model_config *c = &be->cfg;
 	struct cuda_moe *m = be->moe;
 	const uint32_t n = be->n, dim = c->dim, E = m->E, k = m->k;
 	const struct weight_tensor *nw = &w->t[ROLE_FFN_NORM], *rw = &w->t[ROLE_ROUTER];
+	/* The normed rows in float32: the router's input and every expert's. */
+	int rc = rmsnorm(be, nw->data[PLACE_DEVICE], nw->format, 0, n, DT_F32);
+	if (rc)
+		return rc;
 	/* A decode step's rows for experts the CPU may compute, and its logits: written into mapped host
 	 * memory by the kernels where it is mapped (a copy down after each would add its own start to
 	 * the host's wait below, a layer at a time). */
 	m->xn_down = m->jobs && n <= FFN_SPLIT_MAX_TOKENS;
 	const bool mapped = n <= FFN_SPLIT_MAX_TOKENS && m->h_logits_dev && (!m->xn_down || m->h_xn_dev);
+	const size_t count = (size_t)n * dim;
 	float *xn_host = mapped && m->xn_down ? m->h_xn_dev : NULL;
-	float *logits_out = mapped ? m->h_logits_dev : m->logits;
-	int rc;
-	if (n == 1 && moe_norm_router_fits(be)) {
-		/* One token, --norms-together: the norm, its rows out and the logits in one launch. */
-		if ((rc = moe_norm_router(be, nw, rw, m->xn, xn_host, logits_out)))
-			return rc;
-	} else {
-		/* The normed rows in float32: the router's input and every expert's. */
-		if ((rc = rmsnorm(be, nw->data[PLACE_DEVICE], nw->format, 0, n, DT_F32)))
-			return rc;
-		const size_t count = (size_t)n * dim;
-		xn_kernel<<<grid_for(count, 256), 256, 0, be->stream>>>((const float *)be->xa, m->xn, xn_host, count);
-		LAUNCHED(be, "xn_kernel (experts' input rows)");
-		const void *rmat;
-		uint32_t rt;
-		if ((rc = moe_router_matrix(be, rw, &rmat, &rt)))
-			return rc;
-		size_t warps = (size_t)n * E;
-		router_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, be->stream>>>(m->xn, rmat, rt, dim, E, n,
-										  logits_out);
-		LAUNCHED(be, "router_kernel");
-	}
+	xn_kernel<<<grid_for(count, 256), 256, 0, be->stream>>>((const float *)be->xa, m->xn, xn_host, count);
+	LAUNCHED(be, "xn_kernel (experts' input rows)");
+	const void *rmat;
+	uint32_t rt;
+	if ((rc = moe_router_matrix(be, rw, &rmat, &rt)))
+		return rc;
+	size_t warps = (size_t)n * E;
+	router_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, be->stream>>>(m->xn, rmat, rt, dim, E, n,
+									  mapped ? m->h_logits_dev : m->logits);
+	LAUNCHED(be, "router_kernel");
 	if (!mapped)
 		CUDA_TRY(be, "cudaMemcpyAsync (router logits)",
 			 cudaMemcpyAsync(m->h_logits, m->logits, (size_t)n * E * sizeof(float), cudaMemcpyDeviceToHost,

@@ -270,22 +270,17 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 		return cuda_failf(be, -EINVAL, "cuda backend: moe_layer takes one token, not %u", be->n);
 	const uint32_t dim = c->dim, E = m->E, k = m->k, F = m->F;
 	const struct weight_tensor *nw = &w->t[ROLE_FFN_NORM], *rw = &w->t[ROLE_ROUTER];
-	/* The normed row in float32 (xa), the router's input and the experts', and the logits. */
+	/* The normed row in float32 (xa), the router's input and the experts'. */
+	int rc = rmsnorm(be, nw->data[PLACE_DEVICE], nw->format, 0, 1, DT_F32);
+	if (rc)
+		return rc;
+	const void *rmat;
+	uint32_t rt;
+	if ((rc = moe_router_matrix(be, rw, &rmat, &rt)))
+		return rc;
 	const float *xn = (const float *)be->xa;
-	int rc;
-	if (moe_norm_router_fits(be)) {
-		if ((rc = moe_norm_router(be, nw, rw, (float *)be->xa, NULL, m->logits)))
-			return rc;
-	} else {
-		if ((rc = rmsnorm(be, nw->data[PLACE_DEVICE], nw->format, 0, 1, DT_F32)))
-			return rc;
-		const void *rmat;
-		uint32_t rt;
-		if ((rc = moe_router_matrix(be, rw, &rmat, &rt)))
-			return rc;
-		launch_k(be->pdl, router_kernel, (E + 7) / 8, 256, 0, be->stream, xn, rmat, rt, dim, E, 1u, m->logits);
-		LAUNCHED(be, "router_kernel");
-	}
+	launch_k(be->pdl, router_kernel, (E + 7) / 8, 256, 0, be->stream, xn, rmat, rt, dim, E, 1u, m->logits);
+	LAUNCHED(be, "router_kernel");
 	const struct mm_expert *f = &d->fmt[layer];
 	const uint32_t at = act_dtype(f->gate.format);
 	const size_t smem = (size_t)E * (sizeof(double) + sizeof(float));

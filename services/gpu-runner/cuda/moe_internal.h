@@ -130,18 +130,6 @@ struct cuda_moe {
  * format's dequantized to float32 into router_f; -ENOTSUP for rows with gaps. */
 int moe_router_matrix(struct backend_dev *be, const struct weight_tensor *rw, const void **rmat, uint32_t *rt);
 
-/* norm_router_kernel's block, and rmsnorm_kernel's threads for one row (1024) each thread stands
- * for; the row in shared memory, at most NORM_ROUTER_MAX_SMEM bytes (no opt-in). */
-#define NORM_ROUTER_THREADS 256
-#define NORM_ROUTER_VIRT 4
-#define NORM_ROUTER_MAX_SMEM (40u << 10)
-/* Whether a one-token layer's RMSNorm and router go in one launch (moe_norm_router). */
-bool moe_norm_router_fits(const struct backend_dev *be);
-/* One token (row 0 of be->x): its RMSNorm by nw into xn (float32, and host where not NULL), the
- * same bits as rmsnorm's, and the router logits of rw into logits, as router_kernel's: one launch. */
-int moe_norm_router(struct backend_dev *be, const struct weight_tensor *nw, const struct weight_tensor *rw, float *xn,
-		    float *host, float *logits);
-
 /* One warp per (token, expert): out[t][e] = sum_d xn[t][d] w[e][d] in float32. */
 __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint32_t dim, uint32_t E, uint32_t n,
 			      float *out);

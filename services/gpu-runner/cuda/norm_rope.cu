@@ -1,8 +1,7 @@
 /* norm_rope.cu - the CUDA backend's element-wise kernels: embedding rows widened into the
  * residual stream, RMSNorm into the matrix input dtype, RoPE with the K and V rows written into
- * the arena (and Qwen3's q/k norms before it, with BACKEND_FUSE_NORMS_TOGETHER), SiLU(gate) * up
- * for the cuBLAS path, and a partial result added into the residual stream. Numerics as the C
- * reference rounds (backend_cuda.cu's header says how). */
+ * the arena, SiLU(gate) * up for the cuBLAS path, and a partial result added into the residual
+ * stream. Numerics as the C reference rounds (backend_cuda.cu's header says how). */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"
 
@@ -54,33 +53,6 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(const float *x, const voi
 	for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x)
 		orow[i] = from_f32<TO>(__fmul_rn(load_any(w, wt, i), __fmul_rn(xr[i], r)));
 }
-
-/* The RMSNorm scale 1 / sqrt(mean(v^2) + eps) of each head of hd values (v: the token's heads, row
- * after row) whose pairs this pass of the block covers (pairs [base, base + blockDim.x) of n_pairs,
- * `pairs` a head), into rr[head - base / pairs]: a warp a head, each summing as qk_norm_kernel's 128
- * threads do (thread i the values i, i + 128, ...; each warp's sum by the same shuffles; the four
- * warps' sums added in order), so the scales are qk_norm_kernel's bits. */
-static __device__ void head_scales(const float *v, uint32_t base, uint32_t n_pairs, uint32_t pairs, uint32_t hd,
-				   float eps, float *rr)
-{
-	const uint32_t lane = threadIdx.x % 32, heads = blockDim.x / pairs;
-	for (uint32_t hh = threadIdx.x / 32; hh < heads && base + hh * pairs < n_pairs; hh += blockDim.x / 32) {
-		const float *hv = v + (size_t)(base / pairs + hh) * hd;
-		double tot = 0;
-		for (uint32_t p = 0; p < 4; p++) {
-			double ss = 0;
-			for (uint32_t i = 32 * p + lane; i < hd; i += 128)
-				ss += (double)hv[i] * hv[i];
-			for (int o = 16; o > 0; o >>= 1)
-				ss += __shfl_xor_sync(0xffffffffu, ss, o);
-			tot += ss;
-		}
-		float var = (float)(tot / hd);
-		if (lane == 0)
-			rr[hh] = 1.0f / sqrtf(var + eps);
-	}
-}
-
 /* Grid (n, slices): RoPE on q (in place) and k, k and v into their arena row, and the token's
  * attention accumulators reset; the slices of a token split its work (each computes the token's
  * angles). cos and sin of the float32 angle in double, rounded
@@ -112,55 +84,21 @@ template <typename KT> __global__ void __launch_bounds__(256) rope_kernel(const 
 	/* The two dimensions of pair j within a head. */
 	const uint32_t step1 = a.adjacent ? 2 : 1, off2 = a.adjacent ? 1 : half;
 	const uint32_t i0 = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
+	for (uint32_t i = i0; i < a.n_heads * half; i += stride) {
+		uint32_t h = i / half, j = i % half, d1 = j * step1, d2 = d1 + off2;
+		float *qh = q + (size_t)h * hd;
+		float x1 = qh[d1], x2 = qh[d2];
+		qh[d1] = __fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j]));
+		qh[d2] = __fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j]));
+	}
 	KT *kd = (KT *)a.arena + dst[t] * a.block_elems + (size_t)dst[a.n + t] * kv_dim;
 	KT *vd = kd + (size_t)a.block_tokens * kv_dim;
-	if (a.qn) {
-		/* Each head through its RMSNorm first (qk_norm_kernel's operations): a pass of the block
-		 * covers whole heads (rope_fuses_norms), whose scales it takes before any of their
-		 * values is rotated in place. k stays as it is in qkv: its rows go to the arena. */
-		__shared__ float rr[ROPE_NORM_HEADS];
-		for (uint32_t pass = 0; pass < 2; pass++) { /* q's heads, then k's */
-			const bool is_k = pass == 1;
-			const float *src = is_k ? k : q;
-			const void *nw = is_k ? a.kn : a.qn;
-			const uint32_t nt = is_k ? a.kt : a.qt, np = (is_k ? a.n_kv_heads : a.n_heads) * half;
-			for (uint32_t base = blockIdx.y * blockDim.x; base < np; base += stride) {
-				__syncthreads(); /* the pass before has read rr */
-				head_scales(src, base, np, half, hd, a.eps, rr);
-				__syncthreads();
-				const uint32_t i = base + threadIdx.x;
-				if (i >= np)
-					continue;
-				uint32_t h = i / half, j = i % half, d1 = j * step1, d2 = d1 + off2;
-				const float *sh = src + (size_t)h * hd, r = rr[threadIdx.x / half];
-				float x1 = __fmul_rn(load_any(nw, nt, d1), __fmul_rn(sh[d1], r));
-				float x2 = __fmul_rn(load_any(nw, nt, d2), __fmul_rn(sh[d2], r));
-				float y1 = __fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j]));
-				float y2 = __fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j]));
-				if (is_k) {
-					kd[h * hd + d1] = from_f32<KT>(y1);
-					kd[h * hd + d2] = from_f32<KT>(y2);
-				} else {
-					q[(size_t)h * hd + d1] = y1;
-					q[(size_t)h * hd + d2] = y2;
-				}
-			}
-		}
-	} else {
-		for (uint32_t i = i0; i < a.n_heads * half; i += stride) {
-			uint32_t h = i / half, j = i % half, d1 = j * step1, d2 = d1 + off2;
-			float *qh = q + (size_t)h * hd;
-			float x1 = qh[d1], x2 = qh[d2];
-			qh[d1] = __fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j]));
-			qh[d2] = __fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j]));
-		}
-		for (uint32_t i = i0; i < a.n_kv_heads * half; i += stride) {
-			uint32_t h = i / half, j = i % half, d1 = j * step1, d2 = d1 + off2;
-			const float *kh = k + (size_t)h * hd;
-			float x1 = kh[d1], x2 = kh[d2];
-			kd[h * hd + d1] = from_f32<KT>(__fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j])));
-			kd[h * hd + d2] = from_f32<KT>(__fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j])));
-		}
+	for (uint32_t i = i0; i < a.n_kv_heads * half; i += stride) {
+		uint32_t h = i / half, j = i % half, d1 = j * step1, d2 = d1 + off2;
+		const float *kh = k + (size_t)h * hd;
+		float x1 = kh[d1], x2 = kh[d2];
+		kd[h * hd + d1] = from_f32<KT>(__fsub_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x2, sn[j])));
+		kd[h * hd + d2] = from_f32<KT>(__fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, sn[j])));
 	}
 	for (uint32_t i = i0; i < kv_dim; i += stride)
 		vd[i] = from_f32<KT>(v[i]);
@@ -196,23 +134,10 @@ void embed_launch(uint32_t dt, const void *raw, float *x, size_t count, cudaStre
 		embed_kernel<float><<<grid, 256, 0, s>>>((const float *)raw, x, count);
 }
 
-/* Threads of a RoPE block for n tokens. */
-static unsigned rope_threads(uint32_t n)
-{
-	return small_grid(n) ? 256 : 128;
-}
-
-bool rope_fuses_norms(uint32_t head_dim, uint32_t n)
-{
-	const uint32_t pairs = head_dim / 2, threads = rope_threads(n);
-	return head_dim % 2 == 0 && head_dim <= MAX_HEAD_DIM && pairs > 0 && threads % pairs == 0 &&
-	       threads / pairs <= ROPE_NORM_HEADS;
-}
-
 void rope_launch(uint32_t kv_dtype, const rope_args &a, bool pdl, cudaStream_t s)
 {
 	/* Few tokens (decode): 8 blocks of 256 threads per token, not one block for all of it. */
-	const unsigned threads = rope_threads(a.n);
+	const unsigned threads = small_grid(a.n) ? 256 : 128;
 	const dim3 grid(a.n, small_grid(a.n) ? 8 : 1);
 	if (kv_dtype == DT_BF16)
 		launch_k(pdl, rope_kernel<__nv_bfloat16>, grid, threads, 0, s, a);

@@ -7,7 +7,6 @@
 #include "services/gpu-runner/cuda/moe_internal.h"
 
 #include <stdlib.h>
-#include <string.h>
 
 /* The cuda device state behind be, or NULL with a message. */
 static struct backend_dev *cuda_dev(struct backend *be, char *err, size_t errlen)
@@ -191,74 +190,6 @@ out:
 	cudaFree(dout);
 	cudaFree(dgu);
 	free(hx);
-	return rc;
-}
-
-int cuda_test_norm_router_both(struct backend *bk, const struct cuda_test_norm_router *t, char *err, size_t errlen)
-{
-	struct backend_dev *be = cuda_dev(bk, err, errlen);
-	if (!be)
-		return -EINVAL;
-	const uint32_t dim = t->dim, E = t->E;
-	if (!be->moe || dim != be->cfg.dim || E != be->moe->E) {
-		snprintf(err, errlen, "test hook: a norm and router of %u x %u on a backend of dim %u and %u experts", E,
-			 dim, be->cfg.dim, be->moe ? be->moe->E : 0);
-		return -EINVAL;
-	}
-	if ((size_t)dim * sizeof(float) > NORM_ROUTER_MAX_SMEM) {
-		snprintf(err, errlen, "test hook: a row of %u values does not go in one launch", dim);
-		return -ENOTSUP;
-	}
-	float *dn = NULL, *dr = NULL, *dxn = NULL, *dlg = NULL, *host = NULL, *host_dev = NULL;
-	const size_t row = (size_t)dim * sizeof(float);
-	int rc = -EIO;
-	cudaError_t e = cudaSuccess;
-	if (cudaMalloc((void **)&dn, row) != cudaSuccess || cudaMalloc((void **)&dr, E * row) != cudaSuccess ||
-	    cudaMalloc((void **)&dxn, row) != cudaSuccess ||
-	    cudaMalloc((void **)&dlg, 2 * (size_t)E * sizeof(float)) != cudaSuccess ||
-	    cudaHostAlloc((void **)&host, row, cudaHostAllocMapped) != cudaSuccess ||
-	    cudaHostGetDevicePointer((void **)&host_dev, host, 0) != cudaSuccess) {
-		snprintf(err, errlen, "test hook: buffers failed");
-		goto out;
-	}
-	if ((e = cudaMemcpyAsync(dn, t->norm, row, cudaMemcpyHostToDevice, be->stream)) != cudaSuccess ||
-	    (e = cudaMemcpyAsync(dr, t->router, E * row, cudaMemcpyHostToDevice, be->stream)) != cudaSuccess ||
-	    (e = cudaMemcpyAsync(be->x, t->x, row, cudaMemcpyHostToDevice, be->stream)) != cudaSuccess) {
-		snprintf(err, errlen, "test hook: uploads failed: %s", cudaGetErrorString(e));
-		goto out;
-	}
-	struct weight_tensor nw, rw;
-	memset(&nw, 0, sizeof(nw));
-	memset(&rw, 0, sizeof(rw));
-	weight_tensor_set(&nw, PLACE_DEVICE, dn, DT_F32, 1, dim);
-	weight_tensor_set(&rw, PLACE_DEVICE, dr, DT_F32, E, dim);
-	if ((rc = moe_norm_router(be, &nw, &rw, dxn, host_dev, dlg)) ||
-	    (rc = rmsnorm(be, dn, DT_F32, 0, 1, DT_F32))) {
-		snprintf(err, errlen, "%s", be->err);
-		goto out;
-	}
-	router_kernel<<<(E + 7) / 8, 256, 0, be->stream>>>((const float *)be->xa, dr, DT_F32, dim, E, 1, dlg + E);
-	rc = -EIO;
-	if ((e = cudaGetLastError()) != cudaSuccess ||
-	    (e = cudaMemcpyAsync(t->xn_one, dxn, row, cudaMemcpyDeviceToHost, be->stream)) != cudaSuccess ||
-	    (e = cudaMemcpyAsync(t->xn_apart, be->xa, row, cudaMemcpyDeviceToHost, be->stream)) != cudaSuccess ||
-	    (e = cudaMemcpyAsync(t->logits_one, dlg, E * sizeof(float), cudaMemcpyDeviceToHost, be->stream)) !=
-		    cudaSuccess ||
-	    (e = cudaMemcpyAsync(t->logits_apart, dlg + E, E * sizeof(float), cudaMemcpyDeviceToHost, be->stream)) !=
-		    cudaSuccess ||
-	    (e = cudaStreamSynchronize(be->stream)) != cudaSuccess) {
-		snprintf(err, errlen, "test hook: the norm and router failed on the device: %s", cudaGetErrorString(e));
-		goto out;
-	}
-	memcpy(t->xn_host, host, row);
-	rc = 0;
-out:
-	cudaStreamSynchronize(be->stream);
-	cudaFree(dn);
-	cudaFree(dr);
-	cudaFree(dxn);
-	cudaFree(dlg);
-	cudaFreeHost(host);
 	return rc;
 }
 

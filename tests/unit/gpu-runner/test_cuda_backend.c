@@ -140,10 +140,6 @@ static struct tmodel *model_new(const struct model_config *cfg, enum dtype wt, u
 		tensor(m, kvd * c->dim, 0, 0.02, ha, da, ROLE_WK);
 		tensor(m, kvd * c->dim, 0, 0.02, ha, da, ROLE_WV);
 		tensor(m, (size_t)c->dim * qd, 0, 0.02, ha, da, ROLE_WO);
-		if (c->flags & MODEL_QK_NORM) {
-			tensor(m, c->head_dim, 1.0, 0.2, ha, da, ROLE_Q_NORM);
-			tensor(m, c->head_dim, 1.0, 0.2, ha, da, ROLE_K_NORM);
-		}
 		tensor(m, c->dim, 1.0, 0.1, hf, df, ROLE_FFN_NORM);
 		tensor(m, (size_t)c->ffn_dim * c->dim, 0, 0.02, hf, df, ROLE_W_GATE);
 		tensor(m, (size_t)c->ffn_dim * c->dim, 0, 0.02, hf, df, ROLE_W_UP);
@@ -700,87 +696,6 @@ START_TEST(test_attention_warps_a_query)
 }
 END_TEST
 
-/* Qwen3's q/k norms (MODEL_QK_NORM) in RoPE's launch (BACKEND_FUSE_NORMS_TOGETHER, where a pass of
- * a block covers whole heads, rope_fuses_norms) against a launch of their own (the default): each
- * path against the reference, and the two the same bits at every step (the scales summed in the
- * same order, the values rounded the same way). Chunks of 48 tokens (128-thread blocks), of 22
- * and one-token steps (256); head_dim 64, 128 (Qwen3's) and 256 in RoPE at every step, 16 in the
- * 48-token chunks only (16 heads a pass at most), 40 never (a head's 20 pairs do not divide a
- * block). Then three sequences batched (one RoPE launch for all their rows) against the reference. */
-static void qk_norm_paths(uint32_t hd, enum dtype wt, const char *what)
-{
-	struct model_config c = base_cfg();
-	c.arch = ARCH_QWEN3;
-	c.flags = MODEL_QK_NORM;
-	c.dim = 256;
-	c.ffn_dim = 384;
-	c.head_dim = hd;
-	c.n_heads = 8;
-	c.n_kv_heads = 2;
-	struct tmodel *m = model_new(&c, wt, 4242 + hd);
-	const enum dtype kv = wt == DT_F32 ? DT_F32 : DT_BF16;
-	const double tol = wt == DT_F32 ? TOL_F32 : TOL_16;
-	struct schedule s = DEFAULT_SCHED;
-	s.prompt = 70;
-	s.chunk = 48;
-	s.decode = 5;
-	s.decode_mode = SPANS_IN_ORDER;
-	char line[200];
-	for (int f = 0; f < 2; f++) {
-		knob_fuse = f ? BACKEND_FUSE_DEFAULT : BACKEND_FUSE_NORMS_TOGETHER;
-		snprintf(line, sizeof(line), "%s, q/k norms %s", what, f ? "apart" : "in RoPE");
-		double e = compare(m, kv, &s, line);
-		ck_assert_msg(e < tol, "%s: relative L2 error %.3e against the reference", line, e);
-	}
-	knob_fuse = BACKEND_FUSE_DEFAULT;
-	/* Both CUDA paths step by step: the same logits, bit for bit. */
-	uint32_t total = s.prompt + s.decode, vocab = c.vocab_size;
-	int32_t *tok = malloc(total * sizeof(int32_t));
-	float *a = malloc(vocab * sizeof(float)), *b = malloc(vocab * sizeof(float));
-	ck_assert(tok && a && b);
-	make_prompt(tok, total, vocab, 7);
-	struct runner in, apart;
-	runner_open(&apart, "cuda", m, params(s.chunk, s.block_tokens, kv), 0);
-	knob_fuse = BACKEND_FUSE_NORMS_TOGETHER;
-	runner_open(&in, "cuda", m, params(s.chunk, s.block_tokens, kv), 0);
-	knob_fuse = BACKEND_FUSE_DEFAULT;
-	for (uint32_t i = 0; i < total;) {
-		uint32_t n = i < s.prompt ? (s.prompt - i < s.chunk ? s.prompt - i : s.chunk) : 1;
-		runner_step(&in, tok + i, n, i, SPANS_IN_ORDER, a, NULL);
-		runner_step(&apart, tok + i, n, i, SPANS_IN_ORDER, b, NULL);
-		for (uint32_t v = 0; v < vocab; v++)
-			ck_assert_msg(memcmp(&a[v], &b[v], sizeof(float)) == 0,
-				      "%s: step at %u (%u tokens), logit %u: %.9g in RoPE, %.9g apart", what, i, n, v,
-				      (double)a[v], (double)b[v]);
-		i += n;
-	}
-	runner_close(&in);
-	runner_close(&apart);
-	free(tok);
-	free(a);
-	free(b);
-	model_free(&m);
-}
-
-static void check_batched(const struct model_config *cfg, enum dtype wt, enum dtype kv, double tol, const char *what);
-
-START_TEST(test_qk_norm_in_rope)
-{
-	qk_norm_paths(16, DT_F32, "qwen3, head_dim 16, f32");
-	qk_norm_paths(40, DT_F32, "qwen3, head_dim 40 (apart in decode), f32");
-	qk_norm_paths(64, DT_BF16, "qwen3, head_dim 64, bf16");
-	qk_norm_paths(128, DT_BF16, "qwen3, head_dim 128, bf16");
-	qk_norm_paths(256, DT_F32, "qwen3, head_dim 256, f32");
-	struct model_config c = base_cfg();
-	c.arch = ARCH_QWEN3;
-	c.flags = MODEL_QK_NORM;
-	c.head_dim = 32;
-	knob_fuse = BACKEND_FUSE_NORMS_TOGETHER;
-	check_batched(&c, DT_F32, DT_F32, TOL_F32, "qwen3, three sequences batched, q/k norms in RoPE, f32");
-	knob_fuse = BACKEND_FUSE_DEFAULT;
-}
-END_TEST
-
 /* ---- logits_argmax ------------------------------------------------------------------------ */
 
 START_TEST(test_argmax)
@@ -1325,7 +1240,6 @@ static Suite *cuda_suite(void)
 	tc = tcase_create("attention_warps");
 	tcase_set_timeout(tc, 300);
 	tcase_add_test(tc, test_attention_warps_a_query);
-	tcase_add_test(tc, test_qk_norm_in_rope);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("half");

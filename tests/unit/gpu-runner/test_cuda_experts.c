@@ -19,9 +19,7 @@
  * with a Q6_K down, Q8_0, F16: batches cut where the formats change, and before the token's row is
  * gathered in F16). And the same layer routed on the device (backend_moe_layer, 8 experts a token,
  * Q4_K with a Q6_K down, and BF16): the residual the same bits as the host's route, the same experts
- * chosen; a layer of 10 experts a token, of mixed formats, or with --moe-host-route refused. The
- * layer's RMSNorm and router in one launch (a trial) and apart: the same bits, both routes, and
- * on their own at rows of 1536-4096 values with the row's host copy.
+ * chosen; a layer of 10 experts a token, of mixed formats, or with --moe-host-route refused.
  *
  * Without a GPU the program exits 77 (ctest: skipped). */
 #include <check.h>
@@ -374,16 +372,13 @@ static void layer_free(struct layer *y)
 		free(y->host[i]);
 }
 
-/* backend_params.fuse of the layers' backends. */
-static uint32_t layer_fuse = BACKEND_FUSE_DEFAULT;
-
 /* One-token steps of the layer alone (embed, route, the chosen experts in order, end) on a backend
  * with or without --experts-apart; each step's residual row into out (L_TOKENS, L_DIM), and the
  * experts each step chose into used (NULL: not wanted). */
 static void layer_run(struct layer *y, bool apart, float *out, uint32_t *chosen, bool (*used)[L_EXPERTS])
 {
 	struct backend_params p = {.max_chunk = 4, .block_tokens = 16, .n_kv_blocks = 8, .kv_dtype = DT_BF16,
-				   .threads = 1, .experts_apart = apart, .fuse = layer_fuse};
+				   .threads = 1, .experts_apart = apart};
 	struct backend *be = NULL;
 	char err[400] = "";
 	int rc = backend_create("cuda", &y->cfg, &p, &be, err, sizeof(err));
@@ -454,7 +449,7 @@ static void layer_device(enum dtype gf, enum dtype df)
 	layer_run(y, false, host, &n_host, used_host);
 	ck_assert_uint_eq(n_host, L_TOKENS * k);
 	struct backend_params p = {.max_chunk = 4, .block_tokens = 16, .n_kv_blocks = 8, .kv_dtype = DT_BF16,
-				   .threads = 1, .fuse = layer_fuse};
+				   .threads = 1};
 	struct backend *be = NULL;
 	char err[400] = "";
 	ck_assert_msg(backend_create("cuda", &y->cfg, &p, &be, err, sizeof(err)) == 0, "cuda create: %s", err);
@@ -523,116 +518,6 @@ START_TEST(test_layer_device)
 }
 END_TEST
 
-/* A one-token layer's RMSNorm and router in one launch (BACKEND_FUSE_NORMS_TOGETHER) against a
- * launch each (the default), through the host's route: the same experts chosen and the residual
- * the same bits at every step (the norm summed in rmsnorm_kernel's order, each logit in
- * router_kernel's). Then the device's route with them in one launch against the host's route with
- * them in one launch (layer_device), which with test_layer_device's default case closes the square. */
-START_TEST(test_layer_norms_together)
-{
-	struct layer *y = malloc(sizeof(*y));
-	ck_assert_ptr_nonnull(y);
-	layer_new(y, false);
-	float one[L_TOKENS * L_DIM], apart[L_TOKENS * L_DIM];
-	bool used_one[L_TOKENS][L_EXPERTS], used_apart[L_TOKENS][L_EXPERTS];
-	uint32_t n_one, n_apart;
-	layer_run(y, false, apart, &n_apart, used_apart);
-	layer_fuse = BACKEND_FUSE_NORMS_TOGETHER;
-	layer_run(y, false, one, &n_one, used_one);
-	layer_fuse = BACKEND_FUSE_DEFAULT;
-	ck_assert_uint_eq(n_one, L_TOKENS * L_USED);
-	ck_assert_uint_eq(n_apart, L_TOKENS * L_USED);
-	for (uint32_t t = 0; t < L_TOKENS; t++)
-		for (uint32_t e = 0; e < L_EXPERTS; e++)
-			ck_assert_msg(used_one[t][e] == used_apart[t][e], "token %u: expert %u chosen %s", t, e,
-				      used_one[t][e] ? "in one launch only" : "apart only");
-	uint32_t lo = 0, hi = 0, nd = diff_rows(one, apart, L_TOKENS * L_DIM, &lo, &hi);
-	ck_assert_msg(nd == 0, "norm and router in one launch: %u values differ from apart (%u..%u), value %u %.9g "
-		      "against %.9g", nd, lo, hi, lo, (double)one[lo], (double)apart[lo]);
-	layer_free(y);
-	free(y);
-	layer_fuse = BACKEND_FUSE_NORMS_TOGETHER;
-	layer_device(DT_BF16, DT_BF16);
-	layer_fuse = BACKEND_FUSE_DEFAULT;
-}
-END_TEST
-
-/* A token's RMSNorm and router logits in one launch (norm_router_kernel) and in two
- * (rmsnorm_kernel, router_kernel) through cuda_test_norm_router_both: the row, the one launch's
- * mapped host copy of it and the logits the same bits, on rows longer than the 1024 values
- * rmsnorm's threads take in one pass (each thread of the one launch stands for four of them) and
- * with experts not a multiple of a block's 8 warps; both within 1e-5 of a reference in double. */
-static void norm_router_case(uint32_t dim, uint32_t E)
-{
-	struct model_config c = {.arch = ARCH_MIXTRAL, .n_layers = 1, .dim = dim, .n_heads = 4, .n_kv_heads = 2,
-				 .head_dim = 64, .ffn_dim = 256, .vocab_size = 64, .max_position = 4096,
-				 .rms_eps = 1e-5f, .rope_theta = 10000.0f, .rope_scaling = ROPE_SCALING_NONE,
-				 .bos_id = -1, .n_experts = E, .n_experts_used = 2, .expert_ffn_dim = 256};
-	char err[400] = "";
-	ck_assert_msg(model_config_check(&c, err, sizeof(err)) == 0, "%s", err);
-	struct backend_params p = {.max_chunk = 4, .block_tokens = 16, .n_kv_blocks = 8, .kv_dtype = DT_BF16,
-				   .threads = 1};
-	struct backend *be = NULL;
-	ck_assert_msg(backend_create("cuda", &c, &p, &be, err, sizeof(err)) == 0, "cuda create: %s", err);
-	float *x = malloc(dim * sizeof(float)), *nw = malloc(dim * sizeof(float)),
-	      *rw = malloc((size_t)E * dim * sizeof(float)), *xo = malloc(dim * sizeof(float)),
-	      *xh = malloc(dim * sizeof(float)), *xa = malloc(dim * sizeof(float)), *lo = malloc(E * sizeof(float)),
-	      *la = malloc(E * sizeof(float));
-	double *want = malloc(E * sizeof(double));
-	ck_assert(x && nw && rw && xo && xh && xa && lo && la && want);
-	rng_state = 1000 + dim + E;
-	for (uint32_t i = 0; i < dim; i++) {
-		x[i] = (float)(3.0 * rng_normal());
-		nw[i] = (float)(1.0 + 0.1 * rng_normal());
-	}
-	for (size_t i = 0; i < (size_t)E * dim; i++)
-		rw[i] = (float)(rng_normal() / sqrt(dim));
-	struct cuda_test_norm_router t = {.dim = dim, .E = E, .x = x, .norm = nw, .router = rw, .xn_one = xo,
-					  .xn_host = xh, .logits_one = lo, .xn_apart = xa, .logits_apart = la};
-	int rc = cuda_test_norm_router_both(be, &t, err, sizeof(err));
-	ck_assert_msg(rc == 0, "norm and router of %u x %u: %d %s", E, dim, rc, err);
-	uint32_t lo_i = 0, hi_i = 0, nd = diff_rows(xo, xa, dim, &lo_i, &hi_i);
-	ck_assert_msg(nd == 0, "dim %u: %u values of the normed row differ (%u..%u): %.9g one launch, %.9g two", dim, nd,
-		      lo_i, hi_i, (double)xo[lo_i], (double)xa[lo_i]);
-	nd = diff_rows(xh, xa, dim, &lo_i, &hi_i);
-	ck_assert_msg(nd == 0, "dim %u: %u values of the row's host copy differ (%u..%u)", dim, nd, lo_i, hi_i);
-	nd = diff_rows(lo, la, E, &lo_i, &hi_i);
-	ck_assert_msg(nd == 0, "%u experts: %u logits differ (%u..%u): %.9g one launch, %.9g two", E, nd, lo_i, hi_i,
-		      (double)lo[lo_i], (double)la[lo_i]);
-	double ss = 0;
-	for (uint32_t i = 0; i < dim; i++)
-		ss += (double)x[i] * x[i];
-	const double r = 1.0 / sqrt(ss / dim + c.rms_eps);
-	double num = 0, den = 0;
-	for (uint32_t e = 0; e < E; e++) {
-		want[e] = 0;
-		for (uint32_t i = 0; i < dim; i++)
-			want[e] += (double)nw[i] * x[i] * r * rw[(size_t)e * dim + i];
-		num += (lo[e] - want[e]) * (lo[e] - want[e]);
-		den += want[e] * want[e];
-	}
-	ck_assert_msg(den > 0 && sqrt(num / den) < 1e-5, "%u x %u: logits %.3e from the reference", E, dim,
-		      den > 0 ? sqrt(num / den) : 0.0);
-	free(x);
-	free(nw);
-	free(rw);
-	free(xo);
-	free(xh);
-	free(xa);
-	free(lo);
-	free(la);
-	free(want);
-	backend_destroy(&be);
-}
-
-START_TEST(test_norm_router_one_launch)
-{
-	norm_router_case(1536, 20);
-	norm_router_case(2048, 128);
-	norm_router_case(4096, 8);
-}
-END_TEST
-
 START_TEST(test_layer_uniform)
 {
 	layer_compare(false);
@@ -659,8 +544,6 @@ static Suite *experts_suite(void)
 	tcase_add_test(tl, test_layer_uniform);
 	tcase_add_test(tl, test_layer_mixed);
 	tcase_add_loop_test(tl, test_layer_device, 0, 2);
-	tcase_add_test(tl, test_layer_norms_together);
-	tcase_add_test(tl, test_norm_router_one_launch);
 	suite_add_tcase(s, tl);
 	return s;
 }
