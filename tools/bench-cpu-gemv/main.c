@@ -70,7 +70,8 @@ static uint64_t read_span(const uint8_t *p, uint64_t stride, int nrows, uint64_t
 	for (uint64_t o = 0; o + 64 <= len; o += 64)
 		for (int k = 0; k < nrows; k++) {
 			const uint8_t *q = p + k * stride + o;
-			__builtin_prefetch(q + 1024); /* as the kernels (CC_PF_AHEAD) */
+			/* as the kernels (CC_PF_AHEAD along each row, past its end into the row of the next step) */
+			__builtin_prefetch(q + 1024 + (o + 1024 >= len ? nrows * stride - len : 0));
 			for (int i = 0; i < 8; i++) {
 				uint64_t v;
 				memcpy(&v, q + 8 * i, 8);
@@ -246,11 +247,13 @@ static int bench_ffn(enum dtype t, uint32_t rows, uint32_t dim, uint32_t n, uint
 #define EXPERTS_MAX 8
 #define EXPERTS_MADE 32 /* distinct experts a pool makes; more are copies (bench_experts) */
 
-#define TRACE_PARTS 64 /* parts a job may have for --trace (2 FFN_SHARE_PARTS_PER_THREAD x 8 threads) */
-
 struct expert_slot {
 	struct ffn_share *fs;
-	uint64_t *trace; /* --trace: (2 parts) each part's start and end, ns since the layer's start; NULL */
+	uint64_t *trace; /* --trace N: (N, parts, 2) each traced layer's parts' start and end, ns since the
+			  * layer's start, and (N) its end (trace_end); NULL without */
+	uint64_t *trace_end;
+	int traced;	 /* the traced layer running (0..N-1), or -1 */
+	uint32_t parts;	 /* of the job (ffn_share_parts) */
 	uint64_t t0;	 /* the layer's start */
 	struct ffn_share_job job;
 	struct task_job tj;
@@ -262,27 +265,33 @@ struct expert_slot {
 static int expert_part(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
 {
 	struct expert_slot *es = (struct expert_slot *)arg;
-	const uint64_t s = es->trace ? now_ns() : 0;
+	const uint64_t s = es->traced >= 0 ? now_ns() : 0;
 	int rc = ffn_share_part(es->fs, &es->job, es->x, es->y, part, n_parts, err, errlen);
-	if (es->trace && part < TRACE_PARTS) {
-		es->trace[2 * part] = s - es->t0;
-		es->trace[2 * part + 1] = now_ns() - es->t0;
+	if (es->traced >= 0) {
+		uint64_t *t = es->trace + ((size_t)es->traced * es->parts + part) * 2;
+		t[0] = s - es->t0;
+		t[1] = now_ns() - es->t0;
 	}
 	return rc;
 }
 
-/* --trace: one layer's parts, each job's in part order: when each started and ended (us after
- * the layer's first submission), the first phase's parts [0, P) and then [P, 2P), which run the
- * second phase after it. */
-static void print_trace(const struct expert_slot *slot, uint32_t k, uint32_t parts, uint32_t layer)
+/* --trace: the traced layers' parts, each job's in part order: when each started and ended (us
+ * after the layer's first submission), the first phase's parts [0, P) and then [P, 2P), which run
+ * the second phase after it. A part that waits for its job's first phase runs queued parts of the
+ * others meanwhile (task_pool_help): its time holds theirs. */
+static void print_trace(const struct expert_slot *slot, uint32_t k, uint32_t n, uint32_t first)
 {
-	printf("trace of layer %u (us after its first submission: start-end of each part; parts %u.. also run "
-	       "the second phase):\n", layer, parts / 2);
-	for (uint32_t i = 0; i < k; i++) {
-		printf("  job %u (ended %.1f):", i, (double)(slot[i].end_ns - slot[i].t0) * 1e-3);
-		for (uint32_t p = 0; p < parts && p < TRACE_PARTS; p++)
-			printf(" %.1f-%.1f", (double)slot[i].trace[2 * p] * 1e-3, (double)slot[i].trace[2 * p + 1] * 1e-3);
-		printf("\n");
+	const uint32_t parts = slot[0].parts;
+	for (uint32_t l = 0; l < n; l++) {
+		printf("trace of layer %u (us after its first submission: start-end of each part; parts %u.. also "
+		       "run the second phase):\n", first + l, parts / 2);
+		for (uint32_t i = 0; i < k; i++) {
+			const uint64_t *t = slot[i].trace + (size_t)l * parts * 2;
+			printf("  job %u (ended %.1f):", i, (double)slot[i].trace_end[l] * 1e-3);
+			for (uint32_t p = 0; p < parts; p++)
+				printf(" %.1f-%.1f", (double)t[2 * p] * 1e-3, (double)t[2 * p + 1] * 1e-3);
+			printf("\n");
+		}
 	}
 }
 
@@ -336,10 +345,15 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 	for (uint32_t i = 0; i < k; i++) {
 		slot[i].x = malloc((size_t)dim * sizeof(float));
 		slot[i].y = malloc((size_t)dim * sizeof(float));
-		slot[i].trace = trace ? calloc(2 * TRACE_PARTS, sizeof(uint64_t)) : NULL;
-		if (!slot[i].x || !slot[i].y || (trace && !slot[i].trace) ||
-		    ffn_share_create(dim, rows, 1, per, &slot[i].fs, err, sizeof(err))) {
+		slot[i].traced = -1;
+		if (!slot[i].x || !slot[i].y || ffn_share_create(dim, rows, 1, per, &slot[i].fs, err, sizeof(err))) {
 			fprintf(stderr, "bench-cpu-gemv: %s\n", slot[i].x && slot[i].y ? err : "out of memory");
+			return 1;
+		}
+		slot[i].parts = ffn_share_parts(slot[i].fs);
+		if (trace && (!(slot[i].trace = calloc((size_t)trace * slot[i].parts * 2, sizeof(uint64_t))) ||
+			      !(slot[i].trace_end = calloc(trace, sizeof(uint64_t))))) {
+			fprintf(stderr, "bench-cpu-gemv: out of memory for the trace of %u layers\n", trace);
 			return 1;
 		}
 		for (uint32_t c = 0; c < dim; c++)
@@ -368,10 +382,12 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 			} while (again);
 			chosen[i] = e;
 		}
+		const int traced = trace && l + trace > layers ? (int)(l + trace - layers - 1) : -1;
 		const uint64_t t0 = now_ns();
 		for (uint32_t i = 0; i < k; i++) {
 			struct expert_slot *es = &slot[i];
 			es->t0 = t0;
+			es->traced = traced;
 			const struct ffn_share_mat g = {w[3 * chosen[i]], t, dtype_row_bytes(t, dim)},
 						   u = {w[3 * chosen[i] + 1], t, dtype_row_bytes(t, dim)},
 						   d = {w[3 * chosen[i] + 2], t, dtype_row_bytes(t, rows)};
@@ -393,13 +409,15 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 				return 1;
 			}
 			end = slot[i].end_ns > end ? slot[i].end_ns : end;
+			if (traced >= 0)
+				slot[i].trace_end[traced] = slot[i].end_ns - t0;
 		}
 		span[l] = (double)(end - t0) * 1e-9;
-		if (trace && l + trace > layers)
-			print_trace(slot, k, ffn_share_parts(slot[0].fs), l);
 		for (uint64_t g0 = now_ns(); now_ns() - g0 < (uint64_t)gap_us * 1000;)
 			;
 	}
+	if (trace)
+		print_trace(slot, k, trace, layers - trace + 1);
 	qsort(span + 1, layers, sizeof(double), cmp_double);
 	double sum = 0;
 	for (uint32_t l = 1; l <= layers; l++)
@@ -428,6 +446,7 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 		free(slot[i].x);
 		free(slot[i].y);
 		free(slot[i].trace);
+		free(slot[i].trace_end);
 	}
 	task_pool_destroy(&pool);
 	for (uint32_t i = 0; i < 3 * pool_e; i++)

@@ -28,7 +28,7 @@ extern "C" {
 #define CC_PAD 64           /* values: x is zero-padded to a multiple of this (a VNNI step is 64 int8) */
 #define CC_GROUP 32         /* values per int8 group of x (one scale d) */
 #define CC_MAX_N (1u << 30) /* values of x at most (its sizes stay far from overflow) */
-/* Bytes ahead of the current column that the SIMD kernels prefetch in each row they read: the
+/* Bytes ahead that the SIMD kernels prefetch along each row they read (cc_prefetch_on): the
  * hardware prefetchers follow a few streams, and a kernel reads four rows at once. */
 #ifndef CC_PF_AHEAD
 #define CC_PF_AHEAD 1024
@@ -41,12 +41,15 @@ static inline void cc_prefetch(const void *p)
 		__builtin_prefetch((const char *)p + CC_PF_AHEAD, 0, 3);
 }
 
-/* The same along a row kernel's stream: p lies off bytes into a row of len bytes of data, and past
- * the row's end the stream goes on at the same place of the row the kernel's loop takes next,
- * `next` bytes after this one (its R rows of rb bytes: R rb). So a short row (an expert's down_proj
- * of 768 values: 432 bytes of Q4_K) has the lines of the rows after its step on their way, where
- * CC_PF_AHEAD bytes past p would fall on rows the step already reads, and a long one has its next
- * step's first lines on their way before the step ends. */
+/* The same along the stream of rows a kernel's loop reads at one place of its step: p lies off
+ * bytes into a row of len bytes of data, and where CC_PF_AHEAD bytes past p pass the row's end the
+ * line moves on by next - len (next: the step's R rows of rb bytes), into the row the loop takes
+ * next at this place. So an expert's down_proj row of 768 values (432 bytes of Q4_K) has the rows
+ * after its step on their way, where CC_PF_AHEAD bytes past p fell on rows the step already reads,
+ * and a long row its next step's first lines before the step ends. The wrap is made once: in rows
+ * shorter than CC_PF_AHEAD / 2 the line lands further along than CC_PF_AHEAD, still ahead of the
+ * loop where the rows lie one after another, and in columns no one reads where they do not (a
+ * short share of long rows), as before. */
 static inline void cc_prefetch_on(const void *p, size_t off, size_t len, size_t next)
 {
 	if (CC_PF_AHEAD) {

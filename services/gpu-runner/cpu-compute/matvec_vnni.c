@@ -107,7 +107,8 @@ TARGET INLINE void q4_0_pair(const struct cpu_vec *x, const uint8_t *w, uint64_t
 	UNROLL
 	for (int k = 0; k < R; k++) {
 		const uint8_t *blk = w + k * rb + (size_t)b * 18;
-		cc_prefetch_on(blk, (size_t)b * 18, (size_t)(x->n / QK4_0) * 18, (size_t)R * rb);
+		const size_t off = (size_t)b * 18, len = (size_t)(x->n / QK4_0) * 18, next = (size_t)R * rb;
+		cc_prefetch_on(blk, off, len, next);
 		const __m128i qa = _mm_loadu_si128((const __m128i *)(blk + 2));
 		const __m128i qb = two ? _mm_loadu_si128((const __m128i *)(blk + 20)) : _mm_setzero_si128();
 		const __m256i ab = _mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1);
