@@ -44,6 +44,8 @@ struct engine {
 	uint32_t *moe_dev_ids;		/* (n_layers, n_experts_used) their choices, until the step is checked */
 	const struct engine_stage_ops *stages; /* engine_set_stages: a split model; NULL: none */
 	void *stages_ctx;
+	struct engine_step_stats st;	/* engine_step_stats */
+	uint64_t out_ns;		/* when the last decode step with an output returned; 0: none since */
 };
 
 enum moe_dev {
@@ -526,6 +528,17 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 			return set_err(e, src, "weights, after a failed step: %s", e->ws->error);
 	}
 	e->step_failed = false;
+	/* A decode step (one token a sequence) with an output: its time, and the host's between the
+	 * last one's return and this one's start where they follow each other (engine_step_stats). */
+	bool decode = n_seqs > 0, out = logits || argmax || picks;
+	for (uint32_t i = 0; i < n_seqs; i++)
+		decode = decode && seqs[i].n == 1;
+	const uint64_t t0 = now_ns();
+	if (decode && e->out_ns && t0 - e->out_ns < (uint64_t)ENGINE_STEPS_APART_MS * 1000000u) {
+		e->st.between_ms += (double)(t0 - e->out_ns) / 1e6;
+		e->st.betweens++;
+	}
+	e->out_ns = 0;
 	int rc = step_groups(e, seqs, n_seqs, logits, argmax, sp, u, stage_out, picks);
 	if (rc == 0)
 		rc = moe_dev_collect(e);
@@ -537,7 +550,17 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 	if (rc && e->cfg->n_experts)
 		backend_moe_settle(e->be);
 	e->step_failed = rc != 0;
+	if (rc == 0 && decode && out) {
+		e->out_ns = now_ns();
+		e->st.step_ms += (double)(e->out_ns - t0) / 1e6;
+		e->st.steps++;
+	}
 	return rc;
+}
+
+void engine_step_stats(const struct engine *e, struct engine_step_stats *out)
+{
+	*out = e->st;
 }
 
 static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t n_seqs, float *logits,

@@ -80,6 +80,22 @@ bool engine_samples_on_device(const struct engine *e);
  * both NULL for a model without experts. The counts a plan of the experts kept resident reads. */
 void engine_moe_routing(const struct engine *e, const uint32_t **routed, const uint32_t **steps);
 
+/* Longest time between one decode step's return and the next one's start that counts as the host's
+ * time between them (engine_step_stats.between_ms); longer, the steps are apart (between requests). */
+#define ENGINE_STEPS_APART_MS 50
+/* Decode steps (one token a sequence) with an output since the engine was made: how many and their
+ * time in the engine (from the step's start to its output in host memory: the weights' calls, the
+ * launches, the waits for the device), and the host's time between one's return and the next
+ * one's start where they follow within ENGINE_STEPS_APART_MS (the token's pick, the request's
+ * bookkeeping, its messages): what a decode token costs beyond its steps. */
+struct engine_step_stats {
+	uint64_t steps;
+	double step_ms;
+	uint64_t betweens;
+	double between_ms;
+};
+void engine_step_stats(const struct engine *e, struct engine_step_stats *out);
+
 uint32_t engine_max_chunk(const struct engine *e);
 const struct model_config *engine_config(const struct engine *e);
 struct kv_cache *engine_kv(struct engine *e);

@@ -336,6 +336,14 @@ char *runner_stats(void *ctx)
 		json_object_set_new(o, "kv_fetch_copy_ms", json_real((double)ks.copy_ns / 1e6));
 		json_object_set_new(o, "kv_readahead_blocks", json_integer((json_int_t)ks.readahead_blocks));
 		json_object_set_new(o, "kv_readahead_wait_ms", json_real((double)ks.readahead_wait_ns / 1e6));
+		if (r->engine) { /* decode steps: their time, and the host's between them (engine_step_stats) */
+			struct engine_step_stats es;
+			engine_step_stats(r->engine, &es);
+			json_object_set_new(o, "decode_step_times",
+					    json_pack("{s:I, s:f, s:I, s:f}", "steps_timed", (json_int_t)es.steps,
+						      "in_steps_ms", es.step_ms, "gaps", (json_int_t)es.betweens,
+						      "between_steps_ms", es.between_ms));
+		}
 		json_t *moe = moe_stats(r);
 		if (moe)
 			json_object_set_new(o, "moe", moe);

@@ -351,6 +351,10 @@ class Table(unittest.TestCase):
         rows = bench.ROWS["M1"](rec, lim)
         self.assertIn("its window's calls took 2.5; 40.0 experts a token copied on a guess, 30.0 of them chosen) "
                       "against", rows[1])
+        split.update(cpu_step_gap_ms_per_token=1.04, host_between_steps_ms=0.123)
+        rows = bench.ROWS["M1"](rec, lim)
+        self.assertIn("from a token's last to the next token's first 1.0 ms (the host's between two steps 0.12), ",
+                      rows[1])
         rec["nopredict"] = dict(split, gen={"decode_ms": 21.0})
         rows = bench.ROWS["M1"](rec, lim)
         self.assertEqual(len(rows), 3)

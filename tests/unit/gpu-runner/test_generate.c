@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/manifest.h"
 #include "common/util.h"
@@ -267,6 +268,32 @@ START_TEST(test_resume_gives_the_uninterrupted_tokens)
 }
 END_TEST
 
+/* engine_step_stats: a request's decode steps (one after the first token, which the prompt's step
+ * gives) and the host's time between each and the next; a pause longer than ENGINE_STEPS_APART_MS
+ * before the next request is not counted as time between steps. */
+START_TEST(test_decode_steps_counted)
+{
+	char err[512] = "";
+	struct engine_step_stats a, b, c;
+	engine_step_stats(fx.e, &a);
+	ck_assert_uint_eq(a.steps, 0);
+	ck_assert_uint_eq(a.betweens, 0);
+	ck_assert_msg(request(err, sizeof(err)) == 0, "%s", err);
+	engine_step_stats(fx.e, &b);
+	ck_assert_uint_eq(b.steps, NEW - 1);
+	ck_assert_uint_eq(b.betweens, NEW - 2);
+	ck_assert(b.step_ms > 0);
+	ck_assert(b.between_ms >= 0 && b.between_ms < (double)(NEW - 2) * ENGINE_STEPS_APART_MS);
+	const struct timespec pause = {.tv_nsec = (ENGINE_STEPS_APART_MS + 10) * 1000000L};
+	nanosleep(&pause, NULL);
+	ck_assert_msg(request(err, sizeof(err)) == 0, "%s", err);
+	engine_step_stats(fx.e, &c);
+	ck_assert_uint_eq(c.steps, 2 * (NEW - 1));
+	ck_assert_uint_eq(c.betweens, 2 * (NEW - 2));
+	ck_assert(c.step_ms > b.step_ms);
+}
+END_TEST
+
 static Suite *generate_suite(void)
 {
 	Suite *s = suite_create("generate");
@@ -281,6 +308,7 @@ static Suite *generate_suite(void)
 	tcase_add_checked_fixture(tc, setup, teardown);
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, test_resume_gives_the_uninterrupted_tokens);
+	tcase_add_test(tc, test_decode_steps_counted);
 	suite_add_tcase(s, tc);
 	return s;
 }
