@@ -656,6 +656,19 @@ class RunWithFakes(unittest.TestCase):
                 self.assertTrue(os.path.exists(os.path.join(self.b.results, d, name)), f"{d}/{name}")
         summary = bench.alternation_summary(tagged, "--runner-opt=--moe-host-route")
         self.assertIn("| S2 | failed (see logs); failed (see logs) | failed (see logs); failed (see logs) |", summary)
+        # Two alternates: A, B, C each round, C with the second's options; the summary a column each.
+        seen.clear()
+        rows, tagged = bench.run_rounds(self.b, {"S2": s2}, {}, {"S2"}, self.lim,
+                                        ["--runner-opt=--prefetch-depth=8", "--runner-opt=--prefetch-depth=20"], 2)
+        self.assertEqual(seen, ["", "--runner-opt=--prefetch-depth=8", "--runner-opt=--prefetch-depth=20"] * 2)
+        self.assertEqual([r.split("]")[0] for r in rows][:3], ["| [round 1, A", "| [round 1, B", "| [round 1, C"])
+        self.assertTrue(os.path.exists(os.path.join(self.b.results, "round2C", "S2.record.json")))
+        summary = bench.alternation_summary(tagged, ["--runner-opt=--prefetch-depth=8",
+                                                     "--runner-opt=--prefetch-depth=20"]).splitlines()
+        self.assertEqual(summary[0], "A against B against C (B: --runner-opt=--prefetch-depth=8, C: "
+                         "--runner-opt=--prefetch-depth=20), each row's measured figure in the order the runs went:")
+        self.assertEqual(summary[2:], ["| row | A | B | C |", "| --- | --- | --- | --- |",
+                                       "| S2 | " + " | ".join(["failed (see logs); failed (see logs)"] * 3) + " |"])
         # Without --alternate: one run, as before, into the results folder itself.
         rows, tagged = bench.run_rounds(self.b, {"S2": s2}, {}, {"S2"}, self.lim)
         self.assertEqual(rows, ["| S2 | failed (see logs) | - | - | - |"])
