@@ -142,6 +142,8 @@ struct backend_params {
 				 * default (--cpu-result mapped) */
 	bool cpu_expert_taper;	/* a routed expert's CPU job tapers its chunks (ffn_share_job.taper; the
 				 * runner's default, --cpu-expert-chunks taper) */
+	uint64_t cpu_expert_chunk; /* about the weight bytes a chunk of such a job reads
+				    * (ffn_share_threads_for_chunk; 0: FFN_SHARE_CHUNK_BYTES) */
 	bool experts_apart;	/* CUDA, one token: each expert the GPU keeps launched at its visit
 				 * (--experts-apart), not a layer's together at moe_end */
 	bool moe_host_route;	/* CUDA: every layer routed on the host (--moe-host-route), none by

@@ -12,6 +12,7 @@
 
 #include "common/log.h"
 #include "common/util.h"
+#include "services/gpu-runner/cpu-compute/ffn_share.h"
 #include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/runner.h"
 #include "services/gpu-runner/weights_ring.h"
@@ -58,6 +59,9 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (strcmp(ch, "taper") && strcmp(ch, "equal"))
 		return errorf(err, errlen, -EINVAL, "--cpu-expert-chunks '%s' is not taper or equal", ch);
 	r->cpu_expert_taper = !strcmp(ch, "taper");
+	if (r->cpu_expert_chunk < FFN_SHARE_CHUNK_MIN || r->cpu_expert_chunk > FFN_SHARE_CHUNK_MAX)
+		return errorf(err, errlen, -EINVAL, "--cpu-expert-chunk %llu bytes: expected 16KiB to 16MiB",
+			      (unsigned long long)r->cpu_expert_chunk);
 	return 0;
 }
 

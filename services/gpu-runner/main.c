@@ -117,6 +117,7 @@ static int setup(struct runner *r)
 					.cpu_handoff = r->cpu_handoff,
 					.cpu_result_mapped = r->cpu_result_mapped,
 					.cpu_expert_taper = r->cpu_expert_taper,
+					.cpu_expert_chunk = r->cpu_expert_chunk,
 					.experts_apart = r->experts_apart,
 					.moe_host_route = r->moe_host_route};
 	r->arena_block_bytes = backend_kv_block_bytes(r->backend_name, &r->cfg, &r->bp);
@@ -295,6 +296,10 @@ int main(int argc, char **argv)
 		 "where the phase has 12 or more, so that with a layer's experts at once the workers that wait "
 		 "for a phase's last chunks wait for small ones) or equal (equal chunks); the same results "
 		 "either way"},
+		{"cpu-expert-chunk", OPT_SIZE, &r.cpu_expert_chunk, "256KiB",
+		 "about how many weight bytes a chunk of a routed expert's job on the CPU reads (16KiB..16MiB): "
+		 "finer chunks spread a layer of few experts over more workers, each chunk's start paid more "
+		 "often; the same results either way"},
 		{"cpu-experts", OPT_STRING, &r.cpu_experts_arg, "route",
 		 "when the experts a route leaves for the CPU go to its pool: route (right after the layer's "
 		 "routing, before the GPU's experts are queued) or visit (at their place among the layer's "

@@ -437,7 +437,12 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 
 uint32_t ffn_share_threads_for(uint64_t bytes, uint32_t pool_threads)
 {
-	uint64_t per = bytes / ((uint64_t)FFN_SHARE_CHUNK_BYTES * 3 * FFN_SHARE_PARTS_PER_THREAD);
+	return ffn_share_threads_for_chunk(bytes, pool_threads, FFN_SHARE_CHUNK_BYTES);
+}
+
+uint32_t ffn_share_threads_for_chunk(uint64_t bytes, uint32_t pool_threads, uint64_t chunk_bytes)
+{
+	uint64_t per = bytes / ((chunk_bytes ? chunk_bytes : FFN_SHARE_CHUNK_BYTES) * 3 * FFN_SHARE_PARTS_PER_THREAD);
 	if (per > pool_threads)
 		per = pool_threads;
 	if (per > FFN_SHARE_MAX_THREADS)

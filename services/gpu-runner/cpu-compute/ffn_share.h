@@ -116,6 +116,11 @@ uint32_t ffn_share_parts(const struct ffn_share *fs);
  * FFN_SHARE_MAX_THREADS). Coarser chunks leave a job's last ones on a few workers while the others
  * have nothing left; finer ones pay each part's start (x prepared for it) more often. */
 uint32_t ffn_share_threads_for(uint64_t bytes, uint32_t pool_threads);
+/* The same for chunks of about chunk_bytes (FFN_SHARE_CHUNK_MIN..FFN_SHARE_CHUNK_MAX; 0:
+ * FFN_SHARE_CHUNK_BYTES). */
+#define FFN_SHARE_CHUNK_MIN (16u << 10)
+#define FFN_SHARE_CHUNK_MAX (16u << 20)
+uint32_t ffn_share_threads_for_chunk(uint64_t bytes, uint32_t pool_threads, uint64_t chunk_bytes);
 
 /* Sets job up for a share of `rows` intermediate rows of the matrices given, n tokens, x in act. */
 void ffn_share_job_init(struct ffn_share_job *job, const struct ffn_share_mat *gate, const struct ffn_share_mat *up,

@@ -250,13 +250,14 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 		memcpy(cj->x + (size_t)r * dim, m->h_xn + (size_t)m->h_tok[o + r] * dim, dim * sizeof(float));
 	const uint64_t bytes = mat_bytes(&w->t[ROLE_EXPERT_GATE]) + mat_bytes(&w->t[ROLE_EXPERT_UP]) +
 			       mat_bytes(&w->t[ROLE_EXPERT_DOWN]);
-	/* Cut finer for larger experts (ffn_share_threads_for: with the pool's threads over the k jobs,
+	/* Cut finer for larger experts, in chunks of about --cpu-expert-chunk bytes
+	 * (ffn_share_threads_for_chunk: with the pool's threads over the k jobs,
 	 * 1 of 14 on the H200 host, a bf16 expert of Qwen3-30B-A3B, 9.4 MB, went in 12 chunks of 786 KB,
 	 * and a layer's last expert ran its down on 4 workers while the others had nothing left); never
 	 * coarser again (a model whose layers' experts differ in format would make it anew layer after
 	 * layer). The slot's last job is over: collected above, or a layer's before (the route settles
 	 * them). */
-	const uint32_t per = ffn_share_threads_for(bytes, m->pool_threads);
+	const uint32_t per = ffn_share_threads_for_chunk(bytes, m->pool_threads, be->p.cpu_expert_chunk);
 	if (per > cj->per) {
 		char why[256];
 		if (cj->share) {

@@ -673,6 +673,15 @@ START_TEST(test_share_threads_for)
 	ck_assert_uint_eq(ffn_share_threads_for(1000 * third, 14), 14);
 	ck_assert_uint_eq(ffn_share_threads_for(1000000 * third, 100000), FFN_SHARE_MAX_THREADS);
 	ck_assert_uint_eq(ffn_share_threads_for(3 * third, 0), 1);
+	/* chunks of a size given (--cpu-expert-chunk): a Q4_K expert of the same shape, 2.65 MB, cut for
+	 * one thread at 256 KiB, for three at 64 KiB, for 13 at 16 KiB (at most the pool's); 0 is the
+	 * default */
+	const uint64_t q4k = 3ull * 768 * 2048 / 256 * 144;
+	ck_assert_uint_eq(ffn_share_threads_for_chunk(q4k, 14, FFN_SHARE_CHUNK_BYTES), 1);
+	ck_assert_uint_eq(ffn_share_threads_for_chunk(q4k, 14, 64u << 10), 3);
+	ck_assert_uint_eq(ffn_share_threads_for_chunk(q4k, 14, FFN_SHARE_CHUNK_MIN), 13);
+	ck_assert_uint_eq(ffn_share_threads_for_chunk(q4k, 12, FFN_SHARE_CHUNK_MIN), 12);
+	ck_assert_uint_eq(ffn_share_threads_for_chunk(3 * third, 14, 0), ffn_share_threads_for(3 * third, 14));
 
 	enum { DIM = 512, ROWS = 768 };
 	char err[256] = "";
