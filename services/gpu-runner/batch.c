@@ -143,11 +143,7 @@ void runner_batch_step(struct runner *r)
 		 * when no request runs; while some do, a peer that went away is dealt with inside their
 		 * steps (the weight source, the caches' rebuild). */
 		if (!r->n_active)
-			runner_replan_experts(r); /* between requests: hotter experts kept on the GPU */
-		if (!r->n_active)
-			runner_replan_split(r); /* and the CPU's share at the rate its jobs ran at */
-		if (!r->n_active)
-			runner_expert_rate(r); /* the CPU's experts weighed at the rate they ran at */
+			runner_between_requests(r);
 		int rc = r->n_active ? 0 : runner_ensure_connections(r, err, sizeof(err));
 		if (rc) {
 			/* A peer is down for good: the request that would run fails, as one at a time does. */

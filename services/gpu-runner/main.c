@@ -374,9 +374,7 @@ int main(int argc, char **argv)
 		if (!r.q_len && !r.n_active) {
 			runner_release_dead_loader(&r);
 			runner_idle_stages(&r);
-			runner_replan_experts(&r);
-			runner_replan_split(&r);
-			runner_expert_rate(&r);
+			runner_between_requests(&r);
 			continue;
 		}
 		if (r.batching)

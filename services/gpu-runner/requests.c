@@ -241,6 +241,13 @@ void runner_job_reply(struct runner *r, struct job *j, int rc, const struct gen_
 		 r->last_prefill_tok_s, r->last_decode_tok_s, res->n_rebuilds ? ", KV rebuilt after a kv-store failure" : "");
 }
 
+void runner_between_requests(struct runner *r)
+{
+	runner_replan_experts(r); /* hotter experts kept on the GPU */
+	runner_replan_split(r);	  /* the CPU's share at the rate its jobs ran at */
+	runner_expert_rate(r);	  /* the CPU's experts weighed at the rate they ran at */
+}
+
 static void run_job(struct runner *r, struct job *j)
 {
 	char err[1024] = "";
@@ -249,9 +256,7 @@ static void run_job(struct runner *r, struct job *j)
 	const uint64_t corr = j->corr;
 	r->current = j;
 	r->requests++;
-	runner_replan_experts(r); /* between requests: hotter experts kept on the GPU */
-	runner_replan_split(r);   /* and the CPU's share at the rate its jobs ran at */
-	runner_expert_rate(r);    /* the CPU's experts weighed at the rate they ran at */
+	runner_between_requests(r);
 	int rc = runner_ensure_connections(r, err, sizeof(err));
 	if (rc == 0)
 		rc = runner_job_prepare(r, j, err, sizeof(err));

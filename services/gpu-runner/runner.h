@@ -225,6 +225,10 @@ void runner_split_mark(struct runner *r);
  * was last asked given to the window's routes once EXPERT_RATE_MIN_LAYERS layers of them have run
  * (split_plan.h), and given again to a window made anew; --fixed-split keeps the calibration's. */
 void runner_expert_rate(struct runner *r);
+/* requests.c: what is planned anew between requests, in this order: the experts kept on the GPU
+ * (runner_replan_experts), the CPU's share (runner_replan_split), the rate the routes weigh the
+ * CPU's experts with (runner_expert_rate). Only while no request runs. */
+void runner_between_requests(struct runner *r);
 
 /* requests.c */
 /* Runs the request at the head of the queue (one is queued), replies, and takes it off. */
