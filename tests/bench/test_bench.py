@@ -481,6 +481,16 @@ class CommandLine(unittest.TestCase):
         self.assertIn("B: --runner-opt=--moe-host-route", got[0])
         self.assertEqual(got[4:], ["| M2R decode (all resident) | 2.29 ms/token; 2.30 ms/token | 2.13 ms/token |",
                                    "| M2 |  | failed (see logs) |"])
+        # Figures inside the parentheses differ run to run: still one row; a fixed setting before
+        # them names a row of its own.
+        tagged = [("A", "| M2 decode (0.20 GB/token on the CPU, spans 2.7 ms) | 5.2 ms/token | 1.0 | 5.02 | - |"),
+                  ("B", "| M2 decode (0.16 GB/token on the CPU, spans 1.6 ms) | 4.3 ms/token | 1.0 | 4.40 | - |"),
+                  ("A", "| M2 decode at 0.25 (0.1 GB) | 6.0 ms/token | 1.0 | 6.0 | - |"),
+                  ("B", "| M2 decode at 0.5 (0.1 GB) | 7.0 ms/token | 1.0 | 7.0 | - |")]
+        got = bench.alternation_summary(tagged, "--x").splitlines()
+        self.assertEqual(got[4:], ["| M2 decode (0.20 GB/token on the CPU, spans 2.7 ms) | 5.2 ms/token | 4.3 ms/token |",
+                                   "| M2 decode at 0.25 (0.1 GB) | 6.0 ms/token |  |",
+                                   "| M2 decode at 0.5 (0.1 GB) |  | 7.0 ms/token |"])
 
     def test_unknown(self):
         self.assertEqual(self.run_bench("--scenarios", "S1,S9").returncode, 2)
