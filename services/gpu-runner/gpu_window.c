@@ -675,9 +675,10 @@ void gpu_window_describe(const struct gpu_window *w, char *buf, size_t len)
 		snprintf(buf + k, len - k, "; the kept layer groups spread among the layers");
 	k = strlen(buf);
 	if (k < len && w->base.cfg->n_experts)
-		snprintf(buf + k, len - k, "; %u experts resident, chosen by %.1f%% of the routing %s",
-			 w->st.experts_resident, 100.0 * w->st.expert_heat_resident,
-			 w->heat_known ? "counted" : "expected (none counted yet)");
+		snprintf(buf + k, len - k, "; %u experts resident, chosen by %.1f%% of the routing %s, %u slot%s for the "
+			 "streamed ones", w->st.experts_resident, 100.0 * w->st.expert_heat_resident,
+			 w->heat_known ? "counted" : "expected (none counted yet)", w->depth[CLASS_EXPERT],
+			 w->depth[CLASS_EXPERT] == 1 ? "" : "s");
 	k = strlen(buf);
 	if (k < len)
 		gw_split_describe(w, buf + k, len - k);

@@ -63,7 +63,9 @@ extern "C" {
 
 struct gpu_window_params {
 	uint64_t gpu_budget; /* bytes of device memory for weights */
-	uint32_t depth;	     /* device slots per streamed class (>= 1; 2 or more overlaps copies) */
+	uint32_t depth;	     /* device slots per streamed layer class (>= 1; 2 or more overlaps copies) */
+	uint32_t expert_depth; /* the experts' slots (0: window_expert_depth's choice, fewer where the
+				* budget cannot hold them, down to depth) */
 	bool strict;	     /* check every invariant on every call */
 	bool time_copies;    /* record timing events around each copy (for the benchmark) */
 	double h2d_bytes_per_s; /* 0: measure at create */
@@ -132,6 +134,7 @@ struct gpu_window_stats {
 	uint32_t experts_resident;	 /* expert groups kept on the device for good (the plan's) */
 	double expert_heat_resident;	 /* the share of the routing they take (window_plan.h) */
 	uint32_t depth;
+	uint32_t expert_depth;		 /* the experts' slots (a model with experts) */
 	double h2d_bytes_per_s;		 /* measured (or given) */
 	double h2d_beside_cpu_bytes_per_s; /* measured beside the CPU's rates (split plan; 0: not) */
 	bool spread;			 /* params.spread moved kept layer groups off the first layers */

@@ -254,7 +254,8 @@ uint64_t gw_slot_bytes(const struct gpu_window *w, const bool *resident, uint32_
 			m++;
 			cls = b > cls ? b : cls;
 		}
-		total += (m < depth ? m : depth) * cls;
+		const uint64_t d = c == CLASS_EXPERT ? w->xdepth : depth;
+		total += (m < d ? m : d) * cls;
 	}
 	return total;
 }
@@ -319,8 +320,15 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	w->budget = p->gpu_budget;
 
 	struct window_plan plan;
-	rc = window_plan(cfg, w->plan_groups, ng, &rs->stage, p->gpu_budget, depth, p->expert_heat, resident, &plan,
-			 err, errlen);
+	w->xdepth = window_expert_depth(cfg, depth, p->expert_depth);
+	rc = window_plan(cfg, w->plan_groups, ng, &rs->stage, p->gpu_budget, depth, w->xdepth, p->expert_heat, resident,
+			 &plan, err, errlen);
+	if (rc == -ENOSPC && !p->expert_depth && w->xdepth > depth) {
+		/* The experts' own choice of slots does not fit: as many as the layer groups have. */
+		w->xdepth = depth;
+		rc = window_plan(cfg, w->plan_groups, ng, &rs->stage, p->gpu_budget, depth, w->xdepth, p->expert_heat,
+				 resident, &plan, err, errlen);
+	}
 	if (rc)
 		goto out_fail;
 	bool spread = false; /* the kept groups spread (window_plan_spread): again when the plan is made again */
@@ -444,7 +452,8 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		for (uint32_t g = 0; g < ng; g++)
 			if (!w->g[g].resident && rs->groups[g].size_class == c && weight_stage_has(&rs->stage, &rs->groups[g]))
 				w->order[c][w->m[c]++] = g;
-		w->depth[c] = w->m[c] < depth ? w->m[c] : depth;
+		const uint32_t d = c == CLASS_EXPERT ? w->xdepth : depth;
+		w->depth[c] = w->m[c] < d ? w->m[c] : d;
 		w->first_slot[c] = n_slots;
 		n_slots += w->depth[c];
 		uint64_t cls = 0;
@@ -512,6 +521,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		w->st.cpu_ms += (double)moved / rate * 1e3;
 	}
 	w->st.depth = depth;
+	w->st.expert_depth = cfg->n_experts ? w->xdepth : 0;
 	/* Start copying the first streamed groups now; then hand back what the loader's streaming slots
 	 * hold for us beyond need (the releases of the resident groups' copies, held back for a next
 	 * acquire that may be far off): another runner of a split model may need those slots first. */

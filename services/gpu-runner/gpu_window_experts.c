@@ -299,7 +299,8 @@ int gpu_window_expert_gain(const struct gpu_window *w, const float *heat, double
 	*now = sum > 0 ? kept / sum : 0;
 	struct window_plan plan;
 	char err[256];
-	int rc = window_plan(cfg, dg, ng, &w->base.stage, w->budget, w->st.depth, heat, res, &plan, err, sizeof(err));
+	int rc = window_plan(cfg, dg, ng, &w->base.stage, w->budget, w->st.depth, w->xdepth, heat, res, &plan, err,
+			     sizeof(err));
 	if (rc == 0)
 		*planned = plan.expert_heat_resident;
 	free(res);

@@ -68,6 +68,7 @@ struct gpu_window {
 	struct gslot *slots;
 	uint32_t n_slots;
 	uint32_t depth[CLASS_COUNT];
+	uint32_t xdepth; /* the experts' class's slots as planned (depth[CLASS_EXPERT] up to it) */
 	uint32_t first_slot[CLASS_COUNT];
 	uint32_t *order[CLASS_COUNT]; /* streamed groups of a class in visit order */
 	uint32_t m[CLASS_COUNT];
@@ -201,7 +202,7 @@ int gw_split_fit(struct gpu_window *w, const bool *resident, const struct gpu_wi
 		 char *err, size_t errlen);
 /* The device layout of every group as the split stands (dev_off, dev_bytes, copy_bytes). */
 void gw_layout(struct gpu_window *w);
-/* Device bytes the streaming slots take: per size class, depth slots (fewer if fewer groups stream)
+/* Device bytes the streaming slots take: per size class, depth slots (the experts' xdepth) (fewer if fewer groups stream)
  * of its largest streamed group, as laid out now (whole: the plan table's whole group sizes).
  * resident: the groups a plan keeps (the embedding is read on the host); NULL: the window's own. */
 uint64_t gw_slot_bytes(const struct gpu_window *w, const bool *resident, uint32_t depth, bool whole);

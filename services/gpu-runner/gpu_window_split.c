@@ -426,7 +426,7 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 		for (uint32_t g = 0; g < ng; g++)
 			w->split_r[g] = cfg->ffn_dim;
 		gw_layout(w);
-		if (window_plan(cfg, w->plan_groups, ng, &w->base.stage, p->gpu_budget + raise, depth, NULL, resident, &wp,
+		if (window_plan(cfg, w->plan_groups, ng, &w->base.stage, p->gpu_budget + raise, depth, w->xdepth, NULL, resident, &wp,
 				why, sizeof(why)))
 			break;
 		if (spread)

@@ -159,6 +159,11 @@ static int setup(struct runner *r)
 		log_error("--prefetch-depth (1..64) or --copy-streams (1..4) out of range");
 		return -EINVAL;
 	}
+	if (r->expert_depth < 0 || r->expert_depth > 64) {
+		log_error("--expert-depth %ld: want 0 (the experts chosen a layer, at least --prefetch-depth) or 1..64",
+			  r->expert_depth);
+		return -EINVAL;
+	}
 	rc = runner_make_window(r, err, sizeof(err));
 	if (rc) {
 		log_error("%s", err);
@@ -230,6 +235,9 @@ int main(int argc, char **argv)
 		{"gpu-budget", OPT_SIZE, &r.gpu_budget, "6GiB", "GPU memory for weights (cuda backend; the cpu backend computes from the ring in place)"},
 		{"prefetch-depth", OPT_INT, &r.prefetch_depth, "2",
 		 "device slots per streamed group class: copies run this far ahead of compute"},
+		{"expert-depth", OPT_INT, &r.expert_depth, "0",
+		 "mixture of experts: device slots for the streamed experts (0: as many as a layer's routing chooses, "
+		 "at least --prefetch-depth, fewer where --gpu-budget cannot hold them)"},
 		{"copy-streams", OPT_INT, &r.copy_streams, "1", "H2D concurrency: weight copies spread over this many streams (1..4)"},
 		{"h2d-bytes-per-s", OPT_SIZE, &r.h2d_bps, "0", "host-to-device bandwidth for the plan (0: measure at start)"},
 		{"hbm-bytes-per-s", OPT_SIZE, &r.hbm_bps, "2.7TB", "GPU memory bandwidth the prediction assumes for reading weights"},

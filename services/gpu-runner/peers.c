@@ -100,7 +100,7 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 		return 0;
 #ifdef PIPELINE_HAVE_CUDA
 	struct gpu_window_params wp = {.gpu_budget = r->gpu_budget, .depth = (uint32_t)r->prefetch_depth,
-				       .strict = r->strict, .time_copies = r->profile_copies,
+				       .expert_depth = (uint32_t)r->expert_depth, .strict = r->strict, .time_copies = r->profile_copies,
 				       .h2d_bytes_per_s = (double)r->h2d_bps, .copy_streams = (uint32_t)r->copy_streams,
 				       .cpu_share = r->cpu_share, .cpu_pool = r->cpu_pool,
 				       .expert_heat = r->expert_heat, .spread = r->window_spread,

@@ -65,6 +65,7 @@ struct runner {
 	const char *instance, *run_dir, *backend_name, *log_level, *kv_dtype_name;
 	uint64_t gpu_budget, kv_gpu_budget;
 	long block_tokens, threads, max_context, prefill_chunk, timeout_ms, prefetch_depth, copy_streams;
+	long expert_depth; /* --expert-depth: the experts' device slots (0: the window's choice) */
 	/* live tuning: the start values bound what a tune may set; max_queued caps the queue */
 	long start_timeout_ms, start_max_context, max_queued;
 	uint64_t h2d_bps, hbm_bps;

@@ -119,6 +119,8 @@ void runner_register_tunables(struct runner *r)
 	add_fixed_long(s, "gpu-budget", TUNABLE_BYTES, (long long)r->gpu_budget, "GPU memory for weights (cuda)");
 	add_fixed_long(s, "prefetch-depth", TUNABLE_INT, r->prefetch_depth,
 		       "device slots per streamed group class (cuda): allocated at start");
+	add_fixed_long(s, "expert-depth", TUNABLE_INT, r->expert_depth,
+		       "the experts' device slots (cuda; 0: the window's choice): allocated at start");
 	add_fixed_long(s, "copy-streams", TUNABLE_INT, r->copy_streams, "H2D copy streams (cuda): created at start");
 	add_fixed_long(s, "h2d-bytes-per-s", TUNABLE_BYTES, (long long)r->h2d_bps, "H2D bandwidth of the plan");
 	add_fixed_long(s, "hbm-bytes-per-s", TUNABLE_BYTES, (long long)r->hbm_bps, "GPU memory bandwidth of the plan");

@@ -28,8 +28,8 @@ static uint64_t min_u64(uint64_t a, uint64_t b)
 }
 
 int window_plan(const struct model_config *cfg, const struct group_desc *groups, uint32_t n_groups,
-		const struct weight_stage *stage, uint64_t budget, uint32_t depth, const float *heat, bool *resident,
-		struct window_plan *out, char *err, size_t errlen)
+		const struct weight_stage *stage, uint64_t budget, uint32_t depth, uint32_t xdepth, const float *heat,
+		bool *resident, struct window_plan *out, char *err, size_t errlen)
 {
 	memset(out, 0, sizeof(*out));
 	memset(resident, 0, n_groups * sizeof(bool));
@@ -62,8 +62,10 @@ int window_plan(const struct model_config *cfg, const struct group_desc *groups,
 	out->experts = n_exp;
 	if (depth < 1)
 		depth = 1;
+	if (xdepth < 1)
+		xdepth = 1;
 	/* Experts stream through their own slots (unless every one is kept: below). */
-	const uint64_t win_x = n_exp ? min_u64(n_exp, depth) * x : 0;
+	const uint64_t win_x = n_exp ? min_u64(n_exp, xdepth) * x : 0;
 	/* The layer groups every token reads: na attention and nf FFN groups kept, from the stage's
 	 * first layer, the rest through their slots; the split that keeps the most bytes. */
 	uint64_t best = 0, best_win = 0;
@@ -84,15 +86,15 @@ int window_plan(const struct model_config *cfg, const struct group_desc *groups,
 			break; /* the largest nf for this na */
 		}
 	}
-	out->need = globals + (L ? (uint64_t)depth * (a + f) : 0) + (n_exp ? (uint64_t)depth * x : 0);
+	out->need = globals + (L ? (uint64_t)depth * (a + f) : 0) + (n_exp ? (uint64_t)xdepth * x : 0);
 	if (best_na < 0) {
 		char b[32], n[32];
 		return errorf(err, errlen, -ENOSPC,
 			      "--gpu-budget %s is too small: %s%u slot%s of each streamed layer group%s need %s (%llu bytes)",
 			      format_size(budget, b, sizeof(b)),
 			      !head ? "" : cfg->tie_embeddings ? "the head group with the tied embedding and " : "the head group and ",
-			      depth, depth == 1 ? "" : "s", n_exp ? " and of the experts" : "", format_size(out->need, n, sizeof(n)),
-			      (unsigned long long)out->need);
+			      depth, depth == 1 ? "" : "s", n_exp ? (xdepth == depth ? " and of the experts" : " and the experts' slots") : "",
+			      format_size(out->need, n, sizeof(n)), (unsigned long long)out->need);
 	}
 	if (head) {
 		resident[group_id_head(cfg)] = true;
@@ -184,4 +186,12 @@ void window_heat_fold(float *heat, uint32_t *weight, const uint32_t *routed, con
 		uint64_t sum = (uint64_t)w + steps[l];
 		weight[l] = sum < cap ? (uint32_t)sum : cap;
 	}
+}
+
+uint32_t window_expert_depth(const struct model_config *cfg, uint32_t depth, uint32_t expert_depth)
+{
+	if (expert_depth)
+		return expert_depth;
+	depth = depth ? depth : 1;
+	return cfg->n_experts_used > depth ? cfg->n_experts_used : depth;
 }

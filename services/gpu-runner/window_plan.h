@@ -11,12 +11,14 @@
  *     it, so expert e of layer l is worth heat[l][e] (the share of decode steps whose routing
  *     chose it, counted by the runner), and they are kept hottest first while they fit. With no
  *     heat known every expert is worth the same, and they are kept in table order.
- * Each size class that streams has min(depth, groups of the class that stream) slots of its
- * largest streamed group; a class with nothing streamed has none.
+ * Each layer size class that streams has min(depth, groups of the class that stream) slots of its
+ * largest streamed group, the experts' class min(xdepth, ...); a class with nothing streamed has
+ * none.
  *
  *   bool *resident = calloc(n_groups, 1);
  *   struct window_plan p;
- *   rc = window_plan(cfg, groups, n_groups, &stage, budget, depth, heat, resident, &p, err, sizeof(err));
+ *   rc = window_plan(cfg, groups, n_groups, &stage, budget, depth, xdepth, heat, resident, &p, err,
+ *                   sizeof(err));
  *
  * groups[g].slot_bytes are the bytes group g takes on the device (the window's own layout).
  */
@@ -33,7 +35,7 @@ extern "C" {
 #endif
 
 struct window_plan {
-	uint64_t need;		 /* the least budget: the head group and depth slots of each streamed class */
+	uint64_t need;		 /* the least budget: the head group and the slots of each streamed class */
 	uint64_t resident_bytes; /* device bytes kept for good, the head group's included */
 	uint64_t slot_bytes;	 /* device bytes of the streaming slots */
 	uint64_t streamed_bytes; /* bytes of the streamed layer groups a token reads (every attention and
@@ -45,12 +47,19 @@ struct window_plan {
 };
 
 /* Plans the window of stage (NULL: every layer and the head) under budget with depth (>= 1) slots
- * per streamed class. heat: (n_layers, n_experts) shares of decode steps, or NULL (none known);
+ * per streamed layer class and xdepth (>= 1; window_expert_depth) for the experts. heat: (n_layers, n_experts) shares of decode steps, or NULL (none known);
  * ignored for a dense model. resident (n_groups) is set for the groups kept. Returns 0, or
  * -ENOSPC with err naming the budget needed in bytes. */
 int window_plan(const struct model_config *cfg, const struct group_desc *groups, uint32_t n_groups,
-		const struct weight_stage *stage, uint64_t budget, uint32_t depth, const float *heat, bool *resident,
-		struct window_plan *out, char *err, size_t errlen);
+		const struct weight_stage *stage, uint64_t budget, uint32_t depth, uint32_t xdepth, const float *heat,
+		bool *resident, struct window_plan *out, char *err, size_t errlen);
+
+/* The experts' slots: expert_depth where given (> 0), else the larger of depth and the experts a
+ * layer's routing chooses (n_experts_used). A decode step copies its guesses of a layer's experts
+ * before that layer's route (--predict-experts), so the slots bound how many of a layer's experts
+ * can be on their way at once: with two slots, about one expert a layer was copied where the
+ * balance with the CPU asked for three or four (docs/design.md, "How deep the experts' slots"). */
+uint32_t window_expert_depth(const struct model_config *cfg, uint32_t depth, uint32_t expert_depth);
 
 /* Places the attention and the FFN groups that plan kept (resident) evenly among the stage's layers
  * instead of from its first (--window-spread): as many of each kind as before, so the same bytes

@@ -59,7 +59,7 @@ START_TEST(test_dense)
 	struct window_plan p;
 	char err[512];
 	/* Everything fits: every layer group kept, no slots. */
-	ck_assert_int_eq(window_plan(&c, g, n, NULL, 10000 * MiB, 2, NULL, res, &p, err, sizeof(err)), 0);
+	ck_assert_int_eq(window_plan(&c, g, n, NULL, 10000 * MiB, 2, 2, NULL, res, &p, err, sizeof(err)), 0);
 	ck_assert_uint_eq(count(res, n), 1 + 8);
 	ck_assert(!res[0]); /* the embedding stays on the host */
 	ck_assert_uint_eq(p.resident_bytes, HEAD + 4 * (ATTN + FFN_B));
@@ -68,12 +68,12 @@ START_TEST(test_dense)
 	ck_assert_uint_eq(p.need, HEAD + 2 * (ATTN + FFN_B));
 	/* The minimum: the head and two slots of each class; one byte less is refused with the minimum in
 	 * bytes, as the tests' `--gpu-budget min` reads it. */
-	ck_assert_int_eq(window_plan(&c, g, n, NULL, p.need, 2, NULL, res, &p, err, sizeof(err)), 0);
+	ck_assert_int_eq(window_plan(&c, g, n, NULL, p.need, 2, 2, NULL, res, &p, err, sizeof(err)), 0);
 	ck_assert_uint_eq(count(res, n), 1);
 	ck_assert_uint_eq(p.streamed_bytes, 4 * (ATTN + FFN_B));
 	ck_assert_uint_eq(p.slot_bytes, 2 * (ATTN + FFN_B));
 	uint64_t need = p.need;
-	ck_assert_int_eq(window_plan(&c, g, n, NULL, need - 1, 2, NULL, res, &p, err, sizeof(err)), -ENOSPC);
+	ck_assert_int_eq(window_plan(&c, g, n, NULL, need - 1, 2, 2, NULL, res, &p, err, sizeof(err)), -ENOSPC);
 	char want[64];
 	snprintf(want, sizeof(want), "(%llu bytes)", (unsigned long long)need);
 	ck_assert_msg(strstr(err, "is too small") && strstr(err, want), "message: %s", err);
@@ -81,7 +81,7 @@ START_TEST(test_dense)
 	 * group more than the minimum hold one of each (136 MiB kept) or, with no attention slot left,
 	 * all four attention groups (144 MiB). */
 	uint64_t budget = need + ATTN + FFN_B;
-	ck_assert_int_eq(window_plan(&c, g, n, NULL, budget, 2, NULL, res, &p, err, sizeof(err)), 0);
+	ck_assert_int_eq(window_plan(&c, g, n, NULL, budget, 2, 2, NULL, res, &p, err, sizeof(err)), 0);
 	ck_assert(p.resident_bytes + p.slot_bytes <= budget);
 	ck_assert_uint_eq(p.resident_bytes, HEAD + 4 * ATTN);
 	ck_assert_uint_eq(p.slot_bytes, 2 * FFN_B);
@@ -147,14 +147,14 @@ START_TEST(test_experts)
 	struct window_plan p;
 	char err[512];
 	/* The least: the head, two attention, router and expert slots. */
-	ck_assert_int_eq(window_plan(&c, g, n, NULL, 0, 2, NULL, res, &p, err, sizeof(err)), -ENOSPC);
+	ck_assert_int_eq(window_plan(&c, g, n, NULL, 0, 2, 2, NULL, res, &p, err, sizeof(err)), -ENOSPC);
 	ck_assert_uint_eq(p.need, HEAD + 2 * (ATTN + ROUTER + EXPERT));
 	ck_assert_msg(strstr(err, "and of the experts"), "message: %s", err);
 	/* The dense groups every token reads, then room for 5 experts: the attention and router groups
 	 * are found in the experts' layout (not the dense numbering, where group 3 is layer 0's expert 0
 	 * and group 5 its expert 2). */
 	uint64_t dense = HEAD + 3 * (ATTN + ROUTER), slots = 2 * EXPERT;
-	ck_assert_int_eq(window_plan(&c, g, n, NULL, dense + slots + 5 * EXPERT + EXPERT / 2, 2, NULL, res, &p, err,
+	ck_assert_int_eq(window_plan(&c, g, n, NULL, dense + slots + 5 * EXPERT + EXPERT / 2, 2, 2, NULL, res, &p, err,
 				     sizeof(err)),
 			 0);
 	for (uint32_t l = 0; l < 3; l++)
@@ -177,7 +177,7 @@ START_TEST(test_experts)
 	heat[1 * 8 + 2] = 0.2f;
 	heat[0 * 8 + 1] = 0.1f;	 /* the sixth: left out */
 	heat[2 * 8 + 5] = 0.2f;	 /* as hot as layer 1's expert 2, later in the table: left out */
-	ck_assert_int_eq(window_plan(&c, g, n, NULL, dense + slots + 5 * EXPERT + EXPERT / 2, 2, heat, res, &p, err,
+	ck_assert_int_eq(window_plan(&c, g, n, NULL, dense + slots + 5 * EXPERT + EXPERT / 2, 2, 2, heat, res, &p, err,
 				     sizeof(err)),
 			 0);
 	ck_assert_uint_eq(p.experts_resident, 5);
@@ -187,19 +187,44 @@ START_TEST(test_experts)
 	ck_assert(fabs(p.expert_heat_resident - 2.7 / 3.0) < 1e-6);
 	/* Every expert fits once their slots are not needed: all kept, no slot left. */
 	uint64_t all = dense + 24 * EXPERT;
-	ck_assert_int_eq(window_plan(&c, g, n, NULL, all, 2, heat, res, &p, err, sizeof(err)), 0);
+	ck_assert_int_eq(window_plan(&c, g, n, NULL, all, 2, 2, heat, res, &p, err, sizeof(err)), 0);
 	ck_assert_uint_eq(p.experts_resident, 24);
 	ck_assert_uint_eq(p.slot_bytes, 0);
 	ck_assert_uint_eq(p.resident_bytes, all);
 	ck_assert_uint_eq(count(res, n), n - 1);
 	/* A budget that holds the dense groups and the slots only: no expert, and the dense groups still
 	 * kept (none of them mistaken for an expert). */
-	ck_assert_int_eq(window_plan(&c, g, n, NULL, dense + slots, 2, heat, res, &p, err, sizeof(err)), 0);
+	ck_assert_int_eq(window_plan(&c, g, n, NULL, dense + slots, 2, 2, heat, res, &p, err, sizeof(err)), 0);
 	ck_assert_uint_eq(p.experts_resident, 0);
 	ck_assert_uint_eq(count(res, n), 1 + 6);
 	ck_assert(!res[3] && !res[5]);
+	/* Four slots for the experts, two for the layer groups: the need and the slots count four
+	 * experts, and two fewer are kept in the budget that kept five. */
+	ck_assert_int_eq(window_plan(&c, g, n, NULL, 0, 2, 4, NULL, res, &p, err, sizeof(err)), -ENOSPC);
+	ck_assert_uint_eq(p.need, HEAD + 2 * (ATTN + ROUTER) + 4 * EXPERT);
+	ck_assert_msg(strstr(err, "2 slots of each streamed layer group and the experts' slots"), "message: %s", err);
+	ck_assert_int_eq(window_plan(&c, g, n, NULL, dense + slots + 5 * EXPERT + EXPERT / 2, 2, 4, NULL, res, &p, err,
+				     sizeof(err)),
+			 0);
+	ck_assert_uint_eq(p.experts_resident, 3);
+	ck_assert_uint_eq(p.slot_bytes, 4 * EXPERT);
 	free(res);
 	free(g);
+}
+END_TEST
+
+START_TEST(test_expert_depth)
+{
+	/* Given: as given; else the experts a layer's routing chooses, at least the layers' depth. */
+	struct model_config c = {.n_layers = 3, .n_experts = 128, .n_experts_used = 8};
+	ck_assert_uint_eq(window_expert_depth(&c, 2, 0), 8);
+	ck_assert_uint_eq(window_expert_depth(&c, 12, 0), 12);
+	ck_assert_uint_eq(window_expert_depth(&c, 2, 3), 3);
+	c.n_experts_used = 2;
+	ck_assert_uint_eq(window_expert_depth(&c, 2, 0), 2);
+	ck_assert_uint_eq(window_expert_depth(&c, 0, 0), 2);
+	c.n_experts_used = 1;
+	ck_assert_uint_eq(window_expert_depth(&c, 0, 0), 1);
 }
 END_TEST
 
@@ -213,7 +238,7 @@ START_TEST(test_stage)
 	struct window_plan p;
 	char err[512];
 	struct weight_stage st = {.split = true, .layer0 = 2, .layer1 = 4, .first = false};
-	ck_assert_int_eq(window_plan(&c, g, n, &st, 10000 * MiB, 2, NULL, res, &p, err, sizeof(err)), 0);
+	ck_assert_int_eq(window_plan(&c, g, n, &st, 10000 * MiB, 2, 2, NULL, res, &p, err, sizeof(err)), 0);
 	ck_assert(!res[group_id_head(&c)]);
 	ck_assert_uint_eq(p.experts, 8);
 	ck_assert_uint_eq(p.experts_resident, 8);
@@ -258,6 +283,7 @@ static Suite *plan_suite(void)
 	Suite *s = suite_create("window_plan");
 	TCase *tc = tcase_create("plan");
 	tcase_add_test(tc, test_dense);
+	tcase_add_test(tc, test_expert_depth);
 	tcase_add_test(tc, test_spread);
 	tcase_add_test(tc, test_experts);
 	tcase_add_test(tc, test_stage);
