@@ -449,6 +449,10 @@ struct backend_cpu_share_stats {
 	 * within MOE_STEP_GAP_MAX_MS (50) of them: their time, summed, and their count. */
 	double experts_step_gap_ms;
 	uint64_t expert_step_gaps;
+	/* Of experts_step_gap_ms, the part before the step's return (its output on the host): the last
+	 * layer's GPU work after its CPU experts, the head and the pick; the rest is the host's between
+	 * the steps and the next step up to its first routing. */
+	double experts_step_tail_ms;
 };
 
 /* Fills out (zeros and "none" where the backend has no CPU share). Never fails. */

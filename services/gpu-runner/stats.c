@@ -223,6 +223,7 @@ static json_t *cpu_share_stats(struct runner *r)
 	json_object_set_new(o, "expert_gaps", json_integer((json_int_t)bs.expert_gaps));
 	json_object_set_new(o, "experts_step_gap_ms", json_real(bs.experts_step_gap_ms));
 	json_object_set_new(o, "expert_step_gaps", json_integer((json_int_t)bs.expert_step_gaps));
+	json_object_set_new(o, "experts_step_tail_ms", json_real(bs.experts_step_tail_ms));
 	return o;
 }
 

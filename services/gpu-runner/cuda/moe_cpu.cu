@@ -226,8 +226,9 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 		}
 		if (m->step_pending_ns) {
 			m->step_gap_ns += m->step_pending_ns + (t0 > m->route_t1 ? t0 - m->route_t1 : 0);
+			m->step_tail_ns += m->step_tail_pending_ns;
 			m->step_gaps++;
-			m->step_pending_ns = 0;
+			m->step_pending_ns = m->step_tail_pending_ns = 0;
 		}
 	}
 	if (i == 0 && !m->gpu_wait)
@@ -311,6 +312,7 @@ void moe_settle(struct backend_dev *be)
 	moe_settle_jobs(m);
 	m->n_waited = 0;
 	m->last_end_ns = m->gap_pending_ns = m->step_end_ns = m->step_pending_ns = 0;
+	m->step_ret_ns = m->step_tail_pending_ns = 0;
 	(void)moe_dev_check(be); /* the failed step's device routing forgotten, a flag of its with it */
 }
 
@@ -357,6 +359,7 @@ int moe_check_step(struct backend_dev *be)
 		/* The step's last CPU experts' end, for the gap to the next step's first (none after a
 		 * failure). */
 		be->moe->step_end_ns = rc ? 0 : be->moe->last_end_ns;
+		be->moe->step_ret_ns = rc ? 0 : now_ns();
 		be->moe->last_end_ns = be->moe->gap_pending_ns = be->moe->step_pending_ns = 0;
 	}
 	return rc;
@@ -424,14 +427,15 @@ void moe_cpu_routed(struct cuda_moe *m)
 	 * step follows at once (a later request's first step does not). */
 	const uint64_t since = m->route_t1 > m->step_end_ns ? m->route_t1 - m->step_end_ns : 0;
 	m->step_pending_ns = !m->last_end_ns && m->step_end_ns && since < MOE_STEP_GAP_MAX_MS * 1000000ull ? since : 0;
-	m->step_end_ns = 0;
+	m->step_tail_pending_ns = m->step_pending_ns && m->step_ret_ns > m->step_end_ns ? m->step_ret_ns - m->step_end_ns : 0;
+	m->step_end_ns = m->step_ret_ns = 0;
 	m->last_end_ns = 0;
 }
 
 int moe_cpu_end(struct backend_dev *be, moe_combine_w *cw)
 {
 	struct cuda_moe *m = be->moe;
-	m->gap_pending_ns = m->step_pending_ns = 0; /* a layer with no CPU expert: no gap */
+	m->gap_pending_ns = m->step_pending_ns = m->step_tail_pending_ns = 0; /* a layer with no CPU expert: no gap */
 	if (m->n_cpu && m->gpu_wait)
 		return cpu_experts_waited(be, cw);
 	if (m->n_cpu) {
@@ -465,5 +469,6 @@ void moe_cpu_stats(const struct cuda_moe *m, struct backend_cpu_share_stats *out
 	out->experts_gap_host_ms = (double)m->gap_host_ns / 1e6;
 	out->expert_gaps = m->gaps;
 	out->experts_step_gap_ms = (double)m->step_gap_ns / 1e6;
+	out->experts_step_tail_ms = (double)m->step_tail_ns / 1e6;
 	out->expert_step_gaps = m->step_gaps;
 }

@@ -118,6 +118,9 @@ struct cuda_moe {
 	 * failed step), the gap to the next step's first routing, and the gaps counted so. */
 	uint64_t step_end_ns, step_pending_ns;
 	uint64_t step_gap_ns, step_gaps;
+	/* ... of which from that end to the step's return (moe_check_step, once the host has the step's
+	 * output): the last layer's GPU work after its CPU experts, the head and the pick. */
+	uint64_t step_ret_ns, step_tail_pending_ns, step_tail_ns;
 	uint32_t fail_in;		/* cuda_test_fail_cpu_expert: the CPU jobs to go until one fails (0: none) */
 	/* Layers routed on the device (moe_device.cu): NULL until the first experts' table. */
 	struct moe_dev *dev;
