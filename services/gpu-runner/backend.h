@@ -453,6 +453,11 @@ struct backend_cpu_share_stats {
 	 * layer's GPU work after its CPU experts, the head and the pick; the rest is the host's between
 	 * the steps and the next step up to its first routing. */
 	double experts_step_tail_ms;
+	/* A step's first routing after the step before returned (within MOE_STEP_GAP_MAX_MS): the host's
+	 * time from that return to the router's launch, then its wait for the routing, summed over
+	 * step_begins. */
+	double step_begin_host_ms, step_begin_wait_ms;
+	uint64_t step_begins;
 };
 
 /* Fills out (zeros and "none" where the backend has no CPU share). Never fails. */

@@ -284,6 +284,7 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	struct cuda_moe *m = be->moe;
 	const uint32_t n = be->n, dim = c->dim, E = m->E, k = m->k;
 	const struct weight_tensor *nw = &w->t[ROLE_FFN_NORM], *rw = &w->t[ROLE_ROUTER];
+	const uint64_t t_in = now_ns();
 	/* The normed rows in float32: the router's input and every expert's. */
 	int rc = rmsnorm(be, nw->data[PLACE_DEVICE], nw->format, 0, n, DT_F32);
 	if (rc)
@@ -326,7 +327,13 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	 * none of it behind a wait of the host's). */
 	uint64_t t0 = now_ns();
 	CUDA_TRY(be, "waiting for the router logits", cudaStreamSynchronize(be->stream));
-	m->route_wait_ns += now_ns() - t0;
+	const uint64_t t1 = now_ns();
+	m->route_wait_ns += t1 - t0;
+	if (m->step_ret_ns && t_in > m->step_ret_ns && t_in - m->step_ret_ns < MOE_STEP_GAP_MAX_MS * 1000000ull) {
+		m->begin_host_ns += t_in - m->step_ret_ns;
+		m->begin_wait_ns += t1 - t0;
+		m->begins++;
+	}
 	/* Jobs of a layer that failed half way are waited for: their slots and buffers are about to be
 	 * reused (those the stream waited for are over already, and checked here). */
 	moe_settle_jobs(m);

@@ -470,5 +470,8 @@ void moe_cpu_stats(const struct cuda_moe *m, struct backend_cpu_share_stats *out
 	out->expert_gaps = m->gaps;
 	out->experts_step_gap_ms = (double)m->step_gap_ns / 1e6;
 	out->experts_step_tail_ms = (double)m->step_tail_ns / 1e6;
+	out->step_begin_host_ms = (double)m->begin_host_ns / 1e6;
+	out->step_begin_wait_ms = (double)m->begin_wait_ns / 1e6;
+	out->step_begins = m->begins;
 	out->expert_step_gaps = m->step_gaps;
 }

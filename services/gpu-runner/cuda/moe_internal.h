@@ -121,6 +121,10 @@ struct cuda_moe {
 	/* ... of which from that end to the step's return (moe_check_step, once the host has the step's
 	 * output): the last layer's GPU work after its CPU experts, the head and the pick. */
 	uint64_t step_ret_ns, step_tail_pending_ns, step_tail_ns;
+	/* ... and after the return, a step's first routing: the host's time from the last step's return
+	 * to that router's launch (the host between the steps, the embedding, the first attention's
+	 * launches) and the host's wait for its logits, summed over the begins counted. */
+	uint64_t begin_host_ns, begin_wait_ns, begins;
 	uint32_t fail_in;		/* cuda_test_fail_cpu_expert: the CPU jobs to go until one fails (0: none) */
 	/* Layers routed on the device (moe_device.cu): NULL until the first experts' table. */
 	struct moe_dev *dev;
