@@ -517,7 +517,10 @@ def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16"):
         + (f", from a token's last to the next token's first {sp['cpu_step_gap_ms_per_token']:.1f} ms"
            + (f" (to the step's return {sp['cpu_step_tail_ms_per_token']:.2f}; from it, the host to the first "
               f"router's launch {sp.get('step_begin_host_ms', 0):.2f} and its wait for the routing "
-              f"{sp.get('step_begin_wait_ms', 0):.2f})"
+              f"{sp.get('step_begin_wait_ms', 0):.2f}"
+              + ("; the step's start on the host by part, " +
+                 ", ".join(f"{k} {v:.3f}" for k, v in sp["begin_parts_ms"].items())
+                 if sp.get("begin_parts_ms") else "") + ")"
               if sp.get("cpu_step_tail_ms_per_token") else "")
            + (f" (the host's between two steps {sp['host_between_steps_ms']:.2f})"
               if sp.get("host_between_steps_ms") else "")

@@ -558,6 +558,9 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 	return rc;
 }
 
+const char *const engine_begin_part_names[ENGINE_BEGIN_PARTS] = {"embed", "attn_acquire", "attn_launch", "attend",
+								  "attn_end", "ffn_acquire"};
+
 void engine_step_stats(const struct engine *e, struct engine_step_stats *out)
 {
 	*out = e->st;
@@ -594,6 +597,17 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 	const struct weight_stage *st = &e->ws->stage;
 	bool staged = e->stages && st->split, out = logits || argmax;
 	int rc;
+	/* A decode step's start on the host, part by part up to its first FFN (engine_step_stats). */
+	bool marking = n == n_seqs;
+	uint64_t mark_t = marking ? now_ns() : 0;
+#define MARK(part)                                                                                 \
+	do {                                                                                       \
+		if (marking) {                                                                     \
+			const uint64_t t_ = now_ns();                                              \
+			e->st.begin_ms[part] += (double)(t_ - mark_t) / 1e6;                       \
+			mark_t = t_;                                                               \
+		}                                                                                  \
+	} while (0)
 	if (staged && st->first && (rc = e->stages->begin(e->stages_ctx, tokens, n, pos0, out)) != 0)
 		return stage_err(e, rc, "starting the step on the other stages");
 	if (staged && !st->first && (rc = e->stages->take(e->stages_ctx, e->be, &batch)) != 0)
@@ -640,24 +654,36 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 			BE_CHECK(backend_embed(e->be, &w, &batch), "embedding");
 			break;
 		case GROUP_ATTN:
+			MARK(BEGIN_ATTN_ACQUIRE);
 			for (uint32_t s = 0, row = 0; s < n_seqs; row += seqs[s++].n)
 				KV_CHECK(seqs[s].kv, kv_cache_prepare(seqs[s].kv, l, seqs[s].pos0, seqs[s].n,
 								      e->dst_block + row, e->dst_row + row));
 			BE_CHECK(backend_attn_begin(e->be, &w, l, e->dst_block, e->dst_row), "attention");
+			MARK(BEGIN_ATTN_LAUNCH);
 			for (uint32_t s = 0; s < n_seqs; s++)
 				KV_CHECK(seqs[s].kv, kv_cache_attend(seqs[s].kv, l, seqs[s].pos0 + seqs[s].n));
+			MARK(BEGIN_ATTEND);
 			BE_CHECK(backend_attn_end(e->be, &w), "attention output");
 			for (uint32_t s = 0; s < n_seqs; s++)
 				KV_CHECK(seqs[s].kv, kv_cache_finish_layer(seqs[s].kv, l, seqs[s].pos0,
 									   seqs[s].pos0 + seqs[s].n));
+			MARK(BEGIN_ATTN_END);
 			break;
 		case GROUP_FFN:
+			MARK(BEGIN_FFN_ACQUIRE);
+			if (marking)
+				e->st.begins++;
+			marking = false;
 			if (e->split_r && e->split_r[l] < e->cfg->ffn_dim && n <= e->split_max_tokens &&
 			    w.split.where == FFN_SPLIT_NONE)
 				weights_split_ffn(&w, e->split_r[l], FFN_SPLIT_CPU);
 			BE_CHECK(backend_ffn(e->be, &w), "feed-forward");
 			break;
 		case GROUP_MOE:
+			MARK(BEGIN_FFN_ACQUIRE);
+			if (marking)
+				e->st.begins++;
+			marking = false;
 			if (n == 1 && !staged && (rc = moe_on_device(e, group, l)) != 0) {
 				if (rc < 0) {
 					release(e, group);
@@ -730,8 +756,11 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 		}
 		if ((rc = release(e, group)))
 			return rc;
+		if (kind == GROUP_EMBED)
+			MARK(BEGIN_EMBED);
 		group = last;
 	}
+#undef MARK
 	if (staged && !st->first && e->ws->ops->flush && (rc = e->ws->ops->flush(e->ws)) != 0)
 		return set_err(e, rc, "weights: %s", e->ws->error);
 	if (staged && !st->first && (rc = e->stages->pass(e->stages_ctx, e->be, n, stage_out)) != 0)

@@ -88,12 +88,29 @@ void engine_moe_routing(const struct engine *e, const uint32_t **routed, const u
  * launches, the waits for the device), and the host's time between one's return and the next
  * one's start where they follow within ENGINE_STEPS_APART_MS (the token's pick, the request's
  * bookkeeping, its messages): what a decode token costs beyond its steps. */
+/* A decode step's start on the host, by part: from the step's call through its first layer's
+ * attention to its FFN's (a router's) first call, where the host first waits on the GPU (a
+ * mixture of experts) or goes on to launch the rest. */
+enum engine_begin_part {
+	BEGIN_EMBED = 0,  /* the embedding: its acquire, gather and release */
+	BEGIN_ATTN_ACQUIRE, /* the first attention group's acquire */
+	BEGIN_ATTN_LAUNCH,  /* its KV rows placed and its first kernels launched (attn_begin) */
+	BEGIN_ATTEND,	    /* the attention over the KV blocks (kv_cache_attend) */
+	BEGIN_ATTN_END,	    /* the output projection, the layer's KV finished */
+	BEGIN_FFN_ACQUIRE,  /* the attention group's release and the FFN group's acquire */
+	ENGINE_BEGIN_PARTS
+};
+
 struct engine_step_stats {
 	uint64_t steps;
 	double step_ms;
 	uint64_t betweens;
 	double between_ms;
+	uint64_t begins;		       /* decode steps whose start was timed */
+	double begin_ms[ENGINE_BEGIN_PARTS]; /* summed over them */
 };
+/* The parts' names (stats keys). */
+extern const char *const engine_begin_part_names[ENGINE_BEGIN_PARTS];
 void engine_step_stats(const struct engine *e, struct engine_step_stats *out);
 
 uint32_t engine_max_chunk(const struct engine *e);

@@ -343,10 +343,18 @@ char *runner_stats(void *ctx)
 		if (r->engine) { /* decode steps: their time, and the host's between them (engine_step_stats) */
 			struct engine_step_stats es;
 			engine_step_stats(r->engine, &es);
-			json_object_set_new(o, "decode_step_times",
-					    json_pack("{s:I, s:f, s:I, s:f}", "steps_timed", (json_int_t)es.steps,
-						      "in_steps_ms", es.step_ms, "gaps", (json_int_t)es.betweens,
-						      "between_steps_ms", es.between_ms));
+			json_t *d = json_pack("{s:I, s:f, s:I, s:f, s:I}", "steps_timed", (json_int_t)es.steps,
+					      "in_steps_ms", es.step_ms, "gaps", (json_int_t)es.betweens,
+					      "between_steps_ms", es.between_ms, "begins_timed", (json_int_t)es.begins);
+			json_t *b = json_object();
+			for (int i = 0; b && i < ENGINE_BEGIN_PARTS; i++)
+				json_object_set_new(b, engine_begin_part_names[i], json_real(es.begin_ms[i]));
+			if (d && b)
+				json_object_set_new(d, "begin_ms", b);
+			else
+				json_decref(b);
+			if (d)
+				json_object_set_new(o, "decode_step_times", d);
 		}
 		json_t *moe = moe_stats(r);
 		if (moe)

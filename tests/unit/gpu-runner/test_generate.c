@@ -284,6 +284,15 @@ START_TEST(test_decode_steps_counted)
 	ck_assert_uint_eq(b.betweens, NEW - 2);
 	ck_assert(b.step_ms > 0);
 	ck_assert(b.between_ms >= 0 && b.between_ms < (double)(NEW - 2) * ENGINE_STEPS_APART_MS);
+	/* Each decode step's start timed part by part (the prompt's step is not one), inside the steps. */
+	ck_assert_uint_eq(b.begins, NEW - 1);
+	double begun = 0;
+	for (int i = 0; i < ENGINE_BEGIN_PARTS; i++) {
+		ck_assert(b.begin_ms[i] >= 0);
+		begun += b.begin_ms[i];
+	}
+	ck_assert(begun > 0 && begun < b.step_ms);
+	ck_assert(b.begin_ms[BEGIN_ATTEND] > 0); /* the C backend computes the attention in that call */
 	const struct timespec pause = {.tv_nsec = (ENGINE_STEPS_APART_MS + 10) * 1000000L};
 	nanosleep(&pause, NULL);
 	ck_assert_msg(request(err, sizeof(err)) == 0, "%s", err);
