@@ -453,10 +453,13 @@ struct backend_cpu_share_stats {
 	 * layer's GPU work after its CPU experts, the head and the pick; the rest is the host's between
 	 * the steps and the next step up to its first routing. */
 	double experts_step_tail_ms;
-	/* A step's first routing after the step before returned (within MOE_STEP_GAP_MAX_MS): the host's
-	 * time from that return to the router's launch, then its wait for the routing, summed over
+	/* A one-token step's first routing after a one-token step that returned within
+	 * MOE_STEP_GAP_MAX_MS: the host's time from that return to the router's launch, then its wait for
+	 * the routing; on the GPU's clock, from the return to the embedding's end, from there to the
+	 * router's first kernel (the first attention), and the router's kernels; summed over
 	 * step_begins. */
 	double step_begin_host_ms, step_begin_wait_ms;
+	double step_begin_gpu_embed_ms, step_begin_gpu_attn_ms, step_begin_gpu_router_ms;
 	uint64_t step_begins;
 };
 

@@ -226,6 +226,9 @@ static json_t *cpu_share_stats(struct runner *r)
 	json_object_set_new(o, "experts_step_tail_ms", json_real(bs.experts_step_tail_ms));
 	json_object_set_new(o, "step_begin_host_ms", json_real(bs.step_begin_host_ms));
 	json_object_set_new(o, "step_begin_wait_ms", json_real(bs.step_begin_wait_ms));
+	json_object_set_new(o, "step_begin_gpu_embed_ms", json_real(bs.step_begin_gpu_embed_ms));
+	json_object_set_new(o, "step_begin_gpu_attn_ms", json_real(bs.step_begin_gpu_attn_ms));
+	json_object_set_new(o, "step_begin_gpu_router_ms", json_real(bs.step_begin_gpu_router_ms));
 	json_object_set_new(o, "step_begins", json_integer((json_int_t)bs.step_begins));
 	return o;
 }

@@ -224,6 +224,7 @@ static int cuda_embed(struct backend_dev *be, const struct group_weights *w, con
 		dequant_launch(e->format, be->xa, row, n, be->cfg.dim, be->x, DT_F32, be->stream);
 		LAUNCHED(be, "dequant_kernel (embedding rows)");
 	}
+	moe_embedded(be);
 	return 0;
 }
 

@@ -330,6 +330,8 @@ int moe_check(struct backend_dev *be);
 /* backend.h's moe_check at a step's end: moe_check, and the step's last layer is no layer's before
  * for the gap the stats time (the next step's first route follows the step's tail). */
 int moe_check_step(struct backend_dev *be);
+/* After a step's embedding: where the step's start is timed, its event (moe_internal.h: begin). */
+void moe_embedded(struct backend_dev *be);
 /* backend.h's moe_layer_experts, moe_layer and moe_layer_chosen (moe_device.cu): a one-token
  * layer routed on the device from a table of its experts' addresses. */
 int moe_layer_experts(struct backend_dev *be, uint32_t layer, const struct group_weights *experts);

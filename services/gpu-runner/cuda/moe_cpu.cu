@@ -313,6 +313,7 @@ void moe_settle(struct backend_dev *be)
 	m->n_waited = 0;
 	m->last_end_ns = m->gap_pending_ns = m->step_end_ns = m->step_pending_ns = 0;
 	m->step_ret_ns = m->step_tail_pending_ns = 0;
+	m->begin = 0;
 	(void)moe_dev_check(be); /* the failed step's device routing forgotten, a flag of its with it */
 }
 
@@ -360,9 +361,20 @@ int moe_check_step(struct backend_dev *be)
 		 * failure). */
 		be->moe->step_end_ns = rc ? 0 : be->moe->last_end_ns;
 		be->moe->step_ret_ns = rc ? 0 : now_ns();
+		be->moe->ret_n = be->n;
+		/* The stream is idle (the host has waited for the step's output): the event marks the return
+		 * on the GPU's clock. */
+		be->moe->begin = rc == 0 && cudaEventRecord(be->moe->ev_ret, be->stream) == cudaSuccess ? 1 : 0;
 		be->moe->last_end_ns = be->moe->gap_pending_ns = be->moe->step_pending_ns = 0;
 	}
 	return rc;
+}
+
+void moe_embedded(struct backend_dev *be)
+{
+	struct cuda_moe *m = be->moe;
+	if (m && m->begin == 1)
+		m->begin = cudaEventRecord(m->ev_embed, be->stream) == cudaSuccess ? 2 : 0;
 }
 
 /* One token's CPU experts, noted this layer: the stream waits for each job's completion word, and
@@ -472,6 +484,9 @@ void moe_cpu_stats(const struct cuda_moe *m, struct backend_cpu_share_stats *out
 	out->experts_step_tail_ms = (double)m->step_tail_ns / 1e6;
 	out->step_begin_host_ms = (double)m->begin_host_ns / 1e6;
 	out->step_begin_wait_ms = (double)m->begin_wait_ns / 1e6;
+	out->step_begin_gpu_embed_ms = m->begin_gpu_embed_ms;
+	out->step_begin_gpu_attn_ms = m->begin_gpu_attn_ms;
+	out->step_begin_gpu_router_ms = m->begin_gpu_router_ms;
 	out->step_begins = m->begins;
 	out->expert_step_gaps = m->step_gaps;
 }

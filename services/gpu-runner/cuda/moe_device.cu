@@ -268,6 +268,7 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 		return cuda_failf(be, -EINVAL, "cuda backend: moe_layer: layer %u has no experts' table", layer);
 	if (be->n != 1)
 		return cuda_failf(be, -EINVAL, "cuda backend: moe_layer takes one token, not %u", be->n);
+	m->begin = 0; /* a step's start is timed to its first route only */
 	const uint32_t dim = c->dim, E = m->E, k = m->k, F = m->F;
 	const struct weight_tensor *nw = &w->t[ROLE_FFN_NORM], *rw = &w->t[ROLE_ROUTER];
 	/* The normed row in float32 (xa), the router's input and the experts'. */

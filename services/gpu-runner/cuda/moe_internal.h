@@ -121,10 +121,17 @@ struct cuda_moe {
 	/* ... of which from that end to the step's return (moe_check_step, once the host has the step's
 	 * output): the last layer's GPU work after its CPU experts, the head and the pick. */
 	uint64_t step_ret_ns, step_tail_pending_ns, step_tail_ns;
-	/* ... and after the return, a step's first routing: the host's time from the last step's return
-	 * to that router's launch (the host between the steps, the embedding, the first attention's
-	 * launches) and the host's wait for its logits, summed over the begins counted. */
+	/* ... and after the return, a one-token step's first routing after a one-token step: the host's
+	 * time from the last step's return to that router's launch (the host between the steps, the
+	 * embedding, the first attention's launches) and the host's wait for its logits, summed over the
+	 * begins counted; and the same on the GPU, from events on the compute stream: at the return
+	 * (ev_ret, the stream idle then: the host has waited for the step's output), after the
+	 * embedding, before the router's first kernel and after its last. begin: 1 once ev_ret is
+	 * recorded, 2 once ev_embed is (0: not timing this step). */
 	uint64_t begin_host_ns, begin_wait_ns, begins;
+	uint32_t ret_n, begin;
+	cudaEvent_t ev_ret, ev_embed, ev_router, ev_routed;
+	double begin_gpu_embed_ms, begin_gpu_attn_ms, begin_gpu_router_ms;
 	uint32_t fail_in;		/* cuda_test_fail_cpu_expert: the CPU jobs to go until one fails (0: none) */
 	/* Layers routed on the device (moe_device.cu): NULL until the first experts' table. */
 	struct moe_dev *dev;

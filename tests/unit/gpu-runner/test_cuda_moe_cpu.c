@@ -265,6 +265,14 @@ static void compare(bool mapped, bool taper, uint32_t F)
 	ck_assert_uint_eq(st.experts, cpu);
 	ck_assert_uint_gt(st.expert_layers, 0);
 	ck_assert_uint_gt(st.experts_span_bytes, 0);
+	/* Steps of the CPU's experts' sizes (at most FFN_SPLIT_MAX_TOKENS tokens: here every one) that
+	 * follow one within MOE_STEP_GAP_MAX_MS had their starts timed, on the host and on the GPU's
+	 * clock: some, and never the first (no step before it). */
+	const uint32_t steps = (PROMPT + CHUNK - 1) / CHUNK + DECODE;
+	ck_assert_uint_gt(st.step_begins, 0);
+	ck_assert_uint_le(st.step_begins, steps - 1);
+	ck_assert(st.step_begin_host_ms > 0 && st.step_begin_wait_ms > 0);
+	ck_assert(st.step_begin_gpu_embed_ms > 0 && st.step_begin_gpu_attn_ms > 0 && st.step_begin_gpu_router_ms > 0);
 	backend_destroy(&cu.be);
 	backend_destroy(&ref.be);
 	task_pool_destroy(&pool);
