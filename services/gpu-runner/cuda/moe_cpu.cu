@@ -362,8 +362,8 @@ int moe_check_step(struct backend_dev *be)
 		be->moe->step_end_ns = rc ? 0 : be->moe->last_end_ns;
 		be->moe->step_ret_ns = rc ? 0 : now_ns();
 		be->moe->ret_n = be->n;
-		/* The stream is idle (the host has waited for the step's output): the event marks the return
-		 * on the GPU's clock. */
+		/* The return on the GPU's clock (after a step whose output the host waited for, a decode
+		 * step's, the stream is idle: the event completes at once). */
 		be->moe->begin = rc == 0 && cudaEventRecord(be->moe->ev_ret, be->stream) == cudaSuccess ? 1 : 0;
 		be->moe->last_end_ns = be->moe->gap_pending_ns = be->moe->step_pending_ns = 0;
 	}

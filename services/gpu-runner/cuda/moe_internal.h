@@ -125,7 +125,8 @@ struct cuda_moe {
 	 * time from the last step's return to that router's launch (the host between the steps, the
 	 * embedding, the first attention's launches) and the host's wait for its logits, summed over the
 	 * begins counted; and the same on the GPU, from events on the compute stream: at the return
-	 * (ev_ret, the stream idle then: the host has waited for the step's output), after the
+	 * (ev_ret; where the host waited for the step's output, as for every decode step, the stream
+	 * is idle then), after the
 	 * embedding, before the router's first kernel and after its last. begin: 1 once ev_ret is
 	 * recorded, 2 once ev_embed is (0: not timing this step). */
 	uint64_t begin_host_ns, begin_wait_ns, begins;
