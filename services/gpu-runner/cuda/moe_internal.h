@@ -121,14 +121,14 @@ struct cuda_moe {
 	/* ... of which from that end to the step's return (moe_check_step, once the host has the step's
 	 * output): the last layer's GPU work after its CPU experts, the head and the pick. */
 	uint64_t step_ret_ns, step_tail_pending_ns, step_tail_ns;
-	/* ... and after the return, a one-token step's first routing after a one-token step: the host's
-	 * time from the last step's return to that router's launch (the host between the steps, the
-	 * embedding, the first attention's launches) and the host's wait for its logits, summed over the
-	 * begins counted; and the same on the GPU, from events on the compute stream: at the return
-	 * (ev_ret; where the host waited for the step's output, as for every decode step, the stream
-	 * is idle then), after the
-	 * embedding, before the router's first kernel and after its last. begin: 1 once ev_ret is
-	 * recorded, 2 once ev_embed is (0: not timing this step). */
+	/* ... and after the return, the first routing of a step of at most FFN_SPLIT_MAX_TOKENS tokens
+	 * (the steps the CPU takes experts in) after such a step, within MOE_STEP_GAP_MAX_MS: the
+	 * host's time from that return to the router's launch (the host between the steps, the
+	 * embedding, the first attention's launches) and its wait for the logits, summed over the
+	 * begins counted; and on the GPU's clock, from events on the compute stream: at the return
+	 * (ev_ret; where the host waited for the step's output, as in every decode step, the stream is
+	 * idle then), after the embedding, before the router's first kernel and after its last.
+	 * begin: 1 once ev_ret is recorded, 2 once ev_embed is (0: this step's start not timed). */
 	uint64_t begin_host_ns, begin_wait_ns, begins;
 	uint32_t ret_n, begin;
 	cudaEvent_t ev_ret, ev_embed, ev_router, ev_routed;
