@@ -597,21 +597,31 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 	const struct weight_stage *st = &e->ws->stage;
 	bool staged = e->stages && st->split, out = logits || argmax;
 	int rc;
-	/* A decode step's start on the host, part by part up to its first FFN (engine_step_stats). */
-	bool marking = n == n_seqs;
-	uint64_t mark_t = marking ? now_ns() : 0;
-#define MARK(part)                                                                                 \
-	do {                                                                                       \
-		if (marking) {                                                                     \
-			const uint64_t t_ = now_ns();                                              \
-			e->st.begin_ms[part] += (double)(t_ - mark_t) / 1e6;                       \
-			mark_t = t_;                                                               \
-		}                                                                                  \
-	} while (0)
 	if (staged && st->first && (rc = e->stages->begin(e->stages_ctx, tokens, n, pos0, out)) != 0)
 		return stage_err(e, rc, "starting the step on the other stages");
 	if (staged && !st->first && (rc = e->stages->take(e->stages_ctx, e->be, &batch)) != 0)
 		return stage_err(e, rc, "taking the previous stage's hidden state");
+	/* A decode step's start on the host, part by part up to its first FFN (engine_step_stats): kept
+	 * once the step reaches that FFN. */
+	bool marking = n == n_seqs && (out || picks); /* a decode step with its output, as engine_step_stats counts */
+	uint64_t mark_t = marking ? now_ns() : 0;
+	double part_ms[ENGINE_BEGIN_PARTS] = {0};
+#define MARK(part)                                                                                 \
+	do {                                                                                       \
+		if (marking) {                                                                     \
+			const uint64_t t_ = now_ns();                                              \
+			part_ms[part] += (double)(t_ - mark_t) / 1e6;                              \
+			mark_t = t_;                                                               \
+		}                                                                                  \
+	} while (0)
+#define MARKED()                                                                                   \
+	do {                                                                                       \
+		MARK(BEGIN_FFN_ACQUIRE);                                                           \
+		for (int i_ = 0; marking && i_ < ENGINE_BEGIN_PARTS; i_++)                         \
+			e->st.begin_ms[i_] += part_ms[i_];                                         \
+		e->st.begins += marking;                                                           \
+		marking = false;                                                                   \
+	} while (0)
 	/* The groups in the table's order (model.h): what each one computes is its kind's. */
 	const struct group_desc *groups = e->ws->groups;
 	for (uint32_t group = 0; group < e->ws->n_groups; group++) {
@@ -670,20 +680,14 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 			MARK(BEGIN_ATTN_END);
 			break;
 		case GROUP_FFN:
-			MARK(BEGIN_FFN_ACQUIRE);
-			if (marking)
-				e->st.begins++;
-			marking = false;
+			MARKED();
 			if (e->split_r && e->split_r[l] < e->cfg->ffn_dim && n <= e->split_max_tokens &&
 			    w.split.where == FFN_SPLIT_NONE)
 				weights_split_ffn(&w, e->split_r[l], FFN_SPLIT_CPU);
 			BE_CHECK(backend_ffn(e->be, &w), "feed-forward");
 			break;
 		case GROUP_MOE:
-			MARK(BEGIN_FFN_ACQUIRE);
-			if (marking)
-				e->st.begins++;
-			marking = false;
+			MARKED();
 			if (n == 1 && !staged && (rc = moe_on_device(e, group, l)) != 0) {
 				if (rc < 0) {
 					release(e, group);
@@ -760,6 +764,7 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 			MARK(BEGIN_EMBED);
 		group = last;
 	}
+#undef MARKED
 #undef MARK
 	if (staged && !st->first && e->ws->ops->flush && (rc = e->ws->ops->flush(e->ws)) != 0)
 		return set_err(e, rc, "weights: %s", e->ws->error);

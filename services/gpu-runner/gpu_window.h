@@ -134,7 +134,7 @@ struct gpu_window_stats {
 	uint32_t experts_resident;	 /* expert groups kept on the device for good (the plan's) */
 	double expert_heat_resident;	 /* the share of the routing they take (window_plan.h) */
 	uint32_t depth;
-	uint32_t expert_depth;		 /* the experts' slots (a model with experts) */
+	uint32_t expert_depth;		 /* the streamed experts' slots (0: none streams) */
 	double h2d_bytes_per_s;		 /* measured (or given) */
 	double h2d_beside_cpu_bytes_per_s; /* measured beside the CPU's rates (split plan; 0: not) */
 	bool spread;			 /* params.spread moved kept layer groups off the first layers */

@@ -323,9 +323,9 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	w->xdepth = window_expert_depth(cfg, depth, p->expert_depth);
 	rc = window_plan(cfg, w->plan_groups, ng, &rs->stage, p->gpu_budget, depth, w->xdepth, p->expert_heat, resident,
 			 &plan, err, errlen);
-	if (rc == -ENOSPC && !p->expert_depth && w->xdepth > depth) {
-		/* The experts' own choice of slots does not fit: as many as the layer groups have. */
-		w->xdepth = depth;
+	while (rc == -ENOSPC && !p->expert_depth && w->xdepth > depth) {
+		/* The experts' own choice of slots does not fit: fewer, down to as many as a layer class has. */
+		w->xdepth--;
 		rc = window_plan(cfg, w->plan_groups, ng, &rs->stage, p->gpu_budget, depth, w->xdepth, p->expert_heat,
 				 resident, &plan, err, errlen);
 	}
@@ -521,7 +521,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		w->st.cpu_ms += (double)moved / rate * 1e3;
 	}
 	w->st.depth = depth;
-	w->st.expert_depth = cfg->n_experts ? w->xdepth : 0;
+	w->st.expert_depth = w->depth[CLASS_EXPERT]; /* 0: no expert streams */
 	/* Start copying the first streamed groups now; then hand back what the loader's streaming slots
 	 * hold for us beyond need (the releases of the resident groups' copies, held back for a next
 	 * acquire that may be far off): another runner of a split model may need those slots first. */

@@ -91,6 +91,7 @@ int runner_plan_stages(struct runner *r, char *err, size_t errlen)
 	struct stage_plan_params pp = {.ranks = (uint32_t)r->ranks,
 				       .budget = strcmp(r->backend_name, "cuda") ? 0 : r->gpu_budget,
 				       .depth = (uint32_t)r->prefetch_depth,
+				       .expert_depth = (uint32_t)r->expert_depth,
 				       .h2d_bps = (double)r->h2d_bps,
 				       .hbm_bps = (double)r->hbm_bps,
 				       .split = given ? first : NULL};

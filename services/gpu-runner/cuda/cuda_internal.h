@@ -332,6 +332,8 @@ int moe_check(struct backend_dev *be);
 int moe_check_step(struct backend_dev *be);
 /* After a step's embedding: where the step's start is timed, its event (moe_internal.h: begin). */
 void moe_embedded(struct backend_dev *be);
+/* Records ev on stream for the statistics' timing: false (the error cleared) where it could not. */
+bool moe_time_mark(cudaEvent_t ev, cudaStream_t stream);
 /* backend.h's moe_layer_experts, moe_layer and moe_layer_chosen (moe_device.cu): a one-token
  * layer routed on the device from a table of its experts' addresses. */
 int moe_layer_experts(struct backend_dev *be, uint32_t layer, const struct group_weights *experts);

@@ -298,12 +298,10 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	const struct weight_tensor *nw = &w->t[ROLE_FFN_NORM], *rw = &w->t[ROLE_ROUTER];
 	const uint64_t t_in = now_ns();
 	/* A one-token step's first routing after a one-token step: its start timed (moe_internal.h). */
-	const bool timed = m->begin == 2 && n <= FFN_SPLIT_MAX_TOKENS && m->ret_n <= FFN_SPLIT_MAX_TOKENS &&
-			   m->step_ret_ns && t_in > m->step_ret_ns &&
-			   t_in - m->step_ret_ns < MOE_STEP_GAP_MAX_MS * 1000000ull;
+	bool timed = m->begin == 2 && n <= FFN_SPLIT_MAX_TOKENS && m->ret_n <= FFN_SPLIT_MAX_TOKENS &&
+		     m->step_ret_ns && t_in > m->step_ret_ns && t_in - m->step_ret_ns < MOE_STEP_GAP_MAX_MS * 1000000ull;
 	m->begin = 0;
-	if (timed)
-		CUDA_TRY(be, "cudaEventRecord (a step's start)", cudaEventRecord(m->ev_router, be->stream));
+	timed = timed && moe_time_mark(m->ev_router, be->stream); /* statistics only: never fails the step */
 	/* The normed rows in float32: the router's input and every expert's. */
 	int rc = rmsnorm(be, nw->data[PLACE_DEVICE], nw->format, 0, n, DT_F32);
 	if (rc)
@@ -329,8 +327,7 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 		CUDA_TRY(be, "cudaMemcpyAsync (router logits)",
 			 cudaMemcpyAsync(m->h_logits, m->logits, (size_t)n * E * sizeof(float), cudaMemcpyDeviceToHost,
 					 be->stream));
-	if (timed)
-		CUDA_TRY(be, "cudaEventRecord (a step's start)", cudaEventRecord(m->ev_routed, be->stream));
+	timed = timed && moe_time_mark(m->ev_routed, be->stream);
 	m->one = n == 1 && k <= MOE_COMBINE_MAX;
 	m->xg_ok = false;
 	m->n_gpu = 0;

@@ -364,7 +364,7 @@ int moe_check_step(struct backend_dev *be)
 		be->moe->ret_n = be->n;
 		/* The return on the GPU's clock (after a step whose output the host waited for, a decode
 		 * step's, the stream is idle: the event completes at once). */
-		be->moe->begin = rc == 0 && cudaEventRecord(be->moe->ev_ret, be->stream) == cudaSuccess ? 1 : 0;
+		be->moe->begin = rc == 0 && moe_time_mark(be->moe->ev_ret, be->stream) ? 1 : 0;
 		be->moe->last_end_ns = be->moe->gap_pending_ns = be->moe->step_pending_ns = 0;
 	}
 	return rc;
@@ -374,7 +374,15 @@ void moe_embedded(struct backend_dev *be)
 {
 	struct cuda_moe *m = be->moe;
 	if (m && m->begin == 1)
-		m->begin = cudaEventRecord(m->ev_embed, be->stream) == cudaSuccess ? 2 : 0;
+		m->begin = moe_time_mark(m->ev_embed, be->stream) ? 2 : 0;
+}
+
+bool moe_time_mark(cudaEvent_t ev, cudaStream_t stream)
+{
+	if (cudaEventRecord(ev, stream) == cudaSuccess)
+		return true;
+	(void)cudaGetLastError(); /* not left for the next launch's check to find */
+	return false;
 }
 
 /* One token's CPU experts, noted this layer: the stream waits for each job's completion word, and

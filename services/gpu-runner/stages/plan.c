@@ -1,5 +1,6 @@
 /* plan.c - the split of a model's layers between stages (plan.h). */
 #include "services/gpu-runner/stages/plan.h"
+#include "services/gpu-runner/window_plan.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -38,8 +39,10 @@ static struct range_cost cost(const struct model_config *cfg, const struct group
 	double h2d = p->h2d_bps > 0 ? p->h2d_bps : DEFAULT_H2D, hbm = p->hbm_bps > 0 ? p->hbm_bps : DEFAULT_HBM;
 	if (p->budget) {
 		uint64_t window = 0;
+		const uint32_t depth = p->depth ? p->depth : 2;
 		for (uint32_t k = 0; k < CLASS_COUNT; k++)
-			window += (uint64_t)(p->depth ? p->depth : 2) * big[k];
+			window += (uint64_t)(k == CLASS_EXPERT ? window_expert_depth(cfg, depth, p->expert_depth) : depth) *
+				  big[k];
 		uint64_t room = p->budget > head + window ? p->budget - head - window : 0;
 		c.streamed = bytes > room ? bytes - room : 0;
 	}

@@ -20,7 +20,8 @@ extern "C" {
 struct stage_plan_params {
 	uint32_t ranks;		/* 1..STAGE_MAX_RANKS */
 	uint64_t budget;	/* device bytes for weights on each rank; 0: none (weights read in place) */
-	uint32_t depth;		/* streaming slots per group class (the GPU window's --prefetch-depth) */
+	uint32_t depth;		/* streaming slots per layer group class (the GPU window's --prefetch-depth) */
+	uint32_t expert_depth;	/* the experts' (--expert-depth; 0: window_expert_depth's choice) */
 	double h2d_bps, hbm_bps; /* each rank's link and device memory (0: a default) */
 	const uint32_t *split;	/* given: the first layer of ranks 1..ranks-1, increasing (NULL: plan) */
 };
