@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # badinput: starts that must fail — a missing model, a truncated safetensors file, an
 # unsupported dtype, an unsupported architecture, a DRAM budget below the minimum, a flag
-# that is not a size, a second start of a running instance. Each exits non-zero with a
+# that is not a size, a runner option out of its range, a second start of a running instance. Each exits non-zero with a
 # message that names the problem, no service crashes (the service alone exits with status
 # 1 or 2, never a signal), and nothing is left running.
 source "$(dirname "$0")/lib.sh"
@@ -55,6 +55,7 @@ expect_start_fails "a budget that is not a size" "not a size" --model "$MODEL" -
 expect_service_fails "a budget that is not a size" kv-store "not a size" --kv-dram-budget banana
 
 expect_start_fails "unknown backend" "backend" --model "$MODEL" --backend tpu
+expect_start_fails "the experts' slots out of range" "expert-depth 99" --model "$MODEL" --runner-opt=--expert-depth=99
 
 # A second start of a running instance is refused and leaves the first one serving.
 "$PIPELINE" start --model "$MODEL" >/dev/null
