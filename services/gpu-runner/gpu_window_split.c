@@ -26,7 +26,9 @@
 				      cudaGetErrorString(e_));                                             \
 	} while (0)
 
-#define MOE_CALIBRATE_EXPERTS 64 /* expert groups the CPU's rate for experts is measured on, at most */
+/* Bytes of each format the experts the CPU's rate for experts is measured on hold, at least where
+ * the streamed experts have them: twice split_calibrate's bytes a run. */
+#define MOE_CALIBRATE_BYTES_EACH (2 * SPLIT_CALIBRATE_BYTES)
 
 static bool is_split(const struct gpu_window *w, uint32_t g)
 {
@@ -192,7 +194,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	struct cpu_share_policy pol = p->cpu_share;
 	const bool on = pol.mode != CPU_SHARE_OFF && p->cpu_pool;
 	struct split_layer *ly = calloc(L, sizeof(*ly));
-	struct split_sample *samples = calloc(3 * ((size_t)L + MOE_CALIBRATE_EXPERTS), sizeof(*samples));
+	struct split_sample *samples = calloc(3 * ((size_t)L + ng), sizeof(*samples));
 	free(w->split_r_layer); /* a plan made again (gw_split_refill) */
 	w->split_r_layer = calloc(L, sizeof(uint32_t));
 	int rc = 0;
@@ -223,17 +225,34 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 		}
 	}
 	/* A mixture-of-experts model: the routed experts the CPU may compute (gpu_window.c, win_route),
-	 * its rate measured on up to MOE_CALIBRATE_EXPERTS streamed expert groups that stay in DRAM,
-	 * spread over the layers (one expert's few MB would be read from the CPU's caches). */
+	 * its rate measured on the streamed expert groups that stay in DRAM, every stride-th spread over
+	 * the layers: enough that each format's samples hold MOE_CALIBRATE_BYTES_EACH, so that no
+	 * calibration run reads rows an earlier one left in the CPU's caches (64 experts of a Q4_K_M
+	 * file held 113 MB of Q4_K and less of Q6_K, read again run after run: 127 and 195 GB/s, where
+	 * the CPU's experts ran at 62-115 in their spans), or all of them. */
 	w->moe_policy.mode = CPU_SHARE_OFF;
 	if (on && cfg->n_experts) {
 		static const enum tensor_role em[3] = {ROLE_EXPERT_GATE, ROLE_EXPERT_UP, ROLE_EXPERT_DOWN};
-		uint32_t cand = 0, seen = 0, taken = 0;
-		for (uint32_t g = 0; g < ng; g++)
-			cand += w->base.groups[g].kind == GROUP_EXPERT && streams(w, resident, g) &&
-				ring_source_group_pinned(w->ring, g);
-		uint32_t stride = cand > MOE_CALIBRATE_EXPERTS ? cand / MOE_CALIBRATE_EXPERTS : 1;
-		for (uint32_t g = 0; g < ng && taken < MOE_CALIBRATE_EXPERTS; g++) {
+		uint32_t cand = 0, seen = 0;
+		uint64_t fmt_bytes[DT_COUNT] = {0};
+		for (uint32_t g = 0; g < ng; g++) {
+			if (w->base.groups[g].kind != GROUP_EXPERT || !streams(w, resident, g) ||
+			    !ring_source_group_pinned(w->ring, g))
+				continue;
+			cand++;
+			for (int i = 0; i < 3; i++) {
+				const struct tensor_desc *t = find(w, g, em[i]);
+				if (t && t->dtype < DT_COUNT)
+					fmt_bytes[t->dtype] += t->nbytes;
+			}
+		}
+		uint32_t stride = cand ? cand : 1; /* every stride-th candidate: the least of the formats' */
+		for (uint32_t f = 0; f < DT_COUNT; f++)
+			if (fmt_bytes[f]) {
+				const uint64_t s = fmt_bytes[f] / MOE_CALIBRATE_BYTES_EACH;
+				stride = s < stride ? (uint32_t)(s ? s : 1) : stride;
+			}
+		for (uint32_t g = 0; g < ng; g++) {
 			if (w->base.groups[g].kind != GROUP_EXPERT || !streams(w, resident, g) ||
 			    !ring_source_group_pinned(w->ring, g))
 				continue;
@@ -248,7 +267,6 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 					.format = t[i]->dtype, .rows = (uint32_t)t[i]->shape[0],
 					.cols = (uint32_t)t[i]->shape[1],
 					.row_bytes = dtype_row_bytes((enum dtype)t[i]->dtype, t[i]->shape[1])};
-			taken++;
 			w->moe_policy = pol;
 			w->moe_format = t[0]->dtype;
 		}

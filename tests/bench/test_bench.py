@@ -472,6 +472,12 @@ class CommandLine(unittest.TestCase):
         self.assertEqual(self.run_bench("--rounds", "2", "--replay", SAMPLE).returncode, 2)
         self.assertEqual(self.run_bench("--rounds", "0", "--alternate=--x", "--replay", SAMPLE).returncode, 2)
 
+    def test_expert_cpu_rate(self):
+        self.assertEqual(bench.expert_cpu_rate({"Q4_K": 127e9, "Q6_K": 195e9}, "Q4_K"), 127e9)
+        self.assertEqual(bench.expert_cpu_rate({"BF16": 104e9}, "BF16"), 104e9)
+        self.assertEqual(bench.expert_cpu_rate({"Q4_K": 127e9, "Q6_K": 195e9}, ""), 195e9)
+        self.assertEqual(bench.expert_cpu_rate({}, "Q4_K"), 0)
+
     def test_alternation_summary(self):
         tagged = [("A", "| M2R decode (all resident) | 2.29 ms/token | 0.12 | 19.1 | - |"),
                   ("B", "| M2R decode (all resident) | 2.13 ms/token | 0.12 | 17.8 | - |"),
