@@ -473,6 +473,7 @@ def rows_m1_alone(rec, name, fmt):
 
 def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16"):
     gp, sp = rec.get("gpu", {}), rec.get("split", {})
+    sb = sp.get("step_begin_ms") or {}  # a step's first routing after one (scripts/bench)
     if rec.get("failed") or gp.get("failed") or sp.get("failed"):
         return [row(name, "failed (see logs)", "-", "-", "-")]
     h2d, cpu = lim["h2d_bytes_per_s"], rec["cpu_bytes_per_s"]
@@ -516,11 +517,9 @@ def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16"):
            if sp.get("cpu_gap_gpu_ms_per_token") else "")
         + (f", from a token's last to the next token's first {sp['cpu_step_gap_ms_per_token']:.1f} ms"
            + (f" (to the step's return {sp['cpu_step_tail_ms_per_token']:.2f}; from it, the host to the first "
-              f"router's launch {sp.get('step_begin_ms', {}).get('host', 0):.2f} and its wait for the routing "
-              f"{sp.get('step_begin_ms', {}).get('wait', 0):.2f}; on the GPU's clock the embedding's end "
-              f"{sp.get('step_begin_ms', {}).get('gpu_embed', 0):.3f}, then the router's start "
-              f"{sp.get('step_begin_ms', {}).get('gpu_attn', 0):.3f}, the router "
-              f"{sp.get('step_begin_ms', {}).get('gpu_router', 0):.3f}"
+              f"router's launch {sb.get('host', 0):.2f} and its wait for the routing {sb.get('wait', 0):.2f}; on "
+              f"the GPU's clock the embedding's end {sb.get('gpu_embed', 0):.3f}, then the router's start "
+              f"{sb.get('gpu_attn', 0):.3f}, the router {sb.get('gpu_router', 0):.3f}"
               + ("; the step's start on the host by part, " +
                  ", ".join(f"{k} {v:.3f}" for k, v in sp["begin_parts_ms"].items())
                  if sp.get("begin_parts_ms") else "") + ")"

@@ -453,8 +453,8 @@ struct backend_cpu_share_stats {
 	 * layer's GPU work after its CPU experts, the head and the pick; the rest is the host's between
 	 * the steps and the next step up to its first routing. */
 	double experts_step_tail_ms;
-	/* A one-token step's first routing after a one-token step that returned within
-	 * MOE_STEP_GAP_MAX_MS: the host's time from that return to the router's launch, then its wait for
+	/* The first routing of a step of at most FFN_SPLIT_MAX_TOKENS tokens after such a step that
+	 * returned within MOE_STEP_GAP_MAX_MS: the host's time from that return to the router's launch, then its wait for
 	 * the routing; on the GPU's clock, from the return to the embedding's end, from there to the
 	 * router's first kernel (the first attention), and the router's kernels; summed over
 	 * step_begins. */

@@ -83,11 +83,6 @@ void engine_moe_routing(const struct engine *e, const uint32_t **routed, const u
 /* Longest time between one decode step's return and the next one's start that counts as the host's
  * time between them (engine_step_stats.between_ms); longer, the steps are apart (between requests). */
 #define ENGINE_STEPS_APART_MS 50
-/* Decode steps (one token a sequence) with an output since the engine was made: how many and their
- * time in the engine (from the step's start to its output in host memory: the weights' calls, the
- * launches, the waits for the device), and the host's time between one's return and the next
- * one's start where they follow within ENGINE_STEPS_APART_MS (the token's pick, the request's
- * bookkeeping, its messages): what a decode token costs beyond its steps. */
 /* A decode step's start on the host, by part: from the step's call through its first layer's
  * attention to its FFN's (a router's) first call, where the host first waits on the GPU (a
  * mixture of experts) or goes on to launch the rest. */
@@ -101,6 +96,11 @@ enum engine_begin_part {
 	ENGINE_BEGIN_PARTS
 };
 
+/* Decode steps (one token a sequence) with an output since the engine was made: how many and their
+ * time in the engine (from the step's start to its output in host memory: the weights' calls, the
+ * launches, the waits for the device), the host's time between one's return and the next one's
+ * start where they follow within ENGINE_STEPS_APART_MS (the token's pick, the request's
+ * bookkeeping, its messages): what a decode token costs beyond its steps; and their starts by part. */
 struct engine_step_stats {
 	uint64_t steps;
 	double step_ms;

@@ -254,7 +254,7 @@ uint64_t gw_slot_bytes(const struct gpu_window *w, const bool *resident, uint32_
 			m++;
 			cls = b > cls ? b : cls;
 		}
-		const uint64_t d = c == CLASS_EXPERT ? w->xdepth : depth;
+		const uint64_t d = gw_class_depth(w, depth, c);
 		total += (m < d ? m : d) * cls;
 	}
 	return total;
@@ -452,7 +452,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		for (uint32_t g = 0; g < ng; g++)
 			if (!w->g[g].resident && rs->groups[g].size_class == c && weight_stage_has(&rs->stage, &rs->groups[g]))
 				w->order[c][w->m[c]++] = g;
-		const uint32_t d = c == CLASS_EXPERT ? w->xdepth : depth;
+		const uint32_t d = gw_class_depth(w, depth, c);
 		w->depth[c] = w->m[c] < d ? w->m[c] : d;
 		w->first_slot[c] = n_slots;
 		n_slots += w->depth[c];

@@ -202,8 +202,13 @@ int gw_split_fit(struct gpu_window *w, const bool *resident, const struct gpu_wi
 		 char *err, size_t errlen);
 /* The device layout of every group as the split stands (dev_off, dev_bytes, copy_bytes). */
 void gw_layout(struct gpu_window *w);
-/* Device bytes the streaming slots take: per size class, depth slots (the experts' xdepth) (fewer if fewer groups stream)
- * of its largest streamed group, as laid out now (whole: the plan table's whole group sizes).
+/* The slots size class c streams through at most: depth for a layer class, xdepth for the experts. */
+static inline uint32_t gw_class_depth(const struct gpu_window *w, uint32_t depth, uint32_t c)
+{
+	return c == CLASS_EXPERT ? w->xdepth : depth;
+}
+/* Device bytes the streaming slots take: per size class, gw_class_depth slots (fewer if fewer
+ * groups stream) of its largest streamed group, as laid out now (whole: the plan table's whole group sizes).
  * resident: the groups a plan keeps (the embedding is read on the host); NULL: the window's own. */
 uint64_t gw_slot_bytes(const struct gpu_window *w, const bool *resident, uint32_t depth, bool whole);
 /* The device memory, stream and events of the prefill copy, sized for the split groups (after

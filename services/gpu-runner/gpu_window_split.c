@@ -116,6 +116,12 @@ static bool streams(const struct gpu_window *w, const bool *resident, uint32_t g
 	return !resident[g] && weight_stage_has(&w->base.stage, &w->base.groups[g]);
 }
 
+/* An expert group the CPU may compute: it streams, and its host bytes stay in DRAM. */
+static bool cpu_able_expert(const struct gpu_window *w, const bool *resident, uint32_t g)
+{
+	return w->base.groups[g].kind == GROUP_EXPERT && streams(w, resident, g) && ring_source_group_pinned(w->ring, g);
+}
+
 /* Starts the H2D load beside the CPU's measurement: the streamed groups' pinned slots in the ring,
  * from the last group back (the loader pins from the last layer down and the CPU measures from
  * the first split layer up: they start apart), once each, at most H2D_LOAD_BYTES and half of them
@@ -236,8 +242,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 		uint32_t cand = 0, seen = 0;
 		uint64_t fmt_bytes[DT_COUNT] = {0};
 		for (uint32_t g = 0; g < ng; g++) {
-			if (w->base.groups[g].kind != GROUP_EXPERT || !streams(w, resident, g) ||
-			    !ring_source_group_pinned(w->ring, g))
+			if (!cpu_able_expert(w, resident, g))
 				continue;
 			cand++;
 			for (int i = 0; i < 3; i++) {
@@ -253,8 +258,7 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 				stride = s < stride ? (uint32_t)(s ? s : 1) : stride;
 			}
 		for (uint32_t g = 0; g < ng; g++) {
-			if (w->base.groups[g].kind != GROUP_EXPERT || !streams(w, resident, g) ||
-			    !ring_source_group_pinned(w->ring, g))
+			if (!cpu_able_expert(w, resident, g))
 				continue;
 			if (seen++ % stride)
 				continue;
@@ -444,8 +448,8 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 		for (uint32_t g = 0; g < ng; g++)
 			w->split_r[g] = cfg->ffn_dim;
 		gw_layout(w);
-		if (window_plan(cfg, w->plan_groups, ng, &w->base.stage, p->gpu_budget + raise, depth, w->xdepth, NULL, resident, &wp,
-				why, sizeof(why)))
+		if (window_plan(cfg, w->plan_groups, ng, &w->base.stage, p->gpu_budget + raise, depth, w->xdepth, NULL,
+				resident, &wp, why, sizeof(why)))
 			break;
 		if (spread)
 			w->st.spread = window_plan_spread(cfg, &w->base.stage, resident);

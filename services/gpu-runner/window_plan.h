@@ -47,8 +47,8 @@ struct window_plan {
 };
 
 /* Plans the window of stage (NULL: every layer and the head) under budget with depth (>= 1) slots
- * per streamed layer class and xdepth (>= 1; window_expert_depth) for the experts. heat: (n_layers, n_experts) shares of decode steps, or NULL (none known);
- * ignored for a dense model. resident (n_groups) is set for the groups kept. Returns 0, or
+ * per streamed layer class and xdepth (>= 1; window_expert_depth) for the experts. heat:
+ * (n_layers, n_experts) shares of decode steps, or NULL (none known); ignored for a dense model. resident (n_groups) is set for the groups kept. Returns 0, or
  * -ENOSPC with err naming the budget needed in bytes. */
 int window_plan(const struct model_config *cfg, const struct group_desc *groups, uint32_t n_groups,
 		const struct weight_stage *stage, uint64_t budget, uint32_t depth, uint32_t xdepth, const float *heat,

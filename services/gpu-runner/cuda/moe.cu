@@ -227,10 +227,8 @@ int moe_setup(struct backend_dev *be)
 	m->h_tw = (float *)malloc(mc * m->k * sizeof(float));
 	if (!m->sel || !m->sel_w || !m->off || !m->h_tok || !m->h_tw)
 		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for the routing tables");
-	CUDA_TRY(be, "cudaEventCreate (a step's start)", cudaEventCreate(&m->ev_ret));
-	CUDA_TRY(be, "cudaEventCreate (a step's start)", cudaEventCreate(&m->ev_embed));
-	CUDA_TRY(be, "cudaEventCreate (a step's start)", cudaEventCreate(&m->ev_router));
-	CUDA_TRY(be, "cudaEventCreate (a step's start)", cudaEventCreate(&m->ev_routed));
+	for (int i = 0; i < MOE_BEGIN_EVENTS; i++)
+		CUDA_TRY(be, "cudaEventCreate (a step's start)", cudaEventCreate(&m->begin_ev[i]));
 	return moe_cpu_setup(be);
 }
 
@@ -256,14 +254,9 @@ void moe_teardown(struct backend_dev *be)
 	cudaFree(m->tok);
 	cudaFree(m->tw);
 	cudaFreeHost(m->h_logits);
-	if (m->ev_ret)
-		cudaEventDestroy(m->ev_ret);
-	if (m->ev_embed)
-		cudaEventDestroy(m->ev_embed);
-	if (m->ev_router)
-		cudaEventDestroy(m->ev_router);
-	if (m->ev_routed)
-		cudaEventDestroy(m->ev_routed);
+	for (int i = 0; i < MOE_BEGIN_EVENTS; i++)
+		if (m->begin_ev[i])
+			cudaEventDestroy(m->begin_ev[i]);
 	free(m->sel);
 	free(m->sel_w);
 	free(m->off);
@@ -297,11 +290,11 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	const uint32_t n = be->n, dim = c->dim, E = m->E, k = m->k;
 	const struct weight_tensor *nw = &w->t[ROLE_FFN_NORM], *rw = &w->t[ROLE_ROUTER];
 	const uint64_t t_in = now_ns();
-	/* A one-token step's first routing after a one-token step: its start timed (moe_internal.h). */
-	bool timed = m->begin == 2 && n <= FFN_SPLIT_MAX_TOKENS && m->ret_n <= FFN_SPLIT_MAX_TOKENS &&
-		     m->step_ret_ns && t_in > m->step_ret_ns && t_in - m->step_ret_ns < MOE_STEP_GAP_MAX_MS * 1000000ull;
+	/* A step's first routing after its embedding, both steps of the CPU's experts' sizes, the step
+	 * before returned (step_ret_ns) within MOE_STEP_GAP_MAX_MS: its start timed (moe_internal.h). */
+	bool timed = m->begin == 2 && n <= FFN_SPLIT_MAX_TOKENS && t_in - m->step_ret_ns < MOE_STEP_GAP_MAX_MS * 1000000ull;
 	m->begin = 0;
-	timed = timed && moe_time_mark(m->ev_router, be->stream); /* statistics only: never fails the step */
+	timed = timed && moe_time_mark(m->begin_ev[MOE_EV_ROUTER], be->stream); /* statistics: never fails the step */
 	/* The normed rows in float32: the router's input and every expert's. */
 	int rc = rmsnorm(be, nw->data[PLACE_DEVICE], nw->format, 0, n, DT_F32);
 	if (rc)
@@ -327,7 +320,7 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 		CUDA_TRY(be, "cudaMemcpyAsync (router logits)",
 			 cudaMemcpyAsync(m->h_logits, m->logits, (size_t)n * E * sizeof(float), cudaMemcpyDeviceToHost,
 					 be->stream));
-	timed = timed && moe_time_mark(m->ev_routed, be->stream);
+	timed = timed && moe_time_mark(m->begin_ev[MOE_EV_ROUTED], be->stream);
 	m->one = n == 1 && k <= MOE_COMBINE_MAX;
 	m->xg_ok = false;
 	m->n_gpu = 0;
@@ -347,20 +340,18 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	CUDA_TRY(be, "waiting for the router logits", cudaStreamSynchronize(be->stream));
 	const uint64_t t1 = now_ns();
 	m->route_wait_ns += t1 - t0;
-	if (timed) {
-		float a = 0, b = 0, r = 0;
-		if (cudaEventElapsedTime(&a, m->ev_ret, m->ev_embed) == cudaSuccess &&
-		    cudaEventElapsedTime(&b, m->ev_embed, m->ev_router) == cudaSuccess &&
-		    cudaEventElapsedTime(&r, m->ev_router, m->ev_routed) == cudaSuccess) {
-			m->begin_host_ns += t_in - m->step_ret_ns;
-			m->begin_wait_ns += t1 - t0;
-			m->begin_gpu_embed_ms += a;
-			m->begin_gpu_attn_ms += b;
-			m->begin_gpu_router_ms += r;
-			m->begins++;
-		} else {
-			(void)cudaGetLastError();
-		}
+	float part[MOE_BEGIN_EVENTS - 1];
+	bool got = timed;
+	for (int i = 0; got && i < MOE_BEGIN_EVENTS - 1; i++)
+		got = cudaEventElapsedTime(&part[i], m->begin_ev[i], m->begin_ev[i + 1]) == cudaSuccess;
+	if (timed && !got)
+		(void)cudaGetLastError(); /* nothing left for the next launch's check to find */
+	if (got) {
+		m->begin_host_ns += t_in - m->step_ret_ns;
+		m->begin_wait_ns += t1 - t0;
+		for (int i = 0; i < MOE_BEGIN_EVENTS - 1; i++)
+			m->begin_gpu_ms[i] += part[i];
+		m->begins++;
 	}
 	/* Jobs of a layer that failed half way are waited for: their slots and buffers are about to be
 	 * reused (those the stream waited for are over already, and checked here). */

@@ -361,10 +361,12 @@ int moe_check_step(struct backend_dev *be)
 		 * failure). */
 		be->moe->step_end_ns = rc ? 0 : be->moe->last_end_ns;
 		be->moe->step_ret_ns = rc ? 0 : now_ns();
-		be->moe->ret_n = be->n;
 		/* The return on the GPU's clock (after a step whose output the host waited for, a decode
 		 * step's, the stream is idle: the event completes at once). */
-		be->moe->begin = rc == 0 && moe_time_mark(be->moe->ev_ret, be->stream) ? 1 : 0;
+		be->moe->begin = rc == 0 && be->n <= FFN_SPLIT_MAX_TOKENS &&
+					 moe_time_mark(be->moe->begin_ev[MOE_EV_RET], be->stream)
+				 ? 1
+				 : 0;
 		be->moe->last_end_ns = be->moe->gap_pending_ns = be->moe->step_pending_ns = 0;
 	}
 	return rc;
@@ -374,7 +376,7 @@ void moe_embedded(struct backend_dev *be)
 {
 	struct cuda_moe *m = be->moe;
 	if (m && m->begin == 1)
-		m->begin = moe_time_mark(m->ev_embed, be->stream) ? 2 : 0;
+		m->begin = moe_time_mark(m->begin_ev[MOE_EV_EMBED], be->stream) ? 2 : 0;
 }
 
 bool moe_time_mark(cudaEvent_t ev, cudaStream_t stream)
@@ -492,9 +494,9 @@ void moe_cpu_stats(const struct cuda_moe *m, struct backend_cpu_share_stats *out
 	out->experts_step_tail_ms = (double)m->step_tail_ns / 1e6;
 	out->step_begin_host_ms = (double)m->begin_host_ns / 1e6;
 	out->step_begin_wait_ms = (double)m->begin_wait_ns / 1e6;
-	out->step_begin_gpu_embed_ms = m->begin_gpu_embed_ms;
-	out->step_begin_gpu_attn_ms = m->begin_gpu_attn_ms;
-	out->step_begin_gpu_router_ms = m->begin_gpu_router_ms;
+	out->step_begin_gpu_embed_ms = m->begin_gpu_ms[MOE_EV_RET];
+	out->step_begin_gpu_attn_ms = m->begin_gpu_ms[MOE_EV_EMBED];
+	out->step_begin_gpu_router_ms = m->begin_gpu_ms[MOE_EV_ROUTER];
 	out->step_begins = m->begins;
 	out->expert_step_gaps = m->step_gaps;
 }

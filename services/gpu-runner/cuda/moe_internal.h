@@ -49,6 +49,9 @@ struct moe_cpu_job {
 	bool fail;			/* cuda_test_fail_cpu_expert: the job's first part fails */
 };
 
+/* The events that time a step's start on the GPU's clock (cuda_moe.begin_ev), in their order. */
+enum { MOE_EV_RET, MOE_EV_EMBED, MOE_EV_ROUTER, MOE_EV_ROUTED, MOE_BEGIN_EVENTS };
+
 struct cuda_moe {
 	uint32_t E, k, F;	/* experts, chosen per token, an expert's intermediate size */
 	/* Device memory. */
@@ -126,13 +129,14 @@ struct cuda_moe {
 	 * host's time from that return to the router's launch (the host between the steps, the
 	 * embedding, the first attention's launches) and its wait for the logits, summed over the
 	 * begins counted; and on the GPU's clock, from events on the compute stream: at the return
-	 * (ev_ret; where the host waited for the step's output, as in every decode step, the stream is
+	 * (MOE_EV_RET; where the host waited for the step's output, as in every decode step, the stream is
 	 * idle then), after the embedding, before the router's first kernel and after its last.
-	 * begin: 1 once ev_ret is recorded, 2 once ev_embed is (0: this step's start not timed). */
+	 * begin: 1 once MOE_EV_RET is recorded (at the return of a step of at most FFN_SPLIT_MAX_TOKENS), 2
+	 * once MOE_EV_EMBED is (0: this step's start not timed). begin_gpu_ms[i]: from event i to i + 1. */
 	uint64_t begin_host_ns, begin_wait_ns, begins;
-	uint32_t ret_n, begin;
-	cudaEvent_t ev_ret, ev_embed, ev_router, ev_routed;
-	double begin_gpu_embed_ms, begin_gpu_attn_ms, begin_gpu_router_ms;
+	uint32_t begin;
+	cudaEvent_t begin_ev[MOE_BEGIN_EVENTS];
+	double begin_gpu_ms[MOE_BEGIN_EVENTS - 1];
 	uint32_t fail_in;		/* cuda_test_fail_cpu_expert: the CPU jobs to go until one fails (0: none) */
 	/* Layers routed on the device (moe_device.cu): NULL until the first experts' table. */
 	struct moe_dev *dev;
