@@ -8,14 +8,13 @@
  *   bench-cpu-gemv --ffn-tokens N [...]   the CPU's share of a split FFN instead (ffn_share.h): gate
  *       and up of --rows x --cols, down of --cols x --rows, for N tokens at once, against one token
  *   bench-cpu-gemv --experts K [--expert-pool E] [--job-threads P] [--gap-us G] [--no-taper]
- *       [--no-help] [--trace N] [--prefetch] [...]   a decode layer's K routed experts on the CPU as the CUDA
+ *       [--no-help] [--trace N] [...]   a decode layer's K routed experts on the CPU as the CUDA
  *       backend runs them (cuda/moe_cpu.cu): K jobs of
  *       the runner's task pool submitted at once, each an expert (gate and up of --rows x --cols,
  *       down of --cols x --rows) of E, cut for P threads (default ffn_share_threads_for), a gap of G
  *       us between layers (the GPU's part of the chain); timed from the first submission to the
  *       last job's end, as the runner's experts_span_ms; --trace N prints the last N layers' parts,
- *       when each started and ended; --prefetch reads the next layer's experts into the caches in
- *       the gap (prefetch.h)
+ *       when each started and ended
  *
  * The weights are random: 64 distinct rows of Gaussian values quantized with quant_quantize,
  * repeated to fill the matrix (the K formats' quantizer is too slow to make every row; every byte
@@ -33,7 +32,6 @@
 #include "common/util.h"
 #include "services/gpu-runner/cpu-compute/cpu_compute.h"
 #include "services/gpu-runner/cpu-compute/ffn_share.h"
-#include "services/gpu-runner/cpu-compute/prefetch.h"
 #include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/cpu/pool.h"
 
@@ -302,25 +300,8 @@ static void expert_ended(struct task_job *tj)
 	((struct expert_slot *)tj->user)->end_ns = now_ns();
 }
 
-/* k distinct experts of pool_e at random. */
-static void choose_experts(uint32_t *chosen, uint32_t k, uint32_t pool_e)
-{
-	for (uint32_t i = 0; i < k; i++) {
-		uint32_t e;
-		bool again;
-		do {
-			e = (uint32_t)(splitmix() >> 33) % pool_e;
-			again = false;
-			for (uint32_t j = 0; j < i; j++)
-				again |= chosen[j] == e;
-		} while (again);
-		chosen[i] = e;
-	}
-}
-
 static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, uint32_t pool_e, uint32_t per,
-			 bool taper, bool help, uint32_t gap_us, uint32_t threads, uint32_t layers, uint32_t trace,
-			 bool prefetch)
+			 bool taper, bool help, uint32_t gap_us, uint32_t threads, uint32_t layers, uint32_t trace)
 {
 	char err[256];
 	const uint64_t mat = (uint64_t)rows * dtype_row_bytes(t, dim),
@@ -381,15 +362,8 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 	double *span = malloc(((size_t)layers + 1) * sizeof(double));
 	if (!span)
 		return 1;
-	uint32_t chosen[EXPERTS_MAX], next[EXPERTS_MAX];
+	uint32_t chosen[EXPERTS_MAX];
 	uint64_t wait0 = 0;
-	/* --prefetch: the next layer's experts read into the caches in the gap, on the pool's idle queue,
-	 * as the runner does; parts still queued once the layer's product begins read nothing. */
-	static struct cpu_prefetch pf;
-	struct task_job pj;
-	uint32_t pdone = 0, pseq = 0, stamp = 0;
-	uint64_t pf_read = 0, pf_total = 0, pf_stale = 0, pf_parts = 0;
-	choose_experts(next, k, pool_e);
 	for (uint32_t l = 0; l <= layers; l++) { /* layer 0 warms up */
 		if (l == 1)
 			for (uint32_t i = 0; i < k; i++) {
@@ -397,9 +371,18 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 				ffn_share_get_stats(slot[i].fs, &ss);
 				wait0 += ss.wait_ns;
 			}
-		memcpy(chosen, next, sizeof(chosen)); /* chosen before the gap, for --prefetch */
+		for (uint32_t i = 0; i < k; i++) { /* k distinct experts at random */
+			uint32_t e;
+			bool again;
+			do {
+				e = (uint32_t)(splitmix() >> 33) % pool_e;
+				again = false;
+				for (uint32_t j = 0; j < i; j++)
+					again |= chosen[j] == e;
+			} while (again);
+			chosen[i] = e;
+		}
 		const int traced = trace && l + trace > layers ? (int)(l + trace - layers - 1) : -1;
-		__atomic_store_n(&stamp, l, __ATOMIC_RELEASE); /* the layer's product begins: its prefetch stops */
 		const uint64_t t0 = now_ns();
 		for (uint32_t i = 0; i < k; i++) {
 			struct expert_slot *es = &slot[i];
@@ -430,28 +413,7 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 				slot[i].trace_end[traced] = slot[i].end_ns - t0;
 		}
 		span[l] = (double)(end - t0) * 1e-9;
-		const uint64_t g0 = now_ns();
-		choose_experts(next, k, pool_e);
-		if (prefetch && l < layers) {
-			if (pseq) {
-				task_word_wait(&pdone, NULL, pseq, 50, 0);
-				if (l > 1) { /* the warm-up's left out */
-					pf_read += pf.read_bytes;
-					pf_total += pf.total;
-					pf_stale += pf.stale_parts;
-					pf_parts += cpu_prefetch_parts(&pf);
-				}
-			}
-			cpu_prefetch_init(&pf, 0, &stamp, l + 1);
-			for (uint32_t i = 0; i < k; i++) {
-				cpu_prefetch_add(&pf, w[3 * next[i]], mat);
-				cpu_prefetch_add(&pf, w[3 * next[i] + 1], mat);
-				cpu_prefetch_add(&pf, w[3 * next[i] + 2], expert - 2 * mat);
-			}
-			task_job_init(&pj, cpu_prefetch_part, &pf, cpu_prefetch_parts(&pf), &pdone, ++pseq);
-			task_pool_submit_idle(pool, &pj);
-		}
-		while (now_ns() - g0 < (uint64_t)gap_us * 1000)
+		for (uint64_t g0 = now_ns(); now_ns() - g0 < (uint64_t)gap_us * 1000;)
 			;
 	}
 	if (trace)
@@ -479,13 +441,6 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 	       task_pool_threads(pool), gap_us, med * 1e3,
 	       bytes / med / 1e9, mean * 1e3, bytes / mean / 1e9, span[1] * 1e3,
 	       100.0 * (double)(wait - wait0) * 1e-9 / (sum * task_pool_threads(pool)));
-	if (pseq)
-		task_word_wait(&pdone, NULL, pseq, 50, 0);
-	if (prefetch)
-		printf("prefetch: the next layer's experts read in the gap, %.1f%% of their bytes (%.1f%% of the parts "
-		       "found the product begun)\n",
-		       pf_total ? 100.0 * (double)pf_read / (double)pf_total : 0.0,
-		       pf_parts ? 100.0 * (double)pf_stale / (double)pf_parts : 0.0);
 	for (uint32_t i = 0; i < k; i++) {
 		ffn_share_destroy(&slot[i].fs);
 		free(slot[i].x);
@@ -521,7 +476,7 @@ int main(int argc, char **argv)
 	char *format = NULL;
 	long rows_l = 0, cols_l = 0, threads_l = sysconf(_SC_NPROCESSORS_ONLN), repeats_l = 0, ffn_tokens_l = 0,
 	     experts_l = 0, pool_l = 0, job_threads_l = -1, gap_l = 0, trace_l = 0;
-	bool scalar = false, no_taper = false, no_help = false, prefetch = false;
+	bool scalar = false, no_taper = false, no_help = false;
 	const struct opt table[] = {
 		{"format", OPT_STRING, &format, "BF16", "weight format: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q5_K Q6_K"},
 		{"rows", OPT_INT, &rows_l, "8192", "rows of the matrix"},
@@ -551,9 +506,6 @@ int main(int argc, char **argv)
 		{"no-taper", OPT_BOOL, &no_taper, NULL,
 		 "equal chunks in each phase of a job (the runner tapers an expert's: smaller toward each phase's "
 		 "end, ffn_share_job.taper)"},
-		{"prefetch", OPT_BOOL, &prefetch, NULL,
-		 "--experts: read the next layer's experts into the caches during the gap (the runner's "
-		 "--prefetch-cpu-experts), on the pool's idle queue"},
 		{"no-help", OPT_BOOL, &no_help, NULL,
 		 "a part that waits for its job's first phase spins (the runner's runs the pool's queued parts "
 		 "meanwhile, ffn_share_job.pool)"},
@@ -608,7 +560,7 @@ int main(int argc, char **argv)
 			return 2;
 		}
 		return bench_experts(t, rows, cols, experts, expert_pool, job_threads, taper, help, gap_us, threads,
-				     repeats, trace < repeats ? trace : repeats, prefetch);
+				     repeats, trace < repeats ? trace : repeats);
 	}
 	if (ffn_tokens) {
 		if (rows % dtype_block_elems(t)) {

@@ -49,7 +49,6 @@ struct worker {
 
 struct task_pool {
 	struct task_queue *queue;
-	struct task_queue *idle; /* task_pool_submit_idle's parts: taken only when queue is empty */
 	struct worker *workers;
 	uint32_t threads; /* workers started (joined at destroy) */
 	uint32_t spin_us;
@@ -217,13 +216,7 @@ static void cancel_part(struct task_pool *p, struct task_job *job, uint32_t part
 
 /* ---- workers ---- */
 
-/* The oldest part of the queue, else the oldest of the idle queue. */
-static inline bool pop_any(struct task_pool *p, struct task_item *it)
-{
-	return task_queue_pop(p->queue, it) || task_queue_pop(p->idle, it);
-}
-
-/* Polls the queues for spin_us; true with an item in *it, false once the time is up or on stop. */
+/* Polls the queue for spin_us; true with an item in *it, false once the time is up or on stop. */
 static bool idle_spin(struct task_pool *p, struct task_item *it)
 {
 	if (p->spin_us == 0)
@@ -231,7 +224,7 @@ static bool idle_spin(struct task_pool *p, struct task_item *it)
 	uint64_t end = now_ns() + (uint64_t)p->spin_us * 1000u;
 	for (uint32_t i = 1;; i++) {
 		cpu_relax();
-		if (pop_any(p, it))
+		if (task_queue_pop(p->queue, it))
 			return true;
 		if (i % CLOCK_EVERY == 0 &&
 		    (atomic_load_explicit(&p->stopping, memory_order_relaxed) || now_ns() >= end))
@@ -271,7 +264,7 @@ static void *worker_main(void *arg)
 	for (;;) {
 		if (atomic_load_explicit(&p->stopping, memory_order_acquire))
 			break;
-		if (pop_any(p, &it) || idle_spin(p, &it)) {
+		if (task_queue_pop(p->queue, &it) || idle_spin(p, &it)) {
 			run_part(p, w, it);
 			continue;
 		}
@@ -282,7 +275,7 @@ static void *worker_main(void *arg)
 			atomic_fetch_sub_explicit(&p->sleeping, 1, memory_order_seq_cst);
 			break;
 		}
-		if (pop_any(p, &it)) {
+		if (task_queue_pop(p->queue, &it)) {
 			atomic_fetch_sub_explicit(&p->sleeping, 1, memory_order_seq_cst);
 			run_part(p, w, it);
 			continue;
@@ -364,9 +357,6 @@ int task_pool_create(const struct task_pool_config *cfg, struct task_pool **out,
 	rc = task_queue_create(capacity, &p->queue, err, errlen);
 	if (rc)
 		goto out_free_pool;
-	rc = task_queue_create(capacity, &p->idle, err, errlen);
-	if (rc)
-		goto out_destroy_queue;
 	p->workers = aligned_alloc(CACHE_LINE, ALIGN_UP(sizeof(struct worker) * threads, CACHE_LINE));
 	if (!p->workers) {
 		rc = errorf(err, errlen, -ENOMEM, "task pool: out of memory for %u workers", threads);
@@ -397,7 +387,6 @@ int task_pool_create(const struct task_pool_config *cfg, struct task_pool **out,
 	return 0;
 
 out_destroy_queue:
-	task_queue_destroy(&p->idle);
 	task_queue_destroy(&p->queue);
 out_free_pool:
 	free(p);
@@ -417,10 +406,9 @@ void task_pool_destroy(struct task_pool **pp)
 		pthread_join(p->workers[i].thread, NULL);
 	/* Every worker is gone: what is still queued never ran. Fail it, so its jobs complete. */
 	struct task_item it;
-	while (pop_any(p, &it))
+	while (task_queue_pop(p->queue, &it))
 		cancel_part(p, it.ptr, (uint32_t)it.arg);
 	task_queue_destroy(&p->queue);
-	task_queue_destroy(&p->idle);
 	free(p->workers);
 	free(p);
 	*pp = NULL;
@@ -490,43 +478,6 @@ int task_pool_submit(struct task_pool *p, struct task_job *job)
 		;
 	wake_workers(p, n_parts);
 	return 0;
-}
-
-int task_pool_submit_idle(struct task_pool *p, struct task_job *job)
-{
-	assert(job && job->fn && job->done_word && job->n_parts <= TASK_POOL_MAX_PARTS);
-	job->rc = 0;
-	job->err[0] = '\0';
-	job->failed = 0;
-	job->remaining = job->n_parts;
-	atomic_fetch_add_explicit(&p->jobs_submitted, 1, memory_order_relaxed);
-	const bool stopping = atomic_load_explicit(&p->stopping, memory_order_acquire);
-	if (job->n_parts == 0 || stopping) {
-		if (job->n_parts == 0) {
-			if (stopping) {
-				job->rc = -ECANCELED;
-				snprintf(job->err, sizeof(job->err), "task pool: stopped before the job ran");
-			}
-			job_complete(p, job);
-		}
-		for (uint32_t part = 0; part < job->n_parts; part++) /* the last one completes the job */
-			cancel_part(p, job, part);
-		return stopping ? -ESHUTDOWN : 0;
-	}
-	/* Parts that do not fit are failed, never waited for: nothing here may hold the submitter. */
-	uint32_t n_parts = job->n_parts, queued = 0;
-	while (queued < n_parts && task_queue_push(p->idle, (struct task_item){.ptr = job, .arg = queued}))
-		queued++;
-	if (queued)
-		wake_workers(p, queued);
-	if (queued == n_parts)
-		return 0;
-	for (uint32_t part = queued; part < n_parts; part++) {
-		job_fail(job, part, -EAGAIN, "task pool: the idle queue is full");
-		atomic_fetch_add_explicit(&p->parts_cancelled, 1, memory_order_relaxed);
-		finish_part(p, job);
-	}
-	return -EAGAIN;
 }
 
 bool task_pool_help(struct task_pool *p, uint64_t *ns)

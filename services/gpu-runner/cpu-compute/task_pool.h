@@ -145,12 +145,6 @@ void task_job_init(struct task_job *job, task_fn fn, void *arg, uint32_t n_parts
  * already completed with rc -ECANCELED. Either way the done word is (or will be) stored exactly
  * once. n_parts above TASK_POOL_MAX_PARTS, or a NULL fn or done_word, is a programmer error. */
 int task_pool_submit(struct task_pool *pool, struct task_job *job);
-/* Queues the job's parts behind everything task_pool_submit queues: a worker takes one only when
- * the main queue is empty, task_pool_help never runs one, and a full queue is never waited for (work
- * that may be dropped: reading weights into the caches ahead of their product). Returns 0; -EAGAIN
- * when the idle queue could not take every part (those failed with -EAGAIN: the job still completes
- * once the queued ones ran); -ESHUTDOWN as task_pool_submit. The done word is stored exactly once. */
-int task_pool_submit_idle(struct task_pool *pool, struct task_job *job);
 
 /* Runs one queued part on the calling thread, if one is queued, destroy has not begun and the
  * thread is not already TASK_POOL_HELP_DEPTH parts deep inside others: true when it ran one, its
