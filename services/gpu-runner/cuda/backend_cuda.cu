@@ -177,6 +177,7 @@ static int set_batch(struct backend_dev *be, const struct backend_batch *b)
 		return cuda_failf(be, -EINVAL, "cuda backend: a step of %u sequences; at most %u", runs,
 				  ROPE_MAX_RUNS_INLINE);
 	attention_drop(be); /* held back by a step that failed on the way */
+	profile_step(be, b->n);
 	int rc = ktrace_step(be, b->n);
 	if (rc)
 		return rc;
@@ -599,6 +600,7 @@ static void cuda_destroy(struct backend_dev **bep)
 		return;
 	ffn_split_teardown(be);
 	moe_teardown(be);
+	profile_end(be);
 	ktrace_free(be);
 	if (be->spanbuf)
 		cudaFreeAsync(be->spanbuf, be->stream); /* allocated stream-ordered */
@@ -845,6 +847,7 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	}
 	be->cfg = *cfg;
 	be->p = *p;
+	be->prof_left = -1; /* PIPELINE_CUDA_PROFILE_STEP read at the first step */
 	be->q_dim = cfg->n_heads * cfg->head_dim;
 	be->kv_dim = cfg->n_kv_heads * cfg->head_dim;
 	be->qkv_ld = be->q_dim + 2 * be->kv_dim;

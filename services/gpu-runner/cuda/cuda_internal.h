@@ -131,6 +131,13 @@ struct ktrace_log {
 struct ktrace ktrace_next(const struct backend_dev *be, const char *what);
 /* A step of n tokens begins: a traced one-token step's stamps cleared (on the stream). */
 int ktrace_step(struct backend_dev *be, uint32_t n);
+/* At a step's start (n tokens): PIPELINE_CUDA_PROFILE_STEP=N runs the N-th step of more than one
+ * token since the backend was made (a prefill chunk, a batched decode step) between
+ * cudaProfilerStart and cudaProfilerStop, so that a profiler whose collection starts off (ncu
+ * --profile-from-start off, under PIPELINE_WRAP_GPU_RUNNER) measures that step's kernels alone.
+ * The collection stops at the next step's start, or at destroy (profile_end). */
+void profile_step(struct backend_dev *be, uint32_t n);
+void profile_end(struct backend_dev *be);
 void ktrace_free(struct backend_dev *be);
 
 struct backend_dev {
@@ -180,6 +187,9 @@ struct backend_dev {
 	uint64_t wide_launches;	/* dq_sm_kernel launches in wide blocks (tests) */
 	uint64_t mix_launches;	/* dq_mix_kernel launches (tests) */
 	struct ktrace_log *trace; /* cuda_test_trace's stamps, NULL until first asked for */
+	int32_t prof_left;	/* PIPELINE_CUDA_PROFILE_STEP: steps of several tokens to go until the profiled
+				 * one (0: none; -1: not read yet) */
+	bool profiling;		/* between cudaProfilerStart and cudaProfilerStop (profile_step) */
 	bool kv_synced;		/* the host waited for the stream since the step began (finish_step) */
 	bool kv_settled;	/* ... before this step began: every KV row that earlier steps wrote is in
 				 * the arena, so a kernel may read those rows before it waits for the one

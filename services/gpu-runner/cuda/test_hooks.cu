@@ -1,11 +1,15 @@
 /* test_hooks.cu - the CUDA backend's test hooks (cuda_test.h): a product through matmul() /
  * swiglu_product() with buffers of the hook's own, a layer's experts computed together and apart,
  * a read of the residual stream, a failure injected into the CPU share of a split FFN or into
- * a routed expert the CPU computes, and the stamps of a traced step's launches. */
+ * a routed expert the CPU computes, the stamps of a traced step's launches, and one step between
+ * cudaProfilerStart and cudaProfilerStop (PIPELINE_CUDA_PROFILE_STEP). */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/cuda_test.h"
 #include "services/gpu-runner/cuda/moe_internal.h"
+#include "common/log.h"
 
+#include <cuda_profiler_api.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 /* The cuda device state behind be, or NULL with a message. */
@@ -302,6 +306,41 @@ int ktrace_step(struct backend_dev *be, uint32_t n)
 	CUDA_TRY(be, "cudaMemsetAsync (trace)",
 		 cudaMemsetAsync(lg->dev, 0, KTRACE_LOG_BYTES, be->stream));
 	return 0;
+}
+
+void profile_step(struct backend_dev *be, uint32_t n)
+{
+	if (be->prof_left < 0) {
+		const char *v = getenv("PIPELINE_CUDA_PROFILE_STEP");
+		char *end = NULL;
+		long k = v && *v ? strtol(v, &end, 10) : 0;
+		if (v && *v && (*end || k < 1 || k > INT32_MAX)) {
+			log_warn("cuda backend: PIPELINE_CUDA_PROFILE_STEP=%s is not a step number (1, 2, ...): "
+				 "no step is profiled", v);
+			k = 0;
+		}
+		be->prof_left = (int32_t)k;
+	}
+	profile_end(be);
+	if (n > 1 && be->prof_left > 0 && --be->prof_left == 0) {
+		cudaError_t e = cudaProfilerStart();
+		if (e != cudaSuccess) {
+			log_warn("cuda backend: cudaProfilerStart: %s", cudaGetErrorString(e));
+			(void)cudaGetLastError();
+			return;
+		}
+		be->profiling = true;
+		log_info("cuda backend: profiling a step of %u tokens (PIPELINE_CUDA_PROFILE_STEP)", n);
+	}
+}
+
+void profile_end(struct backend_dev *be)
+{
+	if (!be->profiling)
+		return;
+	be->profiling = false;
+	if (cudaProfilerStop() != cudaSuccess)
+		(void)cudaGetLastError();
 }
 
 void ktrace_free(struct backend_dev *be)
