@@ -8,7 +8,8 @@
 #     last-position logits dumped;
 #   - the logits: relative L2 error at most 1e-4; the tokens: identical for 32 steps, except
 #     after a step that is a near tie in the fixture (top-1/top-2 margin below 1e-4);
-#   - run-local (the same backend without services) must give the same tokens too;
+#   - run-local (the same backend without services; on CUDA with every weight on the GPU) must
+#     give the same tokens too;
 #   - stop the instance (in the background, while the next case runs): nothing left behind.
 # Every case runs and prints its measurements; the test fails at the end if one did not agree.
 source "$(dirname "$0")/lib.sh"
@@ -203,7 +204,7 @@ lists ${want_files//$'\n'/ }: the generator changed; remake the fixtures (tests/
 	stop_instance "$n"
 
 	# The same backend in one process: its tokens must agree too.
-	if local_got=$("$BIN/run-local" --model "$dir" --tokens "$prompt" -n 32 --ignore-eos); then
+	if local_got=$("$BIN/run-local" --model "$dir" --backend "$BACKEND" --tokens "$prompt" -n 32 --ignore-eos); then
 		"$COMPARE" tokens "$fx" "$local_got" | sed "s/^/[$IT_NAME] run-local /" || ok=0
 	else
 		log "FAIL: $name: run-local failed"

@@ -4,6 +4,7 @@
  * services with, and a quick way to try a model.
  *
  *   run-local --model DIR --tokens 1,2,3 -n 16 [--temperature T --top-k K --top-p P --seed S]
+ *       [--backend cuda]      every weight copied to the GPU first (memory_source_to_device)
  *
  * Prints the generated ids on one line, separated by spaces (as `pipectl generate` does). */
 #include <errno.h>
@@ -79,7 +80,8 @@ int main(int argc, char **argv)
 		{"repetition-penalty", OPT_DOUBLE, &repetition_penalty, "1", "penalty on tokens already seen; 1 is off"},
 		{"seed", OPT_INT, &seed, "0", "sampling seed"},
 		{"stop-ids", OPT_STRING, &stop_text, NULL, "extra stop token ids, comma separated"},
-		{"backend", OPT_STRING, &backend_name, "cpu", "compute backend"},
+		{"backend", OPT_STRING, &backend_name, "cpu",
+		 "compute backend: cpu (the C reference), or cuda where built (every weight copied to the GPU)"},
 		{"threads", OPT_INT, &threads, "1", "CPU threads of the cpu backend"},
 		{"kv-block-tokens", OPT_INT, &block_tokens, "16", "tokens per KV block"},
 		{"prefill-chunk", OPT_INT, &chunk, "256", "most prompt tokens per forward step"},
@@ -141,6 +143,10 @@ int main(int argc, char **argv)
 	rc = backend_create(backend_name, &m->cfg, &bp, &be, err, sizeof(err));
 	if (rc) {
 		fprintf(stderr, "run-local: backend: %s\n", err);
+		goto out;
+	}
+	if (backend_weight_place(be) == PLACE_DEVICE && (rc = memory_source_to_device(ms, err, sizeof(err))) != 0) {
+		fprintf(stderr, "run-local: backend %s: %s\n", backend_name, err);
 		goto out;
 	}
 	struct kv_cache_params kp = {.n_layers = m->cfg.n_layers, .block_tokens = bp.block_tokens,

@@ -1,5 +1,7 @@
 /* memory_source.c - the whole checkpoint in memory (memory_source.h): pread of each group's
- * read extents into a buffer per group, at the offsets its slot would give them. */
+ * read extents into a buffer per group, at the offsets its slot would give them; for a backend
+ * that computes from device memory (the CUDA backend), each group copied once into device memory
+ * as well, and its weights given in both places. */
 #include "tools/run-local/memory_source.h"
 
 #include <errno.h>
@@ -10,10 +12,15 @@
 
 #include "common/util.h"
 
+#ifdef PIPELINE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 struct memory_source {
 	struct weight_source base;
 	const struct manifest *m;
 	void **group_data; /* n_groups */
+	void **group_dev;  /* NULL, or n_groups copies in device memory (memory_source_to_device) */
 };
 
 static int mem_acquire(struct weight_source *ws, uint32_t group, struct group_weights *w)
@@ -22,6 +29,12 @@ static int mem_acquire(struct weight_source *ws, uint32_t group, struct group_we
 	ws->bytes_acquired += ws->groups[group].tensor_bytes;
 	ws->acquires++;
 	weights_fill(ws, group, ms->group_data[group], ms->group_data[group_id_embed()], w);
+	if (ms->group_dev) {
+		struct group_weights d;
+		weights_fill_at(ws, group, PLACE_DEVICE, ms->group_dev[group], NULL, ms->group_dev[group_id_embed()], &d);
+		for (uint32_t r = 0; r < ROLE_COUNT; r++)
+			w->t[r].data[PLACE_DEVICE] = d.t[r].data[PLACE_DEVICE];
+	}
 	return 0;
 }
 
@@ -94,11 +107,52 @@ int memory_source_create(const struct manifest *m, struct memory_source **out, c
 	return 0;
 }
 
+int memory_source_to_device(struct memory_source *ms, char *err, size_t errlen)
+{
+#ifdef PIPELINE_HAVE_CUDA
+	const struct manifest *m = ms->m;
+	if (ms->group_dev)
+		return 0;
+	if (!(ms->group_dev = calloc(m->n_groups, sizeof(void *))))
+		return errorf(err, errlen, -ENOMEM, "out of memory");
+	uint64_t total = 0;
+	for (uint32_t g = 0; g < m->n_groups; g++)
+		total += m->groups[g].slot_bytes;
+	for (uint32_t g = 0; g < m->n_groups; g++) {
+		const uint64_t bytes = m->groups[g].slot_bytes;
+		cudaError_t ce = cudaMalloc(&ms->group_dev[g], bytes ? bytes : 1);
+		if (ce == cudaSuccess)
+			ce = cudaMemcpy(ms->group_dev[g], ms->group_data[g], bytes, cudaMemcpyHostToDevice);
+		if (ce != cudaSuccess) {
+			size_t free_b = 0, total_b = 0;
+			(void)cudaGetLastError();
+			(void)cudaMemGetInfo(&free_b, &total_b);
+			return errorf(err, errlen, ce == cudaErrorMemoryAllocation ? -ENOMEM : -EIO,
+				      "every weight on the GPU (%.2f GiB; the services stream what does not fit "
+				      "their --gpu-budget): group %u of %u: %s (%.2f GiB free of %.2f)",
+				      (double)total / (1u << 30), g, m->n_groups, cudaGetErrorString(ce),
+				      (double)free_b / (1u << 30), (double)total_b / (1u << 30));
+		}
+	}
+	return 0;
+#else
+	(void)ms;
+	return errorf(err, errlen, -ENOTSUP, "weights in device memory: this build has no CUDA");
+#endif
+}
+
 void memory_source_destroy(struct memory_source **msp)
 {
 	struct memory_source *ms = msp ? *msp : NULL;
 	if (!ms)
 		return;
+#ifdef PIPELINE_HAVE_CUDA
+	if (ms->group_dev)
+		for (uint32_t g = 0; g < ms->m->n_groups; g++)
+			if (ms->group_dev[g])
+				cudaFree(ms->group_dev[g]);
+#endif
+	free(ms->group_dev);
 	if (ms->group_data)
 		for (uint32_t g = 0; g < ms->m->n_groups; g++)
 			free(ms->group_data[g]);

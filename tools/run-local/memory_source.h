@@ -4,6 +4,7 @@
  *
  *   struct memory_source *ms;
  *   rc = memory_source_create(manifest, &ms, err, sizeof(err));   // reads every group
+ *   if (backend_weight_place(be) == PLACE_DEVICE) rc = memory_source_to_device(ms, err, sizeof(err));
  *   engine_create(cfg, be, memory_source_base(ms), kv, ...);
  *   memory_source_destroy(&ms);
  */
@@ -19,6 +20,10 @@ struct memory_source;
 /* Reads every group of m (borrowed: it must outlive the source). Returns 0, or -errno with a
  * message in err naming the file. */
 int memory_source_create(const struct manifest *m, struct memory_source **out, char *err, size_t errlen);
+/* Copies every group into device memory (the CUDA backend's place, backend_weight_place), once:
+ * the weights are then given at PLACE_DEVICE as well as PLACE_HOST. Returns 0, or -ENOMEM / -EIO
+ * with a message (how much did not fit), -ENOTSUP in a build without CUDA. */
+int memory_source_to_device(struct memory_source *ms, char *err, size_t errlen);
 void memory_source_destroy(struct memory_source **ms);
 struct weight_source *memory_source_base(struct memory_source *ms);
 
