@@ -52,14 +52,16 @@ static void dequant_f(const void *src, uint64_t row_bytes, uint32_t rows, uint32
 	typedef dq_unit<F> U;
 	const uint32_t nb = cols / U::BLOCK_ELEMS;
 	const uint64_t units = (uint64_t)rows * nb * U::UNITS;
-	const unsigned grid = grid_for(units, 256);
+	/* Small matrices (an expert's) in blocks of 64 threads, so that their few units reach every
+	 * multiprocessor: 768 x 2048 Q4_K is 24576 units, 96 blocks of 256. */
+	const unsigned threads = units < 256u * 512u ? 64 : 256, grid = grid_for(units, threads);
 	/* 16-byte loads where every block is 16-byte aligned: the K formats of 144 and 176 bytes on
 	 * an aligned tensor (row_bytes is then a multiple of 16 too). */
 	const bool a16 = (F == DT_Q4_K || F == DT_Q5_K) && (((uintptr_t)src | row_bytes) % 16) == 0;
 	if (a16)
-		dequant_kernel<F, TO, true><<<grid, 256, 0, s>>>((const uint8_t *)src, row_bytes, nb, units, out, cols);
+		dequant_kernel<F, TO, true><<<grid, threads, 0, s>>>((const uint8_t *)src, row_bytes, nb, units, out, cols);
 	else
-		dequant_kernel<F, TO, false><<<grid, 256, 0, s>>>((const uint8_t *)src, row_bytes, nb, units, out, cols);
+		dequant_kernel<F, TO, false><<<grid, threads, 0, s>>>((const uint8_t *)src, row_bytes, nb, units, out, cols);
 }
 
 template <typename TO>

@@ -95,6 +95,25 @@ static int matmul_quant(struct backend_dev *be, uint32_t fmt, const void *x, con
 	if (chunk == 0)
 		return cuda_failf(be, -ENOTSUP, "cuda backend: %s: rows of %u values do not fit the dequantization "
 				  "scratch of %zu values", what, in, be->qscratch_elems);
+	/* Parts whose outputs follow each other (gate and up, q/k/v) and fit the scratch together: each
+	 * dequantized after the one before, one GEMM over all their rows (a launch each saved: a
+	 * small expert's products are mostly their launches). */
+	uint64_t all = 0;
+	bool joined = np > 1;
+	for (uint32_t i = 0; joined && i < np; i++) {
+		joined = parts[i].out == parts[0].out + all;
+		all += parts[i].rows;
+	}
+	if (joined && all <= chunk) {
+		uint64_t r0 = 0;
+		for (uint32_t i = 0; i < np; r0 += parts[i++].rows) {
+			dequant_launch(fmt, parts[i].w, parts[i].row_bytes, parts[i].rows, in,
+				       (__nv_bfloat16 *)be->qscratch + r0 * in, DT_BF16, be->stream);
+			LAUNCHED(be, "dequant_kernel");
+		}
+		struct mm_part sub = {be->qscratch, (uint32_t)all, parts[0].out, DT_BF16, (uint64_t)in * 2};
+		return gemm(be, DT_BF16, &sub, x, in, n, ldc, add, what);
+	}
 	for (uint32_t i = 0; i < np; i++) {
 		const struct mm_part *pt = &parts[i];
 		for (uint64_t r0 = 0; r0 < pt->rows; r0 += chunk) {

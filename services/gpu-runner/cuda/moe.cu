@@ -98,6 +98,24 @@ __global__ void scatter_kernel(const float *y, const uint32_t *tok, const float 
 	}
 }
 
+/* A wide chunk (cuda_moe.xa): x[t] += the sum over token t's k rows p = pos[t k + j], in j's order
+ * (its experts' order), of ya[p] * tw[p], summed from 0, each product rounded: what the scatters
+ * of its experts in turn into a cleared sum, then the add, computed. */
+__global__ void combine_rows_kernel(float *x, const float *ya, const uint32_t *pos, const float *tw, uint32_t n,
+				    uint32_t k, uint32_t dim)
+{
+	size_t count = (size_t)n * dim;
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x) {
+		size_t t = i / dim, d = i % dim;
+		float s = 0.0f;
+		for (uint32_t j = 0; j < k; j++) {
+			const uint32_t p = pos[t * k + j];
+			s = __fadd_rn(s, __fmul_rn(ya[(size_t)p * dim + d], tw[p]));
+		}
+		x[i] = __fadd_rn(x[i], s);
+	}
+}
+
 /* One token: x[d] += sum over j < cnt of ys[j][d] * w[j] (w.w, or wd in device memory where a
  * kernel chose the experts), summed from 0 in j's order, each product rounded: the scatters into
  * a cleared sum and the add, in one kernel. The CPU's rows first where
@@ -215,6 +233,14 @@ int moe_setup(struct backend_dev *be)
 	    (rc = dev_alloc(be, (void **)&m->tok, mc, m->k, sizeof(uint32_t), "the experts' tokens")) ||
 	    (rc = dev_alloc(be, (void **)&m->tw, mc, m->k, sizeof(float), "the experts' weights")))
 		return rc;
+	/* A prefill chunk's routed rows at once, where they take at most MOE_WIDE_BYTES_MAX. */
+	if (mc > FFN_SPLIT_MAX_TOKENS && 2 * mc * m->k * dim * sizeof(float) <= MOE_WIDE_BYTES_MAX) {
+		m->wide_rows = (uint32_t)(mc * m->k);
+		if ((rc = dev_alloc(be, &m->xa, m->wide_rows, dim, sizeof(float), "a chunk's routed rows")) ||
+		    (rc = dev_alloc(be, (void **)&m->ya, m->wide_rows, dim, sizeof(float), "their experts' output rows")) ||
+		    (rc = dev_alloc(be, (void **)&m->pos, m->wide_rows, 1, sizeof(uint32_t), "each token's rows")))
+			return rc;
+	}
 	/* On the backend's stream, which does not wait for the legacy one: before any gather. */
 	CUDA_TRY(be, "cudaMemsetAsync (a token's row index)", cudaMemsetAsync(m->tok0, 0, sizeof(uint32_t), be->stream));
 	if ((rc = moe_host_mapped(be, mc * m->E * sizeof(float), (void **)&m->h_logits, (void **)&m->h_logits_dev,
@@ -253,6 +279,9 @@ void moe_teardown(struct backend_dev *be)
 	cudaFree(m->tok0);
 	cudaFree(m->tok);
 	cudaFree(m->tw);
+	cudaFree(m->xa);
+	cudaFree(m->ya);
+	cudaFree(m->pos);
 	cudaFreeHost(m->h_logits);
 	for (int i = 0; i < MOE_BEGIN_EVENTS; i++)
 		if (m->begin_ev[i])
@@ -322,10 +351,13 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 					 be->stream));
 	timed = timed && moe_time_mark(m->begin_ev[MOE_EV_ROUTED], be->stream);
 	m->one = n == 1 && k <= MOE_COMBINE_MAX;
+	m->wide = n > FFN_SPLIT_MAX_TOKENS && (size_t)n * k <= m->wide_rows && !be->p.experts_apart;
+	m->xa_ok = false;
+	m->wide_done = 0;
 	m->xg_ok = false;
 	m->n_gpu = 0;
 	m->n_held = 0;
-	if (!m->one)
+	if (!m->one && !m->wide)
 		CUDA_TRY(be, "cudaMemsetAsync (experts' sum)",
 			 cudaMemsetAsync(m->sum, 0, (size_t)n * dim * sizeof(float), be->stream));
 	if (m->xn_down && !mapped)
@@ -399,12 +431,23 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	size_t cnt = (size_t)n * k, bytes = cnt * sizeof(uint32_t);
 	char *h;
 	size_t hoff;
-	if ((rc = up_alloc(be, 2 * bytes, &h, &hoff)))
+	if ((rc = up_alloc(be, (m->wide ? 3 : 2) * bytes, &h, &hoff)))
 		return rc;
 	memcpy(h, m->h_tok, bytes);
 	memcpy(h + bytes, m->h_tw, bytes);
+	if (m->wide) {
+		/* Each token's rows in increasing place, which is its experts' order. */
+		uint32_t *pos = (uint32_t *)(h + 2 * bytes), *seen = m->sel; /* sel: read above, free now */
+		memset(seen, 0, n * sizeof(uint32_t));
+		for (uint32_t p = 0; p < cnt; p++) {
+			const uint32_t t = m->h_tok[p];
+			pos[(size_t)t * k + seen[t]++] = p;
+		}
+	}
 	if ((rc = up_send(be, m->tok, h, hoff, bytes, "cudaMemcpyAsync (experts' tokens)")) ||
-	    (rc = up_send(be, m->tw, h + bytes, hoff + bytes, bytes, "cudaMemcpyAsync (experts' weights)")))
+	    (rc = up_send(be, m->tw, h + bytes, hoff + bytes, bytes, "cudaMemcpyAsync (experts' weights)")) ||
+	    (m->wide && (rc = up_send(be, m->pos, h + 2 * bytes, hoff + 2 * bytes, bytes,
+				      "cudaMemcpyAsync (each token's expert rows)"))))
 		return rc;
 	m->routed = true;
 	return 0;
@@ -445,9 +488,27 @@ int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t e
 	if (one && m->n_gpu >= m->k)
 		return cuda_failf(be, -EPROTO, "cuda backend: expert %u is the %u-th computed for a token that chose %u",
 				  expert, m->n_gpu + 1, m->k);
-	/* One token: its row is gathered once a layer (for the first expert, or one of another dtype). */
+	/* One token: its row is gathered once a layer (for the first expert, or one of another dtype);
+	 * a wide chunk every routed row at once, the same way. */
 	int rc;
-	if (!one || !m->xg_ok || m->xg_at != at) {
+	const size_t asz = at == DT_F32 ? sizeof(float) : 2;
+	const void *xin = m->xg;
+	if (m->wide) {
+		if (!m->xa_ok || m->xa_at != at) {
+			const size_t rows = (size_t)be->n * m->k;
+			const unsigned ab = grid_for(rows * dim, 256);
+			if (at == DT_BF16)
+				gather_kernel<<<ab, 256, 0, be->stream>>>(m->xn, m->tok, rows, dim, (__nv_bfloat16 *)m->xa);
+			else if (at == DT_F16)
+				gather_kernel<<<ab, 256, 0, be->stream>>>(m->xn, m->tok, rows, dim, (__half *)m->xa);
+			else
+				gather_kernel<<<ab, 256, 0, be->stream>>>(m->xn, m->tok, rows, dim, (float *)m->xa);
+			LAUNCHED(be, "gather_kernel (a chunk's routed rows)");
+			m->xa_ok = true;
+			m->xa_at = at;
+		}
+		xin = (const char *)m->xa + (size_t)o * dim * asz;
+	} else if (!one || !m->xg_ok || m->xg_at != at) {
 		/* The noted experts read xg as it is. */
 		if ((rc = flush_held(be)))
 			return rc;
@@ -468,7 +529,7 @@ int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t e
 				{u->data[PLACE_DEVICE], F, m->gu + F, ut, u->row_bytes}};
 	/* One token: each expert its own row of act, so that noted ones keep theirs. */
 	void *act = one ? (char *)m->act + (size_t)m->n_gpu * m->act_stride : m->act;
-	float *y = one ? m->ys + (size_t)m->n_gpu * dim : m->y;
+	float *y = one ? m->ys + (size_t)m->n_gpu * dim : m->wide ? m->ya + (size_t)o * dim : m->y;
 	struct mm_part down = {d->data[PLACE_DEVICE], dim, y, dt, d->row_bytes};
 	if (one && w->resident && !be->p.experts_apart) {
 		/* Kept on the GPU to the step's end: noted, and launched with the layer's others. */
@@ -481,12 +542,16 @@ int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t e
 			return m->n_held == GEMV_MATS ? flush_held(be) : 0;
 		}
 	}
-	if ((rc = swiglu_product(be, at, gu, m->xg, NULL, dim, cnt, act, "expert gate/up_proj")))
+	if ((rc = swiglu_product(be, at, gu, xin, NULL, dim, cnt, act, "expert gate/up_proj")))
 		return rc;
 	if ((rc = matmul(be, at, act, NULL, F, cnt, &down, 1, dim, false, "expert down_proj")))
 		return rc;
 	if (one) {
 		m->yw[m->n_gpu++] = m->h_tw[o];
+		return 0;
+	}
+	if (m->wide) {
+		m->wide_done += cnt; /* summed at moe_end */
 		return 0;
 	}
 	scatter_kernel<<<blocks, 256, 0, be->stream>>>(m->y, m->tok + o, m->tw + o, cnt, dim, m->sum);
@@ -520,11 +585,20 @@ int moe_end(struct backend_dev *be)
 										     be->cfg.dim, cw, NULL);
 			LAUNCHED(be, "combine_kernel (experts' rows)");
 		}
+	} else if (m->wide) {
+		/* Every routed row computed: an expert left out would leave stale rows in ya. */
+		if (m->wide_done != be->n * m->k)
+			return cuda_failf(be, -EPROTO, "cuda backend: the experts computed %u of the chunk's %u routed rows",
+					  m->wide_done, be->n * m->k);
+		combine_rows_kernel<<<grid_for(count, 256), 256, 0, be->stream>>>(be->x, m->ya, m->pos, m->tw, be->n,
+										   m->k, be->cfg.dim);
+		LAUNCHED(be, "combine_rows_kernel (experts' sum)");
 	} else {
 		add_launch(be->x, m->sum, count, be->stream);
 		LAUNCHED(be, "add_kernel (experts' sum)");
 	}
 	m->routed = false;
+	m->wide = false;
 	m->one = false;
 	m->n_gpu = 0;
 	return 0;

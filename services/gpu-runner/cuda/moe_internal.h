@@ -17,6 +17,7 @@ struct moe_cpu_expert {
 };
 
 #define MOE_CPU_JOBS_MAX BACKEND_MOE_CPU_JOBS /* experts the pool computes at once */
+#define MOE_WIDE_BYTES_MAX (128u << 20) /* a prefill chunk's routed rows and their outputs at most (cuda_moe.xa) */
 #define MOE_COMBINE_MAX 32 /* experts a token chooses that combine_kernel sums in one launch */
 
 /* combine_kernel's weights, by value: the GPU's rows' (w), and the CPU's rows in mapped host
@@ -67,6 +68,19 @@ struct cuda_moe {
 	uint32_t *tok0;		/* (1) 0: one token's gather index */
 	uint32_t *tok;		/* (max_chunk k) tokens of each expert, expert after expert (off[]) */
 	float *tw;		/* (max_chunk k) their weights */
+	/* A chunk of more than FFN_SPLIT_MAX_TOKENS tokens (prefill; no CPU experts), where wide_rows
+	 * holds its n k routed rows: every row gathered once a layer into xa (expert after expert, as
+	 * tok), each expert's down_proj rows into ya at their place, and one combine at moe_end sums
+	 * each token's rows in its experts' order (pos) into the residual stream, as the per-expert
+	 * scatters into a cleared sum and the add did. */
+	void *xa;		/* (wide_rows, dim) the routed rows in the activation dtype xa_at */
+	float *ya;		/* (wide_rows, dim) their experts' down_proj rows */
+	uint32_t *pos;		/* (wide_rows) token t's rows are pos[t k .. t k + k), in expert order */
+	uint32_t wide_rows;	/* 0: none allocated (too large); else max_chunk k */
+	bool wide;		/* this chunk takes that path */
+	bool xa_ok;		/* xa holds this layer's rows in dtype xa_at */
+	uint32_t xa_at;
+	uint32_t wide_done;	/* rows whose experts have been computed this layer */
 	/* Host memory. */
 	float *h_logits;	/* (max_chunk, E) pinned, mapped */
 	float *h_logits_dev;	/* h_logits as the device addresses it (NULL: not mapped, copied down) */
