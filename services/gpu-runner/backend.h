@@ -455,7 +455,8 @@ struct backend_cpu_share_stats {
 	double experts_step_tail_ms;
 	/* The first routing of a step of at most FFN_SPLIT_MAX_TOKENS tokens after such a step that
 	 * returned within MOE_STEP_GAP_MAX_MS: the host's time from that return to the router's launch, then its wait for
-	 * the routing; on the GPU's clock, from the return to the embedding's end, from there to the
+	 * the routing (none where the step's first MoE layer routes on the device: every expert of it
+	 * kept); on the GPU's clock, from the return to the embedding's end, from there to the
 	 * router's first kernel (the first attention), and the router's kernels; summed over
 	 * step_begins. */
 	double step_begin_host_ms, step_begin_wait_ms;

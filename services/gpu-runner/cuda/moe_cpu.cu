@@ -314,6 +314,7 @@ void moe_settle(struct backend_dev *be)
 	m->last_end_ns = m->gap_pending_ns = m->step_end_ns = m->step_pending_ns = 0;
 	m->step_ret_ns = m->step_tail_pending_ns = 0;
 	m->begin = 0;
+	m->begin_dev = false;
 	(void)moe_dev_check(be); /* the failed step's device routing forgotten, a flag of its with it */
 }
 
@@ -356,6 +357,24 @@ int moe_check_step(struct backend_dev *be)
 	const int drc = moe_dev_check(be);
 	if (!rc)
 		rc = drc;
+	if (be->moe && be->moe->begin_dev) {
+		/* The step's start timed at a layer routed on the device: the stream is idle now
+		 * (moe_dev_check waited for it). */
+		struct cuda_moe *m = be->moe;
+		float part[MOE_BEGIN_EVENTS - 1];
+		bool got = rc == 0;
+		for (int i = 0; got && i < MOE_BEGIN_EVENTS - 1; i++)
+			got = cudaEventElapsedTime(&part[i], m->begin_ev[i], m->begin_ev[i + 1]) == cudaSuccess;
+		if (got) {
+			m->begin_host_ns += m->begin_dev_host_ns;
+			for (int i = 0; i < MOE_BEGIN_EVENTS - 1; i++)
+				m->begin_gpu_ms[i] += part[i];
+			m->begins++;
+		} else {
+			(void)cudaGetLastError(); /* nothing left for the next launch's check to find */
+		}
+		m->begin_dev = false;
+	}
 	if (be->moe) {
 		/* The step's last CPU experts' end, for the gap to the next step's first (none after a
 		 * failure). */

@@ -22,6 +22,7 @@
  * combine_kernel's order. */
 #include "services/gpu-runner/cuda/moe_internal.h"
 #include "services/gpu-runner/cuda/device.cuh"
+#include "common/util.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -268,7 +269,12 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 		return cuda_failf(be, -EINVAL, "cuda backend: moe_layer: layer %u has no experts' table", layer);
 	if (be->n != 1)
 		return cuda_failf(be, -EINVAL, "cuda backend: moe_layer takes one token, not %u", be->n);
-	m->begin = 0; /* a step's start is timed to its first route only */
+	/* The step's first routing (moe_internal.h: begin), on the device: its router timed, read at the
+	 * step's end. */
+	const uint64_t t_in = now_ns();
+	bool timed = m->begin == 2 && t_in - m->step_ret_ns < MOE_STEP_GAP_MAX_MS * 1000000ull;
+	m->begin = 0;
+	timed = timed && moe_time_mark(m->begin_ev[MOE_EV_ROUTER], be->stream); /* statistics: never fails the step */
 	const uint32_t dim = c->dim, E = m->E, k = m->k, F = m->F;
 	const struct weight_tensor *nw = &w->t[ROLE_FFN_NORM], *rw = &w->t[ROLE_ROUTER];
 	/* The normed row in float32 (xa), the router's input and the experts'. */
@@ -282,6 +288,10 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 	const float *xn = (const float *)be->xa;
 	launch_k(be->pdl, router_kernel, (E + 7) / 8, 256, 0, be->stream, xn, rmat, rt, dim, E, 1u, m->logits);
 	LAUNCHED(be, "router_kernel");
+	if (timed && moe_time_mark(m->begin_ev[MOE_EV_ROUTED], be->stream)) {
+		m->begin_dev = true;
+		m->begin_dev_host_ns = t_in - m->step_ret_ns;
+	}
 	const struct mm_expert *f = &d->fmt[layer];
 	const uint32_t at = act_dtype(f->gate.format);
 	const size_t smem = (size_t)E * (sizeof(double) + sizeof(float));

@@ -149,6 +149,11 @@ struct cuda_moe {
 	 * once MOE_EV_EMBED is (0: this step's start not timed). begin_gpu_ms[i]: from event i to i + 1. */
 	uint64_t begin_host_ns, begin_wait_ns, begins;
 	uint32_t begin;
+	/* A step whose first MoE layer routes on the device (moe_layer: every expert of it kept): its
+	 * router timed there, the times read at the step's end (moe_check_step), when the stream is
+	 * idle; the host's time from the return to that router's launch, kept until then. */
+	bool begin_dev;
+	uint64_t begin_dev_host_ns;
 	cudaEvent_t begin_ev[MOE_BEGIN_EVENTS];
 	double begin_gpu_ms[MOE_BEGIN_EVENTS - 1];
 	uint32_t fail_in;		/* cuda_test_fail_cpu_expert: the CPU jobs to go until one fails (0: none) */

@@ -147,6 +147,8 @@ struct run {
 	struct backend *be;
 	struct tmodel *m;
 	bool device; /* the cuda backend: device weights, the odd experts on the CPU */
+	bool dev0;   /* ... and layer 0 of a one-token step routed on the device (moe_layer), as the
+		      * runner does where the window keeps every expert of a layer */
 };
 
 static void run_open(struct run *r, struct tmodel *m, const char *name, struct task_pool *pool, bool mapped,
@@ -198,6 +200,10 @@ static int run_step(struct run *r, const int32_t *tok, uint32_t n, uint32_t pos,
 		if ((rc = backend_attn_begin(r->be, attn, l, dst_block, dst_row)) ||
 		    (rc = backend_attn_blocks(r->be, spans, ns)) || (rc = backend_attn_end(r->be, attn)))
 			break;
+		if (r->dev0 && n == 1 && l == 0) {
+			rc = backend_moe_layer(r->be, &m->d_moe[0], 0);
+			continue;
+		}
 		if ((rc = backend_moe_route(r->be, r->device ? &m->d_moe[l] : &m->h_moe[l])))
 			break;
 		bool used[EXPERTS];
@@ -232,7 +238,7 @@ static void tokens(int32_t *tok, uint32_t n, uint32_t vocab)
 
 /* The sequence on the reference and on CUDA with the odd experts (of F rows) on the CPU; every
  * step's error within the bound. */
-static void compare(bool mapped, bool taper, uint32_t F)
+static void compare(bool mapped, bool taper, uint32_t F, bool dev0)
 {
 	struct tmodel *m = model_new(F);
 	const uint32_t vocab = m->cfg.vocab_size;
@@ -244,6 +250,10 @@ static void compare(bool mapped, bool taper, uint32_t F)
 	struct run ref, cu;
 	run_open(&ref, m, "cpu", NULL, false, false);
 	run_open(&cu, m, "cuda", pool, mapped, taper);
+	if (dev0) {
+		cu.dev0 = true;
+		RUN_OK(&cu, backend_moe_layer_experts(cu.be, 0, m->d_exp[0]));
+	}
 	double worst = 0;
 	uint32_t cpu = 0, none = 0;
 	for (uint32_t i = 0; i < PROMPT + DECODE;) {
@@ -272,6 +282,10 @@ static void compare(bool mapped, bool taper, uint32_t F)
 	ck_assert_uint_gt(st.step_begins, 0);
 	ck_assert_uint_le(st.step_begins, steps - 1);
 	ck_assert(st.step_begin_host_ms > 0 && st.step_begin_wait_ms > 0);
+	/* With layer 0 routed on the device, the decode steps' starts are timed at its router: every
+	 * one of them (each follows a step), as with the route on the host. */
+	if (dev0)
+		ck_assert_uint_ge(st.step_begins, DECODE);
 	ck_assert(st.step_begin_gpu_embed_ms > 0 && st.step_begin_gpu_attn_ms > 0 && st.step_begin_gpu_router_ms > 0);
 	backend_destroy(&cu.be);
 	backend_destroy(&ref.be);
@@ -283,25 +297,31 @@ static void compare(bool mapped, bool taper, uint32_t F)
 
 START_TEST(test_experts_mapped_tapered)
 {
-	compare(true, true, 256);
+	compare(true, true, 256, false);
+}
+END_TEST
+
+START_TEST(test_experts_first_layer_on_device)
+{
+	compare(true, true, 256, true);
 }
 END_TEST
 
 START_TEST(test_experts_mapped_equal)
 {
-	compare(true, false, 256);
+	compare(true, false, 256, false);
 }
 END_TEST
 
 START_TEST(test_experts_copied)
 {
-	compare(false, true, 256);
+	compare(false, true, 256, false);
 }
 END_TEST
 
 START_TEST(test_experts_cut_finer)
 {
-	compare(true, true, 6144);
+	compare(true, true, 6144, false);
 }
 END_TEST
 
@@ -383,6 +403,7 @@ static Suite *suite(void)
 	tcase_set_timeout(tc, 300);
 	tcase_add_test(tc, test_experts_mapped_tapered);
 	tcase_add_test(tc, test_experts_mapped_equal);
+	tcase_add_test(tc, test_experts_first_layer_on_device);
 	tcase_add_test(tc, test_experts_copied);
 	tcase_add_test(tc, test_experts_cut_finer);
 	suite_add_tcase(s, tc);
