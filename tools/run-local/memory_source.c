@@ -118,23 +118,37 @@ int memory_source_to_device(struct memory_source *ms, char *err, size_t errlen)
 	uint64_t total = 0;
 	for (uint32_t g = 0; g < m->n_groups; g++)
 		total += m->groups[g].slot_bytes;
-	for (uint32_t g = 0; g < m->n_groups; g++) {
+	int rc = 0;
+	for (uint32_t g = 0; g < m->n_groups && !rc; g++) {
 		const uint64_t bytes = m->groups[g].slot_bytes;
 		cudaError_t ce = cudaMalloc(&ms->group_dev[g], bytes ? bytes : 1);
+		if (ce != cudaSuccess)
+			ms->group_dev[g] = NULL;
+		/* From pageable memory a copy may return before it lands: the backend's stream does not
+		 * wait for the legacy one, so the device is waited for below. */
 		if (ce == cudaSuccess)
 			ce = cudaMemcpy(ms->group_dev[g], ms->group_data[g], bytes, cudaMemcpyHostToDevice);
+		if (ce == cudaSuccess && g + 1 == m->n_groups)
+			ce = cudaDeviceSynchronize();
 		if (ce != cudaSuccess) {
 			size_t free_b = 0, total_b = 0;
 			(void)cudaGetLastError();
 			(void)cudaMemGetInfo(&free_b, &total_b);
-			return errorf(err, errlen, ce == cudaErrorMemoryAllocation ? -ENOMEM : -EIO,
-				      "every weight on the GPU (%.2f GiB; the services stream what does not fit "
-				      "their --gpu-budget): group %u of %u: %s (%.2f GiB free of %.2f)",
-				      (double)total / (1u << 30), g, m->n_groups, cudaGetErrorString(ce),
-				      (double)free_b / (1u << 30), (double)total_b / (1u << 30));
+			rc = errorf(err, errlen, ce == cudaErrorMemoryAllocation ? -ENOMEM : -EIO,
+				    "every weight on the GPU (%.2f GiB; the services stream what does not fit "
+				    "their --gpu-budget): group %u of %u: %s (%.2f GiB free of %.2f)",
+				    (double)total / (1u << 30), g, m->n_groups, cudaGetErrorString(ce),
+				    (double)free_b / (1u << 30), (double)total_b / (1u << 30));
 		}
 	}
-	return 0;
+	if (rc) { /* nothing half made: the weights stay in host memory only */
+		for (uint32_t g = 0; g < m->n_groups; g++)
+			if (ms->group_dev[g])
+				cudaFree(ms->group_dev[g]);
+		free(ms->group_dev);
+		ms->group_dev = NULL;
+	}
+	return rc;
 #else
 	(void)ms;
 	return errorf(err, errlen, -ENOTSUP, "weights in device memory: this build has no CUDA");

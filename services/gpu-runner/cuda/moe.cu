@@ -16,6 +16,13 @@
  *    (each product rounded to float32, then added: the reference's index_add_), experts in
  *    increasing order as the engine gives them: the sum's order is the reference's.
  *  - end: the residual stream += sum.
+ *  - a wide chunk (more than FFN_SPLIT_MAX_TOKENS tokens: a prefill chunk, or a step of more
+ *    sequences; never with --experts-apart): the same sums in fewer launches, since such a chunk's
+ *    experts are mostly their launches (a 512-token prefill layer of Qwen3-30B-A3B: some 90 experts
+ *    of 3-18 us kernels). Every routed row is gathered once a layer (xa, in tok's order), each
+ *    expert's down_proj writes its rows into ya at their place, and end sums each token's rows in
+ *    its experts' order into the residual stream (combine_rows_kernel: s = 0, s += y * w, x += s,
+ *    the scatters' and the add's operations and order).
  *  - one token (a decode step of one sequence): the same sums in fewer launches, since the host's
  *    launches, not the GPU, bound such a step (M1R/M2R: 5.4 ms a token all resident, 0.2 ms a layer
  *    of some 50 launches). The token's row goes into the activation dtype once a layer, not once an

@@ -68,8 +68,10 @@ struct cuda_moe {
 	uint32_t *tok0;		/* (1) 0: one token's gather index */
 	uint32_t *tok;		/* (max_chunk k) tokens of each expert, expert after expert (off[]) */
 	float *tw;		/* (max_chunk k) their weights */
-	/* A chunk of more than FFN_SPLIT_MAX_TOKENS tokens (prefill; no CPU experts), where wide_rows
-	 * holds its n k routed rows: every row gathered once a layer into xa (expert after expert, as
+	/* A chunk of more than FFN_SPLIT_MAX_TOKENS tokens (a prefill chunk or a step of more sequences;
+	 * no CPU experts then; not with --experts-apart), where wide_rows holds its n k routed rows
+	 * (wide_rows 0: max_chunk at most FFN_SPLIT_MAX_TOKENS, or the buffers would pass
+	 * MOE_WIDE_BYTES_MAX): every row gathered once a layer into xa (expert after expert, as
 	 * tok), each expert's down_proj rows into ya at their place, and one combine at moe_end sums
 	 * each token's rows in its experts' order (pos) into the residual stream, as the per-expert
 	 * scatters into a cleared sum and the add did. */

@@ -314,9 +314,9 @@ void profile_step(struct backend_dev *be, uint32_t n)
 		const char *v = getenv("PIPELINE_CUDA_PROFILE_STEP");
 		char *end = NULL;
 		long k = v && *v ? strtol(v, &end, 10) : 0;
-		if (v && *v && (*end || k < 1 || k > INT32_MAX)) {
-			log_warn("cuda backend: PIPELINE_CUDA_PROFILE_STEP=%s is not a step number (1, 2, ...): "
-				 "no step is profiled", v);
+		if (v && *v && (*end || k < 0 || k > INT32_MAX)) {
+			log_warn("cuda backend: PIPELINE_CUDA_PROFILE_STEP=%s is not a step number (1, 2, ...; 0: "
+				 "none): no step is profiled", v);
 			k = 0;
 		}
 		be->prof_left = (int32_t)k;
