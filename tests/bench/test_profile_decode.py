@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """test_profile_decode - scripts/profile-decode's reading of ncu's CSV, without a GPU: a recorded
 decode step (ncu/decode-q4km.csv: bench-kernels --quant --profile decode on an H200, its first two
-layers, the final norm, lm_head and the pick), its grouping and table, and its refusals.
+layers, the final norm, lm_head and the pick), its grouping and table, and its refusals; and the
+command --run-local gives ncu (a checkpoint's prompt chunk in run-local on CUDA), not run.
 
     python3 -B tests/bench/test_profile_decode.py        (ctest: profile_decode_script, label unit)
 """
@@ -144,6 +145,68 @@ class CommandLine(unittest.TestCase):
         p = self.run_script("--help")
         self.assertEqual(p.returncode, 0)
         self.assertIn("--replay", p.stdout)
+        self.assertIn("--run-local", p.stdout)
+
+
+def tool(d, name):
+    """An executable stand-in at d/name (never run: command() only checks it is there)."""
+    path = os.path.join(d, name)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("#!/bin/sh\nexit 0\n")
+    os.chmod(path, 0o755)
+    return path
+
+
+class RunLocal(unittest.TestCase):
+    """--run-local: the command ncu runs (run-local on CUDA, the prompt in one chunk, the step named
+    to the backend) and the refusals, without running it."""
+
+    def args(self, *argv):
+        return pd.parser().parse_args(["--ncu", self.ncu, "--bench", self.rl, *argv])
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.ncu = tool(self.dir.name, "ncu")
+        self.rl = tool(self.dir.name, "run-local")
+        self.model = os.path.join(self.dir.name, "m.gguf")
+        open(self.model, "w").close()
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def test_command(self):
+        cmd, env = pd.command(self.args("--run-local", self.model, "--prompt", "6"))
+        self.assertEqual(cmd[0], self.ncu)
+        self.assertIn("--profile-from-start", cmd)
+        i = cmd.index(self.rl)
+        self.assertEqual(cmd[i:], [self.rl, "--backend", "cuda", "--model", self.model, "--tokens", "1,2,3,4,5,6",
+                                   "--max-new", "1", "--prefill-chunk", "6"])
+        self.assertEqual(env["PIPELINE_CUDA_PROFILE_STEP"], "1")
+
+    def test_decode_unchanged(self):
+        cmd, env = pd.command(self.args("--quant"))
+        self.assertEqual(cmd[-4:], [self.rl, "--profile", "decode", "--quant"])
+        self.assertEqual(env.get("PIPELINE_CUDA_PROFILE_STEP"), os.environ.get("PIPELINE_CUDA_PROFILE_STEP"))
+
+    def refused(self, words, *argv):
+        with self.assertRaises(pd.ProfileError) as cm:
+            pd.command(self.args(*argv))
+        self.assertIn(words, str(cm.exception))
+
+    def test_refusals(self):
+        self.refused("a prefill step takes 2..", "--run-local", self.model, "--prompt", "1")
+        self.refused("no checkpoint at", "--run-local", os.path.join(self.dir.name, "none"))
+        self.refused("--quant is bench-kernels' weights", "--run-local", self.model, "--quant")
+
+    def test_no_run_local(self):
+        os.unlink(self.rl)
+        self.refused("no run-local at", "--run-local", self.model)
+
+    def test_script_refuses(self):
+        p = subprocess.run([sys.executable, "-B", SCRIPT, "--run-local", os.path.join(self.dir.name, "none")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("profile-decode: no checkpoint at", p.stderr)
 
 
 if __name__ == "__main__":
