@@ -277,7 +277,7 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 			return errorf(err, errlen, -EINVAL, "cpu share: auto needs the measured H2D rate");
 		double p_all = (double)(other_streamed + split_bytes) / h2d_bps; /* nothing split */
 		s = (p_all - n_elig * handoff) / ((double)split_bytes / h2d_bps + cpu_all);
-		s = s < 0 ? 0 : s > 1 ? 1 : s;
+		s = !(s > 0) ? 0 : s > 1 ? 1 : s; /* NaN (0 / 0): none */
 	}
 	plan->share = s;
 	plan->r_min = ffn;
