@@ -84,14 +84,39 @@ int shm_object_owner(const char *name, int *owner_pid)
 	return rc;
 }
 
+/* Is the object open on fd this user's, and private to it (no group or other permission bits)?
+ * 0; -EPERM, logged, where another user owns it (/dev/shm is everyone's: a name can be taken
+ * first); -EACCES where it is ours but others may open it; -errno of fstat. */
+static int check_private(int fd, const char *name)
+{
+	struct stat st;
+	if (fstat(fd, &st) != 0)
+		return -errno;
+	if (st.st_uid != geteuid()) {
+		log_error("shared-memory object %s belongs to uid %u, not to this user (uid %u): it is not used; "
+			  "remove it (/dev/shm%s) or pick another --instance",
+			  name, (unsigned)st.st_uid, (unsigned)geteuid(), name);
+		return -EPERM;
+	}
+	return (st.st_mode & 077) ? -EACCES : 0;
+}
+
 /* Looks at a leftover object: returns 1 if adoptable, 0 if it should be reclaimed, -EBUSY
- * if its owner lives. A leftover too short to hold a header counts as dead. */
+ * if its owner lives, -EPERM if another user owns it. A leftover too short to hold a header
+ * counts as dead; one of ours that others may open is reclaimed, never adopted. */
 static int inspect_leftover(const char *name, size_t size, uint32_t kind, uint32_t version)
 {
 	int fd = shm_open(name, O_RDONLY | O_CLOEXEC, 0);
 	if (fd < 0)
 		return errno == ENOENT ? 0 : -errno;
-	int rc = 0;
+	int rc = check_private(fd, name);
+	if (rc == -EACCES) {
+		log_warn("shared-memory object %s is open to other users: it is laid out anew", name);
+		rc = 0;
+		goto out_close;
+	}
+	if (rc)
+		goto out_close;
 	struct shm_header h;
 	size_t st_size;
 	if (!read_header(fd, &h, &st_size))
@@ -195,7 +220,13 @@ int shm_object_attach(const char *name, uint32_t kind, uint32_t layout_version, 
 	if (fd < 0)
 		return -errno;
 	struct stat st;
-	int rc;
+	int rc = check_private(fd, name);
+	if (rc == -EACCES) {
+		log_error("shared-memory object %s is open to other users (not 0600): it is not used", name);
+		rc = -EPERM;
+	}
+	if (rc)
+		goto out_close;
 	if (fstat(fd, &st) != 0) {
 		rc = -errno;
 		goto out_close;

@@ -71,13 +71,17 @@ int shm_object_name(const char *instance, const char *object, char *buf, size_t 
 /* Creates (or adopts, see above) the object `name` of `size` bytes and maps it read-write.
  * The header is filled in (ready = 0) unless the object was adopted, in which case *adopted
  * is set true and the contents are left as they were, with owner_pid updated.
- * Returns 0; -EBUSY when a live process owns an object of that name; -EINVAL for a bad
- * name or size; other -errno from shm_open/ftruncate/mmap. On failure nothing is left behind. */
+ * Returns 0; -EBUSY when a live process owns an object of that name; -EPERM when another user
+ * owns one (logged: it is neither adopted nor removed); -EINVAL for a bad name or size; other
+ * -errno from shm_open/ftruncate/mmap. A leftover of ours that others may open (mode not 0600)
+ * is laid out anew, never adopted. On failure nothing is left behind. */
 int shm_object_create(const char *name, size_t size, uint32_t kind, uint32_t layout_version,
 		      enum shm_leftover policy, struct shm_object **out, bool *adopted);
 
 /* Maps an existing object. writable selects PROT_WRITE. Returns 0; -ENOENT when absent;
- * -EPROTO when magic, kind or version differ; -EAGAIN when its owner has not set ready. */
+ * -EPERM (logged) when another user owns it or others may open it (its mode is not 0600: the
+ * owner makes it so); -EPROTO when magic, kind or version differ; -EAGAIN when its owner has
+ * not set ready. */
 int shm_object_attach(const char *name, uint32_t kind, uint32_t layout_version, bool writable,
 		      struct shm_object **out);
 

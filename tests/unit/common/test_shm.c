@@ -245,6 +245,58 @@ END_TEST
 
 /* ---- leftovers ---- */
 
+START_TEST(test_open_mode_not_adopted)
+{
+	/* A leftover of ours that other users may open is laid out anew at 0600, never adopted; an
+	 * object that is not 0600 is not attached to. */
+	const char *name = test_name("openmode");
+	struct shm_header old = leave_dead_object(name, SIZE, SHM_KIND_TEST, VERSION, SHM_ADOPT, true, "shared");
+	int fd = shm_open(name, O_RDWR, 0);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(fchmod(fd, 0644), 0);
+	close(fd);
+	struct shm_object *a = NULL;
+	ck_assert_int_eq(shm_object_attach(name, SHM_KIND_TEST, VERSION, false, &a), -EPERM);
+	ck_assert_ptr_null(a);
+	struct shm_object *o = NULL;
+	bool adopted = true;
+	ck_assert_int_eq(shm_object_create(name, SIZE, SHM_KIND_TEST, VERSION, SHM_ADOPT, &o, &adopted), 0);
+	ck_assert(!adopted);
+	ck_assert_uint_ne(hdr(o)->instance_id, old.instance_id);
+	ck_assert_str_eq(data(o), "");
+	struct stat st;
+	ck_assert_int_eq(stat_shm(name, &st), 0);
+	ck_assert_uint_eq(st.st_mode & 07777, 0600);
+	shm_object_set_ready(o);
+	ck_assert_int_eq(shm_object_attach(name, SHM_KIND_TEST, VERSION, false, &a), 0);
+	shm_object_close(&a, false);
+	shm_object_close(&o, true);
+}
+END_TEST
+
+START_TEST(test_other_users_object_refused)
+{
+	/* Another user's object of that name (made first in /dev/shm, which everyone may write): neither
+	 * adopted, removed nor attached to. Needs the right to give it away (root). */
+	if (geteuid() != 0)
+		return;
+	const char *name = test_name("otheruser");
+	leave_dead_object(name, SIZE, SHM_KIND_TEST, VERSION, SHM_ADOPT, true, "theirs");
+	int fd = shm_open(name, O_RDWR, 0);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(fchown(fd, 65534, 65534), 0);
+	close(fd);
+	struct shm_object *o = NULL;
+	bool adopted = true;
+	ck_assert_int_eq(shm_object_create(name, SIZE, SHM_KIND_TEST, VERSION, SHM_ADOPT, &o, &adopted), -EPERM);
+	ck_assert_int_eq(shm_object_create(name, SIZE, SHM_KIND_TEST, VERSION, SHM_RECLAIM, &o, NULL), -EPERM);
+	ck_assert_int_eq(shm_object_attach(name, SHM_KIND_TEST, VERSION, false, &o), -EPERM);
+	struct stat st;
+	ck_assert_int_eq(stat_shm(name, &st), 0); /* still there, still theirs */
+	ck_assert_uint_eq(st.st_uid, 65534);
+}
+END_TEST
+
 START_TEST(test_reclaim_dead_owner)
 {
 	const char *name = test_name("reclaim");
@@ -637,6 +689,8 @@ static Suite *shm_suite(void)
 	tcase_add_checked_fixture(tc, setup, teardown);
 	tcase_add_test(tc, test_reclaim_dead_owner);
 	tcase_add_test(tc, test_adopt_dead_owner);
+	tcase_add_test(tc, test_open_mode_not_adopted);
+	tcase_add_test(tc, test_other_users_object_refused);
 	tcase_add_test(tc, test_adopt_mismatch_reclaims);
 	tcase_add_test(tc, test_zombie_owner_counts_as_dead);
 	tcase_add_test(tc, test_live_owner_refused);
