@@ -33,8 +33,8 @@ static int wait_reply(struct kv_remote *kr, uint64_t corr, struct msg *rep)
 		int step = kr->timeout_ms - waited < slice ? kr->timeout_ms - waited : slice;
 		int rc = rpc_wait(kr->client, corr, rep, step > 0 ? step : 0);
 		if (rc != -ETIMEDOUT) {
-			if (rc && rc != -EREMOTEIO)
-				kr->lost = true;
+			if (rc && rc != -EREMOTEIO) /* unreadable: the store may have done the request */
+				kr->lost = kr->orphans = true;
 			return rc;
 		}
 		waited += step;
@@ -137,6 +137,7 @@ static int call(struct kv_remote *kr, struct msg *req, uint32_t want, struct msg
 	if (rep->type != want) {
 		set_err(kr, -EPROTO, "kv-store answered %s with %s", what, msg_type_name(rep->type));
 		msg_free(rep);
+		kr->lost = kr->orphans = true; /* what it did for the request is not known: given up */
 		return -EPROTO;
 	}
 	return 0;
@@ -181,6 +182,10 @@ static int blocks_reply(struct kv_remote *kr, const struct msg *rep, uint32_t n,
 		}
 	}
 	free(seen);
+	/* Blocks allocated or pinned for a reply that cannot be used: nobody will hand them back but
+	 * a new session (kr->orphans). */
+	if (rc)
+		kr->lost = kr->orphans = true;
 	return rc;
 }
 
@@ -448,6 +453,7 @@ static int op_lookup(void *ctx, uint32_t n, const uint64_t *keys, uint64_t *hand
 		const struct msg_kv_blocks *b = &rep.kv_blocks;
 		if (b->handles.n != m) {
 			rc = set_err(kr, -EPROTO, "kv-store answered a lookup of %u keys with %u handles", m, b->handles.n);
+			kr->lost = kr->orphans = true; /* its hits' references: nobody's to hand back */
 		} else {
 			memcpy(handles + done, b->handles.v, (size_t)m * sizeof(uint64_t));
 			done += m;
