@@ -687,6 +687,23 @@ void runner_job_release(struct runner_job *j)
 	struct runner_client *rc = j->rc;
 	pthread_mutex_lock(&rc->lock);
 	j->released = true;
+	if (j->state == JOB_QUEUED) {
+		/* Out of the queue now, with the queue's reference: a client that gave up waiting must
+		 * not hold a place that --max-queue counts (clients that time out and come again would
+		 * fill it, and every new request would get 429 until the workers reached them). */
+		struct runner_job **at = &rc->head, *prev = NULL;
+		while (*at && *at != j) {
+			prev = *at;
+			at = &(*at)->next;
+		}
+		if (*at == j) {
+			*at = j->next;
+			if (rc->tail == j)
+				rc->tail = prev;
+			rc->queued--;
+			job_unref_locked(j);
+		}
+	}
 	job_unref_locked(j);
 	pthread_mutex_unlock(&rc->lock);
 }

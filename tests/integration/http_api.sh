@@ -391,6 +391,34 @@ kill -TERM "$SECOND"
 wait "$SECOND" || fail "the second http-api did not exit cleanly on SIGTERM"
 log "a full queue: 429"
 
+# ---- a client that gives up while queued frees its place (a third server, --max-queue 1) ----
+"$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --max-queue 1 --concurrency 1 \
+	--name http-api-3 >"$IT_TMP/third.log" 2>&1 &
+THIRD=$!
+listening3() { grep -q 'listening on http://' "$IT_TMP/third.log"; }
+wait_until 10 "the third http-api listens" listening3
+BASE3=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$IT_TMP/third.log" | head -n 1)
+: >"$IT_TMP/long3"
+curl -sS -N "$BASE3/v1/completions" --data-binary "$long" >"$IT_TMP/long3" 2>/dev/null &
+LONG3=$!
+streaming3() { grep -q '^data: {' "$IT_TMP/long3"; }
+wait_until 20 "the long stream of the third server starts" streaming3
+short='{"prompt": "x", "max_tokens": 2}'
+for i in 1 2 3; do
+	# Each waits in the only place of the queue behind the stream, then its client gives up: the
+	# next one must find the place free again (it got 429 while the stream ran).
+	got=$(curl -sS -m 1 -o "$BODY" -w '%{http_code}' "$BASE3/v1/completions" --data-binary "$short" 2>/dev/null || true)
+	expect_eq "$got" 000 "queued request $i behind the stream, its client gone after 1 s (not refused)"
+	queue_empty() { [[ $(curl -sS "$BASE3/health" | jq -r .queued) == 0 ]]; }
+	wait_until 5 "the place of queued request $i given back" queue_empty
+done
+kill -0 "$LONG3" 2>/dev/null || fail "the long stream of the third server ended"
+kill "$LONG3" 2>/dev/null || true
+wait "$LONG3" 2>/dev/null || true
+kill -TERM "$THIRD"
+wait "$THIRD" || fail "the third http-api did not exit cleanly on SIGTERM"
+log "clients that give up while queued: their places given back"
+
 # ---- http-api runs under the supervisor: killed, it is started again and serves ----
 # (killed in the middle of a stream: the runner cancels that generation, as for a client gone)
 HTTP_PID=$(sup_field http-api pid)
