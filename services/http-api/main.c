@@ -124,7 +124,8 @@ int main(int argc, char **argv)
 		{"default-max-tokens", OPT_INT, &default_max_tokens, "256", "max_tokens of a request that gives none"},
 		{"timeout", OPT_INT, &timeout_s, "600", "seconds gpu-runner may be silent during a generation"},
 		{"hello-timeout-ms", OPT_INT, &hello_ms, "2000",
-		 "how long gpu-runner may take to answer HELLO before it counts as unavailable (503)"},
+		 "how long gpu-runner may take to answer HELLO; a runner that still listens (busy in a long step) "
+		 "is asked again until --timeout, one that is gone counts as unavailable (503)"},
 		{"resume-timeout", OPT_INT, &resume_s, "60",
 		 "seconds to wait for a gpu-runner that died during a request to be started again; the request "
 		 "then goes on where it was cut off (0: fail it at once)"},

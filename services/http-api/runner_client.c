@@ -410,6 +410,12 @@ static void run_job(struct worker *w, struct runner_job *j)
 	snprintf(path, sizeof(path), "%s/%s.ctl", rc->run_dir, RUNNER);
 	int status;
 	int r = say_hello(w, path, &status, why, sizeof(why));
+	/* The runner answers HELLO between its steps, and a step can take seconds (a prompt's chunk, a
+	 * layer streamed from disk): while it still listens, this request waits for it, as it would
+	 * for the replies of a generation (--timeout), until it answers, goes away, or the client does. */
+	const uint64_t until = now_ns() + (uint64_t)rc->o.reply_timeout_ms * 1000000ull;
+	for (int pid; r == -ETIMEDOUT && now_ns() < until && runner_listening(path, &pid) && !job_released(rc, j);)
+		r = say_hello(w, path, &status, why, sizeof(why));
 	if (r) {
 		job_fail(rc, j, status, "%s", why);
 		return;

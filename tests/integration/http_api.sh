@@ -5,7 +5,9 @@
 # stop strings end the text before them; /health and /v1/models answer; bad requests get their
 # status and OpenAI's error shape; a client that goes away mid-stream cancels its generation and
 # the server serves the next request; a runner killed mid-stream ends it with an error event (with
-# --resume-timeout 0); a full queue answers 429; http-api killed mid-stream is started again by the
+# --resume-timeout 0); a full queue answers 429, and a client that gives up while queued frees its
+# place at once; a runner that answers HELLO late (busy in a long step) is waited for, not a 503;
+# http-api killed mid-stream is started again by the
 # supervisor and serves, and the runner cancels the cut stream; no runner answers 503; a port in use
 # fails the start. GET /metrics (no key) counts each of these by the amounts sent, in the Prometheus
 # text format, with the instance's stats.
@@ -393,31 +395,53 @@ log "a full queue: 429"
 
 # ---- a client that gives up while queued frees its place (a third server, --max-queue 1) ----
 "$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --max-queue 1 --concurrency 1 \
-	--name http-api-3 >"$IT_TMP/third.log" 2>&1 &
-THIRD=$!
-listening3() { grep -q 'listening on http://' "$IT_TMP/third.log"; }
-wait_until 10 "the third http-api listens" listening3
-BASE3=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$IT_TMP/third.log" | head -n 1)
-: >"$IT_TMP/long3"
-curl -sS -N "$BASE3/v1/completions" --data-binary "$long" >"$IT_TMP/long3" 2>/dev/null &
-LONG3=$!
-streaming3() { grep -q '^data: {' "$IT_TMP/long3"; }
-wait_until 20 "the long stream of the third server starts" streaming3
+	--name http-api-q >"$IT_TMP/queue.log" 2>&1 &
+QSERVER=$!
+listening_q() { grep -q 'listening on http://' "$IT_TMP/queue.log"; }
+wait_until 10 "the queue's http-api listens" listening_q
+BASEQ=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$IT_TMP/queue.log" | head -n 1)
+: >"$IT_TMP/longq"
+curl -sS -N "$BASEQ/v1/completions" --data-binary "$long" >"$IT_TMP/longq" 2>/dev/null &
+LONGQ=$!
+streaming_q() { grep -q '^data: {' "$IT_TMP/longq"; }
+wait_until 20 "the long stream of the queue's server starts" streaming_q
 short='{"prompt": "x", "max_tokens": 2}'
 for i in 1 2 3; do
 	# Each waits in the only place of the queue behind the stream, then its client gives up: the
 	# next one must find the place free again (it got 429 while the stream ran).
-	got=$(curl -sS -m 1 -o "$BODY" -w '%{http_code}' "$BASE3/v1/completions" --data-binary "$short" 2>/dev/null || true)
+	got=$(curl -sS -m 1 -o "$BODY" -w '%{http_code}' "$BASEQ/v1/completions" --data-binary "$short" 2>/dev/null || true)
 	expect_eq "$got" 000 "queued request $i behind the stream, its client gone after 1 s (not refused)"
-	queue_empty() { [[ $(curl -sS "$BASE3/health" | jq -r .queued) == 0 ]]; }
+	queue_empty() { [[ $(curl -sS "$BASEQ/health" | jq -r .queued) == 0 ]]; }
 	wait_until 5 "the place of queued request $i given back" queue_empty
 done
-kill -0 "$LONG3" 2>/dev/null || fail "the long stream of the third server ended"
-kill "$LONG3" 2>/dev/null || true
-wait "$LONG3" 2>/dev/null || true
-kill -TERM "$THIRD"
-wait "$THIRD" || fail "the third http-api did not exit cleanly on SIGTERM"
+kill -0 "$LONGQ" 2>/dev/null || fail "the long stream of the queue's server ended"
+kill "$LONGQ" 2>/dev/null || true
+wait "$LONGQ" 2>/dev/null || true
+kill -TERM "$QSERVER"
+wait "$QSERVER" || fail "the queue's http-api did not exit cleanly on SIGTERM"
 log "clients that give up while queued: their places given back"
+
+# ---- a runner that answers HELLO later than --hello-timeout-ms (a long step; here stopped for 1.2
+# s, below the supervisor's 2 s to call it hung): the request waits for it, no 503 ----
+"$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --concurrency 1 \
+	--hello-timeout-ms 300 --name http-api-h >"$IT_TMP/hello.log" 2>&1 &
+HSERVER=$!
+listening_h() { grep -q 'listening on http://' "$IT_TMP/hello.log"; }
+wait_until 10 "the hello test's http-api listens" listening_h
+BASEH=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$IT_TMP/hello.log" | head -n 1)
+RPID=$(sup_field gpu-runner pid)
+[[ $RPID =~ ^[0-9]+$ ]] || fail "the runner's pid from the supervisor: '$RPID'"
+kill -STOP "$RPID"
+curl -sS -m 60 -o "$BODY" -w '%{http_code}' "$BASEH/v1/completions" --data-binary "$short" >"$IT_TMP/hcode" &
+HCLIENT=$!
+sleep 1.2
+kill -CONT "$RPID"
+wait "$HCLIENT" || true
+expect_eq "$(cat "$IT_TMP/hcode")" 200 "a request while the runner answers HELLO late"
+expect_eq "$(sup_field gpu-runner pid)" "$RPID" "the same runner (not found hung and restarted)"
+kill -TERM "$HSERVER"
+wait "$HSERVER" || fail "the hello test's http-api did not exit cleanly on SIGTERM"
+log "a runner that answers HELLO late: the request waits for it"
 
 # ---- http-api runs under the supervisor: killed, it is started again and serves ----
 # (killed in the middle of a stream: the runner cancels that generation, as for a client gone)
