@@ -128,7 +128,8 @@ int main(int argc, char **argv)
 		 "is asked again until --timeout, one that is gone counts as unavailable (503)"},
 		{"resume-timeout", OPT_INT, &resume_s, "60",
 		 "seconds to wait for a gpu-runner that died during a request to be started again; the request "
-		 "then goes on where it was cut off (0: fail it at once)"},
+		 "then goes on where it was cut off (0: fail it at once; a third death during one request fails "
+		 "it too)"},
 		{"log-level", OPT_STRING, &level, "info", "debug, info, warn or error"},
 		{"name", OPT_STRING, &name, PROG,
 		 "its name in the run directory (NAME.ctl and NAME.pub: HELLO, stats and heartbeats for the "

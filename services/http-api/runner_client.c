@@ -450,6 +450,17 @@ static void run_job(struct worker *w, struct runner_job *j)
 		const enum read_end end = read_replies(w, j, corr, path, listener);
 		if (end == READ_ENDED)
 			return;
+		if (j->resumes >= RUNNER_RESUMES_MAX) {
+			/* A request whose runner died this often may be what kills it: sent again, it would
+			 * take the runner down until the supervisor gave up on it, and every request with it. */
+			job_fail(rc, j, 503,
+				 "gpu-runner went away %u times during the request (after %llu tokens): it is not "
+				 "sent again",
+				 j->resumes + 1, (unsigned long long)j->n_tokens);
+			log_warn("gpu-runner went away during a request for the %u-th time: the request fails",
+				 j->resumes + 1);
+			return;
+		}
 		log_warn("gpu-runner went away during a request after %llu tokens: waiting up to %ld s for it to "
 			 "be started again",
 			 (unsigned long long)j->n_tokens, rc->o.resume_timeout_ms / 1000);

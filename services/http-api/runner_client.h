@@ -28,6 +28,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Times a request is sent again to a new runner after its runner died during it (the third death
+ * fails it: a request that kills the runner must not take it down until the supervisor gives up). */
+#define RUNNER_RESUMES_MAX 2
+
 struct runner_options {
 	void *zctx;		 /* the ZeroMQ context (thread-safe; each thread opens its own sockets) */
 	const char *run_dir;	 /* the instance's run directory: <run_dir>/gpu-runner.ctl */

@@ -6,7 +6,7 @@
 # a seeded one (temperature 1, seed 7) and a seeded chat, with gpu-runner killed (kill -9) after
 # some tokens came, give the text and the completion_tokens of the same request run without the
 # kill; a request that does not stream, likewise. A runner stopped with SIGTERM (it ends the request
-# as cancelled) is resumed the same way.
+# as cancelled) is resumed the same way. A request whose runner dies a third time fails.
 # HTTP_RESUME_BACKEND=cuda (a GPU host; skipped without one) runs it on the CUDA backend, which
 # draws seeded tokens on the GPU.
 source "$(dirname "$0")/lib.sh"
@@ -125,7 +125,28 @@ expect_eq "$(jq -r '.usage.completion_tokens' "$IT_TMP/whole-got")" \
 	"$(jq -r '.usage.completion_tokens' "$IT_TMP/whole-want")" "a completion that does not stream: completion_tokens"
 log "a completion that does not stream: resumed, the same text"
 
-# /metrics counts them: as many resumes as the log says (six requests, each resumed once).
+# A request during which the runner dies three times: resumed twice, then failed (a request that
+# kills its runner must not keep the supervisor restarting it). Each kill lands once the stream
+# has moved on since the last one.
+req="{\"prompt\": $(json_str "$text"), \"max_tokens\": 100000, \"temperature\": 0, \"ignore_eos\": true, \"stream\": true}"
+before=$(resumes)
+curl -sS -N "$BASE/v1/completions" --data-binary "$req" >"$IT_TMP/thrice" 2>&1 &
+CLIENT=$!
+for k in 1 2 3; do
+	seen=$(grep -c '^data: {' "$IT_TMP/thrice" || true)
+	moved_on() { (($(grep -c '^data: {' "$IT_TMP/thrice" || true) >= seen + 10)); }
+	wait_until 30 "the stream moving on before kill $k" moved_on
+	PID=$(sup_field gpu-runner pid)
+	kill -KILL "$PID"
+	wait_until 30 "gpu-runner restarted after kill $k" restarted gpu-runner "$PID"
+done
+wait "$CLIENT" || true
+expect_eq "$(resumes)" "$((before + 2))" "a request whose runner died three times: resumed twice"
+expect_grep '"error"' "$(sed -n 's/^data: //p' "$IT_TMP/thrice" | tail -n 3)" "its stream ends with an error event"
+expect_grep "went away 3 times during the request" "$(cat "$IT_TMP/thrice")" "the error says why"
+log "a request whose runner died three times: resumed twice, then failed"
+
+# /metrics counts them: as many resumes as the log says.
 curl -sS "$BASE/metrics" >"$IT_TMP/metrics" || fail "GET /metrics failed"
 expect_eq "$(awk '$1 == "pipeline_http_resumes_total" {print $2}' "$IT_TMP/metrics")" "$(resumes)" \
 	"/metrics: pipeline_http_resumes_total"
