@@ -27,9 +27,13 @@ struct spill {
 	struct io_uring ring;
 };
 
+/* The file at path, created 0600 where absent; never through a symbolic link (O_NOFOLLOW), and
+ * emptied for SPILL_TRUNCATE only once it is known to be a regular file of this user's (spill_open):
+ * a link or another user's file planted at the path must not be truncated. */
 static int open_file(spill_open_fn open_fn, const char *path, enum spill_open_mode mode, bool *o_direct)
 {
-	int flags = O_RDWR | O_CREAT | O_CLOEXEC | (mode == SPILL_TRUNCATE ? O_TRUNC : 0);
+	(void)mode;
+	int flags = O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW;
 	int fd = open_fn(path, flags | O_DIRECT, 0600);
 	if (fd >= 0) {
 		*o_direct = true;
@@ -86,6 +90,23 @@ int spill_open_with(spill_open_fn open_fn, const char *path, uint64_t block_byte
 		goto out_free;
 	}
 	sp->fd = rc;
+	struct stat st;
+	if (fstat(sp->fd, &st) != 0) {
+		rc = -errno;
+		snprintf(err, errlen, "cannot look at spill file %s: %s", path, strerror(errno));
+		goto out_close;
+	}
+	if (!S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
+		rc = -EPERM;
+		snprintf(err, errlen, "spill file %s is %s: not used (remove it or name another --spill-file)", path,
+			 !S_ISREG(st.st_mode) ? "not a regular file" : "another user's");
+		goto out_close;
+	}
+	if (mode == SPILL_TRUNCATE && st.st_size > 0 && ftruncate(sp->fd, 0) != 0) {
+		rc = -errno;
+		snprintf(err, errlen, "cannot empty spill file %s: %s", path, strerror(errno));
+		goto out_close;
+	}
 	/* An existing file keeps its mode through O_CREAT: make it 0600 whatever it was. */
 	if (fchmod(sp->fd, 0600) != 0) {
 		rc = -errno;

@@ -248,6 +248,30 @@ START_TEST(test_open_errors)
 	snprintf(path, sizeof(path), "%s/spill.bin", dir);
 	ck_assert_int_eq(spill_open(path, BB, 4, 0, SPILL_TRUNCATE, &sp, err, sizeof(err)), -EINVAL);
 	ck_assert_ptr_nonnull(strstr(err, "io depth 0"));
+	/* A symbolic link planted at the path (in a directory others may write): refused, and what it
+	 * points to neither truncated nor made 0600. */
+	char target[600];
+	snprintf(target, sizeof(target), "%s/victim", dir);
+	FILE *v = fopen(target, "w");
+	ck_assert_ptr_nonnull(v);
+	fputs("keep me", v);
+	fclose(v);
+	ck_assert_int_eq(chmod(target, 0644), 0);
+	ck_assert_int_eq(symlink(target, path), 0);
+	ck_assert_int_eq(spill_open(path, BB, 4, 8, SPILL_TRUNCATE, &sp, err, sizeof(err)), -ELOOP);
+	ck_assert_ptr_null(sp);
+	ck_assert_ptr_nonnull(strstr(err, path));
+	struct stat st;
+	ck_assert_int_eq(stat(target, &st), 0);
+	ck_assert_int_eq(st.st_size, 7);
+	ck_assert_uint_eq(st.st_mode & 0777, 0644);
+	unlink(path);
+	/* Not a regular file: refused. */
+	ck_assert_int_eq(mkdir(path, 0700), 0);
+	ck_assert_int_lt(spill_open(path, BB, 4, 8, SPILL_TRUNCATE, &sp, err, sizeof(err)), 0);
+	ck_assert_ptr_null(sp);
+	rmdir(path);
+	unlink(target);
 	rmdir(dir);
 }
 END_TEST
