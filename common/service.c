@@ -91,6 +91,38 @@ int run_dir_prepare(const char *dir)
 		log_error("cannot set mode 0700 on run directory %s: %s", path, strerror(errno));
 		return rc;
 	}
+	/* Whoever may write the parent may rename the run directory and put sockets of their own where
+	 * the services and clients look for each other's (/tmp/llmp-UID made first by another user, or
+	 * left open to others): the parent must be ours or root's, and not writable by others unless
+	 * sticky (as /tmp is). */
+	size_t n = strlen(path);
+	while (n > 1 && path[n - 1] == '/')
+		path[--n] = 0;
+	char *slash = strrchr(path, '/');
+	if (slash) {
+		if (slash == path)
+			slash[1] = 0; /* the root directory */
+		else
+			*slash = 0;
+		struct stat ps;
+		if (stat(path, &ps) != 0) {
+			int rc = -errno;
+			log_error("cannot look at %s, the run directory's parent: %s", path, strerror(errno));
+			return rc;
+		}
+		if (ps.st_uid != getuid() && ps.st_uid != 0) {
+			log_error("%s, the run directory's parent, belongs to uid %u: another user could replace the run "
+				  "directory (remove it, or set PIPELINE_RUN_DIR elsewhere)",
+				  path, (unsigned)ps.st_uid);
+			return -EPERM;
+		}
+		if ((ps.st_mode & 022) && !(ps.st_mode & S_ISVTX)) {
+			log_error("%s, the run directory's parent, is writable by other users (mode %03o, not sticky): "
+				  "another user could replace the run directory (chmod go-w it)",
+				  path, (unsigned)(ps.st_mode & 0777));
+			return -EPERM;
+		}
+	}
 	return 0;
 }
 

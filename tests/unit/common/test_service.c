@@ -698,6 +698,33 @@ START_TEST(test_run_dir_prepare)
 	free(err);
 	ck_assert_int_eq(stat(path, &st), 0);
 	ck_assert(S_ISREG(st.st_mode)); /* left alone */
+	/* a parent others may write, not sticky: refused (another user could replace the run
+	 * directory); sticky, as /tmp is: taken */
+	char parent[600];
+	snprintf(parent, sizeof(parent), "%s/open", tmp_dir);
+	ck_assert_int_eq(mkdir(parent, 0700), 0);
+	ck_assert_int_eq(chmod(parent, 0777), 0);
+	snprintf(path, sizeof(path), "%s/open/run", tmp_dir);
+	th_capture_begin(&cap, STDERR_FILENO);
+	rc = run_dir_prepare(path);
+	err = th_capture_end(&cap);
+	ck_assert_int_eq(rc, -EPERM);
+	ck_assert_ptr_nonnull(strstr(err, "writable by other users"));
+	free(err);
+	ck_assert_int_eq(chmod(parent, 01777), 0);
+	ck_assert_int_eq(run_dir_prepare(path), 0);
+	if (geteuid() == 0) {
+		/* another user's parent (made first where everyone may create it): refused */
+		ck_assert_int_eq(chmod(parent, 0755), 0);
+		ck_assert_int_eq(chown(parent, 65534, 65534), 0);
+		th_capture_begin(&cap, STDERR_FILENO);
+		rc = run_dir_prepare(path);
+		err = th_capture_end(&cap);
+		ck_assert_int_eq(rc, -EPERM);
+		ck_assert_ptr_nonnull(strstr(err, "belongs to uid 65534"));
+		free(err);
+		ck_assert_int_eq(chown(parent, 0, 0), 0);
+	}
 	/* a file as a parent */
 	snprintf(path, sizeof(path), "%s/file/sub", tmp_dir);
 	th_capture_begin(&cap, STDERR_FILENO);
