@@ -182,6 +182,30 @@ static int wait_reply(struct ring_source *rs, uint64_t corr, struct msg *rep)
 	}
 }
 
+/* An acquire given up (a grant not in time, a refusal or a bad grant among several) with the
+ * loader alive: the grants it sends later for that request are dropped unread (rpc_wait keeps only
+ * the awaited correlation), yet the loader counted a reference for each, under our session; with
+ * the smallest ring one such grant pins the only slot of its kind, and every later request failed.
+ * So the session changes: before the next request the runner starts over from the loader
+ * (ring_source_reconnected: a new source, window and engine, as after a loader's restart), and the
+ * new session's HELLO makes the loader let go of everything the old one held (loader_hello). */
+static void renew_session(struct ring_source *rs)
+{
+	rpc_client_set_session(rs->loader, random_u64() | 1);
+	rpc_client_reset(rs->loader); /* the late grants of the old requests go with the old socket */
+	uint32_t dropped = 0;
+	for (uint32_t g = 0; g < rs->base.n_groups; g++) {
+		dropped += rs->held[g].held && !rs->held[g].stale;
+		rs->held[g].stale = rs->held[g].held;
+		rs->held[g].permanent = rs->held[g].ahead = false;
+	}
+	rs->n_pending = 0;
+	rs->reconnects++;
+	log_warn("ssd-loader: an acquire was given up (%s): a new session, so that the loader lets go of what "
+		 "it granted for it (%u grants held before); the runner starts over from the loader",
+		 rs->base.error, dropped);
+}
+
 /* Sends one ACQUIRE for groups[0..n) (with the pending releases) and collects the grants. */
 static int acquire_groups(struct ring_source *rs, const uint64_t *groups, uint32_t n)
 {
@@ -230,6 +254,8 @@ static int acquire_groups(struct ring_source *rs, const uint64_t *groups, uint32
 			break;
 	}
 	free(wanted);
+	if (rc && rc != -ECONNRESET && rc != -ECANCELED && ring_source_owner_alive(rs))
+		renew_session(rs);
 	return rc;
 }
 
