@@ -45,7 +45,9 @@ int calibrate_disk(const char *path, void *buf, size_t buf_bytes, uint64_t max_b
 	uint64_t next = 0, done = 0, issued = 0;
 	unsigned inflight = 0;
 	uint64_t t0 = now_ns();
-	while (done < size && rc == 0) {
+	/* Until every read issued has completed: a short one (a file that shrank, a filesystem that
+	 * returns less) leaves done below size, and waiting for more with nothing in flight hung. */
+	while (rc == 0 && (next < size || inflight > 0)) {
 		while (inflight < depth && next < size) {
 			struct io_uring_sqe *sqe = io_uring_get_sqe(&ring);
 			size_t len = size - next < CAL_READ ? (size_t)(size - next) : CAL_READ;
