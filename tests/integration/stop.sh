@@ -23,6 +23,21 @@ rc=0
 "$PIPELINE" status >/dev/null || rc=$?
 ((rc != 0)) || fail "status of a stopped instance succeeded"
 
+# A stop timeout the supervisor would refuse: refused before anything stops (exit 2), the
+# instance still running; then the stop goes on as asked.
+"$PIPELINE" start --model "$MODEL" >/dev/null
+rc=0
+out=$(PIPELINE_STOP_TIMEOUT=20s "$PIPELINE" stop 2>&1) || rc=$?
+expect_eq "$rc" 2 "stop with PIPELINE_STOP_TIMEOUT=20s: its exit status"
+expect_grep "PIPELINE_STOP_TIMEOUT=20s" "$out" "stop with PIPELINE_STOP_TIMEOUT=20s: the message"
+"$PIPELINE" status >/dev/null || fail "the instance stopped by a stop that was refused"
+rc=0
+PIPELINE_STOP_TIMEOUT=7200 "$PIPELINE" stop >/dev/null 2>&1 || rc=$?
+expect_eq "$rc" 2 "stop with PIPELINE_STOP_TIMEOUT=7200: its exit status"
+out=$(PIPELINE_STOP_TIMEOUT=5 "$PIPELINE" stop)
+expect_grep "instance $INSTANCE stopped" "$out" "stop with PIPELINE_STOP_TIMEOUT=5"
+expect_nothing_left "stop with a stop timeout of 5 s"
+
 # A killed service leaves its shared state: stop removes that too.
 "$PIPELINE" start --model "$MODEL" >/dev/null
 kill -KILL "$(cat "$RUN_DIR/kv-store.pid")"
