@@ -57,6 +57,17 @@ out=$("$PIPELINE" status 2>&1) || rc=$?
 ((rc == 1)) || fail "status without a supervisor: exit status $rc, want 1"
 expect_grep 'no supervisor runs' "$out" "status without a supervisor"
 expect_words 8 "$(generate --tokens "$PROMPT" -n 8)" "generation after the supervisor was killed"
+# Its pid file now names a process that is not it (a number reused): shutdown leaves that alone.
+sleep 300 &
+other=$!
+echo "$other" >"$RUN_DIR/supervisor.pid"
+rc=0
+out=$("$BIN/pipeline-supervisor" shutdown --run-dir "$RUN_DIR" 2>&1) || rc=$?
+((rc != 0)) || fail "shutdown with the pid file of another process succeeded: $out"
+expect_grep "another program now: left alone" "$out" "shutdown with a stale pid file"
+kill -0 "$other" 2>/dev/null || fail "shutdown signalled the process its stale pid file named"
+kill "$other"
+wait "$other" 2>/dev/null || true
 out=$("$PIPELINE" stop)
 expect_grep "instance $INSTANCE stopped \(gpu-runner ssd-loader kv-store\)" "$out" "stop without a supervisor"
 expect_nothing_left "stop after the supervisor was killed"

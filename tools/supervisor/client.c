@@ -408,9 +408,17 @@ int sup_client_stop_supervisor(const char *run_dir, int pid, long timeout_s)
 
 int sup_client_shutdown(const char *run_dir, long timeout_s)
 {
-	int pid = sup_read_pid_file(run_dir, SUP_NAME);
-	if (!pid || !proc_running(pid)) {
-		fprintf(stderr, "pipeline-supervisor: no supervisor runs in %s\n", run_dir);
+	/* The pid file's number only where that process is this run directory's supervisor: after a
+	 * supervisor killed with -9 the number may belong to anything by now. */
+	int pid = sup_instance_live_pid(run_dir, SUP_NAME);
+	if (!pid) {
+		int stale = sup_read_pid_file(run_dir, SUP_NAME);
+		if (stale && proc_running(stale))
+			fprintf(stderr, "pipeline-supervisor: no supervisor runs in %s (its pid file names pid %d, "
+					"which is another program now: left alone)\n",
+				run_dir, stale);
+		else
+			fprintf(stderr, "pipeline-supervisor: no supervisor runs in %s\n", run_dir);
 		return SUP_EXIT_FAIL;
 	}
 	if (sup_client_stop_supervisor(run_dir, pid, timeout_s) != 0)

@@ -86,6 +86,11 @@ static int live_pid(const char *run_dir, const char *name)
 	return pid && runs_for(pid, program_of(name), run_dir) ? pid : 0;
 }
 
+int sup_instance_live_pid(const char *run_dir, const char *name)
+{
+	return live_pid(run_dir, name);
+}
+
 int sup_instance_pids(const char *run_dir, const char *name)
 {
 	int found = 0;

@@ -135,6 +135,9 @@ int sup_client_restart(const char *run_dir, const char *service, long timeout_s)
 /* Prints "NAME PID" for each live process of the instance, the supervisor first, then the
  * services in start order (with name, only that one's pid). 0 when one was found, 1 when none. */
 int sup_instance_pids(const char *run_dir, const char *name);
+/* The pid in name's pid file (SUP_NAME or a service) if it names a live process that runs that
+ * program for run_dir (not another that got the number since), else 0. */
+int sup_instance_live_pid(const char *run_dir, const char *name);
 /* Prints each service's pid file, whether that process runs the service, whether the service
  * answers HELLO and how long it has run: a table for when no supervisor answers. 0 when one of
  * them runs, 1 when none does. */
