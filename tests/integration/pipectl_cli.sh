@@ -34,6 +34,12 @@ expect_status 2 "not an integer" generate --tokens 1 -n many
 expect_status 2 "--top-p must be in" generate --tokens 1 --top-p 1.5
 expect_status 2 "--temperature must be" generate --tokens 1 --temperature -1
 expect_status 2 "--stop-ids: 'a' is not" generate --tokens 1 --stop-ids a
+# The same ranges with a prompt as text or a chat (they went to the runner unchecked).
+expect_status 2 "-n must be at least 1" generate --prompt hello -n 0
+expect_status 2 "-n must be at least 1" generate --chat hello -n -1
+expect_status 2 "--top-p must be in" generate --prompt hello --top-p 7
+expect_status 2 "--seed must not be negative" generate --chat hello --seed -5
+expect_status 2 "--temperature must be" generate --prompt hello --temperature -1
 expect_status 1 "gpu-runner of instance default is not running: no control socket" generate --tokens 1,2
 expect_status 1 "kv-store of instance default is not running" stats kv-store
 expect_status 1 "ssd-loader did not become ready in 1 s" wait-ready ssd-loader --timeout 1

@@ -372,6 +372,39 @@ static int read_text_file(const char *path, size_t max, char **out, size_t *len)
 	return 0;
 }
 
+
+/* The sampling and length options in their ranges, whatever the prompt is (ids, text or chat).
+ * Returns 0 or PIPECTL_EXIT_USAGE after saying which. */
+static int check_ranges(const struct gen_args *a)
+{
+	if (a->max_new < 1) {
+		fprintf(stderr, "pipectl: generate: -n must be at least 1, not %ld\n", a->max_new);
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (!(a->temperature >= 0) || a->temperature > 1e6) {
+		fprintf(stderr, "pipectl: generate: --temperature must be 0 (greedy) or positive, not %g\n",
+			a->temperature);
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (a->top_k < 0) {
+		fprintf(stderr, "pipectl: generate: --top-k must not be negative (0 is off), not %ld\n", a->top_k);
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (!(a->top_p > 0 && a->top_p <= 1)) {
+		fprintf(stderr, "pipectl: generate: --top-p must be in (0, 1] (1 is off), not %g\n", a->top_p);
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (a->seed < 0) {
+		fprintf(stderr, "pipectl: generate: --seed must not be negative, not %ld\n", a->seed);
+		return PIPECTL_EXIT_USAGE;
+	}
+	if (a->dump_logits && !*a->dump_logits) {
+		fprintf(stderr, "pipectl: generate: --dump-logits needs a file name\n");
+		return PIPECTL_EXIT_USAGE;
+	}
+	return 0;
+}
+
 static int parse_args(int argc, char **argv, struct gen_args *a)
 {
 	const char *tokens = NULL, *stop_ids = NULL;
@@ -469,7 +502,7 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 		return PIPECTL_EXIT_USAGE;
 	}
 	if (a->text)
-		return 0;
+		return check_ranges(a);
 	char *from_file = NULL;
 	if (tokens[0] == '@') {
 		size_t len = 0;
@@ -503,32 +536,7 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 			return PIPECTL_EXIT_USAGE;
 		}
 	}
-	if (a->max_new < 1) {
-		fprintf(stderr, "pipectl: generate: -n must be at least 1, not %ld\n", a->max_new);
-		return PIPECTL_EXIT_USAGE;
-	}
-	if (!(a->temperature >= 0) || a->temperature > 1e6) {
-		fprintf(stderr, "pipectl: generate: --temperature must be 0 (greedy) or positive, not %g\n",
-			a->temperature);
-		return PIPECTL_EXIT_USAGE;
-	}
-	if (a->top_k < 0) {
-		fprintf(stderr, "pipectl: generate: --top-k must not be negative (0 is off), not %ld\n", a->top_k);
-		return PIPECTL_EXIT_USAGE;
-	}
-	if (!(a->top_p > 0 && a->top_p <= 1)) {
-		fprintf(stderr, "pipectl: generate: --top-p must be in (0, 1] (1 is off), not %g\n", a->top_p);
-		return PIPECTL_EXIT_USAGE;
-	}
-	if (a->seed < 0) {
-		fprintf(stderr, "pipectl: generate: --seed must not be negative, not %ld\n", a->seed);
-		return PIPECTL_EXIT_USAGE;
-	}
-	if (a->dump_logits && !*a->dump_logits) {
-		fprintf(stderr, "pipectl: generate: --dump-logits needs a file name\n");
-		return PIPECTL_EXIT_USAGE;
-	}
-	return 0;
+	return check_ranges(a);
 }
 
 /* Checks a MSG_LOGITS reply against the request and writes its values to a->dump_logits.
