@@ -52,6 +52,11 @@ expect_start_fails "DRAM budget too small" "too small.*need" --model "$MODEL" --
 expect_service_fails "DRAM budget too small" ssd-loader "too small.*need" --model "$MODEL" --dram-budget 8KiB
 
 expect_start_fails "a budget that is not a size" "not a size" --model "$MODEL" --dram-budget banana
+# A hang window shorter than two of the services' beats (they beat every second) would kill them.
+expect_start_fails "a hang window of 600 ms" "hang window of 600 ms.*at least 2000" --model "$MODEL" \
+	--supervisor-opt=--heartbeat-ms=300
+expect_start_fails "a hang window of one beat" "hang window of 1000 ms" --model "$MODEL" \
+	--supervisor-opt=--hang-periods=1
 expect_service_fails "a budget that is not a size" kv-store "not a size" --kv-dram-budget banana
 
 expect_start_fails "unknown backend" "backend" --model "$MODEL" --backend tpu

@@ -273,6 +273,14 @@ static int parse_run(int argc, char **argv, struct sup_config *cfg)
 		return usage_error("--bin-dir must be an absolute path");
 	if (cfg->backoff_max_ms < cfg->backoff_min_ms)
 		return usage_error("--backoff-max-ms must not be below --backoff-min-ms");
+	/* The services beat every second (common/service.c) whatever --heartbeat-ms says: a window
+	 * shorter than two of their beats finds healthy idle services hung and kills them. */
+	if (cfg->hang_periods && cfg->heartbeat_ms * cfg->hang_periods < 2 * SUP_SERVICE_BEAT_MS)
+		return usage_error("--heartbeat-ms %ld x --hang-periods %ld is a hang window of %ld ms: the services beat "
+				   "every %d ms, so at least %d (or --hang-periods 0: never)",
+				   (long)cfg->heartbeat_ms, (long)cfg->hang_periods,
+				   (long)(cfg->heartbeat_ms * cfg->hang_periods), SUP_SERVICE_BEAT_MS,
+				   2 * SUP_SERVICE_BEAT_MS);
 	if (cfg->n_gpus && cfg->n_ranks && cfg->n_ranks != cfg->n_gpus)
 		return usage_error("--ranks %d with --gpus naming %d devices: one runner a device", cfg->n_ranks,
 				   cfg->n_gpus);

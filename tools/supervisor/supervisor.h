@@ -38,6 +38,7 @@
 #define SUP_N_KINDS 4	 /* the kinds of service: those three and http-api (--http) */
 /* Runners of one model split across GPUs (--gpus: gpu-runner, gpu-runner-1, ...). */
 #define SUP_MAX_RANKS 8
+#define SUP_SERVICE_BEAT_MS 1000 /* the period every service beats at (common/service.c's HEARTBEAT_MS) */
 /* The names a supervisor's services may have, in start order (sup_service_name): the three,
  * gpu-runner-1 .. gpu-runner-<SUP_MAX_RANKS - 1>, then http-api; and so the most services one
  * supervisor runs. */
