@@ -26,6 +26,14 @@ for service in kv-store ssd-loader gpu-runner; do
 	log "restart $service: pid $before -> $after, tokens unchanged"
 done
 "$PIPELINE" status >/dev/null || fail "status after the restarts does not report all services up"
+# A service this instance does not run (one runner, no --http): refused at once, not after the
+# wait for it to come back.
+for service in gpu-runner-3 http-api; do
+	rc=0
+	out=$("$PIPELINE" restart "$service" 2>&1) || rc=$?
+	expect_eq "$rc" 1 "restart $service of an instance that does not run it: its exit status"
+	expect_grep "runs no $service" "$out" "restart $service of an instance that does not run it"
+done
 
 "$PIPELINE" stop
 expect_nothing_left "after stop"

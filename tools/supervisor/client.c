@@ -443,6 +443,18 @@ int sup_client_restart(const char *run_dir, const char *service, long timeout_s)
 	}
 	int sup_pid = (int)int_field(json_object_get(j, "supervisor"), "pid", 0);
 	json_t *o = service_obj(j, service);
+	if (!o) {
+		/* Not a service of this instance (another rank's runner, http-api without --http): the
+		 * supervisor would never take the request, and the wait would run to its end. */
+		char names[512] = "", name[32];
+		size_t at = 0;
+		for (int i = 0; i < SUP_MAX_SERVICES; i++)
+			if (service_at(j, i, name, sizeof(name)) && at < sizeof(names))
+				at += (size_t)snprintf(names + at, sizeof(names) - at, "%s%s", at ? ", " : "", name);
+		fprintf(stderr, "pipeline-supervisor: the instance runs no %s (it runs %s)\n", service, names);
+		json_decref(j);
+		goto out_conn;
+	}
 	long long before = int_field(o, "restarts", 0), old_pid = int_field(o, "pid", 0);
 	json_decref(j);
 
