@@ -127,6 +127,17 @@ expect_eq "$got" "$q8" "the split set's tokens vs the single file's"
 "$PIPELINE" stop >/dev/null
 log "split set of 3 files: the single file's tokens"
 
+# A folder holding a GGUF, its name with the characters of a glob ([ ] * ?): found as a checkpoint.
+odd="$IT_TMP/ggufs [Q8] *?"
+mkdir -p "$odd"
+cp "$first" "$odd/"
+cp "$(dirname "$first")"/*-0000[23]-of-00003.gguf "$odd/"
+"$PIPELINE" start --model "$odd" --backend "$BACKEND" >/dev/null || fail "start on a folder named '$(basename "$odd")'"
+got=$("$PIPECTL" generate --tokens "$prompt" -n 32 --temperature 0 --ignore-eos) || fail "generate, the odd folder"
+expect_eq "$got" "$q8" "the tokens of a folder named '$(basename "$odd")'"
+"$PIPELINE" stop >/dev/null
+log "a folder whose name holds [ ] * ?: its GGUF found"
+
 # The tokenizer and the chat template from the file alone.
 TOKENIZER=$PIPELINE_SOURCE_DIR/tests/data/llama3-tokenizer/tokenizer.json
 chat=$IT_TMP/chat.gguf
