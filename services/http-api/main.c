@@ -118,8 +118,7 @@ int main(int argc, char **argv)
 		{"max-connections", OPT_INT, &max_connections, "0", "connections served at once (0: max-queue + 32)"},
 		{"idle-timeout", OPT_INT, &idle_s, "60",
 		 "seconds a connection may send and take nothing before it is closed: a client that sends its "
-		 "request too slowly, or an idle keep-alive one; not one that waits for its answer, except a stream "
-		 "whose client takes nothing for --timeout + --resume-timeout + this (0: never)"},
+		 "request too slowly, or an idle keep-alive one; not one that waits for its answer (0: never)"},
 		{"model-id", OPT_STRING, &model_id, NULL,
 		 "the model's name in replies (default: the checkpoint's file or directory name, from ssd-loader)"},
 		{"default-max-tokens", OPT_INT, &default_max_tokens, "256", "max_tokens of a request that gives none"},

@@ -21,7 +21,6 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <jansson.h>
-#include <limits.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -458,8 +457,8 @@ static void stream_produce(struct stream *st)
 	bool ended = v.state == JOB_DONE || v.state == JOB_FAILED;
 	if (ended) {
 		/* From here the connection waits on its client only: a reader that stops reading is
-		 * closed by the idle limit, as any other (the limit was widened while the model worked,
-		 * answer_stream). (The stream is finished below, so this comes once.) */
+		 * closed by the idle limit, as any other (the limit was off while the model worked).
+		 * (The stream is finished below, so this comes once.) */
 		MHD_set_connection_option(st->conn, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned int)st->s->cfg.idle_timeout_s);
 		count_end(st->s, &v);
 	}
@@ -571,15 +570,6 @@ static enum MHD_Result answer_stream(struct server *s, struct MHD_Connection *c,
 	}
 	MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
 	MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-	/* A stream's events flow at least every --timeout (the runner's longest silence), and a resume
-	 * waits at most --resume-timeout: past both and the idle limit with nothing taken by the
-	 * client, it has stopped reading. The server never reads such a stream again (its reader runs
-	 * only when the socket takes more), so only this limit ends it: without it the connection and
-	 * the job's text stayed for as long as the client held the socket. */
-	const unsigned long wait_s = (unsigned long)(s->cfg.ro->reply_timeout_ms / 1000) +
-				     (unsigned long)(s->cfg.ro->resume_timeout_ms / 1000) + s->cfg.idle_timeout_s;
-	if (s->cfg.idle_timeout_s && wait_s <= UINT_MAX)
-		MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned int)wait_s);
 	enum MHD_Result ret = queue_response(c, MHD_HTTP_OK, r);
 	MHD_destroy_response(r);
 	return ret;
@@ -819,9 +809,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 		ret = send_error(c, 413, msg, NULL, NULL);
 	} else {
 		/* From here the connection waits on the model, not on its client: no idle timeout while
-		 * the answer is made (a long prefill, a runner restarted and the request resumed; a
-		 * stream's is set again as it starts). The limit is back for the next request of a
-		 * kept-alive connection (on_completed). */
+		 * the answer is made (a long prefill, a runner restarted and the request resumed). The
+		 * limit is back for the next request of a kept-alive connection (on_completed). */
 		MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
 		rs->waits_on_model = true;
 		ret = on_generate(s, c, rs);
