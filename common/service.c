@@ -105,6 +105,13 @@ int run_dir_prepare(const char *dir)
 		else
 			*slash = 0;
 		struct stat ps;
+		/* A link as the parent: its owner may point it elsewhere later. */
+		if (lstat(path, &ps) == 0 && S_ISLNK(ps.st_mode) && ps.st_uid != getuid() && ps.st_uid != 0) {
+			log_error("%s, the run directory's parent, is a symbolic link of uid %u: another user could "
+				  "replace the run directory (set PIPELINE_RUN_DIR elsewhere)",
+				  path, (unsigned)ps.st_uid);
+			return -EPERM;
+		}
 		if (stat(path, &ps) != 0) {
 			int rc = -errno;
 			log_error("cannot look at %s, the run directory's parent: %s", path, strerror(errno));

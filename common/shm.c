@@ -107,6 +107,13 @@ static int check_private(int fd, const char *name)
 static int inspect_leftover(const char *name, size_t size, uint32_t kind, uint32_t version)
 {
 	int fd = shm_open(name, O_RDONLY | O_CLOEXEC, 0);
+	if (fd < 0 && errno == EACCES) {
+		/* Not ours to read: another user's (mode 0600 keeps us out). */
+		log_error("shared-memory object %s is another user's (not readable by this user): it is not used; "
+			  "remove it (/dev/shm%s) or pick another --instance",
+			  name, name);
+		return -EPERM;
+	}
 	if (fd < 0)
 		return errno == ENOENT ? 0 : -errno;
 	int rc = check_private(fd, name);
@@ -217,6 +224,10 @@ int shm_object_attach(const char *name, uint32_t kind, uint32_t layout_version, 
 		      struct shm_object **out)
 {
 	int fd = shm_open(name, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC, 0);
+	if (fd < 0 && errno == EACCES) {
+		log_error("shared-memory object %s is another user's (not open to this user): it is not used", name);
+		return -EPERM;
+	}
 	if (fd < 0)
 		return -errno;
 	struct stat st;

@@ -157,12 +157,16 @@ static int blocks_reply(struct kv_remote *kr, const struct msg *rep, uint32_t n,
 			uint64_t *handles, void **ptrs)
 {
 	const struct msg_kv_blocks *b = &rep->kv_blocks;
-	if (b->handles.n != n || b->offsets.n != n)
+	if (b->handles.n != n || b->offsets.n != n) {
+		kr->lost = kr->orphans = true; /* what it allocated for us: nobody's to hand back */
 		return set_err(kr, -EPROTO, "kv-store sent %u blocks for %u asked", b->handles.n, n);
+	}
 	/* Two blocks in one slot would overwrite each other: every slot once. */
 	uint8_t *seen = calloc(kr->h->n_slots / 8 + 1, 1);
-	if (!seen)
+	if (!seen) {
+		kr->lost = kr->orphans = true;
 		return set_err(kr, -ENOMEM, "out of memory");
+	}
 	int rc = 0;
 	for (uint32_t i = 0; i < n && !rc; i++) {
 		int64_t slot = slot_of(kr, b->offsets.v[i]);

@@ -221,14 +221,17 @@ static int acquire_groups(struct ring_source *rs, const uint64_t *groups, uint32
 	req.w_acquire.release.v = rs->pending_release;
 	req.w_acquire.release.n = rs->n_pending;
 	req.w_acquire.session = rpc_client_session(rs->loader);
-	uint64_t corr;
-	int rc = rpc_send(rs->loader, &req, &corr);
-	if (rc)
-		return errorf(rs->base.error, sizeof(rs->base.error), rc, "cannot reach ssd-loader: %s", strerror(-rc));
-	rs->n_pending = 0;
+	/* Before the request goes: a failure after it would leave its grants to nobody. */
 	bool *wanted = calloc(rs->h->n_groups, sizeof(bool));
 	if (!wanted)
-		return -ENOMEM;
+		return errorf(rs->base.error, sizeof(rs->base.error), -ENOMEM, "out of memory");
+	uint64_t corr;
+	int rc = rpc_send(rs->loader, &req, &corr);
+	if (rc) {
+		free(wanted);
+		return errorf(rs->base.error, sizeof(rs->base.error), rc, "cannot reach ssd-loader: %s", strerror(-rc));
+	}
+	rs->n_pending = 0;
 	for (uint32_t i = 0; i < n; i++)
 		wanted[groups[i]] = true;
 	for (uint32_t got = 0; got < n; got++) {

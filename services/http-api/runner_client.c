@@ -414,8 +414,19 @@ static void run_job(struct worker *w, struct runner_job *j)
 	 * layer streamed from disk): while it still listens, this request waits for it, as it would
 	 * for the replies of a generation (--timeout), until it answers, goes away, or the client does. */
 	const uint64_t until = now_ns() + (uint64_t)rc->o.reply_timeout_ms * 1000000ull;
-	for (int pid; r == -ETIMEDOUT && now_ns() < until && runner_listening(path, &pid) && !job_released(rc, j);)
+	for (int pid; r == -ETIMEDOUT && now_ns() < until && runner_listening(path, &pid);) {
+		/* job_released is also true once http-api stops; a slice between tries keeps a short
+		 * --hello-timeout-ms from opening a connection a millisecond. */
+		if (job_released(rc, j)) {
+			pthread_mutex_lock(&rc->lock);
+			job_fail_locked(j, 503, rc->stopping ? "http-api is stopping" : "cancelled: the client went away");
+			pthread_mutex_unlock(&rc->lock);
+			return;
+		}
+		struct timespec ts = {0, WAIT_SLICE_MS * 1000000L};
+		nanosleep(&ts, NULL);
 		r = say_hello(w, path, &status, why, sizeof(why));
+	}
 	if (r) {
 		job_fail(rc, j, status, "%s", why);
 		return;
@@ -457,8 +468,6 @@ static void run_job(struct worker *w, struct runner_job *j)
 				 "gpu-runner went away %u times during the request (after %llu tokens): it is not "
 				 "sent again",
 				 j->resumes + 1, (unsigned long long)j->n_tokens);
-			log_warn("gpu-runner went away during a request for the %u-th time: the request fails",
-				 j->resumes + 1);
 			return;
 		}
 		log_warn("gpu-runner went away during a request after %llu tokens: waiting up to %ld s for it to "

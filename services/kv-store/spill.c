@@ -96,10 +96,12 @@ int spill_open_with(spill_open_fn open_fn, const char *path, uint64_t block_byte
 		snprintf(err, errlen, "cannot look at spill file %s: %s", path, strerror(errno));
 		goto out_close;
 	}
-	if (!S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
+	if (!S_ISREG(st.st_mode) || st.st_uid != geteuid() || st.st_nlink != 1) {
 		rc = -EPERM;
 		snprintf(err, errlen, "spill file %s is %s: not used (remove it or name another --spill-file)", path,
-			 !S_ISREG(st.st_mode) ? "not a regular file" : "another user's");
+			 !S_ISREG(st.st_mode)	   ? "not a regular file"
+			 : st.st_uid != geteuid() ? "another user's"
+						   : "a hard link of another name");
 		goto out_close;
 	}
 	if (mode == SPILL_TRUNCATE && st.st_size > 0 && ftruncate(sp->fd, 0) != 0) {
