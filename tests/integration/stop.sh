@@ -38,6 +38,23 @@ out=$(PIPELINE_STOP_TIMEOUT=5 "$PIPELINE" stop)
 expect_grep "instance $INSTANCE stopped" "$out" "stop with PIPELINE_STOP_TIMEOUT=5"
 expect_nothing_left "stop with a stop timeout of 5 s"
 
+# Two starts of one instance at the same moment: one runs it, the other is refused (both failed:
+# the second's failure path stopped the first's supervisor).
+rc1=0
+rc2=0
+"$PIPELINE" start --model "$MODEL" >"$IT_TMP/start1" 2>&1 &
+p1=$!
+"$PIPELINE" start --model "$MODEL" >"$IT_TMP/start2" 2>&1 &
+p2=$!
+wait "$p1" || rc1=$?
+wait "$p2" || rc2=$?
+both=$(cat "$IT_TMP/start1" "$IT_TMP/start2")
+(((rc1 == 0) + (rc2 == 0) == 1)) || fail "two starts at once: exit statuses $rc1 and $rc2, want one 0: $both"
+expect_grep "being started by another command|already running" "$both" "two starts at once: the refused one"
+"$PIPELINE" status >/dev/null || fail "the instance after two starts at once does not run"
+"$PIPELINE" stop >/dev/null
+expect_nothing_left "stop after two starts at once"
+
 # A killed service leaves its shared state: stop removes that too.
 "$PIPELINE" start --model "$MODEL" >/dev/null
 kill -KILL "$(cat "$RUN_DIR/kv-store.pid")"
