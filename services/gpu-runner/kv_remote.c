@@ -481,8 +481,12 @@ static int op_lookup(void *ctx, uint32_t n, const uint64_t *keys, uint64_t *hand
 	for (uint32_t i = 1; i < nh; i++) {
 		if (hit[i] != hit[u - 1])
 			hit[u++] = hit[i];
-		else if (!rc)
+		else if (!rc) {
 			rc = set_err(kr, -EPROTO, "kv-store answered two keys with block %llx", (unsigned long long)hit[i]);
+			/* Two references to it, of which a release would hand back one: a new session
+			 * hands back every one (the release below is then left out). */
+			kr->lost = kr->orphans = true;
+		}
 	}
 	if (rc && u && !kr->lost) {
 		char keep[sizeof(kr->error)];

@@ -40,6 +40,8 @@ expect_status 2 "-n must be at least 1" generate --chat hello -n -1
 expect_status 2 "--top-p must be in" generate --prompt hello --top-p 7
 expect_status 2 "--seed must not be negative" generate --chat hello --seed -5
 expect_status 2 "--temperature must be" generate --prompt hello --temperature -1
+# A timeout whose milliseconds pass an int (it wrapped into a wait without end).
+expect_status 2 "--timeout 99999999: at most 2147483 seconds" --timeout 99999999 ping kv-store
 expect_status 1 "gpu-runner of instance default is not running: no control socket" generate --tokens 1,2
 expect_status 1 "kv-store of instance default is not running" stats kv-store
 expect_status 1 "ssd-loader did not become ready in 1 s" wait-ready ssd-loader --timeout 1

@@ -82,8 +82,8 @@ bool pipectl_check_service(const char *name)
 int pipectl_timeout_ms(const struct pipectl *p, long def_s)
 {
 	long s = p->timeout_s >= 0 ? p->timeout_s : def_s;
-	if (s > 86400L * 365)
-		s = 86400L * 365;
+	if (s > PIPECTL_TIMEOUT_MAX_S)
+		s = PIPECTL_TIMEOUT_MAX_S;
 	return (int)(s * 1000);
 }
 
@@ -494,6 +494,12 @@ int main(int argc, char **argv)
 	}
 	if (p.timeout_s < 0 && p.timeout_s != -1) {
 		fprintf(stderr, "pipectl: --timeout must not be negative\n");
+		return PIPECTL_EXIT_USAGE;
+	}
+	/* A wait is milliseconds in an int (rpc_call): past this the product wrapped into a wait that
+	 * never ended. */
+	if (p.timeout_s > PIPECTL_TIMEOUT_MAX_S) {
+		fprintf(stderr, "pipectl: --timeout %ld: at most %d seconds\n", p.timeout_s, PIPECTL_TIMEOUT_MAX_S);
 		return PIPECTL_EXIT_USAGE;
 	}
 	if (!*p.instance || strchr(p.instance, '/')) {

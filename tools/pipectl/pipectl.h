@@ -11,6 +11,7 @@
  */
 #ifndef PIPECTL_H
 #define PIPECTL_H
+#include <limits.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -26,6 +27,7 @@
 
 /* Seconds a request/reply command waits when --timeout is not given. */
 #define PIPECTL_DEFAULT_TIMEOUT_S 10
+#define PIPECTL_TIMEOUT_MAX_S (INT_MAX / 1000) /* a wait in milliseconds fits an int */
 
 struct pipectl {
 	const char *instance; /* --instance (borrowed from argv/environ) */
