@@ -189,10 +189,11 @@ static int wait_reply(struct ring_source *rs, uint64_t corr, struct msg *rep)
  * So the session changes: before the next request the runner starts over from the loader
  * (ring_source_reconnected: a new source, window and engine, as after a loader's restart), and the
  * new session's HELLO makes the loader let go of everything the old one held (loader_hello). */
-static void renew_session(struct ring_source *rs)
+/* Every grant held is stale from here (the loader that made it is gone, or dropped it at a HELLO):
+ * none is released to the loader, each is asked for again when needed. Returns how many were not
+ * stale already. */
+static uint32_t forget_grants(struct ring_source *rs)
 {
-	rpc_client_set_session(rs->loader, random_u64() | 1);
-	rpc_client_reset(rs->loader); /* the late grants of the old requests go with the old socket */
 	uint32_t dropped = 0;
 	for (uint32_t g = 0; g < rs->base.n_groups; g++) {
 		dropped += rs->held[g].held && !rs->held[g].stale;
@@ -200,6 +201,14 @@ static void renew_session(struct ring_source *rs)
 		rs->held[g].permanent = rs->held[g].ahead = false;
 	}
 	rs->n_pending = 0;
+	return dropped;
+}
+
+static void renew_session(struct ring_source *rs)
+{
+	rpc_client_set_session(rs->loader, random_u64() | 1);
+	rpc_client_reset(rs->loader); /* the late grants of the old requests go with the old socket */
+	const uint32_t dropped = forget_grants(rs);
 	rs->reconnects++;
 	log_warn("ssd-loader: an acquire was given up (%s): a new session, so that the loader lets go of what "
 		 "it granted for it (%u grants held before); the runner starts over from the loader",
@@ -600,11 +609,7 @@ static int take_new_ring(struct ring_source *rs, char *err, size_t errlen)
 	}
 	/* Every grant so far came from a loader that is gone now (or from this one before our HELLO,
 	 * which dropped it): none is released to the new one. */
-	for (uint32_t g = 0; g < rs->base.n_groups; g++) {
-		rs->held[g].stale = rs->held[g].held;
-		rs->held[g].permanent = rs->held[g].ahead = false;
-	}
-	rs->n_pending = 0;
+	(void)forget_grants(rs);
 	rs->retired[rs->n_retired++] = rs->obj;
 	rs->obj = t.obj;
 	rs->h = t.h;

@@ -168,6 +168,17 @@ static bool job_released(struct runner_client *rc, struct runner_job *j)
 	return r;
 }
 
+/* Ends a job that job_released found given up: its client went away, or http-api is stopping.
+ * Returns whether http-api is stopping. */
+static bool job_fail_released(struct runner_client *rc, struct runner_job *j)
+{
+	pthread_mutex_lock(&rc->lock);
+	const bool stopping = rc->stopping;
+	job_fail_locked(j, 503, stopping ? "http-api is stopping" : "cancelled: the client went away");
+	pthread_mutex_unlock(&rc->lock);
+	return stopping;
+}
+
 /* Closes the connection (the runner cancels what it generates for it) and opens a new one. */
 static void reset_connection(struct worker *w)
 {
@@ -233,10 +244,7 @@ static enum read_end read_replies(struct worker *w, struct runner_job *j, uint64
 		if (job_released(rc, j)) {
 			msg_free(&rep);
 			reset_connection(w);
-			pthread_mutex_lock(&rc->lock);
-			bool stopping = rc->stopping;
-			job_fail_locked(j, 503, stopping ? "http-api is stopping" : "cancelled: the client went away");
-			pthread_mutex_unlock(&rc->lock);
+			const bool stopping = job_fail_released(rc, j);
 			log_info("%s: the generation is cancelled", stopping ? "stopping" : "the client went away");
 			return READ_ENDED;
 		}
@@ -418,9 +426,7 @@ static void run_job(struct worker *w, struct runner_job *j)
 		/* job_released is also true once http-api stops; a slice between tries keeps a short
 		 * --hello-timeout-ms from opening a connection a millisecond. */
 		if (job_released(rc, j)) {
-			pthread_mutex_lock(&rc->lock);
-			job_fail_locked(j, 503, rc->stopping ? "http-api is stopping" : "cancelled: the client went away");
-			pthread_mutex_unlock(&rc->lock);
+			(void)job_fail_released(rc, j);
 			return;
 		}
 		struct timespec ts = {0, WAIT_SLICE_MS * 1000000L};
@@ -475,10 +481,7 @@ static void run_job(struct worker *w, struct runner_job *j)
 			 (unsigned long long)j->n_tokens, rc->o.resume_timeout_ms / 1000);
 		r = await_runner(w, j, path, end == READ_STOPPED ? listener : 0, why, sizeof(why));
 		if (r == -ECANCELED) {
-			pthread_mutex_lock(&rc->lock);
-			job_fail_locked(j, 503,
-					rc->stopping ? "http-api is stopping" : "cancelled: the client went away");
-			pthread_mutex_unlock(&rc->lock);
+			(void)job_fail_released(rc, j);
 			return;
 		}
 		if (r) {
