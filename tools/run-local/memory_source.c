@@ -29,7 +29,7 @@ static int mem_acquire(struct weight_source *ws, uint32_t group, struct group_we
 	ws->bytes_acquired += ws->groups[group].tensor_bytes;
 	ws->acquires++;
 	weights_fill(ws, group, ms->group_data[group], ms->group_data[group_id_embed()], w);
-	if (ms->group_dev) {
+	if (ms->group_dev && ms->group_dev[group]) {
 		struct group_weights d;
 		weights_fill_at(ws, group, PLACE_DEVICE, ms->group_dev[group], NULL, ms->group_dev[group_id_embed()], &d);
 		for (uint32_t r = 0; r < ROLE_COUNT; r++)
@@ -43,8 +43,17 @@ static int mem_release(struct weight_source *ws, uint32_t group)
 	return 0;
 }
 
+/* Every group is on the GPU once memory_source_to_device has copied them (the embedding table
+ * only where the head is tied to it): a one-token MoE layer's experts are then routed on the
+ * device, as in the services with every weight resident. */
+static bool mem_kept(struct weight_source *ws, uint32_t group)
+{
+	const struct memory_source *ms = (const struct memory_source *)ws;
+	return ms->group_dev && group < ms->m->n_groups && ms->group_dev[group];
+}
+
 static const struct weight_source_ops mem_ops = {.acquire = mem_acquire, .release = mem_release,
-						 .release_all = NULL};
+						 .release_all = NULL, .kept = mem_kept};
 
 /* Reads group g's extents into its buffer from the open files fds. */
 static int read_group(struct memory_source *ms, uint32_t g, const int *fds, char *err, size_t errlen)
@@ -107,6 +116,19 @@ int memory_source_create(const struct manifest *m, struct memory_source **out, c
 	return 0;
 }
 
+#ifdef PIPELINE_HAVE_CUDA
+/* The device copies freed, the table with them (every weight in host memory only again). */
+static void free_device(struct memory_source *ms)
+{
+	if (ms->group_dev)
+		for (uint32_t g = 0; g < ms->m->n_groups; g++)
+			if (ms->group_dev[g])
+				cudaFree(ms->group_dev[g]);
+	free(ms->group_dev);
+	ms->group_dev = NULL;
+}
+#endif
+
 int memory_source_to_device(struct memory_source *ms, char *err, size_t errlen)
 {
 #ifdef PIPELINE_HAVE_CUDA
@@ -115,12 +137,17 @@ int memory_source_to_device(struct memory_source *ms, char *err, size_t errlen)
 		return 0;
 	if (!(ms->group_dev = calloc(m->n_groups, sizeof(void *))))
 		return errorf(err, errlen, -ENOMEM, "out of memory");
+	/* The embedding's rows are gathered from host memory: the table goes to the GPU only where
+	 * the head is tied to it. */
+	const uint32_t skip = m->cfg.tie_embeddings ? UINT32_MAX : group_id_embed();
 	uint64_t total = 0;
 	for (uint32_t g = 0; g < m->n_groups; g++)
-		total += m->groups[g].slot_bytes;
+		total += g == skip ? 0 : m->groups[g].slot_bytes;
 	int rc = 0;
 	for (uint32_t g = 0; g < m->n_groups && !rc; g++) {
 		const uint64_t bytes = m->groups[g].slot_bytes;
+		if (g == skip && g + 1 < m->n_groups)
+			continue;
 		cudaError_t ce = cudaMalloc(&ms->group_dev[g], bytes ? bytes : 1);
 		if (ce != cudaSuccess)
 			ms->group_dev[g] = NULL;
@@ -141,13 +168,8 @@ int memory_source_to_device(struct memory_source *ms, char *err, size_t errlen)
 				    (double)free_b / (1u << 30), (double)total_b / (1u << 30));
 		}
 	}
-	if (rc) { /* nothing half made: the weights stay in host memory only */
-		for (uint32_t g = 0; g < m->n_groups; g++)
-			if (ms->group_dev[g])
-				cudaFree(ms->group_dev[g]);
-		free(ms->group_dev);
-		ms->group_dev = NULL;
-	}
+	if (rc) /* nothing half made: the weights stay in host memory only */
+		free_device(ms);
 	return rc;
 #else
 	(void)ms;
@@ -161,12 +183,10 @@ void memory_source_destroy(struct memory_source **msp)
 	if (!ms)
 		return;
 #ifdef PIPELINE_HAVE_CUDA
-	if (ms->group_dev)
-		for (uint32_t g = 0; g < ms->m->n_groups; g++)
-			if (ms->group_dev[g])
-				cudaFree(ms->group_dev[g]);
-#endif
+	free_device(ms);
+#else
 	free(ms->group_dev);
+#endif
 	if (ms->group_data)
 		for (uint32_t g = 0; g < ms->m->n_groups; g++)
 			free(ms->group_data[g]);

@@ -134,7 +134,8 @@ int ktrace_step(struct backend_dev *be, uint32_t n);
 /* At a step's start (n tokens): PIPELINE_CUDA_PROFILE_STEP=N runs the N-th step of more than one
  * token since the backend was made (a prefill chunk, a batched decode step) between
  * cudaProfilerStart and cudaProfilerStop, so that a profiler whose collection starts off (ncu
- * --profile-from-start off, under PIPELINE_WRAP_GPU_RUNNER) measures that step's kernels alone.
+ * --profile-from-start off, under PIPELINE_WRAP_GPU_RUNNER) measures that step's kernels alone;
+ * PIPELINE_CUDA_PROFILE_DECODE=N the same for the N-th step of one token (a decode step).
  * The collection stops at the next step's start, or at destroy (profile_end). */
 void profile_step(struct backend_dev *be, uint32_t n);
 void profile_end(struct backend_dev *be);
@@ -189,6 +190,7 @@ struct backend_dev {
 	struct ktrace_log *trace; /* cuda_test_trace's stamps, NULL until first asked for */
 	int32_t prof_left;	/* PIPELINE_CUDA_PROFILE_STEP: steps of several tokens to go until the profiled
 				 * one (0: none; -1: not read yet) */
+	int32_t prof_one_left;	/* PIPELINE_CUDA_PROFILE_DECODE: the same for steps of one token */
 	bool profiling;		/* between cudaProfilerStart and cudaProfilerStop (profile_step) */
 	bool kv_synced;		/* the host waited for the stream since the step began (finish_step) */
 	bool kv_settled;	/* ... before this step began: every KV row that earlier steps wrote is in

@@ -328,9 +328,7 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	const uint64_t t_in = now_ns();
 	/* A step's first routing after its embedding, both steps of the CPU's experts' sizes, the step
 	 * before returned (step_ret_ns) within MOE_STEP_GAP_MAX_MS: its start timed (moe_internal.h). */
-	bool timed = m->begin == 2 && n <= FFN_SPLIT_MAX_TOKENS && t_in - m->step_ret_ns < MOE_STEP_GAP_MAX_MS * 1000000ull;
-	m->begin = 0;
-	timed = timed && moe_time_mark(m->begin_ev[MOE_EV_ROUTER], be->stream); /* statistics: never fails the step */
+	bool timed = moe_begin_timed(be, t_in, n <= FFN_SPLIT_MAX_TOKENS);
 	/* The normed rows in float32: the router's input and every expert's. */
 	int rc = rmsnorm(be, nw->data[PLACE_DEVICE], nw->format, 0, n, DT_F32);
 	if (rc)
@@ -379,19 +377,8 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	CUDA_TRY(be, "waiting for the router logits", cudaStreamSynchronize(be->stream));
 	const uint64_t t1 = now_ns();
 	m->route_wait_ns += t1 - t0;
-	float part[MOE_BEGIN_EVENTS - 1];
-	bool got = timed;
-	for (int i = 0; got && i < MOE_BEGIN_EVENTS - 1; i++)
-		got = cudaEventElapsedTime(&part[i], m->begin_ev[i], m->begin_ev[i + 1]) == cudaSuccess;
-	if (timed && !got)
-		(void)cudaGetLastError(); /* nothing left for the next launch's check to find */
-	if (got) {
-		m->begin_host_ns += t_in - m->step_ret_ns;
-		m->begin_wait_ns += t1 - t0;
-		for (int i = 0; i < MOE_BEGIN_EVENTS - 1; i++)
-			m->begin_gpu_ms[i] += part[i];
-		m->begins++;
-	}
+	if (timed)
+		(void)moe_begin_count(m, t_in - m->step_ret_ns, t1 - t0);
 	/* Jobs of a layer that failed half way are waited for: their slots and buffers are about to be
 	 * reused (those the stream waited for are over already, and checked here). */
 	moe_settle_jobs(m);

@@ -361,18 +361,8 @@ int moe_check_step(struct backend_dev *be)
 		/* The step's start timed at a layer routed on the device: the stream is idle now
 		 * (moe_dev_check waited for it). */
 		struct cuda_moe *m = be->moe;
-		float part[MOE_BEGIN_EVENTS - 1];
-		bool got = rc == 0;
-		for (int i = 0; got && i < MOE_BEGIN_EVENTS - 1; i++)
-			got = cudaEventElapsedTime(&part[i], m->begin_ev[i], m->begin_ev[i + 1]) == cudaSuccess;
-		if (got) {
-			m->begin_host_ns += m->begin_dev_host_ns;
-			for (int i = 0; i < MOE_BEGIN_EVENTS - 1; i++)
-				m->begin_gpu_ms[i] += part[i];
-			m->begins++;
-		} else {
-			(void)cudaGetLastError(); /* nothing left for the next launch's check to find */
-		}
+		if (rc == 0)
+			(void)moe_begin_count(m, m->begin_dev_host_ns, 0);
 		m->begin_dev = false;
 	}
 	if (be->moe) {
@@ -396,6 +386,32 @@ void moe_embedded(struct backend_dev *be)
 	struct cuda_moe *m = be->moe;
 	if (m && m->begin == 1)
 		m->begin = moe_time_mark(m->begin_ev[MOE_EV_EMBED], be->stream) ? 2 : 0;
+}
+
+bool moe_begin_timed(struct backend_dev *be, uint64_t t_in, bool cond)
+{
+	struct cuda_moe *m = be->moe;
+	const bool timed = cond && m->begin == 2 && t_in - m->step_ret_ns < MOE_STEP_GAP_MAX_MS * 1000000ull;
+	m->begin = 0;
+	return timed && moe_time_mark(m->begin_ev[MOE_EV_ROUTER], be->stream); /* statistics: never fails the step */
+}
+
+bool moe_begin_count(struct cuda_moe *m, uint64_t host_ns, uint64_t wait_ns)
+{
+	float part[MOE_BEGIN_EVENTS - 1];
+	bool got = true;
+	for (int i = 0; got && i < MOE_BEGIN_EVENTS - 1; i++)
+		got = cudaEventElapsedTime(&part[i], m->begin_ev[i], m->begin_ev[i + 1]) == cudaSuccess;
+	if (!got) {
+		(void)cudaGetLastError(); /* nothing left for the next launch's check to find */
+		return false;
+	}
+	m->begin_host_ns += host_ns;
+	m->begin_wait_ns += wait_ns;
+	for (int i = 0; i < MOE_BEGIN_EVENTS - 1; i++)
+		m->begin_gpu_ms[i] += part[i];
+	m->begins++;
+	return true;
 }
 
 bool moe_time_mark(cudaEvent_t ev, cudaStream_t stream)

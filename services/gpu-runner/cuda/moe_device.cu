@@ -272,9 +272,7 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 	/* The step's first routing (moe_internal.h: begin), on the device: its router timed, read at the
 	 * step's end. */
 	const uint64_t t_in = now_ns();
-	bool timed = m->begin == 2 && t_in - m->step_ret_ns < MOE_STEP_GAP_MAX_MS * 1000000ull;
-	m->begin = 0;
-	timed = timed && moe_time_mark(m->begin_ev[MOE_EV_ROUTER], be->stream); /* statistics: never fails the step */
+	const bool timed = moe_begin_timed(be, t_in, true);
 	const uint32_t dim = c->dim, E = m->E, k = m->k, F = m->F;
 	const struct weight_tensor *nw = &w->t[ROLE_FFN_NORM], *rw = &w->t[ROLE_ROUTER];
 	/* The normed row in float32 (xa), the router's input and the experts'. */

@@ -164,6 +164,17 @@ struct cuda_moe {
 	uint64_t dev_layers;		/* layers moe_layer computed (all time) */
 };
 
+/* ---- moe_cpu.cu: a step's start timed (begin above) ---- */
+
+/* At a step's first routing (t_in: its start on the host's clock; cond: the step may be timed):
+ * whether its start is timed (the events up to the embedding recorded, the step before returned
+ * within MOE_STEP_GAP_MAX_MS), MOE_EV_ROUTER then recorded. Ends the step's begin either way. */
+bool moe_begin_timed(struct backend_dev *be, uint64_t t_in, bool cond);
+/* Once the stream has passed MOE_EV_ROUTED: the start's times added to the statistics (host_ns
+ * from the return to the router's launch, wait_ns the host's wait for the logits); false, the
+ * error cleared, where an event's time could not be read. */
+bool moe_begin_count(struct cuda_moe *m, uint64_t host_ns, uint64_t wait_ns);
+
 /* ---- moe.cu ---- */
 
 /* The router rw as router_kernel takes it: its own rows (an element format, packed) or a block

@@ -308,21 +308,28 @@ int ktrace_step(struct backend_dev *be, uint32_t n)
 	return 0;
 }
 
+/* A step number from the environment variable `name` (0 where unset or not one, said once). */
+static int32_t profile_env(const char *name)
+{
+	const char *v = getenv(name);
+	char *end = NULL;
+	long k = v && *v ? strtol(v, &end, 10) : 0;
+	if (v && *v && (*end || k < 0 || k > INT32_MAX)) {
+		log_warn("cuda backend: %s=%s is not a step number (1, 2, ...; 0: none): no step is profiled", name, v);
+		k = 0;
+	}
+	return (int32_t)k;
+}
+
 void profile_step(struct backend_dev *be, uint32_t n)
 {
 	if (be->prof_left < 0) {
-		const char *v = getenv("PIPELINE_CUDA_PROFILE_STEP");
-		char *end = NULL;
-		long k = v && *v ? strtol(v, &end, 10) : 0;
-		if (v && *v && (*end || k < 0 || k > INT32_MAX)) {
-			log_warn("cuda backend: PIPELINE_CUDA_PROFILE_STEP=%s is not a step number (1, 2, ...; 0: "
-				 "none): no step is profiled", v);
-			k = 0;
-		}
-		be->prof_left = (int32_t)k;
+		be->prof_left = profile_env("PIPELINE_CUDA_PROFILE_STEP");
+		be->prof_one_left = profile_env("PIPELINE_CUDA_PROFILE_DECODE");
 	}
 	profile_end(be);
-	if (n > 1 && be->prof_left > 0 && --be->prof_left == 0) {
+	int32_t *left = n > 1 ? &be->prof_left : &be->prof_one_left;
+	if (*left > 0 && --*left == 0) {
 		cudaError_t e = cudaProfilerStart();
 		if (e != cudaSuccess) {
 			log_warn("cuda backend: cudaProfilerStart: %s", cudaGetErrorString(e));
@@ -330,7 +337,8 @@ void profile_step(struct backend_dev *be, uint32_t n)
 			return;
 		}
 		be->profiling = true;
-		log_info("cuda backend: profiling a step of %u tokens (PIPELINE_CUDA_PROFILE_STEP)", n);
+		log_info("cuda backend: profiling a step of %u token%s (%s)", n, n == 1 ? "" : "s",
+			 n > 1 ? "PIPELINE_CUDA_PROFILE_STEP" : "PIPELINE_CUDA_PROFILE_DECODE");
 	}
 }
 
