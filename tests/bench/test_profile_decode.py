@@ -183,6 +183,14 @@ class RunLocal(unittest.TestCase):
                                    "--max-new", "1", "--prefill-chunk", "6"])
         self.assertEqual(env["PIPELINE_CUDA_PROFILE_STEP"], "1")
 
+    def test_decode_step(self):
+        cmd, env = pd.command(self.args("--run-local", self.model, "--prompt", "4", "--decode-step", "3"))
+        i = cmd.index(self.rl)
+        self.assertEqual(cmd[i:], [self.rl, "--backend", "cuda", "--model", self.model, "--tokens", "1,2,3,4",
+                                   "--max-new", "4", "--prefill-chunk", "4"])
+        self.assertEqual(env["PIPELINE_CUDA_PROFILE_DECODE"], "3")
+        self.assertEqual(env.get("PIPELINE_CUDA_PROFILE_STEP"), os.environ.get("PIPELINE_CUDA_PROFILE_STEP"))
+
     def test_decode_unchanged(self):
         cmd, env = pd.command(self.args("--quant"))
         self.assertEqual(cmd[-4:], [self.rl, "--profile", "decode", "--quant"])
@@ -197,6 +205,8 @@ class RunLocal(unittest.TestCase):
         self.refused("a prefill step takes 2..", "--run-local", self.model, "--prompt", "1")
         self.refused("no checkpoint at", "--run-local", os.path.join(self.dir.name, "none"))
         self.refused("--quant is bench-kernels' weights", "--run-local", self.model, "--quant")
+        self.refused("--decode-step 0: 1..", "--run-local", self.model, "--decode-step", "0")
+        self.refused("--decode-step takes --run-local", "--decode-step", "2")
 
     def test_no_run_local(self):
         os.unlink(self.rl)
