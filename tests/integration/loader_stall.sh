@@ -5,13 +5,21 @@
 # a clear error; the runner then takes a new session with the loader, which lets go of what it
 # granted for the given-up acquire, and the requests after it give the tokens of an unstalled
 # run. (Before, every later request failed: "no grant from ssd-loader".)
+# STALL_BACKEND=cuda (on a GPU host) runs the runner on CUDA with the smallest GPU window
+# (--gpu-budget min), so that the given-up acquire is under the window's copies.
 source "$(dirname "$0")/lib.sh"
 it_setup loader_stall
+BACKEND=${STALL_BACKEND:-cpu}
+GPU=()
+if [[ $BACKEND != cpu ]]; then
+	nvidia-smi >/dev/null 2>&1 || { echo "[loader_stall] SKIP: no GPU for STALL_BACKEND=$BACKEND"; exit 77; }
+	GPU=(--gpu-budget min)
+fi
 
-out=$("$PIPELINE" start --model "$MODEL" --backend cpu --cpu-share 0 --dram-budget 4KiB 2>&1) || true
+out=$("$PIPELINE" start --model "$MODEL" --backend "$BACKEND" "${GPU[@]}" --cpu-share 0 --dram-budget 4KiB 2>&1) || true
 need=$(sed -n 's/.*need at least [^(]*(\([0-9]*\) bytes.*/\1/p' <<<"$out" | head -n 1)
 [[ $need =~ ^[0-9]+$ ]] || fail "the loader did not say its smallest --dram-budget: $out"
-"$PIPELINE" start --model "$MODEL" --backend cpu --cpu-share 0 --dram-budget "$need" \
+"$PIPELINE" start --model "$MODEL" --backend "$BACKEND" "${GPU[@]}" --cpu-share 0 --dram-budget "$need" \
 	--runner-opt=--timeout-ms=300 >/dev/null
 want=$(generate --tokens "$PROMPT" -n 8 --ignore-eos)
 expect_words 8 "$want" "tokens before the stall"
