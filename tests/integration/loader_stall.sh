@@ -5,15 +5,20 @@
 # a clear error; the runner then takes a new session with the loader, which lets go of what it
 # granted for the given-up acquire, and the requests after it give the tokens of an unstalled
 # run. (Before, every later request failed: "no grant from ssd-loader".)
-# STALL_BACKEND=cuda (on a GPU host) runs the runner on CUDA with the smallest GPU window
-# (--gpu-budget min), so that the given-up acquire is under the window's copies.
+# STALL_BACKEND=cuda (on a GPU host) runs the runner on CUDA with the smallest GPU window (the
+# least --gpu-budget it takes), so that the given-up acquire is under the window's copies.
 source "$(dirname "$0")/lib.sh"
 it_setup loader_stall
 BACKEND=${STALL_BACKEND:-cpu}
 GPU=()
 if [[ $BACKEND != cpu ]]; then
 	nvidia-smi >/dev/null 2>&1 || { echo "[loader_stall] SKIP: no GPU for STALL_BACKEND=$BACKEND"; exit 77; }
-	GPU=(--gpu-budget min)
+	# The smallest window streams the layers only where there are more than its slots: four layers.
+	rm -rf "$MODEL"
+	"$BIN/make-synthetic-model" --shape tiny --layers 4 --out "$MODEL" --quiet
+	min=$(gpu_budget_min "$MODEL" "$BACKEND" --cpu-share 0)
+	[[ -n $min ]] || fail "the runner did not say its smallest --gpu-budget"
+	GPU=(--gpu-budget "$min")
 fi
 
 out=$("$PIPELINE" start --model "$MODEL" --backend "$BACKEND" "${GPU[@]}" --cpu-share 0 --dram-budget 4KiB 2>&1) || true
