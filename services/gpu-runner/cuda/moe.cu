@@ -50,6 +50,8 @@
 
 /* ---- kernels ------------------------------------------------------------------------------ */
 
+#define ROUTER_BATCH 16 /* values of x and of a router row a lane loads before it adds any */
+
 __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint32_t dim, uint32_t E, uint32_t n,
 			      float *out)
 {
@@ -61,8 +63,21 @@ __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint3
 	const uint32_t t = warp / E, e = warp % E;
 	const float *x = xn + (size_t)t * dim;
 	float acc = 0.0f;
-	for (uint32_t d = lane; d < dim; d += 32)
-		acc = __fmaf_rn(x[d], load_any(w, wt, (size_t)e * dim + d), acc);
+	/* ROUTER_BATCH of a lane's values loaded before any is used (one memory round trip each, not
+	 * one a value); the products added in d's order as before. */
+	for (uint32_t d0 = lane; d0 < dim; d0 += 32 * ROUTER_BATCH) {
+		float xv[ROUTER_BATCH], wv[ROUTER_BATCH];
+#pragma unroll
+		for (uint32_t i = 0; i < ROUTER_BATCH; i++) {
+			const uint32_t d = d0 + 32 * i;
+			xv[i] = d < dim ? x[d] : 0.0f;
+			wv[i] = d < dim ? load_any(w, wt, (size_t)e * dim + d) : 0.0f;
+		}
+#pragma unroll
+		for (uint32_t i = 0; i < ROUTER_BATCH; i++)
+			if (d0 + 32 * i < dim)
+				acc = __fmaf_rn(xv[i], wv[i], acc);
+	}
 	for (int o = 16; o > 0; o >>= 1)
 		acc += __shfl_xor_sync(0xffffffffu, acc, o);
 	if (lane == 0)

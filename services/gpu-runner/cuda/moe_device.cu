@@ -33,6 +33,7 @@
 #define WSEL_DOWN (2 * GEMV_MATS)
 #define WSEL_COUNT (3 * GEMV_MATS)
 #define PICK_THREADS 256
+#define PICK_BATCH 8 /* values a thread of pick_kernel loads before it stores any */
 
 /* One block. The router's E logits of the token: the softmax as cpu_moe_route computes it (the
  * maximum, exp(l - max) in double, their sum in double in expert order, each probability rounded
@@ -48,10 +49,9 @@ __global__ void __launch_bounds__(PICK_THREADS) pick_kernel(const float *logits,
 							   T *xg, const void **wsel, float *w, uint32_t *ids,
 							   uint32_t *err, uint32_t layer)
 {
-	extern __shared__ double ex[]; /* (E) exp(l - max), then p in the first E floats after it */
+	extern __shared__ double ex[]; /* (E) exp(l - max); after it (E floats) the logits, then p */
 	float *p = (float *)(ex + E);
-	__shared__ float s_mx;
-	__shared__ bool s_bad;
+	__shared__ float s_wmx[PICK_THREADS / 32];
 	__shared__ double s_sum;
 	__shared__ uint32_t s_ids[GEMV_MATS];
 	__shared__ float s_w[GEMV_MATS];
@@ -62,25 +62,45 @@ __global__ void __launch_bounds__(PICK_THREADS) pick_kernel(const float *logits,
 		s_ids[t] = t;
 		s_w[t] = 0.0f;
 	}
-	for (uint32_t d = t; d < dim; d += blockDim.x)
-		xg[d] = from_f32<T>(xn[d]);
-	if (t == 0) {
-		float mx = logits[0];
-		bool bad = !isfinite(mx);
-		for (uint32_t e = 1; e < E; e++) {
-			bad = bad || !isfinite(logits[e]);
-			if (logits[e] > mx)
-				mx = logits[e];
+	/* The logits into shared memory and xn into xg: PICK_BATCH values a thread loaded before any
+	 * is stored (a round trip each, not one a value); the maximum and the check of every logit
+	 * by all threads at once. A maximum does not depend on the order it is taken in. */
+	float mx = -INFINITY;
+	bool bad = false;
+	for (uint32_t e0 = t; e0 < E; e0 += PICK_BATCH * PICK_THREADS) {
+		float v[PICK_BATCH];
+#pragma unroll
+		for (uint32_t i = 0; i < PICK_BATCH; i++)
+			v[i] = e0 + i * PICK_THREADS < E ? logits[e0 + i * PICK_THREADS] : 0.0f;
+#pragma unroll
+		for (uint32_t i = 0; i < PICK_BATCH; i++) {
+			if (e0 + i * PICK_THREADS < E) {
+				p[e0 + i * PICK_THREADS] = v[i];
+				bad = bad || !isfinite(v[i]);
+				mx = fmaxf(mx, v[i]);
+			}
 		}
-		s_mx = mx;
-		s_bad = bad;
-		if (bad && *err == 0)
-			*err = layer + 1;
 	}
-	__syncthreads();
-	const double mx = (double)s_mx;
+	for (uint32_t d0 = t; d0 < dim; d0 += PICK_BATCH * PICK_THREADS) {
+		float v[PICK_BATCH];
+#pragma unroll
+		for (uint32_t i = 0; i < PICK_BATCH; i++)
+			v[i] = d0 + i * PICK_THREADS < dim ? xn[d0 + i * PICK_THREADS] : 0.0f;
+#pragma unroll
+		for (uint32_t i = 0; i < PICK_BATCH; i++)
+			if (d0 + i * PICK_THREADS < dim)
+				xg[d0 + i * PICK_THREADS] = from_f32<T>(v[i]);
+	}
+	mx = warp_max(mx);
+	if (t % 32 == 0)
+		s_wmx[t / 32] = mx;
+	const bool s_bad = __syncthreads_or(bad) != 0;
+	if (t == 0 && s_bad && *err == 0)
+		*err = layer + 1;
+	for (uint32_t i = 0; i < PICK_THREADS / 32; i++)
+		mx = fmaxf(mx, s_wmx[i]);
 	for (uint32_t e = t; e < E; e += blockDim.x)
-		ex[e] = exp((double)logits[e] - mx);
+		ex[e] = exp((double)p[e] - (double)mx);
 	__syncthreads();
 	if (t == 0) {
 		double sum = 0;
