@@ -50,7 +50,7 @@
 
 /* ---- kernels ------------------------------------------------------------------------------ */
 
-#define ROUTER_BATCH 16 /* values of x and of a router row a lane loads before it adds any */
+#define ROUTER_BATCH 32 /* values of x and of a router row a lane loads before it adds any */
 
 __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint32_t dim, uint32_t E, uint32_t n,
 			      float *out)

@@ -34,6 +34,7 @@
 #define WSEL_COUNT (3 * GEMV_MATS)
 #define PICK_THREADS 256
 #define PICK_BATCH 8 /* values a thread of pick_kernel loads before it stores any */
+#define PICK_SUM_BATCH 16 /* values of shared memory loaded before they are added or compared */
 
 /* One block. The router's E logits of the token: the softmax as cpu_moe_route computes it (the
  * maximum, exp(l - max) in double, their sum in double in expert order, each probability rounded
@@ -102,10 +103,18 @@ __global__ void __launch_bounds__(PICK_THREADS) pick_kernel(const float *logits,
 	for (uint32_t e = t; e < E; e += blockDim.x)
 		ex[e] = exp((double)p[e] - (double)mx);
 	__syncthreads();
-	if (t == 0) {
+	if (t == 0) { /* in expert order, as the host's; PICK_SUM_BATCH loads before their adds */
 		double sum = 0;
-		for (uint32_t e = 0; e < E; e++)
-			sum += ex[e];
+		for (uint32_t e0 = 0; e0 < E; e0 += PICK_SUM_BATCH) {
+			double v[PICK_SUM_BATCH];
+#pragma unroll
+			for (uint32_t i = 0; i < PICK_SUM_BATCH; i++)
+				v[i] = e0 + i < E ? ex[e0 + i] : 0.0;
+#pragma unroll
+			for (uint32_t i = 0; i < PICK_SUM_BATCH; i++)
+				if (e0 + i < E)
+					sum += v[i];
+		}
 		s_sum = sum;
 	}
 	__syncthreads();
@@ -117,8 +126,15 @@ __global__ void __launch_bounds__(PICK_THREADS) pick_kernel(const float *logits,
 	for (uint32_t e = t; e < E && !s_bad; e += blockDim.x) {
 		const float pe = p[e];
 		uint32_t r = 0;
-		for (uint32_t o = 0; o < E && r < k; o++)
-			r += p[o] > pe || (p[o] == pe && o < e);
+		for (uint32_t o0 = 0; o0 < E && r < k; o0 += PICK_SUM_BATCH) {
+			float v[PICK_SUM_BATCH];
+#pragma unroll
+			for (uint32_t i = 0; i < PICK_SUM_BATCH; i++)
+				v[i] = o0 + i < E ? p[o0 + i] : -INFINITY;
+#pragma unroll
+			for (uint32_t i = 0; i < PICK_SUM_BATCH; i++)
+				r += o0 + i < E && (v[i] > pe || (v[i] == pe && o0 + i < e));
+		}
 		if (r < k) {
 			s_ids[r] = e;
 			s_w[r] = pe;
