@@ -11,9 +11,9 @@
  * routes as cpu_moe_route does (the same softmax in double, the same order of the top k, the same
  * normalised weights), writes the chosen experts' matrix addresses where the experts' two
  * launches read them (gemv_mats.wd) and the token's row in their activation dtype, then the two
- * launches (experts_batch with those) and combine_kernel with the weights it wrote. The chosen ids stay
- * in device memory until the engine asks for them for its counts (moe_layer_chosen, after the step:
- * one copy down then, the step's output waited for already); a logit that is not finite is flagged
+ * launches (experts_batch with those) and combine_kernel with the weights it wrote. The chosen ids go
+ * to mapped host memory for the engine's counts (moe_layer_chosen, after the step: the stream
+ * waited for then, as the step's output has been already); a logit that is not finite is flagged
  * there and fails the step at its end (moe_dev_check), the step's first k experts chosen with
  * weights 0 meanwhile.
  *
@@ -41,7 +41,7 @@
  * to float32), the top k in descending probability with equal ones in expert order (rank r of
  * expert e: the experts above it, and the equal ones before it), normalised in float32 in that
  * order where norm. Writes the chosen ones in increasing expert order (the host's route's order
- * of their products and sum): their weights (w), ids (ids), matrix addresses
+ * of their products and sum): their weights (w), ids (ids, mapped host memory), matrix addresses
  * from tab (E rows of gate, up, down) into wsel, and the token's normed row xn into xg
  * in the activation dtype. A logit that is not finite sets *err (layer + 1) and bad. */
 template <typename T>
@@ -168,18 +168,14 @@ struct moe_dev {
 	const void **tab;	/* device: (n_layers, E, 3) gate, up, down of each expert */
 	const void **wsel;	/* device: (WSEL_COUNT) the chosen experts' matrices */
 	float *w;		/* device: (k) their weights */
-	/* (n_layers, k) each layer's chosen experts, the last step's: written by pick_kernel into device
-	 * memory, copied to pinned host memory once a step when the engine asks (a kernel's stores
-	 * into mapped host memory held its end back by several microseconds a layer). */
-	uint32_t *ids;
-	uint32_t *h_ids;	/* pinned */
+	uint32_t *h_ids;	/* pinned, mapped: (n_layers, k) each layer's chosen experts, the last step's */
+	uint32_t *h_ids_dev;
 	uint32_t *h_err;	/* pinned, mapped: a layer + 1 whose logits were not finite, 0: none */
 	uint32_t *h_err_dev;
 	struct mm_expert *fmt;	/* (n_layers) each layer's formats and row sizes (gate.w set: a table) */
 	bool *routed;		/* (n_layers) moe_layer routed it since the last check */
 	bool any;		/* some layer was */
 	bool synced;		/* the stream waited for since the last moe_layer */
-	bool ids_down;		/* ... and ids copied to h_ids since then */
 };
 
 static int dev_setup(struct backend_dev *be)
@@ -200,13 +196,12 @@ static int dev_setup(struct backend_dev *be)
 	if ((rc = dev_alloc(be, (void **)&d->tab, (size_t)L * m->E, 3, sizeof(void *), "the experts' table")) ||
 	    (rc = dev_alloc(be, (void **)&d->wsel, WSEL_COUNT, 1, sizeof(void *), "the chosen experts' matrices")) ||
 	    (rc = dev_alloc(be, (void **)&d->w, m->k, 1, sizeof(float), "the chosen experts' weights")) ||
-	    (rc = dev_alloc(be, (void **)&d->ids, (size_t)L * m->k, 1, sizeof(uint32_t), "the chosen experts")) ||
+	    (rc = moe_host_mapped(be, (size_t)L * m->k * sizeof(uint32_t), (void **)&d->h_ids, (void **)&d->h_ids_dev,
+				  "the chosen experts")) ||
 	    (rc = moe_host_mapped(be, sizeof(uint32_t), (void **)&d->h_err, (void **)&d->h_err_dev,
 				  "the routing's error word")))
 		return rc;
-	CUDA_TRY(be, "cudaMallocHost (the chosen experts)",
-		 cudaMallocHost((void **)&d->h_ids, (size_t)L * m->k * sizeof(uint32_t)));
-	if (!d->h_err_dev)
+	if (!d->h_ids_dev || !d->h_err_dev)
 		return cuda_failf(be, -ENOTSUP, "cuda backend: device routing needs host memory the device maps");
 	*d->h_err = 0;
 	CUDA_TRY(be, "cudaMemsetAsync (the chosen experts' matrices)",
@@ -222,7 +217,6 @@ void moe_dev_teardown(struct backend_dev *be)
 	cudaFree(d->tab);
 	cudaFree(d->wsel);
 	cudaFree(d->w);
-	cudaFree(d->ids);
 	cudaFreeHost(d->h_ids);
 	cudaFreeHost(d->h_err);
 	free(d->fmt);
@@ -337,7 +331,7 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 	const size_t smem = (size_t)E * (sizeof(double) + sizeof(float));
 	const bool norm = (c->flags & MODEL_NORM_TOPK) != 0;
 	const void *const *tab = d->tab + (size_t)layer * E * 3;
-	uint32_t *ids = d->ids + (size_t)layer * k;
+	uint32_t *ids = d->h_ids_dev + (size_t)layer * k;
 	const float *lg = m->logits;
 	const void **wsel = d->wsel;
 	float *wo = d->w;
@@ -350,7 +344,7 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 			 (__half *)m->xg, wsel, wo, ids, err, layer);
 	LAUNCHED(be, "pick_kernel (the token's experts)");
 	d->routed[layer] = d->any = true; /* its flag is read at the step's end, whatever follows */
-	d->synced = d->ids_down = false;
+	d->synced = false;
 	struct mm_expert ex[GEMV_MATS];
 	for (uint32_t j = 0; j < k; j++) {
 		ex[j] = *f;
@@ -378,13 +372,6 @@ int moe_layer_chosen(struct backend_dev *be, uint32_t layer, uint32_t *ids)
 	if (!d->synced)
 		CUDA_TRY(be, "waiting for the device's routing", cudaStreamSynchronize(be->stream));
 	d->synced = true;
-	if (!d->ids_down) {
-		CUDA_TRY(be, "cudaMemcpyAsync (the chosen experts)",
-			 cudaMemcpyAsync(d->h_ids, d->ids, (size_t)be->cfg.n_layers * be->moe->k * sizeof(uint32_t),
-					 cudaMemcpyDeviceToHost, be->stream));
-		CUDA_TRY(be, "waiting for the chosen experts", cudaStreamSynchronize(be->stream));
-		d->ids_down = true;
-	}
 	memcpy(ids, d->h_ids + (size_t)layer * be->moe->k, be->moe->k * sizeof(uint32_t));
 	return 0;
 }
