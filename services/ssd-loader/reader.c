@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/log.h"
@@ -32,6 +33,13 @@ struct rfile {
 	char *path;
 	int fd;
 	bool direct;
+	/* What the file was when first opened: a read is trusted only while it still is (a
+	 * checkpoint rewritten in place would mix old and new weights), and a reopen must find the
+	 * same file. */
+	dev_t dev;
+	ino_t ino;
+	off_t size;
+	struct timespec mtime;
 };
 
 /* One reader_read: pieces are cut from it in order until `issued` reaches length. */
@@ -97,13 +105,50 @@ static uint64_t pieces_of(const struct reader *r, uint64_t bytes)
 	return (bytes + r->max_read - 1) / r->max_read;
 }
 
+/* The file's identity, recorded at its first open. */
+static int note_identity(struct rfile *f, char *err, size_t errlen)
+{
+	struct stat st;
+	if (fstat(f->fd, &st) != 0) {
+		int rc = -errno;
+		snprintf(err, errlen, "cannot stat %s: %s", f->path, strerror(errno));
+		return rc;
+	}
+	f->dev = st.st_dev;
+	f->ino = st.st_ino;
+	f->size = st.st_size;
+	f->mtime = st.st_mtim;
+	return 0;
+}
+
+/* Is the open file still what it was at its first open (size and modification time)? 0, or
+ * -ESTALE with the reason in text. */
+static int check_unchanged(const struct rfile *f, char *text, size_t len)
+{
+	struct stat st;
+	if (fstat(f->fd, &st) != 0) {
+		int rc = -errno;
+		snprintf(text, len, "cannot stat %s: %s", f->path, strerror(errno));
+		return rc;
+	}
+	if (st.st_size == f->size && st.st_mtim.tv_sec == f->mtime.tv_sec && st.st_mtim.tv_nsec == f->mtime.tv_nsec)
+		return 0;
+	snprintf(text, len,
+		 "%s changed while the loader serves it (%lld bytes modified at %lld.%09ld when opened, now %lld "
+		 "bytes modified at %lld.%09ld): weights from the old and the new file must not mix; restart "
+		 "the pipeline to read the new one",
+		 f->path, (long long)f->size, (long long)f->mtime.tv_sec, f->mtime.tv_nsec, (long long)st.st_size,
+		 (long long)st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+	return -ESTALE;
+}
+
 static int open_file(struct rfile *f, bool buffered, char *err, size_t errlen)
 {
 	if (!buffered) {
 		f->fd = open_path(f->path, O_RDONLY | O_CLOEXEC | O_DIRECT);
 		if (f->fd >= 0) {
 			f->direct = true;
-			return 0;
+			return note_identity(f, err, errlen);
 		}
 		if (errno != EINVAL) {
 			int rc = -errno;
@@ -119,7 +164,7 @@ static int open_file(struct rfile *f, bool buffered, char *err, size_t errlen)
 		return rc;
 	}
 	f->direct = false;
-	return 0;
+	return note_identity(f, err, errlen);
 }
 
 /* A read on an O_DIRECT descriptor failed with EINVAL: some file systems accept the open and
@@ -128,9 +173,23 @@ static int open_file(struct rfile *f, bool buffered, char *err, size_t errlen)
  * for another thread to reuse. io_uring holds its own reference to the file of reads in flight. */
 static int fall_back_to_buffered(struct rfile *f)
 {
-	int fd = open_path(f->path, O_RDONLY | O_CLOEXEC);
+	/* The same file, whatever now has its name: through the descriptor where /proc shows it,
+	 * else by its path, then checked to be the file first opened. */
+	char self[64];
+	snprintf(self, sizeof(self), "/proc/self/fd/%d", f->fd);
+	int fd = open(self, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		fd = open_path(f->path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
 		return -errno;
+	struct stat st;
+	if (fstat(fd, &st) != 0 || st.st_dev != f->dev || st.st_ino != f->ino) {
+		log_error("%s: reopened for reads through the page cache, it is another file than the one first "
+			  "opened (replaced while the loader serves it)",
+			  f->path);
+		close(fd);
+		return -ESTALE;
+	}
 	log_warn("%s: an O_DIRECT read was refused (EINVAL); reading this file through the page cache", f->path);
 	if (dup3(fd, f->fd, O_CLOEXEC) < 0) {
 		int rc = -errno;
@@ -326,8 +385,12 @@ static void finish_request(struct reader *r, struct request *q)
 	int rc = q->rc;
 	uint64_t got = q->eof == NO_EOF ? q->length : q->eof;
 	if (rc) {
-		snprintf(text, sizeof(text), "read of %s at offset %llu failed: %s", path,
-			 (unsigned long long)q->err_offset, strerror(q->err_errno));
+		snprintf(text, sizeof(text), "read of %s at offset %llu failed: %s%s", path,
+			 (unsigned long long)q->err_offset, strerror(q->err_errno),
+			 q->err_errno == ESTALE ? " (the file was replaced while the loader serves it)" : "");
+	} else if ((rc = check_unchanged(&r->files[q->file], text, sizeof(text))) != 0) {
+		/* Read after the pieces: a change before this check shows, and bytes read before a
+		 * change that comes after it are the old file's, whole. */
 	} else if (got < q->min_length) {
 		rc = -EIO;
 		snprintf(text, sizeof(text),

@@ -21,6 +21,12 @@
  * min_length bytes arrived: the bytes past the end of the file are zeroed in dst. Fewer, or
  * an I/O error, completes the request with -EIO and a message naming the file and offset.
  *
+ * A file is trusted as it was when first opened: a request whose file's size or modification
+ * time has changed by the time its reads are done completes with -ESTALE and a message that says
+ * so (a checkpoint rewritten in place while served would mix old and new weights; one replaced
+ * by a rename is still read from the file first opened), and a reopen for the buffered fallback
+ * that finds another file fails its pieces with -ESTALE.
+ *
  * Not thread-safe: one thread (the service loop) owns a reader. */
 #ifndef SSD_LOADER_READER_H
 #define SSD_LOADER_READER_H

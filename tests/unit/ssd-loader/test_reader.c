@@ -331,6 +331,68 @@ START_TEST(truncated_file_fails_cleanly)
 }
 END_TEST
 
+START_TEST(file_changed_in_place_fails)
+{
+	/* A checkpoint rewritten in place after the reader opened it: every read after the change
+	 * fails with -ESTALE and says so, none gives bytes of the new file as the old one's. */
+	char *dir = th_tmpdir("/tmp");
+	char *model = lt_make_model(dir, 2);
+	struct manifest *m = lt_load(model);
+	struct done_log *d = calloc(1, sizeof(*d));
+	struct reader *r = open_reader(m, 4, 8192, false, d);
+	struct group_bufs b = alloc_bufs(m);
+	ck_assert_uint_eq(read_all(r, m, &b, d), 0);
+	check_all(m, &b);
+	free(d->seen);
+	memset(d, 0, sizeof(*d));
+
+	/* The same size, one byte written, a modification time of its own. */
+	int fd = open(m->files[0].path, O_WRONLY);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(pwrite(fd, "x", 1, (off_t)m->tensors[0].file_offset), 1);
+	struct timespec times[2] = {{.tv_nsec = UTIME_OMIT}, {.tv_sec = 1000000000, .tv_nsec = 123}};
+	ck_assert_int_eq(futimens(fd, times), 0);
+	close(fd);
+	ck_assert_uint_eq(read_all(r, m, &b, d), m->n_extents);
+	ck_assert_int_eq(d->last_rc, -ESTALE);
+	ck_assert_msg(strstr(d->text, m->files[0].path) != NULL, "error names the file: %s", d->text);
+	ck_assert_msg(strstr(d->text, "changed while the loader serves it") != NULL, "error says what: %s", d->text);
+
+	/* Replaced by a rename: the reader keeps reading the file it opened (whole, the old bytes). */
+	reader_destroy(&r);
+	free(d->seen);
+	memset(d, 0, sizeof(*d));
+	manifest_destroy(&m);
+	th_rmtree(dir);
+	free(model);
+	dir = th_tmpdir("/tmp");
+	model = lt_make_model(dir, 2);
+	m = lt_load(model);
+	free_bufs(&b);
+	b = alloc_bufs(m);
+	r = open_reader(m, 4, 8192, false, d);
+	char moved[PATH_MAX + 8];
+	snprintf(moved, sizeof(moved), "%s.old", m->files[0].path);
+	ck_assert_int_eq(rename(m->files[0].path, moved), 0);
+	fd = open(m->files[0].path, O_WRONLY | O_CREAT | O_EXCL, 0600);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(write(fd, "other", 5), 5);
+	close(fd);
+	ck_assert_uint_eq(read_all(r, m, &b, d), 0);
+	ck_assert_int_eq(rename(moved, m->files[0].path), 0); /* the old file, to compare with */
+	check_all(m, &b);
+
+	reader_destroy(&r);
+	free_bufs(&b);
+	free(d->seen);
+	free(d);
+	manifest_destroy(&m);
+	th_rmtree(dir);
+	free(model);
+	free(dir);
+}
+END_TEST
+
 START_TEST(missing_file_is_named)
 {
 	const char *paths[] = {"/nonexistent/dir/model.safetensors"};
@@ -420,6 +482,7 @@ static Suite *reader_suite(void)
 	suite_add_tcase(s, tc);
 	tc = tcase_create("errors");
 	tcase_add_test(tc, truncated_file_fails_cleanly);
+	tcase_add_test(tc, file_changed_in_place_fails);
 	tcase_add_test(tc, missing_file_is_named);
 	tcase_add_test(tc, bad_arguments_rejected);
 	tcase_add_test(tc, destroy_with_reads_in_flight);
