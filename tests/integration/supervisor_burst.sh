@@ -4,6 +4,7 @@
 # with a growing backoff, gives up after 5 restarts, and start fails naming it and showing its log.
 # With the flag set later, a kill -9 of the (wrapped) loader leads to the same: status shows it
 # failed with the error, and the others still run. restart brings it back once the flag is gone.
+# Last, with the supervisor killed and the wrapped loader stopped, stop ends the loader too.
 source "$(dirname "$0")/lib.sh"
 it_setup supervisor_burst
 
@@ -67,4 +68,19 @@ expect_eq "$got" "$want" "tokens after the loader came back"
 
 "$PIPELINE" stop
 expect_nothing_left "after stop"
+
+# The supervisor killed, and the wrapped loader stopped (SIGSTOP): stop signals the loader's
+# process group, not the wrapper alone, so the loader under it goes too (before, the wrapper
+# died of SIGTERM and the stopped loader stayed, its ring with it).
+"$PIPELINE" start --model "$MODEL"
+wrapper=$(sup_field ssd-loader pid)
+loader=$(sup_field ssd-loader service_pid)
+[[ $loader =~ ^[0-9]+$ && $loader != "$wrapper" ]] || fail "the wrapped loader's pid: '$loader' (wrapper $wrapper)"
+kill -KILL "$(cat "$RUN_DIR/supervisor.pid")"
+kill -STOP "$loader"
+rc=0
+out=$("$PIPELINE" stop 2>&1) || rc=$?
+((rc == 0)) || fail "stop with the supervisor gone and the wrapped loader stopped: exit status $rc: $out"
+proc_gone "$loader" || fail "the stopped loader under its wrapper (pid $loader) survived stop"
+expect_nothing_left "after stop without the supervisor"
 log "ok"

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -192,20 +193,65 @@ static int kill_and_wait(const char *name, int pid)
 	return -1;
 }
 
+/* The process group the signals for a service's pid go to: its own, where it leads a group that
+ * is not ours (the supervisor starts each service in a group of its own, so a wrapper that does
+ * not exec and the service under it are both in it); else none (0), and the signals go to the
+ * process alone (a service started by hand may share its group with others). */
+static int service_group(int pid)
+{
+	const pid_t g = getpgid(pid);
+	return g == pid && g != getpgid(0) ? pid : 0;
+}
+
+/* Does any process of group g remain? */
+static bool group_alive(int g)
+{
+	return kill(-g, 0) == 0 || errno == EPERM;
+}
+
+static void signal_service(int pid, int group, int sig)
+{
+	if (!group || kill(-group, sig) != 0)
+		kill(pid, sig);
+}
+
+/* Waits until pid and every process of its group (none: 0) have gone; false after timeout_ms. */
+static bool wait_service_exit(int pid, int group, long timeout_ms)
+{
+	uint64_t deadline = now_ns() + (uint64_t)timeout_ms * 1000000ull;
+	if (!sup_wait_exit(pid, timeout_ms))
+		return false;
+	while (group && group_alive(group)) {
+		if (now_ns() > deadline)
+			return false;
+		const struct timespec ts = {.tv_nsec = 50 * 1000000L};
+		nanosleep(&ts, NULL);
+	}
+	return true;
+}
+
 /* The stop ladder (supervisor.h) for a service that runs without a supervisor (it was killed, or
  * the service was started by hand): MSG_SHUTDOWN (it removes its shared state), SIGTERM if that
- * is not acknowledged, SIGKILL when it has not exited after stop_timeout_s. The signals go to the
- * process alone: a service started by hand may share its group with others. */
+ * is not acknowledged (with SIGCONT, so that a stopped service takes it), SIGKILL when it has not
+ * exited after stop_timeout_s. Where the service leads a process group of its own, the signals go
+ * to the group and the stop waits for all of it (service_group). */
 static int stop_unsupervised(const char *run_dir, const char *name, int pid, long stop_timeout_s)
 {
 	char err[256];
-	if (sup_ask_shutdown(run_dir, name, SUP_SHUTDOWN_ANSWER_MS, err, sizeof(err)) != 0)
-		kill(pid, SIGTERM);
-	if (sup_wait_exit(pid, stop_timeout_s * 1000))
+	const int group = service_group(pid);
+	if (sup_ask_shutdown(run_dir, name, SUP_SHUTDOWN_ANSWER_MS, err, sizeof(err)) != 0) {
+		signal_service(pid, group, SIGTERM);
+		signal_service(pid, group, SIGCONT);
+	}
+	if (wait_service_exit(pid, group, stop_timeout_s * 1000))
 		return 0;
-	fprintf(stderr, "pipeline-supervisor: %s (pid %d) did not exit in %ld s; killing it\n", name, pid,
-		stop_timeout_s);
-	return kill_and_wait(name, pid);
+	fprintf(stderr, "pipeline-supervisor: %s (pid %d%s) did not exit in %ld s; killing it\n", name, pid,
+		group ? " and its process group" : "", stop_timeout_s);
+	signal_service(pid, group, SIGKILL);
+	if (wait_service_exit(pid, group, KILL_WAIT_MS))
+		return 0;
+	fprintf(stderr, "pipeline-supervisor: %s (pid %d) survived SIGKILL\n", name, pid);
+	return -1;
 }
 
 static void print_name(const char *name)
