@@ -33,6 +33,10 @@ for service in gpu-runner-3 http-api; do
 	out=$("$PIPELINE" restart "$service" 2>&1) || rc=$?
 	expect_eq "$rc" 1 "restart $service of an instance that does not run it: its exit status"
 	expect_grep "runs no $service" "$out" "restart $service of an instance that does not run it"
+	# The supervisor's own status for it: 3, not 2 (a usage error).
+	rc=0
+	"$BIN/pipeline-supervisor" restart "$service" --run-dir "$RUN_DIR" >/dev/null 2>&1 || rc=$?
+	expect_eq "$rc" 3 "pipeline-supervisor restart $service: its exit status"
 done
 
 "$PIPELINE" stop

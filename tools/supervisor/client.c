@@ -453,7 +453,7 @@ int sup_client_restart(const char *run_dir, const char *service, long timeout_s)
 				at += (size_t)snprintf(names + at, sizeof(names) - at, "%s%s", at ? ", " : "", name);
 		fprintf(stderr, "pipeline-supervisor: the instance runs no %s (it runs %s)\n", service, names);
 		json_decref(j);
-		status = SUP_EXIT_USAGE;
+		status = SUP_EXIT_NO_SERVICE;
 		goto out_conn;
 	}
 	long long before = int_field(o, "restarts", 0), old_pid = int_field(o, "pid", 0);

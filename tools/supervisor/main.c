@@ -5,7 +5,7 @@
  *   pipeline-supervisor pids [NAME] | ps | stop | cleanup | services          [--run-dir DIR]
  *
  * scripts/pipeline runs it; supervisor.h describes what it does. Exit status: 0 success, 1
- * failure, 2 bad usage. */
+ * failure, 2 bad usage, 3 (restart) the instance runs no such service. */
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -70,7 +70,7 @@ static void usage(FILE *f)
 		"(--json: the supervisor's JSON) and exits 0 when all three are up; wait waits until they are\n"
 		"(1 when one failed: its error and log); shutdown stops the instance and waits for the\n"
 		"supervisor to exit; restart asks for a restart of one service (SIGTERM, then the same\n"
-		"command line; not counted toward the burst limit) and waits until it is up again (2 at once\n"
+		"command line; not counted toward the burst limit) and waits until it is up again (3 at once\n"
 		"when the instance runs no such service).\n"
 		"\n"
 		"The instance seen from outside, with or without a supervisor (a pid file counts when its\n"
@@ -86,7 +86,7 @@ static void usage(FILE *f)
 		"instance's shared-memory objects that no live process owns (logs stay); services prints the\n"
 		"services in start order.\n"
 		"\n"
-		"exit status: 0 success, 1 failure, 2 bad usage\n");
+		"exit status: 0 success, 1 failure, 2 bad usage, 3 (restart) no such service\n");
 }
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

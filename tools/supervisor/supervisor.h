@@ -47,6 +47,7 @@
 #define SUP_EXIT_OK 0
 #define SUP_EXIT_FAIL 1
 #define SUP_EXIT_USAGE 2
+#define SUP_EXIT_NO_SERVICE 3 /* restart: the instance runs no such service */
 /* The stop ladder, for each service in turn (the supervisor's stop, and the stop of services that
  * run without one): MSG_SHUTDOWN (the service removes its shared state and exits); SIGTERM when
  * that is not acknowledged within SUP_SHUTDOWN_ANSWER_MS; SIGKILL when it has not exited after
