@@ -39,6 +39,11 @@ for service in gpu-runner-3 http-api; do
 	expect_eq "$rc" 3 "pipeline-supervisor restart $service: its exit status"
 done
 
+# The run directory spelled another way (a trailing slash) is the same instance's.
+out=$("$BIN/pipeline-supervisor" pids supervisor --run-dir "$RUN_DIR/") ||
+	fail "pipeline-supervisor pids with the run directory and a trailing slash found no supervisor"
+expect_eq "$out" "$(cat "$RUN_DIR/supervisor.pid")" "the supervisor's pid with the run directory and a trailing slash"
+
 "$PIPELINE" stop
 expect_nothing_left "after stop"
 log "ok"

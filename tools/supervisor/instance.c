@@ -49,10 +49,22 @@ static bool service_exists(const char *run_dir, int i, char *name, size_t len)
 	return stat(path, &st) == 0;
 }
 
+/* Do a and b name one directory (the same words, or the same file however spelled: a trailing
+ * slash, a symbolic link)? */
+static bool same_dir(const char *a, const char *b)
+{
+	if (!strcmp(a, b))
+		return true;
+	struct stat sa, sb;
+	return stat(a, &sa) == 0 && stat(b, &sb) == 0 && S_ISDIR(sa.st_mode) && sa.st_dev == sb.st_dev &&
+	       sa.st_ino == sb.st_ino;
+}
+
 /* Is pid a live process (not a zombie) that runs program for run_dir? program is its command
  * name or the last part of one of its words (under a wrapper of PIPELINE_WRAP_*, the word that
- * runs it), and "--run-dir run_dir" or "--run-dir=run_dir" is among its words. This guards
- * against a stale pid file whose number now belongs to another process. */
+ * runs it), and "--run-dir run_dir" or "--run-dir=run_dir" is among its words (run_dir however
+ * spelled: same_dir). This guards against a stale pid file whose number now belongs to another
+ * process. */
 static bool runs_for(int pid, const char *program, const char *run_dir)
 {
 	struct proc_info pi;
@@ -70,8 +82,8 @@ static bool runs_for(int pid, const char *program, const char *run_dir)
 		for (const char *w = buf; w < buf + n; w += strlen(w) + 1) {
 			const char *slash = strrchr(w, '/');
 			runs = runs || !strcmp(slash ? slash + 1 : w, program);
-			ours = ours || (!strcmp(prev, "--run-dir") && !strcmp(w, run_dir)) ||
-			       (str_has_prefix(w, "--run-dir=") && !strcmp(w + strlen("--run-dir="), run_dir));
+			ours = ours || (!strcmp(prev, "--run-dir") && same_dir(w, run_dir)) ||
+			       (str_has_prefix(w, "--run-dir=") && same_dir(w + strlen("--run-dir="), run_dir));
 			prev = w;
 		}
 	}
