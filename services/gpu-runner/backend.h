@@ -432,6 +432,8 @@ struct backend_cpu_share_stats {
 	double experts_ms;   /* the host's time computing them (moe_end), summed */
 	double route_wait_ms; /* the host's time waiting for the router logits (moe_route), summed: with the
 			       * CPU's experts waited for on the stream, the end of the layer before's too */
+	double route_wait_step_ms; /* ... of it in steps of at most FFN_SPLIT_MAX_TOKENS tokens (decode
+				    * steps: the ones the CPU takes experts in), not a prompt's chunks */
 	double experts_span_ms; /* a layer's CPU experts from the first one's submission to the last one's
 				 * end, summed over the layers that had any */
 	uint64_t expert_layers; /* those layers */

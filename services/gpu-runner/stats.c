@@ -213,6 +213,7 @@ static json_t *cpu_share_stats(struct runner *r)
 	json_object_set_new(o, "experts", json_integer((json_int_t)bs.experts));
 	json_object_set_new(o, "experts_ms", json_real(bs.experts_ms));
 	json_object_set_new(o, "route_wait_ms", json_real(bs.route_wait_ms));
+	json_object_set_new(o, "route_wait_step_ms", json_real(bs.route_wait_step_ms));
 	json_object_set_new(o, "experts_span_ms", json_real(bs.experts_span_ms));
 	json_object_set_new(o, "expert_layers", json_integer((json_int_t)bs.expert_layers));
 	json_object_set_new(o, "experts_span_bytes", json_integer((json_int_t)bs.experts_span_bytes));

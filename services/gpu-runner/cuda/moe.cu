@@ -392,6 +392,8 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	CUDA_TRY(be, "waiting for the router logits", cudaStreamSynchronize(be->stream));
 	const uint64_t t1 = now_ns();
 	m->route_wait_ns += t1 - t0;
+	if (n <= FFN_SPLIT_MAX_TOKENS)
+		m->route_wait_step_ns += t1 - t0;
 	if (timed)
 		(void)moe_begin_count(m, t_in - m->step_ret_ns, t1 - t0);
 	/* Jobs of a layer that failed half way are waited for: their slots and buffers are about to be
@@ -574,6 +576,7 @@ void moe_stats(struct backend_dev *be, struct backend_cpu_share_stats *out)
 	if (!m)
 		return;
 	out->route_wait_ms = (double)m->route_wait_ns / 1e6;
+	out->route_wait_step_ms = (double)m->route_wait_step_ns / 1e6;
 	moe_cpu_stats(m, out);
 }
 

@@ -122,6 +122,7 @@ struct cuda_moe {
 	float *ybuf;			/* (n_jobs, FFN_SPLIT_MAX_TOKENS, dim) the jobs' y, mapped (gpu_waits) */
 	PFN_cuStreamWaitValue32_v11070 wait32;
 	uint64_t cpu_experts, cpu_ns, route_wait_ns; /* experts the CPU computed, and the host's times (all time) */
+	uint64_t route_wait_step_ns; /* ... of route_wait_ns, in steps of at most FFN_SPLIT_MAX_TOKENS tokens */
 	uint64_t layer_t0, waited_t0;	/* when this layer's first CPU expert was submitted; the waited layer's */
 	uint64_t layer_bytes, waited_bytes; /* the weight bytes of this layer's CPU experts; the waited layer's */
 	uint64_t span_ns, span_layers;	/* layers' CPU experts, first submission to last end, summed (all time) */
