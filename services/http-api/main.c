@@ -100,7 +100,7 @@ int main(int argc, char **argv)
 		   *level = NULL, *name = NULL;
 	uint64_t max_body = 0;
 	long max_queue = 0, concurrency = 0, max_connections = 0, default_max_tokens = 0, timeout_s = 0, hello_ms = 0, resume_s = 0,
-	     idle_s = 0;
+	     idle_s = 0, per_ip = 0;
 	struct opt opts[] = {
 		{"instance", OPT_STRING, &instance, "default", "the instance whose model is served"},
 		{"run-dir", OPT_STRING, &run_dir_opt, NULL, "its run directory (default /tmp/llmp-<uid>/<instance>)"},
@@ -116,6 +116,9 @@ int main(int argc, char **argv)
 		{"max-queue", OPT_INT, &max_queue, "64",
 		 "requests that may wait for the model behind those it serves (more: 429)"},
 		{"max-connections", OPT_INT, &max_connections, "0", "connections served at once (0: max-queue + 32)"},
+		{"max-connections-per-ip", OPT_INT, &per_ip, "0",
+		 "connections one client address may hold at once; more are closed unanswered (0: no limit, "
+		 "as behind a proxy, where every connection comes from the proxy's address)"},
 		{"idle-timeout", OPT_INT, &idle_s, "60",
 		 "seconds a connection may send and take nothing before it is closed: a client that sends its "
 		 "request too slowly, or an idle keep-alive one; not one that waits for its answer (0: never)"},
@@ -166,8 +169,10 @@ int main(int argc, char **argv)
 		fprintf(stderr, "%s: --idle-timeout must be in 0..86400 seconds\n", PROG);
 		return 2;
 	}
-	if (max_queue < 0 || max_queue > 100000 || max_connections < 0 || max_connections > 100000) {
-		fprintf(stderr, "%s: --max-queue and --max-connections must be in 0..100000\n", PROG);
+	if (max_queue < 0 || max_queue > 100000 || max_connections < 0 || max_connections > 100000 || per_ip < 0 ||
+	    per_ip > 100000) {
+		fprintf(stderr, "%s: --max-queue, --max-connections and --max-connections-per-ip must be in 0..100000\n",
+			PROG);
 		return 2;
 	}
 	if (concurrency < 1 || concurrency > 256) {
@@ -242,6 +247,7 @@ int main(int argc, char **argv)
 		.port = port,
 		.max_body = max_body,
 		.max_connections = max_connections ? max_connections : max_queue + concurrency + 32,
+		.max_per_ip = per_ip,
 		.idle_timeout_s = (unsigned)idle_s,
 		.api_key = key_file ? key : NULL,
 		.model_id = model_id && *model_id ? model_id : NULL,

@@ -862,8 +862,8 @@ int server_start(const struct server_config *cfg, struct server **out, char *err
 				cfg->port, NULL, NULL, on_request, s, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, s,
 				MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_LIMIT,
 				(unsigned int)cfg->max_connections, MHD_OPTION_CONNECTION_TIMEOUT,
-				(unsigned int)cfg->idle_timeout_s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
-				MHD_OPTION_END);
+				(unsigned int)cfg->idle_timeout_s, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+				(unsigned int)cfg->max_per_ip, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_END);
 	if (!s->d) {
 		int e = errno ? errno : EADDRINUSE;
 		pthread_mutex_destroy(&s->lock);

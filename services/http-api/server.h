@@ -23,6 +23,7 @@ struct server_config {
 	uint16_t port;		 /* 0: the system picks one (server_port tells) */
 	uint64_t max_body;	 /* bytes of a request body; more: 413 */
 	long max_connections;	 /* connections served at once */
+	long max_per_ip;	 /* ... from one client address (0: no limit) */
 	unsigned idle_timeout_s; /* a connection that sends and takes nothing this long is closed (a slow
 				  * client, or an idle keep-alive one; not one waiting for its answer); 0: never */
 	const char *api_key;	 /* the bearer token every request but /health and /metrics needs; NULL: none */

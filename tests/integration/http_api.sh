@@ -424,7 +424,7 @@ log "clients that give up while queued: their places given back"
 # ---- a runner that answers HELLO later than --hello-timeout-ms (a long step; here stopped for 1.2
 # s, below the supervisor's 2 s to call it hung): the request waits for it, no 503 ----
 "$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --concurrency 1 \
-	--hello-timeout-ms 300 --name http-api-h >"$IT_TMP/hello.log" 2>&1 &
+	--hello-timeout-ms 300 --max-connections-per-ip 3 --name http-api-h >"$IT_TMP/hello.log" 2>&1 &
 HSERVER=$!
 listening_h() { grep -q 'listening on http://' "$IT_TMP/hello.log"; }
 wait_until 10 "the hello test's http-api listens" listening_h
@@ -439,9 +439,22 @@ kill -CONT "$RPID"
 wait "$HCLIENT" || true
 expect_eq "$(cat "$IT_TMP/hcode")" 200 "a request while the runner answers HELLO late"
 expect_eq "$(sup_field gpu-runner pid)" "$RPID" "the same runner (not found hung and restarted)"
+log "a runner that answers HELLO late: the request waits for it"
+# --max-connections-per-ip 3: three connections of one address that send nothing (clients that
+# trickle their headers) leave it no fourth; one closed, it is served again.
+for fd in 7 8 9; do
+	eval "exec $fd<>/dev/tcp/127.0.0.1/${BASEH##*:}"
+done
+sleep 0.2
+got=$(curl -sS -m 5 -o /dev/null -w '%{http_code}' "$BASEH/health" 2>/dev/null || true)
+expect_eq "$got" 000 "GET /health with three idle connections of the address open (the limit is 3)"
+exec 7<&-
+ok_again() { [[ $(curl -sS -m 5 -o /dev/null -w '%{http_code}' "$BASEH/health" 2>/dev/null) == 200 ]]; }
+wait_until 5 "GET /health once one of the three is closed" ok_again
+exec 8<&- 9<&-
+log "--max-connections-per-ip: a fourth connection of the address closed unanswered"
 kill -TERM "$HSERVER"
 wait "$HSERVER" || fail "the hello test's http-api did not exit cleanly on SIGTERM"
-log "a runner that answers HELLO late: the request waits for it"
 
 # ---- http-api runs under the supervisor: killed, it is started again and serves ----
 # (killed in the middle of a stream: the runner cancels that generation, as for a client gone)
