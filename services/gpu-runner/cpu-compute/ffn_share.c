@@ -2,7 +2,6 @@
  * ffn_share.h. */
 #include "services/gpu-runner/cpu-compute/ffn_share.h"
 
-#include <assert.h>
 #include <errno.h>
 #include <sched.h>
 #include <stdbool.h>
@@ -356,8 +355,11 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 		   uint32_t n_parts, char *err, size_t errlen)
 {
 	const uint32_t P = fs->parts;
-	assert(n_parts == 2 * P && part < n_parts);
-	(void)n_parts;
+	/* A job cut otherwise than ffn_share_parts says fails in every part (each returns at once,
+	 * none waits for another). */
+	if (n_parts != 2 * P || part >= n_parts)
+		return errorf(err, errlen, -EINVAL, "cpu share: part %u of %u, where the share is cut in %u parts", part,
+			      n_parts, 2 * P);
 	struct part_scratch *ps = &fs->ps[part];
 	int rc = 0;
 	uint64_t zero = 0, t = now_ns();

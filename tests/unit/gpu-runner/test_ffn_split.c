@@ -389,6 +389,12 @@ START_TEST(test_share_job_failure)
 	}
 	ck_assert_int_eq(rc, -EINVAL);
 	ck_assert_msg(strstr(err, "activations"), "message: %s", err);
+	/* A job cut in other parts than ffn_share_parts says: refused by every part, none waits. */
+	ffn_share_job_init(&job, &m, &m, &down, 192, 1, DT_F32);
+	for (uint32_t p = 0; p < np + 2; p++)
+		ck_assert_int_eq(ffn_share_part(fs, &job, x, y, p, np + 2, err, sizeof(err)), -EINVAL);
+	ck_assert_msg(strstr(err, "cut in"), "message: %s", err);
+	ck_assert_int_eq(ffn_share_part(fs, &job, x, y, np, np, err, sizeof(err)), -EINVAL);
 	/* A good job: y = down (silu(gate x) * up x) over 192 rows, against a direct computation. */
 	rng_state = 3;
 	for (uint32_t i = 0; i < 192 * 64; i++)
