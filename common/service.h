@@ -110,6 +110,12 @@ int run_dir_prepare(const char *dir);
  * /tmp/llmp-<uid>/<instance>. */
 int run_dir_default(const char *instance, char *buf, size_t len);
 
+/* A file of the run directory holding the absolute path of a kv-store's spill file placed outside
+ * it (--spill-file), one line: the kv-store writes it once the file is made and removes both at a
+ * clean stop; the instance's cleanup (pipeline stop after a crash) removes the file it names, as it
+ * removes <run-dir>/kv-spill.bin. */
+#define KV_SPILL_RECORD "kv-spill.path"
+
 #ifdef __cplusplus
 }
 #endif

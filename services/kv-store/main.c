@@ -10,9 +10,12 @@
  * kv-store to load at CONFIGURE); a signal leaves both for the next kv-store to adopt.
  */
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/config.h"
 #include "common/log.h"
@@ -301,6 +304,40 @@ static int io_set(void *ctx, const struct tunable_value *v, bool apply, char *wh
 	return rc;
 }
 
+/* --spill-file outside the run directory: its absolute path into KV_SPILL_RECORD there (0600),
+ * for the cleanup after a crash. True when written; a failure is logged and costs only that. */
+static bool record_spill(const char *run_dir, const char *spill_file)
+{
+	char abs[PATH_MAX], cwd[PATH_MAX], path[PATH_MAX], tmp[PATH_MAX + 8];
+	/* Made later (at the pool's configuration): its absolute name, not its resolved one. */
+	int n = spill_file[0] == '/' ? snprintf(abs, sizeof(abs), "%s", spill_file)
+		: getcwd(cwd, sizeof(cwd))  ? snprintf(abs, sizeof(abs), "%s/%s", cwd, spill_file)
+					    : -1;
+	if (n < 0 || (size_t)n >= sizeof(abs)) {
+		log_warn("the spill file %s: no absolute name (not recorded for the cleanup after a crash)", spill_file);
+		return false;
+	}
+	snprintf(path, sizeof(path), "%s/%s", run_dir, KV_SPILL_RECORD);
+	snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+	int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+	bool ok = fd >= 0 && dprintf(fd, "%s\n", abs) > 0;
+	if (fd >= 0 && close(fd) != 0)
+		ok = false;
+	if (ok && rename(tmp, path) == 0)
+		return true;
+	log_warn("cannot record the spill file's place in %s: %s (a crash would leave %s behind)", path,
+		 strerror(errno), abs);
+	unlink(tmp);
+	return false;
+}
+
+static void forget_spill(const char *run_dir)
+{
+	char path[PATH_MAX];
+	snprintf(path, sizeof(path), "%s/%s", run_dir, KV_SPILL_RECORD);
+	unlink(path);
+}
+
 static void register_tunables(struct service *s, struct kvsvc *k, const char *instance, const char *run_dir,
 			      const char *spill_file, const char *persist_dir)
 {
@@ -439,6 +476,7 @@ int main(int argc, char **argv)
 		return 1; /* logged */
 	}
 	register_tunables(s, &k, instance, run_dir, spill_file, index_file ? persist_dir : NULL);
+	const bool recorded = !index_file && spill_file != spill_buf && record_spill(run_dir, spill_file);
 	service_run(s);
 	bool remove = service_stop_reason(s) == SERVICE_STOP_SHUTDOWN;
 	if (remove && index_file)
@@ -448,6 +486,8 @@ int main(int argc, char **argv)
 	else
 		log_info("stopping: the KV pool and the spill file stay for the next kv-store to adopt");
 	kvstore_destroy(&k.kv, remove);
+	if (recorded && remove)
+		forget_spill(run_dir);
 	kv_events_destroy(&k.events);
 	service_destroy(&s);
 	return 0;

@@ -8,6 +8,8 @@
 #      run directory does not start, with a message naming the owner's pid, and its failed start
 #      leaves the live instance's objects alone; a kv-store and an ssd-loader started by hand
 #      against them are refused the same way.
+#   3. A spill file outside the run directory (--spill-file) goes with a clean stop, and with the
+#      cleanup of stop after the whole instance was killed.
 source "$(dirname "$0")/lib.sh"
 it_setup shm_reclaim
 
@@ -82,4 +84,26 @@ log "a kv-store and an ssd-loader started by hand over the live objects are refu
 
 "$PIPELINE" stop >/dev/null
 expect_nothing_left "after stop"
+
+# 3. A spill file placed outside the run directory (--spill-file): a clean stop removes it; after a
+#    kill -9 of the whole instance, stop's cleanup removes it too (its place is recorded).
+spill=$IT_TMP/elsewhere/spill.bin
+mkdir -m 0700 "$IT_TMP/elsewhere"
+"$PIPELINE" start "${start_opts[@]}" --kv-opt "--spill-file=$spill" >/dev/null
+expect_eq "$(generate --tokens "$PROMPT" -n 32)" "$want" "tokens with the spill file elsewhere"
+[[ -f $spill ]] || fail "no spill file at $spill"
+"$PIPELINE" stop >/dev/null
+[[ ! -e $spill ]] || fail "a clean stop left the spill file $spill"
+expect_nothing_left "after a clean stop with the spill file elsewhere"
+"$PIPELINE" start "${start_opts[@]}" --kv-opt "--spill-file=$spill" >/dev/null
+expect_eq "$(generate --tokens "$PROMPT" -n 32)" "$want" "tokens with the spill file elsewhere, again"
+pids=("$(cat "$RUN_DIR/supervisor.pid")")
+for s in kv-store ssd-loader gpu-runner; do pids+=("$(cat "$RUN_DIR/$s.pid")"); done
+kill -KILL "${pids[@]}"
+wait_until 10 "the instance's processes gone after kill -9" dead
+[[ -f $spill ]] || fail "the killed kv-store's spill file $spill is gone before stop (the test needs it)"
+"$PIPELINE" stop >/dev/null
+[[ ! -e $spill ]] || fail "stop after a kill -9 left the spill file $spill"
+expect_nothing_left "after stop of the killed instance with the spill file elsewhere"
+log "a spill file elsewhere: removed by a clean stop, and by the cleanup after a kill -9"
 log "ok"

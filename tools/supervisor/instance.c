@@ -17,6 +17,7 @@
 
 #include "common/bus.h"
 #include "common/proc.h"
+#include "common/service.h"
 #include "common/shm.h"
 #include "common/util.h"
 #include "tools/supervisor/supervisor.h"
@@ -319,6 +320,29 @@ int sup_instance_stop(const char *instance, const char *run_dir, long stop_timeo
 	return status;
 }
 
+/* The spill file a dead kv-store recorded (KV_SPILL_RECORD, common/service.h), where no kv-store
+ * of the instance lives: removed where it is still a regular file of ours, then the record. */
+static void remove_recorded_spill(const char *run_dir)
+{
+	char rec[PATH_MAX], spill[PATH_MAX];
+	snprintf(rec, sizeof(rec), "%s/%s", run_dir, KV_SPILL_RECORD);
+	if (live_pid(run_dir, "kv-store"))
+		return;
+	FILE *f = fopen(rec, "re");
+	if (!f)
+		return;
+	bool got = fgets(spill, sizeof(spill), f) != NULL;
+	fclose(f);
+	spill[strcspn(spill, "\n")] = 0;
+	struct stat st;
+	if (got && spill[0] == '/' && lstat(spill, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == getuid()) {
+		if (unlink(spill) != 0)
+			fprintf(stderr, "pipeline-supervisor: cannot remove the dead kv-store's spill file %s: %s\n", spill,
+				strerror(errno));
+	}
+	unlink(rec);
+}
+
 int sup_instance_cleanup(const char *instance, const char *run_dir)
 {
 	static const char *const suffixes[] = {"pid", "pid.tmp", "ctl", "pub", "restart"};
@@ -332,11 +356,13 @@ int sup_instance_cleanup(const char *instance, const char *run_dir)
 			unlink(path);
 		}
 	}
-	/* A dead kv-store's spill file at its default place (a live one removes it on MSG_SHUTDOWN). */
 	snprintf(path, sizeof(path), "%s/start.args", run_dir);
 	unlink(path);
+	/* A dead kv-store's spill file at its default place (a live one removes it on MSG_SHUTDOWN),
+	 * and one placed elsewhere that its record names. */
 	snprintf(path, sizeof(path), "%s/kv-spill.bin", run_dir);
 	unlink(path);
+	remove_recorded_spill(run_dir);
 
 	char prefix[SHM_NAME_MAX];
 	if (shm_object_name(instance, "", prefix, sizeof(prefix)) != 0)
