@@ -83,9 +83,8 @@ static void usage(FILE *f)
 		"SIGKILL when it has not exited after --stop-timeout-s (default 10); then cleanup, and prints\n"
 		"the name of each process that was running (exit 1 when one survived SIGKILL); cleanup removes\n"
 		"the pid files, sockets, restart markers, start.args, a dead kv-store's kv-spill.bin (or the\n"
-		"spill file kv-spill.path names) and the\n"
-		"instance's shared-memory objects that no live process owns (logs stay); services prints the\n"
-		"services in start order.\n"
+		"spill file kv-spill.path names) and the instance's shared-memory objects that no live process\n"
+		"owns (logs stay); services prints the services in start order.\n"
 		"\n"
 		"exit status: 0 success, 1 failure, 2 bad usage, 3 (restart) no such service\n");
 }
