@@ -49,7 +49,8 @@ struct runner_job {
 	uint64_t n_tokens, n_prompt, n_generated;
 	uint64_t *ids;	/* the n_tokens ids received (the worker's: the resume part) */
 	size_t ids_cap;
-	unsigned resumes; /* times the request was sent again after its runner died */
+	unsigned resumes; /* times the request was sent again after its runner died or was stopped */
+	unsigned deaths;  /* ... of them after a runner that died (not one stopped: RUNNER_RESUMES_MAX) */
 	char reason[32];
 	int http_status;
 	char error[512];
@@ -467,13 +468,14 @@ static void run_job(struct worker *w, struct runner_job *j)
 		const enum read_end end = read_replies(w, j, corr, path, listener);
 		if (end == READ_ENDED)
 			return;
-		if (j->resumes >= RUNNER_RESUMES_MAX) {
+		if (end == READ_LOST && j->deaths >= RUNNER_RESUMES_MAX) {
 			/* A request whose runner died this often may be what kills it: sent again, it would
-			 * take the runner down until the supervisor gave up on it, and every request with it. */
+			 * take the runner down until the supervisor gave up on it, and every request with it.
+			 * A runner that was stopped (a restart, a stop) says nothing of the request. */
 			job_fail(rc, j, 503,
 				 "gpu-runner went away %u times during the request (after %llu tokens): it is not "
 				 "sent again",
-				 j->resumes + 1, (unsigned long long)j->n_tokens);
+				 j->deaths + 1, (unsigned long long)j->n_tokens);
 			return;
 		}
 		log_warn("gpu-runner went away during a request after %llu tokens: waiting up to %ld s for it to "
@@ -492,6 +494,7 @@ static void run_job(struct worker *w, struct runner_job *j)
 			return;
 		}
 		j->resumes++;
+		j->deaths += end == READ_LOST;
 		pthread_mutex_lock(&rc->lock);
 		rc->resumes++;
 		pthread_mutex_unlock(&rc->lock);

@@ -29,7 +29,8 @@
 #include <stdint.h>
 
 /* Times a request is sent again to a new runner after its runner died during it (the third death
- * fails it: a request that kills the runner must not take it down until the supervisor gives up). */
+ * fails it: a request that kills the runner must not take it down until the supervisor gives up).
+ * A runner stopped during it (a restart, SIGTERM) does not count. */
 #define RUNNER_RESUMES_MAX 2
 
 struct runner_options {

@@ -125,10 +125,29 @@ expect_eq "$(jq -r '.usage.completion_tokens' "$IT_TMP/whole-got")" \
 	"$(jq -r '.usage.completion_tokens' "$IT_TMP/whole-want")" "a completion that does not stream: completion_tokens"
 log "a completion that does not stream: resumed, the same text"
 
+req="{\"prompt\": $(json_str "$text"), \"max_tokens\": 100000, \"temperature\": 0, \"ignore_eos\": true, \"stream\": true}"
+# A request during which the runner is restarted three times (pipeline restart: stopped, not
+# dead): resumed each time, the stream goes on (restarts say nothing of the request: they do not
+# count toward the cap below).
+before=$(resumes)
+curl -sS -N "$BASE/v1/completions" --data-binary "$req" >"$IT_TMP/restarts" 2>&1 &
+CLIENT=$!
+for k in 1 2 3 4; do
+	seen=$(grep -c '^data: {' "$IT_TMP/restarts" || true)
+	moved_on() { (($(grep -c '^data: {' "$IT_TMP/restarts" || true) >= seen + 10)); }
+	wait_until 30 "the stream moving on before restart $k" moved_on
+	((k < 4)) && "$PIPELINE" restart gpu-runner >/dev/null
+done
+expect_eq "$(resumes)" "$((before + 3))" "a request whose runner was restarted three times: resumed three times"
+kill "$CLIENT" 2>/dev/null || true
+wait "$CLIENT" 2>/dev/null || true
+[[ -z $(sed -n 's/^data: //p' "$IT_TMP/restarts" | grep -v '^\[DONE\]$' | jq -c 'select(.error != null)') ]] ||
+	fail "the stream of a request whose runner was restarted carries an error"
+log "a request whose runner was restarted three times: resumed each time, its stream went on"
+
 # A request during which the runner dies three times: resumed twice, then failed (a request that
 # kills its runner must not keep the supervisor restarting it). Each kill lands once the stream
 # has moved on since the last one.
-req="{\"prompt\": $(json_str "$text"), \"max_tokens\": 100000, \"temperature\": 0, \"ignore_eos\": true, \"stream\": true}"
 before=$(resumes)
 curl -sS -N "$BASE/v1/completions" --data-binary "$req" >"$IT_TMP/thrice" 2>&1 &
 CLIENT=$!
