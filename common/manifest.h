@@ -58,7 +58,8 @@ struct manifest {
 	struct manifest_file *files;   /* n_files */
 	uint64_t class_bytes[CLASS_COUNT]; /* slot size of each class: the largest group in it */
 	uint64_t total_tensor_bytes;   /* sum of every tensor's nbytes */
-	uint64_t hash;		       /* over cfg and tensors (names, shapes, dtypes): HELLO checks it */
+	uint64_t hash;		       /* over cfg, tensors (names, shapes, dtypes) and samples of the
+					  weights' bytes: HELLO checks it, KV keys start from it */
 	uint32_t weight_dtype;	       /* enum dtype of the matrices (the most common one) */
 	char *tokenizer_json;	       /* tokenizer.json as read (checked), NULL when the model has none; for
 					  a GGUF file the text made from its tokenizer.ggml.* keys */

@@ -5,8 +5,10 @@
 
 #include <assert.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/util.h"
 
@@ -99,6 +101,43 @@ int mf_build_layout(struct manifest *m)
 	return 0;
 }
 
+/* Bytes of the weights themselves into the hash h: the first MF_HASH_SAMPLE bytes and those at
+ * the middle of MF_HASH_TENSORS tensors spread over the table (in its order, which is the model's,
+ * not the files': a model split into shards hashes as it does in one file), so that two
+ * checkpoints of one shape (two fine-tunes, two of one model's quantizations with the same types)
+ * do not share a hash, and with it their KV prefix keys and persisted KV. A piece that cannot be
+ * read counts as its error. */
+#define MF_HASH_TENSORS 64
+#define MF_HASH_SAMPLE 1024
+static uint64_t hash_samples(const struct manifest *m, uint64_t h)
+{
+	char buf[MF_HASH_SAMPLE];
+	int fd = -1;
+	uint32_t fd_file = UINT32_MAX;
+	const uint32_t n = m->n_tensors < MF_HASH_TENSORS ? m->n_tensors : MF_HASH_TENSORS;
+	for (uint32_t k = 0; k < n; k++) {
+		const struct tensor_desc *t = &m->tensors[(uint64_t)k * m->n_tensors / n];
+		if (t->file_index >= m->n_files)
+			continue;
+		if (t->file_index != fd_file) {
+			if (fd >= 0)
+				close(fd);
+			fd = open(m->files[t->file_index].path, O_RDONLY | O_CLOEXEC);
+			fd_file = t->file_index;
+		}
+		const uint64_t len = t->nbytes < MF_HASH_SAMPLE ? t->nbytes : MF_HASH_SAMPLE;
+		const uint64_t at[2] = {t->file_offset, t->file_offset + (t->nbytes - len) / 2};
+		for (int i = 0; i < 2 && len; i++) {
+			ssize_t got = fd >= 0 ? pread(fd, buf, len, (off_t)at[i]) : -1;
+			int e = got < 0 ? errno : 0;
+			h = got > 0 ? fnv1a64(h, buf, (size_t)got) : fnv1a64(h, &e, sizeof(e));
+		}
+	}
+	if (fd >= 0)
+		close(fd);
+	return h;
+}
+
 void mf_finish_summary(struct manifest *m)
 {
 	uint64_t h = fnv1a64(FNV64_INIT, &m->cfg, sizeof(m->cfg));
@@ -114,7 +153,7 @@ void mf_finish_summary(struct manifest *m)
 		if (t->ndim == 2)
 			counts[t->dtype]++;
 	}
-	m->hash = h;
+	m->hash = hash_samples(m, h);
 	m->weight_dtype = 0;
 	for (uint32_t d = 1; d < DT_COUNT; d++)
 		if (counts[d] > counts[m->weight_dtype])

@@ -65,6 +65,12 @@ START_TEST(test_sharded_same_as_single)
 	ck_assert_str_eq(b->files[2].path, tpath("three/model-00003-of-00003.safetensors"));
 	ck_assert_uint_eq(a->hash, b->hash);
 	ck_assert_uint_eq(a->hash, s->hash);
+	/* Another checkpoint of the same shape and types (other weights): another hash, so that
+	 * neither takes the other's cached or persisted KV. */
+	struct synth_options o4 = opts(DT_BF16, 4, 1);
+	struct manifest *d = load_ok(write_model("other", &c, &o4));
+	ck_assert_uint_ne(a->hash, d->hash);
+	manifest_destroy(&d);
 	ck_assert_mem_eq(&a->cfg, &b->cfg, sizeof(a->cfg));
 	ck_assert_uint_eq(a->n_tensors, b->n_tensors);
 	ck_assert_uint_eq(a->total_tensor_bytes, b->total_tensor_bytes);
