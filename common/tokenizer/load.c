@@ -270,6 +270,7 @@ int tokenizer_load_buffer(const char *name, const char *data, size_t size, struc
 	}
 	struct tokenizer *t = L.t;
 	t->unk_id = t->bos_id = t->eos_id = -1;
+	t->adds_bos = -1;
 	byte_level_tables(t);
 	rc = tok_load_model(&L, root);
 	if (!rc)

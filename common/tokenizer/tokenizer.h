@@ -139,6 +139,12 @@ uint32_t tokenizer_vocab_size(const struct tokenizer *tok);
  * The checkpoint's config.json (model_config.bos_id) is the authority where both exist. */
 int32_t tokenizer_bos(const struct tokenizer *tok);
 
+/* Does an encoding of text begin with a BOS token, as the file's post_processor says? 1: a
+ * TemplateProcessing puts a special token first; 0: its template puts none first, or the
+ * post_processor is a byte-level one alone (GPT-2's, Qwen's files: nothing is added); -1: the file
+ * has no post_processor, and does not say. */
+int tokenizer_adds_bos(const struct tokenizer *tok);
+
 /* The end-of-sequence id: the first of <|end_of_text|>, </s>, <eos>, <|endoftext|> that exists
  * (tokenizer.json does not record it; model_config.eos_ids does). -1 when none. */
 int32_t tokenizer_eos(const struct tokenizer *tok);

@@ -179,6 +179,7 @@ struct tokenizer {
 	bool fuse_unk;	    /* consecutive unknown characters make one unk */
 	bool ignore_merges; /* a pre-token that is a whole piece is that piece */
 	int32_t unk_id, bos_id, eos_id; /* -1: none */
+	int adds_bos;	    /* tokenizer_adds_bos: 1, 0, or -1 (the file does not say) */
 	int32_t byte_id[256];	       /* byte-level: the id of each byte's mapped character, -1 if none */
 	int32_t fallback_id[256];      /* the ids of <0x00> .. <0xFF>, -1 if none */
 	uint8_t bl_utf8[256][2];       /* byte-level mapping of each byte, UTF-8 */

@@ -379,7 +379,15 @@ static int32_t first_existing(const struct tokenizer *t, const char *const *name
  * first usual name there is (tokenizer.json does not record it). */
 void tok_find_bos_eos(struct tokenizer *t, const json_t *root)
 {
-	int32_t bos = template_bos(t, json_object_get(root, "post_processor"));
+	const json_t *pp = json_object_get(root, "post_processor");
+	int32_t bos = template_bos(t, pp);
+	/* Whether an encoding starts with it: a template says; a byte-level post_processor alone (as
+	 * GPT-2's and Qwen's files have) puts nothing first; none at all says nothing. */
+	const json_t *type = json_object_get(pp, "type");
+	t->adds_bos = bos >= 0			  ? 1
+		      : bos == -2		  ? 0
+		      : json_is_string(type) && !strcmp(json_string_value(type), "ByteLevel") ? 0
+										      : -1;
 	static const char *const bos_names[] = {"<|begin_of_text|>", "<s>", "<bos>"};
 	static const char *const eos_names[] = {"<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>"};
 	t->bos_id = bos >= 0 ? bos : bos == -1 ? first_existing(t, bos_names, ARRAY_SIZE(bos_names)) : -1;
@@ -505,6 +513,11 @@ uint32_t tokenizer_vocab_size(const struct tokenizer *t)
 int32_t tokenizer_bos(const struct tokenizer *t)
 {
 	return t->bos_id;
+}
+
+int tokenizer_adds_bos(const struct tokenizer *t)
+{
+	return t->adds_bos;
 }
 
 int32_t tokenizer_eos(const struct tokenizer *t)

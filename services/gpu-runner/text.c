@@ -175,7 +175,10 @@ int text_prompt_build(const struct tokenizer *tok, const struct model_config *cf
 		rc = render_chat(tok, cfg, g->chat.p, g->chat.len, flags, out, err, errlen);
 	} else {
 		rc = 0;
-		if (!(g->flags & GEN_NO_BOS)) {
+		/* A BOS first where the tokenizer's file puts one first (or does not say), as Hugging Face
+		 * encodes the text; not where it puts none (Qwen's: config.json names a bos_token_id
+		 * that its tokenizer never adds). */
+		if (!(g->flags & GEN_NO_BOS) && tokenizer_adds_bos(tok) != 0) {
 			int32_t bos = cfg->bos_id >= 0 ? cfg->bos_id : tokenizer_bos(tok);
 			if (bos < 0)
 				rc = errorf(err, errlen, -EINVAL,

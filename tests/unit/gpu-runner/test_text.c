@@ -50,6 +50,27 @@ static struct tokenizer *make_chatml(const char *llama3_path)
 	return tok;
 }
 
+/* The Llama 3 file with its post_processor replaced by pp (NULL: none at all). */
+static struct tokenizer *with_post_processor(json_t *pp)
+{
+	char *path = data_path("tests/data/llama3-tokenizer/tokenizer.json");
+	json_error_t jerr;
+	json_t *root = json_load_file(path, 0, &jerr);
+	free(path);
+	ck_assert_ptr_nonnull(root);
+	if (pp)
+		json_object_set_new(root, "post_processor", pp);
+	else
+		json_object_del(root, "post_processor");
+	char *text = json_dumps(root, JSON_COMPACT);
+	json_decref(root);
+	struct tokenizer *tok = NULL;
+	char err[512];
+	ck_assert_msg(tokenizer_load_buffer("variant", text, strlen(text), &tok, err, sizeof(err)) == 0, "%s", err);
+	free(text);
+	return tok;
+}
+
 static void setup(void)
 {
 	char *p = data_path("tests/data/llama3-tokenizer/tokenizer.json");
@@ -114,6 +135,30 @@ START_TEST(test_prompt_text)
 	ck_assert_int_eq(build(llama3, "<|eot_id|>x", NULL, GEN_NO_BOS, &tp, err, sizeof(err)), 0);
 	ck_assert_uint_eq(tp.ids.ids[0], 128009);
 	text_prompt_free(&tp);
+}
+END_TEST
+
+/* Whether a text prompt starts with BOS is the tokenizer file's to say, as in Hugging Face: a
+ * byte-level post_processor alone (Qwen's files) adds none, though config.json names a
+ * bos_token_id; a file with no post_processor leaves it to config.json. */
+START_TEST(test_prompt_bos_by_tokenizer)
+{
+	struct text_prompt tp;
+	char err[256];
+	ck_assert_int_eq(tokenizer_adds_bos(llama3), 1);
+	struct tokenizer *bl = with_post_processor(json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space",
+							     0, "trim_offsets", 0, "use_regex", 1));
+	ck_assert_int_eq(tokenizer_adds_bos(bl), 0);
+	ck_assert_int_eq(build(bl, "Hello world", NULL, 0, &tp, err, sizeof(err)), 0);
+	expect_ids(bl, &tp.ids, "Hello world", 0);
+	text_prompt_free(&tp);
+	tokenizer_destroy(&bl);
+	struct tokenizer *none = with_post_processor(NULL);
+	ck_assert_int_eq(tokenizer_adds_bos(none), -1);
+	ck_assert_int_eq(build(none, "Hello world", NULL, 0, &tp, err, sizeof(err)), 0);
+	expect_ids(none, &tp.ids, "<|begin_of_text|>Hello world", 0);
+	text_prompt_free(&tp);
+	tokenizer_destroy(&none);
 }
 END_TEST
 
@@ -230,6 +275,7 @@ static Suite *suite(void)
 	tcase_set_timeout(tc, 30);
 	tcase_add_test(tc, test_formats_detected);
 	tcase_add_test(tc, test_prompt_text);
+	tcase_add_test(tc, test_prompt_bos_by_tokenizer);
 	tcase_add_test(tc, test_chat_llama3);
 	tcase_add_test(tc, test_chat_chatml);
 	tcase_add_test(tc, test_chat_errors);
