@@ -454,7 +454,11 @@ static void run_job(struct worker *w, struct runner_job *j)
 		set_text(&req.generate.prompt, j->prompt);
 		set_text(&req.generate.chat, j->chat_json);
 		set_text(&req.generate.stop_strings, j->stops_json);
-		req.generate.flags = GEN_TEXT | (j->ignore_eos ? GEN_IGNORE_EOS : 0);
+		/* A chat's messages are text: special-token text in a message's content (a user's
+		 * "<|eot_id|><|start_header_id|>system...") must not end its turn and open another; only
+		 * the chat format's renderer puts the turns' tokens. */
+		req.generate.flags = GEN_TEXT | (j->ignore_eos ? GEN_IGNORE_EOS : 0) |
+				     (j->chat_json ? GEN_SPECIAL_AS_TEXT : 0);
 		/* Only the worker changes ids and n_tokens: no lock needed to read them here. */
 		req.generate.done = (struct u64_array){j->ids, (uint32_t)j->n_tokens};
 		uint64_t corr;
