@@ -49,7 +49,7 @@ static int set_value(const char *prog, const struct opt *o, const char *value, c
 		return 0;
 	case OPT_INT: {
 		errno = 0;
-		long v = strtol(value, &end, 0);
+		long v = strtol(value, &end, 10); /* "010" is ten, not eight; "0x10" is no integer */
 		if (errno || end == value || *end) {
 			fprintf(stderr, "%s: %s '%s' is not an integer\n", prog, source, value);
 			return -EINVAL;

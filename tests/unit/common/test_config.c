@@ -255,6 +255,13 @@ START_TEST(test_errors)
 	free(err);
 	ck_assert_int_eq(parse(&v, &err, NULL, NULL, "--queue-depth=", NULL), -EINVAL);
 	free(err);
+	/* Decimal only: a leading zero is not octal, nor 0x hexadecimal. */
+	ck_assert_int_eq(parse(&v, &err, NULL, NULL, "--queue-depth=010", NULL), 0);
+	ck_assert_int_eq(v.depth, 10);
+	ck_assert_int_eq(parse(&v, &err, NULL, NULL, "--queue-depth=08", NULL), 0);
+	ck_assert_int_eq(v.depth, 8);
+	ck_assert_int_eq(parse(&v, &err, NULL, NULL, "--queue-depth=0x10", NULL), -EINVAL);
+	free(err);
 	ck_assert_int_eq(parse(&v, &err, NULL, NULL, "--queue-depth=99999999999999999999", NULL), -EINVAL);
 	free(err);
 	ck_assert_int_eq(parse(&v, &err, NULL, NULL, "--ratio", "half", NULL), -EINVAL);
