@@ -3,6 +3,7 @@
 #include "common/manifest_internal.h"
 
 #include <errno.h>
+#include <float.h>
 #include <jansson.h>
 #include <limits.h>
 #include <math.h>
@@ -47,7 +48,12 @@ static int get_float(const json_t *obj, const char *file, const char *key, float
 		return 0;
 	if (!json_is_number(v))
 		return errorf(err, errlen, -EINVAL, "%s: %s must be a number, got %s", file, key, tok_json_kind(v));
-	*out = (float)json_number_value(v);
+	/* Said in double, before float32 would make it inf or 0 and the checks name that instead. */
+	const double d = json_number_value(v);
+	if (!isfinite(d) || fabs(d) > FLT_MAX || (d != 0 && fabs(d) < FLT_MIN))
+		return errorf(err, errlen, -EINVAL, "%s: %s %g is outside float32's range (%g to %g in magnitude)", file,
+			      key, d, (double)FLT_MIN, (double)FLT_MAX);
+	*out = (float)d;
 	return 0;
 }
 

@@ -49,6 +49,8 @@ START_TEST(test_bad_config)
 		{"num_key_value_heads", "3", "num_key_value_heads", -EINVAL},
 		{"vocab_size", "-5", "vocab_size", -EINVAL},
 		{"rms_norm_eps", "0", "rms_norm_eps", -EINVAL},
+		{"rms_norm_eps", "1e-46", "rms_norm_eps 1e-46 is outside float32's range", -EINVAL},
+		{"rope_theta", "1e39", "rope_theta 1e+39 is outside float32's range", -EINVAL},
 		{"attention_bias", "true", "attention_bias", -ENOTSUP},
 		{"mlp_bias", "true", "mlp_bias", -ENOTSUP},
 		{"hidden_act", "\"gelu\"", "gelu", -ENOTSUP},
