@@ -50,6 +50,13 @@ enum {
 
 #define SP_SPACE	"\xe2\x96\x81" /* U+2581, SentencePiece's space */
 #define MERGE_PIECE_MAX 1024	       /* longer pieces are never split into merges */
+/* A SentencePiece vocabulary's merges: at most SP_MERGES_PER_TOKEN a token plus SP_MERGES_SLACK
+ * (Llama 2's 32000 tokens make about 61000), and at most SP_MERGE_WORK bytes looked at to find them
+ * (every cut of every piece: a vocabulary of long pieces made of shorter ones is quadratic in
+ * them, and took minutes and gigabytes); past either, no tokenizer. */
+#define SP_MERGES_PER_TOKEN 8
+#define SP_MERGES_SLACK 32768
+#define SP_MERGE_WORK (1ull << 31)
 #define GIVE_UP		1	       /* a step's return: no tokenizer, the note says why */
 
 /* Llama 3's split pattern, as its tokenizer.json has it. */
@@ -353,10 +360,18 @@ static int sp_merges(struct conv *c, const float *score)
 	size_t n = 0, cap = 0;
 	char buf[MERGE_PIECE_MAX + 1];
 	int rc = 0;
+	const uint64_t most = SP_MERGES_PER_TOKEN * c->n + SP_MERGES_SLACK;
+	uint64_t work = 0;
 	for (uint64_t id = 0; id < c->n && !rc; id++) {
 		const struct gguf_str *t = &c->tok[id];
 		if (!is_normal(type_of(c, id)) || t->len > MERGE_PIECE_MAX)
 			continue;
+		work += (uint64_t)t->len * t->len;
+		if (work > SP_MERGE_WORK) {
+			rc = give_up(c, "no tokenizer: its pieces are too long to make merges of (past token %llu)",
+				     (unsigned long long)id);
+			break;
+		}
 		for (size_t cut = 1; cut < t->len && !rc; cut++) {
 			if (((unsigned char)t->s[cut] & 0xc0) == 0x80)
 				continue; /* inside a character */
@@ -364,6 +379,11 @@ static int sp_merges(struct conv *c, const float *score)
 				r = l >= 0 ? normal_id(c, t->s + cut, t->len - cut, buf) : -1;
 			if (r < 0)
 				continue;
+			if (n == most) {
+				rc = give_up(c, "no tokenizer: its %llu tokens make more than %llu merges",
+					     (unsigned long long)c->n, (unsigned long long)most);
+				break;
+			}
 			if (n == cap) {
 				cap = cap ? 2 * cap : 1024;
 				struct sp_merge *p = realloc(v, cap * sizeof(*p));

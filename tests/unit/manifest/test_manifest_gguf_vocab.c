@@ -360,11 +360,39 @@ START_TEST(test_no_tokenizer)
 }
 END_TEST
 
+/* A SentencePiece vocabulary of long pieces made of shorter ones (a^1..a^256, b^1..b^256): every
+ * cut of every piece is a merge, some 65000 for 512 tokens, past the cap of 8 a token and 32768:
+ * no tokenizer, said, where the conversion made gigabytes of JSON from a larger such file. */
+START_TEST(test_sp_merges_capped)
+{
+	struct gw *w = gw_new();
+	gw_tiny_llama(w, &(struct gw_llama){.type = GW_F32});
+	const char **tok = calloc(512, sizeof(*tok));
+	char(*pieces)[260] = calloc(512, sizeof(*pieces));
+	float *score = calloc(512, sizeof(*score));
+	for (int i = 0; i < 512; i++) {
+		memset(pieces[i], i < 256 ? 'a' : 'b', (size_t)(i % 256 + 1));
+		tok[i] = pieces[i];
+		score[i] = -(float)(i % 256);
+	}
+	gw_str(w, "tokenizer.ggml.model", "llama");
+	gw_arr_str(w, "tokenizer.ggml.tokens", tok, NULL, 512);
+	gw_arr_f32(w, "tokenizer.ggml.scores", score, 512);
+	const char *path = tpath("spmany.gguf");
+	ck_assert_int_eq(gw_write(w, path), 0);
+	gw_free(&w);
+	free(tok);
+	free(pieces);
+	free(score);
+	expect_note(path, "make more than 36864 merges");
+}
+END_TEST
+
 int main(void)
 {
 	const struct test_case cases[] = {
 	    {"convert", {test_llama3, test_sentencepiece, NULL}},
-	    {"manifest", {test_in_manifest, test_no_tokenizer, NULL}},
+	    {"manifest", {test_in_manifest, test_no_tokenizer, test_sp_merges_capped, NULL}},
 	};
 	return run_cases("manifest_gguf_vocab", cases, ARRAY_SIZE(cases));
 }
