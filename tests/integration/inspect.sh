@@ -13,6 +13,12 @@ command -v python3 >/dev/null || {
 	exit 77
 }
 
+# More words than SERVICE takes: refused (they overran a four-entry array before).
+rc=0
+out=$("$INSPECT" --once $(seq 1 3000) 2>&1) || rc=$?
+expect_eq "$rc" 2 "pipeline-inspect with 3000 words: its exit status"
+expect_eq "$out" "pipeline-inspect: one SERVICE at most (see --help)" "pipeline-inspect with 3000 words"
+
 out=$("$PIPELINE" inspect --once 2>&1) && fail "inspect of an instance that is not running succeeded: $out"
 expect_eq "$out" "pipeline-inspect: no instance $INSTANCE running (run dir $RUN_DIR)" "inspect without an instance"
 

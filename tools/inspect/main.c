@@ -342,8 +342,12 @@ int main(int argc, char **argv)
 	bool once = false, json = false;
 	long interval_ms = 1000, wait_ms = 2500;
 	char default_run_dir[256];
-	char *pos[4] = {0};
+	char **pos = calloc((size_t)argc + 1, sizeof(*pos)); /* config_parse: room for every argument */
 	int n_pos = 0;
+	if (!pos) {
+		fprintf(stderr, "pipeline-inspect: out of memory\n");
+		return 2;
+	}
 	const struct opt opts[] = {
 		{"instance", OPT_STRING, &in.instance, "default", "the instance to look at"},
 		{"run-dir", OPT_STRING, &in.run_dir, NULL, "its run directory (default /tmp/llmp-UID/INSTANCE)"},
