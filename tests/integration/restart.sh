@@ -39,6 +39,16 @@ for service in gpu-runner-3 http-api; do
 	expect_eq "$rc" 3 "pipeline-supervisor restart $service: its exit status"
 done
 
+# The timeouts from the environment are whole seconds, never evaluated: a bad one is refused
+# before anything restarts (bash arithmetic on the raw text ran what it held).
+for bad in 10s 'BASH_VERSINFO[$(touch '"$IT_TMP"'/ran)0]'; do
+	rc=0
+	out=$(PIPELINE_READY_TIMEOUT=$bad "$PIPELINE" restart kv-store 2>&1) || rc=$?
+	expect_eq "$rc" 2 "restart with PIPELINE_READY_TIMEOUT=$bad: its exit status"
+	expect_grep "PIPELINE_READY_TIMEOUT=.*seconds in 1..604800" "$out" "restart with PIPELINE_READY_TIMEOUT=$bad"
+done
+[[ ! -e $IT_TMP/ran ]] || fail "PIPELINE_READY_TIMEOUT's text was run by restart"
+
 # The run directory spelled another way (a trailing slash) is the same instance's.
 out=$("$BIN/pipeline-supervisor" pids supervisor --run-dir "$RUN_DIR/") ||
 	fail "pipeline-supervisor pids with the run directory and a trailing slash found no supervisor"
