@@ -74,6 +74,12 @@ static void *bind_socket(void *ctx, int type, const char *endpoint)
 		int one = 1;
 		if (zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &one, sizeof(one)) != 0)
 			goto out_close;
+		/* Replies queued for one peer before a send would block (EAGAIN): a stream's tokens for a
+		 * client that reads slowly, or not for a while (ZeroMQ's default is 1000, which a
+		 * generation passes in a second or two). */
+		int hwm = BUS_ROUTER_HWM;
+		if (zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof(hwm)) != 0)
+			goto out_close;
 	}
 	if (type == ZMQ_PUB) {
 		int hwm = 1000;

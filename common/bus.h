@@ -63,7 +63,12 @@ void *bus_connect_sub(void *ctx, const char *endpoint);
 int bus_recv_request(void *router, struct bus_peer *peer, struct msg *req, uint64_t *corr_out, char *err,
 		     size_t errlen);
 
-/* Sends m to peer through a ROUTER. Returns 0 or -errno (-EHOSTUNREACH: the peer is gone). */
+/* Replies a ROUTER queues for one peer that has not taken them (a stream's tokens for a client that
+ * does not read); one more is -EAGAIN. About 40 MB of token messages at most. */
+#define BUS_ROUTER_HWM 262144
+
+/* Sends m to peer through a ROUTER. Returns 0 or -errno (-EHOSTUNREACH: the peer is gone;
+ * -EAGAIN: it has BUS_ROUTER_HWM replies it has not read). */
 int bus_reply(void *router, const struct bus_peer *peer, const struct msg *m);
 /* Sends MSG_ERROR{code, text} to peer. */
 int bus_reply_error(void *router, const struct bus_peer *peer, uint64_t corr, int code, const char *text);

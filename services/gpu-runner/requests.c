@@ -90,8 +90,15 @@ enum gen_emit runner_job_emit(void *ctx, uint32_t index, int32_t token)
 	}
 	if (j->n_emitted < j->cap_emitted)
 		j->emitted[j->n_emitted++] = token;
-	if (service_reply(r->svc, &j->peer, &m) == -EHOSTUNREACH) {
+	const int src = service_reply(r->svc, &j->peer, &m);
+	if (src == -EHOSTUNREACH) {
 		log_warn("the client of request %llu went away: cancelling it", (unsigned long long)j->corr);
+		return GEN_CANCEL;
+	}
+	if (src == -EAGAIN) {
+		/* Its tokens would be lost from here on, and its end with them. */
+		log_warn("the client of request %llu has not read its last %d replies: cancelling it",
+			 (unsigned long long)j->corr, BUS_ROUTER_HWM);
 		return GEN_CANCEL;
 	}
 	/* Keep serving between tokens; a stop request ends the generation. */

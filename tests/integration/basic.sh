@@ -26,6 +26,25 @@ log "sampled (seed 7): equal run-local and repeatable"
 other=$(generate --tokens "$PROMPT" -n 64 --temperature 0.8 --top-k 40 --top-p 0.9 --seed 8)
 [[ $other != "$got" ]] || fail "seeds 7 and 8 gave the same 64 sampled tokens"
 
+# A client that does not read for a while (stopped 3 s once its 4000 tokens have begun) gets every
+# one and the end: the runner's replies wait for it (they were dropped past ZeroMQ's default queue
+# of 1000, the end with them, and the client waited out its timeout).
+want=$(generate --tokens "$PROMPT" -n 4000 --ignore-eos)
+expect_words 4000 "$want" "4000 tokens"
+"$PIPECTL" --timeout 60 generate --tokens "$PROMPT" -n 4000 --ignore-eos >"$IT_TMP/slow" 2>"$IT_TMP/slow.err" &
+client=$!
+( sleep 90 && kill "$client" ) >/dev/null 2>&1 &
+watchdog=$!
+begun() { [[ -s $IT_TMP/slow ]]; }
+wait_until 20 "the 4000-token stream begins" begun
+kill -STOP "$client"
+sleep 3
+kill -CONT "$client"
+wait "$client" || fail "a client stopped 3 s during its stream: $(tail -c 300 "$IT_TMP/slow.err")"
+kill "$watchdog" 2>/dev/null || true
+expect_eq "$(cat "$IT_TMP/slow")" "$want" "the tokens of a client stopped 3 s during its stream"
+log "a client stopped 3 s during a 4000-token stream: every token and the end"
+
 "$PIPELINE" stop
 expect_nothing_left "after stop"
 log "ok"
