@@ -232,8 +232,9 @@ int gen_seq_create(struct engine *e, struct kv_cache *kv, const int32_t *prompt,
 		return -EINVAL;
 	}
 	if (n_prompt >= max_context) {
-		snprintf(err, errlen, "the prompt has %u tokens; the context holds %u (--max-context)", n_prompt,
-			 max_context);
+		snprintf(err, errlen,
+			 "the prompt has %u tokens; it must be shorter than the context of %u (--max-context)",
+			 n_prompt, max_context);
 		return -EINVAL;
 	}
 	for (uint32_t i = 0; i < n_prompt; i++) {

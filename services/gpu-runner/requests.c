@@ -213,9 +213,14 @@ void runner_job_reply(struct runner *r, struct job *j, int rc, const struct gen_
 {
 	if (rc) {
 		r->failures++;
-		/* Whatever failed, check both peers before the next request. */
-		r->loader_suspect = true;
-		r->kv_suspect = true;
+		/* Check both peers before the next request, unless the request failed of itself: its
+		 * input refused (a prompt too long, a bad chat or stop strings), or cancelled (its client
+		 * gone, a stop). A reconnection makes the window and the engine anew: every invalid
+		 * request paid for it, a GPU's weights copied again. */
+		if (rc != -EINVAL && rc != -E2BIG && rc != -ERANGE && rc != -ECANCELED) {
+			r->loader_suspect = true;
+			r->kv_suspect = true;
+		}
 		log_error("request %llu failed: %s", (unsigned long long)j->corr, err);
 		service_reply_error(r->svc, &j->peer, j->corr, -rc, err);
 		return;

@@ -126,11 +126,15 @@ expect_gt "$fetched" 0 "KV blocks the runner fetched"
 expect_eq "$runs" "$fetched" "fetch requests with kv-fetch-batch=1 (one block each)"
 max_context=$(value gpu-runner max-context)
 "$PIPELINE" tune gpu-runner max-context=32 >/dev/null
+reconnects() { grep -c 'reconnecting to' "$RUN_DIR/gpu-runner.log" || true; }
+before=$(reconnects)
 out=$(generate --tokens "$PROMPT" -n 4 2>&1) && fail "a 64-token prompt with max-context 32 was served: $out"
-expect_grep 'the context holds 32' "$out" "a 64-token prompt with max-context 32"
+expect_grep 'must be shorter than the context of 32' "$out" "a 64-token prompt with max-context 32"
 "$PIPELINE" tune gpu-runner max-context="$max_context" kv-fetch-batch=0 >/dev/null
 got=$(generate --tokens "$PROMPT" -n 64)
 expect_eq "$got" "$want" "tokens after max-context and kv-fetch-batch went back vs run-local"
+# A request refused for its own input says nothing of the peers: no reconnection after it.
+expect_eq "$(reconnects)" "$before" "the runner's reconnections after a request refused for its prompt"
 log "gpu-runner: kv-fetch-batch=1 made $runs requests for $fetched blocks; max-context=32 refused a 64-token prompt"
 
 # ---- profile-host: the thread that runs the steps sampled while it computes, then stopped ----
