@@ -333,11 +333,14 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 		snprintf(errtext, errlen, "max_new %llu is too large", (unsigned long long)g->max_new);
 		return -EINVAL;
 	}
+	/* A repetition penalty is 0 (off) or in [1e-6, 1e6]: a logit divided by a tinier one is
+	 * infinite in float32 (float's own range would take 1e-45 to 0). */
+	const bool penalty_ok = isfinite(g->repetition_penalty) &&
+				(g->repetition_penalty == 0 || (g->repetition_penalty >= 1e-6 && g->repetition_penalty <= 1e6));
 	if (!isfinite(g->temperature) || g->temperature < 0 || !isfinite(g->top_p) || g->top_p < 0 || g->top_p > 1 ||
-	    !isfinite(g->min_p) || g->min_p < 0 || g->min_p > 1 || !isfinite(g->repetition_penalty) ||
-	    g->repetition_penalty < 0) {
+	    !isfinite(g->min_p) || g->min_p < 0 || g->min_p > 1 || !penalty_ok) {
 		snprintf(errtext, errlen,
-			 "temperature must be >= 0, top_p and min_p in [0, 1], repetition_penalty >= 0");
+			 "temperature must be >= 0, top_p and min_p in [0, 1], repetition_penalty 0 (off) or in [1e-6, 1e6]");
 		return -EINVAL;
 	}
 	if (g->done.n > g->max_new) {

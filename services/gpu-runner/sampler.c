@@ -312,11 +312,14 @@ static int32_t pick(struct sampler *s, const float *logits, const double *u)
 	if (zmax == -INFINITY) /* every candidate is -inf or NaN: nothing to weigh */
 		return s->idx[0];
 
-	/* Softmax with the maximum subtracted; probabilities stay unnormalised (divided by sum below). */
+	/* Softmax with the maximum subtracted; probabilities stay unnormalised (divided by sum below).
+	 * An infinite maximum (a logit divided by a tiny repetition penalty, or the model's own):
+	 * those candidates alone, equally (inf - inf would make every weight NaN, and the draw the
+	 * last candidate whatever it was). */
 	double sum = 0;
 	for (uint32_t i = 0; i < n; i++) {
 		int32_t id = s->idx[i];
-		z[id] = exp(z[id] - zmax);
+		z[id] = zmax == INFINITY ? (z[id] == INFINITY ? 1.0 : 0.0) : exp(z[id] - zmax);
 		sum += z[id];
 	}
 	if (top_p) {

@@ -26,6 +26,12 @@ log "sampled (seed 7): equal run-local and repeatable"
 other=$(generate --tokens "$PROMPT" -n 64 --temperature 0.8 --top-k 40 --top-p 0.9 --seed 8)
 [[ $other != "$got" ]] || fail "seeds 7 and 8 gave the same 64 sampled tokens"
 
+# A repetition penalty so small that penalised logits would be infinite: refused by the runner (it
+# made every draw the vocabulary's last id).
+out=$(generate --tokens "$PROMPT" -n 4 --temperature 1 --repetition-penalty 1e-45 2>&1) &&
+	fail "a repetition penalty of 1e-45 was taken: $out"
+expect_grep "repetition_penalty 0 \(off\) or in \[1e-6, 1e6\]" "$out" "a repetition penalty of 1e-45"
+
 # A client that does not read for a while (stopped 3 s once its 4000 tokens have begun) gets every
 # one and the end: the runner's replies wait for it (they were dropped past ZeroMQ's default queue
 # of 1000, the end with them, and the client waited out its timeout).

@@ -159,6 +159,26 @@ START_TEST(test_generator_pinned)
 }
 END_TEST
 
+/* Infinite logits (a tiny repetition penalty, or the model): drawn among themselves alone, with
+ * or without top-p and top-k; they made every weight NaN and the draw the last candidate. */
+START_TEST(test_infinite_logits)
+{
+	float l[] = {0.5f, INFINITY, 1.0f, INFINITY, -1.0f, 3.0f};
+	const float top_ps[] = {1.0f, 0.9f};
+	const int32_t top_ks[] = {0, 4};
+	for (int c = 0; c < 2; c++) {
+		struct sampler *s = make(1.0f, top_ks[c], top_ps[c], 7, 6);
+		int seen[6] = {0};
+		for (int i = 0; i < 400; i++)
+			seen[sampler_pick(s, l)]++;
+		ck_assert_int_eq(seen[1] + seen[3], 400);
+		ck_assert_int_gt(seen[1], 100);
+		ck_assert_int_gt(seen[3], 100);
+		sampler_destroy(&s);
+	}
+}
+END_TEST
+
 START_TEST(test_top_k_one_is_greedy)
 {
 	float l[] = {0.5f, 2.0f, 1.0f, 2.0f, -1.0f};
@@ -531,6 +551,7 @@ int main(void)
 	tcase_add_test(tc, test_frequencies_temperature_one);
 	tcase_add_test(tc, test_temperature_scaling);
 	tcase_add_test(tc, test_masked_tokens_never_drawn);
+	tcase_add_test(tc, test_infinite_logits);
 	suite_add_tcase(s, tc);
 
 	SRunner *sr = srunner_create(s);
