@@ -127,6 +127,15 @@ expect_eq "$got" "$q8" "the split set's tokens vs the single file's"
 "$PIPELINE" stop >/dev/null
 log "split set of 3 files: the single file's tokens"
 
+# Writing one file where the split set is, without --force: refused, the set left whole (the
+# writer's cleanup removed the set when only its first file name was checked).
+rc=0
+out=$("$BIN/make-synthetic-model" "${args[@]}" --format gguf --type q8_0 --out "$split" --quiet 2>&1) || rc=$?
+expect_eq "$rc" 1 "make-synthetic-model of one file over a split set, without --force: its exit status"
+expect_grep "exists \(a checkpoint's file this write would replace or remove\); pass --force" "$out" \
+	"make-synthetic-model of one file over a split set"
+expect_eq "$(find "$split" -name '*-of-00003.gguf' | wc -l)" 3 "the split set's files after the refused write"
+
 # A folder holding a GGUF, its name with the characters of a glob ([ ] * ?): found as a checkpoint.
 odd="$IT_TMP/ggufs [Q8] *?"
 mkdir -p "$odd"

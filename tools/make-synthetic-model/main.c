@@ -295,23 +295,18 @@ int main(int argc, char **argv)
 	}
 
 	char path[4096];
-	if (o.format == SYNTH_GGUF) {
-		if (synth_gguf_path(out, 0, o.shards ? o.shards : 1, path, sizeof(path)) != 0) {
-			fprintf(stderr, "%s: --out %s: path too long\n", PROG, out);
-			return 2;
-		}
-		if (!force && access(path, F_OK) == 0) {
-			fprintf(stderr, "%s: %s exists; pass --force to overwrite it\n", PROG, path);
-			return 1;
-		}
-	} else {
-		snprintf(path, sizeof(path), "%s/config.json", out);
-		if (!force && access(path, F_OK) == 0) {
-			fprintf(stderr,
-				"%s: %s already holds a checkpoint (config.json); pass --force to overwrite it\n", PROG,
-				out);
-			return 1;
-		}
+	if (o.format == SYNTH_GGUF && synth_gguf_path(out, 0, o.shards ? o.shards : 1, path, sizeof(path)) != 0) {
+		fprintf(stderr, "%s: --out %s: path too long\n", PROG, out);
+		return 2;
+	}
+	/* Any file the write would replace or remove (a split set's files where one file is
+	 * written, the one file where a split set is, the weights beside a config.json not there),
+	 * not only the first it writes. */
+	if (!force && synth_existing(out, &o, path, sizeof(path))) {
+		fprintf(stderr, "%s: %s exists (a checkpoint's file this write would replace or remove); pass --force "
+				"to overwrite\n",
+			PROG, path);
+		return 1;
 	}
 
 	struct synth_stats st;

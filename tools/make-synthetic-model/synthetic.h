@@ -144,6 +144,11 @@ uint64_t synth_param_count(const struct model_config *cfg, bool tied);
 int synth_write(const char *dir, const struct model_config *cfg, const struct synth_options *o, char *err,
 		size_t errlen);
 
+/* 1 with the path of the first file in out that synth_write with o would replace or remove (a
+ * checkpoint's file: the GGUF files of its stem, or a directory's weight files, config.json and
+ * generation_config.json), else 0: what asks for --force. */
+int synth_existing(const char *out, const struct synth_options *o, char *path, size_t len);
+
 /* synth_write that also reports what it wrote into *stats (may be NULL). */
 int synth_write_stats(const char *dir, const struct model_config *cfg, const struct synth_options *o,
 		      struct synth_stats *stats, char *err, size_t errlen);

@@ -407,23 +407,46 @@ static int split_out(const char *out, char *dir, size_t dlen, char *stem, size_t
 	return 0;
 }
 
+/* Is nm STEM.gguf or STEM-NNNNN-of-NNNNN.gguf (a file of a write of stem, this one's or an earlier
+ * one's)? */
+static bool is_stale(const char *nm, const char *stem)
+{
+	size_t sl = strlen(stem);
+	unsigned a, b;
+	char tail[16];
+	return !strncmp(nm, stem, sl) &&
+	       (!strcmp(nm + sl, ".gguf") ||
+		(sscanf(nm + sl, "-%5u-of-%5u.%15s", &a, &b, tail) == 3 && !strcmp(tail, "gguf")));
+}
+
+int syn_gguf_existing(const char *out, char *path, size_t len)
+{
+	char dir[PATH_MAX], stem[NAME_MAX + 1];
+	if (split_out(out, dir, sizeof(dir), stem, sizeof(stem)) != 0)
+		return 0;
+	DIR *d = opendir(dir);
+	if (!d)
+		return 0;
+	int found = 0;
+	struct dirent *e;
+	while (!found && (e = readdir(d)))
+		if (is_stale(e->d_name, stem))
+			found = snprintf(path, len, "%s/%s", dir, e->d_name) < (int)len;
+	closedir(d);
+	return found;
+}
+
 /* Removes STEM.gguf and STEM-NNNNN-of-NNNNN.gguf an earlier write left in dir. */
 static int remove_stale(const char *dir, const char *stem, char *err, size_t errlen)
 {
 	DIR *d = opendir(dir);
 	if (!d)
 		return errorf(err, errlen, -errno, "cannot list %s: %s", dir, strerror(errno));
-	size_t sl = strlen(stem);
 	int rc = 0;
 	struct dirent *e;
 	while ((e = readdir(d))) {
 		const char *nm = e->d_name;
-		unsigned a, b;
-		char tail[16];
-		bool stale = !strncmp(nm, stem, sl) &&
-			     (!strcmp(nm + sl, ".gguf") ||
-			      (sscanf(nm + sl, "-%5u-of-%5u.%15s", &a, &b, tail) == 3 && !strcmp(tail, "gguf")));
-		if (!stale)
+		if (!is_stale(nm, stem))
 			continue;
 		char path[PATH_MAX];
 		if (snprintf(path, sizeof(path), "%s/%s", dir, nm) >= (int)sizeof(path))

@@ -155,6 +155,11 @@ static inline uint64_t syn_gguf_src_row(uint64_t r, uint32_t head_dim)
 
 /* Writes the GGUF file(s) for c (checked) at out (synth_write's rules), tied: no output tensor.
  * 0 or -errno with a message; removes what it wrote on failure. */
+/* The first file in out that a write would replace or remove (a GGUF write's STEM.gguf and
+ * STEM-*-of-*.gguf; a safetensors write's weight files, config.json, generation_config.json):
+ * 1 with its path, else 0. */
+int syn_gguf_existing(const char *out, char *path, size_t len);
+int syn_st_existing(const char *dir, char *path, size_t len);
 int syn_gguf_write(const char *out, const struct model_config *c, const struct synth_options *o, bool tied,
 		   struct synth_stats *stats, char *err, size_t errlen);
 

@@ -23,6 +23,29 @@
 
 /* ---- files ---- */
 
+/* Is nm a weight file of a checkpoint this writer makes (this write's or an earlier one's)? */
+static bool is_stale(const char *nm)
+{
+	unsigned a, b;
+	char tail[32];
+	return !strcmp(nm, SINGLE_NAME) || !strcmp(nm, INDEX_NAME) ||
+	       (sscanf(nm, "model-%5u-of-%5u.%31s", &a, &b, tail) == 3 && !strcmp(tail, "safetensors"));
+}
+
+int syn_st_existing(const char *dir, char *path, size_t len)
+{
+	DIR *d = opendir(dir);
+	if (!d)
+		return 0;
+	int found = 0;
+	struct dirent *e;
+	while (!found && (e = readdir(d)))
+		if (is_stale(e->d_name) || !strcmp(e->d_name, "config.json") || !strcmp(e->d_name, "generation_config.json"))
+			found = snprintf(path, len, "%s/%s", dir, e->d_name) < (int)len;
+	closedir(d);
+	return found;
+}
+
 /* Removes weight files an earlier write left, so the directory holds one checkpoint. */
 static int remove_stale(const char *dir, char *err, size_t errlen)
 {
@@ -32,12 +55,7 @@ static int remove_stale(const char *dir, char *err, size_t errlen)
 	int rc = 0;
 	struct dirent *e;
 	while ((e = readdir(d))) {
-		unsigned a, b;
-		char tail[32];
-		bool stale =
-			!strcmp(e->d_name, SINGLE_NAME) || !strcmp(e->d_name, INDEX_NAME) ||
-			(sscanf(e->d_name, "model-%5u-of-%5u.%31s", &a, &b, tail) == 3 && !strcmp(tail, "safetensors"));
-		if (!stale)
+		if (!is_stale(e->d_name))
 			continue;
 		char path[PATH_MAX];
 		snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
@@ -297,6 +315,11 @@ void synth_options_default(struct synth_options *o)
 	o->shard_bytes = SYNTH_DEFAULT_SHARD_BYTES;
 	o->format = SYNTH_SAFETENSORS;
 	o->gguf_type = SYNTH_GGUF_BF16;
+}
+
+int synth_existing(const char *out, const struct synth_options *o, char *path, size_t len)
+{
+	return o->format == SYNTH_GGUF ? syn_gguf_existing(out, path, len) : syn_st_existing(out, path, len);
 }
 
 int synth_write_stats(const char *dir, const struct model_config *cfg, const struct synth_options *o,
