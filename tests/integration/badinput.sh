@@ -27,6 +27,16 @@ broken() {
 
 expect_start_fails "missing model directory" "does not exist" --model "$IT_TMP/no-such-model"
 
+# run-local's flags past the runner's limits: refused (exit 2), not cut to 32 bits or divided by 0.
+for bad in "--kv-block-tokens 4294967296" "-n 4294967296" "--threads 4294967297" "--temperature nan" \
+	"--top-p -1" "--repetition-penalty 1e-45"; do
+	rc=0
+	# shellcheck disable=SC2086
+	out=$(run_local --tokens 1,2,3 $bad 2>&1) || rc=$?
+	expect_eq "$rc" 2 "run-local $bad: its exit status ($out)"
+	expect_grep "out of range|must be in" "$out" "run-local $bad: its message"
+done
+
 m=$(broken)
 truncate -s $(($(stat -c %s "$m/model.safetensors") / 3)) "$m/model.safetensors"
 expect_start_fails "truncated safetensors" "truncated|past the end|corrupt" --model "$m"

@@ -105,8 +105,18 @@ int main(int argc, char **argv)
 		fprintf(stderr, "run-local: --model and --tokens are required (see --help)\n");
 		return 2;
 	}
-	if (max_new < 0 || top_k < 0 || threads < 1 || block_tokens < 1 || chunk < 1) {
-		fprintf(stderr, "run-local: -n, --top-k, --threads, --kv-block-tokens, --prefill-chunk out of range\n");
+	/* The runner's limits, and its sampling's (pipectl's and gpu-runner's checks): a value past
+	 * them was cut to 32 bits (--kv-block-tokens 4294967296 divided by 0). */
+	if (max_new < 0 || max_new > (1l << 24) || top_k < 0 || top_k > (1l << 24) || threads < 1 || threads > 1024 ||
+	    block_tokens < 1 || block_tokens > 4096 || chunk < 1 || chunk > 65536) {
+		fprintf(stderr, "run-local: -n (0..16777216), --top-k (0..16777216), --threads (1..1024), "
+				"--kv-block-tokens (1..4096) or --prefill-chunk (1..65536) out of range\n");
+		return 2;
+	}
+	if (!(temperature >= 0 && temperature <= 1e6) || !(top_p >= 0 && top_p <= 1) || !(min_p >= 0 && min_p <= 1) ||
+	    !(repetition_penalty == 0 || (repetition_penalty >= 1e-6 && repetition_penalty <= 1e6))) {
+		fprintf(stderr, "run-local: --temperature must be in 0..1e6, --top-p and --min-p in 0..1, "
+				"--repetition-penalty 0 (off) or in 1e-6..1e6\n");
 		return 2;
 	}
 	int32_t *prompt = NULL, *stop = NULL;
