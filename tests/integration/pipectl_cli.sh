@@ -40,6 +40,10 @@ expect_status 2 "-n must be at least 1" generate --chat hello -n -1
 expect_status 2 "--top-p must be in" generate --prompt hello --top-p 7
 expect_status 2 "--seed must not be negative" generate --chat hello --seed -5
 expect_status 2 "--temperature must be" generate --prompt hello --temperature -1
+# Text that is not UTF-8: refused (a --system or --stop was dropped in silence).
+expect_status 2 "--chat and --system must be UTF-8" generate --chat hi --system $'\xff'
+expect_status 2 "--stop strings must be UTF-8" generate --prompt hi --stop $'\xff'
+expect_status 2 "not valid UTF-8" get kv-store io-depth $'\xff'
 # A timeout whose milliseconds pass an int (it wrapped into a wait without end).
 expect_status 2 "--timeout 99999999: at most 2147483 seconds" --timeout 99999999 ping kv-store
 expect_status 1 "gpu-runner of instance default is not running: no control socket" generate --tokens 1,2

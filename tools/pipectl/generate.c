@@ -478,28 +478,33 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 		return PIPECTL_EXIT_USAGE;
 	}
 	a->text = !tokens || !*tokens;
+	/* Each piece checked: jansson makes no string of text that is not UTF-8, and an array takes
+	 * that NULL without a word (a --system or --stop dropped in silence). */
 	if (a->chat) {
 		json_t *msgs = json_array();
-		if (a->system)
-			json_array_append_new(msgs, json_pack("{s:s, s:s}", "role", "system", "content", a->system));
-		json_array_append_new(msgs, json_pack("{s:s, s:s}", "role", "user", "content", a->chat));
-		a->chat_json = json_dumps(msgs, JSON_COMPACT);
+		bool ok = msgs != NULL;
+		if (ok && a->system)
+			ok = json_array_append_new(msgs, json_pack("{s:s, s:s}", "role", "system", "content", a->system)) == 0;
+		if (ok)
+			ok = json_array_append_new(msgs, json_pack("{s:s, s:s}", "role", "user", "content", a->chat)) == 0;
+		a->chat_json = ok ? json_dumps(msgs, JSON_COMPACT) : NULL;
 		json_decref(msgs);
+		if (!a->chat_json) {
+			fprintf(stderr, "pipectl: generate: --chat and --system must be UTF-8 text\n");
+			return PIPECTL_EXIT_USAGE;
+		}
 	}
 	if (a->n_stops) {
 		json_t *st = json_array();
-		for (int i = 0; i < a->n_stops; i++)
-			json_array_append_new(st, json_string(a->stops[i]));
-		a->stops_json = json_dumps(st, JSON_COMPACT);
+		bool ok = st != NULL;
+		for (int i = 0; ok && i < a->n_stops; i++)
+			ok = json_array_append_new(st, json_string(a->stops[i])) == 0;
+		a->stops_json = ok ? json_dumps(st, JSON_COMPACT) : NULL;
 		json_decref(st);
 		if (!a->stops_json) {
 			fprintf(stderr, "pipectl: generate: --stop strings must be UTF-8\n");
 			return PIPECTL_EXIT_USAGE;
 		}
-	}
-	if ((a->chat && !a->chat_json)) {
-		fprintf(stderr, "pipectl: generate: --chat and --system must be UTF-8 text\n");
-		return PIPECTL_EXIT_USAGE;
 	}
 	if (a->text)
 		return check_ranges(a);

@@ -103,12 +103,14 @@ int cmd_get(struct pipectl *p, int argc, char **argv)
 	char *keys = NULL;
 	if (n > 1) {
 		json_t *a = json_array();
-		for (int i = 1; a && i < n; i++)
-			json_array_append_new(a, json_string(pos[i]));
-		keys = a ? json_dumps(a, JSON_COMPACT) : NULL;
+		bool ok = a != NULL;
+		for (int i = 1; ok && i < n; i++)
+			ok = json_array_append_new(a, json_string(pos[i])) == 0; /* NULL: not UTF-8 */
+		keys = ok ? json_dumps(a, JSON_COMPACT) : NULL;
 		json_decref(a);
 		if (!keys) {
 			fprintf(stderr, "pipectl: get: the keys are not valid UTF-8, or out of memory\n");
+			status = PIPECTL_EXIT_USAGE;
 			goto out;
 		}
 		req.config_get.keys.p = keys;
