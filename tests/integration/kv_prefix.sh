@@ -54,7 +54,8 @@ expect_grep 'prefix' "$summary" "pipectl summary shows prefix reuse"
 # the spill file through the index, with the tokens of a cold run.
 "$PIPELINE" stop
 persist=$IT_TMP/kv-persist
-"$PIPELINE" start --model "$MODEL" --backend cpu --kv-persist-dir "$persist"
+# (Given relative to the caller's directory: the services run from /.)
+(cd "$IT_TMP" && "$PIPELINE" start --model "$MODEL" --backend cpu --kv-persist-dir kv-persist)
 got=$(generate --tokens "$A" -n 32 --ignore-eos)
 expect_eq "$got" "$want_a" "request A with a persist dir"
 "$PIPELINE" stop
