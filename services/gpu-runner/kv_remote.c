@@ -146,11 +146,10 @@ static int call(struct kv_remote *kr, struct msg *req, uint32_t want, struct msg
 /* Checks an offset from the pool: the start of a slot's data. Returns the slot or -1. */
 static int64_t slot_of(const struct kv_remote *kr, uint64_t offset)
 {
-	const struct kvpool_header *h = kr->h;
-	if (offset < h->data_off || (offset - h->data_off) % h->block_bytes)
+	if (offset < kr->data_off || (offset - kr->data_off) % kr->block_bytes)
 		return -1;
-	uint64_t slot = (offset - h->data_off) / h->block_bytes;
-	return slot < h->n_slots ? (int64_t)slot : -1;
+	uint64_t slot = (offset - kr->data_off) / kr->block_bytes;
+	return slot < kr->n_slots ? (int64_t)slot : -1;
 }
 
 static int blocks_reply(struct kv_remote *kr, const struct msg *rep, uint32_t n, const uint64_t *expect,
@@ -162,7 +161,7 @@ static int blocks_reply(struct kv_remote *kr, const struct msg *rep, uint32_t n,
 		return set_err(kr, -EPROTO, "kv-store sent %u blocks for %u asked", b->handles.n, n);
 	}
 	/* Two blocks in one slot would overwrite each other: every slot once. */
-	uint8_t *seen = calloc(kr->h->n_slots / 8 + 1, 1);
+	uint8_t *seen = calloc(kr->n_slots / 8 + 1, 1);
 	if (!seen) {
 		kr->lost = kr->orphans = true;
 		return set_err(kr, -ENOMEM, "out of memory");
@@ -214,7 +213,7 @@ static uint32_t op_max_batch(void *ctx);
 static int op_alloc(void *ctx, uint32_t n, uint64_t *handles, void **ptrs)
 {
 	struct kv_remote *kr = ctx;
-	if (!kr->h || kr->h->n_slots < KV_STASH_MIN_POOL || n > KV_STASH_BLOCKS / 2 || n > op_max_batch(kr))
+	if (!kr->h || kr->n_slots < KV_STASH_MIN_POOL || n > KV_STASH_BLOCKS / 2 || n > op_max_batch(kr))
 		return alloc_rpc(kr, n, handles, ptrs);
 	if (kr->n_stash < n) {
 		uint32_t need = n - kr->n_stash, want = KV_STASH_BLOCKS - kr->n_stash;
@@ -223,7 +222,7 @@ static int op_alloc(void *ctx, uint32_t n, uint64_t *handles, void **ptrs)
 		/* No more than the pool has free: the kv-store would spill or drop cached blocks to make
 		 * room for blocks nobody asked for yet. */
 		uint64_t used = atomic_load_explicit(&kr->h->store.slots_used, memory_order_relaxed);
-		uint64_t free_slots = used < kr->h->n_slots ? kr->h->n_slots - used : 0;
+		uint64_t free_slots = used < kr->n_slots ? kr->n_slots - used : 0;
 		if (want > free_slots)
 			want = free_slots > need ? (uint32_t)free_slots : need;
 		int rc = alloc_rpc(kr, want, kr->stash_h + kr->n_stash, kr->stash_p + kr->n_stash);
@@ -347,7 +346,7 @@ static int op_commit(void *ctx, uint32_t n, const uint64_t *handles, void *const
 		     const void *event)
 {
 	struct kv_remote *kr = ctx;
-	struct kvpool_slot *slots = kvpool_slots(kr->h);
+	struct kvpool_slot *slots = kr->slots;
 	for (uint32_t i = 0; i < n; i++) {
 		int64_t slot = slot_of(kr, (uint64_t)((char *)ptrs[i] - (char *)kr->h));
 		if (slot < 0)
@@ -506,7 +505,7 @@ static int op_unpin_all(void *ctx)
 static uint32_t op_max_batch(void *ctx)
 {
 	const struct kv_remote *kr = ctx;
-	uint32_t n = kr->h && kr->h->n_slots ? kr->h->n_slots : 1;
+	uint32_t n = kr->h && kr->n_slots ? kr->n_slots : 1;
 	return kr->max_batch && kr->max_batch < n ? kr->max_batch : n;
 }
 
@@ -605,16 +604,21 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 	}
 	struct kvpool_header *h = shm_object_base(kr->obj);
 	size_t size = shm_object_size(kr->obj);
-	uint64_t data_end = h->data_off + (uint64_t)h->n_slots * h->block_bytes;
-	if (h->block_bytes != block_bytes || h->n_slots != rep.kv_pool.n_blocks || h->n_slots == 0 ||
-	    h->data_off < sizeof(*h) || h->data_off > size || data_end > size || data_end < h->data_off ||
-	    h->slots_off < sizeof(*h) || h->slots_off + (uint64_t)h->n_slots * sizeof(struct kvpool_slot) > size) {
+	/* Read once, checked without a sum that could wrap, kept (kv_remote.h). */
+	const uint64_t data_off = h->data_off, bb = h->block_bytes, slots_off = h->slots_off;
+	const uint32_t n_slots = h->n_slots;
+	if (bb != block_bytes || bb == 0 || n_slots != rep.kv_pool.n_blocks || n_slots == 0 || data_off < sizeof(*h) ||
+	    data_off > size || bb > (size - data_off) / n_slots || slots_off < sizeof(*h) || slots_off > size ||
+	    (uint64_t)n_slots * sizeof(struct kvpool_slot) > size - slots_off) {
 		snprintf(err, errlen, "the KV pool %s is laid out inconsistently", rep.kv_pool.shm_name.p);
 		msg_free(&rep);
 		shm_object_close(&kr->obj, false);
 		return -EPROTO;
 	}
 	kr->h = h;
+	kr->data_off = data_off;
+	kr->n_slots = n_slots;
+	kr->slots = (struct kvpool_slot *)((char *)h + slots_off);
 	kr->lost = false;
 	kr->owner_pid = atomic_load(&h->shm.owner_pid);
 	kr->pool_epoch = rep.kv_pool.epoch;

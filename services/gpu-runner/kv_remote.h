@@ -41,6 +41,11 @@ struct kv_remote {
 	struct rpc_client *client; /* borrowed */
 	struct shm_object *obj;
 	struct kvpool_header *h;
+	/* The pool's layout as checked when it was mapped (the header lies in memory the kv-store
+	 * writes: never read again for addresses). */
+	uint64_t data_off; /* (block_bytes below, which the pool's must equal) */
+	uint32_t n_slots;
+	struct kvpool_slot *slots;
 	int owner_pid;
 	/* The kv-store process that answered HELLO (kv_remote_set_peer): before a pool is mapped there
 	 * is no owner to look at, and a wait for its reply (the pool configuration) ends when this
