@@ -205,7 +205,9 @@ struct text_stream {
 	char *stops[TEXT_MAX_STOP_STRINGS];
 	size_t stop_len[TEXT_MAX_STOP_STRINGS];
 	size_t n_stops, longest;
-	char *text; /* the generated text so far (only kept when there are stops) */
+	char *text; /* the generated text's last longest - 1 bytes before the newest piece, and that
+		     * piece (only kept when there are stops: a match that ends in the piece starts
+		     * no earlier) */
 	size_t len, cap;
 };
 
@@ -290,6 +292,10 @@ int text_stream_push(struct text_stream *ts, int32_t id, const char **piece, siz
 	int rc = tok_decoder_feed(ts->dec, (uint32_t)id, piece, len);
 	if (rc || !ts->n_stops || !*len)
 		return rc;
+	if (ts->len + 1 > ts->longest) { /* a window, not the whole text of a long generation */
+		memmove(ts->text, ts->text + ts->len - (ts->longest - 1), ts->longest - 1);
+		ts->len = ts->longest - 1;
+	}
 	if (ts->len + *len > ts->cap) {
 		size_t cap = ts->cap ? ts->cap : 256;
 		while (cap < ts->len + *len)
