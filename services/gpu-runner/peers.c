@@ -23,6 +23,7 @@
 #endif
 
 #define RECONNECT_TIMEOUT_MS 30000
+#define RECONNECT_FAILED_HOLD_MS 5000
 
 /* The weight source the engine computes from: the GPU window over the ring, or the ring. */
 struct weight_source *runner_weights(struct runner *r)
@@ -433,8 +434,29 @@ int runner_make_engine(struct runner *r, char *err, size_t errlen)
 	return 0;
 }
 
-/* Before a request: reconnect to a service that restarted or failed us. */
+static int ensure_connections(struct runner *r, char *err, size_t errlen);
+
+/* Before a request: reconnect to a service that restarted or failed us. A reconnection that
+ * failed (after its wait of up to RECONNECT_TIMEOUT_MS) stands for RECONNECT_FAILED_HOLD_MS: the
+ * requests queued behind the one that waited fail with its error at once (with 128 queued, the
+ * last answer came after an hour). */
 int runner_ensure_connections(struct runner *r, char *err, size_t errlen)
+{
+	const uint64_t now = now_ns();
+	if (r->reconnect_failed_rc && now - r->reconnect_failed_ns < (uint64_t)RECONNECT_FAILED_HOLD_MS * 1000000ull) {
+		snprintf(err, errlen, "%s", r->reconnect_failed_err);
+		return r->reconnect_failed_rc;
+	}
+	int rc = ensure_connections(r, err, errlen);
+	r->reconnect_failed_rc = rc;
+	if (rc) {
+		r->reconnect_failed_ns = now_ns();
+		snprintf(r->reconnect_failed_err, sizeof(r->reconnect_failed_err), "%s", err);
+	}
+	return rc;
+}
+
+static int ensure_connections(struct runner *r, char *err, size_t errlen)
 {
 	int rc;
 	/* A source that moved to a new loader in the middle of a step still maps the old ring (and a

@@ -134,6 +134,12 @@ struct runner {
 	struct kv_remote kv;
 	void *pool_pinned; /* the KV pool mapping, page-locked for the backend's copies */
 	bool loader_suspect, kv_suspect;
+	/* The last reconnection that failed (runner_ensure_connections): when, and its error, which
+	 * the requests queued behind it get at once for RECONNECT_FAILED_HOLD_MS instead of a wait of
+	 * up to 30 s each. */
+	uint64_t reconnect_failed_ns;
+	int reconnect_failed_rc;
+	char reconnect_failed_err[512];
 	bool kv_connected; /* a pool was mapped before */
 	bool kv_renewed;   /* a new kv-store session since the last connect: the caches forget the old one's blocks */
 
