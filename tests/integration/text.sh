@@ -40,6 +40,12 @@ expect_eq "$got" "$want" "--chat ids vs run-local on the Llama 3 template"
 log "chat: the prompt is the Llama 3 header format"
 
 # Seeded sampling gives the same text twice.
+# A flag's value is left as it reads: the prompt "-n" (rewritten into "--max-new" before) and the
+# prompt "--stop" (taken as a stop flag) are those texts, as with --prompt=...
+expect_eq "$(generate --prompt -n -n 4 --ids --ignore-eos)" "$(generate --prompt=-n -n 4 --ids --ignore-eos)" \
+	"the prompt '-n' given as --prompt -n"
+expect_eq "$(generate --prompt --stop -n 4 --ids --ignore-eos)" "$(generate --prompt=--stop -n 4 --ids --ignore-eos)" \
+	"the prompt '--stop' given as --prompt --stop"
 a=$(generate --prompt "Once upon a time" -n 24 --temperature 0.9 --top-k 50 --min-p 0.05 --repetition-penalty 1.2 --seed 5)
 b=$(generate --prompt "Once upon a time" -n 24 --temperature 0.9 --top-k 50 --min-p 0.05 --repetition-penalty 1.2 --seed 5)
 expect_eq "$b" "$a" "seeded text twice"

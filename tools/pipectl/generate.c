@@ -311,10 +311,24 @@ struct gen_args {
 	bool text;			    /* a text prompt: print text */
 };
 
+/* Does the word w name a flag of opts that takes its value from the next word ("--prompt", not
+ * "--prompt=x" nor a boolean)? */
+static bool takes_next(const struct opt *opts, const char *w)
+{
+	if (strncmp(w, "--", 2) != 0 || strchr(w, '='))
+		return false;
+	for (const struct opt *o = opts; o->name; o++)
+		if (!strcmp(o->name, w + 2))
+			return o->kind != OPT_BOOL;
+	return false;
+}
+
 /* -n N is the short form of --max-new N; config_parse knows only long flags, and takes each
  * flag once, so the repeatable --stop is collected here. Returns a malloc'd copy of argv with
- * "-n" replaced and the --stop flags taken out (*argc_out), or NULL. */
-static char **expand_short_flags(int argc, char **argv, int *argc_out, struct gen_args *a, int *bad)
+ * "-n" replaced and the --stop flags taken out (*argc_out), or NULL. A flag's value is left as it
+ * is, whatever it reads ("--prompt -n", "--prompt --stop"). */
+static char **expand_short_flags(int argc, char **argv, const struct opt *opts, int *argc_out, struct gen_args *a,
+				 int *bad)
 {
 	static char max_new_flag[] = "--max-new";
 	char **out = calloc((size_t)argc + 1, sizeof(*out));
@@ -339,6 +353,11 @@ static char **expand_short_flags(int argc, char **argv, int *argc_out, struct ge
 				break;
 			}
 			a->stops[a->n_stops++] = v;
+			continue;
+		}
+		if (i > 0 && takes_next(opts, argv[i]) && i + 1 < argc) {
+			out[n++] = argv[i++];
+			out[n++] = argv[i];
 			continue;
 		}
 		out[n++] = i > 0 && !strcmp(argv[i], "-n") ? max_new_flag : argv[i];
@@ -441,7 +460,7 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 		{0},
 	};
 	int nargs, bad;
-	char **args = expand_short_flags(argc, argv, &nargs, a, &bad);
+	char **args = expand_short_flags(argc, argv, opts, &nargs, a, &bad);
 	if (!args) {
 		fprintf(stderr, "pipectl: out of memory\n");
 		return PIPECTL_EXIT_FAIL;
