@@ -44,6 +44,15 @@ expect_status 2 "--temperature must be" generate --prompt hello --temperature -1
 expect_status 2 "--chat and --system must be UTF-8" generate --chat hi --system $'\xff'
 expect_status 2 "--stop strings must be UTF-8" generate --prompt hi --stop $'\xff'
 expect_status 2 "not valid UTF-8" get kv-store io-depth $'\xff'
+# scripts/pipeline leaves a flag's value to pipectl: "-h" and "--instance" as a prompt's text are
+# that text (it printed its help, or took "-n" for an instance name).
+for words in "--prompt -h -n 1" "--prompt --instance -n 3"; do
+	rc=0
+	# shellcheck disable=SC2086
+	out=$("$PIPELINE" generate $words 2>&1) || rc=$?
+	expect_eq "$rc" 1 "pipeline generate $words: its exit status ($out)"
+	expect_grep "gpu-runner of instance default is not running" "$out" "pipeline generate $words"
+done
 # A timeout whose milliseconds pass an int (it wrapped into a wait without end).
 expect_status 2 "--timeout 99999999: at most 2147483 seconds" --timeout 99999999 ping kv-store
 expect_status 1 "gpu-runner of instance default is not running: no control socket" generate --tokens 1,2

@@ -472,7 +472,7 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 			GEN_MAX_STOPS);
 		return PIPECTL_EXIT_USAGE;
 	}
-	int rc = pipectl_parse("generate (--tokens IDS | --prompt TEXT | --chat TEXT) [-n N] [--stop STR]... [options]",
+	int rc = pipectl_parse("generate (--tokens IDS | --prompt TEXT | --chat TEXT) [-n N] [--stop STR]...",
 			       "Generates with gpu-runner. With --tokens it prints each id as it arrives, separated by "
 			       "spaces; with --prompt or --chat the text as it arrives. Either way a newline ends it. "
 			       "--stop STR (repeatable, up to 16) ends generation once the text holds STR.",
