@@ -32,6 +32,24 @@ instance_init() {
 	[[ $RUN_DIR == /* ]] || RUN_DIR=$PWD/$RUN_DIR
 }
 
+# Dies where a live supervisor in RUN_DIR runs another instance than INSTANCE (one
+# PIPELINE_RUN_DIR for several instances names one directory: stop or status of one would act on
+# the other's).
+run_dir_owner_check() {
+	local pid w prev="" other=""
+	pid=$(supervisor_pid 2>/dev/null) || return 0
+	local -a words=()
+	mapfile -d '' words <"/proc/$pid/cmdline" 2>/dev/null || return 0
+	for w in ${words[@]+"${words[@]}"}; do
+		[[ $prev == --instance ]] && other=$w
+		[[ $w == --instance=* ]] && other=${w#*=}
+		prev=$w
+	done
+	[[ -z $other || $other == "$INSTANCE" ]] ||
+		die "the run directory $RUN_DIR is instance $other's, not $INSTANCE's (PIPELINE_RUN_DIR names one" \
+			"directory whatever the instance): give --instance $other, or another PIPELINE_RUN_DIR"
+}
+
 # Creates RUN_DIR and its parents with mode 0700.
 run_dir_prepare() {
 	(umask 077 && mkdir -p "$RUN_DIR") || die "cannot create run directory $RUN_DIR"

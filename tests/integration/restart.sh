@@ -49,6 +49,16 @@ for bad in 10s 'BASH_VERSINFO[$(touch '"$IT_TMP"'/ran)0]'; do
 done
 [[ ! -e $IT_TMP/ran ]] || fail "PIPELINE_READY_TIMEOUT's text was run by restart"
 
+# Another instance's name with this run directory (one PIPELINE_RUN_DIR for every instance):
+# refused, this instance left running (stop stopped it, saying the other was stopped).
+for cmd in status stop; do
+	rc=0
+	out=$("$PIPELINE" --instance "$INSTANCE-other" "$cmd" 2>&1) || rc=$?
+	expect_eq "$rc" 1 "$cmd of another instance in this run directory: its exit status ($out)"
+	expect_grep "is instance $INSTANCE's, not $INSTANCE-other's" "$out" "$cmd of another instance in this run directory"
+done
+"$PIPELINE" status >/dev/null || fail "the instance after another's status and stop were refused in its run directory"
+
 # The run directory spelled another way (a trailing slash) is the same instance's.
 out=$("$BIN/pipeline-supervisor" pids supervisor --run-dir "$RUN_DIR/") ||
 	fail "pipeline-supervisor pids with the run directory and a trailing slash found no supervisor"
