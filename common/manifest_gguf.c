@@ -121,6 +121,21 @@ int mf_find_gguf(const char *dir, char *path, size_t len, char *err, size_t errl
 	for (size_t i = 1; i < n && one_set; i++)
 		one_set = split_name(names[i], &p, &no, &count) && p == p0 && !strncmp(names[i], names[0], p0) &&
 			  count == count0 && no == i + 1;
+	/* Every file of one split set's names (one prefix, one count) but some missing: say which. */
+	bool same_set = n > 1 && split_name(names[0], &p0, &no0, &count0);
+	for (size_t i = 1; i < n && same_set; i++)
+		same_set = split_name(names[i], &p, &no, &count) && p == p0 && !strncmp(names[i], names[0], p0) &&
+			   count == count0;
+	if (n > 1 && !one_set && same_set && n < count0) {
+		uint32_t missing = 1;
+		for (size_t i = 0; i < n && split_name(names[i], &p, &no, &count) && no == missing; i++)
+			missing++;
+		rc = errorf(err, errlen, -ENOENT,
+			    "model directory %s holds %zu of the %u files of the split set %.*s-*-of-%05u.gguf: file %u "
+			    "(%.*s-%05u-of-%05u.gguf) is missing",
+			    dir, n, count0, (int)p0, names[0], count0, missing, (int)p0, names[0], missing, count0);
+		goto out;
+	}
 	if (n > 1 && !one_set) {
 		rc = errorf(err, errlen, -EINVAL,
 			    "model directory %s holds %zu GGUF files (%s, %s%s) that are not one split "

@@ -271,6 +271,9 @@ START_TEST(test_split)
 	/* A file of the set missing. */
 	ck_assert_int_eq(unlink(tpath("s/tiny-00003-of-00003.gguf")), 0);
 	load_fails(paths[0], -ENOENT, "file 3 of the split set (3 files) is missing");
+	/* The directory, with that file missing: which one, not "not one split set". */
+	load_fails(tpath("s"), -ENOENT, "holds 2 of the 3 files of the split set tiny-*-of-00003.gguf: file 3 "
+					"(tiny-00003-of-00003.gguf) is missing");
 	/* A file that says it is another. */
 	ck_assert_int_eq(mkdir(tpath("w"), 0700), 0);
 	write_split("w/tiny", 3, GW_Q8_0, 2, 0);
