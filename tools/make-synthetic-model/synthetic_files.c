@@ -4,6 +4,7 @@
  * weight files past the page cache (O_DIRECT). */
 #include "tools/make-synthetic-model/synthetic_internal.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -105,6 +106,21 @@ int syn_make_dirs(const char *dir, struct created *dirs, char *err, size_t errle
 	if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
 		return errorf(err, errlen, -ENOTDIR, "%s exists and is not a directory", path);
 	return 0;
+}
+
+int syn_find_in_dir(const char *dir, bool (*match)(const char *name, const void *ctx), const void *ctx, char *path,
+		    size_t len)
+{
+	DIR *d = opendir(dir);
+	if (!d)
+		return 0;
+	int found = 0;
+	struct dirent *e;
+	while (!found && (e = readdir(d)))
+		if (match(e->d_name, ctx))
+			found = snprintf(path, len, "%s/%s", dir, e->d_name) < (int)len;
+	closedir(d);
+	return found;
 }
 
 int syn_open_weights(const char *path)

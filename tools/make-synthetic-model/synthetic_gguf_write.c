@@ -419,21 +419,17 @@ static bool is_stale(const char *nm, const char *stem)
 		(sscanf(nm + sl, "-%5u-of-%5u.%15s", &a, &b, tail) == 3 && !strcmp(tail, "gguf")));
 }
 
+static bool stale_of(const char *nm, const void *stem)
+{
+	return is_stale(nm, (const char *)stem);
+}
+
 int syn_gguf_existing(const char *out, char *path, size_t len)
 {
 	char dir[PATH_MAX], stem[NAME_MAX + 1];
 	if (split_out(out, dir, sizeof(dir), stem, sizeof(stem)) != 0)
 		return 0;
-	DIR *d = opendir(dir);
-	if (!d)
-		return 0;
-	int found = 0;
-	struct dirent *e;
-	while (!found && (e = readdir(d)))
-		if (is_stale(e->d_name, stem))
-			found = snprintf(path, len, "%s/%s", dir, e->d_name) < (int)len;
-	closedir(d);
-	return found;
+	return syn_find_in_dir(dir, stale_of, stem, path, len);
 }
 
 /* Removes STEM.gguf and STEM-NNNNN-of-NNNNN.gguf an earlier write left in dir. */

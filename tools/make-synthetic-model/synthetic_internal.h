@@ -211,6 +211,10 @@ int syn_write_small_file(const char *dir, const char *name, const struct sbuf *s
 			 size_t errlen);
 /* mkdir -p; records each directory it made in dirs. 0 or -errno with a message. */
 int syn_make_dirs(const char *dir, struct created *dirs, char *err, size_t errlen);
+/* The first entry of dir whose name match(name, ctx) takes: 1 with dir/name in path, else 0 (no
+ * such entry, or no dir). */
+int syn_find_in_dir(const char *dir, bool (*match)(const char *name, const void *ctx), const void *ctx, char *path,
+		    size_t len);
 /* Creates (truncates) a weight file for writing, with O_DIRECT where the file system takes it.
  * Returns the descriptor or -errno. */
 int syn_open_weights(const char *path);

@@ -32,18 +32,16 @@ static bool is_stale(const char *nm)
 	       (sscanf(nm, "model-%5u-of-%5u.%31s", &a, &b, tail) == 3 && !strcmp(tail, "safetensors"));
 }
 
+/* A file a safetensors write replaces or removes. */
+static bool replaced(const char *nm, const void *ctx)
+{
+	(void)ctx;
+	return is_stale(nm) || !strcmp(nm, "config.json") || !strcmp(nm, "generation_config.json");
+}
+
 int syn_st_existing(const char *dir, char *path, size_t len)
 {
-	DIR *d = opendir(dir);
-	if (!d)
-		return 0;
-	int found = 0;
-	struct dirent *e;
-	while (!found && (e = readdir(d)))
-		if (is_stale(e->d_name) || !strcmp(e->d_name, "config.json") || !strcmp(e->d_name, "generation_config.json"))
-			found = snprintf(path, len, "%s/%s", dir, e->d_name) < (int)len;
-	closedir(d);
-	return found;
+	return syn_find_in_dir(dir, replaced, NULL, path, len);
 }
 
 /* Removes weight files an earlier write left, so the directory holds one checkpoint. */
