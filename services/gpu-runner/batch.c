@@ -144,7 +144,7 @@ void runner_batch_step(struct runner *r)
 		 * steps (the weight source, the caches' rebuild). */
 		if (!r->n_active)
 			runner_between_requests(r);
-		int rc = r->n_active ? 0 : runner_ensure_connections(r, err, sizeof(err));
+		int rc = r->n_active ? 0 : runner_ensure_connections(r, r->queue[r->q_head].queued_ns, err, sizeof(err));
 		if (rc) {
 			/* A peer is down for good: the request that would run fails, as one at a time does. */
 			struct job *j = &r->queue[r->q_head];

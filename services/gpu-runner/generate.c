@@ -235,7 +235,7 @@ int gen_seq_create(struct engine *e, struct kv_cache *kv, const int32_t *prompt,
 		snprintf(err, errlen,
 			 "the prompt has %u tokens; it must be shorter than the context of %u (--max-context)",
 			 n_prompt, max_context);
-		return -EINVAL;
+		return -E2BIG;
 	}
 	for (uint32_t i = 0; i < n_prompt; i++) {
 		if (prompt[i] < 0 || (uint32_t)prompt[i] >= cfg->vocab_size) {

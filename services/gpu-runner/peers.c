@@ -436,15 +436,17 @@ int runner_make_engine(struct runner *r, char *err, size_t errlen)
 
 static int ensure_connections(struct runner *r, char *err, size_t errlen);
 
-/* Before a request: reconnect to a service that restarted or failed us. A reconnection that
- * failed (after its wait of up to RECONNECT_TIMEOUT_MS) stands for RECONNECT_FAILED_HOLD_MS: the
- * requests queued behind the one that waited fail with its error at once (with 128 queued, the
- * last answer came after an hour). */
-int runner_ensure_connections(struct runner *r, char *err, size_t errlen)
+/* Before a request (queued at queued_ns; 0: not a queued request): reconnect to a service that
+ * restarted or failed us. A reconnection that failed (after its wait of up to
+ * RECONNECT_TIMEOUT_MS) answers the requests that were queued before it failed, for
+ * RECONNECT_FAILED_HOLD_MS: they fail with its error at once (each waited out its own 30 s: with
+ * 128 queued, the last answer came after an hour); a request queued after it tries again. */
+int runner_ensure_connections(struct runner *r, uint64_t queued_ns, char *err, size_t errlen)
 {
 	const uint64_t now = now_ns();
-	if (r->reconnect_failed_rc && now - r->reconnect_failed_ns < (uint64_t)RECONNECT_FAILED_HOLD_MS * 1000000ull) {
-		snprintf(err, errlen, "%s", r->reconnect_failed_err);
+	if (r->reconnect_failed_rc && queued_ns && queued_ns < r->reconnect_failed_ns &&
+	    now - r->reconnect_failed_ns < (uint64_t)RECONNECT_FAILED_HOLD_MS * 1000000ull) {
+		snprintf(err, errlen, "%s (the reconnection that failed just before)", r->reconnect_failed_err);
 		return r->reconnect_failed_rc;
 	}
 	int rc = ensure_connections(r, err, errlen);
@@ -452,6 +454,9 @@ int runner_ensure_connections(struct runner *r, char *err, size_t errlen)
 	if (rc) {
 		r->reconnect_failed_ns = now_ns();
 		snprintf(r->reconnect_failed_err, sizeof(r->reconnect_failed_err), "%s", err);
+		/* Whatever part failed (the window or the engine after the loader's HELLO), the next
+		 * try starts over from both peers. */
+		r->loader_suspect = r->kv_suspect = true;
 	}
 	return rc;
 }

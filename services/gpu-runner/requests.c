@@ -185,6 +185,7 @@ int runner_job_prepare(struct runner *r, struct job *j, char *err, size_t errlen
 			j->n_emitted = j->cap_emitted = j->params.n_done;
 		}
 	}
+	j->refused = rc != 0 && rc != -ENOMEM; /* its input: no peer to check */
 	return rc;
 }
 
@@ -213,10 +214,11 @@ void runner_job_reply(struct runner *r, struct job *j, int rc, const struct gen_
 	if (rc) {
 		r->failures++;
 		/* Check both peers before the next request, unless the request failed of itself: its
-		 * input refused (a prompt too long, a bad chat or stop strings), or cancelled (its client
-		 * gone, a stop). A reconnection makes the window and the engine anew: every invalid
-		 * request paid for it, a GPU's weights copied again. */
-		if (rc != -EINVAL && rc != -E2BIG && rc != -ERANGE && rc != -ECANCELED) {
+		 * input refused (runner_job_prepare: a bad chat or stop strings; -E2BIG: a prompt longer
+		 * than the context), or cancelled (its client gone, a stop). A reconnection makes the
+		 * window and the engine anew: every invalid request paid for it, a GPU's weights copied
+		 * again. */
+		if (!j->refused && rc != -E2BIG && rc != -ECANCELED) {
 			r->loader_suspect = true;
 			r->kv_suspect = true;
 		}
@@ -268,7 +270,7 @@ static void run_job(struct runner *r, struct job *j)
 	r->current = j;
 	r->requests++;
 	runner_between_requests(r);
-	int rc = runner_ensure_connections(r, err, sizeof(err));
+	int rc = runner_ensure_connections(r, j->queued_ns, err, sizeof(err));
 	if (rc == 0)
 		rc = runner_job_prepare(r, j, err, sizeof(err));
 	if (rc == 0) {
@@ -282,7 +284,7 @@ static void run_job(struct runner *r, struct job *j)
 			log_warn("request %llu: %s; resuming after %u tokens once the stages are formed again",
 				 (unsigned long long)j->corr, err, j->n_emitted);
 			char why[512];
-			if (runner_ensure_connections(r, why, sizeof(why)) != 0) {
+			if (runner_ensure_connections(r, 0, why, sizeof(why)) != 0) {
 				size_t k = strlen(err);
 				snprintf(err + k, sizeof(err) - k, "; the stages did not form again: %.480s", why);
 				break;
@@ -363,6 +365,7 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 	}
 	struct job *j = &r->queue[(r->q_head + r->q_len) % QUEUE_MAX];
 	memset(j, 0, sizeof(*j));
+	j->queued_ns = now_ns();
 	j->peer = *peer;
 	j->corr = req->corr;
 	j->n_tokens = g->tokens.n;

@@ -58,6 +58,9 @@ struct job {
 	struct text_stream *ts;	 /* its text, when it wants text or has stop strings */
 	struct gen_seq *g;	 /* batched: its generation (batch.c) */
 	uint32_t slot;		 /* batched: its KV cache, r->slot_kv[slot] */
+	uint64_t queued_ns;	 /* when it was queued (runner_ensure_connections' hold) */
+	bool refused;		 /* it failed of itself: its input refused (runner_job_prepare, a prompt
+				  * longer than the context), not a peer: runner_job_reply checks no peer */
 };
 
 struct runner {
@@ -135,8 +138,8 @@ struct runner {
 	void *pool_pinned; /* the KV pool mapping, page-locked for the backend's copies */
 	bool loader_suspect, kv_suspect;
 	/* The last reconnection that failed (runner_ensure_connections): when, and its error, which
-	 * the requests queued behind it get at once for RECONNECT_FAILED_HOLD_MS instead of a wait of
-	 * up to 30 s each. */
+	 * the requests queued before it get at once (within RECONNECT_FAILED_HOLD_MS of it) instead of
+	 * a wait of up to 30 s each. */
 	uint64_t reconnect_failed_ns;
 	int reconnect_failed_rc;
 	char reconnect_failed_err[512];
@@ -213,7 +216,7 @@ int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen);
 /* gen_params.on_kv_failure: reconnects to a kv-store that went away in the middle of a request. */
 int runner_kv_failure(void *ctx, char *err, size_t errlen);
 void runner_release_dead_loader(struct runner *r);
-int runner_ensure_connections(struct runner *r, char *err, size_t errlen);
+int runner_ensure_connections(struct runner *r, uint64_t queued_ns, char *err, size_t errlen);
 
 /* experts.c: the engine's routing counts folded into r->expert_heat (before the engine goes), and,
  * between requests, the GPU window made anew when a plan from the heat would keep experts that

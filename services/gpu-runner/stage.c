@@ -307,7 +307,7 @@ static int stage_setup(struct runner *r, const struct msg_stage_setup *s, char *
 	if ((rc = runner_connect_kv(r, (int)r->timeout_ms, err, errlen)) != 0)
 		return rc;
 	kv_cache_forget_remote(r->cache);
-	if ((rc = runner_ensure_connections(r, err, errlen)) != 0)
+	if ((rc = runner_ensure_connections(r, 0, err, errlen)) != 0)
 		return rc;
 	struct stage_link_params lp = {.formation = s->formation, .rank = (uint32_t)r->rank, .ranks = (uint32_t)r->ranks,
 				       .dim = r->cfg.dim, .max_rows = r->bp.max_chunk, .timeout_ms = (int)r->timeout_ms,
