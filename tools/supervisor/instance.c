@@ -216,10 +216,28 @@ static int service_group(int pid)
 	return g == pid && g != getpgid(0) ? pid : 0;
 }
 
-/* Does any process of group g remain? */
+/* Does any live process of group g remain? Zombies do not count (kill(-g, 0) counts them: where
+ * nobody reaps the orphans of a killed supervisor, the stop waited out its timeout and reported
+ * a service that survived SIGKILL). */
 static bool group_alive(int g)
 {
-	return kill(-g, 0) == 0 || errno == EPERM;
+	if (kill(-g, 0) != 0 && errno != EPERM)
+		return false;
+	DIR *d = opendir("/proc");
+	if (!d)
+		return true;
+	bool alive = false;
+	struct dirent *e;
+	while (!alive && (e = readdir(d))) {
+		char *end;
+		long pid = strtol(e->d_name, &end, 10);
+		struct proc_info pi;
+		if (*end || pid <= 0 || proc_read((int)pid, &pi) != 0)
+			continue;
+		alive = pi.pgrp == g && pi.state != 'Z' && pi.state != 'X';
+	}
+	closedir(d);
+	return alive;
 }
 
 static void signal_service(int pid, int group, int sig)
