@@ -40,6 +40,7 @@ struct rfile {
 	ino_t ino;
 	off_t size;
 	struct timespec mtime;
+	bool replaced; /* a reopen found another file under its name (said once) */
 };
 
 /* One reader_read: pieces are cut from it in order until `issued` reaches length. */
@@ -184,9 +185,11 @@ static int fall_back_to_buffered(struct rfile *f)
 		return -errno;
 	struct stat st;
 	if (fstat(fd, &st) != 0 || st.st_dev != f->dev || st.st_ino != f->ino) {
-		log_error("%s: reopened for reads through the page cache, it is another file than the one first "
-			  "opened (replaced while the loader serves it)",
-			  f->path);
+		if (!f->replaced)
+			log_error("%s: reopened for reads through the page cache, it is another file than the one first "
+				  "opened (replaced while the loader serves it)",
+				  f->path);
+		f->replaced = true; /* said once; each refused O_DIRECT read fails so from here on */
 		close(fd);
 		return -ESTALE;
 	}
@@ -434,7 +437,7 @@ static void piece_failed(struct reader *r, struct piece *pc, int res)
 {
 	struct request *q = pc->req;
 	if (!q->rc) {
-		q->rc = -EIO;
+		q->rc = res == -ESTALE ? -ESTALE : -EIO; /* ESTALE: the file was replaced (reader.h) */
 		q->err_errno = -res;
 		q->err_offset = q->offset + pc->rel + pc->done;
 	}
