@@ -64,7 +64,9 @@ int bus_recv_request(void *router, struct bus_peer *peer, struct msg *req, uint6
 		     size_t errlen);
 
 /* Replies a ROUTER queues for one peer that has not taken them (a stream's tokens for a client that
- * does not read); one more is -EAGAIN. About 40 MB of token messages at most. */
+ * does not read); one more is -EAGAIN. About 40 MB of token messages at most. A client that leaves
+ * that many unread has its request cancelled by the runner, whose last reply then meets the same
+ * full queue: such a client learns of the end only by its own timeout. */
 #define BUS_ROUTER_HWM 262144
 
 /* Sends m to peer through a ROUTER. Returns 0 or -errno (-EHOSTUNREACH: the peer is gone;
