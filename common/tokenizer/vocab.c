@@ -375,6 +375,25 @@ static int32_t first_existing(const struct tokenizer *t, const char *const *name
 	return -1;
 }
 
+/* Does the post_processor pp add no token (a byte-level one, or a Sequence of such)? */
+static bool adds_nothing(const json_t *pp)
+{
+	const json_t *type = json_object_get(pp, "type");
+	if (!json_is_string(type))
+		return false;
+	if (!strcmp(json_string_value(type), "ByteLevel"))
+		return true;
+	if (strcmp(json_string_value(type), "Sequence"))
+		return false;
+	const json_t *list = json_object_get(pp, "processors");
+	if (!json_array_size(list))
+		return false;
+	for (size_t i = 0; i < json_array_size(list); i++)
+		if (!adds_nothing(json_array_get(list, i)))
+			return false;
+	return true;
+}
+
 /* BOS: the post_processor's leading special token, else the first usual name there is. EOS: the
  * first usual name there is (tokenizer.json does not record it). */
 void tok_find_bos_eos(struct tokenizer *t, const json_t *root)
@@ -382,12 +401,9 @@ void tok_find_bos_eos(struct tokenizer *t, const json_t *root)
 	const json_t *pp = json_object_get(root, "post_processor");
 	int32_t bos = template_bos(t, pp);
 	/* Whether an encoding starts with it: a template says; a byte-level post_processor alone (as
-	 * GPT-2's and Qwen's files have) puts nothing first; none at all says nothing. */
-	const json_t *type = json_object_get(pp, "type");
-	t->adds_bos = bos >= 0			  ? 1
-		      : bos == -2		  ? 0
-		      : json_is_string(type) && !strcmp(json_string_value(type), "ByteLevel") ? 0
-										      : -1;
+	 * GPT-2's and Qwen's files have, or a Sequence of such) puts nothing first; none at all says
+	 * nothing. */
+	t->adds_bos = bos >= 0 ? 1 : bos == -2 || adds_nothing(pp) ? 0 : -1;
 	static const char *const bos_names[] = {"<|begin_of_text|>", "<s>", "<bos>"};
 	static const char *const eos_names[] = {"<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>"};
 	t->bos_id = bos >= 0 ? bos : bos == -1 ? first_existing(t, bos_names, ARRAY_SIZE(bos_names)) : -1;

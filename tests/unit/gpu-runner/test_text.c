@@ -149,6 +149,11 @@ START_TEST(test_prompt_bos_by_tokenizer)
 	struct tokenizer *bl = with_post_processor(json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space",
 							     0, "trim_offsets", 0, "use_regex", 1));
 	ck_assert_int_eq(tokenizer_adds_bos(bl), 0);
+	struct tokenizer *seq = with_post_processor(json_pack("{s:s, s:[{s:s, s:b, s:b, s:b}]}", "type", "Sequence",
+							      "processors", "type", "ByteLevel", "add_prefix_space", 0,
+							      "trim_offsets", 0, "use_regex", 1));
+	ck_assert_int_eq(tokenizer_adds_bos(seq), 0);
+	tokenizer_destroy(&seq);
 	ck_assert_int_eq(build(bl, "Hello world", NULL, 0, &tp, err, sizeof(err)), 0);
 	expect_ids(bl, &tp.ids, "Hello world", 0);
 	text_prompt_free(&tp);
