@@ -166,6 +166,25 @@ static void register_tunables(struct app *a)
 	service_add_tunable(a->svc, &io);
 }
 
+/* What becomes of a GGUF file's chat template: the runner renders chats in the Llama 3 header
+ * format or in ChatML, whichever the tokenizer's special tokens name, not by the template. */
+static void log_chat_template(const char *tmpl)
+{
+	if (!tmpl)
+		return;
+	const char *format = strstr(tmpl, "<|start_header_id|>") ? "Llama 3's header format"
+			     : strstr(tmpl, "<|im_start|>")	  ? "ChatML"
+								  : NULL;
+	if (format)
+		log_info("the checkpoint's chat template is in %s, in which the runner renders chats (the "
+			 "template itself is not run: a default system message it adds is not)",
+			 format);
+	else
+		log_warn("the checkpoint's chat template is neither Llama 3's header format nor ChatML, the two "
+			 "the runner renders chats in: chats are refused or rendered otherwise than the model "
+			 "expects; send prompts with the template applied (--prompt) for this model");
+}
+
 int main(int argc, char **argv)
 {
 	char *instance = NULL, *run_dir_flag = NULL, *model = NULL, *tokenizer = NULL, *log_level = NULL;
@@ -266,6 +285,7 @@ int main(int argc, char **argv)
 		log_warn("%s", m->tokenizer_note);
 	else
 		log_info("no tokenizer.json: the runner takes token ids only");
+	log_chat_template(m->chat_template);
 
 	rc = plan_create(m, budget, &plan, err, sizeof(err));
 	if (rc) {

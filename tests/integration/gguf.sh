@@ -155,6 +155,8 @@ chat=$IT_TMP/chat.gguf
 tok() { printf '%s' "$1" | "$PIPECTL" tokenize --tokenizer "$TOKENIZER" "${@:2}"; }
 ids_csv() { tr ' ' ',' <<<"$1"; }
 "$PIPELINE" start --model "$chat" --backend cpu >/dev/null || fail "start on a GGUF with a tokenizer failed"
+expect_grep "the checkpoint's chat template is in Llama 3's header format" "$(cat "$RUN_DIR/ssd-loader.log")" \
+	"the loader's word on the GGUF's chat template"
 stats=$("$PIPECTL" stats gpu-runner)
 expect_grep '"tokenizer": true' "$stats" "runner stats"
 expect_grep '"chat_format": "llama3"' "$stats" "runner stats"
