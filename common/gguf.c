@@ -305,6 +305,11 @@ static int rd_string(struct rd *r, uint64_t max, const char *what, struct gguf_s
 			      what, len, max);
 	if (len > r->size - r->pos)
 		return truncated(r, len);
+	if (len == 0) { /* one "" for every empty string: no arena bytes */
+		out->s = "";
+		out->len = 0;
+		return 0;
+	}
 	char *p = arena_alloc(r->g, (size_t)len + 1);
 	if (!p)
 		return errorf(r->err, r->errlen, -ENOMEM, "%s: out of memory reading %s", r->g->path, r->ctx);
@@ -388,6 +393,10 @@ static int read_array(struct rd *r, struct kv *kv)
 		return rc;
 	}
 	if (et == GGUF_STRING) {
+		if (n > GGUF_MAX_STRINGS)
+			return errorf(r->err, r->errlen, -EINVAL,
+				      "%s: %s: an array of %" PRIu64 " strings (at most %u are allowed)", r->g->path, r->ctx, n,
+				      GGUF_MAX_STRINGS);
 		struct gguf_str *v = arena_alloc(r->g, (size_t)n * sizeof(*v));
 		if (!v)
 			return errorf(r->err, r->errlen, -ENOMEM, "%s: out of memory reading %s", r->g->path, r->ctx);

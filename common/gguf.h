@@ -50,6 +50,8 @@ extern "C" {
 #define GGUF_MAX_NAME	       255u	   /* bytes of a tensor name (llama.cpp writes at most 63) */
 #define GGUF_MAX_STRING	       (64u << 20) /* bytes of one string value (chat templates are KB) */
 #define GGUF_MAX_ARRAY	       (1u << 26)  /* elements of one array (vocabularies are ~10^5) */
+#define GGUF_MAX_STRINGS       (1u << 24)  /* ... of one array of strings (16 bytes each in memory, from 8 in
+					      the file: a file of empty strings made four times its size) */
 #define GGUF_MAX_NESTING       4	   /* arrays of arrays: levels skipped */
 
 /* Metadata value types (the format's numbering). */
