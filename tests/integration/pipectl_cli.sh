@@ -53,6 +53,9 @@ for words in "--prompt -h -n 1" "--prompt --instance -n 3"; do
 	expect_eq "$rc" 1 "pipeline generate $words: its exit status ($out)"
 	expect_grep "gpu-runner of instance default is not running" "$out" "pipeline generate $words"
 done
+# A timeout of 0 (every call failed at once) or a directory for --tokens @FILE.
+expect_status 2 "--timeout must be at least 1 second" --timeout 0 ping kv-store
+expect_status 2 "--tokens @/: Is a directory" generate --tokens @/
 # A timeout whose milliseconds pass an int (it wrapped into a wait without end).
 expect_status 2 "--timeout 99999999: at most 2147483 seconds" --timeout 99999999 ping kv-store
 expect_status 1 "gpu-runner of instance default is not running: no control socket" generate --tokens 1,2

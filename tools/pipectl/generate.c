@@ -37,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -373,6 +374,11 @@ static int read_text_file(const char *path, size_t max, char **out, size_t *len)
 	FILE *f = fopen(path, "rb");
 	if (!f)
 		return -errno;
+	struct stat st;
+	if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) { /* its read said "Input/output error" */
+		fclose(f);
+		return -EISDIR;
+	}
 	char *buf = malloc(max + 1);
 	if (!buf) {
 		fclose(f);

@@ -492,8 +492,9 @@ int main(int argc, char **argv)
 		usage(stderr);
 		return PIPECTL_EXIT_USAGE;
 	}
-	if (p.timeout_s < 0 && p.timeout_s != -1) {
-		fprintf(stderr, "pipectl: --timeout must not be negative\n");
+	if ((p.timeout_s < 0 && p.timeout_s != -1) || p.timeout_s == 0) {
+		/* 0 was taken, and every call then failed at once ("did not answer ... in 0 s"). */
+		fprintf(stderr, "pipectl: --timeout must be at least 1 second\n");
 		return PIPECTL_EXIT_USAGE;
 	}
 	/* A wait is milliseconds in an int (rpc_call): past this the product wrapped into a wait that
