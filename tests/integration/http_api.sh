@@ -19,8 +19,11 @@ printf '%s\n' "$KEY" >"$IT_TMP/api-key"
 # --resume-timeout 0: a runner killed mid-stream ends the stream (http_resume.sh tests the resume).
 # --concurrency 1: one request at a time goes to the runner, so that others wait in the queue here
 # (http_load.sh sends many at once).
+# --hang-periods=4: the runner stopped 1.2 s below is not found hung (with the default 2 periods,
+# its last beat up to a second before the stop, a loaded machine passed 2 s and the supervisor
+# killed it).
 out=$("$PIPELINE" start --model "$L3" --http 127.0.0.1:0 --http-opt=--api-key-file="$IT_TMP/api-key" \
-	--http-opt=--resume-timeout=0 --http-opt=--concurrency=1)
+	--http-opt=--resume-timeout=0 --http-opt=--concurrency=1 --supervisor-opt=--hang-periods=4)
 BASE=$(grep -o 'http://127\.0\.0\.1:[0-9]*' <<<"$out" | head -n 1)
 [[ -n $BASE ]] || fail "start --http did not say where http-api listens: $out"
 log "http-api listens on $BASE"
@@ -432,7 +435,7 @@ wait "$QSERVER" || fail "the queue's http-api did not exit cleanly on SIGTERM"
 log "clients that give up while queued: their places given back"
 
 # ---- a runner that answers HELLO later than --hello-timeout-ms (a long step; here stopped for 1.2
-# s, below the supervisor's 2 s to call it hung): the request waits for it, no 503 ----
+# s, well below the supervisor's 4 s to call it hung): the request waits for it, no 503 ----
 "$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --concurrency 1 \
 	--hello-timeout-ms 300 --max-connections-per-ip 3 --name http-api-h >"$IT_TMP/hello.log" 2>&1 &
 HSERVER=$!
