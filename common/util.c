@@ -2,6 +2,8 @@
 
 #include <assert.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <pthread.h>
@@ -207,5 +209,23 @@ int errorf(char *err, size_t errlen, int rc, const char *fmt, ...)
 		vsnprintf(err, errlen, fmt, ap);
 		va_end(ap);
 	}
+	return rc;
+}
+
+int write_file_atomic(const char *path, const char *text, size_t len)
+{
+	char tmp[PATH_MAX + 8];
+	if (snprintf(tmp, sizeof(tmp), "%s.tmp", path) >= (int)sizeof(tmp))
+		return -ENAMETOOLONG;
+	int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return -errno;
+	int rc = write(fd, text, len) == (ssize_t)len ? 0 : -EIO;
+	if (close(fd) != 0 && !rc)
+		rc = -errno;
+	if (!rc && rename(tmp, path) != 0)
+		rc = -errno;
+	if (rc)
+		unlink(tmp);
 	return rc;
 }

@@ -10,7 +10,6 @@
  * kv-store to load at CONFIGURE); a signal leaves both for the next kv-store to adopt.
  */
 #include <errno.h>
-#include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -308,26 +307,23 @@ static int io_set(void *ctx, const struct tunable_value *v, bool apply, char *wh
  * for the cleanup after a crash. True when written; a failure is logged and costs only that. */
 static bool record_spill(const char *run_dir, const char *spill_file)
 {
-	char abs[PATH_MAX], cwd[PATH_MAX], path[PATH_MAX], tmp[PATH_MAX + 8];
+	char abs[PATH_MAX + 1], cwd[PATH_MAX], path[PATH_MAX];
 	/* Made later (at the pool's configuration): its absolute name, not its resolved one. */
 	int n = spill_file[0] == '/' ? snprintf(abs, sizeof(abs), "%s", spill_file)
 		: getcwd(cwd, sizeof(cwd))  ? snprintf(abs, sizeof(abs), "%s/%s", cwd, spill_file)
 					    : -1;
-	if (n < 0 || (size_t)n >= sizeof(abs)) {
+	if (n < 0 || (size_t)n >= sizeof(abs) - 1) {
 		log_warn("the spill file %s: no absolute name (not recorded for the cleanup after a crash)", spill_file);
 		return false;
 	}
 	snprintf(path, sizeof(path), "%s/%s", run_dir, KV_SPILL_RECORD);
-	snprintf(tmp, sizeof(tmp), "%s.tmp", path);
-	int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
-	bool ok = fd >= 0 && dprintf(fd, "%s\n", abs) > 0;
-	if (fd >= 0 && close(fd) != 0)
-		ok = false;
-	if (ok && rename(tmp, path) == 0)
+	abs[n] = '\n'; /* one line */
+	int rc = write_file_atomic(path, abs, (size_t)n + 1);
+	abs[n] = 0;
+	if (rc == 0)
 		return true;
-	log_warn("cannot record the spill file's place in %s: %s (a crash would leave %s behind)", path,
-		 strerror(errno), abs);
-	unlink(tmp);
+	log_warn("cannot record the spill file's place in %s: %s (a crash would leave %s behind)", path, strerror(-rc),
+		 abs);
 	return false;
 }
 

@@ -22,21 +22,9 @@
 /* Writes pid to path through a temporary file and rename, so a reader never sees half a number. */
 int write_pid_file(const char *path, int pid)
 {
-	char tmp[PATH_MAX + 8];
-	snprintf(tmp, sizeof(tmp), "%s.tmp", path);
-	int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-	if (fd < 0)
-		return -errno;
 	char text[32];
 	int n = snprintf(text, sizeof(text), "%d\n", pid);
-	int rc = write(fd, text, (size_t)n) == n ? 0 : -EIO;
-	if (close(fd) != 0 && !rc)
-		rc = -errno;
-	if (!rc && rename(tmp, path) != 0)
-		rc = -errno;
-	if (rc)
-		unlink(tmp);
-	return rc;
+	return write_file_atomic(path, text, (size_t)n);
 }
 
 /* Signals the process group of the service (the wrapper and what it runs), or the process alone
