@@ -559,6 +559,10 @@ struct rope_args {
 
 /* RMSNorm of rows [row0, row0 + rows) of be->x into be->xa (from its start) in dtype ot. */
 int rmsnorm(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, uint32_t rows, uint32_t ot);
+/* The same in float32 into out, and into host too where set (mapped host memory the device
+ * writes across the bus: no copy queued after the kernel). */
+int rmsnorm_f32(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, uint32_t rows, float *out,
+		float *host);
 /* RMSNorm of rows rows[0..n) of be->x into rows 0..n-1 of be->xa in dtype ot. */
 int rmsnorm_rows(struct backend_dev *be, const void *w, uint32_t wt, const uint32_t *rows, uint32_t n, uint32_t ot);
 /* Gathered embedding rows raw (count elements of element dtype dt) widened into x (block

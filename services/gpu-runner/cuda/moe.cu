@@ -53,25 +53,38 @@
 #define ROUTER_BATCH 32 /* values of x and of a router row a lane loads before it adds any */
 
 __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint32_t dim, uint32_t E, uint32_t n,
-			      float *out)
+			      float *out, bool early)
 {
 	const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+	const bool live = warp < n * E;
+	const uint32_t t = live ? warp / E : 0, e = live ? warp % E : 0;
+	/* ROUTER_BATCH of a lane's values loaded before any is used (one memory round trip each, not
+	 * one a value); the products added in d's order as before. With early (w is the model's own
+	 * matrix, which no kernel of the step writes), the first batch of weights is loaded before the
+	 * wait for the kernel before, while it ends. */
+	float wv[ROUTER_BATCH];
+	if (early && live) {
+#pragma unroll
+		for (uint32_t i = 0; i < ROUTER_BATCH; i++) {
+			const uint32_t d = lane + 32 * i;
+			wv[i] = d < dim ? load_any(w, wt, (size_t)e * dim + d) : 0.0f;
+		}
+	}
 	grid_launch_next();
-	grid_wait(); /* xn: the kernel before's (moe_layer launches it programmatically) */
-	if (warp >= n * E)
+	grid_wait(); /* xn: the kernel before's (launched programmatically) */
+	if (!live)
 		return;
-	const uint32_t t = warp / E, e = warp % E;
 	const float *x = xn + (size_t)t * dim;
 	float acc = 0.0f;
-	/* ROUTER_BATCH of a lane's values loaded before any is used (one memory round trip each, not
-	 * one a value); the products added in d's order as before. */
 	for (uint32_t d0 = lane; d0 < dim; d0 += 32 * ROUTER_BATCH) {
-		float xv[ROUTER_BATCH], wv[ROUTER_BATCH];
+		float xv[ROUTER_BATCH];
+		const bool have = early && d0 == lane;
 #pragma unroll
 		for (uint32_t i = 0; i < ROUTER_BATCH; i++) {
 			const uint32_t d = d0 + 32 * i;
 			xv[i] = d < dim ? x[d] : 0.0f;
-			wv[i] = d < dim ? load_any(w, wt, (size_t)e * dim + d) : 0.0f;
+			if (!have)
+				wv[i] = d < dim ? load_any(w, wt, (size_t)e * dim + d) : 0.0f;
 		}
 #pragma unroll
 		for (uint32_t i = 0; i < ROUTER_BATCH; i++)
@@ -82,19 +95,6 @@ __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint3
 		acc += __shfl_xor_sync(0xffffffffu, acc, o);
 	if (lane == 0)
 		out[(size_t)t * E + e] = acc;
-}
-
-/* xn = the chunk's normed rows; with host (a decode step's rows for the CPU, in mapped pinned
- * memory) the same rows there too, written across the bus by the kernel: no copy queued behind it,
- * whose start the host's wait for the route would wait out. */
-__global__ void xn_kernel(const float *src, float *xn, float *host, size_t count)
-{
-	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x) {
-		const float v = src[i];
-		xn[i] = v;
-		if (host)
-			host[i] = v;
-	}
 }
 
 /* out[i] = xn[tok[i]] in the activation dtype, for the cnt rows of one expert. */
@@ -178,6 +178,8 @@ __global__ void __launch_bounds__(128) qk_norm_kernel(float *qkv, uint32_t ld, u
 	float *v = qkv + (size_t)t * ld + (size_t)h * hd;
 	const void *w = h < nq ? qn : kn;
 	const uint32_t wt = h < nq ? qt : kt;
+	grid_launch_next();
+	grid_wait(); /* qkv: the projections' (launched programmatically) */
 	double ss = 0;
 	for (uint32_t i = threadIdx.x; i < hd; i += blockDim.x)
 		ss += (double)v[i] * v[i];
@@ -202,8 +204,8 @@ int qk_norm(struct backend_dev *be, const void *qn, uint32_t qt, const void *kn,
 {
 	const struct model_config *c = &be->cfg;
 	dim3 grid(be->n, c->n_heads + c->n_kv_heads);
-	qk_norm_kernel<<<grid, 128, 0, be->stream>>>(be->qkv, be->qkv_ld, c->head_dim, c->n_heads, qn, qt, kn, kt,
-						     c->rms_eps);
+	launch_k(be->pdl, qk_norm_kernel, grid, 128, 0, be->stream, be->qkv, be->qkv_ld, c->head_dim, c->n_heads, qn, qt,
+		 kn, kt, c->rms_eps);
 	LAUNCHED(be, "qk_norm_kernel");
 	return 0;
 }
@@ -344,26 +346,23 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	/* A step's first routing after its embedding, both steps of the CPU's experts' sizes, the step
 	 * before returned (step_ret_ns) within MOE_STEP_GAP_MAX_MS: its start timed (moe_internal.h). */
 	bool timed = moe_begin_timed(be, t_in, n <= FFN_SPLIT_MAX_TOKENS);
-	/* The normed rows in float32: the router's input and every expert's. */
-	int rc = rmsnorm(be, nw->data[PLACE_DEVICE], nw->format, 0, n, DT_F32);
-	if (rc)
-		return rc;
 	/* A decode step's rows for experts the CPU may compute, and its logits: written into mapped host
 	 * memory by the kernels where it is mapped (a copy down after each would add its own start to
 	 * the host's wait below, a layer at a time). */
 	m->xn_down = m->jobs && n <= FFN_SPLIT_MAX_TOKENS;
 	const bool mapped = n <= FFN_SPLIT_MAX_TOKENS && m->h_logits_dev && (!m->xn_down || m->h_xn_dev);
-	const size_t count = (size_t)n * dim;
 	float *xn_host = mapped && m->xn_down ? m->h_xn_dev : NULL;
-	xn_kernel<<<grid_for(count, 256), 256, 0, be->stream>>>((const float *)be->xa, m->xn, xn_host, count);
-	LAUNCHED(be, "xn_kernel (experts' input rows)");
+	/* The normed rows in float32 (xn: the router's input and every expert's; the CPU's copy). */
+	int rc = rmsnorm_f32(be, nw->data[PLACE_DEVICE], nw->format, 0, n, m->xn, xn_host);
+	if (rc)
+		return rc;
 	const void *rmat;
 	uint32_t rt;
 	if ((rc = moe_router_matrix(be, rw, &rmat, &rt)))
 		return rc;
 	size_t warps = (size_t)n * E;
-	router_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, be->stream>>>(m->xn, rmat, rt, dim, E, n,
-									  mapped ? m->h_logits_dev : m->logits);
+	launch_k(be->pdl, router_kernel, (unsigned)((warps + 7) / 8), 256, 0, be->stream, (const float *)m->xn, rmat, rt,
+		 dim, E, n, mapped ? m->h_logits_dev : m->logits, rmat == rw->data[PLACE_DEVICE]);
 	LAUNCHED(be, "router_kernel");
 	if (!mapped)
 		CUDA_TRY(be, "cudaMemcpyAsync (router logits)",

@@ -326,7 +326,8 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 	if ((rc = moe_router_matrix(be, rw, &rmat, &rt)))
 		return rc;
 	const float *xn = (const float *)be->xa;
-	launch_k(be->pdl, router_kernel, (E + 7) / 8, 256, 0, be->stream, xn, rmat, rt, dim, E, 1u, m->logits);
+	launch_k(be->pdl, router_kernel, (E + 7) / 8, 256, 0, be->stream, xn, rmat, rt, dim, E, 1u, m->logits,
+		 rmat == rw->data[PLACE_DEVICE]);
 	LAUNCHED(be, "router_kernel");
 	if (timed && moe_time_mark(m->begin_ev[MOE_EV_ROUTED], be->stream)) {
 		m->begin_dev = true;

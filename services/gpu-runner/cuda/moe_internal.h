@@ -182,9 +182,11 @@ bool moe_begin_count(struct cuda_moe *m, uint64_t host_ns, uint64_t wait_ns);
  * format's dequantized to float32 into router_f; -ENOTSUP for rows with gaps. */
 int moe_router_matrix(struct backend_dev *be, const struct weight_tensor *rw, const void **rmat, uint32_t *rt);
 
-/* One warp per (token, expert): out[t][e] = sum_d xn[t][d] w[e][d] in float32. */
+/* One warp per (token, expert): out[t][e] = sum_d xn[t][d] w[e][d] in float32. early: w is the
+ * model's own matrix (no kernel of the step writes it; not moe_router_matrix's dequantized copy),
+ * and its first values are loaded before the wait for the kernel before. */
 __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint32_t dim, uint32_t E, uint32_t n,
-			      float *out);
+			      float *out, bool early);
 /* One token: x += the sum of its experts' rows ys weighted by w.w (or wd, device memory), with the
  * CPU's rows of w first (moe.cu). */
 __global__ void combine_kernel(float *x, const float *ys, uint32_t cnt, uint32_t dim, const moe_combine_w w,

@@ -25,14 +25,16 @@ void add_launch(float *x, const float *y, size_t count, cudaStream_t s)
 }
 
 /* One block per token: out = w * (x * rsqrt(mean(x^2) + eps)) as transformers' LlamaRMSNorm in
- * float32, the mean taken in double as the reference does; out in the matrix input dtype. */
+ * float32, the mean taken in double as the reference does; out in the matrix input dtype, and
+ * where host is set (float32 rows only) the same rows there too (mapped host memory). */
 template <typename TO>
 __global__ void __launch_bounds__(1024) rmsnorm_kernel(const float *x, const void *w, uint32_t wt, uint32_t dim,
-							float eps, TO *out)
+							float eps, TO *out, float *host)
 {
 	__shared__ double part[32];
 	const float *xr = x + (size_t)blockIdx.x * dim;
 	TO *orow = out + (size_t)blockIdx.x * dim;
+	float *hrow = host ? host + (size_t)blockIdx.x * dim : NULL;
 	grid_launch_next();
 	grid_wait();
 	double ss = 0;
@@ -50,8 +52,12 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(const float *x, const voi
 		tot += __shfl_xor_sync(0xffffffffu, tot, o);
 	float var = (float)(tot / dim);
 	float r = 1.0f / sqrtf(var + eps); /* IEEE division and square root (no fast math) */
-	for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x)
-		orow[i] = from_f32<TO>(__fmul_rn(load_any(w, wt, i), __fmul_rn(xr[i], r)));
+	for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x) {
+		const float v = __fmul_rn(load_any(w, wt, i), __fmul_rn(xr[i], r));
+		orow[i] = from_f32<TO>(v);
+		if (hrow)
+			hrow[i] = v;
+	}
 }
 /* Grid (n, slices): RoPE on q (in place) and k, k and v into their arena row, and the token's
  * attention accumulators reset; the slices of a token split its work (each computes the token's
@@ -166,20 +172,22 @@ int rmsnorm_rows(struct backend_dev *be, const void *w, uint32_t wt, const uint3
 		const float *x = be->x + (size_t)rows[i] * dim;
 		if (ot == DT_BF16)
 			launch_k(be->pdl, rmsnorm_kernel<__nv_bfloat16>, 1, 1024, 0, be->stream, x, w, wt, dim, eps,
-				 (__nv_bfloat16 *)be->xa + (size_t)i * dim);
+				 (__nv_bfloat16 *)be->xa + (size_t)i * dim, (float *)NULL);
 		else if (ot == DT_F16)
 			launch_k(be->pdl, rmsnorm_kernel<__half>, 1, 1024, 0, be->stream, x, w, wt, dim, eps,
-				 (__half *)be->xa + (size_t)i * dim);
+				 (__half *)be->xa + (size_t)i * dim, (float *)NULL);
 		else
 			launch_k(be->pdl, rmsnorm_kernel<float>, 1, 1024, 0, be->stream, x, w, wt, dim, eps,
-				 (float *)be->xa + (size_t)i * dim);
+				 (float *)be->xa + (size_t)i * dim, (float *)NULL);
 		LAUNCHED(be, "rmsnorm_kernel (rows)");
 	}
 	return 0;
 }
 
-/* RMSNorm of rows [row0, row0 + rows) of x into be->xa (from its start) in dtype ot. */
-int rmsnorm(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, uint32_t rows, uint32_t ot)
+/* RMSNorm of rows [row0, row0 + rows) of x into out (from its start) in dtype ot, and into host
+ * (float32 rows, mapped host memory) where set. */
+static int rmsnorm_out(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, uint32_t rows, uint32_t ot,
+		       void *out, float *host)
 {
 	const float *x = be->x + (size_t)row0 * be->cfg.dim;
 	uint32_t dim = be->cfg.dim;
@@ -187,14 +195,25 @@ int rmsnorm(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, u
 	unsigned threads = small_grid(rows) ? 1024 : 256;
 	if (ot == DT_BF16)
 		launch_k(be->pdl, rmsnorm_kernel<__nv_bfloat16>, rows, threads, 0, be->stream, x, w, wt, dim, eps,
-			 (__nv_bfloat16 *)be->xa);
+			 (__nv_bfloat16 *)out, host);
 	else if (ot == DT_F16)
-		launch_k(be->pdl, rmsnorm_kernel<__half>, rows, threads, 0, be->stream, x, w, wt, dim, eps,
-			 (__half *)be->xa);
+		launch_k(be->pdl, rmsnorm_kernel<__half>, rows, threads, 0, be->stream, x, w, wt, dim, eps, (__half *)out,
+			 host);
 	else
-		launch_k(be->pdl, rmsnorm_kernel<float>, rows, threads, 0, be->stream, x, w, wt, dim, eps,
-			 (float *)be->xa);
+		launch_k(be->pdl, rmsnorm_kernel<float>, rows, threads, 0, be->stream, x, w, wt, dim, eps, (float *)out,
+			 host);
 	LAUNCHED(be, "rmsnorm_kernel");
 	return 0;
+}
+
+int rmsnorm(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, uint32_t rows, uint32_t ot)
+{
+	return rmsnorm_out(be, w, wt, row0, rows, ot, be->xa, NULL);
+}
+
+int rmsnorm_f32(struct backend_dev *be, const void *w, uint32_t wt, uint32_t row0, uint32_t rows, float *out,
+		float *host)
+{
+	return rmsnorm_out(be, w, wt, row0, rows, DT_F32, out, host);
 }
 
