@@ -71,7 +71,7 @@ __global__ void router_kernel(const float *xn, const void *w, uint32_t wt, uint3
 		}
 	}
 	grid_launch_next();
-	grid_wait(); /* xn: the kernel before's (launched programmatically) */
+	grid_wait(); /* xn: the kernels before's (moe_layer launches it programmatically) */
 	if (!live)
 		return;
 	const float *x = xn + (size_t)t * dim;

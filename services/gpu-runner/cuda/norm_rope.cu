@@ -25,8 +25,9 @@ void add_launch(float *x, const float *y, size_t count, cudaStream_t s)
 }
 
 /* One block per token: out = w * (x * rsqrt(mean(x^2) + eps)) as transformers' LlamaRMSNorm in
- * float32, the mean taken in double as the reference does; out in the matrix input dtype, and
- * where host is set (float32 rows only) the same rows there too (mapped host memory). */
+ * float32, the mean taken in double as the reference does; out in dtype TO (a matrix's input, or
+ * the experts' float32 rows), and where host is set (float32 rows only) the same rows there too
+ * (mapped host memory). */
 template <typename TO>
 __global__ void __launch_bounds__(1024) rmsnorm_kernel(const float *x, const void *w, uint32_t wt, uint32_t dim,
 							float eps, TO *out, float *host)
