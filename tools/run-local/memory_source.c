@@ -1,7 +1,10 @@
 /* memory_source.c - the whole checkpoint in memory (memory_source.h): pread of each group's
  * read extents into a buffer per group, at the offsets its slot would give them; for a backend
  * that computes from device memory (the CUDA backend), each group copied once into device memory
- * as well, and its weights given in both places. */
+ * as well, every tensor at a DEV_TENSOR_ALIGN boundary of it (a slot keeps a tensor's offset in
+ * its file, which a safetensors file aligns only to its element size: the kernels' 16-byte loads
+ * would not take it, and each product would fall back to cuBLAS), and its weights given in both
+ * places. */
 #include "tools/run-local/memory_source.h"
 
 #include <errno.h>
@@ -21,7 +24,10 @@ struct memory_source {
 	const struct manifest *m;
 	void **group_data; /* n_groups */
 	void **group_dev;  /* NULL, or n_groups copies in device memory (memory_source_to_device) */
+	uint64_t *dev_off; /* with group_dev: (n_tensors) each tensor's offset in its group's copy */
 };
+
+#define DEV_TENSOR_ALIGN 256 /* cudaMalloc's own alignment: every tensor starts as a group would */
 
 static int mem_acquire(struct weight_source *ws, uint32_t group, struct group_weights *w)
 {
@@ -31,7 +37,8 @@ static int mem_acquire(struct weight_source *ws, uint32_t group, struct group_we
 	weights_fill(ws, group, ms->group_data[group], ms->group_data[group_id_embed()], w);
 	if (ms->group_dev && ms->group_dev[group]) {
 		struct group_weights d;
-		weights_fill_at(ws, group, PLACE_DEVICE, ms->group_dev[group], NULL, ms->group_dev[group_id_embed()], &d);
+		weights_fill_at(ws, group, PLACE_DEVICE, ms->group_dev[group], ms->dev_off, ms->group_dev[group_id_embed()],
+				&d);
 		for (uint32_t r = 0; r < ROLE_COUNT; r++)
 			w->t[r].data[PLACE_DEVICE] = d.t[r].data[PLACE_DEVICE];
 	}
@@ -126,6 +133,34 @@ static void free_device(struct memory_source *ms)
 				cudaFree(ms->group_dev[g]);
 	free(ms->group_dev);
 	ms->group_dev = NULL;
+	free(ms->dev_off);
+	ms->dev_off = NULL;
+}
+
+/* Group g's tensors in its device copy: their offsets into ms->dev_off, the copy's size. */
+static uint64_t device_layout(struct memory_source *ms, uint32_t g)
+{
+	const struct group_desc *gd = &ms->m->groups[g];
+	uint64_t end = 0;
+	for (uint32_t i = 0; i < gd->n_tensors; i++) {
+		const uint32_t ti = gd->first_tensor + i;
+		ms->dev_off[ti] = ALIGN_UP(end, DEV_TENSOR_ALIGN);
+		end = ms->dev_off[ti] + ms->m->tensors[ti].nbytes;
+	}
+	return end;
+}
+
+/* Group g's tensors from its host buffer into its device copy, each at its offset. */
+static cudaError_t copy_group(struct memory_source *ms, uint32_t g)
+{
+	const struct group_desc *gd = &ms->m->groups[g];
+	cudaError_t ce = cudaSuccess;
+	for (uint32_t i = 0; i < gd->n_tensors && ce == cudaSuccess; i++) {
+		const struct tensor_desc *t = &ms->m->tensors[gd->first_tensor + i];
+		ce = cudaMemcpy((char *)ms->group_dev[g] + ms->dev_off[gd->first_tensor + i],
+				(const char *)ms->group_data[g] + t->slot_offset, t->nbytes, cudaMemcpyHostToDevice);
+	}
+	return ce;
 }
 #endif
 
@@ -135,17 +170,20 @@ int memory_source_to_device(struct memory_source *ms, char *err, size_t errlen)
 	const struct manifest *m = ms->m;
 	if (ms->group_dev)
 		return 0;
-	if (!(ms->group_dev = calloc(m->n_groups, sizeof(void *))))
+	if (!(ms->group_dev = calloc(m->n_groups, sizeof(void *))) ||
+	    !(ms->dev_off = calloc(m->n_tensors ? m->n_tensors : 1, sizeof(uint64_t)))) {
+		free_device(ms);
 		return errorf(err, errlen, -ENOMEM, "out of memory");
+	}
 	/* The embedding's rows are gathered from host memory: the table goes to the GPU only where
 	 * the head is tied to it. */
 	const uint32_t skip = m->cfg.tie_embeddings ? UINT32_MAX : group_id_embed();
 	uint64_t total = 0;
 	for (uint32_t g = 0; g < m->n_groups; g++)
-		total += g == skip ? 0 : m->groups[g].slot_bytes;
+		total += g == skip ? 0 : device_layout(ms, g);
 	int rc = 0;
 	for (uint32_t g = 0; g < m->n_groups && !rc; g++) {
-		const uint64_t bytes = m->groups[g].slot_bytes;
+		const uint64_t bytes = device_layout(ms, g);
 		if (g == skip && g + 1 < m->n_groups)
 			continue;
 		cudaError_t ce = cudaMalloc(&ms->group_dev[g], bytes ? bytes : 1);
@@ -154,7 +192,7 @@ int memory_source_to_device(struct memory_source *ms, char *err, size_t errlen)
 		/* From pageable memory a copy may return before it lands: the backend's stream does not
 		 * wait for the legacy one, so the device is waited for below. */
 		if (ce == cudaSuccess)
-			ce = cudaMemcpy(ms->group_dev[g], ms->group_data[g], bytes, cudaMemcpyHostToDevice);
+			ce = copy_group(ms, g);
 		if (ce == cudaSuccess && g + 1 == m->n_groups)
 			ce = cudaDeviceSynchronize();
 		if (ce != cudaSuccess) {
