@@ -2,9 +2,9 @@
  * read extents into a buffer per group, at the offsets its slot would give them; for a backend
  * that computes from device memory (the CUDA backend), each group copied once into device memory
  * as well, every tensor at a DEV_TENSOR_ALIGN boundary of it (a slot keeps a tensor's offset in
- * its file, which a safetensors file aligns only to its element size: the kernels' 16-byte loads
- * would not take it, and each product would fall back to cuBLAS), and its weights given in both
- * places. */
+ * its file, which a safetensors file aligns only to 8 bytes, its header's padding: the kernels'
+ * 16-byte loads would not take it, and each product would fall back to cuBLAS), and its weights
+ * given in both places. */
 #include "tools/run-local/memory_source.h"
 
 #include <errno.h>
