@@ -54,6 +54,10 @@ int cuda_test_experts_together(struct backend *be, const struct cuda_test_expert
 /* Copies rows [0, n) of the residual stream (n x dim float32, what embed wrote) to host out
  * and waits. Returns 0 or -EINVAL / -EIO with a message in err. */
 int cuda_test_residual(struct backend *be, float *out, uint32_t n, char *err, size_t errlen);
+/* The device's sampler (backend.h's logits_sample) on logits given here (host, vocab_size floats):
+ * *token is what it drew (-1: none). Returns 0, or -EINVAL / -EIO with a message in err. */
+int cuda_test_sample(struct backend *be, const float *logits, float temperature, uint32_t top_k, float top_p,
+		     float min_p, double u, int32_t *token, char *err, size_t errlen);
 /* The nth job of a split FFN's CPU share from now on (1: the next; 0: none) fails its first part
  * with -EIO "an injected failure". Returns 0, or -EINVAL (not a cuda backend, or one without a CPU
  * share) with a message in err. */

@@ -138,7 +138,13 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float *v, uint32_t n
 		zlo = lo;
 	}
 	const float zth = zlo ? float_of(zlo) : -INFINITY;
-#define WEIGHT(i) (v[(i)] * inv_t >= zth && !isnan(v[(i)]) ? expf(v[(i)] * inv_t - mx) : 0.0f)
+	/* An infinite maximum (the host's sampler, sampler.c, does the same): the infinite candidates
+	 * alone, equally; exp(inf - inf) would weigh every one NaN, and no token would be drawn. */
+	const bool inf_max = mx == INFINITY;
+#define WEIGHT(i)                                                                                          \
+	(v[(i)] * inv_t >= zth && !isnan(v[(i)])                                                          \
+		 ? (inf_max ? (v[(i)] * inv_t == INFINITY ? 1.0f : 0.0f) : expf(v[(i)] * inv_t - mx))     \
+		 : 0.0f)
 	/* top-p: the largest weight threshold whose kept mass still reaches top_p of the total. */
 	float wth = 0.0f;
 	if (top_p > 0.0f && top_p < 1.0f) {

@@ -1,8 +1,9 @@
 /* test_hooks.cu - the CUDA backend's test hooks (cuda_test.h): a product through matmul() /
  * swiglu_product() with buffers of the hook's own, a layer's experts computed together and apart,
  * a read of the residual stream, a failure injected into the CPU share of a split FFN or into
- * a routed expert the CPU computes, the stamps of a traced step's launches, and one step between
- * cudaProfilerStart and cudaProfilerStop (PIPELINE_CUDA_PROFILE_STEP). */
+ * a routed expert the CPU computes, the stamps of a traced step's launches, a draw of the device's
+ * sampler from given logits, and one step between cudaProfilerStart and cudaProfilerStop
+ * (PIPELINE_CUDA_PROFILE_STEP). */
 #include "services/gpu-runner/cuda/cuda_internal.h"
 #include "services/gpu-runner/cuda/cuda_test.h"
 #include "services/gpu-runner/cuda/moe_internal.h"
@@ -214,6 +215,34 @@ int cuda_test_residual(struct backend *bk, float *out, uint32_t n, char *err, si
 		snprintf(err, errlen, "test hook: reading the residual stream failed: %s", cudaGetErrorString(e));
 		return -EIO;
 	}
+	return 0;
+}
+
+int cuda_test_sample(struct backend *bk, const float *logits, float temperature, uint32_t top_k, float top_p,
+		     float min_p, double u, int32_t *token, char *err, size_t errlen)
+{
+	struct backend_dev *be = cuda_dev(bk, err, errlen);
+	if (!be)
+		return -EINVAL;
+	if (!(temperature > 0.0f)) {
+		snprintf(err, errlen, "test hook: temperature %g is not > 0", (double)temperature);
+		return -EINVAL;
+	}
+	const uint32_t n = be->cfg.vocab_size;
+	cudaError_t e = cudaMemcpyAsync(be->logits, logits, (size_t)n * sizeof(float), cudaMemcpyHostToDevice, be->stream);
+	if (e == cudaSuccess) {
+		sample_launch(be->logits, n, 1.0f / temperature, top_k, top_p, min_p, u, be->status, be->stream);
+		e = cudaGetLastError();
+	}
+	if (e == cudaSuccess) /* the kernel sets the token first (-1: none drawn) */
+		e = cudaMemcpyAsync(be->h_status, be->status, sizeof(*be->status), cudaMemcpyDeviceToHost, be->stream);
+	if (e == cudaSuccess)
+		e = cudaStreamSynchronize(be->stream);
+	if (e != cudaSuccess) {
+		snprintf(err, errlen, "test hook: sampling failed: %s", cudaGetErrorString(e));
+		return -EIO;
+	}
+	*token = be->h_status->token;
 	return 0;
 }
 

@@ -29,6 +29,7 @@
 #include "common/dtype.h"
 #include "common/model.h"
 #include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/cuda/cuda_test.h"
 #include "tests/unit/gpu-runner/cuda_test_util.h"
 #include "tests/unit/gpu-runner/runner_test_util.h"
 
@@ -875,6 +876,56 @@ START_TEST(test_sampling_on_device)
 }
 END_TEST
 
+/* Logits that are not finite, drawn by the device's sampler as the host's sampler (sampler.c)
+ * draws them: an infinite maximum leaves the infinite candidates alone, equally weighted, walked in
+ * id order (without that, exp(inf - inf) made every weight NaN and no token was drawn); NaN never
+ * drawn; every logit -inf or NaN gives token 0. */
+START_TEST(test_sampling_infinite_logits)
+{
+	struct model_config c = base_cfg();
+	struct tmodel *m = model_new(&c, DT_F32, 71);
+	struct runner r;
+	runner_open(&r, "cuda", m, params(8, 16, DT_F32), 0);
+	const uint32_t n = c.vocab_size;
+	float *lg = malloc(n * sizeof(float));
+	ck_assert_ptr_nonnull(lg);
+	for (uint32_t i = 0; i < n; i++)
+		lg[i] = (float)(i % 17) * 0.25f;
+	lg[3] = NAN;
+	lg[5] = INFINITY;
+	lg[9] = INFINITY;
+	char err[300] = "";
+	int32_t tok = -2;
+	/* Two infinite candidates: the first half of u draws 5, the second 9, whatever the filters. */
+	static const struct {
+		float t;
+		uint32_t k;
+		float p, mp;
+	} cases[] = {{1.0f, 0, 1.0f, 0}, {0.5f, 40, 1.0f, 0}, {1.0f, 0, 0.9f, 0}, {1.0f, 0, 1.0f, 0.1f}};
+	for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
+		for (int j = 0; j < 8; j++) {
+			const double u = (j + 0.5) / 8.0;
+			ck_assert_msg(cuda_test_sample(r.be, lg, cases[ci].t, cases[ci].k, cases[ci].p, cases[ci].mp, u, &tok,
+						       err, sizeof(err)) == 0, "%s", err);
+			ck_assert_msg(tok == (u < 0.5 ? 5 : 9), "case %zu u %.3f: drew %d, want %d", ci, u, tok,
+				      u < 0.5 ? 5 : 9);
+		}
+	}
+	/* One infinite candidate: always it. */
+	lg[9] = 1.0f;
+	ck_assert_msg(cuda_test_sample(r.be, lg, 1.0f, 0, 1.0f, 0, 0.99, &tok, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(tok, 5);
+	/* Nothing but -inf and NaN: token 0. */
+	for (uint32_t i = 0; i < n; i++)
+		lg[i] = i % 2 ? -INFINITY : NAN;
+	ck_assert_msg(cuda_test_sample(r.be, lg, 1.0f, 0, 1.0f, 0, 0.3, &tok, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(tok, 0);
+	runner_close(&r);
+	free(lg);
+	model_free(&m);
+}
+END_TEST
+
 /* ---- the KV arena ----------------------------------------------------------------------- */
 
 /* ---- several sequences in one step (continuous batching) ------------------------------------ */
@@ -1260,6 +1311,7 @@ static Suite *cuda_suite(void)
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_argmax);
 	tcase_add_test(tc, test_sampling_on_device);
+	tcase_add_test(tc, test_sampling_infinite_logits);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("kv_arena");
