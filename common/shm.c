@@ -7,6 +7,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -218,6 +219,15 @@ out_unlink:
 out_free:
 	free(o);
 	return rc;
+}
+
+int shm_room(uint64_t *free_bytes)
+{
+	struct statvfs vfs;
+	if (statvfs("/dev/shm", &vfs) != 0)
+		return -errno;
+	*free_bytes = (uint64_t)vfs.f_bavail * (uint64_t)vfs.f_frsize;
+	return 0;
 }
 
 int shm_object_attach(const char *name, uint32_t kind, uint32_t layout_version, bool writable,

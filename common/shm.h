@@ -78,6 +78,11 @@ int shm_object_name(const char *instance, const char *object, char *buf, size_t 
 int shm_object_create(const char *name, size_t size, uint32_t kind, uint32_t layout_version,
 		      enum shm_leftover policy, struct shm_object **out, bool *adopted);
 
+/* The bytes free in the file system that holds shared-memory objects (/dev/shm): an object's
+ * size takes none of it until its pages are touched, and a page touched without room kills the
+ * process (SIGBUS). Returns 0 or -errno (statvfs). */
+int shm_room(uint64_t *free_bytes);
+
 /* Maps an existing object. writable selects PROT_WRITE. Returns 0; -ENOENT when absent;
  * -EPERM (logged) when another user owns it or others may open it (its mode is not 0600: the
  * owner makes it so); -EPROTO when magic, kind or version differ; -EAGAIN when its owner has

@@ -135,6 +135,15 @@ int kvs_create_object(struct kvstore *kv, const struct layout *l, enum shm_lefto
 	else if (rc)
 		snprintf(err, errlen, "cannot create KV pool %s of %llu bytes: %s", kv->shm_name,
 			 (unsigned long long)l->total, strerror(-rc));
+	/* A block's pages are made when first written: a pool larger than /dev/shm's room works until
+	 * it fills past it, and then the process writing the page dies (SIGBUS). Said at the start. */
+	uint64_t room = 0;
+	if (rc == 0 && !(adopted && *adopted) && shm_room(&room) == 0 && l->total > room) {
+		char a[32], b[32];
+		log_warn("the KV pool of %s is larger than the %s free in /dev/shm: filled past that, the service "
+			 "writing a block would be killed (SIGBUS); lower --kv-dram-budget, or give /dev/shm more room",
+			 format_size(l->total, a, sizeof(a)), format_size(room, b, sizeof(b)));
+	}
 	return rc;
 }
 

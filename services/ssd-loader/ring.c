@@ -131,7 +131,32 @@ int ring_create(const char *name, const struct manifest *m, const struct plan *p
 	 * H100 machine: 1.93 against 1.60 GB/s into a 4 GiB buffer, 4 MiB reads, 64 in flight). */
 	uint64_t t0 = now_ns();
 	if (madvise(shm_object_base(o), size, MADV_POPULATE_WRITE) != 0) {
-		/* Kernels before 5.14: touch each page. */
+		/* EINVAL: a kernel before 5.14, whose pages are touched one by one below. Anything else
+		 * (EFAULT where /dev/shm had no room for a page, ENOMEM) is the ring not fitting: said
+		 * here, where touching the page would kill the loader (SIGBUS, or the OOM killer). */
+		const int e = errno;
+		uint64_t room = 0;
+		bool known = shm_room(&room) == 0;
+		if (e != EINVAL || (known && size > room)) {
+			char sz[32], fr[32] = "";
+			static const char fix[] = "lower --dram-budget, or give /dev/shm more room (a container's --shm-size)";
+			shm_object_close(&o, true);
+			if (e != EINVAL) /* the room with the pages made so far given back */
+				known = shm_room(&room) == 0;
+			format_size(size, sz, sizeof(sz));
+			if (known)
+				format_size(room, fr, sizeof(fr));
+			if (e == EINVAL)
+				snprintf(err, errlen, "the weight ring of %s does not fit in shared memory (/dev/shm has %s "
+					 "free): %s", sz, fr, fix);
+			else if (known)
+				snprintf(err, errlen, "the weight ring of %s does not fit in shared memory (%s; /dev/shm has "
+					 "%s free): %s", sz, strerror(e), fr, fix);
+			else
+				snprintf(err, errlen, "the weight ring of %s does not fit in shared memory (%s): %s", sz,
+					 strerror(e), fix);
+			return e == EINVAL || e == EFAULT ? -ENOSPC : -e;
+		}
 		for (uint64_t off = 0; off < size; off += 4096)
 			((volatile char *)shm_object_base(o))[off] = 0;
 	}

@@ -170,6 +170,44 @@ START_TEST(test_adopt_after_crash)
 }
 END_TEST
 
+/* A pool larger than /dev/shm's room is made (its pages come as blocks are written), and the log
+ * says so at its start: filled past the room, the process writing a block would die (SIGBUS). */
+START_TEST(test_pool_larger_than_shm_warned)
+{
+	struct fx f;
+	fx_names(&f, "/tmp");
+	uint64_t room = 0;
+	ck_assert_int_eq(shm_room(&room), 0);
+	const uint64_t block = 64ull << 20; /* few, large blocks: the pool's tables stay small */
+	const uint64_t blocks = room / block + 2;
+	if (blocks * block > SIZE_MAX / 2)
+		return; /* no pool this address space maps is larger than the room */
+	struct kvstore_config cfg = {.shm_name = f.shm, .spill_path = f.spill, .dram_budget = blocks * block,
+				     .disk_budget = 0, .io_depth = 8};
+	ck_assert_int_eq(kvstore_create(&cfg, &f.kv), 0);
+	/* The log's lines (stderr) into a file while the pool is made. */
+	fflush(stderr);
+	FILE *cap = tmpfile();
+	ck_assert_ptr_nonnull(cap);
+	const int saved = dup(2);
+	ck_assert_int_ge(saved, 0);
+	ck_assert_int_ge(dup2(fileno(cap), 2), 0);
+	const int rc = kvstore_configure(f.kv, block, HASH, f.err, sizeof(f.err));
+	fflush(stderr);
+	dup2(saved, 2);
+	close(saved);
+	ck_assert_msg(rc == 0, "configure: %s", f.err);
+	char text[4096] = "";
+	rewind(cap);
+	size_t n = fread(text, 1, sizeof(text) - 1, cap);
+	text[n] = 0;
+	fclose(cap);
+	ck_assert_msg(strstr(text, "is larger than the") && strstr(text, "--kv-dram-budget"),
+		      "no warning in the log: '%s'", text);
+	fx_close(&f);
+}
+END_TEST
+
 START_TEST(test_adopt_recovers_mid_io)
 {
 	struct fx f;
@@ -464,6 +502,7 @@ static Suite *pool_adopt_suite(void)
 	tc = kvt_tcase(s, "adoption");
 	tcase_add_test(tc, test_adopt_after_crash);
 	tcase_add_test(tc, test_adopt_recovers_mid_io);
+	tcase_add_test(tc, test_pool_larger_than_shm_warned);
 	tcase_add_test(tc, test_adopt_recovers_torn_handle_moves);
 	tcase_add_test(tc, test_adopt_at_configure);
 	tcase_add_test(tc, test_configure_replaces_other_model);
