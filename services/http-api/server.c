@@ -663,32 +663,66 @@ static bool authorized(const struct server *s, struct MHD_Connection *c)
 	return diff == 0;
 }
 
-/* The request's framing headers, counted (count_framing). */
+/* The request's framing headers, counted (count_framing): Content-Length and Transfer-Encoding,
+ * a Transfer-Encoding other than chunked, a header name that is not a token. */
 struct framing {
-	unsigned content_length, transfer_encoding;
+	unsigned content_length, transfer_encoding, other_coding, bad_name;
 };
+
+/* A field name is a token (RFC 9110, 5.1): no whitespace, no control or separator characters.
+ * libmicrohttpd keeps "Transfer-Encoding " (a space before the colon) as a name of its own, which
+ * the counts below would not see while a proxy in front might take it as the header itself. */
+static bool field_name_ok(const char *k)
+{
+	if (!*k)
+		return false;
+	for (; *k; k++)
+		if ((unsigned char)*k <= 0x20 || (unsigned char)*k >= 0x7f || strchr("\"(),/:;<=>?@[\\]{}", *k))
+			return false;
+	return true;
+}
 
 static enum MHD_Result count_framing(void *cls, enum MHD_ValueKind kind, const char *key, const char *value)
 {
 	(void)kind;
-	(void)value;
 	struct framing *f = cls;
-	if (key && !strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH))
+	if (!key)
+		return MHD_YES;
+	if (!field_name_ok(key))
+		f->bad_name++;
+	else if (!strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH))
 		f->content_length++;
-	else if (key && !strcasecmp(key, MHD_HTTP_HEADER_TRANSFER_ENCODING))
+	else if (!strcasecmp(key, MHD_HTTP_HEADER_TRANSFER_ENCODING)) {
 		f->transfer_encoding++;
+		if (!value || strcasecmp(value, "chunked"))
+			f->other_coding++;
+	}
 	return MHD_YES;
 }
 
-/* A body whose length two readers could take differently: Content-Length more than once
- * (libmicrohttpd takes the first, a proxy in front may take the last), or beside
- * Transfer-Encoding. Such a request is how one request is smuggled inside another (RFC 9112,
- * 6.3): refused, and the connection closed, since where its body ends is not known. */
-static bool framing_ambiguous(struct MHD_Connection *c)
+/* Refuses (*status, msg) a request whose body's end two readers could find in different places:
+ * Content-Length more than once (libmicrohttpd takes the first, a proxy in front may take the
+ * last), or beside Transfer-Encoding, or a header name that is not a token (RFC 9112, 5.1). Such a
+ * request is how one request is smuggled inside another (RFC 9112, 6.3): 400, and the connection
+ * closed, since where its body ends is not known. A Transfer-Encoding other than chunked (which
+ * libmicrohttpd would read until the connection closes): 501, closed. */
+static bool framing_refused(struct MHD_Connection *c, unsigned *status, const char **msg)
 {
-	struct framing f = {0, 0};
+	struct framing f = {0, 0, 0, 0};
 	MHD_get_connection_values(c, MHD_HEADER_KIND, count_framing, &f);
-	return f.content_length > 1 || (f.content_length && f.transfer_encoding);
+	if (f.bad_name) {
+		*status = MHD_HTTP_BAD_REQUEST;
+		*msg = "a header's name holds whitespace or a separator (no space may come before its colon)";
+	} else if (f.content_length > 1 || (f.content_length && f.transfer_encoding)) {
+		*status = MHD_HTTP_BAD_REQUEST;
+		*msg = "the request's length is ambiguous: Content-Length more than once, or beside Transfer-Encoding";
+	} else if (f.transfer_encoding > 1 || f.other_coding) {
+		*status = MHD_HTTP_NOT_IMPLEMENTED;
+		*msg = "Transfer-Encoding other than a single chunked is not supported";
+	} else {
+		return false;
+	}
+	return true;
 }
 
 static enum MHD_Result send_error_close(struct MHD_Connection *c, unsigned status, const char *message)
@@ -707,10 +741,10 @@ static bool answer_early(struct server *s, struct MHD_Connection *c, const char 
 	rs->endpoint = "other";
 	rs->route = route_of(url, &wanted, &rs->endpoint);
 	char msg[768];
-	if (framing_ambiguous(c)) {
-		*ret = send_error_close(c, MHD_HTTP_BAD_REQUEST,
-					"the request's length is ambiguous: Content-Length more than once, or beside "
-					"Transfer-Encoding");
+	unsigned bad_status;
+	const char *bad_msg;
+	if (framing_refused(c, &bad_status, &bad_msg)) {
+		*ret = send_error_close(c, bad_status, bad_msg);
 		return true;
 	}
 	if (rs->route == R_NONE) {
