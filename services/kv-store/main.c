@@ -104,6 +104,13 @@ static int on_commit(struct kvsvc *k, struct service *s, const struct bus_peer *
 		     char *err, size_t errlen)
 {
 	const struct msg_kv_commit *c = &req->kv_commit;
+	/* Every check before any effect: the events are waited for and the blocks marked ready only
+	 * for a COMMIT that can be taken. */
+	if (c->keys.n && c->keys.n != c->handles.n) {
+		snprintf(err, errlen, "COMMIT gives %u keys for %u handles (give one per handle, or none)", c->keys.n,
+			 c->handles.n);
+		return -EINVAL;
+	}
 	if (c->events.len) {
 		/* The runner's copies completing: wait on their events here (never the runner), then
 		 * the bytes are real. Blocks of one batch share an event: wait once per distinct one. */
@@ -123,11 +130,6 @@ static int on_commit(struct kvsvc *k, struct service *s, const struct bus_peer *
 		int rc = kvstore_mark_ready(k->kv, c->handles.v, c->handles.n, err, errlen);
 		if (rc)
 			return rc;
-	}
-	if (c->keys.n && c->keys.n != c->handles.n) {
-		snprintf(err, errlen, "COMMIT gives %u keys for %u handles (give one per handle, or none)", c->keys.n,
-			 c->handles.n);
-		return -EINVAL;
 	}
 	int rc = kvstore_commit(k->kv, c->handles.v, c->keys.n ? c->keys.v : NULL, c->handles.n, err, errlen);
 	return rc ? rc : reply_ok(s, peer, req->corr);

@@ -43,6 +43,8 @@
 
 /* Most blocks one request may name (common/kv_pool.h). */
 #define KVSTORE_MAX_REQUEST KV_MAX_REQUEST_BLOCKS
+/* The largest block CONFIGURE takes: one pread/pwrite moves a block to and from the spill file. */
+#define KV_BLOCK_BYTES_MAX (1ull << 30)
 
 struct kvstore_config {
 	const char *shm_name;	/* "/llmp-<uid>-<instance>-kv" (shm_object_name); copied */

@@ -155,6 +155,15 @@ int kvstore_configure(struct kvstore *kv, uint64_t block_bytes, uint64_t manifes
 			 (unsigned long long)block_bytes);
 		return -EINVAL;
 	}
+	/* A block is read and written with one pread/pwrite, which Linux caps at 0x7ffff000 bytes,
+	 * and the spill's requests carry 32-bit lengths: a larger block would fail every spill as a
+	 * short transfer, which looks like a disk error. Blocks of a few MiB are what models make. */
+	if (block_bytes > KV_BLOCK_BYTES_MAX) {
+		snprintf(err, errlen, "block_bytes %llu is more than the %llu a KV block may hold (fewer tokens a "
+			 "block: the runner's --kv-block-tokens)", (unsigned long long)block_bytes,
+			 (unsigned long long)KV_BLOCK_BYTES_MAX);
+		return -EINVAL;
+	}
 	uint64_t n_slots = kv->dram_budget / block_bytes, n_spill = kv->disk_budget / block_bytes;
 	if (n_slots == 0) {
 		snprintf(err, errlen, "kv-dram-budget %s holds no block of %llu bytes; need at least %llu",

@@ -143,6 +143,16 @@ int kvs_index_load(struct kvstore *kv, const struct layout *l, uint64_t manifest
 	char why[512];
 	uint32_t bad = 0;
 	int loaded = kvindex_load(kv->index, &g, recs, &bad, why, sizeof(why));
+	if (loaded < 0) {
+		/* Unreadable (EIO, a failed stat): not a mismatch. The persisted blocks stay as they are
+		 * on disk for a later start, rather than being reset and their spill file truncated. */
+		if (why[0])
+			snprintf(err, errlen, "%s (the persisted KV blocks are left as they are)", why);
+		else
+			snprintf(err, errlen, "spill index %s: %s (the persisted KV blocks are left as they are)",
+				 kv->index_path, strerror(-loaded));
+		return loaded;
+	}
 	if (loaded == 1) {
 		if (bad)
 			log_warn("spill index %s: %u records are corrupt (checksum mismatch): their blocks are dropped",

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -102,6 +103,18 @@ int spill_open_with(spill_open_fn open_fn, const char *path, uint64_t block_byte
 			 !S_ISREG(st.st_mode)	   ? "not a regular file"
 			 : st.st_uid != geteuid() ? "another user's"
 						   : "a hard link of another name");
+		goto out_close;
+	}
+	/* One kv-store a file: another instance given the same path (or this one's persisted file)
+	 * would empty it under the first and delete it at its stop. Held until the file is closed. */
+	if (flock(sp->fd, LOCK_EX | LOCK_NB) != 0) {
+		const int e = errno;
+		rc = e == EWOULDBLOCK ? -EBUSY : -e;
+		if (rc == -EBUSY)
+			snprintf(err, errlen, "spill file %s is in use by another kv-store: name another --spill-file "
+				 "(or --instance)", path);
+		else
+			snprintf(err, errlen, "cannot lock spill file %s: %s", path, strerror(e));
 		goto out_close;
 	}
 	if (mode == SPILL_TRUNCATE && st.st_size > 0 && ftruncate(sp->fd, 0) != 0) {

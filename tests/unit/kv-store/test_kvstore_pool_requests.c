@@ -80,6 +80,8 @@ START_TEST(test_configure_checks)
 	expect_err(&f, kvstore_alloc(f.kv, 1, &h, &off, f.err, sizeof(f.err)), -EINVAL, "not configured");
 	expect_err(&f, kvstore_configure(f.kv, 0, HASH, f.err, sizeof(f.err)), -EINVAL, "multiple of 4096");
 	expect_err(&f, kvstore_configure(f.kv, 4096 + 512, HASH, f.err, sizeof(f.err)), -EINVAL, "multiple of 4096");
+	/* Larger than one pread moves (every spill would come up short): refused. */
+	expect_err(&f, kvstore_configure(f.kv, 2ull << 30, HASH, f.err, sizeof(f.err)), -EINVAL, "a KV block may hold");
 	expect_err(&f, kvstore_configure(f.kv, 8 * BB, HASH, f.err, sizeof(f.err)), -EINVAL,
 		   "holds no block of 65536 bytes; need at least 65536");
 	ck_assert_ptr_null(H(&f));

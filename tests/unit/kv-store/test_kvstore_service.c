@@ -465,6 +465,11 @@ START_TEST(test_protocol_round_trip)
 	req.kv_commit.events = (struct bytes){0};
 	req.kv_commit.keys = (struct u64_array){.v = keys, .n = 1};
 	call_error(&v, &req, EINVAL, "1 keys for 2 handles");
+	/* ... before any event is waited for or block marked ready: a COMMIT refused has done nothing
+	 * (here the events would have been refused first, ENODEV / ENOTSUP). */
+	req.kv_commit.events = (struct bytes){.p = ev, .len = sizeof(ev)};
+	call_error(&v, &req, EINVAL, "1 keys for 2 handles");
+	req.kv_commit.events = (struct bytes){0};
 	uint64_t keys2[2] = {42, 43};
 	req.kv_commit.keys = (struct u64_array){.v = keys2, .n = 2};
 	call_ok(&v, &req);

@@ -170,6 +170,27 @@ START_TEST(test_keep_and_truncate)
 }
 END_TEST
 
+/* A file open in one kv-store is refused to another (the same path given to two instances): the
+ * second would empty it under the first. Free again once the first has closed it. */
+START_TEST(test_file_in_use_refused)
+{
+	struct sfx f;
+	sfx_open(&f, "/tmp", 8, 8, 8);
+	write_read(&f, 2, 0);
+	struct spill *other = NULL;
+	ck_assert_int_eq(spill_open(f.path, BB, 8, 8, SPILL_TRUNCATE, &other, f.err, sizeof(f.err)), -EBUSY);
+	ck_assert_ptr_null(other);
+	ck_assert_msg(strstr(f.err, "in use by another kv-store"), "%s", f.err);
+	/* Nothing emptied: the first still reads its blocks. */
+	struct spill_io io = {.buf = blk(&f, 4), .slot = 1};
+	ck_assert_int_eq(spill_run(f.sp, &io, 1, f.err, sizeof(f.err)), 0);
+	ck_assert(kvt_check(blk(&f, 4), BB, 41));
+	spill_close(&f.sp, false);
+	ck_assert_int_eq(spill_open(f.path, BB, 8, 8, SPILL_KEEP, &f.sp, f.err, sizeof(f.err)), 0);
+	sfx_close(&f);
+}
+END_TEST
+
 START_TEST(test_short_read_is_eio)
 {
 	struct sfx f;
@@ -282,6 +303,7 @@ static Suite *spill_suite(void)
 	TCase *tc = kvt_tcase(s, "io");
 	tcase_add_test(tc, test_round_trip_deeper_than_ring);
 	tcase_add_test(tc, test_keep_and_truncate);
+	tcase_add_test(tc, test_file_in_use_refused);
 
 	tc = kvt_tcase(s, "open");
 	tcase_add_test(tc, test_buffered_fallback);
