@@ -345,7 +345,9 @@ static void finish_load(struct loader *l, uint32_t s)
 		char text[sizeof(ls->errtext) + 128];
 		snprintf(text, sizeof(text), "cannot load %s: %s", lab, ls->errtext);
 		log_error("%s", text);
-		remove_waiters(l, g, EIO, text);
+		/* The load's own errno (ESTALE: the checkpoint changed under the loader, which a retry
+		 * cannot mend), EIO where it has none. */
+		remove_waiters(l, g, ls->err < 0 && ls->err > -4096 ? -ls->err : EIO, text);
 		atomic_store(&ws->state, WSLOT_EMPTY);
 		atomic_store(&ws->group, NO_GROUP);
 		atomic_fetch_add_explicit(&ws->seq, 1, memory_order_release);
@@ -551,7 +553,8 @@ static bool holder_busy(const struct loader *l, const struct holder *h)
 
 /* The holder of session's references, made on first use when create; NULL (err set) when there is
  * none and create is false, or every holder is taken (an idle one is reclaimed first). */
-static struct holder *holder_of(struct loader *l, uint64_t session, bool create, char *err, size_t errlen)
+static struct holder *holder_of(struct loader *l, uint64_t session, bool create, int *code, char *err,
+				size_t errlen)
 {
 	struct holder *free_h = NULL;
 	for (uint32_t i = 0; i < LOADER_MAX_HOLDERS; i++) {
@@ -564,13 +567,20 @@ static struct holder *holder_of(struct loader *l, uint64_t session, bool create,
 	if (!create) {
 		snprintf(err, errlen, "a release from a client session that holds no weight group (released more "
 			 "often than granted)");
+		*code = -EINVAL;
 		return NULL;
 	}
 	for (uint32_t i = 0; !free_h && i < LOADER_MAX_HOLDERS; i++)
 		if (!holder_busy(l, &l->holders[i]))
 			free_h = &l->holders[i]; /* holds nothing: its session is over, or never held */
-	if (!free_h || (!free_h->refs && !(free_h->refs = calloc(l->n_groups, sizeof(uint32_t))))) {
+	if (!free_h) {
 		snprintf(err, errlen, "more than %d client sessions hold weight groups", LOADER_MAX_HOLDERS);
+		*code = -EUSERS;
+		return NULL;
+	}
+	if (!free_h->refs && !(free_h->refs = calloc(l->n_groups, sizeof(uint32_t)))) {
+		snprintf(err, errlen, "out of memory for a client session's references (%u groups)", l->n_groups);
+		*code = -ENOMEM;
 		return NULL;
 	}
 	free_h->used = true;
@@ -627,9 +637,10 @@ static void release_one(struct loader *l, struct holder *h, uint32_t g)
 int loader_acquire(struct loader *l, uint64_t session, const struct bus_peer *peer, uint64_t corr,
 		   const uint64_t *groups, uint32_t n, const uint64_t *release, uint32_t n_release, char *err, size_t errlen)
 {
-	struct holder *h = holder_of(l, session, true, err, errlen);
+	int code = 0;
+	struct holder *h = holder_of(l, session, true, &code, err, errlen);
 	if (!h)
-		return -EUSERS;
+		return code;
 	int rc = validate(l, h, "MSG_W_ACQUIRE", groups, n, release, n_release, err, errlen);
 	if (rc)
 		return rc;
@@ -668,9 +679,10 @@ int loader_acquire(struct loader *l, uint64_t session, const struct bus_peer *pe
 
 int loader_release(struct loader *l, uint64_t session, const uint64_t *groups, uint32_t n, char *err, size_t errlen)
 {
-	struct holder *h = holder_of(l, session, false, err, errlen);
+	int code = 0;
+	struct holder *h = holder_of(l, session, false, &code, err, errlen);
 	if (!h)
-		return n ? -EINVAL : 0;
+		return n ? code : 0;
 	int rc = validate(l, h, "MSG_W_RELEASE", NULL, 0, groups, n, err, errlen);
 	if (rc)
 		return rc;
@@ -721,7 +733,8 @@ void loader_hello(struct loader *l, const char *client, uint64_t session)
 	}
 	if (session) {
 		char err[128];
-		struct holder *h = holder_of(l, session, true, err, sizeof(err));
+		int code = 0;
+		struct holder *h = holder_of(l, session, true, &code, err, sizeof(err));
 		if (h)
 			snprintf(h->name, sizeof(h->name), "%s", client);
 	}

@@ -507,6 +507,36 @@ START_TEST(undelivered_grant_takes_no_ref)
 }
 END_TEST
 
+START_TEST(changed_file_fails_waiters_with_estale)
+{
+	/* The checkpoint rewritten in place while the loader serves it: a load after the change fails
+	 * its waiters with ESTALE (the reader's code, which a retry cannot mend), not a plain EIO. */
+	struct fixture *fx = fx_open("/tmp", 4, 1, false);
+	drain_io(fx);
+	/* A group in no slot: its acquire reads the file again. */
+	uint32_t bad = UINT32_MAX;
+	for (uint32_t g = 0; g < fx->m->n_groups && bad == UINT32_MAX; g++)
+		if (fx->m->groups[g].n_tensors && atomic_load(&wring_group_state(fx->h)[g].slot) == WRING_NO_SLOT)
+			bad = g;
+	ck_assert_uint_ne(bad, UINT32_MAX);
+	int fd = open(fx->m->files[0].path, O_WRONLY);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(pwrite(fd, "x", 1, (off_t)fx->m->tensors[0].file_offset), 1);
+	struct timespec times[2] = {{.tv_nsec = UTIME_OMIT}, {.tv_sec = 1000000000, .tv_nsec = 123}};
+	ck_assert_int_eq(futimens(fd, times), 0);
+	close(fd);
+	char err[512];
+	uint64_t g = bad;
+	ck_assert_int_eq(loader_acquire(fx->l, 0, &fx->peer, 11, &g, 1, NULL, 0, err, sizeof(err)), 0);
+	drain_io(fx);
+	ck_assert_uint_eq(fx->n_fails, 1);
+	ck_assert_uint_eq(fx->fails[0].corr, 11);
+	ck_assert_int_eq(fx->fails[0].code, ESTALE);
+	ck_assert_msg(strstr(fx->fails[0].text, "changed while the loader serves it"), "%s", fx->fails[0].text);
+	fx_close(fx);
+}
+END_TEST
+
 START_TEST(read_error_fails_waiters)
 {
 	/* The file loses the second half of its last tensor after the manifest was read. */
@@ -603,6 +633,7 @@ static Suite *loader_suite(void)
 	suite_add_tcase(s, tc);
 	tc = tcase_create("errors");
 	tcase_add_test(tc, read_error_fails_waiters);
+	tcase_add_test(tc, changed_file_fails_waiters_with_estale);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("stats");
 	tcase_add_test(tc, stats_json);
