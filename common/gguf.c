@@ -167,6 +167,7 @@ struct gguf {
 	char *path;
 	uint32_t version, alignment;
 	uint64_t size, data_start;
+	struct file_id id; /* the file as opened */
 	uint64_t n_kv, n_tensors;
 	struct kv *kv;
 	struct gguf_tensor *tensors;
@@ -693,6 +694,7 @@ int gguf_open(const char *path, struct gguf **out, char *err, size_t errlen)
 		goto out_close;
 	}
 	g->size = r.size = (uint64_t)st.st_size;
+	file_id_of(&st, &g->id);
 	r.buf = malloc(r.size < READ_BUF ? (size_t)r.size + 1 : READ_BUF);
 	if (!r.buf) {
 		rc = errorf(err, errlen, -ENOMEM, "%s: out of memory", path);
@@ -726,6 +728,11 @@ int gguf_probe(const char *path)
 }
 
 /* ---- accessors ---- */
+
+const struct file_id *gguf_file_id(const struct gguf *g)
+{
+	return &g->id;
+}
 
 const char *gguf_path(const struct gguf *g)
 {

@@ -38,6 +38,7 @@
 #include <stdint.h>
 
 #include "common/dtype.h"
+#include "common/util.h"
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -149,6 +150,8 @@ const char *gguf_path(const struct gguf *g);   /* as given to gguf_open */
 uint32_t gguf_version(const struct gguf *g);   /* 2 or 3 */
 uint32_t gguf_alignment(const struct gguf *g); /* general.alignment, or 32 */
 uint64_t gguf_file_size(const struct gguf *g);
+/* The file's identity when it was opened (util.h). */
+const struct file_id *gguf_file_id(const struct gguf *g);
 /* Where the data section starts: the end of the tensor infos rounded up to the alignment. May be
  * past the end of a file without tensors. */
 uint64_t gguf_data_start(const struct gguf *g);

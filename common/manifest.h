@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "common/model.h"
+#include "common/util.h"
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -47,6 +48,8 @@ struct manifest_file {
 	uint64_t size;	     /* bytes */
 	uint64_t data_start; /* where tensor offsets count from: safetensors 8 + header length, GGUF the
 				data section's start */
+	struct file_id id;   /* the file whose header was read (the loader reads the weights only from
+				that same file) */
 };
 
 struct manifest {

@@ -739,6 +739,7 @@ int mf_load_gguf(struct manifest *m, const char *path, char *err, size_t errlen)
 	for (uint32_t i = 0; i < s.n; i++) {
 		str_copy(m->files[i].path, sizeof(m->files[i].path), s.paths[i]);
 		m->files[i].size = gguf_file_size(s.g[i]);
+		m->files[i].id = *gguf_file_id(s.g[i]);
 		m->files[i].data_start = gguf_data_start(s.g[i]);
 	}
 	rc = read_tensors(m, &s, err, errlen);

@@ -246,6 +246,7 @@ int mf_read_safetensors(struct loader *ld, uint32_t fi)
 		goto out_close;
 	}
 	mf->size = (uint64_t)st.st_size;
+	file_id_of(&st, &mf->id);
 	unsigned char lenbuf[8];
 	if (mf->size < 8 || pread(fd, lenbuf, 8, 0) != 8) {
 		rc = errorf(err, errlen, -EINVAL, "%s: too short for a safetensors file (%llu bytes)", fname,

@@ -13,6 +13,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -228,4 +229,28 @@ int write_file_atomic(const char *path, const char *text, size_t len)
 	if (rc)
 		unlink(tmp);
 	return rc;
+}
+
+void file_id_of(const struct stat *st, struct file_id *id)
+{
+	id->dev = (uint64_t)st->st_dev;
+	id->ino = (uint64_t)st->st_ino;
+	id->size = (uint64_t)st->st_size;
+	id->mtime_s = (int64_t)st->st_mtim.tv_sec;
+	id->mtime_ns = (int64_t)st->st_mtim.tv_nsec;
+	id->ctime_s = (int64_t)st->st_ctim.tv_sec;
+	id->ctime_ns = (int64_t)st->st_ctim.tv_nsec;
+}
+
+int file_id_same(const struct file_id *a, const struct file_id *b)
+{
+	return a->dev == b->dev && a->ino == b->ino && a->size == b->size && a->mtime_s == b->mtime_s &&
+	       a->mtime_ns == b->mtime_ns && a->ctime_s == b->ctime_s && a->ctime_ns == b->ctime_ns;
+}
+
+const char *file_id_text(const struct file_id *id, char *buf, size_t len)
+{
+	snprintf(buf, len, "%llu bytes modified at %lld.%09lld (changed at %lld.%09lld)", (unsigned long long)id->size,
+		 (long long)id->mtime_s, (long long)id->mtime_ns, (long long)id->ctime_s, (long long)id->ctime_ns);
+	return buf;
 }

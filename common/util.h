@@ -49,6 +49,20 @@ int str_copy(char *dst, size_t len, const char *src);
  * never sees half of it. Returns 0 or -errno; the temporary file does not stay. */
 int write_file_atomic(const char *path, const char *text, size_t len);
 
+/* A file's identity as fstat(2) gives it: the same inode with the same size, modification and
+ * change times is the same bytes (a rewrite in place moves the change time even where it puts the
+ * modification time back, as cp -p and rsync -t do). ino 0: not recorded. */
+struct file_id {
+	uint64_t dev, ino, size;
+	int64_t mtime_s, mtime_ns, ctime_s, ctime_ns;
+};
+struct stat;
+void file_id_of(const struct stat *st, struct file_id *id);
+/* Does b still name the file a was (both recorded)? */
+int file_id_same(const struct file_id *a, const struct file_id *b);
+/* "N bytes modified at S.NS (changed at S.NS)" into buf. */
+const char *file_id_text(const struct file_id *id, char *buf, size_t len);
+
 #ifdef __cplusplus
 }
 #endif

@@ -199,17 +199,25 @@ int loader_create(const struct loader_params *p, const struct loader_ops *ops, v
 		goto out_free;
 
 	const char **paths = calloc(p->m->n_files, sizeof(*paths));
-	if (!paths) {
+	struct file_id *ids = calloc(p->m->n_files, sizeof(*ids));
+	if (!paths || !ids) {
+		free(paths);
+		free(ids);
 		rc = -ENOMEM;
 		goto out_free;
 	}
-	for (uint32_t i = 0; i < p->m->n_files; i++)
+	/* The files the manifest read: a rewrite since (its hash and offsets are the old file's)
+	 * fails the start with -ESTALE rather than serving the new bytes as the old layout. */
+	for (uint32_t i = 0; i < p->m->n_files; i++) {
 		paths[i] = p->m->files[i].path;
+		ids[i] = p->m->files[i].id;
+	}
 	struct reader_params rp = {.n_files = p->m->n_files, .paths = paths, .queue_depth = p->io_depth,
 				   .max_read = p->max_read, .buffered = p->buffered,
-				   .inline_issue = p->inline_issue};
+				   .inline_issue = p->inline_issue, .ids = ids};
 	rc = reader_create(&rp, on_read_done, l, &l->reader, err, errlen);
 	free(paths);
+	free(ids);
 	if (rc)
 		goto out_free;
 	*out = l;

@@ -36,10 +36,8 @@ struct rfile {
 	/* What the file was when first opened: a read is trusted only while it still is (a
 	 * checkpoint rewritten in place would mix old and new weights), and a reopen must find the
 	 * same file. */
-	dev_t dev;
-	ino_t ino;
-	off_t size;
-	struct timespec mtime;
+	struct file_id at;     /* at its first open */
+	struct file_id want;   /* what its caller read (reader_params.ids), or ino 0: nothing to match */
 	bool replaced; /* a reopen found another file under its name (said once) */
 };
 
@@ -106,7 +104,9 @@ static uint64_t pieces_of(const struct reader *r, uint64_t bytes)
 	return (bytes + r->max_read - 1) / r->max_read;
 }
 
-/* The file's identity, recorded at its first open. */
+/* The file's identity, recorded at its first open; -ESTALE where it is not the file its caller
+ * read (a checkpoint rewritten or replaced between its header's read and this open: its weights
+ * would not be what the manifest describes and hashes). */
 static int note_identity(struct rfile *f, char *err, size_t errlen)
 {
 	struct stat st;
@@ -115,15 +115,21 @@ static int note_identity(struct rfile *f, char *err, size_t errlen)
 		snprintf(err, errlen, "cannot stat %s: %s", f->path, strerror(errno));
 		return rc;
 	}
-	f->dev = st.st_dev;
-	f->ino = st.st_ino;
-	f->size = st.st_size;
-	f->mtime = st.st_mtim;
+	file_id_of(&st, &f->at);
+	if (f->want.ino && !file_id_same(&f->want, &f->at)) {
+		char a[128], b[128];
+		snprintf(err, errlen,
+			 "%s changed after its header was read (%s then, %s%s now): restart the pipeline to read the "
+			 "new one", f->path, file_id_text(&f->want, a, sizeof(a)), file_id_text(&f->at, b, sizeof(b)),
+			 f->want.ino != f->at.ino || f->want.dev != f->at.dev ? ", another file," : "");
+		return -ESTALE;
+	}
 	return 0;
 }
 
 /* Is the open file still what it was at its first open (size and modification time)? 0, or
- * -ESTALE with the reason in text. */
+ * -ESTALE with the reason in text. Not its change time: a rename, a new link or an unlink moves
+ * that too, and the file renamed away or replaced by a rename is still the bytes first opened. */
 static int check_unchanged(const struct rfile *f, char *text, size_t len)
 {
 	struct stat st;
@@ -132,14 +138,15 @@ static int check_unchanged(const struct rfile *f, char *text, size_t len)
 		snprintf(text, len, "cannot stat %s: %s", f->path, strerror(errno));
 		return rc;
 	}
-	if (st.st_size == f->size && st.st_mtim.tv_sec == f->mtime.tv_sec && st.st_mtim.tv_nsec == f->mtime.tv_nsec)
+	struct file_id now;
+	file_id_of(&st, &now);
+	if (now.size == f->at.size && now.mtime_s == f->at.mtime_s && now.mtime_ns == f->at.mtime_ns)
 		return 0;
+	char a[128], b[128];
 	snprintf(text, len,
-		 "%s changed while the loader serves it (%lld bytes modified at %lld.%09ld when opened, now %lld "
-		 "bytes modified at %lld.%09ld): weights from the old and the new file must not mix; restart "
-		 "the pipeline to read the new one",
-		 f->path, (long long)f->size, (long long)f->mtime.tv_sec, f->mtime.tv_nsec, (long long)st.st_size,
-		 (long long)st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+		 "%s changed while the loader serves it (%s when opened, now %s): weights from the old and the new "
+		 "file must not mix; restart the pipeline to read the new one",
+		 f->path, file_id_text(&f->at, a, sizeof(a)), file_id_text(&now, b, sizeof(b)));
 	return -ESTALE;
 }
 
@@ -184,7 +191,7 @@ static int fall_back_to_buffered(struct rfile *f)
 	if (fd < 0)
 		return -errno;
 	struct stat st;
-	if (fstat(fd, &st) != 0 || st.st_dev != f->dev || st.st_ino != f->ino) {
+	if (fstat(fd, &st) != 0 || (uint64_t)st.st_dev != f->at.dev || (uint64_t)st.st_ino != f->at.ino) {
 		if (!f->replaced)
 			log_error("%s: reopened for reads through the page cache, it is another file than the one first "
 				  "opened (replaced while the loader serves it)",
@@ -237,6 +244,8 @@ int reader_create(const struct reader_params *p, reader_done_fn done, void *ctx,
 	}
 	for (uint32_t i = 0; i < p->n_files; i++) {
 		r->files[i].fd = -1;
+		if (p->ids)
+			r->files[i].want = p->ids[i];
 		r->files[i].path = strdup(p->paths[i]);
 		if (!r->files[i].path) {
 			rc = -ENOMEM;

@@ -33,6 +33,8 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include "common/util.h"
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -51,6 +53,8 @@ struct reader_params {
 	bool buffered;		  /* never use O_DIRECT */
 	bool inline_issue;	  /* issue reads inside io_uring_enter (into memory whose pages exist)
 				   * instead of from io-wq workers */
+	const struct file_id *ids; /* NULL, or n_files identities (util.h) the files must still have
+				    * when opened (the ones whose headers were read): else -ESTALE */
 };
 
 /* Completion of one request. rc is 0 or a negative errno; text (NULL on success) names the

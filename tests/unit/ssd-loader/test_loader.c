@@ -13,6 +13,7 @@
 #include "common/util.h"
 #include "services/ssd-loader/loader.h"
 #include "services/ssd-loader/plan.h"
+#include "services/ssd-loader/reader_internal.h"
 #include "services/ssd-loader/ring.h"
 #include "tests/unit/ssd-loader/loader_test_util.h"
 
@@ -70,9 +71,21 @@ static uint64_t cap(const struct manifest *m, int c)
 	return ALIGN_UP(m->class_bytes[c], (uint64_t)PLAN_SLOT_ALIGN);
 }
 
+/* Reads at or past cut_at find the end of the file (fx_open_cut): the file looks cut there to the
+ * loader, while it stays what the manifest read (a file really cut is refused at the reader's
+ * open: another file than the manifest's). */
+static uint64_t cut_at;
+
+static void prep_cut(struct io_uring_sqe *sqe, int fd, void *buf, unsigned nbytes, __u64 offset)
+{
+	if (cut_at && offset + nbytes > cut_at)
+		offset += 1ull << 40; /* past any end: the read comes back short */
+	io_uring_prep_read(sqe, fd, buf, nbytes, offset);
+}
+
 /* A loader over a fresh tiny model of n_layers layers with k streaming slots per class
- * (k == 0: all resident). The model is written under base; cut: truncate the file to this
- * many bytes after the manifest is read (0: leave it). */
+ * (k == 0: all resident). The model is written under base; cut: the file's reads end at this
+ * many bytes (0: they do not). */
 static struct fixture *fx_open_cut(const char *base, uint32_t n_layers, uint32_t k, bool buffered, uint64_t cut)
 {
 	struct fixture *fx = calloc(1, sizeof(*fx));
@@ -80,8 +93,8 @@ static struct fixture *fx_open_cut(const char *base, uint32_t n_layers, uint32_t
 	fx->dir = th_tmpdir(base);
 	fx->model = lt_make_model(fx->dir, n_layers);
 	fx->m = lt_load(fx->model);
-	if (cut)
-		ck_assert_int_eq(truncate(fx->m->files[0].path, (off_t)cut), 0);
+	cut_at = cut;
+	reader_hooks = (struct reader_hooks){.prep_read = cut ? prep_cut : NULL};
 	const struct manifest *m = fx->m;
 	uint64_t budget = k ? 2 * cap(m, CLASS_GLOBAL) + k * (cap(m, CLASS_ATTN) + cap(m, CLASS_FFN)) : 1ull << 34;
 	char err[512];
@@ -114,6 +127,8 @@ static void fx_close(struct fixture *fx)
 {
 	loader_destroy(&fx->l);
 	loader_destroy(&fx->l);
+	reader_hooks = (struct reader_hooks){0};
+	cut_at = 0;
 	ck_assert_ptr_null(fx->l);
 	plan_destroy(&fx->p);
 	manifest_destroy(&fx->m);
@@ -507,6 +522,45 @@ START_TEST(undelivered_grant_takes_no_ref)
 }
 END_TEST
 
+START_TEST(file_rewritten_before_open_refused)
+{
+	/* The checkpoint rewritten in place after its header was read and before the loader opened
+	 * it, its modification time put back (as cp -p and rsync -t do): refused at the start with
+	 * ESTALE, not loaded as the layout and hash of the file that was read. */
+	char *dir = th_tmpdir("/tmp");
+	char *model = lt_make_model(dir, 2);
+	struct manifest *m = lt_load(model);
+	struct stat st;
+	ck_assert_int_eq(stat(m->files[0].path, &st), 0);
+	int fd = open(m->files[0].path, O_WRONLY);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(pwrite(fd, "x", 1, (off_t)m->tensors[0].file_offset), 1);
+	struct timespec times[2] = {{.tv_nsec = UTIME_OMIT}, st.st_mtim};
+	ck_assert_int_eq(futimens(fd, times), 0);
+	close(fd);
+	char err[512];
+	struct plan *p = NULL;
+	ck_assert_msg(plan_create(m, 1ull << 34, &p, err, sizeof(err)) == 0, "%s", err);
+	const uint64_t size = ring_memsize(m, p);
+	void *mem = aligned_alloc(4096, ALIGN_UP(size, 4096));
+	ck_assert_ptr_nonnull(mem);
+	memset(mem, 0, size);
+	ring_init(mem, size, m, p);
+	struct loader_params lp = {.m = m, .plan = p, .ring = mem, .ring_bytes = size, .io_depth = 8, .max_read = 8192};
+	struct loader_ops ops = {.grant = on_grant, .fail = on_fail};
+	struct loader *l = NULL;
+	ck_assert_int_eq(loader_create(&lp, &ops, NULL, &l, err, sizeof(err)), -ESTALE);
+	ck_assert_ptr_null(l);
+	ck_assert_msg(strstr(err, m->files[0].path) && strstr(err, "changed after its header was read"), "%s", err);
+	free(mem);
+	plan_destroy(&p);
+	manifest_destroy(&m);
+	th_rmtree(dir);
+	free(model);
+	free(dir);
+}
+END_TEST
+
 START_TEST(changed_file_fails_waiters_with_estale)
 {
 	/* The checkpoint rewritten in place while the loader serves it: a load after the change fails
@@ -634,6 +688,7 @@ static Suite *loader_suite(void)
 	tc = tcase_create("errors");
 	tcase_add_test(tc, read_error_fails_waiters);
 	tcase_add_test(tc, changed_file_fails_waiters_with_estale);
+	tcase_add_test(tc, file_rewritten_before_open_refused);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("stats");
 	tcase_add_test(tc, stats_json);
