@@ -332,6 +332,7 @@ int main(int argc, char **argv)
 		}
 	}
 	rh->plan.disk_bytes_per_s = disk_bps;
+	shm_object_set_ready(app.ring); /* the plan's figures are in: attach may see the ring */
 
 	struct loader_params lp = {.m = m,
 				   .plan = plan,

@@ -164,7 +164,6 @@ int ring_create(const char *name, const struct manifest *m, const struct plan *p
 		log_info("weight ring: %.1f GiB of pages faulted in in %.2f s", (double)size / (1u << 30),
 			 (double)(now_ns() - t0) * 1e-9);
 	ring_init(shm_object_base(o), size, m, p);
-	shm_object_set_ready(o);
 	*out = o;
 	return 0;
 }

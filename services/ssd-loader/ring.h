@@ -30,8 +30,11 @@ uint64_t ring_memsize(const struct manifest *m, const struct plan *p);
 void ring_init(void *mem, uint64_t size, const struct manifest *m, const struct plan *p);
 
 /* Creates the shared-memory object name (SHM_RECLAIM: a dead instance's leftover is
- * replaced), lays it out and marks it ready. Returns 0 with *out owned by the caller;
- * -EBUSY when a live process owns name; other -errno; err says what went wrong. */
+ * replaced) and lays it out; the caller fills in what the header's plan figures say that the
+ * layout does not (disk_bytes_per_token, disk_bytes_per_s) and then marks it ready
+ * (shm_object_set_ready), so that nothing attached sees them unset. Returns 0 with *out owned by
+ * the caller; -EBUSY when a live process owns name; -ENOSPC where shared memory has no room for
+ * it; other -errno; err says what went wrong. */
 int ring_create(const char *name, const struct manifest *m, const struct plan *p, struct shm_object **out,
 		char *err, size_t errlen);
 

@@ -290,6 +290,7 @@ static void ring_fx_open(struct ring_fx *f)
 	ck_assert(plan_all_resident(f->plan));
 	shm_name_for(f->name, sizeof(f->name), "ring");
 	ck_assert_msg(ring_create(f->name, f->m, f->plan, &f->obj, err, sizeof(err)) == 0, "%s", err);
+	shm_object_set_ready(f->obj);
 	f->h = shm_object_base(f->obj);
 	struct wring_slot *slots = wring_slots(f->h);
 	/* Loaded, as far as anyone reading the tables can tell (seq even, READY). */

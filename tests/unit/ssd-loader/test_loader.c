@@ -10,7 +10,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/shm.h"
 #include "common/util.h"
+#include "common/weight_ring.h"
 #include "services/ssd-loader/loader.h"
 #include "services/ssd-loader/plan.h"
 #include "services/ssd-loader/reader_internal.h"
@@ -522,6 +524,37 @@ START_TEST(undelivered_grant_takes_no_ref)
 }
 END_TEST
 
+START_TEST(ring_ready_only_when_told)
+{
+	/* ring_create lays the ring out but leaves it unready: the loader fills in the plan's disk
+	 * figures first, and an attach before then is told to try again (EAGAIN), never shown 0s. */
+	char *dir = th_tmpdir("/tmp");
+	char *model = lt_make_model(dir, 2);
+	struct manifest *m = lt_load(model);
+	char err[512], name[128];
+	struct plan *p = NULL;
+	ck_assert_msg(plan_create(m, 1ull << 34, &p, err, sizeof(err)) == 0, "%s", err);
+	char inst[64];
+	snprintf(inst, sizeof(inst), "test-ring-%d", (int)getpid());
+	ck_assert_int_eq(shm_object_name(inst, "weights", name, sizeof(name)), 0);
+	struct shm_object *o = NULL, *a = NULL;
+	ck_assert_msg(ring_create(name, m, p, &o, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(shm_object_attach(name, SHM_KIND_WEIGHT_RING, WRING_LAYOUT_VERSION, false, &a), -EAGAIN);
+	struct wring_header *h = shm_object_base(o);
+	h->plan.disk_bytes_per_s = 1234;
+	shm_object_set_ready(o);
+	ck_assert_int_eq(shm_object_attach(name, SHM_KIND_WEIGHT_RING, WRING_LAYOUT_VERSION, false, &a), 0);
+	ck_assert_uint_eq(((const struct wring_header *)shm_object_base(a))->plan.disk_bytes_per_s, 1234);
+	shm_object_close(&a, false);
+	shm_object_close(&o, true);
+	plan_destroy(&p);
+	manifest_destroy(&m);
+	th_rmtree(dir);
+	free(model);
+	free(dir);
+}
+END_TEST
+
 START_TEST(file_rewritten_before_open_refused)
 {
 	/* The checkpoint rewritten in place after its header was read and before the loader opened
@@ -689,6 +722,7 @@ static Suite *loader_suite(void)
 	tcase_add_test(tc, read_error_fails_waiters);
 	tcase_add_test(tc, changed_file_fails_waiters_with_estale);
 	tcase_add_test(tc, file_rewritten_before_open_refused);
+	tcase_add_test(tc, ring_ready_only_when_told);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("stats");
 	tcase_add_test(tc, stats_json);
