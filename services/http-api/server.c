@@ -65,6 +65,7 @@ struct request_state {
 	unsigned status;      /* the status its response was queued with; 0: none yet */
 	const char *endpoint; /* its path for the metrics, or "other" */
 	bool waits_on_model;  /* its answer is being made: the idle timeout is off for the connection */
+	bool deferred;	      /* no body: answered at the request's last call (see on_request) */
 };
 
 /* A streamed generation, the reader callback's state. */
@@ -796,6 +797,19 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 			return MHD_NO;
 		*con_cls = rs;
 		rs->start_ns = now_ns();
+		/* A request without a body (no Content-Length but 0, no Transfer-Encoding, its framing
+		 * sound) is answered at its last call: a response queued at the first call counts as
+		 * early to libmicrohttpd, which then closes the connection, and requests pipelined
+		 * behind it went unanswered. One with a body is answered now where it can be, so that
+		 * a body nobody wants is not read. */
+		const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+		const char *te = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_TRANSFER_ENCODING);
+		unsigned bad_status;
+		const char *bad_msg;
+		if (!te && (!cl || !strcmp(cl, "0")) && !framing_refused(c, &bad_status, &bad_msg)) {
+			rs->deferred = true;
+			return MHD_YES;
+		}
 		enum MHD_Result ret;
 		queued_status = 0;
 		if (answer_early(s, c, url, method, rs, &ret)) {
@@ -804,6 +818,17 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 			return ret;
 		}
 		return MHD_YES;
+	}
+	if (rs->deferred && !*upload_size) {
+		rs->deferred = false;
+		enum MHD_Result ret;
+		queued_status = 0;
+		if (answer_early(s, c, url, method, rs, &ret)) {
+			rs->answered = true;
+			rs->status = queued_status;
+			return ret;
+		}
+		/* A POST without a body: on as any other (its empty body is refused there). */
 	}
 	if (*upload_size) {
 		size_t n = *upload_size;

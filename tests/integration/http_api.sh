@@ -271,6 +271,12 @@ fi
 reply=$(raw_exchange 'POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: identity\r\n\r\n{}')
 expect_grep '^HTTP/1.1 501' "$reply" "Transfer-Encoding: identity: the status"
 log "a request of ambiguous length or a space before a colon: 400; another coding: 501; each connection closed"
+# Requests without a body pipelined on one kept-alive connection: each answered (the first one's
+# answer used to close the connection, the ones behind it unanswered).
+reply=$(raw_exchange 'GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGET /v1/nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n')
+expect_eq "$(grep -c '^HTTP/1.1 ' <<<"$reply")" 3 "three pipelined requests without a body: the answers"
+expect_eq "$(grep '^HTTP/1.1 ' <<<"$reply" | awk '{print $2}' | paste -sd,)" 200,404,200 "three pipelined requests: their statuses"
+log "requests without a body pipelined on one connection: each answered (200, 404, 200)"
 expect_error 405 "GET of a POST endpoint" GET /v1/completions
 expect_error 405 "POST of a GET endpoint" POST /v1/models '{}'
 got=$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE/v1/models")
