@@ -52,12 +52,12 @@ int run_dir_default(const char *instance, char *buf, size_t len)
 	return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
 }
 
-int run_dir_prepare(const char *dir)
+int private_dir_prepare(const char *dir, const char *what, const char *elsewhere)
 {
 	char path[512];
 	if (str_copy(path, sizeof(path), dir) != 0) {
-		log_error("run directory path too long (%zu bytes, at most %zu): %.64s...", strlen(dir),
-			  sizeof(path) - 1, dir);
+		log_error("%s path too long (%zu bytes, at most %zu): %.64s...", what, strlen(dir), sizeof(path) - 1,
+			  dir);
 		return -ENAMETOOLONG;
 	}
 	/* Parents: plain mkdir, keeping what exists. */
@@ -74,22 +74,26 @@ int run_dir_prepare(const char *dir)
 	}
 	if (mkdir(path, 0700) != 0 && errno != EEXIST) {
 		int rc = -errno;
-		log_error("cannot create run directory %s: %s", path, strerror(errno));
+		log_error("cannot create %s %s: %s", what, path, strerror(errno));
 		return rc;
 	}
 	struct stat st;
 	if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode)) {
-		log_error("run directory %s is not a directory", path);
+		log_error("%s %s is not a directory", what, path);
 		return -ENOTDIR;
 	}
 	if (st.st_uid != getuid()) {
-		log_error("run directory %s belongs to uid %u, not to us", path, (unsigned)st.st_uid);
+		log_error("%s %s belongs to uid %u, not to us", what, path, (unsigned)st.st_uid);
 		return -EPERM;
 	}
-	if ((st.st_mode & 0777) != 0700 && chmod(path, 0700) != 0) {
-		int rc = -errno;
-		log_error("cannot set mode 0700 on run directory %s: %s", path, strerror(errno));
-		return rc;
+	if ((st.st_mode & 0777) != 0700) {
+		if (chmod(path, 0700) != 0) {
+			int rc = -errno;
+			log_error("cannot set mode 0700 on %s %s: %s", what, path, strerror(errno));
+			return rc;
+		}
+		log_info("%s %s: mode %03o made 0700 (its files are this user's alone)", what, path,
+			 (unsigned)(st.st_mode & 0777));
 	}
 	/* Whoever may write the parent may rename the run directory and put sockets of their own where
 	 * the services and clients look for each other's (/tmp/llmp-UID made first by another user, or
@@ -107,30 +111,33 @@ int run_dir_prepare(const char *dir)
 		struct stat ps;
 		/* A link as the parent: its owner may point it elsewhere later. */
 		if (lstat(path, &ps) == 0 && S_ISLNK(ps.st_mode) && ps.st_uid != getuid() && ps.st_uid != 0) {
-			log_error("%s, the run directory's parent, is a symbolic link of uid %u: another user could "
-				  "replace the run directory (set PIPELINE_RUN_DIR elsewhere)",
-				  path, (unsigned)ps.st_uid);
+			log_error("%s, the %s's parent, is a symbolic link of uid %u: another user could replace the %s "
+				  "(%s)", path, what, (unsigned)ps.st_uid, what, elsewhere);
 			return -EPERM;
 		}
 		if (stat(path, &ps) != 0) {
 			int rc = -errno;
-			log_error("cannot look at %s, the run directory's parent: %s", path, strerror(errno));
+			log_error("cannot look at %s, the %s's parent: %s", path, what, strerror(errno));
 			return rc;
 		}
 		if (ps.st_uid != getuid() && ps.st_uid != 0) {
-			log_error("%s, the run directory's parent, belongs to uid %u: another user could replace the run "
-				  "directory (remove it, or set PIPELINE_RUN_DIR elsewhere)",
-				  path, (unsigned)ps.st_uid);
+			log_error("%s, the %s's parent, belongs to uid %u: another user could replace the %s (remove it, "
+				  "or %s)", path, what, (unsigned)ps.st_uid, what, elsewhere);
 			return -EPERM;
 		}
 		if ((ps.st_mode & 022) && !(ps.st_mode & S_ISVTX)) {
-			log_error("%s, the run directory's parent, is writable by other users (mode %03o, not sticky): "
-				  "another user could replace the run directory (chmod go-w it)",
-				  path, (unsigned)(ps.st_mode & 0777));
+			log_error("%s, the %s's parent, is writable by other users (mode %03o, not sticky): another user "
+				  "could replace the %s (chmod go-w it, or %s)", path, what, (unsigned)(ps.st_mode & 0777), what,
+				  elsewhere);
 			return -EPERM;
 		}
 	}
 	return 0;
+}
+
+int run_dir_prepare(const char *dir)
+{
+	return private_dir_prepare(dir, "run directory", "set PIPELINE_RUN_DIR elsewhere");
 }
 
 /* log-level: every service's, tunable at run time. */

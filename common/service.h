@@ -105,6 +105,10 @@ uint64_t service_uptime_ms(const struct service *s);
  * directory, not readable by others (fixed to 0700 if looser). Returns 0 or -errno with a
  * logged reason. */
 int run_dir_prepare(const char *dir);
+/* The same for any directory of this user's files: what names it in the messages ("persist
+ * directory"), elsewhere says how to pick another ("name another --persist-dir"). A mode made
+ * 0700 is logged. */
+int private_dir_prepare(const char *dir, const char *what, const char *elsewhere);
 
 /* The default run directory for an instance: $PIPELINE_RUN_DIR if set, else
  * /tmp/llmp-<uid>/<instance>. */

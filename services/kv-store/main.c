@@ -442,7 +442,7 @@ int main(int argc, char **argv)
 	}
 	if (run_dir_prepare(run_dir) != 0)
 		return 1; /* logged */
-	if (index_file && run_dir_prepare(persist_dir) != 0)
+	if (index_file && private_dir_prepare(persist_dir, "persist directory", "name another --persist-dir") != 0)
 		return 1; /* logged */
 
 	struct kvsvc k = {0};

@@ -711,6 +711,17 @@ START_TEST(test_run_dir_prepare)
 	ck_assert_int_eq(rc, -EPERM);
 	ck_assert_ptr_nonnull(strstr(err, "writable by other users"));
 	free(err);
+	/* ... and for another directory of the user's files, in its own words (the kv-store's
+	 * --persist-dir, which PIPELINE_RUN_DIR does not move) */
+	snprintf(path, sizeof(path), "%s/open/persist", tmp_dir);
+	th_capture_begin(&cap, STDERR_FILENO);
+	rc = private_dir_prepare(path, "persist directory", "name another --persist-dir");
+	err = th_capture_end(&cap);
+	ck_assert_int_eq(rc, -EPERM);
+	ck_assert_msg(strstr(err, "persist directory's parent") && strstr(err, "name another --persist-dir") &&
+			      !strstr(err, "run directory") && !strstr(err, "PIPELINE_RUN_DIR"),
+		      "%s", err);
+	free(err);
 	ck_assert_int_eq(chmod(parent, 01777), 0);
 	ck_assert_int_eq(run_dir_prepare(path), 0);
 	if (geteuid() == 0) {
