@@ -300,9 +300,9 @@ int kvstore_adopt(struct kvstore *kv, char *err, size_t errlen)
 		return rc;
 	uint64_t want_slots = kv->dram_budget / l.block_bytes, want_spill = kv->disk_budget / l.block_bytes;
 	if (want_slots != l.n_slots || want_spill != l.n_spill)
-		log_info("the adopted KV pool keeps its geometry (%u blocks, %u spill blocks of %llu bytes); the "
-			 "budgets given (%llu and %llu blocks) apply when it is next reconfigured", l.n_slots,
-			 l.n_spill, (unsigned long long)l.block_bytes, (unsigned long long)want_slots,
-			 (unsigned long long)want_spill);
+		log_info("the adopted KV pool keeps its geometry (%u blocks, %u spill blocks of %llu bytes) for now; "
+			 "the budgets given (%llu and %llu blocks) are taken at the runner's next configure with no "
+			 "block live (its cached blocks are dropped then)", l.n_slots, l.n_spill,
+			 (unsigned long long)l.block_bytes, (unsigned long long)want_slots, (unsigned long long)want_spill);
 	return 1;
 }

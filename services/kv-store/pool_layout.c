@@ -181,12 +181,23 @@ int kvstore_configure(struct kvstore *kv, uint64_t block_bytes, uint64_t manifes
 	}
 	if (kv->h) {
 		struct kvpool_header *h = kv->h;
-		if (h->block_bytes == block_bytes && h->manifest_hash == manifest_hash)
+		/* The same model's blocks in a pool of the budgets' size: kept. A pool adopted at the
+		 * start keeps the size it was laid out with before; budgets given since are taken here,
+		 * once no block is live (else they would never be: the runner configures the same
+		 * model again and again). */
+		const bool same_model = h->block_bytes == block_bytes && h->manifest_hash == manifest_hash;
+		if (same_model && h->n_slots == l.n_slots && h->n_spill_slots == l.n_spill)
 			return 0;
 		uint32_t live = 0;
 		for (uint32_t i = 0; i < h->n_handles; i++) {
 			const struct kvpool_handle *hd = &kv->handles[i];
 			live += hd->state == KVH_WRITING || (hd->state == KVH_COMMITTED && hd->refs);
+		}
+		if (live && same_model) {
+			log_info("the KV pool keeps %u blocks and %u spill blocks while %u of them are live; the budgets "
+				 "given (%u and %u) are taken at a configure with none live", h->n_slots, h->n_spill_slots,
+				 live, l.n_slots, l.n_spill);
+			return 0;
 		}
 		if (live) {
 			snprintf(err, errlen, "the KV pool holds %u live blocks (referenced or being written) of %llu "
@@ -196,9 +207,14 @@ int kvstore_configure(struct kvstore *kv, uint64_t block_bytes, uint64_t manifes
 				 (unsigned long long)block_bytes, (unsigned long long)manifest_hash);
 			return -EBUSY;
 		}
-		log_info("reconfiguring the KV pool: blocks of %llu bytes for model %016llx; %u cached blocks dropped",
-			 (unsigned long long)block_bytes, (unsigned long long)manifest_hash,
-			 h->n_handles - kv->n_free_handles);
+		if (same_model)
+			log_info("laying the KV pool out anew for the budgets given: %u blocks and %u spill blocks "
+				 "(it had %u and %u); %u cached blocks dropped", l.n_slots, l.n_spill, h->n_slots,
+				 h->n_spill_slots, h->n_handles - kv->n_free_handles);
+		else
+			log_info("reconfiguring the KV pool: blocks of %llu bytes for model %016llx; %u cached blocks "
+				 "dropped", (unsigned long long)block_bytes, (unsigned long long)manifest_hash,
+				 h->n_handles - kv->n_free_handles);
 		/* Keep the spill file: it is truncated when reopened below. */
 		spill_close(&kv->spill, false);
 		kvs_pool_close(kv, true);

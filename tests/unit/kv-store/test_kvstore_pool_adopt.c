@@ -444,6 +444,39 @@ START_TEST(test_adopt_at_configure)
 }
 END_TEST
 
+START_TEST(test_adopted_pool_takes_new_budgets)
+{
+	/* Adopted at the start with the size it had (6 blocks, 8 spill), restarted with other budgets:
+	 * the runner's configure of the same model lays it out for them once no block is live (it
+	 * kept the old size for good: the same model is configured again and again). */
+	struct fx f;
+	fx_names(&f, "/tmp");
+	struct crashed c;
+	crash_child(&f, false, &c);
+	f.kv = fx_store(&f, 10, 12);
+	ck_assert_int_eq(kvstore_adopt(f.kv, f.err, sizeof(f.err)), 1);
+	ck_assert_uint_eq(H(&f)->n_slots, 6);
+	/* Blocks referenced (the crashed runner's seven, one more): the size is kept for now, and the
+	 * blocks with it. */
+	uint64_t ref = put_block(&f, 77);
+	ck_assert_int_eq(kvstore_configure(f.kv, BB, HASH, f.err, sizeof(f.err)), 0);
+	ck_assert_uint_eq(H(&f)->n_slots, 6);
+	check_block(&f, c.h[0], 300);
+	ck_assert_int_eq(kvstore_free(f.kv, &ref, 1, f.err, sizeof(f.err)), 0);
+	ck_assert_int_eq(kvstore_free(f.kv, c.h, 7, f.err, sizeof(f.err)), 0); /* the crashed runner's */
+	/* None live: laid out anew for 10 and 12. */
+	ck_assert_int_eq(kvstore_configure(f.kv, BB, HASH, f.err, sizeof(f.err)), 0);
+	ck_assert_uint_eq(H(&f)->n_slots, 10);
+	ck_assert_uint_eq(H(&f)->n_spill_slots, 12);
+	ck_assert_uint_ne(H(&f)->pool_epoch, c.epoch);
+	/* ... and kept at the next configure. */
+	const uint64_t epoch = H(&f)->pool_epoch;
+	ck_assert_int_eq(kvstore_configure(f.kv, BB, HASH, f.err, sizeof(f.err)), 0);
+	ck_assert_uint_eq(H(&f)->pool_epoch, epoch);
+	fx_close(&f);
+}
+END_TEST
+
 START_TEST(test_configure_replaces_other_model)
 {
 	struct fx f;
@@ -506,6 +539,7 @@ static Suite *pool_adopt_suite(void)
 	tcase_add_test(tc, test_adopt_recovers_torn_handle_moves);
 	tcase_add_test(tc, test_adopt_at_configure);
 	tcase_add_test(tc, test_configure_replaces_other_model);
+	tcase_add_test(tc, test_adopted_pool_takes_new_budgets);
 	tcase_add_test(tc, test_adopt_refuses_live_owner);
 	tcase_add_test(tc, test_clean_stop_without_pool_removes_leftover);
 	return s;
