@@ -62,12 +62,15 @@ run_case() {
 	[[ $finish == length ]] && expect_eq "$n_want" "$N" "$what: the uninterrupted completion_tokens"
 	local before
 	before=$(resumes)
+	# The runner's pid before the stream: asked between the stream's start and the kill, the
+	# status call (slow on a loaded machine) let a whole stream end first (a CI run at a900aa1).
+	local pid
+	pid=$(sup_field gpu-runner pid)
+	[[ $pid =~ ^[0-9]+$ ]] || fail "$what: no gpu-runner pid in the status: '$pid'"
 	curl -sS -N "$BASE$path" --data-binary "$req" >"$got" 2>&1 &
 	local client=$!
 	streaming() { [[ $(grep -c '^data: {' "$got") -ge 10 ]]; }
 	wait_until 30 "$what: the stream before the kill starts" streaming
-	local pid
-	pid=$(sup_field gpu-runner pid)
 	kill "-$sig" "$pid"
 	local cut
 	cut=$(grep -c '^data: {' "$got")
