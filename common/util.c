@@ -215,8 +215,10 @@ int errorf(char *err, size_t errlen, int rc, const char *fmt, ...)
 
 int write_file_atomic(const char *path, const char *text, size_t len)
 {
-	char tmp[PATH_MAX + 8];
-	if (snprintf(tmp, sizeof(tmp), "%s.tmp", path) >= (int)sizeof(tmp))
+	/* A temporary name of this process's own: two writers of one path (two supervisors started
+	 * for one run directory at once) must not rename each other's file away. */
+	char tmp[PATH_MAX + 32];
+	if (snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof(tmp))
 		return -ENAMETOOLONG;
 	int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
 	if (fd < 0)

@@ -45,7 +45,7 @@ int pid_alive(int pid);
 int str_has_prefix(const char *s, const char *prefix);
 /* Copies src (NUL-terminated) into dst of size len, always NUL-terminated. Returns -ENAMETOOLONG if cut. */
 int str_copy(char *dst, size_t len, const char *src);
-/* Writes len bytes of text to path (mode 0600) through path.tmp and a rename, so that a reader
+/* Writes len bytes of text to path (mode 0600) through path.tmp.PID and a rename, so that a reader
  * never sees half of it. Returns 0 or -errno; the temporary file does not stay. */
 int write_file_atomic(const char *path, const char *text, size_t len);
 

@@ -361,6 +361,18 @@ static void remove_recorded_spill(const char *run_dir)
 	unlink(rec);
 }
 
+/* A file write_file_atomic left behind (NAME.tmp.PID: its writer died between the write and the
+ * rename), NAME a pid file or the spill record. */
+static bool atomic_leftover(const char *name)
+{
+	const char *t = strstr(name, ".tmp.");
+	if (!t || !t[5] || strspn(t + 5, "0123456789") != strlen(t + 5))
+		return false;
+	const size_t base = (size_t)(t - name);
+	return (base > 4 && !strncmp(t - 4, ".pid", 4)) ||
+	       (base == strlen(KV_SPILL_RECORD) && !strncmp(name, KV_SPILL_RECORD, base));
+}
+
 int sup_instance_cleanup(const char *instance, const char *run_dir)
 {
 	static const char *const suffixes[] = {"pid", "pid.tmp", "ctl", "pub", "restart"};
@@ -376,6 +388,17 @@ int sup_instance_cleanup(const char *instance, const char *run_dir)
 	}
 	snprintf(path, sizeof(path), "%s/start.args", run_dir);
 	unlink(path);
+	DIR *rd = opendir(run_dir);
+	if (rd) {
+		struct dirent *e;
+		while ((e = readdir(rd)) != NULL) {
+			if (!atomic_leftover(e->d_name))
+				continue;
+			snprintf(path, sizeof(path), "%s/%s", run_dir, e->d_name);
+			unlink(path);
+		}
+		closedir(rd);
+	}
 	/* A dead kv-store's spill file at its default place (a live one removes it on MSG_SHUTDOWN),
 	 * and one placed elsewhere that its record names. */
 	snprintf(path, sizeof(path), "%s/kv-spill.bin", run_dir);

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -220,6 +221,37 @@ END_TEST
 
 /* ---- fnv1a64 ---- */
 
+/* The text lands whole; another process's write of the same path in progress (its temporary
+ * file) is not touched: each writer's temporary name is its own. */
+START_TEST(test_write_file_atomic)
+{
+	char *dir = th_tmpdir("/tmp");
+	char path[512], other[600], buf[64];
+	snprintf(path, sizeof(path), "%s/x.pid", dir);
+	snprintf(other, sizeof(other), "%s.tmp.%d", path, (int)getpid() + 1);
+	FILE *f = fopen(other, "w");
+	ck_assert_ptr_nonnull(f);
+	fputs("theirs", f);
+	fclose(f);
+	ck_assert_int_eq(write_file_atomic(path, "1234\n", 5), 0);
+	f = fopen(path, "r");
+	ck_assert_ptr_nonnull(f);
+	ck_assert_ptr_nonnull(fgets(buf, sizeof(buf), f));
+	fclose(f);
+	ck_assert_str_eq(buf, "1234\n");
+	f = fopen(other, "r");
+	ck_assert_ptr_nonnull(f);
+	ck_assert_ptr_nonnull(fgets(buf, sizeof(buf), f));
+	fclose(f);
+	ck_assert_str_eq(buf, "theirs");
+	char mine[600];
+	snprintf(mine, sizeof(mine), "%s.tmp.%d", path, (int)getpid());
+	ck_assert_int_ne(access(mine, F_OK), 0); /* its own temporary file does not stay */
+	th_rmtree(dir);
+	free(dir);
+}
+END_TEST
+
 START_TEST(test_fnv1a64)
 {
 	ck_assert_uint_eq(fnv1a64(FNV64_INIT, "", 0), 0xcbf29ce484222325ull);
@@ -315,6 +347,7 @@ static Suite *util_suite(void)
 	suite_add_tcase(s, tc);
 	tc = tcase_create("fnv1a64");
 	tcase_add_test(tc, test_fnv1a64);
+	tcase_add_test(tc, test_write_file_atomic);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("strings");
 	tcase_add_test(tc, test_str_copy);
