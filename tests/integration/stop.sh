@@ -8,6 +8,14 @@ it_setup stop
 expect_words 8 "$(generate --tokens "$PROMPT" -n 8)" "generation"
 [[ -n $(instance_shm) ]] || fail "no shared-memory object while the instance runs (the test looks in the wrong place)"
 [[ -n $(instance_pids) ]] || fail "no process found while the instance runs (the test looks in the wrong place)"
+# A second supervisor for the same run directory (run directly: the script's start lock does not
+# see it) is refused at once, and the first one stays reachable (it used to bind over the first's
+# sockets and remove them on its way out).
+rc=0
+out=$("$BIN/pipeline-supervisor" --instance "$INSTANCE" --run-dir "$RUN_DIR" --bin-dir "$BIN" --foreground 2>&1) || rc=$?
+((rc != 0)) || fail "a second supervisor of the instance ran: $out"
+expect_grep "another supervisor runs for" "$out" "a second supervisor: the message"
+"$PIPELINE" status >/dev/null || fail "the instance's supervisor is unreachable after a second one was refused"
 
 out=$("$PIPELINE" stop)
 expect_grep "instance $INSTANCE stopped .*logs kept in $RUN_DIR" "$out" "stop's message"

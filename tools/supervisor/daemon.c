@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
@@ -140,6 +141,7 @@ static int supervise(const struct sup_config *cfg, int notify_fd)
 	struct sup sup = {.cfg = cfg, .sigfd = -1, .started_ns = now_ns()};
 	char err[512];
 	int status = SUP_EXIT_FAIL;
+	int lock_fd = -1;
 
 	/* kv-store, ssd-loader, the runners, then http-api: the start order. */
 	int n_runners = cfg->n_ranks > 1 ? cfg->n_ranks : 1;
@@ -158,6 +160,22 @@ static int supervise(const struct sup_config *cfg, int notify_fd)
 	if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0)
 		log_warn("cannot become a child subreaper (%s): a wrapper's orphans go to init", strerror(errno));
 
+
+	/* One supervisor a run directory, for its whole life: a second one (two runs at once, which
+	 * the script's start lock does not see) would bind over the first's sockets and remove them
+	 * on its way out, leaving the first running where no command finds it. */
+	char lock_path[PATH_MAX];
+	snprintf(lock_path, sizeof(lock_path), "%s/%s.lock", cfg->run_dir, SUP_NAME);
+	lock_fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+	if (lock_fd < 0) {
+		snprintf(err, sizeof(err), "cannot open %.400s: %s", lock_path, strerror(errno));
+		goto out_argv;
+	}
+	if (flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+		snprintf(err, sizeof(err), "another supervisor runs for %.400s (it holds %s.lock): stop it first, or "
+			 "pick another --instance", cfg->run_dir, SUP_NAME);
+		goto out_argv;
+	}
 
 	static const struct service_ops ops = {.stats = stats_json};
 	sup.svc = service_create(SUP_NAME, cfg->run_dir, &ops, &sup);
@@ -247,6 +265,8 @@ out_service:
 out_argv:
 	for (int i = 0; i < sup.n; i++)
 		free_argv(&sup.s[i]);
+	if (lock_fd >= 0)
+		close(lock_fd); /* the lock goes with it (the file stays: removing it would race a new one) */
 	if (status != SUP_EXIT_OK) {
 		log_error("%s", err);
 		notify_parent(&notify_fd, err);
