@@ -16,6 +16,13 @@ out=$("$BIN/pipeline-supervisor" --instance "$INSTANCE" --run-dir "$RUN_DIR" --b
 ((rc != 0)) || fail "a second supervisor of the instance ran: $out"
 expect_grep "another supervisor runs for" "$out" "a second supervisor: the message"
 "$PIPELINE" status >/dev/null || fail "the instance's supervisor is unreachable after a second one was refused"
+# cleanup beside a live supervisor: refused, its files left (it removed them, and the supervisor
+# ran on unreachable).
+rc=0
+out=$("$BIN/pipeline-supervisor" cleanup --instance "$INSTANCE" --run-dir "$RUN_DIR" 2>&1) || rc=$?
+((rc != 0)) || fail "cleanup beside a live supervisor succeeded: $out"
+expect_grep "a supervisor runs for" "$out" "cleanup beside a live supervisor: the message"
+"$PIPELINE" status >/dev/null || fail "the instance's supervisor is unreachable after a refused cleanup"
 
 out=$("$PIPELINE" stop)
 expect_grep "instance $INSTANCE stopped .*logs kept in $RUN_DIR" "$out" "stop's message"
@@ -61,6 +68,22 @@ both=$(cat "$IT_TMP/start1" "$IT_TMP/start2")
 expect_grep "being started by another command|already running" "$both" "two starts at once: the refused one"
 "$PIPELINE" status >/dev/null || fail "the instance after two starts at once does not run"
 "$PIPELINE" stop >/dev/null
+
+# A stop while a start is under way (start.args is written once the start holds its lock): it
+# waits for the start to end and then stops what it started, nothing left (it used to stop beside
+# the start, which left a supervisor running where no command found it).
+"$PIPELINE" start --model "$MODEL" >"$IT_TMP/start3" 2>&1 &
+p3=$!
+args_written() { [[ -e $RUN_DIR/start.args ]]; }
+wait_until 30 "the start under way" args_written
+rc=0
+out=$("$PIPELINE" stop 2>&1) || rc=$?
+wait "$p3" || fail "the start the stop waited for failed: $(cat "$IT_TMP/start3")"
+expect_eq "$rc" 0 "a stop while a start is under way: its exit status ($out)"
+expect_nothing_left "a stop while a start was under way"
+rc=0
+"$PIPELINE" status >/dev/null 2>&1 || rc=$?
+((rc != 0)) || fail "the instance runs after a stop that waited for its start"
 expect_nothing_left "stop after two starts at once"
 
 # A killed service leaves its shared state: stop removes that too.
