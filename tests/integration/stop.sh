@@ -84,6 +84,17 @@ expect_nothing_left "a stop while a start was under way"
 rc=0
 "$PIPELINE" status >/dev/null 2>&1 || rc=$?
 ((rc != 0)) || fail "the instance runs after a stop that waited for its start"
+
+# PIPELINE_STOP_TIMEOUT as start takes it: checked as stop checks it, before anything starts (a bad
+# one, exit 2), and 0 taken (the supervisor refused it and start failed with status 1).
+rc=0
+out=$(PIPELINE_STOP_TIMEOUT=soon "$PIPELINE" start --model "$MODEL" 2>&1) || rc=$?
+expect_eq "$rc" 2 "start with PIPELINE_STOP_TIMEOUT=soon: its exit status ($out)"
+expect_grep "PIPELINE_STOP_TIMEOUT=soon" "$out" "start with PIPELINE_STOP_TIMEOUT=soon: the message"
+[[ -z $(instance_pids) ]] || fail "start with a bad PIPELINE_STOP_TIMEOUT left processes: $(instance_pids)"
+PIPELINE_STOP_TIMEOUT=0 "$PIPELINE" start --model "$MODEL" >/dev/null || fail "start with PIPELINE_STOP_TIMEOUT=0 failed"
+"$PIPELINE" stop >/dev/null
+expect_nothing_left "an instance started with PIPELINE_STOP_TIMEOUT=0"
 expect_nothing_left "stop after two starts at once"
 
 # A killed service leaves its shared state: stop removes that too.
