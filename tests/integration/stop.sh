@@ -95,6 +95,20 @@ expect_grep "PIPELINE_STOP_TIMEOUT=soon" "$out" "start with PIPELINE_STOP_TIMEOU
 PIPELINE_STOP_TIMEOUT=0 "$PIPELINE" start --model "$MODEL" >/dev/null || fail "start with PIPELINE_STOP_TIMEOUT=0 failed"
 "$PIPELINE" stop >/dev/null
 expect_nothing_left "an instance started with PIPELINE_STOP_TIMEOUT=0"
+
+# The supervisor stopped by SIGTERM itself (as systemd stops it) while a service is stopped
+# (SIGSTOP): the service is continued with its SIGTERM, so the stop takes seconds, not the stop
+# timeout, and what the services leave is removed as a client's stop removes it.
+PIPELINE_STOP_TIMEOUT=60 "$PIPELINE" start --model "$MODEL" >/dev/null
+kv_pid=$(sup_field kv-store pid)
+sup_pid=$(cat "$RUN_DIR/supervisor.pid")
+kill -STOP "$kv_pid"
+t0=$SECONDS
+kill -TERM "$sup_pid"
+sup_gone() { ! kill -0 "$sup_pid" 2>/dev/null; }
+wait_until 30 "the supervisor's own stop with kv-store stopped" sup_gone
+((SECONDS - t0 < 30)) || fail "the supervisor's own stop took $((SECONDS - t0)) s (the stop timeout is 60)"
+expect_nothing_left "the supervisor's own stop"
 expect_nothing_left "stop after two starts at once"
 
 # A killed service leaves its shared state: stop removes that too.

@@ -90,6 +90,7 @@ void stop_step(struct sup *sup, uint64_t now)
 			} else {
 				log_info("stopping %s (pid %d, %s) with SIGTERM", v->name, v->pid, svc_state_names[v->state]);
 				svc_signal(v, SIGTERM);
+				svc_signal(v, SIGCONT); /* a stopped one takes its SIGTERM only once continued */
 			}
 		} else if (v->shutdown_pending) {
 			struct msg rep;
@@ -100,6 +101,7 @@ void stop_step(struct sup *sup, uint64_t now)
 				v->shutdown_pending = false;
 				log_warn("%s (pid %d) did not acknowledge MSG_SHUTDOWN: SIGTERM", v->name, v->pid);
 				svc_signal(v, SIGTERM);
+				svc_signal(v, SIGCONT); /* stopped (SIGSTOP), it could not answer either */
 			}
 			msg_free(&rep);
 		}
