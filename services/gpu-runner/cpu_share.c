@@ -125,8 +125,9 @@ int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen)
 	pc.threads = r->cpu_threads ? (uint32_t)r->cpu_threads : allowed > keep ? allowed - keep : 1;
 	if (r->cpu_threads && allowed > keep && pc.threads > allowed - keep)
 		log_warn("cpu share: --cpu-threads %u is more than the %u CPUs left beside the runner's thread%s: "
-			 "workers %u and on share those CPUs, where a preempted worker holds up its job",
-			 pc.threads, allowed - keep, keep > 1 ? " and the handoff's dispatcher" : "", allowed - keep);
+			 "workers %u and on share those %u CPUs, where a preempted worker holds up its job",
+			 pc.threads, allowed - keep, keep > 1 ? " and the handoff's dispatcher" : "", allowed - keep,
+			 allowed - keep);
 	/* With the GPU, a decode token hands the pool a job per split FFN (or a layer's experts) with
 	 * the GPU's part of a layer in between, 0.1-0.3 ms (P1 on an H200 host: 140 us a layer): workers
 	 * that slept there were woken one futex call each at every job. They keep polling through such

@@ -368,8 +368,13 @@ int task_pool_create(const struct task_pool_config *cfg, struct task_pool **out,
 		w->pool = p;
 		w->index = i;
 		int cpu = -1;
-		if (cfg->pin)
-			cpu = cfg->cpus ? cfg->cpus[i % cfg->n_cpus] : list[(cfg->cpu_offset + i) % n_allowed];
+		/* More workers than CPUs after the offset: they wrap within those, never onto the first
+		 * cpu_offset CPUs (the caller's own threads, which a worker there would preempt). */
+		if (cfg->pin && cfg->cpus)
+			cpu = cfg->cpus[i % cfg->n_cpus];
+		else if (cfg->pin)
+			cpu = cfg->cpu_offset < n_allowed ? list[cfg->cpu_offset + i % (n_allowed - cfg->cpu_offset)]
+							  : list[i % n_allowed];
 		atomic_init(&w->cpu, cpu);
 	}
 	for (uint32_t i = 0; i < threads; i++) {

@@ -90,7 +90,8 @@ struct task_pool_config {
 	uint32_t threads;	 /* workers, 1..TASK_POOL_MAX_THREADS; 0: one per CPU left after cpu_offset */
 	const int *cpus;	 /* NULL, or n_cpus CPU numbers: worker i is pinned to cpus[i % n_cpus] */
 	uint32_t n_cpus;
-	uint32_t cpu_offset;	 /* with cpus NULL: skip the first cpu_offset CPUs sched_getaffinity allows */
+	uint32_t cpu_offset;	 /* with cpus NULL: skip the first cpu_offset CPUs sched_getaffinity allows
+				  * (more workers than the rest wrap within the rest) */
 	bool pin;		 /* pin workers (a failure to pin is logged, not fatal) */
 	uint32_t spin_us;	 /* an idle worker polls this long before it sleeps; 0 sleeps at once */
 	uint32_t queue_capacity; /* queued parts, a power of two; 0: 4096 */

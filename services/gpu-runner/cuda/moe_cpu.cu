@@ -267,6 +267,7 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 			m->wait_ns_gone += ss.wait_ns;
 		}
 		ffn_share_destroy(&cj->share);
+		cj->per = 0; /* none now: a failed create is tried again by the next expert of the slot */
 		int rc = ffn_share_create(dim, m->F, FFN_SPLIT_MAX_TOKENS, per, &cj->share, why, sizeof(why));
 		if (rc)
 			return cuda_failf(be, rc, "cuda backend: expert %u on the CPU: %s", expert, why);

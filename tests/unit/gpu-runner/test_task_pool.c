@@ -766,6 +766,22 @@ START_TEST(test_config)
 	ck_assert_uint_eq(st.pinned, 2);
 	task_pool_destroy(&p);
 
+	/* More workers than the CPUs after the offset: they wrap within those, never onto the CPUs
+	 * the offset keeps (the runner's thread, the handoff's dispatcher). */
+	if (n_allowed >= 2) {
+		int last = -1;
+		for (int cpu = 0; cpu < CPU_SETSIZE; cpu++)
+			if (CPU_ISSET(cpu, &allowed))
+				last = cpu;
+		task_pool_config_default(&cfg);
+		cfg.threads = 3;
+		cfg.cpu_offset = n_allowed - 1;
+		ck_assert_int_eq(task_pool_create(&cfg, &p, err, sizeof(err)), 0);
+		for (uint32_t i = 0; i < 3; i++)
+			ck_assert_int_eq(task_pool_worker_cpu(p, i), last);
+		task_pool_destroy(&p);
+	}
+
 	/* A CPU that cannot be had: logged, the worker runs unpinned, the pool works. */
 	if (unallowed >= 0) {
 		task_pool_config_default(&cfg);
