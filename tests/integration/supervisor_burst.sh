@@ -83,4 +83,23 @@ out=$("$PIPELINE" stop 2>&1) || rc=$?
 ((rc == 0)) || fail "stop with the supervisor gone and the wrapped loader stopped: exit status $rc: $out"
 proc_gone "$loader" || fail "the stopped loader under its wrapper (pid $loader) survived stop"
 expect_nothing_left "after stop without the supervisor"
+
+# Failures slower than the window counts: the loader fails 1.5 s after each start, the window is
+# 1 s and the limit 2, so no two restarts fall in one window. Restarts in a row that end before
+# HELLO count too: given up after two (it used to restart for ever).
+cat >"$IT_TMP/slow" <<'WRAP'
+#!/bin/sh
+sleep 1.5
+echo "slow: failing on purpose" >&2
+exit 3
+WRAP
+chmod +x "$IT_TMP/slow"
+rc=0
+out=$(PIPELINE_WRAP_SSD_LOADER=$IT_TMP/slow "$PIPELINE" start --model "$MODEL" \
+	--supervisor-opt=--burst-limit=2 --supervisor-opt=--burst-window-s=1 2>&1) || rc=$?
+((rc == 1)) || fail "start with a loader that fails slowly: exit status $rc, want 1: $out"
+expect_grep 'ssd-loader failed: gave up after 2 restarts in a row, each ended before it answered HELLO' "$out" \
+	"start's report of the slowly failing loader"
+expect_nothing_left "after the start with a slowly failing loader"
+log "$(grep -o 'ssd-loader failed: gave up after 2 restarts in a row[^;]*' <<<"$out")"
 log "ok"

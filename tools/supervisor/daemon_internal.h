@@ -74,6 +74,8 @@ struct svc {
 	char last_error[512];
 	uint64_t history_ms[MAX_HISTORY]; /* when each counted restart was decided, for the burst limit */
 	uint32_t n_history;
+	uint32_t failed_starts; /* starts in a row that ended before HELLO (0 once one comes up): the
+				 * limit for failures slower than the window can count */
 	uint64_t restart_at_ns; /* restarting: when to launch */
 
 	/* readiness: HELLO over a DEALER, never blocking the loop */

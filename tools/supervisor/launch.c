@@ -139,10 +139,13 @@ static int64_t restart_delay(const struct sup_config *cfg, struct svc *v, uint64
 		if (now_ms - v->history_ms[i] < window)
 			v->history_ms[k++] = v->history_ms[i];
 	v->n_history = k;
-	if (k >= (uint32_t)cfg->burst_limit)
+	/* Starts that never came up count too, however far apart (a runner that loads for longer than
+	 * the window divided by the limit and then fails would otherwise restart for ever). */
+	if (k >= (uint32_t)cfg->burst_limit || v->failed_starts > (uint32_t)cfg->burst_limit)
 		return -1;
+	const uint32_t level = k > v->failed_starts ? k : v->failed_starts;
 	uint64_t d = (uint64_t)cfg->backoff_min_ms;
-	for (uint32_t i = 0; i < k && d < (uint64_t)cfg->backoff_max_ms; i++)
+	for (uint32_t i = 0; i < level && d < (uint64_t)cfg->backoff_max_ms; i++)
 		d *= 2;
 	if (d > (uint64_t)cfg->backoff_max_ms)
 		d = (uint64_t)cfg->backoff_max_ms;
@@ -285,8 +288,14 @@ static void svc_failure(struct sup *sup, struct svc *v, bool permanent)
 		}
 		char last[sizeof(v->last_error)];
 		snprintf(last, sizeof(last), "%s", v->last_error);
-		snprintf(v->last_error, sizeof(v->last_error), "gave up after %u restarts within %ld s; the last: %.400s",
-			 v->n_history, sup->cfg->burst_window_s, last);
+		if (v->n_history >= (uint32_t)sup->cfg->burst_limit)
+			snprintf(v->last_error, sizeof(v->last_error),
+				 "gave up after %u restarts within %ld s; the last: %.400s", v->n_history,
+				 sup->cfg->burst_window_s, last);
+		else
+			snprintf(v->last_error, sizeof(v->last_error),
+				 "gave up after %u restarts in a row, each ended before it answered HELLO; the last: %.400s",
+				 v->failed_starts - 1, last);
 	}
 	v->state = SVC_FAILED;
 	log_error("%s failed: %s", v->name, v->last_error);
@@ -359,6 +368,7 @@ static void on_child_exit(struct sup *sup, struct svc *v, int status)
 		break;
 	}
 	log_warn("%s (pid %d) %s%s", v->name, pid, sentence, before_ready ? " before it answered HELLO" : "");
+	v->failed_starts = before_ready ? v->failed_starts + 1 : 0;
 	/* A service that never came up and says, by its exit, that it refuses this command line (1: a
 	 * failure at start, 2: a bad flag), or could not be run at all, would only refuse again. */
 	bool refusal = v->exec_failed || why == KILL_HELLO_ERROR ||

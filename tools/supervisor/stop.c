@@ -35,6 +35,7 @@ static void request_restart(struct sup *sup, struct svc *v, uint64_t now)
 	case SVC_STOPPED:
 		/* Asked for by the operator: the burst limit starts over. */
 		v->n_history = 0;
+		v->failed_starts = 0;
 		svc_launch(sup, v, "restart asked for");
 		return;
 	}
