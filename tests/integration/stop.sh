@@ -96,6 +96,13 @@ PIPELINE_STOP_TIMEOUT=0 "$PIPELINE" start --model "$MODEL" >/dev/null || fail "s
 "$PIPELINE" stop >/dev/null
 expect_nothing_left "an instance started with PIPELINE_STOP_TIMEOUT=0"
 
+# A stop with a shorter stop timeout than the instance was started with waits as long as the
+# instance's own stops may take (its status says how long): the status carries it.
+PIPELINE_STOP_TIMEOUT=40 "$PIPELINE" start --model "$MODEL" >/dev/null
+expect_eq "$(sup_status | jq -r .supervisor.stop_timeout_s)" 40 "the status's stop_timeout_s"
+"$PIPELINE" stop >/dev/null
+expect_nothing_left "a stop of an instance started with PIPELINE_STOP_TIMEOUT=40"
+
 # The supervisor stopped by SIGTERM itself (as systemd stops it) while a service is stopped
 # (SIGSTOP): the service is continued with its SIGTERM, so the stop takes seconds, not the stop
 # timeout, and what the services leave is removed as a client's stop removes it.

@@ -388,6 +388,25 @@ bool sup_wait_exit(int pid, long timeout_ms)
 	return true;
 }
 
+long sup_client_stop_timeout(const char *run_dir, long fallback_s)
+{
+	struct conn k;
+	if (conn_open(&k, run_dir) != 0)
+		return fallback_s;
+	int rc = 0;
+	char err[256];
+	json_t *st = fetch_status(&k, 1000, &rc, err, sizeof(err)); /* one that does not answer soon: ours */
+	conn_close(&k);
+	long t = fallback_s;
+	if (st) {
+		const long long got = int_field(json_object_get(st, "supervisor"), "stop_timeout_s", 0);
+		if (got > t && got <= 86400)
+			t = (long)got;
+		json_decref(st);
+	}
+	return t;
+}
+
 int sup_client_stop_supervisor(const char *run_dir, int pid, long timeout_s)
 {
 	char err[256];

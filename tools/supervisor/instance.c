@@ -308,8 +308,11 @@ int sup_instance_stop(const char *instance, const char *run_dir, long stop_timeo
 				n++;
 			}
 		}
-		/* Each service its stop timeout, one after the other, and some to spare. */
-		if (sup_client_stop_supervisor(run_dir, sup_pid, (n > 3 ? n : 3) * stop_timeout_s + 20) != 0) {
+		/* Each service its stop timeout, one after the other, and some to spare: the longer of
+		 * this command's and the one the instance was started with (its own stops wait that long,
+		 * and a shorter wait here killed it half way through them). */
+		const long t = sup_client_stop_timeout(run_dir, stop_timeout_s);
+		if (sup_client_stop_supervisor(run_dir, sup_pid, (n > 3 ? n : 3) * t + 20) != 0) {
 			fprintf(stderr, "pipeline-supervisor: the supervisor (pid %d) did not stop the instance in time; "
 					"killing it\n",
 				sup_pid);

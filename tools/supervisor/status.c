@@ -81,6 +81,7 @@ char *stats_json(void *ctx)
 	json_object_set_new(me, "hang_ms", json_integer((json_int_t)(hang_ns(sup) / NS_PER_MS)));
 	json_object_set_new(me, "burst_limit", json_integer(cfg->burst_limit));
 	json_object_set_new(me, "burst_window_s", json_integer(cfg->burst_window_s));
+	json_object_set_new(me, "stop_timeout_s", json_integer(cfg->stop_timeout_s));
 	json_object_set_new(top, "supervisor", me);
 	json_t *services = json_object();
 	for (int i = 0; i < sup->n; i++)

@@ -156,6 +156,9 @@ int sup_instance_stop(const char *instance, const char *run_dir, long stop_timeo
  * header names it): that is another instance of the same name in another run directory, whose
  * objects a failed start must not take away. Logs stay. Returns 0. */
 int sup_instance_cleanup(const char *instance, const char *run_dir);
+/* The live supervisor's stop timeout (its status's stop_timeout_s) where longer than fallback_s,
+ * else fallback_s (also where it does not answer). */
+long sup_client_stop_timeout(const char *run_dir, long fallback_s);
 
 /* ---- shared by both sides ---- */
 
