@@ -66,4 +66,26 @@ expect_eq "$out" "$(cat "$RUN_DIR/supervisor.pid")" "the supervisor's pid with t
 
 "$PIPELINE" stop
 expect_nothing_left "after stop"
+
+# A restart of the runner while its peers still come up (it is not launched yet): the request
+# launches it, and restart says so with status 0 (it waited for a restart count that a first
+# launch does not move, and failed after its timeout though the runner was up).
+cat >"$IT_TMP/slow" <<'WRAP'
+#!/bin/sh
+sleep 2
+exec "$@"
+WRAP
+chmod +x "$IT_TMP/slow"
+PIPELINE_WRAP_SSD_LOADER=$IT_TMP/slow "$PIPELINE" start --model "$MODEL" >"$IT_TMP/start" 2>&1 &
+sp=$!
+runner_waits() { [[ $(sup_field gpu-runner launches) == 0 ]]; }
+wait_until 20 "a supervisor whose runner waits for its peers" runner_waits
+rc=0
+out=$("$PIPELINE" restart gpu-runner 2>&1) || rc=$?
+expect_eq "$rc" 0 "restart of a runner not launched yet: its exit status ($out)"
+expect_grep "gpu-runner (started|restarted)" "$out" "restart of a runner not launched yet"
+wait "$sp" || fail "the start beside the restart failed: $(cat "$IT_TMP/start")"
+"$PIPELINE" status >/dev/null || fail "status after a restart of a runner not launched yet"
+"$PIPELINE" stop >/dev/null
+expect_nothing_left "after the last stop"
 log "ok"

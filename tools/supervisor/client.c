@@ -475,7 +475,9 @@ int sup_client_restart(const char *run_dir, const char *service, long timeout_s)
 		status = SUP_EXIT_NO_SERVICE;
 		goto out_conn;
 	}
-	long long before = int_field(o, "restarts", 0), old_pid = int_field(o, "pid", 0);
+	/* Launches, not restarts: a service not launched yet (a runner while its peers come up) is
+	 * launched by the request without its restart count moving. */
+	long long before = int_field(o, "launches", 0), old_pid = int_field(o, "pid", 0);
 	json_decref(j);
 
 	snprintf(marker, sizeof(marker), "%s/%s.restart", run_dir, service);
@@ -506,9 +508,9 @@ int sup_client_restart(const char *run_dir, const char *service, long timeout_s)
 		missed = 0;
 		o = service_obj(j, service);
 		const char *state = str_field(o, "state", "");
-		long long restarts = int_field(o, "restarts", 0), pid = int_field(o, "pid", 0);
-		bool done = taken && restarts > before && !strcmp(state, "up");
-		bool failed = taken && restarts > before && !strcmp(state, "failed");
+		long long launches = int_field(o, "launches", 0), pid = int_field(o, "pid", 0);
+		bool done = taken && launches > before && !strcmp(state, "up");
+		bool failed = taken && launches > before && !strcmp(state, "failed");
 		if (done) {
 			if (old_pid)
 				printf("%s restarted (pid %lld -> %lld)\n", service, old_pid, pid);

@@ -50,6 +50,7 @@ static json_t *svc_json(const struct sup *sup, const struct svc *v, uint64_t now
 	json_object_set_new(o, "health", json_string(svc_health(sup, v, now)));
 	json_object_set_new(o, "uptime_s", v->pid ? json_seconds(now - v->started_ns) : json_null());
 	json_object_set_new(o, "restarts", json_integer(v->restarts));
+	json_object_set_new(o, "launches", json_integer(v->launches));
 	json_object_set_new(o, "last_exit", v->last_exit[0] ? json_string(v->last_exit) : json_null());
 	json_object_set_new(o, "last_error", v->last_error[0] ? json_string(v->last_error) : json_null());
 	json_object_set_new(o, "epoch", v->state == SVC_UP ? json_string(epoch) : json_null());
