@@ -117,11 +117,34 @@ int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen)
 	uint32_t allowed = sched_getaffinity(0, sizeof(set), &set) == 0 ? (uint32_t)CPU_COUNT(&set) : 1;
 	struct task_pool_config pc;
 	task_pool_config_default(&pc);
+	/* Several runners on this host (--ranks, each run with the same flags): each takes its own
+	 * slice of the CPUs allowed, rank r the r-th of --ranks, so that their workers are not pinned
+	 * two and more a CPU (a preempted worker holds up its job). */
+	int slice[CPU_SETSIZE];
+	bool sliced = false;
+	if (r->ranks > 1 && allowed >= (uint32_t)r->ranks) {
+		const uint32_t per = allowed / (uint32_t)r->ranks, first = (uint32_t)r->rank * per;
+		uint32_t n = 0, at = 0;
+		for (int c = 0; c < CPU_SETSIZE && n < per; c++)
+			if (CPU_ISSET(c, &set) && at++ >= first)
+				slice[n++] = c;
+		CPU_ZERO(&set);
+		for (uint32_t i = 0; i < n; i++)
+			CPU_SET(slice[i], &set);
+		allowed = n;
+		sliced = true;
+	}
 	/* The first CPU allowed stays with the runner's own thread (it drives the stream), the second
 	 * with the handoff's dispatcher on the CUDA backend (it spins while a handoff is in flight): a
 	 * worker sharing a CPU with either is preempted and holds up its job. */
 	const uint32_t keep = cpu_backend ? 1 : 2;
 	pc.cpu_offset = allowed > keep ? keep : 0;
+	if (sliced) {
+		/* This rank's slice as the workers' CPUs, its first keep left to its own threads. */
+		pc.cpus = slice + pc.cpu_offset;
+		pc.n_cpus = allowed - pc.cpu_offset;
+		pc.cpu_offset = 0;
+	}
 	pc.threads = r->cpu_threads ? (uint32_t)r->cpu_threads : allowed > keep ? allowed - keep : 1;
 	if (r->cpu_threads && allowed > keep && pc.threads > allowed - keep)
 		log_warn("cpu share: --cpu-threads %u is more than the %u CPUs left beside the runner's thread%s: "
@@ -139,8 +162,9 @@ int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen)
 	if (rc)
 		return errorf(err, errlen, rc, "cpu share: %s", why);
 	char share[32];
-	log_info("cpu share %s: %u worker threads, %u CPUs allowed",
-		 cpu_share_text(&r->cpu_share, share, sizeof(share)), task_pool_threads(r->cpu_pool), allowed);
+	log_info("cpu share %s: %u worker threads, %u CPUs allowed%s",
+		 cpu_share_text(&r->cpu_share, share, sizeof(share)), task_pool_threads(r->cpu_pool), allowed,
+		 sliced ? " (this rank's slice of the host's)" : "");
 	return cpu_backend ? plan_cpu_backend(r, err, errlen) : 0;
 }
 

@@ -155,4 +155,16 @@ if [[ $BACKEND == cpu ]]; then
 fi
 out=$("$PIPELINE" start --model "$MODEL" --ranks 9 2>&1) && fail "--ranks 9 was taken"
 expect_grep 'ranks takes 1 to 8' "$out" "--ranks 9's refusal"
+
+# Runners of one host with a CPU share: each pins its workers to a slice of the CPUs of its own
+# (every rank pinned its workers to the same CPUs, two and more a CPU).
+if [[ $BACKEND == cpu ]] && (($(nproc) >= 2)); then
+	"$PIPELINE" start --model "$MODEL" --backend cpu --cpu-share 0.5 --ranks 2 >/dev/null
+	expect_words 8 "$(generate --tokens "$PROMPT" -n 8)" "tokens of two ranks with a CPU share"
+	for log_file in "$RUN_DIR/gpu-runner.log" "$RUN_DIR/gpu-runner-1.log"; do
+		expect_grep "cpu share .*this rank's slice of the host's" "$(cat "$log_file")" "$(basename "$log_file")"
+	done
+	"$PIPELINE" stop >/dev/null
+	expect_nothing_left "after two ranks with a CPU share"
+fi
 log "ok"
