@@ -786,6 +786,18 @@ static bool answer_early(struct server *s, struct MHD_Connection *c, const char 
 	return false;
 }
 
+/* answer_early, and the request marked answered with the status queued where it was. */
+static bool answered_early(struct server *s, struct MHD_Connection *c, const char *url, const char *method,
+			   struct request_state *rs, enum MHD_Result *ret)
+{
+	queued_status = 0;
+	if (!answer_early(s, c, url, method, rs, ret))
+		return false;
+	rs->answered = true;
+	rs->status = queued_status;
+	return true;
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
 				  const char *version, const char *upload, size_t *upload_size, void **con_cls)
 {
@@ -811,23 +823,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 			return MHD_YES;
 		}
 		enum MHD_Result ret;
-		queued_status = 0;
-		if (answer_early(s, c, url, method, rs, &ret)) {
-			rs->answered = true;
-			rs->status = queued_status;
-			return ret;
-		}
-		return MHD_YES;
+		return answered_early(s, c, url, method, rs, &ret) ? ret : MHD_YES;
 	}
 	if (rs->deferred && !*upload_size) {
 		rs->deferred = false;
 		enum MHD_Result ret;
-		queued_status = 0;
-		if (answer_early(s, c, url, method, rs, &ret)) {
-			rs->answered = true;
-			rs->status = queued_status;
+		if (answered_early(s, c, url, method, rs, &ret))
 			return ret;
-		}
 		/* A POST without a body: on as any other (its empty body is refused there). */
 	}
 	if (*upload_size) {

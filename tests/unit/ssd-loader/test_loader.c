@@ -524,21 +524,44 @@ START_TEST(undelivered_grant_takes_no_ref)
 }
 END_TEST
 
+/* A fresh tiny model of 2 layers under /tmp, its manifest and an all-resident plan. */
+struct scratch {
+	char *dir, *model;
+	struct manifest *m;
+	struct plan *p;
+};
+
+static void scratch_open(struct scratch *x)
+{
+	char err[512];
+	x->dir = th_tmpdir("/tmp");
+	x->model = lt_make_model(x->dir, 2);
+	x->m = lt_load(x->model);
+	x->p = NULL;
+	ck_assert_msg(plan_create(x->m, 1ull << 34, &x->p, err, sizeof(err)) == 0, "%s", err);
+}
+
+static void scratch_close(struct scratch *x)
+{
+	plan_destroy(&x->p);
+	manifest_destroy(&x->m);
+	th_rmtree(x->dir);
+	free(x->model);
+	free(x->dir);
+}
+
 START_TEST(ring_ready_only_when_told)
 {
 	/* ring_create lays the ring out but leaves it unready: the loader fills in the plan's disk
 	 * figures first, and an attach before then is told to try again (EAGAIN), never shown 0s. */
-	char *dir = th_tmpdir("/tmp");
-	char *model = lt_make_model(dir, 2);
-	struct manifest *m = lt_load(model);
+	struct scratch x;
+	scratch_open(&x);
 	char err[512], name[128];
-	struct plan *p = NULL;
-	ck_assert_msg(plan_create(m, 1ull << 34, &p, err, sizeof(err)) == 0, "%s", err);
 	char inst[64];
 	snprintf(inst, sizeof(inst), "test-ring-%d", (int)getpid());
 	ck_assert_int_eq(shm_object_name(inst, "weights", name, sizeof(name)), 0);
 	struct shm_object *o = NULL, *a = NULL;
-	ck_assert_msg(ring_create(name, m, p, &o, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(ring_create(name, x.m, x.p, &o, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(shm_object_attach(name, SHM_KIND_WEIGHT_RING, WRING_LAYOUT_VERSION, false, &a), -EAGAIN);
 	struct wring_header *h = shm_object_base(o);
 	h->plan.disk_bytes_per_s = 1234;
@@ -547,11 +570,7 @@ START_TEST(ring_ready_only_when_told)
 	ck_assert_uint_eq(((const struct wring_header *)shm_object_base(a))->plan.disk_bytes_per_s, 1234);
 	shm_object_close(&a, false);
 	shm_object_close(&o, true);
-	plan_destroy(&p);
-	manifest_destroy(&m);
-	th_rmtree(dir);
-	free(model);
-	free(dir);
+	scratch_close(&x);
 }
 END_TEST
 
@@ -560,9 +579,9 @@ START_TEST(file_rewritten_before_open_refused)
 	/* The checkpoint rewritten in place after its header was read and before the loader opened
 	 * it, its modification time put back (as cp -p and rsync -t do): refused at the start with
 	 * ESTALE, not loaded as the layout and hash of the file that was read. */
-	char *dir = th_tmpdir("/tmp");
-	char *model = lt_make_model(dir, 2);
-	struct manifest *m = lt_load(model);
+	struct scratch x;
+	scratch_open(&x);
+	struct manifest *m = x.m;
 	struct stat st;
 	ck_assert_int_eq(stat(m->files[0].path, &st), 0);
 	int fd = open(m->files[0].path, O_WRONLY);
@@ -572,8 +591,7 @@ START_TEST(file_rewritten_before_open_refused)
 	ck_assert_int_eq(futimens(fd, times), 0);
 	close(fd);
 	char err[512];
-	struct plan *p = NULL;
-	ck_assert_msg(plan_create(m, 1ull << 34, &p, err, sizeof(err)) == 0, "%s", err);
+	struct plan *p = x.p;
 	const uint64_t size = ring_memsize(m, p);
 	void *mem = aligned_alloc(4096, ALIGN_UP(size, 4096));
 	ck_assert_ptr_nonnull(mem);
@@ -586,11 +604,7 @@ START_TEST(file_rewritten_before_open_refused)
 	ck_assert_ptr_null(l);
 	ck_assert_msg(strstr(err, m->files[0].path) && strstr(err, "changed after its header was read"), "%s", err);
 	free(mem);
-	plan_destroy(&p);
-	manifest_destroy(&m);
-	th_rmtree(dir);
-	free(model);
-	free(dir);
+	scratch_close(&x);
 }
 END_TEST
 
