@@ -246,12 +246,6 @@ static int supervise(const struct sup_config *cfg, int notify_fd)
 	service_poll_once(sup.svc, 0);
 	log_info("every service is stopped: exiting");
 	status = SUP_EXIT_OK;
-	/* What the services left (one killed after its stop timeout leaves its sockets and shared
-	 * memory), removed as a client's stop would: the lock let go first (cleanup refuses beside a
-	 * live supervisor's). */
-	close(lock_fd);
-	lock_fd = -1;
-	sup_instance_cleanup(cfg->instance, cfg->run_dir);
 	unlink(sup.pid_path);
 	for (int i = 0; i < sup.n; i++) {
 		char path[PATH_MAX];
@@ -271,6 +265,11 @@ out_service:
 out_argv:
 	for (int i = 0; i < sup.n; i++)
 		free_argv(&sup.s[i]);
+	/* What the services left (one killed after its stop timeout leaves its sockets and shared
+	 * memory), removed as a client's stop would, the lock still held so that no new supervisor
+	 * starts among the files (its own sockets are gone with the service above). */
+	if (status == SUP_EXIT_OK)
+		sup_instance_cleanup_locked(cfg->instance, cfg->run_dir);
 	if (lock_fd >= 0)
 		close(lock_fd); /* the lock goes with it (the file stays: removing it would race a new one) */
 	if (status != SUP_EXIT_OK) {

@@ -37,6 +37,7 @@ static void svc_mark_up(struct sup *sup, struct svc *v, const struct msg_hello_r
 {
 	v->state = SVC_UP;
 	v->ever_up = true;
+	v->failed_starts = 0; /* it came up: the starts before it are no run of failures now */
 	v->up_ns = now;
 	v->epoch = h->epoch;
 	v->service_pid = (int)h->pid;

@@ -378,33 +378,31 @@ static bool atomic_leftover(const char *name)
 	       (base == strlen(KV_SPILL_RECORD) && !strncmp(name, KV_SPILL_RECORD, base));
 }
 
-/* The cleanup's end: the supervisor's lock let go (-1: none was taken). */
-static int cleanup_done(int lock_fd)
-{
-	if (lock_fd >= 0)
-		close(lock_fd);
-	return SUP_EXIT_OK;
-}
-
 int sup_instance_cleanup(const char *instance, const char *run_dir)
 {
-	static const char *const suffixes[] = {"pid", "pid.tmp", "ctl", "pub", "restart"};
-	char path[PATH_MAX];
 	/* A live supervisor holds its lock (daemon.c): its files and its services' are not ours to
 	 * remove (it would run on where no command finds it). Held while the files go, so that no
 	 * supervisor starts among them. */
+	char path[PATH_MAX];
 	snprintf(path, sizeof(path), "%s/%s.lock", run_dir, SUP_NAME);
 	const int lock_fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
-	if (lock_fd >= 0 && flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
-		const bool held = errno == EWOULDBLOCK;
+	if (lock_fd >= 0 && flock(lock_fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
 		close(lock_fd);
-		if (held) {
-			fprintf(stderr, "pipeline-supervisor: a supervisor runs for %s (it holds %s.lock): its files are "
-					"left as they are; stop it first\n",
-				run_dir, SUP_NAME);
-			return SUP_EXIT_FAIL;
-		}
+		fprintf(stderr, "pipeline-supervisor: a supervisor runs for %s (it holds %s.lock): its files are left "
+				"as they are; stop it first\n",
+			run_dir, SUP_NAME);
+		return SUP_EXIT_FAIL;
 	}
+	sup_instance_cleanup_locked(instance, run_dir);
+	if (lock_fd >= 0)
+		close(lock_fd); /* the lock, where it was had, goes with it */
+	return SUP_EXIT_OK;
+}
+
+void sup_instance_cleanup_locked(const char *instance, const char *run_dir)
+{
+	static const char *const suffixes[] = {"pid", "pid.tmp", "ctl", "pub", "restart"};
+	char path[PATH_MAX];
 	for (int i = -1; i < SUP_MAX_SERVICES; i++) {
 		char name[32] = SUP_NAME;
 		if (i >= 0)
@@ -435,10 +433,10 @@ int sup_instance_cleanup(const char *instance, const char *run_dir)
 
 	char prefix[SHM_NAME_MAX];
 	if (shm_object_name(instance, "", prefix, sizeof(prefix)) != 0)
-		return cleanup_done(lock_fd); /* no object of an instance of that name fits a name either */
+		return; /* no object of an instance of that name fits a name either */
 	DIR *d = opendir("/dev/shm");
 	if (!d)
-		return cleanup_done(lock_fd);
+		return;
 	struct dirent *e;
 	while ((e = readdir(d)) != NULL) {
 		/* Object names hold no '-': a remainder with one belongs to an instance whose name
@@ -458,5 +456,5 @@ int sup_instance_cleanup(const char *instance, const char *run_dir)
 		shm_unlink(name);
 	}
 	closedir(d);
-	return cleanup_done(lock_fd);
+	return;
 }

@@ -143,7 +143,9 @@ static int64_t restart_delay(const struct sup_config *cfg, struct svc *v, uint64
 	 * the window divided by the limit and then fails would otherwise restart for ever). */
 	if (k >= (uint32_t)cfg->burst_limit || v->failed_starts > (uint32_t)cfg->burst_limit)
 		return -1;
-	const uint32_t level = k > v->failed_starts ? k : v->failed_starts;
+	/* failed_starts counts this failure too (k the restarts before it): one less, the same steps. */
+	const uint32_t f = v->failed_starts ? v->failed_starts - 1 : 0;
+	const uint32_t level = k > f ? k : f;
 	uint64_t d = (uint64_t)cfg->backoff_min_ms;
 	for (uint32_t i = 0; i < level && d < (uint64_t)cfg->backoff_max_ms; i++)
 		d *= 2;
@@ -368,7 +370,8 @@ static void on_child_exit(struct sup *sup, struct svc *v, int status)
 		break;
 	}
 	log_warn("%s (pid %d) %s%s", v->name, pid, sentence, before_ready ? " before it answered HELLO" : "");
-	v->failed_starts = before_ready ? v->failed_starts + 1 : 0;
+	if (before_ready)
+		v->failed_starts++; /* reset when it answers HELLO (health.c) or a restart is asked for */
 	/* A service that never came up and says, by its exit, that it refuses this command line (1: a
 	 * failure at start, 2: a bad flag), or could not be run at all, would only refuse again. */
 	bool refusal = v->exec_failed || why == KILL_HELLO_ERROR ||

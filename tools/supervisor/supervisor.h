@@ -145,7 +145,8 @@ int sup_instance_live_pid(const char *run_dir, const char *name);
  * them runs, 1 when none does. */
 int sup_instance_ps(const char *run_dir);
 /* Stops the instance, whatever runs of it: the supervisor (sup_client_stop_supervisor, waiting
- * 3 x stop_timeout_s + 20 s, SIGKILL after that), then each service still running without one,
+ * 3 x the longer of stop_timeout_s and the instance's own stop timeout, + 20 s, SIGKILL after
+ * that), then each service still running without one,
  * in stop order, down the stop ladder; a service's socket without its pid file gets MSG_SHUTDOWN.
  * Then sup_instance_cleanup. Prints the name of each process it found running, one a line (the
  * supervisor and what it supervised, then what ran without it). 0, or 1 when one survived SIGKILL. */
@@ -154,8 +155,11 @@ int sup_instance_stop(const char *instance, const char *run_dir, long stop_timeo
  * start.args, a dead kv-store's kv-spill.bin; and its shared-memory objects
  * (/dev/shm/llmp-<uid>-<instance>-<object>), except one a live process owns (common/shm.h's
  * header names it): that is another instance of the same name in another run directory, whose
- * objects a failed start must not take away. Logs stay. Returns 0. */
+ * objects a failed start must not take away. Logs stay. Returns 0; 1 (nothing removed) where a
+ * live supervisor holds run_dir's supervisor.lock, which is held while the files go. */
 int sup_instance_cleanup(const char *instance, const char *run_dir);
+/* The same without the lock's check: for the one holding it (the supervisor at its exit). */
+void sup_instance_cleanup_locked(const char *instance, const char *run_dir);
 /* The live supervisor's stop timeout (its status's stop_timeout_s) where longer than fallback_s,
  * else fallback_s (also where it does not answer). */
 long sup_client_stop_timeout(const char *run_dir, long fallback_s);
