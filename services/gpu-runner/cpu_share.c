@@ -128,9 +128,6 @@ int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen)
 		for (int c = 0; c < CPU_SETSIZE && n < per; c++)
 			if (CPU_ISSET(c, &set) && at++ >= first)
 				slice[n++] = c;
-		CPU_ZERO(&set);
-		for (uint32_t i = 0; i < n; i++)
-			CPU_SET(slice[i], &set);
 		allowed = n;
 		sliced = true;
 	}
