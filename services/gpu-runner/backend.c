@@ -688,10 +688,10 @@ bool backend_moe_expert_used(struct backend *be, uint32_t expert)
 	return be->impl->compute->moe_expert_used(be->dev, expert);
 }
 
-void backend_moe_settle(struct backend *be)
+void backend_settle(struct backend *be)
 {
-	if (be->impl->compute->moe_settle)
-		be->impl->compute->moe_settle(be->dev);
+	if (be->impl->compute->settle)
+		be->impl->compute->settle(be->dev);
 }
 
 int backend_moe_check(struct backend *be)

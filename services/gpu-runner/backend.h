@@ -334,9 +334,11 @@ int backend_moe_layer(struct backend *be, const struct group_weights *w, uint32_
 int backend_moe_layer_chosen(struct backend *be, uint32_t layer, uint32_t *ids);
 /* Experts the CUDA backend's pool computes at once (moe_expert_cpu waits for the oldest beyond it). */
 #define BACKEND_MOE_CPU_JOBS 8
-/* After a failed step: waits for the experts the CPU still computes (they read host memory that
- * may go away once the step has failed). Safe at any time; the next moe_route starts afresh. */
-void backend_moe_settle(struct backend *be);
+/* After a failed step: waits for the CPU work the step handed over (the experts the CPU still
+ * computes, which read host memory that may go away once the step has failed; a split FFN's
+ * share) and forgets its results and failures, so that none is taken for the next step's. Safe at
+ * any time; the next moe_route starts afresh. */
+void backend_settle(struct backend *be);
 /* At the end of a step that went well: waits for the experts the CPU computed whose results the
  * device took without the host (the CUDA backend, one token: the stream waits for them) and
  * returns 0, or the first of them that failed (-errno, message in backend_error): the step's

@@ -44,8 +44,9 @@ struct backend_compute_ops {
 	bool (*moe_expert_used)(struct backend_dev *d, uint32_t expert);
 	/* Optional: default -ENOTSUP (no experts on the CPU). */
 	int (*moe_expert_cpu)(struct backend_dev *d, const struct group_weights *w, uint32_t expert);
-	/* Optional (with moe_expert_cpu): waits for the experts the CPU still computes. */
-	void (*moe_settle)(struct backend_dev *d);
+	/* Optional: after a failed step, waits for the CPU work it handed over (experts, a split FFN's
+	 * share) and forgets that work's results and failures. */
+	void (*settle)(struct backend_dev *d);
 	/* Optional (default 0): waits for the CPU's experts whose results the stream takes without the
 	 * host and returns the first failure among them. */
 	int (*moe_check)(struct backend_dev *d);

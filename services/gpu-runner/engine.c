@@ -547,8 +547,8 @@ static int forward_groups(struct engine *e, const struct engine_seq *seqs, uint3
 	if (rc == 0 && e->cfg->n_experts && (rc = backend_moe_check(e->be)) != 0)
 		set_err(e, rc, "experts: %s", backend_error(e->be));
 	moe_dev_done(e, rc == 0);
-	if (rc && e->cfg->n_experts)
-		backend_moe_settle(e->be);
+	if (rc)
+		backend_settle(e->be);
 	e->step_failed = rc != 0;
 	if (rc == 0 && decode && out) {
 		e->out_ns = now_ns();

@@ -929,6 +929,13 @@ static int cuda_finish(struct backend_dev *be)
 	return finish_step(be, "stage");
 }
 
+/* backend.h's settle: a failed step's CPU work, the experts' and the split FFNs'. */
+static void cuda_settle(struct backend_dev *be)
+{
+	moe_settle(be);
+	ffn_split_settle(be);
+}
+
 static const struct backend_compute_ops cuda_compute = {
 	cuda_embed,		/* embed */
 	cuda_attn_begin,	/* attn_begin */
@@ -944,7 +951,7 @@ static const struct backend_compute_ops cuda_compute = {
 	moe_end,		/* moe_end */
 	moe_expert_used,	/* moe_expert_used */
 	moe_expert_cpu,		/* moe_expert_cpu */
-	moe_settle,		/* moe_settle */
+	cuda_settle,		/* settle */
 	moe_check_step,		/* moe_check */
 	moe_layer_experts,	/* moe_layer_experts */
 	moe_layer,		/* moe_layer */

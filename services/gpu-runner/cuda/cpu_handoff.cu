@@ -698,6 +698,18 @@ int cpu_handoff_check(struct cpu_handoff *h, char *err, size_t errlen)
 	return rc;
 }
 
+int cpu_handoff_settle(struct cpu_handoff *h, char *err, size_t errlen)
+{
+	if (h->broken)
+		return 0;
+	/* Every submit has its wait queued behind it (ffn_split pairs them), so once the stream is
+	 * through, every job has stored its word, and job_done ran before that store. */
+	cudaError_t e = cudaStreamSynchronize(h->stream);
+	if (e != cudaSuccess)
+		return errorf(err, errlen, -EIO, "cpu handoff: settle: the stream ended with %s", cudaGetErrorString(e));
+	return cpu_handoff_check(h, err, errlen);
+}
+
 void cpu_handoff_get_stats(const struct cpu_handoff *ch, struct cpu_handoff_stats *out)
 {
 	struct cpu_handoff *h = (struct cpu_handoff *)ch;

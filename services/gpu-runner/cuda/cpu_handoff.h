@@ -162,6 +162,10 @@ int cpu_handoff_wait(struct cpu_handoff *h, uint64_t seq, void *d_out, char *err
  * it once the stream has passed the waits of the step (after the host's synchronisation). A
  * broken handoff returns -EIO with its first message every time. */
 int cpu_handoff_check(struct cpu_handoff *h, char *err, size_t errlen);
+/* After a step that failed on the way (the host never waited for it): waits for the stream and so
+ * for every job handed over (their waits are queued), then returns and forgets their first
+ * failure as cpu_handoff_check does. Not for the token path. A broken handoff is left broken (0). */
+int cpu_handoff_settle(struct cpu_handoff *h, char *err, size_t errlen);
 void cpu_handoff_get_stats(const struct cpu_handoff *h, struct cpu_handoff_stats *out);
 enum cpu_handoff_mode cpu_handoff_mode(const struct cpu_handoff *h);
 

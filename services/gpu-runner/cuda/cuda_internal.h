@@ -652,6 +652,9 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w);
 /* After the host synchronised with the stream: a CPU share that failed since the last check
  * fails the step here (-errno, message in be->err). */
 int ffn_split_check(struct backend_dev *be);
+/* After a failed step: its CPU shares waited for (the stream run out) and their failures
+ * forgotten (logged), so that the next step's check does not report them. */
+void ffn_split_settle(struct backend_dev *be);
 /* The CPU share's counters (backend_get_cpu_share_stats). */
 void ffn_split_stats(struct backend_dev *be, struct backend_cpu_share_stats *out);
 

@@ -139,6 +139,15 @@ int ffn_split_check(struct backend_dev *be)
 	return rc ? cuda_failf(be, rc, "cuda backend: ffn: the CPU share failed: %s", msg) : 0;
 }
 
+void ffn_split_settle(struct backend_dev *be)
+{
+	if (!be->handoff)
+		return;
+	char msg[CPU_HANDOFF_ERR_MAX];
+	if (cpu_handoff_settle(be->handoff, msg, sizeof(msg)) != 0)
+		log_warn("cuda backend: ffn: a failed step's CPU share had failed too: %s", msg);
+}
+
 /* The timed split FFN's events, once the stream has passed them. Never waits. */
 static void harvest(struct backend_dev *be)
 {

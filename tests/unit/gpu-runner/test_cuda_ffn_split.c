@@ -217,7 +217,8 @@ static void run_open(struct run *r, struct tmodel *m, const char *name, struct t
 }
 
 /* One step over tokens[0..n) at pos; the last token's logits into out. Returns the logits' rc. */
-static int run_step(struct run *r, const int32_t *tok, uint32_t n, uint32_t pos, float *out)
+/* The first `layers` layers of a step (no logits: the host never waits for it). */
+static int run_layers(struct run *r, const int32_t *tok, uint32_t n, uint32_t pos, uint32_t layers)
 {
 	struct tmodel *m = r->m;
 	uint32_t dst_block[CHUNK], dst_row[CHUNK], seq[CHUNK], ps[CHUNK];
@@ -228,7 +229,7 @@ static int run_step(struct run *r, const int32_t *tok, uint32_t n, uint32_t pos,
 	}
 	struct backend_batch b = {.n = n, .tokens = tok, .pos = ps, .seq = seq};
 	RUN_OK(r, backend_embed(r->be, &m->embed, &b));
-	for (uint32_t l = 0; l < 2; l++) {
+	for (uint32_t l = 0; l < layers; l++) {
 		for (uint32_t i = 0; i < n; i++) {
 			dst_block[i] = l * (MAX_CTX / BT) + (pos + i) / BT;
 			dst_row[i] = (pos + i) % BT;
@@ -245,7 +246,13 @@ static int run_step(struct run *r, const int32_t *tok, uint32_t n, uint32_t pos,
 			f = n == 1 || r->cpu_in_prefill ? &r->cpu[l] : &r->backend[l];
 		RUN_OK(r, backend_ffn(r->be, f));
 	}
-	return backend_logits(r->be, r->device ? &m->d_head : &m->h_head, out);
+	return 0;
+}
+
+static int run_step(struct run *r, const int32_t *tok, uint32_t n, uint32_t pos, float *out)
+{
+	int rc = run_layers(r, tok, n, pos, 2);
+	return rc ? rc : backend_logits(r->be, r->device ? &r->m->d_head : &r->m->h_head, out);
 }
 
 /* The sequence on the reference (whole FFNs) and on CUDA split at r; the worst step's error.
@@ -371,6 +378,36 @@ START_TEST(test_cpu_share_failure)
 }
 END_TEST
 
+/* A step that fails on the way after its CPU share failed (as a step fails when a service goes
+ * away between layers): settled as the engine settles it, the share's failure is not the next
+ * step's, which computes. */
+START_TEST(test_cpu_share_failure_settled)
+{
+	struct tmodel *m = model_new(DT_BF16);
+	struct task_pool *pool = pool_new(4);
+	struct run cu;
+	run_open(&cu, m, "cuda", pool, BACKEND_HANDOFF_DEFAULT, NULL);
+	for (uint32_t l = 0; l < 2; l++)
+		split_groups(m, l, m->cfg.ffn_dim / 2, &cu.cpu[l], &cu.backend[l]);
+	float *out = malloc(m->cfg.vocab_size * sizeof(float));
+	ck_assert_ptr_nonnull(out);
+	int32_t tok[4] = {3, 9, 27, 81};
+	char err[256] = "";
+	RUN_OK(&cu, run_step(&cu, tok, 1, 0, out));
+	/* Layer 0's job of the next step fails; the step ends after layer 0, its logits never asked. */
+	ck_assert_msg(cuda_test_fail_cpu_share(cu.be, 1, err, sizeof(err)) == 0, "%s", err);
+	RUN_OK(&cu, run_layers(&cu, tok + 1, 1, 1, 1));
+	backend_settle(cu.be);
+	/* The same position again, as a retried request would. */
+	RUN_OK(&cu, run_step(&cu, tok + 1, 1, 1, out));
+	RUN_OK(&cu, run_step(&cu, tok + 2, 1, 2, out));
+	backend_destroy(&cu.be);
+	task_pool_destroy(&pool);
+	free(out);
+	model_free(&m);
+}
+END_TEST
+
 /* A CPU share on a backend made without a pool is refused. */
 START_TEST(test_cpu_share_without_pool)
 {
@@ -403,6 +440,7 @@ static Suite *suite(void)
 	tc = tcase_create("errors");
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_cpu_share_failure);
+	tcase_add_test(tc, test_cpu_share_failure_settled);
 	tcase_add_test(tc, test_cpu_share_without_pool);
 	suite_add_tcase(s, tc);
 	return s;

@@ -170,7 +170,7 @@ static void run_open(struct run *r, struct tmodel *m, const char *name, struct t
 static int step_rc(struct run *r, int rc)
 {
 	if (rc && r->device)
-		backend_moe_settle(r->be);
+		backend_settle(r->be);
 	return rc;
 }
 
