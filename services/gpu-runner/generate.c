@@ -390,6 +390,11 @@ int gen_seq_advance(struct gen_seq *g, uint32_t n, float *logits, int32_t token,
 			return 0;
 		g->res.prefill_ms = (double)(now_ns() - g->t0) / 1e6;
 		int lrc = g->p.on_logits ? g->p.on_logits(g->ctx, g->n_prompt - 1, logits, g->cfg->vocab_size) : 0;
+		if (lrc == -ECANCELED) {
+			g->res.reason = "cancelled";
+			g->state = GS_DONE;
+			return 0;
+		}
 		if (lrc) {
 			snprintf(err, errlen, "sending the prompt's logits failed");
 			g->state = GS_DONE;

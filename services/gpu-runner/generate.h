@@ -37,8 +37,9 @@ enum gen_emit {
 
 /* Called with each new token (index counts from 0). */
 typedef enum gen_emit (*gen_emit_fn)(void *ctx, uint32_t index, int32_t token);
-/* Called once with the logits of the last prompt position (vocab_size floats). Non-zero
- * return: the request fails with that -errno. */
+/* Called once with the logits of the last prompt position (vocab_size floats). -ECANCELED: the
+ * client went away, and the request ends "cancelled" with no token, as GEN_CANCEL ends it; another
+ * non-zero return: the request fails with that -errno. */
 typedef int (*gen_logits_fn)(void *ctx, uint32_t position, const float *logits, uint32_t n);
 
 #define GEN_MAX_REBUILDS 8

@@ -118,7 +118,14 @@ static int send_logits(void *ctx, uint32_t position, const float *logits, uint32
 	m.logits.values.len = n * (uint32_t)sizeof(float);
 	int rc = service_reply(j->r->svc, &j->peer, &m);
 	j->logits_sent = true;
-	return rc == -EHOSTUNREACH ? rc : 0;
+	if (rc == -EHOSTUNREACH) {
+		/* As a client gone between tokens: cancelled, not a failure (which would have both peers
+		 * checked, and the window and the engine made anew, before the next request). */
+		log_warn("the client of request %llu went away before its prompt's logits: cancelling it",
+			 (unsigned long long)j->corr);
+		return -ECANCELED;
+	}
+	return 0;
 }
 
 /* Prefill is done: weight-copy timing from here on measures decode alone. */

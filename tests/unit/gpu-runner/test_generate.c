@@ -268,6 +268,43 @@ START_TEST(test_resume_gives_the_uninterrupted_tokens)
 }
 END_TEST
 
+static int logits_rc;
+static uint32_t logits_calls;
+
+static int logits_fail(void *ctx, uint32_t position, const float *logits, uint32_t n)
+{
+	(void)ctx, (void)logits, (void)n;
+	ck_assert_uint_eq(position, PROMPT - 1);
+	logits_calls++;
+	return logits_rc;
+}
+
+/* The prompt's logits (GEN_LOGITS) to a client that went away: the request ends cancelled, no
+ * token computed or sent, and it is no failure (the runner would check its peers before the next
+ * request); any other failure to send them fails the request. */
+START_TEST(test_client_gone_at_the_logits_cancels)
+{
+	char err[512] = "";
+	struct gen_result res;
+	struct gen_params gp = {.max_new = NEW, .ignore_eos = true, .on_kv_failure = reconnect, .on_logits = logits_fail};
+	logits_rc = -ECANCELED;
+	logits_calls = 0;
+	memset(fx.out, 0xff, sizeof(fx.out));
+	int rc = generate_run(fx.e, fx.prompt, PROMPT, PROMPT + NEW + 1, &gp, keep, &fx.st, &res, err, sizeof(err));
+	ck_assert_msg(rc == 0, "%d %s", rc, err);
+	ck_assert_uint_eq(logits_calls, 1);
+	ck_assert_str_eq(res.reason, "cancelled");
+	ck_assert_uint_eq(res.n_generated, 0);
+	ck_assert_int_eq(fx.out[0], -1);
+	logits_rc = -EIO;
+	rc = generate_run(fx.e, fx.prompt, PROMPT, PROMPT + NEW + 1, &gp, keep, &fx.st, &res, err, sizeof(err));
+	ck_assert_int_eq(rc, -EIO);
+	ck_assert_msg(strstr(err, "logits"), "message: %s", err);
+	/* The next request computes. */
+	ck_assert_msg(request(err, sizeof(err)) == 0, "%s", err);
+}
+END_TEST
+
 /* engine_step_stats: a request's decode steps (one after the first token, which the prompt's step
  * gives) and the host's time between each and the next; a pause longer than ENGINE_STEPS_APART_MS
  * before the next request is not counted as time between steps. */
@@ -318,6 +355,7 @@ static Suite *generate_suite(void)
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, test_resume_gives_the_uninterrupted_tokens);
 	tcase_add_test(tc, test_decode_steps_counted);
+	tcase_add_test(tc, test_client_gone_at_the_logits_cancels);
 	suite_add_tcase(s, tc);
 	return s;
 }
