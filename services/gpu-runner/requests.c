@@ -395,7 +395,7 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 		j->stop[i] = g->stop_ids.v[i] > INT32_MAX ? -1 : (int32_t)g->stop_ids.v[i];
 	j->params = (struct gen_params){
 		.max_new = (uint32_t)g->max_new,
-		.sampling = {.temperature = (float)g->temperature, .top_k = g->top_k > UINT32_MAX ? 0 : (uint32_t)g->top_k,
+		.sampling = {.temperature = sampler_temperature(g->temperature), .top_k = g->top_k > UINT32_MAX ? 0 : (uint32_t)g->top_k,
 			     .top_p = g->top_p == 0 ? 1.0f : (float)g->top_p, .seed = g->seed, .min_p = (float)g->min_p},
 		.repetition_penalty = (float)g->repetition_penalty,
 		.ignore_eos = (g->flags & GEN_IGNORE_EOS) != 0,

@@ -29,6 +29,19 @@ struct sampler_params {
 
 struct sampler;
 
+/* Temperatures below this are greedy (sampler_temperature): 1 / T in float32, as a backend
+ * scales the logits on the device, overflows for T under about 3e-39, and a logit of 100 scaled
+ * by 1 / T does under 3e-37; the host's double would still draw. Below 1e-6 the draw is the
+ * greedy pick anyway, but for logits closer together than a millionth of their size. */
+#define SAMPLER_GREEDY_BELOW 1e-6
+
+/* A request's temperature as sampler_params take it: 0 (greedy) below SAMPLER_GREEDY_BELOW, so
+ * that host and device pick alike. */
+static inline float sampler_temperature(double t)
+{
+	return t < SAMPLER_GREEDY_BELOW ? 0.0f : (float)t;
+}
+
 /* Returns NULL on allocation failure or vocab == 0. */
 struct sampler *sampler_create(const struct sampler_params *p, uint32_t vocab);
 void sampler_destroy(struct sampler **s);

@@ -445,7 +445,7 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 		{"no-bos", OPT_BOOL, &a->no_bos, NULL, "with --prompt: no BOS token first"},
 		{"ids", OPT_BOOL, &a->print_ids, NULL, "with --prompt/--chat: print token ids, not text"},
 		{"max-new", OPT_INT, &a->max_new, "16", "tokens to generate (short: -n N)"},
-		{"temperature", OPT_DOUBLE, &a->temperature, "0", "sampling temperature; 0 is greedy"},
+		{"temperature", OPT_DOUBLE, &a->temperature, "0", "sampling temperature; 0 (or under 1e-6) is greedy"},
 		{"top-k", OPT_INT, &a->top_k, "0", "sample among the k most likely tokens; 0 is off"},
 		{"top-p", OPT_DOUBLE, &a->top_p, "1", "sample within cumulative probability p; 1 is off"},
 		{"seed", OPT_INT, &a->seed, "0", "seed of the sampler"},

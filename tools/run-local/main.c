@@ -73,7 +73,7 @@ int main(int argc, char **argv)
 		{"model", OPT_STRING, &model, NULL, "checkpoint: a Hugging Face directory or a GGUF file (required)"},
 		{"tokens", OPT_STRING, &tokens_text, NULL, "prompt token ids, comma separated (required)"},
 		{"max-new", OPT_INT, &max_new, "16", "tokens to generate (also -n)"},
-		{"temperature", OPT_DOUBLE, &temperature, "0", "sampling temperature; 0 is greedy"},
+		{"temperature", OPT_DOUBLE, &temperature, "0", "sampling temperature; 0 (or under 1e-6) is greedy"},
 		{"top-k", OPT_INT, &top_k, "0", "keep the k most likely tokens; 0 is off"},
 		{"top-p", OPT_DOUBLE, &top_p, "1", "keep the most likely tokens up to this mass; 1 is off"},
 		{"min-p", OPT_DOUBLE, &min_p, "0", "drop tokens less likely than this times the likeliest; 0 is off"},
@@ -169,7 +169,7 @@ int main(int argc, char **argv)
 		goto out;
 	}
 	struct gen_params gp = {.max_new = (uint32_t)max_new,
-				.sampling = {.temperature = (float)temperature, .top_k = (uint32_t)top_k,
+				.sampling = {.temperature = sampler_temperature(temperature), .top_k = (uint32_t)top_k,
 					     .top_p = (float)top_p, .seed = (uint64_t)seed, .min_p = (float)min_p},
 				.repetition_penalty = (float)repetition_penalty,
 				.ignore_eos = ignore_eos,

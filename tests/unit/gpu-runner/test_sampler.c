@@ -434,6 +434,21 @@ START_TEST(test_temperature_scaling)
 }
 END_TEST
 
+/* A request's temperature under SAMPLER_GREEDY_BELOW is greedy (1 / T overflows float32 where a
+ * backend scales on the device); from it on, the temperature as given. */
+START_TEST(test_tiny_temperature_is_greedy)
+{
+	ck_assert(sampler_temperature(1e-39) == 0.0f);
+	ck_assert(sampler_temperature(1e-7) == 0.0f);
+	ck_assert(sampler_temperature(0) == 0.0f);
+	ck_assert(sampler_temperature(1e-6) == (float)1e-6);
+	ck_assert(sampler_temperature(0.8) == 0.8f);
+	/* Its float32 reciprocal is finite, and so is a large logit scaled by it. */
+	float inv_t = 1.0f / sampler_temperature(SAMPLER_GREEDY_BELOW);
+	ck_assert(isfinite(inv_t) && isfinite(1e30f * inv_t));
+}
+END_TEST
+
 START_TEST(test_masked_tokens_never_drawn)
 {
 	float l[6] = {-INFINITY, 1.0f, NAN, 1.0f, -INFINITY, 0.0f};
@@ -550,6 +565,7 @@ int main(void)
 	tc = tcase_create("distribution");
 	tcase_add_test(tc, test_frequencies_temperature_one);
 	tcase_add_test(tc, test_temperature_scaling);
+	tcase_add_test(tc, test_tiny_temperature_is_greedy);
 	tcase_add_test(tc, test_masked_tokens_never_drawn);
 	tcase_add_test(tc, test_infinite_logits);
 	suite_add_tcase(s, tc);
