@@ -177,7 +177,7 @@ bool runner_wait_beat(void *ctx)
 
 static void no_answer(struct runner *r, const char *peer, int deadline_ms, char *err, size_t errlen)
 {
-	snprintf(err, errlen, "%s did not answer at %s/%s.ctl within %d s", peer, r->run_dir, peer, deadline_ms / 1000);
+	snprintf(err, errlen, "%s did not answer at %s/%s.ctl within %g s", peer, r->run_dir, peer, deadline_ms / 1000.0);
 }
 
 /* HELLO to peer over client c, afresh (the client reset first), waiting up to deadline_ms.
@@ -188,10 +188,13 @@ static int hello_peer(struct runner *r, struct rpc_client *c, const char *peer, 
 {
 	rpc_client_reset(c);
 	int rc = rpc_wait_ready(c, hello, deadline_ms);
-	if (rc) {
+	if (rc == -EREMOTEIO) {
+		/* It answered, with an error (a protocol version it does not speak, say): say that. */
+		snprintf(err, errlen, "%s refused the runner's HELLO: %.*s", peer, (int)hello->error.text.len,
+			 hello->error.text.p ? hello->error.text.p : "");
+		msg_free(hello);
+	} else if (rc) {
 		no_answer(r, peer, deadline_ms, err, errlen);
-		if (rc == -EREMOTEIO)
-			msg_free(hello);
 	}
 	return rc;
 }
