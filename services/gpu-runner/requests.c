@@ -247,7 +247,11 @@ void runner_job_reply(struct runner *r, struct job *j, int rc, const struct gen_
 	m.gen_done.decode_ms = res->decode_ms;
 	m.gen_done.text.p = (char *)tail;
 	m.gen_done.text.len = (uint32_t)tail_len;
-	service_reply(r->svc, &j->peer, &m);
+	const int src = service_reply(r->svc, &j->peer, &m);
+	if (src)
+		log_warn("request %llu: its end could not be sent to its client (%s): %s",
+			 (unsigned long long)j->corr, res->reason,
+			 src == -EAGAIN ? "it has not read its earlier replies" : strerror(-src));
 	r->prompt_tokens += res->n_prompt;
 	r->tokens_generated += res->n_generated - (res->n_generated >= j->params.n_done ? j->params.n_done : 0);
 	r->prefill_ms += res->prefill_ms;
