@@ -78,6 +78,9 @@ enum gen_emit runner_job_emit(void *ctx, uint32_t index, int32_t token)
 			m.token.text.len = (uint32_t)len;
 		}
 	}
+	/* A run resumed from here (a stage that died as the request ended) ends as this one did. */
+	if (hit)
+		j->params.done_stop_string = true;
 	ring_source_count_token(r->ring);
 	trim_retired(r);
 	if (j->n_emitted == j->cap_emitted) {
@@ -272,6 +275,28 @@ void runner_between_requests(struct runner *r)
 	runner_expert_rate(r);	  /* the CPU's experts weighed at the rate they ran at */
 }
 
+/* The job's text stream made again over r->tok, fed the tokens sent so far (nothing sent): a
+ * reconnection to the loader in the middle of a request loads the tokenizer anew, and the old
+ * stream's decoder points into the one it freed. */
+static int job_text_again(struct runner *r, struct job *j, char *err, size_t errlen)
+{
+	if (!j->ts)
+		return 0;
+	text_stream_destroy(&j->ts);
+	if (!r->tok) {
+		snprintf(err, errlen, "the loader's tokenizer went away under the request");
+		return -EPROTO;
+	}
+	int rc = text_stream_create(r->tok, j->stop_strings, j->stop_strings_len, &j->ts, err, errlen);
+	for (uint32_t i = 0; rc == 0 && i < j->n_emitted; i++) {
+		const char *piece;
+		size_t len;
+		bool hit = false;
+		(void)text_stream_push(j->ts, j->emitted[i], &piece, &len, &hit);
+	}
+	return rc;
+}
+
 static void run_job(struct runner *r, struct job *j)
 {
 	char err[1024] = "";
@@ -298,6 +323,11 @@ static void run_job(struct runner *r, struct job *j)
 			if (runner_ensure_connections(r, 0, why, sizeof(why)) != 0) {
 				size_t k = strlen(err);
 				snprintf(err + k, sizeof(err) - k, "; the stages did not form again: %.480s", why);
+				break;
+			}
+			if ((rc = job_text_again(r, j, why, sizeof(why))) != 0) {
+				size_t k = strlen(err);
+				snprintf(err + k, sizeof(err) - k, "; its text after the stages formed again: %.480s", why);
 				break;
 			}
 			j->params.done = j->emitted;
