@@ -56,9 +56,7 @@ int tok_parse_decoder(struct loader *L, const json_t *d, const char *where, bool
 	case DEC_REPLACE: {
 		const char *from, *to;
 		size_t from_len, to_len, ul;
-		rc = tok_get_string_pattern(L, d, where, &from, &from_len);
-		if (!rc)
-			rc = tok_get_str(L, d, where, "content", true, &to, &to_len);
+		rc = tok_get_replace(L, d, where, &from, &from_len, &to, &to_len);
 		if (rc)
 			return rc;
 		/* After Fuse the replacement sees the whole text; per token is the same only when the
@@ -217,6 +215,13 @@ int tok_precompute_decoded(struct loader *L)
 	struct tokenizer *t = L->t;
 	struct buf a = {0}, b = {0}, tmp = {0};
 	int rc = 0;
+	/* The decoded pieces grow a few bytes over the pieces at most in real files (a byte-level
+	 * character of two bytes decodes to one, a "\u2581" of three to a space); a decoder that
+	 * makes them many times longer is refused before it takes the memory. */
+	uint64_t pieces = 0, decoded = 0;
+	for (uint32_t id = 0; id < t->n_ids; id++)
+		pieces += t->entries[id].kind == ENTRY_VOCAB ? t->entries[id].len : 0;
+	const uint64_t decoded_max = 4 * pieces + (1u << 20);
 	for (uint32_t id = 0; id < t->n_ids && !rc; id++) {
 		struct entry *e = &t->entries[id];
 		e->dec_off = e->off;
@@ -231,6 +236,14 @@ int tok_precompute_decoded(struct loader *L)
 		}
 		if (n == e->len && !memcmp(out, L->arena.p + e->off, n))
 			continue;
+		decoded += n;
+		if (decoded > decoded_max) {
+			rc = LERR(L, -EFBIG,
+				  "%s: the decoder makes the pieces over four times as long as they are (%llu bytes "
+				  "decoded by piece %u, from %llu bytes of pieces in all)",
+				  L->name, (unsigned long long)decoded, id, (unsigned long long)pieces);
+			break;
+		}
 		/* out may point into the arena (no decoder steps); copy before the arena grows. */
 		tmp.len = 0;
 		if (tok_buf_put(&tmp, out, n)) {

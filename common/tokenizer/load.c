@@ -74,6 +74,20 @@ int tok_get_string_pattern(struct loader *L, const json_t *obj, const char *wher
 	return 0;
 }
 
+int tok_get_replace(struct loader *L, const json_t *obj, const char *where, const char **from, size_t *from_len,
+		    const char **to, size_t *to_len)
+{
+	int rc = tok_get_string_pattern(L, obj, where, from, from_len);
+	if (!rc)
+		rc = tok_get_str(L, obj, where, "content", true, to, to_len);
+	if (rc)
+		return rc;
+	if (*from_len > TOK_REPLACE_MAX || *to_len > TOK_REPLACE_MAX)
+		return LERR(L, -EINVAL, "%s: %s replaces %zu bytes by %zu: at most %d bytes each", L->name, where,
+			    *from_len, *to_len, TOK_REPLACE_MAX);
+	return 0;
+}
+
 /* A Sequence step: obj.key must be a list, and parse(L, item, "where.key[i]", arg) takes each item
  * in turn; the first failure ends it. */
 int tok_parse_sequence(struct loader *L, const json_t *obj, const char *where, const char *key,

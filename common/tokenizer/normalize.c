@@ -44,9 +44,7 @@ int tok_parse_normalizer(struct loader *L, const json_t *n, const char *where)
 		if (!s->from)
 			return LERR(L, -ENOMEM, "%s: out of memory", L->name);
 	} else {
-		rc = tok_get_string_pattern(L, n, where, &from, &from_len);
-		if (!rc)
-			rc = tok_get_str(L, n, where, "content", true, &to, &to_len);
+		rc = tok_get_replace(L, n, where, &from, &from_len, &to, &to_len);
 		if (rc)
 			return rc;
 		s->kind = NORM_REPLACE;

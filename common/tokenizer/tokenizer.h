@@ -73,6 +73,10 @@ extern "C" {
 
 /* The largest token id a file may use: ids index arrays sized by the largest one. */
 #define TOK_MAX_ID ((1u << 24) - 1)
+/* The longest pattern or content of a Replace step (normalizer or decoder) a file may use: real
+ * files replace one character by another ("\u2581" and " "), and a long content multiplies what a
+ * text or a piece grows to (every piece is decoded at load). */
+#define TOK_REPLACE_MAX 64
 
 struct tokenizer;
 struct tok_decoder;

@@ -216,6 +216,9 @@ int tok_get_str(struct loader *L, const json_t *obj, const char *where, const ch
 		const char **out, size_t *len);
 int tok_get_type(struct loader *L, const json_t *obj, const char *where, const char **type);
 int tok_get_string_pattern(struct loader *L, const json_t *obj, const char *where, const char **s, size_t *n);
+/* A Replace step's String pattern and content, each at most TOK_REPLACE_MAX bytes. */
+int tok_get_replace(struct loader *L, const json_t *obj, const char *where, const char **from, size_t *from_len,
+		    const char **to, size_t *to_len);
 int tok_get_char(struct loader *L, const json_t *obj, const char *where, const char *key, const char *def,
 		 char out[8], size_t *len);
 int tok_get_prepend(struct loader *L, const json_t *obj, const char *where, enum prepend_scheme *out);

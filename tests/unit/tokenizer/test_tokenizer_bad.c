@@ -168,6 +168,34 @@ START_TEST(test_bad_files)
 							 " +", "content", "x"));
 	expect_bad(doc, -ENOTSUP, "Regex pattern is not supported");
 
+	/* A Replace's content is a character or two in real files; a long one multiplies a text. */
+	char long_content[TOK_REPLACE_MAX + 2];
+	memset(long_content, 'x', sizeof(long_content) - 1);
+	long_content[sizeof(long_content) - 1] = '\0';
+	doc = json_of(SP_LEGACY_JSON);
+	json_object_set_new(doc, "normalizer", json_pack("{s:s, s:{s:s}, s:s}", "type", "Replace", "pattern", "String",
+							 " ", "content", long_content));
+	expect_bad(doc, -EINVAL, "at most 64 bytes each");
+
+	/* A decoder that makes every piece 64 times longer: refused at load, where each piece is
+	 * decoded (300 pieces "a" .. "a" x 300 would take 2.9 MB for 45 KB of pieces; a larger file
+	 * the same way took gigabytes). */
+	char content[TOK_REPLACE_MAX + 1];
+	memset(content, 'x', TOK_REPLACE_MAX);
+	content[TOK_REPLACE_MAX] = '\0';
+	doc = json_of(SP_LEGACY_JSON);
+	json_object_set_new(doc, "decoder", json_pack("{s:s, s:[{s:s, s:{s:s}, s:s}]}", "type", "Sequence", "decoders",
+						      "type", "Replace", "pattern", "String", "a", "content", content));
+	json_t *vocab = json_object_get(MODEL(doc), "vocab");
+	size_t n_vocab = json_object_size(vocab);
+	char piece[301];
+	for (size_t k = 1; k <= 300; k++) {
+		memset(piece, 'a', k);
+		piece[k] = '\0';
+		json_object_set_new(vocab, piece, json_integer((json_int_t)(n_vocab + k)));
+	}
+	expect_bad(doc, -EFBIG, "over four times as long");
+
 	doc = json_of(SP_LEGACY_JSON);
 	json_object_set_new(doc, "decoder", json_pack("{s:s}", "type", "WordPiece"));
 	expect_bad(doc, -ENOTSUP, "decoder type WordPiece is not supported");
