@@ -61,4 +61,7 @@ expect_status 2 "--timeout 99999999: at most 2147483 seconds" --timeout 99999999
 expect_status 1 "gpu-runner of instance default is not running: no control socket" generate --tokens 1,2
 expect_status 1 "kv-store of instance default is not running" stats kv-store
 expect_status 1 "ssd-loader did not become ready in 1 s" wait-ready ssd-loader --timeout 1
+# wait-ready's own --timeout and --pid: past an int they waited without end, or watched init.
+expect_status 2 "--timeout at most 2147483 seconds" wait-ready ssd-loader --timeout 3000000 --pid 999999
+expect_status 2 "--pid at most 2147483647" wait-ready ssd-loader --timeout 1 --pid 4294967297
 log "ok"

@@ -353,6 +353,13 @@ int cmd_wait_ready(struct pipectl *p, int argc, char **argv)
 		fprintf(stderr, "pipectl: wait-ready: --timeout and --pid must not be negative\n");
 		return PIPECTL_EXIT_USAGE;
 	}
+	/* As the global --timeout (a wait in milliseconds past an int's range never ended); a pid past
+	 * an int's was cut to another process's (4294967297 to init, which is always there). */
+	if (timeout_s > PIPECTL_TIMEOUT_MAX_S || pid > INT_MAX) {
+		fprintf(stderr, "pipectl: wait-ready: --timeout at most %d seconds, --pid at most %d\n",
+			PIPECTL_TIMEOUT_MAX_S, INT_MAX);
+		return PIPECTL_EXIT_USAGE;
+	}
 	struct rpc_client *c = rpc_client_create(p->zctx, p->run_dir, service, "pipectl");
 	if (!c) {
 		fprintf(stderr, "pipectl: cannot open a client of %s in %s: %s\n", service, p->run_dir,
