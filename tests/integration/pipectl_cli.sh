@@ -56,6 +56,14 @@ done
 # A timeout of 0 (every call failed at once) or a directory for --tokens @FILE.
 expect_status 2 "--timeout must be at least 1 second" --timeout 0 ping kv-store
 expect_status 2 "--tokens @/: Is a directory" generate --tokens @/
+# @FILE: ids as `pipectl tokenize` writes them (white space, lines) reach the runner; a NUL byte
+# (the rest of the file was dropped) and an empty element are refused.
+printf '1 2 3\n4\t5\n' >"$IT_TMP/ids-spaced"
+printf '1,2\0,zzz' >"$IT_TMP/ids-nul"
+printf '1,\n,2' >"$IT_TMP/ids-empty"
+expect_status 1 "gpu-runner of instance default is not running" generate --tokens "@$IT_TMP/ids-spaced"
+expect_status 2 "holds a NUL byte" generate --tokens "@$IT_TMP/ids-nul"
+expect_status 2 "an empty element" generate --tokens "@$IT_TMP/ids-empty"
 # A timeout whose milliseconds pass an int (it wrapped into a wait without end).
 expect_status 2 "--timeout 99999999: at most 2147483 seconds" --timeout 99999999 ping kv-store
 expect_status 1 "gpu-runner of instance default is not running: no control socket" generate --tokens 1,2

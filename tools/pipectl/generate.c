@@ -397,6 +397,34 @@ static int read_text_file(const char *path, size_t max, char **out, size_t *len)
 	return 0;
 }
 
+/* A file's ids separated by commas, white space (as `pipectl tokenize` writes them, a line or
+ * several) or both, made into the comma-separated list pipectl_parse_ids takes, in place: a run of
+ * white space with at most one comma in it is one comma, and white space at either end goes. */
+static void ids_separators(char *s)
+{
+	size_t w = 0;
+	bool sep = false;
+	int commas = 0;
+	for (size_t r = 0; s[r]; r++) {
+		char c = s[r];
+		if (c == ',' || c == ' ' || c == '\t' || c == '\n' || c == '\r') {
+			sep = true;
+			commas += c == ',';
+			continue;
+		}
+		if (sep && (w > 0 || commas)) {
+			/* Two commas in a run keep their empty element, which the parser names. */
+			for (int k = 0; k < (commas > 1 ? commas : 1); k++)
+				s[w++] = ',';
+		}
+		sep = false;
+		commas = 0;
+		s[w++] = c;
+	}
+	if (commas > 0 || (w == 0 && sep))
+		s[w++] = ','; /* a trailing comma: the parser's empty element, as before */
+	s[w] = '\0';
+}
 
 /* The sampling and length options in their ranges, whatever the prompt is (ids, text or chat).
  * Returns 0 or PIPECTL_EXIT_USAGE after saying which. */
@@ -435,8 +463,8 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 	const char *tokens = NULL, *stop_ids = NULL;
 	struct opt opts[] = {
 		{"tokens", OPT_STRING, &tokens, NULL,
-		 "prompt token ids, comma separated: 1,2,3; @FILE reads them from FILE (for prompts too long "
-		 "for one argument)"},
+		 "prompt token ids, comma separated: 1,2,3; @FILE reads them from FILE, separated by commas or "
+		 "white space as `pipectl tokenize` writes them (for prompts too long for one argument)"},
 		{"prompt", OPT_STRING, &a->prompt, NULL, "prompt text (the runner tokenizes it, BOS first)"},
 		{"chat", OPT_STRING, &a->chat, NULL, "a user message, in the model's chat format"},
 		{"system", OPT_STRING, &a->system, NULL, "with --chat: a system message before it"},
@@ -541,8 +569,12 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 			fprintf(stderr, "pipectl: generate: --tokens %s: %s\n", tokens, strerror(-frc));
 			return PIPECTL_EXIT_USAGE;
 		}
-		while (len && (from_file[len - 1] == '\n' || from_file[len - 1] == ' ' || from_file[len - 1] == '\r'))
-			from_file[--len] = 0;
+		if (strlen(from_file) != len) {
+			fprintf(stderr, "pipectl: generate: --tokens %s holds a NUL byte\n", tokens);
+			free(from_file);
+			return PIPECTL_EXIT_USAGE;
+		}
+		ids_separators(from_file);
 		tokens = from_file;
 	}
 	int prc = pipectl_parse_ids(tokens, UINT32_MAX, &a->tokens, &a->n_tokens, err, sizeof(err));
