@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/utf8.h"
 #include "common/util.h"
 
 enum chat_format chat_format_of(const struct tokenizer *tok)
@@ -55,15 +56,46 @@ static int encode(const struct tokenizer *tok, const char *text, size_t len, uns
 	return 0;
 }
 
-/* Trims ASCII whitespace at both ends, as Jinja's trim does for the text the templates use. */
+/* Is code point c white space to Python's str.strip() (str.isspace), which Jinja's trim is? */
+static bool py_space(uint32_t c)
+{
+	return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) || c == 0x85 || c == 0xa0 || c == 0x1680 ||
+	       (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f || c == 0x205f ||
+	       c == 0x3000;
+}
+
+/* The code point of the valid UTF-8 character at s[0..n) (n its length), or UINT32_MAX. */
+static uint32_t code_point(const uint8_t *s, size_t n)
+{
+	size_t ul;
+	if (!n || utf8_unit(s, n, &ul) != U8_VALID || ul != n)
+		return UINT32_MAX;
+	if (n == 1)
+		return s[0];
+	uint32_t c = s[0] & (0x7f >> n);
+	for (size_t i = 1; i < n; i++)
+		c = c << 6 | (s[i] & 0x3f);
+	return c;
+}
+
+/* Trims white space at both ends as Jinja's trim (Python's str.strip()) does for the text Meta's
+ * template uses: Unicode's too (a no-break space, an ideographic space), whole characters. */
 static void trim(const char **s, size_t *len)
 {
-	while (*len && strchr(" \t\n\r\f\v", (*s)[0])) {
-		(*s)++;
-		(*len)--;
+	const uint8_t *p = (const uint8_t *)*s;
+	size_t b = 0, e = *len, ul;
+	while (b < e && utf8_unit(p + b, e - b, &ul) == U8_VALID && py_space(code_point(p + b, ul)))
+		b += ul;
+	while (e > b) {
+		size_t k = e - 1; /* the last character's first byte: back over at most three continuations */
+		while (k > b && e - k < 4 && (p[k] & 0xc0) == 0x80)
+			k--;
+		if (!py_space(code_point(p + k, e - k)))
+			break;
+		e = k;
 	}
-	while (*len && strchr(" \t\n\r\f\v", (*s)[*len - 1]))
-		(*len)--;
+	*s += b;
+	*len = e - b;
 }
 
 static int render_chat(const struct tokenizer *tok, const struct model_config *cfg, const char *json, size_t len,

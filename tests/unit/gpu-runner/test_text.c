@@ -180,6 +180,23 @@ START_TEST(test_chat_llama3)
 		   0);
 	ck_assert_int_eq(tp.end_of_turn, 128009);
 	text_prompt_free(&tp);
+	/* Jinja's trim is Python's str.strip(): Unicode's white space goes too (a no-break space, an
+	 * ideographic space, a line separator, the file separator \x1c), whole characters; a character
+	 * that only ends in a space's last byte (U+00E0 is C3 A0, as U+00A0 is C2 A0) stays. */
+	chat = "[{\"role\":\"user\",\"content\":\"\\u3000\\u00a0Hi\\u00a0\\u2028\\u001c \"}]";
+	ck_assert_int_eq(build(llama3, NULL, chat, 0, &tp, err, sizeof(err)), 0);
+	expect_ids(llama3, &tp.ids,
+		   "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+		   "<|start_header_id|>assistant<|end_header_id|>\n\n",
+		   0);
+	text_prompt_free(&tp);
+	chat = "[{\"role\":\"user\",\"content\":\"Hi \\u00e0\"}]";
+	ck_assert_int_eq(build(llama3, NULL, chat, 0, &tp, err, sizeof(err)), 0);
+	expect_ids(llama3, &tp.ids,
+		   "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi \xc3\xa0<|eot_id|>"
+		   "<|start_header_id|>assistant<|end_header_id|>\n\n",
+		   0);
+	text_prompt_free(&tp);
 }
 END_TEST
 
