@@ -18,6 +18,16 @@ rc=0
 out=$("$INSPECT" --once $(seq 1 3000) 2>&1) || rc=$?
 expect_eq "$rc" 2 "pipeline-inspect with 3000 words: its exit status"
 expect_eq "$out" "pipeline-inspect: one SERVICE at most (see --help)" "pipeline-inspect with 3000 words"
+# A run directory without its instance (its sockets were shown beside instance default's shared
+# memory), and an instance name with a '/': refused.
+rc=0
+out=$(env -u PIPELINE_INSTANCE "$INSPECT" --run-dir "$RUN_DIR" --once 2>&1) || rc=$?
+expect_eq "$rc" 2 "pipeline-inspect --run-dir alone: its exit status"
+expect_grep "needs --instance too" "$out" "pipeline-inspect --run-dir alone"
+rc=0
+out=$("$INSPECT" --instance a/b --once 2>&1) || rc=$?
+expect_eq "$rc" 2 "pipeline-inspect --instance a/b: its exit status"
+expect_grep "hold no '/'" "$out" "pipeline-inspect --instance a/b"
 
 out=$("$PIPELINE" inspect --once 2>&1) && fail "inspect of an instance that is not running succeeded: $out"
 expect_eq "$out" "pipeline-inspect: no instance $INSTANCE running (run dir $RUN_DIR)" "inspect without an instance"

@@ -349,8 +349,10 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	const struct opt opts[] = {
-		{"instance", OPT_STRING, &in.instance, "default", "the instance to look at"},
-		{"run-dir", OPT_STRING, &in.run_dir, NULL, "its run directory (default /tmp/llmp-UID/INSTANCE)"},
+		{"instance", OPT_STRING, &in.instance, NULL, "the instance to look at (default \"default\")"},
+		{"run-dir", OPT_STRING, &in.run_dir, NULL,
+		 "its run directory (default /tmp/llmp-UID/INSTANCE; with --instance: the sockets are in the "
+		 "run directory, the shared memory is named by the instance)"},
 		{"once", OPT_BOOL, &once, NULL, "print one snapshot and exit (after waiting for each service's stats)"},
 		{"json", OPT_BOOL, &json, NULL, "print snapshots as JSON (with --once: one object; else one per line)"},
 		{"interval-ms", OPT_INT, &interval_ms, "1000", "time between two refreshes"},
@@ -386,6 +388,19 @@ int main(int argc, char **argv)
 	}
 	if (interval_ms < 100 || interval_ms > 3600000 || wait_ms < 0 || wait_ms > 600000) {
 		fprintf(stderr, "pipeline-inspect: --interval-ms (100..3600000) or --wait-ms (0..600000) out of range\n");
+		return 2;
+	}
+	/* The sockets come from the run directory and the shared memory from the instance's name: a run
+	 * directory alone showed its services beside instance "default"'s ring and pool. */
+	if (in.run_dir && !in.instance) {
+		fprintf(stderr, "pipeline-inspect: --run-dir needs --instance too (the instance whose run directory "
+				"it is: its shared memory is named by it)\n");
+		return 2;
+	}
+	if (!in.instance)
+		in.instance = "default";
+	if (!*in.instance || strchr(in.instance, '/')) {
+		fprintf(stderr, "pipeline-inspect: instance name '%s' must be non-empty and hold no '/'\n", in.instance);
 		return 2;
 	}
 	if (!in.run_dir) {
