@@ -16,6 +16,7 @@ expect_status() {
 }
 
 expect_status 0 "^usage: pipectl" --help
+expect_status 0 "generate --prompt TEXT | --chat TEXT" --help
 expect_status 2 "^usage: pipectl"
 expect_status 0 "--tokens" generate --help
 expect_status 2 "unknown command 'frob'" frob

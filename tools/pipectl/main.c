@@ -36,7 +36,7 @@ static const struct command commands[] = {
 	{"wait-ready", cmd_wait_ready, "wait-ready SERVICE      wait until the service answers HELLO"},
 	{"stats", cmd_stats, "stats SERVICE           print the service's counters (JSON)"},
 	{"shutdown", cmd_shutdown, "shutdown SERVICE        stop the service and remove its shared state"},
-	{"generate", cmd_generate, "generate --tokens IDS -n N   generate tokens with gpu-runner"},
+	{"generate", cmd_generate, "generate --prompt TEXT | --chat TEXT | --tokens IDS [-n N]   generate with gpu-runner"},
 	{"summary", cmd_summary, "summary                 what moved through each tier (all services)"},
 	{"get", cmd_get, "get SERVICE [KEY...]    the service's parameters: value, tunable or fixed, range (--json)"},
 	{"tune", cmd_tune, "tune SERVICE KEY=VALUE...  change parameters of a running service at once"},
