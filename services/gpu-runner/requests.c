@@ -251,7 +251,8 @@ void runner_job_reply(struct runner *r, struct job *j, int rc, const struct gen_
 	m.gen_done.text.p = (char *)tail;
 	m.gen_done.text.len = (uint32_t)tail_len;
 	const int src = service_reply(r->svc, &j->peer, &m);
-	if (src)
+	/* A client gone (its request cancelled for it, and said so) is not said again. */
+	if (src && !(src == -EHOSTUNREACH && !strcmp(res->reason, "cancelled")))
 		log_warn("request %llu: its end could not be sent to its client (%s): %s",
 			 (unsigned long long)j->corr, res->reason,
 			 src == -EAGAIN ? "it has not read its earlier replies" : strerror(-src));
