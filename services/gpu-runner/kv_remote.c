@@ -55,6 +55,12 @@ static int wait_reply(struct kv_remote *kr, uint64_t corr, struct msg *rep)
 	}
 }
 
+/* The least the pool's configuration is waited for, whatever --timeout-ms says: the kv-store
+ * makes the pool then (its shared memory faulted in whole, the spill file opened), a second a
+ * GiB or so on a loaded host; a store that dies meanwhile is noticed by its pid all the same, and
+ * a hung one is restarted by the supervisor. */
+#define KV_CONFIGURE_WAIT_MS 120000
+
 static const char *wait_error(int rc)
 {
 	return rc == -ECONNRESET ? "the kv-store process died"
@@ -577,8 +583,12 @@ int kv_remote_connect(struct kv_remote *kr, struct rpc_client *client, uint64_t 
 	int rc = rpc_send(client, &req, &corr);
 	/* A configuration given up on leaves nothing held for the session (not an orphan). */
 	const bool orphans = kr->orphans;
-	if (rc == 0)
+	if (rc == 0) {
+		const int least = kr->configure_wait_ms > 0 ? kr->configure_wait_ms : KV_CONFIGURE_WAIT_MS;
+		kr->timeout_ms = timeout_ms > least ? timeout_ms : least;
 		rc = wait_reply(kr, corr, &rep);
+		kr->timeout_ms = timeout_ms;
+	}
 	kr->orphans = orphans;
 	if (rc == -EREMOTEIO) {
 		snprintf(err, errlen, "kv-store refused the pool configuration: %s", rep.error.text.p);

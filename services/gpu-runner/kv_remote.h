@@ -57,6 +57,9 @@ struct kv_remote {
 			  * notwithstanding (a reconnect to the same pool keeps its blocks) */
 	uint64_t block_bytes;
 	int timeout_ms;
+	/* The least the pool's configuration is waited for, above timeout_ms (the kv-store makes the
+	 * pool then: its shared memory faulted in whole); 0: KV_CONFIGURE_WAIT_MS (kv_remote.c). */
+	int configure_wait_ms;
 	uint32_t max_batch; /* blocks per ALLOC/FETCH at most; 0: as many as the pool holds (live tuning) */
 	uint64_t pending[KV_EVENTS_IN_FLIGHT]; /* commits whose replies are not yet read */
 	uint32_t n_pending;

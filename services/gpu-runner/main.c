@@ -325,7 +325,7 @@ int main(int argc, char **argv)
 		{"stage-split", OPT_STRING, &r.stage_split_arg, NULL,
 		 "the first layer of each rank after rank 0, comma-separated (default: planned so that every rank "
 		 "takes about the same time per token)"},
-		{"timeout-ms", OPT_INT, &r.timeout_ms, "60000", "how long to wait for a reply from another service"},
+		{"timeout-ms", OPT_INT, &r.timeout_ms, "60000", "how long to wait for a reply from another service (the KV pool's configuration at least 120 s, the kv-store's process watched)"},
 		{"log-level", OPT_STRING, &r.log_level, "info", "debug, info, warn or error"},
 		{0},
 	};

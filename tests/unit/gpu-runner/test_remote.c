@@ -506,7 +506,9 @@ END_TEST
 START_TEST(kv_connect_beats_while_the_configuration_is_not_answered)
 {
 	/* A kv-store that answered HELLO and hangs before the pool configuration: the runner's hook
-	 * runs while it waits, the wait ends after the timeout, and a stop ends it at once. */
+	 * runs while it waits, the wait ends after the configuration's own wait (longer than the calls'
+	 * timeout: the store makes the pool then, and a 1 GiB pool took 445 ms on a loaded host where
+	 * the runner's --timeout-ms was 300), and a stop ends it at once. */
 	struct pool_fx f;
 	pool_fx_open(&f);
 	struct peer p = {.kv = f.kv, .silent_type = MSG_KV_CONFIGURE};
@@ -517,9 +519,11 @@ START_TEST(kv_connect_beats_while_the_configuration_is_not_answered)
 	struct hook_count hc = {0};
 	kr.wait_hook = count_hook;
 	kr.wait_ctx = &hc;
+	kr.configure_wait_ms = 700;
 	char err[512] = "";
-	ck_assert_int_eq(kv_remote_connect(&kr, c, 4096, 77, 700, NULL, err, sizeof(err)), -ETIMEDOUT);
+	ck_assert_int_eq(kv_remote_connect(&kr, c, 4096, 77, 100, NULL, err, sizeof(err)), -ETIMEDOUT);
 	ck_assert_msg(hc.calls >= 4, "the hook ran %u times in a 700 ms wait", hc.calls);
+	ck_assert_int_eq(kr.timeout_ms, 100); /* the calls after it wait as long as they did */
 	ck_assert_msg(strstr(err, "did not answer the pool configuration"), "error: %s", err);
 	hc = (struct hook_count){.stop_after = 2};
 	ck_assert_int_eq(kv_remote_connect(&kr, c, 4096, 77, 5000, NULL, err, sizeof(err)), -ECANCELED);
@@ -571,6 +575,7 @@ START_TEST(kv_connect_notices_a_kv_store_that_died_before_the_configuration)
 	ck_assert_msg(strstr(err, "the kv-store process died"), "error: %s", err);
 	/* Alive (this process stands in for it): the timeout ends the wait, as before. */
 	kv_remote_set_peer(&kr, (uint64_t)getpid());
+	kr.configure_wait_ms = 500;
 	ck_assert_int_eq(kv_remote_connect(&kr, c, 4096, 77, 500, NULL, err, sizeof(err)), -ETIMEDOUT);
 	kv_remote_disconnect(&kr);
 	rpc_client_destroy(&c);
@@ -678,6 +683,7 @@ START_TEST(kv_reconnect_after_a_failed_one_is_the_same_pool)
 	x.p.stop = false;
 	x.p.silent_type = MSG_KV_CONFIGURE;
 	peer_start(&x.p, x.f.dir, "kv-store");
+	x.kr.configure_wait_ms = 500;
 	ck_assert_int_eq(kv_remote_connect(&x.kr, x.c, 4096, 77, 500, &same, err, sizeof(err)), -ETIMEDOUT);
 	peer_stop(&x.p);
 	x.p.stop = false;
