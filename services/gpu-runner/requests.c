@@ -78,9 +78,6 @@ enum gen_emit runner_job_emit(void *ctx, uint32_t index, int32_t token)
 			m.token.text.len = (uint32_t)len;
 		}
 	}
-	/* A run resumed from here (a stage that died as the request ended) ends as this one did. */
-	if (hit)
-		j->params.done_stop_string = true;
 	ring_source_count_token(r->ring);
 	trim_retired(r);
 	if (j->n_emitted == j->cap_emitted) {
@@ -149,6 +146,24 @@ static int job_kv_failure(void *ctx, char *err, size_t errlen)
 	return runner_kv_failure(j->r, err, errlen);
 }
 
+/* j's text stream (its stop strings) over r->tok, fed the n ids already sent without sending them
+ * again (stop strings that span the cut, text held back); a stop string among them ends a resumed
+ * run at once (done_stop_string). An id the tokenizer does not decode (a vocabulary padded past
+ * the tokenizer's) is no text, as in a live run (runner_job_emit), not a failure. */
+static int job_text_stream(struct runner *r, struct job *j, const int32_t *sent, uint32_t n, char *err,
+			   size_t errlen)
+{
+	int rc = text_stream_create(r->tok, j->stop_strings, j->stop_strings_len, &j->ts, err, errlen);
+	for (uint32_t i = 0; rc == 0 && i < n; i++) {
+		const char *piece;
+		size_t len;
+		bool hit = false;
+		if (text_stream_push(j->ts, sent[i], &piece, &len, &hit) == 0 && hit)
+			j->params.done_stop_string = true;
+	}
+	return rc;
+}
+
 int runner_job_prepare(struct runner *r, struct job *j, char *err, size_t errlen)
 {
 	j->r = r;
@@ -170,18 +185,8 @@ int runner_job_prepare(struct runner *r, struct job *j, char *err, size_t errlen
 			rc = -ENOTSUP;
 			snprintf(err, errlen, "the model has no tokenizer (no tokenizer.json, nor one in its GGUF file): no text output and no stop strings");
 		} else {
-			rc = text_stream_create(r->tok, j->stop_strings, j->stop_strings_len, &j->ts, err, errlen);
-		}
-		/* A resumed request: the text before the cut was sent already; the stream sees it again
-		 * (stop strings that span the cut, text held back) without sending it. */
-		for (uint32_t i = 0; rc == 0 && i < j->params.n_done; i++) {
-			const char *piece;
-			size_t len;
-			bool hit = false;
-			/* An id the tokenizer does not decode (a vocabulary padded past the tokenizer's) is no
-			 * text, as in a live run (runner_job_emit), not a failure of the resume. */
-			if (text_stream_push(j->ts, j->done[i], &piece, &len, &hit) == 0 && hit)
-				j->params.done_stop_string = true;
+			/* A resumed request: the text before the cut was sent already. */
+			rc = job_text_stream(r, j, j->done, j->params.n_done, err, errlen);
 		}
 	}
 	/* What was sent before a resume (MSG_GENERATE's done) counts as sent. */
@@ -278,7 +283,8 @@ void runner_between_requests(struct runner *r)
 
 /* The job's text stream made again over r->tok, fed the tokens sent so far (nothing sent): a
  * reconnection to the loader in the middle of a request loads the tokenizer anew, and the old
- * stream's decoder points into the one it freed. */
+ * stream's decoder points into the one it freed. A stop string among them (a stage that died as
+ * the request ended) ends the resumed run at once. */
 static int job_text_again(struct runner *r, struct job *j, char *err, size_t errlen)
 {
 	if (!j->ts)
@@ -288,14 +294,7 @@ static int job_text_again(struct runner *r, struct job *j, char *err, size_t err
 		snprintf(err, errlen, "the loader's tokenizer went away under the request");
 		return -EPROTO;
 	}
-	int rc = text_stream_create(r->tok, j->stop_strings, j->stop_strings_len, &j->ts, err, errlen);
-	for (uint32_t i = 0; rc == 0 && i < j->n_emitted; i++) {
-		const char *piece;
-		size_t len;
-		bool hit = false;
-		(void)text_stream_push(j->ts, j->emitted[i], &piece, &len, &hit);
-	}
-	return rc;
+	return job_text_stream(r, j, j->emitted, j->n_emitted, err, errlen);
 }
 
 static void run_job(struct runner *r, struct job *j)
