@@ -8,7 +8,7 @@
  *   bench-cpu-gemv --ffn-tokens N [...]   the CPU's share of a split FFN instead (ffn_share.h): gate
  *       and up of --rows x --cols, down of --cols x --rows, for N tokens at once, against one token
  *   bench-cpu-gemv --experts K [--expert-pool E] [--job-threads P] [--gap-us G] [--no-taper]
- *       [--no-help] [--one-pass] [--trace N] [...]   a decode layer's K routed experts on the CPU as the CUDA
+ *       [--no-help] [--trace N] [...]   a decode layer's K routed experts on the CPU as the CUDA
  *       backend runs them (cuda/moe_cpu.cu): K jobs of
  *       the runner's task pool submitted at once, each an expert (gate and up of --rows x --cols,
  *       down of --cols x --rows) of E, cut for P threads (default ffn_share_threads_for), a gap of G
@@ -36,8 +36,6 @@
 #include "services/gpu-runner/cpu/pool.h"
 
 #define DISTINCT_ROWS 64
-
-static bool one_pass; /* --one-pass: FFN shares' jobs in one pass (ffn_share_job.one_phase) */
 
 struct job {
 	const struct cpu_vec *x;
@@ -189,7 +187,6 @@ static double time_ffn(struct cpu_pool *pool, struct ffn_run *r, const struct ff
 	double best = 1e30;
 	for (uint32_t i = 0; i <= repeats; i++) {
 		ffn_share_job_init(&job, &m[0], &m[1], &m[2], rows, n, DT_BF16);
-		job.one_phase = one_pass;
 		double t0 = now_s();
 		cpu_pool_run(pool, run_parts, r, r->threads);
 		double dt = now_s() - t0;
@@ -231,9 +228,9 @@ static int bench_ffn(enum dtype t, uint32_t rows, uint32_t dim, uint32_t n, uint
 		fprintf(stderr, "bench-cpu-gemv: an FFN share job failed\n");
 		return 1;
 	}
-	printf("FFN share %s %s%s: %u rows of %u (%.1f MB), %u threads: %u tokens at once %.3f ms (%.3f ms a token, "
+	printf("FFN share %s %s: %u rows of %u (%.1f MB), %u threads: %u tokens at once %.3f ms (%.3f ms a token, "
 	       "%.2f GB/s of weights read once); one token %.3f ms (%.2f GB/s)\n",
-	       dtype_name(t), cpu_matmul_path(t), one_pass ? " in one pass" : "", rows, dim, bytes / 1e6, r.threads, n, all * 1e3, all * 1e3 / n,
+	       dtype_name(t), cpu_matmul_path(t), rows, dim, bytes / 1e6, r.threads, n, all * 1e3, all * 1e3 / n,
 	       bytes / all / 1e9, one * 1e3, bytes / one / 1e9);
 	ffn_share_destroy(&fs);
 	cpu_pool_destroy(&pool);
@@ -396,7 +393,6 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 						   d = {w[3 * chosen[i] + 2], t, dtype_row_bytes(t, rows)};
 			ffn_share_job_init(&es->job, &g, &u, &d, rows, 1, DT_F32);
 			es->job.taper = taper;
-			es->job.one_phase = one_pass;
 			es->job.pool = help ? pool : NULL;
 			memset(&es->tj, 0, sizeof(es->tj));
 			task_job_init(&es->tj, expert_part, es, ffn_share_parts(es->fs), &es->done, ++es->seq);
@@ -433,10 +429,10 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 		ffn_share_get_stats(slot[i].fs, &ss);
 		wait += ss.wait_ns;
 	}
-	printf("experts %s %s%s: %u of %.1f MB a layer (%u to choose from), jobs cut for %u threads (%u parts, chunks "
+	printf("experts %s %s: %u of %.1f MB a layer (%u to choose from), jobs cut for %u threads (%u parts, chunks "
 	       "of about %.0f KB%s%s), %u workers, a gap of %u us: a layer's span median %.3f ms (%.2f GB/s), mean %.3f ms "
 	       "(%.2f GB/s), best %.3f ms; parts waiting for their job's first phase %.1f%% of the workers' time\n",
-	       dtype_name(t), cpu_compute_path(t), one_pass ? " in one pass" : "", k, (double)expert / 1e6, pool_e, per, ffn_share_parts(slot[0].fs),
+	       dtype_name(t), cpu_compute_path(t), k, (double)expert / 1e6, pool_e, per, ffn_share_parts(slot[0].fs),
 	       (double)expert / (3.0 * FFN_SHARE_PARTS_PER_THREAD * per) / 1024,
 	       !taper ? "" : FFN_SHARE_PARTS_PER_THREAD * per >= FFN_SHARE_TAPER_MIN_CHUNKS ? ", tapered"
 	       : 2 * FFN_SHARE_PARTS_PER_THREAD * per >= FFN_SHARE_TAPER_MIN_CHUNKS ? ", the first phase tapered"
@@ -510,9 +506,6 @@ int main(int argc, char **argv)
 		{"no-taper", OPT_BOOL, &no_taper, NULL,
 		 "equal chunks in each phase of a job (the runner tapers an expert's: smaller toward each phase's "
 		 "end, ffn_share_job.taper)"},
-		{"one-pass", OPT_BOOL, &one_pass, NULL,
-		 "--ffn-tokens, --experts: each job in one pass, a chunk's gate and up rows with down's columns "
-		 "that take them, partial outputs added in order (ffn_share_job.one_phase), not in two phases"},
 		{"no-help", OPT_BOOL, &no_help, NULL,
 		 "a part that waits for its job's first phase spins (the runner's runs the pool's queued parts "
 		 "meanwhile, ffn_share_job.pool)"},

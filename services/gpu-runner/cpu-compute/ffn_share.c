@@ -39,9 +39,6 @@ struct ffn_share {
 	uint64_t jobs, bytes, ns;    /* ffn_share_stats (atomic) */
 	uint64_t wait_ns, waits;     /* the same */
 	float *h;		     /* (max_tokens, ffn_dim) the SwiGLU output, rounded to act */
-	uint32_t sums_max;	     /* one pass: sum blocks a share of ffn_dim rows can have */
-	float *yp;		     /* one pass: (max_tokens, sums_max, dim) the blocks' partial outputs
-				      * (calloc'd: a token's pages are touched only when it is used) */
 	struct part_scratch *ps;     /* (2 parts) a part's own: every part may work on either phase */
 };
 
@@ -63,10 +60,8 @@ int ffn_share_create(uint32_t dim, uint32_t ffn_dim, uint32_t max_tokens, uint32
 	fs->parts = threads * FFN_SHARE_PARTS_PER_THREAD;
 	fs->h = calloc((size_t)max_tokens * ffn_dim, sizeof(float));
 	fs->ps = calloc(2 * (size_t)fs->parts, sizeof(*fs->ps));
-	fs->sums_max = (ffn_dim + 63) / 64 < FFN_SHARE_SUMS_MAX ? (ffn_dim + 63) / 64 : FFN_SHARE_SUMS_MAX;
-	fs->yp = calloc((size_t)max_tokens * fs->sums_max * dim, sizeof(float));
 	int rc = 0;
-	if (!fs->h || !fs->ps || !fs->yp) {
+	if (!fs->h || !fs->ps) {
 		rc = errorf(err, errlen, -ENOMEM, "cpu share: out of memory for %u tokens of %u rows", max_tokens,
 			    ffn_dim);
 		goto out_destroy;
@@ -128,7 +123,6 @@ void ffn_share_destroy(struct ffn_share **fsp)
 	}
 	free(fs->ps);
 	free(fs->h);
-	free(fs->yp);
 	free(fs);
 	*fsp = NULL;
 }
@@ -357,127 +351,6 @@ static int run_phase1(struct ffn_share *fs, struct ffn_share_job *job, struct pa
 	return rc;
 }
 
-uint32_t ffn_share_sum_width(enum dtype df, uint32_t rows)
-{
-	const uint32_t be = dtype_block_elems(df);
-	uint32_t w = be > 256 ? be : 256;
-	while ((uint64_t)rows > (uint64_t)w * FFN_SHARE_SUMS_MAX)
-		w *= 2;
-	return w;
-}
-
-/* One pass: the job's counts and time, by the part that added its last sum block. */
-static void count_job(struct ffn_share *fs, const struct ffn_share_job *job)
-{
-	const enum dtype df = (enum dtype)job->down.format;
-	uint64_t share = job->rows * (job->gate.row_bytes + job->up.row_bytes) + fs->dim * dtype_row_bytes(df, job->rows),
-		 bytes = job->n * share;
-	__atomic_add_fetch(&fs->jobs, 1, __ATOMIC_RELAXED);
-	__atomic_add_fetch(&fs->bytes, bytes, __ATOMIC_RELAXED);
-	__atomic_add_fetch(&fs->ns, now_ns() - __atomic_load_n(&job->t0_ns, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
-}
-
-/* One pass: adds the written sum blocks into y in order, from the next one not added, while
- * they are written and no other part adds; never waits. A part that finds another adding leaves
- * it: the adder looks again at the next block after it stops adding (the seq_cst stores and loads
- * of ready[] and adder: either the adder sees the block written, or the part that wrote it finds
- * the adder gone and adds). Nothing is added for a job that does not fit (valid false): its blocks
- * are counted only. */
-static void add_ready(struct ffn_share *fs, struct ffn_share_job *job, float *y, uint32_t nb, bool valid)
-{
-	for (;;) {
-		uint32_t free_ = 0;
-		if (!__atomic_compare_exchange_n(&job->adder, &free_, 1, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
-			return;
-		uint32_t k = job->added;
-		while (k < nb && __atomic_load_n(&job->ready[k], __ATOMIC_SEQ_CST)) {
-			for (uint32_t t = 0; valid && t < job->n; t++) {
-				const float *p = fs->yp + ((size_t)t * fs->sums_max + k) * fs->dim;
-				float *yt = y + (size_t)t * fs->dim;
-				if (k == 0)
-					memcpy(yt, p, (size_t)fs->dim * sizeof(float));
-				else
-					for (uint32_t o = 0; o < fs->dim; o++)
-						yt[o] += p[o];
-			}
-			k++;
-		}
-		job->added = k;
-		if (k == nb)
-			count_job(fs, job); /* before the adder is let go: no other part can see k == nb */
-		__atomic_store_n(&job->adder, 0, __ATOMIC_SEQ_CST);
-		if (k == nb || !__atomic_load_n(&job->ready[k], __ATOMIC_SEQ_CST))
-			return;
-	}
-}
-
-/* One pass: sum block k's columns [c0, c1) of down over every output row, for every token, into
- * the block's partial outputs (h of those rows computed, in fs->h). */
-static int down_block(struct ffn_share *fs, const struct ffn_share_job *job, struct part_scratch *ps, uint32_t k,
-		      uint32_t c0, uint32_t c1, char *err, size_t errlen)
-{
-	const enum dtype df = (enum dtype)job->down.format;
-	const uint32_t n = job->n, dim = fs->dim;
-	int rc = 0;
-	for (uint32_t t = 0; t < n && rc == 0; t++)
-		rc = cpu_vec_prepare(ps->xh[t], df, fs->h + (size_t)t * fs->ffn_dim + c0, c1 - c0, err, errlen);
-	if (rc)
-		return rc;
-	float *p0 = fs->yp + (size_t)k * dim; /* token t's: p0 + t * sums_max * dim */
-	const size_t ld = (size_t)fs->sums_max * dim;
-	if (tiles_down(fs, job) && (c1 - c0) % 32 == 0) {
-		if ((rc = cpu_xtiles_prepare(ps->th, ps->xh, n, err, errlen)))
-			return rc;
-		return cpu_matmul(ps->th, job->down.data, df, job->down.row_bytes, 0, dim, c0, c1, p0, ld, err, errlen);
-	}
-	const uint32_t step = block_rows(n, dtype_row_bytes(df, c1 - c0), 0, dim);
-	for (uint32_t r0 = 0; r0 < dim && rc == 0; r0 += step) {
-		const uint32_t r1 = dim - r0 < step ? dim : r0 + step;
-		for (uint32_t t = 0; t < n && rc == 0; t++)
-			rc = cpu_matvec(ps->xh[t], job->down.data, df, job->down.row_bytes, r0, r1, c0, c1,
-					p0 + t * ld + r0, err, errlen);
-	}
-	return rc;
-}
-
-/* One pass (ffn_share_job.one_phase): every part claims chunks of whole sum blocks (2P chunks, or
- * one a block where there are fewer), computes each block's h and its partial output, marks it
- * written and adds what is ready. */
-static int run_one_phase(struct ffn_share *fs, struct ffn_share_job *job, struct part_scratch *ps, const void *x,
-			 float *y, bool valid, char *err, size_t errlen)
-{
-	const uint32_t w = ffn_share_sum_width((enum dtype)job->down.format, job->rows);
-	const uint32_t nb = valid && job->rows ? (job->rows + w - 1) / w : 1;
-	const uint32_t C = 2 * fs->parts < nb ? 2 * fs->parts : nb;
-	const bool fused = job->gate.format == job->up.format && job->gate.row_bytes == job->up.row_bytes;
-	bool prepared = false;
-	int rc = 0;
-	for (;;) {
-		uint32_t i = __atomic_fetch_add(&job->claimed1, 1, __ATOMIC_RELAXED);
-		if (i >= C)
-			break;
-		uint32_t kb, ke;
-		chunk(job->taper, false, nb, C, i, &kb, &ke);
-		for (uint32_t k = kb; k < ke; k++) {
-			const uint32_t c0 = k * w, c1 = c0 + w < job->rows ? c0 + w : job->rows;
-			if (valid && rc == 0) {
-				if (!prepared) {
-					rc = prepare_x(fs, job, ps, x, fused, err, errlen);
-					prepared = true;
-				}
-				if (rc == 0)
-					rc = swiglu_rows(fs, job, ps, fused, c0, c1, err, errlen);
-				if (rc == 0)
-					rc = down_block(fs, job, ps, k, c0, c1, err, errlen);
-			}
-			/* Written (or failed: counted all the same, so the sums finish; the error is the job's). */
-			__atomic_store_n(&job->ready[k], 1, __ATOMIC_SEQ_CST);
-			add_ready(fs, job, y, nb, valid && rc == 0);
-		}
-	}
-	return rc;
-}
-
 int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *x, float *y, uint32_t part,
 		   uint32_t n_parts, char *err, size_t errlen)
 {
@@ -497,10 +370,6 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 		rc = errorf(err, errlen, -EINVAL, "cpu share: %u tokens of %u rows in %s (at most %u tokens of %u "
 			    "rows; activations F32, BF16 or F16)", job->n, job->rows,
 			    job->act < DT_COUNT ? dtype_name((enum dtype)job->act) : "?", fs->max_tokens, fs->ffn_dim);
-	if (job->one_phase) {
-		int prc = run_one_phase(fs, job, ps, x, y, valid, err, errlen);
-		return rc ? rc : prc;
-	}
 	/* Every part works on the first phase while some of it is left: a part of the second phase
 	 * helps rather than waits (with few chunks a job, as an expert's on a slice of the pool, half of
 	 * the workers would otherwise spin). */

@@ -54,16 +54,6 @@ extern "C" {
  * (bench-cpu-gemv --experts 4 --format Q4_K, H200 host); a BF16 one (cut for 3: 24, then 12) in
  * 0.406 tapered and 0.424 equal. */
 #define FFN_SHARE_TAPER_MIN_CHUNKS 12
-/* One pass (ffn_share_job.one_phase): the share's rows are cut in sum blocks of
- * ffn_share_sum_width columns of down (64, or down's block where that is wider, doubled until at
- * most FFN_SHARE_SUMS_MAX blocks), whatever the threads. A chunk of the job is a run of whole
- * blocks: for each, h over its rows (gate and up), then down's columns of it over every output row
- * into the block's partial output; y = ((p_0 + p_1) + p_2) + ..., added by whichever part finds
- * the next block's partial written (one at a time, never waiting), so y's bits depend on the share's
- * rows and formats only. No part waits for another: the two phases' barrier is gone, at the cost
- * of down read in column slices (a block's width of each row) and partial outputs of dim floats a
- * block and token. */
-#define FFN_SHARE_SUMS_MAX 64
 
 /* One matrix of the share in host memory: its first row (gate, up: intermediate row r) or, for
  * down, row 0 at column r; rows row_bytes apart. */
@@ -90,16 +80,7 @@ struct ffn_share_job {
 				 * (task_pool_help: with a layer's experts at once, the other jobs'), rather
 				 * than spin. The caller's, after ffn_share_job_init (NULL there); the
 				 * same bits either way */
-	bool one_phase;	       /* one pass instead of two phases (FFN_SHARE_SUMS): a chunk is some
-				* sum blocks of the share's rows, gate's and up's rows and down's columns
-				* together, its partial output added in block order as blocks finish. The
-				* caller's, after ffn_share_job_init (false there); other bits than the two
-				* phases', the same bits however the job is cut */
 	uint32_t claimed1, claimed2; /* chunks of each phase handed out (atomic; 2P, then P) */
-	uint32_t added;		     /* one pass: sum blocks added into y, in order (the adder's) */
-	uint32_t adder;		     /* one pass: 1 while a part adds blocks (atomic) */
-	uint8_t ready[FFN_SHARE_SUMS_MAX];	     /* one pass: sum block k's partial output written (atomic;
-				      * FFN_SHARE_SUMS_MAX) */
 	uint32_t phase1_done;  /* chunks of the first phase finished (atomic; the second waits for 2P) */
 	uint32_t phase2_done;  /* parts of the second phase finished (atomic; the last one counts the job) */
 	uint64_t t0_ns;	       /* when the first part started (atomic, 0 until then) */
@@ -150,9 +131,6 @@ void ffn_share_job_init(struct ffn_share_job *job, const struct ffn_share_mat *g
  * when a prepared vector cannot grow. */
 int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *x, float *y, uint32_t part,
 		   uint32_t n_parts, char *err, size_t errlen);
-/* One pass: the columns of down a sum block has for a share of `rows` rows with down in format
- * df (a multiple of its block; the last block of the share may be shorter). */
-uint32_t ffn_share_sum_width(enum dtype df, uint32_t rows);
 /* A snapshot of the counters (any thread). */
 void ffn_share_get_stats(const struct ffn_share *fs, struct ffn_share_stats *out);
 

@@ -367,20 +367,8 @@ END_TEST
 
 /* A job whose parts fail: the first phase's failure is the job's error, and the second phase
  * does not wait for ever. */
-/* The share's jobs below run in two phases, or in one pass (ffn_share_job.one_phase) where a
- * loop's index says: every promise they check holds for both. */
-static bool one_pass;
-
-static void job_init(struct ffn_share_job *job, const struct ffn_share_mat *gate, const struct ffn_share_mat *up,
-		     const struct ffn_share_mat *down, uint32_t rows, uint32_t n, enum dtype act)
-{
-	ffn_share_job_init(job, gate, up, down, rows, n, act);
-	job->one_phase = one_pass;
-}
-
 START_TEST(test_share_job_failure)
 {
-	one_pass = _i;
 	char err[256] = "";
 	struct task_pool *pool = pool_new(2);
 	struct ffn_share *fs = NULL;
@@ -391,7 +379,7 @@ START_TEST(test_share_job_failure)
 	struct ffn_share_mat m = {.data = w, .format = DT_F32, .row_bytes = 64 * sizeof(float)};
 	struct ffn_share_mat down = {.data = w, .format = DT_F32, .row_bytes = 192 * sizeof(float)};
 	struct ffn_share_job job;
-	job_init(&job, &m, &m, &down, 192, 1, DT_Q8_0); /* activations cannot be Q8_0 */
+	ffn_share_job_init(&job, &m, &m, &down, 192, 1, DT_Q8_0); /* activations cannot be Q8_0 */
 	int rc = 0;
 	for (uint32_t p = 0; p < np; p++) { /* in order, as the pool hands them out */
 		int prc = ffn_share_part(fs, &job, x, y, p, np, err, sizeof(err));
@@ -402,7 +390,7 @@ START_TEST(test_share_job_failure)
 	ck_assert_int_eq(rc, -EINVAL);
 	ck_assert_msg(strstr(err, "activations"), "message: %s", err);
 	/* A job cut in other parts than ffn_share_parts says: refused by every part, none waits. */
-	job_init(&job, &m, &m, &down, 192, 1, DT_F32);
+	ffn_share_job_init(&job, &m, &m, &down, 192, 1, DT_F32);
 	for (uint32_t p = 0; p < np + 2; p++)
 		ck_assert_int_eq(ffn_share_part(fs, &job, x, y, p, np + 2, err, sizeof(err)), -EINVAL);
 	ck_assert_msg(strstr(err, "cut in"), "message: %s", err);
@@ -413,7 +401,7 @@ START_TEST(test_share_job_failure)
 		w[i] = (float)(0.1 * rng_normal());
 	for (uint32_t i = 0; i < 64; i++)
 		x[i] = (float)rng_normal();
-	job_init(&job, &m, &m, &down, 192, 1, DT_F32);
+	ffn_share_job_init(&job, &m, &m, &down, 192, 1, DT_F32);
 	for (uint32_t p = 0; p < np; p++)
 		ck_assert_msg(ffn_share_part(fs, &job, x, y, p, np, err, sizeof(err)) == 0, "%s", err);
 	for (uint32_t o = 0; o < 64; o++) {
@@ -441,10 +429,8 @@ END_TEST
 START_TEST(test_share_tokens_in_blocks)
 {
 	enum { DIM = 1024, ROWS = 1024, T = 5 };
-	/* Passes 1 and 3 with AMX's tiles where the CPU has them (cpu_matmul): the same promises hold;
-	 * 2 and 3 in one pass. */
-	one_pass = _i >= 2;
-	const unsigned isa = cpu_compute_force_isa(_i % 2 ? CPU_ISA_ALL : CPU_ISA_ALL & ~(unsigned)CPU_ISA_AMX_BF16);
+	/* Pass 1 with AMX's tiles where the CPU has them (cpu_matmul): the same promises hold. */
+	const unsigned isa = cpu_compute_force_isa(_i ? CPU_ISA_ALL : CPU_ISA_ALL & ~(unsigned)CPU_ISA_AMX_BF16);
 	const uint64_t tiled0 = cpu_matmul_tile_rows();
 	char err[256] = "";
 	struct ffn_share *fs = NULL;
@@ -469,7 +455,7 @@ START_TEST(test_share_tokens_in_blocks)
 				       {.data = upf, .format = DT_F32, .row_bytes = DIM * 4}};
 	for (int k = 0; k < 2; k++) {
 		struct ffn_share_job job;
-		job_init(&job, &g, &ups[k], &d, ROWS, T, DT_BF16);
+		ffn_share_job_init(&job, &g, &ups[k], &d, ROWS, T, DT_BF16);
 		for (uint32_t p = 0; p < np; p++) /* in order, as the pool hands them out */
 			ck_assert_msg(ffn_share_part(fs, &job, x, y, p, np, err, sizeof(err)) == 0, "%s", err);
 		/* The parts in reverse, on one thread: the first one run (of the second phase) claims and runs
@@ -477,14 +463,14 @@ START_TEST(test_share_tokens_in_blocks)
 		 * result does not depend on which part ran which chunk. */
 		float *yr = malloc((size_t)T * DIM * 4);
 		ck_assert_ptr_nonnull(yr);
-		job_init(&job, &g, &ups[k], &d, ROWS, T, DT_BF16);
+		ffn_share_job_init(&job, &g, &ups[k], &d, ROWS, T, DT_BF16);
 		for (uint32_t p = np; p-- > 0;)
 			ck_assert_msg(ffn_share_part(fs, &job, x, yr, p, np, err, sizeof(err)) == 0, "%s", err);
 		ck_assert_msg(memcmp(yr, y, (size_t)T * DIM * 4) == 0, "%s: the parts in reverse differ",
 			      k ? "gate and up apart" : "gate and up fused");
 		free(yr);
 		for (uint32_t t = 0; t < T; t++) {
-			job_init(&job, &g, &ups[k], &d, ROWS, 1, DT_BF16);
+			ffn_share_job_init(&job, &g, &ups[k], &d, ROWS, 1, DT_BF16);
 			for (uint32_t p = 0; p < np; p++)
 				ck_assert_msg(ffn_share_part(fs, &job, x + (size_t)t * DIM, y1, p, np, err, sizeof(err)) == 0,
 					      "%s", err);
@@ -498,9 +484,8 @@ START_TEST(test_share_tokens_in_blocks)
 	/* the tiles ran exactly when AMX is in use */
 	ck_assert_msg((cpu_matmul_tile_rows() > tiled0) == !!(isa & CPU_ISA_AMX_BF16), "tiles %s with isa %#x",
 		      cpu_matmul_tile_rows() > tiled0 ? "ran" : "did not run", isa);
-	if (_i % 2)
-		printf("test_share_tokens_in_blocks: BF16 FFN shares on %s%s\n", cpu_matmul_path(DT_BF16),
-		       one_pass ? ", one pass" : "");
+	if (_i)
+		printf("test_share_tokens_in_blocks: BF16 FFN shares on %s\n", cpu_matmul_path(DT_BF16));
 	cpu_compute_force_isa(CPU_ISA_ALL & ~(unsigned)CPU_ISA_AMX_BF16);
 	free(gate);
 	free(upb);
@@ -540,7 +525,6 @@ static int pool_share_part(void *arg, uint32_t part, uint32_t n_parts, char *err
 
 START_TEST(test_share_on_a_pool)
 {
-	one_pass = _i;
 	enum { DIM = 512, ROWS = 768, T = 3 };
 	char err[256] = "";
 	struct task_pool *pool = pool_new(4);
@@ -563,7 +547,7 @@ START_TEST(test_share_on_a_pool)
 	struct ffn_share_mat u = {.data = up, .format = DT_BF16, .row_bytes = DIM * 2};
 	struct ffn_share_mat d = {.data = down, .format = DT_BF16, .row_bytes = ROWS * 2};
 	struct ffn_share_job job;
-	job_init(&job, &g, &u, &d, ROWS, T, DT_BF16);
+	ffn_share_job_init(&job, &g, &u, &d, ROWS, T, DT_BF16);
 	for (uint32_t p = 0; p < np; p++)
 		ck_assert_msg(ffn_share_part(fs, &job, x, want, p, np, err, sizeof(err)) == 0, "%s", err);
 	/* The completion word and its sleepers' count outlive the jobs (a worker reads the count just
@@ -571,7 +555,7 @@ START_TEST(test_share_on_a_pool)
 	uint32_t done = 0, waiters = 0;
 	for (int rep = 0; rep < 30; rep++) {
 		memset(y, 0xff, (size_t)T * DIM * 4);
-		job_init(&job, &g, &u, &d, ROWS, T, DT_BF16);
+		ffn_share_job_init(&job, &g, &u, &d, ROWS, T, DT_BF16);
 		job.taper = rep % 2; /* tapered chunks: the same bits */
 		struct pool_share ps = {.fs = fs, .job = &job, .x = x, .y = y};
 		struct task_job tj;
@@ -598,7 +582,6 @@ END_TEST
  * layers, each job's output the bits of the same job run in order. */
 START_TEST(test_shares_at_once_help)
 {
-	one_pass = _i;
 	enum { DIM = 256, ROWS = 512, K = 4 };
 	char err[256] = "";
 	struct task_pool *pool = NULL;
@@ -633,7 +616,7 @@ START_TEST(test_shares_at_once_help)
 		fs[k] = NULL;
 		ck_assert_msg(ffn_share_create(DIM, ROWS, 1, 1 + k % 2, &fs[k], err, sizeof(err)) == 0, "%s", err);
 		struct ffn_share_job job;
-		job_init(&job, &g[k], &u[k], &d[k], ROWS, 1, DT_BF16);
+		ffn_share_job_init(&job, &g[k], &u[k], &d[k], ROWS, 1, DT_BF16);
 		const uint32_t np = ffn_share_parts(fs[k]);
 		for (uint32_t p = 0; p < np; p++)
 			ck_assert_msg(ffn_share_part(fs[k], &job, x, want[k], p, np, err, sizeof(err)) == 0, "%s", err);
@@ -647,7 +630,7 @@ START_TEST(test_shares_at_once_help)
 		struct task_job tj[K];
 		for (int k = 0; k < K; k++) {
 			memset(y[k], 0xff, (size_t)DIM * 4);
-			job_init(&job[k], &g[k], &u[k], &d[k], ROWS, 1, DT_BF16);
+			ffn_share_job_init(&job[k], &g[k], &u[k], &d[k], ROWS, 1, DT_BF16);
 			job[k].pool = pool;
 			job[k].taper = rep % 2;
 			ps[k] = (struct pool_share){.fs = fs[k], .job = &job[k], .x = x, .y = y[k]};
@@ -687,7 +670,6 @@ END_TEST
  * chunks or tapered ones (ffn_share_job.taper). */
 START_TEST(test_share_threads_for)
 {
-	one_pass = _i;
 	const uint64_t third = 3ull * FFN_SHARE_PARTS_PER_THREAD * FFN_SHARE_CHUNK_BYTES;
 	ck_assert_uint_eq(ffn_share_threads_for(0, 14), 1);
 	ck_assert_uint_eq(ffn_share_threads_for(third - 1, 14), 1);
@@ -731,7 +713,7 @@ START_TEST(test_share_threads_for)
 		y[c] = malloc((size_t)DIM * 4);
 		ck_assert_ptr_nonnull(y[c]);
 		struct ffn_share_job job;
-		job_init(&job, &g, &u, &d, ROWS, 1, DT_BF16);
+		ffn_share_job_init(&job, &g, &u, &d, ROWS, 1, DT_BF16);
 		job.taper = c >= 3;
 		const uint32_t np = ffn_share_parts(fs);
 		ck_assert_uint_eq(np, 2 * FFN_SHARE_PARTS_PER_THREAD * threads[c % 3]);
@@ -764,11 +746,11 @@ static Suite *split_suite(void)
 	TCase *te = tcase_create("errors");
 	tcase_set_timeout(te, 60);
 	tcase_add_test(te, test_refusals);
-	tcase_add_loop_test(te, test_share_job_failure, 0, 2);
-	tcase_add_loop_test(te, test_share_tokens_in_blocks, 0, 4);
-	tcase_add_loop_test(te, test_share_on_a_pool, 0, 2);
-	tcase_add_loop_test(te, test_shares_at_once_help, 0, 2);
-	tcase_add_loop_test(te, test_share_threads_for, 0, 2);
+	tcase_add_test(te, test_share_job_failure);
+	tcase_add_loop_test(te, test_share_tokens_in_blocks, 0, 2);
+	tcase_add_test(te, test_share_on_a_pool);
+	tcase_add_test(te, test_shares_at_once_help);
+	tcase_add_test(te, test_share_threads_for);
 	suite_add_tcase(s, te);
 	return s;
 }
