@@ -371,6 +371,14 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 			 "returns ids only (start the loader with --tokenizer FILE)");
 		return -ENOTSUP;
 	}
+	/* A prompt of ids that cannot fit is refused now, not after the requests queued before it (a
+	 * text prompt's length is known once it is built, when the request runs; the run checks both
+	 * against the context then in force: max-context is tunable). */
+	if (g->tokens.n && r->max_context > 0 && g->tokens.n >= (uint64_t)r->max_context) {
+		snprintf(errtext, errlen, "the prompt has %u tokens; it must be shorter than the context of %llu (--max-context)",
+			 g->tokens.n, (unsigned long long)r->max_context);
+		return -E2BIG;
+	}
 	if (g->max_new > (1u << 24)) {
 		snprintf(errtext, errlen, "max_new %llu is too large", (unsigned long long)g->max_new);
 		return -EINVAL;

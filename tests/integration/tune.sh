@@ -128,8 +128,11 @@ max_context=$(value gpu-runner max-context)
 "$PIPELINE" tune gpu-runner max-context=32 >/dev/null
 reconnects() { grep -c 'reconnecting to' "$RUN_DIR/gpu-runner.log" || true; }
 before=$(reconnects)
+failures0=$(stat_value gpu-runner failures)
 out=$(generate --tokens "$PROMPT" -n 4 2>&1) && fail "a 64-token prompt with max-context 32 was served: $out"
 expect_grep 'must be shorter than the context of 32' "$out" "a 64-token prompt with max-context 32"
+# Refused as it arrived (a prompt of ids is measured then), never queued nor run: no failed request.
+expect_eq "$(stat_value gpu-runner failures)" "$failures0" "failed requests after a prompt of ids too long for the context"
 "$PIPELINE" tune gpu-runner max-context="$max_context" kv-fetch-batch=0 >/dev/null
 got=$(generate --tokens "$PROMPT" -n 64)
 expect_eq "$got" "$want" "tokens after max-context and kv-fetch-batch went back vs run-local"
