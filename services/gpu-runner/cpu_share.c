@@ -5,6 +5,7 @@
  * weigh the CPU's experts with taken from the rate they ran at. */
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,6 +60,10 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (strcmp(ch, "taper") && strcmp(ch, "equal"))
 		return errorf(err, errlen, -EINVAL, "--cpu-expert-chunks '%s' is not taper or equal", ch);
 	r->cpu_expert_taper = !strcmp(ch, "taper");
+	const char *pin = r->cpu_pin_runner_arg ? r->cpu_pin_runner_arg : "yes";
+	if (strcmp(pin, "yes") && strcmp(pin, "no"))
+		return errorf(err, errlen, -EINVAL, "--cpu-pin-runner '%s' is not yes or no", pin);
+	r->cpu_pin_runner = !strcmp(pin, "yes");
 	if (r->cpu_expert_chunk < FFN_SHARE_CHUNK_MIN || r->cpu_expert_chunk > FFN_SHARE_CHUNK_MAX)
 		return errorf(err, errlen, -EINVAL, "--cpu-expert-chunk %llu bytes: expected 16KiB to 16MiB",
 			      (unsigned long long)r->cpu_expert_chunk);
@@ -158,6 +163,27 @@ int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen)
 	int rc = task_pool_create(&pc, &r->cpu_pool, why, sizeof(why));
 	if (rc)
 		return errorf(err, errlen, rc, "cpu share: %s", why);
+	/* The runner's thread onto the CPUs kept for it: left to the scheduler, it was seen (M1 on an
+	 * H200 host, /proc's samples) running on a worker's CPU through decode, the two sharing it. Its
+	 * threads made from here on (the driver's) inherit the mask. */
+	if (!cpu_backend && r->cpu_pin_runner && allowed > keep) {
+		cpu_set_t own;
+		CPU_ZERO(&own);
+		uint32_t n = 0;
+		for (int c = 0; c < CPU_SETSIZE && n < keep; c++) {
+			if (sliced ? c == slice[n] : CPU_ISSET(c, &set)) {
+				CPU_SET(c, &own);
+				n++;
+			}
+		}
+		int e = pthread_setaffinity_np(pthread_self(), sizeof(own), &own);
+		if (e != 0)
+			log_warn("cpu share: cannot keep the runner's thread on its %u CPUs (%s): it runs where the "
+				 "scheduler puts it", keep, strerror(e));
+		else
+			log_info("cpu share: the runner's thread kept on its %u CPU%s beside the workers'", keep,
+				 keep == 1 ? "" : "s");
+	}
 	char share[32];
 	log_info("cpu share %s: %u worker threads, %u CPUs allowed%s",
 		 cpu_share_text(&r->cpu_share, share, sizeof(share)), task_pool_threads(r->cpu_pool), allowed,

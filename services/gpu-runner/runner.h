@@ -83,6 +83,8 @@ struct runner {
 	const char *cpu_result_arg, *cpu_experts_arg; /* --cpu-result, --cpu-experts as given */
 	const char *cpu_share_balance_arg;	      /* --cpu-share-balance as given */
 	const char *cpu_expert_chunks_arg;	      /* --cpu-expert-chunks as given */
+	const char *cpu_pin_runner_arg;		      /* --cpu-pin-runner as given */
+	bool cpu_pin_runner;			      /* --cpu-pin-runner yes (the default) */
 	bool window_spread;			      /* --window-spread */
 	bool fixed_residency;			      /* --fixed-residency */
 	bool cpu_result_mapped;			      /* --cpu-result mapped (the default) */
