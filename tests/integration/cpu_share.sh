@@ -27,6 +27,8 @@ expect_start_fails "--cpu-experts later" "cpu-experts 'later' is not route or vi
 	--model "$MODEL" --runner-opt=--cpu-experts=later
 expect_start_fails "--cpu-expert-chunks ragged" "cpu-expert-chunks 'ragged' is not taper or equal" \
 	--model "$MODEL" --runner-opt=--cpu-expert-chunks=ragged
+expect_start_fails "--cpu-pin-runner maybe" "cpu-pin-runner 'maybe' is not yes or no" \
+	--model "$MODEL" --runner-opt=--cpu-pin-runner=maybe
 expect_start_fails "--cpu-expert-chunk 1KiB" "cpu-expert-chunk 1024 bytes: expected 16KiB to 16MiB" \
 	--model "$MODEL" --runner-opt=--cpu-expert-chunk=1KiB
 expect_start_fails "--cpu-share-balance step" "cpu-share-balance 'step' is not token or layer" \
