@@ -230,6 +230,19 @@ int shm_room(uint64_t *free_bytes)
 	return 0;
 }
 
+int shm_object_resident(const struct shm_object *o, uint64_t *bytes)
+{
+	int fd = shm_open(o->name, O_RDONLY | O_CLOEXEC, 0);
+	if (fd < 0)
+		return -errno;
+	struct stat st;
+	int rc = fstat(fd, &st) == 0 ? 0 : -errno;
+	close(fd);
+	if (rc == 0)
+		*bytes = (uint64_t)st.st_blocks * 512u;
+	return rc;
+}
+
 int shm_object_attach(const char *name, uint32_t kind, uint32_t layout_version, bool writable,
 		      struct shm_object **out)
 {

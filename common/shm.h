@@ -82,6 +82,9 @@ int shm_object_create(const char *name, size_t size, uint32_t kind, uint32_t lay
  * size takes none of it until its pages are touched, and a page touched without room kills the
  * process (SIGBUS). Returns 0 or -errno (statvfs). */
 int shm_room(uint64_t *free_bytes);
+/* The bytes of o's pages that exist (touched so far; they take shm_room's room, and go back to it
+ * when the object is removed). Returns 0 or -errno (shm_open, fstat). */
+int shm_object_resident(const struct shm_object *o, uint64_t *bytes);
 
 /* Maps an existing object. writable selects PROT_WRITE. Returns 0; -ENOENT when absent;
  * -EPERM (logged) when another user owns it or others may open it (its mode is not 0600: the

@@ -45,6 +45,8 @@
 #define KVSTORE_MAX_REQUEST KV_MAX_REQUEST_BLOCKS
 /* The largest block CONFIGURE takes: one pread/pwrite moves a block to and from the spill file. */
 #define KV_BLOCK_BYTES_MAX (1ull << 30)
+/* /dev/shm's room left to other objects when the KV pool is cut to it: an eighth, at most this */
+#define KV_SHM_MARGIN_MAX (256ull << 20)
 
 struct kvstore_config {
 	const char *shm_name;	/* "/llmp-<uid>-<instance>-kv" (shm_object_name); copied */

@@ -179,8 +179,44 @@ int kvstore_configure(struct kvstore *kv, uint64_t block_bytes, uint64_t manifes
 			 (unsigned long long)block_bytes);
 		return -EINVAL;
 	}
+	/* A block's pages come when it is first written, and one written past /dev/shm's room kills the
+	 * process that writes it (SIGBUS: the runner, or this service), so the pool is laid out no
+	 * larger than the room: what is free now (the loader's ring is whole by the time the runner
+	 * configures) and this pool's own pages, which go back if it is laid out anew, less a margin
+	 * for other objects. Blocks past it spill to disk as past a smaller budget. */
+	uint64_t room = 0, own = 0, usable = 0;
+	bool capped = false;
+	if (shm_room(&room) == 0 && (!kv->shm || shm_object_resident(kv->shm, &own) == 0)) {
+		usable = room + own;
+		usable -= usable / 8 < KV_SHM_MARGIN_MAX ? usable / 8 : KV_SHM_MARGIN_MAX;
+		if (l.total > usable) {
+			/* The tables shrink with the slots: a slot costs its block, its entry and its handle's;
+			 * the spill's handles and the header are fixed (and a page of alignment). */
+			const uint64_t fixed = ALIGN_UP((uint64_t)sizeof(struct kvpool_header), (uint64_t)CACHE_LINE) +
+					       n_spill * sizeof(struct kvpool_handle) + 4096,
+				       per = block_bytes + sizeof(struct kvpool_slot) + sizeof(struct kvpool_handle);
+			uint64_t fit = usable > fixed ? (usable - fixed) / per : 0;
+			while (fit > 0 && (kvs_layout_compute(block_bytes, fit, n_spill, &l) || l.total > usable))
+				fit--;
+			if (fit == 0) {
+				char c[32];
+				snprintf(err, errlen, "/dev/shm has %s free, no room for a KV pool of one block of %s with its "
+					 "tables (those of the %llu spill blocks of kv-disk-budget take %s): give /dev/shm more "
+					 "room (a container's --shm-size) or lower --kv-disk-budget",
+					 format_size(room + own, a, sizeof(a)), format_size(block_bytes, b, sizeof(b)),
+					 (unsigned long long)n_spill, format_size(n_spill * sizeof(struct kvpool_handle), c, sizeof(c)));
+				return -ENOSPC;
+			}
+			capped = true;
+		}
+	}
 	if (kv->h) {
 		struct kvpool_header *h = kv->h;
+		/* A pool already cut to the room that still fits it: kept (the room moves as blocks are
+		 * written, and laying the pool out anew drops its cached blocks). */
+		if (capped && h->block_bytes == block_bytes && h->manifest_hash == manifest_hash &&
+		    h->n_spill_slots == l.n_spill && h->n_slots < n_slots && h->shm.total_size <= usable)
+			return 0;
 		/* The same model's blocks in a pool of the budgets' size: kept. A pool adopted at the
 		 * start keeps the size it was laid out with before; budgets given since are taken here,
 		 * once no block is live (else they would never be: the runner configures the same
@@ -218,6 +254,14 @@ int kvstore_configure(struct kvstore *kv, uint64_t block_bytes, uint64_t manifes
 		/* Keep the spill file: it is truncated when reopened below. */
 		spill_close(&kv->spill, false);
 		kvs_pool_close(kv, true);
+	}
+	if (capped) {
+		char c[32];
+		log_warn("kv-dram-budget %s makes %llu blocks, more than /dev/shm's %s free can hold (less a margin "
+			 "for other objects): the KV pool has %u blocks (%s), the rest spills to disk; give "
+			 "/dev/shm more room or lower --kv-dram-budget", format_size(kv->dram_budget, a, sizeof(a)),
+			 (unsigned long long)n_slots, format_size(room + own, b, sizeof(b)), l.n_slots,
+			 format_size(l.total, c, sizeof(c)));
 	}
 	struct shm_object *o = NULL;
 	bool adopted = false;

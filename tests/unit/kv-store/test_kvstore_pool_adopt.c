@@ -170,9 +170,10 @@ START_TEST(test_adopt_after_crash)
 }
 END_TEST
 
-/* A pool larger than /dev/shm's room is made (its pages come as blocks are written), and the log
- * says so at its start: filled past the room, the process writing a block would die (SIGBUS). */
-START_TEST(test_pool_larger_than_shm_warned)
+/* A budget larger than /dev/shm's room makes a pool cut to the room (its pages come as blocks are
+ * written: filled past the room, the process writing a block would die, SIGBUS), and the log says
+ * so; configured again, the same pool is kept. */
+START_TEST(test_pool_larger_than_shm_cut)
 {
 	struct fx f;
 	fx_names(&f, "/tmp");
@@ -202,8 +203,15 @@ START_TEST(test_pool_larger_than_shm_warned)
 	size_t n = fread(text, 1, sizeof(text) - 1, cap);
 	text[n] = 0;
 	fclose(cap);
-	ck_assert_msg(strstr(text, "is larger than the") && strstr(text, "--kv-dram-budget"),
+	ck_assert_msg(strstr(text, "more than /dev/shm's") && strstr(text, "--kv-dram-budget"),
 		      "no warning in the log: '%s'", text);
+	const uint32_t cut = H(&f)->n_slots;
+	ck_assert_msg(cut < blocks && (uint64_t)cut * block <= room, "%u blocks of %llu bytes for a room of %llu",
+		      cut, (unsigned long long)block, (unsigned long long)room);
+	const uint64_t epoch = H(&f)->pool_epoch;
+	ck_assert_msg(kvstore_configure(f.kv, block, HASH, f.err, sizeof(f.err)) == 0, "configure again: %s", f.err);
+	ck_assert_uint_eq(H(&f)->pool_epoch, epoch);
+	ck_assert_uint_eq(H(&f)->n_slots, cut);
 	fx_close(&f);
 }
 END_TEST
@@ -535,7 +543,7 @@ static Suite *pool_adopt_suite(void)
 	tc = kvt_tcase(s, "adoption");
 	tcase_add_test(tc, test_adopt_after_crash);
 	tcase_add_test(tc, test_adopt_recovers_mid_io);
-	tcase_add_test(tc, test_pool_larger_than_shm_warned);
+	tcase_add_test(tc, test_pool_larger_than_shm_cut);
 	tcase_add_test(tc, test_adopt_recovers_torn_handle_moves);
 	tcase_add_test(tc, test_adopt_at_configure);
 	tcase_add_test(tc, test_configure_replaces_other_model);
