@@ -262,7 +262,9 @@ void runner_job_reply(struct runner *r, struct job *j, int rc, const struct gen_
 			 (unsigned long long)j->corr, res->reason,
 			 src == -EAGAIN ? "it has not read its earlier replies" : strerror(-src));
 	r->prompt_tokens += res->n_prompt;
-	r->tokens_generated += res->n_generated - (res->n_generated >= j->params.n_done ? j->params.n_done : 0);
+	/* Tokens this runner generated: not those the client's resume gave (a stage's resume moves
+	 * params.n_done up to what was sent, which this runner did generate). */
+	r->tokens_generated += res->n_generated - (res->n_generated >= j->n_done_asked ? j->n_done_asked : 0);
 	r->prefill_ms += res->prefill_ms;
 	r->decode_ms += res->decode_ms;
 	r->last_prefill_tok_s = res->prefill_ms > 0 ? res->n_prompt / (res->prefill_ms / 1e3) : 0;
@@ -311,7 +313,8 @@ static void run_job(struct runner *r, struct job *j)
 		rc = runner_job_prepare(r, j, err, sizeof(err));
 	if (rc == 0) {
 		ran = true;
-		rc = generate_run(r->engine, j->ids, j->n_ids, (uint32_t)r->max_context, &j->params, runner_job_emit, j,
+		j->max_context = (uint32_t)r->max_context;
+		rc = generate_run(r->engine, j->ids, j->n_ids, j->max_context, &j->params, runner_job_emit, j,
 				  &res, err, sizeof(err));
 		/* A stage of a split model died under the request: once the ranks are formed again it goes
 		 * on from the tokens sent, as a request resumed after its runner died does (generate.h):
@@ -336,7 +339,7 @@ static void run_job(struct runner *r, struct job *j)
 				j->params.on_logits = NULL;
 			r->stage_resumes++;
 			err[0] = 0;
-			rc = generate_run(r->engine, j->ids, j->n_ids, (uint32_t)r->max_context, &j->params, runner_job_emit,
+			rc = generate_run(r->engine, j->ids, j->n_ids, j->max_context, &j->params, runner_job_emit,
 					  j, &res, err, sizeof(err));
 		}
 		stopping = rc == -ECANCELED && service_stop_requested(r->svc);
@@ -418,6 +421,7 @@ static int queue_generate(struct runner *r, const struct bus_peer *peer, const s
 	j->peer = *peer;
 	j->corr = req->corr;
 	j->n_tokens = g->tokens.n;
+	j->n_done_asked = g->done.n;
 	j->flags = g->flags;
 	j->tokens = malloc(sizeof(int32_t) * (g->tokens.n + 1));
 	j->stop = malloc(sizeof(int32_t) * (g->stop_ids.n + 1));

@@ -43,6 +43,8 @@ struct job {
 	uint32_t n_tokens;
 	int32_t *stop;	 /* the request's stop ids, room for one more (a chat's end of turn) */
 	int32_t *done;	 /* a resumed request's tokens generated before the cut (params.done), or NULL */
+	uint32_t n_done_asked;	 /* how many the client gave (params.n_done grows when a stage resumes it) */
+	uint32_t max_context;	 /* the context its run took (max-context is tunable; a resume keeps it) */
 	struct gen_params params;
 	int32_t *emitted;	 /* every token sent so far (a resumed request's done ones first), for a
 				  * resume in this runner when a stage of a split model died */

@@ -83,6 +83,7 @@ expect_grep '^service +gpu-runner-1' "$("$PIPECTL" hello gpu-runner-1)" "gpu-run
 # again and resumes the request; the client sees the uninterrupted run's tokens.
 long_out=$IT_TMP/long.txt
 base=$(stat_value gpu-runner-1 steps)
+generated0=$(stat_value gpu-runner tokens_generated)
 generate --tokens "$PROMPT" -n 2000 --ignore-eos >"$long_out" 2>"$IT_TMP/long.err" &
 gen=$!
 old=$(sup_field gpu-runner-1 pid)
@@ -91,6 +92,9 @@ wait_until 30 "the long request's first steps" steps_past $((base + 100))
 kill -9 "$old"
 wait "$gen" || fail "the request cut by gpu-runner-1's death failed: $(cat "$IT_TMP/long.err")"
 expect_eq "$(cat "$long_out")" "$want_long" "tokens of a request resumed after gpu-runner-1 died"
+# Every token counted once, those before the death among them (the resume starts from them).
+expect_eq "$(($(stat_value gpu-runner tokens_generated) - generated0))" "$(wc -w <"$long_out")" \
+	"tokens_generated for the resumed request"
 wait_until 30 "gpu-runner-1 restarted" restarted gpu-runner-1 "$old"
 expect_grep 'resuming after [0-9]+ tokens' "$(cat "$RUN_DIR/gpu-runner.log")" "rank 0's log of the resume"
 expect_gt "$(stat_value gpu-runner forms)" 1 "formations of the ranks"
