@@ -373,9 +373,11 @@ static void on_child_exit(struct sup *sup, struct svc *v, int status)
 	if (before_ready)
 		v->failed_starts++; /* reset when it answers HELLO (health.c) or a restart is asked for */
 	/* A service that never came up and says, by its exit, that it refuses this command line (1: a
-	 * failure at start, 2: a bad flag), or could not be run at all, would only refuse again. */
-	bool refusal = v->exec_failed || why == KILL_HELLO_ERROR ||
-		       (!v->ever_up && (why == KILL_READY ||
+	 * failure at start, 2: a bad flag), or could not be run at all, would only refuse again. One
+	 * that was up and could not be run again is restarted as after any other death (its binary may
+	 * be being rebuilt under it: a moment later it runs), within the burst's limit. */
+	bool refusal = why == KILL_HELLO_ERROR ||
+		       (!v->ever_up && (v->exec_failed || why == KILL_READY ||
 					(WIFEXITED(status) && (WEXITSTATUS(status) == 1 || WEXITSTATUS(status) == 2))));
 	if (refusal) {
 		size_t n = strlen(v->last_error);
