@@ -68,6 +68,15 @@ expect_grep "another program now: left alone" "$out" "shutdown with a stale pid 
 kill -0 "$other" 2>/dev/null || fail "shutdown signalled the process its stale pid file named"
 kill "$other"
 wait "$other" 2>/dev/null || true
+rm -f "$RUN_DIR/supervisor.pid"
+# cleanup with the services alive and no supervisor: their pid files, sockets and the spill file stay
+# (they are how stop finds them), and it says so.
+out=$("$BIN/pipeline-supervisor" cleanup --run-dir "$RUN_DIR" --instance "$INSTANCE" 2>&1) ||
+	fail "cleanup beside unsupervised services failed: $out"
+for s in kv-store ssd-loader gpu-runner; do
+	expect_grep "left the files of $s: it lives" "$out" "cleanup beside a live $s"
+	[[ -e $RUN_DIR/$s.pid ]] || fail "cleanup removed the pid file of the live $s"
+done
 out=$("$PIPELINE" stop)
 expect_grep "instance $INSTANCE stopped \(gpu-runner ssd-loader kv-store\)" "$out" "stop without a supervisor"
 expect_nothing_left "stop after the supervisor was killed"

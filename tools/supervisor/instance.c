@@ -407,6 +407,14 @@ void sup_instance_cleanup_locked(const char *instance, const char *run_dir)
 		char name[32] = SUP_NAME;
 		if (i >= 0)
 			sup_service_name(i, name, sizeof(name));
+		/* A service that lives on with no supervisor (it was killed): its pid file and socket are
+		 * how stop finds it, so they stay (stop removes them once it is gone). */
+		const int pid = i >= 0 ? live_pid(run_dir, name) : 0;
+		if (pid) {
+			fprintf(stderr, "pipeline-supervisor: left the files of %s: it lives (pid %d); stop the instance "
+					"to end it\n", name, pid);
+			continue;
+		}
 		for (size_t k = 0; k < ARRAY_SIZE(suffixes); k++) {
 			snprintf(path, sizeof(path), "%s/%s.%s", run_dir, name, suffixes[k]);
 			unlink(path);
@@ -427,9 +435,11 @@ void sup_instance_cleanup_locked(const char *instance, const char *run_dir)
 	}
 	/* A dead kv-store's spill file at its default place (a live one removes it on MSG_SHUTDOWN),
 	 * and one placed elsewhere that its record names. */
-	snprintf(path, sizeof(path), "%s/kv-spill.bin", run_dir);
-	unlink(path);
-	remove_recorded_spill(run_dir);
+	if (!live_pid(run_dir, "kv-store")) {
+		snprintf(path, sizeof(path), "%s/kv-spill.bin", run_dir);
+		unlink(path);
+		remove_recorded_spill(run_dir);
+	}
 
 	char prefix[SHM_NAME_MAX];
 	if (shm_object_name(instance, "", prefix, sizeof(prefix)) != 0)
