@@ -4,7 +4,9 @@
 source "$(dirname "$0")/lib.sh"
 it_setup basic
 
-"$PIPELINE" start --model "$MODEL"
+# From the model's folder, by a relative path, with a CDPATH that names "." (whose cd prints the
+# directory it went to: into $(cd DIR && pwd) where the script did not unset it).
+(cd "$(dirname "$MODEL")" && CDPATH=.:/usr "$PIPELINE" start --model "$(basename "$MODEL")")
 "$PIPELINE" status >/dev/null || fail "status after start does not report all services up"
 
 want=$(run_local --tokens "$PROMPT" -n 64)
