@@ -16,6 +16,12 @@ expect_status() {
 }
 
 expect_status 0 "^usage: pipectl" --help
+# pipeline-supervisor's --timeout as large as its wait in milliseconds can be, and no larger (past it
+# the wait wrapped to a negative one, which waited for ever).
+rc=0
+out=$("$BIN/pipeline-supervisor" status --timeout 2147484 --run-dir "$IT_TMP/none" 2>&1) || rc=$?
+((rc == 2)) || fail "pipeline-supervisor status --timeout 2147484: exit status $rc, want 2: $out"
+expect_grep "at most 2147483 seconds" "$out" "pipeline-supervisor status --timeout 2147484"
 expect_status 0 "generate --prompt TEXT | --chat TEXT" --help
 expect_status 2 "^usage: pipectl"
 expect_status 0 "--tokens" generate --help

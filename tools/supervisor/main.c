@@ -377,6 +377,10 @@ static int client_main(const struct client_command *c, int argc, char **argv)
 				   arg);
 	if (timeout_s < 0)
 		return usage_error("--timeout must not be negative");
+	/* Waits are counted in milliseconds in an int further on (a larger value wrapped to a negative
+	 * wait, which waited for ever). */
+	if (timeout_s > SUP_TIMEOUT_MAX_S)
+		return usage_error("--timeout %ld: at most %d seconds", timeout_s, SUP_TIMEOUT_MAX_S);
 	if (stop_timeout_s < 0 || stop_timeout_s > 3600)
 		return usage_error("--stop-timeout-s must be in 0..3600, not %ld", stop_timeout_s);
 	char dir[256];

@@ -30,6 +30,7 @@
  * 2 bad usage. */
 #ifndef PIPELINE_SUPERVISOR_H
 #define PIPELINE_SUPERVISOR_H
+#include <limits.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -47,6 +48,7 @@
 #define SUP_EXIT_OK 0
 #define SUP_EXIT_FAIL 1
 #define SUP_EXIT_USAGE 2
+#define SUP_TIMEOUT_MAX_S (INT_MAX / 1000) /* --timeout: its wait in milliseconds fits an int */
 #define SUP_EXIT_NO_SERVICE 3 /* restart: the instance runs no such service */
 /* The stop ladder, for each service in turn (the supervisor's stop, and the stop of services that
  * run without one): MSG_SHUTDOWN (the service removes its shared state and exits); SIGTERM when
