@@ -26,6 +26,13 @@ broken() {
 }
 
 expect_start_fails "missing model directory" "does not exist" --model "$IT_TMP/no-such-model"
+# A bad PIPELINE_READY_TIMEOUT: a usage error before anything is made (it was found by the
+# supervisor after the run directory and its lock were, the message naming a log never written).
+rc=0
+out=$(PIPELINE_READY_TIMEOUT=abc "$PIPELINE" start --model "$MODEL" 2>&1) || rc=$?
+expect_eq "$rc" 2 "start with PIPELINE_READY_TIMEOUT=abc: its exit status"
+expect_grep "PIPELINE_READY_TIMEOUT=abc" "$out" "start with PIPELINE_READY_TIMEOUT=abc: the message"
+[[ ! -e $RUN_DIR ]] || fail "start with PIPELINE_READY_TIMEOUT=abc made the run directory $RUN_DIR"
 
 # run-local's flags past the runner's limits: refused (exit 2), not cut to 32 bits or divided by 0.
 for bad in "--kv-block-tokens 4294967296" "-n 4294967296" "--threads 4294967297" "--temperature nan" \
