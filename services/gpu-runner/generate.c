@@ -8,7 +8,7 @@
 #include "common/log.h"
 #include "common/util.h"
 
-static bool is_stop(const struct model_config *cfg, const struct gen_params *p, int32_t tok)
+bool gen_is_stop(const struct model_config *cfg, const struct gen_params *p, int32_t tok)
 {
 	if (!p->ignore_eos)
 		for (uint32_t i = 0; i < cfg->n_eos; i++)
@@ -205,7 +205,7 @@ static void take_token(struct gen_seq *g, float *logits, int32_t tok)
 		g->res.reason = "cancelled";
 	else if (said == GEN_STOP_STRING)
 		g->res.reason = "stop_string";
-	else if (is_stop(cfg, &g->p, tok))
+	else if (gen_is_stop(cfg, &g->p, tok))
 		g->res.reason = "stop";
 	else if (g->res.n_generated == g->p.max_new)
 		; /* "length" */
@@ -272,7 +272,7 @@ int gen_seq_create(struct engine *e, struct kv_cache *kv, const int32_t *prompt,
 		g->res.reason = NULL;
 		if (p->done_stop_string)
 			g->res.reason = "stop_string";
-		else if (is_stop(cfg, p, p->done[n_done - 1]))
+		else if (gen_is_stop(cfg, p, p->done[n_done - 1]))
 			g->res.reason = "stop";
 		else if (n_done == p->max_new)
 			g->res.reason = "length";

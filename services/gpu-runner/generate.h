@@ -124,6 +124,10 @@ bool gen_seq_done(const struct gen_seq *g);
  * NULL. Returns 0 or -errno with err set when ok. */
 int gen_seq_finish(struct gen_seq **g, bool ok, struct gen_result *res, char *err, size_t errlen);
 
+/* Does token tok end a run of params p (one of the model's end-of-sequence ids, unless
+ * p->ignore_eos, or one of p's stop ids)? */
+bool gen_is_stop(const struct model_config *cfg, const struct gen_params *p, int32_t tok);
+
 /* Runs one sequence from position 0. The KV cache is reset at the end (also on failure).
  * Returns 0, or -errno with a message in err (bad prompt, a failed step). */
 int generate_run(struct engine *e, const int32_t *prompt, uint32_t n_prompt, uint32_t max_context,

@@ -70,7 +70,10 @@ enum gen_emit runner_job_emit(void *ctx, uint32_t index, int32_t token)
 	m.token.index = index;
 	m.token.token = (uint64_t)token;
 	bool hit = false;
-	if (j->ts) {
+	/* The token that ends the run (an end-of-sequence, end-of-turn or stop id) is sent as an id
+	 * with no text: an answer ends before it, as OpenAI's and a chat's do (its text was
+	 * "<|eot_id|>" at the end of every Llama 3 chat answer). */
+	if (j->ts && !gen_is_stop(&r->cfg, &j->params, token)) {
 		const char *piece;
 		size_t len;
 		if (text_stream_push(j->ts, token, &piece, &len, &hit) == 0 && (j->flags & GEN_TEXT)) {
@@ -148,8 +151,9 @@ static int job_kv_failure(void *ctx, char *err, size_t errlen)
 
 /* j's text stream (its stop strings) over r->tok, fed the n ids already sent without sending them
  * again (stop strings that span the cut, text held back); a stop string among them ends a resumed
- * run at once (done_stop_string). An id the tokenizer does not decode (a vocabulary padded past
- * the tokenizer's) is no text, as in a live run (runner_job_emit), not a failure. */
+ * run at once (done_stop_string). A stop id is no text, and an id the tokenizer does not decode
+ * (a vocabulary padded past the tokenizer's) is no text, as in a live run (runner_job_emit), not
+ * a failure. */
 static int job_text_stream(struct runner *r, struct job *j, const int32_t *sent, uint32_t n, char *err,
 			   size_t errlen)
 {
@@ -158,7 +162,8 @@ static int job_text_stream(struct runner *r, struct job *j, const int32_t *sent,
 		const char *piece;
 		size_t len;
 		bool hit = false;
-		if (text_stream_push(j->ts, sent[i], &piece, &len, &hit) == 0 && hit)
+		if (!gen_is_stop(&r->cfg, &j->params, sent[i]) &&
+		    text_stream_push(j->ts, sent[i], &piece, &len, &hit) == 0 && hit)
 			j->params.done_stop_string = true;
 	}
 	return rc;

@@ -30,6 +30,18 @@ got_text=$(generate --prompt "$text" -n 16)
 want_text=$(printf '%s' "$want" | "$PIPECTL" detokenize --tokenizer "$TOKENIZER")
 expect_eq "$got_text" "$want_text" "--prompt text vs detokenize of the same ids"
 log "prompt: ids and text agree with the tokenizer and run-local"
+# A stop id: the ids end with it, the text before it (the token that ends a run has no text, as an
+# end-of-turn's "<|eot_id|>" ends no chat answer).
+read -r -a ids <<<"$want"
+stop_id=${ids[4]}
+first=0
+while [[ ${ids[first]} != "$stop_id" ]]; do first=$((first + 1)); done
+want_ids="${ids[*]:0:first+1}"
+expect_eq "$(generate --prompt "$text" -n 16 --ids --stop-ids "$stop_id")" "$want_ids" "ids with --stop-ids $stop_id"
+want_text=""
+((first == 0)) || want_text=$(printf '%s' "${ids[*]:0:first}" | "$PIPECTL" detokenize --tokenizer "$TOKENIZER")
+expect_eq "$(generate --prompt "$text" -n 16 --stop-ids "$stop_id")" "$want_text" "text with --stop-ids $stop_id"
+log "stop id $stop_id: the ids end with it, the text of the $first before it"
 
 # --chat: the Llama 3 header format, built from special tokens, then the assistant header.
 chat_text=$'<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHello there<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'

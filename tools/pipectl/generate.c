@@ -559,6 +559,17 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 			return PIPECTL_EXIT_USAGE;
 		}
 	}
+	/* Stop ids go with a text prompt as with ids (they were dropped with --prompt and --chat). */
+	if (stop_ids && *stop_ids) {
+		if (pipectl_parse_ids(stop_ids, UINT32_MAX, &a->stop_ids, &a->n_stop_ids, err, sizeof(err)) != 0) {
+			fprintf(stderr, "pipectl: generate: --stop-ids: %s\n", err);
+			return PIPECTL_EXIT_USAGE;
+		}
+		if (a->n_stop_ids > 1024) {
+			fprintf(stderr, "pipectl: generate: --stop-ids holds %u ids, at most 1024\n", a->n_stop_ids);
+			return PIPECTL_EXIT_USAGE;
+		}
+	}
 	if (a->text)
 		return check_ranges(a);
 	char *from_file = NULL;
@@ -587,16 +598,6 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 		fprintf(stderr, "pipectl: generate: --tokens holds %u ids, at most %u\n", a->n_tokens,
 			PROTO_MAX_ARRAY);
 		return PIPECTL_EXIT_USAGE;
-	}
-	if (stop_ids && *stop_ids) {
-		if (pipectl_parse_ids(stop_ids, UINT32_MAX, &a->stop_ids, &a->n_stop_ids, err, sizeof(err)) != 0) {
-			fprintf(stderr, "pipectl: generate: --stop-ids: %s\n", err);
-			return PIPECTL_EXIT_USAGE;
-		}
-		if (a->n_stop_ids > 1024) {
-			fprintf(stderr, "pipectl: generate: --stop-ids holds %u ids, at most 1024\n", a->n_stop_ids);
-			return PIPECTL_EXIT_USAGE;
-		}
 	}
 	return check_ranges(a);
 }
