@@ -645,8 +645,8 @@ int runner_submit(struct runner_client *rc, const struct runner_params *p, struc
 	pthread_mutex_lock(&rc->lock);
 	if (!r && rc->stopping)
 		r = -ESHUTDOWN;
-	else if (!r && (rc->busy >= rc->n_workers || rc->queued > 0) && rc->queued >= rc->o.max_queue)
-		r = -EAGAIN; /* it would wait, and max_queue already do */
+	else if (!r && runner_queue_refuses(rc->queued, rc->busy, rc->n_workers, rc->o.max_queue))
+		r = -EAGAIN;
 	if (r) {
 		j->refs = 1;
 		job_unref_locked(j);

@@ -86,6 +86,17 @@ void runner_client_stop(struct runner_client *rc);
 /* Stops (if not yet) and frees the client, once no reader holds a job. *rc is NULL after. */
 void runner_client_destroy(struct runner_client **rc);
 
+/* Is a new job refused (429) with queued jobs waiting for a worker, busy workers running one, of
+ * n_workers, and room for max_queue jobs to wait behind those running? It is when it would wait
+ * (as many jobs queued as idle workers, or more) and max_queue jobs would already wait ahead of it.
+ * A job queued but not yet taken by an idle worker makes no one wait while another worker is idle. */
+static inline bool runner_queue_refuses(long queued, long busy, long n_workers, long max_queue)
+{
+	long idle = n_workers > busy ? n_workers - busy : 0;
+	long waiting = queued > idle ? queued - idle : 0; /* ahead of the new job, once workers take theirs */
+	return queued >= idle && waiting >= max_queue;
+}
+
 /* Queues a generation. Returns 0 with *out (release it with runner_job_release), -EAGAIN when it
  * would have to wait and max_queue jobs already wait, -ESHUTDOWN when stopping, -ENOMEM. */
 int runner_submit(struct runner_client *rc, const struct runner_params *p, struct runner_job **out);
