@@ -98,7 +98,7 @@ int main(int argc, char **argv)
 {
 	const char *instance = NULL, *run_dir_opt = NULL, *listen = NULL, *key_file = NULL, *model_id = NULL,
 		   *level = NULL, *name = NULL;
-	uint64_t max_body = 0;
+	uint64_t max_body = 0, send_buffer = 0;
 	long max_queue = 0, concurrency = 0, max_connections = 0, default_max_tokens = 0, timeout_s = 0, hello_ms = 0, resume_s = 0,
 	     idle_s = 0, per_ip = 0;
 	struct opt opts[] = {
@@ -121,7 +121,12 @@ int main(int argc, char **argv)
 		 "as behind a proxy, where every connection comes from the proxy's address)"},
 		{"idle-timeout", OPT_INT, &idle_s, "60",
 		 "seconds a connection may send and take nothing before it is closed: a client that sends its "
-		 "request too slowly, or an idle keep-alive one; not one that waits for its answer (0: never)"},
+		 "request too slowly, stops reading its answer, or an idle keep-alive one; not one that waits "
+		 "while the model makes its answer (0: never)"},
+		{"send-buffer", OPT_SIZE, &send_buffer, "0",
+		 "the kernel's send buffer of each connection (SO_SNDBUF; the kernel doubles it): a client that "
+		 "stops reading blocks its answer after about this much, then --idle-timeout closes it "
+		 "(0: the kernel's default, which grows up to net.ipv4.tcp_wmem's largest, 4 MiB by default)"},
 		{"model-id", OPT_STRING, &model_id, NULL,
 		 "the model's name in replies (default: the checkpoint's file or directory name, from ssd-loader)"},
 		{"default-max-tokens", OPT_INT, &default_max_tokens, "256", "max_tokens of a request that gives none"},
@@ -167,6 +172,10 @@ int main(int argc, char **argv)
 	}
 	if (idle_s < 0 || idle_s > 86400) {
 		fprintf(stderr, "%s: --idle-timeout must be in 0..86400 seconds\n", PROG);
+		return 2;
+	}
+	if (send_buffer && (send_buffer < 1024 || send_buffer > (1u << 30))) {
+		fprintf(stderr, "%s: --send-buffer must be 0 or 1KiB..1GiB\n", PROG);
 		return 2;
 	}
 	if (max_queue < 0 || max_queue > 100000 || max_connections < 0 || max_connections > 100000 || per_ip < 0 ||
@@ -249,6 +258,7 @@ int main(int argc, char **argv)
 		.max_connections = max_connections ? max_connections : max_queue + concurrency + 32,
 		.max_per_ip = per_ip,
 		.idle_timeout_s = (unsigned)idle_s,
+		.send_buffer = (int)send_buffer,
 		.api_key = key_file ? key : NULL,
 		.model_id = model_id && *model_id ? model_id : NULL,
 		.limits = {.max_tokens_default = default_max_tokens, .max_tokens_limit = MAX_TOKENS_LIMIT},

@@ -64,7 +64,6 @@ struct request_state {
 	uint64_t start_ns;    /* when the request came */
 	unsigned status;      /* the status its response was queued with; 0: none yet */
 	const char *endpoint; /* its path for the metrics, or "other" */
-	bool waits_on_model;  /* its answer is being made: the idle timeout is off for the connection */
 	bool deferred;	      /* no body: answered at the request's last call (see on_request) */
 };
 
@@ -79,7 +78,8 @@ struct stream {
 	size_t have_len;
 	uint64_t have_tokens;
 	bool role_sent, finished;
-	struct MHD_Connection *conn; /* its connection: the idle limit is back once the job ends */
+	bool limit_off;		     /* the idle limit is off: the reader waits on the model */
+	struct MHD_Connection *conn; /* its connection, whose idle limit the reader turns off and on */
 	char *out; /* formatted events not yet handed to libmicrohttpd */
 	size_t out_len, out_pos, out_cap;
 };
@@ -456,13 +456,8 @@ static void stream_produce(struct stream *st)
 	st->have_len = v.len;
 	st->have_tokens = v.n_tokens;
 	bool ended = v.state == JOB_DONE || v.state == JOB_FAILED;
-	if (ended) {
-		/* From here the connection waits on its client only: a reader that stops reading is
-		 * closed by the idle limit, as any other (the limit was off while the model worked).
-		 * (The stream is finished below, so this comes once.) */
-		MHD_set_connection_option(st->conn, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned int)st->s->cfg.idle_timeout_s);
+	if (ended)
 		count_end(st->s, &v);
-	}
 	size_t from, end = api_stop_filter_release(&st->filter, &st->req, ended, &from);
 	if (end > from)
 		rc = rc ? rc : out_event(st, api_chunk_json(&st->req, st->id, st->model, st->created,
@@ -480,6 +475,11 @@ static void stream_produce(struct stream *st)
 		stream_end(st, st->filter.stopped ? "stop" : api_finish_reason(v.reason), v.n_prompt, v.n_generated);
 }
 
+/* libmicrohttpd's reader of a stream, on its connection's thread. While it waits on the model for
+ * the next text the idle limit is off (a token may take longer than the limit); while what it
+ * handed out waits on the client the limit is on, so that a client that stops reading is closed
+ * (its generation cancelled, its place freed) as any idle one. Turning the limit on from off
+ * restarts its timer (libmicrohttpd's MHD_CONNECTION_OPTION_TIMEOUT). */
 static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 {
 	struct stream *st = cls;
@@ -489,11 +489,20 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 			n = n < max ? n : max;
 			memcpy(buf, st->out + st->out_pos, n);
 			st->out_pos += n;
+			if (st->limit_off) {
+				MHD_set_connection_option(st->conn, MHD_CONNECTION_OPTION_TIMEOUT,
+							  (unsigned int)st->s->cfg.idle_timeout_s);
+				st->limit_off = false;
+			}
 			return (ssize_t)n;
 		}
 		if (st->finished)
 			return MHD_CONTENT_READER_END_OF_STREAM;
 		st->out_len = st->out_pos = 0;
+		if (!st->limit_off) {
+			MHD_set_connection_option(st->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+			st->limit_off = true;
+		}
 		stream_produce(st);
 	}
 }
@@ -870,11 +879,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 		ret = send_error(c, 413, msg, NULL, NULL);
 	} else {
 		/* From here the connection waits on the model, not on its client: no idle timeout while
-		 * the answer is made (a long prefill, a runner restarted and the request resumed). The
-		 * limit is back for the next request of a kept-alive connection (on_completed). */
+		 * the answer is made (a long prefill, a runner restarted and the request resumed). Once
+		 * it is queued (whole, an error, or a stream's first events) it waits on its client,
+		 * under the limit again: a client that stops reading is closed as any idle one. A
+		 * stream's reader turns the limit off again while it waits for more (stream_read). */
 		MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
-		rs->waits_on_model = true;
 		ret = on_generate(s, c, rs);
+		MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned int)s->cfg.idle_timeout_s);
 	}
 	rs->status = queued_status;
 	return ret;
@@ -888,11 +899,24 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
 		return;
 	if (rs->status)
 		metrics_request(s->metrics, rs->endpoint, rs->status, seconds_since(rs->start_ns));
-	if (rs->waits_on_model && toe == MHD_REQUEST_TERMINATED_COMPLETED_OK)
-		MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned int)s->cfg.idle_timeout_s);
 	free(rs->body);
 	free(rs);
 	*con_cls = NULL;
+}
+
+/* A new connection: its kernel send buffer as asked (--send-buffer), so that a client that stops
+ * reading blocks the answer's writes after that much, not after the megabytes the kernel's own
+ * grows to (and is closed by the idle limit from there). */
+static void on_connection(void *cls, struct MHD_Connection *c, void **socket_ctx, enum MHD_ConnectionNotificationCode code)
+{
+	struct server *s = cls;
+	(void)socket_ctx;
+	if (code != MHD_CONNECTION_NOTIFY_STARTED || s->cfg.send_buffer <= 0)
+		return;
+	const union MHD_ConnectionInfo *info = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+	int size = s->cfg.send_buffer;
+	if (info && setsockopt(info->connect_fd, SOL_SOCKET, SO_SNDBUF, &size, sizeof(size)) != 0)
+		log_warn("setting a connection's send buffer to %d bytes failed: %s", size, strerror(errno));
 }
 
 static void on_mhd_log(void *cls, const char *fmt, va_list ap)
@@ -924,7 +948,8 @@ int server_start(const struct server_config *cfg, struct server **out, char *err
 				MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_LIMIT,
 				(unsigned int)cfg->max_connections, MHD_OPTION_CONNECTION_TIMEOUT,
 				(unsigned int)cfg->idle_timeout_s, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
-				(unsigned int)cfg->max_per_ip, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_END);
+				(unsigned int)cfg->max_per_ip, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_NOTIFY_CONNECTION,
+				on_connection, s, MHD_OPTION_END);
 	if (!s->d) {
 		int e = errno ? errno : EADDRINUSE;
 		pthread_mutex_destroy(&s->lock);

@@ -25,7 +25,9 @@ struct server_config {
 	long max_connections;	 /* connections served at once */
 	long max_per_ip;	 /* ... from one client address (0: no limit) */
 	unsigned idle_timeout_s; /* a connection that sends and takes nothing this long is closed (a slow
-				  * client, or an idle keep-alive one; not one waiting for its answer); 0: never */
+				  * client, one that stops reading, or an idle keep-alive one; not one waiting
+				  * while the model makes its answer); 0: never */
+	int send_buffer;	 /* SO_SNDBUF of each connection in bytes; 0: the kernel's, which grows */
 	const char *api_key;	 /* the bearer token every request but /health and /metrics needs; NULL: none */
 	const char *model_id;	 /* the model's name in replies; NULL: asked from the instance */
 	struct api_limits limits;

@@ -392,7 +392,7 @@ cut_stream TERM stopped "gpu-runner was stopped during the request"
 
 # ---- a full queue: 429 (a second server with --max-queue 0, while the first request streams) ----
 "$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --max-queue 0 --concurrency 1 \
-	--name http-api-2 --idle-timeout 1 >"$IT_TMP/second.log" 2>&1 &
+	--name http-api-2 --idle-timeout 1 --send-buffer 4KiB >"$IT_TMP/second.log" 2>&1 &
 SECOND=$!
 listening() { grep -q 'listening on http://' "$IT_TMP/second.log"; }
 wait_until 10 "the second http-api listens" listening
@@ -430,6 +430,31 @@ kill -0 "$LONG" 2>/dev/null || fail "the long stream ended while the slow client
 log "a slow client: closed after --idle-timeout; the stream beside it goes on"
 kill "$LONG" 2>/dev/null || true
 wait "$LONG" 2>/dev/null || true
+# A client that stops reading a stream is closed after --idle-timeout as any idle one: its
+# generation cancelled, its place (the only one here) free again. (The limit was off for the whole
+# of a stream: such a client held its connection, and with it the server's place, for ever.) Its
+# receive buffer is small and this server's send buffers too (--send-buffer), so that the writes
+# block after a few KiB, not after the megabytes of a real network's buffers.
+UNREAD_CLIENT=${UNREAD_CLIENT:?set UNREAD_CLIENT to the unread_client binary of the build}
+# (The long stream's place is free once the runner has ended its generation: till then this one
+# would be refused 429.)
+place_free() { [[ $(scrape "$M1" "$BASE2") == 200 ]] && (($(metric "$M1" pipeline_http_in_flight) == 0)); }
+wait_until 30 "the long stream's generation cancelled" place_free
+cancelled_before=$(metric "$M1" pipeline_http_cancelled_total)
+printf 'POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n%s' \
+	"$(printf '%s' "$long" | wc -c)" "$long" | "$UNREAD_CLIENT" "${BASE2##*:}" 120 &
+UNREAD=$!
+unread_cancelled() {
+	[[ $(scrape "$M1" "$BASE2") == 200 ]] && (($(metric "$M1" pipeline_http_cancelled_total) > cancelled_before))
+}
+wait_until 60 "the stream nobody reads is closed, its generation cancelled" unread_cancelled
+expect_grep 'a client went away during its stream' "$(cat "$IT_TMP/second.log")" "the second server's log"
+kill "$UNREAD" 2>/dev/null || true
+wait "$UNREAD" 2>/dev/null || true
+wait_until 30 "the unread stream's place free" place_free
+got=$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE2/v1/completions" --data-binary '{"prompt": "x", "max_tokens": 2}')
+expect_eq "$got" 200 "a request after the unread stream was closed (--max-queue 0: its place is free)"
+log "a client that stops reading its stream: closed after --idle-timeout, its generation cancelled"
 kill -TERM "$SECOND"
 wait "$SECOND" || fail "the second http-api did not exit cleanly on SIGTERM"
 log "a full queue: 429"
