@@ -16,7 +16,7 @@
 #include "services/http-api/metrics.h"
 
 static const char *const endpoints[] = {
-	"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "other",
+	"/health", "/metrics", "/v1/models", "/v1/models/:model", "/v1/completions", "/v1/chat/completions", "other",
 };
 #define N_ENDPOINTS ARRAY_SIZE(endpoints)
 #define N_STATUS 600

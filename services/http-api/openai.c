@@ -4,7 +4,7 @@
  * Parameters taken: model (accepted, any string), prompt (a string; an array of one string),
  * messages (chat: role and content; content a string or an array of {"type": "text", "text"}
  * parts, joined), max_tokens (max_completion_tokens too), temperature [0, 2], top_p [0, 1],
- * seed (an integer >= 0), stop (a string or an array of them), stream, stream_options.include_usage,
+ * seed (any integer), stop (a string or an array of them), stream, stream_options.include_usage,
  * n (1 only), and the extensions other servers take too: top_k (an integer >= 0), min_p [0, 1],
  * repetition_penalty (0, 100], ignore_eos (a boolean). Anything else is ignored; a known parameter of the wrong type is
  * refused. */
@@ -169,16 +169,27 @@ static int parse_messages(json_t *root, struct api_request *req, struct api_prob
 	int rc = 0;
 	json_array_foreach(msgs, i, m) {
 		json_t *role = json_object_get(m, "role"), *content = json_object_get(m, "content"), *text = NULL;
-		if (!json_is_object(m) || !json_is_string(role) || !content) {
+		/* An assistant's earlier turn may have no content (null, or left out: a turn that
+		 * called tools): it is an empty turn. */
+		bool empty_turn = json_is_string(role) && !strcmp(json_string_value(role), "assistant") &&
+				  (!content || json_is_null(content));
+		if (!json_is_object(m) || !json_is_string(role) || (!content && !empty_turn)) {
 			snprintf(why->message, sizeof(why->message),
 				 "messages[%zu] must be an object with a string 'role' and a 'content'", i);
 			why->param = "messages";
 			rc = -EINVAL;
 			break;
 		}
-		rc = content_text(content, i, &text, why);
+		if (empty_turn)
+			text = json_string("");
+		else
+			rc = content_text(content, i, &text, why);
 		if (rc)
 			break;
+		if (!text) {
+			rc = -ENOMEM;
+			break;
+		}
 		json_t *o = json_object();
 		if (!o || json_object_set(o, "role", role) || json_object_set_new(o, "content", text) ||
 		    json_array_append_new(out, o)) {
@@ -268,8 +279,9 @@ static int parse_fields(json_t *root, const struct api_limits *lim, struct api_r
 	}
 	json_t *seed = json_object_get(root, "seed");
 	if (seed && !json_is_null(seed)) {
-		if (!json_is_integer(seed) || json_integer_value(seed) < 0)
-			return problem(why, "seed", "'seed' must be a non-negative integer%s", NULL);
+		if (!json_is_integer(seed))
+			return problem(why, "seed", "'seed' must be an integer%s", NULL);
+		/* Any integer, as OpenAI takes; a negative one is its two's complement. */
 		req->seed = (uint64_t)json_integer_value(seed);
 		req->has_seed = true;
 	}
@@ -448,10 +460,15 @@ json_t *api_usage_chunk_json(const struct api_request *req, const char *id, cons
 	return o;
 }
 
+json_t *api_model_json(const char *model, int64_t created)
+{
+	return json_pack("{s:s, s:s, s:I, s:s}", "id", model, "object", "model", "created", (json_int_t)created,
+			 "owned_by", "llm-pipeline");
+}
+
 json_t *api_models_json(const char *model, int64_t created)
 {
-	return json_pack("{s:s, s:[{s:s, s:s, s:I, s:s}]}", "object", "list", "data", "id", model, "object", "model",
-			 "created", (json_int_t)created, "owned_by", "llm-pipeline");
+	return json_pack("{s:s, s:[o]}", "object", "list", "data", api_model_json(model, created));
 }
 
 /* ---- stop strings ---- */

@@ -94,6 +94,8 @@ json_t *api_usage_chunk_json(const struct api_request *req, const char *id, cons
 
 /* GET /v1/models: a list holding the one model. */
 json_t *api_models_json(const char *model, int64_t created);
+/* One model object, as GET /v1/models/{model} answers (and each entry of the list above). */
+json_t *api_model_json(const char *model, int64_t created);
 
 /* ---- stop strings ---- */
 

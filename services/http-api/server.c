@@ -39,9 +39,13 @@
 
 #define STREAM_BLOCK 4096 /* bytes libmicrohttpd asks a stream's reader for at most */
 #define STATS_TIMEOUT_MS 1000 /* the longest a scrape waits for a service's stats */
+#define MODEL_PATH "/v1/models/"  /* GET MODEL_PATH{model}: one model */
 
 /* The status of the response this thread queued last (see on_request). */
 static _Thread_local unsigned queued_status;
+/* This thread's request ended because its client went away (client_left): libmicrohttpd's
+ * "internal error" for the MHD_NO that closes it is no error (on_mhd_log). */
+static _Thread_local bool closed_for_client;
 
 struct server {
 	struct server_config cfg;
@@ -52,7 +56,7 @@ struct server {
 	struct metrics *metrics;
 };
 
-enum route { R_NONE, R_HEALTH, R_METRICS, R_MODELS, R_COMPLETIONS, R_CHAT };
+enum route { R_NONE, R_HEALTH, R_METRICS, R_MODELS, R_MODEL, R_COMPLETIONS, R_CHAT };
 
 /* One request: its route and body. */
 struct request_state {
@@ -247,6 +251,32 @@ static enum MHD_Result on_models(struct server *s, struct MHD_Connection *c)
 	return send_json(c, MHD_HTTP_OK, api_models_json(model, (int64_t)time(NULL)), NULL);
 }
 
+/* GET /v1/models/{id}: the model when id is its name (an SDK's models.retrieve), else 404. */
+static enum MHD_Result on_model(struct server *s, struct MHD_Connection *c, const char *url)
+{
+	const char *id = url + strlen(MODEL_PATH);
+	size_t id_len = strlen(id);
+	while (id_len > 0 && id[id_len - 1] == '/')
+		id_len--;
+	char model[256];
+	if (!s->cfg.model_id) {
+		char err[256];
+		pthread_mutex_lock(&s->lock);
+		bool known = s->model[0] != 0;
+		pthread_mutex_unlock(&s->lock);
+		if (!known && runner_model_name(s->cfg.ro, model, sizeof(model), err, sizeof(err)) != 0)
+			return send_error(c, MHD_HTTP_SERVICE_UNAVAILABLE, err, NULL, NULL);
+	}
+	model_name(s, model, sizeof(model));
+	if (strlen(model) != id_len || strncmp(model, id, id_len)) {
+		char msg[600];
+		snprintf(msg, sizeof(msg), "the model '%.*s' does not exist (this server serves '%s')",
+			 (int)(id_len < 256 ? id_len : 256), id, model);
+		return send_error(c, MHD_HTTP_NOT_FOUND, msg, NULL, NULL);
+	}
+	return send_json(c, MHD_HTTP_OK, api_model_json(model, (int64_t)time(NULL)), NULL);
+}
+
 /* The instance's stats for a scrape, or NULL (logged at debug: a scrape must not flood the log). */
 static char *service_stats(struct server *s, const char *service)
 {
@@ -351,6 +381,7 @@ static enum MHD_Result client_left(struct server *s, struct runner_job *j, enum 
 				     : "was generating", state == JOB_QUEUED ? "dropped" : "cancelled");
 	metrics_cancelled(s->metrics);
 	runner_job_release(j);
+	closed_for_client = true;
 	return MHD_NO;
 }
 
@@ -645,6 +676,11 @@ static enum route route_of(const char *url, const char **method_wanted, const ch
 	size_t n = strlen(url);
 	while (n > 1 && url[n - 1] == '/')
 		n--;
+	if (n > strlen(MODEL_PATH) && !strncmp(url, MODEL_PATH, strlen(MODEL_PATH))) {
+		*method_wanted = "GET";
+		*path = "/v1/models/:model";
+		return R_MODEL;
+	}
 	for (size_t i = 0; i < ARRAY_SIZE(routes); i++) {
 		if (strlen(routes[i].path) == n && !strncmp(routes[i].path, url, n)) {
 			*method_wanted = routes[i].method;
@@ -759,7 +795,7 @@ static bool answer_early(struct server *s, struct MHD_Connection *c, const char 
 	}
 	if (rs->route == R_NONE) {
 		snprintf(msg, sizeof(msg), "no endpoint %.400s (there are GET /health, GET /metrics, GET /v1/models, "
-			 "POST /v1/completions and POST /v1/chat/completions)", url);
+			 "GET /v1/models/{model}, POST /v1/completions and POST /v1/chat/completions)", url);
 		*ret = send_error(c, MHD_HTTP_NOT_FOUND, msg, NULL, NULL);
 		return true;
 	}
@@ -783,6 +819,10 @@ static bool answer_early(struct server *s, struct MHD_Connection *c, const char 
 	}
 	if (rs->route == R_MODELS) {
 		*ret = on_models(s, c);
+		return true;
+	}
+	if (rs->route == R_MODEL) {
+		*ret = on_model(s, c, url);
 		return true;
 	}
 	const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
@@ -924,6 +964,11 @@ static void on_mhd_log(void *cls, const char *fmt, va_list ap)
 	char buf[512];
 	vsnprintf(buf, sizeof(buf), fmt, ap);
 	buf[strcspn(buf, "\n")] = 0;
+	if (closed_for_client && strstr(buf, "Application reported internal error")) {
+		closed_for_client = false; /* the connection of a client that went away, closed on purpose */
+		log_debug("libmicrohttpd: %s", buf);
+		return;
+	}
 	log_warn("libmicrohttpd: %s", buf);
 }
 

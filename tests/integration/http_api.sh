@@ -2,7 +2,7 @@
 # http_api: the OpenAI-compatible front door (services/http-api, scripts/pipeline start --http) on a
 # synthetic model with the Llama 3 tokenizer. Completions and chat completions, streamed and not,
 # give the text pipectl generate gives with the same parameters (greedy and a seeded sample);
-# stop strings end the text before them; /health and /v1/models answer; bad requests get their
+# stop strings end the text before them; /health, /v1/models and /v1/models/{model} answer; bad requests get their
 # status and OpenAI's error shape; a client that goes away mid-stream cancels its generation and
 # the server serves the next request; a runner killed mid-stream ends it with an error event (with
 # --resume-timeout 0); a full queue answers 429, and a client that gives up while queued frees its
@@ -86,6 +86,10 @@ expect_eq "$(jq -r .status "$BODY")" ok "GET /health: status"
 expect_eq "$(request GET /v1/models)" 200 "GET /v1/models"
 expect_eq "$(jq -r '.object + " " + .data[0].id + " " + .data[0].object' "$BODY")" "list llama3-shaped model" \
 	"GET /v1/models: the model"
+expect_eq "$(request GET /v1/models/llama3-shaped)" 200 "GET /v1/models/llama3-shaped"
+expect_eq "$(jq -r '.id + " " + .object' "$BODY")" "llama3-shaped model" "GET /v1/models/{model}: the model"
+expect_error 404 "GET /v1/models/{another model}" GET /v1/models/gpt-4
+expect_grep "the model 'gpt-4' does not exist" "$(jq -r .error.message "$BODY")" "GET /v1/models/gpt-4"
 
 # ---- /metrics: the counters move by what is sent ----
 M0=$IT_TMP/metrics0 M1=$IT_TMP/metrics1
@@ -114,6 +118,8 @@ wait_until 10 "/metrics counts the completions" four_counted
 expect_exposition "$M1"
 expect_eq "$(delta "$M0" "$M1" "$COMPLETIONS_200")" 4 "/metrics: completions answered 200"
 expect_eq "$(delta "$M0" "$M1" 'pipeline_http_requests_total{endpoint="other",status="404"}')" 1 "/metrics: the 404"
+expect_eq "$(metric "$M1" 'pipeline_http_requests_total{endpoint="/v1/models/:model",status="404"}')" 1 \
+	"/metrics: GET /v1/models/gpt-4"
 expect_eq "$(delta "$M0" "$M1" 'pipeline_http_requests_total{endpoint="/v1/models",status="401"}')" 1 \
 	"/metrics: the 401"
 expect_eq "$(delta "$M0" "$M1" pipeline_http_generated_tokens_total)" "$generated_sum" \

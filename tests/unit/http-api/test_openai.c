@@ -106,7 +106,7 @@ START_TEST(completion_refused)
 	expect_refused("{\"prompt\": \"x\", \"temperature\": 2.5}", API_COMPLETION, "temperature");
 	expect_refused("{\"prompt\": \"x\", \"temperature\": -1}", API_COMPLETION, "temperature");
 	expect_refused("{\"prompt\": \"x\", \"top_p\": 1.1}", API_COMPLETION, "top_p");
-	expect_refused("{\"prompt\": \"x\", \"seed\": -1}", API_COMPLETION, "seed");
+	expect_refused("{\"prompt\": \"x\", \"seed\": 1.5}", API_COMPLETION, "seed");
 	expect_refused("{\"prompt\": \"x\", \"seed\": \"1\"}", API_COMPLETION, "seed");
 	expect_refused("{\"prompt\": \"x\", \"stop\": 5}", API_COMPLETION, "stop");
 	expect_refused("{\"prompt\": \"x\", \"stop\": [\"a\", 5]}", API_COMPLETION, "stop");
@@ -144,6 +144,22 @@ START_TEST(chat_messages)
 	json_decref(want);
 	ck_assert_int_eq(req.max_tokens, 9);
 	api_request_free(&req);
+
+	/* An assistant's earlier turn without content (null, or none: it called tools) is an empty
+	 * turn; a user's is refused. A negative seed is taken, as OpenAI takes it. */
+	body = "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}, {\"role\": \"assistant\", \"content\": null}, "
+	       "{\"role\": \"assistant\"}, {\"role\": \"user\", \"content\": \"b\"}], \"seed\": -1}";
+	ck_assert_int_eq(parse(body, API_CHAT, &req, &why), 0);
+	msgs = json_loads(req.chat_json, 0, NULL);
+	want = json_loads("[{\"role\": \"user\", \"content\": \"a\"}, {\"role\": \"assistant\", \"content\": \"\"}, "
+			  "{\"role\": \"assistant\", \"content\": \"\"}, {\"role\": \"user\", \"content\": \"b\"}]",
+			  0, NULL);
+	ck_assert_msg(json_equal(msgs, want), "chat_json is %s", req.chat_json);
+	json_decref(msgs);
+	json_decref(want);
+	ck_assert(req.has_seed && req.seed == UINT64_MAX);
+	api_request_free(&req);
+	expect_refused("{\"messages\": [{\"role\": \"user\", \"content\": null}]}", API_CHAT, "messages");
 
 	expect_refused("{\"prompt\": \"x\"}", API_CHAT, "messages");
 	expect_refused("{\"messages\": \"hi\"}", API_CHAT, "messages");
@@ -211,6 +227,10 @@ START_TEST(reply_shapes)
 	o = api_models_json("llama", 1);
 	ck_assert_str_eq(json_string_value(json_object_get(json_array_get(json_object_get(o, "data"), 0), "id")),
 			 "llama");
+	json_t *one = api_model_json("llama", 1);
+	ck_assert(json_equal(json_array_get(json_object_get(o, "data"), 0), one));
+	ck_assert_str_eq(json_string_value(json_object_get(one, "object")), "model");
+	json_decref(one);
 	json_decref(o);
 
 	ck_assert_str_eq(api_finish_reason("length"), "length");
