@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # stop: after stop no process of the instance, no shared-memory object, no socket, no pid
-# file; the logs stay. Stopping a stopped instance says so and succeeds; status fails.
+# file; the logs stay. Stopping a stopped instance says so and succeeds; status fails. A tree
+# that does not build still lets one see and stop an instance.
 source "$(dirname "$0")/lib.sh"
 it_setup stop
 
@@ -123,4 +124,22 @@ expect_nothing_left "stop after two starts at once"
 kill -KILL "$(cat "$RUN_DIR/kv-store.pid")"
 "$PIPELINE" stop >/dev/null
 expect_nothing_left "stop after kv-store was killed"
+
+# A tree that does not build still lets one see and stop an instance: only start, restart and
+# demo build (here a cmake that always fails, with every package found installed, and setup on).
+FAKE=$IT_TMP/fake-bin
+mkdir -p "$FAKE"
+printf '#!/bin/sh\necho "cmake: this tree does not build (a test)" >&2\nexit 1\n' >"$FAKE/cmake"
+printf '#!/bin/sh\nprintf "install ok installed"\n' >"$FAKE/dpkg-query"
+chmod +x "$FAKE/cmake" "$FAKE/dpkg-query"
+"$PIPELINE" start --model "$MODEL" >/dev/null
+unbuilt() { PATH=$FAKE:$PATH PIPELINE_SKIP_SETUP=0 "$PIPELINE" "$@"; }
+rc=0
+out=$(unbuilt restart 2>&1) || rc=$?
+((rc == 1)) || fail "restart with a tree that does not build: exit $rc, not 1: $out"
+expect_grep "the build in .* failed" "$out" "restart with a tree that does not build"
+unbuilt status >/dev/null || fail "status with a tree that does not build (the instance runs)"
+unbuilt stop >/dev/null || fail "stop with a tree that does not build"
+expect_nothing_left "stop with a tree that does not build"
+log "a tree that does not build: restart refused before it stops anything; status and stop work"
 log "ok"
