@@ -12,6 +12,8 @@
 #   supervisor.pid  supervisor.log  supervisor.ctl/.pub (its sockets)
 #   <service>.pid  <service>.log  <service>.ctl/.pub  <service>.restart (a restart asked for)
 #   start.args (the options of start, a record)
+#   start.timeouts (PIPELINE_READY_TIMEOUT and PIPELINE_STOP_TIMEOUT as start took them: stop
+#   and restart wait by them where the caller sets neither)
 
 die() {
 	echo "pipeline: $*" >&2

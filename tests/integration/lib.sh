@@ -136,7 +136,7 @@ expect_nothing_left() {
 	[[ -z $shm ]] || fail "$what: shared-memory objects left: $shm"
 	local left
 	left=$(find "$RUN_DIR" -maxdepth 1 \( -name '*.ctl' -o -name '*.pub' -o -name '*.pid' -o -name '*.pid.tmp' -o -name '*.pid.tmp.*' \
-		-o -name '*.restart' -o -name start.args -o -name kv-spill.path -o -name 'kv-spill.path.tmp.*' \) \
+		-o -name '*.restart' -o -name start.args -o -name start.timeouts -o -name kv-spill.path -o -name 'kv-spill.path.tmp.*' \) \
 		2>/dev/null || true)
 	[[ -z $left ]] || fail "$what: files left in the run directory: $left"
 }

@@ -125,8 +125,20 @@ kill -KILL "$(cat "$RUN_DIR/kv-store.pid")"
 "$PIPELINE" stop >/dev/null
 expect_nothing_left "stop after kv-store was killed"
 
-# A tree that does not build still lets one see and stop an instance: only start, restart and
-# demo build (here a cmake that always fails, with every package found installed, and setup on).
+# stop waits by the stop timeout the instance was started with where the caller sets none (it took
+# the default 10 s: a start's longer timeout, for a sanitizer's report, was cut short at stop).
+PIPELINE_STOP_TIMEOUT=2 "$PIPELINE" start --model "$MODEL" >/dev/null
+kv_pid=$(cat "$RUN_DIR/kv-store.pid")
+kill -STOP "$kv_pid"
+(unset PIPELINE_STOP_TIMEOUT && "$PIPELINE" stop >/dev/null 2>&1) || true
+expect_grep "kv-store \\(pid $kv_pid\\) did not exit in 2 s: SIGKILL" "$(cat "$RUN_DIR/supervisor.log")" \
+	"stop of an instance started with PIPELINE_STOP_TIMEOUT=2"
+expect_nothing_left "stop by the instance's stop timeout"
+log "stop: the instance's own stop timeout (2 s) where the caller sets none"
+
+# A tree that does not build still lets one see, restart a service of, and stop an instance: only
+# start and demo build (here a cmake that always fails, with every package found installed, and
+# setup on).
 FAKE=$IT_TMP/fake-bin
 mkdir -p "$FAKE"
 printf '#!/bin/sh\necho "cmake: this tree does not build (a test)" >&2\nexit 1\n' >"$FAKE/cmake"
@@ -135,11 +147,12 @@ chmod +x "$FAKE/cmake" "$FAKE/dpkg-query"
 "$PIPELINE" start --model "$MODEL" >/dev/null
 unbuilt() { PATH=$FAKE:$PATH PIPELINE_SKIP_SETUP=0 "$PIPELINE" "$@"; }
 rc=0
-out=$(unbuilt restart 2>&1) || rc=$?
-((rc == 1)) || fail "restart with a tree that does not build: exit $rc, not 1: $out"
-expect_grep "the build in .* failed" "$out" "restart with a tree that does not build"
+out=$(unbuilt start --model "$MODEL" 2>&1) || rc=$?
+((rc == 1)) || fail "start with a tree that does not build: exit $rc, not 1: $out"
+expect_grep "the build in .* failed" "$out" "start with a tree that does not build"
 unbuilt status >/dev/null || fail "status with a tree that does not build (the instance runs)"
+unbuilt restart kv-store >/dev/null || fail "restart kv-store with a tree that does not build"
 unbuilt stop >/dev/null || fail "stop with a tree that does not build"
 expect_nothing_left "stop with a tree that does not build"
-log "a tree that does not build: restart refused before it stops anything; status and stop work"
+log "a tree that does not build: start refused; status, restart kv-store and stop work"
 log "ok"

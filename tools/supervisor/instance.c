@@ -422,6 +422,8 @@ void sup_instance_cleanup_locked(const char *instance, const char *run_dir)
 	}
 	snprintf(path, sizeof(path), "%s/start.args", run_dir);
 	unlink(path);
+	snprintf(path, sizeof(path), "%s/start.timeouts", run_dir);
+	unlink(path);
 	DIR *rd = opendir(run_dir);
 	if (rd) {
 		struct dirent *e;

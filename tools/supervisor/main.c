@@ -84,7 +84,7 @@ static void usage(FILE *f)
 		"SIGKILL when it has not exited after --stop-timeout-s (default 10); then cleanup, and prints\n"
 		"the name of each process that was running (exit 1 when one survived SIGKILL); cleanup (nothing,\n"
 		"exit 1, beside a live supervisor: it holds DIR/supervisor.lock) removes\n"
-		"the pid files, sockets, restart markers, start.args, a dead kv-store's kv-spill.bin (or the\n"
+		"the pid files, sockets, restart markers, start.args and start.timeouts, a dead kv-store's kv-spill.bin (or the\n"
 		"spill file kv-spill.path names) and the instance's shared-memory objects that no live process\n"
 		"owns (logs stay); services prints the services in start order.\n"
 		"\n"
