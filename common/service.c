@@ -52,6 +52,40 @@ int run_dir_default(const char *instance, char *buf, size_t len)
 	return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
 }
 
+/* One directory above a private one (private_dir_prepare): the immediate parent, or one further
+ * up. Returns 0, or -EPERM (or -errno) with the reason logged. */
+static int ancestor_check(const char *dir, bool parent, const char *what, const char *elsewhere)
+{
+	char role[96];
+	if (parent)
+		snprintf(role, sizeof(role), "the %s's parent", what);
+	else
+		snprintf(role, sizeof(role), "a directory above the %s", what);
+	struct stat ps;
+	/* A link on the way: its owner may point it elsewhere later. */
+	if (lstat(dir, &ps) == 0 && S_ISLNK(ps.st_mode) && ps.st_uid != getuid() && ps.st_uid != 0) {
+		log_error("%s, %s, is a symbolic link of uid %u: another user could replace the %s (%s)", dir, role,
+			  (unsigned)ps.st_uid, what, elsewhere);
+		return -EPERM;
+	}
+	if (stat(dir, &ps) != 0) {
+		int rc = -errno;
+		log_error("cannot look at %s, %s: %s", dir, role, strerror(errno));
+		return rc;
+	}
+	if (ps.st_uid != getuid() && ps.st_uid != 0) {
+		log_error("%s, %s, belongs to uid %u: another user could replace the %s (remove it, or %s)", dir, role,
+			  (unsigned)ps.st_uid, what, elsewhere);
+		return -EPERM;
+	}
+	if ((ps.st_mode & 022) && !(ps.st_mode & S_ISVTX)) {
+		log_error("%s, %s, is writable by other users (mode %03o, not sticky): another user could replace "
+			  "the %s (chmod go-w it, or %s)", dir, role, (unsigned)(ps.st_mode & 0777), what, elsewhere);
+		return -EPERM;
+	}
+	return 0;
+}
+
 int private_dir_prepare(const char *dir, const char *what, const char *elsewhere)
 {
 	char path[512];
@@ -95,42 +129,36 @@ int private_dir_prepare(const char *dir, const char *what, const char *elsewhere
 		log_info("%s %s: mode %03o made 0700 (its files are this user's alone)", what, path,
 			 (unsigned)(st.st_mode & 0777));
 	}
-	/* Whoever may write the parent may rename the run directory and put sockets of their own where
-	 * the services and clients look for each other's (/tmp/llmp-UID made first by another user, or
-	 * left open to others): the parent must be ours or root's, and not writable by others unless
-	 * sticky (as /tmp is). */
+	/* Whoever may write the parent, or any directory above it, may rename the run directory (or
+	 * a directory on its way) and put sockets of their own where the services and clients look
+	 * for each other's (/tmp/llmp-UID made first by another user, or a directory above it left
+	 * open to others): every one up to / must be ours or root's, not writable by others unless
+	 * sticky (as /tmp is), and not another user's symbolic link. */
 	size_t n = strlen(path);
 	while (n > 1 && path[n - 1] == '/')
 		path[--n] = 0;
-	char *slash = strrchr(path, '/');
-	if (slash) {
-		if (slash == path)
+	char up[1024];
+	if (path[0] == '/') {
+		if (str_copy(up, sizeof(up), path) != 0)
+			return -ENAMETOOLONG;
+	} else {
+		char cwd[512];
+		if (!getcwd(cwd, sizeof(cwd)) || (size_t)snprintf(up, sizeof(up), "%s/%s", cwd, path) >= sizeof(up)) {
+			log_error("cannot make %s %s an absolute path", what, path);
+			return -ENAMETOOLONG;
+		}
+	}
+	for (bool parent = true;; parent = false) {
+		char *slash = strrchr(up, '/');
+		if (!slash || (slash == up && up[1] == 0))
+			break; /* past / */
+		if (slash == up)
 			slash[1] = 0; /* the root directory */
 		else
 			*slash = 0;
-		struct stat ps;
-		/* A link as the parent: its owner may point it elsewhere later. */
-		if (lstat(path, &ps) == 0 && S_ISLNK(ps.st_mode) && ps.st_uid != getuid() && ps.st_uid != 0) {
-			log_error("%s, the %s's parent, is a symbolic link of uid %u: another user could replace the %s "
-				  "(%s)", path, what, (unsigned)ps.st_uid, what, elsewhere);
-			return -EPERM;
-		}
-		if (stat(path, &ps) != 0) {
-			int rc = -errno;
-			log_error("cannot look at %s, the %s's parent: %s", path, what, strerror(errno));
+		int rc = ancestor_check(up, parent, what, elsewhere);
+		if (rc)
 			return rc;
-		}
-		if (ps.st_uid != getuid() && ps.st_uid != 0) {
-			log_error("%s, the %s's parent, belongs to uid %u: another user could replace the %s (remove it, "
-				  "or %s)", path, what, (unsigned)ps.st_uid, what, elsewhere);
-			return -EPERM;
-		}
-		if ((ps.st_mode & 022) && !(ps.st_mode & S_ISVTX)) {
-			log_error("%s, the %s's parent, is writable by other users (mode %03o, not sticky): another user "
-				  "could replace the %s (chmod go-w it, or %s)", path, what, (unsigned)(ps.st_mode & 0777), what,
-				  elsewhere);
-			return -EPERM;
-		}
 	}
 	return 0;
 }

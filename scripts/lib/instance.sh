@@ -52,8 +52,29 @@ run_dir_owner_check() {
 			"directory whatever the instance): give --instance $other, or another PIPELINE_RUN_DIR"
 }
 
-# Creates RUN_DIR and its parents with mode 0700.
+# Creates RUN_DIR and its parents with mode 0700, after checking every directory above it as the
+# services do (common/service.c, private_dir_prepare): this user's or root's, not writable by
+# others unless sticky, no other user's link; else whoever may write one could replace the run
+# directory, and what this script writes in it (start.args, the lock) would be theirs to read.
 run_dir_prepare() {
+	local d=$RUN_DIR uid owner mode role="the run directory's parent"
+	uid=$(id -u)
+	while [[ $d != / ]]; do
+		d=$(dirname -- "$d")
+		if [[ -e $d || -L $d ]]; then
+			if [[ -L $d ]]; then
+				owner=$(stat -c %u -- "$d") || die "cannot look at $d"
+				((owner == uid || owner == 0)) ||
+					die "$d, $role, is a symbolic link of uid $owner: another user could replace the run directory (set PIPELINE_RUN_DIR elsewhere)"
+			fi
+			read -r owner mode < <(stat -L -c '%u %a' -- "$d") || die "cannot look at $d, $role"
+			((owner == uid || owner == 0)) ||
+				die "$d, $role, belongs to uid $owner: another user could replace the run directory (set PIPELINE_RUN_DIR elsewhere)"
+			(((8#$mode & 8#022) == 0 || (8#$mode & 8#1000) != 0)) ||
+				die "$d, $role, is writable by other users (mode $mode, not sticky): another user could replace the run directory (chmod go-w it, or set PIPELINE_RUN_DIR elsewhere)"
+		fi
+		role="a directory above the run directory"
+	done
 	(umask 077 && mkdir -p "$RUN_DIR") || die "cannot create run directory $RUN_DIR"
 	chmod 0700 "$RUN_DIR" || die "cannot set mode 0700 on run directory $RUN_DIR"
 }

@@ -4,7 +4,7 @@
 # (sockets, pid files, logs, start.args, the spill file) grants anything to group or others. A
 # run directory that exists with mode 0755 is tightened to 0700, by scripts/pipeline start and by
 # a service started by hand alike (service.h, run_dir_prepare); one owned by another user is
-# refused.
+# refused, and so is one below a directory others may write.
 source "$(dirname "$0")/lib.sh"
 it_setup permissions
 
@@ -30,6 +30,23 @@ loose=$(find "$RUN_DIR" -mindepth 1 -perm /077 -printf '%m %p\n')
 log "run directory 0700 (was 0755), $(wc -l <<<"$objects") shared-memory objects 0600, nothing in $RUN_DIR for group or others"
 "$PIPELINE" stop >/dev/null
 expect_nothing_left "after stop"
+
+# A run directory below one that others may write (not sticky), however far up, is refused by
+# start before it writes anything there: they could rename the way to it and put their own.
+open_dir=$IT_TMP/open
+mkdir -p "$open_dir/mine"
+chmod 0777 "$open_dir"
+chmod 0700 "$open_dir/mine"
+rc=0
+out=$(PIPELINE_RUN_DIR=$open_dir/mine/run "$PIPELINE" start --model "$MODEL" 2>&1) || rc=$?
+((rc == 1)) || fail "start below a directory others may write: exit $rc, not 1: $out"
+expect_grep "$open_dir, a directory above the run directory, is writable by other users" "$out" \
+	"the refusal of a run directory below one others may write"
+[[ ! -e $open_dir/mine/run ]] || fail "start made $open_dir/mine/run before it refused it"
+chmod 1777 "$open_dir" # sticky, as /tmp is: taken
+PIPELINE_RUN_DIR=$open_dir/mine/run "$PIPELINE" start --model "$MODEL" >/dev/null
+PIPELINE_RUN_DIR=$open_dir/mine/run "$PIPELINE" stop >/dev/null
+log "a run directory below one that others may write (not sticky): refused before anything is made; sticky: taken"
 
 # A service started by hand tightens a looser run directory itself.
 dir=$IT_TMP/by-hand

@@ -724,6 +724,23 @@ START_TEST(test_run_dir_prepare)
 	free(err);
 	ck_assert_int_eq(chmod(parent, 01777), 0);
 	ck_assert_int_eq(run_dir_prepare(path), 0);
+	/* further up the same: a directory of ours (0700) inside one others may write, not sticky,
+	 * is no safer (they may rename ours away and make their own in its place) */
+	char mine[640];
+	snprintf(mine, sizeof(mine), "%s/open/mine", tmp_dir);
+	ck_assert_int_eq(mkdir(mine, 0700), 0);
+	ck_assert_int_eq(chmod(parent, 0777), 0);
+	snprintf(path, sizeof(path), "%s/open/mine/run", tmp_dir);
+	th_capture_begin(&cap, STDERR_FILENO);
+	rc = run_dir_prepare(path);
+	err = th_capture_end(&cap);
+	ck_assert_int_eq(rc, -EPERM);
+	ck_assert_msg(strstr(err, "a directory above the run directory") && strstr(err, "writable by other users"),
+		      "%s", err);
+	free(err);
+	ck_assert_int_eq(chmod(parent, 01777), 0);
+	ck_assert_int_eq(run_dir_prepare(path), 0);
+	snprintf(path, sizeof(path), "%s/open/persist", tmp_dir);
 	if (geteuid() == 0) {
 		/* another user's parent (made first where everyone may create it): refused */
 		ck_assert_int_eq(chmod(parent, 0755), 0);
