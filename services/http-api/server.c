@@ -236,18 +236,26 @@ static enum MHD_Result on_health(struct server *s, struct MHD_Connection *c)
 	return send_json(c, MHD_HTTP_OK, o, NULL);
 }
 
-static enum MHD_Result on_models(struct server *s, struct MHD_Connection *c)
+/* The model's name into model (asked from the instance the first time): 0, or -1 with err set
+ * when the instance cannot say. */
+static int model_known(struct server *s, char *model, size_t len, char *err, size_t errlen)
 {
-	char model[256];
 	if (!s->cfg.model_id) {
-		char err[256];
 		pthread_mutex_lock(&s->lock);
 		bool known = s->model[0] != 0;
 		pthread_mutex_unlock(&s->lock);
-		if (!known && runner_model_name(s->cfg.ro, model, sizeof(model), err, sizeof(err)) != 0)
-			return send_error(c, MHD_HTTP_SERVICE_UNAVAILABLE, err, NULL, NULL);
+		if (!known && runner_model_name(s->cfg.ro, model, len, err, errlen) != 0)
+			return -1;
 	}
-	model_name(s, model, sizeof(model));
+	model_name(s, model, len);
+	return 0;
+}
+
+static enum MHD_Result on_models(struct server *s, struct MHD_Connection *c)
+{
+	char model[256], err[256];
+	if (model_known(s, model, sizeof(model), err, sizeof(err)) != 0)
+		return send_error(c, MHD_HTTP_SERVICE_UNAVAILABLE, err, NULL, NULL);
 	return send_json(c, MHD_HTTP_OK, api_models_json(model, (int64_t)time(NULL)), NULL);
 }
 
@@ -258,16 +266,9 @@ static enum MHD_Result on_model(struct server *s, struct MHD_Connection *c, cons
 	size_t id_len = strlen(id);
 	while (id_len > 0 && id[id_len - 1] == '/')
 		id_len--;
-	char model[256];
-	if (!s->cfg.model_id) {
-		char err[256];
-		pthread_mutex_lock(&s->lock);
-		bool known = s->model[0] != 0;
-		pthread_mutex_unlock(&s->lock);
-		if (!known && runner_model_name(s->cfg.ro, model, sizeof(model), err, sizeof(err)) != 0)
-			return send_error(c, MHD_HTTP_SERVICE_UNAVAILABLE, err, NULL, NULL);
-	}
-	model_name(s, model, sizeof(model));
+	char model[256], err[256];
+	if (model_known(s, model, sizeof(model), err, sizeof(err)) != 0)
+		return send_error(c, MHD_HTTP_SERVICE_UNAVAILABLE, err, NULL, NULL);
 	if (strlen(model) != id_len || strncmp(model, id, id_len)) {
 		char msg[600];
 		snprintf(msg, sizeof(msg), "the model '%.*s' does not exist (this server serves '%s')",
