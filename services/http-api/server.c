@@ -800,9 +800,13 @@ static bool answer_early(struct server *s, struct MHD_Connection *c, const char 
 		*ret = send_error(c, MHD_HTTP_NOT_FOUND, msg, NULL, NULL);
 		return true;
 	}
-	if (strcmp(method, wanted)) {
-		snprintf(msg, sizeof(msg), "%.500s takes %s, not %.32s", url, wanted, method);
-		*ret = send_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, msg, NULL, wanted);
+	/* HEAD where GET is taken: the same answer, its body left out (by libmicrohttpd), as a
+	 * monitor's HEAD /health expects. */
+	bool head_of_get = !strcmp(wanted, "GET") && !strcmp(method, "HEAD");
+	if (strcmp(method, wanted) && !head_of_get) {
+		const char *allow = strcmp(wanted, "GET") ? wanted : "GET, HEAD";
+		snprintf(msg, sizeof(msg), "%.500s takes %s, not %.32s", url, allow, method);
+		*ret = send_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, msg, NULL, allow);
 		return true;
 	}
 	if (rs->route != R_HEALTH && rs->route != R_METRICS && !authorized(s, c)) {

@@ -285,13 +285,21 @@ expect_eq "$(grep '^HTTP/1.1 ' <<<"$reply" | awk '{print $2}' | paste -sd,)" 200
 log "requests without a body pipelined on one connection: each answered (200, 404, 200)"
 expect_error 405 "GET of a POST endpoint" GET /v1/completions
 expect_error 405 "POST of a GET endpoint" POST /v1/models '{}'
+expect_eq "$(curl -sS -o /dev/null -D "$IT_TMP/headers" -w '%{http_code}' -X POST "$BASE/health")" 405 \
+	"POST /health"
+expect_grep '^Allow: GET, HEAD' "$(tr -d '\r' <"$IT_TMP/headers")" "POST /health: the Allow header"
+# HEAD where GET is taken: the GET's status and headers, no body.
+expect_eq "$(curl -sS -I -o "$IT_TMP/headers" -w '%{http_code} %{size_download}' "$BASE/health")" "200 0" "HEAD /health"
+expect_grep '^Content-Type: application/json' "$(tr -d '\r' <"$IT_TMP/headers")" "HEAD /health: the GET's headers"
+expect_eq "$(curl -sS -I -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $KEY" "$BASE/v1/models")" 200 \
+	"HEAD /v1/models"
 got=$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE/v1/models")
 expect_eq "$got" 401 "no bearer token"
 expect_eq "$(jq -r .error.code "$BODY")" invalid_api_key "no bearer token: code"
 got=$(curl -sS -o "$BODY" -w '%{http_code}' -H "Authorization: Bearer x$KEY" "$BASE/v1/completions" \
 	--data-binary '{"prompt": "x"}')
 expect_eq "$got" 401 "a wrong bearer token"
-log "errors: 400, 401, 404, 405, 413 in OpenAI's shape"
+log "errors: 400, 401, 404, 405, 413 in OpenAI's shape; HEAD where GET is taken"
 
 # ---- a client that goes away mid-stream: its generation is cancelled, the next request served ----
 long="{\"prompt\": $(json_str "$text"), \"max_tokens\": 100000, \"temperature\": 0, \"stream\": true}"
