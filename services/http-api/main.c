@@ -97,7 +97,7 @@ static char *stats_json(void *ctx)
 int main(int argc, char **argv)
 {
 	const char *instance = NULL, *run_dir_opt = NULL, *listen = NULL, *key_file = NULL, *model_id = NULL,
-		   *level = NULL, *name = NULL;
+		   *level = NULL, *name = NULL, *cors = NULL;
 	uint64_t max_body = 0, send_buffer = 0;
 	long max_queue = 0, concurrency = 0, max_connections = 0, default_max_tokens = 0, timeout_s = 0, hello_ms = 0, resume_s = 0,
 	     idle_s = 0, per_ip = 0;
@@ -127,6 +127,10 @@ int main(int argc, char **argv)
 		 "the kernel's send buffer of each connection (SO_SNDBUF; the kernel doubles it): a client that "
 		 "stops reading blocks its answer after about this much, then --idle-timeout closes it "
 		 "(0: the kernel's default, which grows up to net.ipv4.tcp_wmem's largest, 4 MiB by default)"},
+		{"cors-origin", OPT_STRING, &cors, NULL,
+		 "let web pages of this origin (e.g. http://localhost:3000, or * for any) call the API from a "
+		 "browser: Access-Control-Allow-Origin on every answer, and OPTIONS preflights answered "
+		 "(default: none, as a browser then refuses such calls; the API key still applies)"},
 		{"model-id", OPT_STRING, &model_id, NULL,
 		 "the model's name in replies (default: the checkpoint's file or directory name, from ssd-loader)"},
 		{"default-max-tokens", OPT_INT, &default_max_tokens, "256", "max_tokens of a request that gives none"},
@@ -173,6 +177,17 @@ int main(int argc, char **argv)
 	if (idle_s < 0 || idle_s > 86400) {
 		fprintf(stderr, "%s: --idle-timeout must be in 0..86400 seconds\n", PROG);
 		return 2;
+	}
+	if (cors && *cors) {
+		size_t n = strlen(cors);
+		bool ok = n <= 256;
+		for (size_t i = 0; ok && i < n; i++)
+			ok = cors[i] > 0x20 && cors[i] < 0x7f;
+		if (!ok || (strcmp(cors, "*") && strncmp(cors, "http://", 7) && strncmp(cors, "https://", 8))) {
+			fprintf(stderr, "%s: --cors-origin '%.64s': *, or an origin such as https://chat.example.com "
+				"(printable, no spaces, at most 256 bytes)\n", PROG, cors);
+			return 2;
+		}
 	}
 	if (send_buffer && (send_buffer < 1024 || send_buffer > (1u << 30))) {
 		fprintf(stderr, "%s: --send-buffer must be 0 or 1KiB..1GiB\n", PROG);
@@ -259,6 +274,7 @@ int main(int argc, char **argv)
 		.max_per_ip = per_ip,
 		.idle_timeout_s = (unsigned)idle_s,
 		.send_buffer = (int)send_buffer,
+		.cors_origin = cors && *cors ? cors : NULL,
 		.api_key = key_file ? key : NULL,
 		.model_id = model_id && *model_id ? model_id : NULL,
 		.limits = {.max_tokens_default = default_max_tokens, .max_tokens_limit = MAX_TOKENS_LIMIT},

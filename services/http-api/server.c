@@ -41,6 +41,10 @@
 #define STATS_TIMEOUT_MS 1000 /* the longest a scrape waits for a service's stats */
 #define MODEL_PATH "/v1/models/"  /* GET MODEL_PATH{model}: one model */
 
+/* --cors-origin: the Access-Control-Allow-Origin of every answer; NULL: none. Set once, before
+ * the daemon's threads start (server_start). */
+static const char *cors_origin;
+
 /* The status of the response this thread queued last (see on_request). */
 static _Thread_local unsigned queued_status;
 /* This thread's request ended because its client went away (client_left): libmicrohttpd's
@@ -92,6 +96,11 @@ struct stream {
 
 static enum MHD_Result queue_response(struct MHD_Connection *c, unsigned status, struct MHD_Response *r)
 {
+	if (cors_origin) {
+		MHD_add_response_header(r, "Access-Control-Allow-Origin", cors_origin);
+		if (strcmp(cors_origin, "*"))
+			MHD_add_response_header(r, "Vary", "Origin");
+	}
 	enum MHD_Result ret = MHD_queue_response(c, status, r);
 	if (ret == MHD_YES)
 		queued_status = status;
@@ -772,6 +781,22 @@ static bool framing_refused(struct MHD_Connection *c, unsigned *status, const ch
 	return true;
 }
 
+/* 204 to a CORS preflight of an endpoint taking method wanted. */
+static enum MHD_Result send_preflight(struct MHD_Connection *c, const char *wanted)
+{
+	struct MHD_Response *r = MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT);
+	if (!r)
+		return MHD_NO;
+	const char *methods = strcmp(wanted, "GET") ? "POST, OPTIONS" : "GET, HEAD, OPTIONS";
+	MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, methods);
+	MHD_add_response_header(r, "Access-Control-Allow-Methods", methods);
+	MHD_add_response_header(r, "Access-Control-Allow-Headers", "Authorization, Content-Type");
+	MHD_add_response_header(r, "Access-Control-Max-Age", "600");
+	enum MHD_Result ret = queue_response(c, MHD_HTTP_NO_CONTENT, r);
+	MHD_destroy_response(r);
+	return ret;
+}
+
 static enum MHD_Result send_error_close(struct MHD_Connection *c, unsigned status, const char *message)
 {
 	log_debug("HTTP %u: %s (connection closed)", status, message);
@@ -798,6 +823,12 @@ static bool answer_early(struct server *s, struct MHD_Connection *c, const char 
 		snprintf(msg, sizeof(msg), "no endpoint %.400s (there are GET /health, GET /metrics, GET /v1/models, "
 			 "GET /v1/models/{model}, POST /v1/completions and POST /v1/chat/completions)", url);
 		*ret = send_error(c, MHD_HTTP_NOT_FOUND, msg, NULL, NULL);
+		return true;
+	}
+	/* A browser's preflight of a request from another origin (--cors-origin): the methods and
+	 * headers taken, no key needed (a preflight carries none). */
+	if (cors_origin && !strcmp(method, "OPTIONS")) {
+		*ret = send_preflight(c, wanted);
 		return true;
 	}
 	/* HEAD where GET is taken: the same answer, its body left out (by libmicrohttpd), as a
@@ -986,6 +1017,7 @@ int server_start(const struct server_config *cfg, struct server **out, char *err
 	if (!s)
 		return errorf(err, errlen, -ENOMEM, "out of memory");
 	s->cfg = *cfg;
+	cors_origin = cfg->cors_origin;
 	s->metrics = metrics_create();
 	if (!s->metrics) {
 		free(s);

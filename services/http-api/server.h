@@ -28,6 +28,8 @@ struct server_config {
 				  * client, one that stops reading, or an idle keep-alive one; not one waiting
 				  * while the model makes its answer); 0: never */
 	int send_buffer;	 /* SO_SNDBUF of each connection in bytes; 0: the kernel's, which grows */
+	const char *cors_origin; /* Access-Control-Allow-Origin of every answer, and preflights
+				  * answered; NULL: none (one server a process) */
 	const char *api_key;	 /* the bearer token every request but /health and /metrics needs; NULL: none */
 	const char *model_id;	 /* the model's name in replies; NULL: asked from the instance */
 	struct api_limits limits;

@@ -293,6 +293,10 @@ expect_eq "$(curl -sS -I -o "$IT_TMP/headers" -w '%{http_code} %{size_download}'
 expect_grep '^Content-Type: application/json' "$(tr -d '\r' <"$IT_TMP/headers")" "HEAD /health: the GET's headers"
 expect_eq "$(curl -sS -I -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $KEY" "$BASE/v1/models")" 200 \
 	"HEAD /v1/models"
+# Without --cors-origin no answer lets another origin's page read it, and a preflight is refused.
+expect_eq "$(curl -sS -o /dev/null -D "$IT_TMP/headers" -w '%{http_code}' -X OPTIONS "$BASE/v1/chat/completions")" \
+	405 "OPTIONS without --cors-origin"
+! grep -qi '^Access-Control' "$IT_TMP/headers" || fail "CORS headers without --cors-origin: $(cat "$IT_TMP/headers")"
 got=$(curl -sS -o "$BODY" -w '%{http_code}' "$BASE/v1/models")
 expect_eq "$got" 401 "no bearer token"
 expect_eq "$(jq -r .error.code "$BODY")" invalid_api_key "no bearer token: code"
@@ -406,11 +410,23 @@ cut_stream TERM stopped "gpu-runner was stopped during the request"
 
 # ---- a full queue: 429 (a second server with --max-queue 0, while the first request streams) ----
 "$BIN/http-api" --instance "$INSTANCE" --run-dir "$RUN_DIR" --listen 127.0.0.1:0 --max-queue 0 --concurrency 1 \
-	--name http-api-2 --idle-timeout 1 --send-buffer 4KiB >"$IT_TMP/second.log" 2>&1 &
+	--name http-api-2 --idle-timeout 1 --send-buffer 4KiB --cors-origin http://localhost:3000 >"$IT_TMP/second.log" 2>&1 &
 SECOND=$!
 listening() { grep -q 'listening on http://' "$IT_TMP/second.log"; }
 wait_until 10 "the second http-api listens" listening
 BASE2=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$IT_TMP/second.log" | head -n 1)
+# --cors-origin: a browser's preflight answered (no key needed), and every answer names the origin.
+expect_eq "$(curl -sS -o /dev/null -D "$IT_TMP/headers" -w '%{http_code}' -X OPTIONS \
+	-H 'Origin: http://localhost:3000' -H 'Access-Control-Request-Method: POST' "$BASE2/v1/chat/completions")" \
+	204 "a CORS preflight with --cors-origin"
+headers=$(tr -d '\r' <"$IT_TMP/headers")
+expect_grep '^Access-Control-Allow-Origin: http://localhost:3000$' "$headers" "the preflight's allowed origin"
+expect_grep '^Access-Control-Allow-Methods: POST, OPTIONS$' "$headers" "the preflight's methods"
+expect_grep '^Access-Control-Allow-Headers: Authorization, Content-Type$' "$headers" "the preflight's headers"
+expect_eq "$(curl -sS -o /dev/null -D "$IT_TMP/headers" -w '%{http_code}' "$BASE2/health")" 200 "GET /health, CORS"
+expect_grep '^Access-Control-Allow-Origin: http://localhost:3000$' "$(tr -d '\r' <"$IT_TMP/headers")" \
+	"an answer's allowed origin"
+log "--cors-origin: preflights answered 204, every answer with Access-Control-Allow-Origin"
 : >"$IT_TMP/long" # emptied here: the background redirect may open it after the first wait
 curl -sS -N "$BASE2/v1/completions" --data-binary "$long" >"$IT_TMP/long" 2>/dev/null &
 LONG=$!
