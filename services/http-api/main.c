@@ -183,9 +183,12 @@ int main(int argc, char **argv)
 		bool ok = n <= 256;
 		for (size_t i = 0; ok && i < n; i++)
 			ok = cors[i] > 0x20 && cors[i] < 0x7f;
-		if (!ok || (strcmp(cors, "*") && strncmp(cors, "http://", 7) && strncmp(cors, "https://", 8))) {
+		/* An origin is a scheme, a host and maybe a port: no path (a browser's Origin has none, so
+		 * one with a path would never match). */
+		const char *host = !strncmp(cors, "http://", 7) ? cors + 7 : !strncmp(cors, "https://", 8) ? cors + 8 : NULL;
+		if (!ok || (strcmp(cors, "*") && (!host || !*host || strchr(host, '/')))) {
 			fprintf(stderr, "%s: --cors-origin '%.64s': *, or an origin such as https://chat.example.com "
-				"(printable, no spaces, at most 256 bytes)\n", PROG, cors);
+				"(a scheme and a host, no path; printable, no spaces, at most 256 bytes)\n", PROG, cors);
 			return 2;
 		}
 	}

@@ -86,6 +86,7 @@ struct stream {
 	size_t have_len;
 	uint64_t have_tokens;
 	bool role_sent, finished;
+	bool held;		     /* text taken in before the reader's first wait, not yet given out */
 	bool limit_off;		     /* the idle limit is off: the reader waits on the model */
 	struct MHD_Connection *conn; /* its connection, whose idle limit the reader turns off and on */
 	char *out; /* formatted events not yet handed to libmicrohttpd */
@@ -253,8 +254,14 @@ static int model_known(struct server *s, char *model, size_t len, char *err, siz
 		pthread_mutex_lock(&s->lock);
 		bool known = s->model[0] != 0;
 		pthread_mutex_unlock(&s->lock);
-		if (!known && runner_model_name(s->cfg.ro, model, len, err, errlen) != 0)
-			return -1;
+		char name[256];
+		if (!known) {
+			if (runner_model_name(s->cfg.ro, name, sizeof(name), err, errlen) != 0)
+				return -1;
+			pthread_mutex_lock(&s->lock);
+			snprintf(s->model, sizeof(s->model), "%s", name);
+			pthread_mutex_unlock(&s->lock);
+		}
 	}
 	model_name(s, model, len);
 	return 0;
@@ -490,8 +497,10 @@ static void stream_produce(struct stream *st)
 		if (out_event(st, api_chunk_json(&st->req, st->id, st->model, st->created, "", 0, NULL, true)) == 0)
 			return;
 	}
+	/* The first token's text, taken in by answer_stream, goes out now, not behind the second. */
 	struct runner_view v;
-	runner_job_wait(st->job, st->have_len, st->have_tokens, -1, &v);
+	runner_job_wait(st->job, st->have_len, st->have_tokens, st->held ? 0 : -1, &v);
+	st->held = false;
 	int rc = v.fresh ? api_stop_filter_push(&st->filter, &st->req, v.fresh, v.fresh_len) : 0;
 	free(v.fresh);
 	st->have_len = v.len;
@@ -519,8 +528,10 @@ static void stream_produce(struct stream *st)
 /* libmicrohttpd's reader of a stream, on its connection's thread. While it waits on the model for
  * the next text the idle limit is off (a token may take longer than the limit); while what it
  * handed out waits on the client the limit is on, so that a client that stops reading is closed
- * (its generation cancelled, its place freed) as any idle one. Turning the limit on from off
- * restarts its timer (libmicrohttpd's MHD_CONNECTION_OPTION_TIMEOUT). */
+ * as any idle one once the socket's buffers are full: its generation cancelled, its place freed
+ * (with the kernel's default send buffer, megabytes, that may be only after the generation's end;
+ * --send-buffer bounds it). Turning the limit on from off restarts its timer (libmicrohttpd's
+ * MHD_CONNECTION_OPTION_TIMEOUT). */
 static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 {
 	struct stream *st = cls;
@@ -537,8 +548,13 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 			}
 			return (ssize_t)n;
 		}
-		if (st->finished)
+		if (st->finished) {
+			if (st->limit_off) /* (its last events not made: out of memory) */
+				MHD_set_connection_option(st->conn, MHD_CONNECTION_OPTION_TIMEOUT,
+							  (unsigned int)st->s->cfg.idle_timeout_s);
+			st->limit_off = false;
 			return MHD_CONTENT_READER_END_OF_STREAM;
+		}
 		st->out_len = st->out_pos = 0;
 		if (!st->limit_off) {
 			MHD_set_connection_option(st->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
@@ -602,7 +618,8 @@ static enum MHD_Result answer_stream(struct server *s, struct MHD_Connection *c,
 		return send_error(c, 500, "out of memory", NULL, NULL);
 	}
 	free(v.fresh);
-	/* Only what this wait saw was taken in: the reader goes on from there. */
+	/* Only what this wait saw was taken in: the reader goes on from there, giving it out first. */
+	st->held = true;
 	st->have_len = v.len;
 	st->have_tokens = v.n_tokens;
 	st->s = s;
@@ -790,7 +807,16 @@ static enum MHD_Result send_preflight(struct MHD_Connection *c, const char *want
 	const char *methods = strcmp(wanted, "GET") ? "POST, OPTIONS" : "GET, HEAD, OPTIONS";
 	MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, methods);
 	MHD_add_response_header(r, "Access-Control-Allow-Methods", methods);
-	MHD_add_response_header(r, "Access-Control-Allow-Headers", "Authorization, Content-Type");
+	/* The headers the page's request will carry, where they are plain names (an SDK adds its own,
+	 * X-Stainless-* among them, which a fixed list would make the browser refuse). */
+	const char *asked = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Access-Control-Request-Headers");
+	size_t n = asked ? strlen(asked) : 0;
+	bool plain = n > 0 && n <= 1024;
+	for (size_t i = 0; plain && i < n; i++)
+		plain = (asked[i] >= 'a' && asked[i] <= 'z') || (asked[i] >= 'A' && asked[i] <= 'Z') ||
+			(asked[i] >= '0' && asked[i] <= '9') || asked[i] == '-' || asked[i] == '_' || asked[i] == ',' ||
+			asked[i] == ' ';
+	MHD_add_response_header(r, "Access-Control-Allow-Headers", plain ? asked : "Authorization, Content-Type");
 	MHD_add_response_header(r, "Access-Control-Max-Age", "600");
 	enum MHD_Result ret = queue_response(c, MHD_HTTP_NO_CONTENT, r);
 	MHD_destroy_response(r);

@@ -423,6 +423,12 @@ headers=$(tr -d '\r' <"$IT_TMP/headers")
 expect_grep '^Access-Control-Allow-Origin: http://localhost:3000$' "$headers" "the preflight's allowed origin"
 expect_grep '^Access-Control-Allow-Methods: POST, OPTIONS$' "$headers" "the preflight's methods"
 expect_grep '^Access-Control-Allow-Headers: Authorization, Content-Type$' "$headers" "the preflight's headers"
+# The headers a page's request asks for (an SDK's own among them) are allowed as asked.
+curl -sS -o /dev/null -D "$IT_TMP/headers" -X OPTIONS -H 'Origin: http://localhost:3000' \
+	-H 'Access-Control-Request-Method: POST' \
+	-H 'Access-Control-Request-Headers: authorization, content-type, x-stainless-os' "$BASE2/v1/chat/completions"
+expect_grep '^Access-Control-Allow-Headers: authorization, content-type, x-stainless-os$' \
+	"$(tr -d '\r' <"$IT_TMP/headers")" "the preflight's headers, as asked"
 expect_eq "$(curl -sS -o /dev/null -D "$IT_TMP/headers" -w '%{http_code}' "$BASE2/health")" 200 "GET /health, CORS"
 expect_grep '^Access-Control-Allow-Origin: http://localhost:3000$' "$(tr -d '\r' <"$IT_TMP/headers")" \
 	"an answer's allowed origin"
