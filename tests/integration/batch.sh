@@ -74,12 +74,21 @@ expect_eq "$(batch_stat on)" true "batching is on (the $BACKEND backend)"
 expect_eq "$(batch_stat max_batch)" 8 "--max-batch 8"
 alone_all
 expect_eq "$(batch_stat most_at_once)" 1 "requests sent one after another ran one at a time"
-# A long request running first, so that the 16 have a step to share whatever the timing (on a
-# loaded machine their clients alone may start too far apart to overlap); then its client goes.
-"$PIPECTL" generate --tokens "$(prompt_of 5)" -n 100000 --ignore-eos >/dev/null 2>&1 &
+# Long requests running all along, so that the 16 have a step to share whatever the timing (on a
+# loaded machine their clients alone may start too far apart to overlap). One long request ends
+# at the model's context (4096 here) within a second or so, sooner than 16 clients of
+# scripts/pipeline may all have started on two loaded cores: a loop starts the next at once.
+# Then its client goes (the loop stopped first, then the request it runs).
+(while :; do
+	"$PIPECTL" generate --tokens "$(prompt_of 5)" -n 100000 --ignore-eos >/dev/null 2>&1 &
+	echo $! >"$IT_TMP/long.pid"
+	wait $!
+done) &
 first=$!
 wait_until 30 "a long request running" running_at_least 1
 together_all "16 at once"
+kill -STOP "$first" 2>/dev/null || true
+kill -KILL "$(cat "$IT_TMP/long.pid")" 2>/dev/null || true
 kill -KILL "$first" 2>/dev/null || true
 wait "$first" 2>/dev/null || true
 most=$(batch_stat most_at_once)
