@@ -93,8 +93,7 @@ void runner_client_destroy(struct runner_client **rc);
 static inline bool runner_queue_refuses(long queued, long busy, long n_workers, long max_queue)
 {
 	long idle = n_workers > busy ? n_workers - busy : 0;
-	long waiting = queued > idle ? queued - idle : 0; /* ahead of the new job, once workers take theirs */
-	return queued >= idle && waiting >= max_queue;
+	return queued >= idle && queued - idle >= max_queue; /* queued - idle: ahead of it, once workers take theirs */
 }
 
 /* Queues a generation. Returns 0 with *out (release it with runner_job_release), -EAGAIN when it

@@ -205,27 +205,37 @@ static enum MHD_Result send_error(struct MHD_Connection *c, unsigned status, con
 
 /* ---- the model's name ---- */
 
-static void model_name(struct server *s, char *buf, size_t len)
+/* The model's name into model (asked from the instance the first time, then kept): 0, or -1 with
+ * err set when the instance cannot say. */
+static int model_known(struct server *s, char *model, size_t len, char *err, size_t errlen)
 {
 	if (s->cfg.model_id) {
-		snprintf(buf, len, "%s", s->cfg.model_id);
-		return;
+		snprintf(model, len, "%s", s->cfg.model_id);
+		return 0;
 	}
 	pthread_mutex_lock(&s->lock);
-	snprintf(buf, len, "%s", s->model);
+	snprintf(model, len, "%s", s->model);
 	pthread_mutex_unlock(&s->lock);
-	if (*buf)
-		return;
-	char name[256], err[256];
-	if (runner_model_name(s->cfg.ro, name, sizeof(name), err, sizeof(err)) != 0) {
-		log_warn("the model's name: %s", err);
-		snprintf(buf, len, "%s", "unknown");
-		return;
-	}
+	if (*model)
+		return 0;
+	char name[256];
+	if (runner_model_name(s->cfg.ro, name, sizeof(name), err, errlen) != 0)
+		return -1;
 	pthread_mutex_lock(&s->lock);
 	snprintf(s->model, sizeof(s->model), "%s", name);
 	pthread_mutex_unlock(&s->lock);
-	snprintf(buf, len, "%s", name);
+	snprintf(model, len, "%s", name);
+	return 0;
+}
+
+/* The model's name for a reply: "unknown" (logged) when the instance cannot say. */
+static void model_name(struct server *s, char *buf, size_t len)
+{
+	char err[256];
+	if (model_known(s, buf, len, err, sizeof(err)) != 0) {
+		log_warn("the model's name: %s", err);
+		snprintf(buf, len, "%s", "unknown");
+	}
 }
 
 /* ---- GET ---- */
@@ -246,26 +256,6 @@ static enum MHD_Result on_health(struct server *s, struct MHD_Connection *c)
 	return send_json(c, MHD_HTTP_OK, o, NULL);
 }
 
-/* The model's name into model (asked from the instance the first time): 0, or -1 with err set
- * when the instance cannot say. */
-static int model_known(struct server *s, char *model, size_t len, char *err, size_t errlen)
-{
-	if (!s->cfg.model_id) {
-		pthread_mutex_lock(&s->lock);
-		bool known = s->model[0] != 0;
-		pthread_mutex_unlock(&s->lock);
-		char name[256];
-		if (!known) {
-			if (runner_model_name(s->cfg.ro, name, sizeof(name), err, errlen) != 0)
-				return -1;
-			pthread_mutex_lock(&s->lock);
-			snprintf(s->model, sizeof(s->model), "%s", name);
-			pthread_mutex_unlock(&s->lock);
-		}
-	}
-	model_name(s, model, len);
-	return 0;
-}
 
 static enum MHD_Result on_models(struct server *s, struct MHD_Connection *c)
 {
@@ -525,6 +515,16 @@ static void stream_produce(struct stream *st)
 		stream_end(st, st->filter.stopped ? "stop" : api_finish_reason(v.reason), v.n_prompt, v.n_generated);
 }
 
+/* The stream's connection under its idle limit (on) or not, where it is not so already. */
+static void stream_limit(struct stream *st, bool on)
+{
+	if (st->limit_off != on)
+		return;
+	MHD_set_connection_option(st->conn, MHD_CONNECTION_OPTION_TIMEOUT,
+				  on ? (unsigned int)st->s->cfg.idle_timeout_s : 0u);
+	st->limit_off = !on;
+}
+
 /* libmicrohttpd's reader of a stream, on its connection's thread. While it waits on the model for
  * the next text the idle limit is off (a token may take longer than the limit); while what it
  * handed out waits on the client the limit is on, so that a client that stops reading is closed
@@ -541,25 +541,15 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 			n = n < max ? n : max;
 			memcpy(buf, st->out + st->out_pos, n);
 			st->out_pos += n;
-			if (st->limit_off) {
-				MHD_set_connection_option(st->conn, MHD_CONNECTION_OPTION_TIMEOUT,
-							  (unsigned int)st->s->cfg.idle_timeout_s);
-				st->limit_off = false;
-			}
+			stream_limit(st, true);
 			return (ssize_t)n;
 		}
 		if (st->finished) {
-			if (st->limit_off) /* (its last events not made: out of memory) */
-				MHD_set_connection_option(st->conn, MHD_CONNECTION_OPTION_TIMEOUT,
-							  (unsigned int)st->s->cfg.idle_timeout_s);
-			st->limit_off = false;
+			stream_limit(st, true); /* (on already, but where its last events could not be made) */
 			return MHD_CONTENT_READER_END_OF_STREAM;
 		}
 		st->out_len = st->out_pos = 0;
-		if (!st->limit_off) {
-			MHD_set_connection_option(st->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
-			st->limit_off = true;
-		}
+		stream_limit(st, false);
 		stream_produce(st);
 	}
 }
