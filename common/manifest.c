@@ -163,6 +163,8 @@ int manifest_load(const char *dir, struct manifest **out, char *err, size_t errl
 	snprintf(path, sizeof(path), "%s/tokenizer.json", dir);
 	if (access(path, F_OK) == 0 && (rc = manifest_attach_tokenizer(m, path, err, errlen)) != 0)
 		goto out_free;
+	if ((rc = mf_hf_chat_template(m, dir, err, errlen)) != 0)
+		goto out_free;
 	loader_free(&ld);
 	*out = m;
 	return 0;

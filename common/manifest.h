@@ -70,8 +70,14 @@ struct manifest {
 	char tokenizer_path[PATH_MAX]; /* the tokenizer.json, or the GGUF file its text came from */
 	char tokenizer_note[256];      /* a warning about the tokenizer, "" when none: why a GGUF file's could
 					  not be converted (the model then runs on token ids only) */
-	char *chat_template;	       /* a GGUF file's tokenizer.chat_template (Jinja text), else NULL */
+	char *chat_template;	       /* the chat template (Jinja text), NULL when the model has none: a GGUF
+					  file's tokenizer.chat_template, a Hugging Face directory's
+					  chat_template.jinja or tokenizer_config.json's chat_template */
+	char chat_template_from[PATH_MAX]; /* the file it came from */
 };
+
+/* The longest chat template a model may carry (real ones are a few KiB). */
+#define MANIFEST_MAX_CHAT_TEMPLATE (1u << 20)
 
 /* Loads the checkpoint at path: a Hugging Face checkpoint directory; a GGUF file (recognised by
  * its first bytes, whatever its name); a file of a split set named <prefix>-NNNNN-of-MMMMM.gguf
@@ -91,6 +97,11 @@ int manifest_load(const char *path, struct manifest **out, char *err, size_t err
  * naming the file and the problem (-EINVAL for a file whose ids do not read, or a vocabulary
  * that disagrees). */
 int manifest_attach_tokenizer(struct manifest *m, const char *path, char *err, size_t errlen);
+
+/* Reads a chat template (Jinja text) from path for m, replacing the model's own. Returns 0, or
+ * -errno with a message naming the file (-EFBIG past MANIFEST_MAX_CHAT_TEMPLATE, -EINVAL for a
+ * NUL byte in it). The text is not parsed here: the runner does, at its start. */
+int manifest_attach_chat_template(struct manifest *m, const char *path, char *err, size_t errlen);
 
 /* Frees everything. Safe on NULL and twice; NULLs *m. */
 void manifest_destroy(struct manifest **m);

@@ -26,6 +26,12 @@
 #define INDEX_NAME  "model.safetensors.index.json"
 #define SINGLE_NAME "model.safetensors"
 
+/* ---- the chat template of a Hugging Face directory (manifest_chat_template.c) ---- */
+
+/* dir's chat_template.jinja, else its tokenizer_config.json's chat_template, into m (neither:
+ * nothing). Returns 0 or -errno with a message. */
+int mf_hf_chat_template(struct manifest *m, const char *dir, char *err, size_t errlen);
+
 /* ---- configuration (manifest_config.c) ---- */
 
 /* Reads <dir>/config.json into *cfg; returns 0 or -errno with a message naming the file. */

@@ -2,10 +2,11 @@
  * ssd-loader and read by the gpu-runner.
  *
  *   [struct wring_header][tensor_desc x n_tensors][group_desc x n_groups]
- *   [wring_group x n_groups][wring_slot x n_slots][tokenizer.json bytes] ... [slot data, 4 KiB aligned]
+ *   [wring_group x n_groups][wring_slot x n_slots][tokenizer.json bytes][chat template bytes]
+ *   ... [slot data, 4 KiB aligned]
  *
- * The checkpoint's tokenizer.json travels here too (as the loader read and checked it), so the
- * runner can turn text into tokens without opening a model file.
+ * The checkpoint's tokenizer.json and chat template travel here too (as the loader read and
+ * checked them), so the runner can turn text and chats into tokens without opening a model file.
  *
  * The loader owns the object (it alone writes slots and the group table); the runner maps
  * it read-only apart from its own cache line (runner.*), and learns of slots through
@@ -29,7 +30,7 @@
 extern "C" {
 #endif
 
-#define WRING_LAYOUT_VERSION 4
+#define WRING_LAYOUT_VERSION 5 /* 5: the chat template */
 #define WRING_NO_GROUP UINT32_MAX
 #define WRING_NO_SLOT UINT32_MAX
 
@@ -74,6 +75,8 @@ struct wring_header {
 	uint64_t data_bytes;
 	uint64_t total_tensor_bytes; /* the model's weights, all groups */
 	uint64_t tokenizer_off, tokenizer_bytes; /* tokenizer.json; 0 and 0 when the model has none */
+	uint64_t chat_template_off, chat_template_bytes; /* the chat template (Jinja text); 0 and 0 when none
+							    * (added in layout 5) */
 
 	/* Written by the loader only. */
 	alignas(64) struct {

@@ -52,10 +52,17 @@
 extern "C" {
 #endif
 
-/* What one render may take: its output, its memory (every value it makes), its work. */
+/* What one render may take: its output, its memory (every value it makes), its work (a build
+ * may set lower ones: the fuzzer does). */
+#ifndef JINJA_MAX_OUTPUT
 #define JINJA_MAX_OUTPUT (16u << 20)
+#endif
+#ifndef JINJA_MAX_MEMORY
 #define JINJA_MAX_MEMORY (64u << 20)
+#endif
+#ifndef JINJA_MAX_STEPS
 #define JINJA_MAX_STEPS 10000000u
+#endif
 /* A template's longest text and deepest nesting (of blocks and of expressions). */
 #define JINJA_MAX_SOURCE (1u << 20)
 #define JINJA_MAX_DEPTH 100

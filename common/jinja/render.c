@@ -283,7 +283,7 @@ static double as_double(const struct jv *v)
 }
 static int64_t as_int(const struct jv *v)
 {
-	return v->t == JV_INT ? v->i : (int64_t)v->b;
+	return v->t == JV_INT ? v->i : v->t == JV_BOOL ? (int64_t)v->b : 0;
 }
 
 static const char *op_name(enum bin_op op)

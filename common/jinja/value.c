@@ -331,8 +331,10 @@ static bool sbuf_room(struct sbuf *b, size_t n)
 		b->err = -ENOMEM;
 		return false;
 	}
-	memcpy(p, b->p, b->n);
-	memcpy(m, b->m, b->n);
+	if (b->n) {
+		memcpy(p, b->p, b->n);
+		memcpy(m, b->m, b->n);
+	}
 	b->p = p;
 	b->m = m;
 	b->cap = cap;
@@ -554,8 +556,9 @@ static void json_str(struct sbuf *b, const struct jstr *s)
 			snprintf(esc, sizeof(esc), "\\u%04x", c);
 		else
 			continue;
+		static const uint8_t data[8] = {1, 1, 1, 1, 1, 1, 1, 1}; /* an escape of a data byte is data */
 		sbuf_add(b, s->p + run, i - run, s->m ? s->m + run : NULL);
-		sbuf_add(b, esc, strlen(esc), s->m ? s->m + i : NULL);
+		sbuf_add(b, esc, strlen(esc), s->m && s->m[i] ? data : NULL);
 		run = i + 1;
 	}
 	sbuf_add(b, s->p + run, s->n - run, s->m ? s->m + run : NULL);

@@ -86,17 +86,19 @@ static int is_word_char(struct enc *e, const char *s, size_t len, size_t pos, bo
 /* The longest added token at s + i (special ones only when specials), extended by its
  * lstrip/rstrip over whitespace (not back past seg). Returns 1 with [*ms, *me) and *id, 0 when
  * none, or -errno. */
-static int added_match(struct enc *e, const char *s, size_t len, size_t i, size_t seg, bool specials, size_t *ms,
-		       size_t *me, uint32_t *id)
+static int added_match(struct enc *e, const char *s, size_t len, size_t i, size_t seg, bool specials,
+		       const uint8_t *plain, size_t *ms, size_t *me, uint32_t *id)
 {
 	const struct tokenizer *t = e->t;
 	uint32_t node = t->root[(uint8_t)s[i]];
 	int32_t best = -1;
 	size_t end = i, k = i;
+	bool clean = true; /* no byte of [i, k) is marked plain */
 	while (node) {
 		k++;
+		clean = clean && (!plain || !plain[k - 1]);
 		int32_t a = t->trie[node].added;
-		if (a >= 0 && (specials || !t->added[a].special)) {
+		if (a >= 0 && (!t->added[a].special || (specials && clean))) {
 			best = a;
 			end = k;
 		}
@@ -132,6 +134,12 @@ static int added_match(struct enc *e, const char *s, size_t len, size_t i, size_
 int tokenizer_encode(const struct tokenizer *t, const char *text, size_t len, unsigned flags,
 		     struct tok_ids *out)
 {
+	return tokenizer_encode_marked(t, text, len, NULL, flags, out);
+}
+
+int tokenizer_encode_marked(const struct tokenizer *t, const char *text, size_t len, const uint8_t *plain,
+			    unsigned flags, struct tok_ids *out)
+{
 	assert(t && out && (text || !len));
 	size_t n0 = out->n, seg = 0, i = 0;
 	bool specials = !(flags & TOK_SPECIAL_AS_TEXT);
@@ -147,7 +155,7 @@ int tokenizer_encode(const struct tokenizer *t, const char *text, size_t len, un
 	while (t->n_added && i < len) {
 		size_t ms = 0, me = 0;
 		uint32_t id = 0;
-		rc = added_match(&e, text, len, i, seg, specials, &ms, &me, &id);
+		rc = added_match(&e, text, len, i, seg, specials, plain, &ms, &me, &id);
 		if (rc < 0)
 			goto out;
 		if (!rc) {

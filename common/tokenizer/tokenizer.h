@@ -128,6 +128,12 @@ void tokenizer_destroy(struct tokenizer **tok);
 int tokenizer_encode(const struct tokenizer *tok, const char *text, size_t len, unsigned flags,
 		     struct tok_ids *out);
 
+/* The same, where a special token may match only text of which no byte is marked plain
+ * (plain[i] != 0; plain NULL: none is): a chat template's own special tokens count, those inside
+ * the text of a message do not. Returns as tokenizer_encode. */
+int tokenizer_encode_marked(const struct tokenizer *tok, const char *text, size_t len, const uint8_t *plain,
+			    unsigned flags, struct tok_ids *out);
+
 /* Decodes a whole sequence into *out (malloc'd, NUL-terminated, owned by the caller; *len
  * without the NUL, and the text may hold NULs of its own). flags: enum tok_decode_flags.
  * Returns 0, -EINVAL for an id that is not in the tokenizer (*out NULL), or -ENOMEM. */

@@ -20,6 +20,7 @@
 #include <string.h>
 #include <zmq.h>
 
+#include "common/jinja/jinja.h"
 #include "common/bus.h"
 #include "common/config.h"
 #include "common/log.h"
@@ -216,6 +217,7 @@ static void teardown(struct runner *r)
 	free(r->batch_logits);
 	ring_source_destroy(&r->ring);
 	tokenizer_destroy(&r->tok);
+	jinja_free(&r->chat_template);
 	rpc_client_destroy(&r->loader_c);
 	rpc_client_destroy(&r->kv_c);
 	if (r->zctx)

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <unistd.h>
 
+#include "common/jinja/jinja.h"
 #include "common/log.h"
 #include "common/service.h"
 #include "common/shm.h"
@@ -239,6 +240,7 @@ static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t e
 	if (rc)
 		return rc;
 	tokenizer_destroy(&r->tok);
+	jinja_free(&r->chat_template);
 	const char *tdata;
 	size_t tlen;
 	ring_source_tokenizer(r->ring, &tdata, &tlen);
@@ -250,8 +252,16 @@ static int connect_loader(struct runner *r, int deadline_ms, char *err, size_t e
 			ring_source_destroy(&r->ring);
 			return rc;
 		}
+		/* The chat template: a text the model file brought, checked like any input; one that
+		 * does not parse leaves the built-in formats (the loader warned at its start too). */
+		const char *cdata;
+		size_t clen;
+		ring_source_chat_template(r->ring, &cdata, &clen);
+		if (clen && jinja_parse(cdata, clen, &r->chat_template, why, sizeof(why)) != 0)
+			log_warn("the model's chat template does not parse (%s): chats use the built-in format (%s)", why,
+				 chat_format_name(chat_format_of(r->tok)));
 		log_info("tokenizer: %u ids, chat format %s", tokenizer_vocab_size(r->tok),
-			 chat_format_name(chat_format_of(r->tok)));
+			 r->chat_template ? "template" : chat_format_name(chat_format_of(r->tok)));
 	}
 	if (r->manifest_hash && ring_source_manifest_hash(r->ring) != r->manifest_hash) {
 		snprintf(err, errlen, "ssd-loader now serves another model than the one this runner started with; "

@@ -179,7 +179,7 @@ int runner_job_prepare(struct runner *r, struct job *j, char *err, size_t errlen
 	if (!j->n_tokens) {
 		struct msg_generate g = {.prompt = {j->prompt, j->prompt_len}, .chat = {j->chat, j->chat_len},
 					 .flags = j->flags};
-		rc = text_prompt_build(r->tok, &r->cfg, &g, &j->tp, err, errlen);
+		rc = text_prompt_build(r->tok, r->chat_template, &r->cfg, &g, &j->tp, err, errlen);
 		j->ids = (const int32_t *)j->tp.ids.ids; /* ids < vocab_size < 2^31 */
 		j->n_ids = (uint32_t)j->tp.ids.n;
 		if (rc == 0 && j->tp.end_of_turn >= 0)

@@ -154,6 +154,8 @@ struct runner {
 	uint64_t manifest_hash;
 	uint64_t kv_seed; /* names model, backend and KV format in KV block keys */
 	struct tokenizer *tok; /* from the ring; NULL when the model has no tokenizer.json */
+	struct jinja_template *chat_template; /* from the ring; NULL when the model has none (or it does
+						 not parse: the built-in chat formats then) */
 	struct backend *be;
 	struct backend_params bp;
 	size_t arena_block_bytes;

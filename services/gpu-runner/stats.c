@@ -455,7 +455,8 @@ char *runner_stats(void *ctx)
 		inspect_stats(r, o);
 	if (o) {
 		json_object_set_new(o, "tokenizer", json_boolean(r->tok != NULL));
-		json_object_set_new(o, "chat_format", json_string(chat_format_name(chat_format_of(r->tok))));
+		json_object_set_new(o, "chat_format", json_string(r->chat_template ? "template"
+										 : chat_format_name(chat_format_of(r->tok))));
 	}
 	char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
 	json_decref(o);

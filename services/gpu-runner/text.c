@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/utf8.h"
 #include "common/util.h"
@@ -98,14 +99,72 @@ static void trim(const char **s, size_t *len)
 	*len = e - b;
 }
 
-static int render_chat(const struct tokenizer *tok, const struct model_config *cfg, const char *json, size_t len,
-		       unsigned flags, struct text_prompt *out, char *err, size_t errlen)
+/* A role is a short word: no markup, no line break. */
+static bool role_ok(const char *role)
+{
+	return strlen(role) <= 64 && !strchr(role, '<') && !strchr(role, '\n');
+}
+
+/* A token's text, as a chat template's bos_token and eos_token are: "" when the id is not one. */
+static json_t *token_text(const struct tokenizer *tok, int32_t id)
+{
+	size_t n = 0;
+	const char *p = id >= 0 ? tokenizer_id_to_piece(tok, (uint32_t)id, &n) : NULL;
+	return json_stringn(p ? p : "", p ? n : 0);
+}
+
+/* The chat through the model's template, as transformers' apply_chat_template renders it (the
+ * messages, bos_token, eos_token, add_generation_prompt) and then tokenizes the text whole, with
+ * no BOS added: the template writes its own. Special-token text from the messages counts as
+ * special tokens unless flags say TOK_SPECIAL_AS_TEXT; the template's own always do. */
+static int render_template(const struct tokenizer *tok, const struct model_config *cfg,
+			   const struct jinja_template *tmpl, json_t *msgs, unsigned flags, struct text_prompt *out,
+			   char *err, size_t errlen)
+{
+	int32_t bos = cfg->bos_id >= 0 ? cfg->bos_id : tokenizer_bos(tok);
+	int32_t eos = cfg->n_eos ? (int32_t)cfg->eos_ids[0] : tokenizer_eos(tok);
+	json_t *vars = json_object(), *data = json_object();
+	int rc = -ENOMEM;
+	if (!vars || !data || json_object_set_new(vars, "bos_token", token_text(tok, bos)) ||
+	    json_object_set_new(vars, "eos_token", token_text(tok, eos)) ||
+	    json_object_set_new(vars, "add_generation_prompt", json_true()) ||
+	    json_object_set(data, "messages", msgs)) {
+		errorf(err, errlen, rc, "out of memory");
+		goto out;
+	}
+	struct jinja_output o;
+	char why[512];
+	rc = jinja_render(tmpl, vars, data, time(NULL), &o, why, sizeof(why));
+	if (rc) {
+		rc = errorf(err, errlen, rc == -ENOMEM ? -ENOMEM : -EINVAL, "%s", why);
+		goto out;
+	}
+	enum chat_format f = chat_format_of(tok);
+	out->end_of_turn = f == CHAT_LLAMA3   ? tokenizer_token_to_id(tok, "<|eot_id|>")
+			   : f == CHAT_CHATML ? tokenizer_token_to_id(tok, "<|im_end|>")
+					      : -1;
+	rc = tokenizer_encode_marked(tok, o.text, o.len, (flags & TOK_SPECIAL_AS_TEXT) ? o.from_data : NULL, 0,
+				     &out->ids);
+	if (rc == -EILSEQ)
+		rc = errorf(err, errlen, -EINVAL, "the chat holds a character the tokenizer cannot spell");
+	else if (rc)
+		rc = errorf(err, errlen, rc, "tokenizing the chat failed: %s", strerror(-rc));
+	jinja_output_free(&o);
+out:
+	json_decref(vars);
+	json_decref(data);
+	return rc;
+}
+
+static int render_chat(const struct tokenizer *tok, const struct jinja_template *tmpl, const struct model_config *cfg,
+		       const char *json, size_t len, unsigned flags, struct text_prompt *out, char *err, size_t errlen)
 {
 	enum chat_format f = chat_format_of(tok);
-	if (f == CHAT_NONE)
+	if (f == CHAT_NONE && !tmpl)
 		return errorf(err, errlen, -EINVAL,
-			      "this model's tokenizer has neither Llama 3 header tokens nor ChatML tokens: it has no chat "
-			      "format; send a plain prompt");
+			      "this model has no chat template, and its tokenizer has neither Llama 3 header tokens nor "
+			      "ChatML tokens: it has no chat format; send a plain prompt (or start the loader with "
+			      "--chat-template FILE)");
 	json_error_t jerr;
 	json_t *msgs = json_loadb(json, len, 0, &jerr);
 	if (!msgs || !json_is_array(msgs) || json_array_size(msgs) == 0) {
@@ -114,6 +173,26 @@ static int render_chat(const struct tokenizer *tok, const struct model_config *c
 			      msgs ? "" : ": ", msgs ? "" : jerr.text);
 	}
 	int rc = 0;
+	if (tmpl) { /* the same checks of each message as below, then the template renders them */
+		size_t i;
+		json_t *m;
+		json_array_foreach(msgs, i, m)
+		{
+			json_t *r = json_object_get(m, "role"), *c = json_object_get(m, "content");
+			if (!json_is_object(m) || !json_is_string(r) || !json_is_string(c) || !json_string_length(r)) {
+				rc = errorf(err, errlen, -EINVAL, "chat message %zu needs a \"role\" and a \"content\" string", i);
+				break;
+			}
+			if (!role_ok(json_string_value(r))) {
+				rc = errorf(err, errlen, -EINVAL, "chat message %zu has an invalid role", i);
+				break;
+			}
+		}
+		if (!rc)
+			rc = render_template(tok, cfg, tmpl, msgs, flags, out, err, errlen);
+		json_decref(msgs);
+		return rc;
+	}
 	char *buf = NULL;
 	size_t bufcap = 0;
 	if (f == CHAT_LLAMA3) {
@@ -140,7 +219,7 @@ static int render_chat(const struct tokenizer *tok, const struct model_config *c
 			role = json_string_value(r);
 			content = json_string_value(c);
 			content_len = json_string_length(c);
-			if (strlen(role) > 64 || strchr(role, '<') || strchr(role, '\n')) {
+			if (!role_ok(role)) {
 				rc = errorf(err, errlen, -EINVAL, "chat message %zu has an invalid role", i);
 				break;
 			}
@@ -192,8 +271,8 @@ static int render_chat(const struct tokenizer *tok, const struct model_config *c
 	return rc;
 }
 
-int text_prompt_build(const struct tokenizer *tok, const struct model_config *cfg, const struct msg_generate *g,
-		      struct text_prompt *out, char *err, size_t errlen)
+int text_prompt_build(const struct tokenizer *tok, const struct jinja_template *chat, const struct model_config *cfg,
+		      const struct msg_generate *g, struct text_prompt *out, char *err, size_t errlen)
 {
 	memset(out, 0, sizeof(*out));
 	out->end_of_turn = -1;
@@ -204,7 +283,7 @@ int text_prompt_build(const struct tokenizer *tok, const struct model_config *cf
 	unsigned flags = (g->flags & GEN_SPECIAL_AS_TEXT) ? TOK_SPECIAL_AS_TEXT : 0;
 	int rc;
 	if (g->chat.len) {
-		rc = render_chat(tok, cfg, g->chat.p, g->chat.len, flags, out, err, errlen);
+		rc = render_chat(tok, chat, cfg, g->chat.p, g->chat.len, flags, out, err, errlen);
 	} else {
 		rc = 0;
 		/* A BOS first where the tokenizer's file puts one first (or does not say), as Hugging Face

@@ -3,13 +3,18 @@
  * they come, with stop strings watched.
  *
  *   struct text_prompt tp;
- *   rc = text_prompt_build(tok, cfg, &req->generate, &tp, err, sizeof(err));  // ids + extra stop ids
+ *   rc = text_prompt_build(tok, chat, cfg, &req->generate, &tp, err, sizeof(err));  // ids + extra stop ids
  *   struct text_stream *ts;
  *   rc = text_stream_create(tok, stop_strings_json, len, &ts, err, sizeof(err));
  *   for each token: text_stream_push(ts, id, &piece, &n, &hit);      // hit: a stop string appeared
  *   text_stream_finish(ts, &tail, &n);
  *
- * Chat formats (chosen from the tokenizer's special tokens):
+ * A chat goes through the model's chat template (common/jinja) when it has one that parses: the
+ * text transformers' apply_chat_template gives (messages, bos_token, eos_token,
+ * add_generation_prompt true, strftime_now the runner's clock), tokenized whole with no BOS added;
+ * the turn ends at the end-of-turn token below where the tokenizer has one (every model's EOS
+ * ends it anyway). Without a template, the built-in formats (chosen from the tokenizer's special
+ * tokens):
  *  - Llama 3 headers: <|begin_of_text|> then per message
  *    <|start_header_id|>ROLE<|end_header_id|>\n\nCONTENT<|eot_id|>, then the assistant header;
  *    the turn ends at <|eot_id|>. CONTENT is trimmed, as Meta's template does.
@@ -25,6 +30,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/jinja/jinja.h"
 #include "common/model.h"
 #include "common/protocol.h"
 #include "common/tokenizer/tokenizer.h"
@@ -51,12 +57,14 @@ struct text_prompt {
 };
 
 /* Builds the prompt of a MSG_GENERATE that gives `prompt` or `chat` (tok may be NULL only when
- * it gives token ids, which the caller handles itself). The BOS is config.json's bos_id (the
- * tokenizer's when config has none), put first for text unless GEN_NO_BOS. Returns 0 or -errno
- * with a message: -EINVAL (malformed chat JSON, no chat format, text the tokenizer cannot
- * spell), -ENOTSUP (no tokenizer), -ENOMEM. */
-int text_prompt_build(const struct tokenizer *tok, const struct model_config *cfg, const struct msg_generate *g,
-		      struct text_prompt *out, char *err, size_t errlen);
+ * it gives token ids, which the caller handles itself). chat: the model's chat template, NULL for
+ * the built-in formats. The BOS is config.json's bos_id (the tokenizer's when config has none),
+ * put first for a prompt unless GEN_NO_BOS, and for a chat by the built-in formats (a template
+ * writes its own). Returns 0 or -errno with a message: -EINVAL (malformed chat JSON, no chat
+ * format, a template's error or refusal, text the tokenizer cannot spell), -ENOTSUP (no
+ * tokenizer), -E2BIG (a template's render past its limits), -ENOMEM. */
+int text_prompt_build(const struct tokenizer *tok, const struct jinja_template *chat, const struct model_config *cfg,
+		      const struct msg_generate *g, struct text_prompt *out, char *err, size_t errlen);
 void text_prompt_free(struct text_prompt *tp);
 
 struct text_stream;

@@ -87,6 +87,7 @@ static int check_tables(struct ring_source *rs, size_t size, char *err, size_t e
 		      {h->group_state_off, (uint64_t)ng * sizeof(struct wring_group)},
 		      {h->slots_off, (uint64_t)ns * sizeof(struct wring_slot)},
 		      {h->tokenizer_bytes ? h->tokenizer_off : sizeof(*h), h->tokenizer_bytes},
+		      {h->chat_template_bytes ? h->chat_template_off : sizeof(*h), h->chat_template_bytes},
 		      {h->data_off, h->data_bytes}};
 	for (size_t i = 0; i < ARRAY_SIZE(tables); i++)
 		if (tables[i].off < sizeof(*h) || tables[i].off > size || tables[i].bytes > size - tables[i].off)
@@ -834,6 +835,12 @@ void ring_source_mapping(const struct ring_source *rs, void **base, size_t *size
 {
 	*base = rs->h;
 	*size = shm_object_size(rs->obj);
+}
+
+void ring_source_chat_template(const struct ring_source *rs, const char **data, size_t *len)
+{
+	*data = rs->h->chat_template_bytes ? (const char *)rs->h + rs->h->chat_template_off : NULL;
+	*len = (size_t)rs->h->chat_template_bytes;
 }
 
 void ring_source_tokenizer(const struct ring_source *rs, const char **data, size_t *len)

@@ -104,6 +104,9 @@ void ring_source_mapping(const struct ring_source *rs, void **base, size_t *size
 /* The tokenizer.json the loader put in the ring: *data and *len (NULL/0 when the model has none).
  * The bytes stay valid while the source lives. */
 void ring_source_tokenizer(const struct ring_source *rs, const char **data, size_t *len);
+/* The chat template the loader put in the ring (Jinja text, not NUL-terminated): *data and *len
+ * (NULL/0 when the model has none). Valid while the source lives. */
+void ring_source_chat_template(const struct ring_source *rs, const char **data, size_t *len);
 /* Counts a computed token in the ring header (for inspection). */
 void ring_source_count_token(struct ring_source *rs);
 /* How long to wait for the loader's replies from now on (live tuning of --timeout-ms). */

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "common/config.h"
+#include "common/jinja/jinja.h"
 #include "common/log.h"
 #include "common/manifest.h"
 #include "common/service.h"
@@ -166,28 +167,32 @@ static void register_tunables(struct app *a)
 	service_add_tunable(a->svc, &io);
 }
 
-/* What becomes of a GGUF file's chat template: the runner renders chats in the Llama 3 header
- * format or in ChatML, whichever the tokenizer's special tokens name, not by the template. */
-static void log_chat_template(const char *tmpl)
+/* The chat template that goes to the runner: checked here too (the runner parses it again at its
+ * start), so that `start` says at once when chats will not render by it. */
+static void log_chat_template(const struct manifest *m)
 {
-	if (!tmpl)
+	if (!m->chat_template) {
+		log_info("no chat template: the runner renders chats in the format its tokenizer's special "
+			 "tokens name (Llama 3 headers or ChatML), if any");
 		return;
-	const char *format = strstr(tmpl, "<|start_header_id|>") ? "Llama 3's header format"
-			     : strstr(tmpl, "<|im_start|>")	  ? "ChatML"
-								  : NULL;
-	if (format)
-		log_info("the checkpoint's chat template is in %s, in which the runner renders chats (the "
-			 "template itself is not run: a default system message it adds is not)",
-			 format);
-	else
-		log_warn("the checkpoint's chat template is neither Llama 3's header format nor ChatML, the two "
-			 "the runner renders chats in: chats are refused or rendered otherwise than the model "
-			 "expects; send prompts with the template applied (--prompt) for this model");
+	}
+	char err[512];
+	struct jinja_template *t;
+	if (jinja_parse(m->chat_template, strlen(m->chat_template), &t, err, sizeof(err)) != 0) {
+		log_warn("the chat template of %s does not parse (%s): chats are rendered in the tokenizer's "
+			 "built-in format where it has one, else refused; give a template with --chat-template FILE",
+			 m->chat_template_from, err);
+		return;
+	}
+	jinja_free(&t);
+	log_info("chat template of %s (%zu bytes) goes to the runner with the weights", m->chat_template_from,
+		 strlen(m->chat_template));
 }
 
 int main(int argc, char **argv)
 {
 	char *instance = NULL, *run_dir_flag = NULL, *model = NULL, *tokenizer = NULL, *log_level = NULL;
+	char *chat_template = NULL;
 	uint64_t budget = 0, max_read = 0;
 	long io_depth = 0;
 	bool buffered = false, io_async = false;
@@ -199,6 +204,9 @@ int main(int argc, char **argv)
 		{"model", OPT_STRING, &model, NULL,
 		 "Hugging Face checkpoint directory, or a GGUF file (the first of a split set) (required)"},
 		{"tokenizer", OPT_STRING, &tokenizer, NULL, "tokenizer.json to use instead of the model's own"},
+		{"chat-template", OPT_STRING, &chat_template, NULL,
+		 "a chat template (Jinja text, as tokenizer_config.json's chat_template) to use instead of the model's "
+		 "own"},
 		{"dram-budget", OPT_SIZE, &budget, "16GiB", "host memory for weight slots"},
 		{"io-depth", OPT_INT, &io_depth, "64", "reads in flight at most"},
 		{"max-read", OPT_SIZE, &max_read, "4MiB", "bytes per read (a multiple of 4 KiB)"},
@@ -285,7 +293,14 @@ int main(int argc, char **argv)
 		log_warn("%s", m->tokenizer_note);
 	else
 		log_info("no tokenizer.json: the runner takes token ids only");
-	log_chat_template(m->chat_template);
+	if (chat_template && *chat_template) {
+		rc = manifest_attach_chat_template(m, chat_template, err, sizeof(err));
+		if (rc) {
+			log_error("%s", err);
+			goto out_manifest;
+		}
+	}
+	log_chat_template(m);
 
 	rc = plan_create(m, budget, &plan, err, sizeof(err));
 	if (rc) {

@@ -15,7 +15,7 @@
 #endif
 
 struct ring_layout {
-	uint64_t tensors_off, groups_off, group_state_off, slots_off, tokenizer_off, data_off, total;
+	uint64_t tensors_off, groups_off, group_state_off, slots_off, tokenizer_off, chat_template_off, data_off, total;
 };
 
 static void layout(const struct manifest *m, const struct plan *p, struct ring_layout *l)
@@ -31,6 +31,8 @@ static void layout(const struct manifest *m, const struct plan *p, struct ring_l
 	off += (uint64_t)plan_n_slots(p) * sizeof(struct wring_slot);
 	l->tokenizer_off = ALIGN_UP(off, (uint64_t)CACHE_LINE);
 	off = l->tokenizer_off + m->tokenizer_bytes;
+	l->chat_template_off = off;
+	off += m->chat_template ? strlen(m->chat_template) : 0;
 	l->data_off = ALIGN_UP(off, (uint64_t)PLAN_SLOT_ALIGN);
 	l->total = l->data_off + plan_data_bytes(p);
 }
@@ -73,6 +75,10 @@ void ring_init(void *mem, uint64_t size, const struct manifest *m, const struct 
 	h->tokenizer_bytes = m->tokenizer_bytes;
 	if (m->tokenizer_bytes)
 		memcpy((char *)h + l.tokenizer_off, m->tokenizer_json, m->tokenizer_bytes);
+	h->chat_template_bytes = m->chat_template ? strlen(m->chat_template) : 0;
+	h->chat_template_off = h->chat_template_bytes ? l.chat_template_off : 0;
+	if (h->chat_template_bytes)
+		memcpy((char *)h + l.chat_template_off, m->chat_template, h->chat_template_bytes);
 	h->total_tensor_bytes = m->total_tensor_bytes;
 	memcpy(wring_tensors(h), m->tensors, (size_t)m->n_tensors * sizeof(struct tensor_desc));
 	memcpy(wring_groups(h), m->groups, (size_t)m->n_groups * sizeof(struct group_desc));

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """make-corpus.py - writes the seed corpora of tests/fuzz (docs/fuzzing.md).
 
-    tests/fuzz/make-corpus.py --fuzz-build build-fuzz --bin build/bin [codec tokenizer gguf manifest]
+    tests/fuzz/make-corpus.py --fuzz-build build-fuzz --bin build/bin [codec tokenizer gguf manifest jinja]
 
 - corpus/codec: every message type, from make_codec_seeds (built in the fuzz build directory).
 - corpus/tokenizer: small tokenizer.json files: a cut of the Llama 3 tokenizer
@@ -17,6 +17,8 @@
   Llama in several types, with tokenizers, with llama3 RoPE scaling, and refused ones; and the
   headers of make-synthetic-model's Qwen3 and mixture-of-experts GGUF files (qwen3, qwen3moe,
   llama with experts and a sliding window, experts fused in ffn_*_exps tensors).
+- corpus/jinja: the chat templates of tests/unit/jinja/templates and the one-feature templates of
+  its cases.json, their variables after a NUL byte.
 
 Files of the corpora are named by content (what libFuzzer itself does), except the hand-named
 regression inputs (regress-*), which this script leaves alone.
@@ -291,13 +293,30 @@ def manifest(bin_dir):
         shutil.rmtree(tmp)
 
 
+def jinja():
+    """The chat templates of tests/unit/jinja and its one-feature templates (with their variables
+    after a NUL byte), from cases.json."""
+    d = clear("jinja")
+    for path in sorted(glob.glob(os.path.join(ROOT, "tests", "unit", "jinja", "templates", "*.jinja"))):
+        with open(path, "rb") as f:
+            put(d, f.read(), os.path.basename(path))
+    with open(os.path.join(ROOT, "tests", "unit", "jinja", "cases.json"), encoding="utf-8") as f:
+        cases = json.load(f)["cases"]
+    for c in cases:
+        if "template" in c and "parse_error" not in c:
+            data = c["template"].encode()
+            if c.get("vars"):
+                data += b"\0" + json.dumps(c["vars"]).encode()
+            put(d, data)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fuzz-build", default=os.path.join(ROOT, "build-fuzz"),
                     help="the PIPELINE_FUZZ build directory (for make_codec_seeds)")
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "bin"),
                     help="bin directory of the main build (for make-synthetic-model)")
-    ap.add_argument("targets", nargs="*", default=["codec", "tokenizer", "gguf", "manifest"],
+    ap.add_argument("targets", nargs="*", default=["codec", "tokenizer", "gguf", "manifest", "jinja"],
                     help="the corpora to write (default: all)")
     a = ap.parse_args()
     if "codec" in a.targets:
@@ -308,6 +327,8 @@ def main():
         gguf(a.fuzz_build, a.bin)
     if "manifest" in a.targets:
         manifest(a.bin)
+    if "jinja" in a.targets:
+        jinja()
     total = sum(os.path.getsize(p) for p in glob.glob(os.path.join(CORPUS, "*", "*")))
     print(f"make-corpus: {total} bytes in {CORPUS}", file=sys.stderr)
 

@@ -81,6 +81,33 @@ num='[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?'
 expect_grep "^\{\"prompt_tokens\":[0-9]+,\"prefill_ms\":$num,\"prefill_tok_s\":$num,\"tokens_generated\":[0-9]+,\"reason\":\"stop_string\",\"decode_ms\":$num,\"decode_tok_s\":$num,\"total_ms\":$num\}\$" \
 	"$(tail -n 1 <<<"$out")" "generate --stop --stats --json"
 
+# The model's chat template (tokenizer_config.json's chat_template) renders the chat: here one
+# that ends the assistant's header with "Sure:", which the built-in format never writes.
+"$PIPELINE" stop
+tmpl=$'{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\nSure:{% endif %}'
+jq -n --arg t "$tmpl" '{chat_template: $t, bos_token: "<|begin_of_text|>"}' >"$L3/tokenizer_config.json"
+"$PIPELINE" start --model "$L3"
+expect_grep "chat template of $L3/tokenizer_config.json \\([0-9]+ bytes\\) goes to the runner" "$(cat "$RUN_DIR/ssd-loader.log")" "the loader's word on the template"
+expect_grep '"chat_format": "template"' "$("$PIPECTL" stats gpu-runner)" "runner stats with a template"
+sure_ids=$(tok "${chat_text}Sure:")
+want=$("$BIN/run-local" --model "$L3" --tokens "$(ids_csv "$sure_ids")" -n 16 --stop-ids 128009)
+got=$(generate --chat "  Hello there " --system "Be brief." -n 16 --ids)
+expect_eq "$got" "$want" "--chat ids vs run-local on the model's template"
+err=$(generate --chat "hi" --system "<|eot_id|>" --special-as-text -n 2 --ids 2>&1) || fail "a chat with special-token text: $err"
+log "chat: the model's template renders it"
+"$PIPELINE" stop
+# --chat-template overrides it; one that does not parse leaves the built-in format, with a warning.
+printf '%s' '{% for m in messages %}{{ m.content }' >"$IT_TMP/bad.jinja"
+"$PIPELINE" start --model "$L3" --loader-opt=--chat-template="$IT_TMP/bad.jinja"
+expect_grep "does not parse \\(chat template, line 1: a '\\{\\{' tag is not closed\\)" "$(cat "$RUN_DIR/ssd-loader.log")" \
+	"the loader's warning on a bad template"
+expect_grep '"chat_format": "llama3"' "$("$PIPECTL" stats gpu-runner)" "runner stats with a bad template"
+want=$("$BIN/run-local" --model "$L3" --tokens "$(ids_csv "$chat_ids")" -n 16 --stop-ids 128009)
+got=$(generate --chat "  Hello there " --system "Be brief." -n 16 --ids)
+expect_eq "$got" "$want" "--chat ids on the built-in format after a bad template"
+rm "$L3/tokenizer_config.json"
+log "chat: --chat-template, a template that does not parse"
+
 # Text requests to a model without a tokenizer are refused with a clear message.
 "$PIPELINE" stop
 "$PIPELINE" start --model "$MODEL"

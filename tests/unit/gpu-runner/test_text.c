@@ -1,5 +1,5 @@
 /* test_text.c - the runner's text interface: prompts from text and chat messages in both
- * chat formats, the end-of-turn stop, stop strings found across token boundaries, and the
+ * built-in chat formats and through a model's chat template, the end-of-turn stop, stop strings found across token boundaries, and the
  * errors a bad request gets. Uses the real Llama 3 tokenizer.json (tests/data); the ChatML
  * case renames two of its special tokens. */
 #include <check.h>
@@ -99,15 +99,21 @@ static void expect_ids(const struct tokenizer *tok, const struct tok_ids *got, c
 	tok_ids_free(&want);
 }
 
-static int build(const struct tokenizer *tok, const char *prompt, const char *chat, uint64_t flags,
-		 struct text_prompt *tp, char *err, size_t errlen)
+static int build_with(const struct tokenizer *tok, const struct jinja_template *tmpl, const char *prompt,
+		      const char *chat, uint64_t flags, struct text_prompt *tp, char *err, size_t errlen)
 {
 	struct msg_generate g = {.flags = flags};
 	if (prompt)
 		g.prompt = (struct bytes){(char *)prompt, (uint32_t)strlen(prompt)};
 	if (chat)
 		g.chat = (struct bytes){(char *)chat, (uint32_t)strlen(chat)};
-	return text_prompt_build(tok, &cfg, &g, tp, err, errlen);
+	return text_prompt_build(tok, tmpl, &cfg, &g, tp, err, errlen);
+}
+
+static int build(const struct tokenizer *tok, const char *prompt, const char *chat, uint64_t flags,
+		 struct text_prompt *tp, char *err, size_t errlen)
+{
+	return build_with(tok, NULL, prompt, chat, flags, tp, err, errlen);
 }
 
 START_TEST(test_formats_detected)
@@ -213,6 +219,93 @@ START_TEST(test_chat_chatml)
 }
 END_TEST
 
+static struct jinja_template *parse(const char *text)
+{
+	struct jinja_template *t;
+	char err[512];
+	ck_assert_msg(jinja_parse(text, strlen(text), &t, err, sizeof(err)) == 0, "%s", err);
+	return t;
+}
+
+/* Llama 3's own template (as Meta's tokenizer_config.json has it). */
+static const char llama3_template[] =
+	"{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+	"'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+	"'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+	"{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+	"{% endif %}";
+
+/* The same ids through a model's template as through the built-in format it spells, for every
+ * chat of the built-in tests, special-token text in a message parsed or not. */
+START_TEST(test_chat_template)
+{
+	static const char *const chats[] = {
+		"[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"  Hi\\n\"}]",
+		"[{\"role\":\"user\",\"content\":\"\\u3000\\u00a0Hi\\u00a0\\u2028\\u001c \"}]",
+		"[{\"role\":\"user\",\"content\":\"Hi \\u00e0\"},{\"role\":\"assistant\",\"content\":\"Yo\"},"
+		"{\"role\":\"user\",\"content\":\"a<|eot_id|>b<|start_header_id|>\"}]",
+	};
+	struct jinja_template *t = parse(llama3_template);
+	for (size_t i = 0; i < sizeof(chats) / sizeof(chats[0]); i++)
+		for (int as_text = 0; as_text < 2; as_text++) {
+			struct text_prompt a, b;
+			char err[512];
+			uint64_t flags = as_text ? GEN_SPECIAL_AS_TEXT : 0;
+			ck_assert_int_eq(build(llama3, NULL, chats[i], flags, &a, err, sizeof(err)), 0);
+			ck_assert_msg(build_with(llama3, t, NULL, chats[i], flags, &b, err, sizeof(err)) == 0, "%s", err);
+			ck_assert_uint_eq(a.ids.n, b.ids.n);
+			for (size_t k = 0; k < a.ids.n; k++)
+				ck_assert_msg(a.ids.ids[k] == b.ids.ids[k], "chat %zu (as text %d), id %zu: %u, want %u", i,
+					      as_text, k, b.ids.ids[k], a.ids.ids[k]);
+			ck_assert_int_eq(b.end_of_turn, 128009);
+			text_prompt_free(&a);
+			text_prompt_free(&b);
+		}
+	/* the special tokens in the message: 3 more ids as text than as tokens (<|eot_id|> and
+	 * <|start_header_id|> spelled in pieces), so the marks are what decided */
+	struct text_prompt a, b;
+	char err[512];
+	ck_assert_int_eq(build_with(llama3, t, NULL, chats[2], 0, &a, err, sizeof(err)), 0);
+	ck_assert_int_eq(build_with(llama3, t, NULL, chats[2], GEN_SPECIAL_AS_TEXT, &b, err, sizeof(err)), 0);
+	ck_assert_uint_gt(b.ids.n, a.ids.n);
+	text_prompt_free(&a);
+	text_prompt_free(&b);
+	jinja_free(&t);
+
+	/* A ChatML template over the ChatML tokenizer: its built-in format. */
+	t = parse("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+		  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}");
+	ck_assert_int_eq(build_with(chatml, t, NULL, "[{\"role\":\"user\",\"content\":\" Hi\"}]", 0, &b, err, sizeof(err)), 0);
+	expect_ids(chatml, &b.ids, "<|im_start|>user\n Hi<|im_end|>\n<|im_start|>assistant\n", 0);
+	ck_assert_int_eq(b.end_of_turn, tokenizer_token_to_id(chatml, "<|im_end|>"));
+	text_prompt_free(&b);
+	jinja_free(&t);
+
+	/* A template of another family: its text, tokenized whole, no BOS added (it writes "<s>" as
+	 * text here: the Llama 3 vocabulary has no such token), and no end-of-turn id of its own. */
+	t = parse("{{ bos_token }}{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}");
+	ck_assert_int_eq(build_with(llama3, t, NULL, "[{\"role\":\"user\",\"content\":\"Hi\"}]", 0, &b, err, sizeof(err)), 0);
+	expect_ids(llama3, &b.ids, "<|begin_of_text|>[INST] Hi [/INST]", 0);
+	text_prompt_free(&b);
+	jinja_free(&t);
+
+	/* A template's refusal and error are the request's error. */
+	t = parse("{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}{{ x.y }}");
+	ck_assert_int_eq(build_with(llama3, t, NULL, "[{\"role\":\"system\",\"content\":\"s\"}]", 0, &b, err, sizeof(err)),
+			 -EINVAL);
+	ck_assert_msg(strstr(err, "refused the chat: first must be user"), "%s", err);
+	ck_assert_int_eq(build_with(llama3, t, NULL, "[{\"role\":\"user\",\"content\":\"s\"}]", 0, &b, err, sizeof(err)),
+			 -EINVAL);
+	ck_assert_msg(strstr(err, "'x' is undefined"), "%s", err);
+	/* and the messages are checked as for the built-in formats */
+	ck_assert_int_eq(build_with(llama3, t, NULL, "[{\"role\":\"<|eot_id|>\",\"content\":\"s\"}]", 0, &b, err,
+				    sizeof(err)),
+			 -EINVAL);
+	ck_assert_msg(strstr(err, "invalid role"), "%s", err);
+	jinja_free(&t);
+}
+END_TEST
+
 START_TEST(test_chat_errors)
 {
 	struct text_prompt tp;
@@ -300,6 +393,7 @@ static Suite *suite(void)
 	tcase_add_test(tc, test_prompt_bos_by_tokenizer);
 	tcase_add_test(tc, test_chat_llama3);
 	tcase_add_test(tc, test_chat_chatml);
+	tcase_add_test(tc, test_chat_template);
 	tcase_add_test(tc, test_chat_errors);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("stops");

@@ -366,6 +366,56 @@ START_TEST(test_generation_config_eos)
 }
 END_TEST
 
+/* The chat template of a Hugging Face directory: chat_template.jinja first, else
+ * tokenizer_config.json's chat_template (a string, or the "default" of a list); a file given
+ * instead; and the refusals. */
+START_TEST(test_chat_template)
+{
+	const char *dir = write_tiny("chat");
+	struct manifest *m = load_ok(dir);
+	ck_assert_ptr_null(m->chat_template);
+	manifest_destroy(&m);
+	write_file(tpath("chat/tokenizer_config.json"), "{\"chat_template\": \"{{ a }}\"}", 28);
+	m = load_ok(dir);
+	ck_assert_str_eq(m->chat_template, "{{ a }}");
+	ck_assert_str_eq(m->chat_template_from, tpath("chat/tokenizer_config.json"));
+	manifest_destroy(&m);
+	const char *named = "{\"chat_template\": [{\"name\": \"tool_use\", \"template\": \"T\"}, "
+			    "{\"name\": \"default\", \"template\": \"D\"}]}";
+	write_file(tpath("chat/tokenizer_config.json"), named, strlen(named));
+	m = load_ok(dir);
+	ck_assert_str_eq(m->chat_template, "D");
+	manifest_destroy(&m);
+	write_file(tpath("chat/chat_template.jinja"), "{{ b }}\n", 8);
+	m = load_ok(dir);
+	ck_assert_str_eq(m->chat_template, "{{ b }}\n"); /* the file wins */
+	ck_assert_str_eq(m->chat_template_from, tpath("chat/chat_template.jinja"));
+	/* a file given instead */
+	char err[512];
+	write_file(tpath("other.jinja"), "{{ c }}", 7);
+	ck_assert_int_eq(manifest_attach_chat_template(m, tpath("other.jinja"), err, sizeof(err)), 0);
+	ck_assert_str_eq(m->chat_template, "{{ c }}");
+	ck_assert_int_eq(manifest_attach_chat_template(m, tpath("missing.jinja"), err, sizeof(err)), -ENOENT);
+	ck_assert_ptr_nonnull(strstr(err, "missing.jinja"));
+	write_file(tpath("nul.jinja"), "a\0b", 3);
+	ck_assert_int_eq(manifest_attach_chat_template(m, tpath("nul.jinja"), err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "NUL"));
+	ck_assert_str_eq(m->chat_template, "{{ c }}"); /* kept */
+	manifest_destroy(&m);
+	/* refused: a chat_template of another type, a tokenizer_config.json that is not JSON */
+	ck_assert_int_eq(unlink(tpath("chat/chat_template.jinja")), 0);
+	write_file(tpath("chat/tokenizer_config.json"), "{\"chat_template\": 7}", 20);
+	load_fails(dir, -EINVAL, "neither a string nor a list");
+	write_file(tpath("chat/tokenizer_config.json"), "{oops", 5);
+	load_fails(dir, -EINVAL, "tokenizer_config.json");
+	/* a list without a default, or a null: no template */
+	write_file(tpath("chat/tokenizer_config.json"), "{\"chat_template\": null}", 23);
+	m = load_ok(dir);
+	ck_assert_ptr_null(m->chat_template);
+	manifest_destroy(&m);
+}
+END_TEST
+
 int main(void)
 {
 	const struct test_case cases[] = {
@@ -374,6 +424,7 @@ int main(void)
 		  test_values_across_buffers, test_mha, test_mistral, NULL}},
 		{"layout", {test_layout_invariants, NULL}},
 		{"generation_config", {test_generation_config_eos, NULL}},
+		{"chat_template", {test_chat_template, NULL}},
 	};
 	return run_cases("manifest_good", cases, ARRAY_SIZE(cases));
 }
