@@ -62,6 +62,8 @@ struct svc {
 	const char *name;
 	char name_buf[32];
 	char **argv;	   /* the command line, the same at every start (owned, NULL-terminated) */
+	int exe_fd;	   /* argv's service binary, open since build_argv: what every start runs
+			    * (fexecve), -1 for a wrapped service (started by path) */
 	bool wrapped;	   /* argv[0] is a wrapper, not the service */
 	enum svc_state state;
 	int pid;	   /* the process started (group leader), 0 when none */

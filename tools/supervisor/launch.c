@@ -84,6 +84,13 @@ int build_argv(const struct sup_config *cfg, struct svc *v, char *err, size_t er
 	snprintf(path, sizeof(path), "%s/%s", cfg->bin_dir, sup_service_names[v->kind]);
 	if (access(path, X_OK) != 0)
 		return errorf(err, errlen, -ENOENT, "%s is not an executable (%s): is the tree built?", path, strerror(errno));
+	/* The binary itself, held open: every start of the service runs the program the instance
+	 * started with, even after a rebuild or an upgrade put another file at the path (services of
+	 * two builds may not agree on a shared-memory layout or a message). A wrapper runs the
+	 * service by its path, so a wrapped service is started by path. */
+	v->exe_fd = -1;
+	if (!wrap->n && (v->exe_fd = open(path, O_RDONLY | O_CLOEXEC)) < 0)
+		return errorf(err, errlen, -errno, "cannot open %s: %s", path, strerror(errno));
 	v->argv[k++] = strdup(path);
 	v->argv[k++] = strdup("--instance");
 	v->argv[k++] = strdup(cfg->instance);
@@ -118,6 +125,9 @@ int build_argv(const struct sup_config *cfg, struct svc *v, char *err, size_t er
 
 void free_argv(struct svc *v)
 {
+	if (v->exe_fd > 2)
+		close(v->exe_fd);
+	v->exe_fd = -1;
 	if (!v->argv)
 		return;
 	for (char **a = v->argv; *a; a++)
@@ -221,10 +231,23 @@ void svc_launch(struct sup *sup, struct svc *v, const char *why)
 		sigprocmask(SIG_SETMASK, &none, NULL);
 		if (dup2(null_fd, 0) < 0 || dup2(logfd, 1) < 0 || dup2(logfd, 2) < 0)
 			goto child_fail;
-		/* Nothing of ours but the error pipe (close-on-exec) goes with it. */
-		if (ep[1] > 3)
-			close_range(3, (unsigned)ep[1] - 1, 0);
-		close_range((unsigned)ep[1] + 1, ~0u, 0);
+		/* Nothing of ours but the error pipe and the binary (both close-on-exec) goes with it. */
+		int lo = v->exe_fd < ep[1] ? v->exe_fd : ep[1], hi = v->exe_fd < ep[1] ? ep[1] : v->exe_fd;
+		int keep[2] = {lo, hi}; /* ascending; one below 3 (-1: no binary held) is skipped */
+		unsigned from = 3;
+		for (int i = 0; i < 2; i++) {
+			if (keep[i] < 3)
+				continue;
+			if ((unsigned)keep[i] > from)
+				close_range(from, (unsigned)keep[i] - 1, 0);
+			from = (unsigned)keep[i] + 1;
+		}
+		close_range(from, ~0u, 0);
+		if (v->exe_fd > 2) {
+			fexecve(v->exe_fd, v->argv, environ);
+			if (errno != ENOENT) /* ENOENT: a script, whose interpreter needs the path */
+				goto child_fail;
+		}
 		execv(v->argv[0], v->argv);
 child_fail: {
 		int e = errno;
