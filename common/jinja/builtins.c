@@ -205,6 +205,12 @@ static bool strip_this(uint32_t c, const struct jstr *chars)
 	return false;
 }
 
+/* The work of stripping s of chars, in render steps (each character against each of chars). */
+static size_t strip_cost(const struct jstr *s, const struct jstr *chars)
+{
+	return s->n / 32 + (chars ? (s->n / 8 + 1) * (chars->n / 8 + 1) : 0);
+}
+
 static struct jv strip(const struct jstr *s, const struct jstr *chars, bool left, bool right)
 {
 	size_t b = 0, e = s->n, l;
@@ -227,7 +233,7 @@ static struct jv strip(const struct jstr *s, const struct jstr *chars, bool left
 	return jv_str(s->p + b, e - b, s->m ? s->m + b : NULL);
 }
 
-enum casing { C_UPPER, C_LOWER, C_CAPITALIZE, C_TITLE };
+enum casing { C_UPPER, C_LOWER, C_CAPITALIZE, C_TITLE, C_TITLE_METHOD };
 
 /* ASCII letters changed (the marks stay where they are). */
 static int recase(struct render *r, const struct jv *v, enum casing how, int line, struct jv *out)
@@ -242,12 +248,19 @@ static int recase(struct render *r, const struct jv *v, enum casing how, int lin
 	for (size_t i = 0; i < s.s.n; i++) {
 		char c = s.s.p[i];
 		bool lower = c >= 'a' && c <= 'z', upper = c >= 'A' && c <= 'Z';
-		bool up = how == C_UPPER || (how == C_CAPITALIZE && i == 0) || (how == C_TITLE && word_start);
+		bool up = how == C_UPPER || (how == C_CAPITALIZE && i == 0) ||
+			  ((how == C_TITLE || how == C_TITLE_METHOD) && word_start);
 		if (up && lower)
 			c = (char)(c - 32);
 		else if (!up && upper)
 			c = (char)(c + 32);
-		word_start = !(lower || upper || (c >= '0' && c <= '9') || ((unsigned char)c >= 0x80));
+		/* Jinja's title filter starts a word after white space, - ( { [ <; Python's str.title
+		 * after any character that is not a letter (digits and ' included) */
+		if (how == C_TITLE)
+			word_start = c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v' || c == '-' ||
+				     c == '(' || c == '{' || c == '[' || c == '<';
+		else
+			word_start = !(lower || upper || ((unsigned char)c >= 0x80));
 		p[i] = c;
 	}
 	p[s.s.n] = 0;
@@ -271,6 +284,8 @@ static int items_of(struct render *r, const struct jv *v, int line, struct jlist
 		if ((*out = jlist_new(a, v->d->n)))
 			memcpy((*out)->v, v->d->k, v->d->n * sizeof(struct jv));
 	} else if (v->t == JV_STR) {
+		if (render_step(r, v->s.n, line)) /* a value a character */
+			return -1;
 		size_t n = 0, l;
 		for (size_t i = 0; i < v->s.n; i += l, n++)
 			cp_at(v->s.p, v->s.n, i, &l);
@@ -302,8 +317,13 @@ static struct jv attr_of(const struct jv *item, const struct jstr *path)
 			if (!v)
 				return jv_undef("an attribute");
 			cur = *v;
-		} else if (cur.t == JV_LIST && kn && k[0] >= '0' && k[0] <= '9') {
-			size_t idx = strtoul(k, NULL, 10);
+		} else if (cur.t == JV_LIST && kn && kn < 10 && k[0] >= '0' && k[0] <= '9') {
+			size_t idx = 0;
+			for (size_t q = 0; q < kn; q++) {
+				if (k[q] < '0' || k[q] > '9')
+					return jv_undef("an attribute");
+				idx = idx * 10 + (size_t)(k[q] - '0');
+			}
 			if (idx >= cur.l->n)
 				return jv_undef("an attribute");
 			cur = cur.l->v[idx];
@@ -399,10 +419,8 @@ static int split(struct render *r, const struct jstr *s, const struct jstr *sep,
 			if (i >= s->n)
 				break;
 			b = i;
-			if (maxsplit >= 0 && (int64_t)n >= maxsplit) {
+			if (maxsplit >= 0 && (int64_t)n >= maxsplit) { /* the rest, as it is after its leading space */
 				e = s->n;
-				while (e > b && py_space((unsigned char)s->p[e - 1]))
-					e--;
 				i = s->n;
 			} else {
 				while (i < s->n && !py_space(cp_at(s->p, s->n, i, &l)))
@@ -500,9 +518,9 @@ static int indent(struct render *r, const struct jstr *s, const struct jv *width
 	 * it is, each other after a newline and, unless blank it is and blank is not set, ind */
 	size_t i = 0;
 	bool line0 = true;
-	for (;;) {
+	for (;;) { /* lines end at \n, \r\n or \r (str.splitlines) and are joined by \n */
 		size_t e = i;
-		while (e < s->n && s->p[e] != '\n')
+		while (e < s->n && s->p[e] != '\n' && s->p[e] != '\r')
 			e++;
 		if (!line0) {
 			sbuf_adds(&b, "\n");
@@ -513,12 +531,29 @@ static int indent(struct render *r, const struct jstr *s, const struct jv *width
 		line0 = false;
 		if (e >= s->n)
 			break;
-		i = e + 1;
+		i = e + (s->p[e] == '\r' && e + 1 < s->n && s->p[e + 1] == '\n' ? 2 : 1);
 	}
 	if (b.err || ind.err)
 		return nomem(r, line);
 	*out = sbuf_value(&b);
 	return 0;
+}
+
+/* Equal, strings compared without ASCII case (Jinja's unique is case-insensitive by default). */
+static bool same_fold(const struct jv *a, const struct jv *b)
+{
+	if (a->t != JV_STR || b->t != JV_STR)
+		return jv_equal(a, b);
+	if (a->s.n != b->s.n)
+		return false;
+	for (size_t i = 0; i < a->s.n; i++) {
+		char x = a->s.p[i], y = b->s.p[i];
+		x = x >= 'A' && x <= 'Z' ? (char)(x + 32) : x;
+		y = y >= 'A' && y <= 'Z' ? (char)(y + 32) : y;
+		if (x != y)
+			return false;
+	}
+	return true;
 }
 
 /* ---- filters ------------------------------------------------------------------------------------ */
@@ -544,14 +579,24 @@ int builtin_call_filter(struct render *r, int f, const struct jv *v, const struc
 			return -1;
 		if (chars && chars->t != JV_STR && chars->t != JV_NONE)
 			return render_fail(r, -EINVAL, line, "trim: chars must be a string");
-		*out = strip(&s.s, chars && chars->t == JV_STR ? &chars->s : NULL, true, true);
+		const struct jstr *cs = chars && chars->t == JV_STR ? &chars->s : NULL;
+		if (render_step(r, strip_cost(&s.s, cs), line))
+			return -1;
+		*out = strip(&s.s, cs, true, true);
 		return 0;
 	}
 	case F_LENGTH:
 	case F_COUNT:
 		if (check_args(r, name, a, 0, no_kw, line))
 			return -1;
-		if (v->t == JV_STR || v->t == JV_LIST || v->t == JV_DICT || v->t == JV_UNDEF || v->t == JV_NS) {
+		if (v->t == JV_STR) { /* code points, counted without a value each */
+			int64_t n = 0;
+			for (size_t i = 0; i < v->s.n; i++)
+				n += ((unsigned char)v->s.p[i] & 0xc0) != 0x80;
+			*out = jv_int(n);
+			return render_step(r, v->s.n / 256, line);
+		}
+		if (v->t == JV_LIST || v->t == JV_DICT || v->t == JV_UNDEF || v->t == JV_NS) {
 			if (items_of(r, v, line, &items))
 				return -1;
 			*out = jv_int((int64_t)items->n);
@@ -607,7 +652,24 @@ int builtin_call_filter(struct render *r, int f, const struct jv *v, const struc
 		return 0;
 	case F_FIRST:
 	case F_LAST:
-		if (check_args(r, name, a, 0, no_kw, line) || items_of(r, v, line, &items))
+		if (check_args(r, name, a, 0, no_kw, line))
+			return -1;
+		if (v->t == JV_STR) { /* one code point, found without a value each */
+			if (!v->s.n) {
+				*out = jv_undef(f == F_FIRST ? "the first item" : "the last item");
+				return 0;
+			}
+			size_t b = 0, e = v->s.n;
+			if (f == F_FIRST)
+				for (e = 1; e < v->s.n && ((unsigned char)v->s.p[e] & 0xc0) == 0x80; e++)
+					;
+			else
+				for (b = v->s.n - 1; b > 0 && v->s.n - b < 4 && ((unsigned char)v->s.p[b] & 0xc0) == 0x80; b--)
+					;
+			*out = jv_str(v->s.p + b, e - b, v->s.m ? v->s.m + b : NULL);
+			return 0;
+		}
+		if (items_of(r, v, line, &items))
 			return -1;
 		*out = !items->n ? jv_undef(f == F_FIRST ? "the first item" : "the last item")
 				 : items->v[f == F_FIRST ? 0 : items->n - 1];
@@ -665,6 +727,8 @@ int builtin_call_filter(struct render *r, int f, const struct jv *v, const struc
 			fname[fn->s.n] = 0;
 			if ((sub = builtin_filter(fname)) < 0)
 				return render_fail(r, -EINVAL, line, "no filter named '%s'", fname);
+			if (sub == F_MAP || sub == F_SELECT || sub == F_REJECT || sub == F_SELECTATTR || sub == F_REJECTATTR)
+				return render_fail(r, -EINVAL, line, "map cannot apply '%s' (a filter of filters)", fname);
 			struct call_args sa = {.pos = a->pos + 1, .n_pos = a->n_pos - 1, .kwnames = a->kwnames,
 					       .kw = a->kw, .n_kw = a->n_kw};
 			for (size_t i = 0; i < items->n; i++)
@@ -779,14 +843,16 @@ int builtin_call_filter(struct render *r, int f, const struct jv *v, const struc
 			return nomem(r, line);
 		o->n = 0;
 		for (size_t i = 0; i < items->n; i++) {
+			if (render_step(r, o->n / 16 + 1, line))
+				return -1;
 			bool seen = false;
 			for (size_t k = 0; k < o->n && !seen; k++)
-				seen = jv_equal(&o->v[k], &items->v[i]);
+				seen = same_fold(&o->v[k], &items->v[i]);
 			if (!seen)
 				o->v[o->n++] = items->v[i];
 		}
 		*out = list_value(o);
-		return render_step(r, items->n * (o->n + 1) / 16, line);
+		return 0;
 	}
 	case F_INDENT: {
 		static const char *const kw[] = {"width", "first", "blank", NULL};
@@ -887,6 +953,8 @@ int builtin_call_test(struct render *r, int t, const struct jv *v, const struct 
 		*out = t == T_LT ? cmp < 0 : t == T_LE ? cmp <= 0 : t == T_GT ? cmp > 0 : cmp >= 0;
 		return 0;
 	case T_IN:
+		if (render_step(r, x->t == JV_STR ? x->s.n / 256 : x->t == JV_LIST ? x->l->n : 0, line))
+			return -1;
 		if (x->t == JV_STR) {
 			if (need_str(r, "'in' a string", v, line))
 				return -1;
@@ -963,7 +1031,10 @@ static int str_method(struct render *r, enum method m, const struct jv *self, co
 			return -1;
 		if (x && x->t != JV_STR && x->t != JV_NONE)
 			return render_fail(r, -EINVAL, line, "%s: chars must be a string", name);
-		*out = strip(s, x && x->t == JV_STR ? &x->s : NULL, m != M_RSTRIP, m != M_LSTRIP);
+		const struct jstr *cs = x && x->t == JV_STR ? &x->s : NULL;
+		if (render_step(r, strip_cost(s, cs), line))
+			return -1;
+		*out = strip(s, cs, m != M_RSTRIP, m != M_LSTRIP);
 		return 0;
 	}
 	case M_STARTSWITH:
@@ -1002,7 +1073,7 @@ static int str_method(struct render *r, enum method m, const struct jv *self, co
 		if (check_args(r, name, a, 0, NULL, line))
 			return -1;
 		return recase(r, self,
-			      m == M_UPPER ? C_UPPER : m == M_LOWER ? C_LOWER : m == M_TITLE ? C_TITLE : C_CAPITALIZE,
+			      m == M_UPPER ? C_UPPER : m == M_LOWER ? C_LOWER : m == M_TITLE ? C_TITLE_METHOD : C_CAPITALIZE,
 			      line, out);
 	case M_REPLACE: {
 		const struct jv *c = arg(a, 2, NULL);

@@ -14,6 +14,10 @@
 
 #include "common/jinja/jinja.h"
 
+/* The C stack a render may take: evaluations and statement lists nested at once (chains such as
+ * a + b + c and filters of filters count one a link). */
+#define JINJA_MAX_EVAL_DEPTH 400
+
 /* ---- values ---------------------------------------------------------------------------- */
 
 enum jv_type {
@@ -62,7 +66,10 @@ struct jv {
 			int fn;		    /* JV_FUNC, JV_METHOD: enum in builtins.c */
 			struct jv *self;    /* JV_METHOD: what it is bound to */
 		} call;
-		const struct node *macro;
+		struct {
+			const struct node *node;
+			void *frame; /* the frame it was defined in (render.c's struct frame) */
+		} macro;
 	};
 	const char *undef_name; /* JV_UNDEF: what was looked up, for the message when used */
 };

@@ -902,8 +902,8 @@ static struct node *expr(struct parser *ps)
 
 /* ---- the template's text and tags ------------------------------------------------------------ */
 
-/* Jinja reads the source by lines (str.splitlines) and joins them with "\n": every line break
- * Python knows becomes "\n", and one at the very end is dropped (keep_trailing_newline off). */
+/* Jinja 3 reads the source by lines (\r\n, \r or \n) and joins them with "\n"; one line break
+ * at the very end is dropped (keep_trailing_newline off). */
 static char *normalize(const char *src, size_t len, size_t *out_len)
 {
 	char *o = malloc(len + 1);
@@ -911,22 +911,12 @@ static char *normalize(const char *src, size_t len, size_t *out_len)
 		return NULL;
 	size_t k = 0;
 	for (size_t i = 0; i < len; i++) {
-		unsigned char c = (unsigned char)src[i];
-		size_t skip = 0;
-		if (c == '\r')
-			skip = i + 1 < len && src[i + 1] == '\n' ? 2 : 1;
-		else if (c == '\n' || c == '\v' || c == '\f' || c == 0x1c || c == 0x1d || c == 0x1e)
-			skip = 1;
-		else if (c == 0xc2 && i + 1 < len && (unsigned char)src[i + 1] == 0x85)
-			skip = 2;
-		else if (c == 0xe2 && i + 2 < len && (unsigned char)src[i + 1] == 0x80 &&
-			 ((unsigned char)src[i + 2] == 0xa8 || (unsigned char)src[i + 2] == 0xa9))
-			skip = 3;
-		if (skip) {
+		if (src[i] == '\r') {
 			o[k++] = '\n';
-			i += skip - 1;
+			if (i + 1 < len && src[i + 1] == '\n')
+				i++;
 		} else {
-			o[k++] = (char)c;
+			o[k++] = src[i];
 		}
 	}
 	if (k && o[k - 1] == '\n')
@@ -975,6 +965,94 @@ static bool tag_is(const char *s, size_t b, size_t e, const char *word)
 	return e - b == strlen(word) && !memcmp(s + b, word, e - b);
 }
 
+/* The length of the white-space character (Python's \s: str.isspace) at s[i], 0 when none. */
+static size_t space_at(const char *s, size_t len, size_t i)
+{
+	unsigned char c = (unsigned char)s[i];
+	if (c < 0x80)
+		return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) ? 1 : 0;
+	unsigned char c1 = i + 1 < len ? (unsigned char)s[i + 1] : 0, c2 = i + 2 < len ? (unsigned char)s[i + 2] : 0;
+	if (c == 0xc2 && (c1 == 0x85 || c1 == 0xa0))
+		return 2;
+	if (c == 0xe1 && c1 == 0x9a && c2 == 0x80) /* U+1680 */
+		return 3;
+	if (c == 0xe2 && c1 == 0x80 && ((c2 >= 0x80 && c2 <= 0x8a) || c2 == 0xa8 || c2 == 0xa9 || c2 == 0xaf))
+		return 3;
+	if (c == 0xe2 && c1 == 0x81 && c2 == 0x9f) /* U+205F */
+		return 3;
+	if (c == 0xe3 && c1 == 0x80 && c2 == 0x80) /* U+3000 */
+		return 3;
+	return 0;
+}
+
+/* The length of the white-space character that ends at s[e] (not before lo), 0 when none. */
+static size_t space_before(const char *s, size_t lo, size_t e)
+{
+	for (size_t n = 1; n <= 3 && n <= e - lo; n++)
+		if (space_at(s, e, e - n) == n)
+			return n;
+	return 0;
+}
+
+/* [b, e) with Python's white space taken off its start (front) or its end. */
+static size_t skip_space(const char *s, size_t b, size_t e)
+{
+	size_t n;
+	while (b < e && (n = space_at(s, e, b)))
+		b += n;
+	return b;
+}
+static size_t trim_space(const char *s, size_t b, size_t e)
+{
+	size_t n;
+	while (e > b && (n = space_before(s, b, e)))
+		e -= n;
+	return e;
+}
+
+/* lstrip_blocks: the spaces and tabs before a block tag at the start of its line go. */
+static size_t lstrip_line(const char *s, size_t b, size_t e)
+{
+	size_t k = e;
+	while (k > b && (s[k - 1] == ' ' || s[k - 1] == '\t'))
+		k--;
+	return k == 0 || s[k - 1] == '\n' ? k : e;
+}
+
+/* Where a tag of kind ('{', '%', '#') opened at in_b ends: the index of its closing pair, or len.
+ * A closing pair inside a string literal does not end it, nor does "}}" inside brackets of the
+ * expression (a dict literal's "}}"). */
+static size_t tag_end(const char *s, size_t len, size_t in_b, char kind)
+{
+	const char *close = kind == '{' ? "}}" : kind == '%' ? "%}" : "#}";
+	size_t k = in_b;
+	if (kind == '#') {
+		while (k + 1 < len && !(s[k] == '#' && s[k + 1] == '}'))
+			k++;
+		return k + 1 < len ? k : len;
+	}
+	char q = 0;
+	int depth = 0;
+	for (; k + 1 < len; k++) {
+		char c = s[k];
+		if (q) {
+			if (c == '\\')
+				k++;
+			else if (c == q)
+				q = 0;
+		} else if (c == '\'' || c == '"') {
+			q = c;
+		} else if (depth == 0 && c == close[0] && s[k + 1] == close[1]) {
+			return k;
+		} else if (c == '(' || c == '[' || c == '{') {
+			depth++;
+		} else if ((c == ')' || c == ']' || c == '}') && depth > 0) {
+			depth--;
+		}
+	}
+	return len;
+}
+
 /* Splits the source into text and tags, applying the whitespace rules. */
 static int split(struct parser *ps, struct pieces *pv)
 {
@@ -992,12 +1070,12 @@ static int split(struct parser *ps, struct pieces *pv)
 		else
 			open = s + j;
 		/* the text [text_b, j) */
-		size_t tb = text_b, te = j;
-		if (strip_next)
-			while (tb < te && is_ws(s[tb]))
-				tb++;
+		size_t tb = strip_next ? skip_space(s, text_b, j) : text_b, te = j;
+		int text_line = line;
+		for (size_t k = text_b; k < j; k++)
+			line += s[k] == '\n';
 		if (!open) {
-			if (add_piece(ps, pv, P_TEXT, tb, te, line))
+			if (add_piece(ps, pv, P_TEXT, tb, te, text_line))
 				return ps->rc;
 			break;
 		}
@@ -1006,65 +1084,35 @@ static int split(struct parser *ps, struct pieces *pv)
 		bool minus = in_b < len && s[in_b] == '-', plus = in_b < len && s[in_b] == '+';
 		if (minus || plus)
 			in_b++;
-		if (minus) {
-			while (te > tb && is_ws(s[te - 1]))
-				te--;
-		} else if (kind != '{' && !plus) { /* lstrip_blocks: white space from the line's start */
-			size_t k = te;
-			while (k > tb && (s[k - 1] == ' ' || s[k - 1] == '\t' || s[k - 1] == '\f' || s[k - 1] == '\v'))
-				k--;
-			if (k == 0 || s[k - 1] == '\n')
-				te = k;
-		}
-		for (size_t k = text_b; k < j; k++)
-			line += s[k] == '\n';
-		if (add_piece(ps, pv, P_TEXT, tb, te, line))
+		if (minus)
+			te = trim_space(s, tb, te);
+		else if (kind != '{' && !plus)
+			te = lstrip_line(s, tb, te);
+		if (add_piece(ps, pv, P_TEXT, tb, te, text_line))
 			return ps->rc;
-		/* the tag's end */
-		const char *close = kind == '{' ? "}}" : kind == '%' ? "%}" : "#}";
-		size_t k = in_b, in_e;
-		if (kind == '#') {
-			while (k + 1 < len && !(s[k] == '#' && s[k + 1] == '}'))
-				k++;
-		} else { /* a tag's end inside a string literal does not end it */
-			char q = 0;
-			while (k + 1 < len) {
-				if (q) {
-					if (s[k] == '\\')
-						k++;
-					else if (s[k] == q)
-						q = 0;
-				} else if (s[k] == '\'' || s[k] == '"') {
-					q = s[k];
-				} else if (s[k] == close[0] && s[k + 1] == close[1]) {
-					break;
-				}
-				k++;
-			}
-		}
-		if (k + 1 >= len) {
+		size_t k = tag_end(s, len, in_b, kind), in_e = k;
+		if (k >= len) {
 			ps->line = line;
 			return fail(ps, -EINVAL, "a '{%c' tag is not closed", kind);
 		}
-		in_e = k;
-		bool rminus = in_e > in_b && s[in_e - 1] == '-';
-		if (rminus)
+		bool rminus = in_e > in_b && s[in_e - 1] == '-', rplus = in_e > in_b && s[in_e - 1] == '+' && kind != '{';
+		if (rminus || rplus)
 			in_e--;
 		int tag_line = line;
 		for (size_t q = j; q < k + 2; q++)
 			line += s[q] == '\n';
 		i = k + 2;
 		strip_next = rminus;
-		if (!rminus && kind != '{' && i < len && s[i] == '\n') /* trim_blocks */
+		bool raw = kind == '%' && tag_is(s, in_b, in_e, "raw");
+		/* trim_blocks: the newline after a block tag goes (not after {% raw %}, nor with +%}) */
+		if (!rminus && !rplus && !raw && kind != '{' && i < len && s[i] == '\n')
 			i++, line++;
 		text_b = i;
 		if (kind == '#')
 			continue;
-		if (kind == '%' && tag_is(s, in_b, in_e, "raw")) {
-			/* everything up to {% endraw %} is text */
+		if (raw) { /* everything up to {% endraw %} is text */
 			if (rminus)
-				while (i < len && is_ws(s[i]))
-					i++;
+				i = skip_space(s, i, len);
 			size_t r = i;
 			for (;;) {
 				while (r + 1 < len && !(s[r] == '{' && s[r + 1] == '%'))
@@ -1073,23 +1121,22 @@ static int split(struct parser *ps, struct pieces *pv)
 					ps->line = tag_line;
 					return fail(ps, -EINVAL, "a raw block is not closed");
 				}
-				size_t q = r + 2 + (s[r + 2] == '-');
+				bool eminus = s[r + 2] == '-', eplus = s[r + 2] == '+';
+				size_t q = r + 2 + (eminus || eplus);
 				size_t z = q;
 				while (z + 1 < len && !(s[z] == '%' && s[z + 1] == '}'))
 					z++;
-				size_t ze = z > q && s[z - 1] == '-' ? z - 1 : z;
+				bool zminus = z > q && s[z - 1] == '-', zplus = z > q && s[z - 1] == '+';
+				size_t ze = zminus || zplus ? z - 1 : z;
 				if (z + 1 < len && tag_is(s, q, ze, "endraw")) {
-					size_t te2 = r;
-					if (s[r + 2] == '-')
-						while (te2 > i && is_ws(s[te2 - 1]))
-							te2--;
+					size_t te2 = eminus ? trim_space(s, i, r) : eplus ? r : lstrip_line(s, i, r);
 					if (add_piece(ps, pv, P_TEXT, i, te2, tag_line))
 						return ps->rc;
 					for (size_t y = i; y < z + 2; y++)
 						line += s[y] == '\n';
 					i = z + 2;
-					strip_next = ze != z;
-					if (!strip_next && i < len && s[i] == '\n')
+					strip_next = zminus;
+					if (!zminus && !zplus && i < len && s[i] == '\n')
 						i++, line++;
 					text_b = i;
 					break;
@@ -1144,8 +1191,11 @@ static struct node *stmt_if(struct parser *ps, struct pcur *c)
 		return NULL;
 	n->body = b.v;
 	n->n_body = b.n;
-	if (w == 0) { /* elif: an if in the else branch */
+	if (w == 0) { /* elif: an if in the else branch (nested: it counts toward the depth) */
+		if (!depth_in(ps))
+			return NULL;
 		struct node *e = stmt_if(ps, c);
+		ps->depth--;
 		if (!e || !(n->els = alloc(ps, sizeof(*n->els))))
 			return NULL;
 		n->els[0] = e;

@@ -27,6 +27,7 @@ struct render {
 	struct sbuf *out;
 	size_t steps;
 	int calls; /* macro calls in progress */
+	int depth; /* eval and exec frames on the C stack */
 	int loops; /* loops in progress (in the current macro) */
 	enum flow flow;
 	int rc;
@@ -180,6 +181,8 @@ static int get_item(struct render *r, const struct jv *obj, const struct jv *key
 			}
 		}
 		if (obj->t == JV_DICT || obj->t == JV_NS) {
+			if (render_step(r, obj->d->n / 64, line))
+				return r->rc;
 			struct jv *v = jdict_get(obj->d, key->s.p, key->s.n);
 			if (v) {
 				*out = *v;
@@ -200,6 +203,8 @@ static int get_item(struct render *r, const struct jv *obj, const struct jv *key
 			int64_t k = seq_index(i, obj->l->n);
 			*out = k < 0 ? jv_undef(what) : obj->l->v[k];
 		} else {
+			if (render_step(r, obj->s.n / 32, line)) /* walked by code point */
+				return r->rc;
 			int64_t k = seq_index(i, cp_count(&obj->s));
 			if (k < 0) {
 				*out = jv_undef(what);
@@ -214,13 +219,16 @@ static int get_item(struct render *r, const struct jv *obj, const struct jv *key
 	return 0;
 }
 
-/* a[start:stop:step] on a list or a string, Python's rules. */
+/* a[start:stop:step] on a list or a string, Python's rules; anything else gives undefined, as
+ * jinja2's getitem does. */
 static int slice(struct render *r, const struct jv *obj, const struct jv *parts, int line, struct jv *out)
 {
 	if (obj->t == JV_UNDEF)
 		return undefined(r, obj, line);
-	if (obj->t != JV_LIST && obj->t != JV_STR)
-		return render_fail(r, -EINVAL, line, "a %s cannot be sliced", jv_type_name(obj));
+	if (obj->t != JV_LIST && obj->t != JV_STR) {
+		*out = jv_undef("a slice");
+		return 0;
+	}
 	int64_t v[3];
 	bool given[3];
 	for (int k = 0; k < 3; k++) {
@@ -232,27 +240,31 @@ static int slice(struct render *r, const struct jv *obj, const struct jv *parts,
 	int64_t step = given[2] ? v[2] : 1;
 	if (step == 0)
 		return render_fail(r, -EINVAL, line, "slice step cannot be zero");
+	if (obj->t == JV_STR && render_step(r, obj->s.n / 32, line)) /* walked by code point */
+		return r->rc;
 	int64_t len = obj->t == JV_LIST ? (int64_t)obj->l->n : (int64_t)cp_count(&obj->s);
-	int64_t start, stop;
-	if (step > 0) {
-		start = !given[0] ? 0 : v[0] < 0 ? (v[0] + len < 0 ? 0 : v[0] + len) : (v[0] > len ? len : v[0]);
-		stop = !given[1] ? len : v[1] < 0 ? (v[1] + len < 0 ? 0 : v[1] + len) : (v[1] > len ? len : v[1]);
-	} else {
-		start = !given[0] ? len - 1 : v[0] < 0 ? (v[0] + len < -1 ? -1 : v[0] + len) : (v[0] >= len ? len - 1 : v[0]);
-		stop = !given[1] ? -1 : v[1] < 0 ? (v[1] + len < -1 ? -1 : v[1] + len) : (v[1] >= len ? len - 1 : v[1]);
-	}
-	size_t count = 0;
-	for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step)
-		count++;
+	/* indices clamped as Python clamps them: into [0, len] going up, [-1, len - 1] going down */
+	int64_t lo = step > 0 ? 0 : -1, hi = step > 0 ? len : len - 1;
+	int64_t start = !given[0] ? (step > 0 ? 0 : len - 1) : v[0] < 0 ? v[0] + len : v[0];
+	int64_t stop = !given[1] ? (step > 0 ? len : -1) : v[1] < 0 ? v[1] + len : v[1];
+	if (given[0] && v[0] < -len)
+		start = lo;
+	if (given[1] && v[1] < -len)
+		stop = lo;
+	start = start < lo ? lo : start > hi ? hi : start;
+	stop = stop < lo ? lo : stop > hi ? hi : stop;
+	/* the count without stepping (a step near 2^63 must not overflow an index) */
+	uint64_t mag = step > 0 ? (uint64_t)step : (uint64_t)0 - (uint64_t)step;
+	uint64_t span = step > 0 ? (stop > start ? (uint64_t)(stop - start) : 0) : (start > stop ? (uint64_t)(start - stop) : 0);
+	size_t count = span ? (size_t)((span - 1) / mag + 1) : 0;
 	if (render_step(r, count, line))
 		return r->rc;
 	if (obj->t == JV_LIST) {
 		struct jlist *l = jlist_new(r->a, count);
 		if (!l)
 			return oom(r, line);
-		size_t k = 0;
-		for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step)
-			l->v[k++] = obj->l->v[i];
+		for (size_t k = 0; k < count; k++)
+			l->v[k] = obj->l->v[start + (step > 0 ? (int64_t)(k * mag) : -(int64_t)(k * mag))];
 		*out = (struct jv){.t = JV_LIST, .l = l};
 		return 0;
 	}
@@ -261,11 +273,22 @@ static int slice(struct render *r, const struct jv *obj, const struct jv *parts,
 		*out = substr(&obj->s, b, e);
 		return 0;
 	}
+	/* each code point's offset once (len + 1 of them), then the picked ones */
+	size_t *at = arena_alloc(r->a, ((size_t)len + 1) * sizeof(*at));
+	if (!at)
+		return oom(r, line);
+	for (size_t i = 0, k = 0; k <= (size_t)len; k++) {
+		at[k] = i;
+		if (i < obj->s.n)
+			i++;
+		while (i < obj->s.n && ((unsigned char)obj->s.p[i] & 0xc0) == 0x80)
+			i++;
+	}
 	struct sbuf b;
 	sbuf_init(&b, r->a, JINJA_MAX_OUTPUT);
-	for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
-		size_t cb = cp_offset(&obj->s, (size_t)i), ce = cp_offset(&obj->s, (size_t)i + 1);
-		sbuf_add(&b, obj->s.p + cb, ce - cb, obj->s.m ? obj->s.m + cb : NULL);
+	for (size_t k = 0; k < count; k++) {
+		size_t c = (size_t)(start + (step > 0 ? (int64_t)(k * mag) : -(int64_t)(k * mag)));
+		sbuf_add(&b, obj->s.p + at[c], at[c + 1] - at[c], obj->s.m ? obj->s.m + at[c] : NULL);
 	}
 	if (b.err)
 		return oom(r, line);
@@ -303,7 +326,7 @@ static int contains(struct render *r, const struct jv *hay, const struct jv *nee
 			return render_fail(r, -EINVAL, line, "'in <string>' requires a string on its left, not %s",
 					   jv_type_name(needle));
 		*out = needle->s.n == 0 || memmem(hay->s.p, hay->s.n, needle->s.p, needle->s.n) != NULL;
-		return 0;
+		return render_step(r, hay->s.n / 256, line);
 	case JV_LIST:
 		*out = false;
 		for (size_t i = 0; i < hay->l->n && !*out; i++)
@@ -346,6 +369,10 @@ static int arith(struct render *r, enum bin_op op, const struct jv *a, const str
 			     (b->t == JV_STR && (a->t == JV_INT || a->t == JV_BOOL)))) {
 		const struct jv *s = a->t == JV_STR ? a : b, *k = a->t == JV_STR ? b : a;
 		int64_t times = as_int(k);
+		if (times <= 0 || !s->s.n) {
+			*out = jv_str("", 0, NULL);
+			return 0;
+		}
 		struct sbuf o;
 		sbuf_init(&o, r->a, JINJA_MAX_OUTPUT);
 		if (times > 0 && s->s.n && (uint64_t)times > JINJA_MAX_OUTPUT / s->s.n)
@@ -434,6 +461,11 @@ static int binary(struct render *r, const struct node *n, struct jv *out)
 	switch (n->op) {
 	case OP_EQ:
 	case OP_NE:
+		if (render_step(r, a.t == JV_STR && b.t == JV_STR ? (a.s.n < b.s.n ? a.s.n : b.s.n) / 256
+				   : a.t == JV_LIST && b.t == JV_LIST ? (a.l->n < b.l->n ? a.l->n : b.l->n)
+								      : 0,
+				n->line))
+			return r->rc;
 		*out = jv_bool(jv_equal(&a, &b) == (n->op == OP_EQ));
 		return 0;
 	case OP_LT:
@@ -488,14 +520,16 @@ static int eval_args(struct render *r, const struct node *n, struct call_args *c
 
 static int exec(struct render *r, struct node *const *body, size_t n);
 
-static int call_macro(struct render *r, const struct node *m, const struct call_args *ca, int line, struct jv *out)
+/* A macro sees its parameters, then the names of where it was defined (a loop's variable too). */
+static int call_macro(struct render *r, const struct node *m, struct frame *macro_frame, const struct call_args *ca,
+		      int line, struct jv *out)
 {
 	if (r->calls >= JINJA_MAX_DEPTH)
 		return render_fail(r, -E2BIG, line, "macro calls nested deeper than %d", JINJA_MAX_DEPTH);
 	if (ca->n_pos > m->n_args)
 		return render_fail(r, -EINVAL, line, "macro '%s' takes %zu arguments, %zu given", m->name, m->n_args,
 				   ca->n_pos);
-	struct frame *f = frame_new(r, r->root), *saved = r->cur;
+	struct frame *f = frame_new(r, macro_frame ? macro_frame : r->root), *saved = r->cur;
 	if (!f)
 		return oom(r, line);
 	r->cur = f;
@@ -553,7 +587,22 @@ static int call_macro(struct render *r, const struct node *m, const struct call_
 	return 0;
 }
 
+static int eval_node(struct render *r, const struct node *n, struct jv *out);
+
+/* Every evaluation and every statement list counts its C stack frame: a template's chains and
+ * nesting (a + b + ... is as deep as it is long), macro calls and filters that call filters all
+ * pass through here, so the stack a render takes is bounded whatever the template. */
 static int eval(struct render *r, const struct node *n, struct jv *out)
+{
+	if (r->depth >= JINJA_MAX_EVAL_DEPTH)
+		return render_fail(r, -E2BIG, n->line, "expressions and calls nested deeper than %d", JINJA_MAX_EVAL_DEPTH);
+	r->depth++;
+	int rc = eval_node(r, n, out);
+	r->depth--;
+	return rc;
+}
+
+static int eval_node(struct render *r, const struct node *n, struct jv *out)
 {
 	if (render_step(r, 1, n->line))
 		return r->rc;
@@ -589,7 +638,7 @@ static int eval(struct render *r, const struct node *n, struct jv *out)
 		if (eval(r, n->a, &a) || eval_args(r, n, &ca))
 			return r->rc;
 		if (a.t == JV_MACRO)
-			return call_macro(r, a.macro, &ca, n->line, out);
+			return call_macro(r, a.macro.node, a.macro.frame, &ca, n->line, out);
 		if (a.t == JV_FUNC || a.t == JV_METHOD)
 			return builtin_call(r, &a, &ca, n->line, out);
 		if (a.t == JV_UNDEF)
@@ -700,6 +749,8 @@ static int iterable(struct render *r, const struct jv *v, int line, struct jlist
 			memcpy((*out)->v, v->d->k, v->d->n * sizeof(struct jv));
 		break;
 	case JV_STR: {
+		if (render_step(r, v->s.n, line)) /* a value a character */
+			return r->rc;
 		size_t n = cp_count(&v->s);
 		if ((*out = jlist_new(r->a, n)))
 			for (size_t i = 0, b = 0; i < n; i++) {
@@ -756,12 +807,19 @@ static int loop_for(struct render *r, const struct node *n)
 		}
 		items = kept;
 	}
-	if (!items->n)
-		return exec(r, n->els, n->n_els);
+	if (!items->n) { /* the else block in a frame of its own, as the body */
+		struct frame *f = frame_new(r, outer);
+		if (!f)
+			return oom(r, n->line);
+		r->cur = f;
+		int rc = exec(r, n->els, n->n_els);
+		r->cur = outer;
+		return rc;
+	}
 	/* One frame and one loop object for the whole loop, as Jinja's LoopContext: each iteration
 	 * starts with no names of its own (what one iteration sets, the next does not see). */
 	struct frame *f = frame_new(r, outer);
-	struct jdict *loop = jdict_new(r->a, 10);
+	struct jdict *loop = jdict_new(r->a, 12);
 	if (!f || !loop)
 		return oom(r, n->line);
 	r->loops++;
@@ -781,6 +839,8 @@ static int loop_for(struct render *r, const struct node *n)
 			{"first", jv_bool(i == 0)},
 			{"last", jv_bool(i + 1 == len)},
 			{"length", jv_int((int64_t)len)},
+			{"depth", jv_int(1)},
+			{"depth0", jv_int(0)},
 			{"previtem", i ? items->v[i - 1] : jv_undef("loop.previtem")},
 			{"nextitem", i + 1 < len ? items->v[i + 1] : jv_undef("loop.nextitem")},
 		};
@@ -804,7 +864,20 @@ static int loop_for(struct render *r, const struct node *n)
 	return 0;
 }
 
+static int exec_list(struct render *r, struct node *const *body, size_t count);
+
 static int exec(struct render *r, struct node *const *body, size_t count)
+{
+	if (r->depth >= JINJA_MAX_EVAL_DEPTH)
+		return render_fail(r, -E2BIG, count ? body[0]->line : 0, "blocks and calls nested deeper than %d",
+				   JINJA_MAX_EVAL_DEPTH);
+	r->depth++;
+	int rc = exec_list(r, body, count);
+	r->depth--;
+	return rc;
+}
+
+static int exec_list(struct render *r, struct node *const *body, size_t count)
 {
 	for (size_t i = 0; i < count && r->flow == FLOW_NONE; i++) {
 		const struct node *n = body[i];
@@ -860,7 +933,7 @@ static int exec(struct render *r, struct node *const *body, size_t count)
 			break;
 		}
 		case N_MACRO:
-			if (set_var(r, r->cur, n->name, (struct jv){.t = JV_MACRO, .macro = n}, n->line))
+			if (set_var(r, r->cur, n->name, (struct jv){.t = JV_MACRO, .macro = {n, r->cur}}, n->line))
 				return r->rc;
 			break;
 		case N_BREAK:
@@ -879,7 +952,8 @@ static int exec(struct render *r, struct node *const *body, size_t count)
 		}
 		if (r->out->err)
 			return r->out->err == -E2BIG
-				       ? render_fail(r, -E2BIG, n->line, "the output passed %u bytes", JINJA_MAX_OUTPUT)
+				       ? render_fail(r, -E2BIG, n->line, "the output passed %u bytes, or a value printed is nested "
+										 "deeper than %d", JINJA_MAX_OUTPUT, JINJA_MAX_DEPTH)
 				       : oom(r, n->line);
 	}
 	return 0;

@@ -213,8 +213,19 @@ static int64_t int_of(const struct jv *v)
 	return v->t == JV_INT ? v->i : (int64_t)v->b;
 }
 
+static bool equal_at(const struct jv *a, const struct jv *b, int depth);
+
 bool jv_equal(const struct jv *a, const struct jv *b)
 {
+	return equal_at(a, b, 0);
+}
+
+/* Values nested deeper than JINJA_MAX_DEPTH compare unequal (a template can build them; the
+ * recursion must stay bounded). */
+static bool equal_at(const struct jv *a, const struct jv *b, int depth)
+{
+	if (depth > JINJA_MAX_DEPTH)
+		return false;
 	if (is_num(a) && is_num(b)) {
 		if (a->t != JV_FLOAT && b->t != JV_FLOAT)
 			return int_of(a) == int_of(b);
@@ -232,7 +243,7 @@ bool jv_equal(const struct jv *a, const struct jv *b)
 		if (a->l->n != b->l->n)
 			return false;
 		for (size_t i = 0; i < a->l->n; i++)
-			if (!jv_equal(&a->l->v[i], &b->l->v[i]))
+			if (!equal_at(&a->l->v[i], &b->l->v[i], depth + 1))
 				return false;
 		return true;
 	case JV_DICT:
@@ -240,7 +251,7 @@ bool jv_equal(const struct jv *a, const struct jv *b)
 			return false;
 		for (size_t i = 0; i < a->d->n; i++) {
 			const struct jv *o = jdict_get(b->d, a->d->k[i].s.p, a->d->k[i].s.n);
-			if (!o || !jv_equal(&a->d->v[i], o))
+			if (!o || !equal_at(&a->d->v[i], o, depth + 1))
 				return false;
 		}
 		return true;
@@ -250,14 +261,23 @@ bool jv_equal(const struct jv *a, const struct jv *b)
 	case JV_METHOD:
 		return a->call.fn == b->call.fn && a->call.self == b->call.self;
 	case JV_MACRO:
-		return a->macro == b->macro;
+		return a->macro.node == b->macro.node;
 	default:
 		return false;
 	}
 }
 
+static int compare_at(const struct jv *a, const struct jv *b, int *cmp, int depth);
+
 int jv_compare(const struct jv *a, const struct jv *b, int *cmp)
 {
+	return compare_at(a, b, cmp, 0);
+}
+
+static int compare_at(const struct jv *a, const struct jv *b, int *cmp, int depth)
+{
+	if (depth > JINJA_MAX_DEPTH)
+		return -EINVAL;
 	if (is_num(a) && is_num(b)) {
 		if (a->t != JV_FLOAT && b->t != JV_FLOAT)
 			*cmp = int_of(a) < int_of(b) ? -1 : int_of(a) > int_of(b);
@@ -273,9 +293,9 @@ int jv_compare(const struct jv *a, const struct jv *b, int *cmp)
 	}
 	if (a->t == JV_LIST && b->t == JV_LIST) {
 		for (size_t i = 0; i < a->l->n && i < b->l->n; i++) {
-			if (jv_equal(&a->l->v[i], &b->l->v[i]))
+			if (equal_at(&a->l->v[i], &b->l->v[i], depth + 1))
 				continue;
-			return jv_compare(&a->l->v[i], &b->l->v[i], cmp);
+			return compare_at(&a->l->v[i], &b->l->v[i], cmp, depth + 1);
 		}
 		*cmp = a->l->n < b->l->n ? -1 : a->l->n > b->l->n;
 		return 0;
@@ -472,11 +492,25 @@ static void str_repr(struct sbuf *b, const struct jstr *s)
 	sbuf_add(b, &q, 1, NULL);
 }
 
+static void print_at(struct sbuf *b, const struct jv *v, bool repr, int depth);
+
 void jv_print(struct sbuf *b, const struct jv *v, bool repr)
 {
+	print_at(b, v, repr, 0);
+}
+
+static void print_at(struct sbuf *b, const struct jv *v, bool repr, int depth)
+{
 	char num[64];
+	if (depth > JINJA_MAX_DEPTH) { /* a value nested deeper: the output's error */
+		if (!b->err)
+			b->err = -E2BIG;
+		return;
+	}
 	switch (v->t) {
 	case JV_UNDEF:
+		if (repr) /* inside a list or a dict, as Python prints jinja2's Undefined */
+			sbuf_adds(b, "Undefined");
 		return;
 	case JV_NONE:
 		sbuf_adds(b, "None");
@@ -503,7 +537,7 @@ void jv_print(struct sbuf *b, const struct jv *v, bool repr)
 		for (size_t i = 0; i < v->l->n && !b->err; i++) {
 			if (i)
 				sbuf_adds(b, ", ");
-			jv_print(b, &v->l->v[i], true);
+			print_at(b, &v->l->v[i], true, depth + 1);
 		}
 		sbuf_adds(b, !v->l->tuple ? "]" : v->l->n == 1 ? ",)" : ")");
 		return;
@@ -512,9 +546,9 @@ void jv_print(struct sbuf *b, const struct jv *v, bool repr)
 		for (size_t i = 0; i < v->d->n && !b->err; i++) {
 			if (i)
 				sbuf_adds(b, ", ");
-			jv_print(b, &v->d->k[i], true);
+			print_at(b, &v->d->k[i], true, depth + 1);
 			sbuf_adds(b, ": ");
-			jv_print(b, &v->d->v[i], true);
+			print_at(b, &v->d->v[i], true, depth + 1);
 		}
 		sbuf_adds(b, "}");
 		return;
@@ -694,9 +728,12 @@ struct jv jv_from_json(struct arena *a, const json_t *j, bool data, int depth)
 		/* jansson keeps insertion order (JSON_PRESERVE_ORDER is the default since 2.8) */
 		json_object_foreach((json_t *)j, k, val)
 		{
-			if (jdict_set(a, d, jv_str_copy(a, k, strlen(k), false),
-				      jv_from_json(a, val, data, depth + 1)))
+			/* a JSON object's keys are unique: appended, not looked up (a lookup a key made a
+			 * large object quadratic); a data object's keys are data too */
+			if (d->n == d->cap)
 				return jv_none();
+			d->k[d->n] = jv_str_copy(a, k, strlen(k), data);
+			d->v[d->n++] = jv_from_json(a, val, data, depth + 1);
 		}
 		return (struct jv){.t = JV_DICT, .d = d};
 	}

@@ -129,8 +129,8 @@ START_TEST(test_marks)
 	ck_assert_uint_lt(out.len, sizeof(got));
 	for (size_t i = 0; i < out.len; i++)
 		got[i] = out.from_data[i] ? '1' : '0';
-	/* marked: the role, the trimmed content, its slice, the JSON's string values (their escapes
-	 * too) and the content inside the concatenation */
+	/* marked: the role, the trimmed content, its slice, the JSON's strings (keys and values, their
+	 * escapes too) and the content inside the concatenation */
 	char expect[256] = {0};
 	memset(expect, '0', out.len);
 	const char *p;
@@ -140,6 +140,10 @@ START_TEST(test_marks)
 	memset(expect + (p - out.text), '1', 6);
 	p = strstr(out.text, "\"user\",") + 1;
 	memset(expect + (p - out.text), '1', 4);
+	p = strstr(out.text, "\"role\":") + 1; /* a data object's keys are data too */
+	memset(expect + (p - out.text), '1', 4);
+	p = strstr(out.text, "\"content\":") + 1;
+	memset(expect + (p - out.text), '1', 7);
 	p = strstr(out.text, "\" ab\\\"c \"") + 1;
 	memset(expect + (p - out.text), '1', 7);
 	p = strstr(out.text, "x ab\"c y") + 1;
@@ -185,6 +189,30 @@ START_TEST(test_limits)
 	expect_limit("{% set ns = namespace(s='xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx') %}"
 		     "{% for i in range(100000) %}{% set ns.s = ns.s + 'x' %}{% endfor %}",
 		     "MiB");
+	/* chains as deep as they are long, and values nested by a loop */
+	size_t big = 20000 * 3 + 16;
+	char *chain = malloc(big * 2);
+	ck_assert_ptr_nonnull(chain);
+	size_t n = (size_t)sprintf(chain, "{{ 1");
+	for (int i = 0; i < 20000; i++)
+		n += (size_t)sprintf(chain + n, "+1");
+	sprintf(chain + n, " }}");
+	expect_limit(chain, "nested deeper");
+	n = (size_t)sprintf(chain, "{{ 1");
+	for (int i = 0; i < 20000; i++)
+		n += (size_t)sprintf(chain + n, "|abs");
+	sprintf(chain + n, " }}");
+	expect_limit(chain, "nested deeper");
+	n = (size_t)sprintf(chain, "{%% if 0 %%}");
+	for (int i = 0; i < 10000; i++)
+		n += (size_t)sprintf(chain + n, "{%%elif 0%%}");
+	sprintf(chain + n, "{%% endif %%}");
+	expect_limit(chain, "nested deeper");
+	free(chain);
+	expect_limit("{% set ns = namespace(x=none) %}{% for i in range(1000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}",
+		     "nested deeper");
+	expect_limit("{% set s = 'a' * 100000 %}{% set c = 'b' * 100000 ~ 'a' %}{{ s.strip(c) | length }}", "steps");
+	expect_limit("{% set s = 'x' * 4000000 %}{% for i in range(10000) %}{{ s[-1] }}{% endfor %}", "steps");
 	/* nesting in the parser */
 	char deep[4096];
 	size_t k = 0;
