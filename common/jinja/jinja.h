@@ -17,11 +17,13 @@
  * the loopcontrols extension, its own tojson, raise_exception and strftime_now): the same text
  * for the templates that Llama 2/3/3.x, Mistral, Qwen, Gemma and similar checkpoints carry. The
  * language is what those templates use:
- *  - {{ expr }}, {% tag %}, {# comment #}, whitespace control ({%- -%}, {%+), raw blocks; a
- *    template's newlines become "\n" and one trailing newline is dropped, as Jinja does;
+ *  - {{ expr }}, {% tag %}, {# comment #}, whitespace control ({%- -%}, {%+ +%}), raw blocks;
+ *    a template's line breaks (\r\n, \r) become "\n" and one at the end is dropped, as Jinja
+ *    3 does;
  *  - if/elif/else, for (one name or a pair, an `if` filter, else, loop.index/index0/revindex/
- *    revindex0/first/last/length/previtem/nextitem), break/continue, set (a name, a namespace's
- *    attribute, a block), macros with defaults, generation blocks (transparent);
+ *    revindex0/first/last/length/previtem/nextitem/depth/depth0; not loop.cycle nor recursive
+ *    loops), break/continue, set (a name, a namespace's attribute, a block), macros with
+ *    defaults (they see the names where they were defined), generation blocks (transparent);
  *  - literals (strings, numbers, true/false/none in either case, lists, tuples, dicts), . and []
  *    with slices, calls with keyword arguments, filters, tests (`is`, `is not`), `not and or`,
  *    `== != < <= > >= in, not in`, `+ - * / // % **`, `~`, `a if c else b`;
@@ -36,9 +38,11 @@
  *  - globals: raise_exception, strftime_now (the `now` given to jinja_render, local time),
  *    namespace, range.
  * Anything else (another tag, filter, test or method) is an error that names it, at parse time
- * where the parser can tell. Differences from Jinja: upper/lower/title/capitalize change ASCII
- * letters only; values print as Python would print them (floats as repr) except that a float's
- * printing in JSON (tojson) uses the same repr.
+ * where the parser can tell. Differences from Jinja: upper/lower/title/capitalize and unique's
+ * case folding change ASCII letters only; tojson prints floats as Python's repr does (json.dumps
+ * too, but for nan and the infinities); a value nested deeper than JINJA_MAX_DEPTH neither prints
+ * nor compares equal. Values print as Python prints them (None, True, 1.5, ['a'], Undefined in a
+ * list).
  *
  * A template is untrusted text (it comes with a model file): nesting, recursion, the work a
  * render does and the memory it takes are bounded, and an error is a message, never a crash. */
