@@ -74,6 +74,7 @@ struct manifest {
 					  file's tokenizer.chat_template, a Hugging Face directory's
 					  chat_template.jinja or tokenizer_config.json's chat_template */
 	char chat_template_from[PATH_MAX]; /* the file it came from */
+	char chat_template_note[128];	   /* why a template the file has was left out, "" when none was */
 };
 
 /* The longest chat template a model may carry (real ones are a few KiB). */

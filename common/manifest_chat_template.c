@@ -71,6 +71,7 @@ static int keep(struct manifest *m, const char *name, char *text, size_t len, ch
 	}
 	free(m->chat_template);
 	m->chat_template = text;
+	m->chat_template_note[0] = 0;
 	str_copy(m->chat_template_from, sizeof(m->chat_template_from), name);
 	return 0;
 }

@@ -713,12 +713,17 @@ static int read_tokenizer(struct manifest *m, const struct gset *s, char *err, s
 	const char *tmpl;
 	size_t tl;
 	if (gguf_find_key(g, "tokenizer.chat_template") >= 0 &&
-	    gguf_get_str(g, "tokenizer.chat_template", &tmpl, &tl, err, errlen) == 0 && tl == strlen(tmpl) &&
-	    tl <= MANIFEST_MAX_CHAT_TEMPLATE) {
-		m->chat_template = strdup(tmpl);
-		if (!m->chat_template)
-			return errorf(err, errlen, -ENOMEM, "out of memory");
-		str_copy(m->chat_template_from, sizeof(m->chat_template_from), s->paths[0]);
+	    gguf_get_str(g, "tokenizer.chat_template", &tmpl, &tl, err, errlen) == 0) {
+		if (tl != strlen(tmpl) || tl > MANIFEST_MAX_CHAT_TEMPLATE) {
+			snprintf(m->chat_template_note, sizeof(m->chat_template_note),
+				 "the GGUF file's chat template is left out: %s", tl != strlen(tmpl) ? "it holds a NUL byte"
+				 : "it is longer than 1 MiB");
+		} else {
+			m->chat_template = strdup(tmpl);
+			if (!m->chat_template)
+				return errorf(err, errlen, -ENOMEM, "out of memory");
+			str_copy(m->chat_template_from, sizeof(m->chat_template_from), s->paths[0]);
+		}
 	}
 	return 0;
 }

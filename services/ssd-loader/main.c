@@ -172,6 +172,8 @@ static void register_tunables(struct app *a)
 static void log_chat_template(const struct manifest *m)
 {
 	if (!m->chat_template) {
+		if (m->chat_template_note[0])
+			log_warn("%s", m->chat_template_note);
 		log_info("no chat template: the runner renders chats in the format its tokenizer's special "
 			 "tokens name (Llama 3 headers or ChatML), if any");
 		return;

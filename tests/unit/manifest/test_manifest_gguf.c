@@ -164,6 +164,21 @@ START_TEST(test_tied_and_defaults)
 	m->cfg.n_eos = 1; /* for check_tiny */
 	check_tiny(m, DT_Q8_0, true);
 	ck_assert_str_eq(m->chat_template, "{{ messages }}");
+	ck_assert_str_eq(m->chat_template_note, "");
+	manifest_destroy(&m);
+	gw_free(&w);
+	/* A template over 1 MiB is left out, with a note the loader logs. */
+	w = gw_new();
+	gw_tiny_llama(w, &(struct gw_llama){.type = GW_F32});
+	char *huge = malloc(MANIFEST_MAX_CHAT_TEMPLATE + 2);
+	ck_assert_ptr_nonnull(huge);
+	memset(huge, 'x', MANIFEST_MAX_CHAT_TEMPLATE + 1);
+	huge[MANIFEST_MAX_CHAT_TEMPLATE + 1] = 0;
+	gw_str(w, "tokenizer.chat_template", huge);
+	free(huge);
+	m = load_ok(write_w(w, "huge-template.gguf"));
+	ck_assert_ptr_null(m->chat_template);
+	ck_assert_ptr_nonnull(strstr(m->chat_template_note, "longer than 1 MiB"));
 	manifest_destroy(&m);
 	gw_free(&w);
 	/* The end-of-turn tokens are also found by their text, as llama.cpp finds them: a converted
