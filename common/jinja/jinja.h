@@ -65,7 +65,7 @@ extern "C" {
 #define JINJA_MAX_MEMORY (64u << 20)
 #endif
 #ifndef JINJA_MAX_STEPS
-#define JINJA_MAX_STEPS 10000000u
+#define JINJA_MAX_STEPS 2000000u /* about half a second of the worst work */
 #endif
 /* A template's longest text and deepest nesting (of blocks and of expressions). */
 #define JINJA_MAX_SOURCE (1u << 20)
