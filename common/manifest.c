@@ -177,40 +177,13 @@ out_free:
 
 int manifest_attach_tokenizer(struct manifest *m, const char *path, char *err, size_t errlen)
 {
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0)
-		return errorf(err, errlen, -errno, "tokenizer %s: %s", path, strerror(errno));
-	struct stat st;
-	char *data = NULL;
-	int rc = 0;
-	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-		rc = errorf(err, errlen, -EINVAL, "tokenizer %s is not a regular file", path);
-		goto out_close;
-	}
-	if (st.st_size > (off_t)(256u << 20)) {
-		rc = errorf(err, errlen, -EFBIG, "tokenizer %s is larger than 256 MiB", path);
-		goto out_close;
-	}
-	data = malloc((size_t)st.st_size + 1);
-	if (!data) {
-		rc = errorf(err, errlen, -ENOMEM, "out of memory");
-		goto out_close;
-	}
-	size_t done = 0;
-	while (done < (size_t)st.st_size) {
-		ssize_t n = pread(fd, data + done, (size_t)st.st_size - done, (off_t)done);
-		if (n <= 0) {
-			rc = errorf(err, errlen, n < 0 ? -errno : -EIO, "reading tokenizer %s: %s", path,
-				    n < 0 ? strerror(errno) : "short read");
-			goto out_close;
-		}
-		done += (size_t)n;
-	}
-	data[done] = 0;
-	rc = mf_attach_tokenizer_bytes(m, path, "the model's", &data, done, err, errlen);
-out_close:
+	char *data;
+	size_t len;
+	int rc = mf_read_file("tokenizer", path, 256u << 20, &data, &len, err, errlen);
+	if (rc)
+		return rc;
+	rc = mf_attach_tokenizer_bytes(m, path, "the model's", &data, len, err, errlen);
 	free(data);
-	close(fd);
 	return rc;
 }
 

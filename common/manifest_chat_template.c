@@ -16,22 +16,24 @@
 #include "common/manifest_internal.h"
 #include "common/util.h"
 
-/* Reads a whole regular file of at most max bytes into *out (NUL-terminated). */
-static int read_text(const char *path, size_t max, char **out, size_t *len, char *err, size_t errlen)
+/* Reads a whole regular file of at most max bytes into *out (NUL-terminated, owned by the
+ * caller); what names it in messages ("tokenizer", "chat template"). Returns 0 or -errno with a
+ * message (-EFBIG past max, -EINVAL for a file that is not regular). */
+int mf_read_file(const char *what, const char *path, size_t max, char **out, size_t *len, char *err, size_t errlen)
 {
 	*out = NULL;
 	int fd = open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
-		return errorf(err, errlen, -errno, "%s: %s", path, strerror(errno));
+		return errorf(err, errlen, -errno, "%s %s: %s", what, path, strerror(errno));
 	struct stat st;
 	int rc = 0;
 	char *data = NULL;
 	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-		rc = errorf(err, errlen, -EINVAL, "%s is not a regular file", path);
+		rc = errorf(err, errlen, -EINVAL, "%s %s is not a regular file", what, path);
 		goto out;
 	}
 	if ((uint64_t)st.st_size > max) {
-		rc = errorf(err, errlen, -EFBIG, "%s is larger than %zu bytes", path, max);
+		rc = errorf(err, errlen, -EFBIG, "%s %s is larger than %zu bytes", what, path, max);
 		goto out;
 	}
 	if (!(data = malloc((size_t)st.st_size + 1))) {
@@ -42,7 +44,7 @@ static int read_text(const char *path, size_t max, char **out, size_t *len, char
 	while (done < (size_t)st.st_size) {
 		ssize_t n = pread(fd, data + done, (size_t)st.st_size - done, (off_t)done);
 		if (n <= 0) {
-			rc = errorf(err, errlen, n < 0 ? -errno : -EIO, "reading %s: %s", path,
+			rc = errorf(err, errlen, n < 0 ? -errno : -EIO, "reading %s %s: %s", what, path,
 				    n < 0 ? strerror(errno) : "short read");
 			goto out;
 		}
@@ -80,12 +82,8 @@ int manifest_attach_chat_template(struct manifest *m, const char *path, char *er
 {
 	char *text;
 	size_t len;
-	int rc = read_text(path, MANIFEST_MAX_CHAT_TEMPLATE, &text, &len, err, errlen);
-	if (rc)
-		return rc == -EFBIG ? errorf(err, errlen, rc, "chat template %s is larger than %u bytes", path,
-					     MANIFEST_MAX_CHAT_TEMPLATE)
-				    : rc;
-	return keep(m, path, text, len, err, errlen);
+	int rc = mf_read_file("chat template", path, MANIFEST_MAX_CHAT_TEMPLATE, &text, &len, err, errlen);
+	return rc ? rc : keep(m, path, text, len, err, errlen);
 }
 
 int mf_hf_chat_template(struct manifest *m, const char *dir, char *err, size_t errlen)
@@ -99,7 +97,7 @@ int mf_hf_chat_template(struct manifest *m, const char *dir, char *err, size_t e
 		return 0;
 	char *text;
 	size_t len;
-	int rc = read_text(path, 64u << 20, &text, &len, err, errlen);
+	int rc = mf_read_file("tokenizer config", path, 64u << 20, &text, &len, err, errlen);
 	if (rc)
 		return rc;
 	json_error_t jerr;

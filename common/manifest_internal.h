@@ -28,6 +28,10 @@
 
 /* ---- the chat template of a Hugging Face directory (manifest_chat_template.c) ---- */
 
+/* A whole regular file of at most max bytes into *out (NUL-terminated, the caller's to free);
+ * what names it in messages ("tokenizer"). Returns 0 or -errno with a message. */
+int mf_read_file(const char *what, const char *path, size_t max, char **out, size_t *len, char *err, size_t errlen);
+
 /* dir's chat_template.jinja, else its tokenizer_config.json's chat_template, into m (neither:
  * nothing). Returns 0 or -errno with a message. */
 int mf_hf_chat_template(struct manifest *m, const char *dir, char *err, size_t errlen);

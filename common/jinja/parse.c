@@ -325,6 +325,16 @@ static bool depth_in(struct parser *ps)
 	return true;
 }
 
+/* After an item of a bracketed list: a ',' (taken), or the closing one (left for the caller). */
+static int item_sep(struct parser *ps, const char *close, const char *what)
+{
+	if (is_op(ps, ","))
+		return next(ps);
+	if (!is_op(ps, close))
+		return fail(ps, -EINVAL, "expected ',' or '%s' in %s", close, what);
+	return 0;
+}
+
 /* ( args ) after a callee, a filter or a test: positional, then name=value. */
 static int call_args(struct parser *ps, struct node *n)
 {
@@ -373,12 +383,8 @@ static int call_args(struct parser *ps, struct node *n)
 		if (!a || nvec_push(ps, &pos, a))
 			return ps->rc;
 sep:
-		if (is_op(ps, ",")) {
-			if (next(ps))
-				return ps->rc;
-		} else if (!is_op(ps, ")")) {
-			return fail(ps, -EINVAL, "expected ',' or ')' in a call's arguments");
-		}
+		if (item_sep(ps, ")", "a call's arguments"))
+			return ps->rc;
 	}
 	if (next(ps))
 		return ps->rc;
@@ -480,13 +486,8 @@ static struct node *primary(struct parser *ps)
 			struct node *it = expr(ps);
 			if (!it || nvec_push(ps, &items, it))
 				return NULL;
-			if (is_op(ps, ",")) {
-				if (next(ps))
-					return NULL;
-			} else if (!is_op(ps, "]")) {
-				fail(ps, -EINVAL, "expected ',' or ']' in a list");
+			if (item_sep(ps, "]", "a list"))
 				return NULL;
-			}
 		}
 		if (next(ps) || !(n = mk(ps, E_LIST)))
 			return NULL;
@@ -505,13 +506,8 @@ static struct node *primary(struct parser *ps)
 			struct node *v = expr(ps);
 			if (!v || nvec_push(ps, &keys, k) || nvec_push(ps, &vals, v))
 				return NULL;
-			if (is_op(ps, ",")) {
-				if (next(ps))
-					return NULL;
-			} else if (!is_op(ps, "}")) {
-				fail(ps, -EINVAL, "expected ',' or '}' in a dict");
+			if (item_sep(ps, "}", "a dict"))
 				return NULL;
-			}
 		}
 		if (next(ps) || !(n = mk(ps, E_DICT)))
 			return NULL;
@@ -848,34 +844,31 @@ static struct node *not_expr(struct parser *ps)
 	return compare(ps);
 }
 
-static struct node *and_expr(struct parser *ps)
+/* operand (WORD operand)*: a left-deep chain of `and` or `or` */
+static struct node *logic(struct parser *ps, const char *word, enum node_kind kind,
+			  struct node *(*operand)(struct parser *ps))
 {
-	struct node *n = not_expr(ps);
-	while (n && is_name(ps, "and")) {
-		struct node *a = mk(ps, E_AND);
+	struct node *n = operand(ps);
+	while (n && is_name(ps, word)) {
+		struct node *a = mk(ps, kind);
 		if (!a || next(ps))
 			return NULL;
 		a->a = n;
-		if (!(a->b = not_expr(ps)))
+		if (!(a->b = operand(ps)))
 			return NULL;
 		n = a;
 	}
 	return n;
 }
 
+static struct node *and_expr(struct parser *ps)
+{
+	return logic(ps, "and", E_AND, not_expr);
+}
+
 static struct node *or_expr(struct parser *ps)
 {
-	struct node *n = and_expr(ps);
-	while (n && is_name(ps, "or")) {
-		struct node *a = mk(ps, E_OR);
-		if (!a || next(ps))
-			return NULL;
-		a->a = n;
-		if (!(a->b = and_expr(ps)))
-			return NULL;
-		n = a;
-	}
-	return n;
+	return logic(ps, "or", E_OR, and_expr);
 }
 
 static struct node *expr(struct parser *ps)
@@ -1179,6 +1172,19 @@ static int end_of_tag(struct parser *ps)
  * template's end: *which -1 (an error unless ends is NULL). */
 static int body(struct parser *ps, struct pcur *c, const char *const *ends, struct nvec *out, int *which);
 
+/* Statements up to the tag `end` (which ends them and must stand alone) into *v and *n. */
+static int block_until(struct parser *ps, struct pcur *c, const char *end, struct node ***v, size_t *n)
+{
+	const char *const ends[] = {end, NULL};
+	struct nvec b = {0};
+	int w;
+	if (body(ps, c, ends, &b, &w) || end_of_tag(ps))
+		return ps->rc ? ps->rc : -EINVAL;
+	*v = b.v;
+	*n = b.n;
+	return 0;
+}
+
 static struct node *stmt_if(struct parser *ps, struct pcur *c)
 {
 	struct node *n = mk(ps, N_IF);
@@ -1201,12 +1207,8 @@ static struct node *stmt_if(struct parser *ps, struct pcur *c)
 		n->els[0] = e;
 		n->n_els = 1;
 	} else if (w == 1) {
-		static const char *const end[] = {"endif", NULL};
-		struct nvec e = {0};
-		if (end_of_tag(ps) || body(ps, c, end, &e, &w) || end_of_tag(ps))
+		if (end_of_tag(ps) || block_until(ps, c, "endif", &n->els, &n->n_els))
 			return NULL;
-		n->els = e.v;
-		n->n_els = e.n;
 	} else if (end_of_tag(ps)) {
 		return NULL;
 	}
@@ -1248,14 +1250,8 @@ static struct node *stmt_for(struct parser *ps, struct pcur *c)
 		return NULL;
 	n->body = b.v;
 	n->n_body = b.n;
-	if (w == 0) {
-		static const char *const end[] = {"endfor", NULL};
-		struct nvec e = {0};
-		if (body(ps, c, end, &e, &w) || end_of_tag(ps))
-			return NULL;
-		n->els = e.v;
-		n->n_els = e.n;
-	}
+	if (w == 0 && block_until(ps, c, "endfor", &n->els, &n->n_els))
+		return NULL;
 	return n;
 }
 
@@ -1274,14 +1270,7 @@ static struct node *stmt_set(struct parser *ps, struct pcur *c)
 			return NULL;
 		}
 		n->kind = N_SETBLOCK;
-		static const char *const end[] = {"endset", NULL};
-		struct nvec b = {0};
-		int w;
-		if (body(ps, c, end, &b, &w) || end_of_tag(ps))
-			return NULL;
-		n->body = b.v;
-		n->n_body = b.n;
-		return n;
+		return block_until(ps, c, "endset", &n->body, &n->n_body) ? NULL : n;
 	}
 	if (next(ps) || !(n->b = expr(ps)))
 		return NULL;
@@ -1328,13 +1317,8 @@ static struct node *stmt_macro(struct parser *ps, struct pcur *c)
 		}
 		if (nvec_push(ps, &params, p) || nvec_push(ps, &defs, d))
 			return NULL;
-		if (is_op(ps, ",")) {
-			if (next(ps))
-				return NULL;
-		} else if (!is_op(ps, ")")) {
-			fail(ps, -EINVAL, "expected ',' or ')' in a macro's parameters");
+		if (item_sep(ps, ")", "a macro's parameters"))
 			return NULL;
-		}
 	}
 	if (next(ps) || end_of_tag(ps))
 		return NULL;
@@ -1342,14 +1326,7 @@ static struct node *stmt_macro(struct parser *ps, struct pcur *c)
 	n->n_args = params.n;
 	n->kwvals = defs.v;
 	n->n_kw = defs.n;
-	static const char *const end[] = {"endmacro", NULL};
-	struct nvec b = {0};
-	int w;
-	if (body(ps, c, end, &b, &w) || end_of_tag(ps))
-		return NULL;
-	n->body = b.v;
-	n->n_body = b.n;
-	return n;
+	return block_until(ps, c, "endmacro", &n->body, &n->n_body) ? NULL : n;
 }
 
 static struct node *stmt_block(struct parser *ps, struct pcur *c)
@@ -1357,14 +1334,7 @@ static struct node *stmt_block(struct parser *ps, struct pcur *c)
 	struct node *n = mk(ps, N_BLOCK);
 	if (!n || end_of_tag(ps))
 		return NULL;
-	static const char *const end[] = {"endgeneration", NULL};
-	struct nvec b = {0};
-	int w;
-	if (body(ps, c, end, &b, &w) || end_of_tag(ps))
-		return NULL;
-	n->body = b.v;
-	n->n_body = b.n;
-	return n;
+	return block_until(ps, c, "endgeneration", &n->body, &n->n_body) ? NULL : n;
 }
 
 static int body(struct parser *ps, struct pcur *c, const char *const *ends, struct nvec *out, int *which)
