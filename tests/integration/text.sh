@@ -94,7 +94,17 @@ want=$("$BIN/run-local" --model "$L3" --tokens "$(ids_csv "$sure_ids")" -n 16 --
 got=$(generate --chat "  Hello there " --system "Be brief." -n 16 --ids)
 expect_eq "$got" "$want" "--chat ids vs run-local on the model's template"
 err=$(generate --chat "hi" --system "<|eot_id|>" --special-as-text -n 2 --ids 2>&1) || fail "a chat with special-token text: $err"
-log "chat: the model's template renders it"
+# A chat of several turns from a file (generate --messages), through the same template.
+printf '%s' '[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+ {"role": "assistant", "content": "Hello."}, {"role": "user", "content": " And now? "}]' >"$IT_TMP/chat.json"
+turns=$'<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nAnd now?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nSure:'
+want=$("$BIN/run-local" --model "$L3" --tokens "$(ids_csv "$(tok "$turns")")" -n 16 --stop-ids 128009)
+expect_eq "$(generate --messages "$IT_TMP/chat.json" -n 16 --ids)" "$want" "--messages ids vs run-local on the template"
+expect_eq "$(generate --messages - -n 16 --ids <"$IT_TMP/chat.json")" "$want" "--messages - (standard input)"
+printf '%s' '{"role": "user"}' >"$IT_TMP/bad.json"
+err=$(generate --messages "$IT_TMP/bad.json" -n 2 2>&1) && fail "--messages with an object succeeded"
+expect_grep "not a non-empty JSON array" "$err" "--messages with an object"
+log "chat: the model's template renders it, one turn or several"
 "$PIPELINE" stop
 # --chat-template overrides it; one that does not parse leaves the built-in format, with a warning.
 printf '%s' '{% for m in messages %}{{ m.content }' >"$IT_TMP/bad.jinja"

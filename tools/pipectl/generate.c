@@ -306,6 +306,7 @@ struct gen_args {
 	bool stats, stats_json, ignore_eos, special_as_text, no_bos, print_ids;
 	const char *dump_logits; /* --dump-logits FILE (borrowed from argv); NULL: not asked */
 	const char *prompt, *chat, *system; /* borrowed from argv */
+	const char *messages;		    /* --messages FILE (- standard input), borrowed */
 	const char *stops[GEN_MAX_STOPS];   /* --stop, as often as given */
 	int n_stops;
 	char *chat_json, *stops_json;	    /* built from the above */
@@ -466,12 +467,15 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 		 "prompt token ids, comma separated: 1,2,3; @FILE reads them from FILE, separated by commas or "
 		 "white space as `pipectl tokenize` writes them (for prompts too long for one argument)"},
 		{"prompt", OPT_STRING, &a->prompt, NULL, "prompt text (the runner tokenizes it, BOS first)"},
-		{"chat", OPT_STRING, &a->chat, NULL, "a user message, in the model's chat format"},
+		{"chat", OPT_STRING, &a->chat, NULL, "a user message, through the model's chat template"},
+		{"messages", OPT_STRING, &a->messages, NULL,
+		 "a chat of several turns: FILE (- for standard input) holds a JSON array of {\"role\", \"content\"} "
+		 "messages, as an HTTP chat request's \"messages\"; it goes through the model's chat template"},
 		{"system", OPT_STRING, &a->system, NULL, "with --chat: a system message before it"},
 		{"special-as-text", OPT_BOOL, &a->special_as_text, NULL,
-		 "special-token text in --prompt/--chat is plain text, not special tokens"},
+		 "special-token text in --prompt/--chat/--messages is plain text, not special tokens"},
 		{"no-bos", OPT_BOOL, &a->no_bos, NULL, "with --prompt: no BOS token first"},
-		{"ids", OPT_BOOL, &a->print_ids, NULL, "with --prompt/--chat: print token ids, not text"},
+		{"ids", OPT_BOOL, &a->print_ids, NULL, "with --prompt/--chat/--messages: print token ids, not text"},
 		{"max-new", OPT_INT, &a->max_new, "16", "tokens to generate (short: -n N)"},
 		{"temperature", OPT_DOUBLE, &a->temperature, "0", "sampling temperature; 0 (or under 1e-6) is greedy"},
 		{"top-k", OPT_INT, &a->top_k, "0", "sample among the k most likely tokens; 0 is off"},
@@ -506,7 +510,7 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 			GEN_MAX_STOPS);
 		return PIPECTL_EXIT_USAGE;
 	}
-	int rc = pipectl_parse("generate (--tokens IDS | --prompt TEXT | --chat TEXT) [-n N] [--stop STR]...",
+	int rc = pipectl_parse("generate (--tokens IDS | --prompt TEXT | --chat TEXT | --messages FILE) [-n N] [--stop STR]...",
 			       "Generates with gpu-runner. With --tokens it prints each id as it arrives, separated by "
 			       "spaces; with --prompt or --chat the text as it arrives. Either way a newline ends it. "
 			       "--stop STR (repeatable, up to 16) ends generation once the text holds STR.",
@@ -516,10 +520,11 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 		return rc == 1 ? -1 : PIPECTL_EXIT_USAGE;
 
 	char err[256];
-	int ways = (tokens && *tokens) + (a->prompt && *a->prompt) + (a->chat && *a->chat);
+	int ways = (tokens && *tokens) + (a->prompt && *a->prompt) + (a->chat && *a->chat) +
+		   (a->messages && *a->messages);
 	if (ways != 1) {
-		fprintf(stderr, "pipectl: generate: give the prompt one way: --tokens 1,2,3, --prompt TEXT or --chat "
-				"TEXT\n");
+		fprintf(stderr, "pipectl: generate: give the prompt one way: --tokens 1,2,3, --prompt TEXT, --chat "
+				"TEXT or --messages FILE\n");
 		return PIPECTL_EXIT_USAGE;
 	}
 	if (a->system && !a->chat) {
@@ -531,6 +536,23 @@ static int parse_args(int argc, char **argv, struct gen_args *a)
 		return PIPECTL_EXIT_USAGE;
 	}
 	a->text = !tokens || !*tokens;
+	if (a->messages && *a->messages) {
+		/* The runner checks each message; here only that the file is a JSON array. */
+		json_error_t jerr;
+		json_t *msgs = !strcmp(a->messages, "-") ? json_loadf(stdin, 0, &jerr) : json_load_file(a->messages, 0, &jerr);
+		if (!msgs || !json_is_array(msgs) || !json_array_size(msgs)) {
+			fprintf(stderr, "pipectl: generate: --messages %s: %s\n", a->messages,
+				msgs ? "not a non-empty JSON array of {\"role\", \"content\"} messages" : jerr.text);
+			json_decref(msgs);
+			return PIPECTL_EXIT_USAGE;
+		}
+		a->chat_json = json_dumps(msgs, JSON_COMPACT);
+		json_decref(msgs);
+		if (!a->chat_json) {
+			fprintf(stderr, "pipectl: generate: out of memory\n");
+			return PIPECTL_EXIT_FAIL;
+		}
+	}
 	/* Each piece checked: jansson makes no string of text that is not UTF-8, and an array takes
 	 * that NULL without a word (a --system or --stop dropped in silence). */
 	if (a->chat) {
