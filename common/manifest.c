@@ -175,6 +175,50 @@ out_free:
 	return rc;
 }
 
+/* Reads a whole regular file of at most max bytes into *out (NUL-terminated, owned by the
+ * caller); what names it in messages ("tokenizer", "chat template"). Returns 0 or -errno with a
+ * message (-EFBIG past max, -EINVAL for a file that is not regular). */
+int mf_read_file(const char *what, const char *path, size_t max, char **out, size_t *len, char *err, size_t errlen)
+{
+	*out = NULL;
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return errorf(err, errlen, -errno, "%s %s: %s", what, path, strerror(errno));
+	struct stat st;
+	int rc = 0;
+	char *data = NULL;
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+		rc = errorf(err, errlen, -EINVAL, "%s %s is not a regular file", what, path);
+		goto out;
+	}
+	if ((uint64_t)st.st_size > max) {
+		rc = errorf(err, errlen, -EFBIG, "%s %s is larger than %zu bytes", what, path, max);
+		goto out;
+	}
+	if (!(data = malloc((size_t)st.st_size + 1))) {
+		rc = errorf(err, errlen, -ENOMEM, "out of memory");
+		goto out;
+	}
+	size_t done = 0;
+	while (done < (size_t)st.st_size) {
+		ssize_t n = pread(fd, data + done, (size_t)st.st_size - done, (off_t)done);
+		if (n <= 0) {
+			rc = errorf(err, errlen, n < 0 ? -errno : -EIO, "reading %s %s: %s", what, path,
+				    n < 0 ? strerror(errno) : "short read");
+			goto out;
+		}
+		done += (size_t)n;
+	}
+	data[done] = 0;
+	*out = data;
+	*len = done;
+	data = NULL;
+out:
+	free(data);
+	close(fd);
+	return rc;
+}
+
 int manifest_attach_tokenizer(struct manifest *m, const char *path, char *err, size_t errlen)
 {
 	char *data;

@@ -26,11 +26,13 @@
 #define INDEX_NAME  "model.safetensors.index.json"
 #define SINGLE_NAME "model.safetensors"
 
-/* ---- the chat template of a Hugging Face directory (manifest_chat_template.c) ---- */
+/* ---- small files beside the weights (manifest.c) ---- */
 
 /* A whole regular file of at most max bytes into *out (NUL-terminated, the caller's to free);
  * what names it in messages ("tokenizer"). Returns 0 or -errno with a message. */
 int mf_read_file(const char *what, const char *path, size_t max, char **out, size_t *len, char *err, size_t errlen);
+
+/* ---- the chat template of a Hugging Face directory (manifest_chat_template.c) ---- */
 
 /* dir's chat_template.jinja, else its tokenizer_config.json's chat_template, into m (neither:
  * nothing). Returns 0 or -errno with a message. */

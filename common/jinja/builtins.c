@@ -170,14 +170,15 @@ static struct jv list_value(struct jlist *l)
 
 /* ---- white space and case ------------------------------------------------------------------------- */
 
-/* The code point at s[i] (UTF-8) and its length; an invalid byte is itself, length 1. */
+/* The code point at s[i] (UTF-8) and its length; an invalid byte has length 1 and a value past
+ * Unicode's (0x110000 + the byte), so that it is no character (no white space) but itself. */
 static uint32_t cp_at(const char *s, size_t n, size_t i, size_t *len)
 {
 	const uint8_t *u = (const uint8_t *)s + i;
 	size_t ul;
 	if (utf8_unit(u, n - i, &ul) != U8_VALID || ul == 1) {
 		*len = 1;
-		return u[0];
+		return u[0] < 0x80 ? u[0] : 0x110000u + u[0];
 	}
 	uint32_t c = u[0] & (0x7f >> ul);
 	for (size_t k = 1; k < ul; k++)
@@ -192,6 +193,13 @@ static bool py_space(uint32_t c)
 	return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) || c == 0x85 || c == 0xa0 || c == 0x1680 ||
 	       (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f || c == 0x205f ||
 	       c == 0x3000;
+}
+
+size_t jinja_space_len(const char *s, size_t n, size_t i)
+{
+	size_t l;
+	uint32_t c = cp_at(s, n, i, &l);
+	return py_space(c) ? l : 0;
 }
 
 /* Is code point c among chars' (a string's code points)? chars NULL: white space. */
@@ -224,7 +232,7 @@ static struct jv strip(const struct jstr *s, const struct jstr *chars, bool left
 		uint32_t c = cp_at(s->p, s->n, k, &cl);
 		if (k + cl != e) { /* not a whole character: an invalid byte at the end */
 			k = e - 1;
-			c = (unsigned char)s->p[k];
+			c = cp_at(s->p, s->n, k, &cl);
 		}
 		if (!strip_this(c, chars))
 			break;

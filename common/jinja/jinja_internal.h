@@ -207,6 +207,10 @@ int builtin_function(const char *name);
 /* The method name of a value of v's type, or -1. */
 int builtin_method(const struct jv *v, const char *name);
 
+/* The length of the white-space character (Python's str.isspace, what \s and strip() take) at
+ * s[i] of n bytes, 0 when there is none. */
+size_t jinja_space_len(const char *s, size_t n, size_t i);
+
 /* What a call gets: positional values and keyword ones. */
 struct call_args {
 	struct jv *pos;

@@ -958,31 +958,11 @@ static bool tag_is(const char *s, size_t b, size_t e, const char *word)
 	return e - b == strlen(word) && !memcmp(s + b, word, e - b);
 }
 
-/* The length of the white-space character (Python's \s: str.isspace) at s[i], 0 when none. */
-static size_t space_at(const char *s, size_t len, size_t i)
-{
-	unsigned char c = (unsigned char)s[i];
-	if (c < 0x80)
-		return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) ? 1 : 0;
-	unsigned char c1 = i + 1 < len ? (unsigned char)s[i + 1] : 0, c2 = i + 2 < len ? (unsigned char)s[i + 2] : 0;
-	if (c == 0xc2 && (c1 == 0x85 || c1 == 0xa0))
-		return 2;
-	if (c == 0xe1 && c1 == 0x9a && c2 == 0x80) /* U+1680 */
-		return 3;
-	if (c == 0xe2 && c1 == 0x80 && ((c2 >= 0x80 && c2 <= 0x8a) || c2 == 0xa8 || c2 == 0xa9 || c2 == 0xaf))
-		return 3;
-	if (c == 0xe2 && c1 == 0x81 && c2 == 0x9f) /* U+205F */
-		return 3;
-	if (c == 0xe3 && c1 == 0x80 && c2 == 0x80) /* U+3000 */
-		return 3;
-	return 0;
-}
-
 /* The length of the white-space character that ends at s[e] (not before lo), 0 when none. */
 static size_t space_before(const char *s, size_t lo, size_t e)
 {
 	for (size_t n = 1; n <= 3 && n <= e - lo; n++)
-		if (space_at(s, e, e - n) == n)
+		if (jinja_space_len(s, e, e - n) == n)
 			return n;
 	return 0;
 }
@@ -991,7 +971,7 @@ static size_t space_before(const char *s, size_t lo, size_t e)
 static size_t skip_space(const char *s, size_t b, size_t e)
 {
 	size_t n;
-	while (b < e && (n = space_at(s, e, b)))
+	while (b < e && (n = jinja_space_len(s, e, b)))
 		b += n;
 	return b;
 }

@@ -2,12 +2,12 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "common/utf8.h"
 #include "common/util.h"
 
 enum chat_format chat_format_of(const struct tokenizer *tok)
@@ -46,57 +46,16 @@ static int push_id(struct tok_ids *v, int32_t id)
 	return 0;
 }
 
-static int encode(const struct tokenizer *tok, const char *text, size_t len, unsigned flags, struct tok_ids *out,
-		  char *err, size_t errlen)
+/* text's ids appended to out; plain: tokenizer_encode_marked's marks (NULL: none). */
+static int encode(const struct tokenizer *tok, const char *text, size_t len, const uint8_t *plain, unsigned flags,
+		  struct tok_ids *out, char *err, size_t errlen)
 {
-	int rc = tokenizer_encode(tok, text, len, flags, out);
+	int rc = tokenizer_encode_marked(tok, text, len, plain, flags, out);
 	if (rc == -EILSEQ)
 		return errorf(err, errlen, -EINVAL, "the text holds a character the tokenizer cannot spell");
 	if (rc)
 		return errorf(err, errlen, rc, "tokenizing the prompt failed: %s", strerror(-rc));
 	return 0;
-}
-
-/* Is code point c white space to Python's str.strip() (str.isspace), which Jinja's trim is? */
-static bool py_space(uint32_t c)
-{
-	return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) || c == 0x85 || c == 0xa0 || c == 0x1680 ||
-	       (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f || c == 0x205f ||
-	       c == 0x3000;
-}
-
-/* The code point of the valid UTF-8 character at s[0..n) (n its length), or UINT32_MAX. */
-static uint32_t code_point(const uint8_t *s, size_t n)
-{
-	size_t ul;
-	if (!n || utf8_unit(s, n, &ul) != U8_VALID || ul != n)
-		return UINT32_MAX;
-	if (n == 1)
-		return s[0];
-	uint32_t c = s[0] & (0x7f >> n);
-	for (size_t i = 1; i < n; i++)
-		c = c << 6 | (s[i] & 0x3f);
-	return c;
-}
-
-/* Trims white space at both ends as Jinja's trim (Python's str.strip()) does for the text Meta's
- * template uses: Unicode's too (a no-break space, an ideographic space), whole characters. */
-static void trim(const char **s, size_t *len)
-{
-	const uint8_t *p = (const uint8_t *)*s;
-	size_t b = 0, e = *len, ul;
-	while (b < e && utf8_unit(p + b, e - b, &ul) == U8_VALID && py_space(code_point(p + b, ul)))
-		b += ul;
-	while (e > b) {
-		size_t k = e - 1; /* the last character's first byte: back over at most three continuations */
-		while (k > b && e - k < 4 && (p[k] & 0xc0) == 0x80)
-			k--;
-		if (!py_space(code_point(p + k, e - k)))
-			break;
-		e = k;
-	}
-	*s += b;
-	*len = e - b;
 }
 
 /* A role is a short word: no markup, no line break. */
@@ -117,7 +76,7 @@ static json_t *token_text(const struct tokenizer *tok, int32_t id)
  * messages, bos_token, eos_token, add_generation_prompt) and then tokenizes the text whole, with
  * no BOS added: the template writes its own. Special-token text from the messages counts as
  * special tokens unless flags say TOK_SPECIAL_AS_TEXT; the template's own always do. */
-static int render_template(const struct tokenizer *tok, const struct model_config *cfg,
+static int render_template(const struct tokenizer *tok, enum chat_format f, const struct model_config *cfg,
 			   const struct jinja_template *tmpl, json_t *msgs, unsigned flags, struct text_prompt *out,
 			   char *err, size_t errlen)
 {
@@ -139,21 +98,37 @@ static int render_template(const struct tokenizer *tok, const struct model_confi
 		rc = errorf(err, errlen, rc == -ENOMEM ? -ENOMEM : -EINVAL, "%s", why);
 		goto out;
 	}
-	enum chat_format f = chat_format_of(tok);
 	out->end_of_turn = f == CHAT_LLAMA3   ? tokenizer_token_to_id(tok, "<|eot_id|>")
 			   : f == CHAT_CHATML ? tokenizer_token_to_id(tok, "<|im_end|>")
 					      : -1;
-	rc = tokenizer_encode_marked(tok, o.text, o.len, (flags & TOK_SPECIAL_AS_TEXT) ? o.from_data : NULL, 0,
-				     &out->ids);
-	if (rc == -EILSEQ)
-		rc = errorf(err, errlen, -EINVAL, "the chat holds a character the tokenizer cannot spell");
-	else if (rc)
-		rc = errorf(err, errlen, rc, "tokenizing the chat failed: %s", strerror(-rc));
+	rc = encode(tok, o.text, o.len, (flags & TOK_SPECIAL_AS_TEXT) ? o.from_data : NULL, 0, &out->ids, err, errlen);
 	jinja_output_free(&o);
 out:
 	json_decref(vars);
 	json_decref(data);
 	return rc;
+}
+
+/* The built-in formats, as templates the engine renders like a model's own: Llama 3's is Meta's
+ * (it trims the content), ChatML's keeps the content as it is and writes no BOS. Parsed once. */
+static const char llama3_template[] =
+	"{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + "
+	"'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+	"{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+	"{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+static const char chatml_template[] =
+	"{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+	"'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+static struct jinja_template *builtin[2];
+static pthread_once_t builtin_once = PTHREAD_ONCE_INIT;
+
+static void parse_builtin(void)
+{
+	const char *text[2] = {llama3_template, chatml_template};
+	char err[256];
+	for (int k = 0; k < 2; k++)
+		if (jinja_parse(text[k], strlen(text[k]), &builtin[k], err, sizeof(err)) != 0)
+			builtin[k] = NULL; /* out of memory: chats by that format fail with a message below */
 }
 
 static int render_chat(const struct tokenizer *tok, const struct jinja_template *tmpl, const struct model_config *cfg,
@@ -165,6 +140,11 @@ static int render_chat(const struct tokenizer *tok, const struct jinja_template 
 			      "this model has no chat template, and its tokenizer has neither Llama 3 header tokens nor "
 			      "ChatML tokens: it has no chat format; send a plain prompt (or start the loader with "
 			      "--chat-template FILE)");
+	if (!tmpl) {
+		pthread_once(&builtin_once, parse_builtin);
+		if (!(tmpl = builtin[f == CHAT_LLAMA3 ? 0 : 1]))
+			return errorf(err, errlen, -ENOMEM, "out of memory");
+	}
 	json_error_t jerr;
 	json_t *msgs = json_loadb(json, len, 0, &jerr);
 	if (!msgs || !json_is_array(msgs) || json_array_size(msgs) == 0) {
@@ -173,100 +153,22 @@ static int render_chat(const struct tokenizer *tok, const struct jinja_template 
 			      msgs ? "" : ": ", msgs ? "" : jerr.text);
 	}
 	int rc = 0;
-	if (tmpl) { /* the same checks of each message as below, then the template renders them */
-		size_t i;
-		json_t *m;
-		json_array_foreach(msgs, i, m)
-		{
-			json_t *r = json_object_get(m, "role"), *c = json_object_get(m, "content");
-			if (!json_is_object(m) || !json_is_string(r) || !json_is_string(c) || !json_string_length(r)) {
-				rc = errorf(err, errlen, -EINVAL, "chat message %zu needs a \"role\" and a \"content\" string", i);
-				break;
-			}
-			if (!role_ok(json_string_value(r))) {
-				rc = errorf(err, errlen, -EINVAL, "chat message %zu has an invalid role", i);
-				break;
-			}
-		}
-		if (!rc)
-			rc = render_template(tok, cfg, tmpl, msgs, flags, out, err, errlen);
-		json_decref(msgs);
-		return rc;
-	}
-	char *buf = NULL;
-	size_t bufcap = 0;
-	if (f == CHAT_LLAMA3) {
-		int32_t bos = cfg->bos_id >= 0 ? cfg->bos_id : tokenizer_bos(tok);
-		if (bos >= 0)
-			rc = push_id(&out->ids, bos);
-	}
-	int32_t start = f == CHAT_LLAMA3 ? tokenizer_token_to_id(tok, "<|start_header_id|>")
-					 : tokenizer_token_to_id(tok, "<|im_start|>");
-	int32_t mid = f == CHAT_LLAMA3 ? tokenizer_token_to_id(tok, "<|end_header_id|>") : -1;
-	int32_t end = f == CHAT_LLAMA3 ? tokenizer_token_to_id(tok, "<|eot_id|>") : tokenizer_token_to_id(tok, "<|im_end|>");
-	out->end_of_turn = end;
-	size_t n = json_array_size(msgs);
-	for (size_t i = 0; i <= n && rc == 0; i++) {
-		const char *role = "assistant", *content = NULL;
-		size_t content_len = 0;
-		if (i < n) { /* i == n: the header the model answers after */
-			json_t *m = json_array_get(msgs, i);
-			json_t *r = json_object_get(m, "role"), *c = json_object_get(m, "content");
-			if (!json_is_object(m) || !json_is_string(r) || !json_is_string(c) || !json_string_length(r)) {
-				rc = errorf(err, errlen, -EINVAL, "chat message %zu needs a \"role\" and a \"content\" string", i);
-				break;
-			}
-			role = json_string_value(r);
-			content = json_string_value(c);
-			content_len = json_string_length(c);
-			if (!role_ok(role)) {
-				rc = errorf(err, errlen, -EINVAL, "chat message %zu has an invalid role", i);
-				break;
-			}
-		}
-		/* The text between special tokens: role, separator, content, as one piece each. */
-		size_t need = strlen(role) + content_len + 8;
-		if (need > bufcap) {
-			char *nb = realloc(buf, need);
-			if (!nb) {
-				rc = errorf(err, errlen, -ENOMEM, "out of memory");
-				break;
-			}
-			buf = nb;
-			bufcap = need;
-		}
-		if (content && f == CHAT_LLAMA3)
-			trim(&content, &content_len); /* Meta's template trims; ChatML templates do not */
-		if ((rc = push_id(&out->ids, start)) != 0)
+	size_t i;
+	json_t *m;
+	json_array_foreach(msgs, i, m)
+	{
+		json_t *r = json_object_get(m, "role"), *c = json_object_get(m, "content");
+		if (!json_is_object(m) || !json_is_string(r) || !json_is_string(c) || !json_string_length(r)) {
+			rc = errorf(err, errlen, -EINVAL, "chat message %zu needs a \"role\" and a \"content\" string", i);
 			break;
-		if (f == CHAT_LLAMA3) {
-			/* Roles are plain text; content may hold special-token text (parsed unless asked not to). */
-			rc = encode(tok, role, strlen(role), TOK_SPECIAL_AS_TEXT, &out->ids, err, errlen);
-			rc = rc ? rc : push_id(&out->ids, mid);
-			size_t k = (size_t)snprintf(buf, bufcap, "\n\n");
-			if (content) {
-				memcpy(buf + k, content, content_len);
-				k += content_len;
-			}
-			rc = rc ? rc : encode(tok, buf, k, flags, &out->ids, err, errlen);
-			if (!rc && content)
-				rc = push_id(&out->ids, end);
-		} else {
-			size_t k = (size_t)snprintf(buf, bufcap, "%s\n", role);
-			if (content) {
-				memcpy(buf + k, content, content_len);
-				k += content_len;
-			}
-			rc = encode(tok, buf, k, flags, &out->ids, err, errlen);
-			if (!rc && content) {
-				rc = push_id(&out->ids, end);
-				rc = rc ? rc : encode(tok, "\n", 1, flags, &out->ids, err, errlen);
-			}
 		}
-		if (rc == -ENOMEM)
-			errorf(err, errlen, -ENOMEM, "out of memory");
+		if (!role_ok(json_string_value(r))) {
+			rc = errorf(err, errlen, -EINVAL, "chat message %zu has an invalid role", i);
+			break;
+		}
 	}
-	free(buf);
+	if (!rc)
+		rc = render_template(tok, f, cfg, tmpl, msgs, flags, out, err, errlen);
 	json_decref(msgs);
 	return rc;
 }
@@ -298,7 +200,7 @@ int text_prompt_build(const struct tokenizer *tok, const struct jinja_template *
 				rc = push_id(&out->ids, bos);
 		}
 		if (!rc)
-			rc = encode(tok, g->prompt.p, g->prompt.len, flags, &out->ids, err, errlen);
+			rc = encode(tok, g->prompt.p, g->prompt.len, NULL, flags, &out->ids, err, errlen);
 	}
 	if (!rc && out->ids.n == 0)
 		rc = errorf(err, errlen, -EINVAL, "the prompt is empty");

@@ -13,16 +13,15 @@
  * text transformers' apply_chat_template gives (messages, bos_token, eos_token,
  * add_generation_prompt true, strftime_now the runner's clock), tokenized whole with no BOS added;
  * the turn ends at the end-of-turn token below where the tokenizer has one (every model's EOS
- * ends it anyway). Without a template, the built-in formats (chosen from the tokenizer's special
- * tokens):
+ * ends it anyway). Without a template, one of two built-in templates (chosen from the
+ * tokenizer's special tokens), rendered and tokenized the same way:
  *  - Llama 3 headers: <|begin_of_text|> then per message
  *    <|start_header_id|>ROLE<|end_header_id|>\n\nCONTENT<|eot_id|>, then the assistant header;
  *    the turn ends at <|eot_id|>. CONTENT is trimmed, as Meta's template does.
  *  - ChatML: per message <|im_start|>ROLE\nCONTENT<|im_end|>\n, then <|im_start|>assistant\n;
  *    the turn ends at <|im_end|>.
- * The text between special tokens is encoded as one piece, as tokenizing the whole rendered
- * template would; special-token text inside CONTENT is parsed as special tokens unless the
- * request says GEN_SPECIAL_AS_TEXT.
+ * Special-token text inside a message (ROLE, CONTENT) is parsed as special tokens unless the
+ * request says GEN_SPECIAL_AS_TEXT; the template's own always are.
  */
 #ifndef GPU_RUNNER_TEXT_H
 #define GPU_RUNNER_TEXT_H
