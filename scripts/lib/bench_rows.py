@@ -9,8 +9,8 @@ import subprocess
 
 from bench_read import *  # noqa: F401,F403 (decode_per_token_ms and the other readers)
 
-SCENARIOS = ("S1", "S2", "S3", "Q1", "Q2", "Q3", "P1", "P2", "P3", "M1", "M2", "M1R", "M2R", "CHECK", "K1", "K2", "D1", "B1",
-             "B2")  # the table's order
+SCENARIOS = ("S1", "S2", "S3", "Q1", "Q2", "Q3", "P1", "P2", "P3", "M1", "M2", "MX1", "MX2", "M1R", "M2R", "CHECK", "K1",
+             "K2", "D1", "B1", "B2")  # the table's order
 B_CONCURRENCY = (1, 4, 16, 32)  # B1, B2: streamed requests at once
 
 
@@ -435,15 +435,23 @@ def rows_m1_prefill(gp, lim, name, shape):
 
 EXPERTS_ALONE_K = 4  # the experts a layer bench-cpu-gemv runs for the M rows (the CPU's share of top-8)
 EXPERTS_ALONE_POOL_BYTES = 2 << 30  # ... drawn from a pool this large, past any CPU cache (as the ring's)
-# Bytes of a 768 x 2048 expert's three matrices (gate, up: 768 rows of 2048; down: 2048 rows of 768),
-# by the format bench-cpu-gemv makes them in: BF16, or Q4_K's 144-byte blocks of 256 values.
-EXPERT_768_BYTES = {"BF16": 3 * 768 * 2048 * 2, "Q4_K": 2 * 768 * (2048 // 256 * 144) + 2048 * (768 // 256 * 144)}
+MIXTRAL_EXPERT = (14336, 4096)  # Mixtral-8x7B's expert: gate and up 14336 rows of 4096, down 4096 of 14336
 
 
-def experts_alone_pool(fmt):
+def expert_bytes(fmt, rows=768, cols=2048):
+    """Bytes of one expert's three matrices of rows x cols (down cols x rows) in fmt, as bench-cpu-gemv
+    makes them (BF16, or Q4_K's 144-byte blocks of 256 values); 0 for another format."""
+    if fmt == "BF16":
+        return 3 * rows * cols * 2
+    if fmt == "Q4_K":
+        return 2 * rows * (cols // 256 * 144) + cols * (rows // 256 * 144)
+    return 0
+
+
+def experts_alone_pool(fmt, rows=768, cols=2048):
     """How many experts bench-cpu-gemv --experts draws from for the M rows: EXPERTS_ALONE_POOL_BYTES
     of them (at least its default 32), so that the layers' experts come from DRAM as in the runner."""
-    b = EXPERT_768_BYTES.get(fmt)
+    b = expert_bytes(fmt, rows, cols)
     return max(32, -(-EXPERTS_ALONE_POOL_BYTES // b)) if b else 32
 
 
@@ -465,13 +473,14 @@ def rows_m1_alone(rec, name, fmt):
     other = "; ".join(f"{said} {a[k]['ms']:.3f} ms ({a[k]['gbs']:.1f} GB/s, {a[k]['wait_pct']:.1f}%)"
                       for k, said in (("spin", "waiting parts spinning"), ("equal", "equal chunks")) if k in a)
     pool = f", {a['pool']} to choose from" if a.get("pool") else ""
-    return [f"| {name}, the CPU's experts alone (bench-cpu-gemv --experts {a.get('k', EXPERTS_ALONE_K)}: 768 x 2048 "
+    return [f"| {name}, the CPU's experts alone (bench-cpu-gemv --experts {a.get('k', EXPERTS_ALONE_K)}: "
+            f"{a.get('rows', 768)} x {a.get('cols', 2048)} "
             f"{fmt}{pool}, {a.get('threads', '?')} workers; a layer's span median, and the parts' time waiting between "
             f"phases{'; ' + other if other else ''}) | {d['ms']:.3f} ms ({d['gbs']:.1f} GB/s, {d['wait_pct']:.1f}%) "
             f"| - | - | - |"]
 
 
-def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16"):
+def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16", model="Qwen3-30B-A3B shape x24 layers", budget="4GiB"):
     gp, sp = rec.get("gpu", {}), rec.get("split", {})
     sb = sp.get("step_begin_ms") or {}  # a step's first routing after one (scripts/bench)
     if rec.get("failed") or gp.get("failed") or sp.get("failed"):
@@ -493,7 +502,7 @@ def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16"):
                 f"at once; each alone, {h2d/1e9:.1f} + {cpu/1e9:.1f} GB/s {fmt} GEMV: {lim_both:.1f} ms, "
                 f"{ms_s/lim_both:.2f}")
     return [
-        f"| {name} decode, routed experts copied (Qwen3-30B-A3B shape x24 layers {shape}, --gpu-budget 4GiB, --cpu-share 0; "
+        f"| {name} decode, routed experts copied ({model} {shape}, --gpu-budget {budget}, --cpu-share 0; "
         f"{dec/1e9:.2f} GB/token copied of {active_bytes(w)/1e9:.2f} GB of active parameters, "
         f"{gp['experts_passed_per_token']:.0f} expert groups passed over per token; {gp.get('experts_resident', 0)} "
         f"experts resident, {100 * gp.get('experts_resident_routing', 0):.1f}% of the routing, "
@@ -551,6 +560,8 @@ ROWS = {"S1": rows_s1, "D1": rows_d1, "S2": rows_s2, "S3": rows_s3, "Q1": rows_q
         "P2": rows_p("P2", "70B layer shape x16 bf16, GPU 8GiB, DRAM 40GiB"),
         "P3": rows_p("P3", "8B Q8_0, --gpu-budget 6GiB"), "M1": rows_m1,
         "M2": lambda rec, lim: rows_m1(rec, lim, "M2", "Q4_K_M", "Q4_K"),
+        "MX1": lambda rec, lim: rows_m1(rec, lim, "MX1", "bf16", "bf16", "Mixtral-8x7B shape x8 layers", "8GiB"),
+        "MX2": lambda rec, lim: rows_m1(rec, lim, "MX2", "Q4_K_M", "Q4_K", "Mixtral-8x7B shape x16 layers", "8GiB"),
         "M1R": rows_mres("M1R", "Qwen3-30B-A3B shape x24 layers bf16"),
         "M2R": rows_mres("M2R", "Qwen3-30B-A3B shape x24 layers Q4_K_M")}
 
