@@ -234,8 +234,10 @@ def prompt_ids(n, vocab):
     return [(i * 7919 + 13) % (vocab - 1000) + 500 for i in range(n)]
 
 
-def spread_ids(n, offset):
-    return [((i + offset) * 7919 + 13) % 127000 + 500 for i in range(n)]
+def spread_ids(n, offset, vocab=128256):
+    """n prompt ids spread over the vocabulary (a Llama 3 one's first 127500 past id 500, a smaller
+    one's all but its last 500)."""
+    return [((i + offset) * 7919 + 13) % min(127000, vocab - 1000) + 500 for i in range(n)]
 
 
 def k2_prompts():
