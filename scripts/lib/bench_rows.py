@@ -543,6 +543,8 @@ def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16", model="Qwen3-30B-A3B 
         + (f"; {sp['guessed_per_token']:.1f} experts a token copied on a guess, {sp.get('guess_hits_per_token', 0):.1f} "
            f"of them chosen" if sp.get("guessed_per_token") else "")
         + (f", {sp['expert_depth']} slots for the streamed experts" if sp.get("expert_depth") else "")
+        + (f", {sp['split_per_token']:.1f} experts a token split between the copies and the CPU"
+           if sp.get("split_per_token") else "")
         + f") against the same bytes over "
         f"H2D + CPU | {ms_s:.1f} ms/token | {lim_split:.1f} ms/token ({said}) | {ms_s/lim_split:.2f} | <= 1.2 |",
     ] + rows_m1_ab(rec, lim_split, name) + rows_m1_alone(rec, name, fmt) + rows_m1_prefill(gp, lim, name, shape) + [

@@ -325,47 +325,57 @@ static int check_roles(struct backend *be, const struct group_weights *w, const 
 	return 0;
 }
 
-/* The shares of a split FFN (struct ffn_split) and the step it is asked for. */
-static int check_split(struct backend *be, const struct group_weights *w)
+/* The shares of a split FFN (struct ffn_split) and the step it is asked for: an FFN's (roles
+ * ROLE_W_*, ffn = ffn_dim, what "ffn") or a routed expert's (ROLE_EXPERT_*, its intermediate rows,
+ * "expert"). */
+static int check_split_as(struct backend *be, const struct group_weights *w, uint32_t ffn,
+			  const enum tensor_role roles[3], const char *what)
 {
 	const struct ffn_split *s = &w->split;
-	uint32_t ffn = be->cfg.ffn_dim, dim = be->cfg.dim, r = s->r;
+	uint32_t dim = be->cfg.dim, r = s->r;
+	const enum tensor_role gr = roles[0], ur = roles[1], dr = roles[2];
 	if (s->where != FFN_SPLIT_CPU && s->where != FFN_SPLIT_BACKEND)
-		return fail(be, -EINVAL, "ffn: unknown split %u", s->where);
+		return fail(be, -EINVAL, "%s: unknown split %u", what, s->where);
 	if (s->where == FFN_SPLIT_CPU) {
 		if (!be->p.cpu_pool)
-			return fail(be, -ENOTSUP, "ffn: a CPU share needs a CPU pool (backend_params.cpu_pool), and this "
-				    "backend was made without one");
+			return fail(be, -ENOTSUP, "%s: a CPU share needs a CPU pool (backend_params.cpu_pool), and this "
+				    "backend was made without one", what);
 		if (be->n > FFN_SPLIT_MAX_TOKENS)
-			return fail(be, -EINVAL, "ffn: a CPU share of a %u-token step (at most %u)", be->n,
+			return fail(be, -EINVAL, "%s: a CPU share of a %u-token step (at most %u)", what, be->n,
 				    FFN_SPLIT_MAX_TOKENS);
 	}
 	if (s->down.format >= DT_COUNT)
-		return fail(be, -EINVAL, "ffn: the second share's down tensor has unknown dtype %u", s->down.format);
+		return fail(be, -EINVAL, "%s: the second share's down tensor has unknown dtype %u", what, s->down.format);
 	uint32_t unit = ffn_split_unit((enum dtype)s->down.format);
 	if (r >= ffn || r % unit)
-		return fail(be, -EINVAL, "ffn: split at intermediate row %u of %u: it must be below %u and a multiple of "
-			    "%u (%s down_proj)", r, ffn, ffn, unit, dtype_name((enum dtype)s->down.format));
+		return fail(be, -EINVAL, "%s: split at intermediate row %u of %u: it must be below %u and a multiple of "
+			    "%u (%s down_proj)", what, r, ffn, ffn, unit, dtype_name((enum dtype)s->down.format));
 	enum weight_place rest = s->where == FFN_SPLIT_CPU ? PLACE_HOST : be->impl->place;
 	int rc;
-	if ((rc = check_tensor(be, &s->gate, ROLE_W_GATE, rest, r, ffn - r, 0, dim, false, "ffn", "second share's ")) ||
-	    (rc = check_tensor(be, &s->up, ROLE_W_UP, rest, r, ffn - r, 0, dim, false, "ffn", "second share's ")) ||
-	    (rc = check_tensor(be, &s->down, ROLE_W_DOWN, rest, 0, dim, r, ffn - r, false, "ffn", "second share's ")))
+	if ((rc = check_tensor(be, &s->gate, gr, rest, r, ffn - r, 0, dim, false, what, "second share's ")) ||
+	    (rc = check_tensor(be, &s->up, ur, rest, r, ffn - r, 0, dim, false, what, "second share's ")) ||
+	    (rc = check_tensor(be, &s->down, dr, rest, 0, dim, r, ffn - r, false, what, "second share's ")))
 		return rc;
 	if (r == 0)
 		return 0;
-	const struct weight_tensor *g = &w->t[ROLE_W_GATE], *u = &w->t[ROLE_W_UP], *d = &w->t[ROLE_W_DOWN];
+	const struct weight_tensor *g = &w->t[gr], *u = &w->t[ur], *d = &w->t[dr];
 	enum weight_place own = be->impl->place;
-	if ((rc = check_tensor(be, g, ROLE_W_GATE, own, 0, r, 0, dim, false, "ffn", "first share's ")) ||
-	    (rc = check_tensor(be, u, ROLE_W_UP, own, 0, r, 0, dim, false, "ffn", "first share's ")) ||
-	    (rc = check_tensor(be, d, ROLE_W_DOWN, own, 0, dim, 0, r, false, "ffn", "first share's ")))
+	if ((rc = check_tensor(be, g, gr, own, 0, r, 0, dim, false, what, "first share's ")) ||
+	    (rc = check_tensor(be, u, ur, own, 0, r, 0, dim, false, what, "first share's ")) ||
+	    (rc = check_tensor(be, d, dr, own, 0, dim, 0, r, false, what, "first share's ")))
 		return rc;
 	if (g->format != s->gate.format || u->format != s->up.format || d->format != s->down.format)
-		return fail(be, -EINVAL, "ffn: the shares of a split FFN differ in format (gate %s/%s, up %s/%s, down "
-			    "%s/%s)", dtype_name((enum dtype)g->format), dtype_name((enum dtype)s->gate.format),
+		return fail(be, -EINVAL, "%s: the shares of a split FFN differ in format (gate %s/%s, up %s/%s, down "
+			    "%s/%s)", what, dtype_name((enum dtype)g->format), dtype_name((enum dtype)s->gate.format),
 			    dtype_name((enum dtype)u->format), dtype_name((enum dtype)s->up.format),
 			    dtype_name((enum dtype)d->format), dtype_name((enum dtype)s->down.format));
 	return 0;
+}
+
+static int check_split(struct backend *be, const struct group_weights *w)
+{
+	static const enum tensor_role roles[] = {ROLE_W_GATE, ROLE_W_UP, ROLE_W_DOWN};
+	return check_split_as(be, w, be->cfg.ffn_dim, roles, "ffn");
 }
 
 static const char *phase_text(enum phase ph, const char *attn)
@@ -641,7 +651,17 @@ int backend_moe_expert(struct backend *be, const struct group_weights *w, uint32
 	if (expert >= be->cfg.n_experts || expert < be->next_expert || be->expert_taken[expert])
 		return fail(be, -EINVAL, "moe_expert(%u): experts come in increasing order, each once (on the GPU or the "
 			    "CPU), below %u (next: %u or later)", expert, be->cfg.n_experts, be->next_expert);
-	int rc = check_roles(be, w, roles, 3, "expert");
+	int rc;
+	if (w->split.where != FFN_SPLIT_NONE) {
+		/* Split between this backend (rows [0, r)) and the CPU pool (the rest, in host memory): a
+		 * decode step's, where the backend computes experts on the CPU. */
+		if (w->split.where != FFN_SPLIT_CPU || !be->impl->compute->moe_expert_cpu)
+			return fail(be, -ENOTSUP, "moe_expert(%u): the %s backend splits an expert only with the CPU pool",
+				    expert, be->impl->name);
+		rc = check_split_as(be, w, be->rows[ROLE_EXPERT_GATE], roles, "expert");
+	} else {
+		rc = check_roles(be, w, roles, 3, "expert");
+	}
 	if (rc)
 		return rc;
 	rc = be->impl->compute->moe_expert(be->dev, w, expert);

@@ -56,6 +56,10 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (strcmp(ex, "visit") && strcmp(ex, "route"))
 		return errorf(err, errlen, -EINVAL, "--cpu-experts '%s' is not route or visit", ex);
 	r->cpu_experts_early = !strcmp(ex, "route");
+	const char *sp = r->split_experts_arg ? r->split_experts_arg : "auto";
+	if (strcmp(sp, "auto") && strcmp(sp, "always") && strcmp(sp, "off"))
+		return errorf(err, errlen, -EINVAL, "--split-experts '%s' is not auto, always or off", sp);
+	r->split_experts = !strcmp(sp, "off") ? 0 : !strcmp(sp, "auto") ? 1 : 2;
 	const char *ch = r->cpu_expert_chunks_arg ? r->cpu_expert_chunks_arg : "taper";
 	if (strcmp(ch, "taper") && strcmp(ch, "equal"))
 		return errorf(err, errlen, -EINVAL, "--cpu-expert-chunks '%s' is not taper or equal", ch);

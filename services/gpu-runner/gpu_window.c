@@ -216,6 +216,8 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 		if (gl != w->routed_layer || !this_step) {
 			if (!this_step || gl < w->routed_layer || !gw_may_guess(w, gl))
 				return LATER;
+			if (w->split_r)
+				w->split_r[h] = w->base.cfg->expert_ffn_dim; /* a guess copies it whole */
 			out = !w->guess_set[(size_t)gl * w->base.cfg->n_experts + w->base.groups[h].expert];
 			if (out && !ring_source_group_pinned(w->ring, h))
 				return LATER; /* the CPU could not take it if the route chose it */
@@ -293,7 +295,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	if (rc)
 		return errorf(w->base.error, sizeof(w->base.error), rc, "%s", w->rs->error);
 	const void *src = ring_source_group_base(w->ring, h);
-	uint64_t bytes = w->copy_bytes[h];
+	uint64_t bytes = gw_copy_bytes(w, h);
 	/* Copies go round-robin over the copy streams (--copy-streams); every ordering is by
 	 * events, so it does not matter which stream carries which copy. */
 	cudaStream_t cs = w->copies[w->st.copies % w->n_copies];
@@ -444,7 +446,7 @@ static int win_acquire(struct weight_source *ws, uint32_t group, struct group_we
 		if (ce != cudaSuccess)
 			return errorf(ws->error, sizeof(ws->error), -EIO, "ordering compute after a copy: %s",
 				      cudaGetErrorString(ce));
-		ws->bytes_acquired += w->copy_bytes[group];
+		ws->bytes_acquired += gw_copy_bytes(w, group);
 	}
 	e->in_use = true;
 	ws->acquires++;
@@ -466,6 +468,8 @@ static int win_release(struct weight_source *ws, uint32_t group)
 	int src = gw_split_release(w, group);
 	if (src)
 		return src;
+	if (gw_expert_split(w, group))
+		w->split_r[group] = ws->cfg->expert_ffn_dim; /* this step's split is over (its pieces in the slot) */
 	if (e->resident)
 		return gw_strict_check(w);
 	struct gslot *s = &w->slots[e->slot];

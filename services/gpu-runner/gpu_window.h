@@ -88,7 +88,19 @@ struct gpu_window_params {
 	 * chooses is computed by the CPU from DRAM (--predict-experts, the runner's default; it acts
 	 * only with the CPU's share of experts on, where their host bytes stay in DRAM). */
 	bool predict_experts;
+	/* A mixture of experts in decode, with the CPU's share of experts on: a chosen expert whose
+	 * copy would take at least GW_SPLIT_EXPERT_MIN_S of the link is split between the two sides
+	 * (the link copies rows [0, r) of its gate and up and columns [0, r) of its down, the CPU
+	 * computes the rest from DRAM), r such that both sides end together; such a layer's experts
+	 * are not guessed (GW_SPLIT_AUTO, the runner's default). GW_SPLIT_ALWAYS splits whatever the
+	 * size (tests), GW_SPLIT_OFF (zero) never: whole experts to one side. */
+	enum gw_split_experts { GW_SPLIT_OFF = 0, GW_SPLIT_AUTO = 1, GW_SPLIT_ALWAYS = 2 } split_experts;
 };
+
+/* The link time (seconds) of an expert's copy from which GW_SPLIT_AUTO splits it: Mixtral-8x7B's
+ * experts (99 MB in Q4_K, 352 in bf16: 1.9 and 6.6 ms at 53 GB/s), not Qwen3-30B-A3B's (9.4 MB in
+ * bf16), whose layers of eight balance whole. */
+#define GW_SPLIT_EXPERT_MIN_S 1e-3
 
 enum gwin_state {
 	GWIN_ABSENT = 0,
@@ -122,6 +134,8 @@ struct gpu_window_stats {
 	uint64_t experts_guessed;	 /* streamed experts copied before their layer's route (predict_experts) */
 	uint64_t guess_hits;		 /* of those, chosen by the route */
 	uint64_t guess_missed;		 /* passed over before the route, then chosen: left to the CPU */
+	uint64_t experts_split;		 /* routed experts split between the link and the CPU (split_experts) */
+	uint64_t experts_split_cpu_bytes; /* of experts_cpu_bytes, the CPU's rows of split experts */
 	uint64_t step_resets;		 /* failed steps settled before the next (weights.h, reset) */
 	uint32_t pins_kept;		 /* ring mappings taken over pinned from the window before */
 	uint32_t one_copy_groups;	 /* groups copied in one piece, laid out as in their host slot */

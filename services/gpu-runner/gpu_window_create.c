@@ -297,6 +297,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	w->tied = cfg->tie_embeddings != 0;
 	w->heat_known = p->expert_heat != NULL;
 	w->predict = p->predict_experts && cfg->n_experts;
+	w->split_experts = p->split_experts;
 	uint32_t depth = p->depth ? p->depth : 2;
 
 	/* The device layout of every group whole, and the group table the plan sees with device sizes. */

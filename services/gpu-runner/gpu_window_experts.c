@@ -8,6 +8,7 @@
 
 #include <cuda_runtime_api.h>
 #include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,10 +20,46 @@ static void on_cpu_set(bool *on_cpu, uint32_t x, bool v)
 		on_cpu[x] = v;
 }
 
+/* May a route split expert group g with the CPU (split_experts)? Where its copy takes at least
+ * GW_SPLIT_EXPERT_MIN_S of the link (auto), always, or never. */
+static bool may_split(const struct gpu_window *w, uint32_t g)
+{
+	if (w->split_experts == GW_SPLIT_OFF || w->moe_policy.mode == CPU_SHARE_OFF)
+		return false;
+	if (w->split_experts == GW_SPLIT_ALWAYS)
+		return true;
+	const double h2d = w->st.h2d_bytes_per_s > 0 ? w->st.h2d_bytes_per_s : 1;
+	return (double)w->copy_bytes[g] / h2d >= GW_SPLIT_EXPERT_MIN_S;
+}
+
 bool gw_may_guess(const struct gpu_window *w, uint32_t layer)
 {
+	/* Not the experts a route splits: split after the route, both sides end together, where a
+	 * guess copies a whole expert that random routings mostly do not choose (MX1: 69 of 251) and
+	 * leaves a chosen one it passed over whole to the CPU. */
 	return w->predict && w->last_known && layer < w->base.cfg->n_layers && w->last_known[layer] &&
-	       w->moe_policy.mode != CPU_SHARE_OFF && w->base.step_tokens <= FFN_SPLIT_MAX_TOKENS;
+	       w->moe_policy.mode != CPU_SHARE_OFF && w->base.step_tokens <= FFN_SPLIT_MAX_TOKENS &&
+	       !(w->expert0 && w->expert0[layer] != NO_GROUP && may_split(w, w->expert0[layer]));
+}
+
+/* The GPU's rows r of expert group g (0 < r < its intermediate rows, a multiple of down's
+ * ffn_split_unit) that end the link's side (gpu_s, the copy of the whole th seconds) and the CPU's
+ * (cpu_s, the whole tc) together; 0 where the balance gives it whole to either side. */
+static uint32_t split_rows(const struct gpu_window *w, uint32_t g, double gpu_s, double cpu_s, double th, double tc)
+{
+	const struct weight_source *ws = &w->base;
+	const uint32_t F = ws->cfg->expert_ffn_dim;
+	int ti = model_find_tensor(ws->cfg, ws->tensors, ws->groups, g, ROLE_EXPERT_DOWN);
+	if (ti < 0 || !(th + tc > 0))
+		return 0;
+	const uint32_t unit = ffn_split_unit((enum dtype)ws->tensors[ti].dtype);
+	if (!unit || F % unit || F < 2 * unit)
+		return 0;
+	const double f = (cpu_s + tc - gpu_s) / (th + tc); /* gpu_s + f th = cpu_s + (1 - f) tc */
+	if (!(f > 0) || !(f < 1))
+		return 0;
+	const uint32_t units = F / unit, r = (uint32_t)lround(f * units) * unit;
+	return r > 0 && r < F ? r : 0;
 }
 
 /* What the next decode step copies of `layer`'s streamed experts before its route, from this
@@ -110,6 +147,11 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 	}
 	w->host_reads = false; /* the layer before has ended (moe_end) */
 	uint32_t g0 = w->expert0[layer];
+	/* No split of this layer's experts from a step before (a failed one) stands. */
+	for (uint32_t g = g0; g != NO_GROUP && g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
+			      ws->groups[g].layer == layer; g++)
+		if (w->split_r)
+			w->split_r[g] = cfg->expert_ffn_dim;
 	/* The CPU's side: chosen experts not resident whose host bytes stay in DRAM, in a decode step. */
 	const struct cpu_share_policy *pol = &w->moe_policy;
 	const bool cpu = pol->mode != CPU_SHARE_OFF && on_cpu && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS;
@@ -159,7 +201,20 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 			/* What a copy moves (its slot's gaps included: gw_layout) against what the CPU reads. */
 			double b = (double)w->copy_bytes[g], bc = (double)ws->groups[g].tensor_bytes, h2d = h2d_r,
 			       rate = cpu_r;
-			if (rate > 0 && cpu_s + bc / rate <= gpu_s + b / h2d) {
+			/* Or split between them (split_experts), so that both end together: the copy takes
+			 * the GPU's rows [0, r), the CPU the rest, the visit both (gw_split_fill). */
+			const uint32_t F = cfg->expert_ffn_dim,
+				       r = rate > 0 && w->split_r && may_split(w, g)
+						   ? split_rows(w, g, gpu_s, cpu_s, b / h2d, bc / rate) : 0;
+			if (r) {
+				const double fc = (double)(F - r) / F;
+				w->split_r[g] = r;
+				gpu_s += (1 - fc) * b / h2d;
+				cpu_s += fc * bc / rate;
+				w->st.experts_split++;
+				w->st.experts_split_cpu_bytes += (uint64_t)(fc * bc + 0.5);
+				w->st.experts_cpu_bytes += (uint64_t)(fc * bc + 0.5);
+			} else if (rate > 0 && cpu_s + bc / rate <= gpu_s + b / h2d) {
 				e->on_cpu = true;
 				cpu_s += bc / rate;
 				w->st.experts_cpu++;

@@ -84,6 +84,7 @@ struct gpu_window {
 	uint32_t *expert0;	   /* n_layers: the layer's first expert group (NO_GROUP: none), on first route */
 	bool *fetch;		   /* n_experts: the experts a route asks of the ring together (win_route) */
 	bool predict;		   /* --predict-experts: a later layer's experts issued on its last routing */
+	enum gw_split_experts split_experts; /* which chosen experts a route may split with the CPU */
 	uint64_t op_ns[GW_HOST_OPS], op_calls[GW_HOST_OPS]; /* the host's time in the engine's calls, by
 							     * call (window_ops' timed_*) */
 	uint64_t copy_ns, poll_ns; /* of it: issuing copies, polling those in flight */
@@ -121,7 +122,8 @@ struct gpu_window {
 	uint64_t budget;      /* --gpu-budget the plan had */
 
 	/* Split FFNs (gpu_window_split.c). */
-	uint32_t *split_r;	   /* n_groups: r of a split FFN group; ffn_dim for every other group */
+	uint32_t *split_r;	   /* n_groups: r of a split FFN group, or of an expert group its route split
+				    * this step (gw_route); ffn_dim for every other group */
 	uint32_t *split_r_layer;   /* n_layers: the plan's r per layer */
 	struct split_plan plan;	   /* plan.r is split_r_layer */
 	double cpu_rate[DT_COUNT]; /* the CPU's measured product rates (auto) */
@@ -220,6 +222,11 @@ void gw_split_destroy(struct gpu_window *w);
  * plan.max_tokens tokens: FFN_SPLIT_CPU), else its copy in side_mem (FFN_SPLIT_BACKEND; the copy
  * issued now if it was not ahead, and the compute stream made to wait for it). Returns 0 or -EIO. */
 int gw_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw);
+/* Is expert group g split between the link and the CPU this step (gw_route set split_r[g] below
+ * the experts' intermediate rows)? Its copy takes only the GPU's rows (gw_piece). */
+bool gw_expert_split(const struct gpu_window *w, uint32_t g);
+/* The bytes a copy of group g moves now: copy_bytes, or a split expert's pieces. */
+uint64_t gw_copy_bytes(const struct gpu_window *w, uint32_t g);
 /* Group g was computed: what read the ring or side_mem is recorded; in a prefill step the next split
  * FFN's rows start copying into side_mem. Returns 0 or -EIO. */
 int gw_split_release(struct gpu_window *w, uint32_t g);

@@ -30,26 +30,35 @@
  * the streamed experts have them: twice split_calibrate's bytes a run. */
 #define MOE_CALIBRATE_BYTES_EACH (2 * SPLIT_CALIBRATE_BYTES)
 
+/* A split FFN group (the plan's; an expert split by its route is gw_expert_split). */
 static bool is_split(const struct gpu_window *w, uint32_t g)
 {
-	return w->split_r && w->split_r[g] < w->base.cfg->ffn_dim;
+	return w->split_r && w->base.groups[g].kind != GROUP_EXPERT && w->split_r[g] < w->base.cfg->ffn_dim;
+}
+
+bool gw_expert_split(const struct gpu_window *w, uint32_t g)
+{
+	return w->split_r && w->base.groups[g].kind == GROUP_EXPERT && w->split_r[g] < w->base.cfg->expert_ffn_dim;
 }
 
 struct gw_piece gw_piece(const struct gpu_window *w, uint32_t g, uint32_t ti, bool rest)
 {
 	const struct tensor_desc *t = &w->base.tensors[ti];
 	struct gw_piece pc = {t->slot_offset, t->nbytes, 1, t->nbytes};
-	bool mat = t->role == ROLE_W_GATE || t->role == ROLE_W_UP || t->role == ROLE_W_DOWN;
-	if (!is_split(w, g) || !mat) {
+	const bool expert = gw_expert_split(w, g);
+	const bool down = t->role == (expert ? ROLE_EXPERT_DOWN : ROLE_W_DOWN);
+	const bool mat = down || t->role == (expert ? ROLE_EXPERT_GATE : ROLE_W_GATE) ||
+			 t->role == (expert ? ROLE_EXPERT_UP : ROLE_W_UP);
+	if (!(expert || is_split(w, g)) || !mat) {
 		if (rest)
 			pc.width = 0;
 		return pc;
 	}
-	const uint32_t ffn = w->base.cfg->ffn_dim, r = w->split_r[g];
+	const uint32_t ffn = expert ? w->base.cfg->expert_ffn_dim : w->base.cfg->ffn_dim, r = w->split_r[g];
 	const uint32_t a = rest ? r : 0, n = rest ? ffn - r : r;
 	const enum dtype f = (enum dtype)t->dtype;
 	const uint64_t full = dtype_row_bytes(f, t->shape[1]);
-	if (t->role == ROLE_W_DOWN) {
+	if (down) {
 		/* Columns [a, a + n) of every row: whole blocks, contiguous within a row. */
 		pc.src_off += dtype_row_bytes(f, a);
 		pc.width = dtype_row_bytes(f, n);
@@ -67,7 +76,7 @@ int gw_copy_pieces(struct gpu_window *w, uint32_t g, bool rest, void *dev, const
 		   cudaStream_t s)
 {
 	const struct group_desc *gd = &w->base.groups[g];
-	if (!rest && off == w->dev_off && w->span_base[g] != NO_SPAN) {
+	if (!rest && off == w->dev_off && w->span_base[g] != NO_SPAN && !gw_expert_split(w, g)) {
 		/* The slot's layout: one copy (gw_layout). */
 		cudaError_t e = cudaMemcpyAsync(dev, (const char *)host + w->span_base[g], w->copy_bytes[g],
 						cudaMemcpyHostToDevice, s);
@@ -597,8 +606,42 @@ static int issue_side(struct gpu_window *w, uint32_t g)
 	return 0;
 }
 
+uint64_t gw_copy_bytes(const struct gpu_window *w, uint32_t g)
+{
+	if (!gw_expert_split(w, g))
+		return w->copy_bytes[g];
+	const struct group_desc *gd = &w->base.groups[g];
+	uint64_t bytes = 0;
+	for (uint32_t i = 0; i < gd->n_tensors; i++) {
+		struct gw_piece pc = gw_piece(w, g, gd->first_tensor + i, false);
+		bytes += pc.width * pc.height;
+	}
+	return bytes;
+}
+
+/* An expert split by its route: the GPU's rows [0, r) as copied (gw_copy_pieces: gate's and up's
+ * first rows in place, down's first columns packed, rows of r columns), the CPU's the rest in the
+ * ring in place (pinned: gw_route splits no other). */
+static void expert_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw)
+{
+	const uint32_t r = w->split_r[g];
+	struct weight_tensor *gt = &gw->t[ROLE_EXPERT_GATE], *ut = &gw->t[ROLE_EXPERT_UP], *dt = &gw->t[ROLE_EXPERT_DOWN];
+	gt->rows = ut->rows = r;
+	dt->cols = r;
+	dt->row_bytes = dtype_row_bytes((enum dtype)dt->format, r);
+	struct group_weights hw;
+	weights_fill(&w->base, g, ring_source_group_base(w->ring, g), NULL, &hw);
+	weights_split_expert(&hw, r, FFN_SPLIT_CPU);
+	gw->split = hw.split;
+	w->host_reads = true; /* the pool reads the ring until the layer's end */
+}
+
 int gw_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw)
 {
+	if (gw_expert_split(w, g)) {
+		expert_split_fill(w, g, gw);
+		return 0;
+	}
 	if (!is_split(w, g))
 		return 0;
 	const uint32_t ffn = w->base.cfg->ffn_dim, r = w->split_r[g];

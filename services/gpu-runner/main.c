@@ -314,6 +314,11 @@ int main(int argc, char **argv)
 		 "about how many weight bytes a chunk of a routed expert's job on the CPU reads (16KiB..16MiB): "
 		 "finer chunks spread a layer of few experts over more workers, each chunk's start paid more "
 		 "often; the same results either way"},
+		{"split-experts", OPT_STRING, &r.split_experts_arg, "auto",
+		 "mixture of experts, cuda, decode with the CPU's share: split a chosen expert between the copies "
+		 "(its first rows) and the CPU (the rest, from DRAM) so that both end together: auto (experts whose "
+		 "copy takes 1 ms or more, such as Mixtral's; their layers are not guessed ahead), always (tests), or "
+		 "off (each expert whole to one side)"},
 		{"cpu-experts", OPT_STRING, &r.cpu_experts_arg, "route",
 		 "when the experts a route leaves for the CPU go to its pool: route (right after the layer's "
 		 "routing, before the GPU's experts are queued) or visit (at their place among the layer's "

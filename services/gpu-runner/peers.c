@@ -107,6 +107,7 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 				       .cpu_share = r->cpu_share, .cpu_pool = r->cpu_pool,
 				       .expert_heat = r->expert_heat, .spread = r->window_spread,
 				       .predict_experts = r->predict_experts,
+				       .split_experts = (enum gw_split_experts)r->split_experts,
 				       .fixed_residency = r->fixed_residency};
 	if (!wp.h2d_bytes_per_s)
 		wp.h2d_bytes_per_s = r->h2d_measured; /* a window made anew: the rate the first one measured */

@@ -83,6 +83,9 @@ struct runner {
 	bool predict_experts;	/* --predict-experts: later layers' experts copied on their last routing */
 	const char *cpu_share_arg, *cpu_handoff_arg; /* --cpu-share, --cpu-handoff as given */
 	const char *cpu_result_arg, *cpu_experts_arg; /* --cpu-result, --cpu-experts as given */
+	const char *split_experts_arg;		      /* --split-experts as given */
+	uint8_t split_experts;			      /* its enum gw_split_experts (gpu_window.h): 0 off,
+						       * 1 auto, 2 always */
 	const char *cpu_share_balance_arg;	      /* --cpu-share-balance as given */
 	const char *cpu_expert_chunks_arg;	      /* --cpu-expert-chunks as given */
 	const char *cpu_pin_runner_arg;		      /* --cpu-pin-runner as given */

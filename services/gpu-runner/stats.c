@@ -405,6 +405,9 @@ char *runner_stats(void *ctx)
 			json_object_set_new(g, "experts_guessed", json_integer((json_int_t)ws2.experts_guessed));
 			json_object_set_new(g, "guess_hits", json_integer((json_int_t)ws2.guess_hits));
 			json_object_set_new(g, "guess_missed", json_integer((json_int_t)ws2.guess_missed));
+			json_object_set_new(g, "experts_split", json_integer((json_int_t)ws2.experts_split));
+			json_object_set_new(g, "experts_split_cpu_bytes",
+					    json_integer((json_int_t)ws2.experts_split_cpu_bytes));
 			json_object_set_new(g, "step_resets", json_integer((json_int_t)ws2.step_resets));
 			json_object_set_new(g, "host_ms", json_real(ws2.host_ms));
 			json_t *by = json_object(), *calls = json_object();

@@ -127,6 +127,9 @@ void runner_register_tunables(struct runner *r)
 	service_add_fixed(s, "strict", TUNABLE_BOOL, r->strict ? "true" : "false", "check the GPU window's invariants");
 	service_add_fixed(s, "predict-experts", TUNABLE_BOOL, r->predict_experts ? "true" : "false",
 			  "the GPU's share of later layers' experts copied before their routing, on their last one");
+	service_add_fixed(s, "split-experts", TUNABLE_STRING,
+			  r->split_experts == 2 ? "always" : r->split_experts == 1 ? "auto" : "off",
+			  "chosen experts split between the copies and the CPU (cuda, decode)");
 	service_add_fixed(s, "experts-apart", TUNABLE_BOOL, r->experts_apart ? "true" : "false",
 			  "each expert the GPU keeps launched on its own, not a layer's together (cuda, decode)");
 	service_add_fixed(s, "moe-host-route", TUNABLE_BOOL, r->moe_host_route ? "true" : "false",

@@ -60,9 +60,10 @@ void weight_tensor_cols(const struct weight_tensor *t, uint32_t c0, uint32_t n, 
 	out->cols = n;
 }
 
-void weights_split_ffn(struct group_weights *w, uint32_t r, enum ffn_split_where where)
+static void split_roles(struct group_weights *w, uint32_t r, enum ffn_split_where where, enum tensor_role gr,
+			enum tensor_role ur, enum tensor_role dr)
 {
-	struct weight_tensor *g = &w->t[ROLE_W_GATE], *u = &w->t[ROLE_W_UP], *d = &w->t[ROLE_W_DOWN];
+	struct weight_tensor *g = &w->t[gr], *u = &w->t[ur], *d = &w->t[dr];
 	uint32_t ffn = g->rows;
 	struct ffn_split *s = &w->split;
 	memset(s, 0, sizeof(*s));
@@ -74,4 +75,14 @@ void weights_split_ffn(struct group_weights *w, uint32_t r, enum ffn_split_where
 	weight_tensor_rows(g, 0, r, g);
 	weight_tensor_rows(u, 0, r, u);
 	weight_tensor_cols(d, 0, r, d);
+}
+
+void weights_split_ffn(struct group_weights *w, uint32_t r, enum ffn_split_where where)
+{
+	split_roles(w, r, where, ROLE_W_GATE, ROLE_W_UP, ROLE_W_DOWN);
+}
+
+void weights_split_expert(struct group_weights *w, uint32_t r, enum ffn_split_where where)
+{
+	split_roles(w, r, where, ROLE_EXPERT_GATE, ROLE_EXPERT_UP, ROLE_EXPERT_DOWN);
 }

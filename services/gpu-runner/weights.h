@@ -121,6 +121,8 @@ void weight_tensor_cols(const struct weight_tensor *t, uint32_t c0, uint32_t n, 
  * ffn_split_unit; backend.h, struct ffn_split): w's gate, up and down become the first share, read
  * in place (down keeps its row_bytes), w->split the second, at the same places, computed `where`. */
 void weights_split_ffn(struct group_weights *w, uint32_t r, enum ffn_split_where where);
+/* The same for a routed expert's gate, up and down (ROLE_EXPERT_*): 0 < r < its intermediate rows. */
+void weights_split_expert(struct group_weights *w, uint32_t r, enum ffn_split_where where);
 
 /* weights_fill_at in host memory at the tensors' slot offsets (the weight ring's layout). */
 void weights_fill(const struct weight_source *s, uint32_t group, const void *base, const void *embed_base,

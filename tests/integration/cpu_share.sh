@@ -25,6 +25,8 @@ expect_start_fails "--cpu-result sideways" "cpu-result 'sideways' is not copy or
 	--model "$MODEL" --runner-opt=--cpu-result=sideways
 expect_start_fails "--cpu-experts later" "cpu-experts 'later' is not route or visit" \
 	--model "$MODEL" --runner-opt=--cpu-experts=later
+expect_start_fails "--split-experts sometimes" "split-experts 'sometimes' is not auto, always or off" \
+	--model "$MODEL" --runner-opt=--split-experts=sometimes
 expect_start_fails "--cpu-expert-chunks ragged" "cpu-expert-chunks 'ragged' is not taper or equal" \
 	--model "$MODEL" --runner-opt=--cpu-expert-chunks=ragged
 expect_start_fails "--cpu-pin-runner maybe" "cpu-pin-runner 'maybe' is not yes or no" \

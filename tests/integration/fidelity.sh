@@ -27,6 +27,8 @@ read -r -a START_OPTS <<<"${FIDELITY_START_OPTS:-}"
 if [[ $BACKEND != cpu ]]; then
 	export FIDELITY_REL_L2_MAX=2e-2
 fi
+# FIDELITY_EXPECT_SPLIT=1: some routed expert was split between the copies and the CPU over the
+# cases (--split-experts always; the runner's gpu_window stats count them).
 # FIDELITY_REQUIRE_GPU=1: skipped (77) where no GPU answers (the ctest registration for GPU hosts).
 if [[ ${FIDELITY_REQUIRE_GPU:-0} == 1 ]] && ! nvidia-smi -L >/dev/null 2>&1; then
 	echo "[$IT_NAME] no GPU here: skipped"
@@ -123,6 +125,7 @@ fidelity_cleanup() {
 trap fidelity_cleanup EXIT
 
 failed=()
+experts_split=0 # routed experts split between the copies and the CPU over every case
 cpu_jobs=0 # CPU share jobs and CPU experts over every case (FIDELITY_START_OPTS with --cpu-share)
 # case_failed NAME WHY: notes a failure and goes on with the next case.
 case_failed() {
@@ -192,7 +195,9 @@ lists ${want_files//$'\n'/ }: the generator changed; remake the fixtures (tests/
 		st=$("$PIPECTL" stats gpu-runner)
 		jobs=$(sed -n '/"cpu_share"/,/}/s/^ *"jobs": *\([0-9]*\).*/\1/p' <<<"$st" | head -n 1)
 		experts=$(sed -n '/"cpu_share"/,/}/s/^ *"experts": *\([0-9]*\).*/\1/p' <<<"$st" | head -n 1)
-		log "$name: ${jobs:-0} CPU share jobs, ${experts:-0} experts on the CPU"
+		split=$(sed -n 's/^ *"experts_split": *\([0-9]*\).*/\1/p' <<<"$st" | head -n 1)
+		log "$name: ${jobs:-0} CPU share jobs, ${experts:-0} experts on the CPU, ${split:-0} split with it"
+		experts_split=$((experts_split + ${split:-0}))
 		cpu_jobs=$((cpu_jobs + ${jobs:-0} + ${experts:-0}))
 		if ((${experts:-0} > 0)); then # the pool's experts shown where a user looks
 			expect_grep "^CPU experts +[1-9][0-9]* routed experts computed by the CPU pool" \
@@ -225,6 +230,9 @@ done
 
 if [[ " ${START_OPTS[*]} " == *" --cpu-share "* ]]; then
 	expect_gt "$cpu_jobs" 0 "CPU share jobs and experts over every case (the cases that stream must use the CPU)"
+fi
+if [[ ${FIDELITY_EXPECT_SPLIT:-0} == 1 ]]; then
+	expect_gt "$experts_split" 0 "routed experts split between the copies and the CPU over every case"
 fi
 ((${#failed[@]} == 0)) || fail "${#failed[@]} of ${#fixtures[@]} cases differ from transformers: ${failed[*]}"
 log "ok: ${#fixtures[@]} cases match transformers"

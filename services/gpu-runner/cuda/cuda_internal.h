@@ -334,6 +334,10 @@ void moe_stats(struct backend_dev *be, struct backend_cpu_share_stats *out);
 /* backend.h's moe_expert_cpu: submitted to the pool at once, collected in order at moe_end;
  * moe_settle waits for those still running (a failed step). */
 int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32_t expert);
+/* The CPU's share of an expert split with the pool (struct ffn_split, FFN_SPLIT_CPU: rows [r, F) of
+ * gate and up, down's columns [r, F), in host memory), submitted as moe_expert_cpu's whole experts
+ * are; moe_expert computes rows [0, r) and calls it. */
+int moe_expert_cpu_share(struct backend_dev *be, const struct ffn_split *s, uint32_t expert);
 void moe_settle(struct backend_dev *be);
 /* The results of the CPU's experts whose jobs the stream waited for (one token: moe.cu), waited
  * for where the stream has not passed them yet (a route, backend.h's moe_check at a step's end):

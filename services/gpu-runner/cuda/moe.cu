@@ -489,7 +489,16 @@ int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t e
 	struct cuda_moe *m = be->moe;
 	if (!moe_expert_used(be, expert))
 		return 0;
-	const uint32_t o = m->off[expert], cnt = m->off[expert + 1] - o, dim = c->dim, F = m->F;
+	int rc;
+	/* Split with the CPU (the window's route, a decode step): the pool takes intermediate rows
+	 * [r, F) from host memory, submitted first so that it computes while the GPU's rows arrive;
+	 * the GPU computes rows [0, r) below. Each side's row is weighed by the router as a whole
+	 * expert's is, and the two are summed with the layer's others (moe_end). */
+	if (w->split.where == FFN_SPLIT_CPU && (rc = moe_expert_cpu_share(be, &w->split, expert)))
+		return rc;
+	/* F: the intermediate rows this side computes (the expert's, or the GPU's share of a split one). */
+	const uint32_t o = m->off[expert], cnt = m->off[expert + 1] - o, dim = c->dim,
+		       F = w->t[ROLE_EXPERT_GATE].rows;
 	const uint32_t gt = w->t[ROLE_EXPERT_GATE].format, ut = w->t[ROLE_EXPERT_UP].format,
 		       dt = w->t[ROLE_EXPERT_DOWN].format, at = act_dtype(gt);
 	if (act_dtype(ut) != at || act_dtype(dt) != at)
@@ -503,7 +512,6 @@ int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t e
 				  expert, m->n_gpu + 1, m->k);
 	/* One token: its row is gathered once a layer (for the first expert, or one of another dtype);
 	 * a wide chunk every routed row at once, the same way. */
-	int rc;
 	const size_t asz = at == DT_F32 ? sizeof(float) : 2;
 	const void *xin = m->xg;
 	if (m->wide) {

@@ -202,7 +202,11 @@ static int cpu_collect(struct backend_dev *be, uint32_t i)
 
 /* Submitted at once, so the pool computes it while the engine goes on with the GPU's experts (whose
  * copies pace it); its slot's previous job is collected first. */
-int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32_t expert)
+/* Expert `expert`'s rows gate, up (intermediate rows in host memory, in place) and down's matching
+ * columns (a row's stride may be longer than its columns) to the pool: a whole expert, or the CPU's
+ * share of a split one. */
+static int cpu_submit(struct backend_dev *be, const struct weight_tensor *gate, const struct weight_tensor *up,
+		      const struct weight_tensor *down, uint32_t expert)
 {
 	struct cuda_moe *m = be->moe;
 	if (!moe_expert_used(be, expert))
@@ -241,16 +245,15 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	}
 	struct moe_cpu_expert *ce = &m->cpu[i];
 	ce->expert = expert;
-	ce->gate = host_mat(&w->t[ROLE_EXPERT_GATE]);
-	ce->up = host_mat(&w->t[ROLE_EXPERT_UP]);
-	ce->down = host_mat(&w->t[ROLE_EXPERT_DOWN]);
+	ce->gate = host_mat(gate);
+	ce->up = host_mat(up);
+	ce->down = host_mat(down);
 	struct moe_cpu_job *cj = &m->jobs[i % m->n_jobs];
 	const uint32_t o = m->off[expert], cnt = m->off[expert + 1] - o;
 	ce->w = m->h_tw[o];
 	for (uint32_t r = 0; r < cnt; r++)
 		memcpy(cj->x + (size_t)r * dim, m->h_xn + (size_t)m->h_tok[o + r] * dim, dim * sizeof(float));
-	const uint64_t bytes = mat_bytes(&w->t[ROLE_EXPERT_GATE]) + mat_bytes(&w->t[ROLE_EXPERT_UP]) +
-			       mat_bytes(&w->t[ROLE_EXPERT_DOWN]);
+	const uint64_t bytes = mat_bytes(gate) + mat_bytes(up) + mat_bytes(down);
 	/* Cut finer for larger experts, in chunks of about --cpu-expert-chunk bytes
 	 * (ffn_share_threads_for_chunk: with the pool's threads over the k jobs,
 	 * 1 of 14 on the H200 host, a bf16 expert of Qwen3-30B-A3B, 9.4 MB, went in 12 chunks of 786 KB,
@@ -273,7 +276,7 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 			return cuda_failf(be, rc, "cuda backend: expert %u on the CPU: %s", expert, why);
 		cj->per = per;
 	}
-	ffn_share_job_init(&cj->job, &ce->gate, &ce->up, &ce->down, m->F, cnt, DT_F32);
+	ffn_share_job_init(&cj->job, &ce->gate, &ce->up, &ce->down, gate->rows, cnt, DT_F32);
 	cj->job.taper = be->p.cpu_expert_taper; /* several at once: a phase's last chunks small */
 	cj->job.pool = be->p.cpu_pool;		/* a part waiting between phases runs the others' */
 	cj->fail = m->fail_in && --m->fail_in == 0;
@@ -287,6 +290,16 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
 	m->n_cpu++;
 	m->cpu_ns += now_ns() - t0;
 	return 0;
+}
+
+int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32_t expert)
+{
+	return cpu_submit(be, &w->t[ROLE_EXPERT_GATE], &w->t[ROLE_EXPERT_UP], &w->t[ROLE_EXPERT_DOWN], expert);
+}
+
+int moe_expert_cpu_share(struct backend_dev *be, const struct ffn_split *s, uint32_t expert)
+{
+	return cpu_submit(be, &s->gate, &s->up, &s->down, expert);
 }
 
 /* Every job submitted and not yet collected waited for, and those the stream waits for (kept for

@@ -761,6 +761,50 @@ static void expect_host(struct fixture *f, struct weight_source *ws, int step, u
 	}
 }
 
+static uint32_t experts_split_seen; /* split experts expect_expert_split checked */
+
+/* An expert its route split with the CPU (--split-experts), as acquired: rows [0, r) of its gate and
+ * up and columns [0, r) of its down on the device (down's rows packed: r columns apart), the rest in
+ * host memory in place, all the checkpoint's bytes. */
+static void expect_expert_split(struct fixture *f, const struct group_weights *gw, uint32_t g)
+{
+	const uint32_t F = f->m->cfg.expert_ffn_dim, r = gw->split.r;
+	ck_assert_uint_eq(gw->split.where, FFN_SPLIT_CPU);
+	ck_assert_msg(r > 0 && r < F, "expert group %u split at %u of %u", g, r, F);
+	static const enum tensor_role mats[3] = {ROLE_EXPERT_GATE, ROLE_EXPERT_UP, ROLE_EXPERT_DOWN};
+	const struct weight_tensor *second[3] = {&gw->split.gate, &gw->split.up, &gw->split.down};
+	for (int i = 0; i < 3; i++) {
+		int ti = model_find_tensor(&f->m->cfg, f->m->tensors, f->m->groups, g, mats[i]);
+		ck_assert_int_ge(ti, 0);
+		const struct tensor_desc *t = &f->m->tensors[ti];
+		const enum dtype fmt = (enum dtype)t->dtype;
+		char *want = file_bytes(f->m, t);
+		const uint64_t full = dtype_row_bytes(fmt, t->shape[1]);
+		const struct weight_tensor *a = &gw->t[mats[i]], *b = second[i];
+		ck_assert_ptr_nonnull(b->data[PLACE_HOST]);
+		if (mats[i] == ROLE_EXPERT_DOWN) {
+			ck_assert_uint_eq(a->cols, r);
+			ck_assert_uint_eq(a->row_bytes, dtype_row_bytes(fmt, r));
+			ck_assert_uint_eq(b->col0, r);
+			ck_assert_uint_eq(b->cols, F - r);
+			expect_rows(a->data[PLACE_DEVICE], a->row_bytes, want, full, dtype_row_bytes(fmt, r),
+				    (uint32_t)t->shape[0], f->stream, "a split expert's down, the GPU's columns", g);
+			for (uint32_t row = 0; row < t->shape[0]; row++)
+				ck_assert(memcmp((const char *)b->data[PLACE_HOST] + row * b->row_bytes,
+						 want + row * full + dtype_row_bytes(fmt, r), dtype_row_bytes(fmt, F - r)) == 0);
+		} else {
+			ck_assert_uint_eq(a->rows, r);
+			ck_assert_uint_eq(b->row0, r);
+			ck_assert_uint_eq(b->rows, F - r);
+			expect_rows(a->data[PLACE_DEVICE], full, want, full, full, r, f->stream,
+				    "a split expert's gate or up, the GPU's rows", g);
+			ck_assert(memcmp(b->data[PLACE_HOST], want + r * full, (F - r) * full) == 0);
+		}
+		free(want);
+	}
+	experts_split_seen++;
+}
+
 /* steps routed steps over w (the first a chunk that chooses every expert, then decode with 2 experts
  * a token at random), as the engine makes them: every expert acquired holds the checkpoint's bytes,
  * and the state table stays consistent. Experts left for the CPU are taken right after their
@@ -810,7 +854,9 @@ static void routed_steps_as(struct fixture *f, struct gpu_window *w, int steps, 
 						ck_assert_int_eq(ws->ops->acquire_host(ws, h, &hw), -EPROTO);
 					}
 			}
-			if (gd->kind == GROUP_EXPERT) {
+			if (gd->kind == GROUP_EXPERT && gw.split.where != FFN_SPLIT_NONE) {
+				expect_expert_split(f, &gw, g);
+			} else if (gd->kind == GROUP_EXPERT) {
 				for (uint32_t i = 0; i < gd->n_tensors; i++) {
 					const struct tensor_desc *t = &f->m->tensors[gd->first_tensor + i];
 					char *want = file_bytes(f->m, t);
@@ -1029,6 +1075,51 @@ START_TEST(test_experts_guessed_beside_disk)
 	 * guessed out but chosen), those that stream from disk guessed in when last chosen, else left
 	 * for their route; every step's bytes and state table as before. */
 	experts_from_disk(9, true, true, false);
+}
+END_TEST
+
+/* --split-experts: mixtral-tiny (3 layers of 8 experts of 128 rows, 2 a token) all in DRAM, the GPU
+ * holding the attention and router groups and two expert slots, --cpu-share 0.5 (the CPU as fast as
+ * the link): with always, a decode route splits chosen experts between the link (the first 64 rows,
+ * the only unit of 64 below 128) and the CPU, their pieces copied and read in place with the
+ * checkpoint's bytes, its CPU bytes counted, and no layer guessed although --predict-experts is on;
+ * with auto such small experts (a copy far under GW_SPLIT_EXPERT_MIN_S) and with off nothing splits.
+ * The window's invariants hold at every step either way. */
+START_TEST(test_experts_split_with_the_cpu)
+{
+	struct fixture f;
+	start_shape(&f, "1GiB", "mixtral-tiny", 3);
+	const struct model_config *c = &f.m->cfg;
+	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = layer_bytes(f.m);
+	uint64_t head = dev_bytes(f.m, group_id_head(c));
+	char err[512];
+	struct task_pool *pool = two_workers();
+	static const enum gw_split_experts modes[] = {GW_SPLIT_ALWAYS, GW_SPLIT_AUTO, GW_SPLIT_OFF};
+	for (int k = 0; k < 3; k++) {
+		struct gpu_window_params p = {.gpu_budget = head + dense + 2 * x, .depth = 2, .strict = true,
+					      .cpu_pool = pool, .predict_experts = true, .split_experts = modes[k]};
+		ck_assert_int_eq(cpu_share_parse("0.5", &p.cpu_share, err, sizeof(err)), 0);
+		struct gpu_window *w = NULL;
+		ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+		experts_split_seen = 0;
+		routed_steps(&f, w, 24);
+		struct gpu_window_stats st;
+		gpu_window_stats(w, &st);
+		if (modes[k] == GW_SPLIT_ALWAYS) {
+			ck_assert_uint_gt(st.experts_split, 0);
+			ck_assert_uint_eq(experts_split_seen, st.experts_split);
+			ck_assert_uint_gt(st.experts_split_cpu_bytes, 0);
+			ck_assert_uint_ge(st.experts_cpu_bytes, st.experts_split_cpu_bytes);
+			ck_assert_uint_eq(st.experts_guessed, 0);
+		} else {
+			ck_assert_uint_eq(st.experts_split, 0);
+			ck_assert_uint_eq(experts_split_seen, 0);
+			ck_assert_uint_gt(st.experts_guessed, 0);
+		}
+		gpu_window_destroy(&w);
+	}
+	task_pool_destroy(&pool);
+	stop(&f);
 }
 END_TEST
 
@@ -1270,6 +1361,7 @@ int main(void)
 	tcase_add_test(tc, test_pins_kept);
 	tcase_add_test(tc, test_one_copy_groups);
 	tcase_add_test(tc, test_experts_guessed_beside_disk);
+	tcase_add_test(tc, test_experts_split_with_the_cpu);
 	suite_add_tcase(s, tc);
 	SRunner *sr = srunner_create(s);
 	/* CUDA contexts do not survive fork: run in this process. */
