@@ -199,8 +199,13 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 			/* To the side that then finishes first: copies at the H2D rate, or the CPU at its
 			 * product rate for the experts' format. */
 			/* What a copy moves (its slot's gaps included: gw_layout) against what the CPU reads. */
-			double b = (double)w->copy_bytes[g], bc = (double)ws->groups[g].tensor_bytes, h2d = h2d_r,
-			       rate = cpu_r;
+			/* The link at its rate beside the CPU where auto has learnt the CPU's (as guess_next
+			 * takes it): in MX1 and MX2 the copies, weighed at the link's rate alone, ended after
+			 * the CPU's rows (12.8 against 11.8 ms a token). */
+			const double beside = w->st.h2d_beside_cpu_bytes_per_s;
+			const bool learnt = pol->mode == CPU_SHARE_AUTO && w->st.expert_rate_jobs > 0;
+			double b = (double)w->copy_bytes[g], bc = (double)ws->groups[g].tensor_bytes,
+			       h2d = learnt && beside > 0 && beside < h2d_r ? beside : h2d_r, rate = cpu_r;
 			/* Or split between them (split_experts), so that both end together: the copy takes
 			 * the GPU's rows [0, r), the CPU the rest, the visit both (gw_split_fill). */
 			const uint32_t F = cfg->expert_ffn_dim,
