@@ -1078,6 +1078,15 @@ START_TEST(test_experts_guessed_beside_disk)
 }
 END_TEST
 
+/* A GPU budget of f's model that keeps the head, the attention and router groups of every layer
+ * and `slots` experts' room: the experts stream through that many slots. */
+static uint64_t attn_and_expert_slots(struct fixture *f, uint32_t slots)
+{
+	const struct model_config *c = &f->m->cfg;
+	return dev_bytes(f->m, group_id_head(c)) + layer_bytes(f->m) +
+	       slots * dev_bytes(f->m, model_group_expert(c, 0, 0));
+}
+
 /* --split-experts: mixtral-tiny (3 layers of 8 experts of 128 rows, 2 a token) all in DRAM, the GPU
  * holding the attention and router groups and two expert slots, --cpu-share 0.5 (the CPU as fast as
  * the link): with always, a decode route splits chosen experts between the link (the first 64 rows,
@@ -1089,14 +1098,11 @@ START_TEST(test_experts_split_with_the_cpu)
 {
 	struct fixture f;
 	start_shape(&f, "1GiB", "mixtral-tiny", 3);
-	const struct model_config *c = &f.m->cfg;
-	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = layer_bytes(f.m);
-	uint64_t head = dev_bytes(f.m, group_id_head(c));
 	char err[512];
 	struct task_pool *pool = two_workers();
 	static const enum gw_split_experts modes[] = {GW_SPLIT_ALWAYS, GW_SPLIT_AUTO, GW_SPLIT_OFF};
 	for (int k = 0; k < 3; k++) {
-		struct gpu_window_params p = {.gpu_budget = head + dense + 2 * x, .depth = 2, .strict = true,
+		struct gpu_window_params p = {.gpu_budget = attn_and_expert_slots(&f, 2), .depth = 2, .strict = true,
 					      .cpu_pool = pool, .predict_experts = true, .split_experts = modes[k]};
 		ck_assert_int_eq(cpu_share_parse("0.5", &p.cpu_share, err, sizeof(err)), 0);
 		struct gpu_window *w = NULL;
@@ -1136,13 +1142,11 @@ START_TEST(test_experts_guessed)
 	start_shape(&f, "1GiB", "mixtral-tiny", 3);
 	const struct model_config *c = &f.m->cfg;
 	const uint32_t E = c->n_experts;
-	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = layer_bytes(f.m);
-	uint64_t head = dev_bytes(f.m, group_id_head(c));
 	ck_assert(ring_source_all_resident(f.ring));
 	char err[512];
 	struct task_pool *pool = two_workers();
 	for (int predict = 0; predict < 2; predict++) {
-		struct gpu_window_params p = {.gpu_budget = head + dense + 2 * x, .depth = 2, .strict = true,
+		struct gpu_window_params p = {.gpu_budget = attn_and_expert_slots(&f, 2), .depth = 2, .strict = true,
 					      .cpu_pool = pool, .predict_experts = predict};
 		ck_assert_int_eq(cpu_share_parse("0.5", &p.cpu_share, err, sizeof(err)), 0);
 		struct gpu_window *w = NULL;
@@ -1210,11 +1214,9 @@ START_TEST(test_experts_guessed_at_their_rate)
 	struct fixture f;
 	start_shape(&f, "1GiB", "mixtral-tiny", 3);
 	const struct model_config *c = &f.m->cfg;
-	uint64_t x = dev_bytes(f.m, model_group_expert(c, 0, 0)), dense = layer_bytes(f.m);
-	uint64_t head = dev_bytes(f.m, group_id_head(c));
 	char err[512];
 	struct task_pool *pool = two_workers();
-	struct gpu_window_params p = {.gpu_budget = head + dense + 2 * x, .depth = 2, .strict = true,
+	struct gpu_window_params p = {.gpu_budget = attn_and_expert_slots(&f, 2), .depth = 2, .strict = true,
 				      .cpu_pool = pool, .predict_experts = true};
 	ck_assert_int_eq(cpu_share_parse("auto", &p.cpu_share, err, sizeof(err)), 0);
 	for (uint32_t d = 0; d < DT_COUNT; d++)
