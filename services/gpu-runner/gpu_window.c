@@ -205,6 +205,11 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	struct gslot *s = &w->slots[w->first_slot[c] + (uint32_t)(w->copied[c] % w->depth[c])];
 	struct gent *e = &w->g[h];
 	bool guess_copy = false;
+	/* Only the route of its own layer in this step splits an expert's copy (gw_route): any other
+	 * copies it whole (a guess, a window's or a reset's first copies). */
+	if (w->split_r && w->base.groups[h].kind == GROUP_EXPERT &&
+	    !(w->routing && w->base.groups[h].layer == w->routed_layer && k < w->route_pos + w->m[c]))
+		w->split_r[h] = gw_whole_r(w, h);
 	if (w->routing && w->base.groups[h].kind == GROUP_EXPERT) {
 		/* Only this step's groups of the routed layer: when every streamed expert lies in one
 		 * layer, the next step's come round again while the routing is still this step's. A
@@ -216,8 +221,6 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 		if (gl != w->routed_layer || !this_step) {
 			if (!this_step || gl < w->routed_layer || !gw_may_guess(w, gl))
 				return LATER;
-			if (w->split_r)
-				w->split_r[h] = w->base.cfg->expert_ffn_dim; /* a guess copies it whole */
 			out = !w->guess_set[(size_t)gl * w->base.cfg->n_experts + w->base.groups[h].expert];
 			if (out && !ring_source_group_pinned(w->ring, h))
 				return LATER; /* the CPU could not take it if the route chose it */
@@ -469,7 +472,7 @@ static int win_release(struct weight_source *ws, uint32_t group)
 	if (src)
 		return src;
 	if (gw_expert_split(w, group))
-		w->split_r[group] = ws->cfg->expert_ffn_dim; /* this step's split is over (its pieces in the slot) */
+		w->split_r[group] = gw_whole_r(w, group); /* this step's split is over (its pieces in the slot) */
 	if (e->resident)
 		return gw_strict_check(w);
 	struct gslot *s = &w->slots[e->slot];
@@ -541,6 +544,8 @@ static int win_reset(struct weight_source *ws)
 		struct gent *e = &w->g[g];
 		e->in_use = false;
 		e->unused = e->passed = e->on_cpu = e->guessed = e->guessed_in = false;
+		if (w->split_r)
+			w->split_r[g] = gw_whole_r(w, g); /* a split of the failed step's route is over */
 		if (e->resident || g == w->embed_group)
 			continue;
 		if (e->state == GWIN_RESIDENT &&

@@ -312,7 +312,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		goto out_fail;
 	}
 	for (uint32_t g = 0; g < ng; g++)
-		w->split_r[g] = cfg->ffn_dim;
+		w->split_r[g] = gw_whole_r(w, g);
 	gw_layout(w);
 	for (uint32_t g = 0; g < ng; g++) {
 		w->plan_groups[g] = rs->groups[g];

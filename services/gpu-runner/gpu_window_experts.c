@@ -20,16 +20,17 @@ static void on_cpu_set(bool *on_cpu, uint32_t x, bool v)
 		on_cpu[x] = v;
 }
 
-/* May a route split expert group g with the CPU (split_experts)? Where its copy takes at least
- * GW_SPLIT_EXPERT_MIN_S of the link (auto), always, or never. */
+/* May a route split expert group g with the CPU (split_experts)? Its host bytes pinned in DRAM (the
+ * CPU reads them in place) and, in auto, its copy taking at least GW_SPLIT_EXPERT_MIN_S of the link
+ * (as measured); always; or never. */
 static bool may_split(const struct gpu_window *w, uint32_t g)
 {
-	if (w->split_experts == GW_SPLIT_OFF || w->moe_policy.mode == CPU_SHARE_OFF)
+	if (w->split_experts == GW_SPLIT_OFF || w->moe_policy.mode == CPU_SHARE_OFF ||
+	    !ring_source_group_pinned(w->ring, g))
 		return false;
 	if (w->split_experts == GW_SPLIT_ALWAYS)
 		return true;
-	const double h2d = w->st.h2d_bytes_per_s > 0 ? w->st.h2d_bytes_per_s : 1;
-	return (double)w->copy_bytes[g] / h2d >= GW_SPLIT_EXPERT_MIN_S;
+	return w->st.h2d_bytes_per_s > 0 && (double)w->copy_bytes[g] / w->st.h2d_bytes_per_s >= GW_SPLIT_EXPERT_MIN_S;
 }
 
 bool gw_may_guess(const struct gpu_window *w, uint32_t layer)
@@ -151,7 +152,7 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 	for (uint32_t g = g0; g != NO_GROUP && g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
 			      ws->groups[g].layer == layer; g++)
 		if (w->split_r)
-			w->split_r[g] = cfg->expert_ffn_dim;
+			w->split_r[g] = gw_whole_r(w, g);
 	/* The CPU's side: chosen experts not resident whose host bytes stay in DRAM, in a decode step. */
 	const struct cpu_share_policy *pol = &w->moe_policy;
 	const bool cpu = pol->mode != CPU_SHARE_OFF && on_cpu && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS;
@@ -160,6 +161,12 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 	 * experts ran at where the runner has told it (gpu_window_set_expert_rate), else the start's
 	 * calibration (a fixed share: the rate that gives it). */
 	const double h2d_r = w->st.h2d_bytes_per_s > 0 ? w->st.h2d_bytes_per_s : 1;
+	/* The link at its rate beside the CPU where auto has learnt the CPU's (as guess_next takes it):
+	 * in MX1 and MX2 the copies, weighed at the link's rate alone, ended after the CPU's rows (12.8
+	 * against 11.8 ms a token). */
+	const double beside = w->st.h2d_beside_cpu_bytes_per_s;
+	const bool learnt = pol->mode == CPU_SHARE_AUTO && w->st.expert_rate_jobs > 0;
+	const double h2d_b = learnt && beside > 0 && beside < h2d_r ? beside : h2d_r;
 	const double cpu_r = pol->mode == CPU_SHARE_FIXED
 				     ? (pol->fraction >= 1 ? 1e30 : h2d_r * pol->fraction / (1 - pol->fraction))
 				     : gpu_window_expert_rate(w);
@@ -191,7 +198,7 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 			} else if (used[x] && in) {
 				w->st.guess_hits++;
 				if (e->state == GWIN_INFLIGHT) /* its copy still takes the link */
-					gpu_s += (double)w->copy_bytes[g] / h2d_r;
+					gpu_s += (double)w->copy_bytes[g] / h2d_b;
 			}
 		}
 		if (!e->on_cpu && cpu && used[x] && !e->resident && e->state == GWIN_ABSENT &&
@@ -199,13 +206,8 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 			/* To the side that then finishes first: copies at the H2D rate, or the CPU at its
 			 * product rate for the experts' format. */
 			/* What a copy moves (its slot's gaps included: gw_layout) against what the CPU reads. */
-			/* The link at its rate beside the CPU where auto has learnt the CPU's (as guess_next
-			 * takes it): in MX1 and MX2 the copies, weighed at the link's rate alone, ended after
-			 * the CPU's rows (12.8 against 11.8 ms a token). */
-			const double beside = w->st.h2d_beside_cpu_bytes_per_s;
-			const bool learnt = pol->mode == CPU_SHARE_AUTO && w->st.expert_rate_jobs > 0;
-			double b = (double)w->copy_bytes[g], bc = (double)ws->groups[g].tensor_bytes,
-			       h2d = learnt && beside > 0 && beside < h2d_r ? beside : h2d_r, rate = cpu_r;
+			double b = (double)w->copy_bytes[g], bc = (double)ws->groups[g].tensor_bytes, h2d = h2d_b,
+			       rate = cpu_r;
 			/* Or split between them (split_experts), so that both end together: the copy takes
 			 * the GPU's rows [0, r), the CPU the rest, the visit both (gw_split_fill). */
 			const uint32_t F = cfg->expert_ffn_dim,
@@ -238,10 +240,7 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 		 * the link as it runs beside the CPU where the calibration measured it so, the lead of the
 		 * copies, the share carried from layer to layer. Else (the start's calibration, a fixed
 		 * share): the rates as the route takes them, each layer rounded on its own. */
-		const bool learnt = pol->mode == CPU_SHARE_AUTO && w->st.expert_rate_jobs > 0;
-		const double beside = w->st.h2d_beside_cpu_bytes_per_s; /* taken only where lower, as the plan does */
-		const double h2d_g = learnt && beside > 0 && beside < h2d_r ? beside : h2d_r;
-		guess_next(w, layer, used, h2d_g, cpu ? cpu_r : 0, learnt ? w->st.expert_lead_ms * 1e-3 : 0, learnt);
+		guess_next(w, layer, used, h2d_b, cpu ? cpu_r : 0, learnt ? w->st.expert_lead_ms * 1e-3 : 0, learnt);
 		w->last_known[layer] = true;
 	} else if (w->last_known) {
 		w->last_known[layer] = false;

@@ -225,6 +225,11 @@ int gw_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw);
 /* Is expert group g split between the link and the CPU this step (gw_route set split_r[g] below
  * the experts' intermediate rows)? Its copy takes only the GPU's rows (gw_piece). */
 bool gw_expert_split(const struct gpu_window *w, uint32_t g);
+/* split_r of group g whole: its intermediate rows (an expert's expert_ffn_dim, else ffn_dim). */
+static inline uint32_t gw_whole_r(const struct gpu_window *w, uint32_t g)
+{
+	return w->base.groups[g].kind == GROUP_EXPERT ? w->base.cfg->expert_ffn_dim : w->base.cfg->ffn_dim;
+}
 /* The bytes a copy of group g moves now: copy_bytes, or a split expert's pieces. */
 uint64_t gw_copy_bytes(const struct gpu_window *w, uint32_t g);
 /* Group g was computed: what read the ring or side_mem is recorded; in a prefill step the next split

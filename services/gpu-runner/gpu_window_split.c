@@ -420,7 +420,7 @@ static int split_again(struct gpu_window *w, const bool *resident, const struct 
 	q.cpu_share.per_layer = per_layer;
 	const bool from_jobs = w->st.rates_from_jobs;
 	for (uint32_t g = 0; g < w->base.n_groups; g++)
-		w->split_r[g] = w->base.cfg->ffn_dim;
+		w->split_r[g] = gw_whole_r(w, g);
 	gw_layout(w);
 	int rc = gw_split_plan(w, resident, &q, err, errlen);
 	w->st.rates_from_jobs = from_jobs;
@@ -455,7 +455,7 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 	for (int tries = 0; tries < 3 && raise && !better; tries++) {
 		struct window_plan wp;
 		for (uint32_t g = 0; g < ng; g++)
-			w->split_r[g] = cfg->ffn_dim;
+			w->split_r[g] = gw_whole_r(w, g);
 		gw_layout(w);
 		if (window_plan(cfg, w->plan_groups, ng, &w->base.stage, p->gpu_budget + raise, depth, w->xdepth, NULL,
 				resident, &wp, why, sizeof(why)))
@@ -495,7 +495,7 @@ static void split_cancel(struct gpu_window *w)
 {
 	gw_split_destroy(w);
 	for (uint32_t g = 0; g < w->base.n_groups; g++)
-		w->split_r[g] = w->base.cfg->ffn_dim;
+		w->split_r[g] = gw_whole_r(w, g);
 	for (uint32_t l = 0; l < w->base.cfg->n_layers; l++)
 		w->split_r_layer[l] = w->base.cfg->ffn_dim;
 	w->plan.pcie_bytes += w->plan.cpu_bytes;
@@ -622,26 +622,29 @@ uint64_t gw_copy_bytes(const struct gpu_window *w, uint32_t g)
 /* An expert split by its route: the GPU's rows [0, r) as copied (gw_copy_pieces: gate's and up's
  * first rows in place, down's first columns packed, rows of r columns), the CPU's the rest in the
  * ring in place (pinned: gw_route splits no other). */
-static void expert_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw)
+static int expert_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw)
 {
 	const uint32_t r = w->split_r[g];
 	struct weight_tensor *gt = &gw->t[ROLE_EXPERT_GATE], *ut = &gw->t[ROLE_EXPERT_UP], *dt = &gw->t[ROLE_EXPERT_DOWN];
 	gt->rows = ut->rows = r;
 	dt->cols = r;
 	dt->row_bytes = dtype_row_bytes((enum dtype)dt->format, r);
+	const void *base = ring_source_group_base(w->ring, g);
+	if (!base)
+		return errorf(w->base.error, sizeof(w->base.error), -EPROTO,
+			      "weight window: expert group %u, split with the CPU, is not in DRAM", g);
 	struct group_weights hw;
-	weights_fill(&w->base, g, ring_source_group_base(w->ring, g), NULL, &hw);
+	weights_fill(&w->base, g, base, NULL, &hw);
 	weights_split_expert(&hw, r, FFN_SPLIT_CPU);
 	gw->split = hw.split;
 	w->host_reads = true; /* the pool reads the ring until the layer's end */
+	return 0;
 }
 
 int gw_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw)
 {
-	if (gw_expert_split(w, g)) {
-		expert_split_fill(w, g, gw);
-		return 0;
-	}
+	if (gw_expert_split(w, g))
+		return expert_split_fill(w, g, gw);
 	if (!is_split(w, g))
 		return 0;
 	const uint32_t ffn = w->base.cfg->ffn_dim, r = w->split_r[g];

@@ -1114,6 +1114,28 @@ START_TEST(test_experts_split_with_the_cpu)
 		if (modes[k] == GW_SPLIT_ALWAYS) {
 			ck_assert_uint_gt(st.experts_split, 0);
 			ck_assert_uint_eq(experts_split_seen, st.experts_split);
+			/* A step that fails right after layer 0's route split its chosen experts: the reset
+			 * and the copies it starts take them whole again, which the next steps' bytes (a
+			 * prefill chunk's every expert first) check. */
+			struct weight_source *ws = gpu_window_base(w);
+			ws->step_tokens = 1;
+			bool used[64] = {false}, on_cpu[64] = {false};
+			used[0] = used[3] = true;
+			const uint64_t before = st.experts_split;
+			for (uint32_t g = 0; g < f.m->n_groups; g++) {
+				struct group_weights gw;
+				ck_assert_msg(ws->ops->acquire(ws, g, &gw) == 0, "acquire %u: %s", g, ws->error);
+				if (f.m->groups[g].kind == GROUP_MOE) {
+					ck_assert_msg(ws->ops->route(ws, 0, used, on_cpu) == 0, "route: %s", ws->error);
+					break;
+				}
+				ck_assert_int_eq(ws->ops->release(ws, g), 0);
+			}
+			gpu_window_stats(w, &st);
+			ck_assert_uint_gt(st.experts_split, before);
+			ck_assert_msg(ws->ops->reset(ws) == 0, "reset: %s", ws->error);
+			routed_steps(&f, w, 6);
+			gpu_window_stats(w, &st);
 			ck_assert_uint_gt(st.experts_split_cpu_bytes, 0);
 			ck_assert_uint_ge(st.experts_cpu_bytes, st.experts_split_cpu_bytes);
 			ck_assert_uint_eq(st.experts_guessed, 0);
