@@ -304,7 +304,11 @@ int backend_attn_end(struct backend *be, const struct group_weights *w);
 int backend_moe_route(struct backend *be, const struct group_weights *w);
 /* Expert `expert` of that layer (ROLE_EXPERT_GATE/UP/DOWN): its SwiGLU over the tokens routed to it,
  * each weighted and added into the layer's sum. Experts come in increasing order (the order of the
- * sum); an expert no token chose may be left out, and costs nothing when given. */
+ * sum); an expert no token chose may be left out, and costs nothing when given. w->split
+ * FFN_SPLIT_CPU (the GPU window's route, a decode step): the expert in two shares as a split FFN's
+ * (struct ffn_split, with the expert's rows), the second computed by the CPU pool from host memory,
+ * each share's output weighed and summed; only a backend that computes experts on the CPU takes it
+ * (-ENOTSUP otherwise). */
 int backend_moe_expert(struct backend *be, const struct group_weights *w, uint32_t expert);
 /* After moe_route: false when no token of the chunk chose expert `expert`, so its weights need not
  * be fetched (moe_expert would compute nothing); true when one did, and outside moe_route ..

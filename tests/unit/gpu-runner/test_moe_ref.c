@@ -25,6 +25,7 @@
 #include "common/manifest.h"
 #include "common/util.h"
 #include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/weights.h"
 #include "services/gpu-runner/cpu/kernels.h"
 #include "services/gpu-runner/engine.h"
 #include "services/gpu-runner/kv_cache.h"
@@ -455,6 +456,13 @@ START_TEST(test_front)
 	ck_assert_int_eq(backend_moe_expert(be, &w, 1), -EINVAL); /* backwards */
 	ck_assert_int_eq(backend_moe_expert(be, &w, c.n_experts), -EINVAL);
 	ck_assert_ptr_nonnull(strstr(backend_error(be), "increasing order"));
+	/* An expert split with the CPU pool (the GPU window's route): not this backend's, and the
+	 * refusal takes nothing. */
+	struct group_weights half = w;
+	weights_split_expert(&half, c.expert_ffn_dim / 2, FFN_SPLIT_CPU);
+	ck_assert_int_eq(backend_moe_expert(be, &half, 3), -ENOTSUP);
+	ck_assert_ptr_nonnull(strstr(backend_error(be), "splits an expert only with the CPU pool"));
+	ck_assert_int_eq(backend_moe_expert(be, &w, 3), 0);
 	ck_assert_int_eq(backend_moe_expert(be, &w, c.n_experts - 1), 0);
 	/* An expert the GPU side took is not taken again on the CPU's, whose order is its own (the C
 	 * backend computes none there: past the checks, it says so). */
