@@ -200,9 +200,9 @@ lists ${want_files//$'\n'/ }: the generator changed; remake the fixtures (tests/
 		experts_split=$((experts_split + ${split:-0}))
 		cpu_jobs=$((cpu_jobs + ${jobs:-0} + ${experts:-0}))
 		if ((${experts:-0} > 0)); then # the pool's experts shown where a user looks
-			expect_grep "^CPU experts +[1-9][0-9]* routed experts computed by the CPU pool" \
+			expect_grep "^CPU experts +[1-9][0-9]* routed experts computed by the CPU pool \\(${split:-0} of them an expert's rows split with the copies\\)" \
 				"$("$PIPELINE" status 2>&1)" "$name: the CPU's experts in pipeline status"
-			expect_grep "cpu +experts [1-9][0-9]* computed; a layer's [0-9.]+ ms" \
+			expect_grep "cpu +experts [1-9][0-9]* computed \\(${split:-0} of them an expert's rows split with the copies\\); a layer's [0-9.]+ ms" \
 				"$("$PIPELINE" inspect --once 2>&1)" "$name: the CPU's experts in pipeline inspect"
 		fi
 	fi

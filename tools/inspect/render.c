@@ -306,10 +306,11 @@ static void render_runner(struct out *o, json_t *svc)
 		 * the first submitted to the last done, and the chain between two layers'. */
 		const double layers = jnum(cs, "expert_layers", 0), span = jnum(cs, "experts_span_ms", 0),
 			     gaps = jnum(cs, "expert_gaps", 0), step_gaps = jnum(cs, "expert_step_gaps", 0);
-		line(o, "  cpu    experts %s computed; a layer's %.3f ms, first submitted to last done (%.1f GB/s over %s "
+		line(o, "  cpu    experts %s computed (%s of them an expert's rows split with the copies); a layer's %.3f ms, "
+		     "first submitted to last done (%.1f GB/s over %s "
 		     "layers; parts idle between a job's phases %.1f ms in all); between two layers' %.3f ms to the "
 		     "next routing, %.3f ms on the host; across a token's ends %.3f ms",
-		     count(cs, "experts"), layers > 0 ? span / layers : 0,
+		     count(cs, "experts"), count(jobj(st, "gpu_window"), "experts_split"), layers > 0 ? span / layers : 0,
 		     span > 0 ? jnum(cs, "experts_span_bytes", 0) / span / 1e6 : 0, count(cs, "expert_layers"),
 		     jnum(cs, "experts_phase_wait_ms", 0), gaps > 0 ? jnum(cs, "experts_gap_gpu_ms", 0) / gaps : 0,
 		     gaps > 0 ? jnum(cs, "experts_gap_host_ms", 0) / gaps : 0,

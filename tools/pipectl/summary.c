@@ -147,8 +147,11 @@ int cmd_summary(struct pipectl *p, int argc, char **argv)
 		if (json_is_number(ex) && json_number_value(ex) > 0) {
 			const double span = json_number_value(json_object_get(cs, "experts_span_ms")),
 				     layers = json_number_value(json_object_get(cs, "expert_layers"));
-			printf("%-22s %s routed experts computed by the CPU pool, a layer's in %.3f ms (first submitted "
-			       "to last done, over %s layers)\n", "CPU experts", fmt_count(cs, "experts", a, sizeof(a)),
+			json_t *gw = json_object_get(gr, "gpu_window");
+			printf("%-22s %s routed experts computed by the CPU pool (%s of them an expert's rows split with "
+			       "the copies), a layer's in %.3f ms (first submitted to last done, over %s layers)\n",
+			       "CPU experts", fmt_count(cs, "experts", a, sizeof(a)),
+			       fmt_count(json_is_object(gw) ? gw : NULL, "experts_split", c, sizeof(c)),
 			       layers > 0 ? span / layers : 0, fmt_count(cs, "expert_layers", b, sizeof(b)));
 		}
 	}
