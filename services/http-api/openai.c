@@ -292,6 +292,18 @@ static int parse_fields(json_t *root, const struct api_limits *lim, struct api_r
 		if (json_integer_value(n) != 1)
 			return problem(why, "n", "only n = 1 is served%s", NULL);
 	}
+	/* Function calling is not served: the model would never be shown the tools, and no reply carries
+	 * tool_calls, so a request that offers some is refused rather than answered as if it had none.
+	 * An empty list and tool_choice "none" ask for nothing. */
+	json_t *tools = json_object_get(root, "tools"), *tool_choice = json_object_get(root, "tool_choice");
+	if (tools && !json_is_null(tools) && !(json_is_array(tools) && json_array_size(tools) == 0))
+		return problem(why, "tools", "'tools' (function calling) is not served: send the request without them%s",
+			       NULL);
+	if (tool_choice && !json_is_null(tool_choice) &&
+	    !(json_is_string(tool_choice) && (!strcmp(json_string_value(tool_choice), "none") ||
+					      !strcmp(json_string_value(tool_choice), "auto"))))
+		return problem(why, "tool_choice", "'tool_choice' asks for a tool call, and function calling is not "
+			       "served%s", NULL);
 	if ((rc = get_bool(root, "stream", &req->stream, why)) || (rc = get_bool(root, "ignore_eos", &req->ignore_eos, why)))
 		return rc;
 	json_t *so = json_object_get(root, "stream_options");

@@ -117,6 +117,20 @@ START_TEST(completion_refused)
 	expect_refused("{\"prompt\": \"x\", \"stream\": \"yes\"}", API_COMPLETION, "stream");
 	expect_refused("{\"prompt\": \"x\", \"stream_options\": 1}", API_COMPLETION, "stream_options");
 	expect_refused("{\"prompt\": \"x\", \"n\": 2}", API_COMPLETION, "n");
+	/* Function calling: tools offered, or a tool call asked for, are refused; none is no request. */
+	expect_refused("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": \"function\", "
+		       "\"function\": {\"name\": \"f\"}}]}", API_CHAT, "tools");
+	expect_refused("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": \"required\"}",
+		       API_CHAT, "tool_choice");
+	expect_refused("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": {\"type\": "
+		       "\"function\", \"function\": {\"name\": \"f\"}}}", API_CHAT, "tool_choice");
+	{
+		struct api_request ok;
+		struct api_problem why;
+		ck_assert_int_eq(parse("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [], "
+				       "\"tool_choice\": \"none\"}", API_CHAT, &ok, &why), 0);
+		api_request_free(&ok);
+	}
 	expect_refused("{\"prompt\": \"x\", \"top_k\": 1.5}", API_COMPLETION, "top_k");
 	expect_refused("{\"prompt\": \"x\", \"top_k\": -2}", API_COMPLETION, "top_k");
 	expect_refused("{\"prompt\": \"x\", \"min_p\": 2}", API_COMPLETION, "min_p");
