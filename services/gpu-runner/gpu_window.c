@@ -471,8 +471,6 @@ static int win_release(struct weight_source *ws, uint32_t group)
 	int src = gw_split_release(w, group);
 	if (src)
 		return src;
-	if (gw_expert_split(w, group))
-		w->split_r[group] = gw_whole_r(w, group); /* this step's split is over (its pieces in the slot) */
 	if (e->resident)
 		return gw_strict_check(w);
 	struct gslot *s = &w->slots[e->slot];
@@ -544,8 +542,6 @@ static int win_reset(struct weight_source *ws)
 		struct gent *e = &w->g[g];
 		e->in_use = false;
 		e->unused = e->passed = e->on_cpu = e->guessed = e->guessed_in = false;
-		if (w->split_r)
-			w->split_r[g] = gw_whole_r(w, g); /* a split of the failed step's route is over */
 		if (e->resident || g == w->embed_group)
 			continue;
 		if (e->state == GWIN_RESIDENT &&

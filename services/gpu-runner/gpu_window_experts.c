@@ -148,11 +148,11 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 	}
 	w->host_reads = false; /* the layer before has ended (moe_end) */
 	uint32_t g0 = w->expert0[layer];
-	/* No split of this layer's experts from a step before (a failed one) stands. */
-	for (uint32_t g = g0; g != NO_GROUP && g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
+	/* A split holds for the step whose route made it: the route starts from whole experts (and any
+	 * copy not issued after its own layer's route takes one whole: issue_next). */
+	for (uint32_t g = g0; w->split_r && g != NO_GROUP && g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT &&
 			      ws->groups[g].layer == layer; g++)
-		if (w->split_r)
-			w->split_r[g] = gw_whole_r(w, g);
+		w->split_r[g] = gw_whole_r(w, g);
 	/* The CPU's side: chosen experts not resident whose host bytes stay in DRAM, in a decode step. */
 	const struct cpu_share_policy *pol = &w->moe_policy;
 	const bool cpu = pol->mode != CPU_SHARE_OFF && on_cpu && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS;

@@ -200,11 +200,10 @@ static int cpu_collect(struct backend_dev *be, uint32_t i)
 	return 0;
 }
 
-/* Submitted at once, so the pool computes it while the engine goes on with the GPU's experts (whose
- * copies pace it); its slot's previous job is collected first. */
 /* Expert `expert`'s rows gate, up (intermediate rows in host memory, in place) and down's matching
  * columns (a row's stride may be longer than its columns) to the pool: a whole expert, or the CPU's
- * share of a split one. */
+ * share of a split one. Submitted at once, so the pool computes it while the engine goes on with the
+ * GPU's experts (whose copies pace it); its slot's previous job is collected first. */
 static int cpu_submit(struct backend_dev *be, const struct weight_tensor *gate, const struct weight_tensor *up,
 		      const struct weight_tensor *down, uint32_t expert)
 {
