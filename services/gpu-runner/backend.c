@@ -42,6 +42,7 @@ struct backend {
 	 * side's experts in increasing order: the order of its sum), and the experts taken by either. */
 	uint32_t next_expert, next_expert_cpu;
 	bool *expert_taken; /* (n_experts) */
+	uint32_t *share_r;  /* (n_experts) r + 1 of an expert whose CPU share moe_expert_cpu_share gave; 0: none */
 	float *logits;	  /* (vocab_size) for logits_argmax on a backend without its own */
 	uint32_t rows[ROLE_COUNT], cols[ROLE_COUNT]; /* each role's shape in this model (a vector: one row) */
 	char err[BACKEND_ERR_MAX];
@@ -202,7 +203,9 @@ int backend_create(const char *name, const struct model_config *cfg, const struc
 	be->cfg = *cfg;
 	be->p = *p;
 	if (!(be->run_end = calloc(p->max_chunk, sizeof(uint32_t))) ||
-	    !(be->expert_taken = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool)))) {
+	    !(be->expert_taken = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(bool))) ||
+	    !(be->share_r = calloc(cfg->n_experts ? cfg->n_experts : 1, sizeof(uint32_t)))) {
+		free(be->expert_taken);
 		free(be->run_end);
 		free(be);
 		snprintf(err, errlen, "%s backend: out of memory for the backend state", impl->name);
@@ -219,6 +222,7 @@ int backend_create(const char *name, const struct model_config *cfg, const struc
 	}
 	rc = impl->create(cfg, p, &be->dev, err, errlen);
 	if (rc) {
+		free(be->share_r);
 		free(be->expert_taken);
 		free(be->run_end);
 		free(be);
@@ -235,6 +239,7 @@ void backend_destroy(struct backend **bep)
 	struct backend *be = *bep;
 	be->impl->destroy(&be->dev);
 	free(be->logits);
+	free(be->share_r);
 	free(be->expert_taken);
 	free(be->run_end);
 	free(be);
@@ -328,10 +333,11 @@ static int check_roles(struct backend *be, const struct group_weights *w, const 
 /* The shares of a split FFN (struct ffn_split) and the step it is asked for: an FFN's (roles
  * ROLE_W_*, ffn = ffn_dim, what "ffn") or a routed expert's (ROLE_EXPERT_*, its intermediate rows,
  * "expert"). */
-static int check_split_as(struct backend *be, const struct group_weights *w, uint32_t ffn,
-			  const enum tensor_role roles[3], const char *what)
+/* The second share of a split (struct ffn_split s, roles as below): where it is computed, r, and
+ * its three tensors at that place. */
+static int check_second_share(struct backend *be, const struct ffn_split *s, uint32_t ffn,
+			      const enum tensor_role roles[3], const char *what)
 {
-	const struct ffn_split *s = &w->split;
 	uint32_t dim = be->cfg.dim, r = s->r;
 	const enum tensor_role gr = roles[0], ur = roles[1], dr = roles[2];
 	if (s->where != FFN_SPLIT_CPU && s->where != FFN_SPLIT_BACKEND)
@@ -353,11 +359,20 @@ static int check_split_as(struct backend *be, const struct group_weights *w, uin
 	enum weight_place rest = s->where == FFN_SPLIT_CPU ? PLACE_HOST : be->impl->place;
 	int rc;
 	if ((rc = check_tensor(be, &s->gate, gr, rest, r, ffn - r, 0, dim, false, what, "second share's ")) ||
-	    (rc = check_tensor(be, &s->up, ur, rest, r, ffn - r, 0, dim, false, what, "second share's ")) ||
-	    (rc = check_tensor(be, &s->down, dr, rest, 0, dim, r, ffn - r, false, what, "second share's ")))
+	    (rc = check_tensor(be, &s->up, ur, rest, r, ffn - r, 0, dim, false, what, "second share's ")))
 		return rc;
-	if (r == 0)
-		return 0;
+	return check_tensor(be, &s->down, dr, rest, 0, dim, r, ffn - r, false, what, "second share's ");
+}
+
+static int check_split_as(struct backend *be, const struct group_weights *w, uint32_t ffn,
+			  const enum tensor_role roles[3], const char *what)
+{
+	const struct ffn_split *s = &w->split;
+	uint32_t dim = be->cfg.dim, r = s->r;
+	const enum tensor_role gr = roles[0], ur = roles[1], dr = roles[2];
+	int rc = check_second_share(be, s, ffn, roles, what);
+	if (rc || r == 0)
+		return rc;
 	const struct weight_tensor *g = &w->t[gr], *u = &w->t[ur], *d = &w->t[dr];
 	enum weight_place own = be->impl->place;
 	if ((rc = check_tensor(be, g, gr, own, 0, r, 0, dim, false, what, "first share's ")) ||
@@ -638,6 +653,7 @@ int backend_moe_route(struct backend *be, const struct group_weights *w)
 		return impl_rc(be, rc);
 	be->next_expert = be->next_expert_cpu = 0;
 	memset(be->expert_taken, 0, be->cfg.n_experts * sizeof(bool));
+	memset(be->share_r, 0, be->cfg.n_experts * sizeof(uint32_t));
 	be->phase = PHASE_MOE;
 	return 0;
 }
@@ -664,11 +680,51 @@ int backend_moe_expert(struct backend *be, const struct group_weights *w, uint32
 	}
 	if (rc)
 		return rc;
-	rc = be->impl->compute->moe_expert(be->dev, w, expert);
+	if (be->share_r[expert]) {
+		/* Its CPU share went to the pool at the route (moe_expert_cpu_share): this visit must be the
+		 * same split, and the implementation computes the first share only. */
+		if (w->split.where != FFN_SPLIT_CPU || w->split.r != be->share_r[expert] - 1)
+			return fail(be, -EPROTO, "moe_expert(%u): its CPU share of rows [%u, ...) was given already, and "
+				    "this visit is %s%u", expert, be->share_r[expert] - 1,
+				    w->split.where == FFN_SPLIT_CPU ? "split at row " : "whole: rows ",
+				    w->split.where == FFN_SPLIT_CPU ? w->split.r : be->rows[ROLE_EXPERT_GATE]);
+		struct group_weights given = *w;
+		given.split.where = FFN_SPLIT_GIVEN;
+		rc = be->impl->compute->moe_expert(be->dev, &given, expert);
+	} else {
+		rc = be->impl->compute->moe_expert(be->dev, w, expert);
+	}
 	if (rc)
 		return impl_rc(be, rc);
 	be->next_expert = expert + 1;
 	be->expert_taken[expert] = true;
+	return 0;
+}
+
+int backend_moe_expert_cpu_share(struct backend *be, const struct ffn_split *s, uint32_t expert)
+{
+	static const enum tensor_role roles[] = {ROLE_EXPERT_GATE, ROLE_EXPERT_UP, ROLE_EXPERT_DOWN};
+	assert(s);
+	if (be->phase != PHASE_MOE)
+		return fail(be, -EINVAL, "moe_expert_cpu_share(%u) called outside moe_route .. moe_end", expert);
+	if (expert >= be->cfg.n_experts || expert < be->next_expert_cpu || expert < be->next_expert ||
+	    be->expert_taken[expert] || be->share_r[expert])
+		return fail(be, -EINVAL, "moe_expert_cpu_share(%u): the CPU's experts and shares come in increasing "
+			    "order, each once, before the expert's own visit, below %u (next: %u or later)", expert,
+			    be->cfg.n_experts, be->next_expert_cpu > be->next_expert ? be->next_expert_cpu : be->next_expert);
+	if (!be->impl->compute->moe_expert_cpu_share)
+		return fail(be, -ENOTSUP, "moe_expert_cpu_share(%u): the %s backend splits no experts with the CPU", expert,
+			    be->impl->name);
+	if (s->where != FFN_SPLIT_CPU)
+		return fail(be, -EINVAL, "moe_expert_cpu_share(%u): a share for the CPU pool (FFN_SPLIT_CPU), not %u", expert,
+			    s->where);
+	int rc = check_second_share(be, s, be->rows[ROLE_EXPERT_GATE], roles, "expert's CPU share");
+	if (rc)
+		return rc;
+	if ((rc = be->impl->compute->moe_expert_cpu_share(be->dev, s, expert)))
+		return impl_rc(be, rc);
+	be->next_expert_cpu = expert + 1;
+	be->share_r[expert] = s->r + 1;
 	return 0;
 }
 

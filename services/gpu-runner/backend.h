@@ -180,6 +180,10 @@ enum ffn_split_where {
 				* the backend computes the first share (decode steps) */
 	FFN_SPLIT_BACKEND = 2, /* by the backend itself, from its own place, after the first share (prefill of a
 				* layer whose second share has a copy on the device) */
+	FFN_SPLIT_GIVEN = 3,   /* an expert's FFN_SPLIT_CPU share handed to the pool already
+				* (backend_moe_expert_cpu_share): what an implementation's moe_expert sees at the
+				* expert's visit in place of FFN_SPLIT_CPU, computing the first share only; never a
+				* caller's */
 };
 
 /* Tokens a step may have for its FFN to be split with FFN_SPLIT_CPU (the CPU computes one product per
@@ -320,6 +324,14 @@ bool backend_moe_expert_used(struct backend *be, uint32_t expert);
  * Needs backend_params.cpu_pool and a step of at most FFN_SPLIT_MAX_TOKENS tokens; -ENOTSUP on a
  * backend that does not compute experts on the CPU. */
 int backend_moe_expert_cpu(struct backend *be, const struct group_weights *w, uint32_t expert);
+/* The CPU's share of expert `expert` split with it (s->where FFN_SPLIT_CPU: rows [s->r, F) of gate and
+ * up and those columns of down, in host memory in place), handed to the pool now, between moe_route
+ * and the expert's visit, so that the CPU starts on it at the route rather than at the visit. That
+ * visit's backend_moe_expert must carry the same split (its second share is not given again; a
+ * visit of the whole expert or another r is refused, -EPROTO). Among the CPU's experts in increasing
+ * order, as backend_moe_expert_cpu's (the order of their sum), and before the GPU's next expert.
+ * -ENOTSUP on a backend that does not split experts with the CPU. */
+int backend_moe_expert_cpu_share(struct backend *be, const struct ffn_split *s, uint32_t expert);
 /* Adds the layer's sum into the residual stream. */
 int backend_moe_end(struct backend *be);
 /* A mixture-of-experts layer whose every expert stays in device memory, routed without the host

@@ -71,6 +71,9 @@ struct backend_compute_ops {
 	 * rows' tokens on the host from logits_rows. */
 	int (*logits_pick_rows)(struct backend_dev *d, const struct group_weights *w, const uint32_t *rows,
 				uint32_t n_rows, const struct backend_pick *picks, int32_t *tokens);
+	/* Optional (with moe_expert_cpu): default -ENOTSUP. An expert's CPU share handed to the pool
+	 * before its visit, whose moe_expert then has split.where FFN_SPLIT_GIVEN. */
+	int (*moe_expert_cpu_share)(struct backend_dev *d, const struct ffn_split *s, uint32_t expert);
 };
 
 struct backend_kv_ops {

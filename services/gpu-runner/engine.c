@@ -716,22 +716,35 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 				release(e, group);
 				return rc;
 			}
-			/* Early: the experts left for the CPU go to its pool now, in table order (the order
-			 * of their sum), so that it computes them while the copies of the GPU's experts pace
-			 * the engine (at their visits, the host reaches them only after those copies). As
-			 * many as the backend computes at once: one more would wait for the first before any
-			 * GPU expert is queued; the rest go at their visits. */
+			/* Early: the experts left for the CPU, and the CPU's shares of those the route split
+			 * with it, go to its pool now, in table order (the order of their sum), so that it
+			 * computes them while the copies of the GPU's experts pace the engine (at their
+			 * visits, the host reaches them only after those copies, and after the GPU's
+			 * launches of the experts before). As many as the backend computes at once: one more
+			 * would wait for the first before any GPU expert is queued; the rest go at their
+			 * visits. */
 			memset(e->cpu_given, 0, e->cfg->n_experts * sizeof(bool));
 			uint32_t early = e->cpu_experts_early ? e->cfg->n_experts_used : 0;
 			if (early > BACKEND_MOE_CPU_JOBS)
 				early = BACKEND_MOE_CPU_JOBS;
 			for (uint32_t g = group + 1; early && g < e->ws->n_groups && groups[g].kind == GROUP_EXPERT &&
 						     groups[g].layer == l; g++) {
-				if (!e->on_cpu[groups[g].expert])
+				const uint32_t x = groups[g].expert;
+				struct ffn_split share;
+				int sh = 0;
+				if (!e->on_cpu[x] &&
+				    (!e->used[x] || !e->ws->ops->share_host || (sh = e->ws->ops->share_host(e->ws, g, &share)) == 0))
 					continue;
 				early--;
-				e->cpu_given[groups[g].expert] = true;
-				if ((rc = give_cpu_expert(e, g))) {
+				if (sh < 0)
+					rc = set_err(e, sh, "weights: %s", e->ws->error);
+				else if (sh && (rc = backend_moe_expert_cpu_share(e->be, &share, x)))
+					set_err(e, rc, "expert's CPU share: %s", backend_error(e->be));
+				else if (!sh) {
+					e->cpu_given[x] = true;
+					rc = give_cpu_expert(e, g);
+				}
+				if (rc) {
 					release(e, group);
 					return rc;
 				}

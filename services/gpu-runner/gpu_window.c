@@ -338,6 +338,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 /* Keeps depth copies ahead of compute in every streamed class (groups passed over do not count). */
 int gw_top_up(struct gpu_window *w)
 {
+	w->copies_due = false;
 	for (uint32_t c = 0; c < CLASS_COUNT; c++)
 		while (w->m[c] && w->issued[c] < w->consumed[c] + w->depth[c] + w->passed_pending[c]) {
 			int rc = issue_next(w, c);
@@ -426,7 +427,7 @@ static int win_acquire(struct weight_source *ws, uint32_t group, struct group_we
 		ws->acquires++;
 		return 0;
 	}
-	if ((rc = gw_poll_copies(w)))
+	if ((rc = gw_poll_copies(w)) || (w->copies_due && (rc = gw_top_up(w))))
 		return rc;
 	if (!e->resident) {
 		uint32_t c = ws->groups[group].size_class;
@@ -468,8 +469,9 @@ static int win_release(struct weight_source *ws, uint32_t group)
 		int rc = w->rs->ops->release(w->rs, group);
 		return rc ? errorf(ws->error, sizeof(ws->error), rc, "%s", w->rs->error) : 0;
 	}
+	/* The router group's release after its route: the copies the route left (copies_due). */
 	int src = gw_split_release(w, group);
-	if (src)
+	if (src || (w->copies_due && (src = gw_top_up(w))))
 		return src;
 	if (e->resident)
 		return gw_strict_check(w);
@@ -559,6 +561,7 @@ static int win_reset(struct weight_source *ws)
 	for (uint32_t c = 0; c < CLASS_COUNT; c++)
 		w->issued[c] = w->consumed[c] = w->copied[c] = w->passed_pending[c] = 0;
 	w->routing = false;
+	w->copies_due = false;
 	w->routed_layer = 0;
 	w->route_pos = 0;
 	w->host_reads = false;
@@ -593,8 +596,8 @@ TIMED(GW_OP_SKIP, gw_skip(ws, g))
 static int timed_skip(struct weight_source *ws, uint32_t g)
 {
 	const struct gpu_window *w = (const struct gpu_window *)ws;
-	if (g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT && w->g[g].resident)
-		return 0; /* as gw_skip does first */
+	if (g < ws->n_groups && ws->groups[g].kind == GROUP_EXPERT && w->g[g].resident && !w->copies_due)
+		return 0; /* as gw_skip does then */
 	return timed_skip_(ws, g);
 }
 static int timed_acquire_host(struct weight_source *ws, uint32_t g, struct group_weights *gw)
@@ -614,6 +617,7 @@ const struct weight_source_ops gw_window_ops = {
 	.route = timed_route,
 	.skip = timed_skip,
 	.acquire_host = timed_acquire_host,
+	.share_host = gw_share_host,
 	.flush = win_flush,
 	.reset = win_reset,
 	.kept = win_kept,

@@ -157,6 +157,7 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 	const struct cpu_share_policy *pol = &w->moe_policy;
 	const bool cpu = pol->mode != CPU_SHARE_OFF && on_cpu && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS;
 	double gpu_s = 0, cpu_s = 0;
+	bool split_any = false;
 	/* The CPU's rate for the experts' format as the balance below takes it: the rate the CPU's
 	 * experts ran at where the runner has told it (gpu_window_set_expert_rate), else the start's
 	 * calibration (a fixed share: the rate that gives it). */
@@ -215,6 +216,7 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 						   ? split_rows(w, g, gpu_s, cpu_s, b / h2d, bc / rate) : 0;
 			if (r) {
 				const double fc = (double)(F - r) / F;
+				split_any = true;
 				w->split_r[g] = r;
 				gpu_s += (1 - fc) * b / h2d;
 				cpu_s += fc * bc / rate;
@@ -272,6 +274,13 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 	w->routing = true;
 	w->routed_layer = layer;
 	w->route_pos = w->consumed[CLASS_EXPERT];
+	/* Where the route split experts with the CPU, the engine hands the CPU's shares to the pool
+	 * first (share_host): the copies of the GPU's rows go at its next call (the router group's
+	 * release), so that the CPU does not wait for their issue (some 13 us a copy of pieces). */
+	if (split_any) {
+		w->copies_due = true;
+		return gw_strict_check(w);
+	}
 	int rc = gw_top_up(w);
 	return rc ? rc : gw_strict_check(w);
 }
@@ -284,13 +293,15 @@ int gw_skip(struct weight_source *ws, uint32_t group)
 	if (group >= ws->n_groups || ws->groups[group].kind != GROUP_EXPERT)
 		return errorf(ws->error, sizeof(ws->error), -EINVAL, "skip: group %u is not an expert group", group);
 	struct gent *e = &w->g[group];
+	int rc;
+	if (w->copies_due && (rc = gw_top_up(w)))
+		return rc;
 	if (e->resident)
 		return 0;
 	uint32_t c = ws->groups[group].size_class;
 	if (w->m[c] == 0 || w->order[c][w->consumed[c] % w->m[c]] != group)
 		return errorf(ws->error, sizeof(ws->error), -EPROTO, "weight window: group %u skipped out of visit order",
 			      group);
-	int rc;
 	/* Not issued yet: the top-up passes it over (or, its host bytes streaming, copies it). */
 	if (!e->passed && e->state == GWIN_ABSENT && (rc = gw_top_up(w)) != 0)
 		return rc;

@@ -81,6 +81,9 @@ struct gpu_window {
 	uint32_t routed_layer;
 	uint64_t route_pos;	   /* consumed[CLASS_EXPERT] when routed_layer was routed: its routing holds
 				    * for issue positions route_pos .. route_pos + m - 1 only (this step's) */
+	bool copies_due;	   /* a decode route that split experts left its copies to the engine's next
+				    * call (after it handed the CPU's shares to the pool: share_host), which
+				    * issues them; gw_top_up clears it */
 	uint32_t *expert0;	   /* n_layers: the layer's first expert group (NO_GROUP: none), on first route */
 	bool *fetch;		   /* n_experts: the experts a route asks of the ring together (win_route) */
 	bool predict;		   /* --predict-experts: a later layer's experts issued on its last routing */
@@ -257,6 +260,8 @@ void gw_trim_retired(struct gpu_window *w);
 int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu);
 int gw_skip(struct weight_source *ws, uint32_t group);
 int gw_acquire_host(struct weight_source *ws, uint32_t group, struct group_weights *gw);
+/* gpu_window_split.c: weight_source's share_host (weights.h), the CPU's share of a split expert. */
+int gw_share_host(struct weight_source *ws, uint32_t group, struct ffn_split *share);
 /* Whether issue may guess the experts of `layer` (not routed yet this step) from its last routing:
  * --predict-experts, a decode step, that routing seen, and the CPU there for an expert guessed out
  * but then chosen (its visit has gone by: the route leaves it in DRAM for the CPU). */

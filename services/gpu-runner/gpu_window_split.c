@@ -622,6 +622,20 @@ uint64_t gw_copy_bytes(const struct gpu_window *w, uint32_t g)
 /* An expert split by its route: the GPU's rows [0, r) as copied (gw_copy_pieces: gate's and up's
  * first rows in place, down's first columns packed, rows of r columns), the CPU's the rest in the
  * ring in place (pinned: gw_route splits no other). */
+static int expert_cpu_share(struct gpu_window *w, uint32_t g, struct ffn_split *share)
+{
+	const void *base = ring_source_group_base(w->ring, g);
+	if (!base)
+		return errorf(w->base.error, sizeof(w->base.error), -EPROTO,
+			      "weight window: expert group %u, split with the CPU, is not in DRAM", g);
+	struct group_weights hw;
+	weights_fill(&w->base, g, base, NULL, &hw);
+	weights_split_expert(&hw, w->split_r[g], FFN_SPLIT_CPU);
+	*share = hw.split;
+	w->host_reads = true; /* the pool reads the ring until the layer's end */
+	return 0;
+}
+
 static int expert_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw)
 {
 	const uint32_t r = w->split_r[g];
@@ -629,16 +643,20 @@ static int expert_split_fill(struct gpu_window *w, uint32_t g, struct group_weig
 	gt->rows = ut->rows = r;
 	dt->cols = r;
 	dt->row_bytes = dtype_row_bytes((enum dtype)dt->format, r);
-	const void *base = ring_source_group_base(w->ring, g);
-	if (!base)
-		return errorf(w->base.error, sizeof(w->base.error), -EPROTO,
-			      "weight window: expert group %u, split with the CPU, is not in DRAM", g);
-	struct group_weights hw;
-	weights_fill(&w->base, g, base, NULL, &hw);
-	weights_split_expert(&hw, r, FFN_SPLIT_CPU);
-	gw->split = hw.split;
-	w->host_reads = true; /* the pool reads the ring until the layer's end */
-	return 0;
+	return expert_cpu_share(w, g, &gw->split);
+}
+
+int gw_share_host(struct weight_source *ws, uint32_t g, struct ffn_split *share)
+{
+	struct gpu_window *w = (struct gpu_window *)ws;
+	if (g >= ws->n_groups || ws->groups[g].kind != GROUP_EXPERT || !w->routing ||
+	    ws->groups[g].layer != w->routed_layer)
+		return errorf(ws->error, sizeof(ws->error), -EPROTO,
+			      "weight window: group %u is not an expert group of the layer routed last", g);
+	if (!gw_expert_split(w, g))
+		return 0;
+	int rc = expert_cpu_share(w, g, share);
+	return rc ? rc : 1;
 }
 
 int gw_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw)

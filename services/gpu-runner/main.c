@@ -320,9 +320,9 @@ int main(int argc, char **argv)
 		 "copy takes 1 ms or more, such as Mixtral's; their layers are not guessed ahead), always (tests), or "
 		 "off (each expert whole to one side)"},
 		{"cpu-experts", OPT_STRING, &r.cpu_experts_arg, "route",
-		 "when the experts a route leaves for the CPU go to its pool: route (right after the layer's "
-		 "routing, before the GPU's experts are queued) or visit (at their place among the layer's "
-		 "experts)"},
+		 "when the experts a route leaves for the CPU, and the CPU's shares of those it splits, go to its "
+		 "pool: route (right after the layer's routing, before the GPU's experts are queued and a split "
+		 "expert's copy issued) or visit (at their place among the layer's experts)"},
 		{"ranks", OPT_INT, &r.ranks, "1",
 		 "runners the model's layers are split across, one per GPU (2..8; each takes a contiguous range)"},
 		{"rank", OPT_INT, &r.rank, "0",

@@ -52,6 +52,14 @@ struct weight_source_ops {
 	 * the route (engine_set_cpu_experts_early), so that the CPU computes them while the window
 	 * copies the GPU's experts. */
 	int (*acquire_host)(struct weight_source *s, uint32_t group, struct group_weights *w);
+	/* Optional (a source whose route may split an expert with the CPU): the CPU's share of expert
+	 * group g as its layer's route split it (FFN_SPLIT_CPU: rows [r, F) in host memory in place,
+	 * readable until the engine's step returns), at any time between that route and the group's
+	 * visit, whose acquire then gives the same split. Returns 1 with *share filled, 0 where the
+	 * route did not split g, or -errno with the message in the source. The engine hands the share
+	 * to the backend right after the route (engine_set_cpu_experts_early), so that the CPU starts
+	 * on it while the window copies the GPU's rows. */
+	int (*share_host)(struct weight_source *s, uint32_t group, struct ffn_split *share);
 	/* Optional: hands back now what the source holds of the loader's streaming slots without need
 	 * (releases held back for the next acquire, the host side of copies done): a stage of a split
 	 * model at the end of its layers, so that the next stage's runner finds the slots free while this

@@ -963,6 +963,7 @@ static const struct backend_compute_ops cuda_compute = {
 	cuda_finish,		/* finish */
 	cuda_logits_rows,	/* logits_rows: several sequences a step */
 	cuda_logits_pick_rows,	/* logits_pick_rows: their tokens picked on the device */
+	moe_expert_cpu_share,	/* moe_expert_cpu_share: a split expert's CPU share at the route */
 };
 
 extern "C" {

@@ -491,9 +491,10 @@ int moe_expert(struct backend_dev *be, const struct group_weights *w, uint32_t e
 		return 0;
 	int rc;
 	/* Split with the CPU (the window's route, a decode step): the pool takes intermediate rows
-	 * [r, F) from host memory, submitted first so that it computes while the GPU's rows arrive;
-	 * the GPU computes rows [0, r) below. Each side's row is weighed by the router as a whole
-	 * expert's is, and the two are summed with the layer's others (moe_end). */
+	 * [r, F) from host memory, submitted first so that it computes while the GPU's rows arrive
+	 * (FFN_SPLIT_GIVEN: submitted at the route already, moe_expert_cpu_share); the GPU computes
+	 * rows [0, r) below. Each side's row is weighed by the router as a whole expert's is, and the
+	 * two are summed with the layer's others (moe_end). */
 	if (w->split.where == FFN_SPLIT_CPU && (rc = moe_expert_cpu_share(be, &w->split, expert)))
 		return rc;
 	/* F: the intermediate rows this side computes (the expert's, or the GPU's share of a split one). */

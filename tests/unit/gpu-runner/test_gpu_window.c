@@ -762,6 +762,11 @@ static void expect_host(struct fixture *f, struct weight_source *ws, int step, u
 }
 
 static uint32_t experts_split_seen; /* split experts expect_expert_split checked */
+/* What share_host gave for each expert group right after its layer's route (1: split, 0: whole), and
+ * the CPU's share it gave: the visit's acquire must hand out the same. */
+#define SHARES_MAX 1024
+static int shared_at_route[SHARES_MAX];
+static struct ffn_split shares_at_route[SHARES_MAX];
 
 /* An expert its route split with the CPU (--split-experts), as acquired: rows [0, r) of its gate and
  * up and columns [0, r) of its down on the device (down's rows packed: r columns apart), the rest in
@@ -853,6 +858,34 @@ static void routed_steps_as(struct fixture *f, struct gpu_window *w, int steps, 
 						struct group_weights hw;
 						ck_assert_int_eq(ws->ops->acquire_host(ws, h, &hw), -EPROTO);
 					}
+				/* The CPU's share of each chosen expert the route split, as the engine takes it
+				 * right after the route: the visit's acquire below gives the same; a group of
+				 * another layer is refused. */
+				for (uint32_t h = g + 1; h < f->m->n_groups && f->m->groups[h].kind == GROUP_EXPERT &&
+							 f->m->groups[h].layer == gd->layer; h++) {
+					ck_assert_uint_lt(h, SHARES_MAX);
+					shared_at_route[h] = ws->ops->share_host(ws, h, &shares_at_route[h]);
+					ck_assert_msg(shared_at_route[h] >= 0, "step %d: share_host %u: %s", step, h, ws->error);
+					ck_assert(shared_at_route[h] == 0 || (used[f->m->groups[h].expert] &&
+									      !on_cpu[f->m->groups[h].expert]));
+				}
+				struct ffn_split none;
+				ck_assert_int_eq(ws->ops->share_host(ws, g, &none), -EPROTO);
+			}
+			if (gd->kind == GROUP_EXPERT) {
+				ck_assert_uint_lt(g, SHARES_MAX);
+				ck_assert_int_eq(shared_at_route[g], gw.split.where != FFN_SPLIT_NONE);
+				if (shared_at_route[g]) {
+					const struct ffn_split *a = &shares_at_route[g];
+					ck_assert_uint_eq(a->where, gw.split.where);
+					ck_assert_uint_eq(a->r, gw.split.r);
+					ck_assert_ptr_eq(a->gate.data[PLACE_HOST], gw.split.gate.data[PLACE_HOST]);
+					ck_assert_ptr_eq(a->up.data[PLACE_HOST], gw.split.up.data[PLACE_HOST]);
+					ck_assert_ptr_eq(a->down.data[PLACE_HOST], gw.split.down.data[PLACE_HOST]);
+					ck_assert_uint_eq(a->down.col0, gw.split.down.col0);
+					ck_assert_uint_eq(a->down.row_bytes, gw.split.down.row_bytes);
+				}
+				shared_at_route[g] = 0;
 			}
 			if (gd->kind == GROUP_EXPERT && gw.split.where != FFN_SPLIT_NONE) {
 				expect_expert_split(f, &gw, g);
@@ -1122,10 +1155,13 @@ START_TEST(test_experts_split_with_the_cpu)
 			bool used[64] = {false}, on_cpu[64] = {false};
 			used[0] = used[3] = true;
 			const uint64_t before = st.experts_split;
+			uint64_t copies = 0;
 			for (uint32_t g = 0; g < f.m->n_groups; g++) {
 				struct group_weights gw;
 				ck_assert_msg(ws->ops->acquire(ws, g, &gw) == 0, "acquire %u: %s", g, ws->error);
 				if (f.m->groups[g].kind == GROUP_MOE) {
+					gpu_window_stats(w, &st);
+					copies = st.copies;
 					ck_assert_msg(ws->ops->route(ws, 0, used, on_cpu) == 0, "route: %s", ws->error);
 					break;
 				}
@@ -1133,6 +1169,9 @@ START_TEST(test_experts_split_with_the_cpu)
 			}
 			gpu_window_stats(w, &st);
 			ck_assert_uint_gt(st.experts_split, before);
+			/* The split experts' copies wait for the engine's next call (the CPU's shares go
+			 * first): none issued by the route itself. */
+			ck_assert_uint_eq(st.copies, copies);
 			ck_assert_msg(ws->ops->reset(ws) == 0, "reset: %s", ws->error);
 			routed_steps(&f, w, 6);
 			gpu_window_stats(w, &st);

@@ -462,6 +462,12 @@ START_TEST(test_front)
 	weights_split_expert(&half, c.expert_ffn_dim / 2, FFN_SPLIT_CPU);
 	ck_assert_int_eq(backend_moe_expert(be, &half, 3), -ENOTSUP);
 	ck_assert_ptr_nonnull(strstr(backend_error(be), "splits an expert only with the CPU pool"));
+	/* Nor its CPU share handed over at the route: an expert already taken, or one below the GPU's
+	 * last, is refused first; then this backend says it splits none. */
+	ck_assert_int_eq(backend_moe_expert_cpu_share(be, &half.split, 2), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(backend_error(be), "before the expert's own visit"));
+	ck_assert_int_eq(backend_moe_expert_cpu_share(be, &half.split, 3), -ENOTSUP);
+	ck_assert_ptr_nonnull(strstr(backend_error(be), "splits no experts with the CPU"));
 	ck_assert_int_eq(backend_moe_expert(be, &w, 3), 0);
 	ck_assert_int_eq(backend_moe_expert(be, &w, c.n_experts - 1), 0);
 	/* An expert the GPU side took is not taken again on the CPU's, whose order is its own (the C
@@ -470,6 +476,8 @@ START_TEST(test_front)
 	ck_assert_ptr_nonnull(strstr(backend_error(be), "each once"));
 	ck_assert_int_eq(backend_moe_expert_cpu(be, &w, 1), -ENOTSUP);
 	ck_assert_int_eq(backend_moe_end(be), 0);
+	ck_assert_int_eq(backend_moe_expert_cpu_share(be, &half.split, c.n_experts - 1), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(backend_error(be), "outside moe_route"));
 	/* Routing on the device (backend_moe_layer): not this backend's, said at each call; a layer past
 	 * the model's, or a step of more than one token, refused first. */
 	uint32_t ids[8];
