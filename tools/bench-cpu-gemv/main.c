@@ -14,7 +14,8 @@
  *       down of --cols x --rows) of E, cut for P threads (default ffn_share_threads_for), a gap of G
  *       us between layers (the GPU's part of the chain); timed from the first submission to the
  *       last job's end, as the runner's experts_span_ms; --trace N prints the last N layers' parts,
- *       when each started and ended
+ *       when each started and ended; --expert-share R gives each job the CPU's share of an expert
+ *       split at row R (rows R.. of gate and up, those columns of down: --split-experts)
  *
  * The weights are random: 64 distinct rows of Gaussian values quantized with quant_quantize,
  * repeated to fill the matrix (the K formats' quantizer is too slow to make every row; every byte
@@ -301,11 +302,16 @@ static void expert_ended(struct task_job *tj)
 }
 
 static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, uint32_t pool_e, uint32_t per,
-			 bool taper, bool help, uint32_t gap_us, uint32_t threads, uint32_t layers, uint32_t trace)
+			 bool taper, bool help, uint32_t gap_us, uint32_t threads, uint32_t layers, uint32_t trace,
+			 uint32_t share_r)
 {
 	char err[256];
 	const uint64_t mat = (uint64_t)rows * dtype_row_bytes(t, dim),
 		       expert = 2 * mat + (uint64_t)dim * dtype_row_bytes(t, rows);
+	/* --expert-share R: the CPU's share of a split expert, rows [R, rows) of gate and up and those
+	 * columns of down (its rows a whole row apart), as the runner's route leaves it (0: whole). */
+	const uint32_t srows = rows - share_r;
+	const uint64_t share = 2 * (uint64_t)srows * dtype_row_bytes(t, dim) + (uint64_t)dim * dtype_row_bytes(t, srows);
 	uint8_t **w = calloc(3 * (size_t)pool_e, sizeof(*w));
 	if (!w)
 		return 1;
@@ -339,7 +345,7 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 		return 1;
 	}
 	if (!per)
-		per = ffn_share_threads_for(expert, threads);
+		per = ffn_share_threads_for(share, threads);
 	struct expert_slot slot[EXPERTS_MAX];
 	memset(slot, 0, sizeof(slot));
 	for (uint32_t i = 0; i < k; i++) {
@@ -388,10 +394,11 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 			struct expert_slot *es = &slot[i];
 			es->t0 = t0;
 			es->traced = traced;
-			const struct ffn_share_mat g = {w[3 * chosen[i]], t, dtype_row_bytes(t, dim)},
-						   u = {w[3 * chosen[i] + 1], t, dtype_row_bytes(t, dim)},
-						   d = {w[3 * chosen[i] + 2], t, dtype_row_bytes(t, rows)};
-			ffn_share_job_init(&es->job, &g, &u, &d, rows, 1, DT_F32);
+			const uint64_t gu_off = (uint64_t)share_r * dtype_row_bytes(t, dim), d_off = dtype_row_bytes(t, share_r);
+			const struct ffn_share_mat g = {w[3 * chosen[i]] + gu_off, t, dtype_row_bytes(t, dim)},
+						   u = {w[3 * chosen[i] + 1] + gu_off, t, dtype_row_bytes(t, dim)},
+						   d = {w[3 * chosen[i] + 2] + d_off, t, dtype_row_bytes(t, rows)};
+			ffn_share_job_init(&es->job, &g, &u, &d, srows, 1, DT_F32);
 			es->job.taper = taper;
 			es->job.pool = help ? pool : NULL;
 			memset(&es->tj, 0, sizeof(es->tj));
@@ -422,18 +429,22 @@ static int bench_experts(enum dtype t, uint32_t rows, uint32_t dim, uint32_t k, 
 	double sum = 0;
 	for (uint32_t l = 1; l <= layers; l++)
 		sum += span[l];
-	const double bytes = (double)k * (double)expert, mean = sum / layers, med = span[1 + layers / 2];
+	const double bytes = (double)k * (double)share, mean = sum / layers, med = span[1 + layers / 2];
 	uint64_t wait = 0;
 	for (uint32_t i = 0; i < k; i++) {
 		struct ffn_share_stats ss;
 		ffn_share_get_stats(slot[i].fs, &ss);
 		wait += ss.wait_ns;
 	}
-	printf("experts %s %s: %u of %.1f MB a layer (%u to choose from), jobs cut for %u threads (%u parts, chunks "
+	char shared[96] = "";
+	if (share_r)
+		snprintf(shared, sizeof(shared), " (the CPU's share of each: rows %u.. of %u, %.1f MB)", share_r, rows,
+			 (double)share / 1e6);
+	printf("experts %s %s: %u of %.1f MB a layer%s (%u to choose from), jobs cut for %u threads (%u parts, chunks "
 	       "of about %.0f KB%s%s), %u workers, a gap of %u us: a layer's span median %.3f ms (%.2f GB/s), mean %.3f ms "
 	       "(%.2f GB/s), best %.3f ms; parts waiting for their job's first phase %.1f%% of the workers' time\n",
-	       dtype_name(t), cpu_compute_path(t), k, (double)expert / 1e6, pool_e, per, ffn_share_parts(slot[0].fs),
-	       (double)expert / (3.0 * FFN_SHARE_PARTS_PER_THREAD * per) / 1024,
+	       dtype_name(t), cpu_compute_path(t), k, (double)expert / 1e6, shared, pool_e, per, ffn_share_parts(slot[0].fs),
+	       (double)share / (3.0 * FFN_SHARE_PARTS_PER_THREAD * per) / 1024,
 	       !taper ? "" : FFN_SHARE_PARTS_PER_THREAD * per >= FFN_SHARE_TAPER_MIN_CHUNKS ? ", tapered"
 	       : 2 * FFN_SHARE_PARTS_PER_THREAD * per >= FFN_SHARE_TAPER_MIN_CHUNKS ? ", the first phase tapered"
 										 : ", too few to taper",
@@ -475,7 +486,7 @@ int main(int argc, char **argv)
 {
 	char *format = NULL;
 	long rows_l = 0, cols_l = 0, threads_l = sysconf(_SC_NPROCESSORS_ONLN), repeats_l = 0, ffn_tokens_l = 0,
-	     experts_l = 0, pool_l = 0, job_threads_l = -1, gap_l = 0, trace_l = 0;
+	     experts_l = 0, pool_l = 0, job_threads_l = -1, gap_l = 0, trace_l = 0, share_l = 0;
 	bool scalar = false, no_taper = false, no_help = false;
 	const struct opt table[] = {
 		{"format", OPT_STRING, &format, "BF16", "weight format: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q5_K Q6_K"},
@@ -500,6 +511,10 @@ int main(int argc, char **argv)
 		{"job-threads", OPT_INT, &job_threads_l, NULL,
 		 "cut each expert's job for P threads (default: ffn_share_threads_for)"},
 		{"gap-us", OPT_INT, &gap_l, "150", "microseconds between layers (the GPU's part of a layer)"},
+		{"expert-share", OPT_INT, &share_l, "0",
+		 "--experts: each expert split at intermediate row R, the CPU computing rows R.. of gate and up and "
+		 "those columns of down, as the runner's --split-experts leaves it (0: whole experts; R a multiple "
+		 "of the format's block, below --rows)"},
 		{"trace", OPT_INT, &trace_l, "0",
 		 "--experts: print the last N layers' parts, when each started and ended (the first phase's, then "
 		 "those that also run the second)"},
@@ -529,7 +544,7 @@ int main(int argc, char **argv)
 		fprintf(stderr, "bench-cpu-gemv: --format %s: unknown (see --help)\n", format);
 		return 2;
 	}
-	uint32_t rows, cols, threads, repeats, ffn_tokens, experts, expert_pool, job_threads, gap_us, trace;
+	uint32_t rows, cols, threads, repeats, ffn_tokens, experts, expert_pool, job_threads, gap_us, trace, share_r;
 	if (in_range("rows", rows_l, 1, UINT32_MAX, &rows) || in_range("cols", cols_l, 1, UINT32_MAX, &cols) ||
 	    in_range("threads", threads_l, 1, UINT32_MAX, &threads) ||
 	    in_range("repeats", repeats_l, 1, UINT32_MAX, &repeats) ||
@@ -537,7 +552,8 @@ int main(int argc, char **argv)
 	    in_range("experts", experts_l, 0, EXPERTS_MAX, &experts) ||
 	    in_range("expert-pool", pool_l, 1, UINT32_MAX, &expert_pool) ||
 	    (job_threads_l != -1 && in_range("job-threads", job_threads_l, 1, FFN_SHARE_MAX_THREADS, &job_threads)) ||
-	    in_range("gap-us", gap_l, 0, UINT32_MAX, &gap_us) || in_range("trace", trace_l, 0, UINT32_MAX, &trace))
+	    in_range("gap-us", gap_l, 0, UINT32_MAX, &gap_us) || in_range("trace", trace_l, 0, UINT32_MAX, &trace) ||
+	    in_range("expert-share", share_l, 0, UINT32_MAX, &share_r))
 		return 2;
 	if (job_threads_l == -1)
 		job_threads = 0; /* ffn_share_threads_for */
@@ -559,8 +575,13 @@ int main(int argc, char **argv)
 			fprintf(stderr, "bench-cpu-gemv: --expert-pool %u: fewer than --experts %u\n", expert_pool, experts);
 			return 2;
 		}
+		if (share_r >= rows || share_r % dtype_block_elems(t)) {
+			fprintf(stderr, "bench-cpu-gemv: --expert-share %u: expected a multiple of %s's block of %u below "
+				"--rows %u\n", share_r, dtype_name(t), dtype_block_elems(t), rows);
+			return 2;
+		}
 		return bench_experts(t, rows, cols, experts, expert_pool, job_threads, taper, help, gap_us, threads,
-				     repeats, trace < repeats ? trace : repeats);
+				     repeats, trace < repeats ? trace : repeats, share_r);
 	}
 	if (ffn_tokens) {
 		if (rows % dtype_block_elems(t)) {
