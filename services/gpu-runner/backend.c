@@ -715,6 +715,9 @@ int backend_moe_expert_cpu_share(struct backend *be, const struct ffn_split *s, 
 	if (!be->impl->compute->moe_expert_cpu_share)
 		return fail(be, -ENOTSUP, "moe_expert_cpu_share(%u): the %s backend splits no experts with the CPU", expert,
 			    be->impl->name);
+	if (!be->p.cpu_pool)
+		return fail(be, -ENOTSUP, "moe_expert_cpu_share(%u): a CPU share needs a CPU pool (backend_params.cpu_pool)",
+			    expert);
 	if (s->where != FFN_SPLIT_CPU)
 		return fail(be, -EINVAL, "moe_expert_cpu_share(%u): a share for the CPU pool (FFN_SPLIT_CPU), not %u", expert,
 			    s->where);

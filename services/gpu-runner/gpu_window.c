@@ -205,11 +205,6 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	struct gslot *s = &w->slots[w->first_slot[c] + (uint32_t)(w->copied[c] % w->depth[c])];
 	struct gent *e = &w->g[h];
 	bool guess_copy = false;
-	/* Only the route of its own layer in this step splits an expert's copy (gw_route): any other
-	 * copies it whole (a guess, a window's or a reset's first copies). */
-	if (w->split_r && w->base.groups[h].kind == GROUP_EXPERT &&
-	    !(w->routing && w->base.groups[h].layer == w->routed_layer && k < w->route_pos + w->m[c]))
-		w->split_r[h] = gw_whole_r(w, h);
 	if (w->routing && w->base.groups[h].kind == GROUP_EXPERT) {
 		/* Only this step's groups of the routed layer: when every streamed expert lies in one
 		 * layer, the next step's come round again while the routing is still this step's. A
@@ -236,6 +231,14 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 			return PASSED;
 		}
 	}
+	/* Only the route of its own layer in this step splits an expert's copy (gw_route): any other
+	 * copy takes it whole (a guess, a window's or a reset's first copies). Here, where a copy is
+	 * issued, not above: a position this step's routing does not cover may name a group of the
+	 * routed layer whose visit in this step is still to come (every streamed expert in one layer:
+	 * the next step's first), and a LATER there must leave that visit's split as it is. */
+	if (w->split_r && w->base.groups[h].kind == GROUP_EXPERT &&
+	    !(w->routing && w->base.groups[h].layer == w->routed_layer && k < w->route_pos + w->m[c]))
+		w->split_r[h] = gw_whole_r(w, h);
 	/* Hand back the host slots of copies already done first: the release then rides on the
 	 * acquire below, and the loader can read ahead while we wait for this group. */
 	int rc = gw_poll_copies(w);

@@ -814,6 +814,9 @@ static void expect_expert_split(struct fixture *f, const struct group_weights *g
  * a token at random), as the engine makes them: every expert acquired holds the checkpoint's bytes,
  * and the state table stays consistent. Experts left for the CPU are taken right after their
  * layer's route (at_route: --cpu-experts route, the default) or at their visit, then skipped. */
+/* Where set (>= 0), the two experts every decode step chooses in every layer, in place of random ones. */
+static int fixed_choice[2] = {-1, -1};
+
 static void routed_steps_as(struct fixture *f, struct gpu_window *w, int steps, bool at_route)
 {
 	const struct model_config *c = &f->m->cfg;
@@ -840,7 +843,7 @@ static void routed_steps_as(struct fixture *f, struct gpu_window *w, int steps, 
 				for (uint32_t e = 0; e < E; e++)
 					used[e] = step == 0, on_cpu[e] = false;
 				for (uint32_t k = 0; step && k < c->n_experts_used;) {
-					uint32_t e = (uint32_t)rand() % E;
+					uint32_t e = fixed_choice[0] >= 0 && k < 2 ? (uint32_t)fixed_choice[k] : (uint32_t)rand() % E;
 					k += !used[e];
 					used[e] = true;
 				}
@@ -942,6 +945,30 @@ START_TEST(test_experts_of_one_layer_stream)
 	gpu_window_stats(w, &st);
 	ck_assert_uint_gt(st.experts_passed, 0);
 	gpu_window_destroy(&w);
+	/* The same with the chosen experts split with the CPU (--split-experts always, --cpu-share 0.5):
+	 * the top-up after a route comes round to the next step's visit of the layer's first streamed
+	 * experts while this step's are still to come (one chosen expert streamed, the other resident),
+	 * and must leave this step's splits as the route made them (each visit gives the split that
+	 * share_host gave right after the route). */
+	struct task_pool *pool = two_workers();
+	p.cpu_pool = pool;
+	p.split_experts = GW_SPLIT_ALWAYS;
+	ck_assert_int_eq(cpu_share_parse("0.5", &p.cpu_share, err, sizeof(err)), 0);
+	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	experts_split_seen = 0;
+	routed_steps(&f, w, 40);
+	/* Every step the layer's first streamed expert and a resident one: one copy, and the others
+	 * passed over where their slots have let them go, so that the top-up after the route can reach
+	 * the next step's first streamed expert before this step's visit of it. */
+	fixed_choice[0] = (int)(E - 5);
+	fixed_choice[1] = 0;
+	routed_steps(&f, w, 6);
+	fixed_choice[0] = fixed_choice[1] = -1;
+	gpu_window_stats(w, &st);
+	ck_assert_uint_gt(st.experts_split, 0);
+	ck_assert_uint_eq(experts_split_seen, st.experts_split);
+	gpu_window_destroy(&w);
+	task_pool_destroy(&pool);
 	stop(&f);
 }
 END_TEST
