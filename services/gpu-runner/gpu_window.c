@@ -193,6 +193,21 @@ static int let_go_copy(struct gpu_window *w, uint32_t g)
 	return gw_poll_copies(w);
 }
 
+/* Group g out of its slot (whose occupant it is; no longer in use): its copy let go, its state
+ * ABSENT, the slot free for the copy its turn brings. */
+static int vacate(struct gpu_window *w, uint32_t g)
+{
+	struct gent *e = &w->g[g];
+	struct gslot *os = &w->slots[e->slot];
+	int rc = let_go_copy(w, g);
+	if (rc || (rc = set_state(w, g, GWIN_RETIRING)) || (rc = set_state(w, g, GWIN_ABSENT)))
+		return rc;
+	e->slot = NO_SLOT;
+	e->dev = NULL;
+	os->group = NO_GROUP;
+	return 0;
+}
+
 enum { ISSUED = 0, PASSED = 1, LATER = 2 };
 
 /* Issues the next group of class c, order[c][issued % m]: its copy into slot copied % depth
@@ -222,6 +237,14 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 			e->guessed = true;
 			e->guessed_in = guess_copy = !out;
 		}
+		/* Not wanted and still in its slot from an earlier visit (every streamed expert in one
+		 * layer, a step's copies fewer than the slots): let go, not copied again for nothing (as
+		 * a chosen one in that case is copied again into the slot due, below). */
+		if (out && e->state != GWIN_ABSENT && !e->in_use && e->slot != NO_SLOT && w->slots[e->slot].group == h) {
+			int vrc = vacate(w, h);
+			if (vrc)
+				return vrc;
+		}
 		/* Passed over whether the loader holds it or not: it reads an expert only when asked. */
 		if (out && e->state == GWIN_ABSENT) {
 			e->passed = true;
@@ -249,14 +272,8 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 		/* With experts passed over, fewer than depth copies may have come since this group's
 		 * last visit, so it is still in its slot (never otherwise: a class streams at least depth
 		 * groups). Its last use is over: let it go, and copy it again into the slot due. */
-		if ((rc = let_go_copy(w, h)))
+		if ((rc = vacate(w, h)))
 			return rc;
-		struct gslot *os = &w->slots[e->slot];
-		if ((rc = set_state(w, h, GWIN_RETIRING)) || (rc = set_state(w, h, GWIN_ABSENT)))
-			return rc;
-		e->slot = NO_SLOT;
-		e->dev = NULL;
-		os->group = NO_GROUP;
 	}
 	if (e->state != GWIN_ABSENT)
 		return errorf(w->base.error, sizeof(w->base.error), -EFAULT,
@@ -266,13 +283,8 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 		if (o->in_use)
 			return errorf(w->base.error, sizeof(w->base.error), -EFAULT,
 				      "weight window: slot of group %u reused while in use", s->group);
-		if ((rc = let_go_copy(w, s->group)))
+		if ((rc = vacate(w, s->group)))
 			return rc;
-		if ((rc = set_state(w, s->group, GWIN_RETIRING)) || (rc = set_state(w, s->group, GWIN_ABSENT)))
-			return rc;
-		o->slot = NO_SLOT;
-		o->dev = NULL;
-		s->group = NO_GROUP;
 	}
 	/* The loader streams this class through a few slots: never ask for another group while we
 	 * hold grants on all of them (it could not load it). Only where DRAM streams, i.e. where the

@@ -957,14 +957,21 @@ START_TEST(test_experts_of_one_layer_stream)
 	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
 	experts_split_seen = 0;
 	routed_steps(&f, w, 40);
-	/* Every step the layer's first streamed expert and a resident one: one copy, and the others
-	 * passed over where their slots have let them go, so that the top-up after the route can reach
-	 * the next step's first streamed expert before this step's visit of it. */
+	/* Every step the layer's first streamed expert and a resident one: one copy and four passed over
+	 * (those still in a slot from an earlier step let go, not copied again), so that the top-up
+	 * after the route reaches the next step's first streamed expert before this step's visit of it,
+	 * whose split it must leave alone (a copy's reset of the split before the top-up's checks failed
+	 * here: that visit gave the whole expert after share_host had given the CPU its rows). */
 	fixed_choice[0] = (int)(E - 5);
 	fixed_choice[1] = 0;
+	gpu_window_stats(w, &st);
+	const uint64_t copies = st.copies;
 	routed_steps(&f, w, 6);
 	fixed_choice[0] = fixed_choice[1] = -1;
 	gpu_window_stats(w, &st);
+	/* A prefill chunk's 5 copies, then a copy a decode step: the chosen streamed expert's, never one
+	 * not chosen that is still in its slot from an earlier step. */
+	ck_assert_uint_eq(st.copies - copies, 5 + 5);
 	ck_assert_uint_gt(st.experts_split, 0);
 	ck_assert_uint_eq(experts_split_seen, st.experts_split);
 	gpu_window_destroy(&w);
