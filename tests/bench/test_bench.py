@@ -647,8 +647,9 @@ class RunWithFakes(unittest.TestCase):
         self.assertIn("8192 positions restored, 1024 blocks still on the GPU", bench.rows_k2(rec, self.lim)[0])
 
     def test_alternate_rounds(self):
-        """--alternate with two rounds: A, B, A, B in turn, B's instances started with the options
-        added, each run's record in a folder of its own with the limits, the rows tagged."""
+        """--alternate with two rounds: A, B, then B, A (every second round in reverse), B's instances
+        started with the options added, each run's record in a folder of its own with the limits, the
+        rows tagged."""
         with open(self.b.res("limits.json"), "w") as f:
             json.dump(self.lim, f)
         seen = []
@@ -663,10 +664,10 @@ class RunWithFakes(unittest.TestCase):
         finally:
             del os.environ["BENCH_START_OPTS"]
         both = "--runner-opt=--strict --runner-opt=--moe-host-route"
-        self.assertEqual(seen, ["--runner-opt=--strict", both, "--runner-opt=--strict", both])
-        self.assertEqual([r.split("]")[0] for r in rows], ["| [round 1, A", "| [round 1, B", "| [round 2, A",
-                                                         "| [round 2, B"])
-        self.assertEqual([t for t, _ in tagged], ["A", "B", "A", "B"])
+        self.assertEqual(seen, ["--runner-opt=--strict", both, both, "--runner-opt=--strict"])
+        self.assertEqual([r.split("]")[0] for r in rows], ["| [round 1, A", "| [round 1, B", "| [round 2, B",
+                                                         "| [round 2, A"])
+        self.assertEqual([t for t, _ in tagged], ["A", "B", "B", "A"])
         for d in ("round1A", "round1B", "round2A", "round2B"):
             for name in ("limits.json", "S2.record.json", "S2.rows"):
                 self.assertTrue(os.path.exists(os.path.join(self.b.results, d, name)), f"{d}/{name}")
@@ -676,7 +677,8 @@ class RunWithFakes(unittest.TestCase):
         seen.clear()
         rows, tagged = bench.run_rounds(self.b, {"S2": s2}, {}, {"S2"}, self.lim,
                                         ["--runner-opt=--prefetch-depth=8", "--runner-opt=--prefetch-depth=20"], 2)
-        self.assertEqual(seen, ["", "--runner-opt=--prefetch-depth=8", "--runner-opt=--prefetch-depth=20"] * 2)
+        self.assertEqual(seen, ["", "--runner-opt=--prefetch-depth=8", "--runner-opt=--prefetch-depth=20",
+                                "--runner-opt=--prefetch-depth=20", "--runner-opt=--prefetch-depth=8", ""])
         self.assertEqual([r.split("]")[0] for r in rows][:3], ["| [round 1, A", "| [round 1, B", "| [round 1, C"])
         self.assertTrue(os.path.exists(os.path.join(self.b.results, "round2C", "S2.record.json")))
         summary = bench.alternation_summary(tagged, ["--runner-opt=--prefetch-depth=8",

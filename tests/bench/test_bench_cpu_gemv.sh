@@ -24,6 +24,10 @@ grep -q "jobs cut for 3 threads (24 parts, chunks of about [0-9]* KB, tapered)" 
 out=$("$B" --experts 2 --expert-pool 2 --rows 256 --cols 512 --threads 2 --repeats 3 --trace 2)
 [ "$(grep -c "^trace of layer [23] " <<<"$out")" = 2 ] || fail "trace: two layers: $out"
 [ "$(grep -cE "^  job [01] \(ended [0-9.]+\):( [0-9.]+-[0-9.]+){8}$" <<<"$out")" = 4 ] || fail "trace: parts: $out"
+# The CPU's share of a split expert: rows 256.. of 512 of gate and up, those columns of down.
+out=$("$B" --experts 2 --expert-pool 2 --format Q4_K --rows 512 --cols 512 --threads 2 --repeats 2 --expert-share 256)
+grep -q "^experts Q4_K .*: 2 of 0.4 MB a layer (the CPU's share of each: rows 256.. of 512, 0.2 MB)" <<<"$out" ||
+	fail "expert-share: $out"
 out=$("$B" --experts 2 --expert-pool 2 --rows 256 --cols 512 --threads 2 --repeats 2 --no-taper)
 grep -q "chunks of about [0-9]* KB), 2 workers" <<<"$out" || fail "no-taper: $out"
 
@@ -38,4 +42,6 @@ refuse "--experts 9: at most 8" --experts 9
 refuse "--expert-pool 2: fewer than --experts 3" --experts 3 --expert-pool 2
 refuse "--job-threads 0: expected a number >= 1" --experts 2 --job-threads 0
 refuse "--rows 100 (down's columns) is not a multiple of Q4_K's block of 256" --experts 2 --format Q4_K --rows 100 --cols 512
+refuse "--expert-share 100: expected a multiple of Q4_K's block of 256 below --rows 512" --experts 2 --format Q4_K --rows 512 --cols 512 --expert-share 100
+refuse "--expert-share 512: expected a multiple" --experts 2 --format Q4_K --rows 512 --cols 512 --expert-share 512
 echo "bench-cpu-gemv: every mode ran, every refusal said why"
