@@ -485,18 +485,20 @@ class CommandLine(unittest.TestCase):
                   ("B", "| M2 | failed (see logs) | - | - | - |")]
         got = bench.alternation_summary(tagged, "--runner-opt=--moe-host-route").splitlines()
         self.assertIn("B: --runner-opt=--moe-host-route", got[0])
-        self.assertEqual(got[4:], ["| M2R decode (all resident) | 2.29 ms/token; 2.30 ms/token | 2.13 ms/token |",
+        self.assertEqual(got[4:], ["| M2R decode (all resident) | 2.29 ms/token (limit 0.12); 2.30 ms/token (limit 0.12) "
+                                   "| 2.13 ms/token (limit 0.12) |",
                                    "| M2 |  | failed (see logs) |"])
         # Figures inside the parentheses differ run to run: still one row; a fixed setting before
         # them names a row of its own.
-        tagged = [("A", "| M2 decode (0.20 GB/token on the CPU, spans 2.7 ms) | 5.2 ms/token | 1.0 | 5.02 | - |"),
-                  ("B", "| M2 decode (0.16 GB/token on the CPU, spans 1.6 ms) | 4.3 ms/token | 1.0 | 4.40 | - |"),
+        tagged = [("A", "| M2 decode (0.20 GB/token on the CPU, spans 2.7 ms) | 5.2 ms/token | - | 5.02 | - |"),
+                  ("B", "| M2 decode (0.16 GB/token on the CPU, spans 1.6 ms) | 4.3 ms/token | 3.1 ms/token (40 GB/s + 90 GB/s) | 1.39 | - |"),
                   ("A", "| M2 decode at 0.25 (0.1 GB) | 6.0 ms/token | 1.0 | 6.0 | - |"),
                   ("B", "| M2 decode at 0.5 (0.1 GB) | 7.0 ms/token | 1.0 | 7.0 | - |")]
         got = bench.alternation_summary(tagged, "--x").splitlines()
-        self.assertEqual(got[4:], ["| M2 decode (0.20 GB/token on the CPU, spans 2.7 ms) | 5.2 ms/token | 4.3 ms/token |",
-                                   "| M2 decode at 0.25 (0.1 GB) | 6.0 ms/token |  |",
-                                   "| M2 decode at 0.5 (0.1 GB) |  | 7.0 ms/token |"])
+        self.assertEqual(got[4:], ["| M2 decode (0.20 GB/token on the CPU, spans 2.7 ms) | 5.2 ms/token | 4.3 ms/token "
+                                   "(limit 3.1 ms/token) |",
+                                   "| M2 decode at 0.25 (0.1 GB) | 6.0 ms/token (limit 1.0) |  |",
+                                   "| M2 decode at 0.5 (0.1 GB) |  | 7.0 ms/token (limit 1.0) |"])
 
     def test_unknown(self):
         self.assertEqual(self.run_bench("--scenarios", "S1,S9").returncode, 2)
@@ -684,7 +686,7 @@ class RunWithFakes(unittest.TestCase):
         summary = bench.alternation_summary(tagged, ["--runner-opt=--prefetch-depth=8",
                                                      "--runner-opt=--prefetch-depth=20"]).splitlines()
         self.assertEqual(summary[0], "A against B against C (B: --runner-opt=--prefetch-depth=8, C: "
-                         "--runner-opt=--prefetch-depth=20), each row's measured figure in the order the runs went:")
+                         "--runner-opt=--prefetch-depth=20), each row's measured figure (and the limit its run measured) in the order the runs went:")
         self.assertEqual(summary[2:], ["| row | A | B | C |", "| --- | --- | --- | --- |",
                                        "| S2 | " + " | ".join(["failed (see logs); failed (see logs)"] * 3) + " |"])
         # Without --alternate: one run, as before, into the results folder itself.
