@@ -619,9 +619,8 @@ uint64_t gw_copy_bytes(const struct gpu_window *w, uint32_t g)
 	return bytes;
 }
 
-/* An expert split by its route: the GPU's rows [0, r) as copied (gw_copy_pieces: gate's and up's
- * first rows in place, down's first columns packed, rows of r columns), the CPU's the rest in the
- * ring in place (pinned: gw_route splits no other). */
+/* The CPU's share of an expert split by its route: rows [r, F) in the ring in place (pinned:
+ * gw_route splits no other). */
 static int expert_cpu_share(struct gpu_window *w, uint32_t g, struct ffn_split *share)
 {
 	const void *base = ring_source_group_base(w->ring, g);
@@ -636,13 +635,21 @@ static int expert_cpu_share(struct gpu_window *w, uint32_t g, struct ffn_split *
 	return 0;
 }
 
-static int expert_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw)
+/* A split group's device tensors narrowed to the GPU's share as its copy laid it out
+ * (gw_copy_pieces): gate's and up's first r rows in place, down's first r columns packed (rows of r
+ * columns). */
+static void first_share(struct group_weights *gw, enum tensor_role gr, enum tensor_role ur, enum tensor_role dr,
+			uint32_t r)
 {
-	const uint32_t r = w->split_r[g];
-	struct weight_tensor *gt = &gw->t[ROLE_EXPERT_GATE], *ut = &gw->t[ROLE_EXPERT_UP], *dt = &gw->t[ROLE_EXPERT_DOWN];
+	struct weight_tensor *gt = &gw->t[gr], *ut = &gw->t[ur], *dt = &gw->t[dr];
 	gt->rows = ut->rows = r;
 	dt->cols = r;
 	dt->row_bytes = dtype_row_bytes((enum dtype)dt->format, r);
+}
+
+static int expert_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw)
+{
+	first_share(gw, ROLE_EXPERT_GATE, ROLE_EXPERT_UP, ROLE_EXPERT_DOWN, w->split_r[g]);
 	return expert_cpu_share(w, g, &gw->split);
 }
 
@@ -666,10 +673,7 @@ int gw_split_fill(struct gpu_window *w, uint32_t g, struct group_weights *gw)
 	if (!is_split(w, g))
 		return 0;
 	const uint32_t ffn = w->base.cfg->ffn_dim, r = w->split_r[g];
-	struct weight_tensor *gt = &gw->t[ROLE_W_GATE], *ut = &gw->t[ROLE_W_UP], *dt = &gw->t[ROLE_W_DOWN];
-	gt->rows = ut->rows = r;
-	dt->cols = r;
-	dt->row_bytes = dtype_row_bytes((enum dtype)dt->format, r);
+	first_share(gw, ROLE_W_GATE, ROLE_W_UP, ROLE_W_DOWN, r);
 	if (w->base.step_tokens <= w->plan.max_tokens) {
 		/* Decode: the CPU reads the rest in place (a pinned group: always there). */
 		struct group_weights hw;
