@@ -265,7 +265,7 @@ static struct expert_spans spans_now(struct runner *r)
 				     .gap_ms = bs.experts_gap_gpu_ms + bs.experts_gap_host_ms + bs.experts_step_gap_ms};
 }
 
-void runner_expert_rate(struct runner *r)
+void runner_expert_rate(struct runner *r, bool in_request)
 {
 #ifdef PIPELINE_HAVE_CUDA
 	/* A layer's span is the CPU's side of its route only where the CPU's experts go to the pool at
@@ -282,18 +282,18 @@ void runner_expert_rate(struct runner *r)
 	}
 	const struct expert_spans seen = {now.layers - b->layers, now.bytes - b->bytes, now.ms - b->ms,
 					  now.gaps - b->gaps, now.gap_ms - b->gap_ms};
-	const double rate = expert_spans_rate(&seen), lead = expert_spans_lead(&seen);
-	if (!(rate > 0))
+	const double ran = expert_spans_rate(&seen), lead = expert_spans_lead(&seen);
+	if (!(ran > 0))
 		return;
 	r->expert_base = now;
-	const double before = gpu_window_expert_rate(r->win);
+	const double before = gpu_window_expert_rate(r->win), rate = expert_rate_fold(r->expert_rate, ran);
 	if (!(before > 0) || fabs(rate / before - 1) >= 0.10 || !r->expert_rate)
 		log_info("cpu share: the CPU's experts of %llu layers read %.2f GB in %.1f ms, %.1f GB/s (the routes "
 			 "weighed them at %.1f), %.0f us from a layer's last to the next one's first (the token's ends "
-			 "among them): the routes weigh them at that from now on, and the guesses give the copies that "
-			 "lead",
-			 (unsigned long long)seen.layers, (double)seen.bytes / 1e9, seen.ms, rate / 1e9, before / 1e9,
-			 lead * 1e6);
+			 "among them): the routes weigh them at %.1f from now on%s, and the guesses give the copies "
+			 "that lead",
+			 (unsigned long long)seen.layers, (double)seen.bytes / 1e9, seen.ms, ran / 1e9, before / 1e9,
+			 lead * 1e6, rate / 1e9, in_request ? " (within a request)" : "");
 	r->expert_rate = rate;
 	if (lead > 0) /* too few gaps in the stretch (few layers in a row with CPU experts): the last one */
 		r->expert_lead = lead;

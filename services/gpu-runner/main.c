@@ -257,6 +257,9 @@ int main(int argc, char **argv)
 		 "layers are otherwise routed on the device without a wait"},
 		{"fixed-experts", OPT_BOOL, &r.fixed_experts, NULL,
 		 "keep the experts the first plan made resident (table order): no new plan from the routing counted"},
+		{"expert-rate-within", OPT_BOOL, &r.expert_rate_within, "true",
+		 "mixture of experts, cpu share auto: fold the rate the CPU's experts ran at into the routes' "
+		 "weighing after every token of a request (false: only between requests)"},
 		{"fixed-split", OPT_BOOL, &r.fixed_split, NULL,
 		 "keep the CPU share auto chose at start: no new plan from the rate its jobs ran at, and the CPU's "
 		 "routed experts weighed at the start's calibrated rate, not the rate they ran at"},

@@ -83,6 +83,10 @@ enum gen_emit runner_job_emit(void *ctx, uint32_t index, int32_t token)
 	}
 	ring_source_count_token(r->ring);
 	trim_retired(r);
+	/* The steps to come weigh the CPU's experts at the rate the last ones ran at: the warm-up of a
+	 * run is not its steady state (MX2: the first request's spans at 77 GB/s, the next one's at 85-88). */
+	if (r->expert_rate_within)
+		runner_expert_rate(r, true);
 	if (j->n_emitted == j->cap_emitted) {
 		uint32_t cap = j->cap_emitted ? 2 * j->cap_emitted : 256;
 		int32_t *e = realloc(j->emitted, cap * sizeof(int32_t));
@@ -285,7 +289,7 @@ void runner_between_requests(struct runner *r)
 {
 	runner_replan_experts(r); /* hotter experts kept on the GPU */
 	runner_replan_split(r);	  /* the CPU's share at the rate its jobs ran at */
-	runner_expert_rate(r);	  /* the CPU's experts weighed at the rate they ran at */
+	runner_expert_rate(r, false); /* the CPU's experts weighed at the rate they ran at */
 }
 
 /* The job's text stream made again over r->tok, fed the tokens sent so far (nothing sent): a

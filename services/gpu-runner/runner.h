@@ -81,6 +81,7 @@ struct runner {
 	bool experts_apart;	/* --experts-apart: each kept expert launched on its own (cuda, decode) */
 	bool moe_host_route;	/* --moe-host-route: no layer routed on the device (cuda, decode) */
 	bool predict_experts;	/* --predict-experts: later layers' experts copied on their last routing */
+	bool expert_rate_within; /* --expert-rate-within: runner_expert_rate after every token too */
 	const char *cpu_share_arg, *cpu_handoff_arg; /* --cpu-share, --cpu-handoff as given */
 	const char *cpu_result_arg, *cpu_experts_arg; /* --cpu-result, --cpu-experts as given */
 	const char *split_experts_arg;		      /* --split-experts as given */
@@ -240,10 +241,12 @@ void runner_replan_experts(struct runner *r);
  * loader_suspect and is logged, as for the experts. */
 void runner_replan_split(struct runner *r);
 void runner_split_mark(struct runner *r);
-/* cpu_share.c: between requests, with experts on the CPU (auto), the rate their spans ran at since it
- * was last asked given to the window's routes once EXPERT_RATE_MIN_LAYERS layers of them have run
- * (split_plan.h), and given again to a window made anew; --fixed-split keeps the calibration's. */
-void runner_expert_rate(struct runner *r);
+/* cpu_share.c: with experts on the CPU (auto), the rate their spans ran at since it was last asked,
+ * once EXPERT_RATE_MIN_LAYERS layers of them have run (split_plan.h), folded into the rate the
+ * window's routes weigh them with (expert_rate_fold), which is given again to a window made anew;
+ * --fixed-split keeps the calibration's. Between requests, and within one after each token
+ * (in_request: the routes of the steps to come weigh it; a route made is not changed). */
+void runner_expert_rate(struct runner *r, bool in_request);
 /* requests.c: what is planned anew between requests, in this order: the experts kept on the GPU
  * (runner_replan_experts), the CPU's share (runner_replan_split), the rate the routes weigh the
  * CPU's experts with (runner_expert_rate). Only while no request runs. */

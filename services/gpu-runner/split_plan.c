@@ -354,6 +354,13 @@ double expert_spans_rate(const struct expert_spans *seen)
 	return (double)seen->bytes / (seen->ms * 1e-3);
 }
 
+double expert_rate_fold(double learnt, double seen)
+{
+	if (!(seen > 0))
+		return learnt > 0 ? learnt : 0;
+	return learnt > 0 ? EXPERT_RATE_KEEP * learnt + (1 - EXPERT_RATE_KEEP) * seen : seen;
+}
+
 double expert_spans_lead(const struct expert_spans *seen)
 {
 	if (seen->gaps < EXPERT_RATE_MIN_LAYERS || !(seen->gap_ms > 0))

@@ -176,6 +176,16 @@ struct expert_spans {
  * GB/s where a layer's experts then read 74-78.5). 0 when it says nothing yet: fewer than
  * EXPERT_RATE_MIN_LAYERS layers, no bytes or no time. */
 double expert_spans_rate(const struct expert_spans *seen);
+/* Of a rate learnt before, what the next one keeps (expert_rate_fold). */
+#define EXPERT_RATE_KEEP 0.5
+/* The rate the routes weigh the CPU's experts with after a stretch that ran at seen (bytes a
+ * second), where they weighed them at learnt (0: the start's calibration, which seen replaces):
+ * EXPERT_RATE_KEEP of learnt and the rest of seen; learnt where seen says nothing (0). The rate a
+ * share runs at depends on the share the weighing gave it (MX2 on an H200: routes weighing 77.7 GB/s
+ * ran the CPU's rows at 88.4, while the calibration's 86-94 had run them at 77.7; its split rows read
+ * down's columns a row apart, 98-106 GB/s where whole experts read 120), so taken whole each
+ * stretch's rate answers the last one's weighing and swings; the mean settles where the two agree. */
+double expert_rate_fold(double learnt, double seen);
 /* The mean of those gaps in seconds: the time a layer in which the copies can run and the CPU's
  * experts cannot (they wait for the layer's route); 0 under EXPERT_RATE_MIN_LAYERS gaps. One mean
  * over both kinds, a token's ends among them: over a token the copies have the gaps' sum more than

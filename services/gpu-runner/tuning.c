@@ -127,6 +127,8 @@ void runner_register_tunables(struct runner *r)
 	service_add_fixed(s, "strict", TUNABLE_BOOL, r->strict ? "true" : "false", "check the GPU window's invariants");
 	service_add_fixed(s, "predict-experts", TUNABLE_BOOL, r->predict_experts ? "true" : "false",
 			  "the GPU's share of later layers' experts copied before their routing, on their last one");
+	service_add_fixed(s, "expert-rate-within", TUNABLE_BOOL, r->expert_rate_within ? "true" : "false",
+			  "the CPU's experts weighed anew after every token of a request, not only between requests");
 	service_add_fixed(s, "split-experts", TUNABLE_STRING,
 			  r->split_experts == 2 ? "always" : r->split_experts == 1 ? "auto" : "off",
 			  "chosen experts split between the copies and the CPU (cuda, decode)");

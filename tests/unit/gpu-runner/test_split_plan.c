@@ -327,6 +327,28 @@ START_TEST(test_expert_spans_rate)
 }
 END_TEST
 
+START_TEST(test_expert_rate_fold)
+{
+	/* The first rate learnt replaces the calibration's (0 here). */
+	ck_assert_double_eq_tol(expert_rate_fold(0, 88e9), 88e9, 1e-3);
+	/* Then the mean of the rate weighed with and the one the stretch ran at. */
+	ck_assert_double_eq_tol(expert_rate_fold(77.7e9, 88.4e9),
+				EXPERT_RATE_KEEP * 77.7e9 + (1 - EXPERT_RATE_KEEP) * 88.4e9, 1e-3);
+	ck_assert(expert_rate_fold(77.7e9, 88.4e9) > 77.7e9 && expert_rate_fold(77.7e9, 88.4e9) < 88.4e9);
+	/* A stretch that says nothing keeps what was learnt. */
+	ck_assert_double_eq_tol(expert_rate_fold(77.7e9, 0), 77.7e9, 1e-3);
+	ck_assert(expert_rate_fold(0, 0) == 0);
+	ck_assert(expert_rate_fold(-1, -1) == 0);
+	/* A rate that swings with the weighing (a share faster where it is smaller) settles: each
+	 * stretch runs at 160 GB/s less the weighing, 80 GB/s where the two agree. Taken whole the rate
+	 * would swing between 100 and 60 for ever; folded, it ends within 0.1 GB/s of 80. */
+	double w = 100e9;
+	for (int i = 0; i < 20; i++)
+		w = expert_rate_fold(w, 160e9 - w);
+	ck_assert_double_eq_tol(w, 80e9, 1e8);
+}
+END_TEST
+
 START_TEST(test_expert_copy_share)
 {
 	/* No lead: the link's part of the rates. */
@@ -355,6 +377,7 @@ static Suite *plan_suite(void)
 	tcase_add_test(tc, test_calibrate);
 	tcase_add_test(tc, test_jobs_factor);
 	tcase_add_test(tc, test_expert_spans_rate);
+	tcase_add_test(tc, test_expert_rate_fold);
 	tcase_add_test(tc, test_expert_copy_share);
 	suite_add_tcase(s, tc);
 	return s;
