@@ -515,7 +515,10 @@ def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16", model="Qwen3-30B-A3B 
            if sp.get("cpu_experts_span_ms_per_token") else "")
         + (f" ({sp['cpu_experts_span_bytes_per_token'] / sp['cpu_experts_span_ms_per_token'] / 1e6:.1f} GB/s)"
            if sp.get("cpu_experts_span_ms_per_token") and sp.get("cpu_experts_span_bytes_per_token") else "")
-        + (f", the routes weighing them at {sp['expert_rate_from_spans'] / 1e9:.1f} GB/s (their spans before)"
+        + ((f", the routes weighing them at {sp['expert_rate_from_spans_before'] / 1e9:.1f} GB/s as the request "
+            f"began and {sp['expert_rate_from_spans'] / 1e9:.1f} as it ended (their spans' rate, folded in)"
+            if sp.get("expert_rate_from_spans_before") else
+            f", the routes weighing them at {sp['expert_rate_from_spans'] / 1e9:.1f} GB/s (their spans before)")
            + (f" and the guesses giving the copies a lead of {sp['expert_lead_ms'] * 1e3:.0f} us a layer"
               if sp.get("expert_lead_ms") else "")
            if sp.get("expert_rate_from_spans") else "")
@@ -537,7 +540,11 @@ def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16", model="Qwen3-30B-A3B 
               if sp.get("host_between_steps_ms") else "")
            if sp.get("cpu_step_gap_ms_per_token") else "")
         + ", "
-        f"{sp['decode_h2d_bytes_per_token']/1e9:.2f} copied; the host waited "
+        f"{sp['decode_h2d_bytes_per_token']/1e9:.2f} copied"
+        + (f" (the link busy {sp['decode_copy_ms_per_token']:.1f} ms a token with them, "
+           f"{sp['decode_h2d_bytes_per_token'] / sp['decode_copy_ms_per_token'] / 1e6:.1f} GB/s: --profile-copies)"
+           if sp.get("decode_copy_ms_per_token") else "")
+        + "; the host waited "
         f"{sp.get('route_wait_ms_per_token', 0):.1f} ms/token for routings, its window's calls took "
         f"{sp.get('window_host_ms_per_token', 0):.1f}" + window_by(sp)
         + (f"; {sp['guessed_per_token']:.1f} experts a token copied on a guess, {sp.get('guess_hits_per_token', 0):.1f} "

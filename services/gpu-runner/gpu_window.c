@@ -133,6 +133,10 @@ static void collect_timing(struct gpu_window *w, struct gslot *s)
 	if (cudaEventQuery(s->t1) == cudaSuccess && cudaEventElapsedTime(&ms, s->t0, s->t1) == cudaSuccess) {
 		w->st.copy_ms += ms;
 		w->st.timed_copies++;
+		if (s->timed_decode) {
+			w->st.copy_ms_decode += ms;
+			w->st.timed_copies_decode++;
+		}
 	}
 	s->timed = false;
 }
@@ -330,6 +334,7 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	if (w->time_copies) {
 		CUDA_TRY(cudaEventRecord(s->t1, cs), "timing a copy");
 		s->timed = true;
+		s->timed_decode = w->base.step_tokens == 1;
 	}
 	CUDA_TRY(cudaEventRecord(e->h2d, cs), "recording a copy");
 	w->copy_ns += now_ns() - t0;
@@ -675,8 +680,8 @@ void gpu_window_reset_timing(struct gpu_window *w)
 {
 	for (uint32_t s = 0; s < w->n_slots; s++)
 		w->slots[s].timed = false;
-	w->st.copy_ms = 0;
-	w->st.timed_copies = 0;
+	w->st.copy_ms = w->st.copy_ms_decode = 0;
+	w->st.timed_copies = w->st.timed_copies_decode = 0;
 	for (uint32_t i = 0; i < GW_WAIT_TIMES; i++)
 		w->wait_timed[i] = false;
 	w->st.copy_wait_ms = 0;

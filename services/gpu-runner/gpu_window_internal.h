@@ -30,6 +30,7 @@ struct gslot {
 	bool compute_recorded;	   /* compute_done has been recorded at least once */
 	cudaEvent_t t0, t1;	   /* timing of the last copy into the slot (time_copies) */
 	bool timed;		   /* t0/t1 hold a copy not yet added to copy_ms */
+	bool timed_decode;	   /* ... a copy issued in a one-token step (copy_ms_decode too) */
 };
 
 struct gent {

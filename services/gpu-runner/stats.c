@@ -395,6 +395,8 @@ char *runner_stats(void *ctx)
 			json_object_set_new(g, "split_groups", json_integer(ws2.split_groups));
 			json_object_set_new(g, "expert_depth", json_integer(ws2.expert_depth));
 			json_object_set_new(g, "copy_wait_ms", json_real(ws2.copy_wait_ms));
+			json_object_set_new(g, "copy_ms_decode", json_real(ws2.copy_ms_decode));
+			json_object_set_new(g, "timed_copies_decode", json_integer((json_int_t)ws2.timed_copies_decode));
 			json_object_set_new(g, "timed_waits", json_integer((json_int_t)ws2.timed_waits));
 			json_object_set_new(g, "h2d_beside_cpu_bytes_per_s", json_real(ws2.h2d_beside_cpu_bytes_per_s));
 			json_object_set_new(g, "spread", json_boolean(ws2.spread));

@@ -499,6 +499,16 @@ class CommandLine(unittest.TestCase):
                                    "(limit 3.1 ms/token) |",
                                    "| M2 decode at 0.25 (0.1 GB) | 6.0 ms/token (limit 1.0) |  |",
                                    "| M2 decode at 0.5 (0.1 GB) |  | 7.0 ms/token (limit 1.0) |"])
+        # After the way (before its first ':' or ';'), one run's clauses that another's lacks: one row.
+        tagged = [("A", "| MX2 decode (--cpu-share auto: 0.92 GB/token, the routes weighing them at 77.7 GB/s, "
+                        "the gaps 2.0 ms) | 14.1 ms/token | 11.7 ms/token (50.0 + 78.6) | 1.21 | <= 1.2 |"),
+                  ("B", "| MX2 decode (--cpu-share auto: 0.92 GB/token, the gaps 1.0 ms) | 14.1 ms/token | "
+                        "11.3 ms/token (49.1 + 84.4) | 1.25 | <= 1.2 |"),
+                  ("B", "| MX2 decode (--cpu-share 0; 1.50 GB/token copied) | 29.4 ms/token | 27.1 ms/token | 1.08 | - |")]
+        got = bench.alternation_summary(tagged, "--x").splitlines()
+        self.assertEqual(got[4:], ["| MX2 decode (--cpu-share auto: 0.92 GB/token, the routes weighing them at 77.7 GB/s, "
+                                   "the gaps 2.0 ms) | 14.1 ms/token (limit 11.7 ms/token) | 14.1 ms/token (limit 11.3 ms/token) |",
+                                   "| MX2 decode (--cpu-share 0; 1.50 GB/token copied) |  | 29.4 ms/token (limit 27.1 ms/token) |"])
 
     def test_unknown(self):
         self.assertEqual(self.run_bench("--scenarios", "S1,S9").returncode, 2)
