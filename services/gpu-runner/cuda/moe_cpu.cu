@@ -221,6 +221,7 @@ static int cpu_submit(struct backend_dev *be, const struct weight_tensor *gate, 
 	if (i == 0) {
 		m->layer_t0 = t0;
 		m->layer_bytes = 0;
+		m->layer_n = be->n;
 		if (m->gap_pending_ns) {
 			m->gap_gpu_ns += m->gap_pending_ns;
 			m->gap_host_ns += t0 > m->route_t1 ? t0 - m->route_t1 : 0;
@@ -333,8 +334,10 @@ void moe_settle(struct backend_dev *be)
 
 /* A layer's CPU experts (bytes of weights), first submission (t0) to the last of jobs [i0, i1) (slots
  * i % n_jobs) to end. */
-static void count_span(struct cuda_moe *m, uint64_t t0, uint32_t i0, uint32_t i1, uint64_t bytes)
+static void count_span(struct cuda_moe *m, uint64_t t0, uint32_t i0, uint32_t i1, uint64_t bytes, uint32_t n)
 {
+	if (n != 1)
+		return;
 	uint64_t end = 0;
 	for (uint32_t i = i0; i < i1; i++)
 		end = m->jobs[i % m->n_jobs].end_ns > end ? m->jobs[i % m->n_jobs].end_ns : end;
@@ -359,7 +362,7 @@ int moe_check(struct backend_dev *be)
 			rc = cuda_failf(be, cj->tj.rc, "cuda backend: expert %u on the CPU: %s", m->cpu[i].expert,
 					cj->tj.err);
 	}
-	count_span(m, m->waited_t0, 0, m->n_waited, m->waited_bytes);
+	count_span(m, m->waited_t0, 0, m->n_waited, m->waited_bytes, m->waited_n);
 	m->n_waited = 0;
 	return rc;
 }
@@ -455,6 +458,7 @@ static int cpu_experts_waited(struct backend_dev *be, moe_combine_w *cw)
 	m->n_waited = m->n_cpu;
 	m->waited_t0 = m->layer_t0;
 	m->waited_bytes = m->layer_bytes;
+	m->waited_n = m->layer_n;
 	m->cpu_experts += m->n_cpu;
 	m->n_cpu = 0;
 	m->collected = 0;
@@ -473,7 +477,8 @@ static int cpu_experts(struct backend_dev *be, float **sum_dev)
 		if (r && !rc)
 			rc = r;
 	}
-	count_span(m, m->layer_t0, m->n_cpu > m->n_jobs ? m->n_cpu - m->n_jobs : 0, m->n_cpu, m->layer_bytes);
+	count_span(m, m->layer_t0, m->n_cpu > m->n_jobs ? m->n_cpu - m->n_jobs : 0, m->n_cpu, m->layer_bytes,
+		   m->layer_n);
 	m->collected = 0;
 	m->cpu_ns += now_ns() - t0;
 	if (rc)

@@ -125,7 +125,12 @@ struct cuda_moe {
 	uint64_t route_wait_step_ns; /* ... of route_wait_ns, in steps of at most FFN_SPLIT_MAX_TOKENS tokens */
 	uint64_t layer_t0, waited_t0;	/* when this layer's first CPU expert was submitted; the waited layer's */
 	uint64_t layer_bytes, waited_bytes; /* the weight bytes of this layer's CPU experts; the waited layer's */
-	uint64_t span_ns, span_layers;	/* layers' CPU experts, first submission to last end, summed (all time) */
+	uint32_t layer_n, waited_n;	/* the tokens of the step of each */
+	uint64_t span_ns, span_layers;	/* one-token steps' layers' CPU experts, first submission to last end,
+					 * summed (all time): a step of several tokens computes more for each
+					 * weight byte (MX2: the remainder of a prompt the kv-store restored, at
+					 * 48-64 GB/s where one-token steps ran at 93-97), and the rate the
+					 * routes learn from the spans is a one-token step's */
 	uint64_t span_bytes;		/* the weight bytes of those layers' CPU experts */
 	uint32_t pool_threads;		/* the CPU pool's workers */
 	uint64_t wait_ns_gone;		/* the phase waits of the jobs' shares made anew (ffn_share_stats) */
