@@ -501,6 +501,16 @@ def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16", model="Qwen3-30B-A3B 
         said = (f"{min(hb, h2d)/1e9:.1f} GB/s H2D beside the CPU + {cb/1e9:.1f} GB/s CPU beside the copies, measured "
                 f"at once; each alone, {h2d/1e9:.1f} + {cpu/1e9:.1f} GB/s {fmt} GEMV: {lim_both:.1f} ms, "
                 f"{ms_s/lim_both:.2f}")
+    # With --profile-copies, the same bytes at the rates the decode itself ran at: the link over its
+    # timed copies, the CPU over its spans (the start's calibration moves 10-20% between instances).
+    lr = (sp["decode_h2d_bytes_per_token"] / sp["decode_copy_ms_per_token"] * 1e3
+          if sp.get("decode_copy_ms_per_token") else 0)
+    cr = (sp["cpu_experts_span_bytes_per_token"] / sp["cpu_experts_span_ms_per_token"] * 1e3
+          if sp.get("cpu_experts_span_ms_per_token") and sp.get("cpu_experts_span_bytes_per_token") else 0)
+    if lr > 0 and cr > 0:
+        lim_ran = dec / (lr + cr) * 1e3
+        said += (f"; at the rates the decode ran at, {lr/1e9:.1f} GB/s over the timed copies + {cr/1e9:.1f} over "
+                 f"the CPU's spans: {lim_ran:.1f} ms, {ms_s/lim_ran:.2f}")
     return [
         f"| {name} decode, routed experts copied ({model} {shape}, --gpu-budget {budget}, --cpu-share 0; "
         f"{dec/1e9:.2f} GB/token copied of {active_bytes(w)/1e9:.2f} GB of active parameters, "

@@ -347,6 +347,15 @@ class Table(unittest.TestCase):
         rows = bench.ROWS["M1"](rec, lim)
         self.assertIn("| 20.0 ms/token | 15.0 ms/token (45.0 GB/s H2D beside the CPU + 55.0 GB/s CPU beside the copies, "
                       "measured at once; each alone, 50.0 + 100.0 GB/s bf16 GEMV: 10.0 ms, 2.00) | 1.33 | <= 1.2 |", rows[1])
+        # With --profile-copies the same bytes at the rates the decode ran at: the copies' and the spans'.
+        split.update(decode_copy_ms_per_token=16.0, cpu_experts_span_bytes_per_token=0.7e9,
+                     cpu_experts_span_ms_per_token=10.0)
+        rows = bench.ROWS["M1"](rec, lim)
+        self.assertIn("(the link busy 16.0 ms a token with them, 50.0 GB/s: --profile-copies)", rows[1])
+        self.assertIn("10.0 ms, 2.00; at the rates the decode ran at, 50.0 GB/s over the timed copies + 70.0 over the "
+                      "CPU's spans: 12.5 ms, 1.60) | 1.33 | <= 1.2 |", rows[1])
+        del split["decode_copy_ms_per_token"], split["cpu_experts_span_bytes_per_token"], \
+            split["cpu_experts_span_ms_per_token"]
         split.update(guessed_per_token=40.0, guess_hits_per_token=30.0, window_host_ms_per_token=2.5)
         rows = bench.ROWS["M1"](rec, lim)
         self.assertIn("its window's calls took 2.5; 40.0 experts a token copied on a guess, 30.0 of them chosen) "
