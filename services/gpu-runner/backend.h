@@ -453,9 +453,13 @@ struct backend_cpu_share_stats {
 	double route_wait_step_ms; /* ... of it in steps of at most FFN_SPLIT_MAX_TOKENS tokens (decode
 				    * steps: the ones the CPU takes experts in), not a prompt's chunks */
 	double experts_span_ms; /* a layer's CPU experts from the first one's submission to the last one's
-				 * end, summed over the layers that had any */
+				 * end, summed over the one-token steps' layers that had any */
 	uint64_t expert_layers; /* those layers */
 	uint64_t experts_span_bytes; /* the weight bytes of their CPU experts */
+	/* The same in steps of several tokens (a prompt's remainder, several sequences at once): each
+	 * weight byte computed for every token, so their rate is their own. */
+	double experts_span_ms_multi;
+	uint64_t expert_layers_multi, experts_span_bytes_multi;
 	double experts_phase_wait_ms; /* the experts' jobs' parts waiting for their first phase to end
 				       * (workers idle), summed over parts */
 	/* From a layer's last CPU expert's end to the next layer's first submission, in the same step

@@ -254,15 +254,42 @@ void runner_replan_split(struct runner *r)
 
 /* ---- the CPU's experts weighed at the rate they ran at ---- */
 
-static struct expert_spans spans_now(struct runner *r)
+/* The backend's spans of one kind of step: one-token steps (with the gaps between layers', every
+ * step's), or steps of several tokens (multi; no gaps). */
+static struct expert_spans spans_now(struct runner *r, bool multi)
 {
 	struct backend_cpu_share_stats bs;
 	backend_get_cpu_share_stats(r->be, &bs);
+	if (multi)
+		return (struct expert_spans){.layers = bs.expert_layers_multi,
+					     .bytes = bs.experts_span_bytes_multi,
+					     .ms = bs.experts_span_ms_multi};
 	return (struct expert_spans){.layers = bs.expert_layers,
 				     .bytes = bs.experts_span_bytes,
 				     .ms = bs.experts_span_ms,
 				     .gaps = bs.expert_gaps + bs.expert_step_gaps,
 				     .gap_ms = bs.experts_gap_gpu_ms + bs.experts_gap_host_ms + bs.experts_step_gap_ms};
+}
+
+/* One kind of step's spans since *base: once EXPERT_RATE_MIN_LAYERS layers have run, their rate
+ * folded into *rate (expert_rate_fold), *base moved up, and the stretch in *seen. Returns the rate
+ * the stretch ran at, 0 while it says nothing yet. */
+static double learn(struct runner *r, bool multi, struct expert_spans *base, double *rate, struct expert_spans *seen)
+{
+	const struct expert_spans now = spans_now(r, multi), *b = base;
+	if (now.layers < b->layers || now.bytes < b->bytes || now.ms < b->ms || now.gaps < b->gaps ||
+	    now.gap_ms < b->gap_ms) {
+		*base = now; /* counters that went back: counted afresh */
+		return 0;
+	}
+	*seen = (struct expert_spans){now.layers - b->layers, now.bytes - b->bytes, now.ms - b->ms,
+				      now.gaps - b->gaps, now.gap_ms - b->gap_ms};
+	const double ran = expert_spans_rate(seen);
+	if (!(ran > 0))
+		return 0;
+	*base = now;
+	*rate = expert_rate_fold(*rate, ran);
+	return ran;
 }
 
 void runner_expert_rate(struct runner *r, bool in_request)
@@ -273,32 +300,30 @@ void runner_expert_rate(struct runner *r, bool in_request)
 	if (!r->win || !r->be || !r->cfg.n_experts || r->cpu_share.mode != CPU_SHARE_AUTO || r->fixed_split ||
 	    !r->cpu_experts_early)
 		return;
-	const struct expert_spans now = spans_now(r);
-	const struct expert_spans *b = &r->expert_base;
-	if (now.layers < b->layers || now.bytes < b->bytes || now.ms < b->ms || now.gaps < b->gaps ||
-	    now.gap_ms < b->gap_ms) {
-		r->expert_base = now; /* counters that went back: counted afresh */
-		return;
+	for (int multi = 0; multi < 2; multi++) {
+		const double before = gpu_window_expert_rate(r->win, multi ? 2 : 1);
+		const bool first = !(multi ? r->expert_rate_multi : r->expert_rate);
+		struct expert_spans seen = {0};
+		const double ran = learn(r, multi, multi ? &r->expert_base_multi : &r->expert_base,
+					 multi ? &r->expert_rate_multi : &r->expert_rate, &seen);
+		if (!(ran > 0))
+			continue;
+		const double rate = multi ? r->expert_rate_multi : r->expert_rate, lead = expert_spans_lead(&seen);
+		if (!multi && lead > 0) /* too few gaps in the stretch (few layers in a row with CPU experts): the last one */
+			r->expert_lead = lead;
+		if (!(before > 0) || fabs(rate / before - 1) >= 0.10 || first)
+			log_info("cpu share: the CPU's experts of %llu layers of %s read %.2f GB in %.1f ms, %.1f GB/s (the "
+				 "routes weighed them at %.1f), %.0f us from a layer's last to the next one's first (the "
+				 "token's ends among them): the routes weigh them at %.1f from now on%s, and the guesses "
+				 "give the copies that lead",
+				 (unsigned long long)seen.layers, multi ? "steps of several tokens" : "one-token steps",
+				 (double)seen.bytes / 1e9, seen.ms, ran / 1e9, before / 1e9, r->expert_lead * 1e6,
+				 rate / 1e9, in_request ? " (within a request)" : "");
 	}
-	const struct expert_spans seen = {now.layers - b->layers, now.bytes - b->bytes, now.ms - b->ms,
-					  now.gaps - b->gaps, now.gap_ms - b->gap_ms};
-	const double ran = expert_spans_rate(&seen), lead = expert_spans_lead(&seen);
-	if (!(ran > 0))
-		return;
-	r->expert_base = now;
-	const double before = gpu_window_expert_rate(r->win), rate = expert_rate_fold(r->expert_rate, ran);
-	if (!(before > 0) || fabs(rate / before - 1) >= 0.10 || !r->expert_rate)
-		log_info("cpu share: the CPU's experts of %llu layers read %.2f GB in %.1f ms, %.1f GB/s (the routes "
-			 "weighed them at %.1f), %.0f us from a layer's last to the next one's first (the token's ends "
-			 "among them): the routes weigh them at %.1f from now on%s, and the guesses give the copies "
-			 "that lead",
-			 (unsigned long long)seen.layers, (double)seen.bytes / 1e9, seen.ms, ran / 1e9, before / 1e9,
-			 lead * 1e6, rate / 1e9, in_request ? " (within a request)" : "");
-	r->expert_rate = rate;
-	if (lead > 0) /* too few gaps in the stretch (few layers in a row with CPU experts): the last one */
-		r->expert_lead = lead;
-	gpu_window_set_expert_rate(r->win, rate, r->expert_lead);
+	if (r->expert_rate > 0 || r->expert_rate_multi > 0)
+		gpu_window_set_expert_rate(r->win, r->expert_rate, r->expert_rate_multi, r->expert_lead);
 #else
 	(void)r;
+	(void)in_request;
 #endif
 }

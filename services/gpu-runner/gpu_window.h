@@ -172,6 +172,7 @@ struct gpu_window_stats {
 	bool rates_from_jobs;		 /* the plan took the rates of jobs that ran (cpu_share_policy), no calibration */
 	double expert_rate_jobs;	 /* the rate a route weighs the CPU's experts with, from their spans (0: the
 					  * calibration's, cpu_rate of the experts' format) */
+	double expert_rate_jobs_multi;	 /* ... in steps of several tokens (0: expert_rate_jobs) */
 	double expert_lead_ms;		 /* the lead of a layer's copies over its CPU experts the guesses count */
 	uint64_t refill_bytes;		 /* device bytes kept more with the memory the split frees (gw_split_refill) */
 	bool split_balance_token;	 /* each layer's own share did not fit: one for every FFN (gw_split_fit) */
@@ -212,16 +213,18 @@ int gpu_window_expert_gain(const struct gpu_window *w, const float *heat, double
 uint32_t gpu_window_split_r(const struct gpu_window *w, uint32_t g);
 /* The CPU's product rate the plan measured for weight format f (bytes a second; 0: not measured). */
 double gpu_window_cpu_rate(const struct gpu_window *w, enum dtype f);
-/* Auto with experts on the CPU: the rate (bytes a second) the routes from now on weigh the CPU's
- * side of a layer with, as its experts' spans ran, and the time a layer in which copies run and the
- * CPU's experts cannot (lead_s: the gaps between layers' CPU experts), which the guesses give the
- * copies more for (the runner's, between requests; split_plan.h, expert_spans_rate and
- * expert_spans_lead); 0 goes back to the calibration's rate, and to no lead. The plan made at start
- * and its prediction keep the calibration's rate. */
-void gpu_window_set_expert_rate(struct gpu_window *w, double bytes_per_s, double lead_s);
-/* The rate the routes weigh the CPU's experts with now: the one set above, else the calibration's
- * for the experts' format (0: none measured). */
-double gpu_window_expert_rate(const struct gpu_window *w);
+/* Auto with experts on the CPU: the rate (bytes a second) the routes of one-token steps from now on
+ * weigh the CPU's side of a layer with, as its experts' spans in such steps ran, the rate for steps
+ * of several tokens (multi_bytes_per_s: each weight byte computed for every token; 0: the one-token
+ * rate), and the time a layer in which copies run and the CPU's experts cannot (lead_s: the gaps
+ * between layers' CPU experts), which the guesses give the copies more for (the runner's;
+ * split_plan.h, expert_spans_rate and expert_spans_lead); 0 goes back to the calibration's rate, and
+ * to no lead. The plan made at start and its prediction keep the calibration's rate. */
+void gpu_window_set_expert_rate(struct gpu_window *w, double bytes_per_s, double multi_bytes_per_s, double lead_s);
+/* The rate the routes of a step of `tokens` weigh the CPU's experts with now: the ones set above (a
+ * step of several tokens the one-token rate where none is set for it), else the calibration's for
+ * the experts' format (0: none measured). */
+double gpu_window_expert_rate(const struct gpu_window *w, uint32_t tokens);
 
 /* Checks every invariant of the state table; returns 0 or -EFAULT with err saying which broke. */
 int gpu_window_check(const struct gpu_window *w, char *err, size_t errlen);

@@ -777,13 +777,16 @@ double gpu_window_cpu_rate(const struct gpu_window *w, enum dtype f)
 	return (unsigned)f < DT_COUNT ? w->cpu_rate[f] : 0;
 }
 
-void gpu_window_set_expert_rate(struct gpu_window *w, double bytes_per_s, double lead_s)
+void gpu_window_set_expert_rate(struct gpu_window *w, double bytes_per_s, double multi_bytes_per_s, double lead_s)
 {
 	w->st.expert_rate_jobs = bytes_per_s > 0 ? bytes_per_s : 0;
+	w->st.expert_rate_jobs_multi = multi_bytes_per_s > 0 ? multi_bytes_per_s : 0;
 	w->st.expert_lead_ms = lead_s > 0 ? lead_s * 1e3 : 0;
 }
 
-double gpu_window_expert_rate(const struct gpu_window *w)
+double gpu_window_expert_rate(const struct gpu_window *w, uint32_t tokens)
 {
+	if (tokens > 1 && w->st.expert_rate_jobs_multi > 0)
+		return w->st.expert_rate_jobs_multi;
 	return w->st.expert_rate_jobs > 0 ? w->st.expert_rate_jobs : w->cpu_rate[w->moe_format];
 }

@@ -122,8 +122,8 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 	log_info("%s", line);
 	predict(r);
 	runner_split_mark(r); /* its jobs counted from here (cpu_share.c) */
-	if (r->expert_rate > 0)
-		gpu_window_set_expert_rate(r->win, r->expert_rate, r->expert_lead); /* the window before's */
+	if (r->expert_rate > 0 || r->expert_rate_multi > 0) /* the window before's */
+		gpu_window_set_expert_rate(r->win, r->expert_rate, r->expert_rate_multi, r->expert_lead);
 	return 0;
 #else
 	snprintf(err, errlen, "a device backend without CUDA support in this build");

@@ -141,6 +141,8 @@ struct runner {
 	struct split_jobs split_base; /* the backend's job counters when the window in force was made */
 	struct expert_spans expert_base; /* the backend's CPU expert spans when their rate was last asked */
 	double expert_rate;	    /* the rate they ran at, given to the window's routes (0: none yet) */
+	struct expert_spans expert_base_multi; /* the same in steps of several tokens */
+	double expert_rate_multi;   /* ... and their rate (0: none yet) */
 	double expert_lead;	    /* the mean gap between two layers' CPU experts (s), given with it */
 	struct kv_remote kv;
 	void *pool_pinned; /* the KV pool mapping, page-locked for the backend's copies */

@@ -217,6 +217,9 @@ static json_t *cpu_share_stats(struct runner *r)
 	json_object_set_new(o, "experts_span_ms", json_real(bs.experts_span_ms));
 	json_object_set_new(o, "expert_layers", json_integer((json_int_t)bs.expert_layers));
 	json_object_set_new(o, "experts_span_bytes", json_integer((json_int_t)bs.experts_span_bytes));
+	json_object_set_new(o, "experts_span_ms_multi", json_real(bs.experts_span_ms_multi));
+	json_object_set_new(o, "expert_layers_multi", json_integer((json_int_t)bs.expert_layers_multi));
+	json_object_set_new(o, "experts_span_bytes_multi", json_integer((json_int_t)bs.experts_span_bytes_multi));
 	json_object_set_new(o, "experts_phase_wait_ms", json_real(bs.experts_phase_wait_ms));
 	json_object_set_new(o, "phase_wait_ms", json_real(bs.phase_wait_ms));
 	json_object_set_new(o, "experts_gap_gpu_ms", json_real(bs.experts_gap_gpu_ms));
@@ -428,6 +431,7 @@ char *runner_stats(void *ctx)
 			json_object_set_new(g, "expert_replans", json_integer((json_int_t)r->expert_replans));
 			json_object_set_new(g, "rates_from_jobs", json_boolean(ws2.rates_from_jobs));
 			json_object_set_new(g, "expert_rate_from_spans", json_real(ws2.expert_rate_jobs));
+			json_object_set_new(g, "expert_rate_from_spans_multi", json_real(ws2.expert_rate_jobs_multi));
 			json_object_set_new(g, "expert_lead_ms", json_real(ws2.expert_lead_ms));
 			json_object_set_new(g, "refill_bytes", json_integer((json_int_t)ws2.refill_bytes));
 			json_object_set_new(g, "split_balance_token", json_boolean(ws2.split_balance_token));

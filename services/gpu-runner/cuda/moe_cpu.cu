@@ -336,16 +336,15 @@ void moe_settle(struct backend_dev *be)
  * i % n_jobs) to end. */
 static void count_span(struct cuda_moe *m, uint64_t t0, uint32_t i0, uint32_t i1, uint64_t bytes, uint32_t n)
 {
-	if (n != 1)
-		return;
 	uint64_t end = 0;
 	for (uint32_t i = i0; i < i1; i++)
 		end = m->jobs[i % m->n_jobs].end_ns > end ? m->jobs[i % m->n_jobs].end_ns : end;
 	if (i1 > i0 && end > t0) {
-		m->span_ns += end - t0;
-		m->span_layers++;
+		/* A step of one token, or of several (apart: moe_internal.h). */
+		*(n == 1 ? &m->span_ns : &m->span_ns_multi) += end - t0;
+		(*(n == 1 ? &m->span_layers : &m->span_layers_multi))++;
+		*(n == 1 ? &m->span_bytes : &m->span_bytes_multi) += bytes;
 		m->last_end_ns = end;
-		m->span_bytes += bytes;
 	}
 }
 
@@ -532,6 +531,9 @@ void moe_cpu_stats(const struct cuda_moe *m, struct backend_cpu_share_stats *out
 	out->experts_span_ms = (double)m->span_ns / 1e6;
 	out->expert_layers = m->span_layers;
 	out->experts_span_bytes = m->span_bytes;
+	out->experts_span_ms_multi = (double)m->span_ns_multi / 1e6;
+	out->expert_layers_multi = m->span_layers_multi;
+	out->experts_span_bytes_multi = m->span_bytes_multi;
 	uint64_t wait = m->wait_ns_gone;
 	for (uint32_t j = 0; j < m->n_jobs; j++)
 		if (m->jobs[j].share) {

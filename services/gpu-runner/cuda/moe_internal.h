@@ -127,11 +127,12 @@ struct cuda_moe {
 	uint64_t layer_bytes, waited_bytes; /* the weight bytes of this layer's CPU experts; the waited layer's */
 	uint32_t layer_n, waited_n;	/* the tokens of the step of each */
 	uint64_t span_ns, span_layers;	/* one-token steps' layers' CPU experts, first submission to last end,
-					 * summed (all time): a step of several tokens computes more for each
-					 * weight byte (MX2: the remainder of a prompt the kv-store restored, at
-					 * 48-64 GB/s where one-token steps ran at 93-97), and the rate the
-					 * routes learn from the spans is a one-token step's */
+					 * summed (all time) */
 	uint64_t span_bytes;		/* the weight bytes of those layers' CPU experts */
+	/* The same in steps of several tokens, apart: each weight byte is computed for every token (MX2:
+	 * the remainder of a prompt the kv-store restored, 16 tokens, ran at 48-64 GB/s of weights where
+	 * one-token steps ran at 93-97), and the routes weigh each kind at its own rate. */
+	uint64_t span_ns_multi, span_layers_multi, span_bytes_multi;
 	uint32_t pool_threads;		/* the CPU pool's workers */
 	uint64_t wait_ns_gone;		/* the phase waits of the jobs' shares made anew (ffn_share_stats) */
 	/* The gaps between layers' CPU experts (backend_cpu_share_stats): the end of the last layer's

@@ -273,11 +273,15 @@ static void compare(bool mapped, bool taper, uint32_t F, bool dev0)
 	struct backend_cpu_share_stats st;
 	backend_get_cpu_share_stats(cu.be, &st);
 	ck_assert_uint_eq(st.experts, cpu);
-	/* The spans are the one-token steps' (what the routes' weighing learns from): at most every
-	 * layer of each decode step, none of the prompt's chunks of CHUNK tokens. */
+	/* The spans of one-token steps and of steps of several tokens apart (the routes weigh each kind at
+	 * its own rate): at most every layer of each decode step in the first, the prompt's chunks of CHUNK
+	 * tokens in the second. */
 	ck_assert_uint_gt(st.expert_layers, 0);
 	ck_assert_uint_le(st.expert_layers, (uint64_t)DECODE * LAYERS);
 	ck_assert_uint_gt(st.experts_span_bytes, 0);
+	ck_assert_uint_gt(st.expert_layers_multi, 0);
+	ck_assert_uint_le(st.expert_layers_multi, (uint64_t)((PROMPT + CHUNK - 1) / CHUNK) * LAYERS);
+	ck_assert(st.experts_span_bytes_multi > 0 && st.experts_span_ms_multi > 0);
 	/* Steps of the CPU's experts' sizes (at most FFN_SPLIT_MAX_TOKENS tokens: here every one) that
 	 * follow one within MOE_STEP_GAP_MAX_MS had their starts timed, on the host and on the GPU's
 	 * clock: some, and never the first (no step before it). */

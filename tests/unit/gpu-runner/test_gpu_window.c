@@ -1084,20 +1084,31 @@ static void experts_from_disk(uint32_t experts, bool cpu, bool predict, bool aut
 		 * runner_expert_rate), else the plan's: far too slow a CPU gets no expert (the plan's rate
 		 * gave it some above), far too fast one gets chosen experts again; 0 goes back to the
 		 * plan's rate. */
-		ck_assert(gpu_window_expert_rate(w) == 1e7);
+		ck_assert(gpu_window_expert_rate(w, 1) == 1e7 && gpu_window_expert_rate(w, 16) == 1e7);
 		ck_assert(st.expert_rate_jobs == 0);
-		gpu_window_set_expert_rate(w, 1.0, 0);
+		gpu_window_set_expert_rate(w, 1.0, 0, 0);
 		uint64_t before = st.experts_cpu;
 		routed_steps_as(&f, w, 12, true);
 		gpu_window_stats(w, &st);
 		ck_assert_uint_eq(st.experts_cpu, before);
-		ck_assert(st.expert_rate_jobs == 1.0 && gpu_window_expert_rate(w) == 1.0);
-		gpu_window_set_expert_rate(w, 1e18, 0);
+		/* A step of several tokens takes the one-token rate where none is set for it. */
+		ck_assert(st.expert_rate_jobs == 1.0 && gpu_window_expert_rate(w, 1) == 1.0 &&
+			  gpu_window_expert_rate(w, 16) == 1.0);
+		/* Its own rate where one is: the same first step (16 tokens, routing to every expert), which
+		 * gave the CPU none above at the slow one-token rate, gives it experts at a fast rate of its
+		 * own. */
+		gpu_window_set_expert_rate(w, 1.0, 1e18, 0);
+		ck_assert(gpu_window_expert_rate(w, 1) == 1.0 && gpu_window_expert_rate(w, 16) == 1e18);
+		routed_steps_as(&f, w, 1, true);
+		gpu_window_stats(w, &st);
+		ck_assert_uint_gt(st.experts_cpu, before);
+		before = st.experts_cpu;
+		gpu_window_set_expert_rate(w, 1e18, 0, 0);
 		routed_steps_as(&f, w, 12, true);
 		gpu_window_stats(w, &st);
 		ck_assert_uint_gt(st.experts_cpu, before);
-		gpu_window_set_expert_rate(w, 0, 0);
-		ck_assert(gpu_window_expert_rate(w) == 1e7);
+		gpu_window_set_expert_rate(w, 0, 0, 0);
+		ck_assert(gpu_window_expert_rate(w, 1) == 1e7 && gpu_window_expert_rate(w, 16) == 1e7);
 	}
 	if (predict) /* pinned experts guessed in or out; those that stream only ever guessed in */
 		ck_assert_uint_gt(st.experts_guessed, 0);
@@ -1324,7 +1335,7 @@ START_TEST(test_experts_guessed_at_their_rate)
 	struct gpu_window_stats a, b;
 	routed_steps_as(&f, w, 4, true); /* every layer's routing known */
 	/* A CPU far too slow. */
-	gpu_window_set_expert_rate(w, 1.0, 0);
+	gpu_window_set_expert_rate(w, 1.0, 0, 0);
 	gpu_window_stats(w, &a);
 	routed_steps_as(&f, w, 20, true);
 	gpu_window_stats(w, &b);
@@ -1336,7 +1347,7 @@ START_TEST(test_experts_guessed_at_their_rate)
 	ck_assert_uint_gt(b.guess_hits, a.guess_hits);
 	ck_assert_uint_eq(b.experts_cpu - a.experts_cpu, b.guess_missed - a.guess_missed);
 	/* A CPU far too fast, no lead. */
-	gpu_window_set_expert_rate(w, 1e18, 0);
+	gpu_window_set_expert_rate(w, 1e18, 0, 0);
 	gpu_window_stats(w, &a);
 	routed_steps_as(&f, w, 20, true);
 	gpu_window_stats(w, &b);
@@ -1347,7 +1358,7 @@ START_TEST(test_experts_guessed_at_their_rate)
 	ck_assert_uint_le(b.experts_guessed - a.experts_guessed, 2 * c->n_layers);
 	ck_assert_uint_gt(b.experts_cpu - a.experts_cpu, b.guess_missed - a.guess_missed);
 	/* Just as fast, with a second's lead a layer: the copies take the whole choice again. */
-	gpu_window_set_expert_rate(w, 1e18, 1.0);
+	gpu_window_set_expert_rate(w, 1e18, 0, 1.0);
 	gpu_window_stats(w, &a);
 	ck_assert(a.expert_lead_ms == 1000.0);
 	routed_steps_as(&f, w, 20, true);
