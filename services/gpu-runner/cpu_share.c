@@ -272,9 +272,12 @@ static struct expert_spans spans_now(struct runner *r, bool multi)
 }
 
 /* One kind of step's spans since *base: once EXPERT_RATE_MIN_LAYERS layers have run, their rate
- * folded into *rate (expert_rate_fold), *base moved up, and the stretch in *seen. Returns the rate
- * the stretch ran at, 0 while it says nothing yet. */
-static double learn(struct runner *r, bool multi, struct expert_spans *base, double *rate, struct expert_spans *seen)
+ * folded into *rate (expert_rate_fold) and the layers, bytes and time of *base moved up; once
+ * EXPERT_RATE_MIN_LAYERS gaps have (one-token steps: a stretch of a token or two has fewer), their
+ * mean in *lead and the gaps of *base moved up. The stretch in *seen. Returns the rate the stretch ran
+ * at, 0 while it says nothing yet. */
+static double learn(struct runner *r, bool multi, struct expert_spans *base, double *rate, double *lead,
+		    struct expert_spans *seen)
 {
 	const struct expert_spans now = spans_now(r, multi), *b = base;
 	if (now.layers < b->layers || now.bytes < b->bytes || now.ms < b->ms || now.gaps < b->gaps ||
@@ -284,10 +287,18 @@ static double learn(struct runner *r, bool multi, struct expert_spans *base, dou
 	}
 	*seen = (struct expert_spans){now.layers - b->layers, now.bytes - b->bytes, now.ms - b->ms,
 				      now.gaps - b->gaps, now.gap_ms - b->gap_ms};
+	const double gaps = expert_spans_lead(seen);
+	if (gaps > 0) {
+		*lead = gaps;
+		base->gaps = now.gaps;
+		base->gap_ms = now.gap_ms;
+	}
 	const double ran = expert_spans_rate(seen);
 	if (!(ran > 0))
 		return 0;
-	*base = now;
+	base->layers = now.layers;
+	base->bytes = now.bytes;
+	base->ms = now.ms;
 	*rate = expert_rate_fold(*rate, ran);
 	return ran;
 }
@@ -304,21 +315,24 @@ void runner_expert_rate(struct runner *r, bool in_request)
 		const double before = gpu_window_expert_rate(r->win, multi ? 2 : 1);
 		const bool first = !(multi ? r->expert_rate_multi : r->expert_rate);
 		struct expert_spans seen = {0};
+		double lead = 0; /* the gaps are one-token steps' (spans_now) */
 		const double ran = learn(r, multi, multi ? &r->expert_base_multi : &r->expert_base,
-					 multi ? &r->expert_rate_multi : &r->expert_rate, &seen);
+					 multi ? &r->expert_rate_multi : &r->expert_rate, &lead, &seen);
+		if (lead > 0)
+			r->expert_lead = lead;
 		if (!(ran > 0))
 			continue;
-		const double rate = multi ? r->expert_rate_multi : r->expert_rate, lead = expert_spans_lead(&seen);
-		if (!multi && lead > 0) /* too few gaps in the stretch (few layers in a row with CPU experts): the last one */
-			r->expert_lead = lead;
+		const double rate = multi ? r->expert_rate_multi : r->expert_rate;
+		char gaps[160] = "";
+		if (!multi)
+			snprintf(gaps, sizeof(gaps), ", and the guesses give the copies %.0f us a layer (the gaps from a "
+				 "layer's last to the next one's first, the token's ends among them)", r->expert_lead * 1e6);
 		if (!(before > 0) || fabs(rate / before - 1) >= 0.10 || first)
 			log_info("cpu share: the CPU's experts of %llu layers of %s read %.2f GB in %.1f ms, %.1f GB/s (the "
-				 "routes weighed them at %.1f), %.0f us from a layer's last to the next one's first (the "
-				 "token's ends among them): the routes weigh them at %.1f from now on%s, and the guesses "
-				 "give the copies that lead",
+				 "routes weighed them at %.1f): the routes weigh them at %.1f from now on%s%s",
 				 (unsigned long long)seen.layers, multi ? "steps of several tokens" : "one-token steps",
-				 (double)seen.bytes / 1e9, seen.ms, ran / 1e9, before / 1e9, r->expert_lead * 1e6,
-				 rate / 1e9, in_request ? " (within a request)" : "");
+				 (double)seen.bytes / 1e9, seen.ms, ran / 1e9, before / 1e9, rate / 1e9,
+				 in_request ? " (within a request)" : "", gaps);
 	}
 	if (r->expert_rate > 0 || r->expert_rate_multi > 0)
 		gpu_window_set_expert_rate(r->win, r->expert_rate, r->expert_rate_multi, r->expert_lead);

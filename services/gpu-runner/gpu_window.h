@@ -155,7 +155,8 @@ struct gpu_window_stats {
 	double copy_ms;			 /* with time_copies: device time spent copying, since reset */
 	uint64_t timed_copies;
 	double copy_ms_decode;		 /* of copy_ms: copies issued in one-token steps (the link's
-					  * busy time in decode, where their bytes are bytes_h2d_decode) */
+					  * busy time in decode); since reset, as copy_ms (a request's
+					  * decode start), where bytes_h2d_decode counts all time */
 	uint64_t timed_copies_decode;
 	double copy_wait_ms;		 /* with time_copies: the compute stream's time waiting for copies */
 	uint64_t timed_waits;

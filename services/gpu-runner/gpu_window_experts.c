@@ -166,8 +166,8 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 	 * in MX1 and MX2 the copies, weighed at the link's rate alone, ended after the CPU's rows (12.8
 	 * against 11.8 ms a token). */
 	const double beside = w->st.h2d_beside_cpu_bytes_per_s;
-	const bool learnt =
-		pol->mode == CPU_SHARE_AUTO && (w->st.expert_rate_jobs > 0 || w->st.expert_rate_jobs_multi > 0);
+	const bool learnt = pol->mode == CPU_SHARE_AUTO &&
+			    (w->st.expert_rate_jobs > 0 || (ws->step_tokens > 1 && w->st.expert_rate_jobs_multi > 0));
 	const double h2d_b = learnt && beside > 0 && beside < h2d_r ? beside : h2d_r;
 	const double cpu_r = pol->mode == CPU_SHARE_FIXED
 				     ? (pol->fraction >= 1 ? 1e30 : h2d_r * pol->fraction / (1 - pol->fraction))

@@ -738,7 +738,11 @@ static uint64_t layer_bytes(const struct manifest *m)
 	return b;
 }
 
-static void routed_steps_as(struct fixture *f, struct gpu_window *w, int steps, bool at_route);
+static void routed_steps_from(struct fixture *f, struct gpu_window *w, int steps, bool at_route, uint32_t first);
+static void routed_steps_as(struct fixture *f, struct gpu_window *w, int steps, bool at_route)
+{
+	routed_steps_from(f, w, steps, at_route, 16);
+}
 
 static void routed_steps(struct fixture *f, struct gpu_window *w, int steps)
 {
@@ -817,7 +821,9 @@ static void expect_expert_split(struct fixture *f, const struct group_weights *g
 /* Where set (>= 0), the two experts every decode step chooses in every layer, in place of random ones. */
 static int fixed_choice[2] = {-1, -1};
 
-static void routed_steps_as(struct fixture *f, struct gpu_window *w, int steps, bool at_route)
+/* The first step of `first` tokens (16: a prefill chunk that routes to every expert), then decode
+ * steps of one. */
+static void routed_steps_from(struct fixture *f, struct gpu_window *w, int steps, bool at_route, uint32_t first)
 {
 	const struct model_config *c = &f->m->cfg;
 	const uint32_t E = c->n_experts;
@@ -826,7 +832,7 @@ static void routed_steps_as(struct fixture *f, struct gpu_window *w, int steps, 
 	bool used[64] = {false}, on_cpu[64] = {false};
 	srand(7);
 	for (int step = 0; step < steps; step++) {
-		ws->step_tokens = step == 0 ? 16 : 1; /* a prefill chunk that routes to every expert, then decode */
+		ws->step_tokens = step == 0 ? first : 1;
 		for (uint32_t g = 0; g < f->m->n_groups; g++) {
 			const struct group_desc *gd = &f->m->groups[g];
 			if (gd->kind == GROUP_EXPERT && (!used[gd->expert] || on_cpu[gd->expert])) {
@@ -1102,7 +1108,11 @@ static void experts_from_disk(uint32_t experts, bool cpu, bool predict, bool aut
 		routed_steps_as(&f, w, 1, true);
 		gpu_window_stats(w, &st);
 		ck_assert_uint_gt(st.experts_cpu, before);
+		/* ... while one-token steps keep their own slow rate: no expert for the CPU. */
 		before = st.experts_cpu;
+		routed_steps_from(&f, w, 12, true, 1);
+		gpu_window_stats(w, &st);
+		ck_assert_uint_eq(st.experts_cpu, before);
 		gpu_window_set_expert_rate(w, 1e18, 0, 0);
 		routed_steps_as(&f, w, 12, true);
 		gpu_window_stats(w, &st);
