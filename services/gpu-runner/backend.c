@@ -330,11 +330,8 @@ static int check_roles(struct backend *be, const struct group_weights *w, const 
 	return 0;
 }
 
-/* The shares of a split FFN (struct ffn_split) and the step it is asked for: an FFN's (roles
- * ROLE_W_*, ffn = ffn_dim, what "ffn") or a routed expert's (ROLE_EXPERT_*, its intermediate rows,
- * "expert"). */
-/* The second share of a split (struct ffn_split s, roles as below): where it is computed, r, and
- * its three tensors at that place. */
+/* The second share of a split (struct ffn_split s, roles as check_split_as's): where it is computed,
+ * r, and its three tensors at that place. */
 static int check_second_share(struct backend *be, const struct ffn_split *s, uint32_t ffn,
 			      const enum tensor_role roles[3], const char *what)
 {
@@ -364,6 +361,9 @@ static int check_second_share(struct backend *be, const struct ffn_split *s, uin
 	return check_tensor(be, &s->down, dr, rest, 0, dim, r, ffn - r, false, what, "second share's ");
 }
 
+/* The shares of a split FFN (struct ffn_split) and the step it is asked for: an FFN's (roles
+ * ROLE_W_*, ffn = ffn_dim, what "ffn") or a routed expert's (ROLE_EXPERT_*, its intermediate rows,
+ * "expert"). */
 static int check_split_as(struct backend *be, const struct group_weights *w, uint32_t ffn,
 			  const enum tensor_role roles[3], const char *what)
 {

@@ -731,10 +731,13 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 						     groups[g].layer == l; g++) {
 				const uint32_t x = groups[g].expert;
 				struct ffn_split share;
-				int sh = 0;
-				if (!e->on_cpu[x] &&
-				    (!e->used[x] || !e->ws->ops->share_host || (sh = e->ws->ops->share_host(e->ws, g, &share)) == 0))
-					continue;
+				int sh = 0; /* 1: a chosen expert the route split with the CPU, its share in `share` */
+				if (!e->on_cpu[x]) {
+					if (!e->used[x] || !e->ws->ops->share_host)
+						continue;
+					if ((sh = e->ws->ops->share_host(e->ws, g, &share)) == 0)
+						continue;
+				}
 				early--;
 				if (sh < 0)
 					rc = set_err(e, sh, "weights: %s", e->ws->error);
