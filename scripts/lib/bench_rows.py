@@ -532,6 +532,11 @@ def rows_m1(rec, lim, name="M1", shape="bf16", fmt="bf16", model="Qwen3-30B-A3B 
            + (f" and the guesses giving the copies a lead of {sp['expert_lead_ms'] * 1e3:.0f} us a layer"
               if sp.get("expert_lead_ms") else "")
            if sp.get("expert_rate_from_spans") else "")
+        + (f", the layers' ends as measured: the GPU's side last by {sp.get('ends_gpu_late_ms_per_token', 0):.2f} ms a "
+           f"token, the CPU's by {sp.get('ends_cpu_late_ms_per_token', 0):.2f} ({sp['ends_measured_per_token']:.1f} "
+           f"layers a token), the routes' lag for it {sp.get('ends_lag_ms_before', 0) * 1e3:.0f} -> "
+           f"{sp.get('ends_lag_ms', 0) * 1e3:.0f} us"
+           if sp.get("ends_measured_per_token") else "")
         + (f", their parts idle between a job's phases {sp['cpu_phase_wait_ms_per_token']:.1f} ms summed over workers"
            if sp.get("cpu_phase_wait_ms_per_token") else "")
         + (f", the gaps from a layer's last to the next one's first {sp['cpu_gap_gpu_ms_per_token']:.1f} ms to the "

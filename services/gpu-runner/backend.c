@@ -767,6 +767,14 @@ bool backend_moe_expert_used(struct backend *be, uint32_t expert)
 	return be->impl->compute->moe_expert_used(be->dev, expert);
 }
 
+int backend_moe_ends(struct backend *be, int64_t *gpu_late_ns)
+{
+	*gpu_late_ns = 0;
+	if (be->phase != PHASE_MOE || !be->impl->compute->moe_ends)
+		return 0;
+	return be->impl->compute->moe_ends(be->dev, gpu_late_ns) == 1 ? 1 : 0;
+}
+
 void backend_settle(struct backend *be)
 {
 	if (be->impl->compute->settle)

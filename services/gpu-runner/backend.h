@@ -318,6 +318,12 @@ int backend_moe_expert(struct backend *be, const struct group_weights *w, uint32
  * be fetched (moe_expert would compute nothing); true when one did, and outside moe_route ..
  * moe_end or on a backend that does not say. */
 bool backend_moe_expert_used(struct backend *be, uint32_t expert);
+/* After moe_route of a one-token step: 1 where the backend measured how the two sides of the layer
+ * routed before it (in this step, with experts on the CPU) ended, *gpu_late_ns the GPU's side's end
+ * (its copied and kept experts computed) less the CPU's (its last expert done), on the host's clock:
+ * > 0 the GPU's side ended last. 0 (and *gpu_late_ns 0) where it did not: no CPU expert in that
+ * layer, the step's first routed layer, a backend that does not measure. */
+int backend_moe_ends(struct backend *be, int64_t *gpu_late_ns);
 /* Expert `expert` computed by the CPU from host memory (w's tensors at PLACE_HOST: the weight
  * ring in place); its result joins the sum by moe_end. The CPU's experts come in increasing order
  * among themselves (the order of their sum), before or between the GPU's; each expert once.

@@ -74,6 +74,8 @@ struct backend_compute_ops {
 	/* Optional (with moe_expert_cpu): default -ENOTSUP. An expert's CPU share handed to the pool
 	 * before its visit, whose moe_expert then has split.where FFN_SPLIT_GIVEN. */
 	int (*moe_expert_cpu_share)(struct backend_dev *d, const struct ffn_split *s, uint32_t expert);
+	/* Optional: default 0 (the ends of a layer's two sides not measured). */
+	int (*moe_ends)(struct backend_dev *d, int64_t *gpu_late_ns);
 };
 
 struct backend_kv_ops {

@@ -711,6 +711,7 @@ static int step_groups(struct engine *e, const struct engine_seq *seqs, uint32_t
 					e->routed[(size_t)l * e->cfg->n_experts + x] += e->used[x];
 			}
 			memset(e->on_cpu, 0, e->cfg->n_experts * sizeof(bool));
+			e->ws->route_ends_known = backend_moe_ends(e->be, &e->ws->route_ends_ns) == 1;
 			if (e->ws->ops->route && (rc = e->ws->ops->route(e->ws, l, e->used, e->on_cpu)) != 0) {
 				set_err(e, rc, "weights: %s", e->ws->error);
 				release(e, group);

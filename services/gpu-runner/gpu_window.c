@@ -560,6 +560,8 @@ static int win_reset(struct weight_source *ws)
 	if (rc)
 		return rc;
 	w->guess_carry = 0;
+	w->ends_cpu = false;
+	w->ends_layer = UINT32_MAX;
 	for (uint32_t g = 0; g < ws->n_groups; g++) {
 		struct gent *e = &w->g[g];
 		e->in_use = false;
@@ -658,6 +660,7 @@ void gpu_window_stats(struct gpu_window *w, struct gpu_window_stats *st)
 			collect_wait(w, i, false);
 	}
 	*st = w->st;
+	st->ends_lag_ms = w->ends_lag_s * 1e3;
 	st->host_ms = 0;
 	for (int i = 0; i < GW_HOST_OPS; i++) {
 		st->host_ms_op[i] = (double)w->op_ns[i] / 1e6;

@@ -95,7 +95,20 @@ struct gpu_window_params {
 	 * are not guessed (GW_SPLIT_AUTO, the runner's default). GW_SPLIT_ALWAYS splits whatever the
 	 * size (tests), GW_SPLIT_OFF (zero) never: whole experts to one side. */
 	enum gw_split_experts { GW_SPLIT_OFF = 0, GW_SPLIT_AUTO = 1, GW_SPLIT_ALWAYS = 2 } split_experts;
+	/* A mixture of experts in one-token steps, auto: the routes balance a layer's two sides so that
+	 * they end together as measured (weight_source.route_ends_ns), not only as the rates say: each
+	 * measure moves ends_lag, the time the route counts the link's side as started late (< 0: the
+	 * CPU's), by GW_ENDS_GAIN of the GPU's side's lateness (--balance-ends, the runner's default).
+	 * ends_lag_s: where it starts (the window before's; gpu_window_stats.ends_lag_ms). */
+	bool balance_ends;
+	double ends_lag_s;
 };
+
+/* What a measure of a layer's ends moves the lag by (of the GPU's side's lateness; a smaller step
+ * than the whole, as the measures of single layers scatter by the host's wakes), and the most the
+ * lag may be either way (seconds; about two of MX2's layers). */
+#define GW_ENDS_GAIN 0.25
+#define GW_ENDS_MAX_S 1e-3
 
 /* The link time (seconds) of an expert's copy from which GW_SPLIT_AUTO splits it: Mixtral-8x7B's
  * experts (99 MB in Q4_K, 352 in bf16: 1.9 and 6.6 ms at 53 GB/s), not Qwen3-30B-A3B's (9.4 MB in
@@ -175,6 +188,12 @@ struct gpu_window_stats {
 					  * calibration's, cpu_rate of the experts' format) */
 	double expert_rate_jobs_multi;	 /* ... in steps of several tokens (0: expert_rate_jobs) */
 	double expert_lead_ms;		 /* the lead of a layer's copies over its CPU experts the guesses count */
+	/* How one-token layers whose route gave both sides work ended (route_ends_ns, the layer after
+	 * measuring), all time: measured layers, the GPU's side's lateness summed where it ended last
+	 * and the CPU's where it did; the lag the routes count now (balance_ends). */
+	uint64_t ends_measured;
+	double ends_gpu_late_ms, ends_cpu_late_ms;
+	double ends_lag_ms;
 	uint64_t refill_bytes;		 /* device bytes kept more with the memory the split frees (gw_split_refill) */
 	bool split_balance_token;	 /* each layer's own share did not fit: one for every FFN (gw_split_fit) */
 	uint64_t side_bytes;		 /* device bytes of the prefill copy of a split FFN's CPU rows */

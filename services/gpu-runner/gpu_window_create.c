@@ -7,6 +7,7 @@
 
 #include <cuda_runtime_api.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -298,6 +299,9 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 	w->heat_known = p->expert_heat != NULL;
 	w->predict = p->predict_experts && cfg->n_experts;
 	w->split_experts = p->split_experts;
+	w->balance_ends = p->balance_ends;
+	w->ends_lag_s = p->balance_ends && fabs(p->ends_lag_s) <= GW_ENDS_MAX_S ? p->ends_lag_s : 0;
+	w->ends_layer = UINT32_MAX;
 	uint32_t depth = p->depth ? p->depth : 2;
 
 	/* The device layout of every group whole, and the group table the plan sees with device sizes. */

@@ -118,6 +118,32 @@ static void guess_next(struct gpu_window *w, uint32_t layer, const bool *used, d
 		w->guess_carry = miss > most ? most : miss < -most ? -most : miss;
 }
 
+/* How the layer routed before `layer` ended, where the engine measured it (route_ends_ns) and that
+ * route gave the CPU work (the GPU's side may have had none: it ended at once, and the CPU last):
+ * counted, and the lag moved by GW_ENDS_GAIN of the GPU's side's lateness (balance_ends). The
+ * route gives the link's side the lag as a start (ended late: less for the link), so the next
+ * measure is the last less that step: a fraction of it a layer, so that one layer's scatter (the
+ * host's wake for a routing, a copy's start) moves the lag little. */
+static void ends_learn(struct gpu_window *w, uint32_t layer)
+{
+	const struct weight_source *ws = &w->base;
+	const bool known = ws->route_ends_known && ws->step_tokens == 1 && w->ends_cpu &&
+			   w->ends_layer != UINT32_MAX && w->ends_layer + 1 == layer;
+	w->ends_cpu = false;
+	if (!known)
+		return;
+	const double late = (double)ws->route_ends_ns * 1e-9;
+	w->st.ends_measured++;
+	if (late > 0)
+		w->st.ends_gpu_late_ms += late * 1e3;
+	else
+		w->st.ends_cpu_late_ms -= late * 1e3;
+	if (!w->balance_ends)
+		return;
+	const double lag = w->ends_lag_s + GW_ENDS_GAIN * late;
+	w->ends_lag_s = lag > GW_ENDS_MAX_S ? GW_ENDS_MAX_S : lag < -GW_ENDS_MAX_S ? -GW_ENDS_MAX_S : lag;
+}
+
 int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *on_cpu)
 {
 	struct gpu_window *w = (struct gpu_window *)ws;
@@ -156,7 +182,13 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 	/* The CPU's side: chosen experts not resident whose host bytes stay in DRAM, in a decode step. */
 	const struct cpu_share_policy *pol = &w->moe_policy;
 	const bool cpu = pol->mode != CPU_SHARE_OFF && on_cpu && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS;
-	double gpu_s = 0, cpu_s = 0;
+	ends_learn(w, layer);
+	/* Auto in a one-token step: the side the measures found ending last starts by the lag (the
+	 * link's copies wait for the route's issue and the GPU then computes its rows; the CPU's wait
+	 * for the pool's wake and its rows' stride: none of that is in the rates). */
+	const bool lagged = w->balance_ends && cpu && ws->step_tokens == 1 && pol->mode == CPU_SHARE_AUTO;
+	double gpu_s = lagged && w->ends_lag_s > 0 ? w->ends_lag_s : 0, cpu_s = lagged && w->ends_lag_s < 0 ? -w->ends_lag_s : 0;
+	const double gpu_s0 = gpu_s, cpu_s0 = cpu_s;
 	bool split_any = false;
 	/* The CPU's rate for the experts' format as the balance below takes it: the rate the CPU's
 	 * experts ran at where the runner has told it (gpu_window_set_expert_rate), else the start's
@@ -236,6 +268,13 @@ int gw_route(struct weight_source *ws, uint32_t layer, const bool *used, bool *o
 		on_cpu_set(on_cpu, x, e->on_cpu);
 		e->unused = !used[x] || e->on_cpu;
 	}
+	/* The CPU given work in a one-token step: the next layer's route learns how the two sides
+	 * ended. Given none where the lag held the CPU back (< 0) and the link took experts, nothing
+	 * would measure it again: it comes back towards none instead. */
+	w->ends_cpu = cpu && ws->step_tokens == 1 && cpu_s > cpu_s0;
+	w->ends_layer = layer;
+	if (lagged && !w->ends_cpu && w->ends_lag_s < 0 && gpu_s > gpu_s0)
+		w->ends_lag_s *= 1 - GW_ENDS_GAIN;
 	/* A decode step's routing is the guess for the layer's next (a prefill chunk chooses nearly
 	 * every expert: it guesses nothing). */
 	if (w->guess_set && ws->step_tokens <= FFN_SPLIT_MAX_TOKENS) {

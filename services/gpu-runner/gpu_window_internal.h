@@ -100,6 +100,12 @@ struct gpu_window {
 				    * its route, from its last decode routing (guess_next; predict) */
 	bool *last_known;	   /* n_layers: a decode routing of the layer has been seen (predict) */
 	double guess_carry;	   /* bytes the last layer guessed took less than its share (more: < 0) */
+	bool balance_ends;	   /* params.balance_ends: the routes learn ends_lag_s */
+	double ends_lag_s;	   /* the time a route counts the link's side as started late (< 0: the
+				    * CPU's): gw_route, ends_learn */
+	bool ends_cpu;		   /* the last route (of layer ends_layer, a one-token step's) gave the
+				    * CPU work: the next layer's route_ends_ns measures its balance */
+	uint32_t ends_layer;	   /* UINT32_MAX: none */
 	struct cpu_share_policy moe_policy; /* which routed experts the CPU computes (mode off: none) */
 	uint32_t moe_format;	   /* the experts' matrix format (gate's), whose CPU rate auto weighs */
 	bool host_reads;	   /* acquire_host handed out ring pointers the backend may still read (until

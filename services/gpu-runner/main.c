@@ -260,6 +260,10 @@ int main(int argc, char **argv)
 		{"expert-rate-within", OPT_BOOL, &r.expert_rate_within, "true",
 		 "mixture of experts, cpu share auto: fold the rate the CPU's experts ran at into the routes' "
 		 "weighing after every token of a request (false: only between requests)"},
+		{"balance-ends", OPT_BOOL, &r.balance_ends, "true",
+		 "mixture of experts, cuda, cpu share auto, decode: the routes give the link's copies and the CPU's "
+		 "experts of a layer what makes them end together as measured at the next layer (the GPU's side "
+		 "timed on the stream, the CPU's jobs' ends), not only what the rates say (false: the rates alone)"},
 		{"fixed-split", OPT_BOOL, &r.fixed_split, NULL,
 		 "keep the CPU share auto chose at start: no new plan from the rate its jobs ran at, and the CPU's "
 		 "routed experts weighed at the start's calibrated rate, not the rate they ran at"},

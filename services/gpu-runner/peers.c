@@ -108,7 +108,8 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 				       .expert_heat = r->expert_heat, .spread = r->window_spread,
 				       .predict_experts = r->predict_experts,
 				       .split_experts = (enum gw_split_experts)r->split_experts,
-				       .fixed_residency = r->fixed_residency};
+				       .fixed_residency = r->fixed_residency, .balance_ends = r->balance_ends,
+				       .ends_lag_s = r->ends_lag};
 	if (!wp.h2d_bytes_per_s)
 		wp.h2d_bytes_per_s = r->h2d_measured; /* a window made anew: the rate the first one measured */
 	int rc = gpu_window_create(r->ring, stream, &wp, &r->win, err, errlen);
@@ -143,6 +144,11 @@ bool runner_window_anew(struct runner *r, const char *what)
 	char err[1024];
 	engine_destroy(&r->engine);
 #ifdef PIPELINE_HAVE_CUDA
+	if (r->win) { /* the lag it learnt goes on in the next (balance_ends) */
+		struct gpu_window_stats st;
+		gpu_window_stats(r->win, &st);
+		r->ends_lag = st.ends_lag_ms * 1e-3;
+	}
 	gpu_window_destroy_keeping_pins(&r->win); /* the new window takes the ring over pinned */
 #endif
 	int rc = runner_make_window(r, err, sizeof(err));

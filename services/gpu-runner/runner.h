@@ -82,6 +82,7 @@ struct runner {
 	bool moe_host_route;	/* --moe-host-route: no layer routed on the device (cuda, decode) */
 	bool predict_experts;	/* --predict-experts: later layers' experts copied on their last routing */
 	bool expert_rate_within; /* --expert-rate-within: runner_expert_rate after every token too */
+	bool balance_ends;	 /* --balance-ends: the routes learn how a layer's two sides ended */
 	const char *cpu_share_arg, *cpu_handoff_arg; /* --cpu-share, --cpu-handoff as given */
 	const char *cpu_result_arg, *cpu_experts_arg; /* --cpu-result, --cpu-experts as given */
 	const char *split_experts_arg;		      /* --split-experts as given */
@@ -144,6 +145,7 @@ struct runner {
 	struct expert_spans expert_base_multi; /* the same in steps of several tokens */
 	double expert_rate_multi;   /* ... and their rate (0: none yet) */
 	double expert_lead;	    /* the mean gap between two layers' CPU experts (s), given with it */
+	double ends_lag;	    /* the lag the window before had learnt (s; balance_ends), for the next */
 	struct kv_remote kv;
 	void *pool_pinned; /* the KV pool mapping, page-locked for the backend's copies */
 	bool loader_suspect, kv_suspect;

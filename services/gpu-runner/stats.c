@@ -433,6 +433,10 @@ char *runner_stats(void *ctx)
 			json_object_set_new(g, "expert_rate_from_spans", json_real(ws2.expert_rate_jobs));
 			json_object_set_new(g, "expert_rate_from_spans_multi", json_real(ws2.expert_rate_jobs_multi));
 			json_object_set_new(g, "expert_lead_ms", json_real(ws2.expert_lead_ms));
+			json_object_set_new(g, "ends_measured", json_integer((json_int_t)ws2.ends_measured));
+			json_object_set_new(g, "ends_gpu_late_ms", json_real(ws2.ends_gpu_late_ms));
+			json_object_set_new(g, "ends_cpu_late_ms", json_real(ws2.ends_cpu_late_ms));
+			json_object_set_new(g, "ends_lag_ms", json_real(ws2.ends_lag_ms));
 			json_object_set_new(g, "refill_bytes", json_integer((json_int_t)ws2.refill_bytes));
 			json_object_set_new(g, "split_balance_token", json_boolean(ws2.split_balance_token));
 			json_object_set_new(g, "cpu_bytes_per_token", json_integer((json_int_t)ws2.cpu_bytes_per_token));

@@ -129,6 +129,8 @@ void runner_register_tunables(struct runner *r)
 			  "the GPU's share of later layers' experts copied before their routing, on their last one");
 	service_add_fixed(s, "expert-rate-within", TUNABLE_BOOL, r->expert_rate_within ? "true" : "false",
 			  "the CPU's experts weighed anew after every token of a request, not only between requests");
+	service_add_fixed(s, "balance-ends", TUNABLE_BOOL, r->balance_ends ? "true" : "false",
+			  "a layer's copies and CPU experts balanced as they were measured to end (cuda, decode)");
 	service_add_fixed(s, "split-experts", TUNABLE_STRING,
 			  r->split_experts == 2 ? "always" : r->split_experts == 1 ? "auto" : "off",
 			  "chosen experts split between the copies and the CPU (cuda, decode)");

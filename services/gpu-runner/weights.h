@@ -106,6 +106,12 @@ struct weight_source {
 	uint64_t acquires;
 	uint32_t step_tokens;	 /* tokens of the step the engine is computing (it sets this before the
 				  * step's first acquire): a source that splits FFNs chooses by it */
+	/* Set by the engine before each mixture-of-experts layer's route: how the two sides of the layer
+	 * routed before it ended (backend_moe_ends; known in one-token steps where the backend
+	 * measures it), the GPU's side's end less the CPU's in ns (> 0: the GPU's side, which the
+	 * link's copies pace, ended last). A source that balances the two sides learns from it. */
+	bool route_ends_known;
+	int64_t route_ends_ns;
 	struct weight_stage stage; /* the groups it serves; the engine computes only those */
 	char error[512];
 };

@@ -354,6 +354,15 @@ class Table(unittest.TestCase):
         self.assertIn("(the link busy 16.0 ms a token with them, 50.0 GB/s: --profile-copies)", rows[1])
         self.assertIn("10.0 ms, 2.00; at the rates the decode ran at, 50.0 GB/s over the timed copies + 70.0 over the "
                       "CPU's spans: 12.5 ms, 1.60) | 1.33 | <= 1.2 |", rows[1])
+        # The layers' ends as the routings measured them (--balance-ends).
+        split.update(ends_gpu_late_ms_per_token=0.4, ends_cpu_late_ms_per_token=0.25, ends_measured_per_token=22.0,
+                     ends_lag_ms_before=0.012, ends_lag_ms=0.047)
+        rows = bench.ROWS["M1"](rec, lim)
+        self.assertIn("the layers' ends as measured: the GPU's side last by 0.40 ms a token, the CPU's by 0.25 "
+                      "(22.0 layers a token), the routes' lag for it 12 -> 47 us", rows[1])
+        for k in ("ends_gpu_late_ms_per_token", "ends_cpu_late_ms_per_token", "ends_measured_per_token",
+                  "ends_lag_ms_before", "ends_lag_ms"):
+            del split[k]
         del split["decode_copy_ms_per_token"], split["cpu_experts_span_bytes_per_token"], \
             split["cpu_experts_span_ms_per_token"]
         split.update(guessed_per_token=40.0, guess_hits_per_token=30.0, window_host_ms_per_token=2.5)

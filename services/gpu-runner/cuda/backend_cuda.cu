@@ -964,6 +964,7 @@ static const struct backend_compute_ops cuda_compute = {
 	cuda_logits_rows,	/* logits_rows: several sequences a step */
 	cuda_logits_pick_rows,	/* logits_pick_rows: their tokens picked on the device */
 	moe_expert_cpu_share,	/* moe_expert_cpu_share: a split expert's CPU share at the route */
+	moe_ends,		/* moe_ends: how the layer before's two sides ended */
 };
 
 extern "C" {

@@ -338,6 +338,8 @@ int moe_expert_cpu(struct backend_dev *be, const struct group_weights *w, uint32
  * gate and up, down's columns [r, F), in host memory), submitted as moe_expert_cpu's whole experts
  * are; moe_expert computes rows [0, r) and calls it. */
 int moe_expert_cpu_share(struct backend_dev *be, const struct ffn_split *s, uint32_t expert);
+/* backend_moe_ends: 1 and *gpu_late_ns where this routing measured the layer before's ends. */
+int moe_ends(struct backend_dev *be, int64_t *gpu_late_ns);
 void moe_settle(struct backend_dev *be);
 /* The results of the CPU's experts whose jobs the stream waited for (one token: moe.cu), waited
  * for where the stream has not passed them yet (a route, backend.h's moe_check at a step's end):

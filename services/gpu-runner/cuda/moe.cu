@@ -279,6 +279,8 @@ int moe_setup(struct backend_dev *be)
 		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for the routing tables");
 	for (int i = 0; i < MOE_BEGIN_EVENTS; i++)
 		CUDA_TRY(be, "cudaEventCreate (a step's start)", cudaEventCreate(&m->begin_ev[i]));
+	CUDA_TRY(be, "cudaEventCreate (a layer's ends)", cudaEventCreate(&m->ends_ev));
+	CUDA_TRY(be, "cudaEventCreate (a layer's ends)", cudaEventCreate(&m->routed_ev));
 	return moe_cpu_setup(be);
 }
 
@@ -310,6 +312,10 @@ void moe_teardown(struct backend_dev *be)
 	for (int i = 0; i < MOE_BEGIN_EVENTS; i++)
 		if (m->begin_ev[i])
 			cudaEventDestroy(m->begin_ev[i]);
+	if (m->ends_ev)
+		cudaEventDestroy(m->ends_ev);
+	if (m->routed_ev)
+		cudaEventDestroy(m->routed_ev);
 	free(m->sel);
 	free(m->sel_w);
 	free(m->off);
@@ -372,6 +378,9 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 			 cudaMemcpyAsync(m->h_logits, m->logits, (size_t)n * E * sizeof(float), cudaMemcpyDeviceToHost,
 					 be->stream));
 	timed = timed && moe_time_mark(m->begin_ev[MOE_EV_ROUTED], be->stream);
+	/* The router's end, where the layer before marked its GPU experts' (backend_moe_ends). */
+	m->routed_marked = m->ends_marked && n == 1 && moe_time_mark(m->routed_ev, be->stream);
+	m->ends_marked = false;
 	m->one = n == 1 && k <= MOE_COMBINE_MAX;
 	m->wide = n > FFN_SPLIT_MAX_TOKENS && (size_t)n * k <= m->wide_rows && !be->p.experts_apart;
 	m->xa_ok = false;
@@ -393,6 +402,7 @@ int moe_route(struct backend_dev *be, const struct group_weights *w)
 	uint64_t t0 = now_ns();
 	CUDA_TRY(be, "waiting for the router logits", cudaStreamSynchronize(be->stream));
 	const uint64_t t1 = now_ns();
+	m->route_sync_ns = t1;
 	m->route_wait_ns += t1 - t0;
 	if (n <= FFN_SPLIT_MAX_TOKENS)
 		m->route_wait_step_ns += t1 - t0;
@@ -599,7 +609,12 @@ int moe_end(struct backend_dev *be)
 	memset(&cw, 0, sizeof(cw));
 	/* The kept experts first: the GPU computes them while the stream's waits for the CPU's follow. */
 	int rc = flush_held(be);
-	if (rc || (rc = moe_cpu_end(be, &cw)))
+	if (rc)
+		return rc;
+	/* The GPU's side of a token's layer with CPU experts ends here on the stream (the waits for the
+	 * CPU's follow): timed against the CPU's end at the next routing (backend_moe_ends). */
+	m->ends_marked = m->one && m->n_cpu && m->gpu_wait && moe_time_mark(m->ends_ev, be->stream);
+	if ((rc = moe_cpu_end(be, &cw)))
 		return rc;
 	if (m->one) {
 		if (m->n_gpu || cw.n_cpu) {

@@ -327,6 +327,8 @@ void moe_settle(struct backend_dev *be)
 	m->n_waited = 0;
 	m->last_end_ns = m->gap_pending_ns = m->step_end_ns = m->step_pending_ns = 0;
 	m->step_ret_ns = m->step_tail_pending_ns = 0;
+	m->ends_marked = m->routed_marked = false;
+	m->ends_known = 0;
 	m->begin = 0;
 	m->begin_dev = false;
 	(void)moe_dev_check(be); /* the failed step's device routing forgotten, a flag of its with it */
@@ -392,6 +394,7 @@ int moe_check_step(struct backend_dev *be)
 				 ? 1
 				 : 0;
 		be->moe->last_end_ns = be->moe->gap_pending_ns = be->moe->step_pending_ns = 0;
+		be->moe->ends_marked = false; /* the ends are measured within a step */
 	}
 	return rc;
 }
@@ -496,6 +499,20 @@ static int cpu_experts(struct backend_dev *be, float **sum_dev)
 void moe_cpu_routed(struct cuda_moe *m)
 {
 	m->route_t1 = now_ns();
+	/* The layer before's ends (backend_moe_ends): both events are past (the host has waited for the
+	 * stream), the CPU's jobs of that layer counted by moe_check (last_end_ns). */
+	m->ends_known = 0;
+	m->ends_ns = 0;
+	float ms = 0;
+	if (m->routed_marked && m->last_end_ns && m->route_sync_ns) {
+		if (cudaEventElapsedTime(&ms, m->ends_ev, m->routed_ev) == cudaSuccess && ms >= 0) {
+			m->ends_ns = (int64_t)m->route_sync_ns - (int64_t)((double)ms * 1e6) - (int64_t)m->last_end_ns;
+			m->ends_known = 1;
+		} else {
+			(void)cudaGetLastError(); /* statistics: never fails the step */
+		}
+	}
+	m->routed_marked = false;
 	m->gap_pending_ns = m->last_end_ns && m->route_t1 > m->last_end_ns ? m->route_t1 - m->last_end_ns : 0;
 	/* A step's first routing after one whose last layer had CPU experts: the token's ends, where the
 	 * step follows at once (a later request's first step does not). */
@@ -504,6 +521,15 @@ void moe_cpu_routed(struct cuda_moe *m)
 	m->step_tail_pending_ns = m->step_pending_ns && m->step_ret_ns > m->step_end_ns ? m->step_ret_ns - m->step_end_ns : 0;
 	m->step_end_ns = m->step_ret_ns = 0;
 	m->last_end_ns = 0;
+}
+
+int moe_ends(struct backend_dev *be, int64_t *gpu_late_ns)
+{
+	const struct cuda_moe *m = be->moe;
+	if (!m || m->ends_known != 1)
+		return 0;
+	*gpu_late_ns = m->ends_ns;
+	return 1;
 }
 
 int moe_cpu_end(struct backend_dev *be, moe_combine_w *cw)

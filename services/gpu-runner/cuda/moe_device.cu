@@ -311,6 +311,7 @@ int moe_layer(struct backend_dev *be, const struct group_weights *w, uint32_t la
 		return cuda_failf(be, -EINVAL, "cuda backend: moe_layer: layer %u has no experts' table", layer);
 	if (be->n != 1)
 		return cuda_failf(be, -EINVAL, "cuda backend: moe_layer takes one token, not %u", be->n);
+	m->ends_marked = false; /* a layer between: the next routing measures no ends */
 	/* The step's first routing (moe_internal.h: begin), on the device: its router timed, read at the
 	 * step's end. */
 	const uint64_t t_in = now_ns();

@@ -165,6 +165,16 @@ struct cuda_moe {
 	uint64_t begin_dev_host_ns;
 	cudaEvent_t begin_ev[MOE_BEGIN_EVENTS];
 	double begin_gpu_ms[MOE_BEGIN_EVENTS - 1];
+	/* How a one-token layer's two sides ended (backend_moe_ends), measured at the next routing:
+	 * ends_ev on the stream once a layer's GPU experts are computed (moe_end, before the stream's
+	 * waits for its CPU experts), routed_ev after the next layer's router. The GPU's side ended at
+	 * that routing's return on the host's clock (route_sync_ns, the stream idle then) less the
+	 * time between the two events; the CPU's at its last job's end (last_end_ns). */
+	cudaEvent_t ends_ev, routed_ev;
+	bool ends_marked, routed_marked;
+	uint64_t route_sync_ns;
+	int ends_known;			/* 1: ends_ns holds this routing's measure */
+	int64_t ends_ns;		/* the GPU's side's end less the CPU's */
 	uint32_t fail_in;		/* cuda_test_fail_cpu_expert: the CPU jobs to go until one fails (0: none) */
 	/* Layers routed on the device (moe_device.cu): NULL until the first experts' table. */
 	struct moe_dev *dev;

@@ -149,6 +149,8 @@ struct run {
 	bool device; /* the cuda backend: device weights, the odd experts on the CPU */
 	bool dev0;   /* ... and layer 0 of a one-token step routed on the device (moe_layer), as the
 		      * runner does where the window keeps every expert of a layer */
+	uint32_t ends_known, ends_bad; /* routings that measured the layer before's ends; of them (or of
+					* the others, a value given) out of place */
 };
 
 static void run_open(struct run *r, struct tmodel *m, const char *name, struct task_pool *pool, bool mapped,
@@ -206,6 +208,15 @@ static int run_step(struct run *r, const int32_t *tok, uint32_t n, uint32_t pos,
 		}
 		if ((rc = backend_moe_route(r->be, r->device ? &m->d_moe[l] : &m->h_moe[l])))
 			break;
+		/* How the layer before's two sides ended (backend_moe_ends): measured only in one-token steps,
+		 * never at a step's first routed layer, and within a second either way. */
+		int64_t late = 0;
+		if (backend_moe_ends(r->be, &late) == 1) {
+			r->ends_known++;
+			r->ends_bad += n != 1 || l == 0 || late > 1000000000 || late < -1000000000;
+		} else {
+			r->ends_bad += late != 0;
+		}
 		bool used[EXPERTS];
 		for (uint32_t e = 0; e < EXPERTS; e++)
 			used[e] = backend_moe_expert_used(r->be, e);
@@ -282,6 +293,17 @@ static void compare(bool mapped, bool taper, uint32_t F, bool dev0)
 	ck_assert_uint_gt(st.expert_layers_multi, 0);
 	ck_assert_uint_le(st.expert_layers_multi, (uint64_t)((PROMPT + CHUNK - 1) / CHUNK) * LAYERS);
 	ck_assert(st.experts_span_bytes_multi > 0 && st.experts_span_ms_multi > 0);
+	/* The layers' ends (backend_moe_ends): measured where one token's CPU experts were waited for on
+	 * the stream (results mapped), at most at every decode step's layers but its first routed one
+	 * (with layer 0 routed on the device, layer 1 measures nothing: LAYERS is 2); never by the C
+	 * reference. */
+	ck_assert_uint_eq(cu.ends_bad, 0);
+	ck_assert_uint_eq(ref.ends_known + ref.ends_bad, 0);
+	ck_assert_uint_le(cu.ends_known, (uint64_t)DECODE * (LAYERS - 1));
+	if (mapped && !dev0)
+		ck_assert_uint_gt(cu.ends_known, 0);
+	if (dev0)
+		ck_assert_uint_eq(cu.ends_known, 0);
 	/* Steps of the CPU's experts' sizes (at most FFN_SPLIT_MAX_TOKENS tokens: here every one) that
 	 * follow one within MOE_STEP_GAP_MAX_MS had their starts timed, on the host and on the GPU's
 	 * clock: some, and never the first (no step before it). */

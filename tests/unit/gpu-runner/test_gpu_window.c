@@ -820,6 +820,10 @@ static void expect_expert_split(struct fixture *f, const struct group_weights *g
  * layer's route (at_route: --cpu-experts route, the default) or at their visit, then skipped. */
 /* Where set (>= 0), the two experts every decode step chooses in every layer, in place of random ones. */
 static int fixed_choice[2] = {-1, -1};
+/* What routed_steps_from tells each route of how the layer before ended (weight_source.route_ends_*,
+ * as the engine sets them from backend_moe_ends). */
+static bool ends_given;
+static int64_t ends_given_ns;
 
 /* The first step of `first` tokens (16: a prefill chunk that routes to every expert), then decode
  * steps of one. */
@@ -853,6 +857,8 @@ static void routed_steps_from(struct fixture *f, struct gpu_window *w, int steps
 					k += !used[e];
 					used[e] = true;
 				}
+				ws->route_ends_known = ends_given;
+				ws->route_ends_ns = ends_given_ns;
 				ck_assert_msg(ws->ops->route(ws, gd->layer, used, on_cpu) == 0, "step %d: route %u: %s", step,
 					      gd->layer, ws->error);
 				/* Those left in DRAM for the CPU, taken at once as the engine does: their bytes in host
@@ -1382,6 +1388,99 @@ START_TEST(test_experts_guessed_at_their_rate)
 }
 END_TEST
 
+/* --balance-ends: mixtral-tiny (3 layers of 8 experts of 128 rows, 2 a token, all streamed) with
+ * --split-experts always and auto at rates that make either side of an expert take 0.1 us: with no
+ * lag each chosen expert splits at its only unit (64 rows). Told that the layer before's GPU side
+ * ended 10 ms after the CPU's, the routes count the link's side as started late by the most lag
+ * (GW_ENDS_MAX_S, far above both sides' times) and give the CPU whole experts; told it ended 10 ms
+ * early, the lag turns to the CPU's side and the link takes them whole, and a route that then gives
+ * the CPU nothing brings the lag back towards none rather than keep it (nothing would measure it).
+ * Not known (the step's first layer, a backend that does not measure), or --balance-ends false:
+ * the lag stays 0, and false still counts what was measured. One-token steps only (the lag is
+ * theirs; the first chooses every expert). The invariants hold at every step. */
+START_TEST(test_experts_ends_balanced)
+{
+	struct fixture f;
+	start_shape(&f, "1GiB", "mixtral-tiny", 3);
+	char err[512];
+	struct task_pool *pool = two_workers();
+	for (int on = 1; on >= 0; on--) {
+		struct gpu_window_params p = {.gpu_budget = attn_and_expert_slots(&f, 2), .depth = 2, .strict = true,
+					      .cpu_pool = pool, .predict_experts = true, .split_experts = GW_SPLIT_ALWAYS,
+					      .balance_ends = on != 0};
+		ck_assert_int_eq(cpu_share_parse("auto", &p.cpu_share, err, sizeof(err)), 0);
+		for (uint32_t d = 0; d < DT_COUNT; d++)
+			p.cpu_share.cpu_bytes_per_s[d] = 1e12;
+		p.cpu_share.rates_known = true;
+		p.cpu_share.h2d_beside_bytes_per_s = 1e12;
+		p.h2d_bytes_per_s = 1e12;
+		struct gpu_window *w = NULL;
+		ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+		gpu_window_set_expert_rate(w, 1e12, 0, 0);
+		struct gpu_window_stats a, b;
+		/* Nothing known: balanced by the rates, every chosen expert split. */
+		ends_given = false;
+		gpu_window_stats(w, &a);
+		routed_steps_from(&f, w, 8, true, 1);
+		gpu_window_stats(w, &b);
+		ck_assert(b.ends_lag_ms == 0);
+		ck_assert_uint_eq(b.ends_measured, 0);
+		const uint64_t split_even = b.experts_split - a.experts_split;
+		ck_assert_uint_gt(split_even, 0);
+		/* The GPU's side 10 ms late at every layer. */
+		ends_given = true;
+		ends_given_ns = 10000000;
+		gpu_window_stats(w, &a);
+		routed_steps_from(&f, w, 8, true, 1);
+		gpu_window_stats(w, &b);
+		printf("balance-ends %s, the GPU's side late: lag %.3f ms, %llu measured, %llu split, %llu experts "
+		       "to the CPU\n", on ? "on" : "off", b.ends_lag_ms, (unsigned long long)(b.ends_measured - a.ends_measured),
+		       (unsigned long long)(b.experts_split - a.experts_split),
+		       (unsigned long long)(b.experts_cpu - a.experts_cpu));
+		ck_assert_uint_gt(b.ends_measured, a.ends_measured);
+		ck_assert(b.ends_gpu_late_ms > a.ends_gpu_late_ms);
+		if (on) {
+			ck_assert(b.ends_lag_ms == GW_ENDS_MAX_S * 1e3);
+			/* Past the first measure, every chosen expert whole to the CPU. */
+			ck_assert_uint_lt(b.experts_split - a.experts_split, split_even / 4);
+			ck_assert_uint_gt(b.experts_cpu - a.experts_cpu, split_even / 2);
+		} else {
+			ck_assert(b.ends_lag_ms == 0);
+			ck_assert_uint_ge(b.experts_split - a.experts_split, split_even * 3 / 4);
+			ck_assert_uint_eq(b.experts_cpu, a.experts_cpu);
+		}
+		/* The GPU's side 10 ms early. */
+		ends_given_ns = -10000000;
+		gpu_window_stats(w, &a);
+		routed_steps_from(&f, w, 8, true, 1);
+		gpu_window_stats(w, &b);
+		printf("balance-ends %s, the GPU's side early: lag %.3f ms, %llu measured, %llu split, %llu experts to "
+		       "the CPU\n", on ? "on" : "off", b.ends_lag_ms, (unsigned long long)(b.ends_measured - a.ends_measured),
+		       (unsigned long long)(b.experts_split - a.experts_split),
+		       (unsigned long long)(b.experts_cpu - a.experts_cpu));
+		ck_assert(b.ends_cpu_late_ms > a.ends_cpu_late_ms);
+		if (on) {
+			ck_assert(b.ends_lag_ms < 0 && b.ends_lag_ms >= -GW_ENDS_MAX_S * 1e3);
+			ck_assert_uint_lt(b.experts_cpu - a.experts_cpu, split_even / 4);
+		} else {
+			ck_assert(b.ends_lag_ms == 0);
+			ck_assert_uint_ge(b.experts_split - a.experts_split, split_even * 3 / 4);
+			ck_assert_uint_eq(b.experts_cpu, a.experts_cpu);
+		}
+		/* Unknown again: the lag stays where it is. */
+		ends_given = false;
+		const double lag = b.ends_lag_ms;
+		routed_steps_from(&f, w, 2, true, 1);
+		gpu_window_stats(w, &b);
+		ck_assert(b.ends_lag_ms == lag || (on && b.ends_lag_ms > lag && b.ends_lag_ms <= 0));
+		gpu_window_destroy(&w);
+	}
+	ends_given = false;
+	task_pool_destroy(&pool);
+	stop(&f);
+}
+END_TEST
+
 START_TEST(test_hot_experts)
 {
 	/* Room for 5 experts beside the attention and router groups and two expert slots. With no routing
@@ -1480,6 +1579,7 @@ int main(void)
 	tcase_add_test(tc, test_one_copy_groups);
 	tcase_add_test(tc, test_experts_guessed_beside_disk);
 	tcase_add_test(tc, test_experts_split_with_the_cpu);
+	tcase_add_test(tc, test_experts_ends_balanced);
 	suite_add_tcase(s, tc);
 	SRunner *sr = srunner_create(s);
 	/* CUDA contexts do not survive fork: run in this process. */
