@@ -62,7 +62,11 @@ def rows_resident(name, what, target, rate=False):
         per_tok, hbm = rec["weights"]["bytes_per_token"], lim["hbm_bytes_per_s"]
         bound = per_tok / hbm * 1e3
         measured = f"{ms_tok:.2f} ms/token" + (f" ({tok_s(ms_tok)})" if rate else "")
-        return [f"| {name} decode ({what}) | {measured} | {bound:.2f} ms/token ({per_tok/1e9:.2f} GB/token at "
+        st, said = rec.get("step_times") or {}, what
+        if st.get("steps_timed") and st.get("gaps"):
+            said += (f"; the engine's decode steps {st['in_steps_ms'] / st['steps_timed']:.3f} ms each, the host "
+                     f"between two {st['between_steps_ms'] / st['gaps']:.3f}")
+        return [f"| {name} decode ({said}) | {measured} | {bound:.2f} ms/token ({per_tok/1e9:.2f} GB/token at "
                 f"{hbm/1e12:.2f} TB/s HBM) | {ms_tok/bound:.2f} | {target} |"]
     return rows
 
