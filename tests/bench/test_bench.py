@@ -241,6 +241,19 @@ class Table(unittest.TestCase):
         self.assertIn("4.97 ms/token (15.01 GB/token at 3.02 TB/s HBM) | 1.47 |", one)
         self.assertIn("9.94 ms/token (15.01 GB/token at 1.51 TB/s HBM) | 0.74 |", half)
 
+    def test_resident_step_times(self):
+        # Q1's row says the engine's decode steps and the host's time between two, where the
+        # runner's stats have them; a record without them (an older replay) reads as before.
+        lim = {"hbm_bytes_per_s": 4.5e12}
+        rec = {"gen": {"decode_ms": 2.45}, "weights": {"bytes_per_token": 4.5e9}}
+        plain = bench.ROWS["Q1"](rec, lim)[0]
+        self.assertIn("| Q1 decode (8B Q4_K_M, --gpu-budget 6GiB, all resident) | 2.45 ms/token (408.2 tok/s) | "
+                      "1.00 ms/token (4.50 GB/token at 4.50 TB/s HBM) | 2.45 | <= 1.5 |", plain)
+        rec["step_times"] = {"steps_timed": 50, "in_steps_ms": 120.0, "gaps": 40, "between_steps_ms": 0.4}
+        timed = bench.ROWS["Q1"](rec, lim)[0]
+        self.assertIn("all resident; the engine's decode steps 2.400 ms each, the host between two 0.010) | 2.45 ms/token",
+                      timed)
+
     def test_split_rows(self):
         """P1's rows from a made-up record: the limit is the unsplit bytes over H2D plus the CPU's rate,
         both as the runner measured them at once."""
