@@ -503,6 +503,21 @@ static struct task_pool *two_workers(void)
 	return pool;
 }
 
+/* --cpu-share auto with the rates a re-plan hands over (nothing measured at the window's start): the
+ * CPU's product rate cpu for every format, and where given, H2D beside the CPU and H2D alone. */
+static void auto_share_known(struct gpu_window_params *p, double cpu, double beside, double h2d)
+{
+	char err[512];
+	ck_assert_msg(cpu_share_parse("auto", &p->cpu_share, err, sizeof(err)) == 0, "%s", err);
+	for (uint32_t d = 0; d < DT_COUNT; d++)
+		p->cpu_share.cpu_bytes_per_s[d] = cpu;
+	p->cpu_share.rates_known = true;
+	if (beside > 0)
+		p->cpu_share.h2d_beside_bytes_per_s = beside;
+	if (h2d > 0)
+		p->h2d_bytes_per_s = h2d;
+}
+
 /* A budget that keeps one FFN group on the device and streams the rest, with --cpu-share 0.5: the
  * streamed FFNs that stay in DRAM split. dram: the loader's budget. */
 static void split_case(const char *dram, bool dram_streams)
@@ -561,13 +576,8 @@ static void split_case(const char *dram, bool dram_streams)
 	 * measures nothing, and a faster CPU gets more of every FFN. */
 	uint64_t cpu_bytes[2];
 	for (int i = 0; i < 2; i++) {
-		ck_assert_int_eq(cpu_share_parse("auto", &p.cpu_share, err, sizeof(err)), 0);
 		const double rate = i ? 4e7 : 1e7;
-		for (uint32_t d = 0; d < DT_COUNT; d++)
-			p.cpu_share.cpu_bytes_per_s[d] = rate;
-		p.cpu_share.rates_known = true;
-		p.cpu_share.h2d_beside_bytes_per_s = 3e7;
-		p.h2d_bytes_per_s = 4e7;
+		auto_share_known(&p, rate, 3e7, 4e7);
 		ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &whole, err, sizeof(err)) == 0, "%s", err);
 		gpu_window_stats(whole, &st0);
 		ck_assert(st0.rates_from_jobs);
@@ -670,10 +680,7 @@ START_TEST(test_split_fit_budget)
 		for (int layer = 0; layer < 2; layer++) {
 			struct gpu_window_params p = {.gpu_budget = budget, .depth = 2, .strict = true, .cpu_pool = pool,
 						      .h2d_bytes_per_s = 4e7};
-			ck_assert_int_eq(cpu_share_parse("auto", &p.cpu_share, err, sizeof(err)), 0);
-			for (uint32_t d = 0; d < DT_COUNT; d++)
-				p.cpu_share.cpu_bytes_per_s[d] = 1e7;
-			p.cpu_share.rates_known = true;
+			auto_share_known(&p, 1e7, 0, 0);
 			p.cpu_share.per_layer = layer;
 			struct gpu_window *w = NULL;
 			ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
@@ -1027,14 +1034,10 @@ static void experts_from_disk(uint32_t experts, bool cpu, bool predict, bool aut
 	if (cpu) {
 		pool = two_workers();
 		p.cpu_pool = pool;
-		ck_assert_int_eq(cpu_share_parse(auto_share ? "auto" : "0.5", &p.cpu_share, err, sizeof(err)), 0);
-		if (auto_share) { /* rates as a re-plan gives them: nothing measured */
-			for (uint32_t d = 0; d < DT_COUNT; d++)
-				p.cpu_share.cpu_bytes_per_s[d] = 1e7;
-			p.cpu_share.rates_known = true;
-			p.cpu_share.h2d_beside_bytes_per_s = 3e7;
-			p.h2d_bytes_per_s = 4e7;
-		}
+		if (auto_share) /* rates as a re-plan gives them: nothing measured */
+			auto_share_known(&p, 1e7, 3e7, 4e7);
+		else
+			ck_assert_int_eq(cpu_share_parse("0.5", &p.cpu_share, err, sizeof(err)), 0);
 	}
 	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
 	struct gpu_window_stats st;
@@ -1340,12 +1343,7 @@ START_TEST(test_experts_guessed_at_their_rate)
 	struct task_pool *pool = two_workers();
 	struct gpu_window_params p = {.gpu_budget = attn_and_expert_slots(&f, 2), .depth = 2, .strict = true,
 				      .cpu_pool = pool, .predict_experts = true};
-	ck_assert_int_eq(cpu_share_parse("auto", &p.cpu_share, err, sizeof(err)), 0);
-	for (uint32_t d = 0; d < DT_COUNT; d++)
-		p.cpu_share.cpu_bytes_per_s[d] = 1e7;
-	p.cpu_share.rates_known = true;
-	p.cpu_share.h2d_beside_bytes_per_s = 3e7;
-	p.h2d_bytes_per_s = 4e7;
+	auto_share_known(&p, 1e7, 3e7, 4e7);
 	struct gpu_window *w = NULL;
 	ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
 	struct gpu_window_stats a, b;
@@ -1388,6 +1386,20 @@ START_TEST(test_experts_guessed_at_their_rate)
 }
 END_TEST
 
+/* Eight one-token steps of test_experts_ends_balanced with the ends as given, the stats before (a)
+ * and after (b), and what they did. */
+static void ends_steps(struct fixture *f, struct gpu_window *w, int on, const char *how, struct gpu_window_stats *a,
+		       struct gpu_window_stats *b)
+{
+	gpu_window_stats(w, a);
+	routed_steps_from(f, w, 8, true, 1);
+	gpu_window_stats(w, b);
+	printf("balance-ends %s, the GPU's side %s: lag %.3f ms, %llu measured, %llu split, %llu experts to the CPU\n",
+	       on ? "on" : "off", how, b->ends_lag_ms, (unsigned long long)(b->ends_measured - a->ends_measured),
+	       (unsigned long long)(b->experts_split - a->experts_split),
+	       (unsigned long long)(b->experts_cpu - a->experts_cpu));
+}
+
 /* --balance-ends: mixtral-tiny (3 layers of 8 experts of 128 rows, 2 a token, all streamed) with
  * --split-experts always and auto at rates that make either side of an expert take 0.1 us: with no
  * lag each chosen expert splits at its only unit (64 rows). Told that the layer before's GPU side
@@ -1408,12 +1420,7 @@ START_TEST(test_experts_ends_balanced)
 		struct gpu_window_params p = {.gpu_budget = attn_and_expert_slots(&f, 2), .depth = 2, .strict = true,
 					      .cpu_pool = pool, .predict_experts = true, .split_experts = GW_SPLIT_ALWAYS,
 					      .balance_ends = on != 0};
-		ck_assert_int_eq(cpu_share_parse("auto", &p.cpu_share, err, sizeof(err)), 0);
-		for (uint32_t d = 0; d < DT_COUNT; d++)
-			p.cpu_share.cpu_bytes_per_s[d] = 1e12;
-		p.cpu_share.rates_known = true;
-		p.cpu_share.h2d_beside_bytes_per_s = 1e12;
-		p.h2d_bytes_per_s = 1e12;
+		auto_share_known(&p, 1e12, 1e12, 1e12);
 		struct gpu_window *w = NULL;
 		ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
 		gpu_window_set_expert_rate(w, 1e12, 0, 0);
@@ -1430,13 +1437,7 @@ START_TEST(test_experts_ends_balanced)
 		/* The GPU's side 10 ms late at every layer. */
 		ends_given = true;
 		ends_given_ns = 10000000;
-		gpu_window_stats(w, &a);
-		routed_steps_from(&f, w, 8, true, 1);
-		gpu_window_stats(w, &b);
-		printf("balance-ends %s, the GPU's side late: lag %.3f ms, %llu measured, %llu split, %llu experts "
-		       "to the CPU\n", on ? "on" : "off", b.ends_lag_ms, (unsigned long long)(b.ends_measured - a.ends_measured),
-		       (unsigned long long)(b.experts_split - a.experts_split),
-		       (unsigned long long)(b.experts_cpu - a.experts_cpu));
+		ends_steps(&f, w, on, "late", &a, &b);
 		ck_assert_uint_gt(b.ends_measured, a.ends_measured);
 		ck_assert(b.ends_gpu_late_ms > a.ends_gpu_late_ms);
 		if (on) {
@@ -1451,13 +1452,7 @@ START_TEST(test_experts_ends_balanced)
 		}
 		/* The GPU's side 10 ms early. */
 		ends_given_ns = -10000000;
-		gpu_window_stats(w, &a);
-		routed_steps_from(&f, w, 8, true, 1);
-		gpu_window_stats(w, &b);
-		printf("balance-ends %s, the GPU's side early: lag %.3f ms, %llu measured, %llu split, %llu experts to "
-		       "the CPU\n", on ? "on" : "off", b.ends_lag_ms, (unsigned long long)(b.ends_measured - a.ends_measured),
-		       (unsigned long long)(b.experts_split - a.experts_split),
-		       (unsigned long long)(b.experts_cpu - a.experts_cpu));
+		ends_steps(&f, w, on, "early", &a, &b);
 		ck_assert(b.ends_cpu_late_ms > a.ends_cpu_late_ms);
 		if (on) {
 			ck_assert(b.ends_lag_ms < 0 && b.ends_lag_ms >= -GW_ENDS_MAX_S * 1e3);
