@@ -111,6 +111,9 @@ enum backend_fuse {
 				     * (comparisons) */
 	BACKEND_FUSE_WIDE_QKV = 6,  /* the default, but the one-token q/k/v products run in wide blocks
 				     * like the others, not in blocks of one row group (comparisons) */
+	BACKEND_FUSE_ANY_ITEMS = 7, /* the default, but one-token integer products walk rows of whole
+				     * steps with the general walk (tails, a block's checks) as other
+				     * rows take (comparisons) */
 };
 
 /* How the CUDA backend's stream hands the CPU share of a split FFN to the pool

@@ -178,6 +178,7 @@ struct backend_dev {
 	bool fuse_x;		/* one-token integer products compute their x while staging it (struct xsrc) */
 	bool wide_dq;		/* ... in blocks of several row groups where that fills the GPU (DQ_WIDE_MAX) */
 	bool mix_dq;		/* ... parts in two formats in one launch (dq_mix_kernel) */
+	bool whole_dq;		/* ... rows of whole steps walked by dq_sm_rows_whole */
 	bool wide_qkv;		/* ... q/k/v in wide blocks too (BACKEND_FUSE_WIDE_QKV) */
 	bool dq_narrow;		/* the products launched now feed the attention: blocks of one row group */
 	bool early_kv;		/* attn_args.early_keys where the keys are settled (backend_params.fuse) */
@@ -187,6 +188,7 @@ struct backend_dev {
 	uint64_t two_warp_launches; /* attn_kernel launches with two warps a query (tests) */
 	uint64_t wide_launches;	/* dq_sm_kernel launches in wide blocks (tests) */
 	uint64_t mix_launches;	/* dq_mix_kernel launches (tests) */
+	uint64_t whole_launches; /* integer launches walking rows of whole steps (GEMV_WHOLE_BIT; tests) */
 	struct ktrace_log *trace; /* cuda_test_trace's stamps, NULL until first asked for */
 	int32_t prof_left;	/* PIPELINE_CUDA_PROFILE_STEP: steps of several tokens to go until the profiled
 				 * one (0: none; -1: not read yet) */
@@ -385,7 +387,10 @@ enum gemv_mode {
 #define GEMV_MATS_BIT 4
 /* Or'ed into the MODE of dq_mix_kernel: parts in two formats in one launch (qgemv_args.vb0). */
 #define GEMV_MIX_BIT 8
-#define GEMV_MODE_OF(mode) ((mode) & ~(GEMV_MATS_BIT | GEMV_MIX_BIT)) /* the enum gemv_mode of such a MODE */
+/* Or'ed into the MODE of an integer kernel through shared memory: its rows are whole steps, walked
+ * by dq_sm_rows_whole (a kernel of its own, so that the general walk's registers stay its own). */
+#define GEMV_WHOLE_BIT 16
+#define GEMV_MODE_OF(mode) ((mode) & ~(GEMV_MATS_BIT | GEMV_MIX_BIT | GEMV_WHOLE_BIT)) /* the enum gemv_mode of such a MODE */
 
 /* The activation dtype of a weight format: a block format multiplies BF16 activations (cuBLAS
  * takes the dequantized BF16 rows with them), an element format its own dtype. The matrices of

@@ -92,6 +92,9 @@ int64_t cuda_test_wide_launches(struct backend *be, char *err, size_t errlen);
 /* One-token integer products launched since create with parts in two formats in one launch
  * (dq_mix_kernel), or -EINVAL (not a cuda backend) with a message in err. */
 int64_t cuda_test_mix_launches(struct backend *be, char *err, size_t errlen);
+/* One-token integer products launched since create whose rows are walked as whole steps
+ * (dq_sm_rows_whole), or -EINVAL (not a cuda backend) with a message in err. */
+int64_t cuda_test_whole_launches(struct backend *be, char *err, size_t errlen);
 
 /* From the next one-token step on (on), or no longer, each step's launches of the products, RoPE
  * and the attention stamp the time (globaltimer) in each block: its start, its wait for the kernel

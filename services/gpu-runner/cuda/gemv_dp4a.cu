@@ -21,6 +21,7 @@ template <int F, int... M> static cudaError_t allow_dq_modes(uint32_t max_bytes)
 {
 	cudaError_t e = cudaSuccess;
 	((e = e != cudaSuccess ? e : allow_smem(dq_sm_kernel<F, M>, max_bytes)), ...);
+	((e = e != cudaSuccess ? e : allow_smem(dq_sm_kernel<F, M | GEMV_WHOLE_BIT>, max_bytes)), ...);
 	((e = e != cudaSuccess ? e : allow_smem(dq_kernel<F, M>, QG_SMEM_MAX)), ...);
 	return e;
 }
@@ -36,8 +37,10 @@ cudaError_t dq_init(uint32_t dq_smem_max)
 {
 	cudaError_t e;
 	if ((e = allow_dq<DT_Q8_0>(dq_smem_max)) || (e = allow_dq<DT_Q4_K>(dq_smem_max)) ||
-	    (e = allow_dq<DT_Q6_K>(dq_smem_max)) || (e = allow_smem(dq_mix_kernel<DT_Q4_K, DT_Q6_K>, dq_smem_max)) ||
-	    (e = allow_smem(dq_mix_kernel<DT_Q4_K, DT_Q8_0>, dq_smem_max)))
+	    (e = allow_dq<DT_Q6_K>(dq_smem_max)) || (e = allow_smem(dq_mix_kernel<DT_Q4_K, DT_Q6_K, false>, dq_smem_max)) ||
+	    (e = allow_smem(dq_mix_kernel<DT_Q4_K, DT_Q8_0, false>, dq_smem_max)) ||
+	    (e = allow_smem(dq_mix_kernel<DT_Q4_K, DT_Q6_K, true>, dq_smem_max)) ||
+	    (e = allow_smem(dq_mix_kernel<DT_Q4_K, DT_Q8_0, true>, dq_smem_max)))
 		return e;
 	return cudaSuccess;
 }
@@ -65,32 +68,42 @@ static bool dq_sm_aligned(const qgemv_args &a)
 	return ok;
 }
 
+/* The shared-memory kernel of MODE (GEMV_WHOLE_BIT or not) in blocks of one row group or wide. */
+template <int F, int MODE> static void launch_dq_sm(struct backend_dev *be, qgemv_args &a, size_t ssm, cudaStream_t s)
+{
+	const void *fn = (const void *)dq_sm_kernel<F, MODE>;
+	const uint32_t per_sm = qg_resident_blocks(be, fn, ssm);
+	be->whole_launches += (MODE & GEMV_WHOLE_BIT) != 0;
+	unsigned grid = dq_grid(a, (uint32_t)be->sm_count * per_sm);
+	/* Wide blocks: the row-group blocks a multiprocessor would hold side by side, as one block
+	 * (V of them) that stages x once for all, where one such block fits. V is the grid over
+	 * the multiprocessors, rounded up (at most what one holds, and DQ_WIDE_MAX): the busiest
+	 * multiprocessor holds as many row groups as before, though a grid a little over a
+	 * multiple of the multiprocessors leaves some of them idle (140 row groups on 132: 70 at
+	 * work, two each). Not for q/k/v (be->dq_narrow): the attention's blocks, launched
+	 * before these end, find room sooner beside blocks of one row group. */
+	uint32_t v = (grid + be->sm_count - 1) / be->sm_count;
+	v = v > per_sm ? per_sm : v > DQ_WIDE_MAX ? DQ_WIDE_MAX : v;
+	if (!(MODE & GEMV_MATS_BIT) && be->wide_dq && !be->dq_narrow && v > 1) {
+		const size_t wsm = dq_sm_smem(F, a.in, v * QG_WARPS);
+		if (wsm <= be->dq_smem_max && qg_resident_blocks(be, fn, wsm, v * QG_THREADS) >= 1) {
+			launch_k(be->pdl, dq_sm_kernel<F, MODE>, (grid + v - 1) / v, v * QG_THREADS, wsm, s, a);
+			be->wide_launches++;
+			return;
+		}
+	}
+	launch_k(be->pdl, dq_sm_kernel<F, MODE>, grid, QG_THREADS, ssm, s, a);
+}
+
 template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const qgemv_args &ga, cudaStream_t s)
 {
 	qgemv_args a = ga;
 	const size_t ssm = dq_sm_smem(F, a.in, QG_WARPS);
 	if (be->dq_sm && ssm <= DQ_SM_SMEM_MAX && ssm <= be->dq_smem_max && dq_sm_aligned(a)) {
-		const void *fn = (const void *)dq_sm_kernel<F, MODE>;
-		const uint32_t per_sm = qg_resident_blocks(be, fn, ssm);
-		unsigned grid = dq_grid(a, (uint32_t)be->sm_count * per_sm);
-		/* Wide blocks: the row-group blocks a multiprocessor would hold side by side, as one block
-		 * (V of them) that stages x once for all, where one such block fits. V is the grid over
-		 * the multiprocessors, rounded up (at most what one holds, and DQ_WIDE_MAX): the busiest
-		 * multiprocessor holds as many row groups as before, though a grid a little over a
-		 * multiple of the multiprocessors leaves some of them idle (140 row groups on 132: 70 at
-		 * work, two each). Not for q/k/v (be->dq_narrow): the attention's blocks, launched
-		 * before these end, find room sooner beside blocks of one row group. */
-		uint32_t v = (grid + be->sm_count - 1) / be->sm_count;
-		v = v > per_sm ? per_sm : v > DQ_WIDE_MAX ? DQ_WIDE_MAX : v;
-		if (!(MODE & GEMV_MATS_BIT) && be->wide_dq && !be->dq_narrow && v > 1) {
-			const size_t wsm = dq_sm_smem(F, a.in, v * QG_WARPS);
-			if (wsm <= be->dq_smem_max && qg_resident_blocks(be, fn, wsm, v * QG_THREADS) >= 1) {
-				launch_k(be->pdl, dq_sm_kernel<F, MODE>, (grid + v - 1) / v, v * QG_THREADS, wsm, s, a);
-				be->wide_launches++;
-				return;
-			}
-		}
-		launch_k(be->pdl, dq_sm_kernel<F, MODE>, grid, QG_THREADS, ssm, s, a);
+		if (be->whole_dq && a.nb % qg<F>::BPS == 0)
+			launch_dq_sm<F, MODE | GEMV_WHOLE_BIT>(be, a, ssm, s);
+		else
+			launch_dq_sm<F, MODE>(be, a, ssm, s);
 		return;
 	}
 	const size_t smem = dq_smem(a.in);
@@ -179,9 +192,9 @@ static void dq_mix_split(qgemv_args &a, qgemv_args &b, uint32_t blocks)
 
 /* The launch of two formats, a's and b's launch fields filled: false, launching nothing, where a
  * block of one row group's shared memory is more than a block may take. */
-template <int F2> static bool launch_mix_k(struct backend_dev *be, qgemv_args &a, qgemv_args &b, cudaStream_t s)
+template <int F2, bool W> static bool launch_mix_k(struct backend_dev *be, qgemv_args &a, qgemv_args &b, cudaStream_t s)
 {
-	const void *fn = (const void *)dq_mix_kernel<DT_Q4_K, F2>;
+	const void *fn = (const void *)dq_mix_kernel<DT_Q4_K, F2, W>;
 	const uint32_t ring = dq_mix_ring<DT_Q4_K, F2>::V;
 	const size_t x = dq_smem_f<DT_Q4_K>(a.in), narrow = x + (size_t)QG_WARPS * ring;
 	if (narrow > DQ_SM_SMEM_MAX || narrow > be->dq_smem_max)
@@ -200,8 +213,9 @@ template <int F2> static bool launch_mix_k(struct backend_dev *be, qgemv_args &a
 			       grid <= (uint32_t)be->sm_count * qg_resident_blocks(be, fn, smem, v * QG_THREADS))) {
 			if (v > 1)
 				be->wide_launches++;
-			launch_k(be->pdl, dq_mix_kernel<DT_Q4_K, F2>, grid, v * QG_THREADS, smem, s, a, b);
+			launch_k(be->pdl, dq_mix_kernel<DT_Q4_K, F2, W>, grid, v * QG_THREADS, smem, s, a, b);
 			be->mix_launches++;
+			be->whole_launches += W;
 			return true;
 		}
 	}
@@ -234,8 +248,14 @@ bool qgemv_launch_mix(struct backend_dev *be, const struct mm_part *p1, uint32_t
 		if (!dq_takes(be, fmt[k], a) || !dq_sm_aligned(a))
 			return false;
 	}
-	return f2 == DT_Q6_K ? launch_mix_k<DT_Q6_K>(be, g[0], g[1], be->stream)
-			     : launch_mix_k<DT_Q8_0>(be, g[0], g[1], be->stream);
+	/* Rows of whole steps in both formats: the walk of dq_sm_rows_whole. */
+	const bool whole = be->whole_dq && g[0].nb % qg<DT_Q4_K>::BPS == 0 &&
+			   g[1].nb % (f2 == DT_Q6_K ? qg<DT_Q6_K>::BPS : qg<DT_Q8_0>::BPS) == 0;
+	if (f2 == DT_Q6_K)
+		return whole ? launch_mix_k<DT_Q6_K, true>(be, g[0], g[1], be->stream)
+			     : launch_mix_k<DT_Q6_K, false>(be, g[0], g[1], be->stream);
+	return whole ? launch_mix_k<DT_Q8_0, true>(be, g[0], g[1], be->stream)
+		     : launch_mix_k<DT_Q8_0, false>(be, g[0], g[1], be->stream);
 }
 
 /* A product that dq_takes, launched in its format (a's launch fields filled by qg_fill). */

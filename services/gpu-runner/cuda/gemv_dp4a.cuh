@@ -254,6 +254,31 @@ template <int F> static __device__ __forceinline__ uint4 dq_chunk(const uint8_t 
 template <int F> struct dq;
 
 template <> struct dq<DT_Q4_K> {
+	/* Lane g of block b reads NC chunks of x: values 64 g .. of the block (chunk(b, g, c)), and the
+	 * floats of groups 8 b + 2 g, + 1 of d and s (fidx). */
+	static constexpr uint32_t NC = 4;
+	static __device__ __forceinline__ uint32_t chunk(uint32_t b, uint32_t g, uint32_t c) { return 16 * b + 4 * g + c; }
+	static __device__ __forceinline__ uint32_t fidx(uint32_t b, uint32_t g) { return 8 * b + 2 * g; }
+	/* The lane's sum from its chunks of x (logical order) and its groups' d and s at xd, xs. */
+	static __device__ __forceinline__ float math(const qg<DT_Q4_K>::data &v, uint32_t g, const uint4 (&c)[NC],
+						     const float *xd, const float *xs)
+	{
+		const uint32_t xl[8] = {c[0].x, c[0].y, c[0].z, c[0].w, c[1].x, c[1].y, c[1].z, c[1].w};
+		const uint32_t xh[8] = {c[2].x, c[2].y, c[2].z, c[2].w, c[3].x, c[3].y, c[3].z, c[3].w};
+		int lo = 0, hi = 0;
+#pragma unroll
+		for (int i = 0; i < 8; i++) {
+			lo = __dp4a((int)(v.q[i] & 0x0F0F0F0Fu), (int)xl[i], lo);
+			hi = __dp4a((int)((v.q[i] >> 4) & 0x0F0F0F0Fu), (int)xh[i], hi);
+		}
+		uint32_t sc0, m0, sc1, m1;
+		k4_scales(v.h, g, sc0, m0, sc1, m1);
+		const float d = f16_bits(v.h[0]), dmin = f16_bits(v.h[0] >> 16);
+		const float2 dx = *(const float2 *)xd, sx = *(const float2 *)xs;
+		const float a = fmaf((float)((int)sc0 * lo), dx.x, (float)((int)sc1 * hi) * dx.y);
+		const float m = fmaf((float)m0, sx.x, (float)m1 * sx.y);
+		return fmaf(d, a, -dmin * m);
+	}
 	/* Block b (of the row), lane g of it; x in Q4_K's layout (L). */
 	template <int L>
 	static __device__ __forceinline__ float dot(const qg<DT_Q4_K>::data &v, uint32_t b, uint32_t g,
@@ -265,22 +290,8 @@ template <> struct dq<DT_Q4_K> {
 		 * k >> 3 (one xor for the four addresses). */
 		const uint32_t t = (k0 >> 3) & 3;
 		const uint4 *xk = (const uint4 *)xq + k0;
-		const uint4 c0 = xk[t], c1 = xk[1 ^ t], c2 = xk[2 ^ t], c3 = xk[3 ^ t];
-		const uint32_t xl[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-		const uint32_t xh[8] = {c2.x, c2.y, c2.z, c2.w, c3.x, c3.y, c3.z, c3.w};
-		int lo = 0, hi = 0;
-#pragma unroll
-		for (int i = 0; i < 8; i++) {
-			lo = __dp4a((int)(v.q[i] & 0x0F0F0F0Fu), (int)xl[i], lo);
-			hi = __dp4a((int)((v.q[i] >> 4) & 0x0F0F0F0Fu), (int)xh[i], hi);
-		}
-		uint32_t sc0, m0, sc1, m1;
-		k4_scales(v.h, g, sc0, m0, sc1, m1);
-		const float d = f16_bits(v.h[0]), dmin = f16_bits(v.h[0] >> 16);
-		const float2 dx = *(const float2 *)(xd + 8 * b + 2 * g), sx = *(const float2 *)(xs + 8 * b + 2 * g);
-		const float a = fmaf((float)((int)sc0 * lo), dx.x, (float)((int)sc1 * hi) * dx.y);
-		const float m = fmaf((float)m0, sx.x, (float)m1 * sx.y);
-		return fmaf(d, a, -dmin * m);
+		const uint4 c[NC] = {xk[t], xk[1 ^ t], xk[2 ^ t], xk[3 ^ t]};
+		return math(v, g, c, xd + fidx(b, g), xs + fidx(b, g));
 	}
 };
 
@@ -309,49 +320,73 @@ template <> struct dq<DT_Q6_K> {
 	/* Block b, lane j: run r holds values 128 nh + 32 r + 16 (j & 1) + 0..15 (nh = j >> 1), chunk
 	 * 16 b + 8 nh + 2 r + (j & 1), group 8 b + 4 nh + r, scale scales[8 nh + (j & 1) + 2 r]. x in
 	 * format L's layout (Q4_K's where a launch of two formats stages one x for both). */
-	template <int L>
-	static __device__ __forceinline__ float dot(const qg<DT_Q6_K>::data &v, uint32_t b, uint32_t j,
-						    const uint8_t *xq, const float *xd, const float *)
+	static constexpr uint32_t NC = 4;
+	static __device__ __forceinline__ uint32_t chunk(uint32_t b, uint32_t j, uint32_t r)
 	{
-		const uint32_t nh = j >> 1, hj = j & 1, k0 = 16 * b + 8 * nh + hj;
-		const float4 dx = *(const float4 *)(xd + 8 * b + 4 * nh);
+		return 16 * b + 8 * (j >> 1) + (j & 1) + 2 * r;
+	}
+	static __device__ __forceinline__ uint32_t fidx(uint32_t b, uint32_t j) { return 8 * b + 4 * (j >> 1); }
+	/* The lane's sum from its runs' chunks of x and their four groups' d at xd. */
+	static __device__ __forceinline__ float math(const qg<DT_Q6_K>::data &v, uint32_t j, const uint4 (&c)[NC],
+						     const float *xd, const float *)
+	{
+		const uint32_t hj = j & 1;
+		const float4 dx = *(const float4 *)xd;
 		const float dxr[4] = {dx.x, dx.y, dx.z, dx.w};
-		/* dq_phys<DT_Q6_K>(k0 + 2 r) = k0 + (2 r ^ t): k0's bits 1 and 2 are 0, and its 4
-		 * chunks share k >> 3 (one xor for the four addresses). */
-		const uint32_t t = ((k0 >> 3) & 3) << 1;
-		const uint4 *xk = (const uint4 *)xq + k0;
 		float y = 0.0f;
 #pragma unroll
 		for (uint32_t r = 0; r < 4; r++) {
-			const uint4 c = L == DT_Q6_K ? xk[(2 * r) ^ t] : dq_chunk<L>(xq, k0 + 2 * r);
-			int s = __dp4a(q6(r, v.a[0], v.b[0], v.h[0]), (int)c.x, 0);
-			s = __dp4a(q6(r, v.a[1], v.b[1], v.h[1]), (int)c.y, s);
-			s = __dp4a(q6(r, v.a[2], v.b[2], v.h[2]), (int)c.z, s);
-			s = __dp4a(q6(r, v.a[3], v.b[3], v.h[3]), (int)c.w, s);
+			int s = __dp4a(q6(r, v.a[0], v.b[0], v.h[0]), (int)c[r].x, 0);
+			s = __dp4a(q6(r, v.a[1], v.b[1], v.h[1]), (int)c[r].y, s);
+			s = __dp4a(q6(r, v.a[2], v.b[2], v.h[2]), (int)c[r].z, s);
+			s = __dp4a(q6(r, v.a[3], v.b[3], v.h[3]), (int)c[r].w, s);
 			const uint32_t i = hj + 2 * r;
 			const int sc = (int)(int8_t)((v.sw[i >> 2] >> (8 * (i & 3))) & 0xFF);
 			y = fmaf((float)(sc * s), dxr[r], y);
 		}
 		return v.d * y;
 	}
+	template <int L>
+	static __device__ __forceinline__ float dot(const qg<DT_Q6_K>::data &v, uint32_t b, uint32_t j,
+						    const uint8_t *xq, const float *xd, const float *xs)
+	{
+		const uint32_t k0 = chunk(b, j, 0);
+		/* dq_phys<DT_Q6_K>(k0 + 2 r) = k0 + (2 r ^ t): k0's bits 1 and 2 are 0, and its 4
+		 * chunks share k >> 3 (one xor for the four addresses). */
+		const uint32_t t = ((k0 >> 3) & 3) << 1;
+		const uint4 *xk = (const uint4 *)xq + k0;
+		uint4 c[NC];
+#pragma unroll
+		for (uint32_t r = 0; r < 4; r++)
+			c[r] = L == DT_Q6_K ? xk[(2 * r) ^ t] : dq_chunk<L>(xq, k0 + 2 * r);
+		return math(v, j, c, xd + fidx(b, j), xs);
+	}
 };
 
 template <> struct dq<DT_Q8_0> {
 	/* Block b (one lane): chunks 2b, 2b + 1, group b; x in format L's layout. */
+	static constexpr uint32_t NC = 2;
+	static __device__ __forceinline__ uint32_t chunk(uint32_t b, uint32_t, uint32_t c) { return 2 * b + c; }
+	static __device__ __forceinline__ uint32_t fidx(uint32_t b, uint32_t) { return b; }
+	static __device__ __forceinline__ float math(const qg<DT_Q8_0>::data &v, uint32_t, const uint4 (&c)[NC],
+						     const float *xd, const float *)
+	{
+		int s = __dp4a((int)v.q[0], (int)c[0].x, 0);
+		s = __dp4a((int)v.q[1], (int)c[0].y, s);
+		s = __dp4a((int)v.q[2], (int)c[0].z, s);
+		s = __dp4a((int)v.q[3], (int)c[0].w, s);
+		s = __dp4a((int)v.q[4], (int)c[1].x, s);
+		s = __dp4a((int)v.q[5], (int)c[1].y, s);
+		s = __dp4a((int)v.q[6], (int)c[1].z, s);
+		s = __dp4a((int)v.q[7], (int)c[1].w, s);
+		return v.d * ((float)s * xd[0]);
+	}
 	template <int L>
 	static __device__ __forceinline__ float dot(const qg<DT_Q8_0>::data &v, uint32_t b, uint32_t,
-						    const uint8_t *xq, const float *xd, const float *)
+						    const uint8_t *xq, const float *xd, const float *xs)
 	{
-		const uint4 c0 = dq_chunk<L>(xq, 2 * b), c1 = dq_chunk<L>(xq, 2 * b + 1);
-		int s = __dp4a((int)v.q[0], (int)c0.x, 0);
-		s = __dp4a((int)v.q[1], (int)c0.y, s);
-		s = __dp4a((int)v.q[2], (int)c0.z, s);
-		s = __dp4a((int)v.q[3], (int)c0.w, s);
-		s = __dp4a((int)v.q[4], (int)c1.x, s);
-		s = __dp4a((int)v.q[5], (int)c1.y, s);
-		s = __dp4a((int)v.q[6], (int)c1.z, s);
-		s = __dp4a((int)v.q[7], (int)c1.w, s);
-		return v.d * ((float)s * xd[b]);
+		const uint4 c[NC] = {dq_chunk<L>(xq, 2 * b), dq_chunk<L>(xq, 2 * b + 1)};
+		return math(v, 0, c, xd + b, xs);
 	}
 };
 
@@ -626,6 +661,89 @@ static __device__ __forceinline__ void dq_sm_rows(const qgemv_args &a, qg_cursor
 	}
 }
 
+/* ---- rows of whole steps (GEMV_WHOLE_BIT) ----------------------------------------------------
+ *
+ * Where a row is whole steps (nb a multiple of BPS: every Llama-shape product), dq_sm_rows' general
+ * walk paid for what never happens: a step's block count and tail test at every copy, each item's
+ * x addresses made anew from its block, and the compute cursor's next row (predicated, so run at
+ * every item). Measured by ncu on a Q4_K_M 8B decode step, gate/up's warps ran about 180
+ * instructions an item for its 16 integer dot products. dq_sm_rows_whole walks the same items in
+ * the same order with the same arithmetic (dq<F>::math; so the same bits): a row's items in a loop
+ * of their own (SwiGLU's gate and up items in turn, each to its own sum without a select), the next
+ * row once a row ends, every copy a whole step (cp.async without the zero-fill size), and a lane's
+ * chunks of x found once (their offsets at step 0: a step moves them by S bytes, its groups'
+ * floats by S / 32, and dq_phys's xor never reaches those bits). */
+
+/* A whole step of item (ld) into the stage at shared address st (this lane's 16-byte slots), and
+ * the group committed even without an item. */
+template <int F, int MODE>
+static __device__ __forceinline__ void dq_whole_issue(const qg_cursor<MODE> &c, uint32_t st, uint32_t lane)
+{
+	typedef qg<F> T;
+	constexpr uint32_t FULL = T::BPS * T::BB;
+	if (c.live) {
+		const bool sw = GEMV_MODE_OF(MODE) == GEMV_SWIGLU;
+		const uint32_t s = sw ? c.k >> 1 : c.k;
+		const uint8_t *src = (sw && (c.k & 1) ? c.r.row2 : c.r.row) + (size_t)s * FULL + 16 * lane;
+#pragma unroll
+		for (uint32_t i = 0; i < (FULL + 511) / 512; i++)
+			if (16 * lane + 512 * i < FULL)
+				asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(st + 512 * i),
+					     "l"(src + 512 * i)
+					     : "memory");
+	}
+	cp_async_commit();
+}
+
+template <int F, int L, int MODE>
+static __device__ void dq_sm_rows_whole(const qgemv_args &a, qg_cursor<MODE> &at, qg_cursor<MODE> &ld,
+					uint8_t *ring, uint32_t wid, uint32_t lane, const uint8_t *xq, const float *xd,
+					const float *xs)
+{
+	typedef qg<F> T;
+	typedef dq<F> Q;
+	constexpr uint32_t SB = dq_stage_bytes<F>::V, NS = dq_stages<F>::V, NC = Q::NC;
+	constexpr bool SW = GEMV_MODE_OF(MODE) == GEMV_SWIGLU;
+	const uint32_t j = lane / T::LPB, g = lane % T::LPB;
+	/* This lane's first chunk of x at step 0, in layout L, and its groups' floats. Its other chunks
+	 * are dc apart in the logical order (1, Q6_K's 2), which the xor of dq_phys leaves an xor apart:
+	 * chunk c lies at xo ^ (16 dc c). */
+	const uint32_t xo = 16 * dq_phys<L>(Q::chunk(j, g, 0)), dc = Q::chunk(0, 0, 1) - Q::chunk(0, 0, 0);
+	const uint32_t fo = Q::fidx(j, g);
+	const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring), steps = a.steps;
+	const uint8_t *wl = ring + j * T::BB; /* this lane's block in a stage */
+	uint32_t ci = 0; /* the stage of the next item; the next copy's is the one before it */
+	/* Item k (step s) of the compute cursor's row into acc. */
+	auto item = [&](uint32_t s, float &acc) {
+		cp_async_wait<NS - 2>(); /* the item's bytes (this lane's copies) have landed */
+		__syncwarp();		 /* ... and every lane's; stage li was read by all */
+		dq_whole_issue<F, MODE>(ld, ring_s + (ci ? ci - 1 : NS - 1) * SB + 16 * lane, lane);
+		if (ld.live)
+			ld.next(a, wid);
+		typename T::data d;
+		sq<F>::load(wl + ci * SB, g, d);
+		ci = ci + 1 == NS ? 0 : ci + 1;
+		const uint8_t *xs_q = xq + (size_t)s * T::S;
+		uint4 c[NC];
+#pragma unroll
+		for (uint32_t q = 0; q < NC; q++)
+			c[q] = *(const uint4 *)(xs_q + (xo ^ (16 * dc * q)));
+		const uint32_t f = s * (T::S / 32) + fo;
+		acc += Q::math(d, g, c, xd + f, xs + f);
+	};
+	for (;;) {
+		float acc[1] = {0.0f}, acc2[1] = {0.0f};
+		for (uint32_t s = 0; s < steps; s++) {
+			item(s, acc[0]);
+			if (SW)
+				item(s, acc2[0]);
+		}
+		qg_finish<1, MODE>(a, at.r.p, at.r.o, lane, acc, acc2);
+		if (!at.r.at(a, at.r.rg + qg_group_step<MODE>(a), wid))
+			break;
+	}
+}
+
 /* Blocks of QG_THREADS threads, one row group each, or wide blocks of V row groups (launch_dq_k:
  * V of the blocks a multiprocessor holds, as one block): the V row groups' warps share one staging
  * of x, which every block of a multiprocessor would otherwise spend its own instructions on.
@@ -653,7 +771,9 @@ __global__ void __launch_bounds__(QG_THREADS *(dq_sm_occ<F, MODE>::MIN_BLOCKS), 
 	ktrace_mark(a.tr, 1);
 	dq_stage<F, (MODE & GEMV_MATS_BIT) != 0>(a, xq, xd, xs);
 	ktrace_mark(a.tr, 2);
-	if (live)
+	if (live && (MODE & GEMV_WHOLE_BIT))
+		dq_sm_rows_whole<F, F, MODE>(a, at, ld, ring, wid, lane, xq, xd, xs);
+	else if (live)
 		dq_sm_rows<F, F, MODE>(a, at, ld, ring, wid, lane, xq, xd, xs);
 	cp_async_wait<0>();
 	ktrace_end(a.tr);
@@ -675,7 +795,7 @@ template <int F1, int F2> struct dq_mix_ring {
 	static constexpr uint32_t V = B1 > B2 ? B1 : B2; /* bytes of a warp's ring */
 };
 
-template <int F1, int F2>
+template <int F1, int F2, bool W>
 __global__ void __launch_bounds__(QG_THREADS * DQ_WIDE_MAX, 1) dq_mix_kernel(const qgemv_args a, const qgemv_args b)
 {
 	static_assert(F1 == DT_Q4_K && (F2 == DT_Q6_K || F2 == DT_Q8_0), "x is staged in Q4_K's layout");
@@ -702,8 +822,12 @@ __global__ void __launch_bounds__(QG_THREADS * DQ_WIDE_MAX, 1) dq_mix_kernel(con
 	ktrace_mark(a.tr, 1);
 	dq_stage<F1, false>(a, xq, xd, xs);
 	ktrace_mark(a.tr, 2);
-	if (live && first)
+	if (live && first && W)
+		dq_sm_rows_whole<F1, F1, MODE>(a, at, ld, ring, wid, lane, xq, xd, xs);
+	else if (live && first)
 		dq_sm_rows<F1, F1, MODE>(a, at, ld, ring, wid, lane, xq, xd, xs);
+	else if (live && W)
+		dq_sm_rows_whole<F2, F1, MODE>(b, at, ld, ring, wid, lane, xq, xd, xs);
 	else if (live)
 		dq_sm_rows<F2, F1, MODE>(b, at, ld, ring, wid, lane, xq, xd, xs);
 	cp_async_wait<0>();

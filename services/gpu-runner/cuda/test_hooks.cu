@@ -264,6 +264,12 @@ int64_t cuda_test_mix_launches(struct backend *bk, char *err, size_t errlen)
 	return be ? (int64_t)be->mix_launches : -EINVAL;
 }
 
+int64_t cuda_test_whole_launches(struct backend *bk, char *err, size_t errlen)
+{
+	struct backend_dev *be = cuda_dev(bk, err, errlen);
+	return be ? (int64_t)be->whole_launches : -EINVAL;
+}
+
 int64_t cuda_test_two_warp_launches(struct backend *bk, char *err, size_t errlen)
 {
 	struct backend_dev *be = cuda_dev(bk, err, errlen);

@@ -649,7 +649,7 @@ static void step(struct backend *be, const struct qmodel *m, bool device, const 
 
 /* cuda_test_early_kv_launches and cuda_test_two_warp_launches of the last cuda backend
  * run_schedule ran. */
-static int64_t last_early_kv, last_two_warp, last_wide, last_mix;
+static int64_t last_early_kv, last_two_warp, last_wide, last_mix, last_whole;
 
 /* The logits of every step of the schedule on backend `name` (cuda: device weights). */
 static float *run_schedule(const char *name, const struct qmodel *m, uint32_t gemv)
@@ -679,6 +679,8 @@ static float *run_schedule(const char *name, const struct qmodel *m, uint32_t ge
 		ck_assert_msg(last_wide >= 0, "%s", err);
 		last_mix = cuda_test_mix_launches(be, err, sizeof(err));
 		ck_assert_msg(last_mix >= 0, "%s", err);
+		last_whole = cuda_test_whole_launches(be, err, sizeof(err));
+		ck_assert_msg(last_whole >= 0, "%s", err);
 	}
 	backend_destroy(&be);
 	return out;
@@ -824,6 +826,33 @@ START_TEST(test_wide_blocks)
 		      worst_step(wide, narrow, c.vocab_size));
 	free(wide);
 	free(narrow);
+	qmodel_free(&m);
+}
+END_TEST
+
+/* One-token integer products whose rows are whole steps (2048 and 6144 values) walked as such
+ * (dq_sm_rows_whole, the default) and with the general walk (BACKEND_FUSE_ANY_ITEMS): the same
+ * items in the same order with the same arithmetic, so the same logits bit for bit. Layer 0's q/k/v
+ * (Q4_K and Q6_K in one launch), o_proj, gate/up (SwiGLU) and down (Q6_K, added) of every
+ * one-token step take the whole walk by default (layer 1's Q8_0 gate/up too), none otherwise. */
+START_TEST(test_whole_steps)
+{
+	struct model_config c = wide_cfg();
+	c.ffn_dim = 6144;
+	struct qmodel *m = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 53);
+	float *whole = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+	const int64_t nw = last_whole;
+	open_fuse = BACKEND_FUSE_ANY_ITEMS;
+	float *any = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+	open_fuse = BACKEND_FUSE_DEFAULT;
+	ck_assert_msg(nw >= 4 * DECODE && last_whole == 0,
+		      "%lld launches walking whole steps by default (want at least %d), %lld with "
+		      "BACKEND_FUSE_ANY_ITEMS (want 0)", (long long)nw, 4 * DECODE, (long long)last_whole);
+	ck_assert_msg(memcmp(whole, any, (size_t)RUNS * c.vocab_size * sizeof(float)) == 0,
+		      "rows walked as whole steps give other logits than the general walk (relative L2 %.3e)",
+		      worst_step(whole, any, c.vocab_size));
+	free(whole);
+	free(any);
 	qmodel_free(&m);
 }
 END_TEST
@@ -1079,6 +1108,7 @@ static Suite *quant_suite(void)
 	tcase_add_test(tc, test_early_keys_after_a_wait);
 	tcase_add_test(tc, test_wide_blocks);
 	tcase_add_test(tc, test_two_formats);
+	tcase_add_test(tc, test_whole_steps);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("embedding");
