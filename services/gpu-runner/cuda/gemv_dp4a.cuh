@@ -713,10 +713,10 @@ static __device__ void dq_sm_rows_whole(const qgemv_args &a, qg_cursor<MODE> &at
 	const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring), steps = a.steps;
 	const uint8_t *wl = ring + j * T::BB; /* this lane's block in a stage */
 	uint32_t ci = 0; /* the stage of the next item; the next copy's is the one before it */
-	/* Item k (step s) of the compute cursor's row into acc. */
+	/* The compute cursor row's item at step s (gate's or up's, as acc is) into acc. */
 	auto item = [&](uint32_t s, float &acc) {
 		cp_async_wait<NS - 2>(); /* the item's bytes (this lane's copies) have landed */
-		__syncwarp();		 /* ... and every lane's; stage li was read by all */
+		__syncwarp();		 /* ... and every lane's; the stage before ci was read by all */
 		dq_whole_issue<F, MODE>(ld, ring_s + (ci ? ci - 1 : NS - 1) * SB + 16 * lane, lane);
 		if (ld.live)
 			ld.next(a, wid);
