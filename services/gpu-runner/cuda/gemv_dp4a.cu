@@ -68,6 +68,13 @@ static bool dq_sm_aligned(const qgemv_args &a)
 	return ok;
 }
 
+/* Does a take the walk of rows of whole steps (dq_sm_rows_whole): every row nb blocks, a multiple
+ * of a step's, and the backend's choice (BACKEND_FUSE_ANY_ITEMS walks any rows the general way)? */
+template <int F> static bool dq_whole(const struct backend_dev *be, const qgemv_args &a)
+{
+	return be->whole_dq && a.nb % qg<F>::BPS == 0;
+}
+
 /* The shared-memory kernel of MODE (GEMV_WHOLE_BIT or not) in blocks of one row group or wide. */
 template <int F, int MODE> static void launch_dq_sm(struct backend_dev *be, qgemv_args &a, size_t ssm, cudaStream_t s)
 {
@@ -100,7 +107,7 @@ template <int F, int MODE> static void launch_dq_k(struct backend_dev *be, const
 	qgemv_args a = ga;
 	const size_t ssm = dq_sm_smem(F, a.in, QG_WARPS);
 	if (be->dq_sm && ssm <= DQ_SM_SMEM_MAX && ssm <= be->dq_smem_max && dq_sm_aligned(a)) {
-		if (be->whole_dq && a.nb % qg<F>::BPS == 0)
+		if (dq_whole<F>(be, a))
 			launch_dq_sm<F, MODE | GEMV_WHOLE_BIT>(be, a, ssm, s);
 		else
 			launch_dq_sm<F, MODE>(be, a, ssm, s);
@@ -249,8 +256,8 @@ bool qgemv_launch_mix(struct backend_dev *be, const struct mm_part *p1, uint32_t
 			return false;
 	}
 	/* Rows of whole steps in both formats: the walk of dq_sm_rows_whole. */
-	const bool whole = be->whole_dq && g[0].nb % qg<DT_Q4_K>::BPS == 0 &&
-			   g[1].nb % (f2 == DT_Q6_K ? qg<DT_Q6_K>::BPS : qg<DT_Q8_0>::BPS) == 0;
+	const bool whole = dq_whole<DT_Q4_K>(be, g[0]) &&
+			   (f2 == DT_Q6_K ? dq_whole<DT_Q6_K>(be, g[1]) : dq_whole<DT_Q8_0>(be, g[1]));
 	if (f2 == DT_Q6_K)
 		return whole ? launch_mix_k<DT_Q6_K, true>(be, g[0], g[1], be->stream)
 			     : launch_mix_k<DT_Q6_K, false>(be, g[0], g[1], be->stream);

@@ -799,7 +799,8 @@ template <int F1, int F2, bool W>
 __global__ void __launch_bounds__(QG_THREADS * DQ_WIDE_MAX, 1) dq_mix_kernel(const qgemv_args a, const qgemv_args b)
 {
 	static_assert(F1 == DT_Q4_K && (F2 == DT_Q6_K || F2 == DT_Q8_0), "x is staged in Q4_K's layout");
-	constexpr int MODE = GEMV_STORE | GEMV_MIX_BIT;
+	/* W in MODE as dq_sm_kernel has it, so the ring's begin and its walk are of one mode. */
+	constexpr int MODE = GEMV_STORE | GEMV_MIX_BIT | (W ? GEMV_WHOLE_BIT : 0);
 	extern __shared__ uint4 dq_smem_buf[];
 	uint8_t *xq = (uint8_t *)dq_smem_buf;
 	float *xd = (float *)(xq + a.in), *xs = xd + a.in / 32;
