@@ -799,6 +799,27 @@ static struct model_config wide_cfg(void)
 	return c;
 }
 
+/* The logits of model c (seed: its weights) by default and with fuse: the default makes at least want
+ * launches of the kind *launches counts (kind), fuse none, and the logits are the same bit for bit. */
+static void check_same_bits(const struct model_config *c, uint64_t seed, uint32_t fuse, const char *fuse_name,
+			    const int64_t *launches, int64_t want, const char *kind)
+{
+	struct qmodel *m = qmodel_new(c, DT_Q4_K, DT_Q6_K, false, seed);
+	float *by_default = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+	const int64_t n = *launches;
+	open_fuse = fuse;
+	float *other = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+	open_fuse = BACKEND_FUSE_DEFAULT;
+	ck_assert_msg(n >= want && *launches == 0, "%lld %s by default (want at least %lld), %lld with %s (want 0)",
+		      (long long)n, kind, (long long)want, (long long)*launches, fuse_name);
+	ck_assert_msg(memcmp(by_default, other, (size_t)RUNS * c->vocab_size * sizeof(float)) == 0,
+		      "%s gives other logits than the default, %s (relative L2 %.3e)", fuse_name, kind,
+		      worst_step(other, by_default, c->vocab_size));
+	free(by_default);
+	free(other);
+	qmodel_free(&m);
+}
+
 /* One-token integer products in wide blocks (several row groups a block, x staged once for all of
  * them; where the grid fills every multiprocessor) and in blocks of one row group each
  * (BACKEND_FUSE_NARROW_DQ): every row summed by one warp in the same order from the same int8 x,
@@ -807,26 +828,13 @@ static struct model_config wide_cfg(void)
  * o_proj (2048), x the attention output; layer 1's wo (2048), x the attention output, and gate
  * (5632, apart from up), x the RMSNorm kernel's output as it stands. (q/k/v run in blocks of one row
  * group either way; layer 0's down's rows are not 16-byte aligned, layer 1's other formats have no
- * integer path.) */
+ * integer path.) Up to five wide launches a one-token step (the products named above); at least
+ * two asked. */
 START_TEST(test_wide_blocks)
 {
-	struct model_config c = wide_cfg();
-	struct qmodel *m = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 77);
-	float *wide = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
-	const int64_t nw = last_wide;
-	open_fuse = BACKEND_FUSE_NARROW_DQ;
-	float *narrow = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
-	open_fuse = BACKEND_FUSE_DEFAULT;
-	/* Up to five wide launches a one-token step (the products named above); at least two asked. */
-	ck_assert_msg(nw >= 2 * DECODE && last_wide == 0, "%lld integer products in wide blocks by default (want at "
-		      "least %d), %lld with BACKEND_FUSE_NARROW_DQ (want 0)", (long long)nw, 2 * DECODE,
-		      (long long)last_wide);
-	ck_assert_msg(memcmp(wide, narrow, (size_t)RUNS * c.vocab_size * sizeof(float)) == 0,
-		      "wide blocks give other logits than blocks of one row group (relative L2 %.3e)",
-		      worst_step(wide, narrow, c.vocab_size));
-	free(wide);
-	free(narrow);
-	qmodel_free(&m);
+	const struct model_config c = wide_cfg();
+	check_same_bits(&c, 77, BACKEND_FUSE_NARROW_DQ, "BACKEND_FUSE_NARROW_DQ", &last_wide, 2 * DECODE,
+			"integer products in wide blocks");
 }
 END_TEST
 
@@ -839,21 +847,8 @@ START_TEST(test_whole_steps)
 {
 	struct model_config c = wide_cfg();
 	c.ffn_dim = 6144;
-	struct qmodel *m = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 53);
-	float *whole = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
-	const int64_t nw = last_whole;
-	open_fuse = BACKEND_FUSE_ANY_ITEMS;
-	float *any = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
-	open_fuse = BACKEND_FUSE_DEFAULT;
-	ck_assert_msg(nw >= 4 * DECODE && last_whole == 0,
-		      "%lld launches walking whole steps by default (want at least %d), %lld with "
-		      "BACKEND_FUSE_ANY_ITEMS (want 0)", (long long)nw, 4 * DECODE, (long long)last_whole);
-	ck_assert_msg(memcmp(whole, any, (size_t)RUNS * c.vocab_size * sizeof(float)) == 0,
-		      "rows walked as whole steps give other logits than the general walk (relative L2 %.3e)",
-		      worst_step(whole, any, c.vocab_size));
-	free(whole);
-	free(any);
-	qmodel_free(&m);
+	check_same_bits(&c, 53, BACKEND_FUSE_ANY_ITEMS, "BACKEND_FUSE_ANY_ITEMS", &last_whole, 4 * DECODE,
+			"launches walking whole steps");
 }
 END_TEST
 
