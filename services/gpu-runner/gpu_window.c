@@ -123,22 +123,31 @@ static int poll_copies(struct gpu_window *w)
 	return 0;
 }
 
-/* The slot's last copy's time, where it is done (a copy into the slot no longer waits for the last
- * one on the host: one not done yet is dropped, its events about to be recorded again). */
-static void collect_timing(struct gpu_window *w, struct gslot *s)
+/* Adds copy pair i's time to copy_ms once its copy is done; wait: its turn has come again, so
+ * wait for it rather than drop it (GW_COPY_TIMES copies later it is long done). A copy into a slot
+ * does not wait on the host for the slot's last one, so each copy has a pair of its own: with a
+ * pair a slot, the host running ahead of the copies dropped most of them (P3's link counted 9%
+ * busy where its copies took most of the token). */
+static void collect_copy(struct gpu_window *w, uint32_t i, bool wait)
 {
-	if (!s->timed)
+	if (!w->copy_timed[i])
 		return;
+	if (wait ? cudaEventSynchronize(w->copy_ev[i][1]) != cudaSuccess
+		 : cudaEventQuery(w->copy_ev[i][1]) != cudaSuccess) {
+		if (wait)
+			w->copy_timed[i] = false; /* an error: reported by the copy's own event */
+		return;
+	}
 	float ms = 0;
-	if (cudaEventQuery(s->t1) == cudaSuccess && cudaEventElapsedTime(&ms, s->t0, s->t1) == cudaSuccess) {
+	if (cudaEventElapsedTime(&ms, w->copy_ev[i][0], w->copy_ev[i][1]) == cudaSuccess) {
 		w->st.copy_ms += ms;
 		w->st.timed_copies++;
-		if (s->timed_decode) {
+		if (w->copy_decode[i]) {
 			w->st.copy_ms_decode += ms;
 			w->st.timed_copies_decode++;
 		}
 	}
-	s->timed = false;
+	w->copy_timed[i] = false;
 }
 
 /* Adds wait pair i's time to copy_wait_ms once both its events are done (force: or drops it). */
@@ -325,16 +334,18 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	/* The slot's last occupant must be done before its bytes are overwritten. */
 	if (s->compute_recorded)
 		CUDA_TRY(cudaStreamWaitEvent(cs, s->compute_done, 0), "ordering a copy after compute");
+	const uint32_t ti = w->copy_next % GW_COPY_TIMES;
 	if (w->time_copies) {
-		collect_timing(w, s);
-		CUDA_TRY(cudaEventRecord(s->t0, cs), "timing a copy");
+		collect_copy(w, ti, true);
+		CUDA_TRY(cudaEventRecord(w->copy_ev[ti][0], cs), "timing a copy");
 	}
 	if ((rc = copy_group(w, h, s->dev, src, cs)))
 		return rc;
 	if (w->time_copies) {
-		CUDA_TRY(cudaEventRecord(s->t1, cs), "timing a copy");
-		s->timed = true;
-		s->timed_decode = w->base.step_tokens == 1;
+		CUDA_TRY(cudaEventRecord(w->copy_ev[ti][1], cs), "timing a copy");
+		w->copy_timed[ti] = true;
+		w->copy_decode[ti] = w->base.step_tokens == 1;
+		w->copy_next++;
 	}
 	CUDA_TRY(cudaEventRecord(e->h2d, cs), "recording a copy");
 	w->copy_ns += now_ns() - t0;
@@ -653,9 +664,8 @@ struct weight_source *gpu_window_base(struct gpu_window *w)
 void gpu_window_stats(struct gpu_window *w, struct gpu_window_stats *st)
 {
 	if (w->time_copies) {
-		for (uint32_t s = 0; s < w->n_slots; s++)
-			if (w->slots[s].timed && cudaEventQuery(w->slots[s].t1) == cudaSuccess)
-				collect_timing(w, &w->slots[s]);
+		for (uint32_t i = 0; i < GW_COPY_TIMES; i++)
+			collect_copy(w, i, false);
 		for (uint32_t i = 0; i < GW_WAIT_TIMES; i++)
 			collect_wait(w, i, false);
 	}
@@ -681,8 +691,8 @@ enum gwin_state gpu_window_group_state(const struct gpu_window *w, uint32_t g, b
 
 void gpu_window_reset_timing(struct gpu_window *w)
 {
-	for (uint32_t s = 0; s < w->n_slots; s++)
-		w->slots[s].timed = false;
+	for (uint32_t i = 0; i < GW_COPY_TIMES; i++)
+		w->copy_timed[i] = false;
 	w->st.copy_ms = w->st.copy_ms_decode = 0;
 	w->st.timed_copies = w->st.timed_copies_decode = 0;
 	for (uint32_t i = 0; i < GW_WAIT_TIMES; i++)

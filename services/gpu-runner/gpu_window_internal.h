@@ -28,9 +28,6 @@ struct gslot {
 	void *dev;		   /* device memory of the slot */
 	cudaEvent_t compute_done;  /* recorded on the compute stream when the occupant is released */
 	bool compute_recorded;	   /* compute_done has been recorded at least once */
-	cudaEvent_t t0, t1;	   /* timing of the last copy into the slot (time_copies) */
-	bool timed;		   /* t0/t1 hold a copy not yet added to copy_ms */
-	bool timed_decode;	   /* ... a copy issued in a one-token step (copy_ms_decode too) */
 };
 
 struct gent {
@@ -52,6 +49,9 @@ struct gent {
 };
 
 #define GW_WAIT_TIMES 64 /* the compute stream's copy waits timed and not yet collected, at most */
+/* Copies timed and not yet collected, at most: far more than are ever in flight (a slot's next copy
+ * waits for the compute that read its last), so a pair's turn never comes before its copy is done. */
+#define GW_COPY_TIMES 256
 
 struct gpu_window {
 	struct weight_source base; /* first: the engine's view */
@@ -116,6 +116,12 @@ struct gpu_window {
 	cudaEvent_t wait_ev[GW_WAIT_TIMES][2];
 	bool wait_timed[GW_WAIT_TIMES];
 	uint32_t wait_next;
+	/* With time_copies: each copy, an event before and after it on its copy stream (a ring, each
+	 * pair added to copy_ms once done; a pair whose turn comes again is waited for, not dropped). */
+	cudaEvent_t copy_ev[GW_COPY_TIMES][2];
+	bool copy_timed[GW_COPY_TIMES];
+	bool copy_decode[GW_COPY_TIMES]; /* ... issued in a one-token step (copy_ms_decode too) */
+	uint32_t copy_next;
 	struct gpu_window_stats st;
 	uint32_t embed_group, head_group;
 	bool tied;
