@@ -123,6 +123,17 @@ static int poll_copies(struct gpu_window *w)
 	return 0;
 }
 
+/* The time between timing pair p's events (the two sides of a copy or of a wait), asked once its
+ * second is done (wait: waited for): cudaErrorNotReady while that is still in flight, else *ms, or -1
+ * where the pair cannot be read (an error: the copy's or the stream's own event reports it). */
+static cudaError_t pair_time(cudaEvent_t p[2], bool wait, float *ms)
+{
+	const cudaError_t e = wait ? cudaEventSynchronize(p[1]) : cudaEventQuery(p[1]);
+	if (e != cudaSuccess || cudaEventElapsedTime(ms, p[0], p[1]) != cudaSuccess)
+		*ms = -1.0f;
+	return e;
+}
+
 /* Adds copy pair i's time to copy_ms once its copy is done; wait: its turn has come again, so
  * wait for it rather than drop it (GW_COPY_TIMES copies later it is long done). A copy into a slot
  * does not wait on the host for the slot's last one, so each copy has a pair of its own: with a
@@ -130,40 +141,31 @@ static int poll_copies(struct gpu_window *w)
  * busy where its copies took most of the token). */
 static void collect_copy(struct gpu_window *w, uint32_t i, bool wait)
 {
-	if (!w->copy_timed[i])
+	float ms;
+	if (!w->copy_timed[i] || pair_time(w->copy_ev[i], wait, &ms) == cudaErrorNotReady)
 		return;
-	if (wait ? cudaEventSynchronize(w->copy_ev[i][1]) != cudaSuccess
-		 : cudaEventQuery(w->copy_ev[i][1]) != cudaSuccess) {
-		if (wait)
-			w->copy_timed[i] = false; /* an error: reported by the copy's own event */
-		return;
-	}
-	float ms = 0;
-	if (cudaEventElapsedTime(&ms, w->copy_ev[i][0], w->copy_ev[i][1]) == cudaSuccess) {
-		w->st.copy_ms += ms;
-		w->st.timed_copies++;
-		if (w->copy_decode[i]) {
-			w->st.copy_ms_decode += ms;
-			w->st.timed_copies_decode++;
-		}
-	}
 	w->copy_timed[i] = false;
+	if (ms < 0)
+		return;
+	w->st.copy_ms += ms;
+	w->st.timed_copies++;
+	if (w->copy_decode[i]) {
+		w->st.copy_ms_decode += ms;
+		w->st.timed_copies_decode++;
+	}
 }
 
 /* Adds wait pair i's time to copy_wait_ms once both its events are done (force: or drops it). */
 static void collect_wait(struct gpu_window *w, uint32_t i, bool force)
 {
-	if (!w->wait_timed[i] || cudaEventQuery(w->wait_ev[i][1]) != cudaSuccess) {
-		if (force)
-			w->wait_timed[i] = false;
+	float ms;
+	if (!w->wait_timed[i] || (pair_time(w->wait_ev[i], false, &ms) == cudaErrorNotReady && !force))
 		return;
-	}
-	float ms = 0;
-	if (cudaEventElapsedTime(&ms, w->wait_ev[i][0], w->wait_ev[i][1]) == cudaSuccess) {
+	w->wait_timed[i] = false;
+	if (ms >= 0) {
 		w->st.copy_wait_ms += ms;
 		w->st.timed_waits++;
 	}
-	w->wait_timed[i] = false;
 }
 
 /* The compute stream waits for group h's copy: timed with time_copies (an event each side). */
