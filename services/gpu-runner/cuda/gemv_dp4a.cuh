@@ -552,10 +552,13 @@ static inline size_t dq_sm_smem(uint32_t fmt, uint32_t in, uint32_t warps)
 	return x + (size_t)warps * st * sb;
 }
 
+/* Every copy of a product's weights asks L2 to fetch whole 128-byte lines (.L2::128B): Q4_K_M 8B
+ * decode 2.245 against 2.288 ms/token, lm_head 3.11 against 2.97 TB/s; .L2::256B was slower (2.317;
+ * docs/benchmarks.md, "2026-12-03 (third session)"). */
 static __device__ __forceinline__ void cp_async16(uint8_t *dst, const uint8_t *src, uint32_t src_bytes)
 {
 	const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-	asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
+	asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
 }
 
 static __device__ __forceinline__ void cp_async_commit(void)
@@ -688,7 +691,7 @@ static __device__ __forceinline__ void dq_whole_issue(const qg_cursor<MODE> &c, 
 #pragma unroll
 		for (uint32_t i = 0; i < (FULL + 511) / 512; i++)
 			if (16 * lane + 512 * i < FULL)
-				asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(st + 512 * i),
+				asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(st + 512 * i),
 					     "l"(src + 512 * i)
 					     : "memory");
 	}
