@@ -155,17 +155,19 @@ static void collect_copy(struct gpu_window *w, uint32_t i, bool wait)
 	}
 }
 
-/* Adds wait pair i's time to copy_wait_ms once both its events are done (force: or drops it). */
-static void collect_wait(struct gpu_window *w, uint32_t i, bool force)
+/* Adds wait pair i's time to copy_wait_ms once the compute stream has passed it; wait: its turn
+ * has come again, so wait for it rather than drop it (with 64 pairs, an MoE step's waits outran
+ * the ring and the dropped ones read as no waiting). */
+static void collect_wait(struct gpu_window *w, uint32_t i, bool wait)
 {
 	float ms;
-	if (!w->wait_timed[i] || (pair_time(w->wait_ev[i], false, &ms) == cudaErrorNotReady && !force))
+	if (!w->wait_timed[i] || pair_time(w->wait_ev[i], wait, &ms) == cudaErrorNotReady)
 		return;
 	w->wait_timed[i] = false;
-	if (ms >= 0) {
-		w->st.copy_wait_ms += ms;
-		w->st.timed_waits++;
-	}
+	if (ms < 0)
+		return;
+	w->st.copy_wait_ms += ms;
+	w->st.timed_waits++;
 }
 
 /* The compute stream waits for group h's copy: timed with time_copies (an event each side). */
@@ -181,6 +183,7 @@ static cudaError_t compute_waits(struct gpu_window *w, const struct gent *e)
 	if (ce == cudaSuccess)
 		ce = cudaEventRecord(w->wait_ev[i][1], w->compute);
 	w->wait_timed[i] = ce == cudaSuccess;
+	w->st.waits += ce == cudaSuccess;
 	return ce;
 }
 
@@ -700,7 +703,7 @@ void gpu_window_reset_timing(struct gpu_window *w)
 	for (uint32_t i = 0; i < GW_WAIT_TIMES; i++)
 		w->wait_timed[i] = false;
 	w->st.copy_wait_ms = 0;
-	w->st.timed_waits = 0;
+	w->st.timed_waits = w->st.waits = 0;
 }
 
 void gpu_window_describe(const struct gpu_window *w, char *buf, size_t len)

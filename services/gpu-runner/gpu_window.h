@@ -173,6 +173,7 @@ struct gpu_window_stats {
 	uint64_t timed_copies_decode;
 	double copy_wait_ms;		 /* with time_copies: the compute stream's time waiting for copies */
 	uint64_t timed_waits;
+	uint64_t waits;			 /* with time_copies: the waits timed (timed_waits once done) */
 	uint32_t copy_streams;
 	/* Split FFNs. */
 	uint32_t split_groups;		 /* FFN groups computed with the CPU in decode */

@@ -48,7 +48,10 @@ struct gent {
 	bool guessed_in;   /* of a guess: copied, the guess (guess_next) has it */
 };
 
-#define GW_WAIT_TIMES 64 /* the compute stream's copy waits timed and not yet collected, at most */
+/* The compute stream's copy waits timed and not yet collected, at most: a one-token step of 32
+ * layers waits for up to two groups a layer and an MoE step for a layer's experts too, and the host
+ * never runs more than a step or so ahead of the stream, so a pair's turn comes long after its wait. */
+#define GW_WAIT_TIMES 256
 /* Copies timed and not yet collected, at most: far more than are ever in flight (a slot's next copy
  * waits for the compute that read its last), so a pair's turn never comes before its copy is done. */
 #define GW_COPY_TIMES 256
@@ -112,7 +115,8 @@ struct gpu_window {
 				    * the next route or release_all): no ring mapping is let go meanwhile */
 	bool strict, time_copies;
 	/* With time_copies: the compute stream's waits for copies, an event before and after each wait
-	 * (a ring; a pair still pending when its turn comes again is dropped). */
+	 * (a ring, each pair added to copy_wait_ms once done; a pair whose turn comes again is waited
+	 * for, not dropped). */
 	cudaEvent_t wait_ev[GW_WAIT_TIMES][2];
 	bool wait_timed[GW_WAIT_TIMES];
 	uint32_t wait_next;

@@ -401,6 +401,7 @@ char *runner_stats(void *ctx)
 			json_object_set_new(g, "copy_ms_decode", json_real(ws2.copy_ms_decode));
 			json_object_set_new(g, "timed_copies_decode", json_integer((json_int_t)ws2.timed_copies_decode));
 			json_object_set_new(g, "timed_waits", json_integer((json_int_t)ws2.timed_waits));
+			json_object_set_new(g, "waits", json_integer((json_int_t)ws2.waits));
 			json_object_set_new(g, "h2d_beside_cpu_bytes_per_s", json_real(ws2.h2d_beside_cpu_bytes_per_s));
 			json_object_set_new(g, "spread", json_boolean(ws2.spread));
 			json_object_set_new(g, "experts_passed", json_integer((json_int_t)ws2.experts_passed));

@@ -294,6 +294,21 @@ static void run_case_as(const char *dram_budget, uint64_t gpu_budget, uint32_t d
 			      "%llu of %llu copies timed", (unsigned long long)st.timed_copies,
 			      (unsigned long long)st.copies);
 		ck_assert(st.copy_ms > 0);
+		/* Every wait of the compute stream for a copy timed too, when there are more of them
+		 * in flight than the ring of their timing pairs holds (it held 64: the ones past that
+		 * were dropped, and an MoE step's waits read as none). */
+		const uint64_t w0 = st.waits;
+		pass(&f, w);
+		gpu_window_stats(w, &st);
+		const uint64_t per_pass = st.waits - w0; /* a pass's waits; no stats call below collects them */
+		ck_assert(per_pass > 0);
+		for (uint64_t i = 0; i <= 300 / per_pass; i++)
+			pass(&f, w);
+		ck_assert_int_eq(cudaDeviceSynchronize(), cudaSuccess);
+		gpu_window_stats(w, &st);
+		gpu_window_stats(w, &st);
+		ck_assert_msg(st.timed_waits == st.waits, "%llu of %llu waits timed",
+			      (unsigned long long)st.timed_waits, (unsigned long long)st.waits);
 	}
 	struct weight_source *ws = gpu_window_base(w);
 	ck_assert_int_eq(ws->ops->release_all(ws), 0);
