@@ -123,47 +123,43 @@ static int poll_copies(struct gpu_window *w)
 	return 0;
 }
 
-/* The time between timing pair p's events (the two sides of a copy or of a wait), asked once its
- * second is done (wait: waited for): cudaErrorNotReady while that is still in flight, else *ms, or -1
- * where the pair cannot be read (an error: the copy's or the stream's own event reports it). */
-static cudaError_t pair_time(cudaEvent_t p[2], bool wait, float *ms)
+/* Timing pair i of t, once its span is done (wait: its turn has come again, so wait for it rather
+ * than drop it): its time in ms, *decode what it was issued in, and the pair free again; -1 while
+ * the span is in flight, where the pair holds none, or where it cannot be read (an error: the copy's
+ * or the stream's own event reports it; the pair is let go). */
+static float times_take(struct gw_times *t, uint32_t i, bool wait, bool *decode)
 {
-	const cudaError_t e = wait ? cudaEventSynchronize(p[1]) : cudaEventQuery(p[1]);
-	if (e != cudaSuccess || cudaEventElapsedTime(ms, p[0], p[1]) != cudaSuccess)
-		*ms = -1.0f;
-	return e;
+	if (!t->timed[i])
+		return -1.0f;
+	const cudaError_t e = wait ? cudaEventSynchronize(t->ev[i][1]) : cudaEventQuery(t->ev[i][1]);
+	if (e == cudaErrorNotReady)
+		return -1.0f;
+	t->timed[i] = false;
+	*decode = t->decode[i];
+	float ms;
+	return e == cudaSuccess && cudaEventElapsedTime(&ms, t->ev[i][0], t->ev[i][1]) == cudaSuccess ? ms : -1.0f;
 }
 
-/* Adds copy pair i's time to copy_ms once its copy is done; wait: its turn has come again, so
- * wait for it rather than drop it (GW_COPY_TIMES copies later it is long done). A copy into a slot
- * does not wait on the host for the slot's last one, so each copy has a pair of its own: with a
- * pair a slot, the host running ahead of the copies dropped most of them (P3's link counted 9%
- * busy where its copies took most of the token). */
+/* Adds copy pair i's time to copy_ms once its copy is done (times_take). */
 static void collect_copy(struct gpu_window *w, uint32_t i, bool wait)
 {
-	float ms;
-	if (!w->copy_timed[i] || pair_time(w->copy_ev[i], wait, &ms) == cudaErrorNotReady)
-		return;
-	w->copy_timed[i] = false;
+	bool decode;
+	const float ms = times_take(&w->copy_times, i, wait, &decode);
 	if (ms < 0)
 		return;
 	w->st.copy_ms += ms;
 	w->st.timed_copies++;
-	if (w->copy_decode[i]) {
+	if (decode) {
 		w->st.copy_ms_decode += ms;
 		w->st.timed_copies_decode++;
 	}
 }
 
-/* Adds wait pair i's time to copy_wait_ms once the compute stream has passed it; wait: its turn
- * has come again, so wait for it rather than drop it (with 64 pairs, an MoE step's waits outran
- * the ring and the dropped ones read as no waiting). */
+/* Adds wait pair i's time to copy_wait_ms once the compute stream has passed it (times_take). */
 static void collect_wait(struct gpu_window *w, uint32_t i, bool wait)
 {
-	float ms;
-	if (!w->wait_timed[i] || pair_time(w->wait_ev[i], wait, &ms) == cudaErrorNotReady)
-		return;
-	w->wait_timed[i] = false;
+	bool decode;
+	const float ms = times_take(&w->wait_times, i, wait, &decode);
 	if (ms < 0)
 		return;
 	w->st.copy_wait_ms += ms;
@@ -175,14 +171,15 @@ static cudaError_t compute_waits(struct gpu_window *w, const struct gent *e)
 {
 	if (!w->time_copies) /* its events made at create */
 		return cudaStreamWaitEvent(w->compute, e->h2d, 0);
-	const uint32_t i = w->wait_next++ % GW_WAIT_TIMES;
+	struct gw_times *t = &w->wait_times;
+	const uint32_t i = t->next++ % GW_TIMES;
 	collect_wait(w, i, true);
-	cudaError_t ce = cudaEventRecord(w->wait_ev[i][0], w->compute);
+	cudaError_t ce = cudaEventRecord(t->ev[i][0], w->compute);
 	if (ce == cudaSuccess)
 		ce = cudaStreamWaitEvent(w->compute, e->h2d, 0);
 	if (ce == cudaSuccess)
-		ce = cudaEventRecord(w->wait_ev[i][1], w->compute);
-	w->wait_timed[i] = ce == cudaSuccess;
+		ce = cudaEventRecord(t->ev[i][1], w->compute);
+	t->timed[i] = ce == cudaSuccess;
 	w->st.waits += ce == cudaSuccess;
 	return ce;
 }
@@ -339,18 +336,19 @@ static int issue_next(struct gpu_window *w, uint32_t c)
 	/* The slot's last occupant must be done before its bytes are overwritten. */
 	if (s->compute_recorded)
 		CUDA_TRY(cudaStreamWaitEvent(cs, s->compute_done, 0), "ordering a copy after compute");
-	const uint32_t ti = w->copy_next % GW_COPY_TIMES;
+	struct gw_times *t = &w->copy_times;
+	const uint32_t ti = t->next % GW_TIMES;
 	if (w->time_copies) {
 		collect_copy(w, ti, true);
-		CUDA_TRY(cudaEventRecord(w->copy_ev[ti][0], cs), "timing a copy");
+		CUDA_TRY(cudaEventRecord(t->ev[ti][0], cs), "timing a copy");
 	}
 	if ((rc = copy_group(w, h, s->dev, src, cs)))
 		return rc;
 	if (w->time_copies) {
-		CUDA_TRY(cudaEventRecord(w->copy_ev[ti][1], cs), "timing a copy");
-		w->copy_timed[ti] = true;
-		w->copy_decode[ti] = w->base.step_tokens == 1;
-		w->copy_next++;
+		CUDA_TRY(cudaEventRecord(t->ev[ti][1], cs), "timing a copy");
+		t->timed[ti] = true;
+		t->decode[ti] = w->base.step_tokens == 1;
+		t->next++;
 	}
 	CUDA_TRY(cudaEventRecord(e->h2d, cs), "recording a copy");
 	w->copy_ns += now_ns() - t0;
@@ -669,10 +667,10 @@ struct weight_source *gpu_window_base(struct gpu_window *w)
 void gpu_window_stats(struct gpu_window *w, struct gpu_window_stats *st)
 {
 	if (w->time_copies) {
-		for (uint32_t i = 0; i < GW_COPY_TIMES; i++)
+		for (uint32_t i = 0; i < GW_TIMES; i++) {
 			collect_copy(w, i, false);
-		for (uint32_t i = 0; i < GW_WAIT_TIMES; i++)
 			collect_wait(w, i, false);
+		}
 	}
 	*st = w->st;
 	st->ends_lag_ms = w->ends_lag_s * 1e3;
@@ -696,12 +694,10 @@ enum gwin_state gpu_window_group_state(const struct gpu_window *w, uint32_t g, b
 
 void gpu_window_reset_timing(struct gpu_window *w)
 {
-	for (uint32_t i = 0; i < GW_COPY_TIMES; i++)
-		w->copy_timed[i] = false;
+	memset(w->copy_times.timed, 0, sizeof(w->copy_times.timed));
+	memset(w->wait_times.timed, 0, sizeof(w->wait_times.timed));
 	w->st.copy_ms = w->st.copy_ms_decode = 0;
 	w->st.timed_copies = w->st.timed_copies_decode = 0;
-	for (uint32_t i = 0; i < GW_WAIT_TIMES; i++)
-		w->wait_timed[i] = false;
 	w->st.copy_wait_ms = 0;
 	w->st.timed_waits = w->st.waits = 0;
 }

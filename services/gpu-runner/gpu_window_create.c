@@ -142,14 +142,13 @@ static void destroy(struct gpu_window **wp)
 		if (w->slots[s].compute_done)
 			cudaEventDestroy(w->slots[s].compute_done);
 	}
-	for (uint32_t i = 0; i < GW_WAIT_TIMES; i++)
-		for (int j = 0; j < 2; j++)
-			if (w->wait_ev[i][j])
-				cudaEventDestroy(w->wait_ev[i][j]);
-	for (uint32_t i = 0; i < GW_COPY_TIMES; i++)
-		for (int j = 0; j < 2; j++)
-			if (w->copy_ev[i][j])
-				cudaEventDestroy(w->copy_ev[i][j]);
+	for (uint32_t i = 0; i < GW_TIMES; i++)
+		for (int j = 0; j < 2; j++) {
+			if (w->wait_times.ev[i][j])
+				cudaEventDestroy(w->wait_times.ev[i][j]);
+			if (w->copy_times.ev[i][j])
+				cudaEventDestroy(w->copy_times.ev[i][j]);
+		}
 	gw_split_destroy(w); /* waits for its copies */
 	for (uint32_t i = 0; i < w->n_copies; i++)
 		cudaStreamDestroy(w->copies[i]);
@@ -491,12 +490,11 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 			CREATE_TRY(cudaEventCreateWithFlags(&s->compute_done, cudaEventDisableTiming), "creating events");
 		}
 	}
-	for (uint32_t i = 0; w->time_copies && i < GW_WAIT_TIMES; i++)
-		for (int j = 0; j < 2; j++)
-			CREATE_TRY(cudaEventCreate(&w->wait_ev[i][j]), "creating events");
-	for (uint32_t i = 0; w->time_copies && i < GW_COPY_TIMES; i++)
-		for (int j = 0; j < 2; j++)
-			CREATE_TRY(cudaEventCreate(&w->copy_ev[i][j]), "creating events");
+	for (uint32_t i = 0; w->time_copies && i < GW_TIMES; i++)
+		for (int j = 0; j < 2; j++) {
+			CREATE_TRY(cudaEventCreate(&w->wait_times.ev[i][j]), "creating events");
+			CREATE_TRY(cudaEventCreate(&w->copy_times.ev[i][j]), "creating events");
+		}
 	w->st.window_bytes = win_bytes;
 	/* What crosses PCIe per decode token: the bytes copies of the streamed groups move; of a streamed
 	 * expert, as often as routing chooses it (its heat; none known, k of E). */

@@ -48,13 +48,20 @@ struct gent {
 	bool guessed_in;   /* of a guess: copied, the guess (guess_next) has it */
 };
 
-/* The compute stream's copy waits timed and not yet collected, at most: a one-token step of 32
- * layers waits for up to two groups a layer and an MoE step for a layer's experts too, and the host
- * never runs more than a step or so ahead of the stream, so a pair's turn comes long after its wait. */
-#define GW_WAIT_TIMES 256
-/* Copies timed and not yet collected, at most: far more than are ever in flight (a slot's next copy
- * waits for the compute that read its last), so a pair's turn never comes before its copy is done. */
-#define GW_COPY_TIMES 256
+/* With time_copies: timing pairs, an event before and after each timed span (a copy on its copy
+ * stream, the compute stream's wait for one), in a ring of GW_TIMES. A pair is added to the stats
+ * once its second event is done; one whose turn comes again is waited for, not dropped (the host
+ * issues a slot's next copy before its last is done, and a one-token step of 32 layers waits up to
+ * 64 times, an MoE step more: with a pair a slot and a ring of 64 waits, most copies and many waits
+ * went uncounted). GW_TIMES spans several steps, and the host never runs more than a step or so
+ * ahead of the streams, so a pair's turn comes long after its span has ended. */
+#define GW_TIMES 256
+struct gw_times {
+	cudaEvent_t ev[GW_TIMES][2];
+	bool timed[GW_TIMES];  /* ev[i] holds a span not yet added to the stats */
+	bool decode[GW_TIMES]; /* ... issued in a one-token step (copies: copy_ms_decode too) */
+	uint32_t next;
+};
 
 struct gpu_window {
 	struct weight_source base; /* first: the engine's view */
@@ -114,18 +121,8 @@ struct gpu_window {
 	bool host_reads;	   /* acquire_host handed out ring pointers the backend may still read (until
 				    * the next route or release_all): no ring mapping is let go meanwhile */
 	bool strict, time_copies;
-	/* With time_copies: the compute stream's waits for copies, an event before and after each wait
-	 * (a ring, each pair added to copy_wait_ms once done; a pair whose turn comes again is waited
-	 * for, not dropped). */
-	cudaEvent_t wait_ev[GW_WAIT_TIMES][2];
-	bool wait_timed[GW_WAIT_TIMES];
-	uint32_t wait_next;
-	/* With time_copies: each copy, an event before and after it on its copy stream (a ring, each
-	 * pair added to copy_ms once done; a pair whose turn comes again is waited for, not dropped). */
-	cudaEvent_t copy_ev[GW_COPY_TIMES][2];
-	bool copy_timed[GW_COPY_TIMES];
-	bool copy_decode[GW_COPY_TIMES]; /* ... issued in a one-token step (copy_ms_decode too) */
-	uint32_t copy_next;
+	struct gw_times wait_times; /* with time_copies: the compute stream's waits for copies */
+	struct gw_times copy_times; /* with time_copies: the copies, on their copy streams */
 	struct gpu_window_stats st;
 	uint32_t embed_group, head_group;
 	bool tied;
