@@ -168,8 +168,11 @@ struct expert_spans {
 	double gap_ms;	/* one step, and across a token's ends): their count and time (the GPU's chain,
 			 * the host's route; at a token's end the head, the pick and the first layers too) */
 };
-/* Layers with CPU experts a rate from their spans needs at least (two tokens of a 24-layer model). */
-#define EXPERT_RATE_MIN_LAYERS 48
+/* Layers with CPU experts a rate from their spans needs at least: a token of a 16-layer model, two of
+ * an 8-layer one. With 48, a stretch of MX1's 8 layers was six tokens, so a 16-token request folded
+ * twice and a start whose calibration said 87 GB/s still weighed the CPU at 75 when the request
+ * ended, its spans running at 69 (the CPU's side ended 3.6 ms a token after the link's). */
+#define EXPERT_RATE_MIN_LAYERS 16
 /* The rate the CPU's experts of a layer ran at, bytes over span (bytes a second): what a route and
  * the guesses weigh the CPU's side with (gw_route) once it is known, in place of the start's
  * calibration, which measures a few hundred MB of experts beside copies (M1 on an H200 host: 97.7
