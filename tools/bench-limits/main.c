@@ -6,12 +6,15 @@
  *   - the bf16 GEMM rate of cuBLAS at a prefill shape (float32 accumulation),
  *   - with --handoffs, what passing a result from every block of one phase of work to the next
  *     costs: a kernel boundary, plain and with programmatic dependent launch, and a phase of one
- *     persistent grid, by counters or a grid barrier (handoff.h).
+ *     persistent grid, by counters or a grid barrier (handoff.h);
+ *   - with --h2d-shapes, pinned H2D in the shapes a split FFN's GPU share is copied in: down's
+ *     columns [0, r) of every row are a 2D copy (a row's share of `width` bytes every `pitch` bytes),
+ *     where the start's calibration of the link copies contiguous chunks (h2d_shapes below).
  * Prints one JSON object on stdout:
  *   {"h2d_bytes_per_s":..., "hbm_bytes_per_s":..., "disk_bytes_per_s":..., "gemm_flops_per_s":..., ...}
  *
  *   bench-limits [--file PATH] [--disk-bytes SIZE] [--hbm-bytes SIZE] [--m 512 --n 14336 --k 4096]
- *                [--handoffs]
+ *                [--handoffs] [--h2d-shapes]
  */
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -62,6 +65,74 @@ static double h2d(size_t bytes, int reps)
 	cudaFreeHost(host);
 	cudaStreamDestroy(s);
 	return (double)bytes * reps / (ms * 1e-3);
+}
+
+/* Pinned H2D of `rows` rows of `width` bytes each, `pitch` bytes apart in host memory (pitch ==
+ * width: one contiguous copy), into a packed device buffer: cudaMemcpy2DAsync as the GPU window
+ * copies a split FFN's down share (gw_copy_pieces). Bytes a second of the rows' bytes. */
+static double h2d_2d(size_t width, size_t pitch, size_t rows, int reps)
+{
+	void *host, *dev;
+	CHECK_CUDA(cudaMallocHost(&host, pitch * rows));
+	CHECK_CUDA(cudaMalloc(&dev, width * rows));
+	memset(host, 7, pitch * rows);
+	cudaStream_t s;
+	cudaEvent_t a, b;
+	CHECK_CUDA(cudaStreamCreate(&s));
+	CHECK_CUDA(cudaEventCreate(&a));
+	CHECK_CUDA(cudaEventCreate(&b));
+	for (int i = 0; i <= reps; i++) {
+		if (i == 1)
+			CHECK_CUDA(cudaEventRecord(a, s)); /* the first copy warms up */
+		if (pitch == width)
+			CHECK_CUDA(cudaMemcpyAsync(dev, host, width * rows, cudaMemcpyHostToDevice, s));
+		else
+			CHECK_CUDA(cudaMemcpy2DAsync(dev, width, host, pitch, width, rows, cudaMemcpyHostToDevice, s));
+	}
+	CHECK_CUDA(cudaEventRecord(b, s));
+	CHECK_CUDA(cudaEventSynchronize(b));
+	float ms;
+	CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+	cudaFree(dev);
+	cudaFreeHost(host);
+	cudaEventDestroy(a);
+	cudaEventDestroy(b);
+	cudaStreamDestroy(s);
+	return (double)(width * rows) * reps / (ms * 1e-3);
+}
+
+/* The split FFN's copy shapes: down's share of the benchmark's models (rows: the hidden size;
+ * pitch: a row of ffn_dim values in the format; width: the GPU's r of them, as their last plans
+ * chose), then widths from 512 bytes to 32 KiB at a pitch of three widths, and each share's
+ * bytes as one contiguous copy beside it. Prints the JSON array "h2d_2d". */
+static void h2d_shapes(void)
+{
+	static const struct {
+		const char *what;
+		size_t width, pitch, rows;
+	} v[] = {
+		{"P3 8B Q8_0 down, r 5408 of 14336", 5408 / 32 * 34, 14336 / 32 * 34, 4096},
+		{"P1 8B bf16 down, r 5568 of 14336", 5568 * 2, 14336 * 2, 4096},
+		{"8B Q4_K down, r 5120 of 14336", 5120 / 256 * 144, 14336 / 256 * 144, 4096},
+		{"P2 70B bf16 down, r 8000 of 28672", 8000 * 2, 28672 * 2, 8192},
+		{"512 B rows", 512, 1536, 65536},
+		{"1 KiB rows", 1024, 3072, 32768},
+		{"2 KiB rows", 2048, 6144, 16384},
+		{"4 KiB rows", 4096, 12288, 8192},
+		{"8 KiB rows", 8192, 24576, 4096},
+		{"16 KiB rows", 16384, 49152, 2048},
+		{"32 KiB rows", 32768, 98304, 1024},
+	};
+	printf(", \"h2d_2d\": [");
+	for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++) {
+		const double two = h2d_2d(v[i].width, v[i].pitch, v[i].rows, 8);
+		const double one = h2d_2d(v[i].width * v[i].rows, v[i].width * v[i].rows, 1, 8);
+		printf("%s{\"what\": \"%s\", \"width\": %zu, \"pitch\": %zu, \"rows\": %zu, \"bytes_per_s\": %.0f, "
+		       "\"contiguous_bytes_per_s\": %.0f}",
+		       i ? ", " : "", v[i].what, v[i].width, v[i].pitch, v[i].rows, two, one);
+		fflush(stdout);
+	}
+	printf("]");
 }
 
 /* Reads up to `limit` bytes of path with O_DIRECT, `chunk` bytes per read, `depth` in flight,
@@ -178,7 +249,7 @@ int main(int argc, char **argv)
 {
 	const char *file = NULL;
 	uint64_t disk_bytes = 0, hbm_bytes = 0;
-	bool matrix = false, handoffs = false;
+	bool matrix = false, handoffs = false, shapes = false;
 	long m = 512, n = 14336, k = 4096;
 	const struct opt opts[] = {
 		{"file", OPT_STRING, &file, NULL, "a large file to read for the disk bandwidth (skipped without)"},
@@ -193,6 +264,9 @@ int main(int argc, char **argv)
 		{"handoffs", OPT_BOOL, &handoffs, NULL,
 		 "also time a hand-off from every block of one phase to the next: a kernel boundary (plain, programmatic "
 		 "dependent launch) and a phase of one persistent grid (counters, grid barrier)"},
+		{"h2d-shapes", OPT_BOOL, &shapes, NULL,
+		 "also time pinned H2D in the shapes a split FFN's GPU share is copied in: 2D copies of down's columns "
+		 "(the P1-P3 shapes and 512 B-32 KiB rows), each beside the same bytes in one contiguous copy"},
 		{0},
 	};
 	int rc = config_parse("bench-limits",
@@ -246,6 +320,8 @@ int main(int argc, char **argv)
 		printf(", \"handoff_blocks\": %d, \"handoff_threads\": %d, \"kernel_boundary_us\": %.2f, "
 		       "\"kernel_boundary_pdl_us\": %.2f, \"grid_counter_phase_us\": %.2f, \"grid_sync_phase_us\": %.2f",
 		       ho.blocks, ho.threads, ho.plain_us, ho.pdl_us, ho.counter_us, ho.grid_sync_us);
+	if (shapes)
+		h2d_shapes();
 	printf("}\n");
 	return 0;
 }
