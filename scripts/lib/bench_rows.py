@@ -24,10 +24,19 @@ def row(*cells):
 
 
 def limits_line(lim):
-    return (f"H2D {round(lim['h2d_bytes_per_s'] / 1e9, 1)} GB/s pinned, "
+    line = (f"H2D {round(lim['h2d_bytes_per_s'] / 1e9, 1)} GB/s pinned, "
             f"HBM {round(lim['hbm_bytes_per_s'] / 1e12, 2)} TB/s read, "
             f"disk {round(lim['disk_bytes_per_s'] / 1e9, 2)} GB/s O_DIRECT, "
             f"bf16 GEMM {round(lim['gemm_flops_per_s'] / 1e12)} TFLOP/s")
+    # bench-limits --h2d-shapes (a split scenario ran): the P rows' down shares as the 2D copies the
+    # window makes of them, against the same bytes in one copy.
+    shares = [s for s in lim.get("h2d_2d", []) if s.get("what", "").startswith("P")]
+    if shares:
+        line += "; down's GPU share as a 2D copy: " + ", ".join(
+            f"{s['what'].split(' down')[0]} {s['bytes_per_s'] / 1e9:.1f} GB/s "
+            f"({s['width']} of {s['pitch']} bytes a row; {s['contiguous_bytes_per_s'] / 1e9:.1f} in one copy)"
+            for s in shares)
+    return line
 
 
 def rows_s1(rec, lim):

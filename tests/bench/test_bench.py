@@ -241,6 +241,22 @@ class Table(unittest.TestCase):
         self.assertIn("4.97 ms/token (15.01 GB/token at 3.02 TB/s HBM) | 1.47 |", one)
         self.assertIn("9.94 ms/token (15.01 GB/token at 1.51 TB/s HBM) | 0.74 |", half)
 
+    def test_limits_line_shapes(self):
+        # With bench-limits --h2d-shapes (a split scenario ran), the limits line gives the P rows'
+        # down shares as 2D copies beside the same bytes in one copy; without, it reads as before.
+        lim = {"h2d_bytes_per_s": 55.1e9, "hbm_bytes_per_s": 4.6e12, "disk_bytes_per_s": 1.7e9,
+               "gemm_flops_per_s": 697e12}
+        plain = bench.limits_line(lim)
+        self.assertEqual(plain, "H2D 55.1 GB/s pinned, HBM 4.6 TB/s read, disk 1.7 GB/s O_DIRECT, "
+                                "bf16 GEMM 697 TFLOP/s")
+        lim["h2d_2d"] = [
+            {"what": "P3 8B Q8_0 down, r 5408 of 14336", "width": 5746, "pitch": 15232, "rows": 4096,
+             "bytes_per_s": 48.25e9, "contiguous_bytes_per_s": 54.9e9},
+            {"what": "1 KiB rows", "width": 1024, "pitch": 3072, "rows": 32768, "bytes_per_s": 20e9,
+             "contiguous_bytes_per_s": 54e9}]
+        self.assertEqual(bench.limits_line(lim), plain + "; down's GPU share as a 2D copy: P3 8B Q8_0 48.2 GB/s "
+                         "(5746 of 15232 bytes a row; 54.9 in one copy)")
+
     def test_resident_step_times(self):
         # Q1's row says the engine's decode steps and the host's time between two, where the
         # runner's stats have them; a record without them (an older replay) reads as before.
