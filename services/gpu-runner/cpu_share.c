@@ -273,7 +273,7 @@ static struct expert_spans spans_now(struct runner *r, bool multi)
 
 /* One kind of step's spans since *base: once EXPERT_RATE_MIN_LAYERS layers have run, their rate
  * folded into *rate (expert_rate_fold) and the layers, bytes and time of *base moved up; once
- * EXPERT_RATE_MIN_LAYERS gaps have (one-token steps: a stretch of a token or two has fewer), their
+ * EXPERT_LEAD_MIN_GAPS gaps have (one-token steps: a stretch of a few tokens has fewer), their
  * mean in *lead and the gaps of *base moved up. The stretch in *seen. Returns the rate the stretch ran
  * at, 0 while it says nothing yet. */
 static double learn(struct runner *r, bool multi, struct expert_spans *base, double *rate, double *lead,

@@ -363,7 +363,7 @@ double expert_rate_fold(double learnt, double seen)
 
 double expert_spans_lead(const struct expert_spans *seen)
 {
-	if (seen->gaps < EXPERT_RATE_MIN_LAYERS || !(seen->gap_ms > 0))
+	if (seen->gaps < EXPERT_LEAD_MIN_GAPS || !(seen->gap_ms > 0))
 		return 0;
 	return seen->gap_ms * 1e-3 / (double)seen->gaps;
 }

@@ -173,6 +173,11 @@ struct expert_spans {
  * twice and a start whose calibration said 87 GB/s still weighed the CPU at 75 when the request
  * ended, its spans running at 69 (the CPU's side ended 3.6 ms a token after the link's). */
 #define EXPERT_RATE_MIN_LAYERS 16
+/* Gaps the lead (expert_spans_lead) needs at least: 48, as the rate's stretch was before it became
+ * 16. A mean over 16 gaps swung with each token's end (MX2's warm-up, 2026-12-03: 345-1478 us a
+ * layer, and a lead of 1478 us adds a third or more of a layer's chosen experts' bytes to the
+ * copies' share: expert_copy_share). */
+#define EXPERT_LEAD_MIN_GAPS 48
 /* The rate the CPU's experts of a layer ran at, bytes over span (bytes a second): what a route and
  * the guesses weigh the CPU's side with (gw_route) once it is known, in place of the start's
  * calibration, which measures a few hundred MB of experts beside copies (M1 on an H200 host: 97.7
@@ -190,7 +195,7 @@ double expert_spans_rate(const struct expert_spans *seen);
  * stretch's rate answers the last one's weighing and swings; the mean settles where the two agree. */
 double expert_rate_fold(double learnt, double seen);
 /* The mean of those gaps in seconds: the time a layer in which the copies can run and the CPU's
- * experts cannot (they wait for the layer's route); 0 under EXPERT_RATE_MIN_LAYERS gaps. One mean
+ * experts cannot (they wait for the layer's route); 0 under EXPERT_LEAD_MIN_GAPS gaps. One mean
  * over both kinds, a token's ends among them: over a token the copies have the gaps' sum more than
  * the CPU, and slots deep enough let them spend it in any layer (with two, they cannot run that far
  * ahead, and the guesses are bound by the slots, whatever the share). */

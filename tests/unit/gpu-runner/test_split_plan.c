@@ -315,9 +315,14 @@ START_TEST(test_expert_spans_rate)
 	ck_assert(expert_spans_rate(&seen) == 0);
 	seen.ms = -1;
 	ck_assert(expert_spans_rate(&seen) == 0);
-	/* the lead: the gaps' mean, once as many as the rate needs */
+	/* the lead: the gaps' mean, once EXPERT_LEAD_MIN_GAPS of them (more than the rate's layers:
+	 * a stretch the rate reads says nothing of the lead yet) */
+	ck_assert_uint_gt(EXPERT_LEAD_MIN_GAPS, EXPERT_RATE_MIN_LAYERS);
 	seen.gaps = EXPERT_RATE_MIN_LAYERS;
 	seen.gap_ms = EXPERT_RATE_MIN_LAYERS * 0.09;
+	ck_assert(expert_spans_lead(&seen) == 0);
+	seen.gaps = EXPERT_LEAD_MIN_GAPS;
+	seen.gap_ms = EXPERT_LEAD_MIN_GAPS * 0.09;
 	ck_assert_double_eq_tol(expert_spans_lead(&seen), 90e-6, 1e-12);
 	seen.gaps--;
 	ck_assert(expert_spans_lead(&seen) == 0);
