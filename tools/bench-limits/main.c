@@ -42,31 +42,6 @@
 		}                                                                                         \
 	} while (0)
 
-static double h2d(size_t bytes, int reps)
-{
-	void *host, *dev;
-	CHECK_CUDA(cudaMallocHost(&host, bytes));
-	CHECK_CUDA(cudaMalloc(&dev, bytes));
-	memset(host, 7, bytes);
-	cudaStream_t s;
-	cudaEvent_t a, b;
-	CHECK_CUDA(cudaStreamCreate(&s));
-	CHECK_CUDA(cudaEventCreate(&a));
-	CHECK_CUDA(cudaEventCreate(&b));
-	CHECK_CUDA(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s)); /* warm up */
-	CHECK_CUDA(cudaEventRecord(a, s));
-	for (int i = 0; i < reps; i++)
-		CHECK_CUDA(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s));
-	CHECK_CUDA(cudaEventRecord(b, s));
-	CHECK_CUDA(cudaEventSynchronize(b));
-	float ms;
-	CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
-	cudaFree(dev);
-	cudaFreeHost(host);
-	cudaStreamDestroy(s);
-	return (double)bytes * reps / (ms * 1e-3);
-}
-
 /* Pinned H2D of `rows` rows of `width` bytes each, `pitch` bytes apart in host memory (pitch ==
  * width: one contiguous copy), into a packed device buffer: cudaMemcpy2DAsync as the GPU window
  * copies a split FFN's down share (gw_copy_pieces). Bytes a second of the rows' bytes. */
@@ -99,6 +74,12 @@ static double h2d_2d(size_t width, size_t pitch, size_t rows, int reps)
 	cudaEventDestroy(b);
 	cudaStreamDestroy(s);
 	return (double)(width * rows) * reps / (ms * 1e-3);
+}
+
+/* Pinned H2D of one contiguous buffer of `bytes`. */
+static double h2d(size_t bytes, int reps)
+{
+	return h2d_2d(bytes, bytes, 1, reps);
 }
 
 /* The split FFN's copy shapes: down's share of the benchmark's models (rows: the hidden size;
