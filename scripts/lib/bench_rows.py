@@ -194,6 +194,8 @@ def replanned(rec):
                  f"{rec.get('copy_wait_ms', 0) * per:.1f} ms/token")
     if rec.get("refill_bytes"):
         said += f"; {rec['refill_bytes'] / 2**20:.0f} MiB more kept on the GPU with the memory the split frees"
+    if rec.get("spread"):
+        said += "; the kept layers spread among the layers"
     return said
 
 
@@ -241,23 +243,21 @@ def rows_p(name, what):
             f"| {name} decode ({what}, --cpu-share auto: {cs['split_ffns']} FFNs split at r {cs['r_min']}..{cs['r_max']} of {cs['ffn_dim']}, {sp['cpu_bytes_per_token']/1e9:.2f} GB/token on the CPU, {sp['streamed_bytes_per_token']/1e9:.2f} over PCIe; job {cs['cpu_job_us']:.0f} us, handoff {cs['handoff_us']:.0f} us, {cs['handoff']}{replanned(sp)}) | {ms_split:.1f} ms/token | {limit:.1f} ms/token ({wh['streamed_bytes_per_token']/1e9:.2f} GB/token at {h2d/1e9:.1f} GB/s H2D beside the CPU + {cpu/1e9:.1f} GB/s CPU beside the copies, measured at once; with H2D alone, {h2d_alone/1e9:.1f} GB/s: {limit_alone:.1f} ms, {ms_split/limit_alone:.3f}) | {ms_split/limit:.3f} | <= 1.10 |",
             f"| {name} speed-up over --cpu-share 0 (same instance shape: {ms_whole:.1f} ms/token) | {ms_whole/ms_split:.2f}x | - | - | >= 1.8x |",
         ] + spread_rows + rows_p_copy(name, rec.get("copy"), limit) + rows_p_alt(name, rec.get("token"), wh, lim) + \
-            rows_p_alt(name, rec.get("spread"), wh, lim, "--window-spread") + \
+            rows_p_alt(name, rec.get("first"), wh, lim, "--window-spread=no (the kept layers the first ones)") + \
             rows_p_alt(name, rec.get("fixed"), wh, lim, "--fixed-residency (the memory the split frees unused)")
     return rows
 
 
 def rows_p_alt(name, ly, wh, lim, flag="--cpu-share-balance token"):
     """--ab: the split with one CPU share for every FFN (--cpu-share-balance token), with the kept
-    layer groups spread among the layers (--window-spread), or with the memory the split frees left
-    unused (--fixed-residency), against its own run's limit (its rates measured at once, as the
-    split's row)."""
+    layer groups the first layers rather than spread among them (--window-spread=no; spread is what
+    auto does where FFNs split), or with the memory the split frees left unused (--fixed-residency),
+    against its own run's limit (its rates measured at once, as the split's row)."""
     if ly is None:
         return []
     if ly.get("failed"):
         return [row(f"{name} decode, {flag}", "failed (see logs)", "-", "-", "-")]
     h2d = min(ly.get("h2d_beside_cpu_bytes_per_s") or lim["h2d_bytes_per_s"], lim["h2d_bytes_per_s"])
-    if flag == "--window-spread" and not ly.get("spread", True):
-        flag += " (nothing moved: every layer group kept or streamed, or DRAM holds not all)"
     limit = wh["streamed_bytes_per_token"] / (h2d + ly["cpu_bytes_per_s"]) * 1e3
     cs, ms = ly["cpu_share"], decode_per_token_ms(ly["gen"])
     return [f"| {name} decode, the same with {flag} (r {cs['r_min']}..{cs['r_max']}, "

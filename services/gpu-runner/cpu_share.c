@@ -64,6 +64,10 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (strcmp(ch, "taper") && strcmp(ch, "equal"))
 		return errorf(err, errlen, -EINVAL, "--cpu-expert-chunks '%s' is not taper or equal", ch);
 	r->cpu_expert_taper = !strcmp(ch, "taper");
+	const char *spread = r->window_spread_arg ? r->window_spread_arg : "auto";
+	if (strcmp(spread, "auto") && strcmp(spread, "yes") && strcmp(spread, "no"))
+		return errorf(err, errlen, -EINVAL, "--window-spread '%s' is not auto, yes or no", spread);
+	r->window_spread = !strcmp(spread, "no") ? 0 : !strcmp(spread, "auto") ? 1 : 2;
 	const char *pin = r->cpu_pin_runner_arg ? r->cpu_pin_runner_arg : "yes";
 	if (strcmp(pin, "yes") && strcmp(pin, "no"))
 		return errorf(err, errlen, -EINVAL, "--cpu-pin-runner '%s' is not yes or no", pin);

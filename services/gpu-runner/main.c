@@ -271,9 +271,10 @@ int main(int argc, char **argv)
 		{"fixed-residency", OPT_BOOL, &r.fixed_residency, NULL,
 		 "keep the GPU's resident groups as planned with whole sizes: the memory the CPU share's smaller "
 		 "slots free stays unused (by default more groups are kept with it)"},
-		{"window-spread", OPT_BOOL, &r.window_spread, NULL,
-		 "spread the layer groups the GPU keeps among the layers, not the first ones, so the streamed "
-		 "layers' copies run beside the kept layers' compute (only where DRAM holds every layer)"},
+		{"window-spread", OPT_STRING, &r.window_spread_arg, "auto",
+		 "the layer groups the GPU keeps spread among the layers, not the first ones, so the streamed "
+		 "layers' copies run beside the kept layers' compute (only where DRAM holds every layer): yes, no, "
+		 "or auto (yes where the CPU computes a share of streamed dense FFNs)"},
 		{"kv-dtype", OPT_STRING, &r.kv_dtype_name, NULL, "KV element type: f32 or bf16 (default: f32 on cpu, bf16 on cuda)"},
 		{"kv-gpu-budget", OPT_SIZE, &r.kv_gpu_budget, "1GiB", "memory for the runner's KV blocks"},
 		{"kv-block-tokens", OPT_INT, &r.block_tokens, "16", "tokens per KV block"},

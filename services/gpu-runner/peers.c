@@ -94,6 +94,23 @@ static void predict(struct runner *r)
 }
 #endif
 
+/* Whether the GPU keeps its layer groups spread among the layers (--window-spread). auto: where
+ * the CPU computes a share of dense FFNs. There the resident layers' compute is time in which the
+ * CPU waits for the next split layer's input while the link could copy; with the kept layers
+ * first, the link fills its slots and idles through them, and the streamed layers then wait for
+ * copies. Measured on an H200 host (docs/benchmarks.md, "2026-12-03 (fifth session)"): P1 66.2 and
+ * 67.3 ms/token spread against 80.3 and 76.1, P3's ratio to its limit 1.06-1.20 against 1.10-1.28,
+ * compute's waits for copies 0.1 ms/token against 0.2-1.0. Routed experts are planned by their own
+ * slots and routes, and nothing else splits: the first layers stay kept there. */
+#ifdef PIPELINE_HAVE_CUDA
+static bool runner_window_spread(const struct runner *r)
+{
+	if (r->window_spread != 1)
+		return r->window_spread == 2;
+	return r->cpu_share.mode != CPU_SHARE_OFF && r->cpu_pool && !r->cfg.n_experts;
+}
+#endif
+
 /* With a device backend, the GPU window over the ring (nothing to do on the C backend). */
 int runner_make_window(struct runner *r, char *err, size_t errlen)
 {
@@ -105,7 +122,7 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 				       .expert_depth = (uint32_t)r->expert_depth, .strict = r->strict, .time_copies = r->profile_copies,
 				       .h2d_bytes_per_s = (double)r->h2d_bps, .copy_streams = (uint32_t)r->copy_streams,
 				       .cpu_share = r->cpu_share, .cpu_pool = r->cpu_pool,
-				       .expert_heat = r->expert_heat, .spread = r->window_spread,
+				       .expert_heat = r->expert_heat, .spread = runner_window_spread(r),
 				       .predict_experts = r->predict_experts,
 				       .split_experts = (enum gw_split_experts)r->split_experts,
 				       .fixed_residency = r->fixed_residency, .balance_ends = r->balance_ends,

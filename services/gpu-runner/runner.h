@@ -92,7 +92,9 @@ struct runner {
 	const char *cpu_expert_chunks_arg;	      /* --cpu-expert-chunks as given */
 	const char *cpu_pin_runner_arg;		      /* --cpu-pin-runner as given */
 	bool cpu_pin_runner;			      /* --cpu-pin-runner yes (the default) */
-	bool window_spread;			      /* --window-spread */
+	const char *window_spread_arg;		      /* --window-spread as given */
+	uint32_t window_spread;			      /* --window-spread: 0 no, 1 auto (where the CPU computes a
+						       * share of dense FFNs), 2 yes */
 	bool fixed_residency;			      /* --fixed-residency */
 	bool cpu_result_mapped;			      /* --cpu-result mapped (the default) */
 	bool cpu_experts_early;			      /* --cpu-experts route */

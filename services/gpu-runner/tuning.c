@@ -144,8 +144,10 @@ void runner_register_tunables(struct runner *r)
 			  "keep the CPU share auto chose at start (no re-plan from its jobs' rate)");
 	service_add_fixed(s, "fixed-residency", TUNABLE_BOOL, r->fixed_residency ? "true" : "false",
 			  "the resident groups as planned with whole sizes (no refill with the split's memory)");
-	service_add_fixed(s, "window-spread", TUNABLE_BOOL, r->window_spread ? "true" : "false",
-			  "the layer groups the GPU keeps spread among the layers (where DRAM holds them all)");
+	service_add_fixed(s, "window-spread", TUNABLE_STRING,
+			  r->window_spread == 2 ? "yes" : r->window_spread == 1 ? "auto" : "no",
+			  "the layer groups the GPU keeps spread among the layers (where DRAM holds them all): yes, no, "
+			  "or auto (where the CPU computes a share of dense FFNs)");
 	service_add_fixed(s, "profile-copies", TUNABLE_BOOL, r->profile_copies ? "true" : "false",
 			  "time every weight copy");
 	service_add_fixed(s, "kv-dtype", TUNABLE_STRING, r->bp.kv_dtype == DT_F32 ? "f32" : "bf16",

@@ -308,12 +308,12 @@ class Table(unittest.TestCase):
         self.assertEqual(len(rows), 3)
         self.assertIn("--cpu-share-balance token (r 4096..6144, 5.00 GB/token on the CPU, 5.00 over PCIe; job 900 us, "
                       "handoff 25 us) | 90.0 ms/token | 100.0 ms/token (40.0 + 60.0 GB/s) | 0.900 | <= 1.10 |", rows[2])
-        # ... and with the kept layer groups spread (--window-spread), a row after it; a split planned
-        # anew from its jobs' rate says so.
-        rec["spread"] = dict(rec["token"], gen={"decode_ms": 95.0}, rates_from_jobs=True)
+        # ... and with the kept layer groups the first layers (--window-spread=no), a row after it; a
+        # split planned anew from its jobs' rate says so.
+        rec["first"] = dict(rec["token"], gen={"decode_ms": 95.0}, rates_from_jobs=True)
         rows = bench.ROWS["P1"](rec, lim)
         self.assertEqual(len(rows), 4)
-        self.assertIn("the same with --window-spread (r 4096..6144,", rows[3])
+        self.assertIn("the same with --window-spread=no (the kept layers the first ones) (r 4096..6144,", rows[3])
         self.assertIn("handoff 25 us; planned anew at the jobs' rate) | 95.0 ms/token | 100.0 ms/token (40.0 + 60.0 GB/s) | 0.950 |", rows[3])
         self.assertNotIn("planned anew", rows[2])
         # ... and with the memory the split frees unused (--fixed-residency); the default's row says
@@ -323,9 +323,13 @@ class Table(unittest.TestCase):
         rows = bench.ROWS["P1"](rec, lim)
         self.assertEqual(len(rows), 5)
         self.assertIn("memops; 272 MiB more kept on the GPU with the memory the split frees) |", rows[0])
+        # the split's row says where its window kept the layers spread (--window-spread auto)
+        rec["split"]["spread"] = True
+        self.assertIn("the split frees; the kept layers spread among the layers) |", bench.ROWS["P1"](rec, lim)[0])
+        del rec["split"]["spread"]
         self.assertIn("the same with --fixed-residency (the memory the split frees unused) (r 4096..6144,", rows[4])
         self.assertIn("| 99.0 ms/token | 100.0 ms/token (40.0 + 60.0 GB/s) | 0.990 |", rows[4])
-        del rec["spread"], rec["fixed"], rec["split"]["refill_bytes"]
+        del rec["first"], rec["fixed"], rec["split"]["refill_bytes"]
         # --repeat: the split on three instances; the rows take the median's ratio (the split's own
         # record is the first of them), and a row gives them all, by ratio; a failed one is counted.
         rec["repeats"] = [rec["split"], dict(rec["split"], gen={"decode_ms": 120.0}),

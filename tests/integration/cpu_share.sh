@@ -115,22 +115,35 @@ if [[ $BACKEND != cpu ]]; then
 	"$PIPELINE" stop
 	log "--cpu-share-balance token: tokens equal the whole FFN's"
 
-	# The kept layer groups spread among the layers (--window-spread). At 760KiB the plan keeps the
-	# four attention groups and one FFN group (128.25 + 4 x 48.25 + 144.25 KiB) beside two FFN slots
-	# (2 x 144.25), and spread puts that FFN in the last layer, not the first (at 520KiB none is
-	# kept, and nothing would move): the same tokens, the three streamed FFNs split with the CPU.
+	# The kept layer groups spread among the layers (--window-spread auto, the default where FFNs
+	# split). At 760KiB the plan keeps the four attention groups and one FFN group (128.25 + 4 x 48.25
+	# + 144.25 KiB) beside two FFN slots (2 x 144.25), and spread puts that FFN in the last layer, not
+	# the first (at 520KiB none is kept, and nothing would move): the same tokens, the three streamed
+	# FFNs split with the CPU.
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" --gpu-budget 760KiB --cpu-share 0.5 --cpu-threads 2 \
-		--runner-opt=--prefill-chunk=16 --runner-opt=--window-spread >/dev/null
+		--runner-opt=--prefill-chunk=16 >/dev/null
+	expect_eq "$("$PIPECTL" get gpu-runner window-spread | awk '{print $3}')" auto "pipectl get gpu-runner window-spread"
 	runner_log=$(cat "$RUN_DIR/gpu-runner.log")
-	expect_grep "the kept layer groups spread among the layers" "$runner_log" "the window's plan with --window-spread"
-	expect_grep "[1-9][0-9]* FFN groups split with the CPU" "$runner_log" "the split with --window-spread"
+	expect_grep "the kept layer groups spread among the layers" "$runner_log" "the window's plan with the FFNs split"
+	expect_grep "[1-9][0-9]* FFN groups split with the CPU" "$runner_log" "the split with the kept layers spread"
 	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
-	expect_eq "$got" "$want" "greedy tokens with --window-spread vs the whole FFN"
+	expect_eq "$got" "$want" "greedy tokens with the kept layers spread vs the whole FFN"
 	stats=$("$PIPECTL" stats gpu-runner)
-	expect_grep '"spread": true' "$stats" "the runner's stats with --window-spread"
-	expect_grep '"jobs_failed": 0' "$stats" "failed CPU shares with --window-spread"
+	expect_grep '"spread": true' "$stats" "the runner's stats with the kept layers spread"
+	expect_grep '"jobs_failed": 0' "$stats" "failed CPU shares with the kept layers spread"
 	"$PIPELINE" stop
-	log "--window-spread: tokens equal the whole FFN's"
+	log "--window-spread auto: the FFNs split, the kept layers spread, tokens equal the whole FFN's"
+
+	# --window-spread=no keeps the first layers, the same split.
+	"$PIPELINE" start --model "$F32" --backend "$BACKEND" --gpu-budget 760KiB --cpu-share 0.5 --cpu-threads 2 \
+		--runner-opt=--prefill-chunk=16 --runner-opt=--window-spread=no >/dev/null
+	! grep -q "the kept layer groups spread" "$RUN_DIR/gpu-runner.log" ||
+		fail "the window's plan with --window-spread=no: the kept layer groups spread"
+	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
+	expect_eq "$got" "$want" "greedy tokens with --window-spread=no vs the whole FFN"
+	expect_grep '"spread": false' "$("$PIPECTL" stats gpu-runner)" "the runner's stats with --window-spread=no"
+	"$PIPELINE" stop
+	log "--window-spread=no: the first layers kept, tokens equal the whole FFN's"
 fi
 
 # auto on the C backend: nothing splits, no pool.
