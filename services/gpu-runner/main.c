@@ -274,7 +274,8 @@ int main(int argc, char **argv)
 		{"window-spread", OPT_STRING, &r.window_spread_arg, "auto",
 		 "the layer groups the GPU keeps spread among the layers, not the first ones, so the streamed "
 		 "layers' copies run beside the kept layers' compute (only where DRAM holds every layer): yes, no, "
-		 "or auto (yes where the CPU computes a share of streamed dense FFNs)"},
+		 "or auto (yes where the CPU computes a share of streamed dense FFNs and the GPU keeps every "
+		 "attention group)"},
 		{"kv-dtype", OPT_STRING, &r.kv_dtype_name, NULL, "KV element type: f32 or bf16 (default: f32 on cpu, bf16 on cuda)"},
 		{"kv-gpu-budget", OPT_SIZE, &r.kv_gpu_budget, "1GiB", "memory for the runner's KV blocks"},
 		{"kv-block-tokens", OPT_INT, &r.block_tokens, "16", "tokens per KV block"},

@@ -95,13 +95,15 @@ static void predict(struct runner *r)
 #endif
 
 /* Whether the GPU keeps its layer groups spread among the layers (--window-spread). auto: where
- * the CPU computes a share of dense FFNs. There the resident layers' compute is time in which the
- * CPU waits for the next split layer's input while the link could copy; with the kept layers
- * first, the link fills its slots and idles through them, and the streamed layers then wait for
- * copies. Measured on an H200 host (docs/benchmarks.md, "2026-12-03 (fifth session)"): P1 66.2 and
- * 67.3 ms/token spread against 80.3 and 76.1, P3's ratio to its limit 1.06-1.20 against 1.10-1.28,
- * compute's waits for copies 0.1 ms/token against 0.2-1.0. Routed experts are planned by their own
- * slots and routes, and nothing else splits: the first layers stay kept there. */
+ * the CPU computes a share of dense FFNs and the plan keeps every attention group (the window asks
+ * each plan: spread_attn_kept). There the resident layers' compute is time in which the CPU waits
+ * for the next split layer's input while the link could copy; with the kept layers first, the link
+ * fills its slots and idles through them, and the streamed layers then wait for copies. Measured on
+ * H200 hosts (docs/benchmarks.md, "2026-12-03 (fifth session)"): P1 66.2 and 67.3 ms/token spread
+ * against 80.3 and 76.1, P3's ratio to its limit 1.02-1.20 against 1.10-1.28; but P2, whose
+ * attention streams, 174.2 spread against 150.3, its compute waiting 33.8 ms a token for copies
+ * against 2.0. Routed experts are planned by their own slots and routes: the first layers stay
+ * kept there. */
 #ifdef PIPELINE_HAVE_CUDA
 static bool runner_window_spread(const struct runner *r)
 {
@@ -123,6 +125,7 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 				       .h2d_bytes_per_s = (double)r->h2d_bps, .copy_streams = (uint32_t)r->copy_streams,
 				       .cpu_share = r->cpu_share, .cpu_pool = r->cpu_pool,
 				       .expert_heat = r->expert_heat, .spread = runner_window_spread(r),
+				       .spread_attn_kept = r->window_spread == 1,
 				       .predict_experts = r->predict_experts,
 				       .split_experts = (enum gw_split_experts)r->split_experts,
 				       .fixed_residency = r->fixed_residency, .balance_ends = r->balance_ends,

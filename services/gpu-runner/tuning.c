@@ -147,7 +147,7 @@ void runner_register_tunables(struct runner *r)
 	service_add_fixed(s, "window-spread", TUNABLE_STRING,
 			  r->window_spread == 2 ? "yes" : r->window_spread == 1 ? "auto" : "no",
 			  "the layer groups the GPU keeps spread among the layers (where DRAM holds them all): yes, no, "
-			  "or auto (where the CPU computes a share of dense FFNs)");
+			  "or auto (where the CPU computes a share of dense FFNs and every attention group is kept)");
 	service_add_fixed(s, "profile-copies", TUNABLE_BOOL, r->profile_copies ? "true" : "false",
 			  "time every weight copy");
 	service_add_fixed(s, "kv-dtype", TUNABLE_STRING, r->bp.kv_dtype == DT_F32 ? "f32" : "bf16",

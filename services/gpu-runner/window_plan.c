@@ -172,6 +172,16 @@ bool window_plan_spread(const struct model_config *cfg, const struct weight_stag
 	return moved;
 }
 
+bool window_plan_attn_kept(const struct model_config *cfg, const struct weight_stage *stage, const bool *resident)
+{
+	const bool split = stage && stage->split;
+	const uint32_t l0 = split ? stage->layer0 : 0, l1 = split ? stage->layer1 : cfg->n_layers;
+	for (uint32_t l = l0; l < l1; l++)
+		if (!resident[model_group_attn(cfg, l)])
+			return false;
+	return true;
+}
+
 void window_heat_fold(float *heat, uint32_t *weight, const uint32_t *routed, const uint32_t *steps, uint32_t n_layers,
 		      uint32_t n_experts, uint32_t cap)
 {

@@ -71,6 +71,10 @@ uint32_t window_expert_depth(const struct model_config *cfg, uint32_t depth, uin
  * Returns whether any group moved (not when every group of a kind is kept or streamed). */
 bool window_plan_spread(const struct model_config *cfg, const struct weight_stage *stage, bool *resident);
 
+/* Whether resident keeps every attention group of the stage's layers (window_plan_spread under
+ * --window-spread auto asks it). */
+bool window_plan_attn_kept(const struct model_config *cfg, const struct weight_stage *stage, const bool *resident);
+
 /* Folds the routing counts of decode steps (engine_moe_routing: routed (n_layers, n_experts), steps
  * (n_layers)) into heat (n_layers, n_experts): each expert's share of its layer's steps, averaged
  * with what heat held, worth weight[l] steps (at most cap: older routing fades). weight (n_layers)

@@ -92,6 +92,11 @@ for share in 0.5 1; do
 	log "--cpu-share $share: tokens equal the whole FFN's"
 done
 
+# The runner's log keeps every start's lines, the supervisor heading each with '====': the last start's.
+this_start_log() {
+	awk '/^==== /{buf=""} {buf = buf $0 "\n"} END{printf "%s", buf}' "$RUN_DIR/gpu-runner.log"
+}
+
 # The CPU's partial results copied up (--cpu-result copy) instead of read by a kernel from mapped
 # host memory (the default): the same tokens.
 if [[ $BACKEND != cpu ]]; then
@@ -123,7 +128,7 @@ if [[ $BACKEND != cpu ]]; then
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" --gpu-budget 760KiB --cpu-share 0.5 --cpu-threads 2 \
 		--runner-opt=--prefill-chunk=16 >/dev/null
 	expect_eq "$("$PIPECTL" get gpu-runner window-spread | awk '{print $3}')" auto "pipectl get gpu-runner window-spread"
-	runner_log=$(cat "$RUN_DIR/gpu-runner.log")
+	runner_log=$(this_start_log)
 	expect_grep "the kept layer groups spread among the layers" "$runner_log" "the window's plan with the FFNs split"
 	expect_grep "[1-9][0-9]* FFN groups split with the CPU" "$runner_log" "the split with the kept layers spread"
 	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
@@ -137,7 +142,9 @@ if [[ $BACKEND != cpu ]]; then
 	# --window-spread=no keeps the first layers, the same split.
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" --gpu-budget 760KiB --cpu-share 0.5 --cpu-threads 2 \
 		--runner-opt=--prefill-chunk=16 --runner-opt=--window-spread=no >/dev/null
-	! grep -q "the kept layer groups spread" "$RUN_DIR/gpu-runner.log" ||
+	this_start=$(this_start_log)
+	expect_grep "FFN groups split with the CPU" "$this_start" "the split with --window-spread=no"
+	! grep -q "the kept layer groups spread" <<<"$this_start" ||
 		fail "the window's plan with --window-spread=no: the kept layer groups spread"
 	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
 	expect_eq "$got" "$want" "greedy tokens with --window-spread=no vs the whole FFN"

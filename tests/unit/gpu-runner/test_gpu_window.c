@@ -497,6 +497,64 @@ START_TEST(test_streaming_spread)
 }
 END_TEST
 
+/* The attention and FFN groups a window keeps (in *ka, *kf); spread as asked. */
+static bool kept_counts(struct fixture *f, uint64_t budget, bool spread, bool attn_kept, uint32_t *ka, uint32_t *kf,
+			bool run)
+{
+	struct gpu_window_params p = {.gpu_budget = budget, .depth = 2, .strict = true, .spread = spread,
+				      .spread_attn_kept = attn_kept};
+	struct gpu_window *w = NULL;
+	char err[512];
+	ck_assert_msg(gpu_window_create(f->ring, f->stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	struct gpu_window_stats st;
+	gpu_window_stats(w, &st);
+	*ka = *kf = 0;
+	for (uint32_t l = 0; l < f->m->cfg.n_layers; l++) {
+		bool k = false;
+		gpu_window_group_state(w, group_id_attn(l), &k);
+		*ka += k;
+		gpu_window_group_state(w, group_id_ffn(l), &k);
+		*kf += k;
+	}
+	for (int i = 0; run && i < 2; i++)
+		pass(f, w);
+	gpu_window_destroy(&w);
+	return st.spread;
+}
+
+/* --window-spread auto (spread_attn_kept): spread where the plan keeps every attention group, the
+ * first layers kept where attention streams; yes spreads either way. Passes still hold (strict). */
+START_TEST(test_streaming_spread_auto)
+{
+	struct fixture f;
+	start(&f, "1GiB");
+	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
+	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
+	const uint32_t L = f.m->cfg.n_layers;
+	uint32_t ka, kf;
+	/* A budget at which the plan keeps every attention group and some, not all, FFN groups. */
+	uint64_t every_attn = 0;
+	for (uint64_t b = head + L * a + 2 * ff; b <= head + L * (a + ff) && !every_attn; b += ff / 4) {
+		kept_counts(&f, b, false, false, &ka, &kf, false);
+		if (ka == L && kf > 0 && kf < L)
+			every_attn = b;
+	}
+	ck_assert_msg(every_attn, "no budget keeps every attention group and streams FFNs");
+	ck_assert(kept_counts(&f, every_attn, true, true, &ka, &kf, true));
+	ck_assert_uint_eq(ka, L);
+	/* A budget at which attention streams and yes moves kept groups: auto keeps the first layers. */
+	uint64_t attn_streams = 0;
+	for (uint64_t b = head + 2 * (a + ff); b < head + L * a + 2 * ff && !attn_streams; b += a / 4)
+		if (kept_counts(&f, b, true, false, &ka, &kf, false) && ka < L)
+			attn_streams = b;
+	ck_assert_msg(attn_streams, "no budget streams attention with kept groups to move");
+	ck_assert(!kept_counts(&f, attn_streams, true, true, &ka, &kf, true));
+	ck_assert_uint_lt(ka, L);
+	ck_assert(kept_counts(&f, attn_streams, true, false, &ka, &kf, true));
+	stop(&f);
+}
+END_TEST
+
 START_TEST(test_streaming_depth_1_dram_streams)
 {
 	/* The DRAM tier streams as well: the window's grants must leave the loader room. */
@@ -1577,6 +1635,7 @@ int main(void)
 	tcase_add_test(tc, test_all_resident);
 	tcase_add_test(tc, test_streaming_depth_2);
 	tcase_add_test(tc, test_streaming_spread);
+	tcase_add_test(tc, test_streaming_spread_auto);
 	tcase_add_test(tc, test_failed_step_reset);
 	tcase_add_test(tc, test_streaming_depth_1_dram_streams);
 	tcase_add_test(tc, test_budget_too_small);

@@ -137,6 +137,28 @@ START_TEST(test_spread)
 }
 END_TEST
 
+/* window_plan_attn_kept: every attention group of the stage's layers kept, whatever the FFNs. */
+START_TEST(test_attn_kept)
+{
+	struct model_config c = {.n_layers = 8};
+	uint32_t n;
+	struct group_desc *g = table(&c, &n);
+	bool *res = calloc(n, 1);
+	for (uint32_t l = 0; l < 8; l++)
+		res[model_group_attn(&c, l)] = true; /* no FFN kept */
+	ck_assert(window_plan_attn_kept(&c, NULL, res));
+	res[model_group_attn(&c, 7)] = false;
+	ck_assert(!window_plan_attn_kept(&c, NULL, res));
+	/* A stage's layers only: layer 7 is not the stage's. */
+	const struct weight_stage st = {.split = true, .layer0 = 2, .layer1 = 6};
+	ck_assert(window_plan_attn_kept(&c, &st, res));
+	res[model_group_attn(&c, 2)] = false;
+	ck_assert(!window_plan_attn_kept(&c, &st, res));
+	free(res);
+	free(g);
+}
+END_TEST
+
 START_TEST(test_experts)
 {
 	/* 3 layers of 8 experts, 2 chosen a token. */
@@ -285,6 +307,7 @@ static Suite *plan_suite(void)
 	tcase_add_test(tc, test_dense);
 	tcase_add_test(tc, test_expert_depth);
 	tcase_add_test(tc, test_spread);
+	tcase_add_test(tc, test_attn_kept);
 	tcase_add_test(tc, test_experts);
 	tcase_add_test(tc, test_stage);
 	tcase_add_test(tc, test_heat_fold);
