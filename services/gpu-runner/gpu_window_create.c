@@ -346,7 +346,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		spread = dram;
 		if (dram && (!p->spread_attn_kept || window_plan_attn_kept(cfg, &rs->stage, resident)))
 			w->st.spread = window_plan_spread(cfg, &rs->stage, resident);
-		else
+		else if (!dram && !p->spread_attn_kept) /* asked for (yes); auto says nothing of it */
 			log_info("GPU weights: --window-spread keeps the first layers resident: the loader streams some "
 				 "layer groups from disk, and reads them while the GPU keeps the first layers");
 	}
