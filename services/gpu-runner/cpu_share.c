@@ -64,10 +64,13 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (strcmp(ch, "taper") && strcmp(ch, "equal"))
 		return errorf(err, errlen, -EINVAL, "--cpu-expert-chunks '%s' is not taper or equal", ch);
 	r->cpu_expert_taper = !strcmp(ch, "taper");
+	/* true/false and 1/0 as the flag took them when it was a switch (PIPELINE_GPU_RUNNER_WINDOW_SPREAD=1) */
 	const char *spread = r->window_spread_arg ? r->window_spread_arg : "auto";
-	if (strcmp(spread, "auto") && strcmp(spread, "yes") && strcmp(spread, "no"))
+	const bool yes = !strcmp(spread, "yes") || !strcmp(spread, "true") || !strcmp(spread, "1");
+	const bool no = !strcmp(spread, "no") || !strcmp(spread, "false") || !strcmp(spread, "0");
+	if (!yes && !no && strcmp(spread, "auto"))
 		return errorf(err, errlen, -EINVAL, "--window-spread '%s' is not auto, yes or no", spread);
-	r->window_spread = !strcmp(spread, "no") ? 0 : !strcmp(spread, "auto") ? 1 : 2;
+	r->window_spread = no ? 0 : yes ? 2 : 1;
 	const char *pin = r->cpu_pin_runner_arg ? r->cpu_pin_runner_arg : "yes";
 	if (strcmp(pin, "yes") && strcmp(pin, "no"))
 		return errorf(err, errlen, -EINVAL, "--cpu-pin-runner '%s' is not yes or no", pin);

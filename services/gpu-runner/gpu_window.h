@@ -81,11 +81,12 @@ struct gpu_window_params {
 	 * disk, which reads the first layers while the GPU keeps them). */
 	bool spread;
 	/* spread only where the plan keeps every attention group of the stage (window_plan_attn_kept;
-	 * --window-spread auto): with attention streamed, P2 on an H200 waited 33.8 ms a token for
-	 * copies spread against 2.0 with the first layers kept (docs/design.md, "Which layers the GPU
-	 * keeps"). Each plan asks again: the first one, with whole sizes, and the one with the memory
-	 * the split frees (gw_split_refill), which may keep every attention group where the first did
-	 * not. */
+	 * --window-spread auto) and some FFN splits with the CPU: with attention streamed, P2 on an
+	 * H200 waited 33.8 ms a token for copies spread against 2.0 with the first layers kept
+	 * (docs/design.md, "Which layers the GPU keeps"). Each plan asks again: the first one, with
+	 * whole sizes, and the one with the memory the split frees (gw_split_refill), which may keep
+	 * every attention group where the first did not; where no FFN splits in the end, the first
+	 * layers are kept as the plan with whole sizes has them. */
 	bool spread_attn_kept;
 	/* The residency planned with whole group sizes is kept: the memory the split's smaller slots
 	 * free stays unused (gw_split_refill not run; --fixed-residency, for comparison). */

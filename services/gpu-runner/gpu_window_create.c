@@ -402,6 +402,15 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		goto out_fail;
 	if ((rc = gw_split_fit(w, resident, p, depth, err, errlen)) != 0)
 		goto out_fail;
+	if (p->spread_attn_kept && w->st.spread && !w->plan.split_layers) {
+		/* auto spreads for a split, and none came of it (a share of 0, no FFN that can split, or
+		 * none that fits): the first layers kept, as the plan with whole sizes has them. */
+		rc = window_plan(cfg, w->plan_groups, ng, &rs->stage, p->gpu_budget, depth, w->xdepth, p->expert_heat,
+				 resident, &plan, err, errlen);
+		if (rc)
+			goto out_fail;
+		w->st.spread = false;
+	}
 	gw_layout(w);
 	if ((rc = gw_split_create(w, err, errlen)) != 0)
 		goto out_fail;

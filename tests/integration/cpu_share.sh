@@ -31,6 +31,8 @@ expect_start_fails "--cpu-expert-chunks ragged" "cpu-expert-chunks 'ragged' is n
 	--model "$MODEL" --runner-opt=--cpu-expert-chunks=ragged
 expect_start_fails "--cpu-pin-runner maybe" "cpu-pin-runner 'maybe' is not yes or no" \
 	--model "$MODEL" --runner-opt=--cpu-pin-runner=maybe
+expect_start_fails "--window-spread sometimes" "window-spread 'sometimes' is not auto, yes or no" \
+	--model "$MODEL" --runner-opt=--window-spread=sometimes
 expect_start_fails "--cpu-expert-chunk 1KiB" "cpu-expert-chunk 1024 bytes: expected 16KiB to 16MiB" \
 	--model "$MODEL" --runner-opt=--cpu-expert-chunk=1KiB
 expect_start_fails "--cpu-share-balance step" "cpu-share-balance 'step' is not token or layer" \

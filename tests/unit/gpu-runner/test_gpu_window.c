@@ -497,17 +497,25 @@ START_TEST(test_streaming_spread)
 }
 END_TEST
 
-/* The attention and FFN groups a window keeps (in *ka, *kf); spread as asked. */
-static bool kept_counts(struct fixture *f, uint64_t budget, bool spread, bool attn_kept, uint32_t *ka, uint32_t *kf,
-			bool run)
+static struct task_pool *two_workers(void);
+
+/* The attention and FFN groups a window keeps (in *ka, *kf); spread as asked; with pool, the
+ * streamed FFNs split with the CPU at --cpu-share 0.5 (else none splits, and run makes two passes
+ * over it). Returns st.spread. */
+static bool kept_counts(struct fixture *f, uint64_t budget, bool spread, bool attn_kept, struct task_pool *pool,
+			uint32_t *ka, uint32_t *kf, bool run)
 {
 	struct gpu_window_params p = {.gpu_budget = budget, .depth = 2, .strict = true, .spread = spread,
-				      .spread_attn_kept = attn_kept};
+				      .spread_attn_kept = attn_kept, .cpu_pool = pool};
+	char msg[512];
+	if (pool)
+		ck_assert_msg(cpu_share_parse("0.5", &p.cpu_share, msg, sizeof(msg)) == 0, "%s", msg);
 	struct gpu_window *w = NULL;
 	char err[512];
 	ck_assert_msg(gpu_window_create(f->ring, f->stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
 	struct gpu_window_stats st;
 	gpu_window_stats(w, &st);
+	ck_assert_msg(!pool || st.split_groups > 0, "budget %llu: no FFN split", (unsigned long long)budget);
 	*ka = *kf = 0;
 	for (uint32_t l = 0; l < f->m->cfg.n_layers; l++) {
 		bool k = false;
@@ -516,14 +524,15 @@ static bool kept_counts(struct fixture *f, uint64_t budget, bool spread, bool at
 		gpu_window_group_state(w, group_id_ffn(l), &k);
 		*kf += k;
 	}
-	for (int i = 0; run && i < 2; i++)
+	for (int i = 0; run && !pool && i < 2; i++) /* pass() compares whole groups: not a split one's */
 		pass(f, w);
 	gpu_window_destroy(&w);
 	return st.spread;
 }
 
-/* --window-spread auto (spread_attn_kept): spread where the plan keeps every attention group, the
- * first layers kept where attention streams; yes spreads either way. Passes still hold (strict). */
+/* --window-spread auto (spread_attn_kept): spread where FFNs split and the plan keeps every attention
+ * group, the first layers kept where attention streams or nothing splits; yes spreads either way.
+ * Passes still hold (strict). */
 START_TEST(test_streaming_spread_auto)
 {
 	struct fixture f;
@@ -531,26 +540,31 @@ START_TEST(test_streaming_spread_auto)
 	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
 	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
 	const uint32_t L = f.m->cfg.n_layers;
+	struct task_pool *pool = two_workers();
 	uint32_t ka, kf;
 	/* A budget at which the plan keeps every attention group and some, not all, FFN groups. */
 	uint64_t every_attn = 0;
 	for (uint64_t b = head + L * a + 2 * ff; b <= head + L * (a + ff) && !every_attn; b += ff / 4) {
-		kept_counts(&f, b, false, false, &ka, &kf, false);
+		kept_counts(&f, b, false, false, NULL, &ka, &kf, false);
 		if (ka == L && kf > 0 && kf < L)
 			every_attn = b;
 	}
 	ck_assert_msg(every_attn, "no budget keeps every attention group and streams FFNs");
-	ck_assert(kept_counts(&f, every_attn, true, true, &ka, &kf, true));
+	ck_assert(kept_counts(&f, every_attn, true, true, pool, &ka, &kf, true));
 	ck_assert_uint_eq(ka, L);
+	/* Nothing splits (no CPU share): auto keeps the first layers, yes spreads. */
+	ck_assert(!kept_counts(&f, every_attn, true, true, NULL, &ka, &kf, true));
+	ck_assert(kept_counts(&f, every_attn, true, false, NULL, &ka, &kf, true));
 	/* A budget at which attention streams and yes moves kept groups: auto keeps the first layers. */
 	uint64_t attn_streams = 0;
 	for (uint64_t b = head + 2 * (a + ff); b < head + L * a + 2 * ff && !attn_streams; b += a / 4)
-		if (kept_counts(&f, b, true, false, &ka, &kf, false) && ka < L)
+		if (kept_counts(&f, b, true, false, NULL, &ka, &kf, false) && ka < L)
 			attn_streams = b;
 	ck_assert_msg(attn_streams, "no budget streams attention with kept groups to move");
-	ck_assert(!kept_counts(&f, attn_streams, true, true, &ka, &kf, true));
+	ck_assert(!kept_counts(&f, attn_streams, true, true, pool, &ka, &kf, true));
 	ck_assert_uint_lt(ka, L);
-	ck_assert(kept_counts(&f, attn_streams, true, false, &ka, &kf, true));
+	ck_assert(kept_counts(&f, attn_streams, true, false, pool, &ka, &kf, true));
+	task_pool_destroy(&pool);
 	stop(&f);
 }
 END_TEST
@@ -693,11 +707,12 @@ START_TEST(test_split_refill_budget)
 	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
 	char err[512];
 	struct task_pool *pool = two_workers();
-	uint32_t refilled = 0;
+	uint32_t refilled = 0, auto_ways[2] = {0, 0};
 	for (uint64_t budget = head + 2 * (a + ff); budget < head + 2 * (a + ff) + 4 * ff; budget += ff / 3) {
-		for (int spread = 0; spread < 2; spread++) {
+		for (int spread = 0; spread < 3; spread++) { /* first layers, yes, auto (every attention kept) */
 			struct gpu_window_params p = {.gpu_budget = budget, .depth = 2, .strict = true, .cpu_pool = pool,
-						      .spread = spread, .h2d_bytes_per_s = 4e7};
+						      .spread = spread > 0, .spread_attn_kept = spread == 2,
+						      .h2d_bytes_per_s = 4e7};
 			ck_assert_int_eq(cpu_share_parse("0.5", &p.cpu_share, err, sizeof(err)), 0);
 			struct gpu_window *w = NULL, *whole = NULL;
 			ck_assert_msg(gpu_window_create(f.ring, f.stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
@@ -713,6 +728,17 @@ START_TEST(test_split_refill_budget)
 			ck_assert_uint_ge(st.resident_bytes, st0.resident_bytes); /* never fewer kept */
 			ck_assert_uint_eq(st.refill_bytes, st.resident_bytes - st0.resident_bytes);
 			refilled += st.resident_bytes > st0.resident_bytes;
+			if (spread == 2) { /* auto spread only a plan, first or refilled, that keeps every attention group */
+				uint32_t ka = 0;
+				for (uint32_t l = 0; l < f.m->cfg.n_layers; l++) {
+					bool k = false;
+					gpu_window_group_state(w, group_id_attn(l), &k);
+					ka += k;
+				}
+				ck_assert_msg(!st.spread || ka == f.m->cfg.n_layers, "budget %llu: spread with %u attention kept",
+					      (unsigned long long)budget, ka);
+				auto_ways[st.spread]++;
+			}
 			gpu_window_destroy(&whole);
 			gpu_window_destroy(&w);
 			if (spread)
@@ -728,6 +754,7 @@ START_TEST(test_split_refill_budget)
 		}
 	}
 	ck_assert_uint_gt(refilled, 0);
+	ck_assert_msg(auto_ways[0] && auto_ways[1], "auto: %u plans spread, %u not", auto_ways[1], auto_ways[0]);
 	task_pool_destroy(&pool);
 	stop(&f);
 }
