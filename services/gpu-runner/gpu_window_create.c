@@ -410,6 +410,7 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 		if (rc)
 			goto out_fail;
 		w->st.spread = false;
+		w->st.refill_bytes = 0; /* a refill's residency, where the split was then cancelled, is gone too */
 	}
 	gw_layout(w);
 	if ((rc = gw_split_create(w, err, errlen)) != 0)

@@ -94,7 +94,8 @@ struct runner {
 	bool cpu_pin_runner;			      /* --cpu-pin-runner yes (the default) */
 	const char *window_spread_arg;		      /* --window-spread as given */
 	uint32_t window_spread;			      /* --window-spread: 0 no, 1 auto (where the CPU computes a
-						       * share of dense FFNs), 2 yes */
+						       * share of dense FFNs and the GPU keeps every attention
+						       * group), 2 yes */
 	bool fixed_residency;			      /* --fixed-residency */
 	bool cpu_result_mapped;			      /* --cpu-result mapped (the default) */
 	bool cpu_experts_early;			      /* --cpu-experts route */
