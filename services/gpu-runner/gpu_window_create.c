@@ -344,9 +344,9 @@ int gpu_window_create(struct ring_source *ring, struct CUstream_st *stream, cons
 			    weight_stage_has(&rs->stage, &rs->groups[g]))
 				dram = ring_source_group_pinned(ring, g);
 		spread = dram;
-		if (dram && (!p->spread_attn_kept || window_plan_attn_kept(cfg, &rs->stage, resident)))
-			w->st.spread = window_plan_spread(cfg, &rs->stage, resident);
-		else if (!dram && !p->spread_attn_kept) /* asked for (yes); auto says nothing of it */
+		if (dram)
+			w->st.spread = window_plan_spread(cfg, &rs->stage, resident, p->spread_attn_kept);
+		else if (!p->spread_attn_kept) /* asked for (yes); auto says nothing of it */
 			log_info("GPU weights: --window-spread keeps the first layers resident: the loader streams some "
 				 "layer groups from disk, and reads them while the GPU keeps the first layers");
 	}

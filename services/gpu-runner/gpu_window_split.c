@@ -460,10 +460,8 @@ int gw_split_refill(struct gpu_window *w, bool *resident, const struct gpu_windo
 		if (window_plan(cfg, w->plan_groups, ng, &w->base.stage, p->gpu_budget + raise, depth, w->xdepth, NULL,
 				resident, &wp, why, sizeof(why)))
 			break;
-		if (spread && (!p->spread_attn_kept || window_plan_attn_kept(cfg, &w->base.stage, resident)))
-			w->st.spread = window_plan_spread(cfg, &w->base.stage, resident);
-		else
-			w->st.spread = false;
+		if (spread)
+			w->st.spread = window_plan_spread(cfg, &w->base.stage, resident, p->spread_attn_kept);
 		const uint32_t cal = w->calibrations;
 		if (split_again(w, resident, p, p->cpu_share.per_layer, why, sizeof(why)) || w->calibrations != cal)
 			break;

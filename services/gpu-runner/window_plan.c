@@ -151,8 +151,11 @@ int window_plan(const struct model_config *cfg, const struct group_desc *groups,
 	return 0;
 }
 
-bool window_plan_spread(const struct model_config *cfg, const struct weight_stage *stage, bool *resident)
+bool window_plan_spread(const struct model_config *cfg, const struct weight_stage *stage, bool *resident,
+			bool attn_kept)
 {
+	if (attn_kept && !window_plan_attn_kept(cfg, stage, resident))
+		return false;
 	const bool split = stage && stage->split;
 	const uint32_t l0 = split ? stage->layer0 : 0, L = split ? stage->layer1 - stage->layer0 : cfg->n_layers;
 	uint32_t na = 0, nf = 0;

@@ -68,11 +68,13 @@ uint32_t window_expert_depth(const struct model_config *cfg, uint32_t depth, uin
  * while the resident layers compute, and then the streamed ones have no slack; spread, each
  * streamed layer's copy runs beside the resident layers before it. Kept groups of kind a and f
  * go to layers where (i + 1) k / L passes a whole number (i the layer's place, k the kept count).
+ * With attn_kept (--window-spread auto), only where resident keeps every attention group of the
+ * stage (window_plan_attn_kept); else nothing moves.
  * Returns whether any group moved (not when every group of a kind is kept or streamed). */
-bool window_plan_spread(const struct model_config *cfg, const struct weight_stage *stage, bool *resident);
+bool window_plan_spread(const struct model_config *cfg, const struct weight_stage *stage, bool *resident,
+			bool attn_kept);
 
-/* Whether resident keeps every attention group of the stage's layers (window_plan_spread under
- * --window-spread auto asks it). */
+/* Whether resident keeps every attention group of the stage's layers. */
 bool window_plan_attn_kept(const struct model_config *cfg, const struct weight_stage *stage, const bool *resident);
 
 /* Folds the routing counts of decode steps (engine_moe_routing: routed (n_layers, n_experts), steps

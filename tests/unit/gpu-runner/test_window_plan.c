@@ -104,7 +104,7 @@ START_TEST(test_spread)
 		res[model_group_attn(&c, l)] = l < 23;
 		res[model_group_ffn(&c, l)] = l < 9;
 	}
-	ck_assert(window_plan_spread(&c, NULL, res));
+	ck_assert(window_plan_spread(&c, NULL, res, false));
 	ck_assert(res[group_id_head(&c)]);
 	static const uint32_t ffn_kept[9] = {3, 7, 10, 14, 17, 21, 24, 28, 31};
 	uint32_t na = 0, nf = 0, k = 0, last = 0;
@@ -128,8 +128,8 @@ START_TEST(test_spread)
 	const struct weight_stage st = {.split = true, .layer0 = 8, .layer1 = 16};
 	for (uint32_t l = 0; l < 32; l++)
 		res[model_group_ffn(&c, l)] = l >= 8 && l < 10; /* 2 of the stage's 8 kept, from its first */
-	ck_assert(window_plan_spread(&c, &st, res));
-	ck_assert(!window_plan_spread(&c, &st, res)); /* in place already: nothing moves */
+	ck_assert(window_plan_spread(&c, &st, res, false));
+	ck_assert(!window_plan_spread(&c, &st, res, false)); /* in place already: nothing moves */
 	for (uint32_t l = 0; l < 32; l++)
 		ck_assert_int_eq(res[model_group_ffn(&c, l)], l == 11 || l == 15);
 	free(res);
