@@ -443,6 +443,7 @@ int backend_finish(struct backend *be);
 #define MOE_STEP_GAP_MAX_MS 50
 
 /* What the CPU share of split FFNs has done since the backend was made (all zero without one). */
+#define BACKEND_HANDOFF_BUCKETS 6
 struct backend_cpu_share_stats {
 	char handoff[16];    /* how it is handed over: "memops", "hostfunc" (CUDA), "direct" (the C backend), "none" */
 	uint64_t jobs;	     /* CPU shares computed (a failed one included) */
@@ -454,6 +455,14 @@ struct backend_cpu_share_stats {
 	uint64_t timed;	     /* split FFNs timed on the CUDA stream (one in a few) */
 	double stream_ms;    /* those FFNs' time on the stream, from x's copy down to the partial's add, summed */
 	double wait_ms;	     /* of which the stream waited for the CPU and its result's copy up, summed */
+	/* The timed FFNs by their handoff (stream time less their job's time on the CPU), in us:
+	 * [0, 50), [50, 100), [100, 200), [200, 500), [500, 1000), 1000 and more. */
+	uint64_t handoff_hist[BACKEND_HANDOFF_BUCKETS];
+	uint64_t dispatched;  /* jobs timed on the host's clock (cuda/cpu_handoff.h's stats) */
+	double dispatch_ms, dispatch_max_ms; /* from a job's dispatch to its first part: summed, the largest */
+	double gap_ms;	      /* from a job's end to the next one's start (the pool without a job), summed */
+	uint64_t gaps;
+	uint64_t host_late;   /* jobs the stream reached before the host had submitted them */
 	/* Mixture-of-experts layers (CUDA). */
 	uint64_t experts;    /* routed experts the CPU computed */
 	double experts_ms;   /* the host's time computing them (moe_end), summed */

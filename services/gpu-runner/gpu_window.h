@@ -88,6 +88,12 @@ struct gpu_window_params {
 	 * every attention group where the first did not; where no FFN splits in the end, the first
 	 * layers are kept as the plan with whole sizes has them. */
 	bool spread_attn_kept;
+	/* Where the kept layers spread, auto's balance takes the GPU's reads of the layers between two
+	 * split FFNs (at hbm_bytes_per_s) off the CPU's side: the link copies through them while the CPU
+	 * waits for the next split layer's input (split_layer.gpu_s; --split-gaps, the runner's
+	 * default). */
+	bool split_gaps;
+	double hbm_bytes_per_s;
 	/* The residency planned with whole group sizes is kept: the memory the split's smaller slots
 	 * free stays unused (gw_split_refill not run; --fixed-residency, for comparison). */
 	bool fixed_residency;
@@ -192,6 +198,8 @@ struct gpu_window_stats {
 	uint64_t expert_cpu_bytes_per_token; /* of those, routed experts' (expected, as win_route splits) */
 	double pcie_ms, cpu_ms;		 /* the plan's times per decode token: the copies, the CPU */
 	double cpu_jobs_ms;		 /* of cpu_ms, the CPU's products alone (no handoffs) */
+	double split_gaps_ms;		 /* the GPU's work between split FFNs that auto counted on the copies'
+					  * side (split_gaps), per decode token; 0: none counted */
 	bool rates_from_jobs;		 /* the plan took the rates of jobs that ran (cpu_share_policy), no calibration */
 	double expert_rate_jobs;	 /* the rate a route weighs the CPU's experts with, from their spans (0: the
 					  * calibration's, cpu_rate of the experts' format) */

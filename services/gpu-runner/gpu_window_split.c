@@ -200,6 +200,58 @@ static void beside_finish(void *arg)
 	}
 }
 
+/* The seconds a decode token's GPU reads everything but the FFNs that may split, at hbm_bps
+ * (split_plan.gpu_s: the CPU's jobs wait them out). per_layer: also each eligible layer's gpu_s
+ * (split_layer.gpu_s): the bytes the GPU reads between the eligible layer before it (a token's last
+ * one, before the first) and its own attention: the groups of the layers in between, resident or
+ * streamed whole, and the head where the token ends in between; where the kept layers spread,
+ * those layers sit between the split ones and the link copies through them. */
+static double gpu_gaps(struct gpu_window *w, struct split_layer *ly, double hbm_bps, bool per_layer)
+{
+	const struct model_config *cfg = w->base.cfg;
+	const uint32_t L = cfg->n_layers;
+	uint64_t *own = calloc(L + 1, sizeof(uint64_t)), elig_rest = 0; /* own[L]: the head */
+	if (!own)
+		return 0; /* no gaps: the balance without them */
+	for (uint32_t g = 0; g < w->base.n_groups; g++) {
+		const struct group_desc *gd = &w->base.groups[g];
+		if (g == w->embed_group || !weight_stage_has(&w->base.stage, gd))
+			continue;
+		if (gd->kind == GROUP_HEAD)
+			own[L] += gd->tensor_bytes;
+		else if (gd->layer < L && !ly[gd->layer].eligible)
+			own[gd->layer] += gd->tensor_bytes;
+		else if (gd->layer < L && gd->kind != GROUP_FFN)
+			elig_rest += gd->tensor_bytes; /* a split layer's attention: in its handoff's time */
+	}
+	uint64_t all = elig_rest;
+	uint32_t last = L;
+	for (uint32_t l = 0; l <= L; l++) {
+		all += own[l];
+		if (l < L && ly[l].eligible)
+			last = l;
+	}
+	if (last == L || !per_layer) {
+		free(own);
+		return (double)all / hbm_bps;
+	}
+	/* From the last eligible layer round the token's end: the layers after it, the head, then
+	 * the ones before each eligible layer. */
+	uint64_t bytes = own[L];
+	for (uint32_t l = last + 1; l < L; l++)
+		bytes += own[l];
+	for (uint32_t l = 0; l < L; l++) {
+		if (!ly[l].eligible) {
+			bytes += own[l];
+			continue;
+		}
+		ly[l].gpu_s = (double)bytes / hbm_bps;
+		bytes = 0;
+	}
+	free(own);
+	return (double)all / hbm_bps;
+}
+
 int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_window_params *p, char *err,
 		  size_t errlen)
 {
@@ -303,6 +355,9 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 		if (ly[l].eligible)
 			carry = 0;
 	}
+	double gpu_all = 0;
+	if (p->split_gaps && p->hbm_bytes_per_s > 0)
+		gpu_all = gpu_gaps(w, ly, p->hbm_bytes_per_s, w->st.spread);
 	double h2d = w->st.h2d_bytes_per_s;
 	/* Rates of jobs that ran (the runner's re-plan): taken as they are where they cover every format
 	 * the samples hold. */
@@ -343,8 +398,13 @@ int gw_split_plan(struct gpu_window *w, const bool *resident, const struct gpu_w
 	rc = split_plan_choose(cfg, ly, other, h2d, &pol, &w->plan, err, errlen);
 	if (rc)
 		goto out;
-	for (uint32_t l = 0; l < L; l++)
+	w->plan.gpu_s = gpu_all;
+	w->st.split_gaps_ms = 0;
+	for (uint32_t l = 0; l < L; l++) {
 		w->split_r[model_group_ffn(cfg, l)] = w->split_r_layer[l];
+		if (w->split_r_layer[l] < cfg->ffn_dim && pol.mode == CPU_SHARE_AUTO)
+			w->st.split_gaps_ms += ly[l].gpu_s * 1e3;
+	}
 	w->st.split_groups = w->plan.split_layers;
 	w->st.split_r_min = w->plan.r_min;
 	w->st.split_r_max = w->plan.r_max;
@@ -395,7 +455,7 @@ static uint64_t planned_bytes(struct gpu_window *w, const bool *resident, uint32
 /* A decode token as the plan predicts it: the longer of the copies and the CPU. */
 static double plan_token_s(const struct split_plan *pl)
 {
-	return pl->pcie_s > pl->cpu_s ? pl->pcie_s : pl->cpu_s;
+	return pl->pcie_s > pl->cpu_s + pl->gpu_s ? pl->pcie_s : pl->cpu_s + pl->gpu_s;
 }
 
 /* Device bytes of the groups resident[] keeps. */
@@ -757,12 +817,16 @@ void gw_split_describe(const struct gpu_window *w, char *buf, size_t len)
 					      dtype_name((enum dtype)f), w->cpu_rate[f] / 1e9);
 	if (k && k + 1 < sizeof(rates))
 		strcat(rates, ")");
+	char gaps[96] = "";
+	if (w->st.split_gaps_ms > 0)
+		snprintf(gaps, sizeof(gaps), ", less as the GPU's work between them takes %.1f ms of the link's time",
+			 w->st.split_gaps_ms);
 	snprintf(buf, len,
 		 "; %u FFN groups split with the CPU at r %u..%u of %u (%.0f%% of their rows on the CPU): %s read by "
-		 "the CPU per decode token, %.1f ms%s; steps of up to %u token%s use it, longer ones copy the CPU "
+		 "the CPU per decode token, %.1f ms%s%s; steps of up to %u token%s use it, longer ones copy the CPU "
 		 "rows up (%s buffer)%s", w->plan.split_layers, w->plan.r_min, w->plan.r_max, w->base.cfg->ffn_dim,
 		 100.0 * (1.0 - (double)(w->plan.r_min + w->plan.r_max) / 2 / w->base.cfg->ffn_dim),
-		 format_size(w->plan.cpu_bytes, cpu, sizeof(cpu)), w->plan.cpu_s * 1e3, rates, w->plan.max_tokens,
+		 format_size(w->plan.cpu_bytes, cpu, sizeof(cpu)), w->plan.cpu_s * 1e3, rates, gaps, w->plan.max_tokens,
 		 w->plan.max_tokens == 1 ? "" : "s", format_size(w->st.side_bytes, side, sizeof(side)),
 		 w->st.split_balance_token ? "; one share for every FFN (each layer's own did not fit the budget)" : "");
 }

@@ -298,6 +298,10 @@ int main(int argc, char **argv)
 		 "how auto chooses the CPU's part: layer (the default: each layer's own, where its copies and its "
 		 "CPU rows take equally long: more where its attention streams too) or token (one share for every "
 		 "FFN, where the CPU's rows and the copies of a token take equally long)"},
+		{"split-gaps", OPT_BOOL, &r.split_gaps, "true",
+		 "cuda, cpu share auto, the kept layers spread: the GPU's reads of the layers between two split "
+		 "FFNs count on the copies' side (they run through them, while the CPU waits for the next split "
+		 "layer's input), so the CPU takes less of each FFN (false: a handoff's time alone)"},
 		{"cpu-threads", OPT_INT, &r.cpu_threads, "0",
 		 "worker threads of the CPU share, pinned to a CPU each (0: one per CPU the runner may use but the "
 		 "runner's own and, on cuda, the handoff's)"},

@@ -69,7 +69,12 @@ static void predict(struct runner *r)
 		r->predicted_ms = st.cpu_ms;
 		r->binding = "the CPU share";
 	}
-	if (st.split_groups) {
+	if (st.split_groups && st.spread) {
+		/* Split FFNs among kept layers: the CPU's jobs wait for the GPU's reads, while the copies
+		 * run through them (the next split layer's rows into a slot the last one left). */
+		r->predicted_ms = pcie > st.cpu_ms + hbm ? pcie : st.cpu_ms + hbm;
+		r->binding = pcie > st.cpu_ms + hbm ? "the PCIe link, beside GPU memory" : "the CPU share, after GPU memory";
+	} else if (st.split_groups) {
 		/* Split FFNs: the CPU waits for each split layer's input, and the copies run at most the
 		 * window's depth ahead of compute, so the GPU's own reads come on top of the longer of the
 		 * two (on an H200, P3: predicted 17.1 ms, measured 17.2; max alone said 14.6). */
@@ -126,6 +131,7 @@ int runner_make_window(struct runner *r, char *err, size_t errlen)
 				       .cpu_share = r->cpu_share, .cpu_pool = r->cpu_pool,
 				       .expert_heat = r->expert_heat, .spread = runner_window_spread(r),
 				       .spread_attn_kept = r->window_spread == 1,
+				       .split_gaps = r->split_gaps, .hbm_bytes_per_s = (double)r->hbm_bps,
 				       .predict_experts = r->predict_experts,
 				       .split_experts = (enum gw_split_experts)r->split_experts,
 				       .fixed_residency = r->fixed_residency, .balance_ends = r->balance_ends,

@@ -83,6 +83,7 @@ struct runner {
 	bool predict_experts;	/* --predict-experts: later layers' experts copied on their last routing */
 	bool expert_rate_within; /* --expert-rate-within: runner_expert_rate after every token too */
 	bool balance_ends;	 /* --balance-ends: the routes learn how a layer's two sides ended */
+	bool split_gaps;	 /* --split-gaps: auto's split counts the GPU's work between split layers */
 	const char *cpu_share_arg, *cpu_handoff_arg; /* --cpu-share, --cpu-handoff as given */
 	const char *cpu_result_arg, *cpu_experts_arg; /* --cpu-result, --cpu-experts as given */
 	const char *split_experts_arg;		      /* --split-experts as given */

@@ -246,6 +246,7 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 	uint64_t split_bytes = 0, pcie = other_streamed;
 	uint32_t n_elig = 0;
 	double cpu_all = 0; /* the eligible FFNs whole on the CPU */
+	double gaps = 0;    /* the GPU's own work between them (split_layer.gpu_s) */
 	for (uint32_t l = 0; l < L; l++) {
 		r[l] = ffn;
 		uint64_t b = layers[l].bytes[0] + layers[l].bytes[1] + layers[l].bytes[2];
@@ -255,6 +256,7 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 		}
 		n_elig++;
 		split_bytes += b;
+		gaps += layers[l].gpu_s > 0 ? layers[l].gpu_s : 0;
 		if (layers[l].format[2] >= DT_COUNT)
 			return errorf(err, errlen, -EINVAL, "cpu share: layer %u's down_proj has unknown format %u", l,
 				      layers[l].format[2]);
@@ -276,7 +278,7 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 		if (!(h2d_bps > 0))
 			return errorf(err, errlen, -EINVAL, "cpu share: auto needs the measured H2D rate");
 		double p_all = (double)(other_streamed + split_bytes) / h2d_bps; /* nothing split */
-		s = (p_all - n_elig * handoff) / ((double)split_bytes / h2d_bps + cpu_all);
+		s = (p_all - n_elig * handoff - gaps) / ((double)split_bytes / h2d_bps + cpu_all);
 		s = !(s > 0) ? 0 : s > 1 ? 1 : s; /* NaN (0 / 0): none */
 	}
 	plan->share = s;
@@ -292,7 +294,8 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 		uint32_t unit = ffn_split_unit((enum dtype)ly->format[2]);
 		double s_l = s;
 		if (per_layer) { /* this layer's copies and CPU rows equally long */
-			s_l = b ? ((double)(ly->other_bytes + b) / h2d_bps - handoff) /
+			const double gap = ly->gpu_s > 0 ? ly->gpu_s : 0;
+			s_l = b ? ((double)(ly->other_bytes + b) / h2d_bps - handoff - gap) /
 					  ((double)b / h2d_bps + cpu_time(ly, pol->cpu_bytes_per_s))
 				: 0;
 			s_l = !(s_l > 0) ? 0 : s_l > 1 ? 1 : s_l; /* NaN: none */

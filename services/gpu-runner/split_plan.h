@@ -15,12 +15,13 @@
  * work at once (the copies run ahead of compute by the window's depth; the stream waits for the
  * CPU only at the end of each FFN), so a token takes the longer of the two: auto gives every
  * eligible FFN the same share s, the one where both are equal,
- *   s = (P - L h) / (F / h2d + C),   P: the streamed bytes over h2d, F: the split FFNs' bytes,
+ *   s = (P - L h - G) / (F / h2d + C),   P: the streamed bytes over h2d, F: the split FFNs' bytes,
  *                                    C: those bytes' time on the CPU, L: split layers, h: a handoff,
+ *                                    G: the GPU's own work between split layers (gpu_s, summed),
  * clamped to [0, 1] and rounded per layer to the unit of its down_proj (ffn_split_unit). With
  * per_layer (--cpu-share-balance layer), each eligible layer l gets the share where its own copies
  * (its other streamed bytes O_l and its FFN's GPU rows) and its CPU rows take equally long,
- *   s_l = ((O_l + F_l) / h2d - h) / (F_l / h2d + C_l),
+ *   s_l = ((O_l + F_l) / h2d - h - G_l) / (F_l / h2d + C_l),
  * so that a layer whose attention streams gives the CPU more than one whose attention is resident:
  * the window runs ahead of compute by a layer or two, not by the token (test: the bench's --ab).
  * The CPU and DMA read the same DRAM: the GPU window measures the CPU's rates while H2D copies run
@@ -117,6 +118,10 @@ struct split_layer {
 	uint64_t other_bytes; /* other bytes over PCIe per decode token that this layer's copies carry: its
 			       * attention group when that streams, and those of the layers before it whose
 			       * FFN does not split (counted in other_streamed too) */
+	double gpu_s;	     /* seconds of the GPU's own work before this layer's FFN since the FFN that may split
+			      * before it (0: none counted): the layers between, kept or streamed whole. The link
+			      * copies through it and the CPU, waiting for this layer's input, cannot; auto takes
+			      * it off the CPU's side (gpu_window_params.split_gaps) */
 };
 
 struct split_plan {
@@ -128,6 +133,8 @@ struct split_plan {
 	uint64_t cpu_bytes;    /* per decode token: what the CPU reads */
 	double pcie_s, cpu_s;  /* per decode token: the copies at the H2D rate, the CPU's shares (+ handoffs) */
 	double jobs_s;	       /* per decode token: the CPU's shares alone (cpu_s without the handoffs) */
+	double gpu_s;	       /* per decode token: the GPU's reads of all it computes whole, which the CPU's
+				* jobs wait out (set by the caller; 0: not counted) */
 	uint32_t max_tokens;   /* steps of at most this many tokens take the CPU share */
 };
 

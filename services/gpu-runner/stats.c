@@ -210,6 +210,18 @@ static json_t *cpu_share_stats(struct runner *r)
 	/* The split FFN's time on the stream beyond its CPU job: when the CPU binds, the handoff's own
 	 * cost both ways (x's copy down, the dispatch, the wait's end, the copy up, the add). */
 	json_object_set_new(o, "handoff_us", json_real(bs.timed && ffn_us > job_us ? ffn_us - job_us : 0));
+	/* The same per timed FFN, counted by size: under 50, 100, 200, 500, 1000 us, and longer. */
+	json_t *hist = json_array();
+	for (int b = 0; hist && b < BACKEND_HANDOFF_BUCKETS; b++)
+		json_array_append_new(hist, json_integer((json_int_t)bs.handoff_hist[b]));
+	json_object_set_new(o, "handoff_hist", hist ? hist : json_null());
+	/* On the host's clock: a job's dispatch to its first part (the pool's start), and the pool's
+	 * time without a job between two (what the CPU cannot spend on the shares: the GPU's work
+	 * between split FFNs, the handoffs, a token's ends). */
+	json_object_set_new(o, "dispatch_us", json_real(bs.dispatched ? bs.dispatch_ms * 1e3 / (double)bs.dispatched : 0));
+	json_object_set_new(o, "dispatch_max_us", json_real(bs.dispatch_max_ms * 1e3));
+	json_object_set_new(o, "gap_us", json_real(bs.gaps ? bs.gap_ms * 1e3 / (double)bs.gaps : 0));
+	json_object_set_new(o, "host_late", json_integer((json_int_t)bs.host_late));
 	json_object_set_new(o, "experts", json_integer((json_int_t)bs.experts));
 	json_object_set_new(o, "experts_ms", json_real(bs.experts_ms));
 	json_object_set_new(o, "route_wait_ms", json_real(bs.route_wait_ms));
@@ -441,6 +453,7 @@ char *runner_stats(void *ctx)
 			json_object_set_new(g, "refill_bytes", json_integer((json_int_t)ws2.refill_bytes));
 			json_object_set_new(g, "split_balance_token", json_boolean(ws2.split_balance_token));
 			json_object_set_new(g, "cpu_bytes_per_token", json_integer((json_int_t)ws2.cpu_bytes_per_token));
+			json_object_set_new(g, "split_gaps_ms", json_real(ws2.split_gaps_ms));
 			json_object_set_new(g, "prefill_copy_bytes", json_integer((json_int_t)ws2.side_bytes));
 			json_object_set_new(g, "prefill_copies", json_integer((json_int_t)ws2.side_copies));
 			json_object_set_new(g, "prefill_copy_bytes_h2d", json_integer((json_int_t)ws2.side_bytes_h2d));

@@ -131,6 +131,8 @@ void runner_register_tunables(struct runner *r)
 			  "the CPU's experts weighed anew after every token of a request, not only between requests");
 	service_add_fixed(s, "balance-ends", TUNABLE_BOOL, r->balance_ends ? "true" : "false",
 			  "a layer's copies and CPU experts balanced as they were measured to end (cuda, decode)");
+	service_add_fixed(s, "split-gaps", TUNABLE_BOOL, r->split_gaps ? "true" : "false",
+			  "the GPU's work between split layers counted on the copies' side (cuda, cpu share auto, spread)");
 	service_add_fixed(s, "split-experts", TUNABLE_STRING,
 			  r->split_experts == 2 ? "always" : r->split_experts == 1 ? "auto" : "off",
 			  "chosen experts split between the copies and the CPU (cuda, decode)");

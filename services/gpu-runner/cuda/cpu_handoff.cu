@@ -68,6 +68,9 @@ struct handoff_desc {
 	cpu_handoff_fn fn;
 	struct cpu_handoff_task task;
 	struct task_job job;
+	/* CLOCK_MONOTONIC ns (cpu_handoff_times): published by the submitter, handed to the pool,
+	 * the first part's start, the job's end; 0 until then. */
+	uint64_t t_publish, t_dispatch, t_first, t_end;
 };
 
 struct cpu_handoff {
@@ -110,6 +113,10 @@ struct cpu_handoff {
 	uint32_t wake_seq;	    /* futex word the dispatcher sleeps on: bumped by publish and stop */
 	uint32_t disp_sleeping;
 	uint32_t stop;
+
+	/* The jobs' timing (cpu_handoff_stats), written by the thread completing a job: one job runs at
+	 * a time (job k + 1 is dispatched after the stream's wait for job k). */
+	uint64_t timed, dispatch_ns, dispatch_max_ns, gap_ns, gaps, host_late, last_end;
 
 	/* Failures of jobs, from the pool's threads. */
 	pthread_mutex_t err_mu;
@@ -212,13 +219,41 @@ static int broke_cu(struct cpu_handoff *h, char *err, size_t errlen, CUresult r,
 	return errorf(err, errlen, h->broken, "%s", h->broken_msg);
 }
 
+/* A job dispatched this soon after its publish found the stream there before the host: the
+ * stream had waited for the host's submit (cpu_handoff_stats host_late). */
+#define HOST_LATE_NS 5000u
+
+/* The job's times into its descriptor and the handoff's sums (relaxed: read by stats). */
+static void job_times(struct cpu_handoff *h, struct handoff_desc *d)
+{
+	const uint64_t end = now_ns();
+	uint64_t first = __atomic_load_n(&d->t_first, __ATOMIC_RELAXED);
+	if (!first)
+		first = end; /* no part ran (n_parts 0) */
+	const uint64_t disp = d->t_dispatch, pub = d->t_publish;
+	const uint64_t lat = first > disp ? first - disp : 0;
+	__atomic_store_n(&h->dispatch_ns, h->dispatch_ns + lat, __ATOMIC_RELAXED);
+	if (lat > h->dispatch_max_ns)
+		__atomic_store_n(&h->dispatch_max_ns, lat, __ATOMIC_RELAXED);
+	if (h->last_end && first > h->last_end) {
+		__atomic_store_n(&h->gap_ns, h->gap_ns + (first - h->last_end), __ATOMIC_RELAXED);
+		__atomic_store_n(&h->gaps, h->gaps + 1, __ATOMIC_RELAXED);
+	}
+	if (disp >= pub && disp - pub < HOST_LATE_NS)
+		__atomic_store_n(&h->host_late, h->host_late + 1, __ATOMIC_RELAXED);
+	h->last_end = end;
+	__atomic_store_n(&d->t_end, end, __ATOMIC_RELAXED);
+	__atomic_store_n(&h->timed, h->timed + 1, __ATOMIC_RELAXED);
+}
+
 /* The pool's hook: runs in the thread completing a job, before its word is stored. */
 static void job_done(struct task_job *job)
 {
-	if (job->rc == 0)
-		return;
 	struct handoff_desc *d = (struct handoff_desc *)job->arg;
 	struct cpu_handoff *h = d->h;
+	job_times(h, d);
+	if (job->rc == 0)
+		return;
 	pthread_mutex_lock(&h->err_mu);
 	h->failed++;
 	if (h->err_rc == 0) {
@@ -232,6 +267,10 @@ static void job_done(struct task_job *job)
 static int part_fn(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
 {
 	struct handoff_desc *d = (struct handoff_desc *)arg;
+	if (!__atomic_load_n(&d->t_first, __ATOMIC_RELAXED)) {
+		uint64_t zero = 0;
+		__atomic_compare_exchange_n(&d->t_first, &zero, now_ns(), false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+	}
 	return d->fn(&d->task, part, n_parts, err, errlen);
 }
 
@@ -240,6 +279,7 @@ static void dispatch(struct cpu_handoff *h, struct handoff_desc *d)
 {
 	__atomic_store_n(&h->dispatched, (uint32_t)d->task.seq, __ATOMIC_RELEASE);
 	__atomic_add_fetch(&h->n_dispatched, 1, __ATOMIC_RELAXED);
+	d->t_dispatch = now_ns();
 	/* -ESHUTDOWN: the pool is going away; the job has completed with its error all the same. */
 	(void)task_pool_submit(h->pool, &d->job);
 }
@@ -612,6 +652,8 @@ int cpu_handoff_submit(struct cpu_handoff *h, const void *d_in, const struct cpu
 	d->task.seq = seq;
 	d->task.slot = slot;
 	d->task.user = job->user;
+	d->t_dispatch = d->t_first = d->t_end = 0;
+	d->t_publish = now_ns();
 	task_job_init(&d->job, part_fn, d, job->n_parts, &dw->value, (uint32_t)seq);
 	d->job.done_waiters = &dw->waiters;
 	d->job.on_complete = job_done;
@@ -722,6 +764,24 @@ void cpu_handoff_get_stats(const struct cpu_handoff *ch, struct cpu_handoff_stat
 	out->failed = h->failed;
 	pthread_mutex_unlock(&h->err_mu);
 	out->ring_waits = h->ring_waits;
+	out->timed = __atomic_load_n(&h->timed, __ATOMIC_RELAXED);
+	out->dispatch_ns = __atomic_load_n(&h->dispatch_ns, __ATOMIC_RELAXED);
+	out->dispatch_max_ns = __atomic_load_n(&h->dispatch_max_ns, __ATOMIC_RELAXED);
+	out->gap_ns = __atomic_load_n(&h->gap_ns, __ATOMIC_RELAXED);
+	out->gaps = __atomic_load_n(&h->gaps, __ATOMIC_RELAXED);
+	out->host_late = __atomic_load_n(&h->host_late, __ATOMIC_RELAXED);
+}
+
+int cpu_handoff_job_ns(const struct cpu_handoff *h, uint64_t seq, uint64_t *job_ns)
+{
+	const struct handoff_desc *d = &h->ring[seq & (h->ring_n - 1)];
+	if (d->task.seq != seq)
+		return -ENOENT;
+	const uint64_t end = __atomic_load_n(&d->t_end, __ATOMIC_ACQUIRE), first = __atomic_load_n(&d->t_first, __ATOMIC_RELAXED);
+	if (!end)
+		return -EAGAIN;
+	*job_ns = first && end > first ? end - first : 0;
+	return 0;
 }
 
 enum cpu_handoff_mode cpu_handoff_mode(const struct cpu_handoff *h)

@@ -112,6 +112,13 @@ struct cpu_handoff_stats {
 	uint64_t dispatched; /* jobs handed to the pool (the stream reached them) */
 	uint64_t failed;     /* jobs that failed */
 	uint64_t ring_waits; /* submits that waited for the job a ring behind */
+	/* The jobs' timing on the host's clock: */
+	uint64_t timed;	     /* jobs completed (each timed) */
+	uint64_t dispatch_ns, dispatch_max_ns; /* from the job's dispatch (the trigger seen, or the host
+						* function run) to its first part's start: summed, the largest */
+	uint64_t gap_ns, gaps; /* from a job's end to the next one's first part: the time the pool had
+				* no job, summed, and their count (a token's ends among them) */
+	uint64_t host_late;  /* jobs dispatched within 5 us of their submit: the stream was there first */
 };
 
 struct cpu_handoff;
@@ -167,6 +174,10 @@ int cpu_handoff_check(struct cpu_handoff *h, char *err, size_t errlen);
  * failure as cpu_handoff_check does. Not for the token path. A broken handoff is left broken (0). */
 int cpu_handoff_settle(struct cpu_handoff *h, char *err, size_t errlen);
 void cpu_handoff_get_stats(const struct cpu_handoff *h, struct cpu_handoff_stats *out);
+/* The time handoff seq's job took on the CPU (its first part's start to its end) into *job_ns.
+ * Returns 0; -EAGAIN while it has not completed; -ENOENT once its descriptor was reused (a ring
+ * later) or for a seq never submitted. */
+int cpu_handoff_job_ns(const struct cpu_handoff *h, uint64_t seq, uint64_t *job_ns);
 enum cpu_handoff_mode cpu_handoff_mode(const struct cpu_handoff *h);
 
 #ifdef __cplusplus

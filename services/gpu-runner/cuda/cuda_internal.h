@@ -261,13 +261,13 @@ struct backend_dev {
 	uint64_t split_n;		/* jobs handed over so far */
 	float *partial;			/* (FFN_SPLIT_MAX_TOKENS, dim) the CPU share's result, device memory */
 	uint64_t split_fail_at;		/* test hook: the job of this number (split_n after it) fails; 0 none */
-	cudaEvent_t split_ev[3];	/* one split FFN in a few, timed: before x's copy down, after the GPU's
-					 * share, after the partial's add */
-	bool split_ev_pending;		/* recorded, not yet read */
+	struct split_timing *split_tm;	/* (SPLIT_TIMED) ring of timed split FFNs (ffn_split.cu) */
+	uint64_t split_tm_head, split_tm_tail; /* recorded, harvested */
 	/* Mixture-of-experts layers (moe.cu); NULL on a dense model. */
 	struct cuda_moe *moe;
 	uint64_t split_timed;
 	double split_stream_ms, split_wait_ms;
+	uint64_t split_hist[BACKEND_HANDOFF_BUCKETS]; /* the timed FFNs' handoffs (backend.h) */
 };
 
 /* ---- errors ------------------------------------------------------------------------------ */

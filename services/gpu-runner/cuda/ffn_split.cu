@@ -31,7 +31,16 @@
 #define HANDOFF_RING 64u
 #define SPLIT_JOBS (2 * HANDOFF_RING)
 #define HANDOFF_SPIN_US 50u
-#define TIME_EVERY 8u /* one split FFN in this many is timed on the stream */
+#define SPLIT_TIMED 32u /* split FFNs timed on the stream and not yet harvested, at most */
+
+/* A timed split FFN: events before x's copy down, after the GPU's share, after the partial's add;
+ * its handoff's seq, whose job time the harvest subtracts. */
+struct split_timing {
+	cudaEvent_t ev[3];
+	uint64_t seq;
+};
+
+static const double hist_us[BACKEND_HANDOFF_BUCKETS - 1] = {50, 100, 200, 500, 1000};
 
 struct split_job {
 	struct backend_dev *be;
@@ -112,17 +121,24 @@ int ffn_split_setup(struct backend_dev *be)
 	}
 	if (rc)
 		return cuda_failf(be, rc, "cuda backend: %s", msg);
-	for (int i = 0; i < 3; i++)
-		CUDA_TRY(be, "cudaEventCreate (timing the CPU share)", cudaEventCreate(&be->split_ev[i]));
+	be->split_tm = (struct split_timing *)calloc(SPLIT_TIMED, sizeof(struct split_timing));
+	if (!be->split_tm)
+		return cuda_failf(be, -ENOMEM, "cuda backend: out of memory for the CPU share's timing");
+	for (uint32_t k = 0; k < SPLIT_TIMED; k++)
+		for (int i = 0; i < 3; i++)
+			CUDA_TRY(be, "cudaEventCreate (timing the CPU share)", cudaEventCreate(&be->split_tm[k].ev[i]));
 	return 0;
 }
 
 void ffn_split_teardown(struct backend_dev *be)
 {
 	cpu_handoff_destroy(&be->handoff); /* waits for the jobs it handed over, before their scratch goes */
-	for (int i = 0; i < 3; i++)
-		if (be->split_ev[i])
-			cudaEventDestroy(be->split_ev[i]);
+	for (uint32_t k = 0; be->split_tm && k < SPLIT_TIMED; k++)
+		for (int i = 0; i < 3; i++)
+			if (be->split_tm[k].ev[i])
+				cudaEventDestroy(be->split_tm[k].ev[i]);
+	free(be->split_tm);
+	be->split_tm = NULL;
 	ffn_share_destroy(&be->share);
 	free(be->split_jobs);
 	be->split_jobs = NULL;
@@ -148,19 +164,30 @@ void ffn_split_settle(struct backend_dev *be)
 		log_warn("cuda backend: ffn: a failed step's CPU share had failed too: %s", msg);
 }
 
-/* The timed split FFN's events, once the stream has passed them. Never waits. */
+/* The timed split FFNs' events that the stream has passed, oldest first. Never waits. */
 static void harvest(struct backend_dev *be)
 {
-	if (!be->split_ev_pending || cudaEventQuery(be->split_ev[2]) != cudaSuccess)
-		return;
-	float all = 0, wait = 0;
-	if (cudaEventElapsedTime(&all, be->split_ev[0], be->split_ev[2]) == cudaSuccess &&
-	    cudaEventElapsedTime(&wait, be->split_ev[1], be->split_ev[2]) == cudaSuccess) {
-		be->split_stream_ms += all;
-		be->split_wait_ms += wait;
-		be->split_timed++;
+	while (be->split_tm_tail != be->split_tm_head) {
+		struct split_timing *t = &be->split_tm[be->split_tm_tail % SPLIT_TIMED];
+		if (cudaEventQuery(t->ev[2]) != cudaSuccess)
+			return; /* not yet (or failed: the step's own error says so) */
+		float all = 0, wait = 0;
+		uint64_t job_ns = 0;
+		if (cudaEventElapsedTime(&all, t->ev[0], t->ev[2]) == cudaSuccess &&
+		    cudaEventElapsedTime(&wait, t->ev[1], t->ev[2]) == cudaSuccess) {
+			be->split_stream_ms += all;
+			be->split_wait_ms += wait;
+			be->split_timed++;
+			if (cpu_handoff_job_ns(be->handoff, t->seq, &job_ns) == 0) {
+				const double us = all * 1e3 - (double)job_ns * 1e-3;
+				uint32_t b = 0;
+				while (b < BACKEND_HANDOFF_BUCKETS - 1 && us >= hist_us[b])
+					b++;
+				be->split_hist[b]++;
+			}
+		}
+		be->split_tm_tail++;
 	}
-	be->split_ev_pending = false;
 }
 
 void ffn_split_stats(struct backend_dev *be, struct backend_cpu_share_stats *out)
@@ -182,6 +209,13 @@ void ffn_split_stats(struct backend_dev *be, struct backend_cpu_share_stats *out
 	out->timed = be->split_timed;
 	out->stream_ms = be->split_stream_ms;
 	out->wait_ms = be->split_wait_ms;
+	memcpy(out->handoff_hist, be->split_hist, sizeof(out->handoff_hist));
+	out->dispatched = hs.timed;
+	out->dispatch_ms = (double)hs.dispatch_ns / 1e6;
+	out->dispatch_max_ms = (double)hs.dispatch_max_ns / 1e6;
+	out->gap_ms = (double)hs.gap_ns / 1e6;
+	out->gaps = hs.gaps;
+	out->host_late = hs.host_late;
 }
 
 /* A matrix of a share in device memory as a part of a product into out. */
@@ -257,12 +291,12 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w)
 		return rc;
 	uint64_t seq = 0;
 	char msg[CPU_HANDOFF_ERR_MAX];
-	bool timed = false;
+	struct split_timing *tm = NULL;
 	if (s->where == FFN_SPLIT_CPU) {
 		harvest(be);
-		if (!be->split_ev_pending && be->split_n % TIME_EVERY == 0) {
-			timed = true;
-			CUDA_TRY(be, "cudaEventRecord (timing the CPU share)", cudaEventRecord(be->split_ev[0], be->stream));
+		if (be->split_tm_head - be->split_tm_tail < SPLIT_TIMED) {
+			tm = &be->split_tm[be->split_tm_head % SPLIT_TIMED];
+			CUDA_TRY(be, "cudaEventRecord (timing the CPU share)", cudaEventRecord(tm->ev[0], be->stream));
 		}
 		struct split_job *sj = &be->split_jobs[be->split_n % SPLIT_JOBS];
 		struct ffn_share_mat g = host_mat(&s->gate), u = host_mat(&s->up), d = host_mat(&s->down);
@@ -286,6 +320,8 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w)
 		if (rc)
 			return cuda_failf(be, rc, "cuda backend: ffn: %s", msg);
 		be->split_n++;
+		if (tm)
+			tm->seq = seq;
 	}
 	if (r && (rc = device_share(be, at, first[0], first[1], first[2], r, "ffn (first share)"))) {
 		/* The handoff's waits come in order: this one is queued all the same, so the next layer's
@@ -297,7 +333,7 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w)
 	if (s->where == FFN_SPLIT_BACKEND)
 		return device_share(be, at, second[0], second[1], second[2], rest, "ffn (second share)");
 	/* The wait is queued even when the event fails, so that submits and waits stay paired. */
-	const cudaError_t ev = timed ? cudaEventRecord(be->split_ev[1], be->stream) : cudaSuccess;
+	const cudaError_t ev = tm ? cudaEventRecord(tm->ev[1], be->stream) : cudaSuccess;
 	rc = cpu_handoff_wait(be->handoff, seq, be->partial, msg, sizeof(msg));
 	if (ev != cudaSuccess)
 		return cuda_fail(be, ev, "cudaEventRecord (timing the CPU share)");
@@ -306,9 +342,9 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w)
 	size_t count = (size_t)n * c->dim;
 	add_launch(be->x, be->partial, count, be->stream);
 	LAUNCHED(be, "add_kernel (CPU share)");
-	if (timed) {
-		CUDA_TRY(be, "cudaEventRecord (timing the CPU share)", cudaEventRecord(be->split_ev[2], be->stream));
-		be->split_ev_pending = true;
+	if (tm) {
+		CUDA_TRY(be, "cudaEventRecord (timing the CPU share)", cudaEventRecord(tm->ev[2], be->stream));
+		be->split_tm_head++;
 	}
 	return 0;
 }

@@ -30,6 +30,7 @@ static void layers(struct split_layer *ly, enum dtype down)
 	for (uint32_t l = 0; l < L; l++) {
 		ly[l].eligible = true;
 		ly[l].other_bytes = 0;
+		ly[l].gpu_s = 0;
 		ly[l].format[0] = ly[l].format[1] = DT_BF16;
 		ly[l].format[2] = down;
 		for (int i = 0; i < 3; i++) {
@@ -194,6 +195,47 @@ START_TEST(test_auto_per_layer)
 	ck_assert_int_eq(split_plan_choose(&c, ly, 2 * attn, 50e9, &pol, &plan, err, sizeof(err)), 0);
 	ck_assert_uint_eq(r[0], r[1]);
 	ck_assert_uint_eq(r[1], r[3]);
+}
+END_TEST
+
+/* The GPU's own work between split layers (gpu_s, the kept layers spread): taken off the CPU's side
+ * of each layer's balance, and of the token's. */
+START_TEST(test_auto_gpu_gaps)
+{
+	struct model_config c = cfg();
+	struct split_layer ly[L];
+	layers(ly, DT_BF16);
+	const double gap = 250e-6;
+	ly[1].gpu_s = ly[3].gpu_s = gap; /* two kept layers' reads before layers 1 and 3 */
+	uint32_t r[L];
+	struct split_plan plan = {.r = r};
+	struct cpu_share_policy pol;
+	char err[256];
+	ck_assert_int_eq(cpu_share_parse("auto", &pol, err, sizeof(err)), 0);
+	pol.cpu_bytes_per_s[DT_BF16] = 100e9;
+	pol.per_layer = true;
+	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	ck_assert_uint_eq(plan.split_layers, L);
+	const double F = (double)ly[0].bytes[0] * 3;
+	for (uint32_t l = 0; l < L; l++) {
+		/* its copies take as long as its CPU rows, the handoff and the GPU's work before it */
+		double pcie = F * r[l] / FFN / 50e9;
+		double cpu = F * (FFN - r[l]) / FFN / 100e9 + SPLIT_HANDOFF_S + ly[l].gpu_s;
+		ck_assert_msg(fabs(pcie - cpu) < 0.02 * pcie, "layer %u: pcie %.3f ms, cpu %.3f ms", l, pcie * 1e3,
+			      cpu * 1e3);
+	}
+	ck_assert_uint_gt(r[1], r[0]); /* the GPU's work before layer 1 gives the CPU fewer rows */
+	ck_assert_uint_eq(r[1], r[3]);
+	ck_assert_uint_eq(r[0], r[2]);
+	/* Over the token: one share, smaller than with no gaps, by their sum. */
+	pol.per_layer = false;
+	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	const double with = plan.share;
+	double want = (4 * F / 50e9 - 4 * SPLIT_HANDOFF_S - 2 * gap) / (4 * F / 50e9 + 4 * F / 100e9);
+	ck_assert_msg(fabs(with - want) < 1e-9, "share %.6f, want %.6f", with, want);
+	ly[1].gpu_s = ly[3].gpu_s = 0;
+	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	ck_assert(plan.share > with);
 }
 END_TEST
 
@@ -379,6 +421,7 @@ static Suite *plan_suite(void)
 	tcase_add_test(tc, test_off_and_fixed);
 	tcase_add_test(tc, test_auto_balance);
 	tcase_add_test(tc, test_auto_per_layer);
+	tcase_add_test(tc, test_auto_gpu_gaps);
 	tcase_add_test(tc, test_calibrate);
 	tcase_add_test(tc, test_jobs_factor);
 	tcase_add_test(tc, test_expert_spans_rate);
