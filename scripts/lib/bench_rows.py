@@ -224,6 +224,28 @@ def p_median(rec, lim, name):
                               f"median {mid[0]:.3f}", "<= 1.10")]
 
 
+HANDOFF_BUCKETS = ("<50", "50-100", "100-200", "200-500", "500-1000", ">=1000")
+
+
+def handoff_detail(cs):
+    """The handoffs by size (the split FFNs timed on the stream, their job's time subtracted), the
+    pool's start after a dispatch and its time without a job between two: "" where the runner does
+    not report them."""
+    hist = cs.get("handoff_hist")
+    if not hist or not sum(hist):
+        return ""
+    by = "/".join(str(n) for n in hist)
+    return (f" (by size in us {'/'.join(HANDOFF_BUCKETS)}: {by}); the pool starts a job "
+            f"{cs.get('dispatch_us', 0):.0f} us after its dispatch (at most {cs.get('dispatch_max_us', 0):.0f}) "
+            f"and waits {cs.get('gap_us', 0):.0f} us between two")
+
+
+def gaps_counted(sp):
+    """The GPU's work between split layers that auto counted on the copies' side (--split-gaps)."""
+    ms = sp.get("split_gaps_ms") or 0
+    return f"; the GPU's work between split layers, {ms:.1f} ms/token, counted on the link's side" if ms > 0 else ""
+
+
 def rows_p(name, what):
     def rows(rec, lim):
         if rec.get("failed") or rec["split"].get("failed") or rec["whole"].get("failed"):
@@ -240,7 +262,7 @@ def rows_p(name, what):
         limit_alone = wh["streamed_bytes_per_token"] / (h2d_alone + cpu) * 1e3
         cs = sp["cpu_share"]
         return [
-            f"| {name} decode ({what}, --cpu-share auto: {cs['split_ffns']} FFNs split at r {cs['r_min']}..{cs['r_max']} of {cs['ffn_dim']}, {sp['cpu_bytes_per_token']/1e9:.2f} GB/token on the CPU, {sp['streamed_bytes_per_token']/1e9:.2f} over PCIe; job {cs['cpu_job_us']:.0f} us, handoff {cs['handoff_us']:.0f} us, {cs['handoff']}{replanned(sp)}) | {ms_split:.1f} ms/token | {limit:.1f} ms/token ({wh['streamed_bytes_per_token']/1e9:.2f} GB/token at {h2d/1e9:.1f} GB/s H2D beside the CPU + {cpu/1e9:.1f} GB/s CPU beside the copies, measured at once; with H2D alone, {h2d_alone/1e9:.1f} GB/s: {limit_alone:.1f} ms, {ms_split/limit_alone:.3f}) | {ms_split/limit:.3f} | <= 1.10 |",
+            f"| {name} decode ({what}, --cpu-share auto: {cs['split_ffns']} FFNs split at r {cs['r_min']}..{cs['r_max']} of {cs['ffn_dim']}, {sp['cpu_bytes_per_token']/1e9:.2f} GB/token on the CPU, {sp['streamed_bytes_per_token']/1e9:.2f} over PCIe; job {cs['cpu_job_us']:.0f} us, handoff {cs['handoff_us']:.0f} us, {cs['handoff']}{handoff_detail(cs)}{gaps_counted(sp)}{replanned(sp)}) | {ms_split:.1f} ms/token | {limit:.1f} ms/token ({wh['streamed_bytes_per_token']/1e9:.2f} GB/token at {h2d/1e9:.1f} GB/s H2D beside the CPU + {cpu/1e9:.1f} GB/s CPU beside the copies, measured at once; with H2D alone, {h2d_alone/1e9:.1f} GB/s: {limit_alone:.1f} ms, {ms_split/limit_alone:.3f}) | {ms_split/limit:.3f} | <= 1.10 |",
             f"| {name} speed-up over --cpu-share 0 (same instance shape: {ms_whole:.1f} ms/token) | {ms_whole/ms_split:.2f}x | - | - | >= 1.8x |",
         ] + spread_rows + rows_p_copy(name, rec.get("copy"), limit) + rows_p_alt(name, rec.get("token"), wh, lim) + \
             rows_p_alt(name, rec.get("first"), wh, lim, "--window-spread=no (the kept layers the first ones)") + \

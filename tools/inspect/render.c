@@ -298,6 +298,16 @@ static void render_runner(struct out *o, json_t *svc)
 		     count(cs, "threads"), jstr(cs, "handoff", "-"), count(cs, "queue_depth"), count(cs, "queue_high_water"),
 		     count(cs, "tasks_done"), count(cs, "jobs"), size(cs, "bytes_per_token"), jnum(cs, "cpu_job_us", 0),
 		     jnum(cs, "stream_ffn_us", 0), jnum(cs, "stream_wait_us", 0), jnum(cs, "handoff_us", 0));
+		json_t *hist = json_object_get(cs, "handoff_hist");
+		if (json_is_array(hist) && json_array_size(hist) == 6) {
+			long long h[6];
+			for (size_t i = 0; i < 6; i++)
+				h[i] = json_integer_value(json_array_get(hist, i));
+			line(o, "         handoffs by size (us <50/100/200/500/1000/more): %lld/%lld/%lld/%lld/%lld/%lld; a job "
+			     "starts %.0f us after its dispatch (at most %.0f), the pool waits %.0f us between two",
+			     h[0], h[1], h[2], h[3], h[4], h[5], jnum(cs, "dispatch_us", 0), jnum(cs, "dispatch_max_us", 0),
+			     jnum(cs, "gap_us", 0));
+		}
 	} else if (cs) {
 		line(o, "  cpu    share %s: no FFN split", jstr(cs, "policy", "-"));
 	}
