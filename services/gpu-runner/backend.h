@@ -143,6 +143,8 @@ struct backend_params {
 	bool cpu_result_mapped; /* the CPU's partial result read by a kernel from mapped host memory
 				 * (cuda/cpu_handoff.h, mapped_out) instead of copied up; the runner's
 				 * default (--cpu-result mapped) */
+	bool cpu_result_polled; /* ... by a kernel that also waits for the job, polling its completion
+				 * word in mapped memory (memops; --cpu-result polled) */
 	bool cpu_expert_taper;	/* a routed expert's CPU job tapers its chunks (ffn_share_job.taper; the
 				 * runner's default, --cpu-expert-chunks taper) */
 	uint64_t cpu_expert_chunk; /* about the weight bytes a chunk of such a job reads

@@ -40,9 +40,10 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	else
 		return errorf(err, errlen, -EINVAL, "--cpu-handoff '%s' is not auto, memops or hostfunc", h);
 	const char *res = r->cpu_result_arg ? r->cpu_result_arg : "mapped";
-	if (strcmp(res, "copy") && strcmp(res, "mapped"))
-		return errorf(err, errlen, -EINVAL, "--cpu-result '%s' is not copy or mapped", res);
-	r->cpu_result_mapped = !strcmp(res, "mapped");
+	if (strcmp(res, "copy") && strcmp(res, "mapped") && strcmp(res, "polled"))
+		return errorf(err, errlen, -EINVAL, "--cpu-result '%s' is not mapped, polled or copy", res);
+	r->cpu_result_mapped = strcmp(res, "copy") != 0;
+	r->cpu_result_polled = !strcmp(res, "polled");
 	/* layer by default: on an H200 host it came within 1.05-1.08x of P1's and P3's limits where one
 	 * share for the token came within 1.16-1.26x (docs/benchmarks.md, 2026-11-29 night). */
 	const char *bal = r->cpu_share_balance_arg ? r->cpu_share_balance_arg : "layer";

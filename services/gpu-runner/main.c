@@ -117,6 +117,7 @@ static int setup(struct runner *r)
 					.cpu_pool = r->cpu_pool,
 					.cpu_handoff = r->cpu_handoff,
 					.cpu_result_mapped = r->cpu_result_mapped,
+					.cpu_result_polled = r->cpu_result_polled,
 					.cpu_expert_taper = r->cpu_expert_taper,
 					.cpu_expert_chunk = r->cpu_expert_chunk,
 					.experts_apart = r->experts_apart,
@@ -310,7 +311,9 @@ int main(int argc, char **argv)
 		 "(cudaLaunchHostFunc) or auto (memops where the driver has them)"},
 		{"cpu-result", OPT_STRING, &r.cpu_result_arg, "mapped",
 		 "how the CPU's partial result of a split FFN reaches the GPU: mapped (a kernel reads it from "
-		 "mapped host memory: no copy engine queue) or copy (cudaMemcpyAsync on the compute stream, "
+		 "mapped host memory: no copy engine queue), polled (as mapped, the kernel itself waiting for the "
+		 "job by polling its completion word in mapped memory, where mapped has the stream wait with "
+		 "cuStreamWaitValue32 first; memops handoffs) or copy (cudaMemcpyAsync on the compute stream, "
 		 "queued behind the weight copies); for the CPU's experts of a token, mapped also means the "
 		 "stream waits for them (the host goes on to the next layer), copy that the host waits at the "
 		 "layer's end"},

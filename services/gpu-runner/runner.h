@@ -98,7 +98,8 @@ struct runner {
 						       * share of dense FFNs and the GPU keeps every attention
 						       * group), 2 yes */
 	bool fixed_residency;			      /* --fixed-residency */
-	bool cpu_result_mapped;			      /* --cpu-result mapped (the default) */
+	bool cpu_result_mapped;			      /* --cpu-result mapped (the default) or polled */
+	bool cpu_result_polled;			      /* --cpu-result polled */
 	bool cpu_experts_early;			      /* --cpu-experts route */
 	bool cpu_expert_taper;			      /* --cpu-expert-chunks taper (the default) */
 	uint64_t cpu_expert_chunk;		      /* --cpu-expert-chunk: bytes a chunk of an expert's job */

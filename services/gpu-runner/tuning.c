@@ -167,7 +167,7 @@ void runner_register_tunables(struct runner *r)
 		       "worker threads of the CPU share (0: one per CPU allowed, but one): started at start");
 	service_add_fixed(s, "cpu-handoff", TUNABLE_STRING, r->cpu_handoff_arg ? r->cpu_handoff_arg : "auto",
 			  "how the cuda stream hands the CPU its share: set up at start");
-	service_add_fixed(s, "cpu-result", TUNABLE_STRING, r->cpu_result_mapped ? "mapped" : "copy",
+	service_add_fixed(s, "cpu-result", TUNABLE_STRING, r->cpu_result_polled ? "polled" : r->cpu_result_mapped ? "mapped" : "copy",
 			  "how the CPU's partial result reaches the GPU: set up at start");
 	service_add_fixed(s, "cpu-share-balance", TUNABLE_STRING, r->cpu_share.per_layer ? "layer" : "token",
 			  "how auto chooses the CPU's part of the FFNs (one share, or each layer's): planned at start");

@@ -21,7 +21,7 @@ expect_start_fails "--cpu-share half" "cpu-share 'half' is not auto" --model "$M
 expect_start_fails "--cpu-threads -1" "cpu-threads -1 is out of range" --model "$MODEL" --cpu-threads -1
 expect_start_fails "--cpu-handoff sometimes" "cpu-handoff 'sometimes' is not auto, memops or hostfunc" \
 	--model "$MODEL" --runner-opt=--cpu-handoff=sometimes
-expect_start_fails "--cpu-result sideways" "cpu-result 'sideways' is not copy or mapped" \
+expect_start_fails "--cpu-result sideways" "cpu-result 'sideways' is not mapped, polled or copy" \
 	--model "$MODEL" --runner-opt=--cpu-result=sideways
 expect_start_fails "--cpu-experts later" "cpu-experts 'later' is not route or visit" \
 	--model "$MODEL" --runner-opt=--cpu-experts=later
@@ -110,6 +110,16 @@ if [[ $BACKEND != cpu ]]; then
 	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with copied results"
 	"$PIPELINE" stop
 	log "--cpu-result copy: tokens equal the whole FFN's"
+
+	# The kernel that reads the result waits for the job too (--cpu-result polled): the same tokens.
+	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share 0.5 --cpu-threads 2 \
+		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-result=polled >/dev/null
+	expect_eq "$("$PIPECTL" get gpu-runner cpu-result | awk '{print $3}')" polled "pipectl get gpu-runner cpu-result"
+	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
+	expect_eq "$got" "$want" "greedy tokens at --cpu-share 0.5 --cpu-result polled vs the whole FFN"
+	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with polled results"
+	"$PIPELINE" stop
+	log "--cpu-result polled: tokens equal the whole FFN's"
 
 	# auto with one share for the token (--cpu-share-balance token; layer is the default): the same tokens.
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share auto --cpu-threads 2 \

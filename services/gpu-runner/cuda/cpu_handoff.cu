@@ -81,6 +81,7 @@ struct cpu_handoff {
 	char *pinned;		    /* in[0], in[1], out[0], out[1] */
 	void *in[2], *out[2];
 	bool mapped_out;	    /* the results come up by read_mapped_kernel from out_dev */
+	bool poll_out;		    /* memops, mapped_out: by wait_read_kernel, which waits for the job too */
 	void *out_dev[2];	    /* out[] as the device addresses them (mapped_out) */
 	size_t out_bytes[2];	    /* what the wait of the slot's handoff copies up */
 	struct handoff_words *words;
@@ -135,6 +136,29 @@ __global__ void read_mapped_kernel(uint4 *dst, const uint4 *src, size_t words, u
 	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x)
 		dst[i] = __ldcv(src + i);
 	if (blockIdx.x == 0 && threadIdx.x < tail)
+		dst_tail[threadIdx.x] = ((const volatile unsigned char *)src_tail)[threadIdx.x];
+}
+
+/* read_mapped_kernel after the job's completion word (mapped host memory) has reached seq, which
+ * one block's first thread polls (an acquire load at system scope: the job's outputs, stored
+ * before its word, are read after it). One block: a poll is a round trip over the link, and the
+ * result is a few KB a token. */
+__global__ void wait_read_kernel(const uint32_t *done, uint32_t seq, uint4 *dst, const uint4 *src, size_t words,
+				 unsigned char *dst_tail, const unsigned char *src_tail, size_t tail)
+{
+	if (threadIdx.x == 0) {
+		for (;;) {
+			uint32_t v;
+			asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(done) : "memory");
+			if ((int32_t)(v - seq) >= 0)
+				break;
+			__nanosleep(256);
+		}
+	}
+	__syncthreads();
+	for (size_t i = threadIdx.x; i < words; i += blockDim.x)
+		dst[i] = __ldcv(src + i);
+	if (threadIdx.x < tail)
 		dst_tail[threadIdx.x] = ((const volatile unsigned char *)src_tail)[threadIdx.x];
 }
 
@@ -536,6 +560,7 @@ int cpu_handoff_create(struct task_pool *pool, cudaStream_t stream, const struct
 			}
 		}
 		h->mapped_out = params->mapped_out;
+		h->poll_out = params->mapped_out && params->poll_out && params->mode == CPU_HANDOFF_MEMOPS;
 	}
 	/* The words: mapped for memops, the stream reads and writes them itself. */
 	e = cudaHostAlloc((void **)&h->words, WORDS_BYTES,
@@ -693,6 +718,20 @@ int cpu_handoff_wait(struct cpu_handoff *h, uint64_t seq, void *d_out, char *err
 	assert(seq == h->waited + 1 && seq <= h->submitted);
 	uint32_t slot = (uint32_t)(seq & 1);
 	assert(h->out_bytes[slot] == 0 || d_out);
+	if (h->poll_out) {
+		/* The kernel waits for the job and reads its result (a job without a result: no bytes). */
+		assert(((uintptr_t)d_out & 15) == 0 || h->out_bytes[slot] == 0);
+		const size_t words = h->out_bytes[slot] / 16, tail = h->out_bytes[slot] % 16;
+		wait_read_kernel<<<1, 1024, 0, h->stream>>>(
+			(const uint32_t *)(uintptr_t)h->d_done[slot], (uint32_t)seq, (uint4 *)d_out,
+			(const uint4 *)h->out_dev[slot], words, (unsigned char *)d_out + words * 16,
+			(const unsigned char *)h->out_dev[slot] + words * 16, tail);
+		cudaError_t e = cudaGetLastError();
+		if (e != cudaSuccess)
+			return broke(h, err, errlen, e, "the wait for the job and its result's read from host memory", seq);
+		h->waited = seq;
+		return 0;
+	}
 	if (h->mode == CPU_HANDOFF_HOSTFUNC) {
 		cudaError_t e = cudaLaunchHostFunc(h->stream, hf_wait, h);
 		if (e != cudaSuccess)

@@ -103,6 +103,8 @@ struct cpu_handoff_params {
 			       * mapped host memory, not by cudaMemcpyAsync: a copy on the compute
 			       * stream queues on the H2D engine behind weight copies issued before it
 			       * (false: the copy) */
+	bool poll_out;	      /* memops, mapped_out: that kernel waits for the job itself, polling the
+			       * completion word in mapped memory, in place of cuStreamWaitValue32 */
 };
 
 struct cpu_handoff_stats {

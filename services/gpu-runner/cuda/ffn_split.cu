@@ -113,6 +113,7 @@ int ffn_split_setup(struct backend_dev *be)
 	hp.dispatcher_cpu = dispatcher_cpu(p->cpu_pool);
 	hp.mode = p->cpu_handoff == BACKEND_HANDOFF_HOSTFUNC ? CPU_HANDOFF_HOSTFUNC : CPU_HANDOFF_MEMOPS;
 	hp.mapped_out = p->cpu_result_mapped;
+	hp.poll_out = p->cpu_result_mapped && p->cpu_result_polled;
 	rc = cpu_handoff_create(p->cpu_pool, be->stream, &hp, &be->handoff, msg, sizeof(msg));
 	if (rc == -ENOTSUP && p->cpu_handoff == BACKEND_HANDOFF_DEFAULT) {
 		log_info("cuda backend: the CPU share is handed over by host functions: %s", msg);

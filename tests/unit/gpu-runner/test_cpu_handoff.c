@@ -64,8 +64,9 @@ struct rig {
 	uint32_t *d_bad;
 };
 
-/* The results come up by the kernel that reads mapped host memory (cpu_handoff_params.mapped_out). */
-static bool g_mapped;
+/* The results come up by the kernel that reads mapped host memory (cpu_handoff_params.mapped_out),
+ * and that kernel waits for the job itself (poll_out). */
+static bool g_mapped, g_polled;
 
 /* Returns false (and says why) when the mode cannot run here: memops on a GPU without it. */
 static bool rig_open(struct rig *r, enum cpu_handoff_mode mode, uint32_t ring)
@@ -85,7 +86,8 @@ static bool rig_open(struct rig *r, enum cpu_handoff_mode mode, uint32_t ring)
 					.ring = ring,
 					.spin_us = 20,
 					.dispatcher_cpu = -1,
-					.mapped_out = g_mapped};
+					.mapped_out = g_mapped,
+					.poll_out = g_polled};
 	int rc = cpu_handoff_create(r->pool, r->stream, &hp, &r->h, err, sizeof(err));
 	if (rc == -ENOTSUP && mode == CPU_HANDOFF_MEMOPS) {
 		fprintf(stderr, "test_cpu_handoff: memops cannot run here, not tested: %s\n", err);
@@ -235,6 +237,19 @@ START_TEST(test_mapped_round_trips)
 }
 END_TEST
 
+/* The same with the kernel polling the job's completion word (--cpu-result polled): memops; hostfunc
+ * (whose words are not mapped) waits as mapped does. */
+START_TEST(test_polled_round_trips)
+{
+	g_mapped = g_polled = true;
+	run_steps(CPU_HANDOFF_MEMOPS, 0, 0);
+	run_steps(CPU_HANDOFF_MEMOPS, STEPS / 3, 0);
+	run_steps(CPU_HANDOFF_MEMOPS, 0, 2);
+	run_steps(CPU_HANDOFF_HOSTFUNC, 0, 0);
+	g_mapped = g_polled = false;
+}
+END_TEST
+
 /* A ring of 2: the host waits for the CPU at almost every submit. */
 START_TEST(test_small_ring)
 {
@@ -324,6 +339,7 @@ static Suite *handoff_suite(void)
 	tcase_add_test(tc, test_memops_round_trips);
 	tcase_add_test(tc, test_small_ring);
 	tcase_add_test(tc, test_mapped_round_trips);
+	tcase_add_test(tc, test_polled_round_trips);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("failures");
 	tcase_set_timeout(tc, 240);
