@@ -237,7 +237,9 @@ def handoff_detail(cs):
     by = "/".join(str(n) for n in hist)
     return (f" (by size in us {'/'.join(HANDOFF_BUCKETS)}: {by}); the pool starts a job "
             f"{cs.get('dispatch_us', 0):.0f} us after its dispatch (at most {cs.get('dispatch_max_us', 0):.0f}) "
-            f"and waits {cs.get('gap_us', 0):.0f} us between two")
+            f"and waits {cs.get('gap_us', 0):.0f} us between two"
+            + (f"; the dispatcher off its CPU {cs['dispatch_stalls']} times, {cs.get('dispatch_stall_ms', 0):.1f} ms"
+               if cs.get("dispatch_stalls") else ""))
 
 
 def gaps_counted(sp):

@@ -465,6 +465,8 @@ struct backend_cpu_share_stats {
 	double gap_ms;	      /* from a job's end to the next one's start (the pool without a job), summed */
 	uint64_t gaps;
 	uint64_t host_late;   /* jobs the stream reached before the host had submitted them */
+	uint64_t dispatch_stalls; /* the handoff's dispatcher off its CPU 100 us or more while it waited */
+	double dispatch_stall_ms; /* for a trigger: how often, and their time */
 	/* Mixture-of-experts layers (CUDA). */
 	uint64_t experts;    /* routed experts the CPU computed */
 	double experts_ms;   /* the host's time computing them (moe_end), summed */

@@ -324,8 +324,9 @@ int main(int argc, char **argv)
 		 "either way"},
 		{"cpu-pin-runner", OPT_STRING, &r.cpu_pin_runner_arg, "yes",
 		 "with a CPU pool beside a GPU, the runner's own thread (it drives the stream and hands the "
-		 "pool its jobs) kept on the CPUs the workers leave it (yes), or left to the scheduler (no), "
-		 "which may place it beside a worker pinned to its CPU, each then holding the other up"},
+		 "pool its jobs) kept on the first CPU the workers leave it (yes), on both CPUs they leave, the "
+		 "second the handoff's dispatcher's (kept), or left to the scheduler (no), which may place it "
+		 "beside a worker pinned to its CPU, each then holding the other up"},
 		{"cpu-expert-chunk", OPT_SIZE, &r.cpu_expert_chunk, "256KiB",
 		 "about how many weight bytes a chunk of a routed expert's job on the CPU reads (16KiB..16MiB): "
 		 "finer chunks spread a layer of few experts over more workers, each chunk's start paid more "

@@ -222,6 +222,8 @@ static json_t *cpu_share_stats(struct runner *r)
 	json_object_set_new(o, "dispatch_max_us", json_real(bs.dispatch_max_ms * 1e3));
 	json_object_set_new(o, "gap_us", json_real(bs.gaps ? bs.gap_ms * 1e3 / (double)bs.gaps : 0));
 	json_object_set_new(o, "host_late", json_integer((json_int_t)bs.host_late));
+	json_object_set_new(o, "dispatch_stalls", json_integer((json_int_t)bs.dispatch_stalls));
+	json_object_set_new(o, "dispatch_stall_ms", json_real(bs.dispatch_stall_ms));
 	json_object_set_new(o, "experts", json_integer((json_int_t)bs.experts));
 	json_object_set_new(o, "experts_ms", json_real(bs.experts_ms));
 	json_object_set_new(o, "route_wait_ms", json_real(bs.route_wait_ms));

@@ -330,10 +330,11 @@ class Table(unittest.TestCase):
         # the handoffs by size, the pool's start and its wait between jobs, where the runner gives them;
         # the GPU's work between split layers where auto counted it on the link's side
         rec["split"]["cpu_share"] = dict(cs, handoff_hist=[5, 3, 1, 0, 0, 1], dispatch_us=4.2, dispatch_max_us=31.0,
-                                         gap_us=380.0)
+                                         gap_us=380.0, dispatch_stalls=3, dispatch_stall_ms=4.5)
         rec["split"]["split_gaps_ms"] = 1.9
         self.assertIn("handoff 25 us, memops (by size in us <50/50-100/100-200/200-500/500-1000/>=1000: 5/3/1/0/0/1); "
-                      "the pool starts a job 4 us after its dispatch (at most 31) and waits 380 us between two; the GPU's "
+                      "the pool starts a job 4 us after its dispatch (at most 31) and waits 380 us between two; the "
+                      "dispatcher off its CPU 3 times, 4.5 ms; the GPU's "
                       "work between split layers, 1.9 ms/token, counted on the link's side; 272 MiB more kept",
                       bench.ROWS["P1"](rec, lim)[0])
         rec["split"]["cpu_share"] = cs

@@ -44,6 +44,7 @@
 #define SLOT_ALIGN 4096
 #define RING_POLL_NS 1000000u /* a submit waiting for the ring checks the stream this often */
 #define DISPATCH_CHECK_NS 10000000u /* a trigger this late: the dispatcher asks the stream once a ms */
+#define DISPATCH_STALL_NS 100000u   /* a turn of the dispatcher this long after the last: a stall */
 /* The driver API version whose entry points are asked for: the v2 stream memory operations (the
  * only ones from CUDA 12 on; the v1 ones needed a kernel module parameter). */
 #define DRIVER_API_VERSION 12000
@@ -118,6 +119,10 @@ struct cpu_handoff {
 	/* The jobs' timing (cpu_handoff_stats), written by the thread completing a job: one job runs at
 	 * a time (job k + 1 is dispatched after the stream's wait for job k). */
 	uint64_t timed, dispatch_ns, dispatch_max_ns, gap_ns, gaps, host_late, last_end;
+	/* memops: the dispatcher's turns while a handoff was published and not yet triggered that
+	 * came DISPATCH_STALL_NS or more after the one before (the thread held off its CPU), and
+	 * their time; written by the dispatcher only. */
+	uint64_t stalls, stall_ns;
 
 	/* Failures of jobs, from the pool's threads. */
 	pthread_mutex_t err_mu;
@@ -246,6 +251,9 @@ static int broke_cu(struct cpu_handoff *h, char *err, size_t errlen, CUresult r,
 /* A job dispatched this soon after its publish found the stream there before the host: the
  * stream had waited for the host's submit (cpu_handoff_stats host_late). */
 #define HOST_LATE_NS 5000u
+/* A time without a job this long is not a decode step's (a prefill ran, or a request ended): not a
+ * gap (cpu_handoff_stats gap_ns). */
+#define GAP_MAX_NS 10000000u
 
 /* The job's times into its descriptor and the handoff's sums (relaxed: read by stats). */
 static void job_times(struct cpu_handoff *h, struct handoff_desc *d)
@@ -259,7 +267,7 @@ static void job_times(struct cpu_handoff *h, struct handoff_desc *d)
 	__atomic_store_n(&h->dispatch_ns, h->dispatch_ns + lat, __ATOMIC_RELAXED);
 	if (lat > h->dispatch_max_ns)
 		__atomic_store_n(&h->dispatch_max_ns, lat, __ATOMIC_RELAXED);
-	if (h->last_end && first > h->last_end) {
+	if (h->last_end && first > h->last_end && first - h->last_end < GAP_MAX_NS) {
 		__atomic_store_n(&h->gap_ns, h->gap_ns + (first - h->last_end), __ATOMIC_RELAXED);
 		__atomic_store_n(&h->gaps, h->gaps + 1, __ATOMIC_RELAXED);
 	}
@@ -342,7 +350,7 @@ static void *dispatcher_main(void *arg)
 				 h->dispatcher_cpu, strerror(e));
 	}
 	uint32_t next = 1; /* the next seq to dispatch */
-	uint64_t idle_since = now_ns(), last_check = 0;
+	uint64_t idle_since = now_ns(), last_check = 0, last_turn = 0;
 	for (;;) {
 		if (__atomic_load_n(&h->stop, __ATOMIC_ACQUIRE))
 			break;
@@ -350,6 +358,7 @@ static void *dispatcher_main(void *arg)
 		uint32_t pub = __atomic_load_n(&h->published, __ATOMIC_ACQUIRE);
 		if (!reached(pub, next)) {
 			/* Nothing outstanding: spin a while, then sleep until the next publish. */
+			last_turn = 0; /* not waiting for a trigger: no stall */
 			if (now_ns() - idle_since < (uint64_t)h->spin_us * 1000u) {
 				cpu_relax();
 				continue;
@@ -375,7 +384,7 @@ static void *dispatcher_main(void *arg)
 			any = true;
 		}
 		if (any) {
-			idle_since = now_ns();
+			idle_since = last_turn = now_ns();
 			continue;
 		}
 		cpu_relax();
@@ -383,8 +392,14 @@ static void *dispatcher_main(void *arg)
 		 * it has failed and will never write the trigger. Past a while, ask it once a
 		 * millisecond; a failed stream gets this thread asleep between looks, not spinning. */
 		const uint64_t t = now_ns();
+		if (last_turn && t - last_turn >= DISPATCH_STALL_NS) { /* a turn after a look at the stream: not one */
+			__atomic_store_n(&h->stalls, h->stalls + 1, __ATOMIC_RELAXED);
+			__atomic_store_n(&h->stall_ns, h->stall_ns + (t - last_turn), __ATOMIC_RELAXED);
+		}
+		last_turn = t;
 		if (t - idle_since > DISPATCH_CHECK_NS && t - last_check > 1000000u) {
 			last_check = t;
+			last_turn = 0;
 			const cudaError_t e = cudaStreamQuery(h->stream);
 			if (e != cudaSuccess && e != cudaErrorNotReady) {
 				const struct timespec ms = {0, 1000000};
@@ -809,6 +824,8 @@ void cpu_handoff_get_stats(const struct cpu_handoff *ch, struct cpu_handoff_stat
 	out->gap_ns = __atomic_load_n(&h->gap_ns, __ATOMIC_RELAXED);
 	out->gaps = __atomic_load_n(&h->gaps, __ATOMIC_RELAXED);
 	out->host_late = __atomic_load_n(&h->host_late, __ATOMIC_RELAXED);
+	out->stalls = __atomic_load_n(&h->stalls, __ATOMIC_RELAXED);
+	out->stall_ns = __atomic_load_n(&h->stall_ns, __ATOMIC_RELAXED);
 }
 
 int cpu_handoff_job_ns(const struct cpu_handoff *h, uint64_t seq, uint64_t *job_ns)

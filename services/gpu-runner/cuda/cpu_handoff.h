@@ -119,8 +119,11 @@ struct cpu_handoff_stats {
 	uint64_t dispatch_ns, dispatch_max_ns; /* from the job's dispatch (the trigger seen, or the host
 						* function run) to its first part's start: summed, the largest */
 	uint64_t gap_ns, gaps; /* from a job's end to the next one's first part: the time the pool had
-				* no job, summed, and their count (a token's ends among them) */
+				* no job, summed, and their count (a token's ends among them; under 10 ms:
+				* not a prefill's or the time between requests) */
 	uint64_t host_late;  /* jobs dispatched within 5 us of their submit: the stream was there first */
+	uint64_t stalls, stall_ns; /* memops: the dispatcher, waiting for a trigger, off its CPU 100 us
+				    * or more at once: how often, and for how long in all */
 };
 
 struct cpu_handoff;

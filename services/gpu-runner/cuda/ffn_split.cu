@@ -217,6 +217,8 @@ void ffn_split_stats(struct backend_dev *be, struct backend_cpu_share_stats *out
 	out->gap_ms = (double)hs.gap_ns / 1e6;
 	out->gaps = hs.gaps;
 	out->host_late = hs.host_late;
+	out->dispatch_stalls = hs.stalls;
+	out->dispatch_stall_ms = (double)hs.stall_ns / 1e6;
 }
 
 /* A matrix of a share in device memory as a part of a product into out. */
