@@ -73,10 +73,9 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 		return errorf(err, errlen, -EINVAL, "--window-spread '%s' is not auto, yes or no", spread);
 	r->window_spread = no ? 0 : yes ? 2 : 1;
 	const char *pin = r->cpu_pin_runner_arg ? r->cpu_pin_runner_arg : "yes";
-	if (strcmp(pin, "yes") && strcmp(pin, "kept") && strcmp(pin, "no"))
-		return errorf(err, errlen, -EINVAL, "--cpu-pin-runner '%s' is not yes, kept or no", pin);
-	r->cpu_pin_runner = strcmp(pin, "no") != 0;
-	r->cpu_pin_runner_kept = !strcmp(pin, "kept");
+	if (strcmp(pin, "yes") && strcmp(pin, "no"))
+		return errorf(err, errlen, -EINVAL, "--cpu-pin-runner '%s' is not yes or no", pin);
+	r->cpu_pin_runner = !strcmp(pin, "yes");
 	if (r->cpu_expert_chunk < FFN_SHARE_CHUNK_MIN || r->cpu_expert_chunk > FFN_SHARE_CHUNK_MAX)
 		return errorf(err, errlen, -EINVAL, "--cpu-expert-chunk %llu bytes: expected 16KiB to 16MiB",
 			      (unsigned long long)r->cpu_expert_chunk);
@@ -176,18 +175,17 @@ int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen)
 	int rc = task_pool_create(&pc, &r->cpu_pool, why, sizeof(why));
 	if (rc)
 		return errorf(err, errlen, rc, "cpu share: %s", why);
-	/* The runner's thread onto the first CPU kept (yes), or both (kept): left to the scheduler, it
-	 * was seen (M1 on an H200 host, /proc's samples) running on a worker's CPU through decode, the
-	 * two sharing it; on both CPUs kept, beside the handoff's dispatcher at times, which then saw
-	 * its triggers late (P3 on an H200 host: 2-5% of the split FFNs' handoffs took 1 ms and more,
-	 * where the others took 20-100 us). Its threads made from here on (the driver's) inherit the
-	 * mask. */
+	/* The runner's thread onto the CPUs kept for it: left to the scheduler, it was seen (M1 on an
+	 * H200 host, /proc's samples) running on a worker's CPU through decode, the two sharing it. Its
+	 * threads made from here on (the driver's) inherit the mask. Not onto the first CPU alone,
+	 * leaving the second to the handoff's dispatcher: so pinned, P1 on an H200 host took 103.2
+	 * ms/token against 66-67, the dispatcher held off its CPU 239 times for 887 ms in all while it
+	 * waited for triggers (the threads made before, and the other services', went there). */
 	if (!cpu_backend && r->cpu_pin_runner && allowed > keep) {
-		const uint32_t mine = r->cpu_pin_runner_kept ? keep : 1;
 		cpu_set_t own;
 		CPU_ZERO(&own);
 		uint32_t n = 0;
-		for (int c = 0; c < CPU_SETSIZE && n < mine; c++) {
+		for (int c = 0; c < CPU_SETSIZE && n < keep; c++) {
 			if (sliced ? c == slice[n] : CPU_ISSET(c, &set)) {
 				CPU_SET(c, &own);
 				n++;
@@ -196,10 +194,10 @@ int runner_setup_cpu_share(struct runner *r, char *err, size_t errlen)
 		int e = pthread_setaffinity_np(pthread_self(), sizeof(own), &own);
 		if (e != 0)
 			log_warn("cpu share: cannot keep the runner's thread on its %u CPUs (%s): it runs where the "
-				 "scheduler puts it", mine, strerror(e));
+				 "scheduler puts it", keep, strerror(e));
 		else
-			log_info("cpu share: the runner's thread kept on its %u CPU%s beside the workers'%s", mine,
-				 mine == 1 ? "" : "s", mine < keep ? " and the handoff's dispatcher's" : "");
+			log_info("cpu share: the runner's thread kept on its %u CPU%s beside the workers'", keep,
+				 keep == 1 ? "" : "s");
 	}
 	char share[32];
 	log_info("cpu share %s: %u worker threads, %u CPUs allowed%s",

@@ -90,8 +90,8 @@ struct gpu_window_params {
 	bool spread_attn_kept;
 	/* Where the kept layers spread, auto's balance takes the GPU's reads of the layers between two
 	 * split FFNs (at hbm_bytes_per_s) off the CPU's side: the link copies through them while the CPU
-	 * waits for the next split layer's input (split_layer.gpu_s; --split-gaps, the runner's
-	 * default). */
+	 * waits for the next split layer's input (split_layer.gpu_s; --split-gaps, off by default:
+	 * P3 on an H200 host measured alike with and without). */
 	bool split_gaps;
 	double hbm_bytes_per_s;
 	/* The residency planned with whole group sizes is kept: the memory the split's smaller slots

@@ -299,10 +299,11 @@ int main(int argc, char **argv)
 		 "how auto chooses the CPU's part: layer (the default: each layer's own, where its copies and its "
 		 "CPU rows take equally long: more where its attention streams too) or token (one share for every "
 		 "FFN, where the CPU's rows and the copies of a token take equally long)"},
-		{"split-gaps", OPT_BOOL, &r.split_gaps, "true",
+		{"split-gaps", OPT_BOOL, &r.split_gaps, "false",
 		 "cuda, cpu share auto, the kept layers spread: the GPU's reads of the layers between two split "
 		 "FFNs count on the copies' side (they run through them, while the CPU waits for the next split "
-		 "layer's input), so the CPU takes less of each FFN (false: a handoff's time alone)"},
+		 "layer's input), so the CPU takes less of each FFN (false, the default: a handoff's time alone; "
+		 "P3 on an H200 host measured the two alike)"},
 		{"cpu-threads", OPT_INT, &r.cpu_threads, "0",
 		 "worker threads of the CPU share, pinned to a CPU each (0: one per CPU the runner may use but the "
 		 "runner's own and, on cuda, the handoff's)"},
@@ -324,9 +325,8 @@ int main(int argc, char **argv)
 		 "either way"},
 		{"cpu-pin-runner", OPT_STRING, &r.cpu_pin_runner_arg, "yes",
 		 "with a CPU pool beside a GPU, the runner's own thread (it drives the stream and hands the "
-		 "pool its jobs) kept on the first CPU the workers leave it (yes), on both CPUs they leave, the "
-		 "second the handoff's dispatcher's (kept), or left to the scheduler (no), which may place it "
-		 "beside a worker pinned to its CPU, each then holding the other up"},
+		 "pool its jobs) kept on the CPUs the workers leave it (yes), or left to the scheduler (no), "
+		 "which may place it beside a worker pinned to its CPU, each then holding the other up"},
 		{"cpu-expert-chunk", OPT_SIZE, &r.cpu_expert_chunk, "256KiB",
 		 "about how many weight bytes a chunk of a routed expert's job on the CPU reads (16KiB..16MiB): "
 		 "finer chunks spread a layer of few experts over more workers, each chunk's start paid more "

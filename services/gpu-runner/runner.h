@@ -92,8 +92,7 @@ struct runner {
 	const char *cpu_share_balance_arg;	      /* --cpu-share-balance as given */
 	const char *cpu_expert_chunks_arg;	      /* --cpu-expert-chunks as given */
 	const char *cpu_pin_runner_arg;		      /* --cpu-pin-runner as given */
-	bool cpu_pin_runner;			      /* --cpu-pin-runner yes (the default) or kept */
-	bool cpu_pin_runner_kept;		      /* --cpu-pin-runner kept */
+	bool cpu_pin_runner;			      /* --cpu-pin-runner yes (the default) */
 	const char *window_spread_arg;		      /* --window-spread as given */
 	uint32_t window_spread;			      /* --window-spread: 0 no, 1 auto (where the CPU computes a
 						       * share of dense FFNs and the GPU keeps every attention

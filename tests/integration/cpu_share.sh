@@ -29,7 +29,7 @@ expect_start_fails "--split-experts sometimes" "split-experts 'sometimes' is not
 	--model "$MODEL" --runner-opt=--split-experts=sometimes
 expect_start_fails "--cpu-expert-chunks ragged" "cpu-expert-chunks 'ragged' is not taper or equal" \
 	--model "$MODEL" --runner-opt=--cpu-expert-chunks=ragged
-expect_start_fails "--cpu-pin-runner maybe" "cpu-pin-runner 'maybe' is not yes, kept or no" \
+expect_start_fails "--cpu-pin-runner maybe" "cpu-pin-runner 'maybe' is not yes or no" \
 	--model "$MODEL" --runner-opt=--cpu-pin-runner=maybe
 expect_start_fails "--window-spread sometimes" "window-spread 'sometimes' is not auto, yes or no" \
 	--model "$MODEL" --runner-opt=--window-spread=sometimes

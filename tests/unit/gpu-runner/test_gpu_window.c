@@ -498,6 +498,7 @@ START_TEST(test_streaming_spread)
 END_TEST
 
 static struct task_pool *two_workers(void);
+static void auto_share_known(struct gpu_window_params *p, double cpu, double beside, double h2d);
 
 /* The attention and FFN groups a window keeps (in *ka, *kf); spread as asked; with pool, the
  * streamed FFNs split with the CPU at --cpu-share 0.5 (else none splits, and run makes two passes
@@ -564,6 +565,66 @@ START_TEST(test_streaming_spread_auto)
 	ck_assert(!kept_counts(&f, attn_streams, true, true, pool, &ka, &kf, true));
 	ck_assert_uint_lt(ka, L);
 	ck_assert(kept_counts(&f, attn_streams, true, false, pool, &ka, &kf, true));
+	task_pool_destroy(&pool);
+	stop(&f);
+}
+END_TEST
+
+/* --split-gaps with the kept layers spread: each split layer's balance takes the GPU's reads of the
+ * layers kept between it and the split layer before off the CPU's side, so the CPU takes less; the
+ * first layers kept, no layer's gap is counted (the plan's token estimate still adds the GPU's reads
+ * to the CPU's chain). */
+static struct gpu_window_stats gaps_case(struct fixture *f, uint64_t budget, struct task_pool *pool, bool spread,
+					 bool gaps, double hbm)
+{
+	struct gpu_window_params p = {.gpu_budget = budget, .depth = 2, .strict = true, .cpu_pool = pool,
+				      .spread = spread, .split_gaps = gaps, .hbm_bytes_per_s = hbm};
+	auto_share_known(&p, 2e7, 2e7, 2e7);
+	p.cpu_share.per_layer = true;
+	char err[512];
+	struct gpu_window *w = NULL;
+	ck_assert_msg(gpu_window_create(f->ring, f->stream, &p, &w, err, sizeof(err)) == 0, "%s", err);
+	struct gpu_window_stats st;
+	gpu_window_stats(w, &st);
+	ck_assert(st.spread == spread || !st.split_groups);
+	gpu_window_destroy(&w);
+	return st;
+}
+
+START_TEST(test_split_gaps)
+{
+	struct fixture f;
+	start(&f, "1GiB");
+	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
+	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
+	const uint32_t L = f.m->cfg.n_layers;
+	struct task_pool *pool = two_workers();
+	uint32_t ka, kf;
+	uint64_t budget = 0; /* every attention group kept, some FFN groups kept, some streamed */
+	for (uint64_t b = head + L * a + 2 * ff; b <= head + L * (a + ff) && !budget; b += ff / 4) {
+		kept_counts(&f, b, false, false, NULL, &ka, &kf, false);
+		if (ka == L && kf > 0 && kf < L - 1)
+			budget = b;
+	}
+	ck_assert_msg(budget, "no budget keeps every attention group and streams FFNs");
+	struct gpu_window_stats off = gaps_case(&f, budget, pool, true, false, 1e9);
+	ck_assert_uint_gt(off.split_groups, 0);
+	ck_assert(off.split_gaps_ms == 0);
+	/* The slower the GPU's reads, the longer the gaps: never more on the CPU, and less at some rate
+	 * (a share rounds to thirds of the tiny FFN's rows). */
+	uint32_t fewer = 0;
+	for (double hbm = 1e9; hbm > 1e7; hbm /= 2) {
+		struct gpu_window_stats on = gaps_case(&f, budget, pool, true, true, hbm);
+		ck_assert_msg(!on.split_groups || on.split_gaps_ms > 0, "spread, --split-gaps: no gap counted");
+		ck_assert_msg(on.cpu_bytes_per_token <= off.cpu_bytes_per_token,
+			      "the CPU reads %llu with the gaps, %llu without", (unsigned long long)on.cpu_bytes_per_token,
+			      (unsigned long long)off.cpu_bytes_per_token);
+		fewer += on.cpu_bytes_per_token < off.cpu_bytes_per_token;
+	}
+	ck_assert_msg(fewer > 0, "the gaps never gave the CPU less");
+	/* the first layers kept: the split layers are the last ones, with no kept layer between them */
+	struct gpu_window_stats first = gaps_case(&f, budget, pool, false, true, 1e8);
+	ck_assert(first.split_gaps_ms == 0);
 	task_pool_destroy(&pool);
 	stop(&f);
 }
@@ -1663,6 +1724,7 @@ int main(void)
 	tcase_add_test(tc, test_streaming_depth_2);
 	tcase_add_test(tc, test_streaming_spread);
 	tcase_add_test(tc, test_streaming_spread_auto);
+	tcase_add_test(tc, test_split_gaps);
 	tcase_add_test(tc, test_failed_step_reset);
 	tcase_add_test(tc, test_streaming_depth_1_dram_streams);
 	tcase_add_test(tc, test_budget_too_small);
