@@ -99,27 +99,25 @@ this_start_log() {
 	awk '/^==== /{buf=""} {buf = buf $0 "\n"} END{printf "%s", buf}' "$RUN_DIR/gpu-runner.log"
 }
 
-# The CPU's partial results copied up (--cpu-result copy) instead of read by a kernel from mapped
-# host memory (the default): the same tokens.
-if [[ $BACKEND != cpu ]]; then
+# A runner option of the handoff at --cpu-share 0.5: the same greedy tokens as the whole FFN, no
+# failed CPU share, and pipectl shows the value. Args: the option's name and value.
+same_tokens_with() {
+	local name=$1 value=$2
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share 0.5 --cpu-threads 2 \
-		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-result=copy >/dev/null
-	expect_eq "$("$PIPECTL" get gpu-runner cpu-result | awk '{print $3}')" copy "pipectl get gpu-runner cpu-result"
+		--runner-opt=--prefill-chunk=16 "--runner-opt=--$name=$value" >/dev/null
+	expect_eq "$("$PIPECTL" get gpu-runner "$name" | awk '{print $3}')" "$value" "pipectl get gpu-runner $name"
 	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
-	expect_eq "$got" "$want" "greedy tokens at --cpu-share 0.5 --cpu-result copy vs the whole FFN"
-	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with copied results"
+	expect_eq "$got" "$want" "greedy tokens at --cpu-share 0.5 --$name $value vs the whole FFN"
+	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with --$name $value"
 	"$PIPELINE" stop
-	log "--cpu-result copy: tokens equal the whole FFN's"
+	log "--$name $value: tokens equal the whole FFN's"
+}
 
-	# The kernel that reads the result waits for the job too (--cpu-result polled): the same tokens.
-	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share 0.5 --cpu-threads 2 \
-		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-result=polled >/dev/null
-	expect_eq "$("$PIPECTL" get gpu-runner cpu-result | awk '{print $3}')" polled "pipectl get gpu-runner cpu-result"
-	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
-	expect_eq "$got" "$want" "greedy tokens at --cpu-share 0.5 --cpu-result polled vs the whole FFN"
-	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with polled results"
-	"$PIPELINE" stop
-	log "--cpu-result polled: tokens equal the whole FFN's"
+if [[ $BACKEND != cpu ]]; then
+	# The CPU's partial results copied up (copy) instead of read by a kernel from mapped host memory
+	# (the default), and read by a kernel that waits for the job too (polled).
+	same_tokens_with cpu-result copy
+	same_tokens_with cpu-result polled
 
 	# auto with one share for the token (--cpu-share-balance token; layer is the default): the same tokens.
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share auto --cpu-threads 2 \

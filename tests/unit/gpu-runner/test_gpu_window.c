@@ -531,6 +531,23 @@ static bool kept_counts(struct fixture *f, uint64_t budget, bool spread, bool at
 	return st.spread;
 }
 
+/* The first budget (from the smallest up, in quarters of an FFN group) at which the plan, the first
+ * layers kept, keeps every attention group and some FFN groups, fewer than below_ffn. */
+static uint64_t budget_every_attn(struct fixture *f, uint32_t below_ffn)
+{
+	uint64_t head = f->m->groups[group_id_head(&f->m->cfg)].slot_bytes;
+	uint64_t a = f->m->class_bytes[CLASS_ATTN], ff = f->m->class_bytes[CLASS_FFN];
+	const uint32_t L = f->m->cfg.n_layers;
+	uint32_t ka, kf;
+	for (uint64_t b = head + L * a + 2 * ff; b <= head + L * (a + ff); b += ff / 4) {
+		kept_counts(f, b, false, false, NULL, &ka, &kf, false);
+		if (ka == L && kf > 0 && kf < below_ffn)
+			return b;
+	}
+	ck_abort_msg("no budget keeps every attention group and streams FFNs");
+	return 0;
+}
+
 /* --window-spread auto (spread_attn_kept): spread where FFNs split and the plan keeps every attention
  * group, the first layers kept where attention streams or nothing splits; yes spreads either way.
  * Passes still hold (strict). */
@@ -544,13 +561,7 @@ START_TEST(test_streaming_spread_auto)
 	struct task_pool *pool = two_workers();
 	uint32_t ka, kf;
 	/* A budget at which the plan keeps every attention group and some, not all, FFN groups. */
-	uint64_t every_attn = 0;
-	for (uint64_t b = head + L * a + 2 * ff; b <= head + L * (a + ff) && !every_attn; b += ff / 4) {
-		kept_counts(&f, b, false, false, NULL, &ka, &kf, false);
-		if (ka == L && kf > 0 && kf < L)
-			every_attn = b;
-	}
-	ck_assert_msg(every_attn, "no budget keeps every attention group and streams FFNs");
+	const uint64_t every_attn = budget_every_attn(&f, L);
 	ck_assert(kept_counts(&f, every_attn, true, true, pool, &ka, &kf, true));
 	ck_assert_uint_eq(ka, L);
 	/* Nothing splits (no CPU share): auto keeps the first layers, yes spreads. */
@@ -595,18 +606,10 @@ START_TEST(test_split_gaps)
 {
 	struct fixture f;
 	start(&f, "1GiB");
-	uint64_t head = f.m->groups[group_id_head(&f.m->cfg)].slot_bytes;
-	uint64_t a = f.m->class_bytes[CLASS_ATTN], ff = f.m->class_bytes[CLASS_FFN];
 	const uint32_t L = f.m->cfg.n_layers;
 	struct task_pool *pool = two_workers();
-	uint32_t ka, kf;
-	uint64_t budget = 0; /* every attention group kept, some FFN groups kept, some streamed */
-	for (uint64_t b = head + L * a + 2 * ff; b <= head + L * (a + ff) && !budget; b += ff / 4) {
-		kept_counts(&f, b, false, false, NULL, &ka, &kf, false);
-		if (ka == L && kf > 0 && kf < L - 1)
-			budget = b;
-	}
-	ck_assert_msg(budget, "no budget keeps every attention group and streams FFNs");
+	/* every attention group kept, some FFN groups kept, two or more streamed */
+	const uint64_t budget = budget_every_attn(&f, L - 1);
 	struct gpu_window_stats off = gaps_case(&f, budget, pool, true, false, 1e9);
 	ck_assert_uint_gt(off.split_groups, 0);
 	ck_assert(off.split_gaps_ms == 0);
