@@ -104,6 +104,19 @@ class GenStats(unittest.TestCase):
             bench.parse_gen_stats("1 2 3\nprompt 3 tokens: prefill 1.0 ms\n")
 
 
+class OutNames(unittest.TestCase):
+    def test_second_run_does_not_overwrite(self):
+        """A second bench in one device call writes table-2.md and bench-results-2.tar.gz, a third -3."""
+        with tempfile.TemporaryDirectory() as out:
+            first = bench.out_names(out)
+            self.assertEqual(first, (os.path.join(out, "table.md"), os.path.join(out, "bench-results.tar.gz")))
+            open(first[1], "w").close()
+            second = bench.out_names(out)
+            self.assertEqual(second, (os.path.join(out, "table-2.md"), os.path.join(out, "bench-results-2.tar.gz")))
+            open(second[0], "w").close()
+            self.assertEqual(bench.out_names(out)[0], os.path.join(out, "table-3.md"))
+
+
 class Checkpoint(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
