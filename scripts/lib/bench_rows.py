@@ -239,7 +239,9 @@ def handoff_detail(cs):
             f"{cs.get('dispatch_us', 0):.0f} us after its dispatch (at most {cs.get('dispatch_max_us', 0):.0f}) "
             f"and waits {cs.get('gap_us', 0):.0f} us between two"
             + (f"; the dispatcher off its CPU {cs['dispatch_stalls']} times, {cs.get('dispatch_stall_ms', 0):.1f} ms"
-               if cs.get("dispatch_stalls") else ""))
+               if cs.get("dispatch_stalls") else "")
+            + (f"; {cs['dispatched_by_wait']} jobs handed over by the runner's waiting thread"
+               if cs.get("dispatched_by_wait") else ""))
 
 
 def gaps_counted(sp):

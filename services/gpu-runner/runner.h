@@ -100,6 +100,8 @@ struct runner {
 	bool fixed_residency;			      /* --fixed-residency */
 	bool cpu_result_mapped;			      /* --cpu-result mapped (the default) or polled */
 	bool cpu_result_polled;			      /* --cpu-result polled */
+	const char *cpu_dispatch_arg;		      /* --cpu-dispatch as given */
+	bool cpu_dispatch_poll;			      /* --cpu-dispatch both */
 	bool cpu_experts_early;			      /* --cpu-experts route */
 	bool cpu_expert_taper;			      /* --cpu-expert-chunks taper (the default) */
 	uint64_t cpu_expert_chunk;		      /* --cpu-expert-chunk: bytes a chunk of an expert's job */

@@ -29,6 +29,8 @@ expect_start_fails "--split-experts sometimes" "split-experts 'sometimes' is not
 	--model "$MODEL" --runner-opt=--split-experts=sometimes
 expect_start_fails "--cpu-expert-chunks ragged" "cpu-expert-chunks 'ragged' is not taper or equal" \
 	--model "$MODEL" --runner-opt=--cpu-expert-chunks=ragged
+expect_start_fails "--cpu-dispatch often" "cpu-dispatch 'often' is not dispatcher or both" \
+	--model "$MODEL" --runner-opt=--cpu-dispatch=often
 expect_start_fails "--cpu-pin-runner maybe" "cpu-pin-runner 'maybe' is not yes or no" \
 	--model "$MODEL" --runner-opt=--cpu-pin-runner=maybe
 expect_start_fails "--window-spread sometimes" "window-spread 'sometimes' is not auto, yes or no" \
@@ -118,6 +120,16 @@ if [[ $BACKEND != cpu ]]; then
 	# (the default), and read by a kernel that waits for the job too (polled).
 	same_tokens_with cpu-result copy
 	same_tokens_with cpu-result polled
+
+	# The runner's thread, waiting for a step's end, hands the pool jobs too (--cpu-dispatch both).
+	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share 0.5 --cpu-threads 2 \
+		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-dispatch=both >/dev/null
+	expect_eq "$("$PIPECTL" get gpu-runner cpu-dispatch | awk '{print $3}')" both "pipectl get gpu-runner cpu-dispatch"
+	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
+	expect_eq "$got" "$want" "greedy tokens at --cpu-share 0.5 --cpu-dispatch both vs the whole FFN"
+	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with two dispatchers"
+	"$PIPELINE" stop
+	log "--cpu-dispatch both: tokens equal the whole FFN's"
 
 	# auto with one share for the token (--cpu-share-balance token; layer is the default): the same tokens.
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share auto --cpu-threads 2 \

@@ -432,7 +432,7 @@ static int finish_step(struct backend_dev *be, const char *what)
 {
 	CUDA_TRY(be, "cudaMemcpyAsync (status)",
 		 cudaMemcpyAsync(be->h_status, be->status, sizeof(*be->status), cudaMemcpyDeviceToHost, be->stream));
-	CUDA_TRY(be, "cudaStreamSynchronize (logits)", cudaStreamSynchronize(be->stream));
+	CUDA_TRY(be, "waiting for the step's end (logits)", ffn_split_stream_wait(be));
 	be->kv_synced = true;
 	int rc = ffn_split_check(be);
 	if (rc)

@@ -112,6 +112,9 @@ struct cpu_handoff {
 	bool dispatcher_started;
 	int dispatcher_cpu;
 	uint32_t published;	    /* last seq the submitter published */
+	uint32_t next_dispatch;	    /* the next seq to hand to the pool: taken by a compare-and-swap, by the
+				     * dispatcher or a thread in cpu_handoff_poll, whichever sees its trigger first */
+	uint64_t by_poll;	    /* jobs dispatched from cpu_handoff_poll */
 	uint32_t wake_seq;	    /* futex word the dispatcher sleeps on: bumped by publish and stop */
 	uint32_t disp_sleeping;
 	uint32_t stop;
@@ -336,6 +339,43 @@ static void CUDART_CB hf_wait(void *arg)
 
 /* ---- memops ---- */
 
+/* Hands the pool every job published and triggered from next_dispatch on, each taken by one
+ * thread (the dispatcher, or one in cpu_handoff_poll) with a compare-and-swap. In stream order:
+ * the trigger of seq + 1 comes after the stream's wait for job seq, so seq was dispatched before.
+ * Returns the jobs this thread dispatched. */
+static uint32_t dispatch_ready(struct cpu_handoff *h)
+{
+	uint32_t n = 0;
+	for (;;) {
+		uint32_t next = __atomic_load_n(&h->next_dispatch, __ATOMIC_ACQUIRE);
+		/* Pairs with the submitter's store: the descriptors up to pub are written. */
+		const uint32_t pub = __atomic_load_n(&h->published, __ATOMIC_ACQUIRE);
+		if (!reached(pub, next))
+			return n;
+		/* The stream wrote the trigger after its D2H copy, with a fence before the write
+		 * (cuStreamWriteValue32 without CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER): seeing seq
+		 * here means the copied bytes are in host memory. */
+		const uint32_t trig = __atomic_load_n(&h->words->trigger, __ATOMIC_ACQUIRE);
+		if (!reached(trig, next))
+			return n;
+		if (!__atomic_compare_exchange_n(&h->next_dispatch, &next, next + 1, false, __ATOMIC_ACQ_REL,
+						 __ATOMIC_ACQUIRE))
+			continue; /* the other thread took it */
+		dispatch(h, &h->ring[next & (h->ring_n - 1)]);
+		n++;
+	}
+}
+
+uint32_t cpu_handoff_poll(struct cpu_handoff *h)
+{
+	if (!h || h->mode != CPU_HANDOFF_MEMOPS || !h->dispatcher_started)
+		return 0;
+	const uint32_t n = dispatch_ready(h);
+	if (n)
+		__atomic_add_fetch(&h->by_poll, n, __ATOMIC_RELAXED);
+	return n;
+}
+
 static void *dispatcher_main(void *arg)
 {
 	struct cpu_handoff *h = (struct cpu_handoff *)arg;
@@ -349,13 +389,12 @@ static void *dispatcher_main(void *arg)
 			log_warn("cpu handoff: cannot pin the dispatcher to CPU %d (%s): it runs unpinned",
 				 h->dispatcher_cpu, strerror(e));
 	}
-	uint32_t next = 1; /* the next seq to dispatch */
 	uint64_t idle_since = now_ns(), last_check = 0, last_turn = 0;
 	for (;;) {
 		if (__atomic_load_n(&h->stop, __ATOMIC_ACQUIRE))
 			break;
-		/* Pairs with the submitter's store: the descriptors up to pub are written. */
-		uint32_t pub = __atomic_load_n(&h->published, __ATOMIC_ACQUIRE);
+		const uint32_t next = __atomic_load_n(&h->next_dispatch, __ATOMIC_ACQUIRE);
+		const uint32_t pub = __atomic_load_n(&h->published, __ATOMIC_ACQUIRE);
 		if (!reached(pub, next)) {
 			/* Nothing outstanding: spin a while, then sleep until the next publish. */
 			last_turn = 0; /* not waiting for a trigger: no stall */
@@ -373,17 +412,7 @@ static void *dispatcher_main(void *arg)
 			__atomic_store_n(&h->disp_sleeping, 0, __ATOMIC_SEQ_CST);
 			continue;
 		}
-		/* The stream wrote the trigger after its D2H copy, with a fence before the write
-		 * (cuStreamWriteValue32 without CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER): seeing seq
-		 * here means the copied bytes are in host memory. */
-		uint32_t trig = __atomic_load_n(&h->words->trigger, __ATOMIC_ACQUIRE);
-		bool any = false;
-		while (reached(pub, next) && reached(trig, next)) {
-			dispatch(h, &h->ring[next & (h->ring_n - 1)]);
-			next++;
-			any = true;
-		}
-		if (any) {
+		if (dispatch_ready(h) || __atomic_load_n(&h->next_dispatch, __ATOMIC_ACQUIRE) != next) {
 			idle_since = last_turn = now_ns();
 			continue;
 		}
@@ -543,6 +572,7 @@ int cpu_handoff_create(struct task_pool *pool, cudaStream_t stream, const struct
 	h->max_in = params->max_in_bytes;
 	h->max_out = params->max_out_bytes;
 	h->ring_n = ring;
+	h->next_dispatch = 1; /* seqs start at 1 */
 	h->spin_us = params->spin_us;
 	h->dispatcher_cpu = params->dispatcher_cpu;
 	pthread_mutex_init(&h->err_mu, NULL);
@@ -825,6 +855,7 @@ void cpu_handoff_get_stats(const struct cpu_handoff *ch, struct cpu_handoff_stat
 	out->gaps = __atomic_load_n(&h->gaps, __ATOMIC_RELAXED);
 	out->host_late = __atomic_load_n(&h->host_late, __ATOMIC_RELAXED);
 	out->stalls = __atomic_load_n(&h->stalls, __ATOMIC_RELAXED);
+	out->by_poll = __atomic_load_n(&h->by_poll, __ATOMIC_RELAXED);
 	out->stall_ns = __atomic_load_n(&h->stall_ns, __ATOMIC_RELAXED);
 }
 

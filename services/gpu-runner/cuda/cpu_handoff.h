@@ -124,6 +124,7 @@ struct cpu_handoff_stats {
 	uint64_t host_late;  /* jobs dispatched within 5 us of their submit: the stream was there first */
 	uint64_t stalls, stall_ns; /* memops: the dispatcher, waiting for a trigger, off its CPU 100 us
 				    * or more at once: how often, and for how long in all */
+	uint64_t by_poll;    /* memops: jobs dispatched from cpu_handoff_poll, not by the dispatcher */
 };
 
 struct cpu_handoff;
@@ -179,6 +180,11 @@ int cpu_handoff_check(struct cpu_handoff *h, char *err, size_t errlen);
  * failure as cpu_handoff_check does. Not for the token path. A broken handoff is left broken (0). */
 int cpu_handoff_settle(struct cpu_handoff *h, char *err, size_t errlen);
 void cpu_handoff_get_stats(const struct cpu_handoff *h, struct cpu_handoff_stats *out);
+/* memops: hands the pool the jobs whose triggers the stream has written, as the dispatcher does,
+ * each job taken by whichever of the two sees it first; for a thread that waits for the stream
+ * anyway (the runner's, for a step's end), so that a dispatcher held off its CPU holds up no job.
+ * Never blocks. Returns the jobs this call dispatched (0 with hostfunc). */
+uint32_t cpu_handoff_poll(struct cpu_handoff *h);
 /* The time handoff seq's job took on the CPU (its first part's start to its end) into *job_ns.
  * Returns 0; -EAGAIN while it has not completed; -ENOENT once its descriptor was reused (a ring
  * later) or for a seq never submitted. */

@@ -663,6 +663,9 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w);
 /* After the host synchronised with the stream: a CPU share that failed since the last check
  * fails the step here (-errno, message in be->err). */
 int ffn_split_check(struct backend_dev *be);
+/* Waits for the compute stream (cudaStreamSynchronize's result); with backend_params.cpu_dispatch_poll
+ * handing the CPU pool the split FFNs' jobs as their triggers come (cpu_handoff_poll) meanwhile. */
+cudaError_t ffn_split_stream_wait(struct backend_dev *be);
 /* After a failed step: its CPU shares waited for (the stream run out) and their failures
  * forgotten (logged), so that the next step's check does not report them. */
 void ffn_split_settle(struct backend_dev *be);

@@ -156,6 +156,25 @@ int ffn_split_check(struct backend_dev *be)
 	return rc ? cuda_failf(be, rc, "cuda backend: ffn: the CPU share failed: %s", msg) : 0;
 }
 
+#define POLLS_A_QUERY 64u /* looks at the handoff's trigger between two looks at the stream */
+
+cudaError_t ffn_split_stream_wait(struct backend_dev *be)
+{
+	if (!be->handoff || !be->p.cpu_dispatch_poll)
+		return cudaStreamSynchronize(be->stream);
+	for (;;) {
+		const cudaError_t e = cudaStreamQuery(be->stream);
+		if (e != cudaErrorNotReady)
+			return e;
+		for (uint32_t i = 0; i < POLLS_A_QUERY; i++) {
+			(void)cpu_handoff_poll(be->handoff);
+#if defined(__x86_64__) || defined(__i386__)
+			__builtin_ia32_pause();
+#endif
+		}
+	}
+}
+
 void ffn_split_settle(struct backend_dev *be)
 {
 	if (!be->handoff)
@@ -219,6 +238,7 @@ void ffn_split_stats(struct backend_dev *be, struct backend_cpu_share_stats *out
 	out->host_late = hs.host_late;
 	out->dispatch_stalls = hs.stalls;
 	out->dispatch_stall_ms = (double)hs.stall_ns / 1e6;
+	out->dispatched_by_poll = hs.by_poll;
 }
 
 /* A matrix of a share in device memory as a part of a product into out. */

@@ -67,6 +67,9 @@ struct rig {
 /* The results come up by the kernel that reads mapped host memory (cpu_handoff_params.mapped_out),
  * and that kernel waits for the job itself (poll_out). */
 static bool g_mapped, g_polled;
+/* The test's thread waits for the stream by cpu_handoff_poll and cudaStreamQuery, handing the pool
+ * jobs beside the dispatcher (--cpu-dispatch both). */
+static bool g_poll;
 
 /* Returns false (and says why) when the mode cannot run here: memops on a GPU without it. */
 static bool rig_open(struct rig *r, enum cpu_handoff_mode mode, uint32_t ring)
@@ -166,6 +169,12 @@ static void run_steps(enum cpu_handoff_mode mode, uint32_t fail_step, uint32_t r
 		wait_step(&r, step, 0, s0);
 		wait_step(&r, step + 1, 1, s1);
 	}
+	if (g_poll) {
+		cudaError_t e;
+		while ((e = cudaStreamQuery(r.stream)) == cudaErrorNotReady)
+			(void)cpu_handoff_poll(r.h);
+		CUDA_OK(e);
+	}
 	CUDA_OK(cudaStreamSynchronize(r.stream));
 
 	uint32_t *bad = malloc((STEPS + 2) * sizeof(uint32_t));
@@ -192,7 +201,8 @@ static void run_steps(enum cpu_handoff_mode mode, uint32_t fail_step, uint32_t r
 	cpu_handoff_get_stats(r.h, &st);
 	ck_assert_uint_eq(st.submitted, STEPS);
 	ck_assert_uint_eq(st.waited, STEPS);
-	ck_assert_uint_eq(st.dispatched, STEPS);
+	ck_assert_uint_eq(st.dispatched, STEPS); /* each job handed over once, by whichever thread */
+	ck_assert_uint_le(st.by_poll, g_poll ? STEPS : 0);
 	if (fail_step) {
 		ck_assert_int_eq(rc, -EIO);
 		char want[128];
@@ -206,8 +216,9 @@ static void run_steps(enum cpu_handoff_mode mode, uint32_t fail_step, uint32_t r
 		ck_assert_uint_eq(st.failed, 0);
 	}
 	if (getenv("PIPELINE_TEST_VERBOSE"))
-		fprintf(stderr, "test_cpu_handoff: %s: %u steps, %llu submits waited for the ring\n",
-			cpu_handoff_mode_name(mode), STEPS, (unsigned long long)st.ring_waits);
+		fprintf(stderr, "test_cpu_handoff: %s: %u steps, %llu submits waited for the ring, %llu jobs dispatched "
+			"by the waiting thread\n", cpu_handoff_mode_name(mode), STEPS, (unsigned long long)st.ring_waits,
+			(unsigned long long)st.by_poll);
 	free(bad);
 	free(acc);
 	rig_close(&r);
@@ -247,6 +258,21 @@ START_TEST(test_polled_round_trips)
 	run_steps(CPU_HANDOFF_MEMOPS, 0, 2);
 	run_steps(CPU_HANDOFF_HOSTFUNC, 0, 0);
 	g_mapped = g_polled = false;
+}
+END_TEST
+
+/* The waiting thread dispatching beside the dispatcher (--cpu-dispatch both): every job handed over
+ * once, the results right, a failure reported; hostfunc has nothing to poll. */
+START_TEST(test_poll_round_trips)
+{
+	g_poll = true;
+	run_steps(CPU_HANDOFF_MEMOPS, 0, 0);
+	run_steps(CPU_HANDOFF_MEMOPS, STEPS / 3, 0);
+	g_mapped = true;
+	run_steps(CPU_HANDOFF_MEMOPS, 0, 0);
+	g_mapped = false;
+	run_steps(CPU_HANDOFF_HOSTFUNC, 0, 0);
+	g_poll = false;
 }
 END_TEST
 
@@ -340,6 +366,7 @@ static Suite *handoff_suite(void)
 	tcase_add_test(tc, test_small_ring);
 	tcase_add_test(tc, test_mapped_round_trips);
 	tcase_add_test(tc, test_polled_round_trips);
+	tcase_add_test(tc, test_poll_round_trips);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("failures");
 	tcase_set_timeout(tc, 240);
