@@ -122,14 +122,7 @@ if [[ $BACKEND != cpu ]]; then
 	same_tokens_with cpu-result polled
 
 	# The runner's thread, waiting for a step's end, hands the pool jobs too (--cpu-dispatch both).
-	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share 0.5 --cpu-threads 2 \
-		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-dispatch=both >/dev/null
-	expect_eq "$("$PIPECTL" get gpu-runner cpu-dispatch | awk '{print $3}')" both "pipectl get gpu-runner cpu-dispatch"
-	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
-	expect_eq "$got" "$want" "greedy tokens at --cpu-share 0.5 --cpu-dispatch both vs the whole FFN"
-	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with two dispatchers"
-	"$PIPELINE" stop
-	log "--cpu-dispatch both: tokens equal the whole FFN's"
+	same_tokens_with cpu-dispatch both
 
 	# auto with one share for the token (--cpu-share-balance token; layer is the default): the same tokens.
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share auto --cpu-threads 2 \

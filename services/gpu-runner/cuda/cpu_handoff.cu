@@ -11,8 +11,10 @@
  *  - done[slot].value is written only by job completions (seq, growing by 2 per slot: the jobs
  *    of one slot are ordered by the stream, since job seq + 2 starts after the stream's wait for
  *    seq); read by the stream (memops), the wait host function (hostfunc) and the submitter;
- *  - trigger (memops) is written only by the stream, read only by the dispatcher;
- *  - published (memops) is written only by the submitting thread, read by the dispatcher.
+ *  - trigger (memops) is written only by the stream, read by the dispatcher and cpu_handoff_poll;
+ *  - published (memops) is written only by the submitting thread, read by the same two;
+ *  - next_dispatch (memops) is taken seq by seq with a compare-and-swap by whichever of the two
+ *    sees seq published and triggered first: each job goes to the pool once.
  *
  * The driver API's stream memory operations are reached through cudaGetDriverEntryPointByVersion,
  * so nothing links libcuda.so (a binary that does will not load where no driver is installed).
@@ -103,7 +105,9 @@ struct cpu_handoff {
 
 	/* Host functions' (they run one at a time, in stream order). */
 	uint64_t hf_waited;
-	/* Last seq handed to the pool (hf_submit or the dispatcher; destroy waits for it). */
+	/* Last seq handed to the pool (hf_submit, the dispatcher or cpu_handoff_poll; with two jobs in
+	 * flight and both triggered, the two threads may store them out of order: destroy takes
+	 * next_dispatch - 1 in memops). */
 	uint32_t dispatched;
 	uint64_t n_dispatched;
 
@@ -340,9 +344,10 @@ static void CUDART_CB hf_wait(void *arg)
 /* ---- memops ---- */
 
 /* Hands the pool every job published and triggered from next_dispatch on, each taken by one
- * thread (the dispatcher, or one in cpu_handoff_poll) with a compare-and-swap. In stream order:
- * the trigger of seq + 1 comes after the stream's wait for job seq, so seq was dispatched before.
- * Returns the jobs this thread dispatched. */
+ * thread (the dispatcher, or one in cpu_handoff_poll) with a compare-and-swap. Two jobs may be in
+ * flight (two slots), so with both triggered, one thread may hand over seq + 1 while the other is
+ * still handing over seq: the jobs are independent, and destroy waits by next_dispatch. Returns
+ * the jobs this thread dispatched. */
 static uint32_t dispatch_ready(struct cpu_handoff *h)
 {
 	uint32_t n = 0;
@@ -368,7 +373,7 @@ static uint32_t dispatch_ready(struct cpu_handoff *h)
 
 uint32_t cpu_handoff_poll(struct cpu_handoff *h)
 {
-	if (!h || h->mode != CPU_HANDOFF_MEMOPS || !h->dispatcher_started)
+	if (!h || h->mode != CPU_HANDOFF_MEMOPS || !h->words)
 		return 0;
 	const uint32_t n = dispatch_ready(h);
 	if (n)
@@ -413,6 +418,7 @@ static void *dispatcher_main(void *arg)
 			continue;
 		}
 		if (dispatch_ready(h) || __atomic_load_n(&h->next_dispatch, __ATOMIC_ACQUIRE) != next) {
+			/* dispatched here or by a poll: either way the idle spin counts from now */
 			idle_since = last_turn = now_ns();
 			continue;
 		}
@@ -622,12 +628,12 @@ int cpu_handoff_create(struct task_pool *pool, cudaStream_t stream, const struct
 		rc = memops_setup(h, err, errlen);
 		if (rc)
 			goto out_free;
-		int pe = pthread_create(&h->dispatcher, NULL, dispatcher_main, h);
+		int pe = params->no_dispatcher ? 0 : pthread_create(&h->dispatcher, NULL, dispatcher_main, h);
 		if (pe != 0) {
 			rc = errorf(err, errlen, -pe, "cpu handoff: cannot start the dispatcher: %s", strerror(pe));
 			goto out_free;
 		}
-		h->dispatcher_started = true;
+		h->dispatcher_started = !params->no_dispatcher;
 	}
 	*out = h;
 	return 0;
@@ -656,6 +662,9 @@ void cpu_handoff_destroy(struct cpu_handoff **hp)
 	/* Jobs handed to the pool may still run (a handoff never waited for): they read the slots
 	 * and the ring, so wait for the last of each slot. Those of one slot complete in order. */
 	uint32_t last = __atomic_load_n(&h->dispatched, __ATOMIC_ACQUIRE);
+	if (h->mode == CPU_HANDOFF_MEMOPS)
+		last = __atomic_load_n(&h->next_dispatch, __ATOMIC_ACQUIRE) - 1; /* the dispatcher joined, the
+										  * poller is this thread */
 	if (h->words && __atomic_load_n(&h->n_dispatched, __ATOMIC_RELAXED) > 0) {
 		for (uint32_t k = 0; k < 2; k++) {
 			uint32_t s = last - k;

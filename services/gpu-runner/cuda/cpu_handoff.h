@@ -105,6 +105,9 @@ struct cpu_handoff_params {
 			       * (false: the copy) */
 	bool poll_out;	      /* memops, mapped_out: that kernel waits for the job itself, polling the
 			       * completion word in mapped memory, in place of cuStreamWaitValue32 */
+	bool no_dispatcher;   /* memops: no dispatcher thread; jobs reach the pool only from
+			       * cpu_handoff_poll, which the caller must keep calling while the stream
+			       * runs, and a submit that waits for the ring hangs (tests of the poll) */
 };
 
 struct cpu_handoff_stats {
@@ -182,7 +185,8 @@ int cpu_handoff_settle(struct cpu_handoff *h, char *err, size_t errlen);
 void cpu_handoff_get_stats(const struct cpu_handoff *h, struct cpu_handoff_stats *out);
 /* memops: hands the pool the jobs whose triggers the stream has written, as the dispatcher does,
  * each job taken by whichever of the two sees it first; for a thread that waits for the stream
- * anyway (the runner's, for a step's end), so that a dispatcher held off its CPU holds up no job.
+ * anyway (the runner's, for a step's end), so that a dispatcher held off its CPU holds up a job only
+ * where it was held off between taking it (the compare-and-swap) and handing it over.
  * Never blocks. Returns the jobs this call dispatched (0 with hostfunc). */
 uint32_t cpu_handoff_poll(struct cpu_handoff *h);
 /* The time handoff seq's job took on the CPU (its first part's start to its end) into *job_ns.

@@ -160,7 +160,7 @@ int ffn_split_check(struct backend_dev *be)
 
 cudaError_t ffn_split_stream_wait(struct backend_dev *be)
 {
-	if (!be->handoff || !be->p.cpu_dispatch_poll)
+	if (!be->handoff || !be->p.cpu_dispatch_poll || cpu_handoff_mode(be->handoff) != CPU_HANDOFF_MEMOPS)
 		return cudaStreamSynchronize(be->stream);
 	for (;;) {
 		const cudaError_t e = cudaStreamQuery(be->stream);

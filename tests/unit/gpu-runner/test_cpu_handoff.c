@@ -70,6 +70,8 @@ static bool g_mapped, g_polled;
 /* The test's thread waits for the stream by cpu_handoff_poll and cudaStreamQuery, handing the pool
  * jobs beside the dispatcher (--cpu-dispatch both). */
 static bool g_poll;
+/* ... and no dispatcher: every job from the test's polls (a ring the steps never wrap). */
+static bool g_no_dispatcher;
 
 /* Returns false (and says why) when the mode cannot run here: memops on a GPU without it. */
 static bool rig_open(struct rig *r, enum cpu_handoff_mode mode, uint32_t ring)
@@ -90,7 +92,8 @@ static bool rig_open(struct rig *r, enum cpu_handoff_mode mode, uint32_t ring)
 					.spin_us = 20,
 					.dispatcher_cpu = -1,
 					.mapped_out = g_mapped,
-					.poll_out = g_polled};
+					.poll_out = g_polled,
+					.no_dispatcher = g_no_dispatcher};
 	int rc = cpu_handoff_create(r->pool, r->stream, &hp, &r->h, err, sizeof(err));
 	if (rc == -ENOTSUP && mode == CPU_HANDOFF_MEMOPS) {
 		fprintf(stderr, "test_cpu_handoff: memops cannot run here, not tested: %s\n", err);
@@ -203,6 +206,8 @@ static void run_steps(enum cpu_handoff_mode mode, uint32_t fail_step, uint32_t r
 	ck_assert_uint_eq(st.waited, STEPS);
 	ck_assert_uint_eq(st.dispatched, STEPS); /* each job handed over once, by whichever thread */
 	ck_assert_uint_le(st.by_poll, g_poll ? STEPS : 0);
+	if (g_no_dispatcher)
+		ck_assert_uint_eq(st.by_poll, STEPS);
 	if (fail_step) {
 		ck_assert_int_eq(rc, -EIO);
 		char want[128];
@@ -272,6 +277,11 @@ START_TEST(test_poll_round_trips)
 	run_steps(CPU_HANDOFF_MEMOPS, 0, 0);
 	g_mapped = false;
 	run_steps(CPU_HANDOFF_HOSTFUNC, 0, 0);
+	/* The poll alone: every job handed over by it, two in flight among them. */
+	g_no_dispatcher = true;
+	run_steps(CPU_HANDOFF_MEMOPS, 0, 1024);
+	run_steps(CPU_HANDOFF_MEMOPS, STEPS / 3, 1024);
+	g_no_dispatcher = false;
 	g_poll = false;
 }
 END_TEST
