@@ -456,7 +456,7 @@ struct backend_cpu_share_stats {
 	double cpu_ms;	     /* their time on the CPU, first part's start to last part's end, summed */
 	double phase_wait_ms; /* their parts' waits for a job's first phase to end (ffn_share_stats:
 			       * workers idle), summed over parts */
-	uint64_t timed;	     /* split FFNs timed on the CUDA stream (one in a few) */
+	uint64_t timed;	     /* split FFNs timed on the CUDA stream (each, while its ring of timings has room) */
 	double stream_ms;    /* those FFNs' time on the stream, from x's copy down to the partial's add, summed */
 	double wait_ms;	     /* of which the stream waited for the CPU and its result's copy up, summed */
 	/* The timed FFNs by their handoff (stream time less their job's time on the CPU), in us:
