@@ -72,8 +72,9 @@ static void predict(struct runner *r)
 	if (st.split_groups && st.spread) {
 		/* Split FFNs among kept layers: the CPU's jobs wait for the GPU's reads, while the copies
 		 * run through them (the next split layer's rows into a slot the last one left). */
-		r->predicted_ms = pcie > st.cpu_ms + hbm ? pcie : st.cpu_ms + hbm;
-		r->binding = pcie > st.cpu_ms + hbm ? "the PCIe link, beside GPU memory" : "the CPU share, after GPU memory";
+		const double chain = st.cpu_ms + hbm;
+		r->predicted_ms = pcie > chain ? pcie : chain;
+		r->binding = pcie > chain ? "the PCIe link, beside GPU memory" : "the CPU share, after GPU memory";
 	} else if (st.split_groups) {
 		/* Split FFNs: the CPU waits for each split layer's input, and the copies run at most the
 		 * window's depth ahead of compute, so the GPU's own reads come on top of the longer of the

@@ -27,6 +27,14 @@ static uint64_t min_u64(uint64_t a, uint64_t b)
 	return a < b ? a : b;
 }
 
+/* The stage's layers [*l0, *l1): all of cfg's where stage is NULL or not split. */
+static void stage_layers(const struct model_config *cfg, const struct weight_stage *stage, uint32_t *l0, uint32_t *l1)
+{
+	const bool split = stage && stage->split;
+	*l0 = split ? stage->layer0 : 0;
+	*l1 = split ? stage->layer1 : cfg->n_layers;
+}
+
 int window_plan(const struct model_config *cfg, const struct group_desc *groups, uint32_t n_groups,
 		const struct weight_stage *stage, uint64_t budget, uint32_t depth, uint32_t xdepth, const float *heat,
 		bool *resident, struct window_plan *out, char *err, size_t errlen)
@@ -37,8 +45,10 @@ int window_plan(const struct model_config *cfg, const struct group_desc *groups,
 	if (!stage)
 		stage = &whole;
 	/* The stage's layers l0 .. l0 + L - 1, and the head when it has it. */
-	const bool split = stage->split, head = !split || stage->first;
-	const uint32_t l0 = split ? stage->layer0 : 0, L = split ? stage->layer1 - stage->layer0 : cfg->n_layers;
+	const bool head = !stage->split || stage->first;
+	uint32_t l0, l1;
+	stage_layers(cfg, stage, &l0, &l1);
+	const uint32_t L = l1 - l0;
 	const uint32_t E = cfg->n_experts;
 	if (group_id_head(cfg) >= n_groups || (L && model_group_ffn(cfg, l0 + L - 1) >= n_groups) ||
 	    (L && E && model_group_expert(cfg, l0 + L - 1, E - 1) >= n_groups))
@@ -156,8 +166,9 @@ bool window_plan_spread(const struct model_config *cfg, const struct weight_stag
 {
 	if (attn_kept && !window_plan_attn_kept(cfg, stage, resident))
 		return false;
-	const bool split = stage && stage->split;
-	const uint32_t l0 = split ? stage->layer0 : 0, L = split ? stage->layer1 - stage->layer0 : cfg->n_layers;
+	uint32_t l0, l1;
+	stage_layers(cfg, stage, &l0, &l1);
+	const uint32_t L = l1 - l0;
 	uint32_t na = 0, nf = 0;
 	for (uint32_t i = 0; i < L; i++) {
 		na += resident[model_group_attn(cfg, l0 + i)];
@@ -177,8 +188,8 @@ bool window_plan_spread(const struct model_config *cfg, const struct weight_stag
 
 bool window_plan_attn_kept(const struct model_config *cfg, const struct weight_stage *stage, const bool *resident)
 {
-	const bool split = stage && stage->split;
-	const uint32_t l0 = split ? stage->layer0 : 0, l1 = split ? stage->layer1 : cfg->n_layers;
+	uint32_t l0, l1;
+	stage_layers(cfg, stage, &l0, &l1);
 	for (uint32_t l = l0; l < l1; l++)
 		if (!resident[model_group_attn(cfg, l)])
 			return false;

@@ -427,14 +427,14 @@ static void *dispatcher_main(void *arg)
 		 * it has failed and will never write the trigger. Past a while, ask it once a
 		 * millisecond; a failed stream gets this thread asleep between looks, not spinning. */
 		const uint64_t t = now_ns();
-		if (last_turn && t - last_turn >= DISPATCH_STALL_NS) { /* a turn after a look at the stream: not one */
+		if (last_turn && t - last_turn >= DISPATCH_STALL_NS) {
 			__atomic_store_n(&h->stalls, h->stalls + 1, __ATOMIC_RELAXED);
 			__atomic_store_n(&h->stall_ns, h->stall_ns + (t - last_turn), __ATOMIC_RELAXED);
 		}
 		last_turn = t;
 		if (t - idle_since > DISPATCH_CHECK_NS && t - last_check > 1000000u) {
 			last_check = t;
-			last_turn = 0;
+			last_turn = 0; /* the turn after a look at the stream is not a stall */
 			const cudaError_t e = cudaStreamQuery(h->stream);
 			if (e != cudaSuccess && e != cudaErrorNotReady) {
 				const struct timespec ms = {0, 1000000};

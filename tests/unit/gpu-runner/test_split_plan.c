@@ -153,6 +153,17 @@ START_TEST(test_auto_balance)
 }
 END_TEST
 
+/* --cpu-share auto, each layer its own share, the CPU's BF16 products at cpu bytes a second. */
+static struct cpu_share_policy auto_per_layer(double cpu)
+{
+	struct cpu_share_policy pol;
+	char err[256];
+	ck_assert_msg(cpu_share_parse("auto", &pol, err, sizeof(err)) == 0, "%s", err);
+	pol.cpu_bytes_per_s[DT_BF16] = cpu;
+	pol.per_layer = true;
+	return pol;
+}
+
 /* auto with --cpu-share-balance layer: each layer the share where its own copies (its attention
  * when that streams, and its FFN's GPU rows) and its CPU rows take equally long. */
 START_TEST(test_auto_per_layer)
@@ -164,11 +175,8 @@ START_TEST(test_auto_per_layer)
 	ly[1].other_bytes = ly[3].other_bytes = attn;
 	uint32_t r[L];
 	struct split_plan plan = {.r = r};
-	struct cpu_share_policy pol;
+	struct cpu_share_policy pol = auto_per_layer(100e9);
 	char err[256];
-	ck_assert_int_eq(cpu_share_parse("auto", &pol, err, sizeof(err)), 0);
-	pol.cpu_bytes_per_s[DT_BF16] = 100e9;
-	pol.per_layer = true;
 	ck_assert_int_eq(split_plan_choose(&c, ly, 2 * attn, 50e9, &pol, &plan, err, sizeof(err)), 0);
 	ck_assert_uint_eq(plan.split_layers, L);
 	const double F = (double)ly[0].bytes[0] * 3;
@@ -209,11 +217,8 @@ START_TEST(test_auto_gpu_gaps)
 	ly[1].gpu_s = ly[3].gpu_s = gap; /* two kept layers' reads before layers 1 and 3 */
 	uint32_t r[L];
 	struct split_plan plan = {.r = r};
-	struct cpu_share_policy pol;
+	struct cpu_share_policy pol = auto_per_layer(100e9);
 	char err[256];
-	ck_assert_int_eq(cpu_share_parse("auto", &pol, err, sizeof(err)), 0);
-	pol.cpu_bytes_per_s[DT_BF16] = 100e9;
-	pol.per_layer = true;
 	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 50e9, &pol, &plan, err, sizeof(err)), 0);
 	ck_assert_uint_eq(plan.split_layers, L);
 	const double F = (double)ly[0].bytes[0] * 3;
