@@ -117,6 +117,69 @@ class OutNames(unittest.TestCase):
             self.assertEqual(bench.out_names(out)[0], os.path.join(out, "table-3.md"))
 
 
+class ThreadCensus(unittest.TestCase):
+    @staticmethod
+    def stat_line(tid, name, ticks, cpu):
+        # fields 3.. as proc(5) numbers them: state, ppid, ..., utime (14), stime (15), ..., processor (39)
+        f = ["S"] + ["0"] * 40
+        f[14 - 3], f[15 - 3], f[39 - 3] = str(ticks), "0", str(cpu)
+        return f"{tid} ({name}) " + " ".join(f) + "\n"
+
+    def write_proc(self, root, threads):
+        """threads: (pid, proc name, tid, thread name, ticks, cpu, invol)."""
+        for pid, pname, tid, tname, ticks, cpu, invol in threads:
+            os.makedirs(os.path.join(root, str(pid), "task", str(tid)), exist_ok=True)
+            with open(os.path.join(root, str(pid), "stat"), "w") as f:
+                f.write(self.stat_line(pid, pname, 0, 0))
+            with open(os.path.join(root, str(pid), "task", str(tid), "stat"), "w") as f:
+                f.write(self.stat_line(tid, tname, ticks, cpu))
+            with open(os.path.join(root, str(pid), "task", str(tid), "status"), "w") as f:
+                f.write(f"Name:\t{tname}\nvoluntary_ctxt_switches:\t7\nnonvoluntary_ctxt_switches:\t{invol}\n")
+
+    def test_name_with_parentheses(self):
+        census = bench.thread_census
+        self.assertEqual(census.parse_stat(self.stat_line(5, "a) (b", 12, 3)), ("a) (b", 12, 3))
+        self.assertIsNone(census.parse_stat("5 (short) S 1 2\n"))
+        self.assertIsNone(census.parse_stat(""))
+
+    def test_preempted_workers_and_thieves(self):
+        """Workers' and the dispatcher's involuntary switches are counted between the snapshots; the
+        other threads are listed by the CPU time they took, the runner's own apart."""
+        census = bench.thread_census
+        tick = 1000.0 / census.CLK_TCK
+        with tempfile.TemporaryDirectory() as before, tempfile.TemporaryDirectory() as after:
+            self.write_proc(before, [(10, "gpu-runner", 11, "taskpool-0", 100, 2, 1),
+                                     (10, "gpu-runner", 12, "taskpool-1", 100, 3, 4),
+                                     (10, "gpu-runner", 13, "cpu-handoff", 50, 1, 0),
+                                     (10, "gpu-runner", 14, "gpu-runner", 10, 0, 0),
+                                     (20, "ssd-loader", 21, "ssd-loader", 5, 4, 0)])
+            self.write_proc(after, [(10, "gpu-runner", 11, "taskpool-0", 300, 2, 1),
+                                    (10, "gpu-runner", 12, "taskpool-1", 290, 3, 9),
+                                    (10, "gpu-runner", 13, "cpu-handoff", 250, 1, 2),
+                                    (10, "gpu-runner", 14, "gpu-runner", 40, 0, 0),
+                                    (20, "ssd-loader", 21, "ssd-loader", 65, 4, 3),
+                                    (30, "python3", 31, "python3", 2, 5, 0)])
+            text, s = census.report(census.snapshot(before), census.snapshot(after))
+        self.assertEqual((s["workers"], s["workers_preempted"], s["worker_invol"], s["dispatcher_invol"]), (2, 1, 5, 2))
+        self.assertAlmostEqual(s["others_cpu_ms"], round((30 + 60 + 2) * tick, 1))
+        self.assertAlmostEqual(s["runner_others_cpu_ms"], round(30 * tick, 1))
+        self.assertTrue(s["top_others"][0].startswith("ssd-loader/ssd-loader"), s["top_others"])
+        lines = text.splitlines()
+        self.assertIn("cpu-handoff", lines[2])  # the dispatcher first, then the workers
+        self.assertIn("taskpool-1", lines[4])
+        self.assertRegex(lines[4], r"\s5\s+0\s+3$")  # 5 involuntary, 0 voluntary, last on CPU 3
+        self.assertIn("1 of 2 workers preempted, 5 times; the dispatcher 2 times", census.summary_text(s))
+
+    def test_this_process(self):
+        """A real snapshot holds this thread, with a CPU time that does not go back."""
+        census = bench.thread_census
+        a = census.snapshot()
+        self.assertIn(os.getpid(), a)
+        sum(i * i for i in range(200000))
+        b = census.snapshot()
+        self.assertGreaterEqual(b[os.getpid()]["ticks"], a[os.getpid()]["ticks"])
+
+
 class Checkpoint(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
