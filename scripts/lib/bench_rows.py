@@ -241,7 +241,9 @@ def handoff_detail(cs):
             + (f"; the dispatcher off its CPU {cs['dispatch_stalls']} times, {cs.get('dispatch_stall_ms', 0):.1f} ms"
                if cs.get("dispatch_stalls") else "")
             + (f"; {cs['dispatched_by_wait']} jobs handed over by the runner's waiting thread"
-               if cs.get("dispatched_by_wait") else ""))
+               if cs.get("dispatched_by_wait") else "")
+            + (f"; {cs['dispatched_by_workers']} by the pool's idle workers"
+               if cs.get("dispatched_by_workers") else ""))
 
 
 def gaps_counted(sp):

@@ -146,7 +146,9 @@ struct backend_params {
 	bool cpu_result_polled; /* ... by a kernel that also waits for the job, polling its completion
 				 * word in mapped memory (memops; --cpu-result polled) */
 	bool cpu_dispatch_poll; /* memops: the host thread waiting for a step's end hands the pool the
-				 * split FFNs' jobs too, beside the dispatcher (--cpu-dispatch both) */
+				 * split FFNs' jobs too, beside the dispatcher (--cpu-dispatch both, all) */
+	bool cpu_dispatch_workers; /* memops: so do the pool's idle workers while they spin between jobs
+				    * (--cpu-dispatch workers, all) */
 	bool cpu_expert_taper;	/* a routed expert's CPU job tapers its chunks (ffn_share_job.taper; the
 				 * runner's default, --cpu-expert-chunks taper) */
 	uint64_t cpu_expert_chunk; /* about the weight bytes a chunk of such a job reads
@@ -470,6 +472,7 @@ struct backend_cpu_share_stats {
 	uint64_t dispatch_stalls; /* the handoff's dispatcher off its CPU 100 us or more while it waited */
 	double dispatch_stall_ms; /* for a trigger: how often, and their time */
 	uint64_t dispatched_by_poll; /* jobs the host thread waiting for the step handed over (--cpu-dispatch both) */
+	uint64_t dispatched_by_workers; /* jobs the pool's idle workers handed over (--cpu-dispatch workers) */
 	/* Mixture-of-experts layers (CUDA). */
 	uint64_t experts;    /* routed experts the CPU computed */
 	double experts_ms;   /* the host's time computing them (moe_end), summed */

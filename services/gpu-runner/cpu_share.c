@@ -45,9 +45,10 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	r->cpu_result_mapped = strcmp(res, "copy") != 0;
 	r->cpu_result_polled = !strcmp(res, "polled");
 	const char *disp = r->cpu_dispatch_arg ? r->cpu_dispatch_arg : "dispatcher";
-	if (strcmp(disp, "dispatcher") && strcmp(disp, "both"))
-		return errorf(err, errlen, -EINVAL, "--cpu-dispatch '%s' is not dispatcher or both", disp);
-	r->cpu_dispatch_poll = !strcmp(disp, "both");
+	if (strcmp(disp, "dispatcher") && strcmp(disp, "both") && strcmp(disp, "workers") && strcmp(disp, "all"))
+		return errorf(err, errlen, -EINVAL, "--cpu-dispatch '%s' is not dispatcher, both, workers or all", disp);
+	r->cpu_dispatch_poll = !strcmp(disp, "both") || !strcmp(disp, "all");
+	r->cpu_dispatch_workers = !strcmp(disp, "workers") || !strcmp(disp, "all");
 	/* layer by default: on an H200 host it came within 1.05-1.08x of P1's and P3's limits where one
 	 * share for the token came within 1.16-1.26x (docs/benchmarks.md, 2026-11-29 night). */
 	const char *bal = r->cpu_share_balance_arg ? r->cpu_share_balance_arg : "layer";

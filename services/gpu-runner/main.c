@@ -119,6 +119,7 @@ static int setup(struct runner *r)
 					.cpu_result_mapped = r->cpu_result_mapped,
 					.cpu_result_polled = r->cpu_result_polled,
 					.cpu_dispatch_poll = r->cpu_dispatch_poll,
+					.cpu_dispatch_workers = r->cpu_dispatch_workers,
 					.cpu_expert_taper = r->cpu_expert_taper,
 					.cpu_expert_chunk = r->cpu_expert_chunk,
 					.experts_apart = r->experts_apart,
@@ -321,9 +322,10 @@ int main(int argc, char **argv)
 		 "layer's end"},
 		{"cpu-dispatch", OPT_STRING, &r.cpu_dispatch_arg, "dispatcher",
 		 "memops handoffs: who hands the CPU pool a split FFN's job once the stream has copied its input "
-		 "down: the handoff's dispatcher thread (dispatcher), or that thread and the runner's own while "
-		 "it waits for a step's end, whichever sees it first (both: a dispatcher held off its CPU holds up "
-		 "no job)"},
+		 "down: the handoff's dispatcher thread (dispatcher); it and the runner's own thread while that "
+		 "waits for a step's end (both); it and the pool's idle workers while they spin between jobs "
+		 "(workers); all three (all). Whichever sees the job first takes it, so that a dispatcher held off "
+		 "its CPU by the OS holds up no job"},
 		{"cpu-expert-chunks", OPT_STRING, &r.cpu_expert_chunks_arg, "taper",
 		 "how a routed expert's job on the CPU is cut: taper (each phase's chunks smaller toward its end "
 		 "where the phase has 12 or more, so that with a layer's experts at once the workers that wait "

@@ -101,7 +101,8 @@ struct runner {
 	bool cpu_result_mapped;			      /* --cpu-result mapped (the default) or polled */
 	bool cpu_result_polled;			      /* --cpu-result polled */
 	const char *cpu_dispatch_arg;		      /* --cpu-dispatch as given */
-	bool cpu_dispatch_poll;			      /* --cpu-dispatch both */
+	bool cpu_dispatch_poll;			      /* --cpu-dispatch both or all */
+	bool cpu_dispatch_workers;		      /* --cpu-dispatch workers or all */
 	bool cpu_experts_early;			      /* --cpu-experts route */
 	bool cpu_expert_taper;			      /* --cpu-expert-chunks taper (the default) */
 	uint64_t cpu_expert_chunk;		      /* --cpu-expert-chunk: bytes a chunk of an expert's job */

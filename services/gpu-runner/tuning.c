@@ -169,8 +169,11 @@ void runner_register_tunables(struct runner *r)
 			  "how the cuda stream hands the CPU its share: set up at start");
 	service_add_fixed(s, "cpu-result", TUNABLE_STRING, r->cpu_result_polled ? "polled" : r->cpu_result_mapped ? "mapped" : "copy",
 			  "how the CPU's partial result reaches the GPU: set up at start");
-	service_add_fixed(s, "cpu-dispatch", TUNABLE_STRING, r->cpu_dispatch_poll ? "both" : "dispatcher",
-			  "who hands the pool a split FFN's job (memops): the dispatcher, or it and the waiting runner");
+	service_add_fixed(s, "cpu-dispatch", TUNABLE_STRING,
+			  r->cpu_dispatch_poll ? (r->cpu_dispatch_workers ? "all" : "both")
+					       : (r->cpu_dispatch_workers ? "workers" : "dispatcher"),
+			  "who hands the pool a split FFN's job (memops): the dispatcher, with the waiting runner "
+			  "(both), with the idle workers (workers), or all three");
 	service_add_fixed(s, "cpu-share-balance", TUNABLE_STRING, r->cpu_share.per_layer ? "layer" : "token",
 			  "how auto chooses the CPU's part of the FFNs (one share, or each layer's): planned at start");
 	service_add_fixed(s, "cpu-expert-chunks", TUNABLE_STRING, r->cpu_expert_taper ? "taper" : "equal",

@@ -29,7 +29,7 @@ expect_start_fails "--split-experts sometimes" "split-experts 'sometimes' is not
 	--model "$MODEL" --runner-opt=--split-experts=sometimes
 expect_start_fails "--cpu-expert-chunks ragged" "cpu-expert-chunks 'ragged' is not taper or equal" \
 	--model "$MODEL" --runner-opt=--cpu-expert-chunks=ragged
-expect_start_fails "--cpu-dispatch often" "cpu-dispatch 'often' is not dispatcher or both" \
+expect_start_fails "--cpu-dispatch often" "cpu-dispatch 'often' is not dispatcher, both, workers or all" \
 	--model "$MODEL" --runner-opt=--cpu-dispatch=often
 expect_start_fails "--cpu-pin-runner maybe" "cpu-pin-runner 'maybe' is not yes or no" \
 	--model "$MODEL" --runner-opt=--cpu-pin-runner=maybe
@@ -121,8 +121,11 @@ if [[ $BACKEND != cpu ]]; then
 	same_tokens_with cpu-result copy
 	same_tokens_with cpu-result polled
 
-	# The runner's thread, waiting for a step's end, hands the pool jobs too (--cpu-dispatch both).
+	# The runner's thread, waiting for a step's end, hands the pool jobs too (--cpu-dispatch both);
+	# the pool's idle workers do (workers); all three (all).
 	same_tokens_with cpu-dispatch both
+	same_tokens_with cpu-dispatch workers
+	same_tokens_with cpu-dispatch all
 
 	# auto with one share for the token (--cpu-share-balance token; layer is the default): the same tokens.
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share auto --cpu-threads 2 \

@@ -45,6 +45,14 @@ struct worker {
 	_Atomic uint64_t parts;	  /* written by this worker only */
 	_Atomic uint64_t busy_ns;
 	_Atomic uint64_t sleeps;
+	_Atomic uint32_t in_idle; /* inside the idle hook (task_pool_set_idle waits it out) */
+};
+
+/* An idle hook as task_pool_set_idle set it: swapped whole, so a worker never sees a function with
+ * another hook's argument. */
+struct idle_hook {
+	task_idle_fn fn;
+	void *arg;
 };
 
 struct task_pool {
@@ -65,6 +73,9 @@ struct task_pool {
 	_Atomic uint64_t parts_cancelled;
 	/* Completions between their word's store and their last touch of the words (task_pool_quiesce). */
 	alignas(CACHE_LINE) _Atomic uint32_t completing;
+	/* The idle hook, or NULL: read by spinning workers, written by task_pool_set_idle. */
+	alignas(CACHE_LINE) struct idle_hook *_Atomic idle;
+	_Atomic uint64_t idle_calls; /* calls of the hook that returned non-zero */
 };
 
 /* The worker the calling thread is (NULL on other threads); the parts it is running, one inside
@@ -216,8 +227,23 @@ static void cancel_part(struct task_pool *p, struct task_job *job, uint32_t part
 
 /* ---- workers ---- */
 
-/* Polls the queue for spin_us; true with an item in *it, false once the time is up or on stop. */
-static bool idle_spin(struct task_pool *p, struct task_item *it)
+/* Calls the idle hook, if one is set, announced in w->in_idle (sequentially consistent, against
+ * task_pool_set_idle's exchange: either the setter sees the announcement and waits, or this load
+ * sees the new hook). */
+static inline void call_idle(struct task_pool *p, struct worker *w)
+{
+	if (!atomic_load_explicit(&p->idle, memory_order_relaxed))
+		return;
+	atomic_store_explicit(&w->in_idle, 1, memory_order_seq_cst);
+	struct idle_hook *h = atomic_load_explicit(&p->idle, memory_order_seq_cst);
+	if (h && h->fn(h->arg))
+		atomic_fetch_add_explicit(&p->idle_calls, 1, memory_order_relaxed);
+	atomic_store_explicit(&w->in_idle, 0, memory_order_release);
+}
+
+/* Polls the queue (and the idle hook) for spin_us; true with an item in *it, false once the time
+ * is up or on stop. */
+static bool idle_spin(struct task_pool *p, struct worker *w, struct task_item *it)
 {
 	if (p->spin_us == 0)
 		return false;
@@ -226,6 +252,7 @@ static bool idle_spin(struct task_pool *p, struct task_item *it)
 		cpu_relax();
 		if (task_queue_pop(p->queue, it))
 			return true;
+		call_idle(p, w);
 		if (i % CLOCK_EVERY == 0 &&
 		    (atomic_load_explicit(&p->stopping, memory_order_relaxed) || now_ns() >= end))
 			return false;
@@ -264,7 +291,7 @@ static void *worker_main(void *arg)
 	for (;;) {
 		if (atomic_load_explicit(&p->stopping, memory_order_acquire))
 			break;
-		if (task_queue_pop(p->queue, &it) || idle_spin(p, &it)) {
+		if (task_queue_pop(p->queue, &it) || idle_spin(p, w, &it)) {
 			run_part(p, w, it);
 			continue;
 		}
@@ -414,9 +441,33 @@ void task_pool_destroy(struct task_pool **pp)
 	while (task_queue_pop(p->queue, &it))
 		cancel_part(p, it.ptr, (uint32_t)it.arg);
 	task_queue_destroy(&p->queue);
+	free(atomic_load_explicit(&p->idle, memory_order_relaxed)); /* a hook never cleared */
 	free(p->workers);
 	free(p);
 	*pp = NULL;
+}
+
+int task_pool_set_idle(struct task_pool *p, task_idle_fn fn, void *arg)
+{
+	struct idle_hook *h = NULL;
+	if (fn) {
+		if (atomic_load_explicit(&p->idle, memory_order_acquire))
+			return -EBUSY;
+		h = malloc(sizeof(*h));
+		if (!h)
+			return -ENOMEM;
+		h->fn = fn;
+		h->arg = arg;
+	}
+	struct idle_hook *old = atomic_exchange_explicit(&p->idle, h, memory_order_seq_cst);
+	if (old) {
+		/* A worker that announced itself before the exchange may still be calling it. */
+		for (uint32_t i = 0; i < p->threads; i++)
+			while (atomic_load_explicit(&p->workers[i].in_idle, memory_order_seq_cst))
+				cpu_relax();
+		free(old);
+	}
+	return 0;
 }
 
 uint32_t task_pool_threads(const struct task_pool *p)
@@ -561,6 +612,7 @@ void task_pool_get_stats(const struct task_pool *cp, struct task_pool_stats *out
 	out->jobs_failed = atomic_load_explicit(&p->jobs_failed, memory_order_relaxed);
 	out->parts_inline = atomic_load_explicit(&p->parts_inline, memory_order_relaxed);
 	out->parts_cancelled = atomic_load_explicit(&p->parts_cancelled, memory_order_relaxed);
+	out->idle_work = atomic_load_explicit(&p->idle_calls, memory_order_relaxed);
 	out->parts_run = out->parts_inline;
 	out->busy_ns = atomic_load_explicit(&p->inline_busy_ns, memory_order_relaxed);
 	for (uint32_t i = 0; i < p->threads; i++) {

@@ -63,6 +63,11 @@ extern "C" {
  * bytes, TASK_ERR_MAX) naming what failed. A positive return is a programmer error (asserted). */
 typedef int (*task_fn)(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen);
 
+/* The idle hook (task_pool_set_idle): called by each idle worker at every turn of its spin, with
+ * the argument it was set with. Returns how much it did (non-zero: counted in idle_work). It must
+ * not block; it may submit jobs (which the worker then takes parts of, as any other). */
+typedef uint32_t (*task_idle_fn)(void *arg);
+
 struct task_job;
 /* Called once per job by the thread that completes it, before the done word is stored: rc and
  * err are final. Must not block; the job may be reused as soon as the word is stored. */
@@ -113,6 +118,7 @@ struct task_pool_stats {
 	uint64_t parts_cancelled; /* failed unrun at destroy or after it began */
 	uint64_t busy_ns;	/* time inside part functions, summed over threads */
 	uint64_t sleeps;	/* times a worker went to sleep */
+	uint64_t idle_work;	/* calls of the idle hook that did something */
 };
 
 struct task_pool;
@@ -137,6 +143,13 @@ void task_pool_quiesce(struct task_pool *pool);
 uint32_t task_pool_threads(const struct task_pool *pool);
 /* The CPU worker i is pinned to, or -1 (pinning off, or it failed). */
 int task_pool_worker_cpu(const struct task_pool *pool, uint32_t i);
+
+/* Sets the idle hook (fn non-NULL): idle workers, while they spin (not once asleep), call fn(arg),
+ * e.g. to poll for work that comes from elsewhere (a GPU stream's trigger, cuda/cpu_handoff.h).
+ * Returns 0, -EBUSY where a hook is set already, -ENOMEM. With fn NULL, clears it and returns once
+ * no worker is still inside it (so arg may be freed then); clearing none returns 0. A hook left set
+ * is freed by destroy. One thread at a time may set or clear. */
+int task_pool_set_idle(struct task_pool *pool, task_idle_fn fn, void *arg);
 
 /* Sets a job up: fn, arg, n_parts, the completion word and value; no waiters, no hook, user NULL. */
 void task_job_init(struct task_job *job, task_fn fn, void *arg, uint32_t n_parts, uint32_t *done_word,

@@ -119,6 +119,8 @@ struct cpu_handoff {
 	uint32_t next_dispatch;	    /* the next seq to hand to the pool: taken by a compare-and-swap, by the
 				     * dispatcher or a thread in cpu_handoff_poll, whichever sees its trigger first */
 	uint64_t by_poll;	    /* jobs dispatched from cpu_handoff_poll */
+	uint64_t by_workers;	    /* jobs dispatched by the pool's idle workers (workers_dispatch) */
+	bool idle_hook;		    /* the pool's idle hook is this handoff's (idle_dispatch) */
 	uint32_t wake_seq;	    /* futex word the dispatcher sleeps on: bumped by publish and stop */
 	uint32_t disp_sleeping;
 	uint32_t stop;
@@ -381,6 +383,18 @@ uint32_t cpu_handoff_poll(struct cpu_handoff *h)
 	return n;
 }
 
+/* The pool's idle hook (workers_dispatch): an idle worker, spinning between jobs, hands the pool
+ * the jobs whose triggers have come, as the dispatcher does; one held off its CPU is then not the
+ * only thread that could. */
+static uint32_t idle_dispatch(void *arg)
+{
+	struct cpu_handoff *h = (struct cpu_handoff *)arg;
+	const uint32_t n = dispatch_ready(h);
+	if (n)
+		__atomic_add_fetch(&h->by_workers, n, __ATOMIC_RELAXED);
+	return n;
+}
+
 static void *dispatcher_main(void *arg)
 {
 	struct cpu_handoff *h = (struct cpu_handoff *)arg;
@@ -634,6 +648,15 @@ int cpu_handoff_create(struct task_pool *pool, cudaStream_t stream, const struct
 			goto out_free;
 		}
 		h->dispatcher_started = !params->no_dispatcher;
+		if (params->workers_dispatch) {
+			rc = task_pool_set_idle(pool, idle_dispatch, h);
+			if (rc) {
+				rc = errorf(err, errlen, rc, "cpu handoff: the pool's idle workers cannot dispatch: %s",
+					    rc == -EBUSY ? "another hook is set" : strerror(-rc));
+				goto out_free;
+			}
+			h->idle_hook = true;
+		}
 	}
 	*out = h;
 	return 0;
@@ -659,12 +682,15 @@ void cpu_handoff_destroy(struct cpu_handoff **hp)
 		futex_wake(&h->wake_seq, INT_MAX);
 		pthread_join(h->dispatcher, NULL);
 	}
+	if (h->idle_hook)
+		(void)task_pool_set_idle(h->pool, NULL, NULL); /* returns once no worker is inside */
 	/* Jobs handed to the pool may still run (a handoff never waited for): they read the slots
 	 * and the ring, so wait for the last of each slot. Those of one slot complete in order. */
 	uint32_t last = __atomic_load_n(&h->dispatched, __ATOMIC_ACQUIRE);
 	if (h->mode == CPU_HANDOFF_MEMOPS)
 		last = __atomic_load_n(&h->next_dispatch, __ATOMIC_ACQUIRE) - 1; /* the dispatcher joined, the
-										  * poller is this thread */
+										  * hook cleared, the poller
+										  * is this thread */
 	if (h->words && __atomic_load_n(&h->n_dispatched, __ATOMIC_RELAXED) > 0) {
 		for (uint32_t k = 0; k < 2; k++) {
 			uint32_t s = last - k;
@@ -865,6 +891,7 @@ void cpu_handoff_get_stats(const struct cpu_handoff *ch, struct cpu_handoff_stat
 	out->host_late = __atomic_load_n(&h->host_late, __ATOMIC_RELAXED);
 	out->stalls = __atomic_load_n(&h->stalls, __ATOMIC_RELAXED);
 	out->by_poll = __atomic_load_n(&h->by_poll, __ATOMIC_RELAXED);
+	out->by_workers = __atomic_load_n(&h->by_workers, __ATOMIC_RELAXED);
 	out->stall_ns = __atomic_load_n(&h->stall_ns, __ATOMIC_RELAXED);
 }
 

@@ -36,7 +36,10 @@
  *    word with release order, and the stream waits on it with cuStreamWaitValue32
  *    (CU_STREAM_WAIT_VALUE_GEQ, a cyclic >= on numbers that only grow, so no word is ever reset).
  *    The dispatcher polls only while a handoff is submitted and not yet triggered (plus spin_us),
- *    and sleeps otherwise. Needs the stream memory operations of the driver (v2, CUDA 12+) on
+ *    and sleeps otherwise. Beside it, the thread that waits for the stream may poll the word too
+ *    (cpu_handoff_poll), and so may the pool's idle workers while they spin between jobs
+ *    (workers_dispatch): each job is taken by whichever sees its trigger first, so a dispatcher
+ *    that the OS holds off its CPU is not the only thread that could hand it over. Needs the stream memory operations of the driver (v2, CUDA 12+) on
  *    host memory; cpu_handoff_create probes them on the stream and refuses with -ENOTSUP.
  *
  * Errors: a job that fails still completes (the stream never hangs on it); its message is kept,
@@ -108,6 +111,9 @@ struct cpu_handoff_params {
 	bool no_dispatcher;   /* memops: no dispatcher thread; jobs reach the pool only from
 			       * cpu_handoff_poll, which the caller must keep calling while the stream
 			       * runs, and a submit that waits for the ring hangs (tests of the poll) */
+	bool workers_dispatch; /* memops: the pool's idle workers, while they spin between jobs, hand
+				* it the jobs whose triggers have come, beside the dispatcher (the
+				* pool's idle hook, task_pool_set_idle: the pool must have none) */
 };
 
 struct cpu_handoff_stats {
@@ -128,6 +134,7 @@ struct cpu_handoff_stats {
 	uint64_t stalls, stall_ns; /* memops: the dispatcher, waiting for a trigger, off its CPU 100 us
 				    * or more at once: how often, and for how long in all */
 	uint64_t by_poll;    /* memops: jobs dispatched from cpu_handoff_poll, not by the dispatcher */
+	uint64_t by_workers; /* memops: jobs dispatched by the pool's idle workers (workers_dispatch) */
 };
 
 struct cpu_handoff;

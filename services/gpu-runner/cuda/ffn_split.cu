@@ -114,6 +114,7 @@ int ffn_split_setup(struct backend_dev *be)
 	hp.mode = p->cpu_handoff == BACKEND_HANDOFF_HOSTFUNC ? CPU_HANDOFF_HOSTFUNC : CPU_HANDOFF_MEMOPS;
 	hp.mapped_out = p->cpu_result_mapped;
 	hp.poll_out = p->cpu_result_mapped && p->cpu_result_polled;
+	hp.workers_dispatch = p->cpu_dispatch_workers;
 	rc = cpu_handoff_create(p->cpu_pool, be->stream, &hp, &be->handoff, msg, sizeof(msg));
 	if (rc == -ENOTSUP && p->cpu_handoff == BACKEND_HANDOFF_DEFAULT) {
 		log_info("cuda backend: the CPU share is handed over by host functions: %s", msg);
@@ -239,6 +240,7 @@ void ffn_split_stats(struct backend_dev *be, struct backend_cpu_share_stats *out
 	out->dispatch_stalls = hs.stalls;
 	out->dispatch_stall_ms = (double)hs.stall_ns / 1e6;
 	out->dispatched_by_poll = hs.by_poll;
+	out->dispatched_by_workers = hs.by_workers;
 }
 
 /* A matrix of a share in device memory as a part of a product into out. */

@@ -72,6 +72,7 @@ static bool g_mapped, g_polled;
 static bool g_poll;
 /* ... and no dispatcher: every job from the test's polls (a ring the steps never wrap). */
 static bool g_no_dispatcher;
+static bool g_workers; /* the pool's idle workers dispatch (workers_dispatch) */
 
 /* Returns false (and says why) when the mode cannot run here: memops on a GPU without it. */
 static bool rig_open(struct rig *r, enum cpu_handoff_mode mode, uint32_t ring)
@@ -82,7 +83,7 @@ static bool rig_open(struct rig *r, enum cpu_handoff_mode mode, uint32_t ring)
 	task_pool_config_default(&cfg);
 	cfg.threads = 4;
 	cfg.pin = false;
-	cfg.spin_us = 20;
+	cfg.spin_us = g_workers ? 60000000 : 20; /* dispatching workers must not fall asleep */
 	ck_assert_msg(task_pool_create(&cfg, &r->pool, err, sizeof(err)) == 0, "%s", err);
 	CUDA_OK(cudaStreamCreateWithFlags(&r->stream, cudaStreamNonBlocking));
 	struct cpu_handoff_params hp = {.mode = mode,
@@ -93,7 +94,8 @@ static bool rig_open(struct rig *r, enum cpu_handoff_mode mode, uint32_t ring)
 					.dispatcher_cpu = -1,
 					.mapped_out = g_mapped,
 					.poll_out = g_polled,
-					.no_dispatcher = g_no_dispatcher};
+					.no_dispatcher = g_no_dispatcher,
+					.workers_dispatch = g_workers};
 	int rc = cpu_handoff_create(r->pool, r->stream, &hp, &r->h, err, sizeof(err));
 	if (rc == -ENOTSUP && mode == CPU_HANDOFF_MEMOPS) {
 		fprintf(stderr, "test_cpu_handoff: memops cannot run here, not tested: %s\n", err);
@@ -153,6 +155,17 @@ static void wait_step(struct rig *r, uint32_t step, int k, uint64_t seq)
 
 /* Steps 1..STEPS: the first half one handoff at a time, the second half two in flight. Then the
  * one synchronisation, and the checks. */
+/* The stream run dry by this thread's polls (cpu_handoff_poll): with no dispatcher nothing else
+ * hands the pool its jobs, and a stream left to queue a thousand steps' work would fill the
+ * driver's queue, blocking this thread in a launch that only its own poll could release. */
+static void poll_dry(struct rig *r)
+{
+	cudaError_t e;
+	while ((e = cudaStreamQuery(r->stream)) == cudaErrorNotReady)
+		(void)cpu_handoff_poll(r->h);
+	CUDA_OK(e);
+}
+
 static void run_steps(enum cpu_handoff_mode mode, uint32_t fail_step, uint32_t ring)
 {
 	struct rig r;
@@ -164,6 +177,8 @@ static void run_steps(enum cpu_handoff_mode mode, uint32_t fail_step, uint32_t r
 		uint64_t seq;
 		submit_step(&r, step, 0, &seq);
 		wait_step(&r, step, 0, seq);
+		if (g_no_dispatcher && g_poll)
+			poll_dry(&r);
 	}
 	for (; step + 1 <= STEPS; step += 2) {
 		uint64_t s0, s1;
@@ -171,13 +186,11 @@ static void run_steps(enum cpu_handoff_mode mode, uint32_t fail_step, uint32_t r
 		submit_step(&r, step + 1, 1, &s1);
 		wait_step(&r, step, 0, s0);
 		wait_step(&r, step + 1, 1, s1);
+		if (g_no_dispatcher && g_poll)
+			poll_dry(&r); /* both triggers come before the first wait: two jobs in flight */
 	}
-	if (g_poll) {
-		cudaError_t e;
-		while ((e = cudaStreamQuery(r.stream)) == cudaErrorNotReady)
-			(void)cpu_handoff_poll(r.h);
-		CUDA_OK(e);
-	}
+	if (g_poll)
+		poll_dry(&r);
 	CUDA_OK(cudaStreamSynchronize(r.stream));
 
 	uint32_t *bad = malloc((STEPS + 2) * sizeof(uint32_t));
@@ -206,8 +219,9 @@ static void run_steps(enum cpu_handoff_mode mode, uint32_t fail_step, uint32_t r
 	ck_assert_uint_eq(st.waited, STEPS);
 	ck_assert_uint_eq(st.dispatched, STEPS); /* each job handed over once, by whichever thread */
 	ck_assert_uint_le(st.by_poll, g_poll ? STEPS : 0);
+	ck_assert_uint_le(st.by_workers, g_workers ? STEPS : 0);
 	if (g_no_dispatcher)
-		ck_assert_uint_eq(st.by_poll, STEPS);
+		ck_assert_uint_eq(st.by_poll + st.by_workers, STEPS);
 	if (fail_step) {
 		ck_assert_int_eq(rc, -EIO);
 		char want[128];
@@ -222,8 +236,9 @@ static void run_steps(enum cpu_handoff_mode mode, uint32_t fail_step, uint32_t r
 	}
 	if (getenv("PIPELINE_TEST_VERBOSE"))
 		fprintf(stderr, "test_cpu_handoff: %s: %u steps, %llu submits waited for the ring, %llu jobs dispatched "
-			"by the waiting thread\n", cpu_handoff_mode_name(mode), STEPS, (unsigned long long)st.ring_waits,
-			(unsigned long long)st.by_poll);
+			"by the waiting thread, %llu by idle workers\n", cpu_handoff_mode_name(mode), STEPS,
+			(unsigned long long)st.ring_waits, (unsigned long long)st.by_poll,
+			(unsigned long long)st.by_workers);
 	free(bad);
 	free(acc);
 	rig_close(&r);
@@ -283,6 +298,24 @@ START_TEST(test_poll_round_trips)
 	run_steps(CPU_HANDOFF_MEMOPS, STEPS / 3, 1024);
 	g_no_dispatcher = false;
 	g_poll = false;
+}
+END_TEST
+
+/* The pool's idle workers dispatching beside the dispatcher (--cpu-dispatch workers), and alone:
+ * every job handed over once, by them when nothing else can, two in flight among them; a failure
+ * reported; the hook cleared at destroy (the pool lives on to the next rig's: each makes its own). */
+START_TEST(test_workers_round_trips)
+{
+	g_workers = true;
+	run_steps(CPU_HANDOFF_MEMOPS, 0, 0);
+	g_no_dispatcher = true;
+	run_steps(CPU_HANDOFF_MEMOPS, 0, 0);
+	run_steps(CPU_HANDOFF_MEMOPS, STEPS / 3, 0);
+	g_mapped = true;
+	run_steps(CPU_HANDOFF_MEMOPS, 0, 2);
+	g_mapped = false;
+	g_no_dispatcher = false;
+	g_workers = false;
 }
 END_TEST
 
@@ -377,6 +410,7 @@ static Suite *handoff_suite(void)
 	tcase_add_test(tc, test_mapped_round_trips);
 	tcase_add_test(tc, test_polled_round_trips);
 	tcase_add_test(tc, test_poll_round_trips);
+	tcase_add_test(tc, test_workers_round_trips);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("failures");
 	tcase_set_timeout(tc, 240);

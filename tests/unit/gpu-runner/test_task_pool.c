@@ -6,6 +6,7 @@
  *  - destroy while parts run and others are queued: the running ones finish, the queued job fails
  *    with a message and its word is stored; a submit from a part during destroy fails cleanly;
  *  - idle workers go to sleep (spin 0 and spin > 0) and wake for the next job;
+ *  - the idle hook: jobs only it submits, each once; a second refused; clearing waits for it;
  *  - task_word_wait: timeouts, wrap-around, waking a sleeper;
  *  - configurations it refuses, pinning to a given CPU and to one not allowed (logged, unpinned).
  * Waits are conditions with a bounded timeout (wait_until), never sleeps. */
@@ -626,6 +627,115 @@ START_TEST(test_idle_workers_sleep)
 }
 END_TEST
 
+/* ---- the idle hook ---- */
+
+/* Work that comes from elsewhere (as a GPU's trigger does): the test raises `ready`, and whichever
+ * idle worker's hook takes it first (an exchange) submits the job. */
+struct idle_source {
+	struct task_pool *pool;
+	_Atomic uint32_t ready;
+	_Atomic uint32_t taken;	   /* submits made by the hook */
+	_Atomic uint32_t calls;
+	_Atomic uint32_t inside;   /* hooks running now */
+	_Atomic uint32_t nap;	   /* the hook naps this many us while inside (the clear's wait) */
+	struct task_job job;
+	uint32_t done;
+	struct rows_job rows;
+};
+
+static uint32_t idle_take(void *arg)
+{
+	struct idle_source *src = arg;
+	atomic_fetch_add(&src->inside, 1);
+	atomic_fetch_add(&src->calls, 1);
+	uint32_t did = 0;
+	if (atomic_exchange(&src->ready, 0)) {
+		atomic_fetch_add(&src->taken, 1); /* before the submit: the job may be done when it returns */
+		ck_assert_int_eq(task_pool_submit(src->pool, &src->job), 0);
+		did = 1;
+	}
+	uint32_t nap = atomic_load(&src->nap);
+	if (nap)
+		nap_us(nap);
+	atomic_fetch_sub(&src->inside, 1);
+	return did;
+}
+
+static bool source_done(void *arg)
+{
+	struct idle_source *src = arg;
+	return __atomic_load_n(&src->done, __ATOMIC_ACQUIRE) == src->job.done_value;
+}
+
+static bool source_called(void *arg)
+{
+	return atomic_load(&((struct idle_source *)arg)->calls) > 0;
+}
+
+static bool idle_work_50(void *pool)
+{
+	struct task_pool_stats st;
+	task_pool_get_stats(pool, &st);
+	return st.idle_work >= 50;
+}
+
+/* Jobs that no thread submits but the idle workers' hook, each taken exactly once; a second hook
+ * refused; clearing waits for a hook still running and stops the calls; a pool whose workers
+ * sleep at once never calls it. */
+START_TEST(test_idle_hook)
+{
+	static struct idle_source src;
+	memset(&src, 0, sizeof(src));
+	src.pool = make_pool(3, 2000000, 0); /* spin 2 s: idle workers poll through the test */
+	ck_assert_int_eq(task_pool_set_idle(src.pool, idle_take, &src), 0);
+	ck_assert_int_eq(task_pool_set_idle(src.pool, idle_take, &src), -EBUSY);
+	const uint32_t rounds = 50, parts = 6;
+	for (uint32_t k = 1; k <= rounds; k++) {
+		rows_init(&src.rows, 1000, parts, k);
+		task_job_init(&src.job, rows_fn, &src.rows, parts, &src.done, k);
+		atomic_store(&src.ready, 1);
+		wait_until(source_done, &src, "a job only the idle hook submits");
+		ck_assert_int_eq(src.job.rc, 0);
+		rows_check(&src.rows, parts);
+		rows_free(&src.rows);
+		ck_assert_uint_eq(atomic_load(&src.taken), k);
+	}
+	/* The hook's count moves after it returns, which may be after its job is done. */
+	wait_until(idle_work_50, src.pool, "50 calls of the hook that did something");
+	struct task_pool_stats st;
+	nap_us(2000);
+	task_pool_get_stats(src.pool, &st);
+	ck_assert_uint_eq(st.idle_work, rounds);
+	ck_assert_uint_eq(st.jobs_done, rounds);
+
+	atomic_store(&src.nap, 3000); /* a hook inside for 3 ms at a time */
+	uint32_t seen = atomic_load(&src.calls);
+	wait_until(source_called, &src, "the hook called"); /* (already true; calls keep coming) */
+	while (atomic_load(&src.calls) == seen)
+		nap_us(100);
+	ck_assert_int_eq(task_pool_set_idle(src.pool, NULL, NULL), 0);
+	ck_assert_uint_eq(atomic_load(&src.inside), 0); /* cleared: no worker still inside */
+	const uint32_t after = atomic_load(&src.calls);
+	nap_us(20000);
+	ck_assert_uint_eq(atomic_load(&src.calls), after);
+	ck_assert_int_eq(task_pool_set_idle(src.pool, NULL, NULL), 0); /* none to clear */
+	task_pool_destroy(&src.pool);
+
+	/* Workers that sleep at once (spin 0) poll nothing; a hook left set is freed by destroy. */
+	memset(&src, 0, sizeof(src));
+	src.pool = make_pool(2, 0, 0);
+	ck_assert_int_eq(task_pool_set_idle(src.pool, idle_take, &src), 0);
+	rows_init(&src.rows, 10, 1, 1);
+	task_job_init(&src.job, rows_fn, &src.rows, 1, &src.done, 1);
+	ck_assert_int_eq(task_pool_submit(src.pool, &src.job), 0);
+	wait_until(source_done, &src, "a job submitted to sleeping workers");
+	nap_us(5000);
+	ck_assert_uint_eq(atomic_load(&src.calls), 0);
+	rows_free(&src.rows);
+	task_pool_destroy(&src.pool);
+}
+END_TEST
+
 /* ---- task_word_wait ---- */
 
 struct submit_later {
@@ -839,6 +949,7 @@ int main(void)
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_destroy_with_work_in_flight);
 	tcase_add_test(tc, test_idle_workers_sleep);
+	tcase_add_test(tc, test_idle_hook);
 	tcase_add_test(tc, test_word_wait);
 	tcase_add_test(tc, test_config);
 	suite_add_tcase(s, tc);
