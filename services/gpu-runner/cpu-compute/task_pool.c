@@ -73,9 +73,9 @@ struct task_pool {
 	_Atomic uint64_t parts_cancelled;
 	/* Completions between their word's store and their last touch of the words (task_pool_quiesce). */
 	alignas(CACHE_LINE) _Atomic uint32_t completing;
-	/* The idle hook, or NULL: read by spinning workers, written by task_pool_set_idle. */
+	/* The idle hook, or NULL: read by spinning workers at every turn, written by task_pool_set_idle. */
 	alignas(CACHE_LINE) struct idle_hook *_Atomic idle;
-	_Atomic uint64_t idle_calls; /* calls of the hook that returned non-zero */
+	alignas(CACHE_LINE) _Atomic uint64_t idle_calls; /* calls of the hook that returned non-zero */
 };
 
 /* The worker the calling thread is (NULL on other threads); the parts it is running, one inside

@@ -148,7 +148,9 @@ int task_pool_worker_cpu(const struct task_pool *pool, uint32_t i);
  * e.g. to poll for work that comes from elsewhere (a GPU stream's trigger, cuda/cpu_handoff.h).
  * Returns 0, -EBUSY where a hook is set already, -ENOMEM. With fn NULL, clears it and returns once
  * no worker is still inside it (so arg may be freed then); clearing none returns 0. A hook left set
- * is freed by destroy. One thread at a time may set or clear. */
+ * is freed by destroy. One thread at a time may set or clear, never a worker of the pool nor the
+ * hook itself (a clear waits for every worker's call to end, its own included). Workers dispatch
+ * only while they spin: a pool whose spin_us is short calls it little. */
 int task_pool_set_idle(struct task_pool *pool, task_idle_fn fn, void *arg);
 
 /* Sets a job up: fn, arg, n_parts, the completion word and value; no waiters, no hook, user NULL. */

@@ -119,6 +119,9 @@ int ffn_split_setup(struct backend_dev *be)
 	if (rc == -ENOTSUP && p->cpu_handoff == BACKEND_HANDOFF_DEFAULT) {
 		log_info("cuda backend: the CPU share is handed over by host functions: %s", msg);
 		hp.mode = CPU_HANDOFF_HOSTFUNC;
+		if (p->cpu_dispatch_poll || p->cpu_dispatch_workers)
+			log_warn("cuda backend: --cpu-dispatch has nothing to add to host functions: their jobs are "
+				 "handed over by the stream's callback");
 		rc = cpu_handoff_create(p->cpu_pool, be->stream, &hp, &be->handoff, msg, sizeof(msg));
 	}
 	if (rc)

@@ -153,8 +153,6 @@ static void wait_step(struct rig *r, uint32_t step, int k, uint64_t seq)
 	CUDA_OK(handoff_test_check(r->d_y[k], N, step, r->d_bad, r->d_acc, r->stream));
 }
 
-/* Steps 1..STEPS: the first half one handoff at a time, the second half two in flight. Then the
- * one synchronisation, and the checks. */
 /* The stream run dry by this thread's polls (cpu_handoff_poll): with no dispatcher nothing else
  * hands the pool its jobs, and a stream left to queue a thousand steps' work would fill the
  * driver's queue, blocking this thread in a launch that only its own poll could release. */
@@ -166,6 +164,8 @@ static void poll_dry(struct rig *r)
 	CUDA_OK(e);
 }
 
+/* Steps 1..STEPS: the first half one handoff at a time, the second half two in flight. Then the
+ * one synchronisation, and the checks. */
 static void run_steps(enum cpu_handoff_mode mode, uint32_t fail_step, uint32_t ring)
 {
 	struct rig r;
@@ -302,8 +302,8 @@ START_TEST(test_poll_round_trips)
 END_TEST
 
 /* The pool's idle workers dispatching beside the dispatcher (--cpu-dispatch workers), and alone:
- * every job handed over once, by them when nothing else can, two in flight among them; a failure
- * reported; the hook cleared at destroy (the pool lives on to the next rig's: each makes its own). */
+ * every job handed over once, by them when nothing else can (the runs without a dispatcher are the
+ * ones that prove the hook runs), two in flight among them; a failure reported. */
 START_TEST(test_workers_round_trips)
 {
 	g_workers = true;

@@ -636,6 +636,7 @@ struct idle_source {
 	_Atomic uint32_t ready;
 	_Atomic uint32_t taken;	   /* submits made by the hook */
 	_Atomic uint32_t calls;
+	uint32_t seen;		   /* calls at a point of the test */
 	_Atomic uint32_t inside;   /* hooks running now */
 	_Atomic uint32_t nap;	   /* the hook naps this many us while inside (the clear's wait) */
 	struct task_job job;
@@ -667,9 +668,10 @@ static bool source_done(void *arg)
 	return __atomic_load_n(&src->done, __ATOMIC_ACQUIRE) == src->job.done_value;
 }
 
-static bool source_called(void *arg)
+static bool source_called_again(void *arg)
 {
-	return atomic_load(&((struct idle_source *)arg)->calls) > 0;
+	struct idle_source *src = arg;
+	return atomic_load(&src->calls) != src->seen;
 }
 
 static bool idle_work_50(void *pool)
@@ -709,10 +711,8 @@ START_TEST(test_idle_hook)
 	ck_assert_uint_eq(st.jobs_done, rounds);
 
 	atomic_store(&src.nap, 3000); /* a hook inside for 3 ms at a time */
-	uint32_t seen = atomic_load(&src.calls);
-	wait_until(source_called, &src, "the hook called"); /* (already true; calls keep coming) */
-	while (atomic_load(&src.calls) == seen)
-		nap_us(100);
+	src.seen = atomic_load(&src.calls);
+	wait_until(source_called_again, &src, "the hook called again (napping inside)");
 	ck_assert_int_eq(task_pool_set_idle(src.pool, NULL, NULL), 0);
 	ck_assert_uint_eq(atomic_load(&src.inside), 0); /* cleared: no worker still inside */
 	const uint32_t after = atomic_load(&src.calls);
