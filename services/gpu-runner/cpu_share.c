@@ -44,7 +44,10 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 		return errorf(err, errlen, -EINVAL, "--cpu-result '%s' is not mapped, polled or copy", res);
 	r->cpu_result_mapped = strcmp(res, "copy") != 0;
 	r->cpu_result_polled = !strcmp(res, "polled");
-	const char *disp = r->cpu_dispatch_arg ? r->cpu_dispatch_arg : "dispatcher";
+	/* workers by default: on an H200 host P3's hand-offs of 1 ms and more (the dispatcher held off
+	 * its CPU) went from 4 in 660 to none, its ms/token alike (docs/benchmarks.md, 2026-12-03,
+	 * seventh session). */
+	const char *disp = r->cpu_dispatch_arg ? r->cpu_dispatch_arg : "workers";
 	if (strcmp(disp, "dispatcher") && strcmp(disp, "both") && strcmp(disp, "workers") && strcmp(disp, "all"))
 		return errorf(err, errlen, -EINVAL, "--cpu-dispatch '%s' is not dispatcher, both, workers or all", disp);
 	r->cpu_dispatch_poll = !strcmp(disp, "both") || !strcmp(disp, "all");

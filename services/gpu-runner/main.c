@@ -320,7 +320,7 @@ int main(int argc, char **argv)
 		 "queued behind the weight copies); for the CPU's experts of a token, mapped also means the "
 		 "stream waits for them (the host goes on to the next layer), copy that the host waits at the "
 		 "layer's end"},
-		{"cpu-dispatch", OPT_STRING, &r.cpu_dispatch_arg, "dispatcher",
+		{"cpu-dispatch", OPT_STRING, &r.cpu_dispatch_arg, "workers",
 		 "memops handoffs: who hands the CPU pool a split FFN's job once the stream has copied its input "
 		 "down: the handoff's dispatcher thread (dispatcher); it and the runner's own thread while that "
 		 "waits for a step's end (both); it and the pool's idle workers while they spin between jobs "

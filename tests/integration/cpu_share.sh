@@ -121,10 +121,10 @@ if [[ $BACKEND != cpu ]]; then
 	same_tokens_with cpu-result copy
 	same_tokens_with cpu-result polled
 
-	# The runner's thread, waiting for a step's end, hands the pool jobs too (--cpu-dispatch both);
-	# the pool's idle workers do (workers); all three (all).
+	# The dispatcher alone hands the pool its jobs (--cpu-dispatch dispatcher; the pool's idle workers
+	# do too by default); the runner's thread waiting for a step's end does too (both); all three (all).
+	same_tokens_with cpu-dispatch dispatcher
 	same_tokens_with cpu-dispatch both
-	same_tokens_with cpu-dispatch workers
 	same_tokens_with cpu-dispatch all
 
 	# auto with one share for the token (--cpu-share-balance token; layer is the default): the same tokens.

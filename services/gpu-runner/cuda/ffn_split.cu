@@ -120,8 +120,8 @@ int ffn_split_setup(struct backend_dev *be)
 		log_info("cuda backend: the CPU share is handed over by host functions: %s", msg);
 		hp.mode = CPU_HANDOFF_HOSTFUNC;
 		if (p->cpu_dispatch_poll || p->cpu_dispatch_workers)
-			log_warn("cuda backend: --cpu-dispatch has nothing to add to host functions: their jobs are "
-				 "handed over by the stream's callback");
+			log_info("cuda backend: --cpu-dispatch changes nothing with host functions: the stream's "
+				 "callback hands the pool each job");
 		rc = cpu_handoff_create(p->cpu_pool, be->stream, &hp, &be->handoff, msg, sizeof(msg));
 	}
 	if (rc)
