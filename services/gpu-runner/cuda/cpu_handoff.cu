@@ -5,16 +5,18 @@
  *
  * Who touches what:
  *  - the descriptor of handoff seq (ring[seq % ring]) is written by the submitting thread, read
- *    by whoever submits the job (the hostfunc host function, or the dispatcher) and by the job's
+ *    by whoever submits the job (the hostfunc host function; with memops the dispatcher, a
+ *    thread in cpu_handoff_poll or an idle worker of the pool) and by the job's
  *    parts and hook; the submitting thread writes it again only once the job has completed (its
  *    slot's done word has reached seq), and the pool touches a job not at all after that store;
  *  - done[slot].value is written only by job completions (seq, growing by 2 per slot: the jobs
  *    of one slot are ordered by the stream, since job seq + 2 starts after the stream's wait for
  *    seq); read by the stream (memops), the wait host function (hostfunc) and the submitter;
- *  - trigger (memops) is written only by the stream, read by the dispatcher and cpu_handoff_poll;
- *  - published (memops) is written only by the submitting thread, read by the same two;
- *  - next_dispatch (memops) is taken seq by seq with a compare-and-swap by whichever of the two
- *    sees seq published and triggered first: each job goes to the pool once.
+ *  - trigger (memops) is written only by the stream, read by the dispatcher, cpu_handoff_poll and
+ *    the pool's idle workers (idle_dispatch, where workers_dispatch set the pool's idle hook);
+ *  - published (memops) is written only by the submitting thread, read by the same three;
+ *  - next_dispatch (memops) is taken seq by seq with a compare-and-swap by whichever of them sees
+ *    seq published and triggered first: each job goes to the pool once.
  *
  * The driver API's stream memory operations are reached through cudaGetDriverEntryPointByVersion,
  * so nothing links libcuda.so (a binary that does will not load where no driver is installed).
@@ -105,9 +107,9 @@ struct cpu_handoff {
 
 	/* Host functions' (they run one at a time, in stream order). */
 	uint64_t hf_waited;
-	/* Last seq handed to the pool (hf_submit, the dispatcher or cpu_handoff_poll; with two jobs in
-	 * flight and both triggered, the two threads may store them out of order: destroy takes
-	 * next_dispatch - 1 in memops). */
+	/* Last seq handed to the pool (hf_submit; with memops the dispatcher, cpu_handoff_poll or an idle
+	 * worker: with two jobs in flight and both triggered, two threads may store them out of order,
+	 * so destroy takes next_dispatch - 1 in memops). */
 	uint32_t dispatched;
 	uint64_t n_dispatched;
 
@@ -117,7 +119,8 @@ struct cpu_handoff {
 	int dispatcher_cpu;
 	uint32_t published;	    /* last seq the submitter published */
 	uint32_t next_dispatch;	    /* the next seq to hand to the pool: taken by a compare-and-swap, by the
-				     * dispatcher or a thread in cpu_handoff_poll, whichever sees its trigger first */
+				     * dispatcher, a thread in cpu_handoff_poll or an idle worker, whichever
+				     * sees its trigger first */
 	uint64_t by_poll;	    /* jobs dispatched from cpu_handoff_poll */
 	uint64_t by_workers;	    /* jobs dispatched by the pool's idle workers (workers_dispatch) */
 	bool idle_hook;		    /* the pool's idle hook is this handoff's (idle_dispatch) */
@@ -315,7 +318,7 @@ static int part_fn(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t
 	return d->fn(&d->task, part, n_parts, err, errlen);
 }
 
-/* Hands descriptor d's job to the pool (hf_submit or the dispatcher). */
+/* Hands descriptor d's job to the pool (hf_submit, or dispatch_ready's caller). */
 static void dispatch(struct cpu_handoff *h, struct handoff_desc *d)
 {
 	__atomic_store_n(&h->dispatched, (uint32_t)d->task.seq, __ATOMIC_RELEASE);

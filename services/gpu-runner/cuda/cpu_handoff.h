@@ -191,7 +191,7 @@ int cpu_handoff_check(struct cpu_handoff *h, char *err, size_t errlen);
 int cpu_handoff_settle(struct cpu_handoff *h, char *err, size_t errlen);
 void cpu_handoff_get_stats(const struct cpu_handoff *h, struct cpu_handoff_stats *out);
 /* memops: hands the pool the jobs whose triggers the stream has written, as the dispatcher does,
- * each job taken by whichever of the two sees it first; for a thread that waits for the stream
+ * each job taken by whichever thread sees it first; for a thread that waits for the stream
  * anyway (the runner's, for a step's end), so that a dispatcher held off its CPU holds up a job only
  * where it was held off between taking it (the compare-and-swap) and handing it over.
  * Never blocks. Returns the jobs this call dispatched (0 with hostfunc). */
