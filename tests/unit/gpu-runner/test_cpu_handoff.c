@@ -358,6 +358,9 @@ START_TEST(test_destroy_unwaited)
 {
 	destroy_unwaited(CPU_HANDOFF_HOSTFUNC);
 	destroy_unwaited(CPU_HANDOFF_MEMOPS);
+	g_workers = true; /* destroy clears the idle hook before it waits for the last jobs */
+	destroy_unwaited(CPU_HANDOFF_MEMOPS);
+	g_workers = false;
 }
 END_TEST
 
@@ -394,6 +397,20 @@ START_TEST(test_refusals)
 	int rc = cpu_handoff_memops_supported(0, err, sizeof(err));
 	ck_assert_msg(rc == 0 || ((rc == -ENOTSUP || rc == -EIO) && strstr(err, "cpu handoff: memops") != NULL),
 		      "memops_supported: %d %s", rc, err);
+	if (rc == 0) {
+		/* The idle workers' dispatch on a pool whose idle hook is taken: refused, the first
+		 * handoff's hook left alone; once that one is destroyed, the hook is free again. */
+		struct cpu_handoff *h1 = NULL;
+		hp.mode = CPU_HANDOFF_MEMOPS;
+		hp.workers_dispatch = true;
+		ck_assert_int_eq(cpu_handoff_create(pool, stream, &hp, &h1, err, sizeof(err)), 0);
+		ck_assert_int_eq(cpu_handoff_create(pool, stream, &hp, &h, err, sizeof(err)), -EBUSY);
+		ck_assert_ptr_null(h);
+		ck_assert_str_eq(err, "cpu handoff: the pool's idle workers cannot dispatch: another hook is set");
+		cpu_handoff_destroy(&h1);
+		ck_assert_int_eq(cpu_handoff_create(pool, stream, &hp, &h, err, sizeof(err)), 0);
+		cpu_handoff_destroy(&h);
+	}
 	CUDA_OK(cudaStreamDestroy(stream));
 	task_pool_destroy(&pool);
 }
