@@ -243,7 +243,9 @@ def handoff_detail(cs):
             + (f"; {cs['dispatched_by_wait']} jobs handed over by the runner's waiting thread"
                if cs.get("dispatched_by_wait") else "")
             + (f"; {cs['dispatched_by_workers']} by the pool's idle workers"
-               if cs.get("dispatched_by_workers") else ""))
+               if cs.get("dispatched_by_workers") else "")
+            + (f"; {cs['prefetched_mb'] / max(cs.get('jobs', 1), 1):.1f} MB of each job read ahead"
+               if cs.get("prefetched_mb") else ""))
 
 
 def gaps_counted(sp):

@@ -149,6 +149,9 @@ struct backend_params {
 				 * split FFNs' jobs too, beside the dispatcher (--cpu-dispatch both, all) */
 	bool cpu_dispatch_workers; /* memops: so do the pool's idle workers while they spin between jobs
 				    * (--cpu-dispatch workers, all) */
+	uint64_t cpu_prefetch;	   /* with those: the weight bytes of the next split FFN's CPU share the
+				    * idle workers read into the caches before its input comes (0: none;
+				    * --cpu-prefetch) */
 	bool cpu_expert_taper;	/* a routed expert's CPU job tapers its chunks (ffn_share_job.taper; the
 				 * runner's default, --cpu-expert-chunks taper) */
 	uint64_t cpu_expert_chunk; /* about the weight bytes a chunk of such a job reads
@@ -473,6 +476,7 @@ struct backend_cpu_share_stats {
 	double dispatch_stall_ms; /* for a trigger: how often, and their time */
 	uint64_t dispatched_by_poll; /* jobs the host thread waiting for the step handed over (--cpu-dispatch both) */
 	uint64_t dispatched_by_workers; /* jobs the pool's idle workers handed over (--cpu-dispatch workers) */
+	uint64_t prefetched;	/* weight bytes the idle workers read ahead (--cpu-prefetch) */
 	/* Mixture-of-experts layers (CUDA). */
 	uint64_t experts;    /* routed experts the CPU computed */
 	double experts_ms;   /* the host's time computing them (moe_end), summed */

@@ -21,6 +21,8 @@
 #include "services/gpu-runner/gpu_window.h"
 #endif
 
+#define CPU_PREFETCH_MAX (4ull << 30) /* --cpu-prefetch: more than any cache */
+
 int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 {
 	int rc = cpu_share_parse(r->cpu_share_arg, &r->cpu_share, err, errlen);
@@ -87,6 +89,12 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (r->cpu_expert_chunk < FFN_SHARE_CHUNK_MIN || r->cpu_expert_chunk > FFN_SHARE_CHUNK_MAX)
 		return errorf(err, errlen, -EINVAL, "--cpu-expert-chunk %llu bytes: expected 16KiB to 16MiB",
 			      (unsigned long long)r->cpu_expert_chunk);
+	if (r->cpu_prefetch > CPU_PREFETCH_MAX)
+		return errorf(err, errlen, -EINVAL, "--cpu-prefetch %llu bytes: expected at most 4GiB",
+			      (unsigned long long)r->cpu_prefetch);
+	if (r->cpu_prefetch && !r->cpu_dispatch_workers)
+		return errorf(err, errlen, -EINVAL, "--cpu-prefetch reads ahead in the idle workers' turns: it needs "
+			      "--cpu-dispatch workers or all, not %s", disp);
 	return 0;
 }
 

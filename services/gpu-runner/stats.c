@@ -226,6 +226,7 @@ static json_t *cpu_share_stats(struct runner *r)
 	json_object_set_new(o, "dispatch_stall_ms", json_real(bs.dispatch_stall_ms));
 	json_object_set_new(o, "dispatched_by_wait", json_integer((json_int_t)bs.dispatched_by_poll));
 	json_object_set_new(o, "dispatched_by_workers", json_integer((json_int_t)bs.dispatched_by_workers));
+	json_object_set_new(o, "prefetched_mb", json_real((double)bs.prefetched / 1e6));
 	json_object_set_new(o, "experts", json_integer((json_int_t)bs.experts));
 	json_object_set_new(o, "experts_ms", json_real(bs.experts_ms));
 	json_object_set_new(o, "route_wait_ms", json_real(bs.route_wait_ms));

@@ -37,6 +37,11 @@ expect_start_fails "--window-spread sometimes" "window-spread 'sometimes' is not
 	--model "$MODEL" --runner-opt=--window-spread=sometimes
 expect_start_fails "--cpu-expert-chunk 1KiB" "cpu-expert-chunk 1024 bytes: expected 16KiB to 16MiB" \
 	--model "$MODEL" --runner-opt=--cpu-expert-chunk=1KiB
+expect_start_fails "--cpu-prefetch without the workers" \
+	"cpu-prefetch reads ahead in the idle workers' turns: it needs --cpu-dispatch workers or all, not dispatcher" \
+	--model "$MODEL" --runner-opt=--cpu-prefetch=8MiB --runner-opt=--cpu-dispatch=dispatcher
+expect_start_fails "--cpu-prefetch 5GiB" "cpu-prefetch 5368709120 bytes: expected at most 4GiB" \
+	--model "$MODEL" --runner-opt=--cpu-prefetch=5GiB
 expect_start_fails "--cpu-share-balance step" "cpu-share-balance 'step' is not token or layer" \
 	--model "$MODEL" --runner-opt=--cpu-share-balance=step
 
@@ -126,6 +131,17 @@ if [[ $BACKEND != cpu ]]; then
 	same_tokens_with cpu-dispatch dispatcher
 	same_tokens_with cpu-dispatch both
 	same_tokens_with cpu-dispatch all
+
+	# The idle workers read each split FFN's weights ahead (--cpu-prefetch): the same tokens, and bytes
+	# read ahead.
+	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share 0.5 --cpu-threads 2 \
+		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-prefetch=1MiB >/dev/null
+	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
+	expect_eq "$got" "$want" "greedy tokens at --cpu-share 0.5 --cpu-prefetch 1MiB vs the whole FFN"
+	stats=$("$PIPECTL" stats gpu-runner)
+	expect_grep '"jobs_failed": 0' "$stats" "failed CPU shares with --cpu-prefetch"
+	"$PIPELINE" stop
+	log "--cpu-prefetch 1MiB: tokens equal the whole FFN's"
 
 	# auto with one share for the token (--cpu-share-balance token; layer is the default): the same tokens.
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share auto --cpu-threads 2 \

@@ -132,7 +132,19 @@ struct ffn_run {
 	float *y;
 	uint32_t threads;
 	int failed;
+	uint64_t prefetch; /* bytes of the job's reading order brought into the caches before it (untimed) */
 };
+
+/* Thread tid brings its slice of the job's first r->prefetch bytes into the caches (ffn_share_prefetch),
+ * as the runner's idle workers do in the gap before a split FFN. */
+static void prefetch_parts(const void *arg, uint32_t tid, uint32_t begin, uint32_t end)
+{
+	(void)tid;
+	(void)end;
+	const struct ffn_run *r = (const struct ffn_run *)arg;
+	const uint64_t b = r->prefetch * begin / r->threads, e = r->prefetch * (begin + 1) / r->threads;
+	ffn_share_prefetch(r->fs, r->job, b, e - b);
+}
 
 /* Thread tid takes parts tid, tid + threads, ...: every thread's first-phase parts come before its
  * second-phase ones, as the task pool's FIFO hands them out. */
@@ -188,6 +200,8 @@ static double time_ffn(struct cpu_pool *pool, struct ffn_run *r, const struct ff
 	double best = 1e30;
 	for (uint32_t i = 0; i <= repeats; i++) {
 		ffn_share_job_init(&job, &m[0], &m[1], &m[2], rows, n, DT_BF16);
+		if (r->prefetch)
+			cpu_pool_run(pool, prefetch_parts, r, r->threads);
 		double t0 = now_s();
 		cpu_pool_run(pool, run_parts, r, r->threads);
 		double dt = now_s() - t0;
@@ -198,7 +212,8 @@ static double time_ffn(struct cpu_pool *pool, struct ffn_run *r, const struct ff
 	return r->failed ? -1 : best;
 }
 
-static int bench_ffn(enum dtype t, uint32_t rows, uint32_t dim, uint32_t n, uint32_t threads, uint32_t repeats)
+static int bench_ffn(enum dtype t, uint32_t rows, uint32_t dim, uint32_t n, uint32_t threads, uint32_t repeats,
+		     uint64_t prefetch)
 {
 	uint8_t *gate = make_matrix(t, rows, dim), *up = make_matrix(t, rows, dim), *down = make_matrix(t, dim, rows);
 	uint16_t *x = malloc((size_t)n * dim * sizeof(uint16_t));
@@ -233,6 +248,19 @@ static int bench_ffn(enum dtype t, uint32_t rows, uint32_t dim, uint32_t n, uint
 	       "%.2f GB/s of weights read once); one token %.3f ms (%.2f GB/s)\n",
 	       dtype_name(t), cpu_matmul_path(t), rows, dim, bytes / 1e6, r.threads, n, all * 1e3, all * 1e3 / n,
 	       bytes / all / 1e9, one * 1e3, bytes / one / 1e9);
+	if (prefetch) {
+		/* The same job of one token after its first bytes were brought into the caches (untimed). */
+		r.prefetch = prefetch;
+		double pf = time_ffn(pool, &r, m, rows, 1, repeats);
+		if (pf < 0) {
+			fprintf(stderr, "bench-cpu-gemv: an FFN share job failed\n");
+			return 1;
+		}
+		printf("FFN share, one token, its first %.1f MB in the caches first: %.3f ms (%.2f GB/s; %+.3f ms against "
+		       "none, %.2f GB/s for the bytes left to read)\n",
+		       (double)prefetch / 1e6, pf * 1e3, bytes / pf / 1e9, (pf - one) * 1e3,
+		       (bytes - (double)prefetch) / pf / 1e9);
+	}
 	ffn_share_destroy(&fs);
 	cpu_pool_destroy(&pool);
 	free(gate);
@@ -486,7 +514,7 @@ int main(int argc, char **argv)
 {
 	char *format = NULL;
 	long rows_l = 0, cols_l = 0, threads_l = sysconf(_SC_NPROCESSORS_ONLN), repeats_l = 0, ffn_tokens_l = 0,
-	     experts_l = 0, pool_l = 0, job_threads_l = -1, gap_l = 0, trace_l = 0, share_l = 0;
+	     experts_l = 0, pool_l = 0, job_threads_l = -1, gap_l = 0, trace_l = 0, share_l = 0, prefetch_l = 0;
 	bool scalar = false, no_taper = false, no_help = false;
 	const struct opt table[] = {
 		{"format", OPT_STRING, &format, "BF16", "weight format: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q5_K Q6_K"},
@@ -511,6 +539,9 @@ int main(int argc, char **argv)
 		{"job-threads", OPT_INT, &job_threads_l, NULL,
 		 "cut each expert's job for P threads (default: ffn_share_threads_for)"},
 		{"gap-us", OPT_INT, &gap_l, "150", "microseconds between layers (the GPU's part of a layer)"},
+		{"prefetch", OPT_INT, &prefetch_l, "0",
+		 "--ffn-tokens: also time the one-token job after its first N MB (its reading order) were brought "
+		 "into the caches by the threads, untimed, as idle workers could between two split FFNs"},
 		{"expert-share", OPT_INT, &share_l, "0",
 		 "--experts: each expert split at intermediate row R, the CPU computing rows R.. of gate and up and "
 		 "those columns of down, as the runner's --split-experts leaves it (0: whole experts; R a multiple "
@@ -544,7 +575,7 @@ int main(int argc, char **argv)
 		fprintf(stderr, "bench-cpu-gemv: --format %s: unknown (see --help)\n", format);
 		return 2;
 	}
-	uint32_t rows, cols, threads, repeats, ffn_tokens, experts, expert_pool, job_threads, gap_us, trace, share_r;
+	uint32_t rows, cols, threads, repeats, ffn_tokens, experts, expert_pool, job_threads, gap_us, trace, share_r, prefetch_mb;
 	if (in_range("rows", rows_l, 1, UINT32_MAX, &rows) || in_range("cols", cols_l, 1, UINT32_MAX, &cols) ||
 	    in_range("threads", threads_l, 1, UINT32_MAX, &threads) ||
 	    in_range("repeats", repeats_l, 1, UINT32_MAX, &repeats) ||
@@ -553,6 +584,7 @@ int main(int argc, char **argv)
 	    in_range("expert-pool", pool_l, 1, UINT32_MAX, &expert_pool) ||
 	    (job_threads_l != -1 && in_range("job-threads", job_threads_l, 1, FFN_SHARE_MAX_THREADS, &job_threads)) ||
 	    in_range("gap-us", gap_l, 0, UINT32_MAX, &gap_us) || in_range("trace", trace_l, 0, UINT32_MAX, &trace) ||
+	    in_range("prefetch", prefetch_l, 0, 1u << 20, &prefetch_mb) ||
 	    in_range("expert-share", share_l, 0, UINT32_MAX, &share_r))
 		return 2;
 	if (job_threads_l == -1)
@@ -589,7 +621,7 @@ int main(int argc, char **argv)
 				rows, dtype_name(t), dtype_block_elems(t));
 			return 2;
 		}
-		return bench_ffn(t, rows, cols, ffn_tokens, threads, repeats);
+		return bench_ffn(t, rows, cols, ffn_tokens, threads, repeats, (uint64_t)prefetch_mb << 20);
 	}
 
 	const uint64_t row_bytes = dtype_row_bytes(t, cols), bytes = row_bytes * rows;

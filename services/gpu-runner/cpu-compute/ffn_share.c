@@ -427,14 +427,72 @@ int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *
 	if (__atomic_add_fetch(&job->phase2_done, 1, __ATOMIC_ACQ_REL) == P) {
 		/* The job's last part of the second phase (every chunk of it done): what it read, and how long
 		 * it took. */
-		const enum dtype df = (enum dtype)job->down.format;
-		uint64_t share = job->rows * (job->gate.row_bytes + job->up.row_bytes) +
-				 fs->dim * dtype_row_bytes(df, job->rows), bytes = job->n * share;
+		const uint64_t bytes = job->n * ffn_share_job_bytes(fs, job);
 		__atomic_add_fetch(&fs->jobs, 1, __ATOMIC_RELAXED);
 		__atomic_add_fetch(&fs->bytes, bytes, __ATOMIC_RELAXED);
 		__atomic_add_fetch(&fs->ns, now_ns() - __atomic_load_n(&job->t0_ns, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
 	}
 	return rc;
+}
+
+/* ---- the job's weights into the caches ---- */
+
+uint64_t ffn_share_job_bytes(const struct ffn_share *fs, const struct ffn_share_job *job)
+{
+	return (uint64_t)job->rows * (job->gate.row_bytes + job->up.row_bytes) +
+	       (uint64_t)fs->dim * dtype_row_bytes((enum dtype)job->down.format, job->rows);
+}
+
+#define LINE 64u
+
+/* A load of every line of [p, p + len). */
+static uint64_t touch(const uint8_t *p, uint64_t len)
+{
+	uint64_t sum = 0;
+	const uintptr_t end = (uintptr_t)p + len;
+	for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)(LINE - 1); a < end; a += LINE)
+		sum += *(const volatile uint8_t *)a;
+	return sum;
+}
+
+uint64_t ffn_share_prefetch(const struct ffn_share *fs, const struct ffn_share_job *job, uint64_t offset,
+			    uint64_t bytes)
+{
+	const uint64_t g = job->gate.row_bytes, u = job->up.row_bytes, pair = g + u;
+	const uint64_t d = dtype_row_bytes((enum dtype)job->down.format, job->rows);
+	const uint64_t first = (uint64_t)job->rows * pair, total = first + (uint64_t)fs->dim * d;
+	if (offset >= total || !bytes)
+		return 0;
+	if (bytes > total - offset)
+		bytes = total - offset;
+	uint64_t left = bytes, at = offset, sink = 0;
+	while (left) {
+		const uint8_t *seg;
+		uint64_t seg_len, in;
+		if (at < first) { /* gate's row i, then up's */
+			const uint64_t i = at / pair, w = at % pair;
+			if (w < g) {
+				seg = (const uint8_t *)job->gate.data + i * g;
+				seg_len = g;
+				in = w;
+			} else {
+				seg = (const uint8_t *)job->up.data + i * u;
+				seg_len = u;
+				in = w - g;
+			}
+		} else { /* down's row o, the share's columns */
+			const uint64_t o = (at - first) / d;
+			seg = (const uint8_t *)job->down.data + o * job->down.row_bytes;
+			seg_len = d;
+			in = (at - first) % d;
+		}
+		const uint64_t n = seg_len - in < left ? seg_len - in : left;
+		sink += touch(seg + in, n);
+		at += n;
+		left -= n;
+	}
+	__asm__ __volatile__("" : : "r"(sink));
+	return bytes;
 }
 
 uint32_t ffn_share_threads_for(uint64_t bytes, uint32_t pool_threads)

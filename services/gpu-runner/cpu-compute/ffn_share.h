@@ -131,6 +131,15 @@ void ffn_share_job_init(struct ffn_share_job *job, const struct ffn_share_mat *g
  * when a prepared vector cannot grow. */
 int ffn_share_part(struct ffn_share *fs, struct ffn_share_job *job, const void *x, float *y, uint32_t part,
 		   uint32_t n_parts, char *err, size_t errlen);
+/* The weight bytes a job reads, in the order its chunks read them: the first phase's rows i = 0, 1,
+ * ... (gate's row i, then up's), then down's rows o = 0 .. dim - 1 (each the share's columns). */
+uint64_t ffn_share_job_bytes(const struct ffn_share *fs, const struct ffn_share_job *job);
+/* Brings bytes [offset, offset + bytes) of that order into the caches (a load of every 64-byte line;
+ * nothing is written), so that the chunks that read them first find them there: for a worker
+ * waiting for the job's input while its weights are known (cpu_handoff.h, prefetch). Returns the
+ * bytes it touched: fewer at the job's end, 0 past it. Any thread, any number at once. */
+uint64_t ffn_share_prefetch(const struct ffn_share *fs, const struct ffn_share_job *job, uint64_t offset,
+			    uint64_t bytes);
 /* A snapshot of the counters (any thread). */
 void ffn_share_get_stats(const struct ffn_share *fs, struct ffn_share_stats *out);
 

@@ -71,6 +71,9 @@ struct handoff_words {
 struct handoff_desc {
 	struct cpu_handoff *h;
 	cpu_handoff_fn fn;
+	cpu_handoff_prefetch_fn prefetch;
+	unsigned char prefetch_arg[CPU_HANDOFF_PREFETCH_ARG];
+	uint64_t pf_next; /* the next offset of its read-ahead to claim (atomic) */
 	struct cpu_handoff_task task;
 	struct task_job job;
 	/* CLOCK_MONOTONIC ns (cpu_handoff_times): published by the submitter, handed to the pool,
@@ -124,6 +127,8 @@ struct cpu_handoff {
 	uint64_t by_poll;	    /* jobs dispatched from cpu_handoff_poll */
 	uint64_t by_workers;	    /* jobs dispatched by the pool's idle workers (workers_dispatch) */
 	bool idle_hook;		    /* the pool's idle hook is this handoff's (idle_dispatch) */
+	uint64_t prefetch_max;	    /* params.prefetch_bytes */
+	uint64_t prefetched;	    /* bytes read ahead (atomic) */
 	uint32_t wake_seq;	    /* futex word the dispatcher sleeps on: bumped by publish and stop */
 	uint32_t disp_sleeping;
 	uint32_t stop;
@@ -386,16 +391,51 @@ uint32_t cpu_handoff_poll(struct cpu_handoff *h)
 	return n;
 }
 
+#define PREFETCH_CHUNK (128u << 10) /* a read-ahead claim: some 15-25 us of one worker */
+
+/* One chunk of the next job's read-ahead, when a job is published and not yet dispatched: claimed
+ * from its descriptor's cursor, up to prefetch_max. The descriptor is rewritten only once its job
+ * has completed (and the ring has come round), so the copy of its function and argument is the
+ * job's own if next_dispatch, read after the copy, still names it undispatched; the argument names
+ * weight memory that stays mapped, so a chunk read after that (the job dispatched meanwhile, even
+ * rewritten) reads the caches full of stale bytes at worst. Returns the bytes read. */
+static uint64_t prefetch_next(struct cpu_handoff *h)
+{
+	const uint32_t next = __atomic_load_n(&h->next_dispatch, __ATOMIC_ACQUIRE);
+	const uint32_t pub = __atomic_load_n(&h->published, __ATOMIC_ACQUIRE);
+	if (!reached(pub, next))
+		return 0;
+	struct handoff_desc *d = &h->ring[next & (h->ring_n - 1)];
+	const cpu_handoff_prefetch_fn fn = __atomic_load_n(&d->prefetch, __ATOMIC_RELAXED);
+	if (!fn)
+		return 0;
+	const uint64_t off = __atomic_fetch_add(&d->pf_next, PREFETCH_CHUNK, __ATOMIC_RELAXED);
+	if (off >= h->prefetch_max)
+		return 0;
+	unsigned char arg[CPU_HANDOFF_PREFETCH_ARG];
+	memcpy(arg, d->prefetch_arg, sizeof(arg));
+	if (__atomic_load_n(&h->next_dispatch, __ATOMIC_ACQUIRE) != next)
+		return 0; /* dispatched meanwhile: its parts read what they need */
+	const uint64_t want = h->prefetch_max - off < PREFETCH_CHUNK ? h->prefetch_max - off : PREFETCH_CHUNK;
+	const uint64_t got = fn(arg, off, want);
+	if (got)
+		__atomic_add_fetch(&h->prefetched, got, __ATOMIC_RELAXED);
+	return got;
+}
+
 /* The pool's idle hook (workers_dispatch): an idle worker, spinning between jobs, hands the pool
- * the jobs whose triggers have come, as the dispatcher does; one held off its CPU is then not the
- * only thread that could. */
+ * the jobs whose triggers have come, as the dispatcher does (one held off its CPU is then not the
+ * only thread that could); with none triggered, it reads a chunk of the next job's weights ahead
+ * (prefetch_bytes). */
 static uint32_t idle_dispatch(void *arg)
 {
 	struct cpu_handoff *h = (struct cpu_handoff *)arg;
 	const uint32_t n = dispatch_ready(h);
-	if (n)
+	if (n) {
 		__atomic_add_fetch(&h->by_workers, n, __ATOMIC_RELAXED);
-	return n;
+		return n;
+	}
+	return h->prefetch_max && prefetch_next(h) ? 1 : 0;
 }
 
 static void *dispatcher_main(void *arg)
@@ -598,6 +638,7 @@ int cpu_handoff_create(struct task_pool *pool, cudaStream_t stream, const struct
 	h->next_dispatch = 1; /* seqs start at 1 */
 	h->spin_us = params->spin_us;
 	h->dispatcher_cpu = params->dispatcher_cpu;
+	h->prefetch_max = params->workers_dispatch && params->mode == CPU_HANDOFF_MEMOPS ? params->prefetch_bytes : 0;
 	pthread_mutex_init(&h->err_mu, NULL);
 
 	h->ring = (struct handoff_desc *)calloc(ring, sizeof(*h->ring));
@@ -753,6 +794,13 @@ int cpu_handoff_submit(struct cpu_handoff *h, const void *d_in, const struct cpu
 	struct handoff_desc *d = &h->ring[seq & (h->ring_n - 1)];
 	d->h = h;
 	d->fn = job->fn;
+	/* Atomic: an idle worker reads them (prefetch_next) once published; a stale one may still look
+	 * at this descriptor's previous job's (it finds that job dispatched and drops what it read). */
+	const cpu_handoff_prefetch_fn pf = h->prefetch_max ? job->prefetch : NULL;
+	if (pf)
+		memcpy(d->prefetch_arg, job->prefetch_arg, sizeof(d->prefetch_arg));
+	__atomic_store_n(&d->prefetch, pf, __ATOMIC_RELAXED);
+	__atomic_store_n(&d->pf_next, 0, __ATOMIC_RELAXED);
 	d->task.in = h->in[slot];
 	d->task.out = h->out[slot];
 	d->task.in_bytes = job->in_bytes;
@@ -895,6 +943,7 @@ void cpu_handoff_get_stats(const struct cpu_handoff *ch, struct cpu_handoff_stat
 	out->stalls = __atomic_load_n(&h->stalls, __ATOMIC_RELAXED);
 	out->by_poll = __atomic_load_n(&h->by_poll, __ATOMIC_RELAXED);
 	out->by_workers = __atomic_load_n(&h->by_workers, __ATOMIC_RELAXED);
+	out->prefetched = __atomic_load_n(&h->prefetched, __ATOMIC_RELAXED);
 	out->stall_ns = __atomic_load_n(&h->stall_ns, __ATOMIC_RELAXED);
 }
 

@@ -86,9 +86,19 @@ struct cpu_handoff_task {
 typedef int (*cpu_handoff_fn)(const struct cpu_handoff_task *t, uint32_t part, uint32_t n_parts, char *err,
 			      size_t errlen);
 
+#define CPU_HANDOFF_PREFETCH_ARG 192 /* bytes of a job's read-ahead argument */
+/* Brings bytes [offset, offset + bytes) of the job's weights (in the order its parts read them)
+ * into the caches, from arg (the job's prefetch_arg, copied: it names memory that stays mapped).
+ * Returns the bytes touched, 0 past the job's end. Reads only; never fails. */
+typedef uint64_t (*cpu_handoff_prefetch_fn)(const void *arg, uint64_t offset, uint64_t bytes);
+
 struct cpu_handoff_job {
 	cpu_handoff_fn fn;
 	void *user;
+	/* NULL, or the job's read-ahead (params.prefetch_bytes): the pool's idle workers call it, a
+	 * chunk at a time, between the job's submit and its dispatch, with a copy of prefetch_arg. */
+	cpu_handoff_prefetch_fn prefetch;
+	unsigned char prefetch_arg[CPU_HANDOFF_PREFETCH_ARG];
 	uint32_t n_parts;  /* 1..TASK_POOL_MAX_PARTS (0: the job does nothing, the handoff still runs) */
 	size_t in_bytes;   /* <= max_in_bytes; 0 copies nothing down */
 	size_t out_bytes;  /* <= max_out_bytes; 0 copies nothing up */
@@ -114,6 +124,10 @@ struct cpu_handoff_params {
 	bool workers_dispatch; /* memops: the pool's idle workers, while they spin between jobs, hand
 				* it the jobs whose triggers have come, beside the dispatcher (the
 				* pool's idle hook, task_pool_set_idle: the pool must have none) */
+	uint64_t prefetch_bytes; /* with workers_dispatch: while the next job is submitted and not yet
+				  * triggered, the idle workers read up to this many of its weight bytes
+				  * into the caches (its prefetch function), so that its first parts
+				  * find them there; 0: none */
 };
 
 struct cpu_handoff_stats {
@@ -135,6 +149,7 @@ struct cpu_handoff_stats {
 				    * or more at once: how often, and for how long in all */
 	uint64_t by_poll;    /* memops: jobs dispatched from cpu_handoff_poll, not by the dispatcher */
 	uint64_t by_workers; /* memops: jobs dispatched by the pool's idle workers (workers_dispatch) */
+	uint64_t prefetched; /* weight bytes the idle workers read ahead (prefetch_bytes) */
 };
 
 struct cpu_handoff;

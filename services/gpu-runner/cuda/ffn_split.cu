@@ -48,6 +48,19 @@ struct split_job {
 	bool fail; /* cuda_test_fail_cpu_share: the first part fails */
 };
 
+/* The read-ahead argument of a split FFN's job: the share and a copy of the job (its matrices name
+ * the weight ring, which stays mapped). */
+struct split_prefetch_arg {
+	const struct ffn_share *share;
+	struct ffn_share_job job;
+};
+
+static uint64_t split_prefetch(const void *arg, uint64_t offset, uint64_t bytes)
+{
+	const struct split_prefetch_arg *a = (const struct split_prefetch_arg *)arg;
+	return ffn_share_prefetch(a->share, &a->job, offset, bytes);
+}
+
 /* A part of a handoff's job: the share reads the copied x and writes the pinned output. */
 static int split_part(const struct cpu_handoff_task *t, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
 {
@@ -115,6 +128,10 @@ int ffn_split_setup(struct backend_dev *be)
 	hp.mapped_out = p->cpu_result_mapped;
 	hp.poll_out = p->cpu_result_mapped && p->cpu_result_polled;
 	hp.workers_dispatch = p->cpu_dispatch_workers;
+	hp.prefetch_bytes = p->cpu_dispatch_workers ? p->cpu_prefetch : 0;
+	if (p->cpu_prefetch && !p->cpu_dispatch_workers)
+		log_warn("cuda backend: --cpu-prefetch reads ahead from the idle workers' turns, which "
+			 "--cpu-dispatch workers or all gives them: nothing is read ahead");
 	rc = cpu_handoff_create(p->cpu_pool, be->stream, &hp, &be->handoff, msg, sizeof(msg));
 	if (rc == -ENOTSUP && p->cpu_handoff == BACKEND_HANDOFF_DEFAULT) {
 		log_info("cuda backend: the CPU share is handed over by host functions: %s", msg);
@@ -244,6 +261,7 @@ void ffn_split_stats(struct backend_dev *be, struct backend_cpu_share_stats *out
 	out->dispatch_stall_ms = (double)hs.stall_ns / 1e6;
 	out->dispatched_by_poll = hs.by_poll;
 	out->dispatched_by_workers = hs.by_workers;
+	out->prefetched = hs.prefetched;
 }
 
 /* A matrix of a share in device memory as a part of a product into out. */
@@ -335,6 +353,13 @@ int ffn_split_compute(struct backend_dev *be, const struct group_weights *w)
 		memset(&hj, 0, sizeof(hj));
 		hj.fn = split_part;
 		hj.user = sj;
+		if (be->p.cpu_prefetch) {
+			static_assert(sizeof(struct split_prefetch_arg) <= CPU_HANDOFF_PREFETCH_ARG,
+				      "a split FFN's read-ahead argument does not fit the handoff's");
+			struct split_prefetch_arg pa = {be->share, sj->job};
+			hj.prefetch = split_prefetch;
+			memcpy(hj.prefetch_arg, &pa, sizeof(pa));
+		}
 		hj.n_parts = ffn_share_parts(be->share);
 		hj.in_bytes = (size_t)n * c->dim * dtype_size((enum dtype)at);
 		hj.out_bytes = (size_t)n * c->dim * sizeof(float);

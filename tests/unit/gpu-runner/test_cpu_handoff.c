@@ -73,6 +73,20 @@ static bool g_poll;
 /* ... and no dispatcher: every job from the test's polls (a ring the steps never wrap). */
 static bool g_no_dispatcher;
 static bool g_workers; /* the pool's idle workers dispatch (workers_dispatch) */
+static bool g_prefetch; /* ... and read each job's "weights" ahead (prefetch_bytes) */
+#define PREFETCH_CAP (1u << 20)
+
+/* The read-ahead of a test job: its argument names its step; what it was asked for is counted. */
+static uint64_t g_pf_bytes, g_pf_bad;
+static uint64_t count_prefetch(const void *arg, uint64_t offset, uint64_t bytes)
+{
+	uint32_t step;
+	memcpy(&step, arg, sizeof(step));
+	if (step < 1 || step > STEPS || offset + bytes > PREFETCH_CAP || bytes == 0)
+		__atomic_add_fetch(&g_pf_bad, 1, __ATOMIC_RELAXED);
+	__atomic_add_fetch(&g_pf_bytes, bytes, __ATOMIC_RELAXED);
+	return bytes;
+}
 
 /* Returns false (and says why) when the mode cannot run here: memops on a GPU without it. */
 static bool rig_open(struct rig *r, enum cpu_handoff_mode mode, uint32_t ring)
@@ -95,7 +109,8 @@ static bool rig_open(struct rig *r, enum cpu_handoff_mode mode, uint32_t ring)
 					.mapped_out = g_mapped,
 					.poll_out = g_polled,
 					.no_dispatcher = g_no_dispatcher,
-					.workers_dispatch = g_workers};
+					.workers_dispatch = g_workers,
+					.prefetch_bytes = g_prefetch ? PREFETCH_CAP : 0};
 	int rc = cpu_handoff_create(r->pool, r->stream, &hp, &r->h, err, sizeof(err));
 	if (rc == -ENOTSUP && mode == CPU_HANDOFF_MEMOPS) {
 		fprintf(stderr, "test_cpu_handoff: memops cannot run here, not tested: %s\n", err);
@@ -140,6 +155,10 @@ static void submit_step(struct rig *r, uint32_t step, int k, uint64_t *seq)
 				      .n_parts = PARTS,
 				      .in_bytes = N * sizeof(float),
 				      .out_bytes = N * sizeof(float)};
+	if (g_prefetch) {
+		job.prefetch = count_prefetch;
+		memcpy(job.prefetch_arg, &step, sizeof(step));
+	}
 	int rc = cpu_handoff_submit(r->h, r->d_x[k], &job, seq, err, sizeof(err));
 	ck_assert_msg(rc == 0, "submit step %u: %s", step, err);
 	ck_assert_uint_eq(*seq, step);
@@ -220,6 +239,17 @@ static void run_steps(enum cpu_handoff_mode mode, uint32_t fail_step, uint32_t r
 	ck_assert_uint_eq(st.dispatched, STEPS); /* each job handed over once, by whichever thread */
 	ck_assert_uint_le(st.by_poll, g_poll ? STEPS : 0);
 	ck_assert_uint_le(st.by_workers, g_workers ? STEPS : 0);
+	/* Read-ahead: every call's range within the cap and its argument a step's; the stats count what
+	 * the calls returned (a worker may still be inside one: at most what they counted); at most the
+	 * cap a job. */
+	ck_assert_uint_eq(__atomic_load_n(&g_pf_bad, __ATOMIC_RELAXED), 0);
+	ck_assert_uint_le(st.prefetched, __atomic_load_n(&g_pf_bytes, __ATOMIC_RELAXED));
+	ck_assert_uint_le(st.prefetched, (uint64_t)STEPS * PREFETCH_CAP);
+	if (!g_prefetch)
+		ck_assert_uint_eq(st.prefetched, 0);
+	if (getenv("PIPELINE_TEST_VERBOSE") && g_prefetch)
+		fprintf(stderr, "test_cpu_handoff: %llu bytes read ahead over %u jobs\n",
+			(unsigned long long)st.prefetched, STEPS);
 	if (g_no_dispatcher)
 		ck_assert_uint_eq(st.by_poll + st.by_workers, STEPS);
 	if (fail_step) {
@@ -241,7 +271,8 @@ static void run_steps(enum cpu_handoff_mode mode, uint32_t fail_step, uint32_t r
 			(unsigned long long)st.by_workers);
 	free(bad);
 	free(acc);
-	rig_close(&r);
+	rig_close(&r); /* the idle hook cleared: no worker counts any more */
+	__atomic_store_n(&g_pf_bytes, 0, __ATOMIC_RELAXED);
 }
 
 START_TEST(test_hostfunc_round_trips)
@@ -315,6 +346,11 @@ START_TEST(test_workers_round_trips)
 	run_steps(CPU_HANDOFF_MEMOPS, 0, 2);
 	g_mapped = false;
 	g_no_dispatcher = false;
+	/* Reading each job ahead while it waits for its trigger: the results as before. */
+	g_prefetch = true;
+	run_steps(CPU_HANDOFF_MEMOPS, 0, 0);
+	run_steps(CPU_HANDOFF_MEMOPS, STEPS / 3, 0);
+	g_prefetch = false;
 	g_workers = false;
 }
 END_TEST

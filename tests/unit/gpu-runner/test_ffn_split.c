@@ -22,6 +22,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "common/manifest.h"
 #include "common/util.h"
@@ -733,6 +735,63 @@ START_TEST(test_share_threads_for)
 }
 END_TEST
 
+/* A job's weights brought into the caches in its reading order (ffn_share_prefetch): every byte
+ * of the share once, in pieces of any size, nothing outside it. The matrices lie in mappings whose
+ * bytes outside the share (gate's and up's rows before r, down's columns before r of every row,
+ * and a page after each) are PROT_NONE, so a touch of any of them kills the test. */
+static uint8_t *guarded(size_t bytes)
+{
+	const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+	uint8_t *m = mmap(NULL, bytes + page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	ck_assert(m != MAP_FAILED);
+	return m;
+}
+
+START_TEST(test_share_prefetch)
+{
+	const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+	if (page != 4096) {
+		fprintf(stderr, "test_share_prefetch: pages of %zu bytes, the layout wants 4096: not tested\n", page);
+		return;
+	}
+	enum { DIM = 2048, FFN = 4096, R = 2048 }; /* a gate row is a page; down's share starts a page in */
+	const size_t g_row = DIM * 2, d_row = FFN * 2;
+	uint8_t *gate = guarded((size_t)FFN * g_row), *up = guarded((size_t)FFN * g_row), *down = guarded((size_t)DIM * d_row);
+	ck_assert_int_eq(mprotect(gate + R * g_row, (FFN - R) * g_row, PROT_READ | PROT_WRITE), 0);
+	ck_assert_int_eq(mprotect(up + R * g_row, (FFN - R) * g_row, PROT_READ | PROT_WRITE), 0);
+	for (size_t o = 0; o < DIM; o++)
+		ck_assert_int_eq(mprotect(down + o * d_row + R * 2, (FFN - R) * 2, PROT_READ | PROT_WRITE), 0);
+	struct ffn_share_mat g = {.data = gate + R * g_row, .format = DT_BF16, .row_bytes = g_row};
+	struct ffn_share_mat u = {.data = up + R * g_row, .format = DT_BF16, .row_bytes = g_row};
+	struct ffn_share_mat d = {.data = down + R * 2, .format = DT_BF16, .row_bytes = d_row};
+	char err[256] = "";
+	struct ffn_share *fs = NULL;
+	ck_assert_msg(ffn_share_create(DIM, FFN, 1, 2, &fs, err, sizeof(err)) == 0, "%s", err);
+	struct ffn_share_job job;
+	ffn_share_job_init(&job, &g, &u, &d, FFN - R, 1, DT_BF16);
+	const uint64_t total = ffn_share_job_bytes(fs, &job);
+	ck_assert_uint_eq(total, (uint64_t)(FFN - R) * 2 * g_row + (uint64_t)DIM * (FFN - R) * 2);
+	const uint64_t pieces[] = {1, 63, 4096, 100003, 1u << 20, total};
+	for (size_t k = 0; k < sizeof(pieces) / sizeof(pieces[0]); k++) {
+		uint64_t sum = 0, at = 0, got;
+		while ((got = ffn_share_prefetch(fs, &job, at, pieces[k])) > 0) {
+			ck_assert_uint_le(got, pieces[k]);
+			sum += got;
+			at += got;
+		}
+		ck_assert_msg(sum == total, "pieces of %llu: %llu bytes touched of %llu", (unsigned long long)pieces[k],
+			      (unsigned long long)sum, (unsigned long long)total);
+	}
+	ck_assert_uint_eq(ffn_share_prefetch(fs, &job, total - 10, 100), 10);
+	ck_assert_uint_eq(ffn_share_prefetch(fs, &job, total, 100), 0);
+	ck_assert_uint_eq(ffn_share_prefetch(fs, &job, 0, 0), 0);
+	ffn_share_destroy(&fs);
+	munmap(gate, (size_t)FFN * g_row + page);
+	munmap(up, (size_t)FFN * g_row + page);
+	munmap(down, (size_t)DIM * d_row + page);
+}
+END_TEST
+
 static Suite *split_suite(void)
 {
 	Suite *s = suite_create("ffn_split");
@@ -751,6 +810,7 @@ static Suite *split_suite(void)
 	tcase_add_test(te, test_share_on_a_pool);
 	tcase_add_test(te, test_shares_at_once_help);
 	tcase_add_test(te, test_share_threads_for);
+	tcase_add_test(te, test_share_prefetch);
 	suite_add_tcase(s, te);
 	return s;
 }
