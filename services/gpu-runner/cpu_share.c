@@ -92,6 +92,9 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (r->cpu_prefetch > CPU_PREFETCH_MAX)
 		return errorf(err, errlen, -EINVAL, "--cpu-prefetch %llu bytes: expected at most 4GiB",
 			      (unsigned long long)r->cpu_prefetch);
+	if (r->cpu_prefetch && r->cpu_handoff == BACKEND_HANDOFF_HOSTFUNC)
+		return errorf(err, errlen, -EINVAL, "--cpu-prefetch reads ahead in the idle workers' turns, which "
+			      "memops handoffs give them, not hostfunc");
 	if (r->cpu_prefetch && !r->cpu_dispatch_workers)
 		return errorf(err, errlen, -EINVAL, "--cpu-prefetch reads ahead in the idle workers' turns: it needs "
 			      "--cpu-dispatch workers or all, not %s", disp);

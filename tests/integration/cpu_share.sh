@@ -42,6 +42,9 @@ expect_start_fails "--cpu-prefetch without the workers" \
 	--model "$MODEL" --runner-opt=--cpu-prefetch=8MiB --runner-opt=--cpu-dispatch=dispatcher
 expect_start_fails "--cpu-prefetch 5GiB" "cpu-prefetch 5368709120 bytes: expected at most 4GiB" \
 	--model "$MODEL" --runner-opt=--cpu-prefetch=5GiB
+expect_start_fails "--cpu-prefetch with host functions" \
+	"cpu-prefetch reads ahead in the idle workers' turns, which memops handoffs give them, not hostfunc" \
+	--model "$MODEL" --runner-opt=--cpu-prefetch=8MiB --runner-opt=--cpu-handoff=hostfunc
 expect_start_fails "--cpu-share-balance step" "cpu-share-balance 'step' is not token or layer" \
 	--model "$MODEL" --runner-opt=--cpu-share-balance=step
 
@@ -132,8 +135,7 @@ if [[ $BACKEND != cpu ]]; then
 	same_tokens_with cpu-dispatch both
 	same_tokens_with cpu-dispatch all
 
-	# The idle workers read each split FFN's weights ahead (--cpu-prefetch): the same tokens, and bytes
-	# read ahead.
+	# The idle workers read each split FFN's weights ahead (--cpu-prefetch): the same tokens.
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share 0.5 --cpu-threads 2 \
 		--runner-opt=--prefill-chunk=16 --runner-opt=--cpu-prefetch=1MiB >/dev/null
 	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)

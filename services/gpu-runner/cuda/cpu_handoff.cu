@@ -72,7 +72,7 @@ struct handoff_desc {
 	struct cpu_handoff *h;
 	cpu_handoff_fn fn;
 	cpu_handoff_prefetch_fn prefetch;
-	unsigned char prefetch_arg[CPU_HANDOFF_PREFETCH_ARG];
+	uint64_t prefetch_arg[CPU_HANDOFF_PREFETCH_ARG / 8]; /* words stored and loaded atomically (blob_copy) */
 	uint64_t pf_next; /* the next offset of its read-ahead to claim (atomic) */
 	struct cpu_handoff_task task;
 	struct task_job job;
@@ -129,6 +129,10 @@ struct cpu_handoff {
 	bool idle_hook;		    /* the pool's idle hook is this handoff's (idle_dispatch) */
 	uint64_t prefetch_max;	    /* params.prefetch_bytes */
 	uint64_t prefetched;	    /* bytes read ahead (atomic) */
+	uint32_t pf_inflight;	    /* workers between their check of a job and the end of its chunk's
+				     * read (cpu_handoff_quiesce_prefetch waits for 0) */
+	uint32_t pf_off;	    /* set for good once the stream failed: its published jobs are never
+				     * dispatched, and nothing reads them ahead any more */
 	uint32_t wake_seq;	    /* futex word the dispatcher sleeps on: bumped by publish and stop */
 	uint32_t disp_sleeping;
 	uint32_t stop;
@@ -391,14 +395,16 @@ uint32_t cpu_handoff_poll(struct cpu_handoff *h)
 	return n;
 }
 
-#define PREFETCH_CHUNK (128u << 10) /* a read-ahead claim: some 15-25 us of one worker */
+#define PREFETCH_CHUNK (32u << 10) /* a read-ahead claim: a few us of one worker, who looks at the
+				    * trigger again only after it */
 
 /* One chunk of the next job's read-ahead, when a job is published and not yet dispatched: claimed
  * from its descriptor's cursor, up to prefetch_max. The descriptor is rewritten only once its job
- * has completed (and the ring has come round), so the copy of its function and argument is the
- * job's own if next_dispatch, read after the copy, still names it undispatched; the argument names
- * weight memory that stays mapped, so a chunk read after that (the job dispatched meanwhile, even
- * rewritten) reads the caches full of stale bytes at worst. Returns the bytes read. */
+ * has completed (and the ring has come round), so the copy of its function and argument (relaxed
+ * word loads, then an acquire fence) is the job's own if next_dispatch, read after the copy, still
+ * names it undispatched. The read itself is counted in pf_inflight from before that check to its
+ * end: the weights it names stay mapped while their step runs, and the step's end waits for the
+ * count (cpu_handoff_quiesce_prefetch) before anything may unmap them. Returns the bytes read. */
 static uint64_t prefetch_next(struct cpu_handoff *h)
 {
 	const uint32_t next = __atomic_load_n(&h->next_dispatch, __ATOMIC_ACQUIRE);
@@ -407,20 +413,41 @@ static uint64_t prefetch_next(struct cpu_handoff *h)
 		return 0;
 	struct handoff_desc *d = &h->ring[next & (h->ring_n - 1)];
 	const cpu_handoff_prefetch_fn fn = __atomic_load_n(&d->prefetch, __ATOMIC_RELAXED);
-	if (!fn)
+	if (!fn || __atomic_load_n(&d->pf_next, __ATOMIC_RELAXED) >= h->prefetch_max)
 		return 0;
 	const uint64_t off = __atomic_fetch_add(&d->pf_next, PREFETCH_CHUNK, __ATOMIC_RELAXED);
 	if (off >= h->prefetch_max)
 		return 0;
-	unsigned char arg[CPU_HANDOFF_PREFETCH_ARG];
-	memcpy(arg, d->prefetch_arg, sizeof(arg));
-	if (__atomic_load_n(&h->next_dispatch, __ATOMIC_ACQUIRE) != next)
-		return 0; /* dispatched meanwhile: its parts read what they need */
-	const uint64_t want = h->prefetch_max - off < PREFETCH_CHUNK ? h->prefetch_max - off : PREFETCH_CHUNK;
-	const uint64_t got = fn(arg, off, want);
-	if (got)
-		__atomic_add_fetch(&h->prefetched, got, __ATOMIC_RELAXED);
+	uint64_t arg[CPU_HANDOFF_PREFETCH_ARG / 8];
+	for (size_t i = 0; i < CPU_HANDOFF_PREFETCH_ARG / 8; i++)
+		arg[i] = __atomic_load_n(&d->prefetch_arg[i], __ATOMIC_RELAXED);
+	__atomic_thread_fence(__ATOMIC_ACQUIRE);
+	__atomic_add_fetch(&h->pf_inflight, 1, __ATOMIC_SEQ_CST);
+	uint64_t got = 0;
+	if (__atomic_load_n(&h->next_dispatch, __ATOMIC_SEQ_CST) == next && /* else dispatched meanwhile */
+	    !__atomic_load_n(&h->pf_off, __ATOMIC_SEQ_CST)) {
+		const uint64_t want = h->prefetch_max - off < PREFETCH_CHUNK ? h->prefetch_max - off : PREFETCH_CHUNK;
+		got = fn(arg, off, want);
+		if (got < want) /* the job's end: no more to claim */
+			__atomic_store_n(&d->pf_next, h->prefetch_max, __ATOMIC_RELAXED);
+		if (got)
+			__atomic_add_fetch(&h->prefetched, got, __ATOMIC_RELAXED);
+	}
+	__atomic_sub_fetch(&h->pf_inflight, 1, __ATOMIC_RELEASE);
 	return got;
+}
+
+void cpu_handoff_quiesce_prefetch(struct cpu_handoff *h, bool stream_failed)
+{
+	if (!h || !h->prefetch_max)
+		return;
+	/* Every job handed over (the caller's step has ended): a worker that counts itself in from here
+	 * finds next_dispatch past its job and reads nothing. A failed stream leaves jobs published and
+	 * never dispatched: the read-ahead stops for good. */
+	if (stream_failed)
+		__atomic_store_n(&h->pf_off, 1, __ATOMIC_SEQ_CST);
+	while (__atomic_load_n(&h->pf_inflight, __ATOMIC_SEQ_CST))
+		cpu_relax();
 }
 
 /* The pool's idle hook (workers_dispatch): an idle worker, spinning between jobs, hands the pool
@@ -794,11 +821,17 @@ int cpu_handoff_submit(struct cpu_handoff *h, const void *d_in, const struct cpu
 	struct handoff_desc *d = &h->ring[seq & (h->ring_n - 1)];
 	d->h = h;
 	d->fn = job->fn;
-	/* Atomic: an idle worker reads them (prefetch_next) once published; a stale one may still look
-	 * at this descriptor's previous job's (it finds that job dispatched and drops what it read). */
+	/* Atomic, after a release fence: an idle worker reads them (prefetch_next) once published; a
+	 * stale one may still look at this descriptor's previous job's, which it finds dispatched (its
+	 * acquire fence and re-check of next_dispatch), and drops what it read. */
 	const cpu_handoff_prefetch_fn pf = h->prefetch_max ? job->prefetch : NULL;
-	if (pf)
-		memcpy(d->prefetch_arg, job->prefetch_arg, sizeof(d->prefetch_arg));
+	__atomic_thread_fence(__ATOMIC_RELEASE);
+	if (pf) {
+		uint64_t words[CPU_HANDOFF_PREFETCH_ARG / 8];
+		memcpy(words, job->prefetch_arg, sizeof(words));
+		for (size_t i = 0; i < CPU_HANDOFF_PREFETCH_ARG / 8; i++)
+			__atomic_store_n(&d->prefetch_arg[i], words[i], __ATOMIC_RELAXED);
+	}
 	__atomic_store_n(&d->prefetch, pf, __ATOMIC_RELAXED);
 	__atomic_store_n(&d->pf_next, 0, __ATOMIC_RELAXED);
 	d->task.in = h->in[slot];
@@ -917,6 +950,7 @@ int cpu_handoff_settle(struct cpu_handoff *h, char *err, size_t errlen)
 	/* Every submit has its wait queued behind it (ffn_split pairs them), so once the stream is
 	 * through, every job has stored its word, and job_done ran before that store. */
 	cudaError_t e = cudaStreamSynchronize(h->stream);
+	cpu_handoff_quiesce_prefetch(h, e != cudaSuccess);
 	if (e != cudaSuccess)
 		return errorf(err, errlen, -EIO, "cpu handoff: settle: the stream ended with %s", cudaGetErrorString(e));
 	return cpu_handoff_check(h, err, errlen);

@@ -211,6 +211,11 @@ void cpu_handoff_get_stats(const struct cpu_handoff *h, struct cpu_handoff_stats
  * where it was held off between taking it (the compare-and-swap) and handing it over.
  * Never blocks. Returns the jobs this call dispatched (0 with hostfunc). */
 uint32_t cpu_handoff_poll(struct cpu_handoff *h);
+/* Returns once no idle worker is reading a job's weights ahead (prefetch_bytes). For the thread
+ * that drives the stream, at a step's end (the stream synchronised: every job of the step handed
+ * over), or with stream_failed after the stream failed (its read-ahead then stops for good):
+ * after it, the weights the step's jobs named may be unmapped. cpu_handoff_settle calls it. */
+void cpu_handoff_quiesce_prefetch(struct cpu_handoff *h, bool stream_failed);
 /* The time handoff seq's job took on the CPU (its first part's start to its end) into *job_ns.
  * Returns 0; -EAGAIN while it has not completed; -ENOENT once its descriptor was reused (a ring
  * later) or for a seq never submitted. */

@@ -129,9 +129,6 @@ int ffn_split_setup(struct backend_dev *be)
 	hp.poll_out = p->cpu_result_mapped && p->cpu_result_polled;
 	hp.workers_dispatch = p->cpu_dispatch_workers;
 	hp.prefetch_bytes = p->cpu_dispatch_workers ? p->cpu_prefetch : 0;
-	if (p->cpu_prefetch && !p->cpu_dispatch_workers)
-		log_warn("cuda backend: --cpu-prefetch reads ahead from the idle workers' turns, which "
-			 "--cpu-dispatch workers or all gives them: nothing is read ahead");
 	rc = cpu_handoff_create(p->cpu_pool, be->stream, &hp, &be->handoff, msg, sizeof(msg));
 	if (rc == -ENOTSUP && p->cpu_handoff == BACKEND_HANDOFF_DEFAULT) {
 		log_info("cuda backend: the CPU share is handed over by host functions: %s", msg);
@@ -139,6 +136,9 @@ int ffn_split_setup(struct backend_dev *be)
 		if (p->cpu_dispatch_poll || p->cpu_dispatch_workers)
 			log_info("cuda backend: --cpu-dispatch changes nothing with host functions: the stream's "
 				 "callback hands the pool each job");
+		if (p->cpu_prefetch)
+			log_warn("cuda backend: --cpu-prefetch reads nothing ahead with host functions (the "
+				 "stream memory operations are not available here)");
 		rc = cpu_handoff_create(p->cpu_pool, be->stream, &hp, &be->handoff, msg, sizeof(msg));
 	}
 	if (rc)
@@ -181,12 +181,18 @@ int ffn_split_check(struct backend_dev *be)
 
 cudaError_t ffn_split_stream_wait(struct backend_dev *be)
 {
-	if (!be->handoff || !be->p.cpu_dispatch_poll || cpu_handoff_mode(be->handoff) != CPU_HANDOFF_MEMOPS)
-		return cudaStreamSynchronize(be->stream);
+	if (!be->handoff || !be->p.cpu_dispatch_poll || cpu_handoff_mode(be->handoff) != CPU_HANDOFF_MEMOPS) {
+		const cudaError_t e = cudaStreamSynchronize(be->stream);
+		/* No read-ahead outlives the step: the ring's weights may be unmapped between steps. */
+		cpu_handoff_quiesce_prefetch(be->handoff, e != cudaSuccess);
+		return e;
+	}
 	for (;;) {
 		const cudaError_t e = cudaStreamQuery(be->stream);
-		if (e != cudaErrorNotReady)
+		if (e != cudaErrorNotReady) {
+			cpu_handoff_quiesce_prefetch(be->handoff, e != cudaSuccess);
 			return e;
+		}
 		for (uint32_t i = 0; i < POLLS_A_QUERY; i++) {
 			(void)cpu_handoff_poll(be->handoff);
 #if defined(__x86_64__) || defined(__i386__)

@@ -16,6 +16,9 @@ cudaError_t handoff_test_fill(float *x, uint32_t n, uint32_t step, cudaStream_t 
 cudaError_t handoff_test_check(const float *y, uint32_t n, uint32_t step, uint32_t *bad, float *acc,
 			       cudaStream_t stream);
 
+/* Holds the stream about `us` microseconds (one thread reading the global timer). */
+cudaError_t handoff_test_delay(uint32_t us, cudaStream_t stream);
+
 /* The input value the fill kernel writes (and the host recomputes): integers below 4096. */
 static inline float handoff_test_x(uint32_t i, uint32_t step)
 {

@@ -771,7 +771,9 @@ START_TEST(test_share_prefetch)
 	ffn_share_job_init(&job, &g, &u, &d, FFN - R, 1, DT_BF16);
 	const uint64_t total = ffn_share_job_bytes(fs, &job);
 	ck_assert_uint_eq(total, (uint64_t)(FFN - R) * 2 * g_row + (uint64_t)DIM * (FFN - R) * 2);
-	const uint64_t pieces[] = {1, 63, 4096, 100003, 1u << 20, total};
+	for (uint64_t at = 0; at < 5000; at++) /* byte by byte across gate's first row into up's */
+		ck_assert_uint_eq(ffn_share_prefetch(fs, &job, at, 1), 1);
+	const uint64_t pieces[] = {4097, 100003, 1u << 20, total};
 	for (size_t k = 0; k < sizeof(pieces) / sizeof(pieces[0]); k++) {
 		uint64_t sum = 0, at = 0, got;
 		while ((got = ffn_share_prefetch(fs, &job, at, pieces[k])) > 0) {
