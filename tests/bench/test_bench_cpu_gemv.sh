@@ -11,7 +11,7 @@ out=$("$B" --ffn-tokens 2 --rows 256 --cols 512 --threads 2 --repeats 2)
 grep -q "^FFN share BF16 .* 2 tokens at once" <<<"$out" || fail "ffn-tokens: $out"
 # --prefetch: the one-token job again after its first MB were read into the caches.
 out=$("$B" --ffn-tokens 1 --rows 1024 --cols 512 --threads 2 --repeats 2 --prefetch 1)
-grep -q "^FFN share, one token, its first 1.0 MB in the caches first: [0-9.]* ms" <<<"$out" || fail "prefetch: $out"
+grep -q "^FFN share, one token, its first 1.0 MiB in the caches first: [0-9.]* ms" <<<"$out" || fail "prefetch: $out"
 for f in BF16 Q4_K; do
 	out=$("$B" --experts 3 --expert-pool 4 --format $f --rows 256 --cols 512 --threads 2 --repeats 3 --gap-us 10)
 	grep -q "^experts $f .*: 3 of .* MB a layer (4 to choose from), jobs cut for 1 threads .* 2 workers, a gap of 10 us: a layer's span median .* GB/s" <<<"$out" ||

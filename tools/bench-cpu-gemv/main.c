@@ -256,10 +256,10 @@ static int bench_ffn(enum dtype t, uint32_t rows, uint32_t dim, uint32_t n, uint
 			fprintf(stderr, "bench-cpu-gemv: an FFN share job failed\n");
 			return 1;
 		}
-		printf("FFN share, one token, its first %.1f MB in the caches first: %.3f ms (%.2f GB/s; %+.3f ms against "
+		const double left = bytes > (double)prefetch ? bytes - (double)prefetch : 0;
+		printf("FFN share, one token, its first %.1f MiB in the caches first: %.3f ms (%.2f GB/s; %+.3f ms against "
 		       "none, %.2f GB/s for the bytes left to read)\n",
-		       (double)prefetch / 1e6, pf * 1e3, bytes / pf / 1e9, (pf - one) * 1e3,
-		       (bytes - (double)prefetch) / pf / 1e9);
+		       (double)prefetch / 1048576.0, pf * 1e3, bytes / pf / 1e9, (pf - one) * 1e3, left / pf / 1e9);
 	}
 	ffn_share_destroy(&fs);
 	cpu_pool_destroy(&pool);
@@ -540,7 +540,7 @@ int main(int argc, char **argv)
 		 "cut each expert's job for P threads (default: ffn_share_threads_for)"},
 		{"gap-us", OPT_INT, &gap_l, "150", "microseconds between layers (the GPU's part of a layer)"},
 		{"prefetch", OPT_INT, &prefetch_l, "0",
-		 "--ffn-tokens: also time the one-token job after its first N MB (its reading order) were brought "
+		 "--ffn-tokens: also time the one-token job after its first N MiB (its reading order) were brought "
 		 "into the caches by the threads, untimed, as idle workers could between two split FFNs"},
 		{"expert-share", OPT_INT, &share_l, "0",
 		 "--experts: each expert split at intermediate row R, the CPU computing rows R.. of gate and up and "
