@@ -72,7 +72,8 @@ struct handoff_desc {
 	struct cpu_handoff *h;
 	cpu_handoff_fn fn;
 	cpu_handoff_prefetch_fn prefetch;
-	uint64_t prefetch_arg[CPU_HANDOFF_PREFETCH_ARG / 8]; /* words stored and loaded atomically (blob_copy) */
+	uint64_t prefetch_arg[CPU_HANDOFF_PREFETCH_ARG / 8]; /* words stored (submit) and loaded (prefetch_next)
+							      * atomically */
 	uint64_t pf_next; /* the next offset of its read-ahead to claim (atomic) */
 	struct cpu_handoff_task task;
 	struct task_job job;
@@ -156,13 +157,21 @@ struct cpu_handoff {
  * a load (__ldcv: one uncached 16-byte load, where a volatile uint4 would be four 4-byte ones; the
  * slots and d_out are 16-byte aligned), the last few bytes one at a time. Uncached: the host wrote
  * them after the stream's last look (the wait orders them). */
+static __device__ __forceinline__ void copy_mapped(uint4 *dst, const uint4 *src, size_t words, unsigned char *dst_tail,
+						    const unsigned char *src_tail, size_t tail, size_t first, size_t stride,
+						    bool tail_here)
+{
+	for (size_t i = first; i < words; i += stride)
+		dst[i] = __ldcv(src + i);
+	if (tail_here && threadIdx.x < tail)
+		dst_tail[threadIdx.x] = ((const volatile unsigned char *)src_tail)[threadIdx.x];
+}
+
 __global__ void read_mapped_kernel(uint4 *dst, const uint4 *src, size_t words, unsigned char *dst_tail,
 				   const unsigned char *src_tail, size_t tail)
 {
-	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x)
-		dst[i] = __ldcv(src + i);
-	if (blockIdx.x == 0 && threadIdx.x < tail)
-		dst_tail[threadIdx.x] = ((const volatile unsigned char *)src_tail)[threadIdx.x];
+	copy_mapped(dst, src, words, dst_tail, src_tail, tail, blockIdx.x * (size_t)blockDim.x + threadIdx.x,
+		    (size_t)gridDim.x * blockDim.x, blockIdx.x == 0);
 }
 
 /* read_mapped_kernel after the job's completion word (mapped host memory) has reached seq, which
@@ -182,10 +191,7 @@ __global__ void wait_read_kernel(const uint32_t *done, uint32_t seq, uint4 *dst,
 		}
 	}
 	__syncthreads();
-	for (size_t i = threadIdx.x; i < words; i += blockDim.x)
-		dst[i] = __ldcv(src + i);
-	if (threadIdx.x < tail)
-		dst_tail[threadIdx.x] = ((const volatile unsigned char *)src_tail)[threadIdx.x];
+	copy_mapped(dst, src, words, dst_tail, src_tail, tail, threadIdx.x, blockDim.x, true);
 }
 
 static inline bool reached(uint32_t v, uint32_t target)
@@ -358,7 +364,7 @@ static void CUDART_CB hf_wait(void *arg)
 /* ---- memops ---- */
 
 /* Hands the pool every job published and triggered from next_dispatch on, each taken by one
- * thread (the dispatcher, or one in cpu_handoff_poll) with a compare-and-swap. Two jobs may be in
+ * thread (the dispatcher, one in cpu_handoff_poll or an idle worker) with a compare-and-swap. Two jobs may be in
  * flight (two slots), so with both triggered, one thread may hand over seq + 1 while the other is
  * still handing over seq: the jobs are independent, and destroy waits by next_dispatch. Returns
  * the jobs this thread dispatched. */

@@ -128,7 +128,7 @@ int ffn_split_setup(struct backend_dev *be)
 	hp.mapped_out = p->cpu_result_mapped;
 	hp.poll_out = p->cpu_result_mapped && p->cpu_result_polled;
 	hp.workers_dispatch = p->cpu_dispatch_workers;
-	hp.prefetch_bytes = p->cpu_dispatch_workers ? p->cpu_prefetch : 0;
+	hp.prefetch_bytes = p->cpu_prefetch; /* read ahead only where the workers dispatch (memops) */
 	rc = cpu_handoff_create(p->cpu_pool, be->stream, &hp, &be->handoff, msg, sizeof(msg));
 	if (rc == -ENOTSUP && p->cpu_handoff == BACKEND_HANDOFF_DEFAULT) {
 		log_info("cuda backend: the CPU share is handed over by host functions: %s", msg);
@@ -181,25 +181,22 @@ int ffn_split_check(struct backend_dev *be)
 
 cudaError_t ffn_split_stream_wait(struct backend_dev *be)
 {
+	cudaError_t e;
 	if (!be->handoff || !be->p.cpu_dispatch_poll || cpu_handoff_mode(be->handoff) != CPU_HANDOFF_MEMOPS) {
-		const cudaError_t e = cudaStreamSynchronize(be->stream);
-		/* No read-ahead outlives the step: the ring's weights may be unmapped between steps. */
-		cpu_handoff_quiesce_prefetch(be->handoff, e != cudaSuccess);
-		return e;
-	}
-	for (;;) {
-		const cudaError_t e = cudaStreamQuery(be->stream);
-		if (e != cudaErrorNotReady) {
-			cpu_handoff_quiesce_prefetch(be->handoff, e != cudaSuccess);
-			return e;
-		}
-		for (uint32_t i = 0; i < POLLS_A_QUERY; i++) {
-			(void)cpu_handoff_poll(be->handoff);
+		e = cudaStreamSynchronize(be->stream);
+	} else {
+		while ((e = cudaStreamQuery(be->stream)) == cudaErrorNotReady) {
+			for (uint32_t i = 0; i < POLLS_A_QUERY; i++) {
+				(void)cpu_handoff_poll(be->handoff);
 #if defined(__x86_64__) || defined(__i386__)
-			__builtin_ia32_pause();
+				__builtin_ia32_pause();
 #endif
+			}
 		}
 	}
+	/* No read-ahead outlives the step: the ring's weights may be unmapped between steps. */
+	cpu_handoff_quiesce_prefetch(be->handoff, e != cudaSuccess);
+	return e;
 }
 
 void ffn_split_settle(struct backend_dev *be)
