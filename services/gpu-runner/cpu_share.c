@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "common/util.h"
@@ -22,6 +23,26 @@
 #endif
 
 #define CPU_PREFETCH_MAX (4ull << 30) /* --cpu-prefetch: more than any cache */
+/* --cpu-prefetch auto: on an H200 host (300 MiB of L3) P3's decode read 22-23 MB of each split
+ * FFN's CPU share ahead in the 330-360 us the pool waits between two, and came within 0.99-1.05 of
+ * its limit in five runs against 1.07-1.20 without (docs/benchmarks.md, 2026-12-03, eighth session);
+ * 48MiB read 25-27 MB and took the idle workers from their dispatching (0.95-1.10). */
+#define CPU_PREFETCH_AUTO (24ull << 20)
+
+/* auto's read-ahead: CPU_PREFETCH_AUTO, at most half the last-level cache where the C library
+ * knows its size (bytes read ahead that the job's own reads would evict again gain nothing). */
+static uint64_t cpu_prefetch_auto(void)
+{
+	long llc = 0;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+	llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+	if (llc <= 0)
+		llc = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+	if (llc > 0 && (uint64_t)llc / 2 < CPU_PREFETCH_AUTO)
+		return (uint64_t)llc / 2 / 4096 * 4096;
+	return CPU_PREFETCH_AUTO;
+}
 
 int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 {
@@ -89,6 +110,15 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (r->cpu_expert_chunk < FFN_SHARE_CHUNK_MIN || r->cpu_expert_chunk > FFN_SHARE_CHUNK_MAX)
 		return errorf(err, errlen, -EINVAL, "--cpu-expert-chunk %llu bytes: expected 16KiB to 16MiB",
 			      (unsigned long long)r->cpu_expert_chunk);
+	const char *pf = r->cpu_prefetch_arg ? r->cpu_prefetch_arg : "auto";
+	if (!strcmp(pf, "auto")) {
+		/* Only where the idle workers have turns and a trigger to watch: else none, quietly. */
+		r->cpu_prefetch = r->cpu_handoff != BACKEND_HANDOFF_HOSTFUNC && r->cpu_dispatch_workers
+					  ? cpu_prefetch_auto() : 0;
+		return 0; /* the checks below are for a size given */
+	}
+	if (parse_size(pf, &r->cpu_prefetch))
+		return errorf(err, errlen, -EINVAL, "--cpu-prefetch '%s' is not auto or a size (e.g. 24MiB)", pf);
 	if (r->cpu_prefetch > CPU_PREFETCH_MAX)
 		return errorf(err, errlen, -EINVAL, "--cpu-prefetch %llu bytes: expected at most 4GiB",
 			      (unsigned long long)r->cpu_prefetch);

@@ -340,11 +340,11 @@ int main(int argc, char **argv)
 		 "about how many weight bytes a chunk of a routed expert's job on the CPU reads (16KiB..16MiB): "
 		 "finer chunks spread a layer of few experts over more workers, each chunk's start paid more "
 		 "often; the same results either way"},
-		{"cpu-prefetch", OPT_SIZE, &r.cpu_prefetch, "0",
+		{"cpu-prefetch", OPT_STRING, &r.cpu_prefetch_arg, "auto",
 		 "with --cpu-dispatch workers or all: while a split FFN's CPU share is submitted and its input not "
-		 "yet come, the pool's idle workers read up to this many of its weight bytes into the caches, in "
-		 "the order its parts read them (0: none; at most the CPU's last-level cache is useful); the same "
-		 "results either way"},
+		 "yet come, the pool's idle workers read up to SIZE of its weight bytes into the caches, in the "
+		 "order its parts read them: auto (24MiB, at most half the last-level cache, where the handoff "
+		 "is memops and the workers dispatch; else none), 0 (none) or SIZE; the same results either way"},
 		{"split-experts", OPT_STRING, &r.split_experts_arg, "auto",
 		 "mixture of experts, cuda, decode with the CPU's share: split a chosen expert between the copies "
 		 "(its first rows) and the CPU (the rest, from DRAM) so that both end together: auto (experts whose "

@@ -40,6 +40,8 @@ expect_start_fails "--cpu-expert-chunk 1KiB" "cpu-expert-chunk 1024 bytes: expec
 expect_start_fails "--cpu-prefetch without the workers" \
 	"cpu-prefetch reads ahead in the idle workers' turns: it needs --cpu-dispatch workers or all, not dispatcher" \
 	--model "$MODEL" --runner-opt=--cpu-prefetch=8MiB --runner-opt=--cpu-dispatch=dispatcher
+expect_start_fails "--cpu-prefetch lots" "cpu-prefetch 'lots' is not auto or a size" \
+	--model "$MODEL" --runner-opt=--cpu-prefetch=lots
 expect_start_fails "--cpu-prefetch 5GiB" "cpu-prefetch 5368709120 bytes: expected at most 4GiB" \
 	--model "$MODEL" --runner-opt=--cpu-prefetch=5GiB
 expect_start_fails "--cpu-prefetch with host functions" \
@@ -98,6 +100,9 @@ for share in 0.5 1; do
 	expect_grep "^CPU share +$(printf '%.2f' "$share"), [1-9][0-9]* FFNs split" "$("$PIPELINE" status 2>&1)" \
 		"pipeline status"
 	expect_grep '"balance": "layer"' "$stats" "each layer's own share, the default, in the runner's stats"
+	# --cpu-prefetch auto (the default) reads ahead where the idle workers dispatch (the default).
+	pf=$("$PIPECTL" get gpu-runner cpu-prefetch | awk '{print $3}')
+	[[ -n $pf && $pf != 0 && $pf != 0B ]] || fail "pipectl get gpu-runner cpu-prefetch: '$pf', expected auto's size"
 	expect_grep "cpu +share $(printf '%.2f' "$share") \\(balance layer, planned anew 0 times\\): [1-9][0-9]* FFNs split" \
 		"$("$PIPELINE" inspect --once)" "pipeline inspect"
 	"$PIPELINE" stop
@@ -132,6 +137,12 @@ if [[ $BACKEND != cpu ]]; then
 	# The dispatcher alone hands the pool its jobs (--cpu-dispatch dispatcher; the pool's idle workers
 	# do too by default); the runner's thread waiting for a step's end does too (both); all three (all).
 	same_tokens_with cpu-dispatch dispatcher
+	# With the dispatcher alone --cpu-prefetch auto reads nothing ahead (no idle workers dispatch).
+	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share 0.5 --cpu-threads 2 \
+		--runner-opt=--cpu-dispatch=dispatcher >/dev/null
+	pf=$("$PIPECTL" get gpu-runner cpu-prefetch | awk '{print $3}')
+	[[ $pf == 0 || $pf == 0B ]] || fail "--cpu-prefetch auto with --cpu-dispatch dispatcher: '$pf', expected 0"
+	"$PIPELINE" stop
 	same_tokens_with cpu-dispatch both
 	same_tokens_with cpu-dispatch all
 

@@ -137,7 +137,7 @@ int ffn_split_setup(struct backend_dev *be)
 			log_info("cuda backend: --cpu-dispatch changes nothing with host functions: the stream's "
 				 "callback hands the pool each job");
 		if (p->cpu_prefetch)
-			log_warn("cuda backend: --cpu-prefetch reads nothing ahead with host functions (the "
+			log_info("cuda backend: --cpu-prefetch reads nothing ahead with host functions (the "
 				 "stream memory operations are not available here)");
 		rc = cpu_handoff_create(p->cpu_pool, be->stream, &hp, &be->handoff, msg, sizeof(msg));
 	}
