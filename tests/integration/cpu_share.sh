@@ -100,6 +100,21 @@ for share in 0.5 1; do
 	expect_grep "^CPU share +$(printf '%.2f' "$share"), [1-9][0-9]* FFNs split" "$("$PIPELINE" status 2>&1)" \
 		"pipeline status"
 	expect_grep '"balance": "layer"' "$stats" "each layer's own share, the default, in the runner's stats"
+	# The pool's gauges: its queue, its tasks (one a split FFN a decode step), the CPU's bytes a token
+	# (F32, dim 64: gate, up and down's rows [r, 192) of every split FFN) and its time a job.
+	jq -e '.cpu_share | (.queue_depth | type == "number") and .queue_depth >= 0 and .tasks_done >= .jobs
+		and .tasks_failed == 0 and .r_min == .r_max
+		and .bytes_per_token == .split_ffns * 3 * (.ffn_dim - .r_min) * 64 * 4 and .cpu_job_us > 0' \
+		<<<"$stats" >/dev/null ||
+		fail "the pool's queue, tasks, bytes a token and job time in the runner's stats: $(jq -c .cpu_share <<<"$stats")"
+	if [[ $BACKEND != cpu ]]; then
+		# The handoff, timed on the stream; the plan's prediction naming what binds.
+		jq -e '(.cpu_share | .handoff != "none" and .timed_ffns > 0 and (.handoff_us | type == "number")
+			and (.handoff_hist | add) > 0 and (.handoff_hist | add) <= .timed_ffns) and .predicted_ms_per_token > 0
+			and (.binding | length > 0)' <<<"$stats" >/dev/null ||
+			fail "the handoff's timing and the prediction in the runner's stats: $(jq -c '.cpu_share, .binding' <<<"$stats")"
+		expect_grep "predicted [0-9.]+ ms/token; .* binds" "$runner_log" "the plan's prediction in the runner's log"
+	fi
 	# --cpu-prefetch auto (the default) reads ahead where the idle workers dispatch (the default).
 	pf=$("$PIPECTL" get gpu-runner cpu-prefetch | awk '{print $3}')
 	[[ -n $pf && $pf != 0 && $pf != 0B ]] || fail "pipectl get gpu-runner cpu-prefetch: '$pf', expected auto's size"

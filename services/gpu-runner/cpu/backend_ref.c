@@ -44,6 +44,7 @@
  * split, and its CPU products are those the CUDA backend's CPU share runs.
  */
 #include "services/gpu-runner/backend_impl.h"
+#include "services/gpu-runner/cpu/ref_test.h"
 #include "services/gpu-runner/cpu-compute/ffn_share.h"
 #include "services/gpu-runner/cpu-compute/task_pool.h"
 #include "services/gpu-runner/cpu/kernels.h"
@@ -112,6 +113,7 @@ struct backend_dev {
 	float *share_y;	       /* (FFN_SPLIT_MAX_TOKENS, dim) the share's partial hidden vectors */
 	uint32_t share_done, share_waiters, share_seq; /* the job's completion word, its sleepers, the last value */
 	uint64_t share_failed;	/* CPU shares that failed */
+	uint32_t share_fail_at; /* backend_ref_test_fail_cpu_share: the share_seq whose job fails; 0: none */
 };
 
 __attribute__((format(printf, 3, 4))) static int fail(struct backend_dev *be, int rc, const char *fmt, ...)
@@ -440,7 +442,13 @@ static void ffn_share_ref(struct backend_dev *be, const struct weight_tensor *ga
 static int share_part(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
 {
 	struct backend_dev *be = arg;
-	return ffn_share_part(be->share, &be->share_job, be->xn, be->share_y, part, n_parts, err, errlen);
+	int rc = ffn_share_part(be->share, &be->share_job, be->xn, be->share_y, part, n_parts, err, errlen);
+	if (rc == 0 && part == 0 && be->share_fail_at && be->share_seq == be->share_fail_at) {
+		/* The part's work done (the others wait for nothing of it), then a failure reported. */
+		snprintf(err, errlen, "an injected failure (backend_ref_test_fail_cpu_share)");
+		return -EIO;
+	}
+	return rc;
 }
 
 static struct ffn_share_mat share_mat(const struct weight_tensor *t)
@@ -814,6 +822,17 @@ static const struct backend_kv_ops ref_kv = {
 	.from_host = ref_kv_from_host,
 	/* The rest are the front's defaults: copies happen at once, nothing to wait for or pin. */
 };
+
+int backend_ref_test_fail_cpu_share(struct backend *bk, uint32_t nth, char *err, size_t errlen)
+{
+	if (backend_impl_of(bk) != &backend_ref_impl)
+		return errorf(err, errlen, -EINVAL, "test hook: backend '%s' is not the cpu backend", backend_name(bk));
+	struct backend_dev *be = backend_dev_of(bk);
+	if (!be->share)
+		return errorf(err, errlen, -EINVAL, "test hook: the backend has no CPU share (no backend_params.cpu_pool)");
+	be->share_fail_at = nth ? be->share_seq + nth : 0;
+	return 0;
+}
 
 const struct backend_impl backend_ref_impl = {
 	.name = "cpu",

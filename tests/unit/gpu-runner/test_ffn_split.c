@@ -13,7 +13,8 @@
  *    elsewhere) for the others;
  *  - the second share by the backend itself (FFN_SPLIT_BACKEND, through a weight source that
  *    splits what it hands over): the same products in another order of additions, within 1e-5.
- * Then the front's refusals, and a CPU share that fails, which fails the step with its message.
+ * Then the front's refusals, and a share job whose parts fail with their message (a failing share
+ * through a whole request is test_generate's).
  * PIPELINE_TEST_VERBOSE=1 prints each error measured. */
 #include <check.h>
 #include <errno.h>

@@ -9,6 +9,9 @@
  * succeeds; a store that does not come back fails the request with a message, and the next
  * request starts from an empty cache.
  *
+ * A split FFN whose CPU share fails (a worker's error) fails its request with the share's message,
+ * and the next request runs to the end.
+ *
  * A resumed request (gen_params.done: the tokens a request had generated when its runner died)
  * goes on with exactly the tokens of the uninterrupted run, from index n_done, greedy and seeded,
  * with a repetition penalty or without, cut anywhere; one cut after its last token ends at once. */
@@ -22,11 +25,14 @@
 #include "common/manifest.h"
 #include "common/util.h"
 #include "services/gpu-runner/backend.h"
+#include "services/gpu-runner/cpu-compute/task_pool.h"
+#include "services/gpu-runner/cpu/ref_test.h"
 #include "services/gpu-runner/engine.h"
 #include "services/gpu-runner/generate.h"
 #include "services/gpu-runner/kv_cache.h"
 #include "tests/unit/common/test_helpers.h"
 #include "tests/unit/gpu-runner/mem_store.h"
+#include "tests/unit/gpu-runner/runner_test_util.h"
 #include "tools/make-synthetic-model/synthetic.h"
 #include "tools/run-local/memory_source.h"
 
@@ -53,6 +59,7 @@ struct fixture {
 	struct manifest *m;
 	struct memory_source *ms;
 	struct backend *be;
+	struct task_pool *pool; /* the CPU's shares of split FFNs (engine_set_ffn_split) */
 	struct kv_cache *kv;
 	struct engine *e;
 	struct store st;
@@ -78,7 +85,7 @@ static void setup(void)
 	ck_assert_msg(memory_source_create(fx.m, &fx.ms, err, sizeof(err)) == 0, "%s", err);
 	uint32_t ctx = PROMPT + NEW + 1, bt = 16, per_layer = ctx / bt + 2;
 	struct backend_params bp = {.max_chunk = 16, .block_tokens = bt, .n_kv_blocks = per_layer * fx.m->cfg.n_layers,
-				    .kv_dtype = DT_F32, .threads = 1};
+				    .kv_dtype = DT_F32, .threads = 1, .cpu_pool = fx.pool = pool_new(2)};
 	ck_assert_msg(backend_create("cpu", &fx.m->cfg, &bp, &fx.be, err, sizeof(err)) == 0, "%s", err);
 	fx.st.block_bytes = backend_kv_block_bytes("cpu", &fx.m->cfg, &bp);
 	fx.st.mem = malloc(STORE_BLOCKS * fx.st.block_bytes);
@@ -97,6 +104,7 @@ static void teardown(void)
 	engine_destroy(&fx.e);
 	kv_cache_destroy(&fx.kv);
 	backend_destroy(&fx.be);
+	task_pool_destroy(&fx.pool);
 	memory_source_destroy(&fx.ms);
 	manifest_destroy(&fx.m);
 	free(fx.st.mem);
@@ -159,6 +167,40 @@ START_TEST(test_store_that_stays_away_fails_the_request)
 	fx.st.die_at_release = 0;
 	ck_assert_msg(request(err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(memcmp(fx.out, want, sizeof(want)), 0);
+}
+END_TEST
+
+/* Every FFN split near half its rows, the rest on the task pool: a failing share fails the
+ * request with its message, nothing hangs, and the next request gives the split's tokens again. */
+START_TEST(test_cpu_share_failure_fails_the_request)
+{
+	char err[512] = "";
+	const struct model_config *c = &fx.m->cfg;
+	uint32_t r[64];
+	ck_assert_uint_le(c->n_layers, 64);
+	for (uint32_t l = 0; l < c->n_layers; l++)
+		r[l] = c->ffn_dim / 2 / 64 * 64; /* a multiple of F32's unit, 64 */
+	ck_assert_msg(engine_set_ffn_split(fx.e, r, 1, err, sizeof(err)) == 0, "%s", err);
+	int32_t want[NEW];
+	ck_assert_msg(request(err, sizeof(err)) == 0, "%s", err);
+	memcpy(want, fx.out, sizeof(want));
+	struct backend_cpu_share_stats cs;
+	backend_get_cpu_share_stats(fx.be, &cs);
+	ck_assert_uint_gt(cs.jobs, 0); /* the shares ran on the pool */
+
+	/* The first share of the next request's third decode step (its prefill chunks of 16 tokens
+	 * take the whole FFN on the backend: max_tokens 1). */
+	ck_assert_msg(backend_ref_test_fail_cpu_share(fx.be, 2 * c->n_layers + 1, err, sizeof(err)) == 0, "%s", err);
+	memset(err, 0, sizeof(err));
+	ck_assert_int_ne(request(err, sizeof(err)), 0);
+	ck_assert_msg(strstr(err, "CPU share failed") && strstr(err, "injected failure"), "message: %s", err);
+	backend_get_cpu_share_stats(fx.be, &cs);
+	ck_assert_uint_eq(cs.failed, 1);
+
+	/* The next request starts afresh and gives the same tokens. */
+	ck_assert_msg(request(err, sizeof(err)) == 0, "after a failed share: %s", err);
+	ck_assert_int_eq(memcmp(fx.out, want, sizeof(want)), 0);
+	ck_assert_int_eq(engine_set_ffn_split(fx.e, NULL, 1, err, sizeof(err)), 0);
 }
 END_TEST
 
@@ -349,6 +391,7 @@ static Suite *generate_suite(void)
 	tcase_add_test(tc, test_store_dies_while_blocks_go_back);
 	tcase_add_test(tc, test_store_that_stays_away_fails_the_request);
 	tcase_add_test(tc, test_fetches_cut_to_what_the_pool_takes);
+	tcase_add_test(tc, test_cpu_share_failure_fails_the_request);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("resume");
 	tcase_add_checked_fixture(tc, setup, teardown);
