@@ -97,8 +97,10 @@ for share in 0.5 1; do
 	expect_gt "${jobs:-}" 0 "CPU share jobs in the runner's stats"
 	expect_grep '"split_ffns": [1-9]' "$stats" "the split in force in the runner's stats"
 	expect_grep '"jobs_failed": 0' "$stats" "failed CPU shares in the runner's stats"
-	expect_grep "^CPU share +$(printf '%.2f' "$share"), [1-9][0-9]* FFNs split" "$("$PIPELINE" status 2>&1)" \
-		"pipeline status"
+	status=$("$PIPELINE" status 2>&1)
+	expect_grep "^CPU share +$(printf '%.2f' "$share"), [1-9][0-9]* FFNs split" "$status" "pipeline status"
+	expect_grep "^CPU pool +queue 0 \(at most [1-9][0-9]*\), [1-9][0-9]* tasks done, 0 failed; handoff [0-9.]+ us beyond the job" \
+		"$status" "the pool's queue, tasks and handoff in pipeline status"
 	expect_grep '"balance": "layer"' "$stats" "each layer's own share, the default, in the runner's stats"
 	# The pool's gauges: its queue, its tasks (one a split FFN a decode step), the CPU's bytes a token
 	# (F32, dim 64: gate, up and down's rows [r, 192) of every split FFN) and its time a job.

@@ -81,6 +81,15 @@ static const char *fmt_rate(json_t *obj, const char *key, char *buf, size_t len)
 	return buf;
 }
 
+static const char *fmt_us(json_t *obj, const char *key, char *buf, size_t len)
+{
+	double v;
+	if (!get_num(obj, key, &v))
+		return "-";
+	snprintf(buf, len, "%.1f us", v);
+	return buf;
+}
+
 static const char *fmt_yes_no(json_t *obj, const char *key)
 {
 	double v;
@@ -143,6 +152,13 @@ int cmd_summary(struct pipectl *p, int argc, char **argv)
 		       fmt_count(cs, "ffn_dim", d, sizeof(d)), fmt_count(cs, "jobs", e, sizeof(e)),
 		       fmt_count(cs, "threads", f, sizeof(f)), fmt_string(cs, "handoff"), fmt_size(cs, "bytes", g, sizeof(g)),
 		       fmt_size(cs, "bytes_per_token", h, sizeof(h)), fmt_count(cs, "jobs_failed", fl, sizeof(fl)));
+		/* The pool itself: its queue now and at its deepest, its tasks, and what a split FFN cost the
+		 * stream beyond its CPU job (the handoff both ways; CUDA times it, 0 timed elsewhere). */
+		printf("%-22s queue %s (at most %s), %s tasks done, %s failed; handoff %s beyond the job (%s split FFNs "
+		       "timed on the stream)\n",
+		       "CPU pool", fmt_count(cs, "queue_depth", a, sizeof(a)), fmt_count(cs, "queue_high_water", b, sizeof(b)),
+		       fmt_count(cs, "tasks_done", c, sizeof(c)), fmt_count(cs, "tasks_failed", d, sizeof(d)),
+		       fmt_us(cs, "handoff_us", e, sizeof(e)), fmt_count(cs, "timed_ffns", f, sizeof(f)));
 		json_t *ex = json_object_get(cs, "experts");
 		if (json_is_number(ex) && json_number_value(ex) > 0) {
 			const double span = json_number_value(json_object_get(cs, "experts_span_ms")),
