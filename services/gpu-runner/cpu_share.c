@@ -44,6 +44,31 @@ static uint64_t cpu_prefetch_auto(void)
 	return CPU_PREFETCH_AUTO;
 }
 
+/* --cpu-prefetch into r->cpu_prefetch: auto's size where the idle workers dispatch (none elsewhere),
+ * or a size given, refused where nothing would read it ahead. disp: --cpu-dispatch as given. */
+static int parse_prefetch(struct runner *r, const char *disp, char *err, size_t errlen)
+{
+	const char *pf = r->cpu_prefetch_arg ? r->cpu_prefetch_arg : "auto";
+	if (!strcmp(pf, "auto")) {
+		/* Only where the idle workers have turns and a trigger to watch: else none, quietly. */
+		r->cpu_prefetch = r->cpu_handoff != BACKEND_HANDOFF_HOSTFUNC && r->cpu_dispatch_workers
+					  ? cpu_prefetch_auto() : 0;
+		return 0;
+	}
+	if (parse_size(pf, &r->cpu_prefetch))
+		return errorf(err, errlen, -EINVAL, "--cpu-prefetch '%s' is not auto or a size (e.g. 24MiB)", pf);
+	if (r->cpu_prefetch > CPU_PREFETCH_MAX)
+		return errorf(err, errlen, -EINVAL, "--cpu-prefetch %llu bytes: expected at most 4GiB",
+			      (unsigned long long)r->cpu_prefetch);
+	if (r->cpu_prefetch && r->cpu_handoff == BACKEND_HANDOFF_HOSTFUNC)
+		return errorf(err, errlen, -EINVAL, "--cpu-prefetch reads ahead in the idle workers' turns, which "
+			      "memops handoffs give them, not hostfunc");
+	if (r->cpu_prefetch && !r->cpu_dispatch_workers)
+		return errorf(err, errlen, -EINVAL, "--cpu-prefetch reads ahead in the idle workers' turns: it needs "
+			      "--cpu-dispatch workers or all, not %s", disp);
+	return 0;
+}
+
 int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 {
 	int rc = cpu_share_parse(r->cpu_share_arg, &r->cpu_share, err, errlen);
@@ -110,24 +135,14 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 	if (r->cpu_expert_chunk < FFN_SHARE_CHUNK_MIN || r->cpu_expert_chunk > FFN_SHARE_CHUNK_MAX)
 		return errorf(err, errlen, -EINVAL, "--cpu-expert-chunk %llu bytes: expected 16KiB to 16MiB",
 			      (unsigned long long)r->cpu_expert_chunk);
-	const char *pf = r->cpu_prefetch_arg ? r->cpu_prefetch_arg : "auto";
-	if (!strcmp(pf, "auto")) {
-		/* Only where the idle workers have turns and a trigger to watch: else none, quietly. */
-		r->cpu_prefetch = r->cpu_handoff != BACKEND_HANDOFF_HOSTFUNC && r->cpu_dispatch_workers
-					  ? cpu_prefetch_auto() : 0;
-		return 0; /* the checks below are for a size given */
-	}
-	if (parse_size(pf, &r->cpu_prefetch))
-		return errorf(err, errlen, -EINVAL, "--cpu-prefetch '%s' is not auto or a size (e.g. 24MiB)", pf);
-	if (r->cpu_prefetch > CPU_PREFETCH_MAX)
-		return errorf(err, errlen, -EINVAL, "--cpu-prefetch %llu bytes: expected at most 4GiB",
-			      (unsigned long long)r->cpu_prefetch);
-	if (r->cpu_prefetch && r->cpu_handoff == BACKEND_HANDOFF_HOSTFUNC)
-		return errorf(err, errlen, -EINVAL, "--cpu-prefetch reads ahead in the idle workers' turns, which "
-			      "memops handoffs give them, not hostfunc");
-	if (r->cpu_prefetch && !r->cpu_dispatch_workers)
-		return errorf(err, errlen, -EINVAL, "--cpu-prefetch reads ahead in the idle workers' turns: it needs "
-			      "--cpu-dispatch workers or all, not %s", disp);
+	const char *pp = r->cpu_prefetch_plan_arg ? r->cpu_prefetch_plan_arg : "no";
+	if (strcmp(pp, "yes") && strcmp(pp, "no"))
+		return errorf(err, errlen, -EINVAL, "--cpu-prefetch-plan '%s' is not yes or no", pp);
+	rc = parse_prefetch(r, disp, err, errlen);
+	if (rc)
+		return rc;
+	/* auto's balance counts the read-ahead only where asked (not measured yet) and where it reads. */
+	r->cpu_share.prefetch_bytes = !strcmp(pp, "yes") ? r->cpu_prefetch : 0;
 	return 0;
 }
 

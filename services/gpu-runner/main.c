@@ -345,6 +345,10 @@ int main(int argc, char **argv)
 		 "yet come, the pool's idle workers read up to SIZE of its weight bytes into the caches, in the "
 		 "order its parts read them: auto (24MiB, at most half the last-level cache, where the handoff "
 		 "is memops and the workers dispatch; else none), 0 (none) or SIZE; the same results either way"},
+		{"cpu-prefetch-plan", OPT_STRING, &r.cpu_prefetch_plan_arg, "no",
+		 "with --cpu-share auto: the balance counts the bytes --cpu-prefetch reads ahead of each split FFN's "
+		 "CPU share as read (yes: the CPU gets that many bytes' time more of each FFN, at most its share "
+		 "without them), or not (no; not measured yet)"},
 		{"split-experts", OPT_STRING, &r.split_experts_arg, "auto",
 		 "mixture of experts, cuda, decode with the CPU's share: split a chosen expert between the copies "
 		 "(its first rows) and the CPU (the rest, from DRAM) so that both end together: auto (experts whose "

@@ -107,6 +107,7 @@ struct runner {
 	bool cpu_expert_taper;			      /* --cpu-expert-chunks taper (the default) */
 	uint64_t cpu_expert_chunk;		      /* --cpu-expert-chunk: bytes a chunk of an expert's job */
 	const char *cpu_prefetch_arg;		      /* --cpu-prefetch as given (auto or a size) */
+	const char *cpu_prefetch_plan_arg;	      /* --cpu-prefetch-plan as given (yes, no) */
 	uint64_t cpu_prefetch;			      /* --cpu-prefetch: bytes of a split FFN's CPU share read ahead */
 	long cpu_threads;			     /* --cpu-threads (0: one per CPU allowed, but one) */
 	struct cpu_share_policy cpu_share;	     /* --cpu-share parsed */

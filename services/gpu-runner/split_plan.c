@@ -271,7 +271,7 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 			cpu_all += t;
 		}
 	}
-	double s = 0;
+	double s = 0, credit = 0; /* credit: auto's bytes of a share counted as read ahead */
 	if (n_elig && pol->mode == CPU_SHARE_FIXED) {
 		s = pol->fraction;
 	} else if (n_elig && pol->mode == CPU_SHARE_AUTO) {
@@ -280,6 +280,15 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 		double p_all = (double)(other_streamed + split_bytes) / h2d_bps; /* nothing split */
 		s = (p_all - n_elig * handoff - gaps) / ((double)split_bytes / h2d_bps + cpu_all);
 		s = !(s > 0) ? 0 : s > 1 ? 1 : s; /* NaN (0 / 0): none */
+		/* The read-ahead, at most the bytes the share read without it, at the FFNs' mean rate. */
+		const double per = split_bytes ? (double)split_bytes / n_elig : 0;
+		const double ra = pol->prefetch_bytes < s * per ? (double)pol->prefetch_bytes : s * per;
+		if (ra > 0) {
+			s = (p_all - n_elig * handoff - gaps + n_elig * ra * cpu_all / (double)split_bytes) /
+			    ((double)split_bytes / h2d_bps + cpu_all);
+			s = !(s > 0) ? 0 : s > 1 ? 1 : s;
+			credit = ra;
+		}
 	}
 	plan->share = s;
 	plan->r_min = ffn;
@@ -292,13 +301,20 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 			continue;
 		uint64_t b = ly->bytes[0] + ly->bytes[1] + ly->bytes[2];
 		uint32_t unit = ffn_split_unit((enum dtype)ly->format[2]);
-		double s_l = s;
+		double s_l = s, credit_l = credit;
 		if (per_layer) { /* this layer's copies and CPU rows equally long */
-			const double gap = ly->gpu_s > 0 ? ly->gpu_s : 0;
-			s_l = b ? ((double)(ly->other_bytes + b) / h2d_bps - handoff - gap) /
-					  ((double)b / h2d_bps + cpu_time(ly, pol->cpu_bytes_per_s))
-				: 0;
+			const double gap = ly->gpu_s > 0 ? ly->gpu_s : 0, t = cpu_time(ly, pol->cpu_bytes_per_s);
+			const double num = (double)(ly->other_bytes + b) / h2d_bps - handoff - gap,
+				     den = (double)b / h2d_bps + t;
+			s_l = b ? num / den : 0;
 			s_l = !(s_l > 0) ? 0 : s_l > 1 ? 1 : s_l; /* NaN: none */
+			/* The read-ahead, at most what the share read without it. */
+			const double ra = (double)pol->prefetch_bytes < s_l * b ? (double)pol->prefetch_bytes : s_l * b;
+			if (ra > 0) {
+				s_l = (num + ra * t / (double)b) / den;
+				s_l = !(s_l > 0) ? 0 : s_l > 1 ? 1 : s_l;
+			}
+			credit_l = ra > 0 ? ra : 0;
 			s_sum += s_l;
 		}
 		uint32_t units = ffn / unit, cpu_units = (uint32_t)lround(s_l * units);
@@ -320,8 +336,10 @@ int split_plan_choose(const struct model_config *cfg, const struct split_layer *
 		plan->r_max = r[l] > plan->r_max ? r[l] : plan->r_max;
 		double t = cpu_time(ly, pol->cpu_bytes_per_s);
 		if (isfinite(t)) {
-			jobs_s += t * (ffn - r[l]) / ffn;
-			cpu_s += t * (ffn - r[l]) / ffn + handoff;
+			/* What the plan counted as read ahead is not the job's time. */
+			const double ra = (credit_l < (double)cpu_b ? credit_l : (double)cpu_b) * t / (double)b;
+			jobs_s += t * (ffn - r[l]) / ffn - ra;
+			cpu_s += t * (ffn - r[l]) / ffn - ra + handoff;
 			double rate = (double)b / t;
 			rate_min = rate < rate_min ? rate : rate_min;
 		}

@@ -24,6 +24,10 @@
  *   s_l = ((O_l + F_l) / h2d - h - G_l) / (F_l / h2d + C_l),
  * so that a layer whose attention streams gives the CPU more than one whose attention is resident:
  * the window runs ahead of compute by a layer or two, not by the token (test: the bench's --ab).
+ * With prefetch_bytes R (the idle workers' read-ahead, counted by --cpu-prefetch-plan), the CPU's
+ * side of a layer is its share's time less R at the layer's rate, R at most the share the layer
+ * gets without it (so the credit never exceeds what the share reads):
+ *   s_l = ((O_l + F_l) / h2d - h - G_l + R_l C_l / F_l) / (F_l / h2d + C_l).
  * The CPU and DMA read the same DRAM: the GPU window measures the CPU's rates while H2D copies run
  * and the copies' rate beside the CPU (split_load; alone each is far higher than beside the other),
  * the plan takes both, and the runner logs the prediction beside the measured decode time. Steps of many tokens (prefill) do not split on the
@@ -64,6 +68,10 @@ struct cpu_share_policy {
 					   * (split_calibrate; 0: not measured) */
 	double handoff_s;		  /* per handoff; 0: SPLIT_HANDOFF_S */
 	bool per_layer;			  /* auto: each layer's own share (--cpu-share-balance layer) */
+	uint64_t prefetch_bytes;	  /* auto: bytes of each split FFN's CPU share the idle workers read
+					   * ahead before its input comes (--cpu-prefetch), counted as read:
+					   * the CPU's side of a layer takes that much less time, at most its
+					   * share without it (--cpu-prefetch-plan; 0: not counted) */
 	/* Rates measured already (the jobs' rate, split_jobs_factor; or the window's own calibration
 	 * when it plans its residency again): the GPU window plans with cpu_bytes_per_s and this H2D
 	 * rate beside the CPU as they are, measuring neither again. */

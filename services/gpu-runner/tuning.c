@@ -182,6 +182,8 @@ void runner_register_tunables(struct runner *r)
 		       "about the weight bytes a chunk of a routed expert's CPU job reads: set at start");
 	add_fixed_long(s, "cpu-prefetch", TUNABLE_BYTES, (long long)r->cpu_prefetch,
 		       "the weight bytes of a split FFN's CPU share the idle workers read ahead: set at start");
+	service_add_fixed(s, "cpu-prefetch-plan", TUNABLE_STRING, r->cpu_share.prefetch_bytes ? "yes" : "no",
+			  "whether auto's balance counts the read-ahead as read: planned at start");
 	service_add_fixed(s, "cpu-pin-runner", TUNABLE_STRING, r->cpu_pin_runner ? "yes" : "no",
 			  "whether the runner's thread stays off the CPU pool's CPUs: set at start");
 	service_add_fixed(s, "cpu-experts", TUNABLE_STRING, r->cpu_experts_early ? "route" : "visit",

@@ -40,6 +40,8 @@ expect_start_fails "--cpu-expert-chunk 1KiB" "cpu-expert-chunk 1024 bytes: expec
 expect_start_fails "--cpu-prefetch without the workers" \
 	"cpu-prefetch reads ahead in the idle workers' turns: it needs --cpu-dispatch workers or all, not dispatcher" \
 	--model "$MODEL" --runner-opt=--cpu-prefetch=8MiB --runner-opt=--cpu-dispatch=dispatcher
+expect_start_fails "--cpu-prefetch-plan maybe" "cpu-prefetch-plan 'maybe' is not yes or no" \
+	--model "$MODEL" --runner-opt=--cpu-prefetch-plan=maybe
 expect_start_fails "--cpu-prefetch lots" "cpu-prefetch 'lots' is not auto or a size" \
 	--model "$MODEL" --runner-opt=--cpu-prefetch=lots
 expect_start_fails "--cpu-prefetch 5GiB" "cpu-prefetch 5368709120 bytes: expected at most 4GiB" \
@@ -162,6 +164,8 @@ if [[ $BACKEND != cpu ]]; then
 	"$PIPELINE" stop
 	same_tokens_with cpu-dispatch both
 	same_tokens_with cpu-dispatch all
+	# auto's balance counting the read-ahead (--cpu-prefetch-plan yes; a fixed share here: the value shown).
+	same_tokens_with cpu-prefetch-plan yes
 
 	# The idle workers read each split FFN's weights ahead (--cpu-prefetch): the same tokens.
 	"$PIPELINE" start --model "$F32" --backend "$BACKEND" "${budget[@]}" --cpu-share 0.5 --cpu-threads 2 \

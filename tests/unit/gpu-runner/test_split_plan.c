@@ -244,6 +244,60 @@ START_TEST(test_auto_gpu_gaps)
 }
 END_TEST
 
+/* The idle workers' read-ahead counted (cpu_share_policy.prefetch_bytes): each layer's CPU side is
+ * its share's time less the bytes read ahead at its rate, so the CPU gets more rows; the credit is
+ * at most the share the layer had without it; the plan's CPU time and jobs' time are net of it. */
+START_TEST(test_auto_prefetch_credit)
+{
+	struct model_config c = cfg();
+	struct split_layer ly[L];
+	layers(ly, DT_BF16);
+	uint32_t r0[L], r[L];
+	struct split_plan plan0 = {.r = r0}, plan = {.r = r};
+	struct cpu_share_policy pol = auto_per_layer(100e9);
+	char err[256];
+	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 50e9, &pol, &plan0, err, sizeof(err)), 0);
+	const double F = (double)ly[0].bytes[0] * 3, R = 24.0 * 1048576;
+	pol.prefetch_bytes = 24ull << 20;
+	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	ck_assert_uint_eq(plan.split_layers, L);
+	for (uint32_t l = 0; l < L; l++) {
+		ck_assert_uint_lt(r[l], r0[l]); /* more rows on the CPU */
+		/* its copies as long as its CPU rows less the read-ahead, and the handoff */
+		double pcie = F * r[l] / FFN / 50e9;
+		double cpu = (F * (FFN - r[l]) / FFN - R) / 100e9 + SPLIT_HANDOFF_S;
+		ck_assert_msg(fabs(pcie - cpu) < 0.02 * pcie, "layer %u: pcie %.3f ms, cpu %.3f ms", l, pcie * 1e3,
+			      cpu * 1e3);
+	}
+	const double cpu_b = (double)plan.cpu_bytes / L;
+	ck_assert_msg(fabs(plan.jobs_s - L * (cpu_b - R) / 100e9) < 1e-6, "jobs %.3f ms", plan.jobs_s * 1e3);
+	ck_assert_msg(fabs(plan.cpu_s - plan.jobs_s - L * SPLIT_HANDOFF_S) < 1e-9, "cpu %.3f ms", plan.cpu_s * 1e3);
+	/* Over the token: the same credit, one share for all. */
+	pol.per_layer = false;
+	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	double want = (4 * F / 50e9 - 4 * SPLIT_HANDOFF_S + 4 * R / 100e9) / (4 * F / 50e9 + 4 * F / 100e9);
+	ck_assert_msg(fabs(plan.share - want) < 1e-9, "share %.6f, want %.6f", plan.share, want);
+	/* A read-ahead larger than the share: counted only up to the share without it. */
+	pol.per_layer = true;
+	pol.prefetch_bytes = 1ull << 40;
+	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	const double s0 = (double)(FFN - r0[0]) / FFN;
+	for (uint32_t l = 0; l < L; l++) {
+		double pcie = F * r[l] / FFN / 50e9;
+		double cpu = (F * (FFN - r[l]) / FFN - s0 * F) / 100e9 + SPLIT_HANDOFF_S;
+		ck_assert_msg(fabs(pcie - cpu) < 0.03 * pcie, "capped, layer %u: pcie %.3f ms, cpu %.3f ms", l,
+			      pcie * 1e3, cpu * 1e3);
+	}
+	ck_assert_msg(fabs(plan.jobs_s - ((double)plan.cpu_bytes - L * s0 * F) / 100e9) < 0.02 * plan.jobs_s,
+		      "capped: jobs %.3f ms", plan.jobs_s * 1e3);
+	/* A fixed share is what was asked: no credit moves it. */
+	pol.mode = CPU_SHARE_FIXED;
+	pol.fraction = 0.5;
+	ck_assert_int_eq(split_plan_choose(&c, ly, 0, 50e9, &pol, &plan, err, sizeof(err)), 0);
+	ck_assert_uint_eq(r[0], FFN / 2);
+}
+END_TEST
+
 /* split_calibrate's load: busy while *arg counts down, each call counted; starts and finishes
  * counted (one of each per format). */
 static uint32_t busy_calls, starts, finishes;
@@ -427,6 +481,7 @@ static Suite *plan_suite(void)
 	tcase_add_test(tc, test_auto_balance);
 	tcase_add_test(tc, test_auto_per_layer);
 	tcase_add_test(tc, test_auto_gpu_gaps);
+	tcase_add_test(tc, test_auto_prefetch_credit);
 	tcase_add_test(tc, test_calibrate);
 	tcase_add_test(tc, test_jobs_factor);
 	tcase_add_test(tc, test_expert_spans_rate);
