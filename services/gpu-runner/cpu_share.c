@@ -23,10 +23,11 @@
 #endif
 
 #define CPU_PREFETCH_MAX (4ull << 30) /* --cpu-prefetch: more than any cache */
-/* --cpu-prefetch auto: on an H200 host (300 MiB of L3) P3's decode read 22-23 MB of each split
- * FFN's CPU share ahead in the 330-360 us the pool waits between two, and came within 0.99-1.05 of
- * its limit in five runs against 1.07-1.20 without (docs/benchmarks.md, 2026-12-03, eighth session);
- * 48MiB read 25-27 MB and took the idle workers from their dispatching (0.95-1.10). */
+/* --cpu-prefetch auto: on H200 hosts (300 MiB of L3) P3's decode read 22-23 MB of each split FFN's
+ * CPU share ahead in the 330-370 us the pool waits between two, and came within 0.99-1.05 of its
+ * limit in all seven runs on three hosts against 0.89-1.20 without; P1 1.004-1.006 (docs/
+ * benchmarks.md, 2026-12-03, eighth session). 48MiB read 25-27 MB and took the idle workers from
+ * their dispatching (0.95-1.10). */
 #define CPU_PREFETCH_AUTO (24ull << 20)
 
 /* auto's read-ahead: CPU_PREFETCH_AUTO, at most half the last-level cache where the C library
@@ -143,6 +144,9 @@ int runner_parse_cpu_flags(struct runner *r, char *err, size_t errlen)
 		return rc;
 	/* auto's balance counts the read-ahead only where asked (not measured yet) and where it reads. */
 	r->cpu_share.prefetch_bytes = !strcmp(pp, "yes") ? r->cpu_prefetch : 0;
+	if (!strcmp(pp, "yes") && !r->cpu_prefetch)
+		log_info("--cpu-prefetch-plan yes counts nothing: nothing is read ahead (--cpu-prefetch 0, or the "
+			 "idle workers do not dispatch)");
 	return 0;
 }
 
