@@ -266,6 +266,16 @@ struct gate {
 	uint32_t probe_done;
 };
 
+/* Each part writes the CPU it runs on into ((int *)arg)[part]. */
+static int where_fn(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
+{
+	(void)n_parts;
+	(void)err;
+	(void)errlen;
+	((int *)arg)[part] = sched_getcpu();
+	return 0;
+}
+
 static int gate_fn(void *arg, uint32_t part, uint32_t n_parts, char *err, size_t errlen)
 {
 	struct gate *g = arg;
@@ -874,6 +884,16 @@ START_TEST(test_config)
 	struct task_pool_stats st;
 	task_pool_get_stats(p, &st);
 	ck_assert_uint_eq(st.pinned, 2);
+	/* ... and their parts run there: each part says where it ran. */
+	int ran_on[8];
+	uint32_t where_done = 0, where_waiters = 0;
+	struct task_job where;
+	task_job_init(&where, where_fn, ran_on, 8, &where_done, 1);
+	ck_assert_int_eq(task_pool_submit(p, &where), 0);
+	ck_assert_int_eq(task_word_wait(&where_done, &where_waiters, 1, 10, WAIT_NS), 0);
+	ck_assert_int_eq(where.rc, 0);
+	for (int i = 0; i < 8; i++)
+		ck_assert_msg(ran_on[i] == first, "part %d ran on CPU %d, its worker pinned to %d", i, ran_on[i], first);
 	task_pool_destroy(&p);
 
 	/* More workers than the CPUs after the offset: they wrap within those, never onto the CPUs
