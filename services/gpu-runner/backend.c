@@ -173,7 +173,7 @@ int backend_check_config(const char *name, const struct model_config *c, const s
 		snprintf(err, errlen, "%s backend: rope layout %u is unknown", name, c->rope_layout);
 		return -EINVAL;
 	}
-	if (p->gemv > BACKEND_GEMV_DP4A_REGS || p->attn > BACKEND_ATTN_SIMPLE || p->fuse > BACKEND_FUSE_ANY_ITEMS) {
+	if (p->gemv > BACKEND_GEMV_DP4A_REGS || p->attn > BACKEND_ATTN_SIMPLE || p->fuse > BACKEND_FUSE_ROWS_APART) {
 		snprintf(err, errlen, "%s backend: unknown kernel choice (gemv %u, attn %u, fuse %u)", name, p->gemv,
 			 p->attn, p->fuse);
 		return -EINVAL;

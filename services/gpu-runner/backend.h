@@ -114,6 +114,10 @@ enum backend_fuse {
 	BACKEND_FUSE_ANY_ITEMS = 7, /* the default, but one-token integer products walk rows of whole
 				     * steps with the general walk (tails, a block's checks) as other
 				     * rows take (comparisons) */
+	BACKEND_FUSE_ROWS_APART = 8, /* the default, but a wide block's row-group blocks are the grid's
+				      * width apart, not side by side, so the row-group blocks that walk
+				      * one row group more than the others spread over the multiprocessors
+				      * (a trial: comparisons) */
 };
 
 /* How the CUDA backend's stream hands the CPU share of a split FFN to the pool

@@ -482,6 +482,7 @@ static void big_run(const struct big *b, uint32_t gemv, uint32_t attn, bool long
 		 : bench_fuse == BACKEND_FUSE_APART_DQ ? ", a launch per format of a product's parts"
 		 : bench_fuse == BACKEND_FUSE_WIDE_QKV ? ", q/k/v in wide blocks"
 		 : bench_fuse == BACKEND_FUSE_ANY_ITEMS ? ", whole steps walked as any rows"
+		 : bench_fuse == BACKEND_FUSE_ROWS_APART ? ", wide blocks' row groups apart"
 							: "");
 
 	/* Warm-up: one chunk and a few decode steps, then start over at position 0. */

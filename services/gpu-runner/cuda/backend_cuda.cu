@@ -872,6 +872,7 @@ static int cuda_create(const struct model_config *cfg, const struct backend_para
 	be->mix_dq = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_APART_DQ;
 	be->whole_dq = p->fuse != BACKEND_FUSE_ANY_ITEMS;
 	be->wide_qkv = p->fuse == BACKEND_FUSE_WIDE_QKV;
+	be->rows_apart = p->fuse == BACKEND_FUSE_ROWS_APART;
 	be->early_kv = p->fuse != BACKEND_FUSE_NONE && p->fuse != BACKEND_FUSE_LATE_KV;
 	be->attn_key_warps = p->fuse == BACKEND_FUSE_ONE_KEY_WARP ? 1 : 2;
 

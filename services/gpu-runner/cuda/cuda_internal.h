@@ -180,6 +180,7 @@ struct backend_dev {
 	bool mix_dq;		/* ... parts in two formats in one launch (dq_mix_kernel) */
 	bool whole_dq;		/* ... rows of whole steps walked by dq_sm_rows_whole */
 	bool wide_qkv;		/* ... q/k/v in wide blocks too (BACKEND_FUSE_WIDE_QKV) */
+	bool rows_apart;	/* ... a wide block's row-group blocks gridDim.x apart (BACKEND_FUSE_ROWS_APART) */
 	bool dq_narrow;		/* the products launched now feed the attention: blocks of one row group */
 	bool early_kv;		/* attn_args.early_keys where the keys are settled (backend_params.fuse) */
 	uint32_t attn_key_warps; /* attn_kernel's warps a query where the block has room (backend_params.fuse) */
@@ -187,6 +188,7 @@ struct backend_dev {
 	uint64_t early_kv_launches; /* attn_kernel launches with early_keys and inline spans (tests) */
 	uint64_t two_warp_launches; /* attn_kernel launches with two warps a query (tests) */
 	uint64_t wide_launches;	/* dq_sm_kernel launches in wide blocks (tests) */
+	uint64_t apart_launches; /* ... of them with their row-group blocks apart (tests) */
 	uint64_t mix_launches;	/* dq_mix_kernel launches (tests) */
 	uint64_t whole_launches; /* integer launches walking rows of whole steps (GEMV_WHOLE_BIT; tests) */
 	struct ktrace_log *trace; /* cuda_test_trace's stamps, NULL until first asked for */
@@ -480,6 +482,8 @@ struct qgemv_args {
 	uint32_t groups;	/* row groups (QG_WARPS rows each) */
 	uint32_t vb0, vbn;	/* a launch of two formats (dq_mix_kernel): the row-group blocks
 				 * [vb0, vb0 + vbn) walk these parts' row groups */
+	uint32_t vb_apart;	/* a wide block's row-group blocks are gridDim.x apart (qg_vblock;
+				 * BACKEND_FUSE_ROWS_APART), else side by side */
 	struct ktrace tr;	/* the launch's stamps (bench-kernels --trace), set by the launcher */
 };
 

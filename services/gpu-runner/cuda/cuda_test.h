@@ -89,6 +89,8 @@ int64_t cuda_test_two_warp_launches(struct backend *be, char *err, size_t errlen
 /* One-token integer products launched since create in wide blocks (several row groups a block,
  * x staged once for them), or -EINVAL (not a cuda backend) with a message in err. */
 int64_t cuda_test_wide_launches(struct backend *be, char *err, size_t errlen);
+/* ... of them with their row-group blocks apart (BACKEND_FUSE_ROWS_APART). */
+int64_t cuda_test_apart_launches(struct backend *be, char *err, size_t errlen);
 /* One-token integer products launched since create with parts in two formats in one launch
  * (dq_mix_kernel), or -EINVAL (not a cuda backend) with a message in err. */
 int64_t cuda_test_mix_launches(struct backend *be, char *err, size_t errlen);

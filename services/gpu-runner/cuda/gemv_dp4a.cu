@@ -94,8 +94,10 @@ template <int F, int MODE> static void launch_dq_sm(struct backend_dev *be, qgem
 	if (!(MODE & GEMV_MATS_BIT) && be->wide_dq && !be->dq_narrow && v > 1) {
 		const size_t wsm = dq_sm_smem(F, a.in, v * QG_WARPS);
 		if (wsm <= be->dq_smem_max && qg_resident_blocks(be, fn, wsm, v * QG_THREADS) >= 1) {
+			a.vb_apart = be->rows_apart;
 			launch_k(be->pdl, dq_sm_kernel<F, MODE>, (grid + v - 1) / v, v * QG_THREADS, wsm, s, a);
 			be->wide_launches++;
+			be->apart_launches += be->rows_apart;
 			return;
 		}
 	}

@@ -812,7 +812,7 @@ __global__ void __launch_bounds__(QG_THREADS * DQ_WIDE_MAX, 1) dq_mix_kernel(con
 			(size_t)(threadIdx.x / 32) * dq_mix_ring<F1, F2>::V;
 	const uint32_t wid = threadIdx.x / 32 % QG_WARPS;
 	/* The same for the warps of a row-group block, so a branch of whole warps. */
-	const bool first = qg_vblock() < a.vbn;
+	const bool first = qg_vblock(a) < a.vbn;
 	ktrace_mark(a.tr, 0);
 	qg_row<MODE> cur;
 	const bool live = first ? cur.at(a, qg_first_group<MODE>(a), wid) : cur.at(b, qg_first_group<MODE>(b), wid);

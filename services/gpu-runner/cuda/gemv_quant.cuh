@@ -370,10 +370,15 @@ static __device__ __forceinline__ uint32_t qg_mat(const qgemv_args &a)
 /* The row-group block of the thread. A block of several row-group blocks (dq_sm_kernel's wide
  * blocks: blockDim.x a multiple of QG_THREADS, never with several matrices) is that many blocks of
  * QG_WARPS warps, the warps of the j-th taking row-group block blockIdx.x * V + j's row groups: a
- * grid of V times its blocks. */
-static __device__ __forceinline__ uint32_t qg_vblock(void)
+ * grid of V times its blocks. With a.vb_apart the j-th is j * gridDim.x + blockIdx.x instead: the
+ * row-group blocks that walk one row group more than the others (the first ones, where the row
+ * groups are not a multiple of them) then fall one or two to a block, not all of a block's to the
+ * first blocks (gate/up of an 8B: 1792 row groups on 132 blocks of 3, 15 to a block against 12 side
+ * by side, 14 against 13 apart). Which warp computes a row changes, not how: the same sums. */
+static __device__ __forceinline__ uint32_t qg_vblock(const qgemv_args &a)
 {
-	return blockIdx.x * (blockDim.x / QG_THREADS) + threadIdx.x / QG_THREADS;
+	const uint32_t j = threadIdx.x / QG_THREADS;
+	return a.vb_apart ? j * gridDim.x + blockIdx.x : blockIdx.x * (blockDim.x / QG_THREADS) + j;
 }
 
 /* The block's first row group, and the step to its next (of its own matrix with several; of its
@@ -382,10 +387,10 @@ static __device__ __forceinline__ uint32_t qg_vblock(void)
 template <int MODE> static __device__ __forceinline__ uint32_t qg_first_group(const qgemv_args &a)
 {
 	if (MODE & GEMV_MIX_BIT) {
-		const uint32_t v = qg_vblock() - a.vb0;
+		const uint32_t v = qg_vblock(a) - a.vb0;
 		return v < a.vbn ? v : UINT32_MAX;
 	}
-	return (MODE & GEMV_MATS_BIT) ? blockIdx.x % a.m.blocks : qg_vblock();
+	return (MODE & GEMV_MATS_BIT) ? blockIdx.x % a.m.blocks : qg_vblock(a);
 }
 
 template <int MODE> static __device__ __forceinline__ uint32_t qg_group_step(const qgemv_args &a)

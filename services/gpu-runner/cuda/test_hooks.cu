@@ -258,6 +258,12 @@ int64_t cuda_test_wide_launches(struct backend *bk, char *err, size_t errlen)
 	return be ? (int64_t)be->wide_launches : -EINVAL;
 }
 
+int64_t cuda_test_apart_launches(struct backend *bk, char *err, size_t errlen)
+{
+	struct backend_dev *be = cuda_dev(bk, err, errlen);
+	return be ? (int64_t)be->apart_launches : -EINVAL;
+}
+
 int64_t cuda_test_mix_launches(struct backend *bk, char *err, size_t errlen)
 {
 	struct backend_dev *be = cuda_dev(bk, err, errlen);

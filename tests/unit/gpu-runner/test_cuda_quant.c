@@ -649,7 +649,7 @@ static void step(struct backend *be, const struct qmodel *m, bool device, const 
 
 /* cuda_test_early_kv_launches and cuda_test_two_warp_launches of the last cuda backend
  * run_schedule ran. */
-static int64_t last_early_kv, last_two_warp, last_wide, last_mix, last_whole;
+static int64_t last_early_kv, last_two_warp, last_wide, last_mix, last_whole, last_apart;
 
 /* The logits of every step of the schedule on backend `name` (cuda: device weights). */
 static float *run_schedule(const char *name, const struct qmodel *m, uint32_t gemv)
@@ -681,6 +681,8 @@ static float *run_schedule(const char *name, const struct qmodel *m, uint32_t ge
 		ck_assert_msg(last_mix >= 0, "%s", err);
 		last_whole = cuda_test_whole_launches(be, err, sizeof(err));
 		ck_assert_msg(last_whole >= 0, "%s", err);
+		last_apart = cuda_test_apart_launches(be, err, sizeof(err));
+		ck_assert_msg(last_apart >= 0, "%s", err);
 	}
 	backend_destroy(&be);
 	return out;
@@ -835,6 +837,31 @@ START_TEST(test_wide_blocks)
 	const struct model_config c = wide_cfg();
 	check_same_bits(&c, 77, BACKEND_FUSE_NARROW_DQ, "BACKEND_FUSE_NARROW_DQ", &last_wide, 2 * DECODE,
 			"integer products in wide blocks");
+}
+END_TEST
+
+/* Wide blocks whose row-group blocks are the grid's width apart (BACKEND_FUSE_ROWS_APART, a trial):
+ * the same rows, each summed by one warp in the same order, on other warps, so the same logits bit
+ * for bit; every wide launch apart with it, none by default. */
+START_TEST(test_rows_apart)
+{
+	const struct model_config c = wide_cfg();
+	struct qmodel *m = qmodel_new(&c, DT_Q4_K, DT_Q6_K, false, 29);
+	float *by_default = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+	const int64_t wide = last_wide;
+	ck_assert_msg(last_apart == 0, "%lld launches apart by default", (long long)last_apart);
+	open_fuse = BACKEND_FUSE_ROWS_APART;
+	float *apart = run_schedule("cuda", m, BACKEND_GEMV_DP4A);
+	open_fuse = BACKEND_FUSE_DEFAULT;
+	ck_assert_msg(wide >= 2 * DECODE && last_apart == last_wide && last_wide == wide,
+		      "%lld wide launches by default, %lld with BACKEND_FUSE_ROWS_APART, %lld of them apart (want all, "
+		      "at least %d)", (long long)wide, (long long)last_wide, (long long)last_apart, 2 * DECODE);
+	ck_assert_msg(memcmp(by_default, apart, (size_t)RUNS * c.vocab_size * sizeof(float)) == 0,
+		      "row groups apart give other logits than side by side (relative L2 %.3e)",
+		      worst_step(apart, by_default, c.vocab_size));
+	free(by_default);
+	free(apart);
+	qmodel_free(&m);
 }
 END_TEST
 
@@ -1104,6 +1131,7 @@ static Suite *quant_suite(void)
 	tcase_add_test(tc, test_wide_blocks);
 	tcase_add_test(tc, test_two_formats);
 	tcase_add_test(tc, test_whole_steps);
+	tcase_add_test(tc, test_rows_apart);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("embedding");
