@@ -142,7 +142,11 @@ same_tokens_with() {
 	expect_eq "$("$PIPECTL" get gpu-runner "$name" | awk '{print $3}')" "$value" "pipectl get gpu-runner $name"
 	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
 	expect_eq "$got" "$want" "greedy tokens at --cpu-share 0.5 --$name $value vs the whole FFN"
-	expect_grep '"jobs_failed": 0' "$("$PIPECTL" stats gpu-runner)" "failed CPU shares with --$name $value"
+	local stats
+	stats=$("$PIPECTL" stats gpu-runner)
+	expect_grep '"jobs_failed": 0' "$stats" "failed CPU shares with --$name $value"
+	# The handoff asked for is the one the stream used.
+	[[ $name != cpu-handoff ]] || expect_grep "\"handoff\": \"$value\"" "$stats" "the handoff in the stats"
 	"$PIPELINE" stop
 	log "--$name $value: tokens equal the whole FFN's"
 }
@@ -152,6 +156,9 @@ if [[ $BACKEND != cpu ]]; then
 	# (the default), and read by a kernel that waits for the job too (polled).
 	same_tokens_with cpu-result copy
 	same_tokens_with cpu-result polled
+	# The seed's handoff, host functions on the stream (memops, the default where the driver has them).
+	same_tokens_with cpu-handoff hostfunc
+	same_tokens_with cpu-handoff memops
 
 	# The dispatcher alone hands the pool its jobs (--cpu-dispatch dispatcher; the pool's idle workers
 	# do too by default); the runner's thread waiting for a step's end does too (both); all three (all).
