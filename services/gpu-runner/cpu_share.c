@@ -40,9 +40,13 @@ static uint64_t cpu_prefetch_auto(void)
 	if (llc <= 0)
 		llc = sysconf(_SC_LEVEL2_CACHE_SIZE);
 #endif
+	uint64_t bytes = CPU_PREFETCH_AUTO;
 	if (llc > 0 && (uint64_t)llc / 2 < CPU_PREFETCH_AUTO)
-		return (uint64_t)llc / 2 / 4096 * 4096;
-	return CPU_PREFETCH_AUTO;
+		bytes = (uint64_t)llc / 2 / 4096 * 4096;
+	char a[32], b[32];
+	log_info("--cpu-prefetch auto: %s of each split FFN's CPU share read ahead (the last-level cache: %s)",
+		 format_size(bytes, a, sizeof(a)), llc > 0 ? format_size((uint64_t)llc, b, sizeof(b)) : "not known");
+	return bytes;
 }
 
 /* --cpu-prefetch into r->cpu_prefetch: auto's size where the idle workers dispatch (none elsewhere),
