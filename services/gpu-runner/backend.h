@@ -117,7 +117,8 @@ enum backend_fuse {
 	BACKEND_FUSE_ROWS_APART = 8, /* the default, but a wide block's row-group blocks are the grid's
 				      * width apart, not side by side, so the row-group blocks that walk
 				      * one row group more than the others spread over the multiprocessors
-				      * (a trial: comparisons) */
+				      * (dq_sm_kernel's wide launches, not those of two formats; a trial:
+				      * comparisons) */
 };
 
 /* How the CUDA backend's stream hands the CPU share of a split FFN to the pool

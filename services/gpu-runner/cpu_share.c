@@ -30,21 +30,20 @@
  * their dispatching (0.95-1.10). */
 #define CPU_PREFETCH_AUTO (24ull << 20)
 
-/* auto's read-ahead: CPU_PREFETCH_AUTO, at most half the last-level cache where the C library
- * knows its size (bytes read ahead that the job's own reads would evict again gain nothing). */
+/* auto's read-ahead: CPU_PREFETCH_AUTO, at most half the L3 cache where the C library knows its
+ * size (bytes read ahead that the job's own reads would evict again gain nothing; where it reports
+ * one core complex's L3, the cap is that complex's). */
 static uint64_t cpu_prefetch_auto(void)
 {
 	long llc = 0;
 #ifdef _SC_LEVEL3_CACHE_SIZE
 	llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
-	if (llc <= 0)
-		llc = sysconf(_SC_LEVEL2_CACHE_SIZE);
 #endif
 	uint64_t bytes = CPU_PREFETCH_AUTO;
 	if (llc > 0 && (uint64_t)llc / 2 < CPU_PREFETCH_AUTO)
 		bytes = (uint64_t)llc / 2 / 4096 * 4096;
 	char a[32], b[32];
-	log_info("--cpu-prefetch auto: %s of each split FFN's CPU share read ahead (the last-level cache: %s)",
+	log_info("--cpu-prefetch auto: up to %s of each split FFN's CPU share read ahead where FFNs split (L3: %s)",
 		 format_size(bytes, a, sizeof(a)), llc > 0 ? format_size((uint64_t)llc, b, sizeof(b)) : "not known");
 	return bytes;
 }

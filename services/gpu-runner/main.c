@@ -343,8 +343,8 @@ int main(int argc, char **argv)
 		{"cpu-prefetch", OPT_STRING, &r.cpu_prefetch_arg, "auto",
 		 "with --cpu-dispatch workers or all: while a split FFN's CPU share is submitted and its input not "
 		 "yet come, the pool's idle workers read up to SIZE of its weight bytes into the caches, in the "
-		 "order its parts read them: auto (24MiB, at most half the last-level cache, where the handoff "
-		 "is memops and the workers dispatch; else none), 0 (none) or SIZE; the same results either way"},
+		 "order its parts read them: auto (24MiB, at most half the L3 cache, where the handoff is not "
+		 "hostfunc and the workers dispatch; else none), 0 (none) or SIZE; the same results either way"},
 		{"cpu-prefetch-plan", OPT_STRING, &r.cpu_prefetch_plan_arg, "no",
 		 "with --cpu-share auto: the balance counts the bytes --cpu-prefetch reads ahead of each split FFN's "
 		 "CPU share as read (yes: the CPU gets that many bytes' time more of each FFN, at most its share "

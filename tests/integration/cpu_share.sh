@@ -99,7 +99,7 @@ for share in 0.5 1; do
 	expect_gt "${jobs:-}" 0 "CPU share jobs in the runner's stats"
 	expect_grep '"split_ffns": [1-9]' "$stats" "the split in force in the runner's stats"
 	expect_grep '"jobs_failed": 0' "$stats" "failed CPU shares in the runner's stats"
-	status=$("$PIPELINE" status 2>&1)
+	status=$("$PIPELINE" status 2>&1) || fail "pipeline status failed: $status"
 	expect_grep "^CPU share +$(printf '%.2f' "$share"), [1-9][0-9]* FFNs split" "$status" "pipeline status"
 	expect_grep "^CPU pool +queue 0 \(at most [1-9][0-9]*\), [1-9][0-9]* tasks done, 0 failed; handoff [0-9.]+ us beyond the job" \
 		"$status" "the pool's queue, tasks and handoff in pipeline status"
@@ -143,7 +143,7 @@ same_tokens_with() {
 	got=$(generate --tokens "$PROMPT" -n 32 --ignore-eos)
 	expect_eq "$got" "$want" "greedy tokens at --cpu-share 0.5 --$name $value vs the whole FFN"
 	local stats
-	stats=$("$PIPECTL" stats gpu-runner)
+	stats=$("$PIPECTL" stats gpu-runner) || fail "pipectl stats gpu-runner failed: $stats"
 	expect_grep '"jobs_failed": 0' "$stats" "failed CPU shares with --$name $value"
 	# The handoff asked for is the one the stream used.
 	[[ $name != cpu-handoff ]] || expect_grep "\"handoff\": \"$value\"" "$stats" "the handoff in the stats"

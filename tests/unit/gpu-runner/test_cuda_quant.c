@@ -842,7 +842,9 @@ END_TEST
 
 /* Wide blocks whose row-group blocks are the grid's width apart (BACKEND_FUSE_ROWS_APART, a trial):
  * the same rows, each summed by one warp in the same order, on other warps, so the same logits bit
- * for bit; every wide launch apart with it, none by default. */
+ * for bit; every wide launch apart with it, none by default. (Same logits are also what a kernel
+ * that ignored the flag gives: this checks that no row is lost or doubled; bench-kernels --ab-fuse
+ * 8 --trace shows the mapping in the blocks' row groups and times.) */
 START_TEST(test_rows_apart)
 {
 	const struct model_config c = wide_cfg();

@@ -889,6 +889,7 @@ START_TEST(test_config)
 	uint32_t where_done = 0, where_waiters = 0;
 	struct task_job where;
 	task_job_init(&where, where_fn, ran_on, 8, &where_done, 1);
+	where.done_waiters = &where_waiters;
 	ck_assert_int_eq(task_pool_submit(p, &where), 0);
 	ck_assert_int_eq(task_word_wait(&where_done, &where_waiters, 1, 10, WAIT_NS), 0);
 	ck_assert_int_eq(where.rc, 0);
